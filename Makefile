@@ -1,0 +1,48 @@
+# The two commands: `make demo` and `make test`. Both set themselves up first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pylon-installed
+# System packages Pylon needs: libaio for DeepSpeed's NVMe offload (async I/O op).
+SYSTEM_PACKAGES := libaio-dev
+
+.PHONY: setup system-packages test unit integration demo clean help
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+setup: system-packages $(STAMP)  ## create .venv and install pylon[dev] under constraints.txt
+
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing system packages: $$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	      || echo "warning: could not install $$missing (NVMe offload will be unavailable)"; \
+	  else echo "note: not root; install $$missing yourself for NVMe offload"; fi; \
+	fi
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade -c constraints.txt pip setuptools wheel
+	# torch first and on its own, so nothing resolves a CUDA build in its place.
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@touch $@
+
+test: setup  ## run the whole test suite (unit, then integration on a real cluster and S3 server)
+	$(PY) -m pytest tests
+
+unit: setup  ## fast tests only, no cluster
+	$(PY) -m pytest tests/unit
+
+integration: setup
+	$(PY) -m pytest tests/integration
+
+demo: setup  ## run the end-to-end demo on the embedded local cluster
+	$(VENV)/bin/pylon demo
+
+clean:  ## remove the virtual environment
+	rm -rf $(VENV)

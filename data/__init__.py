@@ -1,0 +1,1 @@
+"""pylon.data: Ray Data pipelines (shard writers and readers, tokenizers, packing, resumable iteration)."""

@@ -1,0 +1,1 @@
+"""pylon.jobs: entrypoints that `ray job submit` runs (`python -m pylon.jobs.<name>`) and their loops."""

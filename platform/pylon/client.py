@@ -1,0 +1,231 @@
+"""`pylon.connect()`: a client bound to a running Ray cluster, through Ray's public HTTP APIs.
+
+Which cluster: the `address` given, else `RAY_ADDRESS`, else the one `pylon cluster up` started.
+Addresses may be a dashboard/Jobs API URL (`http://host:8265`) or a GCS address (`host:6379`).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from pylon import cluster as local
+from pylon.errors import ClusterError
+
+TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
+
+_HOW_TO_START = (
+    "Start the embedded local cluster with `pylon cluster up`, or point at a running one with "
+    "`pylon.connect('http://HOST:8265')` / `export RAY_ADDRESS=http://HOST:8265`."
+)
+
+
+@dataclass
+class NodeInfo:
+    node_id: str
+    ip: str
+    state: str
+    is_head: bool
+    resources: dict[str, float]
+
+
+@dataclass
+class JobInfo:
+    job_id: str
+    status: str
+    entrypoint: str
+    start_time: float | None
+    message: str | None = None
+
+
+@dataclass
+class ClusterStatus:
+    dashboard_url: str
+    gcs_address: str | None
+    nodes: list[NodeInfo]
+    jobs: list[JobInfo] = field(default_factory=list)
+
+    @property
+    def running_jobs(self) -> list[JobInfo]:
+        return [j for j in self.jobs if j.status in ("PENDING", "RUNNING")]
+
+    def total_resources(self) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for node in self.nodes:
+            if node.state == "ALIVE":
+                for name, amount in node.resources.items():
+                    total[name] = total.get(name, 0.0) + amount
+        return total
+
+    def __str__(self) -> str:
+        lines = [f"dashboard / Jobs API: {self.dashboard_url}"]
+        if self.gcs_address:
+            lines.append(f"GCS address:          {self.gcs_address}")
+        alive = [n for n in self.nodes if n.state == "ALIVE"]
+        lines.append(f"nodes: {len(alive)} alive" + (f", {len(self.nodes) - len(alive)} dead" if len(alive) < len(self.nodes) else ""))
+        for n in self.nodes:
+            res = ", ".join(f"{_fmt_resource(k, v)}" for k, v in sorted(n.resources.items()) if _shown(k))
+            lines.append(f"  {n.node_id[:12]}  {n.ip:<15} {n.state:<6} {'head' if n.is_head else 'worker':<6} {res}")
+        total = self.total_resources()
+        lines.append("resources: " + (", ".join(_fmt_resource(k, v) for k, v in sorted(total.items()) if _shown(k)) or "none"))
+        running = self.running_jobs
+        lines.append(f"running jobs: {len(running)}")
+        for j in running:
+            lines.append(f"  {j.job_id}  {j.status:<8} {j.entrypoint}")
+        return "\n".join(lines)
+
+
+def _shown(resource: str) -> bool:
+    # Per-node and accelerator-type markers are noise in a summary.
+    return not resource.startswith("node:") and not resource.startswith("accelerator_type")
+
+
+def _fmt_resource(name: str, amount: float) -> str:
+    if name in ("memory", "object_store_memory"):
+        return f"{name} {amount / 2**30:.1f} GiB"
+    return f"{name} {amount:g}"
+
+
+class Client:
+    """A handle on one Ray cluster. Everything goes through Ray's public Jobs and State HTTP APIs."""
+
+    def __init__(self, dashboard_url: str, *, gcs_address: str | None = None, token: str | None = None):
+        self.dashboard_url = dashboard_url.rstrip("/")
+        self.gcs_address = gcs_address
+        self._token = token
+
+    def __repr__(self) -> str:  # the token never appears here
+        return f"Client(dashboard_url={self.dashboard_url!r}, gcs_address={self.gcs_address!r})"
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+
+    def ping(self, timeout_s: float = 10.0) -> str:
+        """The cluster's Ray version; ClusterError when it cannot be reached or refuses our token."""
+        url = f"{self.dashboard_url}/api/version"
+        try:
+            r = requests.get(url, headers=self._headers, timeout=timeout_s)
+        except requests.RequestException as e:
+            raise ClusterError(f"no Ray cluster answers at {self.dashboard_url} ({type(e).__name__}). "
+                               + _HOW_TO_START) from None
+        if r.status_code in (401, 403):
+            raise ClusterError(
+                f"the Ray cluster at {self.dashboard_url} refused the request (HTTP {r.status_code}): token "
+                "authentication is on and no valid token was found. Set RAY_AUTH_TOKEN_PATH to the cluster's "
+                "token file (for `pylon cluster up` clusters: $PYLON_HOME/auth_token)."
+            )
+        if r.status_code != 200:
+            raise ClusterError(f"{url} answered HTTP {r.status_code}; is this a Ray dashboard address?")
+        return r.json().get("ray_version", "unknown")
+
+    # -- jobs -------------------------------------------------------------------------------------------
+
+    def _jobs(self):
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.dashboard_url, headers=self._headers)
+
+    def submit_job(self, entrypoint: str, *, runtime_env: dict | None = None, submission_id: str | None = None,
+                   metadata: dict[str, str] | None = None) -> str:
+        return self._jobs().submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                       submission_id=submission_id, metadata=metadata)
+
+    def jobs(self) -> list[JobInfo]:
+        out = []
+        for j in self._jobs().list_jobs():
+            out.append(JobInfo(job_id=j.submission_id or j.job_id or "?", status=str(j.status.value),
+                               entrypoint=j.entrypoint, start_time=(j.start_time or 0) / 1000 or None,
+                               message=j.message))
+        return sorted(out, key=lambda j: j.start_time or 0)
+
+    def job_status(self, job_id: str) -> str:
+        return str(self._jobs().get_job_status(job_id).value)
+
+    def job_logs(self, job_id: str) -> str:
+        return self._jobs().get_job_logs(job_id)
+
+    def stop_job(self, job_id: str) -> bool:
+        return self._jobs().stop_job(job_id)
+
+    def wait_job(self, job_id: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> str:
+        """Block until the job ends; returns its final status (ClusterError on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.job_status(job_id)
+            if status in TERMINAL_JOB_STATES:
+                return status
+            if time.monotonic() > deadline:
+                raise ClusterError(f"job {job_id} still {status} after {timeout_s:.0f}s")
+            time.sleep(poll_s)
+
+    # -- cluster ----------------------------------------------------------------------------------------
+
+    def nodes(self) -> list[NodeInfo]:
+        from ray.util.state import StateApiClient
+        from ray.util.state.common import ListApiOptions, StateResource
+
+        api = StateApiClient(address=self.dashboard_url, headers={"Content-Type": "application/json", **self._headers})
+        rows = api.list(StateResource.NODES, options=ListApiOptions(detail=True), raise_on_missing_output=False)
+        return [
+            NodeInfo(node_id=n.node_id, ip=n.node_ip, state=n.state, is_head=bool(n.is_head_node),
+                     resources=dict(n.resources_total or {}))
+            for n in rows
+        ]
+
+    def status(self) -> ClusterStatus:
+        return ClusterStatus(dashboard_url=self.dashboard_url, gcs_address=self.gcs_address,
+                             nodes=self.nodes(), jobs=self.jobs())
+
+
+def connect(address: str | None = None, *, timeout_s: float = 10.0) -> Client:
+    """A Client bound to a running cluster: `address`, else `RAY_ADDRESS`, else the one `up` started."""
+    state = local.read_state()
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address in (None, "auto"):
+        if state is None or not state.is_running():
+            raise ClusterError("no Ray cluster is running. " + _HOW_TO_START)
+        client = Client(state.dashboard_url, gcs_address=state.gcs_address, token=_read(state.token_path))
+        _use_cluster_auth(state.token_path)
+    else:
+        if address.startswith("ray://"):
+            raise ClusterError(f"{address}: Ray Client addresses are not supported; give the dashboard URL "
+                               "(http://HOST:8265) instead")
+        ours = state is not None and address in (state.dashboard_url, state.gcs_address,
+                                                  f"127.0.0.1:{state.gcs_port}", f"localhost:{state.gcs_port}")
+        if ours:
+            client = Client(state.dashboard_url, gcs_address=state.gcs_address, token=_read(state.token_path))
+            _use_cluster_auth(state.token_path)
+        elif address.startswith(("http://", "https://")):
+            client = Client(address, token=_user_token())
+        else:
+            host = address.rsplit(":", 1)[0]
+            client = Client(f"http://{host}:8265", gcs_address=address, token=_user_token())
+    client.ping(timeout_s)
+    return client
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise ClusterError(f"cannot read the cluster's auth token at {path}: {e.strerror}") from None
+
+
+def _user_token() -> str | None:
+    """The token Ray itself would use for a cluster Pylon did not start."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    return path.read_text().strip() if path.is_file() else None
+
+
+def _use_cluster_auth(token_path: str) -> None:
+    """Let Ray's own clients in this process (ray.init, state API, Ray Data) authenticate too."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return  # the user chose a token explicitly; keep it
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = token_path

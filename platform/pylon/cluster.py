@@ -1,0 +1,303 @@
+"""The embedded default: a real local Ray head that `pylon cluster up` starts and `down` stops.
+
+Ray's token authentication stays on. Pylon keeps the cluster's token in `$PYLON_HOME/auth_token`
+(mode 0600) and starts Ray with `RAY_AUTH_MODE=token` and `RAY_AUTH_TOKEN_PATH` pointing at it; clients
+started through `pylon.connect()` use the same file. The token itself is never printed or logged.
+
+`down` stops only the processes this `up` started: every Ray process of the cluster carries the
+cluster's own temp dir or GCS address in its command line, and their children (workers, agents, dashboard
+modules) hang below them. `ray stop` would kill every Ray on the machine, a user's own cluster included.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from pylon.errors import ClusterError
+
+STATE_FILE = "cluster.json"
+TOKEN_FILE = "auth_token"
+
+
+def pylon_home() -> Path:
+    """Where Pylon keeps its local state: `$PYLON_HOME`, else `~/.pylon`."""
+    return Path(os.environ.get("PYLON_HOME") or Path.home() / ".pylon").expanduser().resolve()
+
+
+@dataclass
+class LocalCluster:
+    """What `up` started, as recorded in `$PYLON_HOME/cluster.json`."""
+
+    gcs_address: str
+    dashboard_url: str
+    temp_dir: str
+    token_path: str
+    gcs_port: int
+    dashboard_port: int
+    client_server_port: int
+    started_at: float
+    home: str
+
+    @property
+    def jobs_api(self) -> str:
+        return self.dashboard_url
+
+    def auth_env(self) -> dict[str, str]:
+        """Environment that lets Ray clients (and `ray job submit`) authenticate to this cluster."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path}
+
+    def processes(self) -> list[psutil.Process]:
+        """Live processes of this cluster: those naming its temp dir or GCS address, and their descendants."""
+        markers = (self.temp_dir, self.gcs_address)
+        roots = []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            try:
+                cmdline = proc.info["cmdline"] or []
+                if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                    continue
+                if any(m in arg for arg in cmdline for m in markers):
+                    roots.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        found = {p.pid: p for p in roots}
+        for root in roots:
+            try:
+                for child in root.children(recursive=True):
+                    found.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                continue
+        me = os.getpid()
+        return [p for pid, p in found.items() if pid != me and _alive(p)]
+
+    def is_running(self) -> bool:
+        return _port_open("127.0.0.1", self.dashboard_port) and bool(self.processes())
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def read_state(home: Path | None = None) -> LocalCluster | None:
+    path = (home or pylon_home()) / STATE_FILE
+    try:
+        return LocalCluster(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError) as e:
+        raise ClusterError(f"{path}: unreadable cluster state ({e}); remove it and run `pylon cluster up`") from None
+
+
+def ensure_token(home: Path) -> Path:
+    """The cluster's auth token file, created once with owner-only permissions."""
+    path = home / TOKEN_FILE
+    if not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path
+
+
+def up(
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    object_store_memory: int | None = None,
+    port: int | None = None,
+    dashboard_port: int | None = None,
+    timeout_s: float = 120.0,
+    home: Path | None = None,
+) -> tuple[LocalCluster, bool]:
+    """Start a local Ray head; returns (cluster, started). An already running one is returned as is."""
+    home = home or pylon_home()
+    existing = read_state(home)
+    if existing is not None:
+        if existing.is_running():
+            return existing, False
+        _cleanup(existing)  # a stale record from a crash or reboot
+
+    home.mkdir(parents=True, exist_ok=True)
+    token_path = ensure_token(home)
+    gcs_port = port or _port_or_free(6379)
+    dash_port = dashboard_port or _port_or_free(8265)
+    client_port = _free_port()
+    # Ray puts Unix sockets under the temp dir; keep it short (socket paths are limited to 107 bytes).
+    temp_dir = Path(tempfile.gettempdir()) / f"pylon-{hashlib.sha1(str(home).encode()).hexdigest()[:10]}"
+    if temp_dir.exists():
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    cmd = [
+        _ray_executable(), "start", "--head",
+        f"--port={gcs_port}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}", "--include-dashboard=true",
+        f"--ray-client-server-port={client_port}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={num_gpus}")
+    if object_store_memory is not None:
+        cmd.append(f"--object-store-memory={object_store_memory}")
+
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
+    env.pop("RAY_AUTH_TOKEN", None)  # the file is the one source of the token
+    env.pop("RAY_ADDRESS", None)
+    # Jobs run `python ...` in a shell on the head: make that the interpreter Pylon is installed in.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    log_path = home / "ray-start.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-2000:]
+        raise ClusterError(f"`ray start --head` failed (exit {proc.returncode}); its output ends with:\n{tail}\n"
+                           f"full log: {log_path}")
+
+    gcs_address = _read_gcs_address(temp_dir, gcs_port)
+    cluster = LocalCluster(
+        gcs_address=gcs_address,
+        dashboard_url=f"http://127.0.0.1:{dash_port}",
+        temp_dir=str(temp_dir),
+        token_path=str(token_path),
+        gcs_port=gcs_port,
+        dashboard_port=dash_port,
+        client_server_port=client_port,
+        started_at=time.time(),
+        home=str(home),
+    )
+    # Record the cluster before waiting, so `down` can always find what was started.
+    _write_state(home, cluster)
+    try:
+        _wait_for_jobs_api(cluster, timeout_s)
+    except ClusterError:
+        down(home=home)
+        raise
+    return cluster, True
+
+
+def down(*, home: Path | None = None, timeout_s: float = 30.0) -> LocalCluster | None:
+    """Stop the cluster `up` started (and nothing else). Returns it, or None when none was recorded."""
+    home = home or pylon_home()
+    cluster = read_state(home)
+    if cluster is None:
+        return None
+    _cleanup(cluster, timeout_s)
+    return cluster
+
+
+def _cleanup(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
+    # The raylet goes first (as `ray stop` does): it then stops its own workers and agents, while a
+    # raylet whose GCS vanished first waits for it to come back before giving up.
+    raylets = [p for p in cluster.processes() if _name(p) == "raylet"]
+    for group in (raylets, None):
+        for sig in ("terminate", "kill"):
+            procs = group if group is not None else cluster.processes()
+            for p in procs:
+                try:
+                    getattr(p, sig)()
+                except psutil.NoSuchProcess:
+                    pass
+            if _wait_gone(procs, timeout_s / 4):
+                break
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    (Path(cluster.home) / STATE_FILE).unlink(missing_ok=True)
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> bool:
+    """Wait until every process has exited. A zombie counts as exited: it holds no resources, and where
+    the reaper is not its parent (containers without an init), psutil.wait_procs would wait it out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in procs):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _write_state(home: Path, cluster: LocalCluster) -> None:
+    path = home / STATE_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(cluster), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _ray_executable() -> str:
+    beside = Path(sys.executable).parent / "ray"
+    found = str(beside) if beside.exists() else shutil.which("ray")
+    if not found:
+        raise ClusterError("the `ray` command was not found; install Pylon's dependencies (`make setup`)")
+    return found
+
+
+def _read_gcs_address(temp_dir: Path, port: int) -> str:
+    # Ray advertises the node's routable IP even when asked for loopback; it records what it chose here.
+    try:
+        return (temp_dir / "ray_current_cluster").read_text().strip()
+    except FileNotFoundError:
+        return f"127.0.0.1:{port}"
+
+
+def _wait_for_jobs_api(cluster: LocalCluster, timeout_s: float) -> None:
+    import requests
+
+    token = Path(cluster.token_path).read_text().strip()
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = requests.get(f"{cluster.dashboard_url}/api/version", timeout=2,
+                             headers={"Authorization": f"Bearer {token}"})
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except requests.RequestException as e:
+            last = type(e).__name__
+        time.sleep(0.5)
+    raise ClusterError(f"the Ray dashboard at {cluster.dashboard_url} did not answer within {timeout_s:.0f}s "
+                       f"({last}); see the logs under {cluster.temp_dir}/session_latest/logs")
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_or_free(preferred: int) -> int:
+    """Ray's usual port when it is free (so docs and habits work), else any free one."""
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", preferred))
+            return preferred
+        except OSError:
+            return _free_port()

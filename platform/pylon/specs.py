@@ -1,0 +1,757 @@
+"""The product's language: typed specs for `Dataset`, `TrainJob`, `Deployment` and `Cluster`.
+
+These pydantic models are the single source of truth. The CLI, the SDK, the job entrypoints and every
+generated config (DeepSpeed, Serve, KubeRay) derive from them. Unknown keys are errors, and every error
+names the file, the document, the line and the field path, with the allowed values:
+
+    train.yaml:12: document 1 (TrainJob 'stdlib-gpt'): deepspeed.zero_stage: must be one of 0, 1, 2, 3 (got 5)
+"""
+from __future__ import annotations
+
+import os
+import re
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pylon.errors import SpecError
+from pylon.presets import MODEL_PRESETS
+from pylon.storage import SUPPORTED_SCHEMES as _URI_SCHEMES
+
+# ---------------------------------------------------------------------------------------------------------
+# Field types
+# ---------------------------------------------------------------------------------------------------------
+
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_name(value: str) -> str:
+    # Names become directory names, Ray job ids, Serve app names and Kubernetes object names, so they
+    # take the strictest of those grammars (RFC 1123 label) and can never escape a storage root.
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"must be 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit, "
+            f"e.g. 'stdlib-gpt' (got {_show(value)})"
+        )
+    return value
+
+
+def _check_uri(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must be a non-empty path or URI")
+    scheme = value.split("://", 1)[0] if "://" in value else ""
+    if scheme and scheme not in _URI_SCHEMES:
+        raise ValueError(
+            f"unsupported URI scheme '{scheme}://'; use a local path or one of "
+            + ", ".join(f"{s}://" for s in _URI_SCHEMES)
+        )
+    return value
+
+
+def _check_env_name(value: str) -> str:
+    if not _ENV_RE.match(value):
+        raise ValueError(f"must be an environment variable name such as PYLON_API_KEYS (got {_show(value)})")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+Uri = Annotated[str, AfterValidator(_check_uri)]
+EnvName = Annotated[str, AfterValidator(_check_env_name)]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Offload = Literal["none", "cpu", "nvme"]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
+
+
+class CrossFieldError(ValueError):
+    """Several rules that involve more than one field; each problem keeps its own field path."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{path}: {msg}" for path, msg in problems))
+
+
+def _raise_problems(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        raise CrossFieldError(problems)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dataset
+# ---------------------------------------------------------------------------------------------------------
+
+
+class DatasetSpec(_Spec):
+    """Raw text in, tokenized fixed-length shards plus `manifest.json` out (`pylon data prepare`)."""
+
+    kind: Literal["Dataset"] = "Dataset"
+    name: Name
+    sources: list[Uri] = Field(min_length=1, description="text files, directories of them, or JSONL")
+    output: Uri
+    format: Literal["parquet", "webdataset"] = "parquet"
+    seq_len: PositiveInt = 256
+    tokenizer: str = Field("byte", min_length=1, description="'byte', or a path to tokenizer files")
+    shard_size_mb: Annotated[float, Field(gt=0)] = 64.0
+
+    def summary(self) -> str:
+        return (
+            f"Dataset '{self.name}': {len(self.sources)} source(s) -> {self.output} "
+            f"({self.format}, seq_len {self.seq_len}, tokenizer {self.tokenizer})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TrainJob
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ModelSpec(_Spec):
+    """Exactly one of: a named preset, an explicit Hugging Face config, or a model directory."""
+
+    preset: Literal[tuple(MODEL_PRESETS)] | None = None  # type: ignore[valid-type]
+    config: dict[str, Any] | None = None
+    path: Uri | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ModelSpec":
+        given = [k for k in ("preset", "config", "path") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of preset, config or path"
+                + (f" (got {', '.join(given)})" if given else "")
+                + f"; presets: {', '.join(MODEL_PRESETS)}"
+            )
+        if self.config is not None and "model_type" not in self.config:
+            raise CrossFieldError([("config.model_type", "required in an explicit config, e.g. gpt2 or llama")])
+        return self
+
+    def describe(self) -> str:
+        if self.preset:
+            return f"preset {self.preset}"
+        if self.config is not None:
+            return f"config {self.config['model_type']}"
+        return f"path {self.path}"
+
+
+class DataSpec(_Spec):
+    """Where training reads prepared shards from, and how it walks them."""
+
+    uri: Uri
+    format: Literal["parquet", "webdataset"] = "parquet"
+    seq_len: PositiveInt | None = Field(None, description="checked against the manifest when given")
+    shuffle_seed: int = 0
+    shuffle_buffer: NonNegInt = 1024
+    validation_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = 0.0
+    on_bad_shard: Literal["error", "skip"] = "error"
+
+
+class ScalingSpec(_Spec):
+    num_workers: PositiveInt = 1
+    use_gpu: bool = False
+    resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+
+
+class AioSpec(_Spec):
+    """DeepSpeed async I/O settings for NVMe offload."""
+
+    block_size: PositiveInt = 1048576
+    queue_depth: PositiveInt = 8
+    thread_count: PositiveInt = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+class DeepSpeedSpec(_Spec):
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: Offload = "none"
+    offload_param: Offload = "none"
+    nvme_path: str | None = None
+    aio: AioSpec = Field(default_factory=AioSpec)
+
+    @model_validator(mode="after")
+    def _rules(self) -> "DeepSpeedSpec":
+        problems = []
+        if self.offload_param != "none" and self.zero_stage != 3:
+            problems.append(
+                ("offload_param", f"'{self.offload_param}' needs zero_stage 3 (got zero_stage {self.zero_stage})")
+            )
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            problems.append(
+                ("offload_optimizer", f"'{self.offload_optimizer}' needs zero_stage 1, 2 or 3 (got zero_stage 0)")
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            problems.append(("nvme_path", "required when offload_optimizer or offload_param is 'nvme'"))
+        _raise_problems(problems)
+        return self
+
+    def describe(self) -> str:
+        parts = [f"ZeRO-{self.zero_stage}"]
+        if self.offload_optimizer != "none":
+            parts.append(f"optimizer->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"params->{self.offload_param}")
+        return " ".join(parts)
+
+
+class OptimSpec(_Spec):
+    """AdamW with warmup and a decay schedule."""
+
+    lr: Annotated[float, Field(gt=0)] = 3.0e-4
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    eps: Annotated[float, Field(gt=0)] = 1.0e-8
+    warmup_steps: NonNegInt = 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    grad_clip: Annotated[float, Field(ge=0)] = 1.0
+
+
+class BatchSpec(_Spec):
+    micro_batch_size: PositiveInt = 8
+    grad_accum_steps: PositiveInt = 1
+
+
+class CheckpointSpec(_Spec):
+    storage: Uri | None = Field(None, description="runs root; default $PYLON_HOME/runs")
+    every_steps: PositiveInt = 200
+    keep_last: PositiveInt = 3
+    keep_every: NonNegInt = Field(0, description="also keep every N-th step forever; 0 = none")
+    async_upload: bool = False
+
+    @model_validator(mode="after")
+    def _rules(self) -> "CheckpointSpec":
+        if self.keep_every and self.keep_every % self.every_steps:
+            _raise_problems([(
+                "keep_every",
+                f"must be a multiple of every_steps ({self.every_steps}), or no checkpoint would ever be kept "
+                f"by it (got {self.keep_every})",
+            )])
+        return self
+
+
+class LoraSpec(_Spec):
+    r: PositiveInt = 8
+    alpha: Annotated[float, Field(gt=0)] = 16
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    merge_on_export: bool = True
+
+
+class TrainJobSpec(_Spec):
+    """One training run: model, data, workers, DeepSpeed, optimisation and checkpoints."""
+
+    kind: Literal["TrainJob"] = "TrainJob"
+    name: Name
+    model: ModelSpec
+    data: DataSpec
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    gradient_checkpointing: bool = False
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    batch: BatchSpec = Field(default_factory=BatchSpec)
+    steps: PositiveInt
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    lora: LoraSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_style_precision(cls, data: Any) -> Any:
+        # People arrive with DeepSpeed configs in mind; say what to write instead of "unknown field".
+        if isinstance(data, dict) and "fp16" in data and "bf16" in data:
+            raise CrossFieldError([(
+                "fp16",
+                "fp16 and bf16 are exclusive; choose one with 'precision: fp16' or 'precision: bf16'",
+            )])
+        for key in ("fp16", "bf16"):
+            if isinstance(data, dict) and key in data:
+                raise CrossFieldError([(key, f"not a field here; write 'precision: {key}'")])
+        return data
+
+    @model_validator(mode="after")
+    def _rules(self) -> "TrainJobSpec":
+        problems = []
+        if self.optim.warmup_steps >= self.steps:
+            problems.append((
+                "optim.warmup_steps", f"must be less than steps ({self.steps}) (got {self.optim.warmup_steps})"
+            ))
+        if self.precision == "fp16" and not self.scaling.use_gpu:
+            problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
+        if self.deepspeed.offload_optimizer == "nvme" or self.deepspeed.offload_param == "nvme":
+            if not self.scaling.use_gpu:
+                problems.append(("deepspeed.offload_optimizer" if self.deepspeed.offload_optimizer == "nvme"
+                                 else "deepspeed.offload_param",
+                                 "NVMe offload needs GPU workers (scaling.use_gpu: true)"))
+        _raise_problems(problems)
+        return self
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch.micro_batch_size * self.batch.grad_accum_steps * self.scaling.num_workers
+
+    def summary(self) -> str:
+        device = "GPU" if self.scaling.use_gpu else "CPU"
+        ckpt = self.checkpoint.storage or "$PYLON_HOME/runs"
+        return (
+            f"TrainJob '{self.name}': {self.model.describe()}, {self.scaling.num_workers} {device} worker(s), "
+            f"{self.deepspeed.describe()}, {self.precision}, {self.steps} steps x {self.global_batch_size} "
+            f"sequences, data {self.data.uri}, checkpoints -> {ckpt} every {self.checkpoint.every_steps}"
+            + (f", LoRA r={self.lora.r}" if self.lora else "")
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Deployment
+# ---------------------------------------------------------------------------------------------------------
+
+
+class EngineSpec(_Spec):
+    max_num_seqs: PositiveInt = 64
+    max_num_batched_tokens: PositiveInt = 2048
+    kv_cache_tokens: PositiveInt = 65536
+    block_size: PositiveInt = 16
+    max_model_len: PositiveInt = 1024
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+
+    @model_validator(mode="after")
+    def _rules(self) -> "EngineSpec":
+        problems = []
+        if self.kv_cache_tokens < self.max_model_len:
+            problems.append((
+                "kv_cache_tokens",
+                f"must hold at least one full sequence: >= max_model_len ({self.max_model_len}) "
+                f"(got {self.kv_cache_tokens})",
+            ))
+        if self.kv_cache_tokens % self.block_size:
+            problems.append((
+                "kv_cache_tokens", f"must be a multiple of block_size ({self.block_size}) (got {self.kv_cache_tokens})"
+            ))
+        _raise_problems(problems)
+        return self
+
+
+class AutoscalingSpec(_Spec):
+    min_replicas: NonNegInt = 1
+    max_replicas: PositiveInt = 1
+    initial_replicas: NonNegInt | None = None
+    target_ongoing_requests: Annotated[float, Field(gt=0)] = 16
+    upscale_delay_s: Annotated[float, Field(ge=0)] = 5
+    downscale_delay_s: Annotated[float, Field(ge=0)] = 60
+
+    @model_validator(mode="after")
+    def _rules(self) -> "AutoscalingSpec":
+        problems = []
+        if self.min_replicas > self.max_replicas:
+            problems.append(("min_replicas", f"must be <= max_replicas ({self.max_replicas}) (got {self.min_replicas})"))
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            problems.append((
+                "initial_replicas",
+                f"must be between min_replicas ({self.min_replicas}) and max_replicas ({self.max_replicas}) "
+                f"(got {self.initial_replicas})",
+            ))
+        _raise_problems(problems)
+        return self
+
+
+class HttpSpec(_Spec):
+    api_keys_env: EnvName | None = Field(
+        "PYLON_API_KEYS", description="name of the env var holding comma-separated API keys; null disables auth"
+    )
+    max_queued_requests: PositiveInt = 256
+    request_timeout_s: Annotated[float, Field(gt=0)] = 60
+    route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9_\-/]*$")
+
+
+class ReplicaSpec(_Spec):
+    num_cpus: Annotated[float, Field(ge=0)] = 1
+    num_gpus: Annotated[float, Field(ge=0)] = 0
+
+
+class DeploymentSpec(_Spec):
+    """A model served on Ray Serve with continuous batching behind OpenAI-compatible HTTP."""
+
+    kind: Literal["Deployment"] = "Deployment"
+    name: Name
+    model: Uri = Field(description="a Hugging Face format model directory (local or object storage)")
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    http: HttpSpec = Field(default_factory=HttpSpec)
+    replica: ReplicaSpec = Field(default_factory=ReplicaSpec)
+
+    @model_validator(mode="after")
+    def _rules(self) -> "DeploymentSpec":
+        if self.engine.device == "cuda" and self.replica.num_gpus == 0:
+            _raise_problems([("replica.num_gpus", "must be > 0 when engine.device is 'cuda' (got 0)")])
+        return self
+
+    def summary(self) -> str:
+        a = self.autoscaling
+        return (
+            f"Deployment '{self.name}': model {self.model}, {a.min_replicas}-{a.max_replicas} replica(s), "
+            f"max_num_seqs {self.engine.max_num_seqs}, KV cache {self.engine.kv_cache_tokens} tokens, "
+            f"auth {'from $' + self.http.api_keys_env if self.http.api_keys_env else 'OFF'}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cluster
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ProviderSpec(_Spec):
+    type: Literal["local", "aws", "gcp", "kubernetes"] = "local"
+    region: str | None = None
+    zone: str | None = None
+    project_id: str | None = None
+    namespace: Name = "default"
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ProviderSpec":
+        problems = []
+        if self.type in ("aws", "gcp") and not self.region:
+            problems.append(("region", f"required for provider type '{self.type}'"))
+        if self.type == "gcp":
+            if not self.zone:
+                problems.append(("zone", "required for provider type 'gcp'"))
+            if not self.project_id:
+                problems.append(("project_id", "required for provider type 'gcp'"))
+        _raise_problems(problems)
+        return self
+
+
+class NodeShape(_Spec):
+    instance_type: str | None = Field(None, description="cloud machine type (aws, gcp)")
+    cpus: NonNegInt = 4
+    gpus: NonNegInt = 0
+    gpu_type: str | None = Field(None, description="accelerator type, e.g. A100-80GB, H100")
+    memory_gb: Annotated[float, Field(gt=0)] | None = None
+
+    def _shape_problems(self) -> list[tuple[str, str]]:
+        if self.gpu_type and self.gpus == 0:
+            return [("gpu_type", f"'{self.gpu_type}' given but gpus is 0")]
+        return []
+
+
+class HeadSpec(NodeShape):
+    @model_validator(mode="after")
+    def _rules(self) -> "HeadSpec":
+        _raise_problems(self._shape_problems())
+        return self
+
+
+class WorkerGroupSpec(NodeShape):
+    name: Name
+    min_workers: NonNegInt = 0
+    max_workers: NonNegInt = 1
+    spot: bool = False
+
+    @model_validator(mode="after")
+    def _rules(self) -> "WorkerGroupSpec":
+        problems = self._shape_problems()
+        if self.min_workers > self.max_workers:
+            problems.append(("min_workers", f"must be <= max_workers ({self.max_workers}) (got {self.min_workers})"))
+        _raise_problems(problems)
+        return self
+
+
+class ClusterSpec(_Spec):
+    """One autoscaling Ray cluster: a head and worker groups, local, on a cloud, or on Kubernetes."""
+
+    kind: Literal["Cluster"] = "Cluster"
+    name: Name
+    provider: ProviderSpec = Field(default_factory=ProviderSpec)
+    image: str = "pylon:0.1.0"
+    head: HeadSpec = Field(default_factory=HeadSpec)
+    worker_groups: list[WorkerGroupSpec] = Field(default_factory=list)
+    idle_timeout_minutes: Annotated[float, Field(gt=0)] = 5
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ClusterSpec":
+        problems = []
+        seen: set[str] = set()
+        for i, group in enumerate(self.worker_groups):
+            if group.name in seen:
+                problems.append((f"worker_groups[{i}].name", f"duplicate worker group name '{group.name}'"))
+            seen.add(group.name)
+        if self.provider.type in ("aws", "gcp"):
+            if not self.head.instance_type:
+                problems.append(("head.instance_type", f"required for provider type '{self.provider.type}'"))
+            for i, group in enumerate(self.worker_groups):
+                if not group.instance_type:
+                    problems.append((f"worker_groups[{i}].instance_type",
+                                     f"required for provider type '{self.provider.type}'"))
+        _raise_problems(problems)
+        return self
+
+    def summary(self) -> str:
+        groups = ", ".join(
+            f"{g.name} {g.min_workers}-{g.max_workers}x({g.cpus} CPU"
+            + (f", {g.gpus} {g.gpu_type or 'GPU'}" if g.gpus else "") + ")"
+            for g in self.worker_groups
+        ) or "no worker groups"
+        return f"Cluster '{self.name}': provider {self.provider.type}, head {self.head.cpus} CPU, {groups}"
+
+
+SPEC_KINDS: dict[str, type[_Spec]] = {
+    "Dataset": DatasetSpec,
+    "TrainJob": TrainJobSpec,
+    "Deployment": DeploymentSpec,
+    "Cluster": ClusterSpec,
+}
+AnySpec = Union[DatasetSpec, TrainJobSpec, DeploymentSpec, ClusterSpec]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading YAML, with errors that point at the file, document, line and field
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecDocument:
+    source: str  # file name as the user gave it
+    index: int  # 1-based document number in the file
+    line: int  # 1-based line where the document starts
+    spec: AnySpec
+
+    def summary(self) -> str:
+        return f"{self.source}: document {self.index}: {self.spec.summary()}"
+
+
+def load_specs(path: str | os.PathLike) -> list[SpecDocument]:
+    """Every document of a YAML file as a validated spec, or SpecError listing every problem."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([f"{source}: no such file"]) from None
+    except IsADirectoryError:
+        raise SpecError([f"{source}: is a directory, not a YAML file"]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError([f"{source}: cannot read: {e}"]) from None
+    return parse_specs(text, source)
+
+
+def parse_specs(text: str, source: str = "<string>") -> list[SpecDocument]:
+    """Parse and validate YAML text that may hold several documents (empty documents are skipped)."""
+    try:
+        nodes = _compose_documents(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        problem = " ".join(str(x) for x in (e.context, e.problem) if x)
+        raise SpecError([f"{where}: YAML syntax error: {problem}"]) from None
+    except yaml.YAMLError as e:
+        raise SpecError([f"{source}: YAML error: {e}"]) from None
+
+    docs, problems = [], []
+    if not nodes:
+        raise SpecError([f"{source}: no documents (the file is empty)"])
+    for index, (node, data) in enumerate(nodes, start=1):
+        try:
+            docs.append(SpecDocument(source, index, node.start_mark.line + 1, _validate_document(data, node)))
+        except _DocumentProblems as e:
+            label = f"document {index}"
+            if isinstance(data, dict) and data.get("kind") in SPEC_KINDS:
+                label += f" ({data['kind']}" + (f" '{data['name']}')" if isinstance(data.get("name"), str) else ")")
+            for line, msg in e.problems:
+                problems.append(f"{source}:{line}: {label}: {msg}")
+    if problems:
+        raise SpecError(problems)
+    return docs
+
+
+def load_spec(path: str | os.PathLike, kind: type[_Spec] | None = None):
+    """The one spec of `kind` in a file (handy for job entrypoints: `--config train.yaml`)."""
+    docs = load_specs(path)
+    if kind is not None:
+        docs = [d for d in docs if isinstance(d.spec, kind)]
+    if len(docs) != 1:
+        want = kind.model_fields["kind"].default if kind else "spec"
+        raise SpecError([f"{path}: expected exactly one {want} document, found {len(docs)}"])
+    return docs[0].spec
+
+
+def to_yaml(*specs: _Spec) -> str:
+    """Specs back to YAML (defaults included, so the dump shows what will actually run)."""
+    return yaml.safe_dump_all(
+        [s.model_dump(mode="json") for s in specs], sort_keys=False, default_flow_style=None
+    )
+
+
+class _DocumentProblems(Exception):
+    def __init__(self, problems: list[tuple[int, str]]):
+        self.problems = problems
+
+
+def _compose_documents(text: str) -> list[tuple[yaml.Node, Any]]:
+    """Documents as (node, data) pairs: nodes keep line numbers for error messages."""
+    loader = yaml.SafeLoader(text)
+    out = []
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            if node is None:
+                continue
+            _reject_duplicate_keys(node)
+            data = loader.construct_document(node)
+            if data is None:
+                continue
+            out.append((node, data))
+    finally:
+        loader.dispose()
+    return out
+
+
+def _reject_duplicate_keys(node: yaml.Node) -> None:
+    # PyYAML keeps the last of two equal keys silently; a spec that says a thing twice is a mistake.
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '{key.value}'", key.start_mark
+                    )
+                seen.add(key.value)
+            _reject_duplicate_keys(value)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _reject_duplicate_keys(item)
+
+
+def _validate_document(data: Any, node: yaml.Node) -> AnySpec:
+    line0 = node.start_mark.line + 1
+    kinds = ", ".join(SPEC_KINDS)
+    if not isinstance(data, dict):
+        raise _DocumentProblems([(line0, f"must be a mapping with a 'kind' ({kinds}), got {type(data).__name__}")])
+    kind = data.get("kind")
+    if kind is None:
+        raise _DocumentProblems([(line0, f"kind: required; must be one of {kinds}")])
+    if kind not in SPEC_KINDS:
+        raise _DocumentProblems([(_line_of(node, ("kind",)), f"kind: must be one of {kinds} (got {_show(kind)})")])
+    cls = SPEC_KINDS[kind]
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors(include_url=False):
+            for loc, msg in _explain(cls, err):
+                problems.append((_line_of(node, loc), f"{_dotted(loc)}: {msg}" if loc else msg))
+        raise _DocumentProblems(problems) from None
+
+
+def spec_errors(spec_cls: type[_Spec], error: ValidationError) -> list[str]:
+    """A ValidationError from constructing a spec in Python, as 'field.path: message' lines."""
+    return [
+        f"{_dotted(loc)}: {msg}" if loc else msg
+        for err in error.errors(include_url=False)
+        for loc, msg in _explain(spec_cls, err)
+    ]
+
+
+def _explain(cls: type[BaseModel], err: dict) -> list[tuple[tuple, str]]:
+    """One pydantic error as (field path, plain message) pairs; cross-field errors may give several."""
+    loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
+    given = err.get("input")
+    if kind == "value_error" and isinstance(ctx.get("error"), CrossFieldError):
+        return [(loc + _split_path(path), msg) for path, msg in ctx["error"].problems]
+    if kind == "extra_forbidden":
+        allowed = _allowed_fields(cls, loc[:-1])
+        return [(loc, "unknown field" + (f"; allowed fields: {', '.join(allowed)}" if allowed else ""))]
+    if kind == "missing":
+        return [(loc, "required field is missing")]
+    if kind in ("literal_error", "enum"):
+        expected = ctx.get("expected", "")
+        expected = re.sub(r"'([^']*)'", r"\1", expected).replace(" or ", ", ")
+        return [(loc, f"must be one of {expected} (got {_show(given)})")]
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    elif msg.startswith("Input should be"):
+        msg = "must be" + msg[len("Input should be"):] + f" (got {_show(given)})"
+    return [(loc, msg[0].lower() + msg[1:] if msg else msg)]
+
+
+def _allowed_fields(cls: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the model found at `loc` inside `cls` (for 'unknown field' errors)."""
+    current: Any = cls
+    for part in loc:
+        current = _unwrap(current)
+        if isinstance(part, int):
+            args = get_args(current)
+            current = args[0] if args else None
+        elif isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+            current = current.model_fields[part].annotation
+        else:
+            return []
+    current = _unwrap(current)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _unwrap(tp: Any) -> Any:
+    """Optional[X] / Annotated[X, ...] -> X, so the walk above reaches the model class."""
+    while True:
+        origin = get_origin(tp)
+        if origin is Annotated:
+            tp = get_args(tp)[0]
+            continue
+        if origin is Union or origin is types.UnionType:
+            args = [a for a in get_args(tp) if a is not type(None)]
+            if len(args) == 1:
+                tp = args[0]
+                continue
+        return tp
+
+
+def _line_of(node: yaml.Node, loc: tuple) -> int:
+    """The line of the deepest YAML node the field path reaches (the key's line for mapping entries)."""
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value == part:
+                    line, node = key.start_mark.line + 1, value
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _split_path(path: str) -> tuple:
+    """'worker_groups[1].name' -> ('worker_groups', 1, 'name')."""
+    out: list[Any] = []
+    for piece in path.split("."):
+        for m in re.finditer(r"([^\[\]]+)|\[(\d+)\]", piece):
+            out.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+    return tuple(out)
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _show(value: Any) -> str:
+    """A short, safe rendering of a user value for an error message."""
+    if isinstance(value, (dict, list)):
+        return type(value).__name__
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

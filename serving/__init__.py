@@ -1,0 +1,1 @@
+"""pylon.serving: the continuous-batching engine, Ray Serve deployments and the OpenAI-compatible API."""
