@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from pylon import storage
 from pylon.errors import ClusterError
 
 STATE_FILE = "cluster.json"
@@ -239,10 +240,7 @@ def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> bool:
 
 
 def _write_state(home: Path, cluster: LocalCluster) -> None:
-    path = home / STATE_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(cluster), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    storage.atomic_write_json(str(home / STATE_FILE), asdict(cluster))
 
 
 def _ray_executable() -> str:

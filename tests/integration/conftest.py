@@ -1,0 +1,31 @@
+"""One real Ray cluster for the whole integration suite, started the way users start it."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pylon import cluster
+
+
+@pytest.fixture(scope="session")
+def pylon_home(tmp_path_factory) -> Iterator:
+    """A private PYLON_HOME for the session, so tests never touch a user's ~/.pylon or cluster."""
+    home = tmp_path_factory.mktemp("pylon-home")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYLON_HOME", str(home))
+        env.delenv("RAY_ADDRESS", raising=False)
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            env.delenv(name, raising=False)
+        yield home
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server, pylon_home) -> Iterator[cluster.LocalCluster]:
+    """`pylon cluster up` for the session (started after the S3 server, so its workers see the endpoint)."""
+    info, started = cluster.up(num_cpus=2, object_store_memory=512 * 2**20, home=pylon_home)
+    assert started, "a cluster was already recorded in a fresh PYLON_HOME"
+    try:
+        yield info
+    finally:
+        cluster.down(home=pylon_home)

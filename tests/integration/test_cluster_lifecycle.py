@@ -1,0 +1,59 @@
+"""`pylon cluster up && status && down`, twice, beside the session's cluster: down stops only its own."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.integration
+PYLON = str(Path(sys.executable).parent / "pylon")
+
+
+def _ray_processes_of(temp_dir: str) -> list[str]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and any(temp_dir in a for a in p.info["cmdline"] or []):
+                found.append(" ".join(p.info["cmdline"])[:120])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def test_up_status_down_twice_leaves_nothing_behind(ray_cluster, tmp_path):
+    import pylon
+
+    env = {**os.environ, "PYLON_HOME": str(tmp_path / "home")}
+    for round_ in (1, 2):
+        up = subprocess.run([PYLON, "cluster", "up", "--num-cpus", "1", "--object-store-gib", "0.25"],
+                            env=env, capture_output=True, text=True, timeout=180)
+        assert up.returncode == 0, up.stderr
+        assert "started local Ray cluster" in up.stdout
+        assert "dashboard / Jobs API: http://127.0.0.1:" in up.stdout
+        dashboard = up.stdout.split("dashboard / Jobs API: ")[1].split()[0]
+        assert dashboard != ray_cluster.dashboard_url
+
+        from pylon.cluster import read_state
+
+        state = read_state(Path(env["PYLON_HOME"]))
+        assert _ray_processes_of(state.temp_dir), "up started no processes that carry its temp dir"
+
+        status = subprocess.run([PYLON, "cluster", "status"], env=env, capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr
+        assert dashboard in status.stdout and "nodes: 1 alive" in status.stdout and "CPU 1" in status.stdout
+
+        down = subprocess.run([PYLON, "cluster", "down"], env=env, capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr
+        assert "stopped the local Ray cluster" in down.stdout
+        assert _ray_processes_of(state.temp_dir) == [], f"round {round_}: processes left behind"
+        assert not (Path(env["PYLON_HOME"]) / "cluster.json").exists()
+
+        # The session's own cluster is untouched.
+        assert pylon.connect(ray_cluster.dashboard_url).status().nodes[0].state == "ALIVE"
+
+    again = subprocess.run([PYLON, "cluster", "down"], env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "nothing to stop" in again.stdout
