@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $@
 
 test: setup  ## run the whole test suite (unit, then integration on a real cluster and S3 server)
-	$(PY) -m pytest tests
+	$(PY) -m pytest
 
 unit: setup  ## fast tests only, no cluster
 	$(PY) -m pytest tests/unit

@@ -42,7 +42,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_cluster_up(args: argparse.Namespace) -> int:
     from pylon import cluster
 
-    print("starting a local Ray head (token authentication on)...", file=sys.stderr)
+    running = cluster.read_state()
+    if running is None or not running.is_running():
+        print("starting a local Ray head (token authentication on)...", file=sys.stderr)
     info, started = cluster.up(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                                object_store_memory=_gib_to_bytes(args.object_store_gib),
                                port=args.port, dashboard_port=args.dashboard_port)

@@ -93,6 +93,12 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def ray_temp_dir(home: Path) -> Path:
+    """Ray's temp dir for the cluster of `home`. Short, because Ray puts Unix sockets below it
+    (socket paths are limited to 107 bytes), and unique to `home`, because it marks our processes."""
+    return Path(tempfile.gettempdir()) / f"pylon-{hashlib.sha1(str(home).encode()).hexdigest()[:10]}"
+
+
 def read_state(home: Path | None = None) -> LocalCluster | None:
     path = (home or pylon_home()) / STATE_FILE
     try:
@@ -137,8 +143,7 @@ def up(
     gcs_port = port or _port_or_free(6379)
     dash_port = dashboard_port or _port_or_free(8265)
     client_port = _free_port()
-    # Ray puts Unix sockets under the temp dir; keep it short (socket paths are limited to 107 bytes).
-    temp_dir = Path(tempfile.gettempdir()) / f"pylon-{hashlib.sha1(str(home).encode()).hexdigest()[:10]}"
+    temp_dir = ray_temp_dir(home)
     if temp_dir.exists():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -163,17 +168,7 @@ def up(
     env.pop("RAY_ADDRESS", None)
     # Jobs run `python ...` in a shell on the head: make that the interpreter Pylon is installed in.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    log_path = home / "ray-start.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-    if proc.returncode != 0:
-        tail = log_path.read_text()[-2000:]
-        raise ClusterError(f"`ray start --head` failed (exit {proc.returncode}); its output ends with:\n{tail}\n"
-                           f"full log: {log_path}")
-
-    gcs_address = _read_gcs_address(temp_dir, gcs_port)
-    cluster = LocalCluster(
-        gcs_address=gcs_address,
+    record = dict(
         dashboard_url=f"http://127.0.0.1:{dash_port}",
         temp_dir=str(temp_dir),
         token_path=str(token_path),
@@ -183,6 +178,21 @@ def up(
         started_at=time.time(),
         home=str(home),
     )
+    log_path = home / "ray-start.log"
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        failure = f"exit {proc.returncode}" if proc.returncode else None
+    except subprocess.TimeoutExpired:
+        failure = f"no answer within {timeout_s:.0f}s"
+    if failure:
+        # Whatever did start carries the temp dir in its command line: stop it before reporting.
+        _cleanup(LocalCluster(gcs_address=str(temp_dir), **record))
+        tail = log_path.read_text()[-2000:]
+        raise ClusterError(f"`ray start --head` failed ({failure}); its output ends with:\n{tail}\n"
+                           f"full log: {log_path}")
+
+    cluster = LocalCluster(gcs_address=_read_gcs_address(temp_dir, gcs_port), **record)
     # Record the cluster before waiting, so `down` can always find what was started.
     _write_state(home, cluster)
     try:

@@ -33,7 +33,7 @@ _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def _check_name(value: str) -> str:
     # Names become directory names, Ray job ids, Serve app names and Kubernetes object names, so they
     # take the strictest of those grammars (RFC 1123 label) and can never escape a storage root.
-    if not _NAME_RE.match(value):
+    if not _NAME_RE.fullmatch(value):
         raise ValueError(
             f"must be 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit, "
             f"e.g. 'stdlib-gpt' (got {_show(value)})"
@@ -54,8 +54,12 @@ def _check_uri(value: str) -> str:
 
 
 def _check_env_name(value: str) -> str:
-    if not _ENV_RE.match(value):
-        raise ValueError(f"must be an environment variable name such as PYLON_API_KEYS (got {_show(value)})")
+    if not _ENV_RE.fullmatch(value):
+        # The likeliest wrong value here is the secret itself, so the message never echoes it.
+        raise ValueError(
+            "must be the name of an environment variable such as PYLON_API_KEYS, not the keys themselves "
+            "(the value given is not shown, in case it is a secret)"
+        )
     return value
 
 
@@ -560,8 +564,9 @@ def parse_specs(text: str, source: str = "<string>") -> list[SpecDocument]:
             docs.append(SpecDocument(source, index, node.start_mark.line + 1, _validate_document(data, node)))
         except _DocumentProblems as e:
             label = f"document {index}"
-            if isinstance(data, dict) and data.get("kind") in SPEC_KINDS:
-                label += f" ({data['kind']}" + (f" '{data['name']}')" if isinstance(data.get("name"), str) else ")")
+            if isinstance(data, dict) and isinstance(data.get("kind"), str) and data["kind"] in SPEC_KINDS:
+                name = data.get("name")
+                label += f" ({data['kind']}" + (f" {_show(name)})" if isinstance(name, str) else ")")
             for line, msg in e.problems:
                 problems.append(f"{source}:{line}: {label}: {msg}")
     if problems:
@@ -611,8 +616,13 @@ def _compose_documents(text: str) -> list[tuple[yaml.Node, Any]]:
     return out
 
 
-def _reject_duplicate_keys(node: yaml.Node) -> None:
+def _reject_duplicate_keys(node: yaml.Node, seen_nodes: set[int] | None = None) -> None:
     # PyYAML keeps the last of two equal keys silently; a spec that says a thing twice is a mistake.
+    # Aliases make the node graph shared or even cyclic: visit each node once.
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen = set()
         for key, value in node.value:
@@ -622,10 +632,10 @@ def _reject_duplicate_keys(node: yaml.Node) -> None:
                         None, None, f"duplicate key '{key.value}'", key.start_mark
                     )
                 seen.add(key.value)
-            _reject_duplicate_keys(value)
+            _reject_duplicate_keys(value, seen_nodes)
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            _reject_duplicate_keys(item)
+            _reject_duplicate_keys(item, seen_nodes)
 
 
 def _validate_document(data: Any, node: yaml.Node) -> AnySpec:
@@ -636,7 +646,7 @@ def _validate_document(data: Any, node: yaml.Node) -> AnySpec:
     kind = data.get("kind")
     if kind is None:
         raise _DocumentProblems([(line0, f"kind: required; must be one of {kinds}")])
-    if kind not in SPEC_KINDS:
+    if not isinstance(kind, str) or kind not in SPEC_KINDS:
         raise _DocumentProblems([(_line_of(node, ("kind",)), f"kind: must be one of {kinds} (got {_show(kind)})")])
     cls = SPEC_KINDS[kind]
     try:

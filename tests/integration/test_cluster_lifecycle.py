@@ -57,3 +57,17 @@ def test_up_status_down_twice_leaves_nothing_behind(ray_cluster, tmp_path):
 
     again = subprocess.run([PYLON, "cluster", "down"], env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and "nothing to stop" in again.stdout
+
+
+def test_a_failed_start_is_reported_and_leaves_no_record(tmp_path):
+    from pylon import cluster
+    from pylon.errors import ClusterError
+
+    home = tmp_path / "home"
+    # Ray's GCS starts before the raylet rejects the CPU count: that half-started cluster must go too.
+    with pytest.raises(ClusterError, match=r"(?s)ray start --head` failed \(exit 1\).*CPU.*full log: "):
+        cluster.up(num_cpus=-3, home=home)
+    assert cluster.read_state(home) is None
+    temp_dir = str(cluster.ray_temp_dir(home))
+    assert _ray_processes_of(temp_dir) == []
+    assert (home / "ray-start.log").exists()

@@ -60,7 +60,9 @@ def test_constraints_pin_every_installed_distribution():
             pins[_canonical(name)] = version.strip()
     assert pins["torch"] == "2.13.0"
     unpinned, drifted = [], []
-    for dist in importlib.metadata.distributions():
+    # Only what pip installed into this environment: Ray puts its vendored thirdparty_files on sys.path.
+    site_packages = sysconfig.get_paths()["purelib"]
+    for dist in importlib.metadata.distributions(path=[site_packages]):
         name = _canonical(dist.metadata["Name"])
         if name == "pylon":
             continue
