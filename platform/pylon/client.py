@@ -6,6 +6,7 @@ Addresses may be a dashboard/Jobs API URL (`http://host:8265`) or a GCS address 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,17 @@ class Client:
             raise ClusterError(f"{url} answered HTTP {r.status_code}; is this a Ray dashboard address?")
         return r.json().get("ray_version", "unknown")
 
+    def init_ray(self, **kwargs) -> None:
+        """Connect this process to the cluster as a Ray driver (for Ray Data, tasks), once."""
+        import ray
+
+        if ray.is_initialized():
+            return
+        if not self.gcs_address:
+            raise ClusterError(f"the GCS address of {self.dashboard_url} is unknown; connect with the GCS "
+                               "address (HOST:6379) to run Ray work from this process")
+        ray.init(address=self.gcs_address, **{"log_to_driver": False, **kwargs})
+
     # -- jobs -------------------------------------------------------------------------------------------
 
     def _jobs(self):
@@ -229,3 +241,10 @@ def _use_cluster_auth(token_path: str) -> None:
         return  # the user chose a token explicitly; keep it
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = token_path
+    if "ray._raylet" in sys.modules:
+        # Ray read its auth mode when it was imported; make it read the environment again (as Ray's own
+        # `ray.init()` does when it turns token auth on for a new local cluster).
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()

@@ -209,8 +209,23 @@ def down(*, home: Path | None = None, timeout_s: float = 30.0) -> LocalCluster |
     cluster = read_state(home)
     if cluster is None:
         return None
+    _disconnect_driver(cluster)
     _cleanup(cluster, timeout_s)
     return cluster
+
+
+def _disconnect_driver(cluster: LocalCluster) -> None:
+    """If this process is a Ray driver of the cluster, leave it first: a driver whose GCS vanishes is
+    ended by Ray's core worker on the spot, taking the caller (a notebook, a test run) with it."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    try:
+        connected_to = ray.get_runtime_context().gcs_address
+    except Exception:
+        connected_to = None
+    if connected_to in (None, cluster.gcs_address):
+        ray.shutdown()
 
 
 def _cleanup(cluster: LocalCluster, timeout_s: float = 30.0) -> None:

@@ -270,3 +270,17 @@ def remove(uri: str, recursive: bool = False) -> None:
             fs.rm(path, recursive=True)
         else:
             fs.rm_file(path)
+
+
+def arrow_filesystem(uri: str) -> tuple["pyarrow.fs.FileSystem", str]:  # noqa: F821
+    """The pyarrow filesystem and path for `uri`, for readers that take one (Ray Data, pyarrow).
+
+    Local paths get pyarrow's native filesystem; s3:// and memory:// wrap the same fsspec instance that
+    `resolve` configures (endpoint, region, retries), so every reader sees one configuration.
+    """
+    import pyarrow.fs as pafs
+
+    scheme, fs, path = _resolve(uri)
+    if scheme == "file":
+        return pafs.LocalFileSystem(), path
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path

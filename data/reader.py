@@ -1,0 +1,471 @@
+"""Streaming prepared shards into training: deterministic, exactly once per epoch, resumable to the sample.
+
+Each Ray Train worker builds its own Ray Data stream over the shards it owns this epoch:
+
+1. **Epoch plan** (`epoch_plan`): every worker computes the same plan from the manifest, the seed and the
+   epoch. Shards are permuted (seeded by seed and epoch), their rows laid end to end, and worker r of W
+   owns the contiguous range [r*T/W, (r+1)*T/W) of that sequence. Every sample is in exactly one worker's
+   range, and a worker touches only ~1/W of the shards (plus at most two it shares with a neighbour).
+2. **Reading** (`ShardDatasource`): a Ray Data `FileBasedDatasource` reads each owned shard in a read task
+   through the right pyarrow filesystem (local or s3), checks its size and sha256 against the manifest,
+   decodes it and streams it on in order (`preserve_order`), with Ray Data's prefetching and backpressure.
+3. **Shuffle windows**: the worker's sequence is cut into windows of `shuffle_buffer` rows; each window is
+   permuted by a generator seeded by (seed, epoch, rank, window). Unlike a sliding shuffle buffer, a window
+   is a pure function of its index, so a position (epoch, window, offset) is enough to resume exactly:
+   the stream restarts at that window's first shard, with nothing replayed and nothing skipped.
+
+Why not `get_dataset_shard`/`streaming_split`: it hands blocks to whichever worker asks first, so which
+samples a worker sees depends on timing and a resumed run cannot continue where the first one stopped.
+The stream here is what a worker's `get_dataset_shard` iterator would be, made deterministic.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from pylon import storage
+from pylon.data.shards import (
+    BadShardError,
+    DataError,
+    ShardManifest,
+    decode_shard,
+    read_manifest,
+    verify_shard_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+POSITION_VERSION = 1
+_SKIP_HINT = " (set data.on_bad_shard: skip to skip such shards)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plan: which rows each worker reads, in which order
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows with ids in [lo, hi) of one shard, taken in id order; `start` is their plan position."""
+
+    shard: int
+    lo: int
+    hi: int
+    start: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+def split_ids(manifest: ShardManifest, validation_fraction: float) -> dict[str, tuple[int, int]]:
+    """Id ranges of the train and validation splits: validation is the tail of the id space."""
+    total = manifest.totals.rows
+    n_val = 0
+    if validation_fraction > 0 and total > 1:
+        n_val = min(total - 1, max(1, round(total * validation_fraction)))
+    return {"train": (0, total - n_val), "validation": (total - n_val, total)}
+
+
+def epoch_plan(manifest: ShardManifest, *, id_range: tuple[int, int], seed: int, epoch: int, rank: int,
+               world_size: int, shuffle: bool = True) -> list[Segment]:
+    """The segments worker `rank` reads in `epoch`, in order. Same inputs, same plan, on every worker."""
+    lo_id, hi_id = id_range
+    pieces = []  # (shard index, lo, hi) clipped to the split
+    for index, shard in enumerate(manifest.shards):
+        lo, hi = max(lo_id, shard.first_id), min(hi_id, shard.first_id + shard.rows)
+        if lo < hi:
+            pieces.append((index, lo, hi))
+    if shuffle and len(pieces) > 1:
+        order = np.random.default_rng([seed, epoch]).permutation(len(pieces))
+        pieces = [pieces[i] for i in order]
+    total = sum(hi - lo for _, lo, hi in pieces)
+    begin, end = rank * total // world_size, (rank + 1) * total // world_size
+    segments, pos = [], 0
+    for index, lo, hi in pieces:
+        n = hi - lo
+        a, b = max(begin, pos), min(end, pos + n)
+        if a < b:
+            segments.append(Segment(index, lo + (a - pos), lo + (b - pos), a - begin))
+        pos += n
+    return segments
+
+
+def plan_rows(segments: list[Segment]) -> int:
+    return sum(s.rows for s in segments)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading shards with Ray Data
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _shard_datasource_class():
+    # Imported lazily: ray.data is heavy, and the plan above is useful (and tested) without it.
+    from ray.data.datasource.file_based_datasource import FileBasedDatasource
+
+    class ShardDatasource(FileBasedDatasource):
+        """Reads Pylon shards: size and sha256 checked against the manifest, then decoded.
+
+        With on_bad_shard="skip", a bad shard yields one tombstone row (id -1) instead of data, so the
+        consumer can count and log it; with "error", the read fails with an error naming the shard.
+        """
+
+        _FILE_EXTENSIONS = ["parquet", "tar"]
+
+        def __init__(self, paths: list[str], *, shard_meta: dict[str, tuple[int, dict]], fmt: str, seq_len: int,
+                     dtype: str, on_bad_shard: str, filesystem, block_rows: int = 4096):
+            super().__init__(paths, filesystem=filesystem)
+            self._shard_meta = shard_meta
+            self._fmt, self._seq_len, self._dtype = fmt, seq_len, dtype
+            self._on_bad_shard = on_bad_shard
+            self._block_rows = block_rows
+
+        def _read_stream(self, f, path: str):
+            from ray.data.block import BlockAccessor
+
+            from pylon.data.shards import ShardInfo
+
+            index, info_dict = self._shard_meta[_normalize(path)]
+            info = ShardInfo(**info_dict)
+            try:
+                data = f.readall() if hasattr(f, "readall") else f.read()
+                verify_shard_bytes(info, data)
+                rows = decode_shard(self._fmt, data, shard=info.file, seq_len=self._seq_len, dtype=self._dtype)
+                if len(rows) != info.rows or (len(rows) and int(rows.ids[0]) != info.first_id):
+                    raise BadShardError(info.file, f"holds {len(rows)} rows from id "
+                                                   f"{int(rows.ids[0]) if len(rows) else '-'}, manifest says "
+                                                   f"{info.rows} from id {info.first_id}")
+            except BadShardError as e:
+                if self._on_bad_shard != "skip":
+                    raise
+                logging.getLogger("pylon.data").warning("skipping bad %s", e)
+                yield BlockAccessor.batch_to_block({
+                    "shard": np.array([index], np.int32), "id": np.array([-1], np.int64),
+                    "num_tokens": np.zeros(1, np.int32), "tokens": np.zeros((1, self._seq_len), self._dtype),
+                })
+                return
+            for a in range(0, max(len(rows), 1), self._block_rows):
+                b = min(len(rows), a + self._block_rows)
+                yield BlockAccessor.batch_to_block({
+                    "shard": np.full(b - a, index, np.int32), "id": rows.ids[a:b],
+                    "num_tokens": rows.num_tokens[a:b], "tokens": rows.tokens[a:b],
+                })
+
+    return ShardDatasource
+
+
+def _normalize(path: str) -> str:
+    return path.lstrip("/")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Positions and measurements
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataPosition:
+    """Where a worker is in its stream: the next row is row `offset` of shuffle window `window` of `epoch`."""
+
+    epoch: int = 0
+    window: int = 0
+    offset: int = 0
+    rows_consumed: int = 0  # this epoch
+    batches: int = 0  # this epoch
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    tokens: int = 0
+    bytes_read: int = 0
+    batches: int = 0
+    skipped_shards: list[str] = field(default_factory=list)
+    wait_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def as_dict(self) -> dict:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        return {"rows": self.rows, "tokens": self.tokens, "bytes_read": self.bytes_read, "batches": self.batches,
+                "skipped_shards": len(self.skipped_shards), "wait_s": round(self.wait_s, 4),
+                "rows_per_s": self.rows / elapsed, "tokens_per_s": self.tokens / elapsed}
+
+
+@dataclass
+class Batch:
+    """One batch of samples; `input_ids`/`labels`/`attention_mask` are what a causal LM takes."""
+
+    sample_ids: np.ndarray  # (b,) dataset-wide ids, for tests and audits
+    tokens: np.ndarray  # (b, seq_len)
+    num_tokens: np.ndarray  # (b,)
+    wait_s: float  # how long the consumer waited for this batch
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def to_torch(self, pad_id: int, device=None) -> dict:
+        import torch
+
+        input_ids = torch.from_numpy(self.tokens.astype(np.int64))
+        mask = torch.arange(input_ids.shape[1])[None, :] < torch.from_numpy(self.num_tokens.astype(np.int64))[:, None]
+        labels = input_ids.masked_fill(~mask, -100)
+        out = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels}
+        return {k: v.to(device) for k, v in out.items()} if device is not None else out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The stream
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ShardStream:
+    """One worker's view of a prepared dataset: `for batch in stream.epoch(): ...`, resumable.
+
+        stream = ShardStream(spec.data, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
+                             batch_size=spec.batch.micro_batch_size)
+        stream.load_state_dict(checkpoint["data"])     # optional: continue where a run stopped
+        for epoch in range(stream.position.epoch, n_epochs):
+            for batch in stream.epoch():
+                ... batch.to_torch(stream.pad_id) ...
+                checkpoint["data"] = stream.state_dict()   # position after this batch
+    """
+
+    def __init__(self, uri: str, *, batch_size: int, rank: int = 0, world_size: int = 1, split: str = "train",
+                 seed: int = 0, shuffle_buffer: int = 1024, validation_fraction: float = 0.0,
+                 on_bad_shard: str = "error", seq_len: int | None = None, prefetch_shards: int = 2,
+                 read_num_cpus: float = 0.0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if split not in ("train", "validation"):
+            raise ValueError(f"split must be 'train' or 'validation' (got {split!r})")
+        if on_bad_shard not in ("error", "skip"):
+            raise ValueError(f"on_bad_shard must be 'error' or 'skip' (got {on_bad_shard!r})")
+        self.uri = uri
+        self.manifest = read_manifest(uri)
+        if seq_len is not None and seq_len != self.manifest.seq_len:
+            raise DataError(f"{uri}: prepared with seq_len {self.manifest.seq_len}, the job asks for {seq_len}; "
+                            f"prepare it again with --seq-len {seq_len} or change data.seq_len")
+        if self.manifest.totals.rows == 0:
+            raise DataError(f"{uri}: the dataset is empty (0 rows)")
+        self.batch_size, self.rank, self.world_size, self.split = batch_size, rank, world_size, split
+        self.seed, self.on_bad_shard = seed, on_bad_shard
+        self.shuffle = split == "train" and shuffle_buffer > 0
+        self.window_rows = shuffle_buffer if self.shuffle else max(batch_size, 4096)
+        self.id_range = split_ids(self.manifest, validation_fraction)[split]
+        if self.id_range[0] == self.id_range[1]:
+            raise DataError(f"{uri}: the {split} split is empty ({self.manifest.totals.rows} rows, "
+                            f"validation_fraction {validation_fraction})")
+        self.prefetch_shards, self.read_num_cpus = prefetch_shards, read_num_cpus
+        self.position = DataPosition()
+        self.stats = DataStats()
+        self._fs, self._root = storage.arrow_filesystem(uri)
+        self._missing = self._missing_shards()
+
+    # -- public ------------------------------------------------------------------------------------------
+
+    @property
+    def pad_id(self) -> int:
+        return self.manifest.tokenizer.pad_id
+
+    def plan(self, epoch: int, rank: int | None = None) -> list[Segment]:
+        return epoch_plan(self.manifest, id_range=self.id_range, seed=self.seed, epoch=epoch,
+                          rank=self.rank if rank is None else rank, world_size=self.world_size,
+                          shuffle=self.shuffle)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches every worker yields per epoch (the same on all, so collective steps line up)."""
+        total = self.id_range[1] - self.id_range[0]
+        most = math.ceil(total / self.world_size)
+        return math.ceil(most / self.batch_size)
+
+    def state_dict(self) -> dict:
+        return {"version": POSITION_VERSION, "uri": self.uri, "run_id": self.manifest.run_id, "seed": self.seed,
+                "rank": self.rank, "world_size": self.world_size, "window_rows": self.window_rows,
+                "split": self.split, "position": asdict(self.position)}
+
+    def load_state_dict(self, state: dict) -> None:
+        expect = {"run_id": self.manifest.run_id, "seed": self.seed, "rank": self.rank,
+                  "world_size": self.world_size, "window_rows": self.window_rows, "split": self.split}
+        wrong = {k: (state.get(k), v) for k, v in expect.items() if state.get(k) != v}
+        if state.get("version") != POSITION_VERSION or wrong:
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in wrong.items())
+            raise DataError(f"cannot resume the data position of {self.uri}: it was saved for a different stream "
+                            f"({detail or 'unknown version'}); resume with the same dataset, seed, world size and "
+                            f"shuffle_buffer, or start a new run")
+        self.position = DataPosition(**state["position"])
+
+    def epoch(self) -> Iterator[Batch]:
+        """Batches of the current epoch from the current position; afterwards the position is the next epoch."""
+        resume = self.position
+        epoch = resume.epoch
+        segments = self.plan(epoch)
+        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, num_tokens, tokens) slices
+        pending_n = 0
+        t_wait = time.perf_counter()
+        for window, ids, lens, toks in self._windows(epoch, segments, resume.window):
+            offset = resume.offset if window == resume.window else 0
+            while offset < len(ids):
+                take = min(self.batch_size - pending_n, len(ids) - offset)
+                pending.append((ids[offset:offset + take], lens[offset:offset + take], toks[offset:offset + take]))
+                pending_n += take
+                offset += take
+                if pending_n == self.batch_size:
+                    batch = self._make_batch(pending, time.perf_counter() - t_wait)
+                    pending, pending_n = [], 0
+                    self._advance(batch, window, offset) if offset < len(ids) else self._advance(batch, window + 1, 0)
+                    yield batch
+                    t_wait = time.perf_counter()
+        if pending_n:
+            batch = self._make_batch(pending, time.perf_counter() - t_wait)
+            self._advance(batch, math.ceil(plan_rows(segments) / self.window_rows) + 1, 0)
+            yield batch
+        # Equal step counts on every worker: a worker with fewer rows ends with empty batches.
+        while self.position.batches < self.steps_per_epoch:
+            self._advance(self._make_batch([], 0.0), self.position.window, 0)
+            yield self._make_batch([], 0.0)
+        self.position = DataPosition(epoch + 1)
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _advance(self, batch: Batch, window: int, offset: int) -> None:
+        p = self.position
+        self.position = DataPosition(p.epoch, window, offset, p.rows_consumed + len(batch), p.batches + 1)
+        self.stats.rows += len(batch)
+        self.stats.tokens += int(batch.num_tokens.sum())
+        self.stats.batches += 1
+        self.stats.wait_s += batch.wait_s
+
+    def _make_batch(self, parts, wait_s: float) -> Batch:
+        if not parts:
+            seq_len = self.manifest.seq_len
+            return Batch(np.zeros(0, np.int64), np.zeros((0, seq_len), self.manifest.dtype), np.zeros(0, np.int32),
+                         wait_s)
+        return Batch(np.concatenate([p[0] for p in parts]), np.concatenate([p[2] for p in parts]),
+                     np.concatenate([p[1] for p in parts]), wait_s)
+
+    def _windows(self, epoch: int, segments: list[Segment], first_window: int):
+        """(window index, ids, num_tokens, tokens) per non-empty window from `first_window`, each permuted."""
+        s = self.window_rows
+        start_pos = first_window * s
+        remaining = [seg for seg in segments if seg.start + seg.rows > start_pos]
+        if remaining and remaining[0].start < start_pos:  # resuming inside a segment: begin at the window
+            first = remaining[0]
+            cut = start_pos - first.start
+            remaining[0] = Segment(first.shard, first.lo + cut, first.hi, start_pos)
+        window, buf = first_window, []
+        for seg, (ids, lens, toks) in self._segment_rows(remaining):
+            positions = seg.start + (ids - seg.lo)  # ascending: shards store ids in order
+            while len(ids):
+                w = int(positions[0] // s)
+                if w != window:
+                    if buf:
+                        yield self._emit(epoch, window, buf)
+                        buf = []
+                    window = w
+                k = int(np.searchsorted(positions, (window + 1) * s))
+                buf.append((ids[:k], lens[:k], toks[:k]))
+                ids, lens, toks, positions = ids[k:], lens[k:], toks[k:], positions[k:]
+        if buf:
+            yield self._emit(epoch, window, buf)
+
+    def _emit(self, epoch: int, window: int, buf):
+        ids = np.concatenate([b[0] for b in buf])
+        lens = np.concatenate([b[1] for b in buf])
+        toks = np.concatenate([b[2] for b in buf])
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch, self.rank, window]).permutation(len(ids))
+            ids, lens, toks = ids[order], lens[order], toks[order]
+        return window, ids, lens, toks
+
+    def _segment_rows(self, segments: list[Segment]):
+        """(segment, (ids, num_tokens, tokens)) blocks in plan order; bad shards are reported or skipped."""
+        for seg in segments:
+            if seg.shard in self._missing:
+                self._bad(self.manifest.shards[seg.shard].file, "is listed in the manifest but missing from storage")
+        readable = [seg for seg in segments if seg.shard not in self._missing]
+        if not readable:
+            return
+        by_shard = {seg.shard: seg for seg in readable}
+        seen: set[int] = set()
+        ds = self._dataset([seg.shard for seg in readable])
+        try:
+            for block in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=self.prefetch_shards):
+                shard = int(block["shard"][0])
+                info, seg = self.manifest.shards[shard], by_shard[shard]
+                if shard not in seen:
+                    seen.add(shard)
+                    self.stats.bytes_read += info.bytes
+                ids = block["id"]
+                if int(ids[0]) == -1:  # tombstone from the datasource
+                    self._bad(info.file, "failed its checks")
+                    continue
+                mask = (ids >= seg.lo) & (ids < seg.hi)
+                if mask.any():
+                    yield seg, (ids[mask], block["num_tokens"][mask], block["tokens"][mask])
+        except Exception as e:  # Ray wraps errors from read tasks; say which shard, not where in Ray
+            cause = _find_cause(e, BadShardError)
+            if cause is not None:
+                raise BadShardError(cause.shard, cause.problem + _SKIP_HINT) from None
+            raise
+
+    def _bad(self, shard: str, problem: str) -> None:
+        if self.on_bad_shard != "skip":
+            raise BadShardError(shard, problem + _SKIP_HINT)
+        if shard not in self.stats.skipped_shards:
+            self.stats.skipped_shards.append(shard)
+            log.warning("skipping shard %s: %s", shard, problem)
+
+    def _missing_shards(self) -> set[int]:
+        present = set(storage.listdir(self.uri))
+        return {i for i, s in enumerate(self.manifest.shards) if s.file not in present}
+
+    def _dataset(self, shard_indices: list[int]):
+        import ray
+        import ray.data
+
+        if not ray.is_initialized():
+            from pylon.client import connect
+
+            connect().init_ray()
+        paths, meta = [], {}
+        for i in shard_indices:
+            info = self.manifest.shards[i]
+            path = f"{self._root.rstrip('/')}/{info.file}"
+            paths.append(path)
+            meta[_normalize(path)] = (i, info.model_dump())
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        ctx.enable_progress_bars = False
+        source = _shard_datasource_class()(
+            paths, shard_meta=meta, fmt=self.manifest.format, seq_len=self.manifest.seq_len,
+            dtype=self.manifest.dtype, on_bad_shard=self.on_bad_shard, filesystem=self._fs)
+        # Reads need no CPU reservation: Train workers usually hold every CPU, and a read is I/O bound;
+        # `concurrency` bounds how many shards are in flight (and in memory) at once.
+        return ray.data.read_datasource(source, override_num_blocks=len(paths), concurrency=self.prefetch_shards,
+                                        num_cpus=self.read_num_cpus)
+
+
+def _find_cause(error: BaseException, kind: type):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
+    return None
+
+
+def stream_from_spec(data_spec, *, batch_size: int, rank: int = 0, world_size: int = 1, split: str = "train",
+                     **kw) -> ShardStream:
+    """A ShardStream configured from a TrainJob's `data` block."""
+    return ShardStream(data_spec.uri, batch_size=batch_size, rank=rank, world_size=world_size, split=split,
+                       seed=data_spec.shuffle_seed, shuffle_buffer=data_spec.shuffle_buffer,
+                       validation_fraction=data_spec.validation_fraction, on_bad_shard=data_spec.on_bad_shard,
+                       seq_len=data_spec.seq_len, **kw)

@@ -1,0 +1,261 @@
+"""The on-storage format of prepared data: shards of fixed-length token sequences and their manifest.
+
+A prepared dataset is a directory (local or object storage) holding shard files and `manifest.json`.
+The manifest is written last and atomically: it is the commit. Readers read only the shards it lists,
+so a crashed or concurrent `prepare` can never mix into what a reader sees.
+
+Every row ("sample") has a dataset-wide `id` (contiguous from 0 in shard order), `num_tokens` (real tokens;
+only a pack's last row is shorter, padded with the tokenizer's pad id) and `tokens` (exactly `seq_len`).
+
+- parquet: columns `id: int64`, `num_tokens: int32`, `tokens: list<uint16|int32>`.
+- webdataset: a POSIX tar; per sample `<id:012d>.tokens.npy` (a 1-D numpy array) and `<id:012d>.json`
+  (`{"id": ..., "num_tokens": ...}`), so any WebDataset reader can decode it.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pylon import storage
+from pylon.errors import PylonError, StorageError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+SHARD_SUFFIX = {"parquet": ".parquet", "webdataset": ".tar"}
+
+
+class DataError(PylonError):
+    """A dataset or shard that cannot be used; the message names the shard or URI at fault."""
+
+
+class BadShardError(DataError):
+    """One shard failed its checks (checksum, size, schema, truncation)."""
+
+    def __init__(self, shard: str, problem: str):
+        self.shard, self.problem = shard, problem
+        super().__init__(f"shard {shard}: {problem}")
+
+    def __reduce__(self):  # crosses process boundaries inside Ray tasks
+        return (BadShardError, (self.shard, self.problem))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Manifest
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenizerInfo(_Model):
+    """Identity of the tokenizer a dataset was made with; training and serving must use the same one."""
+
+    kind: Literal["byte", "tokenizers", "huggingface"]
+    name: str
+    vocab_size: int = Field(ge=1)
+    eos_id: int = Field(ge=0)
+    pad_id: int = Field(ge=0)
+    sha256: str | None = Field(None, description="of the tokenizer's files; None for the built-in byte tokenizer")
+
+
+class ShardInfo(_Model):
+    file: str
+    rows: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    sha256: str
+    first_id: int = Field(ge=0)
+
+
+class Totals(_Model):
+    documents: int = Field(ge=0)
+    rows: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    skipped_files: int = Field(0, ge=0, description="source files left out because they are not UTF-8 text")
+
+
+class ShardManifest(_Model):
+    format_version: int = FORMAT_VERSION
+    format: Literal["parquet", "webdataset"]
+    seq_len: int = Field(ge=1)
+    dtype: Literal["uint16", "int32"]
+    tokenizer: TokenizerInfo
+    shards: list[ShardInfo]
+    totals: Totals
+    sources: list[str] = Field(default_factory=list)
+    run_id: str = ""
+    created_at: float = Field(default_factory=time.time)
+
+    def check(self, where: str) -> None:
+        """Internal consistency: ids contiguous in shard order, totals adding up."""
+        next_id = 0
+        for shard in self.shards:
+            if shard.first_id != next_id:
+                raise DataError(f"{where}: shard {shard.file} starts at id {shard.first_id}, expected {next_id}")
+            next_id += shard.rows
+        sums = (sum(s.rows for s in self.shards), sum(s.tokens for s in self.shards), sum(s.bytes for s in self.shards))
+        if sums != (self.totals.rows, self.totals.tokens, self.totals.bytes):
+            raise DataError(f"{where}: totals {self.totals.model_dump()} do not match the shards' sums {sums}")
+
+    def summary(self) -> str:
+        t = self.totals
+        return (f"{self.format} dataset: {len(self.shards)} shard(s), {t.rows:,} sequences of {self.seq_len} tokens, "
+                f"{t.tokens:,} tokens from {t.documents:,} documents, {t.bytes / 2**20:.1f} MiB; "
+                f"tokenizer {self.tokenizer.kind}:{self.tokenizer.name} (vocab {self.tokenizer.vocab_size})")
+
+
+def manifest_uri(dataset_uri: str) -> str:
+    return storage.join(dataset_uri, MANIFEST_NAME)
+
+
+def read_manifest(dataset_uri: str) -> ShardManifest:
+    """The committed manifest of a prepared dataset, checked; DataError saying what is wrong otherwise."""
+    uri = manifest_uri(dataset_uri)
+    try:
+        raw = storage.read_json(uri)
+    except StorageError as e:
+        if not storage.exists(uri):
+            hint = ("no dataset was prepared there (run `pylon data prepare SRC... --out "
+                    f"{dataset_uri}`)" if not storage.listdir(dataset_uri) else
+                    "the directory has files but no manifest: a `prepare` did not finish; re-run it with --overwrite")
+            raise DataError(f"{dataset_uri}: no {MANIFEST_NAME}; {hint}") from None
+        raise DataError(str(e)) from None
+    try:
+        manifest = ShardManifest.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        path = ".".join(str(p) for p in first["loc"])
+        raise DataError(f"{uri}: not a Pylon manifest ({path}: {first['msg']})") from None
+    if manifest.format_version != FORMAT_VERSION:
+        raise DataError(f"{uri}: format_version {manifest.format_version}; this Pylon reads {FORMAT_VERSION}")
+    manifest.check(uri)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shard codec
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardRows:
+    """Rows of one shard as arrays: ids (n,), num_tokens (n,), tokens (n, seq_len)."""
+
+    ids: np.ndarray
+    num_tokens: np.ndarray
+    tokens: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_shard(fmt: str, rows: ShardRows) -> bytes:
+    """A shard file's bytes in `fmt`."""
+    if fmt == "parquet":
+        n, seq_len = rows.tokens.shape
+        values = pa.array(rows.tokens.reshape(-1))
+        table = pa.table({
+            "id": pa.array(rows.ids.astype(np.int64)),
+            "num_tokens": pa.array(rows.num_tokens.astype(np.int32)),
+            "tokens": pa.FixedSizeListArray.from_arrays(values, seq_len),
+        })
+        sink = io.BytesIO()
+        pq.write_table(table, sink, compression="snappy", row_group_size=max(1, min(n, 8192)))
+        return sink.getvalue()
+    if fmt == "webdataset":
+        sink = io.BytesIO()
+        with tarfile.open(fileobj=sink, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(len(rows)):
+                key = f"{int(rows.ids[i]):012d}"
+                npy = io.BytesIO()
+                np.save(npy, rows.tokens[i], allow_pickle=False)
+                meta = json.dumps({"id": int(rows.ids[i]), "num_tokens": int(rows.num_tokens[i])}).encode()
+                for name, payload in ((f"{key}.tokens.npy", npy.getvalue()), (f"{key}.json", meta)):
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime, info.mode = len(payload), 0, 0o644
+                    tar.addfile(info, io.BytesIO(payload))
+        return sink.getvalue()
+    raise ValueError(f"unknown shard format {fmt!r}")
+
+
+def decode_shard(fmt: str, data: bytes, *, shard: str, seq_len: int, dtype: str) -> ShardRows:
+    """Rows from a shard file's bytes; BadShardError naming `shard` for anything malformed."""
+    try:
+        rows = _decode_parquet(data, seq_len) if fmt == "parquet" else _decode_tar(data, seq_len)
+    except BadShardError as e:
+        raise BadShardError(shard, e.problem) from None
+    except Exception as e:  # pyarrow/tarfile/numpy each have their own error types for a damaged file
+        raise BadShardError(shard, f"cannot be decoded as {fmt} ({type(e).__name__}: {e})") from None
+    if rows.tokens.shape[1:] != (seq_len,):
+        raise BadShardError(shard, f"rows hold {rows.tokens.shape[1:]} tokens, manifest says seq_len {seq_len}")
+    return ShardRows(rows.ids.astype(np.int64), rows.num_tokens.astype(np.int32), rows.tokens.astype(dtype, copy=False))
+
+
+_PARQUET_SCHEMA = {"id", "num_tokens", "tokens"}
+
+
+def _decode_parquet(data: bytes, seq_len: int) -> ShardRows:
+    table = pq.read_table(pa.BufferReader(data))
+    missing = _PARQUET_SCHEMA - set(table.column_names)
+    if missing:
+        raise BadShardError("?", f"schema lacks column(s) {sorted(missing)} (has {table.column_names})")
+    tokens_col = table.column("tokens").combine_chunks()
+    flat = tokens_col.flatten().to_numpy(zero_copy_only=False)
+    n = len(table)
+    if flat.size != n * seq_len:
+        raise BadShardError("?", f"{flat.size} tokens in {n} rows, expected {n * seq_len} (seq_len {seq_len})")
+    return ShardRows(
+        table.column("id").to_numpy(), table.column("num_tokens").to_numpy(), flat.reshape(n, seq_len)
+    )
+
+
+def _decode_tar(data: bytes, seq_len: int) -> ShardRows:
+    ids, lens, toks = [], [], []
+    meta: dict[str, dict] = {}
+    arrays: dict[str, np.ndarray] = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, _, ext = member.name.partition(".")
+            payload = tar.extractfile(member).read()
+            if len(payload) != member.size:
+                raise BadShardError("?", f"member {member.name} is truncated")
+            if ext == "json":
+                meta[key] = json.loads(payload)
+            elif ext == "tokens.npy":
+                arrays[key] = np.load(io.BytesIO(payload), allow_pickle=False)
+    if set(meta) != set(arrays):
+        raise BadShardError("?", f"{len(set(meta) ^ set(arrays))} sample(s) lack their .json or .tokens.npy member")
+    for key in sorted(meta):
+        ids.append(meta[key]["id"])
+        lens.append(meta[key]["num_tokens"])
+        toks.append(arrays[key])
+    if not toks:
+        return ShardRows(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros((0, seq_len), np.int32))
+    return ShardRows(np.asarray(ids), np.asarray(lens), np.stack(toks))
+
+
+def verify_shard_bytes(info: ShardInfo, data: bytes) -> None:
+    """Size and sha256 against the manifest; BadShardError naming the shard otherwise."""
+    if len(data) != info.bytes:
+        raise BadShardError(info.file, f"{len(data)} bytes, manifest says {info.bytes} (truncated or replaced)")
+    digest = sha256_hex(data)
+    if digest != info.sha256:
+        raise BadShardError(info.file, f"sha256 {digest[:12]}... does not match the manifest's {info.sha256[:12]}...")
