@@ -145,19 +145,38 @@ def _shard_datasource_class():
                 if self._on_bad_shard != "skip":
                     raise
                 logging.getLogger("pylon.data").warning("skipping bad %s", e)
-                yield BlockAccessor.batch_to_block({
-                    "shard": np.array([index], np.int32), "id": np.array([-1], np.int64),
-                    "num_tokens": np.zeros(1, np.int32), "tokens": np.zeros((1, self._seq_len), self._dtype),
-                })
+                yield _block(index, np.array([-1], np.int64), np.zeros(1, np.int32),
+                             np.zeros((1, self._seq_len), self._dtype))
                 return
             for a in range(0, max(len(rows), 1), self._block_rows):
                 b = min(len(rows), a + self._block_rows)
-                yield BlockAccessor.batch_to_block({
-                    "shard": np.full(b - a, index, np.int32), "id": rows.ids[a:b],
-                    "num_tokens": rows.num_tokens[a:b], "tokens": rows.tokens[a:b],
-                })
+                yield _block(index, rows.ids[a:b], rows.num_tokens[a:b], rows.tokens[a:b])
 
     return ShardDatasource
+
+
+def _block(shard: int, ids: np.ndarray, num_tokens: np.ndarray, tokens: np.ndarray):
+    """A plain Arrow table (tokens as a fixed-size list): it crosses the object store and comes back to
+    numpy without copies, where Ray's tensor extension would convert twice."""
+    import pyarrow as pa
+
+    return pa.table({
+        "shard": pa.array(np.full(len(ids), shard, np.int32)),
+        "id": pa.array(ids),
+        "num_tokens": pa.array(num_tokens),
+        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), tokens.shape[1]),
+    })
+
+
+def _columns(table) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(shard, ids, num_tokens, tokens) of a block, as numpy views where Arrow allows."""
+    shard = int(table.column("shard")[0].as_py())
+    ids = table.column("id").to_numpy()
+    num_tokens = table.column("num_tokens").to_numpy()
+    tokens_col = table.column("tokens").combine_chunks()
+    width = tokens_col.type.list_size
+    flat = tokens_col.values.to_numpy(zero_copy_only=False)[tokens_col.offset * width:(tokens_col.offset + len(tokens_col)) * width]
+    return shard, ids, num_tokens, flat.reshape(len(ids), width)
 
 
 def _normalize(path: str) -> str:
@@ -187,13 +206,21 @@ class DataStats:
     bytes_read: int = 0
     batches: int = 0
     skipped_shards: list[str] = field(default_factory=list)
-    wait_s: float = 0.0
+    wait_s: float = 0.0  # inside the stream, waiting for data
+    step_s: float = 0.0  # outside it, between batches: the consumer's own work (the training step)
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the consumer's time spent waiting for data (0 = never starved)."""
+        total = self.wait_s + self.step_s
+        return self.wait_s / total if total > 0 else 0.0
 
     def as_dict(self) -> dict:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         return {"rows": self.rows, "tokens": self.tokens, "bytes_read": self.bytes_read, "batches": self.batches,
                 "skipped_shards": len(self.skipped_shards), "wait_s": round(self.wait_s, 4),
+                "step_s": round(self.step_s, 4), "wait_fraction": round(self.wait_fraction, 4),
                 "rows_per_s": self.rows / elapsed, "tokens_per_s": self.tokens / elapsed}
 
 
@@ -320,8 +347,10 @@ class ShardStream:
                     batch = self._make_batch(pending, time.perf_counter() - t_wait)
                     pending, pending_n = [], 0
                     self._advance(batch, window, offset) if offset < len(ids) else self._advance(batch, window + 1, 0)
+                    yielded_at = time.perf_counter()
                     yield batch
                     t_wait = time.perf_counter()
+                    self.stats.step_s += t_wait - yielded_at
         if pending_n:
             batch = self._make_batch(pending, time.perf_counter() - t_wait)
             self._advance(batch, math.ceil(plan_rows(segments) / self.window_rows) + 1, 0)
@@ -396,19 +425,21 @@ class ShardStream:
         seen: set[int] = set()
         ds = self._dataset([seg.shard for seg in readable])
         try:
-            for block in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=self.prefetch_shards):
-                shard = int(block["shard"][0])
+            for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_shards):
+                shard, ids, num_tokens, tokens = _columns(block)
                 info, seg = self.manifest.shards[shard], by_shard[shard]
                 if shard not in seen:
                     seen.add(shard)
                     self.stats.bytes_read += info.bytes
-                ids = block["id"]
                 if int(ids[0]) == -1:  # tombstone from the datasource
                     self._bad(info.file, "failed its checks")
                     continue
+                if seg.lo <= ids[0] and ids[-1] < seg.hi:  # the usual case: the whole block is ours
+                    yield seg, (ids, num_tokens, tokens)
+                    continue
                 mask = (ids >= seg.lo) & (ids < seg.hi)
                 if mask.any():
-                    yield seg, (ids[mask], block["num_tokens"][mask], block["tokens"][mask])
+                    yield seg, (ids[mask], num_tokens[mask], tokens[mask])
         except Exception as e:  # Ray wraps errors from read tasks; say which shard, not where in Ray
             cause = _find_cause(e, BadShardError)
             if cause is not None:

@@ -24,8 +24,13 @@ from pylon.data.shards import (
 
 
 def synthetic_tokens(ids: np.ndarray, seq_len: int) -> np.ndarray:
-    """Token t of sample i is (i * 31 + t) % 256: distinct per sample, checkable after any reordering."""
-    return ((ids[:, None] * 31 + np.arange(seq_len)[None, :]) % 256).astype(np.uint16)
+    """Token t of sample i is a hash of (i, t) mod 256: distinct per sample, checkable after any reordering,
+    and as hard to compress as real byte-level text (so benchmarks do not flatter the decoder)."""
+    x = (ids.astype(np.uint64)[:, None] * np.uint64(1_000_003) + np.arange(seq_len, dtype=np.uint64)[None, :])
+    x ^= x >> np.uint64(13)
+    x *= np.uint64(0x5BD1E995)
+    x ^= x >> np.uint64(15)
+    return (x % np.uint64(256)).astype(np.uint16)
 
 
 def write_synthetic_dataset(uri: str, *, rows: int, rows_per_shard: int, seq_len: int = 16,

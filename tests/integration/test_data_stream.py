@@ -158,3 +158,14 @@ def test_missing_dataset_empty_dataset_and_wrong_seq_len(tmp_path, ray_cluster):
     write_synthetic_dataset(empty, rows=0, rows_per_shard=10, seq_len=SEQ)
     with pytest.raises(DataError, match="the dataset is empty"):
         ShardStream(empty, batch_size=4)
+
+
+def test_wait_fraction_separates_waiting_from_the_consumers_work(dataset):
+    import time as _time
+
+    s = ShardStream(dataset, batch_size=100)
+    for _ in s.epoch():
+        _time.sleep(0.05)  # the consumer's "training step"
+    assert s.stats.step_s >= 0.05 * 9
+    assert 0 < s.stats.wait_fraction < 1
+    assert s.stats.as_dict()["wait_fraction"] == round(s.stats.wait_fraction, 4)

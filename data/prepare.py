@@ -1,0 +1,594 @@
+"""Preparing shards: text files, directories of them, or JSONL in; tokenized fixed-length shards plus
+`manifest.json` out (`pylon data prepare SRC... --out URI`).
+
+The steps, each a function below:
+
+1. **Find documents** (`find_source_files`): sources in the order given; a directory's files recursively, in
+   sorted order, hidden ones skipped. Every text file is one document; a JSONL file holds one per line.
+2. **Group** (`group_files`): consecutive files up to `GROUP_BYTES` of source form a group, the unit of
+   parallel work. The rule depends only on the files, never on the executor, so a run on Ray and a run in
+   this process write byte-identical shards.
+3. **Tokenize and pack** (`pack_group`): each document's tokens plus eos, concatenated, cut into rows of
+   exactly `seq_len`; only a group's last row is padded (its `num_tokens` says how much is real).
+4. **Cut into shards** (`plan_shards`): rows get ids 0.. in group order; every shard holds `rows_per_shard`
+   rows (from `shard_size_mb` of token bytes), the last the rest. Shards are named `part-<run>-<index>`, with
+   a fresh run id each time, so a new run never overwrites a shard a committed manifest lists.
+5. **Commit**: shards are written first, each atomically under a name unique to this run; the manifest is
+   written last (the commit); with `overwrite`, files of the dataset it replaces are removed after that. A
+   reader therefore sees the old dataset whole or the new one whole, never a mix, even if a run dies midway.
+
+Groups run as Ray tasks when a cluster is up (`pylon cluster up`, or a process already connected to one),
+otherwise in this process; the output is the same.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import re
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+from tqdm import tqdm
+
+from pylon import storage
+from pylon.data.shards import (
+    MANIFEST_NAME,
+    SHARD_SUFFIX,
+    DataError,
+    ShardInfo,
+    ShardManifest,
+    ShardRows,
+    Totals,
+    encode_shard,
+    manifest_uri,
+    sha256_hex,
+)
+from pylon.data.tokenizer import load_tokenizer
+from pylon.errors import ClusterError, PylonError, StorageError
+from pylon.specs import DatasetSpec
+
+log = logging.getLogger(__name__)
+
+# Source bytes per group (one Ray task). Part of the output's definition: each group's last row is padded,
+# so changing this changes the shards. 32 MiB keeps padding negligible and a task's memory small.
+GROUP_BYTES = 32 * 2**20
+FORMATS = tuple(SHARD_SUFFIX)
+_SHARD_NAME = re.compile(r"^part-[0-9a-f]{8}-\d{5}(\.parquet|\.tar)$")
+# storage.atomic_write's temporary names: a crashed run can leave them behind.
+_TEMP_NAME = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{32}$")
+_CREDENTIALS_IN_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1-2. Finding documents and grouping them
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    uri: str
+    size: int
+    jsonl: bool
+
+
+def find_source_files(sources: list[str], include: str | None = None) -> list[SourceFile]:
+    """Every file the sources name, in order. `include` (a glob on the file name, e.g. "*.py") filters the
+    files found in directories; a file named directly is always read."""
+    files: list[SourceFile] = []
+    for source in sources:
+        try:
+            fs, path = storage.resolve(source)
+            info = fs.info(path)
+            found = fs.find(path, detail=True) if info["type"] == "directory" else None
+        except FileNotFoundError:
+            raise DataError(f"source {source}: no such file or directory") from None
+        except StorageError as e:
+            raise DataError(f"source {e}") from None
+        except Exception as e:  # botocore/fsspec errors (endpoint, permissions)
+            raise DataError(f"source {storage.describe(source)}: cannot be listed ({type(e).__name__}: {e})") from None
+        if found is None:
+            files.append(SourceFile(source, int(info["size"]), _is_jsonl(source)))
+            continue
+        root = path.rstrip("/") + "/"
+        entries = []
+        for found_path, entry in found.items():
+            parts = found_path[len(root):].split("/")
+            if entry["type"] != "file" or not found_path.startswith(root) or any(p.startswith(".") for p in parts):
+                continue
+            if include and not fnmatch.fnmatchcase(parts[-1], include):
+                continue
+            entries.append((parts, int(entry["size"])))
+        # Sorted by path components, so a directory's files come where its name sorts (like a sorted walk).
+        for parts, size in sorted(entries):
+            rel = "/".join(parts)
+            try:
+                uri = storage.join(source, rel)
+            except StorageError as e:
+                raise DataError(f"source {source}: {e}") from None
+            files.append(SourceFile(uri, size, _is_jsonl(rel)))
+    return files
+
+
+def _is_jsonl(name: str) -> bool:
+    return name.lower().endswith(".jsonl")
+
+
+def group_files(files: list[SourceFile], group_bytes: int = GROUP_BYTES) -> list[list[SourceFile]]:
+    """Consecutive files of up to `group_bytes` source bytes (a larger file is a group on its own)."""
+    groups: list[list[SourceFile]] = []
+    current: list[SourceFile] = []
+    size = 0
+    for f in files:
+        if current and size + f.size > group_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(f)
+        size += f.size
+    if current:
+        groups.append(current)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Tokenizing and packing one group
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedGroup:
+    tokens: np.ndarray       # (rows, seq_len), the dataset's dtype
+    num_tokens: np.ndarray   # (rows,) int32: real tokens per row
+    documents: int
+    skipped: list[str] = field(default_factory=list)  # files left out: not UTF-8 text
+    tokenizer_sha256: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.num_tokens)
+
+
+def read_documents(file: SourceFile, text_field: str = "text") -> list[str] | None:
+    """The documents in `file`; None when a text file is not UTF-8 (the caller skips and counts it)."""
+    try:
+        data = storage.read_bytes(file.uri)
+    except StorageError as e:
+        raise DataError(f"source {e}") from None
+    if not file.jsonl:
+        try:
+            return [data.decode("utf-8")]
+        except UnicodeDecodeError:
+            return None
+    docs = []
+    # Split on b"\n" only: JSON Lines' separator (str.splitlines would also split inside text on U+2028).
+    for lineno, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{file.uri}: line {lineno}: not a JSON object ({e})") from None
+        if not isinstance(obj, dict) or text_field not in obj:
+            has = f"has {sorted(obj)[:8]}" if isinstance(obj, dict) else f"is a {type(obj).__name__}"
+            raise DataError(f"{file.uri}: line {lineno}: no {text_field!r} field ({has}); "
+                            "choose the field with --text-field")
+        if not isinstance(obj[text_field], str):
+            raise DataError(f"{file.uri}: line {lineno}: field {text_field!r} is a "
+                            f"{type(obj[text_field]).__name__}, not a string")
+        docs.append(obj[text_field])
+    return docs
+
+
+def pack_group(files: list[SourceFile], *, tokenizer: str, seq_len: int, dtype: str,
+               text_field: str = "text") -> PackedGroup:
+    """Tokenize a group's documents (each followed by eos) and cut the concatenation into rows of seq_len.
+
+    Takes the tokenizer's spec, not the object, so that it can run as a Ray task on any node.
+    """
+    tok = load_tokenizer(tokenizer)
+    pieces: list[np.ndarray] = []
+    documents = 0
+    skipped: list[str] = []
+    for file in files:
+        docs = read_documents(file, text_field)
+        if docs is None:
+            # Skipped and counted rather than fatal: real corpora (the Python standard library included)
+            # hold a few files in legacy encodings; one of them should not sink a run over millions, and
+            # the manifest's `skipped_files` plus a warning naming each file keep the choice visible.
+            skipped.append(file.uri)
+            continue
+        for text in docs:
+            if not text:
+                continue  # an empty document would only add a lone eos
+            ids = tok.encode(text)
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tok.vocab_size):
+                raise DataError(f"{file.uri}: tokenizer {tok.info.name} produced an id outside its "
+                                f"vocabulary of {tok.vocab_size}")
+            piece = np.empty(ids.size + 1, dtype=dtype)
+            piece[:-1] = ids
+            piece[-1] = tok.eos_id
+            pieces.append(piece)
+            documents += 1
+    tokens, num_tokens = pack(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
+    return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256)
+
+
+def pack(pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The concatenation of `pieces` as rows of exactly `seq_len` (the last padded) and each row's real length."""
+    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    rows = -(-flat.size // seq_len)
+    tokens = np.full(rows * seq_len, pad_id, dtype=dtype)
+    tokens[:flat.size] = flat
+    num_tokens = np.full(rows, seq_len, dtype=np.int32)
+    if rows:
+        num_tokens[-1] = flat.size - (rows - 1) * seq_len
+    return tokens.reshape(rows, seq_len), num_tokens
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. Shards
+# ---------------------------------------------------------------------------------------------------------
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 65535 else "int32"
+
+
+def rows_per_shard(shard_size_mb: float, seq_len: int, dtype: str) -> int:
+    return max(1, int(shard_size_mb * 2**20 // (seq_len * np.dtype(dtype).itemsize)))
+
+
+def plan_shards(group_rows: list[int], per_shard: int) -> list[list[tuple[int, int, int]]]:
+    """For each shard in order, the (group, lo, hi) row ranges it is made of. Rows are numbered across
+    groups in order; shard k holds rows [k * per_shard, (k + 1) * per_shard), the last one the rest."""
+    slices: list[tuple[int, int, int]] = []  # of the shard being filled
+    plan: list[list[tuple[int, int, int]]] = []
+    room = per_shard
+    for g, rows in enumerate(group_rows):
+        lo = 0
+        while lo < rows:
+            take = min(room, rows - lo)
+            slices.append((g, lo, lo + take))
+            lo += take
+            room -= take
+            if room == 0:
+                plan.append(slices)
+                slices, room = [], per_shard
+    if slices:
+        plan.append(slices)
+    return plan
+
+
+def shard_name(run_id: str, index: int, fmt: str) -> str:
+    return f"part-{run_id[:8]}-{index:05d}{SHARD_SUFFIX[fmt]}"
+
+
+def write_shard(out: str, fmt: str, name: str, first_id: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> ShardInfo:
+    """Encode (tokens, num_tokens) parts as one shard with ids from `first_id`, write it atomically."""
+    tokens = np.concatenate([t for t, _ in parts])
+    num_tokens = np.concatenate([n for _, n in parts])
+    ids = np.arange(first_id, first_id + len(num_tokens), dtype=np.int64)
+    data = encode_shard(fmt, ShardRows(ids, num_tokens, tokens))
+    storage.atomic_write(storage.join(out, name), data)
+    return ShardInfo(file=name, rows=len(ids), tokens=int(num_tokens.sum()), bytes=len(data),
+                     sha256=sha256_hex(data), first_id=first_id)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. prepare
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every group and shard needs, in a form that travels to Ray tasks."""
+
+    out: str
+    fmt: str
+    seq_len: int
+    dtype: str
+    tokenizer: str
+    text_field: str
+    run_id: str
+    per_shard: int
+    progress: bool
+
+
+@dataclass
+class _Outcome:
+    shards: list[ShardInfo]
+    documents: int
+    skipped: list[str]
+    tokenizer_sha256: set[str | None]
+
+
+def prepare(sources: list[str], out: str, *, fmt: str = "parquet", seq_len: int = 256, tokenizer: str = "byte",
+            shard_size_mb: float = 64.0, include: str | None = None, text_field: str = "text",
+            overwrite: bool = False, use_ray: bool | None = None, progress: bool = True) -> ShardManifest:
+    """Tokenize `sources` into fixed-length shards plus a manifest at `out`; returns the committed manifest.
+
+    `use_ray`: None runs on Ray when a cluster is up (else in this process), True requires Ray, False never
+    uses it. The shards are the same either way. `progress` shows a bar on an interactive terminal.
+    `out` must be empty unless `overwrite`, which replaces a prepared dataset whole.
+    """
+    started = time.perf_counter()
+    if isinstance(sources, str):
+        sources = [sources]
+    _check_arguments(sources, fmt, seq_len, shard_size_mb)
+    tok = load_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    replaced = _check_out(out, sources, overwrite)
+    files = find_source_files(sources, include)
+    if not files:
+        raise DataError(f"empty dataset: no files in {', '.join(sources)}"
+                        + (f" match --include {include!r}" if include else ""))
+    groups = group_files(files, GROUP_BYTES)
+    job = _Job(out=out, fmt=fmt, seq_len=seq_len, dtype=dtype, tokenizer=tokenizer, text_field=text_field,
+               run_id=uuid.uuid4().hex, per_shard=rows_per_shard(shard_size_mb, seq_len, dtype), progress=progress)
+    executor = _ray_executor(use_ray, [*sources, out] + ([] if tokenizer == "byte" else [tokenizer]))
+    log.info("preparing %d file(s), %.1f MiB, in %d group(s) %s", len(files),
+             sum(f.size for f in files) / 2**20, len(groups), executor or "in this process")
+    try:
+        outcome = _run_on_ray(job, groups) if executor else _run_here(job, groups)
+        if outcome.documents == 0:
+            raise DataError(f"empty dataset: no documents in {', '.join(sources)}"
+                            + (f" ({len(outcome.skipped)} file(s) skipped: not UTF-8 text)" if outcome.skipped else ""))
+        if outcome.tokenizer_sha256 != {tok.info.sha256}:
+            raise DataError(f"tokenizer {tokenizer}: its files changed during the run (different contents were "
+                            "read by different tasks); run again")
+        manifest = ShardManifest(
+            format=fmt, seq_len=seq_len, dtype=dtype, tokenizer=tok.info, shards=outcome.shards,
+            totals=Totals(documents=outcome.documents, rows=sum(s.rows for s in outcome.shards),
+                          tokens=sum(s.tokens for s in outcome.shards), bytes=sum(s.bytes for s in outcome.shards),
+                          skipped_files=len(outcome.skipped)),
+            sources=[_without_credentials(s) for s in sources], run_id=job.run_id,
+        )
+        manifest.check(out)
+        storage.atomic_write_json(manifest_uri(out), manifest.model_dump(mode="json"))  # the commit
+    except BaseException:
+        _remove_uncommitted(out, job.run_id)
+        raise
+    if replaced:
+        try:
+            _remove_replaced(out, keep={MANIFEST_NAME, *(s.file for s in manifest.shards)})
+        except Exception as e:  # committed already: what is left is unreferenced, and the next overwrite removes it
+            log.warning("prepared %s, but could not remove all of the dataset it replaced: %s", out, e)
+    for uri in outcome.skipped[:20]:
+        log.warning("skipped %s: not UTF-8 text", uri)
+    if len(outcome.skipped) > 20:
+        log.warning("skipped %d more file(s) that are not UTF-8 text", len(outcome.skipped) - 20)
+    seconds = max(time.perf_counter() - started, 1e-9)
+    t = manifest.totals
+    log.info("prepared %s: %d shard(s), %d rows, %d tokens in %.1fs (%.0f rows/s, %.0f tokens/s)",
+             out, len(manifest.shards), t.rows, t.tokens, seconds, t.rows / seconds, t.tokens / seconds)
+    return manifest
+
+
+def prepare_spec(spec: DatasetSpec, **kw) -> ShardManifest:
+    """`prepare` for a `Dataset` spec; keyword arguments (overwrite, use_ray, progress, include...) pass on."""
+    return prepare(list(spec.sources), spec.output, fmt=spec.format, seq_len=spec.seq_len,
+                   tokenizer=spec.tokenizer, shard_size_mb=spec.shard_size_mb, **kw)
+
+
+def _check_arguments(sources: list[str], fmt: str, seq_len: int, shard_size_mb: float) -> None:
+    if not sources:
+        raise DataError("no sources given: name text files, directories of them, or JSONL files")
+    if fmt not in FORMATS:
+        raise DataError(f"format {fmt!r}: must be one of {', '.join(FORMATS)}")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise DataError(f"seq_len {seq_len!r}: must be a whole number >= 1")
+    if not shard_size_mb > 0:
+        raise DataError(f"shard_size_mb {shard_size_mb!r}: must be > 0")
+
+
+def _check_out(out: str, sources: list[str], overwrite: bool) -> bool:
+    """Refuse an `out` that overlaps a source or holds anything (unless `overwrite` and it is a prepared
+    dataset). True when there is a dataset to replace."""
+    out_fs, out_path = storage.resolve(out)
+    for source in sources:
+        src_fs, src_path = storage.resolve(source)
+        if type(src_fs) is type(out_fs) and (_inside(out_path, src_path) or _inside(src_path, out_path)):
+            raise DataError(f"--out {out} overlaps the source {source}: nothing is ever written into the "
+                            "input; choose an output location outside it")
+    existing = storage.listdir(out)
+    if not existing:
+        return False
+    if not overwrite:
+        what = "a prepared dataset" if MANIFEST_NAME in existing else f"{len(existing)} file(s) ({existing[0]}, ...)"
+        raise DataError(f"{out} already holds {what}; pass --overwrite (CLI) / overwrite=True to replace it whole")
+    # Overwrite replaces a prepared dataset, never anything else: `--out ~ --overwrite` must not empty a home.
+    foreign = [n for n in existing if n != MANIFEST_NAME and not _SHARD_NAME.match(n)]
+    if foreign:
+        raise DataError(f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:5])}"
+                        f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only a dataset's "
+                        "manifest and shards: choose another location or remove them")
+    return True
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _without_credentials(uri: str) -> str:
+    return _CREDENTIALS_IN_URI.sub(r"\1", uri)
+
+
+def _remove_replaced(out: str, keep: set[str]) -> None:
+    """After the commit: remove the replaced dataset's shards and manifest leftovers, and temporary files
+    crashed runs left behind. Only names Pylon writes are touched."""
+    fs, path = storage.resolve(out)
+    for entry in fs.ls(path, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        temp = _TEMP_NAME.match(name)
+        target = temp.group(1) if temp else name
+        ours = _SHARD_NAME.match(target) or (temp and target == MANIFEST_NAME)
+        if ours and name not in keep:
+            storage.remove(storage.join(out, name))
+
+
+def _remove_uncommitted(out: str, run_id: str) -> None:
+    """Best effort after a failure: this run's shards, which no manifest lists."""
+    try:
+        for name in storage.listdir(out):
+            if _SHARD_NAME.match(name) and name.startswith(f"part-{run_id[:8]}-"):
+                storage.remove(storage.join(out, name))
+    except Exception as e:  # the original failure is the one to report
+        log.warning("could not remove this run's unfinished shards from %s: %s", out, e)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Executors: the same groups and shards, in this process or as Ray tasks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _bar(job: _Job, **kw) -> tqdm:
+    # disable=None: shown only on an interactive terminal, so logs and CI output stay clean.
+    return tqdm(disable=None if job.progress else True, dynamic_ncols=True, **kw)
+
+
+def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
+    """Groups one after another; a shard is written as soon as its rows exist, so memory holds about one
+    group and one shard, never the dataset. Cuts where `plan_shards` cuts: every `per_shard` rows."""
+    outcome = _Outcome([], 0, [], set())
+    tokens = np.zeros((0, job.seq_len), dtype=job.dtype)  # rows not yet in a shard
+    num_tokens = np.zeros(0, dtype=np.int32)
+    with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True,
+              desc="tokenizing") as bar:
+        for files in groups:
+            group = pack_group(files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype,
+                               text_field=job.text_field)
+            outcome.documents += group.documents
+            outcome.skipped += group.skipped
+            outcome.tokenizer_sha256.add(group.tokenizer_sha256)
+            tokens, num_tokens = np.concatenate([tokens, group.tokens]), np.concatenate([num_tokens, group.num_tokens])
+            while len(num_tokens) >= job.per_shard:
+                _write_next_shard(job, outcome, tokens[:job.per_shard], num_tokens[:job.per_shard])
+                tokens, num_tokens = tokens[job.per_shard:], num_tokens[job.per_shard:]
+            bar.update(sum(f.size for f in files))
+    if len(num_tokens):
+        _write_next_shard(job, outcome, tokens, num_tokens)
+    return outcome
+
+
+def _write_next_shard(job: _Job, outcome: _Outcome, tokens: np.ndarray, num_tokens: np.ndarray) -> None:
+    index = len(outcome.shards)
+    outcome.shards.append(write_shard(job.out, job.fmt, shard_name(job.run_id, index, job.fmt),
+                                      index * job.per_shard, [(tokens, num_tokens)]))
+
+
+def _ray_executor(use_ray: bool | None, uris: list[str]) -> str | None:
+    """Where groups run: a description of the Ray cluster, or None for this process."""
+    if use_ray is False:
+        return None
+    in_memory = [u for u in uris if isinstance(storage.resolve(u)[0], MemoryFileSystem)]
+    if in_memory:
+        # memory:// lives inside one process; Ray workers would each see an empty one.
+        if use_ray:
+            raise DataError(f"{in_memory[0]}: memory:// storage exists only in this process; Ray tasks cannot "
+                            "reach it (use a local path or s3://, or run without Ray)")
+        return None
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return "on the Ray cluster this process is connected to"
+    import pylon
+
+    try:
+        client = pylon.connect()
+        client.init_ray()
+    except ClusterError as e:
+        if use_ray:
+            raise
+        log.info("not using Ray: %s", str(e).split(". ")[0])
+        return None
+    return f"on the Ray cluster at {client.dashboard_url}"
+
+
+def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
+    """One task per group (tokenize + pack, arrays stay in the object store), then one task per shard."""
+    import ray
+
+    options = _placement(job, groups)
+    pack_task = ray.remote(num_cpus=1, num_returns=2, max_retries=2, **options)(_pack_group_task)
+    write_task = ray.remote(num_cpus=1, max_retries=2, **options)(_write_shard_task)
+    metas: dict[int, dict] = {}
+    arrays = []
+    refs: dict = {}
+    shard_refs: dict = {}
+    try:
+        for g, files in enumerate(groups):
+            meta_ref, arrays_ref = pack_task.remote(files, job)
+            refs[meta_ref] = g
+            arrays.append(arrays_ref)
+        with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True,
+                  desc="tokenizing") as bar:
+            pending = list(refs)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                g = refs[done[0]]
+                metas[g] = ray.get(done[0])
+                bar.update(sum(f.size for f in groups[g]))
+        plan = plan_shards([metas[g]["rows"] for g in range(len(groups))], job.per_shard)
+        for index, slices in enumerate(plan):
+            ref = write_task.remote(job, shard_name(job.run_id, index, job.fmt), index * job.per_shard,
+                                    [(lo, hi) for _, lo, hi in slices], *[arrays[g] for g, _, _ in slices])
+            shard_refs[ref] = index
+        shards: dict[int, ShardInfo] = {}
+        with _bar(job, total=len(plan), unit="shard", desc="writing") as bar:
+            pending = list(shard_refs)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                shards[shard_refs[done[0]]] = ray.get(done[0])
+                bar.update(1)
+    except BaseException as e:
+        for ref in [*refs, *shard_refs]:
+            try:
+                ray.cancel(ref)
+            except Exception:  # already finished
+                pass
+        # Let writers that were past cancelling finish, so the caller's cleanup sees every shard they wrote.
+        ray.wait(list(shard_refs), num_returns=len(shard_refs), timeout=60)
+        cause = getattr(e, "cause", None)
+        if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, PylonError):
+            raise cause from None  # the task's own message, without a remote traceback around it
+        raise
+    return _Outcome(
+        shards=[shards[i] for i in range(len(plan))],
+        documents=sum(m["documents"] for m in metas.values()),
+        skipped=[uri for g in range(len(groups)) for uri in metas[g]["skipped"]],
+        tokenizer_sha256={m["tokenizer_sha256"] for m in metas.values()},
+    )
+
+
+def _placement(job: _Job, groups: list[list[SourceFile]]) -> dict:
+    """Pin tasks to this node when they read or write local paths: other nodes do not have them."""
+    import ray
+
+    uris: Iterable[str] = [job.out, *(f.uri for g in groups for f in g)]
+    if job.tokenizer != "byte":
+        uris = [*uris, job.tokenizer]
+    if not any(isinstance(storage.resolve(u)[0], LocalFileSystem) for u in uris):
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+
+def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
+    group = pack_group(files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype,
+                       text_field=job.text_field)
+    meta = {"rows": group.rows, "documents": group.documents, "skipped": group.skipped,
+            "tokenizer_sha256": group.tokenizer_sha256}
+    return meta, (group.tokens, group.num_tokens)
+
+
+def _write_shard_task(job: _Job, name: str, first_id: int, ranges: list[tuple[int, int]],
+                      *group_arrays: tuple[np.ndarray, np.ndarray]) -> ShardInfo:
+    parts = [(tokens[lo:hi], num_tokens[lo:hi]) for (lo, hi), (tokens, num_tokens) in zip(ranges, group_arrays)]
+    return write_shard(job.out, job.fmt, name, first_id, parts)

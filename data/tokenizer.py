@@ -1,0 +1,213 @@
+"""Tokenizers for preparing data: the built-in byte-level one, a `tokenizers` JSON file, or a Hugging Face
+tokenizer directory, behind one small interface (`encode`, `decode`, `eos_id`, `pad_id`, `vocab_size`, `info`).
+
+    load_tokenizer("byte")                          # no files: UTF-8 bytes 0-255, eos 256, pad 257
+    load_tokenizer("s3://bucket/tok/tokenizer.json")  # a `tokenizers` JSON file (local path or URI)
+    load_tokenizer("/models/llama-tok/")            # a directory `transformers.AutoTokenizer` can load
+
+Documents are encoded without special tokens: packing appends exactly one eos after each document, the
+same for every kind, so a tokenizer whose post-processor adds [CLS]/[SEP] or BOS does not change the layout.
+`info.sha256` fingerprints the tokenizer's files, so a dataset records exactly which tokenizer made it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from pylon import storage
+from pylon.data.shards import DataError, TokenizerInfo
+from pylon.errors import StorageError
+from pylon.presets import BYTE_VOCAB_SIZE
+
+BYTE_EOS_ID = 256
+BYTE_PAD_ID = 257
+# Tried in this order when a `tokenizers` file does not say which token ends a document.
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "[SEP]")
+PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
+
+
+class Tokenizer(Protocol):
+    eos_id: int
+    pad_id: int
+    vocab_size: int
+    info: TokenizerInfo
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0-255; 256 ends a document, 257 pads. Needs no files."""
+
+    eos_id: int = BYTE_EOS_ID
+    pad_id: int = BYTE_PAD_ID
+    vocab_size: int = BYTE_VOCAB_SIZE
+
+    @property
+    def info(self) -> TokenizerInfo:
+        return TokenizerInfo(kind="byte", name="byte", vocab_size=self.vocab_size, eos_id=self.eos_id,
+                             pad_id=self.pad_id, sha256=None)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        # Special and unused ids (>= 256) carry no text; a sequence cut mid-character decodes to U+FFFD.
+        data = bytes(int(i) for i in np.asarray(ids).reshape(-1) if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class TokenizersFileTokenizer:
+    """A `tokenizers` JSON file (what `Tokenizer.save()` writes)."""
+
+    def __init__(self, path: str, name: str, sha256: str, *, where: str):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        try:
+            self._tok = RustTokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises a plain Exception for any malformed file
+            raise DataError(f"{where}: not a `tokenizers` JSON file ({type(e).__name__}: {e})") from None
+        self.eos_id = _first_id(self._tok.token_to_id, EOS_NAMES)
+        if self.eos_id is None:
+            raise DataError(f"{where}: has no end-of-document token; add one of {', '.join(EOS_NAMES)} to its "
+                            "special tokens (e.g. `trainer = BpeTrainer(special_tokens=['<|endoftext|>'])`)")
+        pad = _first_id(self._tok.token_to_id, PAD_NAMES)
+        self.pad_id = self.eos_id if pad is None else pad
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.info = TokenizerInfo(kind="tokenizers", name=name, vocab_size=self.vocab_size, eos_id=self.eos_id,
+                                  pad_id=self.pad_id, sha256=sha256)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+
+
+class HuggingFaceTokenizer:
+    """A directory `transformers.AutoTokenizer.from_pretrained` loads (never from a hub: local files only)."""
+
+    def __init__(self, path: str, name: str, sha256: str, *, where: str):
+        from transformers import AutoTokenizer  # slow to import; only for this kind
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a bad directory
+            raise DataError(f"{where}: not a Hugging Face tokenizer directory ({type(e).__name__}: {e})") from None
+        eos = self._tok.eos_token_id
+        if eos is None:
+            eos = _first_id(self._vocab_id, EOS_NAMES)
+        if eos is None:
+            raise DataError(f"{where}: the tokenizer has no eos token; set `eos_token` in its "
+                            f"tokenizer_config.json (e.g. one of {', '.join(EOS_NAMES)})")
+        self.eos_id = int(eos)
+        self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(self._tok)  # includes added tokens, unlike `.vocab_size`
+        self.info = TokenizerInfo(kind="huggingface", name=name, vocab_size=self.vocab_size, eos_id=self.eos_id,
+                                  pad_id=self.pad_id, sha256=sha256)
+
+    def _vocab_id(self, token: str) -> int | None:
+        return self._tok.get_vocab().get(token)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False), dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+
+
+def _first_id(lookup, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        found = lookup(name)
+        if found is not None:
+            return int(found)
+    return None
+
+
+def load_tokenizer(spec: str = "byte") -> Tokenizer:
+    """The tokenizer `spec` names: "byte", a `tokenizers` JSON file, or a Hugging Face tokenizer directory.
+
+    Paths may be local or URIs (s3://, memory://, file://); the files are read on every call (Ray tasks get
+    the spec string, not the object) but parsed once per process and content.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise DataError(f"{spec!r}: not a tokenizer; give 'byte' or a path to a tokenizer file or directory")
+    if spec == "byte":
+        return ByteTokenizer()
+    return _load_from_files(spec)
+
+
+# Parsed tokenizers by (sha256, name, is a directory): a Ray worker runs many tasks, each naming the same spec.
+_LOADED: dict[tuple[str, str, bool], Tokenizer] = {}
+
+
+def _load_from_files(uri: str) -> Tokenizer:
+    where = f"tokenizer {uri}"
+    is_directory, files = _tokenizer_files(uri, where)
+    name = posixpath.basename(uri.rstrip("/")) or uri
+    # Keyed by content, not path: a tokenizer rewritten in place must never be served stale.
+    key = (_files_sha256(files), name, is_directory)
+    if key not in _LOADED:
+        _LOADED[key] = _parse(is_directory, name, files, key[0], where)
+    return _LOADED[key]
+
+
+def _parse(is_directory: bool, name: str, files: list[tuple[str, bytes]], sha256: str, where: str) -> Tokenizer:
+    # Both libraries load from local files only; remote files are copied to a private temp dir first.
+    tmp = tempfile.mkdtemp(prefix="pylon-tokenizer-")
+    try:
+        for rel, data in files:
+            local = os.path.join(tmp, rel)
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            with open(local, "wb") as f:
+                f.write(data)
+        if is_directory:
+            return HuggingFaceTokenizer(tmp, name, sha256, where=where)
+        return TokenizersFileTokenizer(os.path.join(tmp, files[0][0]), name, sha256, where=where)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # both libraries hold everything in memory once loaded
+
+
+def _tokenizer_files(uri: str, where: str) -> tuple[bool, list[tuple[str, bytes]]]:
+    """(is a directory, [(name relative to the directory, bytes)] sorted by name). A single file is
+    returned under the name "tokenizer.json"."""
+    try:
+        fs, path = storage.resolve(uri)
+        if not fs.exists(path):
+            raise DataError(f"{where}: no such file or directory (give 'byte' or a path to a `tokenizers` "
+                            "JSON file or a Hugging Face tokenizer directory)")
+        if not fs.isdir(path):
+            return False, [("tokenizer.json", storage.read_bytes(uri))]
+        found = sorted(fs.find(path))
+        root = path.rstrip("/") + "/"
+        rels = [p[len(root):] for p in found if p.startswith(root)]
+        rels = [r for r in rels if not any(part.startswith(".") for part in r.split("/"))]
+        if not rels:
+            raise DataError(f"{where}: an empty directory; expected a Hugging Face tokenizer directory "
+                            "(tokenizer.json, tokenizer_config.json)")
+        return True, [(rel, storage.read_bytes(storage.join(uri, rel))) for rel in rels]
+    except DataError:
+        raise
+    except StorageError as e:
+        raise DataError(f"{where}: {e}") from None
+    except Exception as e:  # fsspec/botocore errors while listing
+        raise DataError(f"{where}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _files_sha256(files: list[tuple[str, bytes]]) -> str:
+    """Identity of a tokenizer's files: names (relative, sorted) and bytes. A single file is hashed under the
+    fixed name "tokenizer.json", so the same file copied under another name is still the same tokenizer."""
+    h = hashlib.sha256()
+    for rel, data in files:
+        h.update(rel.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
