@@ -1,7 +1,7 @@
 """Data throughput: Pylon's Ray Data stream vs a bare pyarrow reader, on the same shards, in one run.
 
     .venv/bin/python bench/data_throughput.py                 # local disk and a moto S3 server on loopback
-    .venv/bin/python bench/data_throughput.py --rows 200000 --seq-len 512 --format webdataset
+    .venv/bin/python bench/data_throughput.py --rows 200000 --format webdataset --stores local
 
 For each store (local disk, S3 protocol on 127.0.0.1), the same prepared shards are read to the end twice:
 - baseline: a bare loop over the manifest's shards (read bytes through the same pyarrow filesystem, decode
@@ -78,9 +78,10 @@ def run_store(label: str, uri: str, args) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--rows", type=int, default=524_288)
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--rows-per-shard", type=int, default=16_384)
+    parser.add_argument("--rows-per-shard", type=int, default=65_536,
+                        help="default: 64 MiB shards at seq-len 512, as `prepare` writes by default")
     parser.add_argument("--format", choices=["parquet", "webdataset"], default="parquet")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)

@@ -33,7 +33,7 @@ from pylon.data.shards import (
     BadShardError,
     DataError,
     ShardManifest,
-    decode_shard,
+    decode_shard_table,
     read_manifest,
     verify_shard_bytes,
 )
@@ -119,15 +119,14 @@ def _shard_datasource_class():
         _FILE_EXTENSIONS = ["parquet", "tar"]
 
         def __init__(self, paths: list[str], *, shard_meta: dict[str, tuple[int, dict]], fmt: str, seq_len: int,
-                     dtype: str, on_bad_shard: str, filesystem, block_rows: int = 4096):
+                     dtype: str, on_bad_shard: str, filesystem):
             super().__init__(paths, filesystem=filesystem)
             self._shard_meta = shard_meta
             self._fmt, self._seq_len, self._dtype = fmt, seq_len, dtype
             self._on_bad_shard = on_bad_shard
-            self._block_rows = block_rows
 
         def _read_stream(self, f, path: str):
-            from ray.data.block import BlockAccessor
+            import pyarrow as pa
 
             from pylon.data.shards import ShardInfo
 
@@ -136,10 +135,10 @@ def _shard_datasource_class():
             try:
                 data = f.readall() if hasattr(f, "readall") else f.read()
                 verify_shard_bytes(info, data)
-                rows = decode_shard(self._fmt, data, shard=info.file, seq_len=self._seq_len, dtype=self._dtype)
-                if len(rows) != info.rows or (len(rows) and int(rows.ids[0]) != info.first_id):
-                    raise BadShardError(info.file, f"holds {len(rows)} rows from id "
-                                                   f"{int(rows.ids[0]) if len(rows) else '-'}, manifest says "
+                table = decode_shard_table(self._fmt, data, shard=info.file, seq_len=self._seq_len, dtype=self._dtype)
+                first = table.column("id")[0].as_py() if len(table) else None
+                if len(table) != info.rows or (len(table) and first != info.first_id):
+                    raise BadShardError(info.file, f"holds {len(table)} rows from id {first}, manifest says "
                                                    f"{info.rows} from id {info.first_id}")
             except BadShardError as e:
                 if self._on_bad_shard != "skip":
@@ -148,9 +147,8 @@ def _shard_datasource_class():
                 yield _block(index, np.array([-1], np.int64), np.zeros(1, np.int32),
                              np.zeros((1, self._seq_len), self._dtype))
                 return
-            for a in range(0, max(len(rows), 1), self._block_rows):
-                b = min(len(rows), a + self._block_rows)
-                yield _block(index, rows.ids[a:b], rows.num_tokens[a:b], rows.tokens[a:b])
+            # One block per shard, straight from the decoder: no copies on the way to the object store.
+            yield table.append_column("shard", pa.array(np.full(len(table), index, np.int32)))
 
     return ShardDatasource
 

@@ -194,6 +194,26 @@ def encode_shard(fmt: str, rows: ShardRows) -> bytes:
     raise ValueError(f"unknown shard format {fmt!r}")
 
 
+def decode_shard_table(fmt: str, data: bytes, *, shard: str, seq_len: int, dtype: str) -> pa.Table:
+    """A shard as an Arrow table (id, num_tokens, tokens: fixed_size_list). For parquet this is the file's own
+    decoded columns with no further copy, which is what a streaming reader wants to hand on."""
+    if fmt != "parquet":
+        rows = decode_shard(fmt, data, shard=shard, seq_len=seq_len, dtype=dtype)
+        return pa.table({"id": rows.ids, "num_tokens": rows.num_tokens,
+                         "tokens": pa.FixedSizeListArray.from_arrays(pa.array(rows.tokens.reshape(-1)), seq_len)})
+    try:
+        table = pq.read_table(pa.BufferReader(data), use_threads=False)
+    except Exception as e:
+        raise BadShardError(shard, f"cannot be decoded as parquet ({type(e).__name__}: {e})") from None
+    missing = _PARQUET_SCHEMA - set(table.column_names)
+    if missing:
+        raise BadShardError(shard, f"schema lacks column(s) {sorted(missing)} (has {table.column_names})")
+    tokens = table.schema.field("tokens").type
+    if not pa.types.is_fixed_size_list(tokens) or tokens.list_size != seq_len or str(tokens.value_type) != dtype:
+        raise BadShardError(shard, f"tokens column is {tokens}, manifest says fixed_size_list<{dtype}>[{seq_len}]")
+    return table.select(["id", "num_tokens", "tokens"])
+
+
 def decode_shard(fmt: str, data: bytes, *, shard: str, seq_len: int, dtype: str) -> ShardRows:
     """Rows from a shard file's bytes; BadShardError naming `shard` for anything malformed."""
     try:
