@@ -78,9 +78,11 @@ class SourceFile:
     jsonl: bool
 
 
-def find_source_files(sources: list[str], include: str | None = None) -> list[SourceFile]:
+def find_source_files(sources: list[str], include: str | None = None,
+                      exclude: list[str] | tuple[str, ...] = ()) -> list[SourceFile]:
     """Every file the sources name, in order. `include` (a glob on the file name, e.g. "*.py") filters the
-    files found in directories; a file named directly is always read."""
+    files found in directories; `exclude` globs drop files any of whose path components (below the source
+    directory) match, e.g. "site-packages" or "test_*"; a file named directly is always read."""
     files: list[SourceFile] = []
     for source in sources:
         try:
@@ -103,6 +105,8 @@ def find_source_files(sources: list[str], include: str | None = None) -> list[So
             if entry["type"] != "file" or not found_path.startswith(root) or any(p.startswith(".") for p in parts):
                 continue
             if include and not fnmatch.fnmatchcase(parts[-1], include):
+                continue
+            if any(fnmatch.fnmatchcase(part, pattern) for part in parts for pattern in exclude):
                 continue
             entries.append((parts, int(entry["size"])))
         # Sorted by path components, so a directory's files come where its name sorts (like a sorted walk).
@@ -309,7 +313,8 @@ class _Outcome:
 
 
 def prepare(sources: list[str], out: str, *, fmt: str = "parquet", seq_len: int = 256, tokenizer: str = "byte",
-            shard_size_mb: float = 64.0, include: str | None = None, text_field: str = "text",
+            shard_size_mb: float = 64.0, include: str | None = None, exclude: list[str] | tuple[str, ...] = (),
+            text_field: str = "text",
             overwrite: bool = False, use_ray: bool | None = None, progress: bool = True) -> ShardManifest:
     """Tokenize `sources` into fixed-length shards plus a manifest at `out`; returns the committed manifest.
 
@@ -324,7 +329,7 @@ def prepare(sources: list[str], out: str, *, fmt: str = "parquet", seq_len: int 
     tok = load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     replaced = _check_out(out, sources, overwrite)
-    files = find_source_files(sources, include)
+    files = find_source_files(sources, include, exclude)
     if not files:
         raise DataError(f"empty dataset: no files in {', '.join(sources)}"
                         + (f" match --include {include!r}" if include else ""))
@@ -373,7 +378,8 @@ def prepare(sources: list[str], out: str, *, fmt: str = "parquet", seq_len: int 
 def prepare_spec(spec: DatasetSpec, **kw) -> ShardManifest:
     """`prepare` for a `Dataset` spec; keyword arguments (overwrite, use_ray, progress, include...) pass on."""
     return prepare(list(spec.sources), spec.output, fmt=spec.format, seq_len=spec.seq_len,
-                   tokenizer=spec.tokenizer, shard_size_mb=spec.shard_size_mb, **kw)
+                   tokenizer=spec.tokenizer, shard_size_mb=spec.shard_size_mb, include=spec.include,
+                   exclude=list(spec.exclude), **kw)
 
 
 def _check_arguments(sources: list[str], fmt: str, seq_len: int, shard_size_mb: float) -> None:

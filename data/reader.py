@@ -477,8 +477,8 @@ class ShardStream:
             dtype=self.manifest.dtype, on_bad_shard=self.on_bad_shard, filesystem=self._fs)
         # Reads need no CPU reservation: Train workers usually hold every CPU, and a read is I/O bound;
         # `concurrency` bounds how many shards are in flight (and in memory) at once.
-        return ray.data.read_datasource(source, override_num_blocks=len(paths), concurrency=self.prefetch_shards,
-                                        num_cpus=self.read_num_cpus)
+        return ray.data.read_datasource(source, override_num_blocks=len(paths),
+                                        concurrency=min(self.prefetch_shards, len(paths)), num_cpus=self.read_num_cpus)
 
 
 def _find_cause(error: BaseException, kind: type):

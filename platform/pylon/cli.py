@@ -92,7 +92,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     _show_data_logs()
     started = time.perf_counter()
     manifest = prepare(args.sources, args.out, fmt=args.format, seq_len=args.seq_len, tokenizer=args.tokenizer,
-                       shard_size_mb=args.shard_size_mb, include=args.include, text_field=args.text_field,
+                       shard_size_mb=args.shard_size_mb, include=args.include, exclude=args.exclude, text_field=args.text_field,
                        overwrite=args.overwrite, use_ray=False if args.local else None,
                        progress=not args.json)
     seconds = max(time.perf_counter() - started, 1e-9)
@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--shard-size-mb", type=float, default=64.0, metavar="X",
                     help="target shard size in MiB of tokens (default 64)")
     pr.add_argument("--include", metavar="GLOB", help="only files in directories whose name matches, e.g. '*.py'")
+    pr.add_argument("--exclude", metavar="GLOB", action="append", default=[],
+                    help="skip files with a path component matching, e.g. 'site-packages' (repeatable)")
     pr.add_argument("--text-field", default="text", metavar="NAME", help="the JSONL field holding the text "
                                                                          "(default text)")
     pr.add_argument("--overwrite", action="store_true", help="replace a prepared dataset at --out")

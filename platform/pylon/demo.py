@@ -2,9 +2,11 @@
 
 1. start (or reuse) the local Ray head, token auth on;
 2. validate the bundled example specs;
-3. submit a Ray job through the Jobs API that surveys the standard library's sources in parallel
-   Ray tasks and commits the result atomically to local object storage;
-4. read the result back and print it with the addresses a person needs.
+3. submit `pylon data prepare` as a Ray job through the Jobs API: the standard library's own `.py` files
+   are tokenized in parallel Ray tasks into parquet shards plus a manifest on local object storage;
+4. stream the shards back the way a training worker reads them (Ray Data, checksums, shuffling) and print
+   throughput, and a sample decoded back to text.
+Training, export and serving join this path as they land.
 """
 from __future__ import annotations
 
@@ -33,24 +35,37 @@ def run_demo(*, keep_cluster: bool = False) -> int:
 
         client = connect(info.dashboard_url)
         stdlib = sysconfig.get_paths()["stdlib"]
-        out = storage.join(str(cluster.pylon_home()), "demo", "corpus-stats.json")
-        entrypoint = f"python -m pylon.jobs.corpus_stats --src {shlex.quote(stdlib)} --out {shlex.quote(out)}"
+        corpus = storage.join(str(cluster.pylon_home()), "demo", "corpus")
+        entrypoint = " ".join(shlex.quote(a) for a in [
+            "pylon", "data", "prepare", stdlib, "--include", "*.py", "--exclude", "site-packages",
+            "--exclude", "dist-packages", "--out", corpus, "--seq-len", "256", "--overwrite"])
         job_id = client.submit_job(entrypoint)
         print(f"[3/4] submitted Ray job {job_id}: {entrypoint}")
         status = client.wait_job(job_id, timeout_s=600)
         logs = client.job_logs(job_id).strip().splitlines()
         if status != "SUCCEEDED":
             print("\n".join(logs[-30:]), file=sys.stderr)
-            print(f"error: job {job_id} ended {status}; full logs: pylon jobs logs / the dashboard", file=sys.stderr)
+            print(f"error: job {job_id} ended {status}; see its logs in the dashboard", file=sys.stderr)
             return 1
-        print(f"      job {job_id} {status}: {logs[-1] if logs else ''}")
+        for line in logs[-6:]:
+            print(f"      {line}")
 
-        result = storage.read_json(out)
-        totals = result["totals"]
-        print(f"[4/4] result committed at {out}:")
-        print(f"      {totals['files']:,} files, {totals['bytes'] / 2**20:.1f} MiB, {totals['lines']:,} lines "
-              f"surveyed by {result['tasks']} Ray tasks at {result['bytes_per_s'] / 2**20:.1f} MiB/s")
-        print("      most used keywords: " + ", ".join(f"{k} {v:,}" for k, v in result["top_keywords"][:6]))
+        from pylon.data.reader import ShardStream
+        from pylon.data.tokenizer import load_tokenizer
+
+        client.init_ray()
+        stream = ShardStream(corpus, batch_size=64, seed=0)
+        last = None
+        for batch in stream.epoch():
+            last = batch if len(batch) else last
+        stats = stream.stats.as_dict()
+        print(f"[4/4] streamed {stats['rows']:,} sequences ({stats['tokens']:,} tokens, "
+              f"{stats['bytes_read'] / 2**20:.1f} MiB) through Ray Data: {stats['tokens_per_s'] / 1e6:.1f} M tokens/s, "
+              f"{stats['rows_per_s']:,.0f} rows/s; {stream.manifest.summary()}")
+        if last is not None:
+            text = load_tokenizer("byte").decode(last.tokens[0, : last.num_tokens[0]].tolist())
+            print(f"      sample {int(last.sample_ids[0])}, decoded:\n" +
+                  "\n".join("        | " + line for line in text.splitlines()[:8]))
         print(f"demo finished in {time.perf_counter() - t0:.0f}s")
         return 0
     finally:

@@ -103,6 +103,8 @@ class DatasetSpec(_Spec):
     format: Literal["parquet", "webdataset"] = "parquet"
     seq_len: PositiveInt = 256
     tokenizer: str = Field("byte", min_length=1, description="'byte', or a path to tokenizer files")
+    include: str | None = Field(None, description="glob on file names in source directories, e.g. '*.py'")
+    exclude: list[str] = Field(default_factory=list, description="globs on path components to skip")
     shard_size_mb: Annotated[float, Field(gt=0)] = 64.0
 
     def summary(self) -> str:

@@ -458,3 +458,13 @@ def test_cli_errors_exit_1_with_a_message_and_no_traceback(tmp_path):
     assert nothing.returncode == 1 and "no manifest.json" in nothing.stderr
     usage = pylon(["prepare", "x.txt"], tmp_path)
     assert usage.returncode == 2 and "--out" in usage.stderr
+
+
+def test_exclude_drops_files_under_matching_path_components(tmp_path):
+    from pylon.data.prepare import find_source_files
+
+    for rel in ("a.py", "pkg/b.py", "site-packages/x/c.py", "pkg/test_d.py", "notes.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    found = find_source_files([str(tmp_path)], include="*.py", exclude=["site-packages", "test_*"])
+    assert [f.uri.rsplit(str(tmp_path), 1)[1] for f in found] == ["/a.py", "/pkg/b.py"]

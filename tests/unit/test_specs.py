@@ -695,7 +695,7 @@ def test_constructing_specs_in_python() -> None:
          TrainJobSpec, ["fp16: not a field here; write 'precision: fp16'"]),
         (lambda: DatasetSpec(name="d", sources=["a"], output="o", colour="blue"),
          DatasetSpec, ["colour: unknown field; allowed fields: kind, name, sources, output, format, seq_len, "
-                       "tokenizer, shard_size_mb"]),
+                       "tokenizer, include, exclude, shard_size_mb"]),
         (lambda: DatasetSpec(kind="TrainJob", name="d", sources=["a"], output="o"),
          DatasetSpec, ["kind: must be one of Dataset (got 'TrainJob')"]),
         (lambda: TrainJobSpec(name="j", data={"uri": "c/"}),
