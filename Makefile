@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pylon-installed
 # System packages Pylon needs: libaio for DeepSpeed's NVMe offload (async I/O op).
 SYSTEM_PACKAGES := libaio-dev
+# DeepSpeed builds its CPU ops (cpu_adam, shm comm, async I/O) once, here, and reuses them.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 
 .PHONY: setup system-packages test unit integration demo clean help
 
