@@ -157,6 +157,57 @@ def _cmd_data_inspect(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    import shlex
+    import uuid
+    from pathlib import Path
+
+    import pylon
+    from pylon.specs import TrainJobSpec, load_spec
+
+    spec = load_spec(args.file, TrainJobSpec)  # every spec error before anything is submitted
+    client = pylon.connect(args.address)
+    # The job runs where the user stands, so relative paths in the spec mean what they mean here.
+    entrypoint = (f"cd {shlex.quote(str(Path.cwd()))} && python -m pylon.jobs.train "
+                  f"--config {shlex.quote(str(Path(args.file).resolve()))}")
+    job_id = client.submit_job(entrypoint, submission_id=f"train-{spec.name}-{uuid.uuid4().hex[:6]}",
+                               metadata={"pylon_kind": "TrainJob", "pylon_name": spec.name})
+    print(job_id)
+    if not args.follow:
+        print(f"follow it with: pylon train {args.file} --follow, or the dashboard at {client.dashboard_url}",
+              file=sys.stderr)
+        return 0
+    return _follow(client, job_id)
+
+
+def _follow(client, job_id: str) -> int:
+    """Stream a job's logs until it ends; exit 0 only if it succeeded."""
+    import time
+
+    from pylon.client import TERMINAL_JOB_STATES
+
+    shown = 0
+    while True:
+        status = client.job_status(job_id)
+        logs = client.job_logs(job_id)
+        if len(logs) > shown:
+            sys.stdout.write(logs[shown:])
+            sys.stdout.flush()
+            shown = len(logs)
+        if status in TERMINAL_JOB_STATES:
+            print(f"job {job_id} {status}", file=sys.stderr)
+            return 0 if status == "SUCCEEDED" else 1
+        time.sleep(1.0)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pylon.jobs.export import export_run
+
+    out = export_run(args.run_uri, args.out, step=args.step)
+    print(f"exported {args.run_uri} to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pylon.demo import run_demo
 
@@ -270,6 +321,25 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true", help="read and check every shard")
     ins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     ins.set_defaults(func=_cmd_data_inspect)
+
+    t = sub.add_parser("train", formatter_class=fmt, help="submit a TrainJob through the Ray Jobs API",
+                       description="Validate a TrainJob spec, then submit `python -m pylon.jobs.train --config FILE` "
+                                   "as a Ray job and print its id. Submitting a run name again resumes it.",
+                       epilog="examples:\n  pylon train train.yaml --follow\n  pylon train train.yaml --address http://head:8265")
+    t.add_argument("file", metavar="FILE", help="YAML file with one TrainJob document")
+    t.add_argument("--follow", action="store_true", help="stream the job's logs until it ends (exit 1 if it fails)")
+    t.add_argument("--address", help="dashboard URL (default: RAY_ADDRESS, else the local cluster)")
+    t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("export", formatter_class=fmt, help="consolidate a run's ZeRO shards into one HF model",
+                       description="Export the latest committed checkpoint of a run (ZeRO stage 0-3 shards) as "
+                                   "one Hugging Face directory (safetensors, config, tokenizer identity).",
+                       epilog="examples:\n  pylon export ~/.pylon/runs/stdlib-gpt --out ./stdlib-gpt-hf\n"
+                              "  pylon export s3://bucket/runs/stdlib-gpt --out s3://bucket/models/stdlib-gpt --step 200")
+    e.add_argument("run_uri", metavar="RUN_URI", help="the run directory (<checkpoint.storage>/<name>)")
+    e.add_argument("--out", required=True, help="where to write the model (local path or URI)")
+    e.add_argument("--step", type=int, help="a committed step (default: the latest)")
+    e.set_defaults(func=_cmd_export)
 
     d = sub.add_parser("demo", formatter_class=fmt, help="run the end-to-end path on the embedded local cluster",
                        description="Start the local cluster if needed, validate the bundled example specs, run a "

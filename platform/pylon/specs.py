@@ -291,11 +291,6 @@ class TrainJobSpec(_Spec):
             ))
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
-        if self.deepspeed.offload_optimizer == "nvme" or self.deepspeed.offload_param == "nvme":
-            if not self.scaling.use_gpu:
-                problems.append(("deepspeed.offload_optimizer" if self.deepspeed.offload_optimizer == "nvme"
-                                 else "deepspeed.offload_param",
-                                 "NVMe offload needs GPU workers (scaling.use_gpu: true)"))
         _raise_problems(problems)
         return self
 

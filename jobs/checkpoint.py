@@ -1,0 +1,540 @@
+"""Sharded training checkpoints in a run directory (local or object storage), committed atomically.
+
+Layout under a run directory URI (`s3://bucket/runs/<name>` or a local path):
+
+    checkpoints/step-00000200/
+        ds/...                    DeepSpeed's files for tag "ds": model states (rank 0; every rank under ZeRO-3),
+                                  one optimizer shard per rank (ZeRO 1-3), NVMe-offloaded tensors per rank
+        zero_to_fp32.py ...       DeepSpeed's recovery scripts (rank 0)
+        rank-<r>.json             rank r's own state: data position + anything else the trainer passes
+                                  (`extra`), RNG states, and sha256 + bytes of every file rank r uploaded
+        manifest.json             THE COMMIT MARKER, written last by rank 0: step, world_size, every file with
+                                  sha256 and bytes, created_at, the trainer's `meta`
+    latest.json                   {"step": N, "path": "checkpoints/step-..."}: a pointer for people and tools
+
+The commit protocol. Every rank saves DeepSpeed's files into its own local staging directory (ranks share no
+filesystem), uploads them with `storage.atomic_write`, then writes its `rank-<r>.json` listing them. Rank 0
+waits until every rank's JSON of *this* save attempt is there (each save attempt has an id that rank 0 hands
+out, so a leftover JSON from a crashed attempt at the same step is never mistaken for a new one), checks the
+listed files are stored with the listed sizes, and only then writes `manifest.json`, then `latest.json`, then
+applies retention. A step directory without `manifest.json` does not exist as far as readers are concerned,
+so a process killed at any point of a save leaves the previous committed checkpoint as the latest.
+Retention removes a checkpoint's manifest before its files, so a crash mid-delete leaves an uncommitted
+directory (cleaned by the next retention), never a committed checkpoint with missing files.
+
+Loading verifies the sha256 of every file it downloads against the manifest; each rank downloads rank 0's
+files and its own (DeepSpeed reads only those, unless ZeRO's elastic checkpoints are on).
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pylon import storage
+from pylon.errors import PylonError, StorageError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+DS_TAG = "ds"  # one fixed DeepSpeed tag: the step lives in our directory name, not in DeepSpeed's
+MANIFEST = "manifest.json"
+LATEST = "latest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank}.json"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint: its step, the URI of its step directory and its manifest."""
+
+    step: int
+    uri: str
+    manifest: dict
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading committed checkpoints (no DeepSpeed needed: export and the CLI use these too)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _step_dirs(run_uri: str) -> list[tuple[int, str]]:
+    """(step, step directory URI) of every step directory, committed or not, oldest first."""
+    root = storage.join(run_uri, CHECKPOINTS_DIR)
+    found = []
+    for name in storage.listdir(root):
+        if m := _STEP_DIR.match(name):
+            found.append((int(m.group(1)), storage.join(root, name)))
+    return sorted(found)
+
+
+def _committed(step: int, step_uri: str) -> CheckpointInfo | None:
+    manifest_uri = storage.join(step_uri, MANIFEST)
+    if not storage.exists(manifest_uri):
+        return None
+    try:
+        manifest = storage.read_json(manifest_uri)
+    except StorageError as e:
+        # Manifests are written atomically, so this is damage from outside; an older checkpoint still works.
+        log.warning("ignoring checkpoint %s: %s", step_uri, e)
+        return None
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("step") != step:
+        log.warning("ignoring checkpoint %s: its manifest is for format %s, step %s",
+                    step_uri, manifest.get("format"), manifest.get("step"))
+        return None
+    return CheckpointInfo(step=step, uri=step_uri, manifest=manifest)
+
+
+def list_committed(run_uri: str) -> list[CheckpointInfo]:
+    """Every committed checkpoint under `run_uri`, oldest first."""
+    return [info for step, uri in _step_dirs(run_uri) if (info := _committed(step, uri))]
+
+
+def latest_committed(run_uri: str) -> CheckpointInfo | None:
+    """The newest committed checkpoint, or None.
+
+    Found from the step directories, never from latest.json alone: a crash between a commit and the
+    pointer's update, or a pointer naming a directory whose save never finished, must not mislead a resume.
+    """
+    for step, uri in reversed(_step_dirs(run_uri)):
+        if info := _committed(step, uri):
+            return info
+    return None
+
+
+def download(info: CheckpointInfo, dest: str | os.PathLike, *, ranks: set[int] | None = None) -> Path:
+    """Copy the DeepSpeed files of `info` (those uploaded by `ranks`; all when None) into local `dest`,
+    verifying each one's sha256 and size against the manifest. Returns `dest`, ready for
+    `engine.load_checkpoint(dest, tag=DS_TAG)` or DeepSpeed's zero_to_fp32 helpers."""
+    dest = Path(dest)
+    for rel, entry in sorted(info.manifest["files"].items()):
+        if _RANK_FILE.match(rel) or (ranks is not None and entry["rank"] not in ranks):
+            continue
+        data = _read_verified(info, rel)
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return dest
+
+
+def _read_verified(info: CheckpointInfo, rel: str) -> bytes:
+    entry = info.manifest["files"][rel]
+    uri = storage.join(info.uri, rel)
+    data = storage.read_bytes(uri)
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != entry["bytes"] or digest != entry["sha256"]:
+        raise PylonError(
+            f"{uri}: checkpoint file is corrupt: {len(data)} bytes with sha256 {digest}, the manifest says "
+            f"{entry['bytes']} bytes with sha256 {entry['sha256']}; load an older checkpoint "
+            f"(delete {info.uri}/{MANIFEST} to uncommit this one)"
+        )
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNG states as JSON
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _from_b64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def capture_rng_state() -> dict:
+    """This process's random states (python, numpy, torch CPU, and every CUDA device), JSON-safe."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
+        "numpy": {"kind": kind, "keys": base64.b64encode(keys.astype("<u4").tobytes()).decode("ascii"),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    n = state["numpy"]
+    keys = np.frombuffer(base64.b64decode(n["keys"]), dtype="<u4").astype(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(_from_b64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        saved = state["cuda"]
+        if len(saved) != torch.cuda.device_count():
+            log.warning("checkpoint has CUDA RNG states for %d device(s), this process sees %d; restoring %d",
+                        len(saved), torch.cuda.device_count(), min(len(saved), torch.cuda.device_count()))
+        for device, s in enumerate(saved[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_from_b64(s), device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collective helpers (main thread only; no-ops in a single process)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _from_rank0(value: Any) -> Any:
+    if not _distributed():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ranks_succeeded(error: BaseException | None, what: str) -> None:
+    """A barrier that also tells every rank whether any rank failed, so none is left waiting in the next
+    collective while another has given up. Re-raises this rank's own error, else names the failed ranks."""
+    messages: list[str | None] = []
+    if _distributed():
+        messages = [None] * torch.distributed.get_world_size()
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        torch.distributed.all_gather_object(messages, mine)
+    if error is not None:
+        raise error
+    if failed := {r: m for r, m in enumerate(messages) if m is not None}:
+        raise PylonError(f"{what} failed on rank(s) {sorted(failed)}: "
+                         + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The committer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class CheckpointCommitter:
+    """Saves, commits, retains and loads the checkpoints of one run; one instance per rank.
+
+        committer = CheckpointCommitter(run_uri, rank=r, world_size=w, keep_last=3, keep_every=1000)
+        if info := committer.latest():
+            extra = committer.load(engine, info)           # collective
+        ...
+        committer.save(engine, step, extra={"data": stream.state_dict()}, meta={"loss": loss})  # collective
+        committer.wait()                                   # before exiting: finishes an async upload
+
+    `staging_dir` is local disk for DeepSpeed's files between engine and storage (a fresh temporary directory
+    per save or load when None): it needs room for this rank's share of one checkpoint (a save waits for the
+    previous async upload, so there is never a second). `commit_timeout_s` bounds how long rank 0's background commit
+    waits for the other ranks' uploads. `before_write(uri)` is called before every file this rank writes to
+    the run directory (progress reporting, or a test pausing a save where it wants to kill it).
+    """
+
+    def __init__(self, run_uri: str, *, rank: int, world_size: int, keep_last: int, keep_every: int = 0,
+                 async_upload: bool = False, staging_dir: str | os.PathLike | None = None,
+                 commit_timeout_s: float = 1800.0, before_write: Callable[[str], None] | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the newest checkpoint is always kept")
+        if keep_every < 0:
+            raise ValueError(f"keep_every must be >= 0 (got {keep_every})")
+        self.run_uri = run_uri
+        self.rank, self.world_size = rank, world_size
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.async_upload = async_upload
+        self.commit_timeout_s = commit_timeout_s
+        self.before_write = before_write
+        self.staging_dir = None if staging_dir is None else Path(staging_dir)
+        self._uploader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pylon-ckpt")
+        self._pending: concurrent.futures.Future | None = None
+
+    @property
+    def checkpoints_uri(self) -> str:
+        return storage.join(self.run_uri, CHECKPOINTS_DIR)
+
+    def step_uri(self, step: int) -> str:
+        return storage.join(self.checkpoints_uri, step_dir_name(step))
+
+    def latest(self) -> CheckpointInfo | None:
+        return latest_committed(self.run_uri)
+
+    def list_committed(self) -> list[CheckpointInfo]:
+        return list_committed(self.run_uri)
+
+    # -- saving ------------------------------------------------------------------------------------------
+
+    def save(self, engine, step: int, *, extra: dict, meta: dict | None = None) -> None:
+        """Checkpoint `engine` at `step` with this rank's `extra` state (JSON: the data position etc.).
+
+        Collective: every rank calls it. Synchronous: returns on every rank once the checkpoint is committed.
+        With async_upload: returns once DeepSpeed's files are on local disk; the upload and commit continue
+        in the background (see `wait`). A save first waits for the previous one: at most one is in flight.
+        """
+        self.wait()
+        self._check_world()
+        try:
+            # A copy, too: with async_upload the caller may change its dicts while the upload runs.
+            extra, meta = json.loads(json.dumps(extra)), json.loads(json.dumps(meta or {}))
+        except (TypeError, ValueError) as e:
+            raise PylonError(f"checkpoint extra and meta must be JSON-serializable: {e}") from e
+        rng = capture_rng_state()
+        # Rank 0 decides for everyone (ranks may see storage at different moments): whether this step is
+        # already committed, and the attempt id that tells this save's rank files from a crashed attempt's.
+        plan = _from_rank0({"save_id": uuid.uuid4().hex,
+                            "skip": self.rank == 0 and _committed(step, self.step_uri(step)) is not None})
+        if plan["skip"]:
+            log.warning("checkpoint step %d is already committed in %s; not saving it again", step, self.run_uri)
+            return
+        staging = self._staging("save", step)
+        try:
+            engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        rank_state = {"extra": extra, "rng": rng}
+        context = {"zero_stage": int(engine.zero_optimization_stage()), "deepspeed_version": _deepspeed_version()}
+        if self.async_upload:
+            self._pending = self._uploader.submit(self._publish_in_background, step, staging, plan["save_id"],
+                                                  rank_state, meta, context)
+            return
+        error = None
+        try:
+            self._upload_rank(step, staging, plan["save_id"], rank_state)
+        except Exception as e:
+            error = e
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        _all_ranks_succeeded(error, f"uploading checkpoint step {step}")
+        error = None
+        if self.rank == 0:
+            try:
+                self._commit(step, plan["save_id"], meta, context, timeout_s=self.commit_timeout_s)
+            except Exception as e:
+                error = e
+        _all_ranks_succeeded(error, f"committing checkpoint step {step}")
+
+    def wait(self) -> None:
+        """Block until the background upload/commit (if any) is done; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _publish_in_background(self, step: int, staging: Path, save_id: str, rank_state: dict, meta: dict,
+                               context: dict) -> None:
+        # No collective calls here: they would interleave with the training loop's on the main thread.
+        try:
+            self._upload_rank(step, staging, save_id, rank_state)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if self.rank == 0:
+            self._commit(step, save_id, meta, context, timeout_s=self.commit_timeout_s)
+
+    def _write(self, uri: str, data: bytes) -> None:
+        if self.before_write is not None:
+            self.before_write(uri)
+        storage.atomic_write(uri, data)
+
+    def _upload_rank(self, step: int, staging: Path, save_id: str, rank_state: dict) -> None:
+        """Upload this rank's staged files, then its rank-<r>.json listing them (the order matters: the JSON
+        is this rank's word that its files are complete)."""
+        step_uri = self.step_uri(step)
+        files = {}
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            rel = path.relative_to(staging).as_posix()
+            data = path.read_bytes()
+            self._write(storage.join(step_uri, rel), data)
+            files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        record = {"format": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
+                  "save_id": save_id, "files": files, **rank_state}
+        self._write(storage.join(step_uri, rank_file_name(self.rank)), _json_bytes(record))
+
+    # -- committing (rank 0) -----------------------------------------------------------------------------
+
+    def _commit(self, step: int, save_id: str, meta: dict, context: dict, *, timeout_s: float) -> None:
+        step_uri = self.step_uri(step)
+        rank_files = self._await_rank_files(step, save_id, timeout_s)
+        files: dict[str, dict] = {}
+        for rank, (raw, record) in sorted(rank_files.items()):
+            for rel, entry in record["files"].items():
+                if rel in files and files[rel]["sha256"] != entry["sha256"]:
+                    raise PylonError(f"{step_uri}/{rel}: ranks {files[rel]['rank']} and {rank} uploaded different "
+                                     "contents under the same name; not committing this checkpoint")
+                files.setdefault(rel, {**entry, "rank": rank})
+            files[rank_file_name(rank)] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw),
+                                           "rank": rank}
+        stored = _stored_sizes(step_uri)
+        wrong = [f"{rel} ({_size_problem(stored.get(rel), entry['bytes'])})"
+                 for rel, entry in sorted(files.items()) if stored.get(rel) != entry["bytes"]]
+        if wrong:
+            raise PylonError(f"{step_uri}: not committing checkpoint step {step}: stored files do not match what "
+                             f"the ranks uploaded: {', '.join(wrong)}")
+        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "tag": DS_TAG,
+                    "save_id": save_id, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "files": files, "meta": meta, **context}
+        self._write(storage.join(step_uri, MANIFEST), _json_bytes(manifest))
+        total = sum(e["bytes"] for e in files.values())
+        log.info("committed checkpoint step %d: %d files, %.1f MB in %s", step, len(files), total / 1e6, step_uri)
+        committed = self.list_committed()
+        newest = committed[-1]  # this one unless a newer one exists; latest.json always names the newest
+        self._write(storage.join(self.run_uri, LATEST), _json_bytes(
+            {"step": newest.step, "path": f"{CHECKPOINTS_DIR}/{step_dir_name(newest.step)}"}))
+        self._apply_retention(committed, just_committed=step)
+
+    def _await_rank_files(self, step: int, save_id: str, timeout_s: float) -> dict[int, tuple[bytes, dict]]:
+        """Every rank's rank-<r>.json of this save attempt: {rank: (raw bytes, parsed)}."""
+        step_uri = self.step_uri(step)
+        found: dict[int, tuple[bytes, dict]] = {}
+        deadline = time.monotonic() + timeout_s
+        delay = 0.05
+        while True:
+            for name in storage.listdir(step_uri):
+                m = _RANK_FILE.match(name)
+                if not m or int(m.group(1)) in found:
+                    continue
+                raw = storage.read_bytes(storage.join(step_uri, name))
+                record = json.loads(raw)
+                if record.get("save_id") != save_id:
+                    continue  # a crashed attempt's; this attempt's rank will overwrite it
+                expect = {"step": step, "rank": int(m.group(1)), "world_size": self.world_size}
+                if any(record.get(k) != v for k, v in expect.items()):
+                    raise PylonError(f"{step_uri}/{name}: does not describe this save: "
+                                     + ", ".join(f"{k} {record.get(k)} (expected {v})" for k, v in expect.items()))
+                found[expect["rank"]] = (raw, record)
+            if len(found) == self.world_size:
+                return found
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(found))
+                raise PylonError(f"{step_uri}: rank(s) {missing} did not finish uploading within {timeout_s:.0f}s; "
+                                 "the checkpoint stays uncommitted")
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _apply_retention(self, committed: list[CheckpointInfo], *, just_committed: int) -> None:
+        """Keep the newest keep_last committed checkpoints and every keep_every-th; delete the rest, and
+        uncommitted step directories older than the newest commit (leftovers of crashed saves)."""
+        steps = [info.step for info in committed]
+        keep = set(steps[-self.keep_last:]) | {just_committed, steps[-1]}
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        newest = steps[-1]
+        for step, uri in _step_dirs(self.run_uri):
+            if step in keep or (step not in steps and step > newest):
+                continue
+            manifest_uri = storage.join(uri, MANIFEST)
+            if step in steps:
+                storage.remove(manifest_uri)  # uncommit first: a crash mid-delete leaves no broken commit
+            with contextlib.suppress(StorageError):  # gone already (a concurrent cleanup) is fine
+                storage.remove(uri, recursive=True)
+            log.info("retention: removed %s checkpoint step %d", "committed" if step in steps else "partial", step)
+
+    # -- loading -----------------------------------------------------------------------------------------
+
+    def load(self, engine, info: CheckpointInfo) -> dict:
+        """Load `info` into `engine` (collective), restore this rank's RNG states, return its `extra`."""
+        self.wait()
+        self._check_world()
+        saved_world = info.manifest["world_size"]
+        if saved_world != self.world_size:
+            raise PylonError(
+                f"{info.uri}: saved by {saved_world} rank(s), this run has {self.world_size}; ZeRO optimizer "
+                f"shards cannot be re-partitioned, so resume with {saved_world} workers (scaling.num_workers)"
+            )
+        local = self._staging("load", info.step)
+        error, record = None, None
+        try:
+            # DeepSpeed reads the model states (rank 0's; each rank's own under ZeRO-3) and this rank's
+            # optimizer shard, unless elastic checkpoints make every rank read every shard.
+            download(info, local, ranks=None if engine.zero_elastic_checkpoint() else {0, self.rank})
+            record = json.loads(_read_verified(info, rank_file_name(self.rank)))
+        except Exception as e:
+            error = e
+        try:
+            _all_ranks_succeeded(error, f"downloading checkpoint step {info.step}")
+            load_path, _ = engine.load_checkpoint(str(local), tag=DS_TAG, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+            if load_path is None:
+                raise PylonError(f"{info.uri}: DeepSpeed found no checkpoint in the downloaded files")
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        restore_rng_state(record["rng"])
+        log.info("loaded checkpoint step %d from %s", info.step, info.uri)
+        return record["extra"]
+
+    # -- misc --------------------------------------------------------------------------------------------
+
+    def _staging(self, purpose: str, step: int) -> Path:
+        """A fresh local directory for one save or load, private to this rank even when ranks share a disk
+        (DeepSpeed's shard names differ per rank, its recovery scripts and directories do not)."""
+        name = f"{purpose}-{step_dir_name(step)}"
+        if self.staging_dir is None:
+            return Path(tempfile.mkdtemp(prefix=f"pylon-ckpt-rank{self.rank}-{name}-"))
+        path = self.staging_dir / f"rank-{self.rank}" / name
+        shutil.rmtree(path, ignore_errors=True)  # a leftover of a crashed process
+        path.mkdir(parents=True)
+        return path
+
+    def _check_world(self) -> None:
+        if _distributed() and (torch.distributed.get_world_size() != self.world_size
+                               or torch.distributed.get_rank() != self.rank):
+            raise PylonError(f"CheckpointCommitter was made for rank {self.rank} of {self.world_size}, but this "
+                             f"process is rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}")
+
+    def close(self) -> None:
+        """Finish pending work (re-raising its error) and stop the upload thread."""
+        try:
+            self.wait()
+        finally:
+            self._uploader.shutdown(wait=True)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, sort_keys=True, indent=2) + "\n").encode("utf-8")
+
+
+def _stored_sizes(step_uri: str) -> dict[str, int]:
+    """{relative path: bytes} of every file stored under `step_uri`, from one recursive listing."""
+    fs, root = storage.resolve(step_uri)
+    try:
+        entries = fs.find(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    prefix = root.rstrip("/") + "/"
+    return {name[len(prefix):]: int(e["size"]) for name, e in entries.items() if name.startswith(prefix)}
+
+
+def _size_problem(stored: int | None, expected: int) -> str:
+    return "missing" if stored is None else f"{stored} bytes stored, {expected} uploaded"
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__

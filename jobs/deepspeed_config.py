@@ -1,0 +1,141 @@
+"""The DeepSpeed config, generated from a `TrainJobSpec`: the one place it is written.
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
+                                      config=build_deepspeed_config(job, world_size=world_size))
+
+Every key below is derived from a spec field; nothing else in Pylon writes DeepSpeed settings. Key names are
+those of DeepSpeed 0.19 (`deepspeed/runtime/zero/config.py`, `offload_config.py`, `swap_tensor/aio_config.py`,
+`runtime/lr_schedules.py`).
+
+Gradient checkpointing is not here: it is a model setting (`pylon.models.build_model` turns on the
+`transformers` model's own checkpointing), not DeepSpeed's `activation_checkpointing`, which only applies to
+models written against `deepspeed.checkpointing`.
+"""
+from __future__ import annotations
+
+from pylon.specs import TrainJobSpec
+
+# DeepSpeed logs a progress line every `steps_per_print` steps; Pylon writes its own metrics, so never.
+_NEVER = 2**31 - 1
+
+
+def build_deepspeed_config(spec: TrainJobSpec, *, world_size: int) -> dict:
+    """The DeepSpeed config dict for `spec` run by `world_size` processes."""
+    batch = spec.batch
+    config = {
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.grad_accum_steps,
+        "train_batch_size": batch.micro_batch_size * batch.grad_accum_steps * world_size,
+        "gradient_clipping": spec.optim.grad_clip,  # 0 turns clipping off
+        "zero_optimization": _zero(spec),
+        "optimizer": _optimizer(spec),
+        "scheduler": _scheduler(spec),
+        "fp16": _fp16(spec),
+        "bf16": {"enabled": spec.precision == "bf16"},
+        "steps_per_print": _NEVER,
+        "wall_clock_breakdown": False,
+    }
+    if "nvme" in (spec.deepspeed.offload_optimizer, spec.deepspeed.offload_param):
+        config["aio"] = _aio(spec)
+    return config
+
+
+def _zero(spec: TrainJobSpec) -> dict:
+    ds = spec.deepspeed
+    zero: dict = {"stage": ds.zero_stage}
+    # Pinned (page-locked) host memory only speeds up copies to and from a GPU; on CPU workers it is useless
+    # and pinning needs a memlock allowance containers rarely grant.
+    pin_memory = spec.scaling.use_gpu
+    if ds.offload_optimizer != "none":
+        # With an offloaded optimizer DeepSpeed runs its own CPU Adam (DeepSpeedCPUAdam) on the host.
+        zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path, pin_memory)
+    if ds.offload_param != "none":
+        zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, pin_memory)
+    return zero
+
+
+def _offload(device: str, nvme_path: str | None, pin_memory: bool) -> dict:
+    block = {"device": device, "pin_memory": pin_memory}
+    if device == "nvme":
+        # DeepSpeed keeps each rank's swap files in their own subdirectory, so workers on one node share a path.
+        block["nvme_path"] = nvme_path
+    return block
+
+
+def _aio(spec: TrainJobSpec) -> dict:
+    aio = spec.deepspeed.aio
+    return {
+        "block_size": aio.block_size,
+        "queue_depth": aio.queue_depth,
+        # DeepSpeed renamed `thread_count` to `intra_op_parallelism` and ignores the old key silently.
+        "intra_op_parallelism": aio.thread_count,
+        "single_submit": aio.single_submit,
+        "overlap_events": aio.overlap_events,
+    }
+
+
+def _fp16(spec: TrainJobSpec) -> dict:
+    if spec.precision != "fp16":
+        return {"enabled": False}
+    # Dynamic loss scaling (loss_scale 0): start at 2**16, halve on overflow (after `hysteresis` overflows in a
+    # row), double after `loss_scale_window` clean steps; overflowing steps are skipped, not applied.
+    return {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    }
+
+
+def _optimizer(spec: TrainJobSpec) -> dict:
+    optim = spec.optim
+    return {
+        "type": "AdamW",
+        "params": {
+            "lr": optim.lr,
+            "betas": list(optim.betas),
+            "eps": optim.eps,
+            "weight_decay": optim.weight_decay,
+        },
+    }
+
+
+def _scheduler(spec: TrainJobSpec) -> dict:
+    """Linear warmup, then cosine or linear decay to `lr * min_lr_ratio`, or a constant lr.
+
+    DeepSpeed's schedulers have two quirks this works around or accepts:
+    - `warmup_num_steps` must be >= 1 and is raised to 2 internally. With `warmup_steps: 0` the cosine and
+      constant warmups start at the full lr (min ratio 1, or min lr = lr), so they are flat: no warmup. The
+      linear schedule cannot do that (its warmup start is also where its decay ends, `lr * min_lr_ratio`),
+      so it ramps up over 2 steps.
+    - The lr of step k is the schedule at iteration k-1; before the first step WarmupCosineLR sets lr 0 (and
+      WarmupLR/WarmupDecayLR their warmup start), so the first optimizer step of a cosine run has lr 0.
+    """
+    optim = spec.optim
+    warmup = optim.warmup_steps
+    warmup_steps = max(1, warmup)
+    if optim.schedule == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": spec.steps,
+            "warmup_num_steps": warmup_steps,
+            "warmup_min_ratio": 0.0 if warmup else 1.0,
+            "cos_min_ratio": optim.min_lr_ratio,
+            "warmup_type": "linear",
+        }}
+    if optim.schedule == "linear":
+        # WarmupDecayLR warms up from warmup_min_lr and decays linearly back to it at total_num_steps.
+        return {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": spec.steps,
+            "warmup_num_steps": warmup_steps,
+            "warmup_min_lr": optim.lr * optim.min_lr_ratio,
+            "warmup_max_lr": optim.lr,
+            "warmup_type": "linear",
+        }}
+    return {"type": "WarmupLR", "params": {
+        "warmup_num_steps": warmup_steps,
+        "warmup_min_lr": 0.0 if warmup else optim.lr,
+        "warmup_max_lr": optim.lr,
+        "warmup_type": "linear",
+    }}

@@ -1,0 +1,102 @@
+"""`pylon export RUN_URI --out DIR`: the latest committed checkpoint of a run as one Hugging Face model.
+
+ZeRO shards (stages 1-3: partitioned optimizer states, and for stage 3 partitioned parameters) are
+consolidated with DeepSpeed's own `zero_to_fp32` into full fp32 weights, loaded into the run's model and
+saved as safetensors with its config, plus `pylon_tokenizer.json`, the tokenizer identity the model was
+trained with. LoRA runs export merged weights or the adapter alone, as the spec says.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from pylon import storage
+from pylon.errors import PylonError
+
+TOKENIZER_FILE = "pylon_tokenizer.json"
+
+
+def export_run(run_uri: str, out: str, *, step: int | None = None) -> str:
+    """Export `run_uri`'s latest (or `step`'s) committed checkpoint to `out`; returns `out`."""
+    import torch
+
+    from pylon.jobs.checkpoint import download, list_committed
+    from pylon.models import build_model, export_lora
+    from pylon.specs import TrainJobSpec
+
+    run_file = storage.join(run_uri, "run.json")
+    if not storage.exists(run_file):
+        raise PylonError(f"{run_uri}: not a Pylon run (no run.json); give the run directory, e.g. "
+                         "~/.pylon/runs/<name> or s3://bucket/runs/<name>")
+    run = storage.read_json(run_file)
+    spec = TrainJobSpec.model_validate(run["spec"])
+    tokenizer = run["tokenizer"]
+    infos = list_committed(run_uri)
+    if not infos:
+        raise PylonError(f"{run_uri}: no committed checkpoint yet; nothing to export")
+    info = infos[-1] if step is None else next((i for i in infos if i.step == step), None)
+    if info is None:
+        raise PylonError(f"{run_uri}: no committed checkpoint at step {step} "
+                         f"(have {', '.join(str(i.step) for i in infos)})")
+
+    with tempfile.TemporaryDirectory(prefix="pylon-export-") as tmp:
+        ckpt_dir = str(download(info, os.path.join(tmp, "ckpt")))
+        state = _consolidated_state_dict(ckpt_dir, spec.deepspeed.zero_stage)
+        model = build_model(spec, vocab_size=tokenizer["vocab_size"], eos_id=tokenizer["eos_id"],
+                            pad_id=tokenizer["pad_id"])
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        trainable_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+        if trainable_missing or unexpected:
+            raise PylonError(f"{run_uri} step {info.step}: checkpoint does not match the model "
+                             f"(missing {trainable_missing[:5]}, unexpected {unexpected[:5]})")
+        model.eval()
+        local_out = os.path.join(tmp, "export")
+        if spec.lora is not None:
+            export_lora(model, local_out, merge=spec.lora.merge_on_export)
+        else:
+            model.save_pretrained(local_out, safe_serialization=True)
+        Path(local_out, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
+        Path(local_out, "pylon_export.json").write_text(json.dumps(
+            {"run": run_uri, "step": info.step, "name": spec.name, "lora_merged": bool(spec.lora and
+                                                                                      spec.lora.merge_on_export)},
+            indent=2) + "\n")
+        for path in sorted(Path(local_out).rglob("*")):
+            if path.is_file():
+                storage.atomic_write(storage.join(out, str(path.relative_to(local_out))), path.read_bytes())
+    return out
+
+
+def _consolidated_state_dict(ckpt_dir: str, zero_stage: int) -> dict:
+    """Full fp32 weights from a DeepSpeed checkpoint directory (tag `ds`)."""
+    import torch
+
+    if zero_stage == 0:  # no partitioning: rank 0's model states hold every weight
+        states = torch.load(os.path.join(ckpt_dir, "ds", "mp_rank_00_model_states.pt"), map_location="cpu",
+                            weights_only=False)
+        return {k: v.float() for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="ds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pylon export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_uri")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--step", type=int)
+    args = parser.parse_args(argv)
+    try:
+        print(export_run(args.run_uri, args.out, step=args.step))
+    except PylonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""Train a `TrainJob` on Ray Train workers running DeepSpeed: `python -m pylon.jobs.train --config FILE`.
+
+What `ray job submit` runs (and `pylon train FILE` submits). The driver validates the spec, checks the data,
+and runs a `TorchTrainer`; each worker reads its part of the data (`pylon.data.reader`), trains with the
+DeepSpeed engine built from the spec, commits sharded checkpoints (`pylon.jobs.checkpoint`), and writes
+per-step metrics. A worker failure restarts the group from the latest committed checkpoint
+(`FailureConfig`); submitting the same run name again resumes it. At the end the run is exported to
+`<run>/export/` as one Hugging Face model, with a loss-curve PNG beside the metrics.
+
+The train loop, as a list of steps (TorchTitan/nanoGPT style): build model -> DeepSpeed engine -> data stream
+-> resume -> for each optimizer step: micro-batches (forward, loss over the global token count, backward,
+engine.step) -> metrics -> checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pylon import storage
+from pylon.errors import PylonError
+from pylon.specs import TrainJobSpec, load_spec
+
+log = logging.getLogger("pylon.train")
+
+METRICS_FILE = "metrics.jsonl"
+RUN_FILE = "run.json"
+LOSS_PLOT = "loss.png"
+
+
+def run_uri_of(spec: TrainJobSpec) -> str:
+    """Where a run lives: `<checkpoint.storage>/<name>` (default `$PYLON_HOME/runs/<name>`)."""
+    from pylon.cluster import pylon_home
+
+    root = spec.checkpoint.storage or str(pylon_home() / "runs")
+    return storage.join(_absolute(root), spec.name)
+
+
+def _absolute(uri: str) -> str:
+    # Workers may start in another directory than the driver: pin relative paths to the driver's.
+    if "://" in uri:
+        return uri
+    return str(Path(uri).expanduser().resolve())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> dict:
+    """Train `spec` on the connected Ray cluster; returns a summary (final step, loss, run URI, export)."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pylon.data.shards import read_manifest
+
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"uri": _absolute(spec.data.uri)})})
+    run_uri = run_uri_of(spec)
+    manifest = read_manifest(spec.data.uri)  # fail here, before asking for workers, if the data is not usable
+    if spec.data.seq_len is not None and spec.data.seq_len != manifest.seq_len:
+        raise PylonError(f"data.seq_len is {spec.data.seq_len} but {spec.data.uri} was prepared with "
+                         f"seq_len {manifest.seq_len}")
+    _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
+    if not ray.is_initialized():
+        from pylon.client import connect
+
+        if os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
+        else:
+            connect().init_ray(log_to_driver=True)
+
+    use_gpu = spec.scaling.use_gpu
+    resources = dict(spec.scaling.resources_per_worker) or {"CPU": 1}
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"spec": spec.model_dump(mode="json"), "run_uri": run_uri},
+        scaling_config=ScalingConfig(num_workers=spec.scaling.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=RunConfig(
+            name=spec.name,
+            storage_path=os.path.join(tempfile.gettempdir(), "pylon-ray-train"),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
+    print(f"training {spec.summary()}\nrun directory: {run_uri}", flush=True)
+    result = trainer.fit()
+    summary = {"run_uri": run_uri, **(result.metrics or {})}
+    records = read_metrics(run_uri)
+    if records:
+        plot_loss(records, storage.join(run_uri, LOSS_PLOT), title=spec.name)
+        summary["loss_plot"] = storage.join(run_uri, LOSS_PLOT)
+    if export:
+        from pylon.jobs.export import export_run
+
+        out = storage.join(run_uri, "export")
+        export_run(run_uri, out)
+        summary["export"] = out
+    return summary
+
+
+def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
+    """`run.json`: the spec a run was started with. Re-submitting the same name resumes the run, so the
+    parts that define its checkpoints must not change; steps, optimiser and checkpoint policy may."""
+    uri = storage.join(run_uri, RUN_FILE)
+    now = spec.model_dump(mode="json")
+    if storage.exists(uri):
+        before = storage.read_json(uri)["spec"]
+        fixed = ("model", "data", "scaling", "deepspeed", "precision", "lora", "batch")
+        changed = [k for k in fixed if before.get(k) != now.get(k)]
+        if changed:
+            raise PylonError(f"run '{spec.name}' already exists at {run_uri} with a different "
+                             f"{', '.join(changed)}; resume it with the same settings or choose another name")
+    storage.atomic_write_json(uri, {"spec": now, "tokenizer": tokenizer, "updated_at": time.time()})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def train_loop(config: dict) -> None:
+    import random
+
+    import numpy as np
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    import deepspeed
+
+    from pylon.data.reader import stream_from_spec
+    from pylon.jobs.checkpoint import CheckpointCommitter
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.models import build_model, flops_per_token, measure_matmul_peak_flops
+
+    spec = TrainJobSpec.model_validate(config["spec"])
+    run_uri = config["run_uri"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    seed = spec.data.shuffle_seed
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed)
+
+    deepspeed.init_distributed(dist_backend="nccl" if spec.scaling.use_gpu else "gloo")
+    stream = stream_from_spec(spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world)
+    tok = stream.manifest.tokenizer
+    model = build_model(spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=build_deepspeed_config(spec, world_size=world))
+    device = engine.device
+
+    committer = CheckpointCommitter(run_uri, rank=rank, world_size=world, keep_last=spec.checkpoint.keep_last,
+                                    keep_every=spec.checkpoint.keep_every, async_upload=spec.checkpoint.async_upload)
+    step, tokens_seen = 0, 0
+    latest = committer.latest()
+    if latest is not None:
+        extra = committer.load(engine, latest)
+        stream.load_state_dict(extra["data"])
+        step, tokens_seen = latest.step, int(extra.get("tokens_seen", 0))
+        if rank == 0:
+            print(f"resumed {spec.name} from step {step} ({latest.uri})", flush=True)
+    metrics = MetricsLog(run_uri, enabled=rank == 0, resume_step=step)
+
+    cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
+    flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
+    peak = measure_matmul_peak_flops(seconds=0.5)
+    gas = spec.batch.grad_accum_steps
+    batches = _batches(stream)
+
+    while step < spec.steps:
+        t_step = time.perf_counter()
+        wait_s, loss_sum, tokens_sum = 0.0, 0.0, 0
+        for _ in range(gas):
+            batch = next(batches)
+            wait_s += batch.wait_s
+            inputs = batch.to_torch(tok.pad_id, device=device) if len(batch) else _padding_batch(stream, device)
+            logits = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+            loss, local_sum, n_tokens = _global_mean_loss(logits, inputs["labels"], world)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += local_sum
+            tokens_sum += n_tokens
+        step += 1
+        step_s = time.perf_counter() - t_step
+        totals = torch.tensor([loss_sum, float(tokens_sum)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        global_tokens = int(totals[1].item())
+        tokens_seen += global_tokens
+        record = {
+            "step": step,
+            "loss": totals[0].item() / max(global_tokens, 1),
+            "lr": float(engine.get_lr()[0]) if engine.get_lr() else 0.0,
+            "tokens": global_tokens,
+            "tokens_seen": tokens_seen,
+            "tokens_per_s": global_tokens / step_s,
+            "step_time_s": step_s,
+            "data_wait_fraction": min(1.0, wait_s / step_s) if step_s > 0 else 0.0,
+            "mfu": flops_tok * global_tokens / step_s / (peak * world) if peak else 0.0,
+            "peak_memory_bytes": _peak_memory_bytes(device),
+            "epoch": stream.position.epoch,
+        }
+        metrics.write(record)
+        last = step == spec.steps
+        if step % spec.checkpoint.every_steps == 0 or last:
+            committer.save(engine, step, extra={"data": stream.state_dict(), "tokens_seen": tokens_seen},
+                           meta={"loss": record["loss"], "tokens_seen": tokens_seen})
+            metrics.flush()
+        if step % 10 == 0 or last:
+            ray.train.report({k: record[k] for k in ("step", "loss", "tokens_per_s", "data_wait_fraction", "mfu")})
+    committer.wait()
+    metrics.flush()
+    _record_reference_logits(engine, run_uri, rank, stream.manifest.seq_len)
+
+
+REFERENCE_FILE = "reference_logits.json"
+
+
+def _record_reference_logits(engine, run_uri: str, rank: int, seq_len: int) -> None:
+    """The trained engine's logits on a fixed input, so an export can be checked against the engine itself.
+    Every rank runs the forward pass (under ZeRO-3 it gathers parameters collectively); rank 0 records."""
+    import torch
+
+    ids = (torch.arange(min(seq_len, 32), device=engine.device) % 200).unsqueeze(0)
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits.float()
+    engine.train()
+    if rank == 0:
+        storage.atomic_write_json(storage.join(run_uri, REFERENCE_FILE),
+                                  {"input_ids": ids[0].tolist(), "logits": logits[0, :, :16].tolist()})
+
+
+def _batches(stream):
+    """Batches across epochs, forever (the step count, not the epoch count, ends training)."""
+    while True:
+        yield from stream.epoch()
+
+
+def _padding_batch(stream, device) -> dict:
+    """One all-padding row for a worker whose epoch ran out a step before the others: it joins the
+    collective step with zero tokens, contributing nothing to the loss or the gradients."""
+    import torch
+
+    seq = stream.manifest.seq_len
+    ids = torch.full((1, seq), stream.manifest.tokenizer.pad_id, dtype=torch.long, device=device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100)}
+
+
+def _global_mean_loss(logits, labels, world: int):
+    """Next-token cross-entropy summed over this rank's tokens, divided by the tokens of all ranks and
+    multiplied by the world size: DeepSpeed then averages gradients over ranks, which makes the result
+    the mean over every token of the global batch, as one process would compute it.
+    Returns (loss to backpropagate, this rank's summed loss as a float, this rank's token count)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    n_local = int((shift_labels != -100).sum().item())
+    n_global = torch.tensor([n_local], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(n_global)
+    loss_sum = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+    return loss_sum * world / max(n_global.item(), 1.0), float(loss_sum.item()), n_local
+
+
+def _peak_memory_bytes(device) -> int:
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metrics: JSONL in the run directory, and the loss curve
+# ---------------------------------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """Rank 0's per-step records. Kept locally and committed whole to `<run>/metrics.jsonl` (object stores
+    cannot append); on resume the records past the resumed step are dropped, so the curve continues."""
+
+    def __init__(self, run_uri: str, *, enabled: bool, resume_step: int):
+        self.uri = storage.join(run_uri, METRICS_FILE)
+        self.enabled = enabled
+        self.records = [r for r in read_metrics(run_uri) if r["step"] <= resume_step] if enabled else []
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            self.records.append(record)
+            if record["step"] % 10 == 1 or record["step"] < 5:
+                print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}),
+                      flush=True)
+
+    def flush(self) -> None:
+        if self.enabled:
+            storage.atomic_write_text(self.uri, "".join(json.dumps(r) + "\n" for r in self.records))
+
+
+def read_metrics(run_uri: str) -> list[dict]:
+    uri = storage.join(run_uri, METRICS_FILE)
+    if not storage.exists(uri):
+        return []
+    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
+
+
+def plot_loss(records: list[dict], out_uri: str, *, title: str) -> None:
+    """A loss-curve PNG (people would rather look than read)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5)
+    ax.set(xlabel="step", ylabel="training loss (nats/token)", title=f"{title}: loss")
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    storage.atomic_write(out_uri, buf.getvalue())
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pylon.jobs.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML file with one TrainJob document")
+    parser.add_argument("--no-export", action="store_true", help="skip the export at the end")
+    parser.add_argument("--max-failures", type=int, default=3, help="worker-group restarts before giving up")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        spec = load_spec(args.config, TrainJobSpec)
+        summary = run(spec, export=not args.no_export, max_failures=args.max_failures)
+    except PylonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"result": summary}, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

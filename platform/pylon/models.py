@@ -1,0 +1,276 @@
+"""Models for training: `transformers` causal LMs from a `ModelSpec`, LoRA adapters, and the FLOP counts MFU needs.
+
+    config = model_config(job.model, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    model = build_model(job, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=0)
+
+A model comes from a named preset (`pylon.presets`), an explicit Hugging Face config, or a model directory on
+a local path or object storage (fine-tuning). Nothing is ever downloaded from a hub: directories are read with
+`local_files_only=True`. Models are built in fp32; DeepSpeed casts them for bf16/fp16 and keeps fp32 masters.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from pylon import storage
+from pylon.errors import PylonError, StorageError
+from pylon.presets import preset_config
+from pylon.specs import ModelSpec, TrainJobSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+# Module types LoRA can wrap in the architectures we build: torch's Linear, and GPT-2's Conv1D (a Linear
+# with its weight stored transposed).
+_LORA_LAYER_TYPES = ("Linear", "Conv1D")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Configs and models
+# ---------------------------------------------------------------------------------------------------------
+
+
+def model_config(model: ModelSpec, *, vocab_size: int | None = None, eos_id: int | None = None,
+                 pad_id: int | None = None) -> "PretrainedConfig":
+    """The Hugging Face config `model` describes, sized for the dataset's tokenizer.
+
+    `vocab_size` (the tokenizer's) replaces a preset's or an explicit config's vocabulary; a model directory
+    keeps its own embedding table, which must be at least that large. `eos_id`/`pad_id` (the tokenizer's) are
+    written into the config; bos is set to eos, since packing separates documents with eos only.
+    """
+    from transformers import AutoConfig
+
+    special = {}
+    if eos_id is not None:
+        special.update(eos_token_id=eos_id, bos_token_id=eos_id)
+    if pad_id is not None:
+        special["pad_token_id"] = pad_id
+
+    if model.path is not None:
+        with local_model_dir(model.path) as directory:
+            try:
+                config = AutoConfig.from_pretrained(directory, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise PylonError(f"model.path {model.path}: not a Hugging Face model directory ({e})") from None
+        if vocab_size is not None and vocab_size > config.vocab_size:
+            raise PylonError(
+                f"model.path {model.path}: the tokenizer's vocabulary ({vocab_size} tokens) is larger than the "
+                f"model's embedding table ({config.vocab_size} tokens); use the model's own tokenizer"
+            )
+        for key, value in special.items():
+            setattr(config, key, value)
+        return config
+
+    fields = preset_config(model.preset) if model.preset is not None else copy.deepcopy(model.config)
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
+    fields.update(special)
+    model_type = fields.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as e:  # an unknown model_type
+        raise PylonError(f"model.config.model_type: {e}") from None
+
+
+def build_model(spec: TrainJobSpec, *, vocab_size: int, eos_id: int, pad_id: int, seed: int = 0) -> torch.nn.Module:
+    """The causal LM `spec` describes, in fp32, ready to hand to `deepspeed.initialize`.
+
+    The same `seed` gives the same initial weights (and LoRA adapters) in every process, which is what lets
+    every rank start from one model. With `spec.lora` the result is a `peft` model whose only trainable
+    parameters are the adapters.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(spec.model, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
+    torch.manual_seed(seed)
+    if spec.model.path is not None:
+        with local_model_dir(spec.model.path) as directory:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    directory, config=config, dtype=torch.float32, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise PylonError(f"model.path {spec.model.path}: cannot load the model ({e})") from None
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    if spec.gradient_checkpointing:
+        # A model setting, not DeepSpeed's activation_checkpointing: transformers recomputes each block in the
+        # backward pass. Non-reentrant checkpointing also works when the inputs need no grad (frozen
+        # embeddings under LoRA). A KV cache is useless while training and conflicts with recomputation.
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+
+    if spec.lora is not None:
+        model = _with_lora(model, spec)
+    return model
+
+
+def _with_lora(model: "PreTrainedModel", spec: TrainJobSpec) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = spec.lora
+    layers = lora_layer_names(model)
+    # peft matches a target against the last components of a module's dotted name.
+    matched = {t: [n for n in layers if n == t or n.endswith("." + t)] for t in lora.target_modules}
+    missing = [t for t, names in matched.items() if not names]
+    if missing:
+        short = sorted({n.rsplit(".", 1)[-1] for n in layers})
+        raise PylonError(
+            f"lora.target_modules: {', '.join(missing)} not found in this {model.config.model_type} model; "
+            f"its linear modules are: {', '.join(short)}"
+        )
+    # GPT-2's Conv1D stores weights as (in, out); peft must be told, or it warns and guesses.
+    fan_in_fan_out = any(type(model.get_submodule(n)).__name__ == "Conv1D" for names in matched.values() for n in names)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), fan_in_fan_out=fan_in_fan_out,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def lora_layer_names(model: torch.nn.Module) -> list[str]:
+    """Dotted names of the modules LoRA can adapt (Linear and GPT-2's Conv1D)."""
+    return [name for name, module in model.named_modules() if name and type(module).__name__ in _LORA_LAYER_TYPES]
+
+
+def export_lora(model: torch.nn.Module, out_dir: str | os.PathLike, merge: bool) -> None:
+    """Write a LoRA model to the local directory `out_dir`.
+
+    merge=True: the adapters are folded into the base weights and a plain `transformers` model is written
+    (safetensors + config), loadable with `AutoModelForCausalLM.from_pretrained`. This changes `model` in
+    place (it is the base model afterwards), so pass a model that is done training.
+    merge=False: only the adapters are written, in peft's format (`adapter_config.json`,
+    `adapter_model.safetensors`), for `PeftModel.from_pretrained(base, out_dir)`.
+    """
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise PylonError(f"export_lora: expected a LoRA (peft) model, got {type(model).__name__}")
+    os.makedirs(out_dir, exist_ok=True)
+    if merge:
+        merged = model.merge_and_unload()
+        merged.config.use_cache = True  # training turns the cache off (gradient checkpointing); serving wants it
+        merged.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True)
+
+
+@contextlib.contextmanager
+def local_model_dir(uri: str) -> Iterator[str]:
+    """A local directory holding the model directory `uri`: the path itself when local, else a private copy
+    (removed on exit), since `transformers` reads only local files."""
+    try:
+        fs, path = storage.resolve(uri)
+        is_dir = fs.isdir(path)
+    except StorageError as e:
+        raise PylonError(f"model.path {uri}: {e}") from None
+    except Exception as e:  # fsspec/botocore errors while looking
+        raise PylonError(f"model.path {storage.describe(uri)}: cannot be read ({type(e).__name__}: {e})") from None
+    if not is_dir:
+        raise PylonError(f"model.path {uri}: no such directory (expected a Hugging Face model directory)")
+    if isinstance(fs, LocalFileSystem):
+        yield path
+        return
+    tmp = tempfile.mkdtemp(prefix="pylon-model-")
+    try:
+        try:
+            fs.get(path.rstrip("/") + "/", tmp + "/", recursive=True)
+        except Exception as e:  # fsspec/botocore errors while copying
+            raise PylonError(
+                f"model.path {storage.describe(uri)}: cannot be copied ({type(e).__name__}: {e})") from None
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sizes and FLOPs (for MFU)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(all parameters, trainable parameters). Under ZeRO-3 a parameter's local tensor is a partition (often
+    empty); DeepSpeed records the full size in `ds_numel`."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return total, trainable
+
+
+def flops_per_token(config: "PretrainedConfig", seq_len: int) -> float:
+    """Model FLOPs to train on one token (forward + backward): 6·N + 12·n_layer·d_model·seq_len.
+
+    This is the PaLM estimate (Chowdhery et al. 2022, appendix B; Chinchilla's 6N plus attention): each weight
+    in a matmul costs 2 FLOPs per token forward and 4 backward (6N), and attention's QKᵀ and AV add
+    2·2·n_layer·seq_len·d_model forward, times 3 with the backward. N counts the parameters that take part
+    in a matmul per token: every parameter except the input embedding tables (token and position lookups
+    cost no FLOPs), with the output projection counted once whether or not it is tied to the token embedding
+    (it is a d_model x vocab matmul either way) -- nanoGPT's convention. Recomputation for gradient
+    checkpointing is deliberately not counted: MFU measures useful model FLOPs.
+    """
+    from transformers import AutoModelForCausalLM
+
+    # Count on the meta device: exact for any architecture, with no memory even for 7B/13B shapes.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n_matmul = _matmul_parameters(model)
+    return 6.0 * n_matmul + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def _matmul_parameters(model: torch.nn.Module) -> int:
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    output = model.get_output_embeddings()
+    total = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+    if output is not None and id(output.weight) in embeddings:  # tied: the lm_head matmul still happens
+        total += output.weight.numel()
+    return total
+
+
+def measure_matmul_peak_flops(seconds: float = 1.0, *, device: str | torch.device = "cpu",
+                              dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
+    """FLOP/s of large square matmuls on `device`: the "measured peak" MFU is taken against.
+
+    On CPU there is no datasheet number to trust (it depends on the cores, the threads torch uses and what
+    else runs), so MFU here is model FLOPs per second over this measurement, taken in the same process with
+    the same thread count. The best of several timed rounds is returned, which filters out interruptions.
+    """
+    device = torch.device(device)
+    # A private generator: measuring must not move the global RNG that seeds models and data.
+    generator = torch.Generator(device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    flops_per_matmul = 2.0 * size**3
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    torch.matmul(a, b)  # warm-up: thread pools, kernels, caches
+    sync()
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        repeats = 0
+        while repeats < 4 or time.perf_counter() - start < min(0.1, seconds / 4):
+            torch.matmul(a, b)
+            repeats += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        best = max(best, repeats * flops_per_matmul / elapsed)
+        if time.perf_counter() >= deadline:
+            return best
