@@ -58,6 +58,7 @@ def export_run(run_uri: str, out: str, *, step: int | None = None) -> str:
         if spec.lora is not None:
             export_lora(model, local_out, merge=spec.lora.merge_on_export)
         else:
+            model.config.use_cache = True  # training may have turned it off for gradient checkpointing
             model.save_pretrained(local_out, safe_serialization=True)
         Path(local_out, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
         Path(local_out, "pylon_export.json").write_text(json.dumps(

@@ -193,6 +193,10 @@ class DeepSpeedSpec(_Spec):
             problems.append(
                 ("offload_optimizer", f"'{self.offload_optimizer}' needs zero_stage 1, 2 or 3 (got zero_stage 0)")
             )
+        if self.offload_optimizer == "nvme" and self.zero_stage != 3:
+            # DeepSpeed's stage 1/2 optimizer has no NVMe path: it would quietly keep the states in host RAM.
+            problems.append(("offload_optimizer", f"'nvme' needs zero_stage 3 (got zero_stage {self.zero_stage}); "
+                                                  "use 'cpu' with stages 1-2"))
         if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             problems.append(("nvme_path", "required when offload_optimizer or offload_param is 'nvme'"))
         _raise_problems(problems)

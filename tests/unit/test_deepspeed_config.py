@@ -46,9 +46,10 @@ def _id(spec: TrainJobSpec) -> str:
 
 def test_the_spec_allows_what_the_issue_lists() -> None:
     ids = {_id(s) for s in COMBINATIONS}
-    # Offload settings: ZeRO-0 none; ZeRO-1/2 optimizer none/cpu/nvme; ZeRO-3 optimizer x parameters = 1+3+3+9.
+    # Offload settings: ZeRO-0 none; ZeRO-1/2 optimizer none/cpu (DeepSpeed has no NVMe path below stage 3);
+    # ZeRO-3 optimizer x parameters = 1+2+2+9.
     # Precisions: fp32 and bf16 on CPU workers, and fp16 too on GPU workers.
-    assert len(COMBINATIONS) == 16 * (2 + 3)
+    assert len(COMBINATIONS) == 14 * (2 + 3)
     assert "ZeRO-3-optimizer->nvme-params->nvme-bf16-cpu" in ids and "ZeRO-0-fp16-gpu" in ids
     assert not any(i.endswith("fp16-cpu") for i in ids)
 

@@ -790,3 +790,11 @@ def test_spec_errors_never_echo_secret_values() -> None:
     lines = spec_errors(DeploymentSpec, info.value)
     assert sorted(line.split(":")[0] for line in lines) == ["aws_secret_access_key", "http.api_keys_env"]
     assert not any(SECRET in line for line in lines)
+
+
+def test_nvme_optimizer_offload_needs_stage_3():
+    with pytest.raises(SpecError) as e:
+        parse_specs("kind: TrainJob\nname: j\nmodel: {preset: gpt-tiny}\ndata: {uri: d/}\nsteps: 5\n"
+                    "deepspeed: {zero_stage: 2, offload_optimizer: nvme, nvme_path: /nvme}\n", "t.yaml")
+    assert e.value.problems == ["t.yaml:6: document 1 (TrainJob 'j'): deepspeed.offload_optimizer: 'nvme' needs "
+                                "zero_stage 3 (got zero_stage 2); use 'cpu' with stages 1-2"]
