@@ -175,7 +175,9 @@ def train_loop(config: dict) -> None:
 
     cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
-    peak = measure_matmul_peak_flops(seconds=0.5)
+    # The peak is measured in the precision the model trains in, on the worker's own device.
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
+    peak = measure_matmul_peak_flops(seconds=0.5, device=device, dtype=dtype)
     gas = spec.batch.grad_accum_steps
     batches = _batches(stream)
 

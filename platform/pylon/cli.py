@@ -211,7 +211,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pylon.demo import run_demo
 
-    return run_demo(keep_cluster=args.keep_cluster)
+    return run_demo(keep_cluster=args.keep_cluster, steps=args.steps)
 
 
 def _gib_to_bytes(gib: float | None) -> int | None:
@@ -342,11 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_export)
 
     d = sub.add_parser("demo", formatter_class=fmt, help="run the end-to-end path on the embedded local cluster",
-                       description="Start the local cluster if needed, validate the bundled example specs, run a "
-                                   "real Ray job over the Python standard library's sources that writes its "
-                                   "result to local object storage, and print what happened.",
-                       epilog="example:\n  pylon demo --keep-cluster")
+                       description="Start the local cluster if needed, validate the bundled example specs, prepare "
+                                   "the Python standard library's sources as a Ray job, stream them back as "
+                                   "training reads them, train the example GPT on 2 Ray Train workers with "
+                                   "DeepSpeed ZeRO-2 + CPU optimizer offload, export it, and print what happened.",
+                       epilog="examples:\n  pylon demo --keep-cluster\n  pylon demo --steps 50")
     d.add_argument("--keep-cluster", action="store_true", help="leave the cluster running afterwards")
+    d.add_argument("--steps", type=int, default=200, help="training steps (0 skips training; default 200)")
     d.set_defaults(func=_cmd_demo)
     return parser
 
