@@ -217,9 +217,11 @@ def train_loop(config: dict) -> None:
         metrics.write(record)
         last = step == spec.steps
         if step % spec.checkpoint.every_steps == 0 or last:
+            # Metrics first: a crash between the two leaves records past the last commit, which a resume
+            # drops; the other order could commit a step whose records were never written.
+            metrics.flush()
             committer.save(engine, step, extra={"data": stream.state_dict(), "tokens_seen": tokens_seen},
                            meta={"loss": record["loss"], "tokens_seen": tokens_seen})
-            metrics.flush()
         if step % 10 == 0 or last:
             ray.train.report({k: record[k] for k in ("step", "loss", "tokens_per_s", "data_wait_fraction", "mfu")})
     committer.wait()
