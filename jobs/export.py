@@ -22,8 +22,6 @@ TOKENIZER_FILE = "pylon_tokenizer.json"
 
 def export_run(run_uri: str, out: str, *, step: int | None = None) -> str:
     """Export `run_uri`'s latest (or `step`'s) committed checkpoint to `out`; returns `out`."""
-    import torch
-
     from pylon.jobs.checkpoint import download, list_committed
     from pylon.models import build_model, export_lora
     from pylon.specs import TrainJobSpec
