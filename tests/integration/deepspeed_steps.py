@@ -3,10 +3,20 @@
     RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python tests/integration/deepspeed_steps.py --spec '{"kind": "TrainJob", ...}' --steps 3
 
-Run as its own process by tests/integration/test_deepspeed_combinations.py, one process per combination:
-DeepSpeed keeps process-wide state (the process group, built ops, ZeRO-3's module hooks) that a second
-engine in the same process would inherit. The model comes from `pylon.models.build_model` and the config
-from `pylon.jobs.deepspeed_config.build_deepspeed_config`, exactly as a training job builds them.
+Run as its own process by tests/integration/test_deepspeed_combinations.py, one process per combination
+(one per rank when WORLD_SIZE > 1): DeepSpeed keeps process-wide state (the process group, built ops, ZeRO-3's
+module hooks) that a second engine in the same process would inherit. The model comes from
+`pylon.models.build_model` and the config from `pylon.jobs.deepspeed_config.build_deepspeed_config`, exactly as
+a training job builds them.
+
+Every step trains on the same global batch of `micro_batch_size * WORLD_SIZE` rows; rank r takes rows
+[r*micro, (r+1)*micro), so runs of different world sizes see the same data. The loss printed is the mean over
+ranks, i.e. the global batch's loss.
+
+--plain trains with plain PyTorch instead (torch.optim.AdamW, torch's gradient clipping, one process): the
+reference DeepSpeed's sharded runs are compared against.
+--checkpoint DIR commits a checkpoint with Pylon's CheckpointCommitter after the steps, takes one more step,
+loads the checkpoint back and takes that step again: both must give the same loss.
 """
 from __future__ import annotations
 
@@ -32,39 +42,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="a TrainJob spec as JSON")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--plain", action="store_true", help="plain PyTorch AdamW, no DeepSpeed (one process)")
+    parser.add_argument("--checkpoint", help="a directory to commit, reload and re-step a checkpoint in")
     args = parser.parse_args(argv)
 
     spec = TrainJobSpec.model_validate(json.loads(args.spec))
-    deepspeed.init_distributed(dist_backend="gloo")
-    world_size = int(os.environ["WORLD_SIZE"])
     model = build_model(spec, vocab_size=BYTE_VOCAB, eos_id=BYTE_EOS, pad_id=BYTE_PAD, seed=0)
     total, trainable = parameter_counts(model)
+    micro = spec.batch.micro_batch_size
+    if args.plain:
+        return _plain(spec, model, args, total, trainable)
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     config = build_deepspeed_config(spec, world_size=world_size)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
 
-    # The same batch every step: the loss must fall as the model memorises it.
-    generator = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, 256, (spec.batch.micro_batch_size, args.seq_len), generator=generator)
-    losses, lrs = [], []
-    for _ in range(args.steps):
-        lrs.append(engine.get_lr()[0])
+    tokens = _global_batch(micro * world_size, args.seq_len)[rank * micro:(rank + 1) * micro]
+
+    def train_step() -> float:
         step_losses = []
         for _ in range(spec.batch.grad_accum_steps):
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             engine.step()
-            step_losses.append(loss.item())
-        losses.append(sum(step_losses) / len(step_losses))
+            step_losses.append(loss.detach())
+        mean = torch.stack(step_losses).mean()
+        torch.distributed.all_reduce(mean)  # the global batch's loss: every rank's rows weigh the same
+        return mean.item() / world_size
+
+    losses, lrs = [], []
+    for _ in range(args.steps):
+        lrs.append(engine.get_lr()[0])
+        losses.append(train_step())
+    global_steps = engine.global_steps
+    resumed = _checkpoint_round_trip(engine, train_step, args.checkpoint, rank, world_size) if args.checkpoint else {}
+    if rank != 0:
+        return 0
 
     print(RESULT_PREFIX + json.dumps({
+        **resumed,
+        "world_size": world_size,
         "losses": losses,
         "lrs": lrs,
         "optimizer": type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__name__,
         "module_dtype": str(next(engine.module.parameters()).dtype),
         "parameters": total,
         "trainable": trainable,
-        "global_steps": engine.global_steps,
+        "global_steps": global_steps,
         "zero_stage": engine.zero_optimization_stage(),
         "bf16": engine.bfloat16_enabled(),
         # Swap files DeepSpeed wrote under nvme_path: proof that NVMe offload really moved tensors there.
@@ -72,6 +98,50 @@ def main(argv: list[str] | None = None) -> int:
         "nvme_optimizer_files": _swap_files(spec, "optimizer"),
     }))
     return 0
+
+
+def _global_batch(rows: int, seq_len: int) -> torch.Tensor:
+    """The same batch every step: the loss must fall as the model memorises it."""
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, 256, (rows, seq_len), generator=generator)
+
+
+def _plain(spec: TrainJobSpec, model: torch.nn.Module, args, total: int, trainable: int) -> int:
+    """The reference: one process, plain PyTorch, the same optimizer settings DeepSpeed gets from the spec."""
+    optim = spec.optim
+    assert optim.schedule == "constant" and optim.warmup_steps == 0, "the plain loop has a constant lr only"
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                                  betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    tokens = _global_batch(spec.batch.micro_batch_size, args.seq_len)
+    losses = []
+    for _ in range(args.steps):
+        optimizer.zero_grad()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        if optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+    print(RESULT_PREFIX + json.dumps({"world_size": 1, "losses": losses, "parameters": total,
+                                      "trainable": trainable, "optimizer": type(optimizer).__name__}))
+    return 0
+
+
+def _checkpoint_round_trip(engine, train_step, directory: str, rank: int, world_size: int) -> dict:
+    """Commit, step, load, step again: a checkpoint that restores the model, optimizer and schedule exactly
+    makes the two steps identical."""
+    from pylon.jobs.checkpoint import CheckpointCommitter
+
+    committer = CheckpointCommitter(directory, rank=rank, world_size=world_size, keep_last=1)
+    step = engine.global_steps
+    committer.save(engine, step, extra={"rank": rank})
+    after_save = train_step()
+    info = committer.latest()
+    extra = committer.load(engine, info)
+    after_load = train_step()
+    committer.close()
+    return {"committed_step": info.step, "loss_after_save": after_save, "loss_after_load": after_load,
+            "extra_after_load": extra, "checkpoint_files": sorted(info.manifest["files"])}
 
 
 def _swap_files(spec: TrainJobSpec, kind: str) -> int:

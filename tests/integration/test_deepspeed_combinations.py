@@ -47,15 +47,22 @@ class Combo:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     extra: tuple[tuple[str, object], ...] = field(default=())  # more spec fields, as (key, value) pairs
+    world_size: int = 1
+    plain: bool = False  # plain PyTorch, no DeepSpeed: the parity reference
+    steps: int = STEPS
 
     @property
     def id(self) -> str:
+        if self.plain:
+            return f"plain-{self.precision}"
         parts = [f"zero{self.stage}", self.precision]
         if self.offload_optimizer != "none":
             parts.append(f"opt-{self.offload_optimizer}")
         if self.offload_param != "none":
             parts.append(f"param-{self.offload_param}")
         parts += [key.replace("_", "-") for key, _ in self.extra]
+        if self.world_size > 1:
+            parts.append(f"{self.world_size}ranks")
         return "-".join(parts)
 
     @property
@@ -101,8 +108,18 @@ COMBOS = [
 ]
 
 
+# Loss parity: the same global batch of 4 rows as one plain PyTorch process, and as 2 DeepSpeed ranks of 2 rows
+# for each ZeRO stage. Five steps, so four of the compared losses come after optimizer updates.
+PARITY_STEPS = 5
+PARITY = [
+    Combo(0, "fp32", plain=True, steps=PARITY_STEPS, extra=(("batch", {"micro_batch_size": 4}),)),
+    *(Combo(stage, "fp32", world_size=2, steps=PARITY_STEPS, extra=(("batch", {"micro_batch_size": 2}),))
+      for stage in (1, 2, 3)),
+]
+
 # The combinations the comparison tests below read, so the fixture can start them early.
 _COMPARED = {
+    "test_sharded_ranks_match_a_single_plain_process": [c.id for c in PARITY],
     "test_first_step_loss_is_identical_across_stages": [f"zero{stage}-fp32" for stage in range(4)],
     "test_offload_trains_like_no_offload": ["zero3-fp32", "zero3-fp32-param-cpu", "zero3-fp32-opt-cpu-param-cpu",
                                             "zero3-fp32-opt-nvme", "zero3-fp32-opt-nvme-param-nvme"],
@@ -116,18 +133,35 @@ def _free_port() -> int:
 
 
 def _run(combo: Combo, workdir: Path) -> dict:
+    """Runs `combo` as `combo.world_size` processes (ranks of one gloo group); returns rank 0's result."""
     workdir.mkdir(parents=True)
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    # Built DeepSpeed ops are cached in the repository's ignored .cache (the Makefile sets the same).
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    proc = subprocess.run(
-        [sys.executable, str(HELPER), "--spec", json.dumps(combo.spec(workdir)), "--steps", str(STEPS)],
-        env=env, cwd=workdir, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-                         f"--- stderr\n{proc.stderr[-6000:]}"}
+    command = [sys.executable, str(HELPER), "--spec", json.dumps(combo.spec(workdir)), "--steps", str(combo.steps)]
+    command += ["--plain"] if combo.plain else ["--checkpoint", str(workdir / "run")]
+    port = str(_free_port())
+    procs = []
+    for rank in range(combo.world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(combo.world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+        # Built DeepSpeed ops are cached in the repository's ignored .cache (the Makefile sets the same).
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+        procs.append(subprocess.Popen(command, env=env, cwd=workdir, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            stdout, stderr = proc.communicate()
+        outputs.append((proc.returncode, stdout, stderr))
+    for rank, (code, stdout, stderr) in enumerate(outputs):
+        if code != 0:
+            return {"error": f"rank {rank} exit {code}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-6000:]}"}
+    code, stdout, stderr = outputs[0]
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not lines:
+        return {"error": f"no result line\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-6000:]}"}
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
@@ -170,7 +204,7 @@ def runs(request, tmp_path_factory):
 
 
 def _by_id(combo_id: str) -> Combo:
-    return next(c for c in COMBOS if c.id == combo_id)
+    return next(c for c in COMBOS + PARITY if c.id == combo_id)
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
@@ -195,6 +229,27 @@ def test_combination_trains(combo: Combo, runs: ComboRuns) -> None:
         assert 0 < result["trainable"] < result["parameters"] / 10
     else:
         assert result["trainable"] == result["parameters"]
+    # A committed checkpoint restores everything a step depends on (weights, optimizer state, lr schedule,
+    # swapped tensors): the step after loading it repeats the step after saving it.
+    assert result["committed_step"] == STEPS
+    assert result["extra_after_load"] == {"rank": 0}
+    assert any(name.endswith("optim_states.pt") for name in result["checkpoint_files"]), result["checkpoint_files"]
+    assert result["loss_after_load"] == pytest.approx(result["loss_after_save"], rel=1e-6, abs=1e-6)
+
+
+def test_sharded_ranks_match_a_single_plain_process(runs: ComboRuns) -> None:
+    """Two ranks under ZeRO-1, -2 and -3 follow a plain single-process PyTorch run (torch AdamW, torch's
+    clipping) on the same global batch: partitioning optimizer states, gradients and parameters across ranks
+    must not change the arithmetic beyond rounding."""
+    results = {c.id: runs.result(c) for c in PARITY}
+    reference = results["plain-fp32"]
+    assert reference["optimizer"] == "AdamW" and len(reference["losses"]) == PARITY_STEPS
+    assert min(reference["losses"][1:]) < reference["losses"][0] - 0.5, reference["losses"]  # it really trained
+    for combo in PARITY[1:]:
+        result = results[combo.id]
+        assert result["world_size"] == 2 and result["zero_stage"] == combo.stage
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4), (combo.id, result["losses"],
+                                                                                  reference["losses"])
 
 
 def test_first_step_loss_is_identical_across_stages(runs: ComboRuns) -> None:
