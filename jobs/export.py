@@ -20,8 +20,10 @@ from pylon.errors import PylonError
 TOKENIZER_FILE = "pylon_tokenizer.json"
 
 
-def export_run(run_uri: str, out: str, *, step: int | None = None) -> str:
-    """Export `run_uri`'s latest (or `step`'s) committed checkpoint to `out`; returns `out`."""
+def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | None = None) -> str:
+    """Export `run_uri`'s latest (or `step`'s) committed checkpoint to `out`; returns `out`.
+
+    `lora` ("merged" or "adapter") overrides the spec's `lora.merge_on_export` for a LoRA run."""
     from pylon.jobs.checkpoint import download, list_committed
     from pylon.models import build_model, export_lora
     from pylon.specs import TrainJobSpec
@@ -33,6 +35,11 @@ def export_run(run_uri: str, out: str, *, step: int | None = None) -> str:
     run = storage.read_json(run_file)
     spec = TrainJobSpec.model_validate(run["spec"])
     tokenizer = run["tokenizer"]
+    if lora not in (None, "merged", "adapter"):
+        raise PylonError(f"lora: must be 'merged' or 'adapter' (got {lora!r})")
+    if lora is not None and spec.lora is None:
+        raise PylonError(f"{run_uri}: --lora {lora} given, but run '{spec.name}' is not a LoRA run")
+    merge = (lora == "merged") if lora is not None else bool(spec.lora and spec.lora.merge_on_export)
     infos = list_committed(run_uri)
     if not infos:
         raise PylonError(f"{run_uri}: no committed checkpoint yet; nothing to export")
@@ -54,14 +61,13 @@ def export_run(run_uri: str, out: str, *, step: int | None = None) -> str:
         model.eval()
         local_out = os.path.join(tmp, "export")
         if spec.lora is not None:
-            export_lora(model, local_out, merge=spec.lora.merge_on_export)
+            export_lora(model, local_out, merge=merge)
         else:
             model.config.use_cache = True  # training may have turned it off for gradient checkpointing
             model.save_pretrained(local_out, safe_serialization=True)
         Path(local_out, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
         Path(local_out, "pylon_export.json").write_text(json.dumps(
-            {"run": run_uri, "step": info.step, "name": spec.name, "lora_merged": bool(spec.lora and
-                                                                                      spec.lora.merge_on_export)},
+            {"run": run_uri, "step": info.step, "name": spec.name, "lora_merged": bool(spec.lora and merge)},
             indent=2) + "\n")
         for path in sorted(Path(local_out).rglob("*")):
             if path.is_file():
@@ -88,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_uri")
     parser.add_argument("--out", required=True)
     parser.add_argument("--step", type=int)
+    parser.add_argument("--lora", choices=("merged", "adapter"))
     args = parser.parse_args(argv)
     try:
-        print(export_run(args.run_uri, args.out, step=args.step))
+        print(export_run(args.run_uri, args.out, step=args.step, lora=args.lora))
     except PylonError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -141,7 +141,7 @@ def train_loop(config: dict) -> None:
     from pylon.data.reader import stream_from_spec
     from pylon.jobs.checkpoint import CheckpointCommitter
     from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.models import build_model, flops_per_token, measure_matmul_peak_flops
+    from pylon.models import build_model, flops_per_token, measure_matmul_peak_flops, parameter_counts
 
     spec = TrainJobSpec.model_validate(config["spec"])
     run_uri = config["run_uri"]
@@ -160,6 +160,10 @@ def train_loop(config: dict) -> None:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=build_deepspeed_config(spec, world_size=world))
     device = engine.device
+    if rank == 0:
+        total, trainable = parameter_counts(model)
+        print(f"model: {total:,} parameters, {trainable:,} trainable"
+              + (f" (LoRA r={spec.lora.r} on {', '.join(spec.lora.target_modules)})" if spec.lora else ""), flush=True)
 
     committer = CheckpointCommitter(run_uri, rank=rank, world_size=world, keep_last=spec.checkpoint.keep_last,
                                     keep_every=spec.checkpoint.keep_every, async_upload=spec.checkpoint.async_upload)

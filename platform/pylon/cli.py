@@ -203,8 +203,10 @@ def _follow(client, job_id: str) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from pylon.jobs.export import export_run
 
-    out = export_run(args.run_uri, args.out, step=args.step)
-    print(f"exported {args.run_uri} to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    out = export_run(args.run_uri, args.out, step=args.step, lora=args.lora)
+    how = ("peft.PeftModel.from_pretrained(base_model, DIR)" if args.lora == "adapter"
+           else "transformers.AutoModelForCausalLM.from_pretrained(DIR)")
+    print(f"exported {args.run_uri} to {out} (load it with {how})")
     return 0
 
 
@@ -339,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run_uri", metavar="RUN_URI", help="the run directory (<checkpoint.storage>/<name>)")
     e.add_argument("--out", required=True, help="where to write the model (local path or URI)")
     e.add_argument("--step", type=int, help="a committed step (default: the latest)")
+    e.add_argument("--lora", choices=("merged", "adapter"),
+                   help="for a LoRA run: write the adapters folded into the base weights (a plain model) or the "
+                        "adapters alone in peft's format (default: the spec's lora.merge_on_export)")
     e.set_defaults(func=_cmd_export)
 
     d = sub.add_parser("demo", formatter_class=fmt, help="run the end-to-end path on the embedded local cluster",

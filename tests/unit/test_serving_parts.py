@@ -1,0 +1,187 @@
+"""pylon.serving's parts on their own, no model: the KV block pool, the scheduler's step building and
+preemption, paged attention against dense attention, and the sampler's filters."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pylon.serving.attention import SequenceSlice, build_metadata, paged_attention
+from pylon.serving.kv_cache import KVBlockPool
+from pylon.serving.request import Request
+from pylon.serving.sampling import SamplingParams, sample
+from pylon.serving.scheduler import Scheduler
+
+
+def request(request_id: str, prompt_len: int) -> Request:
+    return Request(request_id, list(range(prompt_len)), SamplingParams(temperature=0), 100, None, None)
+
+
+def step(scheduler: Scheduler) -> list[tuple[str, int, int]]:
+    """One scheduled step, as (id, start, new tokens); every sampling request gets a token, as the engine does."""
+    batch = scheduler.schedule()
+    for s in batch.scheduled:
+        if s.samples:
+            s.request.token_ids.append(7)
+    return [(s.request.request_id, s.start, s.num_new_tokens) for s in batch.scheduled]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KVBlockPool
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_pool_allocates_all_or_nothing_and_frees_everything() -> None:
+    pool = KVBlockPool.for_tokens(64, 16)
+    assert (pool.num_blocks, pool.num_free_blocks, pool.utilization) == (4, 4, 0.0)
+    assert pool.allocate("a", 17) and len(pool.block_table("a")) == 2
+    assert pool.allocate("a", 32) and len(pool.block_table("a")) == 2  # still fits: nothing new
+    assert not pool.allocate("b", 33)  # needs 3, 2 free: takes none
+    assert pool.num_free_blocks == 2 and pool.block_table("b") == []
+    assert pool.allocate("b", 20) and pool.utilization == 1.0
+    assert not set(pool.block_table("a")) & set(pool.block_table("b"))
+    pool.free("a")
+    pool.free("a")  # twice is harmless
+    assert pool.num_free_blocks == 2 and pool.utilization == 0.5
+    pool.free("b")
+    assert pool.num_free_blocks == 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scheduler
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_decodes_first_then_prefill_chunks_under_the_budget_and_the_sequence_cap() -> None:
+    scheduler = Scheduler(KVBlockPool(100, 4), max_num_seqs=2, max_num_batched_tokens=16)
+    a, b, c = request("a", 10), request("b", 10), request("c", 10)
+    for r in (a, b, c):
+        scheduler.add(r)
+    assert step(scheduler) == [("a", 0, 10), ("b", 0, 6)]  # b's prompt is chunked; only a samples
+    assert (a.num_output_tokens, b.num_output_tokens) == (1, 0)
+    assert step(scheduler) == [("a", 10, 1), ("b", 6, 4)]  # a decode and the rest of b's prompt, together
+    assert list(scheduler.waiting) == [c]  # two sequences at most
+    scheduler.finish(a, "length")
+    assert a.finish_reason == "length" and scheduler.pool.block_table("a") == []
+    assert step(scheduler) == [("b", 10, 1), ("c", 0, 10)]
+
+
+def test_preemption_takes_the_newest_and_recomputes_it_later() -> None:
+    pool = KVBlockPool(4, 4)  # 16 tokens
+    scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = request("a", 6), request("b", 6)
+    scheduler.add(a)
+    scheduler.add(b)
+    for _ in range(3):  # 6 -> 9 tokens each; 8 fit in their 2 blocks
+        assert [rid for rid, _, _ in step(scheduler)] == ["a", "b"]
+    assert pool.num_free_blocks == 0
+    assert step(scheduler) == [("a", 8, 1)]  # a needs a third block: b (the newest) gives its two back
+    assert list(scheduler.waiting) == [b] and scheduler.running == [a]
+    assert (b.num_computed_tokens, b.num_preemptions, scheduler.num_preemptions) == (0, 1, 1)
+    assert pool.block_table("b") == [] and pool.num_free_blocks == 1
+    assert step(scheduler) == [("a", 9, 1)]  # b needs 3 blocks again; 1 free: it waits
+    scheduler.finish(a, "stop")
+    assert step(scheduler) == [("b", 0, 9)]  # prompt and its 3 generated tokens, recomputed in one go
+    assert b.num_output_tokens == 4
+
+
+def test_a_request_that_is_itself_the_newest_preempts_itself() -> None:
+    pool = KVBlockPool(4, 4)
+    scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = request("a", 11), request("b", 4)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)  # a: 3 blocks, b: 1 block
+    assert step(scheduler) == [("a", 11, 1)]  # b's fifth token needs a block nobody older can spare
+    assert list(scheduler.waiting) == [b] and scheduler.num_preemptions == 1
+
+
+def test_finish_takes_a_waiting_request_out_too() -> None:
+    scheduler = Scheduler(KVBlockPool(10, 4), max_num_seqs=1, max_num_batched_tokens=64)
+    a, b = request("a", 3), request("b", 3)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    scheduler.finish(b, "abort")
+    assert not scheduler.waiting and b.finish_reason == "abort" and set(scheduler.requests) == {"a"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Paged attention
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_paged_attention_equals_dense_causal_attention() -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block_size = 4, 2, 8, 4
+    cached, new = [0, 5, 9, 13], [7, 1, 4, 1]  # a fresh prompt, two decodes, a chunk continuing a prompt
+    total = [c + n for c, n in zip(cached, new)]
+    q = [torch.randn(t, heads, dim) for t in total]
+    k = [torch.randn(t, kv_heads, dim) for t in total]
+    v = [torch.randn(t, kv_heads, dim) for t in total]
+    k_cache, v_cache = torch.zeros(16, block_size, kv_heads, dim), torch.zeros(16, block_size, kv_heads, dim)
+    blocks = torch.randperm(16).tolist()  # scattered blocks, as a pool that has been in use hands them out
+    tables, used = [], 0
+    for t in total:
+        n = -(-t // block_size)
+        tables.append(blocks[used:used + n])
+        used += n
+
+    def run_step(starts, counts):
+        seqs = [SequenceSlice(s, n, table) for s, n, table in zip(starts, counts, tables) if n]
+        live = [i for i, n in enumerate(counts) if n]
+        cat = lambda xs: torch.cat([xs[i][starts[i]:starts[i] + counts[i]] for i in live])  # noqa: E731
+        meta = build_metadata(seqs, block_size, torch.device("cpu"))
+        return paged_attention(cat(q), cat(k), cat(v), k_cache, v_cache, meta, dim ** -0.5), live
+
+    run_step([0] * 4, cached)  # what earlier steps cached
+    out, live = run_step(cached, new)
+    offset = 0
+    for i in live:
+        dense = F.scaled_dot_product_attention(q[i][None].transpose(1, 2), k[i][None].transpose(1, 2),
+                                               v[i][None].transpose(1, 2), is_causal=False, enable_gqa=True,
+                                               attn_mask=torch.ones(total[i], total[i], dtype=torch.bool).tril())
+        expected = dense[0].transpose(0, 1)[cached[i]:]
+        torch.testing.assert_close(out[offset:offset + new[i]], expected)
+        offset += new[i]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampler
+# ---------------------------------------------------------------------------------------------------------
+
+
+def draws(params: SamplingParams, logits: torch.Tensor, n: int = 300) -> set[int]:
+    generator = params.new_generator()
+    return {sample(logits[None], [params], [generator])[0] for _ in range(n)}
+
+
+def test_top_k_and_top_p_filter_what_can_be_drawn() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert draws(SamplingParams(temperature=1.0, seed=0), logits) == {0, 1, 2, 3}
+    assert draws(SamplingParams(temperature=1.0, seed=0, top_k=2), logits) == {0, 1}
+    assert draws(SamplingParams(temperature=1.0, seed=0, top_p=0.7), logits) == {0, 1}
+    assert draws(SamplingParams(temperature=1.0, seed=0, top_p=0.5), logits) == {0}
+    assert draws(SamplingParams(temperature=1.0, seed=0, top_k=3, top_p=0.9), logits) == {0, 1, 2}
+    assert draws(SamplingParams(temperature=0), logits, n=3) == {0}
+
+
+def test_each_row_uses_its_own_generator() -> None:
+    logits = torch.zeros(3, 50)  # uniform: every draw consumes randomness
+    seeded, other, greedy = (SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0, seed=6),
+                             SamplingParams(temperature=0))
+    g = seeded.new_generator()
+    alone = [sample(logits[:1], [seeded], [g])[0] for _ in range(10)]
+    g, g_other = seeded.new_generator(), other.new_generator()
+    together = [sample(logits, [other, seeded, greedy], [g_other, g, None])[1] for _ in range(10)]
+    assert together == alone
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_changes_the_distribution(temperature: float) -> None:
+    logits = torch.tensor([2.0, 0.0])
+    params = SamplingParams(temperature=temperature, seed=1)
+    g = params.new_generator()
+    share = sum(sample(logits[None], [params], [g])[0] == 0 for _ in range(2000)) / 2000
+    expected = torch.softmax(logits / temperature, 0)[0].item()
+    assert abs(share - expected) < 0.05

@@ -1,0 +1,114 @@
+"""pylon.serving's text side: finding a model directory's tokenizer, streaming detokenization (whole UTF-8
+characters only, stop strings never leaked), and chat prompts (the tokenizer's template or the default)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pylon.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer
+from pylon.errors import PylonError
+from pylon.serving.errors import InvalidRequest
+from pylon.serving.tokenization import IncrementalDetokenizer, apply_chat_template, load_model_tokenizer
+
+TEXT = "héllo 🦊 wörld, ça va?\n"
+TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, ça va? " * 20], trainer)
+    path = tmp_path_factory.mktemp("hf-tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=TEMPLATE).save_pretrained(str(path))
+    return path
+
+
+def stream(tokenizer, ids: list[int], stop: list[str] = (), prompt: list[int] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(tokenizer, list(prompt), list(stop))
+    deltas = []
+    for i in ids:
+        deltas.append(detok.add(i))
+        if detok.stopped:
+            break
+    deltas.append(detok.flush())
+    return deltas, detok
+
+
+def test_streamed_bytes_come_out_as_whole_characters() -> None:
+    tok = ByteTokenizer()
+    deltas, _ = stream(tok, tok.encode(TEXT).tolist(), prompt=tok.encode("prompt ").tolist())
+    assert "".join(deltas) == TEXT
+    assert not any("\ufffd" in d for d in deltas)
+    fox = [d for d in deltas if "🦊" in d]
+    assert fox == ["🦊"] and deltas[deltas.index("🦊") - 3:deltas.index("🦊")] == ["", "", ""]  # 4 bytes, 1 char
+
+
+def test_an_unfinished_character_comes_out_as_a_replacement_at_the_end() -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("ok🦊").tolist()[:-1] + [256]  # eos mid-character: decodes to nothing
+    deltas, _ = stream(tok, ids)
+    assert deltas[:2] == ["o", "k"] and "".join(deltas) == "ok\ufffd"
+
+
+def test_stop_strings_end_the_text_and_no_part_of_them_is_ever_streamed() -> None:
+    tok = ByteTokenizer()
+    deltas, detok = stream(tok, tok.encode(TEXT).tolist(), stop=["zzz", "wör"])
+    assert "".join(deltas) == "héllo 🦊 " and detok.stopped
+    assert not any("w" in d for d in deltas)  # held back from the moment it could start "wör"
+
+
+def test_a_held_back_tail_that_is_no_stop_is_released() -> None:
+    tok = ByteTokenizer()
+    deltas, detok = stream(tok, tok.encode("xaay").tolist(), stop=["ab"])
+    assert deltas == ["x", "", "a", "ay", ""] and not detok.stopped
+    deltas, _ = stream(tok, tok.encode("xa").tolist(), stop=["ab"])
+    assert deltas == ["x", "", "a"]  # finishing flushes it
+
+
+def test_a_stop_string_found_late_is_cut_where_it_starts() -> None:
+    tok = ByteTokenizer()
+    deltas, detok = stream(tok, tok.encode("one. two. three").tolist(), stop=[". t"])
+    assert "".join(deltas) == "one" and detok.text == "one"
+
+
+def test_bpe_tokens_stream_like_a_whole_decode(hf_dir: Path) -> None:
+    tok = load_model_tokenizer(str(hf_dir))
+    assert isinstance(tok, HuggingFaceTokenizer)
+    ids = tok.encode(TEXT).tolist()
+    deltas, _ = stream(tok, ids, prompt=tok.encode("hello").tolist())
+    assert "".join(deltas) == tok.decode(ids) == TEXT
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_model_directory_tokenizers(tmp_path: Path, hf_dir: Path) -> None:
+    (tmp_path / "pylon_tokenizer.json").write_text(json.dumps(ByteTokenizer().info.model_dump(mode="json")))
+    assert isinstance(load_model_tokenizer(str(tmp_path)), ByteTokenizer)
+    (tmp_path / "pylon_tokenizer.json").write_text(json.dumps(
+        {"kind": "tokenizers", "name": "stdlib-bpe.json", "vocab_size": 400, "eos_id": 0, "pad_id": 1,
+         "sha256": "0" * 64}))
+    with pytest.raises(PylonError, match="tokenizers tokenizer 'stdlib-bpe.json'.*copy its tokenizer files"):
+        load_model_tokenizer(str(tmp_path))
+    (tmp_path / "pylon_tokenizer.json").unlink()
+    with pytest.raises(PylonError, match="has no tokenizer"):
+        load_model_tokenizer(str(tmp_path))
+
+
+def test_chat_prompts(hf_dir: Path) -> None:
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "!"}]}]
+    assert apply_chat_template(ByteTokenizer(), messages) == "system: be brief\nuser: hi!\nassistant: "
+    assert apply_chat_template(load_model_tokenizer(str(hf_dir)), messages) == (
+        "<|system|>be brief\n<|user|>hi!\n<|assistant|>")
+    for bad in ([], [{"content": "no role"}], [{"role": "user", "content": 3}], "hi"):
+        with pytest.raises(InvalidRequest) as e:
+            apply_chat_template(ByteTokenizer(), bad)
+        assert e.value.param == "messages"
