@@ -92,6 +92,15 @@ def run(engine: LLMEngine, steps: int | None = None) -> dict[str, list]:
     return outputs
 
 
+def eventually(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def tokens_of(outs) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
@@ -390,9 +399,7 @@ def test_async_concurrent_generate_and_abort_by_cancelling(gpt2: Family) -> None
             assert [o.num_output_tokens for o in outs] == list(range(1, len(outs) + 1))
         assert 1 <= len(cancelled) < 240
 
-        deadline = time.monotonic() + 10
-        while engine.stats().requests_finished_total.get("abort") != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert eventually(lambda: engine.stats().requests_finished_total.get("abort") == 1)
         stats = engine.stats()
         assert stats.requests_finished_total == {"abort": 1, "length": 6}
         assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks
@@ -414,21 +421,18 @@ def test_async_concurrent_generate_and_abort_by_cancelling(gpt2: Family) -> None
 
 def test_async_health_follows_the_step_loop(gpt2: Family) -> None:
     inner = gpt2.engine()
-    engine = AsyncLLMEngine(inner, heartbeat_timeout_s=0.3)
+    engine = AsyncLLMEngine(inner, heartbeat_timeout_s=0.5)
     execute, release = inner.runner.execute, threading.Event()
     try:
         def stuck(*args):
-            release.wait(10)
+            release.wait(30)
             return execute(*args)
 
         inner.runner.execute = stuck
-        inner.add_request("stuck", PROMPTS[0], GREEDY)
-        engine._wake.set()
-        time.sleep(0.8)
-        assert not engine.check_health()  # a loop stuck in a step is not healthy
+        inner.add_request("stuck", PROMPTS[0], GREEDY)  # the idle loop finds it within IDLE_WAIT_S
+        assert eventually(lambda: not engine.check_health())  # a loop stuck in a step is not healthy
         release.set()
-        time.sleep(0.3)
-        assert engine.check_health()
+        assert eventually(engine.check_health)
 
         def crash(*args):
             raise RuntimeError("device lost")
@@ -447,3 +451,14 @@ def test_async_health_follows_the_step_loop(gpt2: Family) -> None:
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_half_precision_and_device_choices(gpt2: Family) -> None:
+    engine = gpt2.engine(dtype="bf16")
+    assert engine.runner.k_cache[0].dtype == torch.bfloat16
+    [c] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    assert len(c.token_ids) == NEW_TOKENS  # bf16 rounding may pick other tokens than fp32; it must still run
+    assert gpt2.engine(dtype="auto").runner.k_cache[0].dtype == torch.float32  # fp32 on CPU
+    if not torch.cuda.is_available():
+        with pytest.raises(PylonError, match="no CUDA device"):
+            gpt2.engine(device="cuda")

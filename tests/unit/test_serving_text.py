@@ -14,7 +14,8 @@ from pylon.serving.errors import InvalidRequest
 from pylon.serving.tokenization import IncrementalDetokenizer, apply_chat_template, load_model_tokenizer
 
 TEXT = "héllo 🦊 wörld, ça va?\n"
-TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
-def stream(tokenizer, ids: list[int], stop: list[str] = (), prompt: list[int] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+def stream(tokenizer, ids: list[int], stop=(), prompt=()) -> tuple[list[str], IncrementalDetokenizer]:
     detok = IncrementalDetokenizer(tokenizer, list(prompt), list(stop))
     deltas = []
     for i in ids:
