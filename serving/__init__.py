@@ -1,1 +1,22 @@
-"""pylon.serving: the continuous-batching engine, Ray Serve deployments and the OpenAI-compatible API."""
+"""pylon.serving: the continuous-batching engine, Ray Serve deployments and the OpenAI-compatible API.
+
+The engine is plain PyTorch, on CPU or CUDA, with vLLM v1's division of labour: the scheduler decides what
+runs each step, the KV block pool owns memory, the model runner only executes.
+
+    engine.py        LLMEngine (add_request / step / abort, synchronous) and AsyncLLMEngine (the step loop on
+                     a thread, `async generate()` streams per request, check_health, stats)
+    scheduler.py     Scheduler: continuous batching under a token budget and a sequence cap, chunked
+                     prefill, preemption of the newest request when KV blocks run out
+    kv_cache.py      KVBlockPool: fixed-size KV blocks, one block table per request
+    model_runner.py  ModelRunner: loads a Hugging Face GPT-2 or Llama directory and runs one step, reusing the
+                     model's own layers and replacing only attention
+    attention.py     paged attention over the block pool, batched with padding and masks (torch SDPA)
+    sampling.py      SamplingParams (validated) and the sampler: greedy, temperature, top-k, top-p, per-request
+                     seeded generators
+    tokenization.py  the model directory's tokenizer (pylon.data.tokenizer), streaming detokenization with
+                     stop strings, chat prompts
+    request.py       Request (engine-side state) and RequestOutput (what each step hands back)
+    errors.py        InvalidRequest (names the bad parameter: HTTP 400), EngineDeadError (HTTP 503)
+
+Importing the package imports nothing heavy; torch and transformers load with the modules that need them.
+"""

@@ -1,0 +1,355 @@
+"""The engine: requests in, streamed outputs back, one `step()` at a time.
+
+    engine = LLMEngine("s3://bucket/runs/stdlib-gpt/export/", EngineSpec(max_num_seqs=32))
+    engine.add_request("r1", "def main(", SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.text, out.finish_reason)
+
+A step is: take in new requests and aborts, let the `Scheduler` pick the step's tokens, let the
+`ModelRunner` compute them, sample, then detokenize and check stop conditions. `AsyncLLMEngine` runs that
+loop on a thread of its own and streams each request's outputs to an asyncio consumer.
+
+`add_request` and `abort` may be called from any thread: they only queue work that the next step takes in.
+Everything else belongs to the thread that calls `step()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from pylon.errors import PylonError
+from pylon.serving.errors import EngineDeadError, InvalidRequest
+from pylon.serving.kv_cache import KVBlockPool
+from pylon.serving.request import FinishReason, Request, RequestOutput
+from pylon.serving.sampling import SamplingParams, sample
+from pylon.serving.scheduler import Scheduler
+from pylon.serving.tokenization import IncrementalDetokenizer, load_model_tokenizer
+from pylon.specs import EngineSpec
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]  # text, or token ids already
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_utilization: float  # fraction of KV blocks held by requests
+    num_free_blocks: int
+    num_blocks: int
+    prompt_tokens_total: int  # prompt tokens of requests that produced a first token
+    generation_tokens_total: int
+    num_preemptions_total: int
+    requests_finished_total: dict[str, int]  # by finish reason
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+
+
+class LLMEngine:
+    def __init__(self, model: str, spec: EngineSpec | None = None):
+        """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
+        directories are copied to a temporary directory, loaded, and the copy removed)."""
+        # Imported here so that importing this module stays light (no torch, no transformers).
+        from pylon.models import local_model_dir
+        from pylon.serving.model_runner import ModelRunner
+
+        self.spec = spec = spec or EngineSpec()
+        self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size)
+        with local_model_dir(model) as directory:
+            self.tokenizer = load_model_tokenizer(directory)
+            self.runner = ModelRunner(directory, num_blocks=self.pool.num_blocks, block_size=spec.block_size,
+                                      device=spec.device, dtype=spec.dtype)
+        # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
+        self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=spec.max_num_seqs,
+                                   max_num_batched_tokens=spec.max_num_batched_tokens)
+        # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an
+        # abort only together with or after the add it cancels, never in between.
+        self._lock = threading.Lock()
+        self._incoming: list[Request] = []
+        self._abort_ids: list[str] = []
+        self._unfinished_ids: set[str] = set()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._finished_total: Counter[str] = Counter()
+
+    # -- requests in ------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request for the next step. `prompt` is text or token ids. Raises `InvalidRequest`
+        (naming the parameter) for a request that can never run."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
+        prompt_ids = self._prompt_token_ids(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens ({max_tokens}) plus the prompt ({len(prompt_ids)} tokens) exceed max_model_len "
+                f"({self.max_model_len}); ask for at most {self.max_model_len - len(prompt_ids)} tokens",
+                param="max_tokens")
+        request = Request(request_id, prompt_ids, params, max_tokens,
+                          IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop), params.new_generator())
+        with self._lock:
+            if request_id in self._unfinished_ids:
+                raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
+            self._unfinished_ids.add(request_id)
+            self._incoming.append(request)
+
+    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = [int(i) for i in self.tokenizer.encode(prompt)]
+        elif isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
+        # Also for text: a tokenizer larger than the model's embedding table would crash the step loop.
+        bad = [i for i in ids if not 0 <= i < self.runner.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.runner.vocab_size}) (got {bad[:5]})",
+                                 param="prompt")
+        if not ids:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, so a prompt "
+                                 f"may have at most {self.max_model_len - 1} tokens", param="prompt")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Stop `request_id` at the next step, which frees its blocks and outputs finish_reason "abort".
+        Unknown or already finished ids are ignored."""
+        with self._lock:
+            self._abort_ids.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._incoming or self._abort_ids or self.scheduler.has_unfinished())
+
+    # -- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that got a token or finished in it."""
+        outputs = []
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+            abort_ids, self._abort_ids = self._abort_ids, []
+        for request in incoming:
+            self.scheduler.add(request)
+        for request_id in abort_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self._finish(request, "abort")
+                outputs.append(RequestOutput.of(request, request.detokenizer.flush(), []))
+
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return outputs
+        block_tables = [self.pool.block_table(s.request.request_id) for s in batch.scheduled]
+        logits = self.runner.execute(batch.scheduled, block_tables)
+        sampling = [s.request for s in batch.scheduled if s.samples]
+        tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        now = time.monotonic()
+        for request, token in zip(sampling, tokens):
+            outputs.append(self._append_token(request, token, now))
+        return outputs
+
+    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+        if request.num_output_tokens == 0:
+            self._prompt_tokens_total += request.num_prompt_tokens
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        request.token_ids.append(token)
+        self._generation_tokens_total += 1
+
+        params, text, reason = request.params, "", None
+        # A stop token ends the request without becoming text (eos would otherwise decode as "<|endoftext|>").
+        if token in params.stop_token_ids or (token == self.tokenizer.eos_id and not params.ignore_eos):
+            reason = "stop"
+        else:
+            text = request.detokenizer.add(token)
+            if request.detokenizer.stopped:
+                reason = "stop"
+        if reason is None and (request.num_output_tokens >= request.max_tokens
+                               or request.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            text += request.detokenizer.flush()
+            self._finish(request, reason)
+        return RequestOutput.of(request, text, [token])
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(request, reason)
+        self._finished_total[reason] += 1
+        with self._lock:
+            self._unfinished_ids.discard(request.request_id)
+
+    # -- conveniences -------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Offline use: run `prompts` to completion, all batched together; one `Completion` per prompt, in
+        order. Runs the engine alone (refuses while other requests are unfinished)."""
+        if self.has_unfinished():
+            raise PylonError("generate() runs the engine alone; finish or abort the other requests first")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise PylonError(f"generate(): {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [f"generate-{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.add_request(request_id, prompt, p)
+        texts = {i: [] for i in ids}
+        tokens = {i: [] for i in ids}
+        reasons = {}
+        while self.has_unfinished():
+            for out in self.step():
+                texts[out.request_id].append(out.text)
+                tokens[out.request_id].extend(out.token_ids)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        return [Completion(i, "".join(texts[i]), tokens[i], reasons[i]) for i in ids]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._incoming),
+            kv_cache_utilization=self.pool.utilization,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_blocks=self.pool.num_blocks,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            requests_finished_total=dict(self._finished_total),
+        )
+
+
+class AsyncLLMEngine:
+    """An `LLMEngine` stepping on a background thread, streaming outputs to asyncio consumers.
+
+    The thread steps while any request is unfinished and otherwise sleeps until one arrives, beating a
+    heartbeat on every pass; `check_health()` is true only while that heartbeat is recent. If a step
+    raises, the loop stops: every open stream and every later `generate()` raises `EngineDeadError`.
+    """
+
+    IDLE_WAIT_S = 0.1  # how often an idle loop wakes to beat its heartbeat
+
+    def __init__(self, engine: LLMEngine, *, heartbeat_timeout_s: float = 60.0):
+        # Generous: a step (a long prefill on a CPU) must never read as a dead loop.
+        self.engine = engine
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._dead: EngineDeadError | None = None
+        self._heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="pylon-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str, spec: EngineSpec | None = None, **kwargs) -> "AsyncLLMEngine":
+        return cls(LLMEngine(model, spec), **kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._heartbeat = time.monotonic()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(self.IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+            self._dead = EngineDeadError("the engine was shut down")
+        except BaseException as e:  # anything at all: the streams must learn the loop is gone
+            log.exception("engine step loop crashed")
+            self._dead = EngineDeadError(f"the engine's step loop crashed ({type(e).__name__}: {e})")
+            self._dead.__cause__ = e
+        # After `_dead` is set: a stream registered from here on sees it in generate() itself.
+        for request_id in list(self._streams):
+            self._deliver(request_id, self._dead)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:  # its consumer went away; the abort it sent is on its way
+            return
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # that event loop is closed
+            pass
+
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream `request_id`'s outputs (text and token deltas) until one has a finish_reason.
+
+        `InvalidRequest` and `EngineDeadError` are raised by the first iteration, before any output.
+        Leaving the iteration early (break, or cancelling the consuming task) aborts the request.
+        """
+        self._raise_if_dead()
+        if request_id in self._streams:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        added = finished = False
+        try:
+            self._raise_if_dead()  # again: the loop may have died, and told its streams, just before we registered
+            self.engine.add_request(request_id, prompt, params)
+            added = True
+            self._wake.set()
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, EngineDeadError):
+                    finished = True  # nothing left to abort
+                    self._raise_if_dead()
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if added and not finished:
+                self.abort(request_id)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:  # a fresh error per caller: one instance raised in many tasks tangles tracebacks
+            raise EngineDeadError(str(self._dead)) from self._dead.__cause__
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort" (if anyone still listens)."""
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def check_health(self) -> bool:
+        """True while the step loop runs and has beaten its heartbeat within `heartbeat_timeout_s`."""
+        return (self._dead is None and self._thread.is_alive()
+                and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (open streams raise `EngineDeadError`) and wait for the thread to end."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)

@@ -1,0 +1,17 @@
+"""Errors the serving engine raises to its callers; the HTTP layer maps them to status codes."""
+from __future__ import annotations
+
+from pylon.errors import PylonError
+
+
+class InvalidRequest(PylonError, ValueError):
+    """A request the engine refuses as given (HTTP 400). `param` names the offending field, as OpenAI's
+    error objects do, so a client can tell which of its arguments to change."""
+
+    def __init__(self, message: str, *, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDeadError(PylonError, RuntimeError):
+    """The engine's step loop stopped (shut down or crashed); no request can be served (HTTP 503)."""

@@ -1,0 +1,133 @@
+"""Executes one scheduled step: a Hugging Face causal LM's own weights and submodules, our paged attention.
+
+The forward pass is written out per model family (GPT-2, Llama), calling the loaded model's embeddings,
+norms, projections, rotary embedding, MLPs and lm_head; only attention is ours (`pylon.serving.attention`),
+because it must read and write the paged KV cache. All tokens of a step run as one flat batch `[T, hidden]`.
+Logits are computed only for each sampling sequence's last token: a prompt chunk that does not finish its
+prompt needs none, and the other positions of a prefill never need any.
+
+The runner owns the KV tensors, one K and one V per layer, `[num_blocks, block_size, kv_heads, head_dim]`;
+which blocks belong to whom is `KVBlockPool`'s business.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from pylon.errors import PylonError
+from pylon.serving.attention import AttentionMetadata, SequenceSlice, build_metadata, paged_attention
+from pylon.serving.scheduler import ScheduledRequest
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PylonError("engine.device: 'cuda', but torch sees no CUDA device here; use 'cpu' or 'auto'")
+    if device not in ("cpu", "cuda"):
+        raise PylonError(f"engine.device: must be one of auto, cpu, cuda (got {device!r})")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":  # fp32 on CPU (fp16/bf16 matmuls are slow or missing there); half precision on GPU
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in DTYPES:
+        raise PylonError(f"engine.dtype: must be one of auto, {', '.join(DTYPES)} (got {dtype!r})")
+    return DTYPES[dtype]
+
+
+def _model_type(model_dir: str) -> str | None:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PylonError(f"model {model_dir}: not a Hugging Face model directory (config.json: {e})") from None
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, *, num_blocks: int, block_size: int, device: str = "auto",
+                 dtype: str = "auto"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model_type = _model_type(model_dir)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise PylonError(f"model {model_dir}: model_type '{model_type}' is not supported by the serving "
+                             f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self._forward: Callable = getattr(self, f"_forward_{model_type}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
+        self.model.to(self.device).eval()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.block_size = block_size
+
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                        for _ in range(config.num_hidden_layers)]
+        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+
+    @torch.no_grad()
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
+        """Run one step; return float32 logits `[sampling sequences, vocab]`, in the order of `scheduled`
+        restricted to those whose `samples` is true (empty when none samples)."""
+        token_ids, positions, seqs, last_tokens = [], [], [], []
+        for s, table in zip(scheduled, block_tables):
+            token_ids.extend(s.request.token_ids[s.start:s.start + s.num_new_tokens])
+            positions.extend(range(s.start, s.start + s.num_new_tokens))
+            seqs.append(SequenceSlice(s.start, s.num_new_tokens, table))
+            if s.samples:
+                last_tokens.append(len(token_ids) - 1)
+        meta = build_metadata(seqs, self.block_size, self.device)
+        ids = torch.tensor(token_ids, device=self.device)
+        hidden = self._forward(ids, torch.tensor(positions, device=self.device), meta)
+        if not last_tokens:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        return self.model.lm_head(hidden[torch.tensor(last_tokens, device=self.device)]).float()
+
+    def _forward_gpt2(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states `[T, hidden]` (after ln_f) of GPT-2 (pre-norm blocks, learned positions)."""
+        gpt = self.model.transformer
+        h = gpt.wte(ids) + gpt.wpe(positions)
+        for i, block in enumerate(gpt.h):
+            attn = block.attn
+            q, k, v = attn.c_attn(block.ln_1(h)).split(attn.embed_dim, dim=-1)
+            shape = (len(ids), attn.num_heads, attn.head_dim)
+            # attn.scaling already folds in scale_attn_weights and scale_attn_by_inverse_layer_idx.
+            a = paged_attention(q.view(shape), k.view(shape), v.view(shape), self.k_cache[i], self.v_cache[i],
+                                meta, attn.scaling)
+            h = h + attn.c_proj(a.reshape(len(ids), -1))
+            h = h + block.mlp(block.ln_2(h))
+        return gpt.ln_f(h)
+
+    def _forward_llama(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states `[T, hidden]` (after the last RMSNorm) of Llama (RoPE, grouped-query attention)."""
+        llama = self.model.model
+        h = llama.embed_tokens(ids)
+        cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
+        for i, layer in enumerate(llama.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(len(ids), -1, attn.head_dim)
+            k = attn.k_proj(x).view(len(ids), -1, attn.head_dim)
+            v = attn.v_proj(x).view(len(ids), -1, attn.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
+            a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, attn.scaling)
+            h = h + attn.o_proj(a.reshape(len(ids), -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return llama.norm(h)

@@ -1,0 +1,131 @@
+"""Sampling parameters of one request, and the sampler that turns a step's logits into next tokens.
+
+Every request that samples (temperature > 0) draws from its own `torch.Generator`, seeded from `seed` when
+given: a seeded request then yields the same tokens whatever else shares its batch, because no other
+request ever advances its random stream.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pylon.serving.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class SamplingParams:
+    """What to generate for one request. Defaults follow OpenAI's completions API.
+
+    max_tokens: new tokens at most; None means up to the engine's max_model_len.
+    temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
+    top_p: keep the smallest set of most likely tokens whose probability adds up to top_p (1 keeps all).
+    top_k: keep the k most likely tokens; 0 keeps all (-1, vLLM's spelling of "all", is accepted too).
+    seed: seeds this request's own random stream, for reproducible sampling.
+    stop: strings that end generation; the matched stop string is not part of the output text.
+    stop_token_ids: token ids that end generation (besides the tokenizer's eos).
+    ignore_eos: keep generating past the eos token (benchmarks).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise InvalidRequest(f"max_tokens must be >= 1 (got {self.max_tokens})", param="max_tokens")
+        _check_number("temperature", self.temperature)
+        if not 0 <= self.temperature <= 100:  # far past any useful value; inf/nan would poison the softmax
+            raise InvalidRequest(f"temperature must be between 0 and 100 (got {self.temperature})",
+                                 param="temperature")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be > 0 and <= 1 (got {self.top_p})", param="top_p")
+        _check_int("top_k", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 or -1 keeps every token) (got {self.top_k})", param="top_k")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if isinstance(self.stop, str):  # OpenAI accepts one string or a list
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest(f"stop must be a non-empty string or a list of them (got {self.stop!r})",
+                                 param="stop")
+        self.stop = list(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be a list of token ids >= 0 (got {self.stop_token_ids!r})",
+                                 param="stop_token_ids")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest(f"ignore_eos must be true or false (got {self.ignore_eos!r})", param="ignore_eos")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def new_generator(self) -> "torch.Generator | None":
+        """This request's own random stream (None when greedy: nothing to draw)."""
+        import torch
+
+        if self.greedy:
+            return None
+        seed = self.seed if self.seed is not None else random.SystemRandom().getrandbits(63)
+        return torch.Generator().manual_seed(seed % 2**64)
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer (got {value!r})", param=name)
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidRequest(f"{name} must be a number (got {value!r})", param=name)
+
+
+def sample(logits: "torch.Tensor", params: list[SamplingParams],
+           generators: list["torch.Generator | None"]) -> list[int]:
+    """One next token per row of `logits` ([rows, vocab], float32), row i following `params[i]`.
+
+    Greedy rows take the argmax. Sampled rows are filtered (temperature, top-k, top-p) in one batched
+    pass over descending-sorted logits; the draw itself happens on the CPU with each row's own generator.
+    """
+    import torch
+
+    tokens = logits.argmax(dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    index = torch.tensor(rows, device=logits.device)
+    temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+    top_k = torch.tensor([params[i].top_k or logits.shape[1] for i in rows], device=logits.device)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
+
+    scaled = logits[index] / temperature[:, None]
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(sorted_logits.shape[1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p; the first token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    probs = (probs / probs.sum(dim=-1, keepdim=True)).cpu()
+    sorted_ids = sorted_ids.cpu()
+    for j, i in enumerate(rows):
+        choice = torch.multinomial(probs[j], 1, generator=generators[i])
+        tokens[i] = int(sorted_ids[j, choice])
+    return tokens

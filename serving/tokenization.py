@@ -1,0 +1,133 @@
+"""Text in and out of the engine: the model directory's tokenizer, streaming detokenization with stop
+strings, and chat prompts.
+
+The tokenizers themselves are `pylon.data.tokenizer`'s (the ones training used), found in a model directory
+as either Hugging Face tokenizer files or, for a Pylon export trained on bytes, `pylon_tokenizer.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from pylon.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer
+from pylon.errors import PylonError
+from pylon.serving.errors import InvalidRequest
+
+PYLON_TOKENIZER_FILE = "pylon_tokenizer.json"  # what `pylon export` writes (pylon.jobs.export.TOKENIZER_FILE)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_model_tokenizer(model_dir: str) -> Tokenizer:
+    """The tokenizer of the local model directory `model_dir`.
+
+    Hugging Face tokenizer files win when present. Otherwise `pylon_tokenizer.json` names the tokenizer the
+    model was trained with: the byte tokenizer needs no files; any other kind needs its files copied in.
+    """
+    if any(os.path.exists(os.path.join(model_dir, name)) for name in HF_TOKENIZER_FILES):
+        name = os.path.basename(os.path.normpath(model_dir))
+        return HuggingFaceTokenizer(model_dir, name, None, where=f"model {model_dir}")
+    identity_file = os.path.join(model_dir, PYLON_TOKENIZER_FILE)
+    if not os.path.exists(identity_file):
+        raise PylonError(f"model {model_dir}: has no tokenizer; expected Hugging Face tokenizer files "
+                         f"({', '.join(HF_TOKENIZER_FILES)}) or {PYLON_TOKENIZER_FILE} (what `pylon export` writes)")
+    with open(identity_file) as f:
+        identity = json.load(f)
+    if identity.get("kind") == "byte":
+        return ByteTokenizer()
+    raise PylonError(f"model {model_dir}: was trained with the {identity.get('kind')} tokenizer "
+                     f"'{identity.get('name')}', whose files are not in the model directory; copy its "
+                     "tokenizer files (tokenizer.json, tokenizer_config.json) next to the model")
+
+
+class IncrementalDetokenizer:
+    """Output token ids in, text deltas out, for streaming.
+
+    Only complete text is emitted: a token that ends in the middle of a multi-byte UTF-8 character (the
+    decoder then yields U+FFFD) is held until the character completes. Each step decodes a short window
+    (from `_prefix`) rather than the whole output, and compares it with the same window without the new
+    tokens, so tokenizers whose text depends on neighbours (sentencepiece's leading spaces) come out right.
+
+    Stop strings end the text before their first occurrence. While streaming, a tail of text that could
+    still grow into a stop string is held back, so no client ever sees part of a stop string.
+    """
+
+    PROMPT_CONTEXT = 6  # prompt tokens decoded along with the first outputs, for context-dependent spacing
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_token_ids[-self.PROMPT_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._stop = stop
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self.text = ""  # all output text so far, cut at a stop string once one is found
+        self._sent = 0  # characters of `text` handed out already
+        self.stopped = False  # a stop string was found
+
+    def add(self, token_id: int) -> str:
+        """Take one generated token; return the text that is now safe to emit."""
+        self._ids.append(token_id)
+        before = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        after = self._tokenizer.decode(self._ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            searched_up_to = len(self.text)
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self._ids)
+            self._find_stop(max(0, searched_up_to - self._longest_stop + 1))
+        return self._take(final=self.stopped)
+
+    def flush(self) -> str:
+        """The rest of the text, held-back tails included: call when the request finishes. Bytes of a
+        character that will now never complete come out as U+FFFD, as a one-shot decode would give them."""
+        if not self.stopped and self._read < len(self._ids):
+            before = self._tokenizer.decode(self._ids[self._prefix:self._read])
+            self.text += self._tokenizer.decode(self._ids[self._prefix:])[len(before):]
+            self._prefix = self._read = len(self._ids)
+        return self._take(final=True)
+
+    def _find_stop(self, start: int) -> None:
+        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _take(self, *, final: bool) -> str:
+        end = len(self.text) if final else len(self.text) - self._partial_stop_length()
+        delta = self.text[self._sent:end]
+        self._sent = max(self._sent, end)
+        return delta
+
+    def _partial_stop_length(self) -> int:
+        """Length of the longest tail of `text` that is the start of a stop string."""
+        for k in range(min(self._longest_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+
+def apply_chat_template(tokenizer: Tokenizer, messages: list[dict]) -> str:
+    """The prompt text for a chat: the tokenizer's own chat template when it has one, else plain
+    "role: content" lines ending with "assistant: " for the model to continue."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {role, content} objects", param="messages")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        plain.append({"role": message["role"], "content": _content_text(message.get("content"), i)})
+    hf = getattr(tokenizer, "_tok", None) if isinstance(tokenizer, HuggingFaceTokenizer) else None
+    if hf is not None and getattr(hf, "chat_template", None):
+        return hf.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
+
+
+def _content_text(content, index: int) -> str:
+    # OpenAI allows a string or a list of parts; only text parts mean anything to a text model.
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts",
+                         param="messages")
