@@ -1,0 +1,184 @@
+"""The OpenAI-compatible request and response shapes, and the error body every 4xx/5xx carries.
+
+Requests are pydantic models that forbid unknown fields: a misspelled parameter is a 400 that names it,
+never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`n` > 1, `logprobs`, `echo`,
+penalties, `best_of`, `suffix`, `logit_bias`, tools) are accepted only at their neutral value, with an error
+that says so otherwise. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's extensions, kept by name.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pylon.serving.errors import InvalidRequest
+from pylon.serving.sampling import SamplingParams
+
+
+class _Request(BaseModel):
+    # Strict: "5" is not a number and 1 is not a boolean here, as in OpenAI's own API.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: "StreamOptions | None" = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequest(f"n must be 1: Pylon returns one choice per request (got {self.n})", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} is not supported; leave it at 0", param=name)
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream: true", param="stream_options")
+
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=self.stop or [],
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise InvalidRequest(f"prompt: one prompt per request (got a batch of {len(self.prompt)})",
+                                     param="prompt")
+            self.prompt = self.prompt[0]
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs is not supported", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of must be 1", param="best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise InvalidRequest("logprobs is not supported", param="logprobs")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")
+            self.max_tokens = self.max_completion_tokens
+
+
+def parse_request(cls: type[_Request], body: bytes) -> _Request:
+    """Validate a raw JSON body; any problem is an `InvalidRequest` naming the field."""
+    try:
+        request = cls.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "json_invalid":
+            message, param = f"the request body is not valid JSON ({first['msg']})", "body"
+        elif first["type"] == "model_type" and param == "body":
+            message = "the request body must be a JSON object"
+        elif first["type"] == "extra_forbidden":
+            message = f"unknown field '{param}'"
+        elif first["type"] == "missing":
+            message = f"missing required field '{param}'"
+        else:
+            message = f"{param}: {first['msg']} (got {str(first.get('input'))[:80]!r})"
+        raise InvalidRequest(message, param=param) from None
+    request.check_supported()
+    return request
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+                        completion_tokens: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+                  completion_tokens: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, only usage."""
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()
