@@ -462,3 +462,34 @@ def test_half_precision_and_device_choices(gpt2: Family) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(PylonError, match="no CUDA device"):
             gpt2.engine(device="cuda")
+
+
+def test_many_concurrent_requests_beyond_max_num_seqs_match_transformers_greedy(family: Family) -> None:
+    """24 requests of mixed lengths submitted at once to the asyncio engine with max_num_seqs = 6: requests
+    wait, join as others finish, and every one's greedy output equals `generate` on its prompt alone."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [int(n) for n in torch.randint(2, 70, (24,), generator=g)]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    expected = [family.hf_greedy(p, 12) for p in prompts]
+    params = SamplingParams(max_tokens=12, temperature=0)
+
+    engine = AsyncLLMEngine(family.engine(max_num_seqs=6, max_num_batched_tokens=96))
+    most_running = []
+
+    async def one(i: int) -> list[int]:
+        tokens = []
+        async for out in engine.generate(f"c{i}", prompts[i], params):
+            tokens.extend(out.token_ids)
+            most_running.append(engine.stats().num_running)
+        return tokens
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert max(most_running) == 6  # the batch was full, and the rest waited their turn
+    assert_pool_empty(engine.engine)
