@@ -50,6 +50,8 @@ class LocalCluster:
     client_server_port: int
     started_at: float
     home: str
+    serve_port: int = 8000  # where Ray Serve's HTTP proxy listens once something is deployed
+    metrics_port: int = 0  # Ray's Prometheus endpoint on the head (Serve and Pylon metrics)
 
     @property
     def jobs_api(self) -> str:
@@ -143,6 +145,8 @@ def up(
     gcs_port = port or _port_or_free(6379)
     dash_port = dashboard_port or _port_or_free(8265)
     client_port = _free_port()
+    metrics_port = _free_port()
+    serve_port = _port_or_free(8000)
     temp_dir = ray_temp_dir(home)
     if temp_dir.exists():
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -153,6 +157,7 @@ def up(
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}", "--include-dashboard=true",
         f"--ray-client-server-port={client_port}",
         f"--dashboard-agent-listen-port={_free_port()}",
+        f"--metrics-export-port={metrics_port}",
         f"--temp-dir={temp_dir}",
         "--disable-usage-stats",
     ]
@@ -175,6 +180,8 @@ def up(
         gcs_port=gcs_port,
         dashboard_port=dash_port,
         client_server_port=client_port,
+        serve_port=serve_port,
+        metrics_port=metrics_port,
         started_at=time.time(),
         home=str(home),
     )

@@ -1,0 +1,415 @@
+"""Serving end to end on the session's Ray cluster: a tiny model deployed with `pylon.serving.app.deploy` on
+Ray Serve, spoken to over real HTTP by the official `openai` client and by raw HTTP; greedy parity with
+`transformers`, bad input, auth, backpressure, disconnects, block leaks, metrics and autoscaling."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.integration
+
+API_KEY = "sk-pylon-test-7f3a91"
+SECOND_KEY = "sk-pylon-test-other"
+KEYS_ENV = "PYLON_TEST_API_KEYS"
+MAX_NUM_SEQS = 8
+MAX_QUEUED = 16
+MAX_MODEL_LEN = 192
+
+
+class TinyModel:
+    """A random GPT-2 saved as a Pylon export (byte tokenizer); `transformers`' greedy continuations."""
+
+    def __init__(self, directory: Path):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from pylon.data.tokenizer import ByteTokenizer
+
+        tok = ByteTokenizer()
+        # initializer_range 0.5: continuations that depend on the context (see test_serving_engine.py).
+        config = AutoConfig.for_model("gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=256, vocab_size=320,
+                                      eos_token_id=tok.eos_id, bos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                                      initializer_range=0.5)
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        self.model.save_pretrained(directory)
+        (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+        self.dir, self.tok = directory, tok
+
+    def greedy_text(self, prompt: str, new_tokens: int) -> tuple[str, list[int]]:
+        import torch
+
+        ids = torch.tensor([list(prompt.encode())])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=257)
+        new = out[0, ids.shape[1]:].tolist()
+        return self.tok.decode(new), new
+
+
+def _spec(name: str, model_dir: Path, **over):
+    from pylon.specs import DeploymentSpec
+
+    spec = {
+        "kind": "Deployment", "name": name, "model": str(model_dir),
+        "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 256, "kv_cache_tokens": 2048,
+                   "block_size": 16, "max_model_len": MAX_MODEL_LEN, "device": "cpu"},
+        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+        "http": {"api_keys_env": KEYS_ENV, "max_queued_requests": MAX_QUEUED, "request_timeout_s": 60},
+        "replica": {"num_cpus": 0.5},
+    }
+    spec.update(over)
+    return DeploymentSpec.model_validate(spec)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> TinyModel:
+    return TinyModel(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tiny):
+    from pylon.serving.app import delete, deploy
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")
+        url = deploy(_spec("tiny", tiny.dir))
+    yield url
+    delete("tiny")
+
+
+def _auth(key: str = API_KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _openai(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _ready(url: str) -> dict:
+    return requests.get(f"{url}/ready", timeout=10).json()
+
+
+def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
+    client = _openai(served)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+    prompt = "def fibonacci(n):\n    "
+    expected, _ = tiny.greedy_text(prompt, 12)
+    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].text == expected
+    assert done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (
+        len(prompt.encode()), 12, len(prompt.encode()) + 12)
+
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == len(prompt.encode())
+
+    messages = [{"role": "user", "content": "Write a loop."}]
+    chat_prompt = "user: Write a loop.\nassistant: "  # the default template of a model without one
+    expected_chat, _ = tiny.greedy_text(chat_prompt, 10)
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected_chat
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(chat_prompt.encode()), 10)
+
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_chat
+    assert stream[-1].usage.completion_tokens == 10 and stream[-1].usage.total_tokens == len(chat_prompt.encode()) + 10
+
+
+def test_raw_sse_ends_with_done_and_carries_a_request_id(served):
+    with requests.post(f"{served}/v1/completions", headers={**_auth(), "X-Request-Id": "my-trace-42"}, stream=True,
+                       json={"model": "tiny", "prompt": "x = ", "max_tokens": 5, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"] == "my-trace-42"
+        lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+    r = requests.post(f"{served}/v1/completions", headers=_auth(SECOND_KEY), timeout=60,
+                      json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and len(r.headers["x-request-id"]) >= 8  # one is made up when none is sent
+
+
+def test_concurrent_greedy_requests_match_transformers(served, tiny):
+    """20 concurrent requests of mixed lengths (more than max_num_seqs = 8) through HTTP."""
+    import random
+
+    rng = random.Random(3)
+    text = Path(__file__).read_text()
+    prompts = []
+    for _ in range(20):
+        start, n = rng.randrange(0, 2000), rng.randrange(3, 80)
+        prompts.append(text[start:start + n])
+    expected = [tiny.greedy_text(p, 16)[0] for p in prompts]
+
+    def complete(prompt: str) -> str:
+        r = requests.post(f"{served}/v1/completions", headers=_auth(), timeout=120,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        got = list(pool.map(complete, prompts))
+    assert got == expected
+
+
+BAD = [
+    ("invalid json", b'{"model": "tiny", "prompt": ', 400, "body"),
+    ("not an object", b'["tiny"]', 400, "body"),
+    ("wrong type", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("wrong type temperature", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("unknown field", {"model": "tiny", "prompt": "x", "max_tokenz": 3}, 400, "max_tokenz"),
+    ("missing prompt", {"model": "tiny"}, 400, "prompt"),
+    ("unknown model", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("empty prompt", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("prompt past the context", {"model": "tiny", "prompt": "y" * (MAX_MODEL_LEN + 5)}, 400, "prompt"),
+    ("max_tokens zero", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens past the context", {"model": "tiny", "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("n > 1", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("top_p out of range", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("token id out of vocab", {"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("batch of prompts", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("case,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_4xx_with_an_error_body(served, case, body, status, param):
+    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+    r = requests.post(f"{served}/v1/completions", headers={**_auth(), "Content-Type": "application/json"},
+                      timeout=30, **kwargs)
+    assert r.status_code == status, (case, r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error", error
+    assert r.headers["x-request-id"]
+
+
+def test_bad_chat_and_paths_and_the_server_still_answers(served):
+    for body in ({"model": "tiny", "messages": []}, {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+                 {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}):
+        r = requests.post(f"{served}/v1/chat/completions", headers=_auth(), json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(("messages", "logprobs")), r.text
+    r = requests.get(f"{served}/v1/nothing-here", headers=_auth(), timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+    r = requests.post(f"{served}/v1/completions", headers=_auth(), timeout=60,
+                      json={"model": "tiny", "prompt": "still here", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_api_keys_are_required_and_never_logged(served, ray_cluster):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": API_KEY}, {"Authorization": "Basic x"}):
+        r = requests.post(f"{served}/v1/completions", headers=headers, json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (headers, r.text)
+    assert requests.get(f"{served}/v1/models", timeout=30).status_code == 401
+    assert requests.get(f"{served}/health", timeout=30).status_code == 200  # probes need no key
+    # No key in any log, event or config Ray keeps for the session.
+    leaked = []
+    for path in Path(ray_cluster.temp_dir).rglob("*"):
+        if path.is_file() and path.stat().st_size < 50 * 2**20:
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            if API_KEY.encode() in data or SECOND_KEY.encode() in data:
+                leaked.append(str(path))
+    assert not leaked
+
+
+def test_disconnect_mid_stream_aborts_and_nothing_leaks(served):
+    """A client that goes away mid-stream frees its engine slot within a second; after 1,000 requests, some
+    of them abandoned mid-stream, every KV block is back in the pool."""
+    import socket
+
+    def abandon() -> None:
+        body = json.dumps({"model": "tiny", "prompt": "while True:", "max_tokens": 150, "stream": True,
+                           "ignore_eos": True}).encode()
+        host, port = served.split("//")[1].split("/")[0].split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            received = b""
+            while received.count(b"data: ") < 3:
+                received += sock.recv(4096)
+
+    abandon()
+    deadline = time.monotonic() + 1.0
+    while _ready(served)["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ready(served)["running"] == 0, "the abandoned request is still running"
+
+    def one(i: int) -> int:
+        if i % 50 == 0:
+            abandon()
+            return 200
+        r = requests.post(f"{served}/v1/completions", headers=_auth(), timeout=120,
+                          json={"model": "tiny", "prompt": f"print({i})", "max_tokens": 1 + i % 4,
+                                "stream": i % 2 == 0})
+        return r.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(MAX_NUM_SEQS) as pool:
+        statuses = list(pool.map(one, range(1000)))
+    assert statuses.count(200) == 1000
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (_ready(served)["kv_cache_usage"] or _ready(served)["running"]):
+        time.sleep(0.1)
+    ready = _ready(served)
+    assert (ready["running"], ready["waiting"], ready["kv_cache_usage"]) == (0, 0, 0), ready
+
+
+def test_backpressure_is_429_with_retry_after(served):
+    def one(_):
+        r = requests.post(f"{served}/v1/completions", headers=_auth(), timeout=120,
+                          json={"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True})
+        return r.status_code, r.headers.get("retry-after"), r.json()
+
+    n = MAX_NUM_SEQS + MAX_QUEUED + 16
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
+    statuses = [s for s, _, _ in results]
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= MAX_NUM_SEQS + MAX_QUEUED
+    for status, retry_after, body in results:
+        if status == 429:
+            assert retry_after == "1" and body["error"]["type"] == "rate_limit_error"
+
+
+def test_prometheus_metrics_carry_the_model_label(served, ray_cluster):
+    requests.post(f"{served}/v1/completions", headers=_auth(), json={"model": "tiny", "prompt": "m", "max_tokens": 4},
+                  timeout=60)
+    wanted = ["pylon_time_to_first_token_seconds", "pylon_inter_token_latency_seconds",
+              "pylon_e2e_request_latency_seconds", "pylon_request_queue_time_seconds", "pylon_num_requests_running",
+              "pylon_num_requests_waiting", "pylon_kv_cache_usage_ratio", "pylon_prompt_tokens_total",
+              "pylon_generation_tokens_total"]
+    urls = _metrics_urls(ray_cluster)
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        text = "\n".join(_get(u) for u in urls)
+        if all(f'{name}' in text for name in wanted) and 'model="tiny"' in text:
+            break
+        time.sleep(2)
+    missing = [name for name in wanted if name not in text]
+    assert not missing, (missing, urls)
+    assert any('model="tiny"' in line for line in text.splitlines() if line.startswith("ray_pylon_time_to_first"))
+
+
+def _metrics_urls(ray_cluster) -> list[str]:
+    import psutil
+
+    hosts = {"127.0.0.1"} | {a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                             if a.family == 2}
+    return [f"http://{h}:{ray_cluster.metrics_port}/metrics" for h in sorted(hosts)]
+
+
+def _get(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.read().decode()
+    except OSError:
+        return ""
+
+
+def test_autoscaling_up_under_load_and_back_down(ray_cluster, tiny, served):
+    from pylon.serving.app import delete, deploy
+
+    spec = _spec("tiny-autoscale", tiny.dir,
+                 autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+                              "upscale_delay_s": 1, "downscale_delay_s": 3},
+                 http={"api_keys_env": None, "max_queued_requests": 64, "request_timeout_s": 120,
+                       "route_prefix": "/autoscale"},
+                 replica={"num_cpus": 0.25})
+    from pylon.errors import PylonError
+
+    with pytest.raises(PylonError, match=r"http.route_prefix: / is already served by application 'tiny'"):
+        deploy(spec.model_copy(update={"http": spec.http.model_copy(update={"route_prefix": "/"})}))
+    url = deploy(spec)
+    assert url.endswith("/autoscale")
+    try:
+        assert _replicas(ray_cluster, "tiny-autoscale") == 1
+        stop = time.monotonic() + 120
+        seen = [1]
+
+        def load(_):
+            while time.monotonic() < stop and max(seen) < 2:
+                requests.post(f"{url}/v1/completions", timeout=120,
+                              json={"model": "tiny-autoscale", "prompt": "x", "max_tokens": 60, "ignore_eos": True})
+
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            futures = [pool.submit(load, i) for i in range(10)]
+            while time.monotonic() < stop and max(seen) < 2:
+                seen.append(_replicas(ray_cluster, "tiny-autoscale"))
+                time.sleep(1)
+            stop = time.monotonic()
+            for f in futures:
+                f.result()
+        assert max(seen) == 2, seen
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and _replicas(ray_cluster, "tiny-autoscale") != 1:
+            time.sleep(1)
+        assert _replicas(ray_cluster, "tiny-autoscale") == 1
+    finally:
+        delete("tiny-autoscale")
+
+
+def _replicas(ray_cluster, app: str) -> int:
+    """RUNNING replicas of the app's deployment, from Serve's REST API on the dashboard."""
+    token = Path(ray_cluster.token_path).read_text().strip()
+    r = requests.get(f"{ray_cluster.dashboard_url}/api/serve/applications/", timeout=10,
+                     headers={"Authorization": f"Bearer {token}"})
+    r.raise_for_status()
+    deployments = r.json()["applications"][app]["deployments"]
+    return sum(1 for d in deployments.values() for rep in d["replicas"] if rep["state"] == "RUNNING")
+
+
+def test_pylon_serve_cli_deploys_answers_and_deletes(ray_cluster, tiny, tmp_path, served):
+    """`pylon serve FILE` prints the URL of a ready deployment; a wrong model path fails before deploying,
+    naming the field; `pylon serve --delete NAME` removes it."""
+    import subprocess
+    import sys
+
+    def pylon(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pylon", *args], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: Deployment\nname: nowhere\nmodel: no/such/model\nhttp: {api_keys_env: null}\n")
+    r = pylon("serve", str(bad))
+    assert r.returncode == 1 and "model" in r.stderr and "no/such/model" in r.stderr and "config.json" in r.stderr, r
+    assert "Traceback" not in r.stderr
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(tiny.dir, target_is_directory=True)
+    good = tmp_path / "deploy.yaml"
+    good.write_text("kind: Deployment\nname: tiny-cli\nmodel: models/tiny\n"  # relative to where pylon runs
+                    "engine: {max_num_seqs: 4, kv_cache_tokens: 1024, max_model_len: 128}\n"
+                    "http: {api_keys_env: null, route_prefix: /cli}\nreplica: {num_cpus: 0.25}\n")
+    r = pylon("serve", str(good))
+    assert r.returncode == 0, r.stderr
+    url = r.stdout.strip().splitlines()[-1]
+    assert url.endswith("/cli") and "pylon serve --delete tiny-cli" in r.stderr
+    models = requests.get(f"{url}/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-cli"]
+    r = pylon("serve", "--delete", "tiny-cli")
+    assert r.returncode == 0 and "deleted" in r.stdout, r.stderr
+    assert requests.get(f"{url}/v1/models", timeout=30).status_code == 404
