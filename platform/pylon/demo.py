@@ -8,8 +8,10 @@
    throughput, and a sample decoded back to text;
 5. train the example TrainJob on them as a Ray job (2 Ray Train workers, DeepSpeed ZeRO-2, optimizer
    offloaded to CPU, checkpoints), export it, and print the loss curve's ends, tokens/s, the share of step
-   time spent waiting for data, and where the plot, run and export are.
-Serving joins this path as it lands.
+   time spent waiting for data, and where the plot, run and export are;
+6. deploy the export on Ray Serve (continuous batching, API key on) and stream a completion of
+   `def fibonacci(` over HTTP, then send a burst of concurrent requests and print serving throughput.
+The cluster and the endpoint stay up afterwards (`pylon cluster down` stops both) unless --down is given.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pylon.client import connect
 from pylon.specs import TrainJobSpec, load_specs, to_yaml
 
 
-def _train(client, corpus: str, steps: int) -> bool:
+def _train(client, corpus: str, steps: int) -> str | None:
     """Train the bundled example TrainJob on the prepared corpus as a Ray job; print what it learned."""
     import statistics
 
@@ -55,7 +57,7 @@ def _train(client, corpus: str, steps: int) -> bool:
     if status != "SUCCEEDED":
         print("\n".join(client.job_logs(job_id).strip().splitlines()[-40:]), file=sys.stderr)
         print(f"error: training job {job_id} ended {status}", file=sys.stderr)
-        return False
+        return None
     records = read_metrics(run_uri)
     first, last = records[0], records[-1]
     steady = records[1:] or records
@@ -67,13 +69,97 @@ def _train(client, corpus: str, steps: int) -> bool:
           f"pipeline start-up ({first['data_wait_fraction'] * first['step_time_s']:.1f}s)")
     print(f"      loss curve: {storage.join(run_uri, 'loss.png')}\n      run: {run_uri}\n"
           f"      export (Hugging Face): {storage.join(run_uri, 'export')}")
+    return storage.join(run_uri, "export")
+
+
+def _demo_api_key(home) -> tuple[str, str]:
+    """The demo endpoint's API key: $PYLON_API_KEYS if set, else one made up once and kept in a 0600 file
+    beside Ray's token (printed as a path, never as the key)."""
+    import os
+    import secrets
+
+    if os.environ.get("PYLON_API_KEYS"):
+        return os.environ["PYLON_API_KEYS"].split(",")[0].strip(), "$PYLON_API_KEYS"
+    path = home / "demo" / "api_key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("sk-pylon-" + secrets.token_urlsafe(24))
+    return path.read_text().strip(), str(path)
+
+
+def _serve(model_uri: str) -> bool:
+    """Deploy the exported model, stream one completion, then a burst of concurrent ones."""
+    import concurrent.futures
+    import json
+    import os
+
+    import requests
+
+    from pylon.serving.app import deploy
+    from pylon.specs import DeploymentSpec
+
+    examples = resources.files("pylon") / "examples" / "stdlib-gpt.yaml"
+    with resources.as_file(examples) as path:
+        spec = next(d.spec for d in load_specs(path) if isinstance(d.spec, DeploymentSpec))
+    spec = spec.model_copy(update={"model": model_uri})
+    key, key_source = _demo_api_key(cluster.pylon_home())
+    os.environ[spec.http.api_keys_env] = key  # read by deploy(); replicas get only its digest
+    t0 = time.perf_counter()
+    print(f"[6/{STEPS}] deploying on Ray Serve: {spec.summary()}")
+    url = deploy(spec)
+    print(f"      ready in {time.perf_counter() - t0:.0f}s at {url}  (API key: {key_source})")
+    headers = {"Authorization": f"Bearer {key}"}
+    prompt = "def fibonacci("
+    body = {"model": spec.name, "prompt": prompt, "max_tokens": 160, "temperature": 0.2, "seed": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    print(f"      streamed completion of {prompt!r}:\n        | {prompt}", end="", flush=True)
+    t0 = time.perf_counter()
+    first, usage = None, {}
+    with requests.post(f"{url}/v1/completions", json=body, headers=headers, stream=True, timeout=120) as r:
+        if r.status_code != 200:
+            print(f"\nerror: the endpoint answered {r.status_code}: {r.text}", file=sys.stderr)
+            return False
+        for line in r.iter_lines(decode_unicode=True):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                first = first or time.perf_counter()
+                print(choice["text"].replace("\n", "\n        | "), end="", flush=True)
+    elapsed = time.perf_counter() - t0
+    print(f"\n      {usage.get('completion_tokens', 0)} tokens in {elapsed:.2f}s "
+          f"(first token after {((first or t0) - t0) * 1000:.0f} ms)")
+
+    prompts = ["import ", "class ", "def __init__(self", "    return ", "for i in range(", "if __name__",
+               "from collections import ", "    def "] * 4
+
+    def complete(p: str) -> int:
+        r = requests.post(f"{url}/v1/completions", headers=headers, timeout=300,
+                          json={"model": spec.name, "prompt": p, "max_tokens": 64, "temperature": 0.8, "seed": 1})
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        tokens = sum(pool.map(complete, prompts))
+    elapsed = time.perf_counter() - t0
+    print(f"[7/{STEPS}] burst of {len(prompts)} concurrent requests: {tokens} tokens in {elapsed:.1f}s = "
+          f"{tokens / elapsed:,.0f} output tokens/s through Serve + HTTP, batched continuously")
+    print(f"      endpoint: {url}/v1 (OpenAI-compatible; `Authorization: Bearer <key from {key_source}>`)\n"
+          f"      try: curl {url}/v1/completions -H \"Authorization: Bearer $(cat {key_source})\" "
+          f"-H 'Content-Type: application/json' -d '{{\"model\": \"{spec.name}\", \"prompt\": \"def \", "
+          f"\"max_tokens\": 64}}'" if key_source != "$PYLON_API_KEYS" else
+          f"      endpoint: {url}/v1 (OpenAI-compatible; `Authorization: Bearer $PYLON_API_KEYS`)")
     return True
 
 
-STEPS = 5
+STEPS = 7
 
 
-def run_demo(*, keep_cluster: bool = False, steps: int = 200) -> int:
+def run_demo(*, down: bool = False, steps: int = 200) -> int:
     t0 = time.perf_counter()
     info, started = cluster.up()
     print(f"[1/{STEPS}] local Ray cluster {'started' if started else 'reused'}: dashboard {info.dashboard_url}")
@@ -118,13 +204,16 @@ def run_demo(*, keep_cluster: bool = False, steps: int = 200) -> int:
             text = load_tokenizer("byte").decode(last.tokens[0, : last.num_tokens[0]].tolist())
             print(f"      sample {int(last.sample_ids[0])}, decoded:\n" +
                   "\n".join("        | " + line for line in text.splitlines()[:8]))
-        if steps > 0 and not _train(client, corpus, steps):
-            return 1
+        if steps > 0:
+            export = _train(client, corpus, steps)
+            if export is None or not _serve(export):
+                return 1
         print(f"demo finished in {time.perf_counter() - t0:.0f}s")
         return 0
     finally:
-        if started and not keep_cluster:
+        if started and down:
             cluster.down()
-            print("stopped the demo's local cluster (use --keep-cluster to leave it up)")
+            print("stopped the demo's local cluster")
         else:
-            print(f"cluster still running: {info.dashboard_url} (stop it with `pylon cluster down`)")
+            print(f"cluster still running: dashboard {info.dashboard_url} (stop it, and the endpoint, with "
+                  "`pylon cluster down`)")
