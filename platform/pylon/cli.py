@@ -238,7 +238,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pylon.demo import run_demo
 
-    return run_demo(keep_cluster=args.keep_cluster, steps=args.steps)
+    return run_demo(down=args.down, steps=args.steps)
 
 
 def _gib_to_bytes(gib: float | None) -> int | None:
@@ -388,9 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start the local cluster if needed, validate the bundled example specs, prepare "
                                    "the Python standard library's sources as a Ray job, stream them back as "
                                    "training reads them, train the example GPT on 2 Ray Train workers with "
-                                   "DeepSpeed ZeRO-2 + CPU optimizer offload, export it, and print what happened.",
-                       epilog="examples:\n  pylon demo --keep-cluster\n  pylon demo --steps 50")
-    d.add_argument("--keep-cluster", action="store_true", help="leave the cluster running afterwards")
+                                   "DeepSpeed ZeRO-2 + CPU optimizer offload, export it, deploy it on Ray Serve "
+                                   "behind OpenAI-compatible HTTP, query it, and print what happened.",
+                       epilog="examples:\n  pylon demo\n  pylon demo --down\n  pylon demo --steps 50")
+    d.add_argument("--down", action="store_true",
+                   help="stop the cluster afterwards if the demo started it (default: leave it and the endpoint up)")
     d.add_argument("--steps", type=int, default=200, help="training steps (0 skips training; default 200)")
     d.set_defaults(func=_cmd_demo)
     return parser
