@@ -1,0 +1,26 @@
+"""docs/specs.md is generated from the spec models: it must match what `python -m pylon.reference` prints,
+and it must cover every field of every kind."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pylon import reference
+from pylon.specs import SPEC_KINDS
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "specs.md"
+
+
+def test_committed_reference_matches_the_models() -> None:
+    assert DOC.read_text() == reference.render(), (
+        "docs/specs.md is stale: regenerate it with `.venv/bin/python -m pylon.reference > docs/specs.md`")
+
+
+def test_every_field_of_every_kind_is_listed() -> None:
+    text = reference.render()
+    for kind, cls in SPEC_KINDS.items():
+        assert f"## {kind}" in text
+        for name in cls.model_fields:
+            assert f"| `{name}` |" in text.split(f"## {kind}")[1].split("\n## ")[0], (kind, name)
+    assert "| `deepspeed.aio.queue_depth` | int | `8` | >=1 |" in text
+    assert "| `worker_groups[].max_workers` |" in text
+    assert "'none' \\| 'cpu' \\| 'nvme'" in text
