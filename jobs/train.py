@@ -328,23 +328,30 @@ def read_metrics(run_uri: str) -> list[dict]:
     return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
 
 
-def plot_loss(records: list[dict], out_uri: str, *, title: str) -> None:
-    """A loss-curve PNG (people would rather look than read)."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
+def loss_figure(records: list[dict], *, title: str):
+    """The loss curve as a matplotlib Figure (what `Run.plot()` returns; Jupyter draws it inline)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5)
     ax.set(xlabel="step", ylabel="training loss (nats/token)", title=f"{title}: loss")
     ax.grid(alpha=0.3)
-    buf = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buf, format="png")
+    # pyplot forgets the figure: a notebook then shows it once (as the returned value, not again at the
+    # cell's end), and a loop of plots holds no memory. The figure itself stays drawable and savable.
     plt.close(fig)
+    return fig
+
+
+def plot_loss(records: list[dict], out_uri: str, *, title: str) -> None:
+    """A loss-curve PNG (people would rather look than read)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # a job has no display
+    buf = io.BytesIO()
+    loss_figure(records, title=title).savefig(buf, format="png")
     storage.atomic_write(out_uri, buf.getvalue())
 
 

@@ -3,11 +3,14 @@
     import pylon
     client = pylon.connect()          # RAY_ADDRESS, or the cluster `pylon cluster up` started
     print(client.status())
+    run = client.train("train.yaml")  # a Run: logs, metrics, plot, checkpoints, export (see pylon.sdk)
 """
 from pylon.errors import PylonError
 
 __version__ = "0.1.0"
-__all__ = ["PylonError", "connect", "__version__"]
+__all__ = ["PylonError", "connect", "Run", "Service", "Job", "DataJob", "__version__"]
+
+_SDK = ("Run", "Service", "Job", "DataJob")
 
 
 def connect(address: str | None = None, *, timeout_s: float = 10.0):
@@ -15,3 +18,12 @@ def connect(address: str | None = None, *, timeout_s: float = 10.0):
     from pylon.client import connect as _connect
 
     return _connect(address, timeout_s=timeout_s)
+
+
+def __getattr__(name: str):
+    # The SDK's handles load on first use: `import pylon` stays light for the CLI and job entrypoints.
+    if name in _SDK:
+        from pylon import sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'pylon' has no attribute {name!r}")

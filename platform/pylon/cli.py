@@ -158,46 +158,74 @@ def _cmd_data_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    import shlex
-    import uuid
-    from pathlib import Path
-
     import pylon
-    from pylon.specs import TrainJobSpec, load_spec
 
-    spec = load_spec(args.file, TrainJobSpec)  # every spec error before anything is submitted
     client = pylon.connect(args.address)
-    # The job runs where the user stands, so relative paths in the spec mean what they mean here.
-    entrypoint = (f"cd {shlex.quote(str(Path.cwd()))} && python -m pylon.jobs.train "
-                  f"--config {shlex.quote(str(Path(args.file).resolve()))}")
-    job_id = client.submit_job(entrypoint, submission_id=f"train-{spec.name}-{uuid.uuid4().hex[:6]}",
-                               metadata={"pylon_kind": "TrainJob", "pylon_name": spec.name})
-    print(job_id)
+    run = client.train(args.file)  # every spec error before anything is submitted
+    if args.json:
+        print(json.dumps({"job_id": run.job_id, "run_uri": run.run_uri}), flush=True)
+    else:
+        print(run.job_id, flush=True)
     if not args.follow:
-        print(f"follow it with: pylon train {args.file} --follow, or the dashboard at {client.dashboard_url}",
+        print(f"follow it with: pylon jobs logs {run.job_id} --follow, or the dashboard at {client.dashboard_url}",
               file=sys.stderr)
         return 0
-    return _follow(client, job_id)
+    # With --json, stdout stays one JSON document: the logs go to stderr.
+    return _follow(client, run.job_id, out=sys.stderr if args.json else None)
 
 
-def _follow(client, job_id: str) -> int:
+def _follow(client, job_id: str, *, out=None) -> int:
     """Stream a job's logs until it ends; exit 0 only if it succeeded."""
-    import time
+    from pylon.sdk import follow_logs
 
+    status = follow_logs(client, job_id, out=out)
+    print(f"job {job_id} {status}", file=sys.stderr)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def _cmd_jobs_list(args: argparse.Namespace) -> int:
+    import pylon
+
+    jobs = pylon.connect(args.address).jobs()
+    if args.json:
+        print(json.dumps([asdict(j) | {"kind": j.kind} for j in jobs], indent=2))
+        return 0
+    if not jobs:
+        print("no jobs")
+        return 0
+    rows = [(j.job_id, j.status, j.kind or "-", j.metadata.get("pylon_name", "-"),
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.start_time)) if j.start_time else "-",
+             j.entrypoint if len(j.entrypoint) <= 60 else j.entrypoint[:57] + "...") for j in jobs]
+    header = ("JOB ID", "STATUS", "KIND", "NAME", "STARTED", "ENTRYPOINT")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def _cmd_jobs_logs(args: argparse.Namespace) -> int:
+    import pylon
+
+    client = pylon.connect(args.address)
+    if args.follow:
+        return _follow(client, args.job_id)
+    sys.stdout.write(client.job_logs(args.job_id))
+    return 0
+
+
+def _cmd_jobs_stop(args: argparse.Namespace) -> int:
+    import pylon
     from pylon.client import TERMINAL_JOB_STATES
+    from pylon.sdk import Job
 
-    shown = 0
-    while True:
-        status = client.job_status(job_id)
-        logs = client.job_logs(job_id)
-        if len(logs) > shown:
-            sys.stdout.write(logs[shown:])
-            sys.stdout.flush()
-            shown = len(logs)
-        if status in TERMINAL_JOB_STATES:
-            print(f"job {job_id} {status}", file=sys.stderr)
-            return 0 if status == "SUCCEEDED" else 1
-        time.sleep(1.0)
+    client = pylon.connect(args.address)
+    status = client.job_status(args.job_id)
+    if status in TERMINAL_JOB_STATES:
+        print(f"job {args.job_id} had already ended: {status}")
+        return 0
+    status = Job(client, args.job_id).stop(timeout=args.timeout)  # ClusterError (exit 1) if it will not end
+    print(f"job {args.job_id} {status}")
+    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -256,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
               pylon validate train.yaml        # check specs before launching anything
               pylon data prepare txt/ --out ds # tokenize text into training shards
               pylon cluster status             # nodes, resources, running jobs
+              pylon train train.yaml --follow  # submit a training run, stream its logs
+              pylon jobs list                  # every job: id, status, kind, name
               pylon demo                       # the whole path, end to end
             """),
     )
@@ -352,11 +382,48 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", formatter_class=fmt, help="submit a TrainJob through the Ray Jobs API",
                        description="Validate a TrainJob spec, then submit `python -m pylon.jobs.train --config FILE` "
                                    "as a Ray job and print its id. Submitting a run name again resumes it.",
-                       epilog="examples:\n  pylon train train.yaml --follow\n  pylon train train.yaml --address http://head:8265")
+                       epilog="examples:\n  pylon train train.yaml --follow\n  pylon train train.yaml --json\n"
+                              "  pylon train train.yaml --address http://head:8265")
     t.add_argument("file", metavar="FILE", help="YAML file with one TrainJob document")
     t.add_argument("--follow", action="store_true", help="stream the job's logs until it ends (exit 1 if it fails)")
+    t.add_argument("--json", action="store_true",
+                   help='print {"job_id": ..., "run_uri": ...} on stdout (with --follow, the logs go to stderr)')
     t.add_argument("--address", help="dashboard URL (default: RAY_ADDRESS, else the local cluster)")
     t.set_defaults(func=_cmd_train)
+
+    jb = sub.add_parser("jobs", formatter_class=fmt, help="list Ray jobs, read or follow their logs, stop them",
+                        description="The cluster's Ray jobs (Pylon's and any others), through the Ray Jobs API. "
+                                    "Pylon's jobs have readable ids: train-<name>-<hex>, data-<name>-<hex>.",
+                        epilog="examples:\n  pylon jobs list\n  pylon jobs logs train-stdlib-gpt-1a2b3c --follow\n"
+                               "  pylon jobs stop train-stdlib-gpt-1a2b3c")
+    jsub = jb.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
+    jl = jsub.add_parser("list", formatter_class=fmt, help="every job, oldest first: id, status, kind, name, start",
+                         description="List every job the cluster knows, running and ended, oldest first, with "
+                                     "its status, what Pylon submitted it as (TrainJob, Dataset; '-' for other "
+                                     "jobs), its name, start time and entrypoint.",
+                         epilog="examples:\n  pylon jobs list\n  pylon jobs list --json | jq '.[] | select(.status == \"RUNNING\")'")
+    jl.add_argument("--json", action="store_true", help="machine-readable list on stdout (with metadata and times)")
+    jl.add_argument("--address", help="dashboard URL (default: RAY_ADDRESS, else the local cluster)")
+    jl.set_defaults(func=_cmd_jobs_list)
+    jg = jsub.add_parser("logs", formatter_class=fmt, help="print a job's logs; --follow streams them until it ends",
+                         description="Print a job's logs so far. With --follow, keep printing them as they grow "
+                                     "until the job ends, then exit 0 if it SUCCEEDED, else 1.",
+                         epilog="examples:\n  pylon jobs logs train-stdlib-gpt-1a2b3c\n"
+                                "  pylon jobs logs train-stdlib-gpt-1a2b3c --follow")
+    jg.add_argument("job_id", metavar="ID", help="the job's submission id (as `pylon jobs list` shows it)")
+    jg.add_argument("--follow", action="store_true", help="stream until the job ends (exit 1 unless it succeeded)")
+    jg.add_argument("--address", help="dashboard URL (default: RAY_ADDRESS, else the local cluster)")
+    jg.set_defaults(func=_cmd_jobs_logs)
+    js = jsub.add_parser("stop", formatter_class=fmt, help="stop a running job and wait until it has ended",
+                         description="Ask Ray to stop a job (SIGTERM to its entrypoint, SIGKILL after a grace "
+                                     "period) and wait until it is STOPPED. A job that already ended is left as "
+                                     "it is (exit 0). A stopped training run resumes from its last checkpoint "
+                                     "when submitted again.",
+                         epilog="examples:\n  pylon jobs stop train-stdlib-gpt-1a2b3c")
+    js.add_argument("job_id", metavar="ID", help="the job's submission id (as `pylon jobs list` shows it)")
+    js.add_argument("--timeout", type=float, default=60, help="seconds to wait for it to end (default 60)")
+    js.add_argument("--address", help="dashboard URL (default: RAY_ADDRESS, else the local cluster)")
+    js.set_defaults(func=_cmd_jobs_stop)
 
     e = sub.add_parser("export", formatter_class=fmt, help="consolidate a run's ZeRO shards into one HF model",
                        description="Export the latest committed checkpoint of a run (ZeRO stage 0-3 shards) as "

@@ -10,11 +10,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
 
 from pylon import cluster as local
-from pylon.errors import ClusterError
+from pylon.errors import ClusterError, JobNotFoundError, PylonError
+
+if TYPE_CHECKING:
+    from pylon.sdk import DataJob, Run, Service
 
 TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -40,6 +44,13 @@ class JobInfo:
     entrypoint: str
     start_time: float | None
     message: str | None = None
+    end_time: float | None = None
+    metadata: dict[str, str] = field(default_factory=dict)  # Pylon's jobs: pylon_kind, pylon_name, ...
+
+    @property
+    def kind(self) -> str | None:
+        """What Pylon submitted it as (TrainJob, Dataset), or None for any other job."""
+        return self.metadata.get("pylon_kind")
 
 
 @dataclass
@@ -97,6 +108,7 @@ class Client:
         self.dashboard_url = dashboard_url.rstrip("/")
         self.gcs_address = gcs_address
         self._token = token
+        self._job_client = None
 
     def __repr__(self) -> str:  # the token never appears here
         return f"Client(dashboard_url={self.dashboard_url!r}, gcs_address={self.gcs_address!r})"
@@ -139,7 +151,18 @@ class Client:
     def _jobs(self):
         from ray.job_submission import JobSubmissionClient
 
-        return JobSubmissionClient(self.dashboard_url, headers=self._headers)
+        if self._job_client is None:  # it checks the server's version when made: once is enough
+            self._job_client = JobSubmissionClient(self.dashboard_url, headers=self._headers)
+        return self._job_client
+
+    def _job_call(self, job_id: str, fn, *args):
+        """`fn(job_id)` on the Jobs API, with Ray's 404 RuntimeError turned into JobNotFoundError."""
+        try:
+            return fn(job_id, *args)
+        except RuntimeError as e:
+            if "status code 404" in str(e):
+                raise JobNotFoundError(job_id, self.dashboard_url) from None
+            raise
 
     def submit_job(self, entrypoint: str, *, runtime_env: dict | None = None, submission_id: str | None = None,
                    metadata: dict[str, str] | None = None) -> str:
@@ -147,21 +170,21 @@ class Client:
                                        submission_id=submission_id, metadata=metadata)
 
     def jobs(self) -> list[JobInfo]:
-        out = []
-        for j in self._jobs().list_jobs():
-            out.append(JobInfo(job_id=j.submission_id or j.job_id or "?", status=str(j.status.value),
-                               entrypoint=j.entrypoint, start_time=(j.start_time or 0) / 1000 or None,
-                               message=j.message))
-        return sorted(out, key=lambda j: j.start_time or 0)
+        """Every job the cluster knows (running and ended), oldest first."""
+        return sorted((_job_info(j) for j in self._jobs().list_jobs()), key=lambda j: j.start_time or 0)
+
+    def job_info(self, job_id: str) -> JobInfo:
+        return _job_info(self._job_call(job_id, self._jobs().get_job_info))
 
     def job_status(self, job_id: str) -> str:
-        return str(self._jobs().get_job_status(job_id).value)
+        return str(self._job_call(job_id, self._jobs().get_job_status).value)
 
     def job_logs(self, job_id: str) -> str:
-        return self._jobs().get_job_logs(job_id)
+        return self._job_call(job_id, self._jobs().get_job_logs)
 
     def stop_job(self, job_id: str) -> bool:
-        return self._jobs().stop_job(job_id)
+        """Ask a job to stop (SIGTERM, then SIGKILL); False if it had already ended."""
+        return self._job_call(job_id, self._jobs().stop_job)
 
     def wait_job(self, job_id: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> str:
         """Block until the job ends; returns its final status (ClusterError on timeout)."""
@@ -173,6 +196,98 @@ class Client:
             if time.monotonic() > deadline:
                 raise ClusterError(f"job {job_id} still {status} after {timeout_s:.0f}s")
             time.sleep(poll_s)
+
+    # -- the SDK: training runs, datasets, deployments (handles in pylon.sdk) ---------------------------
+
+    def train(self, spec) -> Run:
+        """Submit a TrainJob (a `TrainJobSpec`, a dict of its fields, or a YAML file) as a Ray job: the
+        job `pylon train FILE` submits, `python -m pylon.jobs.train --config FILE`. A spec object or dict
+        is written to `$PYLON_HOME/specs/<job id>.yaml` first. Submitting a run name again resumes it.
+        Relative paths in the spec mean what they mean in this process's working directory."""
+        import shlex
+
+        from pylon.cluster import pylon_home
+        from pylon.jobs.train import run_uri_of
+        from pylon.sdk import Run, as_spec, new_job_id
+        from pylon.specs import TrainJobSpec, to_yaml
+
+        spec, path = as_spec(spec, TrainJobSpec)  # every spec error before anything is submitted
+        job_id = new_job_id("train", spec.name)
+        if path is None:
+            path = pylon_home() / "specs" / f"{job_id}.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(to_yaml(spec))
+        run_uri = run_uri_of(spec)
+        # The job runs where the caller stands, so relative paths in the spec mean what they mean here.
+        entrypoint = (f"cd {shlex.quote(str(Path.cwd()))} && python -m pylon.jobs.train "
+                      f"--config {shlex.quote(str(Path(path).resolve()))}")
+        self.submit_job(entrypoint, submission_id=job_id,
+                        metadata={"pylon_kind": "TrainJob", "pylon_name": spec.name, "pylon_run_uri": run_uri})
+        return Run(self, job_id, name=spec.name, run_uri=run_uri, start_time=time.time())
+
+    def runs(self) -> list[Run]:
+        """Every training run submitted through Pylon (`pylon train`, `client.train`), oldest first."""
+        from pylon.sdk import Run
+
+        return [Run.from_info(self, j) for j in self.jobs() if j.kind == "TrainJob"]
+
+    def prepare_data(self, spec=None, /, *, overwrite: bool = False, **fields) -> DataJob:
+        """Submit `pylon data prepare` as a Ray job: for a `DatasetSpec`, a dict of its fields, a YAML file
+        with one Dataset document, or the fields as keyword arguments (`sources`, `output`, `seq_len`,
+        `include`, `exclude`, `tokenizer`, `format`, `shard_size_mb`; `name` defaults to the output's last
+        path component). `overwrite` replaces a dataset already at the output."""
+        from pylon.sdk import DataJob, dataset_spec, new_job_id, prepare_entrypoint
+
+        spec = dataset_spec(spec, fields)
+        if "://" not in spec.output:  # the handle reads the output later, perhaps from another directory
+            spec = spec.model_copy(update={"output": os.path.abspath(os.path.expanduser(spec.output))})
+        job_id = new_job_id("data", spec.name)
+        self.submit_job(prepare_entrypoint(spec, overwrite=overwrite, cwd=Path.cwd()), submission_id=job_id,
+                        metadata={"pylon_kind": "Dataset", "pylon_name": spec.name, "pylon_output": spec.output})
+        return DataJob(self, job_id, name=spec.name, output=spec.output, start_time=time.time())
+
+    def deploy(self, spec, *, timeout_s: float = 600) -> Service:
+        """Deploy a Deployment (a `DeploymentSpec`, a dict of its fields, or a YAML file) on Ray Serve, wait
+        for its first replica, and return a `Service`. Its API key is the first of those in the environment
+        variable `http.api_keys_env` names, read now and kept in this object's memory only."""
+        from pylon.sdk import Service, as_spec, first_api_key
+        from pylon.serving.app import deploy
+        from pylon.specs import DeploymentSpec
+
+        spec, _ = as_spec(spec, DeploymentSpec)
+        key = first_api_key(spec.http.api_keys_env) if spec.http.api_keys_env else None
+        url = deploy(spec, address=self.gcs_address or self.dashboard_url, timeout_s=timeout_s)
+        return Service(self, spec.name, url, api_key=key)
+
+    def services(self, *, api_key: str | None = None) -> list[Service]:
+        """Every Ray Serve application on the cluster, as a `Service`. Keys never leave where a deployment
+        was made (replicas hold only digests), so these carry `api_key`, else the first of $PYLON_API_KEYS."""
+        from pylon.sdk import Service, first_api_key
+
+        details = self.serve_applications()
+        key = api_key or first_api_key("PYLON_API_KEYS", required=False)
+        return [Service(self, name, _serve_url(details, app, self.dashboard_url), api_key=key)
+                for name, app in sorted(details.get("applications", {}).items())]
+
+    def service(self, name: str, *, api_key: str | None = None) -> Service:
+        """The Serve application `name` as a `Service` (PylonError if there is none)."""
+        for svc in self.services(api_key=api_key):
+            if svc.name == name:
+                return svc
+        raise PylonError(f"no Serve application '{name}' on the cluster at {self.dashboard_url}")
+
+    def serve_applications(self) -> dict:
+        """Ray Serve's details of every application and replica, from the dashboard's REST API
+        (`GET /api/serve/applications/`): the same facts as `ray.serve.status()`, without joining the
+        cluster as a Ray driver."""
+        url = f"{self.dashboard_url}/api/serve/applications/"
+        try:
+            r = requests.get(url, headers=self._headers, timeout=30)
+        except requests.RequestException as e:
+            raise ClusterError(f"{url}: no answer ({type(e).__name__})") from None
+        if r.status_code != 200:
+            raise ClusterError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
 
     # -- cluster ----------------------------------------------------------------------------------------
 
@@ -218,6 +333,25 @@ def connect(address: str | None = None, *, timeout_s: float = 10.0) -> Client:
             client = Client(f"http://{host}:8265", gcs_address=address, token=_user_token())
     client.ping(timeout_s)
     return client
+
+
+def _job_info(j) -> JobInfo:
+    """Ray's JobDetails as a JobInfo (times in seconds)."""
+    return JobInfo(job_id=j.submission_id or j.job_id or "?", status=str(j.status.value), entrypoint=j.entrypoint,
+                   start_time=(j.start_time or 0) / 1000 or None, message=j.message,
+                   end_time=(j.end_time or 0) / 1000 or None, metadata=dict(j.metadata or {}))
+
+
+def _serve_url(details: dict, app: dict, dashboard_url: str) -> str:
+    """An application's base URL: Serve's HTTP host and port, and the app's route prefix."""
+    from urllib.parse import urlparse
+
+    http = details.get("http_options") or {}
+    host = http.get("host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):  # listening everywhere: reach it where the dashboard is
+        host = urlparse(dashboard_url).hostname or "127.0.0.1"
+    prefix = (app.get("route_prefix") or "/").rstrip("/")
+    return f"http://{host}:{http.get('port', 8000)}{prefix}"
 
 
 def _read(path: str) -> str:

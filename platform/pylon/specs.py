@@ -74,6 +74,26 @@ Offload = Literal["none", "cpu", "nvme"]
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: a table of every field (nested specs as nested tables). Specs hold the names of
+        environment variables, never secrets, so showing every field shows nothing private."""
+        from pylon.display import Html, html_table
+
+        rows = []
+        for field in type(self).model_fields:
+            value = getattr(self, field)
+            if isinstance(value, _Spec):
+                value = Html(value._repr_html_())
+            elif isinstance(value, BaseModel):
+                value = value.model_dump(mode="json")
+            elif isinstance(value, list) and value and isinstance(value[0], _Spec):
+                value = Html("".join(v._repr_html_() for v in value))
+            rows.append((field, value))
+        name = getattr(self, "name", None)
+        kind = getattr(self, "kind", None)
+        title = f"{kind} '{name}'" if kind and isinstance(name, str) else None
+        return html_table(title, rows)
+
 
 class CrossFieldError(ValueError):
     """Several rules that involve more than one field; each problem keeps its own field path."""
