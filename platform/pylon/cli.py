@@ -161,7 +161,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import pylon
 
     client = pylon.connect(args.address)
-    run = client.train(args.file)  # every spec error before anything is submitted
+    run = client.train(args.file, force=args.force)  # every spec error, and a job that cannot fit, refused first
     if args.json:
         print(json.dumps({"job_id": run.job_id, "run_uri": run.run_uri}), flush=True)
     else:
@@ -172,6 +172,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     # With --json, stdout stays one JSON document: the logs go to stderr.
     return _follow(client, run.job_id, out=sys.stderr if args.json else None)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from pylon.catalog import load_catalog
+    from pylon.plan import plan_file, render
+
+    plans, skipped = plan_file(args.file, catalog=load_catalog(args.prices), gpu=args.gpu, gpus=args.gpus,
+                               mfu=args.mfu, seq_len=args.seq_len, utilization=args.utilization)
+    for note in skipped:
+        print(f"note: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"plans": [p.to_dict() for p in plans]}, indent=2))
+    else:
+        print("\n\n".join(render(p) for p in plans))
+    return 0
 
 
 def _follow(client, job_id: str, *, out=None) -> int:
@@ -284,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
               pylon validate train.yaml        # check specs before launching anything
               pylon data prepare txt/ --out ds # tokenize text into training shards
               pylon cluster status             # nodes, resources, running jobs
+              pylon plan train.yaml            # memory, time and cost before launching; what fits cheapest
               pylon train train.yaml --follow  # submit a training run, stream its logs
               pylon jobs list                  # every job: id, status, kind, name
               pylon demo                       # the whole path, end to end
@@ -308,23 +324,29 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="examples:\n  pylon cluster up --num-cpus 4\n  pylon cluster status --json\n"
                               "  pylon cluster down")
     csub = c.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
-    up = csub.add_parser("up", help="start a local Ray head and print its addresses",
+    up = csub.add_parser("up", formatter_class=fmt, help="start a local Ray head and print its addresses",
                          description="Start a local Ray head (`ray start --head`) with token auth. Does nothing "
-                                     "but print the addresses if one started by Pylon is already running.")
+                                     "but print the addresses if one started by Pylon is already running.",
+                         epilog="examples:\n  pylon cluster up\n  pylon cluster up --num-cpus 4 --object-store-gib 2\n"
+                                "  PYLON_HOME=/tmp/other pylon cluster up --dashboard-port 8266   # a second cluster")
     up.add_argument("--num-cpus", type=int, help="CPUs Ray may schedule (default: all)")
     up.add_argument("--num-gpus", type=int, help="GPUs Ray may schedule (default: detected)")
     up.add_argument("--object-store-gib", type=float, help="object store size in GiB (default: Ray's choice)")
     up.add_argument("--port", type=int, help="GCS port (default 6379, or a free one if taken)")
     up.add_argument("--dashboard-port", type=int, help="dashboard/Jobs API port (default 8265, or a free one)")
     up.set_defaults(func=_cmd_cluster_up)
-    st = csub.add_parser("status", help="show nodes, resources and running jobs",
-                         description="Show the cluster's nodes, resources and running jobs.")
+    st = csub.add_parser("status", formatter_class=fmt, help="show nodes, resources and running jobs",
+                         description="Show the cluster's nodes, resources and running jobs.",
+                         epilog="examples:\n  pylon cluster status\n  pylon cluster status --json\n"
+                                "  pylon cluster status --address http://head:8265")
     st.add_argument("--address", help="dashboard URL or GCS address (default: RAY_ADDRESS, else the local one)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=_cmd_cluster_status)
     dn = csub.add_parser("down", help="stop the cluster `pylon cluster up` started (nothing else)",
+                         formatter_class=fmt,
                          description="Stop exactly the Ray processes `pylon cluster up` started; other Ray "
-                                     "clusters on this machine are left alone.")
+                                     "clusters on this machine are left alone.",
+                         epilog="examples:\n  pylon cluster down\n  PYLON_HOME=/tmp/other pylon cluster down")
     dn.set_defaults(func=_cmd_cluster_down)
 
     data = sub.add_parser(
@@ -381,15 +403,55 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", formatter_class=fmt, help="submit a TrainJob through the Ray Jobs API",
                        description="Validate a TrainJob spec, then submit `python -m pylon.jobs.train --config FILE` "
-                                   "as a Ray job and print its id. Submitting a run name again resumes it.",
+                                   "as a Ray job and print its id. Submitting a run name again resumes it. A job "
+                                   "the planner (`pylon plan`) says cannot fit on the workers it asks for is "
+                                   "refused, with the reason and what would fit, unless --force.",
                        epilog="examples:\n  pylon train train.yaml --follow\n  pylon train train.yaml --json\n"
-                              "  pylon train train.yaml --address http://head:8265")
+                              "  pylon train train.yaml --address http://head:8265\n"
+                              "  pylon train big.yaml --force      # submit even if the planner says it will not fit")
     t.add_argument("file", metavar="FILE", help="YAML file with one TrainJob document")
     t.add_argument("--follow", action="store_true", help="stream the job's logs until it ends (exit 1 if it fails)")
     t.add_argument("--json", action="store_true",
                    help='print {"job_id": ..., "run_uri": ...} on stdout (with --follow, the logs go to stderr)')
     t.add_argument("--address", help="dashboard URL (default: RAY_ADDRESS, else the local cluster)")
+    t.add_argument("--force", action="store_true",
+                   help="submit even if the planner says the job cannot fit on the resources it asks for")
     t.set_defaults(func=_cmd_train)
+
+    pl = sub.add_parser(
+        "plan", formatter_class=fmt, help="memory, time and cost of a job before it launches; what fits cheapest",
+        description="For each TrainJob and Deployment in FILE, before anything launches: memory per GPU by term "
+                    "(parameters, gradients, optimizer states -- DeepSpeed's own accounting -- activations, "
+                    "buffers), host RAM and NVMe for offload; for every accelerator of the catalog whether it "
+                    "fits (and what binds), time and cost; and the cheapest configuration that fits (ZeRO stage, "
+                    "offload, gradient checkpointing, micro-batch, GPU count). Deployments: weights, KV cache per "
+                    "token, concurrent sequences that fit, tokens/s ceiling and cost per million tokens. Time is "
+                    "FLOPs over peak x an assumed MFU; prices come from the catalog, --prices or $PYLON_GPU_PRICES. "
+                    "Needs no cluster.",
+        epilog=textwrap.dedent("""\
+            examples:
+              pylon plan train.yaml                          # every accelerator of the catalog
+              pylon plan train.yaml --gpu A100-80GB --gpus 8 # one accelerator, a fixed GPU count
+              pylon plan train.yaml --mfu 0.3 --prices my-prices.yaml   # prices: {H100-SXM: 2.10, ...}
+              pylon plan serve.yaml --utilization 0.3        # a Deployment: cost per million tokens
+              pylon plan train.yaml --json | jq '.plans[0].recommendation'
+            """))
+    pl.add_argument("file", metavar="FILE", help="YAML file with TrainJob and/or Deployment documents")
+    pl.add_argument("--json", action="store_true", help='machine-readable plans on stdout: {"plans": [...]}')
+    pl.add_argument("--gpu", metavar="NAME", help="only this accelerator (a catalog name or alias: H100, A100-80GB, "
+                                                 "4090, MI300X, ...)")
+    pl.add_argument("--gpus", type=int, metavar="N", help="plan for exactly N GPUs (default: the spec's workers as "
+                                                         "requested; any count when searching)")
+    pl.add_argument("--mfu", type=float, default=0.4, metavar="X",
+                    help="assumed model FLOPs utilisation, 0-1 (default 0.4)")
+    pl.add_argument("--prices", metavar="FILE", help="YAML of US dollars per GPU-hour by GPU name "
+                                                    "(default: $PYLON_GPU_PRICES, else the catalog's)")
+    pl.add_argument("--seq-len", type=int, metavar="N", help="sequence length, when the spec does not give "
+                                                            "data.seq_len and its dataset is not prepared yet")
+    pl.add_argument("--utilization", type=float, default=0.5, metavar="X",
+                    help="share of a serving replica's time at its throughput ceiling, for cost per million "
+                         "tokens (default 0.5)")
+    pl.set_defaults(func=_cmd_plan)
 
     jb = sub.add_parser("jobs", formatter_class=fmt, help="list Ray jobs, read or follow their logs, stop them",
                         description="The cluster's Ray jobs (Pylon's and any others), through the Ray Jobs API. "

@@ -1,6 +1,7 @@
 """The spec reference, generated from the pydantic models in `pylon.specs`, so it cannot drift from them.
 
     python -m pylon.reference > docs/specs.md      # what `tests/unit/test_reference.py` compares against
+    python -m pylon.reference --cli > docs/cli.md  # every `pylon` command's --help, the same way
 
 One table per kind (Dataset, TrainJob, Deployment, Cluster): every field by its dotted path, its type with
 allowed values, its default and constraints, and its description. Cross-field rules live in validators; the
@@ -119,5 +120,49 @@ def render() -> str:
     return "\n".join(parts) + "\n"
 
 
+CLI_HEADER = """# `pylon` command reference
+
+Generated from the CLI's own parser by `python -m pylon.reference --cli > docs/cli.md`; a test fails when
+the two differ, so this is exactly what `pylon COMMAND --help` prints. Exit codes: 0 success, 1 a failure the
+message explains (bad spec, failed job, unreachable cluster), 2 a command-line usage error.
+"""
+
+
+def _subcommands(parser) -> list:
+    import argparse
+
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found.append((name, sub))
+    return found
+
+
+def render_cli() -> str:
+    """Every command's help, depth first, at a fixed width (argparse wraps to the terminal otherwise)."""
+    import os
+
+    from pylon.cli import build_parser
+
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "110"
+    try:
+        parts = [CLI_HEADER]
+
+        def walk(parser, path: str) -> None:
+            parts.append(f"\n## `{path}`\n\n```text\n{parser.format_help().rstrip()}\n```")
+            for name, sub in _subcommands(parser):
+                walk(sub, f"{path} {name}")
+
+        walk(build_parser(), "pylon")
+    finally:
+        if old is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old
+    return "\n".join(parts) + "\n"
+
+
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    sys.stdout.write(render_cli() if "--cli" in sys.argv[1:] else render())

@@ -24,3 +24,22 @@ def test_every_field_of_every_kind_is_listed() -> None:
     assert "| `deepspeed.aio.queue_depth` | int | `8` | >=1 |" in text
     assert "| `worker_groups[].max_workers` |" in text
     assert "'none' \\| 'cpu' \\| 'nvme'" in text
+
+
+CLI_DOC = DOC.with_name("cli.md")
+
+
+def test_committed_cli_reference_matches_the_parser() -> None:
+    assert CLI_DOC.read_text() == reference.render_cli(), (
+        "docs/cli.md is stale: regenerate it with `.venv/bin/python -m pylon.reference --cli > docs/cli.md`")
+
+
+def test_every_command_has_help_and_examples() -> None:
+    text = reference.render_cli()
+    sections = text.split("\n## `")[1:]
+    assert len(sections) >= 15
+    for section in sections:
+        name = section.split("`", 1)[0]
+        assert "usage: " in section, name
+        if name.count(" ") >= 1 and name not in ("pylon cluster", "pylon data", "pylon jobs"):
+            assert "example" in section, f"`{name} --help` shows no example"

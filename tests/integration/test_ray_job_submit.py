@@ -1,0 +1,49 @@
+"""docs/ray-job-submit.md's command block, run as a user would paste it: data preparation and training as
+`ray job submit --working-dir <project>` jobs on the session's local cluster, with Ray's own CLI."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+DOC = Path(__file__).resolve().parents[2] / "docs" / "ray-job-submit.md"
+DOC_ADDRESS = "http://127.0.0.1:8265"
+
+
+def _block() -> str:
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert len(blocks) == 1, "docs/ray-job-submit.md should hold exactly one bash block (the tested one)"
+    return blocks[0]
+
+
+def test_the_documented_ray_job_submit_commands_work_verbatim(ray_cluster, tmp_path):
+    script = _block()
+    assert f"ray job submit --address {DOC_ADDRESS} --working-dir my-project" in script
+    assert "python -m pylon.jobs.train --config train.yaml" in script
+    # The only change: the session's cluster has its dashboard where a free port was (8265 if it was free).
+    script = script.replace(DOC_ADDRESS, ray_cluster.dashboard_url)
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN_PATH", None)  # the block sets it from PYLON_HOME, as it tells users to
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the activated venv
+    assert Path(env["PYLON_HOME"], "auth_token").resolve() == Path(ray_cluster.token_path).resolve()
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert out.count("succeeded") >= 2, out[-3000:]  # Ray's "Job '...' succeeded" for both jobs
+    assert "Traceback" not in out
+
+    manifest = json.loads((tmp_path / "corpus" / "manifest.json").read_text())
+    assert manifest["seq_len"] == 128
+    run = tmp_path / "runs" / "my-gpt"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
+    assert (run / "loss.png").is_file() and (run / "export" / "config.json").is_file()
+    assert "metrics.jsonl" in done.stdout  # the final `ls`
