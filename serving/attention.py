@@ -2,20 +2,31 @@
 
 A step's tokens arrive flattened, every sequence's new tokens one after the other (`[T, heads, head_dim]`).
 Each layer writes the new keys and values into the paged pool at each token's slot, then lets every
-sequence's new queries attend over its cached keys, gathered from its blocks. Sequences are batched
-through `scaled_dot_product_attention` with padding and a mask rather than looped over: decodes (one
-query each) form one batch and prompt chunks another, so a long chunk never pads a hundred decodes.
+sequence's new queries attend over its cached keys, gathered from its blocks. Sequences are batched rather
+than looped over: decodes (one query each) form one batch and prompt chunks another, so a long chunk never
+pads a hundred decodes.
 
-The mask is causal with an offset: query q of a sequence whose step starts at position `start` sees keys
-0..start+q, which is what makes a prompt chunked across steps compute exactly what one pass would.
-Everything here that does not depend on the layer is built once per step (`AttentionMetadata`).
+The cache is head-major, `[kv_heads, num_blocks, block_size, head_dim]` (`new_kv_cache`), so that gathering a
+group's blocks (one `index_select` of whole blocks into a reused workspace: no allocation, no page faults)
+leaves every (kv head, sequence) pair's keys contiguous, and attention is two batched matmuls with the
+transpose folded into BLAS: `[kv_heads x B, group x Q, D] @ [kv_heads x B, D, K]`. Grouped-query attention
+(fewer kv heads) puts a kv head's query heads side by side in the same matmul instead of repeating keys.
+
+The mask is causal with an offset, as an additive bias built once per step: query q of a sequence whose step
+starts at position `start` sees keys 0..start+q, which is what makes a prompt chunked across steps compute
+exactly what one pass would.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> torch.Tensor:
+    """One layer's K (or V) pool: `[kv_heads, num_blocks, block_size, head_dim]`, zeroed."""
+    return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -35,18 +46,39 @@ class AttentionGroup:
     query_index: torch.Tensor  # [B, Q]: flat token index of each query; padding repeats a real query
     real: torch.Tensor  # indices into the padded [B*Q] rows that are real queries...
     tokens: torch.Tensor  # ...and the flat token index each of them is, in the same order
-    block_table: torch.Tensor  # [B, blocks]: padded with block 0, masked out anyway
+    key_blocks: torch.Tensor  # [B * blocks]: each sequence's block table, padded with block 0 (masked out)
+    num_blocks: int
     num_keys: int
-    mask: torch.Tensor  # [B, 1, Q, K]: True where the query may attend the key
+    bias: torch.Tensor  # [B, Q, K]: 0 where the query may attend the key, -inf where not
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T]: where each new token's key and value go in the flattened pool
+    slot_mapping: torch.Tensor  # [T]: where each new token's key and value go in a head's flattened pool
     groups: list[AttentionGroup]
 
 
-def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device) -> AttentionMetadata:
+class Workspace:
+    """Reused buffers for the gathered keys and values: a fresh multi-megabyte tensor per layer and step
+    would cost page faults on every allocation (glibc hands large blocks back to the OS)."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(max(numel, int(buf.numel() * 1.25) if buf is not None else 0), dtype=like.dtype,
+                              device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """What every layer's attention needs to know about this step, for `seqs` in their flat token order."""
     offsets, slots, offset = [], [], 0
     for seq in seqs:
@@ -57,12 +89,13 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
         slots.append(table[positions // block_size] * block_size + positions % block_size)
     decodes = [i for i, s in enumerate(seqs) if s.num_new == 1]
     chunks = [i for i, s in enumerate(seqs) if s.num_new > 1]
-    groups = [_group([seqs[i] for i in members], [offsets[i] for i in members], block_size, device)
+    groups = [_group([seqs[i] for i in members], [offsets[i] for i in members], block_size, device, dtype)
               for members in (decodes, chunks) if members]
     return AttentionMetadata(torch.cat(slots).to(device), groups)
 
 
-def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device) -> AttentionGroup:
+def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
+           dtype: torch.dtype) -> AttentionGroup:
     start = torch.tensor([s.start for s in seqs])
     num_new = torch.tensor([s.num_new for s in seqs])
     num_keys = start + num_new
@@ -74,31 +107,48 @@ def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, devic
     query_position = start[:, None] + q[None, :]  # [B, Q]
     key = torch.arange(K)
     # Padding queries (q >= num_new) see the whole real context: a row with no key at all would be NaN.
-    mask = (key[None, None, :] <= query_position[:, :, None]) & (key[None, None, :] < num_keys[:, None, None])
+    allowed = (key[None, None, :] <= query_position[:, :, None]) & (key[None, None, :] < num_keys[:, None, None])
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     num_blocks = -(-K // block_size)
     table = torch.zeros(len(seqs), num_blocks, dtype=torch.long)
     for b, seq in enumerate(seqs):
         row = seq.block_table[:num_blocks]
         table[b, :len(row)] = torch.tensor(row)
     return AttentionGroup(query_index.to(device), real.to(device), query_index.reshape(-1)[real].to(device),
-                          table.to(device), K, mask[:, None].to(device))
+                          table.reshape(-1).to(device), num_blocks, K, bias.to(device))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    workspace: Workspace | None = None) -> torch.Tensor:
     """Attention output `[T, heads, head_dim]` for the step's queries `q` (`[T, heads, head_dim]`), after
-    storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`[blocks, block_size, kv_heads,
-    head_dim]`). Grouped-query attention (fewer kv heads) is handled by SDPA's `enable_gqa`."""
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout)."""
+    num_kv_heads, num_pool_blocks, block_size, head_dim = k_cache.shape
+    heads = q.shape[1]
+    share = heads // num_kv_heads  # query heads per kv head
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    workspace = workspace or Workspace()
     out = torch.empty_like(q)
     for g in meta.groups:
         B, Q = g.query_index.shape
-        queries = q[g.query_index].transpose(1, 2)  # [B, heads, Q, head_dim]
-        keys = k_cache[g.block_table].flatten(1, 2)[:, :g.num_keys].transpose(1, 2)  # [B, kv_heads, K, head_dim]
-        values = v_cache[g.block_table].flatten(1, 2)[:, :g.num_keys].transpose(1, 2)
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale,
-                                                  enable_gqa=q.shape[1] != num_kv_heads)
-        out[g.tokens] = attended.transpose(1, 2).reshape(B * Q, *q.shape[1:])[g.real]
+        K, nb = g.num_keys, g.num_blocks
+        shape = (num_kv_heads, B * nb, block_size, head_dim)
+        keys = torch.index_select(k_cache, 1, g.key_blocks, out=workspace.get("k", shape, k_cache))
+        values = torch.index_select(v_cache, 1, g.key_blocks, out=workspace.get("v", shape, v_cache))
+        keys = keys.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K]
+        values = values.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K]
+        # [B, Q, kv_heads, share, D] -> [kv_heads, B, share, Q, D]: a kv head's query heads share its keys.
+        queries = (q[g.query_index].view(B, Q, num_kv_heads, share, head_dim).permute(2, 0, 3, 1, 4)
+                   .reshape(num_kv_heads * B, share * Q, head_dim))
+        scores = torch.bmm(queries, keys.transpose(1, 2))  # [kv_heads * B, share * Q, K]
+        scores = scores.view(num_kv_heads, B, share, Q, K).mul_(scale).add_(g.bias[None, :, None])
+        if scores.dtype != torch.float32:  # softmax of half-precision scores loses too much
+            probs = scores.float().softmax(dim=-1).to(scores.dtype)
+        else:
+            probs = scores.softmax(dim=-1)
+        attended = torch.bmm(probs.view(num_kv_heads * B, share * Q, K), values)
+        attended = (attended.view(num_kv_heads, B, share, Q, head_dim).permute(1, 3, 0, 2, 4)
+                    .reshape(B * Q, heads, head_dim))
+        out[g.tokens] = attended[g.real]
     return out

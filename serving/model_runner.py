@@ -19,7 +19,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.attention import AttentionMetadata, SequenceSlice, build_metadata, paged_attention
+from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace, build_metadata, new_kv_cache,
+                                     paged_attention)
 from pylon.serving.scheduler import ScheduledRequest
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
@@ -77,10 +78,10 @@ class ModelRunner:
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                        for _ in range(config.num_hidden_layers)]
+        self.k_cache = [new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.dtype,
+                                     device=self.device) for _ in range(config.num_hidden_layers)]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
 
     @torch.no_grad()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
@@ -93,7 +94,7 @@ class ModelRunner:
             seqs.append(SequenceSlice(s.start, s.num_new_tokens, table))
             if s.samples:
                 last_tokens.append(len(token_ids) - 1)
-        meta = build_metadata(seqs, self.block_size, self.device)
+        meta = build_metadata(seqs, self.block_size, self.device, self.dtype)
         ids = torch.tensor(token_ids, device=self.device)
         hidden = self._forward(ids, torch.tensor(positions, device=self.device), meta)
         if not last_tokens:
@@ -110,7 +111,7 @@ class ModelRunner:
             shape = (len(ids), attn.num_heads, attn.head_dim)
             # attn.scaling already folds in scale_attn_weights and scale_attn_by_inverse_layer_idx.
             a = paged_attention(q.view(shape), k.view(shape), v.view(shape), self.k_cache[i], self.v_cache[i],
-                                meta, attn.scaling)
+                                meta, attn.scaling, self.workspace)
             h = h + attn.c_proj(a.reshape(len(ids), -1))
             h = h + block.mlp(block.ln_2(h))
         return gpt.ln_f(h)
@@ -127,7 +128,7 @@ class ModelRunner:
             k = attn.k_proj(x).view(len(ids), -1, attn.head_dim)
             v = attn.v_proj(x).view(len(ids), -1, attn.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
-            a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, attn.scaling)
+            a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, attn.scaling, self.workspace)
             h = h + attn.o_proj(a.reshape(len(ids), -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return llama.norm(h)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pylon.serving.attention import SequenceSlice, build_metadata, paged_attention
+from pylon.serving.attention import SequenceSlice, build_metadata, new_kv_cache, paged_attention
 from pylon.serving.kv_cache import KVBlockPool
 from pylon.serving.request import Request
 from pylon.serving.sampling import SamplingParams, sample
@@ -119,7 +119,8 @@ def test_paged_attention_equals_dense_causal_attention() -> None:
     q = [torch.randn(t, heads, dim) for t in total]
     k = [torch.randn(t, kv_heads, dim) for t in total]
     v = [torch.randn(t, kv_heads, dim) for t in total]
-    k_cache, v_cache = torch.zeros(16, block_size, kv_heads, dim), torch.zeros(16, block_size, kv_heads, dim)
+    k_cache = new_kv_cache(16, block_size, kv_heads, dim, dtype=torch.float32, device="cpu")
+    v_cache = torch.zeros_like(k_cache)
     blocks = torch.randperm(16).tolist()  # scattered blocks, as a pool that has been in use hands them out
     tables, used = [], 0
     for t in total:
