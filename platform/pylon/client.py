@@ -199,11 +199,13 @@ class Client:
 
     # -- the SDK: training runs, datasets, deployments (handles in pylon.sdk) ---------------------------
 
-    def train(self, spec) -> Run:
+    def train(self, spec, *, force: bool = False) -> Run:
         """Submit a TrainJob (a `TrainJobSpec`, a dict of its fields, or a YAML file) as a Ray job: the
         job `pylon train FILE` submits, `python -m pylon.jobs.train --config FILE`. A spec object or dict
         is written to `$PYLON_HOME/specs/<job id>.yaml` first. Submitting a run name again resumes it.
-        Relative paths in the spec mean what they mean in this process's working directory."""
+        Relative paths in the spec mean what they mean in this process's working directory.
+        A job the planner says cannot fit on the resources it asks for is refused first (`pylon.plan.WontFitError`,
+        with the reason and what would fit); `force=True` submits it anyway."""
         import shlex
 
         from pylon.cluster import pylon_home
@@ -212,6 +214,10 @@ class Client:
         from pylon.specs import TrainJobSpec, to_yaml
 
         spec, path = as_spec(spec, TrainJobSpec)  # every spec error before anything is submitted
+        if not force:
+            from pylon.plan import check_fits
+
+            check_fits(spec, client=self)  # before asking for workers
         job_id = new_job_id("train", spec.name)
         if path is None:
             path = pylon_home() / "specs" / f"{job_id}.yaml"
@@ -224,6 +230,26 @@ class Client:
         self.submit_job(entrypoint, submission_id=job_id,
                         metadata={"pylon_kind": "TrainJob", "pylon_name": spec.name, "pylon_run_uri": run_uri})
         return Run(self, job_id, name=spec.name, run_uri=run_uri, start_time=time.time())
+
+    def plan(self, spec, *, gpu: str | None = None, gpus: int | None = None, mfu: float | None = None,
+             prices: str | None = None, seq_len: int | None = None):
+        """Memory, time and cost of a TrainJob or Deployment before it launches (`pylon plan`): a spec object, a
+        dict of its fields (a TrainJob unless `kind` says otherwise) or a YAML file (a list of plans when it holds
+        several). `gpu` limits it to one accelerator, `gpus` fixes the GPU count, `mfu` and `prices` (a YAML
+        file) override the assumptions. Needs no cluster; `print(pylon.plan.render(p))` shows the tables."""
+        from pylon.catalog import load_catalog
+        from pylon.plan import DEFAULT_MFU, plan_file, plan_spec
+        from pylon.sdk import as_spec
+        from pylon.specs import DeploymentSpec, TrainJobSpec
+
+        options = dict(catalog=load_catalog(prices), gpu=gpu, gpus=gpus, mfu=DEFAULT_MFU if mfu is None else mfu,
+                       seq_len=seq_len)
+        if isinstance(spec, (str, os.PathLike)):
+            plans, _ = plan_file(spec, **options)
+            return plans[0] if len(plans) == 1 else plans
+        kind = spec.get("kind") if isinstance(spec, dict) else getattr(spec, "kind", None)
+        spec, _ = as_spec(spec, DeploymentSpec if kind == "Deployment" else TrainJobSpec)
+        return plan_spec(spec, **options)
 
     def runs(self) -> list[Run]:
         """Every training run submitted through Pylon (`pylon train`, `client.train`), oldest first."""

@@ -24,7 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pylon import storage
 from pylon.errors import PylonError, StorageError
 from pylon.presets import preset_config
-from pylon.specs import ModelSpec, TrainJobSpec
+from pylon.specs import LoraSpec, ModelSpec, TrainJobSpec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -103,24 +103,41 @@ def build_model(spec: TrainJobSpec, *, vocab_size: int, eos_id: int, pad_id: int
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     if spec.gradient_checkpointing:
-        # A model setting, not DeepSpeed's activation_checkpointing: transformers recomputes each block in the
-        # backward pass. Non-reentrant checkpointing also works when the inputs need no grad (frozen
-        # embeddings under LoRA). A KV cache is useless while training and conflicts with recomputation.
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-
+        enable_gradient_checkpointing(model)
     if spec.lora is not None:
-        model = _with_lora(model, spec)
+        model = with_lora(model, spec.lora)
     return model
 
 
-def _with_lora(model: "PreTrainedModel", spec: TrainJobSpec) -> torch.nn.Module:
+def enable_gradient_checkpointing(model: "PreTrainedModel") -> None:
+    """Recompute each decoder block in the backward pass instead of keeping its activations.
+
+    A model setting, not DeepSpeed's activation_checkpointing: transformers recomputes each block in the backward
+    pass. Non-reentrant checkpointing also works when the inputs need no grad (frozen embeddings under LoRA). A KV
+    cache is useless while training and conflicts with recomputation. (`pylon.activations` simulates exactly this.)
+    """
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def with_lora(model: "PreTrainedModel", lora: LoraSpec) -> torch.nn.Module:
+    """`model` as a peft model whose only trainable parameters are the LoRA adapters `lora` describes."""
     from peft import LoraConfig, get_peft_model
 
-    lora = spec.lora
+    matched = lora_targets(model, lora)
+    # GPT-2's Conv1D stores weights as (in, out); peft must be told, or it warns and guesses.
+    fan_in_fan_out = any(type(model.get_submodule(n)).__name__ == "Conv1D" for names in matched.values() for n in names)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), fan_in_fan_out=fan_in_fan_out,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def lora_targets(model: torch.nn.Module, lora: LoraSpec) -> dict[str, list[str]]:
+    """For each of `lora.target_modules`, the dotted names of the modules it adapts (PylonError if none)."""
     layers = lora_layer_names(model)
     # peft matches a target against the last components of a module's dotted name.
     matched = {t: [n for n in layers if n == t or n.endswith("." + t)] for t in lora.target_modules}
@@ -131,12 +148,7 @@ def _with_lora(model: "PreTrainedModel", spec: TrainJobSpec) -> torch.nn.Module:
             f"lora.target_modules: {', '.join(missing)} not found in this {model.config.model_type} model; "
             f"its linear modules are: {', '.join(short)}"
         )
-    # GPT-2's Conv1D stores weights as (in, out); peft must be told, or it warns and guesses.
-    fan_in_fan_out = any(type(model.get_submodule(n)).__name__ == "Conv1D" for names in matched.values() for n in names)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), fan_in_fan_out=fan_in_fan_out,
-                        task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    return matched
 
 
 def lora_layer_names(model: torch.nn.Module) -> list[str]:
