@@ -1,0 +1,616 @@
+"""Serving under load: Pylon's continuous-batching engine, in-process and behind Ray Serve + HTTP, against
+`transformers` generate one request at a time and in static batches, in one run, on the same requests.
+
+    .venv/bin/python bench/serve_load.py                          # 4 legs, 128 requests, 32 concurrent clients
+    .venv/bin/python bench/serve_load.py --quick                  # a small smoke run
+    .venv/bin/python bench/serve_load.py --legs engine,http --rate 8     # Poisson arrivals at 8 req/s
+    .venv/bin/python bench/serve_load.py --n-layer 12 --n-embd 768 --n-head 12 --num-requests 256
+
+The model is a random-weight GPT-2 built from a config (no download) and saved as a Pylon export: safetensors
+plus `pylon_tokenizer.json` (the byte tokenizer). The requests are `--num-requests` prompts cut from
+`../shared/datasets/tinyshakespeare.txt` (real text, as bytes), with prompt lengths drawn uniformly from
+`--prompt-len` and output lengths (max_tokens, with ignore_eos so every request generates exactly that many)
+from `--output-len`; seeded, and the same list for every leg. Greedy decoding everywhere.
+
+Legs (`--legs`, default all four, in this order):
+  hf-single   transformers `model.generate`, one request at a time (greedy, min_new_tokens = max_new_tokens):
+              the baseline.
+  hf-static   `generate` on static batches of up to `--concurrency` waiting requests, left-padded with an
+              attention mask. A batch runs until its longest request is done; each request's tokens count
+              only up to its own max_tokens, and it is done (E2E) at its own last token.
+  engine      `pylon.serving.engine.AsyncLLMEngine` in this process, streamed to asyncio clients.
+  http        the same engine in a Ray Serve replica (`pylon.serving.app.deploy` on a private local Ray
+              cluster that the run starts and stops), `POST /v1/completions` with `stream: true` (SSE) over
+              real HTTP from aiohttp clients.
+
+Load: `--concurrency N` closed-loop clients (default 32): each sends its next request when its previous one
+is done. Or `--rate R`: open-loop Poisson arrivals at R req/s (the same arrival times for every leg). The
+two transformers legs are a server facing that same load: requests queue while it is busy, and it takes up
+to 1 (hf-single) or `--concurrency` (hf-static) of the waiting requests at a time.
+
+Metrics, as vLLM's `vllm bench serve` defines them, each p50 and p99 in ms, all measured from the moment the
+client sent the request (so for the transformers legs they include waiting for the server):
+  TTFT  time to first token. transformers legs: a `generate` streamer timestamps every decoding step, so a
+        request's first token is the end of its batch's prefill step (the whole padded batch's prefill).
+  TPOT  (E2E - TTFT) / (output tokens - 1), per request.
+  ITL   every gap between consecutive token arrivals (engine: per output; http: per SSE chunk; transformers:
+        per decoding step), pooled over all requests.
+  E2E   time to the last token.
+Throughput: finished requests and output tokens over the leg's duration (first send to last token).
+
+Ratios of output tokens/s, with targets (issue 5): engine / hf-single >= 8x, engine / hf-static >= 2x,
+http / engine >= 0.90 (Serve + HTTP cost at most 10%). Progress goes to stderr; the last stdout line is
+`serve_load: {json}` with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
+RESULT = "serve_load: "
+LEGS = ("hf-single", "hf-static", "engine", "http")
+DEPLOYMENT = "bench"
+# (name, numerator leg, denominator leg, target, description)
+TARGETS = [
+    ("engine/hf-single", "engine", "hf-single", 8.0, "engine / one-at-a-time"),
+    ("engine/hf-static", "engine", "hf-static", 2.0, "engine / static batches"),
+    ("http/engine", "http", "engine", 0.90, "Serve+HTTP / engine"),
+]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workload and model
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Req:
+    index: int
+    text: str
+    ids: list[int]
+    max_tokens: int
+
+
+def make_requests(args) -> list[Req]:
+    """`--num-requests` windows of the text's bytes, seeded: mixed prompt and output lengths."""
+    data = DATA.read_bytes()
+    rng = random.Random(args.seed)
+    reqs = []
+    for i in range(args.num_requests):
+        n = rng.randint(*args.prompt_len)
+        start = rng.randrange(0, len(data) - n)
+        ids = list(data[start:start + n])
+        reqs.append(Req(i, bytes(ids).decode("utf-8"), ids, rng.randint(*args.output_len)))
+    return reqs
+
+
+def arrival_times(args, n: int) -> list[float] | None:
+    """Offsets (s) of Poisson arrivals at `--rate`, seeded; None for closed-loop concurrency."""
+    if not args.rate:
+        return None
+    rng, t, out = random.Random(args.seed + 1), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(args.rate)
+    return out
+
+
+def build_model(args, directory: Path):
+    """A random GPT-2 saved as a Pylon export (byte tokenizer), as tests/integration/test_serving.py's does."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pylon.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    config = AutoConfig.for_model("gpt2", n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                                  n_positions=args.n_positions, vocab_size=320, eos_token_id=tok.eos_id,
+                                  bos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    return model, tok
+
+
+def engine_spec(args):
+    from pylon.specs import EngineSpec
+
+    block = 16
+    kv = args.kv_cache_tokens or args.concurrency * args.max_model_len
+    kv = -(-max(kv, args.max_model_len) // block) * block
+    return EngineSpec(max_num_seqs=max(args.concurrency, args.max_num_seqs or 0),
+                      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=kv, block_size=block,
+                      max_model_len=args.max_model_len, device="cpu", dtype="fp32")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Records and statistics
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    """One request as its client saw it: when it was sent, and when each piece of output arrived."""
+
+    sent: float
+    times: list[float] = field(default_factory=list)  # arrival of each output event (token / chunk / step)
+    num_tokens: int = 0
+    token_ids: list[int] | None = None
+    error: str | None = None
+
+
+class Progress:
+    """A line on stderr every 25% of a leg's requests (and at least every 15 s), so long runs show life."""
+
+    def __init__(self, leg: str, total: int):
+        self.leg, self.total, self.done = leg, total, 0
+        self.t0 = self.last = time.perf_counter()
+        self.step = max(1, total // 4)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.done == self.total or self.done % self.step == 0 or now - self.last > 15:
+            self.last = now
+            log(f"  [{self.leg}] {self.done}/{self.total} requests, {now - self.t0:.1f} s")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(records: list[Record], t_start: float) -> dict:
+    ok = [r for r in records if r.error is None and r.times]
+    ttft = [(r.times[0] - r.sent) * 1e3 for r in ok]
+    e2e = [(r.times[-1] - r.sent) * 1e3 for r in ok]
+    tpot = [(r.times[-1] - r.times[0]) * 1e3 / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.times, r.times[1:])]
+    end = max((r.times[-1] for r in ok), default=t_start)
+    duration = max(end - t_start, 1e-9)
+    tokens = sum(r.num_tokens for r in ok)
+    out = {
+        "completed": len(ok), "failed": len(records) - len(ok), "duration_s": round(duration, 3),
+        "output_tokens": tokens, "req_per_s": len(ok) / duration, "output_tok_per_s": tokens / duration,
+        "events": sum(len(r.times) for r in ok),
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        out[f"{name}_mean_ms"] = statistics.fmean(values) if values else None
+        out[f"{name}_p50_ms"] = pct(values, 50)
+        out[f"{name}_p99_ms"] = pct(values, 99)
+    errors = [r.error for r in records if r.error]
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Legs a and b: transformers generate, as a server that takes 1 or up to N waiting requests at a time
+# ---------------------------------------------------------------------------------------------------------
+
+
+class StepTimes:
+    """A `generate` streamer that only timestamps: put() is called once with the prompt, then once per step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(model, batch: list[Req], pad_id: int) -> tuple[list[float], list[list[int]]]:
+    """One static batch (left-padded): per-step arrival times and every row's new tokens."""
+    import torch
+
+    width = max(len(r.ids) for r in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, r in enumerate(batch):
+        ids[row, width - len(r.ids):] = torch.tensor(r.ids)
+        mask[row, width - len(r.ids):] = 1
+    new = max(r.max_tokens for r in batch)
+    timer = StepTimes()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=pad_id, streamer=timer)
+    return timer.times, out[:, width:].tolist()
+
+
+def run_hf(model, reqs: list[Req], batch_size: int, args, label: str, pad_id: int) -> tuple[list[Record], float]:
+    """Serve `reqs` with static batches of at most `batch_size` under the run's load (closed-loop clients or
+    Poisson arrivals, in real time): a request waits while the server is busy with an earlier batch."""
+    arrivals = arrival_times(args, len(reqs))
+    records: dict[int, Record] = {}
+    progress = Progress(label, len(reqs))
+    t0 = time.perf_counter()
+    queue: deque[tuple[Req, float]] = deque()
+    upcoming = deque(reqs)
+    if arrivals is None:
+        for _ in range(min(args.concurrency, len(reqs))):
+            queue.append((upcoming.popleft(), t0))
+    while len(records) < len(reqs):
+        if arrivals is not None:
+            now = time.perf_counter()
+            while upcoming and t0 + arrivals[upcoming[0].index] <= now:
+                r = upcoming.popleft()
+                queue.append((r, t0 + arrivals[r.index]))
+            if not queue:
+                time.sleep(max(0.0, t0 + arrivals[upcoming[0].index] - time.perf_counter()))
+                continue
+        batch = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
+        times, tokens = hf_generate(model, [r for r, _ in batch], pad_id)
+        finished = []
+        for (r, sent), toks in zip(batch, tokens):
+            mine = times[:r.max_tokens]
+            records[r.index] = Record(sent, mine, len(mine), toks[:r.max_tokens])
+            finished.append(mine[-1])
+        progress.update(len(batch))
+        if arrivals is None:  # each client sends its next request when its own last token came
+            for done_at in sorted(finished):
+                if upcoming:
+                    queue.append((upcoming.popleft(), done_at))
+    return [records[r.index] for r in reqs], t0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load generator for the engine and HTTP legs (asyncio clients)
+# ---------------------------------------------------------------------------------------------------------
+
+
+async def drive(reqs: list[Req], args, one, label: str) -> tuple[list[Record], float]:
+    """Run `one(req, record)` for every request: from `--concurrency` closed-loop clients, or at the Poisson
+    arrival times of `--rate`."""
+    arrivals = arrival_times(args, len(reqs))
+    records = [Record(0.0) for _ in reqs]
+    progress = Progress(label, len(reqs))
+    t0 = time.perf_counter()
+
+    async def send(r: Req) -> None:
+        rec = records[r.index]
+        rec.sent = time.perf_counter()
+        try:
+            await one(r, rec)
+        except Exception as e:  # one failed request must not stop the load
+            rec.error = f"{type(e).__name__}: {e}"
+        progress.update()
+
+    if arrivals is None:
+        pending = deque(reqs)
+
+        async def client() -> None:
+            while pending:
+                await send(pending.popleft())
+
+        await asyncio.gather(*(client() for _ in range(min(args.concurrency, len(reqs)))))
+    else:
+        tasks = []
+        for r in reqs:
+            delay = t0 + arrivals[r.index] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(r)))
+        await asyncio.gather(*tasks)
+    return records, t0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Leg c: the engine in this process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def engine_params(max_tokens: int):
+    from pylon.serving.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
+    from pylon.serving.engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_model(str(model_dir), engine_spec(args))
+    counter = iter(range(10**9))
+
+    async def one(r: Req, rec: Record) -> None:
+        rec.token_ids = []
+        async for out in engine.generate(f"r{next(counter)}", r.ids, engine_params(r.max_tokens)):
+            if out.token_ids:
+                rec.times.append(time.perf_counter())
+                rec.token_ids.extend(out.token_ids)
+        rec.num_tokens = len(rec.token_ids)
+
+    try:
+        await asyncio.gather(*(one(r, Record(0.0)) for r in warmup))
+        records, t0 = await drive(reqs, args, one, "engine")
+        stats = engine.stats()
+        return records, t0, {"preemptions": stats.num_preemptions_total, "kv_blocks": stats.num_blocks}
+    finally:
+        engine.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Leg d: Ray Serve + HTTP
+# ---------------------------------------------------------------------------------------------------------
+
+
+def deployment_spec(args, model_dir: Path):
+    from pylon.specs import DeploymentSpec
+
+    max_queued = max(256, args.num_requests)
+    return DeploymentSpec.model_validate({
+        "kind": "Deployment", "name": DEPLOYMENT, "model": str(model_dir),
+        "engine": engine_spec(args).model_dump(mode="json"),
+        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+        "http": {"api_keys_env": None, "max_queued_requests": max_queued, "request_timeout_s": 600},
+        "replica": {"num_cpus": args.replica_cpus},
+    })
+
+
+async def http_load(url: str, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float]:
+    import aiohttp
+
+    async def one_on(session, r: Req, rec: Record) -> None:
+        body = {"model": DEPLOYMENT, "prompt": r.text, "max_tokens": r.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                now = time.perf_counter()
+                obj = json.loads(data)
+                if "error" in obj:
+                    raise RuntimeError(f"error event: {obj['error']}")
+                if obj.get("choices"):
+                    rec.times.append(now)
+                if obj.get("usage"):
+                    rec.num_tokens = obj["usage"]["completion_tokens"]
+
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async def one(r: Req, rec: Record) -> None:
+            await one_on(session, r, rec)
+
+        await asyncio.gather(*(one(r, Record(0.0)) for r in warmup))
+        return await drive(reqs, args, one, "http")
+
+
+def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
+    """Start a private cluster, deploy, load it over HTTP, and always stop the cluster again."""
+    home = Path(tempfile.mkdtemp(prefix="pylon-bench-"))
+    os.environ["PYLON_HOME"] = str(home)
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        os.environ.pop(name, None)
+    from pylon import cluster
+
+    extra = {}
+    try:
+        t = time.perf_counter()
+        info, _ = cluster.up(num_cpus=max(int(args.replica_cpus + 0.999), os.cpu_count() or 1),
+                             object_store_memory=256 * 2**20, home=home)
+        extra["cluster_up_s"] = round(time.perf_counter() - t, 1)
+        log(f"  [http] private Ray cluster up in {extra['cluster_up_s']} s ({info.dashboard_url}); deploying")
+        from pylon.serving.app import deploy
+
+        t = time.perf_counter()
+        url = deploy(deployment_spec(args, model_dir), timeout_s=300)
+        extra["deploy_s"] = round(time.perf_counter() - t, 1)
+        log(f"  [http] deployed at {url} in {extra['deploy_s']} s")
+        records, t0 = asyncio.run(http_load(url, reqs, warmup, args))
+        return records, t0, extra
+    finally:
+        t = time.perf_counter()
+        cluster.down(home=home)
+        shutil.rmtree(home, ignore_errors=True)
+        log(f"  [http] cluster stopped in {time.perf_counter() - t:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX (got {text!r})")
+    return lo, hi
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated legs to run (default: {','.join(LEGS)})")
+    p.add_argument("--quick", action="store_true",
+                   help="a small smoke run: 24 requests, 8 clients, a 2-layer 128-wide model, short prompts/outputs")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="closed-loop clients; also the static batch size and the engine's minimum max_num_seqs "
+                           "(default 32)")
+    load.add_argument("--rate", type=float, default=None,
+                      help="open-loop Poisson arrivals at this many requests/s instead of closed-loop clients "
+                           "(static batches and max_num_seqs then use --batch-size)")
+    p.add_argument("--batch-size", type=int, default=32, help="with --rate: static batch size and max_num_seqs")
+    p.add_argument("--num-requests", type=int, default=None, help="timed requests per leg (default 128)")
+    p.add_argument("--prompt-len", type=_range, default=None, help="MIN,MAX prompt bytes (= tokens) (default 32,512)")
+    p.add_argument("--output-len", type=_range, default=None, help="MIN,MAX max_tokens per request (default 16,128)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed requests before each leg (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("model (random-weight GPT-2)")
+    m.add_argument("--n-layer", type=int, default=None, help="default 4")
+    m.add_argument("--n-embd", type=int, default=None, help="default 256")
+    m.add_argument("--n-head", type=int, default=None, help="default 4")
+    m.add_argument("--n-positions", type=int, default=1024)
+    e = p.add_argument_group("engine (EngineSpec)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="default: the concurrency")
+    e.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="default: concurrency x max_model_len (never preempts)")
+    e.add_argument("--max-model-len", type=int, default=None, help="default: n_positions")
+    p.add_argument("--replica-cpus", type=float, default=float(os.cpu_count() or 1),
+                   help="num_cpus of the Serve replica (default: all cores, as the in-process engine uses)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in this process")
+    args = p.parse_args(argv)
+
+    quick = dict(num_requests=24, concurrency=8, prompt_len=(16, 128), output_len=(8, 32), n_layer=2, n_embd=128,
+                 n_head=4)
+    full = dict(num_requests=128, concurrency=32, prompt_len=(32, 512), output_len=(16, 128), n_layer=4, n_embd=256,
+                n_head=4)
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.rate:
+        args.concurrency = args.batch_size
+    args.max_model_len = args.max_model_len or args.n_positions
+    args.legs = [x.strip() for x in args.legs.split(",") if x.strip()]
+    unknown = [x for x in args.legs if x not in LEGS]
+    if unknown:
+        p.error(f"--legs: unknown {unknown}; choose from {', '.join(LEGS)}")
+    if args.prompt_len[1] + args.output_len[1] > args.max_model_len:
+        p.error(f"--prompt-len max + --output-len max must be <= max_model_len ({args.max_model_len})")
+    return args
+
+
+def fmt(v, width: int, spec: str = ".0f") -> str:
+    return f"{'-' if v is None else format(v, spec):>{width}}"
+
+
+def print_table(results: dict, errors: dict) -> None:
+    head = (f"{'leg':<11}{'req/s':>7}{'out tok/s':>11} {'TTFT p50':>9}{'p99':>8} {'TPOT p50':>9}{'p99':>7}"
+            f" {'ITL p50':>8}{'p99':>7} {'E2E p50':>8}{'p99':>8}")
+    print(f"\n{head}\n{'':<29}(all latencies in ms)")
+    for leg in LEGS:
+        if leg in results:
+            r = results[leg]
+            print(f"{leg:<11}{fmt(r['req_per_s'], 7, '.2f')}{fmt(r['output_tok_per_s'], 11, ',.0f')} "
+                  f"{fmt(r['ttft_p50_ms'], 9)}{fmt(r['ttft_p99_ms'], 8)} {fmt(r['tpot_p50_ms'], 9, '.1f')}"
+                  f"{fmt(r['tpot_p99_ms'], 7, '.1f')} {fmt(r['itl_p50_ms'], 8, '.1f')}{fmt(r['itl_p99_ms'], 7, '.1f')}"
+                  f" {fmt(r['e2e_p50_ms'], 8)}{fmt(r['e2e_p99_ms'], 8)}"
+                  + (f"   ({r['failed']} failed)" if r["failed"] else ""))
+        elif leg in errors:
+            print(f"{leg:<11}  FAILED: {errors[leg].splitlines()[0][:200]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    wall0 = time.perf_counter()
+    load_start = os.getloadavg()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    reqs = make_requests(args)
+    phrase = "To be, or not to be, that is the question"
+    warm = [Req(-1 - i, phrase[:8 + 4 * i], list(phrase[:8 + 4 * i].encode()), 4 + i) for i in range(args.warmup)]
+    load = f"Poisson arrivals at {args.rate:g} req/s" if args.rate else f"{args.concurrency} concurrent clients"
+    prompt_tokens = sum(len(r.ids) for r in reqs)
+    out_tokens = sum(r.max_tokens for r in reqs)
+    print(f"model: random GPT-2 n_layer {args.n_layer} n_embd {args.n_embd} n_head {args.n_head} (vocab 320, "
+          f"fp32, CPU, {args.threads} torch threads); {args.num_requests} requests from {DATA.name}: prompts "
+          f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens ({prompt_tokens:,} in all), max_tokens "
+          f"{args.output_len[0]}-{args.output_len[1]} ({out_tokens:,} in all, ignore_eos); {load}", flush=True)
+
+    results, errors, extras, tokens = {}, {}, {}, {}
+    tmp = Path(tempfile.mkdtemp(prefix="pylon-serve-load-"))
+    try:
+        model_dir = tmp / "model"
+        model_dir.mkdir()
+        model, tok = build_model(args, model_dir)
+        spec = engine_spec(args)
+        print(f"engine: max_num_seqs {spec.max_num_seqs}, max_num_batched_tokens {spec.max_num_batched_tokens}, "
+              f"kv_cache_tokens {spec.kv_cache_tokens}, block_size {spec.block_size}, max_model_len "
+              f"{spec.max_model_len}", flush=True)
+        for leg in args.legs:
+            t = time.perf_counter()
+            log(f"[{leg}] start")
+            try:
+                if leg in ("hf-single", "hf-static"):
+                    size = 1 if leg == "hf-single" else args.concurrency
+                    for w in range(0, len(warm), size):
+                        hf_generate(model, warm[w:w + size], tok.pad_id)
+                    records, t0 = run_hf(model, reqs, size, args, leg, tok.pad_id)
+                elif leg == "engine":
+                    records, t0, extras[leg] = asyncio.run(engine_leg(model_dir, reqs, warm, args))
+                else:
+                    records, t0, extras[leg] = http_leg(model_dir, reqs, warm, args)
+                results[leg] = summarize(records, t0)
+                results[leg].update(extras.get(leg, {}))
+                if records and records[0].token_ids is not None:
+                    tokens[leg] = [r.token_ids for r in records]
+                log(f"[{leg}] done in {time.perf_counter() - t:.0f} s: "
+                    f"{results[leg]['output_tok_per_s']:,.0f} output tok/s")
+            except Exception as e:
+                errors[leg] = f"{type(e).__name__}: {e}"
+                log(f"[{leg}] FAILED after {time.perf_counter() - t:.0f} s:\n{traceback.format_exc()}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print_table(results, errors)
+    ratios = {}
+    print()
+    for name, num, den, target, what in TARGETS:
+        if num in results and den in results and results[den]["output_tok_per_s"]:
+            ratio = results[num]["output_tok_per_s"] / results[den]["output_tok_per_s"]
+            met = ratio >= target
+            ratios[name] = {"ratio": ratio, "target": target, "met": met}
+            print(f"target: {what:<24} output tok/s {ratio:6.2f}x  (>= {target:g}x: {'met' if met else 'MISSED'})")
+        else:
+            print(f"target: {what:<24} not measured ({num} or {den} did not run)")
+    if "engine" in tokens and "hf-single" in tokens:
+        same = sum(a == b for a, b in zip(tokens["engine"], tokens["hf-single"]))
+        print(f"greedy parity: engine tokens == hf-single tokens for {same}/{len(reqs)} requests")
+        results["engine"]["parity_with_hf_single"] = same
+    if "http" in results:
+        r = results["http"]
+        print(f"http: {r['events']:,} SSE chunks for {r['output_tokens']:,} tokens (ITL is per chunk)")
+    for leg, err in errors.items():
+        print(f"error in {leg}: {err.splitlines()[0][:500]}")
+    wall = time.perf_counter() - wall0
+    load_end = os.getloadavg()
+    print(f"wall time {wall:.0f} s; load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
+          f"on {os.cpu_count()} cores (a busy machine slows the legs unevenly)")
+    config = {k: v for k, v in vars(args).items()}
+    print(RESULT + json.dumps({"config": config, "legs": results, "ratios": ratios, "errors": errors,
+                               "wall_s": round(wall, 1), "loadavg_start": load_start, "loadavg_end": load_end,
+                               "cpus": os.cpu_count()}, default=str), flush=True)
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
