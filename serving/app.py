@@ -467,21 +467,29 @@ def _wait_ready(url: str, timeout_s: float, name: str | None = None) -> None:
     import urllib.error
     import urllib.request
 
+    import sys
+
+    from tqdm import tqdm
+
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    while time.monotonic() < deadline:
-        failure = _app_failure(name) if name else None
-        if failure:
-            raise PylonError(f"deployment '{name}' failed to start: {failure.strip()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except urllib.error.HTTPError as e:
-            last = f"HTTP {e.code}"
-        except OSError as e:
-            last = str(e)
-        time.sleep(0.5)
+    # On a terminal, a line that says what is being waited for and for how long (loading a model takes a while).
+    with tqdm(desc=f"loading {name or url} (replica starting, model loading)", bar_format="{desc}: {elapsed}",
+              file=sys.stderr, disable=None) as bar:
+        while time.monotonic() < deadline:
+            failure = _app_failure(name) if name else None
+            if failure:
+                raise PylonError(f"deployment '{name}' failed to start: {failure.strip()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}"
+            except OSError as e:
+                last = str(e)
+            time.sleep(0.5)
+            bar.refresh()
     raise PylonError(f"{url}/ready did not answer 200 within {timeout_s:.0f} s (last: {last})")
 
 

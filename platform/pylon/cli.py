@@ -171,7 +171,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 0
     # With --json, stdout stays one JSON document: the logs go to stderr.
-    return _follow(client, run.job_id, out=sys.stderr if args.json else None)
+    from pylon.specs import TrainJobSpec, load_spec
+
+    steps = load_spec(args.file, TrainJobSpec).steps
+    return _follow(client, run.job_id, out=sys.stderr if args.json else None, total_steps=steps)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -189,11 +192,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow(client, job_id: str, *, out=None) -> int:
-    """Stream a job's logs until it ends; exit 0 only if it succeeded."""
+def _follow(client, job_id: str, *, out=None, total_steps: int | None = None) -> int:
+    """Stream a job's logs until it ends (a step progress bar on a terminal); exit 0 only if it succeeded."""
     from pylon.sdk import follow_logs
 
-    status = follow_logs(client, job_id, out=out)
+    status = follow_logs(client, job_id, out=out, progress=True, total_steps=total_steps)
     print(f"job {job_id} {status}", file=sys.stderr)
     return 0 if status == "SUCCEEDED" else 1
 

@@ -118,22 +118,56 @@ def first_api_key(env_name: str, *, required: bool = True) -> str | None:
     return None
 
 
-def follow_logs(client: Client, job_id: str, *, out=None, poll_s: float = 1.0) -> str:
-    """Write a job's logs to `out` (default: stdout) as they grow, until it ends; returns its final status."""
+def follow_logs(client: Client, job_id: str, *, out=None, poll_s: float = 1.0, progress: bool = False,
+                total_steps: int | None = None) -> str:
+    """Write a job's logs to `out` (default: stdout) as they grow, until it ends; returns its final status.
+    With `progress`, a training job's step records (`{"step": N, "loss": ...}` lines) also move a progress
+    bar on stderr, shown only on a terminal (`total_steps` gives it an end)."""
     from pylon.client import TERMINAL_JOB_STATES
 
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_steps, unit="step", desc=job_id, file=sys.stderr, dynamic_ncols=True,
+                   disable=None)  # None: off when stderr is not a terminal (scripts, CI, notebooks' pipes)
+        if bar.disable:
+            bar = None
     shown = 0
-    while True:
-        status = client.job_status(job_id)  # before the logs: once it has ended, the logs read next are whole
-        logs = client.job_logs(job_id)
-        if len(logs) > shown:
-            stream = out or sys.stdout  # looked up each time: a notebook swaps sys.stdout per cell
-            stream.write(logs[shown:])
-            stream.flush()
-            shown = len(logs)
-        if status in TERMINAL_JOB_STATES:
-            return status
-        time.sleep(poll_s)
+    try:
+        while True:
+            status = client.job_status(job_id)  # before the logs: once it has ended, the logs read next are whole
+            logs = client.job_logs(job_id)
+            if len(logs) > shown:
+                stream = out or sys.stdout  # looked up each time: a notebook swaps sys.stdout per cell
+                new = logs[shown:]
+                if bar is None:
+                    stream.write(new)
+                    stream.flush()
+                else:
+                    _advance(bar, new)
+                    bar.write(new.rstrip("\n"), file=stream)  # clears the bar, prints, redraws it
+                shown = len(logs)
+            if status in TERMINAL_JOB_STATES:
+                return status
+            time.sleep(poll_s)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _advance(bar, text: str) -> None:
+    """Move `bar` to the last step record in `text` (the train job prints one every few steps)."""
+    for line in text.splitlines():
+        if line.startswith('{"step": '):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            bar.n = int(record.get("step", bar.n))
+            bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}",
+                            tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False)
+    bar.refresh()
 
 
 def _tail(text: str, lines: int = LOG_TAIL_LINES) -> str:

@@ -1,7 +1,9 @@
 """The SDK's parts that need no cluster: spec arguments, the prepare command line, notebook display, keys."""
 from __future__ import annotations
 
+import io
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,40 @@ def test_sdk_names_are_exported_lazily() -> None:
     assert {"Run", "Service"} <= set(pylon.__all__)
     with pytest.raises(AttributeError):
         pylon.NoSuchThing  # noqa: B018
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class _GrowingJob:
+    """A job whose logs grow by one chunk per status poll, then it succeeds."""
+
+    def __init__(self, chunks: list[str]):
+        self.chunks, self.polls = chunks, 0
+
+    def job_status(self, job_id):
+        self.polls += 1
+        return "SUCCEEDED" if self.polls >= len(self.chunks) else "RUNNING"
+
+    def job_logs(self, job_id):
+        return "".join(self.chunks[:self.polls])
+
+
+def test_following_a_training_job_moves_a_step_bar_on_a_terminal_only(monkeypatch) -> None:
+    from pylon.sdk import follow_logs
+
+    chunks = ["training tiny\n", '{"step": 1, "loss": 5.5, "tokens_per_s": 900.0}\n',
+              '{"step": 11, "loss": 3.25, "tokens_per_s": 1000.0}\n{"result": {}}\n']
+    out, err = io.StringIO(), _Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert follow_logs(_GrowingJob(chunks), "train-tiny-1", out=out, poll_s=0, progress=True,
+                       total_steps=12) == "SUCCEEDED"
+    assert out.getvalue() == "".join(chunks)  # every log line, once, in order
+    assert "11/12" in err.getvalue() and "loss=3.2500" in err.getvalue()
+
+    out, err = io.StringIO(), io.StringIO()  # not a terminal: no bar at all
+    monkeypatch.setattr(sys, "stderr", err)
+    follow_logs(_GrowingJob(chunks), "train-tiny-1", out=out, poll_s=0, progress=True, total_steps=12)
+    assert out.getvalue() == "".join(chunks) and err.getvalue() == ""
