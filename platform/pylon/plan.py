@@ -254,7 +254,8 @@ def cheapest(options: list[Option]) -> Option | None:
         return None
     best = min(o.cost for o in fitting)
     near = [o for o in fitting if o.cost <= best * (1 + COST_TIE) + 1e-9]
-    return min(near, key=_preference)
+    # Among near-ties (a short job costs cents anywhere): fewest GPUs, then the cheaper GPU-hour.
+    return min(near, key=lambda o: (o.layout.num_gpus, o.accelerator.price_per_gpu_hour, *_preference(o)[1:]))
 
 
 def _preference(o: Option) -> tuple:
