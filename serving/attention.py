@@ -84,13 +84,14 @@ class Workspace:
 def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
                    dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """What every layer's attention needs to know about this step, for `seqs` in their flat token order."""
+    # Plain Python ints, one tensor at the end: a step of 32 decodes would otherwise make ~100 tiny tensors.
     offsets, slots, offset = [], [], 0
     for seq in seqs:
         offsets.append(offset)
         offset += seq.num_new
-        positions = torch.arange(seq.start, seq.start + seq.num_new)
-        table = torch.tensor(seq.block_table)
-        slots.append(table[positions // block_size] * block_size + positions % block_size)
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(seq.start, seq.start + seq.num_new))
     # Decodes are grouped by context length: one padded batch would gather every sequence's keys up to the
     # longest context, and gathering is most of the cost of attention here. Sorted, in up to
     # DECODE_GROUPS groups of at least MIN_GROUP sequences, the padding shrinks to a fraction.
@@ -101,7 +102,7 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])] + [chunks]
     groups = [_group([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype)
               for m in members if m]
-    return AttentionMetadata(torch.cat(slots).to(device), groups)
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(device), groups)
 
 
 def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
@@ -120,10 +121,8 @@ def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, devic
     allowed = (key[None, None, :] <= query_position[:, :, None]) & (key[None, None, :] < num_keys[:, None, None])
     bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     num_blocks = -(-K // block_size)
-    table = torch.zeros(len(seqs), num_blocks, dtype=torch.long)
-    for b, seq in enumerate(seqs):
-        row = seq.block_table[:num_blocks]
-        table[b, :len(row)] = torch.tensor(row)
+    table = torch.tensor([seq.block_table[:num_blocks] + [0] * (num_blocks - len(seq.block_table[:num_blocks]))
+                          for seq in seqs], dtype=torch.long)
     return AttentionGroup(query_index.to(device), real.to(device), query_index.reshape(-1)[real].to(device),
                           table.reshape(-1).to(device), num_blocks, K, bias.to(device))
 

@@ -238,6 +238,11 @@ class LLMEngine:
         )
 
 
+def _put_all(puts: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)
+
+
 class AsyncLLMEngine:
     """An `LLMEngine` stepping on a background thread, streaming outputs to asyncio consumers.
 
@@ -280,8 +285,7 @@ class AsyncLLMEngine:
                     self._wake.wait(self.IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                self._deliver_step(self.engine.step())
             self._dead = EngineDeadError("the engine was shut down")
         except BaseException as e:  # anything at all: the streams must learn the loop is gone
             log.exception("engine step loop crashed")
@@ -290,6 +294,20 @@ class AsyncLLMEngine:
         # After `_dead` is set: a stream registered from here on sees it in generate() itself.
         for request_id in list(self._streams):
             self._deliver(request_id, self._dead)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each consumer's event loop in one call per loop: one wake-up of the
+        loop per step instead of one per request (each is a write to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # else its consumer went away; the abort it sent is on its way
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # that event loop is closed
+                pass
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
