@@ -407,6 +407,12 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
     return deployment.bind(spec.model_dump(mode="json"), digests)
 
 
+def app_builder(args: dict):
+    """Serve's application builder: a Deployment spec as `args` (a RayService's serveConfigV2, as
+    `pylon infra render` writes it, or `serve run pylon.serving.app:app_builder --config-file ...`)."""
+    return build_app(DeploymentSpec.model_validate(args))
+
+
 def deploy(spec: DeploymentSpec, *, address: str | None = None, timeout_s: float = 600) -> str:
     """Run `spec` on the cluster (the local one by default) and return its base URL."""
     import pylon

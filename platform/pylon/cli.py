@@ -23,9 +23,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     valid = []
     for path in args.files:
         try:
-            valid.extend(load_specs(path))
+            docs = load_specs(path)
         except SpecError as e:
             problems.extend(e.problems)
+            continue
+        valid.extend(docs)
+        problems.extend(_cluster_render_problems(docs))
     if args.json:
         print(json.dumps({"valid": [{"file": d.source, "document": d.index, "kind": d.spec.kind,
                                      "name": d.spec.name} for d in valid],
@@ -38,6 +41,39 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         if problems:
             print(f"{len(problems)} error(s) in {len(args.files)} file(s)", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _cluster_render_problems(docs) -> list[str]:
+    """A Cluster spec is also checked the way it will be used: rendered for its target (ray-up for aws/gcp,
+    kuberay for kubernetes, with the file's TrainJobs and Deployments) and validated against the schemas."""
+    from pylon import infra
+    from pylon.specs import ClusterSpec, DeploymentSpec, TrainJobSpec
+
+    jobs = [d.spec for d in docs if isinstance(d.spec, TrainJobSpec)]
+    deployments = [d.spec for d in docs if isinstance(d.spec, DeploymentSpec)]
+    return [f"{d.source}: document {d.index}: {problem}"
+            for d in docs if isinstance(d.spec, ClusterSpec)
+            for problem in infra.check(d.spec, jobs=jobs, deployments=deployments)]
+
+
+def _cmd_infra_render(args: argparse.Namespace) -> int:
+    from pylon import infra
+
+    cluster, files = infra.render_file(args.files, args.target)
+    problems = infra.validate_files(files)
+    if problems:
+        for problem in problems:
+            print(f"error  {problem}", file=sys.stderr)
+        print(f"{len(problems)} schema error(s); nothing written", file=sys.stderr)
+        return 1
+    written = infra.write(files, args.out)
+    for path in written:
+        print(path)
+    how = (f"ray up {args.out}/cluster.yaml" if args.target == "ray-up"
+           else f"kubectl apply -f {args.out}/raycluster.yaml")
+    print(f"rendered {cluster.summary()} for {args.target}: {len(written)} file(s), every manifest valid; "
+          f"bring it up with: {how} (see infra/README.md)", file=sys.stderr)
+    return 0
 
 
 def _cmd_cluster_up(args: argparse.Namespace) -> int:
@@ -489,6 +525,38 @@ def build_parser() -> argparse.ArgumentParser:
     js.add_argument("--timeout", type=float, default=60, help="seconds to wait for it to end (default 60)")
     js.add_argument("--address", help="dashboard URL (default: RAY_ADDRESS, else the local cluster)")
     js.set_defaults(func=_cmd_jobs_stop)
+
+    inf = sub.add_parser("infra", formatter_class=fmt,
+                         help="render a Cluster spec into ray up YAML or KubeRay manifests",
+                         description="Files that run a Cluster spec somewhere other than this machine, derived "
+                                     "from the specs and checked against Ray's and KubeRay's schemas offline.",
+                         epilog="examples:\n  pylon infra render cluster-aws.yaml --target ray-up --out infra/aws\n"
+                                "  pylon infra render cluster-k8s.yaml --target kuberay --out infra/kuberay")
+    isub = inf.add_subparsers(dest="infra_command", metavar="ACTION", required=True)
+    ir = isub.add_parser(
+        "render", formatter_class=fmt, help="write launcher YAML or KubeRay manifests, Dockerfile, Prometheus, Grafana",
+        description="Render the one Cluster spec in FILE(s) for a target and write the files to --out: for ray-up "
+                    "(provider aws or gcp) cluster.yaml for `ray up`, a CPU head and worker groups that scale "
+                    "from their min_workers (0 for GPUs) with spot/preemptible nodes and the idle timeout; for "
+                    "kuberay (provider kubernetes) raycluster.yaml with the in-tree autoscaler v2, plus a RayJob "
+                    "per TrainJob and a RayService per Deployment found in the same files. Both also get the "
+                    "image's Dockerfile, prometheus.yml and grafana-dashboard.json. Every manifest is validated "
+                    "against ray-schema.json or the KubeRay CRD schemas before anything is written. Ray's auth "
+                    "token and API keys are never written: they come from ~/.ray/auth_token or Kubernetes "
+                    "Secrets (infra/README.md).",
+        epilog=textwrap.dedent("""\
+            examples:
+              pylon infra render cluster-aws.yaml --target ray-up --out infra/aws && ray up infra/aws/cluster.yaml
+              pylon infra render cluster-gcp.yaml --target ray-up --out infra/gcp
+              pylon infra render cluster-k8s.yaml --target kuberay --out infra/kuberay
+              pylon infra render cluster.yaml train.yaml serve.yaml --target kuberay --out k8s/
+            """))
+    ir.add_argument("files", nargs="+", metavar="FILE",
+                    help="YAML files holding one Cluster (and, for kuberay, any TrainJobs and Deployments)")
+    ir.add_argument("--target", required=True, choices=("ray-up", "kuberay"),
+                    help="ray-up: Ray's cluster launcher (aws, gcp); kuberay: Kubernetes with KubeRay")
+    ir.add_argument("--out", required=True, metavar="DIR", help="folder to write the files to (created if needed)")
+    ir.set_defaults(func=_cmd_infra_render)
 
     e = sub.add_parser("export", formatter_class=fmt, help="consolidate a run's ZeRO shards into one HF model",
                        description="Export the latest committed checkpoint of a run (ZeRO stage 0-3 shards) as "
