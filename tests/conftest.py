@@ -50,3 +50,46 @@ def s3_root(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
     """A fresh prefix in the session's bucket, unique to this test."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name).strip("-")
     return f"s3://{s3_server.bucket}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSpeed's async I/O op (NVMe offload) takes minutes of compiling on a fresh clone, and only the NVMe
+# combinations of tests/integration/test_deepspeed_combinations.py need it. Building it at low priority from the
+# start of the session lets it use the CPU the earlier tests leave idle (cluster start-ups, jobs polling),
+# instead of stalling that module. The build writes where the tests load it from; a test that needs it before
+# it is done waits on torch's build lock, as it would have built it itself.
+# ---------------------------------------------------------------------------------------------------------
+
+_PREBUILD = """
+from deepspeed.ops.op_builder import AsyncIOBuilder
+builder = AsyncIOBuilder()
+if builder.is_compatible(verbose=False):
+    builder.load(verbose=False)
+"""
+
+
+def pytest_sessionstart(session) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if os.environ.get("PYLON_NO_OP_PREBUILD") or not any("integration" in str(a) for a in session.config.args
+                                                           or ["integration"]):
+        return
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(__file__).resolve().parents[1] / ".cache" /
+                 "torch_extensions")
+    if (cache / "async_io" / "async_io.so").exists():
+        return
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache))
+    session.config._pylon_prebuild = subprocess.Popen(
+        ["nice", "-n", "15", sys.executable, "-c", _PREBUILD], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session) -> None:
+    build = getattr(session.config, "_pylon_prebuild", None)
+    if build is not None:
+        # Waited for, never killed: a build killed mid-way leaves torch's lock file, and every later load of
+        # the op would wait on it forever.
+        build.wait()

@@ -47,3 +47,21 @@ def test_the_documented_ray_job_submit_commands_work_verbatim(ray_cluster, tmp_p
     assert steps == list(range(1, 11))
     assert (run / "loss.png").is_file() and (run / "export" / "config.json").is_file()
     assert "metrics.jsonl" in done.stdout  # the final `ls`
+
+    # "Submitting the same name again resumes the run": raise steps and submit the same command again.
+    first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    config = tmp_path / "my-project" / "train.yaml"
+    config.write_text(config.read_text().replace("steps: 10", "steps: 14"))
+    again = re.search(r"^ray job submit [^\n]*--working-dir my-project -- \\\n\s*python -m pylon.jobs.train[^\n]*$",
+                      script, flags=re.M)
+    assert again, "the training command is not in the block"
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", exports + "\n" + again.group(0)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "resumed my-gpt from step 10" in out, out[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 15))
+    assert records[:10] == first  # the curve continues; nothing before the resume point was redone
+    assert records[10]["tokens_seen"] == first[-1]["tokens_seen"] + records[10]["tokens"]

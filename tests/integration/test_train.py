@@ -1,14 +1,12 @@
 """Training end to end on the session's Ray cluster: `ray job submit`-style jobs running DeepSpeed on 2
 workers, checkpoints on the S3 server with retention, export loaded by `transformers`, resume after a
-re-submission and after a worker is killed mid-run."""
+worker is killed mid-run (resuming on re-submission: tests/integration/test_ray_job_submit.py)."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -106,38 +104,6 @@ def test_ray_job_trains_checkpoints_to_s3_and_exports(ray_cluster, corpus, s3_ro
         logits = model(input_ids=torch.tensor([ref["input_ids"]])).logits[0, :, :16]
     assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (logits - torch.tensor(ref["logits"])).abs().max()
     assert "Traceback" not in logs
-
-
-def test_resubmitting_the_same_run_resumes_it(ray_cluster, corpus, tmp_path):
-    """The first submission through `pylon train FILE --follow`, the second through Ray's own CLI,
-    `ray job submit --working-dir <project> -- python -m pylon.jobs.train --config train.yaml`: the second
-    resumes the first's run instead of starting over."""
-    root = str(tmp_path / "runs")
-    env = dict(os.environ, **ray_cluster.auth_env())
-    spec = _write_spec(tmp_path / "train.yaml", corpus, root, name="tiny-resume", steps=8, every=4)
-    follow = subprocess.run([sys.executable, "-m", "pylon", "train", str(spec), "--follow"], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert follow.returncode == 0, follow.stdout[-4000:] + follow.stderr[-4000:]
-    job_id = follow.stdout.splitlines()[0]
-    assert job_id.startswith("train-tiny-resume-"), follow.stdout[:500]
-    assert "model: " in follow.stdout and "Traceback" not in follow.stdout  # the job's own logs, streamed
-    first = _metrics(f"{root}/tiny-resume")
-    assert [r["step"] for r in first] == list(range(1, 9))
-
-    project = tmp_path / "project"  # what a user's project folder holds: just the config
-    project.mkdir()
-    _write_spec(project / "train.yaml", corpus, root, name="tiny-resume", steps=14, every=4)
-    submit = subprocess.run(
-        [str(Path(sys.executable).with_name("ray")), "job", "submit", "--address", ray_cluster.dashboard_url,
-         "--working-dir", str(project), "--", "python", "-m", "pylon.jobs.train", "--config", "train.yaml"],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
-    assert "resumed tiny-resume from step 8" in submit.stdout
-    assert "succeeded" in submit.stdout.lower()
-    records = _metrics(f"{root}/tiny-resume")
-    assert [r["step"] for r in records] == list(range(1, 15))
-    assert records[:8] == first  # the curve continues; nothing before the resume point was redone
-    assert records[8]["tokens_seen"] == first[-1]["tokens_seen"] + records[8]["tokens"]
 
 
 def _train_workers() -> list[psutil.Process]:

@@ -166,3 +166,32 @@ def test_following_a_training_job_moves_a_step_bar_on_a_terminal_only(monkeypatc
     monkeypatch.setattr(sys, "stderr", err)
     follow_logs(_GrowingJob(chunks), "train-tiny-1", out=out, poll_s=0, progress=True, total_steps=12)
     assert out.getvalue() == "".join(chunks) and err.getvalue() == ""
+
+
+class _FailedJob:
+    dashboard_url = "http://127.0.0.1:8265"
+
+    def wait_job(self, job_id, timeout_s, poll_s=1.0):
+        return "FAILED"
+
+    def job_info(self, job_id):
+        from pylon.client import JobInfo
+
+        return JobInfo(job_id=job_id, status="FAILED", entrypoint="python -m pylon.jobs.train", start_time=None,
+                       message="Job entrypoint command failed with exit code 1")
+
+    def job_logs(self, job_id):
+        return "".join(f"line {i}\n" for i in range(100)) + "error: data.uri: /nowhere has no manifest.json\n"
+
+
+def test_a_failed_run_raises_with_the_end_of_its_logs() -> None:
+    from pylon.errors import JobFailedError
+
+    run = Run(_FailedJob(), "train-tiny-1a2b3c", name="tiny", run_uri="/runs/tiny")
+    with pytest.raises(JobFailedError) as failed:
+        run.wait(timeout=5)
+    message = str(failed.value)
+    assert "train-tiny-1a2b3c ended FAILED" in message and "exit code 1" in message
+    assert message.count("line ") < 40 and "/nowhere has no manifest.json" in message  # the end, not all of it
+    assert "pylon jobs logs train-tiny-1a2b3c" in message
+    assert run.wait(timeout=5, check=False) == "FAILED"
