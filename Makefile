@@ -34,8 +34,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	@touch $@
 
-test: setup  ## run the whole test suite (unit, then integration on a real cluster and S3 server)
-	$(PY) -m pytest
+test: setup  ## run the whole test suite: unit tests alongside the integration tests (real cluster, S3 server)
+	@mkdir -p .cache
+	@# The integration tests spend much of their time waiting on Ray, jobs and replicas; the unit tests (no
+	@# cluster) use that idle CPU instead of running before them. Their output follows the integration run's.
+	@$(PY) -m pytest tests/unit -p no:cacheprovider > .cache/unit-tests.log 2>&1 & unit=$$!; \
+	$(PY) -m pytest tests/integration; integration=$$?; \
+	wait $$unit; unit=$$?; \
+	echo "=== unit tests, run alongside (whole log: .cache/unit-tests.log) ==="; \
+	if [ $$unit -ne 0 ]; then cat .cache/unit-tests.log; else tail -n 35 .cache/unit-tests.log; fi; \
+	[ $$unit -eq 0 ] && [ $$integration -eq 0 ]
 
 unit: setup  ## fast tests only, no cluster
 	$(PY) -m pytest tests/unit
