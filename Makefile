@@ -9,7 +9,7 @@ SYSTEM_PACKAGES := libaio-dev
 # DeepSpeed builds its CPU ops (cpu_adam, shm comm, async I/O) once, here, and reuses them.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system-packages test unit integration demo clean help
+.PHONY: setup system-packages test test-all unit integration demo clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -44,6 +44,9 @@ test: setup  ## run the whole test suite: unit tests alongside the integration t
 	echo "=== unit tests, run alongside (whole log: .cache/unit-tests.log) ==="; \
 	if [ $$unit -ne 0 ]; then cat .cache/unit-tests.log; else tail -n 35 .cache/unit-tests.log; fi; \
 	[ $$unit -eq 0 ] && [ $$integration -eq 0 ]
+
+test-all: setup  ## the whole suite including the tests marked slow (what `make test` skips for CI's time limit)
+	PYLON_ALL_TESTS=1 $(MAKE) --no-print-directory test
 
 unit: setup  ## fast tests only, no cluster
 	$(PY) -m pytest tests/unit

@@ -20,6 +20,7 @@ def demo_deployment(ray_cluster):
     delete("stdlib-gpt")  # it holds route "/", which the serving tests use next
 
 
+@pytest.mark.slow  # the whole demo again (what `make demo` runs); `make test-all`
 def test_demo_prepares_trains_exports_and_serves(ray_cluster, pylon_home, demo_deployment):
     out = subprocess.run([str(Path(sys.executable).parent / "pylon"), "demo", "--steps", "12"],
                          capture_output=True, text=True, timeout=900)

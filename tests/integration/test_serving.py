@@ -330,6 +330,7 @@ def _get(url: str) -> str:
         return ""
 
 
+@pytest.mark.slow  # waits out Serve's scaling delays; `make test-all`
 def test_autoscaling_up_under_load_and_back_down(ray_cluster, tiny, served):
     from pylon.serving.app import delete, deploy
 
