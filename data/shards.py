@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import tarfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -260,7 +262,7 @@ def _decode_tar(data: bytes, seq_len: int) -> ShardRows:
             if ext == "json":
                 meta[key] = json.loads(payload)
             elif ext == "tokens.npy":
-                arrays[key] = np.load(io.BytesIO(payload), allow_pickle=False)
+                arrays[key] = read_npy(payload)
     if set(meta) != set(arrays):
         raise BadShardError("?", f"{len(set(meta) ^ set(arrays))} sample(s) lack their .json or .tokens.npy member")
     for key in sorted(meta):
@@ -270,6 +272,42 @@ def _decode_tar(data: bytes, seq_len: int) -> ShardRows:
     if not toks:
         return ShardRows(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros((0, seq_len), np.int32))
     return ShardRows(np.asarray(ids), np.asarray(lens), np.stack(toks))
+
+
+# The header of a 1-D .npy array as numpy writes it (format 1.0-3.0): read without `ast`.
+_NPY_HEADER = re.compile(
+    r"\{'descr': '([<>|][iuf][1248])', 'fortran_order': (False|True), 'shape': \((\d+),\), \}\s*"
+)
+_NP_LOAD_LOCK = threading.Lock()
+
+
+def read_npy(payload: bytes) -> np.ndarray:
+    """A 1-D array from .npy bytes.
+
+    numpy parses an .npy header with `ast.literal_eval`, and CPython 3.11 up to 3.11.7 can fail that with
+    "SystemError: AST constructor recursion depth mismatch" when threads parse at once (shards are verified
+    and decoded in parallel). The headers numpy writes for 1-D arrays are parsed here by a strict pattern;
+    anything else goes to `np.load` one thread at a time.
+    """
+    if payload[:6] == b"\x93NUMPY" and len(payload) >= 10:
+        major = payload[6]
+        size_bytes = 2 if major == 1 else 4
+        start = 8 + size_bytes
+        header_len = int.from_bytes(payload[8:start], "little")
+        try:
+            header = payload[start:start + header_len].decode("latin1" if major < 3 else "utf8")
+        except UnicodeDecodeError:
+            header = ""
+        m = _NPY_HEADER.fullmatch(header)
+        if m and m.group(2) == "False":
+            dtype = np.dtype(m.group(1))
+            count = int(m.group(3))
+            body = payload[start + header_len:]
+            if len(body) != count * dtype.itemsize:
+                raise ValueError(f".npy body is {len(body)} bytes, its header says {count} x {dtype}")
+            return np.frombuffer(body, dtype=dtype).copy()
+    with _NP_LOAD_LOCK:
+        return np.load(io.BytesIO(payload), allow_pickle=False)
 
 
 def verify_shard_bytes(info: ShardInfo, data: bytes) -> None:

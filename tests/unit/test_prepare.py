@@ -468,3 +468,48 @@ def test_exclude_drops_files_under_matching_path_components(tmp_path):
         (tmp_path / rel).write_text("x = 1\n")
     found = find_source_files([str(tmp_path)], include="*.py", exclude=["site-packages", "test_*"])
     assert [f.uri.rsplit(str(tmp_path), 1)[1] for f in found] == ["/a.py", "/pkg/b.py"]
+
+
+@pytest.mark.parametrize("dtype", ["<u2", "<i4", "<i8", ">i4", "<f4"])
+@pytest.mark.parametrize("n", [0, 1, 256, 100_000])
+def test_read_npy_matches_np_load_for_1d_arrays(dtype, n):
+    import io as _io
+
+    from pylon.data.shards import read_npy
+
+    arr = (np.arange(n) % 60_000).astype(dtype)
+    buf = _io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    got = read_npy(buf.getvalue())
+    assert got.dtype == arr.dtype and np.array_equal(got, arr)
+    got.setflags(write=True)  # a private copy, not a view of the shard's bytes
+
+
+def test_read_npy_falls_back_to_numpy_and_refuses_a_short_body():
+    import io as _io
+
+    from pylon.data.shards import read_npy
+
+    two_d = np.arange(12, dtype=np.int32).reshape(3, 4)
+    buf = _io.BytesIO()
+    np.save(buf, two_d, allow_pickle=False)
+    assert np.array_equal(read_npy(buf.getvalue()), two_d)
+    buf = _io.BytesIO()
+    np.save(buf, np.arange(10, dtype=np.int32), allow_pickle=False)
+    with pytest.raises(ValueError, match="header says 10"):
+        read_npy(buf.getvalue()[:-4])
+
+
+def test_webdataset_shards_decode_in_many_threads_at_once(corpus, tmp_path):
+    """`inspect --verify` decodes shards in threads; numpy's own .npy header parsing (ast) is not safe there
+    on CPython <= 3.11.7 ("AST constructor recursion depth mismatch", seen in CI)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = tmp_path / "wds"
+    prepare([str(corpus)], str(out), seq_len=64, shard_size_mb=0.05, fmt="webdataset", use_ray=False, progress=False)
+    manifest = read_manifest(str(out))
+    blobs = [(s, (out / s.file).read_bytes()) for s in manifest.shards] * 8
+    with ThreadPoolExecutor(8) as pool:
+        rows = list(pool.map(lambda sb: decode_shard("webdataset", sb[1], shard=sb[0].file, seq_len=64,
+                                                      dtype=manifest.dtype), blobs))
+    assert [len(r.ids) for r in rows] == [s.rows for s, _ in blobs]
