@@ -9,7 +9,7 @@ Each replica owns one `AsyncLLMEngine` (the model, its KV cache and its step loo
 
     POST /v1/completions   POST /v1/chat/completions   GET /v1/models   GET /health   GET /ready
 
-Admission: Serve routes up to `max_num_seqs + max_queued_requests` requests to a replica; the replica
+Admission: Serve routes up to `max_num_seqs + 2 * max_queued_requests` requests to a replica; the replica
 answers 429 with Retry-After once `max_queued_requests` are already waiting for the engine. Every error is
 OpenAI's JSON error object. API keys: the spec names an environment variable (read where `build_app` runs);
 the replica receives only their SHA-256 digests, so no key is in the Serve config, the dashboard or a log.
@@ -396,10 +396,13 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
         name=f"{spec.name}",
         autoscaling_config=autoscaling,
         # Serve hands a replica up to its running batch, its wait queue, and as many again that the replica
-        # itself turns away with a 429 and Retry-After (cheap: no engine work). Only past that does Serve's
-        # own queue in front of the replicas fill, bounded by the same number (Serve answers 503 there).
+        # itself turns away with a 429 and Retry-After (cheap: no engine work). Past that, requests wait in
+        # Serve's queue in front of the replicas for the replica's answer. That queue is kept well above a
+        # replica's own limit: when it is full, Serve's proxy answers 503 with a plain-text body, not the
+        # 429 with an OpenAI error JSON clients expect (seen when a burst arrived while the replica's 429s
+        # were still on their way back), so it is only the last guard against a flood.
         max_ongoing_requests=spec.engine.max_num_seqs + 2 * http.max_queued_requests,
-        max_queued_requests=http.max_queued_requests,
+        max_queued_requests=4 * (spec.engine.max_num_seqs + 2 * http.max_queued_requests),
         ray_actor_options={"num_cpus": spec.replica.num_cpus, "num_gpus": spec.replica.num_gpus},
         health_check_period_s=5, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,

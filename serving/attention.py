@@ -54,12 +54,14 @@ class AttentionGroup:
     num_blocks: int
     num_keys: int
     bias: torch.Tensor  # [B, Q, K]: 0 where the query may attend the key, -inf where not
+    context_lens: torch.Tensor  # [B]: keys of each sequence (int64)
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]: where each new token's key and value go in a head's flattened pool
     groups: list[AttentionGroup]
+    kernel: bool = False  # decode groups (one query each) go to the compiled kernel (pylon.serving.kernels)
 
 
 class Workspace:
@@ -82,8 +84,9 @@ class Workspace:
 
 
 def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
-    """What every layer's attention needs to know about this step, for `seqs` in their flat token order."""
+                   dtype: torch.dtype = torch.float32, *, kernel: bool = False) -> AttentionMetadata:
+    """What every layer's attention needs to know about this step, for `seqs` in their flat token order.
+    `kernel`: decodes are attended by the compiled paged kernel, in place, so they form one group."""
     # Plain Python ints, one tensor at the end: a step of 32 decodes would otherwise make ~100 tiny tensors.
     offsets, slots, offset = [], [], 0
     for seq in seqs:
@@ -97,12 +100,12 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     # DECODE_GROUPS groups of at least MIN_GROUP sequences, the padding shrinks to a fraction.
     decodes = sorted((i for i, s in enumerate(seqs) if s.num_new == 1), key=lambda i: seqs[i].start)
     chunks = [i for i, s in enumerate(seqs) if s.num_new > 1]
-    parts = min(DECODE_GROUPS, max(1, len(decodes) // MIN_GROUP))
+    parts = 1 if kernel else min(DECODE_GROUPS, max(1, len(decodes) // MIN_GROUP))
     bounds = [round(j * len(decodes) / parts) for j in range(parts + 1)]
     members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])] + [chunks]
     groups = [_group([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype)
               for m in members if m]
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(device), groups)
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(device), groups, kernel)
 
 
 def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
@@ -124,7 +127,7 @@ def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, devic
     table = torch.tensor([seq.block_table[:num_blocks] + [0] * (num_blocks - len(seq.block_table[:num_blocks]))
                           for seq in seqs], dtype=torch.long)
     return AttentionGroup(query_index.to(device), real.to(device), query_index.reshape(-1)[real].to(device),
-                          table.reshape(-1).to(device), num_blocks, K, bias.to(device))
+                          table.reshape(-1).to(device), num_blocks, K, bias.to(device), num_keys.to(device))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -141,6 +144,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     for g in meta.groups:
         B, Q = g.query_index.shape
+        if meta.kernel and Q == 1:
+            from pylon.serving.kernels import paged_decode
+
+            out[g.tokens] = paged_decode(q[g.tokens], k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens,
+                                         scale)
+            continue
         K, nb = g.num_keys, g.num_blocks
         shape = (num_kv_heads, B * nb, block_size, head_dim)
         keys = torch.index_select(k_cache, 1, g.key_blocks, out=workspace.get("k", shape, k_cache))

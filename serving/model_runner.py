@@ -82,6 +82,9 @@ class ModelRunner:
                                      device=self.device) for _ in range(config.num_hidden_layers)]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
+        from pylon.serving import kernels
+
+        self.kernel = kernels.usable(self.device, self.dtype)  # decodes attend in place (see kernels.py)
 
     @torch.no_grad()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
@@ -94,7 +97,7 @@ class ModelRunner:
             seqs.append(SequenceSlice(s.start, s.num_new_tokens, table))
             if s.samples:
                 last_tokens.append(len(token_ids) - 1)
-        meta = build_metadata(seqs, self.block_size, self.device, self.dtype)
+        meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel)
         ids = torch.tensor(token_ids, device=self.device)
         hidden = self._forward(ids, torch.tensor(positions, device=self.device), meta)
         if not last_tokens:

@@ -111,10 +111,17 @@ def test_finish_takes_a_waiting_request_out_too() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_paged_attention_equals_dense_causal_attention() -> None:
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: int) -> None:
+    if kernel:
+        from pylon.serving import kernels
+
+        # Fails rather than skips where the compiler is missing: `make setup` builds it on this machine.
+        assert kernels.load() is not None, f"paged-attention kernel did not build: {kernels._failed}"
     torch.manual_seed(0)
-    heads, kv_heads, dim, block_size = 4, 2, 8, 4
-    cached, new = [0, 5, 9, 13], [7, 1, 4, 1]  # a fresh prompt, two decodes, a chunk continuing a prompt
+    heads, dim, block_size = 4, 8, 4
+    cached, new = [0, 5, 9, 13, 2], [7, 1, 4, 1, 1]  # a fresh prompt, decodes, a chunk continuing a prompt
     total = [c + n for c, n in zip(cached, new)]
     q = [torch.randn(t, heads, dim) for t in total]
     k = [torch.randn(t, kv_heads, dim) for t in total]
@@ -132,10 +139,10 @@ def test_paged_attention_equals_dense_causal_attention() -> None:
         seqs = [SequenceSlice(s, n, table) for s, n, table in zip(starts, counts, tables) if n]
         live = [i for i, n in enumerate(counts) if n]
         cat = lambda xs: torch.cat([xs[i][starts[i]:starts[i] + counts[i]] for i in live])  # noqa: E731
-        meta = build_metadata(seqs, block_size, torch.device("cpu"))
+        meta = build_metadata(seqs, block_size, torch.device("cpu"), kernel=kernel)
         return paged_attention(cat(q), cat(k), cat(v), k_cache, v_cache, meta, dim ** -0.5), live
 
-    run_step([0] * 4, cached)  # what earlier steps cached
+    run_step([0] * len(cached), [c if c else 0 for c in cached])  # what earlier steps cached
     out, live = run_step(cached, new)
     offset = 0
     for i in live:
