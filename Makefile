@@ -8,6 +8,10 @@ STAMP := $(VENV)/.pylon-installed
 SYSTEM_PACKAGES := libaio-dev
 # DeepSpeed builds its CPU ops (cpu_adam, shm comm, async I/O) once, here, and reuses them.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+# The venv's tools first, for every process: torch builds those ops with whichever `ninja` is on PATH, and the
+# venv's (pip's ninja 1.13) and a system one (1.11) log commands differently, so each rebuilds from scratch
+# what the other built. Ray's processes already get the venv's bin first (pylon.cluster.up).
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup system-packages test test-all unit integration demo clean help
 
@@ -32,6 +36,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and on its own, so nothing resolves a CUDA build in its place.
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@# The serving engine's CPU paged-attention kernel, compiled once into TORCH_EXTENSIONS_DIR (else on first use).
+	$(PY) -m pylon.serving.kernels || echo "warning: the paged-attention kernel did not build; serving uses PyTorch"
 	@touch $@
 
 test: setup  ## run the whole test suite: unit tests alongside the integration tests (real cluster, S3 server)

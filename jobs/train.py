@@ -32,6 +32,7 @@ log = logging.getLogger("pylon.train")
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
 LOSS_PLOT = "loss.png"
+WORKERS_FILE = "workers.json"
 
 
 def run_uri_of(spec: TrainJobSpec) -> str:
@@ -83,7 +84,8 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
         train_loop,
         train_loop_config={"spec": spec.model_dump(mode="json"), "run_uri": run_uri},
         scaling_config=ScalingConfig(num_workers=spec.scaling.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=resources),
+                                     resources_per_worker=resources,
+                                     placement_strategy=spec.scaling.placement_strategy),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(
             name=spec.name,
@@ -105,6 +107,25 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
         export_run(run_uri, out)
         summary["export"] = out
     return summary
+
+
+def _record_placement(run_uri: str, rank: int, world: int) -> None:
+    """Where every worker of this attempt runs, in `<run>/workers.json` and the job log: which node (Ray node
+    id and host) and which process. A restarted attempt overwrites it with its own placement."""
+    import socket
+
+    import ray
+    import torch.distributed as dist
+
+    me = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
+          "pid": os.getpid()}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, me)
+    if rank == 0:
+        storage.atomic_write_json(storage.join(run_uri, WORKERS_FILE), {"workers": everyone, "at": time.time()})
+        nodes = sorted({w["node_id"] for w in everyone})
+        print(f"{world} worker(s) on {len(nodes)} node(s): "
+              + ", ".join(f"rank {w['rank']} on node {w['node_id']}" for w in everyone), flush=True)
 
 
 def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
@@ -153,6 +174,7 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(seed)
 
     deepspeed.init_distributed(dist_backend="nccl" if spec.scaling.use_gpu else "gloo")
+    _record_placement(run_uri, rank, world)
     stream = stream_from_spec(spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world)
     tok = stream.manifest.tokenizer
     model = build_model(spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)

@@ -11,6 +11,21 @@ from dataclasses import dataclass
 import pytest
 
 
+def _venv_tools_first() -> None:
+    """The venv's bin first on PATH for this process and what it starts: torch builds C++ ops with whichever
+    `ninja` it finds, and two different ninjas (pip's in the venv, a system one) rebuild each other's builds
+    from scratch (see the Makefile)."""
+    import os
+    import sys
+
+    bindir = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+_venv_tools_first()
+
+
 @dataclass(frozen=True)
 class S3Server:
     endpoint_url: str
@@ -81,7 +96,9 @@ def pytest_sessionstart(session) -> None:
                  "torch_extensions")
     if (cache / "async_io" / "async_io.so").exists():
         return
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache))
+    # The venv's ninja, as Ray's workers use it (see the Makefile: two ninjas rebuild each other's builds).
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     session.config._pylon_prebuild = subprocess.Popen(
         ["nice", "-n", "15", sys.executable, "-c", _PREBUILD], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -11,9 +11,12 @@ import sys
 import textwrap
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from pylon import __version__
 from pylon.errors import PylonError, SpecError
+
+EXAMPLES_DIR = Path(__file__).parent / "examples"
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -79,19 +82,30 @@ def _cmd_infra_render(args: argparse.Namespace) -> int:
 def _cmd_cluster_up(args: argparse.Namespace) -> int:
     from pylon import cluster
 
+    spec = None
+    if args.autoscale is not None:
+        from pylon.specs import ClusterSpec, load_spec
+
+        spec = load_spec(args.autoscale, ClusterSpec)
     running = cluster.read_state()
     if running is None or not running.is_running():
-        print("starting a local Ray head (token authentication on)...", file=sys.stderr)
+        print("starting a local Ray head (token authentication on)"
+              + (f", autoscaling {spec.summary()}" if spec else "") + "...", file=sys.stderr)
     info, started = cluster.up(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                                object_store_memory=_gib_to_bytes(args.object_store_gib),
-                               port=args.port, dashboard_port=args.dashboard_port)
-    print(("started" if started else "already running") + " local Ray cluster")
+                               port=args.port, dashboard_port=args.dashboard_port, autoscale=spec)
+    print(("started" if started else "already running") + " local Ray cluster"
+          + (" with autoscaling" if info.autoscaler_config else ""))
     print(f"  dashboard / Jobs API: {info.dashboard_url}")
     print(f"  GCS address:          {info.gcs_address}")
     print(f"  auth token file:      {info.token_path}")
     print("  submit jobs with:     "
           f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={info.token_path} "
           f"ray job submit --address {info.dashboard_url} -- python ...")
+    if info.autoscaler_config:
+        print(f"  autoscaler config:    {info.autoscaler_config}")
+        print(f"  autoscaler log:       {info.temp_dir}/session_latest/logs/monitor.log")
+        print("  watch nodes with:     pylon cluster status")
     print("  stop it with:         pylon cluster down")
     return 0
 
@@ -367,12 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Start a local Ray head (`ray start --head`) with token auth. Does nothing "
                                      "but print the addresses if one started by Pylon is already running.",
                          epilog="examples:\n  pylon cluster up\n  pylon cluster up --num-cpus 4 --object-store-gib 2\n"
+                                "  pylon cluster up --autoscale                  # worker nodes come and go with the work\n"
+                                "  pylon cluster up --autoscale my-cluster.yaml  # worker groups from a local Cluster spec\n"
                                 "  PYLON_HOME=/tmp/other pylon cluster up --dashboard-port 8266   # a second cluster")
     up.add_argument("--num-cpus", type=int, help="CPUs Ray may schedule (default: all)")
     up.add_argument("--num-gpus", type=int, help="GPUs Ray may schedule (default: detected)")
     up.add_argument("--object-store-gib", type=float, help="object store size in GiB (default: Ray's choice)")
     up.add_argument("--port", type=int, help="GCS port (default 6379, or a free one if taken)")
     up.add_argument("--dashboard-port", type=int, help="dashboard/Jobs API port (default 8265, or a free one)")
+    up.add_argument("--autoscale", nargs="?", metavar="CLUSTER_YAML", const=str(EXAMPLES_DIR / "cluster-local.yaml"),
+                    help="run Ray's autoscaler on the head: the worker groups of a local Cluster spec start as "
+                         "logical nodes (local processes) when work does not fit, and stop after the spec's "
+                         "idle_timeout_minutes (default spec: pylon/examples/cluster-local.yaml, head 1 CPU, "
+                         "0-2 nodes of 1 CPU)")
     up.set_defaults(func=_cmd_cluster_up)
     st = csub.add_parser("status", formatter_class=fmt, help="show nodes, resources and running jobs",
                          description="Show the cluster's nodes, resources and running jobs.",
@@ -599,6 +620,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # The venv's tools first for whatever this command starts (torch builds C++ ops with the `ninja` on PATH,
+    # and the venv's and a system one rebuild each other's builds; Ray's processes get the same order).
+    bindir = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

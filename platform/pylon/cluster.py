@@ -27,6 +27,7 @@ import psutil
 
 from pylon import storage
 from pylon.errors import ClusterError
+from pylon.specs import ClusterSpec
 
 STATE_FILE = "cluster.json"
 TOKEN_FILE = "auth_token"
@@ -52,6 +53,7 @@ class LocalCluster:
     home: str
     serve_port: int = 8000  # where Ray Serve's HTTP proxy listens once something is deployed
     metrics_port: int = 0  # Ray's Prometheus endpoint on the head (Serve and Pylon metrics)
+    autoscaler_config: str = ""  # with `up --autoscale`: the autoscaling config the head runs with
 
     @property
     def jobs_api(self) -> str:
@@ -131,14 +133,29 @@ def up(
     dashboard_port: int | None = None,
     timeout_s: float = 120.0,
     home: Path | None = None,
+    autoscale: ClusterSpec | None = None,
 ) -> tuple[LocalCluster, bool]:
-    """Start a local Ray head; returns (cluster, started). An already running one is returned as is."""
+    """Start a local Ray head; returns (cluster, started). An already running one is returned as is.
+
+    `autoscale`: a local `Cluster` spec whose worker groups Ray's autoscaler launches (and stops once idle)
+    as logical nodes on this machine; the head's CPUs and GPUs default to the spec's `head`.
+    """
     home = home or pylon_home()
     existing = read_state(home)
     if existing is not None:
         if existing.is_running():
+            if autoscale is not None and not existing.autoscaler_config:
+                raise ClusterError(f"a local cluster without autoscaling is already running at "
+                                   f"{existing.dashboard_url}; stop it with `pylon cluster down` first")
             return existing, False
         _cleanup(existing)  # a stale record from a crash or reboot
+    if autoscale is not None:
+        if autoscale.provider.type != "local":
+            raise ClusterError(f"Cluster '{autoscale.name}': provider.type is '{autoscale.provider.type}'; "
+                               "`pylon cluster up --autoscale` runs local clusters only (render the others with "
+                               "`pylon infra render`)")
+        num_cpus = autoscale.head.cpus if num_cpus is None else num_cpus
+        num_gpus = autoscale.head.gpus if num_gpus is None else num_gpus
 
     home.mkdir(parents=True, exist_ok=True)
     token_path = ensure_token(home)
@@ -169,6 +186,13 @@ def up(
         cmd.append(f"--object-store-memory={object_store_memory}")
 
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
+    autoscaler_path = ""
+    if autoscale is not None:
+        autoscaler_path = str(_write_autoscaler_config(home, autoscale, temp_dir))
+        cmd.append(f"--autoscaling-config={autoscaler_path}")
+        # Ray's fake multi-node provider refuses to run without this; it also gives the head a fixed node id.
+        env["RAY_FAKE_CLUSTER"] = "1"
+        env.setdefault("AUTOSCALER_UPDATE_INTERVAL_S", "2")
     env.pop("RAY_AUTH_TOKEN", None)  # the file is the one source of the token
     env.pop("RAY_ADDRESS", None)
     # Jobs run `python ...` in a shell on the head: make that the interpreter Pylon is installed in.
@@ -184,6 +208,7 @@ def up(
         metrics_port=metrics_port,
         started_at=time.time(),
         home=str(home),
+        autoscaler_config=autoscaler_path,
     )
     log_path = home / "ray-start.log"
     try:
@@ -208,6 +233,22 @@ def up(
         down(home=home)
         raise
     return cluster, True
+
+
+def _write_autoscaler_config(home: Path, spec: ClusterSpec, temp_dir: Path) -> Path:
+    """`$PYLON_HOME/autoscaler.yaml`, checked against Ray's schema before Ray sees it."""
+    import yaml
+
+    from pylon.infra import local_autoscaler_config, validate_manifest
+
+    config = local_autoscaler_config(spec, temp_dir=temp_dir)
+    problems = validate_manifest(config)
+    if problems:
+        raise ClusterError(f"Cluster '{spec.name}': the autoscaling config does not pass Ray's schema: "
+                           + "; ".join(problems))
+    path = home / "autoscaler.yaml"
+    storage.atomic_write_text(str(path), yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 def down(*, home: Path | None = None, timeout_s: float = 30.0) -> LocalCluster | None:

@@ -183,6 +183,9 @@ class ScalingSpec(_Spec):
     num_workers: PositiveInt = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how workers are placed on nodes (a Ray placement group strategy): PACK fills "
+                            "few nodes, STRICT_SPREAD puts every worker on its own node")
 
 
 class AioSpec(_Spec):

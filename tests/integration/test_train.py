@@ -1,6 +1,7 @@
 """Training end to end on the session's Ray cluster: `ray job submit`-style jobs running DeepSpeed on 2
-workers, checkpoints on the S3 server with retention, export loaded by `transformers`, resume after a
-worker is killed mid-run (resuming on re-submission: tests/integration/test_ray_job_submit.py)."""
+workers, resume after a worker is killed mid-run (resuming on re-submission:
+tests/integration/test_ray_job_submit.py; checkpoints on the S3 server with retention and an export loaded by
+`transformers`, with the two workers on two nodes: tests/integration/test_multinode.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ import sysconfig
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import yaml
@@ -74,36 +74,6 @@ def _committed_steps(run_uri: str) -> list[int]:
     from pylon.jobs.checkpoint import list_committed
 
     return [c.step for c in list_committed(run_uri)]
-
-
-def test_ray_job_trains_checkpoints_to_s3_and_exports(ray_cluster, corpus, s3_root, tmp_path):
-    spec = _write_spec(tmp_path / "train.yaml", corpus, f"{s3_root}/runs", name="tiny-s3", steps=16, every=4)
-    logs = _wait(_submit(spec))
-    run_uri = f"{s3_root}/runs/tiny-s3"
-    records = _metrics(run_uri)
-    assert [r["step"] for r in records] == list(range(1, 17))
-    for key in ("loss", "lr", "tokens_per_s", "mfu", "step_time_s", "data_wait_fraction", "peak_memory_bytes"):
-        assert all(np.isfinite(r[key]) for r in records), key
-    assert np.mean([r["loss"] for r in records[-4:]]) < records[0]["loss"] - 0.5, "it did not learn"
-    assert 0 < records[-1]["mfu"] < 1
-    assert storage.read_bytes(f"{run_uri}/loss.png")[:8] == b"\x89PNG\r\n\x1a\n"
-    assert _committed_steps(run_uri) == [12, 16]  # keep_last 2 of 4, 8, 12, 16
-
-    # The export loads with transformers and reproduces the trained engine's logits.
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    local = tmp_path / "export"
-    for name in storage.listdir(f"{run_uri}/export"):
-        (local / name).parent.mkdir(parents=True, exist_ok=True)
-        (local / name).write_bytes(storage.read_bytes(f"{run_uri}/export/{name}"))
-    assert {"config.json", "model.safetensors", "pylon_tokenizer.json"} <= set(os.listdir(local))
-    model = AutoModelForCausalLM.from_pretrained(local).eval()
-    ref = storage.read_json(f"{run_uri}/reference_logits.json")
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ref["input_ids"]])).logits[0, :, :16]
-    assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (logits - torch.tensor(ref["logits"])).abs().max()
-    assert "Traceback" not in logs
 
 
 def _train_workers() -> list[psutil.Process]:

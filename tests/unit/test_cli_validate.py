@@ -73,10 +73,10 @@ def test_bundled_examples_validate_with_the_installed_console_script(tmp_path: P
     result = run(["validate", *sorted(str(p) for p in EXAMPLES.glob("*.yaml"))], tmp_path, script=True)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 8 and all(line.startswith("ok  ") for line in lines)
-    # cluster-aws, cluster-gcp, cluster-k8s (with the TrainJob and Deployment it runs), stdlib-gpt
+    assert len(lines) == 9 and all(line.startswith("ok  ") for line in lines)
+    # cluster-aws, cluster-gcp, cluster-k8s (with the TrainJob and Deployment it runs), cluster-local, stdlib-gpt
     assert [line.split(": ")[2].split(" '")[0] for line in lines] == [
-        "Cluster", "Cluster", "Cluster", "TrainJob", "Deployment", "Dataset", "TrainJob", "Deployment"]
+        "Cluster", "Cluster", "Cluster", "TrainJob", "Deployment", "Cluster", "Dataset", "TrainJob", "Deployment"]
 
 
 def test_broken_file_exits_1_with_every_error_on_stderr(specs: Path) -> None:

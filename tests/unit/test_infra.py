@@ -3,6 +3,7 @@ schemas Ray and KubeRay publish, and the committed examples under infra/ equal t
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -291,3 +292,52 @@ def test_kuberay_jobs_and_services_need_object_storage() -> None:
         infra.render(cluster, "kuberay", jobs=[docs[1].spec], deployments=[docs[2].spec])
     assert [p.split(": must")[0] for p in e.value.problems] == [
         "TrainJob 'stdlib-gpt': data.uri", "TrainJob 'stdlib-gpt': checkpoint.storage", "Deployment 'stdlib-gpt': model"]
+
+
+def test_local_autoscaler_config_passes_ray_schema_and_follows_the_spec(ray_schema: dict) -> None:
+    spec = load_spec(EXAMPLES / "cluster-local.yaml", ClusterSpec)
+    config = infra.local_autoscaler_config(spec, temp_dir="/tmp/pylon-x")
+    jsonschema.validate(config, ray_schema)
+    provider = config["provider"]
+    # Ray's fake multi-node provider through the `external` hook: its own default config is not in the wheel.
+    assert provider["type"] == "external" and provider["module"] == "pylon.autoscale.LocalNodeProvider"
+    assert provider["temp_dir"] == "/tmp/pylon-x" and provider["disable_node_updaters"] is True
+    types = config["available_node_types"]
+    assert types[config["head_node_type"]]["max_workers"] == 0
+    assert types["cpu"]["resources"]["CPU"] == 1 and (types["cpu"]["min_workers"], types["cpu"]["max_workers"]) == (0, 2)
+    assert types["cpu"]["resources"]["object_store_memory"] == infra.LOCAL_OBJECT_STORE_BYTES
+    assert config["idle_timeout_minutes"] == spec.idle_timeout_minutes
+
+    bigger = spec.model_copy(update={"idle_timeout_minutes": 3, "worker_groups": [
+        spec.worker_groups[0].model_copy(update={"cpus": 2, "gpus": 1, "gpu_type": "L4", "memory_gb": 8,
+                                                 "min_workers": 1, "max_workers": 3})]})
+    changed = infra.local_autoscaler_config(bigger, temp_dir="/tmp/pylon-x")
+    jsonschema.validate(changed, ray_schema)
+    res = changed["available_node_types"]["cpu"]["resources"]
+    assert res == {"CPU": 2, "GPU": 1, "accelerator_type:L4": 1, "object_store_memory": int(8 * 0.3 * 2**30)}
+    assert changed["max_workers"] == 3 and changed["idle_timeout_minutes"] == 3
+    assert changed["available_node_types"]["cpu"]["min_workers"] == 1
+
+
+def test_the_provider_class_the_config_names_is_importable() -> None:
+    from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+
+    from pylon.autoscale import LocalNodeProvider
+
+    assert issubclass(LocalNodeProvider, FakeMultiNodeProvider)
+    module, _, name = infra.LOCAL_PROVIDER.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is LocalNodeProvider
+
+
+def test_cluster_up_autoscale_refuses_a_cloud_spec_before_starting_anything(tmp_path: Path) -> None:
+    from pylon import cluster
+    from pylon.errors import ClusterError
+
+    spec = load_spec(EXAMPLES / "cluster-aws.yaml", ClusterSpec)
+    with pytest.raises(ClusterError, match="provider.type is 'aws'.*pylon infra render"):
+        cluster.up(home=tmp_path, autoscale=spec)
+    assert not (tmp_path / "cluster.json").exists()
+
+
+def test_pylon_validate_checks_a_local_cluster(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["validate", str(EXAMPLES / "cluster-local.yaml")]) == 0

@@ -302,8 +302,10 @@ def test_wrong_types_and_out_of_range_values(text: str, expected: str) -> None:
         (DEPLOY + "engine: {device: tpu}\n", "engine.device: must be one of auto, cpu, cuda (got 'tpu')"),
         (CLUSTER + "provider: {type: azure}\n",
          "provider.type: must be one of local, aws, gcp, kubernetes (got 'azure')"),
+        (TRAIN + "scaling: {placement_strategy: spread}\n",
+         "scaling.placement_strategy: must be one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD (got 'spread')"),
     ],
-    ids=["zero_stage", "precision", "format", "offload", "schedule", "preset", "device", "provider"],
+    ids=["zero_stage", "precision", "format", "offload", "schedule", "preset", "device", "provider", "placement"],
 )
 def test_literal_errors_list_allowed_values(text: str, expected: str) -> None:
     assert one_problem(text).split(": ", 2)[2] == expected

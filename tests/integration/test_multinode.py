@@ -1,0 +1,204 @@
+"""More than one node on one machine, each test with its own cluster (its own PYLON_HOME):
+
+- two raylets, the second joined with `ray start --address` as on a real cluster: a 2-worker training job puts
+  one worker on each node, and its checkpoints go through the S3 server, the only storage both share;
+- `pylon cluster up --autoscale`: Ray's autoscaler starts logical worker nodes when a training job asks for
+  more than the head holds, the job runs across them, and the nodes go away after the idle timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import pylon
+from pylon import cluster, storage
+
+pytestmark = pytest.mark.integration
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+FAKE_HEAD_NODE_ID = "f" * 51 + "00000"  # the head's node id when Ray's fake multi-node provider runs
+
+
+@pytest.fixture(scope="module")
+def s3_corpus(s3_server, tmp_path_factory) -> str:
+    """A small prepared dataset on the S3 server (no node has a private copy)."""
+    from pylon.data.prepare import prepare
+
+    src = tmp_path_factory.mktemp("multinode-src")
+    for name in ("argparse.py", "textwrap.py", "shlex.py", "fnmatch.py"):
+        (src / name).write_bytes((STDLIB / name).read_bytes())
+    out = f"s3://{s3_server.bucket}/multinode-corpus-{os.getpid()}"
+    prepare([str(src)], out, seq_len=64, use_ray=False, progress=False)
+    return out
+
+
+@pytest.fixture
+def own_home(pylon_home, tmp_path, monkeypatch) -> Path:
+    """A PYLON_HOME of this test's own, whatever the session's cluster is doing; its cluster is stopped after."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("PYLON_HOME", str(home))
+    yield home
+    cluster.down(home=home)
+
+
+def _train_spec(path: Path, corpus: str, runs: str, *, name: str, steps: int, every: int, **scaling) -> Path:
+    spec = {
+        "kind": "TrainJob", "name": name,
+        "model": {"preset": "gpt-tiny"},
+        "data": {"uri": corpus, "seq_len": 64, "shuffle_seed": 1, "shuffle_buffer": 64},
+        "scaling": {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1}, **scaling},
+        "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"},
+        "precision": "fp32",
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine"},
+        "batch": {"micro_batch_size": 4, "grad_accum_steps": 1},
+        "steps": steps,
+        "checkpoint": {"storage": runs, "every_steps": every, "keep_last": 2},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _alive_nodes(client) -> list:
+    return [n for n in client.nodes() if n.state == "ALIVE"]
+
+
+def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_raylets_one_worker_each_train_checkpoint_to_s3_and_export(own_home, s3_corpus, s3_root, tmp_path):
+    """Also the end-to-end check of a training job on S3: metrics, learning, retention, loss plot, and an
+    export that transformers loads and that reproduces the trained model's logits."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pylon.jobs.checkpoint import list_committed
+
+    # Two CPUs a node: one for the training worker, one for the Ray Data tasks that read its shards.
+    info, started = cluster.up(num_cpus=2, object_store_memory=256 * 2**20, home=own_home)
+    assert started
+    second = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", f"--address={info.gcs_address}", "--num-cpus=2",
+         f"--object-store-memory={256 * 2**20}", f"--dashboard-agent-listen-port={_free_port()}",
+         f"--metrics-export-port={_free_port()}", "--disable-usage-stats", "--block"],
+        env={**os.environ, **info.auth_env()}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = pylon.connect()
+        nodes = _wait_for(lambda: (lambda n: n if len(n) == 2 else None)(_alive_nodes(client)), 90,
+                          "the second raylet to join")
+        assert sum(n.is_head for n in nodes) == 1
+
+        _train_spec(tmp_path / "train.yaml", s3_corpus, f"{s3_root}/runs", name="two-nodes", steps=16, every=4,
+                    placement_strategy="STRICT_SPREAD")
+        job = client.submit_job(f"cd {tmp_path} && python -m pylon.jobs.train --config train.yaml")
+        status = client.wait_job(job, timeout_s=480)
+        logs = client.job_logs(job)
+        assert status == "SUCCEEDED", logs[-6000:]
+        assert "Traceback" not in logs
+
+        run = f"{s3_root}/runs/two-nodes"
+        workers = storage.read_json(storage.join(run, "workers.json"))["workers"]
+        assert sorted(w["rank"] for w in workers) == [0, 1]
+        used = {w["node_id"] for w in workers}
+        assert used == {n.node_id for n in nodes}, (used, nodes)  # one worker on each node
+        assert "2 worker(s) on 2 node(s)" in logs
+    finally:
+        second.terminate()
+        try:
+            second.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            second.kill()
+
+    records = [json.loads(line) for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 17))
+    for key in ("loss", "lr", "tokens_per_s", "mfu", "step_time_s", "data_wait_fraction", "peak_memory_bytes"):
+        assert all(np.isfinite(r[key]) for r in records), key
+    assert np.mean([r["loss"] for r in records[-4:]]) < records[0]["loss"] - 0.5, "it did not learn"
+    assert 0 < records[-1]["mfu"] < 1
+    assert storage.read_bytes(f"{run}/loss.png")[:8] == b"\x89PNG\r\n\x1a\n"
+
+    committed = list_committed(run)
+    assert [c.step for c in committed] == [12, 16]  # keep_last 2 of 4, 8, 12, 16
+    # Each rank uploaded its own part of the checkpoint (ZeRO-2 partitions the optimizer state) from its own
+    # node to S3, and every file it lists is there with the size it recorded.
+    step_uri = committed[-1].uri
+    assert step_uri.startswith("s3://") and {"rank-0.json", "rank-1.json"} <= set(storage.listdir(step_uri))
+    for rank in (0, 1):
+        listed = storage.read_json(storage.join(step_uri, f"rank-{rank}.json"))["files"]
+        assert any(f"zero_pp_rank_{rank}_" in name for name in listed), listed
+        for name, entry in listed.items():
+            assert len(storage.read_bytes(storage.join(step_uri, name))) == entry["bytes"]
+
+    # The export loads with transformers and reproduces the trained engine's logits.
+    local = tmp_path / "export"
+    for name in storage.listdir(f"{run}/export"):
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(storage.read_bytes(f"{run}/export/{name}"))
+    assert {"config.json", "model.safetensors", "pylon_tokenizer.json"} <= set(os.listdir(local))
+    model = AutoModelForCausalLM.from_pretrained(local).eval()
+    ref = storage.read_json(f"{run}/reference_logits.json")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ref["input_ids"]])).logits[0, :, :16]
+    assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (logits - torch.tensor(ref["logits"])).abs().max()
+
+
+def test_autoscaling_starts_nodes_for_a_job_and_stops_them_when_idle(own_home, s3_corpus, s3_root, tmp_path):
+    spec_file = tmp_path / "cluster.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "kind": "Cluster", "name": "autoscale-test", "provider": {"type": "local"},
+        "head": {"cpus": 1},
+        "worker_groups": [{"name": "cpu", "cpus": 1, "memory_gb": 1, "min_workers": 0, "max_workers": 2}],
+        "idle_timeout_minutes": 0.2,
+    }))
+    env = {**os.environ, "PYLON_HOME": str(own_home)}
+    up = subprocess.run([sys.executable, "-m", "pylon.cli", "cluster", "up", "--autoscale", str(spec_file),
+                         "--object-store-gib", "0.25"], env=env, capture_output=True, text=True, timeout=180)
+    assert up.returncode == 0, up.stderr + up.stdout
+    assert "with autoscaling" in up.stdout and "autoscaler config:" in up.stdout
+    config = yaml.safe_load((own_home / "autoscaler.yaml").read_text())
+    assert config["available_node_types"]["cpu"]["max_workers"] == 2
+    assert config["idle_timeout_minutes"] == 0.2
+
+    client = pylon.connect()
+    assert [n.node_id for n in _alive_nodes(client)] == [FAKE_HEAD_NODE_ID]  # min_workers 0: the head alone
+
+    spec = _train_spec(tmp_path / "train.yaml", s3_corpus, f"{s3_root}/runs", name="autoscaled", steps=4, every=2)
+    job = client.submit_job(f"cd {tmp_path} && python -m pylon.jobs.train --config train.yaml")
+    most = 1
+    deadline = time.monotonic() + 480
+    while (status := client.job_status(job)) in ("PENDING", "RUNNING") and time.monotonic() < deadline:
+        most = max(most, len(_alive_nodes(client)))
+        time.sleep(1)
+    logs = client.job_logs(job)
+    assert status == "SUCCEEDED", logs[-6000:]
+    assert most >= 2, "no worker node was started for a job that does not fit on the head"
+
+    workers = storage.read_json(storage.join(f"{s3_root}/runs/autoscaled", "workers.json"))["workers"]
+    assert any(w["node_id"] != FAKE_HEAD_NODE_ID for w in workers), workers  # ran on a new node
+
+    # Idle for 0.2 min (12 s), the new nodes are stopped again; the head stays.
+    _wait_for(lambda: [n.node_id for n in _alive_nodes(client)] == [FAKE_HEAD_NODE_ID], 150,
+              "the idle worker nodes to be stopped")
+    assert spec.exists()
