@@ -36,8 +36,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and on its own, so nothing resolves a CUDA build in its place.
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	@# The serving engine's CPU paged-attention kernel, compiled once into TORCH_EXTENSIONS_DIR (else on first use).
-	$(PY) -m pylon.serving.kernels || echo "warning: the paged-attention kernel did not build; serving uses PyTorch"
+	@# DeepSpeed's CPU ops and the serving kernel, compiled once into TORCH_EXTENSIONS_DIR, side by side; else the
+	@# first training job or replica compiles them (minutes here) and every other process waits on the lock.
+	$(PY) -m pylon.ops || echo "warning: some ops did not build now; they are built on first use"
 	@touch $@
 
 test: setup  ## run the whole test suite: unit tests alongside the integration tests (real cluster, S3 server)

@@ -1,0 +1,87 @@
+"""Build, ahead of time, the C++ ops that training and serving compile on first use.
+
+DeepSpeed compiles its CPU ops (the host Adam of optimizer offload, the fused Adam of CPU training, the shared-
+memory collectives) and Pylon its paged-attention kernel just in time, into `$TORCH_EXTENSIONS_DIR`, the first
+time a process needs them: minutes on a small machine, stalling the first training job or replica (and every
+process that waits on the build's lock). `make setup` runs this once instead, building them side by side:
+
+    python -m pylon.ops            # cpu_adam, fused_adam, deepspeed_shm_comm, pylon_paged_attention
+    python -m pylon.ops --nvme     # and async_io (NVMe offload; needs libaio, several minutes)
+
+Builds are reused by every later process of this environment; a failed build is reported and left to the
+just-in-time path (which reports it again where it matters).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+# op name -> the DeepSpeed CPU accelerator's builder class that makes it
+DEEPSPEED_OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder",
+                 "deepspeed_shm_comm": "ShareMemCommBuilder"}
+NVME_OPS = {"async_io": "AsyncIOBuilder"}
+
+_BUILD_DEEPSPEED = """
+import sys
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder(sys.argv[1])
+if builder is None or not builder.is_compatible(verbose=False):
+    sys.exit(3)
+builder.load(verbose=False)
+"""
+
+
+def _command(name: str, builder: str | None) -> list[str]:
+    if builder is None:
+        return [sys.executable, "-m", "pylon.serving.kernels"]
+    if name == "async_io":  # what DeepSpeed's swappers load (deepspeed.ops.op_builder, not the accelerator's)
+        code = ("from deepspeed.ops.op_builder import AsyncIOBuilder as B\nimport sys\nb = B()\n"
+                "sys.exit(3) if not b.is_compatible(verbose=False) else b.load(verbose=False)")
+        return [sys.executable, "-c", code]
+    return [sys.executable, "-c", _BUILD_DEEPSPEED, builder]
+
+
+def build(nvme: bool = False) -> dict[str, str]:
+    """Build every op in parallel; returns {op: 'ok (Ns)' | 'skipped: ...' | 'failed: ...'}."""
+    ops: dict[str, str | None] = {**DEEPSPEED_OPS, **(NVME_OPS if nvme else {}), "pylon_paged_attention": None}
+    # The venv's ninja, as every other Pylon process uses (two ninjas rebuild each other's builds).
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    started = time.perf_counter()
+    procs = {name: subprocess.Popen(_command(name, builder), env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+             for name, builder in ops.items()}
+    results = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate()
+        took = time.perf_counter() - started
+        if proc.returncode == 0:
+            results[name] = f"ok ({took:.0f}s)"
+        elif proc.returncode == 3:
+            results[name] = "skipped: not compatible with this machine"
+        else:
+            last = (out or "").strip().splitlines()[-1:] or ["no output"]
+            results[name] = f"failed (exit {proc.returncode}): {last[0][:200]}"
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pylon.ops", description=__doc__.split("\n\n")[0],
+        epilog="examples:\n  python -m pylon.ops\n  TORCH_EXTENSIONS_DIR=/shared/ops python -m pylon.ops --nvme",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nvme", action="store_true", help="also build async_io (NVMe offload)")
+    args = parser.parse_args(argv)
+    print(f"building C++ ops into {os.environ.get('TORCH_EXTENSIONS_DIR') or '~/.cache/torch_extensions'} ...",
+          flush=True)
+    results = build(nvme=args.nvme)
+    for name, outcome in results.items():
+        print(f"  {name:<24} {outcome}")
+    return 0 if not any(r.startswith("failed") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
