@@ -108,7 +108,7 @@ def test_stdlib_example_loads_three_documents_with_values_and_defaults() -> None
     assert (dsp.zero_stage, dsp.offload_optimizer, dsp.offload_param) == (2, "cpu", "none")
     assert train.deepspeed.nvme_path is None
     assert (train.deepspeed.aio.block_size, train.deepspeed.aio.queue_depth) == (1048576, 8)
-    assert train.precision == "bf16"
+    assert train.precision == "fp32"
     assert (train.optim.lr, train.optim.warmup_steps, train.optim.schedule) == (1.0e-3, 20, "cosine")
     assert (train.optim.betas, train.optim.eps, train.optim.min_lr_ratio) == ((0.9, 0.95), 1.0e-8, 0.1)
     assert train.steps == 300
