@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -348,7 +349,9 @@ def prepare(sources: list[str], out: str, *, fmt: str = "parquet", seq_len: int 
             raise DataError(f"tokenizer {tokenizer}: its files changed during the run (different contents were "
                             "read by different tasks); run again")
         manifest = ShardManifest(
-            format=fmt, seq_len=seq_len, dtype=dtype, tokenizer=tok.info, shards=outcome.shards,
+            format=fmt, seq_len=seq_len, dtype=dtype, shards=outcome.shards,
+            tokenizer=tok.info if tokenizer == "byte" else tok.info.model_copy(
+                update={"uri": _without_credentials(_absolute(tokenizer))}),
             totals=Totals(documents=outcome.documents, rows=sum(s.rows for s in outcome.shards),
                           tokens=sum(s.tokens for s in outcome.shards), bytes=sum(s.bytes for s in outcome.shards),
                           skipped_files=len(outcome.skipped)),
@@ -419,6 +422,11 @@ def _check_out(out: str, sources: list[str], overwrite: bool) -> bool:
 
 def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _absolute(uri: str) -> str:
+    """A local path made absolute (a job elsewhere must find it again); URIs as they are."""
+    return uri if "://" in uri else os.path.abspath(os.path.expanduser(uri))
 
 
 def _without_credentials(uri: str) -> str:

@@ -69,6 +69,8 @@ class TokenizerInfo(_Model):
     eos_id: int = Field(ge=0)
     pad_id: int = Field(ge=0)
     sha256: str | None = Field(None, description="of the tokenizer's files; None for the built-in byte tokenizer")
+    uri: str | None = Field(None, description="where the tokenizer's files were read (credentials removed); "
+                                              "`pylon export` copies them into the model from here")
 
 
 class ShardInfo(_Model):

@@ -152,10 +152,10 @@ _LOADED: dict[tuple[str, str, bool], Tokenizer] = {}
 
 def _load_from_files(uri: str) -> Tokenizer:
     where = f"tokenizer {uri}"
-    is_directory, files = _tokenizer_files(uri, where)
+    is_directory, files = tokenizer_files(uri, where)
     name = posixpath.basename(uri.rstrip("/")) or uri
     # Keyed by content, not path: a tokenizer rewritten in place must never be served stale.
-    key = (_files_sha256(files), name, is_directory)
+    key = (files_sha256(files), name, is_directory)
     if key not in _LOADED:
         _LOADED[key] = _parse(is_directory, name, files, key[0], where)
     return _LOADED[key]
@@ -177,7 +177,7 @@ def _parse(is_directory: bool, name: str, files: list[tuple[str, bytes]], sha256
         shutil.rmtree(tmp, ignore_errors=True)  # both libraries hold everything in memory once loaded
 
 
-def _tokenizer_files(uri: str, where: str) -> tuple[bool, list[tuple[str, bytes]]]:
+def tokenizer_files(uri: str, where: str) -> tuple[bool, list[tuple[str, bytes]]]:
     """(is a directory, [(name relative to the directory, bytes)] sorted by name). A single file is
     returned under the name "tokenizer.json"."""
     try:
@@ -203,7 +203,7 @@ def _tokenizer_files(uri: str, where: str) -> tuple[bool, list[tuple[str, bytes]
         raise DataError(f"{where}: cannot be read ({type(e).__name__}: {e})") from None
 
 
-def _files_sha256(files: list[tuple[str, bytes]]) -> str:
+def files_sha256(files: list[tuple[str, bytes]]) -> str:
     """Identity of a tokenizer's files: names (relative, sorted) and bytes. A single file is hashed under the
     fixed name "tokenizer.json", so the same file copied under another name is still the same tokenizer."""
     h = hashlib.sha256()

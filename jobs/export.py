@@ -66,6 +66,7 @@ def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | N
             model.config.use_cache = True  # training may have turned it off for gradient checkpointing
             model.save_pretrained(local_out, safe_serialization=True)
         Path(local_out, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
+        _write_tokenizer_files(tokenizer, local_out, getattr(model.config, "max_position_embeddings", None))
         Path(local_out, "pylon_export.json").write_text(json.dumps(
             {"run": run_uri, "step": info.step, "name": spec.name, "lora_merged": bool(spec.lora and merge)},
             indent=2) + "\n")
@@ -73,6 +74,42 @@ def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | N
             if path.is_file():
                 storage.atomic_write(storage.join(out, str(path.relative_to(local_out))), path.read_bytes())
     return out
+
+
+def _write_tokenizer_files(tokenizer: dict, local_out: str, max_length: int | None) -> None:
+    """The tokenizer's own files next to the model, as Hugging Face tokenizer files, so the export loads with
+    `AutoTokenizer.from_pretrained` and serves without the dataset. The built-in byte tokenizer has none
+    (`pylon_tokenizer.json` names it). The files are checked against the fingerprint the dataset recorded:
+    a tokenizer changed since would map the model's ids to different text."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    from pylon.data.tokenizer import files_sha256, tokenizer_files
+
+    if tokenizer.get("kind") == "byte":
+        return
+    uri = tokenizer.get("uri")
+    if not uri:
+        raise PylonError(f"the run was trained with the {tokenizer.get('kind')} tokenizer '{tokenizer.get('name')}', "
+                         "but its dataset does not record where its files are (prepared before Pylon recorded "
+                         "it); prepare the dataset again, or copy the tokenizer files into the export yourself")
+    is_directory, files = tokenizer_files(uri, f"tokenizer {uri}")
+    if files_sha256(files) != tokenizer.get("sha256"):
+        raise PylonError(f"tokenizer {uri}: its files changed after the dataset was prepared (sha256 differs from "
+                         "the one the dataset recorded); the model's token ids would decode to different text. "
+                         "Restore the tokenizer the data was prepared with")
+    for rel, data in files:
+        target = Path(local_out, rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    if is_directory:
+        return
+    rust = RustTokenizer.from_str(files[0][1].decode("utf-8"))
+    eos, pad = rust.id_to_token(tokenizer["eos_id"]), rust.id_to_token(tokenizer["pad_id"])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos, "pad_token": pad,
+              "clean_up_tokenization_spaces": False}  # cleaning would glue " ." and " ," in code
+    if max_length:
+        config["model_max_length"] = int(max_length)
+    Path(local_out, "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _consolidated_state_dict(ckpt_dir: str, zero_stage: int) -> dict:

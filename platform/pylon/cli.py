@@ -162,6 +162,21 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_tokenizer(args: argparse.Namespace) -> int:
+    from pylon.data.bpe import train_bpe
+
+    _show_data_logs()
+    tok = train_bpe(args.sources, args.out, vocab_size=args.vocab_size, include=args.include, exclude=args.exclude,
+                    text_field=args.text_field, min_frequency=args.min_frequency, max_mb=args.max_mb,
+                    overwrite=args.overwrite)
+    if args.json:
+        print(json.dumps({"tokenizer": args.out, **tok.info.model_dump(mode="json")}, indent=2))
+        return 0
+    print(f"tokenizer: {args.out} ({tok.vocab_size:,} tokens, end of document {tok.eos_id})")
+    print(f"  next: pylon data prepare SRC... --tokenizer {args.out} --out DIR")
+    return 0
+
+
 def _show_data_logs() -> None:
     """pylon.data's progress lines (where the work runs, skipped files, rates) on stderr, as plain messages."""
     import logging
@@ -451,6 +466,36 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--local", action="store_true", help="run in this process even if a Ray cluster is up")
     pr.add_argument("--json", action="store_true", help="machine-readable summary on stdout (no progress bar)")
     pr.set_defaults(func=_cmd_data_prepare)
+    tk = dsub.add_parser(
+        "tokenizer", formatter_class=fmt, help="train a byte-level BPE tokenizer on a corpus, for --tokenizer",
+        description="Learn a byte-level BPE tokenizer of --vocab-size tokens from the same files `pylon data "
+                    "prepare` reads (directories, --include/--exclude globs, JSONL text fields; files that are "
+                    "not UTF-8 are skipped), with <|endoftext|> as its end-of-document token, and write it as "
+                    "one `tokenizers` JSON file. Give that file to `pylon data prepare --tokenizer`; `pylon "
+                    "export` copies it into the model as Hugging Face tokenizer files. A model trained on "
+                    "such tokens sees about 3x more text per token than on bytes.",
+        epilog=textwrap.dedent("""\
+            examples:
+              pylon data tokenizer /usr/lib/python3.11 --include '*.py' --vocab-size 4096 --out ./tokenizer.json
+              pylon data prepare /usr/lib/python3.11 --include '*.py' --tokenizer ./tokenizer.json --out ./corpus
+              pylon data tokenizer chats.jsonl --text-field body --out s3://bucket/tok/tokenizer.json
+            """))
+    tk.add_argument("sources", nargs="+", metavar="SRC", help="text file, directory or .jsonl file (path or URI)")
+    tk.add_argument("--out", required=True, metavar="FILE", help="the tokenizer file to write (path or URI)")
+    tk.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+                    help="tokens in the vocabulary, the 256 bytes and <|endoftext|> included (default 4096)")
+    tk.add_argument("--min-frequency", type=int, default=2, metavar="N",
+                    help="merge only pairs seen at least N times (default 2)")
+    tk.add_argument("--max-mb", type=float, default=256.0, metavar="X",
+                    help="learn from at most X MiB of text, in file order (default 256)")
+    tk.add_argument("--include", metavar="GLOB", help="only files in directories whose name matches, e.g. '*.py'")
+    tk.add_argument("--exclude", metavar="GLOB", action="append", default=[],
+                    help="skip files with a path component matching, e.g. 'test' (repeatable)")
+    tk.add_argument("--text-field", default="text", metavar="NAME", help="the JSONL field holding the text "
+                                                                         "(default text)")
+    tk.add_argument("--overwrite", action="store_true", help="replace an existing file at --out")
+    tk.add_argument("--json", action="store_true", help="machine-readable summary on stdout")
+    tk.set_defaults(func=_cmd_data_tokenizer)
     ins = dsub.add_parser(
         "inspect", formatter_class=fmt, help="print a dataset's manifest and shards; --verify checks every shard",
         description="Print the manifest summary and one line per shard. With --verify, read every shard and "

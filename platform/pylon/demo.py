@@ -2,8 +2,9 @@
 
 1. start (or reuse) the local Ray head, token auth on;
 2. validate the bundled example specs;
-3. submit `pylon data prepare` as a Ray job through the Jobs API: the standard library's own `.py` files
-   are tokenized in parallel Ray tasks into parquet shards plus a manifest on local object storage;
+3. submit `pylon data tokenizer` + `pylon data prepare` as a Ray job through the Jobs API: a byte-level BPE
+   is learned from the standard library's own `.py` files (its test suites left out), which are then
+   tokenized with it in parallel Ray tasks into parquet shards plus a manifest on local object storage;
 4. stream the shards back the way a training worker reads them (Ray Data, checksums, shuffling) and print
    throughput, and a sample decoded back to text;
 5. train the example TrainJob on them as a Ray job (2 Ray Train workers, DeepSpeed ZeRO-2, optimizer
@@ -112,7 +113,7 @@ def _serve(model_uri: str) -> bool:
     print(f"      ready in {time.perf_counter() - t0:.0f}s at {url}  (API key: {key_source})")
     headers = {"Authorization": f"Bearer {key}"}
     prompt = "def fibonacci("
-    body = {"model": spec.name, "prompt": prompt, "max_tokens": 160, "temperature": 0.2, "seed": 0,
+    body = {"model": spec.name, "prompt": prompt, "max_tokens": 96, "temperature": 0.6, "top_k": 40, "seed": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     print(f"      streamed completion of {prompt!r}:\n        | {prompt}", end="", flush=True)
     t0 = time.perf_counter()
@@ -138,7 +139,8 @@ def _serve(model_uri: str) -> bool:
 
     def complete(p: str) -> int:
         r = requests.post(f"{url}/v1/completions", headers=headers, timeout=300,
-                          json={"model": spec.name, "prompt": p, "max_tokens": 64, "temperature": 0.8, "seed": 1})
+                          json={"model": spec.name, "prompt": p, "max_tokens": 64, "temperature": 0.8, "top_k": 40,
+                                "seed": 1})
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
@@ -174,9 +176,16 @@ def run_demo(*, down: bool = False, steps: int = 200) -> int:
         client = connect(info.dashboard_url)
         stdlib = sysconfig.get_paths()["stdlib"]
         corpus = storage.join(str(cluster.pylon_home()), "demo", "corpus")
-        entrypoint = " ".join(shlex.quote(a) for a in [
-            "pylon", "data", "prepare", stdlib, "--include", "*.py", "--exclude", "site-packages",
-            "--exclude", "dist-packages", "--out", corpus, "--seq-len", "256", "--overwrite"])
+        tokenizer = storage.join(str(cluster.pylon_home()), "demo", "tokenizer.json")
+        # The library's own code, not its test suites (thousands of self.assertEqual lines would dominate).
+        selection = ["--include", "*.py", *[a for pattern in ("site-packages", "dist-packages", "test", "tests",
+                                                              "test_*", "idle_test")
+                                            for a in ("--exclude", pattern)]]
+        entrypoint = " && ".join(" ".join(shlex.quote(a) for a in command) for command in (
+            ["pylon", "data", "tokenizer", stdlib, *selection, "--vocab-size", "4096", "--out", tokenizer,
+             "--overwrite"],
+            ["pylon", "data", "prepare", stdlib, *selection, "--tokenizer", tokenizer, "--out", corpus,
+             "--seq-len", "256", "--overwrite"]))
         job_id = client.submit_job(entrypoint)
         print(f"[3/{STEPS}] submitted Ray job {job_id}: {entrypoint}")
         status = client.wait_job(job_id, timeout_s=600)
@@ -185,7 +194,7 @@ def run_demo(*, down: bool = False, steps: int = 200) -> int:
             print("\n".join(logs[-30:]), file=sys.stderr)
             print(f"error: job {job_id} ended {status}; see its logs in the dashboard", file=sys.stderr)
             return 1
-        for line in logs[-6:]:
+        for line in [line for line in logs if "trained a BPE tokenizer" in line] + logs[-6:]:
             print(f"      {line}")
 
         from pylon.data.reader import ShardStream
@@ -201,7 +210,8 @@ def run_demo(*, down: bool = False, steps: int = 200) -> int:
               f"{stats['bytes_read'] / 2**20:.1f} MiB) through Ray Data: {stats['tokens_per_s'] / 1e6:.1f} M tokens/s, "
               f"{stats['rows_per_s']:,.0f} rows/s; {stream.manifest.summary()}")
         if last is not None:
-            text = load_tokenizer("byte").decode(last.tokens[0, : last.num_tokens[0]].tolist())
+            text = load_tokenizer(stream.manifest.tokenizer.uri or "byte").decode(
+                last.tokens[0, : last.num_tokens[0]].tolist())
             print(f"      sample {int(last.sample_ids[0])}, decoded:\n" +
                   "\n".join("        | " + line for line in text.splitlines()[:8]))
         if steps > 0:

@@ -69,6 +69,27 @@ def _alive_nodes(client) -> list:
     return [n for n in client.nodes() if n.state == "ALIVE"]
 
 
+def _why_nodes_stay(client) -> str:
+    """What the autoscaler sees on each node (idle time, Ray's own reasons a node is busy) and the end of its
+    log: the evidence for a node that is not scaled down."""
+    from ray.autoscaler.v2.sdk import get_cluster_status
+
+    lines = []
+    try:
+        status = get_cluster_status(client.gcs_address)
+        for node in [*status.active_nodes, *status.idle_nodes]:
+            idle = node.resource_usage.idle_time_ms if node.resource_usage else None
+            lines.append(f"node {node.node_id} ({node.ray_node_type_name}, {node.node_status}): idle {idle} ms, "
+                         f"activity {node.node_activity}, used {node.used_resources()}")
+    except Exception as e:  # evidence only: never hide the real failure behind this one
+        lines.append(f"(cluster status unavailable: {type(e).__name__}: {e})")
+    state = cluster.read_state()
+    log = os.path.join(state.temp_dir, "session_latest", "logs", "monitor.log") if state else ""
+    if log and os.path.exists(log):
+        lines.append("monitor.log, last 40 lines:\n" + "".join(open(log, errors="replace").readlines()[-40:]))
+    return "\n".join(lines)
+
+
 def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -203,6 +224,9 @@ def test_autoscaling_starts_nodes_for_a_job_and_stops_them_when_idle(own_home, s
     assert any(w["node_id"] != FAKE_HEAD_NODE_ID for w in workers), workers  # ran on a new node
 
     # Idle for 0.2 min (12 s), the new nodes are stopped again; the head stays.
-    _wait_for(lambda: [n.node_id for n in _alive_nodes(client)] == [FAKE_HEAD_NODE_ID], 150,
-              "the idle worker nodes to be stopped")
+    try:
+        _wait_for(lambda: [n.node_id for n in _alive_nodes(client)] == [FAKE_HEAD_NODE_ID], 150,
+                  "the idle worker nodes to be stopped")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{_why_nodes_stay(client)}") from None
     assert spec.exists()

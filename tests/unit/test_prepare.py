@@ -211,7 +211,8 @@ def test_a_trained_bpe_tokenizer_file(corpus, tmp_path):
     manifest = prepare([str(corpus)], out, seq_len=32, tokenizer=path, progress=False)
     _, tokens, num_tokens, _ = read_rows(out)
     assert np.array_equal(real_tokens(tokens, num_tokens), token_stream(corpus_documents(corpus), path))
-    assert manifest.tokenizer == load_tokenizer(path).info and manifest.tokenizer.kind == "tokenizers"
+    assert manifest.tokenizer == load_tokenizer(path).info.model_copy(update={"uri": path})
+    assert manifest.tokenizer.kind == "tokenizers"
     assert (tokens[-1, num_tokens[-1]:] == tok.token_to_id("<pad>")).all()
 
 
