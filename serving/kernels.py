@@ -137,14 +137,11 @@ def load(verbose: bool = False):
         if _module is not None or _failed is not None:
             return _module
         try:
-            import sys
-
             from torch.utils.cpp_extension import load_inline
 
-            # torch runs whichever `ninja` is first on PATH; the venv's, as for every other build of Pylon's.
-            bindir = os.path.dirname(sys.executable)
-            if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
-                os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
+            from pylon.ops import venv_tools_first
+
+            venv_tools_first()  # torch runs the `ninja` first on PATH: the venv's, as for every build of Pylon's
 
             _module = load_inline(
                 name=NAME, cpp_sources=[_SOURCE], functions=["paged_decode"],

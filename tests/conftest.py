@@ -10,20 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from pylon.ops import build_command, venv_tools_first
 
-def _venv_tools_first() -> None:
-    """The venv's bin first on PATH for this process and what it starts: torch builds C++ ops with whichever
-    `ninja` it finds, and two different ninjas (pip's in the venv, a system one) rebuild each other's builds
-    from scratch (see the Makefile)."""
-    import os
-    import sys
-
-    bindir = os.path.dirname(sys.executable)
-    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
-        os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
-
-
-_venv_tools_first()
+# The venv's bin first on PATH for this process and what it starts (see pylon.ops.venv_tools_first).
+venv_tools_first()
 
 
 @dataclass(frozen=True)
@@ -75,18 +65,9 @@ def s3_root(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
 # it is done waits on torch's build lock, as it would have built it itself.
 # ---------------------------------------------------------------------------------------------------------
 
-_PREBUILD = """
-from deepspeed.ops.op_builder import AsyncIOBuilder
-builder = AsyncIOBuilder()
-if builder.is_compatible(verbose=False):
-    builder.load(verbose=False)
-"""
-
-
 def pytest_sessionstart(session) -> None:
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
     if os.environ.get("PYLON_NO_OP_PREBUILD") or not any("integration" in str(a) for a in session.config.args
@@ -96,11 +77,9 @@ def pytest_sessionstart(session) -> None:
                  "torch_extensions")
     if (cache / "async_io" / "async_io.so").exists():
         return
-    # The venv's ninja, as Ray's workers use it (see the Makefile: two ninjas rebuild each other's builds).
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache))  # PATH: the venv's ninja first (venv_tools_first)
     session.config._pylon_prebuild = subprocess.Popen(
-        ["nice", "-n", "15", sys.executable, "-c", _PREBUILD], env=env,
+        ["nice", "-n", "15", *build_command("async_io")], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

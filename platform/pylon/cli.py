@@ -665,13 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
+    from pylon.ops import venv_tools_first
 
-    # The venv's tools first for whatever this command starts (torch builds C++ ops with the `ninja` on PATH,
-    # and the venv's and a system one rebuild each other's builds; Ray's processes get the same order).
-    bindir = os.path.dirname(sys.executable)
-    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
-        os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
+    venv_tools_first()  # whatever this command starts builds ops with the venv's ninja
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

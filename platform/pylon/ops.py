@@ -34,7 +34,22 @@ builder.load(verbose=False)
 """
 
 
-def _command(name: str, builder: str | None) -> list[str]:
+def venv_tools_first() -> None:
+    """Put this interpreter's bin directory first on PATH, for this process and what it starts.
+
+    torch builds C++ ops with whichever `ninja` is first on PATH, and the venv's (pip's ninja 1.13) and a system
+    one (1.11) log build commands differently: each rebuilds from scratch what the other built (minutes per op
+    here). Every Pylon process that may build, and every Ray process `pylon.cluster.up` starts, uses the venv's.
+    """
+    bindir = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def build_command(name: str) -> list[str]:
+    """The command that builds op `name` (a key of DEEPSPEED_OPS or NVME_OPS, or 'pylon_paged_attention');
+    it exits 0 when built, 3 when the op is not compatible with this machine."""
+    builder = {**DEEPSPEED_OPS, **NVME_OPS}.get(name)
     if builder is None:
         return [sys.executable, "-m", "pylon.serving.kernels"]
     if name == "async_io":  # what DeepSpeed's swappers load (deepspeed.ops.op_builder, not the accelerator's)
@@ -46,14 +61,13 @@ def _command(name: str, builder: str | None) -> list[str]:
 
 def build(nvme: bool = False) -> dict[str, str]:
     """Build every op in parallel; returns {op: 'ok (Ns)' | 'skipped: ...' | 'failed: ...'}."""
-    ops: dict[str, str | None] = {**DEEPSPEED_OPS, **(NVME_OPS if nvme else {}), "pylon_paged_attention": None}
-    # The venv's ninja, as every other Pylon process uses (two ninjas rebuild each other's builds).
-    bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    ops = [*DEEPSPEED_OPS, *(NVME_OPS if nvme else {}), "pylon_paged_attention"]
+    venv_tools_first()
+    env = dict(os.environ)
     started = time.perf_counter()
-    procs = {name: subprocess.Popen(_command(name, builder), env=env, stdout=subprocess.PIPE,
+    procs = {name: subprocess.Popen(build_command(name), env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
-             for name, builder in ops.items()}
+             for name in ops}
     results = {}
     for name, proc in procs.items():
         out, _ = proc.communicate()

@@ -100,14 +100,6 @@ def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_raylets_one_worker_each_train_checkpoint_to_s3_and_export(own_home, s3_corpus, s3_root, tmp_path):
     """Also the end-to-end check of a training job on S3: metrics, learning, retention, loss plot, and an
     export that transformers loads and that reproduces the trained model's logits."""
@@ -122,8 +114,8 @@ def test_two_raylets_one_worker_each_train_checkpoint_to_s3_and_export(own_home,
     assert started
     second = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", f"--address={info.gcs_address}", "--num-cpus=2",
-         f"--object-store-memory={256 * 2**20}", f"--dashboard-agent-listen-port={_free_port()}",
-         f"--metrics-export-port={_free_port()}", "--disable-usage-stats", "--block"],
+         f"--object-store-memory={256 * 2**20}", f"--dashboard-agent-listen-port={cluster._free_port()}",
+         f"--metrics-export-port={cluster._free_port()}", "--disable-usage-stats", "--block"],
         env={**os.environ, **info.auth_env()}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = pylon.connect()
