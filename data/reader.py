@@ -498,3 +498,31 @@ def stream_from_spec(data_spec, *, batch_size: int, rank: int = 0, world_size: i
                        seed=data_spec.shuffle_seed, shuffle_buffer=data_spec.shuffle_buffer,
                        validation_fraction=data_spec.validation_fraction, on_bad_shard=data_spec.on_bad_shard,
                        seq_len=data_spec.seq_len, **kw)
+
+
+# Ray Data's cluster-wide helpers, created detached and pinned to the node of the first process that runs a
+# dataset there (module, function). Ray 2.60 creates these two for a streaming read.
+_RAY_DATA_HELPERS = (
+    ("ray.data._internal.stats", "get_or_create_stats_actor"),
+    ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator", "get_or_create_autoscaling_coordinator"),
+)
+
+
+def pin_ray_data_helpers_here() -> list[str]:
+    """Create Ray Data's detached helper actors from this process, on its node (a job's driver: the head).
+
+    Left to the training workers, whichever reads first places them, and that can be a worker node the
+    autoscaler started for this job. A node holding a detached actor is never idle, so the autoscaler would
+    never stop it. They need no CPU and exist once per cluster. Returns the helpers created or found; a Ray
+    without one of them (internal names) is skipped with a debug line, never an error.
+    """
+    import importlib
+
+    done = []
+    for module, function in _RAY_DATA_HELPERS:
+        try:
+            getattr(importlib.import_module(module), function)()
+            done.append(function)
+        except Exception as e:  # an internal API: its absence only costs the placement, not the run
+            log.debug("could not start Ray Data's %s.%s here: %s", module, function, e)
+    return done

@@ -77,6 +77,9 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
             ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
         else:
             connect().init_ray(log_to_driver=True)
+    from pylon.data.reader import pin_ray_data_helpers_here
+
+    pin_ray_data_helpers_here()  # on this driver's node, not on a worker node the autoscaler must stop later
 
     use_gpu = spec.scaling.use_gpu
     resources = dict(spec.scaling.resources_per_worker) or {"CPU": 1}

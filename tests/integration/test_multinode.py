@@ -69,6 +69,16 @@ def _alive_nodes(client) -> list:
     return [n for n in client.nodes() if n.state == "ALIVE"]
 
 
+def _actors(client) -> list:
+    from ray.util.state import StateApiClient
+    from ray.util.state.common import ListApiOptions, StateResource
+
+    api = StateApiClient(address=client.dashboard_url, headers={"Content-Type": "application/json",
+                                                                **client._headers})
+    return [a for a in api.list(StateResource.ACTORS, options=ListApiOptions(detail=True),
+                                raise_on_missing_output=False) if a.state == "ALIVE"]
+
+
 def _why_nodes_stay(client) -> str:
     """What the autoscaler sees on each node (idle time, Ray's own reasons a node is busy) and the end of its
     log: the evidence for a node that is not scaled down."""
@@ -76,6 +86,7 @@ def _why_nodes_stay(client) -> str:
 
     lines = []
     try:
+        lines.append(f"live actors: {[(a.class_name, a.node_id[:12]) for a in _actors(client)]}")
         status = get_cluster_status(client.gcs_address)
         for node in [*status.active_nodes, *status.idle_nodes]:
             idle = node.resource_usage.idle_time_ms if node.resource_usage else None
@@ -214,6 +225,9 @@ def test_autoscaling_starts_nodes_for_a_job_and_stops_them_when_idle(own_home, s
 
     workers = storage.read_json(storage.join(f"{s3_root}/runs/autoscaled", "workers.json"))["workers"]
     assert any(w["node_id"] != FAKE_HEAD_NODE_ID for w in workers), workers  # ran on a new node
+    # Ray Data's detached helpers (they would keep a node busy forever) were started on the head by the driver.
+    helpers = [a for a in _actors(client) if a.class_name in ("_StatsActor", "_AutoscalingCoordinatorActor")]
+    assert len(helpers) == 2 and {a.node_id for a in helpers} == {FAKE_HEAD_NODE_ID}, helpers
 
     # Idle for 0.2 min (12 s), the new nodes are stopped again; the head stays.
     try:
