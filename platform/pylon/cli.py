@@ -659,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="examples:\n  pylon demo\n  pylon demo --down\n  pylon demo --steps 50")
     d.add_argument("--down", action="store_true",
                    help="stop the cluster afterwards if the demo started it (default: leave it and the endpoint up)")
-    d.add_argument("--steps", type=int, default=200, help="training steps (0 skips training; default 200)")
+    d.add_argument("--steps", type=int, default=160, help="training steps (0 skips training; default 160)")
     d.set_defaults(func=_cmd_demo)
     return parser
 

@@ -161,7 +161,7 @@ def _serve(model_uri: str) -> bool:
 STEPS = 7
 
 
-def run_demo(*, down: bool = False, steps: int = 200) -> int:
+def run_demo(*, down: bool = False, steps: int = 160) -> int:
     t0 = time.perf_counter()
     info, started = cluster.up()
     print(f"[1/{STEPS}] local Ray cluster {'started' if started else 'reused'}: dashboard {info.dashboard_url}")
@@ -177,12 +177,13 @@ def run_demo(*, down: bool = False, steps: int = 200) -> int:
         stdlib = sysconfig.get_paths()["stdlib"]
         corpus = storage.join(str(cluster.pylon_home()), "demo", "corpus")
         tokenizer = storage.join(str(cluster.pylon_home()), "demo", "tokenizer.json")
-        # The library's own code, not its test suites (thousands of self.assertEqual lines would dominate).
+        # The library's own code: not its test suites (thousands of self.assertEqual lines would dominate), its
+        # codec tables (encodings/, 1.4 MB of "LATIN SMALL LETTER") or pydoc's help text (0.7 MB of prose).
         selection = ["--include", "*.py", *[a for pattern in ("site-packages", "dist-packages", "test", "tests",
-                                                              "test_*", "idle_test")
+                                                              "test_*", "idle_test", "encodings", "pydoc_data")
                                             for a in ("--exclude", pattern)]]
         entrypoint = " && ".join(" ".join(shlex.quote(a) for a in command) for command in (
-            ["pylon", "data", "tokenizer", stdlib, *selection, "--vocab-size", "4096", "--out", tokenizer,
+            ["pylon", "data", "tokenizer", stdlib, *selection, "--vocab-size", "2048", "--out", tokenizer,
              "--overwrite"],
             ["pylon", "data", "prepare", stdlib, *selection, "--tokenizer", tokenizer, "--out", corpus,
              "--seq-len", "256", "--overwrite"]))

@@ -97,7 +97,7 @@ def test_stdlib_example_loads_three_documents_with_values_and_defaults() -> None
 
     assert (ds.name, ds.sources, ds.output, ds.format, ds.seq_len, ds.tokenizer) == (
         "stdlib-corpus", ["stdlib"], "demo/corpus/", "parquet", 256, "demo/tokenizer.json")
-    assert (ds.include, ds.exclude[-3:]) == ("*.py", ["tests", "test_*", "idle_test"])
+    assert (ds.include, ds.exclude[-3:]) == ("*.py", ["idle_test", "encodings", "pydoc_data"])
     assert ds.shard_size_mb == 64.0  # default
 
     assert train.name == "stdlib-gpt"
@@ -110,7 +110,7 @@ def test_stdlib_example_loads_three_documents_with_values_and_defaults() -> None
     assert train.deepspeed.nvme_path is None
     assert (train.deepspeed.aio.block_size, train.deepspeed.aio.queue_depth) == (1048576, 8)
     assert train.precision == "fp32"
-    assert (train.optim.lr, train.optim.warmup_steps, train.optim.schedule) == (2.0e-3, 20, "cosine")
+    assert (train.optim.lr, train.optim.warmup_steps, train.optim.schedule) == (3.0e-3, 20, "cosine")
     assert (train.optim.betas, train.optim.eps, train.optim.min_lr_ratio) == ((0.9, 0.95), 1.0e-8, 0.1)
     assert train.steps == 300
     ck = train.checkpoint
