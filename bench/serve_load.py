@@ -4,7 +4,8 @@
     .venv/bin/python bench/serve_load.py                          # 4 legs, 128 requests, 32 concurrent clients
     .venv/bin/python bench/serve_load.py --quick                  # a small smoke run
     .venv/bin/python bench/serve_load.py --legs engine,http --rate 8     # Poisson arrivals at 8 req/s
-    .venv/bin/python bench/serve_load.py --n-layer 12 --n-embd 768 --n-head 12 --num-requests 256
+    .venv/bin/python bench/serve_load.py --n-layer 8 --n-embd 512 --n-head 8 --num-requests 64 \
+        --prompt-len 32,256 --output-len 64,256                   # a 25M-parameter model (~6 min)
 
 The model is a random-weight GPT-2 built from a config (no download) and saved as a Pylon export: safetensors
 plus `pylon_tokenizer.json` (the byte tokenizer). The requests are `--num-requests` prompts cut from
@@ -21,7 +22,8 @@ Legs (`--legs`, default all four, in this order):
   engine      `pylon.serving.engine.AsyncLLMEngine` in this process, streamed to asyncio clients.
   http        the same engine in a Ray Serve replica (`pylon.serving.app.deploy` on a private local Ray
               cluster that the run starts and stops), `POST /v1/completions` with `stream: true` (SSE) over
-              real HTTP from aiohttp clients.
+              real HTTP from aiohttp clients. As deployed by default: the engine in a child process of the
+              replica, streams coalesced every `--stream-interval-ms` (the spec's default 50 ms).
 
 Load: `--concurrency N` closed-loop clients (default 32): each sends its next request when its previous one
 is done. Or `--rate R`: open-loop Poisson arrivals at R req/s (the same arrival times for every leg). The
@@ -372,7 +374,8 @@ def deployment_spec(args, model_dir: Path):
         "kind": "Deployment", "name": DEPLOYMENT, "model": str(model_dir),
         "engine": engine_spec(args).model_dump(mode="json"),
         "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-        "http": {"api_keys_env": None, "max_queued_requests": max_queued, "request_timeout_s": 600},
+        "http": {"api_keys_env": None, "max_queued_requests": max_queued, "request_timeout_s": 600,
+                 **({} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms})},
         "replica": {"num_cpus": args.replica_cpus},
     })
 
@@ -483,6 +486,8 @@ def parse_args(argv):
     e.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="default: concurrency x max_model_len (never preempts)")
     e.add_argument("--max-model-len", type=int, default=None, help="default: n_positions")
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="http leg: the deployment's http.stream_interval_ms (default: the spec's default, 50)")
     p.add_argument("--replica-cpus", type=float, default=float(os.cpu_count() or 1),
                    help="num_cpus of the Serve replica (default: all cores, as the in-process engine uses)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in this process")

@@ -4,7 +4,11 @@ The engine is plain PyTorch, on CPU or CUDA, with vLLM v1's division of labour: 
 runs each step, the KV block pool owns memory, the model runner only executes.
 
     engine.py        LLMEngine (add_request / step / abort, synchronous) and AsyncLLMEngine (the step loop on
-                     a thread, `async generate()` streams per request, check_health, stats)
+                     a thread, `async generate()` streams per request, optionally coalesced per interval,
+                     check_health, stats)
+    engine_process.py ProcessLLMEngine: AsyncLLMEngine's interface over an engine in a child process (what a
+                     Serve replica runs, so HTTP and the step loop never share one interpreter lock)
+    kernels.py       the compiled CPU paged-attention kernel for decodes
     scheduler.py     Scheduler: continuous batching under a token budget and a sequence cap, chunked
                      prefill, preemption of the newest request when KV blocks run out
     kv_cache.py      KVBlockPool: fixed-size KV blocks, one block table per request

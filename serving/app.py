@@ -134,12 +134,14 @@ class PylonLLMServer:
 
     def __init__(self, spec: dict, key_digests: list[str]):
         from pylon.serving.engine import AsyncLLMEngine
+        from pylon.serving.engine_process import ProcessLLMEngine
 
         self.spec = DeploymentSpec.model_validate(spec)
         self.model_name = self.spec.name
         self._key_digests = [bytes.fromhex(d) for d in key_digests]
         t0 = time.monotonic()
-        self.engine = AsyncLLMEngine.from_model(self.spec.model, self.spec.engine)
+        kind = ProcessLLMEngine if self.spec.engine.separate_process else AsyncLLMEngine
+        self.engine = kind.from_model(self.spec.model, self.spec.engine)
         log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
         self.metrics = _metrics(self.model_name)
         self._gauges_task = None
@@ -223,7 +225,8 @@ class PylonLLMServer:
             params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
-            stream = self.engine.generate(engine_id, prompt, params)
+            stream = self.engine.generate(engine_id, prompt, params,
+                                          interval_s=self.spec.http.stream_interval_ms / 1000)
             first = await self._first(stream)  # validation errors surface here, before any byte is sent
         except _HttpError as e:
             self._count(e.status, "none")

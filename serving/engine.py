@@ -16,6 +16,7 @@ Everything else belongs to the thread that calls `step()`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -238,6 +239,13 @@ class LLMEngine:
         )
 
 
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their deltas joined, the last one's counts and state."""
+    last = outputs[-1]
+    return dataclasses.replace(last, text="".join(o.text for o in outputs),
+                               token_ids=[t for o in outputs for t in o.token_ids])
+
+
 def _put_all(puts: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for queue, item in puts:
         queue.put_nowait(item)
@@ -319,9 +327,14 @@ class AsyncLLMEngine:
         except RuntimeError:  # that event loop is closed
             pass
 
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                       interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Stream `request_id`'s outputs (text and token deltas) until one has a finish_reason.
+
+        `interval_s` > 0 coalesces: the first output comes at once (time to first token is untouched), each
+        later one at least `interval_s` after the previous, carrying every step's tokens since then merged
+        into one output. A consumer that ships each output somewhere (an SSE chunk through Serve's proxy)
+        pays that per output, not per token; Ray Serve LLM batches its streams the same way (50 ms).
 
         `InvalidRequest` and `EngineDeadError` are raised by the first iteration, before any output.
         Leaving the iteration early (break, or cancelling the consuming task) aborts the request.
@@ -334,20 +347,35 @@ class AsyncLLMEngine:
         added = finished = False
         try:
             self._raise_if_dead()  # again: the loop may have died, and told its streams, just before we registered
-            self.engine.add_request(request_id, prompt, params)
+            self._submit(request_id, prompt, params)
             added = True
-            self._wake.set()
+            loop = asyncio.get_running_loop()
+            next_at = 0.0
             while not finished:
-                item = await queue.get()
-                if isinstance(item, EngineDeadError):
-                    finished = True  # nothing left to abort
-                    self._raise_if_dead()
+                if interval_s > 0 and queue.empty() and (wait := next_at - loop.time()) > 0:
+                    await asyncio.sleep(wait)  # let this interval's steps pile up
+                items = [await queue.get()]
+                while not queue.empty() and not isinstance(items[-1], BaseException) and interval_s > 0:
+                    items.append(queue.get_nowait())
+                error = next((i for i in items if isinstance(i, BaseException)), None)
+                if error is not None:
+                    finished = True  # nothing left to abort: the engine is gone, or refused the request
+                    if isinstance(error, EngineDeadError):
+                        self._raise_if_dead()
+                    raise error
+                item = items[0] if len(items) == 1 else merge_outputs(items)
                 finished = item.finished
+                next_at = loop.time() + interval_s
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if added and not finished:
                 self.abort(request_id)
+
+    def _submit(self, request_id: str, prompt: Prompt, params: SamplingParams | None) -> None:
+        """Hand a request to the engine (raises `InvalidRequest` here, or delivers it to the stream)."""
+        self.engine.add_request(request_id, prompt, params)
+        self._wake.set()
 
     def _raise_if_dead(self) -> None:
         if self._dead is not None:  # a fresh error per caller: one instance raised in many tasks tangles tracebacks

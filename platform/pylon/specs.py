@@ -349,6 +349,9 @@ class EngineSpec(_Spec):
     max_model_len: PositiveInt = 1024
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    separate_process: bool = Field(
+        True, description="in a Serve replica, run the engine in a child process of its own (as vLLM v1 runs its "
+                          "engine core): HTTP and Serve's work then never hold the Python lock the step loop needs")
 
     @model_validator(mode="after")
     def _rules(self) -> "EngineSpec":
@@ -396,6 +399,10 @@ class HttpSpec(_Spec):
     )
     max_queued_requests: PositiveInt = 256
     request_timeout_s: Annotated[float, Field(gt=0)] = 60
+    stream_interval_ms: Annotated[float, Field(ge=0, le=1000)] = Field(
+        50, description="a stream's first token goes out at once, later ones at most every this many ms, the "
+                        "tokens in between joined into one chunk (Serve's proxy costs per chunk; 0: one chunk "
+                        "per decoding step)")
     route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9_\-/]*$")
 
 

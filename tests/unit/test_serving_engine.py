@@ -493,3 +493,84 @@ def test_many_concurrent_requests_beyond_max_num_seqs_match_transformers_greedy(
     assert got == expected
     assert max(most_running) == 6  # the batch was full, and the rest waited their turn
     assert_pool_empty(engine.engine)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Coalesced streams and the engine in a child process (what a Serve replica runs)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_an_interval_coalesces_a_stream_without_changing_its_tokens(gpt2: Family) -> None:
+    engine = AsyncLLMEngine(gpt2.engine())
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+
+    async def run(interval: float) -> list:
+        times, outs = [], []
+        async for out in engine.generate(f"i{interval}", PROMPTS[2], params, interval_s=interval):
+            outs.append(out)
+            times.append(time.monotonic())
+        return outs, times
+
+    try:
+        every, _ = asyncio.run(run(0.0))
+        merged, times = asyncio.run(run(0.05))
+    finally:
+        engine.shutdown()
+    assert len(every) == 60 and all(len(o.token_ids) == 1 for o in every)
+    assert tokens_of(merged) == tokens_of(every) and "".join(o.text for o in merged) == "".join(o.text for o in every)
+    assert len(merged[0].token_ids) == 1  # the first token is never held back
+    assert len(merged) < len(every)  # later ones are joined...
+    assert all(b - a >= 0.045 for a, b in zip(times, times[1:]))  # ...into at most one output per interval
+    assert [o.finished for o in merged].count(True) == 1 and merged[-1].finish_reason == "length"
+    assert merged[-1].num_output_tokens == 60
+
+
+def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_cleanly(gpt2: Family) -> None:
+    from pylon.serving.engine_process import ProcessLLMEngine
+
+    spec = EngineSpec(max_num_seqs=3, max_num_batched_tokens=96, kv_cache_tokens=2048, block_size=16,
+                      max_model_len=256, device="cpu")
+    engine = ProcessLLMEngine.from_model(gpt2.dir, spec)
+    try:
+        assert engine.check_health() and engine.max_model_len == 256
+        assert engine.tokenizer.decode(engine.tokenizer.encode("def f():")) == "def f():"
+
+        async def collect(i: int) -> list:
+            return [out async for out in engine.generate(f"p{i}", PROMPTS[i], GREEDY)]
+
+        async def invalid():
+            async for _ in engine.generate("bad", "hi", SamplingParams(max_tokens=1000)):
+                pass
+
+        async def main():
+            return await asyncio.gather(*(collect(i) for i in range(len(PROMPTS))))
+
+        streams = asyncio.run(main())  # 8 requests, 3 at a time: they queue and join in the child
+        for i, outs in enumerate(streams):
+            assert tokens_of(outs) == gpt2.greedy[i]
+            assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        with pytest.raises(InvalidRequest) as e:  # refused in the child, raised here, naming the field
+            asyncio.run(invalid())
+        assert e.value.param == "max_tokens" and "max_model_len (256)" in str(e.value)
+        assert eventually(lambda: engine.stats().num_free_blocks == engine.stats().num_blocks)
+        assert engine.stats().requests_finished_total == {"length": len(PROMPTS)}
+
+        async def killed_midway():
+            async for out in engine.generate("long", PROMPTS[0], SamplingParams(max_tokens=240, temperature=0)):
+                engine._proc.kill()  # the child dies under a running request (OOM killer, a segfault)
+
+        with pytest.raises(EngineDeadError, match="exited with code -9"):
+            asyncio.run(killed_midway())
+        assert not engine.check_health()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(1))
+    finally:
+        engine.shutdown()
+
+
+def test_engine_process_reports_a_model_it_cannot_load(tmp_path: Path) -> None:
+    from pylon.serving.engine_process import ProcessLLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(PylonError, match="has no tokenizer; expected Hugging Face tokenizer files"):
+        ProcessLLMEngine.from_model(str(tmp_path), EngineSpec(device="cpu"))
