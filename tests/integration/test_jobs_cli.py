@@ -30,7 +30,8 @@ def test_jobs_list_logs_and_stop(ray_cluster):
     r = cli("jobs", "logs", hello, "--follow")
     assert r.returncode == 0 and "hello from a job" in r.stdout and f"job {hello} SUCCEEDED" in r.stderr, r
     r = cli("jobs", "logs", hello)
-    assert r.returncode == 0 and r.stdout.rstrip().endswith("\nhello from a job")
+    # The job's output as a line of its own (Ray's "Running entrypoint" line may land before or after it).
+    assert r.returncode == 0 and "hello from a job" in r.stdout.splitlines(), r
 
     r = cli("jobs", "list", "--json")
     assert r.returncode == 0, r.stderr
