@@ -19,7 +19,10 @@ Legs (`--legs`, default all four, in this order):
   hf-static   `generate` on static batches of up to `--concurrency` waiting requests, left-padded with an
               attention mask. A batch runs until its longest request is done; each request's tokens count
               only up to its own max_tokens, and it is done (E2E) at its own last token.
-  engine      `pylon.serving.engine.AsyncLLMEngine` in this process, streamed to asyncio clients.
+  engine      Pylon's engine called directly, streamed to asyncio clients in this process, as a replica runs it
+              by default (`engine.separate_process`): `ProcessLLMEngine`, the engine loop in a child process.
+              `--in-process-engine`: `AsyncLLMEngine`, the loop on a thread of this process (its Python then
+              shares one interpreter lock with the clients').
   http        the same engine in a Ray Serve replica (`pylon.serving.app.deploy` on a private local Ray
               cluster that the run starts and stops), `POST /v1/completions` with `stream: true` (SSE) over
               real HTTP from aiohttp clients. As deployed by default: the engine in a child process of the
@@ -141,7 +144,8 @@ def engine_spec(args):
     kv = -(-max(kv, args.max_model_len) // block) * block
     return EngineSpec(max_num_seqs=max(args.concurrency, args.max_num_seqs or 0),
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=kv, block_size=block,
-                      max_model_len=args.max_model_len, device="cpu", dtype="fp32")
+                      max_model_len=args.max_model_len, device="cpu", dtype="fp32",
+                      separate_process=not args.in_process_engine)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -340,8 +344,11 @@ def engine_params(max_tokens: int):
 
 async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
     from pylon.serving.engine import AsyncLLMEngine
+    from pylon.serving.engine_process import ProcessLLMEngine
 
-    engine = AsyncLLMEngine.from_model(str(model_dir), engine_spec(args))
+    spec = engine_spec(args)
+    engine_class = ProcessLLMEngine if spec.separate_process else AsyncLLMEngine
+    engine = engine_class.from_model(str(model_dir), spec)
     counter = iter(range(10**9))
 
     async def one(r: Req, rec: Record) -> None:
@@ -486,6 +493,9 @@ def parse_args(argv):
     e.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="default: concurrency x max_model_len (never preempts)")
     e.add_argument("--max-model-len", type=int, default=None, help="default: n_positions")
+    e.add_argument("--in-process-engine", action="store_true",
+                   help="engine leg and replica: the engine loop on a thread of the same process "
+                        "(engine.separate_process: false) instead of a child process")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="http leg: the deployment's http.stream_interval_ms (default: the spec's default, 50)")
     p.add_argument("--replica-cpus", type=float, default=float(os.cpu_count() or 1),

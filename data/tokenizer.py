@@ -62,6 +62,11 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         # Special and unused ids (>= 256) carry no text; a sequence cut mid-character decodes to U+FFFD.
+        if isinstance(ids, list):  # the serving engine's streaming decodes: a few ids, many times a second
+            try:
+                return bytes(ids).decode("utf-8", errors="replace")
+            except (ValueError, TypeError):  # an id past 255 (or not an int): filter as below
+                pass
         data = bytes(int(i) for i in np.asarray(ids).reshape(-1) if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
 

@@ -2,9 +2,9 @@
 
 A step's tokens arrive flattened, every sequence's new tokens one after the other (`[T, heads, head_dim]`).
 Each layer writes the new keys and values into the paged pool at each token's slot, then lets every
-sequence's new queries attend over its cached keys, gathered from its blocks. Sequences are batched rather
-than looped over: decodes (one query each) form one batch and prompt chunks another, so a long chunk never
-pads a hundred decodes.
+sequence's new queries attend over its cached keys. Decodes (one query each) are batched rather than looped
+over, and apart from prompt chunks, so a long chunk never pads a hundred decodes; chunks (a few per step) go
+one at a time through a fused kernel (below).
 
 The cache is head-major, `[kv_heads, num_blocks, block_size, head_dim]` (`new_kv_cache`), so that gathering a
 group's blocks (one `index_select` of whole blocks into a reused workspace: no allocation, no page faults)
@@ -15,12 +15,19 @@ transpose folded into BLAS: `[kv_heads x B, group x Q, D] @ [kv_heads x B, D, K]
 The mask is causal with an offset, as an additive bias built once per step: query q of a sequence whose step
 starts at position `start` sees keys 0..start+q, which is what makes a prompt chunked across steps compute
 exactly what one pass would.
+
+Prompt chunks are attended one sequence at a time by torch's fused `scaled_dot_product_attention` (a flash
+kernel on CPU and CUDA: it skips the masked half of a causal square and never materialises the scores): a
+chunk that starts the prompt attends over its own fresh keys with `is_causal`, a later chunk over its cached
+keys (its blocks gathered) with the offset causal mask. On a 512-token prompt that is 1.8 ms against 4.6 ms for
+the padded batched matmuls, which computed every masked score and a [Q, K] bias besides.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 DECODE_GROUPS = 4  # at most this many padded batches of decodes per step...
@@ -48,20 +55,33 @@ class AttentionGroup:
     K keys (the longest context among them)."""
 
     query_index: torch.Tensor  # [B, Q]: flat token index of each query; padding repeats a real query
-    real: torch.Tensor  # indices into the padded [B*Q] rows that are real queries...
+    real: torch.Tensor | None  # indices into the padded [B*Q] rows that are real queries... (None: kernel)
     tokens: torch.Tensor  # ...and the flat token index each of them is, in the same order
     key_blocks: torch.Tensor  # [B * blocks]: each sequence's block table, padded with block 0 (masked out)
     num_blocks: int
     num_keys: int
-    bias: torch.Tensor  # [B, Q, K]: 0 where the query may attend the key, -inf where not
+    bias: torch.Tensor | None  # [B, Q, K]: 0 where the query may attend the key, -inf where not (None: kernel)
     context_lens: torch.Tensor  # [B]: keys of each sequence (int64)
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A sequence with more than one new token in the step: tokens offset..offset+num_new of the flat batch,
+    at positions start..start+num_new."""
+
+    offset: int
+    start: int
+    num_new: int
+    key_blocks: torch.Tensor | None  # its block table up to its last new token (None when start == 0)
+    mask: torch.Tensor | None  # [num_new, start + num_new] bool: True where the query may attend the key
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]: where each new token's key and value go in a head's flattened pool
-    groups: list[AttentionGroup]
-    kernel: bool = False  # decode groups (one query each) go to the compiled kernel (pylon.serving.kernels)
+    groups: list[AttentionGroup]  # decodes (one query each)
+    kernel: bool = False  # decode groups go to the compiled kernel (pylon.serving.kernels)
+    chunks: tuple[PromptChunk, ...] = ()
 
 
 class Workspace:
@@ -99,13 +119,39 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     # longest context, and gathering is most of the cost of attention here. Sorted, in up to
     # DECODE_GROUPS groups of at least MIN_GROUP sequences, the padding shrinks to a fraction.
     decodes = sorted((i for i, s in enumerate(seqs) if s.num_new == 1), key=lambda i: seqs[i].start)
-    chunks = [i for i, s in enumerate(seqs) if s.num_new > 1]
     parts = 1 if kernel else min(DECODE_GROUPS, max(1, len(decodes) // MIN_GROUP))
     bounds = [round(j * len(decodes) / parts) for j in range(parts + 1)]
-    members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])] + [chunks]
-    groups = [_group([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype)
-              for m in members if m]
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(device), groups, kernel)
+    members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])]
+    make = _kernel_group if kernel else _group
+    groups = [make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype) for m in members if m]
+    chunks = tuple(_chunk(seq, offset, block_size, device) for seq, offset in zip(seqs, offsets) if seq.num_new > 1)
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(device), groups, kernel, chunks)
+
+
+def _kernel_group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
+                  dtype: torch.dtype) -> AttentionGroup:
+    """Decodes for the kernel, which needs only block tables and lengths: no padding, no mask (plain Python,
+    three tensors: this runs every step)."""
+    num_keys = [s.start + 1 for s in seqs]
+    nb = -(-max(num_keys) // block_size)
+    table = []
+    for s in seqs:
+        row = s.block_table[:nb]
+        table.extend(row)
+        table.extend([0] * (nb - len(row)))
+    tokens = torch.tensor(offsets, dtype=torch.long).to(device)
+    return AttentionGroup(tokens.view(-1, 1), None, tokens, torch.tensor(table, dtype=torch.long).to(device), nb,
+                          max(num_keys), None, torch.tensor(num_keys, dtype=torch.long).to(device))
+
+
+def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.device) -> PromptChunk:
+    if seq.start == 0:  # its keys are its own new tokens: plain causal attention, nothing to gather
+        return PromptChunk(offset, 0, seq.num_new, None, None)
+    num_keys = seq.start + seq.num_new
+    blocks = torch.tensor(seq.block_table[:-(-num_keys // block_size)], dtype=torch.long)
+    position = torch.arange(seq.start, num_keys)
+    mask = torch.arange(num_keys)[None, :] <= position[:, None]
+    return PromptChunk(offset, seq.start, seq.num_new, blocks.to(device), mask.to(device))
 
 
 def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
@@ -142,6 +188,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     workspace = workspace or Workspace()
     out = torch.empty_like(q)
+    for c in meta.chunks:
+        rows = slice(c.offset, c.offset + c.num_new)
+        queries = q[rows].transpose(0, 1)[None]  # [1, heads, num_new, D]
+        if c.key_blocks is None:
+            keys, values, mask = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None], None
+        else:
+            num_keys = c.start + c.num_new
+            keys = k_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
+            values = v_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
+            mask = c.mask
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                  scale=scale, enable_gqa=share > 1)
+        out[rows] = attended[0].transpose(0, 1)
     for g in meta.groups:
         B, Q = g.query_index.shape
         if meta.kernel and Q == 1:
