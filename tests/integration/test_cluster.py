@@ -106,7 +106,13 @@ def test_jobs_use_the_interpreter_pylon_is_installed_in(ray_cluster):
     client = pylon.connect()
     job_id = client.submit_job("python -c 'import sys, platform, pylon; print(sys.executable, platform.system())'")
     assert client.wait_job(job_id, timeout_s=120) == "SUCCEEDED"
-    exe, system = client.job_logs(job_id).strip().splitlines()[-1].split()
+    # The job's own line, wherever it lands: Ray may log around it ("Running entrypoint ..." comes after the
+    # job's output in some runs), so the last line is not necessarily ours.
+    logs = client.job_logs(job_id)
+    ours = [line.split() for line in logs.splitlines()
+            if len(line.split()) == 2 and Path(line.split()[0]).name.startswith("python")]
+    assert ours, f"no 'EXECUTABLE SYSTEM' line in the job's logs:\n{logs}"
+    exe, system = ours[-1]
     assert Path(exe).parent == Path(sys.executable).parent
     assert system == "Linux"
 
