@@ -228,7 +228,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._incoming),
+            num_waiting=expected_waiting(len(self.scheduler.running), len(self.scheduler.waiting), len(self._incoming),
+                                         self.spec.max_num_seqs),
             kv_cache_utilization=self.pool.utilization,
             num_free_blocks=self.pool.num_free_blocks,
             num_blocks=self.pool.num_blocks,
@@ -237,6 +238,14 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions,
             requests_finished_total=dict(self._finished_total),
         )
+
+
+def expected_waiting(running: int, waiting: int, arrived: int, max_num_seqs: int) -> int:
+    """Requests that will be waiting once the next step has taken in the `arrived` ones, which join behind the
+    `waiting` ones and run at once up to the free sequence slots. What admission control (max_queued_requests)
+    counts: a burst that arrives between two steps is not "waiting" when it will start at the next one."""
+    free = max(0, max_num_seqs - running - waiting)
+    return waiting + max(0, arrived - free)
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

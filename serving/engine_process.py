@@ -28,7 +28,7 @@ import time
 from multiprocessing.connection import Connection
 
 from pylon.errors import PylonError
-from pylon.serving.engine import AsyncLLMEngine, EngineStats, Prompt
+from pylon.serving.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting
 from pylon.serving.errors import EngineDeadError, InvalidRequest
 from pylon.serving.sampling import SamplingParams
 from pylon.specs import EngineSpec
@@ -46,6 +46,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
     def __init__(self, model: str, spec: EngineSpec | None = None, *, heartbeat_timeout_s: float = 60.0):
         # Not AsyncLLMEngine.__init__: no engine and no step thread in this process.
         spec = spec or EngineSpec()
+        self._max_num_seqs = spec.max_num_seqs
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._streams = {}
         self._dead: EngineDeadError | None = None
@@ -110,11 +111,12 @@ class ProcessLLMEngine(AsyncLLMEngine):
         self._outbox.put(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        """The child's stats as of its last step (or idle beat, at most `IDLE_WAIT_S` old). Requests sent
-        but not yet taken in by a step count as waiting."""
+        """The child's stats as of its last step (or idle beat, at most `IDLE_WAIT_S` old). Requests sent since
+        then count as waiting beyond the sequence slots that were free (`expected_waiting`)."""
         stats = self._stats
-        in_flight = len(self._streams) - stats.num_running
-        return dataclasses.replace(stats, num_waiting=max(stats.num_waiting, in_flight))
+        arrived = max(0, len(self._streams) - stats.num_running - stats.num_waiting)
+        return dataclasses.replace(stats, num_waiting=expected_waiting(stats.num_running, stats.num_waiting, arrived,
+                                                                       self._max_num_seqs))
 
     def check_health(self) -> bool:
         return (self._dead is None and self._proc.poll() is None

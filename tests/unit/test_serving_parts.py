@@ -193,3 +193,15 @@ def test_temperature_changes_the_distribution(temperature: float) -> None:
     share = sum(sample(logits[None], [params], [g])[0] == 0 for _ in range(2000)) / 2000
     expected = torch.softmax(logits / temperature, 0)[0].item()
     assert abs(share - expected) < 0.05
+
+
+def test_requests_arriving_between_steps_wait_only_beyond_the_free_slots() -> None:
+    from pylon.serving.engine import expected_waiting
+
+    # A burst of 20 into an idle engine with 8 slots: 8 start at the next step, 12 wait (not 20).
+    assert expected_waiting(running=0, waiting=0, arrived=20, max_num_seqs=8) == 12
+    assert expected_waiting(running=3, waiting=0, arrived=5, max_num_seqs=8) == 0
+    # Requests already waiting take the free slots first; the new ones queue behind them.
+    assert expected_waiting(running=6, waiting=4, arrived=3, max_num_seqs=8) == 7
+    # Full of running requests: everything that arrives waits.
+    assert expected_waiting(running=8, waiting=0, arrived=2, max_num_seqs=8) == 2
