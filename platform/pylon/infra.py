@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from pylon import __version__
+from pylon.cluster import SERVE_INGRESS_ENV
 from pylon.errors import PylonError, SpecError
 from pylon.specs import ClusterSpec, DeploymentSpec, NodeShape, TrainJobSpec, WorkerGroupSpec, to_yaml
 
@@ -216,7 +217,8 @@ def launcher_config(cluster: ClusterSpec) -> dict:
         if group.gpu_type:
             node_type["labels"] = {"ray.io/accelerator-type": group.gpu_type}
         node_types[group.name] = node_type
-    env = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_PATH}; ulimit -n 65536"
+    serve_env = " ".join(f"{k}={v}" for k, v in SERVE_INGRESS_ENV.items())
+    env = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_PATH} {serve_env}; ulimit -n 65536"
     return {
         "cluster_name": cluster.name,
         "max_workers": sum(g.max_workers for g in cluster.worker_groups),
@@ -430,7 +432,8 @@ def _ray_container(cluster: ClusterSpec, name: str, shape: NodeShape, *, head: b
         "name": name, "image": cluster.image, "imagePullPolicy": "IfNotPresent",
         # Requests equal limits: a Ray node that is promised what it schedules by (Guaranteed QoS).
         "resources": {"requests": dict(limits), "limits": limits},
-        "env": _auth_env(cluster) + list(extra_env),
+        # Serve's ingress (HAProxy in front of the replicas, see pylon.cluster.SERVE_INGRESS_ENV) on every node.
+        "env": _auth_env(cluster) + [{"name": k, "value": v} for k, v in SERVE_INGRESS_ENV.items()] + list(extra_env),
         "ports": ports,
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }

@@ -150,6 +150,24 @@ def test_raw_sse_ends_with_done_and_carries_a_request_id(served):
     assert r.status_code == 200 and len(r.headers["x-request-id"]) >= 8  # one is made up when none is sent
 
 
+def test_http_goes_through_haproxy_straight_to_the_replica(served, ray_cluster):
+    """The local cluster runs Serve's HAProxy ingress (pylon.cluster.SERVE_INGRESS_ENV): the URL that answers is
+    HAProxy's, its files are under the cluster's temp dir, and it sends requests to the replica itself."""
+    procs = ray_cluster.processes()
+    haproxy = [p for p in procs if p.name() == "haproxy"]
+    assert haproxy, "no haproxy process in the cluster"
+    port = int(served.rsplit(":", 1)[1])
+    listening = {c.laddr.port for p in haproxy for c in p.net_connections(kind="tcp") if c.status == "LISTEN"}
+    assert port in listening
+    config = Path(haproxy[0].cmdline()[haproxy[0].cmdline().index("-f") + 1])
+    assert config.is_relative_to(ray_cluster.temp_dir)
+    # HAProxy sends requests to the replica's own HTTP server; Serve's Python proxy is only the backup.
+    servers = [line.split() for line in config.read_text().splitlines() if line.strip().startswith("server ")]
+    assert [s for s in servers if s[1].startswith("SERVE_REPLICA") and "backup" not in s]
+    assert all("backup" in s for s in servers if s[1].startswith("SERVE_PROXY"))
+    assert requests.get(f"{served}/health", timeout=30).status_code == 200
+
+
 def test_concurrent_greedy_requests_match_transformers(served, tiny):
     """20 concurrent requests of mixed lengths (more than max_num_seqs = 8) through HTTP."""
     import random

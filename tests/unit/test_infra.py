@@ -6,6 +6,7 @@ import copy
 import importlib
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import jsonschema
@@ -123,6 +124,7 @@ def test_launcher_has_a_cpu_head_and_gpu_groups_from_zero() -> None:
     # Token auth on every node, the token from a file that file_mounts copies: never the token itself.
     for cmd in (cfg["head_start_ray_commands"][-1], cfg["worker_start_ray_commands"][-1]):
         assert f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={infra.TOKEN_PATH}" in cmd
+        assert "RAY_SERVE_ENABLE_HA_PROXY=1" in cmd.split(";")[0]  # Serve's HAProxy ingress on every node
     assert cfg["file_mounts"][infra.TOKEN_PATH] == "~/.ray/auth_token"
 
 
@@ -177,9 +179,11 @@ def test_raycluster_autoscaler_v2_gpu_groups_from_zero_and_token_from_a_secret()
     env = {e["name"]: e for e in container["env"]}
     assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "pylon-k8s-ray-auth", "key": "auth_token"}
     assert "value" not in env["RAY_AUTH_TOKEN"]
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] == "1"
     assert gpu["template"]["spec"]["affinity"]["nodeAffinity"]  # spot: only spot nodes
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head["resources"]["limits"]
+    assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in head["env"]
 
 
 def test_rayjob_runs_the_trainjob_spec_on_the_shared_cluster() -> None:
@@ -341,3 +345,29 @@ def test_cluster_up_autoscale_refuses_a_cloud_spec_before_starting_anything(tmp_
 
 def test_pylon_validate_checks_a_local_cluster(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["validate", str(EXAMPLES / "cluster-local.yaml")]) == 0
+
+
+def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners_on_free_ports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pylon import cluster
+
+    temp_dir = cluster.ray_temp_dir(tmp_path / "home")
+    env = cluster.local_serve_env(temp_dir)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
+    assert len(paths) == 5 and all(Path(p).is_relative_to(temp_dir) for p in paths)
+    # Ray puts each file in a folder named by the node id (56 hex digits): the sockets must still fit a
+    # Unix socket path (107 bytes).
+    # Ray puts each file in a folder named by the node id (56 hex digits): the sockets must still fit what HAProxy
+    # takes (97 bytes), else they stay in Ray's default folder.
+    for name in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
+        d, f = os.path.split(env[name])
+        assert len(os.path.join(d, "f" * 56, f).encode()) <= 97
+    long_dir = tmp_path / ("x" * 60)
+    long_env = cluster.local_serve_env(long_dir)
+    assert "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH" not in long_env
+    assert Path(long_env["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).is_relative_to(long_dir)
+    ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+    assert len(ports) == 2 and not ports & {8404, 9101}
+    monkeypatch.setattr(cluster, "haproxy_available", lambda: False)
+    assert cluster.local_serve_env(temp_dir) == {}  # no HAProxy build (macOS): Serve's own proxy
