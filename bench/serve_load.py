@@ -20,13 +20,22 @@ Legs (`--legs`, default all four, in this order):
               attention mask. A batch runs until its longest request is done; each request's tokens count
               only up to its own max_tokens, and it is done (E2E) at its own last token.
   engine      Pylon's engine called directly, streamed to asyncio clients in this process, as a replica runs it
-              by default (`engine.separate_process`): `ProcessLLMEngine`, the engine loop in a child process.
-              `--in-process-engine`: `AsyncLLMEngine`, the loop on a thread of this process (its Python then
+              by default (`engine.separate_process`): `ProcessLLMEngine`, the engine loop in a child process;
+              `--engines` of them (default one per core, each with `--replica-cpus` torch threads: the cores
+              divided among them), each request to the one with the fewest open requests. On a CPU one
+              single-threaded engine per core beats one engine over all cores (2,094-2,134 against 1,678-1,809
+              out tok/s on 2 cores, default workload): each step's Python runs on both cores at once, and no
+              thread waits at a parallel region's barrier for a sibling the kernel took off its core.
+              `--in-process-engine`: one `AsyncLLMEngine`, the loop on a thread of this process (its Python then
               shares one interpreter lock with the clients').
-  http        the same engine in a Ray Serve replica (`pylon.serving.app.deploy` on a private local Ray
+  http        the same engines as Ray Serve replicas (`pylon.serving.app.deploy` on a private local Ray
               cluster that the run starts and stops), `POST /v1/completions` with `stream: true` (SSE) over
-              real HTTP from aiohttp clients. As deployed by default: the engine in a child process of the
-              replica, streams coalesced every `--stream-interval-ms` (the spec's default 50 ms).
+              real HTTP from aiohttp clients. As deployed by default: Serve's HAProxy ingress in front of the
+              replica's own HTTP server (pylon.cluster.SERVE_INGRESS_ENV; RAY_SERVE_ENABLE_HA_PROXY=0 in the
+              environment for Serve's Python proxy), the engine in a child process of the replica, streams
+              coalesced every `--stream-interval-ms` (the spec's default 50 ms). Ray runs the replica and its
+              engine at niceness 15; the load generator takes that niceness for this leg, as the engine leg's
+              engine shares the load generator's (`--keep-niceness` to leave it at its own).
 
 Load: `--concurrency N` closed-loop clients (default 32): each sends its next request when its previous one
 is done. Or `--rate R`: open-loop Poisson arrivals at R req/s (the same arrival times for every leg). The
@@ -347,30 +356,56 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
     from pylon.serving.engine_process import ProcessLLMEngine
 
     spec = engine_spec(args)
-    engine_class = ProcessLLMEngine if spec.separate_process else AsyncLLMEngine
-    engine = engine_class.from_model(str(model_dir), spec)
+    engines = []
+    if spec.separate_process:
+        # As a replica of --replica-cpus CPUs runs it: Ray sets OMP_NUM_THREADS to the replica's CPUs, and the
+        # engine process inherits it.
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_engine(args))
+        try:
+            engines = [ProcessLLMEngine.from_model(str(model_dir), spec) for _ in range(args.engines)]
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS")
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+    else:
+        engines = [AsyncLLMEngine.from_model(str(model_dir), spec)]
+    open_streams = [0] * len(engines)
     counter = iter(range(10**9))
 
     async def one(r: Req, rec: Record) -> None:
+        # The engine with the fewest open requests, as HAProxy's leastconn picks a replica in the http leg.
+        i = min(range(len(engines)), key=open_streams.__getitem__)
+        open_streams[i] += 1
         rec.token_ids = []
-        async for out in engine.generate(f"r{next(counter)}", r.ids, engine_params(r.max_tokens)):
-            if out.token_ids:
-                rec.times.append(time.perf_counter())
-                rec.token_ids.extend(out.token_ids)
+        try:
+            async for out in engines[i].generate(f"r{next(counter)}", r.ids, engine_params(r.max_tokens)):
+                if out.token_ids:
+                    rec.times.append(time.perf_counter())
+                    rec.token_ids.extend(out.token_ids)
+        finally:
+            open_streams[i] -= 1
         rec.num_tokens = len(rec.token_ids)
 
     try:
-        await asyncio.gather(*(one(r, Record(0.0)) for r in warmup))
+        await asyncio.gather(*(one(r, Record(0.0)) for r in warmup * len(engines)))
         records, t0 = await drive(reqs, args, one, "engine")
-        stats = engine.stats()
-        return records, t0, {"preemptions": stats.num_preemptions_total, "kv_blocks": stats.num_blocks}
+        stats = [e.stats() for e in engines]
+        return records, t0, {"engines": len(engines), "preemptions": sum(s.num_preemptions_total for s in stats),
+                             "kv_blocks": sum(s.num_blocks for s in stats)}
     finally:
-        engine.shutdown()
+        for engine in engines:
+            engine.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Leg d: Ray Serve + HTTP
 # ---------------------------------------------------------------------------------------------------------
+
+
+def threads_per_engine(args) -> int:
+    return max(1, int(args.replica_cpus))
 
 
 def deployment_spec(args, model_dir: Path):
@@ -380,7 +415,7 @@ def deployment_spec(args, model_dir: Path):
     return DeploymentSpec.model_validate({
         "kind": "Deployment", "name": DEPLOYMENT, "model": str(model_dir),
         "engine": engine_spec(args).model_dump(mode="json"),
-        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+        "autoscaling": {"min_replicas": args.engines, "max_replicas": args.engines},
         "http": {"api_keys_env": None, "max_queued_requests": max_queued, "request_timeout_s": 600,
                  **({} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms})},
         "replica": {"num_cpus": args.replica_cpus},
@@ -421,6 +456,30 @@ async def http_load(url: str, reqs: list[Req], warmup: list[Req], args) -> tuple
         return await drive(reqs, args, one, "http")
 
 
+def ingress_and_niceness(info, args) -> dict:
+    """Which ingress serves the leg, and the niceness of the engine it reaches; then, unless --keep-niceness,
+    this process's threads take that niceness.
+
+    Ray starts its workers at niceness 15 (RAY_worker_niceness), so the replica and its engine process run at 15
+    while this load generator runs at 0: on a machine the clients share, the kernel would then hand every client
+    wakeup the CPU at once, preempting the engine's threads mid-step. In the engine leg the engine process is this
+    process's child, at its niceness. Matching them makes the legs differ in Serve + HTTP, not in priority."""
+    procs = info.processes()
+    names = {p.pid: " ".join(p.cmdline()) for p in procs}
+    engines = [p for p in procs if "pylon.serving.engine_process" in names[p.pid]]
+    replicas = [p for p in procs if "ServeReplica" in names[p.pid]]
+    target = (engines or replicas)[0].nice() if (engines or replicas) else os.getpriority(os.PRIO_PROCESS, 0)
+    haproxy = any(p.name() == "haproxy" for p in procs)
+    out = {"ingress": "haproxy" if haproxy else "serve-proxy", "engine_niceness": target,
+           "client_niceness": os.getpriority(os.PRIO_PROCESS, 0)}
+    if not args.keep_niceness and target > out["client_niceness"]:
+        for tid in os.listdir("/proc/self/task"):  # niceness is per thread on Linux
+            os.setpriority(os.PRIO_PROCESS, int(tid), target)
+        out["client_niceness"] = target
+    log(f"  [http] ingress: {out['ingress']}; engine niceness {target}, load generator {out['client_niceness']}")
+    return out
+
+
 def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
     """Start a private cluster, deploy, load it over HTTP, and always stop the cluster again."""
     home = Path(tempfile.mkdtemp(prefix="pylon-bench-"))
@@ -432,7 +491,7 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
     extra = {}
     try:
         t = time.perf_counter()
-        info, _ = cluster.up(num_cpus=max(int(args.replica_cpus + 0.999), os.cpu_count() or 1),
+        info, _ = cluster.up(num_cpus=max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1),
                              object_store_memory=256 * 2**20, home=home)
         extra["cluster_up_s"] = round(time.perf_counter() - t, 1)
         log(f"  [http] private Ray cluster up in {extra['cluster_up_s']} s ({info.dashboard_url}); deploying")
@@ -442,6 +501,7 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         url = deploy(deployment_spec(args, model_dir), timeout_s=300)
         extra["deploy_s"] = round(time.perf_counter() - t, 1)
         log(f"  [http] deployed at {url} in {extra['deploy_s']} s")
+        extra.update(ingress_and_niceness(info, args))
         records, t0 = asyncio.run(http_load(url, reqs, warmup, args))
         return records, t0, extra
     finally:
@@ -498,10 +558,24 @@ def parse_args(argv):
                         "(engine.separate_process: false) instead of a child process")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="http leg: the deployment's http.stream_interval_ms (default: the spec's default, 50)")
-    p.add_argument("--replica-cpus", type=float, default=float(os.cpu_count() or 1),
-                   help="num_cpus of the Serve replica (default: all cores, as the in-process engine uses)")
+    p.add_argument("--keep-niceness", action="store_true",
+                   help="http leg: leave the load generator at its niceness instead of taking the served engine's "
+                        "(Ray runs workers at 15; see ingress_and_niceness)")
+    p.add_argument("--engines", type=int, default=None,
+                   help="engine processes in the engine leg and Serve replicas in the http leg (default: one per "
+                        "core; 1 with --in-process-engine)")
+    p.add_argument("--replica-cpus", type=float, default=None,
+                   help="num_cpus of each Serve replica, and the torch threads of each engine process in the engine "
+                        "leg (default: the cores divided among --engines)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in this process")
     args = p.parse_args(argv)
+    cores = os.cpu_count() or 1
+    if args.in_process_engine and (args.engines or 1) != 1:
+        p.error("--in-process-engine runs one engine (on a thread of this process); leave --engines out")
+    args.engines = args.engines or (1 if args.in_process_engine else cores)
+    if args.engines < 1:
+        p.error("--engines must be at least 1")
+    args.replica_cpus = args.replica_cpus or max(1.0, cores / args.engines)
 
     quick = dict(num_requests=24, concurrency=8, prompt_len=(16, 128), output_len=(8, 32), n_layer=2, n_embd=128,
                  n_head=4)
@@ -570,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = engine_spec(args)
         print(f"engine: max_num_seqs {spec.max_num_seqs}, max_num_batched_tokens {spec.max_num_batched_tokens}, "
               f"kv_cache_tokens {spec.kv_cache_tokens}, block_size {spec.block_size}, max_model_len "
-              f"{spec.max_model_len}", flush=True)
+              f"{spec.max_model_len}; {args.engines} engine process(es) / replica(s) of {args.replica_cpus:g} CPU "
+              f"({threads_per_engine(args)} torch thread(s) each)", flush=True)
         for leg in args.legs:
             t = time.perf_counter()
             log(f"[{leg}] start")
@@ -613,7 +688,9 @@ def main(argv: list[str] | None = None) -> int:
         results["engine"]["parity_with_hf_single"] = same
     if "http" in results:
         r = results["http"]
-        print(f"http: {r['events']:,} SSE chunks for {r['output_tokens']:,} tokens (ITL is per chunk)")
+        print(f"http: {r['events']:,} SSE chunks for {r['output_tokens']:,} tokens (ITL is per chunk); ingress "
+              f"{r.get('ingress', '?')}; niceness: engine {r.get('engine_niceness', '?')}, load generator "
+              f"{r.get('client_niceness', '?')}")
     for leg, err in errors.items():
         print(f"error in {leg}: {err.splitlines()[0][:500]}")
     wall = time.perf_counter() - wall0

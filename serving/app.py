@@ -74,7 +74,8 @@ def _error_response(status: int, message: str, *, type: str, param: str | None =
 
     from pylon.serving.protocol import error_body
 
-    # No X-Request-Id here: Serve's proxy echoes (or assigns) it on every response, ours included.
+    # No X-Request-Id here: Serve's ingress (the replica's own HTTP server behind HAProxy, or Serve's proxy)
+    # echoes (or assigns) it on every response, ours included.
     return JSONResponse(error_body(message, type=type, param=param, code=status), status_code=status, headers=headers)
 
 
@@ -202,7 +203,7 @@ class PylonLLMServer:
 
         from pylon.serving import protocol
 
-        # Serve's proxy puts the client's X-Request-Id (or one it made up) on the request and the response.
+        # Serve's ingress puts the client's X-Request-Id (or one it made up) on the request and the response.
         request_id = request.headers.get("x-request-id", "")
         if not _REQUEST_ID.match(request_id):
             request_id = protocol.new_id("req")
@@ -401,7 +402,7 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
         # Serve hands a replica up to its running batch, its wait queue, and as many again that the replica
         # itself turns away with a 429 and Retry-After (cheap: no engine work). Past that, requests wait in
         # Serve's queue in front of the replicas for the replica's answer. That queue is kept well above a
-        # replica's own limit: when it is full, Serve's proxy answers 503 with a plain-text body, not the
+        # replica's own limit: when it is full, Serve answers 503 with a plain-text body, not the
         # 429 with an OpenAI error JSON clients expect (seen when a burst arrived while the replica's 429s
         # were still on their way back), so it is only the last guard against a flood.
         max_ongoing_requests=spec.engine.max_num_seqs + 2 * http.max_queued_requests,

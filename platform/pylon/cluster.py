@@ -59,7 +59,7 @@ class LocalCluster:
     client_server_port: int
     started_at: float
     home: str
-    serve_port: int = 8000  # where Ray Serve's HTTP proxy listens once something is deployed
+    serve_port: int = 8000  # where Serve's HTTP ingress (HAProxy) listens once something is deployed
     metrics_port: int = 0  # Ray's Prometheus endpoint on the head (Serve and Pylon metrics)
     autoscaler_config: str = ""  # with `up --autoscale`: the autoscaling config the head runs with
 

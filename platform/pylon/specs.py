@@ -401,8 +401,8 @@ class HttpSpec(_Spec):
     request_timeout_s: Annotated[float, Field(gt=0)] = 60
     stream_interval_ms: Annotated[float, Field(ge=0, le=1000)] = Field(
         50, description="a stream's first token goes out at once, later ones at most every this many ms, the "
-                        "tokens in between joined into one chunk (Serve's proxy costs per chunk; 0: one chunk "
-                        "per decoding step)")
+                        "tokens in between joined into one chunk (every chunk costs the replica and the "
+                        "ingress; 0: one chunk per decoding step)")
     route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9_\-/]*$")
 
 
