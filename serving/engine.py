@@ -356,7 +356,7 @@ class AsyncLLMEngine:
         added = finished = False
         try:
             self._raise_if_dead()  # again: the loop may have died, and told its streams, just before we registered
-            self._submit(request_id, prompt, params)
+            self._submit(request_id, prompt, params, interval_s)
             added = True
             loop = asyncio.get_running_loop()
             next_at = 0.0
@@ -381,8 +381,10 @@ class AsyncLLMEngine:
             if added and not finished:
                 self.abort(request_id)
 
-    def _submit(self, request_id: str, prompt: Prompt, params: SamplingParams | None) -> None:
-        """Hand a request to the engine (raises `InvalidRequest` here, or delivers it to the stream)."""
+    def _submit(self, request_id: str, prompt: Prompt, params: SamplingParams | None, interval_s: float = 0.0) -> None:
+        """Hand a request to the engine (raises `InvalidRequest` here, or delivers it to the stream).
+        `interval_s`: how often the stream's consumer takes outputs (an engine in another process may hold its
+        outputs up to half of that, to send the steps' outputs for many requests at once)."""
         self.engine.add_request(request_id, prompt, params)
         self._wake.set()
 

@@ -525,6 +525,38 @@ def test_an_interval_coalesces_a_stream_without_changing_its_tokens(gpt2: Family
     assert merged[-1].num_output_tokens == 60
 
 
+def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family) -> None:
+    """Streams that take outputs every 50 ms get the child's steps in fewer messages (first and last tokens at
+    once); a stream that takes every step gets one message per step. The tokens are the same either way."""
+    from pylon.serving.engine_process import ProcessLLMEngine
+
+    spec = EngineSpec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=4096, block_size=16,
+                      max_model_len=256, device="cpu")
+    engine = ProcessLLMEngine.from_model(gpt2.dir, spec)
+    received = []
+    deliver = engine._deliver_step
+    engine._deliver_step = lambda outputs: (received.append(len(outputs)), deliver(outputs))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def run(interval: float) -> list:
+        async def one(i: int) -> list:
+            return [o async for o in engine.generate(f"{interval}-{i}", PROMPTS[i], params, interval_s=interval)]
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    try:
+        every = asyncio.run(run(0.0))
+        messages_every = len(received)
+        received.clear()
+        held = asyncio.run(run(0.05))
+        messages_held = len(received)
+    finally:
+        engine.shutdown()
+    assert [tokens_of(o) for o in held] == [tokens_of(o) for o in every]
+    assert all(len(o[0].token_ids) == 1 and o[-1].finish_reason == "length" for o in held)
+    assert messages_every >= 40  # one per step
+    assert messages_held < messages_every / 2, (messages_held, messages_every)
+
+
 def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_cleanly(gpt2: Family) -> None:
     from pylon.serving.engine_process import ProcessLLMEngine
 
