@@ -22,9 +22,10 @@ from pylon.serving.errors import EngineDeadError, InvalidRequest
 from pylon.serving.sampling import SamplingParams
 from pylon.specs import EngineSpec
 
+# head_dim 32: the CPU decode kernel's vectorised path (pylon.serving.kernels), as real models take it.
 FAMILIES = {
-    "gpt2": {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 256, "vocab_size": 320},
-    "llama": {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "gpt2": {"n_layer": 2, "n_head": 4, "n_embd": 128, "n_positions": 256, "vocab_size": 320},
+    "llama": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 256, "vocab_size": 320},
 }
 PROMPT_LENGTHS = (3, 17, 40, 90, 5, 64, 33, 8)

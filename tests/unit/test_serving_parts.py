@@ -113,22 +113,28 @@ def test_finish_takes_a_waiting_request_out_too() -> None:
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: int) -> None:
+# head_dim 8: the kernel's generic loop; 64: its vectorised path (head dims 32/64/128/256 on AVX-512), with
+# blocks shorter and longer than its 16-key chunks.
+@pytest.mark.parametrize("dim,block_size", [(8, 4), (64, 4), (64, 32)])
+def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: int, dim: int, block_size: int) -> None:
     if kernel:
         from pylon.serving import kernels
 
         # Fails rather than skips where the compiler is missing: `make setup` builds it on this machine.
         assert kernels.load() is not None, f"paged-attention kernel did not build: {kernels._failed}"
     torch.manual_seed(0)
-    heads, dim, block_size = 4, 8, 4
-    cached, new = [0, 5, 9, 13, 2], [7, 1, 4, 1, 1]  # a fresh prompt, decodes, a chunk continuing a prompt
+    heads = 4
+    # A fresh prompt, decodes (one over a long context: many blocks, a running softmax across them), a chunk
+    # continuing a prompt.
+    cached, new = [0, 5, 9, 13, 2, 70], [7, 1, 4, 1, 1, 1]
     total = [c + n for c, n in zip(cached, new)]
     q = [torch.randn(t, heads, dim) for t in total]
-    k = [torch.randn(t, kv_heads, dim) for t in total]
+    k = [torch.randn(t, kv_heads, dim) * 2 for t in total]  # spread-out scores: a softmax far from uniform
     v = [torch.randn(t, kv_heads, dim) for t in total]
-    k_cache = new_kv_cache(16, block_size, kv_heads, dim, dtype=torch.float32, device="cpu")
+    pool = sum(-(-t // block_size) for t in total) + 3
+    k_cache = new_kv_cache(pool, block_size, kv_heads, dim, dtype=torch.float32, device="cpu")
     v_cache = torch.zeros_like(k_cache)
-    blocks = torch.randperm(16).tolist()  # scattered blocks, as a pool that has been in use hands them out
+    blocks = torch.randperm(pool).tolist()  # scattered blocks, as a pool that has been in use hands them out
     tables, used = [], 0
     for t in total:
         n = -(-t // block_size)
@@ -152,6 +158,21 @@ def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: i
         expected = dense[0].transpose(0, 1)[cached[i]:]
         torch.testing.assert_close(out[offset:offset + new[i]], expected)
         offset += new[i]
+
+
+def test_the_gelu_kernel_is_gpt2s_tanh_gelu() -> None:
+    from pylon.serving import kernels
+
+    assert kernels.load() is not None, f"CPU kernels did not build: {kernels._failed}"
+    # Whole vectors and a remainder, tiny and huge inputs (where the exponential saturates), and zero.
+    for x in (torch.linspace(-12, 12, 100_003), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 1e30, -1e30]),
+              torch.randn(7, 33) * 3):
+        expected = F.gelu(x.double(), approximate="tanh")
+        got = kernels.gelu_tanh_(x.clone())
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        torch.testing.assert_close(got.double(), expected, rtol=4e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        kernels.gelu_tanh_(torch.randn(4, 4).t())
 
 
 # ---------------------------------------------------------------------------------------------------------
