@@ -270,41 +270,48 @@ class PylonLLMServer:
 
     async def _sse(self, kind: str, rid: str, body, first, stream, timeout: float) -> AsyncIterator[str]:
         """Server-sent events: one chunk per engine output, a usage chunk if asked, then [DONE]. A client
-        that disconnects cancels this generator, which closes `stream`, which aborts the engine request."""
+        that disconnects cancels this generator, which closes `stream`, which aborts the engine request.
+
+        Events that are ready together go out as one write: chat's role chunk with the first content, and the
+        last content chunk with the usage chunk and [DONE]. Each write is a trip through Serve's and the HTTP
+        server's send path (most of a replica's CPU under load), and a stream has only a dozen or so."""
         from pylon.serving import protocol
 
         def event(obj: dict) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-        last = first
+        last, held = first, ""
         try:
             if kind == "chat":
-                yield event(protocol.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, None))
+                held = event(protocol.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, None))
             async with asyncio.timeout(timeout):
                 async for out in _chain(first, stream):
                     last = out
                     if not out.text and not out.finished:
                         continue
                     if kind == "completion":
-                        yield event(protocol.completion_chunk(rid, self.model_name, out.text, out.finish_reason))
+                        held += event(protocol.completion_chunk(rid, self.model_name, out.text, out.finish_reason))
                     else:
                         delta = {"content": out.text} if out.text else {}
-                        yield event(protocol.chat_chunk(rid, self.model_name, delta, out.finish_reason))
+                        held += event(protocol.chat_chunk(rid, self.model_name, delta, out.finish_reason))
+                    if not out.finished:  # the last one waits for the usage chunk and [DONE]
+                        chunk, held = held, ""
+                        yield chunk
             if body.include_usage:
                 obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-                yield event(protocol.usage_chunk(rid, self.model_name, obj, last.num_prompt_tokens,
-                                                 last.num_output_tokens))
+                held += event(protocol.usage_chunk(rid, self.model_name, obj, last.num_prompt_tokens,
+                                                   last.num_output_tokens))
             self._observe(last)
         except TimeoutError:
             self._count(504, "timeout")
-            yield event(protocol.error_body(f"the request took longer than request_timeout_s ({timeout:g} s)",
-                                            type="timeout_error", code=504))
+            held += event(protocol.error_body(f"the request took longer than request_timeout_s ({timeout:g} s)",
+                                              type="timeout_error", code=504))
         except EngineDeadError as e:
             self._count(503, "none")
-            yield event(protocol.error_body(str(e), type="server_error", code=503))
+            held += event(protocol.error_body(str(e), type="server_error", code=503))
         finally:
             await stream.aclose()  # aborts the engine request if it has not finished
-        yield "data: [DONE]\n\n"
+        yield held + "data: [DONE]\n\n"
 
     def _observe(self, last) -> None:
         m, metrics = self.metrics, last.metrics

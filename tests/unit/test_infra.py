@@ -370,4 +370,6 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
     assert len(ports) == 2 and not ports & {8404, 9101}
     monkeypatch.setattr(cluster, "haproxy_available", lambda: False)
-    assert cluster.local_serve_env(temp_dir) == {}  # no HAProxy build (macOS): Serve's own proxy
+    # No HAProxy build (macOS): Serve's own proxy; the controller's pace is set either way.
+    assert cluster.local_serve_env(temp_dir) == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
