@@ -56,6 +56,15 @@ static inline void prefetch_block(const float* p, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 1);
 }
 
+// Block `blk`'s keys and values of kv head `kh` on their way to the cache (an out-of-range id is skipped here and
+// refused where the block is read).
+static inline void prefetch_kv(const float* kp, const float* vp, int64_t blk, int64_t kh, int64_t NB,
+                               int64_t block_floats) {
+  if (blk < 0 || blk >= NB) return;
+  prefetch_block(kp + (kh * NB + blk) * block_floats, block_floats);
+  prefetch_block(vp + (kh * NB + blk) * block_floats, block_floats);
+}
+
 // q: [B, H, D]; k_cache, v_cache: [KVH, NB, BS, D]; block_tables: [B, MB] (int64); context_lens: [B] (int64).
 // out: [B, H, D]. Query heads kh*share .. kh*share+share-1 read kv head kh.
 static torch::Tensor paged_decode_generic(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -95,25 +104,15 @@ static torch::Tensor paged_decode_generic(torch::Tensor q, torch::Tensor k_cache
       std::fill(sum.begin(), sum.end(), 0.f);
       const float* qrow0 = qp + (b * H + kh * share) * D;
       const int64_t* table = tp + b * MB;
-      for (int64_t j = 0; j < nblocks && j < PYLON_PREFETCH_AHEAD; ++j) {
-        const int64_t blk = table[j];
-        if (blk >= 0 && blk < NB) {
-          prefetch_block(kp + (kh * NB + blk) * block_floats, block_floats);
-          prefetch_block(vp + (kh * NB + blk) * block_floats, block_floats);
-        }
-      }
+      for (int64_t j = 0; j < nblocks && j < PYLON_PREFETCH_AHEAD; ++j)
+        prefetch_kv(kp, vp, table[j], kh, NB, block_floats);
       // One pass over the blocks with a running softmax (max, sum, rescaled accumulator per query head),
       // the next blocks' keys and values prefetched while this one is computed.
       for (int64_t j = 0; j < nblocks; ++j) {
         const int64_t blk = table[j];
         TORCH_CHECK(blk >= 0 && blk < NB, "paged_decode: block id out of range");
-        if (j + PYLON_PREFETCH_AHEAD < nblocks) {
-          const int64_t nxt = table[j + PYLON_PREFETCH_AHEAD];
-          if (nxt >= 0 && nxt < NB) {
-            prefetch_block(kp + (kh * NB + nxt) * block_floats, block_floats);
-            prefetch_block(vp + (kh * NB + nxt) * block_floats, block_floats);
-          }
-        }
+        if (j + PYLON_PREFETCH_AHEAD < nblocks)
+          prefetch_kv(kp, vp, table[j + PYLON_PREFETCH_AHEAD], kh, NB, block_floats);
         const float* kblock = kp + (kh * NB + blk) * block_floats;
         const float* vblock = vp + (kh * NB + blk) * block_floats;
         const int64_t n = std::min(BS, len - j * BS);
@@ -202,23 +201,13 @@ static void decode_avx512(const float* qp, const float* kp, const float* vp, con
       std::fill(sum.begin(), sum.end(), 0.f);
       const float* qrow0 = qp + (b * H + kh * share) * D;
       const int64_t* table = tp + b * MB;
-      for (int64_t j = 0; j < nblocks && j < PYLON_PREFETCH_AHEAD; ++j) {
-        const int64_t blk = table[j];
-        if (blk >= 0 && blk < NB) {
-          prefetch_block(kp + (kh * NB + blk) * block_floats, block_floats);
-          prefetch_block(vp + (kh * NB + blk) * block_floats, block_floats);
-        }
-      }
+      for (int64_t j = 0; j < nblocks && j < PYLON_PREFETCH_AHEAD; ++j)
+        prefetch_kv(kp, vp, table[j], kh, NB, block_floats);
       for (int64_t j = 0; j < nblocks; ++j) {
         const int64_t blk = table[j];
         TORCH_CHECK(blk >= 0 && blk < NB, "paged_decode: block id out of range");
-        if (j + PYLON_PREFETCH_AHEAD < nblocks) {
-          const int64_t nxt = table[j + PYLON_PREFETCH_AHEAD];
-          if (nxt >= 0 && nxt < NB) {
-            prefetch_block(kp + (kh * NB + nxt) * block_floats, block_floats);
-            prefetch_block(vp + (kh * NB + nxt) * block_floats, block_floats);
-          }
-        }
+        if (j + PYLON_PREFETCH_AHEAD < nblocks)
+          prefetch_kv(kp, vp, table[j + PYLON_PREFETCH_AHEAD], kh, NB, block_floats);
         const float* kblock = kp + (kh * NB + blk) * block_floats;
         const float* vblock = vp + (kh * NB + blk) * block_floats;
         const int64_t n = std::min(BS, len - j * BS);
