@@ -113,9 +113,9 @@ def test_finish_takes_a_waiting_request_out_too() -> None:
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-# head_dim 8: the kernel's generic loop; 64: its vectorised path (head dims 32/64/128/256 on AVX-512), with
-# blocks shorter and longer than its 16-key chunks.
-@pytest.mark.parametrize("dim,block_size", [(8, 4), (64, 4), (64, 32)])
+# head_dim 8: the kernel's generic loop; 32/64/128/256: its vectorised path on AVX-512 (2, 4, 8, 16 registers a
+# row), with blocks shorter and longer than its 16-key chunks and one that ends in a partial chunk (24 = 16 + 8).
+@pytest.mark.parametrize("dim,block_size", [(8, 4), (64, 4), (64, 32), (32, 24), (128, 16), (256, 8)])
 def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: int, dim: int, block_size: int) -> None:
     if kernel:
         from pylon.serving import kernels
