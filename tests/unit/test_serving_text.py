@@ -3,6 +3,7 @@ characters only, stop strings never leaked), and chat prompts (the tokenizer's t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,33 @@ def test_chat_prompts(hf_dir: Path) -> None:
         with pytest.raises(InvalidRequest) as e:
             apply_chat_template(ByteTokenizer(), bad)
         assert e.value.param == "messages"
+
+
+def test_invalid_bytes_come_out_once_no_character_can_complete_them() -> None:
+    # A random or barely trained byte model writes bytes that are no UTF-8 at all: holding them until the end
+    # (as for a character still arriving) would stream nothing for the rest of the request.
+    tok = ByteTokenizer()
+    ids = [0xE9] * 12 + list(b"ok") + [0xF0, 0x9F, 0xA6, 0x8A] + [0x80] * 5 + list("é".encode())
+    deltas, _ = stream(tok, ids)
+    assert "".join(deltas) == bytes(ids).decode("utf-8", errors="replace")  # the same as one decode of it all
+    streamed = deltas[:-1]  # before flush()
+    assert "".join(streamed[:12]) == "\ufffd" * (12 - IncrementalDetokenizer.MAX_HELD_TOKENS)  # out while it runs
+    assert "🦊" in streamed and "é" in "".join(streamed)  # whole characters still come out whole
+    assert not any(d.endswith("\ufffd") and "🦊" in d for d in streamed)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_byte_stream_streams_as_its_one_shot_decode(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    tok = ByteTokenizer()
+    alphabet = list(b"ab ") + [0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, 0xFF, 0x80]
+    ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 60))]
+    deltas, _ = stream(tok, ids, prompt=tok.encode("p").tolist())
+    assert "".join(deltas) == bytes(ids).decode("utf-8", errors="replace")
+    # Nothing waits longer than a character can take: all but the last MAX_HELD_TOKENS tokens' text is out.
+    n = len(ids) - IncrementalDetokenizer.MAX_HELD_TOKENS
+    if n > 0:
+        assert "".join(deltas[:-1]).startswith(os.path.commonprefix([bytes(ids[:n]).decode("utf-8", "replace"),
+                                                                     bytes(ids).decode("utf-8", "replace")]))
