@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -248,6 +249,16 @@ def expected_waiting(running: int, waiting: int, arrived: int, max_num_seqs: int
     return waiting + max(0, arrived - free)
 
 
+def next_tick(now: float, interval_s: float) -> float:
+    """When a coalesced stream next takes its outputs: the first multiple of `interval_s` (on the monotonic
+    clock every process shares) at least half an interval away. Every stream with the same interval wakes on
+    the same ticks, so a replica with 32 open streams wakes 20 times a second (at 50 ms) and writes its
+    chunks together, instead of 640 times at moments spread over each interval: each wake-up of the replica,
+    of the ingress and of the clients' event loops took a core from the engine mid-step. Chunks come every
+    0.5-1.5 intervals, once per interval on average, as before."""
+    return (math.floor(now / interval_s + 0.5) + 1) * interval_s
+
+
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: their deltas joined, the last one's counts and state."""
     last = outputs[-1]
@@ -374,7 +385,7 @@ class AsyncLLMEngine:
                     raise error
                 item = items[0] if len(items) == 1 else merge_outputs(items)
                 finished = item.finished
-                next_at = loop.time() + interval_s
+                next_at = next_tick(loop.time(), interval_s) if interval_s > 0 else 0.0
                 yield item
         finally:
             self._streams.pop(request_id, None)

@@ -521,9 +521,21 @@ def test_an_interval_coalesces_a_stream_without_changing_its_tokens(gpt2: Family
     assert tokens_of(merged) == tokens_of(every) and "".join(o.text for o in merged) == "".join(o.text for o in every)
     assert len(merged[0].token_ids) == 1  # the first token is never held back
     assert len(merged) < len(every)  # later ones are joined...
-    assert all(b - a >= 0.045 for a, b in zip(times, times[1:]))  # ...into at most one output per interval
+    assert all(b - a >= 0.02 for a, b in zip(times, times[1:]))  # ...at least half an interval apart (next_tick)
     assert [o.finished for o in merged].count(True) == 1 and merged[-1].finish_reason == "length"
     assert merged[-1].num_output_tokens == 60
+
+
+def test_coalesced_streams_wake_together_on_shared_ticks() -> None:
+    from pylon.serving.engine import next_tick
+
+    interval = 0.05
+    for now in (1000.0, 1000.001, 1000.0249, 1000.025, 1000.049, 1000.0999):
+        tick = next_tick(now, interval)
+        assert 0.025 - 1e-9 <= tick - now <= 0.075 + 1e-9, (now, tick)  # once an interval on average
+        assert abs(tick / interval - round(tick / interval)) < 1e-6  # a multiple of it: every stream's tick
+    # Streams that took outputs at different moments of one interval take their next ones together.
+    assert len({round(next_tick(1000.0 + t / 1000, interval), 9) for t in range(0, 25)}) == 1
 
 
 def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family) -> None:
