@@ -400,9 +400,10 @@ class HttpSpec(_Spec):
     max_queued_requests: PositiveInt = 256
     request_timeout_s: Annotated[float, Field(gt=0)] = 60
     stream_interval_ms: Annotated[float, Field(ge=0, le=1000)] = Field(
-        50, description="a stream's first token goes out at once, later ones at most every this many ms, the "
-                        "tokens in between joined into one chunk (every chunk costs the replica and the "
-                        "ingress; 0: one chunk per decoding step)")
+        50, description="a stream's first token goes out at once, later ones once per this many ms on average "
+                        "(on ticks every stream of a replica shares, at least half of it apart), the tokens in "
+                        "between joined into one chunk (every chunk costs the replica and the ingress; 0: one "
+                        "chunk per decoding step)")
     route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9_\-/]*$")
 
 
