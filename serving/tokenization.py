@@ -43,10 +43,10 @@ class IncrementalDetokenizer:
     """Output token ids in, text deltas out, for streaming.
 
     Only complete text is emitted: a token that ends in the middle of a multi-byte UTF-8 character (the
-    decoder then yields U+FFFD) is held until the character completes. A character completes within
-    `MAX_HELD_TOKENS` more tokens or never: bytes that are still U+FFFD then (invalid UTF-8, which a model
-    early in training or a random one writes freely) are final, and go out as U+FFFD, as a one-shot decode
-    gives them, instead of holding the rest of the stream back until the request ends. Each step decodes a short window
+    decoder then yields U+FFFD) is held until the character completes. Only that last character is held:
+    replacement characters before it stand for bytes that are no UTF-8 (which a model early in training, or a
+    random one, writes freely) and go out as they come, as a one-shot decode gives them, instead of holding the
+    rest of the stream back until the request ends. Each step decodes a short window
     (from `_prefix`) rather than the whole output, and compares it with the same window without the new
     tokens, so tokenizers whose text depends on neighbours (sentencepiece's leading spaces) come out right.
 
@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
     """
 
     PROMPT_CONTEXT = 6  # prompt tokens decoded along with the first outputs, for context-dependent spacing
-    MAX_HELD_TOKENS = 3  # a UTF-8 character has at most 3 bytes after its first, so at most 3 more tokens
+    MAX_HELD_TOKENS = 3  # through invalid bytes the window moves on to this many tokens from the end
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
         self._tokenizer = tokenizer
@@ -76,25 +76,26 @@ class IncrementalDetokenizer:
         after = self._tokenizer.decode(self._ids[self._prefix:])
         # Clean text: all of it goes out, and the next window starts after these tokens (unless they decoded to
         # nothing yet, as a leading "▁" may: keep them as context).
-        end, read_to = len(after), len(self._ids) if len(after) > len(before) else None
+        end, read_to, sent_past = len(after), len(self._ids) if len(after) > len(before) else None, 0
         if after.endswith("\ufffd"):
-            cut = len(self._ids) - self.MAX_HELD_TOKENS  # tokens before this can no longer complete a character
-            if cut <= self._read:
-                return self._take(final=self.stopped)  # a character may still be arriving: wait for it
-            # Held longer than any character takes: what the last tokens cannot change is final, U+FFFD or not.
-            head = self._tokenizer.decode(self._ids[self._prefix:cut])
-            end = len(os.path.commonprefix([head, after]))
-            # The window moves on past `cut` only where decoding splits there cleanly: bytes on both sides of it
-            # that make one replacement character (or one character) together keep the window where it is.
-            clean = end == len(head) and head + self._tokenizer.decode(self._ids[cut:]) == after
-            read_to = cut if clean else None
+            # Only the last character can still change: bytes of a character still arriving decode to one U+FFFD
+            # at the very end. Every character before it is final, replacement characters for invalid bytes too.
+            end, read_to = len(after) - 1, None
+            cut = len(self._ids) - self.MAX_HELD_TOKENS
+            if cut > self._read:
+                # Through a run of invalid bytes, keep the window short: move it past `cut` where decoding splits
+                # cleanly there and text follows the cut (so everything before it is final and out).
+                head, tail = (self._tokenizer.decode(self._ids[self._prefix:cut]),
+                              self._tokenizer.decode(self._ids[cut:]))
+                if tail and head + tail == after:
+                    read_to, sent_past = cut, end - len(head)
         start = len(before) + self._window_sent
         if end > start:
             searched_up_to = len(self.text)
             self.text += after[start:end]
             self._find_stop(max(0, searched_up_to - self._longest_stop + 1))
-        if read_to is not None and end >= start:  # all text of the tokens up to read_to is out: move the window on
-            self._prefix, self._read, self._window_sent = self._read, read_to, 0
+        if read_to is not None and end >= start:
+            self._prefix, self._read, self._window_sent = self._read, read_to, sent_past
         elif end > start:
             self._window_sent = end - len(before)
         return self._take(final=self.stopped)
