@@ -75,6 +75,48 @@ static inline void prefetch_kv(const float* kp, const float* vp, int64_t blk, in
   prefetch_block(vp + (kh * NB + blk) * block_floats, block_floats);
 }
 
+// The start of one (sequence, kv head) pair in either kernel: its length checked, its running softmax reset (the
+// accumulators, maxima and sums of its query heads), its first blocks prefetched. Returns its number of blocks.
+static inline int64_t start_pair(int64_t len, int64_t MB, int64_t BS, const int64_t* table, const float* kp,
+                                 const float* vp, int64_t kh, int64_t NB, int64_t block_floats, std::vector<float>& acc,
+                                 std::vector<float>& mx, std::vector<float>& sum) {
+  TORCH_CHECK(len > 0 && len <= MB * BS, "paged_decode: context length out of range");
+  const int64_t nblocks = (len + BS - 1) / BS;
+  std::fill(acc.begin(), acc.end(), 0.f);
+  std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+  std::fill(sum.begin(), sum.end(), 0.f);
+  for (int64_t j = 0; j < nblocks && j < PYLON_PREFETCH_AHEAD; ++j)
+    prefetch_kv(kp, vp, table[j], kh, NB, block_floats);
+  return nblocks;
+}
+
+// Block j of a pair: its id checked, the block PYLON_PREFETCH_AHEAD further on prefetched; where its keys and values
+// are, and how many of its keys are in the context.
+struct BlockView {
+  const float* k;
+  const float* v;
+  int64_t n;
+};
+static inline BlockView visit_block(int64_t j, int64_t nblocks, int64_t len, const int64_t* table, const float* kp,
+                                    const float* vp, int64_t kh, int64_t NB, int64_t BS, int64_t block_floats) {
+  const int64_t blk = table[j];
+  TORCH_CHECK(blk >= 0 && blk < NB, "paged_decode: block id out of range");
+  if (j + PYLON_PREFETCH_AHEAD < nblocks)
+    prefetch_kv(kp, vp, table[j + PYLON_PREFETCH_AHEAD], kh, NB, block_floats);
+  return {kp + (kh * NB + blk) * block_floats, vp + (kh * NB + blk) * block_floats, std::min(BS, len - j * BS)};
+}
+
+// The end of a pair: each of its query heads' output is its accumulator over its softmax sum.
+static inline void finish_pair(const std::vector<float>& acc, const std::vector<float>& sum, float* op, int64_t b,
+                               int64_t H, int64_t kh, int64_t share, int64_t D) {
+  for (int64_t s = 0; s < share; ++s) {
+    const float inv = 1.f / sum[s];
+    const float* a = acc.data() + s * D;
+    float* o = op + (b * H + kh * share + s) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+  }
+}
+
 // q: [B, H, D]; k_cache, v_cache: [KVH, NB, BS, D]; block_tables: [B, MB] (int64); context_lens: [B] (int64).
 // out: [B, H, D]. Query heads kh*share .. kh*share+share-1 read kv head kh.
 static torch::Tensor paged_decode_generic(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -107,25 +149,16 @@ static torch::Tensor paged_decode_generic(torch::Tensor q, torch::Tensor k_cache
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, kh = idx % KVH;
       const int64_t len = lp[b];
-      TORCH_CHECK(len > 0 && len <= MB * BS, "paged_decode: context length out of range");
-      const int64_t nblocks = (len + BS - 1) / BS;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin(), sum.end(), 0.f);
-      const float* qrow0 = qp + (b * H + kh * share) * D;
       const int64_t* table = tp + b * MB;
-      for (int64_t j = 0; j < nblocks && j < PYLON_PREFETCH_AHEAD; ++j)
-        prefetch_kv(kp, vp, table[j], kh, NB, block_floats);
+      const int64_t nblocks = start_pair(len, MB, BS, table, kp, vp, kh, NB, block_floats, acc, mx, sum);
+      const float* qrow0 = qp + (b * H + kh * share) * D;
       // One pass over the blocks with a running softmax (max, sum, rescaled accumulator per query head),
       // the next blocks' keys and values prefetched while this one is computed.
       for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t blk = table[j];
-        TORCH_CHECK(blk >= 0 && blk < NB, "paged_decode: block id out of range");
-        if (j + PYLON_PREFETCH_AHEAD < nblocks)
-          prefetch_kv(kp, vp, table[j + PYLON_PREFETCH_AHEAD], kh, NB, block_floats);
-        const float* kblock = kp + (kh * NB + blk) * block_floats;
-        const float* vblock = vp + (kh * NB + blk) * block_floats;
-        const int64_t n = std::min(BS, len - j * BS);
+        const BlockView view = visit_block(j, nblocks, len, table, kp, vp, kh, NB, BS, block_floats);
+        const float* kblock = view.k;
+        const float* vblock = view.v;
+        const int64_t n = view.n;
         for (int64_t s = 0; s < share; ++s) {
           const float* qrow = qrow0 + s * D;
           float* sc = scores.data() + s * BS;
@@ -157,12 +190,7 @@ static torch::Tensor paged_decode_generic(torch::Tensor q, torch::Tensor k_cache
           mx[s] = m;
         }
       }
-      for (int64_t s = 0; s < share; ++s) {
-        const float inv = 1.f / sum[s];
-        const float* a = acc.data() + s * D;
-        float* o = op + (b * H + kh * share + s) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
-      }
+      finish_pair(acc, sum, op, b, H, kh, share, D);
     }
   });
   return out;
@@ -222,23 +250,14 @@ static void decode_avx512(const float* qp, const float* kp, const float* vp, con
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, kh = idx % KVH;
       const int64_t len = lp[b];
-      TORCH_CHECK(len > 0 && len <= MB * BS, "paged_decode: context length out of range");
-      const int64_t nblocks = (len + BS - 1) / BS;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin(), sum.end(), 0.f);
-      const float* qrow0 = qp + (b * H + kh * share) * D;
       const int64_t* table = tp + b * MB;
-      for (int64_t j = 0; j < nblocks && j < PYLON_PREFETCH_AHEAD; ++j)
-        prefetch_kv(kp, vp, table[j], kh, NB, block_floats);
+      const int64_t nblocks = start_pair(len, MB, BS, table, kp, vp, kh, NB, block_floats, acc, mx, sum);
+      const float* qrow0 = qp + (b * H + kh * share) * D;
       for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t blk = table[j];
-        TORCH_CHECK(blk >= 0 && blk < NB, "paged_decode: block id out of range");
-        if (j + PYLON_PREFETCH_AHEAD < nblocks)
-          prefetch_kv(kp, vp, table[j + PYLON_PREFETCH_AHEAD], kh, NB, block_floats);
-        const float* kblock = kp + (kh * NB + blk) * block_floats;
-        const float* vblock = vp + (kh * NB + blk) * block_floats;
-        const int64_t n = std::min(BS, len - j * BS);
+        const BlockView view = visit_block(j, nblocks, len, table, kp, vp, kh, NB, BS, block_floats);
+        const float* kblock = view.k;
+        const float* vblock = view.v;
+        const int64_t n = view.n;
         for (int64_t s = 0; s < share; ++s) {
           __m512 qv[ND];
           for (int i = 0; i < ND; ++i) qv[i] = _mm512_loadu_ps(qrow0 + s * D + 16 * i);
@@ -293,12 +312,7 @@ static void decode_avx512(const float* qp, const float* kp, const float* vp, con
           }
         }
       }
-      for (int64_t s = 0; s < share; ++s) {
-        const float inv = 1.f / sum[s];
-        const float* a = acc.data() + s * D;
-        float* o = op + (b * H + kh * share + s) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
-      }
+      finish_pair(acc, sum, op, b, H, kh, share, D);
     }
   });
 }
