@@ -154,7 +154,7 @@ def engine_spec(args):
     return EngineSpec(max_num_seqs=max(args.concurrency, args.max_num_seqs or 0),
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=kv, block_size=block,
                       max_model_len=args.max_model_len, device="cpu", dtype="fp32",
-                      separate_process=not args.in_process_engine)
+                      kv_cache_dtype=args.kv_cache_dtype, separate_process=not args.in_process_engine)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -553,6 +553,9 @@ def parse_args(argv):
     e.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="default: concurrency x max_model_len (never preempts)")
     e.add_argument("--max-model-len", type=int, default=None, help="default: n_positions")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"],
+                   help="how the KV cache stores keys and values (default auto: fp32, as the model computes); "
+                        "a narrower cache gives up exact greedy parity, which the run then reports as it finds it")
     e.add_argument("--in-process-engine", action="store_true",
                    help="engine leg and replica: the engine loop on a thread of the same process "
                         "(engine.separate_process: false) instead of a child process")
@@ -643,8 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         model, tok = build_model(args, model_dir)
         spec = engine_spec(args)
         print(f"engine: max_num_seqs {spec.max_num_seqs}, max_num_batched_tokens {spec.max_num_batched_tokens}, "
-              f"kv_cache_tokens {spec.kv_cache_tokens}, block_size {spec.block_size}, max_model_len "
-              f"{spec.max_model_len}; {args.engines} engine process(es) / replica(s) of {args.replica_cpus:g} CPU "
+              f"kv_cache_tokens {spec.kv_cache_tokens} ({spec.kv_cache_dtype}), block_size {spec.block_size}, "
+              f"max_model_len {spec.max_model_len}; {args.engines} engine process(es) / replica(s) of {args.replica_cpus:g} CPU "
               f"({threads_per_engine(args)} torch thread(s) each)", flush=True)
         for leg in args.legs:
             t = time.perf_counter()

@@ -176,16 +176,29 @@ def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, devic
                           table.reshape(-1).to(device), num_blocks, K, bias.to(device), num_keys.to(device))
 
 
+def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """Write the step's keys (or values) `x` (`[T, kv_heads, head_dim]`) at their slots of `cache`, converted to how
+    the cache stores them (the engine's kv_cache_dtype: float8 saturates at +-448, as torch's conversion does)."""
+    num_kv_heads, _, _, head_dim = cache.shape
+    src = x.transpose(0, 1).to(cache.dtype)
+    flat = cache.view(num_kv_heads, -1, head_dim)
+    if cache.element_size() == 1:  # torch has no index_copy_ for float8: copy the bytes
+        flat, src = flat.view(torch.uint8), src.view(torch.uint8)
+    flat.index_copy_(1, slot_mapping, src)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     workspace: Workspace | None = None) -> torch.Tensor:
     """Attention output `[T, heads, head_dim]` for the step's queries `q` (`[T, heads, head_dim]`), after
-    storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout)."""
+    storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout). The caches may
+    be stored in a narrower dtype than `q` (kv_cache_dtype): keys and values read back are widened to `q`'s; a
+    prompt chunk that starts its prompt attends over its own fresh keys and values, unrounded, as vLLM does."""
     num_kv_heads, num_pool_blocks, block_size, head_dim = k_cache.shape
     heads = q.shape[1]
     share = heads // num_kv_heads  # query heads per kv head
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    store_kv(k_cache, meta.slot_mapping, k)
+    store_kv(v_cache, meta.slot_mapping, v)
     workspace = workspace or Workspace()
     out = torch.empty_like(q)
     for c in meta.chunks:
@@ -197,6 +210,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             num_keys = c.start + c.num_new
             keys = k_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
             values = v_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops where the cache is stored as computed
             mask = c.mask
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
                                                   scale=scale, enable_gqa=share > 1)
@@ -213,8 +227,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         shape = (num_kv_heads, B * nb, block_size, head_dim)
         keys = torch.index_select(k_cache, 1, g.key_blocks, out=workspace.get("k", shape, k_cache))
         values = torch.index_select(v_cache, 1, g.key_blocks, out=workspace.get("v", shape, v_cache))
-        keys = keys.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K]
-        values = values.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K]
+        keys = keys.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K].to(q.dtype)
+        values = values.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K].to(q.dtype)
         # [B, Q, kv_heads, share, D] -> [kv_heads, B, share, Q, D]: a kv head's query heads share its keys.
         queries = (q[g.query_index].view(B, Q, num_kv_heads, share, head_dim).permute(2, 0, 3, 1, 4)
                    .reshape(num_kv_heads * B, share * Q, head_dim))

@@ -76,7 +76,7 @@ class LLMEngine:
         with local_model_dir(model) as directory:
             self.tokenizer = load_model_tokenizer(directory)
             self.runner = ModelRunner(directory, num_blocks=self.pool.num_blocks, block_size=spec.block_size,
-                                      device=spec.device, dtype=spec.dtype)
+                                      device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
         # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
         self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
         self.scheduler = Scheduler(self.pool, max_num_seqs=spec.max_num_seqs,

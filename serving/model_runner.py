@@ -28,6 +28,7 @@ from pylon.serving.scheduler import ScheduledRequest
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh approximation, under its Hugging Face names
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -48,6 +49,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise PylonError(f"engine.dtype: must be one of auto, {', '.join(DTYPES)} (got {dtype!r})")
     return DTYPES[dtype]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """How the KV cache stores keys and values: `auto` as the model computes (`dtype`)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in KV_DTYPES:
+        raise PylonError(f"engine.kv_cache_dtype: must be one of auto, {', '.join(KV_DTYPES)} "
+                         f"(got {kv_cache_dtype!r})")
+    return KV_DTYPES[kv_cache_dtype]
 
 
 def _model_type(model_dir: str) -> str | None:
@@ -109,7 +120,7 @@ class _GPT2Weights:
 
 class ModelRunner:
     def __init__(self, model_dir: str, *, num_blocks: int, block_size: int, device: str = "auto",
-                 dtype: str = "auto"):
+                 dtype: str = "auto", kv_cache_dtype: str = "auto"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model_type = _model_type(model_dir)
@@ -122,6 +133,7 @@ class ModelRunner:
             self._gpt2_act = _gpt2_activation(config.activation_function)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         self.model.to(self.device).eval()
         self.config = config
@@ -134,13 +146,13 @@ class ModelRunner:
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.k_cache = [new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.dtype,
+        self.k_cache = [new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype,
                                      device=self.device) for _ in range(config.num_hidden_layers)]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
         from pylon.serving import kernels
 
-        self.kernel = kernels.usable(self.device, self.dtype)  # decodes attend in place (see kernels.py)
+        self.kernel = kernels.usable(self.device, self.dtype, self.kv_dtype)  # decodes attend in place (see kernels.py)
         if model_type == "gpt2" and self.kernel and config.activation_function in TANH_GELUS:
             self._gpt2_act = kernels.gelu_tanh_  # the same function, ~10x torch's on a CPU (see kernels.py)
 

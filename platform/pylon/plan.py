@@ -522,6 +522,8 @@ def _explain(plan: TrainPlan) -> list[str]:
 # Serving plans
 # ---------------------------------------------------------------------------------------------------------
 
+KV_BYTES = {**WEIGHT_BYTES, "fp8": 1}  # bytes of a key or value element per engine.kv_cache_dtype
+
 
 @dataclass(frozen=True)
 class ServeOption:
@@ -608,7 +610,8 @@ def plan_serve(spec: DeploymentSpec, *, catalog: Catalog | None = None, gpu: str
     dtype = "bf16" if e.dtype == "auto" else e.dtype  # auto is bf16 on these GPUs (fp32 only on CPU)
     b = WEIGHT_BYTES[dtype]
     weights = shape.total_params * b
-    per_token = kv_bytes_per_token(shape, b)
+    kv_dtype = dtype if e.kv_cache_dtype == "auto" else e.kv_cache_dtype
+    per_token = kv_bytes_per_token(shape, KV_BYTES[kv_dtype])
     # Prefill of a token batch: a few hidden-size tensors and the MLP's intermediate ones; fp32 logits of the
     # sequences that sample.
     workspace = (e.max_num_batched_tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * b
@@ -866,11 +869,12 @@ def _render_train(p: TrainPlan) -> str:
 
 def _render_serve(p: ServePlan) -> str:
     s = p.shape
+    kv_bytes = p.kv_per_token // max(1, s.num_layers * s.kv_heads * s.head_dim * 2)  # per key or value element
     lines = [
         f"Deployment '{p.name}': {p.model}, {_count(s.total_params)} parameters, {p.dtype}",
         f"  weights {_gib(s.total_params * WEIGHT_BYTES[p.dtype])}, KV cache {p.kv_per_token / 2**10:,.1f} KiB per "
-        f"token ({s.num_layers} layers x {s.kv_heads} KV heads x {s.head_dim} x 2); spec: {p.kv_cache_tokens:,} KV "
-        f"tokens, max_model_len {p.max_model_len:,}, max_num_seqs {p.max_num_seqs}",
+        f"token ({s.num_layers} layers x {s.kv_heads} KV heads x {s.head_dim} x 2 x {kv_bytes} bytes); spec: "
+        f"{p.kv_cache_tokens:,} KV tokens, max_model_len {p.max_model_len:,}, max_num_seqs {p.max_num_seqs}",
         "",
         f"Per accelerator (one GPU per replica; throughput at contexts of {p.max_model_len // 2:,} tokens):",
     ]

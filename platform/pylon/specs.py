@@ -349,6 +349,12 @@ class EngineSpec(_Spec):
     max_model_len: PositiveInt = 1024
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = Field(
+        "auto", description="how the paged KV cache stores keys and values (vLLM's kv_cache_dtype): auto = as the "
+                            "model computes (dtype); bf16 or fp16 halve the cache's memory per token and the bytes "
+                            "every decode step reads, fp8 (e4m3, unscaled, saturating at +-448) quarters them. "
+                            "Attention still computes in dtype, but outputs are no longer exactly the model's own: "
+                            "greedy outputs can part from `transformers` generate's after a few tokens")
     separate_process: bool = Field(
         True, description="in a Serve replica, run the engine in a child process of its own (as vLLM v1 runs its "
                           "engine core): HTTP and Serve's work then never hold the Python lock the step loop needs")

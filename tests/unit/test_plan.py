@@ -145,6 +145,20 @@ def test_70b_in_bf16_needs_140_gb_of_weights_and_does_not_fit_one_h100(tmp_path:
     assert req.memory.params > 135e9 and not req.fits and "GPU memory" in req.binding
 
 
+def test_a_narrower_kv_cache_dtype_fits_more_tokens(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    plans = {kv: plan_serve(DeploymentSpec(name="big", model=str(tmp_path), replica={"num_gpus": 1},
+                                           engine={"device": "cuda", "max_model_len": 4096, "kv_cache_dtype": kv}))
+             for kv in ("auto", "bf16", "fp8", "fp32")}
+    per_token = {kv: p.kv_per_token for kv, p in plans.items()}
+    # 80 layers x 8 KV heads x 128 dims x (K and V): 2 bytes each as the model computes on a GPU (bf16)
+    assert per_token == {"auto": 80 * 8 * 128 * 2 * 2, "bf16": 80 * 8 * 128 * 2 * 2, "fp8": 80 * 8 * 128 * 2,
+                         "fp32": 80 * 8 * 128 * 2 * 4}
+    row = {kv: next(r for r in p.rows if r.accelerator.name == "MI300X") for kv, p in plans.items()}
+    assert row["fp8"].kv_tokens_fit == pytest.approx(2 * row["bf16"].kv_tokens_fit, rel=1e-6)
+    assert row["fp8"].kv_cache * 2 == row["bf16"].kv_cache and row["fp8"].weights == row["bf16"].weights
+
+
 def test_7b_full_finetune_on_8_a100_80gb_is_plausible_and_explained() -> None:
     plan = plan_train(_train(steps=500, batch={"micro_batch_size": 8, "grad_accum_steps": 1}), gpu="A100-80GB",
                       gpus=8)

@@ -13,6 +13,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+from pydantic import ValidationError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pylon.data.tokenizer import ByteTokenizer
@@ -463,6 +464,33 @@ def test_half_precision_and_device_choices(gpt2: Family) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(PylonError, match="no CUDA device"):
             gpt2.engine(device="cuda")
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8"])
+def test_a_narrower_kv_cache_stays_close_to_the_models_own_greedy(family: Family, kv: str) -> None:
+    """kv_cache_dtype: the cache holds keys and values in `kv` (half or a quarter of float32's bytes). Prefill
+    attends over its own fresh keys, so every first token is transformers' exactly; later tokens read the rounded
+    cache and may part from float32 greedy (fp8's 3 mantissa bits soon do on this random model), but the kernel
+    and the PyTorch path read the same cache and must agree token for token."""
+    results = {}
+    for kernel in (True, False):
+        engine = family.engine(kv_cache_dtype=kv, max_num_batched_tokens=512)  # no prompt is chunked
+        assert engine.runner.k_cache[0].dtype == {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                                  "fp8": torch.float8_e4m3fn}[kv]
+        assert engine.runner.kernel is True  # the kernel reads narrow caches (fp32 compute on a CPU)
+        engine.runner.kernel = kernel
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+        outputs = run(engine)
+        results[kernel] = [tokens_of(outputs[f"r{i}"]) for i in range(len(PROMPTS))]
+        assert_pool_empty(engine)
+    assert results[True] == results[False]
+    for got, expected in zip(results[True], family.greedy):
+        assert got[0] == expected[0]
+        if kv != "fp8":  # 16-bit caches: 7-20 tokens agree on these prompts (fp32 rounding alone: all 20)
+            assert got[:5] == expected[:5]
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        EngineSpec(kv_cache_dtype="int4")
 
 
 def test_many_concurrent_requests_beyond_max_num_seqs_match_transformers_greedy(family: Family) -> None:

@@ -117,6 +117,20 @@ def test_finish_takes_a_waiting_request_out_too() -> None:
 # row), with blocks shorter and longer than its 16-key chunks and one that ends in a partial chunk (24 = 16 + 8).
 @pytest.mark.parametrize("dim,block_size", [(8, 4), (64, 4), (64, 32), (32, 24), (128, 16), (256, 8)])
 def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: int, dim: int, block_size: int) -> None:
+    check_paged_attention(kernel, kv_heads, dim, block_size, torch.float32)
+
+
+# A cache stored narrower than the model computes (kv_cache_dtype): what is read back is the stored keys and values
+# widened exactly, so attention must equal dense attention over the rounded keys and values, to float32 precision.
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("dim,block_size", [(8, 4), (64, 16), (32, 24), (128, 8)])
+def test_paged_attention_over_a_narrower_cache_reads_back_what_it_stored(kernel: bool, kv_dtype: torch.dtype,
+                                                                         dim: int, block_size: int) -> None:
+    check_paged_attention(kernel, 2, dim, block_size, kv_dtype)
+
+
+def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int, kv_dtype: torch.dtype) -> None:
     if kernel:
         from pylon.serving import kernels
 
@@ -132,7 +146,7 @@ def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: i
     k = [torch.randn(t, kv_heads, dim) * 2 for t in total]  # spread-out scores: a softmax far from uniform
     v = [torch.randn(t, kv_heads, dim) for t in total]
     pool = sum(-(-t // block_size) for t in total) + 3
-    k_cache = new_kv_cache(pool, block_size, kv_heads, dim, dtype=torch.float32, device="cpu")
+    k_cache = new_kv_cache(pool, block_size, kv_heads, dim, dtype=kv_dtype, device="cpu")
     v_cache = torch.zeros_like(k_cache)
     blocks = torch.randperm(pool).tolist()  # scattered blocks, as a pool that has been in use hands them out
     tables, used = [], 0
@@ -152,12 +166,16 @@ def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: i
     out, live = run_step(cached, new)
     offset = 0
     for i in live:
-        dense = F.scaled_dot_product_attention(q[i][None].transpose(1, 2), k[i][None].transpose(1, 2),
-                                               v[i][None].transpose(1, 2), is_causal=False, enable_gqa=True,
+        # A chunk that starts its prompt attends over its fresh keys and values; everything else over the cache's.
+        rounded = (lambda x: x) if cached[i] == 0 else (lambda x: x.to(kv_dtype).float())  # noqa: E731
+        dense = F.scaled_dot_product_attention(q[i][None].transpose(1, 2), rounded(k[i])[None].transpose(1, 2),
+                                               rounded(v[i])[None].transpose(1, 2), is_causal=False, enable_gqa=True,
                                                attn_mask=torch.ones(total[i], total[i], dtype=torch.bool).tril())
         expected = dense[0].transpose(0, 1)[cached[i]:]
         torch.testing.assert_close(out[offset:offset + new[i]], expected)
         offset += new[i]
+    if kv_dtype != torch.float32:  # and the cache really holds the narrower values (not float32 ones)
+        assert k_cache.dtype == kv_dtype and not torch.equal(rounded(k[5]), k[5])
 
 
 def test_the_gelu_kernel_is_gpt2s_tanh_gelu() -> None:
