@@ -78,7 +78,8 @@ class PromptChunk:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T]: where each new token's key and value go in a head's flattened pool
+    slot_mapping: torch.Tensor | None  # [T]: where each new token's key and value go in a head's flattened pool
+    # (None: the keys and values are already in the cache; see `final_metadata`)
     groups: list[AttentionGroup]  # decodes (one query each)
     kernel: bool = False  # decode groups go to the compiled kernel (pylon.serving.kernels)
     chunks: tuple[PromptChunk, ...] = ()
@@ -126,6 +127,16 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     groups = [make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype) for m in members if m]
     chunks = tuple(_chunk(seq, offset, block_size, device) for seq, offset in zip(seqs, offsets) if seq.num_new > 1)
     return AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(device), groups, kernel, chunks)
+
+
+def final_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32, *, kernel: bool = False) -> AttentionMetadata:
+    """The last layer's attention for the step's sampling tokens only, one query each: `seqs` are
+    `SequenceSlice(position, 1, table)` of each sampling token, in the order of the queries. Their keys and values,
+    the step's included, are in the cache when it runs (the layer stores every token's first), so it stores
+    nothing and every query is a decode over the cache."""
+    meta = build_metadata(seqs, block_size, device, dtype, kernel=kernel)
+    return AttentionMetadata(None, meta.groups, meta.kernel, meta.chunks)
 
 
 def _kernel_group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
@@ -191,14 +202,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     workspace: Workspace | None = None) -> torch.Tensor:
     """Attention output `[T, heads, head_dim]` for the step's queries `q` (`[T, heads, head_dim]`), after
-    storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout). The caches may
+    storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout; unless
+    `meta.slot_mapping` is None: then they are there already and `k`, `v` are not used). The caches may
     be stored in a narrower dtype than `q` (kv_cache_dtype): keys and values read back are widened to `q`'s; a
     prompt chunk that starts its prompt attends over its own fresh keys and values, unrounded, as vLLM does."""
     num_kv_heads, num_pool_blocks, block_size, head_dim = k_cache.shape
     heads = q.shape[1]
     share = heads // num_kv_heads  # query heads per kv head
-    store_kv(k_cache, meta.slot_mapping, k)
-    store_kv(v_cache, meta.slot_mapping, v)
+    if meta.slot_mapping is not None:
+        store_kv(k_cache, meta.slot_mapping, k)
+        store_kv(v_cache, meta.slot_mapping, v)
     workspace = workspace or Workspace()
     out = torch.empty_like(q)
     for c in meta.chunks:

@@ -375,7 +375,9 @@ class AsyncLLMEngine:
                 if interval_s > 0 and queue.empty() and (wait := next_at - loop.time()) > 0:
                     await asyncio.sleep(wait)  # let this interval's steps pile up
                 items = [await queue.get()]
-                while not queue.empty() and not isinstance(items[-1], BaseException) and interval_s > 0:
+                # The first output goes alone, whenever this task gets to it: the time to first token is the
+                # first step's; a later one takes every step queued since the previous.
+                while not queue.empty() and not isinstance(items[-1], BaseException) and interval_s > 0 and next_at:
                     items.append(queue.get_nowait())
                 error = next((i for i in items if isinstance(i, BaseException)), None)
                 if error is not None:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace, build_metadata, new_kv_cache,
-                                     paged_attention)
+from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace, build_metadata, final_metadata,
+                                     new_kv_cache, paged_attention, store_kv)
 from pylon.serving.scheduler import ScheduledRequest
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
@@ -160,51 +160,98 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one step; return float32 logits `[sampling sequences, vocab]`, in the order of `scheduled`
         restricted to those whose `samples` is true (empty when none samples)."""
-        token_ids, positions, seqs, last_tokens = [], [], [], []
+        token_ids, positions, seqs, last_tokens, finals = [], [], [], [], []
         for s, table in zip(scheduled, block_tables):
             token_ids.extend(s.request.token_ids[s.start:s.start + s.num_new_tokens])
             positions.extend(range(s.start, s.start + s.num_new_tokens))
             seqs.append(SequenceSlice(s.start, s.num_new_tokens, table))
             if s.samples:
                 last_tokens.append(len(token_ids) - 1)
+                finals.append(SequenceSlice(s.start + s.num_new_tokens - 1, 1, table))
         meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel)
+        final = Final(torch.tensor(last_tokens, dtype=torch.long, device=self.device),
+                      final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel)
+                      if finals else None)
         ids = torch.tensor(token_ids, device=self.device)
-        hidden = self._forward(ids, torch.tensor(positions, device=self.device), meta)
+        hidden = self._forward(ids, torch.tensor(positions, device=self.device), meta, final)
         if not last_tokens:
             return torch.empty(0, self.vocab_size, device=self.device)
-        return self.model.lm_head(hidden[torch.tensor(last_tokens, device=self.device)]).float()
+        return self.model.lm_head(hidden).float()
 
-    def _forward_gpt2(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states `[T, hidden]` (after ln_f) of GPT-2 (pre-norm blocks, learned positions).
+    def _forward_gpt2(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      final: "Final") -> torch.Tensor:
+        """Final hidden states (after ln_f) of GPT-2 (pre-norm blocks, learned positions) at the sampling tokens
+        (`final`): `[sampling tokens, hidden]`.
 
         The loaded model's own parameters, called through the functional ops its modules would run (GPT-2's
         Conv1D is `addmm(bias, x, weight)`; dropout is the identity in eval): the same arithmetic without
         a dozen module calls and shape juggling per layer, which on a small model is a good part of a step."""
         T = len(ids)
         h = F.embedding(ids, self._gpt2.wte) + F.embedding(positions, self._gpt2.wpe)
+        last = len(self._gpt2.layers) - 1
         for i, layer in enumerate(self._gpt2.layers):
             qkv = torch.addmm(layer.qkv_b, F.layer_norm(h, *layer.ln_1), layer.qkv_w)
             q, k, v = qkv.view(T, 3, layer.heads, layer.head_dim).unbind(1)
             # layer.scaling is attn.scaling: it folds in scale_attn_weights and scale_attn_by_inverse_layer_idx.
-            a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, layer.scaling, self.workspace)
+            if i == last:  # from here on only the sampling tokens matter (see Final)
+                q, h, T = final.narrow(q, k, v, h, self.k_cache[i], self.v_cache[i], meta.slot_mapping)
+                if final.meta is None:
+                    break
+                a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], final.meta, layer.scaling,
+                                    self.workspace)
+            else:
+                a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, layer.scaling, self.workspace)
             h = h + torch.addmm(layer.proj_b, a.view(T, -1), layer.proj_w)
             up = self._gpt2_act(torch.addmm(layer.fc_b, F.layer_norm(h, *layer.ln_2), layer.fc_w))
             h = h + torch.addmm(layer.down_b, up, layer.down_w)
         return F.layer_norm(h, *self._gpt2.ln_f)
 
-    def _forward_llama(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states `[T, hidden]` (after the last RMSNorm) of Llama (RoPE, grouped-query attention)."""
+    def _forward_llama(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       final: "Final") -> torch.Tensor:
+        """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
+        tokens (`final`): `[sampling tokens, hidden]`."""
         llama = self.model.model
         h = llama.embed_tokens(ids)
         cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
+        last = len(llama.layers) - 1
         for i, layer in enumerate(llama.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(len(ids), -1, attn.head_dim)
-            k = attn.k_proj(x).view(len(ids), -1, attn.head_dim)
-            v = attn.v_proj(x).view(len(ids), -1, attn.head_dim)
+            q = attn.q_proj(x).view(len(x), -1, attn.head_dim)
+            k = attn.k_proj(x).view(len(x), -1, attn.head_dim)
+            v = attn.v_proj(x).view(len(x), -1, attn.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
-            a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, attn.scaling, self.workspace)
-            h = h + attn.o_proj(a.reshape(len(ids), -1))
+            if i == last:  # from here on only the sampling tokens matter (see Final)
+                q, h, _ = final.narrow(q, k, v, h, self.k_cache[i], self.v_cache[i], meta.slot_mapping)
+                if final.meta is None:
+                    break
+                a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], final.meta, attn.scaling,
+                                    self.workspace)
+            else:
+                a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, attn.scaling, self.workspace)
+            h = h + attn.o_proj(a.reshape(len(h), -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return llama.norm(h)
+
+
+@dataclass(frozen=True)
+class Final:
+    """The last layer of a step, for the tokens that sample only.
+
+    Every token's keys and values must reach the cache, at every layer: later tokens attend to them. But a token's
+    output of the last layer (its attention, output projection and MLP) feeds nothing but its own logits, which
+    only the sampling tokens (each decode, and a prompt's last token) need. A step that is mostly prompt chunks
+    would spend a quarter of a 4-layer model's projections and MLPs on outputs thrown away, so the last layer stores
+    every token's keys and values, then attends and runs its MLP for the sampling tokens only, each one query over
+    the cache (`final_metadata`)."""
+
+    rows: torch.Tensor  # [S]: the sampling tokens' indices in the step's flat batch
+    meta: AttentionMetadata | None  # their attention, one query each over the cache; None when none samples
+
+    def narrow(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+        """Store the last layer's keys and values of every token (at `slot_mapping`, the step's), then keep only
+        the sampling tokens' queries and hidden states: `(q, h, S)`."""
+        store_kv(k_cache, slot_mapping, k)
+        store_kv(v_cache, slot_mapping, v)
+        return q[self.rows], h[self.rows], len(self.rows)

@@ -468,10 +468,10 @@ def test_half_precision_and_device_choices(gpt2: Family) -> None:
 
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8"])
 def test_a_narrower_kv_cache_stays_close_to_the_models_own_greedy(family: Family, kv: str) -> None:
-    """kv_cache_dtype: the cache holds keys and values in `kv` (half or a quarter of float32's bytes). Prefill
-    attends over its own fresh keys, so every first token is transformers' exactly; later tokens read the rounded
-    cache and may part from float32 greedy (fp8's 3 mantissa bits soon do on this random model), but the kernel
-    and the PyTorch path read the same cache and must agree token for token."""
+    """kv_cache_dtype: the cache holds keys and values in `kv` (half or a quarter of float32's bytes), so outputs
+    are close to the model's own but not exact: bf16 and fp16 give transformers' first 5 tokens of every prompt
+    here (7-20 agree; with a float32 cache all 20 do), fp8's 3 mantissa bits most first tokens and soon part from
+    it. The kernel and the PyTorch path read the same cache and must agree token for token."""
     results = {}
     for kernel in (True, False):
         engine = family.engine(kv_cache_dtype=kv, max_num_batched_tokens=512)  # no prompt is chunked
@@ -485,10 +485,10 @@ def test_a_narrower_kv_cache_stays_close_to_the_models_own_greedy(family: Family
         results[kernel] = [tokens_of(outputs[f"r{i}"]) for i in range(len(PROMPTS))]
         assert_pool_empty(engine)
     assert results[True] == results[False]
-    for got, expected in zip(results[True], family.greedy):
-        assert got[0] == expected[0]
-        if kv != "fp8":  # 16-bit caches: 7-20 tokens agree on these prompts (fp32 rounding alone: all 20)
-            assert got[:5] == expected[:5]
+    if kv == "fp8":  # a wrong widening would match 1 in 320 by chance
+        assert sum(got[0] == expected[0] for got, expected in zip(results[True], family.greedy)) >= 6
+    else:
+        assert all(got[:5] == expected[:5] for got, expected in zip(results[True], family.greedy))
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         EngineSpec(kv_cache_dtype="int4")
 
