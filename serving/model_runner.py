@@ -178,6 +178,17 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self.model.lm_head(hidden).float()
 
+    def _attend(self, i: int, last: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
+                meta: AttentionMetadata, final: "Final", scale: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Layer i's attention output and the hidden states it is added to: every token's, or in the `last`
+        layer the sampling tokens' only (see Final); `(None, h)` there when no token samples."""
+        if not last:
+            return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
+        q, h = final.narrow(q, k, v, h, self.k_cache[i], self.v_cache[i], meta.slot_mapping)
+        if final.meta is None:
+            return None, h
+        return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], final.meta, scale, self.workspace), h
+
     def _forward_gpt2(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       final: "Final") -> torch.Tensor:
         """Final hidden states (after ln_f) of GPT-2 (pre-norm blocks, learned positions) at the sampling tokens
@@ -193,14 +204,10 @@ class ModelRunner:
             qkv = torch.addmm(layer.qkv_b, F.layer_norm(h, *layer.ln_1), layer.qkv_w)
             q, k, v = qkv.view(T, 3, layer.heads, layer.head_dim).unbind(1)
             # layer.scaling is attn.scaling: it folds in scale_attn_weights and scale_attn_by_inverse_layer_idx.
-            if i == last:  # from here on only the sampling tokens matter (see Final)
-                q, h, T = final.narrow(q, k, v, h, self.k_cache[i], self.v_cache[i], meta.slot_mapping)
-                if final.meta is None:
-                    break
-                a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], final.meta, layer.scaling,
-                                    self.workspace)
-            else:
-                a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, layer.scaling, self.workspace)
+            a, h = self._attend(i, i == last, q, k, v, h, meta, final, layer.scaling)
+            if a is None:
+                break
+            T = len(h)
             h = h + torch.addmm(layer.proj_b, a.view(T, -1), layer.proj_w)
             up = self._gpt2_act(torch.addmm(layer.fc_b, F.layer_norm(h, *layer.ln_2), layer.fc_w))
             h = h + torch.addmm(layer.down_b, up, layer.down_w)
@@ -221,14 +228,9 @@ class ModelRunner:
             k = attn.k_proj(x).view(len(x), -1, attn.head_dim)
             v = attn.v_proj(x).view(len(x), -1, attn.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
-            if i == last:  # from here on only the sampling tokens matter (see Final)
-                q, h, _ = final.narrow(q, k, v, h, self.k_cache[i], self.v_cache[i], meta.slot_mapping)
-                if final.meta is None:
-                    break
-                a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], final.meta, attn.scaling,
-                                    self.workspace)
-            else:
-                a = paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, attn.scaling, self.workspace)
+            a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
+            if a is None:
+                break
             h = h + attn.o_proj(a.reshape(len(h), -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return llama.norm(h)
@@ -251,7 +253,7 @@ class Final:
     def narrow(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot_mapping: torch.Tensor):
         """Store the last layer's keys and values of every token (at `slot_mapping`, the step's), then keep only
-        the sampling tokens' queries and hidden states: `(q, h, S)`."""
+        the sampling tokens' queries and hidden states: `(q, h)`."""
         store_kv(k_cache, slot_mapping, k)
         store_kv(v_cache, slot_mapping, v)
-        return q[self.rows], h[self.rows], len(self.rows)
+        return q[self.rows], h[self.rows]
