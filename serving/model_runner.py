@@ -184,10 +184,13 @@ class ModelRunner:
         layer the sampling tokens' only (see Final); `(None, h)` there when no token samples."""
         if not last:
             return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
-        q, h = final.narrow(q, k, v, h, self.k_cache[i], self.v_cache[i], meta.slot_mapping)
+        store_kv(self.k_cache[i], meta.slot_mapping, k)  # every token's, as paged_attention would
+        store_kv(self.v_cache[i], meta.slot_mapping, v)
+        h = h[final.rows]
         if final.meta is None:
             return None, h
-        return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], final.meta, scale, self.workspace), h
+        return paged_attention(q[final.rows], None, None, self.k_cache[i], self.v_cache[i], final.meta, scale,
+                               self.workspace), h
 
     def _forward_gpt2(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       final: "Final") -> torch.Tensor:
@@ -250,10 +253,3 @@ class Final:
     rows: torch.Tensor  # [S]: the sampling tokens' indices in the step's flat batch
     meta: AttentionMetadata | None  # their attention, one query each over the cache; None when none samples
 
-    def narrow(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-        """Store the last layer's keys and values of every token (at `slot_mapping`, the step's), then keep only
-        the sampling tokens' queries and hidden states: `(q, h)`."""
-        store_kv(k_cache, slot_mapping, k)
-        store_kv(v_cache, slot_mapping, v)
-        return q[self.rows], h[self.rows]
