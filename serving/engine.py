@@ -266,9 +266,26 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
                                token_ids=[t for o in outputs for t in o.token_ids])
 
 
-def _put_all(puts: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+class _StreamQueue(asyncio.Queue):
+    """A stream's outputs. `wake`: set while the consumer waits for its next tick; an output that ends the
+    stream (finished, or an error) ends that wait at once."""
+
+    wake: asyncio.Future | None = None
+
+    def put_output(self, item: RequestOutput | BaseException) -> None:
+        self.put_nowait(item)
+        if (isinstance(item, BaseException) or item.finished) and self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+
+def _put_all(puts: list[tuple[_StreamQueue, RequestOutput]]) -> None:
     for queue, item in puts:
-        queue.put_nowait(item)
+        queue.put_output(item)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class AsyncLLMEngine:
@@ -285,7 +302,7 @@ class AsyncLLMEngine:
         # Generous: a step (a long prefill on a CPU) must never read as a dead loop.
         self.engine = engine
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _StreamQueue]] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._dead: EngineDeadError | None = None
@@ -326,7 +343,7 @@ class AsyncLLMEngine:
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, handed to each consumer's event loop in one call per loop: one wake-up of the
         loop per step instead of one per request (each is a write to the loop's self-pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_StreamQueue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:  # else its consumer went away; the abort it sent is on its way
@@ -343,7 +360,7 @@ class AsyncLLMEngine:
             return
         loop, queue = stream
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop.call_soon_threadsafe(queue.put_output, item)
         except RuntimeError:  # that event loop is closed
             pass
 
@@ -362,7 +379,7 @@ class AsyncLLMEngine:
         self._raise_if_dead()
         if request_id in self._streams:
             raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _StreamQueue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         added = finished = False
         try:
@@ -373,7 +390,15 @@ class AsyncLLMEngine:
             next_at = 0.0
             while not finished:
                 if interval_s > 0 and queue.empty() and (wait := next_at - loop.time()) > 0:
-                    await asyncio.sleep(wait)  # let this interval's steps pile up
+                    # Let this interval's steps pile up, but not the last output: a finished request's client
+                    # (a closed-loop one sends its next request then) hears it at once, not at the tick.
+                    queue.wake = loop.create_future()
+                    timer = loop.call_later(wait, _resolve, queue.wake)
+                    try:
+                        await queue.wake
+                    finally:
+                        timer.cancel()
+                        queue.wake = None
                 items = [await queue.get()]
                 # The first output goes alone, whenever this task gets to it: the time to first token is the
                 # first step's; a later one takes every step queued since the previous.

@@ -549,9 +549,32 @@ def test_an_interval_coalesces_a_stream_without_changing_its_tokens(gpt2: Family
     assert tokens_of(merged) == tokens_of(every) and "".join(o.text for o in merged) == "".join(o.text for o in every)
     assert len(merged[0].token_ids) == 1  # the first token is never held back
     assert len(merged) < len(every)  # later ones are joined...
-    assert all(b - a >= 0.02 for a, b in zip(times, times[1:]))  # ...at least half an interval apart (next_tick)
+    # ...at least half an interval apart (next_tick), all but the last: the end is heard at once.
+    assert all(b - a >= 0.02 for a, b in zip(times[:-1], times[1:-1]))
     assert [o.finished for o in merged].count(True) == 1 and merged[-1].finish_reason == "length"
     assert merged[-1].num_output_tokens == 60
+
+
+def test_a_coalesced_stream_hears_its_end_at_once_not_at_the_next_tick(gpt2: Family) -> None:
+    """A request that finishes while its stream waits for a tick ends the stream at once: a closed-loop
+    client sends its next request then, and until it does its sequence slot in the engine stands empty."""
+    engine = AsyncLLMEngine(gpt2.engine())
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    interval = 2.0  # the next tick is at least 1 s after the first output; the 3 later tokens take milliseconds
+
+    async def run() -> tuple[list, float]:
+        outs = []
+        async for out in engine.generate("end", PROMPTS[1], params, interval_s=interval):
+            outs.append(out)
+        return outs, time.monotonic()
+
+    try:
+        outs, ended = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert [len(o.token_ids) for o in outs] == [1, 3]  # the first alone, the rest merged into the last
+    assert outs[-1].finish_reason == "length"
+    assert ended - outs[-1].metrics.last_token_time < 0.5, ended - outs[-1].metrics.last_token_time
 
 
 def test_coalesced_streams_wake_together_on_shared_ticks() -> None:
