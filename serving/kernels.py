@@ -53,7 +53,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-NAME = "pylon_paged_attention_v5"
+NAME = "pylon_paged_attention_v6"
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -64,8 +64,11 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PYLON_AVX2 1  // AVX2 CPUs without AVX-512 (AMD Zen 1-3, Intel client cores): 8 floats a vector
 #endif
 
 // How keys and values are stored in the pool (the engine's kv_cache_dtype); attention always computes in float32.
@@ -75,6 +78,9 @@ struct F32 {
   static inline float get(const T* p) { return *p; }
 #ifdef __AVX512F__
   static inline __m512 load16(const T* p) { return _mm512_loadu_ps(p); }
+#endif
+#ifdef PYLON_AVX2
+  static inline __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
 #endif
 };
 struct BF16 {  // the upper half of a float32: widening is a shift
@@ -91,6 +97,12 @@ struct BF16 {  // the upper half of a float32: widening is a shift
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   }
 #endif
+#ifdef PYLON_AVX2
+  static inline __m256 load8(const T* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+#endif
 };
 struct F16 {  // IEEE half
   using T = at::Half;
@@ -99,6 +111,9 @@ struct F16 {  // IEEE half
   static inline __m512 load16(const T* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+#endif
+#ifdef PYLON_AVX2
+  static inline __m256 load8(const T* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 };
 struct FP8 {  // float8 e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities)
@@ -123,6 +138,13 @@ struct FP8 {  // float8 e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bi
     const __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 7);
     const __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
     return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  }
+#endif
+#ifdef PYLON_AVX2
+  static inline __m256 load8(const T* p) {  // as load16, 8 at a time
+    const __m128i t = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+    const __m128i h = _mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
   }
 #endif
 };
@@ -370,6 +392,119 @@ static void decode_avx512(const float* qp, const typename S::T* kp, const typena
 }
 #endif
 
+#ifdef PYLON_AVX2
+// exp of 8 floats: exp512's polynomial; 2^n built in the exponent bits (AVX2 has no scalef). n stays in
+// [-126, 128] after the clamp; 128 gives the bits of +inf, which is what exp(88.38) is to a float anyway.
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.3762626647949f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Lane t of the result = the sum of v[t]'s 8 lanes (sum16's tree for 8 vectors of 8).
+static inline __m256 sum8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a = [v0 v1 v2 v3 of the low 128 bits | the same of the high 128 bits], b likewise for v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// decode_avx512's computation 8 floats a vector: the head dimension in ND registers, 8 keys' scores at a time
+// (sum8), their exponentials in one vector, the values accumulated in registers.
+template <typename S, int ND>
+static void decode_avx2(const float* qp, const typename S::T* kp, const typename S::T* vp, const int64_t* tp,
+                        const int64_t* lp, float* op, int64_t B, int64_t H, int64_t KVH, int64_t NB, int64_t BS,
+                        int64_t MB, float fscale) {
+  constexpr int64_t D = 8 * ND;
+  using T = typename S::T;
+  const int64_t share = H / KVH, block_floats = BS * D;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(share * D), mx(share), sum(share);
+    alignas(32) float pr[8];
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / KVH, kh = idx % KVH;
+      const int64_t len = lp[b];
+      const int64_t* table = tp + b * MB;
+      const int64_t nblocks = start_pair(len, MB, BS, table, kp, vp, kh, NB, block_floats, acc, mx, sum);
+      const float* qrow0 = qp + (b * H + kh * share) * D;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const auto view = visit_block(j, nblocks, len, table, kp, vp, kh, NB, BS, block_floats);
+        const T* kblock = view.k;
+        const T* vblock = view.v;
+        const int64_t n = view.n;
+        for (int64_t s = 0; s < share; ++s) {
+          const float* qrow = qrow0 + s * D;
+          float* a = acc.data() + s * D;
+          for (int64_t c0 = 0; c0 < n; c0 += 8) {
+            const int64_t cn = std::min<int64_t>(8, n - c0);
+            __m256 part[8];
+            for (int64_t t = 0; t < 8; ++t) {
+              if (t >= cn) {  // past the context (or the block): masked out below
+                part[t] = _mm256_setzero_ps();
+                continue;
+              }
+              const T* krow = kblock + (c0 + t) * D;
+              __m256 d0 = _mm256_mul_ps(_mm256_loadu_ps(qrow), S::load8(krow));
+              __m256 d1 = ND > 1 ? _mm256_mul_ps(_mm256_loadu_ps(qrow + 8), S::load8(krow + 8)) : _mm256_setzero_ps();
+              for (int i = 2; i < ND; i += 2) {
+                d0 = _mm256_fmadd_ps(_mm256_loadu_ps(qrow + 8 * i), S::load8(krow + 8 * i), d0);
+                if (i + 1 < ND) d1 = _mm256_fmadd_ps(_mm256_loadu_ps(qrow + 8 * (i + 1)), S::load8(krow + 8 * (i + 1)), d1);
+              }
+              part[t] = _mm256_add_ps(d0, d1);
+            }
+            const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)), lane));
+            const __m256 scv = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                                _mm256_mul_ps(sum8(part), _mm256_set1_ps(fscale)), live);
+            const float m = std::max(mx[s], hmax8(scv));
+            const float correction = std::exp(mx[s] - m);  // 0 for the first chunk (mx = -inf)
+            const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(scv, _mm256_set1_ps(m))));
+            sum[s] = sum[s] * correction + hsum8(p);
+            mx[s] = m;
+            _mm256_store_ps(pr, p);
+            __m256 av[ND];
+            const __m256 cv = _mm256_set1_ps(correction);
+            for (int i = 0; i < ND; ++i) av[i] = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * i), cv);
+            for (int64_t t = 0; t < cn; ++t) {
+              const __m256 p0 = _mm256_set1_ps(pr[t]);
+              const T* v0 = vblock + (c0 + t) * D;
+              for (int i = 0; i < ND; ++i) av[i] = _mm256_fmadd_ps(p0, S::load8(v0 + 8 * i), av[i]);
+            }
+            for (int i = 0; i < ND; ++i) _mm256_storeu_ps(a + 8 * i, av[i]);
+          }
+        }
+      }
+      finish_pair(acc, sum, op, b, H, kh, share, D);
+    }
+  });
+}
+#endif
+
 // One storage type: the AVX-512 loop where it was compiled for and the head dimension is 32, 64, 128 or 256,
 // the generic one otherwise.
 template <typename S>
@@ -384,6 +519,14 @@ static void decode_any(const float* qp, const typename S::T* kp, const typename 
   if (D == 64) return run(std::integral_constant<int, 4>{});
   if (D == 128) return run(std::integral_constant<int, 8>{});
   if (D == 256) return run(std::integral_constant<int, 16>{});
+#elif defined(PYLON_AVX2)
+  auto run = [&](auto nd) {
+    decode_avx2<S, decltype(nd)::value>(qp, kp, vp, tp, lp, op, B, H, KVH, NB, BS, MB, fscale);
+  };
+  if (D == 32) return run(std::integral_constant<int, 4>{});
+  if (D == 64) return run(std::integral_constant<int, 8>{});
+  if (D == 128) return run(std::integral_constant<int, 16>{});
+  if (D == 256) return run(std::integral_constant<int, 32>{});
 #endif
   decode_generic<S>(qp, kp, vp, tp, lp, op, B, H, D, KVH, NB, BS, MB, fscale);
 }
@@ -453,6 +596,15 @@ void gelu_tanh_(torch::Tensor x) {
       const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(c1, v), _mm512_mul_ps(v, v), v);  // x + 0.044715 x^3
       const __m512 e = exp512(_mm512_mul_ps(c0, inner));
       _mm512_storeu_ps(p + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+    }
+#elif defined(PYLON_AVX2)
+    const __m256 c0 = _mm256_set1_ps(-2.f * 0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f);
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= end; i += 8) {
+      const __m256 v = _mm256_loadu_ps(p + i);
+      const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c1, v), _mm256_mul_ps(v, v), v);  // x + 0.044715 x^3
+      const __m256 e = exp256(_mm256_mul_ps(c0, inner));
+      _mm256_storeu_ps(p + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
     }
 #endif
     for (; i < end; ++i) {
