@@ -40,13 +40,23 @@ TOKEN_FILE = "auth_token"
 # RAY_SERVE_ENABLE_HA_PROXY=0 in the environment of `pylon cluster up` for Serve's own proxy.
 SERVE_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
+# A replica's request handlers on the event loop of its HTTP server, on every cluster Pylon starts or renders.
+# Serve's default runs them on a second loop in a thread of their own, and every ASGI message (the request, each
+# streamed chunk) crosses between the two loops. Pylon's handlers never block that loop (the engine steps in a
+# process of its own), so the hop buys nothing: on the serving benchmark (2 cores, 8 clients, alternating
+# clusters) replicas used 1.37-1.57 against 1.71-2.05 CPU-s per leg, and the engines stepped faster beside them
+# (775-834 against 650-741 out tok/s). Part of Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED.
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
 # Serve's controller reconciles every 0.1 s by default, and each pass asks the GCS for every node's resources. A
 # local cluster (a laptop, a 2-core VM where the model's engine wants every cycle) does that every 0.5 s:
 # measured on an idle local cluster with a 2-replica deployment over 10 s, the controller used 0.42 CPU-s and
 # the GCS 0.18 at 0.1 s against 0.16 and 0.08 at 0.5 s. Replica starts, health checks (every 5 s) and
 # autoscaling decisions (delays of seconds) are all slower than that. Set it in the environment of
 # `pylon cluster up` to choose another.
-LOCAL_SERVE_CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+# Serve's own log lines (a replica's access log: one line a request) go to Serve's log files only, not also to
+# the worker's stderr, which Ray's log monitor tails and republishes; `ray logs` and the dashboard read the files.
+LOCAL_SERVE_CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_LOG_TO_STDERR": "0"}
 
 
 def pylon_home() -> Path:
@@ -274,15 +284,16 @@ def haproxy_available() -> bool:
 
 
 def local_serve_env(temp_dir: Path) -> dict[str, str]:
-    """Serve's settings for a local cluster: its controller's pace (`LOCAL_SERVE_CONTROLLER_ENV`), and its
-    ingress, HAProxy (`SERVE_INGRESS_ENV`) with its files under the
+    """Serve's settings for a local cluster: its controller's pace and logs (`LOCAL_SERVE_CONTROLLER_ENV`), its
+    replicas' handlers (`SERVE_ENV`), and its ingress, HAProxy (`SERVE_INGRESS_ENV`) with its files under the
     cluster's temp dir (removed by `down`; Ray's default is a shared /tmp/haproxy-serve) and its stats and
     metrics listeners on free ports (Ray's defaults, 8404 and 9101, would clash between two local clusters)."""
     if not haproxy_available():
-        return dict(LOCAL_SERVE_CONTROLLER_ENV)  # e.g. macOS, where ray[serve] has no HAProxy build: Serve's proxy
+        return {**LOCAL_SERVE_CONTROLLER_ENV, **SERVE_ENV}  # e.g. macOS, where ray[serve] has no HAProxy build
     files = temp_dir / "hap"
     env = {
         **LOCAL_SERVE_CONTROLLER_ENV,
+        **SERVE_ENV,
         **SERVE_INGRESS_ENV,
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(files / "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(files),

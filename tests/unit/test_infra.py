@@ -180,6 +180,7 @@ def test_raycluster_autoscaler_v2_gpu_groups_from_zero_and_token_from_a_secret()
     assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "pylon-k8s-ray-auth", "key": "auth_token"}
     assert "value" not in env["RAY_AUTH_TOKEN"]
     assert env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] == "1"
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"]["value"] == "0"
     assert gpu["template"]["spec"]["affinity"]["nodeAffinity"]  # spot: only spot nodes
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head["resources"]["limits"]
@@ -371,5 +372,8 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     assert len(ports) == 2 and not ports & {8404, 9101}
     monkeypatch.setattr(cluster, "haproxy_available", lambda: False)
     # No HAProxy build (macOS): Serve's own proxy; the controller's pace is set either way.
-    assert cluster.local_serve_env(temp_dir) == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
-    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
+    # Either way: the controller's pace, Serve's logs in its files only, handlers on the HTTP server's loop.
+    local = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_LOG_TO_STDERR": "0",
+             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    assert cluster.local_serve_env(temp_dir) == local
+    assert local.items() <= env.items()
