@@ -18,8 +18,8 @@ kernel keeps a query head's accumulator in registers, takes a block's scores 16 
 exponentials in one vector (Cephes' polynomial, ~1 ulp): 0.35 against 0.56-0.64 ms for 16 sequences of
 200-460 tokens at head_dim 64 when the cache is in L3 (~32 against ~18 GB/s); from DRAM both read ~10-13 GB/s
 on one core. Where the compiler targets AVX2 with FMA and F16C but not AVX-512 (AMD Zen 1-3, Intel client cores),
-kernel v6 runs the same computation 8 floats a vector (`decode_avx2`: 8-key chunks, `exp256`); on a 2-core Zen 3
-EPYC it took a call (16 sequences of 200-460 tokens, head_dim 64, one thread) from the generic loop's 1,937 to
+kernel v6 runs the same computation 8 floats a vector (`decode_simd` over `V256`: 8-key chunks, `exp256`; the
+AVX-512 loop is the same template over `V512`); on a 2-core Zen 3 EPYC it took a call (16 sequences of 200-460 tokens, head_dim 64, one thread) from the generic loop's 1,937 to
 365 us over a float32 cache, 688 -> 394 over bf16, 3,527 -> 429 over fp16, 14,603 -> 562 over fp8. Other head
 dimensions and CPUs take the generic loop.
 
@@ -296,7 +296,7 @@ static inline __m512 exp512(__m512 x) {
 
 // The sums of 16 vectors, lane t of the result = the sum of v[t]'s 16 lanes: a transpose-and-add tree (45 shuffles
 // and adds for 16 sums, where 16 horizontal reductions take ~128), whose result is already the scores vector.
-static inline __m512 sum16(__m512 v[16]) {
+static inline __m512 sum16(const __m512 v[16]) {
   __m512 s2[8], s4[4], s8[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: x0+x2, y0+y2, x1+x3, y1+y3 of x = v[2i], y = v[2i+1]
     s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -311,89 +311,33 @@ static inline __m512 sum16(__m512 v[16]) {
                        _mm512_shuffle_f32x4(s8[0], s8[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The same computation with the head dimension in ND registers of 16 floats: per block and query head, 16 keys'
-// dot products as 16 vectors of partial sums, added across by `sum16` into the scores vector; their exponentials
-// in one vector; the values accumulated in registers, even and odd keys into two sets so that consecutive
-// multiply-adds do not wait on each other. Keys and values are widened to float32 as they are loaded (S::load16).
-template <typename S, int ND>
-static void decode_avx512(const float* qp, const typename S::T* kp, const typename S::T* vp, const int64_t* tp,
-                          const int64_t* lp, float* op, int64_t B, int64_t H, int64_t KVH, int64_t NB, int64_t BS,
-                          int64_t MB, float fscale) {
-  constexpr int64_t D = 16 * ND;
-  using T = typename S::T;
-  const int64_t share = H / KVH, block_floats = BS * D;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(share * D), mx(share), sum(share);
-    alignas(64) float pr[16];
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, kh = idx % KVH;
-      const int64_t len = lp[b];
-      const int64_t* table = tp + b * MB;
-      const int64_t nblocks = start_pair(len, MB, BS, table, kp, vp, kh, NB, block_floats, acc, mx, sum);
-      const float* qrow0 = qp + (b * H + kh * share) * D;
-      for (int64_t j = 0; j < nblocks; ++j) {
-        const auto view = visit_block(j, nblocks, len, table, kp, vp, kh, NB, BS, block_floats);
-        const T* kblock = view.k;
-        const T* vblock = view.v;
-        const int64_t n = view.n;
-        for (int64_t s = 0; s < share; ++s) {
-          __m512 qv[ND];
-          for (int i = 0; i < ND; ++i) qv[i] = _mm512_loadu_ps(qrow0 + s * D + 16 * i);
-          float* a = acc.data() + s * D;
-          for (int64_t c0 = 0; c0 < n; c0 += 16) {
-            const int64_t cn = std::min<int64_t>(16, n - c0);
-            __m512 part[16];
-            for (int64_t t = 0; t < 16; ++t) {
-              if (t >= cn) {  // past the context (or the block): masked out below
-                part[t] = _mm512_setzero_ps();
-                continue;
-              }
-              const T* krow = kblock + (c0 + t) * D;
-              __m512 d0 = _mm512_mul_ps(qv[0], S::load16(krow));
-              __m512 d1 = ND > 1 ? _mm512_mul_ps(qv[1], S::load16(krow + 16)) : _mm512_setzero_ps();
-              for (int i = 2; i < ND; i += 2) {
-                d0 = _mm512_fmadd_ps(qv[i], S::load16(krow + 16 * i), d0);
-                if (i + 1 < ND) d1 = _mm512_fmadd_ps(qv[i + 1], S::load16(krow + 16 * (i + 1)), d1);
-              }
-              part[t] = _mm512_add_ps(d0, d1);
-            }
-            const __mmask16 live = static_cast<__mmask16>((1u << cn) - 1u);
-            const __m512 scv = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live,
-                                                  _mm512_mul_ps(sum16(part), _mm512_set1_ps(fscale)));
-            const float m = std::max(mx[s], _mm512_mask_reduce_max_ps(live, scv));
-            const float correction = std::exp(mx[s] - m);  // 0 for the first chunk (mx = -inf)
-            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(scv, _mm512_set1_ps(m))));
-            sum[s] = sum[s] * correction + _mm512_reduce_add_ps(p);
-            mx[s] = m;
-            _mm512_store_ps(pr, p);
-            __m512 av[ND], bv[ND];
-            const __m512 cv = _mm512_set1_ps(correction);
-            for (int i = 0; i < ND; ++i) {
-              av[i] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * i), cv);
-              bv[i] = _mm512_setzero_ps();
-            }
-            int64_t t = 0;
-            for (; t + 1 < cn; t += 2) {
-              const __m512 p0 = _mm512_set1_ps(pr[t]), p1 = _mm512_set1_ps(pr[t + 1]);
-              const T* v0 = vblock + (c0 + t) * D;
-              for (int i = 0; i < ND; ++i) {
-                av[i] = _mm512_fmadd_ps(p0, S::load16(v0 + 16 * i), av[i]);
-                bv[i] = _mm512_fmadd_ps(p1, S::load16(v0 + D + 16 * i), bv[i]);
-              }
-            }
-            if (t < cn) {
-              const __m512 p0 = _mm512_set1_ps(pr[t]);
-              const T* v0 = vblock + (c0 + t) * D;
-              for (int i = 0; i < ND; ++i) av[i] = _mm512_fmadd_ps(p0, S::load16(v0 + 16 * i), av[i]);
-            }
-            for (int i = 0; i < ND; ++i) _mm512_storeu_ps(a + 16 * i, _mm512_add_ps(av[i], bv[i]));
-          }
-        }
-      }
-      finish_pair(acc, sum, op, b, H, kh, share, D);
-    }
-  });
-}
+// 16 floats a vector. Two sets of value accumulators (even and odd keys): consecutive multiply-adds do not wait
+// on each other, and AVX-512's 32 registers hold both, and the query.
+struct V512 {
+  using R = __m512;
+  static constexpr int W = 16;
+  static constexpr bool kTwoAccumulators = true;
+  static constexpr bool kQInRegisters = true;
+  template <typename S>
+  static inline R kv(const typename S::T* p) { return S::load16(p); }
+  static inline R load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static inline R set1(float x) { return _mm512_set1_ps(x); }
+  static inline R zero() { return _mm512_setzero_ps(); }
+  static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static inline R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static inline R div(R a, R b) { return _mm512_div_ps(a, b); }
+  static inline R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline R exp(R x) { return exp512(x); }
+  static inline R sum_across(const R v[W]) { return sum16(v); }
+  static inline __mmask16 live(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static inline R live_or(R v, int64_t n, float other) { return _mm512_mask_mov_ps(set1(other), live(n), v); }
+  static inline R live_or_zero(R v, int64_t n) { return _mm512_maskz_mov_ps(live(n), v); }
+  static inline float hmax(R v) { return _mm512_reduce_max_ps(v); }
+  static inline float hsum(R v) { return _mm512_reduce_add_ps(v); }
+};
+using Vec = V512;
 #endif
 
 #ifdef PYLON_AVX2
@@ -424,33 +368,62 @@ static inline __m256 sum8(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-static inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
+// 8 floats a vector. One set of value accumulators, and the query read from L1 for each key: AVX2 has 16
+// registers, and at head_dim 64 one set is 8 of them (with the query kept in registers too: 13% slower).
+struct V256 {
+  using R = __m256;
+  static constexpr int W = 8;
+  static constexpr bool kTwoAccumulators = false;
+  static constexpr bool kQInRegisters = false;
+  template <typename S>
+  static inline R kv(const typename S::T* p) { return S::load8(p); }
+  static inline R load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static inline R set1(float x) { return _mm256_set1_ps(x); }
+  static inline R zero() { return _mm256_setzero_ps(); }
+  static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static inline R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static inline R div(R a, R b) { return _mm256_div_ps(a, b); }
+  static inline R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline R exp(R x) { return exp256(x); }
+  static inline R sum_across(const R v[W]) { return sum8(v); }
+  static inline R live(int64_t n) {  // all ones in lanes 0 .. n-1
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  }
+  static inline R live_or(R v, int64_t n, float other) { return _mm256_blendv_ps(set1(other), v, live(n)); }
+  static inline R live_or_zero(R v, int64_t n) { return _mm256_and_ps(live(n), v); }
+  static inline float hmax(R v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+  }
+  static inline float hsum(R v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+  }
+};
+using Vec = V256;
+#endif
 
-static inline float hsum8(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
-
-// decode_avx512's computation 8 floats a vector: the head dimension in ND registers, 8 keys' scores at a time
-// (sum8), their exponentials in one vector, the values accumulated in registers.
-template <typename S, int ND>
-static void decode_avx2(const float* qp, const typename S::T* kp, const typename S::T* vp, const int64_t* tp,
+#if defined(__AVX512F__) || defined(PYLON_AVX2)
+// The generic loop's computation with the head dimension in ND vectors of V::W floats (V512 or V256): per block
+// and query head, W keys' dot products as W vectors of partial sums, added across (`sum_across`) into the scores
+// vector; their exponentials in one vector; the values accumulated in registers. Keys and values are widened to
+// float32 as they are loaded (V::kv, S's load16 or load8).
+template <typename V, typename S, int ND>
+static void decode_simd(const float* qp, const typename S::T* kp, const typename S::T* vp, const int64_t* tp,
                         const int64_t* lp, float* op, int64_t B, int64_t H, int64_t KVH, int64_t NB, int64_t BS,
                         int64_t MB, float fscale) {
-  constexpr int64_t D = 8 * ND;
+  using R = typename V::R;
+  constexpr int64_t W = V::W, D = W * ND;
   using T = typename S::T;
   const int64_t share = H / KVH, block_floats = BS * D;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(share * D), mx(share), sum(share);
-    alignas(32) float pr[8];
+    alignas(64) float pr[W];
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, kh = idx % KVH;
       const int64_t len = lp[b];
@@ -464,42 +437,62 @@ static void decode_avx2(const float* qp, const typename S::T* kp, const typename
         const int64_t n = view.n;
         for (int64_t s = 0; s < share; ++s) {
           const float* qrow = qrow0 + s * D;
+          R qv[V::kQInRegisters ? ND : 1];
+          if constexpr (V::kQInRegisters) {
+            for (int i = 0; i < ND; ++i) qv[i] = V::load(qrow + W * i);
+          }
+          auto query = [&](int i) -> R {  // from registers, or (AVX2: they are all taken) from L1 each time
+            if constexpr (V::kQInRegisters) return qv[i]; else return V::load(qrow + W * i);
+          };
           float* a = acc.data() + s * D;
-          for (int64_t c0 = 0; c0 < n; c0 += 8) {
-            const int64_t cn = std::min<int64_t>(8, n - c0);
-            __m256 part[8];
-            for (int64_t t = 0; t < 8; ++t) {
+          for (int64_t c0 = 0; c0 < n; c0 += W) {
+            const int64_t cn = std::min<int64_t>(W, n - c0);
+            R part[W];
+            for (int64_t t = 0; t < W; ++t) {
               if (t >= cn) {  // past the context (or the block): masked out below
-                part[t] = _mm256_setzero_ps();
+                part[t] = V::zero();
                 continue;
               }
               const T* krow = kblock + (c0 + t) * D;
-              __m256 d0 = _mm256_mul_ps(_mm256_loadu_ps(qrow), S::load8(krow));
-              __m256 d1 = ND > 1 ? _mm256_mul_ps(_mm256_loadu_ps(qrow + 8), S::load8(krow + 8)) : _mm256_setzero_ps();
+              R d0 = V::mul(query(0), V::template kv<S>(krow));
+              R d1 = ND > 1 ? V::mul(query(1), V::template kv<S>(krow + W)) : V::zero();
               for (int i = 2; i < ND; i += 2) {
-                d0 = _mm256_fmadd_ps(_mm256_loadu_ps(qrow + 8 * i), S::load8(krow + 8 * i), d0);
-                if (i + 1 < ND) d1 = _mm256_fmadd_ps(_mm256_loadu_ps(qrow + 8 * (i + 1)), S::load8(krow + 8 * (i + 1)), d1);
+                d0 = V::fmadd(query(i), V::template kv<S>(krow + W * i), d0);
+                if (i + 1 < ND) d1 = V::fmadd(query(i + 1), V::template kv<S>(krow + W * (i + 1)), d1);
               }
-              part[t] = _mm256_add_ps(d0, d1);
+              part[t] = V::add(d0, d1);
             }
-            const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)), lane));
-            const __m256 scv = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
-                                                _mm256_mul_ps(sum8(part), _mm256_set1_ps(fscale)), live);
-            const float m = std::max(mx[s], hmax8(scv));
+            const R scv = V::live_or(V::mul(V::sum_across(part), V::set1(fscale)), cn,
+                                     -std::numeric_limits<float>::infinity());
+            const float m = std::max(mx[s], V::hmax(scv));
             const float correction = std::exp(mx[s] - m);  // 0 for the first chunk (mx = -inf)
-            const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(scv, _mm256_set1_ps(m))));
-            sum[s] = sum[s] * correction + hsum8(p);
+            const R p = V::live_or_zero(V::exp(V::sub(scv, V::set1(m))), cn);
+            sum[s] = sum[s] * correction + V::hsum(p);
             mx[s] = m;
-            _mm256_store_ps(pr, p);
-            __m256 av[ND];
-            const __m256 cv = _mm256_set1_ps(correction);
-            for (int i = 0; i < ND; ++i) av[i] = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * i), cv);
-            for (int64_t t = 0; t < cn; ++t) {
-              const __m256 p0 = _mm256_set1_ps(pr[t]);
-              const T* v0 = vblock + (c0 + t) * D;
-              for (int i = 0; i < ND; ++i) av[i] = _mm256_fmadd_ps(p0, S::load8(v0 + 8 * i), av[i]);
+            V::store(pr, p);
+            R av[ND], bv[ND];
+            const R cv = V::set1(correction);
+            for (int i = 0; i < ND; ++i) {
+              av[i] = V::mul(V::load(a + W * i), cv);
+              bv[i] = V::zero();
             }
-            for (int i = 0; i < ND; ++i) _mm256_storeu_ps(a + 8 * i, av[i]);
+            int64_t t = 0;
+            if constexpr (V::kTwoAccumulators) {
+              for (; t + 1 < cn; t += 2) {
+                const R p0 = V::set1(pr[t]), p1 = V::set1(pr[t + 1]);
+                const T* v0 = vblock + (c0 + t) * D;
+                for (int i = 0; i < ND; ++i) {
+                  av[i] = V::fmadd(p0, V::template kv<S>(v0 + W * i), av[i]);
+                  bv[i] = V::fmadd(p1, V::template kv<S>(v0 + D + W * i), bv[i]);
+                }
+              }
+            }
+            for (; t < cn; ++t) {
+              const R p0 = V::set1(pr[t]);
+              const T* v0 = vblock + (c0 + t) * D;
+              for (int i = 0; i < ND; ++i) av[i] = V::fmadd(p0, V::template kv<S>(v0 + W * i), av[i]);
+            }
+            for (int i = 0; i < ND; ++i) V::store(a + W * i, V::kTwoAccumulators ? V::add(av[i], bv[i]) : av[i]);
           }
         }
       }
@@ -509,28 +502,21 @@ static void decode_avx2(const float* qp, const typename S::T* kp, const typename
 }
 #endif
 
-// One storage type: the AVX-512 loop where it was compiled for and the head dimension is 32, 64, 128 or 256,
-// the generic one otherwise.
+// One storage type: the vector loop where it was compiled for (AVX-512 or AVX2) and the head dimension is 2, 4, 8,
+// 16 or 32 vectors (AVX-512: 32-512; AVX2: 16-256), the generic one otherwise.
 template <typename S>
 static void decode_any(const float* qp, const typename S::T* kp, const typename S::T* vp, const int64_t* tp,
                        const int64_t* lp, float* op, int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t NB,
                        int64_t BS, int64_t MB, float fscale) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(PYLON_AVX2)
   auto run = [&](auto nd) {
-    decode_avx512<S, decltype(nd)::value>(qp, kp, vp, tp, lp, op, B, H, KVH, NB, BS, MB, fscale);
+    decode_simd<Vec, S, decltype(nd)::value>(qp, kp, vp, tp, lp, op, B, H, KVH, NB, BS, MB, fscale);
   };
-  if (D == 32) return run(std::integral_constant<int, 2>{});
-  if (D == 64) return run(std::integral_constant<int, 4>{});
-  if (D == 128) return run(std::integral_constant<int, 8>{});
-  if (D == 256) return run(std::integral_constant<int, 16>{});
-#elif defined(PYLON_AVX2)
-  auto run = [&](auto nd) {
-    decode_avx2<S, decltype(nd)::value>(qp, kp, vp, tp, lp, op, B, H, KVH, NB, BS, MB, fscale);
-  };
-  if (D == 32) return run(std::integral_constant<int, 4>{});
-  if (D == 64) return run(std::integral_constant<int, 8>{});
-  if (D == 128) return run(std::integral_constant<int, 16>{});
-  if (D == 256) return run(std::integral_constant<int, 32>{});
+  if (D == 2 * Vec::W) return run(std::integral_constant<int, 2>{});
+  if (D == 4 * Vec::W) return run(std::integral_constant<int, 4>{});
+  if (D == 8 * Vec::W) return run(std::integral_constant<int, 8>{});
+  if (D == 16 * Vec::W) return run(std::integral_constant<int, 16>{});
+  if (D == 32 * Vec::W) return run(std::integral_constant<int, 32>{});
 #endif
   decode_generic<S>(qp, kp, vp, tp, lp, op, B, H, D, KVH, NB, BS, MB, fscale);
 }
@@ -592,23 +578,13 @@ void gelu_tanh_(torch::Tensor x) {
   const int64_t n = x.numel();
   at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
-#ifdef __AVX512F__
-    const __m512 c0 = _mm512_set1_ps(-2.f * 0.7978845608028654f), c1 = _mm512_set1_ps(0.044715f);
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= end; i += 16) {
-      const __m512 v = _mm512_loadu_ps(p + i);
-      const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(c1, v), _mm512_mul_ps(v, v), v);  // x + 0.044715 x^3
-      const __m512 e = exp512(_mm512_mul_ps(c0, inner));
-      _mm512_storeu_ps(p + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
-    }
-#elif defined(PYLON_AVX2)
-    const __m256 c0 = _mm256_set1_ps(-2.f * 0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f);
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= end; i += 8) {
-      const __m256 v = _mm256_loadu_ps(p + i);
-      const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c1, v), _mm256_mul_ps(v, v), v);  // x + 0.044715 x^3
-      const __m256 e = exp256(_mm256_mul_ps(c0, inner));
-      _mm256_storeu_ps(p + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
+#if defined(__AVX512F__) || defined(PYLON_AVX2)
+    using R = Vec::R;
+    const R c0 = Vec::set1(-2.f * 0.7978845608028654f), c1 = Vec::set1(0.044715f), one = Vec::set1(1.f);
+    for (; i + Vec::W <= end; i += Vec::W) {
+      const R v = Vec::load(p + i);
+      const R inner = Vec::fmadd(Vec::mul(c1, v), Vec::mul(v, v), v);  // x + 0.044715 x^3
+      Vec::store(p + i, Vec::div(v, Vec::add(one, Vec::exp(Vec::mul(c0, inner)))));
     }
 #endif
     for (; i < end; ++i) {
