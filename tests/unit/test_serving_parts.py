@@ -114,9 +114,9 @@ def test_finish_takes_a_waiting_request_out_too() -> None:
 @pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 # head_dim 8: the kernel's generic loop; 32/64/128/256: its vectorised path on AVX-512 (2, 4, 8, 16 registers a
-# row, 16-key chunks) or on AVX2 (4-32 registers, 8-key chunks), with blocks shorter and longer than a chunk and
-# ones that end in a partial chunk (24 = 16 + 8; 4).
-@pytest.mark.parametrize("dim,block_size", [(8, 4), (64, 4), (64, 32), (32, 24), (128, 16), (256, 8)])
+# row, 16-key chunks) or on AVX2 (16-256: 2-32 registers, 8-key chunks), with blocks shorter and longer than a chunk
+# and ones that end in a partial chunk (24 = 16 + 8; 12 = 8 + 4).
+@pytest.mark.parametrize("dim,block_size", [(8, 4), (16, 12), (64, 4), (64, 32), (32, 24), (128, 16), (256, 8)])
 def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: int, dim: int, block_size: int) -> None:
     check_paged_attention(kernel, kv_heads, dim, block_size, torch.float32)
 
