@@ -191,6 +191,7 @@ def test_two_raylets_one_worker_each_train_checkpoint_to_s3_and_export(own_home,
 
 # Its worker nodes were once still up 150 s after the job: Ray Data's detached helper actors had been placed on
 # one of them by the first train worker to read. The driver now starts them on the head (asserted below).
+@pytest.mark.slow  # ~100 s of a fresh-clone `make test` that reached 30.5 min on a slow 2-core VM; `make test-all`
 def test_autoscaling_starts_nodes_for_a_job_and_stops_them_when_idle(own_home, s3_corpus, s3_root, tmp_path):
     spec_file = tmp_path / "cluster.yaml"
     spec_file.write_text(yaml.safe_dump({
