@@ -274,8 +274,8 @@ class _StreamQueue(asyncio.Queue):
 
     def put_output(self, item: RequestOutput | BaseException) -> None:
         self.put_nowait(item)
-        if (isinstance(item, BaseException) or item.finished) and self.wake is not None and not self.wake.done():
-            self.wake.set_result(None)
+        if (isinstance(item, BaseException) or item.finished) and self.wake is not None:
+            _resolve(self.wake)
 
 
 def _put_all(puts: list[tuple[_StreamQueue, RequestOutput]]) -> None:

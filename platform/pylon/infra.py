@@ -31,6 +31,9 @@ from pylon.cluster import SERVE_ENV, SERVE_INGRESS_ENV
 from pylon.errors import PylonError, SpecError
 from pylon.specs import ClusterSpec, DeploymentSpec, NodeShape, TrainJobSpec, WorkerGroupSpec, to_yaml
 
+# Serve's settings on every node of a rendered cluster: HAProxy ingress, handlers on the HTTP server's loop.
+RENDERED_SERVE_ENV = {**SERVE_INGRESS_ENV, **SERVE_ENV}
+
 TARGETS = ("ray-up", "kuberay")
 PROVIDERS_FOR_TARGET = {"ray-up": ("aws", "gcp"), "kuberay": ("kubernetes",)}
 
@@ -217,7 +220,7 @@ def launcher_config(cluster: ClusterSpec) -> dict:
         if group.gpu_type:
             node_type["labels"] = {"ray.io/accelerator-type": group.gpu_type}
         node_types[group.name] = node_type
-    serve_env = " ".join(f"{k}={v}" for k, v in {**SERVE_INGRESS_ENV, **SERVE_ENV}.items())
+    serve_env = " ".join(f"{k}={v}" for k, v in RENDERED_SERVE_ENV.items())
     env = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_PATH} {serve_env}; ulimit -n 65536"
     return {
         "cluster_name": cluster.name,
@@ -434,7 +437,7 @@ def _ray_container(cluster: ClusterSpec, name: str, shape: NodeShape, *, head: b
         "resources": {"requests": dict(limits), "limits": limits},
         # Serve's ingress (HAProxy in front of the replicas, see pylon.cluster.SERVE_INGRESS_ENV) and its replicas'
         # handlers on their HTTP server's loop (SERVE_ENV) on every node.
-        "env": _auth_env(cluster) + [{"name": k, "value": v} for k, v in {**SERVE_INGRESS_ENV, **SERVE_ENV}.items()]
+        "env": _auth_env(cluster) + [{"name": k, "value": v} for k, v in RENDERED_SERVE_ENV.items()]
                + list(extra_env),
         "ports": ports,
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
