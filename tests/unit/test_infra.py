@@ -357,8 +357,6 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
     assert len(paths) == 5 and all(Path(p).is_relative_to(temp_dir) for p in paths)
-    # Ray puts each file in a folder named by the node id (56 hex digits): the sockets must still fit a
-    # Unix socket path (107 bytes).
     # Ray puts each file in a folder named by the node id (56 hex digits): the sockets must still fit what HAProxy
     # takes (97 bytes), else they stay in Ray's default folder.
     for name in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
@@ -370,9 +368,11 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     assert Path(long_env["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).is_relative_to(long_dir)
     ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
     assert len(ports) == 2 and not ports & {8404, 9101}
+    # HAProxy's threads: one per two cores, 1 to 4 (Ray's fixed default is 4, on a 2-core laptop too).
+    assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == str(cluster.local_haproxy_threads())
+    assert [cluster.local_haproxy_threads(n) for n in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
     monkeypatch.setattr(cluster, "haproxy_available", lambda: False)
-    # No HAProxy build (macOS): Serve's own proxy; the controller's pace is set either way.
-    # Either way: the controller's pace, Serve's logs in its files only, handlers on the HTTP server's loop.
+    # No HAProxy build (macOS): Serve's own proxy. Either way: the controller's pace, Serve's logs in its files only, handlers on the HTTP server's loop.
     local = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_LOG_TO_STDERR": "0",
              "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
     assert cluster.local_serve_env(temp_dir) == local
