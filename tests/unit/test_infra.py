@@ -372,7 +372,8 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == str(cluster.local_haproxy_threads())
     assert [cluster.local_haproxy_threads(n) for n in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
     monkeypatch.setattr(cluster, "haproxy_available", lambda: False)
-    # No HAProxy build (macOS): Serve's own proxy. Either way: the controller's pace, Serve's logs in its files only, handlers on the HTTP server's loop.
+    # No HAProxy build (macOS): Serve's own proxy. Either way: the controller's pace, Serve's logs in its files
+    # only, handlers on the HTTP server's loop.
     local = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_LOG_TO_STDERR": "0",
              "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
     assert cluster.local_serve_env(temp_dir) == local
