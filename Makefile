@@ -45,14 +45,17 @@ test: setup  ## run the whole test suite: unit tests alongside the integration t
 	@mkdir -p .cache
 	@# The integration tests spend much of their time waiting on Ray, jobs and replicas; the unit tests (no
 	@# cluster) use that idle CPU instead of running before them. Their output follows the integration run's, and
-	@# a summary of both (failed tests by name, then the counts) ends the output, where CI's excerpt of it looks.
-	@$(PY) -m pytest tests/unit -p no:cacheprovider > .cache/unit-tests.log 2>&1 & unit=$$!; \
+	@# a summary of both (failed tests by name, then the counts) ends the output, where CI's excerpt of it looks;
+	@# an integration run killed or aborted before its own summary adds its log's end and Ray's fatal lines.
+	@started=$$(date +%s); \
+	$(PY) -m pytest tests/unit -p no:cacheprovider > .cache/unit-tests.log 2>&1 & unit=$$!; \
 	$(PY) -m pytest tests/integration 2>&1 | tee .cache/integration-tests.log; integration=$${PIPESTATUS[0]}; \
 	wait $$unit; unit=$$?; \
 	echo "=== unit tests, run alongside (whole log: .cache/unit-tests.log) ==="; \
 	if [ $$unit -ne 0 ]; then cat .cache/unit-tests.log; else tail -n 35 .cache/unit-tests.log; fi; \
 	echo "=== summary (whole logs: .cache/integration-tests.log, .cache/unit-tests.log) ==="; \
 	grep -hE '^(FAILED|ERROR) |^=+ .*(passed|failed|error).* =+$$' .cache/integration-tests.log .cache/unit-tests.log; \
+	if [ $$integration -ne 0 ]; then $(PY) tests/crash_report.py .cache/integration-tests.log $$integration $$started; fi; \
 	[ $$unit -eq 0 ] && [ $$integration -eq 0 ]
 
 test-all: setup  ## the whole suite including the tests marked slow (what `make test` skips for CI's time limit)

@@ -524,51 +524,45 @@ def _ray_executor(use_ray: bool | None, uris: list[str]) -> str | None:
 
 
 def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
-    """One task per group (tokenize + pack, arrays stay in the object store), then one task per shard."""
+    """One task per group (tokenize + pack, arrays stay in the object store), then one task per shard, each
+    phase through `_run_bounded`."""
     import ray
 
     options = _placement(job, groups)
     pack_task = ray.remote(num_cpus=1, num_returns=2, max_retries=2, **options)(_pack_group_task)
     write_task = ray.remote(num_cpus=1, max_retries=2, **options)(_write_shard_task)
     metas: dict[int, dict] = {}
-    arrays = []
-    refs: dict = {}
-    shard_refs: dict = {}
+    arrays: dict[int, ray.ObjectRef] = {}
+    shards: dict[int, ShardInfo] = {}
+
+    def pack(g: int) -> ray.ObjectRef:
+        meta_ref, arrays[g] = pack_task.remote(groups[g], job)
+        return meta_ref
+
     try:
-        for g, files in enumerate(groups):
-            meta_ref, arrays_ref = pack_task.remote(files, job)
-            refs[meta_ref] = g
-            arrays.append(arrays_ref)
         with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True,
                   desc="tokenizing") as bar:
-            pending = list(refs)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                g = refs[done[0]]
-                metas[g] = ray.get(done[0])
+            def packed(g: int, meta: dict) -> None:
+                metas[g] = meta
                 bar.update(sum(f.size for f in groups[g]))
+
+            _run_bounded(pack, len(groups), packed)
         plan = plan_shards([metas[g]["rows"] for g in range(len(groups))], job.per_shard)
-        for index, slices in enumerate(plan):
-            ref = write_task.remote(job, shard_name(job.run_id, index, job.fmt), index * job.per_shard,
-                                    [(lo, hi) for _, lo, hi in slices], *[arrays[g] for g, _, _ in slices])
-            shard_refs[ref] = index
-        shards: dict[int, ShardInfo] = {}
+
+        def write(index: int) -> ray.ObjectRef:
+            slices = plan[index]
+            return write_task.remote(job, shard_name(job.run_id, index, job.fmt), index * job.per_shard,
+                                     [(lo, hi) for _, lo, hi in slices], *[arrays[g] for g, _, _ in slices])
+
         with _bar(job, total=len(plan), unit="shard", desc="writing") as bar:
-            pending = list(shard_refs)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                shards[shard_refs[done[0]]] = ray.get(done[0])
+            def written(index: int, info: ShardInfo) -> None:
+                shards[index] = info
                 bar.update(1)
-    except BaseException as e:
-        for ref in [*refs, *shard_refs]:
-            try:
-                ray.cancel(ref)
-            except Exception:  # already finished
-                pass
-        # Let writers that were past cancelling finish, so the caller's cleanup sees every shard they wrote.
-        ray.wait(list(shard_refs), num_returns=len(shard_refs), timeout=60)
+
+            _run_bounded(write, len(plan), written)
+    except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
-        if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, PylonError):
+        if isinstance(cause, PylonError):
             raise cause from None  # the task's own message, without a remote traceback around it
         raise
     return _Outcome(
@@ -577,6 +571,44 @@ def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
         skipped=[uri for g in range(len(groups)) for uri in metas[g]["skipped"]],
         tokenizer_sha256={m["tokenizer_sha256"] for m in metas.values()},
     )
+
+
+# Tasks a phase keeps in flight per CPU of the cluster: every CPU busy and one task queued behind it.
+IN_FLIGHT_PER_CPU = 2
+IN_FLIGHT_REFRESH_S = 10.0  # how often the cluster's CPUs are counted again (an autoscaler adds nodes)
+
+
+def _run_bounded(submit, count: int, on_done, *, per_cpu: int = IN_FLIGHT_PER_CPU) -> None:
+    """Run tasks 0..count-1: `submit(i)` starts the i-th and returns the ref its result comes in,
+    `on_done(i, result)` takes each result as it arrives. At most `per_cpu` tasks per CPU of the cluster are in
+    flight (at least 2), so a corpus of 100,000 groups does not queue 100,000 tasks in Ray's scheduler, and a
+    failure has little left to stop. After a failure nothing new starts; the tasks in flight are waited for
+    (up to 60 s), so what they write is there for the caller's cleanup, and then the failure is raised.
+
+    They are never `ray.cancel`led: in Ray 2.60 a cancel that races with the task's reply fails a check in
+    the caller's core worker ("Check failed: ... Tried to complete task that was not pending"; ray-project/ray
+    PR 54798 fixed the same race for retries), and that aborts the calling process: a user's notebook, or
+    `make test`'s whole integration session, which it did twice in CI after a prepare with a bad JSONL line."""
+    import ray
+
+    in_flight: dict = {}
+    started = 0
+    limit, counted_at = 0, float("-inf")
+    try:
+        while started < count or in_flight:
+            if time.monotonic() - counted_at > IN_FLIGHT_REFRESH_S:
+                limit = max(2, per_cpu * int(ray.cluster_resources().get("CPU", 1)))
+                counted_at = time.monotonic()
+            while started < count and len(in_flight) < limit:
+                in_flight[submit(started)] = started
+                started += 1
+            done, _ = ray.wait(list(in_flight), num_returns=1)
+            index = in_flight.pop(done[0])
+            on_done(index, ray.get(done[0]))
+    except BaseException:
+        if in_flight:
+            ray.wait(list(in_flight), num_returns=len(in_flight), timeout=60)
+        raise
 
 
 def _placement(job: _Job, groups: list[list[SourceFile]]) -> dict:

@@ -115,6 +115,55 @@ def test_a_bad_jsonl_line_in_a_ray_task_is_the_tasks_own_error(ray_cluster, s3_r
     assert storage.listdir(f"{s3_root}/out") == []
 
 
+def _timed_task(marks: str, index: int, fail_at: int) -> int:
+    """A stand-in for a group's task: records when it ran (on this machine's disk), fails at `fail_at`."""
+    import time
+
+    started = time.time()
+    time.sleep(0.3)
+    Path(marks, f"{index}").write_text(f"{started} {time.time()}")
+    if index == fail_at:
+        raise ValueError(f"task {index} failed")
+    return index
+
+
+def test_ray_tasks_stay_bounded_and_a_failure_waits_for_them_instead_of_cancelling(ray_cluster, tmp_path,
+                                                                                  monkeypatch):
+    """`ray.cancel` racing with a task's reply aborted the whole test session twice in CI (a check in Ray's
+    core worker): prepare never cancels. At most `per_cpu` tasks per CPU run at once (zero-CPU tasks here, so
+    Ray itself would run all 40 together); after a failure nothing new starts, and what is in flight finishes."""
+    import ray
+
+    prepare_module._ray_executor(True, [str(tmp_path)])  # connects this process, as prepare does
+
+    def no_cancel(*args, **kwargs):
+        raise AssertionError("ray.cancel was called")
+
+    monkeypatch.setattr(ray, "cancel", no_cancel)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    task = ray.remote(num_cpus=0, max_retries=0)(_timed_task)
+    limit = max(2, int(ray.cluster_resources()["CPU"]))  # per_cpu=1
+    submitted, results = [], []
+
+    def submit(i: int, fail_at: int):
+        submitted.append(i)
+        return task.remote(str(marks), i, fail_at)
+
+    with pytest.raises(ray.exceptions.RayTaskError, match="task 5 failed"):
+        prepare_module._run_bounded(lambda i: submit(i, 5), 40, lambda i, r: results.append(r), per_cpu=1)
+    assert max(submitted) < 5 + limit, submitted  # nothing started after the failure was seen
+    assert sorted(int(n) for n in os.listdir(marks)) == sorted(submitted)  # those in flight finished
+    spans = [tuple(map(float, (marks / n).read_text().split())) for n in os.listdir(marks)]
+    assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= limit
+
+    # Without a failure: every task once, each result with its index.
+    results.clear()
+    prepare_module._run_bounded(lambda i: submit(i, -1), 12, lambda i, r: results.append((i, r)), per_cpu=1)
+    assert sorted(results) == [(i, i) for i in range(12)]
+
+
 def test_verify_on_s3_names_a_damaged_shard(ray_cluster, s3_root, corpus, small_groups):
     out = f"{s3_root}/verify"
     manifest = prepare([str(corpus)], out, seq_len=256, shard_size_mb=0.05, use_ray=True, progress=False)
