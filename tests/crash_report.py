@@ -26,7 +26,7 @@ def _short(line: str) -> str:
     return (line[:40] + " ... " + line[at:] if at > 40 else line)[:600]
 
 
-def main(log: str, code: int, since: float) -> int:
+def main(log: str, code: int, since: float, base: str | None = None) -> int:
     text = open(log, errors="replace").read() if os.path.exists(log) else ""
     if re.search(r"^=+ .*\b(passed|failed|error|errors)\b.* in [\d.]+s", text, re.M):
         return 0  # pytest reported; its summary says what failed
@@ -35,7 +35,7 @@ def main(log: str, code: int, since: float) -> int:
     print("--- the end of its log ---")
     print("\n".join(text.splitlines()[-40:]))
     # pytest's temp dirs of this user (the unit run's too: pytest-current may be either), clusters of this run.
-    base = os.path.join(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}")
+    base = base or os.path.join(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}")
     seen = set()
     for state in sorted(glob.glob(os.path.join(base, "pytest-*", "**", "cluster.json"), recursive=True)):
         try:
