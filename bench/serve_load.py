@@ -154,7 +154,7 @@ def build_model(args, directory: Path):
 def engine_spec(args):
     from pylon.specs import EngineSpec
 
-    block = 16
+    block = args.block_size
     kv = args.kv_cache_tokens or args.concurrency * args.max_model_len
     kv = -(-max(kv, args.max_model_len) // block) * block
     return EngineSpec(max_num_seqs=max(args.concurrency, args.max_num_seqs or 0),
@@ -588,6 +588,7 @@ def parse_args(argv):
     e.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="default: concurrency x max_model_len (never preempts)")
     e.add_argument("--max-model-len", type=int, default=None, help="default: n_positions")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"],
                    help="how the KV cache stores keys and values (default auto: fp32, as the model computes); "
                         "a narrower cache gives up exact greedy parity, which the run then reports as it finds it")
