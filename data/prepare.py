@@ -578,6 +578,13 @@ IN_FLIGHT_PER_CPU = 2
 IN_FLIGHT_REFRESH_S = 10.0  # how often the cluster's CPUs are counted again (an autoscaler adds nodes)
 
 
+def in_flight_limit(per_cpu: int = IN_FLIGHT_PER_CPU) -> int:
+    """How many tasks `_run_bounded` keeps in flight on the connected cluster now: `per_cpu` per CPU, at least 2."""
+    import ray
+
+    return max(2, per_cpu * int(ray.cluster_resources().get("CPU", 1)))
+
+
 def _run_bounded(submit, count: int, on_done, *, per_cpu: int = IN_FLIGHT_PER_CPU) -> None:
     """Run tasks 0..count-1: `submit(i)` starts the i-th and returns the ref its result comes in,
     `on_done(i, result)` takes each result as it arrives. At most `per_cpu` tasks per CPU of the cluster are in
@@ -597,8 +604,7 @@ def _run_bounded(submit, count: int, on_done, *, per_cpu: int = IN_FLIGHT_PER_CP
     try:
         while started < count or in_flight:
             if time.monotonic() - counted_at > IN_FLIGHT_REFRESH_S:
-                limit = max(2, per_cpu * int(ray.cluster_resources().get("CPU", 1)))
-                counted_at = time.monotonic()
+                limit, counted_at = in_flight_limit(per_cpu), time.monotonic()
             while started < count and len(in_flight) < limit:
                 in_flight[submit(started)] = started
                 started += 1

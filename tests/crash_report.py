@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import tempfile
+from pathlib import Path
 
 FATAL = re.compile(r"Check failed|\] F |\bFATAL\b|Fatal Python error|Segmentation fault|Killed|out of memory")
 
@@ -39,7 +40,7 @@ def main(log: str, code: int, since: float, base: str | None = None) -> int:
     seen = set()
     for state in sorted(glob.glob(os.path.join(base, "pytest-*", "**", "cluster.json"), recursive=True)):
         try:
-            temp_dir = os.path.realpath(json.load(open(state))["temp_dir"])
+            temp_dir = os.path.realpath(json.loads(Path(state).read_text())["temp_dir"])
         except (OSError, ValueError, KeyError):
             continue
         if temp_dir in seen:

@@ -144,7 +144,7 @@ def test_ray_tasks_stay_bounded_and_a_failure_waits_for_them_instead_of_cancelli
     marks = tmp_path / "marks"
     marks.mkdir()
     task = ray.remote(num_cpus=0, max_retries=0)(_timed_task)
-    limit = max(2, int(ray.cluster_resources()["CPU"]))  # per_cpu=1
+    limit = prepare_module.in_flight_limit(per_cpu=1)
     submitted, results = [], []
 
     def submit(i: int, fail_at: int):
