@@ -13,7 +13,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 # what the other built. Ray's processes already get the venv's bin first (pylon.cluster.up).
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages test test-all unit integration demo clean help
+.PHONY: setup system-packages test test-all test-gpu unit integration demo clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -60,6 +60,9 @@ test: setup  ## run the whole test suite: unit tests alongside the integration t
 
 test-all: setup  ## the whole suite including the tests marked slow (what `make test` skips for CI's time limit)
 	PYLON_ALL_TESTS=1 $(MAKE) --no-print-directory test
+
+test-gpu: setup  ## the serving engine's tests on a CUDA GPU: greedy parity in fp32, bf16/fp16, the engine process
+	PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/test_serving_engine.py
 
 unit: setup  ## fast tests only, no cluster
 	$(PY) -m pytest tests/unit
