@@ -82,6 +82,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
 RESULT = "serve_load: "
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch attribute names (imported late)
 LEGS = ("hf-single", "hf-static", "engine", "http")
 DEPLOYMENT = "bench"
 # (name, numerator leg, denominator leg, target, description)
@@ -111,7 +112,7 @@ class Req:
 
 def make_requests(args) -> list[Req]:
     """`--num-requests` windows of the text's bytes, seeded: mixed prompt and output lengths."""
-    data = DATA.read_bytes()
+    data = args.data.read_bytes()
     rng = random.Random(args.seed)
     reqs = []
     for i in range(args.num_requests):
@@ -146,9 +147,9 @@ def build_model(args, directory: Path):
                                   bos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(directory)
+    model.save_pretrained(directory)  # float32 on disk; each leg loads it in --dtype
     (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
-    return model, tok
+    return model.to(device=args.device, dtype=getattr(torch, TORCH_DTYPES[args.dtype])), tok
 
 
 def engine_spec(args):
@@ -159,7 +160,7 @@ def engine_spec(args):
     kv = -(-max(kv, args.max_model_len) // block) * block
     return EngineSpec(max_num_seqs=max(args.concurrency, args.max_num_seqs or 0),
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=kv, block_size=block,
-                      max_model_len=args.max_model_len, device="cpu", dtype="fp32",
+                      max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                       kv_cache_dtype=args.kv_cache_dtype, separate_process=not args.in_process_engine)
 
 
@@ -261,6 +262,7 @@ def hf_generate(model, batch: list[Req], pad_id: int) -> tuple[list[float], list
     for row, r in enumerate(batch):
         ids[row, width - len(r.ids):] = torch.tensor(r.ids)
         mask[row, width - len(r.ids):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     new = max(r.max_tokens for r in batch)
     timer = StepTimes()
     with torch.inference_mode():
@@ -437,7 +439,7 @@ def deployment_spec(args, model_dir: Path):
         "autoscaling": {"min_replicas": args.engines, "max_replicas": args.engines},
         "http": {"api_keys_env": None, "max_queued_requests": max_queued, "request_timeout_s": 600,
                  **({} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms})},
-        "replica": {"num_cpus": args.replica_cpus},
+        "replica": {"num_cpus": args.replica_cpus, "num_gpus": 1 / args.engines if args.device == "cuda" else 0},
     })
 
 
@@ -577,6 +579,13 @@ def parse_args(argv):
     p.add_argument("--output-len", type=_range, default=None, help="MIN,MAX max_tokens per request (default 16,128)")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before each leg (default 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", type=Path, default=DATA,
+                   help=f"text the prompts are cut from (default {DATA.relative_to(REPO.parent)})")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where every leg runs the model (default cpu). cuda: one engine (--engines 1); the http leg "
+                        "then asks Serve for a GPU per replica")
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp32",
+                   help="model weights and compute, the same in every leg (default fp32; bf16/fp16 need --device cuda)")
     m = p.add_argument_group("model (random-weight GPT-2)")
     m.add_argument("--n-layer", type=int, default=None, help="default 4")
     m.add_argument("--n-embd", type=int, default=None, help="default 256")
@@ -617,7 +626,11 @@ def parse_args(argv):
     cores = os.cpu_count() or 1
     if args.in_process_engine and (args.engines or 1) != 1:
         p.error("--in-process-engine runs one engine (on a thread of this process); leave --engines out")
-    args.engines = args.engines or (1 if args.in_process_engine else cores)
+    if args.dtype != "fp32" and args.device != "cuda":
+        p.error("--dtype bf16/fp16 needs --device cuda (half-precision matmuls on a CPU are not what is served)")
+    if not args.data.is_file():
+        p.error(f"--data: {args.data} is not a file (the prompts are cut from it)")
+    args.engines = args.engines or (1 if args.in_process_engine or args.device == "cuda" else cores)
     if args.engines < 1:
         p.error("--engines must be at least 1")
     args.replica_cpus = args.replica_cpus or max(1.0, cores / args.engines)
@@ -682,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt_tokens = sum(len(r.ids) for r in reqs)
     out_tokens = sum(r.max_tokens for r in reqs)
     print(f"model: random GPT-2 n_layer {args.n_layer} n_embd {args.n_embd} n_head {args.n_head} (vocab 320, "
-          f"fp32, CPU, {args.threads} torch threads); {args.num_requests} requests from {DATA.name}: prompts "
+          f"{args.dtype}, {args.device.upper()}, {args.threads} torch threads); {args.num_requests} requests from "
+          f"{args.data.name}: prompts "
           f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens ({prompt_tokens:,} in all), max_tokens "
           f"{args.output_len[0]}-{args.output_len[1]} ({out_tokens:,} in all, ignore_eos); {load}", flush=True)
 
