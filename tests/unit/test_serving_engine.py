@@ -482,7 +482,8 @@ def test_half_precision_and_device_choices(gpt2: Family) -> None:
 def test_half_precision_on_a_gpu_follows_the_models_own_greedy(family: Family, dtype: str) -> None:
     """The whole model in bf16/fp16 on the GPU (what `dtype: auto` serves there), eight prompts batched: each
     one's first token comes from its prefill and its second from the first decode over the paged cache, and both
-    equal what `transformers` computes in the same dtype on the prompt alone. Later tokens may part: a batched
+    equal what `transformers` computes in the same dtype on the prompt alone (for all but at most one prompt: a
+    near-tie may flip). Later tokens may part: a batched
     and a single-sequence matmul round differently in 8 or 11 mantissa bits, and a flipped near-tie changes the
     rest."""
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
