@@ -82,7 +82,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
 RESULT = "serve_load: "
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch attribute names (imported late)
 LEGS = ("hf-single", "hf-static", "engine", "http")
 DEPLOYMENT = "bench"
 # (name, numerator leg, denominator leg, target, description)
@@ -149,7 +148,9 @@ def build_model(args, directory: Path):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)  # float32 on disk; each leg loads it in --dtype
     (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
-    return model.to(device=args.device, dtype=getattr(torch, TORCH_DTYPES[args.dtype])), tok
+    from pylon.serving.model_runner import DTYPES  # the engine's own names for dtypes
+
+    return model.to(device=args.device, dtype=DTYPES[args.dtype]), tok
 
 
 def engine_spec(args):
@@ -584,7 +585,7 @@ def parse_args(argv):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every leg runs the model (default cpu). cuda: one engine (--engines 1); the http leg "
                         "then asks Serve for a GPU per replica")
-    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp32",
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32",
                    help="model weights and compute, the same in every leg (default fp32; bf16/fp16 need --device cuda)")
     m = p.add_argument_group("model (random-weight GPT-2)")
     m.add_argument("--n-layer", type=int, default=None, help="default 4")

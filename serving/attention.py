@@ -123,8 +123,10 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     # kernel launches per layer to a step whose time is the host's launching them (a 12-layer model's 32-decode
     # step on an H100: 30 ms with four groups, of which 3 ms on the device).
     decodes = sorted((i for i, s in enumerate(seqs) if s.num_new == 1), key=lambda i: seqs[i].start)
-    one = kernel or torch.device(device).type == "cuda"
-    parts = 1 if one else min(DECODE_GROUPS, max(1, len(decodes) // MIN_GROUP))
+    if kernel or torch.device(device).type == "cuda":
+        parts = 1
+    else:
+        parts = min(DECODE_GROUPS, max(1, len(decodes) // MIN_GROUP))
     bounds = [round(j * len(decodes) / parts) for j in range(parts + 1)]
     members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])]
     make = _kernel_group if kernel else _group

@@ -41,6 +41,12 @@ NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
 
 
+def spec(**fields) -> EngineSpec:
+    """The tests' engine: small, on DEVICE, in fp32 as the reference computes (`auto` would be bf16 on a GPU)."""
+    return EngineSpec(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, "kv_cache_tokens": 2048, "block_size": 16,
+                         "max_model_len": 256, "device": DEVICE, "dtype": "fp32", **fields})
+
+
 def make_prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
@@ -74,12 +80,8 @@ class Family:
                                   do_sample=False, eos_token_id=256, pad_token_id=257)
         return out[0, len(prompt):].tolist()
 
-    def engine(self, **engine) -> LLMEngine:
-        fields = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "kv_cache_tokens": 2048, "block_size": 16,
-                  "max_model_len": 256, "device": DEVICE,
-                  "dtype": "fp32"}  # the reference's; `auto` would be bf16 on a GPU
-        fields.update(engine)
-        return LLMEngine(self.dir, EngineSpec(**fields))
+    def engine(self, **fields) -> LLMEngine:
+        return LLMEngine(self.dir, spec(**fields))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -192,8 +194,7 @@ def test_model_from_a_uri_and_max_model_len_capped_at_the_models_positions(gpt2:
     fs = fsspec.filesystem("memory")
     for path in Path(gpt2.dir).iterdir():
         fs.pipe(f"/serving-test/model/{path.name}", path.read_bytes())
-    engine = LLMEngine("memory://serving-test/model", EngineSpec(max_model_len=1024, kv_cache_tokens=1024,
-                                                                  device=DEVICE, dtype="fp32"))
+    engine = LLMEngine("memory://serving-test/model", spec(max_model_len=1024, kv_cache_tokens=1024))
     assert engine.max_model_len == 256  # n_positions
     assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == gpt2.greedy[1]
 
@@ -519,7 +520,8 @@ def test_a_narrower_kv_cache_stays_close_to_the_models_own_greedy(family: Family
         outputs = run(engine)
         results[kernel] = [tokens_of(outputs[f"r{i}"]) for i in range(len(PROMPTS))]
         assert_pool_empty(engine)
-    assert results.get(True, results[False]) == results[False]
+    if True in results:
+        assert results[True] == results[False]
     if kv == "fp8":  # a wrong widening would match 1 in 320 by chance
         assert sum(got[0] == expected[0] for got, expected in zip(results[False], family.greedy)) >= 6
     else:
@@ -629,9 +631,8 @@ def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family
     once); a stream that takes every step gets one message per step. The tokens are the same either way."""
     from pylon.serving.engine_process import ProcessLLMEngine
 
-    spec = EngineSpec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=4096, block_size=16,
-                      max_model_len=256, device=DEVICE, dtype="fp32")
-    engine = ProcessLLMEngine.from_model(gpt2.dir, spec)
+    engine = ProcessLLMEngine.from_model(gpt2.dir, spec(max_num_seqs=4, max_num_batched_tokens=128,
+                                                        kv_cache_tokens=4096))
     received = []
     deliver = engine._deliver_step
     engine._deliver_step = lambda outputs: (received.append(len(outputs)), deliver(outputs))
@@ -659,9 +660,7 @@ def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family
 def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_cleanly(gpt2: Family) -> None:
     from pylon.serving.engine_process import ProcessLLMEngine
 
-    spec = EngineSpec(max_num_seqs=3, max_num_batched_tokens=96, kv_cache_tokens=2048, block_size=16,
-                      max_model_len=256, device=DEVICE, dtype="fp32")
-    engine = ProcessLLMEngine.from_model(gpt2.dir, spec)
+    engine = ProcessLLMEngine.from_model(gpt2.dir, spec(max_num_seqs=3, max_num_batched_tokens=96))
     try:
         assert engine.check_health() and engine.max_model_len == 256
         assert engine.tokenizer.decode(engine.tokenizer.encode("def f():")) == "def f():"
