@@ -10,6 +10,7 @@ modules) hang below them. `ray stop` would kill every Ray on the machine, a user
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -456,10 +458,23 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)  # ports picked lately by this process
+_PORTS_LOCK = threading.Lock()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that this process has not handed out lately. A port bound and closed here is free again at
+    once, so the several picks of one `up` (GCS, dashboard, client, agent, metrics, HAProxy's) could otherwise get
+    the same port twice, and `ray start` then refuses ("trying to use a port number ... used by other components")."""
+    with _PORTS_LOCK:
+        for _ in range(100):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.append(port)
+                return port
+    raise ClusterError("no free local port found in 100 tries: the machine's ephemeral ports are exhausted")
 
 
 def _port_or_free(preferred: int) -> int:
@@ -467,6 +482,6 @@ def _port_or_free(preferred: int) -> int:
     with socket.socket() as s:
         try:
             s.bind(("0.0.0.0", preferred))
-            return preferred
+            return preferred  # Ray's usual ports are distinct and below the ephemeral range `_free_port` draws from
         except OSError:
             return _free_port()

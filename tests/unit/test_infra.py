@@ -378,3 +378,28 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
              "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
     assert cluster.local_serve_env(temp_dir) == local
     assert local.items() <= env.items()
+
+
+def test_free_ports_are_never_handed_out_twice(monkeypatch) -> None:
+    """The kernel may give the same free port to two binds in a row (each socket closes at once); one `up` picks
+    several, and a repeat made `ray start` refuse ("trying to use a port number ... used by other components")."""
+    from pylon import cluster
+
+    kernel_picks = iter([41001, 41001, 41002, 41001, 41003])
+
+    class Socket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(kernel_picks)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(cluster, "_HANDED_OUT", type(cluster._HANDED_OUT)(maxlen=256))
+    monkeypatch.setattr(cluster, "socket", type("socket", (), {"socket": Socket}))
+    assert [cluster._free_port() for _ in range(3)] == [41001, 41002, 41003]
