@@ -268,14 +268,17 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
 
 class _StreamQueue(asyncio.Queue):
     """A stream's outputs. `wake`: set while the consumer waits for its next tick; an output that ends the
-    stream (finished, or an error) ends that wait at once."""
+    stream (finished, or an error) ends that wait at once, and `ended` says one is queued."""
 
     wake: asyncio.Future | None = None
+    ended: bool = False
 
     def put_output(self, item: RequestOutput | BaseException) -> None:
         self.put_nowait(item)
-        if (isinstance(item, BaseException) or item.finished) and self.wake is not None:
-            _resolve(self.wake)
+        if isinstance(item, BaseException) or item.finished:
+            self.ended = True
+            if self.wake is not None:
+                _resolve(self.wake)
 
 
 def _put_all(puts: list[tuple[_StreamQueue, RequestOutput]]) -> None:
@@ -389,9 +392,11 @@ class AsyncLLMEngine:
             loop = asyncio.get_running_loop()
             next_at = 0.0
             while not finished:
-                if interval_s > 0 and queue.empty() and (wait := next_at - loop.time()) > 0:
+                if interval_s > 0 and not queue.ended and (wait := next_at - loop.time()) > 0:
                     # Let this interval's steps pile up, but not the last output: a finished request's client
                     # (a closed-loop one sends its next request then) hears it at once, not at the tick.
+                    # Outputs already queued wait for the tick too: a consumer slower than the engine (a busy
+                    # replica) would otherwise take each step as it came, one chunk per token.
                     queue.wake = loop.create_future()
                     timer = loop.call_later(wait, _resolve, queue.wake)
                     try:

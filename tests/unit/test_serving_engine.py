@@ -570,24 +570,28 @@ def test_an_interval_coalesces_a_stream_without_changing_its_tokens(gpt2: Family
     engine = AsyncLLMEngine(gpt2.engine())
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
 
-    async def run(interval: float) -> list:
+    async def run(interval: float, busy_s: float = 0.0) -> list:
         times, outs = [], []
         async for out in engine.generate(f"i{interval}", PROMPTS[2], params, interval_s=interval):
             outs.append(out)
             times.append(time.monotonic())
+            await asyncio.sleep(busy_s)  # a consumer that awaits (a replica writing a chunk): outputs queue meanwhile
         return outs, times
 
     try:
         every, _ = asyncio.run(run(0.0))
-        merged, times = asyncio.run(run(0.05))
+        merged, times = asyncio.run(run(0.005, busy_s=0.001))
     finally:
         engine.shutdown()
     assert len(every) == 60 and all(len(o.token_ids) == 1 for o in every)
     assert tokens_of(merged) == tokens_of(every) and "".join(o.text for o in merged) == "".join(o.text for o in every)
     assert len(merged[0].token_ids) == 1  # the first token is never held back
     assert len(merged) < len(every)  # later ones are joined...
-    # ...at least half an interval apart (next_tick), all but the last: the end is heard at once.
-    assert all(b - a >= 0.02 for a, b in zip(times[:-1], times[1:-1]))
+    # ...at least half an interval apart (next_tick), all but the last, which is heard at once. Counted, not
+    # timed gap by gap: a descheduled consumer only stretches the span, so this holds on a loaded machine.
+    # A stream that took queued outputs without waiting for the tick gave a chunk per step here.
+    span = times[-2] - times[0]
+    assert len(merged) - 2 <= span / 0.0025 + 1, (len(merged), span)
     assert [o.finished for o in merged].count(True) == 1 and merged[-1].finish_reason == "length"
     assert merged[-1].num_output_tokens == 60
 
