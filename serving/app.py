@@ -30,6 +30,7 @@ from starlette.requests import Request  # FastAPI resolves the routes' annotatio
 
 from pylon.errors import PylonError
 from pylon.serving.errors import EngineDeadError, InvalidRequest
+from pylon.serving.scheduling import serve_cpu_as_batch
 from pylon.specs import DeploymentSpec
 
 log = logging.getLogger("pylon.serving")
@@ -144,6 +145,9 @@ class PylonLLMServer:
         kind = ProcessLLMEngine if self.spec.engine.separate_process else AsyncLLMEngine
         self.engine = kind.from_model(self.spec.model, self.spec.engine)
         log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
+        # On a CPU the engines are throughput work and this process's wakeups (chunks, Ray's own threads) should
+        # not preempt them mid-step (pylon.serving.scheduling).
+        serve_cpu_as_batch(self.engine.device, f"replica of {self.model_name}")
         self.metrics = _metrics(self.model_name)
         self._gauges_task = None
 

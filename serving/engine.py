@@ -325,6 +325,11 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def device(self) -> str:
+        """Where the model computes: 'cpu' or 'cuda'."""
+        return self.engine.runner.device.type
+
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():

@@ -32,6 +32,7 @@ from pylon.errors import PylonError
 from pylon.serving.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting
 from pylon.serving.errors import EngineDeadError, InvalidRequest
 from pylon.serving.sampling import SamplingParams
+from pylon.serving.scheduling import serve_cpu_as_batch
 from pylon.specs import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
         except BaseException:
             self._kill()
             raise
-        _, self._tokenizer, self._max_model_len, self._stats = message
+        _, self._tokenizer, self._max_model_len, self._device, self._stats = message
         self._heartbeat = time.monotonic()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="pylon-engine-reader", daemon=True)
@@ -104,6 +105,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def device(self) -> str:
+        return self._device
 
     def _submit(self, request_id: str, prompt: Prompt, params: SamplingParams | None, interval_s: float = 0.0) -> None:
         self._outbox.put(("add", request_id, prompt, params, interval_s))
@@ -248,7 +253,9 @@ def _child(conn: Connection) -> int:
         log.exception("engine process: loading %s failed", model)
         conn.send(("failed", f"loading {model} failed: {type(e).__name__}: {e}"))
         return 1
-    conn.send(("ready", engine.tokenizer, engine.max_model_len, engine.stats()))
+    device = engine.runner.device.type
+    serve_cpu_as_batch(device, "engine process")  # its torch threads exist by now; all of them move
+    conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats()))
     outbox = _Outbox(conn)
     while True:
         # Busy: take in what has arrived and step at once. Idle: wait for work, beating every IDLE_WAIT_S.

@@ -668,6 +668,11 @@ def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_clea
     try:
         assert engine.check_health() and engine.max_model_len == 256
         assert engine.tokenizer.decode(engine.tokenizer.encode("def f():")) == "def f():"
+        # A CPU engine serves under SCHED_BATCH, every thread of the child (its torch threads included); a GPU's
+        # keeps the default policy (pylon.serving.scheduling).
+        assert engine.device == DEVICE
+        policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{engine._proc.pid}/task")}
+        assert policies == {os.SCHED_BATCH if DEVICE == "cpu" else os.SCHED_OTHER}
 
         async def collect(i: int) -> list:
             return [out async for out in engine.generate(f"p{i}", PROMPTS[i], GREEDY)]

@@ -1,0 +1,61 @@
+"""pylon.serving.scheduling: CPU serving processes move every thread to SCHED_BATCH, and can be given it back."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from pylon.serving import scheduling
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+
+
+def policies() -> dict[int, int]:
+    return {int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+
+
+def test_every_thread_moves_new_threads_inherit_and_restore_gives_the_policy_back(monkeypatch) -> None:
+    monkeypatch.delenv(scheduling.ENV, raising=False)
+    started, stop = threading.Event(), threading.Event()
+    seen = {}
+
+    def worker(name: str) -> None:
+        seen[name] = os.sched_getscheduler(0)
+        started.set()
+        stop.wait()
+
+    before = threading.Thread(target=worker, args=("before",))
+    before.start()
+    started.wait()
+    assert set(policies().values()) == {os.SCHED_OTHER}
+    moved, after = scheduling.batch_all_threads(), None
+    try:
+        assert len(moved) == len(policies()) >= 2  # this thread and the one started before
+        assert set(policies().values()) == {os.SCHED_BATCH}
+        started.clear()
+        after = threading.Thread(target=worker, args=("after",))
+        after.start()
+        started.wait()
+        assert seen == {"before": os.SCHED_OTHER, "after": os.SCHED_BATCH}  # created later: inherits
+    finally:
+        scheduling.restore(moved)
+        stop.set()
+        before.join()
+        if after is not None:
+            after.join()
+    assert set(policies().values()) == {os.SCHED_OTHER}
+
+
+def test_disabled_by_the_environment_and_only_for_cpu_engines(monkeypatch) -> None:
+    monkeypatch.setenv(scheduling.ENV, "0")
+    assert scheduling.batch_all_threads() == {}
+    assert set(policies().values()) == {os.SCHED_OTHER}
+    monkeypatch.delenv(scheduling.ENV)
+    scheduling.serve_cpu_as_batch("cuda", "a GPU replica")  # a GPU engine's process keeps the default
+    assert set(policies().values()) == {os.SCHED_OTHER}
+    scheduling.serve_cpu_as_batch("cpu", "a CPU replica")
+    try:
+        assert set(policies().values()) == {os.SCHED_BATCH}
+    finally:
+        scheduling.restore({tid: os.SCHED_OTHER for tid in policies()})
