@@ -53,6 +53,10 @@ client sent the request (so for the transformers legs they include waiting for t
         per decoding step), pooled over all requests.
   E2E   time to the last token.
 Throughput: finished requests and output tokens over the leg's duration (first send to last token).
+CPU (engine and http legs): the CPU-seconds every process on the machine spent during the leg, grouped (engine
+processes, Serve replicas, the load generator, HAProxy, Ray's and Serve's other processes, anything else), per
+1,000 output tokens, and how often the engines were preempted (involuntary context switches): what Serve + HTTP
+costs, in a unit that moves less between rounds than throughput does (`CpuAccount`).
 
 On a shared or virtual machine a leg's throughput can move by 10% from one run to the next (neighbours, clock):
 `--rounds N` runs the legs N times in turn and takes, per target, the median of the N ratios, each between two
@@ -197,6 +201,99 @@ class Progress:
             log(f"  [{self.leg}] {self.done}/{self.total} requests, {now - self.t0:.1f} s")
 
 
+class CpuAccount:
+    """CPU-seconds each kind of process on the machine spent during a leg, from /proc (psutil), and the engine
+    processes' involuntary context switches (a core taken from them mid-step). Throughput moves by 10-20% between
+    rounds on these VMs; CPU-seconds per 1,000 output tokens say where a leg's time went, and move far less.
+
+    Groups: engine (pylon.serving.engine_process), replica (Serve replicas), load generator (this process),
+    haproxy, ray (Ray's and Serve's other processes: GCS, raylet, dashboard, agents, controller, proxies), each
+    only among this process's descendants and `cluster`'s processes; other (everything else on the machine: a
+    busy neighbour, another Ray cluster, shows here)."""
+
+    GROUPS = ("engine", "replica", "load generator", "haproxy", "ray", "other")
+
+    def __init__(self, cluster=None):
+        self.cluster = cluster  # the http leg's private cluster (pylon.cluster.ClusterInfo), whose processes count
+        self.start = self._snapshot()
+
+    def _ours(self) -> set[int]:
+        import psutil
+
+        me = psutil.Process()
+        pids = {me.pid} | {c.pid for c in me.children(recursive=True)}
+        if self.cluster is not None:
+            pids |= {p.pid for p in self.cluster.processes()}
+        return pids
+
+    @staticmethod
+    def _group(pid: int, name: str, cmdline: str, ours: set[int]) -> str:
+        if pid not in ours:
+            return "other"
+        if pid == os.getpid():
+            return "load generator"
+        if "pylon.serving.engine_process" in cmdline:
+            return "engine"
+        if "ServeReplica" in cmdline:
+            return "replica"
+        if name == "haproxy":
+            return "haproxy"
+        return "ray"
+
+    def _snapshot(self) -> dict:
+        import psutil
+
+        out, ours = {}, self._ours()
+        for p in psutil.process_iter(["name", "cmdline", "cpu_times", "num_ctx_switches", "create_time"]):
+            info = p.info
+            if info["cpu_times"] is None:
+                continue
+            t = info["cpu_times"]
+            ctx = info["num_ctx_switches"]
+            cmdline = info["cmdline"] or []
+            out[(p.pid, info["create_time"])] = (
+                self._group(p.pid, info["name"] or "", " ".join(cmdline), ours),
+                t.user + t.system, ctx.involuntary if ctx else 0, self._label(info["name"] or "", cmdline))
+        return out
+
+    @staticmethod
+    def _label(name: str, cmdline: list[str]) -> str:
+        """A short name for a process of Ray's: its actor (`ray::ServeController`) or its script."""
+        if cmdline and cmdline[0].startswith("ray::"):
+            return cmdline[0].split()[0]
+        scripts = [Path(a).name for a in cmdline[1:] if a.endswith(".py")]
+        modules = [b for a, b in zip(cmdline, cmdline[1:]) if a == "-m"]
+        return (scripts or modules or [name])[0]
+
+    def finish(self, seconds: float, output_tokens: int) -> dict:
+        end = self._snapshot()
+        cpu = dict.fromkeys(self.GROUPS, 0.0)
+        preempted, ray = 0, {}
+        for key, (group, used, invol, label) in end.items():
+            _, used0, invol0, _ = self.start.get(key, (group, 0.0, 0, label))
+            cpu[group] += max(0.0, used - used0)
+            if group == "engine":
+                preempted += max(0, invol - invol0)
+            if group == "ray":
+                ray[label] = ray.get(label, 0.0) + max(0.0, used - used0)
+        total = sum(cpu.values())
+        per_k = 1000 / max(output_tokens, 1)
+        return {"cpu_s": {g: round(v, 2) for g, v in cpu.items()}, "cpu_s_total": round(total, 2),
+                "cpu_ms_per_1k_tokens": {g: round(v * per_k * 1000) for g, v in cpu.items()},
+                "cpu_busy_fraction": round(total / max(seconds, 1e-9) / (os.cpu_count() or 1), 3),
+                "engine_preemptions_per_s": round(preempted / max(seconds, 1e-9)),
+                "ray_cpu_s": {k: round(v, 3) for k, v in sorted(ray.items(), key=lambda kv: -kv[1]) if v >= 0.005}}
+
+
+def cpu_line(leg: str, r: dict) -> str:
+    per_k = r["cpu_ms_per_1k_tokens"]
+    parts = ", ".join(f"{g} {per_k[g]:,}" for g in CpuAccount.GROUPS if r["cpu_s"][g] >= 0.01)
+    ray = ", ".join(f"{k} {v:.2f}" for k, v in list(r.get("ray_cpu_s", {}).items())[:8])
+    return (f"cpu {leg}: {r['cpu_s_total']:.1f} CPU-s, {r['cpu_busy_fraction']:.0%} of the machine; ms per 1k output "
+            f"tokens: {parts}; engines preempted {r['engine_preemptions_per_s']:,}/s"
+            + (f"\n  ray's processes, CPU-s: {ray}" if ray else ""))
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -326,12 +423,13 @@ def run_async(coro):
         return runner.run(coro)
 
 
-async def drive(reqs: list[Req], args, one, label: str) -> tuple[list[Record], float]:
+async def drive(reqs: list[Req], args, one, label: str, cluster=None) -> tuple[list[Record], float, dict]:
     """Run `one(req, record)` for every request: from `--concurrency` closed-loop clients, or at the Poisson
     arrival times of `--rate`."""
     arrivals = arrival_times(args, len(reqs))
     records = [Record(0.0) for _ in reqs]
     progress = Progress(label, len(reqs))
+    account = CpuAccount(cluster)
     t0 = time.perf_counter()
 
     async def send(r: Req) -> None:
@@ -359,7 +457,9 @@ async def drive(reqs: list[Req], args, one, label: str) -> tuple[list[Record], f
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(send(r)))
         await asyncio.gather(*tasks)
-    return records, t0
+    cpu = account.finish(max((t for r in records for t in r.times[-1:]), default=t0) - t0,
+                         sum(r.num_tokens for r in records if r.error is None))
+    return records, t0, cpu
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -410,13 +510,17 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
             open_streams[i] -= 1
         rec.num_tokens = len(rec.token_ids)
 
+    moved = {}
     try:
+        if isinstance(engines[0], ProcessLLMEngine):
+            moved = match_policy(engines[0]._proc.pid, "engine")
         await asyncio.gather(*(one(r, Record(0.0)) for r in warmup * len(engines)))
-        records, t0 = await drive(reqs, args, one, "engine")
+        records, t0, cpu = await drive(reqs, args, one, "engine")
         stats = [e.stats() for e in engines]
         return records, t0, {"engines": len(engines), "preemptions": sum(s.num_preemptions_total for s in stats),
-                             "kv_blocks": sum(s.num_blocks for s in stats)}
+                             "kv_blocks": sum(s.num_blocks for s in stats), **cpu}
     finally:
+        restore_policy(moved)
         for engine in engines:
             engine.shutdown()
 
@@ -444,7 +548,7 @@ def deployment_spec(args, model_dir: Path):
     })
 
 
-async def http_load(url: str, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float]:
+async def http_load(url: str, reqs: list[Req], warmup: list[Req], args, cluster) -> tuple[list[Record], float, dict]:
     import aiohttp
 
     async def one_on(session, r: Req, rec: Record) -> None:
@@ -475,7 +579,7 @@ async def http_load(url: str, reqs: list[Req], warmup: list[Req], args) -> tuple
             await one_on(session, r, rec)
 
         await asyncio.gather(*(one(r, Record(0.0)) for r in warmup))
-        return await drive(reqs, args, one, "http")
+        return await drive(reqs, args, one, "http", cluster)
 
 
 def ingress_and_niceness(info, args) -> dict:
@@ -515,6 +619,28 @@ def restore_niceness(own: dict[int, int]) -> None:
             "legs and rounds run at the http leg's")
 
 
+def match_policy(engine_pid: int, leg: str) -> dict:
+    """This process's threads take the served engine's scheduling policy for the leg, as they take its niceness:
+    on a CPU an engine process runs SCHED_BATCH (pylon.serving.scheduling), and so does a replica, whose part
+    the load generator plays in the engine leg. Returns what `restore_policy` needs."""
+    from pylon.serving.scheduling import batch_all_threads
+
+    try:
+        batch = os.sched_getscheduler(engine_pid) == os.SCHED_BATCH
+    except OSError:
+        return {}
+    moved = batch_all_threads() if batch else {}
+    log(f"  [{leg}] engine scheduling policy {'SCHED_BATCH' if batch else 'default'}; load generator "
+        f"{'the same' if batch else 'default'}")
+    return moved
+
+
+def restore_policy(moved: dict) -> None:
+    from pylon.serving.scheduling import restore
+
+    restore(moved)
+
+
 def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
     """Start a private cluster, deploy, load it over HTTP, and always stop the cluster again."""
     home = Path(tempfile.mkdtemp(prefix="pylon-bench-"))
@@ -523,7 +649,7 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         os.environ.pop(name, None)
     from pylon import cluster
 
-    extra = {}
+    extra, moved = {}, {}
     try:
         t = time.perf_counter()
         info, _ = cluster.up(num_cpus=max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1),
@@ -538,9 +664,13 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         log(f"  [http] deployed at {url} in {extra['deploy_s']} s")
         own = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
         extra.update(ingress_and_niceness(info, args))
-        records, t0 = run_async(http_load(url, reqs, warmup, args))
-        return records, t0, extra
+        engines = [p for p in info.processes() if "pylon.serving.engine_process" in " ".join(p.cmdline())]
+        if engines:
+            moved = match_policy(engines[0].pid, "http")
+        records, t0, cpu = run_async(http_load(url, reqs, warmup, args, info))
+        return records, t0, {**extra, **cpu}
     finally:
+        restore_policy(moved)
         if extra.get("client_niceness") is not None:
             restore_niceness(own)
         t = time.perf_counter()
@@ -735,6 +865,8 @@ def main(argv: list[str] | None = None) -> int:
                         tokens.setdefault(leg, []).append([r.token_ids for r in records])
                     log(f"{label} done in {time.perf_counter() - t:.0f} s: "
                         f"{summary['output_tok_per_s']:,.0f} output tok/s")
+                    if "cpu_s" in summary:
+                        log(f"  {cpu_line(leg, summary)}")
                 except Exception as e:
                     errors.setdefault(leg, f"{type(e).__name__}: {e}")
                     log(f"{label} FAILED after {time.perf_counter() - t:.0f} s:\n{traceback.format_exc()}")
@@ -774,6 +906,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"http: {r['events']:,} SSE chunks for {r['output_tokens']:,} tokens (ITL is per chunk); ingress "
               f"{r.get('ingress', '?')}; niceness: engine {r.get('engine_niceness', '?')}, load generator "
               f"{r.get('client_niceness', '?')}")
+    for leg in ("engine", "http"):
+        if leg in results and "cpu_s" in results[leg]:
+            print(cpu_line(leg, results[leg]))
     for leg, err in errors.items():
         print(f"error in {leg}: {err.splitlines()[0][:500]}")
     wall = time.perf_counter() - wall0
