@@ -632,14 +632,15 @@ def test_coalesced_streams_wake_together_on_shared_ticks() -> None:
 
 def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family) -> None:
     """Streams that take outputs every 50 ms get the child's steps in fewer messages (first and last tokens at
-    once); a stream that takes every step gets one message per step. The tokens are the same either way."""
+    once), each with one output per request (the held steps merged); a stream that takes every step gets one
+    message per step. The tokens are the same either way."""
     from pylon.serving.engine_process import ProcessLLMEngine
 
     engine = ProcessLLMEngine.from_model(gpt2.dir, spec(max_num_seqs=4, max_num_batched_tokens=128,
                                                         kv_cache_tokens=4096))
     received = []
     deliver = engine._deliver_step
-    engine._deliver_step = lambda outputs: (received.append(len(outputs)), deliver(outputs))
+    engine._deliver_step = lambda outputs: (received.append([o.request_id for o in outputs]), deliver(outputs))
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
     async def run(interval: float) -> list:
@@ -653,12 +654,14 @@ def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family
         received.clear()
         held = asyncio.run(run(0.05))
         messages_held = len(received)
+        merged = all(len(ids) == len(set(ids)) for ids in received)
     finally:
         engine.shutdown()
     assert [tokens_of(o) for o in held] == [tokens_of(o) for o in every]
     assert all(len(o[0].token_ids) == 1 and o[-1].finish_reason == "length" for o in held)
     assert messages_every >= 40  # one per step
     assert messages_held < messages_every / 2, (messages_held, messages_every)
+    assert merged, received  # a request's held steps arrive as one output
 
 
 def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_cleanly(gpt2: Family) -> None:
