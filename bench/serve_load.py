@@ -37,7 +37,9 @@ Legs (`--legs`, default all four, in this order):
               environment for Serve's Python proxy), the engine in a child process of the replica, streams
               coalesced every `--stream-interval-ms` (the spec's default 50 ms). Ray runs the replica and its
               engine at niceness 15; the load generator takes that niceness for this leg, as the engine leg's
-              engine shares the load generator's (`--keep-niceness` to leave it at its own).
+              engine shares the load generator's (`--keep-niceness` to leave it at its own). On a CPU the
+              engine processes (and replicas) run SCHED_BATCH (pylon.serving.scheduling); in both the engine and
+              the http legs the load generator takes the engine's policy, as a replica has it (`match_policy`).
 
 Load: `--concurrency N` closed-loop clients (default 32): each sends its next request when its previous one
 is done. Or `--rate R`: open-loop Poisson arrivals at R req/s (the same arrival times for every leg). The

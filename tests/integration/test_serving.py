@@ -168,6 +168,19 @@ def test_http_goes_through_haproxy_straight_to_the_replica(served, ray_cluster):
     assert requests.get(f"{served}/health", timeout=30).status_code == 200
 
 
+def test_a_cpu_replica_and_its_engine_process_run_sched_batch(served, ray_cluster):
+    """On a CPU every thread of the replica and of its engine process is on SCHED_BATCH (pylon.serving.scheduling):
+    their wakeups do not preempt an engine mid-step."""
+    replicas = [p for p in ray_cluster.processes() if "ServeReplica:tiny" in " ".join(p.cmdline())]
+    assert replicas, "no replica process of 'tiny' in the cluster"
+    for replica in replicas:
+        engines = [c for c in replica.children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]
+        assert len(engines) == 1, f"replica {replica.pid}: engine processes {engines}"
+        for proc in (replica, engines[0]):
+            policies = {os.sched_getscheduler(t.id) for t in proc.threads()}
+            assert policies == {os.SCHED_BATCH}, (proc.pid, " ".join(proc.cmdline())[:80], policies)
+
+
 def test_concurrent_greedy_requests_match_transformers(served, tiny):
     """20 concurrent requests of mixed lengths (more than max_num_seqs = 8) through HTTP."""
     import random
