@@ -476,6 +476,7 @@ def engine_params(max_tokens: int):
 
 
 async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
+    from pylon.serving import scheduling
     from pylon.serving.engine import AsyncLLMEngine
     from pylon.serving.engine_process import ProcessLLMEngine
 
@@ -522,7 +523,7 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
         return records, t0, {"engines": len(engines), "preemptions": sum(s.num_preemptions_total for s in stats),
                              "kv_blocks": sum(s.num_blocks for s in stats), **cpu}
     finally:
-        restore_policy(moved)
+        scheduling.restore(moved)
         for engine in engines:
             engine.shutdown()
 
@@ -624,23 +625,17 @@ def restore_niceness(own: dict[int, int]) -> None:
 def match_policy(engine_pid: int, leg: str) -> dict:
     """This process's threads take the served engine's scheduling policy for the leg, as they take its niceness:
     on a CPU an engine process runs SCHED_BATCH (pylon.serving.scheduling), and so does a replica, whose part
-    the load generator plays in the engine leg. Returns what `restore_policy` needs."""
-    from pylon.serving.scheduling import batch_all_threads
+    the load generator plays in the engine leg. Returns what `scheduling.restore` needs."""
+    from pylon.serving import scheduling
 
     try:
         batch = os.sched_getscheduler(engine_pid) == os.SCHED_BATCH
     except OSError:
         return {}
-    moved = batch_all_threads() if batch else {}
+    moved = scheduling.batch_all_threads() if batch else {}
     log(f"  [{leg}] engine scheduling policy {'SCHED_BATCH' if batch else 'default'}; load generator "
         f"{'the same' if batch else 'default'}")
     return moved
-
-
-def restore_policy(moved: dict) -> None:
-    from pylon.serving.scheduling import restore
-
-    restore(moved)
 
 
 def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
@@ -650,6 +645,7 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
     for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         os.environ.pop(name, None)
     from pylon import cluster
+    from pylon.serving import scheduling
 
     extra, moved = {}, {}
     try:
@@ -672,7 +668,7 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         records, t0, cpu = run_async(http_load(url, reqs, warmup, args, info))
         return records, t0, {**extra, **cpu}
     finally:
-        restore_policy(moved)
+        scheduling.restore(moved)
         if extra.get("client_niceness") is not None:
             restore_niceness(own)
         t = time.perf_counter()

@@ -5,9 +5,9 @@ On a CPU node the engines keep every core busy, and every wakeup of a thread at 
 Ray's core worker checking for signals every 10 ms, gRPC pollers. A SCHED_BATCH thread that wakes does not
 preempt the running one; the kernel runs it at the next tick or when a core frees (sched(7)). Each thread keeps
 its share of the CPU (niceness weighs as before); what goes is most of the context switches and the caches
-they cool. On the 2-core benchmark (bench/serve_load.py, `--rounds 3`), the engines were preempted half as often
-and both the engine and the Serve + HTTP legs served 7-10% more output tokens per second, at the same time to
-first token (docs/benchmarks.md, twelfth set).
+they cool. On the 2-core benchmark (bench/serve_load.py, `--rounds 3`), the engines were preempted ~25% less
+often, and both the engine and the Serve + HTTP legs served ~10% more output tokens per second at the same time
+to first token (docs/benchmarks.md, twelfth set).
 
 Only threads at SCHED_OTHER move; real-time threads are left alone. No privilege is needed: a thread may move
 itself between SCHED_OTHER and SCHED_BATCH freely. Threads created later inherit the policy of the thread that
