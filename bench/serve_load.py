@@ -58,7 +58,9 @@ Throughput: finished requests and output tokens over the leg's duration (first s
 CPU (engine and http legs): the CPU-seconds every process on the machine spent during the leg, grouped (engine
 processes, Serve replicas, the load generator, HAProxy, Ray's and Serve's other processes, anything else), per
 1,000 output tokens, and how often the engines were preempted (involuntary context switches): what Serve + HTTP
-costs, in a unit that moves less between rounds than throughput does (`CpuAccount`).
+costs, in a unit that moves less between rounds than throughput does (`CpuAccount`). The run also prints
+Serve+HTTP / engine by CPU per output token (the engine leg's CPU-seconds over the http leg's, neighbours left
+out): not a target, but steadier than the throughput ratio, so it tells a real change from a noisy round.
 
 On a shared or virtual machine a leg's throughput can move by 10% from one run to the next (neighbours, clock):
 `--rounds N` runs the legs N times in turn and takes, per target, the median of the N ratios, each between two
@@ -893,6 +895,16 @@ def main(argv: list[str] | None = None) -> int:
                   + spread)
         else:
             print(f"target: {what:<24} not measured ({num} or {den} did not run)")
+    own = [rounds["engine"][r]["cpu_s_total"] - rounds["engine"][r]["cpu_s"]["other"]
+           for r in sorted(rounds.get("engine", {})) if r in rounds.get("http", {}) and "cpu_s" in rounds["engine"][r]]
+    if own:
+        # The same figure by CPU: the engine leg's CPU-seconds (its processes, not "other") over the http leg's, for
+        # the same tokens. It moves less than throughput between rounds, so it tells a real change from noise.
+        by_cpu = [o / max(rounds["http"][r]["cpu_s_total"] - rounds["http"][r]["cpu_s"]["other"], 1e-9)
+                  for o, r in zip(own, sorted(r for r in rounds["engine"] if r in rounds["http"]))]
+        ratios["http/engine by cpu"] = {"ratio": statistics.median(by_cpu), "rounds": by_cpu}
+        print(f"Serve+HTTP / engine by CPU per output token (not a target; steadier): {statistics.median(by_cpu):.2f}x"
+              + ("" if len(by_cpu) == 1 else "  rounds: " + ", ".join(f"{r:.2f}" for r in by_cpu)))
     if "engine" in tokens and "hf-single" in tokens:
         reference = tokens["hf-single"][0]
         same = [sum(a == b for a, b in zip(run, reference)) for run in tokens["engine"]]
