@@ -283,6 +283,7 @@ class CpuAccount:
         total = sum(cpu.values())
         per_k = 1000 / max(output_tokens, 1)
         return {"cpu_s": {g: round(v, 2) for g, v in cpu.items()}, "cpu_s_total": round(total, 2),
+                "cpu_s_ours": round(total - cpu["other"], 2),  # the leg's own processes, neighbours left out
                 "cpu_ms_per_1k_tokens": {g: round(v * per_k * 1000) for g, v in cpu.items()},
                 "cpu_busy_fraction": round(total / max(seconds, 1e-9) / (os.cpu_count() or 1), 3),
                 "engine_preemptions_per_s": round(preempted / max(seconds, 1e-9)),
@@ -895,13 +896,12 @@ def main(argv: list[str] | None = None) -> int:
                   + spread)
         else:
             print(f"target: {what:<24} not measured ({num} or {den} did not run)")
-    own = [rounds["engine"][r]["cpu_s_total"] - rounds["engine"][r]["cpu_s"]["other"]
-           for r in sorted(rounds.get("engine", {})) if r in rounds.get("http", {}) and "cpu_s" in rounds["engine"][r]]
-    if own:
-        # The same figure by CPU: the engine leg's CPU-seconds (its processes, not "other") over the http leg's, for
-        # the same tokens. It moves less than throughput between rounds, so it tells a real change from noise.
-        by_cpu = [o / max(rounds["http"][r]["cpu_s_total"] - rounds["http"][r]["cpu_s"]["other"], 1e-9)
-                  for o, r in zip(own, sorted(r for r in rounds["engine"] if r in rounds["http"]))]
+    # The same figure by CPU: the engine leg's CPU-seconds (its own processes) over the http leg's, for the same
+    # tokens. It moves less than throughput between rounds, so it tells a real change from noise.
+    engine_rounds, http_rounds = rounds.get("engine", {}), rounds.get("http", {})
+    by_cpu = [engine_rounds[r]["cpu_s_ours"] / max(http_rounds[r]["cpu_s_ours"], 1e-9)
+              for r in sorted(engine_rounds) if r in http_rounds]
+    if by_cpu:
         ratios["http/engine by cpu"] = {"ratio": statistics.median(by_cpu), "rounds": by_cpu}
         print(f"Serve+HTTP / engine by CPU per output token (not a target; steadier): {statistics.median(by_cpu):.2f}x"
               + ("" if len(by_cpu) == 1 else "  rounds: " + ", ".join(f"{r:.2f}" for r in by_cpu)))

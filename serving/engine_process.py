@@ -11,8 +11,9 @@ v1 answers the same contention by running its engine core in a separate process;
 socket pair; the child builds the `LLMEngine`, answers `ready` with the tokenizer, then loops: take in the
 adds and aborts that arrived, step, send the step's outputs and the engine's stats back (an idle child
 sends its stats every `IDLE_WAIT_S`, which is the heartbeat). Outputs for streams that are coalesced anyway
-wait in the child for a few steps and go back together, one merged output per request (`_Outbox`). A request the engine refuses comes back as an
-`invalid` message and is raised by the stream's first iteration, as in-process. The child exits when the
+wait in the child for a few steps and go back together, one merged output per request (`_Outbox`). A request
+the engine refuses comes back as an `invalid` message and is raised by the stream's first iteration, as
+in-process. The child exits when the
 parent asks, or when the socket closes (the replica died), so no engine outlives its replica.
 """
 from __future__ import annotations
