@@ -47,6 +47,18 @@ def test_pool_allocates_all_or_nothing_and_frees_everything() -> None:
     assert pool.num_free_blocks == 4
 
 
+def test_pool_hands_out_the_lowest_free_blocks_so_live_blocks_stay_packed() -> None:
+    pool = KVBlockPool(8, 4)
+    for rid in "abcd":
+        assert pool.allocate(rid, 8)  # two blocks each: a 0,1  b 2,3  c 4,5  d 6,7
+    pool.free("a")
+    pool.free("c")
+    assert pool.allocate("e", 12) and pool.block_table("e") == [0, 1, 4]  # the lowest first, not the oldest freed
+    pool.free("b")
+    assert pool.allocate("f", 4) and pool.block_table("f") == [2]
+    assert sorted(b for rid in "def" for b in pool.block_table(rid)) == [0, 1, 2, 4, 6, 7]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Scheduler
 # ---------------------------------------------------------------------------------------------------------
