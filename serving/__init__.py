@@ -9,6 +9,7 @@ runs each step, the KV block pool owns memory, the model runner only executes.
     engine_process.py ProcessLLMEngine: AsyncLLMEngine's interface over an engine in a child process (what a
                      Serve replica runs, so HTTP and the step loop never share one interpreter lock)
     kernels.py       the compiled CPU paged-attention kernel for decodes
+    linear.py        the projections on a CPU through oneDNN, over weights reordered once at load
     scheduler.py     Scheduler: continuous batching under a token budget and a sequence cap, chunked
                      prefill, preemption of the newest request when KV blocks run out
     kv_cache.py      KVBlockPool: fixed-size KV blocks, one block table per request

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
+from pylon.serving import linear
 from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace, build_metadata, final_metadata,
                                      new_kv_cache, paged_attention, store_kv)
 from pylon.serving.scheduler import ScheduledRequest
@@ -106,16 +107,34 @@ class _GPT2Weights:
     ln_f: tuple
 
     @classmethod
-    def of(cls, model) -> "_GPT2Weights":
+    def of(cls, model, *, packed: bool = False) -> "_GPT2Weights":
+        """The model's weights; `packed`: the projections reordered for oneDNN (`pylon.serving.linear`), and the
+        modules' own copies released (the runner never calls those modules)."""
         gpt = model.transformer
 
         def ln(m):
             return (m.normalized_shape, m.weight, m.bias, m.eps)
 
-        layers = [_GPT2Layer(ln(b.ln_1), b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight,
-                             b.attn.c_proj.bias, ln(b.ln_2), b.mlp.c_fc.weight, b.mlp.c_fc.bias, b.mlp.c_proj.weight,
-                             b.mlp.c_proj.bias, b.attn.num_heads, b.attn.head_dim, b.attn.scaling) for b in gpt.h]
+        def w(conv):
+            if not packed:
+                return conv.weight
+            reordered = linear.pack(conv.weight.detach())
+            conv.weight = None
+            return reordered
+
+        layers = [_GPT2Layer(ln(b.ln_1), w(b.attn.c_attn), b.attn.c_attn.bias, w(b.attn.c_proj), b.attn.c_proj.bias,
+                             ln(b.ln_2), w(b.mlp.c_fc), b.mlp.c_fc.bias, w(b.mlp.c_proj), b.mlp.c_proj.bias,
+                             b.attn.num_heads, b.attn.head_dim, b.attn.scaling) for b in gpt.h]
         return cls(gpt.wte.weight, gpt.wpe.weight, layers, ln(gpt.ln_f))
+
+
+def _pack_llama(model) -> None:
+    """Every projection of every decoder layer as a `PackedLinear` (lm_head, tied to the embeddings or not, stays)."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(parent, name, linear.PackedLinear(child))
 
 
 class ModelRunner:
@@ -137,8 +156,13 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         self.model.to(self.device).eval()
         self.config = config
+        # oneDNN for the projections on a CPU (pylon.serving.linear); `self._mm(bias, x, w)` is addmm's signature.
+        self.packed_linear = linear.usable(self.device, self.dtype)
+        self._mm: Callable = (lambda b, x, w: linear.linear(x, w, b)) if self.packed_linear else torch.addmm
         if model_type == "gpt2":
-            self._gpt2 = _GPT2Weights.of(self.model)
+            self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear)
+        elif self.packed_linear:
+            _pack_llama(self.model)
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
         self.block_size = block_size
@@ -198,22 +222,24 @@ class ModelRunner:
         (`final`): `[sampling tokens, hidden]`.
 
         The loaded model's own parameters, called through the functional ops its modules would run (GPT-2's
-        Conv1D is `addmm(bias, x, weight)`; dropout is the identity in eval): the same arithmetic without
-        a dozen module calls and shape juggling per layer, which on a small model is a good part of a step."""
+        Conv1D is `addmm(bias, x, weight)`, or oneDNN's linear over the reordered weight; dropout is the identity
+        in eval): the same arithmetic without a dozen module calls and shape juggling per layer, which on a small
+        model is a good part of a step."""
         T = len(ids)
         h = F.embedding(ids, self._gpt2.wte) + F.embedding(positions, self._gpt2.wpe)
         last = len(self._gpt2.layers) - 1
+        mm = self._mm
         for i, layer in enumerate(self._gpt2.layers):
-            qkv = torch.addmm(layer.qkv_b, F.layer_norm(h, *layer.ln_1), layer.qkv_w)
+            qkv = mm(layer.qkv_b, F.layer_norm(h, *layer.ln_1), layer.qkv_w)
             q, k, v = qkv.view(T, 3, layer.heads, layer.head_dim).unbind(1)
             # layer.scaling is attn.scaling: it folds in scale_attn_weights and scale_attn_by_inverse_layer_idx.
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, layer.scaling)
             if a is None:
                 break
             T = len(h)
-            h = h + torch.addmm(layer.proj_b, a.view(T, -1), layer.proj_w)
-            up = self._gpt2_act(torch.addmm(layer.fc_b, F.layer_norm(h, *layer.ln_2), layer.fc_w))
-            h = h + torch.addmm(layer.down_b, up, layer.down_w)
+            h = h + mm(layer.proj_b, a.view(T, -1), layer.proj_w)
+            up = self._gpt2_act(mm(layer.fc_b, F.layer_norm(h, *layer.ln_2), layer.fc_w))
+            h = h + mm(layer.down_b, up, layer.down_w)
         return F.layer_norm(h, *self._gpt2.ln_f)
 
     def _forward_llama(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

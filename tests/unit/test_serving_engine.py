@@ -716,3 +716,25 @@ def test_engine_process_reports_a_model_it_cannot_load(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(PylonError, match="has no tokenizer; expected Hugging Face tokenizer files"):
         ProcessLLMEngine.from_model(str(tmp_path), EngineSpec(device="cpu"))
+
+
+@pytest.mark.skipif(ON_CUDA, reason="oneDNN projections are a CPU's")
+def test_cpu_projections_go_through_onednn_and_keep_greedy_parity(family: Family, monkeypatch) -> None:
+    """On a CPU the projections run on oneDNN over weights reordered at load (pylon.serving.linear), the modules'
+    own copies released; the greedy continuations stay `transformers`' own, as with `PYLON_ONEDNN_LINEAR=0`."""
+    from pylon.serving import linear
+
+    if not linear.usable(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no usable oneDNN")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+    packed = family.engine()
+    assert packed.runner.packed_linear
+    if family.name == "gpt2":
+        assert packed.runner.model.transformer.h[0].attn.c_attn.weight is None
+    else:
+        assert isinstance(packed.runner.model.model.layers[0].mlp.down_proj, linear.PackedLinear)
+    monkeypatch.setenv("PYLON_ONEDNN_LINEAR", "0")
+    plain = family.engine()
+    assert not plain.runner.packed_linear
+    for engine in (packed, plain):
+        assert [c.token_ids for c in engine.generate(PROMPTS, params)] == family.greedy
