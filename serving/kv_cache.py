@@ -1,21 +1,33 @@
 """The KV cache's memory, in fixed-size blocks: which blocks are free and which request holds which.
 
 The pool hands out block *ids*; the tensors they index live in the model runner (one K and one V tensor
-per layer, `[num_blocks, block_size, n_kv_heads, head_dim]`). A request's block table lists its blocks in
+per layer, `[kv_heads, num_blocks, block_size, head_dim]`). A request's block table lists its blocks in
 order, so token position p lives in block `table[p // block_size]` at offset `p % block_size`. Blocks are
 never shared between requests (no prefix caching), so freeing a request returns all of its blocks.
 
-Free blocks are handed out lowest id first (a min-heap), so the blocks in use stay packed at the start of the
-pool however many requests come and go. The pool was a FIFO queue before (a freed block went to the back): after
-a few hundred requests the live blocks lay scattered over the whole pool (hundreds of MB in float32), and a
-single-threaded engine on a CPU ran each run of 64 requests (the serving bench's default workload, one engine's
-share) slower than the one before: 3.5, 3.8, 3.9, 4.1 s, where lowest-first held 3.3-3.4 s (decode attention reads
-every live block at every step, and it reads a packed region faster than a scattered one; transparent huge pages
-for the pool changed nothing, so it is not the TLB). `bench/serve_load.py`'s docs/benchmarks.md entry has the runs.
+Where blocks go matters on a CPU: every decode step reads every live block of every sequence, from memory (the
+live cache is far larger than the caches), and a sequence whose blocks lie one after another is read at nearly
+twice the rate of one whose blocks are scattered (16 sequences of ~330 tokens, 4 KB blocks, one core: 390 us per
+layer contiguous, 435 in runs of 16 blocks, 500 in runs of 8, 730 scattered one by one; the hardware prefetchers
+follow a run, and stop at each jump). So the pool keeps each request's blocks in one run where it can:
+
+- a request's first blocks are the lowest run of free blocks long enough for its whole expected length
+  (`reserve_tokens`: prompt plus max_tokens, capped at `RESERVE_MAX_BLOCKS` beyond what it needs now). It takes
+  what it needs now and the rest of the run is set aside for it: other requests place their runs elsewhere;
+- a growing request takes the block right after its last one where that block is free and not set aside for
+  another request; otherwise the lowest free block no one has set aside;
+- set-aside blocks are still free blocks: when nothing else is free, any request takes them (the owner then
+  continues elsewhere). Capacity, `allocate`'s all-or-nothing answer and preemption are as if nothing were set
+  aside.
+
+Lowest first also keeps the live blocks packed at the start of the pool however many requests come and go. The
+pool was a FIFO queue before: after a few hundred requests the live blocks lay scattered over the whole pool, and a
+one-thread engine ran each run of 64 requests (the serving bench's default workload, one engine's share) slower
+than the one before (3.5, 3.8, 3.9, 4.1 s, where lowest-first held 3.3-3.4 s).
 """
 from __future__ import annotations
 
-import heapq
+RESERVE_MAX_BLOCKS = 64  # at most this many blocks set aside beyond what a request needs when it starts
 
 
 class KVBlockPool:
@@ -24,8 +36,13 @@ class KVBlockPool:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: list[int] = list(range(num_blocks))  # a min-heap (sorted is a valid heap)
+        # One byte per block, so that runs are found by bytes.find (C speed) rather than a Python loop.
+        self._free = bytearray(b"\x01") * num_blocks  # held by no request
+        self._open = bytearray(b"\x01") * num_blocks  # free and set aside for no request
+        self._num_free = num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._aside: dict[str, set[int]] = {}  # request -> the free blocks set aside for it
+        self._aside_for: dict[int, str] = {}  # block -> the request it is set aside for
 
     @classmethod
     def for_tokens(cls, kv_cache_tokens: int, block_size: int) -> "KVBlockPool":
@@ -34,32 +51,76 @@ class KVBlockPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, *, reserve_tokens: int = 0) -> bool:
         """Grow `request_id`'s table to hold `num_tokens` tokens. All or nothing: False (and nothing taken)
-        when the pool has too few free blocks."""
-        table = self._tables.setdefault(request_id, [])
-        missing = self.blocks_for(num_tokens) - len(table)
-        if missing > len(self._free):
-            if not table:
-                del self._tables[request_id]
+        when the pool has too few free blocks. `reserve_tokens`: how long the request is expected to grow (its
+        prompt plus max_tokens), used to place a new table where it has room to grow (see the module's docs)."""
+        table = self._tables.get(request_id)
+        missing = self.blocks_for(num_tokens) - (len(table) if table else 0)
+        if missing > self._num_free:
             return False
+        if table is None:
+            table = self._tables[request_id] = []
+        if missing <= 0:
+            return True
+        if not table and self._place(request_id, table, missing, self.blocks_for(reserve_tokens)):
+            return True
         for _ in range(missing):
-            table.append(heapq.heappop(self._free))
+            after = table[-1] + 1 if table else self.num_blocks
+            if after < self.num_blocks and self._free[after] and self._aside_for.get(after, request_id) == request_id:
+                block = after
+            else:
+                block = self._open.find(1)
+                if block < 0:  # only set-aside blocks are left: take one all the same
+                    block = self._free.find(1)
+            self._take(request_id, table, block)
         return True
 
+    def _place(self, request_id: str, table: list[int], need: int, expected: int) -> bool:
+        """A new table's first `need` blocks as the lowest open run that also fits its `expected` length (the
+        rest set aside for it), or else the lowest open run of `need`; False when there is no open run of `need`."""
+        want = min(max(need, expected), need + RESERVE_MAX_BLOCKS)
+        start = self._open.find(b"\x01" * want) if want > need else -1
+        if start < 0:
+            want = need
+            start = self._open.find(b"\x01" * need)
+            if start < 0:
+                return False
+        for block in range(start, start + need):
+            self._take(request_id, table, block)
+        if want > need:
+            aside = set(range(start + need, start + want))
+            self._aside[request_id] = aside
+            for block in aside:
+                self._aside_for[block] = request_id
+                self._open[block] = 0
+        return True
+
+    def _take(self, request_id: str, table: list[int], block: int) -> None:
+        self._free[block] = self._open[block] = 0
+        self._num_free -= 1
+        table.append(block)
+        owner = self._aside_for.pop(block, None)
+        if owner is not None:
+            self._aside[owner].discard(block)
+
     def free(self, request_id: str) -> None:
-        """Return every block `request_id` holds (nothing if it holds none)."""
+        """Return every block `request_id` holds, and those set aside for it (nothing if it holds none)."""
         for block in self._tables.pop(request_id, ()):
-            heapq.heappush(self._free, block)
+            self._free[block] = self._open[block] = 1
+            self._num_free += 1
+        for block in self._aside.pop(request_id, ()):
+            del self._aside_for[block]
+            self._open[block] = 1
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def utilization(self) -> float:
         """Fraction of blocks held by requests, 0.0 to 1.0."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self._num_free / self.num_blocks

@@ -80,7 +80,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.pool.allocate(request.request_id, request.num_computed_tokens + num_new):
+            # Placed where its whole expected length fits in one run if it can (see KVBlockPool).
+            expected = len(request.prompt_token_ids) + request.max_tokens
+            if not self.pool.allocate(request.request_id, request.num_computed_tokens + num_new,
+                                      reserve_tokens=expected):
                 break  # the pool is full; running requests free blocks as they finish
             self.waiting.popleft()
             self.running.append(request)

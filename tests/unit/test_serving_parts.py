@@ -47,6 +47,67 @@ def test_pool_allocates_all_or_nothing_and_frees_everything() -> None:
     assert pool.num_free_blocks == 4
 
 
+def test_pool_keeps_a_growing_request_in_one_run_with_room_set_aside() -> None:
+    pool = KVBlockPool(16, 4)
+    assert pool.allocate("a", 8, reserve_tokens=24)  # needs 2 blocks now, 6 in all: 0-1 taken, 2-5 set aside
+    assert pool.block_table("a") == [0, 1] and pool.num_free_blocks == 14  # set aside is still free
+    assert pool.allocate("b", 4, reserve_tokens=8) and pool.block_table("b") == [6]  # placed past a's room
+    assert pool.allocate("c", 4) and pool.block_table("c") == [8]  # no reservation: the lowest open block
+    for n in (12, 16, 20, 24):  # a grows into its own run
+        assert pool.allocate("a", n)
+    assert pool.block_table("a") == [0, 1, 2, 3, 4, 5]
+    assert pool.allocate("b", 8) and pool.block_table("b") == [6, 7]
+    assert pool.allocate("a", 28) and pool.block_table("a")[-1] == 9  # 6-8 are others': the lowest open one
+    pool.free("a")
+    assert pool.num_free_blocks == 13
+
+
+def test_pool_set_aside_blocks_are_free_blocks_when_nothing_else_is() -> None:
+    pool = KVBlockPool(8, 4)
+    assert pool.allocate("a", 4, reserve_tokens=32)  # takes 0, sets 1-7 aside
+    assert pool.num_free_blocks == 7
+    assert pool.allocate("b", 20)  # five blocks: only set-aside ones are left, so it takes them
+    assert len(pool.block_table("b")) == 5 and pool.num_free_blocks == 2
+    assert not pool.allocate("c", 12)  # all or nothing, as ever
+    assert pool.allocate("a", 12) and len(pool.block_table("a")) == 3 and pool.num_free_blocks == 0
+    pool.free("b")
+    pool.free("a")
+    assert pool.num_free_blocks == 8 and pool.allocate("d", 32, reserve_tokens=32)
+    assert pool.block_table("d") == list(range(8))
+
+
+def test_pool_invariants_under_random_traffic() -> None:
+    import random
+
+    rng = random.Random(0)
+    pool = KVBlockPool(64, 4)
+    lengths: dict[str, int] = {}
+    for i in range(3000):
+        if lengths and rng.random() < 0.3:
+            rid = rng.choice(sorted(lengths))
+            pool.free(rid)
+            del lengths[rid]
+        elif lengths and rng.random() < 0.6:
+            rid = rng.choice(sorted(lengths))
+            before = list(pool.block_table(rid))
+            if pool.allocate(rid, lengths[rid] + rng.randint(1, 9)):
+                lengths[rid] = len(pool.block_table(rid)) * 4
+            assert pool.block_table(rid)[:len(before)] == before  # a table only grows at its end
+        else:
+            rid, n = f"r{i}", rng.randint(1, 40)
+            free = pool.num_free_blocks
+            ok = pool.allocate(rid, n, reserve_tokens=n + rng.randint(0, 60))
+            assert ok == (pool.blocks_for(n) <= free)
+            if ok:
+                lengths[rid] = n
+        held = [b for rid in lengths for b in pool.block_table(rid)]
+        assert len(held) == len(set(held)) and all(0 <= b < 64 for b in held)
+        assert pool.num_free_blocks == 64 - len(held)
+    for rid in list(lengths):
+        pool.free(rid)
+    assert pool.num_free_blocks == 64 and pool.allocate("all", 256, reserve_tokens=256)
+
+
 def test_pool_hands_out_the_lowest_free_blocks_so_live_blocks_stay_packed() -> None:
     pool = KVBlockPool(8, 4)
     for rid in "abcd":
