@@ -516,7 +516,7 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
             open_streams[i] -= 1
         rec.num_tokens = len(rec.token_ids)
 
-    moved = {}
+    moved, nice = {}, os.getpriority(os.PRIO_PROCESS, 0)
     try:
         if isinstance(engines[0], ProcessLLMEngine):
             moved = match_policy(engines[0]._proc.pid, "engine")
@@ -527,6 +527,7 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
                              "kv_blocks": sum(s.num_blocks for s in stats), **cpu}
     finally:
         scheduling.restore(moved)
+        settle_threads(nice)
         for engine in engines:
             engine.shutdown()
 
@@ -625,6 +626,20 @@ def restore_niceness(own: dict[int, int]) -> None:
             "legs and rounds run at the http leg's")
 
 
+def settle_threads(nice: int) -> None:
+    """Every thread of this process back to the default policy at `nice`, as before a leg: threads started during
+    a leg (Ray's driver threads in the http leg, an executor's) inherited its SCHED_BATCH and niceness, which
+    `scheduling.restore` and `restore_niceness` (threads that existed when the leg began) leave as they are."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if os.sched_getscheduler(int(tid)) == os.SCHED_BATCH:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) != nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:  # the thread ended meanwhile, or no CAP_SYS_NICE to lower its niceness
+            continue
+
+
 def match_policy(engine_pid: int, leg: str) -> dict:
     """This process's threads take the served engine's scheduling policy for the leg, as they take its niceness:
     on a CPU an engine process runs SCHED_BATCH (pylon.serving.scheduling), and so does a replica, whose part
@@ -650,7 +665,7 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
     from pylon import cluster
     from pylon.serving import scheduling
 
-    extra, moved = {}, {}
+    extra, moved, nice = {}, {}, os.getpriority(os.PRIO_PROCESS, 0)
     try:
         t = time.perf_counter()
         info, _ = cluster.up(num_cpus=max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1),
@@ -674,6 +689,7 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         scheduling.restore(moved)
         if extra.get("client_niceness") is not None:
             restore_niceness(own)
+        settle_threads(nice)
         t = time.perf_counter()
         cluster.down(home=home)
         shutil.rmtree(home, ignore_errors=True)
