@@ -479,7 +479,6 @@ def engine_params(max_tokens: int):
 
 
 async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
-    from pylon.serving import scheduling
     from pylon.serving.engine import AsyncLLMEngine
     from pylon.serving.engine_process import ProcessLLMEngine
 
@@ -516,18 +515,17 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
             open_streams[i] -= 1
         rec.num_tokens = len(rec.token_ids)
 
-    moved, nice = {}, os.getpriority(os.PRIO_PROCESS, 0)
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
     try:
         if isinstance(engines[0], ProcessLLMEngine):
-            moved = match_policy(engines[0]._proc.pid, "engine")
+            match_policy(engines[0]._proc.pid, "engine")
         await asyncio.gather(*(one(r, Record(0.0)) for r in warmup * len(engines)))
         records, t0, cpu = await drive(reqs, args, one, "engine")
         stats = [e.stats() for e in engines]
         return records, t0, {"engines": len(engines), "preemptions": sum(s.num_preemptions_total for s in stats),
                              "kv_blocks": sum(s.num_blocks for s in stats), **cpu}
     finally:
-        scheduling.restore(moved)
-        settle_threads(nice)
+        settle_threads(nice, "engine")
         for engine in engines:
             engine.shutdown()
 
@@ -613,47 +611,42 @@ def ingress_and_niceness(info, args) -> dict:
     return out
 
 
-def restore_niceness(own: dict[int, int]) -> None:
-    """Give this process's threads back the niceness they had before the http leg: the next legs (of a next round)
-    and the next private cluster (its processes inherit it; Ray adds its worker niceness on top) start from it.
-    Lowering niceness needs CAP_SYS_NICE (root here); without it the rest of the run stays at the leg's niceness."""
-    try:
-        for tid, nice in own.items():
-            if os.path.exists(f"/proc/self/task/{tid}"):
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except PermissionError:
-        log(f"  [http] cannot lower this process's niceness back to {min(own.values())} (no CAP_SYS_NICE): later "
-            "legs and rounds run at the http leg's")
-
-
-def settle_threads(nice: int) -> None:
-    """Every thread of this process back to the default policy at `nice`, as before a leg: threads started during
-    a leg (Ray's driver threads in the http leg, an executor's) inherited its SCHED_BATCH and niceness, which
-    `scheduling.restore` and `restore_niceness` (threads that existed when the leg began) leave as they are."""
+def settle_threads(nice: int, leg: str) -> None:
+    """Every thread of this process back to the default policy at `nice`, as before the leg. The leg moved them to
+    the engine's policy and niceness (`match_policy`, `ingress_and_niceness`), and threads started during it (Ray's
+    driver threads in the http leg) inherited both; the next legs, rounds and private clusters (their processes
+    inherit it; Ray adds its worker niceness on top) start from here. Lowering niceness needs CAP_SYS_NICE (root
+    here); without it the rest of the run stays at the leg's niceness."""
+    refused = False
     for tid in os.listdir("/proc/self/task"):
         try:
             if os.sched_getscheduler(int(tid)) == os.SCHED_BATCH:
                 os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
             if os.getpriority(os.PRIO_PROCESS, int(tid)) != nice:
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except OSError:  # the thread ended meanwhile, or no CAP_SYS_NICE to lower its niceness
+        except PermissionError:
+            refused = True
+        except OSError:  # the thread ended meanwhile
             continue
+    if refused:
+        log(f"  [{leg}] cannot lower this process's niceness back to {nice} (no CAP_SYS_NICE): later legs and rounds "
+            "run at this leg's")
 
 
-def match_policy(engine_pid: int, leg: str) -> dict:
+def match_policy(engine_pid: int, leg: str) -> None:
     """This process's threads take the served engine's scheduling policy for the leg, as they take its niceness:
     on a CPU an engine process runs SCHED_BATCH (pylon.serving.scheduling), and so does a replica, whose part
-    the load generator plays in the engine leg. Returns what `scheduling.restore` needs."""
+    the load generator plays in the engine leg. `settle_threads` undoes it."""
     from pylon.serving import scheduling
 
     try:
         batch = os.sched_getscheduler(engine_pid) == os.SCHED_BATCH
     except OSError:
-        return {}
-    moved = scheduling.batch_all_threads() if batch else {}
+        return
+    if batch:
+        scheduling.batch_all_threads()
     log(f"  [{leg}] engine scheduling policy {'SCHED_BATCH' if batch else 'default'}; load generator "
         f"{'the same' if batch else 'default'}")
-    return moved
 
 
 def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
@@ -663,9 +656,8 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
     for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         os.environ.pop(name, None)
     from pylon import cluster
-    from pylon.serving import scheduling
 
-    extra, moved, nice = {}, {}, os.getpriority(os.PRIO_PROCESS, 0)
+    extra, nice = {}, os.getpriority(os.PRIO_PROCESS, 0)
     try:
         t = time.perf_counter()
         info, _ = cluster.up(num_cpus=max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1),
@@ -678,18 +670,14 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         url = deploy(deployment_spec(args, model_dir), timeout_s=300)
         extra["deploy_s"] = round(time.perf_counter() - t, 1)
         log(f"  [http] deployed at {url} in {extra['deploy_s']} s")
-        own = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
         extra.update(ingress_and_niceness(info, args))
         engines = [p for p in info.processes() if "pylon.serving.engine_process" in " ".join(p.cmdline())]
         if engines:
-            moved = match_policy(engines[0].pid, "http")
+            match_policy(engines[0].pid, "http")
         records, t0, cpu = run_async(http_load(url, reqs, warmup, args, info))
         return records, t0, {**extra, **cpu}
     finally:
-        scheduling.restore(moved)
-        if extra.get("client_niceness") is not None:
-            restore_niceness(own)
-        settle_threads(nice)
+        settle_threads(nice, "http")
         t = time.perf_counter()
         cluster.down(home=home)
         shutil.rmtree(home, ignore_errors=True)

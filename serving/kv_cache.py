@@ -41,8 +41,8 @@ class KVBlockPool:
         self._open = bytearray(b"\x01") * num_blocks  # free and set aside for no request
         self._num_free = num_blocks
         self._tables: dict[str, list[int]] = {}
-        self._aside: dict[str, set[int]] = {}  # request -> the free blocks set aside for it
-        self._aside_for: dict[int, str] = {}  # block -> the request it is set aside for
+        self._aside: dict[str, range] = {}  # request -> the run set aside for it when it was placed
+        self._aside_for: dict[int, str] = {}  # block -> the request it is still set aside for (while free)
 
     @classmethod
     def for_tokens(cls, kv_cache_tokens: int, block_size: int) -> "KVBlockPool":
@@ -89,8 +89,7 @@ class KVBlockPool:
         for block in range(start, start + need):
             self._take(request_id, table, block)
         if want > need:
-            aside = set(range(start + need, start + want))
-            self._aside[request_id] = aside
+            self._aside[request_id] = aside = range(start + need, start + want)
             for block in aside:
                 self._aside_for[block] = request_id
                 self._open[block] = 0
@@ -100,9 +99,7 @@ class KVBlockPool:
         self._free[block] = self._open[block] = 0
         self._num_free -= 1
         table.append(block)
-        owner = self._aside_for.pop(block, None)
-        if owner is not None:
-            self._aside[owner].discard(block)
+        self._aside_for.pop(block, None)  # taken by its owner, or by another when nothing else was free
 
     def free(self, request_id: str) -> None:
         """Return every block `request_id` holds, and those set aside for it (nothing if it holds none)."""
@@ -110,8 +107,9 @@ class KVBlockPool:
             self._free[block] = self._open[block] = 1
             self._num_free += 1
         for block in self._aside.pop(request_id, ()):
-            del self._aside_for[block]
-            self._open[block] = 1
+            if self._aside_for.get(block) == request_id:  # still free and still its: open to all again
+                del self._aside_for[block]
+                self._open[block] = 1
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])

@@ -15,6 +15,7 @@ different orders; greedy outputs stay identical to `transformers` generate, whic
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -22,26 +23,22 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_checked: dict[tuple, bool] = {}
-
-
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether projections of a model computing in `dtype` on `device` should go through oneDNN."""
     if device.type != "cpu" or dtype != torch.float32 or os.environ.get("PYLON_ONEDNN_LINEAR", "1") == "0":
         return False
-    key = (device.type, dtype)
-    if key not in _checked:
-        _checked[key] = _self_test()
-    return _checked[key]
+    return _self_test()
 
 
+@functools.cache
 def _self_test() -> bool:
+    """Once per process: oneDNN's ops exist here and agree with `addmm`."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
         g = torch.Generator().manual_seed(0)
-        x, w, b = (torch.randn(*s, generator=g) for s in ((5, 64), (64, 48), (48,)))
-        ok = torch.allclose(linear(x, pack(w), b), torch.addmm(b, x, w), rtol=1e-4, atol=1e-4)
+        x, w, b = (torch.randn(*s, generator=g) for s in ((5, 64), (48, 64), (48,)))
+        ok = torch.allclose(addmm(b, x, pack(w)), torch.addmm(b, x, w.t()), rtol=1e-4, atol=1e-4)
     except (RuntimeError, AttributeError) as e:  # a torch without these ops, or a CPU oneDNN cannot run on
         log.info("oneDNN linear unavailable (%s); projections use torch's addmm", e)
         return False
@@ -50,13 +47,13 @@ def _self_test() -> bool:
     return ok
 
 
-def pack(weight_in_out: torch.Tensor) -> torch.Tensor:
-    """A `[in, out]` weight (GPT-2's Conv1D layout, `x @ w`) reordered for `linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight_in_out.t().contiguous(), None)
+def pack(weight_out_in: torch.Tensor) -> torch.Tensor:
+    """An `[out, in]` weight (`nn.Linear`'s layout; GPT-2's Conv1D weight transposed) reordered for `addmm`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight_out_in.contiguous(), None)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ w + bias` for a weight reordered by `pack`; x is `[rows, in]`."""
+def addmm(bias: torch.Tensor | None, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`bias + x @ w` for a weight reordered by `pack`, in `torch.addmm`'s argument order; x is `[rows, in]`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -66,9 +63,9 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, source: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
-        self.packed = pack(source.weight.detach().t())
+        self.packed = pack(source.weight.detach())
         self.bias = None if source.bias is None else source.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        return linear(x.reshape(-1, shape[-1]), self.packed, self.bias).view(*shape[:-1], self.out_features)
+        return addmm(self.bias, x.reshape(-1, shape[-1]), self.packed).view(*shape[:-1], self.out_features)

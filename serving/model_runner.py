@@ -118,7 +118,7 @@ class _GPT2Weights:
         def w(conv):
             if not packed:
                 return conv.weight
-            reordered = linear.pack(conv.weight.detach())
+            reordered = linear.pack(conv.weight.detach().t())
             conv.weight = None
             return reordered
 
@@ -158,7 +158,7 @@ class ModelRunner:
         self.config = config
         # oneDNN for the projections on a CPU (pylon.serving.linear); `self._mm(bias, x, w)` is addmm's signature.
         self.packed_linear = linear.usable(self.device, self.dtype)
-        self._mm: Callable = (lambda b, x, w: linear.linear(x, w, b)) if self.packed_linear else torch.addmm
+        self._mm: Callable = linear.addmm if self.packed_linear else torch.addmm
         if model_type == "gpt2":
             self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear)
         elif self.packed_linear:
