@@ -35,25 +35,47 @@ def _threads() -> list[int]:
         return [0]
 
 
-def batch_all_threads() -> dict[int, int]:
+class Moved(dict):
+    """{thread id: previous policy} of the threads `batch_all_threads` moved, and `seen`: every thread the process
+    had then. A thread started later by a moved thread inherits SCHED_BATCH; `restore` gives it the default back too."""
+
+    def __init__(self, moved: dict[int, int] | None = None, seen: frozenset[int] = frozenset()) -> None:
+        super().__init__(moved or {})
+        self.seen = seen
+
+
+def batch_all_threads() -> Moved:
     """Move every SCHED_OTHER thread of this process to SCHED_BATCH; returns {thread id: previous policy} of
     those moved (for `restore`), empty where the platform has no such policy or `PYLON_SCHED_BATCH=0`."""
     if not enabled():
-        return {}
+        return Moved()
+    tids = _threads()
     moved = {}
-    for tid in _threads():
+    for tid in tids:
         try:
             if os.sched_getscheduler(tid) == os.SCHED_OTHER:
                 os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
                 moved[tid] = os.SCHED_OTHER
         except OSError:  # the thread ended meanwhile, or a sandbox refuses the call: leave it as it is
             continue
-    return moved
+    return Moved(moved, frozenset(tids))
 
 
 def restore(moved: dict[int, int]) -> None:
-    """Give the threads `batch_all_threads` moved their previous policy back (those still alive)."""
-    for tid, policy in moved.items():
+    """Give the threads `batch_all_threads` moved their previous policy back (those still alive), and the default
+    policy to every SCHED_BATCH thread started since (it inherited the policy from a moved thread: the caller's,
+    or a pool's that grew meanwhile)."""
+    seen = getattr(moved, "seen", None)
+    targets = dict(moved)
+    if moved and seen is not None:
+        for tid in _threads():
+            if tid not in seen and tid not in targets:
+                try:
+                    if os.sched_getscheduler(tid) == os.SCHED_BATCH:
+                        targets[tid] = os.SCHED_OTHER
+                except OSError:
+                    continue
+    for tid, policy in targets.items():
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))
         except OSError:

@@ -20,14 +20,25 @@ def test_every_thread_moves_new_threads_inherit_and_restore_gives_the_policy_bac
     started, stop = threading.Event(), threading.Event()
     seen = {}
 
+    spawn, spawned = threading.Event(), threading.Event()
+
     def worker(name: str) -> None:
         seen[name] = os.sched_getscheduler(0)
         started.set()
         stop.wait()
 
+    def pool() -> None:  # a thread that starts another one while the process is on SCHED_BATCH (a growing pool)
+        spawn.wait()
+        grandchild = threading.Thread(target=worker, args=("grandchild",))
+        grandchild.start()
+        spawned.set()
+        grandchild.join()
+
     before = threading.Thread(target=worker, args=("before",))
     before.start()
     started.wait()
+    grower = threading.Thread(target=pool)
+    grower.start()
     assert set(policies().values()) == {os.SCHED_OTHER}
     moved, after = scheduling.batch_all_threads(), None
     try:
@@ -38,10 +49,20 @@ def test_every_thread_moves_new_threads_inherit_and_restore_gives_the_policy_bac
         after.start()
         started.wait()
         assert seen == {"before": os.SCHED_OTHER, "after": os.SCHED_BATCH}  # created later: inherits
+        started.clear()
+        spawn.set()
+        spawned.wait()
+        started.wait()
+        assert seen["grandchild"] == os.SCHED_BATCH  # started by a moved thread, not by this one
+        scheduling.restore(moved)
+        # every thread back, the ones started since included (they were not among those moved)
+        assert set(policies().values()) == {os.SCHED_OTHER}
     finally:
         scheduling.restore(moved)
+        spawn.set()
         stop.set()
         before.join()
+        grower.join()
         if after is not None:
             after.join()
     assert set(policies().values()) == {os.SCHED_OTHER}
