@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from pylon.errors import PylonError
 from pylon.serving.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
 from pylon.serving.errors import EngineDeadError, InvalidRequest
+from pylon.serving.heap import keep_freed_memory
 from pylon.serving.sampling import SamplingParams
 from pylon.serving.scheduling import serve_cpu_as_batch
 from pylon.specs import EngineSpec
@@ -255,6 +256,7 @@ def merge_by_request(outputs: list) -> list:
 def _child(conn: Connection) -> int:
     from pylon.serving.engine import LLMEngine
 
+    keep_freed_memory()  # before the model: its steps' activations are reused, not faulted in again (heap.py)
     _, model, spec = conn.recv()
     try:
         engine = LLMEngine(model, spec)

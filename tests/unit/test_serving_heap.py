@@ -1,0 +1,47 @@
+"""pylon.serving.heap: an engine process reuses the memory its steps free instead of faulting in fresh pages."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pylon.serving import heap
+
+# Activations of growing sizes (a step's rows vary from 16 to the token budget), each written and freed. glibc by
+# default maps each block past its adaptive threshold afresh, which it then raises to that block's size: every
+# larger block is new pages. Kept, a block reuses the heap's freed top and only its growth is new.
+CHURN = r"""
+import json, resource, sys, torch
+from pylon.serving import heap
+kept = heap.keep_freed_memory() if sys.argv[1] == "keep" else None
+torch.set_num_threads(1)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for i in range(100):
+    torch.empty((1 << 20) // 4 + i * 16384).fill_(1.0)  # 1 MB, then 64 KB more each time
+print(json.dumps({"kept": kept, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+"""
+
+
+def churn(mode: str, env: dict | None = None) -> dict:
+    import os
+
+    out = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_activations_are_reused_without_page_faults() -> None:
+    kept, default = churn("keep"), churn("default")
+    assert kept["kept"] is True
+    # 100 blocks of 1-7.4 MB: ~105,000 pages if each is fresh, a few thousand if the heap is reused.
+    assert kept["faults"] < 15_000, kept  # 2,400-5,500 measured: other allocations land between the blocks
+    assert default["faults"] > 50_000, default
+
+
+def test_turned_off_by_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(heap.ENV, "0")
+    assert heap.keep_freed_memory() is False
+    assert churn("keep", {heap.ENV: "0"})["kept"] is False
