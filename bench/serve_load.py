@@ -515,17 +515,17 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
             open_streams[i] -= 1
         rec.num_tokens = len(rec.token_ids)
 
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    nice, moved = os.getpriority(os.PRIO_PROCESS, 0), {}
     try:
         if isinstance(engines[0], ProcessLLMEngine):
-            match_policy(engines[0]._proc.pid, "engine")
+            moved = match_policy(engines[0]._proc.pid, "engine")
         await asyncio.gather(*(one(r, Record(0.0)) for r in warmup * len(engines)))
         records, t0, cpu = await drive(reqs, args, one, "engine")
         stats = [e.stats() for e in engines]
         return records, t0, {"engines": len(engines), "preemptions": sum(s.num_preemptions_total for s in stats),
                              "kv_blocks": sum(s.num_blocks for s in stats), **cpu}
     finally:
-        settle_threads(nice, "engine")
+        settle_threads(moved, nice, "engine")
         for engine in engines:
             engine.shutdown()
 
@@ -611,17 +611,19 @@ def ingress_and_niceness(info, args) -> dict:
     return out
 
 
-def settle_threads(nice: int, leg: str) -> None:
-    """Every thread of this process back to the default policy at `nice`, as before the leg. The leg moved them to
-    the engine's policy and niceness (`match_policy`, `ingress_and_niceness`), and threads started during it (Ray's
-    driver threads in the http leg) inherited both; the next legs, rounds and private clusters (their processes
-    inherit it; Ray adds its worker niceness on top) start from here. Lowering niceness needs CAP_SYS_NICE (root
-    here); without it the rest of the run stays at the leg's niceness."""
+def settle_threads(moved: dict[int, int], nice: int, leg: str) -> None:
+    """Every thread of this process back to its policy and to niceness `nice`, as before the leg. The leg moved them
+    to the engine's policy and niceness (`match_policy`, `ingress_and_niceness`), and threads started during it
+    (Ray's driver threads in the http leg) inherited both: `scheduling.restore` gives those the default policy back
+    too. The next legs, rounds and private clusters (their processes inherit it; Ray adds its worker niceness on top)
+    start from here. Lowering niceness needs CAP_SYS_NICE (root here); without it the rest of the run stays at the
+    leg's niceness."""
+    from pylon.serving import scheduling
+
+    scheduling.restore(moved)
     refused = False
     for tid in os.listdir("/proc/self/task"):
         try:
-            if os.sched_getscheduler(int(tid)) == os.SCHED_BATCH:
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
             if os.getpriority(os.PRIO_PROCESS, int(tid)) != nice:
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
         except PermissionError:
@@ -633,20 +635,20 @@ def settle_threads(nice: int, leg: str) -> None:
             "run at this leg's")
 
 
-def match_policy(engine_pid: int, leg: str) -> None:
+def match_policy(engine_pid: int, leg: str) -> dict[int, int]:
     """This process's threads take the served engine's scheduling policy for the leg, as they take its niceness:
     on a CPU an engine process runs SCHED_BATCH (pylon.serving.scheduling), and so does a replica, whose part
-    the load generator plays in the engine leg. `settle_threads` undoes it."""
+    the load generator plays in the engine leg. Returns the threads moved, for `settle_threads`."""
     from pylon.serving import scheduling
 
     try:
         batch = os.sched_getscheduler(engine_pid) == os.SCHED_BATCH
     except OSError:
-        return
-    if batch:
-        scheduling.batch_all_threads()
+        return {}
+    moved = scheduling.batch_all_threads() if batch else {}
     log(f"  [{leg}] engine scheduling policy {'SCHED_BATCH' if batch else 'default'}; load generator "
         f"{'the same' if batch else 'default'}")
+    return moved
 
 
 def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
@@ -657,7 +659,7 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         os.environ.pop(name, None)
     from pylon import cluster
 
-    extra, nice = {}, os.getpriority(os.PRIO_PROCESS, 0)
+    extra, nice, moved = {}, os.getpriority(os.PRIO_PROCESS, 0), {}
     try:
         t = time.perf_counter()
         info, _ = cluster.up(num_cpus=max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1),
@@ -673,11 +675,11 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         extra.update(ingress_and_niceness(info, args))
         engines = [p for p in info.processes() if "pylon.serving.engine_process" in " ".join(p.cmdline())]
         if engines:
-            match_policy(engines[0].pid, "http")
+            moved = match_policy(engines[0].pid, "http")
         records, t0, cpu = run_async(http_load(url, reqs, warmup, args, info))
         return records, t0, {**extra, **cpu}
     finally:
-        settle_threads(nice, "http")
+        settle_threads(moved, nice, "http")
         t = time.perf_counter()
         cluster.down(home=home)
         shutil.rmtree(home, ignore_errors=True)

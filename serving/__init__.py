@@ -22,6 +22,15 @@ runs each step, the KV block pool owns memory, the model runner only executes.
                      stop strings, chat prompts
     request.py       Request (engine-side state) and RequestOutput (what each step hands back)
     errors.py        InvalidRequest (names the bad parameter: HTTP 400), EngineDeadError (HTTP 503)
+    scheduling.py    CPU serving processes under Linux's SCHED_BATCH policy
+    heap.py          an engine process keeps the memory it frees (glibc's malloc thresholds)
 
 Importing the package imports nothing heavy; torch and transformers load with the modules that need them.
 """
+import os
+
+
+def switched_on(name: str) -> bool:
+    """An on-by-default environment switch of the engine (PYLON_PAGED_KERNEL, PYLON_ONEDNN_LINEAR,
+    PYLON_SCHED_BATCH, PYLON_KEEP_HEAP): off when set to 0, false, no or off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")

@@ -19,9 +19,9 @@ stays reserved for it, which is what a server wants. glibc only (elsewhere, or w
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
-import os
+
+from pylon.serving import switched_on
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +31,13 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-b
 TRIM_THRESHOLD = 1 << 30
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no")
-
-
 def keep_freed_memory() -> bool:
     """Set this process's malloc to reuse freed blocks instead of returning them to the kernel. True where it took
     effect (glibc); False elsewhere, or when `PYLON_KEEP_HEAP=0`."""
-    if not enabled():
+    if not switched_on(ENV):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
     except (OSError, AttributeError):  # not glibc (musl, macOS): leave the allocator as it is
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -50,7 +50,6 @@ step from 7.5-7.8 to 6.9-7.1 ms.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
@@ -601,7 +600,9 @@ _failed: str | None = None
 
 
 def enabled() -> bool:
-    return os.environ.get("PYLON_PAGED_KERNEL", "1") not in ("0", "false", "no", "off")
+    from pylon.serving import switched_on
+
+    return switched_on("PYLON_PAGED_KERNEL")
 
 
 def load(verbose: bool = False):

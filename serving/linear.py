@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
+
+from pylon.serving import switched_on
 
 log = logging.getLogger(__name__)
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether projections of a model computing in `dtype` on `device` should go through oneDNN."""
-    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("PYLON_ONEDNN_LINEAR", "1") == "0":
+    if device.type != "cpu" or dtype != torch.float32 or not switched_on("PYLON_ONEDNN_LINEAR"):
         return False
     return _self_test()
 

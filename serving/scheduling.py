@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 import os
 
+from pylon.serving import switched_on
+
 log = logging.getLogger(__name__)
 
 ENV = "PYLON_SCHED_BATCH"
 
 
 def enabled() -> bool:
-    return hasattr(os, "sched_setscheduler") and os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no")
+    return hasattr(os, "sched_setscheduler") and switched_on(ENV)
 
 
 def _threads() -> list[int]:
