@@ -61,6 +61,11 @@ processes, Serve replicas, the load generator, HAProxy, Ray's and Serve's other 
 costs, in a unit that moves less between rounds than throughput does (`CpuAccount`). The run also prints
 Serve+HTTP / engine by CPU per output token (the engine leg's CPU-seconds over the http leg's, neighbours left
 out): not a target, but steadier than the throughput ratio, so it tells a real change from a noisy round.
+Roofline (engine leg, on a CPU): what the requests need of the hardware, counted from the model's shapes as the
+engine runs them (`workload_cost`: GFLOP of projections and prompt attention, GB of cached keys and values that
+decodes read), against two rates measured at the start of the run on one thread (`hardware_rates`: a 512-row fp32
+GEMM, a 256 MB read): the least CPU-seconds the work could take on this machine, and what fraction of the engines'
+real CPU-seconds that is. It says how far the engine is from the hardware, which no throughput ratio does.
 
 On a shared or virtual machine a leg's throughput can move by 10% from one run to the next (neighbours, clock):
 `--rounds N` runs the legs N times in turn and takes, per target, the median of the N ratios, each between two
@@ -331,6 +336,88 @@ def summarize(records: list[Record], t_start: float) -> dict:
     if errors:
         out["first_error"] = errors[0]
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The hardware's floor for the engine's work
+# ---------------------------------------------------------------------------------------------------------
+
+KV_BYTES = {"auto": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # per cached element (auto: the fp32 model)
+
+
+def workload_cost(args, reqs: list[Req], vocab: int = 320) -> dict:
+    """What the engine leg's requests need of the hardware, counted from the model's shapes as the engine runs them
+    (`pylon.serving.model_runner`): GFLOP of compute-bound work (projections, lm_head, attention among a prompt's
+    own tokens) and GB of cached keys and values that decoding attention reads (bound by memory bandwidth: a step
+    reads every live sequence's cache, far past the CPU's caches). A request of P prompt and O output tokens feeds
+    P + O - 1 tokens through the model; O of them sample (the prompt's last and every decode) and run every layer
+    and lm_head; the other P - 1 run the first L - 1 layers and only the last layer's QKV projection (their keys
+    and values), as `Final` skips the rest. Preemptions' recomputation is left out: this is a floor."""
+    d, L = args.n_embd, args.n_layer
+    layer = 2 * 12 * d * d  # QKV (3d^2), output (d^2), MLP up and down (4d^2 each); 2 FLOPs a multiply-add
+    proj = attn = kv = 0
+    for r in reqs:
+        P, O = len(r.ids), r.max_tokens
+        proj += (P - 1) * ((L - 1) * layer + 2 * 3 * d * d) + O * (L * layer + 2 * d * vocab)
+        attn += (L - 1) * 2 * d * P * (P + 1)  # causal QK^T and PV among the prompt's tokens, 4d a pair
+        # Decodes: token j (0 .. O-2) attends over P + j + 1 cached positions in every layer; the prompt's last
+        # token over its P in the last layer. Keys and values: 2 * d elements a position.
+        kv += (L * sum(P + j + 1 for j in range(O - 1)) + P) * 2 * d * KV_BYTES[args.kv_cache_dtype]
+    return {"gflop": (proj + attn) / 1e9, "kv_gb": kv / 1e9, "projection_flop": proj, "attention_flop": attn,
+            "kv_bytes": kv}
+
+
+def hardware_rates(args) -> dict:
+    """One core's float32 GEMM rate at the model's prefill shape (512 rows through the MLP's up projection) and its
+    read bandwidth from memory (a 256 MB sum), measured now, on one thread as each engine runs: the two rates the
+    engine's work is bound by. The best of three tries of each: the floor, not the typical."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        d = args.n_embd
+        x, lin = torch.randn(512, d), torch.nn.Linear(d, 4 * d)
+        big = torch.ones(64 * 2**20)  # 256 MB, past any L3
+        with torch.no_grad():
+            for _ in range(5):
+                lin(x)
+            n = max(10, int(2e9 / (2 * 512 * d * 4 * d)))  # ~2 GFLOP a try
+            gemm = []
+            for _ in range(3):
+                t = time.perf_counter()
+                for _ in range(n):
+                    lin(x)
+                gemm.append(2 * 512 * d * 4 * d * n / (time.perf_counter() - t))
+            big.sum()
+            read = []
+            for _ in range(3):
+                t = time.perf_counter()
+                big.sum()
+                read.append(big.numel() * 4 / (time.perf_counter() - t))
+        return {"gemm_gflops": max(gemm) / 1e9, "read_gbs": max(read) / 1e9}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def roofline(cost: dict, rates: dict, engine_cpu_s: float) -> dict:
+    floor = cost["gflop"] / rates["gemm_gflops"] + cost["kv_gb"] / rates["read_gbs"]
+    shown = {k: round(cost[k], 3) for k in ("gflop", "kv_gb")} | {k: round(v, 2) for k, v in rates.items()}
+    return {**shown, "floor_cpu_s": round(floor, 3),
+            "engine_cpu_s": engine_cpu_s, "fraction": round(floor / max(engine_cpu_s, 1e-9), 3)}
+
+
+def _figure(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def roofline_line(r: dict) -> str:
+    return (f"roofline (engine leg): {_figure(r['gflop'])} GFLOP of projections and prompt attention, "
+            f"{_figure(r['kv_gb'])} GB of cached keys and values read by decodes; at one core's "
+            f"{r['gemm_gflops']:.0f} GF/s (512-row fp32 GEMM) and {r['read_gbs']:.0f} GB/s (memory read), measured "
+            f"now, that is at least {_figure(r['floor_cpu_s'])} CPU-s; the engines used {_figure(r['engine_cpu_s'])}: "
+            f"{r['fraction']:.0%} of the hardware's pace (the rest: Python and dispatch, norms, KV writes, sampling, "
+            f"GEMMs of fewer rows)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -849,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
               f"kv_cache_tokens {spec.kv_cache_tokens} ({spec.kv_cache_dtype}), block_size {spec.block_size}, "
               f"max_model_len {spec.max_model_len}; {args.engines} engine process(es) / replica(s) of "
               f"{args.replica_cpus:g} CPU ({threads_per_engine(args)} torch thread(s) each)", flush=True)
+        rates = hardware_rates(args) if "engine" in args.legs and args.device == "cpu" else None
         for rnd in range(args.rounds):
             for leg in args.legs:
                 t = time.perf_counter()
@@ -917,6 +1005,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"greedy parity: engine tokens == hf-single tokens for {min(same)}/{len(reqs)} requests"
               + ("" if len(same) == 1 else f" (the worst of {len(same)} rounds)"))
         results["engine"]["parity_with_hf_single"] = min(same)
+    if rates and "cpu_s" in results.get("engine", {}):
+        line = roofline(workload_cost(args, reqs), rates, results["engine"]["cpu_s"]["engine"])
+        results["engine"]["roofline"] = line
+        print(roofline_line(line))
     if "http" in results:
         r = results["http"]
         print(f"http: {r['events']:,} SSE chunks for {r['output_tokens']:,} tokens (ITL is per chunk); ingress "
