@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from pylon.errors import PylonError
 from pylon.serving import linear
 from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace, build_metadata, final_metadata,
-                                     new_kv_cache, paged_attention, store_kv)
+                                     new_kv_cache, paged_attention, store_kv_pair)
 from pylon.serving.scheduler import ScheduledRequest
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
@@ -208,8 +208,8 @@ class ModelRunner:
         layer the sampling tokens' only (see Final); `(None, h)` there when no token samples."""
         if not last:
             return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
-        store_kv(self.k_cache[i], meta.slot_mapping, k)  # every token's, as paged_attention would
-        store_kv(self.v_cache[i], meta.slot_mapping, v)
+        store_kv_pair(self.k_cache[i], self.v_cache[i], meta.slot_mapping, k, v,  # every token's, as
+                      kernel=meta.kernel)  # paged_attention would
         h = h[final.rows]
         if final.meta is None:
             return None, h

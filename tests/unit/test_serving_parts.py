@@ -252,6 +252,41 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
         assert k_cache.dtype == kv_dtype and not torch.equal(rounded(k[5]), k[5])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_store_kernel_writes_what_index_copy_writes(dtype: torch.dtype) -> None:
+    from pylon.serving import kernels
+    from pylon.serving.attention import store_kv, store_kv_pair
+
+    assert kernels.load() is not None, f"CPU kernels did not build: {kernels._failed}"
+    torch.manual_seed(0)
+    kv_heads, dim, T = 3, 64, 9
+    # Keys and values as the model has them: strided views of one fused projection's output.
+    qkv = torch.randn(T, 3, kv_heads, dim).to(dtype)
+    _, k, v = qkv.unbind(1)
+    assert not k.is_contiguous()
+    expected_k = new_kv_cache(5, 4, kv_heads, dim, dtype=dtype, device="cpu")
+    expected_v = torch.zeros_like(expected_k)
+    slots = torch.randperm(20)[:T]
+    store_kv(expected_k, slots, k)
+    store_kv(expected_v, slots, v)
+    got_k, got_v = torch.zeros_like(expected_k), torch.zeros_like(expected_k)
+    kernels.store_kv_(got_k, got_v, slots, k, v)
+    assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
+    both_k, both_v = torch.zeros_like(expected_k), torch.zeros_like(expected_k)
+    store_kv_pair(both_k, both_v, slots, k, v, kernel=True)
+    assert torch.equal(both_k, expected_k) and torch.equal(both_v, expected_v)
+    # A slot past the pool is refused before anything is written.
+    bad = slots.clone()
+    bad[-1] = 20
+    untouched = torch.zeros_like(expected_k)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.store_kv_(untouched, torch.zeros_like(expected_k), bad, k, v)
+    assert not untouched.any()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.store_kv_(torch.zeros_like(expected_k, dtype=torch.float16), torch.zeros_like(expected_k,
+                          dtype=torch.float16), slots, k, v)
+
+
 def test_the_gelu_kernel_is_gpt2s_tanh_gelu() -> None:
     from pylon.serving import kernels
 
