@@ -11,6 +11,7 @@ which blocks belong to whom is `KVBlockPool`'s business.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -193,9 +194,12 @@ class ModelRunner:
                 last_tokens.append(len(token_ids) - 1)
                 finals.append(SequenceSlice(s.start + s.num_new_tokens - 1, 1, table))
         meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel)
-        final = Final(torch.tensor(last_tokens, dtype=torch.long, device=self.device),
-                      final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel)
-                      if finals else None)
+        if len(last_tokens) == len(token_ids):  # decodes only: the last layer's queries are the step's, as they are
+            final = Final(None, dataclasses.replace(meta, slot_mapping=None) if finals else None, every_token=True)
+        else:
+            final = Final(torch.tensor(last_tokens, dtype=torch.long, device=self.device),
+                          final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel)
+                          if finals else None)
         ids = torch.tensor(token_ids, device=self.device)
         hidden = self._forward(ids, torch.tensor(positions, device=self.device), meta, final)
         if not last_tokens:
@@ -210,10 +214,11 @@ class ModelRunner:
             return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
         store_kv_pair(self.k_cache[i], self.v_cache[i], meta.slot_mapping, k, v,  # every token's, as
                       kernel=meta.kernel)  # paged_attention would
-        h = h[final.rows]
+        if not final.every_token:
+            h, q = h[final.rows], q[final.rows]
         if final.meta is None:
             return None, h
-        return paged_attention(q[final.rows], None, None, self.k_cache[i], self.v_cache[i], final.meta, scale,
+        return paged_attention(q, None, None, self.k_cache[i], self.v_cache[i], final.meta, scale,
                                self.workspace), h
 
     def _forward_gpt2(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -276,6 +281,7 @@ class Final:
     every token's keys and values, then attends and runs its MLP for the sampling tokens only, each one query over
     the cache (`final_metadata`)."""
 
-    rows: torch.Tensor  # [S]: the sampling tokens' indices in the step's flat batch
+    rows: torch.Tensor | None  # [S]: the sampling tokens' indices in the step's flat batch (None: every_token)
     meta: AttentionMetadata | None  # their attention, one query each over the cache; None when none samples
+    every_token: bool = False  # every token of the step samples (decodes only): `rows` is all of them, in order
 
