@@ -342,9 +342,6 @@ def summarize(records: list[Record], t_start: float) -> dict:
 # The hardware's floor for the engine's work
 # ---------------------------------------------------------------------------------------------------------
 
-KV_BYTES = {"auto": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # per cached element (auto: the fp32 model)
-
-
 def workload_cost(args, reqs: list[Req], vocab: int = 320) -> dict:
     """What the engine leg's requests need of the hardware, counted from the model's shapes as the engine runs them
     (`pylon.serving.model_runner`): GFLOP of compute-bound work (projections, lm_head, attention among a prompt's
@@ -353,7 +350,10 @@ def workload_cost(args, reqs: list[Req], vocab: int = 320) -> dict:
     P + O - 1 tokens through the model; O of them sample (the prompt's last and every decode) and run every layer
     and lm_head; the other P - 1 run the first L - 1 layers and only the last layer's QKV projection (their keys
     and values), as `Final` skips the rest. Preemptions' recomputation is left out: this is a floor."""
+    from pylon.serving.model_runner import DTYPES, resolve_kv_dtype
+
     d, L = args.n_embd, args.n_layer
+    kv_bytes = resolve_kv_dtype(args.kv_cache_dtype, DTYPES[args.dtype]).itemsize  # per cached element
     layer = 2 * 12 * d * d  # QKV (3d^2), output (d^2), MLP up and down (4d^2 each); 2 FLOPs a multiply-add
     proj = attn = kv = 0
     for r in reqs:
@@ -362,7 +362,7 @@ def workload_cost(args, reqs: list[Req], vocab: int = 320) -> dict:
         attn += (L - 1) * 2 * d * P * (P + 1)  # causal QK^T and PV among the prompt's tokens, 4d a pair
         # Decodes: token j (0 .. O-2) attends over P + j + 1 cached positions in every layer; the prompt's last
         # token over its P in the last layer. Keys and values: 2 * d elements a position.
-        kv += (L * sum(P + j + 1 for j in range(O - 1)) + P) * 2 * d * KV_BYTES[args.kv_cache_dtype]
+        kv += (L * sum(P + j + 1 for j in range(O - 1)) + P) * 2 * d * kv_bytes
     return {"gflop": (proj + attn) / 1e9, "kv_gb": kv / 1e9, "projection_flop": proj, "attention_flop": attn,
             "kv_bytes": kv}
 

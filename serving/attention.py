@@ -62,7 +62,6 @@ class AttentionGroup:
     num_keys: int
     bias: torch.Tensor | None  # [B, Q, K]: 0 where the query may attend the key, -inf where not (None: kernel)
     context_lens: torch.Tensor  # [B]: keys of each sequence (int64)
-    whole: bool = False  # (kernel) its queries are all of the step's tokens, in order: no gather, no scatter
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     # kernel launches per layer to a step whose time is the host's launching them (a 12-layer model's 32-decode
     # step on an H100: 30 ms with four groups, of which 3 ms on the device).
     decodes = [i for i, s in enumerate(seqs) if s.num_new == 1]
-    if not kernel:  # the kernel needs no padding, and takes them in the step's order (see AttentionGroup.whole)
+    if not kernel:  # the kernel needs no padding, and takes them in the step's order (see paged_attention)
         decodes.sort(key=lambda i: seqs[i].start)
     if kernel or torch.device(device).type == "cuda":
         parts = 1
@@ -161,8 +160,7 @@ def _kernel_group(seqs: list[SequenceSlice], offsets: list[int], block_size: int
         table.extend([0] * (nb - len(row)))
     tokens = torch.tensor(offsets, dtype=torch.long).to(device)
     return AttentionGroup(tokens.view(-1, 1), None, tokens, torch.tensor(table, dtype=torch.long).to(device), nb,
-                          max(num_keys), None, torch.tensor(num_keys, dtype=torch.long).to(device),
-                          whole=offsets == list(range(len(offsets))))
+                          max(num_keys), None, torch.tensor(num_keys, dtype=torch.long).to(device))
 
 
 def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.device) -> PromptChunk:
@@ -256,7 +254,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if meta.kernel and Q == 1:
             from pylon.serving.kernels import paged_decode
 
-            if g.whole and B == len(q):  # a step of decodes only: every query, in order
+            # Decodes only (no chunk, and the kernel's one group keeps the step's order): every query, as it is.
+            if not meta.chunks and B == len(q):
                 return paged_decode(q, k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens, scale)
             out[g.tokens] = paged_decode(q[g.tokens], k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens,
                                          scale)

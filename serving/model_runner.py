@@ -185,18 +185,19 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one step; return float32 logits `[sampling sequences, vocab]`, in the order of `scheduled`
         restricted to those whose `samples` is true (empty when none samples)."""
-        token_ids, positions, seqs, last_tokens, finals = [], [], [], [], []
+        token_ids, positions, seqs, last_tokens = [], [], [], []
         for s, table in zip(scheduled, block_tables):
             token_ids.extend(s.request.token_ids[s.start:s.start + s.num_new_tokens])
             positions.extend(range(s.start, s.start + s.num_new_tokens))
             seqs.append(SequenceSlice(s.start, s.num_new_tokens, table))
             if s.samples:
                 last_tokens.append(len(token_ids) - 1)
-                finals.append(SequenceSlice(s.start + s.num_new_tokens - 1, 1, table))
         meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel)
         if len(last_tokens) == len(token_ids):  # decodes only: the last layer's queries are the step's, as they are
-            final = Final(None, dataclasses.replace(meta, slot_mapping=None) if finals else None, every_token=True)
+            final = Final(None, dataclasses.replace(meta, slot_mapping=None))
         else:
+            finals = [SequenceSlice(s.start + s.num_new_tokens - 1, 1, table)
+                      for s, table in zip(scheduled, block_tables) if s.samples]
             final = Final(torch.tensor(last_tokens, dtype=torch.long, device=self.device),
                           final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel)
                           if finals else None)
@@ -214,7 +215,7 @@ class ModelRunner:
             return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
         store_kv_pair(self.k_cache[i], self.v_cache[i], meta.slot_mapping, k, v,  # every token's, as
                       kernel=meta.kernel)  # paged_attention would
-        if not final.every_token:
+        if final.rows is not None:
             h, q = h[final.rows], q[final.rows]
         if final.meta is None:
             return None, h
@@ -281,7 +282,7 @@ class Final:
     every token's keys and values, then attends and runs its MLP for the sampling tokens only, each one query over
     the cache (`final_metadata`)."""
 
-    rows: torch.Tensor | None  # [S]: the sampling tokens' indices in the step's flat batch (None: every_token)
+    rows: torch.Tensor | None  # [S]: the sampling tokens' indices in the step's flat batch; None: every token
+    # samples (a step of decodes only), in order
     meta: AttentionMetadata | None  # their attention, one query each over the cache; None when none samples
-    every_token: bool = False  # every token of the step samples (decodes only): `rows` is all of them, in order
 
