@@ -32,5 +32,5 @@ import os
 
 def switched_on(name: str) -> bool:
     """An on-by-default environment switch of the engine (PYLON_PAGED_KERNEL, PYLON_ONEDNN_LINEAR,
-    PYLON_SCHED_BATCH, PYLON_KEEP_HEAP): off when set to 0, false, no or off."""
+    PYLON_PADDED_ROWS, PYLON_SCHED_BATCH, PYLON_KEEP_HEAP): off when set to 0, false, no or off."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")

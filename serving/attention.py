@@ -227,7 +227,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout; unless
     `meta.slot_mapping` is None: then they are there already and `k`, `v` are not used). The caches may
     be stored in a narrower dtype than `q` (kv_cache_dtype): keys and values read back are widened to `q`'s; a
-    prompt chunk that starts its prompt attends over its own fresh keys and values, unrounded, as vLLM does."""
+    prompt chunk that starts its prompt attends over its own fresh keys and values, unrounded, as vLLM does.
+    `q` may have rows past the step's tokens (the model runner pads a step with a prompt chunk to one of a few row
+    counts, `linear.padded_rows`): their output is zeros."""
     num_kv_heads, num_pool_blocks, block_size, head_dim = k_cache.shape
     heads = q.shape[1]
     share = heads // num_kv_heads  # query heads per kv head
@@ -235,6 +237,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         store_kv_pair(k_cache, v_cache, meta.slot_mapping, k, v, kernel=meta.kernel)
     workspace = workspace or Workspace()
     out = torch.empty_like(q)
+    if k is not None and len(q) > len(k):  # rows past the step's tokens (the model runner's padding)
+        out[len(k):].zero_()
     for c in meta.chunks:
         rows = slice(c.offset, c.offset + c.num_new)
         queries = q[rows].transpose(0, 1)[None]  # [1, heads, num_new, D]

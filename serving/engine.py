@@ -77,6 +77,11 @@ class LLMEngine:
             self.tokenizer = load_model_tokenizer(directory)
             self.runner = ModelRunner(directory, num_blocks=self.pool.num_blocks, block_size=spec.block_size,
                                       device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
+        started = time.monotonic()
+        compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
+        if compiled:
+            log.info("engine: compiled the projections' kernels for %d of %d step sizes in %.2f s", compiled, counts,
+                     time.monotonic() - started)
         # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
         self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
         self.scheduler = Scheduler(self.pool, max_num_seqs=spec.max_num_seqs,

@@ -2,7 +2,8 @@
 
 The forward pass is written out per model family (GPT-2, Llama), calling the loaded model's embeddings,
 norms, projections, rotary embedding, MLPs and lm_head; only attention is ours (`pylon.serving.attention`),
-because it must read and write the paged KV cache. All tokens of a step run as one flat batch `[T, hidden]`.
+because it must read and write the paged KV cache. All tokens of a step run as one flat batch `[T, hidden]`
+(with oneDNN projections, a step with a prompt chunk pads T to one of a few row counts; see `linear.py`).
 Logits are computed only for each sampling sequence's last token: a prompt chunk that does not finish its
 prompt needs none, and the other positions of a prefill never need any.
 
@@ -12,7 +13,9 @@ which blocks belong to whom is `KVBlockPool`'s business.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving import linear
+from pylon.serving import linear, switched_on
 from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace, build_metadata, final_metadata,
                                      new_kv_cache, paged_attention, store_kv_pair)
 from pylon.serving.scheduler import ScheduledRequest
@@ -31,6 +34,9 @@ SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh approximation, under its Hugging Face names
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
+log = logging.getLogger(__name__)
+
+WARM_UP_GFLOP = 20.0  # ModelRunner.warm_up's arithmetic at most: ~0.2 s on a core
 
 
 def resolve_device(device: str) -> torch.device:
@@ -160,6 +166,8 @@ class ModelRunner:
         # oneDNN for the projections on a CPU (pylon.serving.linear); `self._mm(bias, x, w)` is addmm's signature.
         self.packed_linear = linear.usable(self.device, self.dtype)
         self._mm: Callable = linear.addmm if self.packed_linear else torch.addmm
+        # Steps with a prompt chunk run their projections over padded_rows rows, compiled at start (see linear.py).
+        self.pad_rows = self.packed_linear and switched_on("PYLON_PADDED_ROWS")
         if model_type == "gpt2":
             self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear)
         elif self.packed_linear:
@@ -182,6 +190,50 @@ class ModelRunner:
             self._gpt2_act = kernels.gelu_tanh_  # the same function, ~10x torch's on a CPU (see kernels.py)
 
     @torch.no_grad()
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int,
+                max_gflop: float = WARM_UP_GFLOP) -> tuple[int, int]:
+        """Compile oneDNN's kernels for the row counts the projections will run over (`linear.row_counts`), so that
+        no step compiles one: each projection shape of a layer (the layers share them) once per count, on zeros,
+        fewest rows first, while the arithmetic stays within `max_gflop` (a large model's compiling is a small part
+        of its steps anyway; counts left out compile when first met). Returns (counts compiled, counts in all)."""
+        if not self.pad_rows:
+            return 0, 0
+        shapes = self._projection_shapes()
+        per_row = 2 * sum(n_in * n_out for n_in, n_out, _ in shapes)
+        counts = linear.row_counts(max_num_seqs, max_num_batched_tokens)
+        room = linear.cache_capacity() // (linear.CACHE_ENTRIES_PER_KERNEL * len(shapes))
+        if len(counts) > room:
+            log.warning("engine: its steps run %d row counts, %d kernels, and oneDNN keeps %d: steps will compile "
+                        "kernels all along; set ONEDNN_PRIMITIVE_CACHE_CAPACITY=%d in the engine's environment "
+                        "(~0.6 MB of machine code each), or lower max_num_seqs", len(counts),
+                        len(counts) * len(shapes), linear.cache_capacity() // linear.CACHE_ENTRIES_PER_KERNEL,
+                        len(counts) * len(shapes) * linear.CACHE_ENTRIES_PER_KERNEL)
+        spent, done = 0, 0
+        for rows in counts[:room]:
+            if spent + rows * per_row > max_gflop * 1e9:
+                break
+            for n_in, _, project in shapes:
+                project(torch.zeros(rows, n_in, dtype=self.dtype, device=self.device))
+            spent += rows * per_row
+            done += 1
+        return done, len(counts)
+
+    def _projection_shapes(self) -> list[tuple[int, int, Callable]]:
+        """(in, out, projection) for each distinct shape of the first layer's oneDNN projections."""
+        found: dict[tuple[int, int], Callable] = {}
+        if hasattr(self, "_gpt2"):
+            layer = self._gpt2.layers[0]
+            hidden = self.config.hidden_size
+            for n_in, b, w in ((hidden, layer.qkv_b, layer.qkv_w), (hidden, layer.proj_b, layer.proj_w),
+                               (hidden, layer.fc_b, layer.fc_w), (len(layer.fc_b), layer.down_b, layer.down_w)):
+                found.setdefault((n_in, len(b)), functools.partial(self._mm, b, packed=w))
+        else:
+            for module in self.model.model.layers[0].modules():
+                if isinstance(module, linear.PackedLinear):
+                    found.setdefault((module.in_features, module.out_features), module)
+        return [(n_in, n_out, project) for (n_in, n_out), project in found.items()]
+
+    @torch.no_grad()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one step; return float32 logits `[sampling sequences, vocab]`, in the order of `scheduled`
         restricted to those whose `samples` is true (empty when none samples)."""
@@ -201,6 +253,12 @@ class ModelRunner:
             final = Final(torch.tensor(last_tokens, dtype=torch.long, device=self.device),
                           final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel)
                           if finals else None)
+        if final.rows is not None and self.pad_rows:
+            # A step with a prompt chunk: its projections run over one of a few row counts (linear.padded_rows),
+            # the extra rows token 0 at position 0, which store nothing, attend nothing and sample nothing.
+            pad = linear.padded_rows(len(token_ids)) - len(token_ids)
+            token_ids.extend([0] * pad)
+            positions.extend([0] * pad)
         ids = torch.tensor(token_ids, device=self.device)
         hidden = self._forward(ids, torch.tensor(positions, device=self.device), meta, final)
         if not last_tokens:
@@ -210,7 +268,10 @@ class ModelRunner:
     def _attend(self, i: int, last: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
                 meta: AttentionMetadata, final: "Final", scale: float) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Layer i's attention output and the hidden states it is added to: every token's, or in the `last`
-        layer the sampling tokens' only (see Final); `(None, h)` there when no token samples."""
+        layer the sampling tokens' only (see Final); `(None, h)` there when no token samples. Rows past the step's
+        tokens (`execute`'s padding) have their keys and values stored nowhere and an attention output of zeros."""
+        if meta.slot_mapping is not None and len(k) > len(meta.slot_mapping):
+            k, v = k[:len(meta.slot_mapping)], v[:len(meta.slot_mapping)]
         if not last:
             return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
         store_kv_pair(self.k_cache[i], self.v_cache[i], meta.slot_mapping, k, v,  # every token's, as

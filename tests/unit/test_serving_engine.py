@@ -738,3 +738,32 @@ def test_cpu_projections_go_through_onednn_and_keep_greedy_parity(family: Family
     assert not plain.runner.packed_linear
     for engine in (packed, plain):
         assert [c.token_ids for c in engine.generate(PROMPTS, params)] == family.greedy
+
+
+def test_no_step_compiles_a_kernel_and_prompt_steps_run_padded_rows(family: Family, capfd) -> None:
+    """oneDNN compiles a kernel per row count (pylon.serving.linear): the engine compiles every count its steps
+    will use when it starts (`ModelRunner.warm_up`), steps with a prompt chunk run `padded_rows` rows, and then
+    serving mixed prompt lengths in chunks compiles nothing, the continuations still `transformers`' own."""
+    import ctypes
+    import re
+
+    from pylon.serving import linear, switched_on
+
+    if ON_CUDA or not linear.usable(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN projections are the CPU's")
+    if not switched_on("PYLON_PADDED_ROWS"):
+        pytest.skip("PYLON_PADDED_ROWS=0 in the environment")
+    engine = family.engine(max_num_batched_tokens=64)  # prompts of up to 90 tokens go in chunks
+    assert engine.runner.pad_rows
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        got = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    ctypes.CDLL(None).fflush(None)  # oneDNN prints through C's stdout buffer
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("onednn_verbose")]
+    assert got == family.greedy
+    created = [line for line in lines if ",create" in line]
+    assert created, "the projections did not go through oneDNN"
+    assert not [line for line in created if "cache_miss" in line]
+    rows = {int(m.group(1)) for line in created if (m := re.search(r",mb(\d+)ic\d+oc\d+", line))}
+    allowed = set(linear.row_counts(8, 64))
+    assert rows <= allowed and max(rows) > 8 and all(r % 16 == 0 for r in rows if r > 8)
