@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from pylon.errors import PylonError
 from pylon.serving.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
 from pylon.serving.errors import EngineDeadError, InvalidRequest
-from pylon.serving.heap import keep_freed_memory
+from pylon.serving.heap import freeze_loaded_objects, keep_freed_memory
 from pylon.serving.sampling import SamplingParams
 from pylon.serving.scheduling import serve_cpu_as_batch
 from pylon.specs import EngineSpec
@@ -269,6 +269,7 @@ def _child(conn: Connection) -> int:
         return 1
     device = engine.runner.device.type
     serve_cpu_as_batch(device, "engine process")  # its torch threads exist by now; all of them move
+    freeze_loaded_objects()  # full collections then never walk the model's and the libraries' objects (heap.py)
     conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats()))
     outbox = _Outbox(conn)
     while True:

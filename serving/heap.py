@@ -1,4 +1,5 @@
-"""An engine process keeps the memory it frees: glibc's malloc is told not to hand large blocks back to the kernel.
+"""An engine process keeps the memory it frees (glibc's malloc is told not to hand large blocks back to the kernel),
+and its garbage collector leaves alone the objects it loaded (`freeze_loaded_objects`).
 
 Every step of a CPU engine allocates and frees the same few megabytes of activations (a 512-token step's
 `[512, 1024]` MLP output is 2 MB), of a size that changes from step to step. glibc serves blocks that large with
@@ -19,6 +20,7 @@ stays reserved for it, which is what a server wants. glibc only (elsewhere, or w
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 
 from pylon.serving import switched_on
@@ -45,3 +47,15 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.info("malloc refused the engine's thresholds; freed memory goes back to the kernel as before")
     return ok
+
+
+def freeze_loaded_objects() -> int:
+    """Move every object alive now (after the imports and the model's load) out of the garbage collector's reach:
+    its full collections then walk only what serving creates. An engine process holds ~390,000 tracked objects
+    once torch and transformers are imported and a model is loaded (the serving bench's), and a full collection
+    of them took 175 ms, against none after the freeze: a pause of a dozen decode steps every time the objects
+    that requests leave behind add up to a quarter of the heap's, in the middle of everyone's streams. vLLM's
+    engine freezes its heap after start for the same reason. Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

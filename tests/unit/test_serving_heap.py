@@ -45,3 +45,27 @@ def test_turned_off_by_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(heap.ENV, "0")
     assert heap.keep_freed_memory() is False
     assert churn("keep", {heap.ENV: "0"})["kept"] is False
+
+
+def test_loaded_objects_leave_the_collectors_reach() -> None:
+    """After the freeze, a full collection walks only objects made since: the loaded ones are not among those it
+    tracks, and a cycle made later is still collected."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    loaded = [Node() for _ in range(1000)]
+    try:
+        assert heap.freeze_loaded_objects() >= 1000
+        tracked = {id(o) for o in gc.get_objects()}
+        assert not any(id(o) in tracked for o in loaded)
+        later = Node()
+        later.self = later  # a cycle: only the collector frees it
+        gone = weakref.ref(later)
+        del later
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
