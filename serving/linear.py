@@ -51,6 +51,7 @@ def cache_capacity() -> int:
     except ValueError:
         return 1024
 
+
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether projections of a model computing in `dtype` on `device` should go through oneDNN."""
     if device.type != "cpu" or dtype != torch.float32 or not switched_on("PYLON_ONEDNN_LINEAR"):

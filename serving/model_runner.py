@@ -30,12 +30,12 @@ from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace
                                      new_kv_cache, paged_attention, store_kv_pair)
 from pylon.serving.scheduler import ScheduledRequest
 
+log = logging.getLogger(__name__)
+
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh approximation, under its Hugging Face names
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
-log = logging.getLogger(__name__)
-
 WARM_UP_GFLOP = 20.0  # ModelRunner.warm_up's arithmetic at most: ~0.2 s on a core
 
 
