@@ -80,7 +80,7 @@ class LLMEngine:
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
         if compiled:
-            log.info("engine: compiled the projections' kernels for %d of %d step sizes in %.2f s", compiled, counts,
+            log.info("engine: compiled the projections' kernels for %d of %d row counts in %.2f s", compiled, counts,
                      time.monotonic() - started)
         # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
         self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
