@@ -44,12 +44,14 @@ ROW_STEP = 16  # padded_rows' granularity up to 512 rows
 CACHE_ENTRIES_PER_KERNEL = 2  # a projection's kernel is an inner product and the matmul it runs: two cache entries
 
 
-def cache_capacity() -> int:
-    """How many primitives oneDNN's cache keeps in this process (ONEDNN_PRIMITIVE_CACHE_CAPACITY, default 1,024)."""
+def cached_kernels() -> int:
+    """How many projection kernels oneDNN's cache keeps in this process: ONEDNN_PRIMITIVE_CACHE_CAPACITY entries
+    (default 1,024), `CACHE_ENTRIES_PER_KERNEL` a kernel."""
     try:
-        return int(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024"))
+        capacity = int(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024"))
     except ValueError:
-        return 1024
+        capacity = 1024
+    return capacity // CACHE_ENTRIES_PER_KERNEL
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:

@@ -201,13 +201,13 @@ class ModelRunner:
         shapes = self._projection_shapes()
         per_row = 2 * sum(n_in * n_out for n_in, n_out, _ in shapes)
         counts = linear.row_counts(max_num_seqs, max_num_batched_tokens)
-        room = linear.cache_capacity() // (linear.CACHE_ENTRIES_PER_KERNEL * len(shapes))
+        kernels, cached = len(counts) * len(shapes), linear.cached_kernels()
+        room = cached // len(shapes)
         if len(counts) > room:
             log.warning("engine: its steps run %d row counts, %d kernels, and oneDNN keeps %d: steps will compile "
                         "kernels all along; set ONEDNN_PRIMITIVE_CACHE_CAPACITY=%d in the engine's environment "
-                        "(~0.6 MB of machine code each), or lower max_num_seqs", len(counts),
-                        len(counts) * len(shapes), linear.cache_capacity() // linear.CACHE_ENTRIES_PER_KERNEL,
-                        len(counts) * len(shapes) * linear.CACHE_ENTRIES_PER_KERNEL)
+                        "(~0.6 MB of machine code each), or lower max_num_seqs", len(counts), kernels, cached,
+                        kernels * linear.CACHE_ENTRIES_PER_KERNEL)
         spent, done = 0, 0
         for rows in counts[:room]:
             if spent + rows * per_row > max_gflop * 1e9:
@@ -221,7 +221,7 @@ class ModelRunner:
     def _projection_shapes(self) -> list[tuple[int, int, Callable]]:
         """(in, out, projection) for each distinct shape of the first layer's oneDNN projections."""
         found: dict[tuple[int, int], Callable] = {}
-        if hasattr(self, "_gpt2"):
+        if self.config.model_type == "gpt2":
             layer = self._gpt2.layers[0]
             hidden = self.config.hidden_size
             for n_in, b, w in ((hidden, layer.qkv_b, layer.qkv_w), (hidden, layer.proj_b, layer.proj_w),
