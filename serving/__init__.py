@@ -16,6 +16,7 @@ runs each step, the KV block pool owns memory, the model runner only executes.
     model_runner.py  ModelRunner: loads a Hugging Face GPT-2 or Llama directory and runs one step, reusing the
                      model's own layers and replacing only attention
     attention.py     paged attention over the block pool, batched with padding and masks (torch SDPA)
+    graphs.py        on a GPU, steps of decodes only replayed from CUDA graphs in a few fixed shapes
     sampling.py      SamplingParams (validated) and the sampler: greedy, temperature, top-k, top-p, per-request
                      seeded generators
     tokenization.py  the model directory's tokenizer (pylon.data.tokenizer), streaming detokenization with
@@ -32,5 +33,5 @@ import os
 
 def switched_on(name: str) -> bool:
     """An on-by-default environment switch of the engine (PYLON_PAGED_KERNEL, PYLON_ONEDNN_LINEAR,
-    PYLON_PADDED_ROWS, PYLON_SCHED_BATCH, PYLON_KEEP_HEAP): off when set to 0, false, no or off."""
+    PYLON_PADDED_ROWS, PYLON_SCHED_BATCH, PYLON_KEEP_HEAP, PYLON_CUDA_GRAPHS): off when set to 0, false, no or off."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")

@@ -84,6 +84,10 @@ class LLMEngine:
                      time.monotonic() - started)
         # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
         self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
+        started = time.monotonic()
+        if graphs := self.runner.use_decode_graphs(spec.max_num_seqs, self.max_model_len):
+            log.info("engine: captured %d CUDA graphs for steps of decodes only in %.2f s (PYLON_CUDA_GRAPHS=0 turns "
+                     "them off)", graphs, time.monotonic() - started)
         self.scheduler = Scheduler(self.pool, max_num_seqs=spec.max_num_seqs,
                                    max_num_batched_tokens=spec.max_num_batched_tokens)
         # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an

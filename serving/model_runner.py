@@ -183,6 +183,8 @@ class ModelRunner:
                                      device=self.device) for _ in range(config.num_hidden_layers)]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
+        self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
+        self.decode_graphs = None  # pylon.serving.graphs.DecodeGraphs, on a GPU (use_decode_graphs)
         from pylon.serving import kernels
 
         self.kernel = kernels.usable(self.device, self.dtype, self.kv_dtype)  # decodes attend in place (see kernels.py)
@@ -218,6 +220,39 @@ class ModelRunner:
             done += 1
         return done, len(counts)
 
+    def add_scratch_block(self) -> int:
+        """One more block in every layer's caches, past the pool's (the KV pool never hands it out): where a
+        fixed-shape step's padding rows store their keys and values. Returns its first slot."""
+        if self.scratch_slot is None:
+            num_blocks = self.k_cache[0].shape[1]
+            self.k_cache = [torch.cat([k, torch.zeros_like(k[:, :1])], 1) for k in self.k_cache]
+            self.v_cache = [torch.cat([v, torch.zeros_like(v[:, :1])], 1) for v in self.v_cache]
+            self.scratch_slot = num_blocks * self.block_size
+        return self.scratch_slot
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        """On a GPU (and unless PYLON_CUDA_GRAPHS=0), capture the CUDA graphs that steps of decodes only will replay
+        (pylon.serving.graphs). Returns how many (0: none, every step runs eagerly)."""
+        if self.device.type != "cuda" or not switched_on("PYLON_CUDA_GRAPHS"):
+            return 0
+        from pylon.serving.graphs import DecodeGraphs
+
+        self.add_scratch_block()
+        self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
+        return self.decode_graphs.capture_all()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, final: "Final",
+                workspace: Workspace | None = None) -> torch.Tensor:
+        """The model's final hidden states at the sampling tokens (see `_forward_gpt2`); `workspace`: gather into
+        these buffers instead of the runner's own (a CUDA graph's step keeps its own)."""
+        if workspace is None:
+            return self._forward(ids, positions, meta, final)
+        saved, self.workspace = self.workspace, workspace
+        try:
+            return self._forward(ids, positions, meta, final)
+        finally:
+            self.workspace = saved
+
     def _projection_shapes(self) -> list[tuple[int, int, Callable]]:
         """(in, out, projection) for each distinct shape of the first layer's oneDNN projections."""
         found: dict[tuple[int, int], Callable] = {}
@@ -237,6 +272,10 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one step; return float32 logits `[sampling sequences, vocab]`, in the order of `scheduled`
         restricted to those whose `samples` is true (empty when none samples)."""
+        if self.decode_graphs is not None and all(s.num_new_tokens == 1 and s.samples for s in scheduled):
+            logits = self.decode_graphs.run(scheduled, block_tables)
+            if logits is not None:
+                return logits
         token_ids, positions, seqs, last_tokens = [], [], [], []
         for s, table in zip(scheduled, block_tables):
             token_ids.extend(s.request.token_ids[s.start:s.start + s.num_new_tokens])

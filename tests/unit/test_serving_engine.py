@@ -767,3 +767,51 @@ def test_no_step_compiles_a_kernel_and_prompt_steps_run_padded_rows(family: Fami
     rows = {int(m.group(1)) for line in created if (m := re.search(r",mb(\d+)ic\d+oc\d+", line))}
     allowed = set(linear.row_counts(8, 64))
     assert rows <= allowed and max(rows) > 8 and all(r % 16 == 0 for r in rows if r > 8)
+
+
+def test_fixed_shape_sizes_cover_every_step_up_to_the_limits() -> None:
+    from pylon.serving.graphs import batch_sizes, block_counts
+
+    assert batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_sizes(5) == [1, 2, 4, 5] and batch_sizes(1) == [1] and batch_sizes(8) == [1, 2, 4, 8]
+    assert block_counts(64) == [4, 8, 16, 32, 64] and block_counts(3) == [3] and block_counts(6) == [4, 6]
+
+
+def test_decode_steps_in_fixed_shapes_match_transformers_greedy(family: Family, monkeypatch) -> None:
+    """Steps of decodes only run in one of a few fixed shapes (pylon.serving.graphs): rows padded to a batch size,
+    their keys and values stored in a scratch block, block tables padded to a block count, the bias made from the
+    context lengths. On a GPU those steps replay CUDA graphs; on a CPU the same fixed-shape step runs eagerly
+    (capture=False). Either way the continuations stay transformers' own: had a padding row written anywhere but the
+    scratch block (block 0 holds the first request's first tokens), or a padded key been attended, they would not."""
+    from pylon.serving import switched_on
+    from pylon.serving.graphs import DecodeGraphs
+
+    engine = family.engine()
+    runner = engine.runner
+    if ON_CUDA and switched_on("PYLON_CUDA_GRAPHS"):
+        assert runner.decode_graphs is not None and runner.decode_graphs.capture
+    else:
+        assert runner.decode_graphs is None
+        runner.add_scratch_block()
+        runner.decode_graphs = DecodeGraphs(runner, 8, engine.max_model_len, capture=False)
+        assert runner.decode_graphs.capture_all() == 4 * 3  # rows 1, 2, 4, 8; blocks 4, 8, 16
+    graphs = runner.decode_graphs
+    replayed = set()
+    for shape, graph in graphs.graphs.items():
+        graph.replay = (lambda shape, replay: lambda: (replayed.add(shape), replay()))(shape, graph.replay)
+    assert runner.scratch_slot == engine.pool.num_blocks * 16
+    assert runner.k_cache[0].shape[1] == runner.v_cache[-1].shape[1] == engine.pool.num_blocks + 1
+    # Five requests decode as 8 rows (three of them padding) over 8 blocks each, two as 2 rows, the 8-token prompt
+    # alone over 4 blocks.
+    got = []
+    for part in (PROMPTS[:5], PROMPTS[5:7], PROMPTS[7:]):
+        got += [c.token_ids for c in engine.generate(part, GREEDY)]
+    assert got == family.greedy
+    assert graphs.replays > NEW_TOKENS  # most steps, in three runs of ~20 steps
+    assert {b for b, _ in replayed} >= {1, 2, 8} and {nb for _, nb in replayed} == {4, 8}
+    assert graphs.shape_for(9, 10) is None and graphs.shape_for(8, 257) is None  # these run eagerly
+    assert graphs.shapes()[0] == (8, 16) and graphs.gather_bytes(8, 16) == 2 * runner.k_cache[0][:, :128].numel() * 4
+    # A shape that would gather more than GATHER_BYTES gets no graph: its steps run eagerly.
+    monkeypatch.setattr("pylon.serving.graphs.GATHER_BYTES", graphs.gather_bytes(4, 8))
+    assert max(b * nb for b, nb in graphs.shapes()) == 32 and (8, 16) not in graphs.shapes()
+    assert_pool_empty(engine)

@@ -1,0 +1,176 @@
+"""Steps of decodes only, replayed from captured CUDA graphs.
+
+On a GPU a small model's decode step is the host's work, not the device's: each layer is a few dozen kernel
+launches of 10-60 us of Python and driver time apiece, and the device finishes each kernel before the next is
+launched (the first GPU run, docs/benchmarks.md: a 12-layer model's 32-decode step took 30 ms, 3 of them on the
+H100). A CUDA graph records a whole step's launches once and replays them with one call, as vLLM and gpt-fast do.
+
+A graph replays fixed shapes at fixed addresses, so a step of B decodes runs as a step of `b` rows (the smallest of
+`batch_sizes` >= B) attending over `nb` blocks per sequence (the smallest of `block_counts` >= the longest
+context's blocks), with its inputs copied into the graph's own tensors first:
+
+- the rows past B are token 0 at position 0, with a context of one key (a row with no key at all would be NaN),
+  whose key and value go to a scratch block the KV pool never hands out (`ModelRunner.add_scratch_block`);
+- each sequence's block table is padded with block 0, and the attention bias is made inside the graph from the
+  context lengths: 0 for the keys a sequence has, -inf for the rest (the eager path builds the same bias on the
+  host from the group's longest context).
+
+The step is the eager path's arithmetic (`paged_attention` over one padded group, as a GPU step runs its decodes
+anyway), so a graph computes what the eager step computes. Steps with a prompt chunk, or with more decodes or
+longer contexts than any graph holds, run eagerly. Every shape is captured when the engine starts (`capture_all`,
+largest first), as vLLM does: captured on first use instead, a fresh engine spent its first seconds capturing (on
+the H100, a 12-layer model's first 32 requests took 6.8 s against 5.0 eagerly). Shapes whose gathered keys and
+values would pass `GATHER_BYTES` are left to the eager path, which gathers only the context a step has. All graphs
+share one memory pool, which is safe because a step replays one graph and takes its logits before the next
+replays. `PYLON_CUDA_GRAPHS=0` turns graphs off.
+
+With `capture=False` the same fixed-shape step runs eagerly: how the tests check its arithmetic on a CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from pylon.serving.attention import AttentionGroup, AttentionMetadata, Workspace
+
+
+GATHER_BYTES = 1 << 30  # the most a graph's step may gather of keys and values (bytes, all of a layer's heads)
+
+
+def batch_sizes(max_num_seqs: int) -> list[int]:
+    """Row counts a graph is captured for: 1, 2, 4, 8, then multiples of 8 (vLLM's sizes), up to `max_num_seqs`."""
+    sizes = [n for n in (1, 2, 4) if n < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+def block_counts(max_blocks: int) -> list[int]:
+    """Blocks per sequence a graph attends over: powers of two from 4 (a gather at most twice what the step
+    needs), up to the most a sequence can have."""
+    counts, n = [], 4
+    while n < max_blocks:
+        counts.append(n)
+        n *= 2
+    return counts + [max_blocks]
+
+
+def _smallest_at_least(options: Sequence[int], n: int) -> int | None:
+    return next((o for o in options if o >= n), None)
+
+
+@dataclasses.dataclass
+class _Graph:
+    """One captured shape: its input tensors (filled before each replay) and its output."""
+
+    inputs: torch.Tensor  # [4 * b + b * nb] int64: ids, positions, slots, context lengths, block tables
+    logits: torch.Tensor  # [b, vocab] float32, written by each replay
+    replay: object  # the graph's replay (or, with capture=False, the step itself)
+    step: object  # the step, which holds the tensors the graph reads besides `inputs` (its bias, its key and row
+    # indices): a graph keeps no reference to them, and freed, their memory would go to other tensors
+
+
+class DecodeGraphs:
+    """Decode-only steps of `runner` (a `ModelRunner` with its scratch block) in fixed shapes, captured as CUDA graphs
+    (`capture`) or run eagerly."""
+
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, *, capture: bool = True):
+        if runner.scratch_slot is None:
+            raise ValueError("DecodeGraphs needs the runner's scratch block (ModelRunner.add_scratch_block)")
+        self.runner = runner
+        self.capture = capture
+        self.sizes = batch_sizes(max_num_seqs)
+        self.block_counts = block_counts(-(-max_model_len // runner.block_size))
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0  # steps replayed (or run, with capture=False) from a fixed shape
+
+    def gather_bytes(self, b: int, nb: int) -> int:
+        """Keys and values a step of shape (b, nb) gathers in each layer, in bytes."""
+        num_kv_heads, _, block_size, head_dim = self.runner.k_cache[0].shape
+        return 2 * num_kv_heads * b * nb * block_size * head_dim * self.runner.dtype.itemsize
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, blocks per sequence) a graph is made for, largest first."""
+        return sorted(((b, nb) for b in self.sizes for nb in self.block_counts
+                       if self.gather_bytes(b, nb) <= GATHER_BYTES), reverse=True)
+
+    def capture_all(self) -> int:
+        """Make every shape's graph (largest first, so that the smaller ones reuse its memory); returns how many."""
+        for b, nb in self.shapes():
+            if (b, nb) not in self.graphs:
+                self.graphs[b, nb] = self._build(b, nb)
+        return len(self.graphs)
+
+    def shape_for(self, num_seqs: int, max_context: int) -> tuple[int, int] | None:
+        """(rows, blocks per sequence) of the graph for a step of `num_seqs` decodes whose longest context is
+        `max_context` keys, or None when no graph holds it."""
+        b = _smallest_at_least(self.sizes, num_seqs)
+        nb = _smallest_at_least(self.block_counts, -(-max_context // self.runner.block_size))
+        return None if b is None or nb is None or (b, nb) not in self.graphs else (b, nb)
+
+    @torch.no_grad()
+    def run(self, scheduled, block_tables: list[list[int]]) -> torch.Tensor | None:
+        """Float32 logits `[len(scheduled), vocab]` for a step of decodes only (every request one new token, and
+        sampling), or None when no graph holds the step (the caller runs it eagerly)."""
+        block_size = self.runner.block_size
+        starts = [s.start for s in scheduled]
+        shape = self.shape_for(len(scheduled), max(starts) + 1)
+        if shape is None:
+            return None
+        b, nb = shape
+        graph = self.graphs[shape]
+        pad = b - len(scheduled)
+        ids = [s.request.token_ids[p] for s, p in zip(scheduled, starts)] + [0] * pad
+        slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, starts)]
+        tables = []
+        for table in block_tables:
+            row = table[:nb]
+            tables.extend(row)
+            tables.extend([0] * (nb - len(row)))
+        host = torch.tensor(ids + starts + [0] * pad + slots + [self.runner.scratch_slot] * pad
+                            + [p + 1 for p in starts] + [1] * pad + tables + [0] * (pad * nb), dtype=torch.long)
+        graph.inputs.copy_(host, non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return graph.logits[:len(scheduled)]
+
+    def _build(self, b: int, nb: int) -> _Graph:
+        runner = self.runner
+        device, dtype = runner.device, runner.dtype
+        inputs = torch.zeros(4 * b + b * nb, dtype=torch.long, device=device)
+        ids, positions, slots, context_lens = (inputs[i * b:(i + 1) * b] for i in range(4))
+        table = inputs[4 * b:].view(b, nb)
+        slots.fill_(runner.scratch_slot)
+        context_lens.fill_(1)
+        num_keys = nb * runner.block_size
+        keys = torch.arange(num_keys, device=device)
+        bias = torch.zeros(b, 1, num_keys, dtype=dtype, device=device)
+        rows = torch.arange(b, device=device)
+        group = AttentionGroup(query_index=rows.view(b, 1), real=rows, tokens=rows, key_blocks=table.view(-1),
+                               num_blocks=nb, num_keys=num_keys, bias=bias, context_lens=context_lens)
+        meta = AttentionMetadata(slots, [group])
+        from pylon.serving.model_runner import Final
+
+        final = Final(None, dataclasses.replace(meta, slot_mapping=None))
+
+        def step() -> torch.Tensor:
+            bias.zero_().masked_fill_((keys[None, None, :] >= context_lens[:, None, None]), float("-inf"))
+            hidden = runner.forward(ids, positions, meta, final, Workspace())
+            return runner.model.lm_head(hidden).float()
+
+        if not self.capture:
+            logits = torch.empty(b, runner.vocab_size, dtype=torch.float32, device=device)
+            return _Graph(inputs, logits, lambda: logits.copy_(step()), step)
+        # Warm up on a side stream first (cuBLAS picks its kernels and allocates its workspace there, outside the
+        # capture), as torch.cuda.graphs' documentation asks.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine steps on a thread of its own; other threads' CUDA calls must not fail the capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = step()
+        return _Graph(inputs, logits, graph.replay, step)
