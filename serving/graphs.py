@@ -29,7 +29,7 @@ With `capture=False` the same fixed-shape step runs eagerly: how the tests check
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -65,9 +65,10 @@ class _Graph:
 
     inputs: torch.Tensor  # [4 * b + b * nb] int64: ids, positions, slots, context lengths, block tables
     logits: torch.Tensor  # [b, vocab] float32, written by each replay
-    replay: object  # the graph's replay (or, with capture=False, the step itself)
-    step: object  # the step, which holds the tensors the graph reads besides `inputs` (its bias, its key and row
-    # indices): a graph keeps no reference to them, and freed, their memory would go to other tensors
+    replay: Callable[[], object]  # the graph's replay (or, with capture=False, the step itself)
+    # The step, which holds the tensors the graph reads besides `inputs` (its bias, its key and row indices): a graph
+    # keeps no reference to them, and freed, their memory would go to other tensors.
+    step: Callable[[], torch.Tensor]
 
 
 class DecodeGraphs:
