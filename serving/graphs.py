@@ -21,8 +21,9 @@ longer contexts than any graph holds, run eagerly. Every shape is captured when 
 largest first), as vLLM does: captured on first use instead, a fresh engine spent its first seconds capturing (on
 the H100, a 12-layer model's first 32 requests took 6.8 s against 5.0 eagerly). Shapes whose gathered keys and
 values would pass `GATHER_BYTES` are left to the eager path, which gathers only the context a step has. All graphs
-share one memory pool, which is safe because a step replays one graph and takes its logits before the next
-replays. `PYLON_CUDA_GRAPHS=0` turns graphs off.
+share one memory pool, and write their logits into one buffer of `max_num_seqs` rows, which is safe because a step
+replays one graph and takes its logits before the next replays (a graph's own output would be a buffer per shape: for
+a 32k vocabulary and a few hundred shapes, gigabytes). `PYLON_CUDA_GRAPHS=0` turns graphs off.
 
 With `capture=False` the same fixed-shape step runs eagerly: how the tests check its arithmetic on a CPU.
 """
@@ -64,7 +65,7 @@ class _Graph:
     """One captured shape: its input tensors (filled before each replay) and its output."""
 
     inputs: torch.Tensor  # [4 * b + b * nb] int64: ids, positions, slots, context lengths, block tables
-    logits: torch.Tensor  # [b, vocab] float32, written by each replay
+    logits: torch.Tensor  # [b, vocab] float32, written by each replay (rows of the graphs' shared buffer)
     replay: Callable[[], object]  # the graph's replay (or, with capture=False, the step itself)
     # The step, which holds the tensors the graph reads besides `inputs` (its bias, its key and row indices): a graph
     # keeps no reference to them, and freed, their memory would go to other tensors.
@@ -83,6 +84,7 @@ class DecodeGraphs:
         self.sizes = batch_sizes(max_num_seqs)
         self.block_counts = block_counts(-(-max_model_len // runner.block_size))
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.logits = torch.empty(self.sizes[-1], runner.vocab_size, dtype=torch.float32, device=runner.device)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # steps replayed (or run, with capture=False) from a fixed shape
 
@@ -155,14 +157,15 @@ class DecodeGraphs:
 
         final = Final(None, dataclasses.replace(meta, slot_mapping=None))
 
+        logits = self.logits[:b]
+
         def step() -> torch.Tensor:
             bias.zero_().masked_fill_((keys[None, None, :] >= context_lens[:, None, None]), float("-inf"))
             hidden = runner.forward(ids, positions, meta, final, Workspace())
-            return runner.model.lm_head(hidden).float()
+            return logits.copy_(runner.model.lm_head(hidden))
 
         if not self.capture:
-            logits = torch.empty(b, runner.vocab_size, dtype=torch.float32, device=device)
-            return _Graph(inputs, logits, lambda: logits.copy_(step()), step)
+            return _Graph(inputs, logits, step, step)
         # Warm up on a side stream first (cuBLAS picks its kernels and allocates its workspace there, outside the
         # capture), as torch.cuda.graphs' documentation asks.
         side = torch.cuda.Stream(device)
@@ -173,5 +176,5 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the engine steps on a thread of its own; other threads' CUDA calls must not fail the capture.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = step()
+            step()
         return _Graph(inputs, logits, graph.replay, step)

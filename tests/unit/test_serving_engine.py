@@ -811,6 +811,7 @@ def test_decode_steps_in_fixed_shapes_match_transformers_greedy(family: Family, 
     assert {b for b, _ in replayed} >= {1, 2, 8} and {nb for _, nb in replayed} == {4, 8}
     assert graphs.shape_for(9, 10) is None and graphs.shape_for(8, 257) is None  # these run eagerly
     assert graphs.shapes()[0] == (8, 16) and graphs.gather_bytes(8, 16) == 2 * runner.k_cache[0][:, :128].numel() * 4
+    assert {g.logits.data_ptr() for g in graphs.graphs.values()} == {graphs.logits.data_ptr()}  # one logits buffer
     # A shape that would gather more than GATHER_BYTES gets no graph: its steps run eagerly.
     monkeypatch.setattr("pylon.serving.graphs.GATHER_BYTES", graphs.gather_bytes(4, 8))
     assert max(b * nb for b, nb in graphs.shapes()) == 32 and (8, 16) not in graphs.shapes()
