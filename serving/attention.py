@@ -24,6 +24,7 @@ the padded batched matmuls, which computed every masked score and a [Q, K] bias 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -147,17 +148,24 @@ def final_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     return AttentionMetadata(None, meta.groups, meta.kernel, meta.chunks)
 
 
+def padded_tables(tables: Iterable[list[int]], num_blocks: int) -> list[int]:
+    """Block tables cut or padded with block 0 to `num_blocks` each, one after another (a flat `[B * num_blocks]`):
+    what a padded batch of sequences reads its keys through (the padding's keys are masked out or never reached)."""
+    flat = []
+    for table in tables:
+        row = table[:num_blocks]
+        flat.extend(row)
+        flat.extend([0] * (num_blocks - len(row)))
+    return flat
+
+
 def _kernel_group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
                   dtype: torch.dtype) -> AttentionGroup:
     """Decodes for the kernel, which needs only block tables and lengths: no padding, no mask (plain Python,
     three tensors: this runs every step)."""
     num_keys = [s.start + 1 for s in seqs]
     nb = -(-max(num_keys) // block_size)
-    table = []
-    for s in seqs:
-        row = s.block_table[:nb]
-        table.extend(row)
-        table.extend([0] * (nb - len(row)))
+    table = padded_tables((s.block_table for s in seqs), nb)
     tokens = torch.tensor(offsets, dtype=torch.long).to(device)
     return AttentionGroup(tokens.view(-1, 1), None, tokens, torch.tensor(table, dtype=torch.long).to(device), nb,
                           max(num_keys), None, torch.tensor(num_keys, dtype=torch.long).to(device))
@@ -189,10 +197,9 @@ def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, devic
     allowed = (key[None, None, :] <= query_position[:, :, None]) & (key[None, None, :] < num_keys[:, None, None])
     bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     num_blocks = -(-K // block_size)
-    table = torch.tensor([seq.block_table[:num_blocks] + [0] * (num_blocks - len(seq.block_table[:num_blocks]))
-                          for seq in seqs], dtype=torch.long)
+    table = torch.tensor(padded_tables((seq.block_table for seq in seqs), num_blocks), dtype=torch.long)
     return AttentionGroup(query_index.to(device), real.to(device), query_index.reshape(-1)[real].to(device),
-                          table.reshape(-1).to(device), num_blocks, K, bias.to(device), num_keys.to(device))
+                          table.to(device), num_blocks, K, bias.to(device), num_keys.to(device))
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:

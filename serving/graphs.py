@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pylon.serving.attention import AttentionGroup, AttentionMetadata, Workspace
+from pylon.serving.attention import AttentionGroup, AttentionMetadata, Workspace, padded_tables
 
 
 GATHER_BYTES = 1 << 30  # the most a graph's step may gather of keys and values (bytes, all of a layer's heads)
@@ -126,13 +126,9 @@ class DecodeGraphs:
         pad = b - len(scheduled)
         ids = [s.request.token_ids[p] for s, p in zip(scheduled, starts)] + [0] * pad
         slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, starts)]
-        tables = []
-        for table in block_tables:
-            row = table[:nb]
-            tables.extend(row)
-            tables.extend([0] * (nb - len(row)))
         host = torch.tensor(ids + starts + [0] * pad + slots + [self.runner.scratch_slot] * pad
-                            + [p + 1 for p in starts] + [1] * pad + tables + [0] * (pad * nb), dtype=torch.long)
+                            + [p + 1 for p in starts] + [1] * pad + padded_tables(block_tables, nb) + [0] * (pad * nb),
+                            dtype=torch.long)
         graph.inputs.copy_(host, non_blocking=True)
         graph.replay()
         self.replays += 1
