@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pylon-installed
-# System packages Pylon needs: libaio for DeepSpeed's NVMe offload (async I/O op).
-SYSTEM_PACKAGES := libaio-dev
+# System packages Pylon needs: libaio for DeepSpeed's NVMe offload (async I/O op); TCMalloc for CPU serving engines
+# (pylon.serving.heap preloads it into an engine process; Ubuntu 24.04 names it libtcmalloc-minimal4t64).
+SYSTEM_PACKAGES := libaio-dev libtcmalloc-minimal4
 # DeepSpeed builds its CPU ops (cpu_adam, shm comm, async I/O) once, here, and reuses them.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 # The venv's tools first, for every process: torch builds those ops with whichever `ninja` is on PATH, and the
@@ -21,13 +22,17 @@ help:  ## list targets
 setup: system-packages $(STAMP)  ## create .venv and install pylon[dev] under constraints.txt
 
 system-packages:
-	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || dpkg -s $${p}t64 >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing system packages: $$missing"; \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
-	      || echo "warning: could not install $$missing (NVMe offload will be unavailable)"; \
-	  else echo "note: not root; install $$missing yourself for NVMe offload"; fi; \
+	    apt-get update -qq || true; \
+	    for p in $$missing; do \
+	      (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$p >/dev/null 2>&1 \
+	       || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $${p}t64 >/dev/null 2>&1) \
+	      || echo "warning: could not install $$p (libaio-dev: NVMe offload unavailable; libtcmalloc-minimal4: CPU engines use glibc's malloc)"; \
+	    done; \
+	  else echo "note: not root; install $$missing yourself (NVMe offload; TCMalloc for CPU serving)"; fi; \
 	fi
 
 $(STAMP): pyproject.toml constraints.txt

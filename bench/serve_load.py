@@ -610,7 +610,8 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
         records, t0, cpu = await drive(reqs, args, one, "engine")
         stats = [e.stats() for e in engines]
         return records, t0, {"engines": len(engines), "preemptions": sum(s.num_preemptions_total for s in stats),
-                             "kv_blocks": sum(s.num_blocks for s in stats), **cpu}
+                             "kv_blocks": sum(s.num_blocks for s in stats),
+                             "malloc": getattr(engines[0], "allocator", "in-process"), **cpu}
     finally:
         settle_threads(moved, nice, "engine")
         for engine in engines:
@@ -674,6 +675,15 @@ async def http_load(url: str, reqs: list[Req], warmup: list[Req], args, cluster)
         return await drive(reqs, args, one, "http", cluster)
 
 
+def engine_malloc(engines) -> str:
+    """Which malloc the replicas' engine processes run on (pylon.serving.heap: TCMalloc preloaded on a CPU)."""
+    try:
+        maps = [Path(f"/proc/{p.pid}/maps").read_text() for p in engines]
+    except OSError:
+        return "?"
+    return "?" if not maps else "tcmalloc" if all("tcmalloc" in m for m in maps) else "glibc"
+
+
 def ingress_and_niceness(info, args) -> dict:
     """Which ingress serves the leg, and the niceness of the engine it reaches; then, unless --keep-niceness,
     this process's threads take that niceness.
@@ -689,7 +699,7 @@ def ingress_and_niceness(info, args) -> dict:
     target = (engines or replicas)[0].nice() if (engines or replicas) else os.getpriority(os.PRIO_PROCESS, 0)
     haproxy = any(p.name() == "haproxy" for p in procs)
     out = {"ingress": "haproxy" if haproxy else "serve-proxy", "engine_niceness": target,
-           "client_niceness": os.getpriority(os.PRIO_PROCESS, 0)}
+           "client_niceness": os.getpriority(os.PRIO_PROCESS, 0), "malloc": engine_malloc(engines)}
     if not args.keep_niceness and target > out["client_niceness"]:
         for tid in os.listdir("/proc/self/task"):  # niceness is per thread on Linux
             os.setpriority(os.PRIO_PROCESS, int(tid), target)
@@ -1013,7 +1023,9 @@ def main(argv: list[str] | None = None) -> int:
         r = results["http"]
         print(f"http: {r['events']:,} SSE chunks for {r['output_tokens']:,} tokens (ITL is per chunk); ingress "
               f"{r.get('ingress', '?')}; niceness: engine {r.get('engine_niceness', '?')}, load generator "
-              f"{r.get('client_niceness', '?')}")
+              f"{r.get('client_niceness', '?')}; engines' malloc {r.get('malloc', '?')}")
+    if "malloc" in results.get("engine", {}):
+        print(f"engine leg: engines' malloc {results['engine']['malloc']}")
     for leg in ("engine", "http"):
         if leg in results and "cpu_s" in results[leg]:
             print(cpu_line(leg, results[leg]))

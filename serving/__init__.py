@@ -24,7 +24,7 @@ runs each step, the KV block pool owns memory, the model runner only executes.
     request.py       Request (engine-side state) and RequestOutput (what each step hands back)
     errors.py        InvalidRequest (names the bad parameter: HTTP 400), EngineDeadError (HTTP 503)
     scheduling.py    CPU serving processes under Linux's SCHED_BATCH policy
-    heap.py          an engine process keeps the memory it frees (glibc's malloc thresholds)
+    heap.py          an engine process keeps the memory it frees (glibc's malloc thresholds, or TCMalloc preloaded)
 
 Importing the package imports nothing heavy; torch and transformers load with the modules that need them.
 """
@@ -33,5 +33,6 @@ import os
 
 def switched_on(name: str) -> bool:
     """An on-by-default environment switch of the engine (PYLON_PAGED_KERNEL, PYLON_ONEDNN_LINEAR,
-    PYLON_PADDED_ROWS, PYLON_SCHED_BATCH, PYLON_KEEP_HEAP, PYLON_CUDA_GRAPHS): off when set to 0, false, no or off."""
+    PYLON_PADDED_ROWS, PYLON_SCHED_BATCH, PYLON_KEEP_HEAP, PYLON_TCMALLOC, PYLON_CUDA_GRAPHS): off when set to 0,
+    false, no or off."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")

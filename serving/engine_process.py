@@ -19,6 +19,7 @@ parent asks, or when the socket closes (the replica died), so no engine outlives
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
 import queue
@@ -32,7 +33,7 @@ from multiprocessing.connection import Connection
 from pylon.errors import PylonError
 from pylon.serving.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
 from pylon.serving.errors import EngineDeadError, InvalidRequest
-from pylon.serving.heap import freeze_loaded_objects, keep_freed_memory
+from pylon.serving.heap import allocator, engine_process_env, freeze_loaded_objects, keep_freed_memory
 from pylon.serving.sampling import SamplingParams
 from pylon.serving.scheduling import serve_cpu_as_batch
 from pylon.specs import EngineSpec
@@ -58,7 +59,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "pylon.serving.engine_process", str(theirs.fileno())],
-                                          pass_fds=[theirs.fileno()], env=dict(os.environ))
+                                          pass_fds=[theirs.fileno()], env=engine_process_env(_device_type(spec.device)))
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
@@ -68,7 +69,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
         except BaseException:
             self._kill()
             raise
-        _, self._tokenizer, self._max_model_len, self._device, self._stats = message
+        _, self._tokenizer, self._max_model_len, self._device, self._stats, self.allocator = message
         self._heartbeat = time.monotonic()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="pylon-engine-reader", daemon=True)
@@ -79,6 +80,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
     @classmethod
     def from_model(cls, model: str, spec: EngineSpec | None = None, **kwargs) -> "ProcessLLMEngine":
         return cls(model, spec, **kwargs)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def _wait_ready(self, model: str):
         deadline = time.monotonic() + self.START_TIMEOUT_S
@@ -198,6 +203,17 @@ class ProcessLLMEngine(AsyncLLMEngine):
             proc.kill()
 
 
+def _device_type(device: str) -> str:
+    """The spec's engine.device as the child will resolve it ("auto": CUDA where there is a GPU), without importing
+    torch into a replica that has not: an NVIDIA device node counts as a GPU (the side that keeps glibc's malloc)."""
+    if device != "auto":
+        return device
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "cpu"
+
+
 # -- the child -----------------------------------------------------------------------------------------------
 
 
@@ -270,7 +286,8 @@ def _child(conn: Connection) -> int:
     device = engine.runner.device.type
     serve_cpu_as_batch(device, "engine process")  # its torch threads exist by now; all of them move
     freeze_loaded_objects()  # full collections then never walk the model's and the libraries' objects (heap.py)
-    conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats()))
+    log.info("engine process %d ready on %s, malloc: %s", os.getpid(), device, allocator())
+    conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats(), allocator()))
     outbox = _Outbox(conn)
     while True:
         # Busy: take in what has arrived and step at once. Idle: wait for work, beating every IDLE_WAIT_S.

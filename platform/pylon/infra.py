@@ -553,6 +553,13 @@ def dockerfile(cluster: ClusterSpec) -> str:
 # Build it from the repository root:  docker build -f <this file> -t {cluster.image} .
 FROM {base}
 
+# libaio for DeepSpeed's NVMe offload; TCMalloc, which a CPU serving engine's process preloads (pylon.serving.heap;
+# libtcmalloc-minimal4t64 on Ubuntu 24.04).
+RUN sudo apt-get update -qq \\
+    && (sudo apt-get install -y -qq --no-install-recommends libaio-dev libtcmalloc-minimal4 \\
+        || sudo apt-get install -y -qq --no-install-recommends libaio-dev libtcmalloc-minimal4t64) \\
+    && sudo rm -rf /var/lib/apt/lists/*
+
 WORKDIR {SOURCE_DIR}
 COPY --chown=ray:users pyproject.toml README.md constraints.txt ./
 COPY --chown=ray:users platform/ platform/

@@ -288,6 +288,7 @@ def test_dashboard_and_scrape_config_cover_pylon_metrics() -> None:
     assert "prom_metrics_service_discovery.json" in example_render("infra/aws")["prometheus.yml"]
     docker = files["Dockerfile"]
     assert "constraints.txt" in docker and "FROM rayproject/ray:" in docker
+    assert "libtcmalloc-minimal4" in docker and "libaio-dev" in docker  # CPU engines' malloc; NVMe offload
 
 
 def test_kuberay_jobs_and_services_need_object_storage() -> None:

@@ -676,6 +676,15 @@ def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_clea
         assert engine.device == DEVICE
         policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{engine._proc.pid}/task")}
         assert policies == {os.SCHED_BATCH if DEVICE == "cpu" else os.SCHED_OTHER}
+        # A CPU engine runs on TCMalloc where it is installed (`make setup` installs it), a GPU's on glibc's
+        # (pylon.serving.heap); the greedy tokens below are the same either way.
+        from pylon.serving.heap import tcmalloc_path
+
+        maps = open(f"/proc/{engine.pid}/maps").read()
+        if DEVICE == "cpu" and tcmalloc_path():
+            assert engine.allocator == "tcmalloc" and tcmalloc_path() in maps
+        else:
+            assert engine.allocator == "glibc" and "tcmalloc" not in maps
 
         async def collect(i: int) -> list:
             return [out async for out in engine.generate(f"p{i}", PROMPTS[i], GREEDY)]

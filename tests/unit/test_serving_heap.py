@@ -47,6 +47,42 @@ def test_turned_off_by_the_environment(monkeypatch) -> None:
     assert churn("keep", {heap.ENV: "0"})["kept"] is False
 
 
+def test_a_cpu_engine_process_starts_with_tcmalloc_preloaded(tmp_path, monkeypatch) -> None:
+    """`engine_process_env`: TCMalloc first in LD_PRELOAD for a CPU engine (what was preloaded before stays, once),
+    nothing for a CUDA engine, nothing with PYLON_TCMALLOC=0 or where it is not installed."""
+    monkeypatch.delenv(heap.TCMALLOC_ENV, raising=False)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    dirs = (str(tmp_path / "missing"), str(lib))
+    path = str(lib / "libtcmalloc_minimal.so.4")
+    assert heap.tcmalloc_path(dirs) == path
+    env = heap.engine_process_env("cpu", {"PATH": "/bin"}, dirs=dirs)
+    assert env == {"PATH": "/bin", "LD_PRELOAD": path}
+    env = heap.engine_process_env("cpu", {"LD_PRELOAD": f"/x/libfoo.so {path}"}, dirs=dirs)
+    assert env["LD_PRELOAD"] == f"{path}:/x/libfoo.so"
+    assert heap.engine_process_env("cuda", {"PATH": "/bin"}, dirs=dirs) == {"PATH": "/bin"}
+    assert heap.engine_process_env("cpu", {}, dirs=(str(tmp_path / "missing"),)) == {}
+    monkeypatch.setenv(heap.TCMALLOC_ENV, "0")
+    assert heap.tcmalloc_path(dirs) is None and heap.engine_process_env("cpu", {}, dirs=dirs) == {}
+
+
+ALLOCATOR = "from pylon.serving import heap; print(heap.allocator(), heap.keep_freed_memory())"
+
+
+@pytest.mark.skipif(heap.tcmalloc_path() is None, reason="TCMalloc is not installed (make setup installs "
+                                                          "libtcmalloc-minimal4 where it runs as root)")
+def test_the_preloaded_tcmalloc_is_the_process_malloc() -> None:
+    """A process started with `engine_process_env("cpu")` runs on TCMalloc (and leaves glibc's thresholds alone);
+    one started without it, on glibc's malloc."""
+    preloaded = subprocess.run([sys.executable, "-c", ALLOCATOR], capture_output=True, text=True, check=True,
+                               env=heap.engine_process_env("cpu"))
+    assert preloaded.stdout.split() == ["tcmalloc", "False"]
+    plain = subprocess.run([sys.executable, "-c", ALLOCATOR], capture_output=True, text=True, check=True,
+                           env=heap.engine_process_env("cuda"))
+    assert plain.stdout.split() == ["glibc", "True"]
+
+
 def test_loaded_objects_leave_the_collectors_reach() -> None:
     """After the freeze, a full collection walks only objects made since: the loaded ones are not among those it
     tracks, and a cycle made later is still collected."""
