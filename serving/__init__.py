@@ -8,7 +8,7 @@ runs each step, the KV block pool owns memory, the model runner only executes.
                      check_health, stats)
     engine_process.py ProcessLLMEngine: AsyncLLMEngine's interface over an engine in a child process (what a
                      Serve replica runs, so HTTP and the step loop never share one interpreter lock)
-    kernels.py       the compiled CPU paged-attention kernel for decodes
+    kernels.py       the compiled CPU kernels: paged attention for decodes and for prompt chunks, GELU, KV stores
     linear.py        the projections on a CPU through oneDNN, over weights reordered once at load
     scheduler.py     Scheduler: continuous batching under a token budget and a sequence cap, chunked
                      prefill, preemption of the newest request when KV blocks run out
@@ -33,6 +33,6 @@ import os
 
 def switched_on(name: str) -> bool:
     """An on-by-default environment switch of the engine (PYLON_PAGED_KERNEL, PYLON_ONEDNN_LINEAR,
-    PYLON_PADDED_ROWS, PYLON_SCHED_BATCH, PYLON_KEEP_HEAP, PYLON_TCMALLOC, PYLON_CUDA_GRAPHS): off when set to 0,
-    false, no or off."""
+    PYLON_PADDED_ROWS, PYLON_SCHED_BATCH, PYLON_KEEP_HEAP, PYLON_TCMALLOC, PYLON_PREFILL_KERNEL, PYLON_CUDA_GRAPHS):
+    off when set to 0, false, no or off."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")

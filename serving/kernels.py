@@ -39,6 +39,13 @@ of a step's keys and values into both caches (`store_kv_`), one row copy per tok
 `index_copy_`s a layer went through TensorIterator: 3.0 against 15.7 us a layer for a 16-token decode step, 41
 against 187 for a 512-token prompt step (one thread, 4 heads of 64).
 
+Kernel v8 attends prompt chunks too (`prefill_attention_`, AVX-512, float32 caches, head_dim 32-256): causal
+attention of a chunk's queries over its sequence's keys in the pool, 8 queries by 16 keys at a time in registers,
+where torch's flash SDPA multiplied its blocks through MKL's sgemm (operands packed on every call) and computed most of
+each prompt's masked half. A 300-token prompt, 4 heads of 64, one thread: 0.65 against 1.26 ms; in a one-thread
+engine serving 64 of the serving bench's requests, prompt attention 0.28 -> 0.15 s of ~2.8 s, and 2.48-2.76 against
+2.63-2.94 s a run (three alternated pairs). `PYLON_PREFILL_KERNEL=0` keeps SDPA.
+
 It is compiled once per machine by torch's C++ extension loader into `$TORCH_EXTENSIONS_DIR` (the same cache
 as DeepSpeed's ops; `make setup` builds it, `python -m pylon.serving.kernels` builds it by hand). Where it
 cannot be built or loaded (no compiler), or with `PYLON_PAGED_KERNEL=0`, the engine uses the PyTorch path,
@@ -59,7 +66,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-NAME = "pylon_paged_attention_v7"
+NAME = "pylon_paged_attention_v8"
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -604,6 +611,195 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots
   });
 }
 
+// Causal attention of a prompt chunk (kernel v8): the chunk's queries, at positions start..start+T-1, over its
+// sequence's keys and values 0..start+T-1 where they lie in a float32 pool (the chunk's own already stored), query
+// t seeing keys up to start+t. torch's flash SDPA on a CPU runs its blocks' products through MKL's sgemm, which
+// packs both operands on every call and, with its 64-query by 512-key blocks, computes the masked half of most
+// prompts' squares too. Here a kv head's keys are first gathered and transposed into groups of 16
+// (`[groups][head_dim][16]`: one vector holds one dimension of 16 keys) and its values gathered contiguously; then
+// each query head's queries go 8 at a time (`PYLON_PREFILL_ROWS`) through the groups up to the last one they see:
+// 8 score vectors in registers (a broadcast query element times a key vector, head_dim times), the online softmax
+// of flash attention per row, and the 16 keys' values added into the 8 rows' accumulators. A 300-token prompt,
+// 4 heads of 64, one thread: 0.65 against 1.26 ms for SDPA; 512 tokens: 1.77 against 3.32.
+#define PYLON_PREFILL_ROWS 8
+#ifdef __AVX512F__
+static inline void transpose16(__m512 r[16]) {  // r[i][j] <- r[j][i]
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_f32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_f32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
+// `rows` (<= R) queries of one head at positions pos0.. (scaled, `qs`: R rows of D, the last repeated as padding)
+// over one kv head's transposed keys `kt` and values `vc`; their outputs to `out` (row stride `out_stride`).
+template <int R, int ND>
+static void prefill_rows(const float* qs, float* out, int64_t out_stride, int64_t rows, int64_t pos0,
+                         const float* kt, const float* vc) {
+  constexpr int D = ND * 16;
+  alignas(64) float o[R][D];
+  alignas(64) float p[R][16];
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  std::memset(o, 0, sizeof(o));
+  const int64_t last = pos0 + rows - 1;  // the last key any of the rows sees
+  for (int64_t g = 0; g <= last / 16; ++g) {
+    const float* K = kt + g * D * 16;
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m512 kv = _mm512_load_ps(K + d * 16);
+      for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * D + d]), kv, s[r]);
+    }
+    const int64_t k0 = g * 16;
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = pos0 + std::min<int64_t>(r, rows - 1) - k0 + 1;  // keys of this group row r sees
+      if (n <= 0) {
+        _mm512_store_ps(p[r], _mm512_setzero_ps());
+        continue;
+      }
+      const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+      const float mnew = std::max(m[r], _mm512_mask_reduce_max_ps(live, s[r]));
+      const float corr = std::exp(m[r] - mnew);  // 0 for the first group a row sees (m = -inf)
+      const __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(s[r], _mm512_set1_ps(mnew))));
+      l[r] = l[r] * corr + _mm512_reduce_add_ps(pv);
+      _mm512_store_ps(p[r], pv);
+      if (corr != 1.f) {
+        const __m512 c = _mm512_set1_ps(corr);
+        for (int i = 0; i < ND; ++i) _mm512_store_ps(o[r] + 16 * i, _mm512_mul_ps(c, _mm512_load_ps(o[r] + 16 * i)));
+      }
+      m[r] = mnew;
+    }
+    const float* V = vc + k0 * D;
+    const int64_t nk = std::min<int64_t>(16, last - k0 + 1);
+    for (int i = 0; i < ND; ++i) {
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_load_ps(o[r] + 16 * i);
+      for (int64_t j = 0; j < nk; ++j) {
+        const __m512 vv = _mm512_load_ps(V + j * D + 16 * i);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, acc[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm512_store_ps(o[r] + 16 * i, acc[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int i = 0; i < ND; ++i)
+      _mm512_storeu_ps(out + r * out_stride + 16 * i, _mm512_mul_ps(inv, _mm512_load_ps(o[r] + 16 * i)));
+  }
+}
+
+template <int ND>
+static void prefill_heads(torch::Tensor& out, const torch::Tensor& q, const float* kt, const float* vc,
+                          int64_t start, float scale, int64_t KH, int64_t NK) {
+  constexpr int D = ND * 16, R = PYLON_PREFILL_ROWS;
+  const int64_t T = q.size(0), H = q.size(1), share = H / KH, tiles = (T + R - 1) / R;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qs[R * D];
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t h = idx / tiles, t0 = (idx % tiles) * R, rows = std::min<int64_t>(R, T - t0), kh = h / share;
+      for (int r = 0; r < R; ++r) {
+        const float* src = qp + (t0 + std::min<int64_t>(r, rows - 1)) * qs0 + h * qs1;
+        for (int d = 0; d < D; ++d) qs[r * D + d] = src[d] * scale;
+      }
+      prefill_rows<R, ND>(qs, op + t0 * os0 + h * os1, os0, rows, start + t0, kt + kh * NK * D * 16,
+                          vc + kh * NK * 16 * D);
+    }
+  });
+}
+#endif
+
+bool has_prefill() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// out `[T, heads, head_dim]` (rows contiguous) <- attention of q `[T, heads, head_dim]` (a prompt chunk's queries,
+// any row and head strides) over keys 0..start+T-1 of the float32 caches through `table` (the sequence's block table,
+// at least (start+T)/block_size blocks).
+void prefill_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                        torch::Tensor table, int64_t start, double scale) {
+#ifndef __AVX512F__
+  TORCH_CHECK(false, "prefill_attention_: built without AVX-512");
+#else
+  TORCH_CHECK(q.dim() == 3 && q.dtype() == torch::kFloat32 && q.stride(2) == 1 && out.sizes() == q.sizes() &&
+              out.dtype() == torch::kFloat32 && out.stride(2) == 1, "prefill_attention_: float32 q and out");
+  TORCH_CHECK(k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "prefill_attention_: contiguous float32 caches");
+  TORCH_CHECK(table.dtype() == torch::kInt64 && table.is_contiguous(), "prefill_attention_: an int64 block table");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  const int64_t L = start + T, NK = (L + 15) / 16;
+  TORCH_CHECK(k_cache.size(3) == D && H % KH == 0 && table.numel() * BS >= L, "prefill_attention_: shapes");
+  if (T == 0) return;
+  const int64_t* tb = table.data_ptr<int64_t>();
+  for (int64_t j = 0; j < L; j += BS) TORCH_CHECK(tb[j / BS] >= 0 && tb[j / BS] < NB, "prefill_attention_: block id");
+  auto kt = torch::empty({KH, NK, D, 16}, q.options());
+  auto vc = torch::empty({KH, NK * 16, D}, q.options());
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* ktp = kt.data_ptr<float>();
+  float* vcp = vc.data_ptr<float>();
+  at::parallel_for(0, KH * NK, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t kh = idx / NK, g = idx % NK;
+      const float* rows[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        const int64_t j = g * 16 + jj;
+        float* vdst = vcp + (kh * NK * 16 + j) * D;
+        if (j < L) {
+          const int64_t off = ((kh * NB + tb[j / BS]) * BS + j % BS) * D;
+          rows[jj] = kp + off;
+          std::memcpy(vdst, vp + off, D * sizeof(float));
+        } else {
+          rows[jj] = nullptr;
+          std::memset(vdst, 0, D * sizeof(float));
+        }
+      }
+      float* dst = ktp + idx * D * 16;
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 r[16];
+        for (int jj = 0; jj < 16; ++jj) r[jj] = rows[jj] ? _mm512_loadu_ps(rows[jj] + d0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(dst + (d0 + i) * 16, r[i]);
+      }
+    }
+  });
+  const float sc = static_cast<float>(scale);
+  switch (D) {
+    case 32: prefill_heads<2>(out, q, ktp, vcp, start, sc, KH, NK); break;
+    case 64: prefill_heads<4>(out, q, ktp, vcp, start, sc, KH, NK); break;
+    case 128: prefill_heads<8>(out, q, ktp, vcp, start, sc, KH, NK); break;
+    case 256: prefill_heads<16>(out, q, ktp, vcp, start, sc, KH, NK); break;
+    default: TORCH_CHECK(false, "prefill_attention_: head_dim must be 32, 64, 128 or 256 (got ", D, ")");
+  }
+#endif
+}
+
 // GPT-2's GELU, the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in place. Written as
 // x * sigmoid(2u) = x / (1 + exp(-2u)), which is the same function: one exponential and one division per
 // element. torch's CPU `gelu(approximate="tanh")` runs at ~0.3 G elements/s here (its tanh is the slow part),
@@ -659,7 +855,7 @@ def load(verbose: bool = False):
             venv_tools_first()  # torch runs the `ninja` first on PATH: the venv's, as for every build of Pylon's
 
             _module = load_inline(
-                name=NAME, cpp_sources=[_SOURCE], functions=["paged_decode", "gelu_tanh_", "store_kv_"],
+                name=NAME, cpp_sources=[_SOURCE], functions=["paged_decode", "gelu_tanh_", "store_kv_", "prefill_attention_", "has_prefill"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                 verbose=verbose)
         except Exception as e:  # no compiler, no headers, a build error: the PyTorch path still works
@@ -695,6 +891,32 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.
     if module is None:
         raise RuntimeError(f"the CPU kernels are not available: {_failed or 'disabled'}")
     module.store_kv_(k_cache, v_cache, slot_mapping, k, v)
+
+
+def prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt chunk's queries `q` (`[T, heads, head_dim]`, at positions start..start+T-1) over
+    its sequence's keys and values 0..start+T-1 in the float32 caches, found through its block `table`, into `out`
+    (`q`'s shape, rows contiguous); returns `out`. Only where `prefill_usable` says so."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the CPU kernels are not available: {_failed or 'disabled'}")
+    module.prefill_attention_(out, q, k_cache, v_cache, table, int(start), float(scale))
+    return out
+
+
+PREFILL_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def prefill_usable(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prompt chunks of a CPU model can go to `prefill_attention_`: float32 compute over a float32 cache
+    (narrower caches keep SDPA over the chunk's own unrounded keys), a head_dim it is built for, and AVX-512."""
+    from pylon.serving import switched_on
+
+    if dtype != torch.float32 or kv_dtype != torch.float32 or head_dim not in PREFILL_HEAD_DIMS:
+        return False
+    module = load()
+    return module is not None and bool(module.has_prefill()) and switched_on("PYLON_PREFILL_KERNEL")
 
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)  # how the kernel reads a cache

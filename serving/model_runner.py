@@ -188,6 +188,8 @@ class ModelRunner:
         from pylon.serving import kernels
 
         self.kernel = kernels.usable(self.device, self.dtype, self.kv_dtype)  # decodes attend in place (see kernels.py)
+        # Prompt chunks too, through the prefill kernel, where it is built for this model (float32, AVX-512).
+        self.prefill = self.kernel and kernels.prefill_usable(self.dtype, self.kv_dtype, head_dim)
         if model_type == "gpt2" and self.kernel and config.activation_function in TANH_GELUS:
             self._gpt2_act = kernels.gelu_tanh_  # the same function, ~10x torch's on a CPU (see kernels.py)
 
@@ -283,7 +285,7 @@ class ModelRunner:
             seqs.append(SequenceSlice(s.start, s.num_new_tokens, table))
             if s.samples:
                 last_tokens.append(len(token_ids) - 1)
-        meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel)
+        meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel, prefill=self.prefill)
         if len(last_tokens) == len(token_ids):  # decodes only: the last layer's queries are the step's, as they are
             final = Final(None, dataclasses.replace(meta, slot_mapping=None))
         else:

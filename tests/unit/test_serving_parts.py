@@ -184,14 +184,25 @@ def test_finish_takes_a_waiting_request_out_too() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
+@pytest.mark.parametrize("kernel", ["pytorch", "kernel", "prefill"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 # head_dim 8: the kernel's generic loop; 32/64/128/256: its vectorised path on AVX-512 (2, 4, 8, 16 registers a
 # row, 16-key chunks) or on AVX2 (16-256: 2-32 registers, 8-key chunks), with blocks shorter and longer than a chunk
 # and ones that end in a partial chunk (24 = 16 + 8; 12 = 8 + 4).
 @pytest.mark.parametrize("dim,block_size", [(8, 4), (16, 12), (64, 4), (64, 32), (32, 24), (128, 16), (256, 8)])
-def test_paged_attention_equals_dense_causal_attention(kernel: bool, kv_heads: int, dim: int, block_size: int) -> None:
-    check_paged_attention(kernel, kv_heads, dim, block_size, torch.float32)
+def test_paged_attention_equals_dense_causal_attention(kernel: str, kv_heads: int, dim: int, block_size: int) -> None:
+    """"kernel": decodes through the compiled kernel; "prefill": prompt chunks through the compiled prefill kernel too
+    (AVX-512, head_dim 32-256: its 8-query tiles, 16-key groups across blocks of any size, a chunk's offset mask)."""
+    prefill = kernel == "prefill"
+    if prefill:
+        from pylon.serving import kernels
+
+        if dim not in kernels.PREFILL_HEAD_DIMS:
+            pytest.skip(f"the prefill kernel is not built for head_dim {dim}: SDPA runs those")
+        assert kernels.load() is not None, f"the CPU kernels did not build: {kernels._failed}"
+        if not kernels.load().has_prefill():
+            pytest.skip("the prefill kernel needs AVX-512 (this CPU's build has none): SDPA runs prompt chunks")
+    check_paged_attention(kernel != "pytorch", kv_heads, dim, block_size, torch.float32, prefill=prefill)
 
 
 # A cache stored narrower than the model computes (kv_cache_dtype): what is read back is the stored keys and values
@@ -204,7 +215,8 @@ def test_paged_attention_over_a_narrower_cache_reads_back_what_it_stored(kernel:
     check_paged_attention(kernel, 2, dim, block_size, kv_dtype)
 
 
-def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int, kv_dtype: torch.dtype) -> None:
+def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int, kv_dtype: torch.dtype, *,
+                          prefill: bool = False) -> None:
     if kernel:
         from pylon.serving import kernels
 
@@ -212,9 +224,10 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
         assert kernels.load() is not None, f"paged-attention kernel did not build: {kernels._failed}"
     torch.manual_seed(0)
     heads = 4
-    # A fresh prompt, decodes (one over a long context: many blocks, a running softmax across them), a chunk
-    # continuing a prompt.
-    cached, new = [0, 5, 9, 13, 2, 70], [7, 1, 4, 1, 1, 1]
+    # A fresh prompt, decodes (one over a long context: many blocks, a running softmax across them), chunks
+    # continuing a prompt (a short one, and one of 37 tokens from position 21: 8-query tiles and a partial one, across
+    # 16-key groups).
+    cached, new = [0, 5, 9, 13, 2, 70, 21], [7, 1, 4, 1, 1, 1, 37]
     total = [c + n for c, n in zip(cached, new)]
     q = [torch.randn(t, heads, dim) for t in total]
     k = [torch.randn(t, kv_heads, dim) * 2 for t in total]  # spread-out scores: a softmax far from uniform
@@ -233,7 +246,8 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
         seqs = [SequenceSlice(s, n, table) for s, n, table in zip(starts, counts, tables) if n]
         live = [i for i, n in enumerate(counts) if n]
         cat = lambda xs: torch.cat([xs[i][starts[i]:starts[i] + counts[i]] for i in live])  # noqa: E731
-        meta = build_metadata(seqs, block_size, torch.device("cpu"), kernel=kernel)
+        meta = build_metadata(seqs, block_size, torch.device("cpu"), kernel=kernel, prefill=prefill)
+        assert meta.prefill == prefill
         return paged_attention(cat(q), cat(k), cat(v), k_cache, v_cache, meta, dim ** -0.5), live
 
     run_step([0] * len(cached), [c if c else 0 for c in cached])  # what earlier steps cached
@@ -250,6 +264,13 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
         offset += new[i]
     if kv_dtype != torch.float32:  # and the cache really holds the narrower values (not float32 ones)
         assert k_cache.dtype == kv_dtype and not torch.equal(rounded(k[5]), k[5])
+    if prefill:  # and the kernel really ran: every chunk found through its block table
+        assert all(c.table is not None and c.mask is None for c in meta_chunks(tables, cached, new, block_size))
+
+
+def meta_chunks(tables, cached, new, block_size):
+    seqs = [SequenceSlice(c, n, t) for c, n, t in zip(cached, new, tables)]
+    return build_metadata(seqs, block_size, torch.device("cpu"), kernel=True, prefill=True).chunks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
