@@ -23,10 +23,11 @@ CPU serving guides advise. glibc's malloc, even with the thresholds above, spent
 samples in `_int_malloc`, `malloc_consolidate` and `_int_free` (perf over the serving bench's workload): every op of
 a step allocates its output and frees its inputs' predecessors, ~60 tensors a step from a few KB to 2 MB, and
 glibc sorts freed blocks into bins and merges neighbours on the way. TCMalloc hands back recently freed blocks of
-the size class from a per-thread cache, the same warm memory step after step. The same one-thread engine serving 64
-of the bench's requests, five runs per process, two processes per allocator alternated: 2.62-2.76 s a run with
-TCMalloc against 2.78-2.98 with glibc (jemalloc: 2.86-3.12, faulting in pages all along). `PYLON_TCMALLOC=0` keeps
-glibc's; a CUDA engine keeps it too (its activations live in the device's caching allocator).
+the size class from a per-thread cache, the same warm memory step after step. One engine process serving 64 of the
+bench's requests three times, five processes per allocator alternated: 2.70-2.98 s a run with TCMalloc against
+2.87-3.27 with glibc; the same engine in-process, two processes per allocator: 2.62-2.76 against 2.78-2.98 (jemalloc:
+2.86-3.12, faulting in pages all along). `PYLON_TCMALLOC=0` keeps glibc's; a CUDA engine keeps it too (its
+activations live in the device's caching allocator).
 """
 from __future__ import annotations
 
