@@ -286,8 +286,9 @@ def _child(conn: Connection) -> int:
     device = engine.runner.device.type
     serve_cpu_as_batch(device, "engine process")  # its torch threads exist by now; all of them move
     freeze_loaded_objects()  # full collections then never walk the model's and the libraries' objects (heap.py)
-    log.info("engine process %d ready on %s, malloc: %s", os.getpid(), device, allocator())
-    conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats(), allocator()))
+    malloc = allocator()
+    log.info("engine process %d ready on %s, malloc: %s", os.getpid(), device, malloc)
+    conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats(), malloc))
     outbox = _Outbox(conn)
     while True:
         # Busy: take in what has arrived and step at once. Idle: wait for work, beating every IDLE_WAIT_S.

@@ -265,7 +265,7 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
     if kv_dtype != torch.float32:  # and the cache really holds the narrower values (not float32 ones)
         assert k_cache.dtype == kv_dtype and not torch.equal(rounded(k[5]), k[5])
     if prefill:  # and the kernel really ran: every chunk found through its block table
-        assert all(c.table is not None and c.mask is None for c in meta_chunks(tables, cached, new, block_size))
+        assert all(c.key_blocks is not None and c.mask is None for c in meta_chunks(tables, cached, new, block_size))
 
 
 def meta_chunks(tables, cached, new, block_size):
