@@ -30,8 +30,10 @@ Legs (`--legs`, default all four, in this order):
               thread waits at a parallel region's barrier for a sibling the kernel took off its core.
               `--in-process-engine`: one `AsyncLLMEngine`, the loop on a thread of this process (its Python then
               shares one interpreter lock with the clients').
-  http        the same engines as Ray Serve replicas (`pylon.serving.app.deploy` on a private local Ray
-              cluster that the run starts and stops), `POST /v1/completions` with `stream: true` (SSE) over
+  http        the same engines behind Ray Serve (`pylon.serving.app.deploy` on a private local Ray cluster that
+              the run starts and stops): by default one replica running all of them (`engine.data_parallel`,
+              the layout for a CPU node; `--replicas` spreads them over more), `POST /v1/completions` with
+              `stream: true` (SSE) over
               real HTTP from aiohttp clients. As deployed by default: Serve's HAProxy ingress in front of the
               replica's own HTTP server (pylon.cluster.SERVE_INGRESS_ENV; RAY_SERVE_ENABLE_HA_PROXY=0 in the
               environment for Serve's Python proxy), the engine in a child process of the replica, streams
@@ -631,13 +633,15 @@ def deployment_spec(args, model_dir: Path):
     from pylon.specs import DeploymentSpec
 
     max_queued = max(256, args.num_requests)
+    per_replica = args.engines // args.replicas  # engine.data_parallel
     return DeploymentSpec.model_validate({
         "kind": "Deployment", "name": DEPLOYMENT, "model": str(model_dir),
-        "engine": engine_spec(args).model_dump(mode="json"),
-        "autoscaling": {"min_replicas": args.engines, "max_replicas": args.engines},
+        "engine": {**engine_spec(args).model_dump(mode="json"), "data_parallel": per_replica},
+        "autoscaling": {"min_replicas": args.replicas, "max_replicas": args.replicas},
         "http": {"api_keys_env": None, "max_queued_requests": max_queued, "request_timeout_s": 600,
                  **({} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms})},
-        "replica": {"num_cpus": args.replica_cpus, "num_gpus": 1 / args.engines if args.device == "cuda" else 0},
+        "replica": {"num_cpus": args.replica_cpus * per_replica,
+                    "num_gpus": float(per_replica) if args.device == "cuda" else 0},
     })
 
 
@@ -845,11 +849,14 @@ def parse_args(argv):
                    help="http leg: leave the load generator at its niceness instead of taking the served engine's "
                         "(Ray runs workers at 15; see ingress_and_niceness)")
     p.add_argument("--engines", type=int, default=None,
-                   help="engine processes in the engine leg and Serve replicas in the http leg (default: one per "
-                        "core; 1 with --in-process-engine)")
+                   help="engine processes, in both legs (default: one per core; 1 with --in-process-engine)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="http leg: the Serve replicas the engines are spread over, --engines / --replicas engine "
+                        "processes each (engine.data_parallel) (default 1: one replica with an engine per core, "
+                        "the layout for a CPU node; --replicas = --engines gives a replica per engine)")
     p.add_argument("--replica-cpus", type=float, default=None,
-                   help="num_cpus of each Serve replica, and the torch threads of each engine process in the engine "
-                        "leg (default: the cores divided among --engines)")
+                   help="CPUs per engine: each engine process's torch threads, in both legs; a replica's num_cpus "
+                        "is this times its engines (default: the cores divided among --engines)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in this process")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every leg this many times, round after round; each target is the median of the rounds' "
@@ -869,6 +876,11 @@ def parse_args(argv):
     if args.engines < 1:
         p.error("--engines must be at least 1")
     args.replica_cpus = args.replica_cpus or max(1.0, cores / args.engines)
+    args.replicas = args.replicas or 1
+    if args.replicas < 1 or args.engines % args.replicas:
+        p.error(f"--replicas must divide --engines ({args.engines}) (got {args.replicas})")
+    if args.in_process_engine and args.replicas != 1:
+        p.error("--in-process-engine runs one engine in one replica; leave --replicas out")
 
     quick = dict(num_requests=24, concurrency=8, prompt_len=(16, 128), output_len=(8, 32), n_layer=2, n_embd=128,
                  n_head=4)
@@ -944,8 +956,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = engine_spec(args)
         print(f"engine: max_num_seqs {spec.max_num_seqs}, max_num_batched_tokens {spec.max_num_batched_tokens}, "
               f"kv_cache_tokens {spec.kv_cache_tokens} ({spec.kv_cache_dtype}), block_size {spec.block_size}, "
-              f"max_model_len {spec.max_model_len}; {args.engines} engine process(es) / replica(s) of "
-              f"{args.replica_cpus:g} CPU ({threads_per_engine(args)} torch thread(s) each)", flush=True)
+              f"max_model_len {spec.max_model_len}; {args.engines} engine process(es) of {args.replica_cpus:g} CPU "
+              f"({threads_per_engine(args)} torch thread(s) each); http leg: {args.replicas} replica(s) of "
+              f"{args.engines // args.replicas} engine(s)", flush=True)
         rates = hardware_rates(args) if "engine" in args.legs and args.device == "cpu" else None
         for rnd in range(args.rounds):
             for leg in args.legs:

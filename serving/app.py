@@ -4,8 +4,9 @@
     serve.run(app, name=spec.name, route_prefix=spec.http.route_prefix)
     url = deploy(spec)                         # the same, on the local Pylon cluster; returns the base URL
 
-Each replica owns one `AsyncLLMEngine` (the model, its KV cache and its step loop) and answers HTTP itself
-(`@serve.ingress` over FastAPI): a separate router deployment would add a hop per streamed token for nothing.
+Each replica owns one engine (the model, its KV cache and its step loop, in a child process by default) and
+answers HTTP itself (`@serve.ingress` over a plain ASGI app, `OpenAIApp`): a separate router deployment would add
+a hop per streamed token for nothing.
 
     POST /v1/completions   POST /v1/chat/completions   GET /v1/models   GET /health   GET /ready
 
@@ -25,8 +26,6 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator
-
-from starlette.requests import Request  # FastAPI resolves the routes' annotations when they are declared
 
 from pylon.errors import PylonError
 from pylon.serving.errors import EngineDeadError, InvalidRequest
@@ -53,13 +52,17 @@ def api_key_digests(spec: DeploymentSpec, environ: dict | None = None) -> list[s
     return [hashlib.sha256(k.encode()).hexdigest() for k in keys]
 
 
-def _fastapi_app():
-    from fastapi import FastAPI
-
-    return FastAPI(title="Pylon OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-_api = _fastapi_app()
+MAX_BODY_BYTES = 16 * 2**20  # a request body past this is a 413 (a prompt of 100k token ids is ~0.7 MB)
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+# path -> (method, handler): the whole API. Anything else is a 404, another method a 405, both as JSON.
+_ROUTES = {
+    "/v1/completions": ("POST", "_completions"),
+    "/v1/chat/completions": ("POST", "_chat_completions"),
+    "/v1/models": ("GET", "_models"),
+    "/health": ("GET", "_health"),
+    "/ready": ("GET", "_ready"),
+}
 
 
 class _HttpError(Exception):
@@ -69,31 +72,86 @@ class _HttpError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
 
 
-def _error_response(status: int, message: str, *, type: str, param: str | None = None, headers=None,
-                    request_id: str | None = None):
-    from fastapi.responses import JSONResponse
+class _ClientGone(Exception):
+    """The client disconnected before its request body had arrived: nothing to answer."""
 
+
+async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
+    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    extra = [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send, status: int, message: str, *, type: str, param: str | None = None,
+                      headers: dict | None = None) -> None:
+    """OpenAI's error JSON. No X-Request-Id here: Serve's ingress (the replica's own HTTP server behind HAProxy,
+    or Serve's proxy) echoes (or assigns) it on every response, ours included."""
     from pylon.serving.protocol import error_body
 
-    # No X-Request-Id here: Serve's ingress (the replica's own HTTP server behind HAProxy, or Serve's proxy)
-    # echoes (or assigns) it on every response, ours included.
-    return JSONResponse(error_body(message, type=type, param=param, code=status), status_code=status, headers=headers)
+    await _send_json(send, status, error_body(message, type=type, param=param, code=status), headers)
 
 
-def _install_error_handlers(api) -> None:
-    from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException
-
-    @api.exception_handler(HTTPException)
-    async def _http(request, exc):  # 404 for unknown paths, 405 for wrong methods: JSON like the rest
-        return _error_response(exc.status_code, str(exc.detail), type="invalid_request_error")
-
-    @api.exception_handler(RequestValidationError)
-    async def _validation(request, exc):
-        return _error_response(400, str(exc), type="invalid_request_error")
+def _route_path(scope) -> str:
+    """The path below the app's mount point (Serve mounts it at root_path + route_prefix), as Starlette routes it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        path = path[len(root):]
+    return path.rstrip("/") or "/"
 
 
-_install_error_handlers(_api)
+def _headers(scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+async def _read_body(receive) -> bytes:
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        part = message.get("body", b"")
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise _HttpError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
+                             type="invalid_request_error", param="body")
+        parts.append(part)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _lifespan(receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+class OpenAIApp:
+    """The replica's HTTP API as a plain ASGI app, bound to its `PylonLLMServer` (what Serve's ingress calls).
+
+    Plain ASGI rather than FastAPI: a streamed request went through FastAPI's routing, dependency resolution and
+    exception middlewares, and Starlette's StreamingResponse ran every stream in an anyio task group with a second
+    task listening for the disconnect that Serve's own ingress already watches for (it cancels the request's task,
+    which aborts the engine request). Profiled under the serving benchmark, that was ~15% of a replica's CPU. Here
+    a request is one dict lookup and one coroutine, and a chunk one `send`."""
+
+    def __init__(self, server: "PylonLLMServer"):
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self.server._dispatch(scope, receive, send)
+        elif kind == "lifespan":
+            await _lifespan(receive, send)
+        elif kind == "websocket":  # no websocket API: refuse the handshake (the client sees a 403)
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
 
 
 def _metrics(model: str):
@@ -136,13 +194,14 @@ class PylonLLMServer:
 
     def __init__(self, spec: dict, key_digests: list[str]):
         from pylon.serving.engine import AsyncLLMEngine
-        from pylon.serving.engine_process import ProcessLLMEngine
+        from pylon.serving.engine_process import EnginePool, ProcessLLMEngine
 
         self.spec = DeploymentSpec.model_validate(spec)
         self.model_name = self.spec.name
         self._key_digests = [bytes.fromhex(d) for d in key_digests]
         t0 = time.monotonic()
-        kind = ProcessLLMEngine if self.spec.engine.separate_process else AsyncLLMEngine
+        engine = self.spec.engine
+        kind = EnginePool if engine.data_parallel > 1 else ProcessLLMEngine if engine.separate_process else AsyncLLMEngine
         self.engine = kind.from_model(self.spec.model, self.spec.engine)
         log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
         # On a CPU the engines are throughput work and this process's wakeups (chunks, Ray's own threads) should
@@ -177,10 +236,10 @@ class PylonLLMServer:
             self.metrics["kv"].set(stats.kv_cache_utilization)
             await asyncio.sleep(1.0)
 
-    def _authorize(self, request) -> None:
+    def _authorize(self, headers: dict[str, str]) -> None:
         if not self._key_digests:
             return
-        header = request.headers.get("authorization", "")
+        header = headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _HttpError(401, "missing API key: send 'Authorization: Bearer <key>'",
@@ -202,20 +261,69 @@ class PylonLLMServer:
             raise _HttpError(404, f"model '{name}' does not exist; this server has '{self.model_name}' "
                                   "(see GET /v1/models)", type="invalid_request_error", param="model")
 
-    async def _handle(self, request, kind: str):
-        from fastapi.responses import JSONResponse, StreamingResponse
+    async def _dispatch(self, scope, receive, send) -> None:
+        path, method = _route_path(scope), scope["method"]
+        route = _ROUTES.get(path)
+        if route is None:
+            return await _send_error(send, 404, f"no route {path}; this server answers POST /v1/completions, "
+                                                "POST /v1/chat/completions, GET /v1/models, GET /health and GET /ready",
+                                     type="invalid_request_error")
+        allowed, handler = route
+        if method != allowed:
+            return await _send_error(send, 405, f"{method} {path} is not allowed; use {allowed}",
+                                     type="invalid_request_error", headers={"Allow": allowed})
+        try:
+            await getattr(self, handler)(scope, receive, send)
+        except _ClientGone:
+            return
+        except Exception:  # a bug of ours: a 500 with an error body, not a dropped connection (if nothing was sent yet)
+            log.exception("%s %s failed", method, path)
+            try:
+                await _send_error(send, 500, f"internal error while serving {method} {path} (see the replica's log)",
+                                  type="server_error")
+            except Exception:  # the response had already started
+                pass
 
+    async def _completions(self, scope, receive, send) -> None:
+        await self._generate(scope, receive, send, "completion")
+
+    async def _chat_completions(self, scope, receive, send) -> None:
+        await self._generate(scope, receive, send, "chat")
+
+    async def _models(self, scope, receive, send) -> None:
+        try:
+            self._authorize(_headers(scope))
+        except _HttpError as e:
+            return await _send_error(send, e.status, e.message, type=e.type, headers=e.headers)
+        await _send_json(send, 200, {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "owned_by": "pylon", "created": 0,
+            "max_model_len": self.engine.max_model_len}]})
+
+    async def _health(self, scope, receive, send) -> None:
+        """Liveness that probes the engine: its step loop must have beaten within the heartbeat window."""
+        ok = self.engine.check_health()
+        await _send_json(send, 200 if ok else 503, {"status": "ok" if ok else "engine loop not running"})
+
+    async def _ready(self, scope, receive, send) -> None:
+        stats = self.engine.stats()
+        ok = self.engine.check_health()
+        await _send_json(send, 200 if ok else 503, {
+            "ready": ok, "model": self.model_name, "running": stats.num_running, "waiting": stats.num_waiting,
+            "kv_cache_usage": round(stats.kv_cache_utilization, 4)})
+
+    async def _generate(self, scope, receive, send, kind: str) -> None:
         from pylon.serving import protocol
 
+        headers = _headers(scope)
         # Serve's ingress puts the client's X-Request-Id (or one it made up) on the request and the response.
-        request_id = request.headers.get("x-request-id", "")
+        request_id = headers.get("x-request-id", "")
         if not _REQUEST_ID.match(request_id):
             request_id = protocol.new_id("req")
         self._ensure_gauges()
         try:
-            self._authorize(request)
+            self._authorize(headers)
             cls = protocol.CompletionRequest if kind == "completion" else protocol.ChatCompletionRequest
-            body = protocol.parse_request(cls, await request.body())
+            body = protocol.parse_request(cls, await _read_body(receive))
             self._check_model(body.model)
             if kind == "completion":
                 prompt = body.prompt
@@ -235,22 +343,20 @@ class PylonLLMServer:
             first = await self._first(stream)  # validation errors surface here, before any byte is sent
         except _HttpError as e:
             self._count(e.status, "none")
-            return _error_response(e.status, e.message, type=e.type, param=e.param, headers=e.headers,
-                                   request_id=request_id)
+            return await _send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
         except InvalidRequest as e:
             self._count(400, "none")
-            return _error_response(400, str(e), type="invalid_request_error", param=e.param, request_id=request_id)
+            return await _send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
         except EngineDeadError as e:
             self._count(503, "none")
-            return _error_response(503, f"{self.model_name} is unavailable: {e}", type="server_error",
-                                   request_id=request_id, headers={"Retry-After": str(RETRY_AFTER_S)})
+            return await _send_error(send, 503, f"{self.model_name} is unavailable: {e}", type="server_error",
+                                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
-        headers = {}
         timeout = self.spec.http.request_timeout_s
         if body.stream:
-            return StreamingResponse(self._sse(kind, rid, body, first, stream, timeout),
-                                     media_type="text/event-stream", headers=headers)
+            return await self._stream(send, protocol.StreamEvents(kind, rid, self.model_name), body, first, stream,
+                                      timeout)
         text, last = [], first
         try:
             async with asyncio.timeout(timeout):
@@ -259,63 +365,54 @@ class PylonLLMServer:
                     last = out
         except TimeoutError:
             self._count(504, "timeout")
-            return _error_response(504, f"the request took longer than request_timeout_s ({timeout:g} s)",
-                                   type="timeout_error", request_id=request_id)
+            return await _send_error(send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)",
+                                     type="timeout_error")
         except EngineDeadError as e:
             self._count(503, "none")
-            return _error_response(503, str(e), type="server_error", request_id=request_id)
+            return await _send_error(send, 503, str(e), type="server_error")
+        finally:
+            await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
         self._observe(last)
         make = protocol.completion_response if kind == "completion" else protocol.chat_response
-        return JSONResponse(make(rid, self.model_name, "".join(text), last.finish_reason, last.num_prompt_tokens,
-                                 last.num_output_tokens), headers=headers)
+        await _send_json(send, 200, make(rid, self.model_name, "".join(text), last.finish_reason,
+                                         last.num_prompt_tokens, last.num_output_tokens))
 
     async def _first(self, stream):
         return await stream.__anext__()
 
-    async def _sse(self, kind: str, rid: str, body, first, stream, timeout: float) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per engine output, a usage chunk if asked, then [DONE]. A client
-        that disconnects cancels this generator, which closes `stream`, which aborts the engine request.
+    async def _stream(self, send, events, body, first, stream, timeout: float) -> None:
+        """Server-sent events: one chunk per engine output, a usage chunk if asked, then [DONE]. A client that
+        disconnects gets this task cancelled by Serve's ingress; closing `stream` then aborts the engine request.
 
         Events that are ready together go out as one write: chat's role chunk with the first content, and the
-        last content chunk with the usage chunk and [DONE]. Each write is a trip through Serve's and the HTTP
-        server's send path (most of a replica's CPU under load), and a stream has only a dozen or so."""
+        last content chunk with the usage chunk and [DONE]."""
         from pylon.serving import protocol
 
-        def event(obj: dict) -> str:
-            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-        last, held = first, ""
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        last, held = first, events.role() if events.kind == "chat" else ""
         try:
-            if kind == "chat":
-                held = event(protocol.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, None))
             async with asyncio.timeout(timeout):
                 async for out in _chain(first, stream):
                     last = out
                     if not out.text and not out.finished:
                         continue
-                    if kind == "completion":
-                        held += event(protocol.completion_chunk(rid, self.model_name, out.text, out.finish_reason))
-                    else:
-                        delta = {"content": out.text} if out.text else {}
-                        held += event(protocol.chat_chunk(rid, self.model_name, delta, out.finish_reason))
+                    held += events.chunk(out.text, out.finish_reason)
                     if not out.finished:  # the last one waits for the usage chunk and [DONE]
-                        chunk, held = held, ""
-                        yield chunk
+                        await send({"type": "http.response.body", "body": held.encode(), "more_body": True})
+                        held = ""
             if body.include_usage:
-                obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-                held += event(protocol.usage_chunk(rid, self.model_name, obj, last.num_prompt_tokens,
-                                                   last.num_output_tokens))
+                held += events.usage(last.num_prompt_tokens, last.num_output_tokens)
             self._observe(last)
         except TimeoutError:
             self._count(504, "timeout")
-            held += event(protocol.error_body(f"the request took longer than request_timeout_s ({timeout:g} s)",
-                                              type="timeout_error", code=504))
+            held += events.event(protocol.error_body(f"the request took longer than request_timeout_s "
+                                                     f"({timeout:g} s)", type="timeout_error", code=504))
         except EngineDeadError as e:
             self._count(503, "none")
-            held += event(protocol.error_body(str(e), type="server_error", code=503))
+            held += events.event(protocol.error_body(str(e), type="server_error", code=503))
         finally:
             await stream.aclose()  # aborts the engine request if it has not finished
-        yield held + "data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": (held + "data: [DONE]\n\n").encode(), "more_body": False})
 
     def _observe(self, last) -> None:
         m, metrics = self.metrics, last.metrics
@@ -335,51 +432,15 @@ class PylonLLMServer:
     def _count(self, status: int, reason: str) -> None:
         self.metrics["requests"].inc(tags={"status": str(status), "finish_reason": reason})
 
-    # -- routes -----------------------------------------------------------------------------------------
-
-    @_api.post("/v1/completions")
-    async def completions(self, request: Request):
-        return await self._handle(request, "completion")
-
-    @_api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
-        return await self._handle(request, "chat")
-
-    @_api.get("/v1/models")
-    async def models(self, request: Request):
-        try:
-            self._authorize(request)
-        except _HttpError as e:
-            return _error_response(e.status, e.message, type=e.type, headers=e.headers)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "pylon",
-                                            "created": 0, "max_model_len": self.engine.max_model_len}]}
-
-    @_api.get("/health")
-    async def health(self):
-        """Liveness that probes the engine: its step loop must have beaten within the heartbeat window."""
-        from fastapi.responses import JSONResponse
-
-        ok = self.engine.check_health()
-        return JSONResponse({"status": "ok" if ok else "engine loop not running"}, status_code=200 if ok else 503)
-
-    @_api.get("/ready")
-    async def ready(self):
-        from fastapi.responses import JSONResponse
-
-        stats = self.engine.stats()
-        ok = self.engine.check_health()
-        return JSONResponse({"ready": ok, "model": self.model_name, "running": stats.num_running,
-                             "waiting": stats.num_waiting, "kv_cache_usage": round(stats.kv_cache_utilization, 4)},
-                            status_code=200 if ok else 503)
+    def __serve_build_asgi_app__(self) -> OpenAIApp:
+        """Serve's ingress calls this once the replica is constructed: the ASGI app it hands HTTP requests."""
+        return OpenAIApp(self)
 
 
-# Applied at import, not inside build_app: Serve's class-based view sets each route's `self` dependency by
-# rewriting the endpoint functions' signatures, and a replica unpickles those functions by reference from this
-# module, so the rewrite must happen in every process that imports it (the replica included).
 def _ingress_class():
     from ray import serve
 
-    return serve.ingress(_api)(PylonLLMServer)
+    return serve.ingress()(PylonLLMServer)
 
 
 LLMServerDeployment = _ingress_class()
@@ -406,6 +467,7 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
     }
     if a.initial_replicas is not None:
         autoscaling["initial_replicas"] = a.initial_replicas
+    running = spec.engine.data_parallel * spec.engine.max_num_seqs  # a replica's running batches, all its engines'
     deployment = serve.deployment(
         LLMServerDeployment,
         name=f"{spec.name}",
@@ -416,8 +478,8 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
         # replica's own limit: when it is full, Serve answers 503 with a plain-text body, not the
         # 429 with an OpenAI error JSON clients expect (seen when a burst arrived while the replica's 429s
         # were still on their way back), so it is only the last guard against a flood.
-        max_ongoing_requests=spec.engine.max_num_seqs + 2 * http.max_queued_requests,
-        max_queued_requests=4 * (spec.engine.max_num_seqs + 2 * http.max_queued_requests),
+        max_ongoing_requests=running + 2 * http.max_queued_requests,
+        max_queued_requests=4 * (running + 2 * http.max_queued_requests),
         ray_actor_options={"num_cpus": spec.replica.num_cpus, "num_gpus": spec.replica.num_gpus},
         health_check_period_s=5, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,

@@ -16,7 +16,6 @@ Everything else belongs to the thread that calls `step()`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import threading
@@ -270,9 +269,9 @@ def next_tick(now: float, interval_s: float) -> float:
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: their deltas joined, the last one's counts and state."""
-    last = outputs[-1]
-    return dataclasses.replace(last, text="".join(o.text for o in outputs),
-                               token_ids=[t for o in outputs for t in o.token_ids])
+    last = outputs[-1]  # built directly: dataclasses.replace introspects the fields on every call
+    return RequestOutput(last.request_id, "".join(o.text for o in outputs), [t for o in outputs for t in o.token_ids],
+                         last.num_prompt_tokens, last.num_output_tokens, last.finish_reason, last.metrics)
 
 
 class _StreamQueue(asyncio.Queue):

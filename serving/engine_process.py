@@ -48,7 +48,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
 
     START_TIMEOUT_S = 900.0  # loading a model (from object storage, onto a device) can take minutes
 
-    def __init__(self, model: str, spec: EngineSpec | None = None, *, heartbeat_timeout_s: float = 60.0):
+    def __init__(self, model: str, spec: EngineSpec | None = None, *, heartbeat_timeout_s: float = 60.0,
+                 env: dict[str, str] | None = None):
+        """`env`: variables the child gets on top of this process's environment (an `EnginePool` gives each of
+        its engines its share of the CPUs, or its GPU)."""
         # Not AsyncLLMEngine.__init__: no engine and no step thread in this process.
         spec = spec or EngineSpec()
         self._max_num_seqs = spec.max_num_seqs
@@ -56,10 +59,12 @@ class ProcessLLMEngine(AsyncLLMEngine):
         self._streams = {}
         self._dead: EngineDeadError | None = None
         self._stopping = threading.Event()
+        self._shut_down = False
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "pylon.serving.engine_process", str(theirs.fileno())],
-                                          pass_fds=[theirs.fileno()], env=engine_process_env(_device_type(spec.device)))
+                                          pass_fds=[theirs.fileno()],
+                                          env=engine_process_env(_device_type(spec.device), {**os.environ, **(env or {})}))
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
@@ -135,12 +140,18 @@ class ProcessLLMEngine(AsyncLLMEngine):
         return (self._dead is None and self._proc.poll() is None
                 and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s)
 
+    def stop_soon(self) -> None:
+        """Ask the child to stop, without waiting for it (`shutdown` waits)."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            self._outbox.put(("stop",))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the child to stop, wait for it (then kill it), and end every open stream."""
-        if self._stopping.is_set():
+        if self._shut_down:
             return
-        self._stopping.set()
-        self._outbox.put(("stop",))
+        self._shut_down = True
+        self.stop_soon()
         try:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -201,6 +212,114 @@ class ProcessLLMEngine(AsyncLLMEngine):
         proc = getattr(self, "_proc", None)
         if proc is not None and proc.poll() is None:
             proc.kill()
+
+
+class EnginePool:
+    """`EngineSpec.data_parallel` engine processes behind one replica, with `ProcessLLMEngine`'s interface: each
+    has its own copy of the model and its own KV cache, and a new request goes to the one with the fewest open
+    streams (as the bench's engine leg, or HAProxy's leastconn across replicas, would pick). Its stats add up the
+    engines'; it is healthy while every engine is.
+
+    Why: on a CPU node every replica is a Ray worker process with an HTTP server, an event loop, Serve's per-replica
+    bookkeeping, and Ray's own periodic work (the core worker's main thread wakes 100 times a second to check for
+    signals, ~11 CPU-ms a second idle). One replica in front of an engine per core pays those once per node instead
+    of once per core, and writes every stream's chunks of a tick in one wake-up of one event loop."""
+
+    def __init__(self, model: str, spec: EngineSpec, **kwargs):
+        envs = _engine_envs(spec.data_parallel, _device_type(spec.device))
+        self.engines: list[ProcessLLMEngine] = []
+        try:
+            for env in envs:  # one at a time: each loads the model, and loading takes every core there is
+                self.engines.append(ProcessLLMEngine(model, spec, env=env, **kwargs))
+        except BaseException:
+            for engine in self.engines:
+                engine.shutdown(timeout=5)
+            raise
+        first = self.engines[0]
+        self.allocator = first.allocator
+
+    @classmethod
+    def from_model(cls, model: str, spec: EngineSpec | None = None, **kwargs) -> "EnginePool":
+        return cls(model, spec or EngineSpec(), **kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.engines[0].tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engines[0].max_model_len
+
+    @property
+    def device(self) -> str:
+        return self.engines[0].device
+
+    @property
+    def pids(self) -> list[int]:
+        return [e.pid for e in self.engines]
+
+    def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                 interval_s: float = 0.0):
+        """The chosen engine's own stream (no wrapper per output). It registers the request when first iterated,
+        before it awaits anything, so requests started together in one event loop still spread out."""
+        engine = min(self.engines, key=lambda e: len(e._streams))
+        return engine.generate(request_id, prompt, params, interval_s=interval_s)
+
+    def abort(self, request_id: str) -> None:
+        for engine in self.engines:
+            if request_id in engine._streams:
+                engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return combine_stats([e.stats() for e in self.engines])
+
+    def check_health(self) -> bool:
+        return all(e.check_health() for e in self.engines)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for engine in self.engines:
+            engine.stop_soon()  # all of them stop at once; then each is waited for (and killed if need be)
+        for engine in self.engines:
+            engine.shutdown(timeout)
+
+
+def combine_stats(stats: list[EngineStats]) -> EngineStats:
+    """Several engines' stats as one: counts added, KV-cache utilisation over all their blocks."""
+    blocks = sum(s.num_blocks for s in stats)
+    finished: dict[str, int] = {}
+    for s in stats:
+        for reason, n in s.requests_finished_total.items():
+            finished[reason] = finished.get(reason, 0) + n
+    return EngineStats(
+        num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
+        kv_cache_utilization=sum(s.kv_cache_utilization * s.num_blocks for s in stats) / blocks if blocks else 0.0,
+        num_free_blocks=sum(s.num_free_blocks for s in stats), num_blocks=blocks,
+        prompt_tokens_total=sum(s.prompt_tokens_total for s in stats),
+        generation_tokens_total=sum(s.generation_tokens_total for s in stats),
+        num_preemptions_total=sum(s.num_preemptions_total for s in stats), requests_finished_total=finished)
+
+
+def _engine_envs(n: int, device: str, environ: dict | None = None) -> list[dict[str, str]]:
+    """What each of `n` engine processes gets on top of the replica's environment. On a CPU: its share of the
+    threads the replica has (Ray sets OMP_NUM_THREADS to a replica's num_cpus). On a GPU: one of the replica's
+    GPUs (Ray sets CUDA_VISIBLE_DEVICES to them)."""
+    environ = os.environ if environ is None else environ
+    if n == 1:
+        return [{}]
+    if device == "cuda":
+        visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if not visible:
+            import torch
+
+            visible = [str(i) for i in range(torch.cuda.device_count())]
+        if len(visible) < n:
+            raise PylonError(f"engine.data_parallel: {n} engines need {n} GPUs, one each, and this replica has "
+                             f"{len(visible)} ({', '.join(visible) or 'none'}); set replica.num_gpus to {n}")
+        return [{"CUDA_VISIBLE_DEVICES": visible[i]} for i in range(n)]
+    threads = int(environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+    share = str(max(1, threads // n))
+    return [{"OMP_NUM_THREADS": share, **({"MKL_NUM_THREADS": share} if "MKL_NUM_THREADS" in environ else {})}
+            for _ in range(n)]
 
 
 def _device_type(device: str) -> str:

@@ -7,8 +7,10 @@ that says so otherwise. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's ex
 """
 from __future__ import annotations
 
+import json
+import os
 import time
-import uuid
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -140,7 +142,8 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """`prefix`-<32 random hex digits>, as uuid4().hex but without building a UUID object (three per request)."""
+    return f"{prefix}-{os.urandom(16).hex()}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -171,6 +174,41 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str | None, pr
 def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+class StreamEvents:
+    """One stream's server-sent events: `data: <JSON>\n\n` strings, with the parts every chunk of the stream
+    shares (id, object, created, model) laid out once and each chunk's text and finish reason spliced in.
+    The JSON is `completion_chunk`'s / `chat_chunk`'s, key for key, as `json.dumps` would write it with
+    compact separators; every chunk of a stream carries the same `created`, as OpenAI's do."""
+
+    def __init__(self, kind: Literal["completion", "chat"], rid: str, model: str):
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        self.kind, self.rid, self.model, self.obj = kind, rid, model, obj
+        self.created = int(time.time())
+        self._head = (f'data: {{"id":{_quote(rid)},"object":"{obj}","created":{self.created},'
+                      f'"model":{_quote(model)},"choices":[{{"index":0,')
+
+    def chunk(self, text: str, finish_reason: str | None) -> str:
+        """A completion chunk (`"text"`) or a chat chunk (`"delta"`: content, or nothing once text is done)."""
+        reason = "null" if finish_reason is None else _quote(finish_reason)
+        if self.kind == "completion":
+            body = f'"text":{_quote(text)}'
+        else:
+            body = f'"delta":{{"content":{_quote(text)}}}' if text else '"delta":{}'
+        return f'{self._head}{body},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
+
+    def role(self) -> str:
+        """Chat's first chunk: the assistant's role, empty content."""
+        return f'{self._head}"delta":{{"role":"assistant","content":""}},"finish_reason":null,"logprobs":null}}]}}\n\n'
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        return self.event({"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
+                           "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+    @staticmethod
+    def event(obj: dict) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:

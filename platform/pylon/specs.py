@@ -358,10 +358,20 @@ class EngineSpec(_Spec):
     separate_process: bool = Field(
         True, description="in a Serve replica, run the engine in a child process of its own (as vLLM v1 runs its "
                           "engine core): HTTP and Serve's work then never hold the Python lock the step loop needs")
+    data_parallel: PositiveInt = Field(
+        1, description="engine processes per replica, each with its own copy of the model and its own KV cache "
+                       "(max_num_seqs and kv_cache_tokens are per engine); a request goes to the one with the fewest "
+                       "open requests. The replica's CPUs are divided among them (on a GPU: one GPU each, so "
+                       "replica.num_gpus must match). On a CPU node, one replica with an engine per core serves "
+                       "more than a replica per core: one HTTP server and one set of Serve's and Ray's per-process "
+                       "costs instead of one per engine")
 
     @model_validator(mode="after")
     def _rules(self) -> "EngineSpec":
         problems = []
+        if self.data_parallel > 1 and not self.separate_process:
+            problems.append(("data_parallel", f"needs separate_process: true (each engine is a process of its own) "
+                                              f"(got data_parallel {self.data_parallel} with separate_process false)"))
         if self.kv_cache_tokens < self.max_model_len:
             problems.append((
                 "kv_cache_tokens",
@@ -433,6 +443,13 @@ class DeploymentSpec(_Spec):
     def _rules(self) -> "DeploymentSpec":
         if self.engine.device == "cuda" and self.replica.num_gpus == 0:
             _raise_problems([("replica.num_gpus", "must be > 0 when engine.device is 'cuda' (got 0)")])
+        dp = self.engine.data_parallel
+        if dp > 1 and self.engine.device == "cuda" and self.replica.num_gpus < dp:
+            _raise_problems([("replica.num_gpus", f"must be >= engine.data_parallel ({dp}): each engine takes a GPU "
+                                                  f"of its own (got {self.replica.num_gpus:g})")])
+        if dp > 1 and self.replica.num_gpus == 0 and self.replica.num_cpus < dp:
+            _raise_problems([("replica.num_cpus", f"must be >= engine.data_parallel ({dp}): each engine takes at "
+                                                  f"least a CPU (got {self.replica.num_cpus:g})")])
         return self
 
     def summary(self) -> str:

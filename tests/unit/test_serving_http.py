@@ -1,0 +1,264 @@
+"""The replica's HTTP API (`pylon.serving.app.OpenAIApp`) under a real uvicorn server on loopback, without Ray: a
+tiny random GPT-2 export behind it, real HTTP clients (requests, the `openai` client) in front. Routing, errors as
+OpenAI's JSON, auth, streaming, and the SSE chunks' JSON. Serve's own parts (X-Request-Id, disconnects cancelling
+the request, HAProxy) are in tests/integration/test_serving.py."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pylon.data.tokenizer import ByteTokenizer
+from pylon.serving import app as serving_app
+from pylon.serving import protocol
+
+KEY = "sk-unit-test-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = ByteTokenizer()
+    config = AutoConfig.for_model("gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_size=320,
+                                  eos_token_id=tok.eos_id, bos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("http-model")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """A real uvicorn server on a free loopback port serving OpenAIApp over a PylonLLMServer (in-process engine)."""
+    import os
+
+    import uvicorn
+
+    from pylon.specs import DeploymentSpec
+
+    os.environ["PYLON_SCHED_BATCH"] = "0"  # leave this test process's threads at their policy
+    spec = DeploymentSpec.model_validate({
+        "kind": "Deployment", "name": "tiny", "model": model_dir,
+        "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 128, "kv_cache_tokens": 1024, "max_model_len": 128,
+                   "device": "cpu", "dtype": "fp32", "separate_process": False},
+        "http": {"api_keys_env": None, "stream_interval_ms": 20, "max_queued_requests": 8}})
+    replica = serving_app.PylonLLMServer(spec.model_dump(mode="json"), serving_app.api_key_digests(spec))
+    import hashlib
+
+    replica._key_digests = [hashlib.sha256(KEY.encode()).digest()]  # as build_app passes the env var's digests
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    http = uvicorn.Server(uvicorn.Config(replica.__serve_build_asgi_app__(), host="127.0.0.1", port=port,
+                                         log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not http.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    http.should_exit = True
+    thread.join(10)
+    replica.engine.shutdown()
+    os.environ.pop("PYLON_SCHED_BATCH", None)
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def sse(r) -> list:
+    """The events of a streamed response: parsed JSON objects, then the literal "[DONE]"."""
+    events = []
+    for block in r.text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_completions_streamed_and_not_agree_and_count_usage(server):
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    r = requests.post(f"{server}/v1/completions", headers=auth(), json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    whole = r.json()
+    assert whole["usage"] == {"prompt_tokens": 11, "completion_tokens": 24, "total_tokens": 35}
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["object"] == "text_completion"
+
+    r = requests.post(f"{server}/v1/completions", headers=auth(), timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = sse(r)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert len(chunks) >= 2  # streamed, not one blob
+    assert {(c["id"], c["created"], c["model"], c["object"]) for c in chunks + [usage]} == {
+        (chunks[0]["id"], chunks[0]["created"], "tiny", "text_completion")}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]  # greedy: the same text
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+
+
+def test_chat_streams_the_role_first_and_the_openai_client_reads_it(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].message.role == "assistant"
+    parts = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+    assert parts[0].choices[0].delta.role == "assistant" and parts[0].choices[0].delta.content == ""
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/v1/nothing-here", 404), ("POST", "/", 404), ("GET", "/v1/completions", 405),
+    ("PUT", "/v1/chat/completions", 405), ("POST", "/v1/models", 405), ("DELETE", "/health", 405)])
+def test_unknown_paths_and_wrong_methods_are_json_errors(server, method, path, status):
+    r = requests.request(method, f"{server}{path}", headers=auth(), timeout=30)
+    assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["type"] == "invalid_request_error" and path.rstrip("/") in error["message"]
+    if status == 405:
+        assert r.headers["allow"] in ("GET", "POST")
+
+
+def test_bad_bodies_auth_and_limits_are_4xx_and_the_server_still_answers(server, monkeypatch):
+    url = f"{server}/v1/completions"
+    r = requests.post(url, headers={**auth(), "Content-Type": "application/json"}, data=b'{"model": "tiny", "prom',
+                      timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+    r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokenz": 3}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokenz", r.text
+    r = requests.post(url, headers=auth(), json={"model": "gpt-9", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY}):
+        r = requests.post(url, headers=headers, json={"model": "tiny", "prompt": "x"}, timeout=30)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        assert KEY not in r.text
+    assert requests.get(f"{server}/v1/models", timeout=30).status_code == 401
+    monkeypatch.setattr(serving_app, "MAX_BODY_BYTES", 4096)
+    r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x" * 5000}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+    monkeypatch.undo()
+    health = requests.get(f"{server}/health", timeout=30)  # probes need no key
+    ready = requests.get(f"{server}/ready", timeout=30).json()
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert ready["ready"] is True and ready["model"] == "tiny" and ready["running"] == 0
+    r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "still here", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("text", ["", "plain", 'quotes " and \\ backslash', "new\nline\ttab\x01",
+                                  "unicode: é ü 你好 🙂", "</script>"])
+@pytest.mark.parametrize("reason", [None, "stop", "length"])
+def test_stream_events_are_the_chunk_dicts_json(text, reason):
+    def dumped(obj):
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    completion = protocol.StreamEvents("completion", "cmpl-1", 'model "x"')
+    expected = protocol.completion_chunk("cmpl-1", 'model "x"', text, reason)
+    expected["created"] = completion.created
+    assert completion.chunk(text, reason) == dumped(expected)
+    chat = protocol.StreamEvents("chat", "chatcmpl-1", "m")
+    expected = protocol.chat_chunk("chatcmpl-1", "m", {"content": text} if text else {}, reason)
+    expected["created"] = chat.created
+    assert chat.chunk(text, reason) == dumped(expected)
+    role = protocol.chat_chunk("chatcmpl-1", "m", {"role": "assistant", "content": ""}, None)
+    role["created"] = chat.created
+    assert chat.role() == dumped(role)
+    usage = protocol.usage_chunk("chatcmpl-1", "m", "chat.completion.chunk", 5, 7)
+    usage["created"] = chat.created
+    assert chat.usage(5, 7) == dumped(usage)
+
+
+# -- EnginePool: engine.data_parallel engines behind one replica -------------------------------------------------
+
+
+def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
+    import asyncio
+
+    from pylon.serving.engine_process import EnginePool, ProcessLLMEngine
+    from pylon.serving.sampling import SamplingParams
+    from pylon.specs import EngineSpec
+
+    spec = EngineSpec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=1024, max_model_len=128,
+                      device="cpu", dtype="fp32", data_parallel=2)
+    prompts = [[(7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def run(engine, during=None):
+        async def one(i):
+            out = []
+            async for o in engine.generate(f"r{i}", prompts[i], params, interval_s=0.02):
+                out.extend(o.token_ids)
+                if during is not None and i == 0:
+                    during.append(engine.stats())
+            return out
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    pool = EnginePool.from_model(model_dir, spec)
+    try:
+        assert len(set(pool.pids)) == 2 and pool.max_model_len == 128 and pool.device == "cpu"
+        seen = []
+        got = asyncio.run(run(pool, seen))
+        per_engine = [e.stats() for e in pool.engines]
+        # 8 requests at once: 4 to each engine (the one with the fewest open streams), none left waiting
+        assert [s.requests_finished_total.get("length", 0) for s in per_engine] == [4, 4]
+        total = pool.stats()
+        assert total.num_blocks == sum(s.num_blocks for s in per_engine) and total.requests_finished_total == {"length": 8}
+        assert total.generation_tokens_total == 8 * 12 and total.num_running == 0
+        assert max(s.num_running for s in seen) > spec.max_num_seqs  # both engines' batches ran at once
+        assert pool.check_health()
+    finally:
+        pool.shutdown()
+    assert not pool.check_health()
+    single = ProcessLLMEngine.from_model(model_dir, spec.model_copy(update={"data_parallel": 1}))
+    try:
+        assert asyncio.run(run(single)) == got  # greedy: the same tokens whichever engine served a request
+    finally:
+        single.shutdown()
+
+
+def test_engine_pool_children_split_the_cpus_or_take_a_gpu_each():
+    from pylon.errors import PylonError
+    from pylon.serving.engine_process import _engine_envs
+
+    assert _engine_envs(1, "cpu", {"OMP_NUM_THREADS": "8"}) == [{}]
+    assert _engine_envs(2, "cpu", {"OMP_NUM_THREADS": "8"}) == [{"OMP_NUM_THREADS": "4"}] * 2
+    assert _engine_envs(4, "cpu", {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}) == [
+        {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}] * 4
+    assert _engine_envs(2, "cuda", {"CUDA_VISIBLE_DEVICES": "3,5"}) == [{"CUDA_VISIBLE_DEVICES": "3"},
+                                                                        {"CUDA_VISIBLE_DEVICES": "5"}]
+    with pytest.raises(PylonError, match="data_parallel: 2 engines need 2 GPUs.*has 1.*num_gpus to 2"):
+        _engine_envs(2, "cuda", {"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_data_parallel_spec_rules():
+    from pylon.errors import PylonError
+    from pylon.specs import DeploymentSpec, EngineSpec
+
+    assert EngineSpec(data_parallel=2).data_parallel == 2
+    with pytest.raises((PylonError, ValueError), match="data_parallel"):
+        EngineSpec(data_parallel=2, separate_process=False)
+    base = {"kind": "Deployment", "name": "m", "model": "/m"}
+    assert DeploymentSpec.model_validate({**base, "engine": {"data_parallel": 2}, "replica": {"num_cpus": 2}})
+    with pytest.raises((PylonError, ValueError), match="replica.num_cpus.*data_parallel"):
+        DeploymentSpec.model_validate({**base, "engine": {"data_parallel": 2}, "replica": {"num_cpus": 1}})
+    with pytest.raises((PylonError, ValueError), match="replica.num_gpus.*data_parallel"):
+        DeploymentSpec.model_validate({**base, "engine": {"data_parallel": 2, "device": "cuda"},
+                                       "replica": {"num_gpus": 1}})
