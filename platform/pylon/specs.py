@@ -447,9 +447,6 @@ class DeploymentSpec(_Spec):
         if dp > 1 and self.engine.device == "cuda" and self.replica.num_gpus < dp:
             _raise_problems([("replica.num_gpus", f"must be >= engine.data_parallel ({dp}): each engine takes a GPU "
                                                   f"of its own (got {self.replica.num_gpus:g})")])
-        if dp > 1 and self.replica.num_gpus == 0 and self.replica.num_cpus < dp:
-            _raise_problems([("replica.num_cpus", f"must be >= engine.data_parallel ({dp}): each engine takes at "
-                                                  f"least a CPU (got {self.replica.num_cpus:g})")])
         return self
 
     def summary(self) -> str:

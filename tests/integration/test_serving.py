@@ -205,6 +205,44 @@ def test_concurrent_greedy_requests_match_transformers(served, tiny):
     assert got == expected
 
 
+def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_transformers(ray_cluster, tiny, served):
+    """engine.data_parallel: 2 engine processes behind one replica (the layout for a CPU node); 12 concurrent greedy
+    requests through HTTP, both engines working, outputs token for token transformers' own."""
+    import psutil
+
+    from pylon.serving.app import delete, deploy
+
+    spec = _spec("tiny-dp", tiny.dir).model_dump(mode="json")
+    spec["engine"]["data_parallel"] = 2
+    spec["http"].update(api_keys_env=None, route_prefix="/dp")
+    url = deploy(_spec("tiny-dp", tiny.dir, engine=spec["engine"], http=spec["http"]))
+    try:
+        replicas = [p for p in ray_cluster.processes() if "ServeReplica:tiny-dp" in " ".join(p.cmdline())]
+        assert len(replicas) == 1, replicas
+        engines = [c for c in replicas[0].children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]
+        assert len(engines) == 2, engines
+        before = [sum(e.cpu_times()[:2]) for e in engines]
+        prompts = [f"request number {i}: " + "abc" * i for i in range(12)]
+        expected = [tiny.greedy_text(p, 16)[0] for p in prompts]
+
+        def complete(prompt: str) -> str:
+            r = requests.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "tiny-dp", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            assert list(pool.map(complete, prompts)) == expected
+        used = [sum(e.cpu_times()[:2]) - b for e, b in zip(engines, before)]
+        assert min(used) > 0.3 * max(used), f"engine CPU-s during the burst: {used} (one engine did the work)"
+        ready = requests.get(f"{url}/ready", timeout=30).json()
+        assert ready["ready"] and ready["running"] == 0 and ready["waiting"] == 0, ready
+    finally:
+        delete("tiny-dp")
+    _, alive = psutil.wait_procs(engines, timeout=30)  # no engine outlives its replica
+    assert not alive, alive
+
+
 BAD = [
     ("invalid json", b'{"model": "tiny", "prompt": ', 400, "body"),
     ("not an object", b'["tiny"]', 400, "body"),
