@@ -25,7 +25,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator
 
 from pylon.errors import PylonError
 from pylon.serving.errors import EngineDeadError, InvalidRequest

@@ -453,6 +453,14 @@ class AsyncLLMEngine:
         self.engine.abort(request_id)
         self._wake.set()
 
+    @property
+    def open_streams(self) -> int:
+        """Requests being streamed now (from the first iteration of `generate` to its end)."""
+        return len(self._streams)
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def check_health(self) -> bool:
         """True while the step loop runs and has beaten its heartbeat within `heartbeat_timeout_s`."""
         return (self._dead is None and self._thread.is_alive()

@@ -15,6 +15,9 @@ wait in the child for a few steps and go back together, one merged output per re
 the engine refuses comes back as an `invalid` message and is raised by the stream's first iteration, as
 in-process. The child exits when the
 parent asks, or when the socket closes (the replica died), so no engine outlives its replica.
+
+`EnginePool` runs `EngineSpec.data_parallel` such engines behind one replica (each its own model and KV cache), for
+a replica that spans a CPU node with an engine per core, or several GPUs with an engine each.
 """
 from __future__ import annotations
 
@@ -226,17 +229,20 @@ class EnginePool:
     of once per core, and writes every stream's chunks of a tick in one wake-up of one event loop."""
 
     def __init__(self, model: str, spec: EngineSpec, **kwargs):
+        import concurrent.futures
+
         envs = _engine_envs(spec.data_parallel, _device_type(spec.device))
-        self.engines: list[ProcessLLMEngine] = []
-        try:
-            for env in envs:  # one at a time: each loads the model, and loading takes every core there is
-                self.engines.append(ProcessLLMEngine(model, spec, env=env, **kwargs))
-        except BaseException:
+        # All load at once (N GPUs load in the time of one); if any fails, the others are stopped and its error raised.
+        with concurrent.futures.ThreadPoolExecutor(len(envs), thread_name_prefix="pylon-engine-start") as pool:
+            starts = [pool.submit(ProcessLLMEngine, model, spec, env=env, **kwargs) for env in envs]
+            concurrent.futures.wait(starts)
+        self.engines: list[ProcessLLMEngine] = [f.result() for f in starts if f.exception() is None]
+        failed = next((f.exception() for f in starts if f.exception() is not None), None)
+        if failed is not None:
             for engine in self.engines:
                 engine.shutdown(timeout=5)
-            raise
-        first = self.engines[0]
-        self.allocator = first.allocator
+            raise failed
+        self.allocator = self.engines[0].allocator
 
     @classmethod
     def from_model(cls, model: str, spec: EngineSpec | None = None, **kwargs) -> "EnginePool":
@@ -262,12 +268,12 @@ class EnginePool:
                  interval_s: float = 0.0):
         """The chosen engine's own stream (no wrapper per output). It registers the request when first iterated,
         before it awaits anything, so requests started together in one event loop still spread out."""
-        engine = min(self.engines, key=lambda e: len(e._streams))
+        engine = min(self.engines, key=lambda e: e.open_streams)
         return engine.generate(request_id, prompt, params, interval_s=interval_s)
 
     def abort(self, request_id: str) -> None:
         for engine in self.engines:
-            if request_id in engine._streams:
+            if engine.has_stream(request_id):
                 engine.abort(request_id)
 
     def stats(self) -> EngineStats:

@@ -260,3 +260,19 @@ def test_data_parallel_spec_rules():
     with pytest.raises((PylonError, ValueError), match="replica.num_gpus.*data_parallel"):
         DeploymentSpec.model_validate({**base, "engine": {"data_parallel": 2, "device": "cuda"},
                                        "replica": {"num_gpus": 1}})
+
+
+def test_an_engine_pool_that_cannot_load_says_why_and_leaves_no_process(tmp_path):
+    import psutil
+
+    from pylon.errors import PylonError
+    from pylon.serving.engine_process import EnginePool
+    from pylon.specs import EngineSpec
+
+    (tmp_path / "config.json").write_text("{}")  # a directory, but not a model
+    with pytest.raises(PylonError) as e:
+        EnginePool.from_model(str(tmp_path), EngineSpec(device="cpu", data_parallel=2))
+    assert str(tmp_path) in str(e.value)  # the loader's own message, naming the directory
+    left = [c for c in psutil.Process().children(recursive=True) if "pylon.serving.engine_process" in
+            " ".join(c.cmdline())]
+    assert not left, left
