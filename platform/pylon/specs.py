@@ -364,7 +364,8 @@ class EngineSpec(_Spec):
                        "open requests. The replica's CPUs are divided among them (on a GPU: one GPU each, so "
                        "replica.num_gpus must match). On a CPU node, one replica with an engine per core serves "
                        "more than a replica per core: one HTTP server and one set of Serve's and Ray's per-process "
-                       "costs instead of one per engine")
+                       "costs instead of one per engine. autoscaling.target_ongoing_requests counts a replica's "
+                       "requests, all its engines'")
 
     @model_validator(mode="after")
     def _rules(self) -> "EngineSpec":
