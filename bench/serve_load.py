@@ -22,7 +22,7 @@ Legs (`--legs`, default all four, in this order):
               attention mask. A batch runs until its longest request is done; each request's tokens count
               only up to its own max_tokens, and it is done (E2E) at its own last token.
   engine      Pylon's engine called directly, streamed to asyncio clients in this process, as a replica runs it
-              by default (`engine.separate_process`): `ProcessLLMEngine`, the engine loop in a child process;
+              by default (`engine.separate_process`): the engine loop in a child process (`EnginePool`);
               `--engines` of them (default one per core, each with `--replica-cpus` torch threads: the cores
               divided among them), each request to the one with the fewest open requests. On a CPU one
               single-threaded engine per core beats one engine over all cores (2,094-2,134 against 1,678-1,809
@@ -580,55 +580,47 @@ def serving_warmup(warmup: list[Req], args) -> list[Req]:
 
 async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
     from pylon.serving.engine import AsyncLLMEngine
-    from pylon.serving.engine_process import ProcessLLMEngine
+    from pylon.serving.engine_process import EnginePool
 
     spec = engine_spec(args)
-    engines = []
     if spec.separate_process:
-        # As a replica of --replica-cpus CPUs runs it: Ray sets OMP_NUM_THREADS to the replica's CPUs, and the
-        # engine process inherits it.
+        # The engine processes as one replica runs them (engine.data_parallel): Ray sets OMP_NUM_THREADS to a
+        # replica's CPUs and the pool gives each engine its share, --replica-cpus; a request goes to the engine with
+        # the fewest open streams, as HAProxy's leastconn picks a replica with --replicas > 1.
         saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(threads_per_engine(args))
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_engine(args) * args.engines)
         try:
-            engines = [ProcessLLMEngine.from_model(str(model_dir), spec) for _ in range(args.engines)]
+            engine = EnginePool.from_model(str(model_dir), spec.model_copy(update={"data_parallel": args.engines}))
         finally:
             if saved is None:
                 os.environ.pop("OMP_NUM_THREADS")
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
     else:
-        engines = [AsyncLLMEngine.from_model(str(model_dir), spec)]
-    open_streams = [0] * len(engines)
+        engine = AsyncLLMEngine.from_model(str(model_dir), spec)
     counter = iter(range(10**9))
 
     async def one(r: Req, rec: Record) -> None:
-        # The engine with the fewest open requests, as HAProxy's leastconn picks a replica in the http leg.
-        i = min(range(len(engines)), key=open_streams.__getitem__)
-        open_streams[i] += 1
         rec.token_ids = []
-        try:
-            async for out in engines[i].generate(f"r{next(counter)}", r.ids, engine_params(r.max_tokens)):
-                if out.token_ids:
-                    rec.times.append(time.perf_counter())
-                    rec.token_ids.extend(out.token_ids)
-        finally:
-            open_streams[i] -= 1
+        async for out in engine.generate(f"r{next(counter)}", r.ids, engine_params(r.max_tokens)):
+            if out.token_ids:
+                rec.times.append(time.perf_counter())
+                rec.token_ids.extend(out.token_ids)
         rec.num_tokens = len(rec.token_ids)
 
     nice, moved = os.getpriority(os.PRIO_PROCESS, 0), {}
     try:
-        if isinstance(engines[0], ProcessLLMEngine):
-            moved = match_policy(engines[0]._proc.pid, "engine")
+        if isinstance(engine, EnginePool):
+            moved = match_policy(engine.pids[0], "engine")
         await asyncio.gather(*(one(r, Record(0.0)) for r in serving_warmup(warmup, args)))
         records, t0, cpu = await drive(reqs, args, one, "engine")
-        stats = [e.stats() for e in engines]
-        return records, t0, {"engines": len(engines), "preemptions": sum(s.num_preemptions_total for s in stats),
-                             "kv_blocks": sum(s.num_blocks for s in stats),
-                             "malloc": getattr(engines[0], "allocator", "in-process"), **cpu}
+        stats = engine.stats()
+        return records, t0, {"engines": args.engines if isinstance(engine, EnginePool) else 1,
+                             "preemptions": stats.num_preemptions_total, "kv_blocks": stats.num_blocks,
+                             "malloc": getattr(engine, "allocator", "in-process"), **cpu}
     finally:
         settle_threads(moved, nice, "engine")
-        for engine in engines:
-            engine.shutdown()
+        engine.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------------------

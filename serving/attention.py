@@ -179,17 +179,15 @@ def _kernel_group(seqs: list[SequenceSlice], offsets: list[int], block_size: int
 
 
 def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.device, prefill: bool) -> PromptChunk:
-    if prefill:  # the kernel reads every key through the block table and masks by position itself
-        num_keys = seq.start + seq.num_new
-        table = torch.tensor(seq.block_table[:-(-num_keys // block_size)], dtype=torch.long)
-        return PromptChunk(offset, seq.start, seq.num_new, table.to(device), None)
-    if seq.start == 0:  # its keys are its own new tokens: plain causal attention, nothing to gather
+    if seq.start == 0 and not prefill:  # its keys are its own new tokens: plain causal attention, nothing to gather
         return PromptChunk(offset, 0, seq.num_new, None, None)
     num_keys = seq.start + seq.num_new
-    blocks = torch.tensor(seq.block_table[:-(-num_keys // block_size)], dtype=torch.long)
+    blocks = torch.tensor(seq.block_table[:-(-num_keys // block_size)], dtype=torch.long).to(device)
+    if prefill:  # the kernel reads every key through the block table and masks by position itself
+        return PromptChunk(offset, seq.start, seq.num_new, blocks, None)
     position = torch.arange(seq.start, num_keys)
     mask = torch.arange(num_keys)[None, :] <= position[:, None]
-    return PromptChunk(offset, seq.start, seq.num_new, blocks.to(device), mask.to(device))
+    return PromptChunk(offset, seq.start, seq.num_new, blocks, mask.to(device))
 
 
 def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,

@@ -203,17 +203,19 @@ class StreamEvents:
         return f'{self._head}"delta":{{"role":"assistant","content":""}},"finish_reason":null,"logprobs":null}}]}}\n\n'
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
-        return self.event({"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
-                           "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        return self.event(usage_chunk(self.rid, self.model, self.obj, prompt_tokens, completion_tokens,
+                                      created=self.created))
 
     @staticmethod
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int, *,
+                created: int | None = None) -> dict:
     """The last chunk of a stream with stream_options.include_usage: no choices, only usage."""
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+    created = int(time.time()) if created is None else created
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 

@@ -47,11 +47,10 @@ def server(model_dir):
         "kind": "Deployment", "name": "tiny", "model": model_dir,
         "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 128, "kv_cache_tokens": 1024, "max_model_len": 128,
                    "device": "cpu", "dtype": "fp32", "separate_process": False},
-        "http": {"api_keys_env": None, "stream_interval_ms": 20, "max_queued_requests": 8}})
-    replica = serving_app.PylonLLMServer(spec.model_dump(mode="json"), serving_app.api_key_digests(spec))
-    import hashlib
-
-    replica._key_digests = [hashlib.sha256(KEY.encode()).digest()]  # as build_app passes the env var's digests
+        "http": {"api_keys_env": "PYLON_TEST_HTTP_KEYS", "stream_interval_ms": 20, "max_queued_requests": 8}})
+    # as build_app does: the env var's keys become digests, and the replica gets only those
+    digests = serving_app.api_key_digests(spec, {"PYLON_TEST_HTTP_KEYS": f"{KEY},sk-other"})
+    replica = serving_app.PylonLLMServer(spec.model_dump(mode="json"), digests)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
