@@ -71,7 +71,10 @@ real CPU-seconds that is. It says how far the engine is from the hardware, which
 
 On a shared or virtual machine a leg's throughput can move by 10% from one run to the next (neighbours, clock):
 `--rounds N` runs the legs N times in turn and takes, per target, the median of the N ratios, each between two
-legs of the same round.
+legs of the same round. Every other round runs the engine and http legs in the opposite order (`round_legs`): on
+these VMs the leg that runs first after a lull was often the faster one (in three 3-round runs the first round's
+http / engine, engine leg first, was 0.77-0.80 against 0.90-0.97 in the later rounds; with the http leg first the
+first round gave 1.07), so a fixed order would tilt the first round, and with few rounds the median, one way.
 
 Ratios of output tokens/s, with targets (issue 5): engine / hf-single >= 8x, engine / hf-static >= 2x,
 http / engine >= 0.90 (Serve + HTTP cost at most 10%). Progress goes to stderr; the last stdout line is
@@ -776,6 +779,11 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         url = deploy(deployment_spec(args, model_dir), timeout_s=300)
         extra["deploy_s"] = round(time.perf_counter() - t, 1)
         log(f"  [http] deployed at {url} in {extra['deploy_s']} s")
+        # The load generator is an HTTP client, as a user's are: deploying connected it to the cluster as a Ray
+        # driver (its core worker's threads, and the GCS's and raylet's bookkeeping for it), which it leaves now.
+        import ray
+
+        ray.shutdown()
         extra.update(ingress_and_niceness(info, args))
         engines = [p for p in info.processes() if "pylon.serving.engine_process" in " ".join(p.cmdline())]
         if engines:
@@ -906,6 +914,17 @@ def parse_args(argv):
     return args
 
 
+def round_legs(legs: list[str], rnd: int) -> list[str]:
+    """The legs of round `rnd` (from 0) in the order they run: as given, except that every odd round swaps the
+    engine and http legs where both run, so that neither always runs first (see the module's docstring)."""
+    if rnd % 2 == 0 or not {"engine", "http"} <= set(legs):
+        return list(legs)
+    i, j = legs.index("engine"), legs.index("http")
+    out = list(legs)
+    out[i], out[j] = out[j], out[i]
+    return out
+
+
 def median_round(summaries: list[dict]) -> dict:
     """The round whose output throughput is the median (the lower middle one of an even count)."""
     ordered = sorted(summaries, key=lambda r: r["output_tok_per_s"])
@@ -966,7 +985,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.engines // args.replicas} engine(s)", flush=True)
         rates = hardware_rates(args) if "engine" in args.legs and args.device == "cpu" else None
         for rnd in range(args.rounds):
-            for leg in args.legs:
+            for leg in round_legs(args.legs, rnd):
                 t = time.perf_counter()
                 label = f"[{leg}]" if args.rounds == 1 else f"[{leg}, round {rnd + 1}/{args.rounds}]"
                 log(f"{label} start")

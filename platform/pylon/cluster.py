@@ -60,6 +60,20 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # the worker's stderr, which Ray's log monitor tails and republishes; `ray logs` and the dashboard read the files.
 LOCAL_SERVE_CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_LOG_TO_STDERR": "0"}
 
+# Two of Ray's own background loops, paced for a local cluster. An idle local cluster with one deployment burns
+# ~150 CPU-ms a second across its ~25 processes (each Ray worker's core worker alone wakes 100 times a second, fixed
+# in Ray); on a 2-core machine that is ~7% of what the model's engines could use. Two loops are paced by settings:
+# - Ray's log monitor rescans the session's log folder (a glob over every worker's files) on every pass, ten a
+#   second, while it holds fewer than RAY_LOG_MONITOR_MANY_FILES_THRESHOLD (1,000) files; with 0 it rescans every
+#   LOG_NAME_UPDATE_INTERVAL_S, here once a second. New lines of files it follows are still read ten times a
+#   second; a new worker's output is picked up within a second of its file appearing. 11.7 -> 5.3 CPU-ms a second.
+# - The dashboard records its own processes' CPU and memory (psutil's memory_full_info reads each one's smaps)
+#   every METRICS_RECORD_INTERVAL_S, 5 s; here every 30 s. 13.3 -> 8-9 CPU-ms a second.
+# (Measured over 30 s of an idle cluster serving the benchmark's model: docs/benchmarks.md, twentieth set.) As with
+# the others, the same variable in the environment of `pylon cluster up` wins.
+LOCAL_RAY_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "1",
+                 "METRICS_RECORD_INTERVAL_S": "30"}
+
 
 def pylon_home() -> Path:
     """Where Pylon keeps its local state: `$PYLON_HOME`, else `~/.pylon`."""
@@ -223,7 +237,7 @@ def up(
         env.setdefault("AUTOSCALER_UPDATE_INTERVAL_S", "2")
     env.pop("RAY_AUTH_TOKEN", None)  # the file is the one source of the token
     env.pop("RAY_ADDRESS", None)
-    for name, value in local_serve_env(temp_dir).items():
+    for name, value in {**LOCAL_RAY_ENV, **local_serve_env(temp_dir)}.items():
         env.setdefault(name, value)
     # Jobs run `python ...` in a shell on the head: make that the interpreter Pylon is installed in.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -88,6 +88,26 @@ def test_a_job_runs_ray_tasks_and_commits_to_s3(ray_cluster, s3_root, tmp_path):
                                             "for": 1, "in": 1, "pass": 1}
 
 
+def test_local_cluster_paces_rays_log_monitor_and_worker_output_still_reaches_the_job_log(ray_cluster):
+    """`cluster.LOCAL_RAY_ENV` reaches Ray's processes, and with the log monitor rescanning its folder once a
+    second (not ten times), a Ray task's print in a new worker still arrives in the job's log."""
+    monitors = [p for p in ray_cluster.processes() if any("log_monitor" in a for a in p.cmdline())]
+    assert len(monitors) == 1
+    env = dict(line.split("=", 1) for line in
+               Path(f"/proc/{monitors[0].pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in line)
+    for name, value in cluster.LOCAL_RAY_ENV.items():
+        assert env.get(name) == value, name
+    script = ("import ray; ray.init(); "
+              "f = ray.remote(lambda: print('pylon-worker-said-hello', flush=True)); "
+              "ray.get(f.options(num_cpus=0.01).remote()); import time; time.sleep(3)")
+    client = pylon.connect()
+    job_id = client.submit_job(f'python -c "{script}"')
+    status = client.wait_job(job_id, timeout_s=180)
+    logs = client.job_logs(job_id)
+    assert status == "SUCCEEDED", logs
+    assert "pylon-worker-said-hello" in logs
+
+
 def test_status_lists_running_jobs_and_stop_works(ray_cluster):
     client = pylon.connect()
     job_id = client.submit_job("python -c 'import time; time.sleep(120)'")

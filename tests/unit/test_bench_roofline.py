@@ -89,3 +89,12 @@ def test_hardware_rates_measure_something_and_restore_threads(serve_load):
     rates = serve_load.hardware_rates(SimpleNamespace(n_embd=64))
     assert rates["gemm_gflops"] > 0.1 and rates["read_gbs"] > 0.1
     assert torch.get_num_threads() == threads
+
+
+def test_rounds_alternate_which_of_the_engine_and_http_legs_runs_first(serve_load):
+    legs = ["hf-single", "hf-static", "engine", "http"]
+    assert serve_load.round_legs(legs, 0) == legs
+    assert serve_load.round_legs(legs, 1) == ["hf-single", "hf-static", "http", "engine"]
+    assert serve_load.round_legs(legs, 2) == legs
+    assert serve_load.round_legs(["http", "engine"], 1) == ["engine", "http"]
+    assert serve_load.round_legs(["engine", "hf-single"], 1) == ["engine", "hf-single"]  # no http leg: as given
