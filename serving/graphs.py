@@ -134,6 +134,7 @@ class DecodeGraphs:
         self.replays += 1
         return graph.logits[:len(scheduled)]
 
+    @torch.no_grad()  # capture_all runs at engine start, outside the step's no_grad: a graph records no autograd
     def _build(self, b: int, nb: int) -> _Graph:
         runner = self.runner
         device, dtype = runner.device, runner.dtype
@@ -161,6 +162,7 @@ class DecodeGraphs:
             return logits.copy_(runner.model.lm_head(hidden))
 
         if not self.capture:
+            step()  # the warm-up a capture runs first, so that a CPU test goes through what a GPU's start does
             return _Graph(inputs, logits, step, step)
         # Warm up on a side stream first (cuBLAS picks its kernels and allocates its workspace there, outside the
         # capture), as torch.cuda.graphs' documentation asks.
