@@ -22,15 +22,32 @@ chunk that starts the prompt attends over its own fresh keys with `is_causal`, a
 keys (its blocks gathered) with the offset causal mask. On a 512-token prompt that is 1.8 ms against 4.6 ms for
 the padded batched matmuls, which computed every masked score and a [Q, K] bias besides. On a CPU with AVX-512 over a
 float32 cache, chunks go to the compiled prefill kernel instead (`kernels.prefill_attention_`, about twice SDPA's
-speed there), which reads every key, the chunk's own included, through the block table (`PromptChunk.key_blocks`).
+speed there), which reads every key, the chunk's own included, through the block table (`PromptChunk.key_blocks`). On a GPU the
+runner keeps SDPA off cuDNN's attention (`prompt_attention_backends`).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+# The SDPA backends a step may use on a GPU: flash and memory-efficient attention (math as their fallback), not
+# cuDNN's. torch prefers cuDNN's attention on Hopper for bf16/fp16, and cuDNN builds an execution plan on the host
+# for each new shape, which a prompt chunk's (queries, keys) nearly always is: on an H100 a 12-layer bf16 GPT-2's
+# steps with a prompt chunk took 102 ms (p50) with it and 22 ms without, 83% of the engine's CPU time in
+# `_cudnn_attention_forward` (docs/benchmarks.md, twenty-first set).
+GPU_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def prompt_attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """A step's context for `scaled_dot_product_attention`'s backends on `device` (GPU_PROMPT_BACKENDS on CUDA;
+    elsewhere nothing: entering torch's `sdpa_kernel` costs ~30 us, and only CUDA has cuDNN's backend)."""
+    return sdpa_kernel(GPU_PROMPT_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 DECODE_GROUPS = 4  # at most this many padded batches of decodes per step...

@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from pylon.errors import PylonError
 from pylon.serving import linear, switched_on
 from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace, build_metadata, final_metadata,
-                                     new_kv_cache, paged_attention, store_kv_pair)
+                                     new_kv_cache, paged_attention, prompt_attention_backends, store_kv_pair)
 from pylon.serving.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
@@ -247,11 +247,11 @@ class ModelRunner:
                 workspace: Workspace | None = None) -> torch.Tensor:
         """The model's final hidden states at the sampling tokens (see `_forward_gpt2`); `workspace`: gather into
         these buffers instead of the runner's own (a CUDA graph's step keeps its own)."""
-        if workspace is None:
-            return self._forward(ids, positions, meta, final)
-        saved, self.workspace = self.workspace, workspace
+        saved = self.workspace
+        self.workspace = saved if workspace is None else workspace
         try:
-            return self._forward(ids, positions, meta, final)
+            with prompt_attention_backends(self.device):
+                return self._forward(ids, positions, meta, final)
         finally:
             self.workspace = saved
 

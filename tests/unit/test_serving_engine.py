@@ -502,9 +502,30 @@ def test_half_precision_on_a_gpu_follows_the_models_own_greedy(family: Family, d
         expected.append(out[0, len(prompt):].tolist())
     engine = family.engine(dtype=dtype)
     assert engine.runner.model.dtype == torch_dtype and engine.runner.k_cache[0].dtype == torch_dtype
-    got = [r.token_ids[:2] for r in engine.generate(PROMPTS, GREEDY)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = [r.token_ids[:2] for r in engine.generate(PROMPTS, GREEDY)]
     assert sum(g == e for g, e in zip(got, expected)) >= len(PROMPTS) - 1, (got, expected)
     assert_pool_empty(engine)
+    # The prompts went through flash or memory-efficient attention, not cuDNN's (which plans every new shape on the
+    # host: pylon.serving.attention.GPU_PROMPT_BACKENDS).
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in ops and not any("cudnn_attention" in op for op in ops), ops
+
+
+def test_a_gpu_step_keeps_sdpa_off_cudnns_attention_and_puts_the_backends_back() -> None:
+    """prompt_attention_backends: on CUDA, flash and memory-efficient attention (and math) but not cuDNN's, for the
+    step only; on a CPU nothing changes (the flags are torch's process-wide settings, so this runs anywhere)."""
+    from pylon.serving.attention import prompt_attention_backends
+
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
+    assert before == (True, True, True)
+    with prompt_attention_backends(torch.device("cuda")):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
+    with prompt_attention_backends(torch.device("cpu")):
+        assert cuda.cudnn_sdp_enabled()
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8"])
