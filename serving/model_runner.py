@@ -188,7 +188,7 @@ class ModelRunner:
         from pylon.serving import kernels
 
         self.kernel = kernels.usable(self.device, self.dtype, self.kv_dtype)  # decodes attend in place (see kernels.py)
-        # Prompt chunks too, through the prefill kernel, where it is built for this model (float32, AVX-512).
+        # Prompt chunks too, through the prefill kernel, where it is built for this model (float32, AVX-512 or AVX2).
         self.prefill = self.kernel and kernels.prefill_usable(self.dtype, self.kv_dtype, head_dim)
         if model_type == "gpt2" and self.kernel and config.activation_function in TANH_GELUS:
             self._gpt2_act = kernels.gelu_tanh_  # the same function, ~10x torch's on a CPU (see kernels.py)
