@@ -20,10 +20,10 @@ Prompt chunks are attended one sequence at a time by torch's fused `scaled_dot_p
 kernel on CPU and CUDA: it skips the masked half of a causal square and never materialises the scores): a
 chunk that starts the prompt attends over its own fresh keys with `is_causal`, a later chunk over its cached
 keys (its blocks gathered) with the offset causal mask. On a 512-token prompt that is 1.8 ms against 4.6 ms for
-the padded batched matmuls, which computed every masked score and a [Q, K] bias besides. On a CPU with AVX-512 over a
-float32 cache, chunks go to the compiled prefill kernel instead (`kernels.prefill_attention_`, about twice SDPA's
-speed there), which reads every key, the chunk's own included, through the block table (`PromptChunk.key_blocks`). On a GPU the
-runner keeps SDPA off cuDNN's attention (`prompt_attention_backends`).
+the padded batched matmuls, which computed every masked score and a [Q, K] bias besides. On a CPU with AVX-512 or
+AVX2 over a float32 cache, chunks go to the compiled prefill kernel instead (`kernels.prefill_attention_`, two to
+three times SDPA's speed there), which reads every key, the chunk's own included, through the block table
+(`PromptChunk.key_blocks`). On a GPU the runner keeps SDPA off cuDNN's attention (`prompt_attention_backends`).
 """
 from __future__ import annotations
 

@@ -39,8 +39,9 @@ of a step's keys and values into both caches (`store_kv_`), one row copy per tok
 `index_copy_`s a layer went through TensorIterator: 3.0 against 15.7 us a layer for a 16-token decode step, 41
 against 187 for a 512-token prompt step (one thread, 4 heads of 64).
 
-Kernel v8 attends prompt chunks too (`prefill_attention_`, AVX-512 or (v9) AVX2, float32 caches, head_dim 32-256): causal
-attention of a chunk's queries over its sequence's keys in the pool, 8 queries by 16 keys at a time in registers,
+Kernel v8 attends prompt chunks too (`prefill_attention_`, AVX-512 or (v9) AVX2, float32 caches, head_dim 32-256):
+causal attention of a chunk's queries over its sequence's keys in the pool, 8 queries by 16 keys (AVX2: 8) at a time
+in registers,
 where torch's flash SDPA multiplied its blocks through MKL's sgemm (operands packed on every call) and computed most of
 each prompt's masked half. A 300-token prompt, 4 heads of 64, one thread: 0.65 against 1.26 ms; in a one-thread
 engine serving 64 of the serving bench's requests, prompt attention 0.28 -> 0.15 s of ~2.8 s, and 2.48-2.76 against

@@ -192,8 +192,8 @@ def test_finish_takes_a_waiting_request_out_too() -> None:
 @pytest.mark.parametrize("dim,block_size", [(8, 4), (16, 12), (64, 4), (64, 32), (32, 24), (128, 16), (256, 8)])
 def test_paged_attention_equals_dense_causal_attention(kernel: str, kv_heads: int, dim: int, block_size: int) -> None:
     """"kernel": decodes through the compiled kernel; "prefill": prompt chunks through the compiled prefill kernel too
-    (AVX-512 or AVX2, head_dim 32-256: its 8-query tiles, 16- or 8-key groups across blocks of any size, a chunk's offset
-    mask)."""
+    (AVX-512 or AVX2, head_dim 32-256: its 8-query tiles, 16- or 8-key groups across blocks of any size, a chunk's
+    offset mask)."""
     prefill = kernel == "prefill"
     if prefill:
         from pylon.serving import kernels
@@ -202,7 +202,8 @@ def test_paged_attention_equals_dense_causal_attention(kernel: str, kv_heads: in
             pytest.skip(f"the prefill kernel is not built for head_dim {dim}: SDPA runs those")
         assert kernels.load() is not None, f"the CPU kernels did not build: {kernels._failed}"
         if not kernels.load().has_prefill():
-            pytest.skip("the prefill kernel needs AVX-512 or AVX2 (this CPU's build has neither): SDPA runs prompt chunks")
+            pytest.skip("the prefill kernel needs AVX-512 or AVX2 (this CPU's build has neither): SDPA runs prompt "
+                        "chunks")
     check_paged_attention(kernel != "pytorch", kv_heads, dim, block_size, torch.float32, prefill=prefill)
 
 
