@@ -301,7 +301,7 @@ class ModelRunner:
             token_ids.extend([0] * pad)
             positions.extend([0] * pad)
         ids = torch.tensor(token_ids, device=self.device)
-        hidden = self._forward(ids, torch.tensor(positions, device=self.device), meta, final)
+        hidden = self.forward(ids, torch.tensor(positions, device=self.device), meta, final)
         if not last_tokens:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self.model.lm_head(hidden).float()

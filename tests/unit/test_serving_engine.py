@@ -512,6 +512,27 @@ def test_half_precision_on_a_gpu_follows_the_models_own_greedy(family: Family, d
     assert "aten::scaled_dot_product_attention" in ops and not any("cudnn_attention" in op for op in ops), ops
 
 
+def test_every_eager_step_runs_inside_the_devices_attention_backends(gpt2: Family, monkeypatch) -> None:
+    """The runner enters prompt_attention_backends(its device) around every step it runs eagerly (on a GPU, steps of
+    decodes only replay a CUDA graph instead), so that on CUDA no prompt chunk reaches cuDNN's attention."""
+    import contextlib
+
+    from pylon.serving import model_runner
+
+    entered = []
+
+    @contextlib.contextmanager
+    def spy(device):
+        entered.append(device.type)
+        yield
+
+    monkeypatch.setattr(model_runner, "prompt_attention_backends", spy)
+    engine = gpt2.engine()
+    assert [c.token_ids for c in engine.generate(PROMPTS[:2], GREEDY)] == gpt2.greedy[:2]
+    assert set(entered) == {DEVICE}
+    assert len(entered) >= (1 if ON_CUDA else NEW_TOKENS)  # a CPU runs all ~20 steps eagerly
+
+
 def test_a_gpu_step_keeps_sdpa_off_cudnns_attention_and_puts_the_backends_back() -> None:
     """prompt_attention_backends: on CUDA, flash and memory-efficient attention (and math) but not cuDNN's, for the
     step only; on a CPU nothing changes (the flags are torch's process-wide settings, so this runs anywhere)."""
