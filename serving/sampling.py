@@ -62,13 +62,25 @@ class SamplingParams:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequest(f"stop must be a non-empty string or a list of them (got {self.stop!r})",
+            raise InvalidRequest(f"stop must be a non-empty string or a list of them (got {_shown(self.stop)})",
                                  param="stop")
         self.stop = list(self.stop)
+        # Every generated token is checked against every stop string in the engine's step, for every request of
+        # the batch: bounds keep one request from slowing all the others (1,000 stop strings of 1,000 characters
+        # cost 22 ms a token). OpenAI takes at most 4.
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(self.stop)})",
+                                 param="stop")
+        if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise InvalidRequest(f"stop: each stop string may have at most {MAX_STOP_LENGTH} characters (got one of "
+                                 f"{max(len(s) for s in self.stop)})", param="stop")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must be a list of token ids >= 0 (got {self.stop_token_ids!r})",
-                                 param="stop_token_ids")
+            raise InvalidRequest(f"stop_token_ids must be a list of token ids >= 0 (got "
+                                 f"{_shown(self.stop_token_ids)})", param="stop_token_ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids (got "
+                                 f"{len(self.stop_token_ids)})", param="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos must be true or false (got {self.ignore_eos!r})", param="ignore_eos")
@@ -85,6 +97,17 @@ class SamplingParams:
             return None
         seed = self.seed if self.seed is not None else random.SystemRandom().getrandbits(63)
         return torch.Generator().manual_seed(seed % 2**64)
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024  # characters
+MAX_STOP_TOKEN_IDS = 1024
+TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_int(name: str, value) -> None:
@@ -111,11 +134,18 @@ def sample(logits: "torch.Tensor", params: list[SamplingParams],
     if not rows:
         return tokens
     index = torch.tensor(rows, device=logits.device)
-    temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-    top_k = torch.tensor([params[i].top_k or logits.shape[1] for i in rows], device=logits.device)
+    vocab = logits.shape[1]
+    # Any temperature in (0, 100] is a request's to give, and none may break the step for the whole batch: 1e-40
+    # would be 0 in float32 (and x / 1e-30 overflows to inf, and inf - inf in the softmax is NaN, which the draw
+    # refuses: the engine's step loop died on one such request). So each row is shifted to a maximum of 0 before
+    # it is divided, and temperatures are at least float32's smallest normal number: the scaled logits are then
+    # 0 for the best token and <= 0 (at worst -inf: probability 0) for the others, the limit softmax tends to.
+    temperature = torch.tensor([max(params[i].temperature, TINY) for i in rows], device=logits.device)
+    top_k = torch.tensor([min(params[i].top_k or vocab, vocab) for i in rows], device=logits.device)
     top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
 
-    scaled = logits[index] / temperature[:, None]
+    chosen = logits[index]
+    scaled = (chosen - chosen.max(dim=-1, keepdim=True).values) / temperature[:, None]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(sorted_logits.shape[1], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))

@@ -310,6 +310,26 @@ def test_top_k_1_is_greedy(gpt2: Family) -> None:
     assert [r.token_ids for r in result] == gpt2.greedy[:3]
 
 
+def test_extreme_sampling_parameters_never_break_the_step_for_the_batch(gpt2: Family) -> None:
+    """Any temperature in (0, 100] and any top_k are a request's to give. 1e-40 is 0 in float32 and x / 1e-30
+    overflows: before, such a request made the draw see NaN and the whole step (every request of the engine)
+    fail. A near-zero temperature is the limit softmax tends to, the argmax: greedy's tokens."""
+    engine = gpt2.engine()
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=t, seed=3) for t in (1e-40, 1e-30, 1e-300)] + [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=2**70, seed=3),
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=100.0, top_p=1e-9, seed=3), GREEDY]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[4], PROMPTS[5]]
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results[:3]] == gpt2.greedy[:3]
+    assert len(results[3].token_ids) == NEW_TOKENS and results[3].finish_reason == "length"
+    assert results[4].token_ids == gpt2.greedy[4]  # top_p that small keeps only the best token
+    assert results[5].token_ids == gpt2.greedy[5]
+    [unbounded] = engine.generate([PROMPTS[3]], params[3])
+    [all_k] = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=0, seed=3))
+    assert unbounded.token_ids == all_k.token_ids  # a top_k past the vocabulary keeps every token
+    assert_pool_empty(engine)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------------------

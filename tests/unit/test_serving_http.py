@@ -154,6 +154,13 @@ def test_bad_bodies_auth_and_limits_are_4xx_and_the_server_still_answers(server,
     r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x" * 5000}, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
     monkeypatch.undo()
+    # Odd but valid parameters answer 200 and leave the engine serving (a temperature of 1e-40 used to make the
+    # step's draw see NaN and stop the engine's loop: every later request a 503).
+    for odd in ({"temperature": 1e-40}, {"temperature": 1.0, "top_k": 2**70, "seed": 2**70},
+                {"stop_token_ids": [2**70], "stream": True, "stream_options": None}):
+        r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 3, **odd},
+                          timeout=30)
+        assert r.status_code == 200, (odd, r.text)
     health = requests.get(f"{server}/health", timeout=30)  # probes need no key
     ready = requests.get(f"{server}/ready", timeout=30).json()
     assert health.status_code == 200 and health.json() == {"status": "ok"}
