@@ -115,6 +115,26 @@ def test_chat_prompts(hf_dir: Path) -> None:
         assert e.value.param == "messages"
 
 
+def test_a_chat_template_that_refuses_the_messages_is_an_invalid_request(hf_dir: Path, tmp_path: Path) -> None:
+    """Many models' templates `raise_exception` for messages they do not take (roles out of turn, a system
+    message): that is the request's fault, a 400 with the template's words, never a 500."""
+    import shutil
+
+    strict = tmp_path / "strict"
+    shutil.copytree(hf_dir, strict)
+    config = json.loads((strict / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+                               "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+                               "{% endif %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+    (strict / "tokenizer_config.json").write_text(json.dumps(config))
+    (strict / "chat_template.jinja").unlink(missing_ok=True)
+    tok = load_model_tokenizer(str(strict))
+    assert apply_chat_template(tok, [{"role": "user", "content": "hi"}]) == "[user] hi"
+    with pytest.raises(InvalidRequest) as e:
+        apply_chat_template(tok, [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
+    assert e.value.param == "messages" and "roles must alternate user/assistant" in str(e.value)
+
+
 def test_invalid_bytes_come_out_as_they_come() -> None:
     # A random or barely trained byte model writes bytes that are no UTF-8 at all: holding them until the end
     # (as for a character still arriving) would stream nothing for the rest of the request.
@@ -153,3 +173,47 @@ def test_any_byte_stream_streams_as_its_one_shot_decode(seed: int) -> None:
         whole = tok.decode(ids[:n])
         assert out == (whole[:-1] if whole.endswith("\ufffd") else whole), (ids[:n], out)
     assert out + detok.flush() == tok.decode(ids)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stop_strings_stream_as_their_definition_says(seed: int) -> None:
+    """The streaming matchers against the definition, recomputed from the whole text after every token: the text is
+    cut where the earliest occurrence of any stop string begins, and until then everything is out except the longest
+    tail that is the start of some stop string. Random texts and stop strings over small alphabets, where partial
+    matches are frequent and overlap (one stop inside another, repeats like "aab" in "aaab")."""
+    import random
+
+    rng = random.Random(seed)
+    tok = ByteTokenizer()
+    for _ in range(300):
+        alphabet = "ab" if rng.random() < 0.5 else "abc"
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 16)))
+        detok = IncrementalDetokenizer(tok, [], stops)
+        out = ""
+        for n, char in enumerate(text, 1):
+            out += detok.add(tok.encode(char).tolist()[0])
+            seen = text[:n]
+            hits = [seen.find(s) for s in stops if s in seen]
+            if hits:
+                assert detok.stopped and out == detok.text == seen[:min(hits)], (seen, stops)
+                break
+            held = next((k for k in range(min(max(map(len, stops)) - 1, n), 0, -1)
+                         if any(s.startswith(seen[-k:]) for s in stops)), 0)
+            assert not detok.stopped and out == seen[:n - held], (seen, stops, out)
+        if not detok.stopped:
+            assert out + detok.flush() == text
+
+
+def test_stop_conditions_are_bounded() -> None:
+    """Every token is checked against every stop string in the engine's step, for every request: a request may not
+    make that arbitrarily long."""
+    from pylon.serving.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+
+    SamplingParams(stop=["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    for fields, says in (({"stop": ["a"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS} stop strings"),
+                         ({"stop": "x" * (MAX_STOP_LENGTH + 1)}, f"at most {MAX_STOP_LENGTH} characters"),
+                         ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, f"at most {MAX_STOP_TOKEN_IDS}")):
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(**fields)
+        assert e.value.param == next(iter(fields)) and says in str(e.value)
