@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, Literal
@@ -63,7 +64,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -92,7 +93,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]]
     name: str | None = None
@@ -118,8 +119,13 @@ def parse_request(cls: type[_Request], body: bytes) -> _Request:
     try:
         request = cls.model_validate_json(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or "body"
+        errors = e.errors()
+        first = errors[0]
+        loc = list(first["loc"])
+        union = next((i for i, part in enumerate(loc) if isinstance(part, str) and _UNION_BRANCH.match(part)), None)
+        if union is not None:  # pydantic tried each type of a union field: name the field, list the types
+            loc = loc[:union]
+        param = ".".join(str(p) for p in loc) or "body"
         if first["type"] == "json_invalid":
             message, param = f"the request body is not valid JSON ({first['msg']})", "body"
         elif first["type"] == "model_type" and param == "body":
@@ -128,11 +134,31 @@ def parse_request(cls: type[_Request], body: bytes) -> _Request:
             message = f"unknown field '{param}'"
         elif first["type"] == "missing":
             message = f"missing required field '{param}'"
+        elif union is not None:
+            tried = list(dict.fromkeys(err["loc"][union] for err in errors
+                                       if len(err["loc"]) > union and list(err["loc"][:union]) == loc))
+            got = f" (got {_shown(first.get('input'))})" if len(first["loc"]) == union + 1 else ""
+            message = f"{param}: expected {', '.join(tried[:-1])} or {tried[-1]}{got}" if len(tried) > 1 else \
+                f"{param}: {first['msg']}{got}"
         else:
-            message = f"{param}: {first['msg']} (got {str(first.get('input'))[:80]!r})"
+            message = f"{param}: {first['msg']} (got {_shown(first.get('input'))})"
         raise InvalidRequest(message, param=param) from None
     request.check_supported()
     return request
+
+
+# How pydantic names the member of a union it tried in an error's location ("str", "list[int]", ...), as opposed to
+# a field name or a list index.
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|set)\[.*\]|function-\w+\[.*\])$")
+
+
+def _shown(value) -> str:
+    """A request's value as the client wrote it (JSON: null, true, "text"), cut to 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,

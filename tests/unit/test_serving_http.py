@@ -282,3 +282,26 @@ def test_an_engine_pool_that_cannot_load_says_why_and_leaves_no_process(tmp_path
     left = [c for c in psutil.Process().children(recursive=True) if "pylon.serving.engine_process" in
             " ".join(c.cmdline())]
     assert not left, left
+
+
+@pytest.mark.parametrize("body, param, message", [
+    (b'{"model": "m", "prompt": null}', "prompt",
+     "prompt: expected str, list[int], list[str] or list[list[int]] (got null)"),
+    (b'{"model": "m", "prompt": [1, "a"]}', "prompt", "(got [1, \"a\"])"),
+    (b'{"model": "m", "prompt": "x", "stop": 5}', "stop", "stop: expected str or list[str] (got 5)"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages.0.content",
+     "messages.0.content: expected str or list[dict[str,any]] (got 5)"),
+    (b'{"model": "m", "messages": [{"role": "bot", "content": "x"}]}', "messages.0.role", '(got "bot")'),
+    (b'{"model": "m", "prompt": "x", "temperature": "1"}', "temperature", 'valid number (got "1")'),
+    (b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": "yes"}}',
+     "stream_options.include_usage", 'valid boolean (got "yes")'),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x", "name": 3}]}', "messages.0.name", "(got 3)"),
+])
+def test_type_errors_name_the_field_and_what_it_takes(body, param, message):
+    """A union field's error names the field, not pydantic's branch ("prompt", not "prompt.str"), and lists the
+    types it takes; values are shown as the client wrote them (JSON null, "strings"); nested objects are as strict
+    as the request (a "yes" is not a boolean)."""
+    cls = protocol.ChatCompletionRequest if b"messages" in body else protocol.CompletionRequest
+    with pytest.raises(protocol.InvalidRequest) as e:
+        protocol.parse_request(cls, body)
+    assert e.value.param == param and message in str(e.value), str(e.value)
