@@ -31,7 +31,7 @@ from pylon.serving.kv_cache import KVBlockPool
 from pylon.serving.request import FinishReason, Request, RequestOutput
 from pylon.serving.sampling import SamplingParams, sample
 from pylon.serving.scheduler import Scheduler
-from pylon.serving.tokenization import IncrementalDetokenizer, load_model_tokenizer
+from pylon.serving.tokenization import IncrementalDetokenizer, chars_per_token_bound, load_model_tokenizer
 from pylon.specs import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class LLMEngine:
         self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size)
         with local_model_dir(model) as directory:
             self.tokenizer = load_model_tokenizer(directory)
+            self._chars_per_token = chars_per_token_bound(self.tokenizer)
             self.runner = ModelRunner(directory, num_blocks=self.pool.num_blocks, block_size=spec.block_size,
                                       device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
         started = time.monotonic()
@@ -123,9 +124,23 @@ class LLMEngine:
             self._incoming.append(request)
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        # The step loop waits while a prompt is tokenized and checked: a prompt that cannot fit is refused on its
+        # length first (characters: see chars_per_token_bound; token ids: before each is looked at).
         if isinstance(prompt, str):
-            ids = [int(i) for i in self.tokenizer.encode(prompt)]
-        elif isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            bound = self._chars_per_token
+            if bound is not None and len(prompt) > self.max_model_len * bound:
+                raise InvalidRequest(
+                    f"prompt is {len(prompt)} characters, and this model's tokens stand for at most {bound} each: at "
+                    f"least {-(-len(prompt) // bound)} tokens, past max_model_len ({self.max_model_len})",
+                    param="prompt")
+            encoded = self.tokenizer.encode(prompt)
+            ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            if len(prompt) >= self.max_model_len:
+                raise InvalidRequest(f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len}, so a "
+                                     f"prompt may have at most {self.max_model_len - 1} tokens", param="prompt")
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+                raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
             ids = list(prompt)
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")

@@ -381,6 +381,36 @@ def test_request_errors_name_the_parameter(gpt2: Family) -> None:
     assert e.value.param == "request_id" and "already in use" in str(e.value)
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(gpt2: Family) -> None:
+    """The engine's step loop waits while a prompt is tokenized (21 s for 15 MB with a byte-level BPE): one that is
+    longer in characters than max_model_len tokens can cover is refused on its length, and a list of token ids on
+    its length before each id is looked at."""
+    engine = gpt2.engine(max_model_len=64, kv_cache_tokens=64)
+    encoded = []
+
+    class Spy:  # the byte tokenizer, counting what it is asked to encode
+        def __getattr__(self, name):
+            return getattr(gpt2_tokenizer, name)
+
+        def encode(self, text):
+            encoded.append(len(text))
+            return gpt2_tokenizer.encode(text)
+
+    gpt2_tokenizer, engine.tokenizer = engine.tokenizer, Spy()
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("big", "é" * 5_000_000, GREEDY)
+    assert e.value.param == "prompt" and "5000000 characters" in str(e.value) and "max_model_len (64)" in str(e.value)
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("ids", [1] * 1_000_000 + ["not an id"], GREEDY)
+    assert e.value.param == "prompt" and "1000001 tokens" in str(e.value)
+    assert encoded == []
+    with pytest.raises(InvalidRequest) as e:  # 40 characters could be 40 tokens, but are 80 bytes: tokenized
+        engine.add_request("two-byte", "é" * 40, GREEDY)
+    assert encoded == [40] and "80 tokens" in str(e.value)
+    [done] = engine.generate(["é" * 20], SamplingParams(max_tokens=3, temperature=0))
+    assert len(done.token_ids) == 3 and encoded == [40, 20]
+
+
 def test_unsupported_model_type_and_missing_tokenizer_are_clear(gpt2: Family, tmp_path: Path) -> None:
     neox = tmp_path / "neox"
     neox.mkdir()

@@ -217,3 +217,28 @@ def test_stop_conditions_are_bounded() -> None:
         with pytest.raises(InvalidRequest) as e:
             SamplingParams(**fields)
         assert e.value.param == next(iter(fields)) and says in str(e.value)
+
+
+def test_chars_per_token_bound_holds_where_it_is_given(hf_dir: Path, tmp_path: Path) -> None:
+    """What the engine refuses prompts on before tokenizing them: a bound no token exceeds, for the byte tokenizer
+    and byte-level BPE; none for WordPiece, whose [UNK] may stand for a whole word."""
+    from tokenizers import trainers as tr
+
+    from pylon.data.tokenizer import TokenizersFileTokenizer
+    from pylon.serving.tokenization import chars_per_token_bound
+
+    assert chars_per_token_bound(ByteTokenizer()) == 1
+    tok = load_model_tokenizer(str(hf_dir))
+    bound = chars_per_token_bound(tok)
+    assert bound is not None and bound >= 2
+    assert all(len(tok.decode([i])) <= bound for i in range(tok.vocab_size))
+    for text in (TEXT, "hello world, ça va? " * 30, "</s>" * 10):
+        assert len(tok.encode(text)) * bound >= len(text)
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.train_from_iterator(["hello world " * 20], tr.WordPieceTrainer(vocab_size=60, special_tokens=["[UNK]",
+                                                                                                            "</s>"]))
+    wordpiece.save(str(tmp_path / "wp.json"))
+    wp = TokenizersFileTokenizer(str(tmp_path / "wp.json"), "wp", "0", where="test")
+    assert len(wp.encode("zzzzzzzzzzzzzzzzzzzzzzzz")) == 1  # one [UNK] for the whole word
+    assert chars_per_token_bound(wp) is None
