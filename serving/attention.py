@@ -202,9 +202,11 @@ def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.devic
     blocks = torch.tensor(seq.block_table[:-(-num_keys // block_size)], dtype=torch.long).to(device)
     if prefill:  # the kernel reads every key through the block table and masks by position itself
         return PromptChunk(offset, seq.start, seq.num_new, blocks, None)
-    position = torch.arange(seq.start, num_keys)
-    mask = torch.arange(num_keys)[None, :] <= position[:, None]
-    return PromptChunk(offset, seq.start, seq.num_new, blocks, mask.to(device))
+    # Made where it is used: on a GPU, building the [num_new, num_keys] mask on the host and copying it over took
+    # ~0.5 ms a chunk (torch.profiler on an H100: `aten::le` on the CPU 0.42 ms, then a pageable copy).
+    position = torch.arange(seq.start, num_keys, device=device)
+    mask = torch.arange(num_keys, device=device)[None, :] <= position[:, None]
+    return PromptChunk(offset, seq.start, seq.num_new, blocks, mask)
 
 
 def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
