@@ -63,6 +63,10 @@ processes, Serve replicas, the load generator, HAProxy, Ray's and Serve's other 
 costs, in a unit that moves less between rounds than throughput does (`CpuAccount`). The run also prints
 Serve+HTTP / engine by CPU per output token (the engine leg's CPU-seconds over the http leg's, neighbours left
 out): not a target, but steadier than the throughput ratio, so it tells a real change from a noisy round.
+Before each engine and http leg's clock starts, 3 s with nothing in flight (the same pause in both legs) measure
+what each group spends idle; for the http leg that is the cluster's fixed cost (Ray's and Serve's own processes:
+controller, proxies, dashboard, GCS, raylet...), and the run prints it and the CPU ratio without it (a diagnostic:
+on 2 cores it is most of what Serve + HTTP costs, and it stays the same on a larger machine).
 Roofline (engine leg, on a CPU): what the requests need of the hardware, counted from the model's shapes as the
 engine runs them (`workload_cost`: GFLOP of projections and prompt attention, GB of cached keys and values that
 decodes read), against two rates measured at the start of the run on one thread (`hardware_rates`: a 512-row fp32
@@ -304,9 +308,11 @@ def cpu_line(leg: str, r: dict) -> str:
     per_k = r["cpu_ms_per_1k_tokens"]
     parts = ", ".join(f"{g} {per_k[g]:,}" for g in CpuAccount.GROUPS if r["cpu_s"][g] >= 0.01)
     ray = ", ".join(f"{k} {v:.2f}" for k, v in list(r.get("ray_cpu_s", {}).items())[:8])
+    idle = ", ".join(f"{g} {v:g}" for g, v in r.get("idle_cpu_ms_per_s", {}).items() if v >= 0.5)
     return (f"cpu {leg}: {r['cpu_s_total']:.1f} CPU-s, {r['cpu_busy_fraction']:.0%} of the machine; ms per 1k output "
             f"tokens: {parts}; engines preempted {r['engine_preemptions_per_s']:,}/s"
-            + (f"\n  ray's processes, CPU-s: {ray}" if ray else ""))
+            + (f"\n  ray's processes, CPU-s: {ray}" if ray else "")
+            + (f"\n  deployed and idle just before, CPU-ms a second: {idle}" if idle else ""))
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -616,11 +622,12 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
         if isinstance(engine, EnginePool):
             moved = match_policy(engine.pids[0], "engine")
         await asyncio.gather(*(one(r, Record(0.0)) for r in serving_warmup(warmup, args)))
+        idle = await idle_background(None)  # as the http leg does, so that both start from the same pause
         records, t0, cpu = await drive(reqs, args, one, "engine")
         stats = engine.stats()
         return records, t0, {"engines": args.engines if isinstance(engine, EnginePool) else 1,
                              "preemptions": stats.num_preemptions_total, "kv_blocks": stats.num_blocks,
-                             "malloc": getattr(engine, "allocator", "in-process"), **cpu}
+                             "malloc": getattr(engine, "allocator", "in-process"), **cpu, "idle_cpu_ms_per_s": idle}
     finally:
         settle_threads(moved, nice, "engine")
         engine.shutdown()
@@ -682,7 +689,23 @@ async def http_load(url: str, reqs: list[Req], warmup: list[Req], args, cluster)
             await one_on(session, r, rec)
 
         await asyncio.gather(*(one(r, Record(0.0)) for r in serving_warmup(warmup, args)))
-        return await drive(reqs, args, one, "http", cluster)
+        idle = await idle_background(cluster)
+        records, t0, cpu = await drive(reqs, args, one, "http", cluster)
+        return records, t0, {**cpu, "idle_cpu_ms_per_s": idle}
+
+
+IDLE_WINDOW_S = 3.0
+
+
+async def idle_background(cluster) -> dict[str, float]:
+    """CPU-ms a second each group of the http leg's processes spends with the app deployed and warm but no request
+    in flight, over IDLE_WINDOW_S just before the timed leg: what the cluster costs whether it serves or not (Ray's
+    and Serve's own processes, the replica's and engines' idle loops, HAProxy)."""
+    account = CpuAccount(cluster)
+    await asyncio.sleep(IDLE_WINDOW_S)
+    cpu = account.finish(IDLE_WINDOW_S, 1)["cpu_s"]
+    return {group: round(1000 * cpu[group] / IDLE_WINDOW_S, 1) for group in CpuAccount.GROUPS
+            if group != "load generator"}
 
 
 def engine_malloc(engines) -> str:
@@ -1046,6 +1069,22 @@ def main(argv: list[str] | None = None) -> int:
         ratios["http/engine by cpu"] = {"ratio": statistics.median(by_cpu), "rounds": by_cpu}
         print(f"Serve+HTTP / engine by CPU per output token (not a target; steadier): {statistics.median(by_cpu):.2f}x"
               + ("" if len(by_cpu) == 1 else "  rounds: " + ", ".join(f"{r:.2f}" for r in by_cpu)))
+        # How much of that is the cluster's fixed cost: Ray's and Serve's own processes (the "ray" group: controller,
+        # proxies, dashboard, GCS, raylet...) spend about as much a second with nothing to serve (measured just
+        # before each http leg) as during it. On a small machine that is most of Serve + HTTP's cost, and it does
+        # not grow with the machine: the ratio without that group's CPU is printed beside it (a diagnostic).
+        shared = [r for r in sorted(engine_rounds) if r in http_rounds and "idle_cpu_ms_per_s" in http_rounds[r]]
+        if shared:
+            without = [engine_rounds[r]["cpu_s_ours"] / max(http_rounds[r]["cpu_s_ours"]
+                                                            - http_rounds[r]["cpu_s"]["ray"], 1e-9) for r in shared]
+            idle = statistics.median(http_rounds[r]["idle_cpu_ms_per_s"]["ray"] for r in shared)
+            busy = statistics.median(1000 * http_rounds[r]["cpu_s"]["ray"] / http_rounds[r]["duration_s"]
+                                     for r in shared)
+            ratios["http/engine by cpu without ray's processes"] = {"ratio": statistics.median(without),
+                                                                   "rounds": without}
+            print(f"  Ray's and Serve's own processes: {idle:.0f} CPU-ms a second deployed and idle, {busy:.0f} during "
+                  f"the http leg ({busy / 10 / (os.cpu_count() or 1):.1f}% of {os.cpu_count()} cores); by CPU "
+                  f"without them: {statistics.median(without):.2f}x (a diagnostic)")
     if "engine" in tokens and "hf-single" in tokens:
         reference = tokens["hf-single"][0]
         same = [sum(a == b for a, b in zip(run, reference)) for run in tokens["engine"]]
