@@ -135,7 +135,7 @@ class LLMEngine:
                     param="prompt")
             encoded = self.tokenizer.encode(prompt)
             ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        elif isinstance(prompt, Sequence):
             if len(prompt) >= self.max_model_len:
                 raise InvalidRequest(f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len}, so a "
                                      f"prompt may have at most {self.max_model_len - 1} tokens", param="prompt")
