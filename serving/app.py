@@ -27,7 +27,7 @@ import re
 import time
 
 from pylon.errors import PylonError
-from pylon.serving.errors import EngineDeadError, InvalidRequest
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.scheduling import serve_cpu_as_batch
 from pylon.specs import DeploymentSpec
 
@@ -350,6 +350,10 @@ class PylonLLMServer:
             self._count(503, "none")
             return await _send_error(send, 503, f"{self.model_name} is unavailable: {e}", type="server_error",
                                      headers={"Retry-After": str(RETRY_AFTER_S)})
+        except RequestFailed as e:  # the engine's fault, this request's alone: the engine serves on
+            log.error("%s: %s", self.model_name, e)
+            self._count(500, "none")
+            return await _send_error(send, 500, str(e), type="server_error")
 
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
         timeout = self.spec.http.request_timeout_s

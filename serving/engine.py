@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pylon.errors import PylonError
-from pylon.serving.errors import EngineDeadError, InvalidRequest
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.kv_cache import KVBlockPool
 from pylon.serving.request import FinishReason, Request, RequestOutput
 from pylon.serving.sampling import SamplingParams, sample
@@ -456,7 +456,14 @@ class AsyncLLMEngine:
         """Hand a request to the engine (raises `InvalidRequest` here, or delivers it to the stream).
         `interval_s`: how often the stream's consumer takes outputs (an engine in another process may hold its
         outputs up to half of that, to send the steps' outputs for many requests at once)."""
-        self.engine.add_request(request_id, prompt, params)
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except InvalidRequest:
+            raise
+        except Exception as e:  # a fault of ours in taking one request: it fails (as in an engine process), as
+            # RequestFailed; the engine serves on
+            log.exception("engine: taking request %s failed", request_id)
+            raise RequestFailed(f"the engine could not take the request ({type(e).__name__}: {e})") from e
         self._wake.set()
 
     def _raise_if_dead(self) -> None:

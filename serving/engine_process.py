@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 
 from pylon.errors import PylonError
 from pylon.serving.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
-from pylon.serving.errors import EngineDeadError, InvalidRequest
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.heap import allocator, engine_process_env, freeze_loaded_objects, keep_freed_memory
 from pylon.serving.sampling import SamplingParams
 from pylon.serving.scheduling import serve_cpu_as_batch
@@ -189,6 +189,9 @@ class ProcessLLMEngine(AsyncLLMEngine):
                 elif kind == "invalid":
                     _, request_id, text, param = message
                     self._deliver(request_id, InvalidRequest(text, param=param))
+                elif kind == "failed":  # as an in-process engine's add_request raising: that request alone fails
+                    _, request_id, text = message
+                    self._deliver(request_id, RequestFailed(f"the engine could not take the request ({text})"))
                 elif kind == "crashed":
                     reason = f"the engine's step loop crashed ({message[1]})"
                     log.error("engine process: %s", reason)
@@ -429,6 +432,9 @@ def _child(conn: Connection) -> int:
                     outbox.expect(request_id, interval_s)
                 except InvalidRequest as e:
                     conn.send(("invalid", request_id, str(e), e.param))
+                except Exception as e:  # a fault of ours in taking one request: it fails, the engine serves on
+                    log.exception("engine process: taking request %s failed", request_id)
+                    conn.send(("failed", request_id, f"{type(e).__name__}: {e}"))
             elif kind == "abort":
                 engine.abort(message[1])
             elif kind == "stop":

@@ -15,3 +15,8 @@ class InvalidRequest(PylonError, ValueError):
 
 class EngineDeadError(PylonError, RuntimeError):
     """The engine's step loop stopped (shut down or crashed); no request can be served (HTTP 503)."""
+
+
+class RequestFailed(PylonError, RuntimeError):
+    """One request failed inside the engine through a fault of the engine's, not the request's; the engine serves
+    on (HTTP 500 for that request alone)."""

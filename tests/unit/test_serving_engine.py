@@ -761,6 +761,33 @@ def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family
     assert merged, received  # a request's held steps arrive as one output
 
 
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_request_the_engine_fails_to_take_fails_alone(gpt2: Family, where: str) -> None:
+    """A fault of ours in taking one request fails that request (RequestFailed: a 500 for it alone) and the engine
+    serves on, whether its loop is a thread or a process. Here the fault is a SamplingParams whose stop list was
+    corrupted after it was validated, as a bug elsewhere might leave it. An engine process used to die of it: every
+    request after it got EngineDeadError."""
+    from pylon.serving.engine_process import ProcessLLMEngine
+    from pylon.serving.errors import RequestFailed
+
+    kind = ProcessLLMEngine if where == "process" else AsyncLLMEngine
+    engine = kind.from_model(gpt2.dir, spec())
+    try:
+        broken = SamplingParams(max_tokens=3, temperature=0)
+        broken.stop = [3]  # not a string: the request's detokenizer cannot be built
+
+        async def run(request_id: str, params: SamplingParams) -> list:
+            return [out async for out in engine.generate(request_id, PROMPTS[0], params)]
+
+        with pytest.raises(RequestFailed) as e:
+            asyncio.run(run("broken", broken))
+        assert "could not take the request (TypeError" in str(e.value)
+        assert tokens_of(asyncio.run(run("after", GREEDY))) == gpt2.greedy[0]
+        assert engine.check_health()
+    finally:
+        engine.shutdown()
+
+
 def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_cleanly(gpt2: Family) -> None:
     from pylon.serving.engine_process import ProcessLLMEngine
 

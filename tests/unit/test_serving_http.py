@@ -169,6 +169,27 @@ def test_bad_bodies_auth_and_limits_are_4xx_and_the_server_still_answers(server,
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_request_the_engine_fails_to_take_is_a_500_for_it_alone(server, monkeypatch):
+    """The engine's fault in taking one request (RequestFailed) answers that request 500 with a JSON error, and the
+    next request is served. The fault: sampling parameters corrupted after validation, as a bug might leave them."""
+    original = protocol._Request.sampling_params
+
+    def corrupted(self, default_max_tokens):
+        params = original(self, default_max_tokens)
+        if self.user == "break":
+            params.stop = [3]  # not a string: the engine cannot build the request's detokenizer
+        return params
+
+    monkeypatch.setattr(protocol._Request, "sampling_params", corrupted)
+    url = f"{server}/v1/completions"
+    r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 3, "user": "break"},
+                      timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert "could not take the request" in r.json()["error"]["message"]
+    r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200 and requests.get(f"{server}/health", timeout=30).status_code == 200
+
+
 @pytest.mark.parametrize("text", ["", "plain", 'quotes " and \\ backslash', "new\nline\ttab\x01",
                                   "unicode: é ü 你好 🙂", "</script>"])
 @pytest.mark.parametrize("reason", [None, "stop", "length"])
