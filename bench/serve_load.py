@@ -698,9 +698,9 @@ IDLE_WINDOW_S = 3.0
 
 
 async def idle_background(cluster) -> dict[str, float]:
-    """CPU-ms a second each group of the http leg's processes spends with the app deployed and warm but no request
-    in flight, over IDLE_WINDOW_S just before the timed leg: what the cluster costs whether it serves or not (Ray's
-    and Serve's own processes, the replica's and engines' idle loops, HAProxy)."""
+    """CPU-ms a second each group of a leg's processes (`cluster`'s too, for the http leg) spends warm but with no
+    request in flight, over IDLE_WINDOW_S just before the timed leg: for the http leg, what the cluster costs whether
+    it serves or not (Ray's and Serve's own processes, the replica's and engines' idle loops, HAProxy)."""
     account = CpuAccount(cluster)
     await asyncio.sleep(IDLE_WINDOW_S)
     cpu = account.finish(IDLE_WINDOW_S, 1)["cpu_s"]

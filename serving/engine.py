@@ -104,7 +104,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         """Queue a request for the next step. `prompt` is text or token ids. Raises `InvalidRequest`
-        (naming the parameter) for a request that can never run."""
+        (naming the parameter) for a request that can never run, and `RequestFailed` for a fault of the engine's
+        own in taking it: that request fails, and the engine serves on."""
+        try:
+            self._add_request(request_id, prompt, params)
+        except InvalidRequest:
+            raise
+        except Exception as e:
+            log.exception("engine: taking request %s failed", request_id)
+            raise RequestFailed(f"the engine could not take the request ({type(e).__name__}: {e})") from e
+
+    def _add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None) -> None:
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
@@ -136,14 +146,16 @@ class LLMEngine:
             encoded = self.tokenizer.encode(prompt)
             ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
         elif isinstance(prompt, Sequence):
-            if len(prompt) >= self.max_model_len:
-                raise InvalidRequest(f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len}, so a "
-                                     f"prompt may have at most {self.max_model_len - 1} tokens", param="prompt")
+            ids = prompt
+        else:
+            raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, so a prompt "
+                                 f"may have at most {self.max_model_len - 1} tokens", param="prompt")
+        if ids is prompt:
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
                 raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
             ids = list(prompt)
-        else:
-            raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
         # Also for text: a tokenizer larger than the model's embedding table would crash the step loop.
         bad = [i for i in ids if not 0 <= i < self.runner.vocab_size]
         if bad:
@@ -151,9 +163,6 @@ class LLMEngine:
                                  param="prompt")
         if not ids:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, so a prompt "
-                                 f"may have at most {self.max_model_len - 1} tokens", param="prompt")
         return ids
 
     def abort(self, request_id: str) -> None:
@@ -456,14 +465,7 @@ class AsyncLLMEngine:
         """Hand a request to the engine (raises `InvalidRequest` here, or delivers it to the stream).
         `interval_s`: how often the stream's consumer takes outputs (an engine in another process may hold its
         outputs up to half of that, to send the steps' outputs for many requests at once)."""
-        try:
-            self.engine.add_request(request_id, prompt, params)
-        except InvalidRequest:
-            raise
-        except Exception as e:  # a fault of ours in taking one request: it fails (as in an engine process), as
-            # RequestFailed; the engine serves on
-            log.exception("engine: taking request %s failed", request_id)
-            raise RequestFailed(f"the engine could not take the request ({type(e).__name__}: {e})") from e
+        self.engine.add_request(request_id, prompt, params)
         self._wake.set()
 
     def _raise_if_dead(self) -> None:

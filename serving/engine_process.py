@@ -189,9 +189,9 @@ class ProcessLLMEngine(AsyncLLMEngine):
                 elif kind == "invalid":
                     _, request_id, text, param = message
                     self._deliver(request_id, InvalidRequest(text, param=param))
-                elif kind == "failed":  # as an in-process engine's add_request raising: that request alone fails
+                elif kind == "failed":  # the child's add_request raised RequestFailed: that request alone fails
                     _, request_id, text = message
-                    self._deliver(request_id, RequestFailed(f"the engine could not take the request ({text})"))
+                    self._deliver(request_id, RequestFailed(text))
                 elif kind == "crashed":
                     reason = f"the engine's step loop crashed ({message[1]})"
                     log.error("engine process: %s", reason)
@@ -432,9 +432,8 @@ def _child(conn: Connection) -> int:
                     outbox.expect(request_id, interval_s)
                 except InvalidRequest as e:
                     conn.send(("invalid", request_id, str(e), e.param))
-                except Exception as e:  # a fault of ours in taking one request: it fails, the engine serves on
-                    log.exception("engine process: taking request %s failed", request_id)
-                    conn.send(("failed", request_id, f"{type(e).__name__}: {e}"))
+                except RequestFailed as e:  # that request alone fails; the engine serves on
+                    conn.send(("failed", request_id, str(e)))
             elif kind == "abort":
                 engine.abort(message[1])
             elif kind == "stop":

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pylon.serving.errors import InvalidRequest
+from pylon.serving.errors import InvalidRequest, shown
 from pylon.serving.sampling import SamplingParams
 
 
@@ -137,11 +137,11 @@ def parse_request(cls: type[_Request], body: bytes) -> _Request:
         elif union is not None:
             tried = list(dict.fromkeys(err["loc"][union] for err in errors
                                        if len(err["loc"]) > union and list(err["loc"][:union]) == loc))
-            got = f" (got {_shown(first.get('input'))})" if len(first["loc"]) == union + 1 else ""
+            got = f" (got {shown(first.get('input'))})" if len(first["loc"]) == union + 1 else ""
             message = f"{param}: expected {', '.join(tried[:-1])} or {tried[-1]}{got}" if len(tried) > 1 else \
                 f"{param}: {first['msg']}{got}"
         else:
-            message = f"{param}: {first['msg']} (got {_shown(first.get('input'))})"
+            message = f"{param}: {first['msg']} (got {shown(first.get('input'))})"
         raise InvalidRequest(message, param=param) from None
     request.check_supported()
     return request
@@ -150,15 +150,6 @@ def parse_request(cls: type[_Request], body: bytes) -> _Request:
 # How pydantic names the member of a union it tried in an error's location ("str", "list[int]", ...), as opposed to
 # a field name or a list index.
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|set)\[.*\]|function-\w+\[.*\])$")
-
-
-def _shown(value) -> str:
-    """A request's value as the client wrote it (JSON: null, true, "text"), cut to 80 characters."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,

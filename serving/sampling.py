@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pylon.serving.errors import InvalidRequest
+from pylon.serving.errors import InvalidRequest, shown
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ class SamplingParams:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequest(f"stop must be a non-empty string or a list of them (got {_shown(self.stop)})",
+            raise InvalidRequest(f"stop must be a non-empty string or a list of them (got {shown(self.stop)})",
                                  param="stop")
         self.stop = list(self.stop)
         # Every generated token is checked against every stop string in the engine's step, for every request of
@@ -77,7 +77,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be a list of token ids >= 0 (got "
-                                 f"{_shown(self.stop_token_ids)})", param="stop_token_ids")
+                                 f"{shown(self.stop_token_ids)})", param="stop_token_ids")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids (got "
                                  f"{len(self.stop_token_ids)})", param="stop_token_ids")
@@ -103,11 +103,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
 TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_int(name: str, value) -> None:
