@@ -126,20 +126,117 @@ class Workspace:
         return buf[:numel].view(shape)
 
 
+class HostStage:
+    """The integer tensors of a step (token ids, positions, slots, block tables, context lengths), sent to the device
+    in one copy.
+
+    On a GPU each `torch.tensor(..., device="cuda")` is a copy from pageable memory: ~65 us of the host's time each
+    (staged through a driver buffer), and an eager step made ~20 of them (torch.profiler on an H100, a 12-layer bf16
+    GPT-2: `cudaMemcpyAsync` 13% of the engine's CPU time; docs/benchmarks.md, twenty-third set). Staged, `add`
+    writes a list into a reused page-locked buffer and returns its place in a reused device buffer, `then` queues
+    device work that reads it, and `send` copies everything added since the last send in one non-blocking copy and
+    then queues that work. Views are handed out before the copy is queued: nothing may read them before `send`.
+
+    Unstaged (a CPU, unless `staged` says otherwise), `add` makes a tensor as `torch.tensor` would, `then` runs at
+    once and `send` does nothing: on a CPU the lists are already where the kernels read them."""
+
+    def __init__(self, device: torch.device | str, *, staged: bool | None = None, min_size: int = 4096):
+        self.device = torch.device(device)
+        self.staged = self.device.type == "cuda" if staged is None else staged
+        self.min_size = min_size
+        self.copies = 0  # copies to the device so far (staged)
+        self._host: torch.Tensor | None = None  # int64, page-locked on CUDA
+        self._values = None  # its numpy view: a list is written into it without a tensor in between
+        self._dev: torch.Tensor | None = None
+        self._used = self._sent = 0
+        self._then: list = []
+        self._done = None  # a CUDA event after the last copy out of `_host`
+
+    def begin(self) -> None:
+        """Start a step: the previous copy out of the page-locked buffer must have happened before it is rewritten
+        (a step that samples nothing returns without waiting on the device)."""
+        if self._done is not None:
+            self._done.synchronize()
+        self._used = self._sent = 0
+        self._then.clear()
+
+    def _room(self, n: int) -> None:
+        if self._host is not None and self._used + n <= len(self._host):
+            return
+        self.send()  # what was added goes from the buffers it was written in; fresh ones take the rest
+        size = max(self.min_size, 2 * n, 2 * len(self._host) if self._host is not None else 0)
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(size, dtype=torch.long, pin_memory=pin)
+        self._values = self._host.numpy()
+        self._dev = torch.empty(size, dtype=torch.long, device=self.device)
+        self._used = self._sent = 0
+
+    def add(self, values: list[int]) -> torch.Tensor:
+        """A 1-D int64 tensor on the device holding `values` (staged: once `send` has run)."""
+        if not self.staged:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+        n = len(values)
+        self._room(n)
+        a = self._used
+        self._values[a:a + n] = values
+        self._used = a + n
+        return self._dev[a:a + n]
+
+    def then(self, work) -> None:
+        """Run `work()` (device work reading what was added) once it is on the device."""
+        if self.staged:
+            self._then.append(work)
+        else:
+            work()
+
+    def send(self) -> None:
+        if self.staged and self._used > self._sent:
+            a, b = self._sent, self._used
+            self._dev[a:b].copy_(self._host[a:b], non_blocking=True)
+            self._sent = b
+            self.copies += 1
+            if self.device.type == "cuda":
+                self._done = self._done or torch.cuda.Event()
+                self._done.record()
+        work, self._then = self._then, []
+        for w in work:
+            w()
+
+    def upload(self, dst: torch.Tensor, values: list[int]) -> None:
+        """Copy `values` into the int64 device tensor `dst` (a CUDA graph's inputs): one copy, page-locked."""
+        if not self.staged:
+            dst.copy_(torch.tensor(values, dtype=torch.long))
+            return
+        self.begin()
+        self._room(len(values))
+        n = len(values)
+        self._values[:n] = values
+        dst[:n].copy_(self._host[:n], non_blocking=True)
+        self.copies += 1
+        if self.device.type == "cuda":
+            self._done = self._done or torch.cuda.Event()
+            self._done.record()
+
+
 def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
                    dtype: torch.dtype = torch.float32, *, kernel: bool = False,
-                   prefill: bool = False) -> AttentionMetadata:
+                   prefill: bool = False, stage: HostStage | None = None, slots: bool = True) -> AttentionMetadata:
     """What every layer's attention needs to know about this step, for `seqs` in their flat token order.
     `kernel`: decodes are attended by the compiled paged kernel, in place, so they form one group. `prefill`: prompt
-    chunks are attended by the compiled prefill kernel, over the cache (`kernels.prefill_usable`)."""
+    chunks are attended by the compiled prefill kernel, over the cache (`kernels.prefill_usable`). `stage`: the
+    step's HostStage, which the caller sends (without one, the lists go over before this returns); `slots`: make the
+    slot mapping (else None: see `final_metadata`)."""
+    own = stage is None
+    stage = stage or HostStage(device)
     # Plain Python ints, one tensor at the end: a step of 32 decodes would otherwise make ~100 tiny tensors.
-    offsets, slots, offset = [], [], 0
+    offsets, slot_list, offset = [], [], 0
     for seq in seqs:
         offsets.append(offset)
         offset += seq.num_new
-        table = seq.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size
-                     for p in range(seq.start, seq.start + seq.num_new))
+        if slots:
+            table = seq.block_table
+            slot_list.extend(table[p // block_size] * block_size + p % block_size
+                             for p in range(seq.start, seq.start + seq.num_new))
     # Decodes are grouped by context length: one padded batch would gather every sequence's keys up to the
     # longest context, and gathering is most of the cost of attention here. Sorted, in up to
     # DECODE_GROUPS groups of at least MIN_GROUP sequences, the padding shrinks to a fraction.
@@ -156,20 +253,24 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     bounds = [round(j * len(decodes) / parts) for j in range(parts + 1)]
     members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])]
     make = _kernel_group if kernel else _group
-    groups = [make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype) for m in members if m]
-    chunks = tuple(_chunk(seq, offset, block_size, device, prefill) for seq, offset in zip(seqs, offsets)
+    groups = [make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype, stage)
+              for m in members if m]
+    chunks = tuple(_chunk(seq, offset, block_size, device, prefill, stage) for seq, offset in zip(seqs, offsets)
                    if seq.num_new > 1)
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(device), groups, kernel, chunks, prefill)
+    meta = AttentionMetadata(stage.add(slot_list) if slots else None, groups, kernel, chunks, prefill)
+    if own:
+        stage.send()
+    return meta
 
 
 def final_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
-                   dtype: torch.dtype = torch.float32, *, kernel: bool = False) -> AttentionMetadata:
+                   dtype: torch.dtype = torch.float32, *, kernel: bool = False,
+                   stage: HostStage | None = None) -> AttentionMetadata:
     """The last layer's attention for the step's sampling tokens only, one query each: `seqs` are
     `SequenceSlice(position, 1, table)` of each sampling token, in the order of the queries. Their keys and values,
     the step's included, are in the cache when it runs (the layer stores every token's first), so it stores
     nothing and every query is a decode over the cache."""
-    meta = build_metadata(seqs, block_size, device, dtype, kernel=kernel)
-    return AttentionMetadata(None, meta.groups, meta.kernel, meta.chunks)
+    return build_metadata(seqs, block_size, device, dtype, kernel=kernel, stage=stage, slots=False)
 
 
 def padded_tables(tables: Iterable[list[int]], num_blocks: int) -> list[int]:
@@ -184,22 +285,22 @@ def padded_tables(tables: Iterable[list[int]], num_blocks: int) -> list[int]:
 
 
 def _kernel_group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
-                  dtype: torch.dtype) -> AttentionGroup:
+                  dtype: torch.dtype, stage: HostStage) -> AttentionGroup:
     """Decodes for the kernel, which needs only block tables and lengths: no padding, no mask (plain Python,
     three tensors: this runs every step)."""
     num_keys = [s.start + 1 for s in seqs]
     nb = -(-max(num_keys) // block_size)
-    table = padded_tables((s.block_table for s in seqs), nb)
-    tokens = torch.tensor(offsets, dtype=torch.long).to(device)
-    return AttentionGroup(tokens.view(-1, 1), None, tokens, torch.tensor(table, dtype=torch.long).to(device), nb,
-                          max(num_keys), None, torch.tensor(num_keys, dtype=torch.long).to(device))
+    tokens = stage.add(offsets)
+    return AttentionGroup(tokens.view(-1, 1), None, tokens, stage.add(padded_tables((s.block_table for s in seqs), nb)),
+                          nb, max(num_keys), None, stage.add(num_keys))
 
 
-def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.device, prefill: bool) -> PromptChunk:
+def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.device, prefill: bool,
+           stage: HostStage) -> PromptChunk:
     if seq.start == 0 and not prefill:  # its keys are its own new tokens: plain causal attention, nothing to gather
         return PromptChunk(offset, 0, seq.num_new, None, None)
     num_keys = seq.start + seq.num_new
-    blocks = torch.tensor(seq.block_table[:-(-num_keys // block_size)], dtype=torch.long).to(device)
+    blocks = stage.add(seq.block_table[:-(-num_keys // block_size)])
     if prefill:  # the kernel reads every key through the block table and masks by position itself
         return PromptChunk(offset, seq.start, seq.num_new, blocks, None)
     # Made where it is used: on a GPU, building the [num_new, num_keys] mask on the host and copying it over took
@@ -210,24 +311,19 @@ def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.devic
 
 
 def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
-           dtype: torch.dtype) -> AttentionGroup:
-    start = torch.tensor([s.start for s in seqs])
-    num_new = torch.tensor([s.num_new for s in seqs])
-    num_keys = start + num_new
-    Q, K = int(num_new.max()), int(num_keys.max())
-    q = torch.arange(Q)
-    query_index = torch.tensor(offsets)[:, None] + torch.minimum(q[None, :], num_new[:, None] - 1)
-    is_real = (q[None, :] < num_new[:, None]).reshape(-1)
-    real = is_real.nonzero().squeeze(1)
-    query_position = start[:, None] + q[None, :]  # [B, Q]
-    key = torch.arange(K)
-    # Padding queries (q >= num_new) see the whole real context: a row with no key at all would be NaN.
-    allowed = (key[None, None, :] <= query_position[:, :, None]) & (key[None, None, :] < num_keys[:, None, None])
-    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+           dtype: torch.dtype, stage: HostStage) -> AttentionGroup:
+    """Decodes (one new token each) in one padded batch: each sequence's keys up to the group's longest context,
+    masked past its own (the bias is made on the device, from the lengths, once they are there)."""
+    num_keys = [s.start + 1 for s in seqs]
+    K, B = max(num_keys), len(seqs)
     num_blocks = -(-K // block_size)
-    table = torch.tensor(padded_tables((seq.block_table for seq in seqs), num_blocks), dtype=torch.long)
-    return AttentionGroup(query_index.to(device), real.to(device), query_index.reshape(-1)[real].to(device),
-                          table.to(device), num_blocks, K, bias.to(device), num_keys.to(device))
+    tokens = stage.add(offsets)
+    table = stage.add(padded_tables((seq.block_table for seq in seqs), num_blocks))
+    lens = stage.add(num_keys)
+    bias = torch.empty(B, 1, K, dtype=dtype, device=device)
+    stage.then(lambda: bias.zero_().masked_fill_(torch.arange(K, device=device)[None, None, :] >= lens[:, None, None],
+                                                 float("-inf")))
+    return AttentionGroup(tokens.view(-1, 1), torch.arange(B, device=device), tokens, table, num_blocks, K, bias, lens)
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:

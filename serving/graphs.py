@@ -126,10 +126,10 @@ class DecodeGraphs:
         pad = b - len(scheduled)
         ids = [s.request.token_ids[p] for s, p in zip(scheduled, starts)] + [0] * pad
         slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, starts)]
-        host = torch.tensor(ids + starts + [0] * pad + slots + [self.runner.scratch_slot] * pad
-                            + [p + 1 for p in starts] + [1] * pad + padded_tables(block_tables, nb) + [0] * (pad * nb),
-                            dtype=torch.long)
-        graph.inputs.copy_(host, non_blocking=True)
+        # One copy from page-locked memory (ModelRunner.stage): a pageable one costs the host ~65 us more.
+        self.runner.stage.upload(graph.inputs, ids + starts + [0] * pad + slots + [self.runner.scratch_slot] * pad
+                                 + [p + 1 for p in starts] + [1] * pad + padded_tables(block_tables, nb)
+                                 + [0] * (pad * nb))
         graph.replay()
         self.replays += 1
         return graph.logits[:len(scheduled)]

@@ -26,7 +26,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
 from pylon.serving import linear, switched_on
-from pylon.serving.attention import (AttentionMetadata, SequenceSlice, Workspace, build_metadata, final_metadata,
+from pylon.serving.attention import (AttentionMetadata, HostStage, SequenceSlice, Workspace, build_metadata,
+                                     final_metadata,
                                      new_kv_cache, paged_attention, prompt_attention_backends, store_kv_pair)
 from pylon.serving.scheduler import ScheduledRequest
 
@@ -183,6 +184,7 @@ class ModelRunner:
                                      device=self.device) for _ in range(config.num_hidden_layers)]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
+        self.stage = HostStage(self.device)  # a step's integer tensors, in one copy to a GPU
         self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
         self.decode_graphs = None  # pylon.serving.graphs.DecodeGraphs, on a GPU (use_decode_graphs)
         from pylon.serving import kernels
@@ -285,23 +287,27 @@ class ModelRunner:
             seqs.append(SequenceSlice(s.start, s.num_new_tokens, table))
             if s.samples:
                 last_tokens.append(len(token_ids) - 1)
-        meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel, prefill=self.prefill)
+        stage = self.stage
+        stage.begin()
+        meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel, prefill=self.prefill,
+                              stage=stage)
         if len(last_tokens) == len(token_ids):  # decodes only: the last layer's queries are the step's, as they are
             final = Final(None, dataclasses.replace(meta, slot_mapping=None))
         else:
             finals = [SequenceSlice(s.start + s.num_new_tokens - 1, 1, table)
                       for s, table in zip(scheduled, block_tables) if s.samples]
-            final = Final(torch.tensor(last_tokens, dtype=torch.long, device=self.device),
-                          final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel)
-                          if finals else None)
+            final = Final(stage.add(last_tokens),
+                          final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel,
+                                         stage=stage) if finals else None)
         if final.rows is not None and self.pad_rows:
             # A step with a prompt chunk: its projections run over one of a few row counts (linear.padded_rows),
             # the extra rows token 0 at position 0, which store nothing, attend nothing and sample nothing.
             pad = linear.padded_rows(len(token_ids)) - len(token_ids)
             token_ids.extend([0] * pad)
             positions.extend([0] * pad)
-        ids = torch.tensor(token_ids, device=self.device)
-        hidden = self.forward(ids, torch.tensor(positions, device=self.device), meta, final)
+        ids, positions = stage.add(token_ids), stage.add(positions)
+        stage.send()
+        hidden = self.forward(ids, positions, meta, final)
         if not last_tokens:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self.model.lm_head(hidden).float()

@@ -949,3 +949,26 @@ def test_decode_steps_in_fixed_shapes_match_transformers_greedy(family: Family, 
     monkeypatch.setattr("pylon.serving.graphs.GATHER_BYTES", graphs.gather_bytes(4, 8))
     assert max(b * nb for b, nb in graphs.shapes()) == 32 and (8, 16) not in graphs.shapes()
     assert_pool_empty(engine)
+
+
+def test_every_step_sends_its_integer_tensors_in_one_copy_and_keeps_greedy_parity(family: Family) -> None:
+    """A step's token ids, positions, slots, block tables and lengths go to a GPU in one copy from page-locked memory
+    (attention.HostStage), not ~20 pageable ones. On a CPU the runner's stage is unstaged; here it is staged as a
+    GPU's is (and the compiled kernels are off, so decodes go through the padded group whose bias is made on the
+    device from the lengths after the copy): greedy continuations stay transformers' own, in one copy a step."""
+    from pylon.serving.attention import HostStage
+
+    engine = family.engine()
+    runner = engine.runner
+    if not ON_CUDA:
+        assert not runner.stage.staged
+        runner.stage = HostStage(runner.device, staged=True)
+        runner.kernel = runner.prefill = False
+    assert runner.stage.staged
+    steps = []
+    execute = runner.execute
+    runner.execute = lambda *a: (steps.append(1), execute(*a))[1]
+    got = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    assert got == family.greedy
+    assert runner.stage.copies == len(steps) >= NEW_TOKENS
+    assert_pool_empty(engine)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pylon.serving.attention import SequenceSlice, build_metadata, new_kv_cache, paged_attention
+from pylon.serving.attention import HostStage, SequenceSlice, build_metadata, new_kv_cache, paged_attention
 from pylon.serving.kv_cache import KVBlockPool
 from pylon.serving.request import Request
 from pylon.serving.sampling import SamplingParams, sample
@@ -218,7 +218,7 @@ def test_paged_attention_over_a_narrower_cache_reads_back_what_it_stored(kernel:
 
 
 def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int, kv_dtype: torch.dtype, *,
-                          prefill: bool = False) -> None:
+                          prefill: bool = False, stage: HostStage | None = None) -> None:
     if kernel:
         from pylon.serving import kernels
 
@@ -244,16 +244,20 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
         tables.append(blocks[used:used + n])
         used += n
 
-    def run_step(starts, counts):
+    def run_step(starts, counts, stage=None):
         seqs = [SequenceSlice(s, n, table) for s, n, table in zip(starts, counts, tables) if n]
         live = [i for i, n in enumerate(counts) if n]
         cat = lambda xs: torch.cat([xs[i][starts[i]:starts[i] + counts[i]] for i in live])  # noqa: E731
-        meta = build_metadata(seqs, block_size, torch.device("cpu"), kernel=kernel, prefill=prefill)
+        if stage is not None:
+            stage.begin()
+        meta = build_metadata(seqs, block_size, torch.device("cpu"), kernel=kernel, prefill=prefill, stage=stage)
+        if stage is not None:
+            stage.send()
         assert meta.prefill == prefill
         return paged_attention(cat(q), cat(k), cat(v), k_cache, v_cache, meta, dim ** -0.5), live
 
     run_step([0] * len(cached), [c if c else 0 for c in cached])  # what earlier steps cached
-    out, live = run_step(cached, new)
+    out, live = run_step(cached, new, stage)
     offset = 0
     for i in live:
         # A chunk that starts its prompt attends over its fresh keys and values; everything else over the cache's.
@@ -268,6 +272,26 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
         assert k_cache.dtype == kv_dtype and not torch.equal(rounded(k[5]), k[5])
     if prefill:  # and the kernel really ran: every chunk found through its block table
         assert all(c.key_blocks is not None and c.mask is None for c in meta_chunks(tables, cached, new, block_size))
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
+@pytest.mark.parametrize("min_size", [4096, 8], ids=["one-copy", "regrown"])
+def test_metadata_staged_in_one_copy_attends_as_unstaged(kernel: bool, min_size: int) -> None:
+    """A GPU's step sends its integer tensors in one copy (HostStage): views of a device buffer handed out before the
+    copy, and the decode bias made from the lengths only after it. Staged on a CPU, the same path: had the bias been
+    made before the copy (from an empty buffer), or a view pointed at a buffer the lists did not go through (one
+    regrown mid-step, `min_size` 8), attention would not match the dense reference (the step before it, which fills
+    the cache, runs unstaged)."""
+    if kernel:
+        from pylon.serving import kernels
+
+        assert kernels.load() is not None, f"paged-attention kernel did not build: {kernels._failed}"
+    stage = HostStage("cpu", staged=True, min_size=min_size)
+    check_paged_attention(kernel, 2, 32, 4, torch.float32, stage=stage)
+    if min_size == 8:
+        assert stage.copies > 1  # the buffers were regrown mid-step, and what came before went first
+    else:
+        assert stage.copies == 1  # the step's every integer tensor in one copy
 
 
 def meta_chunks(tables, cached, new, block_size):
