@@ -70,6 +70,28 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return KV_DTYPES[kv_cache_dtype]
 
 
+def weights_failure(model_dir: str, error: Exception) -> str:
+    """What is wrong with `model_dir`'s weights, given the error loading them raised: the first safetensors file
+    whose header or tensors cannot be read is named (transformers' own message names neither the file nor the
+    directory), else the directory with the error."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    for name in files:
+        path = os.path.join(model_dir, name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    f.get_slice(key)  # each tensor's extent within the file
+        except Exception as e:
+            return (f"model {model_dir}: weights file {name} is damaged ({type(e).__name__}: {e}); copy it again "
+                    "or export the model again (`pylon export`)")
+    if not files and not any(f.endswith(".bin") for f in os.listdir(model_dir)):
+        return (f"model {model_dir}: has no weights (no *.safetensors or pytorch_model.bin file); point `model` at "
+                "a `pylon export` output or a saved transformers model")
+    return f"model {model_dir}: its weights cannot be loaded ({type(error).__name__}: {str(error)[:500]})"
+
+
 def _model_type(model_dir: str) -> str | None:
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -161,7 +183,10 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
+        except Exception as e:  # a missing, truncated or foreign weights file: say which, and what to do
+            raise PylonError(weights_failure(model_dir, e)) from None
         self.model.to(self.device).eval()
         self.config = config
         # oneDNN for the projections on a CPU (pylon.serving.linear); `self._mm(bias, x, w)` is addmm's signature.

@@ -30,8 +30,14 @@ def load_model_tokenizer(model_dir: str) -> Tokenizer:
     if not os.path.exists(identity_file):
         raise PylonError(f"model {model_dir}: has no tokenizer; expected Hugging Face tokenizer files "
                          f"({', '.join(HF_TOKENIZER_FILES)}) or {PYLON_TOKENIZER_FILE} (what `pylon export` writes)")
-    with open(identity_file) as f:
-        identity = json.load(f)
+    try:
+        with open(identity_file) as f:
+            identity = json.load(f)
+        if not isinstance(identity, dict):
+            raise ValueError(f"a JSON object was expected, not {type(identity).__name__}")
+    except (OSError, ValueError) as e:
+        raise PylonError(f"model {model_dir}: {PYLON_TOKENIZER_FILE} cannot be read ({e}); export the model again "
+                         "(`pylon export`) or copy the file from the export") from None
     if identity.get("kind") == "byte":
         return ByteTokenizer()
     raise PylonError(f"model {model_dir}: was trained with the {identity.get('kind')} tokenizer "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -425,6 +426,33 @@ def test_unsupported_model_type_and_missing_tokenizer_are_clear(gpt2: Family, tm
         (no_tokenizer / name).write_bytes(Path(gpt2.dir, name).read_bytes())
     with pytest.raises(PylonError, match="has no tokenizer"):
         LLMEngine(str(no_tokenizer), EngineSpec(device="cpu"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "tokenizer-not-json", "tokenizer-not-object"])
+def test_damaged_weights_and_tokenizer_files_are_named(gpt2: Family, tmp_path: Path, damage: str) -> None:
+    """A model directory with a truncated or foreign weights file, none at all, or a broken pylon_tokenizer.json: the
+    error names the directory and the file, and says what to do (transformers' and safetensors' own say "Error while
+    deserializing header: incomplete metadata, file not fully covered", naming neither)."""
+    model = tmp_path / "model"
+    shutil.copytree(gpt2.dir, model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    expected = {"truncated": r"weights file model\.safetensors is damaged \(SafetensorError: .*incomplete metadata",
+                "garbage": r"weights file model\.safetensors is damaged",
+                "missing": r"has no weights \(no \*\.safetensors or pytorch_model\.bin file\)",
+                "tokenizer-not-json": r"pylon_tokenizer\.json cannot be read \(Expecting",
+                "tokenizer-not-object": r"pylon_tokenizer\.json cannot be read \(a JSON object was expected"}[damage]
+    if damage == "truncated":
+        weights.write_bytes(data[:len(data) // 2])
+    elif damage == "garbage":
+        weights.write_bytes(b"\x00" * 100)
+    elif damage == "missing":
+        weights.unlink()
+    else:
+        (model / "pylon_tokenizer.json").write_text("{oops" if damage == "tokenizer-not-json" else "[1, 2]")
+    with pytest.raises(PylonError, match=expected) as raised:
+        LLMEngine(str(model), EngineSpec(device="cpu"))
+    assert str(model) in str(raised.value)
 
 
 # ---------------------------------------------------------------------------------------------------------
