@@ -194,10 +194,7 @@ class HostStage:
             a, b = self._sent, self._used
             self._dev[a:b].copy_(self._host[a:b], non_blocking=True)
             self._sent = b
-            self.copies += 1
-            if self.device.type == "cuda":
-                self._done = self._done or torch.cuda.Event()
-                self._done.record()
+            self._copied()
         work, self._then = self._then, []
         for w in work:
             w()
@@ -212,6 +209,10 @@ class HostStage:
         n = len(values)
         self._values[:n] = values
         dst[:n].copy_(self._host[:n], non_blocking=True)
+        self._copied()
+
+    def _copied(self) -> None:
+        """A copy out of the page-locked buffer was queued: count it, and mark its place in the stream (`begin`)."""
         self.copies += 1
         if self.device.type == "cuda":
             self._done = self._done or torch.cuda.Event()

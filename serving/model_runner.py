@@ -27,8 +27,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from pylon.errors import PylonError
 from pylon.serving import linear, switched_on
 from pylon.serving.attention import (AttentionMetadata, HostStage, SequenceSlice, Workspace, build_metadata,
-                                     final_metadata,
-                                     new_kv_cache, paged_attention, prompt_attention_backends, store_kv_pair)
+                                     final_metadata, new_kv_cache, paged_attention, prompt_attention_backends,
+                                     store_kv_pair)
 from pylon.serving.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class ModelRunner:
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         except Exception as e:  # a missing, truncated or foreign weights file: say which, and what to do
-            raise PylonError(weights_failure(model_dir, e)) from None
+            raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()
         self.config = config
         # oneDNN for the projections on a CPU (pylon.serving.linear); `self._mm(bias, x, w)` is addmm's signature.

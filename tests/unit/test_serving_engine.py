@@ -983,8 +983,10 @@ def test_every_step_sends_its_integer_tensors_in_one_copy_and_keeps_greedy_parit
     """A step's token ids, positions, slots, block tables and lengths go to a GPU in one copy from page-locked memory
     (attention.HostStage), not ~20 pageable ones. On a CPU the runner's stage is unstaged; here it is staged as a
     GPU's is (and the compiled kernels are off, so decodes go through the padded group whose bias is made on the
-    device from the lengths after the copy): greedy continuations stay transformers' own, in one copy a step."""
+    device from the lengths after the copy, and decode steps in fixed shapes take their inputs through it too):
+    greedy continuations stay transformers' own, in one copy a step."""
     from pylon.serving.attention import HostStage
+    from pylon.serving.graphs import DecodeGraphs
 
     engine = family.engine()
     runner = engine.runner
@@ -992,11 +994,19 @@ def test_every_step_sends_its_integer_tensors_in_one_copy_and_keeps_greedy_parit
         assert not runner.stage.staged
         runner.stage = HostStage(runner.device, staged=True)
         runner.kernel = runner.prefill = False
+        # Decode steps in fixed shapes, run eagerly here, take their inputs through the stage too (`upload`).
+        runner.add_scratch_block()
+        runner.decode_graphs = DecodeGraphs(runner, 8, engine.max_model_len, capture=False)
+        runner.decode_graphs.capture_all()
     assert runner.stage.staged
     steps = []
     execute = runner.execute
     runner.execute = lambda *a: (steps.append(1), execute(*a))[1]
-    got = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    got = []
+    for part in (PROMPTS[:5], PROMPTS[5:]):  # at most 8 decodes a step, so that fixed shapes take them
+        got += [c.token_ids for c in engine.generate(part, GREEDY)]
     assert got == family.greedy
     assert runner.stage.copies == len(steps) >= NEW_TOKENS
+    if runner.decode_graphs is not None:
+        assert 0 < runner.decode_graphs.replays < len(steps)  # both kinds of step ran, each in one copy
     assert_pool_empty(engine)
