@@ -205,6 +205,21 @@ def test_model_from_a_uri_and_max_model_len_capped_at_the_models_positions(gpt2:
     assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == gpt2.greedy[1]
 
 
+def test_a_damaged_file_of_a_remote_model_is_named_by_the_models_uri(gpt2: Family) -> None:
+    """A remote model is loaded from a temporary copy, removed afterwards: the error names the model as given (the
+    place to fix the file), not the copy."""
+    fs = fsspec.filesystem("memory")
+    for path in Path(gpt2.dir).iterdir():
+        data = path.read_bytes()
+        fs.pipe(f"/serving-test/damaged/{path.name}", data[:len(data) // 2] if path.suffix == ".safetensors" else data)
+    with pytest.raises(PylonError) as raised:
+        LLMEngine("memory://serving-test/damaged", spec())
+    message = str(raised.value)
+    assert message.startswith("model memory://") and \
+        "serving-test/damaged: weights file model.safetensors is damaged" in message
+    assert "pylon-model-" not in message
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Finishing: abort, length, stop strings, stop tokens, eos
 # ---------------------------------------------------------------------------------------------------------
