@@ -73,19 +73,10 @@ class LLMEngine:
         self.spec = spec = spec or EngineSpec()
         self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size)
         with local_model_dir(model) as directory:
-            try:
-                self.tokenizer = load_model_tokenizer(directory)
-                self._chars_per_token = chars_per_token_bound(self.tokenizer)
-                self.runner = ModelRunner(directory, num_blocks=self.pool.num_blocks, block_size=spec.block_size,
-                                          device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
-            except PylonError as e:
-                if directory == model:
-                    raise
-                # A remote model's files were copied to a temporary directory, gone when this returns: name the
-                # model as it was given (without credentials), where the damaged file is to be fixed.
-                from pylon import storage
-
-                raise PylonError(str(e).replace(directory, storage.describe(model))) from e
+            self.tokenizer = load_model_tokenizer(directory)
+            self._chars_per_token = chars_per_token_bound(self.tokenizer)
+            self.runner = ModelRunner(directory, num_blocks=self.pool.num_blocks, block_size=spec.block_size,
+                                      device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
         if compiled:

@@ -76,7 +76,8 @@ def weights_failure(model_dir: str, error: Exception) -> str:
     directory), else the directory with the error."""
     from safetensors import safe_open
 
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    listing = os.listdir(model_dir)
+    files = sorted(f for f in listing if f.endswith(".safetensors"))
     for name in files:
         path = os.path.join(model_dir, name)
         try:
@@ -86,7 +87,7 @@ def weights_failure(model_dir: str, error: Exception) -> str:
         except Exception as e:
             return (f"model {model_dir}: weights file {name} is damaged ({type(e).__name__}: {e}); copy it again "
                     "or export the model again (`pylon export`)")
-    if not files and not any(f.endswith(".bin") for f in os.listdir(model_dir)):
+    if not files and not any(f.endswith(".bin") for f in listing):
         return (f"model {model_dir}: has no weights (no *.safetensors or pytorch_model.bin file); point `model` at "
                 "a `pylon export` output or a saved transformers model")
     return f"model {model_dir}: its weights cannot be loaded ({type(error).__name__}: {str(error)[:500]})"

@@ -181,7 +181,8 @@ def export_lora(model: torch.nn.Module, out_dir: str | os.PathLike, merge: bool)
 @contextlib.contextmanager
 def local_model_dir(uri: str) -> Iterator[str]:
     """A local directory holding the model directory `uri`: the path itself when local, else a private copy
-    (removed on exit), since `transformers` reads only local files."""
+    (removed on exit), since `transformers` reads only local files. A PylonError raised inside about a file of the
+    copy names `uri` instead (without credentials)."""
     try:
         fs, path = storage.resolve(uri)
         is_dir = fs.isdir(path)
@@ -201,7 +202,10 @@ def local_model_dir(uri: str) -> Iterator[str]:
         except Exception as e:  # fsspec/botocore errors while copying
             raise PylonError(
                 f"model.path {storage.describe(uri)}: cannot be copied ({type(e).__name__}: {e})") from None
-        yield tmp
+        try:
+            yield tmp
+        except PylonError as e:  # about a file of the copy, gone when this returns: name the model as given
+            raise PylonError(str(e).replace(tmp, storage.describe(uri))) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
