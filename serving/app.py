@@ -322,6 +322,10 @@ class PylonLLMServer:
         try:
             self._authorize(headers)
             cls = protocol.CompletionRequest if kind == "completion" else protocol.ChatCompletionRequest
+            encoding = headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):  # read as JSON, a compressed body would be a baffling 400
+                raise _HttpError(415, f"Content-Encoding {encoding!r} is not supported: send the JSON body "
+                                      "uncompressed", type="invalid_request_error", param="body")
             body = protocol.parse_request(cls, await _read_body(receive))
             self._check_model(body.model)
             if kind == "completion":

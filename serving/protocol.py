@@ -2,8 +2,10 @@
 
 Requests are pydantic models that forbid unknown fields: a misspelled parameter is a 400 that names it,
 never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`n` > 1, `logprobs`, `echo`,
-penalties, `best_of`, `suffix`, `logit_bias`, tools) are accepted only at their neutral value, with an error
-that says so otherwise. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's extensions, kept by name.
+penalties, `best_of`, `suffix`, `logit_bias`, tools and tool choices, structured `response_format`) are accepted
+only at their neutral value, with an error that says so otherwise: a client that sends `"tools": []` or
+`"response_format": {"type": "text"}` by habit is served, one that asks for function calling is told it is not
+there. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's extensions, kept by name.
 """
 from __future__ import annotations
 
@@ -97,17 +99,45 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]]
     name: str | None = None
+    tool_call_id: str | None = None  # what OpenAI requires on a "tool" message; the template sees the content
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's; only empty, as this server never makes them
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.logprobs:
             raise InvalidRequest("logprobs is not supported", param="logprobs")
+        if self.top_logprobs:
+            raise InvalidRequest("top_logprobs is not supported; leave it at 0", param="top_logprobs")
+        if self.tools:
+            raise InvalidRequest("tools (function calling) are not supported by this server; send the request "
+                                 "without them", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest(f"tool_choice {shown(self.tool_choice)} is not supported: this server calls no "
+                                 "tools (leave it out, or \"none\")", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequest(f"response_format type {shown(self.response_format.type)} is not supported: "
+                                 "structured output (json_object, json_schema) is not constrained here; leave "
+                                 "response_format out or {\"type\": \"text\"}", param="response_format")
+        for i, message in enumerate(self.messages):
+            if message.tool_calls:
+                raise InvalidRequest(f"messages[{i}].tool_calls: tool calls are not supported by this server",
+                                     param=f"messages.{i}.tool_calls")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")

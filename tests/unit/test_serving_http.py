@@ -124,6 +124,56 @@ def test_chat_streams_the_role_first_and_the_openai_client_reads_it(server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(server):
+    """What OpenAI's clients and agent frameworks send by habit (no tools, text output, a tool result message)
+    is served; asking for what this server does not do (function calling, structured output, top logprobs, a
+    compressed body) is a 4xx that names the field, never "unknown field"."""
+    import gzip
+
+    from openai import OpenAI
+
+    url = f"{server}/v1/chat/completions"
+    base = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    neutral = [{"tools": [], "tool_choice": "none", "parallel_tool_calls": True},
+               {"tool_choice": "auto", "tools": None, "top_logprobs": 0},
+               {"response_format": {"type": "text"}},
+               {"messages": [{"role": "user", "content": "what is 2+2?"},
+                             {"role": "assistant", "content": "", "tool_calls": []},
+                             {"role": "tool", "content": "4", "tool_call_id": "call_1"}]}]
+    for extra in neutral:
+        r = requests.post(url, headers=auth(), json={**base, **extra}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, (extra, r.text)
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="tiny", messages=base["messages"], max_tokens=3,
+                                           response_format={"type": "text"})
+    assert reply.usage.completion_tokens == 3
+
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    refused = [({"tools": [tool]}, "tools", "function calling"),
+               ({"tool_choice": "required"}, "tool_choice", 'tool_choice "required" is not supported'),
+               ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice", "calls no tools"),
+               ({"response_format": {"type": "json_object"}}, "response_format", '"json_object" is not supported'),
+               ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+                "response_format", "structured output"),
+               ({"response_format": {"schema": {}}}, "response_format.type", "missing required field"),
+               ({"top_logprobs": 2}, "top_logprobs", "not supported"),
+               ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]}]},
+                "messages.0.tool_calls", "messages[0].tool_calls: tool calls are not supported")]
+    for extra, param, words in refused:
+        r = requests.post(url, headers=auth(), json={**base, **extra}, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and words in error["message"], (extra, error)
+
+    packed = gzip.compress(json.dumps(base).encode())
+    r = requests.post(url, headers={**auth(), "Content-Type": "application/json", "Content-Encoding": "gzip"},
+                      data=packed, timeout=30)
+    assert r.status_code == 415 and r.json()["error"]["param"] == "body", r.text
+    assert "'gzip' is not supported" in r.json()["error"]["message"]
+    r = requests.post(url, headers={**auth(), "Content-Encoding": "identity"}, json=base, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("method,path,status", [
     ("GET", "/v1/nothing-here", 404), ("POST", "/", 404), ("GET", "/v1/completions", 405),
     ("PUT", "/v1/chat/completions", 405), ("POST", "/v1/models", 405), ("DELETE", "/health", 405)])
