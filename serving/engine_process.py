@@ -201,7 +201,11 @@ class ProcessLLMEngine(AsyncLLMEngine):
             self._end_streams(EngineDeadError("the engine was shut down"))
         else:
             code = self._proc.wait()
-            self._end_streams(EngineDeadError(reason or f"the engine process exited with code {code}"))
+            if reason is None:
+                reason = f"the engine process exited with code {code}"
+                log.error("engine process %d: %s%s", self._proc.pid, reason,
+                          " (killed: out of memory? see `dmesg`)" if code == -9 else "")
+            self._end_streams(EngineDeadError(reason))
 
     def _end_streams(self, error: EngineDeadError) -> None:
         if self._dead is None:
@@ -271,7 +275,11 @@ class EnginePool:
                  interval_s: float = 0.0):
         """The chosen engine's own stream (no wrapper per output). It registers the request when first iterated,
         before it awaits anything, so requests started together in one event loop still spread out."""
-        engine = min(self.engines, key=lambda e: e.open_streams)
+        # A dead or stalled engine has no open streams, so by count alone it would take every new request and
+        # answer each with a 503 until Serve replaces the replica; the live ones take them instead (the pool stays
+        # unhealthy, so Serve still replaces it, letting the live engines' streams finish as it drains).
+        live = [e for e in self.engines if e.check_health()]
+        engine = min(live or self.engines, key=lambda e: e.open_streams)
         return engine.generate(request_id, prompt, params, interval_s=interval_s)
 
     def abort(self, request_id: str) -> None:

@@ -311,6 +311,42 @@ def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
         single.shutdown()
 
 
+def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
+    """One engine of a pool dies (the OOM killer, a segfault): its streams end with EngineDeadError, the pool
+    reports unhealthy (Serve replaces the replica), and until then every new request goes to the live engine
+    instead of a 503 from the dead one, which by open streams alone would have looked the least busy."""
+    import asyncio
+
+    from pylon.serving.engine_process import EnginePool
+    from pylon.serving.sampling import SamplingParams
+    from pylon.specs import EngineSpec
+
+    spec = EngineSpec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=1024, max_model_len=128,
+                      device="cpu", dtype="fp32", data_parallel=2)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def run(n):
+        async def one(i):
+            return [t async for o in pool.generate(f"r{i}", [5 + i, 6, 7], params) for t in o.token_ids]
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    pool = EnginePool.from_model(model_dir, spec)
+    try:
+        before = asyncio.run(run(6))
+        dead, live = pool.engines
+        dead._proc.kill()
+        deadline = time.monotonic() + 10
+        while dead.check_health():
+            assert time.monotonic() < deadline, "the pool did not notice its engine's death"
+            time.sleep(0.05)
+        assert not pool.check_health() and live.check_health()
+        finished = live.stats().requests_finished_total.get("length", 0)
+        assert asyncio.run(run(6)) == before  # all six served, by the live engine, the same greedy tokens
+        assert live.stats().requests_finished_total["length"] == finished + 6
+    finally:
+        pool.shutdown()
+
+
 def test_engine_pool_children_split_the_cpus_or_take_a_gpu_each():
     from pylon.errors import PylonError
     from pylon.serving.engine_process import _engine_envs
