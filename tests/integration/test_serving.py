@@ -207,7 +207,8 @@ def test_concurrent_greedy_requests_match_transformers(served, tiny):
 
 def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_transformers(ray_cluster, tiny, served):
     """engine.data_parallel: 2 engine processes behind one replica (the layout for a CPU node); 12 concurrent greedy
-    requests through HTTP, both engines working, outputs token for token transformers' own."""
+    requests through HTTP, both engines working, outputs token for token transformers' own; then one engine killed:
+    the other serves on until Serve replaces the replica."""
     import psutil
 
     from pylon.serving.app import delete, deploy
@@ -237,6 +238,27 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
         assert min(used) > 0.3 * max(used), f"engine CPU-s during the burst: {used} (one engine did the work)"
         ready = requests.get(f"{url}/ready", timeout=30).json()
         assert ready["ready"] and ready["running"] == 0 and ready["waiting"] == 0, ready
+
+        # One engine dies (the OOM killer, a segfault): the replica says so on /ready, the live engine serves every
+        # request meanwhile (none sent to the dead one), and Serve's health check replaces the replica.
+        engines[0].kill()
+        deadline = time.monotonic() + 10
+        while requests.get(f"{url}/ready", timeout=30).status_code != 503:
+            assert time.monotonic() < deadline, "/ready did not report the dead engine"
+            time.sleep(0.1)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(complete, prompts[:6])) == expected[:6]
+        deadline = time.monotonic() + 180
+        while True:
+            now = [p for p in ray_cluster.processes() if "ServeReplica:tiny-dp" in " ".join(p.cmdline())]
+            fresh = [p for p in now if p.pid != replicas[0].pid]
+            if fresh and requests.get(f"{url}/ready", timeout=30).status_code == 200:
+                break
+            assert time.monotonic() < deadline, "Serve did not replace the replica with the dead engine"
+            time.sleep(1)
+        assert len([c for c in fresh[0].children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]) == 2
+        assert complete(prompts[0]) == expected[0]
+        engines += [c for c in fresh[0].children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]
     finally:
         delete("tiny-dp")
     _, alive = psutil.wait_procs(engines, timeout=30)  # no engine outlives its replica
