@@ -203,7 +203,9 @@ def apply_chat_template(tokenizer: Tokenizer, messages: list[dict]) -> str:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param="messages")
-        plain.append({"role": message["role"], "content": _content_text(message.get("content"), i)})
+        plain.append({"role": message["role"], "content": _content_text(message.get("content"), i),
+                      # what a model's own template may read (a tool result's call id, a participant's name)
+                      **{k: message[k] for k in ("name", "tool_call_id") if isinstance(message.get(k), str)}})
     hf = getattr(tokenizer, "_tok", None) if isinstance(tokenizer, HuggingFaceTokenizer) else None
     if hf is not None and getattr(hf, "chat_template", None):
         import jinja2

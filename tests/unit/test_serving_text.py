@@ -135,6 +135,26 @@ def test_a_chat_template_that_refuses_the_messages_is_an_invalid_request(hf_dir:
     assert e.value.param == "messages" and "roles must alternate user/assistant" in str(e.value)
 
 
+def test_a_chat_template_sees_a_tool_results_call_id_and_a_name(hf_dir: Path, tmp_path: Path) -> None:
+    """Templates of tool-trained models read `tool_call_id` on a tool message (and some `name`): they reach it."""
+    import shutil
+
+    tools = tmp_path / "tools"
+    shutil.copytree(hf_dir, tools)
+    config = json.loads((tools / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}"
+                               "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}] {{ m.content }}\n"
+                               "{% endfor %}")
+    (tools / "tokenizer_config.json").write_text(json.dumps(config))
+    (tools / "chat_template.jinja").unlink(missing_ok=True)
+    messages = [{"role": "user", "content": "2+2?", "name": "ann"}, {"role": "assistant", "content": "",
+                                                                   "tool_calls": []},
+                {"role": "tool", "content": "4", "tool_call_id": "call_7"}]
+    assert apply_chat_template(load_model_tokenizer(str(tools)), messages) == (
+        "[user:ann] 2+2?\n[assistant] \n[tool#call_7] 4\n")
+    assert apply_chat_template(ByteTokenizer(), messages) == "user: 2+2?\nassistant: \ntool: 4\nassistant: "
+
+
 def test_invalid_bytes_come_out_as_they_come() -> None:
     # A random or barely trained byte model writes bytes that are no UTF-8 at all: holding them until the end
     # (as for a character still arriving) would stream nothing for the rest of the request.
