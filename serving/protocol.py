@@ -99,7 +99,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]]
     name: str | None = None
-    tool_call_id: str | None = None  # what OpenAI requires on a "tool" message; the template sees the content
+    tool_call_id: str | None = None  # what OpenAI requires on a "tool" message; passed to a model's chat template
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's; only empty, as this server never makes them
 
 
