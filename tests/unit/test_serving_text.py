@@ -115,20 +115,25 @@ def test_chat_prompts(hf_dir: Path) -> None:
         assert e.value.param == "messages"
 
 
+def _with_chat_template(hf_dir: Path, copy: Path, template: str):
+    """The tokenizer of a copy of `hf_dir` whose chat template is `template`."""
+    import shutil
+
+    shutil.copytree(hf_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    (copy / "chat_template.jinja").unlink(missing_ok=True)
+    return load_model_tokenizer(str(copy))
+
+
 def test_a_chat_template_that_refuses_the_messages_is_an_invalid_request(hf_dir: Path, tmp_path: Path) -> None:
     """Many models' templates `raise_exception` for messages they do not take (roles out of turn, a system
     message): that is the request's fault, a 400 with the template's words, never a 500."""
-    import shutil
-
-    strict = tmp_path / "strict"
-    shutil.copytree(hf_dir, strict)
-    config = json.loads((strict / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-                               "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
-                               "{% endif %}[{{ m.role }}] {{ m.content }}{% endfor %}")
-    (strict / "tokenizer_config.json").write_text(json.dumps(config))
-    (strict / "chat_template.jinja").unlink(missing_ok=True)
-    tok = load_model_tokenizer(str(strict))
+    tok = _with_chat_template(hf_dir, tmp_path / "strict", (
+        "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+        "{% endif %}[{{ m.role }}] {{ m.content }}{% endfor %}"))
     assert apply_chat_template(tok, [{"role": "user", "content": "hi"}]) == "[user] hi"
     with pytest.raises(InvalidRequest) as e:
         apply_chat_template(tok, [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
@@ -137,20 +142,13 @@ def test_a_chat_template_that_refuses_the_messages_is_an_invalid_request(hf_dir:
 
 def test_a_chat_template_sees_a_tool_results_call_id_and_a_name(hf_dir: Path, tmp_path: Path) -> None:
     """Templates of tool-trained models read `tool_call_id` on a tool message (and some `name`): they reach it."""
-    import shutil
-
-    tools = tmp_path / "tools"
-    shutil.copytree(hf_dir, tools)
-    config = json.loads((tools / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}"
-                               "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}] {{ m.content }}\n"
-                               "{% endfor %}")
-    (tools / "tokenizer_config.json").write_text(json.dumps(config))
-    (tools / "chat_template.jinja").unlink(missing_ok=True)
+    tok = _with_chat_template(hf_dir, tmp_path / "tools", (
+        "{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}"
+        "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}] {{ m.content }}\n{% endfor %}"))
     messages = [{"role": "user", "content": "2+2?", "name": "ann"}, {"role": "assistant", "content": "",
                                                                    "tool_calls": []},
                 {"role": "tool", "content": "4", "tool_call_id": "call_7"}]
-    assert apply_chat_template(load_model_tokenizer(str(tools)), messages) == (
+    assert apply_chat_template(tok, messages) == (
         "[user:ann] 2+2?\n[assistant] \n[tool#call_7] 4\n")
     assert apply_chat_template(ByteTokenizer(), messages) == "user: 2+2?\nassistant: \ntool: 4\nassistant: "
 
