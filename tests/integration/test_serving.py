@@ -94,6 +94,16 @@ def _openai(url: str):
     return OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
+def _replica_processes(cluster, marker: str) -> list:
+    """The cluster's Serve replica processes whose command line holds `marker` ("ServeReplica:<deployment>")."""
+    return [p for p in cluster.processes() if marker in " ".join(p.cmdline())]
+
+
+def _engine_processes(replica) -> list:
+    """A replica process's engine processes (engine.separate_process)."""
+    return [c for c in replica.children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]
+
+
 def _ready(url: str) -> dict:
     return requests.get(f"{url}/ready", timeout=10).json()
 
@@ -171,10 +181,10 @@ def test_http_goes_through_haproxy_straight_to_the_replica(served, ray_cluster):
 def test_a_cpu_replica_and_its_engine_process_run_sched_batch(served, ray_cluster):
     """On a CPU every thread of the replica and of its engine process is on SCHED_BATCH (pylon.serving.scheduling):
     their wakeups do not preempt an engine mid-step."""
-    replicas = [p for p in ray_cluster.processes() if "ServeReplica:tiny" in " ".join(p.cmdline())]
+    replicas = _replica_processes(ray_cluster, "ServeReplica:tiny")
     assert replicas, "no replica process of 'tiny' in the cluster"
     for replica in replicas:
-        engines = [c for c in replica.children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]
+        engines = _engine_processes(replica)
         assert len(engines) == 1, f"replica {replica.pid}: engine processes {engines}"
         for proc in (replica, engines[0]):
             policies = {os.sched_getscheduler(t.id) for t in proc.threads()}
@@ -218,9 +228,9 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
     spec["http"].update(api_keys_env=None, route_prefix="/dp")
     url = deploy(_spec("tiny-dp", tiny.dir, engine=spec["engine"], http=spec["http"]))
     try:
-        replicas = [p for p in ray_cluster.processes() if "ServeReplica:tiny-dp" in " ".join(p.cmdline())]
+        replicas = _replica_processes(ray_cluster, "ServeReplica:tiny-dp")
         assert len(replicas) == 1, replicas
-        engines = [c for c in replicas[0].children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]
+        engines = _engine_processes(replicas[0])
         assert len(engines) == 2, engines
         before = [sum(e.cpu_times()[:2]) for e in engines]
         prompts = [f"request number {i}: " + "abc" * i for i in range(12)]
@@ -250,15 +260,15 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
             assert list(pool.map(complete, prompts[:6])) == expected[:6]
         deadline = time.monotonic() + 180
         while True:
-            now = [p for p in ray_cluster.processes() if "ServeReplica:tiny-dp" in " ".join(p.cmdline())]
-            fresh = [p for p in now if p.pid != replicas[0].pid]
+            fresh = [p for p in _replica_processes(ray_cluster, "ServeReplica:tiny-dp") if p.pid != replicas[0].pid]
             if fresh and requests.get(f"{url}/ready", timeout=30).status_code == 200:
                 break
             assert time.monotonic() < deadline, "Serve did not replace the replica with the dead engine"
             time.sleep(1)
-        assert len([c for c in fresh[0].children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]) == 2
+        new_engines = _engine_processes(fresh[0])
+        assert len(new_engines) == 2, new_engines
         assert complete(prompts[0]) == expected[0]
-        engines += [c for c in fresh[0].children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]
+        engines += new_engines
     finally:
         delete("tiny-dp")
     _, alive = psutil.wait_procs(engines, timeout=30)  # no engine outlives its replica

@@ -266,15 +266,21 @@ def test_stream_events_are_the_chunk_dicts_json(text, reason):
 # -- EnginePool: engine.data_parallel engines behind one replica -------------------------------------------------
 
 
+def _pool_spec():
+    """Two engine processes of the tiny model, small enough to start in seconds."""
+    from pylon.specs import EngineSpec
+
+    return EngineSpec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=1024, max_model_len=128,
+                      device="cpu", dtype="fp32", data_parallel=2)
+
+
 def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
     import asyncio
 
     from pylon.serving.engine_process import EnginePool, ProcessLLMEngine
     from pylon.serving.sampling import SamplingParams
-    from pylon.specs import EngineSpec
 
-    spec = EngineSpec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=1024, max_model_len=128,
-                      device="cpu", dtype="fp32", data_parallel=2)
+    spec = _pool_spec()
     prompts = [[(7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -319,10 +325,8 @@ def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
 
     from pylon.serving.engine_process import EnginePool
     from pylon.serving.sampling import SamplingParams
-    from pylon.specs import EngineSpec
 
-    spec = EngineSpec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=1024, max_model_len=128,
-                      device="cpu", dtype="fp32", data_parallel=2)
+    spec = _pool_spec()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
     async def run(n):
