@@ -5,16 +5,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pylon-installed
 # System packages Pylon needs: libaio for DeepSpeed's NVMe offload (async I/O op); TCMalloc for CPU serving engines
-# (pylon.serving.heap preloads it into an engine process; Ubuntu 24.04 names it libtcmalloc-minimal4t64).
+# (pylon.serving.engine.heap preloads it into an engine process; Ubuntu 24.04 names it libtcmalloc-minimal4t64).
 SYSTEM_PACKAGES := libaio-dev libtcmalloc-minimal4
 # DeepSpeed builds its CPU ops (cpu_adam, shm comm, async I/O) once, here, and reuses them.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 # The venv's tools first, for every process: torch builds those ops with whichever `ninja` is on PATH, and the
 # venv's (pip's ninja 1.13) and a system one (1.11) log commands differently, so each rebuilds from scratch
-# what the other built. Ray's processes already get the venv's bin first (pylon.cluster.up).
+# what the other built. Ray's processes already get the venv's bin first (pylon.infra.local.up).
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages test test-all test-gpu unit integration demo clean help
+.PHONY: setup system-packages test test-all test-gpu unit integration demo lint format clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -74,6 +74,14 @@ unit: setup  ## fast tests only, no cluster
 
 integration: setup
 	$(PY) -m pytest tests/integration
+
+lint: setup  ## ruff: lint and check formatting (configured in pyproject.toml)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup  ## ruff: fix what it can and format the code
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 demo: setup  ## run the end-to-end demo on the embedded local cluster
 	$(VENV)/bin/pylon demo

@@ -4,7 +4,7 @@ Not a ratio benchmark: a diagnostic for the engine's own host and device time, o
 GPT-2 (the bench's), runs an in-process `LLMEngine` over seeded prompts, times every step (steps of decodes only that
 replayed a CUDA graph apart from the rest), then profiles `--profile-steps` steps of a second batch and prints the ops
 by self CPU time (and, on CUDA, by GPU time). On an H100 this is what found cuDNN's attention planning every prompt
-chunk's shape on the host (docs/benchmarks.md, twenty-first set).
+chunk's shape on the host (docs/benchmarks/2026-11-27-set21-serve-load-h100.md).
 
     .venv/bin/python bench/engine_profile.py                       # CPU, the bench's default model
     python bench/engine_profile.py --device cuda --dtype bf16 --n-layer 12 --n-embd 768 --n-head 12
@@ -43,8 +43,8 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from pylon.serving.engine import LLMEngine
-    from pylon.serving.sampling import SamplingParams
+    from pylon.serving.engine.engine import LLMEngine
+    from pylon.serving.engine.sampling import SamplingParams
     from pylon.specs import EngineSpec
     from serve_load import build_model
 

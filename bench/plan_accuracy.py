@@ -9,7 +9,7 @@ Pylon's DeepSpeed config and engine (one rank, gloo), Pylon's loss (`pylon.jobs.
 tokens. The process first runs a throwaway step of a DeepSpeed engine of the same kind on another (tiny) model,
 so that libraries, DeepSpeed's C++ ops, thread pools and kernels are loaded, then records its resident set size (RSS) and resets the kernel's peak-RSS counter
 (`/proc/self/clear_refs`). What the step adds -- model, DeepSpeed's states and buffers, activations -- is the peak
-RSS afterwards minus that baseline ("measured"). "Predicted" is what `pylon.memory.train_memory` says a CPU
+RSS afterwards minus that baseline ("measured"). "Predicted" is what `pylon.plan.memory.train_memory` says a CPU
 worker's step needs: model states + activations (simulated on the meta device) + the pages of DeepSpeed's buckets
 that are written, + what is offloaded to host RAM (all of it is the same RAM on CPU).
 
@@ -146,7 +146,7 @@ def worker(case_name: str, steps: int) -> None:
 
 
 def predict(case: dict) -> dict:
-    from pylon.memory import Layout, train_memory
+    from pylon.plan.memory import Layout, train_memory
     from pylon.plan import train_workload
     from pylon.specs import TrainJobSpec
 

@@ -38,7 +38,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from tqdm import tqdm
 
-from pylon import storage
+from pylon import home, storage
 from pylon.data.shards import (
     MANIFEST_NAME,
     SHARD_SUFFIX,
@@ -510,17 +510,16 @@ def _ray_executor(use_ray: bool | None, uris: list[str]) -> str | None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         return "on the Ray cluster this process is connected to"
-    import pylon
-
     try:
-        client = pylon.connect()
-        client.init_ray()
+        where = home.resolve()
+        home.ping(where)
+        home.init_ray(where)
     except ClusterError as e:
         if use_ray:
             raise
         log.info("not using Ray: %s", str(e).split(". ")[0])
         return None
-    return f"on the Ray cluster at {client.dashboard_url}"
+    return f"on the Ray cluster at {where.dashboard_url}"
 
 
 def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from pylon import storage
+from pylon import home, storage
 from pylon.data.shards import (
     BadShardError,
     DataError,
@@ -460,9 +460,7 @@ class ShardStream:
         import ray.data
 
         if not ray.is_initialized():
-            from pylon.client import connect
-
-            connect().init_ray()
+            home.init_ray()
         paths, meta = [], {}
         for i in shard_indices:
             info = self.manifest.shards[i]

@@ -12,7 +12,6 @@ The train loop, as a list of steps (TorchTitan/nanoGPT style): build model -> De
 engine.step) -> metrics -> checkpoint.
 """
 from __future__ import annotations
-
 import argparse
 import json
 import logging
@@ -22,37 +21,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from pylon import storage
+from pylon import home, storage
 from pylon.errors import PylonError
 from pylon.specs import TrainJobSpec, load_spec
+from pylon.jobs.run_dir import LOSS_PLOT, MetricsLog, REFERENCE_FILE, RUN_FILE, WORKERS_FILE, _absolute, plot_loss, read_metrics, run_uri_of
+
 
 log = logging.getLogger("pylon.train")
-
-METRICS_FILE = "metrics.jsonl"
-RUN_FILE = "run.json"
-LOSS_PLOT = "loss.png"
-WORKERS_FILE = "workers.json"
-
-
-def run_uri_of(spec: TrainJobSpec) -> str:
-    """Where a run lives: `<checkpoint.storage>/<name>` (default `$PYLON_HOME/runs/<name>`)."""
-    from pylon.cluster import pylon_home
-
-    root = spec.checkpoint.storage or str(pylon_home() / "runs")
-    return storage.join(_absolute(root), spec.name)
-
-
-def _absolute(uri: str) -> str:
-    # Workers may start in another directory than the driver: pin relative paths to the driver's.
-    if "://" in uri:
-        return uri
-    return str(Path(uri).expanduser().resolve())
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Driver
-# ---------------------------------------------------------------------------------------------------------
 
 
 def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> dict:
@@ -71,12 +46,10 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
                          f"seq_len {manifest.seq_len}")
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
     if not ray.is_initialized():
-        from pylon.client import connect
-
         if os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
         else:
-            connect().init_ray(log_to_driver=True)
+            home.init_ray(log_to_driver=True)
     from pylon.data.reader import pin_ray_data_helpers_here
 
     pin_ray_data_helpers_here()  # on this driver's node, not on a worker node the autoscaler must stop later
@@ -144,11 +117,6 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
             raise PylonError(f"run '{spec.name}' already exists at {run_uri} with a different "
                              f"{', '.join(changed)}; resume it with the same settings or choose another name")
     storage.atomic_write_json(uri, {"spec": now, "tokenizer": tokenizer, "updated_at": time.time()})
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Workers
-# ---------------------------------------------------------------------------------------------------------
 
 
 def train_loop(config: dict) -> None:
@@ -258,9 +226,6 @@ def train_loop(config: dict) -> None:
     _record_reference_logits(engine, run_uri, rank, stream.manifest.seq_len)
 
 
-REFERENCE_FILE = "reference_logits.json"
-
-
 def _record_reference_logits(engine, run_uri: str, rank: int, seq_len: int) -> None:
     """The trained engine's logits on a fixed input, so an export can be checked against the engine itself.
     Every rank runs the forward pass (under ZeRO-3 it gathers parameters collectively); rank 0 records."""
@@ -318,69 +283,6 @@ def _peak_memory_bytes(device) -> int:
     if getattr(device, "type", str(device)) == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Metrics: JSONL in the run directory, and the loss curve
-# ---------------------------------------------------------------------------------------------------------
-
-
-class MetricsLog:
-    """Rank 0's per-step records. Kept locally and committed whole to `<run>/metrics.jsonl` (object stores
-    cannot append); on resume the records past the resumed step are dropped, so the curve continues."""
-
-    def __init__(self, run_uri: str, *, enabled: bool, resume_step: int):
-        self.uri = storage.join(run_uri, METRICS_FILE)
-        self.enabled = enabled
-        self.records = [r for r in read_metrics(run_uri) if r["step"] <= resume_step] if enabled else []
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            self.records.append(record)
-            if record["step"] % 10 == 1 or record["step"] < 5:
-                print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}),
-                      flush=True)
-
-    def flush(self) -> None:
-        if self.enabled:
-            storage.atomic_write_text(self.uri, "".join(json.dumps(r) + "\n" for r in self.records))
-
-
-def read_metrics(run_uri: str) -> list[dict]:
-    uri = storage.join(run_uri, METRICS_FILE)
-    if not storage.exists(uri):
-        return []
-    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
-
-
-def loss_figure(records: list[dict], *, title: str):
-    """The loss curve as a matplotlib Figure (what `Run.plot()` returns; Jupyter draws it inline)."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5)
-    ax.set(xlabel="step", ylabel="training loss (nats/token)", title=f"{title}: loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    # pyplot forgets the figure: a notebook then shows it once (as the returned value, not again at the
-    # cell's end), and a loop of plots holds no memory. The figure itself stays drawable and savable.
-    plt.close(fig)
-    return fig
-
-
-def plot_loss(records: list[dict], out_uri: str, *, title: str) -> None:
-    """A loss-curve PNG (people would rather look than read)."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")  # a job has no display
-    buf = io.BytesIO()
-    loss_figure(records, title=title).savefig(buf, format="png")
-    storage.atomic_write(out_uri, buf.getvalue())
-
-
-# ---------------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:

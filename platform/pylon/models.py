@@ -114,7 +114,7 @@ def enable_gradient_checkpointing(model: "PreTrainedModel") -> None:
 
     A model setting, not DeepSpeed's activation_checkpointing: transformers recomputes each block in the backward
     pass. Non-reentrant checkpointing also works when the inputs need no grad (frozen embeddings under LoRA). A KV
-    cache is useless while training and conflicts with recomputation. (`pylon.activations` simulates exactly this.)
+    cache is useless while training and conflicts with recomputation. (`pylon.plan.activations` simulates exactly this.)
     """
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

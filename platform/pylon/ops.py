@@ -39,7 +39,7 @@ def venv_tools_first() -> None:
 
     torch builds C++ ops with whichever `ninja` is first on PATH, and the venv's (pip's ninja 1.13) and a system
     one (1.11) log build commands differently: each rebuilds from scratch what the other built (minutes per op
-    here). Every Pylon process that may build, and every Ray process `pylon.cluster.up` starts, uses the venv's.
+    here). Every Pylon process that may build, and every Ray process `pylon.infra.local.up` starts, uses the venv's.
     """
     bindir = os.path.dirname(sys.executable)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
@@ -51,7 +51,7 @@ def build_command(name: str) -> list[str]:
     it exits 0 when built, 3 when the op is not compatible with this machine."""
     builder = {**DEEPSPEED_OPS, **NVME_OPS}.get(name)
     if builder is None:
-        return [sys.executable, "-m", "pylon.serving.kernels"]
+        return [sys.executable, "-m", "pylon.serving.model.kernels"]
     if name == "async_io":  # what DeepSpeed's swappers load (deepspeed.ops.op_builder, not the accelerator's)
         code = ("from deepspeed.ops.op_builder import AsyncIOBuilder as B\nimport sys\nb = B()\n"
                 "sys.exit(3) if not b.is_compatible(verbose=False) else b.load(verbose=False)")

@@ -358,6 +358,10 @@ class EngineSpec(_Spec):
     separate_process: bool = Field(
         True, description="in a Serve replica, run the engine in a child process of its own (as vLLM v1 runs its "
                           "engine core): HTTP and Serve's work then never hold the Python lock the step loop needs")
+    cuda_graphs: bool = Field(
+        True, description="on a GPU, capture CUDA graphs for steps of decodes only in a few fixed shapes at start-up "
+                          "and replay them (fewer kernel launches per step); false: every step runs eagerly. "
+                          "No effect on a CPU")
     data_parallel: PositiveInt = Field(
         1, description="engine processes per replica, each with its own copy of the model and its own KV cache "
                        "(max_num_seqs and kv_cache_tokens are per engine); a request goes to the one with the fewest "

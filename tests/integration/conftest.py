@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pylon import cluster
+from pylon.infra import local as cluster
 
 
 @pytest.fixture(scope="session")

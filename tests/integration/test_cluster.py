@@ -14,7 +14,7 @@ import pytest
 import requests
 
 import pylon
-from pylon import cluster
+from pylon.infra import local as cluster
 from pylon.errors import ClusterError
 
 pytestmark = pytest.mark.integration

@@ -37,7 +37,7 @@ def test_up_status_down_twice_leaves_nothing_behind(ray_cluster, tmp_path):
         dashboard = up.stdout.split("dashboard / Jobs API: ")[1].split()[0]
         assert dashboard != ray_cluster.dashboard_url
 
-        from pylon.cluster import read_state
+        from pylon.infra.local import read_state
 
         state = read_state(Path(env["PYLON_HOME"]))
         assert _ray_processes_of(state.temp_dir), "up started no processes that carry its temp dir"
@@ -60,7 +60,7 @@ def test_up_status_down_twice_leaves_nothing_behind(ray_cluster, tmp_path):
 
 
 def test_a_failed_start_is_reported_and_leaves_no_record(tmp_path):
-    from pylon import cluster
+    from pylon.infra import local as cluster
     from pylon.errors import ClusterError
 
     home = tmp_path / "home"
@@ -76,7 +76,7 @@ def test_a_failed_start_is_reported_and_leaves_no_record(tmp_path):
 def test_a_start_that_times_out_in_ray_is_tried_once_more(tmp_path, monkeypatch, capsys):
     """Ray's `ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded machine it can miss
     that. The first `ray start` here is a script that fails the way Ray does; the second is the real one."""
-    from pylon import cluster
+    from pylon.infra import local as cluster
 
     real = cluster._ray_executable()
     marker = tmp_path / "failed-once"

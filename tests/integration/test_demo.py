@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def demo_deployment(ray_cluster):
     yield "stdlib-gpt"
-    from pylon.serving.app import delete
+    from pylon.sdk.serve import delete
 
     delete("stdlib-gpt")  # it holds route "/", which the serving tests use next
 
@@ -32,7 +32,7 @@ def test_demo_prepares_trains_exports_and_serves(ray_cluster, pylon_home, demo_d
     assert f"[4/7] streamed {manifest.totals.rows:,} sequences ({manifest.totals.tokens:,} tokens" in out.stdout
     assert "decoded:" in out.stdout
     # Training on the corpus: 2 workers, ZeRO-2 + CPU offload, exported; data never starves the steps.
-    from pylon.jobs.train import read_metrics
+    from pylon.jobs.run_dir import read_metrics
 
     run = pylon_home / "demo" / "runs" / "stdlib-gpt"
     records = read_metrics(str(run))

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 import pylon
-from pylon import cluster, storage
+from pylon import storage
+from pylon.infra import local as cluster
 
 pytestmark = pytest.mark.integration
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -33,7 +33,7 @@ def _train_spec(name: str, corpus: str, runs: str, **over) -> dict:
     }
 
 
-# Each step also has its own tests (test_prepare_s3_ray, test_train, test_serving; tests/unit/test_sdk.py for the
+# Each step also has its own tests (test_prepare_s3_ray, test_train, test_serving; tests/unit/sdk/test_sdk.py for the
 # SDK); this is the whole notebook flow at once, ~110 s. `make test-all`.
 @pytest.mark.slow
 def test_a_notebook_prepares_trains_plots_serves_and_cleans_up(ray_cluster, tmp_path, monkeypatch, capsys):

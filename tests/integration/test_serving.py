@@ -1,4 +1,4 @@
-"""Serving end to end on the session's Ray cluster: a tiny model deployed with `pylon.serving.app.deploy` on
+"""Serving end to end on the session's Ray cluster: a tiny model deployed with `pylon.sdk.serve.deploy` on
 Ray Serve, spoken to over real HTTP by the official `openai` client and by raw HTTP; greedy parity with
 `transformers`, bad input, auth, backpressure, disconnects, block leaks, metrics and autoscaling."""
 from __future__ import annotations
@@ -75,7 +75,7 @@ def tiny(tmp_path_factory) -> TinyModel:
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, tiny):
-    from pylon.serving.app import delete, deploy
+    from pylon.sdk.serve import delete, deploy
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")
@@ -101,7 +101,7 @@ def _replica_processes(cluster, marker: str) -> list:
 
 def _engine_processes(replica) -> list:
     """A replica process's engine processes (engine.separate_process)."""
-    return [c for c in replica.children() if "pylon.serving.engine_process" in " ".join(c.cmdline())]
+    return [c for c in replica.children() if "pylon.serving.engine.process" in " ".join(c.cmdline())]
 
 
 def _ready(url: str) -> dict:
@@ -161,7 +161,7 @@ def test_raw_sse_ends_with_done_and_carries_a_request_id(served):
 
 
 def test_http_goes_through_haproxy_straight_to_the_replica(served, ray_cluster):
-    """The local cluster runs Serve's HAProxy ingress (pylon.cluster.SERVE_INGRESS_ENV): the URL that answers is
+    """The local cluster runs Serve's HAProxy ingress (pylon.infra.local.SERVE_INGRESS_ENV): the URL that answers is
     HAProxy's, its files are under the cluster's temp dir, and it sends requests to the replica itself."""
     procs = ray_cluster.processes()
     haproxy = [p for p in procs if p.name() == "haproxy"]
@@ -179,7 +179,7 @@ def test_http_goes_through_haproxy_straight_to_the_replica(served, ray_cluster):
 
 
 def test_a_cpu_replica_and_its_engine_process_run_sched_batch(served, ray_cluster):
-    """On a CPU every thread of the replica and of its engine process is on SCHED_BATCH (pylon.serving.scheduling):
+    """On a CPU every thread of the replica and of its engine process is on SCHED_BATCH (pylon.serving.engine.sched_batch):
     their wakeups do not preempt an engine mid-step."""
     replicas = _replica_processes(ray_cluster, "ServeReplica:tiny")
     assert replicas, "no replica process of 'tiny' in the cluster"
@@ -221,7 +221,7 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
     the other serves on until Serve replaces the replica."""
     import psutil
 
-    from pylon.serving.app import delete, deploy
+    from pylon.sdk.serve import delete, deploy
 
     spec = _spec("tiny-dp", tiny.dir).model_dump(mode="json")
     spec["engine"]["data_parallel"] = 2
@@ -433,7 +433,7 @@ def _get(url: str) -> str:
 
 @pytest.mark.slow  # waits out Serve's scaling delays; `make test-all`
 def test_autoscaling_up_under_load_and_back_down(ray_cluster, tiny, served):
-    from pylon.serving.app import delete, deploy
+    from pylon.sdk.serve import delete, deploy
 
     spec = _spec("tiny-autoscale", tiny.dir,
                  autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,

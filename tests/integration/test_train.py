@@ -129,7 +129,7 @@ def _download(uri: str, local: Path) -> Path:
     return local
 
 
-@pytest.mark.slow  # LoRA also trains in test_deepspeed_combinations and tests/unit/test_models.py; `make test-all`
+@pytest.mark.slow  # LoRA also trains in test_deepspeed_combinations and tests/unit/ground/test_models.py; `make test-all`
 def test_lora_on_zero3_with_cpu_offload_trains_only_adapters_and_exports(ray_cluster, corpus, tmp_path):
     """ZeRO-3 with parameters and optimizer offloaded to CPU, LoRA adapters on the attention and MLP input
     projections: the job trains and checkpoints; the merged export loads with transformers and reproduces the

@@ -20,9 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pylon.data.tokenizer import ByteTokenizer
 from pylon.errors import PylonError
-from pylon.serving.engine import AsyncLLMEngine, LLMEngine
+from pylon.serving.engine.engine import AsyncLLMEngine, LLMEngine
 from pylon.serving.errors import EngineDeadError, InvalidRequest
-from pylon.serving.sampling import SamplingParams
+from pylon.serving.engine.sampling import SamplingParams
 from pylon.specs import EngineSpec
 
 # Where the engines and the reference models run: `make test-gpu` sets PYLON_TEST_DEVICE=cuda on a machine with a
@@ -31,7 +31,7 @@ DEVICE = os.environ.get("PYLON_TEST_DEVICE", "cpu")
 if DEVICE not in ("cpu", "cuda"):
     raise ValueError(f"PYLON_TEST_DEVICE must be cpu or cuda (got {DEVICE!r})")
 ON_CUDA = DEVICE == "cuda"
-# head_dim 32: the CPU decode kernel's vectorised path (pylon.serving.kernels), as real models take it.
+# head_dim 32: the CPU decode kernel's vectorised path (pylon.serving.model.kernels), as real models take it.
 FAMILIES = {
     "gpt2": {"n_layer": 2, "n_head": 4, "n_embd": 128, "n_positions": 256, "vocab_size": 320},
     "llama": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -162,7 +162,7 @@ def test_continuous_batching_matches_transformers_greedy(family: Family) -> None
 def test_chunked_prefill_matches_transformers_greedy(family: Family) -> None:
     engine = family.engine(max_num_batched_tokens=16, block_size=4)
     if not ON_CUDA:  # on an AVX-512 or AVX2 CPU the chunks go through the prefill kernel (head_dim 32, float32)
-        from pylon.serving import kernels
+        from pylon.serving.model import kernels
 
         assert engine.runner.prefill == kernels.prefill_usable(torch.float32, torch.float32, 32)
         assert engine.runner.prefill or not kernels.load().has_prefill() or os.environ.get("PYLON_PREFILL_KERNEL")
@@ -600,7 +600,7 @@ def test_half_precision_on_a_gpu_follows_the_models_own_greedy(family: Family, d
     assert sum(g == e for g, e in zip(got, expected)) >= len(PROMPTS) - 1, (got, expected)
     assert_pool_empty(engine)
     # The prompts went through flash or memory-efficient attention, not cuDNN's (which plans every new shape on the
-    # host: pylon.serving.attention.GPU_PROMPT_BACKENDS).
+    # host: pylon.serving.model.attention.GPU_PROMPT_BACKENDS).
     ops = {e.key for e in prof.key_averages()}
     assert "aten::scaled_dot_product_attention" in ops and not any("cudnn_attention" in op for op in ops), ops
 
@@ -610,7 +610,7 @@ def test_every_eager_step_runs_inside_the_devices_attention_backends(gpt2: Famil
     decodes only replay a CUDA graph instead), so that on CUDA no prompt chunk reaches cuDNN's attention."""
     import contextlib
 
-    from pylon.serving import model_runner
+    from pylon.serving.model import runner as model_runner
 
     entered = []
 
@@ -629,7 +629,7 @@ def test_every_eager_step_runs_inside_the_devices_attention_backends(gpt2: Famil
 def test_a_gpu_step_keeps_sdpa_off_cudnns_attention_and_puts_the_backends_back() -> None:
     """prompt_attention_backends: on CUDA, flash and memory-efficient attention (and math) but not cuDNN's, for the
     step only; on a CPU nothing changes (the flags are torch's process-wide settings, so this runs anywhere)."""
-    from pylon.serving.attention import prompt_attention_backends
+    from pylon.serving.model.attention import prompt_attention_backends
 
     cuda = torch.backends.cuda
     before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
@@ -759,7 +759,7 @@ def test_a_coalesced_stream_hears_its_end_at_once_not_at_the_next_tick(gpt2: Fam
 
 
 def test_coalesced_streams_wake_together_on_shared_ticks() -> None:
-    from pylon.serving.engine import next_tick
+    from pylon.serving.engine.engine import next_tick
 
     interval = 0.05
     for now in (1000.0, 1000.001, 1000.0249, 1000.025, 1000.049, 1000.0999):
@@ -774,7 +774,7 @@ def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family
     """Streams that take outputs every 50 ms get the child's steps in fewer messages (first and last tokens at
     once), each with one output per request (the held steps merged); a stream that takes every step gets one
     message per step. The tokens are the same either way."""
-    from pylon.serving.engine_process import ProcessLLMEngine
+    from pylon.serving.engine.process import ProcessLLMEngine
 
     engine = ProcessLLMEngine.from_model(gpt2.dir, spec(max_num_seqs=4, max_num_batched_tokens=128,
                                                         kv_cache_tokens=4096))
@@ -810,7 +810,7 @@ def test_a_request_the_engine_fails_to_take_fails_alone(gpt2: Family, where: str
     serves on, whether its loop is a thread or a process. Here the fault is a SamplingParams whose stop list was
     corrupted after it was validated, as a bug elsewhere might leave it. An engine process used to die of it: every
     request after it got EngineDeadError."""
-    from pylon.serving.engine_process import ProcessLLMEngine
+    from pylon.serving.engine.process import ProcessLLMEngine
     from pylon.serving.errors import RequestFailed
 
     kind = ProcessLLMEngine if where == "process" else AsyncLLMEngine
@@ -832,20 +832,20 @@ def test_a_request_the_engine_fails_to_take_fails_alone(gpt2: Family, where: str
 
 
 def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_cleanly(gpt2: Family) -> None:
-    from pylon.serving.engine_process import ProcessLLMEngine
+    from pylon.serving.engine.process import ProcessLLMEngine
 
     engine = ProcessLLMEngine.from_model(gpt2.dir, spec(max_num_seqs=3, max_num_batched_tokens=96))
     try:
         assert engine.check_health() and engine.max_model_len == 256
         assert engine.tokenizer.decode(engine.tokenizer.encode("def f():")) == "def f():"
         # A CPU engine serves under SCHED_BATCH, every thread of the child (its torch threads included); a GPU's
-        # keeps the default policy (pylon.serving.scheduling).
+        # keeps the default policy (pylon.serving.engine.sched_batch).
         assert engine.device == DEVICE
         policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{engine._proc.pid}/task")}
         assert policies == {os.SCHED_BATCH if DEVICE == "cpu" else os.SCHED_OTHER}
         # A CPU engine runs on TCMalloc where it is installed (`make setup` installs it), a GPU's on glibc's
-        # (pylon.serving.heap); the greedy tokens below are the same either way.
-        from pylon.serving.heap import tcmalloc_path
+        # (pylon.serving.engine.heap); the greedy tokens below are the same either way.
+        from pylon.serving.engine.heap import tcmalloc_path
 
         maps = open(f"/proc/{engine.pid}/maps").read()
         if DEVICE == "cpu" and tcmalloc_path():
@@ -887,7 +887,7 @@ def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_clea
 
 
 def test_engine_process_reports_a_model_it_cannot_load(tmp_path: Path) -> None:
-    from pylon.serving.engine_process import ProcessLLMEngine
+    from pylon.serving.engine.process import ProcessLLMEngine
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(PylonError, match="has no tokenizer; expected Hugging Face tokenizer files"):
@@ -896,9 +896,9 @@ def test_engine_process_reports_a_model_it_cannot_load(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(ON_CUDA, reason="oneDNN projections are a CPU's")
 def test_cpu_projections_go_through_onednn_and_keep_greedy_parity(family: Family, monkeypatch) -> None:
-    """On a CPU the projections run on oneDNN over weights reordered at load (pylon.serving.linear), the modules'
+    """On a CPU the projections run on oneDNN over weights reordered at load (pylon.serving.model.linear), the modules'
     own copies released; the greedy continuations stay `transformers`' own, as with `PYLON_ONEDNN_LINEAR=0`."""
-    from pylon.serving import linear
+    from pylon.serving.model import linear
 
     if not linear.usable(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no usable oneDNN")
@@ -917,13 +917,15 @@ def test_cpu_projections_go_through_onednn_and_keep_greedy_parity(family: Family
 
 
 def test_no_step_compiles_a_kernel_and_prompt_steps_run_padded_rows(family: Family, capfd) -> None:
-    """oneDNN compiles a kernel per row count (pylon.serving.linear): the engine compiles every count its steps
+    """oneDNN compiles a kernel per row count (pylon.serving.model.linear): the engine compiles every count its steps
     will use when it starts (`ModelRunner.warm_up`), steps with a prompt chunk run `padded_rows` rows, and then
     serving mixed prompt lengths in chunks compiles nothing, the continuations still `transformers`' own."""
     import ctypes
     import re
 
-    from pylon.serving import linear, switched_on
+    from pylon.settings import switched_on
+
+    from pylon.serving.model import linear
 
     if ON_CUDA or not linear.usable(torch.device("cpu"), torch.float32):
         pytest.skip("oneDNN projections are the CPU's")
@@ -946,7 +948,7 @@ def test_no_step_compiles_a_kernel_and_prompt_steps_run_padded_rows(family: Fami
 
 
 def test_fixed_shape_sizes_cover_every_step_up_to_the_limits() -> None:
-    from pylon.serving.graphs import batch_sizes, block_counts
+    from pylon.serving.model.graphs import batch_sizes, block_counts
 
     assert batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert batch_sizes(5) == [1, 2, 4, 5] and batch_sizes(1) == [1] and batch_sizes(8) == [1, 2, 4, 8]
@@ -954,17 +956,16 @@ def test_fixed_shape_sizes_cover_every_step_up_to_the_limits() -> None:
 
 
 def test_decode_steps_in_fixed_shapes_match_transformers_greedy(family: Family, monkeypatch) -> None:
-    """Steps of decodes only run in one of a few fixed shapes (pylon.serving.graphs): rows padded to a batch size,
+    """Steps of decodes only run in one of a few fixed shapes (pylon.serving.model.graphs): rows padded to a batch size,
     their keys and values stored in a scratch block, block tables padded to a block count, the bias made from the
     context lengths. On a GPU those steps replay CUDA graphs; on a CPU the same fixed-shape step runs eagerly
     (capture=False). Either way the continuations stay transformers' own: had a padding row written anywhere but the
     scratch block (block 0 holds the first request's first tokens), or a padded key been attended, they would not."""
-    from pylon.serving import switched_on
-    from pylon.serving.graphs import DecodeGraphs
+    from pylon.serving.model.graphs import DecodeGraphs
 
     engine = family.engine()
     runner = engine.runner
-    if ON_CUDA and switched_on("PYLON_CUDA_GRAPHS"):
+    if ON_CUDA:  # engine.cuda_graphs defaults to true
         assert runner.decode_graphs is not None and runner.decode_graphs.capture
     else:
         assert runner.decode_graphs is None
@@ -989,7 +990,7 @@ def test_decode_steps_in_fixed_shapes_match_transformers_greedy(family: Family, 
     assert graphs.shapes()[0] == (8, 16) and graphs.gather_bytes(8, 16) == 2 * runner.k_cache[0][:, :128].numel() * 4
     assert {g.logits.data_ptr() for g in graphs.graphs.values()} == {graphs.logits.data_ptr()}  # one logits buffer
     # A shape that would gather more than GATHER_BYTES gets no graph: its steps run eagerly.
-    monkeypatch.setattr("pylon.serving.graphs.GATHER_BYTES", graphs.gather_bytes(4, 8))
+    monkeypatch.setattr("pylon.serving.model.graphs.GATHER_BYTES", graphs.gather_bytes(4, 8))
     assert max(b * nb for b, nb in graphs.shapes()) == 32 and (8, 16) not in graphs.shapes()
     assert_pool_empty(engine)
 
@@ -1000,8 +1001,8 @@ def test_every_step_sends_its_integer_tensors_in_one_copy_and_keeps_greedy_parit
     GPU's is (and the compiled kernels are off, so decodes go through the padded group whose bias is made on the
     device from the lengths after the copy, and decode steps in fixed shapes take their inputs through it too):
     greedy continuations stay transformers' own, in one copy a step."""
-    from pylon.serving.attention import HostStage
-    from pylon.serving.graphs import DecodeGraphs
+    from pylon.serving.model.attention import HostStage
+    from pylon.serving.model.graphs import DecodeGraphs
 
     engine = family.engine()
     runner = engine.runner

@@ -1,4 +1,4 @@
-"""pylon.serving.heap: an engine process reuses the memory its steps free instead of faulting in fresh pages."""
+"""pylon.serving.engine.heap: an engine process reuses the memory its steps free instead of faulting in fresh pages."""
 from __future__ import annotations
 
 import json
@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from pylon.serving import heap
+from pylon.serving.engine import heap
 
 # Activations of growing sizes (a step's rows vary from 16 to the token budget), each written and freed. glibc by
 # default maps each block past its adaptive threshold afresh, which it then raises to that block's size: every
 # larger block is new pages. Kept, a block reuses the heap's freed top and only its growth is new.
 CHURN = r"""
 import json, resource, sys, torch
-from pylon.serving import heap
+from pylon.serving.engine import heap
 kept = heap.keep_freed_memory() if sys.argv[1] == "keep" else None
 torch.set_num_threads(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -67,7 +67,7 @@ def test_a_cpu_engine_process_starts_with_tcmalloc_preloaded(tmp_path, monkeypat
     assert heap.tcmalloc_path(dirs) is None and heap.engine_process_env("cpu", {}, dirs=dirs) == {}
 
 
-ALLOCATOR = "from pylon.serving import heap; print(heap.allocator(), heap.keep_freed_memory())"
+ALLOCATOR = "from pylon.serving.engine import heap; print(heap.allocator(), heap.keep_freed_memory())"
 
 
 @pytest.mark.skipif(heap.tcmalloc_path() is None, reason="TCMalloc is not installed (make setup installs "

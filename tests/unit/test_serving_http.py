@@ -1,4 +1,4 @@
-"""The replica's HTTP API (`pylon.serving.app.OpenAIApp`) under a real uvicorn server on loopback, without Ray: a
+"""The replica's HTTP API (`pylon.serving.api.http.OpenAIApp`) under a real uvicorn server on loopback, without Ray: a
 tiny random GPT-2 export behind it, real HTTP clients (requests, the `openai` client) in front. Routing, errors as
 OpenAI's JSON, auth, streaming, and the SSE chunks' JSON. Serve's own parts (X-Request-Id, disconnects cancelling
 the request, HAProxy) are in tests/integration/test_serving.py."""
@@ -15,8 +15,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pylon.data.tokenizer import ByteTokenizer
-from pylon.serving import app as serving_app
-from pylon.serving import protocol
+from pylon.serving.api import http as serving_http
+from pylon.serving.api import server as serving_server
+from pylon.serving.api import protocol
 
 KEY = "sk-unit-test-key"
 
@@ -49,8 +50,8 @@ def server(model_dir):
                    "device": "cpu", "dtype": "fp32", "separate_process": False},
         "http": {"api_keys_env": "PYLON_TEST_HTTP_KEYS", "stream_interval_ms": 20, "max_queued_requests": 8}})
     # as build_app does: the env var's keys become digests, and the replica gets only those
-    digests = serving_app.api_key_digests(spec, {"PYLON_TEST_HTTP_KEYS": f"{KEY},sk-other"})
-    replica = serving_app.PylonLLMServer(spec.model_dump(mode="json"), digests)
+    digests = serving_http.api_key_digests(spec, {"PYLON_TEST_HTTP_KEYS": f"{KEY},sk-other"})
+    replica = serving_server.PylonLLMServer(spec.model_dump(mode="json"), digests)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -200,7 +201,7 @@ def test_bad_bodies_auth_and_limits_are_4xx_and_the_server_still_answers(server,
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
         assert KEY not in r.text
     assert requests.get(f"{server}/v1/models", timeout=30).status_code == 401
-    monkeypatch.setattr(serving_app, "MAX_BODY_BYTES", 4096)
+    monkeypatch.setattr(serving_http, "MAX_BODY_BYTES", 4096)
     r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x" * 5000}, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
     monkeypatch.undo()
@@ -277,8 +278,8 @@ def _pool_spec():
 def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
     import asyncio
 
-    from pylon.serving.engine_process import EnginePool, ProcessLLMEngine
-    from pylon.serving.sampling import SamplingParams
+    from pylon.serving.engine.process import EnginePool, ProcessLLMEngine
+    from pylon.serving.engine.sampling import SamplingParams
 
     spec = _pool_spec()
     prompts = [[(7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(8)]
@@ -323,8 +324,8 @@ def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
     instead of a 503 from the dead one, which by open streams alone would have looked the least busy."""
     import asyncio
 
-    from pylon.serving.engine_process import EnginePool
-    from pylon.serving.sampling import SamplingParams
+    from pylon.serving.engine.process import EnginePool
+    from pylon.serving.engine.sampling import SamplingParams
 
     spec = _pool_spec()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -353,7 +354,7 @@ def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
 
 def test_engine_pool_children_split_the_cpus_or_take_a_gpu_each():
     from pylon.errors import PylonError
-    from pylon.serving.engine_process import _engine_envs
+    from pylon.serving.engine.process import _engine_envs
 
     assert _engine_envs(1, "cpu", {"OMP_NUM_THREADS": "8"}) == [{}]
     assert _engine_envs(2, "cpu", {"OMP_NUM_THREADS": "8"}) == [{"OMP_NUM_THREADS": "4"}] * 2
@@ -383,14 +384,14 @@ def test_an_engine_pool_that_cannot_load_says_why_and_leaves_no_process(tmp_path
     import psutil
 
     from pylon.errors import PylonError
-    from pylon.serving.engine_process import EnginePool
+    from pylon.serving.engine.process import EnginePool
     from pylon.specs import EngineSpec
 
     (tmp_path / "config.json").write_text("{}")  # a directory, but not a model
     with pytest.raises(PylonError) as e:
         EnginePool.from_model(str(tmp_path), EngineSpec(device="cpu", data_parallel=2))
     assert str(tmp_path) in str(e.value)  # the loader's own message, naming the directory
-    left = [c for c in psutil.Process().children(recursive=True) if "pylon.serving.engine_process" in
+    left = [c for c in psutil.Process().children(recursive=True) if "pylon.serving.engine.process" in
             " ".join(c.cmdline())]
     assert not left, left
 

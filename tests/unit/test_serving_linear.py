@@ -1,8 +1,8 @@
-"""pylon.serving.linear: oneDNN projections over reordered weights, against torch's own."""
+"""pylon.serving.model.linear: oneDNN projections over reordered weights, against torch's own."""
 import pytest
 import torch
 
-from pylon.serving import linear
+from pylon.serving.model import linear
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not linear.usable(CPU, torch.float32), reason="this torch has no usable oneDNN")
@@ -50,7 +50,7 @@ def test_warm_up_stays_within_onednns_cache(tmp_path, monkeypatch, caplog) -> No
     cache's capacity and says how to raise it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pylon.serving.model_runner import ModelRunner
+    from pylon.serving.model.runner import ModelRunner
 
     monkeypatch.delenv("PYLON_PADDED_ROWS", raising=False)
     config = AutoConfig.for_model("gpt2", n_layer=1, n_head=2, n_embd=32, n_positions=64, vocab_size=64)

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pylon.serving.attention import HostStage, SequenceSlice, build_metadata, new_kv_cache, paged_attention
-from pylon.serving.kv_cache import KVBlockPool
-from pylon.serving.request import Request
-from pylon.serving.sampling import SamplingParams, sample
-from pylon.serving.scheduler import Scheduler
+from pylon.serving.model.attention import HostStage, SequenceSlice, build_metadata, new_kv_cache, paged_attention
+from pylon.serving.engine.kv_cache import KVBlockPool
+from pylon.serving.engine.request import Request
+from pylon.serving.engine.sampling import SamplingParams, sample
+from pylon.serving.engine.scheduler import Scheduler
 
 
 def request(request_id: str, prompt_len: int) -> Request:
@@ -196,7 +196,7 @@ def test_paged_attention_equals_dense_causal_attention(kernel: str, kv_heads: in
     offset mask)."""
     prefill = kernel == "prefill"
     if prefill:
-        from pylon.serving import kernels
+        from pylon.serving.model import kernels
 
         if dim not in kernels.PREFILL_HEAD_DIMS:
             pytest.skip(f"the prefill kernel is not built for head_dim {dim}: SDPA runs those")
@@ -220,7 +220,7 @@ def test_paged_attention_over_a_narrower_cache_reads_back_what_it_stored(kernel:
 def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int, kv_dtype: torch.dtype, *,
                           prefill: bool = False, stage: HostStage | None = None) -> None:
     if kernel:
-        from pylon.serving import kernels
+        from pylon.serving.model import kernels
 
         # Fails rather than skips where the compiler is missing: `make setup` builds it on this machine.
         assert kernels.load() is not None, f"paged-attention kernel did not build: {kernels._failed}"
@@ -283,7 +283,7 @@ def test_metadata_staged_in_one_copy_attends_as_unstaged(kernel: bool, min_size:
     regrown mid-step, `min_size` 8), attention would not match the dense reference (the step before it, which fills
     the cache, runs unstaged)."""
     if kernel:
-        from pylon.serving import kernels
+        from pylon.serving.model import kernels
 
         assert kernels.load() is not None, f"paged-attention kernel did not build: {kernels._failed}"
     stage = HostStage("cpu", staged=True, min_size=min_size)
@@ -301,8 +301,8 @@ def meta_chunks(tables, cached, new, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_store_kernel_writes_what_index_copy_writes(dtype: torch.dtype) -> None:
-    from pylon.serving import kernels
-    from pylon.serving.attention import store_kv, store_kv_pair
+    from pylon.serving.model import kernels
+    from pylon.serving.model.attention import store_kv, store_kv_pair
 
     assert kernels.load() is not None, f"CPU kernels did not build: {kernels._failed}"
     torch.manual_seed(0)
@@ -335,7 +335,7 @@ def test_the_store_kernel_writes_what_index_copy_writes(dtype: torch.dtype) -> N
 
 
 def test_the_gelu_kernel_is_gpt2s_tanh_gelu() -> None:
-    from pylon.serving import kernels
+    from pylon.serving.model import kernels
 
     assert kernels.load() is not None, f"CPU kernels did not build: {kernels._failed}"
     # Whole vectors and a remainder, tiny and huge inputs (where the exponential saturates), and zero.
@@ -391,7 +391,7 @@ def test_temperature_changes_the_distribution(temperature: float) -> None:
 
 
 def test_requests_arriving_between_steps_wait_only_beyond_the_free_slots() -> None:
-    from pylon.serving.engine import expected_waiting
+    from pylon.serving.engine.engine import expected_waiting
 
     # A burst of 20 into an idle engine with 8 slots: 8 start at the next step, 12 wait (not 20).
     assert expected_waiting(running=0, waiting=0, arrived=20, max_num_seqs=8) == 12

@@ -1,4 +1,4 @@
-"""pylon.serving.scheduling: CPU serving processes move every thread to SCHED_BATCH, and can be given it back."""
+"""pylon.serving.engine.sched_batch: CPU serving processes move every thread to SCHED_BATCH, and can be given it back."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pylon.serving import scheduling
+from pylon.serving.engine import sched_batch as scheduling
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 

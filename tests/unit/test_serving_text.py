@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from pylon.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer
 from pylon.errors import PylonError
 from pylon.serving.errors import InvalidRequest
-from pylon.serving.tokenization import IncrementalDetokenizer, apply_chat_template, load_model_tokenizer
+from pylon.serving.engine.tokenization import IncrementalDetokenizer, apply_chat_template, load_model_tokenizer
 
 TEXT = "héllo 🦊 wörld, ça va?\n"
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -226,7 +226,7 @@ def test_stop_strings_stream_as_their_definition_says(seed: int) -> None:
 def test_stop_conditions_are_bounded() -> None:
     """Every token is checked against every stop string in the engine's step, for every request: a request may not
     make that arbitrarily long."""
-    from pylon.serving.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+    from pylon.serving.engine.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
     SamplingParams(stop=["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
     for fields, says in (({"stop": ["a"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS} stop strings"),
@@ -243,7 +243,7 @@ def test_chars_per_token_bound_holds_where_it_is_given(hf_dir: Path, tmp_path: P
     from tokenizers import trainers as tr
 
     from pylon.data.tokenizer import TokenizersFileTokenizer
-    from pylon.serving.tokenization import chars_per_token_bound
+    from pylon.serving.engine.tokenization import chars_per_token_bound
 
     assert chars_per_token_bound(ByteTokenizer()) == 1
     tok = load_model_tokenizer(str(hf_dir))

@@ -1,0 +1,98 @@
+"""The planner: before anything launches, will a job fit, where does its memory go, how long will it take, what
+will it cost -- and what is the cheapest configuration that fits (`pylon plan FILE`, `client.plan(spec)`).
+
+    plan = plan_spec(spec)                    # TrainPlan for a TrainJob, ServePlan for a Deployment
+    print(render(plan))                       # the tables `pylon plan` prints
+    plan.to_dict()                            # what `pylon plan --json` prints
+    check_fits(spec, client=client)           # WontFitError before `pylon train` asks for workers
+
+Memory is `pylon.plan.memory`'s (DeepSpeed's model-state accounting, activations simulated on the meta device,
+DeepSpeed's buffers). Time is FLOPs over peak throughput times an assumed MFU: a step of T tokens costs
+T x (6N + 12 x layers x d_model x seq) FLOPs (`pylon.models.flops_per_token`; 4N + 6N_adapters with LoRA, since
+frozen weights get no weight gradients), plus a recomputed forward pass with gradient checkpointing, spread
+over the GPUs at `mfu` x the accelerator's dense bf16 (or fp32) peak. To that come the collectives a quarter
+of which are assumed not to overlap compute (all of what exceeds compute), and offloading (CPU Adam, PCIe,
+NVMe), which is assumed not to overlap at all. Every assumption is a named constant below and is printed with
+the plan.
+
+Advice searches, per accelerator, ZeRO stage, offload targets, gradient checkpointing, micro-batch (keeping
+the global batch) and GPU count, and picks the cheapest configuration that fits; among those within 1% of
+the cheapest it prefers fewer GPUs, no offload, no recomputation, larger micro-batches, then the most
+headroom. Precision and LoRA are the user's choice and are kept (a LoRA alternative is suggested when a full
+fine-tune needs offloading).
+"""
+from __future__ import annotations
+import os
+from pathlib import Path
+from pylon.plan.catalog import Catalog
+from pylon.errors import PylonError
+from pylon.specs import DeploymentSpec, TrainJobSpec
+from pylon.plan.fits import WontFitError, check_fits
+from pylon.plan.serve import DEFAULT_UTILIZATION, ServePlan, plan_serve
+from pylon.plan.steptime import DEFAULT_MFU, hardware_flops_per_token, model_flops_per_token
+from pylon.plan.text import render
+from pylon.plan.train import USABLE_FRACTION, TrainPlan, plan_train, train_workload
+
+__all__ = [
+    "DEFAULT_MFU", "DEFAULT_UTILIZATION", "USABLE_FRACTION", "ServePlan", "TrainPlan", "WontFitError", "check_fits",
+    "hardware_flops_per_token", "model_flops_per_token", "plan_file", "plan_serve", "plan_spec", "plan_train",
+    "render", "train_workload",
+]
+
+
+def plan_spec(spec, *, catalog: Catalog | None = None, gpu: str | None = None, gpus: int | None = None,
+              mfu: float = DEFAULT_MFU, seq_len: int | None = None, utilization: float = DEFAULT_UTILIZATION):
+    """A TrainPlan for a TrainJobSpec, a ServePlan for a DeploymentSpec."""
+    if isinstance(spec, TrainJobSpec):
+        return plan_train(spec, catalog=catalog, gpu=gpu, gpus=gpus, mfu=mfu, seq_len=seq_len)
+    if isinstance(spec, DeploymentSpec):
+        return plan_serve(spec, catalog=catalog, gpu=gpu, mfu=mfu, utilization=utilization)
+    raise PylonError(f"the planner plans TrainJob and Deployment specs, not {getattr(spec, 'kind', type(spec).__name__)}")
+
+
+def plan_file(path: str | os.PathLike, **options) -> tuple[list, list[str]]:
+    """Plans for every TrainJob and Deployment in a YAML file, and notes on the documents not planned. A
+    Deployment of a model a TrainJob of the same file will export is planned with that job's model."""
+    from pylon.specs import load_specs
+
+    docs = load_specs(path)
+    plans, skipped = [], []
+    trains = [d.spec for d in docs if isinstance(d.spec, TrainJobSpec)]
+    for doc in docs:
+        spec = doc.spec
+        if isinstance(spec, TrainJobSpec):
+            plans.append(plan_spec(spec, **options))
+        elif isinstance(spec, DeploymentSpec):
+            config = _exported_config(spec, trains, options.get("seq_len"))
+            serve_options = {k: v for k, v in options.items() if k not in ("gpus", "seq_len")}
+            plans.append(plan_serve(spec, config=config, **serve_options))
+        else:
+            skipped.append(f"{doc.source}: document {doc.index} ({spec.kind} '{spec.name}'): nothing to plan")
+    if not plans:
+        raise PylonError(f"{path}: no TrainJob or Deployment documents to plan")
+    return plans, skipped
+
+
+def _exported_config(spec: DeploymentSpec, trains: list[TrainJobSpec], seq_len: int | None):
+    """The config of the model a TrainJob in the same file exports to `spec.model`, if its directory does not
+    exist yet (the demo's file trains, exports and serves); None to read the directory itself."""
+    from pylon import storage
+    from pylon.jobs.run_dir import run_uri_of
+
+    try:
+        if storage.exists(storage.join(spec.model, "config.json")):
+            return None
+    except PylonError:
+        return None
+    for train in trains:
+        if _same_place(storage.join(run_uri_of(train), "export"), spec.model):
+            work, _ = train_workload(train, seq_len=seq_len or train.data.seq_len or 1)
+            return work.config
+    return None
+
+
+def _same_place(a: str, b: str) -> bool:
+    def norm(u: str) -> str:
+        return u.rstrip("/") if "://" in u else str(Path(u).expanduser().resolve())
+
+    return norm(a) == norm(b)

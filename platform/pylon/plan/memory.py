@@ -1,0 +1,294 @@
+"""Where a training step's memory goes, per GPU and per node, for a model shape and a DeepSpeed layout.
+
+    shape = model_shape(config, lora=None)                     # parameter counts, on the meta device
+    work = Workload(config, shape, precision="bf16", seq_len=4096, lora=None)
+    mem = train_memory(work, Layout(zero_stage=2, micro_batch_size=1, num_gpus=8))
+    mem.device_total, mem.host_total, mem.nvme                 # bytes per GPU, per node (RAM), per node (NVMe)
+
+The accounting is DeepSpeed's (0.19: `runtime/zero/stage_1_and_2.py`, `stage3.py`, `bf16_optimizer.py`), for
+AdamW, with N parameters of which T are trained (T = N unless LoRA) on G data-parallel GPUs, w bytes per
+weight in the training precision (2 for bf16/fp16, 4 for fp32) and L the largest module's parameters:
+
+    term              ZeRO-0           ZeRO-1           ZeRO-2           ZeRO-3
+    parameters        w*N              w*N              w*N              w*N/G + w*L (the module being gathered)
+    gradients         w*T (+4*T)       w*T (+4*T/G)     w*T/G (+4*T/G)   4*T/G + w*L
+    optimizer states  12*T (8*T fp32)  12*T/G           12*T/G           12*T/G
+
+"(+4...)": with bf16/fp16 DeepSpeed keeps an fp32 copy of the gradients for the step, and the optimizer states
+are the fp32 master weights plus Adam's two moments (4 + 4 + 4 bytes). Plain fp32 at ZeRO-0 has no master
+copy: 4 + 4 + 8 = 16 bytes per parameter, the "7B model needs 112 GB" figure; the often-quoted "8 bytes per
+parameter" counts only Adam's moments. In mixed precision ZeRO-2 comes to 2*N + 18*N/G and ZeRO-3 to
+18*N/G + 4*L: exactly DeepSpeed's own `estimate_zero2_model_states_mem_needs` and
+`estimate_zero3_model_states_mem_needs` (tests/unit/plan/test_plan.py checks it on real models). Offloading the
+optimizer moves the optimizer states and the fp32 gradients (and ZeRO-1/2's gradients) to host RAM or NVMe;
+offloading parameters (ZeRO-3) moves the parameter partitions.
+
+Host RAM per node follows DeepSpeed's estimators too: every process first builds the model in fp32 (Pylon
+builds, then DeepSpeed partitions; no `zero.Init`), then holds what is offloaded; the larger of the two, times
+DeepSpeed's `additional_buffer_factor` of 1.5 for pinned buffers and fragmentation. (One difference: for
+ZeRO-2 with optimizer offload on several nodes DeepSpeed's estimator multiplies the fp32 model by every GPU of
+the job rather than those of one node; here it is per node.)
+
+Beyond the model states: activations come from simulating the step (`pylon.plan.activations`), working buffers
+are DeepSpeed's gradient buckets at its default sizes (a 5e8-element reduce bucket is 1 GB in bf16 whatever
+the model size), and the CUDA context and NCCL take about 1 GiB per GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pylon.specs import LoraSpec
+
+GIB = 2**30
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# DeepSpeed's defaults for the settings Pylon's config leaves alone (deepspeed/runtime/zero/config.py,
+# offload_config.py, engine.py).
+REDUCE_BUCKET_ELEMENTS = 500_000_000  # zero_optimization.reduce_bucket_size
+PREFETCH_BUCKET_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size
+PARAM_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold: smaller parameters stay whole
+ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # the engine's buffered all-reduce without ZeRO
+SUB_GROUP_ELEMENTS = 1_000_000_000  # sub_group_size: the optimizer steps (and swaps) this many at a time
+NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer.buffer_count
+NVME_PARAM_BUFFERS, NVME_PARAM_BUFFER_ELEMENTS = 5, 100_000_000  # offload_param.buffer_count, buffer_size
+HOST_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' additional_buffer_factor for host memory
+CUDA_RUNTIME_BYTES = 1 * GIB  # CUDA context, cuBLAS workspaces and NCCL communicators, per GPU
+PROCESS_BYTES = 1 * GIB  # a CPU worker's Python, torch, transformers and DeepSpeed before the model exists
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parameter counts memory and FLOPs depend on (tied weights counted once, as DeepSpeed does)."""
+
+    total_params: int
+    trainable_params: int  # LoRA: the adapters only
+    largest_layer_params: int  # most parameters one module holds itself: what ZeRO-3 gathers at once
+    persistent_params: int  # parameters under ZeRO-3's persistence threshold, kept whole on every GPU
+    matmul_params: int  # parameters in a matmul per token (all but input embeddings), for FLOPs
+    trainable_matmul_params: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int
+    kv_heads: int
+    head_dim: int
+
+
+def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
+    """`config`'s model (with `lora`'s adapters) built on the meta device and counted: no memory, any size."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pylon.models import _matmul_parameters, with_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        matmul = _matmul_parameters(model)
+        if lora is not None:
+            model = with_lora(model, lora)
+    params = list(model.parameters())  # each Parameter once, so tied embeddings count once
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    heads = config.num_attention_heads
+    hidden = config.hidden_size
+    return ModelShape(
+        total_params=sum(p.numel() for p in params),
+        trainable_params=trainable,
+        largest_layer_params=largest,
+        persistent_params=sum(p.numel() for p in params if p.numel() < PARAM_PERSISTENCE_THRESHOLD),
+        matmul_params=matmul,
+        trainable_matmul_params=trainable if lora is not None else matmul,
+        num_layers=config.num_hidden_layers,
+        hidden_size=hidden,
+        vocab_size=config.vocab_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a training job fixes: the model, its precision, sequence length and adapters."""
+
+    config: object  # a transformers PretrainedConfig
+    shape: ModelShape
+    precision: str
+    seq_len: int
+    lora: LoraSpec | None = None
+    _peaks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
+        """Peak activation bytes of one micro-batch (`pylon.plan.activations`), remembered: a plan asks thousands
+        of times for a handful of distinct answers."""
+        key = (micro_batch, checkpointing, device)
+        if key not in self._peaks:
+            from pylon.plan.activations import step_activations
+
+            self._peaks[key] = step_activations(self.config, micro_batch=micro_batch, seq_len=self.seq_len,
+                                                precision=self.precision, checkpointing=checkpointing,
+                                                lora=self.lora, device=device).peak_bytes
+        return self._peaks[key]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the planner may change: how the job is spread over GPUs and what it trades memory for."""
+
+    zero_stage: int
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"
+    gradient_checkpointing: bool = False
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
+    num_gpus: int = 1
+    gpus_per_node: int = 8
+
+    @property
+    def gpus_on_node(self) -> int:
+        return min(self.num_gpus, self.gpus_per_node)
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.num_gpus / self.gpus_per_node)
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload_optimizer != "none" or self.offload_param != "none"
+
+    def describe(self) -> str:
+        parts = [f"ZeRO-{self.zero_stage}"]
+        if self.offload_optimizer != "none":
+            parts.append(f"optimizer->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"params->{self.offload_param}")
+        if self.gradient_checkpointing:
+            parts.append("grad ckpt")
+        parts.append(f"micro-batch {self.micro_batch_size}" + (f" x {self.grad_accum_steps} accum"
+                                                              if self.grad_accum_steps > 1 else ""))
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class TrainMemory:
+    """Bytes of one training step: per GPU (the worker's device), and per node in host RAM and on NVMe."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    runtime: int
+    host_build: int  # per node: every process's fp32 model while it is built
+    host_states: int  # per node: offloaded optimizer states, gradients, parameters
+    host_buffers: int  # per node: pinned NVMe swap buffers
+    nvme: int  # per node
+    notes: dict[str, str] = field(default_factory=dict, compare=False)  # term -> what it holds
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device_total(self) -> int:
+        return self.model_states + self.activations + self.buffers + self.runtime
+
+    @property
+    def host_total(self) -> int:
+        return int(max(self.host_build, self.host_states + self.host_buffers) * HOST_BUFFER_FACTOR)
+
+    def device_terms(self) -> list[tuple[str, int]]:
+        return [("parameters", self.params), ("gradients", self.grads), ("optimizer states", self.optimizer),
+                ("activations", self.activations), ("working buffers", self.buffers), ("runtime", self.runtime)]
+
+
+def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> TrainMemory:
+    """The memory of one step of `work` laid out as `layout`. `device` is where the workers compute: 'cuda',
+    or 'cpu' (then the "GPU" terms live in the worker's RAM, buckets cost only the pages written, and there is
+    no CUDA context)."""
+    s = work.shape
+    w = WEIGHT_BYTES[work.precision]
+    mixed = w != 4
+    stage, g, per_node = layout.zero_stage, layout.num_gpus, layout.gpus_on_node
+    n, t = s.total_params, s.trainable_params
+    shard = g if stage >= 1 else 1  # how many ways optimizer states (and fp32 gradients) are split
+    off_opt, off_par = layout.offload_optimizer != "none", layout.offload_param != "none"
+    notes = {}
+
+    # Parameters in the training precision.
+    if stage < 3:
+        params = w * n
+        notes["parameters"] = f"{work.precision} weights, a full copy on every GPU"
+    else:
+        partition = 0 if off_par else w * n / g
+        params = partition + w * s.largest_layer_params
+        notes["parameters"] = ((f"partitions in {layout.offload_param}; " if off_par else "1/G partition + ")
+                               + "the largest module gathered whole")
+
+    # Gradients: in the training precision (ZeRO-0/1: full; ZeRO-2: the partition), plus the fp32 copy DeepSpeed
+    # steps the optimizer on (mixed precision; ZeRO-3 accumulates straight into fp32 partitions).
+    grads_lp = {0: w * t, 1: w * t, 2: w * t / g, 3: 0.0}[stage]
+    grads_fp32 = 4 * t / shard if (mixed or stage == 3) else 0.0
+    gathered_grads = w * min(s.largest_layer_params, t) if stage == 3 else 0.0
+    optimizer = (4 * t if (mixed or stage >= 1) else 0) / shard + 8 * t / shard  # fp32 master + Adam moments
+    host_states = host_buffers = nvme = 0.0
+    if off_opt:
+        if stage < 3:
+            grads_lp = 0.0  # ZeRO-1/2 offload copies each gradient to its host partition as it is reduced
+        offloaded = grads_fp32 + optimizer
+        if layout.offload_optimizer == "nvme":  # master weights and moments on NVMe, fp32 gradients in RAM
+            nvme += optimizer * per_node
+            host_states += grads_fp32 * per_node
+            host_buffers += NVME_OPTIMIZER_BUFFERS * min(SUB_GROUP_ELEMENTS, t / shard) * 4 * per_node
+        else:
+            host_states += offloaded * per_node
+        grads_fp32 = optimizer = 0.0
+    if off_par:
+        if layout.offload_param == "nvme":
+            nvme += w * n / g * per_node
+            host_buffers += NVME_PARAM_BUFFERS * NVME_PARAM_BUFFER_ELEMENTS * w * per_node
+        else:
+            host_states += w * n / g * per_node
+    grads = grads_lp + grads_fp32 + gathered_grads
+    notes["gradients"] = {0: "full, plus an fp32 copy for the step" if mixed else "full, fp32",
+                          1: "full, plus the fp32 partition the optimizer steps",
+                          2: "partitioned (1/G)" + (", plus its fp32 copy" if mixed else ""),
+                          3: "fp32 partitions (1/G), plus the largest module's"}[stage]
+    if off_opt:
+        notes["gradients"] += f"; the partitions live with the optimizer in {layout.offload_optimizer}"
+    notes["optimizer states"] = (("fp32 master weights + " if mixed or stage >= 1 else "")
+                                 + "Adam's 2 moments" + (", 1/G each" if stage >= 1 else "")
+                                 + (f"; offloaded to {layout.offload_optimizer}" if off_opt else ""))
+
+    # Working buffers: DeepSpeed allocates its buckets at their configured size (the caching allocator holds
+    # all of it); on CPU only the pages gradients are written to become resident.
+    def bucket(elements: float) -> float:
+        return elements * w if device == "cuda" else min(elements, t) * w
+
+    if stage == 0:
+        buffers = min(t, ALLREDUCE_BUCKET_ELEMENTS) * w if g > 1 else 0.0
+        notes["working buffers"] = "the flattened all-reduce bucket" if g > 1 else "none (one GPU)"
+    elif stage < 3:
+        buffers = bucket(REDUCE_BUCKET_ELEMENTS)
+        notes["working buffers"] = "DeepSpeed's gradient reduce bucket (5e8 elements)"
+    else:
+        # Parameters under the persistence threshold (norms, biases) stay whole on every GPU.
+        persistent = s.persistent_params * (1 - 1 / g) * w
+        buffers = bucket(REDUCE_BUCKET_ELEMENTS) + min(PREFETCH_BUCKET_ELEMENTS, n) * w + persistent
+        notes["working buffers"] = ("reduce bucket (5e8 elements), parameter prefetch (5e7), small parameters "
+                                    "kept whole")
+
+    acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device)
+    notes["activations"] = (f"micro-batch {layout.micro_batch_size} x {work.seq_len} tokens, peak of forward + "
+                            "backward" + (", recomputing each block" if layout.gradient_checkpointing else ""))
+    runtime = CUDA_RUNTIME_BYTES if device == "cuda" else 0
+    notes["runtime"] = "CUDA context, cuBLAS and NCCL" if device == "cuda" else "none counted on CPU"
+    return TrainMemory(params=int(params), grads=int(grads), optimizer=int(optimizer), activations=int(acts),
+                       buffers=int(buffers), runtime=runtime, host_build=4 * n * per_node,
+                       host_states=int(host_states), host_buffers=int(host_buffers), nvme=int(nvme), notes=notes)
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """KV cache bytes one token takes: a key and a value per layer and KV head."""
+    return 2 * shape.num_layers * shape.kv_heads * shape.head_dim * dtype_bytes

@@ -1,0 +1,311 @@
+"""`pylon.connect()`: a client bound to a running Ray cluster, through Ray's public HTTP APIs.
+
+Which cluster: the `address` given, else `RAY_ADDRESS`, else the one `pylon cluster up` started.
+Addresses may be a dashboard/Jobs API URL (`http://host:8265`) or a GCS address (`host:6379`).
+"""
+from __future__ import annotations
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+import requests
+from pylon import home
+from pylon.errors import ClusterError, JobNotFoundError, PylonError
+from pylon.sdk import inputs
+from pylon.sdk.handles import TERMINAL_JOB_STATES, DataJob, JobInfo, Run, Service
+from pylon.sdk.serve import deploy
+
+
+
+
+
+
+
+
+@dataclass
+class NodeInfo:
+    node_id: str
+    ip: str
+    state: str
+    is_head: bool
+    resources: dict[str, float]
+
+
+@dataclass
+class ClusterStatus:
+    dashboard_url: str
+    gcs_address: str | None
+    nodes: list[NodeInfo]
+    jobs: list[JobInfo] = field(default_factory=list)
+
+    @property
+    def running_jobs(self) -> list[JobInfo]:
+        return [j for j in self.jobs if j.status in ("PENDING", "RUNNING")]
+
+    def total_resources(self) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for node in self.nodes:
+            if node.state == "ALIVE":
+                for name, amount in node.resources.items():
+                    total[name] = total.get(name, 0.0) + amount
+        return total
+
+    def __str__(self) -> str:
+        lines = [f"dashboard / Jobs API: {self.dashboard_url}"]
+        if self.gcs_address:
+            lines.append(f"GCS address:          {self.gcs_address}")
+        alive = [n for n in self.nodes if n.state == "ALIVE"]
+        lines.append(f"nodes: {len(alive)} alive" + (f", {len(self.nodes) - len(alive)} dead" if len(alive) < len(self.nodes) else ""))
+        for n in self.nodes:
+            res = ", ".join(f"{_fmt_resource(k, v)}" for k, v in sorted(n.resources.items()) if _shown(k))
+            lines.append(f"  {n.node_id[:12]}  {n.ip:<15} {n.state:<6} {'head' if n.is_head else 'worker':<6} {res}")
+        total = self.total_resources()
+        lines.append("resources: " + (", ".join(_fmt_resource(k, v) for k, v in sorted(total.items()) if _shown(k)) or "none"))
+        running = self.running_jobs
+        lines.append(f"running jobs: {len(running)}")
+        for j in running:
+            lines.append(f"  {j.job_id}  {j.status:<8} {j.entrypoint}")
+        return "\n".join(lines)
+
+
+def _shown(resource: str) -> bool:
+    # Per-node and accelerator-type markers are noise in a summary.
+    return not resource.startswith("node:") and not resource.startswith("accelerator_type")
+
+
+def _fmt_resource(name: str, amount: float) -> str:
+    if name in ("memory", "object_store_memory"):
+        return f"{name} {amount / 2**30:.1f} GiB"
+    return f"{name} {amount:g}"
+
+
+class Client:
+    """A handle on one Ray cluster. Everything goes through Ray's public Jobs and State HTTP APIs."""
+
+    def __init__(self, dashboard_url: str, *, gcs_address: str | None = None, token: str | None = None):
+        self.dashboard_url = dashboard_url.rstrip("/")
+        self.gcs_address = gcs_address
+        self._token = token
+        self._job_client = None
+
+    def __repr__(self) -> str:  # the token never appears here
+        return f"Client(dashboard_url={self.dashboard_url!r}, gcs_address={self.gcs_address!r})"
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+
+    def ping(self, timeout_s: float = 10.0) -> str:
+        """The cluster's Ray version; ClusterError when it cannot be reached or refuses our token."""
+        return home.ping(home.ClusterAddress(self.dashboard_url, self.gcs_address, self._token), timeout_s)
+
+    def init_ray(self, **kwargs) -> None:
+        """Connect this process to the cluster as a Ray driver (for Ray Data, tasks), once."""
+        home.init_ray(home.ClusterAddress(self.dashboard_url, self.gcs_address, self._token), **kwargs)
+
+    # -- jobs -------------------------------------------------------------------------------------------
+
+    def _jobs(self):
+        from ray.job_submission import JobSubmissionClient
+
+        if self._job_client is None:  # it checks the server's version when made: once is enough
+            self._job_client = JobSubmissionClient(self.dashboard_url, headers=self._headers)
+        return self._job_client
+
+    def _job_call(self, job_id: str, fn, *args):
+        """`fn(job_id)` on the Jobs API, with Ray's 404 RuntimeError turned into JobNotFoundError."""
+        try:
+            return fn(job_id, *args)
+        except RuntimeError as e:
+            if "status code 404" in str(e):
+                raise JobNotFoundError(job_id, self.dashboard_url) from None
+            raise
+
+    def submit_job(self, entrypoint: str, *, runtime_env: dict | None = None, submission_id: str | None = None,
+                   metadata: dict[str, str] | None = None) -> str:
+        return self._jobs().submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                       submission_id=submission_id, metadata=metadata)
+
+    def jobs(self) -> list[JobInfo]:
+        """Every job the cluster knows (running and ended), oldest first."""
+        return sorted((_job_info(j) for j in self._jobs().list_jobs()), key=lambda j: j.start_time or 0)
+
+    def job_info(self, job_id: str) -> JobInfo:
+        return _job_info(self._job_call(job_id, self._jobs().get_job_info))
+
+    def job_status(self, job_id: str) -> str:
+        return str(self._job_call(job_id, self._jobs().get_job_status).value)
+
+    def job_logs(self, job_id: str) -> str:
+        return self._job_call(job_id, self._jobs().get_job_logs)
+
+    def stop_job(self, job_id: str) -> bool:
+        """Ask a job to stop (SIGTERM, then SIGKILL); False if it had already ended."""
+        return self._job_call(job_id, self._jobs().stop_job)
+
+    def wait_job(self, job_id: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> str:
+        """Block until the job ends; returns its final status (ClusterError on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.job_status(job_id)
+            if status in TERMINAL_JOB_STATES:
+                return status
+            if time.monotonic() > deadline:
+                raise ClusterError(f"job {job_id} still {status} after {timeout_s:.0f}s")
+            time.sleep(poll_s)
+
+    # -- the SDK: training runs, datasets, deployments (handles in pylon.sdk.handles) ---------------------------
+
+    def train(self, spec, *, force: bool = False) -> Run:
+        """Submit a TrainJob (a `TrainJobSpec`, a dict of its fields, or a YAML file) as a Ray job: the
+        job `pylon train FILE` submits, `python -m pylon.jobs.train --config FILE`. A spec object or dict
+        is written to `$PYLON_HOME/specs/<job id>.yaml` first. Submitting a run name again resumes it.
+        Relative paths in the spec mean what they mean in this process's working directory.
+        A job the planner says cannot fit on the resources it asks for is refused first (`pylon.plan.WontFitError`,
+        with the reason and what would fit); `force=True` submits it anyway."""
+        import shlex
+
+
+        from pylon.jobs.run_dir import run_uri_of
+        from pylon.specs import TrainJobSpec, to_yaml
+
+        spec, path = inputs.as_spec(spec, TrainJobSpec)  # every spec error before anything is submitted
+        if not force:
+            from pylon.plan import check_fits
+
+            check_fits(spec, client=self)  # before asking for workers
+        job_id = inputs.new_job_id("train", spec.name)
+        if path is None:
+            path = home.pylon_home() / "specs" / f"{job_id}.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(to_yaml(spec))
+        run_uri = run_uri_of(spec)
+        # The job runs where the caller stands, so relative paths in the spec mean what they mean here.
+        entrypoint = (f"cd {shlex.quote(str(Path.cwd()))} && python -m pylon.jobs.train "
+                      f"--config {shlex.quote(str(Path(path).resolve()))}")
+        self.submit_job(entrypoint, submission_id=job_id,
+                        metadata={"pylon_kind": "TrainJob", "pylon_name": spec.name, "pylon_run_uri": run_uri})
+        return Run(self, job_id, name=spec.name, run_uri=run_uri, start_time=time.time())
+
+    def plan(self, spec, *, gpu: str | None = None, gpus: int | None = None, mfu: float | None = None,
+             prices: str | None = None, seq_len: int | None = None):
+        """Memory, time and cost of a TrainJob or Deployment before it launches (`pylon plan`): a spec object, a
+        dict of its fields (a TrainJob unless `kind` says otherwise) or a YAML file (a list of plans when it holds
+        several). `gpu` limits it to one accelerator, `gpus` fixes the GPU count, `mfu` and `prices` (a YAML
+        file) override the assumptions. Needs no cluster; `print(pylon.plan.render(p))` shows the tables."""
+        from pylon.plan.catalog import load_catalog
+        from pylon.plan import DEFAULT_MFU, plan_file, plan_spec
+        from pylon.specs import DeploymentSpec, TrainJobSpec
+
+        options = dict(catalog=load_catalog(prices), gpu=gpu, gpus=gpus, mfu=DEFAULT_MFU if mfu is None else mfu,
+                       seq_len=seq_len)
+        if isinstance(spec, (str, os.PathLike)):
+            plans, _ = plan_file(spec, **options)
+            return plans[0] if len(plans) == 1 else plans
+        kind = spec.get("kind") if isinstance(spec, dict) else getattr(spec, "kind", None)
+        spec, _ = inputs.as_spec(spec, DeploymentSpec if kind == "Deployment" else TrainJobSpec)
+        return plan_spec(spec, **options)
+
+    def runs(self) -> list[Run]:
+        """Every training run submitted through Pylon (`pylon train`, `client.train`), oldest first."""
+
+        return [Run.from_info(self, j) for j in self.jobs() if j.kind == "TrainJob"]
+
+    def prepare_data(self, spec=None, /, *, overwrite: bool = False, **fields) -> DataJob:
+        """Submit `pylon data prepare` as a Ray job: for a `DatasetSpec`, a dict of its fields, a YAML file
+        with one Dataset document, or the fields as keyword arguments (`sources`, `output`, `seq_len`,
+        `include`, `exclude`, `tokenizer`, `format`, `shard_size_mb`; `name` defaults to the output's last
+        path component). `overwrite` replaces a dataset already at the output."""
+
+        spec = inputs.dataset_spec(spec, fields)
+        if "://" not in spec.output:  # the handle reads the output later, perhaps from another directory
+            spec = spec.model_copy(update={"output": os.path.abspath(os.path.expanduser(spec.output))})
+        job_id = inputs.new_job_id("data", spec.name)
+        self.submit_job(inputs.prepare_entrypoint(spec, overwrite=overwrite, cwd=Path.cwd()), submission_id=job_id,
+                        metadata={"pylon_kind": "Dataset", "pylon_name": spec.name, "pylon_output": spec.output})
+        return DataJob(self, job_id, name=spec.name, output=spec.output, start_time=time.time())
+
+    def deploy(self, spec, *, timeout_s: float = 600) -> Service:
+        """Deploy a Deployment (a `DeploymentSpec`, a dict of its fields, or a YAML file) on Ray Serve, wait
+        for its first replica, and return a `Service`. Its API key is the first of those in the environment
+        variable `http.api_keys_env` names, read now and kept in this object's memory only."""
+        from pylon.specs import DeploymentSpec
+
+        spec, _ = inputs.as_spec(spec, DeploymentSpec)
+        key = inputs.first_api_key(spec.http.api_keys_env) if spec.http.api_keys_env else None
+        url = deploy(spec, address=self.gcs_address or self.dashboard_url, timeout_s=timeout_s)
+        return Service(self, spec.name, url, api_key=key)
+
+    def services(self, *, api_key: str | None = None) -> list[Service]:
+        """Every Ray Serve application on the cluster, as a `Service`. Keys never leave where a deployment
+        was made (replicas hold only digests), so these carry `api_key`, else the first of $PYLON_API_KEYS."""
+
+        details = self.serve_applications()
+        key = api_key or inputs.first_api_key("PYLON_API_KEYS", required=False)
+        return [Service(self, name, _serve_url(details, app, self.dashboard_url), api_key=key)
+                for name, app in sorted(details.get("applications", {}).items())]
+
+    def service(self, name: str, *, api_key: str | None = None) -> Service:
+        """The Serve application `name` as a `Service` (PylonError if there is none)."""
+        for svc in self.services(api_key=api_key):
+            if svc.name == name:
+                return svc
+        raise PylonError(f"no Serve application '{name}' on the cluster at {self.dashboard_url}")
+
+    def serve_applications(self) -> dict:
+        """Ray Serve's details of every application and replica, from the dashboard's REST API
+        (`GET /api/serve/applications/`): the same facts as `ray.serve.status()`, without joining the
+        cluster as a Ray driver."""
+        url = f"{self.dashboard_url}/api/serve/applications/"
+        try:
+            r = requests.get(url, headers=self._headers, timeout=30)
+        except requests.RequestException as e:
+            raise ClusterError(f"{url}: no answer ({type(e).__name__})") from None
+        if r.status_code != 200:
+            raise ClusterError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    # -- cluster ----------------------------------------------------------------------------------------
+
+    def nodes(self) -> list[NodeInfo]:
+        from ray.util.state import StateApiClient
+        from ray.util.state.common import ListApiOptions, StateResource
+
+        api = StateApiClient(address=self.dashboard_url, headers={"Content-Type": "application/json", **self._headers})
+        rows = api.list(StateResource.NODES, options=ListApiOptions(detail=True), raise_on_missing_output=False)
+        return [
+            NodeInfo(node_id=n.node_id, ip=n.node_ip, state=n.state, is_head=bool(n.is_head_node),
+                     resources=dict(n.resources_total or {}))
+            for n in rows
+        ]
+
+    def status(self) -> ClusterStatus:
+        return ClusterStatus(dashboard_url=self.dashboard_url, gcs_address=self.gcs_address,
+                             nodes=self.nodes(), jobs=self.jobs())
+
+
+def connect(address: str | None = None, *, timeout_s: float = 10.0) -> Client:
+    """A Client bound to a running cluster: `address`, else `RAY_ADDRESS`, else the one `up` started."""
+    where = home.resolve(address)
+    client = Client(where.dashboard_url, gcs_address=where.gcs_address, token=where.token)
+    client.ping(timeout_s)
+    return client
+
+
+def _job_info(j) -> JobInfo:
+    """Ray's JobDetails as a JobInfo (times in seconds)."""
+    return JobInfo(job_id=j.submission_id or j.job_id or "?", status=str(j.status.value), entrypoint=j.entrypoint,
+                   start_time=(j.start_time or 0) / 1000 or None, message=j.message,
+                   end_time=(j.end_time or 0) / 1000 or None, metadata=dict(j.metadata or {}))
+
+
+def _serve_url(details: dict, app: dict, dashboard_url: str) -> str:
+    """An application's base URL: Serve's HTTP host and port, and the app's route prefix."""
+    from urllib.parse import urlparse
+
+    http = details.get("http_options") or {}
+    host = http.get("host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):  # listening everywhere: reach it where the dashboard is
+        host = urlparse(dashboard_url).hostname or "127.0.0.1"
+    prefix = (app.get("route_prefix") or "/").rstrip("/")
+    return f"http://{host}:{http.get('port', 8000)}{prefix}"

@@ -1,0 +1,105 @@
+"""Every environment variable Pylon reads, in one registry, with its default and meaning (as vLLM's `envs.py`).
+
+What a user chooses belongs in a spec field; these are the escape hatches: where Pylon keeps its state, a price
+list, and the engine's on-by-default optimisations, each of which a variable turns off (to measure it, or where it
+misbehaves). Only this module reads them; the rest of Pylon asks it:
+
+    settings.pylon_home()                 # $PYLON_HOME, else ~/.pylon
+    settings.switched_on(PAGED_KERNEL)    # False when PYLON_PAGED_KERNEL is 0, false, no or off
+
+Values are read when asked, not cached at import: a test or an engine process started with another environment
+sees its own. `docs/settings.md` is generated from `SETTINGS` (`python -m pylon.cli.reference --settings`), and a
+test fails when it drifts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str  # as the variable would spell it; "" for none
+    meaning: str
+    switch: bool = False  # an on-by-default switch: 0, false, no or off turn it off
+
+
+HOME = "PYLON_HOME"
+GPU_PRICES = "PYLON_GPU_PRICES"
+PAGED_KERNEL = "PYLON_PAGED_KERNEL"
+PREFILL_KERNEL = "PYLON_PREFILL_KERNEL"
+ONEDNN_LINEAR = "PYLON_ONEDNN_LINEAR"
+PADDED_ROWS = "PYLON_PADDED_ROWS"
+SCHED_BATCH = "PYLON_SCHED_BATCH"
+KEEP_HEAP = "PYLON_KEEP_HEAP"
+TCMALLOC = "PYLON_TCMALLOC"
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in [
+        Setting(HOME, "~/.pylon", "Where Pylon keeps its local state: the local cluster's `cluster.json` and "
+                "`auth_token`, specs submitted by the SDK, and the default runs root (`runs/`)."),
+        Setting(GPU_PRICES, "", "A YAML file of accelerator prices ($/hour) that the planner uses instead of the "
+                "catalog's (`pylon plan --prices FILE` wins over it)."),
+        Setting(PAGED_KERNEL, "1", "CPU engines attend with Pylon's compiled paged-attention kernel for decodes "
+                "(`pylon.serving.model.kernels`); off: PyTorch's SDPA over gathered blocks.", switch=True),
+        Setting(PREFILL_KERNEL, "1", "CPU engines attend for prompt chunks with the compiled kernel too; off: "
+                "SDPA.", switch=True),
+        Setting(ONEDNN_LINEAR, "1", "CPU engines run fp32 projections through oneDNN over weights reordered once "
+                "at load (`pylon.serving.model.linear`); off: MKL's addmm.", switch=True),
+        Setting(PADDED_ROWS, "1", "Steps with a prompt chunk run their projections over one of a few padded row "
+                "counts, compiled at start-up; off: no padding, kernels compiled as steps come.", switch=True),
+        Setting(SCHED_BATCH, "1", "CPU engine processes and replicas run under Linux's SCHED_BATCH policy "
+                "(`pylon.serving.engine.sched_batch`); off: the default policy.", switch=True),
+        Setting(KEEP_HEAP, "1", "An engine process keeps the memory it frees (glibc's malloc thresholds; "
+                "`pylon.serving.engine.heap`); off: glibc's defaults.", switch=True),
+        Setting(TCMALLOC, "1", "A CPU engine process starts with gperftools' TCMalloc preloaded where it is "
+                "installed; off: glibc's malloc.", switch=True),
+    ]
+}
+
+
+def _registered(name: str) -> Setting:
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a registered setting; add it to pylon.settings.SETTINGS") from None
+
+
+def value(name: str) -> str | None:
+    """The variable's value, or None when it is unset or empty (its default then applies)."""
+    _registered(name)
+    return os.environ.get(name) or None
+
+
+def switched_on(name: str) -> bool:
+    """An on-by-default switch: off when set to 0, false, no or off."""
+    if not _registered(name).switch:
+        raise KeyError(f"{name} is not an on/off switch")
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def pylon_home() -> Path:
+    """Where Pylon keeps its local state: `$PYLON_HOME`, else `~/.pylon`."""
+    return Path(value(HOME) or Path.home() / ".pylon").expanduser().resolve()
+
+
+def render() -> str:
+    """docs/settings.md: the registry as a table."""
+    lines = [
+        "# Settings: the environment variables Pylon reads",
+        "",
+        "Generated from `platform/pylon/settings.py` by `python -m pylon.cli.reference --settings > docs/settings.md`;",
+        "a test fails when they differ. What a user chooses is a spec field (docs/specs.md); these are escape",
+        "hatches. Switches are on by default; `0`, `false`, `no` or `off` turn one off.",
+        "",
+        "| variable | default | meaning |",
+        "|---|---|---|",
+    ]
+    for s in SETTINGS.values():
+        default = f"`{s.default}`" if s.default else "(none)"
+        lines.append(f"| `{s.name}` | {default} | {s.meaning} |")
+    return "\n".join(lines) + "\n"

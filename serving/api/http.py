@@ -1,0 +1,143 @@
+"""OpenAIApp: the replica's ASGI app (`@serve.ingress` over it: the replica answers HTTP itself, no router hop).
+
+Routes, API-key auth (the replica holds only SHA-256 digests of the keys: `api_key_digests`), body limits, SSE
+streaming and OpenAI's JSON error object for every error."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+import hashlib
+import json
+import os
+import re
+from pylon.errors import PylonError
+from pylon.specs import DeploymentSpec
+
+if TYPE_CHECKING:  # the server imports this module; the name is for type hints only
+    from pylon.serving.api.server import PylonLLMServer
+
+
+RETRY_AFTER_S = 1
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def api_key_digests(spec: DeploymentSpec, environ: dict | None = None) -> list[str]:
+    """SHA-256 hex digests of the keys in the env var the spec names ([] = auth off)."""
+    env_name = spec.http.api_keys_env
+    if not env_name:
+        return []
+    raw = (environ if environ is not None else os.environ).get(env_name, "")
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
+    if not keys:
+        raise PylonError(f"http.api_keys_env: environment variable {env_name} is empty or unset; set it to "
+                         f"comma-separated API keys, or set http.api_keys_env: null to serve without auth")
+    return [hashlib.sha256(k.encode()).hexdigest() for k in keys]
+
+
+MAX_BODY_BYTES = 16 * 2**20  # a request body past this is a 413 (a prompt of 100k token ids is ~0.7 MB)
+
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+# path -> (method, handler): the whole API. Anything else is a 404, another method a 405, both as JSON.
+_ROUTES = {
+    "/v1/completions": ("POST", "_completions"),
+    "/v1/chat/completions": ("POST", "_chat_completions"),
+    "/v1/models": ("GET", "_models"),
+    "/health": ("GET", "_health"),
+    "/ready": ("GET", "_ready"),
+}
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str, *, type: str, param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body had arrived: nothing to answer."""
+
+
+async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
+    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    extra = [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send, status: int, message: str, *, type: str, param: str | None = None,
+                      headers: dict | None = None) -> None:
+    """OpenAI's error JSON. No X-Request-Id here: Serve's ingress (the replica's own HTTP server behind HAProxy,
+    or Serve's proxy) echoes (or assigns) it on every response, ours included."""
+    from pylon.serving.api.protocol import error_body
+
+    await _send_json(send, status, error_body(message, type=type, param=param, code=status), headers)
+
+
+def _route_path(scope) -> str:
+    """The path below the app's mount point (Serve mounts it at root_path + route_prefix), as Starlette routes it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        path = path[len(root):]
+    return path.rstrip("/") or "/"
+
+
+def _headers(scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+async def _read_body(receive) -> bytes:
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        part = message.get("body", b"")
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise _HttpError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
+                             type="invalid_request_error", param="body")
+        parts.append(part)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _lifespan(receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+class OpenAIApp:
+    """The replica's HTTP API as a plain ASGI app, bound to its `PylonLLMServer` (what Serve's ingress calls).
+
+    Plain ASGI rather than FastAPI: a streamed request went through FastAPI's routing, dependency resolution and
+    exception middlewares, and Starlette's StreamingResponse ran every stream in an anyio task group with a second
+    task listening for the disconnect that Serve's own ingress already watches for (it cancels the request's task,
+    which aborts the engine request). Profiled under the serving benchmark, that was ~15% of a replica's CPU. Here
+    a request is one dict lookup and one coroutine, and a chunk one `send`."""
+
+    def __init__(self, server: "PylonLLMServer"):
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self.server._dispatch(scope, receive, send)
+        elif kind == "lifespan":
+            await _lifespan(receive, send)
+        elif kind == "websocket":  # no websocket API: refuse the handshake (the client sees a 403)
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})

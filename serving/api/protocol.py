@@ -1,0 +1,271 @@
+"""The OpenAI-compatible request and response shapes, and the error body every 4xx/5xx carries.
+
+Requests are pydantic models that forbid unknown fields: a misspelled parameter is a 400 that names it,
+never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`n` > 1, `logprobs`, `echo`,
+penalties, `best_of`, `suffix`, `logit_bias`, tools and tool choices, structured `response_format`) are accepted
+only at their neutral value, with an error that says so otherwise: a client that sends `"tools": []` or
+`"response_format": {"type": "text"}` by habit is served, one that asks for function calling is told it is not
+there. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's extensions, kept by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from json.encoder import encode_basestring_ascii as _quote
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pylon.serving.errors import InvalidRequest, shown
+from pylon.serving.engine.sampling import SamplingParams
+
+
+class _Request(BaseModel):
+    # Strict: "5" is not a number and 1 is not a boolean here, as in OpenAI's own API.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: "StreamOptions | None" = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequest(f"n must be 1: Pylon returns one choice per request (got {self.n})", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} is not supported; leave it at 0", param=name)
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream: true", param="stream_options")
+
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=self.stop or [],
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise InvalidRequest(f"prompt: one prompt per request (got a batch of {len(self.prompt)})",
+                                     param="prompt")
+            self.prompt = self.prompt[0]
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs is not supported", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of must be 1", param="best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+    tool_call_id: str | None = None  # what OpenAI requires on a "tool" message; passed to a model's chat template
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's; only empty, as this server never makes them
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise InvalidRequest("logprobs is not supported", param="logprobs")
+        if self.top_logprobs:
+            raise InvalidRequest("top_logprobs is not supported; leave it at 0", param="top_logprobs")
+        if self.tools:
+            raise InvalidRequest("tools (function calling) are not supported by this server; send the request "
+                                 "without them", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest(f"tool_choice {shown(self.tool_choice)} is not supported: this server calls no "
+                                 "tools (leave it out, or \"none\")", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequest(f"response_format type {shown(self.response_format.type)} is not supported: "
+                                 "structured output (json_object, json_schema) is not constrained here; leave "
+                                 "response_format out or {\"type\": \"text\"}", param="response_format")
+        for i, message in enumerate(self.messages):
+            if message.tool_calls:
+                raise InvalidRequest(f"messages[{i}].tool_calls: tool calls are not supported by this server",
+                                     param=f"messages.{i}.tool_calls")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")
+            self.max_tokens = self.max_completion_tokens
+
+
+def parse_request(cls: type[_Request], body: bytes) -> _Request:
+    """Validate a raw JSON body; any problem is an `InvalidRequest` naming the field."""
+    try:
+        request = cls.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors()
+        first = errors[0]
+        loc = list(first["loc"])
+        union = next((i for i, part in enumerate(loc) if isinstance(part, str) and _UNION_BRANCH.match(part)), None)
+        if union is not None:  # pydantic tried each type of a union field: name the field, list the types
+            loc = loc[:union]
+        param = ".".join(str(p) for p in loc) or "body"
+        if first["type"] == "json_invalid":
+            message, param = f"the request body is not valid JSON ({first['msg']})", "body"
+        elif first["type"] == "model_type" and param == "body":
+            message = "the request body must be a JSON object"
+        elif first["type"] == "extra_forbidden":
+            message = f"unknown field '{param}'"
+        elif first["type"] == "missing":
+            message = f"missing required field '{param}'"
+        elif union is not None:
+            tried = list(dict.fromkeys(err["loc"][union] for err in errors
+                                       if len(err["loc"]) > union and list(err["loc"][:union]) == loc))
+            got = f" (got {shown(first.get('input'))})" if len(first["loc"]) == union + 1 else ""
+            message = f"{param}: expected {', '.join(tried[:-1])} or {tried[-1]}{got}" if len(tried) > 1 else \
+                f"{param}: {first['msg']}{got}"
+        else:
+            message = f"{param}: {first['msg']} (got {shown(first.get('input'))})"
+        raise InvalidRequest(message, param=param) from None
+    request.check_supported()
+    return request
+
+
+# How pydantic names the member of a union it tried in an error's location ("str", "list[int]", ...), as opposed to
+# a field name or a list index.
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|set)\[.*\]|function-\w+\[.*\])$")
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    """`prefix`-<32 random hex digits>, as uuid4().hex but without building a UUID object (three per request)."""
+    return f"{prefix}-{os.urandom(16).hex()}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+                        completion_tokens: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+                  completion_tokens: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+class StreamEvents:
+    """One stream's server-sent events: `data: <JSON>\n\n` strings, with the parts every chunk of the stream
+    shares (id, object, created, model) laid out once and each chunk's text and finish reason spliced in.
+    The JSON is `completion_chunk`'s / `chat_chunk`'s, key for key, as `json.dumps` would write it with
+    compact separators; every chunk of a stream carries the same `created`, as OpenAI's do."""
+
+    def __init__(self, kind: Literal["completion", "chat"], rid: str, model: str):
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        self.kind, self.rid, self.model, self.obj = kind, rid, model, obj
+        self.created = int(time.time())
+        self._head = (f'data: {{"id":{_quote(rid)},"object":"{obj}","created":{self.created},'
+                      f'"model":{_quote(model)},"choices":[{{"index":0,')
+
+    def chunk(self, text: str, finish_reason: str | None) -> str:
+        """A completion chunk (`"text"`) or a chat chunk (`"delta"`: content, or nothing once text is done)."""
+        reason = "null" if finish_reason is None else _quote(finish_reason)
+        if self.kind == "completion":
+            body = f'"text":{_quote(text)}'
+        else:
+            body = f'"delta":{{"content":{_quote(text)}}}' if text else '"delta":{}'
+        return f'{self._head}{body},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
+
+    def role(self) -> str:
+        """Chat's first chunk: the assistant's role, empty content."""
+        return f'{self._head}"delta":{{"role":"assistant","content":""}},"finish_reason":null,"logprobs":null}}]}}\n\n'
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        return self.event(usage_chunk(self.rid, self.model, self.obj, prompt_tokens, completion_tokens,
+                                      created=self.created))
+
+    @staticmethod
+    def event(obj: dict) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int, *,
+                created: int | None = None) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, only usage."""
+    created = int(time.time()) if created is None else created
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()

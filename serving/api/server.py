@@ -1,0 +1,318 @@
+"""PylonLLMServer, the Serve deployment: each replica owns one engine (the model, its KV cache and its step loop, in
+a child process by default, or `engine.data_parallel` of them in a pool), turns requests into engine calls, streams
+outputs, answers 429 when its queue is full, and exports Prometheus metrics labelled by model."""
+from __future__ import annotations
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
+from pylon.serving.engine.sched_batch import serve_cpu_as_batch
+from pylon.specs import DeploymentSpec
+from pylon.serving.api.http import OpenAIApp, RETRY_AFTER_S, _ClientGone, _HttpError, _REQUEST_ID, _ROUTES, _SSE_HEADERS, _headers, _read_body, _route_path, _send_error, _send_json
+
+
+log = logging.getLogger("pylon.serving")
+
+
+_LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+
+
+def _metrics(model: str):
+    from ray.serve import metrics
+
+    tags = {"model": model}
+
+    def hist(name, desc):
+        h = metrics.Histogram(name, description=desc, boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))
+        h.set_default_tags(dict(tags))  # Serve adds its own tags to the dict it gets
+        return h
+
+    def gauge(name, desc):
+        g = metrics.Gauge(name, description=desc, tag_keys=("model",))
+        g.set_default_tags(dict(tags))  # Serve adds its own tags to the dict it gets
+        return g
+
+    def counter(name, desc, keys=("model",)):
+        c = metrics.Counter(name, description=desc, tag_keys=keys)
+        c.set_default_tags(dict(tags))  # Serve adds its own tags to the dict it gets
+        return c
+
+    return {
+        "ttft": hist("pylon_time_to_first_token_seconds", "Time from arrival to the first generated token"),
+        "itl": hist("pylon_inter_token_latency_seconds", "Time between consecutive generated tokens"),
+        "e2e": hist("pylon_e2e_request_latency_seconds", "Time from arrival to the last token"),
+        "queue": hist("pylon_request_queue_time_seconds", "Time from arrival to first being scheduled"),
+        "running": gauge("pylon_num_requests_running", "Requests in the engine's running batch"),
+        "waiting": gauge("pylon_num_requests_waiting", "Requests waiting for the engine"),
+        "kv": gauge("pylon_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
+        "prompt_tokens": counter("pylon_prompt_tokens_total", "Prompt tokens processed"),
+        "generation_tokens": counter("pylon_generation_tokens_total", "Tokens generated"),
+        "requests": counter("pylon_requests_total", "Finished requests by HTTP status and finish reason",
+                            keys=("model", "status", "finish_reason")),
+    }
+
+
+class PylonLLMServer:
+    """One replica: the engine for `spec.model` and the HTTP API in front of it."""
+
+    def __init__(self, spec: dict, key_digests: list[str]):
+        from pylon.serving.engine.engine import AsyncLLMEngine
+        from pylon.serving.engine.process import EnginePool, ProcessLLMEngine
+
+        self.spec = DeploymentSpec.model_validate(spec)
+        self.model_name = self.spec.name
+        self._key_digests = [bytes.fromhex(d) for d in key_digests]
+        t0 = time.monotonic()
+        engine = self.spec.engine
+        kind = EnginePool if engine.data_parallel > 1 else ProcessLLMEngine if engine.separate_process else AsyncLLMEngine
+        self.engine = kind.from_model(self.spec.model, self.spec.engine)
+        log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
+        # On a CPU the engines are throughput work and this process's wakeups (chunks, Ray's own threads) should
+        # not preempt them mid-step (pylon.serving.engine.sched_batch).
+        serve_cpu_as_batch(self.engine.device, f"replica of {self.model_name}")
+        self.metrics = _metrics(self.model_name)
+        self._gauges_task = None
+
+    # -- Serve hooks ------------------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Serve's replica health check: a dead or stuck step loop gets the replica replaced."""
+        if not self.engine.check_health():
+            raise RuntimeError(f"{self.model_name}: the engine's step loop is not running")
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=2)
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+
+    def _ensure_gauges(self) -> None:
+        if self._gauges_task is None:
+            self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges())
+
+    async def _report_gauges(self) -> None:
+        while True:
+            stats = self.engine.stats()
+            self.metrics["running"].set(stats.num_running)
+            self.metrics["waiting"].set(stats.num_waiting)
+            self.metrics["kv"].set(stats.kv_cache_utilization)
+            await asyncio.sleep(1.0)
+
+    def _authorize(self, headers: dict[str, str]) -> None:
+        if not self._key_digests:
+            return
+        header = headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _HttpError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                             type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        if not any(hmac.compare_digest(digest, d) for d in self._key_digests):
+            raise _HttpError(401, "invalid API key", type="authentication_error",
+                             headers={"WWW-Authenticate": "Bearer"})
+
+    def _admit(self) -> None:
+        waiting = self.engine.stats().num_waiting
+        if waiting >= self.spec.http.max_queued_requests:
+            raise _HttpError(429, f"server busy: {waiting} requests already waiting for {self.model_name}; "
+                                  f"retry after {RETRY_AFTER_S} s", type="rate_limit_error",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise _HttpError(404, f"model '{name}' does not exist; this server has '{self.model_name}' "
+                                  "(see GET /v1/models)", type="invalid_request_error", param="model")
+
+    async def _dispatch(self, scope, receive, send) -> None:
+        path, method = _route_path(scope), scope["method"]
+        route = _ROUTES.get(path)
+        if route is None:
+            return await _send_error(send, 404, f"no route {path}; this server answers POST /v1/completions, "
+                                                "POST /v1/chat/completions, GET /v1/models, GET /health and GET /ready",
+                                     type="invalid_request_error")
+        allowed, handler = route
+        if method != allowed:
+            return await _send_error(send, 405, f"{method} {path} is not allowed; use {allowed}",
+                                     type="invalid_request_error", headers={"Allow": allowed})
+        try:
+            await getattr(self, handler)(scope, receive, send)
+        except _ClientGone:
+            return
+        except Exception:  # a bug of ours: a 500 with an error body, not a dropped connection (if nothing was sent yet)
+            log.exception("%s %s failed", method, path)
+            try:
+                await _send_error(send, 500, f"internal error while serving {method} {path} (see the replica's log)",
+                                  type="server_error")
+            except Exception:  # the response had already started
+                pass
+
+    async def _completions(self, scope, receive, send) -> None:
+        await self._generate(scope, receive, send, "completion")
+
+    async def _chat_completions(self, scope, receive, send) -> None:
+        await self._generate(scope, receive, send, "chat")
+
+    async def _models(self, scope, receive, send) -> None:
+        try:
+            self._authorize(_headers(scope))
+        except _HttpError as e:
+            return await _send_error(send, e.status, e.message, type=e.type, headers=e.headers)
+        await _send_json(send, 200, {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "owned_by": "pylon", "created": 0,
+            "max_model_len": self.engine.max_model_len}]})
+
+    async def _health(self, scope, receive, send) -> None:
+        """Liveness that probes the engine: its step loop must have beaten within the heartbeat window."""
+        ok = self.engine.check_health()
+        await _send_json(send, 200 if ok else 503, {"status": "ok" if ok else "engine loop not running"})
+
+    async def _ready(self, scope, receive, send) -> None:
+        stats = self.engine.stats()
+        ok = self.engine.check_health()
+        await _send_json(send, 200 if ok else 503, {
+            "ready": ok, "model": self.model_name, "running": stats.num_running, "waiting": stats.num_waiting,
+            "kv_cache_usage": round(stats.kv_cache_utilization, 4)})
+
+    async def _generate(self, scope, receive, send, kind: str) -> None:
+        from pylon.serving.api import protocol
+
+        headers = _headers(scope)
+        # Serve's ingress puts the client's X-Request-Id (or one it made up) on the request and the response.
+        request_id = headers.get("x-request-id", "")
+        if not _REQUEST_ID.match(request_id):
+            request_id = protocol.new_id("req")
+        self._ensure_gauges()
+        try:
+            self._authorize(headers)
+            cls = protocol.CompletionRequest if kind == "completion" else protocol.ChatCompletionRequest
+            encoding = headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):  # read as JSON, a compressed body would be a baffling 400
+                raise _HttpError(415, f"Content-Encoding {encoding!r} is not supported: send the JSON body "
+                                      "uncompressed", type="invalid_request_error", param="body")
+            body = protocol.parse_request(cls, await _read_body(receive))
+            self._check_model(body.model)
+            if kind == "completion":
+                prompt = body.prompt
+                if isinstance(prompt, str) and not prompt:
+                    raise InvalidRequest("prompt must not be empty", param="prompt")
+            else:
+                from pylon.serving.engine.tokenization import apply_chat_template
+
+                prompt = apply_chat_template(self.engine.tokenizer, [m.model_dump(exclude_none=True)
+                                                                     for m in body.messages])
+            # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default.
+            params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
+            self._admit()
+            engine_id = f"{request_id}-{protocol.new_id('e')}"
+            stream = self.engine.generate(engine_id, prompt, params,
+                                          interval_s=self.spec.http.stream_interval_ms / 1000)
+            first = await self._first(stream)  # validation errors surface here, before any byte is sent
+        except _HttpError as e:
+            self._count(e.status, "none")
+            return await _send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
+        except InvalidRequest as e:
+            self._count(400, "none")
+            return await _send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
+        except EngineDeadError as e:
+            self._count(503, "none")
+            return await _send_error(send, 503, f"{self.model_name} is unavailable: {e}", type="server_error",
+                                     headers={"Retry-After": str(RETRY_AFTER_S)})
+        except RequestFailed as e:  # the engine's fault, this request's alone: the engine serves on
+            log.error("%s: %s", self.model_name, e)
+            self._count(500, "none")
+            return await _send_error(send, 500, str(e), type="server_error")
+
+        rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
+        timeout = self.spec.http.request_timeout_s
+        if body.stream:
+            return await self._stream(send, protocol.StreamEvents(kind, rid, self.model_name), body, first, stream,
+                                      timeout)
+        text, last = [], first
+        try:
+            async with asyncio.timeout(timeout):
+                async for out in _chain(first, stream):
+                    text.append(out.text)
+                    last = out
+        except TimeoutError:
+            self._count(504, "timeout")
+            return await _send_error(send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)",
+                                     type="timeout_error")
+        except EngineDeadError as e:
+            self._count(503, "none")
+            return await _send_error(send, 503, str(e), type="server_error")
+        finally:
+            await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
+        self._observe(last)
+        make = protocol.completion_response if kind == "completion" else protocol.chat_response
+        await _send_json(send, 200, make(rid, self.model_name, "".join(text), last.finish_reason,
+                                         last.num_prompt_tokens, last.num_output_tokens))
+
+    async def _first(self, stream):
+        return await stream.__anext__()
+
+    async def _stream(self, send, events, body, first, stream, timeout: float) -> None:
+        """Server-sent events: one chunk per engine output, a usage chunk if asked, then [DONE]. A client that
+        disconnects gets this task cancelled by Serve's ingress; closing `stream` then aborts the engine request.
+
+        Events that are ready together go out as one write: chat's role chunk with the first content, and the
+        last content chunk with the usage chunk and [DONE]."""
+        from pylon.serving.api import protocol
+
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        last, held = first, events.role() if events.kind == "chat" else ""
+        try:
+            async with asyncio.timeout(timeout):
+                async for out in _chain(first, stream):
+                    last = out
+                    if not out.text and not out.finished:
+                        continue
+                    held += events.chunk(out.text, out.finish_reason)
+                    if not out.finished:  # the last one waits for the usage chunk and [DONE]
+                        await send({"type": "http.response.body", "body": held.encode(), "more_body": True})
+                        held = ""
+            if body.include_usage:
+                held += events.usage(last.num_prompt_tokens, last.num_output_tokens)
+            self._observe(last)
+        except TimeoutError:
+            self._count(504, "timeout")
+            held += events.event(protocol.error_body(f"the request took longer than request_timeout_s "
+                                                     f"({timeout:g} s)", type="timeout_error", code=504))
+        except EngineDeadError as e:
+            self._count(503, "none")
+            held += events.event(protocol.error_body(str(e), type="server_error", code=503))
+        finally:
+            await stream.aclose()  # aborts the engine request if it has not finished
+        await send({"type": "http.response.body", "body": (held + "data: [DONE]\n\n").encode(), "more_body": False})
+
+    def _observe(self, last) -> None:
+        m, metrics = self.metrics, last.metrics
+        if metrics.time_to_first_token is not None:
+            m["ttft"].observe(metrics.time_to_first_token)
+        if metrics.queue_time is not None:
+            m["queue"].observe(metrics.queue_time)
+        if metrics.last_token_time is not None:
+            m["e2e"].observe(metrics.last_token_time - metrics.arrival_time)
+            if last.num_output_tokens > 1 and metrics.first_token_time is not None:
+                m["itl"].observe((metrics.last_token_time - metrics.first_token_time) / (last.num_output_tokens - 1))
+        m["prompt_tokens"].inc(last.num_prompt_tokens)
+        if last.num_output_tokens:
+            m["generation_tokens"].inc(last.num_output_tokens)
+        self._count(200, last.finish_reason or "none")
+
+    def _count(self, status: int, reason: str) -> None:
+        self.metrics["requests"].inc(tags={"status": str(status), "finish_reason": reason})
+
+    def __serve_build_asgi_app__(self) -> OpenAIApp:
+        """Serve's ingress calls this once the replica is constructed: the ASGI app it hands HTTP requests."""
+        return OpenAIApp(self)
+
+
+async def _chain(first, stream):
+    yield first
+    if first.finished:
+        return
+    async for out in stream:
+        yield out

@@ -1,0 +1,503 @@
+"""The engine: requests in, streamed outputs back, one `step()` at a time.
+
+    engine = LLMEngine("s3://bucket/runs/stdlib-gpt/export/", EngineSpec(max_num_seqs=32))
+    engine.add_request("r1", "def main(", SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.text, out.finish_reason)
+
+A step is: take in new requests and aborts, let the `Scheduler` pick the step's tokens, let the
+`ModelRunner` compute them, sample, then detokenize and check stop conditions. `AsyncLLMEngine` runs that
+loop on a thread of its own and streams each request's outputs to an asyncio consumer.
+
+`add_request` and `abort` may be called from any thread: they only queue work that the next step takes in.
+Everything else belongs to the thread that calls `step()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from pylon.errors import PylonError
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
+from pylon.serving.engine.kv_cache import KVBlockPool
+from pylon.serving.engine.request import FinishReason, Request, RequestOutput
+from pylon.serving.engine.sampling import SamplingParams, sample
+from pylon.serving.engine.scheduler import Scheduler
+from pylon.serving.engine.tokenization import IncrementalDetokenizer, chars_per_token_bound, load_model_tokenizer
+from pylon.serving.model.step import StepSequence
+from pylon.specs import EngineSpec
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]  # text, or token ids already
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_utilization: float  # fraction of KV blocks held by requests
+    num_free_blocks: int
+    num_blocks: int
+    prompt_tokens_total: int  # prompt tokens of requests that produced a first token
+    generation_tokens_total: int
+    num_preemptions_total: int
+    requests_finished_total: dict[str, int]  # by finish reason
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+
+
+class LLMEngine:
+    def __init__(self, model: str, spec: EngineSpec | None = None):
+        """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
+        directories are copied to a temporary directory, loaded, and the copy removed)."""
+        # Imported here so that importing this module stays light (no torch, no transformers).
+        from pylon.models import local_model_dir
+        from pylon.serving.model.runner import ModelRunner
+
+        self.spec = spec = spec or EngineSpec()
+        self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size)
+        with local_model_dir(model) as directory:
+            self.tokenizer = load_model_tokenizer(directory)
+            self._chars_per_token = chars_per_token_bound(self.tokenizer)
+            self.runner = ModelRunner(directory, num_blocks=self.pool.num_blocks, block_size=spec.block_size,
+                                      device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
+        started = time.monotonic()
+        compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
+        if compiled:
+            log.info("engine: compiled the projections' kernels for %d of %d row counts in %.2f s", compiled, counts,
+                     time.monotonic() - started)
+        # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
+        self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
+        started = time.monotonic()
+        if spec.cuda_graphs and (graphs := self.runner.use_decode_graphs(spec.max_num_seqs, self.max_model_len)):
+            log.info("engine: captured %d CUDA graphs for steps of decodes only in %.2f s (engine.cuda_graphs: false "
+                     "turns them off)", graphs, time.monotonic() - started)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=spec.max_num_seqs,
+                                   max_num_batched_tokens=spec.max_num_batched_tokens)
+        # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an
+        # abort only together with or after the add it cancels, never in between.
+        self._lock = threading.Lock()
+        self._incoming: list[Request] = []
+        self._abort_ids: list[str] = []
+        self._unfinished_ids: set[str] = set()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._finished_total: Counter[str] = Counter()
+
+    # -- requests in ------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request for the next step. `prompt` is text or token ids. Raises `InvalidRequest`
+        (naming the parameter) for a request that can never run, and `RequestFailed` for a fault of the engine's
+        own in taking it: that request fails, and the engine serves on."""
+        try:
+            self._add_request(request_id, prompt, params)
+        except InvalidRequest:
+            raise
+        except Exception as e:
+            log.exception("engine: taking request %s failed", request_id)
+            raise RequestFailed(f"the engine could not take the request ({type(e).__name__}: {e})") from e
+
+    def _add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
+        prompt_ids = self._prompt_token_ids(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens ({max_tokens}) plus the prompt ({len(prompt_ids)} tokens) exceed max_model_len "
+                f"({self.max_model_len}); ask for at most {self.max_model_len - len(prompt_ids)} tokens",
+                param="max_tokens")
+        request = Request(request_id, prompt_ids, params, max_tokens,
+                          IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop), params.new_generator())
+        with self._lock:
+            if request_id in self._unfinished_ids:
+                raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
+            self._unfinished_ids.add(request_id)
+            self._incoming.append(request)
+
+    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        # The step loop waits while a prompt is tokenized and checked: a prompt that cannot fit is refused on its
+        # length first (characters: see chars_per_token_bound; token ids: before each is looked at).
+        if isinstance(prompt, str):
+            bound = self._chars_per_token
+            if bound is not None and len(prompt) > self.max_model_len * bound:
+                raise InvalidRequest(
+                    f"prompt is {len(prompt)} characters, and this model's tokens stand for at most {bound} each: at "
+                    f"least {-(-len(prompt) // bound)} tokens, past max_model_len ({self.max_model_len})",
+                    param="prompt")
+            encoded = self.tokenizer.encode(prompt)
+            ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
+        elif isinstance(prompt, Sequence):
+            ids = prompt
+        else:
+            raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, so a prompt "
+                                 f"may have at most {self.max_model_len - 1} tokens", param="prompt")
+        if ids is prompt:
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+                raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
+            ids = list(prompt)
+        # Also for text: a tokenizer larger than the model's embedding table would crash the step loop.
+        bad = [i for i in ids if not 0 <= i < self.runner.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.runner.vocab_size}) (got {bad[:5]})",
+                                 param="prompt")
+        if not ids:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Stop `request_id` at the next step, which frees its blocks and outputs finish_reason "abort".
+        Unknown or already finished ids are ignored."""
+        with self._lock:
+            self._abort_ids.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._incoming or self._abort_ids or self.scheduler.has_unfinished())
+
+    # -- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that got a token or finished in it."""
+        outputs = []
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+            abort_ids, self._abort_ids = self._abort_ids, []
+        for request in incoming:
+            self.scheduler.add(request)
+        for request_id in abort_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self._finish(request, "abort")
+                outputs.append(RequestOutput.of(request, request.detokenizer.flush(), []))
+
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return outputs
+        logits = self.runner.execute([
+            StepSequence(s.request.token_ids[s.start:s.start + s.num_new_tokens], s.start,
+                         self.pool.block_table(s.request.request_id), s.samples)
+            for s in batch.scheduled])
+        sampling = [s.request for s in batch.scheduled if s.samples]
+        tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        now = time.monotonic()
+        for request, token in zip(sampling, tokens):
+            outputs.append(self._append_token(request, token, now))
+        return outputs
+
+    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+        if request.num_output_tokens == 0:
+            self._prompt_tokens_total += request.num_prompt_tokens
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        request.token_ids.append(token)
+        self._generation_tokens_total += 1
+
+        params, text, reason = request.params, "", None
+        # A stop token ends the request without becoming text (eos would otherwise decode as "<|endoftext|>").
+        if token in params.stop_token_ids or (token == self.tokenizer.eos_id and not params.ignore_eos):
+            reason = "stop"
+        else:
+            text = request.detokenizer.add(token)
+            if request.detokenizer.stopped:
+                reason = "stop"
+        if reason is None and (request.num_output_tokens >= request.max_tokens
+                               or request.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            text += request.detokenizer.flush()
+            self._finish(request, reason)
+        return RequestOutput.of(request, text, [token])
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(request, reason)
+        self._finished_total[reason] += 1
+        with self._lock:
+            self._unfinished_ids.discard(request.request_id)
+
+    # -- conveniences -------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Offline use: run `prompts` to completion, all batched together; one `Completion` per prompt, in
+        order. Runs the engine alone (refuses while other requests are unfinished)."""
+        if self.has_unfinished():
+            raise PylonError("generate() runs the engine alone; finish or abort the other requests first")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise PylonError(f"generate(): {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [f"generate-{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.add_request(request_id, prompt, p)
+        texts = {i: [] for i in ids}
+        tokens = {i: [] for i in ids}
+        reasons = {}
+        while self.has_unfinished():
+            for out in self.step():
+                texts[out.request_id].append(out.text)
+                tokens[out.request_id].extend(out.token_ids)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        return [Completion(i, "".join(texts[i]), tokens[i], reasons[i]) for i in ids]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=expected_waiting(len(self.scheduler.running), len(self.scheduler.waiting), len(self._incoming),
+                                         self.spec.max_num_seqs),
+            kv_cache_utilization=self.pool.utilization,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_blocks=self.pool.num_blocks,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            requests_finished_total=dict(self._finished_total),
+        )
+
+
+def expected_waiting(running: int, waiting: int, arrived: int, max_num_seqs: int) -> int:
+    """Requests that will be waiting once the next step has taken in the `arrived` ones, which join behind the
+    `waiting` ones and run at once up to the free sequence slots. What admission control (max_queued_requests)
+    counts: a burst that arrives between two steps is not "waiting" when it will start at the next one."""
+    free = max(0, max_num_seqs - running - waiting)
+    return waiting + max(0, arrived - free)
+
+
+def next_tick(now: float, interval_s: float) -> float:
+    """When a coalesced stream next takes its outputs: the first multiple of `interval_s` (on the monotonic
+    clock every process shares) at least half an interval away. Every stream with the same interval wakes on
+    the same ticks, so a replica with 32 open streams wakes 20 times a second (at 50 ms) and writes its
+    chunks together, instead of 640 times at moments spread over each interval: each wake-up of the replica,
+    of the ingress and of the clients' event loops took a core from the engine mid-step. Chunks come every
+    0.5-1.5 intervals, once per interval on average, as before."""
+    return (math.floor(now / interval_s + 0.5) + 1) * interval_s
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their deltas joined, the last one's counts and state."""
+    last = outputs[-1]  # built directly: dataclasses.replace introspects the fields on every call
+    return RequestOutput(last.request_id, "".join(o.text for o in outputs), [t for o in outputs for t in o.token_ids],
+                         last.num_prompt_tokens, last.num_output_tokens, last.finish_reason, last.metrics)
+
+
+class _StreamQueue(asyncio.Queue):
+    """A stream's outputs. `wake`: set while the consumer waits for its next tick; an output that ends the
+    stream (finished, or an error) ends that wait at once, and `ended` says one is queued."""
+
+    wake: asyncio.Future | None = None
+    ended: bool = False
+
+    def put_output(self, item: RequestOutput | BaseException) -> None:
+        self.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            self.ended = True
+            if self.wake is not None:
+                _resolve(self.wake)
+
+
+def _put_all(puts: list[tuple[_StreamQueue, RequestOutput]]) -> None:
+    for queue, item in puts:
+        queue.put_output(item)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class AsyncLLMEngine:
+    """An `LLMEngine` stepping on a background thread, streaming outputs to asyncio consumers.
+
+    The thread steps while any request is unfinished and otherwise sleeps until one arrives, beating a
+    heartbeat on every pass; `check_health()` is true only while that heartbeat is recent. If a step
+    raises, the loop stops: every open stream and every later `generate()` raises `EngineDeadError`.
+    """
+
+    IDLE_WAIT_S = 0.1  # how often an idle loop wakes to beat its heartbeat
+
+    def __init__(self, engine: LLMEngine, *, heartbeat_timeout_s: float = 60.0):
+        # Generous: a step (a long prefill on a CPU) must never read as a dead loop.
+        self.engine = engine
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _StreamQueue]] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._dead: EngineDeadError | None = None
+        self._heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="pylon-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str, spec: EngineSpec | None = None, **kwargs) -> "AsyncLLMEngine":
+        return cls(LLMEngine(model, spec), **kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def device(self) -> str:
+        """Where the model computes: 'cpu' or 'cuda'."""
+        return self.engine.runner.device.type
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._heartbeat = time.monotonic()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(self.IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._deliver_step(self.engine.step())
+            self._dead = EngineDeadError("the engine was shut down")
+        except BaseException as e:  # anything at all: the streams must learn the loop is gone
+            log.exception("engine step loop crashed")
+            self._dead = EngineDeadError(f"the engine's step loop crashed ({type(e).__name__}: {e})")
+            self._dead.__cause__ = e
+        # After `_dead` is set: a stream registered from here on sees it in generate() itself.
+        for request_id in list(self._streams):
+            self._deliver(request_id, self._dead)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each consumer's event loop in one call per loop: one wake-up of the
+        loop per step instead of one per request (each is a write to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_StreamQueue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # else its consumer went away; the abort it sent is on its way
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # that event loop is closed
+                pass
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:  # its consumer went away; the abort it sent is on its way
+            return
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_output, item)
+        except RuntimeError:  # that event loop is closed
+            pass
+
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                       interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """Stream `request_id`'s outputs (text and token deltas) until one has a finish_reason.
+
+        `interval_s` > 0 coalesces: the first output comes at once (time to first token is untouched), each
+        later one at least `interval_s` after the previous, carrying every step's tokens since then merged
+        into one output. A consumer that ships each output somewhere (an SSE chunk through Serve's proxy)
+        pays that per output, not per token; Ray Serve LLM batches its streams the same way (50 ms).
+
+        `InvalidRequest` and `EngineDeadError` are raised by the first iteration, before any output.
+        Leaving the iteration early (break, or cancelling the consuming task) aborts the request.
+        """
+        self._raise_if_dead()
+        if request_id in self._streams:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
+        queue = _StreamQueue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        added = finished = False
+        try:
+            self._raise_if_dead()  # again: the loop may have died, and told its streams, just before we registered
+            self._submit(request_id, prompt, params, interval_s)
+            added = True
+            loop = asyncio.get_running_loop()
+            next_at = 0.0
+            while not finished:
+                if interval_s > 0 and not queue.ended and (wait := next_at - loop.time()) > 0:
+                    # Let this interval's steps pile up, but not the last output: a finished request's client
+                    # (a closed-loop one sends its next request then) hears it at once, not at the tick.
+                    # Outputs already queued wait for the tick too: a consumer slower than the engine (a busy
+                    # replica) would otherwise take each step as it came, one chunk per token.
+                    queue.wake = loop.create_future()
+                    timer = loop.call_later(wait, _resolve, queue.wake)
+                    try:
+                        await queue.wake
+                    finally:
+                        timer.cancel()
+                        queue.wake = None
+                items = [await queue.get()]
+                # The first output goes alone, whenever this task gets to it: the time to first token is the
+                # first step's; a later one takes every step queued since the previous.
+                while not queue.empty() and not isinstance(items[-1], BaseException) and interval_s > 0 and next_at:
+                    items.append(queue.get_nowait())
+                error = next((i for i in items if isinstance(i, BaseException)), None)
+                if error is not None:
+                    finished = True  # nothing left to abort: the engine is gone, or refused the request
+                    if isinstance(error, EngineDeadError):
+                        self._raise_if_dead()
+                    raise error
+                item = items[0] if len(items) == 1 else merge_outputs(items)
+                finished = item.finished
+                next_at = next_tick(loop.time(), interval_s) if interval_s > 0 else 0.0
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if added and not finished:
+                self.abort(request_id)
+
+    def _submit(self, request_id: str, prompt: Prompt, params: SamplingParams | None, interval_s: float = 0.0) -> None:
+        """Hand a request to the engine (raises `InvalidRequest` here, or delivers it to the stream).
+        `interval_s`: how often the stream's consumer takes outputs (an engine in another process may hold its
+        outputs up to half of that, to send the steps' outputs for many requests at once)."""
+        self.engine.add_request(request_id, prompt, params)
+        self._wake.set()
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:  # a fresh error per caller: one instance raised in many tasks tangles tracebacks
+            raise EngineDeadError(str(self._dead)) from self._dead.__cause__
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort" (if anyone still listens)."""
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    @property
+    def open_streams(self) -> int:
+        """Requests being streamed now (from the first iteration of `generate` to its end)."""
+        return len(self._streams)
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def check_health(self) -> bool:
+        """True while the step loop runs and has beaten its heartbeat within `heartbeat_timeout_s`."""
+        return (self._dead is None and self._thread.is_alive()
+                and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (open streams raise `EngineDeadError`) and wait for the thread to end."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)

@@ -1,0 +1,102 @@
+"""A request's state inside the engine, and what the engine hands back for it after each step.
+
+Prefill and decode are not separate states: a request has `num_tokens` (prompt + generated) of which
+`num_computed_tokens` are in the KV cache; a step computes some of the rest. A fresh prompt, a prompt
+chunked across steps, a decode (one token) and a preempted request being recomputed are all that one case.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from pylon.serving.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from pylon.serving.engine.tokenization import IncrementalDetokenizer
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class RequestMetrics:
+    """Times on `time.monotonic()`'s clock (differences are what matter: queue time, time to first token,
+    inter-token latency), filled in as they happen."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(eq=False)  # a request is itself, not its field values (queues find and remove it by identity)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, or what max_model_len leaves after the prompt
+    detokenizer: "IncrementalDetokenizer"
+    generator: "torch.Generator | None"
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: deltas since the previous output, cumulative counts."""
+
+    request_id: str
+    text: str  # new text (complete characters only; stop strings never included)
+    token_ids: list[int]  # new token ids (a stop or eos token is included here though not in the text)
+    num_prompt_tokens: int
+    num_output_tokens: int  # all generated so far
+    finish_reason: FinishReason | None
+    metrics: RequestMetrics  # a snapshot, taken when this output was made
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, request: Request, text: str, token_ids: list[int]) -> "RequestOutput":
+        return cls(request.request_id, text, token_ids, request.num_prompt_tokens, request.num_output_tokens,
+                   request.finish_reason, dataclasses.replace(request.metrics))

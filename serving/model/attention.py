@@ -1,0 +1,437 @@
+"""Paged attention in plain PyTorch: the one part of the model the engine replaces.
+
+A step's tokens arrive flattened, every sequence's new tokens one after the other (`[T, heads, head_dim]`).
+Each layer writes the new keys and values into the paged pool at each token's slot, then lets every
+sequence's new queries attend over its cached keys. Decodes (one query each) are batched rather than looped
+over, and apart from prompt chunks, so a long chunk never pads a hundred decodes; chunks (a few per step) go
+one at a time through a fused kernel (below).
+
+The cache is head-major, `[kv_heads, num_blocks, block_size, head_dim]` (`new_kv_cache`), so that gathering a
+group's blocks (one `index_select` of whole blocks into a reused workspace: no allocation, no page faults)
+leaves every (kv head, sequence) pair's keys contiguous, and attention is two batched matmuls with the
+transpose folded into BLAS: `[kv_heads x B, group x Q, D] @ [kv_heads x B, D, K]`. Grouped-query attention
+(fewer kv heads) puts a kv head's query heads side by side in the same matmul instead of repeating keys.
+
+The mask is causal with an offset, as an additive bias built once per step: query q of a sequence whose step
+starts at position `start` sees keys 0..start+q, which is what makes a prompt chunked across steps compute
+exactly what one pass would.
+
+Prompt chunks are attended one sequence at a time by torch's fused `scaled_dot_product_attention` (a flash
+kernel on CPU and CUDA: it skips the masked half of a causal square and never materialises the scores): a
+chunk that starts the prompt attends over its own fresh keys with `is_causal`, a later chunk over its cached
+keys (its blocks gathered) with the offset causal mask. On a CPU with AVX-512 or AVX2 over a float32 cache, chunks
+go to the compiled prefill kernel instead (`kernels.prefill_attention_`), which reads every key, the chunk's own
+included, through the block table (`PromptChunk.key_blocks`). On a GPU the runner keeps SDPA off cuDNN's attention (`prompt_attention_backends`).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+# The SDPA backends a step may use on a GPU: flash and memory-efficient attention (math as their fallback), not
+# cuDNN's. torch prefers cuDNN's attention on Hopper for bf16/fp16, and cuDNN builds an execution plan on the host
+# for each new shape, which a prompt chunk's (queries, keys) nearly always is: on an H100 a 12-layer bf16 GPT-2's
+# steps with a prompt chunk took 102 ms (p50) with it and 22 ms without, 83% of the engine's CPU time in
+# `_cudnn_attention_forward` (docs/benchmarks/2026-11-27-set21-serve-load-h100.md).
+GPU_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def prompt_attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """A step's context for `scaled_dot_product_attention`'s backends on `device` (GPU_PROMPT_BACKENDS on CUDA;
+    elsewhere nothing: entering torch's `sdpa_kernel` costs ~30 us, and only CUDA has cuDNN's backend)."""
+    return sdpa_kernel(GPU_PROMPT_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+
+
+DECODE_GROUPS = 4  # at most this many padded batches of decodes per step...
+MIN_GROUP = 8  # ...each of at least this many sequences (a group costs a few small kernel launches per layer)
+
+
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> torch.Tensor:
+    """One layer's K (or V) pool: `[kv_heads, num_blocks, block_size, head_dim]`, zeroed."""
+    return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's part of a step: `num_new` tokens from position `start`, cached in `block_table`."""
+
+    start: int
+    num_new: int
+    block_table: list[int]
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended in one padded batch: B sequences, Q queries (the most new tokens of any of them),
+    K keys (the longest context among them)."""
+
+    query_index: torch.Tensor  # [B, Q]: flat token index of each query; padding repeats a real query
+    real: torch.Tensor | None  # indices into the padded [B*Q] rows that are real queries... (None: kernel)
+    tokens: torch.Tensor  # ...and the flat token index each of them is, in the same order
+    key_blocks: torch.Tensor  # [B * blocks]: each sequence's block table, padded with block 0 (masked out)
+    num_blocks: int
+    num_keys: int
+    bias: torch.Tensor | None  # [B, Q, K]: 0 where the query may attend the key, -inf where not (None: kernel)
+    context_lens: torch.Tensor  # [B]: keys of each sequence (int64)
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A sequence with more than one new token in the step: tokens offset..offset+num_new of the flat batch,
+    at positions start..start+num_new."""
+
+    offset: int
+    start: int
+    num_new: int
+    key_blocks: torch.Tensor | None  # its block table up to its last new token (None when start == 0, unless the
+    # prefill kernel reads even a fresh prompt's keys from the cache: `AttentionMetadata.prefill`)
+    mask: torch.Tensor | None  # [num_new, start + num_new] bool: True where the query may attend the key (SDPA's)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor | None  # [T]: where each new token's key and value go in a head's flattened pool
+    # (None: the keys and values are already in the cache; see `final_metadata`)
+    groups: list[AttentionGroup]  # decodes (one query each)
+    kernel: bool = False  # decode groups go to the compiled kernel (pylon.serving.model.kernels)
+    chunks: tuple[PromptChunk, ...] = ()
+    prefill: bool = False  # prompt chunks go to the compiled prefill kernel (kernels.prefill_attention_)
+
+
+class Workspace:
+    """Reused buffers for the gathered keys and values: a fresh multi-megabyte tensor per layer and step
+    would cost page faults on every allocation (glibc hands large blocks back to the OS)."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(max(numel, int(buf.numel() * 1.25) if buf is not None else 0), dtype=like.dtype,
+                              device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+class HostStage:
+    """The integer tensors of a step (token ids, positions, slots, block tables, context lengths), sent to the device
+    in one copy.
+
+    On a GPU each `torch.tensor(..., device="cuda")` is a copy from pageable memory: ~65 us of the host's time each
+    (staged through a driver buffer), and an eager step made ~20 of them (torch.profiler on an H100, a 12-layer bf16
+    GPT-2: `cudaMemcpyAsync` 13% of the engine's CPU time; docs/benchmarks/2026-11-27-set23-serve-load-h100.md). Staged, `add`
+    writes a list into a reused page-locked buffer and returns its place in a reused device buffer, `then` queues
+    device work that reads it, and `send` copies everything added since the last send in one non-blocking copy and
+    then queues that work. Views are handed out before the copy is queued: nothing may read them before `send`.
+
+    Unstaged (a CPU, unless `staged` says otherwise), `add` makes a tensor as `torch.tensor` would, `then` runs at
+    once and `send` does nothing: on a CPU the lists are already where the kernels read them."""
+
+    def __init__(self, device: torch.device | str, *, staged: bool | None = None, min_size: int = 4096):
+        self.device = torch.device(device)
+        self.staged = self.device.type == "cuda" if staged is None else staged
+        self.min_size = min_size
+        self.copies = 0  # copies to the device so far (staged)
+        self._host: torch.Tensor | None = None  # int64, page-locked on CUDA
+        self._values = None  # its numpy view: a list is written into it without a tensor in between
+        self._dev: torch.Tensor | None = None
+        self._used = self._sent = 0
+        self._then: list = []
+        self._done = None  # a CUDA event after the last copy out of `_host`
+
+    def begin(self) -> None:
+        """Start a step: the previous copy out of the page-locked buffer must have happened before it is rewritten
+        (a step that samples nothing returns without waiting on the device)."""
+        if self._done is not None:
+            self._done.synchronize()
+        self._used = self._sent = 0
+        self._then.clear()
+
+    def _room(self, n: int) -> None:
+        if self._host is not None and self._used + n <= len(self._host):
+            return
+        self.send()  # what was added goes from the buffers it was written in; fresh ones take the rest
+        size = max(self.min_size, 2 * n, 2 * len(self._host) if self._host is not None else 0)
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(size, dtype=torch.long, pin_memory=pin)
+        self._values = self._host.numpy()
+        self._dev = torch.empty(size, dtype=torch.long, device=self.device)
+        self._used = self._sent = 0
+
+    def add(self, values: list[int]) -> torch.Tensor:
+        """A 1-D int64 tensor on the device holding `values` (staged: once `send` has run)."""
+        if not self.staged:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+        n = len(values)
+        self._room(n)
+        a = self._used
+        self._values[a:a + n] = values
+        self._used = a + n
+        return self._dev[a:a + n]
+
+    def then(self, work) -> None:
+        """Run `work()` (device work reading what was added) once it is on the device."""
+        if self.staged:
+            self._then.append(work)
+        else:
+            work()
+
+    def send(self) -> None:
+        if self.staged and self._used > self._sent:
+            a, b = self._sent, self._used
+            self._dev[a:b].copy_(self._host[a:b], non_blocking=True)
+            self._sent = b
+            self._copied()
+        work, self._then = self._then, []
+        for w in work:
+            w()
+
+    def upload(self, dst: torch.Tensor, values: list[int]) -> None:
+        """Copy `values` into the int64 device tensor `dst` (a CUDA graph's inputs): one copy, page-locked."""
+        if not self.staged:
+            dst.copy_(torch.tensor(values, dtype=torch.long))
+            return
+        self.begin()
+        self._room(len(values))
+        n = len(values)
+        self._values[:n] = values
+        dst[:n].copy_(self._host[:n], non_blocking=True)
+        self._copied()
+
+    def _copied(self) -> None:
+        """A copy out of the page-locked buffer was queued: count it, and mark its place in the stream (`begin`)."""
+        self.copies += 1
+        if self.device.type == "cuda":
+            self._done = self._done or torch.cuda.Event()
+            self._done.record()
+
+
+def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32, *, kernel: bool = False,
+                   prefill: bool = False, stage: HostStage | None = None, slots: bool = True) -> AttentionMetadata:
+    """What every layer's attention needs to know about this step, for `seqs` in their flat token order.
+    `kernel`: decodes are attended by the compiled paged kernel, in place, so they form one group. `prefill`: prompt
+    chunks are attended by the compiled prefill kernel, over the cache (`kernels.prefill_usable`). `stage`: the
+    step's HostStage, which the caller sends (without one, the lists go over before this returns); `slots`: make the
+    slot mapping (else None: see `final_metadata`)."""
+    own = stage is None
+    stage = stage or HostStage(device)
+    # Plain Python ints, one tensor at the end: a step of 32 decodes would otherwise make ~100 tiny tensors.
+    offsets, slot_list, offset = [], [], 0
+    for seq in seqs:
+        offsets.append(offset)
+        offset += seq.num_new
+        if slots:
+            table = seq.block_table
+            slot_list.extend(table[p // block_size] * block_size + p % block_size
+                             for p in range(seq.start, seq.start + seq.num_new))
+    # Decodes are grouped by context length: one padded batch would gather every sequence's keys up to the
+    # longest context, and gathering is most of the cost of attention here. Sorted, in up to
+    # DECODE_GROUPS groups of at least MIN_GROUP sequences, the padding shrinks to a fraction.
+    # On a GPU, one group: padding costs device bandwidth there, which is plentiful, while every group adds a dozen
+    # kernel launches per layer to a step whose time is the host's launching them (a 12-layer model's 32-decode
+    # step on an H100: 30 ms with four groups, of which 3 ms on the device).
+    decodes = [i for i, s in enumerate(seqs) if s.num_new == 1]
+    if not kernel:  # the kernel needs no padding, and takes them in the step's order (see paged_attention)
+        decodes.sort(key=lambda i: seqs[i].start)
+    if kernel or torch.device(device).type == "cuda":
+        parts = 1
+    else:
+        parts = min(DECODE_GROUPS, max(1, len(decodes) // MIN_GROUP))
+    bounds = [round(j * len(decodes) / parts) for j in range(parts + 1)]
+    members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])]
+    make = _kernel_group if kernel else _group
+    groups = [make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype, stage)
+              for m in members if m]
+    chunks = tuple(_chunk(seq, offset, block_size, device, prefill, stage) for seq, offset in zip(seqs, offsets)
+                   if seq.num_new > 1)
+    meta = AttentionMetadata(stage.add(slot_list) if slots else None, groups, kernel, chunks, prefill)
+    if own:
+        stage.send()
+    return meta
+
+
+def final_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32, *, kernel: bool = False,
+                   stage: HostStage | None = None) -> AttentionMetadata:
+    """The last layer's attention for the step's sampling tokens only, one query each: `seqs` are
+    `SequenceSlice(position, 1, table)` of each sampling token, in the order of the queries. Their keys and values,
+    the step's included, are in the cache when it runs (the layer stores every token's first), so it stores
+    nothing and every query is a decode over the cache."""
+    return build_metadata(seqs, block_size, device, dtype, kernel=kernel, stage=stage, slots=False)
+
+
+def padded_tables(tables: Iterable[list[int]], num_blocks: int) -> list[int]:
+    """Block tables cut or padded with block 0 to `num_blocks` each, one after another (a flat `[B * num_blocks]`):
+    what a padded batch of sequences reads its keys through (the padding's keys are masked out or never reached)."""
+    flat = []
+    for table in tables:
+        row = table[:num_blocks]
+        flat.extend(row)
+        flat.extend([0] * (num_blocks - len(row)))
+    return flat
+
+
+def _kernel_group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
+                  dtype: torch.dtype, stage: HostStage) -> AttentionGroup:
+    """Decodes for the kernel, which needs only block tables and lengths: no padding, no mask (plain Python,
+    three tensors: this runs every step)."""
+    num_keys = [s.start + 1 for s in seqs]
+    nb = -(-max(num_keys) // block_size)
+    tokens = stage.add(offsets)
+    return AttentionGroup(tokens.view(-1, 1), None, tokens, stage.add(padded_tables((s.block_table for s in seqs), nb)),
+                          nb, max(num_keys), None, stage.add(num_keys))
+
+
+def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.device, prefill: bool,
+           stage: HostStage) -> PromptChunk:
+    if seq.start == 0 and not prefill:  # its keys are its own new tokens: plain causal attention, nothing to gather
+        return PromptChunk(offset, 0, seq.num_new, None, None)
+    num_keys = seq.start + seq.num_new
+    blocks = stage.add(seq.block_table[:-(-num_keys // block_size)])
+    if prefill:  # the kernel reads every key through the block table and masks by position itself
+        return PromptChunk(offset, seq.start, seq.num_new, blocks, None)
+    # Made where it is used: on a GPU, building the [num_new, num_keys] mask on the host and copying it over took
+    # ~0.5 ms a chunk (torch.profiler on an H100: `aten::le` on the CPU 0.42 ms, then a pageable copy).
+    position = torch.arange(seq.start, num_keys, device=device)
+    mask = torch.arange(num_keys, device=device)[None, :] <= position[:, None]
+    return PromptChunk(offset, seq.start, seq.num_new, blocks, mask)
+
+
+def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
+           dtype: torch.dtype, stage: HostStage) -> AttentionGroup:
+    """Decodes (one new token each) in one padded batch: each sequence's keys up to the group's longest context,
+    masked past its own (the bias is made on the device, from the lengths, once they are there)."""
+    num_keys = [s.start + 1 for s in seqs]
+    K, B = max(num_keys), len(seqs)
+    num_blocks = -(-K // block_size)
+    tokens = stage.add(offsets)
+    table = stage.add(padded_tables((seq.block_table for seq in seqs), num_blocks))
+    lens = stage.add(num_keys)
+    bias = torch.empty(B, 1, K, dtype=dtype, device=device)
+    stage.then(lambda: bias.zero_().masked_fill_(torch.arange(K, device=device)[None, None, :] >= lens[:, None, None],
+                                                 float("-inf")))
+    return AttentionGroup(tokens.view(-1, 1), torch.arange(B, device=device), tokens, table, num_blocks, K, bias, lens)
+
+
+def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """Write the step's keys (or values) `x` (`[T, kv_heads, head_dim]`) at their slots of `cache`, converted to how
+    the cache stores them (the engine's kv_cache_dtype: float8 saturates at +-448, as torch's conversion does)."""
+    num_kv_heads, _, _, head_dim = cache.shape
+    src = x.transpose(0, 1).to(cache.dtype)
+    flat = cache.view(num_kv_heads, -1, head_dim)
+    if cache.element_size() == 1:  # torch has no index_copy_ for float8: copy the bytes
+        flat, src = flat.view(torch.uint8), src.view(torch.uint8)
+    flat.index_copy_(1, slot_mapping, src)
+
+
+def store_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, *, kernel: bool = False) -> None:
+    """`store_kv` of a step's keys and of its values; `kernel` (the CPU kernels are built, as `meta.kernel` says): both
+    in one call of `pylon.serving.model.kernels.store_kv_` where the caches store what the model computes (two
+    `index_copy_`s a layer were ~5% of a 16-sequence decode step)."""
+    if kernel and k.dtype == k_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+        from pylon.serving.model.kernels import store_kv_
+
+        store_kv_(k_cache, v_cache, slot_mapping, k, v)
+        return
+    store_kv(k_cache, slot_mapping, k)
+    store_kv(v_cache, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    workspace: Workspace | None = None) -> torch.Tensor:
+    """Attention output `[T, heads, head_dim]` for the step's queries `q` (`[T, heads, head_dim]`), after
+    storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout; unless
+    `meta.slot_mapping` is None: then they are there already and `k`, `v` are not used). The caches may
+    be stored in a narrower dtype than `q` (kv_cache_dtype): keys and values read back are widened to `q`'s; a
+    prompt chunk that starts its prompt attends over its own fresh keys and values, unrounded, as vLLM does.
+    `q` may have rows past the step's tokens (the model runner pads a step with a prompt chunk to one of a few row
+    counts, `linear.padded_rows`): their output is zeros."""
+    num_kv_heads, num_pool_blocks, block_size, head_dim = k_cache.shape
+    heads = q.shape[1]
+    share = heads // num_kv_heads  # query heads per kv head
+    if meta.slot_mapping is not None:
+        store_kv_pair(k_cache, v_cache, meta.slot_mapping, k, v, kernel=meta.kernel)
+    workspace = workspace or Workspace()
+    out = torch.empty_like(q)
+    if k is not None and len(q) > len(k):  # rows past the step's tokens (the model runner's padding)
+        out[len(k):].zero_()
+    for c in meta.chunks:
+        rows = slice(c.offset, c.offset + c.num_new)
+        if meta.prefill:  # float32 cache: the chunk's own keys read back from it are the ones it computed
+            from pylon.serving.model.kernels import prefill_attention_
+
+            prefill_attention_(out[rows], q[rows], k_cache, v_cache, c.key_blocks, c.start, scale)
+            continue
+        queries = q[rows].transpose(0, 1)[None]  # [1, heads, num_new, D]
+        if c.key_blocks is None:
+            keys, values, mask = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None], None
+        else:
+            num_keys = c.start + c.num_new
+            keys = k_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
+            values = v_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops where the cache is stored as computed
+            mask = c.mask
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                  scale=scale, enable_gqa=share > 1)
+        out[rows] = attended[0].transpose(0, 1)
+    for g in meta.groups:
+        B, Q = g.query_index.shape
+        if meta.kernel and Q == 1:
+            from pylon.serving.model.kernels import paged_decode
+
+            # Decodes only (no chunk, and the kernel's one group keeps the step's order): every query, as it is.
+            if not meta.chunks and B == len(q):
+                return paged_decode(q, k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens, scale)
+            out[g.tokens] = paged_decode(q[g.tokens], k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens,
+                                         scale)
+            continue
+        K, nb = g.num_keys, g.num_blocks
+        shape = (num_kv_heads, B * nb, block_size, head_dim)
+        keys = torch.index_select(k_cache, 1, g.key_blocks, out=workspace.get("k", shape, k_cache))
+        values = torch.index_select(v_cache, 1, g.key_blocks, out=workspace.get("v", shape, v_cache))
+        keys = keys.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K].to(q.dtype)
+        values = values.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K].to(q.dtype)
+        # [B, Q, kv_heads, share, D] -> [kv_heads, B, share, Q, D]: a kv head's query heads share its keys.
+        queries = (q[g.query_index].view(B, Q, num_kv_heads, share, head_dim).permute(2, 0, 3, 1, 4)
+                   .reshape(num_kv_heads * B, share * Q, head_dim))
+        scores = torch.bmm(queries, keys.transpose(1, 2))  # [kv_heads * B, share * Q, K]
+        scores = scores.view(num_kv_heads, B, share, Q, K).mul_(scale).add_(g.bias[None, :, None])
+        if scores.dtype != torch.float32:  # softmax of half-precision scores loses too much
+            probs = scores.float().softmax(dim=-1).to(scores.dtype)
+        else:
+            probs = scores.softmax(dim=-1)
+        attended = torch.bmm(probs.view(num_kv_heads * B, share * Q, K), values)
+        attended = (attended.view(num_kv_heads, B, share, Q, head_dim).permute(1, 3, 0, 2, 4)
+                    .reshape(B * Q, heads, head_dim))
+        out[g.tokens] = attended[g.real]
+    return out
+
+
+@dataclass(frozen=True)
+class Final:
+    """The last layer of a step, for the tokens that sample only.
+
+    Every token's keys and values must reach the cache, at every layer: later tokens attend to them. But a token's
+    output of the last layer (its attention, output projection and MLP) feeds nothing but its own logits, which
+    only the sampling tokens (each decode, and a prompt's last token) need. A step that is mostly prompt chunks
+    would spend a quarter of a 4-layer model's projections and MLPs on outputs thrown away, so the last layer stores
+    every token's keys and values, then attends and runs its MLP for the sampling tokens only, each one query over
+    the cache (`final_metadata`)."""
+
+    rows: torch.Tensor | None  # [S]: the sampling tokens' indices in the step's flat batch; None: every token
+    # samples (a step of decodes only), in order
+    meta: AttentionMetadata | None  # their attention, one query each over the cache; None when none samples

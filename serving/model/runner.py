@@ -1,0 +1,405 @@
+"""Executes one scheduled step: a Hugging Face causal LM's own weights and submodules, our paged attention.
+
+The forward pass is written out per model family (GPT-2, Llama), calling the loaded model's embeddings,
+norms, projections, rotary embedding, MLPs and lm_head; only attention is ours (`pylon.serving.model.attention`),
+because it must read and write the paged KV cache. All tokens of a step run as one flat batch `[T, hidden]`
+(with oneDNN projections, a step with a prompt chunk pads T to one of a few row counts; see `linear.py`).
+Logits are computed only for each sampling sequence's last token: a prompt chunk that does not finish its
+prompt needs none, and the other positions of a prefill never need any.
+
+The runner owns the KV tensors, one K and one V per layer, `[num_blocks, block_size, kv_heads, head_dim]`;
+which blocks belong to whom is `KVBlockPool`'s business.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from pylon.errors import PylonError
+from pylon.settings import switched_on
+from pylon.serving.model import linear
+from pylon.serving.model.attention import (AttentionMetadata, Final, HostStage, SequenceSlice, Workspace, build_metadata,
+                                     final_metadata, new_kv_cache, paged_attention, prompt_attention_backends,
+                                     store_kv_pair)
+from pylon.serving.model.step import StepSequence
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh approximation, under its Hugging Face names
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
+WARM_UP_GFLOP = 20.0  # ModelRunner.warm_up's arithmetic at most: ~0.2 s on a core
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PylonError("engine.device: 'cuda', but torch sees no CUDA device here; use 'cpu' or 'auto'")
+    if device not in ("cpu", "cuda"):
+        raise PylonError(f"engine.device: must be one of auto, cpu, cuda (got {device!r})")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":  # fp32 on CPU (fp16/bf16 matmuls are slow or missing there); half precision on GPU
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in DTYPES:
+        raise PylonError(f"engine.dtype: must be one of auto, {', '.join(DTYPES)} (got {dtype!r})")
+    return DTYPES[dtype]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """How the KV cache stores keys and values: `auto` as the model computes (`dtype`)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in KV_DTYPES:
+        raise PylonError(f"engine.kv_cache_dtype: must be one of auto, {', '.join(KV_DTYPES)} "
+                         f"(got {kv_cache_dtype!r})")
+    return KV_DTYPES[kv_cache_dtype]
+
+
+def weights_failure(model_dir: str, error: Exception) -> str:
+    """What is wrong with `model_dir`'s weights, given the error loading them raised: the first safetensors file
+    whose header or tensors cannot be read is named (transformers' own message names neither the file nor the
+    directory), else the directory with the error."""
+    from safetensors import safe_open
+
+    listing = os.listdir(model_dir)
+    files = sorted(f for f in listing if f.endswith(".safetensors"))
+    for name in files:
+        path = os.path.join(model_dir, name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    f.get_slice(key)  # each tensor's extent within the file
+        except Exception as e:
+            return (f"model {model_dir}: weights file {name} is damaged ({type(e).__name__}: {e}); copy it again "
+                    "or export the model again (`pylon export`)")
+    if not files and not any(f.endswith(".bin") for f in listing):
+        return (f"model {model_dir}: has no weights (no *.safetensors or pytorch_model.bin file); point `model` at "
+                "a `pylon export` output or a saved transformers model")
+    return f"model {model_dir}: its weights cannot be loaded ({type(error).__name__}: {str(error)[:500]})"
+
+
+def _model_type(model_dir: str) -> str | None:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PylonError(f"model {model_dir}: not a Hugging Face model directory (config.json: {e})") from None
+
+
+def _gpt2_activation(name: str) -> Callable:
+    """GPT-2's MLP activation. Its default, "gelu_new", is the tanh approximation of GELU written out in
+    Python as five tensor ops (transformers' NewGELUActivation); torch's fused `gelu(approximate="tanh")` is
+    the same function in one op (results within 3e-7) and took the activation from 8% of a step to 3%."""
+    import torch.nn.functional as F
+    from transformers.activations import ACT2FN
+
+    if name in TANH_GELUS:
+        return lambda x: F.gelu(x, approximate="tanh")
+    return ACT2FN[name]
+
+
+@dataclass(frozen=True)
+class _GPT2Layer:
+    ln_1: tuple  # (normalized_shape, weight, bias, eps): F.layer_norm's arguments after the input
+    qkv_w: torch.Tensor  # Conv1D weights are [in, out]: y = addmm(b, x, w)
+    qkv_b: torch.Tensor
+    proj_w: torch.Tensor
+    proj_b: torch.Tensor
+    ln_2: tuple
+    fc_w: torch.Tensor
+    fc_b: torch.Tensor
+    down_w: torch.Tensor
+    down_b: torch.Tensor
+    heads: int
+    head_dim: int
+    scaling: float
+
+
+@dataclass(frozen=True)
+class _GPT2Weights:
+    wte: torch.Tensor
+    wpe: torch.Tensor
+    layers: list[_GPT2Layer]
+    ln_f: tuple
+
+    @classmethod
+    def of(cls, model, *, packed: bool = False) -> "_GPT2Weights":
+        """The model's weights; `packed`: the projections reordered for oneDNN (`pylon.serving.model.linear`), and the
+        modules' own copies released (the runner never calls those modules)."""
+        gpt = model.transformer
+
+        def ln(m):
+            return (m.normalized_shape, m.weight, m.bias, m.eps)
+
+        def w(conv):
+            if not packed:
+                return conv.weight
+            reordered = linear.pack(conv.weight.detach().t())
+            conv.weight = None
+            return reordered
+
+        layers = [_GPT2Layer(ln(b.ln_1), w(b.attn.c_attn), b.attn.c_attn.bias, w(b.attn.c_proj), b.attn.c_proj.bias,
+                             ln(b.ln_2), w(b.mlp.c_fc), b.mlp.c_fc.bias, w(b.mlp.c_proj), b.mlp.c_proj.bias,
+                             b.attn.num_heads, b.attn.head_dim, b.attn.scaling) for b in gpt.h]
+        return cls(gpt.wte.weight, gpt.wpe.weight, layers, ln(gpt.ln_f))
+
+
+def _pack_llama(model) -> None:
+    """Every projection of every decoder layer as a `PackedLinear` (lm_head, tied to the embeddings or not, stays)."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(parent, name, linear.PackedLinear(child))
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, *, num_blocks: int, block_size: int, device: str = "auto",
+                 dtype: str = "auto", kv_cache_dtype: str = "auto"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model_type = _model_type(model_dir)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise PylonError(f"model {model_dir}: model_type '{model_type}' is not supported by the serving "
+                             f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self._forward: Callable = getattr(self, f"_forward_{model_type}")
+        if model_type == "gpt2":
+            self._gpt2_act = _gpt2_activation(config.activation_function)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
+        except Exception as e:  # a missing, truncated or foreign weights file: say which, and what to do
+            raise PylonError(weights_failure(model_dir, e)) from e
+        self.model.to(self.device).eval()
+        self.config = config
+        # oneDNN for the projections on a CPU (pylon.serving.model.linear); `self._mm(bias, x, w)` is addmm's signature.
+        self.packed_linear = linear.usable(self.device, self.dtype)
+        self._mm: Callable = linear.addmm if self.packed_linear else torch.addmm
+        # Steps with a prompt chunk run their projections over padded_rows rows, compiled at start (see linear.py).
+        self.pad_rows = self.packed_linear and switched_on("PYLON_PADDED_ROWS")
+        if model_type == "gpt2":
+            self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear)
+        elif self.packed_linear:
+            _pack_llama(self.model)
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.block_size = block_size
+
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.k_cache = [new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype,
+                                     device=self.device) for _ in range(config.num_hidden_layers)]
+        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
+        self.stage = HostStage(self.device)  # a step's integer tensors, in one copy to a GPU
+        self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
+        self.decode_graphs = None  # pylon.serving.model.graphs.DecodeGraphs, on a GPU (use_decode_graphs)
+        from pylon.serving.model import kernels
+
+        self.kernel = kernels.usable(self.device, self.dtype, self.kv_dtype)  # decodes attend in place (see kernels.py)
+        # Prompt chunks too, through the prefill kernel, where it is built for this model (float32, AVX-512 or AVX2).
+        self.prefill = self.kernel and kernels.prefill_usable(self.dtype, self.kv_dtype, head_dim)
+        if model_type == "gpt2" and self.kernel and config.activation_function in TANH_GELUS:
+            self._gpt2_act = kernels.gelu_tanh_  # the same function, ~10x torch's on a CPU (see kernels.py)
+
+    @torch.no_grad()
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int,
+                max_gflop: float = WARM_UP_GFLOP) -> tuple[int, int]:
+        """Compile oneDNN's kernels for the row counts the projections will run over (`linear.row_counts`), so that
+        no step compiles one: each projection shape of a layer (the layers share them) once per count, on zeros,
+        fewest rows first, while the arithmetic stays within `max_gflop` (a large model's compiling is a small part
+        of its steps anyway; counts left out compile when first met). Returns (counts compiled, counts in all)."""
+        if not self.pad_rows:
+            return 0, 0
+        shapes = self._projection_shapes()
+        per_row = 2 * sum(n_in * n_out for n_in, n_out, _ in shapes)
+        counts = linear.row_counts(max_num_seqs, max_num_batched_tokens)
+        kernels, cached = len(counts) * len(shapes), linear.cached_kernels()
+        room = cached // len(shapes)
+        if len(counts) > room:
+            log.warning("engine: its steps run %d row counts, %d kernels, and oneDNN keeps %d: steps will compile "
+                        "kernels all along; set ONEDNN_PRIMITIVE_CACHE_CAPACITY=%d in the engine's environment "
+                        "(~0.6 MB of machine code each), or lower max_num_seqs", len(counts), kernels, cached,
+                        kernels * linear.CACHE_ENTRIES_PER_KERNEL)
+        spent, done = 0, 0
+        for rows in counts[:room]:
+            if spent + rows * per_row > max_gflop * 1e9:
+                break
+            for n_in, _, project in shapes:
+                project(torch.zeros(rows, n_in, dtype=self.dtype, device=self.device))
+            spent += rows * per_row
+            done += 1
+        return done, len(counts)
+
+    def add_scratch_block(self) -> int:
+        """One more block in every layer's caches, past the pool's (the KV pool never hands it out): where a
+        fixed-shape step's padding rows store their keys and values. Returns its first slot."""
+        if self.scratch_slot is None:
+            num_blocks = self.k_cache[0].shape[1]
+            self.k_cache = [torch.cat([k, torch.zeros_like(k[:, :1])], 1) for k in self.k_cache]
+            self.v_cache = [torch.cat([v, torch.zeros_like(v[:, :1])], 1) for v in self.v_cache]
+            self.scratch_slot = num_blocks * self.block_size
+        return self.scratch_slot
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        """On a GPU, capture the CUDA graphs that steps of decodes only will replay (pylon.serving.model.graphs;
+        the engine asks unless `engine.cuda_graphs` is false). Returns how many (0: none, every step runs eagerly)."""
+        if self.device.type != "cuda":
+            return 0
+        from pylon.serving.model.graphs import DecodeGraphs
+
+        self.add_scratch_block()
+        self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
+        return self.decode_graphs.capture_all()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, final: Final,
+                workspace: Workspace | None = None) -> torch.Tensor:
+        """The model's final hidden states at the sampling tokens (see `_forward_gpt2`); `workspace`: gather into
+        these buffers instead of the runner's own (a CUDA graph's step keeps its own)."""
+        saved = self.workspace
+        self.workspace = saved if workspace is None else workspace
+        try:
+            with prompt_attention_backends(self.device):
+                return self._forward(ids, positions, meta, final)
+        finally:
+            self.workspace = saved
+
+    def _projection_shapes(self) -> list[tuple[int, int, Callable]]:
+        """(in, out, projection) for each distinct shape of the first layer's oneDNN projections."""
+        found: dict[tuple[int, int], Callable] = {}
+        if self.config.model_type == "gpt2":
+            layer = self._gpt2.layers[0]
+            hidden = self.config.hidden_size
+            for n_in, b, w in ((hidden, layer.qkv_b, layer.qkv_w), (hidden, layer.proj_b, layer.proj_w),
+                               (hidden, layer.fc_b, layer.fc_w), (len(layer.fc_b), layer.down_b, layer.down_w)):
+                found.setdefault((n_in, len(b)), functools.partial(self._mm, b, packed=w))
+        else:
+            for module in self.model.model.layers[0].modules():
+                if isinstance(module, linear.PackedLinear):
+                    found.setdefault((module.in_features, module.out_features), module)
+        return [(n_in, n_out, project) for (n_in, n_out), project in found.items()]
+
+    @torch.no_grad()
+    def execute(self, steps: list[StepSequence]) -> torch.Tensor:
+        """Run one step; return float32 logits `[sampling sequences, vocab]`, in the order of `steps`
+        restricted to those whose `samples` is true (empty when none samples)."""
+        if self.decode_graphs is not None and all(s.num_new_tokens == 1 and s.samples for s in steps):
+            logits = self.decode_graphs.run(steps)
+            if logits is not None:
+                return logits
+        token_ids, positions, seqs, last_tokens = [], [], [], []
+        for s in steps:
+            token_ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + s.num_new_tokens))
+            seqs.append(SequenceSlice(s.start, s.num_new_tokens, s.block_table))
+            if s.samples:
+                last_tokens.append(len(token_ids) - 1)
+        stage = self.stage
+        stage.begin()
+        meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel, prefill=self.prefill,
+                              stage=stage)
+        if len(last_tokens) == len(token_ids):  # decodes only: the last layer's queries are the step's, as they are
+            final = Final(None, dataclasses.replace(meta, slot_mapping=None))
+        else:
+            finals = [SequenceSlice(s.start + s.num_new_tokens - 1, 1, s.block_table) for s in steps if s.samples]
+            final = Final(stage.add(last_tokens),
+                          final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel,
+                                         stage=stage) if finals else None)
+        if final.rows is not None and self.pad_rows:
+            # A step with a prompt chunk: its projections run over one of a few row counts (linear.padded_rows),
+            # the extra rows token 0 at position 0, which store nothing, attend nothing and sample nothing.
+            pad = linear.padded_rows(len(token_ids)) - len(token_ids)
+            token_ids.extend([0] * pad)
+            positions.extend([0] * pad)
+        ids, positions = stage.add(token_ids), stage.add(positions)
+        stage.send()
+        hidden = self.forward(ids, positions, meta, final)
+        if not last_tokens:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        return self.model.lm_head(hidden).float()
+
+    def _attend(self, i: int, last: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
+                meta: AttentionMetadata, final: Final, scale: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Layer i's attention output and the hidden states it is added to: every token's, or in the `last`
+        layer the sampling tokens' only (see Final); `(None, h)` there when no token samples. Rows past the step's
+        tokens (`execute`'s padding) have their keys and values stored nowhere and an attention output of zeros."""
+        if meta.slot_mapping is not None and len(k) > len(meta.slot_mapping):
+            k, v = k[:len(meta.slot_mapping)], v[:len(meta.slot_mapping)]
+        if not last:
+            return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
+        store_kv_pair(self.k_cache[i], self.v_cache[i], meta.slot_mapping, k, v,  # every token's, as
+                      kernel=meta.kernel)  # paged_attention would
+        if final.rows is not None:
+            h, q = h[final.rows], q[final.rows]
+        if final.meta is None:
+            return None, h
+        return paged_attention(q, None, None, self.k_cache[i], self.v_cache[i], final.meta, scale,
+                               self.workspace), h
+
+    def _forward_gpt2(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      final: Final) -> torch.Tensor:
+        """Final hidden states (after ln_f) of GPT-2 (pre-norm blocks, learned positions) at the sampling tokens
+        (`final`): `[sampling tokens, hidden]`.
+
+        The loaded model's own parameters, called through the functional ops its modules would run (GPT-2's
+        Conv1D is `addmm(bias, x, weight)`, or oneDNN's linear over the reordered weight; dropout is the identity
+        in eval): the same arithmetic without a dozen module calls and shape juggling per layer, which on a small
+        model is a good part of a step."""
+        T = len(ids)
+        h = F.embedding(ids, self._gpt2.wte) + F.embedding(positions, self._gpt2.wpe)
+        last = len(self._gpt2.layers) - 1
+        mm = self._mm
+        for i, layer in enumerate(self._gpt2.layers):
+            qkv = mm(layer.qkv_b, F.layer_norm(h, *layer.ln_1), layer.qkv_w)
+            q, k, v = qkv.view(T, 3, layer.heads, layer.head_dim).unbind(1)
+            # layer.scaling is attn.scaling: it folds in scale_attn_weights and scale_attn_by_inverse_layer_idx.
+            a, h = self._attend(i, i == last, q, k, v, h, meta, final, layer.scaling)
+            if a is None:
+                break
+            T = len(h)
+            h = h + mm(layer.proj_b, a.view(T, -1), layer.proj_w)
+            up = self._gpt2_act(mm(layer.fc_b, F.layer_norm(h, *layer.ln_2), layer.fc_w))
+            h = h + mm(layer.down_b, up, layer.down_w)
+        return F.layer_norm(h, *self._gpt2.ln_f)
+
+    def _forward_llama(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       final: Final) -> torch.Tensor:
+        """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
+        tokens (`final`): `[sampling tokens, hidden]`."""
+        llama = self.model.model
+        h = llama.embed_tokens(ids)
+        cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
+        last = len(llama.layers) - 1
+        for i, layer in enumerate(llama.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(len(x), -1, attn.head_dim)
+            k = attn.k_proj(x).view(len(x), -1, attn.head_dim)
+            v = attn.v_proj(x).view(len(x), -1, attn.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
+            a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
+            if a is None:
+                break
+            h = h + attn.o_proj(a.reshape(len(h), -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return llama.norm(h)

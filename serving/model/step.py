@@ -1,0 +1,19 @@
+"""The plain data the engine hands the model executor each step, as vLLM v1 hands its runner a SchedulerOutput: token
+ids, positions and KV block ids, never the engine's own Request objects, so the executor never imports the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepSequence:
+    """One sequence's part of a step."""
+
+    token_ids: list[int]  # the tokens this step computes, at positions start, start + 1, ...
+    start: int  # the position of the first of them (the tokens before it are in the KV cache)
+    block_table: list[int]  # the sequence's KV block ids, in order
+    samples: bool  # the step computes the sequence's last known token, so its logits are returned
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,311 @@
+"""The planner: model states equal DeepSpeed's own estimators on real models, known figures (7B fp32 + Adam,
+70B bf16), plausible advice for a 7B fine-tune, `pylon plan` and `client.plan`, and `pylon train`'s refusal."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pylon.plan.catalog import load_catalog
+from pylon.errors import PylonError
+from pylon.plan.memory import GIB, Layout, Workload, kv_bytes_per_token, model_shape, train_memory
+from pylon.models import model_config
+from pylon.plan import (DEFAULT_MFU, USABLE_FRACTION, WontFitError, check_fits, hardware_flops_per_token,
+                        plan_file, plan_serve, plan_train, render)
+from pylon.specs import DeploymentSpec, ModelSpec, TrainJobSpec
+
+LLAMA_58M = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512, "vocab_size": 32000}
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 4096,
+             "vocab_size": 32000}
+SHAPES = {"gpt-tiny": {"preset": "gpt-tiny"}, "llama-tiny": {"preset": "llama-tiny"},
+          "gpt-small": {"preset": "gpt-small"}, "llama-58m": {"config": LLAMA_58M}}
+HARDWARE = [(1, 1), (4, 1), (8, 2)]  # (GPUs per node, nodes)
+
+
+def _train(**fields) -> TrainJobSpec:
+    base = {"kind": "TrainJob", "name": "job", "model": {"preset": "llama-7b"},
+            "data": {"uri": "/nonexistent/pylon-plan-data", "seq_len": 4096},
+            "scaling": {"num_workers": 8, "use_gpu": True}, "precision": "bf16", "steps": 1000,
+            "batch": {"micro_batch_size": 8, "grad_accum_steps": 1}}
+    return TrainJobSpec.model_validate({**base, **fields})
+
+
+@pytest.fixture(scope="module")
+def real_models() -> dict:
+    """The shapes as real CPU models: DeepSpeed's estimators count parameters by their storage."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    models = {}
+    for name, fields in SHAPES.items():
+        config = model_config(ModelSpec(**fields), eos_id=0, pad_id=0)
+        models[name] = (AutoModelForCausalLM.from_config(config), config)
+    return models
+
+
+def _spy(monkeypatch, module, name: str) -> list:
+    """Record every call of DeepSpeed's `module.name` (keyword arguments, result) while it runs as usual."""
+    calls, real = [], getattr(module, name)
+
+    def spy(**kwargs):
+        result = real(**kwargs)
+        calls.append((kwargs, result))
+        return result
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _printed_gib(text: str) -> list[tuple[float, float]]:
+    return [(float(c), float(g)) for c, g in re.findall(r"^\s*([\d.]+)GB \|\s*([\d.]+)GB \|", text, re.M)]
+
+
+def _close(ours: float, theirs: float) -> bool:
+    return abs(ours - theirs) <= 0.01 * theirs
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_model_states_equal_deepspeed_zero2_estimate(real_models, shape, precision, monkeypatch, capsys) -> None:
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    model, config = real_models[shape]
+    work = Workload(config, model_shape(config), precision, seq_len=64)
+    for per_node, nodes in HARDWARE:
+        calls = _spy(monkeypatch, stage_1_and_2, "estimate_zero2_model_states_mem_needs")
+        stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=per_node,
+                                                                     num_nodes=nodes)
+        printed = _printed_gib(capsys.readouterr().out)
+        assert len(calls) == len(printed) == 2
+        for (kwargs, (cpu, gpu)), (cpu_gib, gpu_gib) in zip(calls, printed):
+            offload = "cpu" if kwargs["cpu_offload"] else "none"
+            mem = train_memory(work, Layout(2, offload, num_gpus=per_node * nodes, gpus_per_node=per_node))
+            assert _close(mem.model_states, gpu), (shape, per_node, nodes, offload, mem.model_states, gpu)
+            assert abs(mem.model_states / GIB - gpu_gib) <= 0.006 + 0.01 * gpu_gib  # the printed table agrees
+            if nodes == 1 or offload == "none":
+                # Multi-node with offload, DeepSpeed multiplies by all GPUs, not those of one node: not per node.
+                assert _close(mem.host_total, cpu), (shape, per_node, nodes, offload, mem.host_total, cpu)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_model_states_equal_deepspeed_zero3_estimate(real_models, shape, monkeypatch, capsys) -> None:
+    from deepspeed.runtime.zero import stage3
+
+    model, config = real_models[shape]
+    work = Workload(config, model_shape(config), "bf16", seq_len=64)
+    for per_node, nodes in HARDWARE:
+        calls = _spy(monkeypatch, stage3, "estimate_zero3_model_states_mem_needs")
+        stage3.estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=per_node, num_nodes=nodes)
+        printed = _printed_gib(capsys.readouterr().out)
+        assert len(calls) == len(printed) == 6
+        for (kwargs, (cpu, gpu, _)), (_, gpu_gib) in zip(calls, printed):
+            layout = Layout(3, "cpu" if kwargs["cpu_offload"] else "none",
+                            "cpu" if kwargs["cpu_offload_params"] else "none",
+                            num_gpus=per_node * nodes, gpus_per_node=per_node)
+            mem = train_memory(work, layout)
+            assert _close(mem.model_states, gpu), (shape, layout, mem.model_states, gpu)
+            assert abs(mem.model_states / GIB - gpu_gib) <= 0.006 + 0.01 * gpu_gib
+            if not kwargs["zero_init"]:  # Pylon builds the model, then DeepSpeed partitions it (no zero.Init)
+                assert _close(mem.host_total, cpu), (shape, layout, mem.host_total, cpu)
+
+
+def test_7b_fp32_with_adam_is_16_bytes_per_parameter_and_the_plan_says_what_it_counts() -> None:
+    plan = plan_train(_train(precision="fp32", deepspeed={"zero_stage": 0}, scaling={"num_workers": 1,
+                                                                                    "use_gpu": True}),
+                      gpu="H100", gpus=1)
+    n = plan.work.shape.total_params
+    assert 6.5e9 < n < 7.0e9  # Llama-2-7B's shape
+    m = plan.requested_memory
+    assert (m.params, m.grads, m.optimizer) == (4 * n, 4 * n, 8 * n)  # weights, gradients, Adam's two moments
+    assert m.model_states == 16 * n and abs(16 * 7e9 - 112e9) < 1e9 and 100e9 < m.model_states < 115e9
+    text = render(plan)
+    assert "16 bytes per parameter" in text and "~112 GB" in text and "~56 GB" in text
+    assert not plan.row("H100-SXM").requested.fits
+
+
+def test_70b_in_bf16_needs_140_gb_of_weights_and_does_not_fit_one_h100(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    spec = DeploymentSpec(name="big", model=str(tmp_path), replica={"num_gpus": 1},
+                          engine={"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536})
+    plan = plan_serve(spec)
+    h100 = next(r for r in plan.rows if r.accelerator.name == "H100-SXM")
+    assert 135e9 < h100.weights < 142e9 and not h100.fits and "weights" in h100.binding
+    mi300x = next(r for r in plan.rows if r.accelerator.name == "MI300X")
+    assert mi300x.fits and plan.recommendation is mi300x
+    # Training it: even the bf16 weights alone (ZeRO-2 keeps a full copy per GPU) exceed an H100.
+    train = plan_train(_train(model={"config": LLAMA_70B}, scaling={"num_workers": 1, "use_gpu": True},
+                              batch={"micro_batch_size": 1}), gpu="H100", gpus=1)
+    req = train.row("H100-SXM").requested
+    assert req.memory.params > 135e9 and not req.fits and "GPU memory" in req.binding
+
+
+def test_a_narrower_kv_cache_dtype_fits_more_tokens(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    plans = {kv: plan_serve(DeploymentSpec(name="big", model=str(tmp_path), replica={"num_gpus": 1},
+                                           engine={"device": "cuda", "max_model_len": 4096, "kv_cache_dtype": kv}))
+             for kv in ("auto", "bf16", "fp8", "fp32")}
+    per_token = {kv: p.kv_per_token for kv, p in plans.items()}
+    # 80 layers x 8 KV heads x 128 dims x (K and V): 2 bytes each as the model computes on a GPU (bf16)
+    assert per_token == {"auto": 80 * 8 * 128 * 2 * 2, "bf16": 80 * 8 * 128 * 2 * 2, "fp8": 80 * 8 * 128 * 2,
+                         "fp32": 80 * 8 * 128 * 2 * 4}
+    row = {kv: next(r for r in p.rows if r.accelerator.name == "MI300X") for kv, p in plans.items()}
+    assert row["fp8"].kv_tokens_fit == pytest.approx(2 * row["bf16"].kv_tokens_fit, rel=1e-6)
+    assert row["fp8"].kv_cache * 2 == row["bf16"].kv_cache and row["fp8"].weights == row["bf16"].weights
+
+
+def test_7b_full_finetune_on_8_a100_80gb_is_plausible_and_explained() -> None:
+    plan = plan_train(_train(steps=500, batch={"micro_batch_size": 8, "grad_accum_steps": 1}), gpu="A100-80GB",
+                      gpus=8)
+    req = plan.row("A100-80GB").requested
+    assert not req.fits and "activations" in req.binding  # micro-batch 8 x 4096 tokens without recomputation
+    rec = plan.recommendation
+    assert rec is not None and rec.accelerator.name == "A100-80GB" and rec.layout.num_gpus == 8
+    assert not rec.layout.offloads and rec.layout.zero_stage >= 1  # 8 x 80 GB hold 7B's states without offload
+    assert rec.memory.device_total <= 80 * GIB * USABLE_FRACTION
+    lay = rec.layout
+    assert lay.micro_batch_size * lay.grad_accum_steps * 8 == 64  # the global batch is kept
+    # Time: the step's FLOPs over 8 x 312 TFLOP/s x MFU; cost: GPU-hours x price.
+    flops = hardware_flops_per_token(plan.work.shape, 4096, False, lay.gradient_checkpointing)
+    compute = 500 * 64 * 4096 * flops / (8 * 312e12 * DEFAULT_MFU)
+    assert compute <= rec.wall_s <= 1.1 * compute
+    assert rec.cost == pytest.approx(rec.gpu_hours * 1.79)
+    assert any("global batch of 64" in e for e in plan.explanation) and "Recommendation: 8 x A100-80GB" in render(plan)
+
+
+def test_7b_on_one_rtx_4090_offloads_or_uses_lora() -> None:
+    spec = _train(scaling={"num_workers": 1, "use_gpu": True}, batch={"micro_batch_size": 4, "grad_accum_steps": 8},
+                  steps=100)
+    plan = plan_train(spec, gpu="4090", gpus=1)
+    rec = plan.recommendation
+    assert rec is not None and rec.layout.num_gpus == 1
+    assert rec.layout.offload_optimizer == "cpu"  # 6.7B x 16 bytes of optimizer state cannot sit in 24 GB
+    assert rec.memory.device_total <= 24 * GIB * USABLE_FRACTION
+    assert 100 * GIB < rec.memory.host_total <= rec.accelerator.host_memory_bytes
+    assert rec.step.offload_s > 0 and any("offloading" in e for e in plan.explanation)
+    lora, alt = plan.lora_alternative
+    assert lora.target_modules == ["q_proj", "v_proj"] and not alt.layout.offloads
+    assert any("LoRA" in e for e in plan.explanation)
+    # A LoRA job trains only the adapters: their optimizer states are tiny, and it fits without offloading.
+    lora_plan = plan_train(spec.model_copy(update={"lora": lora}), gpu="4090", gpus=1)
+    shape = lora_plan.work.shape
+    assert shape.trainable_params < shape.total_params / 100
+    assert lora_plan.requested_memory.optimizer == 12 * shape.trainable_params
+    assert not lora_plan.recommendation.layout.offloads
+
+
+def test_memory_terms_follow_the_layout() -> None:
+    config = model_config(ModelSpec(preset="llama-7b"), eos_id=0, pad_id=0)
+    work = Workload(config, model_shape(config), "bf16", seq_len=2048)
+    n = work.shape.total_params
+    z3 = train_memory(work, Layout(3, num_gpus=8))
+    nvme = train_memory(work, Layout(3, "nvme", "nvme", num_gpus=8))
+    assert nvme.params < z3.params and nvme.optimizer == 0 and nvme.nvme == 12 * n + 2 * n  # per node, 8 GPUs
+    ckpt = train_memory(work, Layout(2, gradient_checkpointing=True, micro_batch_size=2, num_gpus=8))
+    full = train_memory(work, Layout(2, micro_batch_size=2, num_gpus=8))
+    assert ckpt.activations < full.activations / 4
+    assert train_memory(work, Layout(2, micro_batch_size=4, num_gpus=8)).activations > 1.9 * full.activations
+    assert kv_bytes_per_token(work.shape, 2) == 2 * 32 * 32 * 128 * 2  # Llama-2-7B: 0.5 MiB per token
+
+
+def test_pylon_plan_cli_json_and_table(tmp_path: Path, capsys) -> None:
+    from pylon.cli import main
+
+    spec = tmp_path / "train.yaml"
+    spec.write_text(yaml.safe_dump(_train().model_dump(mode="json")))
+    assert main(["plan", str(spec), "--json", "--gpu", "H100", "--mfu", "0.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (plan,) = out["plans"]
+    assert plan["kind"] == "TrainJob" and plan["assumptions"]["mfu"] == 0.5
+    assert [a["name"] for a in plan["accelerators"]] == ["H100-SXM"]
+    assert plan["recommendation"]["fits"] and plan["recommendation"]["cost_usd"] > 0
+    assert main(["plan", str(spec), "--gpus", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "Per accelerator" in text and "MI300X" in text and "RTX-4090" in text and "Recommendation:" in text
+
+
+def test_prices_come_from_a_file_or_the_environment(tmp_path: Path, monkeypatch, capsys) -> None:
+    from pylon.cli import main
+
+    spec = tmp_path / "train.yaml"
+    spec.write_text(yaml.safe_dump(_train(steps=10000).model_dump(mode="json")))
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("H100: 1.0\n")
+    assert main(["plan", str(spec), "--json", "--gpu", "H100", "--gpus", "8", "--prices", str(prices)]) == 0
+    rec = json.loads(capsys.readouterr().out)["plans"][0]["recommendation"]
+    assert rec["cost_usd"] == pytest.approx(rec["gpu_hours"] * 1.0, rel=1e-3)
+    monkeypatch.setenv("PYLON_GPU_PRICES", str(prices))
+    assert load_catalog().get("H100").price_per_gpu_hour == 1.0
+
+
+def test_bad_input_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    from pylon.cli import main
+
+    spec = tmp_path / "train.yaml"
+    spec.write_text(yaml.safe_dump(_train().model_dump(mode="json")))
+    assert main(["plan", str(spec), "--gpu", "B300"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown GPU 'B300'" in err and "H100-SXM" in err and "Traceback" not in err
+    with pytest.raises(PylonError, match="unknown GPU 'nope'"):
+        plan_train(_train(), gpu="nope")
+    assert main(["plan", str(spec), "--mfu", "3"]) == 1
+    assert "mfu" in capsys.readouterr().err
+    no_seq = tmp_path / "noseq.yaml"
+    no_seq.write_text(yaml.safe_dump({**_train().model_dump(mode="json"), "data": {"uri": str(tmp_path / "none")}}))
+    assert main(["plan", str(no_seq)]) == 1
+    assert "data.seq_len" in capsys.readouterr().err
+
+
+def test_client_plan_needs_no_cluster(tmp_path: Path) -> None:
+    from pylon.sdk.client import Client
+
+    client = Client("http://127.0.0.1:1")  # nothing listens there
+    fields = {k: v for k, v in _train().model_dump(mode="json").items() if k != "kind"}
+    plan = client.plan(fields, gpu="H100", gpus=8)
+    assert plan.kind == "TrainJob" and plan.recommendation is not None and plan.to_dict()["name"] == "job"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_train().model_dump(mode="json")))
+    assert client.plan(str(path), gpu="H100").name == "job"
+    assert client.plan(_train(), gpu="H100").recommendation is not None
+
+
+def test_pylon_train_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> None:
+    from pylon.sdk.client import Client
+
+    monkeypatch.setenv("PYLON_HOME", str(tmp_path))  # client.train writes the spec there before submitting
+
+    spec = _train(scaling={"num_workers": 1, "use_gpu": True, "resources_per_worker": {"GPU": 1,
+                                                                                      "accelerator_type:H100": 0.001}})
+    with pytest.raises(WontFitError) as e:
+        check_fits(spec)
+    message = str(e.value)
+    assert "1 x H100-SXM" in message and "GPU memory" in message and "Recommendation" in message
+    assert "--force" in message
+    # No GPU type named anywhere: refused only if no GPU in the catalog could hold it.
+    with pytest.raises(WontFitError, match="any kind"):
+        check_fits(_train(model={"config": LLAMA_70B}, scaling={"num_workers": 1, "use_gpu": True}))
+    # A tiny CPU job (what the test suite trains) passes.
+    check_fits(TrainJobSpec.model_validate({"name": "tiny", "model": {"preset": "gpt-tiny"},
+                                            "data": {"uri": "corpus/", "seq_len": 64}, "steps": 10}))
+    # client.train refuses before it contacts the cluster; force=True goes on to submit.
+    client = Client("http://127.0.0.1:1")
+    with pytest.raises(WontFitError):
+        client.train(spec)
+    with pytest.raises(Exception) as e:
+        client.train(spec, force=True)
+    assert not isinstance(e.value, WontFitError)
+
+
+def test_a_files_deployment_of_its_own_training_run_is_planned_with_that_model(tmp_path: Path) -> None:
+    text = (Path(__file__).resolve().parents[3] / "platform" / "pylon" / "examples" / "stdlib-gpt.yaml").read_text()
+    f = tmp_path / "demo.yaml"
+    f.write_text(text.replace("demo/", str(tmp_path / "demo") + "/"))
+    plans, skipped = plan_file(f, gpu="L40S")
+    assert [p.kind for p in plans] == ["TrainJob", "Deployment"] and "Dataset" in skipped[0]
+    assert plans[1].shape.total_params == plans[0].work.shape.total_params
+    assert plans[0].cpu_worker_bytes is not None  # the demo trains on CPU workers
