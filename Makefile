@@ -46,8 +46,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pylon.ops || echo "warning: some ops did not build now; they are built on first use"
 	@touch $@
 
-test: setup  ## run the whole test suite: unit tests alongside the integration tests (real cluster, S3 server)
+test: setup  ## run the whole test suite: ruff, then unit tests alongside the integration tests (real cluster, S3 server)
 	@mkdir -p .cache
+	@$(VENV)/bin/ruff check --quiet . && $(VENV)/bin/ruff format --check --quiet . \
+	  || { echo "ruff: run 'make format' (or fix what it names), then 'make test' again"; exit 1; }
 	@# The integration tests spend much of their time waiting on Ray, jobs and replicas; the unit tests (no
 	@# cluster) use that idle CPU instead of running before them. Their output follows the integration run's, and
 	@# a summary of both (failed tests by name, then the counts) ends the output, where CI's excerpt of it looks;
@@ -67,7 +69,7 @@ test-all: setup  ## the whole suite including the tests marked slow (what `make 
 	PYLON_ALL_TESTS=1 $(MAKE) --no-print-directory test
 
 test-gpu: setup  ## the serving engine's tests on a CUDA GPU: greedy parity in fp32, bf16/fp16, the engine process
-	PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/test_serving_engine.py
+	PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/serving/engine/test_serving_engine.py tests/unit/serving/engine/test_serving_engine_async.py
 
 unit: setup  ## fast tests only, no cluster
 	$(PY) -m pytest tests/unit

@@ -10,6 +10,7 @@ For each store (local disk, S3 protocol on 127.0.0.1), the same prepared shards 
 It prints tokens/s of each and the ratio. Target: pylon >= 0.5 x baseline on 2 cores.
 Needs a running cluster (`pylon cluster up`); it starts its own S3 server.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,17 +56,22 @@ def run_store(label: str, uri: str, args) -> float:
     from pylon.data.testing import write_synthetic_dataset
 
     t0 = time.perf_counter()
-    m = write_synthetic_dataset(uri, rows=args.rows, rows_per_shard=args.rows_per_shard, seq_len=args.seq_len,
-                                fmt=args.format)
-    print(f"[{label}] wrote {len(m.shards)} {args.format} shards, {m.totals.tokens:,} tokens, "
-          f"{m.totals.bytes / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
+    m = write_synthetic_dataset(
+        uri, rows=args.rows, rows_per_shard=args.rows_per_shard, seq_len=args.seq_len, fmt=args.format
+    )
+    print(
+        f"[{label}] wrote {len(m.shards)} {args.format} shards, {m.totals.tokens:,} tokens, "
+        f"{m.totals.bytes / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
+    )
     # Warm both paths once (imports, Ray Data start-up, page cache), then alternate timed runs.
     pylon_stream_tokens(uri, args.batch_size)
     bare_reader_tokens(uri)
     best = {"baseline": 0.0, "pylon": 0.0}
     for _ in range(args.repeats):
-        for name, fn, fargs in (("baseline", bare_reader_tokens, (uri,)),
-                                ("pylon", pylon_stream_tokens, (uri, args.batch_size))):
+        for name, fn, fargs in (
+            ("baseline", bare_reader_tokens, (uri,)),
+            ("pylon", pylon_stream_tokens, (uri, args.batch_size)),
+        ):
             tokens, seconds = measure(name, fn, *fargs)
             assert tokens == m.totals.tokens, f"{name} read {tokens} tokens, expected {m.totals.tokens}"
             best[name] = max(best[name], tokens / seconds)
@@ -80,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=524_288)
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--rows-per-shard", type=int, default=65_536,
-                        help="default: 64 MiB shards at seq-len 512, as `prepare` writes by default")
+    parser.add_argument(
+        "--rows-per-shard",
+        type=int,
+        default=65_536,
+        help="default: 64 MiB shards at seq-len 512, as `prepare` writes by default",
+    )
     parser.add_argument("--format", choices=["parquet", "webdataset"], default="parquet")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -102,16 +112,31 @@ def main(argv: list[str] | None = None) -> int:
             server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
             server.start()
             host, port = server.get_host_and_port()
-            os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
-                              AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+            os.environ.update(
+                AWS_ENDPOINT_URL=f"http://{host}:{port}",
+                AWS_ACCESS_KEY_ID="bench",
+                AWS_SECRET_ACCESS_KEY="bench",
+                AWS_DEFAULT_REGION="us-east-1",
+            )
             boto3.client("s3").create_bucket(Bucket="bench")
             try:
                 # The read tasks run in Ray workers: they reach the server through the same environment.
                 import ray
 
                 ray.shutdown()
-                pylon.connect().init_ray(runtime_env={"env_vars": {k: os.environ[k] for k in (
-                    "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}})
+                pylon.connect().init_ray(
+                    runtime_env={
+                        "env_vars": {
+                            k: os.environ[k]
+                            for k in (
+                                "AWS_ENDPOINT_URL",
+                                "AWS_ACCESS_KEY_ID",
+                                "AWS_SECRET_ACCESS_KEY",
+                                "AWS_DEFAULT_REGION",
+                            )
+                        }
+                    }
+                )
                 ratios["s3"] = run_store("s3", "s3://bench/shards", args)
             finally:
                 server.stop()

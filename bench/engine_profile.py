@@ -9,6 +9,7 @@ chunk's shape on the host (docs/benchmarks/2026-11-27-set21-serve-load-h100.md).
     .venv/bin/python bench/engine_profile.py                       # CPU, the bench's default model
     python bench/engine_profile.py --device cuda --dtype bf16 --n-layer 12 --n-embd 768 --n-head 12
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,29 +42,51 @@ def main() -> None:
     import tempfile
 
     import torch
+    from serve_load import build_model
     from torch.profiler import ProfilerActivity, profile
 
     from pylon.serving.engine.engine import LLMEngine
     from pylon.serving.engine.sampling import SamplingParams
     from pylon.specs import EngineSpec
-    from serve_load import build_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
     with tempfile.TemporaryDirectory(prefix="pylon-engine-profile-") as tmp:
-        build_model(argparse.Namespace(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, n_positions=1024,
-                                       seed=args.seed, device="cpu", dtype="fp32"), Path(tmp))
-        engine = LLMEngine(tmp, EngineSpec(max_num_seqs=args.max_num_seqs, kv_cache_tokens=32768, block_size=16,
-                                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=1024,
-                                           device=args.device, dtype=args.dtype))
+        build_model(
+            argparse.Namespace(
+                n_layer=args.n_layer,
+                n_head=args.n_head,
+                n_embd=args.n_embd,
+                n_positions=1024,
+                seed=args.seed,
+                device="cpu",
+                dtype="fp32",
+            ),
+            Path(tmp),
+        )
+        engine = LLMEngine(
+            tmp,
+            EngineSpec(
+                max_num_seqs=args.max_num_seqs,
+                kv_cache_tokens=32768,
+                block_size=16,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=1024,
+                device=args.device,
+                dtype=args.dtype,
+            ),
+        )
         rng = random.Random(args.seed)
         graphs = engine.runner.decode_graphs
 
         def add(n: int, tag: str) -> None:
             for i in range(n):
-                engine.add_request(f"{tag}{i}", [rng.randrange(256) for _ in range(rng.randint(32, 512))],
-                                   SamplingParams(max_tokens=rng.randint(16, 128), temperature=0, ignore_eos=True))
+                engine.add_request(
+                    f"{tag}{i}",
+                    [rng.randrange(256) for _ in range(rng.randint(32, 512))],
+                    SamplingParams(max_tokens=rng.randint(16, 128), temperature=0, ignore_eos=True),
+                )
 
         def sync() -> None:
             if cuda:
@@ -86,21 +109,27 @@ def main() -> None:
         started = time.perf_counter()
         rows = steps()
         wall = time.perf_counter() - started
-        print(f"{args.requests} requests in {wall:.2f} s, {len(rows)} steps "
-              f"({args.n_layer} layers x {args.n_embd}, {args.dtype}, {args.device})")
+        print(
+            f"{args.requests} requests in {wall:.2f} s, {len(rows)} steps "
+            f"({args.n_layer} layers x {args.n_embd}, {args.dtype}, {args.device})"
+        )
         for kind, graphed in (("decodes only, CUDA graph", True), ("run eagerly", False)):
             ms = sorted(t * 1e3 for t, g in rows if g == graphed)
             if ms:
-                print(f"  {kind}: {len(ms)} steps, {sum(ms):.0f} ms in all, p50 {ms[len(ms) // 2]:.2f} ms, "
-                      f"p90 {ms[int(len(ms) * 0.9)]:.2f}, max {ms[-1]:.1f}")
+                print(
+                    f"  {kind}: {len(ms)} steps, {sum(ms):.0f} ms in all, p50 {ms[len(ms) // 2]:.2f} ms, "
+                    f"p90 {ms[int(len(ms) * 0.9)]:.2f}, max {ms[-1]:.1f}"
+                )
         add(args.requests, "p-")
         steps(6)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             profiled = steps(args.profile_steps)
         steps()
-        print(f"profiled {len(profiled)} steps ({sum(g for _, g in profiled)} replayed a graph): "
-              f"{sum(t for t, _ in profiled) * 1e3:.0f} ms with the profiler on")
+        print(
+            f"profiled {len(profiled)} steps ({sum(g for _, g in profiled)} replayed a graph): "
+            f"{sum(t for t, _ in profiled) * 1e3:.0f} ms with the profiler on"
+        )
         table = prof.key_averages()
         print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
         if cuda:

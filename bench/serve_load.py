@@ -84,6 +84,7 @@ Ratios of output tokens/s, with targets (issue 5): engine / hf-single >= 8x, eng
 http / engine >= 0.90 (Serve + HTTP cost at most 10%). Progress goes to stderr; the last stdout line is
 `serve_load: {json}` with every figure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,18 +107,54 @@ RESULT = "serve_load: "
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from serve_load_cpu import (  # noqa: E402,F401
-    CpuAccount, cpu_line, workload_cost, hardware_rates, roofline, roofline_line,
+    CpuAccount,
+    cpu_line,
+    hardware_rates,
+    roofline,
+    roofline_line,
+    workload_cost,
 )
 from serve_load_legs import (  # noqa: E402,F401
-    LEGS, DEPLOYMENT, log, Req, make_requests, arrival_times, build_model, engine_spec, Record, Progress, StepTimes,
-    hf_generate, run_hf, run_async, drive, engine_params, serving_warmup, engine_leg, threads_per_engine,
-    deployment_spec, http_load, IDLE_WINDOW_S, idle_background, engine_malloc, ingress_and_niceness, settle_threads,
-    match_policy, http_leg,
+    DEPLOYMENT,
+    IDLE_WINDOW_S,
+    LEGS,
+    Progress,
+    Record,
+    Req,
+    StepTimes,
+    arrival_times,
+    build_model,
+    deployment_spec,
+    drive,
+    engine_leg,
+    engine_malloc,
+    engine_params,
+    engine_spec,
+    hf_generate,
+    http_leg,
+    http_load,
+    idle_background,
+    ingress_and_niceness,
+    log,
+    make_requests,
+    match_policy,
+    run_async,
+    run_hf,
+    serving_warmup,
+    settle_threads,
+    threads_per_engine,
 )
 from serve_load_report import (  # noqa: E402,F401
-    TARGETS, pct, summarize, median_round, fmt, print_table, print_targets, print_cpu_ratios, print_details,
+    TARGETS,
+    fmt,
+    median_round,
+    pct,
+    print_cpu_ratios,
+    print_details,
+    print_table,
+    print_targets,
+    summarize,
 )
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Main
@@ -135,30 +172,62 @@ def _range(text: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated legs to run (default: {','.join(LEGS)})")
-    p.add_argument("--quick", action="store_true",
-                   help="a small smoke run: 24 requests, 8 clients, a 2-layer 128-wide model, short prompts/outputs")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small smoke run: 24 requests, 8 clients, a 2-layer 128-wide model, short prompts/outputs",
+    )
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=None,
-                      help="closed-loop clients; also the static batch size and the engine's minimum max_num_seqs "
-                           "(default 32)")
-    load.add_argument("--rate", type=float, default=None,
-                      help="open-loop Poisson arrivals at this many requests/s instead of closed-loop clients "
-                           "(static batches and max_num_seqs then use --batch-size)")
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="closed-loop clients; also the static batch size and the engine's minimum max_num_seqs (default 32)",
+    )
+    load.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="open-loop Poisson arrivals at this many requests/s instead of closed-loop clients "
+        "(static batches and max_num_seqs then use --batch-size)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="with --rate: static batch size and max_num_seqs")
     p.add_argument("--num-requests", type=int, default=None, help="timed requests per leg (default 128)")
     p.add_argument("--prompt-len", type=_range, default=None, help="MIN,MAX prompt bytes (= tokens) (default 32,512)")
     p.add_argument("--output-len", type=_range, default=None, help="MIN,MAX max_tokens per request (default 16,128)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed requests before each leg (default 2); the engine and http legs send at least one "
-                        "per client, at once (serving_warmup)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed requests before each leg (default 2); the engine and http legs send at least one "
+        "per client, at once (serving_warmup)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", type=Path, default=DATA,
-                   help=f"text the prompts are cut from (default {DATA.relative_to(REPO.parent)})")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where every leg runs the model (default cpu). cuda: one engine (--engines 1); the http leg "
-                        "then asks Serve for a GPU per replica")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32",
-                   help="model weights and compute, the same in every leg (default fp32; bf16/fp16 need --device cuda)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=DATA,
+        help=f"text the prompts are cut from (default {DATA.relative_to(REPO.parent)})",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where every leg runs the model (default cpu). cuda: one engine (--engines 1); the http leg "
+        "then asks Serve for a GPU per replica",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default="fp32",
+        help="model weights and compute, the same in every leg (default fp32; bf16/fp16 need --device cuda)",
+    )
+    _add_model_and_engine_arguments(p)
+    return p
+
+
+def _add_model_and_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's and the engine's options, and how the legs run."""
     m = p.add_argument_group("model (random-weight GPT-2)")
     m.add_argument("--n-layer", type=int, default=None, help="default 4")
     m.add_argument("--n-embd", type=int, default=None, help="default 256")
@@ -167,36 +236,66 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine (EngineSpec)")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="default: the concurrency")
-    e.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="default: concurrency x max_model_len (never preempts)")
+    e.add_argument(
+        "--kv-cache-tokens", type=int, default=None, help="default: concurrency x max_model_len (never preempts)"
+    )
     e.add_argument("--max-model-len", type=int, default=None, help="default: n_positions")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"],
-                   help="how the KV cache stores keys and values (default auto: fp32, as the model computes); "
-                        "a narrower cache gives up exact greedy parity, which the run then reports as it finds it")
-    e.add_argument("--in-process-engine", action="store_true",
-                   help="engine leg and replica: the engine loop on a thread of the same process "
-                        "(engine.separate_process: false) instead of a child process")
-    p.add_argument("--stream-interval-ms", type=float, default=None,
-                   help="http leg: the deployment's http.stream_interval_ms (default: the spec's default, 50)")
-    p.add_argument("--keep-niceness", action="store_true",
-                   help="http leg: leave the load generator at its niceness instead of taking the served engine's "
-                        "(Ray runs workers at 15; see ingress_and_niceness)")
-    p.add_argument("--engines", type=int, default=None,
-                   help="engine processes, in both legs (default: one per core; 1 with --in-process-engine)")
-    p.add_argument("--replicas", type=int, default=None,
-                   help="http leg: the Serve replicas the engines are spread over, --engines / --replicas engine "
-                        "processes each (engine.data_parallel) (default 1: one replica with an engine per core, "
-                        "the layout for a CPU node; --replicas = --engines gives a replica per engine)")
-    p.add_argument("--replica-cpus", type=float, default=None,
-                   help="CPUs per engine: each engine process's torch threads, in both legs; a replica's num_cpus "
-                        "is this times its engines (default: the cores divided among --engines)")
+    e.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16", "fp8"],
+        help="how the KV cache stores keys and values (default auto: fp32, as the model computes); "
+        "a narrower cache gives up exact greedy parity, which the run then reports as it finds it",
+    )
+    e.add_argument(
+        "--in-process-engine",
+        action="store_true",
+        help="engine leg and replica: the engine loop on a thread of the same process "
+        "(engine.separate_process: false) instead of a child process",
+    )
+    p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=None,
+        help="http leg: the deployment's http.stream_interval_ms (default: the spec's default, 50)",
+    )
+    p.add_argument(
+        "--keep-niceness",
+        action="store_true",
+        help="http leg: leave the load generator at its niceness instead of taking the served engine's "
+        "(Ray runs workers at 15; see ingress_and_niceness)",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=None,
+        help="engine processes, in both legs (default: one per core; 1 with --in-process-engine)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="http leg: the Serve replicas the engines are spread over, --engines / --replicas engine "
+        "processes each (engine.data_parallel) (default 1: one replica with an engine per core, "
+        "the layout for a CPU node; --replicas = --engines gives a replica per engine)",
+    )
+    p.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="CPUs per engine: each engine process's torch threads, in both legs; a replica's num_cpus "
+        "is this times its engines (default: the cores divided among --engines)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in this process")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run every leg this many times, round after round; each target is the median of the rounds' "
-                        "ratios (legs of one round run back to back, under the same conditions), the table shows "
-                        "each leg's median-throughput round (default 1)")
-    return p
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every leg this many times, round after round; each target is the median of the rounds' "
+        "ratios (legs of one round run back to back, under the same conditions), the table shows "
+        "each leg's median-throughput round (default 1)",
+    )
 
 
 def parse_args(argv):
@@ -221,10 +320,12 @@ def parse_args(argv):
     if args.in_process_engine and args.replicas != 1:
         p.error("--in-process-engine runs one engine in one replica; leave --replicas out")
 
-    quick = dict(num_requests=24, concurrency=8, prompt_len=(16, 128), output_len=(8, 32), n_layer=2, n_embd=128,
-                 n_head=4)
-    full = dict(num_requests=128, concurrency=32, prompt_len=(32, 512), output_len=(16, 128), n_layer=4, n_embd=256,
-                n_head=4)
+    quick = dict(
+        num_requests=24, concurrency=8, prompt_len=(16, 128), output_len=(8, 32), n_layer=2, n_embd=128, n_head=4
+    )
+    full = dict(
+        num_requests=128, concurrency=32, prompt_len=(32, 512), output_len=(16, 128), n_layer=4, n_embd=256, n_head=4
+    )
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -256,7 +357,7 @@ def run_leg(leg: str, model, tok, model_dir: Path, reqs: list[Req], warm: list[R
     if leg in ("hf-single", "hf-static"):
         size = 1 if leg == "hf-single" else args.concurrency
         for w in range(0, len(warm), size):
-            hf_generate(model, warm[w:w + size], tok.pad_id)
+            hf_generate(model, warm[w : w + size], tok.pad_id)
         records, t0 = run_hf(model, reqs, size, args, leg, tok.pad_id)
         extra = {}
     elif leg == "engine":
@@ -276,11 +377,14 @@ def run_rounds(args, reqs: list[Req], warm: list[Req]):
         model_dir.mkdir()
         model, tok = build_model(args, model_dir)
         spec = engine_spec(args)
-        print(f"engine: max_num_seqs {spec.max_num_seqs}, max_num_batched_tokens {spec.max_num_batched_tokens}, "
-              f"kv_cache_tokens {spec.kv_cache_tokens} ({spec.kv_cache_dtype}), block_size {spec.block_size}, "
-              f"max_model_len {spec.max_model_len}; {args.engines} engine process(es) of {args.replica_cpus:g} CPU "
-              f"({threads_per_engine(args)} torch thread(s) each); http leg: {args.replicas} replica(s) of "
-              f"{args.engines // args.replicas} engine(s)", flush=True)
+        print(
+            f"engine: max_num_seqs {spec.max_num_seqs}, max_num_batched_tokens {spec.max_num_batched_tokens}, "
+            f"kv_cache_tokens {spec.kv_cache_tokens} ({spec.kv_cache_dtype}), block_size {spec.block_size}, "
+            f"max_model_len {spec.max_model_len}; {args.engines} engine process(es) of {args.replica_cpus:g} CPU "
+            f"({threads_per_engine(args)} torch thread(s) each); http leg: {args.replicas} replica(s) of "
+            f"{args.engines // args.replicas} engine(s)",
+            flush=True,
+        )
         rates = hardware_rates(args) if "engine" in args.legs and args.device == "cpu" else None
         for rnd in range(args.rounds):
             for leg in round_legs(args.legs, rnd):
@@ -294,8 +398,10 @@ def run_rounds(args, reqs: list[Req], warm: list[Req]):
                     rounds.setdefault(leg, {})[rnd] = summary
                     if records and records[0].token_ids is not None:
                         tokens.setdefault(leg, []).append([r.token_ids for r in records])
-                    log(f"{label} done in {time.perf_counter() - t:.0f} s: "
-                        f"{summary['output_tok_per_s']:,.0f} output tok/s")
+                    log(
+                        f"{label} done in {time.perf_counter() - t:.0f} s: "
+                        f"{summary['output_tok_per_s']:,.0f} output tok/s"
+                    )
                     if "cpu_s" in summary:
                         log(f"  {cpu_line(leg, summary)}")
                 except Exception as e:
@@ -316,15 +422,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     reqs = make_requests(args)
     phrase = "To be, or not to be, that is the question"
-    warm = [Req(-1 - i, phrase[:8 + 4 * i], list(phrase[:8 + 4 * i].encode()), 4 + i) for i in range(args.warmup)]
+    warm = [Req(-1 - i, phrase[: 8 + 4 * i], list(phrase[: 8 + 4 * i].encode()), 4 + i) for i in range(args.warmup)]
     load = f"Poisson arrivals at {args.rate:g} req/s" if args.rate else f"{args.concurrency} concurrent clients"
     prompt_tokens = sum(len(r.ids) for r in reqs)
     out_tokens = sum(r.max_tokens for r in reqs)
-    print(f"model: random GPT-2 n_layer {args.n_layer} n_embd {args.n_embd} n_head {args.n_head} (vocab 320, "
-          f"{args.dtype}, {args.device.upper()}, {args.threads} torch threads); {args.num_requests} requests from "
-          f"{args.data.name}: prompts "
-          f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens ({prompt_tokens:,} in all), max_tokens "
-          f"{args.output_len[0]}-{args.output_len[1]} ({out_tokens:,} in all, ignore_eos); {load}", flush=True)
+    print(
+        f"model: random GPT-2 n_layer {args.n_layer} n_embd {args.n_embd} n_head {args.n_head} (vocab 320, "
+        f"{args.dtype}, {args.device.upper()}, {args.threads} torch threads); {args.num_requests} requests from "
+        f"{args.data.name}: prompts "
+        f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens ({prompt_tokens:,} in all), max_tokens "
+        f"{args.output_len[0]}-{args.output_len[1]} ({out_tokens:,} in all, ignore_eos); {load}",
+        flush=True,
+    )
 
     rounds, errors, tokens, rates = run_rounds(args, reqs, warm)
 
@@ -338,12 +447,29 @@ def main(argv: list[str] | None = None) -> int:
     print_details(args, reqs, results, errors, tokens, rates)
     wall = time.perf_counter() - wall0
     load_end = os.getloadavg()
-    print(f"wall time {wall:.0f} s; load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
-          f"on {os.cpu_count()} cores (a busy machine slows the legs unevenly)")
+    print(
+        f"wall time {wall:.0f} s; load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
+        f"on {os.cpu_count()} cores (a busy machine slows the legs unevenly)"
+    )
     config = {k: v for k, v in vars(args).items()}
-    print(RESULT + json.dumps({"config": config, "legs": results, "rounds": rounds, "ratios": ratios, "errors": errors,
-                               "wall_s": round(wall, 1), "loadavg_start": load_start, "loadavg_end": load_end,
-                               "cpus": os.cpu_count()}, default=str), flush=True)
+    print(
+        RESULT
+        + json.dumps(
+            {
+                "config": config,
+                "legs": results,
+                "rounds": rounds,
+                "ratios": ratios,
+                "errors": errors,
+                "wall_s": round(wall, 1),
+                "loadavg_start": load_start,
+                "loadavg_end": load_end,
+                "cpus": os.cpu_count(),
+            },
+            default=str,
+        ),
+        flush=True,
+    )
     return 0 if not errors else 1
 
 

@@ -2,6 +2,7 @@
 machine spent during a leg (`CpuAccount`, `cpu_line`), and what the engine leg's requests need of the hardware
 against the rates this machine measures (`workload_cost`, `hardware_rates`, `roofline`). See serve_load.py's
 docstring; it re-exports every name here."""
+
 from __future__ import annotations
 
 import os
@@ -70,7 +71,10 @@ class CpuAccount:
             cmdline = info["cmdline"] or []
             out[(p.pid, info["create_time"])] = (
                 self._group(p.pid, info["name"] or "", " ".join(cmdline), ours),
-                t.user + t.system, ctx.involuntary if ctx else 0, self._label(info["name"] or "", cmdline))
+                t.user + t.system,
+                ctx.involuntary if ctx else 0,
+                self._label(info["name"] or "", cmdline),
+            )
         return out
 
     @staticmethod
@@ -95,12 +99,15 @@ class CpuAccount:
                 ray[label] = ray.get(label, 0.0) + max(0.0, used - used0)
         total = sum(cpu.values())
         per_k = 1000 / max(output_tokens, 1)
-        return {"cpu_s": {g: round(v, 2) for g, v in cpu.items()}, "cpu_s_total": round(total, 2),
-                "cpu_s_ours": round(total - cpu["other"], 2),  # the leg's own processes, neighbours left out
-                "cpu_ms_per_1k_tokens": {g: round(v * per_k * 1000) for g, v in cpu.items()},
-                "cpu_busy_fraction": round(total / max(seconds, 1e-9) / (os.cpu_count() or 1), 3),
-                "engine_preemptions_per_s": round(preempted / max(seconds, 1e-9)),
-                "ray_cpu_s": {k: round(v, 3) for k, v in sorted(ray.items(), key=lambda kv: -kv[1]) if v >= 0.005}}
+        return {
+            "cpu_s": {g: round(v, 2) for g, v in cpu.items()},
+            "cpu_s_total": round(total, 2),
+            "cpu_s_ours": round(total - cpu["other"], 2),  # the leg's own processes, neighbours left out
+            "cpu_ms_per_1k_tokens": {g: round(v * per_k * 1000) for g, v in cpu.items()},
+            "cpu_busy_fraction": round(total / max(seconds, 1e-9) / (os.cpu_count() or 1), 3),
+            "engine_preemptions_per_s": round(preempted / max(seconds, 1e-9)),
+            "ray_cpu_s": {k: round(v, 3) for k, v in sorted(ray.items(), key=lambda kv: -kv[1]) if v >= 0.005},
+        }
 
 
 def cpu_line(leg: str, r: dict) -> str:
@@ -108,15 +115,18 @@ def cpu_line(leg: str, r: dict) -> str:
     parts = ", ".join(f"{g} {per_k[g]:,}" for g in CpuAccount.GROUPS if r["cpu_s"][g] >= 0.01)
     ray = ", ".join(f"{k} {v:.2f}" for k, v in list(r.get("ray_cpu_s", {}).items())[:8])
     idle = ", ".join(f"{g} {v:g}" for g, v in r.get("idle_cpu_ms_per_s", {}).items() if v >= 0.5)
-    return (f"cpu {leg}: {r['cpu_s_total']:.1f} CPU-s, {r['cpu_busy_fraction']:.0%} of the machine; ms per 1k output "
-            f"tokens: {parts}; engines preempted {r['engine_preemptions_per_s']:,}/s"
-            + (f"\n  ray's processes, CPU-s: {ray}" if ray else "")
-            + (f"\n  deployed and idle just before, CPU-ms a second: {idle}" if idle else ""))
+    return (
+        f"cpu {leg}: {r['cpu_s_total']:.1f} CPU-s, {r['cpu_busy_fraction']:.0%} of the machine; ms per 1k output "
+        f"tokens: {parts}; engines preempted {r['engine_preemptions_per_s']:,}/s"
+        + (f"\n  ray's processes, CPU-s: {ray}" if ray else "")
+        + (f"\n  deployed and idle just before, CPU-ms a second: {idle}" if idle else "")
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The hardware's floor for the engine's work
 # ---------------------------------------------------------------------------------------------------------
+
 
 def workload_cost(args, reqs: list[Req], vocab: int = 320) -> dict:
     """What the engine leg's requests need of the hardware, counted from the model's shapes as the engine runs them
@@ -133,14 +143,19 @@ def workload_cost(args, reqs: list[Req], vocab: int = 320) -> dict:
     layer = 2 * 12 * d * d  # QKV (3d^2), output (d^2), MLP up and down (4d^2 each); 2 FLOPs a multiply-add
     proj = attn = kv = 0
     for r in reqs:
-        P, O = len(r.ids), r.max_tokens
+        P, O = len(r.ids), r.max_tokens  # noqa: E741 (prompt and output lengths, as the formula names them)
         proj += (P - 1) * ((L - 1) * layer + 2 * 3 * d * d) + O * (L * layer + 2 * d * vocab)
         attn += (L - 1) * 2 * d * P * (P + 1)  # causal QK^T and PV among the prompt's tokens, 4d a pair
         # Decodes: token j (0 .. O-2) attends over P + j + 1 cached positions in every layer; the prompt's last
         # token over its P in the last layer. Keys and values: 2 * d elements a position.
         kv += (L * sum(P + j + 1 for j in range(O - 1)) + P) * 2 * d * kv_bytes
-    return {"gflop": (proj + attn) / 1e9, "kv_gb": kv / 1e9, "projection_flop": proj, "attention_flop": attn,
-            "kv_bytes": kv}
+    return {
+        "gflop": (proj + attn) / 1e9,
+        "kv_gb": kv / 1e9,
+        "projection_flop": proj,
+        "attention_flop": attn,
+        "kv_bytes": kv,
+    }
 
 
 def hardware_rates(args) -> dict:
@@ -179,8 +194,12 @@ def hardware_rates(args) -> dict:
 def roofline(cost: dict, rates: dict, engine_cpu_s: float) -> dict:
     floor = cost["gflop"] / rates["gemm_gflops"] + cost["kv_gb"] / rates["read_gbs"]
     shown = {k: round(cost[k], 3) for k in ("gflop", "kv_gb")} | {k: round(v, 2) for k, v in rates.items()}
-    return {**shown, "floor_cpu_s": round(floor, 3),
-            "engine_cpu_s": engine_cpu_s, "fraction": round(floor / max(engine_cpu_s, 1e-9), 3)}
+    return {
+        **shown,
+        "floor_cpu_s": round(floor, 3),
+        "engine_cpu_s": engine_cpu_s,
+        "fraction": round(floor / max(engine_cpu_s, 1e-9), 3),
+    }
 
 
 def _figure(v: float) -> str:
@@ -188,10 +207,11 @@ def _figure(v: float) -> str:
 
 
 def roofline_line(r: dict) -> str:
-    return (f"roofline (engine leg): {_figure(r['gflop'])} GFLOP of projections and prompt attention, "
-            f"{_figure(r['kv_gb'])} GB of cached keys and values read by decodes; at one core's "
-            f"{r['gemm_gflops']:.0f} GF/s (512-row fp32 GEMM) and {r['read_gbs']:.0f} GB/s (memory read), measured "
-            f"now, that is at least {_figure(r['floor_cpu_s'])} CPU-s; the engines used {_figure(r['engine_cpu_s'])}: "
-            f"{r['fraction']:.0%} of the hardware's pace (the rest: Python and dispatch, norms, KV writes, sampling, "
-            f"GEMMs of fewer rows)")
-
+    return (
+        f"roofline (engine leg): {_figure(r['gflop'])} GFLOP of projections and prompt attention, "
+        f"{_figure(r['kv_gb'])} GB of cached keys and values read by decodes; at one core's "
+        f"{r['gemm_gflops']:.0f} GF/s (512-row fp32 GEMM) and {r['read_gbs']:.0f} GB/s (memory read), measured "
+        f"now, that is at least {_figure(r['floor_cpu_s'])} CPU-s; the engines used {_figure(r['engine_cpu_s'])}: "
+        f"{r['fraction']:.0%} of the hardware's pace (the rest: Python and dispatch, norms, KV writes, sampling, "
+        f"GEMMs of fewer rows)"
+    )

@@ -1,6 +1,7 @@
 """bench/serve_load.py's workload, model and legs: the requests, the random GPT-2, the transformers legs (a server
 taking 1 or up to N waiting requests at a time), the asyncio load generator, and the engine and Ray Serve + HTTP
 legs. See serve_load.py's docstring; it re-exports every name here."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,7 +47,7 @@ def make_requests(args) -> list[Req]:
     for i in range(args.num_requests):
         n = rng.randint(*args.prompt_len)
         start = rng.randrange(0, len(data) - n)
-        ids = list(data[start:start + n])
+        ids = list(data[start : start + n])
         reqs.append(Req(i, bytes(ids).decode("utf-8"), ids, rng.randint(*args.output_len)))
     return reqs
 
@@ -70,9 +71,17 @@ def build_model(args, directory: Path):
     from pylon.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    config = AutoConfig.for_model("gpt2", n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                                  n_positions=args.n_positions, vocab_size=320, eos_token_id=tok.eos_id,
-                                  bos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    config = AutoConfig.for_model(
+        "gpt2",
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        n_positions=args.n_positions,
+        vocab_size=320,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    )
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)  # float32 on disk; each leg loads it in --dtype
@@ -88,10 +97,17 @@ def engine_spec(args):
     block = args.block_size
     kv = args.kv_cache_tokens or args.concurrency * args.max_model_len
     kv = -(-max(kv, args.max_model_len) // block) * block
-    return EngineSpec(max_num_seqs=max(args.concurrency, args.max_num_seqs or 0),
-                      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=kv, block_size=block,
-                      max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
-                      kv_cache_dtype=args.kv_cache_dtype, separate_process=not args.in_process_engine)
+    return EngineSpec(
+        max_num_seqs=max(args.concurrency, args.max_num_seqs or 0),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=kv,
+        block_size=block,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        separate_process=not args.in_process_engine,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,14 +172,21 @@ def hf_generate(model, batch: list[Req], pad_id: int) -> tuple[list[float], list
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, r in enumerate(batch):
-        ids[row, width - len(r.ids):] = torch.tensor(r.ids)
-        mask[row, width - len(r.ids):] = 1
+        ids[row, width - len(r.ids) :] = torch.tensor(r.ids)
+        mask[row, width - len(r.ids) :] = 1
     ids, mask = ids.to(model.device), mask.to(model.device)
     new = max(r.max_tokens for r in batch)
     timer = StepTimes()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=pad_id, streamer=timer)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad_id,
+            streamer=timer,
+        )
     return timer.times, out[:, width:].tolist()
 
 
@@ -192,8 +215,8 @@ def run_hf(model, reqs: list[Req], batch_size: int, args, label: str, pad_id: in
         times, tokens = hf_generate(model, [r for r, _ in batch], pad_id)
         finished = []
         for (r, sent), toks in zip(batch, tokens):
-            mine = times[:r.max_tokens]
-            records[r.index] = Record(sent, mine, len(mine), toks[:r.max_tokens])
+            mine = times[: r.max_tokens]
+            records[r.index] = Record(sent, mine, len(mine), toks[: r.max_tokens])
             finished.append(mine[-1])
         progress.update(len(batch))
         if arrivals is None:  # each client sends its next request when its own last token came
@@ -255,8 +278,10 @@ async def drive(reqs: list[Req], args, one, label: str, cluster=None) -> tuple[l
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(send(r)))
         await asyncio.gather(*tasks)
-    cpu = account.finish(max((t for r in records for t in r.times[-1:]), default=t0) - t0,
-                         sum(r.num_tokens for r in records if r.error is None))
+    cpu = account.finish(
+        max((t for r in records for t in r.times[-1:]), default=t0) - t0,
+        sum(r.num_tokens for r in records if r.error is None),
+    )
     return records, t0, cpu
 
 
@@ -320,9 +345,18 @@ async def engine_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) 
         idle = await idle_background(None)  # as the http leg does, so that both start from the same pause
         records, t0, cpu = await drive(reqs, args, one, "engine")
         stats = engine.stats()
-        return records, t0, {"engines": args.engines if isinstance(engine, EnginePool) else 1,
-                             "preemptions": stats.num_preemptions_total, "kv_blocks": stats.num_blocks,
-                             "malloc": getattr(engine, "allocator", "in-process"), **cpu, "idle_cpu_ms_per_s": idle}
+        return (
+            records,
+            t0,
+            {
+                "engines": args.engines if isinstance(engine, EnginePool) else 1,
+                "preemptions": stats.num_preemptions_total,
+                "kv_blocks": stats.num_blocks,
+                "malloc": getattr(engine, "allocator", "in-process"),
+                **cpu,
+                "idle_cpu_ms_per_s": idle,
+            },
+        )
     finally:
         settle_threads(moved, nice, "engine")
         engine.shutdown()
@@ -342,23 +376,40 @@ def deployment_spec(args, model_dir: Path):
 
     max_queued = max(256, args.num_requests)
     per_replica = args.engines // args.replicas  # engine.data_parallel
-    return DeploymentSpec.model_validate({
-        "kind": "Deployment", "name": DEPLOYMENT, "model": str(model_dir),
-        "engine": {**engine_spec(args).model_dump(mode="json"), "data_parallel": per_replica},
-        "autoscaling": {"min_replicas": args.replicas, "max_replicas": args.replicas},
-        "http": {"api_keys_env": None, "max_queued_requests": max_queued, "request_timeout_s": 600,
-                 **({} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms})},
-        "replica": {"num_cpus": args.replica_cpus * per_replica,
-                    "num_gpus": float(per_replica) if args.device == "cuda" else 0},
-    })
+    return DeploymentSpec.model_validate(
+        {
+            "kind": "Deployment",
+            "name": DEPLOYMENT,
+            "model": str(model_dir),
+            "engine": {**engine_spec(args).model_dump(mode="json"), "data_parallel": per_replica},
+            "autoscaling": {"min_replicas": args.replicas, "max_replicas": args.replicas},
+            "http": {
+                "api_keys_env": None,
+                "max_queued_requests": max_queued,
+                "request_timeout_s": 600,
+                **({} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}),
+            },
+            "replica": {
+                "num_cpus": args.replica_cpus * per_replica,
+                "num_gpus": float(per_replica) if args.device == "cuda" else 0,
+            },
+        }
+    )
 
 
 async def http_load(url: str, reqs: list[Req], warmup: list[Req], args, cluster) -> tuple[list[Record], float, dict]:
     import aiohttp
 
     async def one_on(session, r: Req, rec: Record) -> None:
-        body = {"model": DEPLOYMENT, "prompt": r.text, "max_tokens": r.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": DEPLOYMENT,
+            "prompt": r.text,
+            "max_tokens": r.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -380,6 +431,7 @@ async def http_load(url: str, reqs: list[Req], warmup: list[Req], args, cluster)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
         async def one(r: Req, rec: Record) -> None:
             await one_on(session, r, rec)
 
@@ -399,8 +451,9 @@ async def idle_background(cluster) -> dict[str, float]:
     account = CpuAccount(cluster)
     await asyncio.sleep(IDLE_WINDOW_S)
     cpu = account.finish(IDLE_WINDOW_S, 1)["cpu_s"]
-    return {group: round(1000 * cpu[group] / IDLE_WINDOW_S, 1) for group in CpuAccount.GROUPS
-            if group != "load generator"}
+    return {
+        group: round(1000 * cpu[group] / IDLE_WINDOW_S, 1) for group in CpuAccount.GROUPS if group != "load generator"
+    }
 
 
 def engine_malloc(engines) -> str:
@@ -426,8 +479,12 @@ def ingress_and_niceness(info, args) -> dict:
     replicas = [p for p in procs if "ServeReplica" in names[p.pid]]
     target = (engines or replicas)[0].nice() if (engines or replicas) else os.getpriority(os.PRIO_PROCESS, 0)
     haproxy = any(p.name() == "haproxy" for p in procs)
-    out = {"ingress": "haproxy" if haproxy else "serve-proxy", "engine_niceness": target,
-           "client_niceness": os.getpriority(os.PRIO_PROCESS, 0), "malloc": engine_malloc(engines)}
+    out = {
+        "ingress": "haproxy" if haproxy else "serve-proxy",
+        "engine_niceness": target,
+        "client_niceness": os.getpriority(os.PRIO_PROCESS, 0),
+        "malloc": engine_malloc(engines),
+    }
     if not args.keep_niceness and target > out["client_niceness"]:
         for tid in os.listdir("/proc/self/task"):  # niceness is per thread on Linux
             os.setpriority(os.PRIO_PROCESS, int(tid), target)
@@ -456,8 +513,10 @@ def settle_threads(moved: dict[int, int], nice: int, leg: str) -> None:
         except OSError:  # the thread ended meanwhile
             continue
     if refused:
-        log(f"  [{leg}] cannot lower this process's niceness back to {nice} (no CAP_SYS_NICE): later legs and rounds "
-            "run at this leg's")
+        log(
+            f"  [{leg}] cannot lower this process's niceness back to {nice} (no CAP_SYS_NICE): later legs and rounds "
+            "run at this leg's"
+        )
 
 
 def match_policy(engine_pid: int, leg: str) -> dict[int, int]:
@@ -471,8 +530,10 @@ def match_policy(engine_pid: int, leg: str) -> dict[int, int]:
     except OSError:
         return {}
     moved = scheduling.batch_all_threads() if batch else {}
-    log(f"  [{leg}] engine scheduling policy {'SCHED_BATCH' if batch else 'default'}; load generator "
-        f"{'the same' if batch else 'default'}")
+    log(
+        f"  [{leg}] engine scheduling policy {'SCHED_BATCH' if batch else 'default'}; load generator "
+        f"{'the same' if batch else 'default'}"
+    )
     return moved
 
 
@@ -487,8 +548,11 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
     extra, nice, moved = {}, os.getpriority(os.PRIO_PROCESS, 0), {}
     try:
         t = time.perf_counter()
-        info, _ = cluster.up(num_cpus=max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1),
-                             object_store_memory=256 * 2**20, home=home)
+        info, _ = cluster.up(
+            num_cpus=max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1),
+            object_store_memory=256 * 2**20,
+            home=home,
+        )
         extra["cluster_up_s"] = round(time.perf_counter() - t, 1)
         log(f"  [http] private Ray cluster up in {extra['cluster_up_s']} s ({info.dashboard_url}); deploying")
         from pylon.sdk.serve import deploy
@@ -514,4 +578,3 @@ def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple
         cluster.down(home=home)
         shutil.rmtree(home, ignore_errors=True)
         log(f"  [http] cluster stopped in {time.perf_counter() - t:.1f} s")
-

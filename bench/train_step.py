@@ -15,6 +15,7 @@ After `--warmup` untimed steps, the median of `--steps` timed steps is the step 
 Prints per variant: step time, tokens/s, ratio to DDP's step time, MFU against the matmul peak measured in the
 same run. Target on CPU: ZeRO-2 within 1.3x of DDP's step time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,16 +32,25 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
 RESULT = "train_step: "
 # (name, zero stage or None for DDP, optimizer offload)
-VARIANTS = [("ddp", None, "none"), ("zero1", 1, "none"), ("zero2", 2, "none"), ("zero3", 3, "none"),
-            ("zero2+cpu-offload", 2, "cpu")]
+VARIANTS = [
+    ("ddp", None, "none"),
+    ("zero1", 1, "none"),
+    ("zero2", 2, "none"),
+    ("zero3", 3, "none"),
+    ("zero2+cpu-offload", 2, "cpu"),
+]
 
 
 def _spec(args, stage: int, offload: str) -> dict:
     return {
-        "kind": "TrainJob", "name": "bench", "model": {"preset": args.model}, "data": {"uri": "unused"},
+        "kind": "TrainJob",
+        "name": "bench",
+        "model": {"preset": args.model},
+        "data": {"uri": "unused"},
         "scaling": {"num_workers": args.workers, "use_gpu": args.device == "cuda"},
         "deepspeed": {"zero_stage": stage, "offload_optimizer": offload},
-        "precision": args.precision, "steps": args.warmup + args.steps,
+        "precision": args.precision,
+        "steps": args.warmup + args.steps,
         "batch": {"micro_batch_size": args.micro_batch},
         "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
     }
@@ -69,7 +79,9 @@ def worker(args) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     stage = None if args.variant_stage < 0 else args.variant_stage
     spec = TrainJobSpec.model_validate(_spec(args, stage or 0, args.variant_offload))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -79,9 +91,16 @@ def worker(args) -> None:
     if stage is None:
         dist.init_process_group(backend)
         model = model.to(device)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec.optim.lr, betas=spec.optim.betas,
-                                      eps=spec.optim.eps, weight_decay=spec.optim.weight_decay)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        optimizer = torch.optim.AdamW(
+            ddp.parameters(),
+            lr=spec.optim.lr,
+            betas=spec.optim.betas,
+            eps=spec.optim.eps,
+            weight_decay=spec.optim.weight_decay,
+        )
 
         def step(ids):
             optimizer.zero_grad(set_to_none=True)
@@ -98,8 +117,11 @@ def worker(args) -> None:
         from pylon.jobs.deepspeed_config import build_deepspeed_config
 
         deepspeed.init_distributed(dist_backend=backend)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                          config=build_deepspeed_config(spec, world_size=world))
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=list(model.parameters()),
+            config=build_deepspeed_config(spec, world_size=world),
+        )
 
         def step(ids):
             loss = engine(input_ids=ids, labels=ids).loss
@@ -126,8 +148,18 @@ def worker(args) -> None:
     base_config = model.config if not hasattr(model, "module") else model.module.config
     peak = measure_matmul_peak_flops(seconds=1.0, device=device, dtype=dtype) if rank == 0 else 0.0
     if rank == 0:
-        print(RESULT + json.dumps({"times": times, "losses": losses, "peak_flops": peak,
-                                   "flops_per_token": flops_per_token(base_config, args.seq_len)}), flush=True)
+        print(
+            RESULT
+            + json.dumps(
+                {
+                    "times": times,
+                    "losses": losses,
+                    "peak_flops": peak,
+                    "flops_per_token": flops_per_token(base_config, args.seq_len),
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -142,12 +174,26 @@ def run_variant(args, stage: int | None, offload: str) -> dict:
     """Start `--workers` ranks of one variant and return rank 0's result."""
     port = str(_free_port())
     threads = max(1, (os.cpu_count() or 1) // args.workers) if args.device == "cpu" else 1
-    command = [sys.executable, __file__, "--worker", "--variant-stage", str(-1 if stage is None else stage),
-               "--variant-offload", offload] + args.passthrough
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--variant-stage",
+        str(-1 if stage is None else stage),
+        "--variant-offload",
+        offload,
+    ] + args.passthrough
     procs = []
     for rank in range(args.workers):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.workers),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=str(threads))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(args.workers),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS=str(threads),
+        )
         env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate() for p in procs]
@@ -155,7 +201,7 @@ def run_variant(args, stage: int | None, offload: str) -> dict:
         if p.returncode != 0:
             raise SystemExit(f"rank {rank} of zero={stage} offload={offload} failed:\n{out[-2000:]}\n{err[-4000:]}")
     line = next(x for x in outs[0][0].splitlines() if x.startswith(RESULT))
-    return json.loads(line[len(RESULT):])
+    return json.loads(line[len(RESULT) :])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,14 +222,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    args.passthrough = ["--model", args.model, "--workers", str(args.workers), "--micro-batch", str(args.micro_batch),
-                        "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                        "--precision", args.precision, "--device", args.device]
+    args.passthrough = [
+        "--model",
+        args.model,
+        "--workers",
+        str(args.workers),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--seq-len",
+        str(args.seq_len),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--precision",
+        args.precision,
+        "--device",
+        args.device,
+    ]
     variants = [v for v in VARIANTS if not args.only or v[0] in args.only.split(",")]
     tokens_per_step = args.workers * args.micro_batch * args.seq_len
-    print(f"model {args.model}, {args.workers} workers x micro-batch {args.micro_batch} x seq {args.seq_len} "
-          f"({tokens_per_step:,} tokens/step), {args.precision} on {args.device}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up", flush=True)
+    print(
+        f"model {args.model}, {args.workers} workers x micro-batch {args.micro_batch} x seq {args.seq_len} "
+        f"({tokens_per_step:,} tokens/step), {args.precision} on {args.device}; "
+        f"median of {args.steps} steps after {args.warmup} warm-up",
+        flush=True,
+    )
     results = {}
     for name, stage, offload in variants:
         t0 = time.perf_counter()
@@ -198,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         tps = tokens_per_step / t
         mfu = r["flops_per_token"] * tps / (r["peak_flops"] * args.workers) if r["peak_flops"] else 0.0
         ratio = f"{t / base:.2f}x" if base else "-"
-        print(f"{name:<20}{t * 1000:>10.0f}ms{tps:>12,.0f}{ratio:>9}{mfu:>8.1%}"
-              f"{r['losses'][0]:>9.3f}→{r['losses'][-1]:.3f}")
+        print(
+            f"{name:<20}{t * 1000:>10.0f}ms{tps:>12,.0f}{ratio:>9}{mfu:>8.1%}"
+            f"{r['losses'][0]:>9.3f}→{r['losses'][-1]:.3f}"
+        )
     if base and "zero2" in results:
         ratio = statistics.median(results["zero2"]["times"]) / base
         print(f"\ntarget: ZeRO-2 step time <= 1.3x DDP's -> {ratio:.2f}x ({'met' if ratio <= 1.3 else 'NOT met'})")

@@ -8,6 +8,7 @@ which `pylon export` copies into the model directory as Hugging Face tokenizer f
 
     train_bpe(["/usr/lib/python3.11"], "./tokenizer.json", vocab_size=4096, include="*.py")
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,7 @@ import time
 from pylon import storage
 from pylon.data.prepare import find_source_files, read_documents
 from pylon.data.shards import DataError
-from pylon.data.tokenizer import EOS_NAMES, load_tokenizer, Tokenizer
+from pylon.data.tokenizer import EOS_NAMES, Tokenizer, load_tokenizer
 from pylon.errors import StorageError
 
 log = logging.getLogger("pylon.data")
@@ -26,20 +27,32 @@ MIN_VOCAB = 256 + 1  # the 256 byte symbols plus the end-of-document token
 MAX_VOCAB = 1 << 20
 
 
-def train_bpe(sources: list[str], out: str, *, vocab_size: int = 4096, include: str | None = None,
-              exclude: list[str] | tuple[str, ...] = (), text_field: str = "text", min_frequency: int = 2,
-              max_mb: float = 256.0, overwrite: bool = False) -> Tokenizer:
+def train_bpe(
+    sources: list[str],
+    out: str,
+    *,
+    vocab_size: int = 4096,
+    include: str | None = None,
+    exclude: list[str] | tuple[str, ...] = (),
+    text_field: str = "text",
+    min_frequency: int = 2,
+    max_mb: float = 256.0,
+    overwrite: bool = False,
+) -> Tokenizer:
     """Learn a byte-level BPE of `vocab_size` tokens from the documents in `sources` (the same files and rules
     as `prepare`: include/exclude globs, JSONL text fields, non-UTF-8 files skipped); write it to `out` (a
     `tokenizers` JSON file, local or URI) atomically and return it loaded. Reads at most `max_mb` MiB of text,
     in file order: enough for a tokenizer, and bounded in memory."""
-    from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if isinstance(sources, str):
         sources = [sources]
     if not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise DataError(f"vocab_size {vocab_size!r}: must be a whole number from {MIN_VOCAB} (the 256 bytes and "
-                        f"{EOS_TOKEN}) to {MAX_VOCAB}")
+        raise DataError(
+            f"vocab_size {vocab_size!r}: must be a whole number from {MIN_VOCAB} (the 256 bytes and "
+            f"{EOS_TOKEN}) to {MAX_VOCAB}"
+        )
     if not min_frequency >= 1:
         raise DataError(f"min_frequency {min_frequency!r}: must be >= 1")
     if not max_mb > 0:
@@ -54,8 +67,9 @@ def train_bpe(sources: list[str], out: str, *, vocab_size: int = 4096, include: 
     started = time.perf_counter()
     files = find_source_files(sources, include, exclude)
     if not files:
-        raise DataError(f"empty corpus: no files in {', '.join(sources)}"
-                        + (f" match --include {include!r}" if include else ""))
+        raise DataError(
+            f"empty corpus: no files in {', '.join(sources)}" + (f" match --include {include!r}" if include else "")
+        )
     budget = int(max_mb * 2**20)
     used = {"bytes": 0, "documents": 0, "files": 0, "skipped": 0}
 
@@ -77,19 +91,32 @@ def train_bpe(sources: list[str], out: str, *, vocab_size: int = 4096, include: 
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(documents(), trainer)
     if used["documents"] == 0:
-        raise DataError(f"empty corpus: no documents in {', '.join(sources)}"
-                        + (f" ({used['skipped']} file(s) skipped: not UTF-8 text)" if used["skipped"] else ""))
+        raise DataError(
+            f"empty corpus: no documents in {', '.join(sources)}"
+            + (f" ({used['skipped']} file(s) skipped: not UTF-8 text)" if used["skipped"] else "")
+        )
     try:
         storage.atomic_write(out, tok.to_str().encode("utf-8"))
     except StorageError as e:
         raise DataError(f"--out {e}") from None
     loaded = load_tokenizer(out)
-    log.info("trained a BPE tokenizer of %d tokens on %d document(s) from %d file(s) (%.1f MiB%s) in %.1fs: %s",
-             loaded.vocab_size, used["documents"], used["files"], used["bytes"] / 2**20,
-             ", the --max-mb limit" if used["bytes"] >= budget else "", time.perf_counter() - started,
-             storage.describe(out))
+    log.info(
+        "trained a BPE tokenizer of %d tokens on %d document(s) from %d file(s) (%.1f MiB%s) in %.1fs: %s",
+        loaded.vocab_size,
+        used["documents"],
+        used["files"],
+        used["bytes"] / 2**20,
+        ", the --max-mb limit" if used["bytes"] >= budget else "",
+        time.perf_counter() - started,
+        storage.describe(out),
+    )
     return loaded

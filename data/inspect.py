@@ -4,6 +4,7 @@
 Verification reports every problem, each naming its shard, rather than stopping at the first: someone
 repairing a dataset wants the whole list in one pass.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +30,16 @@ def inspect(uri: str, verify: bool = False, *, progress: bool = True) -> tuple[S
     if not verify:
         return manifest, []
     problems: list[str] = []
-    with ThreadPoolExecutor(_PARALLEL_READS) as pool, \
-            tqdm(total=len(manifest.shards), unit="shard", desc="verifying", dynamic_ncols=True,
-                 disable=None if progress else True) as bar:
+    with (
+        ThreadPoolExecutor(_PARALLEL_READS) as pool,
+        tqdm(
+            total=len(manifest.shards),
+            unit="shard",
+            desc="verifying",
+            dynamic_ncols=True,
+            disable=None if progress else True,
+        ) as bar,
+    ):
         for found in pool.map(lambda info: _shard_problem(uri, manifest, info), manifest.shards):
             if found:
                 problems.append(found)

@@ -20,6 +20,7 @@ The steps, each a function below:
 Groups run as Ray tasks when a cluster is up (`pylon cluster up`, or a process already connected to one),
 otherwise in this process; the output is the same.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -79,8 +80,9 @@ class SourceFile:
     jsonl: bool
 
 
-def find_source_files(sources: list[str], include: str | None = None,
-                      exclude: list[str] | tuple[str, ...] = ()) -> list[SourceFile]:
+def find_source_files(
+    sources: list[str], include: str | None = None, exclude: list[str] | tuple[str, ...] = ()
+) -> list[SourceFile]:
     """Every file the sources name, in order. `include` (a glob on the file name, e.g. "*.py") filters the
     files found in directories; `exclude` globs drop files any of whose path components (below the source
     directory) match, e.g. "site-packages" or "test_*"; a file named directly is always read."""
@@ -102,7 +104,7 @@ def find_source_files(sources: list[str], include: str | None = None,
         root = path.rstrip("/") + "/"
         entries = []
         for found_path, entry in found.items():
-            parts = found_path[len(root):].split("/")
+            parts = found_path[len(root) :].split("/")
             if entry["type"] != "file" or not found_path.startswith(root) or any(p.startswith(".") for p in parts):
                 continue
             if include and not fnmatch.fnmatchcase(parts[-1], include):
@@ -148,8 +150,8 @@ def group_files(files: list[SourceFile], group_bytes: int = GROUP_BYTES) -> list
 
 @dataclass
 class PackedGroup:
-    tokens: np.ndarray       # (rows, seq_len), the dataset's dtype
-    num_tokens: np.ndarray   # (rows,) int32: real tokens per row
+    tokens: np.ndarray  # (rows, seq_len), the dataset's dtype
+    num_tokens: np.ndarray  # (rows,) int32: real tokens per row
     documents: int
     skipped: list[str] = field(default_factory=list)  # files left out: not UTF-8 text
     tokenizer_sha256: str | None = None
@@ -181,17 +183,20 @@ def read_documents(file: SourceFile, text_field: str = "text") -> list[str] | No
             raise DataError(f"{file.uri}: line {lineno}: not a JSON object ({e})") from None
         if not isinstance(obj, dict) or text_field not in obj:
             has = f"has {sorted(obj)[:8]}" if isinstance(obj, dict) else f"is a {type(obj).__name__}"
-            raise DataError(f"{file.uri}: line {lineno}: no {text_field!r} field ({has}); "
-                            "choose the field with --text-field")
+            raise DataError(
+                f"{file.uri}: line {lineno}: no {text_field!r} field ({has}); choose the field with --text-field"
+            )
         if not isinstance(obj[text_field], str):
-            raise DataError(f"{file.uri}: line {lineno}: field {text_field!r} is a "
-                            f"{type(obj[text_field]).__name__}, not a string")
+            raise DataError(
+                f"{file.uri}: line {lineno}: field {text_field!r} is a {type(obj[text_field]).__name__}, not a string"
+            )
         docs.append(obj[text_field])
     return docs
 
 
-def pack_group(files: list[SourceFile], *, tokenizer: str, seq_len: int, dtype: str,
-               text_field: str = "text") -> PackedGroup:
+def pack_group(
+    files: list[SourceFile], *, tokenizer: str, seq_len: int, dtype: str, text_field: str = "text"
+) -> PackedGroup:
     """Tokenize a group's documents (each followed by eos) and cut the concatenation into rows of seq_len.
 
     Takes the tokenizer's spec, not the object, so that it can run as a Ray task on any node.
@@ -213,8 +218,9 @@ def pack_group(files: list[SourceFile], *, tokenizer: str, seq_len: int, dtype: 
                 continue  # an empty document would only add a lone eos
             ids = tok.encode(text)
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tok.vocab_size):
-                raise DataError(f"{file.uri}: tokenizer {tok.info.name} produced an id outside its "
-                                f"vocabulary of {tok.vocab_size}")
+                raise DataError(
+                    f"{file.uri}: tokenizer {tok.info.name} produced an id outside its vocabulary of {tok.vocab_size}"
+                )
             piece = np.empty(ids.size + 1, dtype=dtype)
             piece[:-1] = ids
             piece[-1] = tok.eos_id
@@ -229,7 +235,7 @@ def pack(pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str) -> 
     flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
     rows = -(-flat.size // seq_len)
     tokens = np.full(rows * seq_len, pad_id, dtype=dtype)
-    tokens[:flat.size] = flat
+    tokens[: flat.size] = flat
     num_tokens = np.full(rows, seq_len, dtype=np.int32)
     if rows:
         num_tokens[-1] = flat.size - (rows - 1) * seq_len
@@ -281,8 +287,14 @@ def write_shard(out: str, fmt: str, name: str, first_id: int, parts: list[tuple[
     ids = np.arange(first_id, first_id + len(num_tokens), dtype=np.int64)
     data = encode_shard(fmt, ShardRows(ids, num_tokens, tokens))
     storage.atomic_write(storage.join(out, name), data)
-    return ShardInfo(file=name, rows=len(ids), tokens=int(num_tokens.sum()), bytes=len(data),
-                     sha256=sha256_hex(data), first_id=first_id)
+    return ShardInfo(
+        file=name,
+        rows=len(ids),
+        tokens=int(num_tokens.sum()),
+        bytes=len(data),
+        sha256=sha256_hex(data),
+        first_id=first_id,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -313,10 +325,21 @@ class _Outcome:
     tokenizer_sha256: set[str | None]
 
 
-def prepare(sources: list[str], out: str, *, fmt: str = "parquet", seq_len: int = 256, tokenizer: str = "byte",
-            shard_size_mb: float = 64.0, include: str | None = None, exclude: list[str] | tuple[str, ...] = (),
-            text_field: str = "text",
-            overwrite: bool = False, use_ray: bool | None = None, progress: bool = True) -> ShardManifest:
+def prepare(
+    sources: list[str],
+    out: str,
+    *,
+    fmt: str = "parquet",
+    seq_len: int = 256,
+    tokenizer: str = "byte",
+    shard_size_mb: float = 64.0,
+    include: str | None = None,
+    exclude: list[str] | tuple[str, ...] = (),
+    text_field: str = "text",
+    overwrite: bool = False,
+    use_ray: bool | None = None,
+    progress: bool = True,
+) -> ShardManifest:
     """Tokenize `sources` into fixed-length shards plus a manifest at `out`; returns the committed manifest.
 
     `use_ray`: None runs on Ray when a cluster is up (else in this process), True requires Ray, False never
@@ -332,30 +355,58 @@ def prepare(sources: list[str], out: str, *, fmt: str = "parquet", seq_len: int 
     replaced = _check_out(out, sources, overwrite)
     files = find_source_files(sources, include, exclude)
     if not files:
-        raise DataError(f"empty dataset: no files in {', '.join(sources)}"
-                        + (f" match --include {include!r}" if include else ""))
+        raise DataError(
+            f"empty dataset: no files in {', '.join(sources)}" + (f" match --include {include!r}" if include else "")
+        )
     groups = group_files(files, GROUP_BYTES)
-    job = _Job(out=out, fmt=fmt, seq_len=seq_len, dtype=dtype, tokenizer=tokenizer, text_field=text_field,
-               run_id=uuid.uuid4().hex, per_shard=rows_per_shard(shard_size_mb, seq_len, dtype), progress=progress)
+    job = _Job(
+        out=out,
+        fmt=fmt,
+        seq_len=seq_len,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        text_field=text_field,
+        run_id=uuid.uuid4().hex,
+        per_shard=rows_per_shard(shard_size_mb, seq_len, dtype),
+        progress=progress,
+    )
     executor = _ray_executor(use_ray, [*sources, out] + ([] if tokenizer == "byte" else [tokenizer]))
-    log.info("preparing %d file(s), %.1f MiB, in %d group(s) %s", len(files),
-             sum(f.size for f in files) / 2**20, len(groups), executor or "in this process")
+    log.info(
+        "preparing %d file(s), %.1f MiB, in %d group(s) %s",
+        len(files),
+        sum(f.size for f in files) / 2**20,
+        len(groups),
+        executor or "in this process",
+    )
     try:
         outcome = _run_on_ray(job, groups) if executor else _run_here(job, groups)
         if outcome.documents == 0:
-            raise DataError(f"empty dataset: no documents in {', '.join(sources)}"
-                            + (f" ({len(outcome.skipped)} file(s) skipped: not UTF-8 text)" if outcome.skipped else ""))
+            raise DataError(
+                f"empty dataset: no documents in {', '.join(sources)}"
+                + (f" ({len(outcome.skipped)} file(s) skipped: not UTF-8 text)" if outcome.skipped else "")
+            )
         if outcome.tokenizer_sha256 != {tok.info.sha256}:
-            raise DataError(f"tokenizer {tokenizer}: its files changed during the run (different contents were "
-                            "read by different tasks); run again")
+            raise DataError(
+                f"tokenizer {tokenizer}: its files changed during the run (different contents were "
+                "read by different tasks); run again"
+            )
         manifest = ShardManifest(
-            format=fmt, seq_len=seq_len, dtype=dtype, shards=outcome.shards,
-            tokenizer=tok.info if tokenizer == "byte" else tok.info.model_copy(
-                update={"uri": _without_credentials(_absolute(tokenizer))}),
-            totals=Totals(documents=outcome.documents, rows=sum(s.rows for s in outcome.shards),
-                          tokens=sum(s.tokens for s in outcome.shards), bytes=sum(s.bytes for s in outcome.shards),
-                          skipped_files=len(outcome.skipped)),
-            sources=[_without_credentials(s) for s in sources], run_id=job.run_id,
+            format=fmt,
+            seq_len=seq_len,
+            dtype=dtype,
+            shards=outcome.shards,
+            tokenizer=tok.info
+            if tokenizer == "byte"
+            else tok.info.model_copy(update={"uri": _without_credentials(_absolute(tokenizer))}),
+            totals=Totals(
+                documents=outcome.documents,
+                rows=sum(s.rows for s in outcome.shards),
+                tokens=sum(s.tokens for s in outcome.shards),
+                bytes=sum(s.bytes for s in outcome.shards),
+                skipped_files=len(outcome.skipped),
+            ),
+            sources=[_without_credentials(s) for s in sources],
+            run_id=job.run_id,
         )
         manifest.check(out)
         storage.atomic_write_json(manifest_uri(out), manifest.model_dump(mode="json"))  # the commit
@@ -373,16 +424,32 @@ def prepare(sources: list[str], out: str, *, fmt: str = "parquet", seq_len: int 
         log.warning("skipped %d more file(s) that are not UTF-8 text", len(outcome.skipped) - 20)
     seconds = max(time.perf_counter() - started, 1e-9)
     t = manifest.totals
-    log.info("prepared %s: %d shard(s), %d rows, %d tokens in %.1fs (%.0f rows/s, %.0f tokens/s)",
-             out, len(manifest.shards), t.rows, t.tokens, seconds, t.rows / seconds, t.tokens / seconds)
+    log.info(
+        "prepared %s: %d shard(s), %d rows, %d tokens in %.1fs (%.0f rows/s, %.0f tokens/s)",
+        out,
+        len(manifest.shards),
+        t.rows,
+        t.tokens,
+        seconds,
+        t.rows / seconds,
+        t.tokens / seconds,
+    )
     return manifest
 
 
 def prepare_spec(spec: DatasetSpec, **kw) -> ShardManifest:
     """`prepare` for a `Dataset` spec; keyword arguments (overwrite, use_ray, progress, include...) pass on."""
-    return prepare(list(spec.sources), spec.output, fmt=spec.format, seq_len=spec.seq_len,
-                   tokenizer=spec.tokenizer, shard_size_mb=spec.shard_size_mb, include=spec.include,
-                   exclude=list(spec.exclude), **kw)
+    return prepare(
+        list(spec.sources),
+        spec.output,
+        fmt=spec.format,
+        seq_len=spec.seq_len,
+        tokenizer=spec.tokenizer,
+        shard_size_mb=spec.shard_size_mb,
+        include=spec.include,
+        exclude=list(spec.exclude),
+        **kw,
+    )
 
 
 def _check_arguments(sources: list[str], fmt: str, seq_len: int, shard_size_mb: float) -> None:
@@ -403,8 +470,10 @@ def _check_out(out: str, sources: list[str], overwrite: bool) -> bool:
     for source in sources:
         src_fs, src_path = storage.resolve(source)
         if type(src_fs) is type(out_fs) and (_inside(out_path, src_path) or _inside(src_path, out_path)):
-            raise DataError(f"--out {out} overlaps the source {source}: nothing is ever written into the "
-                            "input; choose an output location outside it")
+            raise DataError(
+                f"--out {out} overlaps the source {source}: nothing is ever written into the "
+                "input; choose an output location outside it"
+            )
     existing = storage.listdir(out)
     if not existing:
         return False
@@ -414,9 +483,11 @@ def _check_out(out: str, sources: list[str], overwrite: bool) -> bool:
     # Overwrite replaces a prepared dataset, never anything else: `--out ~ --overwrite` must not empty a home.
     foreign = [n for n in existing if n != MANIFEST_NAME and not _SHARD_NAME.match(n)]
     if foreign:
-        raise DataError(f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:5])}"
-                        f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only a dataset's "
-                        "manifest and shards: choose another location or remove them")
+        raise DataError(
+            f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only a dataset's "
+            "manifest and shards: choose another location or remove them"
+        )
     return True
 
 
@@ -472,18 +543,18 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
     outcome = _Outcome([], 0, [], set())
     tokens = np.zeros((0, job.seq_len), dtype=job.dtype)  # rows not yet in a shard
     num_tokens = np.zeros(0, dtype=np.int32)
-    with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True,
-              desc="tokenizing") as bar:
+    with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True, desc="tokenizing") as bar:
         for files in groups:
-            group = pack_group(files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype,
-                               text_field=job.text_field)
+            group = pack_group(
+                files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype, text_field=job.text_field
+            )
             outcome.documents += group.documents
             outcome.skipped += group.skipped
             outcome.tokenizer_sha256.add(group.tokenizer_sha256)
             tokens, num_tokens = np.concatenate([tokens, group.tokens]), np.concatenate([num_tokens, group.num_tokens])
             while len(num_tokens) >= job.per_shard:
-                _write_next_shard(job, outcome, tokens[:job.per_shard], num_tokens[:job.per_shard])
-                tokens, num_tokens = tokens[job.per_shard:], num_tokens[job.per_shard:]
+                _write_next_shard(job, outcome, tokens[: job.per_shard], num_tokens[: job.per_shard])
+                tokens, num_tokens = tokens[job.per_shard :], num_tokens[job.per_shard :]
             bar.update(sum(f.size for f in files))
     if len(num_tokens):
         _write_next_shard(job, outcome, tokens, num_tokens)
@@ -492,8 +563,11 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
 
 def _write_next_shard(job: _Job, outcome: _Outcome, tokens: np.ndarray, num_tokens: np.ndarray) -> None:
     index = len(outcome.shards)
-    outcome.shards.append(write_shard(job.out, job.fmt, shard_name(job.run_id, index, job.fmt),
-                                      index * job.per_shard, [(tokens, num_tokens)]))
+    outcome.shards.append(
+        write_shard(
+            job.out, job.fmt, shard_name(job.run_id, index, job.fmt), index * job.per_shard, [(tokens, num_tokens)]
+        )
+    )
 
 
 def _ray_executor(use_ray: bool | None, uris: list[str]) -> str | None:
@@ -504,8 +578,10 @@ def _ray_executor(use_ray: bool | None, uris: list[str]) -> str | None:
     if in_memory:
         # memory:// lives inside one process; Ray workers would each see an empty one.
         if use_ray:
-            raise DataError(f"{in_memory[0]}: memory:// storage exists only in this process; Ray tasks cannot "
-                            "reach it (use a local path or s3://, or run without Ray)")
+            raise DataError(
+                f"{in_memory[0]}: memory:// storage exists only in this process; Ray tasks cannot "
+                "reach it (use a local path or s3://, or run without Ray)"
+            )
         return None
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
@@ -539,8 +615,10 @@ def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
         return meta_ref
 
     try:
-        with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True,
-                  desc="tokenizing") as bar:
+        with _bar(
+            job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True, desc="tokenizing"
+        ) as bar:
+
             def packed(g: int, meta: dict) -> None:
                 metas[g] = meta
                 bar.update(sum(f.size for f in groups[g]))
@@ -550,10 +628,16 @@ def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
 
         def write(index: int) -> ray.ObjectRef:
             slices = plan[index]
-            return write_task.remote(job, shard_name(job.run_id, index, job.fmt), index * job.per_shard,
-                                     [(lo, hi) for _, lo, hi in slices], *[arrays[g] for g, _, _ in slices])
+            return write_task.remote(
+                job,
+                shard_name(job.run_id, index, job.fmt),
+                index * job.per_shard,
+                [(lo, hi) for _, lo, hi in slices],
+                *[arrays[g] for g, _, _ in slices],
+            )
 
         with _bar(job, total=len(plan), unit="shard", desc="writing") as bar:
+
             def written(index: int, info: ShardInfo) -> None:
                 shards[index] = info
                 bar.update(1)
@@ -632,14 +716,18 @@ def _placement(job: _Job, groups: list[list[SourceFile]]) -> dict:
 
 
 def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
-    group = pack_group(files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype,
-                       text_field=job.text_field)
-    meta = {"rows": group.rows, "documents": group.documents, "skipped": group.skipped,
-            "tokenizer_sha256": group.tokenizer_sha256}
+    group = pack_group(files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype, text_field=job.text_field)
+    meta = {
+        "rows": group.rows,
+        "documents": group.documents,
+        "skipped": group.skipped,
+        "tokenizer_sha256": group.tokenizer_sha256,
+    }
     return meta, (group.tokens, group.num_tokens)
 
 
-def _write_shard_task(job: _Job, name: str, first_id: int, ranges: list[tuple[int, int]],
-                      *group_arrays: tuple[np.ndarray, np.ndarray]) -> ShardInfo:
+def _write_shard_task(
+    job: _Job, name: str, first_id: int, ranges: list[tuple[int, int]], *group_arrays: tuple[np.ndarray, np.ndarray]
+) -> ShardInfo:
     parts = [(tokens[lo:hi], num_tokens[lo:hi]) for (lo, hi), (tokens, num_tokens) in zip(ranges, group_arrays)]
     return write_shard(job.out, job.fmt, name, first_id, parts)

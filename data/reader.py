@@ -18,6 +18,7 @@ Why not `get_dataset_shard`/`streaming_split`: it hands blocks to whichever work
 samples a worker sees depends on timing and a resumed run cannot continue where the first one stopped.
 The stream here is what a worker's `get_dataset_shard` iterator would be, made deterministic.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,8 +73,16 @@ def split_ids(manifest: ShardManifest, validation_fraction: float) -> dict[str, 
     return {"train": (0, total - n_val), "validation": (total - n_val, total)}
 
 
-def epoch_plan(manifest: ShardManifest, *, id_range: tuple[int, int], seed: int, epoch: int, rank: int,
-               world_size: int, shuffle: bool = True) -> list[Segment]:
+def epoch_plan(
+    manifest: ShardManifest,
+    *,
+    id_range: tuple[int, int],
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    shuffle: bool = True,
+) -> list[Segment]:
     """The segments worker `rank` reads in `epoch`, in order. Same inputs, same plan, on every worker."""
     lo_id, hi_id = id_range
     pieces = []  # (shard index, lo, hi) clipped to the split
@@ -118,8 +127,17 @@ def _shard_datasource_class():
 
         _FILE_EXTENSIONS = ["parquet", "tar"]
 
-        def __init__(self, paths: list[str], *, shard_meta: dict[str, tuple[int, dict]], fmt: str, seq_len: int,
-                     dtype: str, on_bad_shard: str, filesystem):
+        def __init__(
+            self,
+            paths: list[str],
+            *,
+            shard_meta: dict[str, tuple[int, dict]],
+            fmt: str,
+            seq_len: int,
+            dtype: str,
+            on_bad_shard: str,
+            filesystem,
+        ):
             super().__init__(paths, filesystem=filesystem)
             self._shard_meta = shard_meta
             self._fmt, self._seq_len, self._dtype = fmt, seq_len, dtype
@@ -138,14 +156,17 @@ def _shard_datasource_class():
                 table = decode_shard_table(self._fmt, data, shard=info.file, seq_len=self._seq_len, dtype=self._dtype)
                 first = table.column("id")[0].as_py() if len(table) else None
                 if len(table) != info.rows or (len(table) and first != info.first_id):
-                    raise BadShardError(info.file, f"holds {len(table)} rows from id {first}, manifest says "
-                                                   f"{info.rows} from id {info.first_id}")
+                    raise BadShardError(
+                        info.file,
+                        f"holds {len(table)} rows from id {first}, manifest says {info.rows} from id {info.first_id}",
+                    )
             except BadShardError as e:
                 if self._on_bad_shard != "skip":
                     raise
                 logging.getLogger("pylon.data").warning("skipping bad %s", e)
-                yield _block(index, np.array([-1], np.int64), np.zeros(1, np.int32),
-                             np.zeros((1, self._seq_len), self._dtype))
+                yield _block(
+                    index, np.array([-1], np.int64), np.zeros(1, np.int32), np.zeros((1, self._seq_len), self._dtype)
+                )
                 return
             # One block per shard, straight from the decoder: no copies on the way to the object store.
             yield table.append_column("shard", pa.array(np.full(len(table), index, np.int32)))
@@ -158,12 +179,14 @@ def _block(shard: int, ids: np.ndarray, num_tokens: np.ndarray, tokens: np.ndarr
     numpy without copies, where Ray's tensor extension would convert twice."""
     import pyarrow as pa
 
-    return pa.table({
-        "shard": pa.array(np.full(len(ids), shard, np.int32)),
-        "id": pa.array(ids),
-        "num_tokens": pa.array(num_tokens),
-        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), tokens.shape[1]),
-    })
+    return pa.table(
+        {
+            "shard": pa.array(np.full(len(ids), shard, np.int32)),
+            "id": pa.array(ids),
+            "num_tokens": pa.array(num_tokens),
+            "tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), tokens.shape[1]),
+        }
+    )
 
 
 def _columns(table) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
@@ -173,7 +196,9 @@ def _columns(table) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     num_tokens = table.column("num_tokens").to_numpy()
     tokens_col = table.column("tokens").combine_chunks()
     width = tokens_col.type.list_size
-    flat = tokens_col.values.to_numpy(zero_copy_only=False)[tokens_col.offset * width:(tokens_col.offset + len(tokens_col)) * width]
+    flat = tokens_col.values.to_numpy(zero_copy_only=False)[
+        tokens_col.offset * width : (tokens_col.offset + len(tokens_col)) * width
+    ]
     return shard, ids, num_tokens, flat.reshape(len(ids), width)
 
 
@@ -216,10 +241,18 @@ class DataStats:
 
     def as_dict(self) -> dict:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        return {"rows": self.rows, "tokens": self.tokens, "bytes_read": self.bytes_read, "batches": self.batches,
-                "skipped_shards": len(self.skipped_shards), "wait_s": round(self.wait_s, 4),
-                "step_s": round(self.step_s, 4), "wait_fraction": round(self.wait_fraction, 4),
-                "rows_per_s": self.rows / elapsed, "tokens_per_s": self.tokens / elapsed}
+        return {
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "bytes_read": self.bytes_read,
+            "batches": self.batches,
+            "skipped_shards": len(self.skipped_shards),
+            "wait_s": round(self.wait_s, 4),
+            "step_s": round(self.step_s, 4),
+            "wait_fraction": round(self.wait_fraction, 4),
+            "rows_per_s": self.rows / elapsed,
+            "tokens_per_s": self.tokens / elapsed,
+        }
 
 
 @dataclass
@@ -252,19 +285,31 @@ class Batch:
 class ShardStream:
     """One worker's view of a prepared dataset: `for batch in stream.epoch(): ...`, resumable.
 
-        stream = ShardStream(spec.data, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                             batch_size=spec.batch.micro_batch_size)
-        stream.load_state_dict(checkpoint["data"])     # optional: continue where a run stopped
-        for epoch in range(stream.position.epoch, n_epochs):
-            for batch in stream.epoch():
-                ... batch.to_torch(stream.pad_id) ...
-                checkpoint["data"] = stream.state_dict()   # position after this batch
+    stream = ShardStream(spec.data, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
+                         batch_size=spec.batch.micro_batch_size)
+    stream.load_state_dict(checkpoint["data"])     # optional: continue where a run stopped
+    for epoch in range(stream.position.epoch, n_epochs):
+        for batch in stream.epoch():
+            ... batch.to_torch(stream.pad_id) ...
+            checkpoint["data"] = stream.state_dict()   # position after this batch
     """
 
-    def __init__(self, uri: str, *, batch_size: int, rank: int = 0, world_size: int = 1, split: str = "train",
-                 seed: int = 0, shuffle_buffer: int = 1024, validation_fraction: float = 0.0,
-                 on_bad_shard: str = "error", seq_len: int | None = None, prefetch_shards: int = 2,
-                 read_num_cpus: float = 0.0):
+    def __init__(
+        self,
+        uri: str,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        split: str = "train",
+        seed: int = 0,
+        shuffle_buffer: int = 1024,
+        validation_fraction: float = 0.0,
+        on_bad_shard: str = "error",
+        seq_len: int | None = None,
+        prefetch_shards: int = 2,
+        read_num_cpus: float = 0.0,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if split not in ("train", "validation"):
@@ -274,8 +319,10 @@ class ShardStream:
         self.uri = uri
         self.manifest = read_manifest(uri)
         if seq_len is not None and seq_len != self.manifest.seq_len:
-            raise DataError(f"{uri}: prepared with seq_len {self.manifest.seq_len}, the job asks for {seq_len}; "
-                            f"prepare it again with --seq-len {seq_len} or change data.seq_len")
+            raise DataError(
+                f"{uri}: prepared with seq_len {self.manifest.seq_len}, the job asks for {seq_len}; "
+                f"prepare it again with --seq-len {seq_len} or change data.seq_len"
+            )
         if self.manifest.totals.rows == 0:
             raise DataError(f"{uri}: the dataset is empty (0 rows)")
         self.batch_size, self.rank, self.world_size, self.split = batch_size, rank, world_size, split
@@ -284,8 +331,10 @@ class ShardStream:
         self.window_rows = shuffle_buffer if self.shuffle else max(batch_size, 4096)
         self.id_range = split_ids(self.manifest, validation_fraction)[split]
         if self.id_range[0] == self.id_range[1]:
-            raise DataError(f"{uri}: the {split} split is empty ({self.manifest.totals.rows} rows, "
-                            f"validation_fraction {validation_fraction})")
+            raise DataError(
+                f"{uri}: the {split} split is empty ({self.manifest.totals.rows} rows, "
+                f"validation_fraction {validation_fraction})"
+            )
         self.prefetch_shards, self.read_num_cpus = prefetch_shards, read_num_cpus
         self.position = DataPosition()
         self.stats = DataStats()
@@ -299,9 +348,15 @@ class ShardStream:
         return self.manifest.tokenizer.pad_id
 
     def plan(self, epoch: int, rank: int | None = None) -> list[Segment]:
-        return epoch_plan(self.manifest, id_range=self.id_range, seed=self.seed, epoch=epoch,
-                          rank=self.rank if rank is None else rank, world_size=self.world_size,
-                          shuffle=self.shuffle)
+        return epoch_plan(
+            self.manifest,
+            id_range=self.id_range,
+            seed=self.seed,
+            epoch=epoch,
+            rank=self.rank if rank is None else rank,
+            world_size=self.world_size,
+            shuffle=self.shuffle,
+        )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -311,19 +366,35 @@ class ShardStream:
         return math.ceil(most / self.batch_size)
 
     def state_dict(self) -> dict:
-        return {"version": POSITION_VERSION, "uri": self.uri, "run_id": self.manifest.run_id, "seed": self.seed,
-                "rank": self.rank, "world_size": self.world_size, "window_rows": self.window_rows,
-                "split": self.split, "position": asdict(self.position)}
+        return {
+            "version": POSITION_VERSION,
+            "uri": self.uri,
+            "run_id": self.manifest.run_id,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "window_rows": self.window_rows,
+            "split": self.split,
+            "position": asdict(self.position),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        expect = {"run_id": self.manifest.run_id, "seed": self.seed, "rank": self.rank,
-                  "world_size": self.world_size, "window_rows": self.window_rows, "split": self.split}
+        expect = {
+            "run_id": self.manifest.run_id,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "window_rows": self.window_rows,
+            "split": self.split,
+        }
         wrong = {k: (state.get(k), v) for k, v in expect.items() if state.get(k) != v}
         if state.get("version") != POSITION_VERSION or wrong:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in wrong.items())
-            raise DataError(f"cannot resume the data position of {self.uri}: it was saved for a different stream "
-                            f"({detail or 'unknown version'}); resume with the same dataset, seed, world size and "
-                            f"shuffle_buffer, or start a new run")
+            raise DataError(
+                f"cannot resume the data position of {self.uri}: it was saved for a different stream "
+                f"({detail or 'unknown version'}); resume with the same dataset, seed, world size and "
+                f"shuffle_buffer, or start a new run"
+            )
         self.position = DataPosition(**state["position"])
 
     def epoch(self) -> Iterator[Batch]:
@@ -338,7 +409,9 @@ class ShardStream:
             offset = resume.offset if window == resume.window else 0
             while offset < len(ids):
                 take = min(self.batch_size - pending_n, len(ids) - offset)
-                pending.append((ids[offset:offset + take], lens[offset:offset + take], toks[offset:offset + take]))
+                pending.append(
+                    (ids[offset : offset + take], lens[offset : offset + take], toks[offset : offset + take])
+                )
                 pending_n += take
                 offset += take
                 if pending_n == self.batch_size:
@@ -372,10 +445,15 @@ class ShardStream:
     def _make_batch(self, parts, wait_s: float) -> Batch:
         if not parts:
             seq_len = self.manifest.seq_len
-            return Batch(np.zeros(0, np.int64), np.zeros((0, seq_len), self.manifest.dtype), np.zeros(0, np.int32),
-                         wait_s)
-        return Batch(np.concatenate([p[0] for p in parts]), np.concatenate([p[2] for p in parts]),
-                     np.concatenate([p[1] for p in parts]), wait_s)
+            return Batch(
+                np.zeros(0, np.int64), np.zeros((0, seq_len), self.manifest.dtype), np.zeros(0, np.int32), wait_s
+            )
+        return Batch(
+            np.concatenate([p[0] for p in parts]),
+            np.concatenate([p[2] for p in parts]),
+            np.concatenate([p[1] for p in parts]),
+            wait_s,
+        )
 
     def _windows(self, epoch: int, segments: list[Segment], first_window: int):
         """(window index, ids, num_tokens, tokens) per non-empty window from `first_window`, each permuted."""
@@ -423,7 +501,9 @@ class ShardStream:
         seen: set[int] = set()
         ds = self._dataset([seg.shard for seg in readable])
         try:
-            for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_shards):
+            for block in ds.iter_batches(
+                batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_shards
+            ):
                 shard, ids, num_tokens, tokens = _columns(block)
                 info, seg = self.manifest.shards[shard], by_shard[shard]
                 if shard not in seen:
@@ -471,12 +551,22 @@ class ShardStream:
         ctx.execution_options.preserve_order = True
         ctx.enable_progress_bars = False
         source = _shard_datasource_class()(
-            paths, shard_meta=meta, fmt=self.manifest.format, seq_len=self.manifest.seq_len,
-            dtype=self.manifest.dtype, on_bad_shard=self.on_bad_shard, filesystem=self._fs)
+            paths,
+            shard_meta=meta,
+            fmt=self.manifest.format,
+            seq_len=self.manifest.seq_len,
+            dtype=self.manifest.dtype,
+            on_bad_shard=self.on_bad_shard,
+            filesystem=self._fs,
+        )
         # Reads need no CPU reservation: Train workers usually hold every CPU, and a read is I/O bound;
         # `concurrency` bounds how many shards are in flight (and in memory) at once.
-        return ray.data.read_datasource(source, override_num_blocks=len(paths),
-                                        concurrency=min(self.prefetch_shards, len(paths)), num_cpus=self.read_num_cpus)
+        return ray.data.read_datasource(
+            source,
+            override_num_blocks=len(paths),
+            concurrency=min(self.prefetch_shards, len(paths)),
+            num_cpus=self.read_num_cpus,
+        )
 
 
 def _find_cause(error: BaseException, kind: type):
@@ -489,13 +579,23 @@ def _find_cause(error: BaseException, kind: type):
     return None
 
 
-def stream_from_spec(data_spec, *, batch_size: int, rank: int = 0, world_size: int = 1, split: str = "train",
-                     **kw) -> ShardStream:
+def stream_from_spec(
+    data_spec, *, batch_size: int, rank: int = 0, world_size: int = 1, split: str = "train", **kw
+) -> ShardStream:
     """A ShardStream configured from a TrainJob's `data` block."""
-    return ShardStream(data_spec.uri, batch_size=batch_size, rank=rank, world_size=world_size, split=split,
-                       seed=data_spec.shuffle_seed, shuffle_buffer=data_spec.shuffle_buffer,
-                       validation_fraction=data_spec.validation_fraction, on_bad_shard=data_spec.on_bad_shard,
-                       seq_len=data_spec.seq_len, **kw)
+    return ShardStream(
+        data_spec.uri,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        split=split,
+        seed=data_spec.shuffle_seed,
+        shuffle_buffer=data_spec.shuffle_buffer,
+        validation_fraction=data_spec.validation_fraction,
+        on_bad_shard=data_spec.on_bad_shard,
+        seq_len=data_spec.seq_len,
+        **kw,
+    )
 
 
 # Ray Data's cluster-wide helpers, created detached and pinned to the node of the first process that runs a

@@ -11,6 +11,7 @@ only a pack's last row is shorter, padded with the tokenizer's pad id) and `toke
 - webdataset: a POSIX tar; per sample `<id:012d>.tokens.npy` (a 1-D numpy array) and `<id:012d>.json`
   (`{"id": ..., "num_tokens": ...}`), so any WebDataset reader can decode it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -69,8 +70,11 @@ class TokenizerInfo(_Model):
     eos_id: int = Field(ge=0)
     pad_id: int = Field(ge=0)
     sha256: str | None = Field(None, description="of the tokenizer's files; None for the built-in byte tokenizer")
-    uri: str | None = Field(None, description="where the tokenizer's files were read (credentials removed); "
-                                              "`pylon export` copies them into the model from here")
+    uri: str | None = Field(
+        None,
+        description="where the tokenizer's files were read (credentials removed); "
+        "`pylon export` copies them into the model from here",
+    )
 
 
 class ShardInfo(_Model):
@@ -115,9 +119,11 @@ class ShardManifest(_Model):
 
     def summary(self) -> str:
         t = self.totals
-        return (f"{self.format} dataset: {len(self.shards)} shard(s), {t.rows:,} sequences of {self.seq_len} tokens, "
-                f"{t.tokens:,} tokens from {t.documents:,} documents, {t.bytes / 2**20:.1f} MiB; "
-                f"tokenizer {self.tokenizer.kind}:{self.tokenizer.name} (vocab {self.tokenizer.vocab_size})")
+        return (
+            f"{self.format} dataset: {len(self.shards)} shard(s), {t.rows:,} sequences of {self.seq_len} tokens, "
+            f"{t.tokens:,} tokens from {t.documents:,} documents, {t.bytes / 2**20:.1f} MiB; "
+            f"tokenizer {self.tokenizer.kind}:{self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+        )
 
 
 def manifest_uri(dataset_uri: str) -> str:
@@ -131,9 +137,11 @@ def read_manifest(dataset_uri: str) -> ShardManifest:
         raw = storage.read_json(uri)
     except StorageError as e:
         if not storage.exists(uri):
-            hint = ("no dataset was prepared there (run `pylon data prepare SRC... --out "
-                    f"{dataset_uri}`)" if not storage.listdir(dataset_uri) else
-                    "the directory has files but no manifest: a `prepare` did not finish; re-run it with --overwrite")
+            hint = (
+                f"no dataset was prepared there (run `pylon data prepare SRC... --out {dataset_uri}`)"
+                if not storage.listdir(dataset_uri)
+                else "the directory has files but no manifest: a `prepare` did not finish; re-run it with --overwrite"
+            )
             raise DataError(f"{dataset_uri}: no {MANIFEST_NAME}; {hint}") from None
         raise DataError(str(e)) from None
     try:
@@ -174,11 +182,13 @@ def encode_shard(fmt: str, rows: ShardRows) -> bytes:
     if fmt == "parquet":
         n, seq_len = rows.tokens.shape
         values = pa.array(rows.tokens.reshape(-1))
-        table = pa.table({
-            "id": pa.array(rows.ids.astype(np.int64)),
-            "num_tokens": pa.array(rows.num_tokens.astype(np.int32)),
-            "tokens": pa.FixedSizeListArray.from_arrays(values, seq_len),
-        })
+        table = pa.table(
+            {
+                "id": pa.array(rows.ids.astype(np.int64)),
+                "num_tokens": pa.array(rows.num_tokens.astype(np.int32)),
+                "tokens": pa.FixedSizeListArray.from_arrays(values, seq_len),
+            }
+        )
         sink = io.BytesIO()
         pq.write_table(table, sink, compression="snappy", row_group_size=max(1, min(n, 8192)))
         return sink.getvalue()
@@ -203,8 +213,13 @@ def decode_shard_table(fmt: str, data: bytes, *, shard: str, seq_len: int, dtype
     decoded columns with no further copy, which is what a streaming reader wants to hand on."""
     if fmt != "parquet":
         rows = decode_shard(fmt, data, shard=shard, seq_len=seq_len, dtype=dtype)
-        return pa.table({"id": rows.ids, "num_tokens": rows.num_tokens,
-                         "tokens": pa.FixedSizeListArray.from_arrays(pa.array(rows.tokens.reshape(-1)), seq_len)})
+        return pa.table(
+            {
+                "id": rows.ids,
+                "num_tokens": rows.num_tokens,
+                "tokens": pa.FixedSizeListArray.from_arrays(pa.array(rows.tokens.reshape(-1)), seq_len),
+            }
+        )
     try:
         table = pq.read_table(pa.BufferReader(data), use_threads=False)
     except Exception as e:
@@ -244,9 +259,7 @@ def _decode_parquet(data: bytes, seq_len: int) -> ShardRows:
     n = len(table)
     if flat.size != n * seq_len:
         raise BadShardError("?", f"{flat.size} tokens in {n} rows, expected {n * seq_len} (seq_len {seq_len})")
-    return ShardRows(
-        table.column("id").to_numpy(), table.column("num_tokens").to_numpy(), flat.reshape(n, seq_len)
-    )
+    return ShardRows(table.column("id").to_numpy(), table.column("num_tokens").to_numpy(), flat.reshape(n, seq_len))
 
 
 def _decode_tar(data: bytes, seq_len: int) -> ShardRows:
@@ -277,9 +290,7 @@ def _decode_tar(data: bytes, seq_len: int) -> ShardRows:
 
 
 # The header of a 1-D .npy array as numpy writes it (format 1.0-3.0): read without `ast`.
-_NPY_HEADER = re.compile(
-    r"\{'descr': '([<>|][iuf][1248])', 'fortran_order': (False|True), 'shape': \((\d+),\), \}\s*"
-)
+_NPY_HEADER = re.compile(r"\{'descr': '([<>|][iuf][1248])', 'fortran_order': (False|True), 'shape': \((\d+),\), \}\s*")
 _NP_LOAD_LOCK = threading.Lock()
 
 
@@ -297,14 +308,14 @@ def read_npy(payload: bytes) -> np.ndarray:
         start = 8 + size_bytes
         header_len = int.from_bytes(payload[8:start], "little")
         try:
-            header = payload[start:start + header_len].decode("latin1" if major < 3 else "utf8")
+            header = payload[start : start + header_len].decode("latin1" if major < 3 else "utf8")
         except UnicodeDecodeError:
             header = ""
         m = _NPY_HEADER.fullmatch(header)
         if m and m.group(2) == "False":
             dtype = np.dtype(m.group(1))
             count = int(m.group(3))
-            body = payload[start + header_len:]
+            body = payload[start + header_len :]
             if len(body) != count * dtype.itemsize:
                 raise ValueError(f".npy body is {len(body)} bytes, its header says {count} x {dtype}")
             return np.frombuffer(body, dtype=dtype).copy()

@@ -3,6 +3,7 @@
 Real shards and a real manifest (the same `encode_shard` and manifest model `prepare` uses), with
 synthetic tokens whose values encode their sample id, so a reader's output can be checked exactly.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -26,15 +27,16 @@ from pylon.data.shards import (
 def synthetic_tokens(ids: np.ndarray, seq_len: int) -> np.ndarray:
     """Token t of sample i is a hash of (i, t) mod 256: distinct per sample, checkable after any reordering,
     and as hard to compress as real byte-level text (so benchmarks do not flatter the decoder)."""
-    x = (ids.astype(np.uint64)[:, None] * np.uint64(1_000_003) + np.arange(seq_len, dtype=np.uint64)[None, :])
+    x = ids.astype(np.uint64)[:, None] * np.uint64(1_000_003) + np.arange(seq_len, dtype=np.uint64)[None, :]
     x ^= x >> np.uint64(13)
     x *= np.uint64(0x5BD1E995)
     x ^= x >> np.uint64(15)
     return (x % np.uint64(256)).astype(np.uint16)
 
 
-def write_synthetic_dataset(uri: str, *, rows: int, rows_per_shard: int, seq_len: int = 16,
-                            fmt: str = "parquet") -> ShardManifest:
+def write_synthetic_dataset(
+    uri: str, *, rows: int, rows_per_shard: int, seq_len: int = 16, fmt: str = "parquet"
+) -> ShardManifest:
     run_id = uuid.uuid4().hex
     shards = []
     for index, first in enumerate(range(0, rows, rows_per_shard)):
@@ -43,14 +45,27 @@ def write_synthetic_dataset(uri: str, *, rows: int, rows_per_shard: int, seq_len
         data = encode_shard(fmt, ShardRows(ids, num_tokens, synthetic_tokens(ids, seq_len)))
         name = f"part-{run_id[:8]}-{index:05d}{SHARD_SUFFIX[fmt]}"
         storage.atomic_write(storage.join(uri, name), data)
-        shards.append(ShardInfo(file=name, rows=len(ids), tokens=int(num_tokens.sum()), bytes=len(data),
-                                sha256=sha256_hex(data), first_id=first))
+        shards.append(
+            ShardInfo(
+                file=name,
+                rows=len(ids),
+                tokens=int(num_tokens.sum()),
+                bytes=len(data),
+                sha256=sha256_hex(data),
+                first_id=first,
+            )
+        )
     manifest = ShardManifest(
-        format=fmt, seq_len=seq_len, dtype="uint16",
+        format=fmt,
+        seq_len=seq_len,
+        dtype="uint16",
         tokenizer=TokenizerInfo(kind="byte", name="byte", vocab_size=320, eos_id=256, pad_id=257),
         shards=shards,
-        totals=Totals(documents=rows, rows=rows, tokens=sum(s.tokens for s in shards), bytes=sum(s.bytes for s in shards)),
-        sources=["synthetic"], run_id=run_id,
+        totals=Totals(
+            documents=rows, rows=rows, tokens=sum(s.tokens for s in shards), bytes=sum(s.bytes for s in shards)
+        ),
+        sources=["synthetic"],
+        run_id=run_id,
     )
     storage.atomic_write_json(manifest_uri(uri), manifest.model_dump(mode="json"))
     return manifest

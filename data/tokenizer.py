@@ -9,6 +9,7 @@ Documents are encoded without special tokens: packing appends exactly one eos af
 same for every kind, so a tokenizer whose post-processor adds [CLS]/[SEP] or BOS does not change the layout.
 `info.sha256` fingerprints the tokenizer's files, so a dataset records exactly which tokenizer made it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,9 @@ class ByteTokenizer:
 
     @property
     def info(self) -> TokenizerInfo:
-        return TokenizerInfo(kind="byte", name="byte", vocab_size=self.vocab_size, eos_id=self.eos_id,
-                             pad_id=self.pad_id, sha256=None)
+        return TokenizerInfo(
+            kind="byte", name="byte", vocab_size=self.vocab_size, eos_id=self.eos_id, pad_id=self.pad_id, sha256=None
+        )
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
@@ -83,13 +85,21 @@ class TokenizersFileTokenizer:
             raise DataError(f"{where}: not a `tokenizers` JSON file ({type(e).__name__}: {e})") from None
         self.eos_id = _first_id(self._tok.token_to_id, EOS_NAMES)
         if self.eos_id is None:
-            raise DataError(f"{where}: has no end-of-document token; add one of {', '.join(EOS_NAMES)} to its "
-                            "special tokens (e.g. `trainer = BpeTrainer(special_tokens=['<|endoftext|>'])`)")
+            raise DataError(
+                f"{where}: has no end-of-document token; add one of {', '.join(EOS_NAMES)} to its "
+                "special tokens (e.g. `trainer = BpeTrainer(special_tokens=['<|endoftext|>'])`)"
+            )
         pad = _first_id(self._tok.token_to_id, PAD_NAMES)
         self.pad_id = self.eos_id if pad is None else pad
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.info = TokenizerInfo(kind="tokenizers", name=name, vocab_size=self.vocab_size, eos_id=self.eos_id,
-                                  pad_id=self.pad_id, sha256=sha256)
+        self.info = TokenizerInfo(
+            kind="tokenizers",
+            name=name,
+            vocab_size=self.vocab_size,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            sha256=sha256,
+        )
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -112,13 +122,21 @@ class HuggingFaceTokenizer:
         if eos is None:
             eos = _first_id(self._vocab_id, EOS_NAMES)
         if eos is None:
-            raise DataError(f"{where}: the tokenizer has no eos token; set `eos_token` in its "
-                            f"tokenizer_config.json (e.g. one of {', '.join(EOS_NAMES)})")
+            raise DataError(
+                f"{where}: the tokenizer has no eos token; set `eos_token` in its "
+                f"tokenizer_config.json (e.g. one of {', '.join(EOS_NAMES)})"
+            )
         self.eos_id = int(eos)
         self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self._tok)  # includes added tokens, unlike `.vocab_size`
-        self.info = TokenizerInfo(kind="huggingface", name=name, vocab_size=self.vocab_size, eos_id=self.eos_id,
-                                  pad_id=self.pad_id, sha256=sha256)
+        self.info = TokenizerInfo(
+            kind="huggingface",
+            name=name,
+            vocab_size=self.vocab_size,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            sha256=sha256,
+        )
 
     def _vocab_id(self, token: str) -> int | None:
         return self._tok.get_vocab().get(token)
@@ -188,17 +206,21 @@ def tokenizer_files(uri: str, where: str) -> tuple[bool, list[tuple[str, bytes]]
     try:
         fs, path = storage.resolve(uri)
         if not fs.exists(path):
-            raise DataError(f"{where}: no such file or directory (give 'byte' or a path to a `tokenizers` "
-                            "JSON file or a Hugging Face tokenizer directory)")
+            raise DataError(
+                f"{where}: no such file or directory (give 'byte' or a path to a `tokenizers` "
+                "JSON file or a Hugging Face tokenizer directory)"
+            )
         if not fs.isdir(path):
             return False, [("tokenizer.json", storage.read_bytes(uri))]
         found = sorted(fs.find(path))
         root = path.rstrip("/") + "/"
-        rels = [p[len(root):] for p in found if p.startswith(root)]
+        rels = [p[len(root) :] for p in found if p.startswith(root)]
         rels = [r for r in rels if not any(part.startswith(".") for part in r.split("/"))]
         if not rels:
-            raise DataError(f"{where}: an empty directory; expected a Hugging Face tokenizer directory "
-                            "(tokenizer.json, tokenizer_config.json)")
+            raise DataError(
+                f"{where}: an empty directory; expected a Hugging Face tokenizer directory "
+                "(tokenizer.json, tokenizer_config.json)"
+            )
         return True, [(rel, storage.read_bytes(storage.join(uri, rel))) for rel in rels]
     except DataError:
         raise

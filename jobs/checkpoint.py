@@ -107,8 +107,12 @@ def _committed(step: int, step_uri: str) -> CheckpointInfo | None:
         log.warning("ignoring checkpoint %s: %s", step_uri, e)
         return None
     if manifest.get("format") != FORMAT_VERSION or manifest.get("step") != step:
-        log.warning("ignoring checkpoint %s: its manifest is for format %s, step %s",
-                    step_uri, manifest.get("format"), manifest.get("step"))
+        log.warning(
+            "ignoring checkpoint %s: its manifest is for format %s, step %s",
+            step_uri,
+            manifest.get("format"),
+            manifest.get("step"),
+        )
         return None
     return CheckpointInfo(step=step, uri=step_uri, manifest=manifest)
 
@@ -178,8 +182,13 @@ def capture_rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": {"version": version, "state": list(internal), "gauss_next": gauss},
-        "numpy": {"kind": kind, "keys": base64.b64encode(keys.astype("<u4").tobytes()).decode("ascii"),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": base64.b64encode(keys.astype("<u4").tobytes()).decode("ascii"),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": _b64(torch.get_rng_state()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -197,8 +206,12 @@ def restore_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         saved = state["cuda"]
         if len(saved) != torch.cuda.device_count():
-            log.warning("checkpoint has CUDA RNG states for %d device(s), this process sees %d; restoring %d",
-                        len(saved), torch.cuda.device_count(), min(len(saved), torch.cuda.device_count()))
+            log.warning(
+                "checkpoint has CUDA RNG states for %d device(s), this process sees %d; restoring %d",
+                len(saved),
+                torch.cuda.device_count(),
+                min(len(saved), torch.cuda.device_count()),
+            )
         for device, s in enumerate(saved[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(_from_b64(s), device)
 
@@ -231,8 +244,9 @@ def _all_ranks_succeeded(error: BaseException | None, what: str) -> None:
     if error is not None:
         raise error
     if failed := {r: m for r, m in enumerate(messages) if m is not None}:
-        raise PylonError(f"{what} failed on rank(s) {sorted(failed)}: "
-                         + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
+        raise PylonError(
+            f"{what} failed on rank(s) {sorted(failed)}: " + "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,9 +271,19 @@ class CheckpointCommitter:
     the run directory (progress reporting, or a test pausing a save where it wants to kill it).
     """
 
-    def __init__(self, run_uri: str, *, rank: int, world_size: int, keep_last: int, keep_every: int = 0,
-                 async_upload: bool = False, staging_dir: str | os.PathLike | None = None,
-                 commit_timeout_s: float = 1800.0, before_write: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        run_uri: str,
+        *,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_every: int = 0,
+        async_upload: bool = False,
+        staging_dir: str | os.PathLike | None = None,
+        commit_timeout_s: float = 1800.0,
+        before_write: Callable[[str], None] | None = None,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if keep_last < 1:
@@ -308,8 +332,9 @@ class CheckpointCommitter:
         rng = capture_rng_state()
         # Rank 0 decides for everyone (ranks may see storage at different moments): whether this step is
         # already committed, and the attempt id that tells this save's rank files from a crashed attempt's.
-        plan = _from_rank0({"save_id": uuid.uuid4().hex,
-                            "skip": self.rank == 0 and _committed(step, self.step_uri(step)) is not None})
+        plan = _from_rank0(
+            {"save_id": uuid.uuid4().hex, "skip": self.rank == 0 and _committed(step, self.step_uri(step)) is not None}
+        )
         if plan["skip"]:
             log.warning("checkpoint step %d is already committed in %s; not saving it again", step, self.run_uri)
             return
@@ -322,8 +347,9 @@ class CheckpointCommitter:
         rank_state = {"extra": extra, "rng": rng}
         context = {"zero_stage": int(engine.zero_optimization_stage()), "deepspeed_version": _deepspeed_version()}
         if self.async_upload:
-            self._pending = self._uploader.submit(self._publish_in_background, step, staging, plan["save_id"],
-                                                  rank_state, meta, context)
+            self._pending = self._uploader.submit(
+                self._publish_in_background, step, staging, plan["save_id"], rank_state, meta, context
+            )
             return
         error = None
         try:
@@ -347,8 +373,9 @@ class CheckpointCommitter:
         if pending is not None:
             pending.result()
 
-    def _publish_in_background(self, step: int, staging: Path, save_id: str, rank_state: dict, meta: dict,
-                               context: dict) -> None:
+    def _publish_in_background(
+        self, step: int, staging: Path, save_id: str, rank_state: dict, meta: dict, context: dict
+    ) -> None:
         # No collective calls here: they would interleave with the training loop's on the main thread.
         try:
             self._upload_rank(step, staging, save_id, rank_state)
@@ -372,8 +399,15 @@ class CheckpointCommitter:
             data = path.read_bytes()
             self._write(storage.join(step_uri, rel), data)
             files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        record = {"format": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
-                  "save_id": save_id, "files": files, **rank_state}
+        record = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "save_id": save_id,
+            "files": files,
+            **rank_state,
+        }
         self._write(storage.join(step_uri, rank_file_name(self.rank)), _json_bytes(record))
 
     # -- committing (rank 0) -----------------------------------------------------------------------------
@@ -385,27 +419,43 @@ class CheckpointCommitter:
         for rank, (raw, record) in sorted(rank_files.items()):
             for rel, entry in record["files"].items():
                 if rel in files and files[rel]["sha256"] != entry["sha256"]:
-                    raise PylonError(f"{step_uri}/{rel}: ranks {files[rel]['rank']} and {rank} uploaded different "
-                                     "contents under the same name; not committing this checkpoint")
+                    raise PylonError(
+                        f"{step_uri}/{rel}: ranks {files[rel]['rank']} and {rank} uploaded different "
+                        "contents under the same name; not committing this checkpoint"
+                    )
                 files.setdefault(rel, {**entry, "rank": rank})
-            files[rank_file_name(rank)] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw),
-                                           "rank": rank}
+            files[rank_file_name(rank)] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "rank": rank}
         stored = _stored_sizes(step_uri)
-        wrong = [f"{rel} ({_size_problem(stored.get(rel), entry['bytes'])})"
-                 for rel, entry in sorted(files.items()) if stored.get(rel) != entry["bytes"]]
+        wrong = [
+            f"{rel} ({_size_problem(stored.get(rel), entry['bytes'])})"
+            for rel, entry in sorted(files.items())
+            if stored.get(rel) != entry["bytes"]
+        ]
         if wrong:
-            raise PylonError(f"{step_uri}: not committing checkpoint step {step}: stored files do not match what "
-                             f"the ranks uploaded: {', '.join(wrong)}")
-        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "tag": DS_TAG,
-                    "save_id": save_id, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "files": files, "meta": meta, **context}
+            raise PylonError(
+                f"{step_uri}: not committing checkpoint step {step}: stored files do not match what "
+                f"the ranks uploaded: {', '.join(wrong)}"
+            )
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": self.world_size,
+            "tag": DS_TAG,
+            "save_id": save_id,
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": files,
+            "meta": meta,
+            **context,
+        }
         self._write(storage.join(step_uri, MANIFEST), _json_bytes(manifest))
         total = sum(e["bytes"] for e in files.values())
         log.info("committed checkpoint step %d: %d files, %.1f MB in %s", step, len(files), total / 1e6, step_uri)
         committed = self.list_committed()
         newest = committed[-1]  # this one unless a newer one exists; latest.json always names the newest
-        self._write(storage.join(self.run_uri, LATEST), _json_bytes(
-            {"step": newest.step, "path": f"{CHECKPOINTS_DIR}/{step_dir_name(newest.step)}"}))
+        self._write(
+            storage.join(self.run_uri, LATEST),
+            _json_bytes({"step": newest.step, "path": f"{CHECKPOINTS_DIR}/{step_dir_name(newest.step)}"}),
+        )
         self._apply_retention(committed, just_committed=step)
 
     def _await_rank_files(self, step: int, save_id: str, timeout_s: float) -> dict[int, tuple[bytes, dict]]:
@@ -425,15 +475,19 @@ class CheckpointCommitter:
                     continue  # a crashed attempt's; this attempt's rank will overwrite it
                 expect = {"step": step, "rank": int(m.group(1)), "world_size": self.world_size}
                 if any(record.get(k) != v for k, v in expect.items()):
-                    raise PylonError(f"{step_uri}/{name}: does not describe this save: "
-                                     + ", ".join(f"{k} {record.get(k)} (expected {v})" for k, v in expect.items()))
+                    raise PylonError(
+                        f"{step_uri}/{name}: does not describe this save: "
+                        + ", ".join(f"{k} {record.get(k)} (expected {v})" for k, v in expect.items())
+                    )
                 found[expect["rank"]] = (raw, record)
             if len(found) == self.world_size:
                 return found
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(found))
-                raise PylonError(f"{step_uri}: rank(s) {missing} did not finish uploading within {timeout_s:.0f}s; "
-                                 "the checkpoint stays uncommitted")
+                raise PylonError(
+                    f"{step_uri}: rank(s) {missing} did not finish uploading within {timeout_s:.0f}s; "
+                    "the checkpoint stays uncommitted"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -441,7 +495,7 @@ class CheckpointCommitter:
         """Keep the newest keep_last committed checkpoints and every keep_every-th; delete the rest, and
         uncommitted step directories older than the newest commit (leftovers of crashed saves)."""
         steps = [info.step for info in committed]
-        keep = set(steps[-self.keep_last:]) | {just_committed, steps[-1]}
+        keep = set(steps[-self.keep_last :]) | {just_committed, steps[-1]}
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
         newest = steps[-1]
@@ -478,8 +532,9 @@ class CheckpointCommitter:
             error = e
         try:
             _all_ranks_succeeded(error, f"downloading checkpoint step {info.step}")
-            load_path, _ = engine.load_checkpoint(str(local), tag=DS_TAG, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+            load_path, _ = engine.load_checkpoint(
+                str(local), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
             if load_path is None:
                 raise PylonError(f"{info.uri}: DeepSpeed found no checkpoint in the downloaded files")
         finally:
@@ -502,10 +557,13 @@ class CheckpointCommitter:
         return path
 
     def _check_world(self) -> None:
-        if _distributed() and (torch.distributed.get_world_size() != self.world_size
-                               or torch.distributed.get_rank() != self.rank):
-            raise PylonError(f"CheckpointCommitter was made for rank {self.rank} of {self.world_size}, but this "
-                             f"process is rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}")
+        if _distributed() and (
+            torch.distributed.get_world_size() != self.world_size or torch.distributed.get_rank() != self.rank
+        ):
+            raise PylonError(
+                f"CheckpointCommitter was made for rank {self.rank} of {self.world_size}, but this "
+                f"process is rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}"
+            )
 
     def close(self) -> None:
         """Finish pending work (re-raising its error) and stop the upload thread."""
@@ -527,7 +585,7 @@ def _stored_sizes(step_uri: str) -> dict[str, int]:
     except FileNotFoundError:
         return {}
     prefix = root.rstrip("/") + "/"
-    return {name[len(prefix):]: int(e["size"]) for name, e in entries.items() if name.startswith(prefix)}
+    return {name[len(prefix) :]: int(e["size"]) for name, e in entries.items() if name.startswith(prefix)}
 
 
 def _size_problem(stored: int | None, expected: int) -> str:

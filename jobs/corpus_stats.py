@@ -5,6 +5,7 @@
 Run with `ray job submit` (or `pylon demo`). Files are split into chunks, each chunk is read by a Ray
 task on whichever node has a free CPU, and the driver writes one JSON document atomically.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 
     src = Path(args.src)
     # The standard library's directory also holds installed packages; they are not its own source.
-    files = sorted(str(p) for p in src.rglob("*.py")
-                   if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(src).parts))
+    files = sorted(
+        str(p)
+        for p in src.rglob("*.py")
+        if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(src).parts)
+    )
     if not files:
         print(f"error: no *.py files under {src}", file=sys.stderr)
         return 1
@@ -80,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_per_s": round(totals["bytes"] / elapsed),
     }
     storage.atomic_write_json(args.out, summary)
-    print(f"surveyed {totals['files']} files, {totals['bytes']:,} bytes, {totals['lines']:,} lines "
-          f"in {n} Ray tasks ({elapsed:.1f}s); wrote {args.out}")
+    print(
+        f"surveyed {totals['files']} files, {totals['bytes']:,} bytes, {totals['lines']:,} lines "
+        f"in {n} Ray tasks ({elapsed:.1f}s); wrote {args.out}"
+    )
     return 0
 
 

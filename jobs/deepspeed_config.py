@@ -11,6 +11,7 @@ Gradient checkpointing is not here: it is a model setting (`pylon.models.build_m
 `transformers` model's own checkpointing), not DeepSpeed's `activation_checkpointing`, which only applies to
 models written against `deepspeed.checkpointing`.
 """
+
 from __future__ import annotations
 
 from pylon.specs import TrainJobSpec
@@ -117,25 +118,34 @@ def _scheduler(spec: TrainJobSpec) -> dict:
     warmup = optim.warmup_steps
     warmup_steps = max(1, warmup)
     if optim.schedule == "cosine":
-        return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": spec.steps,
-            "warmup_num_steps": warmup_steps,
-            "warmup_min_ratio": 0.0 if warmup else 1.0,
-            "cos_min_ratio": optim.min_lr_ratio,
-            "warmup_type": "linear",
-        }}
+        return {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": spec.steps,
+                "warmup_num_steps": warmup_steps,
+                "warmup_min_ratio": 0.0 if warmup else 1.0,
+                "cos_min_ratio": optim.min_lr_ratio,
+                "warmup_type": "linear",
+            },
+        }
     if optim.schedule == "linear":
         # WarmupDecayLR warms up from warmup_min_lr and decays linearly back to it at total_num_steps.
-        return {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": spec.steps,
+        return {
+            "type": "WarmupDecayLR",
+            "params": {
+                "total_num_steps": spec.steps,
+                "warmup_num_steps": warmup_steps,
+                "warmup_min_lr": optim.lr * optim.min_lr_ratio,
+                "warmup_max_lr": optim.lr,
+                "warmup_type": "linear",
+            },
+        }
+    return {
+        "type": "WarmupLR",
+        "params": {
             "warmup_num_steps": warmup_steps,
-            "warmup_min_lr": optim.lr * optim.min_lr_ratio,
+            "warmup_min_lr": 0.0 if warmup else optim.lr,
             "warmup_max_lr": optim.lr,
             "warmup_type": "linear",
-        }}
-    return {"type": "WarmupLR", "params": {
-        "warmup_num_steps": warmup_steps,
-        "warmup_min_lr": 0.0 if warmup else optim.lr,
-        "warmup_max_lr": optim.lr,
-        "warmup_type": "linear",
-    }}
+        },
+    }

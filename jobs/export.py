@@ -5,6 +5,7 @@ consolidated with DeepSpeed's own `zero_to_fp32` into full fp32 weights, loaded 
 saved as safetensors with its config, plus `pylon_tokenizer.json`, the tokenizer identity the model was
 trained with. LoRA runs export merged weights or the adapter alone, as the spec says.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,10 @@ def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | N
 
     run_file = storage.join(run_uri, "run.json")
     if not storage.exists(run_file):
-        raise PylonError(f"{run_uri}: not a Pylon run (no run.json); give the run directory, e.g. "
-                         "~/.pylon/runs/<name> or s3://bucket/runs/<name>")
+        raise PylonError(
+            f"{run_uri}: not a Pylon run (no run.json); give the run directory, e.g. "
+            "~/.pylon/runs/<name> or s3://bucket/runs/<name>"
+        )
     run = storage.read_json(run_file)
     spec = TrainJobSpec.model_validate(run["spec"])
     tokenizer = run["tokenizer"]
@@ -45,19 +48,23 @@ def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | N
         raise PylonError(f"{run_uri}: no committed checkpoint yet; nothing to export")
     info = infos[-1] if step is None else next((i for i in infos if i.step == step), None)
     if info is None:
-        raise PylonError(f"{run_uri}: no committed checkpoint at step {step} "
-                         f"(have {', '.join(str(i.step) for i in infos)})")
+        raise PylonError(
+            f"{run_uri}: no committed checkpoint at step {step} (have {', '.join(str(i.step) for i in infos)})"
+        )
 
     with tempfile.TemporaryDirectory(prefix="pylon-export-") as tmp:
         ckpt_dir = str(download(info, os.path.join(tmp, "ckpt")))
         state = _consolidated_state_dict(ckpt_dir, spec.deepspeed.zero_stage)
-        model = build_model(spec, vocab_size=tokenizer["vocab_size"], eos_id=tokenizer["eos_id"],
-                            pad_id=tokenizer["pad_id"])
+        model = build_model(
+            spec, vocab_size=tokenizer["vocab_size"], eos_id=tokenizer["eos_id"], pad_id=tokenizer["pad_id"]
+        )
         missing, unexpected = model.load_state_dict(state, strict=False)
         trainable_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
         if trainable_missing or unexpected:
-            raise PylonError(f"{run_uri} step {info.step}: checkpoint does not match the model "
-                             f"(missing {trainable_missing[:5]}, unexpected {unexpected[:5]})")
+            raise PylonError(
+                f"{run_uri} step {info.step}: checkpoint does not match the model "
+                f"(missing {trainable_missing[:5]}, unexpected {unexpected[:5]})"
+            )
         model.eval()
         local_out = os.path.join(tmp, "export")
         if spec.lora is not None:
@@ -67,9 +74,13 @@ def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | N
             model.save_pretrained(local_out, safe_serialization=True)
         Path(local_out, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
         _write_tokenizer_files(tokenizer, local_out, getattr(model.config, "max_position_embeddings", None))
-        Path(local_out, "pylon_export.json").write_text(json.dumps(
-            {"run": run_uri, "step": info.step, "name": spec.name, "lora_merged": bool(spec.lora and merge)},
-            indent=2) + "\n")
+        Path(local_out, "pylon_export.json").write_text(
+            json.dumps(
+                {"run": run_uri, "step": info.step, "name": spec.name, "lora_merged": bool(spec.lora and merge)},
+                indent=2,
+            )
+            + "\n"
+        )
         for path in sorted(Path(local_out).rglob("*")):
             if path.is_file():
                 storage.atomic_write(storage.join(out, str(path.relative_to(local_out))), path.read_bytes())
@@ -89,14 +100,18 @@ def _write_tokenizer_files(tokenizer: dict, local_out: str, max_length: int | No
         return
     uri = tokenizer.get("uri")
     if not uri:
-        raise PylonError(f"the run was trained with the {tokenizer.get('kind')} tokenizer '{tokenizer.get('name')}', "
-                         "but its dataset does not record where its files are (prepared before Pylon recorded "
-                         "it); prepare the dataset again, or copy the tokenizer files into the export yourself")
+        raise PylonError(
+            f"the run was trained with the {tokenizer.get('kind')} tokenizer '{tokenizer.get('name')}', "
+            "but its dataset does not record where its files are (prepared before Pylon recorded "
+            "it); prepare the dataset again, or copy the tokenizer files into the export yourself"
+        )
     is_directory, files = tokenizer_files(uri, f"tokenizer {uri}")
     if files_sha256(files) != tokenizer.get("sha256"):
-        raise PylonError(f"tokenizer {uri}: its files changed after the dataset was prepared (sha256 differs from "
-                         "the one the dataset recorded); the model's token ids would decode to different text. "
-                         "Restore the tokenizer the data was prepared with")
+        raise PylonError(
+            f"tokenizer {uri}: its files changed after the dataset was prepared (sha256 differs from "
+            "the one the dataset recorded); the model's token ids would decode to different text. "
+            "Restore the tokenizer the data was prepared with"
+        )
     for rel, data in files:
         target = Path(local_out, rel)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -105,8 +120,13 @@ def _write_tokenizer_files(tokenizer: dict, local_out: str, max_length: int | No
         return
     rust = RustTokenizer.from_str(files[0][1].decode("utf-8"))
     eos, pad = rust.id_to_token(tokenizer["eos_id"]), rust.id_to_token(tokenizer["pad_id"])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos, "pad_token": pad,
-              "clean_up_tokenization_spaces": False}  # cleaning would glue " ." and " ," in code
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "clean_up_tokenization_spaces": False,
+    }  # cleaning would glue " ." and " ," in code
     if max_length:
         config["model_max_length"] = int(max_length)
     Path(local_out, "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -117,8 +137,9 @@ def _consolidated_state_dict(ckpt_dir: str, zero_stage: int) -> dict:
     import torch
 
     if zero_stage == 0:  # no partitioning: rank 0's model states hold every weight
-        states = torch.load(os.path.join(ckpt_dir, "ds", "mp_rank_00_model_states.pt"), map_location="cpu",
-                            weights_only=False)
+        states = torch.load(
+            os.path.join(ckpt_dir, "ds", "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
+        )
         return {k: v.float() for k, v in states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -126,8 +147,9 @@ def _consolidated_state_dict(ckpt_dir: str, zero_stage: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pylon export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pylon export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_uri")
     parser.add_argument("--out", required=True)
     parser.add_argument("--step", type=int)

@@ -10,12 +10,14 @@
 
 No Ray or DeepSpeed at import: the SDK and the planner read runs through this module, not through the trainer.
 """
+
 from __future__ import annotations
+
 import json
 from pathlib import Path
+
 from pylon import home, storage
 from pylon.specs import TrainJobSpec
-
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -58,8 +60,9 @@ class MetricsLog:
         if self.enabled:
             self.records.append(record)
             if record["step"] % 10 == 1 or record["step"] < 5:
-                print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}),
-                      flush=True)
+                print(
+                    json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}), flush=True
+                )
 
     def flush(self) -> None:
         if self.enabled:

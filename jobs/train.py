@@ -11,7 +11,9 @@ The train loop, as a list of steps (TorchTitan/nanoGPT style): build model -> De
 -> resume -> for each optimizer step: micro-batches (forward, loss over the global token count, backward,
 engine.step) -> metrics -> checkpoint.
 """
+
 from __future__ import annotations
+
 import argparse
 import json
 import logging
@@ -21,11 +23,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from pylon import home, storage
 from pylon.errors import PylonError
+from pylon.jobs.run_dir import (
+    LOSS_PLOT,
+    REFERENCE_FILE,
+    RUN_FILE,
+    WORKERS_FILE,
+    MetricsLog,
+    _absolute,
+    plot_loss,
+    read_metrics,
+    run_uri_of,
+)
 from pylon.specs import TrainJobSpec, load_spec
-from pylon.jobs.run_dir import LOSS_PLOT, MetricsLog, REFERENCE_FILE, RUN_FILE, WORKERS_FILE, _absolute, plot_loss, read_metrics, run_uri_of
-
 
 log = logging.getLogger("pylon.train")
 
@@ -42,8 +54,9 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     run_uri = run_uri_of(spec)
     manifest = read_manifest(spec.data.uri)  # fail here, before asking for workers, if the data is not usable
     if spec.data.seq_len is not None and spec.data.seq_len != manifest.seq_len:
-        raise PylonError(f"data.seq_len is {spec.data.seq_len} but {spec.data.uri} was prepared with "
-                         f"seq_len {manifest.seq_len}")
+        raise PylonError(
+            f"data.seq_len is {spec.data.seq_len} but {spec.data.uri} was prepared with seq_len {manifest.seq_len}"
+        )
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
     if not ray.is_initialized():
         if os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_ADDRESS"):
@@ -59,9 +72,12 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec": spec.model_dump(mode="json"), "run_uri": run_uri},
-        scaling_config=ScalingConfig(num_workers=spec.scaling.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=resources,
-                                     placement_strategy=spec.scaling.placement_strategy),
+        scaling_config=ScalingConfig(
+            num_workers=spec.scaling.num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=spec.scaling.placement_strategy,
+        ),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(
             name=spec.name,
@@ -93,15 +109,22 @@ def _record_placement(run_uri: str, rank: int, world: int) -> None:
     import ray
     import torch.distributed as dist
 
-    me = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
-          "pid": os.getpid()}
+    me = {
+        "rank": rank,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
     everyone: list = [None] * world
     dist.all_gather_object(everyone, me)
     if rank == 0:
         storage.atomic_write_json(storage.join(run_uri, WORKERS_FILE), {"workers": everyone, "at": time.time()})
         nodes = sorted({w["node_id"] for w in everyone})
-        print(f"{world} worker(s) on {len(nodes)} node(s): "
-              + ", ".join(f"rank {w['rank']} on node {w['node_id']}" for w in everyone), flush=True)
+        print(
+            f"{world} worker(s) on {len(nodes)} node(s): "
+            + ", ".join(f"rank {w['rank']} on node {w['node_id']}" for w in everyone),
+            flush=True,
+        )
 
 
 def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
@@ -114,8 +137,10 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
         fixed = ("model", "data", "scaling", "deepspeed", "precision", "lora", "batch")
         changed = [k for k in fixed if before.get(k) != now.get(k)]
         if changed:
-            raise PylonError(f"run '{spec.name}' already exists at {run_uri} with a different "
-                             f"{', '.join(changed)}; resume it with the same settings or choose another name")
+            raise PylonError(
+                f"run '{spec.name}' already exists at {run_uri} with a different "
+                f"{', '.join(changed)}; resume it with the same settings or choose another name"
+            )
     storage.atomic_write_json(uri, {"spec": now, "tokenizer": tokenizer, "updated_at": time.time()})
 
 
@@ -150,16 +175,27 @@ def train_loop(config: dict) -> None:
     tok = stream.manifest.tokenizer
     model = build_model(spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=build_deepspeed_config(spec, world_size=world))
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=build_deepspeed_config(spec, world_size=world),
+    )
     device = engine.device
     if rank == 0:
         total, trainable = parameter_counts(model)
-        print(f"model: {total:,} parameters, {trainable:,} trainable"
-              + (f" (LoRA r={spec.lora.r} on {', '.join(spec.lora.target_modules)})" if spec.lora else ""), flush=True)
+        print(
+            f"model: {total:,} parameters, {trainable:,} trainable"
+            + (f" (LoRA r={spec.lora.r} on {', '.join(spec.lora.target_modules)})" if spec.lora else ""),
+            flush=True,
+        )
 
-    committer = CheckpointCommitter(run_uri, rank=rank, world_size=world, keep_last=spec.checkpoint.keep_last,
-                                    keep_every=spec.checkpoint.keep_every, async_upload=spec.checkpoint.async_upload)
+    committer = CheckpointCommitter(
+        run_uri,
+        rank=rank,
+        world_size=world,
+        keep_last=spec.checkpoint.keep_last,
+        keep_every=spec.checkpoint.keep_every,
+        async_upload=spec.checkpoint.async_upload,
+    )
     step, tokens_seen = 0, 0
     latest = committer.latest()
     if latest is not None:
@@ -217,8 +253,12 @@ def train_loop(config: dict) -> None:
             # Metrics first: a crash between the two leaves records past the last commit, which a resume
             # drops; the other order could commit a step whose records were never written.
             metrics.flush()
-            committer.save(engine, step, extra={"data": stream.state_dict(), "tokens_seen": tokens_seen},
-                           meta={"loss": record["loss"], "tokens_seen": tokens_seen})
+            committer.save(
+                engine,
+                step,
+                extra={"data": stream.state_dict(), "tokens_seen": tokens_seen},
+                meta={"loss": record["loss"], "tokens_seen": tokens_seen},
+            )
         if step % 10 == 0 or last:
             ray.train.report({k: record[k] for k in ("step", "loss", "tokens_per_s", "data_wait_fraction", "mfu")})
     committer.wait()
@@ -237,8 +277,9 @@ def _record_reference_logits(engine, run_uri: str, rank: int, seq_len: int) -> N
         logits = engine(input_ids=ids).logits.float()
     engine.train()
     if rank == 0:
-        storage.atomic_write_json(storage.join(run_uri, REFERENCE_FILE),
-                                  {"input_ids": ids[0].tolist(), "logits": logits[0, :, :16].tolist()})
+        storage.atomic_write_json(
+            storage.join(run_uri, REFERENCE_FILE), {"input_ids": ids[0].tolist(), "logits": logits[0, :, :16].tolist()}
+        )
 
 
 def _batches(stream):
@@ -272,8 +313,9 @@ def _global_mean_loss(logits, labels, world: int):
     n_global = torch.tensor([n_local], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(n_global)
-    loss_sum = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
-                               ignore_index=-100, reduction="sum")
+    loss_sum = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
     return loss_sum * world / max(n_global.item(), 1.0), float(loss_sum.item()), n_local
 
 
@@ -286,8 +328,9 @@ def _peak_memory_bytes(device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pylon.jobs.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m pylon.jobs.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="YAML file with one TrainJob document")
     parser.add_argument("--no-export", action="store_true", help="skip the export at the end")
     parser.add_argument("--max-failures", type=int, default=3, help="worker-group restarts before giving up")

@@ -1,4 +1,5 @@
 """Errors the serving engine raises to its callers; the HTTP layer maps them to status codes."""
+
 from __future__ import annotations
 
 import json

@@ -65,22 +65,29 @@ def s3_root(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
 # it is done waits on torch's build lock, as it would have built it itself.
 # ---------------------------------------------------------------------------------------------------------
 
+
 def pytest_sessionstart(session) -> None:
     import os
     import subprocess
     from pathlib import Path
 
-    if os.environ.get("PYLON_NO_OP_PREBUILD") or not any("integration" in str(a) for a in session.config.args
-                                                           or ["integration"]):
+    if os.environ.get("PYLON_NO_OP_PREBUILD") or not any(
+        "integration" in str(a) for a in session.config.args or ["integration"]
+    ):
         return
-    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(__file__).resolve().parents[1] / ".cache" /
-                 "torch_extensions")
+    cache = Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"
+    )
     if (cache / "async_io" / "async_io.so").exists():
         return
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache))  # PATH: the venv's ninja first (venv_tools_first)
     session.config._pylon_prebuild = subprocess.Popen(
-        ["nice", "-n", "15", *build_command("async_io")], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        ["nice", "-n", "15", *build_command("async_io")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def pytest_sessionfinish(session) -> None:

@@ -5,6 +5,7 @@ fatal lines from the Ray logs of every cluster the tests recorded (their temp di
 
     python tests/crash_report.py LOG EXIT_CODE STARTED_AT   (STARTED_AT: the run's start, in seconds since the epoch)
 """
+
 from __future__ import annotations
 
 import getpass

@@ -1,13 +1,14 @@
 """Pylon: the whole life of a model on one autoscaling Ray cluster.
 
-    import pylon
-    client = pylon.connect()          # RAY_ADDRESS, or the cluster `pylon cluster up` started
-    print(client.status())
-    run = client.train("train.yaml")  # a Run: logs, metrics, plot, checkpoints, export (see pylon.sdk.handles)
+import pylon
+client = pylon.connect()          # RAY_ADDRESS, or the cluster `pylon cluster up` started
+print(client.status())
+run = client.train("train.yaml")  # a Run: logs, metrics, plot, checkpoints, export (see pylon.sdk.handles)
 """
-from pylon.errors import PylonError
 
+from pylon.errors import PylonError
 from pylon.version import __version__
+
 __all__ = ["PylonError", "connect", "Run", "Service", "Job", "DataJob", "__version__"]
 
 _SDK = ("Run", "Service", "Job", "DataJob")

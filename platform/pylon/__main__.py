@@ -1,4 +1,5 @@
 """`python -m pylon ...`: the same CLI as the `pylon` command."""
+
 import sys
 
 from pylon.cli import main

@@ -1,4 +1,5 @@
 """How Pylon's objects show themselves in Jupyter: one small HTML table (`_repr_html_`), values escaped."""
+
 from __future__ import annotations
 
 import html
@@ -12,8 +13,10 @@ _CELL = "text-align:left;vertical-align:top;padding:2px 8px"
 def html_table(title: str | None, rows: list[tuple[str, Any]]) -> str:
     """`rows` of (label, value); a value that is already HTML must be wrapped in `Html`, anything else is
     shown as text (JSON for lists and dicts) and escaped."""
-    body = "".join(f"<tr><th style='{_CELL}'>{html.escape(label)}</th><td style='{_CELL}'>{_cell(value)}</td></tr>"
-                   for label, value in rows)
+    body = "".join(
+        f"<tr><th style='{_CELL}'>{html.escape(label)}</th><td style='{_CELL}'>{_cell(value)}</td></tr>"
+        for label, value in rows
+    )
     caption = f"<caption style='text-align:left;font-weight:bold'>{html.escape(title)}</caption>" if title else ""
     return f"<table style='{_TABLE}'>{caption}{body}</table>"
 

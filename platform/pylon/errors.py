@@ -35,5 +35,7 @@ class JobFailedError(PylonError):
     def __init__(self, job_id: str, status: str, logs_tail: str, message: str | None = None):
         self.job_id, self.status, self.logs_tail = job_id, status, logs_tail
         why = f" ({message.strip()})" if message and message.strip() else ""
-        super().__init__(f"job {job_id} ended {status}{why}; its logs end with:\n{logs_tail}\n"
-                         f"(all of them: `pylon jobs logs {job_id}`)")
+        super().__init__(
+            f"job {job_id} ended {status}{why}; its logs end with:\n{logs_tail}\n"
+            f"(all of them: `pylon jobs logs {job_id}`)"
+        )

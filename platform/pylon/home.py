@@ -5,7 +5,9 @@ cluster's Ray token, mode 0600). `resolve(address)` turns an address (or `RAY_AD
 a dashboard URL, a GCS address and a token; `init_ray` makes this process a Ray driver of that cluster. The SDK's
 `connect()`, the training driver and Ray Data readers all go through here, so none of them imports another.
 """
+
 from __future__ import annotations
+
 import hashlib
 import json
 import os
@@ -14,11 +16,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
 import psutil
 import requests
+
 from pylon import settings
 from pylon.errors import ClusterError
-
 
 STATE_FILE = "cluster.json"
 
@@ -169,10 +172,15 @@ def resolve(address: str | None = None) -> ClusterAddress:
         use_cluster_auth(state.token_path)
         return ClusterAddress(state.dashboard_url, state.gcs_address, read_token(state.token_path))
     if address.startswith("ray://"):
-        raise ClusterError(f"{address}: Ray Client addresses are not supported; give the dashboard URL "
-                           "(http://HOST:8265) instead")
-    ours = state is not None and address in (state.dashboard_url, state.gcs_address,
-                                              f"127.0.0.1:{state.gcs_port}", f"localhost:{state.gcs_port}")
+        raise ClusterError(
+            f"{address}: Ray Client addresses are not supported; give the dashboard URL (http://HOST:8265) instead"
+        )
+    ours = state is not None and address in (
+        state.dashboard_url,
+        state.gcs_address,
+        f"127.0.0.1:{state.gcs_port}",
+        f"localhost:{state.gcs_port}",
+    )
     if ours:
         use_cluster_auth(state.token_path)
         return ClusterAddress(state.dashboard_url, state.gcs_address, read_token(state.token_path))
@@ -189,8 +197,9 @@ def ping(where: ClusterAddress, timeout_s: float = 10.0) -> str:
     try:
         r = requests.get(url, headers=headers, timeout=timeout_s)
     except requests.RequestException as e:
-        raise ClusterError(f"no Ray cluster answers at {where.dashboard_url} ({type(e).__name__}). "
-                           + HOW_TO_START) from None
+        raise ClusterError(
+            f"no Ray cluster answers at {where.dashboard_url} ({type(e).__name__}). " + HOW_TO_START
+        ) from None
     if r.status_code in (401, 403):
         raise ClusterError(
             f"the Ray cluster at {where.dashboard_url} refused the request (HTTP {r.status_code}): token "
@@ -213,6 +222,8 @@ def init_ray(where: ClusterAddress | str | None = None, **kwargs) -> None:
         where = resolve(where)
         ping(where)
     if not where.gcs_address:
-        raise ClusterError(f"the GCS address of {where.dashboard_url} is unknown; connect with the GCS "
-                           "address (HOST:6379) to run Ray work from this process")
+        raise ClusterError(
+            f"the GCS address of {where.dashboard_url} is unknown; connect with the GCS "
+            "address (HOST:6379) to run Ray work from this process"
+        )
     ray.init(address=where.gcs_address, **{"log_to_driver": False, **kwargs})

@@ -7,6 +7,7 @@ A model comes from a named preset (`pylon.presets`), an explicit Hugging Face co
 a local path or object storage (fine-tuning). Nothing is ever downloaded from a hub: directories are read with
 `local_files_only=True`. Models are built in fp32; DeepSpeed casts them for bf16/fp16 and keeps fp32 masters.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,9 @@ _LORA_LAYER_TYPES = ("Linear", "Conv1D")
 # ---------------------------------------------------------------------------------------------------------
 
 
-def model_config(model: ModelSpec, *, vocab_size: int | None = None, eos_id: int | None = None,
-                 pad_id: int | None = None) -> "PretrainedConfig":
+def model_config(
+    model: ModelSpec, *, vocab_size: int | None = None, eos_id: int | None = None, pad_id: int | None = None
+) -> "PretrainedConfig":
     """The Hugging Face config `model` describes, sized for the dataset's tokenizer.
 
     `vocab_size` (the tokenizer's) replaces a preset's or an explicit config's vocabulary; a model directory
@@ -96,7 +98,8 @@ def build_model(spec: TrainJobSpec, *, vocab_size: int, eos_id: int, pad_id: int
         with local_model_dir(spec.model.path) as directory:
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    directory, config=config, dtype=torch.float32, local_files_only=True)
+                    directory, config=config, dtype=torch.float32, local_files_only=True
+                )
             except (OSError, ValueError) as e:
                 raise PylonError(f"model.path {spec.model.path}: cannot load the model ({e})") from None
     else:
@@ -130,9 +133,14 @@ def with_lora(model: "PreTrainedModel", lora: LoraSpec) -> torch.nn.Module:
     matched = lora_targets(model, lora)
     # GPT-2's Conv1D stores weights as (in, out); peft must be told, or it warns and guesses.
     fan_in_fan_out = any(type(model.get_submodule(n)).__name__ == "Conv1D" for names in matched.values() for n in names)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), fan_in_fan_out=fan_in_fan_out,
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        fan_in_fan_out=fan_in_fan_out,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
 
 
@@ -201,7 +209,8 @@ def local_model_dir(uri: str) -> Iterator[str]:
             fs.get(path.rstrip("/") + "/", tmp + "/", recursive=True)
         except Exception as e:  # fsspec/botocore errors while copying
             raise PylonError(
-                f"model.path {storage.describe(uri)}: cannot be copied ({type(e).__name__}: {e})") from None
+                f"model.path {storage.describe(uri)}: cannot be copied ({type(e).__name__}: {e})"
+            ) from None
         try:
             yield tmp
         except PylonError as e:  # about a file of the copy, gone when this returns: name the model as given
@@ -256,8 +265,9 @@ def _matmul_parameters(model: torch.nn.Module) -> int:
     return total
 
 
-def measure_matmul_peak_flops(seconds: float = 1.0, *, device: str | torch.device = "cpu",
-                              dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
+def measure_matmul_peak_flops(
+    seconds: float = 1.0, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, size: int = 1024
+) -> float:
     """FLOP/s of large square matmuls on `device`: the "measured peak" MFU is taken against.
 
     On CPU there is no datasheet number to trust (it depends on the cores, the threads torch uses and what

@@ -11,6 +11,7 @@ process that waits on the build's lock). `make setup` runs this once instead, bu
 Builds are reused by every later process of this environment; a failed build is reported and left to the
 just-in-time path (which reports it again where it matters).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,11 @@ import sys
 import time
 
 # op name -> the DeepSpeed CPU accelerator's builder class that makes it
-DEEPSPEED_OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder",
-                 "deepspeed_shm_comm": "ShareMemCommBuilder"}
+DEEPSPEED_OPS = {
+    "cpu_adam": "CPUAdamBuilder",
+    "fused_adam": "FusedAdamBuilder",
+    "deepspeed_shm_comm": "ShareMemCommBuilder",
+}
 NVME_OPS = {"async_io": "AsyncIOBuilder"}
 
 _BUILD_DEEPSPEED = """
@@ -53,8 +57,10 @@ def build_command(name: str) -> list[str]:
     if builder is None:
         return [sys.executable, "-m", "pylon.serving.model.kernels"]
     if name == "async_io":  # what DeepSpeed's swappers load (deepspeed.ops.op_builder, not the accelerator's)
-        code = ("from deepspeed.ops.op_builder import AsyncIOBuilder as B\nimport sys\nb = B()\n"
-                "sys.exit(3) if not b.is_compatible(verbose=False) else b.load(verbose=False)")
+        code = (
+            "from deepspeed.ops.op_builder import AsyncIOBuilder as B\nimport sys\nb = B()\n"
+            "sys.exit(3) if not b.is_compatible(verbose=False) else b.load(verbose=False)"
+        )
         return [sys.executable, "-c", code]
     return [sys.executable, "-c", _BUILD_DEEPSPEED, builder]
 
@@ -65,9 +71,12 @@ def build(nvme: bool = False) -> dict[str, str]:
     venv_tools_first()
     env = dict(os.environ)
     started = time.perf_counter()
-    procs = {name: subprocess.Popen(build_command(name), env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-             for name in ops}
+    procs = {
+        name: subprocess.Popen(
+            build_command(name), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name in ops
+    }
     results = {}
     for name, proc in procs.items():
         out, _ = proc.communicate()
@@ -84,13 +93,16 @@ def build(nvme: bool = False) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pylon.ops", description=__doc__.split("\n\n")[0],
+        prog="python -m pylon.ops",
+        description=__doc__.split("\n\n")[0],
         epilog="examples:\n  python -m pylon.ops\n  TORCH_EXTENSIONS_DIR=/shared/ops python -m pylon.ops --nvme",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--nvme", action="store_true", help="also build async_io (NVMe offload)")
     args = parser.parse_args(argv)
-    print(f"building C++ ops into {os.environ.get('TORCH_EXTENSIONS_DIR') or '~/.cache/torch_extensions'} ...",
-          flush=True)
+    print(
+        f"building C++ ops into {os.environ.get('TORCH_EXTENSIONS_DIR') or '~/.cache/torch_extensions'} ...", flush=True
+    )
     results = build(nvme=args.nvme)
     for name, outcome in results.items():
         print(f"  {name:<24} {outcome}")

@@ -40,24 +40,66 @@ TCMALLOC = "PYLON_TCMALLOC"
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in [
-        Setting(HOME, "~/.pylon", "Where Pylon keeps its local state: the local cluster's `cluster.json` and "
-                "`auth_token`, specs submitted by the SDK, and the default runs root (`runs/`)."),
-        Setting(GPU_PRICES, "", "A YAML file of accelerator prices ($/hour) that the planner uses instead of the "
-                "catalog's (`pylon plan --prices FILE` wins over it)."),
-        Setting(PAGED_KERNEL, "1", "CPU engines attend with Pylon's compiled paged-attention kernel for decodes "
-                "(`pylon.serving.model.kernels`); off: PyTorch's SDPA over gathered blocks.", switch=True),
-        Setting(PREFILL_KERNEL, "1", "CPU engines attend for prompt chunks with the compiled kernel too; off: "
-                "SDPA.", switch=True),
-        Setting(ONEDNN_LINEAR, "1", "CPU engines run fp32 projections through oneDNN over weights reordered once "
-                "at load (`pylon.serving.model.linear`); off: MKL's addmm.", switch=True),
-        Setting(PADDED_ROWS, "1", "Steps with a prompt chunk run their projections over one of a few padded row "
-                "counts, compiled at start-up; off: no padding, kernels compiled as steps come.", switch=True),
-        Setting(SCHED_BATCH, "1", "CPU engine processes and replicas run under Linux's SCHED_BATCH policy "
-                "(`pylon.serving.engine.sched_batch`); off: the default policy.", switch=True),
-        Setting(KEEP_HEAP, "1", "An engine process keeps the memory it frees (glibc's malloc thresholds; "
-                "`pylon.serving.engine.heap`); off: glibc's defaults.", switch=True),
-        Setting(TCMALLOC, "1", "A CPU engine process starts with gperftools' TCMalloc preloaded where it is "
-                "installed; off: glibc's malloc.", switch=True),
+        Setting(
+            HOME,
+            "~/.pylon",
+            "Where Pylon keeps its local state: the local cluster's `cluster.json` and "
+            "`auth_token`, specs submitted by the SDK, and the default runs root (`runs/`).",
+        ),
+        Setting(
+            GPU_PRICES,
+            "",
+            "A YAML file of accelerator prices ($/hour) that the planner uses instead of the "
+            "catalog's (`pylon plan --prices FILE` wins over it).",
+        ),
+        Setting(
+            PAGED_KERNEL,
+            "1",
+            "CPU engines attend with Pylon's compiled paged-attention kernel for decodes "
+            "(`pylon.serving.model.kernels`); off: PyTorch's SDPA over gathered blocks.",
+            switch=True,
+        ),
+        Setting(
+            PREFILL_KERNEL,
+            "1",
+            "CPU engines attend for prompt chunks with the compiled kernel too; off: SDPA.",
+            switch=True,
+        ),
+        Setting(
+            ONEDNN_LINEAR,
+            "1",
+            "CPU engines run fp32 projections through oneDNN over weights reordered once "
+            "at load (`pylon.serving.model.linear`); off: MKL's addmm.",
+            switch=True,
+        ),
+        Setting(
+            PADDED_ROWS,
+            "1",
+            "Steps with a prompt chunk run their projections over one of a few padded row "
+            "counts, compiled at start-up; off: no padding, kernels compiled as steps come.",
+            switch=True,
+        ),
+        Setting(
+            SCHED_BATCH,
+            "1",
+            "CPU engine processes and replicas run under Linux's SCHED_BATCH policy "
+            "(`pylon.serving.engine.sched_batch`); off: the default policy.",
+            switch=True,
+        ),
+        Setting(
+            KEEP_HEAP,
+            "1",
+            "An engine process keeps the memory it frees (glibc's malloc thresholds; "
+            "`pylon.serving.engine.heap`); off: glibc's defaults.",
+            switch=True,
+        ),
+        Setting(
+            TCMALLOC,
+            "1",
+            "A CPU engine process starts with gperftools' TCMalloc preloaded where it is "
+            "installed; off: glibc's malloc.",
+            switch=True,
+        ),
     ]
 }
 

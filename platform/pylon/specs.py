@@ -6,6 +6,7 @@ names the file, the document, the line and the field path, with the allowed valu
 
     train.yaml:12: document 1 (TrainJob 'stdlib-gpt'): deepspeed.zero_stage: must be one of 0, 1, 2, 3 (got 5)
 """
+
 from __future__ import annotations
 
 import os
@@ -184,8 +185,10 @@ class ScalingSpec(_Spec):
     use_gpu: bool = False
     resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="how workers are placed on nodes (a Ray placement group strategy): PACK fills "
-                            "few nodes, STRICT_SPREAD puts every worker on its own node")
+        "PACK",
+        description="how workers are placed on nodes (a Ray placement group strategy): PACK fills "
+        "few nodes, STRICT_SPREAD puts every worker on its own node",
+    )
 
 
 class AioSpec(_Spec):
@@ -218,8 +221,12 @@ class DeepSpeedSpec(_Spec):
             )
         if self.offload_optimizer == "nvme" and self.zero_stage != 3:
             # DeepSpeed's stage 1/2 optimizer has no NVMe path: it would quietly keep the states in host RAM.
-            problems.append(("offload_optimizer", f"'nvme' needs zero_stage 3 (got zero_stage {self.zero_stage}); "
-                                                  "use 'cpu' with stages 1-2"))
+            problems.append(
+                (
+                    "offload_optimizer",
+                    f"'nvme' needs zero_stage 3 (got zero_stage {self.zero_stage}); use 'cpu' with stages 1-2",
+                )
+            )
         if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             problems.append(("nvme_path", "required when offload_optimizer or offload_param is 'nvme'"))
         _raise_problems(problems)
@@ -262,11 +269,15 @@ class CheckpointSpec(_Spec):
     @model_validator(mode="after")
     def _rules(self) -> "CheckpointSpec":
         if self.keep_every and self.keep_every % self.every_steps:
-            _raise_problems([(
-                "keep_every",
-                f"must be a multiple of every_steps ({self.every_steps}), or no checkpoint would ever be kept "
-                f"by it (got {self.keep_every})",
-            )])
+            _raise_problems(
+                [
+                    (
+                        "keep_every",
+                        f"must be a multiple of every_steps ({self.every_steps}), or no checkpoint would ever be kept "
+                        f"by it (got {self.keep_every})",
+                    )
+                ]
+            )
         return self
 
 
@@ -300,10 +311,14 @@ class TrainJobSpec(_Spec):
     def _deepspeed_style_precision(cls, data: Any) -> Any:
         # People arrive with DeepSpeed configs in mind; say what to write instead of "unknown field".
         if isinstance(data, dict) and "fp16" in data and "bf16" in data:
-            raise CrossFieldError([(
-                "fp16",
-                "fp16 and bf16 are exclusive; choose one with 'precision: fp16' or 'precision: bf16'",
-            )])
+            raise CrossFieldError(
+                [
+                    (
+                        "fp16",
+                        "fp16 and bf16 are exclusive; choose one with 'precision: fp16' or 'precision: bf16'",
+                    )
+                ]
+            )
         for key in ("fp16", "bf16"):
             if isinstance(data, dict) and key in data:
                 raise CrossFieldError([(key, f"not a field here; write 'precision: {key}'")])
@@ -313,9 +328,9 @@ class TrainJobSpec(_Spec):
     def _rules(self) -> "TrainJobSpec":
         problems = []
         if self.optim.warmup_steps >= self.steps:
-            problems.append((
-                "optim.warmup_steps", f"must be less than steps ({self.steps}) (got {self.optim.warmup_steps})"
-            ))
+            problems.append(
+                ("optim.warmup_steps", f"must be less than steps ({self.steps}) (got {self.optim.warmup_steps})")
+            )
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
         _raise_problems(problems)
@@ -350,43 +365,61 @@ class EngineSpec(_Spec):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
     kv_cache_dtype: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = Field(
-        "auto", description="how the paged KV cache stores keys and values (vLLM's kv_cache_dtype): auto = as the "
-                            "model computes (dtype); bf16 or fp16 halve the cache's memory per token and the bytes "
-                            "every decode step reads, fp8 (e4m3, unscaled, saturating at +-448) quarters them. "
-                            "Attention still computes in dtype, but outputs are no longer exactly the model's own: "
-                            "greedy outputs can part from `transformers` generate's after a few tokens")
+        "auto",
+        description="how the paged KV cache stores keys and values (vLLM's kv_cache_dtype): auto = as the "
+        "model computes (dtype); bf16 or fp16 halve the cache's memory per token and the bytes "
+        "every decode step reads, fp8 (e4m3, unscaled, saturating at +-448) quarters them. "
+        "Attention still computes in dtype, but outputs are no longer exactly the model's own: "
+        "greedy outputs can part from `transformers` generate's after a few tokens",
+    )
     separate_process: bool = Field(
-        True, description="in a Serve replica, run the engine in a child process of its own (as vLLM v1 runs its "
-                          "engine core): HTTP and Serve's work then never hold the Python lock the step loop needs")
+        True,
+        description="in a Serve replica, run the engine in a child process of its own (as vLLM v1 runs its "
+        "engine core): HTTP and Serve's work then never hold the Python lock the step loop needs",
+    )
     cuda_graphs: bool = Field(
-        True, description="on a GPU, capture CUDA graphs for steps of decodes only in a few fixed shapes at start-up "
-                          "and replay them (fewer kernel launches per step); false: every step runs eagerly. "
-                          "No effect on a CPU")
+        True,
+        description="on a GPU, capture CUDA graphs for steps of decodes only in a few fixed shapes at start-up "
+        "and replay them (fewer kernel launches per step); false: every step runs eagerly. "
+        "No effect on a CPU",
+    )
     data_parallel: PositiveInt = Field(
-        1, description="engine processes per replica, each with its own copy of the model and its own KV cache "
-                       "(max_num_seqs and kv_cache_tokens are per engine); a request goes to the one with the fewest "
-                       "open requests. The replica's CPUs are divided among them (on a GPU: one GPU each, so "
-                       "replica.num_gpus must match). On a CPU node, one replica with an engine per core serves "
-                       "more than a replica per core: one HTTP server and one set of Serve's and Ray's per-process "
-                       "costs instead of one per engine. autoscaling.target_ongoing_requests counts a replica's "
-                       "requests, all its engines'")
+        1,
+        description="engine processes per replica, each with its own copy of the model and its own KV cache "
+        "(max_num_seqs and kv_cache_tokens are per engine); a request goes to the one with the fewest "
+        "open requests. The replica's CPUs are divided among them (on a GPU: one GPU each, so "
+        "replica.num_gpus must match). On a CPU node, one replica with an engine per core serves "
+        "more than a replica per core: one HTTP server and one set of Serve's and Ray's per-process "
+        "costs instead of one per engine. autoscaling.target_ongoing_requests counts a replica's "
+        "requests, all its engines'",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "EngineSpec":
         problems = []
         if self.data_parallel > 1 and not self.separate_process:
-            problems.append(("data_parallel", f"needs separate_process: true (each engine is a process of its own) "
-                                              f"(got data_parallel {self.data_parallel} with separate_process false)"))
+            problems.append(
+                (
+                    "data_parallel",
+                    f"needs separate_process: true (each engine is a process of its own) "
+                    f"(got data_parallel {self.data_parallel} with separate_process false)",
+                )
+            )
         if self.kv_cache_tokens < self.max_model_len:
-            problems.append((
-                "kv_cache_tokens",
-                f"must hold at least one full sequence: >= max_model_len ({self.max_model_len}) "
-                f"(got {self.kv_cache_tokens})",
-            ))
+            problems.append(
+                (
+                    "kv_cache_tokens",
+                    f"must hold at least one full sequence: >= max_model_len ({self.max_model_len}) "
+                    f"(got {self.kv_cache_tokens})",
+                )
+            )
         if self.kv_cache_tokens % self.block_size:
-            problems.append((
-                "kv_cache_tokens", f"must be a multiple of block_size ({self.block_size}) (got {self.kv_cache_tokens})"
-            ))
+            problems.append(
+                (
+                    "kv_cache_tokens",
+                    f"must be a multiple of block_size ({self.block_size}) (got {self.kv_cache_tokens})",
+                )
+            )
         _raise_problems(problems)
         return self
 
@@ -403,13 +436,17 @@ class AutoscalingSpec(_Spec):
     def _rules(self) -> "AutoscalingSpec":
         problems = []
         if self.min_replicas > self.max_replicas:
-            problems.append(("min_replicas", f"must be <= max_replicas ({self.max_replicas}) (got {self.min_replicas})"))
+            problems.append(
+                ("min_replicas", f"must be <= max_replicas ({self.max_replicas}) (got {self.min_replicas})")
+            )
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
-            problems.append((
-                "initial_replicas",
-                f"must be between min_replicas ({self.min_replicas}) and max_replicas ({self.max_replicas}) "
-                f"(got {self.initial_replicas})",
-            ))
+            problems.append(
+                (
+                    "initial_replicas",
+                    f"must be between min_replicas ({self.min_replicas}) and max_replicas ({self.max_replicas}) "
+                    f"(got {self.initial_replicas})",
+                )
+            )
         _raise_problems(problems)
         return self
 
@@ -421,10 +458,12 @@ class HttpSpec(_Spec):
     max_queued_requests: PositiveInt = 256
     request_timeout_s: Annotated[float, Field(gt=0)] = 60
     stream_interval_ms: Annotated[float, Field(ge=0, le=1000)] = Field(
-        50, description="a stream's first token goes out at once, later ones once per this many ms on average "
-                        "(on ticks every stream of a replica shares, at least half of it apart), the tokens in "
-                        "between joined into one chunk (every chunk costs the replica and the ingress; 0: one "
-                        "chunk per decoding step)")
+        50,
+        description="a stream's first token goes out at once, later ones once per this many ms on average "
+        "(on ticks every stream of a replica shares, at least half of it apart), the tokens in "
+        "between joined into one chunk (every chunk costs the replica and the ingress; 0: one "
+        "chunk per decoding step)",
+    )
     route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9_\-/]*$")
 
 
@@ -450,8 +489,15 @@ class DeploymentSpec(_Spec):
             _raise_problems([("replica.num_gpus", "must be > 0 when engine.device is 'cuda' (got 0)")])
         dp = self.engine.data_parallel
         if dp > 1 and self.engine.device == "cuda" and self.replica.num_gpus < dp:
-            _raise_problems([("replica.num_gpus", f"must be >= engine.data_parallel ({dp}): each engine takes a GPU "
-                                                  f"of its own (got {self.replica.num_gpus:g})")])
+            _raise_problems(
+                [
+                    (
+                        "replica.num_gpus",
+                        f"must be >= engine.data_parallel ({dp}): each engine takes a GPU "
+                        f"of its own (got {self.replica.num_gpus:g})",
+                    )
+                ]
+            )
         return self
 
     def summary(self) -> str:
@@ -548,17 +594,22 @@ class ClusterSpec(_Spec):
                 problems.append(("head.instance_type", f"required for provider type '{self.provider.type}'"))
             for i, group in enumerate(self.worker_groups):
                 if not group.instance_type:
-                    problems.append((f"worker_groups[{i}].instance_type",
-                                     f"required for provider type '{self.provider.type}'"))
+                    problems.append(
+                        (f"worker_groups[{i}].instance_type", f"required for provider type '{self.provider.type}'")
+                    )
         _raise_problems(problems)
         return self
 
     def summary(self) -> str:
-        groups = ", ".join(
-            f"{g.name} {g.min_workers}-{g.max_workers}x({g.cpus} CPU"
-            + (f", {g.gpus} {g.gpu_type or 'GPU'}" if g.gpus else "") + ")"
-            for g in self.worker_groups
-        ) or "no worker groups"
+        groups = (
+            ", ".join(
+                f"{g.name} {g.min_workers}-{g.max_workers}x({g.cpus} CPU"
+                + (f", {g.gpus} {g.gpu_type or 'GPU'}" if g.gpus else "")
+                + ")"
+                for g in self.worker_groups
+            )
+            or "no worker groups"
+        )
         return f"Cluster '{self.name}': provider {self.provider.type}, head {self.head.cpus} CPU, {groups}"
 
 
@@ -644,9 +695,7 @@ def load_spec(path: str | os.PathLike, kind: type[_Spec] | None = None):
 
 def to_yaml(*specs: _Spec) -> str:
     """Specs back to YAML (defaults included, so the dump shows what will actually run)."""
-    return yaml.safe_dump_all(
-        [s.model_dump(mode="json") for s in specs], sort_keys=False, default_flow_style=None
-    )
+    return yaml.safe_dump_all([s.model_dump(mode="json") for s in specs], sort_keys=False, default_flow_style=None)
 
 
 class _DocumentProblems(Exception):
@@ -685,9 +734,7 @@ def _reject_duplicate_keys(node: yaml.Node, seen_nodes: set[int] | None = None) 
         for key, value in node.value:
             if isinstance(key, yaml.ScalarNode):
                 if key.value in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key '{key.value}'", key.start_mark
-                    )
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key.value}'", key.start_mark)
                 seen.add(key.value)
             _reject_duplicate_keys(value, seen_nodes)
     elif isinstance(node, yaml.SequenceNode):
@@ -742,9 +789,9 @@ def _explain(cls: type[BaseModel], err: dict) -> list[tuple[tuple, str]]:
         return [(loc, f"must be one of {expected} (got {_show(given)})")]
     msg = err["msg"]
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     elif msg.startswith("Input should be"):
-        msg = "must be" + msg[len("Input should be"):] + f" (got {_show(given)})"
+        msg = "must be" + msg[len("Input should be") :] + f" (got {_show(given)})"
     return [(loc, msg[0].lower() + msg[1:] if msg else msg)]
 
 

@@ -15,10 +15,12 @@ answers 429 with Retry-After once `max_queued_requests` are already waiting for 
 OpenAI's JSON error object. API keys: the spec names an environment variable (read where `build_app` runs);
 the replica receives only their SHA-256 digests, so no key is in the Serve config, the dashboard or a log.
 """
+
 from __future__ import annotations
-from pylon.specs import DeploymentSpec
-from pylon.serving.api.server import PylonLLMServer
+
 from pylon.serving.api.http import api_key_digests
+from pylon.serving.api.server import PylonLLMServer
+from pylon.specs import DeploymentSpec
 
 
 def _ingress_class():
@@ -37,9 +39,11 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
     digests = api_key_digests(spec) if key_digests is None else key_digests
     a, http = spec.autoscaling, spec.http
     autoscaling = {
-        "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+        "min_replicas": a.min_replicas,
+        "max_replicas": a.max_replicas,
         "target_ongoing_requests": a.target_ongoing_requests,
-        "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+        "upscale_delay_s": a.upscale_delay_s,
+        "downscale_delay_s": a.downscale_delay_s,
     }
     if a.initial_replicas is not None:
         autoscaling["initial_replicas"] = a.initial_replicas
@@ -57,7 +61,8 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
         max_ongoing_requests=running + 2 * http.max_queued_requests,
         max_queued_requests=4 * (running + 2 * http.max_queued_requests),
         ray_actor_options={"num_cpus": spec.replica.num_cpus, "num_gpus": spec.replica.num_gpus},
-        health_check_period_s=5, health_check_timeout_s=30,
+        health_check_period_s=5,
+        health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
     )
     return deployment.bind(spec.model_dump(mode="json"), digests)

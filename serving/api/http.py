@@ -2,13 +2,15 @@
 
 Routes, API-key auth (the replica holds only SHA-256 digests of the keys: `api_key_digests`), body limits, SSE
 streaming and OpenAI's JSON error object for every error."""
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import hashlib
 import json
 import os
 import re
+from typing import TYPE_CHECKING
+
 from pylon.errors import PylonError
 from pylon.specs import DeploymentSpec
 
@@ -30,8 +32,10 @@ def api_key_digests(spec: DeploymentSpec, environ: dict | None = None) -> list[s
     raw = (environ if environ is not None else os.environ).get(env_name, "")
     keys = [k.strip() for k in raw.split(",") if k.strip()]
     if not keys:
-        raise PylonError(f"http.api_keys_env: environment variable {env_name} is empty or unset; set it to "
-                         f"comma-separated API keys, or set http.api_keys_env: null to serve without auth")
+        raise PylonError(
+            f"http.api_keys_env: environment variable {env_name} is empty or unset; set it to "
+            f"comma-separated API keys, or set http.api_keys_env: null to serve without auth"
+        )
     return [hashlib.sha256(k.encode()).hexdigest() for k in keys]
 
 
@@ -55,8 +59,7 @@ _ROUTES = {
 
 
 class _HttpError(Exception):
-    def __init__(self, status: int, message: str, *, type: str, param: str | None = None,
-                 headers: dict | None = None):
+    def __init__(self, status: int, message: str, *, type: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
 
@@ -68,13 +71,19 @@ class _ClientGone(Exception):
 async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
     body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
     extra = [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send, status: int, message: str, *, type: str, param: str | None = None,
-                      headers: dict | None = None) -> None:
+async def _send_error(
+    send, status: int, message: str, *, type: str, param: str | None = None, headers: dict | None = None
+) -> None:
     """OpenAI's error JSON. No X-Request-Id here: Serve's ingress (the replica's own HTTP server behind HAProxy,
     or Serve's proxy) echoes (or assigns) it on every response, ours included."""
     from pylon.serving.api.protocol import error_body
@@ -86,7 +95,7 @@ def _route_path(scope) -> str:
     """The path below the app's mount point (Serve mounts it at root_path + route_prefix), as Starlette routes it."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        path = path[len(root):]
+        path = path[len(root) :]
     return path.rstrip("/") or "/"
 
 
@@ -103,8 +112,12 @@ async def _read_body(receive) -> bytes:
         part = message.get("body", b"")
         size += len(part)
         if size > MAX_BODY_BYTES:
-            raise _HttpError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
-                             type="invalid_request_error", param="body")
+            raise _HttpError(
+                413,
+                f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
+                type="invalid_request_error",
+                param="body",
+            )
         parts.append(part)
         if not message.get("more_body", False):
             return b"".join(parts)

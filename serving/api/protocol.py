@@ -7,6 +7,7 @@ only at their neutral value, with an error that says so otherwise: a client that
 `"response_format": {"type": "text"}` by habit is served, one that asks for function calling is told it is not
 there. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's extensions, kept by name.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pylon.serving.errors import InvalidRequest, shown
 from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.errors import InvalidRequest, shown
 
 
 class _Request(BaseModel):
@@ -56,9 +57,16 @@ class _Request(BaseModel):
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=self.stop or [],
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -81,8 +89,9 @@ class CompletionRequest(_Request):
         super().check_supported()
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
             if len(self.prompt) != 1:
-                raise InvalidRequest(f"prompt: one prompt per request (got a batch of {len(self.prompt)})",
-                                     param="prompt")
+                raise InvalidRequest(
+                    f"prompt: one prompt per request (got a batch of {len(self.prompt)})", param="prompt"
+                )
             self.prompt = self.prompt[0]
         if self.echo:
             raise InvalidRequest("echo is not supported", param="echo")
@@ -125,19 +134,29 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs:
             raise InvalidRequest("top_logprobs is not supported; leave it at 0", param="top_logprobs")
         if self.tools:
-            raise InvalidRequest("tools (function calling) are not supported by this server; send the request "
-                                 "without them", param="tools")
+            raise InvalidRequest(
+                "tools (function calling) are not supported by this server; send the request without them",
+                param="tools",
+            )
         if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequest(f"tool_choice {shown(self.tool_choice)} is not supported: this server calls no "
-                                 "tools (leave it out, or \"none\")", param="tool_choice")
+            raise InvalidRequest(
+                f"tool_choice {shown(self.tool_choice)} is not supported: this server calls no "
+                'tools (leave it out, or "none")',
+                param="tool_choice",
+            )
         if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequest(f"response_format type {shown(self.response_format.type)} is not supported: "
-                                 "structured output (json_object, json_schema) is not constrained here; leave "
-                                 "response_format out or {\"type\": \"text\"}", param="response_format")
+            raise InvalidRequest(
+                f"response_format type {shown(self.response_format.type)} is not supported: "
+                "structured output (json_object, json_schema) is not constrained here; leave "
+                'response_format out or {"type": "text"}',
+                param="response_format",
+            )
         for i, message in enumerate(self.messages):
             if message.tool_calls:
-                raise InvalidRequest(f"messages[{i}].tool_calls: tool calls are not supported by this server",
-                                     param=f"messages.{i}.tool_calls")
+                raise InvalidRequest(
+                    f"messages[{i}].tool_calls: tool calls are not supported by this server",
+                    param=f"messages.{i}.tool_calls",
+                )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")
@@ -165,11 +184,17 @@ def parse_request(cls: type[_Request], body: bytes) -> _Request:
         elif first["type"] == "missing":
             message = f"missing required field '{param}'"
         elif union is not None:
-            tried = list(dict.fromkeys(err["loc"][union] for err in errors
-                                       if len(err["loc"]) > union and list(err["loc"][:union]) == loc))
+            tried = list(
+                dict.fromkeys(
+                    err["loc"][union] for err in errors if len(err["loc"]) > union and list(err["loc"][:union]) == loc
+                )
+            )
             got = f" (got {shown(first.get('input'))})" if len(first["loc"]) == union + 1 else ""
-            message = f"{param}: expected {', '.join(tried[:-1])} or {tried[-1]}{got}" if len(tried) > 1 else \
-                f"{param}: {first['msg']}{got}"
+            message = (
+                f"{param}: expected {', '.join(tried[:-1])} or {tried[-1]}{got}"
+                if len(tried) > 1
+                else f"{param}: {first['msg']}{got}"
+            )
         else:
             message = f"{param}: {first['msg']} (got {shown(first.get('input'))})"
         raise InvalidRequest(message, param=param) from None
@@ -182,8 +207,9 @@ def parse_request(cls: type[_Request], body: bytes) -> _Request:
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|set)\[.*\]|function-\w+\[.*\])$")
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | int | None = None
+) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -194,33 +220,64 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-                        completion_tokens: int) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def completion_response(
+    rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int
+) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+    }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-                  completion_tokens: int) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def chat_response(
+    rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int
+) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
 
 
 class StreamEvents:
@@ -233,8 +290,10 @@ class StreamEvents:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         self.kind, self.rid, self.model, self.obj = kind, rid, model, obj
         self.created = int(time.time())
-        self._head = (f'data: {{"id":{_quote(rid)},"object":"{obj}","created":{self.created},'
-                      f'"model":{_quote(model)},"choices":[{{"index":0,')
+        self._head = (
+            f'data: {{"id":{_quote(rid)},"object":"{obj}","created":{self.created},'
+            f'"model":{_quote(model)},"choices":[{{"index":0,'
+        )
 
     def chunk(self, text: str, finish_reason: str | None) -> str:
         """A completion chunk (`"text"`) or a chat chunk (`"delta"`: content, or nothing once text is done)."""
@@ -250,20 +309,28 @@ class StreamEvents:
         return f'{self._head}"delta":{{"role":"assistant","content":""}},"finish_reason":null,"logprobs":null}}]}}\n\n'
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
-        return self.event(usage_chunk(self.rid, self.model, self.obj, prompt_tokens, completion_tokens,
-                                      created=self.created))
+        return self.event(
+            usage_chunk(self.rid, self.model, self.obj, prompt_tokens, completion_tokens, created=self.created)
+        )
 
     @staticmethod
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int, *,
-                created: int | None = None) -> dict:
+def usage_chunk(
+    rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int, *, created: int | None = None
+) -> dict:
     """The last chunk of a stream with stream_options.include_usage: no choices, only usage."""
     created = int(time.time()) if created is None else created
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 _Request.model_rebuild()

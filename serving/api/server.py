@@ -1,17 +1,32 @@
 """PylonLLMServer, the Serve deployment: each replica owns one engine (the model, its KV cache and its step loop, in
 a child process by default, or `engine.data_parallel` of them in a pool), turns requests into engine calls, streams
 outputs, answers 429 when its queue is full, and exports Prometheus metrics labelled by model."""
+
 from __future__ import annotations
+
 import asyncio
 import hashlib
 import hmac
 import logging
 import time
-from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
-from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.specs import DeploymentSpec
-from pylon.serving.api.http import OpenAIApp, RETRY_AFTER_S, _ClientGone, _HttpError, _REQUEST_ID, _ROUTES, _SSE_HEADERS, _headers, _read_body, _route_path, _send_error, _send_json
 
+from pylon.serving.api.http import (
+    _REQUEST_ID,
+    _ROUTES,
+    _SSE_HEADERS,
+    RETRY_AFTER_S,
+    OpenAIApp,
+    _ClientGone,
+    _headers,
+    _HttpError,
+    _read_body,
+    _route_path,
+    _send_error,
+    _send_json,
+)
+from pylon.serving.engine.sched_batch import serve_cpu_as_batch
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
+from pylon.specs import DeploymentSpec
 
 log = logging.getLogger("pylon.serving")
 
@@ -49,8 +64,11 @@ def _metrics(model: str):
         "kv": gauge("pylon_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
         "prompt_tokens": counter("pylon_prompt_tokens_total", "Prompt tokens processed"),
         "generation_tokens": counter("pylon_generation_tokens_total", "Tokens generated"),
-        "requests": counter("pylon_requests_total", "Finished requests by HTTP status and finish reason",
-                            keys=("model", "status", "finish_reason")),
+        "requests": counter(
+            "pylon_requests_total",
+            "Finished requests by HTTP status and finish reason",
+            keys=("model", "status", "finish_reason"),
+        ),
     }
 
 
@@ -66,7 +84,9 @@ class PylonLLMServer:
         self._key_digests = [bytes.fromhex(d) for d in key_digests]
         t0 = time.monotonic()
         engine = self.spec.engine
-        kind = EnginePool if engine.data_parallel > 1 else ProcessLLMEngine if engine.separate_process else AsyncLLMEngine
+        kind = (
+            EnginePool if engine.data_parallel > 1 else ProcessLLMEngine if engine.separate_process else AsyncLLMEngine
+        )
         self.engine = kind.from_model(self.spec.model, self.spec.engine)
         log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
         # On a CPU the engines are throughput work and this process's wakeups (chunks, Ray's own threads) should
@@ -107,36 +127,57 @@ class PylonLLMServer:
         header = headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise _HttpError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                             type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+            raise _HttpError(
+                401,
+                "missing API key: send 'Authorization: Bearer <key>'",
+                type="authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         digest = hashlib.sha256(token.strip().encode()).digest()
         if not any(hmac.compare_digest(digest, d) for d in self._key_digests):
-            raise _HttpError(401, "invalid API key", type="authentication_error",
-                             headers={"WWW-Authenticate": "Bearer"})
+            raise _HttpError(
+                401, "invalid API key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"}
+            )
 
     def _admit(self) -> None:
         waiting = self.engine.stats().num_waiting
         if waiting >= self.spec.http.max_queued_requests:
-            raise _HttpError(429, f"server busy: {waiting} requests already waiting for {self.model_name}; "
-                                  f"retry after {RETRY_AFTER_S} s", type="rate_limit_error",
-                             headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise _HttpError(
+                429,
+                f"server busy: {waiting} requests already waiting for {self.model_name}; retry after {RETRY_AFTER_S} s",
+                type="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise _HttpError(404, f"model '{name}' does not exist; this server has '{self.model_name}' "
-                                  "(see GET /v1/models)", type="invalid_request_error", param="model")
+            raise _HttpError(
+                404,
+                f"model '{name}' does not exist; this server has '{self.model_name}' (see GET /v1/models)",
+                type="invalid_request_error",
+                param="model",
+            )
 
     async def _dispatch(self, scope, receive, send) -> None:
         path, method = _route_path(scope), scope["method"]
         route = _ROUTES.get(path)
         if route is None:
-            return await _send_error(send, 404, f"no route {path}; this server answers POST /v1/completions, "
-                                                "POST /v1/chat/completions, GET /v1/models, GET /health and GET /ready",
-                                     type="invalid_request_error")
+            return await _send_error(
+                send,
+                404,
+                f"no route {path}; this server answers POST /v1/completions, "
+                "POST /v1/chat/completions, GET /v1/models, GET /health and GET /ready",
+                type="invalid_request_error",
+            )
         allowed, handler = route
         if method != allowed:
-            return await _send_error(send, 405, f"{method} {path} is not allowed; use {allowed}",
-                                     type="invalid_request_error", headers={"Allow": allowed})
+            return await _send_error(
+                send,
+                405,
+                f"{method} {path} is not allowed; use {allowed}",
+                type="invalid_request_error",
+                headers={"Allow": allowed},
+            )
         try:
             await getattr(self, handler)(scope, receive, send)
         except _ClientGone:
@@ -144,8 +185,12 @@ class PylonLLMServer:
         except Exception:  # a bug of ours: a 500 with an error body, not a dropped connection (if nothing was sent yet)
             log.exception("%s %s failed", method, path)
             try:
-                await _send_error(send, 500, f"internal error while serving {method} {path} (see the replica's log)",
-                                  type="server_error")
+                await _send_error(
+                    send,
+                    500,
+                    f"internal error while serving {method} {path} (see the replica's log)",
+                    type="server_error",
+                )
             except Exception:  # the response had already started
                 pass
 
@@ -160,9 +205,22 @@ class PylonLLMServer:
             self._authorize(_headers(scope))
         except _HttpError as e:
             return await _send_error(send, e.status, e.message, type=e.type, headers=e.headers)
-        await _send_json(send, 200, {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "owned_by": "pylon", "created": 0,
-            "max_model_len": self.engine.max_model_len}]})
+        await _send_json(
+            send,
+            200,
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "owned_by": "pylon",
+                        "created": 0,
+                        "max_model_len": self.engine.max_model_len,
+                    }
+                ],
+            },
+        )
 
     async def _health(self, scope, receive, send) -> None:
         """Liveness that probes the engine: its step loop must have beaten within the heartbeat window."""
@@ -172,9 +230,17 @@ class PylonLLMServer:
     async def _ready(self, scope, receive, send) -> None:
         stats = self.engine.stats()
         ok = self.engine.check_health()
-        await _send_json(send, 200 if ok else 503, {
-            "ready": ok, "model": self.model_name, "running": stats.num_running, "waiting": stats.num_waiting,
-            "kv_cache_usage": round(stats.kv_cache_utilization, 4)})
+        await _send_json(
+            send,
+            200 if ok else 503,
+            {
+                "ready": ok,
+                "model": self.model_name,
+                "running": stats.num_running,
+                "waiting": stats.num_waiting,
+                "kv_cache_usage": round(stats.kv_cache_utilization, 4),
+            },
+        )
 
     async def _generate(self, scope, receive, send, kind: str) -> None:
         from pylon.serving.api import protocol
@@ -190,8 +256,12 @@ class PylonLLMServer:
             cls = protocol.CompletionRequest if kind == "completion" else protocol.ChatCompletionRequest
             encoding = headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):  # read as JSON, a compressed body would be a baffling 400
-                raise _HttpError(415, f"Content-Encoding {encoding!r} is not supported: send the JSON body "
-                                      "uncompressed", type="invalid_request_error", param="body")
+                raise _HttpError(
+                    415,
+                    f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
+                    type="invalid_request_error",
+                    param="body",
+                )
             body = protocol.parse_request(cls, await _read_body(receive))
             self._check_model(body.model)
             if kind == "completion":
@@ -201,14 +271,16 @@ class PylonLLMServer:
             else:
                 from pylon.serving.engine.tokenization import apply_chat_template
 
-                prompt = apply_chat_template(self.engine.tokenizer, [m.model_dump(exclude_none=True)
-                                                                     for m in body.messages])
+                prompt = apply_chat_template(
+                    self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages]
+                )
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default.
             params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
-            stream = self.engine.generate(engine_id, prompt, params,
-                                          interval_s=self.spec.http.stream_interval_ms / 1000)
+            stream = self.engine.generate(
+                engine_id, prompt, params, interval_s=self.spec.http.stream_interval_ms / 1000
+            )
             first = await self._first(stream)  # validation errors surface here, before any byte is sent
         except _HttpError as e:
             self._count(e.status, "none")
@@ -218,8 +290,13 @@ class PylonLLMServer:
             return await _send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
         except EngineDeadError as e:
             self._count(503, "none")
-            return await _send_error(send, 503, f"{self.model_name} is unavailable: {e}", type="server_error",
-                                     headers={"Retry-After": str(RETRY_AFTER_S)})
+            return await _send_error(
+                send,
+                503,
+                f"{self.model_name} is unavailable: {e}",
+                type="server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         except RequestFailed as e:  # the engine's fault, this request's alone: the engine serves on
             log.error("%s: %s", self.model_name, e)
             self._count(500, "none")
@@ -228,8 +305,9 @@ class PylonLLMServer:
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
         timeout = self.spec.http.request_timeout_s
         if body.stream:
-            return await self._stream(send, protocol.StreamEvents(kind, rid, self.model_name), body, first, stream,
-                                      timeout)
+            return await self._stream(
+                send, protocol.StreamEvents(kind, rid, self.model_name), body, first, stream, timeout
+            )
         text, last = [], first
         try:
             async with asyncio.timeout(timeout):
@@ -238,8 +316,9 @@ class PylonLLMServer:
                     last = out
         except TimeoutError:
             self._count(504, "timeout")
-            return await _send_error(send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)",
-                                     type="timeout_error")
+            return await _send_error(
+                send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error"
+            )
         except EngineDeadError as e:
             self._count(503, "none")
             return await _send_error(send, 503, str(e), type="server_error")
@@ -247,8 +326,13 @@ class PylonLLMServer:
             await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
         self._observe(last)
         make = protocol.completion_response if kind == "completion" else protocol.chat_response
-        await _send_json(send, 200, make(rid, self.model_name, "".join(text), last.finish_reason,
-                                         last.num_prompt_tokens, last.num_output_tokens))
+        await _send_json(
+            send,
+            200,
+            make(
+                rid, self.model_name, "".join(text), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens
+            ),
+        )
 
     async def _first(self, stream):
         return await stream.__anext__()
@@ -278,8 +362,11 @@ class PylonLLMServer:
             self._observe(last)
         except TimeoutError:
             self._count(504, "timeout")
-            held += events.event(protocol.error_body(f"the request took longer than request_timeout_s "
-                                                     f"({timeout:g} s)", type="timeout_error", code=504))
+            held += events.event(
+                protocol.error_body(
+                    f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error", code=504
+                )
+            )
         except EngineDeadError as e:
             self._count(503, "none")
             held += events.event(protocol.error_body(str(e), type="server_error", code=503))

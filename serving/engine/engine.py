@@ -13,6 +13,7 @@ loop on a thread of its own and streams each request's outputs to an asyncio con
 `add_request` and `abort` may be called from any thread: they only queue work that the next step takes in.
 Everything else belongs to the thread that calls `step()`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,12 +27,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pylon.errors import PylonError
-from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.engine.kv_cache import KVBlockPool
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput
 from pylon.serving.engine.sampling import SamplingParams, sample
 from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.engine.tokenization import IncrementalDetokenizer, chars_per_token_bound, load_model_tokenizer
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.model.step import StepSequence
 from pylon.specs import EngineSpec
 
@@ -76,21 +77,36 @@ class LLMEngine:
         with local_model_dir(model) as directory:
             self.tokenizer = load_model_tokenizer(directory)
             self._chars_per_token = chars_per_token_bound(self.tokenizer)
-            self.runner = ModelRunner(directory, num_blocks=self.pool.num_blocks, block_size=spec.block_size,
-                                      device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
+            self.runner = ModelRunner(
+                directory,
+                num_blocks=self.pool.num_blocks,
+                block_size=spec.block_size,
+                device=spec.device,
+                dtype=spec.dtype,
+                kv_cache_dtype=spec.kv_cache_dtype,
+            )
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
         if compiled:
-            log.info("engine: compiled the projections' kernels for %d of %d row counts in %.2f s", compiled, counts,
-                     time.monotonic() - started)
+            log.info(
+                "engine: compiled the projections' kernels for %d of %d row counts in %.2f s",
+                compiled,
+                counts,
+                time.monotonic() - started,
+            )
         # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
         self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
         started = time.monotonic()
         if spec.cuda_graphs and (graphs := self.runner.use_decode_graphs(spec.max_num_seqs, self.max_model_len)):
-            log.info("engine: captured %d CUDA graphs for steps of decodes only in %.2f s (engine.cuda_graphs: false "
-                     "turns them off)", graphs, time.monotonic() - started)
-        self.scheduler = Scheduler(self.pool, max_num_seqs=spec.max_num_seqs,
-                                   max_num_batched_tokens=spec.max_num_batched_tokens)
+            log.info(
+                "engine: captured %d CUDA graphs for steps of decodes only in %.2f s (engine.cuda_graphs: false "
+                "turns them off)",
+                graphs,
+                time.monotonic() - started,
+            )
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens
+        )
         # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an
         # abort only together with or after the add it cancels, never in between.
         self._lock = threading.Lock()
@@ -125,9 +141,16 @@ class LLMEngine:
             raise InvalidRequest(
                 f"max_tokens ({max_tokens}) plus the prompt ({len(prompt_ids)} tokens) exceed max_model_len "
                 f"({self.max_model_len}); ask for at most {self.max_model_len - len(prompt_ids)} tokens",
-                param="max_tokens")
-        request = Request(request_id, prompt_ids, params, max_tokens,
-                          IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop), params.new_generator())
+                param="max_tokens",
+            )
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            max_tokens,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+            params.new_generator(),
+        )
         with self._lock:
             if request_id in self._unfinished_ids:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
@@ -143,7 +166,8 @@ class LLMEngine:
                 raise InvalidRequest(
                     f"prompt is {len(prompt)} characters, and this model's tokens stand for at most {bound} each: at "
                     f"least {-(-len(prompt) // bound)} tokens, past max_model_len ({self.max_model_len})",
-                    param="prompt")
+                    param="prompt",
+                )
             encoded = self.tokenizer.encode(prompt)
             ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
         elif isinstance(prompt, Sequence):
@@ -151,8 +175,11 @@ class LLMEngine:
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
         if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, so a prompt "
-                                 f"may have at most {self.max_model_len - 1} tokens", param="prompt")
+            raise InvalidRequest(
+                f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, so a prompt "
+                f"may have at most {self.max_model_len - 1} tokens",
+                param="prompt",
+            )
         if ids is prompt:
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
                 raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
@@ -160,8 +187,9 @@ class LLMEngine:
         # Also for text: a tokenizer larger than the model's embedding table would crash the step loop.
         bad = [i for i in ids if not 0 <= i < self.runner.vocab_size]
         if bad:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.runner.vocab_size}) (got {bad[:5]})",
-                                 param="prompt")
+            raise InvalidRequest(
+                f"prompt token ids must be in [0, {self.runner.vocab_size}) (got {bad[:5]})", param="prompt"
+            )
         if not ids:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         return ids
@@ -194,10 +222,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return outputs
-        logits = self.runner.execute([
-            StepSequence(s.request.token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                         self.pool.block_table(s.request.request_id), s.samples)
-            for s in batch.scheduled])
+        logits = self.runner.execute(
+            [
+                StepSequence(
+                    s.request.token_ids[s.start : s.start + s.num_new_tokens],
+                    s.start,
+                    self.pool.block_table(s.request.request_id),
+                    s.samples,
+                )
+                for s in batch.scheduled
+            ]
+        )
         sampling = [s.request for s in batch.scheduled if s.samples]
         tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
         now = time.monotonic()
@@ -221,8 +256,9 @@ class LLMEngine:
             text = request.detokenizer.add(token)
             if request.detokenizer.stopped:
                 reason = "stop"
-        if reason is None and (request.num_output_tokens >= request.max_tokens
-                               or request.num_tokens >= self.max_model_len):
+        if reason is None and (
+            request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len
+        ):
             reason = "length"
         if reason is not None:
             text += request.detokenizer.flush()
@@ -237,8 +273,9 @@ class LLMEngine:
 
     # -- conveniences -------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Completion]:
         """Offline use: run `prompts` to completion, all batched together; one `Completion` per prompt, in
         order. Runs the engine alone (refuses while other requests are unfinished)."""
         if self.has_unfinished():
@@ -264,8 +301,9 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=expected_waiting(len(self.scheduler.running), len(self.scheduler.waiting), len(self._incoming),
-                                         self.spec.max_num_seqs),
+            num_waiting=expected_waiting(
+                len(self.scheduler.running), len(self.scheduler.waiting), len(self._incoming), self.spec.max_num_seqs
+            ),
             kv_cache_utilization=self.pool.utilization,
             num_free_blocks=self.pool.num_free_blocks,
             num_blocks=self.pool.num_blocks,
@@ -297,8 +335,15 @@ def next_tick(now: float, interval_s: float) -> float:
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: their deltas joined, the last one's counts and state."""
     last = outputs[-1]  # built directly: dataclasses.replace introspects the fields on every call
-    return RequestOutput(last.request_id, "".join(o.text for o in outputs), [t for o in outputs for t in o.token_ids],
-                         last.num_prompt_tokens, last.num_output_tokens, last.finish_reason, last.metrics)
+    return RequestOutput(
+        last.request_id,
+        "".join(o.text for o in outputs),
+        [t for o in outputs for t in o.token_ids],
+        last.num_prompt_tokens,
+        last.num_output_tokens,
+        last.finish_reason,
+        last.metrics,
+    )
 
 
 class _StreamQueue(asyncio.Queue):
@@ -407,8 +452,9 @@ class AsyncLLMEngine:
         except RuntimeError:  # that event loop is closed
             pass
 
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                       interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *, interval_s: float = 0.0
+    ) -> AsyncIterator[RequestOutput]:
         """Stream `request_id`'s outputs (text and token deltas) until one has a finish_reason.
 
         `interval_s` > 0 coalesces: the first output comes at once (time to first token is untouched), each
@@ -490,8 +536,11 @@ class AsyncLLMEngine:
 
     def check_health(self) -> bool:
         """True while the step loop runs and has beaten its heartbeat within `heartbeat_timeout_s`."""
-        return (self._dead is None and self._thread.is_alive()
-                and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s)
+        return (
+            self._dead is None
+            and self._thread.is_alive()
+            and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s
+        )
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

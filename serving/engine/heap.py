@@ -8,6 +8,7 @@ installed (`engine_process_env`), as vLLM's and Intel's CPU serving guides advis
 the collector's reach (`freeze_loaded_objects`). Only the engine's own process does this (its memory is the engine's).
 Switches: `PYLON_KEEP_HEAP`, `PYLON_TCMALLOC` (docs/settings.md); measurements: docs/serving.md.
 """
+
 from __future__ import annotations
 
 import ctypes

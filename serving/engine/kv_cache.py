@@ -19,6 +19,7 @@ request's blocks in one run where it can:
 
 Lowest first also keeps the live blocks packed at the start of the pool however many requests come and go.
 """
+
 from __future__ import annotations
 
 RESERVE_MAX_BLOCKS = 64  # at most this many blocks set aside beyond what a request needs when it starts

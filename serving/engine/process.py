@@ -13,6 +13,7 @@ iteration. The child exits when asked or when the socket closes, so no engine ou
 `EnginePool` runs `EngineSpec.data_parallel` such engines behind one replica (each its own model and KV cache) and
 sends a request to a healthy engine with the fewest open streams.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,10 +30,10 @@ from multiprocessing.connection import Connection
 
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
-from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.engine.heap import allocator, engine_process_env, freeze_loaded_objects, keep_freed_memory
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.specs import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,14 @@ class ProcessLLMEngine(AsyncLLMEngine):
 
     START_TIMEOUT_S = 900.0  # loading a model (from object storage, onto a device) can take minutes
 
-    def __init__(self, model: str, spec: EngineSpec | None = None, *, heartbeat_timeout_s: float = 60.0,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model: str,
+        spec: EngineSpec | None = None,
+        *,
+        heartbeat_timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+    ):
         """`env`: variables the child gets on top of this process's environment (an `EnginePool` gives each of
         its engines its share of the CPUs, or its GPU)."""
         # Not AsyncLLMEngine.__init__: no engine and no step thread in this process.
@@ -59,9 +66,11 @@ class ProcessLLMEngine(AsyncLLMEngine):
         self._shut_down = False
         ours, theirs = socket.socketpair()
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", "pylon.serving.engine.process", str(theirs.fileno())],
-                                          pass_fds=[theirs.fileno()],
-                                          env=engine_process_env(_device_type(spec.device), {**os.environ, **(env or {})}))
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "pylon.serving.engine.process", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=engine_process_env(_device_type(spec.device), {**os.environ, **(env or {})}),
+            )
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
@@ -92,15 +101,18 @@ class ProcessLLMEngine(AsyncLLMEngine):
         while not self._conn.poll(0.5):
             code = self._proc.poll()
             if code is not None:
-                raise PylonError(f"the engine process for {model} exited with code {code} while loading it "
-                                 "(its output is in this replica's log)")
+                raise PylonError(
+                    f"the engine process for {model} exited with code {code} while loading it "
+                    "(its output is in this replica's log)"
+                )
             if time.monotonic() > deadline:
                 raise PylonError(f"the engine process did not load {model} within {self.START_TIMEOUT_S:g} s")
         try:
             message = self._conn.recv()
         except (EOFError, OSError):
-            raise PylonError(f"the engine process for {model} exited while loading it (its output is in this "
-                             "replica's log)") from None
+            raise PylonError(
+                f"the engine process for {model} exited while loading it (its output is in this replica's log)"
+            ) from None
         if message[0] == "failed":
             raise PylonError(message[1])
         return message
@@ -130,12 +142,16 @@ class ProcessLLMEngine(AsyncLLMEngine):
         then count as waiting beyond the sequence slots that were free (`expected_waiting`)."""
         stats = self._stats
         arrived = max(0, len(self._streams) - stats.num_running - stats.num_waiting)
-        return dataclasses.replace(stats, num_waiting=expected_waiting(stats.num_running, stats.num_waiting, arrived,
-                                                                       self._max_num_seqs))
+        return dataclasses.replace(
+            stats, num_waiting=expected_waiting(stats.num_running, stats.num_waiting, arrived, self._max_num_seqs)
+        )
 
     def check_health(self) -> bool:
-        return (self._dead is None and self._proc.poll() is None
-                and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s)
+        return (
+            self._dead is None
+            and self._proc.poll() is None
+            and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s
+        )
 
     def stop_soon(self) -> None:
         """Ask the child to stop, without waiting for it (`shutdown` waits)."""
@@ -197,8 +213,12 @@ class ProcessLLMEngine(AsyncLLMEngine):
             code = self._proc.wait()
             if reason is None:
                 reason = f"the engine process exited with code {code}"
-                log.error("engine process %d: %s%s", self._proc.pid, reason,
-                          " (killed: out of memory? see `dmesg`)" if code == -9 else "")
+                log.error(
+                    "engine process %d: %s%s",
+                    self._proc.pid,
+                    reason,
+                    " (killed: out of memory? see `dmesg`)" if code == -9 else "",
+                )
             self._end_streams(EngineDeadError(reason))
 
     def _end_streams(self, error: EngineDeadError) -> None:
@@ -265,8 +285,9 @@ class EnginePool:
     def pids(self) -> list[int]:
         return [e.pid for e in self.engines]
 
-    def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                 interval_s: float = 0.0):
+    def generate(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *, interval_s: float = 0.0
+    ):
         """The chosen engine's own stream (no wrapper per output). It registers the request when first iterated,
         before it awaits anything, so requests started together in one event loop still spread out."""
         # A dead or stalled engine has no open streams, so by count alone it would take every new request and
@@ -302,12 +323,16 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         for reason, n in s.requests_finished_total.items():
             finished[reason] = finished.get(reason, 0) + n
     return EngineStats(
-        num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
+        num_running=sum(s.num_running for s in stats),
+        num_waiting=sum(s.num_waiting for s in stats),
         kv_cache_utilization=sum(s.kv_cache_utilization * s.num_blocks for s in stats) / blocks if blocks else 0.0,
-        num_free_blocks=sum(s.num_free_blocks for s in stats), num_blocks=blocks,
+        num_free_blocks=sum(s.num_free_blocks for s in stats),
+        num_blocks=blocks,
         prompt_tokens_total=sum(s.prompt_tokens_total for s in stats),
         generation_tokens_total=sum(s.generation_tokens_total for s in stats),
-        num_preemptions_total=sum(s.num_preemptions_total for s in stats), requests_finished_total=finished)
+        num_preemptions_total=sum(s.num_preemptions_total for s in stats),
+        requests_finished_total=finished,
+    )
 
 
 def _engine_envs(n: int, device: str, environ: dict | None = None) -> list[dict[str, str]]:
@@ -324,13 +349,17 @@ def _engine_envs(n: int, device: str, environ: dict | None = None) -> list[dict[
 
             visible = [str(i) for i in range(torch.cuda.device_count())]
         if len(visible) < n:
-            raise PylonError(f"engine.data_parallel: {n} engines need {n} GPUs, one each, and this replica has "
-                             f"{len(visible)} ({', '.join(visible) or 'none'}); set replica.num_gpus to {n}")
+            raise PylonError(
+                f"engine.data_parallel: {n} engines need {n} GPUs, one each, and this replica has "
+                f"{len(visible)} ({', '.join(visible) or 'none'}); set replica.num_gpus to {n}"
+            )
         return [{"CUDA_VISIBLE_DEVICES": visible[i]} for i in range(n)]
     threads = int(environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
     share = str(max(1, threads // n))
-    return [{"OMP_NUM_THREADS": share, **({"MKL_NUM_THREADS": share} if "MKL_NUM_THREADS" in environ else {})}
-            for _ in range(n)]
+    return [
+        {"OMP_NUM_THREADS": share, **({"MKL_NUM_THREADS": share} if "MKL_NUM_THREADS" in environ else {})}
+        for _ in range(n)
+    ]
 
 
 def _device_type(device: str) -> str:

@@ -4,6 +4,7 @@ Prefill and decode are not separate states: a request has `num_tokens` (prompt +
 `num_computed_tokens` are in the KV cache; a step computes some of the rest. A fresh prompt, a prompt
 chunked across steps, a decode (one token) and a preempted request being recomputed are all that one case.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,7 +70,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -98,5 +99,12 @@ class RequestOutput:
 
     @classmethod
     def of(cls, request: Request, text: str, token_ids: list[int]) -> "RequestOutput":
-        return cls(request.request_id, text, token_ids, request.num_prompt_tokens, request.num_output_tokens,
-                   request.finish_reason, dataclasses.replace(request.metrics))
+        return cls(
+            request.request_id,
+            text,
+            token_ids,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            request.finish_reason,
+            dataclasses.replace(request.metrics),
+        )

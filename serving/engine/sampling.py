@@ -4,6 +4,7 @@ Every request that samples (temperature > 0) draws from its own `torch.Generator
 given: a seeded request then yields the same tokens whatever else shares its batch, because no other
 request ever advances its random stream.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,7 @@ class SamplingParams:
                 raise InvalidRequest(f"max_tokens must be >= 1 (got {self.max_tokens})", param="max_tokens")
         _check_number("temperature", self.temperature)
         if not 0 <= self.temperature <= 100:  # far past any useful value; inf/nan would poison the softmax
-            raise InvalidRequest(f"temperature must be between 0 and 100 (got {self.temperature})",
-                                 param="temperature")
+            raise InvalidRequest(f"temperature must be between 0 and 100 (got {self.temperature})", param="temperature")
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be > 0 and <= 1 (got {self.top_p})", param="top_p")
@@ -62,25 +62,33 @@ class SamplingParams:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequest(f"stop must be a non-empty string or a list of them (got {shown(self.stop)})",
-                                 param="stop")
+            raise InvalidRequest(
+                f"stop must be a non-empty string or a list of them (got {shown(self.stop)})", param="stop"
+            )
         self.stop = list(self.stop)
         # Every generated token is checked against every stop string in the engine's step, for every request of
         # the batch: bounds keep one request from slowing all the others (1,000 stop strings of 1,000 characters
         # cost 22 ms a token). OpenAI takes at most 4.
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(self.stop)})",
-                                 param="stop")
+            raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(self.stop)})", param="stop")
         if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
-            raise InvalidRequest(f"stop: each stop string may have at most {MAX_STOP_LENGTH} characters (got one of "
-                                 f"{max(len(s) for s in self.stop)})", param="stop")
+            raise InvalidRequest(
+                f"stop: each stop string may have at most {MAX_STOP_LENGTH} characters (got one of "
+                f"{max(len(s) for s in self.stop)})",
+                param="stop",
+            )
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must be a list of token ids >= 0 (got "
-                                 f"{shown(self.stop_token_ids)})", param="stop_token_ids")
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise InvalidRequest(
+                f"stop_token_ids must be a list of token ids >= 0 (got {shown(self.stop_token_ids)})",
+                param="stop_token_ids",
+            )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids (got "
-                                 f"{len(self.stop_token_ids)})", param="stop_token_ids")
+            raise InvalidRequest(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids (got {len(self.stop_token_ids)})",
+                param="stop_token_ids",
+            )
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos must be true or false (got {self.ignore_eos!r})", param="ignore_eos")
@@ -115,8 +123,9 @@ def _check_number(name: str, value) -> None:
         raise InvalidRequest(f"{name} must be a number (got {value!r})", param=name)
 
 
-def sample(logits: "torch.Tensor", params: list[SamplingParams],
-           generators: list["torch.Generator | None"]) -> list[int]:
+def sample(
+    logits: "torch.Tensor", params: list[SamplingParams], generators: list["torch.Generator | None"]
+) -> list[int]:
     """One next token per row of `logits` ([rows, vocab], float32), row i following `params[i]`.
 
     Greedy rows take the argmax. Sampled rows are filtered (temperature, top-k, top-p) in one batched

@@ -6,6 +6,7 @@ thread keeps its share of the CPU; most context switches, and the caches they co
 move; no privilege is needed; threads created later inherit the policy. `PYLON_SCHED_BATCH=0` keeps the default
 (a CPU deployment that must answer within a millisecond next to other work). Measurements: docs/serving.md.
 """
+
 from __future__ import annotations
 
 import logging

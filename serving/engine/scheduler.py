@@ -15,6 +15,7 @@ requests, in this order:
 
 The scheduler decides; `KVBlockPool` owns the blocks; the model runner executes what is decided here.
 """
+
 from __future__ import annotations
 
 import time
@@ -82,8 +83,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # Placed where its whole expected length fits in one run if it can (see KVBlockPool).
             expected = len(request.prompt_token_ids) + request.max_tokens
-            if not self.pool.allocate(request.request_id, request.num_computed_tokens + num_new,
-                                      reserve_tokens=expected):
+            if not self.pool.allocate(
+                request.request_id, request.num_computed_tokens + num_new, reserve_tokens=expected
+            ):
                 break  # the pool is full; running requests free blocks as they finish
             self.waiting.popleft()
             self.running.append(request)

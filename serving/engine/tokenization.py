@@ -4,6 +4,7 @@ strings, and chat prompts.
 The tokenizers themselves are `pylon.data.tokenizer`'s (the ones training used), found in a model directory
 as either Hugging Face tokenizer files or, for a Pylon export trained on bytes, `pylon_tokenizer.json`.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,21 +29,27 @@ def load_model_tokenizer(model_dir: str) -> Tokenizer:
         return HuggingFaceTokenizer(model_dir, name, None, where=f"model {model_dir}")
     identity_file = os.path.join(model_dir, PYLON_TOKENIZER_FILE)
     if not os.path.exists(identity_file):
-        raise PylonError(f"model {model_dir}: has no tokenizer; expected Hugging Face tokenizer files "
-                         f"({', '.join(HF_TOKENIZER_FILES)}) or {PYLON_TOKENIZER_FILE} (what `pylon export` writes)")
+        raise PylonError(
+            f"model {model_dir}: has no tokenizer; expected Hugging Face tokenizer files "
+            f"({', '.join(HF_TOKENIZER_FILES)}) or {PYLON_TOKENIZER_FILE} (what `pylon export` writes)"
+        )
     try:
         with open(identity_file) as f:
             identity = json.load(f)
         if not isinstance(identity, dict):
             raise ValueError(f"a JSON object was expected, not {type(identity).__name__}")
     except (OSError, ValueError) as e:
-        raise PylonError(f"model {model_dir}: {PYLON_TOKENIZER_FILE} cannot be read ({e}); export the model again "
-                         "(`pylon export`) or copy the file from the export") from None
+        raise PylonError(
+            f"model {model_dir}: {PYLON_TOKENIZER_FILE} cannot be read ({e}); export the model again "
+            "(`pylon export`) or copy the file from the export"
+        ) from None
     if identity.get("kind") == "byte":
         return ByteTokenizer()
-    raise PylonError(f"model {model_dir}: was trained with the {identity.get('kind')} tokenizer "
-                     f"'{identity.get('name')}', whose files are not in the model directory; copy its "
-                     "tokenizer files (tokenizer.json, tokenizer_config.json) next to the model")
+    raise PylonError(
+        f"model {model_dir}: was trained with the {identity.get('kind')} tokenizer "
+        f"'{identity.get('name')}', whose files are not in the model directory; copy its "
+        "tokenizer files (tokenizer.json, tokenizer_config.json) next to the model"
+    )
 
 
 def chars_per_token_bound(tokenizer: Tokenizer) -> int | None:
@@ -90,7 +97,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
         self._tokenizer = tokenizer
-        self._ids = list(prompt_token_ids[-self.PROMPT_CONTEXT:])
+        self._ids = list(prompt_token_ids[-self.PROMPT_CONTEXT :])
         self._prefix = 0
         self._read = len(self._ids)
         self._stop = list(stop)
@@ -108,8 +115,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Take one generated token; return the text that is now safe to emit."""
         self._ids.append(token_id)
-        before = self._tokenizer.decode(self._ids[self._prefix:self._read])
-        after = self._tokenizer.decode(self._ids[self._prefix:])
+        before = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        after = self._tokenizer.decode(self._ids[self._prefix :])
         # Clean text: all of it goes out, and the next window starts after these tokens (unless they decoded to
         # nothing yet, as a leading "▁" may: keep them as context).
         end, read_to, sent_past = len(after), len(self._ids) if len(after) > len(before) else None, 0
@@ -121,8 +128,10 @@ class IncrementalDetokenizer:
             if cut > self._read:
                 # Through a run of invalid bytes, keep the window short: move it past `cut` where decoding splits
                 # cleanly there and text follows the cut (so everything before it is final and out).
-                head, tail = (self._tokenizer.decode(self._ids[self._prefix:cut]),
-                              self._tokenizer.decode(self._ids[cut:]))
+                head, tail = (
+                    self._tokenizer.decode(self._ids[self._prefix : cut]),
+                    self._tokenizer.decode(self._ids[cut:]),
+                )
                 if tail and head + tail == after:
                     read_to, sent_past = cut, end - len(head)
         start = len(before) + self._window_sent
@@ -141,8 +150,8 @@ class IncrementalDetokenizer:
         """The rest of the text, held-back tails included: call when the request finishes. Bytes of a
         character that will now never complete come out as U+FFFD, as a one-shot decode would give them."""
         if not self.stopped and self._read < len(self._ids):
-            before = self._tokenizer.decode(self._ids[self._prefix:self._read])
-            self.text += self._tokenizer.decode(self._ids[self._prefix:])[len(before) + self._window_sent:]
+            before = self._tokenizer.decode(self._ids[self._prefix : self._read])
+            self.text += self._tokenizer.decode(self._ids[self._prefix :])[len(before) + self._window_sent :]
             self._prefix = self._read = len(self._ids)
             self._window_sent = 0
         return self._take(final=True)
@@ -171,7 +180,7 @@ class IncrementalDetokenizer:
 
     def _take(self, *, final: bool) -> str:
         end = len(self.text) if final else len(self.text) - self._partial_stop_length()
-        delta = self.text[self._sent:end]
+        delta = self.text[self._sent : end]
         self._sent = max(self._sent, end)
         return delta
 
@@ -203,9 +212,14 @@ def apply_chat_template(tokenizer: Tokenizer, messages: list[dict]) -> str:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param="messages")
-        plain.append({"role": message["role"], "content": _content_text(message.get("content"), i),
-                      # what a model's own template may read (a tool result's call id, a participant's name)
-                      **{k: message[k] for k in ("name", "tool_call_id") if isinstance(message.get(k), str)}})
+        plain.append(
+            {
+                "role": message["role"],
+                "content": _content_text(message.get("content"), i),
+                # what a model's own template may read (a tool result's call id, a participant's name)
+                **{k: message[k] for k in ("name", "tool_call_id") if isinstance(message.get(k), str)},
+            }
+        )
     hf = getattr(tokenizer, "_tok", None) if isinstance(tokenizer, HuggingFaceTokenizer) else None
     if hf is not None and getattr(hf, "chat_template", None):
         import jinja2
@@ -223,8 +237,8 @@ def _content_text(content, index: int) -> str:
     # OpenAI allows a string or a list of parts; only text parts mean anything to a text model.
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts",
-                         param="messages")
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")

@@ -21,8 +21,10 @@ kernel on CPU and CUDA: it skips the masked half of a causal square and never ma
 chunk that starts the prompt attends over its own fresh keys with `is_causal`, a later chunk over its cached
 keys (its blocks gathered) with the offset causal mask. On a CPU with AVX-512 or AVX2 over a float32 cache, chunks
 go to the compiled prefill kernel instead (`kernels.prefill_attention_`), which reads every key, the chunk's own
-included, through the block table (`PromptChunk.key_blocks`). On a GPU the runner keeps SDPA off cuDNN's attention (`prompt_attention_backends`).
+included, through the block table (`PromptChunk.key_blocks`). On a GPU the runner keeps SDPA off cuDNN's attention
+(`prompt_attention_backends`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +34,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
 
 # The SDPA backends a step may use on a GPU: flash and memory-efficient attention (math as their fallback), not
 # cuDNN's. torch prefers cuDNN's attention on Hopper for bf16/fp16, and cuDNN builds an execution plan on the host
@@ -52,8 +53,15 @@ DECODE_GROUPS = 4  # at most this many padded batches of decodes per step...
 MIN_GROUP = 8  # ...each of at least this many sequences (a group costs a few small kernel launches per layer)
 
 
-def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
-                 device: torch.device | str) -> torch.Tensor:
+def new_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
     """One layer's K (or V) pool: `[kv_heads, num_blocks, block_size, head_dim]`, zeroed."""
     return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
 
@@ -118,8 +126,9 @@ class Workspace:
             numel *= n
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(max(numel, int(buf.numel() * 1.25) if buf is not None else 0), dtype=like.dtype,
-                              device=like.device)
+            buf = torch.empty(
+                max(numel, int(buf.numel() * 1.25) if buf is not None else 0), dtype=like.dtype, device=like.device
+            )
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 
@@ -130,7 +139,8 @@ class HostStage:
 
     On a GPU each `torch.tensor(..., device="cuda")` is a copy from pageable memory: ~65 us of the host's time each
     (staged through a driver buffer), and an eager step made ~20 of them (torch.profiler on an H100, a 12-layer bf16
-    GPT-2: `cudaMemcpyAsync` 13% of the engine's CPU time; docs/benchmarks/2026-11-27-set23-serve-load-h100.md). Staged, `add`
+    GPT-2: `cudaMemcpyAsync` 13% of the engine's CPU time; docs/benchmarks/2026-11-27-set23-serve-load-h100.md).
+    Staged, `add`
     writes a list into a reused page-locked buffer and returns its place in a reused device buffer, `then` queues
     device work that reads it, and `send` copies everything added since the last send in one non-blocking copy and
     then queues that work. Views are handed out before the copy is queued: nothing may read them before `send`.
@@ -176,9 +186,9 @@ class HostStage:
         n = len(values)
         self._room(n)
         a = self._used
-        self._values[a:a + n] = values
+        self._values[a : a + n] = values
         self._used = a + n
-        return self._dev[a:a + n]
+        return self._dev[a : a + n]
 
     def then(self, work) -> None:
         """Run `work()` (device work reading what was added) once it is on the device."""
@@ -217,9 +227,17 @@ class HostStage:
             self._done.record()
 
 
-def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
-                   dtype: torch.dtype = torch.float32, *, kernel: bool = False,
-                   prefill: bool = False, stage: HostStage | None = None, slots: bool = True) -> AttentionMetadata:
+def build_metadata(
+    seqs: list[SequenceSlice],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    kernel: bool = False,
+    prefill: bool = False,
+    stage: HostStage | None = None,
+    slots: bool = True,
+) -> AttentionMetadata:
     """What every layer's attention needs to know about this step, for `seqs` in their flat token order.
     `kernel`: decodes are attended by the compiled paged kernel, in place, so they form one group. `prefill`: prompt
     chunks are attended by the compiled prefill kernel, over the cache (`kernels.prefill_usable`). `stage`: the
@@ -234,8 +252,9 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
         offset += seq.num_new
         if slots:
             table = seq.block_table
-            slot_list.extend(table[p // block_size] * block_size + p % block_size
-                             for p in range(seq.start, seq.start + seq.num_new))
+            slot_list.extend(
+                table[p // block_size] * block_size + p % block_size for p in range(seq.start, seq.start + seq.num_new)
+            )
     # Decodes are grouped by context length: one padded batch would gather every sequence's keys up to the
     # longest context, and gathering is most of the cost of attention here. Sorted, in up to
     # DECODE_GROUPS groups of at least MIN_GROUP sequences, the padding shrinks to a fraction.
@@ -252,19 +271,27 @@ def build_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.dev
     bounds = [round(j * len(decodes) / parts) for j in range(parts + 1)]
     members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])]
     make = _kernel_group if kernel else _group
-    groups = [make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype, stage)
-              for m in members if m]
-    chunks = tuple(_chunk(seq, offset, block_size, device, prefill, stage) for seq, offset in zip(seqs, offsets)
-                   if seq.num_new > 1)
+    groups = [
+        make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype, stage) for m in members if m
+    ]
+    chunks = tuple(
+        _chunk(seq, offset, block_size, device, prefill, stage) for seq, offset in zip(seqs, offsets) if seq.num_new > 1
+    )
     meta = AttentionMetadata(stage.add(slot_list) if slots else None, groups, kernel, chunks, prefill)
     if own:
         stage.send()
     return meta
 
 
-def final_metadata(seqs: list[SequenceSlice], block_size: int, device: torch.device,
-                   dtype: torch.dtype = torch.float32, *, kernel: bool = False,
-                   stage: HostStage | None = None) -> AttentionMetadata:
+def final_metadata(
+    seqs: list[SequenceSlice],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    kernel: bool = False,
+    stage: HostStage | None = None,
+) -> AttentionMetadata:
     """The last layer's attention for the step's sampling tokens only, one query each: `seqs` are
     `SequenceSlice(position, 1, table)` of each sampling token, in the order of the queries. Their keys and values,
     the step's included, are in the cache when it runs (the layer stores every token's first), so it stores
@@ -283,23 +310,38 @@ def padded_tables(tables: Iterable[list[int]], num_blocks: int) -> list[int]:
     return flat
 
 
-def _kernel_group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
-                  dtype: torch.dtype, stage: HostStage) -> AttentionGroup:
+def _kernel_group(
+    seqs: list[SequenceSlice],
+    offsets: list[int],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    stage: HostStage,
+) -> AttentionGroup:
     """Decodes for the kernel, which needs only block tables and lengths: no padding, no mask (plain Python,
     three tensors: this runs every step)."""
     num_keys = [s.start + 1 for s in seqs]
     nb = -(-max(num_keys) // block_size)
     tokens = stage.add(offsets)
-    return AttentionGroup(tokens.view(-1, 1), None, tokens, stage.add(padded_tables((s.block_table for s in seqs), nb)),
-                          nb, max(num_keys), None, stage.add(num_keys))
+    return AttentionGroup(
+        tokens.view(-1, 1),
+        None,
+        tokens,
+        stage.add(padded_tables((s.block_table for s in seqs), nb)),
+        nb,
+        max(num_keys),
+        None,
+        stage.add(num_keys),
+    )
 
 
-def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.device, prefill: bool,
-           stage: HostStage) -> PromptChunk:
+def _chunk(
+    seq: SequenceSlice, offset: int, block_size: int, device: torch.device, prefill: bool, stage: HostStage
+) -> PromptChunk:
     if seq.start == 0 and not prefill:  # its keys are its own new tokens: plain causal attention, nothing to gather
         return PromptChunk(offset, 0, seq.num_new, None, None)
     num_keys = seq.start + seq.num_new
-    blocks = stage.add(seq.block_table[:-(-num_keys // block_size)])
+    blocks = stage.add(seq.block_table[: -(-num_keys // block_size)])
     if prefill:  # the kernel reads every key through the block table and masks by position itself
         return PromptChunk(offset, seq.start, seq.num_new, blocks, None)
     # Made where it is used: on a GPU, building the [num_new, num_keys] mask on the host and copying it over took
@@ -309,8 +351,14 @@ def _chunk(seq: SequenceSlice, offset: int, block_size: int, device: torch.devic
     return PromptChunk(offset, seq.start, seq.num_new, blocks, mask)
 
 
-def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, device: torch.device,
-           dtype: torch.dtype, stage: HostStage) -> AttentionGroup:
+def _group(
+    seqs: list[SequenceSlice],
+    offsets: list[int],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    stage: HostStage,
+) -> AttentionGroup:
     """Decodes (one new token each) in one padded batch: each sequence's keys up to the group's longest context,
     masked past its own (the bias is made on the device, from the lengths, once they are there)."""
     num_keys = [s.start + 1 for s in seqs]
@@ -320,8 +368,11 @@ def _group(seqs: list[SequenceSlice], offsets: list[int], block_size: int, devic
     table = stage.add(padded_tables((seq.block_table for seq in seqs), num_blocks))
     lens = stage.add(num_keys)
     bias = torch.empty(B, 1, K, dtype=dtype, device=device)
-    stage.then(lambda: bias.zero_().masked_fill_(torch.arange(K, device=device)[None, None, :] >= lens[:, None, None],
-                                                 float("-inf")))
+    stage.then(
+        lambda: bias.zero_().masked_fill_(
+            torch.arange(K, device=device)[None, None, :] >= lens[:, None, None], float("-inf")
+        )
+    )
     return AttentionGroup(tokens.view(-1, 1), torch.arange(B, device=device), tokens, table, num_blocks, K, bias, lens)
 
 
@@ -336,8 +387,15 @@ def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -
     flat.index_copy_(1, slot_mapping, src)
 
 
-def store_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, *, kernel: bool = False) -> None:
+def store_kv_pair(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    kernel: bool = False,
+) -> None:
     """`store_kv` of a step's keys and of its values; `kernel` (the CPU kernels are built, as `meta.kernel` says): both
     in one call of `pylon.serving.model.kernels.store_kv_` where the caches store what the model computes (two
     `index_copy_`s a layer were ~5% of a 16-sequence decode step)."""
@@ -350,9 +408,16 @@ def store_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: to
     store_kv(v_cache, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    workspace: Workspace | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """Attention output `[T, heads, head_dim]` for the step's queries `q` (`[T, heads, head_dim]`), after
     storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout; unless
     `meta.slot_mapping` is None: then they are there already and `k`, `v` are not used). The caches may
@@ -368,7 +433,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     workspace = workspace or Workspace()
     out = torch.empty_like(q)
     if k is not None and len(q) > len(k):  # rows past the step's tokens (the model runner's padding)
-        out[len(k):].zero_()
+        out[len(k) :].zero_()
     for c in meta.chunks:
         rows = slice(c.offset, c.offset + c.num_new)
         if meta.prefill:  # float32 cache: the chunk's own keys read back from it are the ones it computed
@@ -385,8 +450,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             values = v_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
             keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops where the cache is stored as computed
             mask = c.mask
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
-                                                  scale=scale, enable_gqa=share > 1)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=share > 1
+        )
         out[rows] = attended[0].transpose(0, 1)
     for g in meta.groups:
         B, Q = g.query_index.shape
@@ -396,8 +462,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             # Decodes only (no chunk, and the kernel's one group keeps the step's order): every query, as it is.
             if not meta.chunks and B == len(q):
                 return paged_decode(q, k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens, scale)
-            out[g.tokens] = paged_decode(q[g.tokens], k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens,
-                                         scale)
+            out[g.tokens] = paged_decode(q[g.tokens], k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens, scale)
             continue
         K, nb = g.num_keys, g.num_blocks
         shape = (num_kv_heads, B * nb, block_size, head_dim)
@@ -406,8 +471,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         keys = keys.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K].to(q.dtype)
         values = values.view(num_kv_heads * B, nb * block_size, head_dim)[:, :K].to(q.dtype)
         # [B, Q, kv_heads, share, D] -> [kv_heads, B, share, Q, D]: a kv head's query heads share its keys.
-        queries = (q[g.query_index].view(B, Q, num_kv_heads, share, head_dim).permute(2, 0, 3, 1, 4)
-                   .reshape(num_kv_heads * B, share * Q, head_dim))
+        queries = (
+            q[g.query_index]
+            .view(B, Q, num_kv_heads, share, head_dim)
+            .permute(2, 0, 3, 1, 4)
+            .reshape(num_kv_heads * B, share * Q, head_dim)
+        )
         scores = torch.bmm(queries, keys.transpose(1, 2))  # [kv_heads * B, share * Q, K]
         scores = scores.view(num_kv_heads, B, share, Q, K).mul_(scale).add_(g.bias[None, :, None])
         if scores.dtype != torch.float32:  # softmax of half-precision scores loses too much
@@ -415,8 +484,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             probs = scores.softmax(dim=-1)
         attended = torch.bmm(probs.view(num_kv_heads * B, share * Q, K), values)
-        attended = (attended.view(num_kv_heads, B, share, Q, head_dim).permute(1, 3, 0, 2, 4)
-                    .reshape(B * Q, heads, head_dim))
+        attended = (
+            attended.view(num_kv_heads, B, share, Q, head_dim).permute(1, 3, 0, 2, 4).reshape(B * Q, heads, head_dim)
+        )
         out[g.tokens] = attended[g.real]
     return out
 

@@ -16,6 +16,7 @@ and one logits buffer (a step replays one graph and takes its logits before the 
 turns graphs off; with `capture=False` the same fixed-shape step runs eagerly, which is how the tests check it on a
 CPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,6 @@ import torch
 
 from pylon.serving.model.attention import AttentionGroup, AttentionMetadata, Final, Workspace, padded_tables
 from pylon.serving.model.step import StepSequence
-
 
 GATHER_BYTES = 1 << 30  # the most a graph's step may gather of keys and values (bytes, all of a layer's heads)
 
@@ -85,8 +85,10 @@ class DecodeGraphs:
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, blocks per sequence) a graph is made for, largest first."""
-        return sorted(((b, nb) for b in self.sizes for nb in self.block_counts
-                       if self.gather_bytes(b, nb) <= GATHER_BYTES), reverse=True)
+        return sorted(
+            ((b, nb) for b in self.sizes for nb in self.block_counts if self.gather_bytes(b, nb) <= GATHER_BYTES),
+            reverse=True,
+        )
 
     def capture_all(self) -> int:
         """Make every shape's graph (largest first, so that the smaller ones reuse its memory); returns how many."""
@@ -119,28 +121,45 @@ class DecodeGraphs:
         ids = [s.token_ids[0] for s in steps] + [0] * pad
         slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, starts)]
         # One copy from page-locked memory (ModelRunner.stage): a pageable one costs the host ~65 us more.
-        self.runner.stage.upload(graph.inputs, ids + starts + [0] * pad + slots + [self.runner.scratch_slot] * pad
-                                 + [p + 1 for p in starts] + [1] * pad + padded_tables(block_tables, nb)
-                                 + [0] * (pad * nb))
+        self.runner.stage.upload(
+            graph.inputs,
+            ids
+            + starts
+            + [0] * pad
+            + slots
+            + [self.runner.scratch_slot] * pad
+            + [p + 1 for p in starts]
+            + [1] * pad
+            + padded_tables(block_tables, nb)
+            + [0] * (pad * nb),
+        )
         graph.replay()
         self.replays += 1
-        return graph.logits[:len(scheduled)]
+        return graph.logits[: len(scheduled)]
 
     @torch.no_grad()  # capture_all runs at engine start, outside the step's no_grad: a graph records no autograd
     def _build(self, b: int, nb: int) -> _Graph:
         runner = self.runner
         device, dtype = runner.device, runner.dtype
         inputs = torch.zeros(4 * b + b * nb, dtype=torch.long, device=device)
-        ids, positions, slots, context_lens = (inputs[i * b:(i + 1) * b] for i in range(4))
-        table = inputs[4 * b:].view(b, nb)
+        ids, positions, slots, context_lens = (inputs[i * b : (i + 1) * b] for i in range(4))
+        table = inputs[4 * b :].view(b, nb)
         slots.fill_(runner.scratch_slot)
         context_lens.fill_(1)
         num_keys = nb * runner.block_size
         keys = torch.arange(num_keys, device=device)
         bias = torch.zeros(b, 1, num_keys, dtype=dtype, device=device)
         rows = torch.arange(b, device=device)
-        group = AttentionGroup(query_index=rows.view(b, 1), real=rows, tokens=rows, key_blocks=table.view(-1),
-                               num_blocks=nb, num_keys=num_keys, bias=bias, context_lens=context_lens)
+        group = AttentionGroup(
+            query_index=rows.view(b, 1),
+            real=rows,
+            tokens=rows,
+            key_blocks=table.view(-1),
+            num_blocks=nb,
+            num_keys=num_keys,
+            bias=bias,
+            context_lens=context_lens,
+        )
         meta = AttentionMetadata(slots, [group])
         final = Final(None, dataclasses.replace(meta, slot_mapping=None))
 

@@ -12,6 +12,7 @@ AVX2 ones (with FMA and F16C), else scalar ones. Queries and arithmetic are floa
 float32, bfloat16, float16 or float8 e4m3. Without a compiler, or with `PYLON_PAGED_KERNEL=0`, the engine takes the
 PyTorch path, with the same results up to float rounding. Design and measurements: see docs/serving.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,17 +57,26 @@ def load(verbose: bool = False):
             venv_tools_first()  # torch runs the `ninja` first on PATH: the venv's, as for every build of Pylon's
 
             _module = load_extension(
-                name=NAME, sources=[str(_CSRC / source) for source in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                verbose=verbose)
+                name=NAME,
+                sources=[str(_CSRC / source) for source in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=verbose,
+            )
         except Exception as e:  # no compiler, no headers, a build error: the PyTorch path still works
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             log.warning("paged-attention kernel unavailable (%s); decoding uses the PyTorch path", _failed)
     return _module
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """`[B, heads, head_dim]` attention output of one query per sequence; see the module's docstring."""
     module = load()
     if module is None:
@@ -84,8 +94,9 @@ def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+def store_kv_(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """Write a step's keys and values (`[T, kv_heads, head_dim]`, the caches' dtype) at their slots of both caches
     (`[kv_heads, num_blocks, block_size, head_dim]`) in one call; see `pylon.serving.model.attention.store_kv`."""
     module = load()
@@ -94,8 +105,15 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.
     module.store_kv_(k_cache, v_cache, slot_mapping, k, v)
 
 
-def prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def prefill_attention_(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    start: int,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of a prompt chunk's queries `q` (`[T, heads, head_dim]`, at positions start..start+T-1) over
     its sequence's keys and values 0..start+T-1 in the float32 caches, found through its block `table`, into `out`
     (`q`'s shape, rows contiguous); returns `out`. Only where `prefill_usable` says so."""

@@ -11,6 +11,7 @@ of a few dozen sizes), decode-only steps over their exact count, and the engine 
 (`ModelRunner.warm_up`), as vLLM captures CUDA graphs for a list of batch sizes. `PYLON_PADDED_ROWS=0` pads nothing
 and compiles as steps come. Measurements: docs/serving.md.
 """
+
 from __future__ import annotations
 
 import functools

@@ -10,6 +10,7 @@ prompt needs none, and the other positions of a prefill never need any.
 The runner owns the KV tensors, one K and one V per layer, `[num_blocks, block_size, kv_heads, head_dim]`;
 which blocks belong to whom is `KVBlockPool`'s business.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,12 +26,22 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.settings import switched_on
 from pylon.serving.model import linear
-from pylon.serving.model.attention import (AttentionMetadata, Final, HostStage, SequenceSlice, Workspace, build_metadata,
-                                     final_metadata, new_kv_cache, paged_attention, prompt_attention_backends,
-                                     store_kv_pair)
+from pylon.serving.model.attention import (
+    AttentionMetadata,
+    Final,
+    HostStage,
+    SequenceSlice,
+    Workspace,
+    build_metadata,
+    final_metadata,
+    new_kv_cache,
+    paged_attention,
+    prompt_attention_backends,
+    store_kv_pair,
+)
 from pylon.serving.model.step import StepSequence
+from pylon.settings import switched_on
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +77,7 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype not in KV_DTYPES:
-        raise PylonError(f"engine.kv_cache_dtype: must be one of auto, {', '.join(KV_DTYPES)} "
-                         f"(got {kv_cache_dtype!r})")
+        raise PylonError(f"engine.kv_cache_dtype: must be one of auto, {', '.join(KV_DTYPES)} (got {kv_cache_dtype!r})")
     return KV_DTYPES[kv_cache_dtype]
 
 
@@ -86,11 +96,15 @@ def weights_failure(model_dir: str, error: Exception) -> str:
                 for key in f.keys():
                     f.get_slice(key)  # each tensor's extent within the file
         except Exception as e:
-            return (f"model {model_dir}: weights file {name} is damaged ({type(e).__name__}: {e}); copy it again "
-                    "or export the model again (`pylon export`)")
+            return (
+                f"model {model_dir}: weights file {name} is damaged ({type(e).__name__}: {e}); copy it again "
+                "or export the model again (`pylon export`)"
+            )
     if not files and not any(f.endswith(".bin") for f in listing):
-        return (f"model {model_dir}: has no weights (no *.safetensors or pytorch_model.bin file); point `model` at "
-                "a `pylon export` output or a saved transformers model")
+        return (
+            f"model {model_dir}: has no weights (no *.safetensors or pytorch_model.bin file); point `model` at "
+            "a `pylon export` output or a saved transformers model"
+        )
     return f"model {model_dir}: its weights cannot be loaded ({type(error).__name__}: {str(error)[:500]})"
 
 
@@ -154,9 +168,24 @@ class _GPT2Weights:
             conv.weight = None
             return reordered
 
-        layers = [_GPT2Layer(ln(b.ln_1), w(b.attn.c_attn), b.attn.c_attn.bias, w(b.attn.c_proj), b.attn.c_proj.bias,
-                             ln(b.ln_2), w(b.mlp.c_fc), b.mlp.c_fc.bias, w(b.mlp.c_proj), b.mlp.c_proj.bias,
-                             b.attn.num_heads, b.attn.head_dim, b.attn.scaling) for b in gpt.h]
+        layers = [
+            _GPT2Layer(
+                ln(b.ln_1),
+                w(b.attn.c_attn),
+                b.attn.c_attn.bias,
+                w(b.attn.c_proj),
+                b.attn.c_proj.bias,
+                ln(b.ln_2),
+                w(b.mlp.c_fc),
+                b.mlp.c_fc.bias,
+                w(b.mlp.c_proj),
+                b.mlp.c_proj.bias,
+                b.attn.num_heads,
+                b.attn.head_dim,
+                b.attn.scaling,
+            )
+            for b in gpt.h
+        ]
         return cls(gpt.wte.weight, gpt.wpe.weight, layers, ln(gpt.ln_f))
 
 
@@ -170,14 +199,24 @@ def _pack_llama(model) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, *, num_blocks: int, block_size: int, device: str = "auto",
-                 dtype: str = "auto", kv_cache_dtype: str = "auto"):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: str = "auto",
+        dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
+    ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model_type = _model_type(model_dir)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise PylonError(f"model {model_dir}: model_type '{model_type}' is not supported by the serving "
-                             f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise PylonError(
+                f"model {model_dir}: model_type '{model_type}' is not supported by the serving "
+                f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self._forward: Callable = getattr(self, f"_forward_{model_type}")
         if model_type == "gpt2":
@@ -207,8 +246,10 @@ class ModelRunner:
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.k_cache = [new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype,
-                                     device=self.device) for _ in range(config.num_hidden_layers)]
+        self.k_cache = [
+            new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype, device=self.device)
+            for _ in range(config.num_hidden_layers)
+        ]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
         self.stage = HostStage(self.device)  # a step's integer tensors, in one copy to a GPU
@@ -223,8 +264,9 @@ class ModelRunner:
             self._gpt2_act = kernels.gelu_tanh_  # the same function, ~10x torch's on a CPU (see kernels.py)
 
     @torch.no_grad()
-    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int,
-                max_gflop: float = WARM_UP_GFLOP) -> tuple[int, int]:
+    def warm_up(
+        self, max_num_seqs: int, max_num_batched_tokens: int, max_gflop: float = WARM_UP_GFLOP
+    ) -> tuple[int, int]:
         """Compile oneDNN's kernels for the row counts the projections will run over (`linear.row_counts`), so that
         no step compiles one: each projection shape of a layer (the layers share them) once per count, on zeros,
         fewest rows first, while the arithmetic stays within `max_gflop` (a large model's compiling is a small part
@@ -237,10 +279,15 @@ class ModelRunner:
         kernels, cached = len(counts) * len(shapes), linear.cached_kernels()
         room = cached // len(shapes)
         if len(counts) > room:
-            log.warning("engine: its steps run %d row counts, %d kernels, and oneDNN keeps %d: steps will compile "
-                        "kernels all along; set ONEDNN_PRIMITIVE_CACHE_CAPACITY=%d in the engine's environment "
-                        "(~0.6 MB of machine code each), or lower max_num_seqs", len(counts), kernels, cached,
-                        kernels * linear.CACHE_ENTRIES_PER_KERNEL)
+            log.warning(
+                "engine: its steps run %d row counts, %d kernels, and oneDNN keeps %d: steps will compile "
+                "kernels all along; set ONEDNN_PRIMITIVE_CACHE_CAPACITY=%d in the engine's environment "
+                "(~0.6 MB of machine code each), or lower max_num_seqs",
+                len(counts),
+                kernels,
+                cached,
+                kernels * linear.CACHE_ENTRIES_PER_KERNEL,
+            )
         spent, done = 0, 0
         for rows in counts[:room]:
             if spent + rows * per_row > max_gflop * 1e9:
@@ -272,8 +319,14 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
         return self.decode_graphs.capture_all()
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, final: Final,
-                workspace: Workspace | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        final: Final,
+        workspace: Workspace | None = None,
+    ) -> torch.Tensor:
         """The model's final hidden states at the sampling tokens (see `_forward_gpt2`); `workspace`: gather into
         these buffers instead of the runner's own (a CUDA graph's step keeps its own)."""
         saved = self.workspace
@@ -290,8 +343,12 @@ class ModelRunner:
         if self.config.model_type == "gpt2":
             layer = self._gpt2.layers[0]
             hidden = self.config.hidden_size
-            for n_in, b, w in ((hidden, layer.qkv_b, layer.qkv_w), (hidden, layer.proj_b, layer.proj_w),
-                               (hidden, layer.fc_b, layer.fc_w), (len(layer.fc_b), layer.down_b, layer.down_w)):
+            for n_in, b, w in (
+                (hidden, layer.qkv_b, layer.qkv_w),
+                (hidden, layer.proj_b, layer.proj_w),
+                (hidden, layer.fc_b, layer.fc_w),
+                (len(layer.fc_b), layer.down_b, layer.down_w),
+            ):
                 found.setdefault((n_in, len(b)), functools.partial(self._mm, b, packed=w))
         else:
             for module in self.model.model.layers[0].modules():
@@ -316,15 +373,19 @@ class ModelRunner:
                 last_tokens.append(len(token_ids) - 1)
         stage = self.stage
         stage.begin()
-        meta = build_metadata(seqs, self.block_size, self.device, self.dtype, kernel=self.kernel, prefill=self.prefill,
-                              stage=stage)
+        meta = build_metadata(
+            seqs, self.block_size, self.device, self.dtype, kernel=self.kernel, prefill=self.prefill, stage=stage
+        )
         if len(last_tokens) == len(token_ids):  # decodes only: the last layer's queries are the step's, as they are
             final = Final(None, dataclasses.replace(meta, slot_mapping=None))
         else:
             finals = [SequenceSlice(s.start + s.num_new_tokens - 1, 1, s.block_table) for s in steps if s.samples]
-            final = Final(stage.add(last_tokens),
-                          final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel,
-                                         stage=stage) if finals else None)
+            final = Final(
+                stage.add(last_tokens),
+                final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel, stage=stage)
+                if finals
+                else None,
+            )
         if final.rows is not None and self.pad_rows:
             # A step with a prompt chunk: its projections run over one of a few row counts (linear.padded_rows),
             # the extra rows token 0 at position 0, which store nothing, attend nothing and sample nothing.
@@ -338,26 +399,42 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self.model.lm_head(hidden).float()
 
-    def _attend(self, i: int, last: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
-                meta: AttentionMetadata, final: Final, scale: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _attend(
+        self,
+        i: int,
+        last: bool,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        h: torch.Tensor,
+        meta: AttentionMetadata,
+        final: Final,
+        scale: float,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Layer i's attention output and the hidden states it is added to: every token's, or in the `last`
         layer the sampling tokens' only (see Final); `(None, h)` there when no token samples. Rows past the step's
         tokens (`execute`'s padding) have their keys and values stored nowhere and an attention output of zeros."""
         if meta.slot_mapping is not None and len(k) > len(meta.slot_mapping):
-            k, v = k[:len(meta.slot_mapping)], v[:len(meta.slot_mapping)]
+            k, v = k[: len(meta.slot_mapping)], v[: len(meta.slot_mapping)]
         if not last:
             return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
-        store_kv_pair(self.k_cache[i], self.v_cache[i], meta.slot_mapping, k, v,  # every token's, as
-                      kernel=meta.kernel)  # paged_attention would
+        store_kv_pair(
+            self.k_cache[i],
+            self.v_cache[i],
+            meta.slot_mapping,
+            k,
+            v,  # every token's, as
+            kernel=meta.kernel,
+        )  # paged_attention would
         if final.rows is not None:
             h, q = h[final.rows], q[final.rows]
         if final.meta is None:
             return None, h
-        return paged_attention(q, None, None, self.k_cache[i], self.v_cache[i], final.meta, scale,
-                               self.workspace), h
+        return paged_attention(q, None, None, self.k_cache[i], self.v_cache[i], final.meta, scale, self.workspace), h
 
-    def _forward_gpt2(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      final: Final) -> torch.Tensor:
+    def _forward_gpt2(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, final: Final
+    ) -> torch.Tensor:
         """Final hidden states (after ln_f) of GPT-2 (pre-norm blocks, learned positions) at the sampling tokens
         (`final`): `[sampling tokens, hidden]`.
 
@@ -382,8 +459,9 @@ class ModelRunner:
             h = h + mm(layer.down_b, up, layer.down_w)
         return F.layer_norm(h, *self._gpt2.ln_f)
 
-    def _forward_llama(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       final: Final) -> torch.Tensor:
+    def _forward_llama(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, final: Final
+    ) -> torch.Tensor:
         """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
         tokens (`final`): `[sampling tokens, hidden]`."""
         llama = self.model.model

@@ -1,5 +1,6 @@
 """The plain data the engine hands the model executor each step, as vLLM v1 hands its runner a SchedulerOutput: token
 ids, positions and KV block ids, never the engine's own Request objects, so the executor never imports the engine."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """One real Ray cluster for the whole integration suite, started the way users start it."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,11 @@ def pylon_home(tmp_path_factory) -> Iterator:
         env.setenv("PYLON_HOME", str(home))
         env.delenv("RAY_ADDRESS", raising=False)
         # DeepSpeed's CPU ops are built once into the repository's ignored cache, and reused by workers.
-        env.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR")
-                   or str(Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions"))
+        env.setenv(
+            "TORCH_EXTENSIONS_DIR",
+            os.environ.get("TORCH_EXTENSIONS_DIR")
+            or str(Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions"),
+        )
         for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
             env.delenv(name, raising=False)
         yield home

@@ -18,6 +18,7 @@ reference DeepSpeed's sharded runs are compared against.
 --checkpoint DIR commits a checkpoint with Pylon's CheckpointCommitter after the steps, takes one more step,
 loads the checkpoint back and takes that step again: both must give the same loss.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     config = build_deepspeed_config(spec, world_size=world_size)
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
+    )
 
-    tokens = _global_batch(micro * world_size, args.seq_len)[rank * micro:(rank + 1) * micro]
+    tokens = _global_batch(micro * world_size, args.seq_len)[rank * micro : (rank + 1) * micro]
 
     def train_step() -> float:
         step_losses = []
@@ -81,22 +83,27 @@ def main(argv: list[str] | None = None) -> int:
     if rank != 0:
         return 0
 
-    print(RESULT_PREFIX + json.dumps({
-        **resumed,
-        "world_size": world_size,
-        "losses": losses,
-        "lrs": lrs,
-        "optimizer": type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__name__,
-        "module_dtype": str(next(engine.module.parameters()).dtype),
-        "parameters": total,
-        "trainable": trainable,
-        "global_steps": global_steps,
-        "zero_stage": engine.zero_optimization_stage(),
-        "bf16": engine.bfloat16_enabled(),
-        # Swap files DeepSpeed wrote under nvme_path: proof that NVMe offload really moved tensors there.
-        "nvme_param_files": _swap_files(spec, "params"),
-        "nvme_optimizer_files": _swap_files(spec, "optimizer"),
-    }))
+    print(
+        RESULT_PREFIX
+        + json.dumps(
+            {
+                **resumed,
+                "world_size": world_size,
+                "losses": losses,
+                "lrs": lrs,
+                "optimizer": type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__name__,
+                "module_dtype": str(next(engine.module.parameters()).dtype),
+                "parameters": total,
+                "trainable": trainable,
+                "global_steps": global_steps,
+                "zero_stage": engine.zero_optimization_stage(),
+                "bf16": engine.bfloat16_enabled(),
+                # Swap files DeepSpeed wrote under nvme_path: proof that NVMe offload really moved tensors there.
+                "nvme_param_files": _swap_files(spec, "params"),
+                "nvme_optimizer_files": _swap_files(spec, "optimizer"),
+            }
+        )
+    )
     return 0
 
 
@@ -110,8 +117,13 @@ def _plain(spec: TrainJobSpec, model: torch.nn.Module, args, total: int, trainab
     """The reference: one process, plain PyTorch, the same optimizer settings DeepSpeed gets from the spec."""
     optim = spec.optim
     assert optim.schedule == "constant" and optim.warmup_steps == 0, "the plain loop has a constant lr only"
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
-                                  betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
     tokens = _global_batch(spec.batch.micro_batch_size, args.seq_len)
     losses = []
     for _ in range(args.steps):
@@ -122,8 +134,18 @@ def _plain(spec: TrainJobSpec, model: torch.nn.Module, args, total: int, trainab
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
         optimizer.step()
         losses.append(loss.item())
-    print(RESULT_PREFIX + json.dumps({"world_size": 1, "losses": losses, "parameters": total,
-                                      "trainable": trainable, "optimizer": type(optimizer).__name__}))
+    print(
+        RESULT_PREFIX
+        + json.dumps(
+            {
+                "world_size": 1,
+                "losses": losses,
+                "parameters": total,
+                "trainable": trainable,
+                "optimizer": type(optimizer).__name__,
+            }
+        )
+    )
     return 0
 
 
@@ -140,8 +162,13 @@ def _checkpoint_round_trip(engine, train_step, directory: str, rank: int, world_
     extra = committer.load(engine, info)
     after_load = train_step()
     committer.close()
-    return {"committed_step": info.step, "loss_after_save": after_save, "loss_after_load": after_load,
-            "extra_after_load": extra, "checkpoint_files": sorted(info.manifest["files"])}
+    return {
+        "committed_step": info.step,
+        "loss_after_save": after_save,
+        "loss_after_load": after_load,
+        "extra_after_load": extra,
+        "checkpoint_files": sorted(info.manifest["files"]),
+    }
 
 
 def _swap_files(spec: TrainJobSpec, kind: str) -> int:
@@ -149,8 +176,11 @@ def _swap_files(spec: TrainJobSpec, kind: str) -> int:
     if not spec.deepspeed.nvme_path:
         return 0
     root = os.path.join(spec.deepspeed.nvme_path, "zero_stage_3")
-    return sum(len([f for f in files if f.endswith(".swp")]) for folder, _, files in os.walk(root)
-               if os.path.basename(os.path.dirname(folder)).endswith(kind))
+    return sum(
+        len([f for f in files if f.endswith(".swp")])
+        for folder, _, files in os.walk(root)
+        if os.path.basename(os.path.dirname(folder)).endswith(kind)
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "jobs"))
 # One copy of the engine and the one-process world, shared with the unit tests (`distributed` is autouse).
 from test_checkpoint import build_engine, distributed, train_step, weights  # noqa: E402, F401
 
@@ -40,13 +40,14 @@ def _raw_keys(s3_root: str) -> list[str]:
 
     bucket, _, prefix = s3_root.removeprefix("s3://").partition("/")
     pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
-    return sorted(obj["Key"][len(prefix) + 1:] for page in pages for obj in page.get("Contents", []))
+    return sorted(obj["Key"][len(prefix) + 1 :] for page in pages for obj in page.get("Contents", []))
 
 
 def test_save_load_retention_and_corruption_on_s3(s3_root, tmp_path):
     a = build_engine(seed=0)
-    async_committer = CheckpointCommitter(s3_root, rank=0, world_size=1, keep_last=2, keep_every=2,
-                                          async_upload=True, staging_dir=tmp_path / "staging")
+    async_committer = CheckpointCommitter(
+        s3_root, rank=0, world_size=1, keep_last=2, keep_every=2, async_upload=True, staging_dir=tmp_path / "staging"
+    )
     for step in (1, 2):
         train_step(a, step)
         async_committer.save(a, step, extra={"data": {"batches": step}}, meta={"tokens": 32 * step})
@@ -62,7 +63,10 @@ def test_save_load_retention_and_corruption_on_s3(s3_root, tmp_path):
     assert _committed(committer) == [2, 4, 5]
     keys = _raw_keys(s3_root)
     assert {k.split("/")[1] for k in keys if k.startswith("checkpoints/")} == {
-        "step-00000002", "step-00000004", "step-00000005"}
+        "step-00000002",
+        "step-00000004",
+        "step-00000005",
+    }
     assert [k for k in keys if k.startswith("checkpoints/step-00000005/")] == [
         "checkpoints/step-00000005/ds/mp_rank_00_model_states.pt",
         "checkpoints/step-00000005/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -87,8 +91,11 @@ def test_save_load_retention_and_corruption_on_s3(s3_root, tmp_path):
     data = bytearray(storage.read_bytes(shard))
     data[100] ^= 0x01
     storage.atomic_write(shard, bytes(data))
-    with pytest.raises(PylonError, match=r"step-00000004/ds/zero_pp_rank_0_mp_rank_00_optim_states\.pt: "
-                                         r"checkpoint file is corrupt"):
+    with pytest.raises(
+        PylonError,
+        match=r"step-00000004/ds/zero_pp_rank_0_mp_rank_00_optim_states\.pt: "
+        r"checkpoint file is corrupt",
+    ):
         committer.load(b, older)
 
 
@@ -100,8 +107,12 @@ def test_save_load_retention_and_corruption_on_s3(s3_root, tmp_path):
 def _run_until_paused(run_uri: str, pause_at: str, ref_dir: Path, staging_dir: Path, log_path: Path) -> None:
     """Start the saving process, wait until it pauses before writing `pause_at`, SIGKILL it."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, __file__, run_uri, pause_at, str(ref_dir), str(staging_dir)],
-                                stdout=subprocess.PIPE, stderr=log, env=os.environ.copy())
+        proc = subprocess.Popen(
+            [sys.executable, __file__, run_uri, pause_at, str(ref_dir), str(staging_dir)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=os.environ.copy(),
+        )
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
@@ -110,8 +121,10 @@ def _run_until_paused(run_uri: str, pause_at: str, ref_dir: Path, staging_dir: P
             while b"PAUSED" not in buffered:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or proc.poll() is not None:
-                    raise AssertionError(f"the saving process never paused (exit {proc.poll()}); its log:\n"
-                                         + log_path.read_text()[-4000:])
+                    raise AssertionError(
+                        f"the saving process never paused (exit {proc.poll()}); its log:\n"
+                        + log_path.read_text()[-4000:]
+                    )
                 if sel.select(timeout=min(remaining, 1.0)):
                     buffered += os.read(proc.stdout.fileno(), 4096)
         os.kill(proc.pid, signal.SIGKILL)
@@ -123,12 +136,15 @@ def _run_until_paused(run_uri: str, pause_at: str, ref_dir: Path, staging_dir: P
         proc.stdout.close()
 
 
-@pytest.mark.parametrize(("where", "pause_at", "latest_after_kill"), [
-    ("local", "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt", 10),  # mid-upload of DeepSpeed's files
-    ("local", "manifest.json", 10),  # every file and rank-0.json stored, commit marker not yet
-    ("local", "latest.json", 20),  # committed; the pointer still names step 10
-    ("s3", "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt", 10),
-])
+@pytest.mark.parametrize(
+    ("where", "pause_at", "latest_after_kill"),
+    [
+        ("local", "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt", 10),  # mid-upload of DeepSpeed's files
+        ("local", "manifest.json", 10),  # every file and rank-0.json stored, commit marker not yet
+        ("local", "latest.json", 20),  # committed; the pointer still names step 10
+        ("s3", "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt", 10),
+    ],
+)
 def test_sigkill_during_save_keeps_the_previous_checkpoint(request, tmp_path, where, pause_at, latest_after_kill):
     run_uri = request.getfixturevalue("s3_root") if where == "s3" else str(tmp_path / "run")
     ref_dir = tmp_path / "reference"
@@ -154,11 +170,9 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(request, tmp_path, wh
 
 def _save_until_paused(run_uri: str, pause_at: str, ref_dir: Path, staging_dir: Path) -> None:
     import deepspeed
-
     from test_checkpoint import _free_port
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     deepspeed.init_distributed(dist_backend="gloo")
     armed = False
 
@@ -167,8 +181,9 @@ def _save_until_paused(run_uri: str, pause_at: str, ref_dir: Path, staging_dir: 
             print("PAUSED", uri, flush=True)
             time.sleep(600)
 
-    committer = CheckpointCommitter(run_uri, rank=0, world_size=1, keep_last=2, staging_dir=staging_dir,
-                                    before_write=pause)
+    committer = CheckpointCommitter(
+        run_uri, rank=0, world_size=1, keep_last=2, staging_dir=staging_dir, before_write=pause
+    )
     engine = build_engine(seed=0)
     for step in (10, 20):
         train_step(engine, step)

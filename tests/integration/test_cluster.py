@@ -1,4 +1,5 @@
 """The session's local cluster: status, token auth, jobs through the Jobs API, connect()."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ import pytest
 import requests
 
 import pylon
-from pylon.infra import local as cluster
 from pylon.errors import ClusterError
+from pylon.infra import local as cluster
 
 pytestmark = pytest.mark.integration
 PYLON = str(Path(sys.executable).parent / "pylon")
@@ -35,8 +36,11 @@ def test_dashboard_and_jobs_api_listen_on_loopback_only(ray_cluster):
     assert ray_cluster.dashboard_url.startswith("http://127.0.0.1:")
     import psutil
 
-    listeners = {c.laddr.ip for c in psutil.net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == ray_cluster.dashboard_port}
+    listeners = {
+        c.laddr.ip
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == ray_cluster.dashboard_port
+    }
     assert listeners == {"127.0.0.1"}
 
 
@@ -80,12 +84,20 @@ def test_a_job_runs_ray_tasks_and_commits_to_s3(ray_cluster, s3_root, tmp_path):
     status = client.wait_job(job_id, timeout_s=300)
     logs = client.job_logs(job_id)
     assert status == "SUCCEEDED", logs
-    bucket, key = out[len("s3://"):].split("/", 1)
+    bucket, key = out[len("s3://") :].split("/", 1)
     result = json.loads(boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read())
     assert result["totals"]["files"] == 2
     assert result["totals"]["lines"] == 4
-    assert dict(result["top_keywords"]) == {"def": 1, "return": 1, "if": 1, "else": 1, "None": 1,
-                                            "for": 1, "in": 1, "pass": 1}
+    assert dict(result["top_keywords"]) == {
+        "def": 1,
+        "return": 1,
+        "if": 1,
+        "else": 1,
+        "None": 1,
+        "for": 1,
+        "in": 1,
+        "pass": 1,
+    }
 
 
 def test_local_cluster_paces_rays_log_monitor_and_worker_output_still_reaches_the_job_log(ray_cluster):
@@ -93,13 +105,18 @@ def test_local_cluster_paces_rays_log_monitor_and_worker_output_still_reaches_th
     second (not ten times), a Ray task's print in a new worker still arrives in the job's log."""
     monitors = [p for p in ray_cluster.processes() if any("log_monitor" in a for a in p.cmdline())]
     assert len(monitors) == 1
-    env = dict(line.split("=", 1) for line in
-               Path(f"/proc/{monitors[0].pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in line)
+    env = dict(
+        line.split("=", 1)
+        for line in Path(f"/proc/{monitors[0].pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        if "=" in line
+    )
     for name, value in cluster.LOCAL_RAY_ENV.items():
         assert env.get(name) == value, name
-    script = ("import ray; ray.init(); "
-              "f = ray.remote(lambda: print('pylon-worker-said-hello', flush=True)); "
-              "ray.get(f.options(num_cpus=0.01).remote()); import time; time.sleep(3)")
+    script = (
+        "import ray; ray.init(); "
+        "f = ray.remote(lambda: print('pylon-worker-said-hello', flush=True)); "
+        "ray.get(f.options(num_cpus=0.01).remote()); import time; time.sleep(3)"
+    )
     client = pylon.connect()
     job_id = client.submit_job(f'python -c "{script}"')
     status = client.wait_job(job_id, timeout_s=180)
@@ -129,8 +146,11 @@ def test_jobs_use_the_interpreter_pylon_is_installed_in(ray_cluster):
     # The job's own line, wherever it lands: Ray may log around it ("Running entrypoint ..." comes after the
     # job's output in some runs), so the last line is not necessarily ours.
     logs = client.job_logs(job_id)
-    ours = [line.split() for line in logs.splitlines()
-            if len(line.split()) == 2 and Path(line.split()[0]).name.startswith("python")]
+    ours = [
+        line.split()
+        for line in logs.splitlines()
+        if len(line.split()) == 2 and Path(line.split()[0]).name.startswith("python")
+    ]
     assert ours, f"no 'EXECUTABLE SYSTEM' line in the job's logs:\n{logs}"
     exe, system = ours[-1]
     assert Path(exe).parent == Path(sys.executable).parent
@@ -154,8 +174,13 @@ def test_connect_without_a_cluster_says_how_to_start_one(monkeypatch, tmp_path):
         pylon.connect("http://127.0.0.1:9", timeout_s=2)
     with pytest.raises(ClusterError, match="Ray Client addresses are not supported"):
         pylon.connect("ray://127.0.0.1:10001")
-    out = subprocess.run([PYLON, "cluster", "status"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYLON_HOME": str(tmp_path / "empty-home")})
+    out = subprocess.run(
+        [PYLON, "cluster", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYLON_HOME": str(tmp_path / "empty-home")},
+    )
     assert out.returncode == 1 and "pylon cluster up" in out.stderr and "Traceback" not in out.stderr
 
 

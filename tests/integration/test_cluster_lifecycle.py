@@ -1,4 +1,5 @@
 """`pylon cluster up && status && down`, twice, beside the session's cluster: down stops only its own."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,13 @@ def test_up_status_down_twice_leaves_nothing_behind(ray_cluster, tmp_path):
 
     env = {**os.environ, "PYLON_HOME": str(tmp_path / "home")}
     for round_ in (1, 2):
-        up = subprocess.run([PYLON, "cluster", "up", "--num-cpus", "1", "--object-store-gib", "0.25"],
-                            env=env, capture_output=True, text=True, timeout=180)
+        up = subprocess.run(
+            [PYLON, "cluster", "up", "--num-cpus", "1", "--object-store-gib", "0.25"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert up.returncode == 0, up.stderr
         assert "started local Ray cluster" in up.stdout
         assert "dashboard / Jobs API: http://127.0.0.1:" in up.stdout
@@ -60,8 +66,8 @@ def test_up_status_down_twice_leaves_nothing_behind(ray_cluster, tmp_path):
 
 
 def test_a_failed_start_is_reported_and_leaves_no_record(tmp_path):
-    from pylon.infra import local as cluster
     from pylon.errors import ClusterError
+    from pylon.infra import local as cluster
 
     home = tmp_path / "home"
     # Ray's GCS starts before the raylet rejects the CPU count: that half-started cluster must go too.
@@ -81,9 +87,11 @@ def test_a_start_that_times_out_in_ray_is_tried_once_more(tmp_path, monkeypatch,
     real = cluster._ray_executable()
     marker = tmp_path / "failed-once"
     script = tmp_path / "ray"
-    script.write_text(f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; "
-                      f"echo 'Exception: {cluster.RAY_STARTUP_TIMEOUT}. This could happen because ...'; exit 1; fi\n"
-                      f'exec {real} "$@"\n')
+    script.write_text(
+        f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; "
+        f"echo 'Exception: {cluster.RAY_STARTUP_TIMEOUT}. This could happen because ...'; exit 1; fi\n"
+        f'exec {real} "$@"\n'
+    )
     script.chmod(0o755)
     monkeypatch.setattr(cluster, "_ray_executable", lambda: str(script))
     home = tmp_path / "home"

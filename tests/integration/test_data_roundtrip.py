@@ -2,6 +2,7 @@
 
 Both formats, from local disk and from the S3 server, prepared on the session's Ray cluster.
 """
+
 from __future__ import annotations
 
 import sysconfig

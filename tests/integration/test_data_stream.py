@@ -1,14 +1,12 @@
 """Streaming shards through Ray Data into workers: exactly once, deterministic, resumable, bad shards."""
+
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from pylon import storage
 from pylon.data.reader import ShardStream
 from pylon.data.shards import BadShardError, DataError
 from pylon.data.testing import synthetic_tokens, write_synthetic_dataset
@@ -125,6 +123,7 @@ def damaged(tmp_path, ray_cluster):
         else:
             victim.write_bytes(bytes(data))
         return uri, m.shards[2].file
+
     return make
 
 

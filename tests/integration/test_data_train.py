@@ -1,4 +1,5 @@
 """Real Ray Train workers streaming their parts: 2 workers x 2 epochs, every sample once per epoch."""
+
 from __future__ import annotations
 
 import json

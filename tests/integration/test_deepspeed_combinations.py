@@ -10,6 +10,7 @@ The full product (32 combinations) is pruned to a covering set: every stage and 
 `offload_optimizer: nvme` -- DeepSpeed 0.19 runs that exactly like `cpu` (its ZeRO-1/2 optimizer has no NVMe
 swapper; nothing is written to nvme_path), so it would prove nothing beyond the cpu cases.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,19 @@ LR = 1e-2
 # parameters under 1e5 elements resident: stage3_param_persistence_threshold) and that NVMe swapping really
 # writes them (DeepSpeed swaps only tensors of at least 1 MiB). gpt-tiny is below both, so offloading it
 # would move nothing. Dropout is off so that runs are deterministic and comparable.
-MODEL = {"config": {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 384, "n_positions": 64,
-                    "vocab_size": 320, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}}
+MODEL = {
+    "config": {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_head": 4,
+        "n_embd": 384,
+        "n_positions": 64,
+        "vocab_size": 320,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+}
 
 
 @dataclass(frozen=True)
@@ -71,10 +83,17 @@ class Combo:
 
     def spec(self, nvme_path: Path) -> dict:
         spec = {
-            "kind": "TrainJob", "name": "combo", "model": MODEL, "data": {"uri": str(nvme_path / "unused")},
-            "steps": 10, "precision": self.precision,
-            "deepspeed": {"zero_stage": self.stage, "offload_optimizer": self.offload_optimizer,
-                          "offload_param": self.offload_param},
+            "kind": "TrainJob",
+            "name": "combo",
+            "model": MODEL,
+            "data": {"uri": str(nvme_path / "unused")},
+            "steps": 10,
+            "precision": self.precision,
+            "deepspeed": {
+                "zero_stage": self.stage,
+                "offload_optimizer": self.offload_optimizer,
+                "offload_param": self.offload_param,
+            },
             "batch": {"micro_batch_size": 4},
             # A constant lr, so that every one of the three steps applies an update.
             "optim": {"lr": LR, "schedule": "constant"},
@@ -113,16 +132,23 @@ COMBOS = [
 PARITY_STEPS = 5
 PARITY = [
     Combo(0, "fp32", plain=True, steps=PARITY_STEPS, extra=(("batch", {"micro_batch_size": 4}),)),
-    *(Combo(stage, "fp32", world_size=2, steps=PARITY_STEPS, extra=(("batch", {"micro_batch_size": 2}),))
-      for stage in (1, 2, 3)),
+    *(
+        Combo(stage, "fp32", world_size=2, steps=PARITY_STEPS, extra=(("batch", {"micro_batch_size": 2}),))
+        for stage in (1, 2, 3)
+    ),
 ]
 
 # The combinations the comparison tests below read, so the fixture can start them early.
 _COMPARED = {
     "test_sharded_ranks_match_a_single_plain_process": [c.id for c in PARITY],
     "test_first_step_loss_is_identical_across_stages": [f"zero{stage}-fp32" for stage in range(4)],
-    "test_offload_trains_like_no_offload": ["zero3-fp32", "zero3-fp32-param-cpu", "zero3-fp32-opt-cpu-param-cpu",
-                                            "zero3-fp32-opt-nvme", "zero3-fp32-opt-nvme-param-nvme"],
+    "test_offload_trains_like_no_offload": [
+        "zero3-fp32",
+        "zero3-fp32-param-cpu",
+        "zero3-fp32-opt-cpu-param-cpu",
+        "zero3-fp32-opt-nvme",
+        "zero3-fp32-opt-nvme-param-nvme",
+    ],
 }
 
 
@@ -140,12 +166,20 @@ def _run(combo: Combo, workdir: Path) -> dict:
     port = str(_free_port())
     procs = []
     for rank in range(combo.world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(combo.world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(combo.world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
         # Built DeepSpeed ops are cached in the repository's ignored .cache (the Makefile sets the same).
         env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-        procs.append(subprocess.Popen(command, env=env, cwd=workdir, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(command, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outputs = []
     for proc in procs:
         try:
@@ -162,7 +196,7 @@ def _run(combo: Combo, workdir: Path) -> dict:
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if not lines:
         return {"error": f"no result line\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-6000:]}"}
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
 class ComboRuns:
@@ -219,13 +253,19 @@ def _by_id(combo_id: str) -> Combo:
 
 # `make test` (CI, within 30 minutes) runs every stage, every offload target and every combination the comparison
 # tests read; these add bf16 and feature variants of paths already covered, and run with `make test-all`.
-SLOW = {"zero3-bf16-opt-nvme-param-nvme", "zero0-bf16", "zero1-bf16-opt-cpu", "zero2-fp32-opt-cpu-batch",
-        "zero3-fp32-opt-cpu-param-cpu-lora"}
+SLOW = {
+    "zero3-bf16-opt-nvme-param-nvme",
+    "zero0-bf16",
+    "zero1-bf16-opt-cpu",
+    "zero2-fp32-opt-cpu-batch",
+    "zero3-fp32-opt-cpu-param-cpu-lora",
+}
 
 
 @pytest.mark.timeout(1500)  # the first NVMe combination may wait for DeepSpeed's async_io op to finish building
-@pytest.mark.parametrize("combo", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in COMBOS],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "combo", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in COMBOS], ids=lambda c: c.id
+)
 def test_combination_trains(combo: Combo, runs: ComboRuns) -> None:
     result = runs.result(combo)
     losses = result["losses"]
@@ -252,11 +292,9 @@ def test_combination_trains(combo: Combo, runs: ComboRuns) -> None:
     assert result["committed_step"] == STEPS
     assert result["extra_after_load"] == {"rank": 0}
     if combo.stage > 0:  # ZeRO-1..3 write the partitioned optimizer state as its own file per rank
-        assert any(name.endswith("optim_states.pt") for name in result["checkpoint_files"]), \
-            result["checkpoint_files"]
+        assert any(name.endswith("optim_states.pt") for name in result["checkpoint_files"]), result["checkpoint_files"]
     else:  # stage 0 keeps the optimizer state inside the model-states file
-        assert any(name.endswith("model_states.pt") for name in result["checkpoint_files"]), \
-            result["checkpoint_files"]
+        assert any(name.endswith("model_states.pt") for name in result["checkpoint_files"]), result["checkpoint_files"]
     assert result["loss_after_load"] == pytest.approx(result["loss_after_save"], rel=1e-6, abs=1e-6)
 
 
@@ -271,15 +309,20 @@ def test_sharded_ranks_match_a_single_plain_process(runs: ComboRuns) -> None:
     for combo in PARITY[1:]:
         result = results[combo.id]
         assert result["world_size"] == 2 and result["zero_stage"] == combo.stage
-        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4), (combo.id, result["losses"],
-                                                                                  reference["losses"])
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4), (
+            combo.id,
+            result["losses"],
+            reference["losses"],
+        )
 
 
 def test_first_step_loss_is_identical_across_stages(runs: ComboRuns) -> None:
     """Before any update, every fp32 stage computes the same loss from the same seed: sharding changes where
     the weights live, never what they are."""
-    first = {combo_id: runs.result(_by_id(combo_id))["losses"][0]
-             for combo_id in _COMPARED["test_first_step_loss_is_identical_across_stages"]}
+    first = {
+        combo_id: runs.result(_by_id(combo_id))["losses"][0]
+        for combo_id in _COMPARED["test_first_step_loss_is_identical_across_stages"]
+    }
     assert len(set(first.values())) == 1, first
 
 
@@ -289,8 +332,10 @@ def test_offload_trains_like_no_offload(runs: ComboRuns) -> None:
     """fp32 runs follow the same loss curve wherever the tensors live: offload moves tensors, it must not
     change the arithmetic (on CPU, DeepSpeed's fused Adam and the CPU Adam an offloaded optimizer runs share
     one kernel, so they agree to rounding too)."""
-    losses = {combo_id: runs.result(_by_id(combo_id))["losses"]
-              for combo_id in _COMPARED["test_offload_trains_like_no_offload"]}
+    losses = {
+        combo_id: runs.result(_by_id(combo_id))["losses"]
+        for combo_id in _COMPARED["test_offload_trains_like_no_offload"]
+    }
     reference = losses["zero3-fp32"]
     for combo_id in ("zero3-fp32-param-cpu", "zero3-fp32-opt-cpu-param-cpu", "zero3-fp32-opt-nvme"):
         assert losses[combo_id] == pytest.approx(reference, rel=1e-6), combo_id

@@ -1,4 +1,5 @@
 """`pylon demo` end to end on the session's cluster (what `make demo` runs after set-up)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -22,8 +23,12 @@ def demo_deployment(ray_cluster):
 
 @pytest.mark.slow  # the whole demo again (what `make demo` runs); `make test-all`
 def test_demo_prepares_trains_exports_and_serves(ray_cluster, pylon_home, demo_deployment):
-    out = subprocess.run([str(Path(sys.executable).parent / "pylon"), "demo", "--steps", "12"],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "pylon"), "demo", "--steps", "12"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "local Ray cluster reused" in out.stdout
     manifest = read_manifest(str(pylon_home / "demo" / "corpus"))
@@ -51,7 +56,11 @@ def test_demo_prepares_trains_exports_and_serves(ray_cluster, pylon_home, demo_d
     url = next(line.split(" at ")[1].split()[0] for line in out.stdout.splitlines() if "ready in" in line)
     import requests
 
-    r = requests.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                      json={"model": "stdlib-gpt", "prompt": "import ", "max_tokens": 8})
+    r = requests.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+        json={"model": "stdlib-gpt", "prompt": "import ", "max_tokens": 8},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8  # the endpoint stays up
     assert "cluster still running" in out.stdout

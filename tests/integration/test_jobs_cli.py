@@ -1,5 +1,6 @@
 """`pylon jobs list | logs ID [--follow] | stop ID` and `pylon train --json`, as real processes against real jobs
 on the session's Ray cluster."""
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,18 @@ def test_jobs_list_logs_and_stop(ray_cluster):
 
 def test_train_json_then_a_failed_job_follows_to_exit_1(ray_cluster, tmp_path):
     spec = tmp_path / "train.yaml"
-    spec.write_text(yaml.safe_dump({
-        "kind": "TrainJob", "name": "cli-broken", "model": {"preset": "gpt-tiny"},
-        "data": {"uri": str(tmp_path / "no-data-here")}, "steps": 4,
-        "checkpoint": {"storage": str(tmp_path / "runs")},
-    }))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "kind": "TrainJob",
+                "name": "cli-broken",
+                "model": {"preset": "gpt-tiny"},
+                "data": {"uri": str(tmp_path / "no-data-here")},
+                "steps": 4,
+                "checkpoint": {"storage": str(tmp_path / "runs")},
+            }
+        )
+    )
     r = cli("train", str(spec), "--json")
     assert r.returncode == 0, r.stderr
     submitted = json.loads(r.stdout)

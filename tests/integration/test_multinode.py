@@ -5,6 +5,7 @@
 - `pylon cluster up --autoscale`: Ray's autoscaler starts logical worker nodes when a training job asks for
   more than the head holds, the job runs across them, and the nodes go away after the idle timeout.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,8 @@ def own_home(pylon_home, tmp_path, monkeypatch) -> Path:
 
 def _train_spec(path: Path, corpus: str, runs: str, *, name: str, steps: int, every: int, **scaling) -> Path:
     spec = {
-        "kind": "TrainJob", "name": name,
+        "kind": "TrainJob",
+        "name": name,
         "model": {"preset": "gpt-tiny"},
         "data": {"uri": corpus, "seq_len": 64, "shuffle_seed": 1, "shuffle_buffer": 64},
         "scaling": {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1}, **scaling},
@@ -74,10 +76,12 @@ def _actors(client) -> list:
     from ray.util.state import StateApiClient
     from ray.util.state.common import ListApiOptions, StateResource
 
-    api = StateApiClient(address=client.dashboard_url, headers={"Content-Type": "application/json",
-                                                                **client._headers})
-    return [a for a in api.list(StateResource.ACTORS, options=ListApiOptions(detail=True),
-                                raise_on_missing_output=False) if a.state == "ALIVE"]
+    api = StateApiClient(address=client.dashboard_url, headers={"Content-Type": "application/json", **client._headers})
+    return [
+        a
+        for a in api.list(StateResource.ACTORS, options=ListApiOptions(detail=True), raise_on_missing_output=False)
+        if a.state == "ALIVE"
+    ]
 
 
 def _why_nodes_stay(client) -> str:
@@ -91,8 +95,10 @@ def _why_nodes_stay(client) -> str:
         status = get_cluster_status(client.gcs_address)
         for node in [*status.active_nodes, *status.idle_nodes]:
             idle = node.resource_usage.idle_time_ms if node.resource_usage else None
-            lines.append(f"node {node.node_id} ({node.ray_node_type_name}, {node.node_status}): idle {idle} ms, "
-                         f"activity {node.node_activity}, used {node.used_resources()}")
+            lines.append(
+                f"node {node.node_id} ({node.ray_node_type_name}, {node.node_status}): idle {idle} ms, "
+                f"activity {node.node_activity}, used {node.used_resources()}"
+            )
     except Exception as e:  # evidence only: never hide the real failure behind this one
         lines.append(f"(cluster status unavailable: {type(e).__name__}: {e})")
     state = cluster.read_state()
@@ -125,18 +131,38 @@ def test_two_raylets_one_worker_each_train_checkpoint_to_s3_and_export(own_home,
     info, started = cluster.up(num_cpus=2, object_store_memory=256 * 2**20, home=own_home)
     assert started
     second = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", f"--address={info.gcs_address}", "--num-cpus=2",
-         f"--object-store-memory={256 * 2**20}", f"--dashboard-agent-listen-port={cluster._free_port()}",
-         f"--metrics-export-port={cluster._free_port()}", "--disable-usage-stats", "--block"],
-        env={**os.environ, **info.auth_env()}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            f"--address={info.gcs_address}",
+            "--num-cpus=2",
+            f"--object-store-memory={256 * 2**20}",
+            f"--dashboard-agent-listen-port={cluster._free_port()}",
+            f"--metrics-export-port={cluster._free_port()}",
+            "--disable-usage-stats",
+            "--block",
+        ],
+        env={**os.environ, **info.auth_env()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         client = pylon.connect()
-        nodes = _wait_for(lambda: (lambda n: n if len(n) == 2 else None)(_alive_nodes(client)), 90,
-                          "the second raylet to join")
+        nodes = _wait_for(
+            lambda: (lambda n: n if len(n) == 2 else None)(_alive_nodes(client)), 90, "the second raylet to join"
+        )
         assert sum(n.is_head for n in nodes) == 1
 
-        _train_spec(tmp_path / "train.yaml", s3_corpus, f"{s3_root}/runs", name="two-nodes", steps=16, every=4,
-                    placement_strategy="STRICT_SPREAD")
+        _train_spec(
+            tmp_path / "train.yaml",
+            s3_corpus,
+            f"{s3_root}/runs",
+            name="two-nodes",
+            steps=16,
+            every=4,
+            placement_strategy="STRICT_SPREAD",
+        )
         job = client.submit_job(f"cd {tmp_path} && python -m pylon.jobs.train --config train.yaml")
         status = client.wait_job(job, timeout_s=480)
         logs = client.job_logs(job)
@@ -187,7 +213,9 @@ def test_two_raylets_one_worker_each_train_checkpoint_to_s3_and_export(own_home,
     ref = storage.read_json(f"{run}/reference_logits.json")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ref["input_ids"]])).logits[0, :, :16]
-    assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (logits - torch.tensor(ref["logits"])).abs().max()
+    assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (
+        (logits - torch.tensor(ref["logits"])).abs().max()
+    )
 
 
 # Its worker nodes were once still up 150 s after the job: Ray Data's detached helper actors had been placed on
@@ -195,15 +223,36 @@ def test_two_raylets_one_worker_each_train_checkpoint_to_s3_and_export(own_home,
 @pytest.mark.slow  # ~100 s of a fresh-clone `make test` that reached 30.5 min on a slow 2-core VM; `make test-all`
 def test_autoscaling_starts_nodes_for_a_job_and_stops_them_when_idle(own_home, s3_corpus, s3_root, tmp_path):
     spec_file = tmp_path / "cluster.yaml"
-    spec_file.write_text(yaml.safe_dump({
-        "kind": "Cluster", "name": "autoscale-test", "provider": {"type": "local"},
-        "head": {"cpus": 1},
-        "worker_groups": [{"name": "cpu", "cpus": 1, "memory_gb": 1, "min_workers": 0, "max_workers": 2}],
-        "idle_timeout_minutes": 0.2,
-    }))
+    spec_file.write_text(
+        yaml.safe_dump(
+            {
+                "kind": "Cluster",
+                "name": "autoscale-test",
+                "provider": {"type": "local"},
+                "head": {"cpus": 1},
+                "worker_groups": [{"name": "cpu", "cpus": 1, "memory_gb": 1, "min_workers": 0, "max_workers": 2}],
+                "idle_timeout_minutes": 0.2,
+            }
+        )
+    )
     env = {**os.environ, "PYLON_HOME": str(own_home)}
-    up = subprocess.run([sys.executable, "-m", "pylon.cli", "cluster", "up", "--autoscale", str(spec_file),
-                         "--object-store-gib", "0.25"], env=env, capture_output=True, text=True, timeout=180)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pylon.cli",
+            "cluster",
+            "up",
+            "--autoscale",
+            str(spec_file),
+            "--object-store-gib",
+            "0.25",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert up.returncode == 0, up.stderr + up.stdout
     assert "with autoscaling" in up.stdout and "autoscaler config:" in up.stdout
     config = yaml.safe_load((own_home / "autoscaler.yaml").read_text())
@@ -232,8 +281,11 @@ def test_autoscaling_starts_nodes_for_a_job_and_stops_them_when_idle(own_home, s
 
     # Idle for 0.2 min (12 s), the new nodes are stopped again; the head stays.
     try:
-        _wait_for(lambda: [n.node_id for n in _alive_nodes(client)] == [FAKE_HEAD_NODE_ID], 150,
-                  "the idle worker nodes to be stopped")
+        _wait_for(
+            lambda: [n.node_id for n in _alive_nodes(client)] == [FAKE_HEAD_NODE_ID],
+            150,
+            "the idle worker nodes to be stopped",
+        )
     except AssertionError as e:
         raise AssertionError(f"{e}\n{_why_nodes_stay(client)}") from None
     assert spec.exists()

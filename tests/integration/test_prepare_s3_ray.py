@@ -3,6 +3,7 @@
 Ray and in-process runs must write byte-identical shards; s3:// sources give the same shards as the same
 files on local disk; `inspect --verify` reads every shard back from S3 and names a damaged one.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,11 +67,9 @@ def comparable(manifest) -> dict:
 
 def test_ray_and_local_runs_write_identical_shards_to_s3(ray_cluster, s3_root, corpus, small_groups, caplog):
     caplog.set_level("INFO", logger="pylon.data")
-    on_ray = prepare([str(corpus)], f"{s3_root}/ray", seq_len=128, shard_size_mb=0.05, use_ray=True,
-                     progress=False)
+    on_ray = prepare([str(corpus)], f"{s3_root}/ray", seq_len=128, shard_size_mb=0.05, use_ray=True, progress=False)
     assert any("on the Ray cluster" in r.getMessage() for r in caplog.records)
-    here = prepare([str(corpus)], f"{s3_root}/local", seq_len=128, shard_size_mb=0.05, use_ray=False,
-                   progress=False)
+    here = prepare([str(corpus)], f"{s3_root}/local", seq_len=128, shard_size_mb=0.05, use_ray=False, progress=False)
     assert len(on_ray.shards) >= 3 and on_ray.totals.skipped_files == 1
     assert [s.sha256 for s in on_ray.shards] == [s.sha256 for s in here.shards]
     assert comparable(on_ray) == comparable(here)
@@ -83,25 +82,42 @@ def test_ray_and_local_runs_write_identical_shards_to_s3(ray_cluster, s3_root, c
     expected = np.concatenate([np.append(tok.encode(p.read_text(encoding="utf-8")), tok.eos_id) for p in order])
     got = []
     for shard in on_ray.shards:
-        rows = decode_shard("parquet", storage.read_bytes(f"{s3_root}/ray/{shard.file}"), shard=shard.file,
-                            seq_len=128, dtype="uint16")
+        rows = decode_shard(
+            "parquet", storage.read_bytes(f"{s3_root}/ray/{shard.file}"), shard=shard.file, seq_len=128, dtype="uint16"
+        )
         got += [row[:n] for row, n in zip(rows.tokens, rows.num_tokens)]
     assert np.array_equal(np.concatenate(got), expected)
 
 
-def test_s3_sources_on_ray_match_the_same_files_on_local_disk(ray_cluster, s3_root, corpus, small_groups, tmp_path,
-                                                              caplog):
+def test_s3_sources_on_ray_match_the_same_files_on_local_disk(
+    ray_cluster, s3_root, corpus, small_groups, tmp_path, caplog
+):
     caplog.set_level("INFO", logger="pylon.data")
     upload_dir(corpus, f"{s3_root}/src")
-    from_s3 = prepare([f"{s3_root}/src"], f"{s3_root}/out", fmt="webdataset", seq_len=64, shard_size_mb=0.05,
-                      use_ray=None, progress=False)  # None: the session's cluster is up, so Ray
+    from_s3 = prepare(
+        [f"{s3_root}/src"],
+        f"{s3_root}/out",
+        fmt="webdataset",
+        seq_len=64,
+        shard_size_mb=0.05,
+        use_ray=None,
+        progress=False,
+    )  # None: the session's cluster is up, so Ray
     assert any("on the Ray cluster" in r.getMessage() for r in caplog.records)
-    from_disk = prepare([str(corpus)], str(tmp_path / "out"), fmt="webdataset", seq_len=64, shard_size_mb=0.05,
-                        use_ray=False, progress=False)
+    from_disk = prepare(
+        [str(corpus)],
+        str(tmp_path / "out"),
+        fmt="webdataset",
+        seq_len=64,
+        shard_size_mb=0.05,
+        use_ray=False,
+        progress=False,
+    )
     assert [s.sha256 for s in from_s3.shards] == [s.sha256 for s in from_disk.shards]
     assert from_s3.sources == [f"{s3_root}/src"]
-    assert storage.listdir(f"{s3_root}/src") == sorted(["stdlib", "notes-0.txt", "notes-1.txt", "notes-2.txt",
-                                                        "notes-3.txt", "legacy.txt", ".cache"])  # untouched
+    assert storage.listdir(f"{s3_root}/src") == sorted(
+        ["stdlib", "notes-0.txt", "notes-1.txt", "notes-2.txt", "notes-3.txt", "legacy.txt", ".cache"]
+    )  # untouched
 
 
 def test_a_bad_jsonl_line_in_a_ray_task_is_the_tasks_own_error(ray_cluster, s3_root, tmp_path):
@@ -110,8 +126,9 @@ def test_a_bad_jsonl_line_in_a_ray_task_is_the_tasks_own_error(ray_cluster, s3_r
     storage.atomic_write(f"{s3_root}/src/b.jsonl", (good + '\n{"txt": "typo"}\n').encode())
     with pytest.raises(DataError) as caught:
         prepare([f"{s3_root}/src"], f"{s3_root}/out", use_ray=True, progress=False)
-    assert str(caught.value) == (f"{s3_root}/src/b.jsonl: line 51: no 'text' field (has ['txt']); "
-                                 "choose the field with --text-field")
+    assert str(caught.value) == (
+        f"{s3_root}/src/b.jsonl: line 51: no 'text' field (has ['txt']); choose the field with --text-field"
+    )
     assert storage.listdir(f"{s3_root}/out") == []
 
 
@@ -127,8 +144,7 @@ def _timed_task(marks: str, index: int, fail_at: int) -> int:
     return index
 
 
-def test_ray_tasks_stay_bounded_and_a_failure_waits_for_them_instead_of_cancelling(ray_cluster, tmp_path,
-                                                                                  monkeypatch):
+def test_ray_tasks_stay_bounded_and_a_failure_waits_for_them_instead_of_cancelling(ray_cluster, tmp_path, monkeypatch):
     """`ray.cancel` racing with a task's reply aborted the whole test session twice in CI (a check in Ray's
     core worker): prepare never cancels. At most `per_cpu` tasks per CPU run at once (zero-CPU tasks here, so
     Ray itself would run all 40 together); after a failure nothing new starts, and what is in flight finishes."""
@@ -178,19 +194,37 @@ def test_verify_on_s3_names_a_damaged_shard(ray_cluster, s3_root, corpus, small_
 
 def test_cli_uses_the_running_cluster_and_overwrites_on_s3(ray_cluster, s3_root, corpus, pylon_home):
     sources = [str(corpus)] + ([str(SHAKESPEARE)] if SHAKESPEARE.exists() else [])
-    cmd = [sys.executable, "-m", "pylon.cli", "data", "prepare", *sources, "--out", f"{s3_root}/cli",
-           "--seq-len", "256", "--shard-size-mb", "0.5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pylon.cli",
+        "data",
+        "prepare",
+        *sources,
+        "--out",
+        f"{s3_root}/cli",
+        "--seq-len",
+        "256",
+        "--shard-size-mb",
+        "0.5",
+    ]
     env = {**os.environ, "PYLON_HOME": str(pylon_home)}
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     assert f"on the Ray cluster at {ray_cluster.dashboard_url}" in first.stderr
     old = read_manifest(f"{s3_root}/cli")
-    again = subprocess.run(cmd + ["--overwrite", "--format", "webdataset"], env=env, capture_output=True,
-                           text=True, timeout=300)
+    again = subprocess.run(
+        cmd + ["--overwrite", "--format", "webdataset"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stderr
     new = read_manifest(f"{s3_root}/cli")
     assert storage.listdir(f"{s3_root}/cli") == sorted(["manifest.json", *(s.file for s in new.shards)])
     assert new.totals.tokens == old.totals.tokens and new.format == "webdataset"
-    shown = subprocess.run([sys.executable, "-m", "pylon.cli", "data", "inspect", f"{s3_root}/cli", "--verify"],
-                           env=env, capture_output=True, text=True, timeout=300)
+    shown = subprocess.run(
+        [sys.executable, "-m", "pylon.cli", "data", "inspect", f"{s3_root}/cli", "--verify"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shown.returncode == 0 and f"verified {len(new.shards)} shard(s)" in shown.stdout

@@ -1,5 +1,6 @@
 """docs/ray-job-submit.md's command block, run as a user would paste it: data preparation and training as
 `ray job submit --working-dir <project>` jobs on the session's local cluster, with Ray's own CLI."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ def test_the_documented_ray_job_submit_commands_work_verbatim(ray_cluster, tmp_p
     env.pop("RAY_AUTH_TOKEN_PATH", None)  # the block sets it from PYLON_HOME, as it tells users to
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the activated venv
     assert Path(env["PYLON_HOME"], "auth_token").resolve() == Path(ray_cluster.token_path).resolve()
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     assert out.count("succeeded") >= 2, out[-3000:]  # Ray's "Job '...' succeeded" for both jobs
@@ -52,12 +54,21 @@ def test_the_documented_ray_job_submit_commands_work_verbatim(ray_cluster, tmp_p
     first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     config = tmp_path / "my-project" / "train.yaml"
     config.write_text(config.read_text().replace("steps: 10", "steps: 14"))
-    again = re.search(r"^ray job submit [^\n]*--working-dir my-project -- \\\n\s*python -m pylon.jobs.train[^\n]*$",
-                      script, flags=re.M)
+    again = re.search(
+        r"^ray job submit [^\n]*--working-dir my-project -- \\\n\s*python -m pylon.jobs.train[^\n]*$",
+        script,
+        flags=re.M,
+    )
     assert again, "the training command is not in the block"
     exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", exports + "\n" + again.group(0)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", exports + "\n" + again.group(0)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     assert "resumed my-gpt from step 10" in out, out[-3000:]

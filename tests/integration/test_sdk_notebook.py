@@ -1,5 +1,6 @@
 """The Python SDK as a notebook uses it, and nothing else: `pylon.connect()`, then data preparation, training,
 metrics, the loss plot, checkpoints and serving, all on the session's real Ray cluster."""
+
 from __future__ import annotations
 
 import shutil
@@ -75,14 +76,23 @@ def test_a_notebook_prepares_trains_plots_serves_and_cleans_up(ray_cluster, tmp_
 
     # Serving the run's export, behind an API key read from the environment at deploy time.
     monkeypatch.setenv(KEYS_ENV, API_KEY)
-    service = client.deploy({
-        "kind": "Deployment", "name": "sdk-tiny", "model": run.run_uri + "/export",
-        "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_cache_tokens": 1024, "max_model_len": 128,
-                   "device": "cpu"},
-        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-        "http": {"api_keys_env": KEYS_ENV, "route_prefix": "/sdk"},
-        "replica": {"num_cpus": 0.5},
-    })
+    service = client.deploy(
+        {
+            "kind": "Deployment",
+            "name": "sdk-tiny",
+            "model": run.run_uri + "/export",
+            "engine": {
+                "max_num_seqs": 4,
+                "max_num_batched_tokens": 256,
+                "kv_cache_tokens": 1024,
+                "max_model_len": 128,
+                "device": "cpu",
+            },
+            "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+            "http": {"api_keys_env": KEYS_ENV, "route_prefix": "/sdk"},
+            "replica": {"num_cpus": 0.5},
+        }
+    )
     monkeypatch.delenv(KEYS_ENV)  # the Service keeps the key it read
     try:
         assert service.url.endswith("/sdk")

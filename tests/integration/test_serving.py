@@ -1,6 +1,7 @@
 """Serving end to end on the session's Ray cluster: a tiny model deployed with `pylon.sdk.serve.deploy` on
 Ray Serve, spoken to over real HTTP by the official `openai` client and by raw HTTP; greedy parity with
 `transformers`, bad input, auth, backpressure, disconnects, block leaks, metrics and autoscaling."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -34,9 +35,18 @@ class TinyModel:
 
         tok = ByteTokenizer()
         # initializer_range 0.5: continuations that depend on the context (see test_serving_engine.py).
-        config = AutoConfig.for_model("gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=256, vocab_size=320,
-                                      eos_token_id=tok.eos_id, bos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-                                      initializer_range=0.5)
+        config = AutoConfig.for_model(
+            "gpt2",
+            n_layer=2,
+            n_head=4,
+            n_embd=64,
+            n_positions=256,
+            vocab_size=320,
+            eos_token_id=tok.eos_id,
+            bos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+            initializer_range=0.5,
+        )
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         self.model.save_pretrained(directory)
@@ -47,9 +57,15 @@ class TinyModel:
         import torch
 
         ids = torch.tensor([list(prompt.encode())])
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=257)
-        new = out[0, ids.shape[1]:].tolist()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=257,
+        )
+        new = out[0, ids.shape[1] :].tolist()
         return self.tok.decode(new), new
 
 
@@ -57,9 +73,17 @@ def _spec(name: str, model_dir: Path, **over):
     from pylon.specs import DeploymentSpec
 
     spec = {
-        "kind": "Deployment", "name": name, "model": str(model_dir),
-        "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 256, "kv_cache_tokens": 2048,
-                   "block_size": 16, "max_model_len": MAX_MODEL_LEN, "device": "cpu"},
+        "kind": "Deployment",
+        "name": name,
+        "model": str(model_dir),
+        "engine": {
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_num_batched_tokens": 256,
+            "kv_cache_tokens": 2048,
+            "block_size": 16,
+            "max_model_len": MAX_MODEL_LEN,
+            "device": "cpu",
+        },
         "autoscaling": {"min_replicas": 1, "max_replicas": 1},
         "http": {"api_keys_env": KEYS_ENV, "max_queued_requests": MAX_QUEUED, "request_timeout_s": 60},
         "replica": {"num_cpus": 0.5},
@@ -114,16 +138,28 @@ def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
 
     prompt = "def fibonacci(n):\n    "
     expected, _ = tiny.greedy_text(prompt, 12)
-    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    done = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert done.choices[0].text == expected
     assert done.choices[0].finish_reason == "length"
     assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (
-        len(prompt.encode()), 12, len(prompt.encode()) + 12)
+        len(prompt.encode()),
+        12,
+        len(prompt.encode()) + 12,
+    )
 
-    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
@@ -132,31 +168,49 @@ def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
     messages = [{"role": "user", "content": "Write a loop."}]
     chat_prompt = "user: Write a loop.\nassistant: "  # the default template of a model without one
     expected_chat, _ = tiny.greedy_text(chat_prompt, 10)
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == expected_chat
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(chat_prompt.encode()), 10)
 
-    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    stream = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_chat
     assert stream[-1].usage.completion_tokens == 10 and stream[-1].usage.total_tokens == len(chat_prompt.encode()) + 10
 
 
 def test_raw_sse_ends_with_done_and_carries_a_request_id(served):
-    with requests.post(f"{served}/v1/completions", headers={**_auth(), "X-Request-Id": "my-trace-42"}, stream=True,
-                       json={"model": "tiny", "prompt": "x = ", "max_tokens": 5, "stream": True}, timeout=60) as r:
+    with requests.post(
+        f"{served}/v1/completions",
+        headers={**_auth(), "X-Request-Id": "my-trace-42"},
+        stream=True,
+        json={"model": "tiny", "prompt": "x = ", "max_tokens": 5, "stream": True},
+        timeout=60,
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-request-id"] == "my-trace-42"
         lines = [line for line in r.iter_lines(decode_unicode=True) if line]
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
-    r = requests.post(f"{served}/v1/completions", headers=_auth(SECOND_KEY), timeout=60,
-                      json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    r = requests.post(
+        f"{served}/v1/completions",
+        headers=_auth(SECOND_KEY),
+        timeout=60,
+        json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+    )
     assert r.status_code == 200 and len(r.headers["x-request-id"]) >= 8  # one is made up when none is sent
 
 
@@ -200,13 +254,16 @@ def test_concurrent_greedy_requests_match_transformers(served, tiny):
     prompts = []
     for _ in range(20):
         start, n = rng.randrange(0, 2000), rng.randrange(3, 80)
-        prompts.append(text[start:start + n])
+        prompts.append(text[start : start + n])
     expected = [tiny.greedy_text(p, 16)[0] for p in prompts]
 
     def complete(prompt: str) -> str:
-        r = requests.post(f"{served}/v1/completions", headers=_auth(), timeout=120,
-                          json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                                "ignore_eos": True})
+        r = requests.post(
+            f"{served}/v1/completions",
+            headers=_auth(),
+            timeout=120,
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
@@ -237,8 +294,11 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
         expected = [tiny.greedy_text(p, 16)[0] for p in prompts]
 
         def complete(prompt: str) -> str:
-            r = requests.post(f"{url}/v1/completions", timeout=120, json={
-                "model": "tiny-dp", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+            r = requests.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={"model": "tiny-dp", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
 
@@ -298,8 +358,9 @@ BAD = [
 @pytest.mark.parametrize("case,body,status,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_a_4xx_with_an_error_body(served, case, body, status, param):
     kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
-    r = requests.post(f"{served}/v1/completions", headers={**_auth(), "Content-Type": "application/json"},
-                      timeout=30, **kwargs)
+    r = requests.post(
+        f"{served}/v1/completions", headers={**_auth(), "Content-Type": "application/json"}, timeout=30, **kwargs
+    )
     assert r.status_code == status, (case, r.status_code, r.text)
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error", error
@@ -307,14 +368,21 @@ def test_bad_input_is_a_4xx_with_an_error_body(served, case, body, status, param
 
 
 def test_bad_chat_and_paths_and_the_server_still_answers(served):
-    for body in ({"model": "tiny", "messages": []}, {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
-                 {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}):
+    for body in (
+        {"model": "tiny", "messages": []},
+        {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+    ):
         r = requests.post(f"{served}/v1/chat/completions", headers=_auth(), json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(("messages", "logprobs")), r.text
     r = requests.get(f"{served}/v1/nothing-here", headers=_auth(), timeout=30)
     assert r.status_code == 404 and "error" in r.json()
-    r = requests.post(f"{served}/v1/completions", headers=_auth(), timeout=60,
-                      json={"model": "tiny", "prompt": "still here", "max_tokens": 3})
+    r = requests.post(
+        f"{served}/v1/completions",
+        headers=_auth(),
+        timeout=60,
+        json={"model": "tiny", "prompt": "still here", "max_tokens": 3},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
 
 
@@ -344,12 +412,16 @@ def test_disconnect_mid_stream_aborts_and_nothing_leaks(served):
     import socket
 
     def abandon() -> None:
-        body = json.dumps({"model": "tiny", "prompt": "while True:", "max_tokens": 150, "stream": True,
-                           "ignore_eos": True}).encode()
+        body = json.dumps(
+            {"model": "tiny", "prompt": "while True:", "max_tokens": 150, "stream": True, "ignore_eos": True}
+        ).encode()
         host, port = served.split("//")[1].split("/")[0].split(":")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
             received = b""
             while received.count(b"data: ") < 3:
                 received += sock.recv(4096)
@@ -364,9 +436,12 @@ def test_disconnect_mid_stream_aborts_and_nothing_leaks(served):
         if i % 50 == 0:
             abandon()
             return 200
-        r = requests.post(f"{served}/v1/completions", headers=_auth(), timeout=120,
-                          json={"model": "tiny", "prompt": f"print({i})", "max_tokens": 1 + i % 4,
-                                "stream": i % 2 == 0})
+        r = requests.post(
+            f"{served}/v1/completions",
+            headers=_auth(),
+            timeout=120,
+            json={"model": "tiny", "prompt": f"print({i})", "max_tokens": 1 + i % 4, "stream": i % 2 == 0},
+        )
         return r.status_code
 
     with concurrent.futures.ThreadPoolExecutor(MAX_NUM_SEQS) as pool:
@@ -381,8 +456,12 @@ def test_disconnect_mid_stream_aborts_and_nothing_leaks(served):
 
 def test_backpressure_is_429_with_retry_after(served):
     def one(_):
-        r = requests.post(f"{served}/v1/completions", headers=_auth(), timeout=120,
-                          json={"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True})
+        r = requests.post(
+            f"{served}/v1/completions",
+            headers=_auth(),
+            timeout=120,
+            json={"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True},
+        )
         return r.status_code, r.headers.get("retry-after"), r.json()
 
     n = MAX_NUM_SEQS + MAX_QUEUED + 16
@@ -397,17 +476,25 @@ def test_backpressure_is_429_with_retry_after(served):
 
 
 def test_prometheus_metrics_carry_the_model_label(served, ray_cluster):
-    requests.post(f"{served}/v1/completions", headers=_auth(), json={"model": "tiny", "prompt": "m", "max_tokens": 4},
-                  timeout=60)
-    wanted = ["pylon_time_to_first_token_seconds", "pylon_inter_token_latency_seconds",
-              "pylon_e2e_request_latency_seconds", "pylon_request_queue_time_seconds", "pylon_num_requests_running",
-              "pylon_num_requests_waiting", "pylon_kv_cache_usage_ratio", "pylon_prompt_tokens_total",
-              "pylon_generation_tokens_total"]
+    requests.post(
+        f"{served}/v1/completions", headers=_auth(), json={"model": "tiny", "prompt": "m", "max_tokens": 4}, timeout=60
+    )
+    wanted = [
+        "pylon_time_to_first_token_seconds",
+        "pylon_inter_token_latency_seconds",
+        "pylon_e2e_request_latency_seconds",
+        "pylon_request_queue_time_seconds",
+        "pylon_num_requests_running",
+        "pylon_num_requests_waiting",
+        "pylon_kv_cache_usage_ratio",
+        "pylon_prompt_tokens_total",
+        "pylon_generation_tokens_total",
+    ]
     urls = _metrics_urls(ray_cluster)
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
         text = "\n".join(_get(u) for u in urls)
-        if all(f'{name}' in text for name in wanted) and 'model="tiny"' in text:
+        if all(f"{name}" in text for name in wanted) and 'model="tiny"' in text:
             break
         time.sleep(2)
     missing = [name for name in wanted if name not in text]
@@ -418,8 +505,7 @@ def test_prometheus_metrics_carry_the_model_label(served, ray_cluster):
 def _metrics_urls(ray_cluster) -> list[str]:
     import psutil
 
-    hosts = {"127.0.0.1"} | {a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                             if a.family == 2}
+    hosts = {"127.0.0.1"} | {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == 2}
     return [f"http://{h}:{ray_cluster.metrics_port}/metrics" for h in sorted(hosts)]
 
 
@@ -435,12 +521,19 @@ def _get(url: str) -> str:
 def test_autoscaling_up_under_load_and_back_down(ray_cluster, tiny, served):
     from pylon.sdk.serve import delete, deploy
 
-    spec = _spec("tiny-autoscale", tiny.dir,
-                 autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
-                              "upscale_delay_s": 1, "downscale_delay_s": 3},
-                 http={"api_keys_env": None, "max_queued_requests": 64, "request_timeout_s": 120,
-                       "route_prefix": "/autoscale"},
-                 replica={"num_cpus": 0.25})
+    spec = _spec(
+        "tiny-autoscale",
+        tiny.dir,
+        autoscaling={
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_ongoing_requests": 2,
+            "upscale_delay_s": 1,
+            "downscale_delay_s": 3,
+        },
+        http={"api_keys_env": None, "max_queued_requests": 64, "request_timeout_s": 120, "route_prefix": "/autoscale"},
+        replica={"num_cpus": 0.25},
+    )
     from pylon.errors import PylonError
 
     with pytest.raises(PylonError, match=r"http.route_prefix: / is already served by application 'tiny'"):
@@ -454,8 +547,11 @@ def test_autoscaling_up_under_load_and_back_down(ray_cluster, tiny, served):
 
         def load(_):
             while time.monotonic() < stop and max(seen) < 2:
-                requests.post(f"{url}/v1/completions", timeout=120,
-                              json={"model": "tiny-autoscale", "prompt": "x", "max_tokens": 60, "ignore_eos": True})
+                requests.post(
+                    f"{url}/v1/completions",
+                    timeout=120,
+                    json={"model": "tiny-autoscale", "prompt": "x", "max_tokens": 60, "ignore_eos": True},
+                )
 
         with concurrent.futures.ThreadPoolExecutor(10) as pool:
             futures = [pool.submit(load, i) for i in range(10)]
@@ -477,8 +573,9 @@ def test_autoscaling_up_under_load_and_back_down(ray_cluster, tiny, served):
 def _replicas(ray_cluster, app: str) -> int:
     """RUNNING replicas of the app's deployment, from Serve's REST API on the dashboard."""
     token = Path(ray_cluster.token_path).read_text().strip()
-    r = requests.get(f"{ray_cluster.dashboard_url}/api/serve/applications/", timeout=10,
-                     headers={"Authorization": f"Bearer {token}"})
+    r = requests.get(
+        f"{ray_cluster.dashboard_url}/api/serve/applications/", timeout=10, headers={"Authorization": f"Bearer {token}"}
+    )
     r.raise_for_status()
     deployments = r.json()["applications"][app]["deployments"]
     return sum(1 for d in deployments.values() for rep in d["replicas"] if rep["state"] == "RUNNING")
@@ -491,8 +588,9 @@ def test_pylon_serve_cli_deploys_answers_and_deletes(ray_cluster, tiny, tmp_path
     import sys
 
     def pylon(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pylon", *args], capture_output=True, text=True, timeout=300,
-                              cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, "-m", "pylon", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        )
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: Deployment\nname: nowhere\nmodel: no/such/model\nhttp: {api_keys_env: null}\n")
@@ -503,9 +601,11 @@ def test_pylon_serve_cli_deploys_answers_and_deletes(ray_cluster, tiny, tmp_path
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny").symlink_to(tiny.dir, target_is_directory=True)
     good = tmp_path / "deploy.yaml"
-    good.write_text("kind: Deployment\nname: tiny-cli\nmodel: models/tiny\n"  # relative to where pylon runs
-                    "engine: {max_num_seqs: 4, kv_cache_tokens: 1024, max_model_len: 128}\n"
-                    "http: {api_keys_env: null, route_prefix: /cli}\nreplica: {num_cpus: 0.25}\n")
+    good.write_text(
+        "kind: Deployment\nname: tiny-cli\nmodel: models/tiny\n"  # relative to where pylon runs
+        "engine: {max_num_seqs: 4, kv_cache_tokens: 1024, max_model_len: 128}\n"
+        "http: {api_keys_env: null, route_prefix: /cli}\nreplica: {num_cpus: 0.25}\n"
+    )
     r = pylon("serve", str(good))
     assert r.returncode == 0, r.stderr
     url = r.stdout.strip().splitlines()[-1]

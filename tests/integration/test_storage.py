@@ -32,7 +32,9 @@ def _raw_names(root_uri: str) -> list[str]:
         listing = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
         return sorted(obj["Key"].removeprefix(prefix + "/") for obj in listing.get("Contents", []))
     return sorted(
-        os.path.relpath(os.path.join(folder, name), root_uri) for folder, _, files in os.walk(root_uri) for name in files
+        os.path.relpath(os.path.join(folder, name), root_uri)
+        for folder, _, files in os.walk(root_uri)
+        for name in files
     )
 
 

@@ -2,6 +2,7 @@
 workers, resume after a worker is killed mid-run (resuming on re-submission:
 tests/integration/test_ray_job_submit.py; checkpoints on the S3 server with retention and an export loaded by
 `transformers`, with the two workers on two nodes: tests/integration/test_multinode.py)."""
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,8 @@ def corpus(tmp_path_factory) -> str:
 
 def _write_spec(path: Path, corpus: str, storage_root: str, *, name: str, steps: int, every: int, **over) -> Path:
     spec = {
-        "kind": "TrainJob", "name": name,
+        "kind": "TrainJob",
+        "name": name,
         "model": {"preset": "gpt-tiny"},
         "data": {"uri": corpus, "seq_len": 64, "shuffle_seed": 1, "shuffle_buffer": 64},
         "scaling": {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1}},
@@ -118,8 +120,18 @@ def test_a_killed_worker_resumes_from_the_last_commit(ray_cluster, corpus, tmp_p
 
 # Wide enough that ZeRO-3 really partitions and offloads the matrices (DeepSpeed keeps parameters under 1e5
 # elements whole on every rank); dropout off so the engine's and the export's logits agree exactly.
-WIDE_GPT = {"config": {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 384, "n_positions": 64,
-                       "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}}
+WIDE_GPT = {
+    "config": {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_head": 4,
+        "n_embd": 384,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+}
 
 
 def _download(uri: str, local: Path) -> Path:
@@ -145,10 +157,18 @@ def test_lora_on_zero3_with_cpu_offload_trains_only_adapters_and_exports(ray_clu
 
     root = str(tmp_path / "runs")
     lora = {"r": 4, "alpha": 8, "target_modules": ["c_attn", "c_fc"]}
-    spec_path = _write_spec(tmp_path / "train.yaml", corpus, root, name="lora-z3", steps=6, every=3,
-                            model=WIDE_GPT, lora=lora,
-                            deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
-                            optim={"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"})
+    spec_path = _write_spec(
+        tmp_path / "train.yaml",
+        corpus,
+        root,
+        name="lora-z3",
+        steps=6,
+        every=3,
+        model=WIDE_GPT,
+        lora=lora,
+        deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+        optim={"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
+    )
     logs = _wait(_submit(spec_path))
     run_uri = f"{root}/lora-z3"
     found = re.search(r"model: ([\d,]+) parameters, ([\d,]+) trainable", logs)
@@ -167,7 +187,9 @@ def test_lora_on_zero3_with_cpu_offload_trains_only_adapters_and_exports(ray_clu
     ids = torch.tensor([ref["input_ids"]])
     with torch.no_grad():
         logits = merged(input_ids=ids).logits[0, :, :16]
-    assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (logits - torch.tensor(ref["logits"])).abs().max()
+    assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (
+        (logits - torch.tensor(ref["logits"])).abs().max()
+    )
 
     # Only the adapters trained: every weight LoRA does not touch is bit-identical to the base model's.
     spec = TrainJobSpec.model_validate(yaml.safe_load(spec_path.read_text()))

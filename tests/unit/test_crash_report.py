@@ -1,4 +1,5 @@
 """`make test`'s report on an integration run that died before pytest's summary (tests/crash_report.py)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,9 +12,11 @@ spec = importlib.util.spec_from_file_location("crash_report", Path(__file__).res
 crash_report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(crash_report)
 
-CHECK = ("[2026-11-25 13:07:22,790 C 4140 7407] task_manager.cc:1329:  An unexpected system state has occurred. "
-         "You have likely discovered a bug in Ray. Check failed: it != submissible_tasks_.end() Tried to complete "
-         "task that was not pending 03470be5\n")
+CHECK = (
+    "[2026-11-25 13:07:22,790 C 4140 7407] task_manager.cc:1329:  An unexpected system state has occurred. "
+    "You have likely discovered a bug in Ray. Check failed: it != submissible_tasks_.end() Tried to complete "
+    "task that was not pending 03470be5\n"
+)
 
 
 def _cluster(base: Path, temp: Path, lines: str) -> None:

@@ -13,13 +13,27 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = {"pylon": REPO / "platform" / "pylon", "pylon.data": REPO / "data", "pylon.jobs": REPO / "jobs",
-         "pylon.serving": REPO / "serving"}
+ROOTS = {
+    "pylon": REPO / "platform" / "pylon",
+    "pylon.data": REPO / "data",
+    "pylon.jobs": REPO / "jobs",
+    "pylon.serving": REPO / "serving",
+}
 
 # Lowest first. A module belongs to the longest prefix that names it.
 LAYERS = [
-    ["pylon.errors", "pylon.version", "pylon.settings", "pylon.display", "pylon.presets", "pylon.storage",
-     "pylon.specs", "pylon.home", "pylon.models", "pylon.ops"],
+    [
+        "pylon.errors",
+        "pylon.version",
+        "pylon.settings",
+        "pylon.display",
+        "pylon.presets",
+        "pylon.storage",
+        "pylon.specs",
+        "pylon.home",
+        "pylon.models",
+        "pylon.ops",
+    ],
     ["pylon.data", "pylon.serving.errors", "pylon.serving.model"],
     ["pylon.jobs", "pylon.plan", "pylon.serving.engine"],
     ["pylon.infra", "pylon.serving.api"],
@@ -140,15 +154,23 @@ def test_no_arrow_runs_up_a_layer():
             t_rank, t_package = package_of(target)
             if t_rank > rank:
                 wrong.append(f"{module} -> {target} (layer {rank} imports layer {t_rank})")
-            elif 0 < rank < len(LAYERS) - 1 and t_rank == rank and t_package != package and (package, target) not in ALLOWED:
+            elif (
+                0 < rank < len(LAYERS) - 1
+                and t_rank == rank
+                and t_package != package
+                and (package, target) not in ALLOWED
+            ):
                 wrong.append(f"{module} -> {target} (across {package} and {t_package} in one layer)")
     assert wrong == []
 
 
-@pytest.mark.parametrize("edges, expected", [
-    ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
-    ({"a": {"b"}, "b": set()}, []),
-])
+@pytest.mark.parametrize(
+    "edges, expected",
+    [
+        ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": set()}, []),
+    ],
+)
 def test_the_cycle_finder_finds_cycles(edges, expected):
     assert cycles(edges) == expected
 

@@ -1,4 +1,5 @@
-"""The layout promises of DESIGN.md: one distribution, four import roots, and no shadowed stdlib."""
+"""The layout promises of docs/architecture.md: one distribution, four import roots, and no shadowed stdlib."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -17,7 +18,10 @@ def test_import_platform_from_repo_root_is_the_stdlib():
     # `python -m`, `serve run` and Ray working_dirs put the repository root on sys.path.
     out = subprocess.run(
         [sys.executable, "-c", "import platform, pylon; print(platform.system()); print(platform.__file__)"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split("\n")
     assert out[0] == "Linux"
     assert Path(out[1]).resolve().parent == Path(sysconfig.get_paths()["stdlib"]).resolve()

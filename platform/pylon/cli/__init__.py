@@ -7,22 +7,24 @@ Each command group lives in its own module, its parser beside its handlers: `clu
 `jobs` (train, jobs, export), `serve` (serve, demo) and `specs` (validate, plan, infra); `common`
 holds what they share. This module only assembles them and runs a command.
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 import textwrap
 
-from pylon.version import __version__
-from pylon.errors import PylonError, SpecError
 from pylon.cli import cluster, data, jobs, serve, specs
 from pylon.cli.common import FORMATTER
+from pylon.errors import PylonError, SpecError
+from pylon.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = FORMATTER
     parser = argparse.ArgumentParser(
-        prog="pylon", formatter_class=fmt,
+        prog="pylon",
+        formatter_class=fmt,
         description="Pylon: data, DeepSpeed training and continuous-batching serving on one Ray cluster.",
         epilog=textwrap.dedent("""\
             examples:

@@ -1,4 +1,5 @@
 """`python -m pylon.cli ...`: the same CLI as the `pylon` command (the tests run it this way)."""
+
 import sys
 
 from pylon.cli import main

@@ -2,6 +2,7 @@
 
 Imports nothing heavy and never `pylon.cli` itself, so every group module can import it.
 """
+
 from __future__ import annotations
 
 import argparse

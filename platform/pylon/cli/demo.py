@@ -14,6 +14,7 @@
    `def fibonacci(` over HTTP, then send a burst of concurrent requests and print serving throughput.
 The cluster and the endpoint stay up afterwards (`pylon cluster down` stops both) unless --down is given.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -23,7 +24,6 @@ import time
 from importlib import resources
 
 from pylon import storage
-
 from pylon.home import pylon_home
 from pylon.infra import local as cluster
 from pylon.sdk.client import connect
@@ -42,13 +42,16 @@ def _train(client, corpus: str, steps: int) -> str | None:
         spec = next(d.spec for d in load_specs(path) if isinstance(d.spec, TrainJobSpec))
     home = pylon_home()
     every = max(1, steps // 4)
-    spec = spec.model_copy(update={
-        "steps": steps,
-        "data": spec.data.model_copy(update={"uri": corpus}),
-        "optim": spec.optim.model_copy(update={"warmup_steps": min(spec.optim.warmup_steps, steps // 10)}),
-        "checkpoint": spec.checkpoint.model_copy(update={"storage": str(home / "demo" / "runs"),
-                                                         "every_steps": every}),
-    })
+    spec = spec.model_copy(
+        update={
+            "steps": steps,
+            "data": spec.data.model_copy(update={"uri": corpus}),
+            "optim": spec.optim.model_copy(update={"warmup_steps": min(spec.optim.warmup_steps, steps // 10)}),
+            "checkpoint": spec.checkpoint.model_copy(
+                update={"storage": str(home / "demo" / "runs"), "every_steps": every}
+            ),
+        }
+    )
     spec = TrainJobSpec.model_validate(spec.model_dump())  # the same rules as a file would get
     run_uri = run_uri_of(spec)
     if storage.exists(run_uri):  # a demo run starts afresh (a user's re-submitted run would resume)
@@ -67,13 +70,19 @@ def _train(client, corpus: str, steps: int) -> str | None:
     first, last = records[0], records[-1]
     steady = records[1:] or records
     wait = statistics.mean(r["data_wait_fraction"] for r in steady)
-    print(f"      loss {first['loss']:.3f} at step 1 -> {last['loss']:.3f} at step {last['step']}; "
-          f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f} tokens/s; "
-          f"MFU {statistics.median(r['mfu'] for r in steady):.1%}")
-    print(f"      waiting for data: {wait:.2%} of step time (steps 2-{last['step']}); step 1 includes the "
-          f"pipeline start-up ({first['data_wait_fraction'] * first['step_time_s']:.1f}s)")
-    print(f"      loss curve: {storage.join(run_uri, 'loss.png')}\n      run: {run_uri}\n"
-          f"      export (Hugging Face): {storage.join(run_uri, 'export')}")
+    print(
+        f"      loss {first['loss']:.3f} at step 1 -> {last['loss']:.3f} at step {last['step']}; "
+        f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f} tokens/s; "
+        f"MFU {statistics.median(r['mfu'] for r in steady):.1%}"
+    )
+    print(
+        f"      waiting for data: {wait:.2%} of step time (steps 2-{last['step']}); step 1 includes the "
+        f"pipeline start-up ({first['data_wait_fraction'] * first['step_time_s']:.1f}s)"
+    )
+    print(
+        f"      loss curve: {storage.join(run_uri, 'loss.png')}\n      run: {run_uri}\n"
+        f"      export (Hugging Face): {storage.join(run_uri, 'export')}"
+    )
     return storage.join(run_uri, "export")
 
 
@@ -117,8 +126,16 @@ def _serve(model_uri: str) -> bool:
     print(f"      ready in {time.perf_counter() - t0:.0f}s at {url}  (API key: {key_source})")
     headers = {"Authorization": f"Bearer {key}"}
     prompt = "def fibonacci("
-    body = {"model": spec.name, "prompt": prompt, "max_tokens": 96, "temperature": 0.6, "top_k": 40, "seed": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": spec.name,
+        "prompt": prompt,
+        "max_tokens": 96,
+        "temperature": 0.6,
+        "top_k": 40,
+        "seed": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     print(f"      streamed completion of {prompt!r}:\n        | {prompt}", end="", flush=True)
     t0 = time.perf_counter()
     first, usage = None, {}
@@ -135,16 +152,29 @@ def _serve(model_uri: str) -> bool:
                 first = first or time.perf_counter()
                 print(choice["text"].replace("\n", "\n        | "), end="", flush=True)
     elapsed = time.perf_counter() - t0
-    print(f"\n      {usage.get('completion_tokens', 0)} tokens in {elapsed:.2f}s "
-          f"(first token after {((first or t0) - t0) * 1000:.0f} ms)")
+    print(
+        f"\n      {usage.get('completion_tokens', 0)} tokens in {elapsed:.2f}s "
+        f"(first token after {((first or t0) - t0) * 1000:.0f} ms)"
+    )
 
-    prompts = ["import ", "class ", "def __init__(self", "    return ", "for i in range(", "if __name__",
-               "from collections import ", "    def "] * 4
+    prompts = [
+        "import ",
+        "class ",
+        "def __init__(self",
+        "    return ",
+        "for i in range(",
+        "if __name__",
+        "from collections import ",
+        "    def ",
+    ] * 4
 
     def complete(p: str) -> int:
-        r = requests.post(f"{url}/v1/completions", headers=headers, timeout=300,
-                          json={"model": spec.name, "prompt": p, "max_tokens": 64, "temperature": 0.8, "top_k": 40,
-                                "seed": 1})
+        r = requests.post(
+            f"{url}/v1/completions",
+            headers=headers,
+            timeout=300,
+            json={"model": spec.name, "prompt": p, "max_tokens": 64, "temperature": 0.8, "top_k": 40, "seed": 1},
+        )
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
@@ -152,13 +182,18 @@ def _serve(model_uri: str) -> bool:
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         tokens = sum(pool.map(complete, prompts))
     elapsed = time.perf_counter() - t0
-    print(f"[7/{STEPS}] burst of {len(prompts)} concurrent requests: {tokens} tokens in {elapsed:.1f}s = "
-          f"{tokens / elapsed:,.0f} output tokens/s through Serve + HTTP, batched continuously")
-    print(f"      endpoint: {url}/v1 (OpenAI-compatible; `Authorization: Bearer <key from {key_source}>`)\n"
-          f"      try: curl {url}/v1/completions -H \"Authorization: Bearer $(cat {key_source})\" "
-          f"-H 'Content-Type: application/json' -d '{{\"model\": \"{spec.name}\", \"prompt\": \"def \", "
-          f"\"max_tokens\": 64}}'" if key_source != "$PYLON_API_KEYS" else
-          f"      endpoint: {url}/v1 (OpenAI-compatible; `Authorization: Bearer $PYLON_API_KEYS`)")
+    print(
+        f"[7/{STEPS}] burst of {len(prompts)} concurrent requests: {tokens} tokens in {elapsed:.1f}s = "
+        f"{tokens / elapsed:,.0f} output tokens/s through Serve + HTTP, batched continuously"
+    )
+    print(
+        f"      endpoint: {url}/v1 (OpenAI-compatible; `Authorization: Bearer <key from {key_source}>`)\n"
+        f'      try: curl {url}/v1/completions -H "Authorization: Bearer $(cat {key_source})" '
+        f'-H \'Content-Type: application/json\' -d \'{{"model": "{spec.name}", "prompt": "def ", '
+        f'"max_tokens": 64}}\''
+        if key_source != "$PYLON_API_KEYS"
+        else f"      endpoint: {url}/v1 (OpenAI-compatible; `Authorization: Bearer $PYLON_API_KEYS`)"
+    )
     return True
 
 
@@ -183,14 +218,55 @@ def run_demo(*, down: bool = False, steps: int = 160) -> int:
         tokenizer = storage.join(str(pylon_home()), "demo", "tokenizer.json")
         # The library's own code: not its test suites (thousands of self.assertEqual lines would dominate), its
         # codec tables (encodings/, 1.4 MB of "LATIN SMALL LETTER") or pydoc's help text (0.7 MB of prose).
-        selection = ["--include", "*.py", *[a for pattern in ("site-packages", "dist-packages", "test", "tests",
-                                                              "test_*", "idle_test", "encodings", "pydoc_data")
-                                            for a in ("--exclude", pattern)]]
-        entrypoint = " && ".join(" ".join(shlex.quote(a) for a in command) for command in (
-            ["pylon", "data", "tokenizer", stdlib, *selection, "--vocab-size", "2048", "--out", tokenizer,
-             "--overwrite"],
-            ["pylon", "data", "prepare", stdlib, *selection, "--tokenizer", tokenizer, "--out", corpus,
-             "--seq-len", "256", "--overwrite"]))
+        selection = [
+            "--include",
+            "*.py",
+            *[
+                a
+                for pattern in (
+                    "site-packages",
+                    "dist-packages",
+                    "test",
+                    "tests",
+                    "test_*",
+                    "idle_test",
+                    "encodings",
+                    "pydoc_data",
+                )
+                for a in ("--exclude", pattern)
+            ],
+        ]
+        entrypoint = " && ".join(
+            " ".join(shlex.quote(a) for a in command)
+            for command in (
+                [
+                    "pylon",
+                    "data",
+                    "tokenizer",
+                    stdlib,
+                    *selection,
+                    "--vocab-size",
+                    "2048",
+                    "--out",
+                    tokenizer,
+                    "--overwrite",
+                ],
+                [
+                    "pylon",
+                    "data",
+                    "prepare",
+                    stdlib,
+                    *selection,
+                    "--tokenizer",
+                    tokenizer,
+                    "--out",
+                    corpus,
+                    "--seq-len",
+                    "256",
+                    "--overwrite",
+                ],
+            )
+        )
         job_id = client.submit_job(entrypoint)
         print(f"[3/{STEPS}] submitted Ray job {job_id}: {entrypoint}")
         status = client.wait_job(job_id, timeout_s=600)
@@ -211,14 +287,19 @@ def run_demo(*, down: bool = False, steps: int = 160) -> int:
         for batch in stream.epoch():
             last = batch if len(batch) else last
         stats = stream.stats.as_dict()
-        print(f"[4/{STEPS}] streamed {stats['rows']:,} sequences ({stats['tokens']:,} tokens, "
-              f"{stats['bytes_read'] / 2**20:.1f} MiB) through Ray Data: {stats['tokens_per_s'] / 1e6:.1f} M tokens/s, "
-              f"{stats['rows_per_s']:,.0f} rows/s; {stream.manifest.summary()}")
+        print(
+            f"[4/{STEPS}] streamed {stats['rows']:,} sequences ({stats['tokens']:,} tokens, "
+            f"{stats['bytes_read'] / 2**20:.1f} MiB) through Ray Data: {stats['tokens_per_s'] / 1e6:.1f} M tokens/s, "
+            f"{stats['rows_per_s']:,.0f} rows/s; {stream.manifest.summary()}"
+        )
         if last is not None:
             text = load_tokenizer(stream.manifest.tokenizer.uri or "byte").decode(
-                last.tokens[0, : last.num_tokens[0]].tolist())
-            print(f"      sample {int(last.sample_ids[0])}, decoded:\n" +
-                  "\n".join("        | " + line for line in text.splitlines()[:8]))
+                last.tokens[0, : last.num_tokens[0]].tolist()
+            )
+            print(
+                f"      sample {int(last.sample_ids[0])}, decoded:\n"
+                + "\n".join("        | " + line for line in text.splitlines()[:8])
+            )
         if steps > 0:
             export = _train(client, corpus, steps)
             if export is None or not _serve(export):
@@ -230,5 +311,7 @@ def run_demo(*, down: bool = False, steps: int = 160) -> int:
             cluster.down()
             print("stopped the demo's local cluster")
         else:
-            print(f"cluster still running: dashboard {info.dashboard_url} (stop it, and the endpoint, with "
-                  "`pylon cluster down`)")
+            print(
+                f"cluster still running: dashboard {info.dashboard_url} (stop it, and the endpoint, with "
+                "`pylon cluster down`)"
+            )

@@ -3,6 +3,7 @@
 Submit a TrainJob through the Ray Jobs API, follow, list and stop the cluster's jobs, and export a run's
 latest checkpoint as one Hugging Face model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         print(run.job_id, flush=True)
     if not args.follow:
-        print(f"follow it with: pylon jobs logs {run.job_id} --follow, or the dashboard at {client.dashboard_url}",
-              file=sys.stderr)
+        print(
+            f"follow it with: pylon jobs logs {run.job_id} --follow, or the dashboard at {client.dashboard_url}",
+            file=sys.stderr,
+        )
         return 0
     # With --json, stdout stays one JSON document: the logs go to stderr.
     from pylon.specs import TrainJobSpec, load_spec
@@ -53,9 +56,17 @@ def _cmd_jobs_list(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
         return 0
-    rows = [(j.job_id, j.status, j.kind or "-", j.metadata.get("pylon_name", "-"),
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.start_time)) if j.start_time else "-",
-             j.entrypoint if len(j.entrypoint) <= 60 else j.entrypoint[:57] + "...") for j in jobs]
+    rows = [
+        (
+            j.job_id,
+            j.status,
+            j.kind or "-",
+            j.metadata.get("pylon_name", "-"),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.start_time)) if j.start_time else "-",
+            j.entrypoint if len(j.entrypoint) <= 60 else j.entrypoint[:57] + "...",
+        )
+        for j in jobs
+    ]
     header = ("JOB ID", "STATUS", "KIND", "NAME", "STARTED", "ENTRYPOINT")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
@@ -92,61 +103,90 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from pylon.jobs.export import export_run
 
     out = export_run(args.run_uri, args.out, step=args.step, lora=args.lora)
-    how = ("peft.PeftModel.from_pretrained(base_model, DIR)" if args.lora == "adapter"
-           else "transformers.AutoModelForCausalLM.from_pretrained(DIR)")
+    how = (
+        "peft.PeftModel.from_pretrained(base_model, DIR)"
+        if args.lora == "adapter"
+        else "transformers.AutoModelForCausalLM.from_pretrained(DIR)"
+    )
     print(f"exported {args.run_uri} to {out} (load it with {how})")
     return 0
 
 
 def add_train_parser(sub, fmt) -> None:
-    t = sub.add_parser("train", formatter_class=fmt, help="submit a TrainJob through the Ray Jobs API",
-                       description="Validate a TrainJob spec, then submit `python -m pylon.jobs.train --config FILE` "
-                                   "as a Ray job and print its id. Submitting a run name again resumes it. A job "
-                                   "the planner (`pylon plan`) says cannot fit on the workers it asks for is "
-                                   "refused, with the reason and what would fit, unless --force.",
-                       epilog="examples:\n  pylon train train.yaml --follow\n  pylon train train.yaml --json\n"
-                              "  pylon train train.yaml --address http://head:8265\n"
-                              "  pylon train big.yaml --force      # submit even if the planner says it will not fit")
+    t = sub.add_parser(
+        "train",
+        formatter_class=fmt,
+        help="submit a TrainJob through the Ray Jobs API",
+        description="Validate a TrainJob spec, then submit `python -m pylon.jobs.train --config FILE` "
+        "as a Ray job and print its id. Submitting a run name again resumes it. A job "
+        "the planner (`pylon plan`) says cannot fit on the workers it asks for is "
+        "refused, with the reason and what would fit, unless --force.",
+        epilog="examples:\n  pylon train train.yaml --follow\n  pylon train train.yaml --json\n"
+        "  pylon train train.yaml --address http://head:8265\n"
+        "  pylon train big.yaml --force      # submit even if the planner says it will not fit",
+    )
     t.add_argument("file", metavar="FILE", help="YAML file with one TrainJob document")
     t.add_argument("--follow", action="store_true", help="stream the job's logs until it ends (exit 1 if it fails)")
-    t.add_argument("--json", action="store_true",
-                   help='print {"job_id": ..., "run_uri": ...} on stdout (with --follow, the logs go to stderr)')
+    t.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"job_id": ..., "run_uri": ...} on stdout (with --follow, the logs go to stderr)',
+    )
     t.add_argument("--address", help=ADDRESS_HELP)
-    t.add_argument("--force", action="store_true",
-                   help="submit even if the planner says the job cannot fit on the resources it asks for")
+    t.add_argument(
+        "--force",
+        action="store_true",
+        help="submit even if the planner says the job cannot fit on the resources it asks for",
+    )
     t.set_defaults(func=_cmd_train)
 
 
 def add_jobs_parser(sub, fmt) -> None:
-    jb = sub.add_parser("jobs", formatter_class=fmt, help="list Ray jobs, read or follow their logs, stop them",
-                        description="The cluster's Ray jobs (Pylon's and any others), through the Ray Jobs API. "
-                                    "Pylon's jobs have readable ids: train-<name>-<hex>, data-<name>-<hex>.",
-                        epilog="examples:\n  pylon jobs list\n  pylon jobs logs train-stdlib-gpt-1a2b3c --follow\n"
-                               "  pylon jobs stop train-stdlib-gpt-1a2b3c")
+    jb = sub.add_parser(
+        "jobs",
+        formatter_class=fmt,
+        help="list Ray jobs, read or follow their logs, stop them",
+        description="The cluster's Ray jobs (Pylon's and any others), through the Ray Jobs API. "
+        "Pylon's jobs have readable ids: train-<name>-<hex>, data-<name>-<hex>.",
+        epilog="examples:\n  pylon jobs list\n  pylon jobs logs train-stdlib-gpt-1a2b3c --follow\n"
+        "  pylon jobs stop train-stdlib-gpt-1a2b3c",
+    )
     jsub = jb.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
-    jl = jsub.add_parser("list", formatter_class=fmt, help="every job, oldest first: id, status, kind, name, start",
-                         description="List every job the cluster knows, running and ended, oldest first, with "
-                                     "its status, what Pylon submitted it as (TrainJob, Dataset; '-' for other "
-                                     "jobs), its name, start time and entrypoint.",
-                         epilog="examples:\n  pylon jobs list\n  pylon jobs list --json | jq '.[] | select(.status == \"RUNNING\")'")
+    jl = jsub.add_parser(
+        "list",
+        formatter_class=fmt,
+        help="every job, oldest first: id, status, kind, name, start",
+        description="List every job the cluster knows, running and ended, oldest first, with "
+        "its status, what Pylon submitted it as (TrainJob, Dataset; '-' for other "
+        "jobs), its name, start time and entrypoint.",
+        epilog="examples:\n  pylon jobs list\n  pylon jobs list --json | jq '.[] | select(.status == \"RUNNING\")'",
+    )
     jl.add_argument("--json", action="store_true", help="machine-readable list on stdout (with metadata and times)")
     jl.add_argument("--address", help=ADDRESS_HELP)
     jl.set_defaults(func=_cmd_jobs_list)
-    jg = jsub.add_parser("logs", formatter_class=fmt, help="print a job's logs; --follow streams them until it ends",
-                         description="Print a job's logs so far. With --follow, keep printing them as they grow "
-                                     "until the job ends, then exit 0 if it SUCCEEDED, else 1.",
-                         epilog="examples:\n  pylon jobs logs train-stdlib-gpt-1a2b3c\n"
-                                "  pylon jobs logs train-stdlib-gpt-1a2b3c --follow")
+    jg = jsub.add_parser(
+        "logs",
+        formatter_class=fmt,
+        help="print a job's logs; --follow streams them until it ends",
+        description="Print a job's logs so far. With --follow, keep printing them as they grow "
+        "until the job ends, then exit 0 if it SUCCEEDED, else 1.",
+        epilog="examples:\n  pylon jobs logs train-stdlib-gpt-1a2b3c\n"
+        "  pylon jobs logs train-stdlib-gpt-1a2b3c --follow",
+    )
     jg.add_argument("job_id", metavar="ID", help="the job's submission id (as `pylon jobs list` shows it)")
     jg.add_argument("--follow", action="store_true", help="stream until the job ends (exit 1 unless it succeeded)")
     jg.add_argument("--address", help=ADDRESS_HELP)
     jg.set_defaults(func=_cmd_jobs_logs)
-    js = jsub.add_parser("stop", formatter_class=fmt, help="stop a running job and wait until it has ended",
-                         description="Ask Ray to stop a job (SIGTERM to its entrypoint, SIGKILL after a grace "
-                                     "period) and wait until it is STOPPED. A job that already ended is left as "
-                                     "it is (exit 0). A stopped training run resumes from its last checkpoint "
-                                     "when submitted again.",
-                         epilog="examples:\n  pylon jobs stop train-stdlib-gpt-1a2b3c")
+    js = jsub.add_parser(
+        "stop",
+        formatter_class=fmt,
+        help="stop a running job and wait until it has ended",
+        description="Ask Ray to stop a job (SIGTERM to its entrypoint, SIGKILL after a grace "
+        "period) and wait until it is STOPPED. A job that already ended is left as "
+        "it is (exit 0). A stopped training run resumes from its last checkpoint "
+        "when submitted again.",
+        epilog="examples:\n  pylon jobs stop train-stdlib-gpt-1a2b3c",
+    )
     js.add_argument("job_id", metavar="ID", help="the job's submission id (as `pylon jobs list` shows it)")
     js.add_argument("--timeout", type=float, default=60, help="seconds to wait for it to end (default 60)")
     js.add_argument("--address", help=ADDRESS_HELP)
@@ -154,15 +194,22 @@ def add_jobs_parser(sub, fmt) -> None:
 
 
 def add_export_parser(sub, fmt) -> None:
-    e = sub.add_parser("export", formatter_class=fmt, help="consolidate a run's ZeRO shards into one HF model",
-                       description="Export the latest committed checkpoint of a run (ZeRO stage 0-3 shards) as "
-                                   "one Hugging Face directory (safetensors, config, tokenizer identity).",
-                       epilog="examples:\n  pylon export ~/.pylon/runs/stdlib-gpt --out ./stdlib-gpt-hf\n"
-                              "  pylon export s3://bucket/runs/stdlib-gpt --out s3://bucket/models/stdlib-gpt --step 200")
+    e = sub.add_parser(
+        "export",
+        formatter_class=fmt,
+        help="consolidate a run's ZeRO shards into one HF model",
+        description="Export the latest committed checkpoint of a run (ZeRO stage 0-3 shards) as "
+        "one Hugging Face directory (safetensors, config, tokenizer identity).",
+        epilog="examples:\n  pylon export ~/.pylon/runs/stdlib-gpt --out ./stdlib-gpt-hf\n"
+        "  pylon export s3://bucket/runs/stdlib-gpt --out s3://bucket/models/stdlib-gpt --step 200",
+    )
     e.add_argument("run_uri", metavar="RUN_URI", help="the run directory (<checkpoint.storage>/<name>)")
     e.add_argument("--out", required=True, help="where to write the model (local path or URI)")
     e.add_argument("--step", type=int, help="a committed step (default: the latest)")
-    e.add_argument("--lora", choices=("merged", "adapter"),
-                   help="for a LoRA run: write the adapters folded into the base weights (a plain model) or the "
-                        "adapters alone in peft's format (default: the spec's lora.merge_on_export)")
+    e.add_argument(
+        "--lora",
+        choices=("merged", "adapter"),
+        help="for a LoRA run: write the adapters folded into the base weights (a plain model) or the "
+        "adapters alone in peft's format (default: the spec's lora.merge_on_export)",
+    )
     e.set_defaults(func=_cmd_export)

@@ -8,6 +8,7 @@ One table per kind (Dataset, TrainJob, Deployment, Cluster): every field by its 
 allowed values, its default and constraints, and its description. Cross-field rules live in validators; the
 kind's docstring and the README list them.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -67,8 +68,15 @@ def _model_of(tp: Any) -> type[BaseModel] | None:
 def _constraints(field: FieldInfo) -> str:
     out = []
     for item in field.metadata:
-        for name, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "min length "),
-                           ("max_length", "max length "), ("pattern", "matches ")):
+        for name, sign in (
+            ("gt", ">"),
+            ("ge", ">="),
+            ("lt", "<"),
+            ("le", "<="),
+            ("min_length", "min length "),
+            ("max_length", "max length "),
+            ("pattern", "matches "),
+        ):
             value = getattr(item, name, None)
             if value is not None:
                 out.append(f"{sign}{'`' + value + '`' if name == 'pattern' else value}")
@@ -99,13 +107,20 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str,
         path = f"{prefix}{name}"
         nested = _model_of(field.annotation)
         is_list = typing.get_origin(field.annotation) is list or any(
-            typing.get_origin(a) is list for a in typing.get_args(field.annotation))
+            typing.get_origin(a) is list for a in typing.get_args(field.annotation)
+        )
         description = (field.description or "").replace("|", "\\|")
         if nested is not None and not description:
             description = _own_doc(nested).split("\n")[0].replace("|", "\\|")
-        rows.append((path, _type_name(field.annotation) if nested is None else ("list of objects" if is_list
-                                                                                   else "object"),
-                     _default(field), _constraints(field), description))
+        rows.append(
+            (
+                path,
+                _type_name(field.annotation) if nested is None else ("list of objects" if is_list else "object"),
+                _default(field),
+                _constraints(field),
+                description,
+            )
+        )
         if nested is not None:
             rows.extend(_rows(nested, f"{path}[]." if is_list else f"{path}."))
     return rows
@@ -115,8 +130,9 @@ def render() -> str:
     parts = [HEADER]
     for kind, cls in SPEC_KINDS.items():
         doc = _own_doc(cls)
-        parts.append(f"\n## {kind}\n\n{doc}\n\n| field | type | default | constraints | description |\n"
-                     "|---|---|---|---|---|")
+        parts.append(
+            f"\n## {kind}\n\n{doc}\n\n| field | type | default | constraints | description |\n|---|---|---|---|---|"
+        )
         for row in _rows(cls):
             parts.append("| " + " | ".join(f"`{row[0]}`" if i == 0 else row[i] for i in range(5)) + " |")
     return "\n".join(parts) + "\n"

@@ -1,6 +1,7 @@
 """`pylon serve` and `pylon demo`: put a model behind OpenAI-compatible HTTP on Ray Serve, or run the
 whole path (cluster, data, training, export, serving) end to end on the embedded local cluster.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     url = deploy(spec, address=args.address, timeout_s=args.timeout)
     print(url)
     auth = f' -H "Authorization: Bearer ${spec.http.api_keys_env}"' if spec.http.api_keys_env else ""
-    print(f"try it:  curl {url}/v1/completions{auth} -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{spec.name}\", \"prompt\": \"def \", \"max_tokens\": 32}}'\n"
-          f"OpenAI clients: base_url={url}/v1; stop it with: pylon serve --delete {spec.name}", file=sys.stderr)
+    print(
+        f"try it:  curl {url}/v1/completions{auth} -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{spec.name}", "prompt": "def ", "max_tokens": 32}}\'\n'
+        f"OpenAI clients: base_url={url}/v1; stop it with: pylon serve --delete {spec.name}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -42,13 +46,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_serve_parser(sub, fmt) -> None:
-    sv = sub.add_parser("serve", formatter_class=fmt, help="deploy a model on Ray Serve behind OpenAI-compatible HTTP",
-                        description="Deploy a Deployment spec on Ray Serve: continuous batching over a paged KV cache, "
-                                    "POST /v1/completions and /v1/chat/completions (streaming), GET /v1/models, "
-                                    "/health, /ready. Prints the base URL once the first replica is ready. API keys "
-                                    "come from the environment variable named by http.api_keys_env.",
-                        epilog="examples:\n  PYLON_API_KEYS=sk-mine pylon serve deploy.yaml\n"
-                               "  pylon serve --delete stdlib-gpt")
+    sv = sub.add_parser(
+        "serve",
+        formatter_class=fmt,
+        help="deploy a model on Ray Serve behind OpenAI-compatible HTTP",
+        description="Deploy a Deployment spec on Ray Serve: continuous batching over a paged KV cache, "
+        "POST /v1/completions and /v1/chat/completions (streaming), GET /v1/models, "
+        "/health, /ready. Prints the base URL once the first replica is ready. API keys "
+        "come from the environment variable named by http.api_keys_env.",
+        epilog="examples:\n  PYLON_API_KEYS=sk-mine pylon serve deploy.yaml\n  pylon serve --delete stdlib-gpt",
+    )
     sv.add_argument("file", metavar="FILE", nargs="?", help="YAML file with one Deployment document")
     sv.add_argument("--delete", metavar="NAME", help="remove the deployment NAME instead")
     sv.add_argument("--address", help=ADDRESS_HELP)
@@ -57,14 +64,21 @@ def add_serve_parser(sub, fmt) -> None:
 
 
 def add_demo_parser(sub, fmt) -> None:
-    d = sub.add_parser("demo", formatter_class=fmt, help="run the end-to-end path on the embedded local cluster",
-                       description="Start the local cluster if needed, validate the bundled example specs, prepare "
-                                   "the Python standard library's sources as a Ray job, stream them back as "
-                                   "training reads them, train the example GPT on 2 Ray Train workers with "
-                                   "DeepSpeed ZeRO-2 + CPU optimizer offload, export it, deploy it on Ray Serve "
-                                   "behind OpenAI-compatible HTTP, query it, and print what happened.",
-                       epilog="examples:\n  pylon demo\n  pylon demo --down\n  pylon demo --steps 50")
-    d.add_argument("--down", action="store_true",
-                   help="stop the cluster afterwards if the demo started it (default: leave it and the endpoint up)")
+    d = sub.add_parser(
+        "demo",
+        formatter_class=fmt,
+        help="run the end-to-end path on the embedded local cluster",
+        description="Start the local cluster if needed, validate the bundled example specs, prepare "
+        "the Python standard library's sources as a Ray job, stream them back as "
+        "training reads them, train the example GPT on 2 Ray Train workers with "
+        "DeepSpeed ZeRO-2 + CPU optimizer offload, export it, deploy it on Ray Serve "
+        "behind OpenAI-compatible HTTP, query it, and print what happened.",
+        epilog="examples:\n  pylon demo\n  pylon demo --down\n  pylon demo --steps 50",
+    )
+    d.add_argument(
+        "--down",
+        action="store_true",
+        help="stop the cluster afterwards if the demo started it (default: leave it and the endpoint up)",
+    )
     d.add_argument("--steps", type=int, default=160, help="training steps (0 skips training; default 160)")
     d.set_defaults(func=_cmd_demo)

@@ -15,25 +15,46 @@ KubeRay manifests against the CRD schemas copied into `pylon/infra/schemas/kuber
 Secrets are never rendered: Ray's auth token reaches the nodes from a file (`~/.ray/auth_token`, copied by
 the launcher's file_mounts) or from a Kubernetes Secret named in the manifests; API keys the same way.
 """
+
 from __future__ import annotations
+
 import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
 from pylon.errors import PylonError, SpecError
-from pylon.specs import ClusterSpec, DeploymentSpec, TrainJobSpec
+from pylon.infra.autoscaler import LOCAL_OBJECT_STORE_BYTES, LOCAL_PROVIDER, local_autoscaler_config
 from pylon.infra.common import TOKEN_PATH, Files, _dump, _header
+from pylon.infra.kuberay import job_spec_configmap, ray_cluster, ray_job, ray_service
 from pylon.infra.launcher import dockerfile, launcher_config
 from pylon.infra.observability import grafana_dashboard, prometheus_config
-from pylon.infra.kuberay import job_spec_configmap, ray_cluster, ray_job, ray_service
-from pylon.infra.autoscaler import LOCAL_OBJECT_STORE_BYTES, LOCAL_PROVIDER, local_autoscaler_config
 from pylon.infra.schema import validate_files, validate_manifest
+from pylon.specs import ClusterSpec, DeploymentSpec, TrainJobSpec
 
 __all__ = [
-    "EXAMPLES", "LOCAL_OBJECT_STORE_BYTES", "LOCAL_PROVIDER", "TARGETS", "TOKEN_PATH", "Files", "check", "default_target",
-    "dockerfile", "grafana_dashboard", "job_spec_configmap", "launcher_config", "local_autoscaler_config",
-    "prometheus_config", "ray_cluster", "ray_job", "ray_service", "render", "render_file", "validate_files",
-    "validate_manifest", "write",
+    "EXAMPLES",
+    "LOCAL_OBJECT_STORE_BYTES",
+    "LOCAL_PROVIDER",
+    "TARGETS",
+    "TOKEN_PATH",
+    "Files",
+    "check",
+    "default_target",
+    "dockerfile",
+    "grafana_dashboard",
+    "job_spec_configmap",
+    "launcher_config",
+    "local_autoscaler_config",
+    "prometheus_config",
+    "ray_cluster",
+    "ray_job",
+    "ray_service",
+    "render",
+    "render_file",
+    "validate_files",
+    "validate_manifest",
+    "write",
 ]
 
 TARGETS = ("ray-up", "kuberay")
@@ -50,19 +71,28 @@ EXAMPLES = {
 }
 
 
-def render(cluster: ClusterSpec, target: str, *, jobs: Sequence[TrainJobSpec] = (),
-           deployments: Sequence[DeploymentSpec] = ()) -> Files:
+def render(
+    cluster: ClusterSpec, target: str, *, jobs: Sequence[TrainJobSpec] = (), deployments: Sequence[DeploymentSpec] = ()
+) -> Files:
     """Every file for `target`, by relative path. TrainJobs and Deployments become RayJobs and RayServices
     (kuberay only: the cluster launcher runs them with `pylon train` / `pylon serve` against the head)."""
     if target not in TARGETS:
         raise PylonError(f"--target: must be one of {', '.join(TARGETS)} (got {target!r})")
     allowed = PROVIDERS_FOR_TARGET[target]
     if cluster.provider.type not in allowed:
-        hint = ("use target kuberay" if cluster.provider.type == "kubernetes"
-                else "use target ray-up" if cluster.provider.type in ("aws", "gcp")
-                else "a local cluster needs no files: run `pylon cluster up`")
-        raise SpecError([f"Cluster '{cluster.name}': provider.type: target {target} needs one of "
-                         f"{', '.join(allowed)} (got {cluster.provider.type!r}); {hint}"])
+        hint = (
+            "use target kuberay"
+            if cluster.provider.type == "kubernetes"
+            else "use target ray-up"
+            if cluster.provider.type in ("aws", "gcp")
+            else "a local cluster needs no files: run `pylon cluster up`"
+        )
+        raise SpecError(
+            [
+                f"Cluster '{cluster.name}': provider.type: target {target} needs one of "
+                f"{', '.join(allowed)} (got {cluster.provider.type!r}); {hint}"
+            ]
+        )
     if target == "kuberay":
         _require_shared_storage(jobs, deployments)
     files: Files = {}
@@ -74,11 +104,13 @@ def render(cluster: ClusterSpec, target: str, *, jobs: Sequence[TrainJobSpec] = 
             docs = [job_spec_configmap(cluster, job), ray_job(cluster, job)]
             files[f"rayjob-{job.name}.yaml"] = _dump(*docs, header=_header(cluster, "kubectl apply -f"))
         for dep in deployments:
-            files[f"rayservice-{dep.name}.yaml"] = _dump(ray_service(cluster, dep),
-                                                         header=_header(cluster, "kubectl apply -f"))
+            files[f"rayservice-{dep.name}.yaml"] = _dump(
+                ray_service(cluster, dep), header=_header(cluster, "kubectl apply -f")
+            )
     files["Dockerfile"] = dockerfile(cluster)
-    files["prometheus.yml"] = _dump(prometheus_config(cluster, target),
-                                    header=_header(cluster, "prometheus --config.file="))
+    files["prometheus.yml"] = _dump(
+        prometheus_config(cluster, target), header=_header(cluster, "prometheus --config.file=")
+    )
     files["grafana-dashboard.json"] = json.dumps(grafana_dashboard(cluster), indent=2) + "\n"
     return files
 
@@ -89,8 +121,10 @@ def _require_shared_storage(jobs: Sequence[TrainJobSpec], deployments: Sequence[
 
     def need(uri: str | None, label: str, field: str) -> None:
         if uri is None or "://" not in uri or uri.startswith("file://"):
-            problems.append(f"{label}: {field}: must be object storage (s3://, gs://) on Kubernetes, where pods "
-                            f"share no local disk (got {'nothing: the default is local' if uri is None else repr(uri)})")
+            problems.append(
+                f"{label}: {field}: must be object storage (s3://, gs://) on Kubernetes, where pods "
+                f"share no local disk (got {'nothing: the default is local' if uri is None else repr(uri)})"
+            )
 
     for job in jobs:
         need(job.data.uri, f"TrainJob '{job.name}'", "data.uri")
@@ -141,8 +175,9 @@ def default_target(cluster: ClusterSpec) -> str | None:
     return None
 
 
-def check(cluster: ClusterSpec, *, jobs: Sequence[TrainJobSpec] = (),
-          deployments: Sequence[DeploymentSpec] = ()) -> list[str]:
+def check(
+    cluster: ClusterSpec, *, jobs: Sequence[TrainJobSpec] = (), deployments: Sequence[DeploymentSpec] = ()
+) -> list[str]:
     """What `pylon validate` adds for a Cluster: render it for its target and validate every manifest."""
     target = default_target(cluster)
     if target is None:
@@ -155,5 +190,3 @@ def check(cluster: ClusterSpec, *, jobs: Sequence[TrainJobSpec] = (),
     except PylonError as e:
         return [f"Cluster '{cluster.name}': {e}"]
     return [f"Cluster '{cluster.name}' rendered for {target}: {p}" for p in validate_files(files)]
-
-

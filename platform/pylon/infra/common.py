@@ -1,10 +1,12 @@
 """What every target of `pylon infra render` shares: Ray's ports and paths on a node, the Serve settings of
 every cluster Pylon starts or renders, and the YAML writer."""
-from __future__ import annotations
-import yaml
-from pylon.version import __version__
-from pylon.specs import ClusterSpec, NodeShape
 
+from __future__ import annotations
+
+import yaml
+
+from pylon.specs import ClusterSpec, NodeShape
+from pylon.version import __version__
 
 # Ray Serve's HTTP ingress on every cluster Pylon starts or renders: HAProxy (C, event-driven) in front of
 # replicas that answer HTTP themselves (Serve's "direct ingress"), instead of Serve's Python proxy actor
@@ -62,8 +64,10 @@ def _memory_gb(shape: NodeShape) -> float:
 
 
 def _header(cluster: ClusterSpec, use: str) -> str:
-    return (f"# Rendered by `pylon infra render` from Cluster '{cluster.name}' (pylon {__version__}); edit the\n"
-            f"# spec and re-render rather than this file. Use: {use}{'' if use.endswith('=') else ' '}<this file>\n")
+    return (
+        f"# Rendered by `pylon infra render` from Cluster '{cluster.name}' (pylon {__version__}); edit the\n"
+        f"# spec and re-render rather than this file. Use: {use}{'' if use.endswith('=') else ' '}<this file>\n"
+    )
 
 
 class _Dumper(yaml.SafeDumper):
@@ -77,8 +81,9 @@ def _str_presenter(dumper, data: str):
 
 
 def _dump(*docs: dict, header: str = "") -> str:
-    return header + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120,
-                                  explicit_start=len(docs) > 1)
+    return header + yaml.dump_all(
+        docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120, explicit_start=len(docs) > 1
+    )
 
 
 _Dumper.add_representer(str, _str_presenter)

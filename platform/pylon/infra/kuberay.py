@@ -1,12 +1,15 @@
 """KubeRay manifests: a RayCluster per Cluster spec, a RayJob per TrainJob, a RayService per Deployment."""
+
 from __future__ import annotations
+
 import importlib.metadata
 from collections.abc import Sequence
-import yaml
-from pylon.version import __version__
-from pylon.specs import ClusterSpec, DeploymentSpec, NodeShape, TrainJobSpec, WorkerGroupSpec, to_yaml
-from pylon.infra.common import DASHBOARD_PORT, METRICS_PORT, RAY_PORT, RENDERED_SERVE_ENV, SERVE_PORT, _memory_gb
 
+import yaml
+
+from pylon.infra.common import DASHBOARD_PORT, METRICS_PORT, RAY_PORT, RENDERED_SERVE_ENV, SERVE_PORT, _memory_gb
+from pylon.specs import ClusterSpec, DeploymentSpec, NodeShape, TrainJobSpec, WorkerGroupSpec, to_yaml
+from pylon.version import __version__
 
 # Kubernetes nodes that sell spare capacity, as each managed offering labels them (any one matches).
 SPOT_NODE_LABELS = {
@@ -21,9 +24,12 @@ def auth_secret_name(cluster: ClusterSpec) -> str:
 
 
 def ray_cluster(cluster: ClusterSpec) -> dict:
-    return {"apiVersion": "ray.io/v1", "kind": "RayCluster",
-            "metadata": _metadata(cluster, cluster.name, "Cluster"),
-            "spec": ray_cluster_spec(cluster)}
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": _metadata(cluster, cluster.name, "Cluster"),
+        "spec": ray_cluster_spec(cluster),
+    }
 
 
 def ray_cluster_spec(cluster: ClusterSpec, *, head_env: Sequence[dict] = ()) -> dict:
@@ -40,62 +46,83 @@ def ray_cluster_spec(cluster: ClusterSpec, *, head_env: Sequence[dict] = ()) -> 
             "upscalingMode": "Default",
             "idleTimeoutSeconds": int(cluster.idle_timeout_minutes * 60),
             "imagePullPolicy": "IfNotPresent",
-            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
-                          "limits": {"cpu": "500m", "memory": "512Mi"}},
+            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}},
         },
         "headGroupSpec": {
             "rayStartParams": {"dashboard-host": "0.0.0.0", "metrics-export-port": str(METRICS_PORT)},
-            "template": {"metadata": {"labels": _pod_labels(cluster, "head")},
-                         "spec": {"containers": [_ray_container(cluster, "ray-head", head, head=True,
-                                                                extra_env=head_env)],
-                                  "volumes": [_shm_volume()]}},
+            "template": {
+                "metadata": {"labels": _pod_labels(cluster, "head")},
+                "spec": {
+                    "containers": [_ray_container(cluster, "ray-head", head, head=True, extra_env=head_env)],
+                    "volumes": [_shm_volume()],
+                },
+            },
         },
         "workerGroupSpecs": [_worker_group(cluster, g) for g in cluster.worker_groups],
     }
 
 
 def _worker_group(cluster: ClusterSpec, group: WorkerGroupSpec) -> dict:
-    pod: dict = {"containers": [_ray_container(cluster, "ray-worker", group)], "volumes": [_shm_volume()],
-                 # Autoscaler v2 replaces a failed worker pod itself; a kubelet restart would hide the failure.
-                 "restartPolicy": "Never"}
+    pod: dict = {
+        "containers": [_ray_container(cluster, "ray-worker", group)],
+        "volumes": [_shm_volume()],
+        # Autoscaler v2 replaces a failed worker pod itself; a kubelet restart would hide the failure.
+        "restartPolicy": "Never",
+    }
     tolerations = []
     if group.gpus:
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
     if group.spot:
         tolerations.append({"key": "cloud.google.com/gke-spot", "operator": "Exists", "effect": "NoSchedule"})
-        pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [{"key": key, "operator": "In", "values": [value]}]}
-                                  for key, value in SPOT_NODE_LABELS.items()]}}}
+        pod["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": key, "operator": "In", "values": [value]}]}
+                        for key, value in SPOT_NODE_LABELS.items()
+                    ]
+                }
+            }
+        }
     if tolerations:
         pod["tolerations"] = tolerations
-    spec = {"groupName": group.name, "replicas": group.min_workers, "minReplicas": group.min_workers,
-            "maxReplicas": group.max_workers, "rayStartParams": {"metrics-export-port": str(METRICS_PORT)},
-            "template": {"metadata": {"labels": _pod_labels(cluster, group.name)}, "spec": pod}}
+    spec = {
+        "groupName": group.name,
+        "replicas": group.min_workers,
+        "minReplicas": group.min_workers,
+        "maxReplicas": group.max_workers,
+        "rayStartParams": {"metrics-export-port": str(METRICS_PORT)},
+        "template": {"metadata": {"labels": _pod_labels(cluster, group.name)}, "spec": pod},
+    }
     if group.gpu_type:
         spec["labels"] = {"ray.io/accelerator-type": group.gpu_type}
     return spec
 
 
-def _ray_container(cluster: ClusterSpec, name: str, shape: NodeShape, *, head: bool = False,
-                   extra_env: Sequence[dict] = ()) -> dict:
+def _ray_container(
+    cluster: ClusterSpec, name: str, shape: NodeShape, *, head: bool = False, extra_env: Sequence[dict] = ()
+) -> dict:
     memory = f"{_memory_gb(shape):g}Gi"
     limits = {"cpu": str(shape.cpus), "memory": memory}
     if shape.gpus:
         limits["nvidia.com/gpu"] = str(shape.gpus)
     ports = [{"containerPort": METRICS_PORT, "name": "metrics"}]
     if head:
-        ports = [{"containerPort": RAY_PORT, "name": "gcs-server"},
-                 {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
-                 {"containerPort": 10001, "name": "client"},
-                 {"containerPort": SERVE_PORT, "name": "serve"}] + ports
+        ports = [
+            {"containerPort": RAY_PORT, "name": "gcs-server"},
+            {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
+            {"containerPort": 10001, "name": "client"},
+            {"containerPort": SERVE_PORT, "name": "serve"},
+        ] + ports
     return {
-        "name": name, "image": cluster.image, "imagePullPolicy": "IfNotPresent",
+        "name": name,
+        "image": cluster.image,
+        "imagePullPolicy": "IfNotPresent",
         # Requests equal limits: a Ray node that is promised what it schedules by (Guaranteed QoS).
         "resources": {"requests": dict(limits), "limits": limits},
         # Serve's ingress (HAProxy in front of the replicas, see pylon.infra.local.SERVE_INGRESS_ENV) and its replicas'
         # handlers on their HTTP server's loop (SERVE_ENV) on every node.
-        "env": _auth_env(cluster) + [{"name": k, "value": v} for k, v in RENDERED_SERVE_ENV.items()]
-               + list(extra_env),
+        "env": _auth_env(cluster) + [{"name": k, "value": v} for k, v in RENDERED_SERVE_ENV.items()] + list(extra_env),
         "ports": ports,
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
@@ -103,9 +130,13 @@ def _ray_container(cluster: ClusterSpec, name: str, shape: NodeShape, *, head: b
 
 def _auth_env(cluster: ClusterSpec) -> list[dict]:
     # Said explicitly (KubeRay's authOptions does the same): the token only ever comes from the Secret.
-    return [{"name": "RAY_AUTH_MODE", "value": "token"},
-            {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": auth_secret_name(cluster),
-                                                                      "key": "auth_token"}}}]
+    return [
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {
+            "name": "RAY_AUTH_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": auth_secret_name(cluster), "key": "auth_token"}},
+        },
+    ]
 
 
 def _shm_volume() -> dict:
@@ -118,16 +149,26 @@ def _pod_labels(cluster: ClusterSpec, group: str) -> dict:
 
 
 def _metadata(cluster: ClusterSpec, name: str, kind: str) -> dict:
-    return {"name": name, "namespace": cluster.provider.namespace,
-            "labels": {"app.kubernetes.io/name": "pylon", "app.kubernetes.io/part-of": cluster.name,
-                       "app.kubernetes.io/version": __version__, "pylon.io/kind": kind}}
+    return {
+        "name": name,
+        "namespace": cluster.provider.namespace,
+        "labels": {
+            "app.kubernetes.io/name": "pylon",
+            "app.kubernetes.io/part-of": cluster.name,
+            "app.kubernetes.io/version": __version__,
+            "pylon.io/kind": kind,
+        },
+    }
 
 
 def job_spec_configmap(cluster: ClusterSpec, job: TrainJobSpec) -> dict:
     """The TrainJob spec as a ConfigMap: the RayJob's submitter uploads it as the job's working_dir."""
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _metadata(cluster, f"train-{job.name}-spec", "TrainJob"),
-            "data": {"train.yaml": to_yaml(job)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(cluster, f"train-{job.name}-spec", "TrainJob"),
+        "data": {"train.yaml": to_yaml(job)},
+    }
 
 
 def ray_job(cluster: ClusterSpec, job: TrainJobSpec) -> dict:
@@ -135,15 +176,18 @@ def ray_job(cluster: ClusterSpec, job: TrainJobSpec) -> dict:
     autoscaling cluster for every job, not a cluster per job."""
     spec_dir = "/etc/pylon/job"
     submitter = {
-        "name": "ray-job-submitter", "image": cluster.image,
+        "name": "ray-job-submitter",
+        "image": cluster.image,
         "env": _auth_env(cluster),
         # subPath: a plain file, not the ConfigMap's symlink farm, so the working_dir upload holds just it.
-        "volumeMounts": [{"name": "spec", "mountPath": f"{spec_dir}/train.yaml", "subPath": "train.yaml",
-                          "readOnly": True}],
+        "volumeMounts": [
+            {"name": "spec", "mountPath": f"{spec_dir}/train.yaml", "subPath": "train.yaml", "readOnly": True}
+        ],
         "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
     }
     return {
-        "apiVersion": "ray.io/v1", "kind": "RayJob",
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
         "metadata": _metadata(cluster, f"train-{job.name}", "TrainJob"),
         "spec": {
             "clusterSelector": {"ray.io/cluster": cluster.name},
@@ -153,10 +197,13 @@ def ray_job(cluster: ClusterSpec, job: TrainJobSpec) -> dict:
             # The same metadata `pylon train` attaches, so `pylon jobs list` names it.
             "metadata": {"pylon_kind": "TrainJob", "pylon_name": job.name},
             "backoffLimit": 0,
-            "submitterPodTemplate": {"spec": {
-                "restartPolicy": "Never", "containers": [submitter],
-                "volumes": [{"name": "spec", "configMap": {"name": f"train-{job.name}-spec"}}],
-            }},
+            "submitterPodTemplate": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [submitter],
+                    "volumes": [{"name": "spec", "configMap": {"name": f"train-{job.name}-spec"}}],
+                }
+            },
         },
     }
 
@@ -166,8 +213,14 @@ def serve_config(dep: DeploymentSpec) -> dict:
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": SERVE_PORT},
-        "applications": [{"name": dep.name, "import_path": "pylon.serving.api.builder:app_builder",
-                          "route_prefix": dep.http.route_prefix, "args": dep.model_dump(mode="json")}],
+        "applications": [
+            {
+                "name": dep.name,
+                "import_path": "pylon.serving.api.builder:app_builder",
+                "route_prefix": dep.http.route_prefix,
+                "args": dep.model_dump(mode="json"),
+            }
+        ],
     }
 
 
@@ -179,10 +232,15 @@ def ray_service(cluster: ClusterSpec, dep: DeploymentSpec) -> dict:
     head_env = []
     if dep.http.api_keys_env:
         # The builder runs on the head and hands replicas only the keys' digests; the keys come from a Secret.
-        head_env.append({"name": dep.http.api_keys_env, "valueFrom": {"secretKeyRef": {
-            "name": api_keys_secret_name(dep), "key": "keys"}}})
+        head_env.append(
+            {
+                "name": dep.http.api_keys_env,
+                "valueFrom": {"secretKeyRef": {"name": api_keys_secret_name(dep), "key": "keys"}},
+            }
+        )
     return {
-        "apiVersion": "ray.io/v1", "kind": "RayService",
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
         "metadata": _metadata(cluster, dep.name, "Deployment"),
         "spec": {
             "serveConfigV2": yaml.safe_dump(serve_config(dep), sort_keys=False),

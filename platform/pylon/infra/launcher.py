@@ -1,11 +1,21 @@
 """`ray up` launcher configs for AWS and GCP (`pylon infra render --target ray-up`), and the node image's Dockerfile."""
-from __future__ import annotations
-import importlib.metadata
-from pylon.version import __version__
-from pylon.errors import SpecError
-from pylon.specs import ClusterSpec, NodeShape, WorkerGroupSpec
-from pylon.infra.common import METRICS_PORT, NODE_HOME, RAY_PORT, RENDERED_SERVE_ENV, SOURCE_DIR, TASK_MEMORY_SHARE, TOKEN_PATH
 
+from __future__ import annotations
+
+import importlib.metadata
+
+from pylon.errors import SpecError
+from pylon.infra.common import (
+    METRICS_PORT,
+    NODE_HOME,
+    RAY_PORT,
+    RENDERED_SERVE_ENV,
+    SOURCE_DIR,
+    TASK_MEMORY_SHARE,
+    TOKEN_PATH,
+)
+from pylon.specs import ClusterSpec, NodeShape, WorkerGroupSpec
+from pylon.version import __version__
 
 # The Ray images are published per Python minor version; Pylon's tested one (constraints.txt) is 3.11.
 PYTHON_TAG = "py311"
@@ -35,20 +45,36 @@ GCP_SOURCE_IMAGE = "projects/deeplearning-platform-release/global/images/family/
 def launcher_config(cluster: ClusterSpec) -> dict:
     provider = cluster.provider
     if provider.type == "aws":
-        provider_cfg = {"type": "aws", "region": provider.region,
-                        # Terminate idle nodes instead of stopping them: stopped nodes still pay for their disks.
-                        "cache_stopped_nodes": False}
+        provider_cfg = {
+            "type": "aws",
+            "region": provider.region,
+            # Terminate idle nodes instead of stopping them: stopped nodes still pay for their disks.
+            "cache_stopped_nodes": False,
+        }
         if provider.zone:
             provider_cfg["availability_zone"] = provider.zone
     else:
-        provider_cfg = {"type": "gcp", "region": provider.region, "availability_zone": provider.zone,
-                        "project_id": provider.project_id}
-    node_types = {"head": {"resources": _launcher_resources(cluster.head),
-                           "node_config": _node_config(cluster, cluster.head),
-                           "min_workers": 0, "max_workers": 0}}
+        provider_cfg = {
+            "type": "gcp",
+            "region": provider.region,
+            "availability_zone": provider.zone,
+            "project_id": provider.project_id,
+        }
+    node_types = {
+        "head": {
+            "resources": _launcher_resources(cluster.head),
+            "node_config": _node_config(cluster, cluster.head),
+            "min_workers": 0,
+            "max_workers": 0,
+        }
+    }
     for group in cluster.worker_groups:
-        node_type = {"resources": _launcher_resources(group), "node_config": _node_config(cluster, group, group),
-                     "min_workers": group.min_workers, "max_workers": group.max_workers}
+        node_type = {
+            "resources": _launcher_resources(group),
+            "node_config": _node_config(cluster, group, group),
+            "min_workers": group.min_workers,
+            "max_workers": group.max_workers,
+        }
         if group.gpu_type:
             node_type["labels"] = {"ray.io/accelerator-type": group.gpu_type}
         node_types[group.name] = node_type
@@ -59,8 +85,12 @@ def launcher_config(cluster: ClusterSpec) -> dict:
         "max_workers": sum(g.max_workers for g in cluster.worker_groups),
         "upscaling_speed": 1.0,
         "idle_timeout_minutes": cluster.idle_timeout_minutes,
-        "docker": {"image": cluster.image, "container_name": "pylon", "pull_before_run": True,
-                   "run_options": ["--ulimit nofile=65536:65536"]},
+        "docker": {
+            "image": cluster.image,
+            "container_name": "pylon",
+            "pull_before_run": True,
+            "run_options": ["--ulimit nofile=65536:65536"],
+        },
         "provider": provider_cfg,
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": node_types,
@@ -103,24 +133,41 @@ def _launcher_resources(shape: NodeShape) -> dict[str, int]:
 def _node_config(cluster: ClusterSpec, shape: NodeShape, group: WorkerGroupSpec | None = None) -> dict:
     spot = bool(group and group.spot)
     if cluster.provider.type == "aws":
-        config = {"InstanceType": shape.instance_type,
-                  "BlockDeviceMappings": [{"DeviceName": "/dev/sda1",
-                                           "Ebs": {"VolumeSize": ROOT_DISK_GB, "VolumeType": "gp3"}}]}
+        config = {
+            "InstanceType": shape.instance_type,
+            "BlockDeviceMappings": [
+                {"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": ROOT_DISK_GB, "VolumeType": "gp3"}}
+            ],
+        }
         if spot:
             # One-time spot requests, terminated on interruption: Ray Train restarts from the last checkpoint.
-            config["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
-                "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+            config["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
+            }
         return config
-    config = {"machineType": shape.instance_type,
-              "disks": [{"boot": True, "autoDelete": True, "type": "PERSISTENT",
-                         "initializeParams": {"diskSizeGb": ROOT_DISK_GB, "sourceImage": GCP_SOURCE_IMAGE}}]}
+    config = {
+        "machineType": shape.instance_type,
+        "disks": [
+            {
+                "boot": True,
+                "autoDelete": True,
+                "type": "PERSISTENT",
+                "initializeParams": {"diskSizeGb": ROOT_DISK_GB, "sourceImage": GCP_SOURCE_IMAGE},
+            }
+        ],
+    }
     scheduling: dict = {}
     if shape.gpus:
         accelerator = GCP_ACCELERATORS.get(shape.gpu_type or "")
         if accelerator is None:
             where = f"worker_groups '{group.name}'" if group else "head"
-            raise SpecError([f"Cluster '{cluster.name}': {where}.gpu_type: GCP needs one of "
-                             f"{', '.join(GCP_ACCELERATORS)} (got {shape.gpu_type!r})"])
+            raise SpecError(
+                [
+                    f"Cluster '{cluster.name}': {where}.gpu_type: GCP needs one of "
+                    f"{', '.join(GCP_ACCELERATORS)} (got {shape.gpu_type!r})"
+                ]
+            )
         config["guestAccelerators"] = [{"acceleratorType": accelerator, "acceleratorCount": shape.gpus}]
         scheduling["onHostMaintenance"] = "TERMINATE"  # GPU VMs cannot live-migrate
     if spot:
@@ -140,7 +187,7 @@ def dockerfile(cluster: ClusterSpec) -> str:
 # Build it from the repository root:  docker build -f <this file> -t {cluster.image} .
 FROM {base}
 
-# libaio for DeepSpeed's NVMe offload; TCMalloc, which a CPU serving engine's process preloads (pylon.serving.engine.heap;
+# libaio for DeepSpeed's NVMe offload; TCMalloc, which a CPU serving engine's process preloads (serving/engine/heap.py;
 # libtcmalloc-minimal4t64 on Ubuntu 24.04).
 RUN sudo apt-get update -qq \\
     && (sudo apt-get install -y -qq --no-install-recommends libaio-dev libtcmalloc-minimal4 \\

@@ -8,7 +8,9 @@ started through `pylon.connect()` use the same file. The token itself is never p
 cluster's own temp dir or GCS address in its command line, and their children (workers, agents, dashboard
 modules) hang below them. `ray stop` would kill every Ray on the machine, a user's own cluster included.
 """
+
 from __future__ import annotations
+
 import collections
 import os
 import secrets
@@ -20,15 +22,16 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+
 import psutil
+
 from pylon import storage
 from pylon.errors import ClusterError
+from pylon.home import STATE_FILE, TOKEN_FILE, LocalCluster, _alive, pylon_home, ray_temp_dir, read_state
 from pylon.infra.autoscaler import local_autoscaler_config
 from pylon.infra.common import SERVE_ENV, SERVE_INGRESS_ENV
 from pylon.infra.schema import validate_manifest
 from pylon.specs import ClusterSpec
-from pylon.home import LocalCluster, STATE_FILE, TOKEN_FILE, _alive, pylon_home, ray_temp_dir, read_state
-
 
 # Serve's controller reconciles every 0.1 s by default, and each pass asks the GCS for every node's resources. A
 # local cluster (a laptop, a 2-core VM where the model's engine wants every cycle) does that every 0.5 s, at a
@@ -51,8 +54,11 @@ LOCAL_SERVE_CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_S
 #   every METRICS_RECORD_INTERVAL_S, 5 s; here every 30 s.
 # (Measured: docs/benchmarks/2026-11-27-set20-serve-load.md.) As with the others, the same variable in the
 # environment of `pylon cluster up` wins.
-LOCAL_RAY_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "1",
-                 "METRICS_RECORD_INTERVAL_S": "30"}
+LOCAL_RAY_ENV = {
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "1",
+    "METRICS_RECORD_INTERVAL_S": "30",
+}
 
 
 def ensure_token(home: Path) -> Path:
@@ -87,15 +93,19 @@ def up(
     if existing is not None:
         if existing.is_running():
             if autoscale is not None and not existing.autoscaler_config:
-                raise ClusterError(f"a local cluster without autoscaling is already running at "
-                                   f"{existing.dashboard_url}; stop it with `pylon cluster down` first")
+                raise ClusterError(
+                    f"a local cluster without autoscaling is already running at "
+                    f"{existing.dashboard_url}; stop it with `pylon cluster down` first"
+                )
             return existing, False
         _cleanup(existing)  # a stale record from a crash or reboot
     if autoscale is not None:
         if autoscale.provider.type != "local":
-            raise ClusterError(f"Cluster '{autoscale.name}': provider.type is '{autoscale.provider.type}'; "
-                               "`pylon cluster up --autoscale` runs local clusters only (render the others with "
-                               "`pylon infra render`)")
+            raise ClusterError(
+                f"Cluster '{autoscale.name}': provider.type is '{autoscale.provider.type}'; "
+                "`pylon cluster up --autoscale` runs local clusters only (render the others with "
+                "`pylon infra render`)"
+            )
         num_cpus = autoscale.head.cpus if num_cpus is None else num_cpus
         num_gpus = autoscale.head.gpus if num_gpus is None else num_gpus
 
@@ -111,9 +121,13 @@ def up(
         shutil.rmtree(temp_dir, ignore_errors=True)
 
     cmd = [
-        _ray_executable(), "start", "--head",
+        _ray_executable(),
+        "start",
+        "--head",
         f"--port={gcs_port}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}", "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash_port}",
+        "--include-dashboard=true",
         f"--ray-client-server-port={client_port}",
         f"--dashboard-agent-listen-port={_free_port()}",
         f"--metrics-export-port={metrics_port}",
@@ -186,12 +200,12 @@ def _ray_start(cmd: list[str], env: dict, record: dict, log_path: Path, temp_dir
             # Ray gives its raylet a fixed 30 s to register with the GCS; on a machine busy with other work it
             # sometimes misses that (seen once in ~20 fresh-clone test runs). A second start, from a clean temp
             # dir, is what a person would do; any other failure is reported at once.
-            print(f"`ray start --head` timed out during start-up (see {log_path}); trying once more",
-                  file=sys.stderr)
+            print(f"`ray start --head` timed out during start-up (see {log_path}); trying once more", file=sys.stderr)
             shutil.rmtree(temp_dir, ignore_errors=True)
             continue
-        raise ClusterError(f"`ray start --head` failed ({failure}); its output ends with:\n{tail}\n"
-                           f"full log: {log_path}")
+        raise ClusterError(
+            f"`ray start --head` failed ({failure}); its output ends with:\n{tail}\nfull log: {log_path}"
+        )
 
 
 HAPROXY_MAX_SOCKET_PATH = 97  # bytes, as HAProxy 2.8 checks them
@@ -243,8 +257,10 @@ def local_serve_env(temp_dir: Path) -> dict[str, str]:
     }
     # Ray puts each file in a folder named by the node id (56 hex digits); HAProxy takes socket paths of at most
     # 97 bytes. Where the temp dir is too long for that, the sockets stay in Ray's default folder.
-    for name, file in (("RAY_SERVE_HAPROXY_SOCKET_PATH", "admin.sock"),
-                       ("RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "metrics.sock")):
+    for name, file in (
+        ("RAY_SERVE_HAPROXY_SOCKET_PATH", "admin.sock"),
+        ("RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "metrics.sock"),
+    ):
         if len(os.fsencode(files / ("0" * 56) / file)) <= HAPROXY_MAX_SOCKET_PATH:
             env[name] = str(files / file)
     return env
@@ -258,12 +274,12 @@ def _write_autoscaler_config(home: Path, spec: ClusterSpec, temp_dir: Path) -> P
     """`$PYLON_HOME/autoscaler.yaml`, checked against Ray's schema before Ray sees it."""
     import yaml
 
-
     config = local_autoscaler_config(spec, temp_dir=temp_dir)
     problems = validate_manifest(config)
     if problems:
-        raise ClusterError(f"Cluster '{spec.name}': the autoscaling config does not pass Ray's schema: "
-                           + "; ".join(problems))
+        raise ClusterError(
+            f"Cluster '{spec.name}': the autoscaling config does not pass Ray's schema: " + "; ".join(problems)
+        )
     path = home / "autoscaler.yaml"
     storage.atomic_write_text(str(path), yaml.safe_dump(config, sort_keys=False))
     return path
@@ -358,16 +374,19 @@ def _wait_for_jobs_api(cluster: LocalCluster, timeout_s: float) -> None:
     last = ""
     while time.monotonic() < deadline:
         try:
-            r = requests.get(f"{cluster.dashboard_url}/api/version", timeout=2,
-                             headers={"Authorization": f"Bearer {token}"})
+            r = requests.get(
+                f"{cluster.dashboard_url}/api/version", timeout=2, headers={"Authorization": f"Bearer {token}"}
+            )
             if r.status_code == 200:
                 return
             last = f"HTTP {r.status_code}"
         except requests.RequestException as e:
             last = type(e).__name__
         time.sleep(0.5)
-    raise ClusterError(f"the Ray dashboard at {cluster.dashboard_url} did not answer within {timeout_s:.0f}s "
-                       f"({last}); see the logs under {cluster.temp_dir}/session_latest/logs")
+    raise ClusterError(
+        f"the Ray dashboard at {cluster.dashboard_url} did not answer within {timeout_s:.0f}s "
+        f"({last}); see the logs under {cluster.temp_dir}/session_latest/logs"
+    )
 
 
 _HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)  # ports picked lately by this process

@@ -10,9 +10,11 @@ here exactly as it would make VMs appear there.
 Ray keeps that provider's default config (`example.yaml`) out of its wheel, and `type: fake_multinode`
 cannot start without it. Pylon writes the whole config itself (`$PYLON_HOME/autoscaler.yaml`, validated
 against `ray-schema.json` like every launcher config Pylon renders) and names the provider class through Ray's
-`type: external` hook: `LocalNodeProvider` below, Ray's provider with the head's GCS address filled in. The config itself is built by
+`type: external` hook: `LocalNodeProvider` below, Ray's provider with the head's GCS address filled in. The config
+itself is built by
 `pylon.infra.local_autoscaler_config`; this module is imported only by the autoscaler process.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,11 +1,14 @@
 """Offline checks of rendered manifests against the KubeRay CRD schemas shipped in `schemas/kuberay/`."""
+
 from __future__ import annotations
+
 import functools
 import json
 from pathlib import Path
-import yaml
-from pylon.infra.common import Files
 
+import yaml
+
+from pylon.infra.common import Files
 
 _CRD_SCHEMAS = {"RayCluster": "raycluster", "RayJob": "rayjob", "RayService": "rayservice"}
 
@@ -33,8 +36,10 @@ def validate_manifest(doc: dict) -> list[str]:
         validator = _validator(_CRD_SCHEMAS[doc["kind"]])
     else:
         return []
-    problems = [f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
-                for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+    problems = [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
+        for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    ]
     if doc.get("kind") == "RayService" and not problems:
         problems += _serve_config_problems(doc["spec"]["serveConfigV2"])
     return problems

@@ -21,33 +21,58 @@ the cheapest it prefers fewer GPUs, no offload, no recomputation, larger micro-b
 headroom. Precision and LoRA are the user's choice and are kept (a LoRA alternative is suggested when a full
 fine-tune needs offloading).
 """
+
 from __future__ import annotations
+
 import os
 from pathlib import Path
-from pylon.plan.catalog import Catalog
+
 from pylon.errors import PylonError
-from pylon.specs import DeploymentSpec, TrainJobSpec
+from pylon.plan.catalog import Catalog
 from pylon.plan.fits import WontFitError, check_fits
 from pylon.plan.serve import DEFAULT_UTILIZATION, ServePlan, plan_serve
 from pylon.plan.steptime import DEFAULT_MFU, hardware_flops_per_token, model_flops_per_token
 from pylon.plan.text import render
 from pylon.plan.train import USABLE_FRACTION, TrainPlan, plan_train, train_workload
+from pylon.specs import DeploymentSpec, TrainJobSpec
 
 __all__ = [
-    "DEFAULT_MFU", "DEFAULT_UTILIZATION", "USABLE_FRACTION", "ServePlan", "TrainPlan", "WontFitError", "check_fits",
-    "hardware_flops_per_token", "model_flops_per_token", "plan_file", "plan_serve", "plan_spec", "plan_train",
-    "render", "train_workload",
+    "DEFAULT_MFU",
+    "DEFAULT_UTILIZATION",
+    "USABLE_FRACTION",
+    "ServePlan",
+    "TrainPlan",
+    "WontFitError",
+    "check_fits",
+    "hardware_flops_per_token",
+    "model_flops_per_token",
+    "plan_file",
+    "plan_serve",
+    "plan_spec",
+    "plan_train",
+    "render",
+    "train_workload",
 ]
 
 
-def plan_spec(spec, *, catalog: Catalog | None = None, gpu: str | None = None, gpus: int | None = None,
-              mfu: float = DEFAULT_MFU, seq_len: int | None = None, utilization: float = DEFAULT_UTILIZATION):
+def plan_spec(
+    spec,
+    *,
+    catalog: Catalog | None = None,
+    gpu: str | None = None,
+    gpus: int | None = None,
+    mfu: float = DEFAULT_MFU,
+    seq_len: int | None = None,
+    utilization: float = DEFAULT_UTILIZATION,
+):
     """A TrainPlan for a TrainJobSpec, a ServePlan for a DeploymentSpec."""
     if isinstance(spec, TrainJobSpec):
         return plan_train(spec, catalog=catalog, gpu=gpu, gpus=gpus, mfu=mfu, seq_len=seq_len)
     if isinstance(spec, DeploymentSpec):
         return plan_serve(spec, catalog=catalog, gpu=gpu, mfu=mfu, utilization=utilization)
-    raise PylonError(f"the planner plans TrainJob and Deployment specs, not {getattr(spec, 'kind', type(spec).__name__)}")
+    raise PylonError(
+        f"the planner plans TrainJob and Deployment specs, not {getattr(spec, 'kind', type(spec).__name__)}"
+    )
 
 
 def plan_file(path: str | os.PathLike, **options) -> tuple[list, list[str]]:

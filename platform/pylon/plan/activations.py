@@ -32,6 +32,7 @@ Depth and batch: the model runs at depth 1 and 2 and micro-batch 1 and 2, and th
 bilinearly to the job's depth and micro-batch: every decoder layer adds the same bytes, and so does every
 sequence of a batch (within 3% of a full-depth simulation for GPT-2 and Llama shapes).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,16 +60,19 @@ class ActivationProfile:
     peak_bytes: int  # the step's peak of live activation bytes (saved + gradients of activations + temporaries)
 
 
-def step_activations(config, *, micro_batch: int, seq_len: int, precision: str, checkpointing: bool,
-                     lora: LoraSpec | None, device: str) -> ActivationProfile:
+def step_activations(
+    config, *, micro_batch: int, seq_len: int, precision: str, checkpointing: bool, lora: LoraSpec | None, device: str
+) -> ActivationProfile:
     """Activation memory of one micro-batch of Pylon's training step on `device` ('cuda' or 'cpu')."""
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     _CONFIGS.setdefault(key, config)
     lora_key = lora.model_dump_json() if lora is not None else ""
     saved, peak = _coefficients(key, seq_len, precision, checkpointing, lora_key, device)
     layers = config.num_hidden_layers
-    return ActivationProfile(saved_bytes=int(_extrapolate(saved, micro_batch, layers)),
-                             peak_bytes=int(_extrapolate(peak, micro_batch, layers)))
+    return ActivationProfile(
+        saved_bytes=int(_extrapolate(saved, micro_batch, layers)),
+        peak_bytes=int(_extrapolate(peak, micro_batch, layers)),
+    )
 
 
 def _extrapolate(c: tuple[float, float, float, float], batch: int, layers: int) -> float:
@@ -79,13 +83,25 @@ def _extrapolate(c: tuple[float, float, float, float], batch: int, layers: int) 
 
 
 @functools.lru_cache(maxsize=64)
-def _coefficients(config_key: str, seq_len: int, precision: str, checkpointing: bool, lora_json: str,
-                  device: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def _coefficients(
+    config_key: str, seq_len: int, precision: str, checkpointing: bool, lora_json: str, device: str
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     config = _CONFIGS[config_key]
     lora = LoraSpec.model_validate_json(lora_json) if lora_json else None
-    runs = {(b, n): _simulate(config, batch=b, layers=n, seq_len=seq_len, precision=precision,
-                              checkpointing=checkpointing, lora=lora, device=device)
-            for b in (1, 2) for n in (1, 2)}
+    runs = {
+        (b, n): _simulate(
+            config,
+            batch=b,
+            layers=n,
+            seq_len=seq_len,
+            precision=precision,
+            checkpointing=checkpointing,
+            lora=lora,
+            device=device,
+        )
+        for b in (1, 2)
+        for n in (1, 2)
+    }
 
     def fit(i: int) -> tuple[float, float, float, float]:
         p11, p12, p21, p22 = runs[1, 1][i], runs[1, 2][i], runs[2, 1][i], runs[2, 2][i]
@@ -106,8 +122,17 @@ def _with_depth(config, layers: int):
     return config
 
 
-def _simulate(config, *, batch: int, layers: int, seq_len: int, precision: str, checkpointing: bool,
-              lora: LoraSpec | None, device: str) -> tuple[int, int]:
+def _simulate(
+    config,
+    *,
+    batch: int,
+    layers: int,
+    seq_len: int,
+    precision: str,
+    checkpointing: bool,
+    lora: LoraSpec | None,
+    device: str,
+) -> tuple[int, int]:
     """(bytes live when the forward pass ends, peak live bytes) of one step of a `layers`-deep copy."""
     from transformers import AutoModelForCausalLM
 
@@ -159,8 +184,9 @@ def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     import torch.nn.functional as F
 
     shift_logits = logits[:, :-1, :].float()
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), labels[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
+    return F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -223,8 +249,17 @@ class _FusedAttention(torch.autograd.Function):
 
 
 @functools.lru_cache(maxsize=256)
-def _cpu_kernel_is_fused(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, v_dim: int,
-                         mask_dims: int, dropout: bool, is_causal: bool, enable_gqa: bool) -> bool:
+def _cpu_kernel_is_fused(
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    v_dim: int,
+    mask_dims: int,
+    dropout: bool,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> bool:
     """Would torch on CPU run these inputs through a fused kernel? Asked of torch itself, on small tensors."""
     from torch.nn.attention import SDPBackend
 
@@ -234,8 +269,9 @@ def _cpu_kernel_is_fused(dtype: torch.dtype, heads: int, kv_heads: int, head_dim
     v = torch.zeros(1, kv_heads, seq, v_dim, dtype=dtype, requires_grad=True)
     mask = torch.zeros((1,) * (mask_dims - 2) + (seq, seq), dtype=dtype) if mask_dims else None
     try:
-        choice = torch._fused_sdp_choice(q, k, v, attn_mask=mask, dropout_p=0.1 if dropout else 0.0,
-                                         is_causal=is_causal, enable_gqa=enable_gqa)
+        choice = torch._fused_sdp_choice(
+            q, k, v, attn_mask=mask, dropout_p=0.1 if dropout else 0.0, is_causal=is_causal, enable_gqa=enable_gqa
+        )
     except (RuntimeError, TypeError):
         return False
     return choice in (SDPBackend.FLASH_ATTENTION.value, SDPBackend.EFFICIENT_ATTENTION.value)
@@ -252,13 +288,29 @@ def _attention_as_on(device: str):
             # Flash and memory-efficient kernels cover head dims up to 256, with dropout and masks.
             fused = query.shape[-1] <= 256
         else:
-            fused = _cpu_kernel_is_fused(query.dtype, query.shape[-3], key.shape[-3], query.shape[-1],
-                                         value.shape[-1], attn_mask.dim() if attn_mask is not None else 0,
-                                         dropout_p > 0, bool(is_causal), bool(enable_gqa))
+            fused = _cpu_kernel_is_fused(
+                query.dtype,
+                query.shape[-3],
+                key.shape[-3],
+                query.shape[-1],
+                value.shape[-1],
+                attn_mask.dim() if attn_mask is not None else 0,
+                dropout_p > 0,
+                bool(is_causal),
+                bool(enable_gqa),
+            )
         if fused:
             return _FusedAttention.apply(query, key, value)
-        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=scale, enable_gqa=enable_gqa)
+        return real(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
 
     F.scaled_dot_product_attention = sdpa
     try:

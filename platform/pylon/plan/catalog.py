@@ -7,6 +7,7 @@
 Every figure is a datasheet number (sources in the YAML's comments); prices are typical on-demand list prices,
 checked 2026, and are the part a user should override.
 """
+
 from __future__ import annotations
 
 import os
@@ -74,8 +75,9 @@ class Catalog:
         for acc in self.accelerators:
             if wanted in {_key(acc.name), *(_key(a) for a in acc.aliases)}:
                 return acc
-        raise PylonError(f"unknown GPU '{name}'; known: {', '.join(self.names())} "
-                         f"(aliases such as H100, A100-80 and 4090 work too)")
+        raise PylonError(
+            f"unknown GPU '{name}'; known: {', '.join(self.names())} (aliases such as H100, A100-80 and 4090 work too)"
+        )
 
 
 def _key(name: str) -> str:
@@ -85,8 +87,10 @@ def _key(name: str) -> str:
 def load_catalog(prices: str | os.PathLike | None = None) -> Catalog:
     """The shipped catalog, with prices from `prices` (a YAML file), else from the file $PYLON_GPU_PRICES names."""
     text = resources.files("pylon.plan").joinpath(_CATALOG_FILE).read_text(encoding="utf-8")
-    catalog = Catalog(tuple(_accelerator(entry) for entry in yaml.safe_load(text)["accelerators"]),
-                      prices_source=f"typical on-demand list prices, 2026 (pylon/{_CATALOG_FILE})")
+    catalog = Catalog(
+        tuple(_accelerator(entry) for entry in yaml.safe_load(text)["accelerators"]),
+        prices_source=f"typical on-demand list prices, 2026 (pylon/{_CATALOG_FILE})",
+    )
     path = prices if prices is not None else settings.value(PRICES_ENV)
     if path is not None:
         catalog = with_prices(catalog, path, source=str(path) if prices is not None else f"${PRICES_ENV}={path}")
@@ -116,8 +120,10 @@ def with_prices(catalog: Catalog, path: str | os.PathLike, *, source: str | None
     else:
         prefix = ""
     if not isinstance(data, dict) or not data:
-        raise PylonError(f"{where}: must be a mapping of GPU name to US dollars per GPU-hour, "
-                         f"e.g. 'H100-SXM: 2.49' (known GPUs: {', '.join(catalog.names())})")
+        raise PylonError(
+            f"{where}: must be a mapping of GPU name to US dollars per GPU-hour, "
+            f"e.g. 'H100-SXM: 2.49' (known GPUs: {', '.join(catalog.names())})"
+        )
     updated = {a.name: a for a in catalog.accelerators}
     problems = []
     for name, price in data.items():
@@ -129,8 +135,9 @@ def with_prices(catalog: Catalog, path: str | os.PathLike, *, source: str | None
         if isinstance(price, dict) and set(price) == {"price_per_gpu_hour"}:
             price = price["price_per_gpu_hour"]
         if isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0:
-            problems.append(f"{where}: {prefix}{name}: must be a non-negative number of US dollars per GPU-hour "
-                            f"(got {price!r})")
+            problems.append(
+                f"{where}: {prefix}{name}: must be a non-negative number of US dollars per GPU-hour (got {price!r})"
+            )
             continue
         updated[acc.name] = replace(acc, price_per_gpu_hour=float(price))
     if problems:

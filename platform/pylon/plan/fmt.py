@@ -1,6 +1,8 @@
 """Number formatting shared by the planner's tables: GiB, counts, dollars, durations."""
+
 from __future__ import annotations
-from pylon.plan.memory import (GIB)
+
+from pylon.plan.memory import GIB
 
 
 def _table(rows: list[tuple]) -> list[str]:

@@ -33,6 +33,7 @@ Beyond the model states: activations come from simulating the step (`pylon.plan.
 are DeepSpeed's gradient buckets at its default sizes (a 5e8-element reduce bucket is 1 GB in bf16 whatever
 the model size), and the CUDA context and NCCL take about 1 GiB per GPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -126,9 +127,15 @@ class Workload:
         if key not in self._peaks:
             from pylon.plan.activations import step_activations
 
-            self._peaks[key] = step_activations(self.config, micro_batch=micro_batch, seq_len=self.seq_len,
-                                                precision=self.precision, checkpointing=checkpointing,
-                                                lora=self.lora, device=device).peak_bytes
+            self._peaks[key] = step_activations(
+                self.config,
+                micro_batch=micro_batch,
+                seq_len=self.seq_len,
+                precision=self.precision,
+                checkpointing=checkpointing,
+                lora=self.lora,
+                device=device,
+            ).peak_bytes
         return self._peaks[key]
 
 
@@ -165,8 +172,10 @@ class Layout:
             parts.append(f"params->{self.offload_param}")
         if self.gradient_checkpointing:
             parts.append("grad ckpt")
-        parts.append(f"micro-batch {self.micro_batch_size}" + (f" x {self.grad_accum_steps} accum"
-                                                              if self.grad_accum_steps > 1 else ""))
+        parts.append(
+            f"micro-batch {self.micro_batch_size}"
+            + (f" x {self.grad_accum_steps} accum" if self.grad_accum_steps > 1 else "")
+        )
         return ", ".join(parts)
 
 
@@ -199,8 +208,14 @@ class TrainMemory:
         return int(max(self.host_build, self.host_states + self.host_buffers) * HOST_BUFFER_FACTOR)
 
     def device_terms(self) -> list[tuple[str, int]]:
-        return [("parameters", self.params), ("gradients", self.grads), ("optimizer states", self.optimizer),
-                ("activations", self.activations), ("working buffers", self.buffers), ("runtime", self.runtime)]
+        return [
+            ("parameters", self.params),
+            ("gradients", self.grads),
+            ("optimizer states", self.optimizer),
+            ("activations", self.activations),
+            ("working buffers", self.buffers),
+            ("runtime", self.runtime),
+        ]
 
 
 def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> TrainMemory:
@@ -223,8 +238,9 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
     else:
         partition = 0 if off_par else w * n / g
         params = partition + w * s.largest_layer_params
-        notes["parameters"] = ((f"partitions in {layout.offload_param}; " if off_par else "1/G partition + ")
-                               + "the largest module gathered whole")
+        notes["parameters"] = (
+            f"partitions in {layout.offload_param}; " if off_par else "1/G partition + "
+        ) + "the largest module gathered whole"
 
     # Gradients: in the training precision (ZeRO-0/1: full; ZeRO-2: the partition), plus the fp32 copy DeepSpeed
     # steps the optimizer on (mixed precision; ZeRO-3 accumulates straight into fp32 partitions).
@@ -251,15 +267,20 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         else:
             host_states += w * n / g * per_node
     grads = grads_lp + grads_fp32 + gathered_grads
-    notes["gradients"] = {0: "full, plus an fp32 copy for the step" if mixed else "full, fp32",
-                          1: "full, plus the fp32 partition the optimizer steps",
-                          2: "partitioned (1/G)" + (", plus its fp32 copy" if mixed else ""),
-                          3: "fp32 partitions (1/G), plus the largest module's"}[stage]
+    notes["gradients"] = {
+        0: "full, plus an fp32 copy for the step" if mixed else "full, fp32",
+        1: "full, plus the fp32 partition the optimizer steps",
+        2: "partitioned (1/G)" + (", plus its fp32 copy" if mixed else ""),
+        3: "fp32 partitions (1/G), plus the largest module's",
+    }[stage]
     if off_opt:
         notes["gradients"] += f"; the partitions live with the optimizer in {layout.offload_optimizer}"
-    notes["optimizer states"] = (("fp32 master weights + " if mixed or stage >= 1 else "")
-                                 + "Adam's 2 moments" + (", 1/G each" if stage >= 1 else "")
-                                 + (f"; offloaded to {layout.offload_optimizer}" if off_opt else ""))
+    notes["optimizer states"] = (
+        ("fp32 master weights + " if mixed or stage >= 1 else "")
+        + "Adam's 2 moments"
+        + (", 1/G each" if stage >= 1 else "")
+        + (f"; offloaded to {layout.offload_optimizer}" if off_opt else "")
+    )
 
     # Working buffers: DeepSpeed allocates its buckets at their configured size (the caching allocator holds
     # all of it); on CPU only the pages gradients are written to become resident.
@@ -276,17 +297,28 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         # Parameters under the persistence threshold (norms, biases) stay whole on every GPU.
         persistent = s.persistent_params * (1 - 1 / g) * w
         buffers = bucket(REDUCE_BUCKET_ELEMENTS) + min(PREFETCH_BUCKET_ELEMENTS, n) * w + persistent
-        notes["working buffers"] = ("reduce bucket (5e8 elements), parameter prefetch (5e7), small parameters "
-                                    "kept whole")
+        notes["working buffers"] = "reduce bucket (5e8 elements), parameter prefetch (5e7), small parameters kept whole"
 
     acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device)
-    notes["activations"] = (f"micro-batch {layout.micro_batch_size} x {work.seq_len} tokens, peak of forward + "
-                            "backward" + (", recomputing each block" if layout.gradient_checkpointing else ""))
+    notes["activations"] = (
+        f"micro-batch {layout.micro_batch_size} x {work.seq_len} tokens, peak of forward + "
+        "backward" + (", recomputing each block" if layout.gradient_checkpointing else "")
+    )
     runtime = CUDA_RUNTIME_BYTES if device == "cuda" else 0
     notes["runtime"] = "CUDA context, cuBLAS and NCCL" if device == "cuda" else "none counted on CPU"
-    return TrainMemory(params=int(params), grads=int(grads), optimizer=int(optimizer), activations=int(acts),
-                       buffers=int(buffers), runtime=runtime, host_build=4 * n * per_node,
-                       host_states=int(host_states), host_buffers=int(host_buffers), nvme=int(nvme), notes=notes)
+    return TrainMemory(
+        params=int(params),
+        grads=int(grads),
+        optimizer=int(optimizer),
+        activations=int(acts),
+        buffers=int(buffers),
+        runtime=runtime,
+        host_build=4 * n * per_node,
+        host_states=int(host_states),
+        host_buffers=int(host_buffers),
+        nvme=int(nvme),
+        notes=notes,
+    )
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:

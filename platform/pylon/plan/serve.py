@@ -1,15 +1,17 @@
 """Planning a Deployment: per accelerator, the memory of weights and KV cache, decode throughput from memory
 bandwidth, and the cost per million output tokens at the assumed utilization (`plan_serve`)."""
+
 from __future__ import annotations
+
 import math
 from dataclasses import dataclass, field
+
 from pylon.plan.catalog import Accelerator, Catalog, load_catalog
-from pylon.plan.memory import (CUDA_RUNTIME_BYTES, WEIGHT_BYTES, ModelShape, kv_bytes_per_token, model_shape)
-from pylon.specs import DeploymentSpec
+from pylon.plan.fmt import _gib
+from pylon.plan.memory import CUDA_RUNTIME_BYTES, WEIGHT_BYTES, ModelShape, kv_bytes_per_token, model_shape
 from pylon.plan.steptime import DEFAULT_MFU, _check_knobs
 from pylon.plan.train import USABLE_FRACTION, _assumptions, _config_from_dir
-from pylon.plan.fmt import _gib
-
+from pylon.specs import DeploymentSpec
 
 BANDWIDTH_EFFICIENCY = 0.8  # of datasheet memory bandwidth that decoding reaches
 
@@ -50,15 +52,27 @@ class ServeOption:
         return self.accelerator.price_per_gpu_hour / (self.batch_tps * 3600 * self.utilization) * 1e6
 
     def to_dict(self) -> dict:
-        return {"accelerator": self.accelerator.name, "fits": self.fits, "binding": self.binding,
-                "memory": {"weights": self.weights, "kv_cache": self.kv_cache, "workspace": self.workspace,
-                           "runtime": self.runtime, "total": self.total},
-                "kv_tokens_fit": self.kv_tokens_fit, "sequences_fit": self.sequences_fit,
-                "single_stream_tokens_per_s": round(self.single_stream_tps, 1),
-                "batch_tokens_per_s": round(self.batch_tps, 1), "batch": self.batch,
-                "price_per_gpu_hour": self.accelerator.price_per_gpu_hour,
-                "cost_per_million_tokens_usd": (round(self.cost_per_million_tokens, 4)
-                                                if math.isfinite(self.cost_per_million_tokens) else None)}
+        return {
+            "accelerator": self.accelerator.name,
+            "fits": self.fits,
+            "binding": self.binding,
+            "memory": {
+                "weights": self.weights,
+                "kv_cache": self.kv_cache,
+                "workspace": self.workspace,
+                "runtime": self.runtime,
+                "total": self.total,
+            },
+            "kv_tokens_fit": self.kv_tokens_fit,
+            "sequences_fit": self.sequences_fit,
+            "single_stream_tokens_per_s": round(self.single_stream_tps, 1),
+            "batch_tokens_per_s": round(self.batch_tps, 1),
+            "batch": self.batch,
+            "price_per_gpu_hour": self.accelerator.price_per_gpu_hour,
+            "cost_per_million_tokens_usd": (
+                round(self.cost_per_million_tokens, 4) if math.isfinite(self.cost_per_million_tokens) else None
+            ),
+        }
 
 
 @dataclass
@@ -81,22 +95,43 @@ class ServePlan:
 
     def to_dict(self) -> dict:
         s = self.shape
-        return {"kind": self.kind, "name": self.name,
-                "model": {"path": self.model, "parameters": s.total_params, "layers": s.num_layers,
-                          "kv_heads": s.kv_heads, "head_dim": s.head_dim},
-                "dtype": self.dtype, "kv_cache_bytes_per_token": self.kv_per_token,
-                "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
-                "kv_cache_tokens": self.kv_cache_tokens, "accelerators": [r.to_dict() for r in self.rows],
-                "recommendation": self.recommendation.to_dict() if self.recommendation else None,
-                "assumptions": {**_assumptions(self.mfu, self.prices_source), "utilization": self.utilization,
-                                "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
-                                "launch_s_per_layer": LAUNCH_S_PER_LAYER,
-                                "average_context": self.max_model_len // 2},
-                "notes": self.notes}
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "model": {
+                "path": self.model,
+                "parameters": s.total_params,
+                "layers": s.num_layers,
+                "kv_heads": s.kv_heads,
+                "head_dim": s.head_dim,
+            },
+            "dtype": self.dtype,
+            "kv_cache_bytes_per_token": self.kv_per_token,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "accelerators": [r.to_dict() for r in self.rows],
+            "recommendation": self.recommendation.to_dict() if self.recommendation else None,
+            "assumptions": {
+                **_assumptions(self.mfu, self.prices_source),
+                "utilization": self.utilization,
+                "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
+                "launch_s_per_layer": LAUNCH_S_PER_LAYER,
+                "average_context": self.max_model_len // 2,
+            },
+            "notes": self.notes,
+        }
 
 
-def plan_serve(spec: DeploymentSpec, *, catalog: Catalog | None = None, gpu: str | None = None,
-               mfu: float = DEFAULT_MFU, utilization: float = DEFAULT_UTILIZATION, config=None) -> ServePlan:
+def plan_serve(
+    spec: DeploymentSpec,
+    *,
+    catalog: Catalog | None = None,
+    gpu: str | None = None,
+    mfu: float = DEFAULT_MFU,
+    utilization: float = DEFAULT_UTILIZATION,
+    config=None,
+) -> ServePlan:
     """Weights, KV cache per token, what fits and the decode throughput ceiling of a Deployment per accelerator
     (one GPU per replica: Pylon's engine does not shard a model). `config` stands in for an unread model dir."""
     _check_knobs(mfu=mfu, utilization=utilization)
@@ -112,8 +147,10 @@ def plan_serve(spec: DeploymentSpec, *, catalog: Catalog | None = None, gpu: str
     per_token = kv_bytes_per_token(shape, KV_BYTES[kv_dtype])
     # Prefill of a token batch: a few hidden-size tensors and the MLP's intermediate ones; fp32 logits of the
     # sequences that sample.
-    workspace = (e.max_num_batched_tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * b
-                 + e.max_num_seqs * shape.vocab_size * 4)
+    workspace = (
+        e.max_num_batched_tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * b
+        + e.max_num_seqs * shape.vocab_size * 4
+    )
     context = max(1, e.max_model_len // 2)
     rows = []
     for acc in accelerators:
@@ -127,8 +164,13 @@ def plan_serve(spec: DeploymentSpec, *, catalog: Catalog | None = None, gpu: str
         elif weights + workspace + CUDA_RUNTIME_BYTES > usable:
             fits, binding = False, f"weights {_gib(weights)} alone exceed {_gib(usable)} usable"
         else:
-            fits, binding = False, (f"KV cache {_gib(kv)} ({e.kv_cache_tokens:,} tokens) + weights {_gib(weights)} "
-                                    f"exceed {_gib(usable)}; {kv_fit:,} tokens fit")
+            fits, binding = (
+                False,
+                (
+                    f"KV cache {_gib(kv)} ({e.kv_cache_tokens:,} tokens) + weights {_gib(weights)} "
+                    f"exceed {_gib(usable)}; {kv_fit:,} tokens fit"
+                ),
+            )
         bandwidth = acc.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY
         batch = max(0, min(e.max_num_seqs, kv_fit // context))
         launch = LAUNCH_S_PER_LAYER * shape.num_layers
@@ -139,13 +181,41 @@ def plan_serve(spec: DeploymentSpec, *, catalog: Catalog | None = None, gpu: str
         single = decode_tps(1 if kv_fit >= context else 0)
         batched = decode_tps(batch)
         compute_ceiling = acc.peak_flops(dtype) * mfu / (2 * shape.matmul_params)
-        rows.append(ServeOption(acc, weights, kv, workspace, CUDA_RUNTIME_BYTES, fits, binding, kv_fit,
-                                kv_fit // e.max_model_len, min(single, compute_ceiling),
-                                min(batched, compute_ceiling), batch, utilization))
+        rows.append(
+            ServeOption(
+                acc,
+                weights,
+                kv,
+                workspace,
+                CUDA_RUNTIME_BYTES,
+                fits,
+                binding,
+                kv_fit,
+                kv_fit // e.max_model_len,
+                min(single, compute_ceiling),
+                min(batched, compute_ceiling),
+                batch,
+                utilization,
+            )
+        )
     fitting = [r for r in rows if r.fits]
     recommendation = min(fitting, key=lambda r: r.cost_per_million_tokens) if fitting else None
     notes = []
     if e.device == "cpu" or spec.replica.num_gpus == 0:
         notes.append("the spec serves on CPU; the table shows what each GPU would do")
-    return ServePlan(spec.name, spec.model, shape, dtype, per_token, e.max_model_len, e.max_num_seqs,
-                     e.kv_cache_tokens, rows, recommendation, mfu, utilization, catalog.prices_source, notes)
+    return ServePlan(
+        spec.name,
+        spec.model,
+        shape,
+        dtype,
+        per_token,
+        e.max_model_len,
+        e.max_num_seqs,
+        e.kv_cache_tokens,
+        rows,
+        recommendation,
+        mfu,
+        utilization,
+        catalog.prices_source,
+        notes,
+    )

@@ -1,11 +1,13 @@
 """How long a training step takes: model FLOPs per token (with recomputation when checkpointing), spread over the GPUs
 at an assumed MFU, plus the collectives that do not overlap compute and the offload traffic (CPU Adam, PCIe, NVMe)."""
-from __future__ import annotations
-from dataclasses import dataclass
-from pylon.plan.catalog import Accelerator
-from pylon.errors import PylonError
-from pylon.plan.memory import (WEIGHT_BYTES, Layout, ModelShape, Workload)
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pylon.errors import PylonError
+from pylon.plan.catalog import Accelerator
+from pylon.plan.memory import WEIGHT_BYTES, Layout, ModelShape, Workload
 
 DEFAULT_MFU = 0.40  # model FLOPs utilisation: well-tuned dense LLM training reaches 0.35-0.55
 
@@ -76,8 +78,9 @@ def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> S
             offload += 2 * 12 * per_rank * layout.gpus_on_node / (NVME_GBS * 1e9)
     if layout.offload_param != "none":
         moved = layout.grad_accum_steps * 2 * w * s.total_params / g  # fetched for every forward and backward
-        offload += (moved / host_link if layout.offload_param == "cpu"
-                    else moved * layout.gpus_on_node / (NVME_GBS * 1e9))
+        offload += (
+            moved / host_link if layout.offload_param == "cpu" else moved * layout.gpus_on_node / (NVME_GBS * 1e9)
+        )
     return StepTime(compute, exposed, offload)
 
 

@@ -1,11 +1,14 @@
 """`render(plan)`: the tables `pylon plan` prints for a TrainPlan or a ServePlan."""
+
 from __future__ import annotations
+
 import math
-from pylon.plan.memory import (WEIGHT_BYTES)
-from pylon.plan.serve import BANDWIDTH_EFFICIENCY, LAUNCH_S_PER_LAYER, ServePlan
-from pylon.plan.train import COUNTED, TrainPlan
-from pylon.plan.steptime import CPU_ADAM_PARAMS_PER_S, EXPOSED_COMM, model_flops_per_token
+
 from pylon.plan.fmt import _count, _duration, _gib, _table, _usd
+from pylon.plan.memory import WEIGHT_BYTES
+from pylon.plan.serve import BANDWIDTH_EFFICIENCY, LAUNCH_S_PER_LAYER, ServePlan
+from pylon.plan.steptime import CPU_ADAM_PARAMS_PER_S, EXPOSED_COMM, model_flops_per_token
+from pylon.plan.train import COUNTED, TrainPlan
 
 
 def render(plan) -> str:
@@ -27,19 +30,33 @@ def _render_train(p: TrainPlan) -> str:
     for name, b in m.device_terms():
         lines.append(f"  {name:<18}{_gib(b):>11}  {m.notes.get(name, '')}")
     lines.append(f"  {'total':<18}{_gib(m.device_total):>11}")
-    lines.append(f"  {'host RAM per node':<18}{_gib(m.host_total):>11}  max(fp32 model while built "
-                 f"{_gib(m.host_build)}, offloaded {_gib(m.host_states + m.host_buffers)}) x 1.5")
+    lines.append(
+        f"  {'host RAM per node':<18}{_gib(m.host_total):>11}  max(fp32 model while built "
+        f"{_gib(m.host_build)}, offloaded {_gib(m.host_states + m.host_buffers)}) x 1.5"
+    )
     if m.nvme:
         lines.append(f"  {'NVMe per node':<18}{_gib(m.nvme):>11}")
     if p.cpu_worker_bytes is not None:
-        lines.append(f"  {'CPU worker RAM':<18}{_gib(p.cpu_worker_bytes):>11}  as the spec runs (use_gpu: false): "
-                     f"step, offloaded share and the process, x {lay.num_gpus} worker(s)")
+        lines.append(
+            f"  {'CPU worker RAM':<18}{_gib(p.cpu_worker_bytes):>11}  as the spec runs (use_gpu: false): "
+            f"step, offloaded share and the process, x {lay.num_gpus} worker(s)"
+        )
     lines += ["", f"Per accelerator, as requested ({lay.num_gpus} GPU(s)):"]
     table = [("GPU", "memory", "needs/GPU", "fits", "time", "GPU-hours", "cost", "binding")]
     for r in p.rows:
         o = r.requested
-        table.append((r.accelerator.name, _gib(r.accelerator.memory_bytes), _gib(o.memory.device_total),
-                      "yes" if o.fits else "NO", _duration(o.wall_s), f"{o.gpu_hours:,.1f}", _usd(o.cost), o.binding))
+        table.append(
+            (
+                r.accelerator.name,
+                _gib(r.accelerator.memory_bytes),
+                _gib(o.memory.device_total),
+                "yes" if o.fits else "NO",
+                _duration(o.wall_s),
+                f"{o.gpu_hours:,.1f}",
+                _usd(o.cost),
+                o.binding,
+            )
+        )
     lines += _table(table)
     lines += ["", "Cheapest configuration that fits, per accelerator (global batch kept):"]
     table = [("GPU", "GPUs", "configuration", "needs/GPU", "time", "GPU-hours", "cost")]
@@ -48,20 +65,34 @@ def _render_train(p: TrainPlan) -> str:
         if o is None:
             table.append((r.accelerator.name, "-", "nothing fits", "-", "-", "-", "-"))
         else:
-            table.append((r.accelerator.name, str(o.layout.num_gpus), o.layout.describe(),
-                          _gib(o.memory.device_total), _duration(o.wall_s), f"{o.gpu_hours:,.1f}", _usd(o.cost)))
+            table.append(
+                (
+                    r.accelerator.name,
+                    str(o.layout.num_gpus),
+                    o.layout.describe(),
+                    _gib(o.memory.device_total),
+                    _duration(o.wall_s),
+                    f"{o.gpu_hours:,.1f}",
+                    _usd(o.cost),
+                )
+            )
     lines += _table(table)
     rec = p.recommendation
     lines.append("")
     if rec is None:
         lines.append("Recommendation: none -- " + p.explanation[0])
     else:
-        lines.append(f"Recommendation: {rec.layout.num_gpus} x {rec.accelerator.name}, {rec.layout.describe()}: "
-                     f"{_duration(rec.wall_s)}, {_usd(rec.cost)}")
+        lines.append(
+            f"Recommendation: {rec.layout.num_gpus} x {rec.accelerator.name}, {rec.layout.describe()}: "
+            f"{_duration(rec.wall_s)}, {_usd(rec.cost)}"
+        )
         lines += [f"  - {e}" for e in p.explanation]
-    lines += ["", f"Assumptions: MFU {p.mfu:.2f} (--mfu), prices: {p.prices_source} (--prices or $PYLON_GPU_PRICES); "
-              f"{EXPOSED_COMM:.0%} of collectives exposed, CPU Adam {CPU_ADAM_PARAMS_PER_S:.0e} params/s per GPU.",
-              "Counted: " + COUNTED]
+    lines += [
+        "",
+        f"Assumptions: MFU {p.mfu:.2f} (--mfu), prices: {p.prices_source} (--prices or $PYLON_GPU_PRICES); "
+        f"{EXPOSED_COMM:.0%} of collectives exposed, CPU Adam {CPU_ADAM_PARAMS_PER_S:.0e} params/s per GPU.",
+        "Counted: " + COUNTED,
+    ]
     lines += [f"Note: {n}" for n in p.notes]
     return "\n".join(lines)
 
@@ -77,23 +108,51 @@ def _render_serve(p: ServePlan) -> str:
         "",
         f"Per accelerator (one GPU per replica; throughput at contexts of {p.max_model_len // 2:,} tokens):",
     ]
-    table = [("GPU", "memory", "needs", "fits", "KV tokens fit", "seqs x len", "tok/s 1 seq", "tok/s batch",
-              f"$/M tok @{p.utilization:.0%}", "binding")]
+    table = [
+        (
+            "GPU",
+            "memory",
+            "needs",
+            "fits",
+            "KV tokens fit",
+            "seqs x len",
+            "tok/s 1 seq",
+            "tok/s batch",
+            f"$/M tok @{p.utilization:.0%}",
+            "binding",
+        )
+    ]
     for r in p.rows:
         cpm = r.cost_per_million_tokens
-        table.append((r.accelerator.name, _gib(r.accelerator.memory_bytes), _gib(r.total), "yes" if r.fits else "NO",
-                      f"{r.kv_tokens_fit:,}", f"{r.sequences_fit:,} x {p.max_model_len:,}",
-                      f"{r.single_stream_tps:,.0f}", f"{r.batch_tps:,.0f} (x{r.batch})",
-                      f"{cpm:,.3f}" if math.isfinite(cpm) else "-", r.binding))
+        table.append(
+            (
+                r.accelerator.name,
+                _gib(r.accelerator.memory_bytes),
+                _gib(r.total),
+                "yes" if r.fits else "NO",
+                f"{r.kv_tokens_fit:,}",
+                f"{r.sequences_fit:,} x {p.max_model_len:,}",
+                f"{r.single_stream_tps:,.0f}",
+                f"{r.batch_tps:,.0f} (x{r.batch})",
+                f"{cpm:,.3f}" if math.isfinite(cpm) else "-",
+                r.binding,
+            )
+        )
     lines += _table(table)
     rec = p.recommendation
     lines.append("")
-    lines.append(f"Recommendation: {rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per million tokens "
-                 f"at {p.utilization:.0%} utilisation, up to {rec.batch_tps:,.0f} tokens/s per replica"
-                 if rec else "Recommendation: none -- the model does not fit one GPU of any kind considered")
-    lines += ["", f"Assumptions: decode reads the weights and each sequence's KV cache every step at "
-              f"{BANDWIDTH_EFFICIENCY:.0%} of datasheet bandwidth plus {LAUNCH_S_PER_LAYER * 1e3:.1f} ms of kernel "
-              f"launches per layer, capped at MFU {p.mfu:.2f} of peak; "
-              f"prices: {p.prices_source}."]
+    lines.append(
+        f"Recommendation: {rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per million tokens "
+        f"at {p.utilization:.0%} utilisation, up to {rec.batch_tps:,.0f} tokens/s per replica"
+        if rec
+        else "Recommendation: none -- the model does not fit one GPU of any kind considered"
+    )
+    lines += [
+        "",
+        f"Assumptions: decode reads the weights and each sequence's KV cache every step at "
+        f"{BANDWIDTH_EFFICIENCY:.0%} of datasheet bandwidth plus {LAUNCH_S_PER_LAYER * 1e3:.1f} ms of kernel "
+        f"launches per layer, capped at MFU {p.mfu:.2f} of peak; "
+        f"prices: {p.prices_source}.",
+    ]
     lines += [f"Note: {n}" for n in p.notes]
     return "\n".join(lines)

@@ -1,19 +1,37 @@
 """Planning a TrainJob: its workload, every layout worth trying (accelerator, ZeRO stage, offload, checkpointing,
 micro-batch, GPU count), each one's memory, time and cost, and the cheapest that fits (`plan_train`)."""
+
 from __future__ import annotations
+
 import json
 import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from pylon.plan.catalog import Accelerator, Catalog, load_catalog
-from pylon.errors import PylonError, StorageError
-from pylon.plan.memory import (CUDA_RUNTIME_BYTES, PROCESS_BYTES, Layout, TrainMemory,
-                          Workload, model_shape, train_memory)
-from pylon.specs import LoraSpec, TrainJobSpec
-from pylon.plan.steptime import CPU_ADAM_PARAMS_PER_S, DEFAULT_MFU, EXPOSED_COMM, NVME_GBS, StepTime, _check_knobs, model_flops_per_token, step_time
-from pylon.plan.fmt import _gib
 
+from pylon.errors import PylonError, StorageError
+from pylon.plan.catalog import Accelerator, Catalog, load_catalog
+from pylon.plan.fmt import _gib
+from pylon.plan.memory import (
+    CUDA_RUNTIME_BYTES,
+    PROCESS_BYTES,
+    Layout,
+    TrainMemory,
+    Workload,
+    model_shape,
+    train_memory,
+)
+from pylon.plan.steptime import (
+    CPU_ADAM_PARAMS_PER_S,
+    DEFAULT_MFU,
+    EXPOSED_COMM,
+    NVME_GBS,
+    StepTime,
+    _check_knobs,
+    model_flops_per_token,
+    step_time,
+)
+from pylon.specs import LoraSpec, TrainJobSpec
 
 USABLE_FRACTION = 0.95  # of a GPU's memory, the rest left to the caching allocator's fragmentation
 
@@ -73,17 +91,32 @@ class Option:
     def to_dict(self) -> dict:
         m, lay = self.memory, self.layout
         return {
-            "accelerator": self.accelerator.name, "gpus": lay.num_gpus, "nodes": lay.nodes,
-            "layout": {"zero_stage": lay.zero_stage, "offload_optimizer": lay.offload_optimizer,
-                       "offload_param": lay.offload_param, "gradient_checkpointing": lay.gradient_checkpointing,
-                       "micro_batch_size": lay.micro_batch_size, "grad_accum_steps": lay.grad_accum_steps},
-            "description": lay.describe(), "fits": self.fits, "binding": self.binding,
-            "memory_per_gpu": _memory_dict(m), "usable_per_gpu": self.usable_bytes,
-            "host_ram_per_node": m.host_total, "nvme_per_node": m.nvme,
-            "step_time_s": round(self.step.total_s, 4), "compute_s": round(self.step.compute_s, 4),
-            "comm_s": round(self.step.comm_s, 4), "offload_s": round(self.step.offload_s, 4),
-            "tokens_per_step": self.tokens_per_step, "wall_hours": round(self.wall_s / 3600, 4),
-            "gpu_hours": round(self.gpu_hours, 4), "cost_usd": round(self.cost, 2),
+            "accelerator": self.accelerator.name,
+            "gpus": lay.num_gpus,
+            "nodes": lay.nodes,
+            "layout": {
+                "zero_stage": lay.zero_stage,
+                "offload_optimizer": lay.offload_optimizer,
+                "offload_param": lay.offload_param,
+                "gradient_checkpointing": lay.gradient_checkpointing,
+                "micro_batch_size": lay.micro_batch_size,
+                "grad_accum_steps": lay.grad_accum_steps,
+            },
+            "description": lay.describe(),
+            "fits": self.fits,
+            "binding": self.binding,
+            "memory_per_gpu": _memory_dict(m),
+            "usable_per_gpu": self.usable_bytes,
+            "host_ram_per_node": m.host_total,
+            "nvme_per_node": m.nvme,
+            "step_time_s": round(self.step.total_s, 4),
+            "compute_s": round(self.step.compute_s, 4),
+            "comm_s": round(self.step.comm_s, 4),
+            "offload_s": round(self.step.offload_s, 4),
+            "tokens_per_step": self.tokens_per_step,
+            "wall_hours": round(self.wall_s / 3600, 4),
+            "gpu_hours": round(self.gpu_hours, 4),
+            "cost_usd": round(self.cost, 2),
         }
 
 
@@ -103,10 +136,14 @@ def _binding(m: TrainMemory, acc: Accelerator) -> tuple[bool, str]:
     usable = acc.memory_bytes * USABLE_FRACTION
     term, largest = max(m.device_terms(), key=lambda t: t[1])
     checks = [  # (used / available, description)
-        (m.device_total / usable, f"GPU memory {_gib(m.device_total)} of {_gib(usable)} usable "
-                                  f"(largest: {term} {_gib(largest)})"),
-        (m.host_total / acc.host_memory_bytes, f"host RAM {_gib(m.host_total)} per node of "
-                                               f"{_gib(acc.host_memory_bytes)}"),
+        (
+            m.device_total / usable,
+            f"GPU memory {_gib(m.device_total)} of {_gib(usable)} usable (largest: {term} {_gib(largest)})",
+        ),
+        (
+            m.host_total / acc.host_memory_bytes,
+            f"host RAM {_gib(m.host_total)} per node of {_gib(acc.host_memory_bytes)}",
+        ),
     ]
     if m.nvme:
         checks.append((m.nvme / acc.nvme_bytes, f"NVMe {_gib(m.nvme)} per node of {_gib(acc.nvme_bytes)}"))
@@ -117,8 +154,9 @@ def _binding(m: TrainMemory, acc: Accelerator) -> tuple[bool, str]:
     return True, f"{ratio:.0%} " + text
 
 
-def candidate_layouts(*, global_batch: int, max_micro_batch: int, gpus: int | None, gpus_per_node: int,
-                      has_nvme_path: bool = True) -> list[Layout]:
+def candidate_layouts(
+    *, global_batch: int, max_micro_batch: int, gpus: int | None, gpus_per_node: int, has_nvme_path: bool = True
+) -> list[Layout]:
     """Every layout the search tries: ZeRO 0-3 x offload targets x checkpointing x micro-batch x GPU count,
     each keeping the global batch (exactly, unless `gpus` is fixed and does not divide it)."""
     micro = sorted({m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch} | {max_micro_batch})
@@ -158,15 +196,30 @@ def cheapest(options: list[Option]) -> Option | None:
 
 def _preference(o: Option) -> tuple:
     lay = o.layout
-    return (lay.num_gpus, OFFLOADS.index((lay.offload_optimizer, lay.offload_param)), lay.gradient_checkpointing,
-            -lay.micro_batch_size, o.memory.device_total, -lay.zero_stage)
+    return (
+        lay.num_gpus,
+        OFFLOADS.index((lay.offload_optimizer, lay.offload_param)),
+        lay.gradient_checkpointing,
+        -lay.micro_batch_size,
+        o.memory.device_total,
+        -lay.zero_stage,
+    )
 
 
-def search(work: Workload, acc: Accelerator, *, global_batch: int, max_micro_batch: int, steps: int, mfu: float,
-           gpus: int | None = None) -> Option | None:
+def search(
+    work: Workload,
+    acc: Accelerator,
+    *,
+    global_batch: int,
+    max_micro_batch: int,
+    steps: int,
+    mfu: float,
+    gpus: int | None = None,
+) -> Option | None:
     """The cheapest configuration of `work` on `acc` that fits (None if none does)."""
-    layouts = candidate_layouts(global_batch=global_batch, max_micro_batch=max_micro_batch, gpus=gpus,
-                                gpus_per_node=acc.gpus_per_node)
+    layouts = candidate_layouts(
+        global_batch=global_batch, max_micro_batch=max_micro_batch, gpus=gpus, gpus_per_node=acc.gpus_per_node
+    )
     return cheapest([evaluate(work, lay, acc, steps=steps, mfu=mfu) for lay in layouts])
 
 
@@ -202,16 +255,22 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         notes.append(f"dataset {spec.data.uri} not read ({type(e).__name__}); vocabulary from the model")
     seq = seq_len or spec.data.seq_len or (manifest.seq_len if manifest else None)
     if not seq:
-        raise PylonError(f"TrainJob '{spec.name}': the sequence length is unknown: set data.seq_len in the spec, "
-                         f"prepare the dataset at {spec.data.uri} first, or pass --seq-len")
+        raise PylonError(
+            f"TrainJob '{spec.name}': the sequence length is unknown: set data.seq_len in the spec, "
+            f"prepare the dataset at {spec.data.uri} first, or pass --seq-len"
+        )
     if spec.model.path is not None:
         config = _config_from_dir(spec.model.path, "model.path")
     else:
         # The dataset's tokenizer sizes the embeddings, as in training; without it, the model's own vocabulary
         # (special ids only keep transformers from warning about ids outside it).
         tok = manifest.tokenizer if manifest else None
-        config = model_config(spec.model, vocab_size=tok.vocab_size if tok else None,
-                              eos_id=tok.eos_id if tok else 0, pad_id=tok.pad_id if tok else 0)
+        config = model_config(
+            spec.model,
+            vocab_size=tok.vocab_size if tok else None,
+            eos_id=tok.eos_id if tok else 0,
+            pad_id=tok.pad_id if tok else 0,
+        )
     shape = model_shape(config, spec.lora)
     return Workload(config, shape, spec.precision, seq, spec.lora), notes
 
@@ -221,8 +280,9 @@ def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) 
     mb = spec.batch.micro_batch_size
     accum = max(1, math.ceil(spec.global_batch_size / (mb * g)))
     ds = spec.deepspeed
-    return Layout(ds.zero_stage, ds.offload_optimizer, ds.offload_param, spec.gradient_checkpointing, mb, accum, g,
-                  gpus_per_node)
+    return Layout(
+        ds.zero_stage, ds.offload_optimizer, ds.offload_param, spec.gradient_checkpointing, mb, accum, g, gpus_per_node
+    )
 
 
 @dataclass
@@ -262,29 +322,54 @@ class TrainPlan:
     def to_dict(self) -> dict:
         s = self.work.shape
         return {
-            "kind": self.kind, "name": self.name,
-            "model": {"description": self.model, "parameters": s.total_params, "trainable_parameters": s.trainable_params,
-                      "largest_layer_parameters": s.largest_layer_params, "layers": s.num_layers,
-                      "hidden_size": s.hidden_size, "vocab_size": s.vocab_size},
-            "precision": self.work.precision, "seq_len": self.work.seq_len, "lora": _lora_dict(self.work.lora),
-            "steps": self.steps, "global_batch": self.global_batch, "tokens": self.tokens,
+            "kind": self.kind,
+            "name": self.name,
+            "model": {
+                "description": self.model,
+                "parameters": s.total_params,
+                "trainable_parameters": s.trainable_params,
+                "largest_layer_parameters": s.largest_layer_params,
+                "layers": s.num_layers,
+                "hidden_size": s.hidden_size,
+                "vocab_size": s.vocab_size,
+            },
+            "precision": self.work.precision,
+            "seq_len": self.work.seq_len,
+            "lora": _lora_dict(self.work.lora),
+            "steps": self.steps,
+            "global_batch": self.global_batch,
+            "tokens": self.tokens,
             "flops_per_token": model_flops_per_token(s, self.work.seq_len, self.work.lora is not None),
-            "requested": {"layout": self.requested_layout.describe(), "gpus": self.requested_layout.num_gpus,
-                          "use_gpu": self.use_gpu, "memory_per_gpu": _memory_dict(self.requested_memory),
-                          "memory_notes": self.requested_memory.notes,
-                          "host_ram_per_node": self.requested_memory.host_total,
-                          "nvme_per_node": self.requested_memory.nvme,
-                          "cpu_worker_ram": self.cpu_worker_bytes},
-            "accelerators": [{"name": r.accelerator.name, "memory_gib": r.accelerator.memory_gib,
-                              "price_per_gpu_hour": r.accelerator.price_per_gpu_hour,
-                              "requested": r.requested.to_dict(),
-                              "cheapest": r.cheapest.to_dict() if r.cheapest else None} for r in self.rows],
+            "requested": {
+                "layout": self.requested_layout.describe(),
+                "gpus": self.requested_layout.num_gpus,
+                "use_gpu": self.use_gpu,
+                "memory_per_gpu": _memory_dict(self.requested_memory),
+                "memory_notes": self.requested_memory.notes,
+                "host_ram_per_node": self.requested_memory.host_total,
+                "nvme_per_node": self.requested_memory.nvme,
+                "cpu_worker_ram": self.cpu_worker_bytes,
+            },
+            "accelerators": [
+                {
+                    "name": r.accelerator.name,
+                    "memory_gib": r.accelerator.memory_gib,
+                    "price_per_gpu_hour": r.accelerator.price_per_gpu_hour,
+                    "requested": r.requested.to_dict(),
+                    "cheapest": r.cheapest.to_dict() if r.cheapest else None,
+                }
+                for r in self.rows
+            ],
             "recommendation": self.recommendation.to_dict() if self.recommendation else None,
             "explanation": self.explanation,
-            "lora_alternative": ({"lora": _lora_dict(self.lora_alternative[0]), **self.lora_alternative[1].to_dict()}
-                                 if self.lora_alternative else None),
+            "lora_alternative": (
+                {"lora": _lora_dict(self.lora_alternative[0]), **self.lora_alternative[1].to_dict()}
+                if self.lora_alternative
+                else None
+            ),
             "assumptions": _assumptions(self.mfu, self.prices_source),
-            "counted": COUNTED, "notes": self.notes,
+            "counted": COUNTED,
+            "notes": self.notes,
         }
 
 
@@ -293,13 +378,26 @@ def _lora_dict(lora: LoraSpec | None) -> dict | None:
 
 
 def _assumptions(mfu: float, prices: str) -> dict:
-    return {"mfu": mfu, "usable_memory_fraction": USABLE_FRACTION, "exposed_comm_fraction": EXPOSED_COMM,
-            "cpu_adam_params_per_s": CPU_ADAM_PARAMS_PER_S, "nvme_gbs_per_node": NVME_GBS,
-            "cuda_runtime_bytes": CUDA_RUNTIME_BYTES, "prices": prices}
+    return {
+        "mfu": mfu,
+        "usable_memory_fraction": USABLE_FRACTION,
+        "exposed_comm_fraction": EXPOSED_COMM,
+        "cpu_adam_params_per_s": CPU_ADAM_PARAMS_PER_S,
+        "nvme_gbs_per_node": NVME_GBS,
+        "cuda_runtime_bytes": CUDA_RUNTIME_BYTES,
+        "prices": prices,
+    }
 
 
-def plan_train(spec: TrainJobSpec, *, catalog: Catalog | None = None, gpu: str | None = None,
-               gpus: int | None = None, mfu: float = DEFAULT_MFU, seq_len: int | None = None) -> TrainPlan:
+def plan_train(
+    spec: TrainJobSpec,
+    *,
+    catalog: Catalog | None = None,
+    gpu: str | None = None,
+    gpus: int | None = None,
+    mfu: float = DEFAULT_MFU,
+    seq_len: int | None = None,
+) -> TrainPlan:
     """The plan of a TrainJob on every accelerator of the catalog (or only `gpu`), as requested and at its
     cheapest; `gpus` fixes the GPU count (default: the spec's workers as requested, any count for the search)."""
     _check_knobs(mfu=mfu, gpus=gpus)
@@ -308,22 +406,42 @@ def plan_train(spec: TrainJobSpec, *, catalog: Catalog | None = None, gpu: str |
     work, notes = train_workload(spec, seq_len=seq_len)
     global_batch, steps = spec.global_batch_size, spec.steps
     if gpus and global_batch % gpus:
-        notes.append(f"{gpus} GPUs do not divide the global batch of {global_batch} sequences: gradient "
-                     "accumulation is rounded up, so each step trains slightly more sequences")
+        notes.append(
+            f"{gpus} GPUs do not divide the global batch of {global_batch} sequences: gradient "
+            "accumulation is rounded up, so each step trains slightly more sequences"
+        )
     rows = []
     for acc in accelerators:
         requested = evaluate(work, _requested_layout(spec, gpus, acc.gpus_per_node), acc, steps=steps, mfu=mfu)
-        best = search(work, acc, global_batch=global_batch, max_micro_batch=spec.batch.micro_batch_size,
-                      steps=steps, mfu=mfu, gpus=gpus)
+        best = search(
+            work,
+            acc,
+            global_batch=global_batch,
+            max_micro_batch=spec.batch.micro_batch_size,
+            steps=steps,
+            mfu=mfu,
+            gpus=gpus,
+        )
         rows.append(AcceleratorRow(acc, requested, best))
     fitting = [r.cheapest for r in rows if r.cheapest]
     recommendation = cheapest(fitting) if fitting else None
     requested_layout = _requested_layout(spec, gpus, min(8, gpus or spec.scaling.num_workers))
     plan = TrainPlan(
-        name=spec.name, model=spec.model.describe(), work=work, steps=steps, global_batch=global_batch,
-        requested_layout=requested_layout, requested_memory=train_memory(work, requested_layout, device="cuda"),
-        rows=rows, recommendation=recommendation, explanation=[], mfu=mfu, prices_source=catalog.prices_source,
-        use_gpu=spec.scaling.use_gpu, notes=notes)
+        name=spec.name,
+        model=spec.model.describe(),
+        work=work,
+        steps=steps,
+        global_batch=global_batch,
+        requested_layout=requested_layout,
+        requested_memory=train_memory(work, requested_layout, device="cuda"),
+        rows=rows,
+        recommendation=recommendation,
+        explanation=[],
+        mfu=mfu,
+        prices_source=catalog.prices_source,
+        use_gpu=spec.scaling.use_gpu,
+        notes=notes,
+    )
     if not spec.scaling.use_gpu:
         plan.cpu_worker_bytes = cpu_worker_bytes(work, _requested_layout(spec, None, spec.scaling.num_workers))
     if recommendation is not None and spec.lora is None and recommendation.layout.offloads:
@@ -354,8 +472,15 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
         return None
     lora = LoraSpec(r=8, alpha=16, target_modules=targets)
     adapted = Workload(work.config, model_shape(work.config, lora), work.precision, work.seq_len, lora)
-    best = search(adapted, rec.accelerator, global_batch=spec.global_batch_size,
-                  max_micro_batch=spec.batch.micro_batch_size, steps=spec.steps, mfu=mfu, gpus=rec.layout.num_gpus)
+    best = search(
+        adapted,
+        rec.accelerator,
+        global_batch=spec.global_batch_size,
+        max_micro_batch=spec.batch.micro_batch_size,
+        steps=spec.steps,
+        mfu=mfu,
+        gpus=rec.layout.num_gpus,
+    )
     if best is None or best.layout.offloads:
         return None
     return lora, best
@@ -364,43 +489,64 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
 def _explain(plan: TrainPlan) -> list[str]:
     rec = plan.recommendation
     if rec is None:
-        return [f"no configuration fits on any accelerator considered, up to {max(GPU_COUNTS)} GPUs: "
-                "shorten the sequences, use LoRA, or a smaller model"]
+        return [
+            f"no configuration fits on any accelerator considered, up to {max(GPU_COUNTS)} GPUs: "
+            "shorten the sequences, use LoRA, or a smaller model"
+        ]
     lay, acc = rec.layout, rec.accelerator
     row = plan.row(acc.name)
     out = []
     fitting = sum(1 for r in plan.rows if r.cheapest)
-    out.append(f"cheapest of the {fitting} accelerator(s) on which the job fits, at ${acc.price_per_gpu_hour:.2f} "
-               f"per GPU-hour; it needs {_gib(rec.memory.device_total)} of {_gib(rec.usable_bytes)} usable per GPU")
+    out.append(
+        f"cheapest of the {fitting} accelerator(s) on which the job fits, at ${acc.price_per_gpu_hour:.2f} "
+        f"per GPU-hour; it needs {_gib(rec.memory.device_total)} of {_gib(rec.usable_bytes)} usable per GPU"
+    )
     req = row.requested
     if not req.fits:
-        out.append(f"as requested ({req.layout.describe()}, {req.layout.num_gpus} GPU(s)) it does not fit on "
-                   f"{acc.name}: {req.binding}")
+        out.append(
+            f"as requested ({req.layout.describe()}, {req.layout.num_gpus} GPU(s)) it does not fit on "
+            f"{acc.name}: {req.binding}"
+        )
     if lay.zero_stage and lay.num_gpus > 1:
-        what = {1: "optimizer states", 2: "optimizer states and gradients", 3: "parameters, gradients and "
-                "optimizer states"}[lay.zero_stage]
+        what = {
+            1: "optimizer states",
+            2: "optimizer states and gradients",
+            3: "parameters, gradients and optimizer states",
+        }[lay.zero_stage]
         out.append(f"ZeRO-{lay.zero_stage} splits the {what} over the {lay.num_gpus} GPUs")
     elif lay.offloads:
         out.append(f"ZeRO-{lay.zero_stage} on one GPU is what lets DeepSpeed offload")
     elif lay.zero_stage == 3:
-        out.append("ZeRO-3 on one GPU accumulates gradients straight into fp32 partitions: 18 bytes per "
-                   "parameter instead of 20")
+        out.append(
+            "ZeRO-3 on one GPU accumulates gradients straight into fp32 partitions: 18 bytes per "
+            "parameter instead of 20"
+        )
     if lay.offloads:
-        out.append(f"offloading ({lay.describe().split(', micro')[0]}) needs {_gib(rec.memory.host_total)} of host "
-                   f"RAM per node (of {_gib(acc.host_memory_bytes)})"
-                   + (f" and {_gib(rec.memory.nvme)} of NVMe" if rec.memory.nvme else "")
-                   + f"; it adds {rec.step.offload_s:.2f} s per step of CPU Adam and PCIe/NVMe traffic")
+        out.append(
+            f"offloading ({lay.describe().split(', micro')[0]}) needs {_gib(rec.memory.host_total)} of host "
+            f"RAM per node (of {_gib(acc.host_memory_bytes)})"
+            + (f" and {_gib(rec.memory.nvme)} of NVMe" if rec.memory.nvme else "")
+            + f"; it adds {rec.step.offload_s:.2f} s per step of CPU Adam and PCIe/NVMe traffic"
+        )
     if lay.gradient_checkpointing:
-        out.append("gradient checkpointing recomputes each block in the backward pass (about a third more "
-                   "compute) to keep activations small enough")
-    out.append(f"micro-batch {lay.micro_batch_size} x {lay.grad_accum_steps} accumulation step(s) x "
-               f"{lay.num_gpus} GPU(s) keeps the global batch of {plan.global_batch} sequences")
-    out.append(f"{rec.wall_s / 3600:,.1f} h wall time, {rec.gpu_hours:,.1f} GPU-hours, ${rec.cost:,.2f}; "
-               f"step {rec.step.total_s:.2f} s = compute {rec.step.compute_s:.2f} + exposed communication "
-               f"{rec.step.comm_s:.2f} + offload {rec.step.offload_s:.2f}")
+        out.append(
+            "gradient checkpointing recomputes each block in the backward pass (about a third more "
+            "compute) to keep activations small enough"
+        )
+    out.append(
+        f"micro-batch {lay.micro_batch_size} x {lay.grad_accum_steps} accumulation step(s) x "
+        f"{lay.num_gpus} GPU(s) keeps the global batch of {plan.global_batch} sequences"
+    )
+    out.append(
+        f"{rec.wall_s / 3600:,.1f} h wall time, {rec.gpu_hours:,.1f} GPU-hours, ${rec.cost:,.2f}; "
+        f"step {rec.step.total_s:.2f} s = compute {rec.step.compute_s:.2f} + exposed communication "
+        f"{rec.step.comm_s:.2f} + offload {rec.step.offload_s:.2f}"
+    )
     if plan.lora_alternative:
         lora, alt = plan.lora_alternative
-        out.append(f"if a full fine-tune is not required: LoRA r={lora.r} on {', '.join(lora.target_modules)} "
-                   f"fits without offloading ({alt.layout.describe()}, {_gib(alt.memory.device_total)} per GPU, "
-                   f"{alt.wall_s / 3600:,.1f} h, ${alt.cost:,.2f})")
+        out.append(
+            f"if a full fine-tune is not required: LoRA r={lora.r} on {', '.join(lora.target_modules)} "
+            f"fits without offloading ({alt.layout.describe()}, {_gib(alt.memory.device_total)} per GPU, "
+            f"{alt.wall_s / 3600:,.1f} h, ${alt.cost:,.2f})"
+        )
     return out

@@ -1,10 +1,11 @@
 """The Python SDK, for notebooks and scripts on any machine that can reach the cluster's dashboard.
 
-    client.py   Client and connect(): jobs, nodes, plans and deployments through Ray's public HTTP APIs
-    handles.py  Job, Run, DataJob, Service: handles on what a Client submitted (logs, metrics, plots, export)
-    serve.py    deploy() and delete() of a Serve application
-    inputs.py   specs from objects, dicts or YAML files; job ids; API keys from the environment
+client.py   Client and connect(): jobs, nodes, plans and deployments through Ray's public HTTP APIs
+handles.py  Job, Run, DataJob, Service: handles on what a Client submitted (logs, metrics, plots, export)
+serve.py    deploy() and delete() of a Serve application
+inputs.py   specs from objects, dicts or YAML files; job ids; API keys from the environment
 """
+
 from pylon.sdk.client import Client, connect
 from pylon.sdk.handles import DataJob, Job, Run, Service
 

@@ -3,23 +3,21 @@
 Which cluster: the `address` given, else `RAY_ADDRESS`, else the one `pylon cluster up` started.
 Addresses may be a dashboard/Jobs API URL (`http://host:8265`) or a GCS address (`host:6379`).
 """
+
 from __future__ import annotations
+
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
 import requests
+
 from pylon import home
 from pylon.errors import ClusterError, JobNotFoundError, PylonError
 from pylon.sdk import inputs
 from pylon.sdk.handles import TERMINAL_JOB_STATES, DataJob, JobInfo, Run, Service
 from pylon.sdk.serve import deploy
-
-
-
-
-
-
 
 
 @dataclass
@@ -55,12 +53,17 @@ class ClusterStatus:
         if self.gcs_address:
             lines.append(f"GCS address:          {self.gcs_address}")
         alive = [n for n in self.nodes if n.state == "ALIVE"]
-        lines.append(f"nodes: {len(alive)} alive" + (f", {len(self.nodes) - len(alive)} dead" if len(alive) < len(self.nodes) else ""))
+        lines.append(
+            f"nodes: {len(alive)} alive"
+            + (f", {len(self.nodes) - len(alive)} dead" if len(alive) < len(self.nodes) else "")
+        )
         for n in self.nodes:
             res = ", ".join(f"{_fmt_resource(k, v)}" for k, v in sorted(n.resources.items()) if _shown(k))
             lines.append(f"  {n.node_id[:12]}  {n.ip:<15} {n.state:<6} {'head' if n.is_head else 'worker':<6} {res}")
         total = self.total_resources()
-        lines.append("resources: " + (", ".join(_fmt_resource(k, v) for k, v in sorted(total.items()) if _shown(k)) or "none"))
+        lines.append(
+            "resources: " + (", ".join(_fmt_resource(k, v) for k, v in sorted(total.items()) if _shown(k)) or "none")
+        )
         running = self.running_jobs
         lines.append(f"running jobs: {len(running)}")
         for j in running:
@@ -121,10 +124,17 @@ class Client:
                 raise JobNotFoundError(job_id, self.dashboard_url) from None
             raise
 
-    def submit_job(self, entrypoint: str, *, runtime_env: dict | None = None, submission_id: str | None = None,
-                   metadata: dict[str, str] | None = None) -> str:
-        return self._jobs().submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                                       submission_id=submission_id, metadata=metadata)
+    def submit_job(
+        self,
+        entrypoint: str,
+        *,
+        runtime_env: dict | None = None,
+        submission_id: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> str:
+        return self._jobs().submit_job(
+            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id, metadata=metadata
+        )
 
     def jobs(self) -> list[JobInfo]:
         """Every job the cluster knows (running and ended), oldest first."""
@@ -165,7 +175,6 @@ class Client:
         with the reason and what would fit); `force=True` submits it anyway."""
         import shlex
 
-
         from pylon.jobs.run_dir import run_uri_of
         from pylon.specs import TrainJobSpec, to_yaml
 
@@ -181,24 +190,38 @@ class Client:
             path.write_text(to_yaml(spec))
         run_uri = run_uri_of(spec)
         # The job runs where the caller stands, so relative paths in the spec mean what they mean here.
-        entrypoint = (f"cd {shlex.quote(str(Path.cwd()))} && python -m pylon.jobs.train "
-                      f"--config {shlex.quote(str(Path(path).resolve()))}")
-        self.submit_job(entrypoint, submission_id=job_id,
-                        metadata={"pylon_kind": "TrainJob", "pylon_name": spec.name, "pylon_run_uri": run_uri})
+        entrypoint = (
+            f"cd {shlex.quote(str(Path.cwd()))} && python -m pylon.jobs.train "
+            f"--config {shlex.quote(str(Path(path).resolve()))}"
+        )
+        self.submit_job(
+            entrypoint,
+            submission_id=job_id,
+            metadata={"pylon_kind": "TrainJob", "pylon_name": spec.name, "pylon_run_uri": run_uri},
+        )
         return Run(self, job_id, name=spec.name, run_uri=run_uri, start_time=time.time())
 
-    def plan(self, spec, *, gpu: str | None = None, gpus: int | None = None, mfu: float | None = None,
-             prices: str | None = None, seq_len: int | None = None):
+    def plan(
+        self,
+        spec,
+        *,
+        gpu: str | None = None,
+        gpus: int | None = None,
+        mfu: float | None = None,
+        prices: str | None = None,
+        seq_len: int | None = None,
+    ):
         """Memory, time and cost of a TrainJob or Deployment before it launches (`pylon plan`): a spec object, a
         dict of its fields (a TrainJob unless `kind` says otherwise) or a YAML file (a list of plans when it holds
         several). `gpu` limits it to one accelerator, `gpus` fixes the GPU count, `mfu` and `prices` (a YAML
         file) override the assumptions. Needs no cluster; `print(pylon.plan.render(p))` shows the tables."""
-        from pylon.plan.catalog import load_catalog
         from pylon.plan import DEFAULT_MFU, plan_file, plan_spec
+        from pylon.plan.catalog import load_catalog
         from pylon.specs import DeploymentSpec, TrainJobSpec
 
-        options = dict(catalog=load_catalog(prices), gpu=gpu, gpus=gpus, mfu=DEFAULT_MFU if mfu is None else mfu,
-                       seq_len=seq_len)
+        options = dict(
+            catalog=load_catalog(prices), gpu=gpu, gpus=gpus, mfu=DEFAULT_MFU if mfu is None else mfu, seq_len=seq_len
+        )
         if isinstance(spec, (str, os.PathLike)):
             plans, _ = plan_file(spec, **options)
             return plans[0] if len(plans) == 1 else plans
@@ -221,8 +244,11 @@ class Client:
         if "://" not in spec.output:  # the handle reads the output later, perhaps from another directory
             spec = spec.model_copy(update={"output": os.path.abspath(os.path.expanduser(spec.output))})
         job_id = inputs.new_job_id("data", spec.name)
-        self.submit_job(inputs.prepare_entrypoint(spec, overwrite=overwrite, cwd=Path.cwd()), submission_id=job_id,
-                        metadata={"pylon_kind": "Dataset", "pylon_name": spec.name, "pylon_output": spec.output})
+        self.submit_job(
+            inputs.prepare_entrypoint(spec, overwrite=overwrite, cwd=Path.cwd()),
+            submission_id=job_id,
+            metadata={"pylon_kind": "Dataset", "pylon_name": spec.name, "pylon_output": spec.output},
+        )
         return DataJob(self, job_id, name=spec.name, output=spec.output, start_time=time.time())
 
     def deploy(self, spec, *, timeout_s: float = 600) -> Service:
@@ -242,8 +268,10 @@ class Client:
 
         details = self.serve_applications()
         key = api_key or inputs.first_api_key("PYLON_API_KEYS", required=False)
-        return [Service(self, name, _serve_url(details, app, self.dashboard_url), api_key=key)
-                for name, app in sorted(details.get("applications", {}).items())]
+        return [
+            Service(self, name, _serve_url(details, app, self.dashboard_url), api_key=key)
+            for name, app in sorted(details.get("applications", {}).items())
+        ]
 
     def service(self, name: str, *, api_key: str | None = None) -> Service:
         """The Serve application `name` as a `Service` (PylonError if there is none)."""
@@ -274,14 +302,20 @@ class Client:
         api = StateApiClient(address=self.dashboard_url, headers={"Content-Type": "application/json", **self._headers})
         rows = api.list(StateResource.NODES, options=ListApiOptions(detail=True), raise_on_missing_output=False)
         return [
-            NodeInfo(node_id=n.node_id, ip=n.node_ip, state=n.state, is_head=bool(n.is_head_node),
-                     resources=dict(n.resources_total or {}))
+            NodeInfo(
+                node_id=n.node_id,
+                ip=n.node_ip,
+                state=n.state,
+                is_head=bool(n.is_head_node),
+                resources=dict(n.resources_total or {}),
+            )
             for n in rows
         ]
 
     def status(self) -> ClusterStatus:
-        return ClusterStatus(dashboard_url=self.dashboard_url, gcs_address=self.gcs_address,
-                             nodes=self.nodes(), jobs=self.jobs())
+        return ClusterStatus(
+            dashboard_url=self.dashboard_url, gcs_address=self.gcs_address, nodes=self.nodes(), jobs=self.jobs()
+        )
 
 
 def connect(address: str | None = None, *, timeout_s: float = 10.0) -> Client:
@@ -294,9 +328,15 @@ def connect(address: str | None = None, *, timeout_s: float = 10.0) -> Client:
 
 def _job_info(j) -> JobInfo:
     """Ray's JobDetails as a JobInfo (times in seconds)."""
-    return JobInfo(job_id=j.submission_id or j.job_id or "?", status=str(j.status.value), entrypoint=j.entrypoint,
-                   start_time=(j.start_time or 0) / 1000 or None, message=j.message,
-                   end_time=(j.end_time or 0) / 1000 or None, metadata=dict(j.metadata or {}))
+    return JobInfo(
+        job_id=j.submission_id or j.job_id or "?",
+        status=str(j.status.value),
+        entrypoint=j.entrypoint,
+        start_time=(j.start_time or 0) / 1000 or None,
+        message=j.message,
+        end_time=(j.end_time or 0) / 1000 or None,
+        metadata=dict(j.metadata or {}),
+    )
 
 
 def _serve_url(details: dict, app: dict, dashboard_url: str) -> str:

@@ -19,7 +19,9 @@ its run directory; `DataJob` a `pylon data prepare` job with its output; `Servic
 API keys are read from the environment variable a Deployment names, kept in the `Service` object only,
 and never shown by its repr.
 """
+
 from __future__ import annotations
+
 import json
 import math
 import sys
@@ -28,9 +30,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
 from pylon.errors import JobFailedError, PylonError
 from pylon.sdk.serve import delete
-
 
 if TYPE_CHECKING:
     from pylon.sdk.client import Client
@@ -55,12 +57,18 @@ class JobInfo:
         return self.metadata.get("pylon_kind")
 
 
-
 LOG_TAIL_LINES = 30
 
 
-def follow_logs(client: Client, job_id: str, *, out=None, poll_s: float = 1.0, progress: bool = False,
-                total_steps: int | None = None) -> str:
+def follow_logs(
+    client: Client,
+    job_id: str,
+    *,
+    out=None,
+    poll_s: float = 1.0,
+    progress: bool = False,
+    total_steps: int | None = None,
+) -> str:
     """Write a job's logs to `out` (default: stdout) as they grow, until it ends; returns its final status.
     With `progress`, a training job's step records (`{"step": N, "loss": ...}` lines) also move a progress
     bar on stderr, shown only on a terminal (`total_steps` gives it an end)."""
@@ -68,8 +76,9 @@ def follow_logs(client: Client, job_id: str, *, out=None, poll_s: float = 1.0, p
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total_steps, unit="step", desc=job_id, file=sys.stderr, dynamic_ncols=True,
-                   disable=None)  # None: off when stderr is not a terminal (scripts, CI, notebooks' pipes)
+        bar = tqdm(
+            total=total_steps, unit="step", desc=job_id, file=sys.stderr, dynamic_ncols=True, disable=None
+        )  # None: off when stderr is not a terminal (scripts, CI, notebooks' pipes)
         if bar.disable:
             bar = None
     shown = 0
@@ -104,8 +113,11 @@ def _advance(bar, text: str) -> None:
             except ValueError:
                 continue
             bar.n = int(record.get("step", bar.n))
-            bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}",
-                            tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False)
+            bar.set_postfix(
+                loss=f"{record.get('loss', float('nan')):.4f}",
+                tok_s=f"{record.get('tokens_per_s', 0):,.0f}",
+                refresh=False,
+            )
     bar.refresh()
 
 
@@ -170,8 +182,11 @@ class Job:
         return [("name", self.name), ("job_id", self.job_id), ("status", self._status_or_unknown())]
 
     def _rows(self) -> list[tuple[str, Any]]:
-        return [*self._fields(), ("started", _when(self.start_time)),
-                ("dashboard", f"{self._client.dashboard_url}/#/jobs/{self.job_id}")]
+        return [
+            *self._fields(),
+            ("started", _when(self.start_time)),
+            ("dashboard", f"{self._client.dashboard_url}/#/jobs/{self.job_id}"),
+        ]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self._fields()) + ")"
@@ -185,20 +200,28 @@ class Job:
 class Run(Job):
     """A training run: its Ray job and its run directory (`<checkpoint.storage>/<name>`)."""
 
-    def __init__(self, client: Client, job_id: str, *, name: str | None, run_uri: str | None,
-                 start_time: float | None = None):
+    def __init__(
+        self, client: Client, job_id: str, *, name: str | None, run_uri: str | None, start_time: float | None = None
+    ):
         super().__init__(client, job_id, name=name, start_time=start_time)
         self.run_uri = run_uri
 
     @classmethod
     def from_info(cls, client: Client, info: JobInfo) -> Run:
-        return cls(client, info.job_id, name=info.metadata.get("pylon_name"),
-                   run_uri=info.metadata.get("pylon_run_uri"), start_time=info.start_time)
+        return cls(
+            client,
+            info.job_id,
+            name=info.metadata.get("pylon_name"),
+            run_uri=info.metadata.get("pylon_run_uri"),
+            start_time=info.start_time,
+        )
 
     def _uri(self) -> str:
         if not self.run_uri:
-            raise PylonError(f"job {self.job_id}: its run directory is unknown (it was not submitted by "
-                             "`pylon train` or `client.train`)")
+            raise PylonError(
+                f"job {self.job_id}: its run directory is unknown (it was not submitted by "
+                "`pylon train` or `client.train`)"
+            )
         return self.run_uri
 
     def metrics(self):
@@ -217,8 +240,9 @@ class Run(Job):
 
         records = read_metrics(self._uri())
         if not records:
-            raise PylonError(f"run '{self.name}' has no metrics yet at {self.run_uri} (they are written with "
-                             "each checkpoint)")
+            raise PylonError(
+                f"run '{self.name}' has no metrics yet at {self.run_uri} (they are written with each checkpoint)"
+            )
         return loss_figure(records, title=self.name)
 
     def checkpoints(self) -> list[int]:
@@ -246,23 +270,30 @@ class Run(Job):
         except Exception:
             last = None
         if last:
-            rows.append(("last step", f"{last['step']}: loss {last['loss']:.4f}, "
-                                      f"{last.get('tokens_per_s', 0):,.0f} tokens/s"))
+            rows.append(
+                ("last step", f"{last['step']}: loss {last['loss']:.4f}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
+            )
         return rows
 
 
 class DataJob(Job):
     """A `pylon data prepare` job and the dataset it writes."""
 
-    def __init__(self, client: Client, job_id: str, *, name: str | None, output: str | None,
-                 start_time: float | None = None):
+    def __init__(
+        self, client: Client, job_id: str, *, name: str | None, output: str | None, start_time: float | None = None
+    ):
         super().__init__(client, job_id, name=name, start_time=start_time)
         self.output = output
 
     @classmethod
     def from_info(cls, client: Client, info: JobInfo) -> DataJob:
-        return cls(client, info.job_id, name=info.metadata.get("pylon_name"),
-                   output=info.metadata.get("pylon_output"), start_time=info.start_time)
+        return cls(
+            client,
+            info.job_id,
+            name=info.metadata.get("pylon_name"),
+            output=info.metadata.get("pylon_output"),
+            start_time=info.start_time,
+        )
 
     def manifest(self):
         """The prepared dataset's committed manifest (`ShardManifest`: shards, rows, tokens, tokenizer)."""
@@ -277,8 +308,7 @@ class DataJob(Job):
 class Service:
     """A model served on Ray Serve behind OpenAI-compatible HTTP: `complete`, `chat`, and its state."""
 
-    def __init__(self, client: Client, name: str, url: str, *, api_key: str | None = None,
-                 timeout_s: float = 300.0):
+    def __init__(self, client: Client, name: str, url: str, *, api_key: str | None = None, timeout_s: float = 300.0):
         self._client = client
         self.name = name
         self.url = url
@@ -299,8 +329,9 @@ class Service:
     def replicas(self) -> int:
         """How many replicas are RUNNING."""
         app = self._app() or {}
-        return sum(1 for d in app.get("deployments", {}).values() for r in d.get("replicas", [])
-                   if r.get("state") == "RUNNING")
+        return sum(
+            1 for d in app.get("deployments", {}).values() for r in d.get("replicas", []) if r.get("state") == "RUNNING"
+        )
 
     def delete(self, timeout: float = 60.0) -> None:
         """Remove the application from Serve and wait until Serve no longer lists it (its replicas stop)."""
@@ -310,14 +341,17 @@ class Service:
         deadline = time.monotonic() + timeout
         while self._app() is not None:
             if time.monotonic() > deadline:
-                raise PylonError(f"service '{self.name}' is still listed by Serve {timeout:.0f} s after deleting it "
-                                 f"(status {self.status()})")
+                raise PylonError(
+                    f"service '{self.name}' is still listed by Serve {timeout:.0f} s after deleting it "
+                    f"(status {self.status()})"
+                )
             time.sleep(0.5)
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    def complete(self, prompt: str, *, max_tokens: int = 64, temperature: float | None = None,
-                 stream: bool = False, **params) -> str | Iterator[str]:
+    def complete(
+        self, prompt: str, *, max_tokens: int = 64, temperature: float | None = None, stream: bool = False, **params
+    ) -> str | Iterator[str]:
         """`POST /v1/completions`: the continuation of `prompt` as text, or with `stream` an iterator of
         text pieces as they are generated. `params`: top_p, top_k, seed, stop, stop_token_ids, ignore_eos.
         `temperature` None is the server's default (1.0); 0 is greedy."""
@@ -326,8 +360,15 @@ class Service:
             return self._stream("/v1/completions", body, lambda choice: choice.get("text"))
         return self._post("/v1/completions", body).json()["choices"][0]["text"]
 
-    def chat(self, messages: str | list[dict], *, max_tokens: int | None = 64, temperature: float | None = None,
-             stream: bool = False, **params) -> str | Iterator[str]:
+    def chat(
+        self,
+        messages: str | list[dict],
+        *,
+        max_tokens: int | None = 64,
+        temperature: float | None = None,
+        stream: bool = False,
+        **params,
+    ) -> str | Iterator[str]:
         """`POST /v1/chat/completions`: the assistant's reply to `messages` (a list of {role, content}, or
         one user message as a string), or with `stream` an iterator of its text pieces."""
         if isinstance(messages, str):
@@ -360,8 +401,11 @@ class Service:
                 message = r.text[:500]
             hint = ""
             if r.status_code == 401:
-                hint = (" (this Service has no API key: pass api_key= to client.service() or client.services())"
-                        if not self._api_key else " (the API key was refused)")
+                hint = (
+                    " (this Service has no API key: pass api_key= to client.service() or client.services())"
+                    if not self._api_key
+                    else " (the API key was refused)"
+                )
             r.close()
             raise PylonError(f"service '{self.name}': {path} answered HTTP {r.status_code}: {message}{hint}")
         return r
@@ -378,7 +422,7 @@ class Service:
                         continue
                     if line == "data: [DONE]":
                         return
-                    event = json.loads(line[len("data: "):])
+                    event = json.loads(line[len("data: ") :])
                     if "error" in event:
                         raise PylonError(f"service '{self.name}': {event['error'].get('message', event['error'])}")
                     for choice in event.get("choices", []):
@@ -405,7 +449,14 @@ class Service:
             replicas = self.replicas()
         except Exception:
             replicas = "unknown"
-        return html_table(f"Service '{self.name}'", [
-            ("name", self.name), ("url", self.url), ("OpenAI base_url", f"{self.url}/v1"),
-            ("status", self._status_or_unknown()), ("running replicas", replicas),
-            ("API key", "set" if self._api_key else "none")])
+        return html_table(
+            f"Service '{self.name}'",
+            [
+                ("name", self.name),
+                ("url", self.url),
+                ("OpenAI base_url", f"{self.url}/v1"),
+                ("status", self._status_or_unknown()),
+                ("running replicas", replicas),
+                ("API key", "set" if self._api_key else "none"),
+            ],
+        )

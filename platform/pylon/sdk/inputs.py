@@ -1,15 +1,18 @@
 """What the SDK and the CLI accept as a spec (an object, a dict of its fields, a YAML file), turned into a spec or a
 clear error before anything is submitted; job ids; the `pylon data prepare` entrypoint; API keys from the
 environment."""
+
 from __future__ import annotations
+
 import os
 import re
 import shlex
 import uuid
 from pathlib import Path
 from typing import Any
-from pylon.specs import DatasetSpec
+
 from pylon.errors import PylonError, SpecError
+from pylon.specs import DatasetSpec
 
 
 def new_job_id(prefix: str, name: str) -> str:
@@ -32,8 +35,9 @@ def as_spec(spec: Any, cls: type) -> tuple[Any, Path | None]:
     elif isinstance(spec, dict):
         data = {"kind": kind, **spec}
     else:
-        raise TypeError(f"expected a {cls.__name__}, a dict of its fields or a YAML file path "
-                        f"(got {type(spec).__name__})")
+        raise TypeError(
+            f"expected a {cls.__name__}, a dict of its fields or a YAML file path (got {type(spec).__name__})"
+        )
     try:
         return cls.model_validate(data), None
     except ValidationError as e:
@@ -63,8 +67,22 @@ def dataset_spec(spec: Any, fields: dict) -> DatasetSpec:
 def prepare_entrypoint(spec: DatasetSpec, *, overwrite: bool, cwd: Path) -> str:
     """The `pylon data prepare` command line for a Dataset spec, run where the caller stands (relative
     paths in the spec mean what they mean there)."""
-    args = ["pylon", "data", "prepare", *spec.sources, "--out", spec.output, "--format", spec.format,
-            "--seq-len", str(spec.seq_len), "--tokenizer", spec.tokenizer, "--shard-size-mb", str(spec.shard_size_mb)]
+    args = [
+        "pylon",
+        "data",
+        "prepare",
+        *spec.sources,
+        "--out",
+        spec.output,
+        "--format",
+        spec.format,
+        "--seq-len",
+        str(spec.seq_len),
+        "--tokenizer",
+        spec.tokenizer,
+        "--shard-size-mb",
+        str(spec.shard_size_mb),
+    ]
     if spec.include:
         args += ["--include", spec.include]
     for pattern in spec.exclude:
@@ -80,6 +98,8 @@ def first_api_key(env_name: str, *, required: bool = True) -> str | None:
     if keys:
         return keys[0]
     if required:
-        raise PylonError(f"http.api_keys_env: environment variable {env_name} is empty or unset; set it to "
-                         f"comma-separated API keys, or set http.api_keys_env: null to serve without auth")
+        raise PylonError(
+            f"http.api_keys_env: environment variable {env_name} is empty or unset; set it to "
+            f"comma-separated API keys, or set http.api_keys_env: null to serve without auth"
+        )
     return None

@@ -1,12 +1,15 @@
 """Deploy and delete Serve applications from a client: `deploy(spec)` runs a `Deployment` on the cluster and waits
 until its replicas answer /ready; `delete(name)` removes it."""
+
 from __future__ import annotations
+
 import os
 import re
 import time
+
+from pylon import home, storage
 from pylon.errors import PylonError
 from pylon.specs import DeploymentSpec
-from pylon import home, storage
 
 
 def deploy(spec: DeploymentSpec, *, address: str | None = None, timeout_s: float = 600) -> str:
@@ -25,9 +28,11 @@ def deploy(spec: DeploymentSpec, *, address: str | None = None, timeout_s: float
     except Exception as e:  # Serve's controller raises it wrapped in a RayTaskError
         used = re.search(r'Prefix (\S+) is being used by application "([^"]+)"', str(e))
         if used:
-            raise PylonError(f"http.route_prefix: {used.group(1)} is already served by application "
-                             f"'{used.group(2)}'; give '{spec.name}' its own prefix (e.g. /{spec.name}) or "
-                             f"delete that one first (pylon serve --delete {used.group(2)})") from None
+            raise PylonError(
+                f"http.route_prefix: {used.group(1)} is already served by application "
+                f"'{used.group(2)}'; give '{spec.name}' its own prefix (e.g. /{spec.name}) or "
+                f"delete that one first (pylon serve --delete {used.group(2)})"
+            ) from None
         raise
     url = f"http://127.0.0.1:{port}{spec.http.route_prefix.rstrip('/')}"
     _wait_ready(url, timeout_s, spec.name)
@@ -45,8 +50,10 @@ def _checked_model(spec: DeploymentSpec) -> DeploymentSpec:
     except Exception as e:  # storage or credential errors while looking
         raise PylonError(f"model {storage.describe(uri)}: cannot be read ({type(e).__name__}: {e})") from None
     if not has_config:
-        raise PylonError(f"model {storage.describe(uri)}: not a Hugging Face model directory (no config.json); "
-                         "point it at a `pylon export` output or a saved transformers model")
+        raise PylonError(
+            f"model {storage.describe(uri)}: not a Hugging Face model directory (no config.json); "
+            "point it at a `pylon export` output or a saved transformers model"
+        )
     return spec.model_copy(update={"model": uri})
 
 
@@ -62,18 +69,21 @@ def _app_failure(name: str) -> str | None:
 
 
 def _wait_ready(url: str, timeout_s: float, name: str | None = None) -> None:
+    import sys
     import urllib.error
     import urllib.request
-
-    import sys
 
     from tqdm import tqdm
 
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     # On a terminal, a line that says what is being waited for and for how long (loading a model takes a while).
-    with tqdm(desc=f"loading {name or url} (replica starting, model loading)", bar_format="{desc}: {elapsed}",
-              file=sys.stderr, disable=None) as bar:
+    with tqdm(
+        desc=f"loading {name or url} (replica starting, model loading)",
+        bar_format="{desc}: {elapsed}",
+        file=sys.stderr,
+        disable=None,
+    ) as bar:
         while time.monotonic() < deadline:
             failure = _app_failure(name) if name else None
             if failure:

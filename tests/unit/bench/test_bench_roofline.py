@@ -2,6 +2,7 @@
 keys and values read by decodes) is what the engine really does, counted while it serves a small workload: matmul
 FLOPs by torch's FlopCounterMode (the projections through torch.addmm, PYLON_ONEDNN_LINEAR=0), cache reads by the
 context lengths every call of the paged-attention kernel attends over."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,9 +15,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pylon.serving.model import kernels
 from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.model import kernels
 from pylon.specs import EngineSpec
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "serve_load.py"
@@ -36,15 +37,28 @@ def serve_load():
 
 def test_workload_cost_is_what_the_engine_computes_and_reads(serve_load, tmp_path, monkeypatch):
     monkeypatch.setenv("PYLON_ONEDNN_LINEAR", "0")  # torch.addmm, which FlopCounterMode counts
-    args = SimpleNamespace(n_layer=3, n_head=4, n_embd=128, n_positions=256, seed=0, device="cpu", dtype="fp32",
-                           kv_cache_dtype="auto")
+    args = SimpleNamespace(
+        n_layer=3, n_head=4, n_embd=128, n_positions=256, seed=0, device="cpu", dtype="fp32", kv_cache_dtype="auto"
+    )
     serve_load.build_model(args, tmp_path)
     rng = random.Random(3)
     # Prompts longer than the step's token budget (chunked prefill) and shorter; outputs of 1 token and more.
-    reqs = [serve_load.Req(i, "", [rng.randrange(256) for _ in range(p)], o)
-            for i, (p, o) in enumerate([(5, 1), (40, 7), (150, 12), (2, 20), (97, 3)])]
-    engine = LLMEngine(str(tmp_path), EngineSpec(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_tokens=2048,
-                                                 block_size=16, max_model_len=256, device="cpu", dtype="fp32"))
+    reqs = [
+        serve_load.Req(i, "", [rng.randrange(256) for _ in range(p)], o)
+        for i, (p, o) in enumerate([(5, 1), (40, 7), (150, 12), (2, 20), (97, 3)])
+    ]
+    engine = LLMEngine(
+        str(tmp_path),
+        EngineSpec(
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            kv_cache_tokens=2048,
+            block_size=16,
+            max_model_len=256,
+            device="cpu",
+            dtype="fp32",
+        ),
+    )
     calls = []
     uses_kernel = engine.runner.kernel
     if uses_kernel:
@@ -56,8 +70,9 @@ def test_workload_cost_is_what_the_engine_computes_and_reads(serve_load, tmp_pat
 
         monkeypatch.setattr(kernels, "paged_decode", counted)
     for r in reqs:
-        engine.add_request(f"r{r.index}", r.ids, SamplingParams(max_tokens=r.max_tokens, temperature=0,
-                                                                ignore_eos=True))
+        engine.add_request(
+            f"r{r.index}", r.ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+        )
     generated = 0
     with FlopCounterMode(display=False) as counter:
         while engine.has_unfinished():
@@ -70,7 +85,8 @@ def test_workload_cost_is_what_the_engine_computes_and_reads(serve_load, tmp_pat
     matmuls = sum(n for op, n in counts.items() if str(op) in ("aten.addmm", "aten.mm"))
     assert matmuls == cost["projection_flop"]
     assert cost["attention_flop"] > 0 and cost["gflop"] == pytest.approx(
-        (cost["projection_flop"] + cost["attention_flop"]) / 1e9)
+        (cost["projection_flop"] + cost["attention_flop"]) / 1e9
+    )
     if not uses_kernel:
         pytest.skip(f"the paged-attention kernel is not built here ({kernels._failed}): cache reads not counted")
     assert sum(calls) == cost["kv_bytes"]

@@ -40,9 +40,12 @@ def specs(tmp_path: Path) -> Path:
     """good.yaml (two valid documents), bad.yaml (errors in two documents), cluster.yaml (a copy of the example)."""
     (tmp_path / "good.yaml").write_text(DATASET + "---\n" + TRAIN)
     (tmp_path / "bad.yaml").write_text(
-        TRAIN + "deepspeed: {zero_stage: 5}\n"          # line 6, document 1
-        + "---\n" + DATASET + "format: csv\n"          # line 12, document 2
-        + "colour: blue\n"                             # line 13
+        TRAIN
+        + "deepspeed: {zero_stage: 5}\n"  # line 6, document 1
+        + "---\n"
+        + DATASET
+        + "format: csv\n"  # line 12, document 2
+        + "colour: blue\n"  # line 13
     )
     shutil.copy(EXAMPLES / "cluster-aws.yaml", tmp_path / "cluster.yaml")
     return tmp_path
@@ -76,7 +79,16 @@ def test_bundled_examples_validate_with_the_installed_console_script(tmp_path: P
     assert len(lines) == 9 and all(line.startswith("ok  ") for line in lines)
     # cluster-aws, cluster-gcp, cluster-k8s (with the TrainJob and Deployment it runs), cluster-local, stdlib-gpt
     assert [line.split(": ")[2].split(" '")[0] for line in lines] == [
-        "Cluster", "Cluster", "Cluster", "TrainJob", "Deployment", "Cluster", "Dataset", "TrainJob", "Deployment"]
+        "Cluster",
+        "Cluster",
+        "Cluster",
+        "TrainJob",
+        "Deployment",
+        "Cluster",
+        "Dataset",
+        "TrainJob",
+        "Deployment",
+    ]
 
 
 def test_broken_file_exits_1_with_every_error_on_stderr(specs: Path) -> None:
@@ -132,7 +144,8 @@ def test_problem_input_that_once_crashed_is_reported_not_raised(specs: Path) -> 
     # A kind that is a list, a recursive alias, an alias fan-out of 9**10 nodes, a name with a newline.
     (specs / "odd.yaml").write_text(
         "kind: [TrainJob]\n---\n"
-        + DATASET.replace("sources: [text/]", "sources: &s [text/, *s]") + "---\n"
+        + DATASET.replace("sources: [text/]", "sources: &s [text/, *s]")
+        + "---\n"
         + DATASET.replace("name: ds", 'name: "ds\\n"')
     )
     levels = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
@@ -154,7 +167,8 @@ def test_problem_input_that_once_crashed_is_reported_not_raised(specs: Path) -> 
 def test_secret_values_never_reach_the_output(specs: Path) -> None:
     secret = "AKIA-SUPER-SECRET-123"
     (specs / "leak.yaml").write_text(
-        TRAIN + f"aws_secret_access_key: {secret}\n---\n"
+        TRAIN
+        + f"aws_secret_access_key: {secret}\n---\n"
         + f"kind: Deployment\nname: svc\nmodel: m/\nhttp: {{api_keys_env: 'sk-{secret}'}}\n"
     )
     for args in (["validate", "leak.yaml"], ["validate", "--json", "leak.yaml"]):

@@ -1,5 +1,6 @@
 """docs/specs.md is generated from the spec models: it must match what `python -m pylon.cli.reference` prints,
 and it must cover every field of every kind."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +13,8 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "specs.md"
 
 def test_committed_reference_matches_the_models() -> None:
     assert DOC.read_text() == reference.render(), (
-        "docs/specs.md is stale: regenerate it with `.venv/bin/python -m pylon.cli.reference > docs/specs.md`")
+        "docs/specs.md is stale: regenerate it with `.venv/bin/python -m pylon.cli.reference > docs/specs.md`"
+    )
 
 
 def test_every_field_of_every_kind_is_listed() -> None:
@@ -31,7 +33,8 @@ CLI_DOC = DOC.with_name("cli.md")
 
 def test_committed_cli_reference_matches_the_parser() -> None:
     assert CLI_DOC.read_text() == reference.render_cli(), (
-        "docs/cli.md is stale: regenerate it with `.venv/bin/python -m pylon.cli.reference --cli > docs/cli.md`")
+        "docs/cli.md is stale: regenerate it with `.venv/bin/python -m pylon.cli.reference --cli > docs/cli.md`"
+    )
 
 
 def test_every_command_has_help_and_examples() -> None:
@@ -53,7 +56,8 @@ def test_committed_settings_reference_matches_the_registry() -> None:
 
     assert SETTINGS_DOC.read_text() == settings.render(), (
         "docs/settings.md is stale: regenerate it with "
-        "`.venv/bin/python -m pylon.cli.reference --settings > docs/settings.md`")
+        "`.venv/bin/python -m pylon.cli.reference --settings > docs/settings.md`"
+    )
 
 
 def test_pylon_variables_are_read_in_the_settings_module_only() -> None:

@@ -1,4 +1,5 @@
 """`pylon data tokenizer`: a byte-level BPE learned from a corpus, used by prepare, carried into exports."""
+
 import json
 import os
 import subprocess
@@ -61,16 +62,34 @@ def test_bad_arguments_name_what_is_wrong(corpus, tmp_path):
 
 def test_cli_then_prepare_records_where_the_tokenizer_is(corpus, tmp_path, monkeypatch):
     out = tmp_path / "tokenizer.json"
-    run = subprocess.run([sys.executable, "-m", "pylon.cli", "data", "tokenizer", str(corpus), "--include", "*.py",
-                          "--vocab-size", "500", "--out", str(out), "--json"], capture_output=True, text=True,
-                         cwd=tmp_path)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pylon.cli",
+            "data",
+            "tokenizer",
+            str(corpus),
+            "--include",
+            "*.py",
+            "--vocab-size",
+            "500",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
     assert summary["kind"] == "tokenizers" and summary["vocab_size"] <= 500
     assert "trained a BPE tokenizer" in run.stderr
     monkeypatch.chdir(tmp_path)  # a relative --tokenizer is recorded as an absolute path: a job elsewhere must find it
-    manifest = prepare([str(corpus)], str(tmp_path / "ds"), include="*.py", tokenizer="tokenizer.json",
-                       use_ray=False, progress=False)
+    manifest = prepare(
+        [str(corpus)], str(tmp_path / "ds"), include="*.py", tokenizer="tokenizer.json", use_ray=False, progress=False
+    )
     assert manifest.tokenizer.uri == str(out) and manifest.tokenizer.sha256 == summary["sha256"]
     assert manifest.dtype == "uint16"
 
@@ -95,8 +114,9 @@ def test_export_carries_the_tokenizer_as_hugging_face_files(corpus, tmp_path):
     served = load_model_tokenizer(str(model_dir))  # what the serving engine loads
     assert served.eos_id == tok.eos_id and served.decode(served.encode(code)) == code
 
-    (tmp_path / "tokenizer.json").write_text((tmp_path / "tokenizer.json").read_text().replace("<|endoftext|>",
-                                                                                                "<|eot|>"))
+    (tmp_path / "tokenizer.json").write_text(
+        (tmp_path / "tokenizer.json").read_text().replace("<|endoftext|>", "<|eot|>")
+    )
     with pytest.raises(PylonError, match="changed after the dataset was prepared"):
         _write_tokenizer_files(info, str(tmp_path / "again"), 512)
     with pytest.raises(PylonError, match="does not record where its files are"):

@@ -1,4 +1,5 @@
 """The epoch plan: every sample exactly once per epoch across workers, deterministic, balanced."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,9 +14,14 @@ def _manifest(rows_per_shard: list[int]) -> ShardManifest:
     for i, n in enumerate(rows_per_shard):
         shards.append(ShardInfo(file=f"s{i}.parquet", rows=n, tokens=n * 8, bytes=100, sha256="0" * 64, first_id=first))
         first += n
-    return ShardManifest(format="parquet", seq_len=8, dtype="uint16",
-                         tokenizer=TokenizerInfo(kind="byte", name="byte", vocab_size=320, eos_id=256, pad_id=257),
-                         shards=shards, totals=Totals(documents=1, rows=first, tokens=first * 8, bytes=100 * len(shards)))
+    return ShardManifest(
+        format="parquet",
+        seq_len=8,
+        dtype="uint16",
+        tokenizer=TokenizerInfo(kind="byte", name="byte", vocab_size=320, eos_id=256, pad_id=257),
+        shards=shards,
+        totals=Totals(documents=1, rows=first, tokens=first * 8, bytes=100 * len(shards)),
+    )
 
 
 def _ids(segments) -> list[int]:

@@ -3,6 +3,7 @@
 Round trips decode the written shards and compare them with the original documents' tokens (each followed
 by eos) in the documented order: sources as given, a directory's files sorted, hidden ones skipped.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,8 +95,9 @@ def real_tokens(tokens: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
 
 
 def files_under(path: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(path)): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(path.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +134,7 @@ def test_round_trip_gives_back_every_documents_tokens_with_eos_separators(corpus
     assert np.array_equal(real_tokens(tokens, num_tokens), expected)
     # One group here, so only the very last row is short, and it is padded with the pad id.
     assert (num_tokens[:-1] == 64).all() and 0 < num_tokens[-1] <= 64
-    assert (tokens[-1, num_tokens[-1]:] == 257).all()
+    assert (tokens[-1, num_tokens[-1] :] == 257).all()
     assert ids.tolist() == list(range(len(ids)))
 
     assert manifest.format == fmt and manifest.seq_len == 64 and manifest.dtype == "uint16"
@@ -202,9 +204,14 @@ def test_a_trained_bpe_tokenizer_file(corpus, tmp_path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus_documents(corpus), trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<|endoftext|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus_documents(corpus),
+        trainers.BpeTrainer(
+            vocab_size=500,
+            special_tokens=["<|endoftext|>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     path = str(tmp_path / "bpe.json")
     tok.save(path)
     out = str(tmp_path / "out")
@@ -213,7 +220,7 @@ def test_a_trained_bpe_tokenizer_file(corpus, tmp_path):
     assert np.array_equal(real_tokens(tokens, num_tokens), token_stream(corpus_documents(corpus), path))
     assert manifest.tokenizer == load_tokenizer(path).info.model_copy(update={"uri": path})
     assert manifest.tokenizer.kind == "tokenizers"
-    assert (tokens[-1, num_tokens[-1]:] == tok.token_to_id("<pad>")).all()
+    assert (tokens[-1, num_tokens[-1] :] == tok.token_to_id("<pad>")).all()
 
 
 def test_include_glob_filters_files_in_directories_but_not_files_named_directly(corpus, tmp_path):
@@ -239,13 +246,18 @@ def test_jsonl_one_document_per_line_from_the_text_field(tmp_path):
     assert manifest.totals.documents == 3
 
 
-@pytest.mark.parametrize("line, problem", [
-    ('{"text": "fine"}\n{"text": broken}\n', r"b\.jsonl: line 2: not a JSON object"),
-    ('{"text": "fine"}\n\n{"body": "x"}\n',
-     r"b\.jsonl: line 3: no 'text' field \(has \['body'\]\); choose the field with --text-field"),
-    ('{"text": 5}\n', r"b\.jsonl: line 1: field 'text' is a int, not a string"),
-    ('["text"]\n', r"b\.jsonl: line 1: no 'text' field \(is a list\)"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"text": "fine"}\n{"text": broken}\n', r"b\.jsonl: line 2: not a JSON object"),
+        (
+            '{"text": "fine"}\n\n{"body": "x"}\n',
+            r"b\.jsonl: line 3: no 'text' field \(has \['body'\]\); choose the field with --text-field",
+        ),
+        ('{"text": 5}\n', r"b\.jsonl: line 1: field 'text' is a int, not a string"),
+        ('["text"]\n', r"b\.jsonl: line 1: no 'text' field \(is a list\)"),
+    ],
+)
 def test_bad_jsonl_lines_are_errors_naming_file_and_line(tmp_path, line, problem):
     (tmp_path / "b.jsonl").write_text(line)
     with pytest.raises(DataError, match=problem):
@@ -254,8 +266,14 @@ def test_bad_jsonl_lines_are_errors_naming_file_and_line(tmp_path, line, problem
 
 
 def test_prepare_spec_uses_the_specs_fields(corpus, tmp_path):
-    spec = DatasetSpec(name="corpus", sources=[str(corpus)], output=str(tmp_path / "out"), format="webdataset",
-                       seq_len=128, shard_size_mb=0.01)
+    spec = DatasetSpec(
+        name="corpus",
+        sources=[str(corpus)],
+        output=str(tmp_path / "out"),
+        format="webdataset",
+        seq_len=128,
+        shard_size_mb=0.01,
+    )
     manifest = prepare_spec(spec, progress=False)
     assert (manifest.format, manifest.seq_len) == ("webdataset", 128)
     assert len(manifest.shards) > 1 and all(s.file.endswith(".tar") for s in manifest.shards)
@@ -358,13 +376,16 @@ def test_output_inside_or_around_a_source_is_refused(corpus, tmp_path):
     assert files_under(corpus) == before
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"fmt": "csv"}, "format 'csv': must be one of parquet, webdataset"),
-    ({"seq_len": 0}, "seq_len 0: must be a whole number >= 1"),
-    ({"shard_size_mb": 0}, "shard_size_mb 0: must be > 0"),
-    ({"tokenizer": "nope.json"}, "tokenizer nope.json: no such file or directory"),
-    ({"use_ray": True}, "memory:// storage exists only in this process"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"fmt": "csv"}, "format 'csv': must be one of parquet, webdataset"),
+        ({"seq_len": 0}, "seq_len 0: must be a whole number >= 1"),
+        ({"shard_size_mb": 0}, "shard_size_mb 0: must be > 0"),
+        ({"tokenizer": "nope.json"}, "tokenizer nope.json: no such file or directory"),
+        ({"use_ray": True}, "memory:// storage exists only in this process"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_is_written(corpus, memfs, kw, message):
     out = f"{memfs}/out"
     with pytest.raises(DataError, match=message):
@@ -413,8 +434,14 @@ def pylon(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     # A private PYLON_HOME and no RAY_ADDRESS: no cluster, so prepare runs in the process.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYLON_HOME"] = str(cwd / ".pylon-home")
-    result = subprocess.run([sys.executable, "-m", "pylon.cli", "data", *args], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pylon.cli", "data", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "Traceback" not in result.stdout + result.stderr, result.stderr
     return result
 
@@ -431,13 +458,29 @@ def test_cli_prepare_refuse_overwrite_and_inspect(corpus, tmp_path):
     again = pylon(["prepare", str(corpus), "--out", "ds"], tmp_path)
     assert again.returncode == 1 and "pass --overwrite" in again.stderr
 
-    replaced = pylon(["prepare", str(corpus / "b-docs"), "--out", "ds", "--overwrite", "--local", "--json",
-                      "--format", "webdataset"], tmp_path)
+    replaced = pylon(
+        [
+            "prepare",
+            str(corpus / "b-docs"),
+            "--out",
+            "ds",
+            "--overwrite",
+            "--local",
+            "--json",
+            "--format",
+            "webdataset",
+        ],
+        tmp_path,
+    )
     assert replaced.returncode == 0, replaced.stderr
     summary = json.loads(replaced.stdout)
     manifest = read_manifest(str(tmp_path / "ds"))
     assert (summary["shards"], summary["rows"], summary["tokens"], summary["documents"]) == (
-        len(manifest.shards), manifest.totals.rows, manifest.totals.tokens, 2)
+        len(manifest.shards),
+        manifest.totals.rows,
+        manifest.totals.tokens,
+        2,
+    )
 
     shown = pylon(["inspect", "ds", "--verify"], tmp_path)
     assert shown.returncode == 0, shown.stderr
@@ -511,6 +554,9 @@ def test_webdataset_shards_decode_in_many_threads_at_once(corpus, tmp_path):
     manifest = read_manifest(str(out))
     blobs = [(s, (out / s.file).read_bytes()) for s in manifest.shards] * 8
     with ThreadPoolExecutor(8) as pool:
-        rows = list(pool.map(lambda sb: decode_shard("webdataset", sb[1], shard=sb[0].file, seq_len=64,
-                                                      dtype=manifest.dtype), blobs))
+        rows = list(
+            pool.map(
+                lambda sb: decode_shard("webdataset", sb[1], shard=sb[0].file, seq_len=64, dtype=manifest.dtype), blobs
+            )
+        )
     assert [len(r.ids) for r in rows] == [s.rows for s, _ in blobs]

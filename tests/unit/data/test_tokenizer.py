@@ -1,5 +1,6 @@
 """Tokenizers: the built-in byte tokenizer, a real BPE trained here and saved as `tokenizers` JSON, and the
 same BPE as a Hugging Face tokenizer directory; from local paths and memory:// URIs. Nothing is downloaded."""
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,9 @@ def train_bpe(special_tokens: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special_tokens,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(TRAINING_TEXT, trainer)
     return tok
 
@@ -139,13 +141,18 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused_with_what_to_ad
         load_tokenizer(str(path))
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: d / "missing.json", "no such file or directory"),
-    (lambda d: (d / "garbage.json").write_text("{not json") and d / "garbage.json", "not a `tokenizers` JSON file"),
-    (lambda d: (d / "empty").mkdir() or d / "empty", "an empty directory"),
-    (lambda d: (d / "notatok").mkdir() or (d / "notatok" / "readme.txt").write_text("hi") and d / "notatok",
-     "not a Hugging Face tokenizer directory"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "missing.json", "no such file or directory"),
+        (lambda d: (d / "garbage.json").write_text("{not json") and d / "garbage.json", "not a `tokenizers` JSON file"),
+        (lambda d: (d / "empty").mkdir() or d / "empty", "an empty directory"),
+        (
+            lambda d: (d / "notatok").mkdir() or (d / "notatok" / "readme.txt").write_text("hi") and d / "notatok",
+            "not a Hugging Face tokenizer directory",
+        ),
+    ],
+)
 def test_missing_or_unparseable_tokenizers_name_the_path(tmp_path, make, message):
     path = make(tmp_path)
     with pytest.raises(DataError, match=message) as caught:

@@ -1,4 +1,5 @@
 """pylon.models: configs and models from a ModelSpec, LoRA, export, and the FLOP counts behind MFU."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pylon.errors import PylonError
-from pylon.models import (build_model, export_lora, flops_per_token, lora_layer_names, measure_matmul_peak_flops,
-                          model_config, parameter_counts)
+from pylon.models import (
+    build_model,
+    export_lora,
+    flops_per_token,
+    lora_layer_names,
+    measure_matmul_peak_flops,
+    model_config,
+    parameter_counts,
+)
 from pylon.presets import BYTE_VOCAB_SIZE, MODEL_PRESETS
 from pylon.specs import ModelSpec, TrainJobSpec
 
@@ -68,8 +76,16 @@ def test_the_tokenizer_sets_vocab_and_special_ids() -> None:
 
 
 def test_explicit_config() -> None:
-    fields = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64, "vocab_size": 999}
+    fields = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 64,
+        "vocab_size": 999,
+    }
     spec = job(model={"config": fields})
     model = build_model(spec, **BYTE)
     assert type(model).__name__ == "LlamaForCausalLM"
@@ -128,8 +144,11 @@ def test_path_model_from_object_storage_is_copied_locally(saved_model) -> None:
 def test_path_model_vocab_must_fit(saved_model) -> None:
     _, path = saved_model
     assert model_config(ModelSpec(path=str(path)), vocab_size=300).vocab_size == BYTE_VOCAB_SIZE  # kept
-    with pytest.raises(PylonError, match=rf"vocabulary \(400 tokens\) is larger than the model's embedding table "
-                                         rf"\({BYTE_VOCAB_SIZE} tokens\)"):
+    with pytest.raises(
+        PylonError,
+        match=rf"vocabulary \(400 tokens\) is larger than the model's embedding table "
+        rf"\({BYTE_VOCAB_SIZE} tokens\)",
+    ):
         model_config(ModelSpec(path=str(path)), vocab_size=400)
 
 
@@ -166,8 +185,9 @@ def test_gradient_checkpointing_is_set_and_gives_the_same_gradients(preset: str)
 
 @pytest.mark.parametrize("preset, targets", [("gpt-tiny", ["c_attn", "c_fc"]), ("llama-tiny", ["q_proj", "v_proj"])])
 def test_lora_trains_only_the_adapters(preset: str, targets: list[str]) -> None:
-    model = build_model(job(model={"preset": preset}, lora={"r": 4, "target_modules": targets},
-                            gradient_checkpointing=True), **BYTE)
+    model = build_model(
+        job(model={"preset": preset}, lora={"r": 4, "target_modules": targets}, gradient_checkpointing=True), **BYTE
+    )
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
     # r x (in + out) per adapted module, for every module the targets name.
@@ -188,8 +208,10 @@ def test_lora_trains_only_the_adapters(preset: str, targets: list[str]) -> None:
 def test_lora_target_that_is_not_in_the_model() -> None:
     with pytest.raises(PylonError) as e:
         build_model(job(lora={"target_modules": ["q_proj", "c_attn"]}), **BYTE)
-    assert str(e.value) == ("lora.target_modules: q_proj not found in this gpt2 model; its linear modules are: "
-                            "c_attn, c_fc, c_proj, lm_head")
+    assert str(e.value) == (
+        "lora.target_modules: q_proj not found in this gpt2 model; its linear modules are: "
+        "c_attn, c_fc, c_proj, lm_head"
+    )
 
 
 def _trained_lora(seed: int = 0):

@@ -226,4 +226,3 @@ def test_not_utf8_text_error_names_uri(tmp_path: Path) -> None:
     target.write_bytes(b"ok\xff")
     with pytest.raises(StorageError, match=r"t\.txt: not UTF-8 text \(byte 2\)"):
         storage.read_text(str(target))
-

@@ -1,5 +1,6 @@
 """`pylon infra render`: launcher YAML and KubeRay manifests derived from specs, validated offline against the
 schemas Ray and KubeRay publish, and the committed examples under infra/ equal to what render produces."""
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,11 @@ REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "platform" / "pylon" / "examples"
 SHARED_CRDS = REPO.parent / "shared" / "schemas" / "kuberay"
 RAY_SCHEMA = Path(importlib.util.find_spec("ray").origin).parent / "autoscaler" / "ray-schema.json"
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
-             "RayService": "ray.io_rayservices.yaml"}
+CRD_FILES = {
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+}
 
 
 def example_render(folder: str) -> infra.Files:
@@ -74,12 +78,12 @@ def test_committed_examples_match_what_render_produces(folder: str) -> None:
     on_disk = {k: v for k, v in committed(folder).items() if k != "README.md"}
     assert on_disk == rendered, (
         f"{folder}/ has drifted from its spec: re-render it with `pylon infra render "
-        f"platform/pylon/examples/{spec_file} --target {target} --out {folder}`")
+        f"platform/pylon/examples/{spec_file} --target {target} --out {folder}`"
+    )
 
 
 def test_every_committed_launcher_yaml_passes_ray_schema(ray_schema: dict) -> None:
-    launchers = [REPO / folder / "cluster.yaml" for folder, (_, target) in infra.EXAMPLES.items()
-                 if target == "ray-up"]
+    launchers = [REPO / folder / "cluster.yaml" for folder, (_, target) in infra.EXAMPLES.items() if target == "ray-up"]
     assert {p.parent.name for p in launchers} == {"aws", "gcp"}
     for path in launchers:
         assert errors(ray_schema, yaml.safe_load(path.read_text())) == [], path
@@ -135,8 +139,12 @@ def test_gcp_groups_are_preemptible_with_guest_accelerators() -> None:
     assert l4["guestAccelerators"] == [{"acceleratorType": "nvidia-l4", "acceleratorCount": 1}]
     assert l4["scheduling"]["preemptible"] is True
     assert "preemptible" not in cfg["available_node_types"]["a100"]["node_config"]["scheduling"]
-    assert cfg["provider"] == {"type": "gcp", "region": "us-central1", "availability_zone": "us-central1-a",
-                               "project_id": "my-project"}
+    assert cfg["provider"] == {
+        "type": "gcp",
+        "region": "us-central1",
+        "availability_zone": "us-central1-a",
+        "project_id": "my-project",
+    }
 
 
 def test_changing_the_spec_changes_the_render(ray_schema: dict) -> None:
@@ -255,9 +263,11 @@ def test_pylon_validate_checks_a_cluster_render(tmp_path: Path, capsys: pytest.C
     good.write_text((EXAMPLES / "cluster-gcp.yaml").read_text())
     assert main(["validate", str(good)]) == 0
     bad = tmp_path / "bad.yaml"
-    bad.write_text("kind: Cluster\nname: c\nprovider: {type: gcp, region: r, zone: z, project_id: p}\n"
-                   "head: {instance_type: n2-standard-8}\nworker_groups:\n"
-                   "  - {name: g, instance_type: x, gpus: 1, gpu_type: MI300X, max_workers: 1}\n")
+    bad.write_text(
+        "kind: Cluster\nname: c\nprovider: {type: gcp, region: r, zone: z, project_id: p}\n"
+        "head: {instance_type: n2-standard-8}\nworker_groups:\n"
+        "  - {name: g, instance_type: x, gpus: 1, gpu_type: MI300X, max_workers: 1}\n"
+    )
     capsys.readouterr()
     assert main(["validate", str(bad)]) == 1
     err = capsys.readouterr().err
@@ -266,12 +276,15 @@ def test_pylon_validate_checks_a_cluster_render(tmp_path: Path, capsys: pytest.C
 
 def test_cli_render_writes_valid_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "k8s"
-    assert main(["infra", "render", str(EXAMPLES / "cluster-k8s.yaml"), "--target", "kuberay",
-                 "--out", str(out)]) == 0
+    assert main(["infra", "render", str(EXAMPLES / "cluster-k8s.yaml"), "--target", "kuberay", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(example_render("infra/kuberay"))
     assert "every manifest valid" in capsys.readouterr().err
-    assert main(["infra", "render", str(EXAMPLES / "cluster-aws.yaml"), "--target", "kuberay",
-                 "--out", str(tmp_path / "x")]) == 1
+    assert (
+        main(
+            ["infra", "render", str(EXAMPLES / "cluster-aws.yaml"), "--target", "kuberay", "--out", str(tmp_path / "x")]
+        )
+        == 1
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -279,9 +292,14 @@ def test_dashboard_and_scrape_config_cover_pylon_metrics() -> None:
     files = example_render("infra/kuberay")
     dash = json.loads(files["grafana-dashboard.json"])
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
-    for metric in ("ray_pylon_time_to_first_token_seconds_bucket", "ray_pylon_inter_token_latency_seconds_bucket",
-                   "ray_pylon_kv_cache_usage_ratio", "ray_pylon_generation_tokens_total",
-                   "ray_node_gpus_utilization", "ray_cluster_active_nodes"):
+    for metric in (
+        "ray_pylon_time_to_first_token_seconds_bucket",
+        "ray_pylon_inter_token_latency_seconds_bucket",
+        "ray_pylon_kv_cache_usage_ratio",
+        "ray_pylon_generation_tokens_total",
+        "ray_node_gpus_utilization",
+        "ray_cluster_active_nodes",
+    ):
         assert metric in exprs, metric
     prom = yaml.safe_load(files["prometheus.yml"])
     assert prom["scrape_configs"][0]["kubernetes_sd_configs"][0]["namespaces"]["names"] == ["pylon"]
@@ -297,7 +315,10 @@ def test_kuberay_jobs_and_services_need_object_storage() -> None:
     with pytest.raises(SpecError) as e:
         infra.render(cluster, "kuberay", jobs=[docs[1].spec], deployments=[docs[2].spec])
     assert [p.split(": must")[0] for p in e.value.problems] == [
-        "TrainJob 'stdlib-gpt': data.uri", "TrainJob 'stdlib-gpt': checkpoint.storage", "Deployment 'stdlib-gpt': model"]
+        "TrainJob 'stdlib-gpt': data.uri",
+        "TrainJob 'stdlib-gpt': checkpoint.storage",
+        "Deployment 'stdlib-gpt': model",
+    ]
 
 
 def test_local_autoscaler_config_passes_ray_schema_and_follows_the_spec(ray_schema: dict) -> None:
@@ -310,13 +331,23 @@ def test_local_autoscaler_config_passes_ray_schema_and_follows_the_spec(ray_sche
     assert provider["temp_dir"] == "/tmp/pylon-x" and provider["disable_node_updaters"] is True
     types = config["available_node_types"]
     assert types[config["head_node_type"]]["max_workers"] == 0
-    assert types["cpu"]["resources"]["CPU"] == 1 and (types["cpu"]["min_workers"], types["cpu"]["max_workers"]) == (0, 2)
+    assert types["cpu"]["resources"]["CPU"] == 1 and (types["cpu"]["min_workers"], types["cpu"]["max_workers"]) == (
+        0,
+        2,
+    )
     assert types["cpu"]["resources"]["object_store_memory"] == infra.LOCAL_OBJECT_STORE_BYTES
     assert config["idle_timeout_minutes"] == spec.idle_timeout_minutes
 
-    bigger = spec.model_copy(update={"idle_timeout_minutes": 3, "worker_groups": [
-        spec.worker_groups[0].model_copy(update={"cpus": 2, "gpus": 1, "gpu_type": "L4", "memory_gb": 8,
-                                                 "min_workers": 1, "max_workers": 3})]})
+    bigger = spec.model_copy(
+        update={
+            "idle_timeout_minutes": 3,
+            "worker_groups": [
+                spec.worker_groups[0].model_copy(
+                    update={"cpus": 2, "gpus": 1, "gpu_type": "L4", "memory_gb": 8, "min_workers": 1, "max_workers": 3}
+                )
+            ],
+        }
+    )
     changed = infra.local_autoscaler_config(bigger, temp_dir="/tmp/pylon-x")
     jsonschema.validate(changed, ray_schema)
     res = changed["available_node_types"]["cpu"]["resources"]
@@ -336,8 +367,8 @@ def test_the_provider_class_the_config_names_is_importable() -> None:
 
 
 def test_cluster_up_autoscale_refuses_a_cloud_spec_before_starting_anything(tmp_path: Path) -> None:
-    from pylon.infra import local as cluster
     from pylon.errors import ClusterError
+    from pylon.infra import local as cluster
 
     spec = load_spec(EXAMPLES / "cluster-aws.yaml", ClusterSpec)
     with pytest.raises(ClusterError, match="provider.type is 'aws'.*pylon infra render"):
@@ -350,7 +381,8 @@ def test_pylon_validate_checks_a_local_cluster(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners_on_free_ports(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pylon.infra import local as cluster
 
     temp_dir = cluster.ray_temp_dir(tmp_path / "home")
@@ -375,8 +407,11 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     monkeypatch.setattr(cluster, "haproxy_available", lambda: False)
     # No HAProxy build (macOS): Serve's own proxy. Either way: the controller's pace, Serve's logs in its files
     # only, handlers on the HTTP server's loop.
-    local = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_LOG_TO_STDERR": "0",
-             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    local = {
+        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+        "RAY_SERVE_LOG_TO_STDERR": "0",
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    }
     assert cluster.local_serve_env(temp_dir) == local
     assert local.items() <= env.items()
 

@@ -38,8 +38,13 @@ def distributed():
     import deepspeed
 
     with pytest.MonkeyPatch.context() as env:
-        for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": str(_free_port())}.items():
+        for name, value in {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+        }.items():
             env.setenv(name, value)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="gloo")
@@ -52,8 +57,9 @@ def build_engine(seed: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=320, n_positions=32,
-                                       bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=320, n_positions=32, bos_token_id=0, eos_token_id=0)
+    )
     model.train()
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -61,8 +67,10 @@ def build_engine(seed: int):
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
-                                                     "warmup_num_steps": 5}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5},
+        },
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
@@ -149,14 +157,16 @@ def test_round_trip_restores_weights_optimizer_rng_and_extra(tmp_path):
     assert stored_files(staging) == set()
 
 
-@pytest.mark.parametrize(("keep_last", "keep_every", "expected"), [
-    (2, 4, [[1], [1, 2], [2, 3], [3, 4], [4, 5], [4, 5, 6], [4, 6, 7], [4, 7, 8], [4, 8, 9]]),
-    (1, 0, [[1], [2], [3], [4]]),
-    (3, 2, [[1], [1, 2], [1, 2, 3], [2, 3, 4], [2, 3, 4, 5], [2, 4, 5, 6], [2, 4, 5, 6, 7]]),
-])
+@pytest.mark.parametrize(
+    ("keep_last", "keep_every", "expected"),
+    [
+        (2, 4, [[1], [1, 2], [2, 3], [3, 4], [4, 5], [4, 5, 6], [4, 6, 7], [4, 7, 8], [4, 8, 9]]),
+        (1, 0, [[1], [2], [3], [4]]),
+        (3, 2, [[1], [1, 2], [1, 2, 3], [2, 3, 4], [2, 3, 4, 5], [2, 4, 5, 6], [2, 4, 5, 6, 7]]),
+    ],
+)
 def test_retention_keeps_exactly_the_expected_set(engine, tmp_path, keep_last, keep_every, expected):
-    committer = CheckpointCommitter(str(tmp_path), rank=0, world_size=1, keep_last=keep_last,
-                                    keep_every=keep_every)
+    committer = CheckpointCommitter(str(tmp_path), rank=0, world_size=1, keep_last=keep_last, keep_every=keep_every)
     for step, kept in enumerate(expected, start=1):
         committer.save(engine, step, extra={"step": step})
         assert committed_steps(committer) == kept, f"after saving step {step}"
@@ -175,8 +185,15 @@ def test_async_upload_returns_before_the_upload_and_wait_commits(engine, tmp_pat
             assert release.wait(60), "the test never released the upload"
 
     staging = tmp_path / "staging"
-    committer = CheckpointCommitter(str(tmp_path / "run"), rank=0, world_size=1, keep_last=5, async_upload=True,
-                                    staging_dir=staging, before_write=hold_first_write)
+    committer = CheckpointCommitter(
+        str(tmp_path / "run"),
+        rank=0,
+        world_size=1,
+        keep_last=5,
+        async_upload=True,
+        staging_dir=staging,
+        before_write=hold_first_write,
+    )
     committer.save(engine, 10, extra={"data": 10}, meta={"loss": 1.0})
     assert entered.wait(60), "the background upload never started"
     # save() has returned while the first file's upload is held: nothing is committed, DeepSpeed's files
@@ -202,8 +219,9 @@ def test_async_upload_error_surfaces_in_wait_and_nothing_commits(engine, tmp_pat
         if uri.endswith("rank-0.json"):
             raise OSError("disk full (simulated)")
 
-    committer = CheckpointCommitter(str(tmp_path), rank=0, world_size=1, keep_last=2, async_upload=True,
-                                    before_write=fail_on_rank_file)
+    committer = CheckpointCommitter(
+        str(tmp_path), rank=0, world_size=1, keep_last=2, async_upload=True, before_write=fail_on_rank_file
+    )
     committer.save(engine, 5, extra={})
     with pytest.raises(OSError, match="disk full"):
         committer.wait()
@@ -220,8 +238,9 @@ def test_failed_save_keeps_the_previous_latest_and_retention_removes_the_partial
             if len(writes) == 2:
                 raise OSError("connection reset (simulated)")
 
-    committer = CheckpointCommitter(str(tmp_path), rank=0, world_size=1, keep_last=3,
-                                    before_write=fail_second_file_of_step_2)
+    committer = CheckpointCommitter(
+        str(tmp_path), rank=0, world_size=1, keep_last=3, before_write=fail_second_file_of_step_2
+    )
     committer.save(engine, 1, extra={"at": 1})
     with pytest.raises(OSError, match="connection reset"):
         committer.save(engine, 2, extra={"at": 2})

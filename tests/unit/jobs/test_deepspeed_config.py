@@ -1,5 +1,6 @@
 """pylon.jobs.deepspeed_config: the DeepSpeed config derived from a TrainJob spec, for every combination the spec
 allows, checked key by key and by DeepSpeed's own config parser (which rejects unknown ZeRO keys)."""
+
 from __future__ import annotations
 
 import itertools
@@ -24,10 +25,14 @@ def allowed_combinations() -> list[TrainJobSpec]:
     """Every stage x optimizer offload x parameter offload x precision x CPU/GPU the spec accepts."""
     specs = []
     for stage, opt, param, precision, gpu in itertools.product(
-            range(4), ("none", "cpu", "nvme"), ("none", "cpu", "nvme"), ("fp32", "bf16", "fp16"), (False, True)):
-        fields = {"deepspeed": {"zero_stage": stage, "offload_optimizer": opt, "offload_param": param},
-                  "precision": precision, "scaling": {"num_workers": 2, "use_gpu": gpu},
-                  "batch": {"micro_batch_size": 3, "grad_accum_steps": 2}}
+        range(4), ("none", "cpu", "nvme"), ("none", "cpu", "nvme"), ("fp32", "bf16", "fp16"), (False, True)
+    ):
+        fields = {
+            "deepspeed": {"zero_stage": stage, "offload_optimizer": opt, "offload_param": param},
+            "precision": precision,
+            "scaling": {"num_workers": 2, "use_gpu": gpu},
+            "batch": {"micro_batch_size": 3, "grad_accum_steps": 2},
+        }
         if "nvme" in (opt, param):
             fields["deepspeed"]["nvme_path"] = "/local_nvme"
         try:
@@ -92,26 +97,49 @@ def test_config_for_every_allowed_combination(spec: TrainJobSpec) -> None:
 
 
 def test_aio_block_from_the_spec() -> None:
-    spec = job(deepspeed={"zero_stage": 3, "offload_param": "nvme", "nvme_path": "/nvme",
-                          "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 4, "single_submit": True,
-                                  "overlap_events": False}})
+    spec = job(
+        deepspeed={
+            "zero_stage": 3,
+            "offload_param": "nvme",
+            "nvme_path": "/nvme",
+            "aio": {
+                "block_size": 262144,
+                "queue_depth": 32,
+                "thread_count": 4,
+                "single_submit": True,
+                "overlap_events": False,
+            },
+        }
+    )
     assert build_deepspeed_config(spec, world_size=1)["aio"] == {
-        "block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": True,
-        "overlap_events": False}
+        "block_size": 262144,
+        "queue_depth": 32,
+        "intra_op_parallelism": 4,
+        "single_submit": True,
+        "overlap_events": False,
+    }
 
 
 def test_fp16_uses_dynamic_loss_scaling() -> None:
     config = build_deepspeed_config(job(precision="fp16", scaling={"use_gpu": True}), world_size=8)
-    assert config["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                              "hysteresis": 2, "min_loss_scale": 1}
+    assert config["fp16"] == {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    }
     assert config["bf16"] == {"enabled": False}
 
 
 def test_optimizer_clipping_and_logging() -> None:
     spec = job(optim={"lr": 1e-3, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.01, "grad_clip": 0.5})
     config = build_deepspeed_config(spec, world_size=1)
-    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.99], "eps": 1e-6,
-                                                                "weight_decay": 0.01}}
+    assert config["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 1e-3, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.01},
+    }
     assert config["gradient_clipping"] == 0.5
     assert config["steps_per_print"] >= 2**31 - 1 and config["wall_clock_breakdown"] is False
     assert "activation_checkpointing" not in build_deepspeed_config(job(gradient_checkpointing=True), world_size=1)

@@ -1,5 +1,6 @@
 """The planner: model states equal DeepSpeed's own estimators on real models, known figures (7B fp32 + Adam,
 70B bf16), plausible advice for a 7B fine-tune, `pylon plan` and `client.plan`, and `pylon train`'s refusal."""
+
 from __future__ import annotations
 
 import json
@@ -10,29 +11,63 @@ import pytest
 import torch
 import yaml
 
-from pylon.plan.catalog import load_catalog
 from pylon.errors import PylonError
-from pylon.plan.memory import GIB, Layout, Workload, kv_bytes_per_token, model_shape, train_memory
 from pylon.models import model_config
-from pylon.plan import (DEFAULT_MFU, USABLE_FRACTION, WontFitError, check_fits, hardware_flops_per_token,
-                        plan_file, plan_serve, plan_train, render)
+from pylon.plan import (
+    DEFAULT_MFU,
+    USABLE_FRACTION,
+    WontFitError,
+    check_fits,
+    hardware_flops_per_token,
+    plan_file,
+    plan_serve,
+    plan_train,
+    render,
+)
+from pylon.plan.catalog import load_catalog
+from pylon.plan.memory import GIB, Layout, Workload, kv_bytes_per_token, model_shape, train_memory
 from pylon.specs import DeploymentSpec, ModelSpec, TrainJobSpec
 
-LLAMA_58M = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
-             "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512, "vocab_size": 32000}
-LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-             "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 4096,
-             "vocab_size": 32000}
-SHAPES = {"gpt-tiny": {"preset": "gpt-tiny"}, "llama-tiny": {"preset": "llama-tiny"},
-          "gpt-small": {"preset": "gpt-small"}, "llama-58m": {"config": LLAMA_58M}}
+LLAMA_58M = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "vocab_size": 32000,
+}
+LLAMA_70B = {
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+    "vocab_size": 32000,
+}
+SHAPES = {
+    "gpt-tiny": {"preset": "gpt-tiny"},
+    "llama-tiny": {"preset": "llama-tiny"},
+    "gpt-small": {"preset": "gpt-small"},
+    "llama-58m": {"config": LLAMA_58M},
+}
 HARDWARE = [(1, 1), (4, 1), (8, 2)]  # (GPUs per node, nodes)
 
 
 def _train(**fields) -> TrainJobSpec:
-    base = {"kind": "TrainJob", "name": "job", "model": {"preset": "llama-7b"},
-            "data": {"uri": "/nonexistent/pylon-plan-data", "seq_len": 4096},
-            "scaling": {"num_workers": 8, "use_gpu": True}, "precision": "bf16", "steps": 1000,
-            "batch": {"micro_batch_size": 8, "grad_accum_steps": 1}}
+    base = {
+        "kind": "TrainJob",
+        "name": "job",
+        "model": {"preset": "llama-7b"},
+        "data": {"uri": "/nonexistent/pylon-plan-data", "seq_len": 4096},
+        "scaling": {"num_workers": 8, "use_gpu": True},
+        "precision": "bf16",
+        "steps": 1000,
+        "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
+    }
     return TrainJobSpec.model_validate({**base, **fields})
 
 
@@ -79,8 +114,7 @@ def test_model_states_equal_deepspeed_zero2_estimate(real_models, shape, precisi
     work = Workload(config, model_shape(config), precision, seq_len=64)
     for per_node, nodes in HARDWARE:
         calls = _spy(monkeypatch, stage_1_and_2, "estimate_zero2_model_states_mem_needs")
-        stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=per_node,
-                                                                     num_nodes=nodes)
+        stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=per_node, num_nodes=nodes)
         printed = _printed_gib(capsys.readouterr().out)
         assert len(calls) == len(printed) == 2
         for (kwargs, (cpu, gpu)), (cpu_gib, gpu_gib) in zip(calls, printed):
@@ -105,9 +139,13 @@ def test_model_states_equal_deepspeed_zero3_estimate(real_models, shape, monkeyp
         printed = _printed_gib(capsys.readouterr().out)
         assert len(calls) == len(printed) == 6
         for (kwargs, (cpu, gpu, _)), (_, gpu_gib) in zip(calls, printed):
-            layout = Layout(3, "cpu" if kwargs["cpu_offload"] else "none",
-                            "cpu" if kwargs["cpu_offload_params"] else "none",
-                            num_gpus=per_node * nodes, gpus_per_node=per_node)
+            layout = Layout(
+                3,
+                "cpu" if kwargs["cpu_offload"] else "none",
+                "cpu" if kwargs["cpu_offload_params"] else "none",
+                num_gpus=per_node * nodes,
+                gpus_per_node=per_node,
+            )
             mem = train_memory(work, layout)
             assert _close(mem.model_states, gpu), (shape, layout, mem.model_states, gpu)
             assert abs(mem.model_states / GIB - gpu_gib) <= 0.006 + 0.01 * gpu_gib
@@ -116,9 +154,11 @@ def test_model_states_equal_deepspeed_zero3_estimate(real_models, shape, monkeyp
 
 
 def test_7b_fp32_with_adam_is_16_bytes_per_parameter_and_the_plan_says_what_it_counts() -> None:
-    plan = plan_train(_train(precision="fp32", deepspeed={"zero_stage": 0}, scaling={"num_workers": 1,
-                                                                                    "use_gpu": True}),
-                      gpu="H100", gpus=1)
+    plan = plan_train(
+        _train(precision="fp32", deepspeed={"zero_stage": 0}, scaling={"num_workers": 1, "use_gpu": True}),
+        gpu="H100",
+        gpus=1,
+    )
     n = plan.work.shape.total_params
     assert 6.5e9 < n < 7.0e9  # Llama-2-7B's shape
     m = plan.requested_memory
@@ -131,37 +171,55 @@ def test_7b_fp32_with_adam_is_16_bytes_per_parameter_and_the_plan_says_what_it_c
 
 def test_70b_in_bf16_needs_140_gb_of_weights_and_does_not_fit_one_h100(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
-    spec = DeploymentSpec(name="big", model=str(tmp_path), replica={"num_gpus": 1},
-                          engine={"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536})
+    spec = DeploymentSpec(
+        name="big",
+        model=str(tmp_path),
+        replica={"num_gpus": 1},
+        engine={"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536},
+    )
     plan = plan_serve(spec)
     h100 = next(r for r in plan.rows if r.accelerator.name == "H100-SXM")
     assert 135e9 < h100.weights < 142e9 and not h100.fits and "weights" in h100.binding
     mi300x = next(r for r in plan.rows if r.accelerator.name == "MI300X")
     assert mi300x.fits and plan.recommendation is mi300x
     # Training it: even the bf16 weights alone (ZeRO-2 keeps a full copy per GPU) exceed an H100.
-    train = plan_train(_train(model={"config": LLAMA_70B}, scaling={"num_workers": 1, "use_gpu": True},
-                              batch={"micro_batch_size": 1}), gpu="H100", gpus=1)
+    train = plan_train(
+        _train(model={"config": LLAMA_70B}, scaling={"num_workers": 1, "use_gpu": True}, batch={"micro_batch_size": 1}),
+        gpu="H100",
+        gpus=1,
+    )
     req = train.row("H100-SXM").requested
     assert req.memory.params > 135e9 and not req.fits and "GPU memory" in req.binding
 
 
 def test_a_narrower_kv_cache_dtype_fits_more_tokens(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
-    plans = {kv: plan_serve(DeploymentSpec(name="big", model=str(tmp_path), replica={"num_gpus": 1},
-                                           engine={"device": "cuda", "max_model_len": 4096, "kv_cache_dtype": kv}))
-             for kv in ("auto", "bf16", "fp8", "fp32")}
+    plans = {
+        kv: plan_serve(
+            DeploymentSpec(
+                name="big",
+                model=str(tmp_path),
+                replica={"num_gpus": 1},
+                engine={"device": "cuda", "max_model_len": 4096, "kv_cache_dtype": kv},
+            )
+        )
+        for kv in ("auto", "bf16", "fp8", "fp32")
+    }
     per_token = {kv: p.kv_per_token for kv, p in plans.items()}
     # 80 layers x 8 KV heads x 128 dims x (K and V): 2 bytes each as the model computes on a GPU (bf16)
-    assert per_token == {"auto": 80 * 8 * 128 * 2 * 2, "bf16": 80 * 8 * 128 * 2 * 2, "fp8": 80 * 8 * 128 * 2,
-                         "fp32": 80 * 8 * 128 * 2 * 4}
+    assert per_token == {
+        "auto": 80 * 8 * 128 * 2 * 2,
+        "bf16": 80 * 8 * 128 * 2 * 2,
+        "fp8": 80 * 8 * 128 * 2,
+        "fp32": 80 * 8 * 128 * 2 * 4,
+    }
     row = {kv: next(r for r in p.rows if r.accelerator.name == "MI300X") for kv, p in plans.items()}
     assert row["fp8"].kv_tokens_fit == pytest.approx(2 * row["bf16"].kv_tokens_fit, rel=1e-6)
     assert row["fp8"].kv_cache * 2 == row["bf16"].kv_cache and row["fp8"].weights == row["bf16"].weights
 
 
 def test_7b_full_finetune_on_8_a100_80gb_is_plausible_and_explained() -> None:
-    plan = plan_train(_train(steps=500, batch={"micro_batch_size": 8, "grad_accum_steps": 1}), gpu="A100-80GB",
-                      gpus=8)
+    plan = plan_train(_train(steps=500, batch={"micro_batch_size": 8, "grad_accum_steps": 1}), gpu="A100-80GB", gpus=8)
     req = plan.row("A100-80GB").requested
     assert not req.fits and "activations" in req.binding  # micro-batch 8 x 4096 tokens without recomputation
     rec = plan.recommendation
@@ -179,8 +237,9 @@ def test_7b_full_finetune_on_8_a100_80gb_is_plausible_and_explained() -> None:
 
 
 def test_7b_on_one_rtx_4090_offloads_or_uses_lora() -> None:
-    spec = _train(scaling={"num_workers": 1, "use_gpu": True}, batch={"micro_batch_size": 4, "grad_accum_steps": 8},
-                  steps=100)
+    spec = _train(
+        scaling={"num_workers": 1, "use_gpu": True}, batch={"micro_batch_size": 4, "grad_accum_steps": 8}, steps=100
+    )
     plan = plan_train(spec, gpu="4090", gpus=1)
     rec = plan.recommendation
     assert rec is not None and rec.layout.num_gpus == 1
@@ -279,8 +338,9 @@ def test_pylon_train_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
 
     monkeypatch.setenv("PYLON_HOME", str(tmp_path))  # client.train writes the spec there before submitting
 
-    spec = _train(scaling={"num_workers": 1, "use_gpu": True, "resources_per_worker": {"GPU": 1,
-                                                                                      "accelerator_type:H100": 0.001}})
+    spec = _train(
+        scaling={"num_workers": 1, "use_gpu": True, "resources_per_worker": {"GPU": 1, "accelerator_type:H100": 0.001}}
+    )
     with pytest.raises(WontFitError) as e:
         check_fits(spec)
     message = str(e.value)
@@ -290,8 +350,11 @@ def test_pylon_train_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
     with pytest.raises(WontFitError, match="any kind"):
         check_fits(_train(model={"config": LLAMA_70B}, scaling={"num_workers": 1, "use_gpu": True}))
     # A tiny CPU job (what the test suite trains) passes.
-    check_fits(TrainJobSpec.model_validate({"name": "tiny", "model": {"preset": "gpt-tiny"},
-                                            "data": {"uri": "corpus/", "seq_len": 64}, "steps": 10}))
+    check_fits(
+        TrainJobSpec.model_validate(
+            {"name": "tiny", "model": {"preset": "gpt-tiny"}, "data": {"uri": "corpus/", "seq_len": 64}, "steps": 10}
+        )
+    )
     # client.train refuses before it contacts the cluster; force=True goes on to submit.
     client = Client("http://127.0.0.1:1")
     with pytest.raises(WontFitError):

@@ -1,4 +1,5 @@
 """The SDK's parts that need no cluster: spec arguments, the prepare command line, notebook display, keys."""
+
 from __future__ import annotations
 
 import io
@@ -56,8 +57,9 @@ def test_as_spec_errors_name_the_field_and_objects_are_validated_again() -> None
 
 
 def test_dataset_from_keywords_gets_a_name_from_its_output(tmp_path: Path) -> None:
-    spec = dataset_spec(None, {"sources": tmp_path, "output": tmp_path / "My_Corpus v2", "seq_len": 64,
-                               "include": "*.py"})
+    spec = dataset_spec(
+        None, {"sources": tmp_path, "output": tmp_path / "My_Corpus v2", "seq_len": 64, "include": "*.py"}
+    )
     assert spec.name == "my-corpus-v2" and spec.sources == [str(tmp_path)] and spec.seq_len == 64
     assert dataset_spec(None, {"name": "x", "sources": ["a"], "output": "s3://b/ds/"}).name == "x"
     assert dataset_spec({"name": "d", "sources": ["a"], "output": "o"}, {}).name == "d"
@@ -70,24 +72,52 @@ def test_dataset_from_keywords_gets_a_name_from_its_output(tmp_path: Path) -> No
 def test_prepare_entrypoint_is_the_cli_command_line(tmp_path: Path) -> None:
     from pylon.cli import build_parser
 
-    spec = DatasetSpec(name="d", sources=["src dir/", "b.jsonl"], output="s3://bucket/out", format="webdataset",
-                       seq_len=64, include="*.py", exclude=["site-packages", "tests"], shard_size_mb=8)
+    spec = DatasetSpec(
+        name="d",
+        sources=["src dir/", "b.jsonl"],
+        output="s3://bucket/out",
+        format="webdataset",
+        seq_len=64,
+        include="*.py",
+        exclude=["site-packages", "tests"],
+        shard_size_mb=8,
+    )
     entry = prepare_entrypoint(spec, overwrite=True, cwd=tmp_path / "my project")
     cd, command = entry.split(" && ", 1)
     assert shlex.split(cd) == ["cd", str(tmp_path / "my project")]
     argv = shlex.split(command)
     assert argv[0] == "pylon"
     args = build_parser().parse_args(argv[1:])  # what the job's `pylon` will understand
-    assert (args.sources, args.out, args.format, args.seq_len, args.include, args.exclude, args.shard_size_mb,
-            args.overwrite, args.tokenizer) == (["src dir/", "b.jsonl"], "s3://bucket/out", "webdataset", 64,
-                                                 "*.py", ["site-packages", "tests"], 8.0, True, "byte")
+    assert (
+        args.sources,
+        args.out,
+        args.format,
+        args.seq_len,
+        args.include,
+        args.exclude,
+        args.shard_size_mb,
+        args.overwrite,
+        args.tokenizer,
+    ) == (
+        ["src dir/", "b.jsonl"],
+        "s3://bucket/out",
+        "webdataset",
+        64,
+        "*.py",
+        ["site-packages", "tests"],
+        8.0,
+        True,
+        "byte",
+    )
 
 
 def test_specs_show_as_html_tables_without_changing_validation() -> None:
     spec = load_spec(Path(__file__).parents[3] / "platform/pylon/examples/stdlib-gpt.yaml", DeploymentSpec)
     html = spec._repr_html_()
     assert html.startswith("<table") and f"Deployment &#x27;{spec.name}&#x27;" in html
-    assert "api_keys_env" in html and "max_num_seqs" in html and html.count("<table") == 1 + 4  # engine, autoscaling, http, replica
+    assert (
+        "api_keys_env" in html and "max_num_seqs" in html and html.count("<table") == 1 + 4
+    )  # engine, autoscaling, http, replica
     hostile = DatasetSpec(name="d", sources=["<script>alert(1)</script>"], output="o")
     assert "<script>" not in hostile._repr_html_() and "&lt;script&gt;" in hostile._repr_html_()
     # Still pydantic models that forbid unknown keys; the display is a method, not a field.
@@ -148,18 +178,23 @@ class _GrowingJob:
         return "SUCCEEDED" if self.polls >= len(self.chunks) else "RUNNING"
 
     def job_logs(self, job_id):
-        return "".join(self.chunks[:self.polls])
+        return "".join(self.chunks[: self.polls])
 
 
 def test_following_a_training_job_moves_a_step_bar_on_a_terminal_only(monkeypatch) -> None:
     from pylon.sdk.handles import follow_logs
 
-    chunks = ["training tiny\n", '{"step": 1, "loss": 5.5, "tokens_per_s": 900.0}\n',
-              '{"step": 11, "loss": 3.25, "tokens_per_s": 1000.0}\n{"result": {}}\n']
+    chunks = [
+        "training tiny\n",
+        '{"step": 1, "loss": 5.5, "tokens_per_s": 900.0}\n',
+        '{"step": 11, "loss": 3.25, "tokens_per_s": 1000.0}\n{"result": {}}\n',
+    ]
     out, err = io.StringIO(), _Tty()
     monkeypatch.setattr(sys, "stderr", err)
-    assert follow_logs(_GrowingJob(chunks), "train-tiny-1", out=out, poll_s=0, progress=True,
-                       total_steps=12) == "SUCCEEDED"
+    assert (
+        follow_logs(_GrowingJob(chunks), "train-tiny-1", out=out, poll_s=0, progress=True, total_steps=12)
+        == "SUCCEEDED"
+    )
     assert out.getvalue() == "".join(chunks)  # every log line, once, in order
     assert "11/12" in err.getvalue() and "loss=3.2500" in err.getvalue()
 
@@ -178,8 +213,13 @@ class _FailedJob:
     def job_info(self, job_id):
         from pylon.sdk.client import JobInfo
 
-        return JobInfo(job_id=job_id, status="FAILED", entrypoint="python -m pylon.jobs.train", start_time=None,
-                       message="Job entrypoint command failed with exit code 1")
+        return JobInfo(
+            job_id=job_id,
+            status="FAILED",
+            entrypoint="python -m pylon.jobs.train",
+            start_time=None,
+            message="Job entrypoint command failed with exit code 1",
+        )
 
     def job_logs(self, job_id):
         return "".join(f"line {i}\n" for i in range(100)) + "error: data.uri: /nowhere has no manifest.json\n"

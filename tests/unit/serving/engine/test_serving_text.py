@@ -1,5 +1,6 @@
 """pylon.serving's text side: finding a model directory's tokenizer, streaming detokenization (whole UTF-8
 characters only, stop strings never leaked), and chat prompts (the tokenizer's template or the default)."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pylon.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer
 from pylon.errors import PylonError
-from pylon.serving.errors import InvalidRequest
 from pylon.serving.engine.tokenization import IncrementalDetokenizer, apply_chat_template, load_model_tokenizer
+from pylon.serving.errors import InvalidRequest
 
 TEXT = "héllo 🦊 wörld, ça va?\n"
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,9 @@ def hf_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["hello world, ça va? " * 20], trainer)
     path = tmp_path_factory.mktemp("hf-tok")
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=TEMPLATE).save_pretrained(str(path))
@@ -50,7 +54,7 @@ def test_streamed_bytes_come_out_as_whole_characters() -> None:
     assert "".join(deltas) == TEXT
     assert not any("\ufffd" in d for d in deltas)
     fox = [d for d in deltas if "🦊" in d]
-    assert fox == ["🦊"] and deltas[deltas.index("🦊") - 3:deltas.index("🦊")] == ["", "", ""]  # 4 bytes, 1 char
+    assert fox == ["🦊"] and deltas[deltas.index("🦊") - 3 : deltas.index("🦊")] == ["", "", ""]  # 4 bytes, 1 char
 
 
 def test_an_unfinished_character_comes_out_as_a_replacement_at_the_end() -> None:
@@ -93,9 +97,18 @@ def test_bpe_tokens_stream_like_a_whole_decode(hf_dir: Path) -> None:
 def test_model_directory_tokenizers(tmp_path: Path, hf_dir: Path) -> None:
     (tmp_path / "pylon_tokenizer.json").write_text(json.dumps(ByteTokenizer().info.model_dump(mode="json")))
     assert isinstance(load_model_tokenizer(str(tmp_path)), ByteTokenizer)
-    (tmp_path / "pylon_tokenizer.json").write_text(json.dumps(
-        {"kind": "tokenizers", "name": "stdlib-bpe.json", "vocab_size": 400, "eos_id": 0, "pad_id": 1,
-         "sha256": "0" * 64}))
+    (tmp_path / "pylon_tokenizer.json").write_text(
+        json.dumps(
+            {
+                "kind": "tokenizers",
+                "name": "stdlib-bpe.json",
+                "vocab_size": 400,
+                "eos_id": 0,
+                "pad_id": 1,
+                "sha256": "0" * 64,
+            }
+        )
+    )
     with pytest.raises(PylonError, match="tokenizers tokenizer 'stdlib-bpe.json'.*copy its tokenizer files"):
         load_model_tokenizer(str(tmp_path))
     (tmp_path / "pylon_tokenizer.json").unlink()
@@ -104,11 +117,14 @@ def test_model_directory_tokenizers(tmp_path: Path, hf_dir: Path) -> None:
 
 
 def test_chat_prompts(hf_dir: Path) -> None:
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "!"}]}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "!"}]},
+    ]
     assert apply_chat_template(ByteTokenizer(), messages) == "system: be brief\nuser: hi!\nassistant: "
     assert apply_chat_template(load_model_tokenizer(str(hf_dir)), messages) == (
-        "<|system|>be brief\n<|user|>hi!\n<|assistant|>")
+        "<|system|>be brief\n<|user|>hi!\n<|assistant|>"
+    )
     for bad in ([], [{"content": "no role"}], [{"role": "user", "content": 3}], "hi"):
         with pytest.raises(InvalidRequest) as e:
             apply_chat_template(ByteTokenizer(), bad)
@@ -130,10 +146,15 @@ def _with_chat_template(hf_dir: Path, copy: Path, template: str):
 def test_a_chat_template_that_refuses_the_messages_is_an_invalid_request(hf_dir: Path, tmp_path: Path) -> None:
     """Many models' templates `raise_exception` for messages they do not take (roles out of turn, a system
     message): that is the request's fault, a 400 with the template's words, never a 500."""
-    tok = _with_chat_template(hf_dir, tmp_path / "strict", (
-        "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-        "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
-        "{% endif %}[{{ m.role }}] {{ m.content }}{% endfor %}"))
+    tok = _with_chat_template(
+        hf_dir,
+        tmp_path / "strict",
+        (
+            "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+            "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+            "{% endif %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+        ),
+    )
     assert apply_chat_template(tok, [{"role": "user", "content": "hi"}]) == "[user] hi"
     with pytest.raises(InvalidRequest) as e:
         apply_chat_template(tok, [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
@@ -142,14 +163,20 @@ def test_a_chat_template_that_refuses_the_messages_is_an_invalid_request(hf_dir:
 
 def test_a_chat_template_sees_a_tool_results_call_id_and_a_name(hf_dir: Path, tmp_path: Path) -> None:
     """Templates of tool-trained models read `tool_call_id` on a tool message (and some `name`): they reach it."""
-    tok = _with_chat_template(hf_dir, tmp_path / "tools", (
-        "{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}"
-        "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}] {{ m.content }}\n{% endfor %}"))
-    messages = [{"role": "user", "content": "2+2?", "name": "ann"}, {"role": "assistant", "content": "",
-                                                                   "tool_calls": []},
-                {"role": "tool", "content": "4", "tool_call_id": "call_7"}]
-    assert apply_chat_template(tok, messages) == (
-        "[user:ann] 2+2?\n[assistant] \n[tool#call_7] 4\n")
+    tok = _with_chat_template(
+        hf_dir,
+        tmp_path / "tools",
+        (
+            "{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}"
+            "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}] {{ m.content }}\n{% endfor %}"
+        ),
+    )
+    messages = [
+        {"role": "user", "content": "2+2?", "name": "ann"},
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {"role": "tool", "content": "4", "tool_call_id": "call_7"},
+    ]
+    assert apply_chat_template(tok, messages) == ("[user:ann] 2+2?\n[assistant] \n[tool#call_7] 4\n")
     assert apply_chat_template(ByteTokenizer(), messages) == "user: 2+2?\nassistant: \ntool: 4\nassistant: "
 
 
@@ -214,11 +241,17 @@ def test_stop_strings_stream_as_their_definition_says(seed: int) -> None:
             seen = text[:n]
             hits = [seen.find(s) for s in stops if s in seen]
             if hits:
-                assert detok.stopped and out == detok.text == seen[:min(hits)], (seen, stops)
+                assert detok.stopped and out == detok.text == seen[: min(hits)], (seen, stops)
                 break
-            held = next((k for k in range(min(max(map(len, stops)) - 1, n), 0, -1)
-                         if any(s.startswith(seen[-k:]) for s in stops)), 0)
-            assert not detok.stopped and out == seen[:n - held], (seen, stops, out)
+            held = next(
+                (
+                    k
+                    for k in range(min(max(map(len, stops)) - 1, n), 0, -1)
+                    if any(s.startswith(seen[-k:]) for s in stops)
+                ),
+                0,
+            )
+            assert not detok.stopped and out == seen[: n - held], (seen, stops, out)
         if not detok.stopped:
             assert out + detok.flush() == text
 
@@ -229,9 +262,11 @@ def test_stop_conditions_are_bounded() -> None:
     from pylon.serving.engine.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
     SamplingParams(stop=["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
-    for fields, says in (({"stop": ["a"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS} stop strings"),
-                         ({"stop": "x" * (MAX_STOP_LENGTH + 1)}, f"at most {MAX_STOP_LENGTH} characters"),
-                         ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, f"at most {MAX_STOP_TOKEN_IDS}")):
+    for fields, says in (
+        ({"stop": ["a"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS} stop strings"),
+        ({"stop": "x" * (MAX_STOP_LENGTH + 1)}, f"at most {MAX_STOP_LENGTH} characters"),
+        ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, f"at most {MAX_STOP_TOKEN_IDS}"),
+    ):
         with pytest.raises(InvalidRequest) as e:
             SamplingParams(**fields)
         assert e.value.param == next(iter(fields)) and says in str(e.value)
@@ -254,8 +289,9 @@ def test_chars_per_token_bound_holds_where_it_is_given(hf_dir: Path, tmp_path: P
         assert len(tok.encode(text)) * bound >= len(text)
     wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
-    wordpiece.train_from_iterator(["hello world " * 20], tr.WordPieceTrainer(vocab_size=60, special_tokens=["[UNK]",
-                                                                                                            "</s>"]))
+    wordpiece.train_from_iterator(
+        ["hello world " * 20], tr.WordPieceTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"])
+    )
     wordpiece.save(str(tmp_path / "wp.json"))
     wp = TokenizersFileTokenizer(str(tmp_path / "wp.json"), "wp", "0", where="test")
     assert len(wp.encode("zzzzzzzzzzzzzzzzzzzzzzzz")) == 1  # one [UNK] for the whole word

@@ -1,4 +1,5 @@
 """pylon.serving.model.linear: oneDNN projections over reordered weights, against torch's own."""
+
 import pytest
 import torch
 

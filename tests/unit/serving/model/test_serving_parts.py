@@ -1,16 +1,17 @@
 """pylon.serving's parts on their own, no model: the KV block pool, the scheduler's step building and
 preemption, paged attention against dense attention, and the sampler's filters."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pylon.serving.model.attention import HostStage, SequenceSlice, build_metadata, new_kv_cache, paged_attention
 from pylon.serving.engine.kv_cache import KVBlockPool
 from pylon.serving.engine.request import Request
 from pylon.serving.engine.sampling import SamplingParams, sample
 from pylon.serving.engine.scheduler import Scheduler
+from pylon.serving.model.attention import HostStage, SequenceSlice, build_metadata, new_kv_cache, paged_attention
 
 
 def request(request_id: str, prompt_len: int) -> Request:
@@ -92,7 +93,7 @@ def test_pool_invariants_under_random_traffic() -> None:
             before = list(pool.block_table(rid))
             if pool.allocate(rid, lengths[rid] + rng.randint(1, 9)):
                 lengths[rid] = len(pool.block_table(rid)) * 4
-            assert pool.block_table(rid)[:len(before)] == before  # a table only grows at its end
+            assert pool.block_table(rid)[: len(before)] == before  # a table only grows at its end
         else:
             rid, n = f"r{i}", rng.randint(1, 40)
             free = pool.num_free_blocks
@@ -191,7 +192,7 @@ def test_finish_takes_a_waiting_request_out_too() -> None:
 # and ones that end in a partial chunk (24 = 16 + 8; 12 = 8 + 4).
 @pytest.mark.parametrize("dim,block_size", [(8, 4), (16, 12), (64, 4), (64, 32), (32, 24), (128, 16), (256, 8)])
 def test_paged_attention_equals_dense_causal_attention(kernel: str, kv_heads: int, dim: int, block_size: int) -> None:
-    """"kernel": decodes through the compiled kernel; "prefill": prompt chunks through the compiled prefill kernel too
+    """ "kernel": decodes through the compiled kernel; "prefill": prompt chunks through the compiled prefill kernel too
     (AVX-512 or AVX2, head_dim 32-256: its 8-query tiles, 16- or 8-key groups across blocks of any size, a chunk's
     offset mask)."""
     prefill = kernel == "prefill"
@@ -202,8 +203,9 @@ def test_paged_attention_equals_dense_causal_attention(kernel: str, kv_heads: in
             pytest.skip(f"the prefill kernel is not built for head_dim {dim}: SDPA runs those")
         assert kernels.load() is not None, f"the CPU kernels did not build: {kernels._failed}"
         if not kernels.load().has_prefill():
-            pytest.skip("the prefill kernel needs AVX-512 or AVX2 (this CPU's build has neither): SDPA runs prompt "
-                        "chunks")
+            pytest.skip(
+                "the prefill kernel needs AVX-512 or AVX2 (this CPU's build has neither): SDPA runs prompt chunks"
+            )
     check_paged_attention(kernel != "pytorch", kv_heads, dim, block_size, torch.float32, prefill=prefill)
 
 
@@ -212,13 +214,22 @@ def test_paged_attention_equals_dense_causal_attention(kernel: str, kv_heads: in
 @pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "fp8"])
 @pytest.mark.parametrize("dim,block_size", [(8, 4), (64, 16), (32, 24), (128, 8)])
-def test_paged_attention_over_a_narrower_cache_reads_back_what_it_stored(kernel: bool, kv_dtype: torch.dtype,
-                                                                         dim: int, block_size: int) -> None:
+def test_paged_attention_over_a_narrower_cache_reads_back_what_it_stored(
+    kernel: bool, kv_dtype: torch.dtype, dim: int, block_size: int
+) -> None:
     check_paged_attention(kernel, 2, dim, block_size, kv_dtype)
 
 
-def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int, kv_dtype: torch.dtype, *,
-                          prefill: bool = False, stage: HostStage | None = None) -> None:
+def check_paged_attention(
+    kernel: bool,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    *,
+    prefill: bool = False,
+    stage: HostStage | None = None,
+) -> None:
     if kernel:
         from pylon.serving.model import kernels
 
@@ -241,20 +252,20 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
     tables, used = [], 0
     for t in total:
         n = -(-t // block_size)
-        tables.append(blocks[used:used + n])
+        tables.append(blocks[used : used + n])
         used += n
 
     def run_step(starts, counts, stage=None):
         seqs = [SequenceSlice(s, n, table) for s, n, table in zip(starts, counts, tables) if n]
         live = [i for i, n in enumerate(counts) if n]
-        cat = lambda xs: torch.cat([xs[i][starts[i]:starts[i] + counts[i]] for i in live])  # noqa: E731
+        cat = lambda xs: torch.cat([xs[i][starts[i] : starts[i] + counts[i]] for i in live])  # noqa: E731
         if stage is not None:
             stage.begin()
         meta = build_metadata(seqs, block_size, torch.device("cpu"), kernel=kernel, prefill=prefill, stage=stage)
         if stage is not None:
             stage.send()
         assert meta.prefill == prefill
-        return paged_attention(cat(q), cat(k), cat(v), k_cache, v_cache, meta, dim ** -0.5), live
+        return paged_attention(cat(q), cat(k), cat(v), k_cache, v_cache, meta, dim**-0.5), live
 
     run_step([0] * len(cached), [c if c else 0 for c in cached])  # what earlier steps cached
     out, live = run_step(cached, new, stage)
@@ -262,11 +273,16 @@ def check_paged_attention(kernel: bool, kv_heads: int, dim: int, block_size: int
     for i in live:
         # A chunk that starts its prompt attends over its fresh keys and values; everything else over the cache's.
         rounded = (lambda x: x) if cached[i] == 0 else (lambda x: x.to(kv_dtype).float())  # noqa: E731
-        dense = F.scaled_dot_product_attention(q[i][None].transpose(1, 2), rounded(k[i])[None].transpose(1, 2),
-                                               rounded(v[i])[None].transpose(1, 2), is_causal=False, enable_gqa=True,
-                                               attn_mask=torch.ones(total[i], total[i], dtype=torch.bool).tril())
-        expected = dense[0].transpose(0, 1)[cached[i]:]
-        torch.testing.assert_close(out[offset:offset + new[i]], expected)
+        dense = F.scaled_dot_product_attention(
+            q[i][None].transpose(1, 2),
+            rounded(k[i])[None].transpose(1, 2),
+            rounded(v[i])[None].transpose(1, 2),
+            is_causal=False,
+            enable_gqa=True,
+            attn_mask=torch.ones(total[i], total[i], dtype=torch.bool).tril(),
+        )
+        expected = dense[0].transpose(0, 1)[cached[i] :]
+        torch.testing.assert_close(out[offset : offset + new[i]], expected)
         offset += new[i]
     if kv_dtype != torch.float32:  # and the cache really holds the narrower values (not float32 ones)
         assert k_cache.dtype == kv_dtype and not torch.equal(rounded(k[5]), k[5])
@@ -330,8 +346,13 @@ def test_the_store_kernel_writes_what_index_copy_writes(dtype: torch.dtype) -> N
         kernels.store_kv_(untouched, torch.zeros_like(expected_k), bad, k, v)
     assert not untouched.any()
     with pytest.raises(RuntimeError, match="one dtype"):
-        kernels.store_kv_(torch.zeros_like(expected_k, dtype=torch.float16), torch.zeros_like(expected_k,
-                          dtype=torch.float16), slots, k, v)
+        kernels.store_kv_(
+            torch.zeros_like(expected_k, dtype=torch.float16),
+            torch.zeros_like(expected_k, dtype=torch.float16),
+            slots,
+            k,
+            v,
+        )
 
 
 def test_the_gelu_kernel_is_gpt2s_tanh_gelu() -> None:
@@ -339,8 +360,11 @@ def test_the_gelu_kernel_is_gpt2s_tanh_gelu() -> None:
 
     assert kernels.load() is not None, f"CPU kernels did not build: {kernels._failed}"
     # Whole vectors and a remainder, tiny and huge inputs (where the exponential saturates), and zero.
-    for x in (torch.linspace(-12, 12, 100_003), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 1e30, -1e30]),
-              torch.randn(7, 33) * 3):
+    for x in (
+        torch.linspace(-12, 12, 100_003),
+        torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 1e30, -1e30]),
+        torch.randn(7, 33) * 3,
+    ):
         expected = F.gelu(x.double(), approximate="tanh")
         got = kernels.gelu_tanh_(x.clone())
         assert got.dtype == torch.float32 and got.shape == x.shape
@@ -371,8 +395,11 @@ def test_top_k_and_top_p_filter_what_can_be_drawn() -> None:
 
 def test_each_row_uses_its_own_generator() -> None:
     logits = torch.zeros(3, 50)  # uniform: every draw consumes randomness
-    seeded, other, greedy = (SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0, seed=6),
-                             SamplingParams(temperature=0))
+    seeded, other, greedy = (
+        SamplingParams(temperature=1.0, seed=5),
+        SamplingParams(temperature=1.0, seed=6),
+        SamplingParams(temperature=0),
+    )
     g = seeded.new_generator()
     alone = [sample(logits[:1], [seeded], [g])[0] for _ in range(10)]
     g, g_other = seeded.new_generator(), other.new_generator()

@@ -1,474 +1,40 @@
-"""pylon.serving's engine end to end on tiny random GPT-2 and Llama models saved as Pylon exports (safetensors
-+ pylon_tokenizer.json for the byte tokenizer): greedy outputs token for token equal to `transformers`'
-own `generate`, under continuous batching, chunked prefill and preemption; abort, stop conditions, seeded
-sampling, validation, and the asyncio engine with its health check."""
+"""pylon.serving's engine beyond one synchronous loop: the asyncio engine and its health, half precision and
+device choices, narrower KV caches, the engine process and its pool, coalesced streams, and the CPU paths
+(oneDNN projections, padded rows, fixed-shape decode steps, one-copy uploads), each against `transformers`'
+own greedy outputs."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
 
-import fsspec
 import pytest
 import torch
+from engine_models import (
+    DEVICE,
+    GREEDY,
+    NEW_TOKENS,
+    ON_CUDA,
+    PROMPTS,
+    Family,
+    assert_pool_empty,
+    eventually,
+    run,
+    spec,
+    tokens_of,
+)
 from pydantic import ValidationError
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from pylon.data.tokenizer import ByteTokenizer
 from pylon.errors import PylonError
-from pylon.serving.engine.engine import AsyncLLMEngine, LLMEngine
-from pylon.serving.errors import EngineDeadError, InvalidRequest
+from pylon.serving.engine.engine import AsyncLLMEngine
 from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.errors import EngineDeadError, InvalidRequest
 from pylon.specs import EngineSpec
-
-# Where the engines and the reference models run: `make test-gpu` sets PYLON_TEST_DEVICE=cuda on a machine with a
-# GPU (the CUDA path: decode attention through PyTorch, not the CPU kernel); everywhere else, the CPU.
-DEVICE = os.environ.get("PYLON_TEST_DEVICE", "cpu")
-if DEVICE not in ("cpu", "cuda"):
-    raise ValueError(f"PYLON_TEST_DEVICE must be cpu or cuda (got {DEVICE!r})")
-ON_CUDA = DEVICE == "cuda"
-# head_dim 32: the CPU decode kernel's vectorised path (pylon.serving.model.kernels), as real models take it.
-FAMILIES = {
-    "gpt2": {"n_layer": 2, "n_head": 4, "n_embd": 128, "n_positions": 256, "vocab_size": 320},
-    "llama": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 256, "vocab_size": 320},
-}
-PROMPT_LENGTHS = (3, 17, 40, 90, 5, 64, 33, 8)
-NEW_TOKENS = 20
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
-
-
-def spec(**fields) -> EngineSpec:
-    """The tests' engine: small, on DEVICE, in fp32 as the reference computes (`auto` would be bf16 on a GPU)."""
-    return EngineSpec(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, "kv_cache_tokens": 2048, "block_size": 16,
-                         "max_model_len": 256, "device": DEVICE, "dtype": "fp32", **fields})
-
-
-def make_prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-PROMPTS = make_prompts()
-
-
-class Family:
-    """A tiny random model saved as a Pylon export, and `transformers`' greedy continuation of each prompt."""
-
-    def __init__(self, name: str, directory: Path):
-        tok = ByteTokenizer()
-        # initializer_range 0.5 (not 0.02): a model at the default scale mostly repeats one token, which a
-        # broken attention could reproduce too; this one's continuations depend on the context, with
-        # comfortable gaps between the best two logits so fp32 rounding never flips an argmax.
-        config = AutoConfig.for_model(name, **FAMILIES[name], eos_token_id=tok.eos_id, bos_token_id=tok.eos_id,
-                                      pad_token_id=tok.pad_id, initializer_range=0.5)
-        torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        self.model.save_pretrained(directory)
-        self.model.to(DEVICE)
-        # What `pylon export` writes: the run's tokenizer identity (TokenizerInfo) as JSON.
-        (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
-        self.name, self.dir = name, str(directory)
-        self.greedy = [self.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
-
-    def hf_greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt], device=DEVICE)
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  do_sample=False, eos_token_id=256, pad_token_id=257)
-        return out[0, len(prompt):].tolist()
-
-    def engine(self, **fields) -> LLMEngine:
-        return LLMEngine(self.dir, spec(**fields))
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory) -> Family:
-    return Family(request.param, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory) -> Family:
-    return Family("gpt2", tmp_path_factory.mktemp("gpt2-only"))
-
-
-def run(engine: LLMEngine, steps: int | None = None) -> dict[str, list]:
-    """Step until done (or `steps` steps); every request's outputs, by id."""
-    outputs: dict[str, list] = {}
-    n = 0
-    while engine.has_unfinished() and (steps is None or n < steps):
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-        n += 1
-    return outputs
-
-
-def eventually(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def tokens_of(outs) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
-
-
-def assert_pool_empty(engine: LLMEngine) -> None:
-    stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks and stats.kv_cache_utilization == 0.0
-    assert stats.num_running == stats.num_waiting == 0
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Greedy outputs equal transformers' generate
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_reference_continuations_are_not_trivial(family: Family) -> None:
-    # Guards the premise of the comparisons below: outputs that vary with the prompt and within themselves.
-    assert len({tuple(g) for g in family.greedy}) == len(PROMPTS)
-    assert all(len(set(g)) > 3 for g in family.greedy)
-
-
-def test_continuous_batching_matches_transformers_greedy(family: Family) -> None:
-    engine = family.engine()
-    for i in range(5):
-        engine.add_request(f"r{i}", PROMPTS[i], GREEDY)
-    outputs = run(engine, steps=4)  # the first five are mid-decode when the rest arrive
-    assert all(len(tokens_of(outputs[f"r{i}"])) >= 2 for i in range(5))
-    for i in range(5, len(PROMPTS)):
-        engine.add_request(f"r{i}", PROMPTS[i], GREEDY)
-    for rid, outs in run(engine).items():
-        outputs.setdefault(rid, []).extend(outs)
-
-    for i, expected in enumerate(family.greedy):
-        outs = outputs[f"r{i}"]
-        assert tokens_of(outs) == expected, f"prompt {i} ({len(PROMPTS[i])} tokens)"
-        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
-        assert outs[-1].finish_reason == ("stop" if expected[-1] == 256 else "length")
-        assert outs[-1].num_output_tokens == len(expected) and outs[-1].num_prompt_tokens == len(PROMPTS[i])
-    stats = engine.stats()
-    assert stats.prompt_tokens_total == sum(PROMPT_LENGTHS)
-    assert stats.generation_tokens_total == sum(len(g) for g in family.greedy)
-    assert_pool_empty(engine)
-
-
-def test_chunked_prefill_matches_transformers_greedy(family: Family) -> None:
-    engine = family.engine(max_num_batched_tokens=16, block_size=4)
-    if not ON_CUDA:  # on an AVX-512 or AVX2 CPU the chunks go through the prefill kernel (head_dim 32, float32)
-        from pylon.serving.model import kernels
-
-        assert engine.runner.prefill == kernels.prefill_usable(torch.float32, torch.float32, 32)
-        assert engine.runner.prefill or not kernels.load().has_prefill() or os.environ.get("PYLON_PREFILL_KERNEL")
-    steps = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        batch = schedule()
-        steps.append([(s.request.request_id, s.start, s.num_new_tokens, s.request.num_prompt_tokens)
-                      for s in batch.scheduled])
-        return batch
-
-    engine.scheduler.schedule = recording_schedule
-    result = engine.generate(PROMPTS, GREEDY)
-    assert [r.token_ids for r in result] == family.greedy
-
-    assert all(sum(n for _, _, n, _ in step) <= 16 for step in steps)
-    # Prompts longer than the budget were split across steps, and chunks shared steps with decodes.
-    assert any(0 < start < prompt_len for step in steps for _, start, _, prompt_len in step)
-    assert any(any(start >= prompt_len for _, start, _, prompt_len in step)
-               and any(start + n < prompt_len for _, start, n, prompt_len in step) for step in steps)
-    assert_pool_empty(engine)
-
-
-def test_preemption_recomputes_and_matches_transformers_greedy(family: Family) -> None:
-    # 256 tokens of KV (32 blocks of 8): each request fits alone, all eight together (~400 tokens) do not.
-    engine = family.engine(kv_cache_tokens=256, block_size=8, max_num_batched_tokens=64)
-    result = engine.generate(PROMPTS, GREEDY)
-    assert [r.token_ids for r in result] == family.greedy
-    assert engine.stats().num_preemptions_total > 0
-    assert_pool_empty(engine)
-
-
-def test_model_from_a_uri_and_max_model_len_capped_at_the_models_positions(gpt2: Family) -> None:
-    fs = fsspec.filesystem("memory")
-    for path in Path(gpt2.dir).iterdir():
-        fs.pipe(f"/serving-test/model/{path.name}", path.read_bytes())
-    engine = LLMEngine("memory://serving-test/model", spec(max_model_len=1024, kv_cache_tokens=1024))
-    assert engine.max_model_len == 256  # n_positions
-    assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == gpt2.greedy[1]
-
-
-def test_a_damaged_file_of_a_remote_model_is_named_by_the_models_uri(gpt2: Family) -> None:
-    """A remote model is loaded from a temporary copy, removed afterwards: the error names the model as given (the
-    place to fix the file), not the copy."""
-    fs = fsspec.filesystem("memory")
-    for path in Path(gpt2.dir).iterdir():
-        data = path.read_bytes()
-        fs.pipe(f"/serving-test/damaged/{path.name}", data[:len(data) // 2] if path.suffix == ".safetensors" else data)
-    with pytest.raises(PylonError) as raised:
-        LLMEngine("memory://serving-test/damaged", spec())
-    message = str(raised.value)
-    assert message.startswith("model memory://") and \
-        "serving-test/damaged: weights file model.safetensors is damaged" in message
-    assert "pylon-model-" not in message
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Finishing: abort, length, stop strings, stop tokens, eos
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_abort_frees_slot_and_blocks_at_the_next_step(gpt2: Family) -> None:
-    engine = gpt2.engine(max_num_seqs=2)
-    for i in range(3):
-        engine.add_request(f"r{i}", PROMPTS[i + 2], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
-    run(engine, steps=3)
-    assert [r.request_id for r in engine.scheduler.running] == ["r0", "r1"]
-    held = len(engine.pool.block_table("r0"))
-    free_before = engine.pool.num_free_blocks
-    assert held > 0
-
-    engine.abort("r0")  # running
-    engine.abort("r2")  # still waiting: the sequence cap is 2
-    engine.abort("no-such-request")
-    assert engine.pool.num_free_blocks == free_before  # nothing happens until the next step
-    outs = engine.step()
-    aborted = {o.request_id: o for o in outs if o.finish_reason == "abort"}
-    assert set(aborted) == {"r0", "r2"}
-    assert engine.pool.block_table("r0") == [] and "r0" not in engine.scheduler.requests
-    assert [r.request_id for r in engine.scheduler.running] == ["r1"]
-    assert engine.pool.num_free_blocks >= free_before + held - 1  # r1 may have taken one block this step
-    rest = run(engine)
-    assert rest["r1"][-1].finish_reason == "length"
-    assert engine.stats().requests_finished_total == {"abort": 2, "length": 1}
-    assert_pool_empty(engine)
-    engine.add_request("r0", PROMPTS[0], GREEDY)  # a finished id may be used again
-
-
-def test_max_tokens_finishes_with_length(gpt2: Family) -> None:
-    [c] = gpt2.engine().generate([PROMPTS[0]], SamplingParams(max_tokens=7, temperature=0))
-    assert (c.token_ids, c.finish_reason) == (gpt2.greedy[0][:7], "length")
-
-
-def test_max_tokens_none_runs_to_max_model_len(gpt2: Family) -> None:
-    [c] = gpt2.engine(max_model_len=40).generate([PROMPTS[1]], SamplingParams(max_tokens=None, temperature=0,
-                                                                               ignore_eos=True))
-    assert len(c.token_ids) == 40 - len(PROMPTS[1]) and c.finish_reason == "length"
-
-
-def test_stop_strings_truncate_the_text(gpt2: Family) -> None:
-    engine = gpt2.engine()
-    [full] = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
-    text = full.text
-    # A two-character stop string taken from the middle of the greedy text (no replacement characters).
-    k = next(k for k in range(3, len(text) - 2) if "\ufffd" not in text[k:k + 2])
-    stop = text[k:k + 2]
-    expected = text[:text.find(stop)]
-
-    engine.add_request("s", PROMPTS[3], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True,
-                                                       stop=["never-appears", stop]))
-    outs = run(engine)["s"]
-    assert "".join(o.text for o in outs) == expected
-    assert outs[-1].finish_reason == "stop"
-    assert tokens_of(outs) == full.token_ids[:len(tokens_of(outs))] and len(tokens_of(outs)) < 60
-    assert_pool_empty(engine)
-
-
-def test_stop_token_ids_and_eos(gpt2: Family) -> None:
-    expected = gpt2.greedy[3]
-    stop_at = next(i for i in range(3, len(expected)) if expected[i] not in expected[:i])
-    engine = gpt2.engine()
-    [c] = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
-                                                       stop_token_ids=[expected[stop_at]]))
-    assert c.token_ids == expected[:stop_at + 1] and c.finish_reason == "stop"
-    assert c.text == ByteTokenizer().decode(expected[:stop_at])  # the stop token is not text
-
-    # The tokenizer's eos stops the same way, unless ignore_eos.
-    engine.tokenizer = ByteTokenizer(eos_id=expected[stop_at])
-    [c] = engine.generate([PROMPTS[3]], GREEDY)
-    assert c.token_ids == expected[:stop_at + 1] and c.finish_reason == "stop"
-    [c] = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
-    assert c.token_ids == expected and c.finish_reason == "length"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_seeded_sampling_is_reproducible_and_independent_of_batch_companions(gpt2: Family) -> None:
-    engine = gpt2.engine()
-    seeded = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
-    [alone] = engine.generate([PROMPTS[2]], seeded)
-    [again] = engine.generate([PROMPTS[2]], seeded)
-    assert again.token_ids == alone.token_ids
-    companions = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=s) for s in (1, 2)] + [
-        SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0), GREEDY]
-    batch = engine.generate([PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[1], PROMPTS[3]],
-                            [companions[0], seeded, companions[1], companions[2], companions[3]])
-    assert batch[1].token_ids == alone.token_ids
-    assert batch[4].token_ids == gpt2.greedy[3]
-    [other_seed] = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0,
-                                                                top_p=0.9, top_k=50, seed=99))
-    assert other_seed.token_ids != alone.token_ids
-    assert alone.token_ids != gpt2.greedy[2]  # it did sample
-
-
-def test_top_k_1_is_greedy(gpt2: Family) -> None:
-    result = gpt2.engine().generate(PROMPTS[:3], SamplingParams(max_tokens=NEW_TOKENS, temperature=1.5, top_k=1))
-    assert [r.token_ids for r in result] == gpt2.greedy[:3]
-
-
-def test_extreme_sampling_parameters_never_break_the_step_for_the_batch(gpt2: Family) -> None:
-    """Any temperature in (0, 100] and any top_k are a request's to give. 1e-40 is 0 in float32 and x / 1e-30
-    overflows: before, such a request made the draw see NaN and the whole step (every request of the engine)
-    fail. A near-zero temperature is the limit softmax tends to, the argmax: greedy's tokens."""
-    engine = gpt2.engine()
-    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=t, seed=3) for t in (1e-40, 1e-30, 1e-300)] + [
-        SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=2**70, seed=3),
-        SamplingParams(max_tokens=NEW_TOKENS, temperature=100.0, top_p=1e-9, seed=3), GREEDY]
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[4], PROMPTS[5]]
-    results = engine.generate(prompts, params)
-    assert [r.token_ids for r in results[:3]] == gpt2.greedy[:3]
-    assert len(results[3].token_ids) == NEW_TOKENS and results[3].finish_reason == "length"
-    assert results[4].token_ids == gpt2.greedy[4]  # top_p that small keeps only the best token
-    assert results[5].token_ids == gpt2.greedy[5]
-    [unbounded] = engine.generate([PROMPTS[3]], params[3])
-    [all_k] = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=0, seed=3))
-    assert unbounded.token_ids == all_k.token_ids  # a top_k past the vocabulary keeps every token
-    assert_pool_empty(engine)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("fields, param", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"seed": "x"}, "seed"),
-    ({"stop": [""]}, "stop"),
-    ({"stop": [1]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"ignore_eos": "yes"}, "ignore_eos"),
-])
-def test_sampling_params_errors_name_the_parameter(fields: dict, param: str) -> None:
-    with pytest.raises(InvalidRequest) as e:
-        SamplingParams(**fields)
-    assert e.value.param == param and param in str(e.value)
-    assert isinstance(e.value, ValueError)
-
-
-def test_sampling_params_accept_openai_and_vllm_spellings() -> None:
-    p = SamplingParams(stop="###", top_k=-1)
-    assert (p.stop, p.top_k) == (["###"], 0)
-
-
-def test_request_errors_name_the_parameter(gpt2: Family) -> None:
-    engine = gpt2.engine(max_model_len=64, kv_cache_tokens=64)
-    cases = [
-        (("a", "x" * 64, GREEDY), "prompt"),  # 64 tokens: no room left for output
-        (("a", "", GREEDY), "prompt"),
-        (("a", [1, 2, 320], GREEDY), "prompt"),  # past the vocabulary
-        (("a", 12345, GREEDY), "prompt"),
-        (("a", "x" * 50, SamplingParams(max_tokens=15)), "max_tokens"),  # 50 + 15 > 64
-        (("", "hi", GREEDY), "request_id"),
-    ]
-    for args, param in cases:
-        with pytest.raises(InvalidRequest) as e:
-            engine.add_request(*args)
-        assert e.value.param == param, (args, e.value)
-    engine.add_request("a", "x" * 50, SamplingParams(max_tokens=14))  # exactly max_model_len: fine
-    with pytest.raises(InvalidRequest) as e:
-        engine.add_request("a", "hi", GREEDY)
-    assert e.value.param == "request_id" and "already in use" in str(e.value)
-
-
-def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(gpt2: Family) -> None:
-    """The engine's step loop waits while a prompt is tokenized (21 s for 15 MB with a byte-level BPE): one that is
-    longer in characters than max_model_len tokens can cover is refused on its length, and a list of token ids on
-    its length before each id is looked at."""
-    engine = gpt2.engine(max_model_len=64, kv_cache_tokens=64)
-    encoded = []
-
-    class Spy:  # the byte tokenizer, counting what it is asked to encode
-        def __getattr__(self, name):
-            return getattr(gpt2_tokenizer, name)
-
-        def encode(self, text):
-            encoded.append(len(text))
-            return gpt2_tokenizer.encode(text)
-
-    gpt2_tokenizer, engine.tokenizer = engine.tokenizer, Spy()
-    with pytest.raises(InvalidRequest) as e:
-        engine.add_request("big", "é" * 5_000_000, GREEDY)
-    assert e.value.param == "prompt" and "5000000 characters" in str(e.value) and "max_model_len (64)" in str(e.value)
-    with pytest.raises(InvalidRequest) as e:
-        engine.add_request("ids", [1] * 1_000_000 + ["not an id"], GREEDY)
-    assert e.value.param == "prompt" and "1000001 tokens" in str(e.value)
-    assert encoded == []
-    with pytest.raises(InvalidRequest) as e:  # 40 characters could be 40 tokens, but are 80 bytes: tokenized
-        engine.add_request("two-byte", "é" * 40, GREEDY)
-    assert encoded == [40] and "80 tokens" in str(e.value)
-    [done] = engine.generate(["é" * 20], SamplingParams(max_tokens=3, temperature=0))
-    assert len(done.token_ids) == 3 and encoded == [40, 20]
-
-
-def test_unsupported_model_type_and_missing_tokenizer_are_clear(gpt2: Family, tmp_path: Path) -> None:
-    neox = tmp_path / "neox"
-    neox.mkdir()
-    (neox / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
-    (neox / "pylon_tokenizer.json").write_text(Path(gpt2.dir, "pylon_tokenizer.json").read_text())
-    with pytest.raises(PylonError, match=r"model_type 'gpt_neox' is not supported.*gpt2, llama"):
-        LLMEngine(str(neox), EngineSpec(device="cpu"))
-
-    no_tokenizer = tmp_path / "no-tok"
-    no_tokenizer.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (no_tokenizer / name).write_bytes(Path(gpt2.dir, name).read_bytes())
-    with pytest.raises(PylonError, match="has no tokenizer"):
-        LLMEngine(str(no_tokenizer), EngineSpec(device="cpu"))
-
-
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "tokenizer-not-json", "tokenizer-not-object"])
-def test_damaged_weights_and_tokenizer_files_are_named(gpt2: Family, tmp_path: Path, damage: str) -> None:
-    """A model directory with a truncated or foreign weights file, none at all, or a broken pylon_tokenizer.json: the
-    error names the directory and the file, and says what to do (transformers' and safetensors' own say "Error while
-    deserializing header: incomplete metadata, file not fully covered", naming neither)."""
-    model = tmp_path / "model"
-    shutil.copytree(gpt2.dir, model)
-    weights = model / "model.safetensors"
-    data = weights.read_bytes()
-    expected = {"truncated": r"weights file model\.safetensors is damaged \(SafetensorError: .*incomplete metadata",
-                "garbage": r"weights file model\.safetensors is damaged",
-                "missing": r"has no weights \(no \*\.safetensors or pytorch_model\.bin file\)",
-                "tokenizer-not-json": r"pylon_tokenizer\.json cannot be read \(Expecting",
-                "tokenizer-not-object": r"pylon_tokenizer\.json cannot be read \(a JSON object was expected"}[damage]
-    if damage == "truncated":
-        weights.write_bytes(data[:len(data) // 2])
-    elif damage == "garbage":
-        weights.write_bytes(b"\x00" * 100)
-    elif damage == "missing":
-        weights.unlink()
-    else:
-        (model / "pylon_tokenizer.json").write_text("{oops" if damage == "tokenizer-not-json" else "[1, 2]")
-    with pytest.raises(PylonError, match=expected) as raised:
-        LLMEngine(str(model), EngineSpec(device="cpu"))
-    assert str(model) in str(raised.value)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # AsyncLLMEngine
@@ -534,6 +100,7 @@ def test_async_health_follows_the_step_loop(gpt2: Family) -> None:
     engine = AsyncLLMEngine(inner, heartbeat_timeout_s=0.5)
     execute, release = inner.runner.execute, threading.Event()
     try:
+
         def stuck(*args):
             release.wait(30)
             return execute(*args)
@@ -590,9 +157,15 @@ def test_half_precision_on_a_gpu_follows_the_models_own_greedy(family: Family, d
     expected = []
     for prompt in PROMPTS:
         ids = torch.tensor([prompt], device=DEVICE)
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
-                                 eos_token_id=256, pad_token_id=257)
-        expected.append(out[0, len(prompt):].tolist())
+        out = reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=2,
+            do_sample=False,
+            eos_token_id=256,
+            pad_token_id=257,
+        )
+        expected.append(out[0, len(prompt) :].tolist())
     engine = family.engine(dtype=dtype)
     assert engine.runner.model.dtype == torch_dtype and engine.runner.k_cache[0].dtype == torch_dtype
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -649,10 +222,12 @@ def test_a_narrower_kv_cache_stays_close_to_the_models_own_greedy(family: Family
     here (7-20 agree; with a float32 cache all 20 do), fp8's 3 mantissa bits most first tokens and soon part from
     it. The kernel and the PyTorch path read the same cache and must agree token for token."""
     results = {}
-    for kernel in ((False,) if ON_CUDA else (True, False)):  # the compiled kernel is a CPU's
+    for kernel in (False,) if ON_CUDA else (True, False):  # the compiled kernel is a CPU's
         engine = family.engine(kv_cache_dtype=kv, max_num_batched_tokens=512)  # no prompt is chunked
-        assert engine.runner.k_cache[0].dtype == {"bf16": torch.bfloat16, "fp16": torch.float16,
-                                                  "fp8": torch.float8_e4m3fn}[kv]
+        assert (
+            engine.runner.k_cache[0].dtype
+            == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[kv]
+        )
         assert engine.runner.kernel is not ON_CUDA  # the kernel reads narrow caches (fp32 compute on a CPU)
         engine.runner.kernel = kernel
         for i, prompt in enumerate(PROMPTS):
@@ -776,8 +351,9 @@ def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family
     message per step. The tokens are the same either way."""
     from pylon.serving.engine.process import ProcessLLMEngine
 
-    engine = ProcessLLMEngine.from_model(gpt2.dir, spec(max_num_seqs=4, max_num_batched_tokens=128,
-                                                        kv_cache_tokens=4096))
+    engine = ProcessLLMEngine.from_model(
+        gpt2.dir, spec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=4096)
+    )
     received = []
     deliver = engine._deliver_step
     engine._deliver_step = lambda outputs: (received.append([o.request_id for o in outputs]), deliver(outputs))
@@ -786,6 +362,7 @@ def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family
     async def run(interval: float) -> list:
         async def one(i: int) -> list:
             return [o async for o in engine.generate(f"{interval}-{i}", PROMPTS[i], params, interval_s=interval)]
+
         return await asyncio.gather(*(one(i) for i in range(4)))
 
     try:
@@ -923,9 +500,8 @@ def test_no_step_compiles_a_kernel_and_prompt_steps_run_padded_rows(family: Fami
     import ctypes
     import re
 
-    from pylon.settings import switched_on
-
     from pylon.serving.model import linear
+    from pylon.settings import switched_on
 
     if ON_CUDA or not linear.usable(torch.device("cpu"), torch.float32):
         pytest.skip("oneDNN projections are the CPU's")

@@ -1,4 +1,5 @@
-"""pylon.serving.engine.sched_batch: CPU serving processes move every thread to SCHED_BATCH, and can be given it back."""
+"""pylon.serving.engine.sched_batch: CPU serving processes move every thread to SCHED_BATCH, and get it back."""
+
 from __future__ import annotations
 
 import os

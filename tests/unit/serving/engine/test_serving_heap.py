@@ -1,4 +1,5 @@
 """pylon.serving.engine.heap: an engine process reuses the memory its steps free instead of faulting in fresh pages."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,13 @@ print(json.dumps({"kept": kept, "faults": resource.getrusage(resource.RUSAGE_SEL
 def churn(mode: str, env: dict | None = None) -> dict:
     import os
 
-    out = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True, check=True,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-c", CHURN, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **(env or {})},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -70,16 +76,28 @@ def test_a_cpu_engine_process_starts_with_tcmalloc_preloaded(tmp_path, monkeypat
 ALLOCATOR = "from pylon.serving.engine import heap; print(heap.allocator(), heap.keep_freed_memory())"
 
 
-@pytest.mark.skipif(heap.tcmalloc_path() is None, reason="TCMalloc is not installed (make setup installs "
-                                                          "libtcmalloc-minimal4 where it runs as root)")
+@pytest.mark.skipif(
+    heap.tcmalloc_path() is None,
+    reason="TCMalloc is not installed (make setup installs libtcmalloc-minimal4 where it runs as root)",
+)
 def test_the_preloaded_tcmalloc_is_the_process_malloc() -> None:
     """A process started with `engine_process_env("cpu")` runs on TCMalloc (and leaves glibc's thresholds alone);
     one started without it, on glibc's malloc."""
-    preloaded = subprocess.run([sys.executable, "-c", ALLOCATOR], capture_output=True, text=True, check=True,
-                               env=heap.engine_process_env("cpu"))
+    preloaded = subprocess.run(
+        [sys.executable, "-c", ALLOCATOR],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=heap.engine_process_env("cpu"),
+    )
     assert preloaded.stdout.split() == ["tcmalloc", "False"]
-    plain = subprocess.run([sys.executable, "-c", ALLOCATOR], capture_output=True, text=True, check=True,
-                           env=heap.engine_process_env("cuda"))
+    plain = subprocess.run(
+        [sys.executable, "-c", ALLOCATOR],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=heap.engine_process_env("cuda"),
+    )
     assert plain.stdout.split() == ["glibc", "True"]
 
 

@@ -2,6 +2,7 @@
 tiny random GPT-2 export behind it, real HTTP clients (requests, the `openai` client) in front. Routing, errors as
 OpenAI's JSON, auth, streaming, and the SSE chunks' JSON. Serve's own parts (X-Request-Id, disconnects cancelling
 the request, HAProxy) are in tests/integration/test_serving.py."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pylon.data.tokenizer import ByteTokenizer
 from pylon.serving.api import http as serving_http
-from pylon.serving.api import server as serving_server
 from pylon.serving.api import protocol
+from pylon.serving.api import server as serving_server
 
 KEY = "sk-unit-test-key"
 
@@ -25,8 +26,17 @@ KEY = "sk-unit-test-key"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     tok = ByteTokenizer()
-    config = AutoConfig.for_model("gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_size=320,
-                                  eos_token_id=tok.eos_id, bos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    config = AutoConfig.for_model(
+        "gpt2",
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        n_positions=128,
+        vocab_size=320,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    )
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("http-model")
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
@@ -44,11 +54,23 @@ def server(model_dir):
     from pylon.specs import DeploymentSpec
 
     os.environ["PYLON_SCHED_BATCH"] = "0"  # leave this test process's threads at their policy
-    spec = DeploymentSpec.model_validate({
-        "kind": "Deployment", "name": "tiny", "model": model_dir,
-        "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 128, "kv_cache_tokens": 1024, "max_model_len": 128,
-                   "device": "cpu", "dtype": "fp32", "separate_process": False},
-        "http": {"api_keys_env": "PYLON_TEST_HTTP_KEYS", "stream_interval_ms": 20, "max_queued_requests": 8}})
+    spec = DeploymentSpec.model_validate(
+        {
+            "kind": "Deployment",
+            "name": "tiny",
+            "model": model_dir,
+            "engine": {
+                "max_num_seqs": 4,
+                "max_num_batched_tokens": 128,
+                "kv_cache_tokens": 1024,
+                "max_model_len": 128,
+                "device": "cpu",
+                "dtype": "fp32",
+                "separate_process": False,
+            },
+            "http": {"api_keys_env": "PYLON_TEST_HTTP_KEYS", "stream_interval_ms": 20, "max_queued_requests": 8},
+        }
+    )
     # as build_app does: the env var's keys become digests, and the replica gets only those
     digests = serving_http.api_key_digests(spec, {"PYLON_TEST_HTTP_KEYS": f"{KEY},sk-other"})
     replica = serving_server.PylonLLMServer(spec.model_dump(mode="json"), digests)
@@ -56,8 +78,11 @@ def server(model_dir):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    http = uvicorn.Server(uvicorn.Config(replica.__serve_build_asgi_app__(), host="127.0.0.1", port=port,
-                                         log_level="warning", lifespan="on"))
+    http = uvicorn.Server(
+        uvicorn.Config(
+            replica.__serve_build_asgi_app__(), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+        )
+    )
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -82,7 +107,7 @@ def sse(r) -> list:
         if not block:
             continue
         assert block.startswith("data: "), block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -95,8 +120,12 @@ def test_completions_streamed_and_not_agree_and_count_usage(server):
     assert whole["usage"] == {"prompt_tokens": 11, "completion_tokens": 24, "total_tokens": 35}
     assert whole["choices"][0]["finish_reason"] == "length" and whole["object"] == "text_completion"
 
-    r = requests.post(f"{server}/v1/completions", headers=auth(), timeout=60,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    r = requests.post(
+        f"{server}/v1/completions",
+        headers=auth(),
+        timeout=60,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
     events = sse(r)
     assert events[-1] == "[DONE]"
@@ -104,7 +133,8 @@ def test_completions_streamed_and_not_agree_and_count_usage(server):
     assert usage["choices"] == [] and usage["usage"] == whole["usage"]
     assert len(chunks) >= 2  # streamed, not one blob
     assert {(c["id"], c["created"], c["model"], c["object"]) for c in chunks + [usage]} == {
-        (chunks[0]["id"], chunks[0]["created"], "tiny", "text_completion")}
+        (chunks[0]["id"], chunks[0]["created"], "tiny", "text_completion")
+    }
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]  # greedy: the same text
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
 
@@ -114,11 +144,15 @@ def test_chat_streams_the_role_first_and_the_openai_client_reads_it(server):
 
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "hi"}]
-    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert whole.usage.completion_tokens == 12 and whole.choices[0].message.role == "assistant"
-    parts = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True}))
+    parts = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert parts[0].choices[0].delta.role == "assistant" and parts[0].choices[0].delta.content == ""
     assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
     assert parts[-1].choices[0].finish_reason == "length"
@@ -135,31 +169,46 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
 
     url = f"{server}/v1/chat/completions"
     base = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
-    neutral = [{"tools": [], "tool_choice": "none", "parallel_tool_calls": True},
-               {"tool_choice": "auto", "tools": None, "top_logprobs": 0},
-               {"response_format": {"type": "text"}},
-               {"messages": [{"role": "user", "content": "what is 2+2?"},
-                             {"role": "assistant", "content": "", "tool_calls": []},
-                             {"role": "tool", "content": "4", "tool_call_id": "call_1"}]}]
+    neutral = [
+        {"tools": [], "tool_choice": "none", "parallel_tool_calls": True},
+        {"tool_choice": "auto", "tools": None, "top_logprobs": 0},
+        {"response_format": {"type": "text"}},
+        {
+            "messages": [
+                {"role": "user", "content": "what is 2+2?"},
+                {"role": "assistant", "content": "", "tool_calls": []},
+                {"role": "tool", "content": "4", "tool_call_id": "call_1"},
+            ]
+        },
+    ]
     for extra in neutral:
         r = requests.post(url, headers=auth(), json={**base, **extra}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, (extra, r.text)
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
-    reply = client.chat.completions.create(model="tiny", messages=base["messages"], max_tokens=3,
-                                           response_format={"type": "text"})
+    reply = client.chat.completions.create(
+        model="tiny", messages=base["messages"], max_tokens=3, response_format={"type": "text"}
+    )
     assert reply.usage.completion_tokens == 3
 
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
-    refused = [({"tools": [tool]}, "tools", "function calling"),
-               ({"tool_choice": "required"}, "tool_choice", 'tool_choice "required" is not supported'),
-               ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice", "calls no tools"),
-               ({"response_format": {"type": "json_object"}}, "response_format", '"json_object" is not supported'),
-               ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-                "response_format", "structured output"),
-               ({"response_format": {"schema": {}}}, "response_format.type", "missing required field"),
-               ({"top_logprobs": 2}, "top_logprobs", "not supported"),
-               ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]}]},
-                "messages.0.tool_calls", "messages[0].tool_calls: tool calls are not supported")]
+    refused = [
+        ({"tools": [tool]}, "tools", "function calling"),
+        ({"tool_choice": "required"}, "tool_choice", 'tool_choice "required" is not supported'),
+        ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice", "calls no tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format", '"json_object" is not supported'),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+            "structured output",
+        ),
+        ({"response_format": {"schema": {}}}, "response_format.type", "missing required field"),
+        ({"top_logprobs": 2}, "top_logprobs", "not supported"),
+        (
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]}]},
+            "messages.0.tool_calls",
+            "messages[0].tool_calls: tool calls are not supported",
+        ),
+    ]
     for extra, param, words in refused:
         r = requests.post(url, headers=auth(), json={**base, **extra}, timeout=30)
         assert r.status_code == 400, (extra, r.text)
@@ -167,17 +216,26 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
         assert error["param"] == param and words in error["message"], (extra, error)
 
     packed = gzip.compress(json.dumps(base).encode())
-    r = requests.post(url, headers={**auth(), "Content-Type": "application/json", "Content-Encoding": "gzip"},
-                      data=packed, timeout=30)
+    r = requests.post(
+        url, headers={**auth(), "Content-Type": "application/json", "Content-Encoding": "gzip"}, data=packed, timeout=30
+    )
     assert r.status_code == 415 and r.json()["error"]["param"] == "body", r.text
     assert "'gzip' is not supported" in r.json()["error"]["message"]
     r = requests.post(url, headers={**auth(), "Content-Encoding": "identity"}, json=base, timeout=30)
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("method,path,status", [
-    ("GET", "/v1/nothing-here", 404), ("POST", "/", 404), ("GET", "/v1/completions", 405),
-    ("PUT", "/v1/chat/completions", 405), ("POST", "/v1/models", 405), ("DELETE", "/health", 405)])
+@pytest.mark.parametrize(
+    "method,path,status",
+    [
+        ("GET", "/v1/nothing-here", 404),
+        ("POST", "/", 404),
+        ("GET", "/v1/completions", 405),
+        ("PUT", "/v1/chat/completions", 405),
+        ("POST", "/v1/models", 405),
+        ("DELETE", "/health", 405),
+    ],
+)
 def test_unknown_paths_and_wrong_methods_are_json_errors(server, method, path, status):
     r = requests.request(method, f"{server}{path}", headers=auth(), timeout=30)
     assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
@@ -189,8 +247,9 @@ def test_unknown_paths_and_wrong_methods_are_json_errors(server, method, path, s
 
 def test_bad_bodies_auth_and_limits_are_4xx_and_the_server_still_answers(server, monkeypatch):
     url = f"{server}/v1/completions"
-    r = requests.post(url, headers={**auth(), "Content-Type": "application/json"}, data=b'{"model": "tiny", "prom',
-                      timeout=30)
+    r = requests.post(
+        url, headers={**auth(), "Content-Type": "application/json"}, data=b'{"model": "tiny", "prom', timeout=30
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
     r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokenz": 3}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokenz", r.text
@@ -207,10 +266,14 @@ def test_bad_bodies_auth_and_limits_are_4xx_and_the_server_still_answers(server,
     monkeypatch.undo()
     # Odd but valid parameters answer 200 and leave the engine serving (a temperature of 1e-40 used to make the
     # step's draw see NaN and stop the engine's loop: every later request a 503).
-    for odd in ({"temperature": 1e-40}, {"temperature": 1.0, "top_k": 2**70, "seed": 2**70},
-                {"stop_token_ids": [2**70], "stream": True, "stream_options": None}):
-        r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 3, **odd},
-                          timeout=30)
+    for odd in (
+        {"temperature": 1e-40},
+        {"temperature": 1.0, "top_k": 2**70, "seed": 2**70},
+        {"stop_token_ids": [2**70], "stream": True, "stream_options": None},
+    ):
+        r = requests.post(
+            url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 3, **odd}, timeout=30
+        )
         assert r.status_code == 200, (odd, r.text)
     health = requests.get(f"{server}/health", timeout=30)  # probes need no key
     ready = requests.get(f"{server}/ready", timeout=30).json()
@@ -233,16 +296,18 @@ def test_a_request_the_engine_fails_to_take_is_a_500_for_it_alone(server, monkey
 
     monkeypatch.setattr(protocol._Request, "sampling_params", corrupted)
     url = f"{server}/v1/completions"
-    r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 3, "user": "break"},
-                      timeout=30)
+    r = requests.post(
+        url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 3, "user": "break"}, timeout=30
+    )
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
     assert "could not take the request" in r.json()["error"]["message"]
     r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=30)
     assert r.status_code == 200 and requests.get(f"{server}/health", timeout=30).status_code == 200
 
 
-@pytest.mark.parametrize("text", ["", "plain", 'quotes " and \\ backslash', "new\nline\ttab\x01",
-                                  "unicode: é ü 你好 🙂", "</script>"])
+@pytest.mark.parametrize(
+    "text", ["", "plain", 'quotes " and \\ backslash', "new\nline\ttab\x01", "unicode: é ü 你好 🙂", "</script>"]
+)
 @pytest.mark.parametrize("reason", [None, "stop", "length"])
 def test_stream_events_are_the_chunk_dicts_json(text, reason):
     def dumped(obj):
@@ -271,8 +336,15 @@ def _pool_spec():
     """Two engine processes of the tiny model, small enough to start in seconds."""
     from pylon.specs import EngineSpec
 
-    return EngineSpec(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=1024, max_model_len=128,
-                      device="cpu", dtype="fp32", data_parallel=2)
+    return EngineSpec(
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        kv_cache_tokens=1024,
+        max_model_len=128,
+        device="cpu",
+        dtype="fp32",
+        data_parallel=2,
+    )
 
 
 def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
@@ -293,6 +365,7 @@ def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
                 if during is not None and i == 0:
                     during.append(engine.stats())
             return out
+
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
     pool = EnginePool.from_model(model_dir, spec)
@@ -304,7 +377,9 @@ def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
         # 8 requests at once: 4 to each engine (the one with the fewest open streams), none left waiting
         assert [s.requests_finished_total.get("length", 0) for s in per_engine] == [4, 4]
         total = pool.stats()
-        assert total.num_blocks == sum(s.num_blocks for s in per_engine) and total.requests_finished_total == {"length": 8}
+        assert total.num_blocks == sum(s.num_blocks for s in per_engine) and total.requests_finished_total == {
+            "length": 8
+        }
         assert total.generation_tokens_total == 8 * 12 and total.num_running == 0
         assert seen and max(s.num_running for s in seen) >= 1  # combined stats while streaming
         assert pool.check_health()
@@ -333,6 +408,7 @@ def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
     async def run(n):
         async def one(i):
             return [t async for o in pool.generate(f"r{i}", [5 + i, 6, 7], params) for t in o.token_ids]
+
         return await asyncio.gather(*(one(i) for i in range(n)))
 
     pool = EnginePool.from_model(model_dir, spec)
@@ -358,10 +434,14 @@ def test_engine_pool_children_split_the_cpus_or_take_a_gpu_each():
 
     assert _engine_envs(1, "cpu", {"OMP_NUM_THREADS": "8"}) == [{}]
     assert _engine_envs(2, "cpu", {"OMP_NUM_THREADS": "8"}) == [{"OMP_NUM_THREADS": "4"}] * 2
-    assert _engine_envs(4, "cpu", {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}) == [
-        {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}] * 4
-    assert _engine_envs(2, "cuda", {"CUDA_VISIBLE_DEVICES": "3,5"}) == [{"CUDA_VISIBLE_DEVICES": "3"},
-                                                                        {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert (
+        _engine_envs(4, "cpu", {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
+        == [{"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}] * 4
+    )
+    assert _engine_envs(2, "cuda", {"CUDA_VISIBLE_DEVICES": "3,5"}) == [
+        {"CUDA_VISIBLE_DEVICES": "3"},
+        {"CUDA_VISIBLE_DEVICES": "5"},
+    ]
     with pytest.raises(PylonError, match="data_parallel: 2 engines need 2 GPUs.*has 1.*num_gpus to 2"):
         _engine_envs(2, "cuda", {"CUDA_VISIBLE_DEVICES": "0"})
 
@@ -376,8 +456,9 @@ def test_data_parallel_spec_rules():
     base = {"kind": "Deployment", "name": "m", "model": "/m"}
     assert DeploymentSpec.model_validate({**base, "engine": {"data_parallel": 2}, "replica": {"num_cpus": 2}})
     with pytest.raises((PylonError, ValueError), match="replica.num_gpus.*data_parallel"):
-        DeploymentSpec.model_validate({**base, "engine": {"data_parallel": 2, "device": "cuda"},
-                                       "replica": {"num_gpus": 1}})
+        DeploymentSpec.model_validate(
+            {**base, "engine": {"data_parallel": 2, "device": "cuda"}, "replica": {"num_gpus": 1}}
+        )
 
 
 def test_an_engine_pool_that_cannot_load_says_why_and_leaves_no_process(tmp_path):
@@ -391,24 +472,37 @@ def test_an_engine_pool_that_cannot_load_says_why_and_leaves_no_process(tmp_path
     with pytest.raises(PylonError) as e:
         EnginePool.from_model(str(tmp_path), EngineSpec(device="cpu", data_parallel=2))
     assert str(tmp_path) in str(e.value)  # the loader's own message, naming the directory
-    left = [c for c in psutil.Process().children(recursive=True) if "pylon.serving.engine.process" in
-            " ".join(c.cmdline())]
+    left = [
+        c for c in psutil.Process().children(recursive=True) if "pylon.serving.engine.process" in " ".join(c.cmdline())
+    ]
     assert not left, left
 
 
-@pytest.mark.parametrize("body, param, message", [
-    (b'{"model": "m", "prompt": null}', "prompt",
-     "prompt: expected str, list[int], list[str] or list[list[int]] (got null)"),
-    (b'{"model": "m", "prompt": [1, "a"]}', "prompt", "(got [1, \"a\"])"),
-    (b'{"model": "m", "prompt": "x", "stop": 5}', "stop", "stop: expected str or list[str] (got 5)"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages.0.content",
-     "messages.0.content: expected str or list[dict[str,any]] (got 5)"),
-    (b'{"model": "m", "messages": [{"role": "bot", "content": "x"}]}', "messages.0.role", '(got "bot")'),
-    (b'{"model": "m", "prompt": "x", "temperature": "1"}', "temperature", 'valid number (got "1")'),
-    (b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": "yes"}}',
-     "stream_options.include_usage", 'valid boolean (got "yes")'),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "x", "name": 3}]}', "messages.0.name", "(got 3)"),
-])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        (
+            b'{"model": "m", "prompt": null}',
+            "prompt",
+            "prompt: expected str, list[int], list[str] or list[list[int]] (got null)",
+        ),
+        (b'{"model": "m", "prompt": [1, "a"]}', "prompt", '(got [1, "a"])'),
+        (b'{"model": "m", "prompt": "x", "stop": 5}', "stop", "stop: expected str or list[str] (got 5)"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": 5}]}',
+            "messages.0.content",
+            "messages.0.content: expected str or list[dict[str,any]] (got 5)",
+        ),
+        (b'{"model": "m", "messages": [{"role": "bot", "content": "x"}]}', "messages.0.role", '(got "bot")'),
+        (b'{"model": "m", "prompt": "x", "temperature": "1"}', "temperature", 'valid number (got "1")'),
+        (
+            b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": "yes"}}',
+            "stream_options.include_usage",
+            'valid boolean (got "yes")',
+        ),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x", "name": 3}]}', "messages.0.name", "(got 3)"),
+    ],
+)
 def test_type_errors_name_the_field_and_what_it_takes(body, param, message):
     """A union field's error names the field, not pydantic's branch ("prompt", not "prompt.str"), and lists the
     types it takes; values are shown as the client wrote them (JSON null, "strings"); nested objects are as strict

@@ -1,0 +1,136 @@
+"""What the engine tests share: tiny random GPT-2 and Llama models saved as Pylon exports (safetensors +
+pylon_tokenizer.json for the byte tokenizer), `transformers`' own greedy continuations of fixed prompts, and small
+helpers. `PYLON_TEST_DEVICE=cuda` (`make test-gpu`) runs them on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pylon.data.tokenizer import ByteTokenizer
+from pylon.serving.engine.engine import LLMEngine
+from pylon.serving.engine.sampling import SamplingParams
+from pylon.specs import EngineSpec
+
+# Where the engines and the reference models run: `make test-gpu` sets PYLON_TEST_DEVICE=cuda on a machine with a
+# GPU (the CUDA path: decode attention through PyTorch, not the CPU kernel); everywhere else, the CPU.
+DEVICE = os.environ.get("PYLON_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"PYLON_TEST_DEVICE must be cpu or cuda (got {DEVICE!r})")
+ON_CUDA = DEVICE == "cuda"
+# head_dim 32: the CPU decode kernel's vectorised path (pylon.serving.model.kernels), as real models take it.
+FAMILIES = {
+    "gpt2": {"n_layer": 2, "n_head": 4, "n_embd": 128, "n_positions": 256, "vocab_size": 320},
+    "llama": {
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "vocab_size": 320,
+    },
+}
+PROMPT_LENGTHS = (3, 17, 40, 90, 5, 64, 33, 8)
+NEW_TOKENS = 20
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+
+
+def spec(**fields) -> EngineSpec:
+    """The tests' engine: small, on DEVICE, in fp32 as the reference computes (`auto` would be bf16 on a GPU)."""
+    return EngineSpec(
+        **{
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 256,
+            "kv_cache_tokens": 2048,
+            "block_size": 16,
+            "max_model_len": 256,
+            "device": DEVICE,
+            "dtype": "fp32",
+            **fields,
+        }
+    )
+
+
+def make_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+PROMPTS = make_prompts()
+
+
+class Family:
+    """A tiny random model saved as a Pylon export, and `transformers`' greedy continuation of each prompt."""
+
+    def __init__(self, name: str, directory: Path):
+        tok = ByteTokenizer()
+        # initializer_range 0.5 (not 0.02): a model at the default scale mostly repeats one token, which a
+        # broken attention could reproduce too; this one's continuations depend on the context, with
+        # comfortable gaps between the best two logits so fp32 rounding never flips an argmax.
+        config = AutoConfig.for_model(
+            name,
+            **FAMILIES[name],
+            eos_token_id=tok.eos_id,
+            bos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+            initializer_range=0.5,
+        )
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        self.model.save_pretrained(directory)
+        self.model.to(DEVICE)
+        # What `pylon export` writes: the run's tokenizer identity (TokenizerInfo) as JSON.
+        (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+        self.name, self.dir = name, str(directory)
+        self.greedy = [self.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+
+    def hf_greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt], device=DEVICE)
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=256,
+            pad_token_id=257,
+        )
+        return out[0, len(prompt) :].tolist()
+
+    def engine(self, **fields) -> LLMEngine:
+        return LLMEngine(self.dir, spec(**fields))
+
+
+def run(engine: LLMEngine, steps: int | None = None) -> dict[str, list]:
+    """Step until done (or `steps` steps); every request's outputs, by id."""
+    outputs: dict[str, list] = {}
+    n = 0
+    while engine.has_unfinished() and (steps is None or n < steps):
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        n += 1
+    return outputs
+
+
+def eventually(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def tokens_of(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def assert_pool_empty(engine: LLMEngine) -> None:
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks and stats.kv_cache_utilization == 0.0
+    assert stats.num_running == stats.num_waiting == 0
