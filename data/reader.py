@@ -33,6 +33,7 @@ from pylon import home, storage
 from pylon.data.shards import (
     BadShardError,
     DataError,
+    ShardInfo,
     ShardManifest,
     decode_shard_table,
     read_manifest,
@@ -145,8 +146,6 @@ def _shard_datasource_class():
 
         def _read_stream(self, f, path: str):
             import pyarrow as pa
-
-            from pylon.data.shards import ShardInfo
 
             index, info_dict = self._shard_meta[_normalize(path)]
             info = ShardInfo(**info_dict)

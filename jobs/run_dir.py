@@ -20,14 +20,8 @@ from pylon import home, storage
 from pylon.specs import TrainJobSpec
 
 METRICS_FILE = "metrics.jsonl"
-
-
 RUN_FILE = "run.json"
-
-
 LOSS_PLOT = "loss.png"
-
-
 WORKERS_FILE = "workers.json"
 
 

@@ -24,10 +24,7 @@ from pylon import settings
 from pylon.errors import ClusterError
 
 STATE_FILE = "cluster.json"
-
-
 TOKEN_FILE = "auth_token"
-
 
 pylon_home = settings.pylon_home  # where Pylon keeps its local state: $PYLON_HOME, else ~/.pylon
 

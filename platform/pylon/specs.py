@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pylon.display import Html, html_table
 from pylon.errors import SpecError
 from pylon.presets import MODEL_PRESETS
 from pylon.storage import SUPPORTED_SCHEMES as _URI_SCHEMES
@@ -78,7 +79,6 @@ class _Spec(BaseModel):
     def _repr_html_(self) -> str:
         """Jupyter's view: a table of every field (nested specs as nested tables). Specs hold the names of
         environment variables, never secrets, so showing every field shows nothing private."""
-        from pylon.display import Html, html_table
 
         rows = []
         for field in type(self).model_fields:

@@ -12,6 +12,7 @@ import re
 from typing import TYPE_CHECKING
 
 from pylon.errors import PylonError
+from pylon.serving.api.protocol import error_body
 from pylon.specs import DeploymentSpec
 
 if TYPE_CHECKING:  # the server imports this module; the name is for type hints only
@@ -19,9 +20,7 @@ if TYPE_CHECKING:  # the server imports this module; the name is for type hints 
 
 
 RETRY_AFTER_S = 1
-
-
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def api_key_digests(spec: DeploymentSpec, environ: dict | None = None) -> list[str]:
@@ -40,16 +39,12 @@ def api_key_digests(spec: DeploymentSpec, environ: dict | None = None) -> list[s
 
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body past this is a 413 (a prompt of 100k token ids is ~0.7 MB)
-
-
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
 # path -> (method, handler): the whole API. Anything else is a 404, another method a 405, both as JSON.
-_ROUTES = {
+ROUTES = {
     "/v1/completions": ("POST", "_completions"),
     "/v1/chat/completions": ("POST", "_chat_completions"),
     "/v1/models": ("GET", "_models"),
@@ -58,40 +53,39 @@ _ROUTES = {
 }
 
 
-class _HttpError(Exception):
+class HttpError(Exception):
     def __init__(self, status: int, message: str, *, type: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client disconnected before its request body had arrived: nothing to answer."""
 
 
-async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
+async def send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
     body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
     extra = [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in (headers or {}).items()]
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra],
+            "headers": [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra],
         }
     )
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(
+async def send_error(
     send, status: int, message: str, *, type: str, param: str | None = None, headers: dict | None = None
 ) -> None:
     """OpenAI's error JSON. No X-Request-Id here: Serve's ingress (the replica's own HTTP server behind HAProxy,
     or Serve's proxy) echoes (or assigns) it on every response, ours included."""
-    from pylon.serving.api.protocol import error_body
 
-    await _send_json(send, status, error_body(message, type=type, param=param, code=status), headers)
+    await send_json(send, status, error_body(message, type=type, param=param, code=status), headers)
 
 
-def _route_path(scope) -> str:
+def route_path(scope) -> str:
     """The path below the app's mount point (Serve mounts it at root_path + route_prefix), as Starlette routes it."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
@@ -99,20 +93,20 @@ def _route_path(scope) -> str:
     return path.rstrip("/") or "/"
 
 
-def _headers(scope) -> dict[str, str]:
+def request_headers(scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-async def _read_body(receive) -> bytes:
+async def read_body(receive) -> bytes:
     parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _ClientGone()
+            raise ClientGone()
         part = message.get("body", b"")
         size += len(part)
         if size > MAX_BODY_BYTES:
-            raise _HttpError(
+            raise HttpError(
                 413,
                 f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
                 type="invalid_request_error",

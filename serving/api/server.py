@@ -10,27 +10,27 @@ import hmac
 import logging
 import time
 
+from pylon.serving.api import protocol
 from pylon.serving.api.http import (
-    _REQUEST_ID,
-    _ROUTES,
-    _SSE_HEADERS,
+    REQUEST_ID,
     RETRY_AFTER_S,
+    ROUTES,
+    SSE_HEADERS,
+    ClientGone,
+    HttpError,
     OpenAIApp,
-    _ClientGone,
-    _headers,
-    _HttpError,
-    _read_body,
-    _route_path,
-    _send_error,
-    _send_json,
+    read_body,
+    request_headers,
+    route_path,
+    send_error,
+    send_json,
 )
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
+from pylon.serving.engine.tokenization import apply_chat_template
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.specs import DeploymentSpec
 
 log = logging.getLogger("pylon.serving")
-
-
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
 
@@ -127,7 +127,7 @@ class PylonLLMServer:
         header = headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise _HttpError(
+            raise HttpError(
                 401,
                 "missing API key: send 'Authorization: Bearer <key>'",
                 type="authentication_error",
@@ -135,14 +135,12 @@ class PylonLLMServer:
             )
         digest = hashlib.sha256(token.strip().encode()).digest()
         if not any(hmac.compare_digest(digest, d) for d in self._key_digests):
-            raise _HttpError(
-                401, "invalid API key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"}
-            )
+            raise HttpError(401, "invalid API key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     def _admit(self) -> None:
         waiting = self.engine.stats().num_waiting
         if waiting >= self.spec.http.max_queued_requests:
-            raise _HttpError(
+            raise HttpError(
                 429,
                 f"server busy: {waiting} requests already waiting for {self.model_name}; retry after {RETRY_AFTER_S} s",
                 type="rate_limit_error",
@@ -151,7 +149,7 @@ class PylonLLMServer:
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise _HttpError(
+            raise HttpError(
                 404,
                 f"model '{name}' does not exist; this server has '{self.model_name}' (see GET /v1/models)",
                 type="invalid_request_error",
@@ -159,10 +157,10 @@ class PylonLLMServer:
             )
 
     async def _dispatch(self, scope, receive, send) -> None:
-        path, method = _route_path(scope), scope["method"]
-        route = _ROUTES.get(path)
+        path, method = route_path(scope), scope["method"]
+        route = ROUTES.get(path)
         if route is None:
-            return await _send_error(
+            return await send_error(
                 send,
                 404,
                 f"no route {path}; this server answers POST /v1/completions, "
@@ -171,7 +169,7 @@ class PylonLLMServer:
             )
         allowed, handler = route
         if method != allowed:
-            return await _send_error(
+            return await send_error(
                 send,
                 405,
                 f"{method} {path} is not allowed; use {allowed}",
@@ -180,12 +178,12 @@ class PylonLLMServer:
             )
         try:
             await getattr(self, handler)(scope, receive, send)
-        except _ClientGone:
+        except ClientGone:
             return
         except Exception:  # a bug of ours: a 500 with an error body, not a dropped connection (if nothing was sent yet)
             log.exception("%s %s failed", method, path)
             try:
-                await _send_error(
+                await send_error(
                     send,
                     500,
                     f"internal error while serving {method} {path} (see the replica's log)",
@@ -202,10 +200,10 @@ class PylonLLMServer:
 
     async def _models(self, scope, receive, send) -> None:
         try:
-            self._authorize(_headers(scope))
-        except _HttpError as e:
-            return await _send_error(send, e.status, e.message, type=e.type, headers=e.headers)
-        await _send_json(
+            self._authorize(request_headers(scope))
+        except HttpError as e:
+            return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
+        await send_json(
             send,
             200,
             {
@@ -225,12 +223,12 @@ class PylonLLMServer:
     async def _health(self, scope, receive, send) -> None:
         """Liveness that probes the engine: its step loop must have beaten within the heartbeat window."""
         ok = self.engine.check_health()
-        await _send_json(send, 200 if ok else 503, {"status": "ok" if ok else "engine loop not running"})
+        await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "engine loop not running"})
 
     async def _ready(self, scope, receive, send) -> None:
         stats = self.engine.stats()
         ok = self.engine.check_health()
-        await _send_json(
+        await send_json(
             send,
             200 if ok else 503,
             {
@@ -243,12 +241,11 @@ class PylonLLMServer:
         )
 
     async def _generate(self, scope, receive, send, kind: str) -> None:
-        from pylon.serving.api import protocol
 
-        headers = _headers(scope)
+        headers = request_headers(scope)
         # Serve's ingress puts the client's X-Request-Id (or one it made up) on the request and the response.
         request_id = headers.get("x-request-id", "")
-        if not _REQUEST_ID.match(request_id):
+        if not REQUEST_ID.match(request_id):
             request_id = protocol.new_id("req")
         self._ensure_gauges()
         try:
@@ -256,21 +253,19 @@ class PylonLLMServer:
             cls = protocol.CompletionRequest if kind == "completion" else protocol.ChatCompletionRequest
             encoding = headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):  # read as JSON, a compressed body would be a baffling 400
-                raise _HttpError(
+                raise HttpError(
                     415,
                     f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
                     type="invalid_request_error",
                     param="body",
                 )
-            body = protocol.parse_request(cls, await _read_body(receive))
+            body = protocol.parse_request(cls, await read_body(receive))
             self._check_model(body.model)
             if kind == "completion":
                 prompt = body.prompt
                 if isinstance(prompt, str) and not prompt:
                     raise InvalidRequest("prompt must not be empty", param="prompt")
             else:
-                from pylon.serving.engine.tokenization import apply_chat_template
-
                 prompt = apply_chat_template(
                     self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages]
                 )
@@ -282,15 +277,15 @@ class PylonLLMServer:
                 engine_id, prompt, params, interval_s=self.spec.http.stream_interval_ms / 1000
             )
             first = await self._first(stream)  # validation errors surface here, before any byte is sent
-        except _HttpError as e:
+        except HttpError as e:
             self._count(e.status, "none")
-            return await _send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
+            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
         except InvalidRequest as e:
             self._count(400, "none")
-            return await _send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
+            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
         except EngineDeadError as e:
             self._count(503, "none")
-            return await _send_error(
+            return await send_error(
                 send,
                 503,
                 f"{self.model_name} is unavailable: {e}",
@@ -300,7 +295,7 @@ class PylonLLMServer:
         except RequestFailed as e:  # the engine's fault, this request's alone: the engine serves on
             log.error("%s: %s", self.model_name, e)
             self._count(500, "none")
-            return await _send_error(send, 500, str(e), type="server_error")
+            return await send_error(send, 500, str(e), type="server_error")
 
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
         timeout = self.spec.http.request_timeout_s
@@ -316,17 +311,17 @@ class PylonLLMServer:
                     last = out
         except TimeoutError:
             self._count(504, "timeout")
-            return await _send_error(
+            return await send_error(
                 send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error"
             )
         except EngineDeadError as e:
             self._count(503, "none")
-            return await _send_error(send, 503, str(e), type="server_error")
+            return await send_error(send, 503, str(e), type="server_error")
         finally:
             await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
         self._observe(last)
         make = protocol.completion_response if kind == "completion" else protocol.chat_response
-        await _send_json(
+        await send_json(
             send,
             200,
             make(
@@ -343,9 +338,8 @@ class PylonLLMServer:
 
         Events that are ready together go out as one write: chat's role chunk with the first content, and the
         last content chunk with the usage chunk and [DONE]."""
-        from pylon.serving.api import protocol
 
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         last, held = first, events.role() if events.kind == "chat" else ""
         try:
             async with asyncio.timeout(timeout):

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pylon.errors import PylonError
+from pylon.models import local_model_dir
 from pylon.serving.engine.kv_cache import KVBlockPool
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput
 from pylon.serving.engine.sampling import SamplingParams, sample
@@ -69,7 +70,6 @@ class LLMEngine:
         """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
         directories are copied to a temporary directory, loaded, and the copy removed)."""
         # Imported here so that importing this module stays light (no torch, no transformers).
-        from pylon.models import local_model_dir
         from pylon.serving.model.runner import ModelRunner
 
         self.spec = spec = spec or EngineSpec()

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pylon.serving.model import kernels
+
 # The SDPA backends a step may use on a GPU: flash and memory-efficient attention (math as their fallback), not
 # cuDNN's. torch prefers cuDNN's attention on Hopper for bf16/fp16, and cuDNN builds an execution plan on the host
 # for each new shape, which a prompt chunk's (queries, keys) nearly always is: on an H100 a 12-layer bf16 GPT-2's
@@ -400,9 +402,7 @@ def store_kv_pair(
     in one call of `pylon.serving.model.kernels.store_kv_` where the caches store what the model computes (two
     `index_copy_`s a layer were ~5% of a 16-sequence decode step)."""
     if kernel and k.dtype == k_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
-        from pylon.serving.model.kernels import store_kv_
-
-        store_kv_(k_cache, v_cache, slot_mapping, k, v)
+        kernels.store_kv_(k_cache, v_cache, slot_mapping, k, v)
         return
     store_kv(k_cache, slot_mapping, k)
     store_kv(v_cache, slot_mapping, v)
@@ -437,9 +437,7 @@ def paged_attention(
     for c in meta.chunks:
         rows = slice(c.offset, c.offset + c.num_new)
         if meta.prefill:  # float32 cache: the chunk's own keys read back from it are the ones it computed
-            from pylon.serving.model.kernels import prefill_attention_
-
-            prefill_attention_(out[rows], q[rows], k_cache, v_cache, c.key_blocks, c.start, scale)
+            kernels.prefill_attention_(out[rows], q[rows], k_cache, v_cache, c.key_blocks, c.start, scale)
             continue
         queries = q[rows].transpose(0, 1)[None]  # [1, heads, num_new, D]
         if c.key_blocks is None:
@@ -457,12 +455,12 @@ def paged_attention(
     for g in meta.groups:
         B, Q = g.query_index.shape
         if meta.kernel and Q == 1:
-            from pylon.serving.model.kernels import paged_decode
-
             # Decodes only (no chunk, and the kernel's one group keeps the step's order): every query, as it is.
             if not meta.chunks and B == len(q):
-                return paged_decode(q, k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens, scale)
-            out[g.tokens] = paged_decode(q[g.tokens], k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens, scale)
+                return kernels.paged_decode(q, k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens, scale)
+            out[g.tokens] = kernels.paged_decode(
+                q[g.tokens], k_cache, v_cache, g.key_blocks.view(B, -1), g.context_lens, scale
+            )
             continue
         K, nb = g.num_keys, g.num_blocks
         shape = (num_kv_heads, B * nb, block_size, head_dim)

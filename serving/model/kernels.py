@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from pylon.ops import venv_tools_first
+from pylon.settings import switched_on
+
 log = logging.getLogger(__name__)
 
 NAME = "pylon_paged_attention_v9"
@@ -36,7 +39,6 @@ _failed: str | None = None
 
 
 def enabled() -> bool:
-    from pylon.settings import switched_on
 
     return switched_on("PYLON_PAGED_KERNEL")
 
@@ -51,8 +53,6 @@ def load(verbose: bool = False):
             return _module
         try:
             from torch.utils.cpp_extension import load as load_extension
-
-            from pylon.ops import venv_tools_first
 
             venv_tools_first()  # torch runs the `ninja` first on PATH: the venv's, as for every build of Pylon's
 
@@ -130,7 +130,6 @@ PREFILL_HEAD_DIMS = (32, 64, 128, 256)
 def prefill_usable(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether prompt chunks of a CPU model can go to `prefill_attention_`: float32 compute over a float32 cache
     (narrower caches keep SDPA over the chunk's own unrounded keys), a head_dim it is built for, and AVX-512 or AVX2."""
-    from pylon.settings import switched_on
 
     if dtype != torch.float32 or kv_dtype != torch.float32 or head_dim not in PREFILL_HEAD_DIMS:
         return False

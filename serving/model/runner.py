@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.model import linear
+from pylon.serving.model import kernels, linear
 from pylon.serving.model.attention import (
     AttentionMetadata,
     Final,
@@ -40,6 +40,7 @@ from pylon.serving.model.attention import (
     prompt_attention_backends,
     store_kv_pair,
 )
+from pylon.serving.model.graphs import DecodeGraphs
 from pylon.serving.model.step import StepSequence
 from pylon.settings import switched_on
 
@@ -255,7 +256,6 @@ class ModelRunner:
         self.stage = HostStage(self.device)  # a step's integer tensors, in one copy to a GPU
         self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
         self.decode_graphs = None  # pylon.serving.model.graphs.DecodeGraphs, on a GPU (use_decode_graphs)
-        from pylon.serving.model import kernels
 
         self.kernel = kernels.usable(self.device, self.dtype, self.kv_dtype)  # decodes attend in place (see kernels.py)
         # Prompt chunks too, through the prefill kernel, where it is built for this model (float32, AVX-512 or AVX2).
@@ -313,7 +313,6 @@ class ModelRunner:
         the engine asks unless `engine.cuda_graphs` is false). Returns how many (0: none, every step runs eagerly)."""
         if self.device.type != "cuda":
             return 0
-        from pylon.serving.model.graphs import DecodeGraphs
 
         self.add_scratch_block()
         self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len)

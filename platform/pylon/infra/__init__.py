@@ -30,7 +30,7 @@ from pylon.infra.kuberay import job_spec_configmap, ray_cluster, ray_job, ray_se
 from pylon.infra.launcher import dockerfile, launcher_config
 from pylon.infra.observability import grafana_dashboard, prometheus_config
 from pylon.infra.schema import validate_files, validate_manifest
-from pylon.specs import ClusterSpec, DeploymentSpec, TrainJobSpec
+from pylon.specs import ClusterSpec, DeploymentSpec, TrainJobSpec, load_specs
 
 __all__ = [
     "EXAMPLES",
@@ -58,8 +58,6 @@ __all__ = [
 ]
 
 TARGETS = ("ray-up", "kuberay")
-
-
 PROVIDERS_FOR_TARGET = {"ray-up": ("aws", "gcp"), "kuberay": ("kubernetes",)}
 
 
@@ -137,7 +135,6 @@ def _require_shared_storage(jobs: Sequence[TrainJobSpec], deployments: Sequence[
 
 def render_file(paths: Iterable[str | os.PathLike], target: str) -> tuple[ClusterSpec, Files]:
     """The one Cluster in `paths` rendered for `target`, with the file's TrainJobs and Deployments."""
-    from pylon.specs import load_specs
 
     docs, problems = [], []
     for path in paths:

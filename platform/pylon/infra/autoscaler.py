@@ -10,16 +10,12 @@ from pylon.infra.launcher import _launcher_resources
 from pylon.specs import ClusterSpec
 
 LOCAL_HEAD_NODE_TYPE = "ray.head.default"  # the name Ray's fake multi-node provider gives the head
-
-
 LOCAL_PROVIDER = "pylon.infra.node_provider.LocalNodeProvider"
 
 
 # A logical node's object store when the spec does not give the group's memory: small, because every node
 # of a local cluster shares this machine's /dev/shm.
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
-
-
 MIN_OBJECT_STORE_BYTES = 80 * 2**20  # Ray's own minimum
 
 

@@ -26,36 +26,24 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # Serve's settings on every node of a rendered cluster: HAProxy ingress, handlers on the HTTP server's loop.
 RENDERED_SERVE_ENV = {**SERVE_INGRESS_ENV, **SERVE_ENV}
 
-
+# Ray's ports on every node Pylon renders.
 RAY_PORT = 6379
-
-
 DASHBOARD_PORT = 8265
-
-
 SERVE_PORT = 8000
-
-
 METRICS_PORT = 8080
 
 
 # Where the token lives on every node / pod (the launcher copies the local ~/.ray/auth_token there).
 NODE_HOME = "/home/ray"
-
-
 TOKEN_PATH = f"{NODE_HOME}/.ray/auth_token"
-
-
 SOURCE_DIR = "/opt/pylon/src"
 
 
 # Ray's object store takes about 30% of a node's memory by default; the rest is what tasks may reserve.
 TASK_MEMORY_SHARE = 0.7
-
-
 DEFAULT_MEMORY_GB_PER_CPU = 4
 
-
+# What a render produces: file name -> contents.
 Files = dict[str, str]
 
 

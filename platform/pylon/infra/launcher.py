@@ -19,8 +19,6 @@ from pylon.version import __version__
 
 # The Ray images are published per Python minor version; Pylon's tested one (constraints.txt) is 3.11.
 PYTHON_TAG = "py311"
-
-
 ROOT_DISK_GB = 256
 
 

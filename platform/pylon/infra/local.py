@@ -390,8 +390,6 @@ def _wait_for_jobs_api(cluster: LocalCluster, timeout_s: float) -> None:
 
 
 _HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)  # ports picked lately by this process
-
-
 _PORTS_LOCK = threading.Lock()
 
 

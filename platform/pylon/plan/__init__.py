@@ -27,14 +27,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pylon import storage
 from pylon.errors import PylonError
+from pylon.jobs.run_dir import run_uri_of
 from pylon.plan.catalog import Catalog
 from pylon.plan.fits import WontFitError, check_fits
 from pylon.plan.serve import DEFAULT_UTILIZATION, ServePlan, plan_serve
 from pylon.plan.steptime import DEFAULT_MFU, hardware_flops_per_token, model_flops_per_token
 from pylon.plan.text import render
 from pylon.plan.train import USABLE_FRACTION, TrainPlan, plan_train, train_workload
-from pylon.specs import DeploymentSpec, TrainJobSpec
+from pylon.specs import DeploymentSpec, TrainJobSpec, load_specs
 
 __all__ = [
     "DEFAULT_MFU",
@@ -78,7 +80,6 @@ def plan_spec(
 def plan_file(path: str | os.PathLike, **options) -> tuple[list, list[str]]:
     """Plans for every TrainJob and Deployment in a YAML file, and notes on the documents not planned. A
     Deployment of a model a TrainJob of the same file will export is planned with that job's model."""
-    from pylon.specs import load_specs
 
     docs = load_specs(path)
     plans, skipped = [], []
@@ -101,8 +102,6 @@ def plan_file(path: str | os.PathLike, **options) -> tuple[list, list[str]]:
 def _exported_config(spec: DeploymentSpec, trains: list[TrainJobSpec], seq_len: int | None):
     """The config of the model a TrainJob in the same file exports to `spec.model`, if its directory does not
     exist yet (the demo's file trains, exports and serves); None to read the directory itself."""
-    from pylon import storage
-    from pylon.jobs.run_dir import run_uri_of
 
     try:
         if storage.exists(storage.join(spec.model, "config.json")):

@@ -47,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from pylon.models import enable_gradient_checkpointing, with_lora
 from pylon.specs import LoraSpec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -135,8 +136,6 @@ def _simulate(
 ) -> tuple[int, int]:
     """(bytes live when the forward pass ends, peak live bytes) of one step of a `layers`-deep copy."""
     from transformers import AutoModelForCausalLM
-
-    from pylon.models import enable_gradient_checkpointing, with_lora
 
     dtype = _DTYPES[precision]
     config = _with_depth(config, layers)

@@ -14,14 +14,8 @@ from pylon.plan.train import USABLE_FRACTION, _assumptions, _config_from_dir
 from pylon.specs import DeploymentSpec
 
 BANDWIDTH_EFFICIENCY = 0.8  # of datasheet memory bandwidth that decoding reaches
-
-
 LAUNCH_S_PER_LAYER = 1e-4  # eager PyTorch decoding: kernel launches per layer per step, whatever the batch
-
-
 DEFAULT_UTILIZATION = 0.5  # share of a serving replica's hours spent at its throughput ceiling
-
-
 KV_BYTES = {**WEIGHT_BYTES, "fp8": 1}  # bytes of a key or value element per engine.kv_cache_dtype
 
 

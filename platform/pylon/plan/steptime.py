@@ -10,14 +10,8 @@ from pylon.plan.catalog import Accelerator
 from pylon.plan.memory import WEIGHT_BYTES, Layout, ModelShape, Workload
 
 DEFAULT_MFU = 0.40  # model FLOPs utilisation: well-tuned dense LLM training reaches 0.35-0.55
-
-
 EXPOSED_COMM = 0.25  # share of the collectives that does not overlap compute
-
-
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed's CPU Adam per GPU process (AVX-512, a node's cores shared by its GPUs)
-
-
 NVME_GBS = 6.0  # NVMe read or write bandwidth per node, GB/s, shared by its GPUs
 
 

@@ -9,6 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pylon import storage
 from pylon.errors import PylonError, StorageError
 from pylon.plan.catalog import Accelerator, Catalog, load_catalog
 from pylon.plan.fmt import _gib
@@ -34,18 +35,12 @@ from pylon.plan.steptime import (
 from pylon.specs import LoraSpec, TrainJobSpec
 
 USABLE_FRACTION = 0.95  # of a GPU's memory, the rest left to the caching allocator's fragmentation
-
-
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
 COST_TIE = 0.01  # configurations within 1% of the cheapest count as equally cheap
 
 
 # (optimizer, parameters) offload targets, in the order the planner prefers them when costs tie.
 OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "none"), ("nvme", "nvme"))
-
-
 COUNTED = (
     "Model states follow DeepSpeed's accounting (its estimate_zero2/zero3_model_states_mem_needs, which they "
     "equal): bf16/fp16 training keeps 2-byte weights and gradients plus an fp32 gradient copy, fp32 master "
@@ -226,8 +221,6 @@ def search(
 def _config_from_dir(uri: str, what: str):
     """The Hugging Face config of a model directory, reading only its config.json (never the weights)."""
     from transformers import AutoConfig
-
-    from pylon import storage
 
     try:
         raw = storage.read_json(storage.join(uri, "config.json"))

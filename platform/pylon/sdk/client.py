@@ -15,9 +15,13 @@ import requests
 
 from pylon import home
 from pylon.errors import ClusterError, JobNotFoundError, PylonError
+from pylon.jobs.run_dir import run_uri_of
+from pylon.plan import DEFAULT_MFU, check_fits, plan_file, plan_spec
+from pylon.plan.catalog import load_catalog
 from pylon.sdk import inputs
 from pylon.sdk.handles import TERMINAL_JOB_STATES, DataJob, JobInfo, Run, Service
 from pylon.sdk.serve import deploy
+from pylon.specs import DeploymentSpec, TrainJobSpec, to_yaml
 
 
 @dataclass
@@ -175,13 +179,8 @@ class Client:
         with the reason and what would fit); `force=True` submits it anyway."""
         import shlex
 
-        from pylon.jobs.run_dir import run_uri_of
-        from pylon.specs import TrainJobSpec, to_yaml
-
         spec, path = inputs.as_spec(spec, TrainJobSpec)  # every spec error before anything is submitted
         if not force:
-            from pylon.plan import check_fits
-
             check_fits(spec, client=self)  # before asking for workers
         job_id = inputs.new_job_id("train", spec.name)
         if path is None:
@@ -215,9 +214,6 @@ class Client:
         dict of its fields (a TrainJob unless `kind` says otherwise) or a YAML file (a list of plans when it holds
         several). `gpu` limits it to one accelerator, `gpus` fixes the GPU count, `mfu` and `prices` (a YAML
         file) override the assumptions. Needs no cluster; `print(pylon.plan.render(p))` shows the tables."""
-        from pylon.plan import DEFAULT_MFU, plan_file, plan_spec
-        from pylon.plan.catalog import load_catalog
-        from pylon.specs import DeploymentSpec, TrainJobSpec
 
         options = dict(
             catalog=load_catalog(prices), gpu=gpu, gpus=gpus, mfu=DEFAULT_MFU if mfu is None else mfu, seq_len=seq_len
@@ -255,7 +251,6 @@ class Client:
         """Deploy a Deployment (a `DeploymentSpec`, a dict of its fields, or a YAML file) on Ray Serve, wait
         for its first replica, and return a `Service`. Its API key is the first of those in the environment
         variable `http.api_keys_env` names, read now and kept in this object's memory only."""
-        from pylon.specs import DeploymentSpec
 
         spec, _ = inputs.as_spec(spec, DeploymentSpec)
         key = inputs.first_api_key(spec.http.api_keys_env) if spec.http.api_keys_env else None

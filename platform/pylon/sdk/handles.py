@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from pylon.display import html_table
 from pylon.errors import JobFailedError, PylonError
+from pylon.jobs.run_dir import loss_figure, read_metrics
 from pylon.sdk.serve import delete
 
 if TYPE_CHECKING:
@@ -192,7 +194,6 @@ class Job:
         return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self._fields()) + ")"
 
     def _repr_html_(self) -> str:
-        from pylon.display import html_table
 
         return html_table(f"{type(self).__name__} '{self.name}'", self._rows())
 
@@ -230,13 +231,10 @@ class Run(Job):
         first checkpoint: records are committed with checkpoints)."""
         import pandas as pd
 
-        from pylon.jobs.run_dir import read_metrics
-
         return pd.DataFrame(read_metrics(self._uri()))
 
     def plot(self):
         """The loss curve as a matplotlib Figure (Jupyter draws it inline; `.savefig(path)` keeps it)."""
-        from pylon.jobs.run_dir import loss_figure, read_metrics
 
         records = read_metrics(self._uri())
         if not records:
@@ -264,8 +262,6 @@ class Run(Job):
     def _rows(self) -> list[tuple[str, Any]]:
         rows = super()._rows()
         try:
-            from pylon.jobs.run_dir import read_metrics
-
             last = read_metrics(self.run_uri)[-1] if self.run_uri else None
         except Exception:
             last = None
@@ -443,7 +439,6 @@ class Service:
         return f"Service(name={self.name!r}, url={self.url!r}, status={self._status_or_unknown()!r})"
 
     def _repr_html_(self) -> str:
-        from pylon.display import html_table
 
         try:
             replicas = self.replicas()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pylon.errors import PylonError, SpecError
-from pylon.specs import DatasetSpec
+from pylon.specs import DatasetSpec, load_spec, spec_errors
 
 
 def new_job_id(prefix: str, name: str) -> str:
@@ -24,8 +24,6 @@ def as_spec(spec: Any, cls: type) -> tuple[Any, Path | None]:
     """(validated spec, the YAML file it came from or None) for a spec object, a dict of its fields or a path.
     Objects are validated again: `model_copy(update=...)` skips validation, a submitted spec must not."""
     from pydantic import ValidationError
-
-    from pylon.specs import load_spec, spec_errors
 
     kind = cls.model_fields["kind"].default
     if isinstance(spec, (str, os.PathLike)):
