@@ -26,7 +26,9 @@ from pylon.settings import switched_on
 
 log = logging.getLogger(__name__)
 
-NAME = "pylon_paged_attention_v9"
+# The build directory under $TORCH_EXTENSIONS_DIR: a new name whenever the sources change shape (v10: the C++ in
+# csrc/ files, no longer one generated main.cpp), so a checkout of another version keeps its own build.
+NAME = "pylon_paged_attention_v10"
 
 # The extension's sources, compiled with the same flags into one module; ninja rebuilds what a changed source or
 # header (cpu_vec.h, ops.h) touches.
