@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pylon import home, storage
+from pylon import home, settings, storage
 from pylon.errors import PylonError
 from pylon.jobs.run_dir import (
     LOSS_PLOT,
@@ -59,7 +59,7 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
         )
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
     if not ray.is_initialized():
-        if os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_ADDRESS"):
+        if os.environ.get("RAY_JOB_ID") or settings.value(settings.RAY_ADDRESS):
             ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
         else:
             home.init_ray(log_to_driver=True)

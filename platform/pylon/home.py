@@ -119,15 +119,15 @@ def read_token(path: str) -> str:
 
 def user_token() -> str | None:
     """The token Ray itself would use for a cluster Pylon did not start."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return os.environ["RAY_AUTH_TOKEN"].strip()
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if token := settings.value(settings.RAY_AUTH_TOKEN):
+        return token.strip()
+    path = Path(settings.value(settings.RAY_AUTH_TOKEN_PATH) or Path.home() / ".ray" / "auth_token").expanduser()
     return path.read_text().strip() if path.is_file() else None
 
 
 def use_cluster_auth(token_path: str) -> None:
     """Let Ray's own clients in this process (ray.init, state API, Ray Data) authenticate too."""
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+    if settings.value(settings.RAY_AUTH_TOKEN) or settings.value(settings.RAY_AUTH_TOKEN_PATH):
         return  # the user chose a token explicitly; keep it
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = token_path
@@ -162,7 +162,7 @@ def resolve(address: str | None = None) -> ClusterAddress:
     """`address`, else `RAY_ADDRESS`, else the cluster `pylon cluster up` started. For a cluster Pylon started,
     Ray's own clients in this process are pointed at its token too (`use_cluster_auth`)."""
     state = read_state()
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = address or settings.value(settings.RAY_ADDRESS)
     if address in (None, "auto"):
         if state is None or not state.is_running():
             raise ClusterError("no Ray cluster is running. " + HOW_TO_START)

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from pylon import settings
+
 # op name -> the DeepSpeed CPU accelerator's builder class that makes it
 DEEPSPEED_OPS = {
     "cpu_adam": "CPUAdamBuilder",
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvme", action="store_true", help="also build async_io (NVMe offload)")
     args = parser.parse_args(argv)
     print(
-        f"building C++ ops into {os.environ.get('TORCH_EXTENSIONS_DIR') or '~/.cache/torch_extensions'} ...", flush=True
+        f"building C++ ops into {settings.value(settings.TORCH_EXTENSIONS_DIR) or '~/.cache/torch_extensions'} ...",
+        flush=True,
     )
     results = build(nvme=args.nvme)
     for name, outcome in results.items():

@@ -1,8 +1,8 @@
 """Every environment variable Pylon reads, in one registry, with its default and meaning (as vLLM's `envs.py`).
 
-What a user chooses belongs in a spec field; these are the escape hatches: where Pylon keeps its state, a price
-list, and the engine's on-by-default optimisations, each of which a variable turns off (to measure it, or where it
-misbehaves). Only this module reads them; the rest of Pylon asks it:
+What a user chooses belongs in a spec field; these are the escape hatches: where Pylon keeps its state, which
+cluster and object store it talks to, a price list, and the engine's on-by-default optimisations, each of which a
+variable turns off (to measure it, or where it misbehaves). Only this module reads them; the rest of Pylon asks it:
 
     settings.pylon_home()                 # $PYLON_HOME, else ~/.pylon
     settings.switched_on(PAGED_KERNEL)    # False when PYLON_PAGED_KERNEL is 0, false, no or off
@@ -28,6 +28,17 @@ class Setting:
 
 
 HOME = "PYLON_HOME"
+RAY_ADDRESS = "RAY_ADDRESS"
+RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
+RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+S3_ENDPOINT = "AWS_ENDPOINT_URL_S3"
+ENDPOINT = "AWS_ENDPOINT_URL"
+REGION = "AWS_REGION"
+DEFAULT_REGION = "AWS_DEFAULT_REGION"
+MAX_ATTEMPTS = "AWS_MAX_ATTEMPTS"
+RETRY_MODE = "AWS_RETRY_MODE"
+TORCH_EXTENSIONS_DIR = "TORCH_EXTENSIONS_DIR"
+ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 GPU_PRICES = "PYLON_GPU_PRICES"
 PAGED_KERNEL = "PYLON_PAGED_KERNEL"
 PREFILL_KERNEL = "PYLON_PREFILL_KERNEL"
@@ -45,6 +56,43 @@ SETTINGS: dict[str, Setting] = {
             "~/.pylon",
             "Where Pylon keeps its local state: the local cluster's `cluster.json` and "
             "`auth_token`, specs submitted by the SDK, and the default runs root (`runs/`).",
+        ),
+        Setting(
+            RAY_ADDRESS,
+            "",
+            "The cluster `pylon.connect()`, the CLI and Ray drivers use when none is given: a dashboard URL "
+            "(http://HOST:8265) or a GCS address (HOST:6379); unset: the cluster `pylon cluster up` started.",
+        ),
+        Setting(
+            RAY_AUTH_TOKEN,
+            "",
+            "Ray's token for a cluster Pylon did not start (Ray's own variable); wins over RAY_AUTH_TOKEN_PATH.",
+        ),
+        Setting(
+            RAY_AUTH_TOKEN_PATH,
+            "~/.ray/auth_token",
+            "The file holding Ray's token for a cluster Pylon did not start (Ray's own variable). For a cluster "
+            "`pylon cluster up` started, Pylon points it at `$PYLON_HOME/auth_token` unless one of the two is set.",
+        ),
+        Setting(
+            S3_ENDPOINT,
+            "",
+            "The S3-protocol endpoint for s3:// URIs (MinIO, a local server); wins over AWS_ENDPOINT_URL.",
+        ),
+        Setting(ENDPOINT, "", "The S3-protocol endpoint for s3:// URIs when AWS_ENDPOINT_URL_S3 is unset; unset: AWS."),
+        Setting(REGION, "", "The region of s3:// buckets; wins over AWS_DEFAULT_REGION."),
+        Setting(DEFAULT_REGION, "", "The region of s3:// buckets when AWS_REGION is unset."),
+        Setting(MAX_ATTEMPTS, "3", "Attempts per S3 request (botocore's retries)."),
+        Setting(RETRY_MODE, "standard", "botocore's retry mode for S3 requests."),
+        Setting(
+            TORCH_EXTENSIONS_DIR,
+            "~/.cache/torch_extensions",
+            "Where DeepSpeed's ops and Pylon's CPU kernels are compiled and kept (`python -m pylon.ops` builds them).",
+        ),
+        Setting(
+            ONEDNN_CACHE,
+            "1024",
+            "oneDNN's kernel cache size (oneDNN's own variable); a CPU engine compiles at most this many at start-up.",
         ),
         Setting(
             GPU_PRICES,
@@ -135,8 +183,8 @@ def render() -> str:
         "# Settings: the environment variables Pylon reads",
         "",
         "Generated from `platform/pylon/settings.py` by `python -m pylon.cli.reference --settings > docs/settings.md`;",
-        "a test fails when they differ. What a user chooses is a spec field (docs/specs.md); these are escape",
-        "hatches. Switches are on by default; `0`, `false`, `no` or `off` turn one off.",
+        "a test fails when they differ. What a user chooses is a spec field (docs/specs.md); these say where Pylon",
+        "runs and hold its escape hatches. Switches are on by default; `0`, `false`, `no` or `off` turn one off.",
         "",
         "| variable | default | meaning |",
         "|---|---|---|",

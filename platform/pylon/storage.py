@@ -29,6 +29,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from pylon import settings
 from pylon.errors import StorageError
 
 SUPPORTED_SCHEMES = ("file", "s3", "memory")
@@ -63,19 +64,19 @@ def _parse(uri: str) -> tuple[str, str]:
 
 
 def _s3_endpoint() -> str | None:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    return settings.value(settings.S3_ENDPOINT) or settings.value(settings.ENDPOINT)
 
 
 def _s3_filesystem() -> fsspec.AbstractFileSystem:
     client_kwargs: dict[str, Any] = {}
     if endpoint := _s3_endpoint():
         client_kwargs["endpoint_url"] = endpoint
-    if region := os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
+    if region := settings.value(settings.REGION) or settings.value(settings.DEFAULT_REGION):
         client_kwargs["region_name"] = region
-    attempts = os.environ.get("AWS_MAX_ATTEMPTS") or "3"
+    attempts = settings.value(settings.MAX_ATTEMPTS) or "3"
     if not attempts.isdigit() or int(attempts) < 1:
         raise StorageError(f"AWS_MAX_ATTEMPTS={attempts!r}: must be a whole number >= 1")
-    retries = {"mode": os.environ.get("AWS_RETRY_MODE") or "standard", "max_attempts": int(attempts)}
+    retries = {"mode": settings.value(settings.RETRY_MODE) or "standard", "max_attempts": int(attempts)}
     # Listings are not cached: other processes (Ray workers) write the keys we look for.
     return fsspec.filesystem(
         "s3", client_kwargs=client_kwargs, config_kwargs={"retries": retries}, use_listings_cache=False

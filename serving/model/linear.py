@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
+from pylon import settings
 from pylon.settings import switched_on
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def cached_kernels() -> int:
     """How many projection kernels oneDNN's cache keeps in this process: ONEDNN_PRIMITIVE_CACHE_CAPACITY entries
     (default 1,024), `CACHE_ENTRIES_PER_KERNEL` a kernel."""
     try:
-        capacity = int(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024"))
+        capacity = int(settings.value(settings.ONEDNN_CACHE) or "1024")
     except ValueError:
         capacity = 1024
     return capacity // CACHE_ENTRIES_PER_KERNEL
