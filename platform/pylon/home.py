@@ -157,6 +157,11 @@ class ClusterAddress:
     def __repr__(self) -> str:  # the token never appears here
         return f"ClusterAddress(dashboard_url={self.dashboard_url!r}, gcs_address={self.gcs_address!r})"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the dashboard's HTTP APIs need to let a request in."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
 
 def resolve(address: str | None = None) -> ClusterAddress:
     """`address`, else `RAY_ADDRESS`, else the cluster `pylon cluster up` started. For a cluster Pylon started,
@@ -166,18 +171,18 @@ def resolve(address: str | None = None) -> ClusterAddress:
     if address in (None, "auto"):
         if state is None or not state.is_running():
             raise ClusterError("no Ray cluster is running. " + HOW_TO_START)
-        use_cluster_auth(state.token_path)
-        return ClusterAddress(state.dashboard_url, state.gcs_address, read_token(state.token_path))
-    if address.startswith("ray://"):
+        ours = True
+    elif address.startswith("ray://"):
         raise ClusterError(
             f"{address}: Ray Client addresses are not supported; give the dashboard URL (http://HOST:8265) instead"
         )
-    ours = state is not None and address in (
-        state.dashboard_url,
-        state.gcs_address,
-        f"127.0.0.1:{state.gcs_port}",
-        f"localhost:{state.gcs_port}",
-    )
+    else:
+        ours = state is not None and address in (
+            state.dashboard_url,
+            state.gcs_address,
+            f"127.0.0.1:{state.gcs_port}",
+            f"localhost:{state.gcs_port}",
+        )
     if ours:
         use_cluster_auth(state.token_path)
         return ClusterAddress(state.dashboard_url, state.gcs_address, read_token(state.token_path))
@@ -190,9 +195,8 @@ def resolve(address: str | None = None) -> ClusterAddress:
 def ping(where: ClusterAddress, timeout_s: float = 10.0) -> str:
     """The cluster's Ray version; ClusterError when it cannot be reached or refuses the token."""
     url = f"{where.dashboard_url}/api/version"
-    headers = {"Authorization": f"Bearer {where.token}"} if where.token else {}
     try:
-        r = requests.get(url, headers=headers, timeout=timeout_s)
+        r = requests.get(url, headers=where.headers, timeout=timeout_s)
     except requests.RequestException as e:
         raise ClusterError(
             f"no Ray cluster answers at {where.dashboard_url} ({type(e).__name__}). " + HOW_TO_START

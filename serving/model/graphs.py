@@ -109,15 +109,14 @@ class DecodeGraphs:
         """Float32 logits `[len(steps), vocab]` for a step of decodes only (every sequence one new token, and
         sampling), or None when no graph holds the step (the caller runs it eagerly)."""
         block_size = self.runner.block_size
-        scheduled = steps
         block_tables = [s.block_table for s in steps]
         starts = [s.start for s in steps]
-        shape = self.shape_for(len(scheduled), max(starts) + 1)
+        shape = self.shape_for(len(steps), max(starts) + 1)
         if shape is None:
             return None
         b, nb = shape
         graph = self.graphs[shape]
-        pad = b - len(scheduled)
+        pad = b - len(steps)
         ids = [s.token_ids[0] for s in steps] + [0] * pad
         slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, starts)]
         # One copy from page-locked memory (ModelRunner.stage): a pageable one costs the host ~65 us more.
@@ -135,7 +134,7 @@ class DecodeGraphs:
         )
         graph.replay()
         self.replays += 1
-        return graph.logits[: len(scheduled)]
+        return graph.logits[: len(steps)]
 
     @torch.no_grad()  # capture_all runs at engine start, outside the step's no_grad: a graph records no autograd
     def _build(self, b: int, nb: int) -> _Graph:

@@ -100,15 +100,19 @@ class Client:
 
     @property
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        return self._where.headers
+
+    @property
+    def _where(self) -> home.ClusterAddress:
+        return home.ClusterAddress(self.dashboard_url, self.gcs_address, self._token)
 
     def ping(self, timeout_s: float = 10.0) -> str:
         """The cluster's Ray version; ClusterError when it cannot be reached or refuses our token."""
-        return home.ping(home.ClusterAddress(self.dashboard_url, self.gcs_address, self._token), timeout_s)
+        return home.ping(self._where, timeout_s)
 
     def init_ray(self, **kwargs) -> None:
         """Connect this process to the cluster as a Ray driver (for Ray Data, tasks), once."""
-        home.init_ray(home.ClusterAddress(self.dashboard_url, self.gcs_address, self._token), **kwargs)
+        home.init_ray(self._where, **kwargs)
 
     # -- jobs -------------------------------------------------------------------------------------------
 
@@ -254,7 +258,7 @@ class Client:
 
         spec, _ = inputs.as_spec(spec, DeploymentSpec)
         key = inputs.first_api_key(spec.http.api_keys_env) if spec.http.api_keys_env else None
-        url = deploy(spec, address=self.gcs_address or self.dashboard_url, timeout_s=timeout_s)
+        url = deploy(spec, address=self._where, timeout_s=timeout_s)
         return Service(self, spec.name, url, api_key=key)
 
     def services(self, *, api_key: str | None = None) -> list[Service]:

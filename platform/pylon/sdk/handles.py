@@ -332,7 +332,7 @@ class Service:
     def delete(self, timeout: float = 60.0) -> None:
         """Remove the application from Serve and wait until Serve no longer lists it (its replicas stop)."""
 
-        delete(self.name, address=self._client.gcs_address or self._client.dashboard_url)
+        delete(self.name, address=self._client._where)
         # serve.delete returns once the controller let go of the app; its REST view may trail by a moment.
         deadline = time.monotonic() + timeout
         while self._app() is not None:

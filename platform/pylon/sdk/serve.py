@@ -12,8 +12,9 @@ from pylon.errors import PylonError
 from pylon.specs import DeploymentSpec
 
 
-def deploy(spec: DeploymentSpec, *, address: str | None = None, timeout_s: float = 600) -> str:
-    """Run `spec` on the cluster (the local one by default) and return its base URL."""
+def deploy(spec: DeploymentSpec, *, address: home.ClusterAddress | str | None = None, timeout_s: float = 600) -> str:
+    """Run `spec` on the cluster (`address`: an address to resolve, the local cluster by default, or a resolved
+    `home.ClusterAddress`, as a `Client` passes) and return its base URL."""
     from ray import serve  # Ray Serve and the replica's code load only when deploying
 
     from pylon.serving.api.builder import build_app
@@ -101,9 +102,9 @@ def _wait_ready(url: str, timeout_s: float, name: str | None = None) -> None:
     raise PylonError(f"{url}/ready did not answer 200 within {timeout_s:.0f} s (last: {last})")
 
 
-def delete(name: str, *, address: str | None = None) -> None:
+def delete(name: str, *, address: home.ClusterAddress | str | None = None) -> None:
+    """Remove application `name` from the cluster (`address` as for `deploy`)."""
     from ray import serve
 
     home.init_ray(address)
-
     serve.delete(name)
