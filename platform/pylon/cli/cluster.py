@@ -1,6 +1,7 @@
-"""`pylon cluster up|status|down`: start, inspect and stop the embedded local Ray cluster.
+"""`pylon cluster up|join|status|down`: start, grow, inspect and stop the embedded Ray cluster.
 
-A real Ray head on this machine with token authentication; its state lives in $PYLON_HOME.
+A real Ray head on this machine with token authentication (`up`), worker nodes on other machines that join it
+(`join`); what each machine started lives in its $PYLON_HOME.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from pylon.cli.common import EXAMPLES_DIR
 
@@ -16,6 +18,7 @@ from pylon.cli.common import EXAMPLES_DIR
 def _cmd_cluster_up(args: argparse.Namespace) -> int:
     from pylon import home
     from pylon.infra import local as cluster
+    from pylon.specs import is_loopback
 
     spec = None
     if args.autoscale is not None:
@@ -37,12 +40,19 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
         port=args.port,
         dashboard_port=args.dashboard_port,
         autoscale=spec,
+        host=args.host,
+        node_ip_address=args.node_ip_address,
     )
     print(
         ("started" if started else "already running")
         + " local Ray cluster"
         + (" with autoscaling" if info.autoscaler_config else "")
     )
+    if started and not is_loopback(args.host):
+        print(
+            f"  the dashboard / Jobs API listens on {args.host}, not only on this machine: Ray's token "
+            "authentication is on, so requests without the cluster's token are refused"
+        )
     print(f"  dashboard / Jobs API: {info.dashboard_url}")
     print(f"  GCS address:          {info.gcs_address}")
     print(f"  auth token file:      {info.token_path}")
@@ -55,8 +65,56 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
         print(f"  autoscaler config:    {info.autoscaler_config}")
         print(f"  autoscaler log:       {info.temp_dir}/session_latest/logs/monitor.log")
         print("  watch nodes with:     pylon cluster status")
+    print(f"  add a machine with:   pylon cluster join {info.gcs_address} --token-file <a copy of the token file>")
     print("  stop it with:         pylon cluster down")
     return 0
+
+
+def _cmd_cluster_join(args: argparse.Namespace) -> int:
+    from pylon.infra import local as cluster
+
+    print(f"joining the Ray cluster at {args.head_address} (token authentication on)...", file=sys.stderr)
+    node, started = cluster.join(
+        args.head_address,
+        token_file=args.token_file,
+        num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus,
+        memory=_gib_to_bytes(args.memory_gib),
+        object_store_memory=_gib_to_bytes(args.object_store_gib),
+        resources=args.resources,
+        labels=args.labels,
+        node_ip_address=args.node_ip_address,
+    )
+    print(("joined" if started else "already joined") + f" the Ray cluster at {node.head_address} as a worker node")
+    print(f"  node id:              {node.node_id}")
+    print(f"  node IP:              {node.node_ip}")
+    print(f"  resources:            {_resources(node.resources)}")
+    labels = {k: v for k, v in node.labels.items() if k != "ray.io/node-id"}
+    print(f"  labels:               {', '.join(f'{k}={v}' for k, v in sorted(labels.items())) or 'none'}")
+    if node.gpu_type:
+        print(
+            f"  GPU type:             {node.gpu_type} (Ray's own detection: resource accelerator_type:{node.gpu_type})"
+        )
+    print(f"  Ray logs:             {node.temp_dir}/session_latest/logs")
+    print(f"  auth token file:      {node.token_path}")
+    if node.head_dashboard:
+        print(f"  head dashboard:       {node.head_dashboard}  (as the head records it)")
+    print("  leave with:           pylon cluster down" + _home_hint(node.home))
+    return 0
+
+
+def _resources(resources: dict[str, float]) -> str:
+    shown = []
+    for name, amount in sorted(resources.items()):
+        if name.startswith("node:"):
+            continue
+        shown.append(f"{name} {amount / 2**30:.1f} GiB" if "memory" in name else f"{name} {amount:g}")
+    return ", ".join(shown) or "none"
+
+
+def _home_hint(node_home: str) -> str:
+    """Which PYLON_HOME `down` needs, where the node's is not the default one."""
+    return "" if str((Path.home() / ".pylon").resolve()) == node_home else f"   (with PYLON_HOME={node_home})"
 
 
 def _cmd_cluster_status(args: argparse.Namespace) -> int:
@@ -86,7 +144,10 @@ def _cmd_cluster_down(args: argparse.Namespace) -> int:
 
     stopped = cluster.down()
     if stopped is None:
-        print("no cluster started by `pylon cluster up` is recorded; nothing to stop")
+        print("no cluster started by `pylon cluster up` or node by `pylon cluster join` is recorded; nothing to stop")
+    elif isinstance(stopped, cluster.JoinedNode):
+        node_id = stopped.node_id or "(not yet listed)"
+        print(f"stopped the Ray node {node_id}: it left the cluster at {stopped.head_address}")
     else:
         print(f"stopped the local Ray cluster at {stopped.dashboard_url}")
     return 0
@@ -96,15 +157,23 @@ def _gib_to_bytes(gib: float | None) -> int | None:
     return None if gib is None else int(gib * 2**30)
 
 
+NODE_IP_HELP = (
+    "the address Ray advertises for this node, for machines with several networks (default: Ray's choice, the "
+    "address of the interface that routes outward)"
+)
+
+
 def add_cluster_parser(sub, fmt) -> None:
     c = sub.add_parser(
         "cluster",
         formatter_class=fmt,
-        help="start, inspect or stop the local Ray cluster",
+        help="start, grow, inspect or stop the Ray cluster",
         description="The embedded default: a real Ray head on this machine, dashboard and Jobs "
-        "API on 127.0.0.1, Ray's token authentication on. State lives in "
-        "$PYLON_HOME (default ~/.pylon).",
-        epilog="examples:\n  pylon cluster up --num-cpus 4\n  pylon cluster status --json\n  pylon cluster down",
+        "API on 127.0.0.1 (or --host), Ray's token authentication on; other machines join it as "
+        "worker nodes. State lives in $PYLON_HOME (default ~/.pylon).",
+        epilog="examples:\n  pylon cluster up --num-cpus 4\n  pylon cluster status --json\n  pylon cluster down\n"
+        "  pylon cluster up --host 0.0.0.0                                 # on the first machine\n"
+        "  pylon cluster join 10.0.0.1:6379 --token-file ~/head-token      # on each other machine",
     )
     csub = c.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
     up = csub.add_parser(
@@ -116,13 +185,23 @@ def add_cluster_parser(sub, fmt) -> None:
         epilog="examples:\n  pylon cluster up\n  pylon cluster up --num-cpus 4 --object-store-gib 2\n"
         "  pylon cluster up --autoscale                  # worker nodes come and go with the work\n"
         "  pylon cluster up --autoscale my-cluster.yaml  # worker groups from a local Cluster spec\n"
-        "  PYLON_HOME=/tmp/other pylon cluster up --dashboard-port 8266   # a second cluster",
+        "  PYLON_HOME=/tmp/other pylon cluster up --dashboard-port 8266   # a second cluster\n"
+        "  pylon cluster up --host 0.0.0.0               # other machines may join and submit (token auth on)",
     )
     up.add_argument("--num-cpus", type=int, help="CPUs Ray may schedule (default: all)")
     up.add_argument("--num-gpus", type=int, help="GPUs Ray may schedule (default: detected)")
     up.add_argument("--object-store-gib", type=float, help="object store size in GiB (default: Ray's choice)")
     up.add_argument("--port", type=int, help="GCS port (default 6379, or a free one if taken)")
     up.add_argument("--dashboard-port", type=int, help="dashboard/Jobs API port (default 8265, or a free one)")
+    up.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="address the dashboard/Jobs API binds to: 127.0.0.1 (this machine only), one of this machine's "
+        "addresses, or 0.0.0.0 (every interface); off loopback is safe because token authentication is on "
+        "(default 127.0.0.1)",
+    )
+    up.add_argument("--node-ip-address", metavar="IP", help=NODE_IP_HELP)
     up.add_argument(
         "--autoscale",
         nargs="?",
@@ -134,6 +213,47 @@ def add_cluster_parser(sub, fmt) -> None:
         "0-2 nodes of 1 CPU)",
     )
     up.set_defaults(func=_cmd_cluster_up)
+    join = csub.add_parser(
+        "join",
+        formatter_class=fmt,
+        help="start a worker node here that joins a running cluster",
+        description="Start a Ray worker node on this machine (`ray start --address`) that joins the "
+        "cluster whose head's GCS address is HEAD_ADDRESS, with token authentication. Checks that the "
+        "head answers and accepts the token first; waits until the node is ALIVE; prints its id, IP and "
+        "resources. `pylon cluster down` (same PYLON_HOME) stops exactly this node. Ray adds a GPU type "
+        "resource (accelerator_type:<type>) and label (ray.io/accelerator-type) itself where it finds NVIDIA "
+        "GPUs. One PYLON_HOME holds one head or one joined node.",
+        epilog="examples:\n"
+        "  pylon cluster join 10.0.0.1:6379 --token-file ~/head-token\n"
+        "  pylon cluster join 10.0.0.1:6379 --num-gpus 8 --labels zone=a,disk=nvme\n"
+        "  pylon cluster join 10.0.0.1:6379 --resources '{\"nvme\": 1}' --object-store-gib 32\n"
+        "  PYLON_HOME=/tmp/node2 pylon cluster join 127.0.0.1:6379 --num-cpus 2   # a second node on one machine",
+    )
+    join.add_argument(
+        "head_address",
+        metavar="HEAD_ADDRESS",
+        help="the head's GCS address HOST:PORT, as `pylon cluster up` prints it (not the dashboard URL)",
+    )
+    join.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="the cluster's token file, a copy of the head's $PYLON_HOME/auth_token (default: RAY_AUTH_TOKEN, "
+        "else RAY_AUTH_TOKEN_PATH, else $PYLON_HOME/auth_token, else ~/.ray/auth_token); it is copied to "
+        "$PYLON_HOME/auth_token (mode 0600)",
+    )
+    join.add_argument("--num-cpus", type=int, help="CPUs Ray may schedule here (default: all)")
+    join.add_argument("--num-gpus", type=int, help="GPUs Ray may schedule here (default: detected)")
+    join.add_argument("--memory-gib", type=float, help="memory for tasks and actors in GiB (default: what is free)")
+    join.add_argument("--object-store-gib", type=float, help="object store size in GiB (default: Ray's choice)")
+    join.add_argument("--resources", metavar="JSON", help="custom resources, e.g. '{\"nvme\": 1}'")
+    join.add_argument(
+        "--labels",
+        metavar="K=V,...",
+        help="Ray node labels (Kubernetes label syntax), e.g. zone=a,disk=nvme; tasks select nodes by them "
+        "with label_selector",
+    )
+    join.add_argument("--node-ip-address", metavar="IP", help=NODE_IP_HELP)
+    join.set_defaults(func=_cmd_cluster_join)
     st = csub.add_parser(
         "status",
         formatter_class=fmt,
@@ -147,10 +267,11 @@ def add_cluster_parser(sub, fmt) -> None:
     st.set_defaults(func=_cmd_cluster_status)
     dn = csub.add_parser(
         "down",
-        help="stop the cluster `pylon cluster up` started (nothing else)",
+        help="stop the cluster `pylon cluster up` started, or the node `join` started (nothing else)",
         formatter_class=fmt,
-        description="Stop exactly the Ray processes `pylon cluster up` started; other Ray "
-        "clusters on this machine are left alone.",
+        description="Stop exactly the Ray processes `pylon cluster up` (the head) or `pylon cluster "
+        "join` (a worker node, which then leaves its cluster) started from this PYLON_HOME; other Ray "
+        "clusters and nodes on this machine are left alone.",
         epilog="examples:\n  pylon cluster down\n  PYLON_HOME=/tmp/other pylon cluster down",
     )
     dn.set_defaults(func=_cmd_cluster_down)
