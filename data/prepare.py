@@ -589,12 +589,27 @@ def _ray_executor(use_ray: bool | None, uris: list[str]) -> str | None:
     try:
         where = home.resolve()
         home.ping(where)
-        home.init_ray(where)
     except ClusterError as e:
         if use_ray:
             raise
         log.info("not using Ray: %s", str(e).split(". ")[0])
         return None
+    local = [u for u in uris if isinstance(storage.resolve(u)[0], LocalFileSystem)]
+    if local and not where.shares_disk:
+        # The cluster is another machine: its tasks would look for these paths on its own disks.
+        if use_ray:
+            raise DataError(
+                f"{local[0]}: a path on this machine, and the cluster at {where.dashboard_url} shares no disk with "
+                "it; run without Ray (this process reads it), or submit the preparation as a job that ships it "
+                "(`pylon.connect().prepare_data(...)`), or put it in object storage"
+            )
+        log.info(
+            "tokenizing in this process: %s is on this machine's disk, which the cluster at %s cannot read",
+            local[0],
+            where.dashboard_url,
+        )
+        return None
+    home.init_ray(where)
     return f"on the Ray cluster at {where.dashboard_url}"
 
 

@@ -14,6 +14,7 @@ No Ray or DeepSpeed at import: the SDK and the planner read runs through this mo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from pylon import home, storage
@@ -29,6 +30,60 @@ def run_uri_of(spec: TrainJobSpec) -> str:
     """Where a run lives: `<checkpoint.storage>/<name>` (default `$PYLON_HOME/runs/<name>`)."""
     root = spec.checkpoint.storage or str(home.pylon_home() / "runs")
     return storage.join(_absolute(root), spec.name)
+
+
+# Filesystems that are the same files on every machine that mounts them (network and cluster filesystems, and FUSE
+# mounts of object stores: gcsfuse, s3fs-fuse, JuiceFS, Mountpoint for S3). A path on any other (ext4, xfs, tmpfs,
+# overlay...) is one machine's own.
+SHARED_FS_TYPES = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p", "wekafs")
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem `path` lives on (the deepest mount point above it in /proc/mounts)."""
+    target = Path(path).expanduser().absolute()
+    best, fstype = "", "unknown"
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return fstype
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1].replace("\\040", " ")
+        if (str(target) == mount or str(target).startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, fstype = mount, parts[2]
+    return fstype
+
+
+def every_node_reads(uri: str, *, working_dir: str | None = None) -> bool:
+    """Whether every node of a cluster sees the same thing at `uri`: object storage, a shared filesystem, or a path
+    inside the job's own working directory (Ray unpacks that on every node a job's workers run on)."""
+    if "://" in uri and not uri.startswith("file://"):
+        return True
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
+    if working_dir is not None:
+        if not os.path.isabs(path):
+            return True
+        root = os.path.realpath(working_dir)
+        if os.path.realpath(path) == root or os.path.realpath(path).startswith(root + os.sep):
+            return True
+    fstype = filesystem_type(path)
+    return fstype in SHARED_FS_TYPES or fstype.startswith("fuse.")
+
+
+def storage_problems(fields: dict[str, str], nodes: int, *, working_dir: str | None = None) -> list[str]:
+    """Why a job on a cluster of `nodes` nodes cannot use the storage `fields` name ({field path: uri}): each
+    local path one node cannot share, named by its field."""
+    if nodes <= 1:
+        return []
+    return [
+        f"{field}: {uri} is a directory on one machine's own disk ({filesystem_type(uri)}), and this cluster has "
+        f"{nodes} nodes: the workers on the others could not read or write it. Use object storage every node "
+        "reaches (s3://BUCKET/...), or a shared filesystem (NFS, Lustre...) mounted at the same path on every node"
+        for field, uri in fields.items()
+        if not every_node_reads(uri, working_dir=working_dir)
+    ]
 
 
 def _absolute(uri: str) -> str:

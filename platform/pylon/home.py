@@ -16,6 +16,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import psutil
 import requests
@@ -56,29 +57,47 @@ class LocalCluster:
 
     def processes(self) -> list[psutil.Process]:
         """Live processes of this cluster: those naming its temp dir or GCS address, and their descendants."""
-        markers = (self.temp_dir, self.gcs_address)
-        roots = []
-        for proc in psutil.process_iter(["cmdline", "status"]):
-            try:
-                cmdline = proc.info["cmdline"] or []
-                if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                    continue
-                if any(m in arg for arg in cmdline for m in markers):
-                    roots.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        found = {p.pid: p for p in roots}
-        for root in roots:
-            try:
-                for child in root.children(recursive=True):
-                    found.setdefault(child.pid, child)
-            except psutil.NoSuchProcess:
-                continue
-        me = os.getpid()
-        return [p for pid, p in found.items() if pid != me and _alive(p)]
+        return ray_processes((self.temp_dir, self.gcs_address))
 
     def is_running(self) -> bool:
-        return _port_open("127.0.0.1", self.dashboard_port) and bool(self.processes())
+        # The dashboard listens where `up --host` said: 127.0.0.1, one address, or all (recorded as this machine's).
+        host = urlparse(self.dashboard_url).hostname or "127.0.0.1"
+        return _port_open(host, self.dashboard_port) and bool(self.processes())
+
+
+def ray_processes(markers: tuple[str, ...]) -> list[psutil.Process]:
+    """Live processes whose command line names one of `markers` (a Ray temp dir, a GCS address), and their
+    descendants (workers, agents), this process excepted. Only those that see this process's files: one in
+    another mount namespace (a container, or a simulated machine of the test suite) has its own /tmp, so a temp
+    dir of the same name there is another directory, and a raylet there naming our GCS is another machine's."""
+    roots = []
+    mine = _mount_namespace(os.getpid())
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if any(m in arg for arg in cmdline for m in markers) and _mount_namespace(proc.pid) == mine:
+                roots.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    found = {p.pid: p for p in roots}
+    for root in roots:
+        try:
+            for child in root.children(recursive=True):
+                found.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            continue
+    me = os.getpid()
+    return [p for pid, p in found.items() if pid != me and _alive(p)]
+
+
+def _mount_namespace(pid: int) -> str | None:
+    """The mount namespace of process `pid` (Linux), or None where that cannot be read (then all look alike)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -153,6 +172,9 @@ class ClusterAddress:
     dashboard_url: str
     gcs_address: str | None = None
     token: str | None = None
+    # True only for the cluster `pylon cluster up` started from this $PYLON_HOME: its head is this machine, so a
+    # local path means the same file here and there. Any other address is taken to share no disk with us.
+    shares_disk: bool = False
 
     def __repr__(self) -> str:  # the token never appears here
         return f"ClusterAddress(dashboard_url={self.dashboard_url!r}, gcs_address={self.gcs_address!r})"
@@ -185,11 +207,31 @@ def resolve(address: str | None = None) -> ClusterAddress:
         )
     if ours:
         use_cluster_auth(state.token_path)
-        return ClusterAddress(state.dashboard_url, state.gcs_address, read_token(state.token_path))
+        return ClusterAddress(state.dashboard_url, state.gcs_address, read_token(state.token_path), shares_disk=True)
+    on_a_node = on_cluster_node()
     if address.startswith(("http://", "https://")):
-        return ClusterAddress(address, token=user_token())
+        return ClusterAddress(address, token=user_token(), shares_disk=on_a_node)
     host = address.rsplit(":", 1)[0]
-    return ClusterAddress(f"http://{host}:8265", gcs_address=address, token=user_token())
+    return ClusterAddress(f"http://{host}:8265", gcs_address=address, token=user_token(), shares_disk=on_a_node)
+
+
+def on_cluster_node() -> bool:
+    """Whether this process is a Ray job's entrypoint, so runs on a node of the cluster (its local paths are that
+    node's, as the job's Ray tasks pinned to it see them)."""
+    return settings.value(settings.RAY_JOB_CONFIG) is not None
+
+
+def job_working_dir() -> str | None:
+    """The working directory of the Ray job this process is the entrypoint of, when its runtime_env has one (the
+    process runs in it, and Ray gives every worker and task of the job its own copy on its node)."""
+    raw = settings.value(settings.RAY_JOB_CONFIG)
+    if raw is None:
+        return None
+    try:
+        runtime_env = json.loads(raw).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return None
+    return os.getcwd() if runtime_env.get("working_dir") else None
 
 
 def ping(where: ClusterAddress, timeout_s: float = 10.0) -> str:

@@ -31,6 +31,8 @@ HOME = "PYLON_HOME"
 RAY_ADDRESS = "RAY_ADDRESS"
 RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+SHIP_LIMIT_MB = "PYLON_SHIP_LIMIT_MB"
 S3_ENDPOINT = "AWS_ENDPOINT_URL_S3"
 ENDPOINT = "AWS_ENDPOINT_URL"
 REGION = "AWS_REGION"
@@ -73,6 +75,19 @@ SETTINGS: dict[str, Setting] = {
             "~/.ray/auth_token",
             "The file holding Ray's token for a cluster Pylon did not start (Ray's own variable). For a cluster "
             "`pylon cluster up` started, Pylon points it at `$PYLON_HOME/auth_token` unless one of the two is set.",
+        ),
+        Setting(
+            RAY_JOB_CONFIG,
+            "",
+            "Set by Ray in the process of a Ray job's entrypoint (Ray's own variable): Pylon reads only whether it is "
+            "set, which means this process runs on a node of the cluster, so local paths are that node's.",
+        ),
+        Setting(
+            SHIP_LIMIT_MB,
+            "100",
+            "The most a client ships with a job to a cluster that shares no disk with it: the local files a spec "
+            "names (a small corpus, tokenizer files), in MiB. Larger inputs are refused before submission: put them "
+            "in object storage.",
         ),
         Setting(
             S3_ENDPOINT,

@@ -465,6 +465,27 @@ class HttpSpec(_Spec):
         "chunk per decoding step)",
     )
     route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9_\-/]*$")
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="the address Serve's HTTP ingress binds to (0.0.0.0: every interface, for clients on other "
+        "machines; needs api_keys_env). Serve's, so the cluster's: the first deployment sets it",
+    )
+    port: Annotated[int, Field(ge=1, le=65535)] | None = Field(
+        None, description="Serve's HTTP port; default: the one `pylon cluster up` reserved, else 8000"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ReplicaSpec(_Spec):
@@ -485,6 +506,16 @@ class DeploymentSpec(_Spec):
 
     @model_validator(mode="after")
     def _rules(self) -> "DeploymentSpec":
+        if not is_loopback(self.http.host) and not self.http.api_keys_env:
+            _raise_problems(
+                [
+                    (
+                        "http.host",
+                        f"{self.http.host} lets other machines in, so it needs API keys: set http.api_keys_env "
+                        "(or keep the default host 127.0.0.1)",
+                    )
+                ]
+            )
         if self.engine.device == "cuda" and self.replica.num_gpus == 0:
             _raise_problems([("replica.num_gpus", "must be > 0 when engine.device is 'cuda' (got 0)")])
         dp = self.engine.data_parallel

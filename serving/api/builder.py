@@ -70,5 +70,9 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
 
 def app_builder(args: dict):
     """Serve's application builder: a Deployment spec as `args` (a RayService's serveConfigV2, as
-    `pylon infra render` writes it, or `serve run pylon.serving.api.builder:app_builder --config-file ...`)."""
+    `pylon infra render` writes it, or `serve run pylon.serving.api.builder:app_builder --config-file ...`; its
+    API keys are read from the environment here), or `{"spec": ..., "key_digests": [...]}` as a client's
+    `pylon.sdk.serve.deploy` sends it through Serve's REST API (the keys stayed on the client)."""
+    if set(args) == {"spec", "key_digests"}:
+        return build_app(DeploymentSpec.model_validate(args["spec"]), key_digests=list(args["key_digests"]))
     return build_app(DeploymentSpec.model_validate(args))

@@ -9,18 +9,15 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import requests
 
 from pylon import home
-from pylon.errors import ClusterError, JobNotFoundError, PylonError
-from pylon.jobs.run_dir import run_uri_of
+from pylon.errors import ClusterError, JobNotFoundError, PylonError, SpecError
+from pylon.jobs.run_dir import run_uri_of, storage_problems
 from pylon.plan import DEFAULT_MFU, check_fits, plan_file, plan_spec
 from pylon.plan.catalog import load_catalog
-from pylon.sdk import inputs
+from pylon.sdk import inputs, ship
 from pylon.sdk.handles import TERMINAL_JOB_STATES, DataJob, JobInfo, Run, Service
-from pylon.sdk.serve import deploy
+from pylon.sdk.serve import base_url, deploy, serve_details
 from pylon.specs import DeploymentSpec, TrainJobSpec, to_yaml
 
 
@@ -31,6 +28,7 @@ class NodeInfo:
     state: str
     is_head: bool
     resources: dict[str, float]
+    labels: dict[str, str] = field(default_factory=dict)  # Ray node labels: `join --labels`, Ray's own ray.io/...
 
 
 @dataclass
@@ -63,6 +61,8 @@ class ClusterStatus:
         )
         for n in self.nodes:
             res = ", ".join(f"{_fmt_resource(k, v)}" for k, v in sorted(n.resources.items()) if _shown(k))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(n.labels.items()) if k != "ray.io/node-id")
+            res += f"  labels {labels}" if labels else ""
             lines.append(f"  {n.node_id[:12]}  {n.ip:<15} {n.state:<6} {'head' if n.is_head else 'worker':<6} {res}")
         total = self.total_resources()
         lines.append(
@@ -89,9 +89,19 @@ def _fmt_resource(name: str, amount: float) -> str:
 class Client:
     """A handle on one Ray cluster. Everything goes through Ray's public Jobs and State HTTP APIs."""
 
-    def __init__(self, dashboard_url: str, *, gcs_address: str | None = None, token: str | None = None):
+    def __init__(
+        self,
+        dashboard_url: str,
+        *,
+        gcs_address: str | None = None,
+        token: str | None = None,
+        shares_disk: bool = False,
+    ):
         self.dashboard_url = dashboard_url.rstrip("/")
         self.gcs_address = gcs_address
+        # Whether the cluster's head is this machine (the cluster `pylon cluster up` started here): then local paths
+        # in specs are read in place; otherwise a job carries the local files it reads (pylon.sdk.ship).
+        self.shares_disk = shares_disk
         self._token = token
         self._job_client = None
 
@@ -104,7 +114,7 @@ class Client:
 
     @property
     def _where(self) -> home.ClusterAddress:
-        return home.ClusterAddress(self.dashboard_url, self.gcs_address, self._token)
+        return home.ClusterAddress(self.dashboard_url, self.gcs_address, self._token, shares_disk=self.shares_disk)
 
     def ping(self, timeout_s: float = 10.0) -> str:
         """The cluster's Ray version; ClusterError when it cannot be reached or refuses our token."""
@@ -176,33 +186,53 @@ class Client:
 
     def train(self, spec, *, force: bool = False) -> Run:
         """Submit a TrainJob (a `TrainJobSpec`, a dict of its fields, or a YAML file) as a Ray job: the
-        job `pylon train FILE` submits, `python -m pylon.jobs.train --config FILE`. A spec object or dict
-        is written to `$PYLON_HOME/specs/<job id>.yaml` first. Submitting a run name again resumes it.
-        Relative paths in the spec mean what they mean in this process's working directory.
-        A job the planner says cannot fit on the resources it asks for is refused first (`pylon.plan.WontFitError`,
-        with the reason and what would fit); `force=True` submits it anyway."""
-        import shlex
-
-        spec, path = inputs.as_spec(spec, TrainJobSpec)  # every spec error before anything is submitted
+        job `pylon train FILE` submits, `python -m pylon.jobs.train --config spec.yaml`, with the spec carried in
+        the job's working directory (a copy is kept in `$PYLON_HOME/specs/<job id>.yaml`). Relative paths in the
+        spec mean what they mean in this process's working directory; on a cluster that shares no disk with this
+        machine, the local files it reads travel with the job and local output paths are refused
+        (`pylon.sdk.ship`). Submitting a run name again resumes it. A job the planner says cannot fit on the
+        resources it asks for is refused first (`pylon.plan.WontFitError`, with the reason and what would fit);
+        `force=True` submits it anyway."""
+        spec, _ = inputs.as_spec(spec, TrainJobSpec)  # every spec error before anything is submitted
         if not force:
             check_fits(spec, client=self)  # before asking for workers
         job_id = inputs.new_job_id("train", spec.name)
-        if path is None:
-            path = home.pylon_home() / "specs" / f"{job_id}.yaml"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(to_yaml(spec))
-        run_uri = run_uri_of(spec)
-        # The job runs where the caller stands, so relative paths in the spec mean what they mean here.
-        entrypoint = (
-            f"cd {shlex.quote(str(Path.cwd()))} && python -m pylon.jobs.train "
-            f"--config {shlex.quote(str(Path(path).resolve()))}"
-        )
-        self.submit_job(
-            entrypoint,
-            submission_id=job_id,
-            metadata={"pylon_kind": "TrainJob", "pylon_name": spec.name, "pylon_run_uri": run_uri},
-        )
-        return Run(self, job_id, name=spec.name, run_uri=run_uri, start_time=time.time())
+        if spec.checkpoint.storage is None and self.shares_disk:  # the default, named: the job may run elsewhere
+            spec = spec.model_copy(
+                update={"checkpoint": spec.checkpoint.model_copy(update={"storage": str(home.pylon_home() / "runs")})}
+            )
+        package = ship.package(spec, self._where, default_runs=spec.checkpoint.storage is None)
+        try:
+            spec = package.spec
+            run_uri = run_uri_of(spec)
+            self._check_storage({"data.uri": spec.data.uri, "checkpoint.storage": run_uri}, f"TrainJob '{spec.name}'")
+            record = home.pylon_home() / "specs" / f"{job_id}.yaml"
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(to_yaml(spec))
+            self.submit_job(
+                f"python -m pylon.jobs.train --config {ship.SPEC_FILE}",
+                runtime_env=package.runtime_env,
+                submission_id=job_id,
+                metadata={
+                    "pylon_kind": "TrainJob",
+                    "pylon_name": spec.name,
+                    "pylon_run_uri": run_uri,
+                    "pylon_steps": str(spec.steps),
+                },
+            )
+        finally:
+            package.cleanup()
+        return Run(self, job_id, name=spec.name, run_uri=run_uri, start_time=time.time(), steps=spec.steps)
+
+    def _check_storage(self, fields: dict[str, str], label: str) -> None:
+        """Refuse, before submitting, local paths a job on a cluster of several nodes could not share (the job
+        checks again on the cluster; this saves a submission and says it sooner)."""
+        if not any(ship.is_local(uri) for uri in fields.values()):
+            return
+        nodes = sum(1 for n in self.nodes() if n.state == "ALIVE")
+        problems = storage_problems({k: v for k, v in fields.items() if not v.startswith(ship.INPUTS_DIR)}, nodes)
+        if problems:
+            raise SpecError([f"{label}: {p}" for p in problems])
 
     def plan(
         self,
@@ -241,14 +271,18 @@ class Client:
         path component). `overwrite` replaces a dataset already at the output."""
 
         spec = inputs.dataset_spec(spec, fields)
-        if "://" not in spec.output:  # the handle reads the output later, perhaps from another directory
-            spec = spec.model_copy(update={"output": os.path.abspath(os.path.expanduser(spec.output))})
-        job_id = inputs.new_job_id("data", spec.name)
-        self.submit_job(
-            inputs.prepare_entrypoint(spec, overwrite=overwrite, cwd=Path.cwd()),
-            submission_id=job_id,
-            metadata={"pylon_kind": "Dataset", "pylon_name": spec.name, "pylon_output": spec.output},
-        )
+        package = ship.package(spec, self._where)
+        try:
+            spec = package.spec
+            job_id = inputs.new_job_id("data", spec.name)
+            self.submit_job(
+                inputs.prepare_entrypoint(spec, overwrite=overwrite),
+                runtime_env=package.runtime_env,
+                submission_id=job_id,
+                metadata={"pylon_kind": "Dataset", "pylon_name": spec.name, "pylon_output": spec.output},
+            )
+        finally:
+            package.cleanup()
         return DataJob(self, job_id, name=spec.name, output=spec.output, start_time=time.time())
 
     def deploy(self, spec, *, timeout_s: float = 600) -> Service:
@@ -268,7 +302,12 @@ class Client:
         details = self.serve_applications()
         key = api_key or inputs.first_api_key("PYLON_API_KEYS", required=False)
         return [
-            Service(self, name, _serve_url(details, app, self.dashboard_url), api_key=key)
+            Service(
+                self,
+                name,
+                base_url(details.get("http_options") or {}, app.get("route_prefix") or "/", self.dashboard_url),
+                api_key=key,
+            )
             for name, app in sorted(details.get("applications", {}).items())
         ]
 
@@ -283,14 +322,7 @@ class Client:
         """Ray Serve's details of every application and replica, from the dashboard's REST API
         (`GET /api/serve/applications/`): the same facts as `ray.serve.status()`, without joining the
         cluster as a Ray driver."""
-        url = f"{self.dashboard_url}/api/serve/applications/"
-        try:
-            r = requests.get(url, headers=self._headers, timeout=30)
-        except requests.RequestException as e:
-            raise ClusterError(f"{url}: no answer ({type(e).__name__})") from None
-        if r.status_code != 200:
-            raise ClusterError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
-        return r.json()
+        return serve_details(self._where)
 
     # -- cluster ----------------------------------------------------------------------------------------
 
@@ -307,6 +339,7 @@ class Client:
                 state=n.state,
                 is_head=bool(n.is_head_node),
                 resources=dict(n.resources_total or {}),
+                labels=dict(n.labels or {}),
             )
             for n in rows
         ]
@@ -320,7 +353,9 @@ class Client:
 def connect(address: str | None = None, *, timeout_s: float = 10.0) -> Client:
     """A Client bound to a running cluster: `address`, else `RAY_ADDRESS`, else the one `up` started."""
     where = home.resolve(address)
-    client = Client(where.dashboard_url, gcs_address=where.gcs_address, token=where.token)
+    client = Client(
+        where.dashboard_url, gcs_address=where.gcs_address, token=where.token, shares_disk=where.shares_disk
+    )
     client.ping(timeout_s)
     return client
 
@@ -336,15 +371,3 @@ def _job_info(j) -> JobInfo:
         end_time=(j.end_time or 0) / 1000 or None,
         metadata=dict(j.metadata or {}),
     )
-
-
-def _serve_url(details: dict, app: dict, dashboard_url: str) -> str:
-    """An application's base URL: Serve's HTTP host and port, and the app's route prefix."""
-    from urllib.parse import urlparse
-
-    http = details.get("http_options") or {}
-    host = http.get("host") or "127.0.0.1"
-    if host in ("0.0.0.0", "::"):  # listening everywhere: reach it where the dashboard is
-        host = urlparse(dashboard_url).hostname or "127.0.0.1"
-    prefix = (app.get("route_prefix") or "/").rstrip("/")
-    return f"http://{host}:{http.get('port', 8000)}{prefix}"

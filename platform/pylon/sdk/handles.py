@@ -22,6 +22,8 @@ and never shown by its repr.
 
 from __future__ import annotations
 
+import contextlib
+import html
 import json
 import math
 import sys
@@ -123,6 +125,75 @@ def _advance(bar, text: str) -> None:
     bar.refresh()
 
 
+class _LiveLine:
+    """One line of progress that updates in place: a display in Jupyter (`update_display`), a tqdm bar on a
+    terminal, nothing but the final line elsewhere (scripts, CI)."""
+
+    def __init__(self, label: str, *, total: int | None):
+        self.label, self.total = label, total
+        self.step, self.loss, self.tokens_per_s, self.extra = 0, None, None, ""
+        self.started = time.monotonic()
+        self._handle = self._bar = None
+        if _in_jupyter():
+            from IPython.display import HTML, display
+
+            self._handle = display(HTML(self._html("PENDING")), display_id=True)
+        else:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="step", desc=label, file=sys.stderr, dynamic_ncols=True, disable=None)
+
+    def record(self, record: dict) -> None:
+        self.step = int(record.get("step", self.step))
+        self.loss = record.get("loss", self.loss)
+        self.tokens_per_s = record.get("tokens_per_s", self.tokens_per_s)
+
+    def note(self, text: str) -> None:
+        self.extra = text
+
+    def text(self, status: str) -> str:
+        parts = [f"{self.label}: {status}", f"step {self.step}" + (f"/{self.total}" if self.total else "")]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:,.0f} tokens/s")
+        parts.append(f"{time.monotonic() - self.started:.0f} s")
+        return " · ".join(parts) + (f" ({self.extra})" if self.extra else "")
+
+    def _html(self, status: str) -> str:
+        done = self.step / self.total if self.total else 0.0
+        return (
+            f'<div class="pylon-progress"><progress value="{done:.3f}" max="1" style="width:16em"></progress> '
+            f"<code>{html.escape(self.text(status))}</code></div>"
+        )
+
+    def show(self, status: str) -> None:
+        self.status = status
+        if self._handle is not None:
+            from IPython.display import HTML
+
+            self._handle.update(HTML(self._html(status)))
+        elif self._bar is not None and not self._bar.disable:
+            self._bar.n = self.step
+            self._bar.set_postfix_str(self.text(status).split(": ", 1)[1], refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            disabled = self._bar.disable
+            self._bar.close()
+            if disabled:  # not a terminal: say where it ended, once
+                print(self.text(getattr(self, "status", "?")), file=sys.stderr)
+
+
+def _in_jupyter() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
 def _tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
@@ -202,19 +273,29 @@ class Run(Job):
     """A training run: its Ray job and its run directory (`<checkpoint.storage>/<name>`)."""
 
     def __init__(
-        self, client: Client, job_id: str, *, name: str | None, run_uri: str | None, start_time: float | None = None
+        self,
+        client: Client,
+        job_id: str,
+        *,
+        name: str | None,
+        run_uri: str | None,
+        start_time: float | None = None,
+        steps: int | None = None,
     ):
         super().__init__(client, job_id, name=name, start_time=start_time)
         self.run_uri = run_uri
+        self.steps = steps
 
     @classmethod
     def from_info(cls, client: Client, info: JobInfo) -> Run:
+        steps = info.metadata.get("pylon_steps")
         return cls(
             client,
             info.job_id,
             name=info.metadata.get("pylon_name"),
             run_uri=info.metadata.get("pylon_run_uri"),
             start_time=info.start_time,
+            steps=int(steps) if steps and steps.isdigit() else None,
         )
 
     def _uri(self) -> str:
@@ -224,6 +305,33 @@ class Run(Job):
                 "`pylon train` or `client.train`)"
             )
         return self.run_uri
+
+    def watch(self, *, poll_s: float = 2.0, timeout: float | None = None) -> str:
+        """Follow the run until its job ends, with a live display of where it is: in Jupyter one line that
+        updates in place (status, step of steps, loss, tokens/s, elapsed), elsewhere a progress bar on stderr.
+        Returns the final status (the logs stay with `logs()`)."""
+        display = _LiveLine(f"run '{self.name or self.job_id}'", total=self.steps)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = 0
+        try:
+            while True:
+                status = self._client.job_status(self.job_id)
+                logs = self._client.job_logs(self.job_id)
+                for line in logs[seen:].splitlines():
+                    if line.startswith('{"step": '):
+                        with contextlib.suppress(ValueError):
+                            display.record(json.loads(line))
+                    elif line.startswith("resumed "):
+                        display.note(line.strip())
+                seen = len(logs)
+                display.show(status)
+                if status in TERMINAL_JOB_STATES:
+                    return status
+                if deadline is not None and time.monotonic() > deadline:
+                    raise PylonError(f"run '{self.name}' still {status} after {timeout:.0f} s")
+                time.sleep(poll_s)
+        finally:
+            display.close()
 
     def metrics(self):
         """Rank 0's per-step records (`metrics.jsonl`) as a pandas DataFrame: step, loss, lr, tokens,

@@ -62,9 +62,9 @@ def dataset_spec(spec: Any, fields: dict) -> DatasetSpec:
     return as_spec(spec, DatasetSpec)[0]
 
 
-def prepare_entrypoint(spec: DatasetSpec, *, overwrite: bool, cwd: Path) -> str:
-    """The `pylon data prepare` command line for a Dataset spec, run where the caller stands (relative
-    paths in the spec mean what they mean there)."""
+def prepare_entrypoint(spec: DatasetSpec, *, overwrite: bool) -> str:
+    """The `pylon data prepare` command line for a Dataset spec, run in the job's working directory (relative
+    paths name the files shipped with it, `pylon.sdk.ship`)."""
     args = [
         "pylon",
         "data",
@@ -87,7 +87,7 @@ def prepare_entrypoint(spec: DatasetSpec, *, overwrite: bool, cwd: Path) -> str:
         args += ["--exclude", pattern]
     if overwrite:
         args.append("--overwrite")
-    return f"cd {shlex.quote(str(cwd))} && " + " ".join(shlex.quote(a) for a in args)
+    return " ".join(shlex.quote(a) for a in args)
 
 
 def first_api_key(env_name: str, *, required: bool = True) -> str | None:

@@ -1,51 +1,163 @@
-"""Deploy and delete Serve applications from a client: `deploy(spec)` runs a `Deployment` on the cluster and waits
-until its replicas answer /ready; `delete(name)` removes it."""
+"""Deploy and delete Serve applications from a client, through Serve's REST API on the dashboard (with the cluster's
+token): `deploy(spec)` runs a `Deployment` on the cluster and waits until its replicas answer /ready; `delete(name)`
+removes it. Neither joins the cluster as a Ray driver, so both work from any machine that reaches the dashboard.
+
+Serve's REST API is declarative: `PUT /api/serve/applications/` names every application the cluster should run.
+A deploy reads the applications already there (`GET`), keeps their configs as they are (Serve leaves an unchanged
+application alone), and adds or replaces its own; a delete puts them back without it. Each application runs
+`pylon.serving.api.builder:app_builder` with the spec and the SHA-256 digests of its API keys as arguments, so the
+keys themselves stay on the client.
+"""
 
 from __future__ import annotations
 
 import os
-import re
 import time
+from urllib.parse import urlparse
+
+import requests
 
 from pylon import home, storage
-from pylon.errors import PylonError
+from pylon.errors import ClusterError, PylonError
 from pylon.specs import DeploymentSpec
+
+SERVE_API = "/api/serve/applications/"
+APP_BUILDER = "pylon.serving.api.builder:app_builder"
+DEFAULT_PORT = 8000
+
+
+def _where(address: home.ClusterAddress | str | None) -> home.ClusterAddress:
+    if isinstance(address, home.ClusterAddress):
+        return address
+    where = home.resolve(address)
+    home.ping(where)
+    return where
+
+
+def _request(where: home.ClusterAddress, method: str, body: dict | None = None) -> requests.Response:
+    url = where.dashboard_url.rstrip("/") + SERVE_API
+    try:
+        return requests.request(method, url, json=body, headers=where.headers, timeout=60)
+    except requests.RequestException as e:
+        raise ClusterError(f"{url}: no answer ({type(e).__name__}); is the cluster's dashboard up?") from None
+
+
+def serve_details(address: home.ClusterAddress | str | None = None) -> dict:
+    """Serve's details of every application and its HTTP options (`GET /api/serve/applications/`)."""
+    where = _where(address)
+    r = _request(where, "GET")
+    if r.status_code != 200:
+        raise ClusterError(f"{where.dashboard_url}{SERVE_API} answered HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def _other_configs(details: dict, name: str) -> list[dict]:
+    """The configs of every application but `name`, as Serve keeps them: PUT them back unchanged."""
+    configs = []
+    for other, app in sorted((details.get("applications") or {}).items()):
+        if other == name:
+            continue
+        config = app.get("deployed_app_config")
+        if not config:
+            raise PylonError(
+                f"application '{other}' on this cluster was deployed with Serve's Python API (serve.run), and Serve "
+                "cannot run it beside applications deployed through its REST API; delete it (serve.delete"
+                f"('{other}')) or deploy this one the same way"
+            )
+        configs.append(config)
+    return configs
+
+
+def _put(where: home.ClusterAddress, http_options: dict, applications: list[dict]) -> None:
+    r = _request(where, "PUT", {"http_options": http_options, "applications": applications})
+    if r.status_code != 200:
+        raise PylonError(f"Serve refused the deployment (HTTP {r.status_code}): {r.text.strip()[-1500:]}")
+
+
+def _running_http(details: dict) -> dict | None:
+    """Serve's HTTP host and port when Serve is running (they are fixed until it stops), else None."""
+    if not details.get("controller_info") or not details.get("http_options"):
+        return None
+    http = details["http_options"]
+    return {"host": http.get("host") or "127.0.0.1", "port": int(http.get("port") or DEFAULT_PORT)}
+
+
+def _http_options(spec: DeploymentSpec, where: home.ClusterAddress, details: dict) -> dict:
+    """Where Serve's HTTP ingress listens: as it is when Serve runs already (a spec asking for another bind address
+    or port is refused), else the spec's `http.host` and `http.port` (default: the port `pylon cluster up`
+    reserved for this cluster, else 8000)."""
+    running = _running_http(details)
+    if running is not None:
+        wanted = {"host": spec.http.host, "port": spec.http.port or running["port"]}
+        differ = [k for k in ("host", "port") if wanted[k] != running[k]]
+        if differ:
+            raise PylonError(
+                "; ".join(f"http.{k}: Serve on this cluster already listens on {k} {running[k]}" for k in differ)
+                + f", and cannot change it while applications run; use {running['host']}:{running['port']}, or "
+                "delete every deployment first"
+            )
+        return running
+    port = spec.http.port
+    if port is None:
+        state = home.read_state() if where.shares_disk else None
+        port = getattr(state, "serve_port", 0) or DEFAULT_PORT
+    return {"host": spec.http.host, "port": port}
+
+
+def base_url(http: dict, route_prefix: str, dashboard_url: str) -> str:
+    """How a client reaches an application: Serve's bind address, or for one that listens on every interface
+    (0.0.0.0, ::) the host the client reaches the dashboard on."""
+    host = http.get("host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):
+        host = urlparse(dashboard_url).hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{http.get('port', DEFAULT_PORT)}{route_prefix.rstrip('/')}"
 
 
 def deploy(spec: DeploymentSpec, *, address: home.ClusterAddress | str | None = None, timeout_s: float = 600) -> str:
     """Run `spec` on the cluster (`address`: an address to resolve, the local cluster by default, or a resolved
     `home.ClusterAddress`, as a `Client` passes) and return its base URL."""
-    from ray import serve  # Ray Serve and the replica's code load only when deploying
+    from pylon.serving.api.http import api_key_digests
 
-    from pylon.serving.api.builder import build_app
-
-    spec = _checked_model(spec)
-    home.init_ray(address)
-    state = home.read_state()
-    port = getattr(state, "serve_port", 0) or 8000
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(spec), name=spec.name, route_prefix=spec.http.route_prefix, blocking=False)
-    except Exception as e:  # Serve's controller raises it wrapped in a RayTaskError
-        used = re.search(r'Prefix (\S+) is being used by application "([^"]+)"', str(e))
-        if used:
+    where = _where(address)
+    spec = _checked_model(spec, where)
+    digests = api_key_digests(spec)  # here, from this process's environment: only digests leave it
+    details = serve_details(where)
+    others = _other_configs(details, spec.name)
+    prefix = spec.http.route_prefix
+    for other in others:
+        if (other.get("route_prefix") or "/") == prefix:
             raise PylonError(
-                f"http.route_prefix: {used.group(1)} is already served by application "
-                f"'{used.group(2)}'; give '{spec.name}' its own prefix (e.g. /{spec.name}) or "
-                f"delete that one first (pylon serve --delete {used.group(2)})"
-            ) from None
-        raise
-    url = f"http://127.0.0.1:{port}{spec.http.route_prefix.rstrip('/')}"
-    _wait_ready(url, timeout_s, spec.name)
+                f"http.route_prefix: {prefix} is already served by application '{other['name']}'; give "
+                f"'{spec.name}' its own prefix (e.g. /{spec.name}) or delete that one first "
+                f"(pylon serve --delete {other['name']})"
+            )
+    http = _http_options(spec, where, details)
+    app = {
+        "name": spec.name,
+        "route_prefix": prefix,
+        "import_path": APP_BUILDER,
+        "args": {"spec": spec.model_dump(mode="json"), "key_digests": digests},
+    }
+    _put(where, http, [*others, app])
+    url = base_url(http, prefix, where.dashboard_url)
+    _wait_ready(url, timeout_s, spec.name, where)
     return url
 
 
-def _checked_model(spec: DeploymentSpec) -> DeploymentSpec:
-    """Fail before deploying when `model` is not a model directory (a replica would only crash-loop), and
-    make a local path absolute: replicas do not run in the caller's directory."""
+def _checked_model(spec: DeploymentSpec, where: home.ClusterAddress) -> DeploymentSpec:
+    """Fail before deploying when `model` is not a model directory (a replica would only crash-loop), or is a path
+    on this machine the cluster cannot read; make a local path absolute: replicas do not run in the caller's
+    directory."""
     uri = spec.model
     if "://" not in uri:
         uri = os.path.abspath(os.path.expanduser(uri))
+        if not where.shares_disk:
+            raise PylonError(
+                f"model: {uri} is a path on this machine, and the cluster at {where.dashboard_url} shares no disk "
+                "with it; copy the model directory to object storage (e.g. s3://BUCKET/models/NAME) and deploy that"
+            )
     try:
         has_config = storage.exists(storage.join(uri, "config.json"))
     except Exception as e:  # storage or credential errors while looking
@@ -58,21 +170,17 @@ def _checked_model(spec: DeploymentSpec) -> DeploymentSpec:
     return spec.model_copy(update={"model": uri})
 
 
-def _app_failure(name: str) -> str | None:
+def app_failure(details: dict, name: str) -> str | None:
     """Serve's message when application `name` failed to deploy (e.g. the replica's constructor raised)."""
-    from ray import serve
-
-    app = serve.status().applications.get(name)
-    if app is None or str(app.status) not in ("DEPLOY_FAILED", "ApplicationStatus.DEPLOY_FAILED"):
+    app = (details.get("applications") or {}).get(name)
+    if app is None or app.get("status") != "DEPLOY_FAILED":
         return None
-    details = [d.message for d in app.deployments.values() if d.message]
-    return (details[-1] if details else app.message) or "no message"
+    messages = [d.get("message") for d in (app.get("deployments") or {}).values() if d.get("message")]
+    return (messages[-1] if messages else app.get("message")) or "no message"
 
 
-def _wait_ready(url: str, timeout_s: float, name: str | None = None) -> None:
+def _wait_ready(url: str, timeout_s: float, name: str, where: home.ClusterAddress) -> None:
     import sys
-    import urllib.error
-    import urllib.request
 
     from tqdm import tqdm
 
@@ -80,23 +188,22 @@ def _wait_ready(url: str, timeout_s: float, name: str | None = None) -> None:
     last = "no answer"
     # On a terminal, a line that says what is being waited for and for how long (loading a model takes a while).
     with tqdm(
-        desc=f"loading {name or url} (replica starting, model loading)",
+        desc=f"loading {name} (replica starting, model loading)",
         bar_format="{desc}: {elapsed}",
         file=sys.stderr,
         disable=None,
     ) as bar:
         while time.monotonic() < deadline:
-            failure = _app_failure(name) if name else None
+            failure = app_failure(serve_details(where), name)
             if failure:
                 raise PylonError(f"deployment '{name}' failed to start: {failure.strip()[-2000:]}")
             try:
-                with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}"
-            except OSError as e:
-                last = str(e)
+                r = requests.get(f"{url}/ready", timeout=5)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except requests.RequestException as e:
+                last = type(e).__name__
             time.sleep(0.5)
             bar.refresh()
     raise PylonError(f"{url}/ready did not answer 200 within {timeout_s:.0f} s (last: {last})")
@@ -104,7 +211,9 @@ def _wait_ready(url: str, timeout_s: float, name: str | None = None) -> None:
 
 def delete(name: str, *, address: home.ClusterAddress | str | None = None) -> None:
     """Remove application `name` from the cluster (`address` as for `deploy`)."""
-    from ray import serve
-
-    home.init_ray(address)
-    serve.delete(name)
+    where = _where(address)
+    details = serve_details(where)
+    if name not in (details.get("applications") or {}):
+        raise PylonError(f"no Serve application '{name}' on the cluster at {where.dashboard_url}")
+    http = _running_http(details) or {"host": "127.0.0.1", "port": DEFAULT_PORT}
+    _put(where, http, _other_configs(details, name))

@@ -1,0 +1,82 @@
+"""Deploying through Serve's REST API (pylon.sdk.serve): the configs put back unchanged, Serve's HTTP options, the
+URL a client reaches, and the builder's arguments. The whole path on a real cluster: tests/integration."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pylon import home
+from pylon.errors import PylonError
+from pylon.sdk.serve import _http_options, _other_configs, _running_http, app_failure, base_url
+from pylon.specs import DeploymentSpec
+
+WHERE = home.ClusterAddress("http://10.0.0.1:8265")
+
+
+def _details(*apps: dict, http: dict | None = None, running: bool = True) -> dict:
+    return {
+        "controller_info": {"node_id": "abc"} if running else {},
+        "http_options": http or {"host": "127.0.0.1", "port": 8123},
+        "applications": {a["name"]: a for a in apps},
+    }
+
+
+def _app(name: str, *, config: bool = True, status: str = "RUNNING", prefix: str = "/") -> dict:
+    return {
+        "name": name,
+        "status": status,
+        "route_prefix": prefix,
+        "deployed_app_config": {"name": name, "route_prefix": prefix, "import_path": "x:y"} if config else None,
+        "deployments": {},
+    }
+
+
+def test_the_other_applications_are_put_back_as_serve_keeps_them() -> None:
+    details = _details(_app("a"), _app("b"), _app("mine"))
+    assert [c["name"] for c in _other_configs(details, "mine")] == ["a", "b"]
+    with pytest.raises(PylonError, match=r"application 'legacy' .* deployed with Serve's Python API"):
+        _other_configs(_details(_app("legacy", config=False)), "mine")
+
+
+def test_http_options_follow_a_running_serve_and_refuse_to_change_it() -> None:
+    spec = DeploymentSpec(name="d", model="s3://b/m")
+    assert _http_options(spec, WHERE, _details()) == {"host": "127.0.0.1", "port": 8123}
+    with pytest.raises(PylonError, match=r"http.port: Serve on this cluster already listens on port 8123"):
+        _http_options(spec.model_copy(update={"http": spec.http.model_copy(update={"port": 9000})}), WHERE, _details())
+    # Not running yet: the spec's, with 8000 for a cluster that is not this machine's.
+    assert _http_options(spec, WHERE, _details(running=False)) == {"host": "127.0.0.1", "port": 8000}
+    assert _running_http(_details(running=False)) is None
+
+
+def test_a_client_reaches_an_application_where_serve_listens() -> None:
+    assert base_url({"host": "127.0.0.1", "port": 8123}, "/gpt/", WHERE.dashboard_url) == "http://127.0.0.1:8123/gpt"
+    assert base_url({"host": "0.0.0.0", "port": 8000}, "/", WHERE.dashboard_url) == "http://10.0.0.1:8000"
+    assert base_url({"host": "::1", "port": 8000}, "/", WHERE.dashboard_url) == "http://[::1]:8000"
+
+
+def test_a_failed_application_says_why() -> None:
+    failed = _app("d", status="DEPLOY_FAILED")
+    failed["deployments"] = {"d": {"message": "ValueError: no config.json"}}
+    assert app_failure(_details(failed), "d") == "ValueError: no config.json"
+    assert app_failure(_details(_app("d")), "d") is None and app_failure(_details(), "d") is None
+
+
+def test_serving_off_loopback_needs_api_keys() -> None:
+    DeploymentSpec(name="d", model="m", http={"host": "0.0.0.0"})  # keys from $PYLON_API_KEYS: fine
+    with pytest.raises(ValidationError, match=r"http.host: 0.0.0.0 lets other machines in, so it needs API keys"):
+        DeploymentSpec.model_validate({"name": "d", "model": "m", "http": {"host": "0.0.0.0", "api_keys_env": None}})
+    DeploymentSpec.model_validate({"name": "d", "model": "m", "http": {"api_keys_env": None}})  # loopback: allowed
+
+
+def test_the_builder_takes_a_clients_arguments_with_digests_or_a_bare_spec(monkeypatch) -> None:
+    pytest.importorskip("ray.serve")
+    from pylon.serving.api import builder
+
+    seen = {}
+    monkeypatch.setattr(builder, "build_app", lambda spec, key_digests=None: seen.update(spec=spec, keys=key_digests))
+    spec = DeploymentSpec(name="d", model="s3://b/m").model_dump(mode="json")
+    builder.app_builder({"spec": spec, "key_digests": ["ab" * 32]})
+    assert seen["spec"].name == "d" and seen["keys"] == ["ab" * 32]
+    builder.app_builder(spec)  # a RayService's serveConfigV2: the spec itself, keys from the replica's environment
+    assert seen["spec"].name == "d" and seen["keys"] is None
