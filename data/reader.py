@@ -558,13 +558,25 @@ class ShardStream:
             on_bad_shard=self.on_bad_shard,
             filesystem=self._fs,
         )
-        # Reads need no CPU reservation: Train workers usually hold every CPU, and a read is I/O bound;
-        # `concurrency` bounds how many shards are in flight (and in memory) at once.
+        # Where and with what a read runs. On this process's node, always: a training worker reads its own shards
+        # there, never from a node the autoscaler is about to stop, nor through another node for nothing. With
+        # the memory it holds reserved (a shard in flight, decoded: twice its stored size, the largest of these),
+        # so Ray places no more reads than fit. CPU only as asked (default none): Train workers usually hold
+        # every CPU of their node, and a read is I/O bound. `concurrency` bounds the shards in flight.
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        largest = max(self.manifest.shards[i].bytes for i in shard_indices)
         return ray.data.read_datasource(
             source,
             override_num_blocks=len(paths),
             concurrency=min(self.prefetch_shards, len(paths)),
             num_cpus=self.read_num_cpus,
+            memory=2 * largest,
+            ray_remote_args={
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                    node_id=ray.get_runtime_context().get_node_id(), soft=False
+                )
+            },
         )
 
 
