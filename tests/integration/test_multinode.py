@@ -1,14 +1,12 @@
-"""More than one node on one machine, each test with its own cluster (its own PYLON_HOME):
+"""More than one node on one machine, each test with its own cluster (its own PYLON_HOME). Nodes on separate
+(simulated) machines, with a client that shares no disk with them: tests/integration/test_hosts.py.
 
-- two raylets, the second joined with `ray start --address` as on a real cluster: a 2-worker training job puts
-  one worker on each node, and its checkpoints go through the S3 server, the only storage both share;
 - `pylon cluster up --autoscale`: Ray's autoscaler starts logical worker nodes when a training job asks for
   more than the head holds, the job runs across them, and the nodes go away after the idle timeout.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -116,106 +114,6 @@ def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def test_two_raylets_one_worker_each_train_checkpoint_to_s3_and_export(own_home, s3_corpus, s3_root, tmp_path):
-    """Also the end-to-end check of a training job on S3: metrics, learning, retention, loss plot, and an
-    export that transformers loads and that reproduces the trained model's logits."""
-    import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pylon.jobs.checkpoint import list_committed
-
-    # Two CPUs a node: one for the training worker, one for the Ray Data tasks that read its shards.
-    info, started = cluster.up(num_cpus=2, object_store_memory=256 * 2**20, home=own_home)
-    assert started
-    second = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "ray"),
-            "start",
-            f"--address={info.gcs_address}",
-            "--num-cpus=2",
-            f"--object-store-memory={256 * 2**20}",
-            f"--dashboard-agent-listen-port={cluster._free_port()}",
-            f"--metrics-export-port={cluster._free_port()}",
-            "--disable-usage-stats",
-            "--block",
-        ],
-        env={**os.environ, **info.auth_env()},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        client = pylon.connect()
-        nodes = _wait_for(
-            lambda: (lambda n: n if len(n) == 2 else None)(_alive_nodes(client)), 90, "the second raylet to join"
-        )
-        assert sum(n.is_head for n in nodes) == 1
-
-        _train_spec(
-            tmp_path / "train.yaml",
-            s3_corpus,
-            f"{s3_root}/runs",
-            name="two-nodes",
-            steps=16,
-            every=4,
-            placement_strategy="STRICT_SPREAD",
-        )
-        job = client.submit_job(f"cd {tmp_path} && python -m pylon.jobs.train --config train.yaml")
-        status = client.wait_job(job, timeout_s=480)
-        logs = client.job_logs(job)
-        assert status == "SUCCEEDED", logs[-6000:]
-        # Ray Train's own placement-group cleaner may print a traceback when its job's driver exits first.
-        assert not [line for line in logs.splitlines() if "Traceback" in line and "PlacementGroupCleaner" not in line]
-
-        run = f"{s3_root}/runs/two-nodes"
-        workers = storage.read_json(storage.join(run, "workers.json"))["workers"]
-        assert sorted(w["rank"] for w in workers) == [0, 1]
-        used = {w["node_id"] for w in workers}
-        assert used == {n.node_id for n in nodes}, (used, nodes)  # one worker on each node
-        assert "2 worker(s) on 2 node(s)" in logs
-    finally:
-        second.terminate()
-        try:
-            second.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            second.kill()
-
-    records = [json.loads(line) for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 17))
-    for key in ("loss", "lr", "tokens_per_s", "mfu", "step_time_s", "data_wait_fraction", "peak_memory_bytes"):
-        assert all(np.isfinite(r[key]) for r in records), key
-    assert np.mean([r["loss"] for r in records[-4:]]) < records[0]["loss"] - 0.5, "it did not learn"
-    assert 0 < records[-1]["mfu"] < 1
-    assert storage.read_bytes(f"{run}/loss.png")[:8] == b"\x89PNG\r\n\x1a\n"
-
-    committed = list_committed(run)
-    assert [c.step for c in committed] == [12, 16]  # keep_last 2 of 4, 8, 12, 16
-    # Each rank uploaded its own part of the checkpoint (ZeRO-2 partitions the optimizer state) from its own
-    # node to S3, and every file it lists is there with the size it recorded.
-    step_uri = committed[-1].uri
-    assert step_uri.startswith("s3://") and {"rank-0.json", "rank-1.json"} <= set(storage.listdir(step_uri))
-    for rank in (0, 1):
-        listed = storage.read_json(storage.join(step_uri, f"rank-{rank}.json"))["files"]
-        assert any(f"zero_pp_rank_{rank}_" in name for name in listed), listed
-        for name, entry in listed.items():
-            assert len(storage.read_bytes(storage.join(step_uri, name))) == entry["bytes"]
-
-    # The export loads with transformers and reproduces the trained engine's logits.
-    local = tmp_path / "export"
-    for name in storage.listdir(f"{run}/export"):
-        (local / name).parent.mkdir(parents=True, exist_ok=True)
-        (local / name).write_bytes(storage.read_bytes(f"{run}/export/{name}"))
-    assert {"config.json", "model.safetensors", "pylon_tokenizer.json"} <= set(os.listdir(local))
-    model = AutoModelForCausalLM.from_pretrained(local).eval()
-    ref = storage.read_json(f"{run}/reference_logits.json")
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ref["input_ids"]])).logits[0, :, :16]
-    assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (
-        (logits - torch.tensor(ref["logits"])).abs().max()
-    )
 
 
 # Its worker nodes were once still up 150 s after the job: Ray Data's detached helper actors had been placed on

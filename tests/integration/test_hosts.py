@@ -1,0 +1,256 @@
+"""A client, a head and worker nodes that share no disk (tests/integration/hosts.py: one mount namespace each,
+with private /tmp, /dev/shm and home, on this machine's network), used the way a team uses Pylon:
+
+- the head: `pylon cluster up`; each worker machine: a copy of the token, then `pylon cluster join HEAD`;
+- the client (a laptop): a copy of the token in ~/.ray/auth_token, `RAY_ADDRESS` naming the dashboard, its corpus,
+  specs and API key on its own disk only;
+- `pylon data prepare LOCAL_DIR --out s3://...` from the client; a TrainJob naming a client-local checkpoint path
+  refused before launch, and one submitted straight to the 2-node cluster refused by the job within seconds; a
+  2-node ZeRO-2 run, one worker per node, checkpoints in object storage, that survives the loss of a worker
+  node (a replacement joins, the run resumes from its last commit); and the quickstart notebook, executed headless
+  on the client: prepare (its corpus shipped with the job), train, plot, deploy, a completion over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from hosts import REPO, Host, available
+
+from pylon import storage
+
+pytestmark = pytest.mark.integration
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+API_KEY = "sk-pylon-hosts-test-7f3a"
+TOKEN_COPY = "/tmp/home/head-token"
+
+
+def _aws_env(s3_server) -> dict[str, str]:
+    return {
+        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+class Cluster:
+    def __init__(self, s3_server):
+        self.env = _aws_env(s3_server)
+        self.head = Host("head", self.env)
+        self.workers: list[Host] = []
+        self.client = Host("client", self.env)
+        self.dashboard = self.gcs = self.token = ""
+
+    def start(self) -> Cluster:
+        self.head.start()
+        ports = ["--port", str(_free_port()), "--dashboard-port", str(_free_port())]  # other clusters may run here
+        self.head.run(["pylon", "cluster", "up", "--num-cpus", "2", "--object-store-gib", "0.25", *ports], timeout=240)
+        state = json.loads(self.head.read_text("/tmp/home/.pylon/cluster.json"))
+        self.dashboard, self.gcs = state["dashboard_url"], state["gcs_address"]
+        self.token = self.head.read_text(state["token_path"])
+        self.client.env["RAY_ADDRESS"] = self.dashboard
+        self.client.start()
+        self.client.write_text("/tmp/home/.ray/auth_token", self.token)  # Ray's own default place for it
+        return self
+
+    def join(self, name: str) -> Host:
+        host = Host(name, self.env).start()
+        host.write_text(TOKEN_COPY, self.token)
+        host.run(
+            [
+                "pylon",
+                "cluster",
+                "join",
+                self.gcs,
+                "--num-cpus",
+                "2",
+                "--object-store-gib",
+                "0.25",
+                "--token-file",
+                TOKEN_COPY,
+                "--labels",
+                f"pylon-host={name}",
+            ],
+            timeout=240,
+        )
+        self.workers.append(host)
+        return host
+
+    def status(self) -> dict:
+        return json.loads(self.client.run(["pylon", "cluster", "status", "--json"]).stdout)
+
+    def alive(self) -> list[dict]:
+        return [n for n in self.status()["nodes"] if n["state"] == "ALIVE"]
+
+    def stop(self) -> None:
+        for host in [*self.workers, self.head]:
+            host.stop()
+        self.client.kill()
+
+
+@pytest.fixture(scope="module")
+def hosts(s3_server):
+    why = available()
+    if why:
+        pytest.skip(why)
+    cluster = Cluster(s3_server)
+    try:
+        cluster.start()
+        cluster.join("worker-1")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client_corpus(hosts, s3_server) -> str:
+    """`pylon data prepare` on the client, from a directory only the client has, to the S3 server."""
+    hosts.client.run(["mkdir", "-p", "/tmp/home/corpus"])
+    for name in ("argparse.py", "textwrap.py", "shlex.py", "fnmatch.py"):
+        hosts.client.copy_in(STDLIB / name, "/tmp/home/corpus/")
+    out = f"s3://{s3_server.bucket}/hosts-corpus-{int(time.time())}"
+    done = hosts.client.run(["pylon", "data", "prepare", "corpus", "--out", out, "--seq-len", "64"], timeout=300)
+    assert "tokenizing in this process" in done.stderr  # the cluster could not read the client's directory
+    assert storage.read_json(f"{out}/manifest.json")["totals"]["documents"] == 4
+    return out
+
+
+def _spec(name: str, corpus: str, runs: str, *, steps: int, every: int, **scaling) -> dict:
+    return {
+        "kind": "TrainJob",
+        "name": name,
+        "model": {"preset": "gpt-tiny"},
+        "data": {"uri": corpus, "seq_len": 64, "shuffle_seed": 1, "shuffle_buffer": 64},
+        "scaling": {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1}, **scaling},
+        "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"},
+        "precision": "fp32",
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine"},
+        "batch": {"micro_batch_size": 4, "grad_accum_steps": 1},
+        "steps": steps,
+        "checkpoint": {"storage": runs, "every_steps": every, "keep_last": 2},
+    }
+
+
+def test_every_machine_is_a_node_and_none_shares_the_clients_disk(hosts):
+    nodes = hosts.alive()
+    assert len(nodes) == 2 and sum(n["is_head"] for n in nodes) == 1, nodes
+    worker = next(n for n in nodes if not n["is_head"])
+    assert worker["resources"]["CPU"] == 2 and worker.get("labels", {}).get("pylon-host") == "worker-1", worker
+    hosts.client.write_text("/tmp/home/only-here.txt", "the client's")
+    for host in (hosts.head, *hosts.workers):
+        assert host.run(["test", "-e", "/tmp/home/only-here.txt"], check=False).returncode == 1
+
+
+def test_a_client_local_checkpoint_path_is_refused_before_launch(hosts, client_corpus):
+    spec = _spec("local-ckpt", client_corpus, "/tmp/home/runs", steps=4, every=2)
+    hosts.client.write_text("/tmp/home/local.yaml", yaml.safe_dump(spec))
+    started = time.monotonic()
+    done = hosts.client.run(["pylon", "train", "local.yaml"], check=False, timeout=120)
+    assert done.returncode != 0 and "checkpoint.storage" in done.stderr, done.stderr
+    assert "object storage" in done.stderr and time.monotonic() - started < 60
+    assert not [j for j in hosts.status()["jobs"] if "local-ckpt" in j["job_id"]]  # nothing was submitted
+
+
+def test_a_job_with_node_local_storage_on_two_nodes_fails_within_seconds_naming_it(hosts, client_corpus, tmp_path):
+    """As `ray job submit --working-dir .` would send it: the job itself refuses before asking for workers."""
+    spec = _spec("head-local", client_corpus, "/tmp/home/head-runs", steps=4, every=2)
+    code = f"""
+import os, tempfile, time, yaml, pylon
+d = tempfile.mkdtemp()
+open(os.path.join(d, "train.yaml"), "w").write(yaml.safe_dump({spec!r}))
+c = pylon.connect()
+job = c.submit_job("python -m pylon.jobs.train --config train.yaml", runtime_env={{"working_dir": d}})
+t = time.monotonic()
+print(c.wait_job(job, timeout_s=180), round(time.monotonic() - t, 1))
+print(c.job_logs(job))
+"""
+    out = hosts.client.python(code, timeout=240).stdout
+    status, seconds = out.splitlines()[0].split()
+    assert status == "FAILED", out[-3000:]
+    assert "checkpoint.storage: /tmp/home/head-runs/head-local is a directory on one machine's own disk" in out
+    assert float(seconds) < 60, out[-3000:]
+    assert "Training started" not in out and "rank 1" not in out
+
+
+def test_two_nodes_zero2_checkpoints_to_s3_and_survive_losing_a_node(hosts, client_corpus, s3_server):
+    runs = f"s3://{s3_server.bucket}/hosts-runs-{int(time.time())}"
+    run = f"{runs}/two-hosts"
+    spare = hosts.join("worker-2")  # a spare machine, as an autoscaler would bring one
+    by_label = {n["labels"].get("pylon-host"): n["node_id"] for n in hosts.alive() if not n["is_head"]}
+    spec = _spec("two-hosts", client_corpus, runs, steps=40, every=4, placement_strategy="STRICT_SPREAD")
+    hosts.client.write_text("/tmp/home/two-hosts.yaml", yaml.safe_dump(spec))
+    submitted = hosts.client.run(["pylon", "train", "two-hosts.yaml"], timeout=120).stdout
+    job_id = next(w for w in submitted.split() if w.startswith("train-two-hosts-"))
+
+    # At the first commit, the worker machine holding a rank is lost for good (every process at once).
+    deadline = time.monotonic() + 420
+    while not storage.exists(f"{run}/latest.json"):
+        assert time.monotonic() < deadline, "no checkpoint was committed"
+        time.sleep(0.2)
+    used = {w["node_id"] for w in storage.read_json(f"{run}/workers.json")["workers"]}
+    lost = next(h for h in (hosts.workers[0], spare) if by_label[h.name] in used)
+    lost.kill()
+    killed_at = storage.read_json(f"{run}/latest.json")["step"]
+    assert killed_at < 40
+
+    code = f"import pylon; c = pylon.connect(); print(c.wait_job({job_id!r}, timeout_s=600)); print(c.job_logs({job_id!r}))"
+    out = hosts.client.python(code, timeout=660).stdout
+    assert out.startswith("SUCCEEDED"), out[-6000:]
+    resumed = [int(m) for m in re.findall(r"resumed two-hosts from step (\d+)", out)]
+    assert resumed and min(resumed) >= killed_at and min(resumed) < 40, out[-6000:]  # from a commit, not scratch
+
+    after = {w["node_id"] for w in storage.read_json(f"{run}/workers.json")["workers"]}
+    assert len(after) == 2 and by_label[lost.name] not in after and after <= {n["node_id"] for n in hosts.alive()}
+    records = [json.loads(line) for line in storage.read_text(f"{run}/metrics.jsonl").splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))  # the curve continues where the commit left it
+    assert storage.read_json(f"{run}/latest.json")["step"] == 40
+    step_dir = f"{run}/checkpoints/step-{40:08d}"
+    for rank in (0, 1):  # each rank streamed its own ZeRO-2 shard from its own node
+        listed = storage.read_json(f"{step_dir}/rank-{rank}.json")["files"]
+        assert any(f"zero_pp_rank_{rank}_" in name for name in listed), listed
+
+
+def test_the_quickstart_notebook_runs_headless_on_the_client(hosts, s3_server):
+    serve_port = _free_port()
+    hosts.client.copy_in(REPO / "examples" / "quickstart.ipynb", "/tmp/home/quickstart.ipynb")
+    code = """
+import nbformat
+from nbclient import NotebookClient
+nb = nbformat.read("quickstart.ipynb", as_version=4)
+NotebookClient(nb, timeout=900, kernel_name="python3").execute()
+nbformat.write(nb, "executed.ipynb")
+"""
+    env = {
+        "QUICKSTART_STORAGE": f"s3://{s3_server.bucket}/quickstart-{int(time.time())}",
+        "QUICKSTART_SERVE_PORT": str(serve_port),
+        "PYLON_API_KEYS": API_KEY,
+    }
+    hosts.client.run([sys.executable, "-c", code], env=env, timeout=1200)
+    nb = json.loads(hosts.client.read_text("/tmp/home/executed.ipynb"))
+    outputs = [o for cell in nb["cells"] if cell["cell_type"] == "code" for o in cell.get("outputs", [])]
+    texts = "".join(
+        "".join(o.get("text", ""))
+        + "".join(o.get("data", {}).get("text/plain", ""))
+        + "".join(o.get("data", {}).get("text/html", ""))
+        for o in outputs
+    )
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no loss plot"
+    assert "pylon-progress" in texts and "SUCCEEDED" in texts, "no live progress display"
+    assert f"http://127.0.0.1:{serve_port}/quickstart/v1/completions -> '" in texts, texts[-3000:]
+    assert "done" in texts and API_KEY not in texts
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
