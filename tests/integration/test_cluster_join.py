@@ -44,6 +44,10 @@ def _nodes(head_home: Path) -> list[dict]:
     return json.loads(status.stdout)["nodes"]
 
 
+# ~45 s. `make test` joins machines with `pylon cluster join` in tests/integration/test_hosts.py (each on its own
+# simulated host); this one also checks the refusals and that `down` on a joined node leaves the head alone, on one
+# host. `make test-all`.
+@pytest.mark.slow
 def test_a_node_joins_with_a_token_file_shows_in_status_and_leaves_alone(head_home: Path, tmp_path: Path) -> None:
     info, started = cluster.up(num_cpus=1, object_store_memory=100 * 2**20, home=head_home)
     assert started

@@ -198,6 +198,7 @@ def test_two_nodes_zero2_checkpoints_to_s3_and_survive_losing_a_node(hosts, clie
     used = {w["node_id"] for w in storage.read_json(f"{run}/workers.json")["workers"]}
     lost = next(h for h in (hosts.workers[0], spare) if by_label[h.name] in used)
     lost.kill()
+    killed_ms = time.time() * 1000
     killed_at = storage.read_json(f"{run}/latest.json")["step"]
     assert killed_at < 40
 
@@ -206,6 +207,13 @@ def test_two_nodes_zero2_checkpoints_to_s3_and_survive_losing_a_node(hosts, clie
     assert out.startswith("SUCCEEDED"), out[-6000:]
     resumed = [int(m) for m in re.findall(r"resumed two-hosts from step (\d+)", out)]
     assert resumed and min(resumed) >= killed_at and min(resumed) < 40, out[-6000:]  # from a commit, not scratch
+
+    # Each worker's shard reads ran on its own node: before the loss, none on the spare machine (idle, with free
+    # CPUs, where Ray Data's default placement would spread some).
+    reads = json.loads(hosts.client.python(READ_TASKS).stdout)
+    early = [r for r in reads if r["start_time_ms"] and r["start_time_ms"] < killed_ms]
+    assert early and {r["node_id"] for r in early} <= used, (early, used)
+    assert all(r["memory"] > 0 for r in reads), reads  # the memory a read holds is reserved
 
     after = {w["node_id"] for w in storage.read_json(f"{run}/workers.json")["workers"]}
     assert len(after) == 2 and by_label[lost.name] not in after and after <= {n["node_id"] for n in hosts.alive()}
@@ -216,6 +224,20 @@ def test_two_nodes_zero2_checkpoints_to_s3_and_survive_losing_a_node(hosts, clie
     for rank in (0, 1):  # each rank streamed its own ZeRO-2 shard from its own node
         listed = storage.read_json(f"{step_dir}/rank-{rank}.json")["files"]
         assert any(f"zero_pp_rank_{rank}_" in name for name in listed), listed
+
+
+READ_TASKS = """
+import json, pylon
+from ray.util.state import StateApiClient
+from ray.util.state.common import ListApiOptions, StateResource
+c = pylon.connect()
+api = StateApiClient(address=c.dashboard_url, headers={"Content-Type": "application/json", **c._headers})
+tasks = api.list(StateResource.TASKS, options=ListApiOptions(detail=True, limit=10000), raise_on_missing_output=False)
+print(json.dumps([
+    {"node_id": t.node_id, "start_time_ms": t.start_time_ms, "memory": (t.required_resources or {}).get("memory", 0)}
+    for t in tasks if (t.name or "").startswith("ReadShard") and t.node_id
+]))
+"""
 
 
 def test_the_quickstart_notebook_runs_headless_on_the_client(hosts, s3_server):

@@ -87,6 +87,9 @@ def _train_workers() -> list[psutil.Process]:
     return found
 
 
+# ~140 s. `make test` sees a run resume from its last commit in tests/integration/test_hosts.py, where a whole worker
+# machine is lost (every process at once); this one kills one worker process on one node. `make test-all`.
+@pytest.mark.slow
 def test_a_killed_worker_resumes_from_the_last_commit(ray_cluster, corpus, tmp_path):
     from pylon.data.reader import ShardStream
 
