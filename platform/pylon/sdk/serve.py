@@ -55,7 +55,7 @@ def _other_configs(details: dict, name: str) -> list[dict]:
     """The configs of every application but `name`, as Serve keeps them: PUT them back unchanged."""
     configs = []
     for other, app in sorted((details.get("applications") or {}).items()):
-        if other == name:
+        if other == name or app.get("status") == "DELETING":  # one being deleted is already left out
             continue
         config = app.get("deployed_app_config")
         if not config:
@@ -209,11 +209,17 @@ def _wait_ready(url: str, timeout_s: float, name: str, where: home.ClusterAddres
     raise PylonError(f"{url}/ready did not answer 200 within {timeout_s:.0f} s (last: {last})")
 
 
-def delete(name: str, *, address: home.ClusterAddress | str | None = None) -> None:
-    """Remove application `name` from the cluster (`address` as for `deploy`)."""
+def delete(name: str, *, address: home.ClusterAddress | str | None = None, timeout_s: float = 120) -> None:
+    """Remove application `name` from the cluster (`address` as for `deploy`) and wait until Serve has let go of it
+    (its replicas stopped, its route answers 404), as `serve.delete` does."""
     where = _where(address)
     details = serve_details(where)
     if name not in (details.get("applications") or {}):
         raise PylonError(f"no Serve application '{name}' on the cluster at {where.dashboard_url}")
     http = _running_http(details) or {"host": "127.0.0.1", "port": DEFAULT_PORT}
     _put(where, http, _other_configs(details, name))
+    deadline = time.monotonic() + timeout_s
+    while name in (serve_details(where).get("applications") or {}):
+        if time.monotonic() > deadline:
+            raise PylonError(f"Serve still lists application '{name}' {timeout_s:.0f} s after deleting it")
+        time.sleep(0.5)
