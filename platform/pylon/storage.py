@@ -11,22 +11,32 @@ fsspec caches instances by their arguments; endpoint, region and retries are arg
 in the environment gives a new instance. Credentials are not (they must never be stored or printed):
 an instance reads them when it first connects.
 
-State goes through atomic_write: a temporary file/key beside the target, then a commit, so a reader
-sees the old content or all of the new, never a part.
+Small state goes through atomic_write, so a reader sees the old content or all of the new, never a part: on local
+disk a temporary file beside the target renamed over it; on object storage one direct PUT (an object store makes
+an object visible only once it is whole), so every object is written once.
+
+Large files go through upload_file / download_file: streamed in parts of `part_size` bytes (DEFAULT_PART_SIZE),
+sha256 computed on the way, at most two parts in memory whatever the file's size. To S3 a file of more than one
+part is a multipart upload straight to its final key (visible only once completed; aborted on error), one part a
+single PUT; on local disk it is streamed into a temporary file that is renamed over the target.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
+import io
 import json
 import os
 import posixpath
 import re
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 import fsspec
+import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
 from pylon import settings
@@ -35,6 +45,10 @@ from pylon.errors import StorageError
 SUPPORTED_SCHEMES = ("file", "s3", "memory")
 _SCHEMES_TEXT = "a plain path, " + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
 _TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9a-f]{32}$")
+DEFAULT_PART_SIZE = 8 * 2**20
+# S3's multipart limits: every part but the last at least 5 MiB, at most 5 GiB, at most 10,000 parts.
+_S3_MIN_PART, _S3_MAX_PART, _S3_MAX_PARTS = 5 * 2**20, 5 * 2**30, 10_000
+_NET_READ = 256 * 2**10  # a download's reads from the socket: aiohttp buffers up to twice the largest asked for
 _S3_HINT = (
     "check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and the credentials in "
     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
@@ -159,50 +173,47 @@ def _storage_errors(uri: str, scheme: str, action: str) -> Iterator[None]:
 
 
 def atomic_write(uri: str, data: bytes) -> None:
-    """Write `data` to `uri` so that readers see the old content or all of the new, never a part."""
+    """Write `data` to `uri` so that readers see the old content or all of the new, never a part.
+
+    Local disk: a temporary file beside the target, fsynced, renamed over it. Object storage: one direct write
+    (a PUT: the object appears whole or not at all), so the object is written once, with no temporary key."""
     scheme, fs, path = _resolve(uri)
     parent, name = posixpath.split(path)
     if not name or not parent:
         raise StorageError(f"{uri}: names no file to write")
-    temp = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex}")
     with _storage_errors(uri, scheme, "write"):
         if isinstance(fs, LocalFileSystem):
-            _commit_local(temp, path, data)
+            _write_local(path, lambda f: f.write(data))
         else:
-            _commit_object(fs, temp, path, data)
+            fs.pipe_file(path, data)
 
 
-def _commit_local(temp: str, path: str, data: bytes) -> None:
-    parent = os.path.dirname(path)
+def _write_local(path: str, fill: Callable[[IO[bytes]], Any], *, durable: bool = True) -> Any:
+    """`fill(file)` into a temporary file beside `path`, then renamed over `path`: readers see the old file or
+    all of the new. `durable`: the file and the directory entry are fsynced too. Returns what `fill` returned."""
+    parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
+    temp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex}")
     try:
         with open(temp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            result = fill(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+    if not durable:
+        return result
     # The rename is durable only once the directory entry is on disk.
     dir_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-def _commit_object(fs: fsspec.AbstractFileSystem, temp: str, path: str, data: bytes) -> None:
-    # Object stores have no rename: a server-side copy makes the target appear whole, in one step.
-    try:
-        fs.pipe_file(temp, data)
-        fs.cp_file(temp, path)
-    except BaseException:
-        with contextlib.suppress(Exception):  # best effort; the original error is the one to report
-            fs.rm_file(temp)
-        raise
-    fs.rm_file(temp)  # committed; a failure here is still reported (listdir hides a leftover temp)
+    return result
 
 
 def atomic_write_text(uri: str, text: str) -> None:
@@ -237,6 +248,212 @@ def read_json(uri: str) -> Any:
         return json.loads(read_text(uri))
     except json.JSONDecodeError as e:
         raise StorageError(f"{uri}: not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}") from e
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Large files, streamed: bounded memory whatever their size
+# ---------------------------------------------------------------------------------------------------------
+
+
+def upload_file(local_path: str | os.PathLike, uri: str, *, part_size: int = DEFAULT_PART_SIZE) -> tuple[str, int]:
+    """Copy the local file `local_path` to `uri`, streamed in parts of `part_size` bytes, with its sha256 computed
+    on the way. Returns (sha256 hex digest, bytes) of what was written.
+
+    The file is written once, at its final name, and readers see it whole or not at all: to S3 one PUT, or for a
+    file of more than one part a multipart upload (two parts on the wire, or one while the next is read and hashed;
+    aborted on error); on local disk a temporary file renamed over the target. At most two parts are in memory,
+    except for a file of more than 10,000 parts, whose parts grow to fit S3's limit."""
+    scheme, fs, path = _resolve(uri)
+    _check_part_size(part_size, minimum=_S3_MIN_PART if scheme == "s3" else 1)
+    if not posixpath.basename(path):
+        raise StorageError(f"{uri}: names no file to write")
+    with open(local_path, "rb") as src:
+        size = os.fstat(src.fileno()).st_size
+        with _storage_errors(uri, scheme, "write"):
+            if isinstance(fs, LocalFileSystem):
+                return _write_local(path, lambda out: _copy_hashing(src, out.write, part_size, size))
+            if scheme == "s3":
+                return fsspec.asyn.sync(fs.loop, _upload_s3, fs, path, src, size, part_size)
+            # memory:// keeps whole files in memory by nature; one pipe_file makes the file appear whole.
+            data = bytearray()
+            digest, total = _copy_hashing(src, data.extend, part_size, size)
+            fs.pipe_file(path, bytes(data))
+            return digest, total
+
+
+def download_file(
+    uri: str, local_path: str | os.PathLike, *, part_size: int = DEFAULT_PART_SIZE, expect_sha256: str | None = None
+) -> tuple[str, int]:
+    """Copy `uri` to the local file `local_path`, streamed in parts of `part_size` bytes, with its sha256 computed
+    on the way. Returns (sha256 hex digest, bytes).
+
+    The bytes go to a temporary file beside `local_path`, renamed over it once complete: `local_path` is never
+    a part of the file. With `expect_sha256`, a different digest raises StorageError naming `uri` and leaves no
+    file. At most two parts are in memory (from S3: one being received while the other is hashed and written)."""
+    scheme, fs, path = _resolve(uri)
+    _check_part_size(part_size, minimum=1)
+
+    def fill(out: IO[bytes]) -> tuple[str, int]:
+        with _storage_errors(uri, scheme, "read"):
+            if scheme == "s3":
+                digest, total = fsspec.asyn.sync(fs.loop, _download_s3, fs, path, out, part_size)
+            else:
+                with open(path, "rb") if isinstance(fs, LocalFileSystem) else fs.open(path, "rb") as src:
+                    digest, total = _copy_hashing(src, out.write, part_size, fs.size(path))
+        if expect_sha256 is not None and digest != expect_sha256:
+            raise StorageError(
+                f"{uri}: corrupt: {total} bytes with sha256 {digest}, expected sha256 {expect_sha256}; not kept"
+            )
+        return digest, total
+
+    # A scratch copy: no fsync (a crash loses it either way), only the rename that hides a partial file.
+    return _write_local(os.path.abspath(local_path), fill, durable=False)
+
+
+def _check_part_size(part_size: int, *, minimum: int) -> None:
+    if not isinstance(part_size, int) or not minimum <= part_size <= _S3_MAX_PART:
+        raise ValueError(f"part_size must be a whole number of bytes, {minimum} to {_S3_MAX_PART} (got {part_size!r})")
+
+
+def _copy_hashing(
+    src: IO[bytes], write: Callable[[memoryview], Any], part_size: int, size: int | None = None
+) -> tuple[str, int]:
+    """Copy `src` to `write` through one reused buffer of `part_size` bytes (or `size`, the file's, if smaller);
+    (sha256 hex digest, bytes)."""
+    digest, total = hashlib.sha256(), 0
+    buffer = bytearray(max(1, min(part_size, part_size if size is None else size)))
+    view = memoryview(buffer)
+    while n := src.readinto(buffer):
+        digest.update(view[:n])
+        write(view[:n])
+        total += n
+    return digest.hexdigest(), total
+
+
+async def _upload_s3(fs: Any, path: str, src: IO[bytes], size: int, part_size: int) -> tuple[str, int]:
+    bucket, key, _ = fs.split_path(path)
+    part_size = max(part_size, -(-size // _S3_MAX_PARTS))  # S3 takes at most 10,000 parts
+    digest = hashlib.sha256()
+    offset = 0
+
+    def fill(body: io.BytesIO) -> dict[str, Any]:
+        """Read the next part into `body`'s buffer and hash it: upload_part's arguments for it. In a thread: file
+        reads and sha256 release the GIL while the loop sends. (botocore adds the part's CRC32 as it sends.)"""
+        nonlocal offset
+        with body.getbuffer() as view:
+            n, capacity = src.readinto(view) or 0, len(view)
+            with view[:n] as filled:
+                digest.update(filled)
+        if n < capacity:  # the file shrank since its size was taken
+            body.truncate(n)
+        body.seek(0)
+        offset += n
+        return {"Body": body, "bytes": n}
+
+    spare: list[io.BytesIO] = []  # the buffers of parts sent, for the next ones: two allocations per file
+
+    async def read_part() -> dict[str, Any]:
+        """The next part, in a BytesIO that owns its buffer: one made from bytes would share them, and aiohttp's
+        getbuffer() on it would copy the whole part. Allocated on the loop's thread (each worker thread has a
+        malloc arena of its own, where a freed part's memory would stay resident) and reused from part to part."""
+        body = spare.pop() if spare else io.BytesIO()
+        want = min(part_size, size - offset)
+        if not want:
+            return {"Body": body, "bytes": 0}
+        if (have := body.getbuffer().nbytes) > want:
+            body.truncate(want)
+        elif have < want:
+            body.seek(want - 1)
+            body.write(b"\0")
+        return await asyncio.to_thread(fill, body)
+
+    if size <= part_size:
+        part = await read_part()
+        total = part.pop("bytes")
+        await fs._call_s3("put_object", Bucket=bucket, Key=key, **part)
+        fs.invalidate_cache(path)
+        return digest.hexdigest(), total
+
+    upload_id = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
+
+    async def send(number: int, part: dict[str, Any]) -> tuple[int, str]:
+        sent = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, **part)
+        spare.append(part["Body"])  # sent: aiobotocore never closes a body, botocore is done with it
+        return number, sent["ETag"]
+
+    # Two parts in memory: two on the wire, or one on the wire while the next is read and hashed.
+    sending: set[asyncio.Future] = set()
+    try:
+        etags, total = {}, 0
+        while n := (part := await read_part()).pop("bytes"):
+            total += n
+            sending.add(asyncio.ensure_future(send(len(etags) + len(sending) + 1, part)))
+            del part  # only the request holds it now
+            if len(sending) == 2:
+                done, sending = await asyncio.wait(sending, return_when=asyncio.FIRST_COMPLETED)
+                etags.update(task.result() for task in done)
+        etags.update(await asyncio.gather(*sending))
+        sending = set()
+        await fs._call_s3(
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]},
+        )
+    except BaseException:
+        for task in sending:
+            task.cancel()
+        await asyncio.gather(*sending, return_exceptions=True)
+        # The parts are invisible but stored (and billed) until aborted; best effort, the first error is reported.
+        with contextlib.suppress(Exception):
+            await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        raise
+    fs.invalidate_cache(path)
+    return digest.hexdigest(), total
+
+
+async def _download_s3(fs: Any, path: str, out: IO[bytes], part_size: int) -> tuple[str, int]:
+    bucket, key, _ = fs.split_path(path)
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    body = response["Body"]
+    part_size = max(1, min(part_size, response.get("ContentLength", part_size)))
+    digest, total = hashlib.sha256(), 0
+
+    def consume(view: memoryview) -> None:  # in a thread, while the loop receives into the other buffer
+        digest.update(view)
+        out.write(view)
+
+    buffers = (bytearray(part_size), bytearray(part_size))
+    writing: asyncio.Future | None = None
+    try:
+        eof, index = False, 0
+        while not eof:
+            view = memoryview(buffers[index % 2])  # free: its last write was awaited before the previous fill
+            index += 1
+            filled = 0
+            while filled < part_size:
+                # Small reads: aiohttp buffers up to twice the largest read asked for.
+                chunk = await body.read(min(part_size - filled, _NET_READ))
+                if not chunk:
+                    eof = True
+                    break
+                view[filled : filled + len(chunk)] = chunk
+                filled += len(chunk)
+            if writing is not None:
+                pending, writing = writing, None
+                await pending
+            if filled:
+                writing = asyncio.ensure_future(asyncio.to_thread(consume, view[:filled]))
+                total += filled
+        if writing is not None:
+            pending, writing = writing, None
+            await pending
+    finally:
+        if writing is not None:  # failed while a write was in flight: let it finish before `out` is closed
+            await asyncio.wait([writing])
+        body.close()
+    return digest.hexdigest(), total
 
 
 def exists(uri: str) -> bool:

@@ -141,10 +141,10 @@ def test_failed_commit_keeps_old_content_and_leaves_no_temp(root: str, monkeypat
     storage.atomic_write_json(uri, {"step": 1})
     with pytest.raises(StorageError, match="state.json"):
         storage.atomic_write_json(uri, {"step": object()})
-    # Fail the commit itself, after the temporary copy is fully written.
+    # Fail the commit itself: the PUT of the object (S3), the rename of the fully written temporary file (local).
     fs, _ = storage.resolve(uri)
     if root.startswith("s3://"):
-        monkeypatch.setattr(fs, "cp_file", _fail_commit)
+        monkeypatch.setattr(fs, "pipe_file", _fail_commit)
     else:
         monkeypatch.setattr(storage.os, "replace", _fail_commit)
     with pytest.raises(StorageError, match="injected commit failure"):

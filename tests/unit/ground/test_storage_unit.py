@@ -163,19 +163,37 @@ def test_failed_local_commit_leaves_old_content_and_no_temp(tmp_path: Path, monk
     assert os.listdir(tmp_path) == ["state.bin"]
 
 
-def test_failed_object_commit_leaves_old_content_and_no_temp(memory_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_object_write_is_one_direct_write_and_a_failed_one_leaves_old_content(
+    memory_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     uri = storage.join(memory_root, "state.bin")
     storage.atomic_write(uri, b"old")
     fs, path = storage.resolve(uri)
+    calls = []
 
-    def failing_copy(src: str, dst: str, **kwargs: object) -> None:
-        raise OSError(5, "copy failed")
+    def spy(name: str):
+        real = getattr(fs, name)
 
-    monkeypatch.setattr(fs, "cp_file", failing_copy)
-    with pytest.raises(StorageError, match="copy failed"):
-        storage.atomic_write(uri, b"new")
+        def call(*args: object, **kwargs: object) -> object:
+            calls.append((name, args[0]))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("pipe_file", "cp_file", "mv", "rm_file"):
+        monkeypatch.setattr(fs, name, spy(name))
+    storage.atomic_write(uri, b"new")
+    assert calls == [("pipe_file", path)], "an object store makes a PUT visible whole: no temporary key, no copy"
+    assert storage.read_bytes(uri) == b"new"
+
+    def failing_put(path: str, data: bytes, **kwargs: object) -> None:
+        raise OSError(5, "put failed")
+
+    monkeypatch.setattr(fs, "pipe_file", failing_put)
+    with pytest.raises(StorageError, match="put failed"):
+        storage.atomic_write(uri, b"newer")
     monkeypatch.undo()
-    assert storage.read_bytes(uri) == b"old"
+    assert storage.read_bytes(uri) == b"new"
     assert fs.ls(storage.resolve(memory_root)[1], detail=False) == [path]
 
 
