@@ -13,17 +13,26 @@ Layout under a run directory URI (`s3://bucket/runs/<name>` or a local path):
     latest.json                   {"step": N, "path": "checkpoints/step-..."}: a pointer for people and tools
 
 The commit protocol. Every rank saves DeepSpeed's files into its own local staging directory (ranks share no
-filesystem), uploads them with `storage.atomic_write`, then writes its `rank-<r>.json` listing them. Rank 0
-waits until every rank's JSON of *this* save attempt is there (each save attempt has an id that rank 0 hands
-out, so a leftover JSON from a crashed attempt at the same step is never mistaken for a new one), checks the
-listed files are stored with the listed sizes, and only then writes `manifest.json`, then `latest.json`, then
-applies retention. A step directory without `manifest.json` does not exist as far as readers are concerned,
-so a process killed at any point of a save leaves the previous committed checkpoint as the latest.
-Retention removes a checkpoint's manifest before its files, so a crash mid-delete leaves an uncommitted
-directory (cleaned by the next retention), never a committed checkpoint with missing files.
+filesystem), streams each one to its final name with `storage.upload_file` (parts of `part_size` bytes, sha256
+computed on the way, at most two parts in memory whatever the model's size; to object storage one PUT or one
+multipart upload per file, each object written once; on local disk a temporary file renamed into place), then
+writes its `rank-<r>.json` listing them (`storage.atomic_write`, like every small JSON file). Then rank 0 waits until
+every rank's JSON of *this* save attempt is there (each save attempt has an id that rank 0 hands out, so a leftover
+JSON from a crashed attempt at the same step is never mistaken for a new one), checks the listed files are stored
+with the listed sizes, and only then writes `manifest.json`, then `latest.json`, then applies retention. A step
+directory without `manifest.json` does not exist as far as readers are concerned, so a process killed at any
+point of a save leaves the previous committed checkpoint as the latest (a multipart upload killed mid-way leaves
+only invisible parts, which the store drops when told to: an S3 lifecycle rule aborting incomplete multipart
+uploads after a day does it). Retention removes a checkpoint's manifest before its files, so a crash mid-delete
+leaves an uncommitted directory (cleaned by the next retention), never a committed checkpoint with missing files.
 
-Loading verifies the sha256 of every file it downloads against the manifest; each rank downloads rank 0's
-files and its own (DeepSpeed reads only those, unless ZeRO's elastic checkpoints are on).
+Loading streams each file it needs into local staging (`storage.download_file`, bounded memory too), its sha256
+computed on the way and checked with its size against the manifest before DeepSpeed reads anything; each rank
+downloads rank 0's files and its own (DeepSpeed reads only those, unless ZeRO's elastic checkpoints are on).
+
+Ray Train sees every committed checkpoint: the trainer reports each one (`RayTrainReports`) as a
+`ray.train.Checkpoint` of its step directory, with `CheckpointUploadMode.NO_UPLOAD` (Ray copies nothing), which
+Ray accepts only under its experiment directory: `ray_train_storage` makes that the run directory itself.
 """
 
 from __future__ import annotations
@@ -134,33 +143,46 @@ def latest_committed(run_uri: str) -> CheckpointInfo | None:
     return None
 
 
-def download(info: CheckpointInfo, dest: str | os.PathLike, *, ranks: set[int] | None = None) -> Path:
-    """Copy the DeepSpeed files of `info` (those uploaded by `ranks`; all when None) into local `dest`,
-    verifying each one's sha256 and size against the manifest. Returns `dest`, ready for
-    `engine.load_checkpoint(dest, tag=DS_TAG)` or DeepSpeed's zero_to_fp32 helpers."""
+def download(
+    info: CheckpointInfo,
+    dest: str | os.PathLike,
+    *,
+    ranks: set[int] | None = None,
+    part_size: int = storage.DEFAULT_PART_SIZE,
+) -> Path:
+    """Copy the DeepSpeed files of `info` (those uploaded by `ranks`; all when None) into local `dest`, streamed
+    in parts of `part_size` bytes, each one's sha256 and size checked against the manifest on the way. Returns
+    `dest`, ready for `engine.load_checkpoint(dest, tag=DS_TAG)` or DeepSpeed's zero_to_fp32 helpers."""
     dest = Path(dest)
     for rel, entry in sorted(info.manifest["files"].items()):
         if _RANK_FILE.match(rel) or (ranks is not None and entry["rank"] not in ranks):
             continue
-        data = _read_verified(info, rel)
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        digest, size = storage.download_file(storage.join(info.uri, rel), target, part_size=part_size)
+        if size != entry["bytes"] or digest != entry["sha256"]:
+            target.unlink(missing_ok=True)
+            raise _corrupt(info, rel, size, digest)
     return dest
 
 
 def _read_verified(info: CheckpointInfo, rel: str) -> bytes:
-    entry = info.manifest["files"][rel]
-    uri = storage.join(info.uri, rel)
-    data = storage.read_bytes(uri)
+    """A small file of `info` (a rank's JSON), whole, checked against the manifest."""
+    data = storage.read_bytes(storage.join(info.uri, rel))
     digest = hashlib.sha256(data).hexdigest()
+    entry = info.manifest["files"][rel]
     if len(data) != entry["bytes"] or digest != entry["sha256"]:
-        raise PylonError(
-            f"{uri}: checkpoint file is corrupt: {len(data)} bytes with sha256 {digest}, the manifest says "
-            f"{entry['bytes']} bytes with sha256 {entry['sha256']}; load an older checkpoint "
-            f"(delete {info.uri}/{MANIFEST} to uncommit this one)"
-        )
+        raise _corrupt(info, rel, len(data), digest)
     return data
+
+
+def _corrupt(info: CheckpointInfo, rel: str, size: int, digest: str) -> PylonError:
+    entry = info.manifest["files"][rel]
+    return PylonError(
+        f"{storage.join(info.uri, rel)}: checkpoint file is corrupt: {size} bytes with sha256 {digest}, the manifest "
+        f"says {entry['bytes']} bytes with sha256 {entry['sha256']}; load an older checkpoint "
+        f"(delete {info.uri}/{MANIFEST} to uncommit this one)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -268,7 +290,8 @@ class CheckpointCommitter:
     per save or load when None): it needs room for this rank's share of one checkpoint (a save waits for the
     previous async upload, so there is never a second). `commit_timeout_s` bounds how long rank 0's background commit
     waits for the other ranks' uploads. `before_write(uri)` is called before every file this rank writes to
-    the run directory (progress reporting, or a test pausing a save where it wants to kill it).
+    the run directory (progress reporting, or a test pausing a save where it wants to kill it). `part_size`: the
+    bytes of one part of a streamed upload or download; a save or load holds at most two parts in memory.
     """
 
     def __init__(
@@ -283,6 +306,7 @@ class CheckpointCommitter:
         staging_dir: str | os.PathLike | None = None,
         commit_timeout_s: float = 1800.0,
         before_write: Callable[[str], None] | None = None,
+        part_size: int = storage.DEFAULT_PART_SIZE,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -296,9 +320,11 @@ class CheckpointCommitter:
         self.async_upload = async_upload
         self.commit_timeout_s = commit_timeout_s
         self.before_write = before_write
+        self.part_size = part_size
         self.staging_dir = None if staging_dir is None else Path(staging_dir)
         self._uploader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pylon-ckpt")
         self._pending: concurrent.futures.Future | None = None
+        self._unreported: CheckpointInfo | None = None  # rank 0: committed, not yet handed out by take_committed
 
     @property
     def checkpoints_uri(self) -> str:
@@ -362,7 +388,7 @@ class CheckpointCommitter:
         error = None
         if self.rank == 0:
             try:
-                self._commit(step, plan["save_id"], meta, context, timeout_s=self.commit_timeout_s)
+                self._unreported = self._commit(step, plan["save_id"], meta, context, timeout_s=self.commit_timeout_s)
             except Exception as e:
                 error = e
         _all_ranks_succeeded(error, f"committing checkpoint step {step}")
@@ -370,35 +396,48 @@ class CheckpointCommitter:
     def wait(self) -> None:
         """Block until the background upload/commit (if any) is done; re-raise its error."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        if pending is not None and (committed := pending.result()) is not None:
+            self._unreported = committed
+
+    def take_committed(self) -> CheckpointInfo | None:
+        """The newest checkpoint this committer committed that no earlier call returned, else None (always None
+        on ranks other than 0, which commit nothing). A background commit counts once `wait` (or the next
+        `save`, which waits first) has seen it finish: what this returns is committed, never in flight."""
+        committed, self._unreported = self._unreported, None
+        return committed
 
     def _publish_in_background(
         self, step: int, staging: Path, save_id: str, rank_state: dict, meta: dict, context: dict
-    ) -> None:
+    ) -> CheckpointInfo | None:
         # No collective calls here: they would interleave with the training loop's on the main thread.
         try:
             self._upload_rank(step, staging, save_id, rank_state)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if self.rank == 0:
-            self._commit(step, save_id, meta, context, timeout_s=self.commit_timeout_s)
+            return self._commit(step, save_id, meta, context, timeout_s=self.commit_timeout_s)
+        return None
 
-    def _write(self, uri: str, data: bytes) -> None:
+    def _before_write(self, uri: str) -> None:
         if self.before_write is not None:
             self.before_write(uri)
+
+    def _write(self, uri: str, data: bytes) -> None:
+        """A small file (JSON), written whole and atomically."""
+        self._before_write(uri)
         storage.atomic_write(uri, data)
 
     def _upload_rank(self, step: int, staging: Path, save_id: str, rank_state: dict) -> None:
-        """Upload this rank's staged files, then its rank-<r>.json listing them (the order matters: the JSON
-        is this rank's word that its files are complete)."""
+        """Stream this rank's staged files to their final names, then write its rank-<r>.json listing them (the
+        order matters: the JSON is this rank's word that its files are complete)."""
         step_uri = self.step_uri(step)
         files = {}
         for path in sorted(p for p in staging.rglob("*") if p.is_file()):
             rel = path.relative_to(staging).as_posix()
-            data = path.read_bytes()
-            self._write(storage.join(step_uri, rel), data)
-            files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+            uri = storage.join(step_uri, rel)
+            self._before_write(uri)
+            digest, size = storage.upload_file(path, uri, part_size=self.part_size)
+            files[rel] = {"sha256": digest, "bytes": size}
         record = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -412,7 +451,7 @@ class CheckpointCommitter:
 
     # -- committing (rank 0) -----------------------------------------------------------------------------
 
-    def _commit(self, step: int, save_id: str, meta: dict, context: dict, *, timeout_s: float) -> None:
+    def _commit(self, step: int, save_id: str, meta: dict, context: dict, *, timeout_s: float) -> CheckpointInfo:
         step_uri = self.step_uri(step)
         rank_files = self._await_rank_files(step, save_id, timeout_s)
         files: dict[str, dict] = {}
@@ -457,6 +496,7 @@ class CheckpointCommitter:
             _json_bytes({"step": newest.step, "path": f"{CHECKPOINTS_DIR}/{step_dir_name(newest.step)}"}),
         )
         self._apply_retention(committed, just_committed=step)
+        return CheckpointInfo(step=step, uri=step_uri, manifest=manifest)
 
     def _await_rank_files(self, step: int, save_id: str, timeout_s: float) -> dict[int, tuple[bytes, dict]]:
         """Every rank's rank-<r>.json of this save attempt: {rank: (raw bytes, parsed)}."""
@@ -526,7 +566,8 @@ class CheckpointCommitter:
         try:
             # DeepSpeed reads the model states (rank 0's; each rank's own under ZeRO-3) and this rank's
             # optimizer shard, unless elastic checkpoints make every rank read every shard.
-            download(info, local, ranks=None if engine.zero_elastic_checkpoint() else {0, self.rank})
+            ranks = None if engine.zero_elastic_checkpoint() else {0, self.rank}
+            download(info, local, ranks=ranks, part_size=self.part_size)
             record = json.loads(_read_verified(info, rank_file_name(self.rank)))
         except Exception as e:
             error = e
@@ -596,3 +637,112 @@ def _deepspeed_version() -> str:
     import deepspeed
 
     return deepspeed.__version__
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray Train's view of the checkpoints (Result.checkpoint, Result.best_checkpoints, the Train dashboard)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ray_train_storage(run_uri: str) -> dict[str, Any]:
+    """`RunConfig` arguments (name, storage_path, storage_filesystem) that make Ray Train's experiment directory
+    the run directory itself, on the same storage every node reaches (object storage through the pyarrow
+    filesystem of `storage.arrow_filesystem`, which honours the custom S3 endpoint).
+
+    Why there: a checkpoint reported with `CheckpointUploadMode.NO_UPLOAD` must lie under the experiment
+    directory (Ray 2.60 refuses it otherwise), and ours are `<run>/checkpoints/step-N`. Ray keeps beside them
+    its `.validate_storage_marker` and its record of the reported checkpoints, `checkpoint_manager_snapshot.json`,
+    which it reloads when the run is submitted again, refusing to start if one of them is gone. Retention deletes
+    checkpoints Ray does not know about, so before each submission this removes them from that record (or, were
+    the record not in the form this Ray writes, removes the record: Ray then starts a new one). Within a run Ray's
+    list (`Result.best_checkpoints`) still names the checkpoints retention deleted; `Result.checkpoint`, the
+    newest, is always there."""
+    parent, sep, name = run_uri.rstrip("/").rpartition("/")
+    if not parent or not name or parent.endswith(":/"):
+        raise PylonError(f"{run_uri}: a run directory needs a parent directory to hold Ray Train's experiment")
+    _forget_deleted_checkpoints(run_uri)
+    filesystem, path = storage.arrow_filesystem(parent)
+    return {"name": name, "storage_path": path, "storage_filesystem": filesystem}
+
+
+class RayTrainReports:
+    """`ray.train.report` for the training loop, which every rank calls at the same steps (a report is a barrier):
+    rank 0 attaches each checkpoint its committer committed since the last report, with the metrics of the
+    checkpoint's own step. Ray records the step directory as it is, without copying it
+    (`CheckpointUploadMode.NO_UPLOAD`; see `ray_train_storage` for where Ray accepts that).
+
+        reports = RayTrainReports(committer)
+        ... reports.report(metrics, step=step, saved=saved_this_step)   # every rank, same steps
+        committer.wait(); reports.finish()                               # every rank
+
+    With async_upload a save is known committed only at the next save (which waits for it) or at `wait`: its
+    checkpoint goes with that later report, still with its own step's metrics, and `finish` reports the last one.
+    """
+
+    def __init__(self, committer: CheckpointCommitter):
+        self.committer = committer
+        self._at_save: dict[int, dict] = {}  # the metrics of the last saves' steps, for their checkpoints
+        self._last: dict | None = None
+
+    def report(self, metrics: dict, *, step: int, saved: bool) -> None:
+        if saved:  # at most one save is in flight: the previous one's metrics and this one's are all that is needed
+            self._at_save = {**dict(list(self._at_save.items())[-1:]), step: metrics}
+        info = self.committer.take_committed()
+        self._last = metrics
+        _report_to_ray_train(self._at_save.get(info.step, metrics) if info else metrics, info)
+
+    def finish(self) -> None:
+        """After `committer.wait()`: with async_upload, report the last save, committed in the background."""
+        if self.committer.async_upload and self._last is not None:
+            info = self.committer.take_committed()
+            _report_to_ray_train(self._at_save.get(info.step, self._last) if info else self._last, info)
+
+
+def _report_to_ray_train(metrics: dict, info: CheckpointInfo | None) -> None:
+    import ray.train
+
+    checkpoint = None
+    if info is not None:
+        ray_storage = ray.train.get_context().get_storage()
+        checkpoint = ray.train.Checkpoint(path=storage.resolve(info.uri)[1], filesystem=ray_storage.storage_filesystem)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+
+
+def _forget_deleted_checkpoints(run_uri: str) -> None:
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    uri = storage.join(run_uri, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
+    if not storage.exists(uri):
+        return
+    live = {f"{CHECKPOINTS_DIR}/{step_dir_name(info.step)}" for info in list_committed(run_uri)}
+    try:
+        state = storage.read_json(uri)
+        results, indices = state["checkpoint_results"], state["checkpoint_report_indices"]
+        pending, specs = state["pending_training_results"], state["pending_validation_specs"]
+        if len(results) != len(indices) or len(pending) != len(specs):
+            raise ValueError("lists of different lengths")
+        known = [r["checkpoint_dir_name"] for r in results] + [r["checkpoint_dir_name"] for r in pending]
+        latest = state.get("latest_checkpoint_result")
+        if latest is not None:
+            known.append(latest["checkpoint_dir_name"])
+        if set(known) <= live:
+            return
+        kept = [(r, i) for r, i in zip(results, indices) if r["checkpoint_dir_name"] in live]
+        state["checkpoint_results"] = [r for r, _ in kept]
+        state["checkpoint_report_indices"] = [i for _, i in kept]
+        kept_pending = [(r, v) for r, v in zip(pending, specs) if r["checkpoint_dir_name"] in live]
+        state["pending_training_results"] = [r for r, _ in kept_pending]
+        state["pending_validation_specs"] = [v for _, v in kept_pending]
+        if latest is not None and latest["checkpoint_dir_name"] not in live:
+            state["latest_checkpoint_result"] = max(kept, key=lambda k: k[1])[0] if kept else None
+        for key in (
+            "validated_checkpoint_dir_names",
+            "timed_out_validation_checkpoint_dir_names",
+            "failed_validation_checkpoint_dir_names",
+        ):
+            state[key] = [n for n in state.get(key, []) if n in live]
+        storage.atomic_write_json(uri, state)
+        log.info("forgot %d deleted checkpoint(s) in Ray Train's record %s", len(set(known) - live), uri)
+    except (StorageError, KeyError, TypeError, ValueError, AttributeError) as e:
+        log.warning("removing Ray Train's record %s, which this version cannot update (%s)", uri, e)
+        storage.remove(uri)

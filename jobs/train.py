@@ -20,12 +20,11 @@ import logging
 import os
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from pylon import home, settings, storage
-from pylon.errors import PylonError
+from pylon.errors import PylonError, SpecError
 from pylon.jobs.run_dir import (
     LOSS_PLOT,
     REFERENCE_FILE,
@@ -36,6 +35,7 @@ from pylon.jobs.run_dir import (
     plot_loss,
     read_metrics,
     run_uri_of,
+    storage_problems,
 )
 from pylon.specs import TrainJobSpec, load_spec
 
@@ -49,20 +49,31 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from pylon.data.shards import read_manifest
+    from pylon.jobs.checkpoint import ray_train_storage
 
-    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"uri": _absolute(spec.data.uri)})})
+    working_dir = home.job_working_dir()
+    if working_dir is None:  # paths in a job's working dir stay relative: each node's workers read their own copy
+        spec = spec.model_copy(update={"data": spec.data.model_copy(update={"uri": _absolute(spec.data.uri)})})
     run_uri = run_uri_of(spec)
+    if not ray.is_initialized():
+        if os.environ.get("RAY_JOB_ID") or settings.value(settings.RAY_ADDRESS):
+            ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
+        else:
+            home.init_ray(log_to_driver=True)
+    # Before asking for workers: storage that only one node can see would fail them all, after a long wait.
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    shared = {"data.uri": spec.data.uri, "checkpoint.storage": run_uri}
+    if spec.model.path is not None:
+        shared["model.path"] = spec.model.path
+    problems = storage_problems(shared, nodes, working_dir=working_dir)
+    if problems:
+        raise SpecError([f"TrainJob '{spec.name}': {p}" for p in problems])
     manifest = read_manifest(spec.data.uri)  # fail here, before asking for workers, if the data is not usable
     if spec.data.seq_len is not None and spec.data.seq_len != manifest.seq_len:
         raise PylonError(
             f"data.seq_len is {spec.data.seq_len} but {spec.data.uri} was prepared with seq_len {manifest.seq_len}"
         )
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
-    if not ray.is_initialized():
-        if os.environ.get("RAY_JOB_ID") or settings.value(settings.RAY_ADDRESS):
-            ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
-        else:
-            home.init_ray(log_to_driver=True)
     from pylon.data.reader import pin_ray_data_helpers_here
 
     pin_ray_data_helpers_here()  # on this driver's node, not on a worker node the autoscaler must stop later
@@ -80,8 +91,9 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
         ),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(
-            name=spec.name,
-            storage_path=os.path.join(tempfile.gettempdir(), "pylon-ray-train"),
+            # Ray Train's experiment directory is the run directory, on storage every node reaches: checkpoints are
+            # reported to Ray where they are (NO_UPLOAD), which Ray accepts only under its experiment directory.
+            **ray_train_storage(run_uri),
             failure_config=FailureConfig(max_failures=max_failures),
         ),
     )
@@ -156,7 +168,7 @@ def train_loop(config: dict) -> None:
     import deepspeed
 
     from pylon.data.reader import stream_from_spec
-    from pylon.jobs.checkpoint import CheckpointCommitter
+    from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.models import build_model, flops_per_token, measure_matmul_peak_flops, parameter_counts
 
@@ -196,6 +208,7 @@ def train_loop(config: dict) -> None:
         keep_every=spec.checkpoint.keep_every,
         async_upload=spec.checkpoint.async_upload,
     )
+    ray_reports = RayTrainReports(committer)
     step, tokens_seen = 0, 0
     latest = committer.latest()
     if latest is not None:
@@ -249,7 +262,8 @@ def train_loop(config: dict) -> None:
         }
         metrics.write(record)
         last = step == spec.steps
-        if step % spec.checkpoint.every_steps == 0 or last:
+        saving = step % spec.checkpoint.every_steps == 0 or last
+        if saving:
             # Metrics first: a crash between the two leaves records past the last commit, which a resume
             # drops; the other order could commit a step whose records were never written.
             metrics.flush()
@@ -259,9 +273,13 @@ def train_loop(config: dict) -> None:
                 extra={"data": stream.state_dict(), "tokens_seen": tokens_seen},
                 meta={"loss": record["loss"], "tokens_seen": tokens_seen},
             )
-        if step % 10 == 0 or last:
-            ray.train.report({k: record[k] for k in ("step", "loss", "tokens_per_s", "data_wait_fraction", "mfu")})
+        if saving or step % 10 == 0:
+            # Every rank, at the same steps; rank 0 attaches the checkpoint it knows committed (this step's, or
+            # with async_upload the previous save's: this save waited for it).
+            reported = {k: record[k] for k in ("step", "loss", "tokens_per_s", "data_wait_fraction", "mfu")}
+            ray_reports.report(reported, step=step, saved=saving)
     committer.wait()
+    ray_reports.finish()  # with async_upload, the last save: committed in the background
     metrics.flush()
     _record_reference_logits(engine, run_uri, rank, stream.manifest.seq_len)
 

@@ -1,12 +1,16 @@
-"""pylon.jobs.checkpoint on local directories, with a real DeepSpeed engine (ZeRO-2, gloo, one process)."""
+"""pylon.jobs.checkpoint on local directories, with a real DeepSpeed engine (ZeRO-2, gloo, one process); its streamed
+I/O (each object written once, multipart, bounded memory) with an engine that only writes files, locally and on the
+session's S3-protocol server; and the run directory as Ray Train's experiment directory."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import socket
 import threading
+import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,9 +22,12 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 
 from pylon import storage  # noqa: E402
 from pylon.errors import PylonError  # noqa: E402
+from pylon.jobs import checkpoint as checkpoint_module  # noqa: E402
 from pylon.jobs.checkpoint import (  # noqa: E402
     CheckpointCommitter,
+    RayTrainReports,
     capture_rng_state,
+    ray_train_storage,
     restore_rng_state,
 )
 
@@ -115,6 +122,9 @@ def test_round_trip_restores_weights_optimizer_rng_and_extra(tmp_path):
     committer = CheckpointCommitter(str(run), rank=0, world_size=1, keep_last=2, staging_dir=staging)
     extra = {"data": {"epoch": 0, "window": 1, "offset": 6}, "tokens_seen": 96}
     committer.save(a, 3, extra=extra, meta={"loss": 5.5})
+    reported = committer.take_committed()  # what the trainer reports to Ray Train: this save, committed
+    assert (reported.step, reported.uri) == (3, storage.join(str(run), "checkpoints", "step-00000003"))
+    assert committer.take_committed() is None, "handed out once"
     saved_weights, saved_lr = weights(a), a.get_lr()
     # Draw from every generator, then continue the uninterrupted run: the resumed run must see the same.
     draws = (random.random(), np.random.rand(), torch.rand(3))
@@ -199,17 +209,21 @@ def test_async_upload_returns_before_the_upload_and_wait_commits(engine, tmp_pat
     # save() has returned while the first file's upload is held: nothing is committed, DeepSpeed's files
     # are still in local staging.
     assert committer.latest() is None
+    assert committer.take_committed() is None, "in flight is not committed"
     assert "rank-0/save-step-00000010/ds/mp_rank_00_model_states.pt" in stored_files(staging)
     release.set()
     committer.wait()
     assert committed_steps(committer) == [10]
+    assert committer.take_committed().step == 10
     assert committer.latest().manifest["meta"] == {"loss": 1.0}
     assert stored_files(staging) == set()
 
     # Two saves in a row: the second waits for the first, so both commit in order.
     committer.save(engine, 20, extra={"data": 20})
     committer.save(engine, 30, extra={"data": 30})
+    assert committer.take_committed().step == 20, "the second save waited for the first's commit"
     committer.wait()
+    assert committer.take_committed().step == 30
     assert committed_steps(committer) == [10, 20, 30]
     assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 30
 
@@ -320,3 +334,247 @@ def test_rng_state_survives_json():
     restore_rng_state(state)
     assert (random.random(), np.random.randn()) == expected[:2]
     assert torch.equal(torch.rand(4), expected[2])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Streamed I/O: each object written once, multipart for large files, bounded memory
+# ---------------------------------------------------------------------------------------------------------
+
+MiB = 2**20
+WRITES = {
+    "PutObject",
+    "CopyObject",
+    "DeleteObject",
+    "DeleteObjects",
+    "CreateMultipartUpload",
+    "UploadPart",
+    "UploadPartCopy",
+    "CompleteMultipartUpload",
+    "AbortMultipartUpload",
+}
+
+
+def _noise(path: Path, size: int, seed: int) -> str:
+    """`size` bytes of seeded noise at `path`, 1 MiB at a time; their sha256."""
+    rng, digest = random.Random(seed), hashlib.sha256()
+    with open(path, "wb") as f:
+        for start in range(0, size, MiB):
+            chunk = rng.randbytes(min(MiB, size - start))
+            digest.update(chunk)
+            f.write(chunk)
+    return digest.hexdigest()
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(MiB):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class FileEngine:
+    """Stands in for DeepSpeed's engine where only its files matter (the committer's I/O at sizes a real engine
+    would take minutes to reach): `save_checkpoint` writes files laid out as a ZeRO-2 rank 0's, seeded noise of
+    the given sizes; `load_checkpoint` records the sha256 of every file it is handed."""
+
+    def __init__(self, sizes: dict[str, int], seed: int = 0):
+        self.sizes, self.seed = sizes, seed
+        self.saved: dict[str, str] = {}
+        self.loaded: dict[str, str] | None = None
+
+    def zero_optimization_stage(self) -> int:
+        return 2
+
+    def zero_elastic_checkpoint(self) -> bool:
+        return False
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = True) -> None:
+        for i, (rel, size) in enumerate(sorted(self.sizes.items())):
+            path = Path(save_dir) / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.saved[rel] = _noise(path, size, seed=self.seed * 100 + i)
+
+    def load_checkpoint(self, load_dir: str, tag: str, **kwargs) -> tuple[str, dict]:
+        root = Path(load_dir)
+        self.loaded = {p.relative_to(root).as_posix(): _sha256_of(p) for p in root.rglob("*") if p.is_file()}
+        return load_dir, {}
+
+
+class S3Calls:
+    """The S3 operations storage's client sends while active, as (operation, key relative to `root`)."""
+
+    def __init__(self, root: str):
+        self.fs, path = storage.resolve(root)
+        self.prefix = path.partition("/")[2] + "/"
+        self.calls: list[tuple[str, str]] = []
+
+    def _record(self, params, model, **kwargs) -> None:
+        self.calls.append((model.name, params.get("Key", "").removeprefix(self.prefix)))
+
+    def __enter__(self) -> S3Calls:
+        self.fs.connect()
+        self.fs.s3.meta.events.register("before-parameter-build.s3", self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fs.s3.meta.events.unregister("before-parameter-build.s3", self._record)
+
+    def writes(self) -> list[tuple[str, str]]:
+        return [(op, key) for op, key in self.calls if op in WRITES]
+
+
+def test_save_streams_each_file_once_to_its_key_multipart_when_large_and_load_verifies(s3_root, tmp_path):
+    part = 5 * MiB  # S3's smallest
+    model, optim = "ds/mp_rank_00_model_states.pt", "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    engine = FileEngine({model: 2 * part + 1, optim: part - 1, "zero_to_fp32.py": 1000})
+    committer = CheckpointCommitter(s3_root, rank=0, world_size=1, keep_last=1, part_size=part)
+    with S3Calls(s3_root) as s3:
+        committer.save(engine, 1, extra={"at": 1})
+    step = "checkpoints/step-00000001/"
+    assert s3.writes() == [
+        ("CreateMultipartUpload", step + model),  # three parts: one multipart upload straight to the key
+        ("UploadPart", step + model),
+        ("UploadPart", step + model),
+        ("UploadPart", step + model),
+        ("CompleteMultipartUpload", step + model),
+        ("PutObject", step + optim),  # one part or less: one PUT
+        ("PutObject", step + "zero_to_fp32.py"),
+        ("PutObject", step + "rank-0.json"),
+        ("PutObject", step + "manifest.json"),  # the commit, after every file
+        ("PutObject", "latest.json"),
+    ]
+    manifest = committer.latest().manifest
+    assert {rel: e["sha256"] for rel, e in manifest["files"].items() if not rel.startswith("rank-")} == engine.saved
+
+    other = FileEngine({})
+    assert committer.load(other, committer.latest()) == {"at": 1}
+    assert other.loaded == engine.saved
+
+    # One flipped byte in the stored multipart object: refused, named, and nothing left in local staging.
+    import boto3
+
+    bucket, _, key = storage.join(committer.latest().uri, model).removeprefix("s3://").partition("/")
+    client = boto3.client("s3")
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[part + 3] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    staging = tmp_path / "staging"
+    loading = CheckpointCommitter(s3_root, rank=0, world_size=1, keep_last=1, part_size=part, staging_dir=staging)
+    with pytest.raises(PylonError, match=r"step-00000001/ds/mp_rank_00_model_states\.pt: checkpoint file is corrupt"):
+        loading.load(FileEngine({}), loading.latest())
+    assert stored_files(staging) == set()
+
+
+def _peak_bytes(fn) -> int:
+    """tracemalloc's peak of Python allocations while `fn` runs, above what was allocated before."""
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak - before
+
+
+def test_save_and_load_memory_is_bounded_by_the_part_size_not_the_checkpoint(tmp_path):
+    part = 2 * MiB
+    engine = FileEngine({"ds/mp_rank_00_model_states.pt": 12 * part + 5, "ds/zero_pp_rank_0_optim.pt": 6 * part})
+    committer = CheckpointCommitter(str(tmp_path / "run"), rank=0, world_size=1, keep_last=1, part_size=part)
+    committer.save(engine, 1, extra={})  # warm-up: imports, first-use caches
+    saving = _peak_bytes(lambda: committer.save(engine, 2, extra={}))
+    loaded = FileEngine({})
+    loading = _peak_bytes(lambda: committer.load(loaded, committer.latest()))
+    assert loaded.loaded == engine.saved
+    # Whole files would be 24 MiB; a part is 2 MiB. (FileEngine itself writes 1 MiB at a time.)
+    assert saving < 3 * part, f"a save peaked at {saving / MiB:.1f} MiB of Python allocations"
+    assert loading < 3 * part, f"a load peaked at {loading / MiB:.1f} MiB of Python allocations"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray Train's experiment directory is the run directory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_ray_train_storage_is_the_run_dir_and_forgets_checkpoints_retention_deleted(engine, tmp_path):
+    """Ray's own CheckpointManager (internal API, Ray 2.60) reloads its record of reported checkpoints when a run
+    is submitted again, and refuses to start if one of them is gone: retention deletes them."""
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
+        CheckpointManager,
+        _CheckpointManagerState,
+        _TrainingResultState,
+    )
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    run = tmp_path / "runs" / "my-run"
+    committer = CheckpointCommitter(str(run), rank=0, world_size=1, keep_last=2)
+    args = ray_train_storage(str(run))
+    assert (args["name"], args["storage_path"]) == ("my-run", str(tmp_path / "runs"))
+    ray_storage = StorageContext(args["storage_path"], args["name"], args["storage_filesystem"])
+    assert ray_storage.experiment_fs_path == str(run)
+
+    # As Ray records three reported checkpoints (its snapshot, in its own schema), while retention keeps two.
+    for step in (1, 2, 3):
+        committer.save(engine, step, extra={})
+    names = [f"checkpoints/step-0000000{s}" for s in (1, 2, 3)]
+    results = [_TrainingResultState(checkpoint_dir_name=n, metrics={"step": i + 1}) for i, n in enumerate(names)]
+    snapshot = _CheckpointManagerState(
+        checkpoint_results=results,
+        checkpoint_report_indices=[0, 1, 2],
+        latest_checkpoint_result=results[-1],
+        pending_training_results=[],
+        pending_validation_specs=[],
+        current_report_index=3,
+        validated_checkpoint_dir_names=[],
+        timed_out_validation_checkpoint_dir_names=[],
+        failed_validation_checkpoint_dir_names=[names[0]],
+    )
+    (run / "checkpoint_manager_snapshot.json").write_text(snapshot.json())
+    assert committed_steps(committer) == [2, 3]
+    with pytest.raises(CheckpointManagerInitializationError, match="does not exist anymore"):
+        CheckpointManager(CheckpointConfig(), ray_storage)  # what the next submission would meet
+
+    ray_train_storage(str(run))
+    manager = CheckpointManager(CheckpointConfig(), ray_storage)
+    assert [r.checkpoint.path for r in manager.best_checkpoint_results] == [str(run / n) for n in names[1:]]
+    assert manager.latest_checkpoint_result.checkpoint.path == str(run / names[2])
+
+    # A record this version cannot read is removed: Ray starts a new one instead of refusing to start.
+    (run / "checkpoint_manager_snapshot.json").write_text('{"ray_version": "0.0"}')
+    ray_train_storage(str(run))
+    assert not (run / "checkpoint_manager_snapshot.json").exists()
+    assert CheckpointManager(CheckpointConfig(), ray_storage).latest_checkpoint_result is None
+
+
+@pytest.mark.parametrize(
+    ("async_upload", "expected"),
+    [
+        (False, [(2, 2), (4, 4), (5, None), (6, 6)]),
+        # A save is known committed at the next save (or wait): its checkpoint goes then, with its own metrics.
+        (True, [(2, None), (2, 2), (5, None), (4, 4), (6, 6)]),
+    ],
+)
+def test_ray_train_reports_attach_each_commit_once_with_its_own_steps_metrics(
+    tmp_path, monkeypatch, async_upload, expected
+):
+    sent = []  # ray.train.report needs a Ray Train worker: what would be reported, as (metrics' step, checkpoint's)
+    monkeypatch.setattr(
+        checkpoint_module,
+        "_report_to_ray_train",
+        lambda metrics, info: sent.append((metrics["step"], info and info.step)),
+    )
+    committer = CheckpointCommitter(str(tmp_path), rank=0, world_size=1, keep_last=5, async_upload=async_upload)
+    reports = RayTrainReports(committer)
+    engine = FileEngine({"ds/mp_rank_00_model_states.pt": 1000})
+    for step in range(1, 7):
+        saving = step % 2 == 0
+        if saving:
+            committer.save(engine, step, extra={})
+        if saving or step == 5:
+            reports.report({"step": step}, step=step, saved=saving)
+    committer.wait()
+    reports.finish()
+    assert sent == expected
