@@ -194,17 +194,16 @@ class Client:
         resources it asks for is refused first (`pylon.plan.WontFitError`, with the reason and what would fit);
         `force=True` submits it anyway."""
         spec, _ = inputs.as_spec(spec, TrainJobSpec)  # every spec error before anything is submitted
+        if not force:
+            check_fits(spec, client=self)  # before asking for workers (and before contacting the cluster)
         job_id = inputs.new_job_id("train", spec.name)
         if spec.checkpoint.storage is None and self.shares_disk:  # the default, named: the job may run elsewhere
             spec = spec.model_copy(
                 update={"checkpoint": spec.checkpoint.model_copy(update={"storage": str(home.pylon_home() / "runs")})}
             )
-        # Paths first (cheap, and a wrong one is the likelier mistake), then the planner, then the cluster's nodes.
         package = ship.package(spec, self._where, default_runs=spec.checkpoint.storage is None)
         try:
             spec = package.spec
-            if not force:
-                check_fits(spec, client=self)  # before asking for workers
             run_uri = run_uri_of(spec)
             self._check_storage({"data.uri": spec.data.uri, "checkpoint.storage": run_uri}, f"TrainJob '{spec.name}'")
             record = home.pylon_home() / "specs" / f"{job_id}.yaml"
