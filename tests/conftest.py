@@ -112,3 +112,21 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def peak_bytes():
+    """A function: tracemalloc's peak of Python allocations while `fn()` runs, above what was allocated before."""
+    import tracemalloc
+
+    def measure(fn) -> int:
+        tracemalloc.start()
+        try:
+            before, _ = tracemalloc.get_traced_memory()
+            fn()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        return peak - before
+
+    return measure

@@ -10,7 +10,6 @@ import hashlib
 import os
 import subprocess
 import sys
-import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,20 +226,8 @@ def test_round_trip_and_checksum_on_local_disk_and_memory(where: str, tmp_path: 
         storage.remove(root, recursive=True)
 
 
-def _peak_bytes(fn) -> int:
-    """tracemalloc's peak of Python allocations while `fn` runs, above what was allocated before."""
-    tracemalloc.start()
-    try:
-        before, _ = tracemalloc.get_traced_memory()
-        fn()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return peak - before
-
-
 @pytest.mark.parametrize("where", ["s3", "local"])
-def test_memory_stays_bounded_by_two_parts_for_a_file_of_many(where: str, request, tmp_path: Path) -> None:
+def test_memory_stays_bounded_by_two_parts_for_a_file_of_many(where: str, request, tmp_path: Path, peak_bytes) -> None:
     root = request.getfixturevalue("s3_root") if where == "s3" else str(tmp_path / "root")
     src = tmp_path / "big.bin"
     sha = _write_random(src, 8 * PART + 99)  # nine parts
@@ -251,9 +238,9 @@ def test_memory_stays_bounded_by_two_parts_for_a_file_of_many(where: str, reques
     storage.download_file(storage.join(root, "warm.bin"), tmp_path / "warm.out", part_size=PART)
 
     uri = storage.join(root, "big.bin")
-    up = _peak_bytes(lambda: storage.upload_file(src, uri, part_size=PART))
+    up = peak_bytes(lambda: storage.upload_file(src, uri, part_size=PART))
     out = tmp_path / "big.out"
-    down = _peak_bytes(lambda: storage.download_file(uri, out, part_size=PART, expect_sha256=sha))
+    down = peak_bytes(lambda: storage.download_file(uri, out, part_size=PART, expect_sha256=sha))
     # Whole-file buffers would be 40 MiB; two parts are 10 MiB, plus the HTTP client's small buffers.
     assert up < 3 * PART, f"upload peaked at {up / MiB:.1f} MiB of Python allocations"
     assert down < 3 * PART, f"download peaked at {down / MiB:.1f} MiB of Python allocations"

@@ -10,7 +10,6 @@ import os
 import random
 import socket
 import threading
-import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
@@ -466,26 +465,14 @@ def test_save_streams_each_file_once_to_its_key_multipart_when_large_and_load_ve
     assert stored_files(staging) == set()
 
 
-def _peak_bytes(fn) -> int:
-    """tracemalloc's peak of Python allocations while `fn` runs, above what was allocated before."""
-    tracemalloc.start()
-    try:
-        before, _ = tracemalloc.get_traced_memory()
-        fn()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return peak - before
-
-
-def test_save_and_load_memory_is_bounded_by_the_part_size_not_the_checkpoint(tmp_path):
+def test_save_and_load_memory_is_bounded_by_the_part_size_not_the_checkpoint(tmp_path, peak_bytes):
     part = 2 * MiB
     engine = FileEngine({"ds/mp_rank_00_model_states.pt": 12 * part + 5, "ds/zero_pp_rank_0_optim.pt": 6 * part})
     committer = CheckpointCommitter(str(tmp_path / "run"), rank=0, world_size=1, keep_last=1, part_size=part)
     committer.save(engine, 1, extra={})  # warm-up: imports, first-use caches
-    saving = _peak_bytes(lambda: committer.save(engine, 2, extra={}))
+    saving = peak_bytes(lambda: committer.save(engine, 2, extra={}))
     loaded = FileEngine({})
-    loading = _peak_bytes(lambda: committer.load(loaded, committer.latest()))
+    loading = peak_bytes(lambda: committer.load(loaded, committer.latest()))
     assert loaded.loaded == engine.saved
     # Whole files would be 24 MiB; a part is 2 MiB. (FileEngine itself writes 1 MiB at a time.)
     assert saving < 3 * part, f"a save peaked at {saving / MiB:.1f} MiB of Python allocations"
