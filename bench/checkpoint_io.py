@@ -19,7 +19,9 @@ files), the ratio pylon/bare of the medians (target >= 0.8), and the peak extra 
 rank) during the operation: the growth of its RSS high-water mark (VmHWM, reset through /proc/self/clear_refs
 just before; everything: Python, C buffers, thread stacks) in every round, and tracemalloc's peak of Python
 allocations in one extra round with tracing on (tracing slows Python, so that round is not timed). Target: <= 2 x
-the part size. The S3 server runs in a process of its own, so its memory is not counted.
+the part size. The S3 server runs in a process of its own, so its memory is not counted. Also printed, for a figure
+less at the mercy of the machine's load: CPU seconds per GB of the client (every thread of the child process) and of
+the server (its whole process, over the child's life) for each operation.
 """
 
 from __future__ import annotations
@@ -135,10 +137,11 @@ def child(op: str, args) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux)
     rss0 = _rss_kib()
     traced0 = tracemalloc.get_traced_memory()[0] if args.trace else 0
-    t0 = time.perf_counter()
+    cpu0, t0 = os.times(), time.perf_counter()
     run()
-    seconds = time.perf_counter() - t0
-    result = {"op": op, "seconds": seconds, "rss_growth": (_hwm_kib() - rss0) * 1024}
+    seconds, cpu1 = time.perf_counter() - t0, os.times()
+    cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)  # every thread of this process
+    result = {"op": op, "seconds": seconds, "cpu": cpu, "rss_growth": (_hwm_kib() - rss0) * 1024}
     if args.trace:
         result["traced_peak"] = tracemalloc.get_traced_memory()[1] - traced0
         tracemalloc.stop()
@@ -157,14 +160,22 @@ def _write_noise(path: Path, size: int) -> None:
             f.write(os.urandom(min(4 * MiB, size - start)))
 
 
-def _run_child(op: str, run_uri: str, src: Path, work: Path, args, *, trace: bool = False) -> dict:
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of process `pid` so far, all its threads (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _run_child(op: str, run_uri: str, src: Path, work: Path, args, *, server_pid: int, trace: bool = False) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--child", op, "--run-uri", run_uri, "--src", str(src), "--work", str(work)]
     cmd += ["--part-mb", str(args.part_mb)] + (["--trace"] if trace else [])
+    server0 = _cpu_seconds(server_pid)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{op} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # The server's CPU over the child's whole life (its warm-up too, a few small requests): an upper bound.
+    return json.loads(done.stdout.strip().splitlines()[-1]) | {"server_cpu": _cpu_seconds(server_pid) - server0}
 
 
 def _spread(values: list[float]) -> str:
@@ -215,13 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         client.get_object(Bucket=BUCKET, Key="warm", Range="bytes=0-99")["Body"].read()
         client.get_object(Bucket=BUCKET, Key="warm")["Body"].read()
         with tempfile.TemporaryDirectory(prefix="pylon-bench-ckpt-") as tmp:
-            return _bench(Path(tmp), args)
+            return _bench(Path(tmp), args, server.pid)
     finally:
         server.stdin.close()
         server.wait(30)
 
 
-def _bench(tmp: Path, args) -> int:
+def _bench(tmp: Path, args, server_pid: int) -> int:
     from pylon import storage
 
     total = int(args.mb * 1e6)
@@ -241,12 +252,13 @@ def _bench(tmp: Path, args) -> int:
     )
     mbps: dict[str, list[float]] = {op: [] for op in ("pylon-save", "bare-put", "pylon-load", "bare-get")}
     rss: dict[str, list[int]] = {op: [] for op in mbps}
+    cpu: dict[str, list[tuple[float, float]]] = {op: [] for op in mbps}  # (client, server) CPU seconds per GB
     traced_peaks: dict[str, int] = {}
     for r in range(args.rounds + 1):
         trace = r == args.rounds  # the last round: tracemalloc on, not timed
         for op in mbps:
             uri = f"s3://{BUCKET}/{'pylon' if op.startswith('pylon') else 'bare'}-{r}"
-            result = _run_child(op, uri, src, tmp / f"work-{r}-{op}", args, trace=trace)
+            result = _run_child(op, uri, src, tmp / f"work-{r}-{op}", args, server_pid=server_pid, trace=trace)
             if trace:
                 traced = traced_peaks[op] = result["traced_peak"]
                 print(
@@ -256,8 +268,12 @@ def _bench(tmp: Path, args) -> int:
                 continue
             mbps[op].append(total / 1e6 / result["seconds"])
             rss[op].append(result["rss_growth"])
+            cpu[op].append((result["cpu"] / (total / 1e9), result["server_cpu"] / (total / 1e9)))
             growth = rss[op][-1] / MiB
-            print(f"  round {r + 1}: {op:10s} {mbps[op][-1]:7.1f} MB/s  RSS high-water growth {growth:6.1f} MiB")
+            print(
+                f"  round {r + 1}: {op:10s} {mbps[op][-1]:7.1f} MB/s  RSS high-water growth {growth:6.1f} MiB  "
+                f"CPU s/GB: client {cpu[op][-1][0]:5.1f}, server {cpu[op][-1][1]:5.1f}"
+            )
         for kind in ("pylon", "bare"):  # the server keeps objects in memory: a round's go when it is done
             storage.remove(f"s3://{BUCKET}/{kind}-{r}", recursive=True)
         for work in tmp.glob(f"work-{r}-*"):
@@ -265,7 +281,12 @@ def _bench(tmp: Path, args) -> int:
     print()
     for op in mbps:
         worst = max(rss[op])
-        print(f"{op:10s} {_spread(mbps[op])}  RSS growth max {worst / MiB:5.1f} MiB ({worst / part:.2f} x part)")
+        client_cpu = statistics.median(c for c, _ in cpu[op])
+        server_cpu = statistics.median(s for _, s in cpu[op])
+        print(
+            f"{op:10s} {_spread(mbps[op])}  RSS growth max {worst / MiB:5.1f} MiB ({worst / part:.2f} x part)  "
+            f"CPU s/GB median: client {client_cpu:.1f}, server {server_cpu:.1f}"
+        )
     met = True
     for name, ours, bare in (("save", "pylon-save", "bare-put"), ("load", "pylon-load", "bare-get")):
         ratio = statistics.median(mbps[ours]) / statistics.median(mbps[bare])

@@ -16,9 +16,10 @@ disk a temporary file beside the target renamed over it; on object storage one d
 an object visible only once it is whole), so every object is written once.
 
 Large files go through upload_file / download_file: streamed in parts of `part_size` bytes (DEFAULT_PART_SIZE),
-sha256 computed on the way, at most two parts in memory whatever the file's size. To S3 a file of more than one
-part is a multipart upload straight to its final key (visible only once completed; aborted on error), one part a
-single PUT; on local disk it is streamed into a temporary file that is renamed over the target.
+sha256 computed on the way, at most one part in memory whatever the file's size (an upload to S3 reads each
+part from the file as it sends it, so holds none). To S3 a file of more than one part is a multipart upload
+straight to its final key (visible only once completed; aborted on error), one part a single PUT; on local disk
+it is streamed into a temporary file that is renamed over the target.
 """
 
 from __future__ import annotations
@@ -260,9 +261,11 @@ def upload_file(local_path: str | os.PathLike, uri: str, *, part_size: int = DEF
     on the way. Returns (sha256 hex digest, bytes) of what was written.
 
     The file is written once, at its final name, and readers see it whole or not at all: to S3 one PUT, or for a
-    file of more than one part a multipart upload (two parts on the wire, or one while the next is read and hashed;
-    aborted on error); on local disk a temporary file renamed over the target. At most two parts are in memory,
-    except for a file of more than 10,000 parts, whose parts grow to fit S3's limit."""
+    file of more than one part a multipart upload (aborted on error); on local disk a temporary file renamed over
+    the target. To S3 each part's body is read from the file as it is signed and sent, a few parts in flight, so
+    memory is a few MiB whatever the part or file size; elsewhere one buffer of `part_size` bytes. Parts grow past
+    `part_size` only for a file of more than 10,000 parts (S3's limit).
+    """
     scheme, fs, path = _resolve(uri)
     _check_part_size(part_size, minimum=_S3_MIN_PART if scheme == "s3" else 1)
     if not posixpath.basename(path):
@@ -289,7 +292,9 @@ def download_file(
 
     The bytes go to a temporary file beside `local_path`, renamed over it once complete: `local_path` is never
     a part of the file. With `expect_sha256`, a different digest raises StorageError naming `uri` and leaves no
-    file. At most two parts are in memory (from S3: one being received while the other is hashed and written)."""
+    file. At most one part is in memory: from S3 as two halves, one being received while the other is hashed and
+    written.
+    """
     scheme, fs, path = _resolve(uri)
     _check_part_size(part_size, minimum=1)
 
@@ -330,70 +335,96 @@ def _copy_hashing(
     return digest.hexdigest(), total
 
 
+class _FilePart(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a seekable stream of their own: an upload's body read
+    straight from the file (pread, so parts in flight share the descriptor, not a position), never held whole.
+    botocore reads it in 1 MiB chunks to sign and checksum it, seeks back, and aiohttp sends it in 64 KiB reads."""
+
+    def __init__(self, fd: int, start: int, length: int, name: str) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._name, self._pos = fd, start, length, name, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        with memoryview(buffer) as view:
+            want = min(len(view), self._length - self._pos)
+            if want <= 0:
+                return 0
+            n = os.preadv(self._fd, [view[:want]], self._start + self._pos)
+        if n == 0:
+            raise OSError(f"{self._name}: the file shrank while it was being uploaded")
+        self._pos += n
+        return n
+
+
+def _sha256_fd(fd: int, size: int, name: str) -> str:
+    """sha256 of a file's first `size` bytes, read in 1 MiB chunks (pread: no shared position)."""
+    digest, offset = hashlib.sha256(), 0
+    buffer = bytearray(min(size, 2**20) or 1)
+    with memoryview(buffer) as view:
+        while offset < size:
+            n = os.preadv(fd, [view[: min(len(view), size - offset)]], offset)
+            if n == 0:
+                raise OSError(f"{name}: the file shrank while it was being uploaded")
+            digest.update(view[:n])
+            offset += n
+    return digest.hexdigest()
+
+
+_PARTS_IN_FLIGHT = 4  # an upload's concurrent part requests; each holds ~1 MiB at a time, never a whole part
+
+
 async def _upload_s3(fs: Any, path: str, src: IO[bytes], size: int, part_size: int) -> tuple[str, int]:
+    """Each part's body is its range of the file, read as it is signed and sent: no part is ever in memory whole.
+    The sha256 is one sequential read of the file in a thread, alongside the parts on the wire."""
     bucket, key, _ = fs.split_path(path)
     part_size = max(part_size, -(-size // _S3_MAX_PARTS))  # S3 takes at most 10,000 parts
-    digest = hashlib.sha256()
-    offset = 0
+    fd, name = src.fileno(), getattr(src, "name", path)
+    hashing = asyncio.ensure_future(asyncio.to_thread(_sha256_fd, fd, size, name))
+    try:
+        if size <= part_size:
+            await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=_FilePart(fd, 0, size, name))
+            fs.invalidate_cache(path)
+            return await hashing, size
+        upload_id = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
+    except BaseException:
+        await asyncio.wait([hashing])
+        raise
 
-    def fill(body: io.BytesIO) -> dict[str, Any]:
-        """Read the next part into `body`'s buffer and hash it: upload_part's arguments for it. In a thread: file
-        reads and sha256 release the GIL while the loop sends. (botocore adds the part's CRC32 as it sends.)"""
-        nonlocal offset
-        with body.getbuffer() as view:
-            n, capacity = src.readinto(view) or 0, len(view)
-            with view[:n] as filled:
-                digest.update(filled)
-        if n < capacity:  # the file shrank since its size was taken
-            body.truncate(n)
-        body.seek(0)
-        offset += n
-        return {"Body": body, "bytes": n}
-
-    spare: list[io.BytesIO] = []  # the buffers of parts sent, for the next ones: two allocations per file
-
-    async def read_part() -> dict[str, Any]:
-        """The next part, in a BytesIO that owns its buffer: one made from bytes would share them, and aiohttp's
-        getbuffer() on it would copy the whole part. Allocated on the loop's thread (each worker thread has a
-        malloc arena of its own, where a freed part's memory would stay resident) and reused from part to part."""
-        body = spare.pop() if spare else io.BytesIO()
-        want = min(part_size, size - offset)
-        if not want:
-            return {"Body": body, "bytes": 0}
-        if (have := body.getbuffer().nbytes) > want:
-            body.truncate(want)
-        elif have < want:
-            body.seek(want - 1)
-            body.write(b"\0")
-        return await asyncio.to_thread(fill, body)
-
-    if size <= part_size:
-        part = await read_part()
-        total = part.pop("bytes")
-        await fs._call_s3("put_object", Bucket=bucket, Key=key, **part)
-        fs.invalidate_cache(path)
-        return digest.hexdigest(), total
-
-    upload_id = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
-
-    async def send(number: int, part: dict[str, Any]) -> tuple[int, str]:
-        sent = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, **part)
-        spare.append(part["Body"])  # sent: aiobotocore never closes a body, botocore is done with it
+    async def send(number: int) -> tuple[int, str]:
+        start = (number - 1) * part_size
+        body = _FilePart(fd, start, min(part_size, size - start), name)
+        sent = await fs._call_s3(
+            "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+        )
         return number, sent["ETag"]
 
-    # Two parts in memory: two on the wire, or one on the wire while the next is read and hashed.
     sending: set[asyncio.Future] = set()
     try:
-        etags, total = {}, 0
-        while n := (part := await read_part()).pop("bytes"):
-            total += n
-            sending.add(asyncio.ensure_future(send(len(etags) + len(sending) + 1, part)))
-            del part  # only the request holds it now
-            if len(sending) == 2:
+        etags: dict[int, str] = {}
+        for number in range(1, -(-size // part_size) + 1):
+            if len(sending) == _PARTS_IN_FLIGHT:
                 done, sending = await asyncio.wait(sending, return_when=asyncio.FIRST_COMPLETED)
                 etags.update(task.result() for task in done)
+            sending.add(asyncio.ensure_future(send(number)))
         etags.update(await asyncio.gather(*sending))
         sending = set()
+        digest = await hashing
         await fs._call_s3(
             "complete_multipart_upload",
             Bucket=bucket,
@@ -405,19 +436,21 @@ async def _upload_s3(fs: Any, path: str, src: IO[bytes], size: int, part_size: i
         for task in sending:
             task.cancel()
         await asyncio.gather(*sending, return_exceptions=True)
+        await asyncio.wait([hashing])  # it reads `src`, which the caller closes once this returns
         # The parts are invisible but stored (and billed) until aborted; best effort, the first error is reported.
         with contextlib.suppress(Exception):
             await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         raise
     fs.invalidate_cache(path)
-    return digest.hexdigest(), total
+    return digest, size
 
 
 async def _download_s3(fs: Any, path: str, out: IO[bytes], part_size: int) -> tuple[str, int]:
     bucket, key, _ = fs.split_path(path)
     response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
     body = response["Body"]
-    part_size = max(1, min(part_size, response.get("ContentLength", part_size)))
+    # Two buffers of half a part: one filled from the socket while the other is hashed and written.
+    part_size = max(1, min(-(-part_size // 2), response.get("ContentLength", part_size)))
     digest, total = hashlib.sha256(), 0
 
     def consume(view: memoryview) -> None:  # in a thread, while the loop receives into the other buffer
