@@ -21,6 +21,7 @@ The stream here is what a worker's `get_dataset_shard` iterator would be, made d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -138,11 +139,17 @@ def _shard_datasource_class():
             dtype: str,
             on_bad_shard: str,
             filesystem,
+            sources: dict[str, tuple[str, object, str]],
         ):
             super().__init__(paths, filesystem=filesystem)
-            self._shard_meta = shard_meta
+            self._shard_meta, self._sources = shard_meta, sources
             self._fmt, self._seq_len, self._dtype = fmt, seq_len, dtype
             self._on_bad_shard = on_bad_shard
+
+        def _open_input_source(self, filesystem, path: str, **open_args):
+            # Nothing is opened here: `_read_stream` reads the shard through pylon.storage, whose retries outlast
+            # an object store that is unreachable for a while (Ray Data's retry only errors of pyarrow's own S3).
+            return contextlib.nullcontext()
 
         def _read_stream(self, f, path: str):
             import pyarrow as pa
@@ -150,7 +157,9 @@ def _shard_datasource_class():
             index, info_dict = self._shard_meta[_normalize(path)]
             info = ShardInfo(**info_dict)
             try:
-                data = f.readall() if hasattr(f, "readall") else f.read()
+                # The stream's own fsspec filesystem (pickled with its endpoint), retried as storage retries.
+                uri, fs, fs_path = self._sources[_normalize(path)]
+                data = storage.with_retries(uri, "read", lambda: fs.cat_file(fs_path))
                 verify_shard_bytes(info, data)
                 table = decode_shard_table(self._fmt, data, shard=info.file, seq_len=self._seq_len, dtype=self._dtype)
                 first = table.column("id")[0].as_py() if len(table) else None
@@ -540,23 +549,31 @@ class ShardStream:
 
         if not ray.is_initialized():
             home.init_ray()
-        paths, meta = [], {}
+        paths, meta, sources = [], {}, {}
+        fs, root = storage.resolve(self.uri)
         for i in shard_indices:
             info = self.manifest.shards[i]
             path = f"{self._root.rstrip('/')}/{info.file}"
             paths.append(path)
             meta[_normalize(path)] = (i, info.model_dump())
+            sources[_normalize(path)] = (storage.join(self.uri, info.file), fs, f"{root.rstrip('/')}/{info.file}")
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
         ctx.enable_progress_bars = False
-        source = _shard_datasource_class()(
-            paths,
-            shard_meta=meta,
-            fmt=self.manifest.format,
-            seq_len=self.manifest.seq_len,
-            dtype=self.manifest.dtype,
-            on_bad_shard=self.on_bad_shard,
-            filesystem=self._fs,
+        # Ray Data looks every path up as it builds the source: retried like every storage operation.
+        source = storage.with_retries(
+            self.uri,
+            "look up the shards",
+            lambda: _shard_datasource_class()(
+                paths,
+                shard_meta=meta,
+                fmt=self.manifest.format,
+                seq_len=self.manifest.seq_len,
+                dtype=self.manifest.dtype,
+                on_bad_shard=self.on_bad_shard,
+                filesystem=self._fs,
+                sources=sources,
+            ),
         )
         # Where and with what a read runs. On this process's node, always: a training worker reads its own shards
         # there, never from a node the autoscaler is about to stop, nor through another node for nothing. With

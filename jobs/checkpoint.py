@@ -40,6 +40,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -367,8 +368,16 @@ class CheckpointCommitter:
         staging = self._staging("save", step)
         try:
             engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
-        except BaseException:
+        except BaseException as e:
+            full = _disk_full(staging, e)  # before the partial files are removed
             shutil.rmtree(staging, ignore_errors=True)
+            if full:
+                raise PylonError(
+                    f"checkpoint step {step}: no space left on the device holding the staging directory {staging} "
+                    f"{full} while DeepSpeed wrote rank {self.rank}'s files there; nothing was uploaded and the "
+                    "previous checkpoint stays the latest. Free space there, or stage on a larger disk (the "
+                    "committer's staging_dir; by default the temporary directory, TMPDIR)"
+                ) from e
             raise
         rank_state = {"extra": extra, "rng": rng}
         context = {"zero_stage": int(engine.zero_optimization_stage()), "deepspeed_version": _deepspeed_version()}
@@ -614,6 +623,26 @@ class CheckpointCommitter:
             self._uploader.shutdown(wait=True)
 
 
+def _disk_full(path: Path, error: BaseException) -> str | None:
+    """Whether `error`, raised while writing under `path`, came from its disk being full: ENOSPC in the error's
+    chain, or (torch.save reports a full disk as an obscure RuntimeError) under 1 MiB left on that disk. Returns
+    the disk's free and total space as text, or None."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    chain, seen = error, set()
+    enospc = False
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        enospc |= getattr(chain, "errno", None) == errno.ENOSPC or "No space left" in str(chain)
+        chain = chain.__cause__ or chain.__context__
+    if not enospc and free >= 2**20:
+        return None
+    return f"({free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB)"
+
+
 def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, sort_keys=True, indent=2) + "\n").encode("utf-8")
 
@@ -621,10 +650,14 @@ def _json_bytes(obj: Any) -> bytes:
 def _stored_sizes(step_uri: str) -> dict[str, int]:
     """{relative path: bytes} of every file stored under `step_uri`, from one recursive listing."""
     fs, root = storage.resolve(step_uri)
-    try:
-        entries = fs.find(root, detail=True)
-    except FileNotFoundError:
-        return {}
+
+    def find() -> dict:
+        try:
+            return fs.find(root, detail=True)
+        except FileNotFoundError:
+            return {}
+
+    entries = storage.with_retries(step_uri, "list", find)
     prefix = root.rstrip("/") + "/"
     return {name[len(prefix) :]: int(e["size"]) for name, e in entries.items() if name.startswith(prefix)}
 

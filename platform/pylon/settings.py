@@ -33,12 +33,15 @@ RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 SHIP_LIMIT_MB = "PYLON_SHIP_LIMIT_MB"
+HAPROXY_ADMIN_HOST = "PYLON_HAPROXY_ADMIN_HOST"
 S3_ENDPOINT = "AWS_ENDPOINT_URL_S3"
 ENDPOINT = "AWS_ENDPOINT_URL"
 REGION = "AWS_REGION"
 DEFAULT_REGION = "AWS_DEFAULT_REGION"
 MAX_ATTEMPTS = "AWS_MAX_ATTEMPTS"
 RETRY_MODE = "AWS_RETRY_MODE"
+STORAGE_RETRY_S = "PYLON_STORAGE_RETRY_S"
+STORAGE_TIMEOUT_S = "PYLON_STORAGE_TIMEOUT_S"
 TORCH_EXTENSIONS_DIR = "TORCH_EXTENSIONS_DIR"
 ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 GPU_PRICES = "PYLON_GPU_PRICES"
@@ -90,6 +93,13 @@ SETTINGS: dict[str, Setting] = {
             "in object storage.",
         ),
         Setting(
+            HAPROXY_ADMIN_HOST,
+            "127.0.0.1",
+            "Where Serve's HAProxy binds its stats page and Prometheus exporter (`pylon-haproxy`), on each node; "
+            "they answer without credentials, so loopback unless a scraper on another machine needs them (then "
+            "firewall them to it). Set it in the environment of `pylon cluster up` / `join`.",
+        ),
+        Setting(
             S3_ENDPOINT,
             "",
             "The S3-protocol endpoint for s3:// URIs (MinIO, a local server); wins over AWS_ENDPOINT_URL.",
@@ -99,6 +109,20 @@ SETTINGS: dict[str, Setting] = {
         Setting(DEFAULT_REGION, "", "The region of s3:// buckets when AWS_REGION is unset."),
         Setting(MAX_ATTEMPTS, "3", "Attempts per S3 request (botocore's retries)."),
         Setting(RETRY_MODE, "standard", "botocore's retry mode for S3 requests."),
+        Setting(
+            STORAGE_RETRY_S,
+            "120",
+            "How long, in seconds, a storage operation (a checkpoint file's upload or download, a data shard's read, "
+            "a small state file) keeps retrying transient failures of object storage (connection refused or reset, "
+            "timeouts, 5xx, SlowDown), with exponential backoff and jitter, before it fails naming the URI; 0: no "
+            "retries beyond botocore's.",
+        ),
+        Setting(
+            STORAGE_TIMEOUT_S,
+            "60",
+            "Seconds an S3 request waits to connect, and for each read from its connection, before it counts as a "
+            "timed-out (transient) failure.",
+        ),
         Setting(
             TORCH_EXTENSIONS_DIR,
             "~/.cache/torch_extensions",

@@ -5,9 +5,17 @@ Every user-facing failure is a StorageError naming the URI.
 
 S3 reads the standard AWS environment, so any S3-compatible store (AWS, MinIO, Ceph, R2) works: endpoint
 from AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL; region from AWS_REGION, else AWS_DEFAULT_REGION;
-credentials from botocore's usual chain. Retries: botocore's "standard" mode, 3 attempts (the AWS SDK
-default) unless AWS_RETRY_MODE / AWS_MAX_ATTEMPTS say otherwise, so a dead endpoint fails in seconds.
-fsspec caches instances by their arguments; endpoint, region and retries are arguments, so changing them
+credentials from botocore's usual chain.
+
+Retries, in two layers. Each request: botocore's "standard" mode, 3 attempts (the AWS SDK default) unless
+AWS_RETRY_MODE / AWS_MAX_ATTEMPTS say otherwise, each waiting at most PYLON_STORAGE_TIMEOUT_S to connect and per
+read. Each operation of this module (a write, a read, a listing, a file's streamed upload or download): a transient
+failure (connection refused, reset or closed, a timeout, a 5xx, SlowDown; `is_transient`) is retried, the whole
+operation again, with exponential backoff and jitter, until PYLON_STORAGE_RETRY_S (default 120 s) have passed;
+then the StorageError names the URI, the last error and how long it was retried. Every operation may be repeated:
+a write is one PUT or one multipart upload to the final key (a retried multipart upload is a new one; the failed
+one is aborted, it never becomes visible), a read starts its file again. Anything else fails at once.
+fsspec caches instances by their arguments; endpoint, region, timeouts and retries are arguments, so changing them
 in the environment gives a new instance. Credentials are not (they must never be stored or printed):
 an instance reads them when it first connects.
 
@@ -26,12 +34,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
+import random
 import re
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any
@@ -42,6 +55,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pylon import settings
 from pylon.errors import StorageError
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_SCHEMES = ("file", "s3", "memory")
 _SCHEMES_TEXT = "a plain path, " + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
@@ -92,10 +107,21 @@ def _s3_filesystem() -> fsspec.AbstractFileSystem:
     if not attempts.isdigit() or int(attempts) < 1:
         raise StorageError(f"AWS_MAX_ATTEMPTS={attempts!r}: must be a whole number >= 1")
     retries = {"mode": settings.value(settings.RETRY_MODE) or "standard", "max_attempts": int(attempts)}
+    timeout = _seconds(settings.STORAGE_TIMEOUT_S, "60", minimum=0.001)
+    config = {"retries": retries, "connect_timeout": timeout, "read_timeout": timeout}
     # Listings are not cached: other processes (Ray workers) write the keys we look for.
-    return fsspec.filesystem(
-        "s3", client_kwargs=client_kwargs, config_kwargs={"retries": retries}, use_listings_cache=False
-    )
+    return fsspec.filesystem("s3", client_kwargs=client_kwargs, config_kwargs=config, use_listings_cache=False)
+
+
+def _seconds(name: str, default: str, *, minimum: float) -> float:
+    text = settings.value(name) or default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= minimum or seconds == float("inf"):
+        raise StorageError(f"{name}={text!r}: must be a number of seconds >= {minimum:g}")
+    return seconds
 
 
 def _resolve(uri: str) -> tuple[str, fsspec.AbstractFileSystem, str]:
@@ -151,8 +177,136 @@ def _name_problem(name: str) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Transient failures, retried with backoff until a deadline
+# ---------------------------------------------------------------------------------------------------------
+
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.5, 8.0
+# S3 error codes that say "try again" (besides any 5xx status).
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable", "Throttling"}
+    | {"ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException", "OperationAborted"}
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE}
+    | {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN}
+)
+
+
+def retry_deadline_s() -> float:
+    """PYLON_STORAGE_RETRY_S: how long an operation keeps retrying transient failures (0: not at all)."""
+    return _seconds(settings.STORAGE_RETRY_S, "120", minimum=0)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from) is a failure that trying again may cure: a connection
+    refused, reset or closed, a timeout, an S3 5xx or SlowDown. A missing key, a refused credential, a full disk
+    are not."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if _transient_one(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _transient_one(e: BaseException) -> bool:
+    if isinstance(e, (ConnectionError, TimeoutError)):  # the builtins: refused, reset, aborted, broken pipe
+        return True
+    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+        return True
+    # Only libraries already loaded can have raised their errors: a local-only process never imports them here.
+    if (boto := sys.modules.get("botocore.exceptions")) is not None:
+        if isinstance(e, (boto.ConnectionError, boto.HTTPClientError, boto.ResponseStreamingError)):
+            return True  # endpoint unreachable, connection closed, read/connect timeouts, a body cut short
+        if isinstance(e, getattr(boto, "IncompleteReadError", ())):
+            return True
+        if isinstance(e, boto.ClientError):
+            response = getattr(e, "response", None) or {}
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return response.get("Error", {}).get("Code") in _TRANSIENT_CODES or int(status) >= 500
+    if (aiohttp := sys.modules.get("aiohttp")) is not None and isinstance(
+        e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+    ):
+        return True
+    if (fsspec_exceptions := sys.modules.get("fsspec.exceptions")) is not None and isinstance(
+        e, fsspec_exceptions.FSTimeoutError
+    ):
+        return True
+    return type(e).__name__ == "IncompleteRead"  # http.client's and urllib3's
+
+
+class _Attempts:
+    """One operation's tries: how many, since when, and until when."""
+
+    def __init__(self) -> None:
+        self.limit_s = retry_deadline_s()
+        self.started = time.monotonic()
+        self.count = 0
+
+    def note(self, error: BaseException) -> str:
+        """For a transient `error` that ended the operation: how long it was retried."""
+        if not is_transient(error):
+            return ""
+        elapsed = time.monotonic() - self.started
+        attempts = f"{self.count} attempts" if self.count != 1 else "1 attempt"
+        return (
+            f" (still failing after {attempts} over {elapsed:.0f}s; "
+            f"{settings.STORAGE_RETRY_S}={self.limit_s:g} bounds the retries)"
+        )
+
+
+def _retrying(uri: str, action: str, fn: Callable[[], Any], attempts: _Attempts) -> Any:
+    """`fn()`, tried again after each transient failure, with exponential backoff and jitter, until the
+    deadline; the last failure is raised as it was."""
+    while True:
+        attempts.count += 1
+        try:
+            return fn()
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            backoff = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (attempts.count - 1))
+            pause = random.uniform(backoff / 2, backoff)  # jitter: ranks retrying together spread out
+            if time.monotonic() + pause - attempts.started > attempts.limit_s:
+                raise
+            log.warning(
+                "%s: cannot %s (%s: %s); retrying in %.1fs (attempt %d; retrying for up to %gs in all)",
+                _describe_safe(uri),
+                action,
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+                pause,
+                attempts.count,
+                attempts.limit_s,
+            )
+            time.sleep(pause)
+
+
+def _describe_safe(uri: str) -> str:
+    try:
+        return describe(uri)
+    except StorageError:
+        return str(uri)
+
+
+def with_retries(uri: str, action: str, fn: Callable[[], Any]) -> Any:
+    """`fn()` (work on `uri` that this module does not do itself, such as a recursive listing or opening a Ray Data
+    source), with the retries of every storage operation and its errors as StorageErrors naming `uri`."""
+    scheme, _ = _parse(uri)
+    return _run(uri, scheme, action, fn)
+
+
+def _run(uri: str, scheme: str, action: str, fn: Callable[[], Any]) -> Any:
+    attempts = _Attempts()
+    with _storage_errors(uri, scheme, action, attempts):
+        return _retrying(uri, action, fn, attempts)
+
+
 @contextlib.contextmanager
-def _storage_errors(uri: str, scheme: str, action: str) -> Iterator[None]:
+def _storage_errors(uri: str, scheme: str, action: str, attempts: _Attempts | None = None) -> Iterator[None]:
     """Turn filesystem/botocore exceptions into StorageErrors that say what to check."""
     try:
         yield
@@ -163,14 +317,33 @@ def _storage_errors(uri: str, scheme: str, action: str) -> Iterator[None]:
             raise StorageError(f"{describe(uri)}: no such bucket; {_S3_HINT}") from e
         raise StorageError(f"{uri}: no such file or directory") from e
     except Exception as e:
+        retried = attempts.note(e) if attempts is not None else ""
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise StorageError(_no_space(uri, action, e)) from e
         if scheme == "s3":
             from botocore.exceptions import BotoCoreError  # loaded already: s3fs is built on it
 
-            if isinstance(e, (OSError, BotoCoreError)):
-                raise StorageError(f"{describe(uri)}: cannot {action}: {type(e).__name__}: {e}; {_S3_HINT}") from e
-        if isinstance(e, OSError):
-            raise StorageError(f"{uri}: cannot {action}: {e}") from e
+            if isinstance(e, (OSError, BotoCoreError)) or is_transient(e):
+                raise StorageError(
+                    f"{describe(uri)}: cannot {action}: {type(e).__name__}: {e}{retried}; {_S3_HINT}"
+                ) from e
+        if isinstance(e, OSError) or is_transient(e):
+            raise StorageError(f"{uri}: cannot {action}: {e}{retried}") from e
         raise
+
+
+def _no_space(uri: str, action: str, e: OSError) -> str:
+    """The message for a full disk: which path, how much room is left, what to do."""
+    where = e.filename or uri
+    probe = where if os.path.isdir(where) else os.path.dirname(where)
+    free = ""
+    with contextlib.suppress(OSError):
+        st = os.statvfs(probe)
+        free = f" ({st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB)"
+    return (
+        f"{uri}: cannot {action}: No space left on the device holding {where}{free}; "
+        "free space there or write somewhere with more room"
+    )
 
 
 def atomic_write(uri: str, data: bytes) -> None:
@@ -182,11 +355,10 @@ def atomic_write(uri: str, data: bytes) -> None:
     parent, name = posixpath.split(path)
     if not name or not parent:
         raise StorageError(f"{uri}: names no file to write")
-    with _storage_errors(uri, scheme, "write"):
-        if isinstance(fs, LocalFileSystem):
-            _write_local(path, lambda f: f.write(data))
-        else:
-            fs.pipe_file(path, data)
+    if isinstance(fs, LocalFileSystem):
+        _run(uri, scheme, "write", lambda: _write_local(path, lambda f: f.write(data)))
+    else:
+        _run(uri, scheme, "write", lambda: fs.pipe_file(path, data))
 
 
 def _write_local(path: str, fill: Callable[[IO[bytes]], Any], *, durable: bool = True) -> Any:
@@ -232,8 +404,7 @@ def atomic_write_json(uri: str, obj: Any) -> None:
 
 def read_bytes(uri: str) -> bytes:
     scheme, fs, path = _resolve(uri)
-    with _storage_errors(uri, scheme, "read"):
-        return fs.cat_file(path)
+    return _run(uri, scheme, "read", lambda: fs.cat_file(path))
 
 
 def read_text(uri: str) -> str:
@@ -272,16 +443,25 @@ def upload_file(local_path: str | os.PathLike, uri: str, *, part_size: int = DEF
         raise StorageError(f"{uri}: names no file to write")
     with open(local_path, "rb") as src:
         size = os.fstat(src.fileno()).st_size
-        with _storage_errors(uri, scheme, "write"):
+        unaborted: list[str] = []  # multipart uploads of failed attempts that could not be aborted then
+
+        def attempt() -> tuple[str, int]:
             if isinstance(fs, LocalFileSystem):
+                src.seek(0)
                 return _write_local(path, lambda out: _copy_hashing(src, out.write, part_size, size))
             if scheme == "s3":
-                return fsspec.asyn.sync(fs.loop, _upload_s3, fs, path, src, size, part_size)
+                return fsspec.asyn.sync(fs.loop, _upload_s3, fs, path, src, size, part_size, unaborted)
             # memory:// keeps whole files in memory by nature; one pipe_file makes the file appear whole.
+            src.seek(0)
             data = bytearray()
             digest, total = _copy_hashing(src, data.extend, part_size, size)
             fs.pipe_file(path, bytes(data))
             return digest, total
+
+        result = _run(uri, scheme, "write", attempt)
+        if unaborted:  # the store answers again: drop the invisible parts the failed attempts left (best effort)
+            fsspec.asyn.sync(fs.loop, _abort_uploads, fs, path, unaborted)
+        return result
 
 
 def download_file(
@@ -298,13 +478,21 @@ def download_file(
     scheme, fs, path = _resolve(uri)
     _check_part_size(part_size, minimum=1)
 
-    def fill(out: IO[bytes]) -> tuple[str, int]:
-        with _storage_errors(uri, scheme, "read"):
+    def attempt(out: IO[bytes]) -> tuple[str, int]:
+        out.seek(0)  # a retry starts the file again
+        out.truncate()
+        try:
             if scheme == "s3":
-                digest, total = fsspec.asyn.sync(fs.loop, _download_s3, fs, path, out, part_size)
-            else:
-                with open(path, "rb") if isinstance(fs, LocalFileSystem) else fs.open(path, "rb") as src:
-                    digest, total = _copy_hashing(src, out.write, part_size, fs.size(path))
+                return fsspec.asyn.sync(fs.loop, _download_s3, fs, path, out, part_size)
+            with open(path, "rb") if isinstance(fs, LocalFileSystem) else fs.open(path, "rb") as src:
+                return _copy_hashing(src, out.write, part_size, fs.size(path))
+        except OSError as e:
+            if e.errno == errno.ENOSPC and not e.filename:  # the local copy's disk, not the store, is full
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.abspath(local_path)) from e
+            raise
+
+    def fill(out: IO[bytes]) -> tuple[str, int]:
+        digest, total = _run(uri, scheme, "read", lambda: attempt(out))
         if expect_sha256 is not None and digest != expect_sha256:
             raise StorageError(
                 f"{uri}: corrupt: {total} bytes with sha256 {digest}, expected sha256 {expect_sha256}; not kept"
@@ -312,7 +500,12 @@ def download_file(
         return digest, total
 
     # A scratch copy: no fsync (a crash loses it either way), only the rename that hides a partial file.
-    return _write_local(os.path.abspath(local_path), fill, durable=False)
+    try:
+        return _write_local(os.path.abspath(local_path), fill, durable=False)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise StorageError(_no_space(str(local_path), "write", e)) from e
+        raise
 
 
 def _check_part_size(part_size: int, *, minimum: int) -> None:
@@ -389,9 +582,12 @@ def _sha256_fd(fd: int, size: int, name: str) -> str:
 _PARTS_IN_FLIGHT = 4  # an upload's concurrent part requests; each holds ~1 MiB at a time, never a whole part
 
 
-async def _upload_s3(fs: Any, path: str, src: IO[bytes], size: int, part_size: int) -> tuple[str, int]:
+async def _upload_s3(
+    fs: Any, path: str, src: IO[bytes], size: int, part_size: int, unaborted: list[str] | None = None
+) -> tuple[str, int]:
     """Each part's body is its range of the file, read as it is signed and sent: no part is ever in memory whole.
-    The sha256 is one sequential read of the file in a thread, alongside the parts on the wire."""
+    The sha256 is one sequential read of the file in a thread, alongside the parts on the wire. A failed multipart
+    upload is aborted; one that cannot be (the store is unreachable) is added to `unaborted`."""
     bucket, key, _ = fs.split_path(path)
     part_size = max(part_size, -(-size // _S3_MAX_PARTS))  # S3 takes at most 10,000 parts
     fd, name = src.fileno(), getattr(src, "name", path)
@@ -438,11 +634,23 @@ async def _upload_s3(fs: Any, path: str, src: IO[bytes], size: int, part_size: i
         await asyncio.gather(*sending, return_exceptions=True)
         await asyncio.wait([hashing])  # it reads `src`, which the caller closes once this returns
         # The parts are invisible but stored (and billed) until aborted; best effort, the first error is reported.
-        with contextlib.suppress(Exception):
+        try:
             await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception:
+            if unaborted is not None:
+                unaborted.append(upload_id)
         raise
     fs.invalidate_cache(path)
     return digest, size
+
+
+async def _abort_uploads(fs: Any, path: str, upload_ids: list[str]) -> None:
+    bucket, key, _ = fs.split_path(path)
+    for upload_id in upload_ids:
+        try:
+            await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as e:  # the store drops it later (a lifecycle rule for incomplete multipart uploads)
+            log.warning("s3://%s: could not abort the failed multipart upload %s: %s", path, upload_id, e)
 
 
 async def _download_s3(fs: Any, path: str, out: IO[bytes], part_size: int) -> tuple[str, int]:
@@ -491,18 +699,20 @@ async def _download_s3(fs: Any, path: str, out: IO[bytes], part_size: int) -> tu
 
 def exists(uri: str) -> bool:
     scheme, fs, path = _resolve(uri)
-    with _storage_errors(uri, scheme, "check"):
-        return bool(fs.exists(path))
+    return _run(uri, scheme, "check", lambda: bool(fs.exists(path)))
 
 
 def listdir(uri: str) -> list[str]:
     """Sorted names directly under `uri`; [] where nothing is there. In-flight atomic-write temps are hidden."""
     scheme, fs, path = _resolve(uri)
-    with _storage_errors(uri, scheme, "list"):
+
+    def ls() -> list[dict]:
         try:
-            entries = fs.ls(path, detail=True)
+            return fs.ls(path, detail=True)
         except FileNotFoundError:
             return []
+
+    entries = _run(uri, scheme, "list", ls)
     names = {posixpath.basename(e["name"].rstrip("/")) for e in entries}
     if len(entries) == 1 and entries[0]["type"] == "file" and entries[0]["name"].rstrip("/") == path:
         raise StorageError(f"{uri}: not a directory")
@@ -512,15 +722,20 @@ def listdir(uri: str) -> list[str]:
 def remove(uri: str, recursive: bool = False) -> None:
     """Remove a file, or with `recursive` a directory and everything under it. Missing is an error."""
     scheme, fs, path = _resolve(uri)
-    with _storage_errors(uri, scheme, "remove"):
-        if not fs.exists(path):
-            raise StorageError(f"{uri}: no such file or directory")
-        if fs.isdir(path):
-            if not recursive:
-                raise StorageError(f"{uri}: is a directory; pass recursive=True to remove it and its contents")
-            fs.rm(path, recursive=True)
-        else:
-            fs.rm_file(path)
+    if not _run(uri, scheme, "check", lambda: fs.exists(path)):
+        raise StorageError(f"{uri}: no such file or directory")
+    if _run(uri, scheme, "check", lambda: fs.isdir(path)):
+        if not recursive:
+            raise StorageError(f"{uri}: is a directory; pass recursive=True to remove it and its contents")
+        _run(uri, scheme, "remove", lambda: fs.rm(path, recursive=True))
+    else:
+        # Retried after a lost answer, the key may be gone already: that is the outcome asked for.
+        _run(uri, scheme, "remove", lambda: _rm_missing_ok(fs, path))
+
+
+def _rm_missing_ok(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
 
 
 def arrow_filesystem(uri: str) -> tuple["pyarrow.fs.FileSystem", str]:  # noqa: F821
@@ -534,4 +749,114 @@ def arrow_filesystem(uri: str) -> tuple["pyarrow.fs.FileSystem", str]:  # noqa: 
     scheme, fs, path = _resolve(uri)
     if scheme == "file":
         return pafs.LocalFileSystem(), path
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+    return pafs.PyFileSystem(_retrying_handler(fs, scheme)), path
+
+
+def _retrying_handler(fs: fsspec.AbstractFileSystem, scheme: str):
+    """pyarrow's FSSpecHandler over `fs`, with every call retried as this module's operations are (Ray Train writes
+    its records, Ray Data looks shards up, through it). A file opened for writing is staged in a local temporary
+    file and stored whole when closed, retried: one PUT, or a multipart upload for a large one."""
+    return _retrying_handler_class()(fs, scheme)
+
+
+_HANDLER_CLASS: type | None = None
+
+
+def _retrying_handler_class() -> type:
+    """`_RetryingHandler`, made on first use (it subclasses pyarrow's FSSpecHandler, and this module does not import
+    pyarrow until a reader needs it). A module attribute by name (see `__getattr__`), so pickle ships it by
+    reference to Ray's processes, as any class of a module."""
+    global _HANDLER_CLASS
+    if _HANDLER_CLASS is not None:
+        return _HANDLER_CLASS
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    base = pafs.FSSpecHandler
+
+    class _RetryingHandler(base):
+        def __init__(self, fs: Any, scheme: str) -> None:
+            super().__init__(fs)
+            self.scheme = scheme
+
+        def _retried(self, action: str, path: Any, fn: Callable[[], Any]) -> Any:
+            where = f"{self.scheme}://{path if isinstance(path, str) else getattr(path, 'base_dir', path)}"
+            return _retrying(where, action, fn, _Attempts())
+
+        def get_file_info(self, paths):
+            return self._retried("check", paths[0] if paths else "", lambda: base.get_file_info(self, paths))
+
+        def get_file_info_selector(self, selector):
+            return self._retried("list", selector, lambda: base.get_file_info_selector(self, selector))
+
+        def create_dir(self, path, recursive):
+            return self._retried("create", path, lambda: base.create_dir(self, path, recursive))
+
+        def delete_dir(self, path):
+            return self._retried("remove", path, lambda: base.delete_dir(self, path))
+
+        def delete_dir_contents(self, path, missing_dir_ok=False):
+            return self._retried("remove", path, lambda: base.delete_dir_contents(self, path, missing_dir_ok))
+
+        def delete_file(self, path):
+            return self._retried("remove", path, lambda: base.delete_file(self, path))
+
+        def move(self, src, dest):
+            return self._retried("move", src, lambda: base.move(self, src, dest))
+
+        def copy_file(self, src, dest):
+            return self._retried("copy", src, lambda: base.copy_file(self, src, dest))
+
+        def open_input_stream(self, path):
+            return self._retried("read", path, lambda: base.open_input_stream(self, path))
+
+        def open_input_file(self, path):
+            return self._retried("read", path, lambda: base.open_input_file(self, path))
+
+        def open_output_stream(self, path, metadata):
+            return pa.PythonFile(_StagedWrite(self.fs, path, self.scheme), mode="w")
+
+    _RetryingHandler.__module__, _RetryingHandler.__qualname__ = __name__, "_RetryingHandler"
+    _HANDLER_CLASS = _RetryingHandler
+    return _RetryingHandler
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_RetryingHandler":
+        return _retrying_handler_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _StagedWrite(io.RawIOBase):
+    """A file written through pyarrow: staged in a local temporary file, stored whole on close, with retries."""
+
+    def __init__(self, fs: Any, path: str, scheme: str) -> None:
+        import tempfile
+
+        super().__init__()
+        self._fs, self._path, self._uri = fs, path, f"{scheme}://{path}"
+        self._tmp = tempfile.TemporaryFile()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return self._tmp.write(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            size = self._tmp.seek(0, io.SEEK_END)
+            if "s3" in self._fs.protocol and size > DEFAULT_PART_SIZE:
+                upload = lambda: fsspec.asyn.sync(  # noqa: E731
+                    self._fs.loop, _upload_s3, self._fs, self._path, self._tmp, size, DEFAULT_PART_SIZE
+                )
+                _retrying(self._uri, "write", upload, _Attempts())
+            else:
+                self._tmp.seek(0)
+                data = self._tmp.read()
+                _retrying(self._uri, "write", lambda: self._fs.pipe_file(self._path, data), _Attempts())
+        finally:
+            self._tmp.close()
+            super().close()

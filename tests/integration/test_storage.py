@@ -170,11 +170,13 @@ def test_resolve_follows_endpoint_env(s3_server, s3_root: str, monkeypatch: pyte
     closed = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", closed)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # no retry backoff against a port nobody listens on
+    monkeypatch.setenv("PYLON_STORAGE_RETRY_S", "0")  # nor storage's retries of the refused connection
     with pytest.raises(StorageError, match=closed):
         storage.read_bytes(uri)
     # ...and removing it again must give back a working instance, the cached one.
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
     monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    monkeypatch.delenv("PYLON_STORAGE_RETRY_S")
     assert storage.resolve(uri)[0] is fs
     assert storage.read_bytes(uri) == b"via moto"
 
@@ -188,6 +190,7 @@ def test_unreachable_endpoint_error_names_uri_endpoint_not_secret(
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     # One attempt each: the default (3, botocore's standard backoff) costs seconds per call, for nothing here.
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("PYLON_STORAGE_RETRY_S", "0")  # and no retries of the refused connection by storage
     uri = storage.join(s3_root, "state.json")
     for operation in (storage.read_bytes, storage.exists, lambda u: storage.atomic_write(u, b"x")):
         with pytest.raises(StorageError) as err:
