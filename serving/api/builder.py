@@ -12,13 +12,16 @@ a hop per streamed token for nothing.
 
 Admission: Serve routes up to `max_num_seqs + 2 * max_queued_requests` requests to a replica; the replica
 answers 429 with Retry-After once `max_queued_requests` are already waiting for the engine. Every error is
-OpenAI's JSON error object. API keys: the spec names an environment variable (read where `build_app` runs);
-the replica receives only their SHA-256 digests, so no key is in the Serve config, the dashboard or a log.
+OpenAI's JSON error object. API keys: the spec names an environment variable (read where `build_app` runs, or
+on the client that deploys through Serve's REST API); the replicas receive only salted scrypt hashes, as the
+deployment's `user_config`, so no key is in the Serve config, the dashboard or a log, and changing the keys is an
+in-place `reconfigure` of the running replicas (`pylon.serving.api.keys`).
 """
 
 from __future__ import annotations
 
-from pylon.serving.api.http import api_key_digests
+from pylon.serving.api.keys import api_keys_config
+from pylon.serving.api.protocol import new_id
 from pylon.serving.api.server import PylonLLMServer
 from pylon.specs import DeploymentSpec
 
@@ -32,11 +35,16 @@ def _ingress_class():
 LLMServerDeployment = _ingress_class()
 
 
-def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
-    """The Serve application for `spec` (not yet running): pass it to `serve.run`."""
+_FROM_ENV = object()
+
+
+def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_ENV):
+    """The Serve application for `spec` (not yet running): pass it to `serve.run`. `api_keys`: the stored form of
+    the keys (`keys.hash_keys`), None for none here (a client's REST deploy overrides the deployment's
+    `user_config` with them), or by default read from this process's environment."""
     from ray import serve
 
-    digests = api_key_digests(spec) if key_digests is None else key_digests
+    keys = api_keys_config(spec) if api_keys is _FROM_ENV else api_keys
     a, http = spec.autoscaling, spec.http
     autoscaling = {
         "min_replicas": a.min_replicas,
@@ -64,15 +72,17 @@ def build_app(spec: DeploymentSpec, *, key_digests: list[str] | None = None):
         health_check_period_s=5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
+        user_config={"api_keys": keys, "revision": new_id("rev")},
     )
-    return deployment.bind(spec.model_dump(mode="json"), digests)
+    return deployment.bind(spec.model_dump(mode="json"))
 
 
 def app_builder(args: dict):
     """Serve's application builder: a Deployment spec as `args` (a RayService's serveConfigV2, as
     `pylon infra render` writes it, or `serve run pylon.serving.api.builder:app_builder --config-file ...`; its
-    API keys are read from the environment here), or `{"spec": ..., "key_digests": [...]}` as a client's
-    `pylon.sdk.serve.deploy` sends it through Serve's REST API (the keys stayed on the client)."""
-    if set(args) == {"spec", "key_digests"}:
-        return build_app(DeploymentSpec.model_validate(args["spec"]), key_digests=list(args["key_digests"]))
+    API keys are read from the environment here), or `{"spec": ...}` as a client's `pylon.sdk.serve.deploy`
+    sends it through Serve's REST API, with the keys' hashes as the deployment's `user_config` beside it in the
+    application's config (the keys stayed on the client; a change of keys alone does not rebuild the app)."""
+    if set(args) == {"spec"}:
+        return build_app(DeploymentSpec.model_validate(args["spec"]), api_keys=None)
     return build_app(DeploymentSpec.model_validate(args))

@@ -1,19 +1,15 @@
 """OpenAIApp: the replica's ASGI app (`@serve.ingress` over it: the replica answers HTTP itself, no router hop).
 
-Routes, API-key auth (the replica holds only SHA-256 digests of the keys: `api_key_digests`), body limits, SSE
-streaming and OpenAI's JSON error object for every error."""
+Routes, body limits, SSE streaming and OpenAI's JSON error object for every error. API keys:
+`pylon.serving.api.keys`."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 from typing import TYPE_CHECKING
 
-from pylon.errors import PylonError
 from pylon.serving.api.protocol import error_body
-from pylon.specs import DeploymentSpec
 
 if TYPE_CHECKING:  # the server imports this module; the name is for type hints only
     from pylon.serving.api.server import PylonLLMServer
@@ -21,23 +17,6 @@ if TYPE_CHECKING:  # the server imports this module; the name is for type hints 
 
 RETRY_AFTER_S = 1
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
-
-def api_key_digests(spec: DeploymentSpec, environ: dict | None = None) -> list[str]:
-    """SHA-256 hex digests of the keys in the env var the spec names ([] = auth off)."""
-    env_name = spec.http.api_keys_env
-    if not env_name:
-        return []
-    raw = (environ if environ is not None else os.environ).get(env_name, "")
-    keys = [k.strip() for k in raw.split(",") if k.strip()]
-    if not keys:
-        raise PylonError(
-            f"http.api_keys_env: environment variable {env_name} is empty or unset; set it to "
-            f"comma-separated API keys, or set http.api_keys_env: null to serve without auth"
-        )
-    return [hashlib.sha256(k.encode()).hexdigest() for k in keys]
-
-
 MAX_BODY_BYTES = 16 * 2**20  # a request body past this is a 413 (a prompt of 100k token ids is ~0.7 MB)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -50,6 +29,7 @@ ROUTES = {
     "/v1/models": ("GET", "_models"),
     "/health": ("GET", "_health"),
     "/ready": ("GET", "_ready"),
+    "/openapi.json": ("GET", "_openapi"),  # this API as an OpenAPI 3.1 document (pylon.serving.api.openapi)
 }
 
 

@@ -15,11 +15,11 @@ import os
 import re
 import time
 from json.encoder import encode_basestring_ascii as _quote
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from pylon.serving.errors import InvalidRequest, shown
 
 
@@ -28,15 +28,17 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    # The bounds the engine's SamplingParams enforces, stated here so that the published schema (/openapi.json)
+    # says them too; a value outside is a 400 naming the field either way.
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
     n: int = 1
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = None
     ignore_eos: bool = False
     user: str | None = None
@@ -119,7 +121,7 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -212,6 +214,154 @@ def error_body(
 ) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# -- responses -----------------------------------------------------------------------------------------------------
+# What the server sends, as models: the functions below build these shapes as plain dicts (the hot path), and the
+# published contract (/openapi.json, `pylon.serving.api.openapi`) states them through these models. A unit test
+# holds the two together.
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorObject(_Response):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, rate_limit_error, server_error, ...")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: int | str | None = Field(description="the HTTP status")
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error object: the body of every 4xx and 5xx this server answers itself."""
+
+    error: ErrorObject
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Usage(_Response):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Response):
+    """One event of a streamed completion (`data: <this JSON>`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(min_length=1, max_length=1)
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    logprobs: None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+def _absent_when_unset(schema: dict) -> None:
+    schema.pop("default", None)  # a key the server leaves out, never one it sends as null
+
+
+class ChatDelta(_Response):
+    """The first chunk carries the role (and empty content), the next ones content, the last one may be empty."""
+
+    role: Literal["assistant"] = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
+    content: str = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None
+    logprobs: None
+
+
+class ChatCompletionChunk(_Response):
+    """One event of a streamed chat completion (`data: <this JSON>`)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] = Field(min_length=1, max_length=1)
+
+
+class UsageChunk(_Response):
+    """A stream's last event before [DONE] when `stream_options.include_usage`: no choices, only usage."""
+
+    id: str
+    object: Literal["text_completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[None] = Field(max_length=0)
+    usage: Usage
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    created: int
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthStatus(_Response):
+    """GET /health: "ok" with 200, else why not with 503."""
+
+    status: str
+
+
+class ReadyStatus(_Response):
+    ready: bool
+    model: str
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    kv_cache_usage: float = Field(ge=0, le=1)
+    revision: str = Field(
+        description="the deployment config this replica runs (its `user_config` revision; a deploy waits for it)"
+    )
 
 
 def new_id(prefix: str) -> str:

@@ -5,13 +5,12 @@ outputs, answers 429 when its queue is full, and exports Prometheus metrics labe
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 
-from pylon.serving.api import protocol
+from pylon.serving.api import openapi, protocol
 from pylon.serving.api.http import (
+    JSON_HEADERS,
     REQUEST_ID,
     RETRY_AFTER_S,
     ROUTES,
@@ -25,6 +24,7 @@ from pylon.serving.api.http import (
     send_error,
     send_json,
 )
+from pylon.serving.api.keys import KeyCheck
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
 from pylon.serving.engine.tokenization import apply_chat_template
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
@@ -75,13 +75,16 @@ def _metrics(model: str):
 class PylonLLMServer:
     """One replica: the engine for `spec.model` and the HTTP API in front of it."""
 
-    def __init__(self, spec: dict, key_digests: list[str]):
+    def __init__(self, spec: dict, api_keys: dict | None = None):
         from pylon.serving.engine.engine import AsyncLLMEngine
         from pylon.serving.engine.process import EnginePool, ProcessLLMEngine
 
         self.spec = DeploymentSpec.model_validate(spec)
         self.model_name = self.spec.name
-        self._key_digests = [bytes.fromhex(d) for d in key_digests]
+        # Auth: the salted key hashes (`pylon.serving.api.keys`), replaced in place by `reconfigure`. Without them a
+        # spec that names an API-key variable refuses every key (fails closed).
+        self._keys = KeyCheck(api_keys, required=bool(self.spec.http.api_keys_env))
+        self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
         engine = self.spec.engine
         kind = (
@@ -96,6 +99,14 @@ class PylonLLMServer:
         self._gauges_task = None
 
     # -- Serve hooks ------------------------------------------------------------------------------------
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's in-place update of a running replica: its `user_config`, `{"api_keys": <salted hashes> | None,
+        "revision": <this deploy's id>}`.
+        A key added or removed takes effect on the next request; the engine and its KV cache are untouched."""
+        self._keys = KeyCheck(user_config.get("api_keys"), required=bool(self.spec.http.api_keys_env))
+        self._revision = str(user_config.get("revision", ""))
+        log.info("%s: %d API key(s) in force", self.model_name, self._keys.count)
 
     def check_health(self) -> None:
         """Serve's replica health check: a dead or stuck step loop gets the replica replaced."""
@@ -121,8 +132,9 @@ class PylonLLMServer:
             self.metrics["kv"].set(stats.kv_cache_utilization)
             await asyncio.sleep(1.0)
 
-    def _authorize(self, headers: dict[str, str]) -> None:
-        if not self._key_digests:
+    async def _authorize(self, headers: dict[str, str]) -> None:
+        keys = self._keys
+        if not keys.required:
             return
         header = headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
@@ -133,8 +145,7 @@ class PylonLLMServer:
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        if not any(hmac.compare_digest(digest, d) for d in self._key_digests):
+        if not await keys.verify(token.strip()):
             raise HttpError(401, "invalid API key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     def _admit(self) -> None:
@@ -164,7 +175,7 @@ class PylonLLMServer:
                 send,
                 404,
                 f"no route {path}; this server answers POST /v1/completions, "
-                "POST /v1/chat/completions, GET /v1/models, GET /health and GET /ready",
+                "POST /v1/chat/completions, GET /v1/models, GET /health, GET /ready and GET /openapi.json",
                 type="invalid_request_error",
             )
         allowed, handler = route
@@ -200,7 +211,7 @@ class PylonLLMServer:
 
     async def _models(self, scope, receive, send) -> None:
         try:
-            self._authorize(request_headers(scope))
+            await self._authorize(request_headers(scope))
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
         await send_json(
@@ -237,8 +248,24 @@ class PylonLLMServer:
                 "running": stats.num_running,
                 "waiting": stats.num_waiting,
                 "kv_cache_usage": round(stats.kv_cache_utilization, 4),
+                "revision": self._revision,
             },
         )
+
+    async def _openapi(self, scope, receive, send) -> None:
+        """This API as an OpenAPI 3.1 document (no key needed), built once per mount point (Serve's root_path: the
+        route prefix) and cached."""
+        prefix = scope.get("root_path") or self.spec.http.route_prefix
+        secured = self._keys.required  # whether a request needs a key
+        cached = self.__dict__.setdefault("_openapi_docs", {})
+        if (prefix, secured) not in cached:
+            cached[prefix, secured] = openapi.document_bytes(
+                model=self.model_name, max_model_len=self.engine.max_model_len, secured=secured, route_prefix=prefix
+            )
+        body = cached[prefix, secured]
+        headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     async def _generate(self, scope, receive, send, kind: str) -> None:
 
@@ -249,7 +276,7 @@ class PylonLLMServer:
             request_id = protocol.new_id("req")
         self._ensure_gauges()
         try:
-            self._authorize(headers)
+            await self._authorize(headers)
             cls = protocol.CompletionRequest if kind == "completion" else protocol.ChatCompletionRequest
             encoding = headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):  # read as JSON, a compressed body would be a baffling 400

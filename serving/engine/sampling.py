@@ -154,9 +154,10 @@ def sample(
     rank = torch.arange(sorted_logits.shape[1], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens ranked above it already reach top_p; the first token always stays.
+    # Drop a token when the tokens ranked above it already reach top_p; the first token always stays, whatever
+    # top_p is (a top_p of 5e-324 is 0 in float32, and masking every token killed the step loop for the batch).
     mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    probs = probs.masked_fill((mass_before >= top_p[:, None]) & (rank[None, :] > 0), 0.0)
     probs = (probs / probs.sum(dim=-1, keepdim=True)).cpu()
     sorted_ids = sorted_ids.cpu()
     for j, i in enumerate(rows):

@@ -5,8 +5,9 @@ removes it. Neither joins the cluster as a Ray driver, so both work from any mac
 Serve's REST API is declarative: `PUT /api/serve/applications/` names every application the cluster should run.
 A deploy reads the applications already there (`GET`), keeps their configs as they are (Serve leaves an unchanged
 application alone), and adds or replaces its own; a delete puts them back without it. Each application runs
-`pylon.serving.api.builder:app_builder` with the spec and the SHA-256 digests of its API keys as arguments, so the
-keys themselves stay on the client.
+`pylon.serving.api.builder:app_builder` with the spec as its argument, and its API keys' salted scrypt hashes as the
+deployment's `user_config`, so the keys themselves stay on the client, and deploying the same spec with other keys
+reconfigures the running replicas in place (no restart).
 """
 
 from __future__ import annotations
@@ -118,11 +119,12 @@ def base_url(http: dict, route_prefix: str, dashboard_url: str) -> str:
 def deploy(spec: DeploymentSpec, *, address: home.ClusterAddress | str | None = None, timeout_s: float = 600) -> str:
     """Run `spec` on the cluster (`address`: an address to resolve, the local cluster by default, or a resolved
     `home.ClusterAddress`, as a `Client` passes) and return its base URL."""
-    from pylon.serving.api.http import api_key_digests
+    from pylon.serving.api.keys import api_keys_config
 
     where = _where(address)
     spec = _checked_model(spec, where)
-    digests = api_key_digests(spec)  # here, from this process's environment: only digests leave it
+    keys = api_keys_config(spec)  # here, from this process's environment: only salted hashes leave it
+    revision = f"rev-{os.urandom(16).hex()}"  # /ready reports it once a replica runs this config
     details = serve_details(where)
     others = _other_configs(details, spec.name)
     prefix = spec.http.route_prefix
@@ -134,15 +136,20 @@ def deploy(spec: DeploymentSpec, *, address: home.ClusterAddress | str | None = 
                 f"(pylon serve --delete {other['name']})"
             )
     http = _http_options(spec, where, details)
+    if where.shares_disk and _running_http(details) is None:
+        _check_port_free(http["host"], http["port"])
     app = {
         "name": spec.name,
         "route_prefix": prefix,
         "import_path": APP_BUILDER,
-        "args": {"spec": spec.model_dump(mode="json"), "key_digests": digests},
+        "args": {"spec": spec.model_dump(mode="json")},
+        # Beside the args, not in them: new keys alone change no args, so Serve reconfigures the running replicas
+        # in place (no restart) rather than rebuilding the app.
+        "deployments": [{"name": spec.name, "user_config": {"api_keys": keys, "revision": revision}}],
     }
     _put(where, http, [*others, app])
     url = base_url(http, prefix, where.dashboard_url)
-    _wait_ready(url, timeout_s, spec.name, where)
+    _wait_ready(url, timeout_s, spec.name, where, revision)
     return url
 
 
@@ -179,7 +186,46 @@ def app_failure(details: dict, name: str) -> str | None:
     return (messages[-1] if messages else app.get("message")) or "no message"
 
 
-def _wait_ready(url: str, timeout_s: float, name: str, where: home.ClusterAddress) -> None:
+def port_owner(port: int) -> str | None:
+    """What listens on TCP `port` on this machine ("NAME (pid N)"), if anything can tell."""
+    import psutil
+
+    try:
+        for conn in psutil.net_connections("tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
+                try:
+                    return f"{psutil.Process(conn.pid).name()} (pid {conn.pid})" if conn.pid else "another process"
+                except psutil.Error:
+                    return f"pid {conn.pid}"
+    except psutil.Error:
+        return None
+    return None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Before Serve starts its HTTP ingress on this machine: refuse at once when `host:port` is taken, naming the
+    owner, rather than wait out Serve's retries of a bind that cannot succeed."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # not ours to judge (e.g. an address of another machine): Serve will say
+            owner = port_owner(port) or "another process"
+            raise PylonError(
+                f"http.port: {host}:{port} is already in use by {owner}, so Serve's HTTP ingress cannot listen there; "
+                "set http.port in the spec to a free port, or stop what holds it"
+            ) from None
+
+
+def _wait_ready(url: str, timeout_s: float, name: str, where: home.ClusterAddress, revision: str) -> None:
+    """Until the app's replicas answer /ready with `revision` (the config just put: until then the old replicas
+    may answer, with the old config) and Serve reports every deployment healthy (all replicas updated)."""
     import sys
 
     from tqdm import tqdm
@@ -193,17 +239,28 @@ def _wait_ready(url: str, timeout_s: float, name: str, where: home.ClusterAddres
         file=sys.stderr,
         disable=None,
     ) as bar:
+        seen = False  # a replica answered with `revision`: Serve has taken the config in, so its status is current
         while time.monotonic() < deadline:
-            failure = app_failure(serve_details(where), name)
+            details = serve_details(where)
+            failure = app_failure(details, name)
             if failure:
                 raise PylonError(f"deployment '{name}' failed to start: {failure.strip()[-2000:]}")
-            try:
-                r = requests.get(f"{url}/ready", timeout=5)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except requests.RequestException as e:
-                last = type(e).__name__
+            app = (details.get("applications") or {}).get(name) or {}
+            deployments = (app.get("deployments") or {}).values()
+            healthy = app.get("status") == "RUNNING" and all(d.get("status") == "HEALTHY" for d in deployments)
+            if seen and healthy:
+                return
+            if not healthy:
+                last = f"Serve: application {app.get('status', 'not listed yet')}"
+            else:
+                try:
+                    r = requests.get(f"{url}/ready", timeout=5)
+                    seen = r.status_code == 200 and r.json().get("revision") == revision
+                    if seen:
+                        continue  # once more: every replica updated (Serve's status), not only this one
+                    last = f"HTTP {r.status_code}" if r.status_code != 200 else "a replica with the previous config"
+                except (requests.RequestException, ValueError) as e:
+                    last = type(e).__name__
             time.sleep(0.5)
             bar.refresh()
     raise PylonError(f"{url}/ready did not answer 200 within {timeout_s:.0f} s (last: {last})")

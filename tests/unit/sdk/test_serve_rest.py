@@ -3,6 +3,8 @@ URL a client reaches, and the builder's arguments. The whole path on a real clus
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -69,14 +71,37 @@ def test_serving_off_loopback_needs_api_keys() -> None:
     DeploymentSpec.model_validate({"name": "d", "model": "m", "http": {"api_keys_env": None}})  # loopback: allowed
 
 
-def test_the_builder_takes_a_clients_arguments_with_digests_or_a_bare_spec(monkeypatch) -> None:
+def test_the_builder_takes_a_clients_spec_or_a_bare_spec_with_keys_from_its_environment(monkeypatch) -> None:
     pytest.importorskip("ray.serve")
-    from pylon.serving.api import builder
+    from pylon.serving.api import builder, keys
 
-    seen = {}
-    monkeypatch.setattr(builder, "build_app", lambda spec, key_digests=None: seen.update(spec=spec, keys=key_digests))
-    spec = DeploymentSpec(name="d", model="s3://b/m").model_dump(mode="json")
-    builder.app_builder({"spec": spec, "key_digests": ["ab" * 32]})
-    assert seen["spec"].name == "d" and seen["keys"] == ["ab" * 32]
-    builder.app_builder(spec)  # a RayService's serveConfigV2: the spec itself, keys from the replica's environment
-    assert seen["spec"].name == "d" and seen["keys"] is None
+    monkeypatch.setenv("PYLON_TEST_KEYS", "sk-one,sk-two")
+    spec = DeploymentSpec(name="d", model="s3://b/m", http={"api_keys_env": "PYLON_TEST_KEYS"}).model_dump(mode="json")
+    # A client's REST deploy: the spec only; the key hashes come beside it as the deployment's user_config override.
+    client = builder.app_builder({"spec": spec})._bound_deployment
+    assert client.init_args == (spec,) and client.user_config["api_keys"] is None
+    # A RayService's serveConfigV2: the spec itself, keys read (and hashed) where the builder runs.
+    bare = builder.app_builder(spec)._bound_deployment
+    stored = bare.user_config["api_keys"]
+    assert stored["scheme"] == "scrypt" and len(stored["hashes"]) == 2
+    assert "sk-one" not in json.dumps(stored) and bare.init_args == (spec,)
+    salt = bytes.fromhex(stored["salt"])
+    assert stored["hashes"] == keys.hash_keys(["sk-one", "sk-two"], salt=salt)["hashes"]
+
+
+def test_a_taken_http_port_is_refused_at_once_naming_its_owner() -> None:
+    import os
+    import socket
+
+    from pylon.sdk.serve import _check_port_free
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(PylonError) as err:
+            _check_port_free("127.0.0.1", port)
+        message = str(err.value)
+        assert message.startswith(f"http.port: 127.0.0.1:{port} is already in use by ")
+        assert f"(pid {os.getpid()})" in message and "set http.port in the spec to a free port" in message
+    _check_port_free("127.0.0.1", port)  # released: free again

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pylon.data.tokenizer import ByteTokenizer
 from pylon.serving.api import http as serving_http
-from pylon.serving.api import protocol
+from pylon.serving.api import keys, protocol
 from pylon.serving.api import server as serving_server
 
 KEY = "sk-unit-test-key"
@@ -71,9 +71,9 @@ def server(model_dir):
             "http": {"api_keys_env": "PYLON_TEST_HTTP_KEYS", "stream_interval_ms": 20, "max_queued_requests": 8},
         }
     )
-    # as build_app does: the env var's keys become digests, and the replica gets only those
-    digests = serving_http.api_key_digests(spec, {"PYLON_TEST_HTTP_KEYS": f"{KEY},sk-other"})
-    replica = serving_server.PylonLLMServer(spec.model_dump(mode="json"), digests)
+    # as build_app does: the env var's keys become salted hashes, and the replica gets only those
+    stored = keys.api_keys_config(spec, {"PYLON_TEST_HTTP_KEYS": f"{KEY},sk-other"})
+    replica = serving_server.PylonLLMServer(spec.model_dump(mode="json"), stored)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

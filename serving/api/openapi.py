@@ -1,0 +1,255 @@
+"""The replica's published contract: an OpenAPI 3.1 document of every route in `ROUTES` (`GET /openapi.json`).
+
+Generated from the protocol's pydantic models (the same ones that validate requests), so the document cannot drift
+from what the server takes and sends. Per deployment: the served model's name and context length, whether a bearer
+key is required, and the route prefix the app is mounted under (`servers`). Every error status a route can answer
+is listed with OpenAI's error object. A replica builds it once per mount point and serves the cached bytes."""
+
+from __future__ import annotations
+
+import json
+
+from pydantic.json_schema import models_json_schema
+
+from pylon.serving.api import protocol
+from pylon.serving.api.http import MAX_BODY_BYTES, RETRY_AFTER_S, ROUTES
+from pylon.version import __version__
+
+OPENAPI_VERSION = "3.1.0"
+OPENAPI_PATH = "/openapi.json"
+_REF = "#/components/schemas/{model}"
+
+_MODELS = (
+    protocol.CompletionRequest,
+    protocol.ChatCompletionRequest,
+    protocol.ErrorResponse,
+    protocol.CompletionResponse,
+    protocol.CompletionChunk,
+    protocol.ChatCompletionResponse,
+    protocol.ChatCompletionChunk,
+    protocol.UsageChunk,
+    protocol.ModelList,
+    protocol.HealthStatus,
+    protocol.ReadyStatus,
+)
+
+
+def _ref(model) -> dict:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _json(schema: dict) -> dict:
+    return {"application/json": {"schema": schema}}
+
+
+def _header(description: str, schema: dict, required: bool = True) -> dict:
+    return {"description": description, "required": required, "schema": schema}
+
+
+_RETRY_AFTER = _header(f"seconds to wait before retrying ({RETRY_AFTER_S})", {"type": "string", "pattern": "^[0-9]+$"})
+
+# status -> (description, response headers): the errors the server answers itself, each with OpenAI's error object.
+_ERRORS = {
+    400: ("Invalid request: a malformed body, a wrong type, a value out of range, an unsupported parameter.", {}),
+    401: (
+        "Missing or wrong API key.",
+        {"WWW-Authenticate": _header("the scheme to authenticate with", {"type": "string", "const": "Bearer"})},
+    ),
+    404: ("Unknown model (the request's `model`), or an unknown path.", {}),
+    405: (
+        "The path exists, the method does not.",
+        {"Allow": _header("the method the path answers", {"type": "string"})},
+    ),
+    413: (f"The request body is larger than {MAX_BODY_BYTES // 2**20} MiB.", {}),
+    415: ("A compressed body (`Content-Encoding` other than identity).", {}),
+    429: ("The replica's queue is full: retry after `Retry-After` seconds.", {"Retry-After": _RETRY_AFTER}),
+    500: ("An internal error while serving this request (the replica's log says more); the server serves on.", {}),
+    503: (
+        "The model's engine is unavailable.",
+        {"Retry-After": {**_RETRY_AFTER, "required": False}},
+    ),
+    504: ("The request took longer than the deployment's `http.request_timeout_s`.", {}),
+}
+
+
+def _error(status: int) -> dict:
+    description, headers = _ERRORS[status]
+    response = {"description": description, "content": _json(_ref(protocol.ErrorResponse))}
+    if headers:
+        response["headers"] = headers
+    return response
+
+
+def _event_schema(chunk) -> dict:
+    """One server-sent event (OpenAPI before 3.2 describes an event stream by its events): `data: <JSON>`, the
+    JSON a chunk, the usage chunk or an error object (a timeout or a dead engine mid-stream), and last `[DONE]`."""
+    payload = {"anyOf": [_ref(chunk), _ref(protocol.UsageChunk), _ref(protocol.ErrorResponse)]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"type": "string", "const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "not": {"const": "[DONE]"},
+                        "contentMediaType": "application/json",
+                        "contentSchema": payload,
+                    },
+                ]
+            },
+            "event": {"type": "string", "const": "message"},
+        },
+    }
+
+
+def _generate(summary: str, request, response, chunk, secured: bool) -> dict:
+    statuses = [400, *([401] if secured else []), 404, 413, 415, 429, 500, 503, 504]
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(_ref(request))},
+        "responses": {
+            "200": {
+                "description": "The generation: JSON, or with `stream: true` server-sent events ending in "
+                "`data: [DONE]`.",
+                "content": {
+                    **_json(_ref(response)),
+                    "text/event-stream": {"schema": _event_schema(chunk)},
+                },
+            },
+            **{str(s): _error(s) for s in statuses},
+        },
+    }
+
+
+def build(
+    *, model: str, max_model_len: int, secured: bool, route_prefix: str = "/", server_url: str | None = None
+) -> dict:
+    """The OpenAPI document of one deployment: `model` served with `max_model_len` tokens of context, a bearer key
+    required when `secured`, mounted under `route_prefix` (or reached at `server_url`, for a document served
+    elsewhere)."""
+    _, defs = models_json_schema([(m, "validation") for m in _MODELS], ref_template=_REF)
+    schemas = defs["$defs"]
+    # The engine refuses a prompt plus max_tokens past the context, and a prompt has at least one token.
+    for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens")):
+        schemas[name]["properties"][field]["anyOf"][0]["maximum"] = max_model_len - 1
+    schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]["maximum"] = max_model_len - 1
+    for name in ("CompletionRequest", "ChatCompletionRequest"):  # any other model is a 404
+        schemas[name]["properties"]["model"]["enum"] = [model]
+
+    security = [{"bearer": []}] if secured else []
+    internal = {"500": _error(500)}
+    operations = {
+        "/v1/completions": (
+            "post",
+            _generate(
+                "Complete a prompt (OpenAI's completions API)",
+                protocol.CompletionRequest,
+                protocol.CompletionResponse,
+                protocol.CompletionChunk,
+                secured,
+            ),
+        ),
+        "/v1/chat/completions": (
+            "post",
+            _generate(
+                "Answer a chat (OpenAI's chat completions API)",
+                protocol.ChatCompletionRequest,
+                protocol.ChatCompletionResponse,
+                protocol.ChatCompletionChunk,
+                secured,
+            ),
+        ),
+        "/v1/models": (
+            "get",
+            {
+                "summary": "The served model and its context length",
+                "responses": {
+                    "200": {"description": "One model.", "content": _json(_ref(protocol.ModelList))},
+                    **({"401": _error(401)} if secured else {}),
+                    **internal,
+                },
+            },
+        ),
+        "/health": (
+            "get",
+            {
+                "summary": "Liveness: 200 while the engine's step loop is beating (no key needed: a probe)",
+                "responses": {
+                    "200": {"description": "The engine is alive.", "content": _json(_ref(protocol.HealthStatus))},
+                    "503": {"description": "The engine is not.", "content": _json(_ref(protocol.HealthStatus))},
+                    **internal,
+                },
+            },
+        ),
+        "/ready": (
+            "get",
+            {
+                "summary": "Readiness: requests running and waiting, KV-cache usage (no key needed: a probe)",
+                "responses": {
+                    "200": {"description": "Ready.", "content": _json(_ref(protocol.ReadyStatus))},
+                    "503": {"description": "The engine is not alive.", "content": _json(_ref(protocol.ReadyStatus))},
+                    **internal,
+                },
+            },
+        ),
+        OPENAPI_PATH: (
+            "get",
+            {
+                "summary": "This document (no key needed)",
+                "responses": {
+                    "200": {
+                        "description": "The OpenAPI 3.1 document.",
+                        "content": _json({"type": "object", "required": ["openapi", "paths"]}),
+                    },
+                    **internal,
+                },
+            },
+        ),
+    }
+    assert set(operations) == set(ROUTES), "every route in ROUTES is documented, and nothing else"
+    paths = {}
+    for path, (method, operation) in operations.items():
+        assert ROUTES[path][0] == method.upper(), path
+        operation["operationId"] = ROUTES[path][1].strip("_")
+        authed = secured and path in ("/v1/completions", "/v1/chat/completions", "/v1/models")
+        operation["security"] = security if authed else []
+        paths[path] = {method: operation}
+
+    components = {
+        "schemas": schemas,
+        "responses": {"NotFound": _error(404), "MethodNotAllowed": _error(405)},
+    }
+    if secured:
+        components["securitySchemes"] = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "`Authorization: Bearer <key>`: one of the keys in the variable the deployment's "
+                "`http.api_keys_env` names.",
+            }
+        }
+    prefix = route_prefix.rstrip("/") or "/"
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": f"Pylon: {model}",
+            "version": __version__,
+            "description": (
+                f"OpenAI-compatible API serving `{model}` ({max_model_len} tokens of context). Every error this "
+                "server answers is OpenAI's error object (`components/schemas/ErrorResponse`): a path it does not "
+                "have is a 404 (`components/responses/NotFound`), a method a path does not answer a 405 with "
+                "`Allow` (`components/responses/MethodNotAllowed`). Ray Serve's own proxy may answer 503 in plain "
+                "text when every replica's queue is full."
+            ),
+        },
+        "servers": [{"url": server_url or prefix}],
+        "paths": paths,
+        "components": components,
+    }
+
+
+def document_bytes(**kwargs) -> bytes:
+    """`build(...)` as the JSON bytes the replica sends."""
+    return json.dumps(build(**kwargs), ensure_ascii=False, separators=(",", ":")).encode()
