@@ -615,3 +615,112 @@ def test_pylon_serve_cli_deploys_answers_and_deletes(ray_cluster, tiny, tmp_path
     r = pylon("serve", "--delete", "tiny-cli")
     assert r.returncode == 0 and "deleted" in r.stdout, r.stderr
     assert requests.get(f"{url}/v1/models", timeout=30).status_code == 404
+
+
+# Ray's own listeners that answer without credentials and that no Ray setting binds to loopback (docs/security.md):
+# the dashboard agent's Prometheus exporter (`--metrics-export-port`), and the dashboard's and the autoscaler's
+# metrics (Ray's fixed 44227 and 44217). Anything else off loopback must refuse a request without credentials.
+RAY_OPEN_METRICS = (44217, 44227)
+# Ray's core processes: their gRPC servers check the cluster token (Ray's token authentication).
+RAY_CORE = ("gcs_server", "raylet", "ray::", "ray-dashboard", "python")
+
+
+def _http_status(host: str, port: int) -> int | None:
+    try:
+        return requests.get(f"http://{host}:{port}/", timeout=5).status_code
+    except requests.RequestException:
+        return None  # not HTTP (gRPC), or nothing
+
+
+def _grpc_status(host: str, port: int, method: str = "/ray.rpc.CoreWorkerService/NumPendingTasks") -> str:
+    """A gRPC call without the token: UNAUTHENTICATED where the server has `method` and checks the token,
+    UNIMPLEMENTED where it has no such method (a server routes before it checks)."""
+    import grpc
+
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        call = channel.unary_unary(method)
+        try:
+            call(b"", timeout=5)
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+
+
+def test_no_listener_off_loopback_answers_without_credentials(served, ray_cluster):
+    """A listener scan as a new user would run it after `pylon cluster up` and a deployment: every TCP listener of
+    the cluster's processes that is not on loopback either refuses a request without the token or a key, or is one
+    of Ray's metrics exporters that docs/security.md names. HAProxy (Serve's ingress) and the replicas have none."""
+    import psutil
+
+    from pylon.sdk.serve import serve_details
+
+    requests.post(f"{served}/v1/completions", headers=_auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    pids = {p.pid: p for p in ray_cluster.processes()}
+    haproxy = [p for p in pids.values() if p.name() == "haproxy"]
+    assert haproxy, "Serve's ingress is HAProxy on a Pylon cluster"
+    assert serve_details(None)["proxies"], "Serve's proxy is up"
+    address = next(
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == 2 and not a.address.startswith("127.")
+    )
+    seen, open_metrics, problems = [], [], []
+    for conn in psutil.net_connections("tcp"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid not in pids:
+            continue
+        ip, port = conn.laddr.ip, conn.laddr.port
+        if ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1"):
+            continue
+        name = pids[conn.pid].name()
+        status = _http_status(address, port)
+        seen.append((name, port, status))
+        where = f"{name} (pid {conn.pid}) on {ip}:{port}"
+        if name == "haproxy":
+            problems.append(f"{where}: HAProxy's listeners (stats, metrics, the service) stay on loopback")
+        elif status in (401, 403):
+            continue
+        elif status is not None:
+            if port in (ray_cluster.metrics_port, *RAY_OPEN_METRICS):
+                open_metrics.append(port)
+            else:
+                problems.append(f"{where} answers HTTP {status} without credentials")
+        elif not name.startswith(RAY_CORE):
+            problems.append(f"{where} is not one of Ray's core processes")
+        elif _grpc_status(address, port) == "OK":
+            problems.append(f"{where} answers gRPC without the token")
+    assert seen, "the scan found Ray's own listeners (GCS, raylet): it saw the cluster"
+    assert not problems, (problems, seen)
+    assert ray_cluster.metrics_port in open_metrics, seen  # the one Ray exporter always there (documented)
+    # Ray's gRPC servers check the cluster token: the GCS refuses a call without it.
+    gcs_port = int(ray_cluster.gcs_address.rsplit(":", 1)[1])
+    assert _grpc_status(address, gcs_port, "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo") == "UNAUTHENTICATED"
+
+
+def test_api_keys_rotate_on_the_running_replica(served, ray_cluster, tiny):
+    """Adding a key and removing one is `pylon serve` of the same spec with other keys in the environment: Serve
+    reconfigures the running replica in place (the same process, no new engine) and the change holds at once."""
+    from pylon.sdk.serve import deploy, serve_details
+
+    def status(key: str) -> int:
+        body = {"model": "tiny", "prompt": "k", "max_tokens": 1}
+        return requests.post(f"{served}/v1/completions", headers=_auth(key), json=body, timeout=60).status_code
+
+    [replica] = _replica_processes(ray_cluster, "ServeReplica:tiny:tiny")
+    new_key = "sk-pylon-test-rotated"
+    assert status(new_key) == 401
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(KEYS_ENV, f"{API_KEY},{new_key}")  # SECOND_KEY removed, new_key added
+            deploy(_spec("tiny", tiny.dir))
+        assert status(new_key) == 200 and status(API_KEY) == 200
+        assert status(SECOND_KEY) == 401
+        stored = serve_details(None)["applications"]["tiny"]["deployed_app_config"]["deployments"][0]["user_config"]
+        assert stored["api_keys"]["scheme"] == "scrypt" and len(stored["api_keys"]["hashes"]) == 2
+        assert new_key not in json.dumps(stored) and API_KEY not in json.dumps(stored)
+    finally:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")  # as the module's other tests expect
+            deploy(_spec("tiny", tiny.dir))
+    assert status(SECOND_KEY) == 200 and status(new_key) == 401
+    assert _replica_processes(ray_cluster, "ServeReplica:tiny:tiny") == [replica], "the same replica process"

@@ -199,7 +199,7 @@ def add_cluster_parser(sub, fmt) -> None:
         metavar="ADDRESS",
         help="address the dashboard/Jobs API binds to: 127.0.0.1 (this machine only), one of this machine's "
         "addresses, or 0.0.0.0 (every interface); off loopback is safe because token authentication is on "
-        "(default 127.0.0.1)",
+        "(default 127.0.0.1; docs/security.md lists what else listens where)",
     )
     up.add_argument("--node-ip-address", metavar="IP", help=NODE_IP_HELP)
     up.add_argument(

@@ -26,7 +26,7 @@ from pathlib import Path
 from pylon.errors import PylonError, SpecError
 from pylon.infra.autoscaler import LOCAL_OBJECT_STORE_BYTES, LOCAL_PROVIDER, local_autoscaler_config
 from pylon.infra.common import TOKEN_PATH, Files, _dump, _header
-from pylon.infra.kuberay import job_spec_configmap, ray_cluster, ray_job, ray_service
+from pylon.infra.kuberay import job_spec_configmap, network_policy, ray_cluster, ray_job, ray_service
 from pylon.infra.launcher import dockerfile, launcher_config
 from pylon.infra.observability import grafana_dashboard, prometheus_config
 from pylon.infra.schema import validate_files, validate_manifest
@@ -98,6 +98,8 @@ def render(
         files["cluster.yaml"] = _dump(launcher_config(cluster), header=_header(cluster, "ray up"))
     else:
         files["raycluster.yaml"] = _dump(ray_cluster(cluster), header=_header(cluster, "kubectl apply -f"))
+        # Closes what Ray leaves open on every pod (docs/security.md); applies to RayJobs' and RayServices' pods too.
+        files["networkpolicy.yaml"] = _dump(network_policy(cluster), header=_header(cluster, "kubectl apply -f"))
         for job in jobs:
             docs = [job_spec_configmap(cluster, job), ray_job(cluster, job)]
             files[f"rayjob-{job.name}.yaml"] = _dump(*docs, header=_header(cluster, "kubectl apply -f"))

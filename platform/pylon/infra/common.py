@@ -14,7 +14,13 @@ from pylon.version import __version__
 # high-throughput mode since 2.56 ("Enable High Throughput on Ray Serve with KubeRay"); measured here on the
 # serving benchmark (docs/benchmarks.md). HAProxy serves plain HTTP: terminate TLS in front of it. Set
 # RAY_SERVE_ENABLE_HA_PROXY=0 in the environment of `pylon cluster up` for Serve's own proxy.
-SERVE_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# HAProxy retries a request on another replica when its replica closed the connection before answering
+# (`empty-response`: the replica's process died with the request still queued in its engine), as well as when it
+# could not connect. Serve's default is `conn-failure` alone, and its HAProxy config turns the 502 of an
+# empty response into a 500 ("Internal Server Error", plain text), which clients of a killed replica's queued
+# requests got (tests/integration/test_serving_faults.py). A completion has no side effect to repeat. A stream
+# already started cannot be retried: its client sees the connection close before `data: [DONE]`.
+SERVE_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
 
 # A replica's request handlers on the event loop of its HTTP server, on every cluster Pylon starts or renders.
 # Serve's default runs them on a second loop in a thread of their own, and every ASGI message (the request, each
@@ -23,8 +29,13 @@ SERVE_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 # RAY_SERVE_THROUGHPUT_OPTIMIZED.
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
-# Serve's settings on every node of a rendered cluster: HAProxy ingress, handlers on the HTTP server's loop.
-RENDERED_SERVE_ENV = {**SERVE_INGRESS_ENV, **SERVE_ENV}
+# Where the node image puts `pylon-haproxy` (pylon.infra.haproxy): Serve's HAProxy with its stats page and
+# Prometheus exporter on loopback (Ray's template binds them to every interface, without credentials).
+HAPROXY_WRAPPER_PATH = "/usr/local/bin/pylon-haproxy"
+
+# Serve's settings on every node of a rendered cluster: HAProxy ingress (through `pylon-haproxy`), handlers on the
+# HTTP server's loop.
+RENDERED_SERVE_ENV = {**SERVE_INGRESS_ENV, "RAY_SERVE_HAPROXY_BINARY_PATH": HAPROXY_WRAPPER_PATH, **SERVE_ENV}
 
 # Ray's ports on every node Pylon renders.
 RAY_PORT = 6379

