@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 import uuid
@@ -130,25 +131,26 @@ def test_after_the_deadline_the_error_names_the_uri_and_how_long_it_retried(
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # each attempt fails at once: the retries here are storage's
     s3_proxy.set("reset")
     uri = storage.join(root, "latest.json")
-    started = time.monotonic()
     with pytest.raises(StorageError) as err:
         storage.atomic_write_json(uri, {"step": 3})
-    elapsed = time.monotonic() - started
     message = str(err.value)
     assert message.startswith(f"{uri} (endpoint {s3_proxy.url}): cannot write"), message
-    assert "attempts over" in message and "PYLON_STORAGE_RETRY_S=4 bounds the retries" in message, message
+    # Attempts, not seconds: on a loaded machine one attempt may outlast the deadline by itself.
+    assert re.search(
+        r"still failing after \d+ attempts? over \d+s; PYLON_STORAGE_RETRY_S=4 bounds the retries", message
+    )
     assert "testing" not in message  # never a credential
-    assert 2 <= elapsed < 30, elapsed
 
 
 def test_what_retrying_cannot_cure_fails_at_once(s3_proxy, root):
-    started = time.monotonic()
-    with pytest.raises(StorageError, match=r"missing\.json: no such file or directory"):
+    sent = len(s3_proxy.requests)
+    with pytest.raises(StorageError, match=r"missing\.json: no such file or directory") as missing:
         storage.read_bytes(storage.join(root, "missing.json"))
-    assert time.monotonic() - started < 3
-    with pytest.raises(StorageError, match="no such bucket"):
+    with pytest.raises(StorageError, match="no such bucket") as bucket:
         storage.read_bytes("s3://no-such-bucket-pylon/x.json")
-    assert time.monotonic() - started < 6
+    for err in (missing, bucket):  # not retried: no "still failing after N attempts"
+        assert "still failing" not in str(err.value), err.value
+    assert len(s3_proxy.requests) - sent <= 4, s3_proxy.requests[sent:]  # a request or two each, none again
 
 
 def test_transient_errors_are_told_from_permanent_ones():
