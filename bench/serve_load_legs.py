@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -537,44 +538,58 @@ def match_policy(engine_pid: int, leg: str) -> dict[int, int]:
     return moved
 
 
-def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
-    """Start a private cluster, deploy, load it over HTTP, and always stop the cluster again."""
+@contextmanager
+def private_cluster(num_cpus: int, label: str = "http"):
+    """A private local Ray cluster for a bench run (`pylon.infra.local.up` under a PYLON_HOME of its own, so a
+    user's cluster and ~/.pylon are never touched): yields its `ClusterInfo` and how long it took to start, and
+    always stops it again. Stop what the run moved onto the cluster's processes before leaving the block."""
     home = Path(tempfile.mkdtemp(prefix="pylon-bench-"))
     os.environ["PYLON_HOME"] = str(home)
     for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         os.environ.pop(name, None)
     from pylon.infra import local as cluster
 
-    extra, nice, moved = {}, os.getpriority(os.PRIO_PROCESS, 0), {}
     try:
         t = time.perf_counter()
-        info, _ = cluster.up(
-            num_cpus=max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1),
-            object_store_memory=256 * 2**20,
-            home=home,
-        )
-        extra["cluster_up_s"] = round(time.perf_counter() - t, 1)
-        log(f"  [http] private Ray cluster up in {extra['cluster_up_s']} s ({info.dashboard_url}); deploying")
-        from pylon.sdk.serve import deploy
-
-        t = time.perf_counter()
-        url = deploy(deployment_spec(args, model_dir), timeout_s=300)
-        extra["deploy_s"] = round(time.perf_counter() - t, 1)
-        log(f"  [http] deployed at {url} in {extra['deploy_s']} s")
-        # The load generator is an HTTP client, as a user's are: deploying connected it to the cluster as a Ray
-        # driver (its core worker's threads, and the GCS's and raylet's bookkeeping for it), which it leaves now.
-        import ray
-
-        ray.shutdown()
-        extra.update(ingress_and_niceness(info, args))
-        engines = [p for p in info.processes() if "pylon.serving.engine.process" in " ".join(p.cmdline())]
-        if engines:
-            moved = match_policy(engines[0].pid, "http")
-        records, t0, cpu = run_async(http_load(url, reqs, warmup, args, info))
-        return records, t0, {**extra, **cpu}
+        info, _ = cluster.up(num_cpus=num_cpus, object_store_memory=256 * 2**20, home=home)
+        up_s = round(time.perf_counter() - t, 1)
+        log(f"  [{label}] private Ray cluster up in {up_s} s ({info.dashboard_url}); deploying")
+        yield info, up_s
     finally:
-        settle_threads(moved, nice, "http")
         t = time.perf_counter()
         cluster.down(home=home)
         shutil.rmtree(home, ignore_errors=True)
-        log(f"  [http] cluster stopped in {time.perf_counter() - t:.1f} s")
+        log(f"  [{label}] cluster stopped in {time.perf_counter() - t:.1f} s")
+
+
+def deploy_and_leave(spec, label: str = "http") -> tuple[str, float]:
+    """Deploy `spec` on the private cluster and leave it as a Ray driver: the URL and how long deploying took."""
+    from pylon.sdk.serve import deploy
+
+    t = time.perf_counter()
+    url = deploy(spec, timeout_s=300)
+    deploy_s = round(time.perf_counter() - t, 1)
+    log(f"  [{label}] deployed at {url} in {deploy_s} s")
+    # The load generator is an HTTP client, as a user's are: deploying connected it to the cluster as a Ray
+    # driver (its core worker's threads, and the GCS's and raylet's bookkeeping for it), which it leaves now.
+    import ray
+
+    ray.shutdown()
+    return url, deploy_s
+
+
+def http_leg(model_dir: Path, reqs: list[Req], warmup: list[Req], args) -> tuple[list[Record], float, dict]:
+    """Start a private cluster, deploy, load it over HTTP, and always stop the cluster again."""
+    num_cpus = max(int(args.engines * args.replica_cpus + 0.999), os.cpu_count() or 1)
+    with private_cluster(num_cpus) as (info, up_s):
+        extra, nice, moved = {"cluster_up_s": up_s}, os.getpriority(os.PRIO_PROCESS, 0), {}
+        try:
+            url, extra["deploy_s"] = deploy_and_leave(deployment_spec(args, model_dir))
+            extra.update(ingress_and_niceness(info, args))
+            engines = [p for p in info.processes() if "pylon.serving.engine.process" in " ".join(p.cmdline())]
+            if engines:
+                moved = match_policy(engines[0].pid, "http")
+            records, t0, cpu = run_async(http_load(url, reqs, warmup, args, info))
+            return records, t0, {**extra, **cpu}
+        finally:
+            settle_threads(moved, nice, "http")
