@@ -223,6 +223,28 @@ def _check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+PROXY_GRACE_S = 20.0  # how long Serve's HTTP proxy on a node may stay UNHEALTHY before a deploy gives up
+
+
+def _check_proxies(details: dict, unhealthy_since: dict[str, float], url: str) -> None:
+    """Fail at once, naming the node and its log, when Serve's HTTP proxy on a node stays UNHEALTHY (its ingress
+    cannot start, e.g. the port is taken there): Serve would retry it until the deploy timed out."""
+    now = time.monotonic()
+    for node, proxy in (details.get("proxies") or {}).items():
+        if proxy.get("status") != "UNHEALTHY":
+            unhealthy_since.pop(node, None)
+            continue
+        since = unhealthy_since.setdefault(node, now)
+        if now - since >= PROXY_GRACE_S:
+            where = proxy.get("node_ip") or node[:12]
+            log = proxy.get("log_file_path") or "the proxy's log under the node's Ray logs (logs/serve/proxy_*.log)"
+            raise PylonError(
+                f"Serve's HTTP proxy on node {where} has been unhealthy for {now - since:.0f} s, so {url} cannot "
+                f"answer: its HTTP ingress did not start (a port already in use there is the usual cause; see {log} "
+                "on that node); set http.port in the spec to a free port, or free it"
+            )
+
+
 def _wait_ready(url: str, timeout_s: float, name: str, where: home.ClusterAddress, revision: str) -> None:
     """Until the app's replicas answer /ready with `revision` (the config just put: until then the old replicas
     may answer, with the old config) and Serve reports every deployment healthy (all replicas updated)."""
@@ -240,11 +262,13 @@ def _wait_ready(url: str, timeout_s: float, name: str, where: home.ClusterAddres
         disable=None,
     ) as bar:
         seen = False  # a replica answered with `revision`: Serve has taken the config in, so its status is current
+        unhealthy_since: dict[str, float] = {}
         while time.monotonic() < deadline:
             details = serve_details(where)
             failure = app_failure(details, name)
             if failure:
                 raise PylonError(f"deployment '{name}' failed to start: {failure.strip()[-2000:]}")
+            _check_proxies(details, unhealthy_since, url)
             app = (details.get("applications") or {}).get(name) or {}
             deployments = (app.get("deployments") or {}).values()
             healthy = app.get("status") == "RUNNING" and all(d.get("status") == "HEALTHY" for d in deployments)

@@ -105,3 +105,23 @@ def test_a_taken_http_port_is_refused_at_once_naming_its_owner() -> None:
         assert message.startswith(f"http.port: 127.0.0.1:{port} is already in use by ")
         assert f"(pid {os.getpid()})" in message and "set http.port in the spec to a free port" in message
     _check_port_free("127.0.0.1", port)  # released: free again
+
+
+def test_a_proxy_that_stays_unhealthy_fails_the_deploy_naming_the_node(monkeypatch) -> None:
+    from pylon.sdk import serve
+
+    clock = [100.0]
+    monkeypatch.setattr(serve.time, "monotonic", lambda: clock[0])
+    since: dict[str, float] = {}
+    proxies = {"n1": {"status": "HEALTHY"}, "n2": {"status": "UNHEALTHY", "node_ip": "10.0.0.7", "log_file_path": "/l"}}
+    serve._check_proxies({"proxies": proxies}, since, "http://h:8000")  # first seen unhealthy: a grace period
+    clock[0] += serve.PROXY_GRACE_S - 1
+    serve._check_proxies({"proxies": proxies}, since, "http://h:8000")
+    clock[0] += 2
+    with pytest.raises(PylonError, match=r"proxy on node 10\.0\.0\.7 has been unhealthy for 21 s.*see /l on that node"):
+        serve._check_proxies({"proxies": proxies}, since, "http://h:8000")
+    # Healthy again within the grace period: the clock starts over.
+    since.clear()
+    serve._check_proxies({"proxies": proxies}, since, "u")
+    serve._check_proxies({"proxies": {"n2": {"status": "HEALTHY"}}}, since, "u")
+    assert since == {}
