@@ -25,6 +25,9 @@ def _ray_processes_of(temp_dir: str) -> list[str]:
     return found
 
 
+# `make test-all`: ~85 s for two full starts, and `make test` already runs `pylon cluster up` / `down` from the CLI
+# on a simulated host (test_hosts.py) and on the session's cluster; this adds the second round's clean slate.
+@pytest.mark.slow
 def test_up_status_down_twice_leaves_nothing_behind(ray_cluster, tmp_path):
     import pylon
 
