@@ -31,7 +31,7 @@ from pathlib import Path
 import faults
 import psutil
 import pytest
-import yaml
+from test_train import _write_spec  # the same small ZeRO-2 TrainJob as the resume tests
 
 import pylon
 from pylon import storage
@@ -95,24 +95,6 @@ def corpus(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("faults-data") / "corpus")
     prepare([str(src)], out, seq_len=64, use_ray=False, progress=False)
     return out
-
-
-def _write_spec(path: Path, corpus: str, root: str, *, name: str, steps: int, every: int) -> Path:
-    spec = {
-        "kind": "TrainJob",
-        "name": name,
-        "model": {"preset": "gpt-tiny"},
-        "data": {"uri": corpus, "seq_len": 64, "shuffle_seed": 1, "shuffle_buffer": 64},
-        "scaling": {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1}},
-        "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"},
-        "precision": "fp32",
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine"},
-        "batch": {"micro_batch_size": 4, "grad_accum_steps": 1},
-        "steps": steps,
-        "checkpoint": {"storage": root, "every_steps": every, "keep_last": 2},
-    }
-    path.write_text(yaml.safe_dump(spec))
-    return path
 
 
 def _submit(spec_path: Path, env: dict[str, str] | None = None) -> str:
@@ -318,6 +300,6 @@ def test_a_killed_driver_is_resumed_by_submitting_the_same_spec_again(ray_cluste
     second = client.train(str(spec))
     logs = _wait(second.job_id)
     resumed = [int(s) for s in re.findall(r"resumed kill-driver from step (\d+)", logs)]
-    assert resumed == [killed_at], logs[-4000:]
+    assert set(resumed) == {killed_at}, logs[-4000:]  # each rank says it (Ray may repeat a line per worker)
     assert _steps(run_uri) == list(range(1, 21))  # nothing trained twice: the steps continue from the commit
     _assert_exact_data_positions(run_uri, corpus, 20)
