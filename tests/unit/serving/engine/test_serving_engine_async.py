@@ -294,8 +294,11 @@ def test_an_interval_coalesces_a_stream_without_changing_its_tokens(gpt2: Family
         return outs, times
 
     try:
-        every, _ = asyncio.run(run(0.0))
-        merged, times = asyncio.run(run(0.005, busy_s=0.001))
+        every, every_times = asyncio.run(run(0.0))
+        # The consumer stays busy for a few steps' worth of time per chunk, so outputs queue behind it however long a
+        # step takes here (a fixed 1 ms was shorter than a step on a loaded machine: nothing queued, nothing joined).
+        per_step = (every_times[-1] - every_times[0]) / (len(every_times) - 1)
+        merged, times = asyncio.run(run(0.005, busy_s=max(0.001, 3 * per_step)))
     finally:
         engine.shutdown()
     assert len(every) == 60 and all(len(o.token_ids) == 1 for o in every)
