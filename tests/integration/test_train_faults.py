@@ -31,7 +31,11 @@ from pathlib import Path
 import faults
 import psutil
 import pytest
-from test_train import _write_spec  # the same small ZeRO-2 TrainJob as the resume tests
+from test_train import (  # the same small ZeRO-2 TrainJob as the resume tests, and how they look at it
+    _committed_steps,
+    _train_workers,
+    _write_spec,
+)
 
 import pylon
 from pylon import storage
@@ -115,12 +119,6 @@ def _wait(job_id: str, timeout_s: float = 600) -> str:
 
 def _steps(run_uri: str) -> list[int]:
     return [json.loads(line)["step"] for line in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
-
-
-def _committed_steps(run_uri: str) -> list[int]:
-    from pylon.jobs.checkpoint import list_committed
-
-    return [c.step for c in list_committed(run_uri)]
 
 
 def _assert_exact_data_positions(run_uri: str, corpus: str, steps: int) -> None:
@@ -220,15 +218,6 @@ def test_a_30s_storage_outage_during_a_checkpoint_upload_is_retried_and_the_run_
     assert _committed_steps(run_uri) == [15, 20]
     assert not watcher.problems, watcher.problems
     assert watcher.named and watcher.named[-1] == 20 and 10 in watcher.named, watcher.named
-
-
-def _train_workers() -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
-        if "RayTrainWorker" in text:
-            found.append(p)
-    return found
 
 
 # ~3 min: two runs' worth of a 2-worker job (the restart rebuilds the group). `make test-all`.
