@@ -652,11 +652,15 @@ def test_no_listener_off_loopback_answers_without_credentials(served, ray_cluste
     of Ray's metrics exporters that docs/security.md names. HAProxy (Serve's ingress) and the replicas have none."""
     import psutil
 
+    from pylon.infra.local import _name
     from pylon.sdk.serve import serve_details
 
     requests.post(f"{served}/v1/completions", headers=_auth(), json={"model": "tiny", "prompt": "x", "max_tokens": 1})
-    pids = {p.pid: p for p in ray_cluster.processes()}
-    haproxy = [p for p in pids.values() if p.name() == "haproxy"]
+    # Names are read once, now: a short-lived process of the cluster (a Ray worker starting or exiting) may be gone
+    # by the time it is named, and one gone before the scan below has no listener to scan.
+    pids = {p.pid: _name(p) for p in ray_cluster.processes()}
+    pids = {pid: name for pid, name in pids.items() if name}
+    haproxy = [pid for pid, name in pids.items() if name == "haproxy"]
     assert haproxy, "Serve's ingress is HAProxy on a Pylon cluster"
     assert serve_details(None)["proxies"], "Serve's proxy is up"
     address = next(
@@ -672,7 +676,7 @@ def test_no_listener_off_loopback_answers_without_credentials(served, ray_cluste
         ip, port = conn.laddr.ip, conn.laddr.port
         if ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1"):
             continue
-        name = pids[conn.pid].name()
+        name = pids[conn.pid]
         status = _http_status(address, port)
         seen.append((name, port, status))
         where = f"{name} (pid {conn.pid}) on {ip}:{port}"
