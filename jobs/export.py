@@ -3,7 +3,9 @@
 ZeRO shards (stages 1-3: partitioned optimizer states, and for stage 3 partitioned parameters) are
 consolidated with DeepSpeed's own `zero_to_fp32` into full fp32 weights, loaded into the run's model and
 saved as safetensors with its config, plus `pylon_tokenizer.json`, the tokenizer identity the model was
-trained with. LoRA runs export merged weights or the adapter alone, as the spec says.
+trained with. LoRA runs export merged weights or the adapter alone, as the spec says. When the run evaluated
+the exported step on held-out data (`data.validation_fraction` > 0: always its last step), `eval.json` beside
+the weights holds that evaluation: loss, perplexity, tokens, and the dataset and validation ids it covered.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pylon import storage
 from pylon.errors import PylonError
 
 TOKENIZER_FILE = "pylon_tokenizer.json"
+EVAL_FILE = "eval.json"
 
 
 def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | None = None) -> str:
@@ -81,10 +84,48 @@ def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | N
             )
             + "\n"
         )
+        evaluation = export_eval(run_uri, spec, info.step)
+        if evaluation is not None:
+            Path(local_out, EVAL_FILE).write_text(json.dumps(evaluation, indent=2) + "\n")
+        elif storage.exists(storage.join(out, EVAL_FILE)):  # an earlier export's, of another step
+            storage.remove(storage.join(out, EVAL_FILE))
         for path in sorted(Path(local_out).rglob("*")):
             if path.is_file():
                 storage.atomic_write(storage.join(out, str(path.relative_to(local_out))), path.read_bytes())
     return out
+
+
+def export_eval(run_uri: str, spec, step: int) -> dict | None:
+    """What `eval.json` holds for an export of `step`: the run's held-out evaluation of exactly that step
+    (`"kind": "eval"` records of metrics.jsonl, which the trainer writes before that step's checkpoint), with
+    the data it covered; None when that step was not evaluated (no validation split, or a step in between)."""
+    from pylon.jobs.run_dir import read_metrics
+
+    found = [r for r in read_metrics(run_uri, kind="eval") if r["step"] == step]
+    if not found:
+        return None
+    r = found[-1]
+    return {
+        "step": step,
+        "loss": r["val_loss"],
+        "perplexity": r["val_perplexity"],
+        "tokens": r["val_tokens"],
+        "sequences": r["val_sequences"],
+        "metric": "mean next-token cross-entropy (nats/token) over the validation split; perplexity = exp(loss)",
+        "dataset": spec.data.uri,
+        "split": "validation",
+        "validation_fraction": spec.data.validation_fraction,
+        "ids": r["val_ids"],  # sample ids [lo, hi): the tail of the dataset's id space
+        "max_batches_per_worker": spec.eval.max_batches,
+        "workers": spec.scaling.num_workers,
+        "run": run_uri,
+    }
+
+
+def read_export_eval(model_dir: str) -> dict | None:
+    """An export's `eval.json`, or None when it has none."""
+    uri = storage.join(model_dir, EVAL_FILE)
+    return storage.read_json(uri) if storage.exists(uri) else None
 
 
 def _write_tokenizer_files(tokenizer: dict, local_out: str, max_length: int | None) -> None:

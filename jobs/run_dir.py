@@ -2,7 +2,8 @@
 
     <checkpoint.storage>/<name>/     run_uri_of(spec); default storage $PYLON_HOME/runs
         run.json                     the spec and the tokenizer it trained with
-        metrics.jsonl                one JSON record per logged step (MetricsLog writes, read_metrics reads)
+        metrics.jsonl                one JSON record per logged step (MetricsLog writes, read_metrics reads), and
+                                     one `"kind": "eval"` record per held-out evaluation (eval_record)
         workers.json                 where each rank ran
         reference_logits.json        the last state's logits on a fixed batch (export checks against them)
         loss.png                     the loss curve (plot_loss)
@@ -103,7 +104,14 @@ class MetricsLog:
     def __init__(self, run_uri: str, *, enabled: bool, resume_step: int):
         self.uri = storage.join(run_uri, METRICS_FILE)
         self.enabled = enabled
-        self.records = [r for r in read_metrics(run_uri) if r["step"] <= resume_step] if enabled else []
+        self.records = [r for r in read_metrics(run_uri, kind=None) if r["step"] <= resume_step] if enabled else []
+
+    def write_eval(self, record: dict) -> None:
+        """A held-out evaluation (`"kind": "eval"`, see `eval_record`), with one readable log line: not a
+        `{"step": ...}` line, which log followers take for a training step."""
+        if self.enabled:
+            self.records.append(record)
+            print(eval_line(record), flush=True)
 
     def write(self, record: dict) -> None:
         if self.enabled:
@@ -118,20 +126,60 @@ class MetricsLog:
             storage.atomic_write_text(self.uri, "".join(json.dumps(r) + "\n" for r in self.records))
 
 
-def read_metrics(run_uri: str) -> list[dict]:
+def read_metrics(run_uri: str, kind: str | None = "train") -> list[dict]:
+    """The records of `metrics.jsonl`: by default the training steps only (one per optimizer step, as
+    always); `kind="eval"` the held-out evaluations (`"kind": "eval"` records); `kind=None` every record."""
     uri = storage.join(run_uri, METRICS_FILE)
     if not storage.exists(uri):
         return []
-    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
+    records = [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
+    if kind is None:
+        return records
+    return [r for r in records if r.get("kind", "train") == kind]
 
 
-def loss_figure(records: list[dict], *, title: str):
-    """The loss curve as a matplotlib Figure (what `Run.plot()` returns; Jupyter draws it inline)."""
+def eval_record(
+    step: int, *, loss_sum: float, tokens: int, sequences: int, batches: int, val_ids, seconds: float
+) -> dict:
+    """A held-out evaluation as a `metrics.jsonl` record. `"kind": "eval"` and `val_*` names keep it apart
+    from the training steps (`read_metrics` returns those alone unless asked); `step` is the optimizer step
+    it evaluated, so a resume drops it with the steps after its checkpoint."""
+    import math
+
+    loss = loss_sum / max(tokens, 1)
+    return {
+        "kind": "eval",
+        "step": step,
+        "val_loss": loss,
+        "val_perplexity": math.exp(loss) if loss < 700 else float("inf"),
+        "val_tokens": int(tokens),
+        "val_sequences": int(sequences),
+        "val_batches": int(batches),
+        "val_ids": [int(val_ids[0]), int(val_ids[1])],
+        "eval_time_s": seconds,
+    }
+
+
+def eval_line(record: dict) -> str:
+    """One readable line for an evaluation record (job logs, the final summary)."""
+    return (
+        f"evaluation at step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
+        f"{record['val_perplexity']:.3f} over {record['val_tokens']:,} tokens ({record['val_sequences']:,} sequences)"
+    )
+
+
+def loss_figure(records: list[dict], *, title: str, evals: list[dict] | None = None):
+    """The loss curve as a matplotlib Figure (what `Run.plot()` returns; Jupyter draws it inline); with
+    `evals` (`read_metrics(run, kind="eval")`), the validation loss as points on a line beside it."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5)
-    ax.set(xlabel="step", ylabel="training loss (nats/token)", title=f"{title}: loss")
+    records = [r for r in records if r.get("kind", "train") == "train"]
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5, label="training")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", lw=1.2, ms=4, label="validation")
+        ax.legend()
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{title}: loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     # pyplot forgets the figure: a notebook then shows it once (as the returned value, not again at the
@@ -140,13 +188,13 @@ def loss_figure(records: list[dict], *, title: str):
     return fig
 
 
-def plot_loss(records: list[dict], out_uri: str, *, title: str) -> None:
-    """A loss-curve PNG (people would rather look than read)."""
+def plot_loss(records: list[dict], out_uri: str, *, title: str, evals: list[dict] | None = None) -> None:
+    """A loss-curve PNG (people would rather look than read), with the validation loss when given."""
     import io
 
     import matplotlib
 
     matplotlib.use("Agg")  # a job has no display
     buf = io.BytesIO()
-    loss_figure(records, title=title).savefig(buf, format="png")
+    loss_figure(records, title=title, evals=evals).savefig(buf, format="png")
     storage.atomic_write(out_uri, buf.getvalue())

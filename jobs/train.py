@@ -9,7 +9,8 @@ per-step metrics. A worker failure restarts the group from the latest committed 
 
 The train loop, as a list of steps (TorchTitan/nanoGPT style): build model -> DeepSpeed engine -> data stream
 -> resume -> for each optimizer step: micro-batches (forward, loss over the global token count, backward,
-engine.step) -> metrics -> checkpoint.
+engine.step) -> metrics -> held-out evaluation (every `eval.every_steps` steps and at the end, when
+`data.validation_fraction` > 0: `"kind": "eval"` records in metrics.jsonl, `eval.json` in the export) -> checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pylon.jobs.run_dir import (
     WORKERS_FILE,
     MetricsLog,
     _absolute,
+    eval_line,
+    eval_record,
     plot_loss,
     read_metrics,
     run_uri_of,
@@ -101,9 +104,14 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     result = trainer.fit()
     summary = {"run_uri": run_uri, **(result.metrics or {})}
     records = read_metrics(run_uri)
+    evals = read_metrics(run_uri, kind="eval")
     if records:
-        plot_loss(records, storage.join(run_uri, LOSS_PLOT), title=spec.name)
+        plot_loss(records, storage.join(run_uri, LOSS_PLOT), title=spec.name, evals=evals)
         summary["loss_plot"] = storage.join(run_uri, LOSS_PLOT)
+    if evals:
+        final = evals[-1]
+        summary.update(val_loss=final["val_loss"], val_perplexity=final["val_perplexity"], val_step=final["step"])
+        print(f"final {eval_line(final)}", flush=True)
     if export:
         from pylon.jobs.export import export_run
 
@@ -184,6 +192,11 @@ def train_loop(config: dict) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if spec.scaling.use_gpu else "gloo")
     _record_placement(run_uri, rank, world)
     stream = stream_from_spec(spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world)
+    val_stream = None
+    if spec.data.validation_fraction > 0:  # the held-out split: the tail of the id space, never trained on
+        val_stream = stream_from_spec(
+            spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world, split="validation"
+        )
     tok = stream.manifest.tokenizer
     model = build_model(spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
     engine, _, _, _ = deepspeed.initialize(
@@ -262,6 +275,9 @@ def train_loop(config: dict) -> None:
         }
         metrics.write(record)
         last = step == spec.steps
+        if val_stream is not None and (last or (spec.eval.every_steps and step % spec.eval.every_steps == 0)):
+            # Before the checkpoint below: its metrics then hold this evaluation (an export of it reads it there).
+            metrics.write_eval(_evaluate(engine, val_stream, step, max_batches=spec.eval.max_batches))
         saving = step % spec.checkpoint.every_steps == 0 or last
         if saving:
             # Metrics first: a crash between the two leaves records past the last commit, which a resume
@@ -323,18 +339,82 @@ def _global_mean_loss(logits, labels, world: int):
     Returns (loss to backpropagate, this rank's summed loss as a float, this rank's token count)."""
     import torch
     import torch.distributed as dist
+
+    loss_sum, n_local = token_loss_sum(logits, labels)
+    n_global = torch.tensor([n_local], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(n_global)
+    return loss_sum * world / max(n_global.item(), 1.0), float(loss_sum.item()), n_local
+
+
+def token_loss_sum(logits, labels):
+    """Next-token cross-entropy summed over the tokens of a batch, and their count: position t predicts label
+    t+1, labels -100 (padding) count for nothing; in fp32 whatever the logits' precision. The one loss training
+    optimizes and evaluation reports. Returns (summed loss as a tensor, token count as an int)."""
     import torch.nn.functional as F
 
     shift_logits = logits[:, :-1, :].float()
     shift_labels = labels[:, 1:]
-    n_local = int((shift_labels != -100).sum().item())
-    n_global = torch.tensor([n_local], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(n_global)
+    n_tokens = int((shift_labels != -100).sum().item())
     loss_sum = F.cross_entropy(
         shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum"
     )
-    return loss_sum * world / max(n_global.item(), 1.0), float(loss_sum.item()), n_local
+    return loss_sum, n_tokens
+
+
+def reduce_eval(loss_sum: float, tokens: int, sequences: int, batches: int) -> tuple[float, int, int, int]:
+    """Every rank's share of an evaluation summed over the ranks (float64, so token counts stay exact): the mean
+    is then the sum over all tokens over their count, each token weighing the same whichever rank held it, and
+    the figure does not depend on the number of workers."""
+    import torch
+    import torch.distributed as dist
+
+    totals = torch.tensor([loss_sum, tokens, sequences, batches], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    return float(totals[0].item()), int(totals[1].item()), int(totals[2].item()), int(totals[3].item())
+
+
+def _evaluate(engine, val_stream, step: int, *, max_batches: int = 0) -> dict:
+    """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
+    it), in eval mode without gradients; returns its `metrics.jsonl` record. Every rank takes part with the
+    same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of
+    the split (the stream pads a short part with empty batches, which run as all-padding rows)."""
+    import torch
+
+    from pylon.data.reader import DataPosition
+
+    t0 = time.perf_counter()
+    device = engine.device
+    pad_id = val_stream.manifest.tokenizer.pad_id
+    n_batches = val_stream.steps_per_epoch if not max_batches else min(max_batches, val_stream.steps_per_epoch)
+    val_stream.position = DataPosition()  # the same sequences every time: the split from its start
+    batches = val_stream.epoch()
+    loss_sum, tokens, sequences = 0.0, 0, 0
+    engine.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(n_batches):
+                batch = next(batches)
+                inputs = batch.to_torch(pad_id, device=device) if len(batch) else _padding_batch(val_stream, device)
+                logits = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+                part, n = token_loss_sum(logits, inputs["labels"])
+                loss_sum += float(part.item())
+                tokens += n
+                sequences += len(batch)
+    finally:
+        batches.close()
+        engine.train()
+    loss_sum, tokens, sequences, n_batches = reduce_eval(loss_sum, tokens, sequences, n_batches)
+    return eval_record(
+        step,
+        loss_sum=loss_sum,
+        tokens=tokens,
+        sequences=sequences,
+        batches=n_batches,
+        val_ids=val_stream.id_range,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _peak_memory_bytes(device) -> int:

@@ -176,7 +176,9 @@ class DataSpec(_Spec):
     seq_len: PositiveInt | None = Field(None, description="checked against the manifest when given")
     shuffle_seed: int = 0
     shuffle_buffer: NonNegInt = 1024
-    validation_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = 0.0
+    validation_fraction: Annotated[float, Field(ge=0.0, le=0.5)] = Field(
+        0.0, description="share of the samples (the tail of their ids) held out from training and evaluated (eval)"
+    )
     on_bad_shard: Literal["error", "skip"] = "error"
 
 
@@ -281,6 +283,18 @@ class CheckpointSpec(_Spec):
         return self
 
 
+class EvalSpec(_Spec):
+    """Held-out evaluation: mean token cross-entropy and perplexity on the validation split
+    (`data.validation_fraction`), at the end of the run and every `every_steps` steps."""
+
+    every_steps: NonNegInt = Field(
+        0, description="also evaluate every N optimizer steps; 0 = at the end of the run only"
+    )
+    max_batches: NonNegInt = Field(
+        0, description="micro-batches per worker per evaluation; 0 = the whole validation split"
+    )
+
+
 class LoraSpec(_Spec):
     r: PositiveInt = 8
     alpha: Annotated[float, Field(gt=0)] = 16
@@ -305,6 +319,7 @@ class TrainJobSpec(_Spec):
     steps: PositiveInt
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     lora: LoraSpec | None = None
+    eval: EvalSpec = Field(default_factory=EvalSpec)
 
     @model_validator(mode="before")
     @classmethod
@@ -333,6 +348,16 @@ class TrainJobSpec(_Spec):
             )
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
+        if self.data.validation_fraction == 0:
+            for field in ("every_steps", "max_batches"):
+                if getattr(self.eval, field):
+                    problems.append(
+                        (
+                            f"eval.{field}",
+                            "evaluation needs a held-out split: set data.validation_fraction (e.g. 0.05) "
+                            f"(got {field} {getattr(self.eval, field)} with validation_fraction 0)",
+                        )
+                    )
         _raise_problems(problems)
         return self
 
@@ -371,6 +396,13 @@ class EngineSpec(_Spec):
         "every decode step reads, fp8 (e4m3, unscaled, saturating at +-448) quarters them. "
         "Attention still computes in dtype, but outputs are no longer exactly the model's own: "
         "greedy outputs can part from `transformers` generate's after a few tokens",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="reuse the KV cache blocks of a prompt's prefix that an earlier request computed (vLLM's "
+        "automatic prefix caching): full blocks are named by a hash of their tokens and all before them, shared "
+        "between requests, and kept after a request ends until the pool needs them. Outputs are the same with it "
+        "off; false: every request computes its whole prompt",
     )
     separate_process: bool = Field(
         True,

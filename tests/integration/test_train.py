@@ -6,6 +6,7 @@ tests/integration/test_ray_job_submit.py; checkpoints on the S3 server with rete
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -68,8 +69,10 @@ def _wait(job_id: str, timeout_s: float = 600) -> str:
     return client.job_logs(job_id)
 
 
-def _metrics(run_uri: str) -> list[dict]:
-    return [json.loads(line) for line in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
+def _metrics(run_uri: str, kind: str = "train") -> list[dict]:
+    """metrics.jsonl's training steps (records without a kind), or its `"kind": "eval"` records."""
+    records = [json.loads(line) for line in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
+    return [r for r in records if r.get("kind", "train") == kind]
 
 
 def _committed_steps(run_uri: str) -> list[int]:
@@ -149,11 +152,14 @@ def test_lora_on_zero3_with_cpu_offload_trains_only_adapters_and_exports(ray_clu
     """ZeRO-3 with parameters and optimizer offloaded to CPU, LoRA adapters on the attention and MLP input
     projections: the job trains and checkpoints; the merged export loads with transformers and reproduces the
     trained engine's logits; everything outside the adapters is still the base model's initial weights; the
-    adapter-only export loads with peft on that base and gives the same logits."""
+    adapter-only export loads with peft on that base and gives the same logits. With a held-out split, every rank
+    evaluates every 3 steps (ZeRO-3 gathers parameters collectively), and the export's eval.json holds the final
+    loss, which transformers recomputes on the export over the same validation sequences."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from pylon.data.reader import ShardStream
     from pylon.jobs.export import export_run
     from pylon.models import build_model
     from pylon.specs import TrainJobSpec
@@ -171,6 +177,8 @@ def test_lora_on_zero3_with_cpu_offload_trains_only_adapters_and_exports(ray_clu
         lora=lora,
         deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
         optim={"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
+        data={"uri": corpus, "seq_len": 64, "shuffle_seed": 1, "shuffle_buffer": 64, "validation_fraction": 0.05},
+        eval={"every_steps": 3},
     )
     logs = _wait(_submit(spec_path))
     run_uri = f"{root}/lora-z3"
@@ -193,6 +201,29 @@ def test_lora_on_zero3_with_cpu_offload_trains_only_adapters_and_exports(ray_clu
     assert torch.allclose(logits, torch.tensor(ref["logits"]), atol=1e-4), (
         (logits - torch.tensor(ref["logits"])).abs().max()
     )
+
+    # Held-out evaluation: records apart from the steps, finite, the last one in the export's eval.json ...
+    evals = _metrics(run_uri, kind="eval")
+    assert [r["step"] for r in evals] == [3, 6], evals
+    assert all(math.isfinite(r["val_loss"]) and math.isfinite(r["val_perplexity"]) for r in evals), evals
+    assert all(r["val_tokens"] > 0 and r["val_perplexity"] == pytest.approx(math.exp(r["val_loss"])) for r in evals)
+    assert re.search(r"final evaluation at step 6: validation loss [\d.]+, perplexity", logs), logs[-3000:]
+    evaluation = json.loads((tmp_path / "merged" / "eval.json").read_text())
+    assert evaluation["step"] == 6 and evaluation["loss"] == evals[-1]["val_loss"]
+    assert evaluation["dataset"] == corpus and evaluation["split"] == "validation"
+    # ... equal to transformers' own loss on the exported model, over the same validation sequences (fp32).
+    val = ShardStream(corpus, batch_size=16, split="validation", validation_fraction=0.05)
+    assert list(val.id_range) == evaluation["ids"]
+    loss_sum, tokens, sequences = 0.0, 0, 0
+    for batch in val.epoch():
+        if len(batch):
+            t = batch.to_torch(val.pad_id)
+            with torch.no_grad():
+                out = merged(input_ids=t["input_ids"], attention_mask=t["attention_mask"], labels=t["labels"])
+            n = int((t["labels"][:, 1:] != -100).sum())
+            loss_sum, tokens, sequences = loss_sum + out.loss.item() * n, tokens + n, sequences + len(batch)
+    assert (tokens, sequences) == (evaluation["tokens"], evaluation["sequences"])
+    assert abs(loss_sum / tokens - evaluation["loss"]) < 1e-3, (loss_sum / tokens, evaluation)
 
     # Only the adapters trained: every weight LoRA does not touch is bit-identical to the base model's.
     spec = TrainJobSpec.model_validate(yaml.safe_load(spec_path.read_text()))

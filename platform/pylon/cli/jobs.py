@@ -100,7 +100,7 @@ def _cmd_jobs_stop(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from pylon.jobs.export import export_run
+    from pylon.jobs.export import EVAL_FILE, export_run, read_export_eval
 
     out = export_run(args.run_uri, args.out, step=args.step, lora=args.lora)
     how = (
@@ -109,6 +109,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
         else "transformers.AutoModelForCausalLM.from_pretrained(DIR)"
     )
     print(f"exported {args.run_uri} to {out} (load it with {how})")
+    evaluation = read_export_eval(out)
+    if evaluation is not None:
+        print(
+            f"held-out evaluation at step {evaluation['step']}: validation loss {evaluation['loss']:.4f}, "
+            f"perplexity {evaluation['perplexity']:.3f} over {evaluation['tokens']:,} tokens ({EVAL_FILE})"
+        )
     return 0
 
 

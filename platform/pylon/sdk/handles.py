@@ -9,6 +9,7 @@
     run.logs(follow=True)                         # stream the job's logs here until it ends
     run.metrics()                                 # pandas DataFrame, one row per optimizer step
     run.plot()                                    # the loss curve, a matplotlib Figure (drawn inline)
+    run.evaluations()                             # held-out loss and perplexity, one row per evaluation
     run.checkpoints()                             # committed steps, e.g. [150, 200]
     svc = client.deploy({"kind": "Deployment", "name": "gpt", "model": run.run_uri + "/export"})
     svc.complete("def ", max_tokens=32)           # -> text;  stream=True yields the text as it comes
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pylon.display import html_table
 from pylon.errors import JobFailedError, PylonError
-from pylon.jobs.run_dir import loss_figure, read_metrics
+from pylon.jobs.run_dir import eval_line, loss_figure, read_metrics
 from pylon.sdk.serve import delete
 
 if TYPE_CHECKING:
@@ -323,6 +324,8 @@ class Run(Job):
                             display.record(json.loads(line))
                     elif line.startswith("resumed "):
                         display.note(line.strip())
+                    elif "evaluation at step " in line:  # rank 0's held-out loss, behind a worker's log prefix
+                        display.note(line[line.index("evaluation at step ") :].strip())
                 seen = len(logs)
                 display.show(status)
                 if status in TERMINAL_JOB_STATES:
@@ -341,15 +344,24 @@ class Run(Job):
 
         return pd.DataFrame(read_metrics(self._uri()))
 
+    def evaluations(self):
+        """The held-out evaluations (`"kind": "eval"` records of `metrics.jsonl`; with `data.validation_fraction`
+        > 0, at the end and every `eval.every_steps` steps) as a pandas DataFrame: step, val_loss,
+        val_perplexity, val_tokens, val_sequences, ... (the last is also the export's `eval.json`)."""
+        import pandas as pd
+
+        return pd.DataFrame(read_metrics(self._uri(), kind="eval"))
+
     def plot(self):
-        """The loss curve as a matplotlib Figure (Jupyter draws it inline; `.savefig(path)` keeps it)."""
+        """The loss curve as a matplotlib Figure (Jupyter draws it inline; `.savefig(path)` keeps it), with the
+        validation loss beside it when the run evaluates on held-out data."""
 
         records = read_metrics(self._uri())
         if not records:
             raise PylonError(
                 f"run '{self.name}' has no metrics yet at {self.run_uri} (they are written with each checkpoint)"
             )
-        return loss_figure(records, title=self.name)
+        return loss_figure(records, title=self.name, evals=read_metrics(self._uri(), kind="eval"))
 
     def checkpoints(self) -> list[int]:
         """The steps of the run's committed checkpoints, oldest first (what a resume or export can use)."""
@@ -370,13 +382,18 @@ class Run(Job):
     def _rows(self) -> list[tuple[str, Any]]:
         rows = super()._rows()
         try:
-            last = read_metrics(self.run_uri)[-1] if self.run_uri else None
+            records = read_metrics(self.run_uri, kind=None) if self.run_uri else []
         except Exception:
-            last = None
-        if last:
+            records = []
+        steps = [r for r in records if r.get("kind", "train") == "train"]
+        evals = [r for r in records if r.get("kind") == "eval"]
+        if steps:
+            last = steps[-1]
             rows.append(
                 ("last step", f"{last['step']}: loss {last['loss']:.4f}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
             )
+        if evals:
+            rows.append(("validation", eval_line(evals[-1]).removeprefix("evaluation at ")))
         return rows
 
 

@@ -215,7 +215,7 @@ def test_load_spec_picks_the_one_document_of_a_kind(tmp_path: Path) -> None:
 def test_unknown_top_level_key_lists_allowed_fields() -> None:
     assert train_error("stepz: 5\n") == (
         "spec.yaml:6: document 1 (TrainJob 'job'): stepz: unknown field; allowed fields: kind, name, model, data, "
-        "scaling, deepspeed, precision, gradient_checkpointing, optim, batch, steps, checkpoint, lora"
+        "scaling, deepspeed, precision, gradient_checkpointing, optim, batch, steps, checkpoint, lora, eval"
     )
 
 
@@ -395,6 +395,24 @@ def test_literal_errors_list_allowed_values(text: str, expected: str) -> None:
             "6: document 1 (TrainJob 'job'): checkpoint.keep_every: must be a multiple of every_steps (200), or no "
             "checkpoint would ever be kept by it (got 300)",
         ),
+        (
+            "eval: {every_steps: 5}\n",
+            "6: document 1 (TrainJob 'job'): eval.every_steps: evaluation needs a held-out split: set "
+            "data.validation_fraction (e.g. 0.05) (got every_steps 5 with validation_fraction 0)",
+        ),
+        (
+            "eval:\n  max_batches: 2\n",
+            "7: document 1 (TrainJob 'job'): eval.max_batches: evaluation needs a held-out split: set "
+            "data.validation_fraction (e.g. 0.05) (got max_batches 2 with validation_fraction 0)",
+        ),
+        (
+            "eval: {every_step: 5}\n",
+            "6: document 1 (TrainJob 'job'): eval.every_step: unknown field; allowed fields: every_steps, max_batches",
+        ),
+        (
+            "eval: {every_steps: -1}\n",
+            "6: document 1 (TrainJob 'job'): eval.every_steps: must be greater than or equal to 0 (got -1)",
+        ),
     ],
     ids=[
         "offload_param-zero2",
@@ -405,6 +423,10 @@ def test_literal_errors_list_allowed_values(text: str, expected: str) -> None:
         "fp16-on-cpu",
         "warmup>=steps",
         "keep_every",
+        "eval-without-validation",
+        "eval-max_batches-without-validation",
+        "eval-unknown-field",
+        "eval-negative",
     ],
 )
 def test_train_job_cross_field_rules(extra: str, expected: str) -> None:
@@ -427,6 +449,14 @@ def test_train_job_cross_field_rules(extra: str, expected: str) -> None:
 def test_train_job_cross_field_rules_accept_the_valid_side(extra: str) -> None:
     [doc] = parse_specs(TRAIN + extra)
     assert doc.spec.name == "job"
+
+
+def test_eval_defaults_to_the_end_of_the_run_and_takes_a_period_with_a_validation_split() -> None:
+    [doc] = parse_specs(TRAIN)
+    assert (doc.spec.eval.every_steps, doc.spec.eval.max_batches) == (0, 0)
+    text = TRAIN.replace("{uri: corpus/}", "{uri: corpus/, validation_fraction: 0.1}")
+    [doc] = parse_specs(text + "eval: {every_steps: 5, max_batches: 2}\n")
+    assert (doc.spec.eval.every_steps, doc.spec.eval.max_batches) == (5, 2)
 
 
 @pytest.mark.parametrize(

@@ -145,6 +145,24 @@ def test_reprs_never_show_the_api_key_and_survive_a_lost_cluster() -> None:
     assert "s3://b/d" in repr(data)
 
 
+def test_a_run_shows_its_held_out_evaluation_apart_from_its_steps(tmp_path: Path) -> None:
+    from pylon.jobs.run_dir import MetricsLog, eval_record
+
+    log = MetricsLog(str(tmp_path), enabled=True, resume_step=0)
+    log.write({"step": 1, "loss": 3.5, "tokens_per_s": 100.0})
+    log.write({"step": 2, "loss": 3.0, "tokens_per_s": 100.0})
+    log.write_eval(eval_record(2, loss_sum=25.0, tokens=10, sequences=2, batches=1, val_ids=(8, 10), seconds=0.0))
+    log.flush()
+    run = Run(NoCluster(), "train-tiny-abc123", name="tiny", run_uri=str(tmp_path))
+    assert list(run.metrics()["step"]) == [1, 2] and "val_loss" not in run.metrics()
+    evals = run.evaluations()
+    assert list(evals["step"]) == [2] and list(evals["val_loss"]) == [2.5]
+    page = run._repr_html_()
+    assert "step 2: validation loss 2.5000, perplexity 12.182" in page
+    labels = [t.get_text() for t in run.plot().axes[0].get_legend().get_texts()]
+    assert labels == ["training", "validation"]
+
+
 def test_a_run_without_a_known_directory_says_so() -> None:
     run = Run(NoCluster(), "raysubmit_1", name=None, run_uri=None)
     assert run.name == "raysubmit_1"
