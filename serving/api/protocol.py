@@ -1,7 +1,7 @@
 """The OpenAI-compatible request and response shapes, and the error body every 4xx/5xx carries.
 
 Requests are pydantic models that forbid unknown fields: a misspelled parameter is a 400 that names it,
-never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`n` > 1, `logprobs`, `echo`,
+never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`n` > 1,
 penalties, `best_of`, `suffix`, `logit_bias`, tools and tool choices, structured `response_format`) are accepted
 only at their neutral value, with an error that says so otherwise: a client that sends `"tools": []` or
 `"response_format": {"type": "text"}` by habit is served, one that asks for function calling is told it is not
@@ -15,12 +15,16 @@ import os
 import re
 import time
 from json.encoder import encode_basestring_ascii as _quote
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pylon.serving.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from pylon.serving.errors import InvalidRequest, shown
+
+if TYPE_CHECKING:
+    from pylon.serving.engine.request import TokenLogprob
+    from pylon.serving.engine.tokenization import TokenTexts
 
 
 class _Request(BaseModel):
@@ -68,7 +72,11 @@ class _Request(BaseModel):
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            **self._logprobs_params(),
         )
+
+    def _logprobs_params(self) -> dict:
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -82,8 +90,12 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 only with echo: score the prompt, generate nothing
+    max_tokens: int | None = Field(None, ge=0)
+    # the prompt's text before the generated text (and with logprobs, the prompt tokens' logprobs, the first null)
     echo: bool = False
-    logprobs: int | None = None
+    # each token's logprob and the `logprobs` most likely tokens at its position (OpenAI's legacy shape)
+    logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -95,14 +107,23 @@ class CompletionRequest(_Request):
                     f"prompt: one prompt per request (got a batch of {len(self.prompt)})", param="prompt"
                 )
             self.prompt = self.prompt[0]
-        if self.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs is not supported", param="logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest(
+                "max_tokens must be >= 1; 0 (generate nothing) only with echo: true, to score the prompt",
+                param="max_tokens",
+            )
         if self.best_of not in (None, 1):
             raise InvalidRequest("best_of must be 1", param="best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
+
+    def _logprobs_params(self) -> dict:
+        prompt_logprobs = None
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        elif self.max_tokens == 0:  # the engine computes the prompt only for requests that score it
+            prompt_logprobs = 0
+        return {"logprobs": self.logprobs, "prompt_logprobs": prompt_logprobs}
 
 
 class ChatMessage(BaseModel):
@@ -122,8 +143,9 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # each generated token's logprob; with top_logprobs, that many most likely tokens at each position too
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -131,10 +153,8 @@ class ChatCompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise InvalidRequest("logprobs is not supported", param="logprobs")
-        if self.top_logprobs:
-            raise InvalidRequest("top_logprobs is not supported; leave it at 0", param="top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise InvalidRequest(
                 "tools (function calling) are not supported by this server; send the request without them",
@@ -163,6 +183,9 @@ class ChatCompletionRequest(_Request):
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")
             self.max_tokens = self.max_completion_tokens
+
+    def _logprobs_params(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 def parse_request(cls: type[_Request], body: bytes) -> _Request:
@@ -242,17 +265,34 @@ class ErrorResponse(_Response):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = Field(ge=0, description="prompt tokens whose KV cache an earlier request had computed")
+
+
 class Usage(_Response):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy completions logprobs: one entry per token of the choice's text (the prompt's first, with
+    echo; the first prompt token has no logprob)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] = Field(
+        description="the `logprobs` most likely tokens at each position, and the chosen one"
+    )
+    text_offset: list[int] = Field(description="where each token's text starts in the choice's text")
 
 
 class CompletionChoice(_Response):
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None
 
 
 class CompletionResponse(_Response):
@@ -279,11 +319,28 @@ class AssistantMessage(_Response):
     content: str
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes (its raw bytes, for part of a character)")
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: ChatLogprobs | None
 
 
 class ChatCompletionResponse(_Response):
@@ -310,7 +367,7 @@ class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: ChatLogprobs | None
 
 
 class ChatCompletionChunk(_Response):
@@ -369,39 +426,56 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{os.urandom(16).hex()}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    *,
+    logprobs: dict | None = None,
+    cached_tokens: int = 0,
 ) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
-def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
     }
 
 
 def chat_response(
-    rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    *,
+    logprobs: dict | None = None,
+    cached_tokens: int = 0,
 ) -> dict:
     return {
         "id": rid,
@@ -413,21 +487,77 @@ def chat_response(
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
         ],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
     }
+
+
+MIN_LOGPROB = -9999.0  # what a logprob of -inf (a token the model rules out) is sent as: JSON has no infinity
+
+
+def _logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN too
+
+
+class LogprobsFormat:
+    """A request's engine logprobs (`TokenLogprob`s, paired with their token ids) in OpenAI's shapes, token texts
+    from `TokenTexts`. Completions' `text_offset` runs on across the calls of one stream (each call one chunk's
+    tokens), counted in the tokens' own texts as vLLM counts them."""
+
+    def __init__(self, texts: "TokenTexts"):
+        self.texts = texts
+        self.offset = 0
+
+    def completion(self, pairs: "list[tuple[int, TokenLogprob | None]]") -> dict:
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs (the top ones and the chosen one, by token
+        text; null where a token has no logprob: the first of an echoed prompt), text_offset."""
+        text = self.texts.text
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, entry in pairs:
+            token = text(token_id)
+            tokens.append(token)
+            offsets.append(self.offset)
+            self.offset += len(token)
+            if entry is None:
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(_logprob(entry.logprob))
+            top = {}
+            for alternative, value in entry.top:
+                top.setdefault(text(alternative), _logprob(value))
+            top.setdefault(token, _logprob(entry.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, pairs: "list[tuple[int, TokenLogprob | None]]") -> dict:
+        """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+        text, raw = self.texts.text, self.texts.bytes
+        content = []
+        for token_id, entry in pairs:
+            if entry is None:
+                continue
+            content.append(
+                {
+                    "token": text(token_id),
+                    "logprob": _logprob(entry.logprob),
+                    "bytes": raw(token_id),
+                    "top_logprobs": [{"token": text(t), "logprob": _logprob(v), "bytes": raw(t)} for t, v in entry.top],
+                }
+            )
+        return {"content": content}
 
 
 class StreamEvents:
@@ -445,22 +575,32 @@ class StreamEvents:
             f'"model":{_quote(model)},"choices":[{{"index":0,'
         )
 
-    def chunk(self, text: str, finish_reason: str | None) -> str:
-        """A completion chunk (`"text"`) or a chat chunk (`"delta"`: content, or nothing once text is done)."""
+    def chunk(self, text: str, finish_reason: str | None, logprobs: dict | None = None) -> str:
+        """A completion chunk (`"text"`) or a chat chunk (`"delta"`: content, or nothing once text is done), with
+        its tokens' `logprobs` (`LogprobsFormat`'s) when the request asked for them."""
         reason = "null" if finish_reason is None else _quote(finish_reason)
         if self.kind == "completion":
             body = f'"text":{_quote(text)}'
         else:
             body = f'"delta":{{"content":{_quote(text)}}}' if text else '"delta":{}'
-        return f'{self._head}{body},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
+        lp = "null" if logprobs is None else json.dumps(logprobs, separators=(",", ":"))
+        return f'{self._head}{body},"finish_reason":{reason},"logprobs":{lp}}}]}}\n\n'
 
     def role(self) -> str:
         """Chat's first chunk: the assistant's role, empty content."""
         return f'{self._head}"delta":{{"role":"assistant","content":""}},"finish_reason":null,"logprobs":null}}]}}\n\n'
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
         return self.event(
-            usage_chunk(self.rid, self.model, self.obj, prompt_tokens, completion_tokens, created=self.created)
+            usage_chunk(
+                self.rid,
+                self.model,
+                self.obj,
+                prompt_tokens,
+                completion_tokens,
+                created=self.created,
+                cached_tokens=cached_tokens,
+            )
         )
 
     @staticmethod
@@ -469,7 +609,14 @@ class StreamEvents:
 
 
 def usage_chunk(
-    rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int, *, created: int | None = None
+    rid: str,
+    model: str,
+    obj: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    *,
+    created: int | None = None,
+    cached_tokens: int = 0,
 ) -> dict:
     """The last chunk of a stream with stream_options.include_usage: no choices, only usage."""
     created = int(time.time()) if created is None else created
@@ -479,7 +626,7 @@ def usage_chunk(
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 

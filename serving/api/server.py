@@ -26,7 +26,7 @@ from pylon.serving.api.http import (
 )
 from pylon.serving.api.keys import KeyCheck
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.serving.engine.tokenization import apply_chat_template
+from pylon.serving.engine.tokenization import TokenTexts, apply_chat_template
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.specs import DeploymentSpec
 
@@ -64,6 +64,8 @@ def _metrics(model: str):
         "kv": gauge("pylon_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
         "prompt_tokens": counter("pylon_prompt_tokens_total", "Prompt tokens processed"),
         "generation_tokens": counter("pylon_generation_tokens_total", "Tokens generated"),
+        "prefix_queries": counter("pylon_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
+        "prefix_hits": counter("pylon_prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
         "requests": counter(
             "pylon_requests_total",
             "Finished requests by HTTP status and finish reason",
@@ -125,11 +127,19 @@ class PylonLLMServer:
             self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges())
 
     async def _report_gauges(self) -> None:
+        reported = {"prefix_queries": 0, "prefix_hits": 0}  # the engines' totals counted so far
         while True:
             stats = self.engine.stats()
             self.metrics["running"].set(stats.num_running)
             self.metrics["waiting"].set(stats.num_waiting)
             self.metrics["kv"].set(stats.kv_cache_utilization)
+            for name, total in (
+                ("prefix_queries", stats.prefix_cache_queries_total),
+                ("prefix_hits", stats.prefix_cache_hits_total),
+            ):
+                if total > reported[name]:
+                    self.metrics[name].inc(total - reported[name])
+                    reported[name] = total
             await asyncio.sleep(1.0)
 
     async def _authorize(self, headers: dict[str, str]) -> None:
@@ -326,15 +336,18 @@ class PylonLLMServer:
 
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
         timeout = self.spec.http.request_timeout_s
+        choice = _Choice(kind, body, prompt, self.engine.tokenizer, self._token_texts)
         if body.stream:
             return await self._stream(
-                send, protocol.StreamEvents(kind, rid, self.model_name), body, first, stream, timeout
+                send, protocol.StreamEvents(kind, rid, self.model_name), body, first, stream, timeout, choice
             )
-        text, last = [], first
+        text, pairs, last = [], [], first
         try:
             async with asyncio.timeout(timeout):
                 async for out in _chain(first, stream):
-                    text.append(out.text)
+                    delta, tokens = choice.take(out)
+                    text.append(delta)
+                    pairs.extend(tokens)
                     last = out
         except TimeoutError:
             self._count(504, "timeout")
@@ -352,14 +365,29 @@ class PylonLLMServer:
             send,
             200,
             make(
-                rid, self.model_name, "".join(text), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens
+                rid,
+                self.model_name,
+                "".join(text),
+                last.finish_reason,
+                last.num_prompt_tokens,
+                last.num_output_tokens,
+                logprobs=choice.logprobs(pairs),
+                cached_tokens=last.num_cached_tokens,
             ),
         )
+
+    @property
+    def _token_texts(self) -> TokenTexts:
+        """Token ids' texts and bytes for logprobs, cached across requests (built at the first use)."""
+        texts = self.__dict__.get("_token_texts_cache")
+        if texts is None:
+            texts = self.__dict__["_token_texts_cache"] = TokenTexts(self.engine.tokenizer)
+        return texts
 
     async def _first(self, stream):
         return await stream.__anext__()
 
-    async def _stream(self, send, events, body, first, stream, timeout: float) -> None:
+    async def _stream(self, send, events, body, first, stream, timeout: float, choice: "_Choice") -> None:
         """Server-sent events: one chunk per engine output, a usage chunk if asked, then [DONE]. A client that
         disconnects gets this task cancelled by Serve's ingress; closing `stream` then aborts the engine request.
 
@@ -368,18 +396,22 @@ class PylonLLMServer:
 
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         last, held = first, events.role() if events.kind == "chat" else ""
+        pending = []  # tokens whose logprobs go with the next chunk (tokens without text yet wait for their text)
         try:
             async with asyncio.timeout(timeout):
                 async for out in _chain(first, stream):
                     last = out
-                    if not out.text and not out.finished:
+                    text, tokens = choice.take(out)
+                    pending.extend(tokens)
+                    if not text and not out.finished:
                         continue
-                    held += events.chunk(out.text, out.finish_reason)
+                    held += events.chunk(text, out.finish_reason, choice.logprobs(pending))
+                    pending = []
                     if not out.finished:  # the last one waits for the usage chunk and [DONE]
                         await send({"type": "http.response.body", "body": held.encode(), "more_body": True})
                         held = ""
             if body.include_usage:
-                held += events.usage(last.num_prompt_tokens, last.num_output_tokens)
+                held += events.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
             self._observe(last)
         except TimeoutError:
             self._count(504, "timeout")
@@ -416,6 +448,52 @@ class PylonLLMServer:
     def __serve_build_asgi_app__(self) -> OpenAIApp:
         """Serve's ingress calls this once the replica is constructed: the ASGI app it hands HTTP requests."""
         return OpenAIApp(self)
+
+
+class _Choice:
+    """What a request's choice carries besides the engine's text: the echoed prompt (completions' `echo`) and the
+    tokens' logprobs in OpenAI's shape (`protocol.LogprobsFormat`)."""
+
+    def __init__(self, kind: str, body, prompt, tokenizer, texts: TokenTexts):
+        self.kind, self.prompt, self.tokenizer = kind, prompt, tokenizer
+        self.echo = kind == "completion" and body.echo
+        wanted = body.logprobs is not None if kind == "completion" else body.logprobs
+        self.format = protocol.LogprobsFormat(texts) if wanted else None
+        self.started = False
+
+    def take(self, out) -> tuple[str, list]:
+        """One engine output's text (after the echoed prompt, on the first) and its (token id, logprob) pairs."""
+        text, pairs = out.text, []
+        if not self.started:
+            self.started = True
+            if self.echo:
+                prompt = self.prompt
+                text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) + text
+                if self.format is not None and out.prompt_logprobs is not None:
+                    pairs.extend(self._prompt_pairs(out.prompt_logprobs))
+        if self.format is not None and out.logprobs is not None:
+            pairs.extend(zip(out.token_ids, out.logprobs))
+        return text, pairs
+
+    def _prompt_pairs(self, entries: list) -> list:
+        """The prompt's (token id, logprob) pairs; the first token's logprob is None (nothing predicts it). The ids
+        of tokens without an entry come from the prompt, tokenized here as the engine tokenized it."""
+        ids = None
+        pairs = []
+        for p, entry in enumerate(entries):
+            if entry is not None:
+                pairs.append((entry.token_id, entry))
+                continue
+            if ids is None:
+                prompt = self.prompt
+                ids = list(prompt) if not isinstance(prompt, str) else [int(i) for i in self.tokenizer.encode(prompt)]
+            pairs.append((ids[p], None))
+        return pairs
+
+    def logprobs(self, pairs: list) -> dict | None:
+        if self.format is None:
+            return None
+        return self.format.completion(pairs) if self.kind == "completion" else self.format.chat(pairs)
 
 
 async def _chain(first, stream):

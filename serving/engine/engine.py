@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pylon.errors import PylonError
 from pylon.models import local_model_dir
 from pylon.serving.engine.kv_cache import KVBlockPool
-from pylon.serving.engine.request import FinishReason, Request, RequestOutput
-from pylon.serving.engine.sampling import SamplingParams, sample
+from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
+from pylon.serving.engine.sampling import SamplingParams, sample, token_logprobs
 from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.engine.tokenization import IncrementalDetokenizer, chars_per_token_bound, load_model_tokenizer
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
@@ -53,6 +53,12 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions_total: int
     requests_finished_total: dict[str, int]  # by finish reason
+    # Prefix caching, in tokens: looked up and found (vLLM's prefix_cache_queries / _hits), and the prompt tokens
+    # steps computed (what a cache hit saves); cached blocks: those holding reusable contents, held or free.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prefill_tokens_computed_total: int = 0
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,9 @@ class LLMEngine:
         from pylon.serving.model.runner import ModelRunner
 
         self.spec = spec = spec or EngineSpec()
-        self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size)
+        self.pool = KVBlockPool.for_tokens(
+            spec.kv_cache_tokens, spec.block_size, enable_caching=spec.enable_prefix_caching
+        )
         with local_model_dir(model) as directory:
             self.tokenizer = load_model_tokenizer(directory)
             self._chars_per_token = chars_per_token_bound(self.tokenizer)
@@ -222,25 +230,71 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return outputs
-        logits = self.runner.execute(
-            [
-                StepSequence(
-                    s.request.token_ids[s.start : s.start + s.num_new_tokens],
-                    s.start,
-                    self.pool.block_table(s.request.request_id),
-                    s.samples,
-                )
-                for s in batch.scheduled
-            ]
-        )
+        steps = [
+            StepSequence(
+                s.request.token_ids[s.start : s.start + s.num_new_tokens],
+                s.start,
+                self.pool.block_table(s.request.request_id),
+                s.samples,
+                s.request.prompt_logprobs is not None and _needs_prompt_logits(s.request, s.start, s.num_new_tokens),
+            )
+            for s in batch.scheduled
+        ]
+        logits = self.runner.execute(steps)
+        if any(step.prompt_logits for step in steps):
+            logits = self._take_prompt_logprobs(batch.scheduled, steps, logits)
         sampling = [s.request for s in batch.scheduled if s.samples]
         tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        # Logprobs cost nothing to a step without a request that asks for them: one pass over its sampling requests.
+        wanted = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
+        chosen = [None] * len(sampling)
+        if wanted:
+            found = token_logprobs(
+                logits[wanted], [tokens[i] for i in wanted], [sampling[i].params.logprobs for i in wanted]
+            )
+            for i, logprob in zip(wanted, found):
+                chosen[i] = logprob
         now = time.monotonic()
-        for request, token in zip(sampling, tokens):
-            outputs.append(self._append_token(request, token, now))
+        for request, token, logprob in zip(sampling, tokens, chosen):
+            if request.max_tokens == 0:  # the prompt is scored (its logprobs are in), nothing is generated
+                outputs.append(self._finish_scored(request))
+                continue
+            outputs.append(self._append_token(request, token, now, logprob))
         return outputs
 
-    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _take_prompt_logprobs(self, scheduled, steps: list[StepSequence], logits):
+        """Fill the prompt logprobs of this step's `prompt_logits` sequences from their rows of `logits` (see
+        `ModelRunner.execute`): the row at position p scores prompt token p + 1. Returns the sampling rows only."""
+        rows, offset = [], 0
+        for s, step in zip(scheduled, steps):
+            if not step.prompt_logits:
+                if s.samples:
+                    rows.append(offset)
+                    offset += 1
+                continue
+            request, n = s.request, s.num_new_tokens
+            scored = min(n, request.num_prompt_tokens - 1 - s.start)  # rows whose next token is a prompt token
+            if scored > 0:
+                first = s.start + 1
+                request.prompt_logprobs[first : first + scored] = token_logprobs(
+                    logits[offset : offset + scored],
+                    request.prompt_token_ids[first : first + scored],
+                    [request.params.prompt_logprobs] * scored,
+                )
+            offset += n
+            if s.samples:
+                rows.append(offset - 1)
+        return logits[rows]
+
+    def _finish_scored(self, request: Request) -> RequestOutput:
+        """A request with max_tokens 0 whose prompt has been computed: it ends ("length") with no token."""
+        self._prompt_tokens_total += request.num_prompt_tokens
+        self._finish(request, "length")
+        return RequestOutput.of(request, "", [], [] if request.params.logprobs is not None else None)
+
+    def _append_token(
+        self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         if request.num_output_tokens == 0:
             self._prompt_tokens_total += request.num_prompt_tokens
             request.metrics.first_token_time = now
@@ -263,7 +317,7 @@ class LLMEngine:
         if reason is not None:
             text += request.detokenizer.flush()
             self._finish(request, reason)
-        return RequestOutput.of(request, text, [token])
+        return RequestOutput.of(request, text, [token], None if logprob is None else [logprob])
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
@@ -311,6 +365,10 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
             requests_finished_total=dict(self._finished_total),
+            prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
+            prefill_tokens_computed_total=self.scheduler.prefill_tokens_computed,
+            num_cached_blocks=self.pool.num_cached_blocks,
         )
 
 
@@ -333,8 +391,12 @@ def next_tick(now: float, interval_s: float) -> float:
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one: their deltas joined, the last one's counts and state."""
+    """Consecutive outputs of one request as one: their deltas joined (logprobs too), the last one's counts and
+    state, the prompt logprobs of the one that carried them (the request's first)."""
     last = outputs[-1]  # built directly: dataclasses.replace introspects the fields on every call
+    logprobs = None
+    if any(o.logprobs is not None for o in outputs):
+        logprobs = [lp for o in outputs if o.logprobs for lp in o.logprobs]
     return RequestOutput(
         last.request_id,
         "".join(o.text for o in outputs),
@@ -343,7 +405,18 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         last.num_output_tokens,
         last.finish_reason,
         last.metrics,
+        logprobs,
+        next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
+        last.num_cached_tokens,
     )
+
+
+def _needs_prompt_logits(request: Request, start: int, num_new: int) -> bool:
+    """Whether a step computing `request`'s positions [start, start + num_new) must score prompt tokens: the row at
+    position p scores token p + 1, and some of those entries are still missing (a recomputation after preemption,
+    or a prefix someone else filled, needs none)."""
+    entries = request.prompt_logprobs
+    return any(entries[p + 1] is None for p in range(start, min(start + num_new, request.num_prompt_tokens - 1)))
 
 
 class _StreamQueue(asyncio.Queue):

@@ -1,19 +1,32 @@
-"""The KV cache's memory, in fixed-size blocks: which blocks are free and which request holds which.
+"""The KV cache's memory, in fixed-size blocks: which blocks are free, which request holds which, and which hold a
+cached prefix that a later request may share.
 
 The pool hands out block *ids*; the tensors they index live in the model runner (one K and one V tensor per layer,
 `[kv_heads, num_blocks, block_size, head_dim]`). A request's block table lists its blocks in order, so token position
-p lives in block `table[p // block_size]` at offset `p % block_size`. Blocks are never shared between requests (no
-prefix caching), so freeing a request returns all of its blocks.
+p lives in block `table[p // block_size]` at offset `p % block_size`.
+
+**Prefix caching** (vLLM v1's automatic prefix caching, `engine.enable_prefix_caching`). A full block's contents are
+named by a hash chained over its tokens and every token before it (`block_hashes`): two requests whose first k
+blocks' tokens are equal have equal first k hashes, and equal keys and values in those blocks. Once a request has
+computed a full block, the scheduler registers it under its hash (`cache_blocks`). A later request looks its
+prompt's hashes up (`lookup`) and starts its table with the blocks found (`allocate(cached=...)`): they are shared,
+counted by reference, and the scheduler skips computing those tokens. Only full blocks are shared, and a request
+writes only at positions past those it starts with, so a shared block is never written. When the last request
+holding a cached block lets it go, the block stays cached but free: it counts as free, and is handed out again (its
+contents forgotten) only when a request needs a block and no block without cached contents is free, least recently
+used first. A hash is a 128-bit BLAKE2b digest, so one user's prompt cannot be made to collide with another's.
 
 Where blocks go matters on a CPU: every decode step reads every live block, and a sequence whose blocks lie one after
 another is read much faster than a scattered one (the hardware prefetchers follow a run). So the pool keeps each
-request's blocks in one run where it can:
+request's own blocks in one run where it can:
 
-- a request's first blocks are the lowest run of free blocks long enough for its whole expected length
-  (`reserve_tokens`: prompt plus max_tokens, capped at `RESERVE_MAX_BLOCKS` beyond what it needs now); the rest of
-  the run is set aside for it;
-- a growing request takes the block right after its last one where that block is free and not set aside for another
-  request; otherwise the lowest free block no one has set aside;
+- a request's first own blocks are the lowest run of free blocks long enough for its whole expected length
+  (`reserve_tokens`: prompt plus max_tokens, capped at `RESERVE_MAX_BLOCKS` beyond what it needs now), a run of
+  blocks without cached contents if there is one, else any run of free blocks (the cached contents in it are
+  forgotten: a run beats the least-recently-used order there); the rest of the run is set aside for it;
+- a growing request takes the block right after its last one where that block is free and set aside for it, or set
+  aside for no one and holding no cached contents; otherwise the lowest free block without cached contents that no one
+  has set aside; otherwise the least recently used free cached block;
 - set-aside blocks are still free: when nothing else is free, any request takes them. Capacity, `allocate`'s
   all-or-nothing answer and preemption are as if nothing were set aside.
 
@@ -22,95 +35,243 @@ Lowest first also keeps the live blocks packed at the start of the pool however 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Any
+
 RESERVE_MAX_BLOCKS = 64  # at most this many blocks set aside beyond what a request needs when it starts
 
 
+def block_hashes(token_ids: list[int], block_size: int, hashes: list[bytes]) -> list[bytes]:
+    """Extend `hashes` (those of `token_ids`' first full blocks, computed before) to every full block of `token_ids`:
+    block k's hash is BLAKE2b over block k-1's hash and block k's token ids. Returns `hashes`."""
+    parent = hashes[-1] if hashes else b""
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(array("q", token_ids[start : start + block_size]).tobytes())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
 class KVBlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         # One byte per block, so that runs are found by bytes.find (C speed) rather than a Python loop.
         self._free = bytearray(b"\x01") * num_blocks  # held by no request
         self._open = bytearray(b"\x01") * num_blocks  # free and set aside for no request
+        self._bare = bytearray(b"\x01") * num_blocks  # open, and holding no cached contents
+        self._refs = [0] * num_blocks  # requests holding each block
         self._num_free = num_blocks
         self._tables: dict[str, list[int]] = {}
         self._aside: dict[str, range] = {}  # request -> the run set aside for it when it was placed
         self._aside_for: dict[int, str] = {}  # block -> the request it is still set aside for (while free)
+        # Prefix caching: hash <-> block for blocks whose contents are cached, the free ones among them oldest-used
+        # first, and what else the engine keeps about a cached block (its prompt log-probabilities), by hash.
+        self._block_of: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._meta: dict[bytes, Any] = {}
+        self._registered: dict[str, int] = {}  # request -> how many of its table's first blocks are registered
+        self._journal: list[tuple[bool, bytes]] | None = None  # (registered?, hash) since `drain_changes`
 
     @classmethod
-    def for_tokens(cls, kv_cache_tokens: int, block_size: int) -> "KVBlockPool":
-        return cls(kv_cache_tokens // block_size, block_size)
+    def for_tokens(cls, kv_cache_tokens: int, block_size: int, *, enable_caching: bool = False) -> "KVBlockPool":
+        return cls(kv_cache_tokens // block_size, block_size, enable_caching=enable_caching)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, request_id: str, num_tokens: int, *, reserve_tokens: int = 0) -> bool:
+    # -- prefix caching -------------------------------------------------------------------------------------
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (a request's block hashes, in order)."""
+        found = []
+        if self.enable_caching:
+            for h in hashes:
+                block = self._block_of.get(h)
+                if block is None:
+                    break
+                found.append(block)
+        return found
+
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_blocks: int) -> None:
+        """Register the first `num_blocks` blocks of `request_id`'s table (full, and computed) under `hashes`. A
+        block whose hash another block already holds stays unregistered (both hold the same keys and values)."""
+        if not self.enable_caching:
+            return
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        start = self._registered.get(request_id, 0)
+        end = min(num_blocks, len(table), len(hashes))
+        for i in range(start, end):
+            block, h = table[i], hashes[i]
+            if block not in self._hash_of and h not in self._block_of:
+                self._hash_of[block] = h
+                self._block_of[h] = block
+                if self._journal is not None:
+                    self._journal.append((True, h))
+        if end > start:
+            self._registered[request_id] = end
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._hash_of
+
+    def meta(self, h: bytes) -> Any:
+        """What was kept with the cached block named `h` (`set_meta`), or None."""
+        return self._meta.get(h)
+
+    def set_meta(self, h: bytes, value: Any) -> None:
+        """Keep `value` with the cached block named `h` while its contents stay cached (nothing if none is)."""
+        if h in self._block_of:
+            self._meta[h] = value
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of)
+
+    def track_changes(self) -> None:
+        """From now on, remember which hashes are registered and forgotten, for `drain_changes` (an engine process
+        tells its replica what it has cached, which routes requests by it)."""
+        self._journal = [(True, h) for h in self._block_of]
+
+    def drain_changes(self) -> list[tuple[bool, bytes]]:
+        """What changed since the last call, in order: (True, hash) registered, (False, hash) forgotten."""
+        journal = self._journal or []
+        if self._journal is not None:
+            self._journal = []
+        return journal
+
+    def _forget(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
+            self._meta.pop(h, None)
+            self._lru.pop(block, None)
+            if self._journal is not None:
+                self._journal.append((False, h))
+
+    # -- allocation -----------------------------------------------------------------------------------------
+
+    def allocate(self, request_id: str, num_tokens: int, *, reserve_tokens: int = 0, cached: list[int] = ()) -> bool:
         """Grow `request_id`'s table to hold `num_tokens` tokens. All or nothing: False (and nothing taken)
         when the pool has too few free blocks. `reserve_tokens`: how long the request is expected to grow (its
-        prompt plus max_tokens), used to place a new table where it has room to grow (see the module's docs)."""
+        prompt plus max_tokens), used to place a new table where it has room to grow (see the module's docs).
+        `cached`: for a request that holds no blocks yet, the cached blocks (`lookup`) its table starts with."""
         table = self._tables.get(request_id)
-        missing = self.blocks_for(num_tokens) - (len(table) if table else 0)
-        if missing > self._num_free:
+        if table:
+            cached = ()
+        shared_free = sum(1 for b in cached if not self._refs[b])
+        missing = self.blocks_for(num_tokens) - (len(table) if table else 0) - len(cached)
+        if max(missing, 0) + shared_free > self._num_free:
             return False
         if table is None:
             table = self._tables[request_id] = []
+        for block in cached:
+            self._hold(block)
+            table.append(block)
+        if cached:
+            self._registered[request_id] = len(cached)
         if missing <= 0:
             return True
-        if not table and self._place(request_id, table, missing, self.blocks_for(reserve_tokens)):
-            return True
+        if len(table) == len(cached):  # no block of its own yet: place them
+            expected = self.blocks_for(reserve_tokens) - len(cached)
+            if self._place(request_id, table, missing, expected):
+                return True
         for _ in range(missing):
             after = table[-1] + 1 if table else self.num_blocks
-            if after < self.num_blocks and self._free[after] and self._aside_for.get(after, request_id) == request_id:
+            if after < self.num_blocks and self._free[after] and self._next_is_mine(request_id, after):
                 block = after
             else:
-                block = self._open.find(1)
+                block = self._bare.find(1)
+                if block < 0:
+                    block = next((b for b in self._lru if self._open[b]), -1)
                 if block < 0:  # only set-aside blocks are left: take one all the same
                     block = self._free.find(1)
             self._take(request_id, table, block)
         return True
 
+    def _next_is_mine(self, request_id: str, block: int) -> bool:
+        """Whether a growing request takes the free `block` right after its last one: when it was set aside for it,
+        or is neither set aside for another nor holding cached contents (those go least recently used first)."""
+        owner = self._aside_for.get(block)
+        return owner == request_id or (owner is None and block not in self._hash_of)
+
     def _place(self, request_id: str, table: list[int], need: int, expected: int) -> bool:
-        """A new table's first `need` blocks as the lowest open run that also fits its `expected` length (the
-        rest set aside for it), or else the lowest open run of `need`; False when there is no open run of `need`."""
+        """A new table's first own `need` blocks as the lowest open run that also fits its `expected` length (the
+        rest set aside for it), or else the lowest open run of `need`, bare blocks preferred; False when there is
+        no open run of `need`."""
         want = min(max(need, expected), need + RESERVE_MAX_BLOCKS)
-        start = self._open.find(b"\x01" * want) if want > need else -1
-        if start < 0:
-            want = need
-            start = self._open.find(b"\x01" * need)
+        start = -1
+        for size in (want, need) if want > need else (need,):
+            start = self._bare.find(b"\x01" * size)
             if start < 0:
-                return False
+                start = self._open.find(b"\x01" * size)
+            if start >= 0:
+                want = size
+                break
+        if start < 0:
+            return False
         for block in range(start, start + need):
             self._take(request_id, table, block)
         if want > need:
             self._aside[request_id] = aside = range(start + need, start + want)
             for block in aside:
                 self._aside_for[block] = request_id
-                self._open[block] = 0
+                self._open[block] = self._bare[block] = 0
         return True
 
+    def _hold(self, block: int) -> None:
+        """One more request holds `block` (its contents kept)."""
+        if not self._refs[block]:
+            self._free[block] = self._open[block] = self._bare[block] = 0
+            self._num_free -= 1
+            self._lru.pop(block, None)
+            self._aside_for.pop(block, None)
+        self._refs[block] += 1
+
     def _take(self, request_id: str, table: list[int], block: int) -> None:
-        self._free[block] = self._open[block] = 0
-        self._num_free -= 1
+        """`block` (free) becomes `request_id`'s own, to write: whatever it cached is forgotten."""
+        self._forget(block)
+        self._hold(block)
         table.append(block)
-        self._aside_for.pop(block, None)  # taken by its owner, or by another when nothing else was free
 
     def free(self, request_id: str) -> None:
-        """Return every block `request_id` holds, and those set aside for it (nothing if it holds none)."""
-        for block in self._tables.pop(request_id, ()):
+        """Let go of every block `request_id` holds, and those set aside for it (nothing if it holds none). Blocks
+        no request holds any more are free; those with cached contents keep them until they are needed, the last of
+        a table first (a later request shares a prefix from its start)."""
+        self._registered.pop(request_id, None)
+        for block in reversed(self._tables.pop(request_id, ())):
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
             self._free[block] = self._open[block] = 1
             self._num_free += 1
+            if block in self._hash_of:
+                self._lru[block] = None
+            else:
+                self._bare[block] = 1
         for block in self._aside.pop(request_id, ()):
             if self._aside_for.get(block) == request_id:  # still free and still its: open to all again
                 del self._aside_for[block]
                 self._open[block] = 1
+                self._bare[block] = block not in self._hash_of
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
+
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds, those with cached contents among them."""
         return self._num_free
 
     @property

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
 from pylon.serving.engine.heap import allocator, engine_process_env, freeze_loaded_objects, keep_freed_memory
+from pylon.serving.engine.kv_cache import block_hashes
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
@@ -59,6 +60,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
         # Not AsyncLLMEngine.__init__: no engine and no step thread in this process.
         spec = spec or EngineSpec()
         self._max_num_seqs = spec.max_num_seqs
+        self.cached_blocks: set[bytes] = set()  # hashes of the blocks the engine holds cached (prefix caching)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._streams = {}
         self._dead: EngineDeadError | None = None
@@ -193,9 +195,11 @@ class ProcessLLMEngine(AsyncLLMEngine):
                 kind = message[0]
                 if kind == "step":
                     self._stats = message[2]
+                    self._apply_cache_changes(message[3])
                     self._deliver_step(message[1])
                 elif kind == "idle":
                     self._stats = message[1]
+                    self._apply_cache_changes(message[2])
                 elif kind == "invalid":
                     _, request_id, text, param = message
                     self._deliver(request_id, InvalidRequest(text, param=param))
@@ -221,6 +225,24 @@ class ProcessLLMEngine(AsyncLLMEngine):
                 )
             self._end_streams(EngineDeadError(reason))
 
+    def _apply_cache_changes(self, changes: list[tuple[bool, bytes]]) -> None:
+        cached = self.cached_blocks
+        for registered, h in changes:
+            if registered:
+                cached.add(h)
+            else:
+                cached.discard(h)
+
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many of a prompt's first blocks (`hashes`, kv_cache.block_hashes) this engine holds cached, as it
+        last said (at its last step or idle beat)."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached_blocks:
+                break
+            n += 1
+        return n
+
     def _end_streams(self, error: EngineDeadError) -> None:
         if self._dead is None:
             self._dead = error
@@ -240,8 +262,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
 
 class EnginePool:
     """`EngineSpec.data_parallel` engine processes behind one replica, with `ProcessLLMEngine`'s interface: each
-    has its own copy of the model and its own KV cache, and a new request goes to the one with the fewest open
-    streams (as the bench's engine leg, or HAProxy's leastconn across replicas, would pick). Its stats add up the
+    has its own copy of the model and its own KV cache, and a new request goes to the engine that holds the longest
+    cached prefix of its prompt (each engine reports the hashes of the blocks it caches with its steps' outputs)
+    while that engine has a free sequence slot, else to the one with the fewest open streams (as the bench's engine
+    leg, or HAProxy's leastconn across replicas, would pick). Its stats add up the
     engines'; it is healthy while every engine is.
 
     Why: on a CPU node every replica is a Ray worker process with an HTTP server, an event loop, Serve's per-replica
@@ -264,6 +288,7 @@ class EnginePool:
                 engine.shutdown(timeout=5)
             raise failed
         self.allocator = self.engines[0].allocator
+        self.spec = spec
 
     @classmethod
     def from_model(cls, model: str, spec: EngineSpec | None = None, **kwargs) -> "EnginePool":
@@ -293,9 +318,29 @@ class EnginePool:
         # A dead or stalled engine has no open streams, so by count alone it would take every new request and
         # answer each with a 503 until Serve replaces the replica; the live ones take them instead (the pool stays
         # unhealthy, so Serve still replaces it, letting the live engines' streams finish as it drains).
-        live = [e for e in self.engines if e.check_health()]
-        engine = min(live or self.engines, key=lambda e: e.open_streams)
+        live = [e for e in self.engines if e.check_health()] or self.engines
+        engine = self._holder_of(prompt, live) or min(live, key=lambda e: e.open_streams)
         return engine.generate(request_id, prompt, params, interval_s=interval_s)
+
+    def _holder_of(self, prompt: Prompt, engines: list[ProcessLLMEngine]) -> ProcessLLMEngine | None:
+        """With prefix caching: the engine that holds the longest cached prefix of `prompt` (by the hashes each
+        engine reports of the blocks it has cached, not a guess from past routing), if it has a free sequence
+        slot; the least loaded among equals. None: no engine holds a block of it, or the holder is busy (it
+        would queue the request): the least loaded engine takes it, and its prefix, from then on."""
+        if not self.spec.enable_prefix_caching or len(engines) < 2:
+            return None
+        try:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        except Exception:  # the engine refuses it with the reason; routing is not the place
+            return None
+        hashes = block_hashes(ids[: len(ids) - 1], self.spec.block_size, [])  # the last token is always computed
+        if not hashes:
+            return None
+        best = max(engines, key=lambda e: (e.cached_prefix_blocks(hashes), -e.open_streams))
+        if best.cached_prefix_blocks(hashes) == 0 or best.open_streams >= self.spec.max_num_seqs:
+            return None
+        return best
 
     def abort(self, request_id: str) -> None:
         for engine in self.engines:
@@ -332,6 +377,10 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         generation_tokens_total=sum(s.generation_tokens_total for s in stats),
         num_preemptions_total=sum(s.num_preemptions_total for s in stats),
         requests_finished_total=finished,
+        prefix_cache_queries_total=sum(s.prefix_cache_queries_total for s in stats),
+        prefix_cache_hits_total=sum(s.prefix_cache_hits_total for s in stats),
+        prefill_tokens_computed_total=sum(s.prefill_tokens_computed_total for s in stats),
+        num_cached_blocks=sum(s.num_cached_blocks for s in stats),
     )
 
 
@@ -412,8 +461,8 @@ class _Outbox:
     def due(self) -> bool:
         return bool(self.pending) and time.monotonic() >= self.deadline
 
-    def flush(self, stats) -> None:
-        self.conn.send(("step", merge_by_request(self.pending), stats))
+    def flush(self, stats, cached: list) -> None:
+        self.conn.send(("step", merge_by_request(self.pending), stats, cached))
         self.pending, self.deadline = [], float("inf")
 
 
@@ -443,6 +492,8 @@ def _child(conn: Connection) -> int:
         conn.send(("failed", f"loading {model} failed: {type(e).__name__}: {e}"))
         return 1
     device = engine.runner.device.type
+    if engine.pool.enable_caching:
+        engine.pool.track_changes()  # its replica routes requests to the engine that holds their prefix
     serve_cpu_as_batch(device, "engine process")  # its torch threads exist by now; all of them move
     freeze_loaded_objects()  # full collections then never walk the model's and the libraries' objects (heap.py)
     malloc = allocator()
@@ -478,11 +529,11 @@ def _child(conn: Connection) -> int:
                 return 1
             outbox.add(outputs)
             if not engine.has_unfinished() or outbox.due():
-                outbox.flush(engine.stats())
+                outbox.flush(engine.stats(), engine.pool.drain_changes())
         elif outbox.pending:
-            outbox.flush(engine.stats())
+            outbox.flush(engine.stats(), engine.pool.drain_changes())
         else:
-            conn.send(("idle", engine.stats()))
+            conn.send(("idle", engine.stats(), engine.pool.drain_changes()))
 
 
 def main(argv: list[str] | None = None) -> int:

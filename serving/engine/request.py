@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.engine.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     import torch
@@ -53,12 +53,22 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (kv_cache.block_hashes)
+    num_kept_logprob_blocks: int = 0  # blocks whose prompt logprobs the cache keeps (Scheduler._keep_prompt_logprobs)
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    # With params.prompt_logprobs: one entry per prompt position (index 0 None: nothing predicts the first token),
+    # filled by position as the prompt's chunks are computed. A cached prefix's entries are filled by whoever finds
+    # it cached (the engine only writes the positions its steps compute).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in a prefix cache, not computed for this request
+    prompt_logprobs_sent: bool = False  # its first output (which carries prompt_logprobs) has gone out
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -92,13 +102,23 @@ class RequestOutput:
     num_output_tokens: int  # all generated so far
     finish_reason: FinishReason | None
     metrics: RequestMetrics  # a snapshot, taken when this output was made
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per token of `token_ids`
+    # with params.prompt_logprobs: the whole prompt's (index 0 None), on the request's first output only
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens that came from a prefix cache
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @classmethod
-    def of(cls, request: Request, text: str, token_ids: list[int]) -> "RequestOutput":
+    def of(
+        cls, request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> "RequestOutput":
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs = list(request.prompt_logprobs)
+            request.prompt_logprobs_sent = True
         return cls(
             request.request_id,
             text,
@@ -107,4 +127,7 @@ class RequestOutput:
             request.num_output_tokens,
             request.finish_reason,
             dataclasses.replace(request.metrics),
+            logprobs,
+            prompt_logprobs,
+            request.num_cached_tokens,
         )

@@ -18,6 +18,17 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log-probability under the model (log-softmax of the fp32 logits, before temperature, top-p and
+    top-k), and the `top` most likely tokens at that position as (token id, logprob), by logprob descending, ties
+    by token id. Small and flat: thousands cross the engine process's pipe per second."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class SamplingParams:
     """What to generate for one request. Defaults follow OpenAI's completions API.
@@ -30,6 +41,10 @@ class SamplingParams:
     stop: strings that end generation; the matched stop string is not part of the output text.
     stop_token_ids: token ids that end generation (besides the tokenizer's eos).
     ignore_eos: keep generating past the eos token (benchmarks).
+    logprobs: None, or k >= 0: each generated token's logprob and the k most likely tokens at its position.
+    prompt_logprobs: None, or k >= 0: each prompt token's logprob (from position 1 on) and the k most likely there.
+    Logprobs are the model's own log-softmax over fp32 logits, before temperature, top-p and top-k (as vLLM's).
+    max_tokens 0 (generate nothing) is allowed with prompt_logprobs only: a request that scores its prompt.
     """
 
     max_tokens: int | None = 16
@@ -40,12 +55,23 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS} (got {value})", param=name)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                raise InvalidRequest(f"max_tokens must be >= 1 (got {self.max_tokens})", param="max_tokens")
+            if self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+                raise InvalidRequest(
+                    f"max_tokens must be >= 1 (0 only with prompt_logprobs) (got {self.max_tokens})",
+                    param="max_tokens",
+                )
         _check_number("temperature", self.temperature)
         if not 0 <= self.temperature <= 100:  # far past any useful value; inf/nan would poison the softmax
             raise InvalidRequest(f"temperature must be between 0 and 100 (got {self.temperature})", param="temperature")
@@ -110,6 +136,7 @@ class SamplingParams:
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # alternatives per position at most (OpenAI's chat API takes 20, its completions API 5)
 TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
 
 
@@ -164,3 +191,32 @@ def sample(
         choice = torch.multinomial(probs[j], 1, generator=generators[i])
         tokens[i] = int(sorted_ids[j, choice])
     return tokens
+
+
+def token_logprobs(logits: "torch.Tensor", token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """`TokenLogprob`s of row i of `logits` ([rows, vocab]): token `token_ids[i]`'s log-probability and the `ks[i]`
+    most likely tokens, by logprob descending, ties by token id. The log-softmax is over the fp32 logits as they are
+    (no temperature, top-p or top-k: the model's own distribution, as vLLM reports by default)."""
+    import torch
+
+    if not token_ids:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(token_ids, device=lp.device)
+    chosen = lp.gather(1, index[:, None])[:, 0].tolist()
+    k = min(max(ks), lp.shape[1])
+    if not k:
+        return [TokenLogprob(t, c) for t, c in zip(token_ids, chosen)]
+    values, ids = lp.topk(k, dim=-1)
+    # topk orders ties arbitrarily: where more than k tokens reach the k-th value (tied at the cut, which random
+    # fp32 logits practically never are), that row is sorted whole, stably, so the lowest ids among the tied win.
+    tied = ((lp >= values[:, -1:]).sum(dim=-1) > k).nonzero()[:, 0].tolist()
+    for row in tied:
+        order = torch.sort(-lp[row], stable=True).indices[:k]
+        values[row], ids[row] = lp[row, order], order
+    values, ids = values.tolist(), ids.tolist()
+    out = []
+    for i, (t, c) in enumerate(zip(token_ids, chosen)):
+        top = sorted(zip(ids[i], values[i]), key=lambda pair: (-pair[1], pair[0]))[: ks[i]]
+        out.append(TokenLogprob(t, c, tuple(top)))
+    return out

@@ -12,6 +12,14 @@ requests, in this order:
 2. waiting requests, first come first served, while the budget, the sequence cap and the free blocks allow:
    a long prompt takes as much of the budget as is left, and continues in the next steps.
    No new request is admitted in a step that had to preempt: the pool is full.
+   With prefix caching on, a request taken from the queue first looks up the blocks of its tokens that some
+   request computed before (`KVBlockPool.lookup`): it starts with those blocks shared and those tokens computed,
+   so its first chunk begins past them (at least its last token is always computed: it samples from it).
+   A request preempted and taken again finds what it had computed the same way, while its blocks are still cached.
+
+A request's full blocks are registered in the cache once a step has computed them (from the next `schedule()` on,
+or when the request finishes or is preempted), never in the step that computes them: a request taken in the same
+step never shares keys and values not yet written.
 
 The scheduler decides; `KVBlockPool` owns the blocks; the model runner executes what is decided here.
 """
@@ -22,8 +30,19 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pylon.serving.engine.kv_cache import KVBlockPool
-from pylon.serving.engine.request import FinishReason, Request
+from pylon.serving.engine.kv_cache import KVBlockPool, block_hashes
+from pylon.serving.engine.request import FinishReason, Request, TokenLogprob
+
+
+@dataclass(frozen=True)
+class CachedLogprobs:
+    """What the cache keeps with a block for requests that want their prompt's log-probabilities: each position's
+    entry (scored by the row before it; None at position 0 of a prompt), computed with `k` top alternatives, and the
+    entry of the token after the block, by that token (the next block's first, scored by this block's last row)."""
+
+    entries: tuple[TokenLogprob | None, ...]
+    k: int
+    next: dict[int, TokenLogprob]
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,12 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the newest is last
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        # Prefix caching, in tokens (vLLM's counters): tokens of requests taken from the queue that were looked up
+        # in the cache, and those found there. Prefill: tokens computed by steps, past those a request had computed
+        # (every scheduled token but decodes').
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prefill_tokens_computed = 0
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -80,17 +105,22 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            cached = self._cached_prefix(request)
+            num_cached = len(cached) * self.pool.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
             # Placed where its whole expected length fits in one run if it can (see KVBlockPool).
             expected = len(request.prompt_token_ids) + request.max_tokens
-            if not self.pool.allocate(
-                request.request_id, request.num_computed_tokens + num_new, reserve_tokens=expected
-            ):
+            if not self.pool.allocate(request.request_id, num_cached + num_new, reserve_tokens=expected, cached=cached):
                 break  # the pool is full; running requests free blocks as they finish
             self.waiting.popleft()
             self.running.append(request)
+            if self.pool.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_cached
+            request.num_computed_tokens = num_cached
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_cached
             scheduled.append(self._take(request, num_new))
             budget -= num_new
 
@@ -107,14 +137,88 @@ class Scheduler:
                 return False
         return True
 
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks `request` (taken from the queue, nothing computed) may start with: the longest cached
+        prefix of its full blocks, short of its last token (which it computes to sample from). A request that wants
+        its prompt's log-probabilities starts only with blocks whose entries it has or the cache kept with them
+        (`_with_prompt_logprobs`), and gets those entries filled in."""
+        if not self.pool.enable_caching:
+            return []
+        hashes = self._hashes(request)
+        usable = (request.num_tokens - 1) // self.pool.block_size
+        blocks = self.pool.lookup(hashes[:usable])
+        if blocks and request.prompt_logprobs is not None:
+            blocks = blocks[: self._with_prompt_logprobs(request, hashes, len(blocks))]
+        return blocks
+
+    def _with_prompt_logprobs(self, request: Request, hashes: list[bytes], found: int) -> int:
+        """How many of the `found` cached blocks `request` may start with, its prompt log-probabilities complete:
+        every prompt token up to the first one it computes (that one's entry, at the first uncached position, is
+        scored by the row before it: kept with the block before as `next`). Fills in the entries it takes."""
+        bs, k, entries = self.pool.block_size, request.params.prompt_logprobs, request.prompt_logprobs
+        prompt = request.prompt_token_ids
+        for m in range(found, 0, -1):
+            fill: dict[int, TokenLogprob] = {}
+            ok = True
+            for p in range(1, min(m * bs + 1, len(prompt))):  # positions whose entry the cached rows would score
+                if entries[p] is not None:
+                    continue
+                kept: CachedLogprobs | None = self.pool.meta(hashes[min(p // bs, m - 1)])
+                entry = None
+                if kept is not None and kept.k >= k:
+                    entry = kept.entries[p % bs] if p < m * bs else kept.next.get(prompt[p])
+                if entry is None:
+                    ok = False
+                    break
+                fill[p] = entry if len(entry.top) <= k else TokenLogprob(entry.token_id, entry.logprob, entry.top[:k])
+            if ok:
+                for p, entry in fill.items():
+                    entries[p] = entry
+                return m
+        return 0
+
+    def _keep_prompt_logprobs(self, request: Request, num_blocks: int) -> None:
+        """Keep the prompt log-probabilities of `request`'s first `num_blocks` registered blocks with them in the
+        cache (`CachedLogprobs`), for later requests that want them and would otherwise compute the block again."""
+        bs, entries, prompt = self.pool.block_size, request.prompt_logprobs, request.prompt_token_ids
+        k = request.params.prompt_logprobs
+        for i in range(min(num_blocks, -(-len(prompt) // bs))):
+            h = request.block_hashes[i]
+            kept: CachedLogprobs | None = self.pool.meta(h)
+            block = tuple(entries[i * bs + j] if i * bs + j < len(prompt) else None for j in range(bs))
+            if any(e is None for j, e in enumerate(block) if 0 < i * bs + j < len(prompt)):
+                continue  # not all scored (this request started past them): nothing to keep
+            if kept is None or kept.k < k:
+                kept = CachedLogprobs(block, k, {})
+                self.pool.set_meta(h, kept)
+            nxt = (i + 1) * bs
+            if nxt < len(prompt) and entries[nxt] is not None and kept.k == k:
+                kept.next[prompt[nxt]] = entries[nxt]
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        return block_hashes(request.token_ids, self.pool.block_size, request.block_hashes)
+
+    def _register(self, request: Request) -> None:
+        """Register `request`'s full blocks that earlier steps computed (see the module's docs)."""
+        if self.pool.enable_caching:
+            computed = request.num_computed_tokens // self.pool.block_size
+            self.pool.cache_blocks(request.request_id, self._hashes(request), computed)
+            if request.prompt_logprobs is not None and computed > request.num_kept_logprob_blocks:
+                self._keep_prompt_logprobs(request, computed)
+                request.num_kept_logprob_blocks = computed
+
     def _take(self, request: Request, num_new: int) -> ScheduledRequest:
+        self._register(request)  # what earlier steps computed; this step's tokens are not written yet
         # The runner will compute these tokens in this step, so they count as computed from here on.
         start = request.num_computed_tokens
+        if not (num_new == 1 and start == request.num_tokens - 1 and start >= request.num_prompt_tokens):
+            self.prefill_tokens_computed += num_new
         step = ScheduledRequest(request, start, num_new, samples=start + num_new == request.num_tokens)
         request.num_computed_tokens += num_new
         return step
 
     def _preempt(self, request: Request) -> None:
+        self._register(request)
         self.pool.free(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -129,6 +233,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        self._register(request)
         self.pool.free(request.request_id)
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()

@@ -203,6 +203,75 @@ def _prefix_function(s: str) -> list[int]:
     return table
 
 
+class TokenTexts:
+    """Each token id's own text and bytes, for the logprobs of the HTTP API (cached: a vocabulary's worth at most).
+
+    The text is the tokenizer's decode of the token alone (`tokenizer.decode([id])`), as OpenAI and vLLM give it. A
+    token that is not whole UTF-8 by itself (a byte-level BPE token holding part of a character, a byte-fallback
+    `<0xE2>`, a byte of the byte tokenizer past ASCII) decodes to U+FFFD there; its `bytes` are then its raw bytes
+    where the tokenizer says what they are (the byte tokenizer's id, a byte-level BPE token's characters through
+    GPT-2's byte-to-unicode table, sentencepiece's `<0xNN>` pieces), else the UTF-8 of its text, as for every other
+    token."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        self._byte_decoder: dict[str, int] | None = None
+        hf = getattr(tokenizer, "_tok", None)
+        self._pieces = getattr(hf, "convert_ids_to_tokens", None)
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "to_str"):
+            try:
+                layout = json.loads(backend.to_str())
+            except (ValueError, TypeError):
+                layout = {}
+            if '"ByteLevel"' in json.dumps(layout.get("decoder") or {}):
+                self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = list(self._raw_bytes(token_id))
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        text = self.text(token_id)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        if isinstance(self._tokenizer, ByteTokenizer):
+            return bytes([token_id]) if 0 <= token_id < 256 else text.encode("utf-8")
+        piece = self._pieces(token_id) if self._pieces is not None else None
+        if isinstance(piece, str):
+            if self._byte_decoder is not None and piece and all(c in self._byte_decoder for c in piece):
+                return bytes(self._byte_decoder[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return text.encode("utf-8")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table from bytes to the printable characters byte-level BPE writes them as."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
 def apply_chat_template(tokenizer: Tokenizer, messages: list[dict]) -> str:
     """The prompt text for a chat: the tokenizer's own chat template when it has one, else plain
     "role: content" lines ending with "assistant: " for the model to continue."""

@@ -239,12 +239,15 @@ def build_metadata(
     prefill: bool = False,
     stage: HostStage | None = None,
     slots: bool = True,
+    rounded: bool = False,
 ) -> AttentionMetadata:
     """What every layer's attention needs to know about this step, for `seqs` in their flat token order.
     `kernel`: decodes are attended by the compiled paged kernel, in place, so they form one group. `prefill`: prompt
     chunks are attended by the compiled prefill kernel, over the cache (`kernels.prefill_usable`). `stage`: the
     step's HostStage, which the caller sends (without one, the lists go over before this returns); `slots`: make the
-    slot mapping (else None: see `final_metadata`)."""
+    slot mapping (else None: see `final_metadata`). `rounded`: the cache is narrower than the model computes
+    (kv_cache_dtype), and every prompt chunk, the first too, attends over the keys and values read back from it, so a
+    prompt's outputs do not depend on where its chunks start: in one chunk, in several, or after a cached prefix."""
     own = stage is None
     stage = stage or HostStage(device)
     # Plain Python ints, one tensor at the end: a step of 32 decodes would otherwise make ~100 tiny tensors.
@@ -277,7 +280,9 @@ def build_metadata(
         make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype, stage) for m in members if m
     ]
     chunks = tuple(
-        _chunk(seq, offset, block_size, device, prefill, stage) for seq, offset in zip(seqs, offsets) if seq.num_new > 1
+        _chunk(seq, offset, block_size, device, prefill, stage, rounded)
+        for seq, offset in zip(seqs, offsets)
+        if seq.num_new > 1
     )
     meta = AttentionMetadata(stage.add(slot_list) if slots else None, groups, kernel, chunks, prefill)
     if own:
@@ -338,9 +343,15 @@ def _kernel_group(
 
 
 def _chunk(
-    seq: SequenceSlice, offset: int, block_size: int, device: torch.device, prefill: bool, stage: HostStage
+    seq: SequenceSlice,
+    offset: int,
+    block_size: int,
+    device: torch.device,
+    prefill: bool,
+    stage: HostStage,
+    rounded: bool = False,
 ) -> PromptChunk:
-    if seq.start == 0 and not prefill:  # its keys are its own new tokens: plain causal attention, nothing to gather
+    if seq.start == 0 and not prefill and not rounded:  # its keys are its own new tokens: plain causal attention
         return PromptChunk(offset, 0, seq.num_new, None, None)
     num_keys = seq.start + seq.num_new
     blocks = stage.add(seq.block_table[: -(-num_keys // block_size)])
@@ -423,6 +434,7 @@ def paged_attention(
     `meta.slot_mapping` is None: then they are there already and `k`, `v` are not used). The caches may
     be stored in a narrower dtype than `q` (kv_cache_dtype): keys and values read back are widened to `q`'s; a
     prompt chunk that starts its prompt attends over its own fresh keys and values, unrounded, as vLLM does.
+    (With `build_metadata(rounded=True)` it reads them back from the cache too.)
     `q` may have rows past the step's tokens (the model runner pads a step with a prompt chunk to one of a few row
     counts, `linear.padded_rows`): their output is zeros."""
     num_kv_heads, num_pool_blocks, block_size, head_dim = k_cache.shape

@@ -5,7 +5,8 @@ norms, projections, rotary embedding, MLPs and lm_head; only attention is ours (
 because it must read and write the paged KV cache. All tokens of a step run as one flat batch `[T, hidden]`
 (with oneDNN projections, a step with a prompt chunk pads T to one of a few row counts; see `linear.py`).
 Logits are computed only for each sampling sequence's last token: a prompt chunk that does not finish its
-prompt needs none, and the other positions of a prefill never need any.
+prompt needs none, and the other positions of a prefill never need any, unless the sequence asks for them
+(`StepSequence.prompt_logits`: a request that wants its prompt's log-probabilities).
 
 The runner owns the KV tensors, one K and one V per layer, `[num_blocks, block_size, kv_heads, head_dim]`;
 which blocks belong to whom is `KVBlockPool`'s business.
@@ -357,10 +358,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, steps: list[StepSequence]) -> torch.Tensor:
-        """Run one step; return float32 logits `[sampling sequences, vocab]`, in the order of `steps`
-        restricted to those whose `samples` is true (empty when none samples)."""
+        """Run one step; return float32 logits `[rows, vocab]`: for each of `steps` in order, one row per token it
+        computes (positions start, start + 1, ...) when its `prompt_logits` is true, else one row (its last token's)
+        when its `samples` is true, else none (empty when no sequence has a row). Without `prompt_logits` that is
+        `[sampling sequences, vocab]`, each sampling sequence's last token only."""
         if self.decode_graphs is not None and all(s.num_new_tokens == 1 and s.samples for s in steps):
-            logits = self.decode_graphs.run(steps)
+            logits = self.decode_graphs.run(steps)  # one token a sequence: its one row, prompt_logits or not
             if logits is not None:
                 return logits
         token_ids, positions, seqs, last_tokens = [], [], [], []
@@ -368,17 +371,34 @@ class ModelRunner:
             token_ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + s.num_new_tokens))
             seqs.append(SequenceSlice(s.start, s.num_new_tokens, s.block_table))
-            if s.samples:
+            if s.prompt_logits:
+                last_tokens.extend(range(len(token_ids) - s.num_new_tokens, len(token_ids)))
+            elif s.samples:
                 last_tokens.append(len(token_ids) - 1)
         stage = self.stage
         stage.begin()
         meta = build_metadata(
-            seqs, self.block_size, self.device, self.dtype, kernel=self.kernel, prefill=self.prefill, stage=stage
+            seqs,
+            self.block_size,
+            self.device,
+            self.dtype,
+            kernel=self.kernel,
+            prefill=self.prefill,
+            stage=stage,
+            rounded=self.kv_dtype != self.dtype,
         )
-        if len(last_tokens) == len(token_ids):  # decodes only: the last layer's queries are the step's, as they are
+        if len(last_tokens) == len(token_ids) == len(steps):  # decodes only: the last layer's queries are the step's
             final = Final(None, dataclasses.replace(meta, slot_mapping=None))
         else:
-            finals = [SequenceSlice(s.start + s.num_new_tokens - 1, 1, s.block_table) for s in steps if s.samples]
+            # Each row's query over the cache: a prompt_logits sequence's every token (each one query, as a decode
+            # would be), the other sampling sequences' last token.
+            finals = []
+            for s in steps:
+                if s.prompt_logits:
+                    table = s.block_table
+                    finals.extend(SequenceSlice(p, 1, table) for p in range(s.start, s.start + s.num_new_tokens))
+                elif s.samples:
+                    finals.append(SequenceSlice(s.start + s.num_new_tokens - 1, 1, s.block_table))
             final = Final(
                 stage.add(last_tokens),
                 final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel, stage=stage)

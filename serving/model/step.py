@@ -14,6 +14,9 @@ class StepSequence:
     start: int  # the position of the first of them (the tokens before it are in the KV cache)
     block_table: list[int]  # the sequence's KV block ids, in order
     samples: bool  # the step computes the sequence's last known token, so its logits are returned
+    # The logits of every token this step computes for the sequence are returned, not only the last one's (a prompt
+    # whose tokens' log-probabilities were asked for: the logits at position p score the token at p + 1).
+    prompt_logits: bool = False
 
     @property
     def num_new_tokens(self) -> int:

@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from math import inf
 
 import pytest
 import requests
@@ -21,6 +22,8 @@ from pylon.data.tokenizer import ByteTokenizer
 from pylon.serving.api import keys, openapi, protocol
 from pylon.serving.api import server as serving_server
 from pylon.serving.api.http import ROUTES
+from pylon.serving.engine.request import TokenLogprob
+from pylon.serving.engine.tokenization import TokenTexts
 
 KEY = "sk-openapi-unit"
 PREFIX = "/svc/v2"
@@ -113,8 +116,13 @@ def test_requests_state_the_bounds_the_server_enforces():
     assert completion["properties"]["model"]["enum"] == ["tiny"]
     assert completion["additionalProperties"] is False and set(completion["required"]) == {"model", "prompt"}
     assert set(chat["required"]) == {"model", "messages"}
-    assert completion["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 127}
+    # completions take max_tokens 0 (with echo: score the prompt); chat does not
+    assert completion["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 127}
+    assert chat["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 127}
     assert chat["properties"]["max_completion_tokens"]["anyOf"][0]["maximum"] == 127
+    assert completion["properties"]["logprobs"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 5}
+    assert chat["properties"]["top_logprobs"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 20}
+    assert completion["properties"]["echo"]["type"] == "boolean" and chat["properties"]["logprobs"]["type"] == "boolean"
     assert (
         completion["properties"]["top_p"]["exclusiveMinimum"] == 0 and completion["properties"]["top_p"]["maximum"] == 1
     )
@@ -142,10 +150,23 @@ def test_what_the_protocol_builds_is_what_the_document_says():
     _assert_valid(doc, ref("CompletionResponse"), protocol.completion_response("cmpl-1", "tiny", "hi", "length", 3, 2))
     _assert_valid(doc, ref("ChatCompletionResponse"), protocol.chat_response("chatcmpl-1", "tiny", "hi", "stop", 3, 1))
     _assert_valid(doc, ref("ErrorResponse"), protocol.error_body("bad", param="prompt", code=400))
+    # with logprobs (an echoed prompt's first token has none; a token ruled out is sent as -9999), cached tokens
+    entries = [(104, None), (105, TokenLogprob(105, -1.5, ((106, -0.5), (105, -1.5)))), (255, TokenLogprob(255, -inf))]
+    texts = TokenTexts(ByteTokenizer())
+    completion_lp = protocol.LogprobsFormat(texts).completion(entries)
+    assert completion_lp["token_logprobs"] == [None, -1.5, -9999.0] and completion_lp["text_offset"] == [0, 1, 2]
+    chat_lp = protocol.LogprobsFormat(texts).chat(entries)
+    assert chat_lp["content"][1] == {"token": "\ufffd", "logprob": -9999.0, "bytes": [255], "top_logprobs": []}
+    built = protocol.completion_response("c", "tiny", "hij", "length", 3, 0, logprobs=completion_lp, cached_tokens=2)
+    _assert_valid(doc, ref("CompletionResponse"), built)
+    _assert_valid(
+        doc, ref("ChatCompletionResponse"), protocol.chat_response("c", "tiny", "h", "stop", 3, 1, logprobs=chat_lp)
+    )
     for kind, path in (("completion", "/v1/completions"), ("chat", "/v1/chat/completions")):
         events = protocol.StreamEvents(kind, "id-1", "tiny")
         stream = (events.role() if kind == "chat" else "") + events.chunk("a", None) + events.chunk("", "length")
-        stream += events.usage(3, 2) + events.event(protocol.error_body("late", type="timeout_error", code=504))
+        stream += events.chunk("b", None, completion_lp if kind == "completion" else chat_lp)
+        stream += events.usage(3, 2, 1) + events.event(protocol.error_body("late", type="timeout_error", code=504))
         for data in [*_sse_events(stream), "[DONE]"]:
             _assert_event(doc, path, data)
     # and the schemas are strict enough to fail: an extra key, a wrong object, a bad finish reason
@@ -242,6 +263,15 @@ def test_what_the_mounted_server_answers_conforms_to_its_document(mounted):
             200,
         ),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, auth, 400),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 2}, auth, 200),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 0}, auth, 200),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True},
+            auth,
+            200,
+        ),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 9}, auth, 400),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 500}, auth, 400),
         ("/v1/completions", {"model": "other", "prompt": "hi"}, auth, 404),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, {}, 401),
@@ -254,6 +284,9 @@ def test_what_the_mounted_server_answers_conforms_to_its_document(mounted):
             assert r.json()["error"]["code"] == status
     for path in GENERATE:
         body = {"model": "tiny", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+        body.update(
+            {"logprobs": 2, "echo": True} if path == "/v1/completions" else {"logprobs": True, "top_logprobs": 2}
+        )
         body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
         r = requests.post(f"{url}{path}", json=body, headers=auth, timeout=60)
         assert (

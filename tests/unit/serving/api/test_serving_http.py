@@ -117,7 +117,12 @@ def test_completions_streamed_and_not_agree_and_count_usage(server):
     r = requests.post(f"{server}/v1/completions", headers=auth(), json=body, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
     whole = r.json()
-    assert whole["usage"] == {"prompt_tokens": 11, "completion_tokens": 24, "total_tokens": 35}
+    assert whole["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 24,
+        "total_tokens": 35,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert whole["choices"][0]["finish_reason"] == "length" and whole["object"] == "text_completion"
 
     r = requests.post(
@@ -161,8 +166,8 @@ def test_chat_streams_the_role_first_and_the_openai_client_reads_it(server):
 
 def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(server):
     """What OpenAI's clients and agent frameworks send by habit (no tools, text output, a tool result message)
-    is served; asking for what this server does not do (function calling, structured output, top logprobs, a
-    compressed body) is a 4xx that names the field, never "unknown field"."""
+    is served; asking for what this server does not do (function calling, structured output, top logprobs without
+    logprobs, a compressed body) is a 4xx that names the field, never "unknown field"."""
     import gzip
 
     from openai import OpenAI
@@ -171,7 +176,7 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
     base = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     neutral = [
         {"tools": [], "tool_choice": "none", "parallel_tool_calls": True},
-        {"tool_choice": "auto", "tools": None, "top_logprobs": 0},
+        {"tool_choice": "auto", "tools": None, "logprobs": False},
         {"response_format": {"type": "text"}},
         {
             "messages": [
@@ -202,7 +207,9 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
             "structured output",
         ),
         ({"response_format": {"schema": {}}}, "response_format.type", "missing required field"),
-        ({"top_logprobs": 2}, "top_logprobs", "not supported"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ({"top_logprobs": 0, "logprobs": False}, "top_logprobs", "needs logprobs: true"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "less than or equal to 20"),
         (
             {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]}]},
             "messages.0.tool_calls",
@@ -424,6 +431,49 @@ def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
         finished = live.stats().requests_finished_total.get("length", 0)
         assert asyncio.run(run(6)) == before  # all six served, by the live engine, the same greedy tokens
         assert live.stats().requests_finished_total["length"] == finished + 6
+    finally:
+        pool.shutdown()
+
+
+def test_an_engine_pool_sends_a_prompt_to_the_engine_that_holds_its_prefix(model_dir):
+    """Two long prefixes, A and B, start together: one engine each. Later requests that continue B go to B's engine
+    (its reported cache holds B's blocks) although by open streams alone the first engine, A's, would take them
+    (both idle: a tie goes to the first); they find B's blocks cached. With the holder busy, the least loaded
+    engine takes a request instead."""
+    import asyncio
+
+    from pylon.serving.engine.process import EnginePool
+    from pylon.serving.engine.sampling import SamplingParams
+
+    a, b = [(3 * j) % 250 for j in range(70)], [(5 * j + 1) % 250 for j in range(70)]
+
+    async def one(pool, rid, prompt):
+        outs = [o async for o in pool.generate(rid, prompt, SamplingParams(max_tokens=4, temperature=0))]
+        return outs[-1]
+
+    async def scenario(pool):
+        await asyncio.gather(one(pool, "a", a), one(pool, "b", b))
+        holders = [e.cached_prefix_blocks(pool_hashes(b)) for e in pool.engines]
+        later = [await one(pool, f"b{i}", b + [i, i + 1]) for i in range(3)]
+        return holders, later
+
+    def pool_hashes(prompt):
+        from pylon.serving.engine.kv_cache import block_hashes
+
+        return block_hashes(prompt[:-1], 16, [])
+
+    pool = EnginePool.from_model(model_dir, _pool_spec())
+    try:
+        deadline = time.monotonic() + 10
+        holders, later = asyncio.run(scenario(pool))
+        while sorted(holders) != [0, 4] and time.monotonic() < deadline:  # the engines report at their next beat
+            time.sleep(0.1)
+            holders = [e.cached_prefix_blocks(pool_hashes(b)) for e in pool.engines]
+        assert sorted(holders) == [0, 4], holders  # B's four full blocks, on one engine only
+        assert holders[1] == 4  # the second engine: A took the first
+        assert [o.num_cached_tokens for o in later] == [64, 64, 64], later
+        finished = [e.stats().requests_finished_total.get("length", 0) for e in pool.engines]
+        assert finished == [1, 4], finished
     finally:
         pool.shutdown()
 

@@ -68,7 +68,7 @@ PROMPTS = make_prompts()
 class Family:
     """A tiny random model saved as a Pylon export, and `transformers`' greedy continuation of each prompt."""
 
-    def __init__(self, name: str, directory: Path):
+    def __init__(self, name: str, directory: Path, initializer_range: float = 0.5):
         tok = ByteTokenizer()
         # initializer_range 0.5 (not 0.02): a model at the default scale mostly repeats one token, which a
         # broken attention could reproduce too; this one's continuations depend on the context, with
@@ -79,7 +79,7 @@ class Family:
             eos_token_id=tok.eos_id,
             bos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id,
-            initializer_range=0.5,
+            initializer_range=initializer_range,
         )
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -218,9 +218,11 @@ def test_a_gpu_step_keeps_sdpa_off_cudnns_attention_and_puts_the_backends_back()
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8"])
 def test_a_narrower_kv_cache_stays_close_to_the_models_own_greedy(family: Family, kv: str) -> None:
     """kv_cache_dtype: the cache holds keys and values in `kv` (half or a quarter of float32's bytes), so outputs
-    are close to the model's own but not exact: bf16 and fp16 give transformers' first 5 tokens of every prompt
-    here (7-20 agree; with a float32 cache all 20 do), fp8's 3 mantissa bits most first tokens and soon part from
-    it. The kernel and the PyTorch path read the same cache and must agree token for token."""
+    are close to the model's own but not exact. Every prompt chunk attends over keys read back from the narrow cache
+    (the first one too, so that outputs are the same with prefix caching on and off: test_prefix_cache.py): bf16
+    and fp16 give transformers' first 2 tokens of every prompt here and most of the 20 (2-20 agree, 16 on average;
+    with a float32 cache all 20 do), fp8's 3 mantissa bits a third of the first tokens and soon part from it. The
+    kernel and the PyTorch path read the same cache and must agree token for token."""
     results = {}
     for kernel in (False,) if ON_CUDA else (True, False):  # the compiled kernel is a CPU's
         engine = family.engine(kv_cache_dtype=kv, max_num_batched_tokens=512)  # no prompt is chunked
@@ -238,9 +240,14 @@ def test_a_narrower_kv_cache_stays_close_to_the_models_own_greedy(family: Family
     if True in results:
         assert results[True] == results[False]
     if kv == "fp8":  # a wrong widening would match 1 in 320 by chance
-        assert sum(got[0] == expected[0] for got, expected in zip(results[False], family.greedy)) >= 6
+        assert sum(got[0] == expected[0] for got, expected in zip(results[False], family.greedy)) >= 3
     else:
-        assert all(got[:5] == expected[:5] for got, expected in zip(results[False], family.greedy))
+        assert all(got[:2] == expected[:2] for got, expected in zip(results[False], family.greedy))
+        agree = [
+            next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), len(e))
+            for g, e in zip(results[False], family.greedy)
+        ]
+        assert sum(agree) >= 10 * len(agree), agree
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         EngineSpec(kv_cache_dtype="int4")
 
