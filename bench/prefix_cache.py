@@ -51,7 +51,7 @@ def workload(args, shared: bool) -> list[list[list[int]]]:
     return convs
 
 
-def run_leg(directory: str, args, convs: list[list[list[int]]], caching: bool) -> dict:
+def run_leg(directory: str, args, convs: list[list[list[int]]], warm_up: list[int], caching: bool) -> dict:
     from pylon.serving.engine.engine import LLMEngine
     from pylon.serving.engine.sampling import SamplingParams
     from pylon.specs import EngineSpec
@@ -70,9 +70,9 @@ def run_leg(directory: str, args, convs: list[list[list[int]]], caching: bool) -
         ),
     )
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
-    # Steady state, as a deployment that has served before sees it: one request of the first conversation's first
-    # turn, not counted, on both legs (with the cache on, it leaves a shared system prompt cached).
-    engine.generate([convs[0][0][: args.system_tokens] + [10]], SamplingParams(max_tokens=1, temperature=0))
+    # Steady state, as a deployment that has served before sees it: one request, not counted, on both legs: the
+    # system prompt when there is one (with the cache on, it leaves it cached), else a prompt no request shares.
+    engine.generate([warm_up], SamplingParams(max_tokens=1, temperature=0))
     warm = engine.stats()
     pending = [(i, 0, []) for i in range(len(convs))]  # (conversation, turn, history tokens)
     pending.reverse()
@@ -141,6 +141,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     workloads = {"shared": workload(args, True), "random": workload(args, False)}
+    rng = random.Random(args.seed + 1)
+    warm_ups = {
+        "shared": workloads["shared"][0][0][: args.system_tokens] + [10],
+        "random": [rng.randrange(32, 127) for _ in range(args.system_tokens)],
+    }
     for name, convs in workloads.items():
         prompts = [t for c in convs for t in c]
         print(
@@ -164,7 +169,7 @@ def main() -> None:
         for r in range(args.rounds):
             for name, convs in workloads.items():
                 for caching in (True, False) if r % 2 == 0 else (False, True):  # alternate which goes first
-                    res = run_leg(tmp, args, convs, caching)
+                    res = run_leg(tmp, args, convs, warm_ups[name], caching)
                     results.setdefault((name, caching), []).append(res)
                     print(
                         f"round {r + 1} {name:6s} cache {'on ' if caching else 'off'}: TTFT p50 "

@@ -9,7 +9,7 @@ run = client.train("train.yaml")  # a Run: logs, metrics, plot, checkpoints, exp
 from pylon.errors import PylonError
 from pylon.version import __version__
 
-__all__ = ["PylonError", "connect", "Run", "Service", "Job", "DataJob", "__version__"]
+__all__ = ["PylonError", "connect", "evaluate", "Run", "Service", "Job", "DataJob", "__version__"]
 
 _SDK = ("Run", "Service", "Job", "DataJob")
 
@@ -19,6 +19,14 @@ def connect(address: str | None = None, *, timeout_s: float = 10.0):
     from pylon.sdk.client import connect as _connect
 
     return _connect(address, timeout_s=timeout_s)
+
+
+def evaluate(model_or_endpoint: str, **kwargs):
+    """Perplexity of an export directory or a deployment on a prepared dataset's held-out split; an `Evaluation`
+    (see `pylon.sdk.evaluate.evaluate` for the arguments; `pylon eval` is the same on the command line)."""
+    from pylon.sdk.evaluate import evaluate as _evaluate
+
+    return _evaluate(model_or_endpoint, **kwargs)
 
 
 def __getattr__(name: str):

@@ -447,11 +447,7 @@ def completion_response(
     cached_tokens: int = 0,
 ) -> dict:
     return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        **completion_chunk(rid, model, text, finish_reason, logprobs),
         "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 

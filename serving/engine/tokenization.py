@@ -227,7 +227,7 @@ class TokenTexts:
             except (ValueError, TypeError):
                 layout = {}
             if '"ByteLevel"' in json.dumps(layout.get("decoder") or {}):
-                self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+                self._byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
 
     def text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -259,7 +259,7 @@ class TokenTexts:
         return text.encode("utf-8")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's table from bytes to the printable characters byte-level BPE writes them as."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, extra = {}, 0

@@ -272,6 +272,40 @@ def test_concurrent_greedy_requests_match_transformers(served, tiny):
     assert got == expected
 
 
+def test_a_long_prefix_sent_twice_is_reused_and_scores_the_same_as_transformers(served, tiny):
+    """Prompt log-probabilities through HTTP (echo, logprobs, max_tokens 0) of a held-out text of 150 tokens: the
+    model's own log-softmax within 1e-4; sent again, 144 of its tokens come from the prefix cache
+    (usage.prompt_tokens_details.cached_tokens), and its log-probabilities are the first answer's."""
+    import torch
+
+    text = "".join(chr(32 + (i * 37) % 90) for i in range(150))  # in no test file: no earlier request sent it
+    ids = list(text.encode())
+
+    def score() -> dict:
+        body = {"model": "tiny", "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 0}
+        r = requests.post(f"{served}/v1/completions", headers=_auth(), json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first, again = score(), score()
+    with torch.no_grad():
+        logits = tiny.model(torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    lp = first["choices"][0]["logprobs"]
+    assert first["choices"][0]["text"] == text and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    # A dict by token text (OpenAI's legacy shape): the two most likely and the prompt's own token; alternatives that
+    # decode to the same text (two bytes of one character both "\ufffd") are one key.
+    tops = lp["top_logprobs"][1:]
+    assert all(1 <= len(top) <= 3 for top in tops) and any(len(top) == 3 for top in tops)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 144  # the full blocks short of the last token
+    lp_again = again["choices"][0]["logprobs"]
+    assert lp_again["token_logprobs"][:145] == lp["token_logprobs"][:145]  # kept beside the cached blocks
+    assert lp_again["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+    assert lp_again["tokens"] == lp["tokens"] and lp_again["text_offset"] == lp["text_offset"]
+
+
 def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_transformers(ray_cluster, tiny, served):
     """engine.data_parallel: 2 engine processes behind one replica (the layout for a CPU node); 12 concurrent greedy
     requests through HTTP, both engines working, outputs token for token transformers' own; then one engine killed:
@@ -371,10 +405,11 @@ def test_bad_chat_and_paths_and_the_server_still_answers(served):
     for body in (
         {"model": "tiny", "messages": []},
         {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
-        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
     ):
         r = requests.post(f"{served}/v1/chat/completions", headers=_auth(), json=body, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"].startswith(("messages", "logprobs")), r.text
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(("messages", "top_logprobs")), r.text
     r = requests.get(f"{served}/v1/nothing-here", headers=_auth(), timeout=30)
     assert r.status_code == 404 and "error" in r.json()
     r = requests.post(

@@ -4,7 +4,7 @@ Exit codes: 0 success, 1 a problem with input or environment (the message says w
 2 wrong command-line usage.
 
 Each command group lives in its own module, its parser beside its handlers: `cluster`, `data`,
-`jobs` (train, jobs, export), `serve` (serve, demo) and `specs` (validate, plan, infra); `common`
+`jobs` (train, jobs, export), `serve` (serve, demo), `evaluate` (eval) and `specs` (validate, plan, infra); `common`
 holds what they share. This module only assembles them and runs a command.
 """
 
@@ -14,7 +14,7 @@ import argparse
 import sys
 import textwrap
 
-from pylon.cli import cluster, data, jobs, serve, specs
+from pylon.cli import cluster, data, evaluate, jobs, serve, specs
 from pylon.cli.common import FORMATTER
 from pylon.errors import PylonError, SpecError
 from pylon.version import __version__
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     specs.add_infra_parser(sub, fmt)
     jobs.add_export_parser(sub, fmt)
     serve.add_serve_parser(sub, fmt)
+    evaluate.add_eval_parser(sub, fmt)
     serve.add_demo_parser(sub, fmt)
     return parser
 

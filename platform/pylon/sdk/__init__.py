@@ -4,6 +4,8 @@ client.py   Client and connect(): jobs, nodes, plans and deployments through Ray
 handles.py  Job, Run, DataJob, Service: handles on what a Client submitted (logs, metrics, plots, export)
 serve.py    deploy() and delete() of a Serve application
 inputs.py   specs from objects, dicts or YAML files; job ids; API keys from the environment
+evaluate.py evaluate(): perplexity of an export or a deployment on a dataset's held-out split (`pylon.evaluate`)
+lm_eval.py  lm-evaluation-harness against a deployment: `pylon-completions`, HF tokenizer files for any export
 """
 
 from pylon.sdk.client import Client, connect

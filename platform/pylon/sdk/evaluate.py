@@ -1,0 +1,460 @@
+"""Perplexity of a model on a prepared dataset's held-out split: `pylon.evaluate(...)`, `pylon eval`.
+
+    result = pylon.evaluate("./model")                                   # an export: its eval.json names the data
+    result = pylon.evaluate("http://127.0.0.1:8000", data="s3://bucket/ds/", validation_fraction=0.05)
+    print(result.loss, result.perplexity, result.tokens)
+
+The held-out split is the trainer's (`pylon.data.reader.split_ids`: the tail of the dataset's id space), read here
+straight from the shards (sizes and sha256 checked against the manifest), without Ray. The loss is the trainer's
+(`pylon.jobs.train.token_loss_sum`): next-token cross-entropy summed over every non-padding token that has a
+predecessor in its row (a row of n tokens scores n - 1), divided by their count over the whole split, in fp32.
+
+- An export directory (local, or s3:// copied to a temporary directory): `transformers` in fp32 on the GPU if
+  there is one, else the CPU, on the rows exactly as the trainer batches them (padding masked).
+- A deployment (`http(s)://HOST:PORT[/prefix]`): each row's non-padding token ids are a token-id prompt to
+  `POST /v1/completions` with `echo: true, logprobs: 0, max_tokens: 0`; the prompt tokens' log-probabilities
+  (`choices[0].logprobs.token_logprobs`, the first null) give the same sum: -sum(logprobs[1:]) over n - 1
+  tokens. A bounded number of requests is in flight at once.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from pylon.errors import PylonError
+
+if TYPE_CHECKING:  # numpy, storage and the rest load on use: `pylon --help` imports this module
+    import numpy as np
+
+DEFAULT_API_KEY_ENV = "PYLON_API_KEYS"  # the example deployment's http.api_keys_env: its first key is used
+DEFAULT_CONCURRENCY = 8
+METRIC = "mean next-token cross-entropy (nats/token) over the held-out split; perplexity = exp(loss)"
+
+
+@dataclass
+class HeldOut:
+    """The held-out rows of a prepared dataset: each row's non-padding token ids, in id order."""
+
+    dataset: str
+    validation_fraction: float
+    ids: tuple[int, int]  # the split's sample ids [lo, hi)
+    sequences: list[np.ndarray]
+    seq_len: int
+    pad_id: int
+    tokenizer: dict
+
+
+@dataclass
+class Evaluation:
+    """What `evaluate` measured. `as_dict()` is `pylon eval --json`'s object (docs/eval.md lists its keys)."""
+
+    loss: float
+    perplexity: float
+    tokens: int
+    sequences: int
+    source: str  # "model" (an export directory, transformers) or "endpoint" (a deployment over HTTP)
+    model: str  # the export directory or the endpoint's base URL
+    served_model: str | None  # the deployment's model name (endpoint only)
+    device: str | None  # where transformers ran (model only)
+    dataset: str
+    split: str
+    validation_fraction: float
+    ids: list[int]  # the split's sample ids [lo, hi); `sequences` of them were scored, from lo on
+    seconds: float
+    recorded: dict | None  # the export's eval.json (the trainer's own figure), when it has one
+    metric: str = METRIC
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loss: one arithmetic for both paths
+# ---------------------------------------------------------------------------------------------------------
+
+
+def prompt_loss_sum(token_logprobs: Sequence[float | None], n_tokens: int) -> tuple[float, int]:
+    """A scored prompt of `n_tokens` tokens as (summed next-token loss, tokens counted), the trainer's way:
+    position t predicts token t+1, so the first token (logprob null) counts for nothing and n - 1 tokens do."""
+    if len(token_logprobs) != n_tokens:
+        raise PylonError(
+            f"the server scored {len(token_logprobs)} prompt tokens of {n_tokens} sent; it must echo the prompt "
+            "token for token (a token-id prompt with echo: true, logprobs: 0, max_tokens: 0)"
+        )
+    if n_tokens == 0:
+        return 0.0, 0
+    if token_logprobs[0] is not None:
+        raise PylonError("the server gave the first prompt token a logprob; OpenAI's shape (and Pylon's) has null")
+    rest = token_logprobs[1:]
+    if any(lp is None for lp in rest):
+        raise PylonError("the server left a prompt token after the first without a logprob")
+    return -math.fsum(float(lp) for lp in rest), len(rest)
+
+
+def reduce_losses(parts: Sequence[tuple[float, int]]) -> tuple[float, int]:
+    """Summed losses and token counts of many sequences as (mean loss per token, tokens): every token weighs the
+    same, whichever sequence holds it, as in the trainer's evaluation."""
+    total = math.fsum(s for s, _ in parts)
+    tokens = sum(n for _, n in parts)
+    if tokens == 0:
+        raise PylonError("nothing to score: the held-out sequences have no token with a predecessor")
+    return total / tokens, tokens
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The data
+# ---------------------------------------------------------------------------------------------------------
+
+
+def held_out(dataset: str, validation_fraction: float, max_sequences: int | None = None) -> HeldOut:
+    """The held-out split the trainer evaluates on (`data.validation_fraction` of the same dataset), its first
+    `max_sequences` rows when given, read from the shards without Ray."""
+    import numpy as np
+
+    from pylon import storage
+    from pylon.data.reader import split_ids
+    from pylon.data.shards import decode_shard, read_manifest, verify_shard_bytes
+
+    if not 0 < validation_fraction < 1:
+        raise PylonError(
+            f"validation fraction {validation_fraction}: must be in (0, 1), the training run's "
+            "data.validation_fraction (0 has no held-out split)"
+        )
+    if max_sequences is not None and max_sequences < 1:
+        raise PylonError(f"max sequences {max_sequences}: must be at least 1")
+    manifest = read_manifest(dataset)
+    lo, hi = split_ids(manifest, validation_fraction)["validation"]
+    if lo == hi:
+        raise PylonError(
+            f"{dataset}: the held-out split is empty ({manifest.totals.rows} rows, validation fraction "
+            f"{validation_fraction})"
+        )
+    end = hi if max_sequences is None else min(hi, lo + max_sequences)
+    sequences: list[np.ndarray] = []
+    for info in manifest.shards:
+        a, b = max(lo, info.first_id), min(end, info.first_id + info.rows)
+        if a >= b:
+            continue
+        uri = storage.join(dataset, info.file)
+        data = storage.read_bytes(uri)  # retried as every storage read is
+        verify_shard_bytes(info, data)
+        rows = decode_shard(manifest.format, data, shard=info.file, seq_len=manifest.seq_len, dtype=manifest.dtype)
+        for i in np.flatnonzero((rows.ids >= a) & (rows.ids < b)):
+            sequences.append(np.asarray(rows.tokens[i, : int(rows.num_tokens[i])], dtype=np.int64))
+    if len(sequences) != end - lo:
+        raise PylonError(f"{dataset}: found {len(sequences)} of the {end - lo} held-out rows [{lo}, {end})")
+    return HeldOut(
+        dataset=dataset,
+        validation_fraction=validation_fraction,
+        ids=(lo, hi),
+        sequences=sequences,
+        seq_len=manifest.seq_len,
+        pad_id=manifest.tokenizer.pad_id,
+        tokenizer=manifest.tokenizer.model_dump(mode="json"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# An export directory, with transformers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def model_loss(
+    directory: str, data: HeldOut, *, batch_size: int = 8, device: str | None = None, progress: bool = False
+) -> tuple[float, int, str]:
+    """(mean loss, tokens, device) of the `transformers` model in the local `directory`, in fp32, on the held-out
+    rows batched as the trainer batches them (full rows, padding masked out of the attention and the labels)."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from pylon.data.reader import Batch
+    from pylon.jobs.train import token_loss_sum
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise PylonError(f"{directory}: cannot load a Hugging Face causal LM from it ({e})") from None
+    model.to(device).eval()
+    vocab = model.config.vocab_size
+    top = max((int(s.max()) for s in data.sequences if len(s)), default=0)
+    if top >= vocab:
+        raise PylonError(
+            f"{data.dataset}: token id {top} is outside the model's vocabulary of {vocab}; the dataset was "
+            "prepared with another tokenizer than the model's"
+        )
+    loss_sum, tokens = 0.0, 0
+    bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="evaluating")
+    with torch.no_grad():
+        for start in range(0, len(data.sequences), batch_size):
+            chunk = data.sequences[start : start + batch_size]
+            rows = np.full((len(chunk), data.seq_len), data.pad_id, dtype=np.int64)
+            for r, seq in enumerate(chunk):
+                rows[r, : len(seq)] = seq
+            lengths = np.array([len(s) for s in chunk], dtype=np.int32)
+            inputs = Batch(np.arange(len(chunk)), rows, lengths, 0.0).to_torch(data.pad_id, device=device)
+            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+            part, n = token_loss_sum(logits, inputs["labels"])
+            loss_sum += float(part.item())
+            tokens += n
+            bar.update(len(chunk))
+    bar.close()
+    if tokens == 0:
+        raise PylonError("nothing to score: the held-out sequences have no token with a predecessor")
+    return loss_sum / tokens, tokens, str(device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A deployment, over HTTP
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _base_url(endpoint: str) -> str:
+    url = endpoint.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _http_error(response, what: str, api_key_env: str) -> PylonError:
+    """An HTTP error answer as a PylonError: the status, the server's own message, and what to do next."""
+    try:
+        error = response.json().get("error") or {}
+        message = error.get("message") or response.text
+        param = error.get("param")
+    except ValueError:
+        message, param = response.text.strip()[:500], None
+    detail = f"{message} (param: {param})" if param else message
+    hints = {
+        401: f"set {api_key_env} (or the variable --api-key-env names) to one of the deployment's API keys",
+        404: "check the URL (with its route prefix) and --model, the served model's name (GET /v1/models)",
+        429: "the deployment is saturated; retry later or send fewer at once (--concurrency)",
+        503: "the deployment is not ready or lost an engine; check `pylon serve` / Serve's status, then retry",
+        504: "the deployment timed out; raise its http.request_timeout_s or send fewer at once (--concurrency)",
+    }
+    hint = hints.get(response.status_code)
+    if hint is None and response.status_code == 400:
+        hint = (
+            "the deployment refused the scoring request; it must support echo: true with logprobs and "
+            "max_tokens: 0 on token-id prompts, and the rows must fit its context (max_model_len)"
+        )
+    return PylonError(
+        f"{what}: HTTP {response.status_code}: {detail}" + (f"; {hint}" if hint else ""),
+    )
+
+
+def served_model_name(url: str, session, api_key_env: str, timeout_s: float = 30.0) -> str:
+    """The one model a deployment serves (`GET /v1/models`)."""
+    import requests
+
+    try:
+        r = session.get(f"{url}/v1/models", timeout=timeout_s)
+    except requests.RequestException as e:
+        raise PylonError(f"{url}: cannot reach the deployment ({type(e).__name__}: {e})") from None
+    if r.status_code != 200:
+        raise _http_error(r, f"GET {url}/v1/models", api_key_env)
+    models = [m["id"] for m in r.json().get("data", [])]
+    if len(models) != 1:
+        raise PylonError(f"{url}: serves {len(models)} models ({', '.join(models)}); name one with --model")
+    return models[0]
+
+
+def endpoint_loss(
+    endpoint: str,
+    data: HeldOut,
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    api_key_env: str = DEFAULT_API_KEY_ENV,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    timeout_s: float = 300.0,
+    progress: bool = False,
+) -> tuple[float, int, str]:
+    """(mean loss, tokens, served model name) of a deployment on the held-out rows: each row's prompt tokens'
+    log-probabilities, at most `concurrency` requests in flight."""
+    import requests
+    from tqdm import tqdm
+
+    url = _base_url(endpoint)
+    if concurrency < 1:
+        raise PylonError(f"concurrency {concurrency}: must be at least 1")
+    local = threading.local()
+
+    def session() -> requests.Session:
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+            if api_key:
+                local.session.headers["Authorization"] = f"Bearer {api_key}"
+        return local.session
+
+    name = model or served_model_name(url, session(), api_key_env)
+
+    def score(seq: np.ndarray) -> tuple[float, int]:
+        if len(seq) < 2:  # nothing to predict: the trainer counts no token of it either
+            return 0.0, 0
+        body = {"model": name, "prompt": seq.tolist(), "echo": True, "logprobs": 0, "max_tokens": 0}
+        try:
+            r = session().post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+        except requests.RequestException as e:
+            raise PylonError(f"{url}: request failed ({type(e).__name__}: {e})") from None
+        if r.status_code != 200:
+            raise _http_error(r, f"POST {url}/v1/completions", api_key_env)
+        logprobs = (r.json().get("choices") or [{}])[0].get("logprobs")
+        if not logprobs or "token_logprobs" not in logprobs:
+            raise PylonError(
+                f"{url}: the answer carries no prompt logprobs (choices[0].logprobs is {logprobs!r}); the "
+                "deployment must support echo: true with logprobs: 0 and max_tokens: 0"
+            )
+        return prompt_loss_sum(logprobs["token_logprobs"], len(seq))
+
+    parts: list[tuple[float, int]] = [(0.0, 0)] * len(data.sequences)
+    bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="scoring")
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        pending = {}
+        todo = iter(enumerate(data.sequences))
+        try:
+            while True:
+                while len(pending) < concurrency:  # bounded: never more than `concurrency` rows in flight
+                    nxt = next(todo, None)
+                    if nxt is None:
+                        break
+                    pending[pool.submit(score, nxt[1])] = nxt[0]
+                if not pending:
+                    break
+                done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    parts[pending.pop(future)] = future.result()  # the first error ends the evaluation
+                    bar.update(1)
+        finally:
+            for future in pending:
+                future.cancel()
+            bar.close()
+    loss, tokens = reduce_losses(parts)
+    return loss, tokens, name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------------------------
+
+
+def is_endpoint(model_or_endpoint: str) -> bool:
+    return model_or_endpoint.startswith(("http://", "https://"))
+
+
+def evaluate(
+    model_or_endpoint: str,
+    *,
+    data: str | None = None,
+    validation_fraction: float | None = None,
+    max_sequences: int | None = None,
+    model: str | None = None,
+    api_key: str | None = None,
+    api_key_env: str = DEFAULT_API_KEY_ENV,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    batch_size: int = 8,
+    device: str | None = None,
+    progress: bool = False,
+) -> Evaluation:
+    """The perplexity of a model on a prepared dataset's held-out split (see this module's docstring).
+
+    `model_or_endpoint`: an export directory (local or s3://) or a deployment's base URL (http(s)://). For an
+    export with `eval.json`, `data` and `validation_fraction` default to the dataset and fraction its training
+    run evaluated on; otherwise both are required. `max_sequences`: the split's first N rows only. Endpoint only:
+    `model` (default: the one the deployment serves), `api_key` (default: the first of the comma-separated keys
+    in environment variable `api_key_env`), `concurrency` (requests in flight). Model only: `batch_size`,
+    `device` (default: cuda if available, else cpu)."""
+    from pylon.jobs.export import read_export_eval
+    from pylon.sdk.inputs import first_api_key
+
+    t0 = time.perf_counter()
+    endpoint = is_endpoint(model_or_endpoint)
+    recorded = None if endpoint else read_export_eval(model_or_endpoint)
+    if data is None:
+        data = recorded.get("dataset") if recorded else None
+    if validation_fraction is None:
+        validation_fraction = recorded.get("validation_fraction") if recorded else None
+    missing = [
+        flag for flag, value in (("--data", data), ("--validation-fraction", validation_fraction)) if value is None
+    ]
+    if missing:
+        why = (
+            "an endpoint does not say what it was trained on"
+            if endpoint
+            else f"{model_or_endpoint} has no eval.json (its run had no validation split) to take them from"
+        )
+        raise PylonError(
+            f"{' and '.join(missing)} required: {why}; give the training run's data.uri (--data URI) and "
+            "data.validation_fraction (--validation-fraction F)"
+        )
+    held = held_out(data, float(validation_fraction), max_sequences)
+    if endpoint:
+        key = api_key if api_key is not None else first_api_key(api_key_env, required=False)
+        loss, tokens, served = endpoint_loss(
+            model_or_endpoint,
+            held,
+            model=model,
+            api_key=key,
+            api_key_env=api_key_env,
+            concurrency=concurrency,
+            progress=progress,
+        )
+        where, run_on = _base_url(model_or_endpoint), None
+    else:
+        from pylon.models import local_model_dir
+
+        with local_model_dir(model_or_endpoint) as directory:
+            _check_tokenizer(directory, model_or_endpoint, held)
+            loss, tokens, run_on = model_loss(directory, held, batch_size=batch_size, device=device, progress=progress)
+        where, served = model_or_endpoint, None
+    # Recorded for the same data only: a figure over other data would only mislead.
+    same = recorded and recorded.get("dataset") == data and recorded.get("validation_fraction") == validation_fraction
+    return Evaluation(
+        loss=loss,
+        perplexity=_perplexity(loss),
+        tokens=tokens,
+        sequences=len(held.sequences),
+        source="endpoint" if endpoint else "model",
+        model=where,
+        served_model=served,
+        device=run_on,
+        dataset=data,
+        split="validation",
+        validation_fraction=float(validation_fraction),
+        ids=list(held.ids),
+        seconds=round(time.perf_counter() - t0, 3),
+        recorded=recorded if same else None,
+    )
+
+
+def _check_tokenizer(directory: str, where: str, held: HeldOut) -> None:
+    """An export's `pylon_tokenizer.json` must be the dataset's tokenizer (the same ids mean the same text)."""
+    import json
+    import os
+
+    from pylon.jobs.export import TOKENIZER_FILE
+
+    path = os.path.join(directory, TOKENIZER_FILE)
+    if not os.path.exists(path):
+        return  # a plain Hugging Face directory: the vocabulary check in model_loss is all there is
+    with open(path) as f:
+        mine = json.load(f)
+    keys = ("kind", "name", "vocab_size", "sha256")
+    if any(mine.get(k) != held.tokenizer.get(k) for k in keys):
+        a = {k: mine.get(k) for k in keys}
+        b = {k: held.tokenizer.get(k) for k in keys}
+        raise PylonError(
+            f"{where} was trained with tokenizer {a}, {held.dataset} was prepared with {b}: "
+            "evaluate on data prepared with the model's tokenizer"
+        )
