@@ -35,14 +35,27 @@ def synthetic_tokens(ids: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 def write_synthetic_dataset(
-    uri: str, *, rows: int, rows_per_shard: int, seq_len: int = 16, fmt: str = "parquet"
+    uri: str,
+    *,
+    rows: int,
+    rows_per_shard: int,
+    seq_len: int = 16,
+    fmt: str = "parquet",
+    tokens: np.ndarray | None = None,
+    lengths: np.ndarray | None = None,
 ) -> ShardManifest:
+    """A prepared dataset of `rows` rows of `seq_len` tokens: `synthetic_tokens`, or the given `tokens`
+    ([rows, seq_len], padding past each row's `lengths`, all of them by default)."""
     run_id = uuid.uuid4().hex
     shards = []
     for index, first in enumerate(range(0, rows, rows_per_shard)):
         ids = np.arange(first, min(rows, first + rows_per_shard), dtype=np.int64)
-        num_tokens = np.full(len(ids), seq_len, np.int32)
-        data = encode_shard(fmt, ShardRows(ids, num_tokens, synthetic_tokens(ids, seq_len)))
+        if lengths is None:
+            num_tokens = np.full(len(ids), seq_len, np.int32)
+        else:
+            num_tokens = np.asarray(lengths[ids], np.int32)
+        rows_tokens = synthetic_tokens(ids, seq_len) if tokens is None else tokens[ids]
+        data = encode_shard(fmt, ShardRows(ids, num_tokens, rows_tokens))
         name = f"part-{run_id[:8]}-{index:05d}{SHARD_SUFFIX[fmt]}"
         storage.atomic_write(storage.join(uri, name), data)
         shards.append(

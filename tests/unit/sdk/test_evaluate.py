@@ -110,40 +110,6 @@ def _export(tmp_path: Path):
     return model, directory
 
 
-def _write_dataset(uri: str, tokens: np.ndarray, lengths: np.ndarray):
-    """One parquet shard of these rows (padding after each row's `lengths` tokens) and its manifest."""
-    from pylon import storage
-    from pylon.data.shards import (
-        SHARD_SUFFIX,
-        ShardInfo,
-        ShardManifest,
-        ShardRows,
-        TokenizerInfo,
-        Totals,
-        encode_shard,
-        manifest_uri,
-        sha256_hex,
-    )
-
-    ids = np.arange(len(tokens), dtype=np.int64)
-    data = encode_shard("parquet", ShardRows(ids, lengths, tokens))
-    name = "part-00000" + SHARD_SUFFIX["parquet"]
-    storage.atomic_write(storage.join(uri, name), data)
-    n, total = len(ids), int(lengths.sum())
-    manifest = ShardManifest(
-        format="parquet",
-        seq_len=tokens.shape[1],
-        dtype="uint16",
-        tokenizer=TokenizerInfo(kind="byte", name="byte", vocab_size=VOCAB, eos_id=256, pad_id=257),
-        shards=[ShardInfo(file=name, rows=n, tokens=total, bytes=len(data), sha256=sha256_hex(data), first_id=0)],
-        totals=Totals(documents=n, rows=n, tokens=total, bytes=len(data)),
-        sources=["unit"],
-        run_id="0" * 32,
-    )
-    storage.atomic_write_json(manifest_uri(uri), manifest.model_dump(mode="json"))
-    return manifest
-
-
 class _Server:
     """An OpenAI-shaped /v1/completions on loopback scoring token-id prompts with a model (echo, logprobs 0,
     max_tokens 0), requiring Bearer KEY; records the requests and how many were in flight at once."""
@@ -214,7 +180,7 @@ def test_export_and_endpoint_agree_with_a_direct_computation(tmp_path: Path, mon
     tokens = synthetic_tokens(np.arange(20), 12)
     for i, n in enumerate(lengths):
         tokens[i, n:] = 257
-    manifest = _write_dataset(uri, tokens, lengths)
+    manifest = write_synthetic_dataset(uri, rows=20, rows_per_shard=20, seq_len=12, tokens=tokens, lengths=lengths)
 
     model, directory = _export(tmp_path)
     lo, hi = split_ids(manifest, 0.25)["validation"]
