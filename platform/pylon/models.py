@@ -186,11 +186,15 @@ def export_lora(model: torch.nn.Module, out_dir: str | os.PathLike, merge: bool)
         model.save_pretrained(out_dir, safe_serialization=True)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+
+
 @contextlib.contextmanager
-def local_model_dir(uri: str) -> Iterator[str]:
+def local_model_dir(uri: str, *, weights: bool = True) -> Iterator[str]:
     """A local directory holding the model directory `uri`: the path itself when local, else a private copy
     (removed on exit), since `transformers` reads only local files. A PylonError raised inside about a file of the
-    copy names `uri` instead (without credentials)."""
+    copy names `uri` instead (without credentials). `weights=False`: the copy leaves out the weight files (what a
+    tokenizer alone needs: its files and the config)."""
     try:
         fs, path = storage.resolve(uri)
         is_dir = fs.isdir(path)
@@ -206,7 +210,15 @@ def local_model_dir(uri: str) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix="pylon-model-")
     try:
         try:
-            fs.get(path.rstrip("/") + "/", tmp + "/", recursive=True)
+            if weights:
+                fs.get(path.rstrip("/") + "/", tmp + "/", recursive=True)
+            else:
+                root = path.rstrip("/")
+                for name in fs.find(root):
+                    rel = name[len(root) :].lstrip("/")
+                    if rel and not rel.endswith(WEIGHT_SUFFIXES):
+                        os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
+                        fs.get(name, os.path.join(tmp, rel))
         except Exception as e:  # fsspec/botocore errors while copying
             raise PylonError(
                 f"model.path {storage.describe(uri)}: cannot be copied ({type(e).__name__}: {e})"

@@ -5,8 +5,9 @@
     url = pylon.sdk.serve.deploy(spec)         # the same, from a client; returns the base URL
 
 Each replica owns one engine (the model, its KV cache and its step loop, in a child process by default) and
-answers HTTP itself (`@serve.ingress` over a plain ASGI app, `OpenAIApp`): a separate router deployment would add
-a hop per streamed token for nothing.
+answers HTTP itself (`@serve.ingress` over a plain ASGI app, `OpenAIApp`): a router deployment relaying requests
+would add a hop per streamed token for nothing. With prefix caching on and more than one replica, HAProxy asks
+`<name>-router` which replica takes each request (once, before it sends it there: pylon.serving.api.routing).
 
     POST /v1/completions   POST /v1/chat/completions   GET /v1/models   GET /health   GET /ready
 
@@ -74,7 +75,41 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
         graceful_shutdown_timeout_s=5,
         user_config={"api_keys": keys, "revision": new_id("rev")},
     )
-    return deployment.bind(spec.model_dump(mode="json"))
+    if not routes_by_prefix(spec):
+        return deployment.bind(spec.model_dump(mode="json"))
+    from ray.serve.config import RequestRouterConfig
+
+    from pylon.serving.api.routing import HEALTH_CHECK_PERIOD_S, ROUTING_STATS_PERIOD_S, PylonRouter
+
+    server = deployment.options(
+        request_router_config=RequestRouterConfig(
+            request_router_class="pylon.serving.api.request_router.PrefixAffinityRouter",
+            request_router_kwargs={"capacity": running},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        ),
+        # Serve's controller collects routing stats at health checks: these pace the router's view of the caches.
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    ).bind(spec.model_dump(mode="json"))
+    router = serve.deployment(
+        serve.ingress()(PylonRouter),
+        name=f"{spec.name}-router",
+        num_replicas=1,
+        max_ongoing_requests=1000,  # on the path of every request, and each call is short: never the bottleneck
+        ray_actor_options={"num_cpus": 0},
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=5,
+    ).bind(server, spec.model_dump(mode="json"))
+    # Ray Serve's hook for an ingress request router (internal to Ray 2.60; Ray Serve LLM's router uses it).
+    return server._with_ingress_request_router(router)
+
+
+def routes_by_prefix(spec: DeploymentSpec) -> bool:
+    """Whether the application gets Pylon's prefix-aware router (pylon.serving.api.routing): prefix caching is on,
+    more than one replica may run, and Serve's ingress is HAProxy (read where the application is built: the
+    driver of `serve.run`, or Serve's controller for a deploy through the REST API)."""
+    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+
+    return spec.engine.enable_prefix_caching and spec.autoscaling.max_replicas > 1 and bool(RAY_SERVE_ENABLE_HA_PROXY)
 
 
 def app_builder(args: dict):

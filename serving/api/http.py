@@ -97,7 +97,7 @@ async def read_body(receive) -> bytes:
             return b"".join(parts)
 
 
-async def _lifespan(receive, send) -> None:
+async def lifespan(receive, send) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
@@ -124,7 +124,7 @@ class OpenAIApp:
         if kind == "http":
             await self.server._dispatch(scope, receive, send)
         elif kind == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
         elif kind == "websocket":  # no websocket API: refuse the handshake (the client sees a 403)
             await receive()
             await send({"type": "websocket.close", "code": 1008})

@@ -5,10 +5,12 @@ outputs, answers 429 when its queue is full, and exports Prometheus metrics labe
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import re
 import time
 
-from pylon.serving.api import openapi, protocol
+from pylon.serving.api import openapi, protocol, routing
 from pylon.serving.api.http import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -31,6 +33,7 @@ from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.specs import DeploymentSpec
 
 log = logging.getLogger("pylon.serving")
+_ROUTE = re.compile(r"^(prefix:\d{1,6}|load)$")
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
 
@@ -109,6 +112,20 @@ class PylonLLMServer:
         self._keys = KeyCheck(user_config.get("api_keys"), required=bool(self.spec.http.api_keys_env))
         self._revision = str(user_config.get("revision", ""))
         log.info("%s: %d API key(s) in force", self.model_name, self._keys.count)
+
+    def record_routing_stats(self) -> dict:
+        """Serve's routing stats of this replica, which its controller asks for every `ROUTING_STATS_PERIOD_S` and
+        hands every handle's request router: the hashes of the blocks its engines hold cached, and its engines'
+        sequence slots (pylon.serving.api.routing reads them)."""
+        if not self.spec.engine.enable_prefix_caching:
+            return {}
+        return {
+            routing.STATS_KEY: {
+                "blocks": routing.short_hashes(self.engine.cached_block_hashes()),
+                "capacity": self.spec.engine.data_parallel * self.spec.engine.max_num_seqs,
+                "at": time.time(),
+            }
+        }
 
     def check_health(self) -> None:
         """Serve's replica health check: a dead or stuck step loop gets the replica replaced."""
@@ -280,6 +297,9 @@ class PylonLLMServer:
     async def _generate(self, scope, receive, send, kind: str) -> None:
 
         headers = request_headers(scope)
+        # How Pylon's router routed it (pylon.serving.api.routing), echoed for clients and tests to see.
+        route = headers.get(routing.ROUTE_REQUEST_HEADER, "")
+        answer_headers = {routing.ROUTE_RESPONSE_HEADER: route} if _ROUTE.match(route) else {}
         # Serve's ingress puts the client's X-Request-Id (or one it made up) on the request and the response.
         request_id = headers.get("x-request-id", "")
         if not REQUEST_ID.match(request_id):
@@ -339,7 +359,14 @@ class PylonLLMServer:
         choice = _Choice(kind, body, prompt, self.engine.tokenizer, self._token_texts)
         if body.stream:
             return await self._stream(
-                send, protocol.StreamEvents(kind, rid, self.model_name), body, first, stream, timeout, choice
+                send,
+                protocol.StreamEvents(kind, rid, self.model_name),
+                body,
+                first,
+                stream,
+                timeout,
+                choice,
+                answer_headers,
             )
         text, pairs, last = [], [], first
         try:
@@ -374,27 +401,28 @@ class PylonLLMServer:
                 logprobs=choice.logprobs(pairs),
                 cached_tokens=last.num_cached_tokens,
             ),
+            answer_headers,
         )
 
-    @property
+    @functools.cached_property
     def _token_texts(self) -> TokenTexts:
         """Token ids' texts and bytes for logprobs, cached across requests (built at the first use)."""
-        texts = self.__dict__.get("_token_texts_cache")
-        if texts is None:
-            texts = self.__dict__["_token_texts_cache"] = TokenTexts(self.engine.tokenizer)
-        return texts
+        return TokenTexts(self.engine.tokenizer)
 
     async def _first(self, stream):
         return await stream.__anext__()
 
-    async def _stream(self, send, events, body, first, stream, timeout: float, choice: "_Choice") -> None:
+    async def _stream(
+        self, send, events, body, first, stream, timeout: float, choice: "_Choice", answer_headers: dict
+    ) -> None:
         """Server-sent events: one chunk per engine output, a usage chunk if asked, then [DONE]. A client that
         disconnects gets this task cancelled by Serve's ingress; closing `stream` then aborts the engine request.
 
         Events that are ready together go out as one write: chat's role chunk with the first content, and the
         last content chunk with the usage chunk and [DONE]."""
 
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer_headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *extra]})
         last, held = first, events.role() if events.kind == "chat" else ""
         pending = []  # tokens whose logprobs go with the next chunk (tokens without text yet wait for their text)
         try:

@@ -618,6 +618,12 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """The hashes (kv_cache.block_hashes) of the blocks the engine holds cached now: what its replica reports
+        to the router that keeps prefixes on the replica that holds them (pylon.serving.api.routing)."""
+        # One C-level copy of the dict's keys under the GIL: the step thread cannot change it halfway.
+        return self.engine.pool.cached_hashes()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (open streams raise `EngineDeadError`) and wait for the thread to end."""
         self._stopping.set()

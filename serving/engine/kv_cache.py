@@ -136,6 +136,10 @@ class KVBlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._hash_of)
 
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes of every block whose contents are cached now (held or free)."""
+        return list(self._block_of)
+
     def track_changes(self) -> None:
         """From now on, remember which hashes are registered and forgotten, for `drain_changes` (an engine process
         tells its replica what it has cached, which routes requests by it)."""

@@ -233,6 +233,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
             else:
                 cached.discard(h)
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """The hashes of the blocks the engine holds cached, as it last said."""
+        return list(self.cached_blocks)
+
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many of a prompt's first blocks (`hashes`, kv_cache.block_hashes) this engine holds cached, as it
         last said (at its last step or idle beat)."""
@@ -349,6 +353,10 @@ class EnginePool:
 
     def stats(self) -> EngineStats:
         return combine_stats([e.stats() for e in self.engines])
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every engine's cached blocks (a block cached by two engines counts once)."""
+        return list(set().union(*(e.cached_blocks for e in self.engines)))
 
     def check_health(self) -> bool:
         return all(e.check_health() for e in self.engines)

@@ -369,6 +369,65 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
     assert not alive, alive
 
 
+def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_cluster, tiny, served):
+    """Two replicas behind HAProxy and Pylon's router (pylon.serving.api.routing). Each of 8 prompts sent cold, then
+    again with other endings: every follow-up finds its prefix cached (`cached_tokens`), both while the router knows
+    where it sent the first (at once) and once only the replicas' reports of their cache say so (after
+    RECENT_S). Then 12 long requests on one prefix at once: the replica holding it takes what fits its sequence
+    slots and the other replica the rest, computing the prefix itself. Balancing by load alone sends about half of
+    the follow-ups to the replica without the prefix."""
+    import random
+
+    from pylon.sdk.serve import delete, deploy
+    from pylon.serving.api.routing import RECENT_S
+
+    spec = _spec(
+        "tiny-route",
+        tiny.dir,
+        autoscaling={"min_replicas": 2, "max_replicas": 2},
+        http={"api_keys_env": None, "max_queued_requests": 64, "request_timeout_s": 120, "route_prefix": "/route"},
+        replica={"num_cpus": 0.25},
+    )
+    url = deploy(spec)
+    try:
+        assert _replicas(ray_cluster, "tiny-route") == 2
+        assert _replicas(ray_cluster, "tiny-route", "tiny-route-router") == 1
+        rng = random.Random(0)
+        prefixes = ["".join(rng.choice("abcdefghij klmnop") for _ in range(96)) for _ in range(8)]  # 6 blocks
+
+        def send(prompt: str, max_tokens: int = 4) -> tuple[int, str]:
+            r = requests.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={"model": "tiny-route", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.headers.get("X-Pylon-Route", "")
+
+        # HAProxy takes up the router once Serve's controller has pushed it the router's address, within seconds of
+        # the deployment being ready (while the previous HAProxy process drains, some requests still skip it); until
+        # then it balances by load, and responses carry no X-Pylon-Route.
+        deadline, in_a_row = time.monotonic() + 60, 0
+        while in_a_row < 10:
+            assert time.monotonic() < deadline, "HAProxy does not ask the router"
+            in_a_row = in_a_row + 1 if send("x", 1)[1] else 0
+        assert [send(p + " first") for p in prefixes] == [(0, "load")] * 8
+        # Routed right after the first: the router remembers where it sent each prefix.
+        assert [send(p + " second question") for p in prefixes] == [(96, "prefix:6")] * 8
+        time.sleep(RECENT_S + 2)  # that memory is gone; the replicas' reports of their caches remain
+        assert [send(p + " third, longer question") for p in prefixes] == [(96, "prefix:6")] * 8
+
+        # The holder is busy: past its 8 sequence slots, the other replica takes requests (and computes the prefix).
+        hot = prefixes[0][:64]
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda i: send(f"{hot} #{i:02d}", max_tokens=100), range(12)))
+        assert sum(1 for c, _ in got if c == 64) >= MAX_NUM_SEQS, got  # a full batch to the holder, from its cache
+        assert any(route == "load" for _, route in got), got  # then the holder was busy: the other replica
+        assert 0 in [c for c, _ in got], got  # which computed the prefix itself
+    finally:
+        delete("tiny-route")
+
+
 BAD = [
     ("invalid json", b'{"model": "tiny", "prompt": ', 400, "body"),
     ("not an object", b'["tiny"]', 400, "body"),
@@ -605,15 +664,16 @@ def test_autoscaling_up_under_load_and_back_down(ray_cluster, tiny, served):
         delete("tiny-autoscale")
 
 
-def _replicas(ray_cluster, app: str) -> int:
-    """RUNNING replicas of the app's deployment, from Serve's REST API on the dashboard."""
+def _replicas(ray_cluster, app: str, deployment: str | None = None) -> int:
+    """RUNNING replicas of the app's deployment (named as the app unless `deployment` says), from Serve's REST API
+    on the dashboard."""
     token = Path(ray_cluster.token_path).read_text().strip()
     r = requests.get(
         f"{ray_cluster.dashboard_url}/api/serve/applications/", timeout=10, headers={"Authorization": f"Bearer {token}"}
     )
     r.raise_for_status()
-    deployments = r.json()["applications"][app]["deployments"]
-    return sum(1 for d in deployments.values() for rep in d["replicas"] if rep["state"] == "RUNNING")
+    replicas = r.json()["applications"][app]["deployments"][deployment or app]["replicas"]
+    return sum(1 for rep in replicas if rep["state"] == "RUNNING")
 
 
 def test_pylon_serve_cli_deploys_answers_and_deletes(ray_cluster, tiny, tmp_path, served):

@@ -20,7 +20,13 @@ from pylon.version import __version__
 # empty response into a 500 ("Internal Server Error", plain text), which clients of a killed replica's queued
 # requests got (tests/integration/test_serving_faults.py). A completion has no side effect to repeat. A stream
 # already started cannot be retried: its client sees the connection close before `data: [DONE]`.
-SERVE_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
+# HAProxy hands a request's body to a deployment's ingress request router (Pylon's prefix-aware router,
+# pylon.serving.api.routing), which routes by the prompt; without it the router sees no prompt.
+SERVE_INGRESS_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
+    "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+}
 
 # A replica's request handlers on the event loop of its HTTP server, on every cluster Pylon starts or renders.
 # Serve's default runs them on a second loop in a thread of their own, and every ASGI message (the request, each

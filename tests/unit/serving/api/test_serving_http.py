@@ -173,7 +173,8 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
     from openai import OpenAI
 
     url = f"{server}/v1/chat/completions"
-    base = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    # ignore_eos: the default temperature (1) samples, and a sampled end-of-text would end a reply short of 3 tokens.
+    base = {"model": "tiny", "max_tokens": 3, "ignore_eos": True, "messages": [{"role": "user", "content": "hi"}]}
     neutral = [
         {"tools": [], "tool_choice": "none", "parallel_tool_calls": True},
         {"tool_choice": "auto", "tools": None, "logprobs": False},

@@ -1,0 +1,323 @@
+"""Routing across replicas that keeps prefix caches warm: a request goes to the replica whose engines hold the longest
+cached prefix of its prompt, by the blocks they really cache, unless that replica is busy; then the least loaded
+takes it (and its prefix, from then on).
+
+    client -> HAProxy -(body)-> PylonRouter /internal/route -> PrefixAffinityRouter -> {"host", "port", "replica_id"}
+           -> HAProxy -> that replica's own HTTP port (the request itself, streamed; no router hop per token)
+
+The pieces, in the order a request meets them:
+
+- **HAProxy** (Serve's ingress on every cluster Pylon starts) calls the application's *ingress request router* with
+  each POST's body before it picks a backend (Ray Serve's hook for this, the one Ray Serve LLM's own router uses,
+  internal to Ray 2.60: `Application._with_ingress_request_router`). `pylon-haproxy` adds the router key to that
+  call (pylon.infra.haproxy), and `RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1` (pylon.infra.common) makes
+  HAProxy send the body at all.
+- **PylonRouter** (a deployment of its own, `<name>-router`, no CPU reserved) checks the key, renders the prompt
+  exactly as a replica does (the chat template, the model's tokenizer), hashes its full blocks with the engine's
+  own chained hash (`kv_cache.block_hashes`) and asks the deployment's request router to pick.
+- **PrefixAffinityRouter** (the LLM deployment's `request_router_class`, pylon.serving.api.request_router, run
+  inside PylonRouter's handle; its decision is `rank` and `choose` here) scores
+  each replica by how many of the prompt's first blocks it holds: each replica reports the hashes of every block its
+  engines hold cached (8 bytes each) and its load every `ROUTING_STATS_PERIOD_S` (`PylonLLMServer.
+  record_routing_stats`, through Serve's controller). Between two reports it also counts what it has routed itself:
+  requests sent to a replica since its last report add to its load, and their blocks count as that replica's (they
+  are being computed there), so a burst of one prefix lands on one replica before any report says so.
+  Busy: a replica's requests fill its engines' sequence slots (`data_parallel x max_num_seqs`); a busy holder
+  loses the request to the least loaded replica, which then computes (and caches) the prefix too.
+
+Without HAProxy (RAY_SERVE_ENABLE_HA_PROXY=0), or with prefix caching off, or one replica at most, there is nothing
+to route by and no router is built; Serve's own balancing applies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from pylon.serving.api.http import lifespan, read_body, request_headers, route_path, send_json
+from pylon.serving.engine.kv_cache import block_hashes
+
+log = logging.getLogger("pylon.serving")
+
+# The request header HAProxy sets from the router's answer (Serve's `x-serve-router-` namespace: HAProxy drops any a
+# client sends), and the response header a replica echoes it in: how the request was routed.
+ROUTE_REQUEST_HEADER = "x-serve-router-pylon-route"
+ROUTE_RESPONSE_HEADER = "X-Pylon-Route"
+STATS_KEY = "pylon_prefix"  # the entry of a replica's routing stats this module reads
+HASH_BYTES = 8  # of each block hash a replica reports (the first 8 of the engine's 16): 2^-64 collisions per pair
+ROUTING_STATS_PERIOD_S = 1.0  # at most this often (Serve's request_routing_stats_period_s)
+# How long a routed request's blocks count as its replica's without a report saying so. Serve's controller pulls a
+# replica's report at its health checks (every HEALTH_CHECK_PERIOD_S), and asks for the next one then: a report is
+# at most two periods old.
+HEALTH_CHECK_PERIOD_S = 2.0
+RECENT_S = 10.0
+GRACE_S = 0.1  # how long a routed request counts toward its replica's load beside the probe's count (it is on its way)
+PROBE_ALL_UP_TO = 16  # replicas: with more, the probe asks the likeliest holders and two at random
+
+
+@dataclass(frozen=True)
+class RoutingKey:
+    """What a request is routed by: its prompt's full-block hashes (first `HASH_BYTES` bytes each, in order), and an
+    id under which the decision leaves what decided it (`decision`)."""
+
+    hashes: tuple[bytes, ...] = ()
+    id: int = field(default_factory=lambda: next(_KEY_IDS))
+
+
+_KEY_IDS = itertools.count()
+# Key id -> what decided its route: "prefix:N" (the replica holding its first N blocks) or "load" (the least loaded
+# replica). Written by `rank` in the handle's routing thread, taken by PylonRouter (the key it sees there is a copy).
+_DECISIONS: dict[int, str] = {}
+
+
+def decision(key: RoutingKey) -> str:
+    return _DECISIONS.pop(key.id, "load")
+
+
+def short_hashes(hashes) -> bytes:
+    """A replica's report of its cached blocks: their hashes' first `HASH_BYTES` bytes, one after another."""
+    return b"".join(h[:HASH_BYTES] for h in hashes)
+
+
+def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
+    """The key of a request body (parsed JSON), rendered and tokenized as a replica renders it for its engine. Any
+    body a replica would refuse, or that names no prompt, routes by load alone (the replica answers the 4xx)."""
+    from pylon.serving.api import protocol
+    from pylon.serving.engine.tokenization import apply_chat_template
+
+    if not isinstance(body, dict):
+        return RoutingKey()
+    try:
+        if "messages" in body:
+            request = protocol.ChatCompletionRequest.model_validate(body)
+            prompt = apply_chat_template(tokenizer, [m.model_dump(exclude_none=True) for m in request.messages])
+        elif "prompt" in body:
+            prompt = protocol.CompletionRequest.model_validate(body).prompt
+        else:
+            return RoutingKey()
+        if isinstance(prompt, str):
+            encoded = tokenizer.encode(prompt)
+            ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
+        elif isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
+            ids = list(prompt)
+        else:
+            return RoutingKey()
+    except Exception:  # invalid for the replica too, which says why
+        return RoutingKey()
+    # The engine always computes a prompt's last token (kv_cache: the same cut as the scheduler's lookup).
+    return RoutingKey(tuple(h[:HASH_BYTES] for h in block_hashes(ids[: len(ids) - 1], block_size, [])))
+
+
+# -- the policy --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplicaView:
+    """What the router knows of one replica: its cache as last reported, its requests as last probed, and what it
+    routed there itself."""
+
+    blocks: frozenset = frozenset()  # short hashes of the blocks its engines hold cached, as last reported
+    capacity: int = 1  # sequence slots of its engines: past this, a new request waits
+    reported_at: float | None = None  # the replica's clock at its last report (each report has its own)
+    ongoing: int = 0  # requests at the replica when last probed (Serve's queue-length probe: live)
+    sent: list = field(default_factory=list)  # monotonic times of requests routed here in the last GRACE_S
+    recent: dict = field(default_factory=dict)  # short hash -> until when it counts as this replica's (monotonic)
+
+    def load(self, now: float) -> int:
+        """Its requests: those the probe counted, and those routed here so lately that the probe may have missed
+        them (HAProxy sends a request on only once its route is answered)."""
+        self.sent = [t for t in self.sent if t > now - GRACE_S]
+        return self.ongoing + len(self.sent)
+
+    def busy(self, now: float) -> bool:
+        return self.load(now) >= self.capacity
+
+    def cached_prefix(self, key: RoutingKey, now: float) -> int:
+        n = 0
+        for h in key.hashes:
+            if h not in self.blocks and self.recent.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def update(self, stats: dict | None) -> None:
+        """Take a replica's routing stats (`PylonLLMServer.record_routing_stats`) if they are new."""
+        if not stats or stats.get("at") == self.reported_at:
+            return
+        blob = stats.get("blocks") or b""
+        self.blocks = frozenset(blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES))
+        self.capacity = max(1, int(stats.get("capacity", 1)))
+        self.reported_at = stats.get("at")
+        now = time.monotonic()
+        self.recent = {h: until for h, until in self.recent.items() if until > now and h not in self.blocks}
+
+    def routed(self, key: RoutingKey, now: float) -> None:
+        self.sent.append(now)
+        until = now + RECENT_S
+        for h in key.hashes:
+            if h not in self.blocks:
+                self.recent[h] = until
+
+
+def choose(views: dict, key: RoutingKey, now: float, rng: random.Random = random) -> tuple[list, str]:
+    """The replica ids of `views` in the order to try them, and what decided: first the one holding the longest
+    cached prefix of `key` (fewest requests among equals; "prefix:N") unless it holds none or is busy; then the rest,
+    least loaded first (ties in random order, so that equal replicas share the work; "load")."""
+    ids = list(views)
+    rng.shuffle(ids)
+    by_load = sorted(ids, key=lambda r: views[r].load(now))
+    if key.hashes:
+        holder = max(ids, key=lambda r: (views[r].cached_prefix(key, now), -views[r].load(now)))
+        held = views[holder].cached_prefix(key, now)
+        if held > 0 and not views[holder].busy(now):
+            return [holder, *(r for r in by_load if r != holder)], f"prefix:{held}"
+    return by_load, "load"
+
+
+def key_of(pending_request) -> RoutingKey | None:
+    """The RoutingKey a request was sent to the handle with (PylonRouter's), or None."""
+    if pending_request is None or not pending_request.args:
+        return None
+    first = pending_request.args[0]
+    return first if isinstance(first, RoutingKey) else None
+
+
+def views_of(views: dict, live_ids, candidate_replicas, capacity: int) -> dict:
+    """`views` (ReplicaView by replica id, the router's state) brought up to date with the replicas' latest routing
+    stats, without replicas that are gone; returns those of `candidate_replicas`. `capacity`: a replica's sequence
+    slots until its first report says."""
+    current = {}
+    for replica in candidate_replicas:
+        view = views.setdefault(replica.replica_id, ReplicaView(capacity=capacity))
+        view.update(replica.routing_stats.get(STATS_KEY))
+        current[replica.replica_id] = view
+    for gone in set(views) - set(live_ids):
+        del views[gone]
+    return current
+
+
+def to_probe(current: dict, key: RoutingKey, candidate_replicas, most: int = PROBE_ALL_UP_TO) -> list:
+    """Whose requests to count live: every candidate when there are few, else the two holding the longest prefix of
+    `key` and two others at random (power of two choices)."""
+    if len(candidate_replicas) <= most:
+        return list(candidate_replicas)
+    now = time.monotonic()
+    ranked = sorted(candidate_replicas, key=lambda r: -current[r.replica_id].cached_prefix(key, now))
+    return ranked[:2] + random.sample(ranked[2:], 2)
+
+
+def rank(current: dict, key: RoutingKey, candidate_replicas, probed: dict) -> list:
+    """PrefixAffinityRouter's decision (pylon.serving.api.request_router): `candidate_replicas` in the order to try
+    them. `probed`: replica id -> requests it has now (Serve's queue-length probe; unanswered ones are left out)."""
+    now = time.monotonic()
+    views = {}
+    for replica in candidate_replicas:
+        view = current[replica.replica_id]
+        if replica.replica_id in probed:
+            view.ongoing = probed[replica.replica_id]
+        views[replica.replica_id] = view
+    by_id = {r.replica_id: r for r in candidate_replicas}
+    # Replicas left unprobed (many replicas) stay out of the running unless nothing else answered.
+    pool = {rid: v for rid, v in views.items() if rid in probed} or views
+    order, why = choose(pool, key, now)
+    views[order[0]].routed(key, now)
+    if len(_DECISIONS) > 10_000:  # a caller that never took its decision (cancelled): forget the oldest
+        _DECISIONS.pop(next(iter(_DECISIONS)))
+    _DECISIONS[key.id] = why
+    return [by_id[rid] for rid in order]
+
+
+# -- the ingress request router deployment -----------------------------------------------------------------------
+
+
+class PylonRouter:
+    """`<name>-router`: HAProxy's `/internal/route` for a deployment (see the module's docstring). It holds the
+    model's tokenizer (its files only, copied from object storage if need be), no weights."""
+
+    def __init__(self, server, spec: dict):
+        from pylon.infra.haproxy import router_key
+        from pylon.models import local_model_dir
+        from pylon.serving.engine.tokenization import load_model_tokenizer
+        from pylon.specs import DeploymentSpec
+
+        spec = DeploymentSpec.model_validate(spec)
+        self.name = spec.name
+        self.block_size = spec.engine.block_size
+        with local_model_dir(spec.model, weights=False) as directory:
+            self.tokenizer = load_model_tokenizer(directory)
+        self._key = router_key()
+        self._handle = server
+        self._warned_empty = False
+
+    def authorized(self, headers: dict[str, str]) -> bool:
+        import hmac
+
+        from pylon.infra.haproxy import ROUTER_KEY_HEADER
+
+        return self._key is None or hmac.compare_digest(headers.get(ROUTER_KEY_HEADER.lower(), ""), self._key)
+
+    async def route(self, body: bytes) -> tuple[int, dict]:
+        """(status, JSON body) for one routing call: 200 with the replica's host, port and id."""
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        if not body and not self._warned_empty:
+            self._warned_empty = True
+            log.warning(
+                "%s router: HAProxy sent no request body, so requests are routed by load alone; set "
+                "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 on the cluster's nodes",
+                self.name,
+            )
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            parsed = None
+        key = routing_key(self.tokenizer, self.block_size, parsed)
+        try:
+            async with self._handle.choose_replica(key, _reserve=False) as selection:
+                replica = selection._replica
+                endpoint = replica.backend_http_endpoint
+                if endpoint is None:
+                    return 503, {"error": f"replica {selection.replica_id} has no HTTP port yet"}
+                host, port = endpoint
+                return 200, {
+                    "host": host,
+                    "port": port,
+                    "replica_id": replica.replica_id.to_full_id_str(),
+                    # HAProxy sets these on the request it sends the replica (Serve's router response contract).
+                    "request_headers": {ROUTE_REQUEST_HEADER: decision(key)},
+                }
+        except (RuntimeError, DeploymentUnavailableError) as e:
+            return 503, {"error": str(e)}
+
+    def __serve_build_asgi_app__(self):
+        return _RouterApp(self)
+
+
+class _RouterApp:
+    """PylonRouter's HTTP API: `POST /internal/route` (HAProxy) and `GET /health`, both behind the router key (a
+    request without it is a 401 whatever its path: the port listens on the node's address)."""
+
+    def __init__(self, router: PylonRouter):
+        self.router = router
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        from pylon.infra.haproxy import ROUTER_KEY_HEADER
+
+        path, method = route_path(scope), scope["method"]
+        if not self.router.authorized(request_headers(scope)):
+            status, obj = 401, {"error": f"{ROUTER_KEY_HEADER} is missing or wrong: only the cluster's HAProxy routes"}
+        elif path == "/internal/route" and method == "POST":
+            status, obj = await self.router.route(await read_body(receive))
+        elif path == "/health" and method == "GET":
+            status, obj = 200, {"status": "ok"}
+        else:
+            status, obj = 404, {"error": f"no route {method} {path}: this is {self.router.name}'s request router"}
+        await send_json(send, status, obj)
