@@ -54,6 +54,7 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (kv_cache.block_hashes)
+    num_registered_blocks: int = 0  # full computed blocks `Scheduler._register` gave the pool (0 after a preemption)
     num_kept_logprob_blocks: int = 0  # blocks whose prompt logprobs the cache keeps (Scheduler._keep_prompt_logprobs)
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))

@@ -202,6 +202,9 @@ class Scheduler:
         """Register `request`'s full blocks that earlier steps computed (see the module's docs)."""
         if self.pool.enable_caching:
             computed = request.num_computed_tokens // self.pool.block_size
+            if computed <= request.num_registered_blocks:
+                return  # no block has filled since (a decode fills one every block_size steps): nothing to hash
+            request.num_registered_blocks = computed
             self.pool.cache_blocks(request.request_id, self._hashes(request), computed)
             if request.prompt_logprobs is not None and computed > request.num_kept_logprob_blocks:
                 self._keep_prompt_logprobs(request, computed)
@@ -221,6 +224,7 @@ class Scheduler:
         self._register(request)
         self.pool.free(request.request_id)
         request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
