@@ -424,6 +424,32 @@ def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_clust
         assert sum(1 for c, _ in got if c == 64) >= MAX_NUM_SEQS, got  # a full batch to the holder, from its cache
         assert any(route == "load" for _, route in got), got  # then the holder was busy: the other replica
         assert 0 in [c for c, _ in got], got  # which computed the prefix itself
+
+        # The router's own HTTP port (on Serve's http.host: loopback here, the node's address on a cluster of several
+        # machines) answers only HAProxy's key, an HMAC of the cluster token.
+        import psutil
+
+        from pylon.infra.haproxy import ROUTER_KEY_HEADER, router_key
+
+        (proc,) = _replica_processes(ray_cluster, "ServeReplica:tiny-route:tiny-route-router")
+        ports = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.net_connections("tcp")
+            if c.pid == proc.pid and c.status == psutil.CONN_LISTEN
+        }
+        key = router_key(Path(ray_cluster.token_path).read_text().strip())
+        answers = {}
+        for ip, port in ports:
+            base = f"http://{ip if ip not in ('0.0.0.0', '::') else '127.0.0.1'}:{port}"
+            try:
+                answers[port] = (
+                    requests.get(f"{base}/health", timeout=5).status_code,
+                    requests.post(f"{base}/internal/route", json={"prompt": "x"}, timeout=5).status_code,
+                    requests.get(f"{base}/health", headers={ROUTER_KEY_HEADER: key}, timeout=5).status_code,
+                )
+            except requests.RequestException:
+                pass  # gRPC
+        assert answers and all(a == (401, 401, 200) for a in answers.values()), (answers, ports)
     finally:
         delete("tiny-route")
 
