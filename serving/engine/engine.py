@@ -143,7 +143,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
-        prompt_ids = self._prompt_token_ids(prompt)
+        prompt_ids = self._prompt_token_ids(prompt, scoring=params.max_tokens == 0)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise InvalidRequest(
@@ -165,12 +165,15 @@ class LLMEngine:
             self._unfinished_ids.add(request_id)
             self._incoming.append(request)
 
-    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt_token_ids(self, prompt: Prompt, *, scoring: bool = False) -> list[int]:
         # The step loop waits while a prompt is tokenized and checked: a prompt that cannot fit is refused on its
-        # length first (characters: see chars_per_token_bound; token ids: before each is looked at).
+        # length first (characters: see chars_per_token_bound; token ids: before each is looked at). A prompt to be
+        # scored only (max_tokens 0) may fill the context, as the sequences a model was trained on do; one to be
+        # continued must leave room for a token.
+        limit = self.max_model_len if scoring else self.max_model_len - 1
         if isinstance(prompt, str):
             bound = self._chars_per_token
-            if bound is not None and len(prompt) > self.max_model_len * bound:
+            if bound is not None and len(prompt) > limit * bound:
                 raise InvalidRequest(
                     f"prompt is {len(prompt)} characters, and this model's tokens stand for at most {bound} each: at "
                     f"least {-(-len(prompt) // bound)} tokens, past max_model_len ({self.max_model_len})",
@@ -182,10 +185,10 @@ class LLMEngine:
             ids = prompt
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-        if len(ids) >= self.max_model_len:
+        if len(ids) > limit:
             raise InvalidRequest(
                 f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, so a prompt "
-                f"may have at most {self.max_model_len - 1} tokens",
+                f"may have at most {limit} tokens" + ("" if scoring else " (or max_model_len with max_tokens 0)"),
                 param="prompt",
             )
         if ids is prompt:

@@ -154,7 +154,8 @@ def test_lora_on_zero3_with_cpu_offload_trains_only_adapters_and_exports(ray_clu
     trained engine's logits; everything outside the adapters is still the base model's initial weights; the
     adapter-only export loads with peft on that base and gives the same logits. With a held-out split, every rank
     evaluates every 3 steps (ZeRO-3 gathers parameters collectively), and the export's eval.json holds the final
-    loss, which transformers recomputes on the export over the same validation sequences."""
+    loss, which transformers recomputes on the export over the same validation sequences, and `pylon.evaluate`
+    through a live deployment of the export."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -224,6 +225,32 @@ def test_lora_on_zero3_with_cpu_offload_trains_only_adapters_and_exports(ray_clu
             loss_sum, tokens, sequences = loss_sum + out.loss.item() * n, tokens + n, sequences + len(batch)
     assert (tokens, sequences) == (evaluation["tokens"], evaluation["sequences"])
     assert abs(loss_sum / tokens - evaluation["loss"]) < 1e-3, (loss_sum / tokens, evaluation)
+    # ... and to `pylon.evaluate` through a live deployment of the export (its prompt log-probabilities).
+    from pylon.sdk.evaluate import evaluate
+    from pylon.sdk.serve import delete, deploy
+    from pylon.specs import DeploymentSpec
+
+    served_spec = DeploymentSpec.model_validate(
+        {
+            "kind": "Deployment",
+            "name": "lora-z3-eval",
+            "model": f"{run_uri}/export",
+            "engine": {"max_num_seqs": 8, "kv_cache_tokens": 4096, "max_model_len": 128, "device": "cpu"},
+            "http": {"route_prefix": "/lora-z3-eval", "api_keys_env": None},
+            "replica": {"num_cpus": 0.25},
+        }
+    )
+    url = deploy(served_spec)
+    try:
+        through = evaluate(url, data=corpus, validation_fraction=0.05)
+    finally:
+        delete("lora-z3-eval")
+    assert (through.source, through.tokens, through.sequences) == ("endpoint", tokens, sequences), through
+    assert abs(through.loss - evaluation["loss"]) < 1e-3, (through.loss, evaluation)
+    print(
+        f"held-out loss: trainer {evaluation['loss']:.6f}, transformers on the export {loss_sum / tokens:.6f}, "
+        f"the deployment {through.loss:.6f} ({tokens} tokens, {sequences} sequences)"
+    )
 
     # Only the adapters trained: every weight LoRA does not touch is bit-identical to the base model's.
     spec = TrainJobSpec.model_validate(yaml.safe_load(spec_path.read_text()))

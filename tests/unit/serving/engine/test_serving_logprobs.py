@@ -148,6 +148,22 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(gpt2: Family) -> N
     assert_pool_empty(engine)
 
 
+def test_a_prompt_that_fills_the_context_is_scored_but_not_continued(gpt2: Family) -> None:
+    """A trained model's sequences fill its positions (seq_len = n_positions): scoring one (max_tokens 0, what
+    `pylon eval` sends) is served; continuing one is refused, saying how to score it."""
+    engine = gpt2.engine(max_model_len=32, kv_cache_tokens=64)
+    prompt = (PROMPTS[3] * 8)[:32]
+    engine.add_request("full", prompt, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    (out,) = run(engine)["full"]
+    assert out.num_prompt_tokens == 32 and out.finish_reason == "length"
+    check_request(gpt2, prompt, [out], k=0, prompt_k=0)
+    with pytest.raises(InvalidRequest, match=r"at most 31 tokens \(or max_model_len with max_tokens 0\)"):
+        engine.add_request("more", prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequest, match="at most 32 tokens"):
+        engine.add_request("past", prompt + [7], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert_pool_empty(engine)
+
+
 def test_a_step_without_logprobs_requests_does_no_logprobs_work(gpt2: Family, monkeypatch) -> None:
     engine = gpt2.engine(max_num_batched_tokens=16)
     seen = []
