@@ -9,6 +9,7 @@ a dashboard URL, a GCS address and a token; `init_ray` makes this process a Ray 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import socket
@@ -142,6 +143,20 @@ def user_token() -> str | None:
         return token.strip()
     path = Path(settings.value(settings.RAY_AUTH_TOKEN_PATH) or Path.home() / ".ray" / "auth_token").expanduser()
     return path.read_text().strip() if path.is_file() else None
+
+
+# The header a deployment's prefix-aware router (pylon.serving.api.routing) requires of HAProxy, which
+# `pylon-haproxy` (pylon.infra.haproxy) adds to Ray's Lua script.
+ROUTER_KEY_HEADER = "X-Pylon-Router-Key"
+
+
+def router_key(token: str | None = None) -> str | None:
+    """The key HAProxy sends a deployment's ingress request router: HMAC-SHA256 of a fixed label under the cluster's
+    Ray token (`user_token()` unless given; never the token itself). None on a cluster without a token."""
+    token = user_token() if token is None else token
+    if not token:
+        return None
+    return hmac.new(token.encode(), b"pylon ingress request router", hashlib.sha256).hexdigest()
 
 
 def use_cluster_auth(token_path: str) -> None:

@@ -239,7 +239,7 @@ class PylonRouter:
     model's tokenizer (its files only, copied from object storage if need be), no weights."""
 
     def __init__(self, server, spec: dict):
-        from pylon.infra.haproxy import router_key
+        from pylon.home import router_key
         from pylon.models import local_model_dir
         from pylon.serving.engine.tokenization import load_model_tokenizer
         from pylon.specs import DeploymentSpec
@@ -256,7 +256,7 @@ class PylonRouter:
     def authorized(self, headers: dict[str, str]) -> bool:
         import hmac
 
-        from pylon.infra.haproxy import ROUTER_KEY_HEADER
+        from pylon.home import ROUTER_KEY_HEADER
 
         return self._key is None or hmac.compare_digest(headers.get(ROUTER_KEY_HEADER.lower(), ""), self._key)
 
@@ -309,7 +309,7 @@ class _RouterApp:
             return await lifespan(receive, send)
         if scope["type"] != "http":
             return
-        from pylon.infra.haproxy import ROUTER_KEY_HEADER
+        from pylon.home import ROUTER_KEY_HEADER
 
         path, method = route_path(scope), scope["method"]
         if not self.router.authorized(request_headers(scope)):

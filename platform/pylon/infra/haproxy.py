@@ -18,34 +18,21 @@ answers 401, like every other listener of a Pylon cluster off loopback.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import re
 import shutil
 import sys
 
 from pylon import settings
-from pylon.home import user_token
+from pylon.home import ROUTER_KEY_HEADER, router_key  # noqa: F401 - pylon-haproxy's key, re-exported here
 
 BINARY_VARIABLE = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Ray Serve's: which program it runs as HAProxy
 # The config's sections whose listeners are HAProxy's own pages, not the service.
 ADMIN_SECTIONS = ("listen stats", "frontend prometheus")
 _BIND = re.compile(r"^(\s+bind\s+)(\S*?):(\d+)(.*)$")
 _LUA_LOAD = re.compile(r"^(\s*lua-load(?:-per-thread)?\s+)(\S+)(.*)$", re.MULTILINE)
-# The header the ingress request router requires, and the line of Ray's Lua script it goes after (the request line's
-# headers that `call_router` sends to /internal/route).
-ROUTER_KEY_HEADER = "X-Pylon-Router-Key"
+# The line of Ray's Lua script the router key's header goes after (the headers `call_router` sends to /internal/route).
 _LUA_ANCHOR = '.. "Connection: close\\r\\n"'
-
-
-def router_key(token: str | None = None) -> str | None:
-    """The key HAProxy sends the ingress request router: HMAC-SHA256 of a fixed label under the cluster's Ray token
-    (never the token itself). None on a cluster without a token."""
-    token = user_token() if token is None else token
-    if not token:
-        return None
-    return hmac.new(token.encode(), b"pylon ingress request router", hashlib.sha256).hexdigest()
 
 
 def keyed_lua(text: str, key: str) -> str:
