@@ -122,7 +122,7 @@ class ReplicaView:
 
     blocks: frozenset = frozenset()  # short hashes of the blocks its engines hold cached, as last reported
     capacity: int = 1  # sequence slots of its engines: past this, a new request waits
-    reported_at: float | None = None  # the replica's clock at its last report (each report has its own)
+    reported: bytes | None = None  # the last report's blocks, as sent (a report that repeats it changes nothing)
     ongoing: int = 0  # requests at the replica when last probed (Serve's queue-length probe: live)
     sent: list = field(default_factory=list)  # monotonic times of requests routed here in the last GRACE_S
     recent: dict = field(default_factory=dict)  # short hash -> until when it counts as this replica's (monotonic)
@@ -146,12 +146,14 @@ class ReplicaView:
 
     def update(self, stats: dict | None) -> None:
         """Take a replica's routing stats (`PylonLLMServer.record_routing_stats`) if they are new."""
-        if not stats or stats.get("at") == self.reported_at:
+        if not stats:
             return
-        blob = stats.get("blocks") or b""
-        self.blocks = frozenset(blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES))
         self.capacity = max(1, int(stats.get("capacity", 1)))
-        self.reported_at = stats.get("at")
+        blob = stats.get("blocks") or b""
+        if blob == self.reported:
+            return
+        self.blocks = frozenset(blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES))
+        self.reported = blob
         now = time.monotonic()
         self.recent = {h: until for h, until in self.recent.items() if until > now and h not in self.blocks}
 

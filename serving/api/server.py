@@ -122,8 +122,8 @@ class PylonLLMServer:
         return {
             routing.STATS_KEY: {
                 "blocks": routing.short_hashes(self.engine.cached_block_hashes()),
+                # No timestamp: a report equal to the last is no change, so Serve re-sends nothing to the handles.
                 "capacity": self.spec.engine.data_parallel * self.spec.engine.max_num_seqs,
-                "at": time.time(),
             }
         }
 

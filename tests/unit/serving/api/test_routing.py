@@ -88,7 +88,7 @@ def test_what_the_router_sent_counts_until_the_replicas_report_says_so():
     assert view.load(now) == 1 and view.load(now + routing.GRACE_S + 0.01) == 0  # on its way, then the probe's
     assert view.cached_prefix(key, now + routing.RECENT_S + 1) == 0  # not reported in time: forgotten
     view.routed(key, now)
-    report = {"blocks": routing.short_hashes(h + b"\0" * 8 for h in key.hashes[:2]), "capacity": 8, "at": 1.0}
+    report = {"blocks": routing.short_hashes(h + b"\0" * 8 for h in key.hashes[:2]), "capacity": 8}
     view.update(report)
     assert view.blocks == frozenset(key.hashes[:2]) and view.capacity == 8
     assert view.cached_prefix(key, now + routing.RECENT_S + 1) == 2  # the report's blocks stay
