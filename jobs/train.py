@@ -198,11 +198,13 @@ def train_loop(config: dict) -> None:
             spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world, split="validation"
         )
     tok = stream.manifest.tokenizer
-    model = build_model(spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
+    ds_config = build_deepspeed_config(spec, world_size=world)
+    # ZeRO-3 builds partitioned (zero.Init): no process ever holds the whole model, nor pretrained weights.
+    model = build_model(
+        spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed, deepspeed_config=ds_config
+    )
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=build_deepspeed_config(spec, world_size=world),
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     device = engine.device
     if rank == 0:

@@ -58,7 +58,7 @@ def model_config(
         special["pad_token_id"] = pad_id
 
     if model.path is not None:
-        with local_model_dir(model.path) as directory:
+        with local_model_dir(model.path, weights=False) as directory:  # the config only: never copy the weights
             try:
                 config = AutoConfig.from_pretrained(directory, local_files_only=True)
             except (OSError, ValueError) as e:
@@ -83,33 +83,234 @@ def model_config(
         raise PylonError(f"model.config.model_type: {e}") from None
 
 
-def build_model(spec: TrainJobSpec, *, vocab_size: int, eos_id: int, pad_id: int, seed: int = 0) -> torch.nn.Module:
-    """The causal LM `spec` describes, in fp32, ready to hand to `deepspeed.initialize`.
+def build_model(
+    spec: TrainJobSpec,
+    *,
+    vocab_size: int,
+    eos_id: int,
+    pad_id: int,
+    seed: int = 0,
+    deepspeed_config: dict | None = None,
+) -> torch.nn.Module:
+    """The causal LM `spec` describes, ready to hand to `deepspeed.initialize`.
 
-    The same `seed` gives the same initial weights (and LoRA adapters) in every process, which is what lets
-    every rank start from one model. With `spec.lora` the result is a `peft` model whose only trainable
-    parameters are the adapters.
+    The same `seed` gives the same initial weights (and LoRA adapters) in every process and at every ZeRO stage,
+    which is what lets every rank start from one model. With `spec.lora` the result is a `peft` model whose only
+    trainable parameters are the adapters.
+
+    `deepspeed_config` (the dict the engine will get) at ZeRO-3 builds the model partitioned: under
+    `deepspeed.zero.Init`, each module's parameters are split across the ranks (and offloaded, if the config
+    offloads parameters) as soon as the module exists, so no process ever holds the whole model; initialisation
+    then gathers one module at a time. Pretrained weights (`model.path`) stream into the partitions one tensor
+    at a time (`_load_partitioned`). The process group must exist. Without it (or at stages 0-2) every process
+    builds the whole model in fp32: those stages keep a full replica per process in training anyway.
     """
     from transformers import AutoModelForCausalLM
 
     config = model_config(spec.model, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
+    partitioned = bool(deepspeed_config) and deepspeed_config.get("zero_optimization", {}).get("stage") == 3
     torch.manual_seed(seed)
-    if spec.model.path is not None:
-        with local_model_dir(spec.model.path) as directory:
-            try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    directory, config=config, dtype=torch.float32, local_files_only=True
-                )
-            except (OSError, ValueError) as e:
-                raise PylonError(f"model.path {spec.model.path}: cannot load the model ({e})") from None
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with _zero3_construction(deepspeed_config if partitioned else None):
+        if partitioned:
+            # transformers sees the config (HfDeepSpeedConfig): it builds under zero.Init with init switched off,
+            # then initialises each module gathered on rank 0 and broadcasts it (initialize_weights_zero3).
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if spec.model.path is not None:
+                _load_partitioned(model, spec.model.path)
+        elif spec.model.path is not None:
+            with local_model_dir(spec.model.path) as directory:
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(
+                        directory, config=config, dtype=torch.float32, local_files_only=True
+                    )
+                except (OSError, ValueError) as e:
+                    raise PylonError(f"model.path {spec.model.path}: cannot load the model ({e})") from None
+        else:
+            # Built with init off, then initialised in one pass: the same random stream, module for module, as
+            # the partitioned build above (whose constructors cannot initialise), so every stage starts equal.
+            from transformers import initialization
 
-    if spec.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    if spec.lora is not None:
-        model = with_lora(model, spec.lora)
+            with initialization.no_init_weights():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.initialize_weights()
+            model.tie_weights()
+
+        if spec.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        if spec.lora is not None:
+            model = with_lora(model, spec.lora)
     return model
+
+
+@contextlib.contextmanager
+def _zero3_construction(deepspeed_config: dict | None) -> Iterator[None]:
+    """While inside, `transformers` builds models partitioned for ZeRO-3 (it looks for a live HfDeepSpeedConfig,
+    which it holds by weak reference only); a no-op without a config."""
+    if deepspeed_config is None:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    alive = HfDeepSpeedConfig(deepspeed_config)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del alive
+
+
+def _load_partitioned(model: torch.nn.Module, uri: str) -> None:
+    """The weights of the model directory `uri` into `model`, built partitioned under ZeRO-3.
+
+    Rank 0 alone reads the weight files, one file at a time (a remote file is copied to a private temporary
+    file, loaded and deleted before the next), and one tensor at a time: each parameter is gathered, filled
+    from the file on rank 0 and partitioned again (broadcast to the other ranks), so no process holds more than
+    the parameter being loaded. The other ranks never touch storage. Every rank learns each file's tensor names
+    and shapes first, so that a bad file is the same error on every rank instead of a hang. Safetensors are read
+    lazily; a `pytorch_model*.bin` is memory-mapped.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    loaded: set[int] = set()
+
+    def target(key: str) -> str | None:
+        for name in (key, f"{prefix}.{key}", key[len(prefix) + 1 :] if key.startswith(prefix + ".") else None):
+            if name and (name in params or name in buffers):
+                return name
+        return None
+
+    listing = _broadcast_object(_weight_file_names(uri) if rank == 0 else None)
+    for file_name in listing:
+        with _weight_file(uri, file_name, open_it=rank == 0) as reader:
+            shapes = _broadcast_object(reader.shapes() if rank == 0 else None)
+            if isinstance(shapes, str):  # rank 0 could not read it: the same error everywhere
+                raise PylonError(shapes)
+            for key, shape in shapes:
+                name = target(key)
+                if name is None:
+                    continue  # not a weight of this model (e.g. a rotary buffer an old version saved)
+                if name in params:
+                    param = params[name]
+                    expected = tuple(getattr(param, "ds_shape", param.shape))
+                    if tuple(shape) != expected:
+                        raise PylonError(
+                            f"model.path {storage.describe(uri)}: {file_name}: tensor {key} has shape "
+                            f"{list(shape)}, the model expects {list(expected)}"
+                        )
+                    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                        if rank == 0:
+                            with torch.no_grad():
+                                param.data.copy_(reader.tensor(key))
+                    loaded.add(id(param))
+                else:  # a persistent buffer: not partitioned, every rank needs its value
+                    buf = buffers[name]
+                    value = reader.tensor(key).to(buf.device, buf.dtype) if rank == 0 else torch.empty_like(buf)
+                    dist.broadcast(value, src=0)
+                    with torch.no_grad():
+                        buf.copy_(value)
+    missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
+    if missing:
+        raise PylonError(
+            f"model.path {storage.describe(uri)}: no weights for {len(missing)} of the model's parameters "
+            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); is it this architecture's checkpoint?"
+        )
+
+
+def _broadcast_object(obj):
+    """Rank 0's `obj` on every rank (picklable; small: names and shapes)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _weight_file_names(uri: str) -> list[str] | str:
+    """The weight files of the model directory `uri`, in load order: its safetensors, else its PyTorch `.bin`
+    files. A message (str) when there are none, so that every rank raises it."""
+    try:
+        fs, path = storage.resolve(uri)
+        names = sorted(os.path.basename(f) for f in fs.ls(path.rstrip("/"), detail=False))
+    except Exception as e:  # StorageError, fsspec/botocore errors
+        return f"model.path {storage.describe(uri)}: cannot be listed ({type(e).__name__}: {e})"
+    for suffix in (".safetensors", ".bin"):
+        found = [n for n in names if n.endswith(suffix) and not n.startswith("training_args")]
+        if found:
+            return found
+    return f"model.path {storage.describe(uri)}: no weight files (*.safetensors or pytorch_model*.bin)"
+
+
+class _WeightReader:
+    """One weight file, read a tensor at a time."""
+
+    def __init__(self, uri: str, file_name: str, local: str) -> None:
+        self.uri, self.file_name, self.local = uri, file_name, local
+        self._safetensors = None
+        self._state: dict | None = None
+
+    def open(self) -> None:
+        if self.file_name.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            self._safetensors = safe_open(self.local, framework="pt")
+        else:
+            self._state = torch.load(self.local, map_location="cpu", mmap=True, weights_only=True)
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]] | str:
+        try:
+            self.open()
+            if self._safetensors is not None:
+                return [(k, tuple(self._safetensors.get_slice(k).get_shape())) for k in self._safetensors.keys()]
+            return [(k, tuple(v.shape)) for k, v in self._state.items()]
+        except Exception as e:  # a truncated or foreign file
+            return (
+                f"model.path {storage.describe(self.uri)}: {self.file_name}: cannot be read ({type(e).__name__}: {e})"
+            )
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if self._safetensors is not None:
+            return self._safetensors.get_tensor(key)
+        return self._state[key]
+
+
+@contextlib.contextmanager
+def _weight_file(uri: str, file_name: str, *, open_it: bool) -> Iterator[_WeightReader]:
+    """A reader of `file_name` in the model directory `uri`: the file itself when local, else a private
+    temporary copy removed on exit. Nothing is read unless `open_it` (rank 0)."""
+    if not open_it:
+        yield _WeightReader(uri, file_name, "")
+        return
+    fs, path = storage.resolve(uri)
+    remote = path.rstrip("/") + "/" + file_name
+    if isinstance(fs, LocalFileSystem):
+        yield _WeightReader(uri, file_name, remote)
+        return
+    tmp = tempfile.mkdtemp(prefix="pylon-weights-")
+    try:
+        local = os.path.join(tmp, file_name)
+        try:
+            fs.get(remote, local)
+        except Exception as e:  # fsspec/botocore errors while copying: reported on every rank, as a bad file is
+            yield _BrokenReader(uri, file_name, f"cannot be copied ({type(e).__name__}: {e})")
+        else:
+            yield _WeightReader(uri, file_name, local)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _BrokenReader(_WeightReader):
+    def __init__(self, uri: str, file_name: str, why: str) -> None:
+        super().__init__(uri, file_name, "")
+        self.why = why
+
+    def shapes(self) -> str:
+        return f"model.path {storage.describe(self.uri)}: {self.file_name}: {self.why}"
 
 
 def enable_gradient_checkpointing(model: "PreTrainedModel") -> None:

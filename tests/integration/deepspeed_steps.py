@@ -48,15 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     spec = TrainJobSpec.model_validate(json.loads(args.spec))
-    model = build_model(spec, vocab_size=BYTE_VOCAB, eos_id=BYTE_EOS, pad_id=BYTE_PAD, seed=0)
-    total, trainable = parameter_counts(model)
     micro = spec.batch.micro_batch_size
     if args.plain:
-        return _plain(spec, model, args, total, trainable)
+        model = build_model(spec, vocab_size=BYTE_VOCAB, eos_id=BYTE_EOS, pad_id=BYTE_PAD, seed=0)
+        return _plain(spec, model, args, *parameter_counts(model))
 
     deepspeed.init_distributed(dist_backend="gloo")
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     config = build_deepspeed_config(spec, world_size=world_size)
+    # As a training job builds it: partitioned at ZeRO-3 (zero.Init), whole otherwise.
+    model = build_model(spec, vocab_size=BYTE_VOCAB, eos_id=BYTE_EOS, pad_id=BYTE_PAD, seed=0, deepspeed_config=config)
+    total, trainable = parameter_counts(model)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
     )
