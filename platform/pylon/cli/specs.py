@@ -101,6 +101,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         mfu=args.mfu,
         seq_len=args.seq_len,
         utilization=args.utilization,
+        deadline_days=args.deadline,
+        budget_usd=args.budget,
     )
     for note in skipped:
         print(f"note: {note}", file=sys.stderr)
@@ -130,20 +132,25 @@ def add_plan_parser(sub, fmt) -> None:
     pl = sub.add_parser(
         "plan",
         formatter_class=fmt,
-        help="memory, time and cost of a job before it launches; what fits cheapest",
+        help="memory, time and cost of a job before it launches; the cheapest that fits and meets a deadline",
         description="For each TrainJob and Deployment in FILE, before anything launches: memory per GPU by term "
         "(parameters, gradients, optimizer states -- DeepSpeed's own accounting -- activations, "
         "buffers), host RAM and NVMe for offload; for every accelerator of the catalog whether it "
-        "fits (and what binds), time and cost; and the cheapest configuration that fits (ZeRO stage, "
-        "offload, gradient checkpointing, micro-batch, GPU count). Deployments: weights, KV cache per "
-        "token, concurrent sequences that fit, tokens/s ceiling and cost per million tokens. Time is "
-        "FLOPs over peak x an assumed MFU; prices come from the catalog, --prices or $PYLON_GPU_PRICES. "
-        "Needs no cluster.",
+        "fits (and what binds), time and cost; the time/cost Pareto front of the configurations that fit "
+        "(ZeRO stage, offload, gradient checkpointing, micro-batch, GPU count: 1, 2, 4, then whole nodes "
+        "doubling to 16,384); and the recommendation: the cheapest that finishes within --deadline and "
+        "--budget, else the fastest and what it would take (a longer deadline, more money, or tensor, "
+        "pipeline or context parallelism where data parallelism cannot get there). Deployments: weights, "
+        "KV cache per token, concurrent sequences that fit, tokens/s ceiling and cost per million tokens. "
+        "Time is model FLOPs over peak x an assumed MFU (as papers report it; the implied HFU is printed), "
+        "with ZeRO's collectives where they outlast compute; prices come from the catalog, --prices or "
+        "$PYLON_GPU_PRICES. Needs no cluster.",
         epilog=textwrap.dedent("""\
             examples:
               pylon plan train.yaml                          # every accelerator of the catalog
               pylon plan train.yaml --gpu A100-80GB --gpus 8 # one accelerator, a fixed GPU count
               pylon plan train.yaml --mfu 0.3 --prices my-prices.yaml   # prices: {H100-SXM: 2.10, ...}
+              pylon plan train.yaml --deadline 14 --budget 500000    # the cheapest done in 14 days for <= $500k
               pylon plan serve.yaml --utilization 0.3        # a Deployment: cost per million tokens
               pylon plan train.yaml --json | jq '.plans[0].recommendation'
             """),
@@ -162,7 +169,27 @@ def add_plan_parser(sub, fmt) -> None:
         help="plan for exactly N GPUs (default: the spec's workers as requested; any count when searching)",
     )
     pl.add_argument(
-        "--mfu", type=float, default=0.4, metavar="X", help="assumed model FLOPs utilisation, 0-1 (default 0.4)"
+        "--mfu",
+        type=float,
+        default=0.4,
+        metavar="X",
+        help="assumed model FLOPs utilisation, 0-1, as papers report it: model FLOPs only, recomputation's cost "
+        "inside it (default 0.4)",
+    )
+    pl.add_argument(
+        "--deadline",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="a TrainJob must finish within DAYS of wall time; the recommendation is the cheapest that does "
+        "(default 30)",
+    )
+    pl.add_argument(
+        "--budget",
+        type=float,
+        metavar="USD",
+        help="a TrainJob may cost at most USD; the recommendation is the cheapest within the deadline and this "
+        "(default: no limit)",
     )
     pl.add_argument(
         "--prices",

@@ -7,19 +7,23 @@ will it cost -- and what is the cheapest configuration that fits (`pylon plan FI
     check_fits(spec, client=client)           # WontFitError before `pylon train` asks for workers
 
 Memory is `pylon.plan.memory`'s (DeepSpeed's model-state accounting, activations simulated on the meta device,
-DeepSpeed's buffers). Time is FLOPs over peak throughput times an assumed MFU: a step of T tokens costs
-T x (6N + 12 x layers x d_model x seq) FLOPs (`pylon.models.flops_per_token`; 4N + 6N_adapters with LoRA, since
-frozen weights get no weight gradients), plus a recomputed forward pass with gradient checkpointing, spread
-over the GPUs at `mfu` x the accelerator's dense bf16 (or fp32) peak. To that come the collectives a quarter
-of which are assumed not to overlap compute (all of what exceeds compute), and offloading (CPU Adam, PCIe,
-NVMe), which is assumed not to overlap at all. Every assumption is a named constant below and is printed with
-the plan.
+DeepSpeed's buffers). Time is `pylon.plan.steptime`'s: a step of T tokens costs T x (6N + 12 x layers x
+d_model x seq) model FLOPs (`pylon.models.flops_per_token`; 4N + 6N_adapters with LoRA, since frozen weights
+get no weight gradients), spread over the GPUs at `mfu` x the accelerator's dense bf16 (or fp32) peak. MFU is
+model FLOPs utilisation as papers report it: recomputation for gradient checkpointing is inside it (the plan
+prints the HFU it implies). ZeRO's collectives run at the catalog's link rates (the GPU interconnect inside a
+node, the node's network across nodes) and add time only where they outlast the compute they hide behind;
+offloading (CPU Adam, PCIe, NVMe) is assumed not to overlap at all. Every assumption is a named constant and is
+printed with the plan.
 
 Advice searches, per accelerator, ZeRO stage, offload targets, gradient checkpointing, micro-batch (keeping
-the global batch) and GPU count, and picks the cheapest configuration that fits; among those within 1% of
-the cheapest it prefers fewer GPUs, no offload, no recomputation, larger micro-batches, then the most
-headroom. Precision and LoRA are the user's choice and are kept (a LoRA alternative is suggested when a full
-fine-tune needs offloading).
+the global batch) and GPU count (1, 2, 4, then whole nodes doubling to 16,384; at most one GPU per sequence),
+keeps the best that fits at each count and their time/cost Pareto front, and recommends the cheapest that
+finishes within `deadline_days` (30 unless given) and costs at most `budget_usd` -- else the fastest, with what
+meeting them would take, and which parallelism beyond ZeRO (tensor, pipeline, context) the job would need
+where data parallelism cannot get there. Among options within 1% of the cheapest it prefers fewer GPUs, no
+offload, no recomputation, larger micro-batches, then the most headroom. Precision and LoRA are the user's
+choice and are kept (a LoRA alternative is suggested when a full fine-tune needs offloading).
 """
 
 from __future__ import annotations
@@ -35,19 +39,32 @@ from pylon.plan.fits import WontFitError, check_fits
 from pylon.plan.serve import DEFAULT_UTILIZATION, ServePlan, plan_serve
 from pylon.plan.steptime import DEFAULT_MFU, hardware_flops_per_token, model_flops_per_token
 from pylon.plan.text import render
-from pylon.plan.train import USABLE_FRACTION, TrainPlan, plan_train, train_workload
+from pylon.plan.train import (
+    DEFAULT_DEADLINE_DAYS,
+    MAX_GPUS,
+    USABLE_FRACTION,
+    TrainPlan,
+    gpu_counts,
+    pareto,
+    plan_train,
+    train_workload,
+)
 from pylon.specs import DeploymentSpec, TrainJobSpec, load_specs
 
 __all__ = [
+    "DEFAULT_DEADLINE_DAYS",
     "DEFAULT_MFU",
     "DEFAULT_UTILIZATION",
+    "MAX_GPUS",
     "USABLE_FRACTION",
     "ServePlan",
     "TrainPlan",
     "WontFitError",
     "check_fits",
+    "gpu_counts",
     "hardware_flops_per_token",
     "model_flops_per_token",
+    "pareto",
     "plan_file",
     "plan_serve",
     "plan_spec",
@@ -66,10 +83,22 @@ def plan_spec(
     mfu: float = DEFAULT_MFU,
     seq_len: int | None = None,
     utilization: float = DEFAULT_UTILIZATION,
+    deadline_days: float = DEFAULT_DEADLINE_DAYS,
+    budget_usd: float | None = None,
 ):
-    """A TrainPlan for a TrainJobSpec, a ServePlan for a DeploymentSpec."""
+    """A TrainPlan for a TrainJobSpec (the cheapest within `deadline_days` and `budget_usd`), a ServePlan for a
+    DeploymentSpec."""
     if isinstance(spec, TrainJobSpec):
-        return plan_train(spec, catalog=catalog, gpu=gpu, gpus=gpus, mfu=mfu, seq_len=seq_len)
+        return plan_train(
+            spec,
+            catalog=catalog,
+            gpu=gpu,
+            gpus=gpus,
+            mfu=mfu,
+            seq_len=seq_len,
+            deadline_days=deadline_days,
+            budget_usd=budget_usd,
+        )
     if isinstance(spec, DeploymentSpec):
         return plan_serve(spec, catalog=catalog, gpu=gpu, mfu=mfu, utilization=utilization)
     raise PylonError(
@@ -79,7 +108,8 @@ def plan_spec(
 
 def plan_file(path: str | os.PathLike, **options) -> tuple[list, list[str]]:
     """Plans for every TrainJob and Deployment in a YAML file, and notes on the documents not planned. A
-    Deployment of a model a TrainJob of the same file will export is planned with that job's model."""
+    Deployment of a model a TrainJob of the same file will export is planned with that job's model. `options`
+    are `plan_spec`'s (gpu, gpus, mfu, seq_len, utilization, deadline_days, budget_usd, catalog)."""
 
     docs = load_specs(path)
     plans, skipped = [], []
@@ -90,7 +120,9 @@ def plan_file(path: str | os.PathLike, **options) -> tuple[list, list[str]]:
             plans.append(plan_spec(spec, **options))
         elif isinstance(spec, DeploymentSpec):
             config = _exported_config(spec, trains, options.get("seq_len"))
-            serve_options = {k: v for k, v in options.items() if k not in ("gpus", "seq_len")}
+            serve_options = {
+                k: v for k, v in options.items() if k not in ("gpus", "seq_len", "deadline_days", "budget_usd")
+            }
             plans.append(plan_serve(spec, config=config, **serve_options))
         else:
             skipped.append(f"{doc.source}: document {doc.index} ({spec.kind} '{spec.name}'): nothing to plan")

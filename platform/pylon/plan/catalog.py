@@ -36,7 +36,8 @@ class Accelerator:
     fp32_tflops: float
     interconnect: str
     interconnect_gbs: float  # GPU-to-GPU inside a node, per GPU, one direction
-    network_gbs: float  # between nodes, per GPU, one direction
+    network: str  # the network between nodes (NICs per node x their rate)
+    node_network_gbs: float  # between nodes, the node's NICs together, one direction
     gpus_per_node: int
     host_memory_gib: float  # per node
     nvme_tb: float  # per node

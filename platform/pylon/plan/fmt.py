@@ -7,7 +7,8 @@ from pylon.plan.memory import GIB
 
 def _table(rows: list[tuple]) -> list[str]:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
-    return ["  " + "  ".join(f"{str(c):<{wd}}" for c, wd in zip(r, widths)) + "  " + str(r[-1]) for r in rows]
+    lines = ["  " + "  ".join(f"{str(c):<{wd}}" for c, wd in zip(r, widths)) + "  " + str(r[-1]) for r in rows]
+    return [line.rstrip() for line in lines]
 
 
 def _gib(b: float) -> str:
@@ -32,4 +33,4 @@ def _duration(seconds: float) -> str:
         return f"{seconds / 60:.0f} min"
     if seconds < 2 * 86400:
         return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
+    return f"{seconds / 86400:,.1f} d"

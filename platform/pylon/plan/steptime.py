@@ -1,18 +1,34 @@
-"""How long a training step takes: model FLOPs per token (with recomputation when checkpointing), spread over the GPUs
-at an assumed MFU, plus the collectives that do not overlap compute and the offload traffic (CPU Adam, PCIe, NVMe)."""
+"""How long a training step takes: the model's FLOPs spread over the GPUs at an assumed MFU, the collectives where
+they outlast the compute they hide behind, and the offload traffic (CPU Adam, PCIe, NVMe).
+
+1. Compute: a step of T tokens costs T x model FLOPs per token (6N + 12 x layers x d_model x seq, PaLM's MFU
+   numerator, `pylon.models.flops_per_token`), over G GPUs x peak x MFU. MFU counts model FLOPs only, as papers
+   report it, so recomputation for gradient checkpointing is inside it: it is why the hardware FLOPs
+   utilisation (HFU, recomputation included) is higher than the MFU, not extra time.
+2. Collectives: the bytes ZeRO's stage moves per GPU (ring all-reduce, reduce-scatter, all-gather) over the bus
+   bandwidth a ring reaches (NVLink or PCIe inside a node; across nodes each GPU's NIC carries its rail, so a
+   ring runs at the node's network bandwidth, capped by the link inside the node), plus each ring step's
+   latency. Bucketed and prefetched, they run behind the backward (ZeRO-0/1: the last micro-batch's; ZeRO-2/3:
+   every micro-batch's): a paper's MFU already includes a well-overlapped run's communication, so they add
+   time only where they take longer than the compute they hide behind.
+3. Offload: CPU Adam, PCIe and NVMe traffic, assumed not to overlap at all.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.plan.catalog import Accelerator
 from pylon.plan.memory import WEIGHT_BYTES, Layout, ModelShape, Workload
 
-DEFAULT_MFU = 0.40  # model FLOPs utilisation: well-tuned dense LLM training reaches 0.35-0.55
-EXPOSED_COMM = 0.25  # share of the collectives that does not overlap compute
+DEFAULT_MFU = 0.40  # model FLOPs utilisation: well-tuned dense LLM training reports 0.35-0.55
+COLLECTIVE_EFFICIENCY = 0.8  # of the nominal link rate, what bucketed ring collectives reach (nccl-tests: ~0.9)
+RING_STEP_LATENCY_S = 6e-6  # per step of a ring (G-1 steps per all-gather): NCCL's tuning model, Simple protocol
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed's CPU Adam per GPU process (AVX-512, a node's cores shared by its GPUs)
 NVME_GBS = 6.0  # NVMe read or write bandwidth per node, GB/s, shared by its GPUs
+BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce (and all-reduce) bucket: how many launches ZeRO-0-2 make
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int, lora: bool) -> float:
@@ -33,35 +49,62 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, lora: bool, checkp
     return flops
 
 
+def hfu(work: Workload, checkpointing: bool, mfu: float) -> float:
+    """The hardware FLOPs utilisation a run at `mfu` implies: recomputation included."""
+    lora = work.lora is not None
+    ratio = hardware_flops_per_token(work.shape, work.seq_len, lora, checkpointing) / model_flops_per_token(
+        work.shape, work.seq_len, lora
+    )
+    return mfu * ratio
+
+
 @dataclass(frozen=True)
 class StepTime:
-    compute_s: float
+    compute_s: float  # model FLOPs / (GPUs x peak x MFU)
     comm_s: float  # the part of the collectives not hidden behind compute
     offload_s: float  # CPU Adam, PCIe and NVMe traffic
+    collectives_s: float = 0.0  # all the collectives take, hidden or not
 
     @property
     def total_s(self) -> float:
         return self.compute_s + self.comm_s + self.offload_s
 
 
+def collective_gbs(acc: Accelerator, gpus: int) -> float:
+    """The bus bandwidth, GB/s per GPU, a ring collective over `gpus` GPUs reaches: the link inside a node; across
+    nodes the node's network (one NIC per GPU carries each ring's crossing), capped by the link inside it."""
+    link = acc.interconnect_gbs if gpus <= acc.gpus_per_node else min(acc.interconnect_gbs, acc.node_network_gbs)
+    return link * COLLECTIVE_EFFICIENCY
+
+
+def collectives(work: Workload, layout: Layout, acc: Accelerator) -> tuple[float, float]:
+    """Seconds of collectives per optimizer step, and the compute share (of the step's) they can hide behind."""
+    s, g, stage, accum = work.shape, layout.num_gpus, layout.zero_stage, layout.grad_accum_steps
+    if g == 1:
+        return 0.0, 1.0
+    w = WEIGHT_BYTES[work.precision]
+    # Bytes each GPU sends (ring: (G-1)/G of the buffer). ZeRO-0/1 reduce once per step and gather the updated
+    # partitions; ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also gathers the parameters for each
+    # micro-batch's forward and backward.
+    part = (g - 1) / g
+    grads, weights = w * s.trainable_params * part, w * s.total_params * part
+    volume = {0: 2 * grads, 1: 2 * grads, 2: (accum + 1) * grads, 3: accum * (2 * weights + grads)}[stage]
+    # Ring steps, each paying the latency: G-1 per reduce-scatter or all-gather (an all-reduce is both), per
+    # bucket; ZeRO-3 gathers and reduces a transformer block at a time (forward, backward, gradients).
+    buckets = math.ceil(s.trainable_params / BUCKET_ELEMENTS)
+    launches = {0: 2 * buckets, 1: 2 * buckets, 2: (accum + 1) * buckets, 3: accum * 3 * s.num_layers}[stage]
+    seconds = volume / (collective_gbs(acc, g) * 1e9) + launches * (g - 1) * RING_STEP_LATENCY_S
+    return seconds, (1.0 / accum if stage < 2 else 1.0)
+
+
 def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> StepTime:
     s, g, stage = work.shape, layout.num_gpus, layout.zero_stage
     w = WEIGHT_BYTES[work.precision]
     tokens = layout.micro_batch_size * layout.grad_accum_steps * g * work.seq_len
-    flops = hardware_flops_per_token(s, work.seq_len, work.lora is not None, layout.gradient_checkpointing)
-    compute = tokens * flops / (g * acc.peak_flops(work.precision) * mfu)
-
-    comm = 0.0
-    if g > 1:
-        # Bytes each GPU sends per optimizer step (ring collectives: (G-1)/G of the buffer). ZeRO-0/1 reduce once
-        # per step and gather the updated partitions; ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also
-        # gathers the parameters for each micro-batch's forward and backward.
-        part = (g - 1) / g
-        grads, weights, accum = w * s.trainable_params * part, w * s.total_params * part, layout.grad_accum_steps
-        volume = {0: 2 * grads, 1: 2 * grads, 2: (accum + 1) * grads, 3: accum * (2 * weights + grads)}[stage]
-        link = acc.interconnect_gbs if g <= acc.gpus_per_node else acc.network_gbs
-        comm = volume / (link * 1e9)
-    exposed = max(0.0, comm - compute) + EXPOSED_COMM * min(comm, compute)
+    flops = tokens * model_flops_per_token(s, work.seq_len, work.lora is not None)
+    compute = flops / (g * acc.peak_flops(work.precision) * mfu)
+    comm, window = collectives(work, layout, acc)
+    exposed = max(0.0, comm - window * compute)
 
     offload = 0.0
     host_link = acc.host_link_gbs * 1e9
@@ -75,13 +118,24 @@ def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> S
         offload += (
             moved / host_link if layout.offload_param == "cpu" else moved * layout.gpus_on_node / (NVME_GBS * 1e9)
         )
-    return StepTime(compute, exposed, offload)
+    return StepTime(compute, exposed, offload, comm)
 
 
-def _check_knobs(*, mfu: float | None = None, gpus: int | None = None, utilization: float | None = None) -> None:
+def _check_knobs(
+    *,
+    mfu: float | None = None,
+    gpus: int | None = None,
+    utilization: float | None = None,
+    deadline_days: float | None = None,
+    budget_usd: float | None = None,
+) -> None:
     if mfu is not None and not 0 < mfu <= 1:
         raise PylonError(f"mfu: must be in (0, 1], e.g. 0.4 (got {mfu})")
     if gpus is not None and gpus < 1:
         raise PylonError(f"gpus: must be at least 1 (got {gpus})")
     if utilization is not None and not 0 < utilization <= 1:
         raise PylonError(f"utilization: must be in (0, 1], e.g. 0.5 (got {utilization})")
+    if deadline_days is not None and not deadline_days > 0:
+        raise PylonError(f"deadline: must be a positive number of days, e.g. 30 (got {deadline_days})")
+    if budget_usd is not None and not budget_usd > 0:
+        raise PylonError(f"budget: must be a positive number of US dollars, e.g. 50000 (got {budget_usd})")

@@ -7,8 +7,10 @@ import math
 from pylon.plan.fmt import _count, _duration, _gib, _table, _usd
 from pylon.plan.memory import WEIGHT_BYTES
 from pylon.plan.serve import BANDWIDTH_EFFICIENCY, LAUNCH_S_PER_LAYER, ServePlan
-from pylon.plan.steptime import CPU_ADAM_PARAMS_PER_S, EXPOSED_COMM, model_flops_per_token
-from pylon.plan.train import COUNTED, TrainPlan
+from pylon.plan.steptime import CPU_ADAM_PARAMS_PER_S, model_flops_per_token
+from pylon.plan.train import COMMUNICATION, COUNTED, MFU_MEANS, TrainPlan
+
+SHOWN_DEADLINES = 10  # the text's Pareto tables stop at options this many deadlines long (JSON has them all)
 
 
 def render(plan) -> str:
@@ -23,7 +25,7 @@ def _render_train(p: TrainPlan) -> str:
         + (f" ({_count(s.trainable_params)} trained: LoRA r={w.lora.r})" if w.lora else "")
         + f", {w.precision}, seq {w.seq_len:,}",
         f"  {p.steps:,} steps x {p.global_batch:,} sequences = {_count(p.tokens)} tokens; "
-        f"{model_flops_per_token(s, w.seq_len, w.lora is not None) / 1e9:,.2f} GFLOP per token",
+        f"{model_flops_per_token(s, w.seq_len, w.lora is not None) / 1e9:,.2f} GFLOP per token (model FLOPs)",
         "",
         f"Memory per GPU as requested ({lay.describe()}, {lay.num_gpus} GPU(s)):",
     ]
@@ -58,39 +60,73 @@ def _render_train(p: TrainPlan) -> str:
             )
         )
     lines += _table(table)
-    lines += ["", "Cheapest configuration that fits, per accelerator (global batch kept):"]
-    table = [("GPU", "GPUs", "configuration", "needs/GPU", "time", "GPU-hours", "cost")]
+    limits = f"{p.deadline_days:g} d" + (f" and {_usd(p.budget_usd)}" if p.budget_usd is not None else "")
+    lines += [
+        "",
+        f"Best per accelerator: the cheapest within {limits} (of costs within 1%, the fewest GPUs), else the "
+        "fastest; global batch kept:",
+    ]
+    table = [("GPU", "GPUs", "configuration", "needs/GPU", "time", "GPU-hours", "cost", "in time", "in budget")]
     for r in p.rows:
-        o = r.cheapest
+        o = r.best
         if o is None:
-            table.append((r.accelerator.name, "-", "nothing fits", "-", "-", "-", "-"))
-        else:
+            table.append((r.accelerator.name, "-", "nothing fits", "-", "-", "-", "-", "-", "-"))
+            continue
+        table.append(
+            (
+                r.accelerator.name,
+                str(o.layout.num_gpus),
+                o.layout.describe(),
+                _gib(o.memory.device_total),
+                _duration(o.wall_s),
+                f"{o.gpu_hours:,.1f}",
+                _usd(o.cost),
+                "yes" if o.wall_days <= p.deadline_days else "NO",
+                "-" if p.budget_usd is None else ("yes" if o.cost <= p.budget_usd else "NO"),
+            )
+        )
+    lines += _table(table)
+    lines += [
+        "",
+        "Time against cost per accelerator (Pareto front: nothing is both faster and cheaper; a slower option is "
+        f"listed if it saves more than 1%, and if it takes at most {SHOWN_DEADLINES}x the deadline):",
+    ]
+    table = [("GPU", "GPUs", "configuration", "time", "cost")]
+    for r in p.rows:
+        shown = [o for i, o in enumerate(r.pareto) if i == 0 or o.wall_days <= SHOWN_DEADLINES * p.deadline_days]
+        for i, o in enumerate(shown):
             table.append(
                 (
-                    r.accelerator.name,
+                    r.accelerator.name if i == 0 else "",
                     str(o.layout.num_gpus),
                     o.layout.describe(),
-                    _gib(o.memory.device_total),
                     _duration(o.wall_s),
-                    f"{o.gpu_hours:,.1f}",
                     _usd(o.cost),
                 )
             )
-    lines += _table(table)
+        if len(shown) < len(r.pareto):
+            slow = len(r.pareto) - len(shown)
+            table.append(("", "", f"(+{slow} slower, cheaper: --json lists them)", "", ""))
+    lines += _table(table) if len(table) > 1 else ["  (nothing fits)"]
     rec = p.recommendation
     lines.append("")
     if rec is None:
         lines.append("Recommendation: none -- " + p.explanation[0])
+        lines += [f"  - {e}" for e in p.explanation[1:]]
     else:
         lines.append(
             f"Recommendation: {rec.layout.num_gpus} x {rec.accelerator.name}, {rec.layout.describe()}: "
             f"{_duration(rec.wall_s)}, {_usd(rec.cost)}"
         )
+        lines.append(("Deadline and budget: " if p.shortfall else "  ") + p.verdict)
         lines += [f"  - {e}" for e in p.explanation]
+    hfu = f"; HFU {rec.hfu:.2f} for the recommendation (recomputed FLOPs counted too)" if rec else ""
+    budget = _usd(p.budget_usd) if p.budget_usd is not None else "none"
     lines += [
         "",
-        f"Assumptions: MFU {p.mfu:.2f} (--mfu), prices: {p.prices_source} (--prices or $PYLON_GPU_PRICES); "
-        f"{EXPOSED_COMM:.0%} of collectives exposed, CPU Adam {CPU_ADAM_PARAMS_PER_S:.0e} params/s per GPU.",
+        f"Assumptions: MFU {p.mfu:.2f} (--mfu): {MFU_MEANS}{hfu}. Deadline {p.deadline_days:g} d (--deadline), "
+        f"budget {budget} (--budget). Communication: {COMMUNICATION}. CPU Adam {CPU_ADAM_PARAMS_PER_S:.0e} "
+        f"params/s per GPU. Prices: {p.prices_source} (--prices or $PYLON_GPU_PRICES).",
         "Counted: " + COUNTED,
     ]
     lines += [f"Note: {n}" for n in p.notes]

@@ -1,5 +1,14 @@
-"""Planning a TrainJob: its workload, every layout worth trying (accelerator, ZeRO stage, offload, checkpointing,
-micro-batch, GPU count), each one's memory, time and cost, and the cheapest that fits (`plan_train`)."""
+"""Planning a TrainJob (`plan_train`):
+
+1. its workload: the model's shape, precision, sequence length and adapters (`train_workload`);
+2. per accelerator, every layout worth trying (ZeRO stage, offload, checkpointing, micro-batch, GPU count: 1, 2,
+   4, then whole nodes doubling to 16,384), each one's memory, time and cost; the best that fits at each GPU
+   count (`search_options`) and of those the time/cost Pareto front (`pareto`);
+3. the recommendation (`choose`): the cheapest that finishes within the deadline and budget, else the fastest
+   (within the budget when anything is) and what meeting them would take;
+4. where data parallelism alone cannot get there -- the global batch has too few sequences for the GPUs the
+   deadline needs, or one sequence's activations do not fit -- which parallelism would (`_advice`).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +21,7 @@ from pathlib import Path
 from pylon import storage
 from pylon.errors import PylonError, StorageError
 from pylon.plan.catalog import Accelerator, Catalog, load_catalog
-from pylon.plan.fmt import _gib
+from pylon.plan.fmt import _gib, _usd
 from pylon.plan.memory import (
     CUDA_RUNTIME_BYTES,
     PROCESS_BYTES,
@@ -23,20 +32,42 @@ from pylon.plan.memory import (
     train_memory,
 )
 from pylon.plan.steptime import (
+    COLLECTIVE_EFFICIENCY,
     CPU_ADAM_PARAMS_PER_S,
     DEFAULT_MFU,
-    EXPOSED_COMM,
     NVME_GBS,
+    RING_STEP_LATENCY_S,
     StepTime,
     _check_knobs,
+    hfu,
     model_flops_per_token,
     step_time,
 )
 from pylon.specs import LoraSpec, TrainJobSpec
 
 USABLE_FRACTION = 0.95  # of a GPU's memory, the rest left to the caching allocator's fragmentation
-GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_GPUS = 16_384
 COST_TIE = 0.01  # configurations within 1% of the cheapest count as equally cheap
+DEFAULT_DEADLINE_DAYS = 30.0
+DAY_S = 86_400.0
+MFU_MEANS = (
+    "model FLOPs utilisation: model FLOPs (6N + 12 x layers x d_model x seq per token, PaLM's definition) over "
+    "GPUs x peak, as papers report it; recomputation for gradient checkpointing is inside it (HFU, which counts "
+    "the recomputed FLOPs too, is higher), not extra time"
+)
+
+
+def gpu_counts(gpus_per_node: int, limit: int = MAX_GPUS) -> list[int]:
+    """The GPU counts the search tries: 1, 2, 4 (below a node), then whole nodes, doubling, up to `limit`."""
+    counts = [c for c in (1, 2, 4) if c < gpus_per_node]
+    c = gpus_per_node
+    while c <= limit:
+        counts.append(c)
+        c *= 2
+    return counts
+
+
+GPU_COUNTS = tuple(gpu_counts(8))
 
 
 # (optimizer, parameters) offload targets, in the order the planner prefers them when costs tie.
@@ -66,6 +97,13 @@ class Option:
     step: StepTime
     steps: int
     tokens_per_step: int
+    mfu: float  # assumed: model FLOPs only
+    hfu: float  # what the GPUs execute at that MFU, recomputation included
+
+    @property
+    def achieved_mfu(self) -> float:
+        """The MFU the step reaches once exposed communication and offload are added to compute."""
+        return self.mfu * self.step.compute_s / self.step.total_s if self.step.total_s else self.mfu
 
     @property
     def usable_bytes(self) -> int:
@@ -74,6 +112,10 @@ class Option:
     @property
     def wall_s(self) -> float:
         return self.steps * self.step.total_s
+
+    @property
+    def wall_days(self) -> float:
+        return self.wall_s / DAY_S
 
     @property
     def gpu_hours(self) -> float:
@@ -107,9 +149,14 @@ class Option:
             "step_time_s": round(self.step.total_s, 4),
             "compute_s": round(self.step.compute_s, 4),
             "comm_s": round(self.step.comm_s, 4),
+            "collectives_s": round(self.step.collectives_s, 4),
             "offload_s": round(self.step.offload_s, 4),
+            "mfu": self.mfu,
+            "hfu": round(self.hfu, 4),
+            "achieved_mfu": round(self.achieved_mfu, 4),
             "tokens_per_step": self.tokens_per_step,
             "wall_hours": round(self.wall_s / 3600, 4),
+            "wall_days": round(self.wall_days, 4),
             "gpu_hours": round(self.gpu_hours, 4),
             "cost_usd": round(self.cost, 2),
         }
@@ -124,7 +171,10 @@ def evaluate(work: Workload, layout: Layout, acc: Accelerator, *, steps: int, mf
     memory = train_memory(work, layout, device="cuda")
     fits, binding = _binding(memory, acc)
     tokens = layout.micro_batch_size * layout.grad_accum_steps * layout.num_gpus * work.seq_len
-    return Option(acc, layout, memory, fits, binding, step_time(work, layout, acc, mfu), steps, tokens)
+    step = step_time(work, layout, acc, mfu)
+    return Option(
+        acc, layout, memory, fits, binding, step, steps, tokens, mfu, hfu(work, layout.gradient_checkpointing, mfu)
+    )
 
 
 def _binding(m: TrainMemory, acc: Accelerator) -> tuple[bool, str]:
@@ -152,10 +202,11 @@ def _binding(m: TrainMemory, acc: Accelerator) -> tuple[bool, str]:
 def candidate_layouts(
     *, global_batch: int, max_micro_batch: int, gpus: int | None, gpus_per_node: int, has_nvme_path: bool = True
 ) -> list[Layout]:
-    """Every layout the search tries: ZeRO 0-3 x offload targets x checkpointing x micro-batch x GPU count,
-    each keeping the global batch (exactly, unless `gpus` is fixed and does not divide it)."""
+    """Every layout the search tries: ZeRO 0-3 x offload targets x checkpointing x micro-batch x GPU count (1, 2,
+    4, then whole nodes doubling to 16,384), each keeping the global batch (exactly, unless `gpus` is fixed and
+    does not divide it): data parallelism gives each GPU at least one sequence."""
     micro = sorted({m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch} | {max_micro_batch})
-    counts = [gpus] if gpus else [c for c in GPU_COUNTS if c <= global_batch]
+    counts = [gpus] if gpus else [c for c in gpu_counts(gpus_per_node) if c <= global_batch]
     out = []
     for g in counts:
         for mb in micro:
@@ -189,6 +240,11 @@ def cheapest(options: list[Option]) -> Option | None:
     return min(near, key=lambda o: (o.layout.num_gpus, o.accelerator.price_per_gpu_hour, *_preference(o)[1:]))
 
 
+def fastest(options: list[Option]) -> Option | None:
+    """The option that finishes first (the cheaper of two that tie)."""
+    return min(options, key=lambda o: (round(o.wall_s, 6), o.cost), default=None)
+
+
 def _preference(o: Option) -> tuple:
     lay = o.layout
     return (
@@ -201,6 +257,39 @@ def _preference(o: Option) -> tuple:
     )
 
 
+def pareto(options: list[Option]) -> list[Option]:
+    """The time/cost front: options nothing else is both faster and cheaper than, fastest first (so cost falls
+    along it). A slower option joins only if it saves more than COST_TIE: a cent's saving is not a trade-off."""
+    front: list[Option] = []
+    for o in sorted(options, key=lambda o: (o.wall_s, o.cost)):
+        if not front or o.cost < front[-1].cost * (1 - COST_TIE):
+            front.append(o)
+    return front
+
+
+def search_options(
+    work: Workload,
+    acc: Accelerator,
+    *,
+    global_batch: int,
+    max_micro_batch: int,
+    steps: int,
+    mfu: float,
+    gpus: int | None = None,
+) -> list[Option]:
+    """The best configuration of `work` on `acc` that fits at each GPU count (the cheapest, near ties broken by
+    preference), fewest GPUs first."""
+    layouts = candidate_layouts(
+        global_batch=global_batch, max_micro_batch=max_micro_batch, gpus=gpus, gpus_per_node=acc.gpus_per_node
+    )
+    by_count: dict[int, list[Option]] = {}
+    for lay in layouts:
+        o = evaluate(work, lay, acc, steps=steps, mfu=mfu)
+        if o.fits:
+            by_count.setdefault(lay.num_gpus, []).append(o)
+    return [cheapest(by_count[g]) for g in sorted(by_count)]
+
+
 def search(
     work: Workload,
     acc: Accelerator,
@@ -211,11 +300,28 @@ def search(
     mfu: float,
     gpus: int | None = None,
 ) -> Option | None:
-    """The cheapest configuration of `work` on `acc` that fits (None if none does)."""
-    layouts = candidate_layouts(
-        global_batch=global_batch, max_micro_batch=max_micro_batch, gpus=gpus, gpus_per_node=acc.gpus_per_node
+    """The cheapest configuration of `work` on `acc` that fits (None if none does), whatever it takes."""
+    return cheapest(
+        search_options(
+            work, acc, global_batch=global_batch, max_micro_batch=max_micro_batch, steps=steps, mfu=mfu, gpus=gpus
+        )
     )
-    return cheapest([evaluate(work, lay, acc, steps=steps, mfu=mfu) for lay in layouts])
+
+
+def choose(options: list[Option], *, deadline_s: float, budget_usd: float | None) -> tuple[Option | None, str | None]:
+    """The recommendation among fitting options and what it misses ('deadline', 'budget' or None): the cheapest
+    within the deadline and the budget; else, if anything is within the budget, the fastest that is; else the
+    cheapest that meets the deadline (or the cheapest of all)."""
+    if not options:
+        return None, None
+    affordable = [o for o in options if budget_usd is None or o.cost <= budget_usd]
+    both = [o for o in affordable if o.wall_s <= deadline_s]
+    if both:
+        return cheapest(both), None
+    if affordable:
+        return fastest(affordable), "deadline"
+    in_time = [o for o in options if o.wall_s <= deadline_s]
+    return cheapest(in_time or options), "budget"
 
 
 def _config_from_dir(uri: str, what: str):
@@ -282,7 +388,15 @@ def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) 
 class AcceleratorRow:
     accelerator: Accelerator
     requested: Option
-    cheapest: Option | None
+    options: list[Option]  # the best that fits at each GPU count, fewest GPUs first
+    best: Option | None = None  # the choice on this accelerator alone, by the plan's deadline and budget
+    pareto: list[Option] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)  # what data parallelism alone cannot do here, and what would
+
+    @property
+    def cheapest(self) -> Option | None:
+        """The cheapest configuration that fits, whatever it takes."""
+        return cheapest(self.options)
 
 
 @dataclass
@@ -300,6 +414,10 @@ class TrainPlan:
     mfu: float
     prices_source: str
     use_gpu: bool
+    deadline_days: float = DEFAULT_DEADLINE_DAYS
+    budget_usd: float | None = None
+    shortfall: str | None = None  # what the recommendation misses: 'deadline', 'budget' or None
+    verdict: str = ""  # one sentence on the deadline and the budget: met, or what meeting them would take
     cpu_worker_bytes: int | None = None  # a CPU worker's RAM as requested (use_gpu false)
     lora_alternative: tuple[LoraSpec, Option] | None = None
     notes: list[str] = field(default_factory=list)
@@ -314,6 +432,7 @@ class TrainPlan:
 
     def to_dict(self) -> dict:
         s = self.work.shape
+        rec = self.recommendation
         return {
             "kind": self.kind,
             "name": self.name,
@@ -333,6 +452,12 @@ class TrainPlan:
             "global_batch": self.global_batch,
             "tokens": self.tokens,
             "flops_per_token": model_flops_per_token(s, self.work.seq_len, self.work.lora is not None),
+            "utilization": {"mfu": self.mfu, "hfu": round(rec.hfu, 4) if rec else None, "mfu_means": MFU_MEANS},
+            "deadline_days": self.deadline_days,
+            "budget_usd": self.budget_usd,
+            "meets_deadline": bool(rec) and rec.wall_s <= self.deadline_days * DAY_S,
+            "meets_budget": bool(rec) and (self.budget_usd is None or rec.cost <= self.budget_usd),
+            "verdict": self.verdict,
             "requested": {
                 "layout": self.requested_layout.describe(),
                 "gpus": self.requested_layout.num_gpus,
@@ -350,17 +475,20 @@ class TrainPlan:
                     "price_per_gpu_hour": r.accelerator.price_per_gpu_hour,
                     "requested": r.requested.to_dict(),
                     "cheapest": r.cheapest.to_dict() if r.cheapest else None,
+                    "best": r.best.to_dict() if r.best else None,
+                    "pareto": [o.to_dict() for o in r.pareto],
+                    "advice": r.advice,
                 }
                 for r in self.rows
             ],
-            "recommendation": self.recommendation.to_dict() if self.recommendation else None,
+            "recommendation": rec.to_dict() if rec else None,
             "explanation": self.explanation,
             "lora_alternative": (
                 {"lora": _lora_dict(self.lora_alternative[0]), **self.lora_alternative[1].to_dict()}
                 if self.lora_alternative
                 else None
             ),
-            "assumptions": _assumptions(self.mfu, self.prices_source),
+            "assumptions": _assumptions(self.mfu, self.prices_source, self.deadline_days, self.budget_usd),
             "counted": COUNTED,
             "notes": self.notes,
         }
@@ -370,16 +498,30 @@ def _lora_dict(lora: LoraSpec | None) -> dict | None:
     return lora.model_dump(mode="json") if lora else None
 
 
-def _assumptions(mfu: float, prices: str) -> dict:
+def _assumptions(mfu: float, prices: str, deadline_days: float, budget_usd: float | None) -> dict:
     return {
         "mfu": mfu,
+        "mfu_means": MFU_MEANS,
         "usable_memory_fraction": USABLE_FRACTION,
-        "exposed_comm_fraction": EXPOSED_COMM,
+        "collective_efficiency": COLLECTIVE_EFFICIENCY,
+        "ring_step_latency_s": RING_STEP_LATENCY_S,
+        "communication": COMMUNICATION,
         "cpu_adam_params_per_s": CPU_ADAM_PARAMS_PER_S,
         "nvme_gbs_per_node": NVME_GBS,
         "cuda_runtime_bytes": CUDA_RUNTIME_BYTES,
+        "gpu_counts": f"1, 2, 4, then whole nodes doubling, up to {MAX_GPUS:,}; at most one GPU per sequence",
+        "deadline_days": deadline_days,
+        "budget_usd": budget_usd,
         "prices": prices,
     }
+
+
+COMMUNICATION = (
+    f"ZeRO's collectives at {COLLECTIVE_EFFICIENCY:.0%} of the link rate (inside a node the GPU interconnect; "
+    "across nodes the node's network, capped by the interconnect) plus "
+    f"{RING_STEP_LATENCY_S * 1e6:.0f} us per ring step, hidden behind compute (ZeRO-2/3: every micro-batch's "
+    "backward; ZeRO-0/1: the last one's) except where they take longer; offload traffic is not hidden"
+)
 
 
 def plan_train(
@@ -390,14 +532,19 @@ def plan_train(
     gpus: int | None = None,
     mfu: float = DEFAULT_MFU,
     seq_len: int | None = None,
+    deadline_days: float = DEFAULT_DEADLINE_DAYS,
+    budget_usd: float | None = None,
 ) -> TrainPlan:
-    """The plan of a TrainJob on every accelerator of the catalog (or only `gpu`), as requested and at its
-    cheapest; `gpus` fixes the GPU count (default: the spec's workers as requested, any count for the search)."""
-    _check_knobs(mfu=mfu, gpus=gpus)
+    """The plan of a TrainJob on every accelerator of the catalog (or only `gpu`): as requested; the best that
+    fits at each GPU count and their time/cost front; and the recommendation: the cheapest that finishes within
+    `deadline_days` and costs at most `budget_usd`, else the fastest and what meeting them would take. `gpus`
+    fixes the GPU count (default: the spec's workers as requested, any count for the search)."""
+    _check_knobs(mfu=mfu, gpus=gpus, deadline_days=deadline_days, budget_usd=budget_usd)
     catalog = catalog or load_catalog()
     accelerators = [catalog.get(gpu)] if gpu else list(catalog.accelerators)
     work, notes = train_workload(spec, seq_len=seq_len)
     global_batch, steps = spec.global_batch_size, spec.steps
+    deadline_s = deadline_days * DAY_S
     if gpus and global_batch % gpus:
         notes.append(
             f"{gpus} GPUs do not divide the global batch of {global_batch} sequences: gradient "
@@ -406,7 +553,7 @@ def plan_train(
     rows = []
     for acc in accelerators:
         requested = evaluate(work, _requested_layout(spec, gpus, acc.gpus_per_node), acc, steps=steps, mfu=mfu)
-        best = search(
+        options = search_options(
             work,
             acc,
             global_batch=global_batch,
@@ -415,9 +562,11 @@ def plan_train(
             mfu=mfu,
             gpus=gpus,
         )
-        rows.append(AcceleratorRow(acc, requested, best))
-    fitting = [r.cheapest for r in rows if r.cheapest]
-    recommendation = cheapest(fitting) if fitting else None
+        best, _ = choose(options, deadline_s=deadline_s, budget_usd=budget_usd)
+        advice = _advice(work, acc, options, global_batch=global_batch, deadline_s=deadline_s, gpus=gpus)
+        rows.append(AcceleratorRow(acc, requested, options, best, pareto(options), advice))
+    everything = [o for r in rows for o in r.options]
+    recommendation, shortfall = choose(everything, deadline_s=deadline_s, budget_usd=budget_usd)
     requested_layout = _requested_layout(spec, gpus, min(8, gpus or spec.scaling.num_workers))
     plan = TrainPlan(
         name=spec.name,
@@ -433,14 +582,146 @@ def plan_train(
         mfu=mfu,
         prices_source=catalog.prices_source,
         use_gpu=spec.scaling.use_gpu,
+        deadline_days=deadline_days,
+        budget_usd=budget_usd,
+        shortfall=shortfall,
+        verdict=_verdict(recommendation, shortfall, everything, deadline_days, budget_usd),
         notes=notes,
     )
     if not spec.scaling.use_gpu:
         plan.cpu_worker_bytes = cpu_worker_bytes(work, _requested_layout(spec, None, spec.scaling.num_workers))
     if recommendation is not None and spec.lora is None and recommendation.layout.offloads:
         plan.lora_alternative = _lora_alternative(spec, recommendation, work, mfu=mfu)
+    if recommendation is not None and recommendation.hfu > MAX_HFU:
+        notes.append(
+            f"MFU {mfu:.2f} with recomputation means the GPUs execute {recommendation.hfu:.0%} of their peak "
+            f"(HFU), more than dense training sustains (~{MAX_HFU:.0%}): a lower --mfu is likelier"
+        )
     plan.explanation = _explain(plan)
     return plan
+
+
+MAX_HFU = 0.8  # hardware FLOPs utilisation beyond which an assumed MFU is implausible
+LONG_SEQUENCE = 32_768  # tokens from which context parallelism is the usual way to split a sequence
+
+
+def _pow2(x: float) -> int:
+    """The smallest power of two at least `x` (at least 1)."""
+    return 1 << max(0, math.ceil(math.log2(max(x, 1.0)) - 1e-9))
+
+
+def _dp_limit(global_batch: int, gpus_per_node: int) -> int:
+    """The most GPUs data parallelism spreads the global batch over: one sequence each, at a count searched."""
+    counts = [c for c in gpu_counts(gpus_per_node) if c <= global_batch and global_batch % c == 0]
+    return max(counts, default=1)
+
+
+def _advice(
+    work: Workload, acc: Accelerator, options: list[Option], *, global_batch: int, deadline_s: float, gpus: int | None
+) -> list[str]:
+    """What data parallelism (ZeRO) alone cannot do on `acc`, and which parallelism would, with rough figures:
+    fitting one sequence's activations (tensor, then context parallelism), model states that ZeRO-3 cannot
+    spread thinly enough (pipeline), or a deadline that needs more GPUs than the global batch has sequences."""
+    seq, per_node = work.seq_len, acc.gpus_per_node
+    limit = gpus or _dp_limit(global_batch, per_node)
+    where = f"{gpus} GPUs, as --gpus fixes" if gpus else f"{limit} GPUs: one sequence each of the {global_batch} a step"
+    long_seq = ", or context parallelism (CP) for sequences this long" if seq >= LONG_SEQUENCE else ""
+    if not options:
+        lay = Layout(3, "none", "none", True, 1, max(1, math.ceil(global_batch / limit)), limit, per_node)
+        m = train_memory(work, lay)
+        usable = acc.memory_bytes * USABLE_FRACTION
+        if m.device_total <= usable:
+            return []  # GPU memory is not what binds (host RAM or NVMe is): more parallelism would not help
+        rest = m.device_total - m.activations
+        if rest >= usable:
+            room = usable - (rest - m.model_states) - m.activations
+            pp = f"PP={_pow2(m.model_states / room)}" if room > 0 else "PP"
+            return [
+                f"ZeRO-3 over {where} still leaves {_gib(rest)} of model states and buffers per GPU (of "
+                f"{_gib(usable)} usable) before activations: it needs pipeline parallelism across nodes ({pp}, "
+                "each stage holding its share of the layers) or more sequences per step to spread over more GPUs"
+            ]
+        tp = _pow2(m.activations / (usable - rest))
+        head = (
+            f"one {seq:,}-token sequence's activations take {_gib(m.activations)} per GPU even with recomputation, "
+            f"beside {_gib(rest)} of model states and buffers (ZeRO-3 over {where}), of {_gib(usable)} usable: "
+        )
+        if tp <= per_node:
+            return [
+                head + f"it needs tensor parallelism within a node, TP={tp} (with sequence parallelism the "
+                f"activations split {tp} ways){long_seq}"
+            ]
+        cp = _pow2(m.activations / per_node / (usable - rest))
+        return [
+            head + f"it needs TP={per_node} within a node and context parallelism across nodes, CP={cp} (each "
+            f"sequence split over {cp} x {per_node} GPUs)"
+        ]
+    quickest = fastest(options)
+    if quickest.wall_s <= deadline_s:
+        return []
+    needed = math.ceil(quickest.wall_s * quickest.layout.num_gpus / deadline_s)
+    head = (
+        f"{quickest.layout.num_gpus} x {acc.name} ({quickest.layout.describe()}) take {quickest.wall_days:,.1f} d; "
+        f"{deadline_s / DAY_S:g} d would take ~{needed:,} GPUs"
+    )
+    if needed > limit and quickest.layout.num_gpus >= limit:
+        factor = needed / limit
+        degree = _pow2(factor)
+        how = (
+            f"tensor parallelism within a node (TP={degree})"
+            if degree <= per_node
+            else f"tensor parallelism within a node and pipeline parallelism across nodes (TP={per_node} x "
+            f"PP={degree // per_node})"
+        )
+        beyond = f"; beyond {MAX_GPUS:,} GPUs, the most the planner searches" if needed > MAX_GPUS else ""
+        return [
+            f"{head}, {factor:.1f}x more than data parallelism can use ({where}): {how} lets {degree} GPUs share "
+            f"each sequence, or a global batch of at least {needed:,} sequences{long_seq}{beyond}"
+        ]
+    slower = [o for o in options if o.layout.num_gpus > quickest.layout.num_gpus]
+    if slower:
+        o = slower[0]
+        return [
+            f"{head}, but more GPUs do not finish sooner under ZeRO alone: at {o.layout.num_gpus} its collectives "
+            f"take {o.step.collectives_s:.2f} s a step against {o.step.compute_s:.2f} s of compute. Tensor "
+            f"parallelism within a node (TP={per_node}) or hierarchical sharding (ZeRO++ hpZ, HSDP) keeps most of "
+            "the traffic on the node's own links"
+        ]
+    return [f"{head}: no more fit on {acc.name} with ZeRO alone"]
+
+
+def _verdict(
+    rec: Option | None, shortfall: str | None, options: list[Option], deadline_days: float, budget: float | None
+) -> str:
+    """One sentence on the deadline and budget: met, or what meeting them would take."""
+    if rec is None:
+        return ""
+    deadline = f"{deadline_days:g} d"
+    in_time = [o for o in options if o.wall_days <= deadline_days]
+    if shortfall is None:
+        return f"meets the deadline of {deadline}" + (f" and the budget of {_usd(budget)}" if budget else "")
+    if shortfall == "deadline":
+        within = f" within the budget of {_usd(budget)}" if budget is not None else ""
+        fastest_one = "the fastest configuration within it" if budget is not None else "the fastest configuration"
+        out = (
+            f"the deadline of {deadline} cannot be met{within}: {fastest_one} takes {rec.wall_days:,.1f} d. "
+            f"It would take a deadline of {math.ceil(rec.wall_days):,} d"
+        )
+        if in_time:
+            c = cheapest(in_time)
+            out += (
+                f", or a budget of {_usd(c.cost)} ({c.layout.num_gpus} x {c.accelerator.name} finishes in "
+                f"{c.wall_days:,.1f} d)"
+            )
+        else:
+            out += ", or parallelism beyond ZeRO's (below)"
+        return out
+    what = " that meets the deadline" if rec.wall_days <= deadline_days else ""
+    return (
+        f"no configuration costs at most {_usd(budget)}: the cheapest{what} costs {_usd(rec.cost)} "
+        f"({rec.layout.num_gpus} x {rec.accelerator.name}, {rec.wall_days:,.1f} d): it would take a budget of at "
+        f"least {_usd(rec.cost)}"
+    )
 
 
 def cpu_worker_bytes(work: Workload, layout: Layout) -> int:
@@ -482,17 +763,30 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
 def _explain(plan: TrainPlan) -> list[str]:
     rec = plan.recommendation
     if rec is None:
-        return [
-            f"no configuration fits on any accelerator considered, up to {max(GPU_COUNTS)} GPUs: "
-            "shorten the sequences, use LoRA, or a smaller model"
+        out = [
+            f"no configuration fits on any accelerator considered, up to {MAX_GPUS:,} GPUs (at most one per "
+            f"sequence of the global batch of {plan.global_batch}): shorten the sequences, use LoRA, or a smaller model"
         ]
+        return out + [f"{r.accelerator.name}: {a}" for r in plan.rows for a in r.advice]
     lay, acc = rec.layout, rec.accelerator
     row = plan.row(acc.name)
     out = []
-    fitting = sum(1 for r in plan.rows if r.cheapest)
+    fitting = sum(1 for r in plan.rows if r.options)
+    limits = f"finish within {plan.deadline_days:g} d" + (
+        f" and cost at most {_usd(plan.budget_usd)}" if plan.budget_usd is not None else ""
+    )
+    which = {
+        None: f"cheapest of the configurations that {limits}",
+        "deadline": f"fastest of the configurations{' within the budget' if plan.budget_usd is not None else ''} "
+        f"(none can {limits})",
+        "budget": "cheapest configuration"
+        + (" that finishes in time" if rec.wall_days <= plan.deadline_days else "")
+        + f" (none can {limits})",
+    }[plan.shortfall]
     out.append(
-        f"cheapest of the {fitting} accelerator(s) on which the job fits, at ${acc.price_per_gpu_hour:.2f} "
-        f"per GPU-hour; it needs {_gib(rec.memory.device_total)} of {_gib(rec.usable_bytes)} usable per GPU"
+        f"{which}, on the {fitting} accelerator(s) on which the job fits; {acc.name} at "
+        f"${acc.price_per_gpu_hour:.2f} per GPU-hour needs {_gib(rec.memory.device_total)} of "
+        f"{_gib(rec.usable_bytes)} usable per GPU"
     )
     req = row.requested
     if not req.fits:
@@ -523,18 +817,26 @@ def _explain(plan: TrainPlan) -> list[str]:
         )
     if lay.gradient_checkpointing:
         out.append(
-            "gradient checkpointing recomputes each block in the backward pass (about a third more "
-            "compute) to keep activations small enough"
+            "gradient checkpointing recomputes each block's forward in the backward pass to keep activations "
+            f"small enough: at MFU {rec.mfu:.2f} the GPUs execute HFU {rec.hfu:.2f} of their peak (the MFU, as "
+            "papers report it, already pays for the recomputation)"
         )
     out.append(
         f"micro-batch {lay.micro_batch_size} x {lay.grad_accum_steps} accumulation step(s) x "
         f"{lay.num_gpus} GPU(s) keeps the global batch of {plan.global_batch} sequences"
     )
+    hidden = (
+        "hidden behind compute"
+        if rec.step.comm_s == 0
+        else f"longer than the compute they overlap: the MFU reached falls to {rec.achieved_mfu:.2f}"
+    )
     out.append(
         f"{rec.wall_s / 3600:,.1f} h wall time, {rec.gpu_hours:,.1f} GPU-hours, ${rec.cost:,.2f}; "
         f"step {rec.step.total_s:.2f} s = compute {rec.step.compute_s:.2f} + exposed communication "
         f"{rec.step.comm_s:.2f} + offload {rec.step.offload_s:.2f}"
+        + (f" (collectives {rec.step.collectives_s:.2f} s, {hidden})" if lay.num_gpus > 1 else "")
     )
+    out += [f"parallelism: {a}" for a in row.advice]
     if plan.lora_alternative:
         lora, alt = plan.lora_alternative
         out.append(

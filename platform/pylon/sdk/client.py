@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pylon import home
 from pylon.errors import ClusterError, JobNotFoundError, PylonError, SpecError
 from pylon.jobs.run_dir import run_uri_of, storage_problems
-from pylon.plan import DEFAULT_MFU, check_fits, plan_file, plan_spec
+from pylon.plan import DEFAULT_DEADLINE_DAYS, DEFAULT_MFU, check_fits, plan_file, plan_spec
 from pylon.plan.catalog import load_catalog
 from pylon.sdk import inputs, ship
 from pylon.sdk.handles import TERMINAL_JOB_STATES, DataJob, JobInfo, Run, Service
@@ -243,14 +243,24 @@ class Client:
         mfu: float | None = None,
         prices: str | None = None,
         seq_len: int | None = None,
+        deadline_days: float | None = None,
+        budget_usd: float | None = None,
     ):
         """Memory, time and cost of a TrainJob or Deployment before it launches (`pylon plan`): a spec object, a
         dict of its fields (a TrainJob unless `kind` says otherwise) or a YAML file (a list of plans when it holds
         several). `gpu` limits it to one accelerator, `gpus` fixes the GPU count, `mfu` and `prices` (a YAML
-        file) override the assumptions. Needs no cluster; `print(pylon.plan.render(p))` shows the tables."""
+        file) override the assumptions; a TrainJob's recommendation is the cheapest that finishes within
+        `deadline_days` (default 30) and costs at most `budget_usd`. Needs no cluster;
+        `print(pylon.plan.render(p))` shows the tables."""
 
         options = dict(
-            catalog=load_catalog(prices), gpu=gpu, gpus=gpus, mfu=DEFAULT_MFU if mfu is None else mfu, seq_len=seq_len
+            catalog=load_catalog(prices),
+            gpu=gpu,
+            gpus=gpus,
+            mfu=DEFAULT_MFU if mfu is None else mfu,
+            seq_len=seq_len,
+            deadline_days=DEFAULT_DEADLINE_DAYS if deadline_days is None else deadline_days,
+            budget_usd=budget_usd,
         )
         if isinstance(spec, (str, os.PathLike)):
             plans, _ = plan_file(spec, **options)
