@@ -38,12 +38,22 @@ def build_deepspeed_config(spec: TrainJobSpec, *, world_size: int) -> dict:
     }
     if "nvme" in (spec.deepspeed.offload_optimizer, spec.deepspeed.offload_param):
         config["aio"] = _aio(spec)
+    if spec.deepspeed.grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": spec.deepspeed.grad_accum_dtype}
     return config
 
 
 def _zero(spec: TrainJobSpec) -> dict:
     ds = spec.deepspeed
-    zero: dict = {"stage": ds.zero_stage}
+    buffers = ds.buffers
+    zero: dict = {"stage": ds.zero_stage, "reduce_bucket_size": buffers.reduce_bucket_size}
+    if ds.zero_stage == 3:
+        zero.update(
+            stage3_prefetch_bucket_size=buffers.prefetch_bucket_size,
+            stage3_max_live_parameters=buffers.max_live_parameters,
+            stage3_max_reuse_distance=buffers.max_reuse_distance,
+            sub_group_size=buffers.sub_group_size,
+        )
     # Pinned (page-locked) host memory only speeds up copies to and from a GPU; on CPU workers it is useless
     # and pinning needs a memlock allowance containers rarely grant.
     pin_memory = spec.scaling.use_gpu
@@ -52,6 +62,12 @@ def _zero(spec: TrainJobSpec) -> dict:
         zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path, pin_memory)
     if ds.offload_param != "none":
         zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, pin_memory)
+        if ds.offload_param == "nvme":
+            zero["offload_param"].update(
+                buffer_size=buffers.param_buffer_size,
+                buffer_count=buffers.param_buffer_count,
+                max_in_cpu=buffers.param_max_in_cpu,
+            )
     return zero
 
 

@@ -203,12 +203,50 @@ class AioSpec(_Spec):
     overlap_events: bool = True
 
 
+class DeepSpeedBuffersSpec(_Spec):
+    """DeepSpeed's working buffers, in elements (DeepSpeed's defaults). Each is memory per worker that does not
+    shrink with the number of workers: lower them to fit a large model into little memory (`pylon plan` counts
+    them)."""
+
+    reduce_bucket_size: PositiveInt = Field(
+        500_000_000, description="gradients reduced at once (zero_optimization.reduce_bucket_size)"
+    )
+    prefetch_bucket_size: PositiveInt = Field(
+        50_000_000, description="ZeRO-3: parameters fetched ahead of use (stage3_prefetch_bucket_size)"
+    )
+    max_live_parameters: PositiveInt = Field(
+        1_000_000_000, description="ZeRO-3: gathered parameters kept before release (stage3_max_live_parameters)"
+    )
+    max_reuse_distance: NonNegInt = Field(
+        1_000_000_000,
+        description="ZeRO-3: a gathered parameter used again within this many elements stays gathered "
+        "(stage3_max_reuse_distance)",
+    )
+    sub_group_size: PositiveInt = Field(
+        1_000_000_000, description="ZeRO-3: parameters the optimizer steps (and swaps from NVMe) at a time"
+    )
+    param_buffer_size: PositiveInt = Field(
+        100_000_000, description="NVMe parameter offload: elements per swap buffer (offload_param.buffer_size)"
+    )
+    param_buffer_count: PositiveInt = Field(5, description="NVMe parameter offload: swap buffers")
+    param_max_in_cpu: NonNegInt = Field(
+        1_000_000_000,
+        description="NVMe parameter offload: parameter elements also kept in host memory (offload_param.max_in_cpu)",
+    )
+
+
 class DeepSpeedSpec(_Spec):
     zero_stage: Literal[0, 1, 2, 3] = 2
     offload_optimizer: Offload = "none"
     offload_param: Offload = "none"
     nvme_path: str | None = None
     aio: AioSpec = Field(default_factory=AioSpec)
+    buffers: DeepSpeedBuffersSpec = Field(default_factory=DeepSpeedBuffersSpec)
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None,
+        description="ZeRO: the dtype gradients are accumulated and reduced in (default: the training precision); "
+        "bf16 halves an fp32 run's gradient partitions, the optimizer still steps in fp32",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "DeepSpeedSpec":

@@ -19,7 +19,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import pylon
 
     client = pylon.connect(args.address)
-    run = client.train(args.file, force=args.force)  # every spec error, and a job that cannot fit, refused first
+    run = client.train(
+        args.file, force=args.force, export=not args.no_export
+    )  # every spec error, and a job that cannot fit, refused first
     if args.json:
         print(json.dumps({"job_id": run.job_id, "run_uri": run.run_uri}), flush=True)
     else:
@@ -143,6 +145,11 @@ def add_train_parser(sub, fmt) -> None:
         "--force",
         action="store_true",
         help="submit even if the planner says the job cannot fit on the resources it asks for",
+    )
+    t.add_argument(
+        "--no-export",
+        action="store_true",
+        help="skip the export at the end (it gathers the whole model into one process); `pylon export` later",
     )
     t.set_defaults(func=_cmd_train)
 

@@ -23,15 +23,18 @@ parameter" counts only Adam's moments. In mixed precision ZeRO-2 comes to 2*N + 
 optimizer moves the optimizer states and the fp32 gradients (and ZeRO-1/2's gradients) to host RAM or NVMe;
 offloading parameters (ZeRO-3) moves the parameter partitions.
 
-Host RAM per node follows DeepSpeed's estimators too: every process first builds the model in fp32 (Pylon
-builds, then DeepSpeed partitions; no `zero.Init`), then holds what is offloaded; the larger of the two, times
-DeepSpeed's `additional_buffer_factor` of 1.5 for pinned buffers and fragmentation. (One difference: for
+Host RAM per node follows DeepSpeed's estimators too (with `zero_init`): at ZeRO-0-2 every process first builds
+the model in fp32 (each keeps a full replica in training anyway); at ZeRO-3 the model is built under `zero.Init`
+(`pylon.models.build_model`), so a process holds only the module being constructed (4*L) before it is
+partitioned. Then the node holds what is offloaded; the larger of the two, times DeepSpeed's
+`additional_buffer_factor` of 1.5 for pinned buffers and fragmentation. (One difference: for
 ZeRO-2 with optimizer offload on several nodes DeepSpeed's estimator multiplies the fp32 model by every GPU of
 the job rather than those of one node; here it is per node.)
 
 Beyond the model states: activations come from simulating the step (`pylon.plan.activations`), working buffers
-are DeepSpeed's gradient buckets at its default sizes (a 5e8-element reduce bucket is 1 GB in bf16 whatever
-the model size), and the CUDA context and NCCL take about 1 GiB per GPU.
+are DeepSpeed's gradient buckets at the sizes the spec gives (`deepspeed.buffers`, DeepSpeed's defaults unless
+set: a 5e8-element reduce bucket is 1 GB in bf16 whatever the model size), and the CUDA context and NCCL take
+about 1 GiB per GPU.
 """
 
 from __future__ import annotations
@@ -45,14 +48,10 @@ GIB = 2**30
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # DeepSpeed's defaults for the settings Pylon's config leaves alone (deepspeed/runtime/zero/config.py,
-# offload_config.py, engine.py).
-REDUCE_BUCKET_ELEMENTS = 500_000_000  # zero_optimization.reduce_bucket_size
-PREFETCH_BUCKET_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size
+# offload_config.py, engine.py). The buffers a spec may size are in `Buffers` (DeepSpeed's defaults too).
 PARAM_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold: smaller parameters stay whole
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # the engine's buffered all-reduce without ZeRO
-SUB_GROUP_ELEMENTS = 1_000_000_000  # sub_group_size: the optimizer steps (and swaps) this many at a time
 NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer.buffer_count
-NVME_PARAM_BUFFERS, NVME_PARAM_BUFFER_ELEMENTS = 5, 100_000_000  # offload_param.buffer_count, buffer_size
 HOST_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' additional_buffer_factor for host memory
 CUDA_RUNTIME_BYTES = 1 * GIB  # CUDA context, cuBLAS workspaces and NCCL communicators, per GPU
 PROCESS_BYTES = 1 * GIB  # a CPU worker's Python, torch, transformers and DeepSpeed before the model exists
@@ -140,6 +139,31 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Buffers:
+    """DeepSpeed's working buffers in elements: `deepspeed.buffers` of a spec (`DeepSpeedBuffersSpec`), whose
+    defaults are DeepSpeed's."""
+
+    reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size
+    prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size
+    sub_group: int = 1_000_000_000  # sub_group_size: the optimizer steps (and swaps) this many at a time
+    param_buffer: int = 100_000_000  # offload_param.buffer_size
+    param_buffers: int = 5  # offload_param.buffer_count
+    param_in_cpu: int = 1_000_000_000  # offload_param.max_in_cpu: swapped parameters also kept in host RAM
+
+    @classmethod
+    def of(cls, spec) -> "Buffers":
+        """From a `DeepSpeedBuffersSpec`."""
+        return cls(
+            spec.reduce_bucket_size,
+            spec.prefetch_bucket_size,
+            spec.sub_group_size,
+            spec.param_buffer_size,
+            spec.param_buffer_count,
+            spec.param_max_in_cpu,
+        )
+
+
+@dataclass(frozen=True)
 class Layout:
     """What the planner may change: how the job is spread over GPUs and what it trades memory for."""
 
@@ -151,6 +175,8 @@ class Layout:
     grad_accum_steps: int = 1
     num_gpus: int = 1
     gpus_per_node: int = 8
+    buffers: Buffers = Buffers()
+    grad_accum: str | None = None  # ZeRO-3: the dtype of its gradient partitions (`deepspeed.grad_accum_dtype`)
 
     @property
     def gpus_on_node(self) -> int:
@@ -189,7 +215,7 @@ class TrainMemory:
     activations: int
     buffers: int
     runtime: int
-    host_build: int  # per node: every process's fp32 model while it is built
+    host_build: int  # per node: what the processes hold while they build the model (fp32)
     host_states: int  # per node: offloaded optimizer states, gradients, parameters
     host_buffers: int  # per node: pinned NVMe swap buffers
     nvme: int  # per node
@@ -246,6 +272,8 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
     # steps the optimizer on (mixed precision; ZeRO-3 accumulates straight into fp32 partitions).
     grads_lp = {0: w * t, 1: w * t, 2: w * t / g, 3: 0.0}[stage]
     grads_fp32 = 4 * t / shard if (mixed or stage == 3) else 0.0
+    if stage == 3 and layout.grad_accum is not None:  # the partitions in the dtype the spec asks for
+        grads_fp32 = WEIGHT_BYTES[layout.grad_accum] * t / shard
     gathered_grads = w * min(s.largest_layer_params, t) if stage == 3 else 0.0
     optimizer = (4 * t if (mixed or stage >= 1) else 0) / shard + 8 * t / shard  # fp32 master + Adam moments
     host_states = host_buffers = nvme = 0.0
@@ -256,14 +284,15 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         if layout.offload_optimizer == "nvme":  # master weights and moments on NVMe, fp32 gradients in RAM
             nvme += optimizer * per_node
             host_states += grads_fp32 * per_node
-            host_buffers += NVME_OPTIMIZER_BUFFERS * min(SUB_GROUP_ELEMENTS, t / shard) * 4 * per_node
+            host_buffers += NVME_OPTIMIZER_BUFFERS * min(layout.buffers.sub_group, t / shard) * 4 * per_node
         else:
             host_states += offloaded * per_node
         grads_fp32 = optimizer = 0.0
     if off_par:
         if layout.offload_param == "nvme":
             nvme += w * n / g * per_node
-            host_buffers += NVME_PARAM_BUFFERS * NVME_PARAM_BUFFER_ELEMENTS * w * per_node
+            host_buffers += layout.buffers.param_buffers * layout.buffers.param_buffer * w * per_node
+            host_states += min(layout.buffers.param_in_cpu, n / g) * w * per_node  # kept in RAM as well
         else:
             host_states += w * n / g * per_node
     grads = grads_lp + grads_fp32 + gathered_grads
@@ -291,13 +320,16 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         buffers = min(t, ALLREDUCE_BUCKET_ELEMENTS) * w if g > 1 else 0.0
         notes["working buffers"] = "the flattened all-reduce bucket" if g > 1 else "none (one GPU)"
     elif stage < 3:
-        buffers = bucket(REDUCE_BUCKET_ELEMENTS)
-        notes["working buffers"] = "DeepSpeed's gradient reduce bucket (5e8 elements)"
+        buffers = bucket(layout.buffers.reduce_bucket)
+        notes["working buffers"] = f"DeepSpeed's gradient reduce bucket ({layout.buffers.reduce_bucket:.0e} elements)"
     else:
         # Parameters under the persistence threshold (norms, biases) stay whole on every GPU.
         persistent = s.persistent_params * (1 - 1 / g) * w
-        buffers = bucket(REDUCE_BUCKET_ELEMENTS) + min(PREFETCH_BUCKET_ELEMENTS, n) * w + persistent
-        notes["working buffers"] = "reduce bucket (5e8 elements), parameter prefetch (5e7), small parameters kept whole"
+        buffers = bucket(layout.buffers.reduce_bucket) + min(layout.buffers.prefetch_bucket, n) * w + persistent
+        notes["working buffers"] = (
+            f"reduce bucket ({layout.buffers.reduce_bucket:.0e} elements), parameter prefetch "
+            f"({layout.buffers.prefetch_bucket:.0e}), small parameters kept whole"
+        )
 
     acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device)
     notes["activations"] = (
@@ -313,7 +345,8 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         activations=int(acts),
         buffers=int(buffers),
         runtime=runtime,
-        host_build=4 * n * per_node,
+        # ZeRO-3 builds under zero.Init: one module at a time exists whole before it is partitioned.
+        host_build=4 * (s.largest_layer_params if stage == 3 else n) * per_node,
         host_states=int(host_states),
         host_buffers=int(host_buffers),
         nvme=int(nvme),

@@ -28,7 +28,6 @@ COLLECTIVE_EFFICIENCY = 0.8  # of the nominal link rate, what bucketed ring coll
 RING_STEP_LATENCY_S = 6e-6  # per step of a ring (G-1 steps per all-gather): NCCL's tuning model, Simple protocol
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed's CPU Adam per GPU process (AVX-512, a node's cores shared by its GPUs)
 NVME_GBS = 6.0  # NVMe read or write bandwidth per node, GB/s, shared by its GPUs
-BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce (and all-reduce) bucket: how many launches ZeRO-0-2 make
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int, lora: bool) -> float:
@@ -91,7 +90,7 @@ def collectives(work: Workload, layout: Layout, acc: Accelerator) -> tuple[float
     volume = {0: 2 * grads, 1: 2 * grads, 2: (accum + 1) * grads, 3: accum * (2 * weights + grads)}[stage]
     # Ring steps, each paying the latency: G-1 per reduce-scatter or all-gather (an all-reduce is both), per
     # bucket; ZeRO-3 gathers and reduces a transformer block at a time (forward, backward, gradients).
-    buckets = math.ceil(s.trainable_params / BUCKET_ELEMENTS)
+    buckets = math.ceil(s.trainable_params / layout.buffers.reduce_bucket)
     launches = {0: 2 * buckets, 1: 2 * buckets, 2: (accum + 1) * buckets, 3: accum * 3 * s.num_layers}[stage]
     seconds = volume / (collective_gbs(acc, g) * 1e9) + launches * (g - 1) * RING_STEP_LATENCY_S
     return seconds, (1.0 / accum if stage < 2 else 1.0)

@@ -25,6 +25,7 @@ from pylon.plan.fmt import _gib, _usd
 from pylon.plan.memory import (
     CUDA_RUNTIME_BYTES,
     PROCESS_BYTES,
+    Buffers,
     Layout,
     TrainMemory,
     Workload,
@@ -380,7 +381,16 @@ def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) 
     accum = max(1, math.ceil(spec.global_batch_size / (mb * g)))
     ds = spec.deepspeed
     return Layout(
-        ds.zero_stage, ds.offload_optimizer, ds.offload_param, spec.gradient_checkpointing, mb, accum, g, gpus_per_node
+        ds.zero_stage,
+        ds.offload_optimizer,
+        ds.offload_param,
+        spec.gradient_checkpointing,
+        mb,
+        accum,
+        g,
+        gpus_per_node,
+        buffers=Buffers.of(ds.buffers),
+        grad_accum=ds.grad_accum_dtype,
     )
 
 

@@ -184,7 +184,7 @@ class Client:
 
     # -- the SDK: training runs, datasets, deployments (handles in pylon.sdk.handles) ---------------------------
 
-    def train(self, spec, *, force: bool = False) -> Run:
+    def train(self, spec, *, force: bool = False, export: bool = True) -> Run:
         """Submit a TrainJob (a `TrainJobSpec`, a dict of its fields, or a YAML file) as a Ray job: the
         job `pylon train FILE` submits, `python -m pylon.jobs.train --config spec.yaml`, with the spec carried in
         the job's working directory (a copy is kept in `$PYLON_HOME/specs/<job id>.yaml`). Relative paths in the
@@ -192,7 +192,8 @@ class Client:
         machine, the local files it reads travel with the job and local output paths are refused
         (`pylon.sdk.ship`). Submitting a run name again resumes it. A job the planner says cannot fit on the
         resources it asks for is refused first (`pylon.plan.WontFitError`, with the reason and what would fit);
-        `force=True` submits it anyway."""
+        `force=True` submits it anyway. `export=False` skips the export at the end (it gathers the whole model
+        into one process; a model trained only because ZeRO-3 spreads it may not fit there)."""
         spec, _ = inputs.as_spec(spec, TrainJobSpec)  # every spec error before anything is submitted
         if not force:
             check_fits(spec, client=self)  # before asking for workers (and before contacting the cluster)
@@ -210,7 +211,7 @@ class Client:
             record.parent.mkdir(parents=True, exist_ok=True)
             record.write_text(to_yaml(spec))
             self.submit_job(
-                f"python -m pylon.jobs.train --config {ship.SPEC_FILE}",
+                f"python -m pylon.jobs.train --config {ship.SPEC_FILE}" + ("" if export else " --no-export"),
                 runtime_env=package.runtime_env,
                 submission_id=job_id,
                 metadata={

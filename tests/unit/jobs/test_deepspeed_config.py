@@ -77,7 +77,12 @@ def test_config_for_every_allowed_combination(spec: TrainJobSpec) -> None:
             expected = {"device": target, "pin_memory": spec.scaling.use_gpu}
             if target == "nvme":
                 expected["nvme_path"] = "/local_nvme"
+            if target == "nvme" and key == "offload_param":  # the swap buffers, DeepSpeed's defaults unless set
+                expected.update(buffer_count=5, buffer_size=100_000_000, max_in_cpu=1_000_000_000)
             assert zero[key] == expected
+    assert zero["reduce_bucket_size"] == 500_000_000
+    if ds.zero_stage == 3:
+        assert zero["sub_group_size"] == zero["stage3_max_live_parameters"] == 1_000_000_000
     uses_nvme = "nvme" in (ds.offload_optimizer, ds.offload_param)
     assert ("aio" in config) == uses_nvme
 
@@ -94,6 +99,27 @@ def test_config_for_every_allowed_combination(spec: TrainJobSpec) -> None:
     assert parsed.bfloat16_config.enabled == (spec.precision == "bf16")
     if uses_nvme:
         assert parsed.aio_config["intra_op_parallelism"] == spec.deepspeed.aio.thread_count
+
+
+def test_buffers_and_gradient_dtype_from_the_spec() -> None:
+    """DeepSpeed's working buffers and the gradient dtype, sized by the spec (what fits a 1B model in 8 GiB)."""
+    spec = job(
+        deepspeed={
+            "zero_stage": 3,
+            "offload_optimizer": "nvme",
+            "offload_param": "nvme",
+            "nvme_path": "/nvme",
+            "buffers": {"reduce_bucket_size": 1000, "sub_group_size": 2000, "param_buffer_count": 12},
+            "grad_accum_dtype": "bf16",
+        }
+    )
+    config = build_deepspeed_config(spec, world_size=1)
+    zero = config["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 1000 and zero["sub_group_size"] == 2000
+    assert zero["offload_param"]["buffer_count"] == 12
+    assert config["data_types"] == {"grad_accum_dtype": "bf16"}
+    parsed = DeepSpeedConfig(config)
+    assert parsed.zero_config.sub_group_size == 2000 and parsed.grad_accum_dtype == "bf16"
 
 
 def test_aio_block_from_the_spec() -> None:

@@ -25,7 +25,7 @@ from pylon.plan import (
     render,
 )
 from pylon.plan.catalog import load_catalog
-from pylon.plan.memory import GIB, Layout, Workload, kv_bytes_per_token, model_shape, train_memory
+from pylon.plan.memory import GIB, HOST_BUFFER_FACTOR, Layout, Workload, kv_bytes_per_token, model_shape, train_memory
 from pylon.specs import DeploymentSpec, ModelSpec, TrainJobSpec
 
 LLAMA_58M = {
@@ -149,7 +149,10 @@ def test_model_states_equal_deepspeed_zero3_estimate(real_models, shape, monkeyp
             mem = train_memory(work, layout)
             assert _close(mem.model_states, gpu), (shape, layout, mem.model_states, gpu)
             assert abs(mem.model_states / GIB - gpu_gib) <= 0.006 + 0.01 * gpu_gib
-            if not kwargs["zero_init"]:  # Pylon builds the model, then DeepSpeed partitions it (no zero.Init)
+            if kwargs["zero_init"]:  # Pylon builds ZeRO-3 models under zero.Init (pylon.models.build_model)
+                # With offload DeepSpeed's estimate leaves out the module each process holds whole while it is
+                # built (4 x largest layer); on small models with many GPUs a node's builds outweigh its states.
+                cpu = max(cpu, mem.host_build * HOST_BUFFER_FACTOR)
                 assert _close(mem.host_total, cpu), (shape, layout, mem.host_total, cpu)
 
 
