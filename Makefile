@@ -14,7 +14,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 # what the other built. Ray's processes already get the venv's bin first (pylon.infra.local.up).
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages test test-all test-gpu unit integration demo lint format clean help
+.PHONY: setup system-packages test test-all test-gpu offload-cap unit integration demo lint format clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -70,6 +70,9 @@ test-all: setup  ## the whole suite including the tests marked slow (what `make 
 
 test-gpu: setup  ## the serving engine's tests on a CUDA GPU: greedy parity in fp32, bf16/fp16, the engine process
 	PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/serving/engine/test_serving_engine.py tests/unit/serving/engine/test_serving_engine_async.py
+
+offload-cap: setup  ## a 1B model trained by ZeRO-3 + NVMe offload on a local cluster in an 8 GiB cgroup (root; ~25 min)
+	PYLON_ALL_TESTS=1 $(PY) -m pytest -s tests/integration/test_offload_memory_cap.py
 
 unit: setup  ## fast tests only, no cluster
 	$(PY) -m pytest tests/unit

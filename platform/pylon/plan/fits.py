@@ -7,7 +7,7 @@ from pylon.errors import PylonError
 from pylon.plan.catalog import Accelerator, Catalog, load_catalog
 from pylon.plan.fmt import _gib
 from pylon.plan.steptime import DEFAULT_MFU
-from pylon.plan.train import _requested_layout, cpu_worker_bytes, evaluate, search, train_workload
+from pylon.plan.train import _requested_layout, cpu_job_bytes, evaluate, search, train_workload
 from pylon.specs import TrainJobSpec
 
 
@@ -38,10 +38,10 @@ def _refusal(spec: TrainJobSpec, client, catalog: Catalog) -> str | None:
             for n in nodes
             if n.state == "ALIVE"
         )
-        need = cpu_worker_bytes(work, _requested_layout(spec, None, g)) * g
+        need = cpu_job_bytes(work, _requested_layout(spec, None, g))
         if available and need > available:
             return (
-                f"TrainJob '{spec.name}' needs about {_gib(need)} of RAM for its {g} CPU worker(s); the "
+                f"TrainJob '{spec.name}' needs about {_gib(need)} of RAM for its {g} CPU worker(s) and its driver; the "
                 f"cluster has {_gib(available)}. Use fewer workers, a smaller micro-batch or gradient "
                 "checkpointing, or submit anyway with --force"
             )

@@ -55,6 +55,10 @@ NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer.buffer_count
 HOST_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' additional_buffer_factor for host memory
 CUDA_RUNTIME_BYTES = 1 * GIB  # CUDA context, cuBLAS workspaces and NCCL communicators, per GPU
 PROCESS_BYTES = 1 * GIB  # a CPU worker's Python, torch, transformers and DeepSpeed before the model exists
+# What a training job runs besides its workers: its driver (`python -m pylon.jobs.train`), Ray Train's controller and
+# its helper actors (data, synchronisation, placement). Measured on the local cluster: ~1 GiB of anonymous memory
+# (tests/integration/test_offload_memory_cap.py).
+JOB_PROCESSES_BYTES = 1 * GIB
 
 
 @dataclass(frozen=True)

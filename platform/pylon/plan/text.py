@@ -43,6 +43,10 @@ def _render_train(p: TrainPlan) -> str:
             f"  {'CPU worker RAM':<18}{_gib(p.cpu_worker_bytes):>11}  as the spec runs (use_gpu: false): "
             f"step, offloaded share and the process, x {lay.num_gpus} worker(s)"
         )
+        lines.append(
+            f"  {'CPU job RAM':<18}{_gib(p.cpu_job_bytes):>11}  the workers, plus the job's driver and "
+            "Ray Train's controller"
+        )
     lines += ["", f"Per accelerator, as requested ({lay.num_gpus} GPU(s)):"]
     table = [("GPU", "memory", "needs/GPU", "fits", "time", "GPU-hours", "cost", "binding")]
     for r in p.rows:

@@ -24,6 +24,7 @@ from pylon.plan.catalog import Accelerator, Catalog, load_catalog
 from pylon.plan.fmt import _gib, _usd
 from pylon.plan.memory import (
     CUDA_RUNTIME_BYTES,
+    JOB_PROCESSES_BYTES,
     PROCESS_BYTES,
     Buffers,
     Layout,
@@ -429,6 +430,7 @@ class TrainPlan:
     shortfall: str | None = None  # what the recommendation misses: 'deadline', 'budget' or None
     verdict: str = ""  # one sentence on the deadline and the budget: met, or what meeting them would take
     cpu_worker_bytes: int | None = None  # a CPU worker's RAM as requested (use_gpu false)
+    cpu_job_bytes: int | None = None  # the whole job's RAM on CPU workers: its workers, driver and controller
     lora_alternative: tuple[LoraSpec, Option] | None = None
     notes: list[str] = field(default_factory=list)
     kind: str = "TrainJob"
@@ -477,6 +479,7 @@ class TrainPlan:
                 "host_ram_per_node": self.requested_memory.host_total,
                 "nvme_per_node": self.requested_memory.nvme,
                 "cpu_worker_ram": self.cpu_worker_bytes,
+                "cpu_job_ram": self.cpu_job_bytes,
             },
             "accelerators": [
                 {
@@ -600,6 +603,7 @@ def plan_train(
     )
     if not spec.scaling.use_gpu:
         plan.cpu_worker_bytes = cpu_worker_bytes(work, _requested_layout(spec, None, spec.scaling.num_workers))
+        plan.cpu_job_bytes = cpu_job_bytes(work, _requested_layout(spec, None, spec.scaling.num_workers))
     if recommendation is not None and spec.lora is None and recommendation.layout.offloads:
         plan.lora_alternative = _lora_alternative(spec, recommendation, work, mfu=mfu)
     if recommendation is not None and recommendation.hfu > MAX_HFU:
@@ -739,6 +743,12 @@ def cpu_worker_bytes(work: Workload, layout: Layout) -> int:
     pages), its share of what is offloaded, and the process itself."""
     m = train_memory(work, layout, device="cpu")
     return m.device_total + (m.host_states + m.host_buffers) // layout.gpus_on_node + PROCESS_BYTES
+
+
+def cpu_job_bytes(work: Workload, layout: Layout) -> int:
+    """RAM a training job on CPU workers adds to a cluster: its workers, plus its driver and Ray Train's
+    controller and helper actors."""
+    return cpu_worker_bytes(work, layout) * layout.num_gpus + JOB_PROCESSES_BYTES
 
 
 def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: float):
