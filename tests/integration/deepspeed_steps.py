@@ -17,6 +17,8 @@ ranks, i.e. the global batch's loss.
 reference DeepSpeed's sharded runs are compared against.
 --checkpoint DIR commits a checkpoint with Pylon's CheckpointCommitter after the steps, takes one more step,
 loads the checkpoint back and takes that step again: both must give the same loss.
+--resume DIR loads the latest commit of such a DIR before the steps, in this new process: its first step must give
+the loss the earlier run's step after saving gave.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--plain", action="store_true", help="plain PyTorch AdamW, no DeepSpeed (one process)")
     parser.add_argument("--checkpoint", help="a directory to commit, reload and re-step a checkpoint in")
+    parser.add_argument(
+        "--resume", help="a --checkpoint directory of an earlier run: load its latest commit first, as a new job does"
+    )
     args = parser.parse_args(argv)
 
     spec = TrainJobSpec.model_validate(json.loads(args.spec))
@@ -76,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.distributed.all_reduce(mean)  # the global batch's loss: every rank's rows weigh the same
         return mean.item() / world_size
 
+    if args.resume:  # a fresh process (fresh swap files, a freshly initialised model) loads the earlier commit
+        from pylon.jobs.checkpoint import CheckpointCommitter
+
+        committer = CheckpointCommitter(args.resume, rank=rank, world_size=world_size, keep_last=1)
+        committer.load(engine, committer.latest())
+        committer.close()
     losses, lrs = [], []
     for _ in range(args.steps):
         lrs.append(engine.get_lr()[0])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -158,11 +159,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(combo: Combo, workdir: Path) -> dict:
-    """Runs `combo` as `combo.world_size` processes (ranks of one gloo group); returns rank 0's result."""
+def _run(combo: Combo, workdir: Path, *, resume: Path | None = None) -> dict:
+    """Runs `combo` as `combo.world_size` processes (ranks of one gloo group); returns rank 0's result. `resume`:
+    the processes first load the latest commit of an earlier run's checkpoint directory."""
     workdir.mkdir(parents=True)
     command = [sys.executable, str(HELPER), "--spec", json.dumps(combo.spec(workdir)), "--steps", str(combo.steps)]
     command += ["--plain"] if combo.plain else ["--checkpoint", str(workdir / "run")]
+    command += ["--resume", str(resume)] if resume else []
     port = str(_free_port())
     procs = []
     for rank in range(combo.world_size):
@@ -415,3 +418,35 @@ def test_zero3_lora_on_a_pretrained_base(tmp_path: Path, s3_root: str) -> None:
     _, partitioned = _pretrained_parity(tmp_path, s3_root, zero3)
     assert 0 < partitioned["trainable"] < partitioned["parameters"] / 10
     assert partitioned["losses"][-1] < partitioned["losses"][0]
+
+
+def test_zero3_pretrained_weights_of_another_shape_name_the_tensor(tmp_path: Path, s3_root: str) -> None:
+    """A model directory whose weights do not match its config is an error naming the file and the tensor, on
+    every rank, before anything trains (not a hang in a collective, not a silently random model)."""
+    local, remote = tmp_path / "base", f"{s3_root}/base"
+    _pretrained_directory(local, remote)
+    config = json.loads((local / "config.json").read_text())
+    config["n_embd"] = 256  # the weights are 384 wide
+    (local / "config.json").write_text(json.dumps(config))
+    zero3 = Combo(3, "fp32", world_size=2, steps=1, extra=(("batch", {"micro_batch_size": 2}),))
+    result = _run(_with_model(zero3, {"path": str(local)}), tmp_path / "run")
+    assert "error" in result, result
+    shape = r"model\.safetensors: tensor (\S+) has shape \[([\d, ]+)\], the model expects \[([\d, ]+)\]"
+    found = re.search(shape, result["error"])
+    assert found, result["error"][-3000:]
+    assert found.group(2) != found.group(3), found.group(0)  # the file's shape (384 wide), then the config's (256)
+
+
+@pytest.mark.slow  # ~60 s; make test sees NVMe round trips in-process (test_combination_trains)
+@pytest.mark.nvme
+@pytest.mark.timeout(1500)
+def test_nvme_offload_resumes_in_a_new_process(tmp_path: Path) -> None:
+    """A run with parameters and optimizer on NVMe, resumed by new processes with fresh swap files (as a resubmitted
+    job on another machine is): their first step repeats the step the first run took after committing."""
+    combo = Combo(3, "fp32", "nvme", "nvme", world_size=2, extra=(("batch", {"micro_batch_size": 2}),))
+    first = _run(combo, tmp_path / "first")
+    assert "error" not in first, first.get("error")
+    again = Combo(**{**combo.__dict__, "steps": 1})
+    resumed = _run(again, tmp_path / "resumed", resume=tmp_path / "first" / "run")
+    assert "error" not in resumed, resumed.get("error")
+    assert resumed["losses"][0] == pytest.approx(first["loss_after_save"], rel=1e-5), (resumed, first)

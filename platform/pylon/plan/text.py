@@ -33,7 +33,7 @@ def _render_train(p: TrainPlan) -> str:
         lines.append(f"  {name:<18}{_gib(b):>11}  {m.notes.get(name, '')}")
     lines.append(f"  {'total':<18}{_gib(m.device_total):>11}")
     lines.append(
-        f"  {'host RAM per node':<18}{_gib(m.host_total):>11}  max(fp32 model while built "
+        f"  {'host RAM per node':<18}{_gib(m.host_total):>11}  max(while the model is built "
         f"{_gib(m.host_build)}, offloaded {_gib(m.host_states + m.host_buffers)}) x 1.5"
     )
     if m.nvme:

@@ -81,9 +81,11 @@ COUNTED = (
     "1-3); fp32 training at ZeRO-0 keeps 4+4+8 = 16 bytes per parameter, so a 7B model's weights, gradients "
     "and Adam states take ~112 GB (the often-quoted ~56 GB counts only Adam's two moments, 8 bytes per "
     "parameter). Activations: one micro-batch's forward + backward peak, simulated. Working buffers: "
-    "DeepSpeed's reduce/prefetch buckets at their default sizes. Runtime: ~1 GiB for the CUDA context and "
-    "NCCL. Host RAM per node: the larger of every process's fp32 model while it is built and what is "
-    "offloaded, times 1.5 (DeepSpeed's additional_buffer_factor). A GPU fits at <= 95% of its memory."
+    "DeepSpeed's reduce/prefetch buckets at the sizes the spec gives (deepspeed.buffers; DeepSpeed's defaults). "
+    "Runtime: ~1 GiB for the CUDA context and NCCL. Host RAM per node: the larger of what the processes hold "
+    "while they build the model (ZeRO-0-2: each its fp32 replica; ZeRO-3, built under zero.Init: the module "
+    "being built) and what is offloaded, times 1.5 (DeepSpeed's additional_buffer_factor). A GPU fits at <= 95% "
+    "of its memory."
 )
 
 
