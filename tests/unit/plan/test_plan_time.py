@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_plan import LLAMA_70B  # the module beside this one
 
 from pylon.errors import PylonError
 from pylon.plan import MAX_GPUS, gpu_counts, hardware_flops_per_token, model_flops_per_token, plan_train, render
@@ -19,16 +20,7 @@ from pylon.plan.steptime import COLLECTIVE_EFFICIENCY, collective_gbs, hfu, step
 from pylon.plan.train import candidate_layouts, pareto, train_workload
 from pylon.specs import TrainJobSpec
 
-LLAMA2_70B = {
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 4096,
-    "vocab_size": 32000,
-}
+LLAMA2_70B = LLAMA_70B  # the same shape as test_plan.py's
 LLAMA31_405B = {
     **LLAMA2_70B,
     "hidden_size": 16384,
