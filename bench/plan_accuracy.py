@@ -131,11 +131,11 @@ def worker(case_name: str, steps: int) -> None:
 
     baseline = _rss()
     _reset_peak()
-    model = build_model(spec, vocab_size=320, eos_id=256, pad_id=257, seed=0)
+    config = build_deepspeed_config(spec, world_size=1)
+    # As a training job builds it: partitioned at ZeRO-3 (zero.Init), which the planner's host-RAM term assumes.
+    model = build_model(spec, vocab_size=320, eos_id=256, pad_id=257, seed=0, deepspeed_config=config)
     engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=build_deepspeed_config(spec, world_size=1),
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
     )
     generator = torch.Generator().manual_seed(0)
     before_step = after_step = step_peak = 0
