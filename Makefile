@@ -71,7 +71,7 @@ test-all: setup  ## the whole suite including the tests marked slow (what `make 
 test-gpu: setup  ## the serving engine's tests on a CUDA GPU: greedy parity in fp32, bf16/fp16, the engine process
 	PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/serving/engine/test_serving_engine.py tests/unit/serving/engine/test_serving_engine_async.py
 
-offload-cap: setup  ## a 1B model trained by ZeRO-3 + NVMe offload on a local cluster in an 8 GiB cgroup (root; ~25 min)
+offload-cap: setup  ## a 1B model trained by ZeRO-3 + NVMe offload on a local cluster in an 8 GiB cgroup (root; ~15 min)
 	PYLON_ALL_TESTS=1 $(PY) -m pytest -s tests/integration/test_offload_memory_cap.py
 
 unit: setup  ## fast tests only, no cluster

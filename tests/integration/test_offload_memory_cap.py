@@ -4,7 +4,7 @@ lives in an 8 GiB memory cgroup -- ZeRO-3, the model built partitioned (zero.Ini
 offloaded to NVMe, two CPU workers. A few steps, the loss falls, a checkpoint commits, and a second submission
 resumes from it. The cgroup's peak is recorded beside the planner's prediction.
 
-Run it as a user would (root, cgroup v1's memory controller, ~60 GB free disk, ~25 minutes):
+Run it as a user would (root, cgroup v1's memory controller, ~60 GB free disk, ~15 minutes):
 
     PYLON_ALL_TESTS=1 .venv/bin/python -m pytest tests/integration/test_offload_memory_cap.py -s
 
