@@ -587,6 +587,8 @@ class CheckpointCommitter:
             )
             if load_path is None:
                 raise PylonError(f"{info.uri}: DeepSpeed found no checkpoint in the downloaded files")
+            if engine.zero_optimization_partition_weights() and engine.zero_nvme_offload_optimizer():
+                _restore_swapped_optimizer(engine, Path(engine._get_zero_ckpt_name(str(local), DS_TAG)))
         finally:
             shutil.rmtree(local, ignore_errors=True)
         restore_rng_state(record["rng"])
@@ -621,6 +623,67 @@ class CheckpointCommitter:
             self.wait()
         finally:
             self._uploader.shutdown(wait=True)
+
+
+def _restore_swapped_optimizer(engine, shard: Path) -> None:
+    """Finish what DeepSpeed's `load_checkpoint` leaves undone when the optimizer is offloaded to NVMe (ZeRO-3).
+
+    DeepSpeed then skips its ZeRO shard (`_load_zero_checkpoint`): it copies the checkpoint's swap files over
+    its own and re-reads the fp32 master weights from them, nothing more. Three things stay as they were in
+    this process (freshly initialised, in a resumed job):
+      - sub-groups too small to swap (under `min_aio_bytes`, e.g. the last few norms): their master weights,
+        Adam moments and model partitions live in the shard file only;
+      - every sub-group's Adam step count (bias correction), which never goes to disk;
+      - in a new process, the moments of swapped sub-groups: the swapper only reads the state tensors it has
+        already seen, so the copied `exp_avg`/`exp_avg_sq` files are ignored and Adam restarts from zero.
+    This reads this rank's shard and restores all three, so the steps after a resume repeat the steps the
+    saving run took (tests/integration/test_deepspeed_combinations.py). Collective (gathers persistent params).
+    """
+    zero = engine.optimizer
+    base = zero.optimizer
+    saved = torch.load(shard, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    saved_state = saved["optimizer_state_dict"]["state"]
+    saved_flat = saved["fp32_flat_groups"]
+    # The base optimizer's params in state-dict order: its groups in order, each group's sub-groups in order,
+    # as DeepSpeed lays them out (`_set_fp32_optimizer_param_groups`) when it saves.
+    order = [[] for _ in base.param_groups]
+    for sub_group in range(len(zero.fp32_partitioned_groups_flat)):
+        order[zero.sub_group_to_group_id[sub_group]].append(sub_group)
+    index_of = {sub_group: i for i, sub_group in enumerate(g for group in order for g in group)}
+    if len(saved_flat) != len(zero.fp32_partitioned_groups_flat):
+        raise PylonError(
+            f"{shard.name}: the checkpoint has {len(saved_flat)} optimizer sub-groups, this run "
+            f"{len(zero.fp32_partitioned_groups_flat)}; resume with the same deepspeed.buffers.sub_group_size"
+        )
+    swapper = zero.optimizer_swapper
+    zero._partition_all_parameters()  # persistent parameters too: the gather at the end refreshes them
+    for sub_group, flat in enumerate(zero.fp32_partitioned_groups_flat):
+        state = saved_state.get(index_of[sub_group])
+        if not state:
+            continue  # this sub-group had not stepped when the checkpoint was taken
+        tensors = {k: v for k, v in state.items() if torch.is_tensor(v) and k != "step"}
+        others = {k: v for k, v in state.items() if k not in tensors}
+        if zero._swappable_optimizer_subgroup(sub_group):
+            current = base.state.get(flat)
+            if current:  # this process has stepped: its swapper knows the state files, now the checkpoint's
+                current.update(others)
+                continue
+            # Register state tensors of the right size, so that the swapper reads the checkpoint's files for
+            # them at the next step; their memory is given back at once.
+            numel = swapper.swap_params_info[swapper.parameter_id(flat)].numel()
+            base.state[flat] = {**others, **{k: torch.empty(numel, dtype=flat.dtype) for k in tensors}}
+            info = swapper._get_param_swap_info(flat)
+            if info is None or not info.has_state_tensors:
+                raise PylonError(
+                    f"{shard.name}: DeepSpeed's swapper did not take the optimizer state of sub-group {sub_group}"
+                )
+            for context in info.tensors[1:]:
+                context.release_memory()
+        else:
+            flat.data.copy_(saved_flat[sub_group].data)
+            base.state[flat] = {**others, **{k: v.to(flat.dtype).clone() for k, v in tensors.items()}}
+            zero._reassign_or_swap_out_partitioned_parameters(sub_group)
+    zero.checkpoint_event_epilogue()  # re-gathers the persistent (unpartitioned) parameters from the partitions
 
 
 def _disk_full(path: Path, error: BaseException) -> str | None:

@@ -15,10 +15,11 @@ ranks, i.e. the global batch's loss.
 
 --plain trains with plain PyTorch instead (torch.optim.AdamW, torch's gradient clipping, one process): the
 reference DeepSpeed's sharded runs are compared against.
---checkpoint DIR commits a checkpoint with Pylon's CheckpointCommitter after the steps, takes one more step,
-loads the checkpoint back and takes that step again: both must give the same loss.
---resume DIR loads the latest commit of such a DIR before the steps, in this new process: its first step must give
-the loss the earlier run's step after saving gave.
+--checkpoint DIR commits a checkpoint with Pylon's CheckpointCommitter after the steps, takes two more steps,
+loads the checkpoint back and takes those steps again: both pairs must give the same losses (the first tests the
+weights, the second the optimizer state: Adam's moments and step count).
+--resume DIR loads the latest commit of such a DIR before the steps, in this new process: its first steps must give
+the losses the earlier run's steps after saving gave.
 """
 
 from __future__ import annotations
@@ -170,15 +171,15 @@ def _checkpoint_round_trip(engine, train_step, directory: str, rank: int, world_
     committer = CheckpointCommitter(directory, rank=rank, world_size=world_size, keep_last=1)
     step = engine.global_steps
     committer.save(engine, step, extra={"rank": rank})
-    after_save = train_step()
+    after_save = [train_step() for _ in range(2)]
     info = committer.latest()
     extra = committer.load(engine, info)
-    after_load = train_step()
+    after_load = [train_step() for _ in range(2)]
     committer.close()
     return {
         "committed_step": info.step,
-        "loss_after_save": after_save,
-        "loss_after_load": after_load,
+        "losses_after_save": after_save,
+        "losses_after_load": after_load,
         "extra_after_load": extra,
         "checkpoint_files": sorted(info.manifest["files"]),
     }

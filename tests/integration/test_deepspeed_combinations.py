@@ -101,8 +101,12 @@ class Combo:
         }
         if self.uses_nvme:
             spec["deepspeed"]["nvme_path"] = str(nvme_path)
-        for key, value in self.extra:
-            spec[key] = value
+        for key, value in self.extra:  # "a.b" sets spec["a"]["b"]
+            *parents, leaf = key.split(".")
+            target = spec
+            for parent in parents:
+                target = target.setdefault(parent, {})
+            target[leaf] = value
         return spec
 
 
@@ -120,7 +124,13 @@ COMBOS = [
     Combo(0, "bf16"),
     Combo(2, "bf16"),
     Combo(1, "bf16", "cpu"),
-    Combo(2, "fp32", "cpu", extra=(("batch", {"micro_batch_size": 2, "grad_accum_steps": 2}),)),
+    # Half the rows per micro-batch make a noisier step: at LR the third overshoots this batch's minimum.
+    Combo(
+        2,
+        "fp32",
+        "cpu",
+        extra=(("batch", {"micro_batch_size": 2, "grad_accum_steps": 2}), ("optim.lr", LR / 4)),
+    ),
     Combo(3, "fp32", "none", "cpu"),
     Combo(3, "fp32", "cpu", "cpu"),
     Combo(3, "bf16", "cpu", "cpu", extra=(("gradient_checkpointing", True),)),
@@ -260,7 +270,7 @@ SLOW = {
     "zero3-bf16-opt-nvme-param-nvme",
     "zero0-bf16",
     "zero1-bf16-opt-cpu",
-    "zero2-fp32-opt-cpu-batch",
+    "zero2-fp32-opt-cpu-batch-optim.lr",
     "zero3-fp32-opt-cpu-param-cpu-lora",
 }
 
@@ -275,7 +285,7 @@ def test_combination_trains(combo: Combo, runs: ComboRuns) -> None:
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
     # One fixed batch: every applied step must lower its loss.
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
-    assert result["lrs"] == pytest.approx([LR] * STEPS)
+    assert result["lrs"] == pytest.approx([dict(combo.extra).get("optim.lr", LR)] * STEPS)
     assert result["global_steps"] == STEPS
     assert result["zero_stage"] == combo.stage
     assert result["bf16"] == (combo.precision == "bf16")
@@ -298,7 +308,7 @@ def test_combination_trains(combo: Combo, runs: ComboRuns) -> None:
         assert any(name.endswith("optim_states.pt") for name in result["checkpoint_files"]), result["checkpoint_files"]
     else:  # stage 0 keeps the optimizer state inside the model-states file
         assert any(name.endswith("model_states.pt") for name in result["checkpoint_files"]), result["checkpoint_files"]
-    assert result["loss_after_load"] == pytest.approx(result["loss_after_save"], rel=1e-6, abs=1e-6)
+    assert result["losses_after_load"] == pytest.approx(result["losses_after_save"], rel=1e-6, abs=1e-6)
 
 
 def test_sharded_ranks_match_a_single_plain_process(runs: ComboRuns) -> None:
@@ -442,11 +452,18 @@ def test_zero3_pretrained_weights_of_another_shape_name_the_tensor(tmp_path: Pat
 @pytest.mark.timeout(1500)
 def test_nvme_offload_resumes_in_a_new_process(tmp_path: Path) -> None:
     """A run with parameters and optimizer on NVMe, resumed by new processes with fresh swap files (as a resubmitted
-    job on another machine is): their first step repeats the step the first run took after committing."""
-    combo = Combo(3, "fp32", "nvme", "nvme", world_size=2, extra=(("batch", {"micro_batch_size": 2}),))
+    job on another machine is): their first two steps repeat the two steps the first run took after committing.
+
+    Small optimizer sub-groups put each rank's partition into four, the last (the final norms, 576 elements)
+    under DeepSpeed's smallest swap, so it stays in memory: DeepSpeed's own NVMe load restores neither it nor any
+    sub-group's Adam moments and step count (`jobs/checkpoint.py: _restore_swapped_optimizer`); the second step
+    after the resume is where lost moments show."""
+    extra = (("batch", {"micro_batch_size": 2}), ("deepspeed.buffers", {"sub_group_size": 400_000}))
+    combo = Combo(3, "fp32", "nvme", "nvme", world_size=2, extra=extra)
     first = _run(combo, tmp_path / "first")
     assert "error" not in first, first.get("error")
-    again = Combo(**{**combo.__dict__, "steps": 1})
+    assert first["losses_after_load"] == pytest.approx(first["losses_after_save"], rel=1e-6), first
+    again = Combo(**{**combo.__dict__, "steps": 2})
     resumed = _run(again, tmp_path / "resumed", resume=tmp_path / "first" / "run")
     assert "error" not in resumed, resumed.get("error")
-    assert resumed["losses"][0] == pytest.approx(first["loss_after_save"], rel=1e-5), (resumed, first)
+    assert resumed["losses"] == pytest.approx(first["losses_after_save"], rel=1e-5), (resumed, first)
