@@ -2,10 +2,10 @@
 
 Requests are pydantic models that forbid unknown fields: a misspelled parameter is a 400 that names it,
 never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`n` > 1,
-penalties, `best_of`, `suffix`, `logit_bias`, tools and tool choices, structured `response_format`) are accepted
-only at their neutral value, with an error that says so otherwise: a client that sends `"tools": []` or
-`"response_format": {"type": "text"}` by habit is served, one that asks for function calling is told it is not
-there. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's extensions, kept by name.
+penalties, `best_of`, `suffix`, `logit_bias`, tools and tool choices) are accepted only at their neutral value,
+with an error that says so otherwise: a client that sends `"tools": []` by habit is served, one that asks for
+function calling is told it is not there. `response_format` (`json_object`, `json_schema`) is enforced on both
+endpoints by token masks. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's extensions, kept by name.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class _Request(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: "ResponseFormat | None" = None
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -72,6 +73,7 @@ class _Request(BaseModel):
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            guide=self.response_format.guide() if self.response_format is not None else None,
             **self._logprobs_params(),
         )
 
@@ -135,9 +137,52 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's; only empty, as this server never makes them
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema every output must validate against."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced; accepted as OpenAI's clients send it
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    """`text` (free), `json_object` (any JSON object) or `json_schema` (JSON valid against a schema): enforced by
+    token masks (`pylon.serving.engine.guided`), so the output parses whatever the model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guide(self) -> dict | None:
+        """The engine's `SamplingParams.guide` for this format (None for text). A schema that is not a valid JSON
+        Schema is an InvalidRequest naming the path inside it."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object", "param": "response_format"}
+        if self.json_schema is None:
+            raise InvalidRequest(
+                'response_format type "json_schema" needs a json_schema object ({"name": ..., "schema": {...}})',
+                param="response_format.json_schema",
+            )
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}
+        param = "response_format.json_schema.schema"
+        check_json_schema(schema, param)
+        return {"type": "json_schema", "schema": schema, "param": param}
+
+
+def check_json_schema(schema: dict, param: str) -> None:
+    """`schema` is a JSON Schema by its own metaschema (draft 2020-12 unless it says `$schema`); otherwise an
+    InvalidRequest whose param is `param` plus the path of the fault inside the schema."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "".join(f".{part}" for part in e.path)
+        raise InvalidRequest(f"{param}{where}: not a valid JSON Schema: {e.message}", param=f"{param}{where}") from None
 
 
 class ChatCompletionRequest(_Request):
@@ -149,7 +194,6 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -165,13 +209,6 @@ class ChatCompletionRequest(_Request):
                 f"tool_choice {shown(self.tool_choice)} is not supported: this server calls no "
                 'tools (leave it out, or "none")',
                 param="tool_choice",
-            )
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequest(
-                f"response_format type {shown(self.response_format.type)} is not supported: "
-                "structured output (json_object, json_schema) is not constrained here; leave "
-                'response_format out or {"type": "text"}',
-                param="response_format",
             )
         for i, message in enumerate(self.messages):
             if message.tool_calls:

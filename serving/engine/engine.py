@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.models import local_model_dir
+from pylon.serving.engine.guided import Guides
 from pylon.serving.engine.kv_cache import KVBlockPool
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from pylon.serving.engine.sampling import SamplingParams, sample, token_logprobs
@@ -93,6 +94,7 @@ class LLMEngine:
                 dtype=spec.dtype,
                 kv_cache_dtype=spec.kv_cache_dtype,
             )
+        self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
         if compiled:
@@ -159,6 +161,8 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
             params.new_generator(),
         )
+        if params.guide is not None:
+            request.guide = self.guides.matcher(params.guide)  # compiled once per grammar; InvalidRequest if it can't
         with self._lock:
             if request_id in self._unfinished_ids:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
@@ -247,7 +251,16 @@ class LLMEngine:
         if any(step.prompt_logits for step in steps):
             logits = self._take_prompt_logprobs(batch.scheduled, steps, logits)
         sampling = [s.request for s in batch.scheduled if s.samples]
-        tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        guided = [i for i, r in enumerate(sampling) if r.guide is not None and r.max_tokens > 0]
+        # Guided rows sample from the grammar's tokens only; logprobs below stay the model's own (unmasked).
+        allowed = (
+            self.guides.apply(logits, guided, [sampling[i].guide for i in guided], self.tokenizer.eos_id)
+            if guided
+            else logits
+        )
+        tokens = sample(allowed, [r.params for r in sampling], [r.generator for r in sampling])
+        for i in guided:
+            sampling[i].guide.consume_token(tokens[i])
         # Logprobs cost nothing to a step without a request that asks for them: one pass over its sampling requests.
         wanted = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
         chosen = [None] * len(sampling)
@@ -311,7 +324,8 @@ class LLMEngine:
             reason = "stop"
         else:
             text = request.detokenizer.add(token)
-            if request.detokenizer.stopped:
+            # A grammar that is complete and can take no more (a JSON object's closing brace) ends the request.
+            if request.detokenizer.stopped or (request.guide is not None and request.guide.is_stopped()):
                 reason = "stop"
         if reason is None and (
             request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len

@@ -64,6 +64,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in a prefix cache, not computed for this request
     prompt_logprobs_sent: bool = False  # its first output (which carries prompt_logprobs) has gone out
+    guide: object | None = None  # with params.guide: its llguidance matcher, advanced by each generated token
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -45,6 +45,9 @@ class SamplingParams:
     prompt_logprobs: None, or k >= 0: each prompt token's logprob (from position 1 on) and the k most likely there.
     Logprobs are the model's own log-softmax over fp32 logits, before temperature, top-p and top-k (as vLLM's).
     max_tokens 0 (generate nothing) is allowed with prompt_logprobs only: a request that scores its prompt.
+    guide: None, or the grammar every generated token must keep to (structured outputs, `engine/guided.py`):
+    {"type": "json_object"}, {"type": "json_schema", "schema": {...}} or {"type": "lark", "grammar": "..."}, with
+    an optional "param" naming the request field it came from in errors (default "response_format").
     """
 
     max_tokens: int | None = 16
@@ -57,8 +60,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    guide: dict | None = None
 
     def __post_init__(self) -> None:
+        if self.guide is not None and (
+            not isinstance(self.guide, dict) or self.guide.get("type") not in ("json_object", "json_schema", "lark")
+        ):
+            raise InvalidRequest(
+                f"guide must be a json_object, json_schema or lark grammar (got {shown(self.guide)})",
+                param="response_format",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

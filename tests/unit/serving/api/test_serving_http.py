@@ -201,12 +201,23 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
         ({"tools": [tool]}, "tools", "function calling"),
         ({"tool_choice": "required"}, "tool_choice", 'tool_choice "required" is not supported'),
         ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice", "calls no tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format", '"json_object" is not supported'),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs a json_schema object"),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-            "response_format",
-            "structured output",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format.json_schema.schema.type",
+            "not a valid JSON Schema",
         ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"properties": {"a": {"$ref": "#/$defs/nope"}}}},
+                }
+            },
+            "response_format.json_schema.schema.$defs.nope",
+            "cannot be compiled",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
         ({"response_format": {"schema": {}}}, "response_format.type", "missing required field"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({"top_logprobs": 0, "logprobs": False}, "top_logprobs", "needs logprobs: true"),
@@ -231,6 +242,64 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
     assert "'gzip' is not supported" in r.json()["error"]["message"]
     r = requests.post(url, headers={**auth(), "Content-Encoding": "identity"}, json=base, timeout=30)
     assert r.status_code == 200, r.text
+
+
+INVOICE = {
+    "type": "object",
+    "properties": {
+        "number": {"type": "string", "pattern": "^INV-[0-9]{3}$"},
+        "lines": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 2,
+            "items": {
+                "type": "object",
+                "properties": {"qty": {"type": "integer", "minimum": 1, "maximum": 9}, "unit": {"enum": ["kg", "m"]}},
+                "required": ["qty", "unit"],
+                "additionalProperties": False,
+            },
+        },
+        "paid": {"type": "boolean"},
+    },
+    "required": ["number", "lines", "paid"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_through_the_openai_client(server):
+    """response_format json_schema and json_object on both endpoints, streamed and not, through the official client:
+    every output of a random-weight model validates."""
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "invoice", "schema": INVOICE, "strict": True}}
+    messages = [{"role": "user", "content": "an invoice please"}]
+    for seed in range(2):
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=90, seed=seed, response_format=schema_format
+        )
+        assert reply.choices[0].finish_reason == "stop", reply
+        jsonschema.validate(json.loads(reply.choices[0].message.content), INVOICE)
+        chunks = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=90, seed=seed, response_format=schema_format, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        jsonschema.validate(json.loads(text), INVOICE)
+    # The completions endpoint takes response_format too (as vLLM's does).
+    r = requests.post(
+        f"{server}/v1/completions",
+        headers=auth(),
+        json={"model": "tiny", "prompt": "invoice:", "max_tokens": 90, "response_format": schema_format},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), INVOICE)
+    obj = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=60, seed=3, response_format={"type": "json_object"}
+    )
+    assert obj.choices[0].message.content.startswith("{")
+
 
 
 @pytest.mark.parametrize(
