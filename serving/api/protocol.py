@@ -17,8 +17,10 @@ import time
 from json.encoder import encode_basestring_ascii as _quote
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from pylon.serving.api import tools as tool_calls
+from pylon.serving.engine.guided import check_json_schema
 from pylon.serving.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from pylon.serving.errors import InvalidRequest, shown
 
@@ -73,12 +75,18 @@ class _Request(BaseModel):
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            guide=self.response_format.guide() if self.response_format is not None else None,
+            guide=self._guide(),
             **self._logprobs_params(),
         )
 
     def _logprobs_params(self) -> dict:
         return {}
+
+    def _response_guide(self) -> dict | None:
+        return self.response_format.guide() if self.response_format is not None else None
+
+    def _guide(self) -> dict | None:
+        return self._response_guide()
 
     @property
     def include_usage(self) -> bool:
@@ -131,10 +139,15 @@ class CompletionRequest(_Request):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None  # null on an assistant message that only calls tools
     name: str | None = None
     tool_call_id: str | None = None  # what OpenAI requires on a "tool" message; passed to a model's chat template
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's; only empty, as this server never makes them
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (tools.check_tool_calls)
+    # What the official client sends back when a reply's message object is appended to the conversation as it is.
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -173,18 +186,6 @@ class ResponseFormat(BaseModel):
         return {"type": "json_schema", "schema": schema, "param": param}
 
 
-def check_json_schema(schema: dict, param: str) -> None:
-    """`schema` is a JSON Schema by its own metaschema (draft 2020-12 unless it says `$schema`); otherwise an
-    InvalidRequest whose param is `param` plus the path of the fault inside the schema."""
-    import jsonschema
-
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "".join(f".{part}" for part in e.path)
-        raise InvalidRequest(f"{param}{where}: not a valid JSON Schema: {e.message}", param=f"{param}{where}") from None
-
-
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -199,27 +200,30 @@ class ChatCompletionRequest(_Request):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools:
+        tool_calls.check_tool_calls(self.messages)
+        self._tool_plan = tool_calls.plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self._tool_plan is not None and self._tool_plan.constrained and self._response_guide() is not None:
             raise InvalidRequest(
-                "tools (function calling) are not supported by this server; send the request without them",
-                param="tools",
+                "response_format json_object/json_schema and a required or named tool_choice both constrain the "
+                "reply; give one of them",
+                param="response_format",
             )
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequest(
-                f"tool_choice {shown(self.tool_choice)} is not supported: this server calls no "
-                'tools (leave it out, or "none")',
-                param="tool_choice",
-            )
-        for i, message in enumerate(self.messages):
-            if message.tool_calls:
-                raise InvalidRequest(
-                    f"messages[{i}].tool_calls: tool calls are not supported by this server",
-                    param=f"messages.{i}.tool_calls",
-                )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")
             self.max_tokens = self.max_completion_tokens
+
+    _tool_plan: "tool_calls.ToolPlan | None" = PrivateAttr(None)
+
+    @property
+    def tool_plan(self) -> "tool_calls.ToolPlan | None":
+        """What the model may do with the request's tools (None: no tool may be called); set by check_supported."""
+        return self._tool_plan
+
+    def _guide(self) -> dict | None:
+        if self._tool_plan is not None and self._tool_plan.constrained:
+            return self._tool_plan.guide()
+        return self._response_guide()
 
     def _logprobs_params(self) -> dict:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
@@ -299,7 +303,7 @@ class ErrorResponse(_Response):
     error: ErrorObject
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class PromptTokensDetails(_Response):
@@ -351,9 +355,25 @@ class CompletionChunk(_Response):
     choices: list[CompletionChoice] = Field(min_length=1, max_length=1)
 
 
+def _absent_when_unset(schema: dict) -> None:
+    schema.pop("default", None)  # a key the server leaves out, never one it sends as null
+
+
+class FunctionCall(_Response):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, in a string (OpenAI's shape)")
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
 
 
 class TopLogprob(_Response):
@@ -389,15 +409,18 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
-def _absent_when_unset(schema: dict) -> None:
-    schema.pop("default", None)  # a key the server leaves out, never one it sends as null
-
-
 class ChatDelta(_Response):
     """The first chunk carries the role (and empty content), the next ones content, the last one may be empty."""
 
     role: Literal["assistant"] = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
     content: str = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
+    tool_calls: list["ToolCallDelta"] = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
+
+
+class ToolCallDelta(ToolCall):
+    """A streamed tool call: Pylon sends each call whole, in one delta, at the end of the reply."""
+
+    index: int
 
 
 class ChatChunkChoice(_Response):
@@ -502,14 +525,18 @@ def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None,
 def chat_response(
     rid: str,
     model: str,
-    text: str,
+    text: str | None,
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
     *,
     logprobs: dict | None = None,
     cached_tokens: int = 0,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "id": rid,
         "object": "chat.completion",
@@ -518,7 +545,7 @@ def chat_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "finish_reason": finish_reason,
                 "logprobs": logprobs,
             }
@@ -619,6 +646,13 @@ class StreamEvents:
         lp = "null" if logprobs is None else json.dumps(logprobs, separators=(",", ":"))
         return f'{self._head}{body},"finish_reason":{reason},"logprobs":{lp}}}]}}\n\n'
 
+    def tool_calls(self, calls: list[dict], finish_reason: str | None) -> str:
+        """A chat chunk carrying whole tool calls (OpenAI's delta shape, each with its `index`)."""
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        reason = "null" if finish_reason is None else _quote(finish_reason)
+        body = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
+        return f'{self._head}"delta":{body},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
+
     def role(self) -> str:
         """Chat's first chunk: the assistant's role, empty content."""
         return f'{self._head}"delta":{{"role":"assistant","content":""}},"finish_reason":null,"logprobs":null}}]}}\n\n'
@@ -666,3 +700,4 @@ def usage_chunk(
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+ChatDelta.model_rebuild()

@@ -10,7 +10,7 @@ import logging
 import re
 import time
 
-from pylon.serving.api import openapi, protocol, routing
+from pylon.serving.api import openapi, protocol, routing, tools
 from pylon.serving.api.http import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -323,8 +323,12 @@ class PylonLLMServer:
                 if isinstance(prompt, str) and not prompt:
                     raise InvalidRequest("prompt must not be empty", param="prompt")
             else:
+                plan = body.tool_plan
                 prompt = apply_chat_template(
-                    self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages]
+                    self.engine.tokenizer,
+                    tools.template_messages([m.model_dump(exclude_none=True) for m in body.messages]),
+                    tools=plan.tools if plan is not None else None,
+                    tool_preamble=plan.preamble() if plan is not None else None,
                 )
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default.
             params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
@@ -387,6 +391,12 @@ class PylonLLMServer:
         finally:
             await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
         self._observe(last)
+        content, reason, extra = "".join(text), last.finish_reason, {}
+        if kind == "chat" and body.tool_plan is not None:
+            content, calls = tools.parse(content, body.tool_plan)
+            if calls:
+                extra["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
         make = protocol.completion_response if kind == "completion" else protocol.chat_response
         await send_json(
             send,
@@ -394,12 +404,13 @@ class PylonLLMServer:
             make(
                 rid,
                 self.model_name,
-                "".join(text),
-                last.finish_reason,
+                content,
+                reason,
                 last.num_prompt_tokens,
                 last.num_output_tokens,
                 logprobs=choice.logprobs(pairs),
                 cached_tokens=last.num_cached_tokens,
+                **extra,
             ),
             answer_headers,
         )
@@ -425,15 +436,30 @@ class PylonLLMServer:
         await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *extra]})
         last, held = first, events.role() if events.kind == "chat" else ""
         pending = []  # tokens whose logprobs go with the next chunk (tokens without text yet wait for their text)
+        plan = body.tool_plan if events.kind == "chat" else None
+        calling = tools.ToolStream(plan) if plan is not None else None  # holds text that may be a tool call
         try:
             async with asyncio.timeout(timeout):
                 async for out in _chain(first, stream):
                     last = out
                     text, tokens = choice.take(out)
+                    calls = []
+                    if calling is not None:
+                        text = calling.feed(text)
+                        if out.finished:
+                            rest, calls = calling.finish()
+                            text += rest
                     pending.extend(tokens)
                     if not text and not out.finished:
                         continue
-                    held += events.chunk(text, out.finish_reason, choice.logprobs(pending))
+                    if calls:  # content first (if any), then the calls with the finish reason
+                        if text:
+                            held += events.chunk(text, None, choice.logprobs(pending))
+                            pending = []
+                        reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+                        held += events.tool_calls(calls, reason)
+                    else:
+                        held += events.chunk(text, out.finish_reason, choice.logprobs(pending))
                     pending = []
                     if not out.finished:  # the last one waits for the usage chunk and [DONE]
                         await send({"type": "http.response.body", "body": held.encode(), "more_body": True})

@@ -183,3 +183,15 @@ class _ByteTokens:
 
     def __call__(self, data: bytes) -> list[int]:
         return list(data)
+
+
+def check_json_schema(schema: dict, param: str) -> None:
+    """`schema` is a JSON Schema by its own metaschema (draft 2020-12 unless it says `$schema`); otherwise an
+    InvalidRequest whose param is `param` plus the path of the fault inside the schema."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "".join(f".{part}" for part in e.path)
+        raise InvalidRequest(f"{param}{where}: not a valid JSON Schema: {e.message}", param=f"{param}{where}") from None

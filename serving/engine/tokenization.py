@@ -272,9 +272,16 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def apply_chat_template(tokenizer: Tokenizer, messages: list[dict]) -> str:
+def apply_chat_template(
+    tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None, tool_preamble: str | None = None
+) -> str:
     """The prompt text for a chat: the tokenizer's own chat template when it has one, else plain
-    "role: content" lines ending with "assistant: " for the model to continue."""
+    "role: content" lines ending with "assistant: " for the model to continue.
+
+    `tools` (OpenAI's tool objects) go to a template that reads them (`tools=`, as Hugging Face templates take
+    them); a template that never mentions tools, and the plain lines, get `tool_preamble` as (the start of) the
+    system message instead. An assistant message's `tool_calls` reach a template as they are (arguments as
+    objects: `pylon.serving.api.tools.template_messages`) and the plain lines as Hermes `<tool_call>` blocks."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects", param="messages")
     plain = []
@@ -284,28 +291,53 @@ def apply_chat_template(tokenizer: Tokenizer, messages: list[dict]) -> str:
         plain.append(
             {
                 "role": message["role"],
-                "content": _content_text(message.get("content"), i),
-                # what a model's own template may read (a tool result's call id, a participant's name)
+                "content": _content_text(message.get("content", ""), i),
+                # what a model's own template may read (a tool result's call id, a participant's name, past calls)
                 **{k: message[k] for k in ("name", "tool_call_id") if isinstance(message.get(k), str)},
+                **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {}),
             }
         )
     hf = getattr(tokenizer, "_tok", None) if isinstance(tokenizer, HuggingFaceTokenizer) else None
-    if hf is not None and getattr(hf, "chat_template", None):
+    template = getattr(hf, "chat_template", None) if hf is not None else None
+    if tools and tool_preamble and not (isinstance(template, str) and "tools" in template):
+        if plain[0]["role"] == "system":
+            plain[0] = {**plain[0], "content": f"{tool_preamble}\n\n{plain[0]['content']}"}
+        else:
+            plain.insert(0, {"role": "system", "content": tool_preamble})
+        tools = None
+    if template:
         import jinja2
 
         try:
-            return hf.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+            return hf.apply_chat_template(plain, tools=tools, tokenize=False, add_generation_prompt=True)
         except jinja2.TemplateError as e:
             # A template's own refusal (many `raise_exception(...)` for roles out of turn, or a system message
             # they do not take) is about the messages: a 400 that says what it said, not a 500.
             raise InvalidRequest(f"messages: the model's chat template refused them: {e}", param="messages") from None
-    return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
+    return "".join(f"{m['role']}: {m['content']}{_plain_calls(m)}\n" for m in plain) + "assistant: "
+
+
+def _plain_calls(message: dict) -> str:
+    """An assistant's earlier tool calls in the plain chat lines, as the Hermes blocks it is told to write."""
+    out = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        arguments = fn.get("arguments")
+        out.append(
+            "<tool_call>"
+            + json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)
+            + "</tool_call>"
+        )
+    return "".join(out)
 
 
 def _content_text(content, index: int) -> str:
-    # OpenAI allows a string or a list of parts; only text parts mean anything to a text model.
+    # OpenAI allows a string or a list of parts; only text parts mean anything to a text model. An assistant message
+    # that only calls tools has none (null).
     if isinstance(content, str):
         return content
+    if content is None:
+        return ""
     if isinstance(content, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):

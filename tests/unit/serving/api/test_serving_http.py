@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
         n_layer=2,
         n_head=4,
         n_embd=64,
-        n_positions=128,
+        n_positions=1024,  # room for a tool preamble (byte tokens)
         vocab_size=320,
         eos_token_id=tok.eos_id,
         bos_token_id=tok.eos_id,
@@ -61,9 +61,9 @@ def server(model_dir):
             "model": model_dir,
             "engine": {
                 "max_num_seqs": 4,
-                "max_num_batched_tokens": 128,
-                "kv_cache_tokens": 1024,
-                "max_model_len": 128,
+                "max_num_batched_tokens": 256,
+                "kv_cache_tokens": 4096,
+                "max_model_len": 1024,
                 "device": "cpu",
                 "dtype": "fp32",
                 "separate_process": False,
@@ -192,15 +192,28 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, (extra, r.text)
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
     reply = client.chat.completions.create(
-        model="tiny", messages=base["messages"], max_tokens=3, response_format={"type": "text"}
+        model="tiny",
+        messages=base["messages"],
+        max_tokens=3,
+        response_format={"type": "text"},
+        extra_body={"ignore_eos": True},  # a sampled end-of-text would end the reply short of 3 tokens
     )
     assert reply.usage.completion_tokens == 3
 
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
     refused = [
-        ({"tools": [tool]}, "tools", "function calling"),
-        ({"tool_choice": "required"}, "tool_choice", 'tool_choice "required" is not supported'),
-        ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice", "calls no tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools.0", '"type": "function"'),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+            "tool_choice.function.name",
+            "not one of",
+        ),
+        (
+            {"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "give one",
+        ),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs a json_schema object"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
@@ -224,8 +237,8 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "less than or equal to 20"),
         (
             {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]}]},
-            "messages.0.tool_calls",
-            "messages[0].tool_calls: tool calls are not supported",
+            "messages.0.tool_calls.0",
+            "a tool call is",
         ),
     ]
     for extra, param, words in refused:
@@ -300,6 +313,69 @@ def test_structured_outputs_through_the_openai_client(server):
     )
     assert obj.choices[0].message.content.startswith("{")
 
+
+def test_a_tool_calling_loop_through_the_openai_client(server):
+    """The official client's loop: tool_choice "required" gets valid tool_calls (their arguments follow the
+    function's schema), the tool's result goes back as a "tool" message after the assistant's message as the client
+    returned it, and the model answers in text; the same calls stream as deltas the client reads."""
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    add = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    tool_list = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": add}}]
+    messages = [{"role": "user", "content": "what is 2 + 3?"}]
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tool_list, tool_choice="required", max_tokens=300, seed=1
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls and all(c.type == "function" and c.function.name == "add" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), add)
+    messages.append(choice.message)  # as the client returned it: content null, tool_calls, refusal null...
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
+    final = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        tools=tool_list,
+        tool_choice="none",
+        max_tokens=8,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
+    assert final.choices[0].finish_reason == "length" and final.choices[0].message.tool_calls is None
+    assert isinstance(final.choices[0].message.content, str)
+
+    one = client.chat.completions.create(
+        model="tiny",
+        messages=messages[:1],
+        tools=tool_list,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False,
+        max_tokens=120,
+        seed=2,
+        stream=True,
+    )
+    deltas, reasons = [], []
+    for chunk in one:
+        if chunk.choices:
+            deltas.extend(chunk.choices[0].delta.tool_calls or [])
+            reasons.append(chunk.choices[0].finish_reason)
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].function.name == "add", deltas
+    jsonschema.validate(json.loads(deltas[0].function.arguments), add)
+    assert reasons[-1] == "tool_calls"
 
 
 @pytest.mark.parametrize(

@@ -55,8 +55,14 @@ SCHEMAS = {
     },
     "refs": {
         "type": "object",
-        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
-                            "required": ["x", "y"], "additionalProperties": False}},
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
         "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
         "required": ["a", "b"],
         "additionalProperties": False,
@@ -136,8 +142,11 @@ def test_a_byte_level_bpe_tokenizer_is_guided_too(hf_dir, tmp_path) -> None:  # 
 @pytest.mark.parametrize(
     "schema, param, words",
     [
-        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "response_format.$defs.missing",
-         "does not exist"),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+            "response_format.$defs.missing",
+            "does not exist",
+        ),
         ({"type": "strin"}, "response_format", "strin"),
     ],
 )

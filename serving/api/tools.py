@@ -1,0 +1,300 @@
+"""Tool calling (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`): what the model is told, what it may say, and
+how its text becomes `tool_calls`.
+
+The model is told the tools by its own chat template (`tools=`, as Hugging Face templates take them); a template that
+never mentions tools, or a model without a template, gets them in a system preamble in the Hermes format below.
+
+Formats read from the model's output (docs/http.md, "Tool calls"):
+  - Hermes / Qwen 2.5 / Qwen 3: one or more `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, with
+    optional text before them (the reply's `content`);
+  - Llama 3.1-3.3 JSON: the whole reply one object `{"name": ..., "parameters": {...}}` (after an optional
+    `<|python_tag|>`), or a JSON list of them.
+With `tool_choice` "required" or a named function the output is constrained (`engine/guided.py`) to Hermes blocks
+whose arguments follow each function's `parameters` schema, one block unless `parallel_tool_calls`. With "auto" the
+model writes what it likes; a call that does not parse, or names no declared function, comes back as text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pylon.serving.engine.guided import check_json_schema
+from pylon.serving.errors import InvalidRequest, shown
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass
+class ToolPlan:
+    """A request's tools and what it lets the model do with them."""
+
+    functions: dict[str, dict[str, Any]]  # name -> {"name", "description"?, "parameters"}
+    tools: list[dict[str, Any]]  # as the request gave them (for the chat template)
+    choice: str  # "auto", "required", or the one function's name
+    parallel: bool = True
+    constrained: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.constrained = self.choice != "auto"
+
+    def guide(self) -> dict | None:
+        """The engine's grammar (a `SamplingParams.guide`) when the choice constrains the output."""
+        if not self.constrained:
+            return None
+        names = list(self.functions) if self.choice == "required" else [self.choice]
+        call = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": self.functions[name]["parameters"]},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for name in names
+            ],
+            "x-guidance": {"whitespace_flexible": False},
+        }
+        repeat = "+" if self.parallel else ""
+        grammar = f'start: call{repeat}\ncall: "{OPEN}" body "{CLOSE}"\nbody: %json {json.dumps(call)}\n'
+        return {"type": "lark", "grammar": grammar, "param": "tools"}
+
+    def preamble(self) -> str:
+        """The system text that tells a model without a tool-aware template what it may call, and how."""
+        listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in self.functions.values())
+        return (
+            "You may call one or more functions to answer. The functions, as JSON schemas:\n"
+            f"<tools>\n{listed}\n</tools>\n"
+            f'To call one, answer with {OPEN}{{"name": <function name>, "arguments": <arguments object>}}{CLOSE}.'
+        )
+
+
+def plan_of(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None) -> ToolPlan | None:
+    """The request's `ToolPlan`, or None when no tool may be called (no tools, or tool_choice "none"). Raises
+    InvalidRequest naming the field at fault."""
+    if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
+        raise InvalidRequest(f"tool_choice must be a string or an object (got {shown(tool_choice)})", "tool_choice")
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest(f"tool_choice {shown(tool_choice)} needs tools", param="tool_choice")
+        return None
+    functions: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InvalidRequest(
+                f'{where}: a tool is {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}',
+                param=where,
+            )
+        fn = tool["function"]
+        unknown = set(fn) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise InvalidRequest(f"{where}.function: unknown field {sorted(unknown)[0]!r}", param=f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise InvalidRequest(
+                f"{where}.function.name must be 1-64 letters, digits, _ or - (got {shown(name)})",
+                param=f"{where}.function.name",
+            )
+        if name in functions:
+            raise InvalidRequest(f"{where}.function.name: {name!r} is declared twice", param=f"{where}.function.name")
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise InvalidRequest(f"{where}.function.description must be a string", f"{where}.function.description")
+        parameters = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            where = f"{where}.function.parameters"
+            raise InvalidRequest(f"{where} must be a JSON Schema object", param=where)
+        check_json_schema(parameters, f"{where}.function.parameters")
+        functions[name] = {
+            "name": name,
+            **({"description": fn["description"]} if "description" in fn else {}),
+            "parameters": parameters,
+        }
+    if tool_choice in (None, "auto"):
+        choice = "auto"
+    elif tool_choice == "none":
+        return None
+    elif tool_choice == "required":
+        choice = "required"
+    elif isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequest(
+                'tool_choice: a named choice is {"type": "function", "function": {"name": ...}}', param="tool_choice"
+            )
+        if name not in functions:
+            raise InvalidRequest(
+                f"tool_choice.function.name: {name!r} is not one of the tools ({', '.join(functions)})",
+                param="tool_choice.function.name",
+            )
+        choice = name
+    else:
+        raise InvalidRequest(
+            f'tool_choice must be "none", "auto", "required" or a named function (got {shown(tool_choice)})',
+            param="tool_choice",
+        )
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    return ToolPlan(functions, list(tools), choice, parallel)
+
+
+def parse(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
+    """The reply's `content` and `tool_calls` (OpenAI's shape) from the model's text. Text that holds no well-formed
+    call of a declared function is all content, with no calls."""
+    calls = _hermes(text, plan)
+    if calls is not None:
+        content = HERMES_BLOCK.sub("", text).strip()
+        return (content or None), calls
+    calls = _llama_json(text, plan)
+    if calls is not None:
+        return None, calls
+    return text, []
+
+
+def _hermes(text: str, plan: ToolPlan) -> list[dict] | None:
+    bodies = HERMES_BLOCK.findall(text)
+    if not bodies or text.count(OPEN) != len(bodies):
+        return None
+    calls = []
+    for body in bodies:
+        call = _call(body, plan, arguments_key="arguments")
+        if call is None:
+            return None
+        calls.append(call)
+    return calls if plan.parallel or len(calls) == 1 else None
+
+
+def _llama_json(text: str, plan: ToolPlan) -> list[dict] | None:
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG) :].strip()
+    if not body.startswith(("{", "[")):
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        key = "parameters" if isinstance(item, dict) and "parameters" in item else "arguments"
+        call = _call(item, plan, arguments_key=key)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls if calls and (plan.parallel or len(calls) == 1) else None
+
+
+def _call(body: str | dict, plan: ToolPlan, *, arguments_key: str) -> dict | None:
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return None
+    if not isinstance(body, dict) or set(body) != {"name", arguments_key}:
+        return None
+    name, arguments = body["name"], body[arguments_key]
+    if name not in plan.functions or not isinstance(arguments, dict):
+        return None
+    if plan.choice not in ("auto", "required") and name != plan.choice:
+        return None
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
+
+
+class ToolStream:
+    """Streaming with tools: text that cannot be the start of a call streams as content at once; from a possible
+    call on (`<tool_call>`, or a reply that opens with `{`, `[` or `<|python_tag|>`), text is held until the end,
+    where `finish` parses it into calls, or gives it back as content if it holds none."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.sent = ""  # content already streamed
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        """The part of `text` (with what was held) that can go out as content now."""
+        if self.plan.constrained:
+            self.held += text
+            return ""
+        self.held += text
+        if not self.sent and self._may_be_json(self.held.lstrip()):
+            return ""  # the reply may be a Llama-style JSON call: hold it all
+        at = self.held.find(OPEN)
+        if at >= 0:
+            out, self.held = self.held[:at], self.held[at:]
+        else:
+            # keep a tail that could still grow into "<tool_call>"
+            longest = min(len(OPEN) - 1, len(self.held))
+            keep = next((k for k in range(longest, 0, -1) if OPEN.startswith(self.held[-k:])), 0)
+            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        self.sent += out
+        return out
+
+    def _may_be_json(self, text: str) -> bool:
+        if not text:
+            return True  # nothing but whitespace yet
+        return text[0] in "{[" or PYTHON_TAG.startswith(text[: len(PYTHON_TAG)]) or text.startswith(PYTHON_TAG)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content still to send, calls) at the end of the reply."""
+        content, calls = parse(self.sent + self.held, self.plan)
+        if not calls:
+            rest, self.held = self.held, ""
+            return rest, []
+        # Calls found: content not yet sent is what the parse left outside the calls, past what went out already.
+        content = content or ""
+        rest = content[len(self.sent.strip()) :] if content.startswith(self.sent.strip()) else ""
+        self.held = ""
+        return rest, calls
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates read them: an assistant's `tool_calls` with `arguments` as objects (Hugging Face
+    templates write them with `tojson`; a string would be written quoted)."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            fixed = []
+            for call in calls:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+                fixed.append({**call, "function": fn})
+            message = {**message, "tool_calls": fixed}
+        out.append(message)
+    return out
+
+
+def check_tool_calls(messages: list) -> None:
+    """An assistant message's `tool_calls` are OpenAI's shape: InvalidRequest naming the one that is not."""
+    for i, message in enumerate(messages):
+        calls = message.tool_calls or []
+        for j, call in enumerate(calls):
+            where = f"messages.{i}.tool_calls.{j}"
+            fn = call.get("function") if isinstance(call, dict) else None
+            if (
+                not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", ""), (str, dict))
+            ):
+                raise InvalidRequest(
+                    f'{where}: a tool call is {{"id": ..., "type": "function", "function": {{"name": ..., '
+                    f'"arguments": "<JSON>"}}}}',
+                    param=where,
+                )
+        if calls and message.role != "assistant":
+            raise InvalidRequest(f"messages.{i}: only assistant messages carry tool_calls", param=f"messages.{i}")

@@ -1,0 +1,166 @@
+"""Tool calling's parts (`pylon.serving.api.tools`): what a request may declare, how replies in the Hermes and Llama 3
+formats become OpenAI `tool_calls` (and malformed ones stay text), how a stream holds back only what may be a call,
+and the grammar that constrains `required` and named choices, run by llguidance against the byte tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from pylon.data.tokenizer import ByteTokenizer
+from pylon.serving.api import tools
+from pylon.serving.engine.guided import Guides
+from pylon.serving.errors import InvalidRequest
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather now", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD}},
+]
+
+
+def plan(choice="auto", parallel=None) -> tools.ToolPlan:
+    if choice not in ("auto", "required", "none"):  # a named function
+        choice = {"type": "function", "function": {"name": choice}}
+    return tools.plan_of(TOOLS, choice, parallel)
+
+
+@pytest.mark.parametrize(
+    "declared, choice, param, words",
+    [
+        ([{"type": "retrieval"}], None, "tools.0", '"type": "function"'),
+        ([{"type": "function", "function": {"name": "a b"}}], None, "tools.0.function.name", "letters, digits"),
+        ([TOOLS[1], TOOLS[1]], None, "tools.1.function.name", "declared twice"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            None,
+            "tools.0.function.parameters.type",
+            "not a valid JSON Schema",
+        ),
+        (TOOLS, {"type": "function", "function": {"name": "missing"}}, "tool_choice.function.name", "not one of"),
+        (TOOLS, "sometimes", "tool_choice", '"required"'),
+        (None, "required", "tool_choice", "needs tools"),
+    ],
+)
+def test_bad_declarations_name_the_field(declared, choice, param, words) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        tools.plan_of(declared, choice, None)
+    assert e.value.param == param and words in str(e.value), (e.value.param, str(e.value))
+
+
+def test_none_and_no_tools_mean_no_plan() -> None:
+    assert tools.plan_of(TOOLS, "none", None) is None
+    assert tools.plan_of(None, None, None) is None
+    assert tools.plan_of([], "auto", None) is None
+
+
+def test_hermes_blocks_become_calls_and_text_around_them_content() -> None:
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+    )
+    text += '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    content, calls = tools.parse(text, plan())
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+def test_llama3_json_becomes_a_call() -> None:
+    content, calls = tools.parse('<|python_tag|>{"name": "add", "parameters": {"a": 4, "b": 5}}', plan())
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 4, "b": 5}
+    content, calls = tools.parse('[{"name": "add", "parameters": {"a": 1, "b": 1}}]', plan())
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',  # cut JSON
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not declared
+        '<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name"',  # an unclosed block
+        '{"answer": 42}',  # JSON that is no call
+        "plain words",
+    ],
+)
+def test_malformed_calls_come_back_as_text(text) -> None:
+    assert tools.parse(text, plan()) == (text, [])
+
+
+def test_without_parallel_calls_two_calls_are_text() -> None:
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' * 2
+    assert tools.parse(text, plan(parallel=False)) == (text, [])
+
+
+def test_a_stream_holds_back_only_what_may_be_a_call() -> None:
+    stream = tools.ToolStream(plan())
+    sent = [stream.feed(piece) for piece in ["Sure", ", one moment <", "tool_", "call>", '{"name": "add", ']]
+    assert "".join(sent) == "Sure, one moment "
+    stream.feed('"arguments": {"a": 1, "b": 2}}</tool_call>')
+    rest, calls = stream.finish()
+    assert rest == "" and calls[0]["function"]["name"] == "add"
+
+    stream = tools.ToolStream(plan())
+    assert stream.feed("a <b> tag") == "a <b> tag"  # a "<" that is no call streams on
+    assert stream.finish() == ("", [])
+
+    stream = tools.ToolStream(plan())
+    assert stream.feed('{"answer": ') == ""  # may be a Llama call: held
+    assert stream.feed("42}") == ""
+    assert stream.finish() == ('{"answer": 42}', [])  # it was not: all of it is content
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), ("add", True)])
+def test_the_constraining_grammar_only_lets_declared_calls_out(choice, parallel) -> None:
+    """Random logits through the grammar's masks: every reply parses into calls of the allowed functions whose
+    arguments validate against their schemas."""
+    import torch
+
+    the_plan = plan(choice, parallel)
+    guides = Guides(ByteTokenizer(), 320)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        matcher = guides.matcher(the_plan.guide())
+        out = []
+        while not matcher.is_stopped() and len(out) < 600:
+            logits = guides.apply(torch.randn(1, 320, generator=generator), [0], [matcher], 256)
+            token = int(torch.multinomial(logits[0].softmax(-1), 1, generator=generator))
+            assert matcher.consume_token(token), matcher.get_error()
+            out.append(token)
+        text = bytes(t for t in out if t < 256).decode()
+        content, calls = tools.parse(text, the_plan)
+        assert calls and content is None, text
+        assert parallel or len(calls) == 1
+        for call in calls:
+            name = call["function"]["name"]
+            assert name in (("get_weather", "add") if choice == "required" else (choice,))
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER if name == "get_weather" else ADD)
+    assert guides.compiled_total == 1
+
+
+def test_template_messages_give_templates_arguments_as_objects() -> None:
+    messages = [
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    fixed = tools.template_messages(messages)
+    assert fixed[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the request's own is untouched
