@@ -435,6 +435,15 @@ class EngineSpec(_Spec):
         "Attention still computes in dtype, but outputs are no longer exactly the model's own: "
         "greedy outputs can part from `transformers` generate's after a few tokens",
     )
+    quantization: Literal["none", "int8", "fp8"] = Field(
+        "none",
+        description="weight-only quantization of the decoder layers' projections (attention and MLP; the "
+        "embeddings and lm_head stay), applied at load from a float checkpoint: int8 = one int8 per weight "
+        "and a float32 scale per output channel, a quarter of float32's bytes (half of bf16's), on any device; "
+        "on a CPU decode steps read fewer bytes and run faster, long prompt chunks slower. fp8 = e4m3 with "
+        "per-channel scales, CUDA GPUs of compute capability 8.9+ only (refused elsewhere at start). "
+        "Activations and the KV cache stay in dtype; greedy outputs part from the float model's after some tokens",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="reuse the KV cache blocks of a prompt's prefix that an earlier request computed (vLLM's "

@@ -93,6 +93,7 @@ class LLMEngine:
                 device=spec.device,
                 dtype=spec.dtype,
                 kv_cache_dtype=spec.kv_cache_dtype,
+                quantization=spec.quantization,
             )
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         started = time.monotonic()

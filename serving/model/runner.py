@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.model import kernels, linear
+from pylon.serving.model import kernels, linear, quant
 from pylon.serving.model.attention import (
     AttentionMetadata,
     Final,
@@ -155,20 +155,24 @@ class _GPT2Weights:
     ln_f: tuple
 
     @classmethod
-    def of(cls, model, *, packed: bool = False) -> "_GPT2Weights":
-        """The model's weights; `packed`: the projections reordered for oneDNN (`pylon.serving.model.linear`), and the
-        modules' own copies released (the runner never calls those modules)."""
+    def of(cls, model, *, packed: bool = False, quantization: str = "none") -> "_GPT2Weights":
+        """The model's weights; `packed`: the projections reordered for oneDNN (`pylon.serving.model.linear`), or
+        `quantization` (int8, fp8): quantized (`pylon.serving.model.quant`), and either way the modules' own copies
+        released (the runner never calls those modules)."""
         gpt = model.transformer
 
         def ln(m):
             return (m.normalized_shape, m.weight, m.bias, m.eps)
 
         def w(conv):
-            if not packed:
+            if quantization != "none":
+                converted = quant.QuantWeight(conv.weight.detach().t(), quantization)
+            elif packed:
+                converted = linear.pack(conv.weight.detach().t())
+            else:
                 return conv.weight
-            reordered = linear.pack(conv.weight.detach().t())
             conv.weight = None
-            return reordered
+            return converted
 
         layers = [
             _GPT2Layer(
@@ -191,13 +195,17 @@ class _GPT2Weights:
         return cls(gpt.wte.weight, gpt.wpe.weight, layers, ln(gpt.ln_f))
 
 
-def _pack_llama(model) -> None:
-    """Every projection of every decoder layer as a `PackedLinear` (lm_head, tied to the embeddings or not, stays)."""
+def _pack_llama(model, quantization: str = "none") -> None:
+    """Every projection of every decoder layer as a `PackedLinear`, or with `quantization` (int8, fp8) a
+    `QuantLinear` (lm_head, tied to the embeddings or not, stays)."""
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear:
-                    setattr(parent, name, linear.PackedLinear(child))
+                    if quantization != "none":
+                        setattr(parent, name, quant.QuantLinear(child, quantization))
+                    else:
+                        setattr(parent, name, linear.PackedLinear(child))
 
 
 class ModelRunner:
@@ -210,6 +218,7 @@ class ModelRunner:
         device: str = "auto",
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
+        quantization: str = "none",
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -226,21 +235,25 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        quant.check(quantization, self.device)  # before loading: fp8 on a CPU is refused at once
+        self.quantization = quantization
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         except Exception as e:  # a missing, truncated or foreign weights file: say which, and what to do
             raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()
         self.config = config
-        # oneDNN for the projections on a CPU (pylon.serving.model.linear); `self._mm(bias, x, w)` is addmm's signature.
-        self.packed_linear = linear.usable(self.device, self.dtype)
-        self._mm: Callable = linear.addmm if self.packed_linear else torch.addmm
+        # oneDNN for the projections on a CPU (pylon.serving.model.linear), or quantized weights in their place
+        # (pylon.serving.model.quant); `self._mm(bias, x, w)` is addmm's signature.
+        quantized = quantization != "none"
+        self.packed_linear = not quantized and linear.usable(self.device, self.dtype)
+        self._mm: Callable = quant.addmm if quantized else linear.addmm if self.packed_linear else torch.addmm
         # Steps with a prompt chunk run their projections over padded_rows rows, compiled at start (see linear.py).
         self.pad_rows = self.packed_linear and switched_on("PYLON_PADDED_ROWS")
         if model_type == "gpt2":
-            self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear)
-        elif self.packed_linear:
-            _pack_llama(self.model)
+            self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear, quantization=quantization)
+        elif self.packed_linear or quantized:
+            _pack_llama(self.model, quantization)
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
         self.block_size = block_size

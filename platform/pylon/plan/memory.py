@@ -77,6 +77,8 @@ class ModelShape:
     intermediate_size: int
     kv_heads: int
     head_dim: int
+    projection_params: int = 0  # the decoder layers' linear projections (not lm_head): what engine.quantization shrinks
+    projection_channels: int = 0  # their output channels: one quantization scale each
 
 
 def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
@@ -91,6 +93,12 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
         matmul = _matmul_parameters(model)
         if lora is not None:
             model = with_lora(model, lora)
+    output = model.get_output_embeddings()
+    projections = [  # (weight, its output channels): nn.Linear's weight is [out, in], GPT-2's Conv1D's [in, out]
+        (m.weight, m.weight.shape[1] if type(m).__name__ == "Conv1D" else m.weight.shape[0])
+        for m in model.modules()
+        if type(m).__name__ in ("Linear", "Conv1D") and m is not output and m.weight.dim() == 2
+    ]
     params = list(model.parameters())  # each Parameter once, so tied embeddings count once
     trainable = sum(p.numel() for p in params if p.requires_grad)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
@@ -109,6 +117,8 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
         intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        projection_params=sum(w.numel() for w, _ in projections),
+        projection_channels=sum(channels for _, channels in projections),
     )
 
 

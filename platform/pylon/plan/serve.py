@@ -17,6 +17,7 @@ BANDWIDTH_EFFICIENCY = 0.8  # of datasheet memory bandwidth that decoding reache
 LAUNCH_S_PER_LAYER = 1e-4  # eager PyTorch decoding: kernel launches per layer per step, whatever the batch
 DEFAULT_UTILIZATION = 0.5  # share of a serving replica's hours spent at its throughput ceiling
 KV_BYTES = {**WEIGHT_BYTES, "fp8": 1}  # bytes of a key or value element per engine.kv_cache_dtype
+QUANT_BYTES = 1  # bytes of a quantized projection weight (engine.quantization int8 or fp8)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,8 @@ def plan_serve(
     dtype = "bf16" if e.dtype == "auto" else e.dtype  # auto is bf16 on these GPUs (fp32 only on CPU)
     b = WEIGHT_BYTES[dtype]
     weights = shape.total_params * b
+    if e.quantization != "none":  # the projections at 1 byte a weight plus a float32 scale per output channel
+        weights -= shape.projection_params * (b - QUANT_BYTES) - shape.projection_channels * 4
     kv_dtype = dtype if e.kv_cache_dtype == "auto" else e.kv_cache_dtype
     per_token = kv_bytes_per_token(shape, KV_BYTES[kv_dtype])
     # Prefill of a token batch: a few hidden-size tensors and the MLP's intermediate ones; fp32 logits of the

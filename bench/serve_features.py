@@ -1,0 +1,262 @@
+"""Serving features, each against its off switch in one run on the same model: one function per feature.
+
+quantization(): `engine.quantization: int8` against float32, on a GPT-2-small-shaped model (12 layers, 768 wide,
+vocab 50257, ~124M parameters) with random weights (GPT-2's initializer), built in the run and saved as a Pylon export
+(byte tokenizer). Prints, for each of int8 and fp32 (legs alternate over `--rounds`):
+
+1. the bytes of the projections' weights (and of the whole model), int8 over fp32;
+2. one projection (768 -> 2304, c_attn's shape) at 1 and 8 rows: oneDNN's float32, Pylon's int8 kernel, and
+   torch's `_weight_int8pack_mm`, which the engine does not use on a CPU (see serving/model/quant.py);
+3. output tokens/s of an in-process `LLMEngine` at concurrency 1 and 8 (greedy, `--output-tokens` each, closed loop),
+   int8 over fp32 (target >= 1.3x);
+4. on held-out real text (the last `--eval-tokens` bytes of /work/shared/datasets/tinyshakespeare.txt, in windows of
+   `--window`), the mean per-token log-likelihood and its perplexity for each, and int8's relative change (target
+   < 2%); random weights make the absolute perplexity meaningless (about the vocabulary's size), so also the mean
+   KL divergence from fp32's next-token distribution and how often the two agree on the most likely token.
+
+    .venv/bin/python bench/serve_features.py                 # CPU, ~6 min on 2 cores
+    .venv/bin/python bench/serve_features.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+DATASET = Path("/work/shared/datasets/tinyshakespeare.txt")
+
+
+def build_gpt2(directory: Path, n_layer: int, n_embd: int, n_head: int, vocab: int) -> None:
+    """A random GPT-2 (GPT-2's own initializer, std 0.02) saved as a Pylon export with the byte tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pylon.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    config = AutoConfig.for_model(
+        "gpt2",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_positions=1024,
+        vocab_size=vocab,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+
+
+def engine(directory: str, quantization: str, concurrency: int):
+    from pylon.serving.engine.engine import LLMEngine
+    from pylon.specs import EngineSpec
+
+    return LLMEngine(
+        directory,
+        EngineSpec(
+            max_num_seqs=max(concurrency, 1),
+            max_num_batched_tokens=512,
+            kv_cache_tokens=16384,
+            block_size=16,
+            max_model_len=1024,
+            device="cpu",
+            dtype="fp32",
+            quantization=quantization,
+        ),
+    )
+
+
+def projection_bytes(runner) -> tuple[int, int]:
+    """(bytes of the decoder layers' projection weights, of the whole model's weights) as the runner holds them."""
+    from pylon.serving.model.quant import QuantWeight
+
+    proj = 0
+    for layer in runner._gpt2.layers:
+        for w in (layer.qkv_w, layer.proj_w, layer.fc_w, layer.down_w):
+            proj += w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size()
+    rest = sum(p.numel() * p.element_size() for p in runner.model.parameters())  # the projections' are released
+    return proj, proj + rest
+
+
+def micro(rounds: int = 200) -> dict[str, dict[int, float]]:
+    """Microseconds of one c_attn-shaped projection (768 -> 2304) per path and row count (best of 3)."""
+    import torch
+
+    from pylon.serving.model import linear, quant
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(2304, 768, generator=g) * 0.02, torch.zeros(2304)
+    q = quant.QuantWeight(w)
+    packed = linear.pack(w) if linear.usable(torch.device("cpu"), torch.float32) else None
+    out: dict[str, dict[int, float]] = {}
+    for rows in (1, 8):
+        x = torch.randn(rows, 768, generator=g)
+        paths = {
+            "fp32 (oneDNN)" if packed is not None else "fp32 (addmm)": (
+                (lambda: linear.addmm(b, x, packed)) if packed is not None else (lambda: torch.addmm(b, x, w.t()))
+            ),
+            "int8 (Pylon kernel)" if q.kernel else "int8 (dequantized)": lambda: quant.addmm(b, x, q),
+            "int8 (torch _weight_int8pack_mm)": lambda: torch.ops.aten._weight_int8pack_mm(x, q.q, q.scales),
+        }
+        for name, f in paths.items():
+            n = rounds // 10 if "int8pack" in name else rounds
+            f()
+            best = math.inf
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    f()
+                best = min(best, (time.perf_counter() - t0) / n)
+            out.setdefault(name, {})[rows] = best * 1e6
+    return out
+
+
+def throughput(eng, concurrency: int, requests: int, prompt_tokens: int, output_tokens: int) -> float:
+    """Output tokens/s of `requests` greedy requests, `concurrency` open at a time (closed loop)."""
+    import random
+
+    from pylon.serving.engine.sampling import SamplingParams
+
+    rng = random.Random(concurrency)
+    prompts = [[rng.randrange(32, 127) for _ in range(prompt_tokens)] for _ in range(requests)]
+    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
+    eng.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0))  # first-call costs, not counted
+    pending, open_, tokens, n = list(reversed(prompts)), set(), 0, 0
+    t0 = time.monotonic()
+    while pending or open_:
+        while pending and len(open_) < concurrency:
+            eng.add_request(f"r{n}", pending.pop(), params)
+            open_.add(f"r{n}")
+            n += 1
+        for out in eng.step():
+            tokens += len(out.token_ids)
+            if out.finished:
+                open_.discard(out.request_id)
+    return tokens / (time.monotonic() - t0)
+
+
+def log_likelihoods(eng, text: bytes, window: int):
+    """Per window of held-out text: the log-probabilities of each next token under the engine (float32 `[n, vocab]`
+    log-softmax rows and the targets), through the runner's prompt-logits path."""
+    import torch
+
+    from pylon.serving.model.step import StepSequence
+
+    rows, targets = [], []
+    for start in range(0, len(text) - window, window):
+        ids = list(text[start : start + window + 1])
+        blocks = list(range(-(-window // eng.spec.block_size)))
+        step = StepSequence(token_ids=ids[:-1], start=0, block_table=blocks, samples=True, prompt_logits=True)
+        rows.append(eng.runner.execute([step]).log_softmax(-1))
+        targets.append(torch.tensor(ids[1:]))
+    return torch.cat(rows), torch.cat(targets)
+
+
+def quantization(args) -> dict:
+    """int8 against fp32: weights' bytes, one projection, tokens/s at each concurrency, and held-out likelihood."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    results: dict = {"threads": args.threads}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "gpt2"
+        build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab)
+        params = sum(
+            p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(directory).parameters()
+        )
+        results["parameters"] = params
+
+        # 1. weights' bytes
+        held = {q: projection_bytes(engine(str(directory), q, 1).runner) for q in ("none", "int8")}
+        results["bytes"] = held
+
+        # 2. one projection
+        results["micro"] = micro()
+
+        # 3. tokens/s, legs alternating
+        tps: dict[int, dict[str, list[float]]] = {}
+        for c in args.concurrency:
+            tps[c] = {"none": [], "int8": []}
+            for r in range(args.rounds):
+                for q in ("none", "int8") if r % 2 == 0 else ("int8", "none"):
+                    eng = engine(str(directory), q, c)
+                    requests = max(2, c * args.requests_per_slot)
+                    tps[c][q].append(throughput(eng, c, requests, args.prompt_tokens, args.output_tokens))
+                    del eng
+        results["tokens_per_s"] = tps
+
+        # 4. held-out likelihood
+        text = DATASET.read_bytes()[-args.eval_tokens - 1 :]
+        lp = {}
+        for q in ("none", "int8"):
+            lp[q] = log_likelihoods(engine(str(directory), q, 1), text, args.window)
+        (fp, targets), (iq, _) = lp["none"], lp["int8"]
+        ll = {q: lp[q][0].gather(1, targets[:, None]).mean().item() for q in lp}
+        results["log_likelihood"] = ll
+        results["perplexity"] = {q: math.exp(-v) for q, v in ll.items()}
+        results["kl"] = torch.nn.functional.kl_div(iq, fp, log_target=True, reduction="batchmean").item()
+        results["top1_agree"] = (iq.argmax(-1) == fp.argmax(-1)).float().mean().item()
+        results["eval_tokens"] = len(targets)
+    return results
+
+
+def report_quantization(r: dict) -> None:
+    print(
+        f"== quantization: int8 vs fp32, GPT-2-shaped, {r['parameters'] / 1e6:.1f}M parameters, random weights, "
+        f"{r['threads']} thread(s)"
+    )
+    (p32, m32), (p8, m8) = r["bytes"]["none"], r["bytes"]["int8"]
+    print(
+        f"weights: projections {p32 / 2**20:.1f} MiB fp32 -> {p8 / 2**20:.1f} MiB int8 ({p8 / p32:.3f}x); "
+        f"whole model {m32 / 2**20:.1f} -> {m8 / 2**20:.1f} MiB ({m8 / m32:.3f}x; embeddings/lm_head stay fp32)"
+    )
+    print("one projection 768->2304 (us, best of 3):")
+    for name, by_rows in r["micro"].items():
+        print(f"  {name:36s} " + "  ".join(f"{rows} row(s) {us:8.1f}" for rows, us in by_rows.items()))
+    for c, legs in r["tokens_per_s"].items():
+        f32, i8 = statistics.median(legs["none"]), statistics.median(legs["int8"])
+        ratios = [a / b for a, b in zip(legs["int8"], legs["none"])]
+        met = "met" if i8 / f32 >= 1.3 else "NOT met"
+        print(
+            f"concurrency {c}: fp32 {f32:.1f} tok/s, int8 {i8:.1f} tok/s: {i8 / f32:.2f}x "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.3x: {met})"
+        )
+    ll, ppl = r["log_likelihood"], r["perplexity"]
+    change_ll = (ll["int8"] - ll["none"]) / abs(ll["none"])
+    change_ppl = ppl["int8"] / ppl["none"] - 1
+    print(
+        f"held-out text ({r['eval_tokens']} tokens of {DATASET.name}): mean log-likelihood fp32 {ll['none']:.5f}, "
+        f"int8 {ll['int8']:.5f} ({change_ll:+.4%}); perplexity fp32 {ppl['none']:.1f}, int8 {ppl['int8']:.1f} "
+        f"({change_ppl:+.4%}; target < 2%: {'met' if abs(change_ppl) < 0.02 else 'NOT met'})"
+    )
+    print(f"  KL(fp32 || int8) per token {r['kl']:.2e} nats; most likely next token agrees on {r['top1_agree']:.2%}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (an engine process per core runs 1)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--requests-per-slot", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--eval-tokens", type=int, default=2048)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--n-embd", type=int, default=768)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50257)
+    args = p.parse_args()
+    report_quantization(quantization(args))
+
+
+if __name__ == "__main__":
+    main()
