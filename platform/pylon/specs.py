@@ -419,6 +419,27 @@ class TrainJobSpec(_Spec):
 # ---------------------------------------------------------------------------------------------------------
 
 
+class SpeculativeSpec(_Spec):
+    method: Literal["none", "ngram"] = Field(
+        "none",
+        description="speculative decoding: ngram = draft tokens by prompt lookup (the request's own earlier "
+        "tokens: the continuation of the latest earlier occurrence of its last n tokens, no second model), all "
+        "verified in one forward pass and accepted by the standard rule, so greedy outputs are token for token "
+        "those without it and sampled ones keep their distribution. Pays off where outputs copy from the input "
+        "(code edits, summaries, extraction); the engine turns it off per step when its own measured step times "
+        "say the verification would cost more than the accepted tokens save",
+    )
+    num_tokens: int = Field(4, ge=1, le=16, description="draft tokens proposed per request and step at most")
+    ngram_max: int = Field(3, ge=1, le=16, description="the longest suffix of the request's tokens looked up")
+    ngram_min: int = Field(1, ge=1, le=16, description="the shortest suffix looked up before giving up")
+
+    @model_validator(mode="after")
+    def _ngram_bounds(self):
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+
 class EngineSpec(_Spec):
     max_num_seqs: PositiveInt = 64
     max_num_batched_tokens: PositiveInt = 2048
@@ -444,6 +465,7 @@ class EngineSpec(_Spec):
         "per-channel scales, CUDA GPUs of compute capability 8.9+ only (refused elsewhere at start). "
         "Activations and the KV cache stay in dtype; greedy outputs part from the float model's after some tokens",
     )
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
     enable_prefix_caching: bool = Field(
         True,
         description="reuse the KV cache blocks of a prompt's prefix that an earlier request computed (vLLM's "

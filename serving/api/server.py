@@ -69,6 +69,12 @@ def _metrics(model: str):
         "generation_tokens": counter("pylon_generation_tokens_total", "Tokens generated"),
         "prefix_queries": counter("pylon_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
         "prefix_hits": counter("pylon_prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
+        "spec_drafts": counter("pylon_spec_decode_draft_tokens_total", "Draft tokens verified (speculative decoding)"),
+        "spec_accepted": counter("pylon_spec_decode_accepted_tokens_total", "Draft tokens accepted"),
+        "spec_steps": counter(
+            "pylon_spec_decode_verify_steps_total",
+            "Requests' speculating steps (accepted / steps + 1 = mean acceptance length)",
+        ),
         "requests": counter(
             "pylon_requests_total",
             "Finished requests by HTTP status and finish reason",
@@ -144,7 +150,8 @@ class PylonLLMServer:
             self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges())
 
     async def _report_gauges(self) -> None:
-        reported = {"prefix_queries": 0, "prefix_hits": 0}  # the engines' totals counted so far
+        # the engines' totals counted so far
+        reported = {"prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0, "spec_accepted": 0, "spec_steps": 0}
         while True:
             stats = self.engine.stats()
             self.metrics["running"].set(stats.num_running)
@@ -153,6 +160,9 @@ class PylonLLMServer:
             for name, total in (
                 ("prefix_queries", stats.prefix_cache_queries_total),
                 ("prefix_hits", stats.prefix_cache_hits_total),
+                ("spec_drafts", stats.spec_draft_tokens_total),
+                ("spec_accepted", stats.spec_accepted_tokens_total),
+                ("spec_steps", stats.spec_verify_steps_total),
             ):
                 if total > reported[name]:
                     self.metrics[name].inc(total - reported[name])

@@ -33,6 +33,7 @@ from pylon.serving.engine.kv_cache import KVBlockPool
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from pylon.serving.engine.sampling import SamplingParams, sample, token_logprobs
 from pylon.serving.engine.scheduler import Scheduler
+from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
 from pylon.serving.engine.tokenization import IncrementalDetokenizer, chars_per_token_bound, load_model_tokenizer
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.model.step import StepSequence
@@ -60,6 +61,11 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     prefill_tokens_computed_total: int = 0
     num_cached_blocks: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): draft tokens verified, those accepted, and the requests'
+    # speculating steps (accepted / steps + 1 = the mean acceptance length, tokens per step).
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_verify_steps_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,8 @@ class LLMEngine:
                 quantization=spec.quantization,
             )
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
+        speculative = spec.speculative
+        self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method == "ngram" else None
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
         if compiled:
@@ -235,22 +243,30 @@ class LLMEngine:
                 self._finish(request, "abort")
                 outputs.append(RequestOutput.of(request, request.detokenizer.flush(), []))
 
+        self._propose_drafts()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return outputs
         steps = [
             StepSequence(
-                s.request.token_ids[s.start : s.start + s.num_new_tokens],
+                s.request.token_ids[s.start : s.start + s.num_new_tokens] + s.request.draft[: s.num_draft],
                 s.start,
                 self.pool.block_table(s.request.request_id),
                 s.samples,
-                s.request.prompt_logprobs is not None and _needs_prompt_logits(s.request, s.start, s.num_new_tokens),
+                s.num_draft > 0  # a speculating decode: every position's logits, to verify its drafts
+                or (
+                    s.request.prompt_logprobs is not None and _needs_prompt_logits(s.request, s.start, s.num_new_tokens)
+                ),
             )
             for s in batch.scheduled
         ]
+        started = time.perf_counter()
         logits = self.runner.execute(steps)
+        if self.spec_policy is not None:
+            self.spec_policy.observe_step(sum(step.num_new_tokens for step in steps), time.perf_counter() - started)
+        draft_rows: dict[str, object] = {}  # a speculating request's rows: its last token's and each draft's
         if any(step.prompt_logits for step in steps):
-            logits = self._take_prompt_logprobs(batch.scheduled, steps, logits)
+            logits = self._take_prompt_logprobs(batch.scheduled, steps, logits, draft_rows)
         sampling = [s.request for s in batch.scheduled if s.samples]
         guided = [i for i, r in enumerate(sampling) if r.guide is not None and r.max_tokens > 0]
         # Guided rows sample from the grammar's tokens only; logprobs below stay the model's own (unmasked).
@@ -276,18 +292,76 @@ class LLMEngine:
             if request.max_tokens == 0:  # the prompt is scored (its logprobs are in), nothing is generated
                 outputs.append(self._finish_scored(request))
                 continue
+            rows = draft_rows.get(request.request_id)
+            if rows is not None:
+                outputs.append(self._append_verified(request, rows, now))
+                continue
             outputs.append(self._append_token(request, token, now, logprob))
         return outputs
 
-    def _take_prompt_logprobs(self, scheduled, steps: list[StepSequence], logits):
+    def _propose_drafts(self) -> None:
+        """Speculative decoding (`engine/speculative.py`): give this step's decodes their drafts, when the measured
+        rule says speculating pays at this batch. Requests that constrain their tokens (a grammar), want logprobs,
+        or sample with a seed (whose tokens must not depend on the machine's timing) decode plainly."""
+        policy = self.spec_policy
+        if policy is None:
+            return
+        running = self.scheduler.running
+        decodes, other = [], 0
+        for request in running:
+            request.draft = []
+            left = request.num_tokens - request.num_computed_tokens
+            if left == 1 and request.num_output_tokens > 0:
+                decodes.append(request)
+            else:
+                other += left
+        other = min(other, self.scheduler.max_num_batched_tokens)
+        if not decodes or not policy.decide(len(decodes), other):
+            return
+        spec = self.spec.speculative
+        for request in decodes:
+            params = request.params
+            if request.guide is not None or params.logprobs is not None or request.prompt_logprobs is not None:
+                continue
+            if params.seed is not None and not params.greedy:
+                continue  # verification draws more from its stream, and when it runs depends on measured times
+            room = min(
+                spec.num_tokens,
+                self.max_model_len - request.num_tokens - 1,
+                request.max_tokens - request.num_output_tokens - 1,
+            )
+            if room > 0:
+                request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
+
+    def _append_verified(self, request: Request, rows, now: float) -> RequestOutput:
+        """A speculating request's step: its accepted drafts and the model's next token, up to where it finishes."""
+        draft = request.draft[: rows.shape[0] - 1]
+        request.draft = []
+        emitted, accepted = verify(rows, draft, request.params, request.generator)
+        self.spec_policy.observe_drafts(len(draft), accepted)
+        request.num_computed_tokens += accepted  # the step wrote the accepted drafts' KV: they are computed
+        outs = []
+        for token in emitted:
+            outs.append(self._append_token(request, token, now))
+            if outs[-1].finished:
+                break
+        return outs[0] if len(outs) == 1 else merge_outputs(outs)
+
+    def _take_prompt_logprobs(self, scheduled, steps: list[StepSequence], logits, draft_rows: dict):
         """Fill the prompt logprobs of this step's `prompt_logits` sequences from their rows of `logits` (see
-        `ModelRunner.execute`): the row at position p scores prompt token p + 1. Returns the sampling rows only."""
+        `ModelRunner.execute`): the row at position p scores prompt token p + 1. A speculating sequence's rows go to
+        `draft_rows` by request id. Returns the sampling rows only (a speculating sequence's: its first)."""
         rows, offset = [], 0
         for s, step in zip(scheduled, steps):
             if not step.prompt_logits:
                 if s.samples:
                     rows.append(offset)
                     offset += 1
+                continue
+            if s.num_draft:
+                draft_rows[s.request.request_id] = logits[offset : offset + step.num_new_tokens]
+                rows.append(offset)
+                offset += step.num_new_tokens
                 continue
             request, n = s.request, s.num_new_tokens
             scored = min(n, request.num_prompt_tokens - 1 - s.start)  # rows whose next token is a prompt token
@@ -387,6 +461,15 @@ class LLMEngine:
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
             prefill_tokens_computed_total=self.scheduler.prefill_tokens_computed,
             num_cached_blocks=self.pool.num_cached_blocks,
+            **(
+                {
+                    "spec_draft_tokens_total": self.spec_policy.proposed_total,
+                    "spec_accepted_tokens_total": self.spec_policy.accepted_total,
+                    "spec_verify_steps_total": self.spec_policy.verified_total,
+                }
+                if self.spec_policy is not None
+                else {}
+            ),
         )
 
 

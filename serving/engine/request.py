@@ -65,6 +65,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in a prefix cache, not computed for this request
     prompt_logprobs_sent: bool = False  # its first output (which carries prompt_logprobs) has gone out
     guide: object | None = None  # with params.guide: its llguidance matcher, advanced by each generated token
+    draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed for this step to verify
 
     def __post_init__(self) -> None:
         if not self.token_ids:

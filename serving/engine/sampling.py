@@ -186,22 +186,41 @@ def sample(
     top_k = torch.tensor([min(params[i].top_k or vocab, vocab) for i in rows], device=logits.device)
     top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
 
-    chosen = logits[index]
+    probs, sorted_ids = _sorted_probs(logits[index], temperature, top_k, top_p)
+    probs, sorted_ids = probs.cpu(), sorted_ids.cpu()
+    for j, i in enumerate(rows):
+        choice = torch.multinomial(probs[j], 1, generator=generators[i])
+        tokens[i] = int(sorted_ids[j, choice])
+    return tokens
+
+
+def _sorted_probs(chosen: "torch.Tensor", temperature, top_k, top_p) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Each row's sampling distribution over its tokens sorted by logit (descending), and those token ids."""
+    import torch
+
     scaled = (chosen - chosen.max(dim=-1, keepdim=True).values) / temperature[:, None]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(sorted_logits.shape[1], device=logits.device)
+    rank = torch.arange(sorted_logits.shape[1], device=chosen.device)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the tokens ranked above it already reach top_p; the first token always stays, whatever
     # top_p is (a top_p of 5e-324 is 0 in float32, and masking every token killed the step loop for the batch).
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill((mass_before >= top_p[:, None]) & (rank[None, :] > 0), 0.0)
-    probs = (probs / probs.sum(dim=-1, keepdim=True)).cpu()
-    sorted_ids = sorted_ids.cpu()
-    for j, i in enumerate(rows):
-        choice = torch.multinomial(probs[j], 1, generator=generators[i])
-        tokens[i] = int(sorted_ids[j, choice])
-    return tokens
+    return probs / probs.sum(dim=-1, keepdim=True), sorted_ids
+
+
+def filtered_probs(logits: "torch.Tensor", params: list[SamplingParams]) -> "torch.Tensor":
+    """Row i's sampling distribution under `params[i]` (temperature > 0, top-k, top-p: exactly what `sample` draws
+    from), in token order, on the CPU: [rows, vocab] float32."""
+    import torch
+
+    vocab = logits.shape[1]
+    temperature = torch.tensor([max(p.temperature, TINY) for p in params], device=logits.device)
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    probs, sorted_ids = _sorted_probs(logits, temperature, top_k, top_p)
+    return torch.zeros_like(probs).scatter_(1, sorted_ids, probs).cpu()
 
 
 def token_logprobs(logits: "torch.Tensor", token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:

@@ -53,6 +53,9 @@ class ScheduledRequest:
     # The step computes the request's last known token, so it produces the next one. A prompt chunk that
     # does not reach the prompt's end produces nothing.
     samples: bool
+    # Speculative decoding: the first `num_draft` of `request.draft` are computed after the last known token, at
+    # the positions that follow it (their KV is written; the engine counts the accepted ones as computed).
+    num_draft: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.draft and num_new == 1:
+                # A speculating decode: its drafts too, if the budget and the free blocks allow (never preempting
+                # anyone for a draft); otherwise a plain decode.
+                k = min(len(request.draft), budget - 1)
+                if k > 0 and self.pool.allocate(request.request_id, request.num_computed_tokens + 1 + k):
+                    scheduled.append(self._take(request, 1, num_draft=k))
+                    budget -= 1 + k
+                    i += 1
+                    continue
+                request.draft = []
             if not self._make_room(request, request.num_computed_tokens + num_new, preempted):
                 break  # it was the newest running request itself: nothing after it is left
             scheduled.append(self._take(request, num_new))
@@ -210,13 +223,15 @@ class Scheduler:
                 self._keep_prompt_logprobs(request, computed)
                 request.num_kept_logprob_blocks = computed
 
-    def _take(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _take(self, request: Request, num_new: int, num_draft: int = 0) -> ScheduledRequest:
         self._register(request)  # what earlier steps computed; this step's tokens are not written yet
         # The runner will compute these tokens in this step, so they count as computed from here on.
         start = request.num_computed_tokens
         if not (num_new == 1 and start == request.num_tokens - 1 and start >= request.num_prompt_tokens):
             self.prefill_tokens_computed += num_new
-        step = ScheduledRequest(request, start, num_new, samples=start + num_new == request.num_tokens)
+        step = ScheduledRequest(
+            request, start, num_new, samples=start + num_new == request.num_tokens, num_draft=num_draft
+        )
         request.num_computed_tokens += num_new
         return step
 
