@@ -14,7 +14,20 @@ vocab 50257, ~124M parameters) with random weights (GPT-2's initializer), built 
    < 2%); random weights make the absolute perplexity meaningless (about the vocabulary's size), so also the mean
    KL divergence from fp32's next-token distribution and how often the two agree on the most likely token.
 
-    .venv/bin/python bench/serve_features.py                 # CPU, ~6 min on 2 cores
+constrained(): structured outputs against free decoding on the same model: output tokens/s of greedy requests whose
+output must validate against a JSON schema (llguidance masks applied in the batched step) against the same requests
+unconstrained, at concurrency 1 and 8 (target >= 0.9x), and the mask's own cost per token.
+
+speculative(): `engine.speculative: ngram` against plain decoding at concurrency 1 and 32, greedy, on an
+input-grounded workload (prompts that repeat their own phrases, as edits and summaries copy their input). Random
+weights do not copy an input, so two models bracket what a trained one does: GPT-2's initializer (std 0.02), whose
+greedy output falls into loops that prompt lookup predicts (acceptance near 1: the best case), and a 0.5-scale one
+whose continuations follow the context and are almost never predicted (acceptance near 0: what the measured rule
+must keep from costing; target >= 0.95x). Targets: >= 1.7x at 1 (best case), >= 0.95x at 32 (both). Also prints
+acceptance, tokens per verifying step and how many steps the rule let speculate.
+
+    .venv/bin/python bench/serve_features.py                 # all three, CPU, ~12 min on 2 cores
+    .venv/bin/python bench/serve_features.py --only constrained speculative
     .venv/bin/python bench/serve_features.py --rounds 3
 """
 
@@ -31,8 +44,8 @@ from pathlib import Path
 DATASET = Path("/work/shared/datasets/tinyshakespeare.txt")
 
 
-def build_gpt2(directory: Path, n_layer: int, n_embd: int, n_head: int, vocab: int) -> None:
-    """A random GPT-2 (GPT-2's own initializer, std 0.02) saved as a Pylon export with the byte tokenizer."""
+def build_gpt2(directory: Path, n_layer: int, n_embd: int, n_head: int, vocab: int, init: float = 0.02) -> None:
+    """A random GPT-2 (GPT-2's own initializer, std `init`) saved as a Pylon export with the byte tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,13 +62,14 @@ def build_gpt2(directory: Path, n_layer: int, n_embd: int, n_head: int, vocab: i
         eos_token_id=tok.eos_id,
         bos_token_id=tok.eos_id,
         pad_token_id=tok.pad_id,
+        initializer_range=init,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
 
 
-def engine(directory: str, quantization: str, concurrency: int):
+def engine(directory: str, quantization: str, concurrency: int, **fields):
     from pylon.serving.engine.engine import LLMEngine
     from pylon.specs import EngineSpec
 
@@ -70,6 +84,7 @@ def engine(directory: str, quantization: str, concurrency: int):
             device="cpu",
             dtype="fp32",
             quantization=quantization,
+            **fields,
         ),
     )
 
@@ -119,15 +134,18 @@ def micro(rounds: int = 200) -> dict[str, dict[int, float]]:
     return out
 
 
-def throughput(eng, concurrency: int, requests: int, prompt_tokens: int, output_tokens: int) -> float:
+def throughput(
+    eng, concurrency: int, requests: int, prompt_tokens: int, output_tokens: int, *, guide=None, prompts=None
+) -> float:
     """Output tokens/s of `requests` greedy requests, `concurrency` open at a time (closed loop)."""
     import random
 
     from pylon.serving.engine.sampling import SamplingParams
 
     rng = random.Random(concurrency)
-    prompts = [[rng.randrange(32, 127) for _ in range(prompt_tokens)] for _ in range(requests)]
-    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
+    if prompts is None:
+        prompts = [[rng.randrange(32, 127) for _ in range(prompt_tokens)] for _ in range(requests)]
+    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True, guide=guide)
     eng.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0))  # first-call costs, not counted
     pending, open_, tokens, n = list(reversed(prompts)), set(), 0, 0
     t0 = time.monotonic()
@@ -240,6 +258,164 @@ def report_quantization(r: dict) -> None:
     print(f"  KL(fp32 || int8) per token {r['kl']:.2e} nats; most likely next token agrees on {r['top1_agree']:.2%}")
 
 
+# Long enough that a random model is still inside it after --output-tokens tokens: many small typed fields.
+RECORDS = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                    "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
+                    "ok": {"type": "boolean"},
+                    "tag": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                },
+                "required": ["id", "kind", "ok", "tag"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["records"],
+    "additionalProperties": False,
+}
+
+
+def constrained(args) -> dict:
+    """JSON-schema-constrained decoding against free decoding, same prompts, legs alternating."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    guide = {"type": "json_schema", "schema": RECORDS}
+    results: dict = {"tokens_per_s": {}, "mask_us": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "gpt2"
+        build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab)
+        for c in args.concurrency:
+            legs = {"free": [], "json_schema": []}
+            eng = engine(str(directory), "none", c)
+            for r in range(args.rounds):
+                for leg in ("free", "json_schema") if r % 2 == 0 else ("json_schema", "free"):
+                    requests = max(2, c * args.requests_per_slot)
+                    legs[leg].append(
+                        throughput(
+                            eng,
+                            c,
+                            requests,
+                            args.prompt_tokens,
+                            args.output_tokens,
+                            guide=guide if leg == "json_schema" else None,
+                        )
+                    )
+            results["tokens_per_s"][c] = legs
+            guides = eng.guides
+            del eng
+        # the mask alone: one matcher advanced through a valid output, timed per token
+        matcher = guides.matcher(guide)
+        text = b'{"records":[' + b",".join(b'{"id":12,"kind":"beta","ok":true,"tag":"ab"}' for _ in range(20)) + b"]}"
+        logits = torch.zeros(1, args.vocab)
+        t0 = time.perf_counter()
+        for byte in text:
+            guides.apply(logits, [0], [matcher], 256)
+            matcher.consume_token(byte)
+        results["mask_us"] = (time.perf_counter() - t0) / len(text) * 1e6
+    return results
+
+
+def report_constrained(r: dict) -> None:
+    print("== structured outputs: json_schema-constrained vs free greedy decoding, same model and prompts")
+    for c, legs in r["tokens_per_s"].items():
+        free, con = statistics.median(legs["free"]), statistics.median(legs["json_schema"])
+        ratios = [a / b for a, b in zip(legs["json_schema"], legs["free"])]
+        met = "met" if con / free >= 0.9 else "NOT met"
+        print(
+            f"concurrency {c}: free {free:.1f} tok/s, constrained {con:.1f} tok/s: {con / free:.2f}x "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.9x: {met})"
+        )
+    print(f"  the mask alone (llguidance + applying it to one row): {r['mask_us']:.0f} us per token")
+
+
+def grounded_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    """Prompts made of a few phrases repeated (ASCII bytes), as an edit or a summary repeats its input."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrases = [[rng.randrange(97, 123) for _ in range(rng.randrange(6, 16))] for _ in range(3)]
+        prompt: list[int] = []
+        while len(prompt) < prompt_tokens:
+            prompt += rng.choice(phrases) + [32]
+        out.append(prompt[:prompt_tokens])
+    return out
+
+
+def speculative(args) -> dict:
+    """n-gram speculation against plain decoding, for a looping (0.02) and a context-following (0.5) model."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for init in (0.02, 0.5):
+            directory = Path(tmp) / f"gpt2-{init}"
+            build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab, init=init)
+            by_c = {}
+            for c in args.spec_concurrency:
+                requests = max(2, c * args.requests_per_slot)
+                prompts = grounded_prompts(requests, args.spec_prompt_tokens, seed=c)
+                legs = {"plain": [], "ngram": []}
+                stats = None
+                for r in range(args.rounds):
+                    for leg in ("plain", "ngram") if r % 2 == 0 else ("ngram", "plain"):
+                        fields = (
+                            {"speculative": {"method": "ngram", "num_tokens": args.spec_tokens}}
+                            if leg == "ngram"
+                            else {}
+                        )
+                        eng = engine(str(directory), "none", c, **fields)
+                        legs[leg].append(
+                            throughput(eng, c, requests, 0, args.output_tokens, prompts=[list(p) for p in prompts])
+                        )
+                        if leg == "ngram":
+                            policy = eng.spec_policy
+                            stats = {
+                                "proposed": policy.proposed_total,
+                                "accepted": policy.accepted_total,
+                                "verify_steps": policy.verified_total,
+                                "speculated_steps": policy.speculated_steps_total,
+                                "skipped_steps": policy.skipped_steps_total,
+                            }
+                        del eng
+                by_c[c] = {"legs": legs, "stats": stats}
+            results[init] = by_c
+    return results
+
+
+def report_speculative(r: dict) -> None:
+    print("== speculative decoding: ngram prompt lookup vs plain, greedy, input-grounded prompts")
+    for init, by_c in r.items():
+        kind = "loops (best case)" if init == 0.02 else "follows the context (worst case)"
+        for c, got in by_c.items():
+            plain, spec = statistics.median(got["legs"]["plain"]), statistics.median(got["legs"]["ngram"])
+            ratios = [a / b for a, b in zip(got["legs"]["ngram"], got["legs"]["plain"])]
+            target = 1.7 if (c == 1 and init == 0.02) else 0.95
+            met = "met" if spec / plain >= target else "NOT met"
+            s = got["stats"]
+            accept = s["accepted"] / s["proposed"] if s["proposed"] else float("nan")
+            per_step = 1 + s["accepted"] / s["verify_steps"] if s["verify_steps"] else float("nan")
+            print(
+                f"init {init} ({kind}), concurrency {c}: plain {plain:.1f} tok/s, ngram {spec:.1f} tok/s: "
+                f"{spec / plain:.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= {target}x: {met})"
+            )
+            print(
+                f"  drafts {s['proposed']}, accepted {s['accepted']} ({accept:.0%}), {per_step:.2f} tokens per "
+                f"verifying step; the rule speculated in {s['speculated_steps']} steps, held back in "
+                f"{s['skipped_steps']}"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
@@ -254,8 +430,20 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--spec-concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--spec-prompt-tokens", type=int, default=200)
+    p.add_argument("--spec-tokens", type=int, default=4, help="engine.speculative.num_tokens")
+    p.add_argument(
+        "--only", nargs="+", choices=["quantization", "constrained", "speculative"], help="run these sections only"
+    )
     args = p.parse_args()
-    report_quantization(quantization(args))
+    sections = args.only or ["quantization", "constrained", "speculative"]
+    if "quantization" in sections:
+        report_quantization(quantization(args))
+    if "constrained" in sections:
+        report_constrained(constrained(args))
+    if "speculative" in sections:
+        report_speculative(speculative(args))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ class LLMEngine:
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         speculative = spec.speculative
         self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method == "ngram" else None
+        self._step_tokens = 0  # tokens the step computed (the policy's measure of its size)
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
         if compiled:
@@ -231,6 +232,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that got a token or finished in it."""
+        started = time.perf_counter()
+        outputs = self._step()
+        if self.spec_policy is not None and self._step_tokens:
+            self.spec_policy.end_step(self._step_tokens, time.perf_counter() - started)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        self._step_tokens = 0
         outputs = []
         with self._lock:
             incoming, self._incoming = self._incoming, []
@@ -260,10 +269,8 @@ class LLMEngine:
             )
             for s in batch.scheduled
         ]
-        started = time.perf_counter()
+        self._step_tokens = sum(step.num_new_tokens for step in steps)
         logits = self.runner.execute(steps)
-        if self.spec_policy is not None:
-            self.spec_policy.observe_step(sum(step.num_new_tokens for step in steps), time.perf_counter() - started)
         draft_rows: dict[str, object] = {}  # a speculating request's rows: its last token's and each draft's
         if any(step.prompt_logits for step in steps):
             logits = self._take_prompt_logprobs(batch.scheduled, steps, logits, draft_rows)

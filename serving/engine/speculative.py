@@ -40,14 +40,20 @@ def ngram_propose(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[
     for n in range(min(n_max, total - 1), n_min - 1, -1):
         suffix = token_ids[total - n :]
         first = suffix[0]
-        # the latest occurrence that ends before the suffix itself, scanning back
+        # The latest occurrence before the suffix itself, scanning back; one so late that fewer than k tokens follow
+        # it (a loop shorter than k) is kept only until an earlier one with k is found.
+        best: list[int] = []
         i = total - n - 1
         while i >= start:
             if token_ids[i] == first and token_ids[i : i + n] == suffix:
                 follow = token_ids[i + n : i + n + k]
-                if follow:
+                if len(follow) == k:
                     return follow
+                if len(follow) > len(best):
+                    best = follow
             i -= 1
+        if best:
+            return best
     return []
 
 
@@ -104,6 +110,8 @@ class SpecPolicy:
     verified_total: int = 0  # requests' speculating steps
     speculated_steps_total: int = 0
     skipped_steps_total: int = 0  # steps where the rule said no
+    _step_proposed: int = 0
+    _step_accepted: int = 0
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         bucket = _bucket(tokens)
@@ -111,11 +119,19 @@ class SpecPolicy:
         self.times[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:
+        """One request's verification (its share of `observe_step`'s step)."""
         self.proposed_total += proposed
         self.accepted_total += accepted
         self.verified_total += 1
-        if proposed:
-            self.accept_rate = 0.95 * self.accept_rate + 0.05 * (accepted / proposed)
+        self._step_proposed += proposed
+        self._step_accepted += accepted
+
+    def end_step(self, tokens: int, seconds: float) -> None:
+        """A step is done: `tokens` computed in `seconds` of the engine's step (proposing and verifying included)."""
+        self.observe_step(tokens, seconds)
+        if self._step_proposed:
+            self.accept_rate = 0.7 * self.accept_rate + 0.3 * (self._step_accepted / self._step_proposed)
+        self._step_proposed = self._step_accepted = 0
 
     def decide(self, decodes: int, other_tokens: int) -> bool:
         """Speculate in a step of `decodes` decodes and `other_tokens` prompt tokens?"""

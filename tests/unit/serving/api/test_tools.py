@@ -164,3 +164,58 @@ def test_template_messages_give_templates_arguments_as_objects() -> None:
     fixed = tools.template_messages(messages)
     assert fixed[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the request's own is untouched
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_tools_reach_the_model_through_its_template_or_a_preamble(tmp_path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pylon.serving.engine.tokenization import apply_chat_template, load_model_tokenizer
+
+    the_plan = plan()
+    messages = tools.template_messages(
+        [
+            {"role": "user", "content": "2+3?"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        ]
+    )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello"], trainers.BpeTrainer(vocab_size=270, special_tokens=["</s>"]))
+    for name, template in (
+        ("aware", TOOL_TEMPLATE),
+        ("unaware", "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"),
+    ):
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=template).save_pretrained(
+            tmp_path / name
+        )
+    aware = apply_chat_template(
+        load_model_tokenizer(str(tmp_path / "aware")), messages, tools=the_plan.tools, tool_preamble=the_plan.preamble()
+    )
+    assert aware.startswith("<|tools|>get_weather;add;<|user|>") and '[add {"a": 2}]' in aware and "<tool_call>" not in aware
+    unaware = apply_chat_template(
+        load_model_tokenizer(str(tmp_path / "unaware")),
+        messages,
+        tools=the_plan.tools,
+        tool_preamble=the_plan.preamble(),
+    )
+    assert unaware.startswith("<|system|>You may call one or more functions") and '"name": "get_weather"' in unaware
+    plain = apply_chat_template(ByteTokenizer(), messages, tools=the_plan.tools, tool_preamble=the_plan.preamble())
+    assert (
+        plain.startswith("system: You may call")
+        and '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>' in plain
+    )
+    assert plain.endswith("tool: 5\nassistant: ")

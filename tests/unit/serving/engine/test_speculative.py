@@ -34,6 +34,7 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
     assert ngram_propose([4, 5, 6, 4, 5], 2, 3, 1) == [6, 4]  # "4 5" (no "6 4 5" earlier)
     assert ngram_propose([4, 5, 6, 7], 2, 3, 1) == []  # nothing repeats
     assert ngram_propose([8, 1, 8], 4, 1, 1) == [1, 8]  # stops at the end of the tokens
+    assert ngram_propose([5, 5, 5, 5, 5, 5, 5], 3, 2, 1) == [5, 5, 5]  # a loop: an earlier match with k to follow
     assert ngram_propose([3], 2, 3, 1) == []
 
 
@@ -79,7 +80,9 @@ def test_sampled_requests_speculate_and_seeded_ones_stay_reproducible(tmp_path) 
     for _ in range(2):
         engine = family.engine(speculative=NGRAM)
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"seeded{i}", prompt, SamplingParams(max_tokens=32, temperature=0.7, seed=i, ignore_eos=True))
+            engine.add_request(
+                f"seeded{i}", prompt, SamplingParams(max_tokens=32, temperature=0.7, seed=i, ignore_eos=True)
+            )
             engine.add_request(f"free{i}", prompt, SamplingParams(max_tokens=32, temperature=0.7, ignore_eos=True))
         got = run(engine)
         assert all(len(tokens_of(v)) == 32 for v in got.values())
@@ -125,7 +128,9 @@ def test_greedy_verification_takes_drafts_while_they_are_the_argmax() -> None:
 def test_the_rule_speculates_only_while_measured_times_say_it_pays() -> None:
     policy = SpecPolicy(k=4, accept_rate=0.5)
     assert policy.decide(8, 0)  # nothing measured: measure speculation
-    policy.observe_step(40, 0.010)  # 8 decodes x 5 tokens
+    policy.observe_drafts(4, 2)
+    policy.end_step(40, 0.010)  # 8 decodes x 5 tokens
+    assert policy.accept_rate == 0.5  # 2 of 4 accepted: as it was
     assert not policy.decide(8, 0)  # now the plain side
     policy.observe_step(8, 0.008)
     # weight-bound: 5x the tokens for 1.25x the time, 3 tokens a request per step at 0.5 acceptance: speculate
