@@ -323,9 +323,10 @@ class LLMEngine:
             else:
                 other += left
         other = min(other, self.scheduler.max_num_batched_tokens)
-        if not decodes or not policy.decide(len(decodes), other):
+        if not decodes:
             return
         spec = self.spec.speculative
+        drafted = []
         for request in decodes:
             params = request.params
             if request.guide is not None or params.logprobs is not None or request.prompt_logprobs is not None:
@@ -339,6 +340,11 @@ class LLMEngine:
             )
             if room > 0:
                 request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
+                if request.draft:
+                    drafted.append(request)
+        if not policy.decide(len(decodes), sum(len(r.draft) for r in drafted), other):
+            for request in drafted:
+                request.draft = []
 
     def _append_verified(self, request: Request, rows, now: float) -> RequestOutput:
         """A speculating request's step: its accepted drafts and the model's next token, up to where it finishes."""

@@ -125,7 +125,8 @@ class Guides:
         for j, matcher in enumerate(matchers):
             matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
             if matcher.is_error():
-                log.warning("structured output: the matcher failed (%s); ending the request", matcher.get_error())
+                error = matcher.get_error()
+                log.warning("structured output: the matcher failed (%s); ending the request", error[:300])
                 failed.append(j)
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), words * 32)[:, : logits.shape[1]].bool()

@@ -13,8 +13,8 @@ removed, which leaves every token's probability exactly p (docs/serving.md, "Spe
 
 When to speculate is measured, not guessed (`SpecPolicy`): verification turns a step of B decodes into one of
 B x (1 + k) tokens, which costs little while a step is bound by reading the weights and a lot once it is bound by
-compute. The engine keeps the wall time of its steps by tokens computed and the acceptance rate it sees, and
-speculates only while (1 + accepted per step) x T(B) > T(B x (1 + k)).
+compute. The engine keeps the wall time of its steps by tokens computed and the acceptance rate it sees, proposes
+the step's drafts (D in all, for B decodes), and speculates only while (B + rate x D) x T(B) > B x T(B + D).
 """
 
 from __future__ import annotations
@@ -133,17 +133,19 @@ class SpecPolicy:
             self.accept_rate = 0.7 * self.accept_rate + 0.3 * (self._step_accepted / self._step_proposed)
         self._step_proposed = self._step_accepted = 0
 
-    def decide(self, decodes: int, other_tokens: int) -> bool:
-        """Speculate in a step of `decodes` decodes and `other_tokens` prompt tokens?"""
+    def decide(self, decodes: int, drafts: int, other_tokens: int) -> bool:
+        """Speculate in a step of `decodes` decodes holding `drafts` draft tokens among them, next to
+        `other_tokens` prompt tokens? Yes while the tokens it is expected to emit per second, (decodes +
+        rate x drafts) / T(with drafts), beat decodes / T(without), by the measured step times."""
         self.steps += 1
-        if decodes == 0:
+        if decodes == 0 or drafts == 0:
             return False
         plain = self.times.get(_bucket(decodes + other_tokens))
-        spec = self.times.get(_bucket(decodes * (1 + self.k) + other_tokens))
+        spec = self.times.get(_bucket(decodes + drafts + other_tokens))
         if plain is None or spec is None:
             yes = spec is None  # measure the side not measured yet (a plain step is also any step without drafts)
         else:
-            yes = (1 + self.accept_rate * self.k) * plain > spec
+            yes = (decodes + self.accept_rate * drafts) * plain > decodes * spec
             if self.steps % EXPLORE_EVERY == 0:
                 yes = not yes  # now and then the other side, whose time may have changed with the load
         if yes:

@@ -127,14 +127,18 @@ def test_greedy_verification_takes_drafts_while_they_are_the_argmax() -> None:
 
 def test_the_rule_speculates_only_while_measured_times_say_it_pays() -> None:
     policy = SpecPolicy(k=4, accept_rate=0.5)
-    assert policy.decide(8, 0)  # nothing measured: measure speculation
+    assert not policy.decide(8, 0, 0)  # no drafts: nothing to decide
+    assert policy.decide(8, 32, 0)  # nothing measured: measure speculation
     policy.observe_drafts(4, 2)
-    policy.end_step(40, 0.010)  # 8 decodes x 5 tokens
+    policy.end_step(40, 0.010)  # 8 decodes + 32 drafts
     assert policy.accept_rate == 0.5  # 2 of 4 accepted: as it was
-    assert not policy.decide(8, 0)  # now the plain side
+    assert not policy.decide(8, 32, 0)  # now the plain side
     policy.observe_step(8, 0.008)
-    # weight-bound: 5x the tokens for 1.25x the time, 3 tokens a request per step at 0.5 acceptance: speculate
-    assert policy.decide(8, 0)
-    policy.observe_step(320, 0.200)  # 64 decodes x 5: compute-bound
+    # weight-bound: 5x the tokens for 1.25x the time, (8 + 0.5 x 32) / 0.010 > 8 / 0.008: speculate
+    assert policy.decide(8, 32, 0)
+    policy.observe_step(320, 0.200)  # 64 decodes + 256 drafts: compute-bound
     policy.observe_step(64, 0.040)
-    assert not policy.decide(64, 0)  # (1 + 0.5 * 4) x 0.040 = 0.12 < 0.200
+    assert not policy.decide(64, 256, 0)  # (64 + 128) x 0.040 = 7.7 < 64 x 0.200 = 12.8
+    policy.accept_rate = 0.0
+    policy.observe_step(12, 0.0085)
+    assert not policy.decide(8, 4, 0)  # nothing is accepted: even cheap drafts are not worth their time
