@@ -205,7 +205,11 @@ def test_tools_reach_the_model_through_its_template_or_a_preamble(tmp_path) -> N
     aware = apply_chat_template(
         load_model_tokenizer(str(tmp_path / "aware")), messages, tools=the_plan.tools, tool_preamble=the_plan.preamble()
     )
-    assert aware.startswith("<|tools|>get_weather;add;<|user|>") and '[add {"a": 2}]' in aware and "<tool_call>" not in aware
+    assert (
+        aware.startswith("<|tools|>get_weather;add;<|user|>")
+        and '[add {"a": 2}]' in aware
+        and "<tool_call>" not in aware
+    )
     unaware = apply_chat_template(
         load_model_tokenizer(str(tmp_path / "unaware")),
         messages,
