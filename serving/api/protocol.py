@@ -215,6 +215,21 @@ class ChatCompletionRequest(_Request):
 
     _tool_plan: "tool_calls.ToolPlan | None" = PrivateAttr(None)
 
+    def render(self, tokenizer) -> str:
+        """The prompt text the engine gets: the messages (with earlier tool calls) and the tools, through the
+        model's chat template. The replica and the prefix-aware router render with this one function."""
+        from pylon.serving.engine.tokenization import apply_chat_template
+
+        plan = self._tool_plan
+        if plan is None and self.tools:
+            plan = tool_calls.plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return apply_chat_template(
+            tokenizer,
+            tool_calls.template_messages([m.model_dump(exclude_none=True) for m in self.messages]),
+            tools=plan.tools if plan is not None else None,
+            tool_preamble=plan.preamble() if plan is not None else None,
+        )
+
     @property
     def tool_plan(self) -> "tool_calls.ToolPlan | None":
         """What the model may do with the request's tools (None: no tool may be called); set by check_supported."""

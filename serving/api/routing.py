@@ -87,14 +87,13 @@ def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
     """The key of a request body (parsed JSON), rendered and tokenized as a replica renders it for its engine. Any
     body a replica would refuse, or that names no prompt, routes by load alone (the replica answers the 4xx)."""
     from pylon.serving.api import protocol
-    from pylon.serving.engine.tokenization import apply_chat_template
 
     if not isinstance(body, dict):
         return RoutingKey()
     try:
         if "messages" in body:
             request = protocol.ChatCompletionRequest.model_validate(body)
-            prompt = apply_chat_template(tokenizer, [m.model_dump(exclude_none=True) for m in request.messages])
+            prompt = request.render(tokenizer)  # as the replica renders it, tools included
         elif "prompt" in body:
             prompt = protocol.CompletionRequest.model_validate(body).prompt
         else:

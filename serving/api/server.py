@@ -28,7 +28,7 @@ from pylon.serving.api.http import (
 )
 from pylon.serving.api.keys import KeyCheck
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.serving.engine.tokenization import TokenTexts, apply_chat_template
+from pylon.serving.engine.tokenization import TokenTexts
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.specs import DeploymentSpec
 
@@ -333,13 +333,7 @@ class PylonLLMServer:
                 if isinstance(prompt, str) and not prompt:
                     raise InvalidRequest("prompt must not be empty", param="prompt")
             else:
-                plan = body.tool_plan
-                prompt = apply_chat_template(
-                    self.engine.tokenizer,
-                    tools.template_messages([m.model_dump(exclude_none=True) for m in body.messages]),
-                    tools=plan.tools if plan is not None else None,
-                    tool_preamble=plan.preamble() if plan is not None else None,
-                )
+                prompt = body.render(self.engine.tokenizer)
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default.
             params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
             self._admit()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pylon.data.tokenizer import ByteTokenizer
-from pylon.serving.api import routing
+from pylon.serving.api import protocol, routing
 from pylon.serving.api.routing import HASH_BYTES, ReplicaView, RoutingKey, choose, routing_key
 from pylon.serving.engine.kv_cache import KVBlockPool, block_hashes
 from pylon.serving.engine.tokenization import apply_chat_template
@@ -38,6 +38,14 @@ def test_the_key_is_the_engines_own_block_hashes_of_the_prompt_a_replica_renders
     rendered = rendered.tolist() if hasattr(rendered, "tolist") else list(rendered)
     assert chat.hashes == tuple(h[:HASH_BYTES] for h in block_hashes(rendered[:-1], BLOCK, []))
     assert routing_key(tok, BLOCK, {"model": "m", "prompt": ids}).hashes == _key(text).hashes  # token ids as such
+    # With tools, the replica's prompt carries them (a system preamble here): the key is that prompt's.
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    body = {"model": "m", "messages": messages, "tools": [tool]}
+    with_tools = protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(body).encode())
+    rendered = tok.encode(with_tools.render(tok))
+    rendered = rendered.tolist() if hasattr(rendered, "tolist") else list(rendered)
+    assert routing_key(tok, BLOCK, body).hashes == tuple(h[:HASH_BYTES] for h in block_hashes(rendered[:-1], BLOCK, []))
+    assert routing_key(tok, BLOCK, body).hashes[:1] != chat.hashes[:1]
     # Same first blocks, same first hashes: a longer question on the same system prompt shares its prefix.
     longer = _key(text + " and one more question")
     assert longer.hashes[: len(_key(text).hashes)] == _key(text).hashes
