@@ -92,15 +92,15 @@ def test_sampled_requests_speculate_and_seeded_ones_stay_reproducible(tmp_path) 
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("draft", [[0, 1], [5, 5], [7, 0]])
+@pytest.mark.parametrize("draft", [[0, 1], [7, 0]])
 def test_the_acceptance_rule_keeps_the_models_distribution(draft) -> None:
     """Whatever the draft, the first token emitted is distributed as the model's own (temperature, top-k) and so is
-    the second given the first: 40,000 verifications against the exact probabilities."""
+    the second given the first: 12,000 verifications against the exact probabilities (4 standard errors)."""
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(3, 8, generator=g) * 1.5
     params = SamplingParams(temperature=0.8, top_k=6)
     p = filtered_probs(rows, [params] * 3)
-    n = 40_000
+    n = 12_000
     first = torch.zeros(8)
     second_after = torch.zeros(8)  # the second token's counts, where the first was draft[0] (accepted)
     accepted_first = 0
@@ -111,9 +111,10 @@ def test_the_acceptance_rule_keeps_the_models_distribution(draft) -> None:
         if out[0] == draft[0]:
             accepted_first += 1
             second_after[out[1]] += 1
-    assert torch.allclose(first / n, p[0], atol=0.01), (first / n, p[0])
-    if accepted_first > 2000:
-        assert torch.allclose(second_after / accepted_first, p[1], atol=0.02), (second_after / accepted_first, p[1])
+    assert torch.allclose(first / n, p[0], atol=0.018), (first / n, p[0])
+    if accepted_first > 1000:
+        tol = 4 * (0.25 / accepted_first) ** 0.5
+        assert torch.allclose(second_after / accepted_first, p[1], atol=tol), (second_after / accepted_first, p[1])
 
 
 def test_greedy_verification_takes_drafts_while_they_are_the_argmax() -> None:
