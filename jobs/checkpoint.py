@@ -587,7 +587,7 @@ class CheckpointCommitter:
             )
             if load_path is None:
                 raise PylonError(f"{info.uri}: DeepSpeed found no checkpoint in the downloaded files")
-            if engine.zero_optimization_partition_weights() and engine.zero_nvme_offload_optimizer():
+            if _zero3_with_nvme_optimizer(engine):
                 _restore_swapped_optimizer(engine, Path(engine._get_zero_ckpt_name(str(local), DS_TAG)))
         finally:
             shutil.rmtree(local, ignore_errors=True)
@@ -623,6 +623,13 @@ class CheckpointCommitter:
             self.wait()
         finally:
             self._uploader.shutdown(wait=True)
+
+
+def _zero3_with_nvme_optimizer(engine) -> bool:
+    """Whether `engine` is a DeepSpeed engine at ZeRO-3 with its optimizer on NVMe (anything else: False)."""
+    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
+    nvme = getattr(engine, "zero_nvme_offload_optimizer", None)
+    return callable(partitioned) and callable(nvme) and bool(partitioned()) and bool(nvme())
 
 
 def _restore_swapped_optimizer(engine, shard: Path) -> None:

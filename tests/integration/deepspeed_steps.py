@@ -15,9 +15,9 @@ ranks, i.e. the global batch's loss.
 
 --plain trains with plain PyTorch instead (torch.optim.AdamW, torch's gradient clipping, one process): the
 reference DeepSpeed's sharded runs are compared against.
---checkpoint DIR commits a checkpoint with Pylon's CheckpointCommitter after the steps, takes two more steps,
-loads the checkpoint back and takes those steps again: both pairs must give the same losses (the first tests the
-weights, the second the optimizer state: Adam's moments and step count).
+--checkpoint DIR commits a checkpoint with Pylon's CheckpointCommitter after the steps, takes --steps-after more
+steps (1), loads the checkpoint back and takes those steps again: both must give the same losses (the first step
+tests the weights, a second one the optimizer state: Adam's moments and step count).
 --resume DIR loads the latest commit of such a DIR before the steps, in this new process: its first steps must give
 the losses the earlier run's steps after saving gave.
 """
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="a directory to commit, reload and re-step a checkpoint in")
     parser.add_argument(
         "--resume", help="a --checkpoint directory of an earlier run: load its latest commit first, as a new job does"
+    )
+    parser.add_argument(
+        "--steps-after", type=int, default=1, help="steps after saving and after loading (2 tests the optimizer state)"
     )
     args = parser.parse_args(argv)
 
@@ -93,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         lrs.append(engine.get_lr()[0])
         losses.append(train_step())
     global_steps = engine.global_steps
-    resumed = _checkpoint_round_trip(engine, train_step, args.checkpoint, rank, world_size) if args.checkpoint else {}
+    resumed = (
+        _checkpoint_round_trip(engine, train_step, args.checkpoint, rank, world_size, args.steps_after)
+        if args.checkpoint
+        else {}
+    )
     if rank != 0:
         return 0
 
@@ -163,7 +170,7 @@ def _plain(spec: TrainJobSpec, model: torch.nn.Module, args, total: int, trainab
     return 0
 
 
-def _checkpoint_round_trip(engine, train_step, directory: str, rank: int, world_size: int) -> dict:
+def _checkpoint_round_trip(engine, train_step, directory: str, rank: int, world_size: int, after: int = 1) -> dict:
     """Commit, step, load, step again: a checkpoint that restores the model, optimizer and schedule exactly
     makes the two steps identical."""
     from pylon.jobs.checkpoint import CheckpointCommitter
@@ -171,10 +178,10 @@ def _checkpoint_round_trip(engine, train_step, directory: str, rank: int, world_
     committer = CheckpointCommitter(directory, rank=rank, world_size=world_size, keep_last=1)
     step = engine.global_steps
     committer.save(engine, step, extra={"rank": rank})
-    after_save = [train_step() for _ in range(2)]
+    after_save = [train_step() for _ in range(after)]
     info = committer.latest()
     extra = committer.load(engine, info)
-    after_load = [train_step() for _ in range(2)]
+    after_load = [train_step() for _ in range(after)]
     committer.close()
     return {
         "committed_step": info.step,

@@ -169,13 +169,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(combo: Combo, workdir: Path, *, resume: Path | None = None) -> dict:
+def _run(combo: Combo, workdir: Path, *, resume: Path | None = None, steps_after: int = 1) -> dict:
     """Runs `combo` as `combo.world_size` processes (ranks of one gloo group); returns rank 0's result. `resume`:
     the processes first load the latest commit of an earlier run's checkpoint directory."""
     workdir.mkdir(parents=True)
     command = [sys.executable, str(HELPER), "--spec", json.dumps(combo.spec(workdir)), "--steps", str(combo.steps)]
     command += ["--plain"] if combo.plain else ["--checkpoint", str(workdir / "run")]
     command += ["--resume", str(resume)] if resume else []
+    command += ["--steps-after", str(steps_after)]
     port = str(_free_port())
     procs = []
     for rank in range(combo.world_size):
@@ -460,7 +461,7 @@ def test_nvme_offload_resumes_in_a_new_process(tmp_path: Path) -> None:
     after the resume is where lost moments show."""
     extra = (("batch", {"micro_batch_size": 2}), ("deepspeed.buffers", {"sub_group_size": 400_000}))
     combo = Combo(3, "fp32", "nvme", "nvme", world_size=2, extra=extra)
-    first = _run(combo, tmp_path / "first")
+    first = _run(combo, tmp_path / "first", steps_after=2)
     assert "error" not in first, first.get("error")
     assert first["losses_after_load"] == pytest.approx(first["losses_after_save"], rel=1e-6), first
     again = Combo(**{**combo.__dict__, "steps": 2})
