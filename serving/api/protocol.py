@@ -202,7 +202,8 @@ class ChatCompletionRequest(_Request):
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         tool_calls.check_tool_calls(self.messages)
         self._tool_plan = tool_calls.plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
-        if self._tool_plan is not None and self._tool_plan.constrained and self._response_guide() is not None:
+        constrains = self.response_format is not None and self.response_format.type != "text"
+        if self._tool_plan is not None and self._tool_plan.constrained and constrains:
             raise InvalidRequest(
                 "response_format json_object/json_schema and a required or named tool_choice both constrain the "
                 "reply; give one of them",

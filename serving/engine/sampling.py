@@ -176,17 +176,7 @@ def sample(
     if not rows:
         return tokens
     index = torch.tensor(rows, device=logits.device)
-    vocab = logits.shape[1]
-    # Any temperature in (0, 100] is a request's to give, and none may break the step for the whole batch: 1e-40
-    # would be 0 in float32 (and x / 1e-30 overflows to inf, and inf - inf in the softmax is NaN, which the draw
-    # refuses: the engine's step loop died on one such request). So each row is shifted to a maximum of 0 before
-    # it is divided, and temperatures are at least float32's smallest normal number: the scaled logits are then
-    # 0 for the best token and <= 0 (at worst -inf: probability 0) for the others, the limit softmax tends to.
-    temperature = torch.tensor([max(params[i].temperature, TINY) for i in rows], device=logits.device)
-    top_k = torch.tensor([min(params[i].top_k or vocab, vocab) for i in rows], device=logits.device)
-    top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
-
-    probs, sorted_ids = _sorted_probs(logits[index], temperature, top_k, top_p)
+    probs, sorted_ids = _sorted_probs(logits[index], [params[i] for i in rows])
     probs, sorted_ids = probs.cpu(), sorted_ids.cpu()
     for j, i in enumerate(rows):
         choice = torch.multinomial(probs[j], 1, generator=generators[i])
@@ -194,10 +184,19 @@ def sample(
     return tokens
 
 
-def _sorted_probs(chosen: "torch.Tensor", temperature, top_k, top_p) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """Each row's sampling distribution over its tokens sorted by logit (descending), and those token ids."""
+def _sorted_probs(chosen: "torch.Tensor", params: list[SamplingParams]) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Row i's sampling distribution under `params[i]` over its tokens sorted by logit (descending), and those ids."""
     import torch
 
+    vocab = chosen.shape[1]
+    # Any temperature in (0, 100] is a request's to give, and none may break the step for the whole batch: 1e-40
+    # would be 0 in float32 (and x / 1e-30 overflows to inf, and inf - inf in the softmax is NaN, which the draw
+    # refuses: the engine's step loop died on one such request). So each row is shifted to a maximum of 0 before
+    # it is divided, and temperatures are at least float32's smallest normal number: the scaled logits are then
+    # 0 for the best token and <= 0 (at worst -inf: probability 0) for the others, the limit softmax tends to.
+    temperature = torch.tensor([max(p.temperature, TINY) for p in params], device=chosen.device)
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=chosen.device)
+    top_p = torch.tensor([p.top_p for p in params], device=chosen.device)
     scaled = (chosen - chosen.max(dim=-1, keepdim=True).values) / temperature[:, None]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(sorted_logits.shape[1], device=chosen.device)
@@ -215,11 +214,7 @@ def filtered_probs(logits: "torch.Tensor", params: list[SamplingParams]) -> "tor
     from), in token order, on the CPU: [rows, vocab] float32."""
     import torch
 
-    vocab = logits.shape[1]
-    temperature = torch.tensor([max(p.temperature, TINY) for p in params], device=logits.device)
-    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    probs, sorted_ids = _sorted_probs(logits, temperature, top_k, top_p)
+    probs, sorted_ids = _sorted_probs(logits, params)
     return torch.zeros_like(probs).scatter_(1, sorted_ids, probs).cpu()
 
 
