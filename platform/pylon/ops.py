@@ -1,11 +1,11 @@
 """Build, ahead of time, the C++ ops that training and serving compile on first use.
 
 DeepSpeed compiles its CPU ops (the host Adam of optimizer offload, the fused Adam of CPU training, the shared-
-memory collectives) and Pylon its paged-attention kernel just in time, into `$TORCH_EXTENSIONS_DIR`, the first
+memory collectives) and Pylon its paged-attention and int8 kernels just in time, into `$TORCH_EXTENSIONS_DIR`, the first
 time a process needs them: minutes on a small machine, stalling the first training job or replica (and every
 process that waits on the build's lock). `make setup` runs this once instead, building them side by side:
 
-    python -m pylon.ops            # cpu_adam, fused_adam, deepspeed_shm_comm, pylon_paged_attention
+    python -m pylon.ops            # cpu_adam, fused_adam, deepspeed_shm_comm, pylon_paged_attention, pylon_int8_linear
     python -m pylon.ops --nvme     # and async_io (NVMe offload; needs libaio, several minutes)
 
 Builds are reused by every later process of this environment; a failed build is reported and left to the
@@ -29,6 +29,11 @@ DEEPSPEED_OPS = {
     "deepspeed_shm_comm": "ShareMemCommBuilder",
 }
 NVME_OPS = {"async_io": "AsyncIOBuilder"}
+# Pylon's own kernels: op name -> the module whose `python -m` builds (and checks) it
+SERVING_OPS = {
+    "pylon_paged_attention": "pylon.serving.model.kernels",
+    "pylon_int8_linear": "pylon.serving.model.quant",
+}
 
 _BUILD_DEEPSPEED = """
 import sys
@@ -53,11 +58,11 @@ def venv_tools_first() -> None:
 
 
 def build_command(name: str) -> list[str]:
-    """The command that builds op `name` (a key of DEEPSPEED_OPS or NVME_OPS, or 'pylon_paged_attention');
+    """The command that builds op `name` (a key of DEEPSPEED_OPS, NVME_OPS or SERVING_OPS);
     it exits 0 when built, 3 when the op is not compatible with this machine."""
-    builder = {**DEEPSPEED_OPS, **NVME_OPS}.get(name)
-    if builder is None:
-        return [sys.executable, "-m", "pylon.serving.model.kernels"]
+    if name in SERVING_OPS:
+        return [sys.executable, "-m", SERVING_OPS[name]]
+    builder = {**DEEPSPEED_OPS, **NVME_OPS}[name]
     if name == "async_io":  # what DeepSpeed's swappers load (deepspeed.ops.op_builder, not the accelerator's)
         code = (
             "from deepspeed.ops.op_builder import AsyncIOBuilder as B\nimport sys\nb = B()\n"
@@ -69,7 +74,7 @@ def build_command(name: str) -> list[str]:
 
 def build(nvme: bool = False) -> dict[str, str]:
     """Build every op in parallel; returns {op: 'ok (Ns)' | 'skipped: ...' | 'failed: ...'}."""
-    ops = [*DEEPSPEED_OPS, *(NVME_OPS if nvme else {}), "pylon_paged_attention"]
+    ops = [*DEEPSPEED_OPS, *(NVME_OPS if nvme else {}), *SERVING_OPS]
     venv_tools_first()
     env = dict(os.environ)
     started = time.perf_counter()
