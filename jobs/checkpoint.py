@@ -289,10 +289,13 @@ class CheckpointCommitter:
 
     `staging_dir` is local disk for DeepSpeed's files between engine and storage (a fresh temporary directory
     per save or load when None): it needs room for this rank's share of one checkpoint (a save waits for the
-    previous async upload, so there is never a second). `commit_timeout_s` bounds how long rank 0's background commit
-    waits for the other ranks' uploads. `before_write(uri)` is called before every file this rank writes to
-    the run directory (progress reporting, or a test pausing a save where it wants to kill it). `part_size`: the
-    bytes of one part of a streamed upload or download; a save or load holds at most two parts in memory.
+    previous async upload, so there is never a second). With async_upload and no staging_dir, a save stages in
+    host memory (`/dev/shm`) when it has room for the rank's share twice over: the training step then blocks only
+    for that snapshot, not for a disk write (see `snapshot_dir`). `commit_timeout_s` bounds how long rank 0's
+    background commit waits for the other ranks' uploads. `before_write(uri)` is called before every file this
+    rank writes to the run directory (progress reporting, or a test pausing a save where it wants to kill it).
+    `part_size`: the bytes of one part of a streamed upload or download; a save or load holds at most two parts
+    in memory.
     """
 
     def __init__(
@@ -326,6 +329,14 @@ class CheckpointCommitter:
         self._uploader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pylon-ckpt")
         self._pending: concurrent.futures.Future | None = None
         self._unreported: CheckpointInfo | None = None  # rank 0: committed, not yet handed out by take_committed
+        # What this rank's saves and loads cost, for the run's ledger: bytes moved to and from storage (the
+        # background upload adds to bytes_written from its thread), and the seconds the caller was blocked.
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.saves = 0
+        self.failures = 0
+        self.last_blocked: dict[str, float] = {}  # the last save: wait_previous_s, snapshot_s, upload_s
+        self._last_share = 0  # the bytes of this rank's last staged share: how much room the next one needs
 
     @property
     def checkpoints_uri(self) -> str:
@@ -346,10 +357,16 @@ class CheckpointCommitter:
         """Checkpoint `engine` at `step` with this rank's `extra` state (JSON: the data position etc.).
 
         Collective: every rank calls it. Synchronous: returns on every rank once the checkpoint is committed.
-        With async_upload: returns once DeepSpeed's files are on local disk; the upload and commit continue
-        in the background (see `wait`). A save first waits for the previous one: at most one is in flight.
+        With async_upload: returns once DeepSpeed's files are staged (in host memory where it has room, else on
+        local disk); the upload and commit continue in the background (see `wait`). A save first waits for the
+        previous one: at most one is in flight. `last_blocked` says how long each part held the caller.
         """
-        self.wait()
+        t0 = time.perf_counter()
+        self.last_blocked = {"wait_previous_s": 0.0, "snapshot_s": 0.0, "upload_s": 0.0}
+        try:
+            self.wait()
+        finally:
+            self.last_blocked["wait_previous_s"] = time.perf_counter() - t0
         self._check_world()
         try:
             # A copy, too: with async_upload the caller may change its dicts while the upload runs.
@@ -365,7 +382,8 @@ class CheckpointCommitter:
         if plan["skip"]:
             log.warning("checkpoint step %d is already committed in %s; not saving it again", step, self.run_uri)
             return
-        staging = self._staging("save", step)
+        staging = self._staging("save", step, snapshot=self.async_upload)
+        t_snapshot = time.perf_counter()
         try:
             engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
         except BaseException as e:
@@ -379,6 +397,10 @@ class CheckpointCommitter:
                     "committer's staging_dir; by default the temporary directory, TMPDIR)"
                 ) from e
             raise
+        self._last_share = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+        self.saves += 1
+        t_upload = time.perf_counter()
+        self.last_blocked["snapshot_s"] = t_upload - t_snapshot
         rank_state = {"extra": extra, "rng": rng}
         context = {"zero_stage": int(engine.zero_optimization_stage()), "deepspeed_version": _deepspeed_version()}
         if self.async_upload:
@@ -386,26 +408,41 @@ class CheckpointCommitter:
                 self._publish_in_background, step, staging, plan["save_id"], rank_state, meta, context
             )
             return
-        error = None
         try:
-            self._upload_rank(step, staging, plan["save_id"], rank_state)
-        except Exception as e:
-            error = e
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        _all_ranks_succeeded(error, f"uploading checkpoint step {step}")
-        error = None
-        if self.rank == 0:
+            error = None
             try:
-                self._unreported = self._commit(step, plan["save_id"], meta, context, timeout_s=self.commit_timeout_s)
+                self._upload_rank(step, staging, plan["save_id"], rank_state)
             except Exception as e:
                 error = e
-        _all_ranks_succeeded(error, f"committing checkpoint step {step}")
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            _all_ranks_succeeded(error, f"uploading checkpoint step {step}")
+            error = None
+            if self.rank == 0:
+                try:
+                    self._unreported = self._commit(
+                        step, plan["save_id"], meta, context, timeout_s=self.commit_timeout_s
+                    )
+                except Exception as e:
+                    error = e
+            _all_ranks_succeeded(error, f"committing checkpoint step {step}")
+        except BaseException:
+            self.failures += 1
+            raise
+        finally:
+            self.last_blocked["upload_s"] = time.perf_counter() - t_upload
 
     def wait(self) -> None:
         """Block until the background upload/commit (if any) is done; re-raise its error."""
         pending, self._pending = self._pending, None
-        if pending is not None and (committed := pending.result()) is not None:
+        if pending is None:
+            return
+        try:
+            committed = pending.result()
+        except BaseException:
+            self.failures += 1
+            raise
+        if committed is not None:
             self._unreported = committed
 
     def take_committed(self) -> CheckpointInfo | None:
@@ -435,6 +472,7 @@ class CheckpointCommitter:
         """A small file (JSON), written whole and atomically."""
         self._before_write(uri)
         storage.atomic_write(uri, data)
+        self.bytes_written += len(data)
 
     def _upload_rank(self, step: int, staging: Path, save_id: str, rank_state: dict) -> None:
         """Stream this rank's staged files to their final names, then write its rank-<r>.json listing them (the
@@ -446,6 +484,7 @@ class CheckpointCommitter:
             uri = storage.join(step_uri, rel)
             self._before_write(uri)
             digest, size = storage.upload_file(path, uri, part_size=self.part_size)
+            self.bytes_written += size
             files[rel] = {"sha256": digest, "bytes": size}
         record = {
             "format": FORMAT_VERSION,
@@ -577,6 +616,7 @@ class CheckpointCommitter:
             # optimizer shard, unless elastic checkpoints make every rank read every shard.
             ranks = None if engine.zero_elastic_checkpoint() else {0, self.rank}
             download(info, local, ranks=ranks, part_size=self.part_size)
+            self.bytes_read += sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
             record = json.loads(_read_verified(info, rank_file_name(self.rank)))
         except Exception as e:
             error = e
@@ -597,12 +637,14 @@ class CheckpointCommitter:
 
     # -- misc --------------------------------------------------------------------------------------------
 
-    def _staging(self, purpose: str, step: int) -> Path:
+    def _staging(self, purpose: str, step: int, *, snapshot: bool = False) -> Path:
         """A fresh local directory for one save or load, private to this rank even when ranks share a disk
-        (DeepSpeed's shard names differ per rank, its recovery scripts and directories do not)."""
+        (DeepSpeed's shard names differ per rank, its recovery scripts and directories do not). `snapshot`: in
+        host memory if `snapshot_dir` finds room (the staging_dir, when given, wins)."""
         name = f"{purpose}-{step_dir_name(step)}"
         if self.staging_dir is None:
-            return Path(tempfile.mkdtemp(prefix=f"pylon-ckpt-rank{self.rank}-{name}-"))
+            where = snapshot_dir(self._last_share) if snapshot else None
+            return Path(tempfile.mkdtemp(prefix=f"pylon-ckpt-rank{self.rank}-{name}-", dir=where))
         path = self.staging_dir / f"rank-{self.rank}" / name
         shutil.rmtree(path, ignore_errors=True)  # a leftover of a crashed process
         path.mkdir(parents=True)
@@ -623,6 +665,22 @@ class CheckpointCommitter:
             self.wait()
         finally:
             self._uploader.shutdown(wait=True)
+
+
+SHM = Path("/dev/shm")
+SNAPSHOT_HEADROOM = 2  # room for this many shares of the last save (the first save: 1 GiB) before staging in memory
+
+
+def snapshot_dir(share_bytes: int, shm: Path = SHM) -> str | None:
+    """Where an async save stages: host memory (`/dev/shm`, a tmpfs) if it has room for `SNAPSHOT_HEADROOM` times
+    this rank's last share (1 GiB before the first save), else None (the temporary directory, TMPDIR). Ray's object
+    store lives in /dev/shm too, so the room is what is free now, with a margin for it."""
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        return None
+    needed = SNAPSHOT_HEADROOM * share_bytes if share_bytes else 2**30
+    return str(shm) if free >= needed + 2**30 else None
 
 
 def _zero3_with_nvme_optimizer(engine) -> bool:

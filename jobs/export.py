@@ -24,10 +24,13 @@ TOKENIZER_FILE = "pylon_tokenizer.json"
 EVAL_FILE = "eval.json"
 
 
-def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | None = None) -> str:
+def export_run(
+    run_uri: str, out: str, *, step: int | None = None, lora: str | None = None, moved: dict | None = None
+) -> str:
     """Export `run_uri`'s latest (or `step`'s) committed checkpoint to `out`; returns `out`.
 
-    `lora` ("merged" or "adapter") overrides the spec's `lora.merge_on_export` for a LoRA run."""
+    `lora` ("merged" or "adapter") overrides the spec's `lora.merge_on_export` for a LoRA run. `moved`, when
+    given, gets the bytes read (the checkpoint's files) and written (the export's), for the run's ledger."""
     from pylon.jobs.checkpoint import download, list_committed
     from pylon.models import build_model, export_lora
     from pylon.specs import TrainJobSpec
@@ -57,6 +60,7 @@ def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | N
 
     with tempfile.TemporaryDirectory(prefix="pylon-export-") as tmp:
         ckpt_dir = str(download(info, os.path.join(tmp, "ckpt")))
+        read = sum(p.stat().st_size for p in Path(ckpt_dir).rglob("*") if p.is_file())
         state = _consolidated_state_dict(ckpt_dir, spec.deepspeed.zero_stage)
         model = build_model(
             spec, vocab_size=tokenizer["vocab_size"], eos_id=tokenizer["eos_id"], pad_id=tokenizer["pad_id"]
@@ -89,9 +93,14 @@ def export_run(run_uri: str, out: str, *, step: int | None = None, lora: str | N
             Path(local_out, EVAL_FILE).write_text(json.dumps(evaluation, indent=2) + "\n")
         elif storage.exists(storage.join(out, EVAL_FILE)):  # an earlier export's, of another step
             storage.remove(storage.join(out, EVAL_FILE))
+        written = 0
         for path in sorted(Path(local_out).rglob("*")):
             if path.is_file():
-                storage.atomic_write(storage.join(out, str(path.relative_to(local_out))), path.read_bytes())
+                data = path.read_bytes()
+                storage.atomic_write(storage.join(out, str(path.relative_to(local_out))), data)
+                written += len(data)
+    if moved is not None:
+        moved.update(read=read, written=written)
     return out
 
 

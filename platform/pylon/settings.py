@@ -52,6 +52,8 @@ PADDED_ROWS = "PYLON_PADDED_ROWS"
 SCHED_BATCH = "PYLON_SCHED_BATCH"
 KEEP_HEAP = "PYLON_KEEP_HEAP"
 TCMALLOC = "PYLON_TCMALLOC"
+QUEUE_MAX_JOBS_PER_USER = "PYLON_QUEUE_MAX_JOBS_PER_USER"
+LEDGER_URI = "PYLON_LEDGER_URI"
 
 SETTINGS: dict[str, Setting] = {
     s.name: s
@@ -186,6 +188,20 @@ SETTINGS: dict[str, Setting] = {
             "A CPU engine process starts with gperftools' TCMalloc preloaded where it is "
             "installed; off: glibc's malloc.",
             switch=True,
+        ),
+        Setting(
+            QUEUE_MAX_JOBS_PER_USER,
+            "",
+            "The most TrainJobs one user (`queue.user`, else the submitting user) runs at once on the cluster; "
+            "more wait in the job queue (docs/training.md, Job queue). Read by each job's driver, so set it "
+            "where the cluster's nodes start. Unset: no limit.",
+        ),
+        Setting(
+            LEDGER_URI,
+            "",
+            "Where serving replicas keep their ledger (`pylon cost DEPLOYMENT`): a storage URI that every node and "
+            "the client reach (e.g. s3://bucket/pylon-ledger). Unset: `$PYLON_HOME/ledger` on each replica's node, "
+            "which `pylon cost` reads on that machine. Set it where the cluster's nodes start.",
         ),
     ]
 }

@@ -27,6 +27,7 @@ from pylon.serving.api.http import (
     send_json,
 )
 from pylon.serving.api.keys import KeyCheck
+from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
 from pylon.serving.engine.tokenization import TokenTexts
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
@@ -83,6 +84,15 @@ def _metrics(model: str):
     }
 
 
+def _accelerator_name(device) -> str | None:
+    """The GPU's name as CUDA reports it (the catalog knows most by an alias), None on a CPU."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return None
+
+
 class PylonLLMServer:
     """One replica: the engine for `spec.model` and the HTTP API in front of it."""
 
@@ -108,6 +118,9 @@ class PylonLLMServer:
         serve_cpu_as_batch(self.engine.device, f"replica of {self.model_name}")
         self.metrics = _metrics(self.model_name)
         self._gauges_task = None
+        self.ledger = ReplicaLedger(
+            self.spec.model_dump(mode="json"), accelerator=_accelerator_name(self.engine.device)
+        )
 
     # -- Serve hooks ------------------------------------------------------------------------------------
 
@@ -137,8 +150,12 @@ class PylonLLMServer:
         """Serve's replica health check: a dead or stuck step loop gets the replica replaced."""
         if not self.engine.check_health():
             raise RuntimeError(f"{self.model_name}: the engine's step loop is not running")
+        self.ledger.sample(False, 0.0)  # a replica no request reached yet is alive all the same
 
     def __del__(self):
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:
+            ledger.write(ended=True)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=2)
@@ -152,8 +169,12 @@ class PylonLLMServer:
     async def _report_gauges(self) -> None:
         # the engines' totals counted so far
         reported = {"prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0, "spec_accepted": 0, "spec_steps": 0}
+        sampled = time.monotonic()
         while True:
             stats = self.engine.stats()
+            now = time.monotonic()
+            self.ledger.sample(stats.num_running + stats.num_waiting > 0, now - sampled)
+            sampled = now
             self.metrics["running"].set(stats.num_running)
             self.metrics["waiting"].set(stats.num_waiting)
             self.metrics["kv"].set(stats.kv_cache_utilization)
@@ -496,6 +517,7 @@ class PylonLLMServer:
             if last.num_output_tokens > 1 and metrics.first_token_time is not None:
                 m["itl"].observe((metrics.last_token_time - metrics.first_token_time) / (last.num_output_tokens - 1))
         m["prompt_tokens"].inc(last.num_prompt_tokens)
+        self.ledger.finished(last.num_prompt_tokens, last.num_output_tokens)
         if last.num_output_tokens:
             m["generation_tokens"].inc(last.num_output_tokens)
         self._count(200, last.finish_reason or "none")

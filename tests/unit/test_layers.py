@@ -41,7 +41,14 @@ LAYERS = [
     ["pylon.cli", "pylon.__main__", "pylon"],
 ]
 # Same-layer arrows between packages that the design allows: the planner reads a run's directory, never the trainer.
-ALLOWED = {("pylon.plan", "pylon.jobs.run_dir")}
+# The run's ledger (pylon.jobs.ledger) prices what a run used with the catalog and sets the planner's prediction
+# beside it: the trainer's ledger reads the planner, never the other way round.
+ALLOWED = {
+    ("pylon.plan", "pylon.jobs.run_dir"),
+    ("pylon.jobs", "pylon.plan.catalog"),
+    ("pylon.jobs", "pylon.plan.steptime"),
+    ("pylon.jobs", "pylon.plan.train"),
+}
 
 
 def modules() -> dict[str, Path]:

@@ -4,8 +4,8 @@ Exit codes: 0 success, 1 a problem with input or environment (the message says w
 2 wrong command-line usage.
 
 Each command group lives in its own module, its parser beside its handlers: `cluster`, `data`,
-`jobs` (train, jobs, export), `serve` (serve, demo), `evaluate` (eval) and `specs` (validate, plan, infra); `common`
-holds what they share. This module only assembles them and runs a command.
+`jobs` (train, jobs, export), `cost`, `serve` (serve, demo), `evaluate` (eval) and `specs` (validate, plan,
+infra); `common` holds what they share. This module only assembles them and runs a command.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import sys
 import textwrap
 
-from pylon.cli import cluster, data, evaluate, jobs, serve, specs
+from pylon.cli import cluster, cost, data, evaluate, jobs, serve, specs
 from pylon.cli.common import FORMATTER
 from pylon.errors import PylonError, SpecError
 from pylon.version import __version__
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
               pylon plan train.yaml            # memory, time and cost before launching; what fits cheapest
               pylon train train.yaml --follow  # submit a training run, stream its logs
               pylon jobs list                  # every job: id, status, kind, name
+              pylon cost stdlib-gpt            # what a run held, moved and cost; its goodput
               pylon demo                       # the whole path, end to end
             """),
     )
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_jobs_parser(sub, fmt)
     specs.add_infra_parser(sub, fmt)
     jobs.add_export_parser(sub, fmt)
+    cost.add_cost_parser(sub, fmt)
     serve.add_serve_parser(sub, fmt)
     evaluate.add_eval_parser(sub, fmt)
     serve.add_demo_parser(sub, fmt)

@@ -66,6 +66,8 @@ class Accelerator:
 class Catalog:
     accelerators: tuple[Accelerator, ...]
     prices_source: str  # where the prices came from, for the plan's notes
+    vcpu_price_per_hour: float = 0.0  # USD per vCPU-hour (what a run's ledger charges for CPU workers)
+    egress_price_per_gb: float = 0.0  # USD per GB (1e9 bytes) read out of object storage
 
     def names(self) -> list[str]:
         return [a.name for a in self.accelerators]
@@ -88,14 +90,20 @@ def _key(name: str) -> str:
 def load_catalog(prices: str | os.PathLike | None = None) -> Catalog:
     """The shipped catalog, with prices from `prices` (a YAML file), else from the file $PYLON_GPU_PRICES names."""
     text = resources.files("pylon.plan").joinpath(_CATALOG_FILE).read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
     catalog = Catalog(
-        tuple(_accelerator(entry) for entry in yaml.safe_load(text)["accelerators"]),
+        tuple(_accelerator(entry) for entry in data["accelerators"]),
         prices_source=f"typical on-demand list prices, 2026 (pylon/{_CATALOG_FILE})",
+        vcpu_price_per_hour=float(data["other_prices"][VCPU]),
+        egress_price_per_gb=float(data["other_prices"][EGRESS_GB]),
     )
     path = prices if prices is not None else settings.value(PRICES_ENV)
     if path is not None:
         catalog = with_prices(catalog, path, source=str(path) if prices is not None else f"${PRICES_ENV}={path}")
     return catalog
+
+
+VCPU, EGRESS_GB = "vCPU", "egress_GB"  # the prices file's keys for the two prices that are not a GPU's
 
 
 def _accelerator(entry: dict) -> Accelerator:
@@ -106,7 +114,8 @@ def _accelerator(entry: dict) -> Accelerator:
 
 def with_prices(catalog: Catalog, path: str | os.PathLike, *, source: str | None = None) -> Catalog:
     """`catalog` with the prices in the YAML file `path`: a mapping of accelerator name (or alias) to US dollars
-    per GPU-hour, optionally under a top-level `prices:` key. Names not in the file keep their price."""
+    per GPU-hour, optionally under a top-level `prices:` key, and the keys `vCPU` (USD per vCPU-hour) and
+    `egress_GB` (USD per GB out of object storage). Names not in the file keep their price."""
     where = source or str(path)
     try:
         data = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))
@@ -123,11 +132,22 @@ def with_prices(catalog: Catalog, path: str | os.PathLike, *, source: str | None
     if not isinstance(data, dict) or not data:
         raise PylonError(
             f"{where}: must be a mapping of GPU name to US dollars per GPU-hour, "
-            f"e.g. 'H100-SXM: 2.49' (known GPUs: {', '.join(catalog.names())})"
+            f"e.g. 'H100-SXM: 2.49' (known GPUs: {', '.join(catalog.names())}; also vCPU and egress_GB)"
         )
     updated = {a.name: a for a in catalog.accelerators}
+    other = {VCPU: catalog.vcpu_price_per_hour, EGRESS_GB: catalog.egress_price_per_gb}
     problems = []
     for name, price in data.items():
+        key = next((k for k in other if _key(k) == _key(str(name))), None)
+        if key is not None:
+            if isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0:
+                unit = "per vCPU-hour" if key == VCPU else "per GB"
+                problems.append(
+                    f"{where}: {prefix}{name}: must be a non-negative number of US dollars {unit} (got {price!r})"
+                )
+            else:
+                other[key] = float(price)
+            continue
         try:
             acc = catalog.get(str(name))
         except PylonError as e:
@@ -143,4 +163,9 @@ def with_prices(catalog: Catalog, path: str | os.PathLike, *, source: str | None
         updated[acc.name] = replace(acc, price_per_gpu_hour=float(price))
     if problems:
         raise PylonError("\n".join(problems))
-    return Catalog(tuple(updated[a.name] for a in catalog.accelerators), prices_source=where)
+    return Catalog(
+        tuple(updated[a.name] for a in catalog.accelerators),
+        prices_source=where,
+        vcpu_price_per_hour=other[VCPU],
+        egress_price_per_gb=other[EGRESS_GB],
+    )

@@ -376,6 +376,14 @@ class Run(Job):
 
         return export_run(self._uri(), out, step=step, lora=lora)
 
+    def cost(self, *, prices: str | None = None) -> dict:
+        """The run's ledger, as `pylon cost RUN --json` prints it: accelerator_hours, cpu_hours, bytes_read,
+        bytes_written (and by kind), egress_bytes, cost_usd, goodput (wall time by part, and its productive
+        fraction) and the planner's `predicted` figures; current while the run trains (docs/operating.md)."""
+        from pylon.jobs.ledger import report
+
+        return report(self._uri(), prices=prices)
+
     def _fields(self) -> list[tuple[str, Any]]:
         return [*super()._fields(), ("run_uri", self.run_uri)]
 
@@ -453,6 +461,14 @@ class Service:
         return sum(
             1 for d in app.get("deployments", {}).values() for r in d.get("replicas", []) if r.get("state") == "RUNNING"
         )
+
+    def cost(self, *, prices: str | None = None) -> dict:
+        """The deployment's ledger, as `pylon cost NAME --deployment --json` prints it: replica_hours, cpu_hours,
+        accelerator_hours, tokens_in, tokens_out, idle_fraction, cost_usd, cost_per_million_output_tokens_usd and
+        `predicted`. Read from the replicas' records under $PYLON_LEDGER_URI (else this machine's Pylon home)."""
+        from pylon.serving.api.ledger import report
+
+        return report(self.name, prices=prices)
 
     def delete(self, timeout: float = 60.0) -> None:
         """Remove the application from Serve and wait until Serve no longer lists it (its replicas stop)."""

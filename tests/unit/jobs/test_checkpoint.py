@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import socket
 import threading
 from dataclasses import replace
@@ -225,6 +226,44 @@ def test_async_upload_returns_before_the_upload_and_wait_commits(engine, tmp_pat
     assert committer.take_committed().step == 30
     assert committed_steps(committer) == [10, 20, 30]
     assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 30
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
+def test_async_save_snapshots_to_host_memory_and_counts_what_it_moved(engine, tmp_path):
+    from pylon.jobs.checkpoint import snapshot_dir
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(uri: str) -> None:
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(60), "the test never released the upload"
+
+    committer = CheckpointCommitter(
+        str(tmp_path / "run"), rank=0, world_size=1, keep_last=5, async_upload=True, before_write=hold
+    )
+    committer.save(engine, 10, extra={})
+    assert entered.wait(60)
+    staged = list(Path("/dev/shm").glob("pylon-ckpt-rank0-save-step-00000010-*"))
+    assert staged, "an async save with room in /dev/shm stages there"
+    blocked = committer.last_blocked
+    assert blocked["snapshot_s"] > 0 and blocked["upload_s"] == 0.0  # the upload is not the caller's time
+    release.set()
+    committer.wait()
+    assert not any(p.exists() for p in staged)
+    files = committer.latest().manifest["files"]
+    listed = sum(f["bytes"] for f in files.values())  # DeepSpeed's files and the rank's JSON
+    assert listed < committer.bytes_written < listed + 64 * 1024  # and the manifest and latest.json
+    assert (committer.saves, committer.failures) == (1, 0)
+    # A synchronous save blocks for the upload and the commit too.
+    sync = CheckpointCommitter(str(tmp_path / "run-sync"), rank=0, world_size=1, keep_last=5)
+    sync.save(engine, 10, extra={})
+    assert sync.last_blocked["upload_s"] > 0
+    committer.load(engine, committer.latest())
+    assert committer.bytes_read >= committer.bytes_written * 0.9  # this rank's files, back
+    # No room: the temporary directory instead (a tmpfs of one's own stands in for a full /dev/shm).
+    assert snapshot_dir(2**50) is None
+    assert snapshot_dir(1) == "/dev/shm" or shutil.disk_usage("/dev/shm").free < 2**30 + 2
 
 
 def test_async_upload_error_surfaces_in_wait_and_nothing_commits(engine, tmp_path):

@@ -1,0 +1,198 @@
+"""A deployment's ledger: replica-hours, tokens in and out, cost per million output tokens, idle fraction.
+
+Each replica keeps its own record, `<ledger root>/deployments/<name>/<replica>.json`, rewritten every
+`UPDATE_EVERY_S` and when it stops: when it started (loading included), when it was last seen, the resources it
+holds (the spec's `replica`), the tokens of the requests it finished, and how long it was busy (at least one request
+running or waiting, sampled every second by the replica's metrics loop). The ledger root is `$PYLON_LEDGER_URI` when
+set (object storage every node and the client reach), else `$PYLON_HOME/ledger` on the replica's node.
+
+`report(name)` sums the replicas: replica-hours (and CPU/GPU-hours by the resources each held), tokens, the
+idle fraction (replica time with nothing to do over replica time), the cost at the catalog's prices and the cost
+per million output tokens at the load it measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from pylon import settings, storage
+
+log = logging.getLogger("pylon.serving.ledger")
+
+UPDATE_EVERY_S = 5.0
+HOUR = 3600.0
+DEPLOYMENTS_DIR = "deployments"
+
+
+def ledger_root() -> str:
+    return settings.value(settings.LEDGER_URI) or str(settings.pylon_home() / "ledger")
+
+
+def deployment_uri(name: str, root: str | None = None) -> str:
+    return storage.join(root or ledger_root(), DEPLOYMENTS_DIR, name)
+
+
+class ReplicaLedger:
+    """One replica's record. `finished(prompt, output)` per request, `sample(busy, dt)` from the metrics loop."""
+
+    def __init__(self, spec: dict, *, accelerator: str | None = None):
+        name = spec["name"]
+        replica = _replica_id()
+        self.uri = storage.join(deployment_uri(name), f"{replica}.json")
+        now = time.time()
+        self.record: dict[str, Any] = {
+            "deployment": name,
+            "replica": replica,
+            "model": spec["model"],
+            "spec": spec,  # for the planner's prediction (a spec names API-key variables, never keys)
+            "started_at": now,
+            "updated_at": now,
+            "ended_at": None,
+            "resources": {"CPU": spec["replica"]["num_cpus"], "GPU": spec["replica"]["num_gpus"]},
+            "accelerator": accelerator,
+            "requests": 0,
+            "prompt_tokens": 0,
+            "output_tokens": 0,
+            "busy_s": 0.0,
+        }
+        self._written_at = 0.0
+        self.write()
+
+    def finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        r = self.record
+        r["requests"] += 1
+        r["prompt_tokens"] += int(prompt_tokens)
+        r["output_tokens"] += int(output_tokens)
+
+    def sample(self, busy: bool, seconds: float) -> None:
+        if busy:
+            self.record["busy_s"] += seconds
+        if time.time() - self._written_at >= UPDATE_EVERY_S:
+            self.write()
+
+    def write(self, *, ended: bool = False) -> None:
+        now = time.time()
+        self.record["updated_at"] = now
+        if ended:
+            self.record["ended_at"] = now
+        self._written_at = now
+        try:
+            storage.atomic_write_json(self.uri, self.record)
+        except Exception as e:  # the ledger never stops serving
+            log.warning("could not write the replica ledger %s: %s", self.uri, e)
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        context = serve.get_replica_context()
+        return str(getattr(context, "replica_tag", None) or context.replica_id.unique_id).replace("#", "-")
+    except Exception:
+        return f"replica-{uuid.uuid4().hex[:8]}"
+
+
+def read_replicas(name: str, root: str | None = None) -> list[dict]:
+    folder = deployment_uri(name, root)
+    records = []
+    for entry in storage.listdir(folder):
+        if entry.endswith(".json"):
+            try:
+                records.append(storage.read_json(storage.join(folder, entry)))
+            except Exception as e:
+                log.warning("skipping replica ledger %s: %s", entry, e)
+    return sorted(records, key=lambda r: r["started_at"])
+
+
+def report(name: str, *, root: str | None = None, prices: str | None = None, now: float | None = None) -> dict:
+    """The ledger of deployment `name`, from its replicas' records (a PylonError when there are none)."""
+    from pylon.errors import PylonError
+    from pylon.plan.catalog import load_catalog
+
+    replicas = read_replicas(name, root)
+    if not replicas:
+        raise PylonError(
+            f"no ledger for a deployment named '{name}' under {deployment_uri(name, root)}: its replicas write it "
+            f"there as they serve (set {settings.LEDGER_URI} on the cluster and here to read it from another machine)"
+        )
+    now = time.time() if now is None else now
+    catalog = load_catalog(prices)
+    hours: dict[str, float] = {}
+    replica_s = busy_s = 0.0
+    tokens_in = tokens_out = requests = 0
+    gpu_cost = 0.0
+    accelerator = None
+    stale_after = 3 * UPDATE_EVERY_S
+    for r in replicas:
+        end = r["ended_at"] or (now if now - r["updated_at"] < stale_after else r["updated_at"])
+        held = max(0.0, end - r["started_at"])
+        replica_s += held
+        busy_s += min(r["busy_s"], held)
+        for resource, amount in r["resources"].items():
+            hours[resource] = hours.get(resource, 0.0) + held * amount / HOUR
+        tokens_in += r["prompt_tokens"]
+        tokens_out += r["output_tokens"]
+        requests += r["requests"]
+        if r.get("accelerator"):
+            accelerator = r["accelerator"]
+            try:
+                gpu_cost += held * r["resources"].get("GPU", 0) / HOUR * catalog.get(accelerator).price_per_gpu_hour
+            except PylonError:
+                pass
+    cost = {"accelerators": gpu_cost, "cpu": hours.get("CPU", 0.0) * catalog.vcpu_price_per_hour}
+    total = sum(cost.values())
+    live = [r for r in replicas if not r["ended_at"] and now - r["updated_at"] < stale_after]
+    return {
+        "kind": "deployment",
+        "deployment": name,
+        "ledger_uri": deployment_uri(name, root),
+        "updated_at": now,
+        "replicas": len(replicas),
+        "replicas_live": len(live),
+        "replica_hours": replica_s / HOUR,
+        "resource_hours": hours,
+        "cpu_hours": hours.get("CPU", 0.0),
+        "accelerator_hours": hours.get("GPU", 0.0),
+        "requests": requests,
+        "tokens_in": tokens_in,
+        "tokens_out": tokens_out,
+        "output_tokens_per_s": tokens_out / busy_s if busy_s else 0.0,
+        "idle_fraction": 1.0 - busy_s / replica_s if replica_s else 0.0,
+        "cost_usd": total,
+        "cost_breakdown_usd": cost,
+        "cost_per_million_output_tokens_usd": total / tokens_out * 1e6 if tokens_out else None,
+        "prices": {
+            "source": catalog.prices_source,
+            "accelerator": accelerator,
+            "per_vcpu_hour": catalog.vcpu_price_per_hour,
+        },
+        "predicted": _predicted(replicas[-1], catalog),
+    }
+
+
+def _predicted(replica: dict, catalog) -> dict:
+    """What the plan says: a replica-hour's cost at the catalog's prices, and on a GPU `pylon plan`'s decode
+    throughput ceiling and cost per million output tokens (it has no CPU serving model)."""
+    per_hour = replica["resources"].get("CPU", 0) * catalog.vcpu_price_per_hour
+    out: dict[str, Any] = {"source": "the replica's resources at the catalog's prices"}
+    accelerator = replica.get("accelerator")
+    if accelerator and replica["resources"].get("GPU"):
+        try:
+            from pylon.plan.serve import plan_serve
+            from pylon.specs import DeploymentSpec
+
+            per_hour += replica["resources"]["GPU"] * catalog.get(accelerator).price_per_gpu_hour
+            option = plan_serve(DeploymentSpec.model_validate(replica["spec"]), catalog=catalog, gpu=accelerator)
+            option = option.rows[0]
+            out.update(
+                source=f"pylon plan on {option.accelerator.name}",
+                output_tokens_per_s=option.batch_tps,
+                cost_per_million_output_tokens_usd=option.cost_per_million_tokens,
+            )
+        except Exception as e:
+            out["error"] = str(e)
+    out["cost_per_replica_hour_usd"] = per_hour
+    return out
