@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pylon-installed
 # System packages Pylon needs: libaio for DeepSpeed's NVMe offload (async I/O op); TCMalloc for CPU serving engines
 # (pylon.serving.engine.heap preloads it into an engine process; Ubuntu 24.04 names it libtcmalloc-minimal4t64).
-SYSTEM_PACKAGES := libaio-dev libtcmalloc-minimal4
+SYSTEM_PACKAGES := libaio-dev libtcmalloc-minimal4 prometheus
 # DeepSpeed builds its CPU ops (cpu_adam, shm comm, async I/O) once, here, and reuses them.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 # The venv's tools first, for every process: torch builds those ops with whichever `ninja` is on PATH, and the

@@ -28,7 +28,7 @@ from pylon.infra.autoscaler import LOCAL_OBJECT_STORE_BYTES, LOCAL_PROVIDER, loc
 from pylon.infra.common import TOKEN_PATH, Files, _dump, _header
 from pylon.infra.kuberay import job_spec_configmap, network_policy, ray_cluster, ray_job, ray_service
 from pylon.infra.launcher import dockerfile, launcher_config
-from pylon.infra.observability import grafana_dashboard, prometheus_config
+from pylon.infra.observability import RULES_FILE, grafana_dashboard, prometheus_config, prometheus_rules
 from pylon.infra.schema import validate_files, validate_manifest
 from pylon.specs import ClusterSpec, DeploymentSpec, TrainJobSpec, load_specs
 
@@ -111,6 +111,7 @@ def render(
     files["prometheus.yml"] = _dump(
         prometheus_config(cluster, target), header=_header(cluster, "prometheus --config.file=")
     )
+    files[RULES_FILE] = _dump(prometheus_rules(), header=_header(cluster, "promtool check rules"))
     files["grafana-dashboard.json"] = json.dumps(grafana_dashboard(cluster), indent=2) + "\n"
     return files
 

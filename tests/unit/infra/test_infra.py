@@ -323,7 +323,8 @@ def test_dashboard_and_scrape_config_cover_pylon_metrics() -> None:
         "ray_pylon_inter_token_latency_seconds_bucket",
         "ray_pylon_kv_cache_usage_ratio",
         "ray_pylon_generation_tokens_total",
-        "ray_node_gpus_utilization",
+        "ray_pylon_train_loss",
+        "ray_node_cpu_utilization",
         "ray_cluster_active_nodes",
     ):
         assert metric in exprs, metric
