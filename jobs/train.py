@@ -77,6 +77,9 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
             f"data.seq_len is {spec.data.seq_len} but {spec.data.uri} was prepared with seq_len {manifest.seq_len}"
         )
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
+    from pylon.jobs.ledger import LEDGER_FILE, SessionRecorder
+
+    session = SessionRecorder(run_uri, spec=spec.model_dump(mode="json"))
     from pylon.data.reader import pin_ray_data_helpers_here
 
     pin_ray_data_helpers_here()  # on this driver's node, not on a worker node the autoscaler must stop later
@@ -85,7 +88,7 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     resources = dict(spec.scaling.resources_per_worker) or {"CPU": 1}
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "run_uri": run_uri},
+        train_loop_config={"spec": spec.model_dump(mode="json"), "run_uri": run_uri, "session": session.id},
         scaling_config=ScalingConfig(
             num_workers=spec.scaling.num_workers,
             use_gpu=use_gpu,
@@ -101,7 +104,32 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
         ),
     )
     print(f"training {spec.summary()}\nrun directory: {run_uri}", flush=True)
-    result = trainer.fit()
+    try:
+        summary = _fit_and_export(trainer, spec, run_uri, session, export=export)
+    except BaseException:
+        session.finish("failed")
+        raise
+    ledger = session.finish("succeeded")
+    summary["ledger"] = storage.join(run_uri, LEDGER_FILE)
+    if ledger:
+        good = ledger["goodput"]
+        print(
+            f"ledger: {ledger['cpu_hours']:.4f} CPU-hours, {ledger['accelerator_hours']:.4f} GPU-hours, "
+            f"{ledger['bytes_read'] / 1e6:.1f} MB read, {ledger['bytes_written'] / 1e6:.1f} MB written, "
+            f"${ledger['cost_usd']:.4f}; goodput {good['fraction']:.0%} of {good['wall_s']:.0f}s "
+            f"(pylon cost {spec.name} for the rest)",
+            flush=True,
+        )
+    return summary
+
+
+def _fit_and_export(trainer, spec: TrainJobSpec, run_uri: str, session, *, export: bool) -> dict:
+    from pylon.jobs.queue import admitted
+
+    t0 = time.perf_counter()
+    with admitted(spec):  # waits in the cluster's job queue while jobs ahead of it hold the workers it needs
+        session.queued(time.perf_counter() - t0)
+        result = trainer.fit()
     summary = {"run_uri": run_uri, **(result.metrics or {})}
     records = read_metrics(run_uri)
     evals = read_metrics(run_uri, kind="eval")
@@ -116,7 +144,9 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
         from pylon.jobs.export import export_run
 
         out = storage.join(run_uri, "export")
-        export_run(run_uri, out)
+        t0, moved = time.perf_counter(), {}
+        export_run(run_uri, out, moved=moved)
+        session.exported(time.perf_counter() - t0, read=moved.get("read", 0), written=moved.get("written", 0))
         summary["export"] = out
     return summary
 
@@ -178,8 +208,11 @@ def train_loop(config: dict) -> None:
     from pylon.data.reader import stream_from_spec
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.jobs.ledger import AttemptRecorder
+    from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import build_model, flops_per_token, measure_matmul_peak_flops, parameter_counts
 
+    started_at = time.time()
     spec = TrainJobSpec.model_validate(config["spec"])
     run_uri = config["run_uri"]
     _return_freed_memory()
@@ -242,9 +275,31 @@ def train_loop(config: dict) -> None:
     peak = measure_matmul_peak_flops(seconds=0.5, device=device, dtype=dtype)
     gas = spec.batch.grad_accum_steps
     batches = _batches(stream)
+    ledger = AttemptRecorder(
+        run_uri,
+        session=config.get("session"),
+        workers=world,
+        resources_per_worker=spec.scaling.resources_per_worker or {"CPU": 1},
+        resumed_from=step,
+        accelerator=torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else None,
+        flops_per_token=flops_tok,
+        peak_flops=peak,
+        started_at=started_at,
+        enabled=rank == 0,
+    )
+    ledger.update(force=True)
+    prometheus = TrainMetrics(spec.name, rank)
+
+    def moved() -> list[float]:  # this rank's bytes so far: data read, checkpoints written, checkpoints read
+        data = stream.stats.bytes_read + (val_stream.stats.bytes_read if val_stream is not None else 0)
+        return [float(data), float(committer.bytes_written), float(committer.bytes_read)]
+
+    def record_moved(totals) -> None:
+        ledger.bytes_moved(data_read=totals[0], checkpoint_written=totals[1], checkpoint_read=totals[2])
 
     while step < spec.steps:
         t_step = time.perf_counter()
+        step_started_at = time.time()
         wait_s, loss_sum, tokens_sum = 0.0, 0.0, 0
         for _ in range(gas):
             batch = next(batches)
@@ -258,10 +313,12 @@ def train_loop(config: dict) -> None:
             tokens_sum += n_tokens
         step += 1
         step_s = time.perf_counter() - t_step
-        totals = torch.tensor([loss_sum, float(tokens_sum)], dtype=torch.float64)
+        totals = torch.tensor([loss_sum, float(tokens_sum), *moved()], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(totals)
         global_tokens = int(totals[1].item())
+        ledger.step(step, step_s=step_s, wait_s=wait_s, tokens=global_tokens, started_at=step_started_at)
+        record_moved(totals[2:].tolist())
         tokens_seen += global_tokens
         record = {
             "step": step,
@@ -277,30 +334,62 @@ def train_loop(config: dict) -> None:
             "epoch": stream.position.epoch,
         }
         metrics.write(record)
+        prometheus.step(record)
         last = step == spec.steps
+        outside_s = 0.0  # loop time that is neither the step nor its bookkeeping
         if val_stream is not None and (last or (spec.eval.every_steps and step % spec.eval.every_steps == 0)):
             # Before the checkpoint below: its metrics then hold this evaluation (an export of it reads it there).
+            t0 = time.perf_counter()
             metrics.write_eval(_evaluate(engine, val_stream, step, max_batches=spec.eval.max_batches))
+            outside_s += time.perf_counter() - t0
+            ledger.add("evaluation_s", time.perf_counter() - t0)
         saving = step % spec.checkpoint.every_steps == 0 or last
         if saving:
             # Metrics first: a crash between the two leaves records past the last commit, which a resume
             # drops; the other order could commit a step whose records were never written.
             metrics.flush()
-            committer.save(
-                engine,
-                step,
-                extra={"data": stream.state_dict(), "tokens_seen": tokens_seen},
-                meta={"loss": record["loss"], "tokens_seen": tokens_seen},
-            )
+            t0 = time.perf_counter()
+            try:
+                committer.save(
+                    engine,
+                    step,
+                    extra={"data": stream.state_dict(), "tokens_seen": tokens_seen},
+                    meta={"loss": record["loss"], "tokens_seen": tokens_seen},
+                )
+            except BaseException:
+                ledger.checkpoint(step, {"failed_s": time.perf_counter() - t0}, ok=False)
+                ledger.update(force=True)
+                prometheus.checkpoint(time.perf_counter() - t0, ok=False)
+                raise
+            outside_s += time.perf_counter() - t0
+            ledger.checkpoint(step, committer.last_blocked)
+            prometheus.checkpoint(time.perf_counter() - t0, ok=True)
         if saving or step % 10 == 0:
             # Every rank, at the same steps; rank 0 attaches the checkpoint it knows committed (this step's, or
             # with async_upload the previous save's: this save waited for it).
             reported = {k: record[k] for k in ("step", "loss", "tokens_per_s", "data_wait_fraction", "mfu")}
             ray_reports.report(reported, step=step, saved=saving)
-    committer.wait()
+        # the loop's own bookkeeping (metrics, reports) counts with the step it follows
+        ledger.add("productive_s", time.perf_counter() - t_step - step_s - outside_s)
+        ledger.update(force=saving)
+    t0 = time.perf_counter()
+    try:
+        committer.wait()
+    except BaseException:
+        ledger.checkpoint(step, {"failed_s": time.perf_counter() - t0}, ok=False)
+        ledger.update(force=True)
+        prometheus.checkpoint(time.perf_counter() - t0, ok=False)
+        raise
+    ledger.add("checkpoint_stall_s", time.perf_counter() - t0)
+    prometheus.checkpoint(time.perf_counter() - t0, ok=True)
     ray_reports.finish()  # with async_upload, the last save: committed in the background
     metrics.flush()
     _record_reference_logits(engine, run_uri, rank, stream.manifest.seq_len)
+    totals = torch.tensor(moved(), dtype=torch.float64)  # the last upload's bytes, from every rank
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    record_moved(totals.tolist())
+    ledger.finish()
 
 
 def _return_freed_memory() -> None:

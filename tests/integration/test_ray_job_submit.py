@@ -48,7 +48,8 @@ def test_the_documented_ray_job_submit_commands_work_verbatim(ray_cluster, tmp_p
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 11))
     assert (run / "loss.png").is_file() and (run / "export" / "config.json").is_file()
-    assert "metrics.jsonl" in done.stdout  # the final `ls`
+    assert "metrics.jsonl" in done.stdout and "ledger.json" in done.stdout  # the `ls`
+    assert re.search(r"^goodput \d+\.\d% of \d+ s:$", done.stdout, flags=re.M), done.stdout[-3000:]  # pylon cost
 
     # "Submitting the same name again resumes the run": raise steps and submit the same command again.
     first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -76,3 +77,31 @@ def test_the_documented_ray_job_submit_commands_work_verbatim(ray_cluster, tmp_p
     assert [r["step"] for r in records] == list(range(1, 15))
     assert records[:10] == first  # the curve continues; nothing before the resume point was redone
     assert records[10]["tokens_seen"] == first[-1]["tokens_seen"] + records[10]["tokens"]
+
+    # The run's ledger over both submissions, as `pylon cost --json` prints it.
+    cost = subprocess.run(
+        [sys.executable, "-m", "pylon", "cost", str(run), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cost.returncode == 0, cost.stderr
+    ledger = json.loads(cost.stdout)
+    assert (ledger["sessions"], ledger["attempts"], ledger["failures"]) == (2, 2, 0)
+    assert ledger["cpu_hours"] > 0 and ledger["accelerator_hours"] == 0
+    moved = ledger["bytes"]
+    assert moved["data"]["read"] > 0 and moved["checkpoints"]["written"] > 0 and moved["checkpoints"]["read"] > 0
+    assert moved["export"]["read"] > 0 and moved["export"]["written"] > 0
+    assert ledger["bytes_read"] == sum(m["read"] for m in moved.values())
+    assert ledger["egress_bytes"] == 0  # data and run on a filesystem
+    assert ledger["cost_usd"] > 0
+    goodput = ledger["goodput"]
+    parts = [k for k in goodput if k.endswith("_s") and k != "wall_s"]
+    assert sum(goodput[k] for k in parts) == pytest.approx(goodput["wall_s"], rel=1e-9)
+    assert 0 < goodput["fraction"] < 1 and goodput["productive_s"] > 0 and goodput["startup_s"] > 0
+    assert goodput["export_s"] > 0 and goodput["checkpoint_stall_s"] > 0
+    assert ledger["tokens"] == records[-1]["tokens_seen"]  # every step's tokens once, none redone
+    assert ledger["checkpoints"]["saves"] == 3 and ledger["checkpoints"]["failures"] == 0  # steps 5, 10, 14
+    predicted = ledger["predicted"]
+    assert predicted["tokens"] == 14 * 2 * 4 * 128 and predicted["wall_s"] > 0 and predicted["cpu_hours"] > 0

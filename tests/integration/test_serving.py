@@ -7,6 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -593,6 +595,43 @@ def test_backpressure_is_429_with_retry_after(served):
     for status, retry_after, body in results:
         if status == 429:
             assert retry_after == "1" and body["error"]["type"] == "rate_limit_error"
+
+
+def test_the_deployments_ledger_has_its_replica_hours_tokens_and_cost(served):
+    """After a burst, `pylon cost tiny --json` (the replica's record under the cluster's Pylon home, which this test
+    process shares) has replica-hours, the burst's tokens, an idle fraction and a cost per million output tokens."""
+    from pylon.serving.api.ledger import read_replicas, report
+
+    before = report("tiny")["tokens_out"] if read_replicas("tiny") else 0
+
+    def one(i: int) -> int:
+        body = {"model": "tiny", "prompt": f"ledger {i}", "max_tokens": 8, "ignore_eos": True}
+        return requests.post(f"{served}/v1/completions", headers=_auth(), timeout=120, json=body).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(one, range(16))) == [200] * 16
+    deadline = time.monotonic() + 30  # the replica rewrites its record every few seconds
+    while time.monotonic() < deadline and report("tiny")["tokens_out"] < before + 16 * 8:
+        time.sleep(1)
+    ledger = _cost("tiny")  # as a user reads it
+    assert ledger["tokens_out"] >= before + 16 * 8, ledger
+    assert ledger["tokens_in"] > 0 and ledger["requests"] >= 16
+    assert ledger["replicas_live"] == 1 and ledger["replica_hours"] > 0
+    assert ledger["cpu_hours"] == pytest.approx(ledger["replica_hours"] * 0.5)  # replica.num_cpus
+    assert 0 <= ledger["idle_fraction"] < 1
+    assert ledger["cost_usd"] > 0 and ledger["cost_per_million_output_tokens_usd"] > 0
+    assert ledger["predicted"]["cost_per_replica_hour_usd"] == pytest.approx(0.5 * ledger["prices"]["per_vcpu_hour"])
+
+
+def _cost(name: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "pylon", "cost", name, "--deployment", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def test_prometheus_metrics_carry_the_model_label(served, ray_cluster):

@@ -26,14 +26,14 @@ def resolve_target(target: str, kind: str | None = None) -> tuple[str, str]:
             return DEPLOYMENT, load_spec(target, DeploymentSpec).name
     if kind != DEPLOYMENT:
         candidates = [target] if ("://" in target or os.sep in target) else []
-        candidates.append(str(settings.pylon_home() / "runs" / target))
+        candidates = list(dict.fromkeys([*candidates, str(settings.pylon_home() / "runs" / target)]))
         for uri in candidates:
             try:
                 if storage.exists(storage.join(uri, RUN_FILE)):
                     return RUN, uri
             except PylonError:
                 continue
-        if kind == RUN:
+        if kind == RUN or candidates[0] == target:  # a path or URI is never a deployment's name
             raise PylonError(
                 f"no run at {' or '.join(candidates)} (no run.json): give the run directory, e.g. "
                 "~/.pylon/runs/<name> or s3://bucket/runs/<name>"
