@@ -48,20 +48,38 @@ def _follow(client, job_id: str, *, out=None, total_steps: int | None = None) ->
     return 0 if status == "SUCCEEDED" else 1
 
 
+def _queue_of(client, jobs) -> dict[str, dict]:
+    """The job queue's entries (pylon.jobs.queue) when a TrainJob runs; {} with a note when it cannot be read."""
+    if not any(j.kind == "TrainJob" and j.status in ("PENDING", "RUNNING") for j in jobs):
+        return {}
+    try:
+        return client.job_queue()
+    except Exception as e:  # noqa: BLE001 - the list itself is still worth printing
+        print(f"note: the job queue cannot be read from here ({e}); queued jobs show as RUNNING", file=sys.stderr)
+        return {}
+
+
 def _cmd_jobs_list(args: argparse.Namespace) -> int:
     import pylon
 
-    jobs = pylon.connect(args.address).jobs()
+    client = pylon.connect(args.address)
+    jobs = client.jobs()
+    queue = _queue_of(client, jobs)
     if args.json:
-        print(json.dumps([asdict(j) | {"kind": j.kind} for j in jobs], indent=2))
+        print(json.dumps([asdict(j) | {"kind": j.kind, "queue": queue.get(j.job_id)} for j in jobs], indent=2))
         return 0
     if not jobs:
         print("no jobs")
         return 0
+
+    def status(j) -> str:
+        entry = queue.get(j.job_id)
+        return "QUEUED" if j.status == "RUNNING" and entry and entry["state"] == "queued" else j.status
+
     rows = [
         (
             j.job_id,
-            j.status,
+            status(j),
             j.kind or "-",
             j.metadata.get("pylon_name", "-"),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.start_time)) if j.start_time else "-",
@@ -73,6 +91,13 @@ def _cmd_jobs_list(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
         print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + "  " + row[-1])
+    waiting = sorted(
+        (e for e in queue.values() if e["state"] == "queued"), key=lambda e: (-e["priority"], e["submitted"], e["key"])
+    )
+    if waiting:
+        print("\nwaiting in the job queue (highest priority, then earliest, first):")
+        for e in waiting:
+            print(f"  {e['key']}  {e['reason']}")
     return 0
 
 
@@ -128,7 +153,9 @@ def add_train_parser(sub, fmt) -> None:
         description="Validate a TrainJob spec, then submit `python -m pylon.jobs.train --config FILE` "
         "as a Ray job and print its id. Submitting a run name again resumes it. A job "
         "the planner (`pylon plan`) says cannot fit on the workers it asks for is "
-        "refused, with the reason and what would fit, unless --force.",
+        "refused, with the reason and what would fit, unless --force. A job that the cluster's free "
+        "capacity cannot hold yet waits in the cluster's job queue, by the spec's `priority` (higher first) "
+        "then submission time; `pylon jobs list` shows it as QUEUED with what it waits for.",
         epilog="examples:\n  pylon train train.yaml --follow\n  pylon train train.yaml --json\n"
         "  pylon train train.yaml --address http://head:8265\n"
         "  pylon train big.yaml --force      # submit even if the planner says it will not fit",
@@ -168,13 +195,21 @@ def add_jobs_parser(sub, fmt) -> None:
     jl = jsub.add_parser(
         "list",
         formatter_class=fmt,
-        help="every job, oldest first: id, status, kind, name, start",
+        help="every job, oldest first: id, status, kind, name, start; queued jobs and why they wait",
         description="List every job the cluster knows, running and ended, oldest first, with "
         "its status, what Pylon submitted it as (TrainJob, Dataset; '-' for other "
-        "jobs), its name, start time and entrypoint.",
+        "jobs), its name, start time and entrypoint. A TrainJob waiting in the cluster's job queue "
+        "(its driver runs, its workers wait) shows as QUEUED, and is listed again below the table with its "
+        "position, priority and the resources it waits for, e.g. 'queued (2nd, priority 5): needs {CPU: 2}, "
+        "cluster has 0 CPU free of 2'. Reading the queue connects to the cluster as a Ray driver (its GCS "
+        "address); where only the Jobs API is reachable, queued jobs show as RUNNING.",
         epilog="examples:\n  pylon jobs list\n  pylon jobs list --json | jq '.[] | select(.status == \"RUNNING\")'",
     )
-    jl.add_argument("--json", action="store_true", help="machine-readable list on stdout (with metadata and times)")
+    jl.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable list on stdout (with metadata, times, and each TrainJob's queue entry)",
+    )
     jl.add_argument("--address", help=ADDRESS_HELP)
     jl.set_defaults(func=_cmd_jobs_list)
     jg = jsub.add_parser(

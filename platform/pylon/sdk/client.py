@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pylon import home
 from pylon.errors import ClusterError, JobNotFoundError, PylonError, SpecError
+from pylon.jobs.queue import current_user
 from pylon.jobs.run_dir import run_uri_of, storage_problems
 from pylon.plan import DEFAULT_DEADLINE_DAYS, DEFAULT_MFU, check_fits, plan_file, plan_spec
 from pylon.plan.catalog import load_catalog
@@ -171,6 +172,15 @@ class Client:
         """Ask a job to stop (SIGTERM, then SIGKILL); False if it had already ended."""
         return self._job_call(job_id, self._jobs().stop_job)
 
+    def job_queue(self) -> dict[str, dict]:
+        """The cluster's TrainJob queue (`pylon.jobs.queue`) by job id: every job it admitted or keeps waiting,
+        with its priority, user, need and why it waits (`reason`); {} when no TrainJob ever ran there. It asks
+        the queue's Ray actor, so this process connects to the cluster as a Ray driver (the GCS address)."""
+        from pylon.jobs.queue import describe_waiting
+
+        self.init_ray()
+        return describe_waiting()
+
     def wait_job(self, job_id: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> str:
         """Block until the job ends; returns its final status (ClusterError on timeout)."""
         deadline = time.monotonic() + timeout_s
@@ -219,6 +229,9 @@ class Client:
                     "pylon_name": spec.name,
                     "pylon_run_uri": run_uri,
                     "pylon_steps": str(spec.steps),
+                    # For the cluster's job queue (pylon.jobs.queue): whose job, for the per-user limit.
+                    "pylon_user": spec.queue.user or current_user(),
+                    "pylon_priority": str(spec.priority),
                 },
             )
         finally:
