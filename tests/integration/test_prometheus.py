@@ -101,7 +101,7 @@ def _train_spec(tmp: Path, name: str) -> Path:
         "precision": "fp32",
         "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine"},
         "batch": {"micro_batch_size": 4, "grad_accum_steps": 1},
-        "steps": 30,
+        "steps": 20,
         "checkpoint": {"storage": str(tmp / "runs"), "every_steps": 10, "keep_last": 1},
     }
     path = tmp / "train.yaml"
@@ -127,7 +127,6 @@ def test_prometheus_scrapes_serving_and_training_and_fires_an_alert(prom, ray_cl
     spec_path = _train_spec(tmp_path / "train", run)
     client = pylon.connect()
     job = client.submit_job(f"cd {spec_path.parent} && python -m pylon.jobs.train --config {spec_path.name}")
-
     spec = DeploymentSpec.model_validate(
         {
             "kind": "Deployment",
@@ -141,6 +140,7 @@ def test_prometheus_scrapes_serving_and_training_and_fires_an_alert(prom, ray_cl
         }
     )  # fmt: skip
     url = deploy(spec)
+    print(f"deployed: {time.monotonic() - t0:.0f}s", file=sys.stderr)
     firing: list[dict] = []
     try:
         # Requests until the alert fires: the TTFT histogram must grow between two scrapes for its rate.
@@ -150,15 +150,15 @@ def test_prometheus_scrapes_serving_and_training_and_fires_an_alert(prom, ray_cl
                 f"{url}/v1/completions", json={"model": "tiny-prom", "prompt": "abc", "max_tokens": 4}, timeout=60
             )
             assert r.status_code == 200, r.text
-            alerts = _api(prom, "alerts")["alerts"]
-            firing = [a for a in alerts if a["state"] == "firing"]
+            firing = [
+                a
+                for a in _api(prom, "alerts")["alerts"]
+                if a["state"] == "firing" and a["labels"]["alertname"] == "PylonTimeToFirstTokenP99OverSLO"
+            ]
             time.sleep(1)
     finally:
         delete("tiny-prom")
-    assert any(
-        a["labels"]["alertname"] == "PylonTimeToFirstTokenP99OverSLO" and a["labels"].get("model") == "tiny-prom"
-        for a in firing
-    ), firing
+    assert any(a["labels"].get("model") == "tiny-prom" for a in firing), firing
     groups = _api(prom, "rules")["groups"]
     loaded = {r["name"] for g in groups for r in g["rules"] if r["type"] == "alerting"}
     assert loaded == {
@@ -187,7 +187,7 @@ def test_prometheus_scrapes_serving_and_training_and_fires_an_alert(prom, ray_cl
     assert status == "SUCCEEDED", client.job_logs(job)[-4000:]
     print(f"trained: {time.monotonic() - t0:.0f}s", file=sys.stderr)
     assert all(seen.values()), seen
-    assert 1 <= float(seen["ray_pylon_train_step"][0]["value"][1]) <= 30, seen
+    assert 1 <= float(seen["ray_pylon_train_step"][0]["value"][1]) <= 20, seen
     assert seen["ray_pylon_train_step"][0]["metric"]["rank"] == "0"
 
     # Every metric the rendered dashboard reads is one Prometheus scraped here.
