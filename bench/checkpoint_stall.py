@@ -68,7 +68,15 @@ def _engine(layers: int, width: int, seq: int):
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=8192, n_positions=seq)
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=max(1, width // 64),
+        vocab_size=8192,
+        n_positions=seq,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)
     ds = {
         "train_micro_batch_size_per_gpu": 2,
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         split = ", ".join(f"{k[:-2]} {_median([p[k] for p in parts]):.2f}" for k in parts[0])
         print(
             f"{mode:>5}: blocked {med:.2f} s per save (min {min(blocked):.2f}, max {max(blocked):.2f}, "
-            f"n={len(blocked)}; {split}); CPU {_median(cpu):.2f} s per save in this thread's process"
+            f"n={len(blocked)}; {split}); CPU {_median(cpu):.2f} s per save (this process, during the call)"
         )
     ratio = summary["sync"] / summary["async"] if summary["async"] else float("inf")
     alone = _median([s for o in results["async"] + results["sync"] for s in o["steps_alone"]])
