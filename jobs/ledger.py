@@ -42,7 +42,7 @@ log = logging.getLogger("pylon.ledger")
 
 LEDGER_FILE = "ledger.json"
 LEDGER_DIR = "ledger"
-UPDATE_EVERY_S = 30.0
+UPDATE_EVERY_S = 10.0
 FORMAT = 1
 HOUR = 3600.0
 GB = 1e9

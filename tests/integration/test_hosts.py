@@ -224,6 +224,16 @@ def test_two_nodes_zero2_checkpoints_to_s3_and_survive_losing_a_node(hosts, clie
     for rank in (0, 1):  # each rank streamed its own ZeRO-2 shard from its own node
         listed = storage.read_json(f"{step_dir}/rank-{rank}.json")["files"]
         assert any(f"zero_pp_rank_{rank}_" in name for name in listed), listed
+    # The run's ledger saw the lost node: a failed attempt, a restart, and every kept step's tokens once.
+    from pylon.jobs.ledger import PARTS, measure
+
+    ledger = measure(run)
+    assert ledger["attempts"] >= 2 and ledger["failures"] >= 1 and ledger["restarts"] >= 1, ledger
+    goodput = ledger["goodput"]
+    assert goodput["restart_s"] > 0 and 0 < goodput["fraction"] < 1, goodput
+    assert sum(goodput[p] for p in PARTS) == pytest.approx(goodput["wall_s"], rel=1e-9)
+    assert ledger["tokens"] == records[-1]["tokens_seen"]
+    assert ledger["bytes"]["checkpoints"]["read"] > 0  # the resume downloaded the commit
 
 
 READ_TASKS = """
