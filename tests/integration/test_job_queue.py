@@ -104,3 +104,29 @@ def test_jobs_that_need_the_whole_cluster_run_one_after_another_in_priority_orde
     assert started[first.job_id] < started[high.job_id] < started[low.job_id], started
     assert "pylon queue: " + high.job_id + " queued (1st" in client.job_logs(high.job_id)
     assert client.job_queue() == {}  # every place given back
+
+
+CHILD_DRIVER = """
+import os, sys, time
+from dataclasses import asdict
+import ray
+from pylon.jobs.queue import Entry, queue_actor
+ray.init(address=sys.argv[1], log_to_driver=False)
+entry = Entry(key=sys.argv[2], name="killed", priority=0, user="u", need={"CPU": 2}, submitted=time.time(),
+              driver_job_id=ray.get_runtime_context().get_job_id())
+print(ray.get(queue_actor().wait.remote(asdict(entry)))["state"], flush=True)
+os._exit(0)  # dies holding the whole cluster, never giving its place back
+"""
+
+
+def test_a_driver_that_dies_admitted_does_not_keep_its_place(ray_cluster):
+    client = pylon.connect()
+    key = f"killed-{time.time_ns()}"
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD_DRIVER, client.gcs_address, key], capture_output=True, text=True, timeout=120
+    )
+    assert child.stdout.strip() == "admitted", child.stderr[-3000:]
+    deadline = time.monotonic() + 30
+    while key in client.job_queue():  # Ray's job table says the driver is dead: its place is given back
+        assert time.monotonic() < deadline, client.job_queue()
+        time.sleep(1)
