@@ -5,8 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pylon-installed
 # System packages Pylon needs: libaio for DeepSpeed's NVMe offload (async I/O op); TCMalloc for CPU serving engines
-# (pylon.serving.engine.heap preloads it into an engine process; Ubuntu 24.04 names it libtcmalloc-minimal4t64).
-SYSTEM_PACKAGES := libaio-dev libtcmalloc-minimal4 prometheus
+# (pylon.serving.engine.heap preloads it into an engine process; Ubuntu 24.04 names it libtcmalloc-minimal4t64);
+# Prometheus for `pylon cluster up --metrics`; Redis for `pylon cluster up --ha` (GCS fault tolerance). Pylon starts
+# its own prometheus and redis-server processes, on loopback: the packages' own services are disabled where systemd
+# started them (Debian's Prometheus listens on every interface without auth), and recommends are not installed.
+SYSTEM_PACKAGES := libaio-dev libtcmalloc-minimal4 prometheus redis-server
 # DeepSpeed builds its CPU ops (cpu_adam, shm comm, async I/O) once, here, and reuses them.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 # The venv's tools first, for every process: torch builds those ops with whichever `ninja` is on PATH, and the
@@ -28,11 +31,12 @@ system-packages:
 	    echo "installing system packages: $$missing"; \
 	    apt-get update -qq || true; \
 	    for p in $$missing; do \
-	      (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$p >/dev/null 2>&1 \
-	       || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $${p}t64 >/dev/null 2>&1) \
-	      || echo "warning: could not install $$p (libaio-dev: NVMe offload unavailable; libtcmalloc-minimal4: CPU engines use glibc's malloc)"; \
+	      (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$p >/dev/null 2>&1 \
+	       || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $${p}t64 >/dev/null 2>&1) \
+	      || echo "warning: could not install $$p (libaio-dev: NVMe offload unavailable; libtcmalloc-minimal4: CPU engines use glibc's malloc; prometheus: no --metrics; redis-server: no --ha)"; \
 	    done; \
-	  else echo "note: not root; install $$missing yourself (NVMe offload; TCMalloc for CPU serving)"; fi; \
+	    if [ -d /run/systemd/system ]; then systemctl disable --now prometheus redis-server >/dev/null 2>&1 || true; fi; \
+	  else echo "note: not root; install $$missing yourself (NVMe offload; TCMalloc for CPU serving; Prometheus; Redis)"; fi; \
 	fi
 
 $(STAMP): pyproject.toml constraints.txt

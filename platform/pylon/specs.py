@@ -304,7 +304,11 @@ class CheckpointSpec(_Spec):
     every_steps: PositiveInt = 200
     keep_last: PositiveInt = 3
     keep_every: NonNegInt = Field(0, description="also keep every N-th step forever; 0 = none")
-    async_upload: bool = False
+    async_upload: bool = Field(
+        False,
+        description="save by a snapshot to host memory (/dev/shm when it has room) and upload and commit in the "
+        "background, at most one in flight: the steps block for the snapshot only (docs/operating.md)",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "CheckpointSpec":
@@ -341,6 +345,26 @@ class LoraSpec(_Spec):
     merge_on_export: bool = True
 
 
+class QueueSpec(_Spec):
+    """Where a TrainJob waits when the cluster is busy (docs/training.md, "Job queue")."""
+
+    user: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(
+        None,
+        description="whose job it is, for the per-user limit on running jobs (PYLON_QUEUE_MAX_JOBS_PER_USER); "
+        "default: the submitting user",
+    )
+    kueue_queue: Name | None = Field(
+        None,
+        description="on Kubernetes: the Kueue LocalQueue the RayJob waits in (label kueue.x-k8s.io/queue-name); "
+        "the RayJob then starts suspended with a cluster of its own, as Kueue requires",
+    )
+    kueue_priority_class: Name | None = Field(
+        None,
+        description="on Kubernetes: the Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class); its "
+        "value plays the part of `priority` there",
+    )
+
+
 class TrainJobSpec(_Spec):
     """One training run: model, data, workers, DeepSpeed, optimisation and checkpoints."""
 
@@ -358,6 +382,12 @@ class TrainJobSpec(_Spec):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     lora: LoraSpec | None = None
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    priority: int = Field(
+        0,
+        description="place in the cluster's job queue: a job that does not fit waits behind every waiting job of "
+        "higher priority (then earlier submission)",
+    )
+    queue: QueueSpec = Field(default_factory=QueueSpec)
 
     @model_validator(mode="before")
     @classmethod
@@ -702,6 +732,31 @@ class WorkerGroupSpec(NodeShape):
         return self
 
 
+class HaSpec(_Spec):
+    """GCS fault tolerance (docs/many-machines.md, "A head that survives"): the GCS keeps its tables in Redis and
+    a restarted GCS recovers the cluster from them. Local: `pylon cluster up` starts a Redis (127.0.0.1, a new
+    password) and a GCS supervisor itself; Kubernetes: KubeRay's gcsFaultToleranceOptions, with a Redis you run."""
+
+    redis_address: str | None = Field(
+        None,
+        description="Kubernetes: the Redis the head's GCS uses, HOST:PORT (e.g. redis.ray.svc:6379; "
+        "rediss:// for TLS); local clusters start their own",
+    )
+    redis_password_secret: Name | None = Field(
+        None, description="Kubernetes: the Secret (in the cluster's namespace) holding the Redis password"
+    )
+    redis_password_key: str = Field("password", description="the key of the password in that Secret")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "HaSpec":
+        if self.redis_address is not None:
+            address = self.redis_address.split("://", 1)[-1]
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                _raise_problems([("redis_address", f"must be HOST:PORT (got {self.redis_address!r})")])
+        return self
+
+
 class ClusterSpec(_Spec):
     """One autoscaling Ray cluster: a head and worker groups, local, on a cloud, or on Kubernetes."""
 
@@ -712,10 +767,13 @@ class ClusterSpec(_Spec):
     head: HeadSpec = Field(default_factory=HeadSpec)
     worker_groups: list[WorkerGroupSpec] = Field(default_factory=list)
     idle_timeout_minutes: Annotated[float, Field(gt=0)] = 5
+    ha: HaSpec | None = Field(None, description="GCS fault tolerance: the head survives a GCS crash (`ha: {}` locally)")
 
     @model_validator(mode="after")
     def _rules(self) -> "ClusterSpec":
         problems = []
+        if self.ha is not None:
+            problems += [(f"ha.{p}" if p else "ha", m) for p, m in _ha_problems(self.ha, self.provider.type)]
         seen: set[str] = set()
         for i, group in enumerate(self.worker_groups):
             if group.name in seen:
@@ -743,6 +801,22 @@ class ClusterSpec(_Spec):
             or "no worker groups"
         )
         return f"Cluster '{self.name}': provider {self.provider.type}, head {self.head.cpus} CPU, {groups}"
+
+
+def _ha_problems(ha: HaSpec, provider: str) -> list[tuple[str, str]]:
+    if provider == "kubernetes":
+        return [
+            (name, "required for provider type 'kubernetes' (KubeRay's gcsFaultToleranceOptions)")
+            for name in ("redis_address", "redis_password_secret")
+            if getattr(ha, name) is None
+        ]
+    if provider == "local":
+        return [
+            (name, "not for provider type 'local': `pylon cluster up` starts its own Redis, with a new password")
+            for name in ("redis_address", "redis_password_secret")
+            if getattr(ha, name) is not None
+        ]
+    return [("", f"GCS fault tolerance runs on provider types 'local' and 'kubernetes', not '{provider}'")]
 
 
 SPEC_KINDS: dict[str, type[_Spec]] = {

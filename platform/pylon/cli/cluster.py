@@ -25,6 +25,10 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
         from pylon.specs import ClusterSpec, load_spec
 
         spec = load_spec(args.autoscale, ClusterSpec)
+    if args.metrics:
+        from pylon.infra import prometheus
+
+        prometheus.prometheus_program()  # before anything starts: the program is there
     running = home.read_state()
     if running is None or not running.is_running():
         print(
@@ -42,6 +46,7 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
         autoscale=spec,
         host=args.host,
         node_ip_address=args.node_ip_address,
+        ha=args.ha,
     )
     print(
         ("started" if started else "already running")
@@ -61,6 +66,9 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
         f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={info.token_path} "
         f"ray job submit --address {info.dashboard_url} -- python ..."
     )
+    _print_ha(info.home)
+    if args.metrics:
+        _start_metrics(info, args.metrics_rules)
     if info.autoscaler_config:
         print(f"  autoscaler config:    {info.autoscaler_config}")
         print(f"  autoscaler log:       {info.temp_dir}/session_latest/logs/monitor.log")
@@ -68,6 +76,39 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
     print(f"  add a machine with:   pylon cluster join {info.gcs_address} --token-file <a copy of the token file>")
     print("  stop it with:         pylon cluster down")
     return 0
+
+
+def _print_ha(pylon_home: str) -> None:
+    """The GCS fault tolerance lines of `up` (`--ha`): the Redis address and password file, never the password."""
+    from pylon.infra import ha
+
+    record = ha.read_record(Path(pylon_home))
+    if record is not None:
+        print(
+            f"  GCS fault tolerance:  on, tables in Redis at {record.redis_address} (password file "
+            f"{record.password_file}); a supervisor restarts the GCS (log: {Path(pylon_home) / ha.SUPERVISOR_LOG})"
+        )
+
+
+def _ha_summary(address: str | None) -> dict | None:
+    """GCS fault tolerance of the local cluster (`up --ha`), when `status` shows that one."""
+    from pylon import home
+    from pylon.infra import ha
+
+    state = home.read_state()
+    if state is None or address not in (None, state.dashboard_url, state.gcs_address):
+        return None
+    record = ha.read_record(Path(state.home))
+    return record.summary() if record is not None else None
+
+
+def _start_metrics(info, rules_file: str | None) -> None:
+    """`up --metrics`: Prometheus for the cluster (pylon.infra.prometheus), and where it is."""
+    from pylon.infra import prometheus
+
+    record, started = prometheus.start(Path(info.home), info.temp_dir, rules_file=rules_file)
+    print(f"  Prometheus:           {record.url}  ({'started' if started else 'already running'}; 127.0.0.1 only)")
+    print(f"  Prometheus rules:     {record.rules}  (alerts: {record.url}/alerts)")
 
 
 def _cmd_cluster_join(args: argparse.Namespace) -> int:
@@ -121,6 +162,7 @@ def _cmd_cluster_status(args: argparse.Namespace) -> int:
     import pylon
 
     status = pylon.connect(args.address).status()
+    ha_summary = _ha_summary(args.address)
     if args.json:
         print(
             json.dumps(
@@ -130,12 +172,20 @@ def _cmd_cluster_status(args: argparse.Namespace) -> int:
                     "nodes": [asdict(n) for n in status.nodes],
                     "resources": status.total_resources(),
                     "jobs": [asdict(j) for j in status.jobs],
+                    "ha": ha_summary or {"gcs_fault_tolerance": False},
                 },
                 indent=2,
             )
         )
     else:
         print(status)
+        if ha_summary:
+            print(
+                f"GCS fault tolerance: on (Redis at {ha_summary['redis_address']}"
+                f"{'' if ha_summary['redis_running'] else ', NOT RUNNING'}; supervisor "
+                f"{'running' if ha_summary['supervisor_running'] else 'NOT RUNNING'}; "
+                f"GCS restarts: {ha_summary['gcs_restarts']})"
+            )
     return 0
 
 
@@ -186,7 +236,9 @@ def add_cluster_parser(sub, fmt) -> None:
         "  pylon cluster up --autoscale                  # worker nodes come and go with the work\n"
         "  pylon cluster up --autoscale my-cluster.yaml  # worker groups from a local Cluster spec\n"
         "  PYLON_HOME=/tmp/other pylon cluster up --dashboard-port 8266   # a second cluster\n"
-        "  pylon cluster up --host 0.0.0.0               # other machines may join and submit (token auth on)",
+        "  pylon cluster up --host 0.0.0.0               # other machines may join and submit (token auth on)\n"
+        "  pylon cluster up --ha                         # the GCS survives a crash (Redis + a supervisor)\n"
+        "  pylon cluster up --metrics                    # and a Prometheus with Pylon's alert rules",
     )
     up.add_argument("--num-cpus", type=int, help="CPUs Ray may schedule (default: all)")
     up.add_argument("--num-gpus", type=int, help="GPUs Ray may schedule (default: detected)")
@@ -211,6 +263,25 @@ def add_cluster_parser(sub, fmt) -> None:
         "logical nodes (local processes) when work does not fit, and stop after the spec's "
         "idle_timeout_minutes (default spec: pylon/examples/cluster-local.yaml, head 1 CPU, "
         "0-2 nodes of 1 CPU)",
+    )
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="GCS fault tolerance, as KubeRay configures it: the GCS keeps its tables in a Redis started here "
+        "(127.0.0.1, password in $PYLON_HOME/redis_password) and a supervisor restarts it when it dies; serving "
+        "and jobs carry on (needs the redis-server package; docs/many-machines.md)",
+    )
+    up.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also start Prometheus (Debian's prometheus package) on 127.0.0.1, scraping every node of the cluster "
+        "and evaluating Pylon's recording and alert rules; data and config in $PYLON_HOME/prometheus, stopped by "
+        "`pylon cluster down` (docs/observability.md)",
+    )
+    up.add_argument(
+        "--metrics-rules",
+        metavar="RULES_YAML",
+        help="with --metrics: a Prometheus rules file to load instead of Pylon's (infra/prometheus/rules.yml)",
     )
     up.set_defaults(func=_cmd_cluster_up)
     join = csub.add_parser(

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import yaml
 
+from pylon.errors import SpecError
 from pylon.infra.common import DASHBOARD_PORT, METRICS_PORT, RAY_PORT, RENDERED_SERVE_ENV, SERVE_PORT, _memory_gb
 from pylon.specs import ClusterSpec, DeploymentSpec, NodeShape, TrainJobSpec, WorkerGroupSpec, to_yaml
 from pylon.version import __version__
@@ -92,6 +93,25 @@ def ray_cluster_spec(cluster: ClusterSpec, *, head_env: Sequence[dict] = ()) -> 
             },
         },
         "workerGroupSpecs": [_worker_group(cluster, g) for g in cluster.worker_groups],
+        **gcs_fault_tolerance(cluster),
+    }
+
+
+def gcs_fault_tolerance(cluster: ClusterSpec) -> dict:
+    """With `ha`: KubeRay's gcsFaultToleranceOptions, the GCS's tables in the user's Redis, its password from a
+    Secret (never in the manifest). KubeRay then restarts the head's GCS with its pod, gives the GCS storage
+    namespace the RayCluster's UID (a RayService's new cluster starts clean) and has workers wait for a GCS that
+    comes back. Empty without `ha`."""
+    if cluster.ha is None:
+        return {}
+    ha = cluster.ha
+    return {
+        "gcsFaultToleranceOptions": {
+            "redisAddress": ha.redis_address,
+            "redisPassword": {
+                "valueFrom": {"secretKeyRef": {"name": ha.redis_password_secret, "key": ha.redis_password_key}}
+            },
+        }
     }
 
 
@@ -218,7 +238,7 @@ def ray_job(cluster: ClusterSpec, job: TrainJobSpec) -> dict:
         ],
         "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
     }
-    return {
+    rayjob = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
         "metadata": _metadata(cluster, f"train-{job.name}", "TrainJob"),
@@ -239,6 +259,50 @@ def ray_job(cluster: ClusterSpec, job: TrainJobSpec) -> dict:
             },
         },
     }
+    if job.queue.kueue_queue:
+        _queue_in_kueue(rayjob, cluster, job)
+    return rayjob
+
+
+def _queue_in_kueue(rayjob: dict, cluster: ClusterSpec, job: TrainJobSpec) -> None:
+    """Hand the RayJob to Kueue, as KubeRay's and Kueue's RayJob guides say: the LocalQueue and priority class as
+    labels, created suspended (Kueue unsuspends it when its ClusterQueue has quota), and, since Kueue admits only
+    what it can count, a RayCluster of its own of a fixed size (no clusterSelector, no autoscaler) that is
+    deleted when the job ends."""
+    labels = rayjob["metadata"]["labels"]
+    labels["kueue.x-k8s.io/queue-name"] = job.queue.kueue_queue
+    if job.queue.kueue_priority_class:
+        labels["kueue.x-k8s.io/priority-class"] = job.queue.kueue_priority_class
+    spec = rayjob["spec"]
+    del spec["clusterSelector"]
+    cluster_spec = ray_cluster_spec(cluster)
+    cluster_spec["enableInTreeAutoscaling"] = False
+    del cluster_spec["autoscalerOptions"]
+    groups = _job_worker_groups(cluster, job)
+    for group in cluster_spec["workerGroupSpecs"]:
+        group["replicas"] = group["minReplicas"] = group["maxReplicas"] = groups.get(group["groupName"], 0)
+    spec["rayClusterSpec"] = cluster_spec
+    spec["shutdownAfterJobFinishes"] = True
+    spec["suspend"] = True
+
+
+def _job_worker_groups(cluster: ClusterSpec, job: TrainJobSpec) -> dict[str, int]:
+    """Pods per worker group for the job's own cluster: enough nodes of the first group whose shape holds a
+    worker (CPUs, GPUs) for `scaling.num_workers` of them."""
+    per_worker = dict(job.scaling.resources_per_worker) or {"CPU": 1}
+    cpus = per_worker.get("CPU", 0)
+    gpus = per_worker.get("GPU", 1 if job.scaling.use_gpu else 0)
+    for group in cluster.worker_groups:
+        fit = [group.cpus // cpus if cpus else None, group.gpus // gpus if gpus else None]
+        per_node = min((n for n in fit if n is not None), default=job.scaling.num_workers)
+        if per_node >= 1:
+            return {group.name: -(-job.scaling.num_workers // int(per_node))}
+    raise SpecError(
+        [
+            f"TrainJob '{job.name}': no worker group of Cluster '{cluster.name}' holds one worker "
+            f"({cpus:g} CPU, {gpus:g} GPU) for the RayJob's own cluster that Kueue admits"
+        ]
+    )
 
 
 def serve_config(dep: DeploymentSpec) -> dict:

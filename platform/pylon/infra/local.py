@@ -46,6 +46,8 @@ from pylon.home import (
     read_state,
     read_token,
 )
+from pylon.infra import ha as gcs_ha
+from pylon.infra import prometheus
 from pylon.infra.autoscaler import local_autoscaler_config
 from pylon.infra.common import SERVE_ENV, SERVE_INGRESS_ENV
 from pylon.infra.schema import validate_manifest
@@ -110,6 +112,7 @@ def up(
     autoscale: ClusterSpec | None = None,
     host: str = "127.0.0.1",
     node_ip_address: str | None = None,
+    ha: bool = False,
 ) -> tuple[LocalCluster, bool]:
     """Start a local Ray head; returns (cluster, started). An already running one is returned as is.
 
@@ -118,6 +121,8 @@ def up(
     `host`: where the dashboard and Jobs API listen (127.0.0.1: this machine only; 0.0.0.0: every interface,
     so that other machines reach it; token authentication is on either way). `node_ip_address`: the address
     Ray advertises for this node (its GCS included), for machines with several networks.
+    `ha`: GCS fault tolerance (pylon.infra.ha): the GCS keeps its tables in a Redis started here, and a
+    supervisor restarts it when it exits; needs Debian's `redis-server`.
     """
     home = home or pylon_home()
     _refuse_if_joined(home, "start a head here")
@@ -129,8 +134,17 @@ def up(
                     f"a local cluster without autoscaling is already running at "
                     f"{existing.dashboard_url}; stop it with `pylon cluster down` first"
                 )
+            if ha and gcs_ha.read_record(home) is None:
+                raise ClusterError(
+                    f"a local cluster without GCS fault tolerance is already running at {existing.dashboard_url}; "
+                    "stop it with `pylon cluster down` first"
+                )
             return existing, False
+        gcs_ha.stop_supervisor(home)
         _cleanup(existing)  # a stale record from a crash or reboot
+    gcs_ha.stop(home)  # a stale Redis of a crashed `up --ha`
+    if ha:
+        gcs_ha.redis_server()  # before anything starts: the package is there
     if autoscale is not None:
         if autoscale.provider.type != "local":
             raise ClusterError(
@@ -140,6 +154,7 @@ def up(
             )
         num_cpus = autoscale.head.cpus if num_cpus is None else num_cpus
         num_gpus = autoscale.head.gpus if num_gpus is None else num_gpus
+        ha = ha or autoscale.ha is not None  # the spec's `ha: {}` turns it on as `--ha` does
 
     home.mkdir(parents=True, exist_ok=True)
     token_path = ensure_token(home)
@@ -183,7 +198,10 @@ def up(
         # Ray's fake multi-node provider refuses to run without this; it also gives the head a fixed node id.
         env["RAY_FAKE_CLUSTER"] = "1"
         env.setdefault("AUTOSCALER_UPDATE_INTERVAL_S", "2")
-    _ray_start(cmd, env, home / "ray-start.log", temp_dir, timeout_s, "`ray start --head`")
+    if ha:
+        _ray_start_ha(cmd, env, home, temp_dir, timeout_s)
+    else:
+        _ray_start(cmd, env, home / "ray-start.log", temp_dir, timeout_s, "`ray start --head`")
 
     gcs_address = _read_gcs_address(temp_dir, gcs_port)
     record = dict(
@@ -203,11 +221,33 @@ def up(
     # Record the cluster before waiting, so `down` can always find what was started.
     _write_state(home, cluster)
     try:
+        if ha:
+            gcs_ha.start_supervisor(home, temp_dir, cluster.processes())
         _wait_for_jobs_api(cluster, timeout_s)
     except ClusterError:
         down(home=home)
         raise
     return cluster, True
+
+
+def _ray_start_ha(cmd: list[str], env: dict, home: Path, temp_dir: Path, timeout_s: float) -> None:
+    """`ray start --head` with the GCS's tables in a Redis started first (stopped again if the head fails)."""
+    record = gcs_ha.start_redis(home, _free_port())
+    env.update(gcs_ha.ray_env(record))
+    try:
+        # A second try starts from an empty Redis: the first one's GCS left its session there.
+        _ray_start(
+            cmd + gcs_ha.ray_start_args(record),
+            env,
+            home / "ray-start.log",
+            temp_dir,
+            timeout_s,
+            "`ray start --head`",
+            before_retry=lambda: gcs_ha.flush_redis(record),
+        )
+    except ClusterError:
+        gcs_ha.stop(home)
+        raise
 
 
 def node_env(token_path: Path, temp_dir: Path) -> dict[str, str]:
@@ -241,9 +281,17 @@ def _is_unspecified(host: str) -> bool:
         return False
 
 
-def _ray_start(cmd: list[str], env: dict, log_path: Path, temp_dir: Path, timeout_s: float, what: str) -> None:
-    """Run `cmd` (a `ray start`), once more if the raylet missed Ray's registration deadline; ClusterError otherwise,
-    with whatever did start stopped."""
+def _ray_start(
+    cmd: list[str],
+    env: dict,
+    log_path: Path,
+    temp_dir: Path,
+    timeout_s: float,
+    what: str,
+    before_retry: Callable[[], None] | None = None,
+) -> None:
+    """Run `cmd` (a `ray start`), once more if the raylet missed Ray's registration deadline (after `before_retry`);
+    ClusterError otherwise, with whatever did start stopped."""
     for attempt in (1, 2):
         try:
             with open(log_path, "w") as log:
@@ -262,6 +310,8 @@ def _ray_start(cmd: list[str], env: dict, log_path: Path, temp_dir: Path, timeou
             # sometimes misses that (seen once in ~20 fresh-clone test runs). A second start, from a clean temp
             # dir, is what a person would do; any other failure is reported at once.
             print(f"{what} timed out during start-up (see {log_path}); trying once more", file=sys.stderr)
+            if before_retry is not None:
+                before_retry()
             continue
         raise ClusterError(f"{what} failed ({failure}); its output ends with:\n{tail}\nfull log: {log_path}")
 
@@ -368,7 +418,10 @@ def down(*, home: Path | None = None, timeout_s: float = 30.0) -> LocalCluster |
             _cleanup(node, timeout_s)
         return node
     _disconnect_driver(cluster)
+    prometheus.stop(home)  # `up --metrics`'s Prometheus, if any
+    gcs_ha.stop_supervisor(home)  # first: it would start the GCS again
     _cleanup(cluster, timeout_s)
+    gcs_ha.stop(home)
     return cluster
 
 
