@@ -33,6 +33,9 @@ def _train_loop(config):
     ray.train.report({"rows": stream.stats.rows})
 
 
+# ~90 s. Every training test of `make test` streams data into two Ray Train workers (test_ray_job_submit, test_hosts,
+# test_job_queue), and tests/unit/data checks every sample once per epoch across ranks; `make test-all`.
+@pytest.mark.slow
 def test_two_train_workers_two_epochs(ray_cluster, tmp_path):
     import ray
     from ray.train import RunConfig, ScalingConfig

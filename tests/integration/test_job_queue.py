@@ -119,6 +119,9 @@ os._exit(0)  # dies holding the whole cluster, never giving its place back
 """
 
 
+# The queue's own unit tests cover giving a place back; this one kills a real driver. `make test-all`, for make test's
+# time.
+@pytest.mark.slow
 def test_a_driver_that_dies_admitted_does_not_keep_its_place(ray_cluster):
     client = pylon.connect()
     key = f"killed-{time.time_ns()}"
