@@ -183,15 +183,26 @@ class AttemptRecorder:
         """Loop time outside the steps: 'productive_s' (bookkeeping), 'checkpoint_stall_s' or 'evaluation_s'."""
         self.record[part] += max(0.0, seconds)
 
+    def saving(self, step: int) -> None:
+        """Before the save of `step`: the running totals a resume from it keeps, written before the checkpoint can
+        be committed (a worker lost right after the commit has then recorded them)."""
+        r = self.record
+        r["saves"][str(step)] = {p: r[p] for p in (*_STEP_PARTS, "tokens")}
+        self.update(force=True)
+
     def checkpoint(self, step: int, blocked: dict, *, ok: bool = True) -> None:
+        """After the save of `step`: the time it blocked the loop (kept by a resume from it, when it succeeded)."""
         r = self.record
         for k, v in blocked.items():
             r["checkpoint_blocked"][k] = r["checkpoint_blocked"].get(k, 0.0) + v
-        r["checkpoint_stall_s"] += sum(blocked.values())
+        seconds = sum(blocked.values())
+        r["checkpoint_stall_s"] += seconds
         r["checkpoint_saves"] += 1
         r["checkpoint_failures"] += 0 if ok else 1
-        if ok:
-            r["saves"][str(step)] = {p: r[p] for p in (*_STEP_PARTS, "tokens")}
+        if ok and str(step) in r["saves"]:
+            r["saves"][str(step)]["checkpoint_stall_s"] += seconds
+        else:
+            r["saves"].pop(str(step), None)
 
     def bytes_moved(self, *, data_read: int, checkpoint_written: int, checkpoint_read: int) -> None:
         """Every rank's totals for this attempt (summed over ranks by the caller)."""
@@ -294,8 +305,9 @@ def measure(run_uri: str, *, now: float | None = None) -> dict:
             # what the next attempt (of any later session) redid: the work after the checkpoint it resumed from
             later = next((b for b in attempts if b["started_at"] > a["started_at"]), None)
             kept = {p: a[p] for p in (*_STEP_PARTS, "tokens")}
+            if later is not None and a.get("ended_at") is None:  # it never finished: it failed or was stopped
+                failures += 1
             if later is not None and later["resumed_from"] < a["last_step"]:
-                failures += 1 if a.get("ended_at") is None else 0
                 base = a["saves"].get(str(later["resumed_from"]))
                 if base is None:  # resumed from before this attempt's saves: all its work is redone
                     base = {p: 0.0 for p in kept}

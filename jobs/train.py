@@ -348,6 +348,7 @@ def train_loop(config: dict) -> None:
             # Metrics first: a crash between the two leaves records past the last commit, which a resume
             # drops; the other order could commit a step whose records were never written.
             metrics.flush()
+            ledger.saving(step)
             t0 = time.perf_counter()
             try:
                 committer.save(

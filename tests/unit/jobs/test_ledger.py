@@ -193,3 +193,25 @@ def test_prices_files_take_vcpu_and_egress_and_refuse_bad_values(tmp_path) -> No
     with pytest.raises(PylonError, match=r"vCPU: must be a non-negative number of US dollars per vCPU-hour"):
         load_catalog(str(bad))
     assert math.isclose(load_catalog().vcpu_price_per_hour, 0.0504)
+
+
+def test_an_attempt_records_what_a_resume_keeps_before_the_checkpoint_exists(tmp_path) -> None:
+    rec = ledger.AttemptRecorder(
+        str(tmp_path / "run"), session="s", workers=1, resources_per_worker={"CPU": 1}, resumed_from=0
+    )
+    rec.step(1, step_s=2.0, wait_s=0.5, tokens=10, started_at=1.0)
+    rec.saving(1)
+    written = storage.read_json(rec.uri)  # on storage before the save could commit
+    assert written["saves"]["1"] == {
+        "productive_s": 1.5,
+        "data_wait_s": 0.5,
+        "checkpoint_stall_s": 0.0,
+        "evaluation_s": 0.0,
+        "tokens": 10,
+    }
+    rec.checkpoint(1, {"wait_previous_s": 0.0, "snapshot_s": 0.25, "upload_s": 0.0})
+    assert rec.record["saves"]["1"]["checkpoint_stall_s"] == 0.25  # a resume from it keeps its save's time
+    rec.step(2, step_s=1.0, wait_s=0.0, tokens=10, started_at=3.0)
+    rec.saving(2)
+    rec.checkpoint(2, {"failed_s": 0.5}, ok=False)
+    assert "2" not in rec.record["saves"] and rec.record["checkpoint_failures"] == 1
