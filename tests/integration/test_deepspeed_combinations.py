@@ -312,6 +312,9 @@ def test_combination_trains(combo: Combo, runs: ComboRuns) -> None:
     assert result["losses_after_load"] == pytest.approx(result["losses_after_save"], rel=1e-6, abs=1e-6)
 
 
+# ~110 s of four more runs; make test keeps every stage's own round trip and the first step's loss across stages
+# (test_first_step_loss_is_identical_across_stages). `make test-all`.
+@pytest.mark.slow
 def test_sharded_ranks_match_a_single_plain_process(runs: ComboRuns) -> None:
     """Two ranks under ZeRO-1, -2 and -3 follow a plain single-process PyTorch run (torch AdamW, torch's
     clipping) on the same global batch: partitioning optimizer states, gradients and parameters across ranks
@@ -431,6 +434,7 @@ def test_zero3_lora_on_a_pretrained_base(tmp_path: Path, s3_root: str) -> None:
     assert partitioned["losses"][-1] < partitioned["losses"][0]
 
 
+@pytest.mark.slow  # ~30 s of a two-rank ZeRO-3 start for one bad-input case, for make test's time; `make test-all`
 def test_zero3_pretrained_weights_of_another_shape_name_the_tensor(tmp_path: Path, s3_root: str) -> None:
     """A model directory whose weights do not match its config is an error naming the file and the tensor, on
     every rank, before anything trains (not a hang in a collective, not a silently random model)."""

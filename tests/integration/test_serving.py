@@ -308,6 +308,9 @@ def test_a_long_prefix_sent_twice_is_reused_and_scores_the_same_as_transformers(
     assert lp_again["tokens"] == lp["tokens"] and lp_again["text_offset"] == lp["text_offset"]
 
 
+# ~65 s; tests/unit/serving/api checks an engine pool spreads requests and matches one engine, and make test's
+# replicas here run an engine process each. `make test-all`.
+@pytest.mark.slow
 def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_transformers(ray_cluster, tiny, served):
     """engine.data_parallel: 2 engine processes behind one replica (the layout for a CPU node); 12 concurrent greedy
     requests through HTTP, both engines working, outputs token for token transformers' own; then one engine killed:
