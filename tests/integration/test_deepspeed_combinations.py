@@ -343,6 +343,7 @@ def test_first_step_loss_is_identical_across_stages(runs: ComboRuns) -> None:
     assert len(set(first.values())) == 1, first
 
 
+@pytest.mark.slow  # ~45 s; make test trains and round-trips each offload target (test_combination_trains)
 @pytest.mark.nvme
 @pytest.mark.timeout(1500)  # may wait for DeepSpeed's async_io op to finish building
 def test_offload_trains_like_no_offload(runs: ComboRuns) -> None:

@@ -374,6 +374,9 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
     assert not alive, alive
 
 
+# ~50 s of a second deployment; tests/unit/serving/api/test_routing.py checks the router's policy and key against
+# real engines' block hashes. `make test-all`.
+@pytest.mark.slow
 def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_cluster, tiny, served):
     """Two replicas behind HAProxy and Pylon's router (pylon.serving.api.routing). Each of 8 prompts sent cold, then
     again with other endings: every follow-up finds its prefix cached (`cached_tokens`), both while the router knows
