@@ -32,18 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
-_SERVER = """
-import logging, sys
-from moto.server import ThreadedMotoServer
-logging.getLogger("werkzeug").setLevel(logging.WARNING)
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-host, port = server.get_host_and_port()
-print(f"http://{host}:{port}", flush=True)
-sys.stdin.read()
-server.stop()
-"""
-BUCKET = "pylon-bench"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkpoint_io import _SERVER, BUCKET  # noqa: E402  (the same moto server, in a process of its own)
 
 
 def _free_port() -> int:

@@ -258,10 +258,11 @@ def _end(record: dict, now: float, *, live: bool) -> float:
     return max(now, record["updated_at"]) if live else record["updated_at"]
 
 
-def measure(run_uri: str, *, now: float | None = None) -> dict:
-    """The measured part of the ledger: hours held, bytes moved, and the goodput decomposition."""
+def measure(run_uri: str, *, now: float | None = None, records: tuple[list, list] | None = None) -> dict:
+    """The measured part of the ledger: hours held, bytes moved, and the goodput decomposition. `records`:
+    `read_records(run_uri)` when the caller has them already."""
     now = time.time() if now is None else now
-    sessions, attempts = read_records(run_uri)
+    sessions, attempts = records if records is not None else read_records(run_uri)
     wall = 0.0
     parts = dict.fromkeys(PARTS, 0.0)
     hours: dict[str, float] = {}
@@ -369,10 +370,11 @@ def report(run_uri: str, *, prices: str | None = None, now: float | None = None)
     """The ledger of the run at `run_uri`: measured figures, cost, the planner's prediction, goodput."""
     from pylon.plan.catalog import load_catalog
 
-    measured = measure(run_uri, now=now)
+    records = read_records(run_uri)
+    measured = measure(run_uri, now=now, records=records)
     run_file = storage.join(run_uri, "run.json")
     spec = storage.read_json(run_file)["spec"] if storage.exists(run_file) else {}
-    _, attempts = read_records(run_uri)
+    attempts = records[1]
     catalog = load_catalog(prices)
     accelerator = next((a["accelerator"] for a in reversed(attempts) if a.get("accelerator")), None)
     gpu_price = None

@@ -2,9 +2,10 @@
 
 Each replica keeps its own record, `<ledger root>/deployments/<name>/<replica>.json`, rewritten every
 `UPDATE_EVERY_S` and when it stops: when it started (loading included), when it was last seen, the resources it
-holds (the spec's `replica`), the tokens of the requests it finished, and how long it was busy (at least one request
-running or waiting, sampled every second by the replica's metrics loop). The ledger root is `$PYLON_LEDGER_URI` when
-set (object storage every node and the client reach), else `$PYLON_HOME/ledger` on the replica's node.
+holds (the spec's `replica`), the tokens of the requests it finished, and how long it was busy (the union of its
+finished requests' arrival-to-last-token intervals, taken in the order they finish). The ledger root is
+`$PYLON_LEDGER_URI` when set (object storage every node and the client reach), else `$PYLON_HOME/ledger` on the
+replica's node.
 
 `report(name)` sums the replicas: replica-hours (and CPU/GPU-hours by the resources each held), tokens, the
 idle fraction (replica time with nothing to do over replica time), the cost at the catalog's prices and the cost
@@ -36,7 +37,7 @@ def deployment_uri(name: str, root: str | None = None) -> str:
 
 
 class ReplicaLedger:
-    """One replica's record. `finished(prompt, output)` per request, `sample(busy, dt)` from the metrics loop."""
+    """One replica's record: `finished(...)` per request; `write()` when `due()` (the replica's metrics loop)."""
 
     def __init__(self, spec: dict, *, accelerator: str | None = None):
         name = spec["name"]
@@ -59,19 +60,23 @@ class ReplicaLedger:
             "busy_s": 0.0,
         }
         self._written_at = 0.0
+        self._busy_until = float("-inf")  # the latest end of a finished request's interval
         self.write()
 
-    def finished(self, prompt_tokens: int, output_tokens: int) -> None:
+    def finished(self, prompt_tokens: int, output_tokens: int, start: float, end: float | None) -> None:
+        """A finished request: its tokens, and its interval [start, end] (one clock) added to the busy time
+        where it extends past the intervals before it."""
         r = self.record
         r["requests"] += 1
         r["prompt_tokens"] += int(prompt_tokens)
         r["output_tokens"] += int(output_tokens)
+        if end is not None and end > self._busy_until:
+            r["busy_s"] += end - max(start, self._busy_until)
+            self._busy_until = end
 
-    def sample(self, busy: bool, seconds: float) -> None:
-        if busy:
-            self.record["busy_s"] += seconds
-        if time.time() - self._written_at >= UPDATE_EVERY_S:
-            self.write()
+    def due(self) -> bool:
+        """Whether the record was last written UPDATE_EVERY_S ago or more."""
+        return time.time() - self._written_at >= UPDATE_EVERY_S
 
     def write(self, *, ended: bool = False) -> None:
         now = time.time()

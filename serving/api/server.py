@@ -150,7 +150,8 @@ class PylonLLMServer:
         """Serve's replica health check: a dead or stuck step loop gets the replica replaced."""
         if not self.engine.check_health():
             raise RuntimeError(f"{self.model_name}: the engine's step loop is not running")
-        self.ledger.sample(False, 0.0)  # a replica no request reached yet is alive all the same
+        if self._gauges_task is None and self.ledger.due():  # before any request: alive all the same
+            self.ledger.write()
 
     def __del__(self):
         ledger = getattr(self, "ledger", None)
@@ -169,12 +170,10 @@ class PylonLLMServer:
     async def _report_gauges(self) -> None:
         # the engines' totals counted so far
         reported = {"prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0, "spec_accepted": 0, "spec_steps": 0}
-        sampled = time.monotonic()
         while True:
             stats = self.engine.stats()
-            now = time.monotonic()
-            self.ledger.sample(stats.num_running + stats.num_waiting > 0, now - sampled)
-            sampled = now
+            if self.ledger.due():  # storage I/O (object storage, maybe) off the event loop
+                await asyncio.to_thread(self.ledger.write)
             self.metrics["running"].set(stats.num_running)
             self.metrics["waiting"].set(stats.num_waiting)
             self.metrics["kv"].set(stats.kv_cache_utilization)
@@ -517,7 +516,9 @@ class PylonLLMServer:
             if last.num_output_tokens > 1 and metrics.first_token_time is not None:
                 m["itl"].observe((metrics.last_token_time - metrics.first_token_time) / (last.num_output_tokens - 1))
         m["prompt_tokens"].inc(last.num_prompt_tokens)
-        self.ledger.finished(last.num_prompt_tokens, last.num_output_tokens)
+        self.ledger.finished(
+            last.num_prompt_tokens, last.num_output_tokens, metrics.arrival_time, metrics.last_token_time
+        )
         if last.num_output_tokens:
             m["generation_tokens"].inc(last.num_output_tokens)
         self._count(200, last.finish_reason or "none")

@@ -1,0 +1,27 @@
+"""A replica's ledger: busy time is the union of its finished requests' intervals; the report sums replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from pylon.serving.api.ledger import ReplicaLedger, report
+
+SPEC = {"name": "ledger-unit", "model": "/models/x", "replica": {"num_cpus": 2, "num_gpus": 0}}
+
+
+def test_busy_time_is_the_union_of_request_intervals_and_the_report_prices_it(tmp_path) -> None:
+    ledger = ReplicaLedger(SPEC)
+    ledger.finished(10, 4, 100.0, 102.0)
+    ledger.finished(10, 4, 101.0, 103.0)  # overlaps the first: 1 s more
+    ledger.finished(10, 0, 104.0, None)  # no token: counts tokens, not time
+    ledger.finished(10, 8, 105.0, 106.5)
+    assert ledger.record["busy_s"] == pytest.approx(3.0 + 1.5)
+    assert (ledger.record["requests"], ledger.record["prompt_tokens"], ledger.record["output_tokens"]) == (4, 40, 16)
+    ledger.record["started_at"] = ledger.record["updated_at"] - 45.0  # 45 s of replica time
+    ledger.write(ended=True)
+    r = report("ledger-unit", now=ledger.record["ended_at"])
+    assert r["replica_hours"] == pytest.approx(45.0 / 3600, rel=1e-3)
+    assert r["cpu_hours"] == pytest.approx(2 * r["replica_hours"])
+    assert r["idle_fraction"] == pytest.approx(1 - 4.5 / 45.0, rel=1e-3)
+    assert r["output_tokens_per_s"] == pytest.approx(16 / 4.5)
+    assert r["cost_per_million_output_tokens_usd"] == pytest.approx(r["cost_usd"] / 16 * 1e6)
