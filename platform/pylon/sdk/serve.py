@@ -35,10 +35,22 @@ def _where(address: home.ClusterAddress | str | None) -> home.ClusterAddress:
     return where
 
 
+# A PUT waits while the dashboard starts Serve's controller and proxies (the first deployment on a cluster), which
+# on a busy 2-core machine has taken over a minute; reads answer at once.
+PUT_TIMEOUT_S = 300
+READ_TIMEOUT_S = 60
+
+
 def _request(where: home.ClusterAddress, method: str, body: dict | None = None) -> requests.Response:
     url = where.dashboard_url.rstrip("/") + SERVE_API
+    timeout = PUT_TIMEOUT_S if method == "PUT" else READ_TIMEOUT_S
     try:
-        return requests.request(method, url, json=body, headers=where.headers, timeout=60)
+        return requests.request(method, url, json=body, headers=where.headers, timeout=timeout)
+    except requests.ReadTimeout:
+        raise ClusterError(
+            f"{url}: no answer within {timeout} s; the dashboard is up but busy (starting Serve takes longest): "
+            "look at `ray status` and the dashboard's log (serve/ and dashboard_serve_head.log), then try again"
+        ) from None
     except requests.RequestException as e:
         raise ClusterError(f"{url}: no answer ({type(e).__name__}); is the cluster's dashboard up?") from None
 
