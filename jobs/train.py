@@ -199,6 +199,7 @@ def train_loop(config: dict) -> None:
 
     import numpy as np
     import ray.train
+    import ray.train.torch
     import torch
     import torch.distributed as dist
 
@@ -233,9 +234,16 @@ def train_loop(config: dict) -> None:
         )
     tok = stream.manifest.tokenizer
     ds_config = build_deepspeed_config(spec, world_size=world)
-    # ZeRO-3 builds partitioned (zero.Init): no process ever holds the whole model, nor pretrained weights.
+    # ZeRO-3 builds partitioned (zero.Init): no process ever holds the whole model, nor pretrained weights. Stages
+    # 0-2 build once, on rank 0, which broadcasts; the other ranks allocate straight on their GPU.
     model = build_model(
-        spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed, deepspeed_config=ds_config
+        spec,
+        vocab_size=tok.vocab_size,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+        seed=seed,
+        deepspeed_config=ds_config,
+        device=ray.train.torch.get_device() if spec.scaling.use_gpu else None,
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config

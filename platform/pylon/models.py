@@ -91,6 +91,7 @@ def build_model(
     pad_id: int,
     seed: int = 0,
     deepspeed_config: dict | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.nn.Module:
     """The causal LM `spec` describes, ready to hand to `deepspeed.initialize`.
 
@@ -102,13 +103,25 @@ def build_model(
     `deepspeed.zero.Init`, each module's parameters are split across the ranks (and offloaded, if the config
     offloads parameters) as soon as the module exists, so no process ever holds the whole model; initialisation
     then gathers one module at a time. Pretrained weights (`model.path`) stream into the partitions one tensor
-    at a time (`_load_partitioned`). The process group must exist. Without it (or at stages 0-2) every process
-    builds the whole model in fp32: those stages keep a full replica per process in training anyway.
+    at a time (`_load_partitioned`). The process group must exist.
+
+    At stages 0-2 (a `deepspeed_config` of another stage, in a process group of several ranks) the model is built
+    once, by rank 0: it alone reads the config and the weights from storage and initialises, and broadcasts the
+    result (`_broadcast_module`). The other ranks build without initialising, straight on `device` (their GPU:
+    no copy in host RAM; on CPU each keeps its replica in RAM, as it does in training), and never touch
+    storage. Rank 0 builds on the CPU, as a single process does, and moves the model to `device`. Without a
+    process group (or without `deepspeed_config`) the process builds the whole model itself.
     """
     from transformers import AutoModelForCausalLM
 
-    config = model_config(spec.model, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
     partitioned = bool(deepspeed_config) and deepspeed_config.get("zero_optimization", {}).get("stage") == 3
+    ranks = _world_size() if deepspeed_config else 1
+    rank = _rank() if ranks > 1 else 0
+    # Rank 0 alone reads the config (and any model directory's) from storage; every rank gets it, or its error.
+    config = _from_rank0(
+        lambda: model_config(spec.model, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id), ranks, rank
+    )
+    shared = ranks > 1 and not partitioned  # stages 0-2: rank 0 builds, the others receive
     torch.manual_seed(seed)
     with _zero3_construction(deepspeed_config if partitioned else None):
         if partitioned:
@@ -117,29 +130,112 @@ def build_model(
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             if spec.model.path is not None:
                 _load_partitioned(model, spec.model.path)
+        elif shared:
+            path = spec.model.path
+            model = _from_rank0(
+                (lambda: _load_whole(path, config)) if path is not None else (lambda: _initialised(config)),
+                ranks,
+                rank,
+                share=False,
+            )
+            if rank != 0:
+                model = _uninitialised(config, device)
+            elif device is not None:
+                model.to(device)
         elif spec.model.path is not None:
-            with local_model_dir(spec.model.path) as directory:
-                try:
-                    model = AutoModelForCausalLM.from_pretrained(
-                        directory, config=config, dtype=torch.float32, local_files_only=True
-                    )
-                except (OSError, ValueError) as e:
-                    raise PylonError(f"model.path {spec.model.path}: cannot load the model ({e})") from None
+            model = _load_whole(spec.model.path, config)
         else:
-            # Built with init off, then initialised in one pass: the same random stream, module for module, as
-            # the partitioned build above (whose constructors cannot initialise), so every stage starts equal.
-            from transformers import initialization
-
-            with initialization.no_init_weights():
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            model.initialize_weights()
-            model.tie_weights()
+            model = _initialised(config)
 
         if spec.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if spec.lora is not None:
             model = with_lora(model, spec.lora)
+    if shared:
+        _broadcast_module(model)  # after LoRA: its adapters are rank 0's too
     return model
+
+
+def _initialised(config: "PretrainedConfig") -> torch.nn.Module:
+    """A new model from `config`, in fp32 on the CPU, initialised from torch's random stream.
+
+    Built with init off, then initialised in one pass: the same random stream, module for module, as the
+    partitioned build (whose constructors cannot initialise), so every stage starts equal."""
+    from transformers import AutoModelForCausalLM, initialization
+
+    with initialization.no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def _uninitialised(config: "PretrainedConfig", device: torch.device | str | None) -> torch.nn.Module:
+    """A model from `config` in fp32, allocated on `device` (the CPU by default) and left uninitialised: storage
+    for weights another rank broadcasts."""
+    from transformers import AutoModelForCausalLM, initialization
+
+    with initialization.no_init_weights(), torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()
+    return model
+
+
+def _load_whole(uri: str, config: "PretrainedConfig") -> torch.nn.Module:
+    """The model directory `uri`'s model, whole, in fp32, on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    with local_model_dir(uri) as directory:
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                directory, config=config, dtype=torch.float32, local_files_only=True
+            )
+        except (OSError, ValueError) as e:
+            raise PylonError(f"model.path {uri}: cannot load the model ({e})") from None
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _from_rank0(make, ranks: int, rank: int, *, share: bool = True):
+    """`make()` run on rank 0 alone. With `share`, every rank gets its result (picklable). An error it raises is
+    raised on every rank (rank 0's own exception there, a PylonError with its message on the others) rather than
+    left for the others to wait on forever. Single process: `make()`."""
+    if ranks == 1:
+        return make()
+    result, error, failure = None, None, None
+    if rank == 0:
+        try:
+            result = make()
+        except Exception as e:
+            failure = e
+            error = (
+                str(e) if isinstance(e, PylonError) else f"rank 0 could not build the model ({type(e).__name__}: {e})"
+            )
+    outcome = _broadcast_object((result if share else None, error))
+    if failure is not None:
+        raise failure
+    if outcome[1] is not None:
+        raise PylonError(outcome[1])
+    return result if rank == 0 else outcome[0]
+
+
+def _broadcast_module(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, in place, one tensor at a time (tied weights once)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 @contextlib.contextmanager

@@ -23,13 +23,14 @@ parameter" counts only Adam's moments. In mixed precision ZeRO-2 comes to 2*N + 
 optimizer moves the optimizer states and the fp32 gradients (and ZeRO-1/2's gradients) to host RAM or NVMe;
 offloading parameters (ZeRO-3) moves the parameter partitions.
 
-Host RAM per node follows DeepSpeed's estimators too (with `zero_init`): at ZeRO-0-2 every process first builds
-the model in fp32 (each keeps a full replica in training anyway); at ZeRO-3 the model is built under `zero.Init`
-(`pylon.models.build_model`), so a process holds only the module being constructed (4*L) before it is
-partitioned. Then the node holds what is offloaded; the larger of the two, times DeepSpeed's
-`additional_buffer_factor` of 1.5 for pinned buffers and fragmentation. (One difference: for
-ZeRO-2 with optimizer offload on several nodes DeepSpeed's estimator multiplies the fp32 model by every GPU of
-the job rather than those of one node; here it is per node.)
+Host RAM per node: at ZeRO-0-2 rank 0 alone builds the model in fp32 on the CPU (or loads it) and broadcasts it,
+while the other ranks allocate theirs on their GPUs (`pylon.models.build_model`), so a node holds one fp32 copy at
+most (DeepSpeed's estimators assume one per process); on CPU workers every process keeps its replica in RAM. At
+ZeRO-3 the model is built under `zero.Init`, so a process holds only the module being constructed (4*L) before it
+is partitioned, as DeepSpeed's estimators (with `zero_init`) count. Then the node holds what is offloaded; the
+larger of the two, times DeepSpeed's `additional_buffer_factor` of 1.5 for pinned buffers and fragmentation. (For
+ZeRO-2 with optimizer offload on several nodes DeepSpeed's estimator also multiplies the fp32 model by every GPU
+of the job rather than those of one node; here it is per node.)
 
 Beyond the model states: activations come from simulating the step (`pylon.plan.activations`), working buffers
 are DeepSpeed's gradient buckets at the sizes the spec gives (`deepspeed.buffers`, DeepSpeed's defaults unless
@@ -359,8 +360,10 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         activations=int(acts),
         buffers=int(buffers),
         runtime=runtime,
-        # ZeRO-3 builds under zero.Init: one module at a time exists whole before it is partitioned.
-        host_build=4 * (s.largest_layer_params if stage == 3 else n) * per_node,
+        # ZeRO-3 builds under zero.Init: one module at a time exists whole before it is partitioned. Stages 0-2
+        # build once, on rank 0's node, and broadcast: the other ranks allocate on their GPUs (on CPU workers
+        # every process holds its replica in RAM).
+        host_build=4 * (s.largest_layer_params * per_node if stage == 3 else n * (1 if device == "cuda" else per_node)),
         host_states=int(host_states),
         host_buffers=int(host_buffers),
         nvme=int(nvme),

@@ -124,7 +124,18 @@ def test_model_states_equal_deepspeed_zero2_estimate(real_models, shape, precisi
             assert abs(mem.model_states / GIB - gpu_gib) <= 0.006 + 0.01 * gpu_gib  # the printed table agrees
             if nodes == 1 or offload == "none":
                 # Multi-node with offload, DeepSpeed multiplies by all GPUs, not those of one node: not per node.
-                assert _close(mem.host_total, cpu), (shape, per_node, nodes, offload, mem.host_total, cpu)
+                # DeepSpeed's estimator counts an fp32 model built by every process of the node (4N x GPUs per
+                # node); Pylon builds it once (rank 0; the others allocate on their GPUs), which is its figure for
+                # one GPU: the node's offloaded states (16N with offload) do not depend on the count.
+                one_copy, _ = stage_1_and_2.estimate_zero2_model_states_mem_needs(
+                    total_params=model_shape(config).total_params,
+                    num_gpus_per_node=1,
+                    num_nodes=1,
+                    cpu_offload=offload == "cpu",
+                )
+                assert _close(mem.host_total, one_copy), (shape, per_node, nodes, offload, mem.host_total, one_copy)
+                if per_node == 1 or offload == "cpu" and per_node <= 4:
+                    assert _close(mem.host_total, cpu)  # where the build does not decide it, DeepSpeed agrees
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
