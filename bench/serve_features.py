@@ -18,13 +18,16 @@ constrained(): structured outputs against free decoding on the same model: outpu
 output must validate against a JSON schema (llguidance masks applied in the batched step) against the same requests
 unconstrained, at concurrency 1 and 8 (target >= 0.9x), and the mask's own cost per token.
 
-speculative(): `engine.speculative: ngram` against plain decoding at concurrency 1 and 32, greedy, on an
+speculative(): `engine.speculative: ngram` and `draft` against plain decoding at concurrency 1 and 32, greedy, on an
 input-grounded workload (prompts that repeat their own phrases, as edits and summaries copy their input). Random
 weights do not copy an input, so two models bracket what a trained one does: GPT-2's initializer (std 0.02), whose
 greedy output falls into loops that prompt lookup predicts (acceptance near 1: the best case), and a 0.5-scale one
 whose continuations follow the context and are almost never predicted (acceptance near 0: what the measured rule
 must keep from costing; target >= 0.95x). Targets: >= 1.7x at 1 (best case), >= 0.95x at 32 (both). Also prints
-acceptance, tokens per verifying step and how many steps the rule let speculate.
+acceptance, tokens per verifying step and how many steps the rule let speculate. The draft model is the model's
+first `--draft-layers` layers with its embeddings, final norm and output layer, saved as an export of its own (an
+early exit, as LayerSkip and Draft & Verify draft): no training needed, the same tokenizer by construction; the
+counters also give the model's forward passes per output token, which do not depend on the machine.
 
     .venv/bin/python bench/serve_features.py                 # all three, CPU, ~12 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
@@ -357,8 +360,27 @@ def grounded_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
     return out
 
 
+def truncated_gpt2(source: Path, directory: Path, layers: int) -> None:
+    """The GPT-2 export at `source` cut to its first `layers` layers (embeddings, final norm and lm_head kept), saved
+    as an export of its own at `directory`: a draft model sharing the tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.transformer.h = model.transformer.h[:layers]
+    model.config.n_layer = layers
+    model.save_pretrained(directory)
+    shutil.copy(source / "pylon_tokenizer.json", directory / "pylon_tokenizer.json")
+
+
+SPEC_LEGS = ("plain", "ngram", "draft")
+
+
 def speculative(args) -> dict:
-    """n-gram speculation against plain decoding, for a looping (0.02) and a context-following (0.5) model."""
+    """n-gram and draft-model speculation against plain decoding, for a looping (0.02) and a context-following
+    (0.5) model."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -367,32 +389,40 @@ def speculative(args) -> dict:
         for init in (0.02, 0.5):
             directory = Path(tmp) / f"gpt2-{init}"
             build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab, init=init)
+            drafter = Path(tmp) / f"gpt2-{init}-draft"
+            truncated_gpt2(directory, drafter, args.draft_layers)
+            methods = {
+                "ngram": {"method": "ngram", "num_tokens": args.spec_tokens},
+                "draft": {"method": "draft", "draft_model": str(drafter), "num_tokens": args.spec_tokens},
+            }
             by_c = {}
             for c in args.spec_concurrency:
                 requests = max(2, c * args.requests_per_slot)
                 prompts = grounded_prompts(requests, args.spec_prompt_tokens, seed=c)
-                legs = {"plain": [], "ngram": []}
-                stats = None
+                legs = {leg: [] for leg in SPEC_LEGS}
+                stats = {}
                 for r in range(args.rounds):
-                    for leg in ("plain", "ngram") if r % 2 == 0 else ("ngram", "plain"):
-                        fields = (
-                            {"speculative": {"method": "ngram", "num_tokens": args.spec_tokens}}
-                            if leg == "ngram"
-                            else {}
-                        )
+                    for leg in SPEC_LEGS[r % len(SPEC_LEGS) :] + SPEC_LEGS[: r % len(SPEC_LEGS)]:  # rotate the order
+                        fields = {"speculative": methods[leg]} if leg in methods else {}
                         eng = engine(str(directory), "none", c, **fields)
+                        steps = _counting_steps(eng)
                         legs[leg].append(
                             throughput(eng, c, requests, 0, args.spec_output_tokens, prompts=[list(p) for p in prompts])
                         )
-                        if leg == "ngram":
+                        generated = eng.stats().generation_tokens_total
+                        stats.setdefault(leg, {})["passes_per_token"] = steps[0] / generated
+                        if leg in methods:
                             policy = eng.spec_policy
-                            stats = {
-                                "proposed": policy.proposed_total,
-                                "accepted": policy.accepted_total,
-                                "verify_steps": policy.verified_total,
-                                "speculated_steps": policy.speculated_steps_total,
-                                "skipped_steps": policy.skipped_steps_total,
-                            }
+                            stats[leg].update(
+                                proposed=policy.proposed_total,
+                                accepted=policy.accepted_total,
+                                verify_steps=policy.verified_total,
+                                speculated_steps=policy.speculated_steps_total,
+                                skipped_steps=policy.skipped_steps_total,
+                                draft_passes_per_token=(
+                                    eng.drafter.forward_passes / generated if eng.drafter is not None else 0.0
+                                ),
+                            )
                         del eng
                         gc.collect()  # an engine holds its KV cache until the collector breaks its cycles
                 by_c[c] = {"legs": legs, "stats": stats}
@@ -400,27 +430,45 @@ def speculative(args) -> dict:
     return results
 
 
+def _counting_steps(eng) -> list[int]:
+    """A one-element list that counts the model's forward passes (the runner's steps) from now on."""
+    count = [0]
+    execute = eng.runner.execute
+
+    def counted(steps):
+        count[0] += 1
+        return execute(steps)
+
+    eng.runner.execute = counted
+    return count
+
+
 def report_speculative(r: dict) -> None:
-    print("== speculative decoding: ngram prompt lookup vs plain, greedy, input-grounded prompts")
+    print("== speculative decoding: ngram prompt lookup and a draft model vs plain, greedy, input-grounded prompts")
     for init, by_c in r.items():
         kind = "loops (best case)" if init == 0.02 else "follows the context (worst case)"
         for c, got in by_c.items():
-            plain, spec = statistics.median(got["legs"]["plain"]), statistics.median(got["legs"]["ngram"])
-            ratios = [a / b for a, b in zip(got["legs"]["ngram"], got["legs"]["plain"])]
-            target = 1.7 if (c == 1 and init == 0.02) else 0.95
-            met = "met" if spec / plain >= target else "NOT met"
-            s = got["stats"]
-            accept = s["accepted"] / s["proposed"] if s["proposed"] else float("nan")
-            per_step = 1 + s["accepted"] / s["verify_steps"] if s["verify_steps"] else float("nan")
+            plain = statistics.median(got["legs"]["plain"])
             print(
-                f"init {init} ({kind}), concurrency {c}: plain {plain:.1f} tok/s, ngram {spec:.1f} tok/s: "
-                f"{spec / plain:.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= {target}x: {met})"
+                f"init {init} ({kind}), concurrency {c}: plain {plain:.1f} tok/s, "
+                f"{got['stats']['plain']['passes_per_token']:.2f} forward passes per output token"
             )
-            print(
-                f"  drafts {s['proposed']}, accepted {s['accepted']} ({accept:.0%}), {per_step:.2f} tokens per "
-                f"verifying step; the rule speculated in {s['speculated_steps']} steps, held back in "
-                f"{s['skipped_steps']}"
-            )
+            for leg in SPEC_LEGS[1:]:
+                spec = statistics.median(got["legs"][leg])
+                ratios = [a / b for a, b in zip(got["legs"][leg], got["legs"]["plain"])]
+                target = 1.7 if (c == 1 and init == 0.02) else 0.95
+                met = "met" if spec / plain >= target else "NOT met"
+                s = got["stats"][leg]
+                accept = s["accepted"] / s["proposed"] if s["proposed"] else float("nan")
+                per_step = 1 + s["accepted"] / s["verify_steps"] if s["verify_steps"] else float("nan")
+                print(
+                    f"  {leg}: {spec:.1f} tok/s: {spec / plain:.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}; "
+                    f"target >= {target}x: {met}); drafts {s['proposed']}, accepted {s['accepted']} ({accept:.0%}), "
+                    f"{per_step:.2f} tokens per verifying step; the rule speculated in {s['speculated_steps']} "
+                    f"steps, held back in {s['skipped_steps']}; model passes per output token "
+                    f"{s['passes_per_token']:.2f}"
+                    + (f", draft model passes {s['draft_passes_per_token']:.2f}" if leg == "draft" else "")
+                )
 
 
 def main() -> None:
@@ -440,6 +488,7 @@ def main() -> None:
     p.add_argument("--spec-concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--spec-prompt-tokens", type=int, default=200)
     p.add_argument("--spec-tokens", type=int, default=4, help="engine.speculative.num_tokens")
+    p.add_argument("--draft-layers", type=int, default=2, help="the draft model's layers: the model's first N")
     p.add_argument("--spec-output-tokens", type=int, default=96, help="decoding, not the prompt, is what it speeds")
     p.add_argument(
         "--only", nargs="+", choices=["quantization", "constrained", "speculative"], help="run these sections only"

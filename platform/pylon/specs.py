@@ -450,14 +450,22 @@ class TrainJobSpec(_Spec):
 
 
 class SpeculativeSpec(_Spec):
-    method: Literal["none", "ngram"] = Field(
+    method: Literal["none", "ngram", "draft"] = Field(
         "none",
         description="speculative decoding: ngram = draft tokens by prompt lookup (the request's own earlier "
-        "tokens: the continuation of the latest earlier occurrence of its last n tokens, no second model), all "
+        "tokens: the continuation of the latest earlier occurrence of its last n tokens, no second model); draft = "
+        "the greedy tokens of a smaller model (draft_model) with the same tokenizer, run beside the model with a "
+        "KV cache of its own. Either way all drafts are "
         "verified in one forward pass and accepted by the standard rule, so greedy outputs are token for token "
-        "those without it and sampled ones keep their distribution. Pays off where outputs copy from the input "
-        "(code edits, summaries, extraction); the engine turns it off per step when its own measured step times "
+        "those without it and sampled ones keep their distribution. ngram pays off where outputs copy from the "
+        "input (code edits, summaries, extraction), draft wherever the small model guesses the large one well; "
+        "the engine turns it off per step when its own measured step times "
         "say the verification would cost more than the accepted tokens save",
+    )
+    draft_model: str | None = Field(
+        None,
+        description="method draft: the draft model's directory (a local path or a URI such as s3://..., as "
+        "`model`), e.g. a smaller `pylon export` trained with the same tokenizer",
     )
     num_tokens: int = Field(4, ge=1, le=16, description="draft tokens proposed per request and step at most")
     ngram_max: int = Field(3, ge=1, le=16, description="the longest suffix of the request's tokens looked up")
@@ -467,6 +475,10 @@ class SpeculativeSpec(_Spec):
     def _ngram_bounds(self):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method draft needs draft_model: the directory of a smaller model with this tokenizer")
+        if self.draft_model and self.method != "draft":
+            raise ValueError(f"draft_model is set but method is {self.method}; set method: draft to use it")
         return self
 
 

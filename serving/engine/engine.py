@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.models import local_model_dir
+from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.guided import Guides
 from pylon.serving.engine.kv_cache import KVBlockPool
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
@@ -66,6 +67,7 @@ class EngineStats:
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0
+    spec_draft_model_steps_total: int = 0  # the draft model's forward passes (engine.speculative.method: draft)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class LLMEngine:
             )
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         speculative = spec.speculative
-        self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method == "ngram" else None
+        self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method != "none" else None
         self._step_tokens = 0  # tokens the step computed (the policy's measure of its size)
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
@@ -116,6 +118,7 @@ class LLMEngine:
             )
         # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
         self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
+        self.drafter = self._load_draft_model(spec) if speculative.method == "draft" else None
         started = time.monotonic()
         if spec.cuda_graphs and (graphs := self.runner.use_decode_graphs(spec.max_num_seqs, self.max_model_len)):
             log.info(
@@ -136,6 +139,40 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._finished_total: Counter[str] = Counter()
+
+    def _load_draft_model(self, spec: EngineSpec) -> DraftModel:
+        """The draft model of `engine.speculative.draft_model`, on this engine's device and dtype, with a KV cache
+        as large as the engine's plus each running request's drafts (its requests hold no more than that)."""
+        from pylon import storage
+
+        uri = spec.speculative.draft_model
+        where = f"engine.speculative.draft_model {storage.describe(uri)}"
+        started = time.monotonic()
+        try:
+            with local_model_dir(uri) as directory:
+                drafter = DraftModel(
+                    directory,
+                    where=where,
+                    tokenizer=self.tokenizer,
+                    max_model_len=self.max_model_len,
+                    kv_cache_tokens=spec.kv_cache_tokens
+                    + spec.max_num_seqs * (spec.speculative.num_tokens + spec.block_size),
+                    block_size=spec.block_size,
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                    device=str(self.runner.device),
+                    dtype=spec.dtype,
+                )
+        except PylonError as e:
+            message = str(e)
+            raise PylonError(message if message.startswith(where) else f"{where}: {message}") from None
+        if drafter.runner.vocab_size != self.runner.vocab_size:
+            raise PylonError(
+                f"{where}: its output layer scores {drafter.runner.vocab_size} tokens, the model's "
+                f"{self.runner.vocab_size}; a draft model must share the served model's vocabulary"
+            )
+        drafter.warm_up(spec.max_num_seqs)
+        log.info("engine: loaded the draft model (%s) in %.2f s", uri, time.monotonic() - started)
+        return drafter
 
     # -- requests in ------------------------------------------------------------------------------------
 
@@ -326,7 +363,7 @@ class LLMEngine:
         if not decodes:
             return
         spec = self.spec.speculative
-        drafted = []
+        drafted, rooms = [], []
         for request in decodes:
             params = request.params
             if request.guide is not None or params.logprobs is not None or request.prompt_logprobs is not None:
@@ -338,10 +375,23 @@ class LLMEngine:
                 self.max_model_len - request.num_tokens - 1,
                 request.max_tokens - request.num_output_tokens - 1,
             )
-            if room > 0:
-                request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
-                if request.draft:
-                    drafted.append(request)
+            if room <= 0:
+                continue
+            if self.drafter is not None:  # the draft model's tokens cost a forward pass each: decide first
+                drafted.append(request)
+                rooms.append(room)
+                continue
+            request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
+            if request.draft:
+                drafted.append(request)
+        if self.drafter is not None:
+            if drafted and policy.decide(len(decodes), sum(rooms), other):
+                drafts = self.drafter.propose(
+                    [DraftRequest(r.request_id, r.token_ids, room) for r, room in zip(drafted, rooms)]
+                )
+                for request in drafted:
+                    request.draft = drafts.get(request.request_id, [])
+            return
         if not policy.decide(len(decodes), sum(len(r.draft) for r in drafted), other):
             for request in drafted:
                 request.draft = []
@@ -426,6 +476,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         self._finished_total[reason] += 1
         with self._lock:
             self._unfinished_ids.discard(request.request_id)
@@ -479,6 +531,7 @@ class LLMEngine:
                     "spec_draft_tokens_total": self.spec_policy.proposed_total,
                     "spec_accepted_tokens_total": self.spec_policy.accepted_total,
                     "spec_verify_steps_total": self.spec_policy.verified_total,
+                    "spec_draft_model_steps_total": self.drafter.forward_passes if self.drafter is not None else 0,
                 }
                 if self.spec_policy is not None
                 else {}

@@ -166,27 +166,37 @@ def deploy(spec: DeploymentSpec, *, address: home.ClusterAddress | str | None = 
 
 
 def _checked_model(spec: DeploymentSpec, where: home.ClusterAddress) -> DeploymentSpec:
-    """Fail before deploying when `model` is not a model directory (a replica would only crash-loop), or is a path
-    on this machine the cluster cannot read; make a local path absolute: replicas do not run in the caller's
-    directory."""
-    uri = spec.model
+    """Fail before deploying when `model` (or `engine.speculative.draft_model`) is not a model directory (a replica
+    would only crash-loop), or is a path on this machine the cluster cannot read; make a local path absolute:
+    replicas do not run in the caller's directory."""
+    uri = _checked_model_dir("model", spec.model, where)
+    speculative = spec.engine.speculative
+    if speculative.draft_model is None:
+        return spec.model_copy(update={"model": uri})
+    draft = _checked_model_dir("engine.speculative.draft_model", speculative.draft_model, where)
+    engine = spec.engine.model_copy(update={"speculative": speculative.model_copy(update={"draft_model": draft})})
+    return spec.model_copy(update={"model": uri, "engine": engine})
+
+
+def _checked_model_dir(field: str, uri: str, where: home.ClusterAddress) -> str:
+    """`uri`, a model directory the cluster can read (a local path made absolute), or a PylonError naming `field`."""
     if "://" not in uri:
         uri = os.path.abspath(os.path.expanduser(uri))
         if not where.shares_disk:
             raise PylonError(
-                f"model: {uri} is a path on this machine, and the cluster at {where.dashboard_url} shares no disk "
+                f"{field}: {uri} is a path on this machine, and the cluster at {where.dashboard_url} shares no disk "
                 "with it; copy the model directory to object storage (e.g. s3://BUCKET/models/NAME) and deploy that"
             )
     try:
         has_config = storage.exists(storage.join(uri, "config.json"))
     except Exception as e:  # storage or credential errors while looking
-        raise PylonError(f"model {storage.describe(uri)}: cannot be read ({type(e).__name__}: {e})") from None
+        raise PylonError(f"{field} {storage.describe(uri)}: cannot be read ({type(e).__name__}: {e})") from None
     if not has_config:
         raise PylonError(
-            f"model {storage.describe(uri)}: not a Hugging Face model directory (no config.json); "
+            f"{field} {storage.describe(uri)}: not a Hugging Face model directory (no config.json); "
             "point it at a `pylon export` output or a saved transformers model"
         )
-    return spec.model_copy(update={"model": uri})
+    return uri
 
 
 def app_failure(details: dict, name: str) -> str | None:

@@ -1,0 +1,175 @@
+"""Speculative decoding's second source: draft tokens from a smaller model (`engine.speculative.method: draft`).
+
+The draft model is a model directory of its own (a smaller Pylon export, or any Hugging Face model the engine
+serves) with the target's tokenizer. It runs on the engine's device in its own `ModelRunner`, with its own paged KV
+cache (`KVBlockPool`, no prefix caching): a speculating step first brings each request's draft cache up to the
+request's tokens (the prompt the first time, then the tokens the last verification emitted), which also gives the
+first draft token, then feeds each draft back for the next, `k - 1` more one-token steps, all requests batched in
+each. Drafts are the draft model's greedy choices, one token each (q(d) = 1), so the target verifies them by the
+same rule as prompt lookup's (`speculative.verify`): greedy outputs stay token for token the target's own and
+sampled ones keep their distribution, whatever the draft model says.
+
+The draft cache never counts a draft as computed: a rejected draft's keys and values are overwritten when the
+request's real token at that position is fed, and an accepted one's are computed again then (one token's worth of
+the small model, for a much simpler cache). A request's draft cache is freed when it finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pylon.errors import PylonError
+from pylon.serving.engine.kv_cache import KVBlockPool
+from pylon.serving.model.step import StepSequence
+
+log = logging.getLogger(__name__)
+
+# Text whose tokens the draft's and the target's tokenizers must agree on (besides vocabulary size and eos).
+TOKENIZER_PROBE = 'def main(argv):\n    return {"naïve": [1, 2.5e-3], "日本語": None}  # Größe, ñ, 🙂\n'
+
+
+@dataclass
+class DraftRequest:
+    """One decode to draft for: its tokens so far and how many drafts it has room for."""
+
+    request_id: str
+    token_ids: list[int]
+    room: int
+
+
+class DraftModel:
+    """Proposes `k` tokens per decode from a smaller model, batched over the step's decodes."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        where: str,
+        tokenizer,
+        max_model_len: int,
+        kv_cache_tokens: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        device: str,
+        dtype: str,
+    ) -> None:
+        """`directory`: the draft model's local directory (`where` names it in errors: the spec's field and URI);
+        `tokenizer`: the target's, which the draft's must equal; `kv_cache_tokens`: the draft cache's size."""
+        from pylon.serving.engine.tokenization import load_model_tokenizer
+        from pylon.serving.model.runner import ModelRunner
+
+        try:
+            own = load_model_tokenizer(directory)
+        except PylonError as e:
+            raise PylonError(f"{where}: {e}") from None
+        _check_same_tokenizer(own, tokenizer, where)
+        self.pool = KVBlockPool.for_tokens(kv_cache_tokens, block_size)
+        try:
+            self.runner = ModelRunner(
+                directory, num_blocks=self.pool.num_blocks, block_size=block_size, device=device, dtype=dtype
+            )
+        except PylonError as e:
+            raise PylonError(f"{where}: {e}") from None
+        if self.runner.max_position_embeddings < max_model_len:
+            raise PylonError(
+                f"{where}: the draft model attends over {self.runner.max_position_embeddings} positions, fewer than "
+                f"the engine's max_model_len ({max_model_len}); lower engine.max_model_len or use a draft model "
+                "with a longer position table"
+            )
+        self.budget = max_num_batched_tokens  # tokens per catch-up step, as the target's steps
+        self._computed: dict[str, int] = {}  # request id -> its tokens whose keys and values the draft cache holds
+        self.forward_passes = 0  # the draft model's steps (a machine-independent counter for benchmarks)
+
+    def warm_up(self, max_num_seqs: int) -> None:
+        self.runner.warm_up(max_num_seqs, self.budget)
+
+    def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
+        """Each request's drafts (up to its `room`), by request id; a request the draft cache has no room for
+        gets none this step."""
+        import torch
+
+        ready = []
+        for r in requests:
+            # Slots up to the last draft fed back: the request's tokens and room - 1 drafts.
+            if r.room > 0 and self._allocate(r.request_id, len(r.token_ids) + r.room - 1, requests):
+                ready.append(r)
+        if not ready:
+            return {}
+        drafts = {r.request_id: [t] for r, t in zip(ready, self._catch_up(ready))}
+        for i in range(1, max(r.room for r in ready)):
+            going = [r for r in ready if r.room > i]
+            steps = [
+                StepSequence([drafts[r.request_id][-1]], len(r.token_ids) + i - 1, self._table(r), True) for r in going
+            ]
+            logits = self._execute(steps)
+            for r, token in zip(going, torch.argmax(logits, dim=-1).tolist()):
+                drafts[r.request_id].append(int(token))
+        return drafts
+
+    def _catch_up(self, ready: list[DraftRequest]) -> list[int]:
+        """Feed each request's tokens the draft cache lacks (its last token at least, for its logits), in steps of
+        at most `budget` tokens; returns each request's first draft, the argmax after its last token."""
+        import torch
+
+        start = {}
+        for r in ready:
+            # Its last token is fed again even when cached, as the row that gives the first draft.
+            start[r.request_id] = min(self._computed.get(r.request_id, 0), len(r.token_ids) - 1)
+        first: dict[str, int] = {}
+        while len(first) < len(ready):
+            steps, fed, budget = [], [], self.budget
+            for r in ready:
+                at = start[r.request_id]
+                if r.request_id in first or budget <= 0:
+                    continue
+                n = min(len(r.token_ids) - at, budget)
+                steps.append(StepSequence(r.token_ids[at : at + n], at, self._table(r), at + n == len(r.token_ids)))
+                fed.append(r)
+                budget -= n
+            logits = self._execute(steps)
+            rows = iter(torch.argmax(logits, dim=-1).tolist()) if logits.numel() else iter(())
+            for r, step in zip(fed, steps):
+                start[r.request_id] += step.num_new_tokens
+                if step.samples:
+                    first[r.request_id] = int(next(rows))
+                    self._computed[r.request_id] = len(r.token_ids)
+        return [first[r.request_id] for r in ready]
+
+    def _execute(self, steps: list[StepSequence]):
+        self.forward_passes += 1
+        return self.runner.execute(steps)
+
+    def _table(self, r: DraftRequest) -> list[int]:
+        return self.pool.block_table(r.request_id)
+
+    def _allocate(self, request_id: str, tokens: int, step: list[DraftRequest]) -> bool:
+        """Room for `tokens` of the request in the draft cache; when full, the caches of requests not drafting in
+        this step (preempted or waiting in the target) are freed first."""
+        if self.pool.allocate(request_id, tokens):
+            return True
+        drafting = {r.request_id for r in step}
+        for other in [rid for rid in self._computed if rid not in drafting]:
+            self.forget(other)
+        return self.pool.allocate(request_id, tokens)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: free its draft cache."""
+        self._computed.pop(request_id, None)
+        self.pool.free(request_id)
+
+
+def _check_same_tokenizer(draft, target, where: str) -> None:
+    """Drafts are token ids: the draft model must number tokens as the target does."""
+    differ = []
+    if draft.vocab_size != target.vocab_size:
+        differ.append(f"vocabulary of {draft.vocab_size} tokens, the model's {target.vocab_size}")
+    if draft.eos_id != target.eos_id:
+        differ.append(f"end-of-text token {draft.eos_id}, the model's {target.eos_id}")
+    if not differ and list(draft.encode(TOKENIZER_PROBE)) != list(target.encode(TOKENIZER_PROBE)):
+        differ.append("it encodes text into other token ids")
+    if differ:
+        raise PylonError(
+            f"{where}: its tokenizer is not the model's ({'; '.join(differ)}); a draft model must share the served "
+            "model's tokenizer (train it with the same one, e.g. a smaller model of the same family)"
+        )

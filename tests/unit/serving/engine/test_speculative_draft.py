@@ -1,0 +1,110 @@
+"""Speculative decoding from a draft model (`engine.speculative.method: draft`, `engine/draft.py`): greedy outputs
+token for token those of `transformers` whatever the draft model says; a draft that is the model itself is always
+accepted and cuts the model's steps; long prompts catch the draft cache up in steps of the engine's token budget;
+a draft model with another tokenizer or vocabulary is refused at start, naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_models import FAMILIES, PROMPTS, Family, assert_pool_empty, run, spec, tokens_of
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pylon.data.tokenizer import ByteTokenizer
+from pylon.errors import PylonError
+from pylon.serving.engine.engine import LLMEngine
+from pylon.serving.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> Family:
+    return Family(request.param, tmp_path_factory.mktemp(f"{request.param}-draft"))
+
+
+def save_model(directory, name: str, *, layers: int = 1, vocab: int = 320, seed: int = 3) -> str:
+    """A random model of `name`'s family with `layers` layers, saved as a Pylon export with the byte tokenizer."""
+    tok = ByteTokenizer()
+    fields = dict(FAMILIES[name], vocab_size=vocab)
+    fields["n_layer" if name == "gpt2" else "num_hidden_layers"] = layers
+    config = AutoConfig.for_model(
+        name, **fields, eos_token_id=tok.eos_id, bos_token_id=tok.eos_id, pad_token_id=tok.pad_id, initializer_range=0.5
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    return str(directory)
+
+
+def draft(model: str, num_tokens: int = 4) -> dict:
+    return {"method": "draft", "draft_model": model, "num_tokens": num_tokens}
+
+
+def test_the_model_as_its_own_draft_is_always_accepted_and_takes_fewer_steps(family: Family) -> None:
+    # A token budget of 32: the 90- and 64-token prompts reach the draft cache over several catch-up steps.
+    engine = family.engine(speculative=draft(family.dir), max_num_batched_tokens=32)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    steps, got = 0, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+        steps += 1
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens_of(got[f"r{i}"]) == family.hf_greedy(prompt, 24)
+    stats = engine.stats()
+    assert stats.spec_draft_tokens_total > 0
+    assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total, stats  # the same model
+    assert stats.spec_draft_model_steps_total > 0
+    # Plainly, each request's 24 tokens take 24 steps after its prompt's; here most steps emit 5.
+    assert steps < 24, steps
+    assert_pool_empty(engine)
+    assert engine.drafter.pool.num_free_blocks == engine.drafter.pool.num_blocks  # every draft cache freed
+
+
+def test_greedy_outputs_are_the_models_whatever_another_draft_model_says(family: Family, tmp_path) -> None:
+    small = save_model(tmp_path / "small", family.name, layers=1, seed=11)
+    engine = family.engine(speculative=draft(small, num_tokens=3))
+    plain = family.engine()
+    for e in (engine, plain):
+        for i, prompt in enumerate(PROMPTS):
+            e.add_request(f"r{i}", prompt, GREEDY)
+    got, expected = run(engine), run(plain)
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens_of(got[f"r{i}"]) == tokens_of(expected[f"r{i}"]) == family.hf_greedy(prompt, 24)
+    stats = engine.stats()
+    assert stats.spec_draft_tokens_total > 0 and stats.spec_verify_steps_total > 0, stats
+    assert stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total  # another model: some are rejected
+    assert_pool_empty(engine)
+
+
+def test_sampled_requests_run_to_their_length_with_a_draft_model(family: Family) -> None:
+    engine = family.engine(speculative=draft(family.dir))
+    params = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(f"r{i}", prompt, params)
+    got = run(engine)
+    assert all(len(tokens_of(v)) == 30 for v in got.values())
+    assert engine.stats().spec_verify_steps_total > 0
+    assert_pool_empty(engine)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_the_field(tmp_path) -> None:
+    target = save_model(tmp_path / "target", "gpt2", layers=2)
+    other = save_model(tmp_path / "other", "gpt2", vocab=384)
+    with pytest.raises(
+        PylonError, match=r"engine\.speculative\.draft_model .*other.*scores 384 tokens, the model's 320"
+    ):
+        LLMEngine(target, spec(speculative=draft(other)))
+    with pytest.raises(PylonError, match=r"engine\.speculative\.draft_model .*absent"):
+        LLMEngine(target, spec(speculative=draft(str(tmp_path / "absent"))))
+
+
+def test_the_spec_says_what_method_draft_needs() -> None:
+    with pytest.raises(ValueError, match="method draft needs draft_model"):
+        spec(speculative={"method": "draft"})
+    with pytest.raises(ValueError, match="draft_model is set but method is ngram"):
+        spec(speculative={"method": "ngram", "draft_model": "/models/small"})
