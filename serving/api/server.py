@@ -76,6 +76,10 @@ def _metrics(model: str):
             "pylon_spec_decode_verify_steps_total",
             "Requests' speculating steps (accepted / steps + 1 = mean acceptance length)",
         ),
+        "spec_draft_model_steps": counter(
+            "pylon_spec_decode_draft_model_steps_total",
+            "The draft model's forward passes (engine.speculative.method: draft)",
+        ),
         "requests": counter(
             "pylon_requests_total",
             "Finished requests by HTTP status and finish reason",
@@ -169,7 +173,9 @@ class PylonLLMServer:
 
     async def _report_gauges(self) -> None:
         # the engines' totals counted so far
-        reported = {"prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0, "spec_accepted": 0, "spec_steps": 0}
+        reported = dict.fromkeys(
+            ("prefix_queries", "prefix_hits", "spec_drafts", "spec_accepted", "spec_steps", "spec_draft_model_steps"), 0
+        )
         while True:
             stats = self.engine.stats()
             if self.ledger.due():  # storage I/O (object storage, maybe) off the event loop
@@ -183,6 +189,7 @@ class PylonLLMServer:
                 ("spec_drafts", stats.spec_draft_tokens_total),
                 ("spec_accepted", stats.spec_accepted_tokens_total),
                 ("spec_steps", stats.spec_verify_steps_total),
+                ("spec_draft_model_steps", stats.spec_draft_model_steps_total),
             ):
                 if total > reported[name]:
                     self.metrics[name].inc(total - reported[name])

@@ -392,6 +392,7 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         spec_draft_tokens_total=sum(s.spec_draft_tokens_total for s in stats),
         spec_accepted_tokens_total=sum(s.spec_accepted_tokens_total for s in stats),
         spec_verify_steps_total=sum(s.spec_verify_steps_total for s in stats),
+        spec_draft_model_steps_total=sum(s.spec_draft_model_steps_total for s in stats),
     )
 
 

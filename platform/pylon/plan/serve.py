@@ -142,6 +142,20 @@ def plan_serve(
         weights -= shape.projection_params * (b - QUANT_BYTES) - shape.projection_channels * 4
     kv_dtype = dtype if e.kv_cache_dtype == "auto" else e.kv_cache_dtype
     per_token = kv_bytes_per_token(shape, KV_BYTES[kv_dtype])
+    notes = []
+    draft_kv = 0
+    if e.speculative.method == "draft":
+        # The draft model beside it: its weights (unquantized) and its own KV cache, sized by the engine as the
+        # model's plus each running request's drafts (engine.LLMEngine._load_draft_model), in the engine's dtype.
+        draft = model_shape(_config_from_dir(e.speculative.draft_model, "engine.speculative.draft_model"))
+        draft_weights = draft.total_params * b
+        draft_tokens = e.kv_cache_tokens + e.max_num_seqs * (e.speculative.num_tokens + e.block_size)
+        draft_kv = draft_tokens * kv_bytes_per_token(draft, b)
+        weights += draft_weights
+        notes.append(
+            f"weights include the draft model's {_gib(draft_weights)} ({draft.total_params:,} parameters) and the "
+            f"KV cache its {_gib(draft_kv)} ({draft_tokens:,} tokens); decode throughput is without speculation"
+        )
     # Prefill of a token batch: a few hidden-size tensors and the MLP's intermediate ones; fp32 logits of the
     # sequences that sample.
     workspace = (
@@ -152,8 +166,8 @@ def plan_serve(
     rows = []
     for acc in accelerators:
         usable = acc.memory_bytes * USABLE_FRACTION
-        kv = e.kv_cache_tokens * per_token
-        free = usable - weights - workspace - CUDA_RUNTIME_BYTES
+        kv = e.kv_cache_tokens * per_token + draft_kv
+        free = usable - weights - draft_kv - workspace - CUDA_RUNTIME_BYTES
         kv_fit = max(0, int(free // per_token))
         total = weights + kv + workspace + CUDA_RUNTIME_BYTES
         if total <= usable:
@@ -197,7 +211,6 @@ def plan_serve(
         )
     fitting = [r for r in rows if r.fits]
     recommendation = min(fitting, key=lambda r: r.cost_per_million_tokens) if fitting else None
-    notes = []
     if e.device == "cpu" or spec.replica.num_gpus == 0:
         notes.append("the spec serves on CPU; the table shows what each GPU would do")
     return ServePlan(

@@ -388,3 +388,31 @@ def test_a_files_deployment_of_its_own_training_run_is_planned_with_that_model(t
     assert [p.kind for p in plans] == ["TrainJob", "Deployment"] and "Dataset" in skipped[0]
     assert plans[1].shape.total_params == plans[0].work.shape.total_params
     assert plans[0].cpu_worker_bytes is not None  # the demo trains on CPU workers
+
+
+def test_a_draft_model_counts_its_weights_and_its_kv_cache(tmp_path: Path) -> None:
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps(LLAMA_70B))
+    small = {**LLAMA_70B, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8}
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps(small))
+    engine = {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536}
+
+    def plan(**speculative):
+        spec = DeploymentSpec(
+            name="big", model=str(tmp_path / "big"), replica={"num_gpus": 1}, engine={**engine, **speculative}
+        )
+        return plan_serve(spec)
+
+    plain = plan()
+    spec = plan(speculative={"method": "draft", "draft_model": str(tmp_path / "small"), "num_tokens": 4})
+    without, with_draft = (next(r for r in p.rows if r.accelerator.name == "MI300X") for p in (plain, spec))
+    draft_shape = model_shape(model_config(ModelSpec(config=small)))
+    assert with_draft.weights - without.weights == draft_shape.total_params * 2  # bf16
+    draft_tokens = 65536 + 64 * (4 + 16)  # the engine's cache plus each running request's drafts
+    draft_per_token = 8 * 8 * 32 * 2 * 2  # 8 layers x 8 KV heads x 32 dims (2048 / 64 heads) x K and V x bf16
+    assert with_draft.kv_cache - without.kv_cache == draft_tokens * draft_per_token
+    assert with_draft.kv_tokens_fit < without.kv_tokens_fit
+    assert any("draft model" in n for n in spec.notes)
+    with pytest.raises(PylonError, match=r"engine\.speculative\.draft_model .*absent"):
+        plan(speculative={"method": "draft", "draft_model": str(tmp_path / "absent")})
