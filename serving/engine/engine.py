@@ -159,7 +159,7 @@ class LLMEngine:
                     + spec.max_num_seqs * (spec.speculative.num_tokens + spec.block_size),
                     block_size=spec.block_size,
                     max_num_batched_tokens=spec.max_num_batched_tokens,
-                    device=str(self.runner.device),
+                    device=self.runner.device.type,
                     dtype=spec.dtype,
                 )
         except PylonError as e:
