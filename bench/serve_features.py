@@ -399,10 +399,11 @@ def speculative(args) -> dict:
             for c in args.spec_concurrency:
                 requests = max(2, c * args.requests_per_slot)
                 prompts = grounded_prompts(requests, args.spec_prompt_tokens, seed=c)
-                legs = {leg: [] for leg in SPEC_LEGS}
+                order = ("plain", *args.spec_methods)
+                legs = {leg: [] for leg in order}
                 stats = {}
                 for r in range(args.rounds):
-                    for leg in SPEC_LEGS[r % len(SPEC_LEGS) :] + SPEC_LEGS[: r % len(SPEC_LEGS)]:  # rotate the order
+                    for leg in order[r % len(order) :] + order[: r % len(order)]:  # rotate the order
                         fields = {"speculative": methods[leg]} if leg in methods else {}
                         eng = engine(str(directory), "none", c, **fields)
                         steps = _counting_steps(eng)
@@ -453,7 +454,7 @@ def report_speculative(r: dict) -> None:
                 f"init {init} ({kind}), concurrency {c}: plain {plain:.1f} tok/s, "
                 f"{got['stats']['plain']['passes_per_token']:.2f} forward passes per output token"
             )
-            for leg in SPEC_LEGS[1:]:
+            for leg in [m for m in SPEC_LEGS[1:] if m in got["legs"]]:
                 spec = statistics.median(got["legs"][leg])
                 ratios = [a / b for a, b in zip(got["legs"][leg], got["legs"]["plain"])]
                 target = 1.7 if (c == 1 and init == 0.02) else 0.95
@@ -489,6 +490,9 @@ def main() -> None:
     p.add_argument("--spec-prompt-tokens", type=int, default=200)
     p.add_argument("--spec-tokens", type=int, default=4, help="engine.speculative.num_tokens")
     p.add_argument("--draft-layers", type=int, default=2, help="the draft model's layers: the model's first N")
+    p.add_argument(
+        "--spec-methods", nargs="+", choices=SPEC_LEGS[1:], default=list(SPEC_LEGS[1:]), help="legs beside plain"
+    )
     p.add_argument("--spec-output-tokens", type=int, default=96, help="decoding, not the prompt, is what it speeds")
     p.add_argument(
         "--only", nargs="+", choices=["quantization", "constrained", "speculative"], help="run these sections only"

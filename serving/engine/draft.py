@@ -80,6 +80,9 @@ class DraftModel:
         self.budget = max_num_batched_tokens  # tokens per catch-up step, as the target's steps
         self._computed: dict[str, int] = {}  # request id -> its tokens whose keys and values the draft cache holds
         self.forward_passes = 0  # the draft model's steps (a machine-independent counter for benchmarks)
+        # The most tokens one request's draft cache lacked in the last `propose`: 1 to k + 1 while the step before
+        # speculated too; more the first time (its prompt) or after steps that did not (its tokens since).
+        self.last_catch_up = 0
 
     def warm_up(self, max_num_seqs: int) -> None:
         self.runner.warm_up(max_num_seqs, self.budget)
@@ -116,6 +119,7 @@ class DraftModel:
         for r in ready:
             # Its last token is fed again even when cached, as the row that gives the first draft.
             start[r.request_id] = min(self._computed.get(r.request_id, 0), len(r.token_ids) - 1)
+        self.last_catch_up = max(len(r.token_ids) - start[r.request_id] for r in ready)
         first: dict[str, int] = {}
         while len(first) < len(ready):
             steps, fed, budget = [], [], self.budget

@@ -126,9 +126,11 @@ class SpecPolicy:
         self._step_proposed += proposed
         self._step_accepted += accepted
 
-    def end_step(self, tokens: int, seconds: float) -> None:
-        """A step is done: `tokens` computed in `seconds` of the engine's step (proposing and verifying included)."""
-        self.observe_step(tokens, seconds)
+    def end_step(self, tokens: int, seconds: float, *, timed: bool = True) -> None:
+        """A step is done: `tokens` computed in `seconds` of the engine's step (proposing and verifying included).
+        `timed=False`: a step whose time is not what such steps cost (a draft model catching up on a prompt)."""
+        if timed:
+            self.observe_step(tokens, seconds)
         if self._step_proposed:
             self.accept_rate = 0.7 * self.accept_rate + 0.3 * (self._step_accepted / self._step_proposed)
         self._step_proposed = self._step_accepted = 0
