@@ -107,7 +107,7 @@ class LLMEngine:
         speculative = spec.speculative
         self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method != "none" else None
         self._step_tokens = 0  # tokens the step computed (the policy's measure of its size)
-        self._draft_caught_up = False  # the draft model caught up more than a step's tokens (the step is not timed)
+        self._draft_seconds = 0.0  # the step's time in the draft model (timed apart from the step's own)
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
         if compiled:
@@ -273,12 +273,12 @@ class LLMEngine:
         started = time.perf_counter()
         outputs = self._step()
         if self.spec_policy is not None and self._step_tokens:
-            self.spec_policy.end_step(self._step_tokens, time.perf_counter() - started, timed=not self._draft_caught_up)
+            self.spec_policy.end_step(self._step_tokens, time.perf_counter() - started - self._draft_seconds)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
         self._step_tokens = 0
-        self._draft_caught_up = False
+        self._draft_seconds = 0.0
         outputs = []
         with self._lock:
             incoming, self._incoming = self._incoming, []
@@ -387,13 +387,16 @@ class LLMEngine:
             if request.draft:
                 drafted.append(request)
         if self.drafter is not None:
-            if drafted and policy.decide(len(decodes), sum(rooms), other):
+            if drafted and policy.decide(len(decodes), sum(rooms), other, draft_model=True):
+                started = time.perf_counter()
                 drafts = self.drafter.propose(
                     [DraftRequest(r.request_id, r.token_ids, room) for r, room in zip(drafted, rooms)]
                 )
+                self._draft_seconds = time.perf_counter() - started
                 # A draft cache that lagged more than one step's tokens (a prompt, or steps that did not speculate)
-                # made this step slower than speculating steps are: its time would teach the rule the wrong cost.
-                self._draft_caught_up = self.drafter.last_catch_up > spec.num_tokens + 1
+                # took longer than a speculating step's proposing does: not what the rule should expect.
+                if self.drafter.last_catch_up <= spec.num_tokens + 1:
+                    policy.observe_draft(len(drafted), self._draft_seconds)
                 for request in drafted:
                     request.draft = drafts.get(request.request_id, [])
             return

@@ -103,6 +103,9 @@ class SpecPolicy:
 
     k: int
     times: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
+    # A draft model's proposing, by the step's decodes (bucket): seconds, apart from the model's step, and only from
+    # proposals that fed each request at most a step's tokens (a prompt's catch-up is not what a step costs).
+    draft_times: dict[int, float] = field(default_factory=dict)
     accept_rate: float = 0.6  # accepted / proposed; a prior until drafts have been verified
     steps: int = 0
     proposed_total: int = 0
@@ -126,24 +129,33 @@ class SpecPolicy:
         self._step_proposed += proposed
         self._step_accepted += accepted
 
-    def end_step(self, tokens: int, seconds: float, *, timed: bool = True) -> None:
-        """A step is done: `tokens` computed in `seconds` of the engine's step (proposing and verifying included).
-        `timed=False`: a step whose time is not what such steps cost (a draft model catching up on a prompt)."""
-        if timed:
-            self.observe_step(tokens, seconds)
+    def observe_draft(self, decodes: int, seconds: float) -> None:
+        """A draft model proposed for `decodes` decodes in `seconds` (k passes, none of them a long catch-up)."""
+        bucket = _bucket(decodes)
+        old = self.draft_times.get(bucket)
+        self.draft_times[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def end_step(self, tokens: int, seconds: float) -> None:
+        """A step is done: `tokens` computed in `seconds` of the engine's step (verifying included; a draft model's
+        proposing is not: it is timed apart, `observe_draft`)."""
+        self.observe_step(tokens, seconds)
         if self._step_proposed:
             self.accept_rate = 0.7 * self.accept_rate + 0.3 * (self._step_accepted / self._step_proposed)
         self._step_proposed = self._step_accepted = 0
 
-    def decide(self, decodes: int, drafts: int, other_tokens: int) -> bool:
+    def decide(self, decodes: int, drafts: int, other_tokens: int, *, draft_model: bool = False) -> bool:
         """Speculate in a step of `decodes` decodes holding `drafts` draft tokens among them, next to
         `other_tokens` prompt tokens? Yes while the tokens it is expected to emit per second, (decodes +
-        rate x drafts) / T(with drafts), beat decodes / T(without), by the measured step times."""
+        rate x drafts) / T(with drafts), beat decodes / T(without), by the measured step times. With a
+        `draft_model`, T(with drafts) also counts its proposing for this many decodes, as measured."""
         self.steps += 1
         if decodes == 0 or drafts == 0:
             return False
         plain = self.times.get(_bucket(decodes + other_tokens))
         spec = self.times.get(_bucket(decodes + drafts + other_tokens))
+        if draft_model and spec is not None:
+            proposing = self.draft_times.get(_bucket(decodes))
+            spec = None if proposing is None else spec + proposing
         if plain is None or spec is None:
             yes = spec is None  # measure the side not measured yet (a plain step is also any step without drafts)
         else:

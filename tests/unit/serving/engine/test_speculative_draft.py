@@ -43,24 +43,21 @@ def draft(model: str, num_tokens: int = 4) -> dict:
     return {"method": "draft", "draft_model": model, "num_tokens": num_tokens}
 
 
-def test_the_model_as_its_own_draft_is_always_accepted_and_takes_fewer_steps(family: Family) -> None:
+def test_the_model_as_its_own_draft_is_always_accepted_and_steps_emit_five_tokens(family: Family) -> None:
     # A token budget of 32: the 90- and 64-token prompts reach the draft cache over several catch-up steps.
     engine = family.engine(speculative=draft(family.dir), max_num_batched_tokens=32)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
-    steps, got = 0, {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).append(out)
-        steps += 1
+    got = run(engine)
     for i, prompt in enumerate(PROMPTS):
         assert tokens_of(got[f"r{i}"]) == family.hf_greedy(prompt, 24)
     stats = engine.stats()
-    assert stats.spec_draft_tokens_total > 0
+    assert stats.spec_draft_tokens_total > 0 and stats.spec_draft_model_steps_total > 0
     assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total, stats  # the same model
-    assert stats.spec_draft_model_steps_total > 0
-    # Plainly, each request's 24 tokens take 24 steps after its prompt's; here most steps emit 5.
-    assert steps < 24, steps
+    # How often the measured rule lets it speculate depends on this machine's timings; each time it does, a
+    # request's step emits its 4 drafts and the model's next token (fewer only at its max_tokens).
+    assert stats.spec_accepted_tokens_total / stats.spec_verify_steps_total + 1 >= 3.5, stats
+    assert max(len(o.token_ids) for outs in got.values() for o in outs) == 5
     assert_pool_empty(engine)
     assert engine.drafter.pool.num_free_blocks == engine.drafter.pool.num_blocks  # every draft cache freed
 
