@@ -173,14 +173,16 @@ def test_prometheus_scrapes_serving_and_training_and_fires_an_alert(prom, ray_cl
     assert p99 and float(p99[0]["value"][1]) > 0.001, p99
     print(f"alert fired: {time.monotonic() - t0:.0f}s", file=sys.stderr)
 
-    # The TrainJob's steps reach Prometheus from its Ray Train worker, while it runs (a worker's last values may
-    # leave with it: Ray's workers report their metrics every few seconds).
+    # The TrainJob's steps reach Prometheus from its Ray Train worker while it runs. A gauge's series goes stale
+    # when the worker exits (Ray's agent stops exporting it), and a job that finished before this point has no
+    # current value: last_over_time reads the last sample Prometheus scraped.
     wanted = ("ray_pylon_train_step", "ray_pylon_train_loss", "ray_pylon_train_tokens_total")
     seen: dict[str, list] = {}
     while True:
         status = client.job_status(job)
         for m in wanted:
-            seen[m] = seen.get(m) or _api(prom, "query", query=f'{m}{{run="{run}"}}')["result"]
+            query = f'last_over_time({m}{{run="{run}"}}[15m])'
+            seen[m] = seen.get(m) or _api(prom, "query", query=query)["result"]
         if status in ("SUCCEEDED", "FAILED", "STOPPED") or time.monotonic() - t0 > 600:
             break
         time.sleep(2)
