@@ -16,14 +16,11 @@ the small model, for a much simpler cache). A request's draft cache is freed whe
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.serving.engine.kv_cache import KVBlockPool
 from pylon.serving.model.step import StepSequence
-
-log = logging.getLogger(__name__)
 
 # Text whose tokens the draft's and the target's tokenizers must agree on (besides vocabulary size and eos).
 TOKENIZER_PROBE = 'def main(argv):\n    return {"naïve": [1, 2.5e-3], "日本語": None}  # Größe, ñ, 🙂\n'
@@ -47,6 +44,7 @@ class DraftModel:
         *,
         where: str,
         tokenizer,
+        vocab_size: int,
         max_model_len: int,
         kv_cache_tokens: int,
         block_size: int,
@@ -55,22 +53,21 @@ class DraftModel:
         dtype: str,
     ) -> None:
         """`directory`: the draft model's local directory (`where` names it in errors: the spec's field and URI);
-        `tokenizer`: the target's, which the draft's must equal; `kv_cache_tokens`: the draft cache's size."""
+        `tokenizer` and `vocab_size`: the model's, which the draft model's must equal; `kv_cache_tokens`: the draft
+        cache's size."""
         from pylon.serving.engine.tokenization import load_model_tokenizer
         from pylon.serving.model.runner import ModelRunner
 
-        try:
-            own = load_model_tokenizer(directory)
-        except PylonError as e:
-            raise PylonError(f"{where}: {e}") from None
-        _check_same_tokenizer(own, tokenizer, where)
+        _check_same_tokenizer(load_model_tokenizer(directory), tokenizer, where)
         self.pool = KVBlockPool.for_tokens(kv_cache_tokens, block_size)
-        try:
-            self.runner = ModelRunner(
-                directory, num_blocks=self.pool.num_blocks, block_size=block_size, device=device, dtype=dtype
+        self.runner = ModelRunner(
+            directory, num_blocks=self.pool.num_blocks, block_size=block_size, device=device, dtype=dtype
+        )
+        if self.runner.vocab_size != vocab_size:
+            raise PylonError(
+                f"{where}: its output layer scores {self.runner.vocab_size} tokens, the model's {vocab_size}; a "
+                "draft model must share the served model's vocabulary"
             )
-        except PylonError as e:
-            raise PylonError(f"{where}: {e}") from None
         if self.runner.max_position_embeddings < max_model_len:
             raise PylonError(
                 f"{where}: the draft model attends over {self.runner.max_position_embeddings} positions, fewer than "

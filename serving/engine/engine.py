@@ -143,7 +143,8 @@ class LLMEngine:
 
     def _load_draft_model(self, spec: EngineSpec) -> DraftModel:
         """The draft model of `engine.speculative.draft_model`, on this engine's device and dtype, with a KV cache
-        as large as the engine's plus each running request's drafts (its requests hold no more than that)."""
+        as large as the engine's plus each running request's drafts (its requests hold no more than that). Every
+        error it raises names the field."""
         from pylon import storage
 
         uri = spec.speculative.draft_model
@@ -155,6 +156,7 @@ class LLMEngine:
                     directory,
                     where=where,
                     tokenizer=self.tokenizer,
+                    vocab_size=self.runner.vocab_size,
                     max_model_len=self.max_model_len,
                     kv_cache_tokens=spec.kv_cache_tokens
                     + spec.max_num_seqs * (spec.speculative.num_tokens + spec.block_size),
@@ -166,11 +168,6 @@ class LLMEngine:
         except PylonError as e:
             message = str(e)
             raise PylonError(message if message.startswith(where) else f"{where}: {message}") from None
-        if drafter.runner.vocab_size != self.runner.vocab_size:
-            raise PylonError(
-                f"{where}: its output layer scores {drafter.runner.vocab_size} tokens, the model's "
-                f"{self.runner.vocab_size}; a draft model must share the served model's vocabulary"
-            )
         drafter.warm_up(spec.max_num_seqs)
         log.info("engine: loaded the draft model (%s) in %.2f s", uri, time.monotonic() - started)
         return drafter
@@ -387,7 +384,7 @@ class LLMEngine:
             if request.draft:
                 drafted.append(request)
         if self.drafter is not None:
-            if drafted and policy.decide(len(decodes), sum(rooms), other, draft_model=True):
+            if drafted and policy.decide(len(decodes), sum(rooms), other, drafting=len(drafted)):
                 started = time.perf_counter()
                 drafts = self.drafter.propose(
                     [DraftRequest(r.request_id, r.token_ids, room) for r, room in zip(drafted, rooms)]

@@ -88,6 +88,12 @@ def verify(
     return out + [int(torch.multinomial(probs[len(draft)], 1, generator=generator))], len(draft)
 
 
+def _average(times: dict[int, float], bucket: int, seconds: float) -> None:
+    """An exponential average of `seconds` into `times[bucket]`."""
+    old = times.get(bucket)
+    times[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+
 def _bucket(tokens: int) -> int:
     """Step sizes grouped 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: steps this close cost alike."""
     if tokens <= 4:
@@ -103,8 +109,8 @@ class SpecPolicy:
 
     k: int
     times: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
-    # A draft model's proposing, by the step's decodes (bucket): seconds, apart from the model's step, and only from
-    # proposals that fed each request at most a step's tokens (a prompt's catch-up is not what a step costs).
+    # A draft model's proposing, by the decodes it proposed for (bucket): seconds, apart from the model's step, and
+    # only from proposals that fed each request at most a step's tokens (a prompt's catch-up is not what a step costs).
     draft_times: dict[int, float] = field(default_factory=dict)
     accept_rate: float = 0.6  # accepted / proposed; a prior until drafts have been verified
     steps: int = 0
@@ -117,9 +123,7 @@ class SpecPolicy:
     _step_accepted: int = 0
 
     def observe_step(self, tokens: int, seconds: float) -> None:
-        bucket = _bucket(tokens)
-        old = self.times.get(bucket)
-        self.times[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        _average(self.times, _bucket(tokens), seconds)
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         """One request's verification (its share of `observe_step`'s step)."""
@@ -129,11 +133,9 @@ class SpecPolicy:
         self._step_proposed += proposed
         self._step_accepted += accepted
 
-    def observe_draft(self, decodes: int, seconds: float) -> None:
-        """A draft model proposed for `decodes` decodes in `seconds` (k passes, none of them a long catch-up)."""
-        bucket = _bucket(decodes)
-        old = self.draft_times.get(bucket)
-        self.draft_times[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+    def observe_draft(self, drafting: int, seconds: float) -> None:
+        """A draft model proposed for `drafting` decodes in `seconds` (k passes, none of them a long catch-up)."""
+        _average(self.draft_times, _bucket(drafting), seconds)
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step is done: `tokens` computed in `seconds` of the engine's step (verifying included; a draft model's
@@ -143,18 +145,18 @@ class SpecPolicy:
             self.accept_rate = 0.7 * self.accept_rate + 0.3 * (self._step_accepted / self._step_proposed)
         self._step_proposed = self._step_accepted = 0
 
-    def decide(self, decodes: int, drafts: int, other_tokens: int, *, draft_model: bool = False) -> bool:
+    def decide(self, decodes: int, drafts: int, other_tokens: int, *, drafting: int | None = None) -> bool:
         """Speculate in a step of `decodes` decodes holding `drafts` draft tokens among them, next to
         `other_tokens` prompt tokens? Yes while the tokens it is expected to emit per second, (decodes +
-        rate x drafts) / T(with drafts), beat decodes / T(without), by the measured step times. With a
-        `draft_model`, T(with drafts) also counts its proposing for this many decodes, as measured."""
+        rate x drafts) / T(with drafts), beat decodes / T(without), by the measured step times. `drafting`: the
+        decodes a draft model would propose for; T(with drafts) then also counts its proposing, as measured."""
         self.steps += 1
         if decodes == 0 or drafts == 0:
             return False
         plain = self.times.get(_bucket(decodes + other_tokens))
         spec = self.times.get(_bucket(decodes + drafts + other_tokens))
-        if draft_model and spec is not None:
-            proposing = self.draft_times.get(_bucket(decodes))
+        if drafting is not None and spec is not None:
+            proposing = self.draft_times.get(_bucket(drafting))
             spec = None if proposing is None else spec + proposing
         if plain is None or spec is None:
             yes = spec is None  # measure the side not measured yet (a plain step is also any step without drafts)

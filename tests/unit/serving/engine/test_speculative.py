@@ -150,11 +150,11 @@ def test_with_a_draft_model_the_rule_counts_its_proposing_too() -> None:
     policy.observe_step(40, 0.010)  # 8 decodes + 32 drafts verified
     policy.observe_step(8, 0.008)
     assert policy.decide(8, 32, 0)  # prompt lookup: (8 + 16) x 0.008 > 8 x 0.010
-    assert policy.decide(8, 32, 0, draft_model=True)  # the draft model's proposing not measured yet: measure it
+    assert policy.decide(8, 32, 0, drafting=8)  # the draft model's proposing not measured yet: measure it
     policy.observe_draft(8, 0.020)  # its 4 passes for 8 decodes
-    assert not policy.decide(8, 32, 0, draft_model=True)  # (8 + 16) x 0.008 = 0.19 < 8 x (0.010 + 0.020) = 0.24
+    assert not policy.decide(8, 32, 0, drafting=8)  # (8 + 16) x 0.008 = 0.19 < 8 x (0.010 + 0.020) = 0.24
     policy.observe_draft(8, 0.002)  # cheaper now (0.8 x 0.020 + 0.2 x 0.002 = 0.0164): still not
-    assert not policy.decide(8, 32, 0, draft_model=True)
+    assert not policy.decide(8, 32, 0, drafting=8)
     for _ in range(10):
         policy.observe_draft(8, 0.002)
-    assert policy.decide(8, 32, 0, draft_model=True)  # ~0.0022: 0.19 > 8 x 0.0122 = 0.098
+    assert policy.decide(8, 32, 0, drafting=8)  # ~0.0022: 0.19 > 8 x 0.0122 = 0.098
