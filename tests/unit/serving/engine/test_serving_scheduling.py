@@ -13,7 +13,15 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BA
 
 
 def policies() -> dict[int, int]:
-    return {int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+    """Every live thread's policy; a thread that ends between the listing and the call (another test's background
+    thread, in this shared process) is left out."""
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out[int(t)] = os.sched_getscheduler(int(t))
+        except ProcessLookupError:
+            continue
+    return out
 
 
 def test_every_thread_moves_new_threads_inherit_and_restore_gives_the_policy_back(monkeypatch) -> None:
