@@ -12,15 +12,25 @@ sampled ones keep their distribution, whatever the draft model says.
 The draft cache never counts a draft as computed: a rejected draft's keys and values are overwritten when the
 request's real token at that position is fed, and an accepted one's are computed again then (one token's worth of
 the small model, for a much simpler cache). A request's draft cache is freed when it finishes.
+
+Each of the draft model's passes is timed (`StepCosts`, as the engine's own steps), so that `estimate` can tell the
+speculation rule what proposing for a step's decodes will cost before it is done, catch-up included (a large
+catch-up pass of a size not seen is priced per token, as the large ones measured).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.serving.engine.kv_cache import KVBlockPool
+from pylon.serving.engine.speculative import StepCosts
 from pylon.serving.model.step import StepSequence
+
+LARGE_PASS = 64  # tokens: a catch-up pass at least this large costs about its tokens' arithmetic
+_SCRATCH = "\x00pylon-draft-warm-up"  # the pricing pass's cache (no request id starts with a NUL)
 
 # Text whose tokens the draft's and the target's tokenizers must agree on (besides vocabulary size and eos).
 TOKENIZER_PROBE = 'def main(argv):\n    return {"naïve": [1, 2.5e-3], "日本語": None}  # Größe, ñ, 🙂\n'
@@ -77,18 +87,30 @@ class DraftModel:
         self.budget = max_num_batched_tokens  # tokens per catch-up step, as the target's steps
         self._computed: dict[str, int] = {}  # request id -> its tokens whose keys and values the draft cache holds
         self.forward_passes = 0  # the draft model's steps (a machine-independent counter for benchmarks)
-        # The most tokens one request's draft cache lacked in the last `propose`: 1 to k + 1 while the step before
-        # speculated too; more the first time (its prompt) or after steps that did not (its tokens since).
-        self.last_catch_up = 0
+        self.costs = StepCosts()  # its passes' wall times
+        self._per_token: float | None = None  # seconds per token of its large (catch-up) passes
 
     def warm_up(self, max_num_seqs: int) -> None:
         self.runner.warm_up(max_num_seqs, self.budget)
+        self._price_large_passes()
+
+    def _price_large_passes(self) -> None:
+        """Time a catch-up pass of the token budget (twice: the first pays for first calls) in a scratch cache, so
+        that the rule can price a prompt's catch-up before the draft model has proposed anything."""
+        if self.budget < LARGE_PASS or not self.pool.allocate(_SCRATCH, self.budget):
+            return
+        try:
+            step = StepSequence([0] * self.budget, 0, self.pool.block_table(_SCRATCH), True)
+            for _ in range(2):
+                started = time.perf_counter()
+                self.runner.execute([step]).tolist()
+                self._per_token = (time.perf_counter() - started) / self.budget
+        finally:
+            self.pool.free(_SCRATCH)
 
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
         """Each request's drafts (up to its `room`), by request id; a request the draft cache has no room for
         gets none this step."""
-        import torch
-
         ready = []
         for r in requests:
             # Slots up to the last draft fed back: the request's tokens and room - 1 drafts.
@@ -102,21 +124,40 @@ class DraftModel:
             steps = [
                 StepSequence([drafts[r.request_id][-1]], len(r.token_ids) + i - 1, self._table(r), True) for r in going
             ]
-            logits = self._execute(steps)
-            for r, token in zip(going, torch.argmax(logits, dim=-1).tolist()):
-                drafts[r.request_id].append(int(token))
+            for r, token in zip(going, self._pass(steps)):
+                drafts[r.request_id].append(token)
         return drafts
+
+    def estimate(self, requests: list[DraftRequest]) -> tuple[float | None, float]:
+        """What `propose(requests)` would take, in seconds, by the passes measured so far: the catch-up on the tokens
+        each request's draft cache lacks (after steps that did not speculate, many), then k - 1 one-token passes.
+        Returns (that, or None while a pass of some size it needs was never measured; a floor: its passes that were)."""
+        lag = sum(len(r.token_ids) - min(self._computed.get(r.request_id, 0), len(r.token_ids) - 1) for r in requests)
+        passes = math.ceil(lag / self.budget)
+        sizes = [  # each request's first draft comes out of its last catch-up pass, taken as the last
+            (min(self.budget, lag - i * self.budget), len(requests) if i == passes - 1 else 0) for i in range(passes)
+        ]
+        for i in range(1, max((r.room for r in requests), default=0)):
+            going = sum(1 for r in requests if r.room > i)
+            sizes.append((going, going))
+        known, floor = True, 0.0
+        for tokens, rows in sizes:
+            seconds = self.costs.measured(tokens, rows)
+            if seconds is None and tokens >= LARGE_PASS and self._per_token is not None:
+                seconds = tokens * self._per_token  # a pass this large is bound by its arithmetic: per token
+            if seconds is None:
+                known = False
+            else:
+                floor += seconds
+        return (floor if known else None), floor
 
     def _catch_up(self, ready: list[DraftRequest]) -> list[int]:
         """Feed each request's tokens the draft cache lacks (its last token at least, for its logits), in steps of
         at most `budget` tokens; returns each request's first draft, the argmax after its last token."""
-        import torch
-
         start = {}
         for r in ready:
             # Its last token is fed again even when cached, as the row that gives the first draft.
             start[r.request_id] = min(self._computed.get(r.request_id, 0), len(r.token_ids) - 1)
-        self.last_catch_up = max(len(r.token_ids) - start[r.request_id] for r in ready)
         first: dict[str, int] = {}
         while len(first) < len(ready):
             steps, fed, budget = [], [], self.budget
@@ -128,18 +169,29 @@ class DraftModel:
                 steps.append(StepSequence(r.token_ids[at : at + n], at, self._table(r), at + n == len(r.token_ids)))
                 fed.append(r)
                 budget -= n
-            logits = self._execute(steps)
-            rows = iter(torch.argmax(logits, dim=-1).tolist()) if logits.numel() else iter(())
+            rows = iter(self._pass(steps))
             for r, step in zip(fed, steps):
                 start[r.request_id] += step.num_new_tokens
                 if step.samples:
-                    first[r.request_id] = int(next(rows))
+                    first[r.request_id] = next(rows)
                     self._computed[r.request_id] = len(r.token_ids)
         return [first[r.request_id] for r in ready]
 
-    def _execute(self, steps: list[StepSequence]):
+    def _pass(self, steps: list[StepSequence]) -> list[int]:
+        """One forward pass of the draft model: the argmax token of each sampling sequence, in order (reading them
+        waits for the device, so the pass's time is all in)."""
+        import torch
+
+        started = time.perf_counter()
+        logits = self.runner.execute(steps)
+        tokens = torch.argmax(logits, dim=-1).tolist() if logits.numel() else []
+        seconds = time.perf_counter() - started
+        fed = sum(s.num_new_tokens for s in steps)
+        self.costs.observe(fed, len(tokens), seconds)
+        if fed >= LARGE_PASS:
+            self._per_token = seconds / fed if self._per_token is None else 0.8 * self._per_token + 0.2 * seconds / fed
         self.forward_passes += 1
-        return self.runner.execute(steps)
+        return [int(t) for t in tokens]
 
     def _table(self, r: DraftRequest) -> list[int]:
         return self.pool.block_table(r.request_id)

@@ -106,7 +106,8 @@ class LLMEngine:
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         speculative = spec.speculative
         self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method != "none" else None
-        self._step_tokens = 0  # tokens the step computed (the policy's measure of its size)
+        self._step_tokens = 0  # tokens the step computed and rows of logits it returned (the policy's measure of
+        self._step_rows = 0  # its size)
         self._draft_seconds = 0.0  # the step's time in the draft model (timed apart from the step's own)
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
@@ -270,11 +271,16 @@ class LLMEngine:
         started = time.perf_counter()
         outputs = self._step()
         if self.spec_policy is not None and self._step_tokens:
-            self.spec_policy.end_step(self._step_tokens, time.perf_counter() - started - self._draft_seconds)
+            self.spec_policy.end_step(
+                self._step_tokens,
+                self._step_rows,
+                time.perf_counter() - started - self._draft_seconds,
+                self._draft_seconds,
+            )
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        self._step_tokens = 0
+        self._step_tokens = self._step_rows = 0
         self._draft_seconds = 0.0
         outputs = []
         with self._lock:
@@ -306,6 +312,7 @@ class LLMEngine:
             for s in batch.scheduled
         ]
         self._step_tokens = sum(step.num_new_tokens for step in steps)
+        self._step_rows = sum(step.num_new_tokens if step.prompt_logits else int(step.samples) for step in steps)
         logits = self.runner.execute(steps)
         draft_rows: dict[str, object] = {}  # a speculating request's rows: its last token's and each draft's
         if any(step.prompt_logits for step in steps):
@@ -384,16 +391,12 @@ class LLMEngine:
             if request.draft:
                 drafted.append(request)
         if self.drafter is not None:
-            if drafted and policy.decide(len(decodes), sum(rooms), other, drafting=len(drafted)):
+            asked = [DraftRequest(r.request_id, r.token_ids, room) for r, room in zip(drafted, rooms)]
+            proposing, floor = self.drafter.estimate(asked) if asked else (None, 0.0)
+            if asked and policy.decide(len(decodes), sum(rooms), other, proposing=proposing, floor=floor):
                 started = time.perf_counter()
-                drafts = self.drafter.propose(
-                    [DraftRequest(r.request_id, r.token_ids, room) for r, room in zip(drafted, rooms)]
-                )
+                drafts = self.drafter.propose(asked)
                 self._draft_seconds = time.perf_counter() - started
-                # A draft cache that lagged more than one step's tokens (a prompt, or steps that did not speculate)
-                # took longer than a speculating step's proposing does: not what the rule should expect.
-                if self.drafter.last_catch_up <= spec.num_tokens + 1:
-                    policy.observe_draft(len(drafted), self._draft_seconds)
                 for request in drafted:
                     request.draft = drafts.get(request.request_id, [])
             return

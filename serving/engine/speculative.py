@@ -13,8 +13,10 @@ removed, which leaves every token's probability exactly p (docs/serving.md, "Spe
 
 When to speculate is measured, not guessed (`SpecPolicy`): verification turns a step of B decodes into one of
 B x (1 + k) tokens, which costs little while a step is bound by reading the weights and a lot once it is bound by
-compute. The engine keeps the wall time of its steps by tokens computed and the acceptance rate it sees, proposes
-the step's drafts (D in all, for B decodes), and speculates only while (B + rate x D) x T(B) > B x T(B + D).
+compute. The engine keeps the wall time of its steps by size (`StepCosts`) and the acceptance rate it sees, proposes
+the step's drafts (D in all, for B decodes), and speculates only while (B + rate x D) x T(B) > B x (T(B + D) + P),
+P being a draft model's proposing as its own measured passes predict it (catch-up included; 0 for prompt lookup):
+while the acceptance rate beats the break-even rate measured at that batch size, or inferred from other sizes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ if TYPE_CHECKING:
     import torch
 
 WINDOW = 4096  # how far back in a request's tokens prompt lookup searches
-EXPLORE_EVERY = 50  # steps: re-measure the road not taken, as loads change
+EXPLORE_EVERY = 50  # steps: re-measure the road not taken, as loads change, while the choice is close...
+EXPLORE_CLOSE = 1.25  # ...within this factor of break-even
+EXPLORE_FAR_EVERY = 500  # steps: ...and this seldom when it is not (at a large batch, a speculating step is dear)
+BUDGET = 0.03  # of the engine's time: what speculating steps taken to measure or explore may lose in all
 
 
 def ngram_propose(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -88,30 +93,66 @@ def verify(
     return out + [int(torch.multinomial(probs[len(draft)], 1, generator=generator))], len(draft)
 
 
-def _average(times: dict[int, float], bucket: int, seconds: float) -> None:
-    """An exponential average of `seconds` into `times[bucket]`."""
-    old = times.get(bucket)
-    times[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+def _average(table: dict, key, value: float) -> None:
+    """An exponential average of `value` into `table[key]`."""
+    old = table.get(key)
+    table[key] = value if old is None else 0.8 * old + 0.2 * value
 
 
 def _bucket(tokens: int) -> int:
-    """Step sizes grouped 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: steps this close cost alike."""
+    """Step sizes grouped 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: steps this close cost alike."""
     if tokens <= 4:
         return tokens
     power = 1 << (tokens.bit_length() - 1)
     return power if tokens < power * 3 // 2 else power * 3 // 2
 
 
+class StepCosts:
+    """What a forward step costs, as measured: seconds (an exponential average) by the step's size bucket, the
+    tokens it computes and the rows of logits it returns (a decode's row also costs the output layer, a prompt
+    token's does not), and how many steps of that size were measured."""
+
+    def __init__(self) -> None:
+        self.times: dict[tuple[int, int], float] = {}
+        self.counts: dict[tuple[int, int], int] = {}
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        key = (_bucket(tokens), _bucket(rows))
+        _average(self.times, key, seconds)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def measured(self, tokens: int, rows: int) -> float | None:
+        return self.times.get((_bucket(tokens), _bucket(rows)))
+
+    def count(self, tokens: int, rows: int) -> int:
+        return self.counts.get((_bucket(tokens), _bucket(rows)), 0)
+
+
 @dataclass
 class SpecPolicy:
-    """Whether this step's decodes should speculate, from what the engine measured: each step's wall time by the
-    tokens it computed (an exponential average per size bucket) and the drafts accepted per draft proposed."""
+    """Whether this step's decodes should speculate, from what the engine measured: its steps' wall times
+    (`StepCosts`), the drafts accepted per draft proposed, and from those the break-even acceptance rate per batch
+    size (`breakeven`).
+
+    A step of B decodes holding D drafts emits B + rate x D tokens in T(spec) + P (P: a draft model's proposing)
+    where a plain step emits B in T(plain): speculating pays while rate > r = B x (T(spec) + P - T(plain)) /
+    (D x T(plain)), the extra time per draft token relative to a plain step. Where both sizes were measured the rule
+    compares them. Otherwise it uses r as measured in steps of decodes only, by batch size and drafts per decode:
+    r does not fall as the batch grows (a larger step is nearer being bound by compute, where drafts cost their full
+    share), so a size not measured yet is no where a smaller batch's r already exceeded the rate and yes where a
+    larger one's was below it. A step that also computes prompt tokens is never a measurement (its sizes rarely
+    repeat): it speculates only where steps of decodes alone say it pays at that batch, which holds a fortiori with
+    the prompt's tokens beside.
+
+    Trying costs: a speculating step that does not pay loses its time over what its tokens were worth. Steps taken
+    to measure (or to look again at the road not taken) are allowed only while what speculation lost in all is at
+    most `BUDGET` of the engine's time, so that measuring never makes the engine much slower than plain decoding,
+    even at a large batch on a device bound by compute, where each such step is dear."""
 
     k: int
-    times: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
-    # A draft model's proposing, by the decodes it proposed for (bucket): seconds, apart from the model's step, and
-    # only from proposals that fed each request at most a step's tokens (a prompt's catch-up is not what a step costs).
-    draft_times: dict[int, float] = field(default_factory=dict)
+    costs: StepCosts = field(default_factory=StepCosts)
+    # (decodes bucket, drafts per decode) -> r, as measured in steps of decodes only (averaged)
+    breakeven: dict[tuple[int, int], float] = field(default_factory=dict)
     accept_rate: float = 0.6  # accepted / proposed; a prior until drafts have been verified
     steps: int = 0
     proposed_total: int = 0
@@ -119,11 +160,16 @@ class SpecPolicy:
     verified_total: int = 0  # requests' speculating steps
     speculated_steps_total: int = 0
     skipped_steps_total: int = 0  # steps where the rule said no
+    seconds_total: float = 0.0  # the engine's steps, proposing included
     _step_proposed: int = 0
     _step_accepted: int = 0
+    _tried: dict[tuple[int, int], int] = field(default_factory=dict)  # (decodes bucket, per) -> speculating steps
+    _speculating: tuple[int, int] | None = None  # this step's (decodes, other tokens), when it speculates
+    _lost: float = 0.0  # settled: see `lost_seconds`
+    _unsettled: list[tuple[int, int, float, int]] = field(default_factory=list)  # (decodes, other, seconds, accepted)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        _average(self.times, _bucket(tokens), seconds)
+    def observe_step(self, tokens: int, rows: int, seconds: float) -> None:
+        self.costs.observe(tokens, rows, seconds)
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         """One request's verification (its share of `observe_step`'s step)."""
@@ -133,41 +179,100 @@ class SpecPolicy:
         self._step_proposed += proposed
         self._step_accepted += accepted
 
-    def observe_draft(self, drafting: int, seconds: float) -> None:
-        """A draft model proposed for `drafting` decodes in `seconds` (k passes, none of them a long catch-up)."""
-        _average(self.draft_times, _bucket(drafting), seconds)
-
-    def end_step(self, tokens: int, seconds: float) -> None:
-        """A step is done: `tokens` computed in `seconds` of the engine's step (verifying included; a draft model's
-        proposing is not: it is timed apart, `observe_draft`)."""
-        self.observe_step(tokens, seconds)
+    def end_step(self, tokens: int, rows: int, seconds: float, proposing: float = 0.0) -> None:
+        """A step is done: `tokens` computed, `rows` rows of logits returned, in `seconds` of the engine's step
+        (verifying included), after `proposing` seconds of a draft model's (timed apart: `DraftModel`)."""
+        spent = seconds + proposing
+        self.seconds_total += spent
+        if self._speculating is not None:
+            decodes, other = self._speculating
+            self._unsettled.append((decodes, other, spent, self._step_accepted))
+            self._speculating = None
+        self.observe_step(tokens, rows, seconds)
+        self._settle()
         if self._step_proposed:
             self.accept_rate = 0.7 * self.accept_rate + 0.3 * (self._step_accepted / self._step_proposed)
         self._step_proposed = self._step_accepted = 0
 
-    def decide(self, decodes: int, drafts: int, other_tokens: int, *, drafting: int | None = None) -> bool:
+    def decide(
+        self, decodes: int, drafts: int, other_tokens: int, *, proposing: float | None = 0.0, floor: float = 0.0
+    ) -> bool:
         """Speculate in a step of `decodes` decodes holding `drafts` draft tokens among them, next to
-        `other_tokens` prompt tokens? Yes while the tokens it is expected to emit per second, (decodes +
-        rate x drafts) / T(with drafts), beat decodes / T(without), by the measured step times. `drafting`: the
-        decodes a draft model would propose for; T(with drafts) then also counts its proposing, as measured."""
+        `other_tokens` prompt tokens? `proposing`: a draft model's seconds to propose the drafts, as its measured
+        passes predict them (None: not predictable yet); `floor`: seconds it takes at least (its passes that
+        were measured)."""
         self.steps += 1
+        self._speculating = None
         if decodes == 0 or drafts == 0:
             return False
-        plain = self.times.get(_bucket(decodes + other_tokens))
-        spec = self.times.get(_bucket(decodes + drafts + other_tokens))
-        if drafting is not None and spec is not None:
-            proposing = self.draft_times.get(_bucket(drafting))
-            spec = None if proposing is None else spec + proposing
-        if plain is None or spec is None:
-            yes = spec is None  # measure the side not measured yet (a plain step is also any step without drafts)
-        else:
-            yes = (decodes + self.accept_rate * drafts) * plain > decodes * spec
-            if self.steps % EXPLORE_EVERY == 0:
-                yes = not yes  # now and then the other side, whose time may have changed with the load
+        key = (_bucket(decodes), max(1, round(drafts / decodes)))
+        yes = self._decide(key, decodes, drafts, other_tokens, proposing, floor)
         if yes:
+            self._tried[key] = self._tried.get(key, 0) + 1
+            self._speculating = (decodes, other_tokens)
             self.speculated_steps_total += 1
         else:
             self.skipped_steps_total += 1
+        return yes
+
+    def _settle(self) -> None:
+        """What speculating steps lost: each one's time over what its tokens were worth, (1 + accepted / B) plain
+        steps of its size; one whose plain size was not measured yet counts its whole time until it is."""
+        left = []
+        for decodes, other, spent, accepted in self._unsettled:
+            plain = self.costs.measured(decodes + other, decodes)
+            if plain is None:
+                left.append((decodes, other, spent, accepted))
+            else:
+                self._lost = max(0.0, self._lost + spent - (1 + accepted / decodes) * plain)
+        self._unsettled = left[-64:]
+
+    @property
+    def lost_seconds(self) -> float:
+        """Speculating steps' time over what their tokens were worth at plain steps' pace (net of the gains)."""
+        return self._lost + sum(spent for _, _, spent, _ in self._unsettled)
+
+    @property
+    def may_try(self) -> bool:
+        """Within the budget for speculating steps that may not pay (measuring, exploring)."""
+        return self.lost_seconds <= BUDGET * self.seconds_total
+
+    def _decide(
+        self, key: tuple[int, int], decodes: int, drafts: int, other: int, proposing: float | None, floor: float
+    ) -> bool:
+        bucket, per = key  # per: drafts per decode (a step's fixed cost of speculating is shared by them)
+        plain = self.costs.measured(decodes + other, decodes)
+        spec = self.costs.measured(decodes + drafts + other, decodes + drafts)
+        measured = plain is not None and spec is not None and proposing is not None
+        r = decodes * (spec + proposing - plain) / (drafts * plain) if measured else None
+        if r is not None and other == 0:
+            _average(self.breakeven, key, r)
+            r = self.breakeven[key]
+        elif r is None:
+            r = self.breakeven.get(key)
+        # r does not fall as the batch grows: a smaller batch that did not gain says no, a larger one that did, yes.
+        smaller = [v for (b, p), v in self.breakeven.items() if p == per and b < bucket]
+        larger = [v for (b, p), v in self.breakeven.items() if p == per and b > bucket]
+        inferred_no = bool(smaller) and self.accept_rate <= max(smaller)
+        if r is None:
+            if inferred_no:
+                return False
+            if larger and self.accept_rate > min(larger):
+                return True
+            # Neither settles it: measure, in a step of decodes only and within the budget. The plain side first
+            # (it costs nothing); then speculation, unless proposing alone already costs more than it could gain.
+            if other or plain is None or not self.may_try:
+                return False
+            return self.accept_rate > decodes * floor / (drafts * plain)
+        yes = self.accept_rate > r
+        tried = max(self._tried.get(key, 0), self.costs.count(decodes + drafts + other, decodes + drafts))
+        if not yes and not inferred_no and other == 0 and tried < 2 and self.may_try:
+            return True  # one speculating step is not a measure to give up on (the first may pay for a warm-up)
+        # Now and then the other side, whose time may have changed with the load: often while the choice is close,
+        # seldom when it is far.
+        close = r / EXPLORE_CLOSE < self.accept_rate < r * EXPLORE_CLOSE
+        if self.steps % (EXPLORE_EVERY if close else EXPLORE_FAR_EVERY) == 0 and (yes or self.may_try):
+            yes = not yes
         return yes
 
     @property

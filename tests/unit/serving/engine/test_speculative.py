@@ -9,7 +9,7 @@ import torch
 from engine_models import FAMILIES, Family, assert_pool_empty, run, tokens_of
 
 from pylon.serving.engine.sampling import SamplingParams, filtered_probs
-from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
+from pylon.serving.engine.speculative import BUDGET, SpecPolicy, ngram_propose, verify
 
 NGRAM = {"method": "ngram", "num_tokens": 4}
 
@@ -126,35 +126,97 @@ def test_greedy_verification_takes_drafts_while_they_are_the_argmax() -> None:
     assert verify(rows, [0, 3, 1], SamplingParams(temperature=0), None) == ([2], 0)
 
 
-def test_the_rule_speculates_only_while_measured_times_say_it_pays() -> None:
+def _steps(policy: SpecPolicy, decodes: int, cost, n: int, *, per: int = 4, accepted: int = 2, other: int = 0) -> int:
+    """`n` engine steps of `decodes` decodes with `per` drafts each when the rule speculates (`accepted` of them
+    accepted), each taking `cost(tokens, rows)` seconds; returns the steps that speculated."""
+    tried = 0
+    for _ in range(n):
+        drafts = per * decodes
+        if policy.decide(decodes, drafts, other):
+            tried += 1
+            for _ in range(decodes):
+                policy.observe_drafts(per, accepted)
+            size = decodes + drafts
+        else:
+            size = decodes
+        policy.end_step(size + other, size, cost(size + other, size))
+    return tried
+
+
+def _weight_bound(tokens: int, rows: int) -> float:
+    """A GPU at small batches: a step costs reading the weights, whatever its size, up to ~500 tokens."""
+    return max(0.010, 0.00002 * tokens)
+
+
+def _cpu_like(tokens: int, rows: int) -> float:
+    """A CPU: bound by reading the weights up to ~30 tokens a step, then by arithmetic (the output layer's rows
+    too)."""
+    return max(0.020, 0.0007 * tokens) + 0.0002 * rows
+
+
+def test_the_rule_measures_each_side_then_speculates_only_while_it_pays() -> None:
     policy = SpecPolicy(k=4, accept_rate=0.5)
     assert not policy.decide(8, 0, 0)  # no drafts: nothing to decide
-    assert policy.decide(8, 32, 0)  # nothing measured: measure speculation
-    policy.observe_drafts(4, 2)
-    policy.end_step(40, 0.010)  # 8 decodes + 32 drafts
-    assert policy.accept_rate == 0.5  # 2 of 4 accepted: as it was
-    assert not policy.decide(8, 32, 0)  # now the plain side
-    policy.observe_step(8, 0.008)
-    # weight-bound: 5x the tokens for 1.25x the time, (8 + 0.5 x 32) / 0.010 > 8 / 0.008: speculate
+    assert not policy.decide(8, 32, 0)  # nothing measured: the plain side first (it costs nothing)
+    policy.end_step(8, 8, 0.008)
+    assert policy.decide(8, 32, 0)  # then speculation, to measure it
+    policy.observe_drafts(32, 16)
+    policy.end_step(40, 40, 0.010)
+    assert policy.accept_rate == 0.5  # 16 of 32 accepted: as it was
+    # weight-bound: 5x the tokens for 1.25x the time; break-even r = 8 x (0.010 - 0.008) / (32 x 0.008) < 0.5
     assert policy.decide(8, 32, 0)
-    policy.observe_step(320, 0.200)  # 64 decodes + 256 drafts: compute-bound
-    policy.observe_step(64, 0.040)
-    assert not policy.decide(64, 256, 0)  # (64 + 128) x 0.040 = 7.7 < 64 x 0.200 = 12.8
+    assert policy.breakeven[(8, 4)] == pytest.approx(0.0625)
+    # On a weight-bound device it then speculates in every step; the plain side is looked at again now and then.
+    assert _steps(policy, 8, _weight_bound, 100) >= 97
+    # Nothing accepted any more: even cheap drafts are not worth their time.
     policy.accept_rate = 0.0
-    policy.observe_step(12, 0.0085)
-    assert not policy.decide(8, 4, 0)  # nothing is accepted: even cheap drafts are not worth their time
+    assert not policy.decide(8, 32, 0)
+
+
+def test_under_load_on_a_compute_bound_device_the_rule_stops_after_measuring_and_infers_the_other_sizes() -> None:
+    """~64 decodes x 5 tokens cost ~4.5x a plain step on a CPU for ~3x the tokens: two speculating steps measure it,
+    then none (the choice is far from close: explored again only every EXPLORE_FAR_EVERY steps, within the budget);
+    a larger batch is then known not to gain without trying it, and a smaller one that gained says yes for those
+    below it."""
+    policy = SpecPolicy(k=4, accept_rate=0.5)
+    assert _steps(policy, 64, _cpu_like, 300) == 2
+    assert policy.breakeven[(64, 4)] > 0.5
+    assert _steps(policy, 128, _cpu_like, 50) == 0 and (128, 4) not in policy.breakeven
+    assert _steps(policy, 2, _cpu_like, 50) >= 45  # weight-bound at 10 tokens: measured, then yes
+    assert policy.breakeven[(2, 4)] < 0.5
+    assert policy.decide(1, 4, 0) and (1, 4) not in policy.breakeven  # inferred from 2
+
+
+def test_steps_with_prompt_tokens_never_measure_and_speculate_where_decode_steps_gain() -> None:
+    policy = SpecPolicy(k=4, accept_rate=0.5)
+    assert _steps(policy, 8, _weight_bound, 20, other=100) == 0  # sizes that rarely repeat: not a measurement
+    assert _steps(policy, 8, _weight_bound, 5) == 4  # decodes alone: plain, then measured, then yes
+    assert _steps(policy, 8, _weight_bound, 20, other=100) == 20  # decodes alone gain: so does a step beside a prompt
+
+
+def test_the_rule_stops_trying_once_speculation_lost_its_budget() -> None:
+    policy = SpecPolicy(k=4, accept_rate=0.5)
+    _steps(policy, 8, _weight_bound, 3)  # the plain side measured, and plenty of time
+    policy._lost = BUDGET * policy.seconds_total + 1.0  # speculating steps that did not pay lost more than that
+    assert not policy.may_try
+    assert _steps(policy, 16, _weight_bound, 10) == 0  # a size not measured yet is not tried
+    assert policy.lost_seconds > 0
 
 
 def test_with_a_draft_model_the_rule_counts_its_proposing_too() -> None:
-    policy = SpecPolicy(k=4, accept_rate=0.5)
-    policy.observe_step(40, 0.010)  # 8 decodes + 32 drafts verified
-    policy.observe_step(8, 0.008)
-    assert policy.decide(8, 32, 0)  # prompt lookup: (8 + 16) x 0.008 > 8 x 0.010
-    assert policy.decide(8, 32, 0, drafting=8)  # the draft model's proposing not measured yet: measure it
-    policy.observe_draft(8, 0.020)  # its 4 passes for 8 decodes
-    assert not policy.decide(8, 32, 0, drafting=8)  # (8 + 16) x 0.008 = 0.19 < 8 x (0.010 + 0.020) = 0.24
-    policy.observe_draft(8, 0.002)  # cheaper now (0.8 x 0.020 + 0.2 x 0.002 = 0.0164): still not
-    assert not policy.decide(8, 32, 0, drafting=8)
-    for _ in range(10):
-        policy.observe_draft(8, 0.002)
-    assert policy.decide(8, 32, 0, drafting=8)  # ~0.0022: 0.19 > 8 x 0.0122 = 0.098
+    def measured() -> SpecPolicy:
+        policy = SpecPolicy(k=4, accept_rate=0.5)
+        for tokens, seconds in [(40, 0.010), (40, 0.010), (8, 0.008)]:  # 8 decodes + 32 drafts, 8 decodes
+            policy.observe_step(tokens, tokens, seconds)
+        return policy
+
+    assert measured().decide(8, 32, 0)  # prompt lookup: r = 0.0625 < 0.5
+    assert measured().decide(8, 32, 0, proposing=None)  # the draft model's proposing not predictable yet: measure it
+    assert not measured().decide(8, 32, 0, proposing=0.020)  # r = 8 x (0.010 + 0.020 - 0.008) / (32 x 0.008) = 0.69
+    assert measured().decide(8, 32, 0, proposing=0.002)  # r = 0.125
+    # Not predictable, but its passes that were measured (a prompt's catch-up) already cost more than it could gain:
+    # no speculating step is spent to measure the rest. r >= 8 x 0.1 / (32 x 0.008) = 3.1.
+    fresh = SpecPolicy(k=4, accept_rate=0.5)
+    fresh.end_step(8, 8, 0.008)
+    assert not fresh.decide(8, 32, 0, proposing=None, floor=0.1)
+    assert fresh.decide(8, 32, 0, proposing=None, floor=0.001)

@@ -105,3 +105,43 @@ def test_the_spec_says_what_method_draft_needs() -> None:
         spec(speculative={"method": "draft"})
     with pytest.raises(ValueError, match="draft_model is set but method is ngram"):
         spec(speculative={"method": "ngram", "draft_model": "/models/small"})
+
+
+def test_the_draft_models_proposing_is_predicted_from_its_measured_passes_catch_up_included(family: Family) -> None:
+    """What the rule weighs before the draft model runs: its catch-up on the tokens each draft cache lacks, in
+    passes of the token budget, then k - 1 one-token passes, each priced as measured (a large catch-up pass of a size
+    not measured, per token as the large ones were, which the engine times at start); and a floor, what the passes
+    priced so far take, while some are not."""
+    from pylon.serving.engine.draft import LARGE_PASS, DraftRequest
+    from pylon.serving.engine.speculative import StepCosts
+
+    engine = family.engine(speculative=draft(family.dir), max_num_batched_tokens=2 * LARGE_PASS)
+    drafter = engine.drafter
+    assert drafter._per_token is not None and drafter._per_token > 0  # priced at start
+    assert drafter.pool.num_free_blocks == drafter.pool.num_blocks  # its scratch cache freed
+    fresh = DraftRequest("new", list(range(3 * LARGE_PASS)), room=4)
+    seconds, floor = drafter.estimate([fresh])
+    # The prompt's catch-up is priced per token; the one-token passes were never measured: no estimate, a floor.
+    assert seconds is None and floor == pytest.approx(3 * LARGE_PASS * drafter._per_token)
+
+    def cost(tokens: int, rows: int) -> float:
+        return 0.001 + 0.0001 * tokens + 0.0005 * rows
+
+    def measure(tokens: int, rows: int) -> None:
+        drafter.costs.observe(tokens, rows, cost(tokens, rows))
+
+    drafter.costs, drafter._per_token = StepCosts(), 0.0002
+    for size in [(2 * LARGE_PASS, 0), (1, 1)]:
+        measure(*size)
+    # 3 x LARGE_PASS tokens to catch up at 2 x LARGE_PASS a pass (the last gives the first draft; its size is
+    # priced per token), then 3 one-token passes for drafts 2-4.
+    expected = cost(2 * LARGE_PASS, 0) + 0.0002 * LARGE_PASS + 3 * cost(1, 1)
+    assert drafter.estimate([fresh]) == pytest.approx((expected, expected))
+    # Two requests, one a step behind (it holds all but 2 of its tokens): small passes are priced only as measured.
+    drafter._computed["behind"] = 6
+    behind = DraftRequest("behind", list(range(8)), room=2)
+    small = DraftRequest("small", list(range(3)), room=2)
+    assert drafter.estimate([behind, small]) == (None, 0.0)  # a 5-token pass for 2, a 2-row pass: never measured
+    measure(5, 2)
+    measure(2, 2)
+    assert drafter.estimate([behind, small]) == pytest.approx((cost(5, 2) + cost(2, 2),) * 2)
