@@ -106,8 +106,8 @@ class LLMEngine:
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         speculative = spec.speculative
         self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method != "none" else None
-        self._step_tokens = 0  # tokens the step computed and rows of logits it returned (the policy's measure of
-        self._step_rows = 0  # its size)
+        # The tokens the step computed and the rows of logits it returned: the speculation rule's measure of its size.
+        self._step_tokens = self._step_rows = 0
         self._draft_seconds = 0.0  # the step's time in the draft model (timed apart from the step's own)
         started = time.monotonic()
         compiled, counts = self.runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)

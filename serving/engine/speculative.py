@@ -186,7 +186,8 @@ class SpecPolicy:
         self.seconds_total += spent
         if self._speculating is not None:
             decodes, other = self._speculating
-            self._unsettled.append((decodes, other, spent, self._step_accepted))
+            if not other:  # (beside a prompt's tokens it speculates only where decode-only steps gain: no trial)
+                self._unsettled.append((decodes, other, spent, self._step_accepted))
             self._speculating = None
         self.observe_step(tokens, rows, seconds)
         self._settle()
@@ -225,6 +226,8 @@ class SpecPolicy:
                 left.append((decodes, other, spent, accepted))
             else:
                 self._lost = max(0.0, self._lost + spent - (1 + accepted / decodes) * plain)
+        for _, _, spent, _ in left[:-64]:  # never settled: lost
+            self._lost += spent
         self._unsettled = left[-64:]
 
     @property
