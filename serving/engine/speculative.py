@@ -254,8 +254,20 @@ class SpecPolicy:
         elif r is None:
             r = self.breakeven.get(key)
         # r does not fall as the batch grows: a smaller batch that did not gain says no, a larger one that did, yes.
-        smaller = [v for (b, p), v in self.breakeven.items() if p == per and b < bucket]
-        larger = [v for (b, p), v in self.breakeven.items() if p == per and b > bucket]
+        # Without a draft model r does not grow with the drafts per decode either (a speculating step's fixed cost is
+        # shared by them): more drafts a decode that did not gain say no for fewer, fewer that did say yes for more.
+        # (A draft model's passes grow with its drafts per decode: there, only the same count says anything.)
+        across = proposing == 0.0
+        smaller = [
+            v
+            for (b, p), v in self.breakeven.items()
+            if (b, p) != key and b <= bucket and (p >= per if across else p == per)
+        ]
+        larger = [
+            v
+            for (b, p), v in self.breakeven.items()
+            if (b, p) != key and b >= bucket and (p <= per if across else p == per)
+        ]
         inferred_no = bool(smaller) and self.accept_rate <= max(smaller)
         if r is None:
             if inferred_no:

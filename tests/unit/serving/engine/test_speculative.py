@@ -220,3 +220,23 @@ def test_with_a_draft_model_the_rule_counts_its_proposing_too() -> None:
     fresh.end_step(8, 8, 0.008)
     assert not fresh.decide(8, 32, 0, proposing=None, floor=0.1)
     assert fresh.decide(8, 32, 0, proposing=None, floor=0.001)
+
+
+def test_without_a_draft_model_fewer_drafts_per_decode_are_inferred_from_more() -> None:
+    """A speculating step's fixed cost is shared by its drafts: where 4 drafts a decode did not gain, 1-3 would not
+    either, and are not tried; a draft model's passes grow with its drafts, so there nothing is inferred."""
+
+    def twice(tokens: int, rows: int) -> float:  # a speculating step costs two plain ones (the output layer's rows)
+        return 0.040 if rows > 1 else 0.020
+
+    policy = SpecPolicy(k=4, accept_rate=0.2)
+    # Plain, then 4 drafts measured: r = 0.25, no (not measured again: that step lost 0.02 s of 0.14, over budget).
+    assert _steps(policy, 1, twice, 6, accepted=0) == 1
+    assert policy.breakeven[(1, 4)] > policy.accept_rate
+    policy.seconds_total += 10.0  # budget to measure with, had it reason to
+    for per in (1, 2, 3):
+        assert not policy.decide(1, per, 0), per
+    with_draft = SpecPolicy(k=4, accept_rate=0.2)
+    with_draft.breakeven[(1, 4)] = 1.0
+    with_draft.observe_step(1, 1, 0.02)
+    assert with_draft.decide(1, 2, 0, proposing=None)  # 2 drafts a decode: measured
