@@ -286,7 +286,7 @@ class SpecPolicy:
         # Now and then the other side, whose time may have changed with the load: often while the choice is close,
         # seldom when it is far.
         close = r / EXPLORE_CLOSE < self.accept_rate < r * EXPLORE_CLOSE
-        if self.steps % (EXPLORE_EVERY if close else EXPLORE_FAR_EVERY) == 0 and (yes or self.may_try):
+        if self.steps % (EXPLORE_EVERY if close else EXPLORE_FAR_EVERY) == 0 and (yes or (self.may_try and not other)):
             yes = not yes
         return yes
 
