@@ -134,3 +134,11 @@ def assert_pool_empty(engine: LLMEngine) -> None:
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks and stats.kv_cache_utilization == 0.0
     assert stats.num_running == stats.num_waiting == 0
+
+
+def speculating(engine: LLMEngine) -> LLMEngine:
+    """`engine` with its speculation rule saying yes whenever a step has drafts: whether speculating pays depends on
+    this machine's timings, and the rule has tests of its own (test_speculative.py); what a test that uses this
+    checks is the verification of drafts, which must then run."""
+    engine.spec_policy.decide = lambda decodes, drafts, other, **_: decodes > 0 and drafts > 0
+    return engine

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_models import FAMILIES, Family, assert_pool_empty, run, tokens_of
+from engine_models import FAMILIES, Family, assert_pool_empty, run, speculating, tokens_of
 
 from pylon.serving.engine.sampling import SamplingParams, filtered_probs
 from pylon.serving.engine.speculative import BUDGET, SpecPolicy, ngram_propose, verify
@@ -41,7 +41,7 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
 def test_greedy_outputs_are_unchanged_and_drafts_are_accepted(family: Family) -> None:
     prompts = grounded_prompts()
     greedy = SamplingParams(max_tokens=48, temperature=0)
-    plain, spec = family.engine(), family.engine(speculative=NGRAM)
+    plain, spec = family.engine(), speculating(family.engine(speculative=NGRAM))
     for engine in (plain, spec):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, greedy)
@@ -59,7 +59,7 @@ def test_a_model_that_repeats_itself_gets_several_tokens_a_step(tmp_path) -> Non
     drafts are accepted, steps emit several tokens, and the output is still transformers' own."""
     family = Family("gpt2", tmp_path / "m", initializer_range=0.02)
     prompts = grounded_prompts()
-    spec = family.engine(speculative=NGRAM)
+    spec = speculating(family.engine(speculative=NGRAM))
     for i, prompt in enumerate(prompts):
         spec.add_request(f"r{i}", prompt, SamplingParams(max_tokens=60, temperature=0))
     got = run(spec)
@@ -78,7 +78,7 @@ def test_sampled_requests_speculate_and_seeded_ones_stay_reproducible(tmp_path) 
     prompts = grounded_prompts()
     outs = []
     for _ in range(2):
-        engine = family.engine(speculative=NGRAM)
+        engine = speculating(family.engine(speculative=NGRAM))
         for i, prompt in enumerate(prompts):
             engine.add_request(
                 f"seeded{i}", prompt, SamplingParams(max_tokens=32, temperature=0.7, seed=i, ignore_eos=True)
