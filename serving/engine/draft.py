@@ -132,7 +132,7 @@ class DraftModel:
         """What `propose(requests)` would take, in seconds, by the passes measured so far: the catch-up on the tokens
         each request's draft cache lacks (after steps that did not speculate, many), then k - 1 one-token passes.
         Returns (that, or None while a pass of some size it needs was never measured; a floor: its passes that were)."""
-        lag = sum(len(r.token_ids) - min(self._computed.get(r.request_id, 0), len(r.token_ids) - 1) for r in requests)
+        lag = sum(len(r.token_ids) - self._start(r) for r in requests)
         passes = math.ceil(lag / self.budget)
         sizes = [  # each request's first draft comes out of its last catch-up pass, taken as the last
             (min(self.budget, lag - i * self.budget), len(requests) if i == passes - 1 else 0) for i in range(passes)
@@ -154,10 +154,7 @@ class DraftModel:
     def _catch_up(self, ready: list[DraftRequest]) -> list[int]:
         """Feed each request's tokens the draft cache lacks (its last token at least, for its logits), in steps of
         at most `budget` tokens; returns each request's first draft, the argmax after its last token."""
-        start = {}
-        for r in ready:
-            # Its last token is fed again even when cached, as the row that gives the first draft.
-            start[r.request_id] = min(self._computed.get(r.request_id, 0), len(r.token_ids) - 1)
+        start = {r.request_id: self._start(r) for r in ready}
         first: dict[str, int] = {}
         while len(first) < len(ready):
             steps, fed, budget = [], [], self.budget
@@ -176,6 +173,11 @@ class DraftModel:
                     first[r.request_id] = next(rows)
                     self._computed[r.request_id] = len(r.token_ids)
         return [first[r.request_id] for r in ready]
+
+    def _start(self, r: DraftRequest) -> int:
+        """Where the request's catch-up starts: the tokens its draft cache lacks, and its last token at least, fed
+        again even when cached, as the row that gives the first draft."""
+        return min(self._computed.get(r.request_id, 0), len(r.token_ids) - 1)
 
     def _pass(self, steps: list[StepSequence]) -> list[int]:
         """One forward pass of the draft model: the argmax token of each sampling sequence, in order (reading them

@@ -312,8 +312,8 @@ class LLMEngine:
             for s in batch.scheduled
         ]
         self._step_tokens = sum(step.num_new_tokens for step in steps)
-        self._step_rows = sum(step.num_new_tokens if step.prompt_logits else int(step.samples) for step in steps)
         logits = self.runner.execute(steps)
+        self._step_rows = logits.shape[0]
         draft_rows: dict[str, object] = {}  # a speculating request's rows: its last token's and each draft's
         if any(step.prompt_logits for step in steps):
             logits = self._take_prompt_logprobs(batch.scheduled, steps, logits, draft_rows)
