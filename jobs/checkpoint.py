@@ -402,6 +402,9 @@ class CheckpointCommitter:
         t_upload = time.perf_counter()
         self.last_blocked["snapshot_s"] = t_upload - t_snapshot
         rank_state = {"extra": extra, "rng": rng}
+        swapped = swapped_master_weights(engine)
+        if swapped:
+            rank_state["swapped_master_weights"] = swapped
         context = {"zero_stage": int(engine.zero_optimization_stage()), "deepspeed_version": _deepspeed_version()}
         if self.async_upload:
             self._pending = self._uploader.submit(
@@ -688,6 +691,22 @@ def _zero3_with_nvme_optimizer(engine) -> bool:
     partitioned = getattr(engine, "zero_optimization_partition_weights", None)
     nvme = getattr(engine, "zero_nvme_offload_optimizer", None)
     return callable(partitioned) and callable(nvme) and bool(partitioned()) and bool(nvme())
+
+
+def swapped_master_weights(engine) -> list[dict]:
+    """ZeRO-3 with the optimizer on NVMe: the sub-groups whose fp32 master weights live in DeepSpeed's swap files,
+    not in its checkpoint shard (which holds an empty tensor for each, tagged with the sub-group's `ds_id`). The
+    checkpoint keeps a copy of the swap files (`ds/offloaded_tensors/rank<NN>/<ds_id>.tensor.swp`), padded to the
+    I/O alignment, so each entry's `numel` says how much of its file is weights: what `pylon export` reads back
+    (`jobs.export`). Empty for any other engine."""
+    if not _zero3_with_nvme_optimizer(engine):
+        return []
+    zero = engine.optimizer
+    return [
+        {"sub_group": i, "ds_id": str(flat.ds_id), "numel": int(zero.fp16_partitioned_groups_flat_numel[i])}
+        for i, flat in enumerate(zero.fp32_partitioned_groups_flat)
+        if zero._swappable_optimizer_subgroup(i)
+    ]
 
 
 def _restore_swapped_optimizer(engine, shard: Path) -> None:

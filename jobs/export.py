@@ -61,6 +61,7 @@ def export_run(
     with tempfile.TemporaryDirectory(prefix="pylon-export-") as tmp:
         ckpt_dir = str(download(info, os.path.join(tmp, "ckpt")))
         read = sum(p.stat().st_size for p in Path(ckpt_dir).rglob("*") if p.is_file())
+        _fill_swapped_master_weights(info, ckpt_dir)
         state = _consolidated_state_dict(ckpt_dir, spec.deepspeed.zero_stage)
         model = build_model(
             spec, vocab_size=tokenizer["vocab_size"], eos_id=tokenizer["eos_id"], pad_id=tokenizer["pad_id"]
@@ -180,6 +181,40 @@ def _write_tokenizer_files(tokenizer: dict, local_out: str, max_length: int | No
     if max_length:
         config["model_max_length"] = int(max_length)
     Path(local_out, "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _fill_swapped_master_weights(info, ckpt_dir: str) -> None:
+    """A ZeRO-3 run with its optimizer on NVMe: put the fp32 master weights DeepSpeed left in its swap files back
+    into the (downloaded, local) optimizer shards, where `zero_to_fp32` reads them. Each rank's record names its
+    swapped sub-groups and their sizes (`jobs.checkpoint.swapped_master_weights`); nothing to do for other runs."""
+    import torch
+
+    from pylon.jobs.checkpoint import rank_file_name
+
+    for rank in range(int(info.manifest.get("world_size", 1))):
+        record = storage.read_json(storage.join(info.uri, rank_file_name(rank)))
+        swapped = {entry["ds_id"]: entry for entry in record.get("swapped_master_weights", [])}
+        if not swapped:
+            continue
+        shards = sorted(Path(ckpt_dir, "ds").glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        if len(shards) != 1:
+            raise PylonError(f"{info.uri}: rank {rank}'s optimizer shard not found in the checkpoint")
+        state = torch.load(shards[0], map_location="cpu", weights_only=False)
+        groups = state["optimizer_state_dict"]["fp32_flat_groups"]
+        folder = Path(ckpt_dir, "ds", "offloaded_tensors", f"rank{rank:02d}")
+        for i, flat in enumerate(groups):
+            entry = swapped.get(str(getattr(flat, "ds_id", "")))
+            if entry is None or flat.numel():
+                continue
+            path = folder / f"{entry['ds_id']}.tensor.swp"
+            numel = int(entry["numel"])
+            if not path.is_file() or path.stat().st_size < numel * 4:
+                raise PylonError(
+                    f"{info.uri}: rank {rank}'s master weights of optimizer sub-group {i} "
+                    f"(offloaded_tensors/rank{rank:02d}/{path.name}) are missing or short"
+                )
+            groups[i] = torch.from_file(str(path), size=numel, dtype=torch.float32).clone()
+        torch.save(state, shards[0])
 
 
 def _consolidated_state_dict(ckpt_dir: str, zero_stage: int) -> dict:

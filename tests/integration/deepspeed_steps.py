@@ -177,9 +177,11 @@ def _checkpoint_round_trip(engine, train_step, directory: str, rank: int, world_
 
     committer = CheckpointCommitter(directory, rank=rank, world_size=world_size, keep_last=1)
     step = engine.global_steps
+    saved_weights = _gathered_weights(engine, rank)
     committer.save(engine, step, extra={"rank": rank})
     after_save = [train_step() for _ in range(after)]
     info = committer.latest()
+    exported = _exported_weights_diff(info, engine, saved_weights) if rank == 0 else {}
     extra = committer.load(engine, info)
     after_load = [train_step() for _ in range(after)]
     committer.close()
@@ -189,7 +191,35 @@ def _checkpoint_round_trip(engine, train_step, directory: str, rank: int, world_
         "losses_after_load": after_load,
         "extra_after_load": extra,
         "checkpoint_files": sorted(info.manifest["files"]),
+        **exported,
     }
+
+
+def _gathered_weights(engine, rank: int) -> dict[str, torch.Tensor]:
+    """The engine's whole weights as the module holds them (collective: ZeRO-3 gathers them), on rank 0."""
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
+        return {name: p.detach().clone() for name, p in params.items()} if rank == 0 else {}
+
+
+def _exported_weights_diff(info, engine, saved: dict[str, torch.Tensor]) -> dict:
+    """What `pylon export` consolidates from the committed checkpoint (`jobs.export`: NVMe-swapped master weights
+    filled in, then DeepSpeed's zero_to_fp32), against the weights the engine held when it saved: in the module's
+    dtype they must be equal."""
+    import tempfile
+
+    from pylon.jobs.checkpoint import download
+    from pylon.jobs.export import _consolidated_state_dict, _fill_swapped_master_weights
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = str(download(info, tmp))
+        _fill_swapped_master_weights(info, ckpt)
+        state = _consolidated_state_dict(ckpt, engine.zero_optimization_stage())
+    common = [name for name in saved if name in state]
+    diff = max((state[n].to(saved[n].dtype) - saved[n]).abs().max().item() for n in common) if common else None
+    return {"export_tensors": len(common), "weights": len(saved), "export_max_diff": diff}
 
 
 def _swap_files(spec: TrainJobSpec, kind: str) -> int:
