@@ -94,15 +94,16 @@ def _aio(spec: TrainJobSpec) -> dict:
 def _fp16(spec: TrainJobSpec) -> dict:
     if spec.precision != "fp16":
         return {"enabled": False}
-    # Dynamic loss scaling (loss_scale 0): start at 2**16, halve on overflow (after `hysteresis` overflows in a
-    # row), double after `loss_scale_window` clean steps; overflowing steps are skipped, not applied.
+    # Dynamic loss scaling (loss_scale 0): start at 2**initial_power (16 by default), halve on overflow (after
+    # `hysteresis` overflows in a row), double after `window` clean steps; overflowing steps are skipped, not applied.
+    scaling = spec.deepspeed.loss_scaling
     return {
         "enabled": True,
         "loss_scale": 0,
-        "initial_scale_power": 16,
-        "loss_scale_window": 1000,
-        "hysteresis": 2,
-        "min_loss_scale": 1,
+        "initial_scale_power": scaling.initial_power,
+        "loss_scale_window": scaling.window,
+        "hysteresis": scaling.hysteresis,
+        "min_loss_scale": scaling.min_scale,
     }
 
 

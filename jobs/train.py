@@ -321,7 +321,11 @@ def train_loop(config: dict) -> None:
             tokens_sum += n_tokens
         step += 1
         step_s = time.perf_counter() - t_step
-        totals = torch.tensor([loss_sum, float(tokens_sum), *moved()], dtype=torch.float64)
+        # fp16: a step whose gradients overflowed was skipped by DeepSpeed (its update not applied) and the loss
+        # scale lowered; said here, in the step's record and in the log, rather than passing for a trained step.
+        skipped = spec.precision == "fp16" and not engine.was_step_applied()
+        # On the device the process group reduces on: NCCL reduces CUDA tensors only, gloo CPU ones.
+        totals = torch.tensor([loss_sum, float(tokens_sum), *moved()], dtype=torch.float64, device=device)
         if dist.is_initialized():
             dist.all_reduce(totals)
         global_tokens = int(totals[1].item())
@@ -341,6 +345,16 @@ def train_loop(config: dict) -> None:
             "peak_memory_bytes": _peak_memory_bytes(device),
             "epoch": stream.position.epoch,
         }
+        if spec.precision == "fp16":
+            record["loss_scale"] = float(engine.optimizer.loss_scale)
+            record["skipped"] = skipped
+            record["skipped_steps"] = int(engine.skipped_steps)
+            if skipped and rank == 0:
+                print(
+                    f"step {step}: fp16 gradients overflowed; the update was skipped (loss scale now "
+                    f"{record['loss_scale']:g}, {record['skipped_steps']} steps skipped so far)",
+                    flush=True,
+                )
         metrics.write(record)
         prometheus.step(record)
         last = step == spec.steps
@@ -394,7 +408,7 @@ def train_loop(config: dict) -> None:
     ray_reports.finish()  # with async_upload, the last save: committed in the background
     metrics.flush()
     _record_reference_logits(engine, run_uri, rank, stream.manifest.seq_len)
-    totals = torch.tensor(moved(), dtype=torch.float64)  # the last upload's bytes, from every rank
+    totals = torch.tensor(moved(), dtype=torch.float64, device=device)  # the last upload's bytes, from every rank
     if dist.is_initialized():
         dist.all_reduce(totals)
     record_moved(totals.tolist())
@@ -468,7 +482,7 @@ def _global_mean_loss(logits, labels, world: int):
     import torch.distributed as dist
 
     loss_sum, n_local = token_loss_sum(logits, labels)
-    n_global = torch.tensor([n_local], dtype=torch.float64)
+    n_global = torch.tensor([n_local], dtype=torch.float64, device=logits.device)  # NCCL: a CUDA tensor
     if dist.is_initialized():
         dist.all_reduce(n_global)
     return loss_sum * world / max(n_global.item(), 1.0), float(loss_sum.item()), n_local
@@ -489,14 +503,16 @@ def token_loss_sum(logits, labels):
     return loss_sum, n_tokens
 
 
-def reduce_eval(loss_sum: float, tokens: int, sequences: int, batches: int) -> tuple[float, int, int, int]:
+def reduce_eval(
+    loss_sum: float, tokens: int, sequences: int, batches: int, *, device=None
+) -> tuple[float, int, int, int]:
     """Every rank's share of an evaluation summed over the ranks (float64, so token counts stay exact): the mean
     is then the sum over all tokens over their count, each token weighing the same whichever rank held it, and
-    the figure does not depend on the number of workers."""
+    the figure does not depend on the number of workers. `device`: the process group's (a GPU under NCCL)."""
     import torch
     import torch.distributed as dist
 
-    totals = torch.tensor([loss_sum, tokens, sequences, batches], dtype=torch.float64)
+    totals = torch.tensor([loss_sum, tokens, sequences, batches], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(totals)
     return float(totals[0].item()), int(totals[1].item()), int(totals[2].item()), int(totals[3].item())
@@ -532,7 +548,7 @@ def _evaluate(engine, val_stream, step: int, *, max_batches: int = 0) -> dict:
     finally:
         batches.close()
         engine.train()
-    loss_sum, tokens, sequences, n_batches = reduce_eval(loss_sum, tokens, sequences, n_batches)
+    loss_sum, tokens, sequences, n_batches = reduce_eval(loss_sum, tokens, sequences, n_batches, device=device)
     return eval_record(
         step,
         loss_sum=loss_sum,

@@ -235,6 +235,16 @@ class DeepSpeedBuffersSpec(_Spec):
     )
 
 
+class LossScalingSpec(_Spec):
+    """fp16's dynamic loss scaling (DeepSpeed's): the loss is multiplied by a scale before backward so that small
+    gradients survive fp16; a step whose gradients overflow is skipped (not applied), and the scale halves."""
+
+    initial_power: Annotated[int, Field(ge=0, le=40)] = Field(16, description="the scale starts at 2**initial_power")
+    window: PositiveInt = Field(1000, description="steps without an overflow before the scale doubles")
+    hysteresis: PositiveInt = Field(2, description="overflows in a row before the scale halves")
+    min_scale: Annotated[float, Field(gt=0)] = Field(1.0, description="the scale never goes below this")
+
+
 class DeepSpeedSpec(_Spec):
     zero_stage: Literal[0, 1, 2, 3] = 2
     offload_optimizer: Offload = "none"
@@ -246,6 +256,9 @@ class DeepSpeedSpec(_Spec):
         None,
         description="ZeRO: the dtype gradients are accumulated and reduced in (default: the training precision); "
         "bf16 halves an fp32 run's gradient partitions, the optimizer still steps in fp32",
+    )
+    loss_scaling: LossScalingSpec = Field(
+        default_factory=LossScalingSpec, description="precision fp16 only: dynamic loss scaling"
     )
 
     @model_validator(mode="after")

@@ -224,7 +224,7 @@ def test_unknown_nested_key_has_path_line_and_allowed_fields() -> None:
     assert train_error("deepspeed:\n  zero_stage: 3\n  zero_stge: 3\n") == (
         "spec.yaml:8: document 1 (TrainJob 'job'): deepspeed.zero_stge: unknown field; "
         "allowed fields: zero_stage, offload_optimizer, offload_param, nvme_path, aio, buffers, "
-        "grad_accum_dtype"
+        "grad_accum_dtype, loss_scaling"
     )
     assert train_error("deepspeed:\n  aio: {blocksize: 4}\n") == (
         "spec.yaml:7: document 1 (TrainJob 'job'): deepspeed.aio.blocksize: unknown field; "

@@ -157,6 +157,14 @@ def test_fp16_uses_dynamic_loss_scaling() -> None:
         "min_loss_scale": 1,
     }
     assert config["bf16"] == {"enabled": False}
+    spec = job(
+        precision="fp16",
+        scaling={"use_gpu": True},
+        deepspeed={"loss_scaling": {"initial_power": 24, "window": 50, "hysteresis": 1, "min_scale": 0.5}},
+    )
+    scaled = build_deepspeed_config(spec, world_size=1)["fp16"]
+    assert (scaled["initial_scale_power"], scaled["loss_scale_window"]) == (24, 50)
+    assert (scaled["hysteresis"], scaled["min_loss_scale"]) == (1, 0.5)
 
 
 def test_optimizer_clipping_and_logging() -> None:
