@@ -1,6 +1,7 @@
 """engine.quantization int8 end to end: the engine with int8 projections computes what `transformers` computes with
 the dequantized weights (so its only error is int8's rounding), that rounding keeps a realistically scaled GPT-2's
-logits close to the float engine's, and fp8 is refused at start on a CPU."""
+logits close to the float engine's, and fp8 is refused at start on a CPU (on a GPU of compute capability 8.9+, fp8
+computes the same way: `make test-gpu`)."""
 
 import copy
 import json
@@ -30,8 +31,8 @@ def _last_logits(engine, prompt: list[int]) -> torch.Tensor:
     return engine.runner.execute([StepSequence(token_ids=prompt, start=0, block_table=blocks, samples=True)])[0]
 
 
-def _dequantized_copy(model):
-    """`model` with each decoder-layer projection's weight replaced by its int8 round trip."""
+def _dequantized_copy(model, method: str = "int8"):
+    """`model` with each decoder-layer projection's weight replaced by its int8 (or fp8) round trip."""
     model = copy.deepcopy(model)
     with torch.no_grad():
         for module in model.modules():
@@ -39,7 +40,7 @@ def _dequantized_copy(model):
                 continue
             gpt2 = type(module).__name__ == "Conv1D"  # weight [in, out]
             w = module.weight.t() if gpt2 else module.weight
-            back = QuantWeight(w.float()).dequantized(torch.float32)
+            back = QuantWeight(w.float(), method).dequantized(torch.float32)
             module.weight.copy_(back.t() if gpt2 else back)
     return model
 
@@ -98,3 +99,21 @@ def test_int8_keeps_a_gpt2_at_its_trained_scale_close_to_float(tmp_path: Path) -
 def test_fp8_is_refused_at_engine_start_on_a_cpu(gpt2) -> None:
     with pytest.raises(PylonError, match=r"engine\.quantization: fp8 .* use int8"):
         gpt2.engine(quantization="fp8")
+
+
+@pytest.mark.skipif(
+    not (ON_CUDA and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="fp8 weights need a CUDA GPU of compute capability 8.9+ (make test-gpu)",
+)
+def test_fp8_engine_computes_the_dequantized_model(family) -> None:
+    """On a GPU that has fp8 (Ada, Hopper): float8 e4m3 projections, one scale per output channel, compute what
+    transformers computes over the weights' fp8 round trip, and keep the model's greedy tokens on most prompts."""
+    engine = family.engine(quantization="fp8")
+    quantized = [m.weight_q for m in engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    gpt2 = getattr(engine.runner, "_gpt2", None)
+    quantized += [layer.qkv_w for layer in gpt2.layers] if gpt2 is not None else []
+    assert quantized and all(w.q.dtype == torch.float8_e4m3fn for w in quantized)
+    reference = _dequantized_copy(family.model, "fp8")
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPTS[3]], device=family.model.device)).logits[0, -1]
+    assert _rel(_last_logits(engine, PROMPTS[3]), want) < 1e-3
