@@ -213,6 +213,7 @@ def _check_export(variant: Variant, run_uri: str, local: Path) -> str:
     return f"export logits within {diff:.3g} of the engine's ({variant.precision}, {device.type})"
 
 
+@pytest.mark.timeout(2400)  # two rounds of jobs, each waited on for up to 900 s
 def test_each_variant_trains_checkpoints_resumes_and_exports(cluster, corpus, tmp_path) -> None:
     variants = [v for v in VARIANTS if ON_CUDA or not v.gpu_only]
     if any(v.nvme for v in variants) and not _aio_builds():
