@@ -33,7 +33,7 @@ if ! CHECK=${check:-} bash scripts/device_setup.sh >"$OUT/setup.log" 2>&1; then
     exit 2
 fi
 # shellcheck disable=SC1091
-source /tmp/site/env.sh
+source "${SITE:-/tmp/site}/env.sh"
 export PYLON_TEST_DEVICE=cuda PYTHONUNBUFFERED=1
 PY=${PYLON_PYTHON:-python3}
 {
