@@ -327,8 +327,11 @@ def haproxy_available() -> bool:
 
 
 def haproxy_wrapper() -> str:
-    """The `pylon-haproxy` program beside this Python (installed with Pylon: a console script)."""
+    """The `pylon-haproxy` program beside this Python (installed with Pylon: a console script), else on PATH (Pylon
+    installed into a folder of its own, as on a lent GPU machine: scripts/device_setup.sh)."""
     path = Path(sys.executable).parent / "pylon-haproxy"
+    if not os.access(path, os.X_OK):
+        path = Path(shutil.which("pylon-haproxy") or path)
     if not os.access(path, os.X_OK):
         raise ClusterError(
             f"{path} is missing: Pylon's install is older than this code; reinstall it (`make setup`, or "
