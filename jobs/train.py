@@ -321,8 +321,9 @@ def train_loop(config: dict) -> None:
             tokens_sum += n_tokens
         step += 1
         step_s = time.perf_counter() - t_step
-        # fp16: a step whose gradients overflowed was skipped by DeepSpeed (its update not applied) and the loss
-        # scale lowered; said here, in the step's record and in the log, rather than passing for a trained step.
+        # fp16: a step whose gradients overflowed was skipped by DeepSpeed (its update not applied; the loss scale
+        # halves after `hysteresis` such steps in a row): said in the step's record and the log, not passed off as
+        # a trained step.
         skipped = spec.precision == "fp16" and not engine.was_step_applied()
         # On the device the process group reduces on: NCCL reduces CUDA tensors only, gloo CPU ones.
         totals = torch.tensor([loss_sum, float(tokens_sum), *moved()], dtype=torch.float64, device=device)

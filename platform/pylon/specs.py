@@ -237,7 +237,8 @@ class DeepSpeedBuffersSpec(_Spec):
 
 class LossScalingSpec(_Spec):
     """fp16's dynamic loss scaling (DeepSpeed's): the loss is multiplied by a scale before backward so that small
-    gradients survive fp16; a step whose gradients overflow is skipped (not applied), and the scale halves."""
+    gradients survive fp16; a step whose gradients overflow is skipped (not applied), and after `hysteresis` such
+    steps in a row the scale halves."""
 
     initial_power: Annotated[int, Field(ge=0, le=40)] = Field(16, description="the scale starts at 2**initial_power")
     window: PositiveInt = Field(1000, description="steps without an overflow before the scale doubles")
