@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,3 +39,18 @@ def ray_cluster(s3_server, pylon_home) -> Iterator[cluster.LocalCluster]:
         yield info
     finally:
         cluster.down(home=pylon_home)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    """A small prepared dataset for training jobs: four of the standard library's modules as bytes, 64-token
+    sequences (a module may define its own `corpus` instead)."""
+    from pylon.data.prepare import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    src = tmp_path_factory.mktemp("corpus-src")
+    for name in ("argparse.py", "textwrap.py", "shlex.py", "fnmatch.py"):
+        (src / name).write_bytes((stdlib / name).read_bytes())
+    out = str(tmp_path_factory.mktemp("corpus-data") / "corpus")
+    prepare([str(src)], out, seq_len=64, use_ray=False, progress=False)
+    return out

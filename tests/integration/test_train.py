@@ -10,7 +10,6 @@ import math
 import os
 import re
 import signal
-import sysconfig
 import time
 from pathlib import Path
 
@@ -22,19 +21,6 @@ import pylon
 from pylon import storage
 
 pytestmark = pytest.mark.integration
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from pylon.data.prepare import prepare
-
-    src = tmp_path_factory.mktemp("train-src")
-    for name in ("argparse.py", "textwrap.py", "shlex.py", "fnmatch.py"):
-        (src / name).write_bytes((STDLIB / name).read_bytes())
-    out = str(tmp_path_factory.mktemp("train-data") / "corpus")
-    prepare([str(src)], out, seq_len=64, use_ray=False, progress=False)
-    return out
 
 
 def _write_spec(path: Path, corpus: str, storage_root: str, *, name: str, steps: int, every: int, **over) -> Path:

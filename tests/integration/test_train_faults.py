@@ -91,18 +91,6 @@ def test_shard_reads_outlast_an_outage_and_yield_exactly_the_same_samples(ray_cl
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from pylon.data.prepare import prepare
-
-    src = tmp_path_factory.mktemp("faults-src")
-    for name in ("argparse.py", "textwrap.py", "shlex.py", "fnmatch.py"):
-        (src / name).write_bytes((STDLIB / name).read_bytes())
-    out = str(tmp_path_factory.mktemp("faults-data") / "corpus")
-    prepare([str(src)], out, seq_len=64, use_ray=False, progress=False)
-    return out
-
-
 def _submit(spec_path: Path, env: dict[str, str] | None = None) -> str:
     runtime_env = {"env_vars": env} if env else None
     return pylon.connect().submit_job(

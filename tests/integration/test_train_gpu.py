@@ -19,7 +19,6 @@ import json
 import os
 import re
 import sys
-import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,7 +37,6 @@ ON_CUDA = DEVICE == "cuda"
 if not ON_CUDA:
     pytestmark = [pytestmark, pytest.mark.slow]  # on a CPU: `make test-all` (each path also runs in other tests)
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 STEPS, HALF = 24, 12
 # Wide enough that ZeRO-3 really partitions and offloads (DeepSpeed keeps parameters under 1e5 elements whole) and
 # NVMe swapping really writes (tensors of 1 MiB and more); dropout off so that the engine's and the export's logits
@@ -124,18 +122,6 @@ def cluster(request, pylon_home, tmp_path_factory) -> Iterator[None]:
     finally:
         if started:
             local.down(home=pylon_home)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from pylon.data.prepare import prepare
-
-    src = tmp_path_factory.mktemp("gpu-train-src")
-    for name in ("argparse.py", "textwrap.py", "shlex.py", "fnmatch.py"):
-        (src / name).write_bytes((STDLIB / name).read_bytes())
-    out = str(tmp_path_factory.mktemp("gpu-train-data") / "corpus")
-    prepare([str(src)], out, seq_len=64, use_ray=False, progress=False)
-    return out
 
 
 def _spec(variant: Variant, corpus: str, root: Path, steps: int) -> dict:
