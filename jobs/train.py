@@ -234,6 +234,8 @@ def train_loop(config: dict) -> None:
         )
     tok = stream.manifest.tokenizer
     ds_config = build_deepspeed_config(spec, world_size=world)
+    if spec.scaling.use_gpu and spec.deepspeed.offload_optimizer == "none":
+        _torch_adam_unless_fused_adam_builds(ds_config, rank)
     # ZeRO-3 builds partitioned (zero.Init): no process ever holds the whole model, nor pretrained weights. Stages
     # 0-2 build once, on rank 0, which broadcasts; the other ranks allocate straight on their GPU.
     model = build_model(
@@ -414,6 +416,28 @@ def train_loop(config: dict) -> None:
         dist.all_reduce(totals)
     record_moved(totals.tolist())
     ledger.finish()
+
+
+def _torch_adam_unless_fused_adam_builds(ds_config: dict, rank: int) -> None:
+    """On a GPU DeepSpeed steps AdamW with its fused CUDA kernel, compiled (nvcc) the first time a process needs it.
+    Where it cannot be built (no CUDA compiler, or one that does not match torch's CUDA), torch's fused AdamW takes
+    the step instead (the same update; DeepSpeed's `torch_adam`) and the job's log says why, rather than the job
+    failing at start."""
+    from deepspeed.accelerator import get_accelerator
+
+    try:
+        builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+        if builder is None or not builder.is_compatible(verbose=False):
+            raise RuntimeError("not compatible with this machine")
+        builder.load(verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure has the same remedy
+        ds_config["optimizer"]["params"].update(torch_adam=True, fused=True)
+        if rank == 0:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            print(
+                f"DeepSpeed's fused Adam could not be built here ({reason}); torch's fused AdamW takes the step",
+                flush=True,
+            )
 
 
 def _return_freed_memory() -> None:

@@ -218,3 +218,22 @@ def test_constant_schedule() -> None:
     assert set(_lrs(job(optim={"lr": 0.5, "schedule": "constant"}))) == {0.5}
     lrs = _lrs(job(steps=20, optim={"lr": 0.5, "schedule": "constant", "warmup_steps": 5}))
     assert lrs[:7] == sorted(lrs[:7]) and set(lrs[7:]) == {0.5}
+
+
+def test_torch_fused_adamw_steps_where_deepspeeds_fused_adam_cannot_be_built(monkeypatch, capsys) -> None:
+    """GPU jobs: DeepSpeed's fused Adam is built where it can be (this machine's op, for real: the config stays);
+    where it cannot, torch's fused AdamW takes the step and the log says why."""
+    from deepspeed.accelerator import get_accelerator
+
+    from pylon.jobs.train import _torch_adam_unless_fused_adam_builds
+
+    spec = job(precision="bf16")
+    config = build_deepspeed_config(spec, world_size=1)
+    _torch_adam_unless_fused_adam_builds(config, rank=0)
+    assert config["optimizer"] == build_deepspeed_config(spec, world_size=1)["optimizer"]
+
+    builder = type(get_accelerator().create_op_builder("FusedAdamBuilder"))
+    monkeypatch.setattr(builder, "is_compatible", lambda self, verbose=False: False)
+    _torch_adam_unless_fused_adam_builds(config, rank=0)
+    assert config["optimizer"]["params"]["torch_adam"] is True and config["optimizer"]["params"]["fused"] is True
+    assert "DeepSpeed's fused Adam could not be built here (not compatible" in capsys.readouterr().out
