@@ -49,6 +49,10 @@ def _llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: in
     }
 
 
+TINYLLAMA = (
+    "Zhang et al. 2024, TinyLlama; its README (github.com/jzhang38/TinyLlama): 16 A100-40G, FSDP, and the A100 "
+    "GPU-hours each model took for 300B tokens"
+)
 LLAMA2 = "Touvron et al. 2023, Llama 2, Table 1 (tokens, 4M-token batch) and Table 2 (A100-80GB GPU-hours)"
 LLAMA1 = "Touvron et al. 2023, LLaMA, Table 2 (tokens, 4M-token batch) and Table 15 (A100-80GB GPU-hours)"
 # The LLaMA paper reports one throughput for its training code (section 2.4: the 65B at 380 tokens/s per GPU on 2,048
@@ -334,6 +338,43 @@ RUNS = [
         "not reported",
         "MosaicML, MPT-7B model card (1T tokens; 440 A100-40GB for about 9.5 days: 100,320 GPU-hours; FSDP); "
         "the batch of 1,760 sequences is MPT-30B's on the same 440 GPUs, assumed",
+    ),
+    Run(
+        "tinyllama-1.1b",
+        _llama(2048, 5632, 22, 32, 4),
+        2048,
+        1024,  # 2M tokens
+        300e9,
+        "A100-40GB",
+        16,
+        3_456,
+        0.56,
+        "56% without activation checkpointing (24k tokens/s per A100-40G)",
+        TINYLLAMA,
+    ),
+    Run(
+        "pythia-1b",
+        {
+            "model_type": "gpt_neox",
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 8,
+            "rotary_pct": 0.25,
+            "max_position_embeddings": 2048,
+            "vocab_size": 50304,
+        },
+        2048,
+        1024,  # 2M tokens (Biderman et al. 2023)
+        300e9,
+        "A100-40GB",
+        None,
+        4_830,
+        None,
+        "not reported",
+        "Biderman et al. 2023, Pythia (300B tokens, 2M-token batch, A100-40GB); its 1.0B's 4,830 A100 GPU-hours as "
+        "TinyLlama's README compares it; the GPU count is not given: planned at 64",
+        plan_gpus=64,
     ),
 ]
 
