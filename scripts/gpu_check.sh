@@ -17,6 +17,7 @@ part=${1:-}
 OUT=${OUT:-.cache/gpu-check}
 mkdir -p "$OUT"
 started=$(date +%s)
+failed=0
 say() { echo "[gpu_check +$(($(date +%s) - started))s] $*"; }
 
 case "$part" in
@@ -58,7 +59,9 @@ if [ "$part" = speed ]; then
     tail -7 "$OUT/setup.log"
     say "training step speed and MFU"
     timeout 330 $PY bench/train_step.py --device cuda --json "$OUT/train_step.json" >"$OUT/train_step.log" 2>&1
-    echo "train_step exit $?"
+    code=$?
+    echo "train_step exit $code"
+    [ $code -eq 0 ] || failed=1
     tail -45 "$OUT/train_step.log"
 else
     say "the training test, the planner's memory and the serving engine's tests, side by side"
@@ -69,13 +72,19 @@ else
         >"$OUT/serve.log" 2>&1 &
     serve=$!
     timeout 420 $PY bench/plan_accuracy.py --device cuda --json "$OUT/plan_accuracy.json" >"$OUT/plan_accuracy.log" 2>&1
-    echo "plan_accuracy exit $?"
+    code=$?
+    echo "plan_accuracy exit $code (its ratios are figures to record, not a pass or fail)"
     wait $train
-    echo "training test exit $?"
+    code=$?
+    echo "training test exit $code"
+    [ $code -eq 0 ] || failed=1
     wait $serve
-    echo "serving tests exit $?"
+    code=$?
+    echo "serving tests exit $code"
+    [ $code -eq 0 ] || failed=1
     tail -30 "$OUT/plan_accuracy.log"
     tail -25 "$OUT/train.log"
     tail -6 "$OUT/serve.log"
 fi
 say "done"
+exit "$failed"
