@@ -12,8 +12,9 @@ runtime envs and profiling), google-api-core (opencensus names it; Ray's metrics
 
 A call carries 64 MiB with the working tree, so the wheels go into two ignored folders, each small enough for one
 call: `.whl-a/` (Ray alone, without ray/jars/: 32 MB of Java workers) and `.whl-b/` (the rest). Then, on the device,
-one call carrying .whl-a and, at once (while the machine is warm: 30 s), one carrying .whl-b, each starting with
-scripts/device_setup.sh (see there: a call with one folder names what it can check).
+one call carrying .whl-b and, at once (while the machine is warm: 30 s), one carrying .whl-a: scripts/gpu_check.sh
+`speed`, then `train`, each starting with scripts/device_setup.sh (see there: a call with one folder names what it
+can check).
 
     .venv/bin/python scripts/device_wheels.py                       # cp312 into .whl-a/ .whl-b/
     .venv/bin/python scripts/device_wheels.py --python-version 3.11 --out /tmp/w311   # to check it here
