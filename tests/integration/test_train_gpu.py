@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_train import WIDE_GPT  # beside this file
 
 import pylon
 from pylon import storage
@@ -38,21 +39,7 @@ if not ON_CUDA:
     pytestmark = [pytestmark, pytest.mark.slow]  # on a CPU: `make test-all` (each path also runs in other tests)
 
 STEPS, HALF = 24, 12
-# Wide enough that ZeRO-3 really partitions and offloads (DeepSpeed keeps parameters under 1e5 elements whole) and
-# NVMe swapping really writes (tensors of 1 MiB and more); dropout off so that the engine's and the export's logits
-# can agree.
-MODEL = {
-    "config": {
-        "model_type": "gpt2",
-        "n_layer": 2,
-        "n_head": 4,
-        "n_embd": 384,
-        "n_positions": 64,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    }
-}
+MODEL = WIDE_GPT  # a GPT wide enough that ZeRO-3 partitions and NVMe swapping writes; dropout off
 
 
 @dataclass(frozen=True)
