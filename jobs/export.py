@@ -189,10 +189,10 @@ def _fill_swapped_master_weights(info, ckpt_dir: str) -> None:
     swapped sub-groups and their sizes (`jobs.checkpoint.swapped_master_weights`); nothing to do for other runs."""
     import torch
 
-    from pylon.jobs.checkpoint import rank_file_name
+    from pylon.jobs.checkpoint import _read_verified, rank_file_name
 
     for rank in range(int(info.manifest.get("world_size", 1))):
-        record = storage.read_json(storage.join(info.uri, rank_file_name(rank)))
+        record = json.loads(_read_verified(info, rank_file_name(rank)))  # checked against the manifest
         swapped = {entry["ds_id"]: entry for entry in record.get("swapped_master_weights", [])}
         if not swapped:
             continue
