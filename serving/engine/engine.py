@@ -32,7 +32,7 @@ from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.guided import Guides
 from pylon.serving.engine.kv_cache import KVBlockPool
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
-from pylon.serving.engine.sampling import SamplingParams, sample, token_logprobs
+from pylon.serving.engine.sampling import SamplingParams, sample, shape_logits, token_logprobs
 from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
 from pylon.serving.engine.tokenization import IncrementalDetokenizer, chars_per_token_bound, load_model_tokenizer
@@ -199,6 +199,14 @@ class LLMEngine:
                 f"({self.max_model_len}); ask for at most {self.max_model_len - len(prompt_ids)} tokens",
                 param="max_tokens",
             )
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= self.runner.vocab_size)
+            if bad:
+                raise InvalidRequest(
+                    f"logit_bias: token id {bad[0]} is not in the model's vocabulary (ids 0 to "
+                    f"{self.runner.vocab_size - 1})",
+                    param=f"logit_bias.{bad[0]}",
+                )
         request = Request(
             request_id,
             prompt_ids,
@@ -318,12 +326,18 @@ class LLMEngine:
         if any(step.prompt_logits for step in steps):
             logits = self._take_prompt_logprobs(batch.scheduled, steps, logits, draft_rows)
         sampling = [s.request for s in batch.scheduled if s.samples]
+        # Penalties and logit_bias shape a copy of the rows that ask; logprobs below stay the model's own.
+        shaped = shape_logits(
+            logits,
+            [r.params for r in sampling],
+            [(r.prompt_token_ids, r.output_token_ids) if r.params.shapes_logits else ([], []) for r in sampling],
+        )
         guided = [i for i, r in enumerate(sampling) if r.guide is not None and r.max_tokens > 0]
-        # Guided rows sample from the grammar's tokens only; logprobs below stay the model's own (unmasked).
+        # Guided rows sample from the grammar's tokens only.
         allowed = (
-            self.guides.apply(logits, guided, [sampling[i].guide for i in guided], self.tokenizer.eos_id)
+            self.guides.apply(shaped, guided, [sampling[i].guide for i in guided], self.tokenizer.eos_id)
             if guided
-            else logits
+            else shaped
         )
         tokens = sample(allowed, [r.params for r in sampling], [r.generator for r in sampling])
         for i in guided:
@@ -352,7 +366,8 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Speculative decoding (`engine/speculative.py`): give this step's decodes their drafts, when the measured
         rule says speculating pays at this batch. Requests that constrain their tokens (a grammar), want logprobs,
-        or sample with a seed (whose tokens must not depend on the machine's timing) decode plainly."""
+        shape their logits (penalties, logit_bias: each draft position would need its own), or sample with a seed
+        (whose tokens must not depend on the machine's timing) decode plainly."""
         policy = self.spec_policy
         if policy is None:
             return
@@ -373,6 +388,8 @@ class LLMEngine:
         for request in decodes:
             params = request.params
             if request.guide is not None or params.logprobs is not None or request.prompt_logprobs is not None:
+                continue
+            if params.shapes_logits:
                 continue
             if params.seed is not None and not params.greedy:
                 continue  # verification draws more from its stream, and when it runs depends on measured times

@@ -48,6 +48,13 @@ class SamplingParams:
     guide: None, or the grammar every generated token must keep to (structured outputs, `engine/guided.py`):
     {"type": "json_object"}, {"type": "json_schema", "schema": {...}} or {"type": "lark", "grammar": "..."}, with
     an optional "param" naming the request field it came from in errors (default "response_format").
+    presence_penalty, frequency_penalty: in [-2, 2], OpenAI's: subtracted from a token's logit once if it occurs in
+    the generated tokens (presence), and once per occurrence (frequency). Positive values discourage repeats.
+    repetition_penalty: > 0 (1 is neutral), vLLM's and `transformers`': a token of the prompt or the generated tokens
+    has its logit divided by it when positive, multiplied when negative.
+    logit_bias: {token id: bias in [-100, 100]}, added to the token's logit (-100 bans it, 100 all but forces it).
+    The shaping runs in that order (bias, repetition, frequency, presence: vLLM's), before temperature, top-k and
+    top-p, for greedy requests too; logprobs stay the model's own.
     """
 
     max_tokens: int | None = 16
@@ -61,6 +68,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guide: dict | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.guide is not None and (
@@ -129,6 +140,23 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos must be true or false (got {self.ignore_eos!r})", param="ignore_eos")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(f"{name} must be between -2 and 2 (got {getattr(self, name)})", param=name)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(
+                f"repetition_penalty must be > 0 and <= {MAX_REPETITION_PENALTY:g} (1 is neutral) "
+                f"(got {self.repetition_penalty})",
+                param="repetition_penalty",
+            )
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether this request changes the model's logits before sampling (penalties, logit_bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -147,6 +175,8 @@ class SamplingParams:
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI's own limit is lower)
+MAX_REPETITION_PENALTY = 100.0  # far past any useful value: 2 is already strong
 MAX_LOGPROBS = 20  # alternatives per position at most (OpenAI's chat API takes 20, its completions API 5)
 TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
 
@@ -159,6 +189,68 @@ def _check_int(name: str, value) -> None:
 def _check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise InvalidRequest(f"{name} must be a number (got {value!r})", param=name)
+
+
+def _checked_logit_bias(bias) -> dict[int, float] | None:
+    """`logit_bias` as {token id: bias}, each checked (a token id >= the vocabulary is the engine's to refuse: it
+    knows the vocabulary). None when empty."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequest(
+            f"logit_bias must be an object mapping token ids to biases (got {shown(bias)})", param="logit_bias"
+        )
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens (got {len(bias)})", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str) and key.strip().isdecimal():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequest(
+                f"logit_bias: keys must be token ids, integers >= 0 (got {shown(key)})", param="logit_bias"
+            )
+        param = f"logit_bias.{token}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise InvalidRequest(f"{param} must be a number (got {shown(value)})", param=param)
+        if not -100 <= value <= 100:
+            raise InvalidRequest(f"{param} must be between -100 and 100 (got {value})", param=param)
+        out[token] = float(value)
+    return out or None
+
+
+def shape_logits(
+    logits: "torch.Tensor", params: list[SamplingParams], histories: list[tuple[list[int], list[int]]]
+) -> "torch.Tensor":
+    """`logits` ([rows, vocab], float32) as row i's request shapes them (`SamplingParams.shapes_logits`): its
+    logit_bias added, then its repetition penalty over the tokens of `histories[i]` (prompt ids, generated ids) and
+    its frequency and presence penalties over the generated ones. Rows that shape nothing are left as they are; when
+    none does, `logits` itself comes back (no copy)."""
+    import torch
+
+    rows = [i for i, p in enumerate(params) if p.shapes_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab, device = logits.shape[1], logits.device
+    for i in rows:
+        p, row = params[i], out[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=device)
+            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=device))
+        prompt, generated = histories[i]
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(prompt + generated, dtype=torch.long, device=device).unique()
+            seen = seen[seen < vocab]
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and generated:
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=device), minlength=vocab)[:vocab]
+            row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
+    # A repetition penalty of 1e-300 is a request's to give (> 0) and divides a logit to inf, and inf - inf in the
+    # sampler is NaN, which would stop the step for the whole batch: shaped logits stay finite.
+    return out.clamp_(max=torch.finfo(out.dtype).max)
 
 
 def sample(
