@@ -1,11 +1,11 @@
 """The OpenAI-compatible request and response shapes, and the error body every 4xx/5xx carries.
 
 Requests are pydantic models that forbid unknown fields: a misspelled parameter is a 400 that names it,
-never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`n` > 1,
-penalties, `best_of`, `suffix`, `logit_bias`, tools and tool choices) are accepted only at their neutral value,
-with an error that says so otherwise: a client that sends `"tools": []` by habit is served, one that asks for
-function calling is told it is not there. `response_format` (`json_object`, `json_schema`) is enforced on both
-endpoints by token masks. `top_k`, `stop_token_ids` and `ignore_eos` are vLLM's extensions, kept by name.
+never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`best_of` other than `n`, `suffix`)
+are accepted only at their neutral value, with an error that says so otherwise. `n` choices are `n` engine requests
+over the same prompt. `response_format` (`json_object`, `json_schema`) is enforced on both endpoints by token masks;
+`presence_penalty`, `frequency_penalty` and `logit_bias` shape the logits in the engine's step. `top_k`,
+`stop_token_ids`, `ignore_eos` and `repetition_penalty` are vLLM's extensions, kept by name.
 """
 
 from __future__ import annotations
@@ -21,12 +21,20 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pylon.serving.api import tools as tool_calls
 from pylon.serving.engine.guided import check_json_schema
-from pylon.serving.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
+from pylon.serving.engine.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from pylon.serving.errors import InvalidRequest, shown
 
 if TYPE_CHECKING:
     from pylon.serving.engine.request import TokenLogprob
     from pylon.serving.engine.tokenization import TokenTexts
+
+
+MAX_CHOICES = 16  # `n`: each choice is an engine request, and holds a slot of the batch
 
 
 class _Request(BaseModel):
@@ -40,7 +48,7 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices: one engine request each
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     stop: str | list[str] | None = None
@@ -48,19 +56,14 @@ class _Request(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
+    # {token id (as a string, JSON's keys): bias}; the engine checks the ids against its vocabulary
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     response_format: "ResponseFormat | None" = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest(f"n must be 1: Pylon returns one choice per request (got {self.n})", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported; leave it at 0", param=name)
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream: true", param="stream_options")
 
@@ -76,6 +79,10 @@ class _Request(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             guide=self._guide(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
             **self._logprobs_params(),
         )
 
@@ -122,8 +129,12 @@ class CompletionRequest(_Request):
                 "max_tokens must be >= 1; 0 (generate nothing) only with echo: true, to score the prompt",
                 param="max_tokens",
             )
-        if self.best_of not in (None, 1):
-            raise InvalidRequest("best_of must be 1", param="best_of")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequest(
+                f"best_of must equal n ({self.n}): Pylon returns every choice it generates, it does not pick the best "
+                f"of more (got {self.best_of})",
+                param="best_of",
+            )
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
 
@@ -502,6 +513,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{os.urandom(16).hex()}"
 
 
+def merge_choices(responses: list[dict]) -> dict:
+    """One response of n choices from n one-choice responses (`completion_response`'s or `chat_response`'s): each
+    choice with its `index`, usage counting the prompt once and every choice's completion tokens."""
+    if len(responses) == 1:
+        return responses[0]
+    first = responses[0]
+    merged = {**first, "choices": [{**r["choices"][0], "index": k} for k, r in enumerate(responses)]}
+    merged["usage"] = usage(
+        first["usage"]["prompt_tokens"],
+        sum(r["usage"]["completion_tokens"] for r in responses),
+        first["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
+    return merged
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
@@ -638,17 +664,20 @@ class LogprobsFormat:
 
 class StreamEvents:
     """One stream's server-sent events: `data: <JSON>\n\n` strings, with the parts every chunk of the stream
-    shares (id, object, created, model) laid out once and each chunk's text and finish reason spliced in.
+    shares (id, object, created, model, and the choice's index: a request of `n` choices has one per choice, sharing
+    id and created) laid out once and each chunk's text and finish reason spliced in.
     The JSON is `completion_chunk`'s / `chat_chunk`'s, key for key, as `json.dumps` would write it with
     compact separators; every chunk of a stream carries the same `created`, as OpenAI's do."""
 
-    def __init__(self, kind: Literal["completion", "chat"], rid: str, model: str):
+    def __init__(
+        self, kind: Literal["completion", "chat"], rid: str, model: str, *, index: int = 0, created: int | None = None
+    ):
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         self.kind, self.rid, self.model, self.obj = kind, rid, model, obj
-        self.created = int(time.time())
+        self.created = int(time.time()) if created is None else created
         self._head = (
             f'data: {{"id":{_quote(rid)},"object":"{obj}","created":{self.created},'
-            f'"model":{_quote(model)},"choices":[{{"index":0,'
+            f'"model":{_quote(model)},"choices":[{{"index":{int(index)},'
         )
 
     def chunk(self, text: str, finish_reason: str | None, logprobs: dict | None = None) -> str:

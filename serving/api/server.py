@@ -5,6 +5,7 @@ outputs, answers 429 when its queue is full, and exports Prometheus metrics labe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import re
@@ -365,10 +366,23 @@ class PylonLLMServer:
             params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
-            stream = self.engine.generate(
-                engine_id, prompt, params, interval_s=self.spec.http.stream_interval_ms / 1000
-            )
-            first = await self._first(stream)  # validation errors surface here, before any byte is sent
+            interval_s = self.spec.http.stream_interval_ms / 1000
+            # `n` choices: one engine request each, over the same prompt (its KV blocks are shared once cached).
+            streams = [
+                self.engine.generate(
+                    engine_id if body.n == 1 else f"{engine_id}-{k}",
+                    prompt,
+                    _choice_params(params, k),
+                    interval_s=interval_s,
+                )
+                for k in range(body.n)
+            ]
+            try:  # validation errors surface here, before any byte is sent
+                firsts = await _all([self._first(stream) for stream in streams])
+            except BaseException:
+                for stream in streams:
+                    await stream.aclose()
+                raise
         except HttpError as e:
             self._count(e.status, "none")
             return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
@@ -391,26 +405,26 @@ class PylonLLMServer:
 
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
         timeout = self.spec.http.request_timeout_s
-        choice = _Choice(kind, body, prompt, self.engine.tokenizer, self._token_texts)
+        choices = [_Choice(kind, body, prompt, self.engine.tokenizer, self._token_texts) for _ in streams]
         if body.stream:
-            return await self._stream(
-                send,
-                protocol.StreamEvents(kind, rid, self.model_name),
-                body,
-                first,
-                stream,
-                timeout,
-                choice,
-                answer_headers,
-            )
-        text, pairs, last = [], [], first
+            created = int(time.time())
+            events = [
+                protocol.StreamEvents(kind, rid, self.model_name, index=k, created=created) for k in range(body.n)
+            ]
+            return await self._stream(send, events, body, firsts, streams, timeout, choices, answer_headers)
+
+        async def collect(k: int):
+            text, pairs, last = [], [], firsts[k]
+            async for out in _chain(firsts[k], streams[k]):
+                delta, tokens = choices[k].take(out)
+                text.append(delta)
+                pairs.extend(tokens)
+                last = out
+            return "".join(text), pairs, last
+
         try:
             async with asyncio.timeout(timeout):
-                async for out in _chain(first, stream):
-                    delta, tokens = choice.take(out)
-                    text.append(delta)
-                    pairs.extend(tokens)
-                    last = out
+                results = await _all([collect(k) for k in range(body.n)])
         except TimeoutError:
             self._count(504, "timeout")
             return await send_error(
@@ -420,31 +434,32 @@ class PylonLLMServer:
             self._count(503, "none")
             return await send_error(send, 503, str(e), type="server_error")
         finally:
-            await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
-        self._observe(last)
-        content, reason, extra = "".join(text), last.finish_reason, {}
-        if kind == "chat" and body.tool_plan is not None:
-            content, calls = tools.parse(content, body.tool_plan)
-            if calls:
-                extra["tool_calls"] = calls
-                reason = "tool_calls" if reason == "stop" else reason
+            for stream in streams:
+                await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
         make = protocol.completion_response if kind == "completion" else protocol.chat_response
-        await send_json(
-            send,
-            200,
-            make(
-                rid,
-                self.model_name,
-                content,
-                reason,
-                last.num_prompt_tokens,
-                last.num_output_tokens,
-                logprobs=choice.logprobs(pairs),
-                cached_tokens=last.num_cached_tokens,
-                **extra,
-            ),
-            answer_headers,
-        )
+        answers = []
+        for k, (content, pairs, last) in enumerate(results):
+            self._observe(last, count=k == 0)
+            reason, extra = last.finish_reason, {}
+            if kind == "chat" and body.tool_plan is not None:
+                content, calls = tools.parse(content, body.tool_plan)
+                if calls:
+                    extra["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            answers.append(
+                make(
+                    rid,
+                    self.model_name,
+                    content,
+                    reason,
+                    last.num_prompt_tokens,
+                    last.num_output_tokens,
+                    logprobs=choices[k].logprobs(pairs),
+                    cached_tokens=last.num_cached_tokens,
+                    **extra,
+                )
+            )
+        await send_json(send, 200, protocol.merge_choices(answers), answer_headers)
 
     @functools.cached_property
     def _token_texts(self) -> TokenTexts:
@@ -455,64 +470,87 @@ class PylonLLMServer:
         return await stream.__anext__()
 
     async def _stream(
-        self, send, events, body, first, stream, timeout: float, choice: "_Choice", answer_headers: dict
+        self, send, events: list, body, firsts: list, streams: list, timeout: float, choices: list, answer_headers: dict
     ) -> None:
-        """Server-sent events: one chunk per engine output, a usage chunk if asked, then [DONE]. A client that
-        disconnects gets this task cancelled by Serve's ingress; closing `stream` then aborts the engine request.
+        """Server-sent events: the chunks of every choice as they come, a usage chunk if asked, then [DONE]. A client
+        that disconnects gets this task cancelled by Serve's ingress; closing the streams then aborts the engine
+        requests.
 
         Events that are ready together go out as one write: chat's role chunk with the first content, and the
         last content chunk with the usage chunk and [DONE]."""
 
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer_headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *extra]})
-        last, held = first, events.role() if events.kind == "chat" else ""
-        pending = []  # tokens whose logprobs go with the next chunk (tokens without text yet wait for their text)
-        plan = body.tool_plan if events.kind == "chat" else None
-        calling = tools.ToolStream(plan) if plan is not None else None  # holds text that may be a tool call
+        lasts, held, left = list(firsts), "", len(streams)
+        parts = [
+            self._choice_events(k, events[k], body, firsts[k], streams[k], choices[k]) for k in range(len(streams))
+        ]
+        source = parts[0] if len(parts) == 1 else _interleave(parts)
         try:
             async with asyncio.timeout(timeout):
-                async for out in _chain(first, stream):
-                    last = out
-                    text, tokens = choice.take(out)
-                    calls = []
-                    if calling is not None:
-                        text = calling.feed(text)
-                        if out.finished:
-                            rest, calls = calling.finish()
-                            text += rest
-                    pending.extend(tokens)
-                    if not text and not out.finished:
-                        continue
-                    if calls:  # content first (if any), then the calls with the finish reason
-                        if text:
-                            held += events.chunk(text, None, choice.logprobs(pending))
-                            pending = []
-                        reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
-                        held += events.tool_calls(calls, reason)
-                    else:
-                        held += events.chunk(text, out.finish_reason, choice.logprobs(pending))
-                    pending = []
-                    if not out.finished:  # the last one waits for the usage chunk and [DONE]
+                async for k, piece, out in source:
+                    lasts[k] = out
+                    held += piece
+                    left -= out.finished
+                    if left:  # the last piece of the last choice waits for the usage chunk and [DONE]
                         await send({"type": "http.response.body", "body": held.encode(), "more_body": True})
                         held = ""
             if body.include_usage:
-                held += events.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-            self._observe(last)
+                held += events[0].usage(
+                    lasts[0].num_prompt_tokens, sum(o.num_output_tokens for o in lasts), lasts[0].num_cached_tokens
+                )
+            for k, last in enumerate(lasts):
+                self._observe(last, count=k == 0)
         except TimeoutError:
             self._count(504, "timeout")
-            held += events.event(
+            held += events[0].event(
                 protocol.error_body(
                     f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error", code=504
                 )
             )
         except EngineDeadError as e:
             self._count(503, "none")
-            held += events.event(protocol.error_body(str(e), type="server_error", code=503))
+            held += events[0].event(protocol.error_body(str(e), type="server_error", code=503))
         finally:
-            await stream.aclose()  # aborts the engine request if it has not finished
+            for part in parts:
+                await part.aclose()
+            for stream in streams:
+                await stream.aclose()  # aborts the engine request if it has not finished
         await send({"type": "http.response.body", "body": (held + "data: [DONE]\n\n").encode(), "more_body": False})
 
-    def _observe(self, last) -> None:
+    async def _choice_events(self, k: int, events, body, first, stream, choice: "_Choice"):
+        """One choice's server-sent events as they become ready to go out: (k, text, the engine output they end
+        at). Chat's role chunk waits for the first content; text that may be a tool call is held back."""
+        held = events.role() if events.kind == "chat" else ""
+        pending = []  # tokens whose logprobs go with the next chunk (tokens without text yet wait for their text)
+        plan = body.tool_plan if events.kind == "chat" else None
+        calling = tools.ToolStream(plan) if plan is not None else None  # holds text that may be a tool call
+        async for out in _chain(first, stream):
+            text, tokens = choice.take(out)
+            calls = []
+            if calling is not None:
+                text = calling.feed(text)
+                if out.finished:
+                    rest, calls = calling.finish()
+                    text += rest
+            pending.extend(tokens)
+            if not text and not out.finished:
+                continue
+            if calls:  # content first (if any), then the calls with the finish reason
+                if text:
+                    held += events.chunk(text, None, choice.logprobs(pending))
+                    pending = []
+                reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+                held += events.tool_calls(calls, reason)
+            else:
+                held += events.chunk(text, out.finish_reason, choice.logprobs(pending))
+            pending = []
+            yield k, held, out
+            held = ""
+
+    def _observe(self, last, *, count: bool = True) -> None:
+        """A finished engine request's latencies and tokens into the metrics and the ledger; `count`: the HTTP
+        request's status too (once per request, whatever its `n`)."""
         m, metrics = self.metrics, last.metrics
         if metrics.time_to_first_token is not None:
             m["ttft"].observe(metrics.time_to_first_token)
@@ -528,7 +566,8 @@ class PylonLLMServer:
         )
         if last.num_output_tokens:
             m["generation_tokens"].inc(last.num_output_tokens)
-        self._count(200, last.finish_reason or "none")
+        if count:
+            self._count(200, last.finish_reason or "none")
 
     def _count(self, status: int, reason: str) -> None:
         self.metrics["requests"].inc(tags={"status": str(status), "finish_reason": reason})
@@ -582,6 +621,50 @@ class _Choice:
         if self.format is None:
             return None
         return self.format.completion(pairs) if self.kind == "completion" else self.format.chat(pairs)
+
+
+def _choice_params(params, k: int):
+    """Choice k's sampling parameters: the request's, with a given seed moved on by k (the choices then differ, and
+    each is reproducible)."""
+    if k == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + k)
+
+
+async def _all(awaitables: list) -> list:
+    """Await them together; their results in order. The first to fail cancels the others and its error is raised;
+    a cancelled caller (a timeout, a client gone) cancels them all."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _interleave(parts: list):
+    """The items of several async iterators as each comes (in the iterators' order when several are ready)."""
+    ahead = {asyncio.ensure_future(part.__anext__()): k for k, part in enumerate(parts)}
+    try:
+        while ahead:
+            done, _ = await asyncio.wait(ahead, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=ahead.__getitem__):
+                k = ahead.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                ahead[asyncio.ensure_future(parts[k].__anext__())] = k
+                yield item
+    finally:
+        for future in ahead:
+            future.cancel()
+        await asyncio.gather(*ahead, return_exceptions=True)
 
 
 async def _chain(first, stream):

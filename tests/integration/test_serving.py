@@ -192,6 +192,22 @@ def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_chat
     assert stream[-1].usage.completion_tokens == 10 and stream[-1].usage.total_tokens == len(chat_prompt.encode()) + 10
 
+    # n choices and logit_bias through Serve and the engine's own process: greedy choices are all transformers'
+    three = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, n=3, extra_body={"ignore_eos": True}
+    )
+    assert [(c.index, c.text) for c in three.choices] == [(0, expected), (1, expected), (2, expected)]
+    assert three.usage.completion_tokens == 36
+    forced = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"65": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.choices[0].text == "AAAAA"
+
 
 def test_raw_sse_ends_with_done_and_carries_a_request_id(served):
     with requests.post(
@@ -475,7 +491,7 @@ BAD = [
     ("max_tokens zero", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative", {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
     ("max_tokens past the context", {"model": "tiny", "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
-    ("n > 1", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("n past its bound", {"model": "tiny", "prompt": "x", "n": 17}, 400, "n"),
     ("top_p out of range", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("token id out of vocab", {"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
     ("batch of prompts", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),

@@ -257,6 +257,89 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
     assert r.status_code == 200, r.text
 
 
+def test_penalties_and_logit_bias_through_the_openai_client(server):
+    """presence/frequency_penalty and logit_bias (OpenAI's) and repetition_penalty (vLLM's, in extra_body) reach the
+    engine on both endpoints, streamed and not; values it cannot take are a 400 naming the field."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    common = {"model": "tiny", "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    # The byte tokenizer's id 65 is "A": a bias of 100 makes every greedy token that one.
+    forced = client.completions.create(prompt="hello", logit_bias={"65": 100}, **common)
+    assert forced.choices[0].text == "A" * 12
+    streamed = client.chat.completions.create(
+        messages=[{"role": "user", "content": "hello"}], logit_bias={"66": 100}, stream=True, **common
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "B" * 12
+
+    def tokens(**fields) -> str:
+        body = {**common, **fields, "extra_body": {**common["extra_body"], **fields.pop("extra_body", {})}}
+        return client.completions.create(prompt="hello there, hello there, hello", **body).choices[0].text
+
+    plain = tokens()
+    assert tokens(frequency_penalty=2.0) != plain
+    assert tokens(presence_penalty=-2.0) != plain
+    assert tokens(extra_body={"repetition_penalty": 3.0}) != plain
+    assert tokens(frequency_penalty=0.0, presence_penalty=0.0, logit_bias={}) == plain  # neutral: unchanged
+
+    url = f"{server}/v1/completions"
+    base = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    for extra, param, words in [
+        ({"logit_bias": {"400": 5}}, "logit_bias.400", "not in the model's vocabulary"),
+        ({"logit_bias": {"A": 5}}, "logit_bias", "keys must be token ids"),
+        ({"logit_bias": {"5": 200}}, "logit_bias.5", "less than or equal to 100"),
+        ({"frequency_penalty": 3}, "frequency_penalty", "less than or equal to 2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ]:
+        r = requests.post(url, headers=auth(), json={**base, **extra}, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and words in error["message"], (extra, error)
+
+
+def test_n_choices_streamed_and_not_through_the_openai_client(server):
+    """`n` choices: one engine request each, every choice with its index; a seed moves on by one per choice, so
+    choice 0 is what n=1 gives and a repeat gives the same choices; streamed, every choice's chunks carry its index
+    and join to the unstreamed text; usage counts the prompt once and every choice's tokens."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    common = {"model": "tiny", "max_tokens": 8, "temperature": 1.0, "seed": 11, "extra_body": {"ignore_eos": True}}
+    three = client.completions.create(prompt="once upon", n=3, **common)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.text for c in three.choices]
+    assert len(set(texts)) == 3, texts  # three different draws
+    assert three.usage.completion_tokens == 24 and three.usage.prompt_tokens == 9
+    assert three.usage.total_tokens == 33
+    one = client.completions.create(prompt="once upon", **common)
+    assert one.choices[0].text == texts[0]
+    assert [c.text for c in client.completions.create(prompt="once upon", n=3, **common).choices] == texts
+
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(messages=messages, n=2, **common)
+    assert [c.index for c in whole.choices] == [0, 1] and all(c.finish_reason == "length" for c in whole.choices)
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, n=2, stream=True, stream_options={"include_usage": True}, **common
+        )
+    )
+    joined, roles, reasons = ["", ""], [0, 0], [None, None]
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        joined[choice.index] += choice.delta.content or ""
+        roles[choice.index] += choice.delta.role == "assistant"
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert joined == [c.message.content for c in whole.choices]
+    assert roles == [1, 1] and reasons == ["length", "length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    url = f"{server}/v1/completions"
+    for extra, param in [({"n": 17}, "n"), ({"n": 0}, "n"), ({"n": 2, "best_of": 3}, "best_of")]:
+        r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 INVOICE = {
     "type": "object",
     "properties": {
