@@ -330,7 +330,7 @@ class LLMEngine:
         shaped = shape_logits(
             logits,
             [r.params for r in sampling],
-            [(r.prompt_token_ids, r.output_token_ids) if r.params.shapes_logits else ([], []) for r in sampling],
+            [(r.prompt_tensor(), r.output_token_ids) if r.params.shapes_logits else ([], []) for r in sampling],
         )
         guided = [i for i, r in enumerate(sampling) if r.guide is not None and r.max_tokens > 0]
         # Guided rows sample from the grammar's tokens only.

@@ -66,12 +66,21 @@ class Request:
     prompt_logprobs_sent: bool = False  # its first output (which carries prompt_logprobs) has gone out
     guide: object | None = None  # with params.guide: its llguidance matcher, advanced by each generated token
     draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed for this step to verify
+    _prompt_tensor: "torch.Tensor | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    def prompt_tensor(self) -> "torch.Tensor":
+        """The prompt's token ids as a CPU tensor, made once (penalties read them at every step)."""
+        if self._prompt_tensor is None:
+            import torch
+
+            self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long)
+        return self._prompt_tensor
 
     @property
     def num_tokens(self) -> int:

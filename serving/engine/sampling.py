@@ -221,36 +221,63 @@ def _checked_logit_bias(bias) -> dict[int, float] | None:
 
 
 def shape_logits(
-    logits: "torch.Tensor", params: list[SamplingParams], histories: list[tuple[list[int], list[int]]]
+    logits: "torch.Tensor", params: list[SamplingParams], histories: list[tuple[object, list[int]]]
 ) -> "torch.Tensor":
     """`logits` ([rows, vocab], float32) as row i's request shapes them (`SamplingParams.shapes_logits`): its
-    logit_bias added, then its repetition penalty over the tokens of `histories[i]` (prompt ids, generated ids) and
-    its frequency and presence penalties over the generated ones. Rows that shape nothing are left as they are; when
+    logit_bias added, then its repetition penalty over the tokens of `histories[i]` (prompt ids as a list or a CPU
+    tensor, generated ids) and its frequency and presence penalties over the generated ones. Every row that shapes
+    is done in the same few indexed reads and writes, touching only the tokens concerned (never a whole row: a
+    vocabulary-wide pass per row cost more than the rest); rows that shape nothing are left as they are, and when
     none does, `logits` itself comes back (no copy)."""
     import torch
 
-    rows = [i for i, p in enumerate(params) if p.shapes_logits]
-    if not rows:
+    shaping = [i for i, p in enumerate(params) if p.shapes_logits]
+    if not shaping:
         return logits
-    out = logits.clone()
-    vocab, device = logits.shape[1], logits.device
-    for i in rows:
-        p, row = params[i], out[i]
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=device)
-            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=device))
-        prompt, generated = histories[i]
-        if p.repetition_penalty != 1:
-            seen = torch.tensor(prompt + generated, dtype=torch.long, device=device).unique()
-            seen = seen[seen < vocab]
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and generated:
-            counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=device), minlength=vocab)[:vocab]
-            row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
-    # A repetition penalty of 1e-300 is a request's to give (> 0) and divides a logit to inf, and inf - inf in the
-    # sampler is NaN, which would stop the step for the whole batch: shaped logits stay finite.
-    return out.clamp_(max=torch.finfo(out.dtype).max)
+    device, dtype = logits.device, logits.dtype
+    out = logits.clone()  # the model's logits stay for logprobs
+    bias = [(i, t, v) for i in shaping if params[i].logit_bias for t, v in params[i].logit_bias.items()]
+    if bias:
+        at, ids, values = zip(*bias)
+        out.index_put_(
+            (torch.tensor(at, device=device), torch.tensor(ids, device=device)),
+            torch.tensor(values, dtype=dtype, device=device),
+            accumulate=True,
+        )
+    rep = [i for i in shaping if params[i].repetition_penalty != 1]
+    if rep:
+        # Every (row, token) of the history, repeats included: each write of a repeated pair puts the same value.
+        at, ids = _flat(rep, [torch.cat([_ids(histories[i][0]), _ids(histories[i][1])]) for i in rep], device)
+        r = torch.tensor([params[i].repetition_penalty for i in range(len(params))], dtype=dtype, device=device)[at]
+        seen = out[at, ids]
+        # A repetition penalty of 1e-300 is a request's to give (> 0) and divides a logit to inf, and inf - inf in
+        # the sampler is NaN, which would stop the step for the whole batch: shaped logits stay finite.
+        out[at, ids] = torch.where(seen > 0, seen / r, seen * r).clamp_(max=torch.finfo(dtype).max)
+    counted = [i for i in shaping if (params[i].frequency_penalty or params[i].presence_penalty) and histories[i][1]]
+    if counted:
+        at, ids = _flat(counted, [_ids(histories[i][1]) for i in counted], device)
+        vocab = logits.shape[1]
+        pairs, counts = torch.unique(at * vocab + ids, return_counts=True)
+        at, ids = pairs // vocab, pairs % vocab
+        frequency = torch.tensor([params[i].frequency_penalty for i in range(len(params))], dtype=dtype, device=device)
+        presence = torch.tensor([params[i].presence_penalty for i in range(len(params))], dtype=dtype, device=device)
+        out.index_put_((at, ids), -(frequency[at] * counts.to(dtype) + presence[at]), accumulate=True)
+    return out
+
+
+def _ids(ids) -> "torch.Tensor":
+    import torch
+
+    return ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+
+
+def _flat(rows: list[int], per_row: list["torch.Tensor"], device) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Rows' token ids as one (row, token id) pair of tensors on `device`, for one indexed read or write."""
+    import torch
+
+    lengths = torch.tensor([len(t) for t in per_row])
+    at = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
+    return at.to(device), torch.cat(per_row).to(device)
 
 
 def sample(
