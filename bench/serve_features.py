@@ -14,6 +14,10 @@ vocab 50257, ~124M parameters) with random weights (GPT-2's initializer), built 
    < 2%); random weights make the absolute perplexity meaningless (about the vocabulary's size), so also the mean
    KL divergence from fp32's next-token distribution and how often the two agree on the most likely token.
 
+penalties(): presence/frequency/repetition penalties and logit_bias against free greedy decoding on the same model
+and prompts, at concurrency 1 and 8 (output tokens/s, the ratio, the spread over rounds), and the shaping's own cost
+per row of a batch.
+
 constrained(): structured outputs against free decoding on the same model: output tokens/s of greedy requests whose
 output must validate against a JSON schema (llguidance masks applied in the batched step) against the same requests
 unconstrained, at concurrency 1 and 8 (target >= 0.9x), and the mask's own cost per token.
@@ -29,7 +33,7 @@ first `--draft-layers` layers with its embeddings, final norm and output layer, 
 early exit, as LayerSkip and Draft & Verify draft): no training needed, the same tokenizer by construction; the
 counters also give the model's forward passes per output token, which do not depend on the machine.
 
-    .venv/bin/python bench/serve_features.py                 # all three, CPU, ~12 min on 2 cores
+    .venv/bin/python bench/serve_features.py                 # all four, CPU, ~14 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
     .venv/bin/python bench/serve_features.py --rounds 3
 """
@@ -139,9 +143,18 @@ def micro(rounds: int = 200) -> dict[str, dict[int, float]]:
 
 
 def throughput(
-    eng, concurrency: int, requests: int, prompt_tokens: int, output_tokens: int, *, guide=None, prompts=None
+    eng,
+    concurrency: int,
+    requests: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    *,
+    guide=None,
+    prompts=None,
+    shaping: dict | None = None,
 ) -> float:
-    """Output tokens/s of `requests` greedy requests, `concurrency` open at a time (closed loop)."""
+    """Output tokens/s of `requests` greedy requests, `concurrency` open at a time (closed loop); `shaping`:
+    SamplingParams' penalties and logit_bias for them."""
     import random
 
     from pylon.serving.engine.sampling import SamplingParams
@@ -149,7 +162,7 @@ def throughput(
     rng = random.Random(concurrency)
     if prompts is None:
         prompts = [[rng.randrange(32, 127) for _ in range(prompt_tokens)] for _ in range(requests)]
-    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True, guide=guide)
+    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True, guide=guide, **(shaping or {}))
     eng.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0))  # first-call costs, not counted
     pending, open_, tokens, n = list(reversed(prompts)), set(), 0, 0
     t0 = time.monotonic()
@@ -345,6 +358,69 @@ def report_constrained(r: dict) -> None:
     print(f"  the mask alone (llguidance + applying it to one row): {r['mask_us']:.0f} us per token")
 
 
+# What an application that discourages repeats sends: every kind of shaping at once.
+SHAPING = {
+    "repetition_penalty": 1.1,
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.3,
+    "logit_bias": {t: -5.0 for t in range(300, 310)},
+}
+
+
+def penalties(args) -> dict:
+    """Penalties and logit_bias (`SHAPING`) against free greedy decoding, same prompts, legs alternating; and the
+    shaping alone, one batch of rows timed."""
+    import torch
+
+    from pylon.serving.engine.sampling import SamplingParams, shape_logits
+
+    torch.set_num_threads(args.threads)
+    results: dict = {"tokens_per_s": {}, "shape_us": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "gpt2"
+        build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab)
+        for c in args.concurrency:
+            legs = {"free": [], "penalized": []}
+            eng = engine(str(directory), "none", c)
+            for r in range(args.rounds):
+                for leg in ("free", "penalized") if r % 2 == 0 else ("penalized", "free"):
+                    requests = max(2, c * args.requests_per_slot)
+                    legs[leg].append(
+                        throughput(
+                            eng,
+                            c,
+                            requests,
+                            args.prompt_tokens,
+                            args.output_tokens,
+                            shaping=SHAPING if leg == "penalized" else None,
+                        )
+                    )
+            results["tokens_per_s"][c] = legs
+            del eng
+            gc.collect()
+            # the shaping alone: c rows of the vocabulary's logits, each with a prompt and half its output behind it
+            logits = torch.randn(c, args.vocab)
+            params = [SamplingParams(temperature=0, **SHAPING)] * c
+            history = [(list(range(args.prompt_tokens)), list(range(args.output_tokens // 2)))] * c
+            shape_logits(logits, params, history)
+            t0 = time.perf_counter()
+            for _ in range(50):
+                shape_logits(logits, params, history)
+            results["shape_us"][c] = (time.perf_counter() - t0) / 50 / c * 1e6
+    return results
+
+
+def report_penalties(r: dict) -> None:
+    print("== penalties and logit_bias: repetition 1.1, frequency 0.5, presence 0.3, 10 biased tokens vs free greedy")
+    for c, legs in r["tokens_per_s"].items():
+        free, pen = statistics.median(legs["free"]), statistics.median(legs["penalized"])
+        ratios = [a / b for a, b in zip(legs["penalized"], legs["free"])]
+        print(
+            f"concurrency {c}: free {free:.1f} tok/s, penalized {pen:.1f} tok/s: {pen / free:.2f}x "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); the shaping alone {r['shape_us'][c]:.0f} us per row"
+        )
+
+
 def grounded_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
     """Prompts made of a few phrases repeated (ASCII bytes), as an edit or a summary repeats its input."""
     import random
@@ -495,14 +571,19 @@ def main() -> None:
     )
     p.add_argument("--spec-output-tokens", type=int, default=96, help="decoding, not the prompt, is what it speeds")
     p.add_argument(
-        "--only", nargs="+", choices=["quantization", "constrained", "speculative"], help="run these sections only"
+        "--only",
+        nargs="+",
+        choices=["quantization", "constrained", "penalties", "speculative"],
+        help="run these sections only",
     )
     args = p.parse_args()
-    sections = args.only or ["quantization", "constrained", "speculative"]
+    sections = args.only or ["quantization", "constrained", "penalties", "speculative"]
     if "quantization" in sections:
         report_quantization(quantization(args))
     if "constrained" in sections:
         report_constrained(constrained(args))
+    if "penalties" in sections:
+        report_penalties(penalties(args))
     if "speculative" in sections:
         report_speculative(speculative(args))
 
