@@ -331,6 +331,7 @@ class LLMEngine:
             logits,
             [r.params for r in sampling],
             [(r.prompt_tensor(), r.output_token_ids) if r.params.shapes_logits else ([], []) for r in sampling],
+            self.tokenizer.eos_id,
         )
         guided = [i for i, r in enumerate(sampling) if r.guide is not None and r.max_tokens > 0]
         # Guided rows sample from the grammar's tokens only.
@@ -486,7 +487,8 @@ class LLMEngine:
         if token in params.stop_token_ids or (token == self.tokenizer.eos_id and not params.ignore_eos):
             reason = "stop"
         else:
-            text = request.detokenizer.add(token)
+            # Stop strings are looked for once min_tokens are out (vLLM's rule; the text before is never searched).
+            text = request.detokenizer.add(token, find_stop=request.num_output_tokens >= params.min_tokens)
             # A grammar that is complete and can take no more (a JSON object's closing brace) ends the request.
             if request.detokenizer.stopped or (request.guide is not None and request.guide.is_stopped()):
                 reason = "stop"

@@ -37,6 +37,9 @@ class SamplingParams:
     temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
     top_p: keep the smallest set of most likely tokens whose probability adds up to top_p (1 keeps all).
     top_k: keep the k most likely tokens; 0 keeps all (-1, vLLM's spelling of "all", is accepted too).
+    min_p: keep the tokens at least min_p times as likely as the most likely one (0 keeps all; vLLM's and SGLang's).
+    min_tokens: generate at least this many tokens before eos or a stop token id can end the request (they are
+    masked until then) or a stop string is looked for (vLLM's).
     seed: seeds this request's own random stream, for reproducible sampling.
     stop: strings that end generation; the matched stop string is not part of the output text.
     stop_token_ids: token ids that end generation (besides the tokenizer's eos).
@@ -61,6 +64,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -105,6 +110,15 @@ class SamplingParams:
             self.top_k = 0
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 or -1 keeps every token) (got {self.top_k})", param="top_k")
+        _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be between 0 and 1 (got {self.min_p})", param="min_p")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise InvalidRequest(
+                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}) (got {self.min_tokens})",
+                param="min_tokens",
+            )
         if self.seed is not None:
             _check_int("seed", self.seed)
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
@@ -155,8 +169,14 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether this request changes the model's logits before sampling (penalties, logit_bias)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+        """Whether this request changes the model's logits before sampling (penalties, logit_bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
@@ -221,14 +241,19 @@ def _checked_logit_bias(bias) -> dict[int, float] | None:
 
 
 def shape_logits(
-    logits: "torch.Tensor", params: list[SamplingParams], histories: list[tuple[object, list[int]]]
+    logits: "torch.Tensor",
+    params: list[SamplingParams],
+    histories: list[tuple[object, list[int]]],
+    eos_id: int | None = None,
 ) -> "torch.Tensor":
     """`logits` ([rows, vocab], float32) as row i's request shapes them (`SamplingParams.shapes_logits`): its
     logit_bias added, then its repetition penalty over the tokens of `histories[i]` (prompt ids as a list or a CPU
-    tensor, generated ids) and its frequency and presence penalties over the generated ones. Every row that shapes
-    is done in the same few indexed reads and writes, touching only the tokens concerned (never a whole row: a
-    vocabulary-wide pass per row cost more than the rest); rows that shape nothing are left as they are, and when
-    none does, `logits` itself comes back (no copy)."""
+    tensor, generated ids) and its frequency and presence penalties over the generated ones; then, while it has
+    fewer than min_tokens generated tokens, the tokens that would end it (`eos_id` unless it ignores eos, its
+    stop_token_ids) pushed to float32's lowest (not -inf: a grammar that allows only eos then still leaves a
+    token). Every row that shapes is done in the same few indexed reads and writes, touching only the tokens
+    concerned (never a whole row: a vocabulary-wide pass per row cost more than the rest); rows that shape nothing
+    are left as they are, and when none does, `logits` itself comes back (no copy)."""
     import torch
 
     shaping = [i for i, p in enumerate(params) if p.shapes_logits]
@@ -262,7 +287,24 @@ def shape_logits(
         frequency = torch.tensor([params[i].frequency_penalty for i in range(len(params))], dtype=dtype, device=device)
         presence = torch.tensor([params[i].presence_penalty for i in range(len(params))], dtype=dtype, device=device)
         out.index_put_((at, ids), -(frequency[at] * counts.to(dtype) + presence[at]), accumulate=True)
+    early = [
+        (i, t)
+        for i in shaping
+        if len(histories[i][1]) < params[i].min_tokens
+        for t in _ending_tokens(params[i], eos_id)
+        if t < logits.shape[1]
+    ]
+    if early:
+        at, ids = zip(*early)
+        out[torch.tensor(at, device=device), torch.tensor(ids, device=device)] = torch.finfo(dtype).min
     return out
+
+
+def _ending_tokens(params: SamplingParams, eos_id: int | None) -> set[int]:
+    ending = set(params.stop_token_ids)
+    if eos_id is not None and not params.ignore_eos:
+        ending.add(eos_id)
+    return ending
 
 
 def _ids(ids) -> "torch.Tensor":
@@ -320,6 +362,11 @@ def _sorted_probs(chosen: "torch.Tensor", params: list[SamplingParams]) -> tuple
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(sorted_logits.shape[1], device=chosen.device)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    if any(p.min_p for p in params):
+        # min_p: p / p_max >= min_p, i.e. a scaled logit (the best one is 0) of at least log(min_p); the best token
+        # always stays. Before top_p, which then counts the mass of what min_p kept (vLLM's order).
+        floor = torch.tensor([math.log(p.min_p) if p.min_p else -math.inf for p in params], device=chosen.device)
+        sorted_logits = sorted_logits.masked_fill((sorted_logits < floor[:, None]) & (rank[None, :] > 0), -math.inf)
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the tokens ranked above it already reach top_p; the first token always stays, whatever
     # top_p is (a top_p of 5e-324 is 0 in float32, and masking every token killed the step loop for the batch).

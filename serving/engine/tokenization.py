@@ -112,8 +112,9 @@ class IncrementalDetokenizer:
         self._window_sent = 0  # characters of the open window's output already in `text` (see `add`)
         self.stopped = False  # a stop string was found
 
-    def add(self, token_id: int) -> str:
-        """Take one generated token; return the text that is now safe to emit."""
+    def add(self, token_id: int, *, find_stop: bool = True) -> str:
+        """Take one generated token; return the text that is now safe to emit. `find_stop` False: its text is not
+        looked at for stop strings, then or later (a request's min_tokens)."""
         self._ids.append(token_id)
         before = self._tokenizer.decode(self._ids[self._prefix : self._read])
         after = self._tokenizer.decode(self._ids[self._prefix :])
@@ -138,7 +139,7 @@ class IncrementalDetokenizer:
         if end > start:
             searched_up_to = len(self.text)
             self.text += after[start:end]
-            if self._stop:
+            if self._stop and find_stop:
                 self._find_stop(searched_up_to)
         if read_to is not None and end >= start:
             self._prefix, self._read, self._window_sent = self._read, read_to, sent_past

@@ -2,7 +2,8 @@
 the engine token for token equal to `transformers`' `generate` with the same shaping (its own SequenceBias and
 RepetitionPenalty processors, and OpenAI's presence/frequency rule as a logits processor written out here), under
 continuous batching beside requests that shape nothing; the sampler's distribution shaped the same way; bad values
-named; logprobs left as the model's own."""
+named; logprobs left as the model's own. min_p (the sampler's filter) and min_tokens (as transformers'
+min_new_tokens; stop strings deferred)."""
 
 from __future__ import annotations
 
@@ -160,3 +161,86 @@ def test_a_logit_bias_token_outside_the_vocabulary_is_refused_by_the_engine(gpt2
         engine.add_request("r", PROMPTS[0], shaped(logit_bias={320: 5.0}))
     assert e.value.param == "logit_bias.320"
     assert not engine.has_unfinished()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# min_p and min_tokens (vLLM's)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_min_p_keeps_the_tokens_near_the_best_before_top_p() -> None:
+    logits = torch.tensor([[3.0, 2.0, 0.0, -5.0], [3.0, 2.0, 0.0, -5.0]])
+    # p / p_max = exp(l - 3) at temperature 1: 1, 0.37, 0.05, 0.0003
+    kept = filtered_probs(logits, [SamplingParams(min_p=0.3), SamplingParams(min_p=0.01)])
+    assert torch.allclose(kept[0], torch.tensor([*torch.tensor([3.0, 2.0]).softmax(-1).tolist(), 0.0, 0.0]))
+    assert torch.allclose(kept[1], torch.tensor([*torch.tensor([3.0, 2.0, 0.0]).softmax(-1).tolist(), 0.0]))
+    # top_p then counts what min_p kept: 0.73 of the two kept reaches 0.7 with the first alone
+    both = filtered_probs(logits[:1], [SamplingParams(min_p=0.3, top_p=0.7)])
+    assert both[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    # temperature first: at 3, p / p_max = exp((l - 3) / 3): 1, 0.72, 0.37, 0.07
+    hot = filtered_probs(logits[:1], [SamplingParams(temperature=3.0, min_p=0.3)])
+    assert (hot[0] > 0).tolist() == [True, True, True, False]
+
+
+def test_min_p_of_one_samples_the_greedy_tokens(gpt2: Family) -> None:
+    engine = gpt2.engine()
+    hot = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.5, seed=3)
+    [free] = engine.generate([PROMPTS[2]], hot)
+    [near] = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=NEW_TOKENS, temperature=1.5, seed=3, min_p=1.0))
+    assert near.token_ids == gpt2.greedy[2] and free.token_ids != gpt2.greedy[2]
+
+
+def test_min_tokens_masks_what_ends_a_request_as_transformers_min_new_tokens(family: Family) -> None:
+    engine = family.engine()
+    expected, stops = {}, {}
+    for n, prompt in enumerate(PROMPTS[:4]):
+        stop = family.greedy[n][2]  # plain greedy ends at its third token
+        stops[n] = stop
+        ids = torch.tensor([prompt], device=DEVICE)
+        out = family.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=12,
+            do_sample=False,
+            eos_token_id=[256, stop],
+            pad_token_id=257,
+        )
+        expected[n] = out[0, len(prompt) :].tolist()
+        expected[n] = expected[n][: next((i + 1 for i, t in enumerate(expected[n]) if t in (256, stop)), None)]
+        engine.add_request(f"plain-{n}", prompt, shaped(stop_token_ids=[stop]))
+        engine.add_request(f"min-{n}", prompt, shaped(stop_token_ids=[stop], min_tokens=12))
+    outputs = run(engine)
+    for n in expected:
+        assert len(tokens_of(outputs[f"plain-{n}"])) <= 3
+        got = tokens_of(outputs[f"min-{n}"])
+        assert got == expected[n] and len(got) >= 12, n
+        assert stops[n] not in got[:11] and 256 not in got[:11]
+
+
+def test_min_tokens_defers_stop_strings(gpt2: Family) -> None:
+    engine = gpt2.engine()
+    [plain] = engine.generate([PROMPTS[4]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    stop = plain.text[:2]
+    [cut] = engine.generate([PROMPTS[4]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, stop=[stop]))
+    assert cut.text == "" and cut.finish_reason == "stop"
+    [late] = engine.generate(
+        [PROMPTS[4]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, stop=[stop], min_tokens=6, ignore_eos=True)
+    )
+    assert late.text.startswith(stop) and len(late.token_ids) >= 6
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"min_tokens": 2.5}, "min_tokens"),
+    ],
+)
+def test_bad_min_p_and_min_tokens_name_the_parameter(fields: dict, param: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(**fields)
+    assert e.value.param == param
