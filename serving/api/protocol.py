@@ -4,8 +4,8 @@ Requests are pydantic models that forbid unknown fields: a misspelled parameter 
 never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`best_of` other than `n`, `suffix`)
 are accepted only at their neutral value, with an error that says so otherwise. `n` choices are `n` engine requests
 over the same prompt. `response_format` (`json_object`, `json_schema`) is enforced on both endpoints by token masks;
-`presence_penalty`, `frequency_penalty` and `logit_bias` shape the logits in the engine's step. `top_k`,
-`stop_token_ids`, `ignore_eos` and `repetition_penalty` are vLLM's extensions, kept by name.
+`presence_penalty`, `frequency_penalty` and `logit_bias` shape the logits in the engine's step. `top_k`, `min_p`,
+`min_tokens`, `stop_token_ids`, `ignore_eos` and `repetition_penalty` are vLLM's extensions, kept by name.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 
 MAX_CHOICES = 16  # `n`: each choice is an engine request, and holds a slot of the batch
+MAX_BATCH_CHOICES = 64  # a batch of prompts x n: the engine requests one HTTP request may start
 
 
 class _Request(BaseModel):
@@ -48,6 +49,8 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices: one engine request each
     stream: bool = False
     stream_options: "StreamOptions | None" = None
@@ -74,6 +77,8 @@ class _Request(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
             seed=self.seed,
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids,
@@ -119,11 +124,14 @@ class CompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
+            if len(self.prompt) == 1:
+                self.prompt = self.prompt[0]
+            elif len(self.prompt) * self.n > MAX_BATCH_CHOICES:
                 raise InvalidRequest(
-                    f"prompt: one prompt per request (got a batch of {len(self.prompt)})", param="prompt"
+                    f"prompt: a batch of {len(self.prompt)} prompts x n {self.n} is {len(self.prompt) * self.n} "
+                    f"choices; at most {MAX_BATCH_CHOICES} per request (send the rest in another)",
+                    param="prompt",
                 )
-            self.prompt = self.prompt[0]
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequest(
                 "max_tokens must be >= 1; 0 (generate nothing) only with echo: true, to score the prompt",
@@ -137,6 +145,13 @@ class CompletionRequest(_Request):
             )
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
+
+    def prompts(self) -> list:
+        """The request's prompts: its one prompt (text or token ids), or each of a batch (OpenAI's list of strings
+        or of token-id lists; the choices of prompt i are i x n to i x n + n - 1)."""
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            return list(self.prompt)
+        return [self.prompt]
 
     def _logprobs_params(self) -> dict:
         prompt_logprobs = None
@@ -513,17 +528,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{os.urandom(16).hex()}"
 
 
-def merge_choices(responses: list[dict]) -> dict:
-    """One response of n choices from n one-choice responses (`completion_response`'s or `chat_response`'s): each
-    choice with its `index`, usage counting the prompt once and every choice's completion tokens."""
+def merge_choices(responses: list[dict], n: int = 1) -> dict:
+    """One response of many choices from one-choice responses (`completion_response`'s or `chat_response`'s), `n`
+    per prompt, prompt by prompt: each choice with its `index`; usage counts each prompt once (its first choice's)
+    and every choice's completion tokens."""
     if len(responses) == 1:
         return responses[0]
     first = responses[0]
     merged = {**first, "choices": [{**r["choices"][0], "index": k} for k, r in enumerate(responses)]}
     merged["usage"] = usage(
-        first["usage"]["prompt_tokens"],
+        sum(r["usage"]["prompt_tokens"] for r in responses[::n]),
         sum(r["usage"]["completion_tokens"] for r in responses),
-        first["usage"]["prompt_tokens_details"]["cached_tokens"],
+        sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses[::n]),
     )
     return merged
 

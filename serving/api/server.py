@@ -357,28 +357,33 @@ class PylonLLMServer:
             body = protocol.parse_request(cls, await read_body(receive))
             self._check_model(body.model)
             if kind == "completion":
-                prompt = body.prompt
-                if isinstance(prompt, str) and not prompt:
-                    raise InvalidRequest("prompt must not be empty", param="prompt")
+                prompts = body.prompts()
+                for i, prompt in enumerate(prompts):
+                    if isinstance(prompt, str) and not prompt:
+                        raise InvalidRequest("prompt must not be empty", param=_prompt_param(i, len(prompts)))
             else:
-                prompt = body.render(self.engine.tokenizer)
+                prompts = [body.render(self.engine.tokenizer)]
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default.
             params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
             interval_s = self.spec.http.stream_interval_ms / 1000
-            # `n` choices: one engine request each, over the same prompt (its KV blocks are shared once cached).
+            # `n` choices per prompt (and a batch of prompts): one engine request each; a prompt's choices share
+            # its KV blocks once they are cached.
+            plan = [(i, k) for i in range(len(prompts)) for k in range(body.n)]
             streams = [
                 self.engine.generate(
-                    engine_id if body.n == 1 else f"{engine_id}-{k}",
-                    prompt,
+                    engine_id if len(plan) == 1 else f"{engine_id}-{j}",
+                    prompts[i],
                     _choice_params(params, k),
                     interval_s=interval_s,
                 )
-                for k in range(body.n)
+                for j, (i, k) in enumerate(plan)
             ]
             try:  # validation errors surface here, before any byte is sent
-                firsts = await _all([self._first(stream) for stream in streams])
+                firsts = await _all(
+                    [_naming_prompt(self._first(stream), i, len(prompts)) for stream, (i, _) in zip(streams, plan)]
+                )
             except BaseException:
                 for stream in streams:
                     await stream.aclose()
@@ -405,11 +410,11 @@ class PylonLLMServer:
 
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
         timeout = self.spec.http.request_timeout_s
-        choices = [_Choice(kind, body, prompt, self.engine.tokenizer, self._token_texts) for _ in streams]
+        choices = [_Choice(kind, body, prompts[i], self.engine.tokenizer, self._token_texts) for i, _ in plan]
         if body.stream:
             created = int(time.time())
             events = [
-                protocol.StreamEvents(kind, rid, self.model_name, index=k, created=created) for k in range(body.n)
+                protocol.StreamEvents(kind, rid, self.model_name, index=j, created=created) for j in range(len(plan))
             ]
             return await self._stream(send, events, body, firsts, streams, timeout, choices, answer_headers)
 
@@ -424,7 +429,7 @@ class PylonLLMServer:
 
         try:
             async with asyncio.timeout(timeout):
-                results = await _all([collect(k) for k in range(body.n)])
+                results = await _all([collect(j) for j in range(len(plan))])
         except TimeoutError:
             self._count(504, "timeout")
             return await send_error(
@@ -459,7 +464,7 @@ class PylonLLMServer:
                     **extra,
                 )
             )
-        await send_json(send, 200, protocol.merge_choices(answers), answer_headers)
+        await send_json(send, 200, protocol.merge_choices(answers, body.n), answer_headers)
 
     @functools.cached_property
     def _token_texts(self) -> TokenTexts:
@@ -495,9 +500,11 @@ class PylonLLMServer:
                     if left:  # the last piece of the last choice waits for the usage chunk and [DONE]
                         await send({"type": "http.response.body", "body": held.encode(), "more_body": True})
                         held = ""
-            if body.include_usage:
+            if body.include_usage:  # each prompt counted once (its first choice's), every choice's tokens
                 held += events[0].usage(
-                    lasts[0].num_prompt_tokens, sum(o.num_output_tokens for o in lasts), lasts[0].num_cached_tokens
+                    sum(o.num_prompt_tokens for o in lasts[:: body.n]),
+                    sum(o.num_output_tokens for o in lasts),
+                    sum(o.num_cached_tokens for o in lasts[:: body.n]),
                 )
             for k, last in enumerate(lasts):
                 self._observe(last, count=k == 0)
@@ -621,6 +628,21 @@ class _Choice:
         if self.format is None:
             return None
         return self.format.completion(pairs) if self.kind == "completion" else self.format.chat(pairs)
+
+
+def _prompt_param(i: int, count: int) -> str:
+    """How an error names prompt i of `count`: "prompt" for a single one, "prompt.<i>" in a batch."""
+    return "prompt" if count == 1 else f"prompt.{i}"
+
+
+async def _naming_prompt(awaitable, i: int, count: int):
+    """`awaitable`'s result; an error about its prompt names prompt i of a batch (`_prompt_param`)."""
+    try:
+        return await awaitable
+    except InvalidRequest as e:
+        if count == 1 or e.param != "prompt":
+            raise
+        raise InvalidRequest(f"prompt {i} of the batch: {e}", param=_prompt_param(i, count)) from e
 
 
 def _choice_params(params, k: int):

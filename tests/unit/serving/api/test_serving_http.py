@@ -281,6 +281,17 @@ def test_penalties_and_logit_bias_through_the_openai_client(server):
     assert tokens(presence_penalty=-2.0) != plain
     assert tokens(extra_body={"repetition_penalty": 3.0}) != plain
     assert tokens(frequency_penalty=0.0, presence_penalty=0.0, logit_bias={}) == plain  # neutral: unchanged
+    # vLLM's min_p and min_tokens: min_p 1 keeps the best token only, whatever the temperature; a stop token that
+    # would end the reply at once is masked until min_tokens are out
+    assert tokens(temperature=1.5, seed=4, extra_body={"min_p": 1.0}) == plain
+    assert tokens(temperature=1.5, seed=4) != plain
+    # "A" (id 65) is made the best token by a bias and is a stop token: the reply ends at once, or after 5 tokens
+    ending = {"model": "tiny", "max_tokens": 12, "temperature": 0, "logit_bias": {"65": 100}}
+    stopped = client.completions.create(prompt="hello", **ending, extra_body={"stop_token_ids": [65]})
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    late = client.completions.create(prompt="hello", **ending, extra_body={"stop_token_ids": [65], "min_tokens": 5})
+    assert late.choices[0].finish_reason == "stop" and late.usage.completion_tokens == 6
+    assert "A" not in late.choices[0].text
 
     url = f"{server}/v1/completions"
     base = {"model": "tiny", "prompt": "x", "max_tokens": 2}
@@ -338,6 +349,48 @@ def test_n_choices_streamed_and_not_through_the_openai_client(server):
     for extra, param in [({"n": 17}, "n"), ({"n": 0}, "n"), ({"n": 2, "best_of": 3}, "best_of")]:
         r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "x", **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_a_batch_of_prompts_streamed_and_not(server):
+    """OpenAI's batch of prompts (strings or token-id lists): prompt i's n choices are indexes i x n to i x n + n - 1,
+    each what that prompt alone gives; usage counts each prompt once; a bad prompt of the batch is named by its
+    index."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    common = {"model": "tiny", "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(prompt=p, **common).choices[0].text for p in ("once upon", "hello there")]
+    batch = client.completions.create(prompt=["once upon", "hello there"], n=2, echo=True, **common)
+    assert [(c.index, c.text) for c in batch.choices] == [
+        (0, "once upon" + alone[0]),
+        (1, "once upon" + alone[0]),
+        (2, "hello there" + alone[1]),
+        (3, "hello there" + alone[1]),
+    ]
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (9 + 11, 4 * 6)
+    chunks = list(
+        client.completions.create(
+            prompt=[[104, 105], [111, 110, 99, 101]], stream=True, stream_options={"include_usage": True}, **common
+        )
+    )
+    joined = ["", ""]
+    for chunk in chunks[:-1]:
+        joined[chunk.choices[0].index] += chunk.choices[0].text
+    assert joined == [client.completions.create(prompt=p, **common).choices[0].text for p in ("hi", "once")]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (6, 12)
+
+    url = f"{server}/v1/completions"
+    for prompt, n, param in [
+        (["fine", ""], 1, "prompt.1"),
+        (["fine", "y" * 2000], 1, "prompt.1"),
+        ([[1, 2], [3, 99999]], 1, "prompt.1"),
+        (["p"] * 33, 2, "prompt"),
+    ]:
+        body = {"model": "tiny", "prompt": prompt, "n": n, "max_tokens": 2}
+        r = requests.post(url, headers=auth(), json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (prompt[:3], r.text)
+    # the server still answers
+    assert client.completions.create(prompt="still here", **common).choices[0].text
 
 
 INVOICE = {
