@@ -303,6 +303,24 @@ RECORDS = {
 }
 
 
+def two_legs(eng, c: int, args, legs: dict[str, dict]) -> dict[str, list[float]]:
+    """Output tokens/s of each leg (`throughput`'s keyword arguments by name) on `eng` at concurrency `c`, over
+    `args.rounds` rounds, the legs' order alternating."""
+    names = list(legs)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            requests = max(2, c * args.requests_per_slot)
+            out[name].append(throughput(eng, c, requests, args.prompt_tokens, args.output_tokens, **legs[name]))
+    return out
+
+
+def against_free(legs: dict[str, list[float]], name: str) -> tuple[float, float, list[float]]:
+    """The free leg's and `name`'s median tokens/s, and `name` over free round by round."""
+    ratios = [a / b for a, b in zip(legs[name], legs["free"])]
+    return statistics.median(legs["free"]), statistics.median(legs[name]), ratios
+
+
 def constrained(args) -> dict:
     """JSON-schema-constrained decoding against free decoding, same prompts, legs alternating."""
     import torch
@@ -314,22 +332,8 @@ def constrained(args) -> dict:
         directory = Path(tmp) / "gpt2"
         build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab)
         for c in args.concurrency:
-            legs = {"free": [], "json_schema": []}
             eng = engine(str(directory), "none", c)
-            for r in range(args.rounds):
-                for leg in ("free", "json_schema") if r % 2 == 0 else ("json_schema", "free"):
-                    requests = max(2, c * args.requests_per_slot)
-                    legs[leg].append(
-                        throughput(
-                            eng,
-                            c,
-                            requests,
-                            args.prompt_tokens,
-                            args.output_tokens,
-                            guide=guide if leg == "json_schema" else None,
-                        )
-                    )
-            results["tokens_per_s"][c] = legs
+            results["tokens_per_s"][c] = two_legs(eng, c, args, {"free": {}, "json_schema": {"guide": guide}})
             guides = eng.guides
             del eng
             gc.collect()  # an engine holds its KV cache until the collector breaks its cycles
@@ -348,8 +352,7 @@ def constrained(args) -> dict:
 def report_constrained(r: dict) -> None:
     print("== structured outputs: json_schema-constrained vs free greedy decoding, same model and prompts")
     for c, legs in r["tokens_per_s"].items():
-        free, con = statistics.median(legs["free"]), statistics.median(legs["json_schema"])
-        ratios = [a / b for a, b in zip(legs["json_schema"], legs["free"])]
+        free, con, ratios = against_free(legs, "json_schema")
         met = "met" if con / free >= 0.9 else "NOT met"
         print(
             f"concurrency {c}: free {free:.1f} tok/s, constrained {con:.1f} tok/s: {con / free:.2f}x "
@@ -380,22 +383,8 @@ def penalties(args) -> dict:
         directory = Path(tmp) / "gpt2"
         build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab)
         for c in args.concurrency:
-            legs = {"free": [], "penalized": []}
             eng = engine(str(directory), "none", c)
-            for r in range(args.rounds):
-                for leg in ("free", "penalized") if r % 2 == 0 else ("penalized", "free"):
-                    requests = max(2, c * args.requests_per_slot)
-                    legs[leg].append(
-                        throughput(
-                            eng,
-                            c,
-                            requests,
-                            args.prompt_tokens,
-                            args.output_tokens,
-                            shaping=SHAPING if leg == "penalized" else None,
-                        )
-                    )
-            results["tokens_per_s"][c] = legs
+            results["tokens_per_s"][c] = two_legs(eng, c, args, {"free": {}, "penalized": {"shaping": SHAPING}})
             del eng
             gc.collect()
             # the shaping alone: c rows of the vocabulary's logits, each with a prompt and half its output behind it
@@ -413,8 +402,7 @@ def penalties(args) -> dict:
 def report_penalties(r: dict) -> None:
     print("== penalties and logit_bias: repetition 1.1, frequency 0.5, presence 0.3, 10 biased tokens vs free greedy")
     for c, legs in r["tokens_per_s"].items():
-        free, pen = statistics.median(legs["free"]), statistics.median(legs["penalized"])
-        ratios = [a / b for a, b in zip(legs["penalized"], legs["free"])]
+        free, pen, ratios = against_free(legs, "penalized")
         print(
             f"concurrency {c}: free {free:.1f} tok/s, penalized {pen:.1f} tok/s: {pen / free:.2f}x "
             f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); the shaping alone {r['shape_us'][c]:.0f} us per row"
