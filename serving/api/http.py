@@ -27,6 +27,8 @@ ROUTES = {
     "/v1/completions": ("POST", "_completions"),
     "/v1/chat/completions": ("POST", "_chat_completions"),
     "/v1/models": ("GET", "_models"),
+    "/tokenize": ("POST", "_tokenize"),  # vLLM's: the token ids of a prompt or a chat, and their count
+    "/detokenize": ("POST", "_detokenize"),
     "/health": ("GET", "_health"),
     "/ready": ("GET", "_ready"),
     "/openapi.json": ("GET", "_openapi"),  # this API as an OpenAPI 3.1 document (pylon.serving.api.openapi)

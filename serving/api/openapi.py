@@ -29,6 +29,10 @@ _MODELS = (
     protocol.ChatCompletionChunk,
     protocol.UsageChunk,
     protocol.ModelList,
+    protocol.TokenizeRequest,
+    protocol.TokenizeResponse,
+    protocol.DetokenizeRequest,
+    protocol.DetokenizeResponse,
     protocol.HealthStatus,
     protocol.ReadyStatus,
 )
@@ -123,6 +127,18 @@ def _generate(summary: str, request, response, chunk, secured: bool) -> dict:
     }
 
 
+def _tokens(summary: str, request, response, secured: bool) -> dict:
+    statuses = [400, *([401] if secured else []), 404, 413, 415, 500]
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(_ref(request))},
+        "responses": {
+            "200": {"description": "The answer.", "content": _json(_ref(response))},
+            **{str(s): _error(s) for s in statuses},
+        },
+    }
+
+
 def build(
     *, model: str, max_model_len: int, secured: bool, route_prefix: str = "/", server_url: str | None = None
 ) -> dict:
@@ -135,7 +151,7 @@ def build(
     for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens")):
         schemas[name]["properties"][field]["anyOf"][0]["maximum"] = max_model_len - 1
     schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]["maximum"] = max_model_len - 1
-    for name in ("CompletionRequest", "ChatCompletionRequest"):  # any other model is a 404
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):  # else 404
         schemas[name]["properties"]["model"]["enum"] = [model]
 
     security = [{"bearer": []}] if secured else []
@@ -171,6 +187,19 @@ def build(
                     **internal,
                 },
             },
+        ),
+        "/tokenize": (
+            "post",
+            _tokens(
+                "The token ids of a prompt, or of a chat as the chat endpoint renders it (vLLM's), and their count",
+                protocol.TokenizeRequest,
+                protocol.TokenizeResponse,
+                secured,
+            ),
+        ),
+        "/detokenize": (
+            "post",
+            _tokens("The text of token ids (vLLM's)", protocol.DetokenizeRequest, protocol.DetokenizeResponse, secured),
         ),
         "/health": (
             "get",
@@ -213,7 +242,13 @@ def build(
     for path, (method, operation) in operations.items():
         assert ROUTES[path][0] == method.upper(), path
         operation["operationId"] = ROUTES[path][1].strip("_")
-        authed = secured and path in ("/v1/completions", "/v1/chat/completions", "/v1/models")
+        authed = secured and path in (
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/models",
+            "/tokenize",
+            "/detokenize",
+        )
         operation["security"] = security if authed else []
         paths[path] = {method: operation}
 

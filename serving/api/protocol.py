@@ -271,6 +271,44 @@ class ChatCompletionRequest(_Request):
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's): the token ids the engine computes for a completions `prompt`, or for a chat's
+    `messages` (and `tools`) as `/v1/chat/completions` renders them through the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give either prompt (text) or messages (a chat), one of them", param="prompt")
+        if self.prompt == "":
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if self.tools is not None and self.messages is None:
+            raise InvalidRequest("tools go with messages (a chat)", param="tools")
+
+    def text(self, tokenizer) -> str:
+        """The text the engine would tokenize: the prompt, or the chat rendered as the chat endpoint renders it."""
+        if self.prompt is not None:
+            return self.prompt
+        chat = ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools)
+        chat.check_supported()
+        return chat.render(tokenizer)
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize` (vLLM's): the text of token ids, as the tokenizer decodes them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1_000_000)
+
+    def check_supported(self) -> None:
+        pass
+
+
 def parse_request(cls: type[_Request], body: bytes) -> _Request:
     """Validate a raw JSON body; any problem is an `InvalidRequest` naming the field."""
     try:
@@ -504,6 +542,16 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int = Field(ge=0, description="how many tokens: the request's prompt_tokens in a completion's usage")
+    max_model_len: int = Field(ge=1, description="the model's context, prompt and completion together")
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 class HealthStatus(_Response):

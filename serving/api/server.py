@@ -239,8 +239,8 @@ class PylonLLMServer:
             return await send_error(
                 send,
                 404,
-                f"no route {path}; this server answers POST /v1/completions, "
-                "POST /v1/chat/completions, GET /v1/models, GET /health, GET /ready and GET /openapi.json",
+                f"no route {path}; this server answers POST /v1/completions, POST /v1/chat/completions, "
+                "GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /ready and GET /openapi.json",
                 type="invalid_request_error",
             )
         allowed, handler = route
@@ -267,6 +267,53 @@ class PylonLLMServer:
                 )
             except Exception:  # the response had already started
                 pass
+
+    async def _request(self, headers: dict[str, str], receive, cls):
+        """The request's body as `cls`, once its key is checked and its model is this one's (HttpError,
+        InvalidRequest otherwise)."""
+        await self._authorize(headers)
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # read as JSON, a compressed body would be a baffling 400
+            raise HttpError(
+                415,
+                f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
+                type="invalid_request_error",
+                param="body",
+            )
+        body = protocol.parse_request(cls, await read_body(receive))
+        self._check_model(body.model)
+        return body
+
+    async def _tokenize(self, scope, receive, send) -> None:
+        """vLLM's /tokenize: the ids the engine computes for a prompt (or a chat, rendered as the chat endpoint
+        renders it), so a client can count a prompt's tokens against the context before sending it."""
+        try:
+            body = await self._request(request_headers(scope), receive, protocol.TokenizeRequest)
+            tokenizer = self.engine.tokenizer
+            encoded = tokenizer.encode(body.text(tokenizer))  # as the engine tokenizes a prompt
+            ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
+        except HttpError as e:
+            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
+        except InvalidRequest as e:
+            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
+        await send_json(send, 200, {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids})
+
+    async def _detokenize(self, scope, receive, send) -> None:
+        """vLLM's /detokenize: the text of token ids."""
+        try:
+            body = await self._request(request_headers(scope), receive, protocol.DetokenizeRequest)
+            tokenizer = self.engine.tokenizer
+            bad = next((i for i, t in enumerate(body.tokens) if t >= tokenizer.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {body.tokens[bad]} is not in the vocabulary (ids 0 to {tokenizer.vocab_size - 1})",
+                    param=f"tokens.{bad}",
+                )
+        except HttpError as e:
+            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
+        except InvalidRequest as e:
+            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
+        await send_json(send, 200, {"prompt": tokenizer.decode(body.tokens)})
 
     async def _completions(self, scope, receive, send) -> None:
         await self._generate(scope, receive, send, "completion")
@@ -344,18 +391,8 @@ class PylonLLMServer:
             request_id = protocol.new_id("req")
         self._ensure_gauges()
         try:
-            await self._authorize(headers)
             cls = protocol.CompletionRequest if kind == "completion" else protocol.ChatCompletionRequest
-            encoding = headers.get("content-encoding", "identity").strip().lower()
-            if encoding not in ("", "identity"):  # read as JSON, a compressed body would be a baffling 400
-                raise HttpError(
-                    415,
-                    f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
-                    type="invalid_request_error",
-                    param="body",
-                )
-            body = protocol.parse_request(cls, await read_body(receive))
-            self._check_model(body.model)
+            body = await self._request(headers, receive, cls)
             if kind == "completion":
                 prompts = body.prompts()
                 for i, prompt in enumerate(prompts):

@@ -102,7 +102,7 @@ def test_the_bearer_scheme_applies_where_the_server_asks_for_a_key():
     }
     for path, item in doc["paths"].items():
         operation = next(iter(item.values()))
-        needs_key = path in ("/v1/completions", "/v1/chat/completions", "/v1/models")
+        needs_key = path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize")
         assert operation["security"] == ([{"bearer": []}] if needs_key else []), path
         assert ("401" in operation["responses"]) == needs_key, path
     open_doc = _doc(secured=False)

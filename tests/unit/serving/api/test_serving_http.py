@@ -393,6 +393,49 @@ def test_a_batch_of_prompts_streamed_and_not(server):
     assert client.completions.create(prompt="still here", **common).choices[0].text
 
 
+def test_tokenize_and_detokenize_count_what_the_engine_computes(server):
+    """vLLM's /tokenize and /detokenize: a prompt's count is its completion's prompt_tokens, a chat's its chat
+    completion's (rendered by the same template); detokenize gives the text back; errors name the field."""
+    url = f"{server}/tokenize"
+    r = requests.post(url, headers=auth(), json={"model": "tiny", "prompt": "hello there"}, timeout=30)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    completion = requests.post(
+        f"{server}/v1/completions",
+        headers=auth(),
+        json={"model": "tiny", "prompt": "hello there", "max_tokens": 1},
+        timeout=30,
+    ).json()
+    assert answer["count"] == len(answer["tokens"]) == completion["usage"]["prompt_tokens"] == 11
+    assert answer["max_model_len"] == 1024
+    back = requests.post(f"{server}/detokenize", headers=auth(), json={"model": "tiny", "tokens": answer["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "hello there"}
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = requests.post(url, headers=auth(), json={"model": "tiny", "messages": messages}, timeout=30).json()
+    reply = requests.post(
+        f"{server}/v1/chat/completions",
+        headers=auth(),
+        json={"model": "tiny", "messages": messages, "max_tokens": 1},
+        timeout=30,
+    ).json()
+    assert chat["count"] == reply["usage"]["prompt_tokens"] > answer["count"]
+
+    for path, body, status, param in [
+        ("/tokenize", {"model": "tiny"}, 400, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": "x", "messages": messages}, 400, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": "x", "tools": []}, 400, "tools"),
+        ("/tokenize", {"model": "tiny", "prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+        ("/detokenize", {"model": "tiny", "tokens": [104, 99999]}, 400, "tokens.1"),
+        ("/detokenize", {"model": "tiny", "tokens": [-1]}, 400, "tokens.0"),
+    ]:
+        r = requests.post(f"{server}{path}", headers=auth(), json=body, timeout=30)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+    r = requests.post(url, json={"model": "tiny", "prompt": "x"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
 INVOICE = {
     "type": "object",
     "properties": {
