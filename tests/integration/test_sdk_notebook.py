@@ -100,6 +100,9 @@ def test_a_notebook_prepares_trains_plots_serves_and_cleans_up(ray_cluster, tmp_
         assert isinstance(text, str) and text
         chunks = list(service.complete("def ", max_tokens=24, temperature=0, ignore_eos=True, stream=True))
         assert len(chunks) > 1 and "".join(chunks) == text
+        assert service.complete("def ", max_tokens=24, temperature=0, ignore_eos=True, n=2) == [text, text]
+        with pytest.raises(PylonError, match="n=2 leave stream off"):
+            service.complete("def ", n=2, stream=True)
         reply = service.chat([{"role": "user", "content": "def"}], max_tokens=8, temperature=0, ignore_eos=True)
         assert reply == "".join(service.chat("def", max_tokens=8, temperature=0, ignore_eos=True, stream=True))
         assert service.status() == "RUNNING" and service.replicas() == 1

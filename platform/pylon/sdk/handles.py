@@ -488,14 +488,18 @@ class Service:
 
     def complete(
         self, prompt: str, *, max_tokens: int = 64, temperature: float | None = None, stream: bool = False, **params
-    ) -> str | Iterator[str]:
+    ) -> str | list[str] | Iterator[str]:
         """`POST /v1/completions`: the continuation of `prompt` as text, or with `stream` an iterator of
-        text pieces as they are generated. `params`: top_p, top_k, seed, stop, stop_token_ids, ignore_eos.
-        `temperature` None is the server's default (1.0); 0 is greedy."""
+        text pieces as they are generated. `params`: any of the API's (docs/http.md): top_p, top_k, min_p, seed,
+        stop, stop_token_ids, ignore_eos, min_tokens, presence_penalty, frequency_penalty, repetition_penalty,
+        logit_bias, n (n > 1: a list of n continuations, not streamed). `temperature` None is the server's default
+        (1.0); 0 is greedy."""
         body = self._body(max_tokens, temperature, params, prompt=prompt)
         if stream:
+            _one_choice(params)
             return self._stream("/v1/completions", body, lambda choice: choice.get("text"))
-        return self._post("/v1/completions", body).json()["choices"][0]["text"]
+        choices = self._post("/v1/completions", body).json()["choices"]
+        return [c["text"] for c in choices] if params.get("n", 1) != 1 else choices[0]["text"]
 
     def chat(
         self,
@@ -507,13 +511,18 @@ class Service:
         **params,
     ) -> str | Iterator[str]:
         """`POST /v1/chat/completions`: the assistant's reply to `messages` (a list of {role, content}, or
-        one user message as a string), or with `stream` an iterator of its text pieces."""
+        one user message as a string), or with `stream` an iterator of its text pieces. `params` as `complete`'s
+        (n > 1: a list of n replies, not streamed)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         body = self._body(max_tokens, temperature, params, messages=list(messages))
         if stream:
+            _one_choice(params)
             return self._stream("/v1/chat/completions", body, lambda choice: choice.get("delta", {}).get("content"))
-        return self._post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+        choices = self._post("/v1/chat/completions", body).json()["choices"]
+        return (
+            [c["message"]["content"] for c in choices] if params.get("n", 1) != 1 else choices[0]["message"]["content"]
+        )
 
     def _body(self, max_tokens, temperature, params: dict, **fields) -> dict:
         body = {"model": self.name, **fields, **params}
@@ -596,3 +605,9 @@ class Service:
                 ("API key", "set" if self._api_key else "none"),
             ],
         )
+
+
+def _one_choice(params: dict) -> None:
+    """A stream of text pieces is one choice's: n > 1 is not streamed here."""
+    if params.get("n", 1) != 1:
+        raise PylonError(f"stream=True streams one choice; with n={params['n']} leave stream off (a list comes back)")
