@@ -408,22 +408,25 @@ class PylonLLMServer:
             # `n` choices per prompt (and a batch of prompts): one engine request each; a prompt's choices share
             # its KV blocks once they are cached.
             plan = [(i, k) for i in range(len(prompts)) for k in range(body.n)]
-            streams = [
-                self.engine.generate(
+            streams: list = [None] * len(plan)
+
+            async def start(j: int, i: int, k: int):
+                # Made and first iterated in its own task, in order: an engine pool picks each request's engine by
+                # its open streams, which the previous request's first iteration has just counted.
+                streams[j] = self.engine.generate(
                     engine_id if len(plan) == 1 else f"{engine_id}-{j}",
                     prompts[i],
                     _choice_params(params, k),
                     interval_s=interval_s,
                 )
-                for j, (i, k) in enumerate(plan)
-            ]
+                return await _naming_prompt(self._first(streams[j]), i, len(prompts))
+
             try:  # validation errors surface here, before any byte is sent
-                firsts = await _all(
-                    [_naming_prompt(self._first(stream), i, len(prompts)) for stream, (i, _) in zip(streams, plan)]
-                )
+                firsts = await _all([start(j, i, k) for j, (i, k) in enumerate(plan)])
             except BaseException:
                 for stream in streams:
-                    await stream.aclose()
+                    if stream is not None:
+                        await stream.aclose()
                 raise
         except HttpError as e:
             self._count(e.status, "none")

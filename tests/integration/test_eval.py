@@ -167,7 +167,34 @@ def test_lm_eval_local_completions_on_a_local_multiple_choice_task(served, tiny,
     assert all(b["echo"] is True for b, _, _ in sent) and all(isinstance(p[0], int) for p in prompts), sent[0][0]
     acc = results["results"]["pylon_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
-    print(f"lm-eval pylon_mc: acc {acc:.3f} over {len(docs)} documents, {len(sent)} requests; the first: {sent[0][0]}")
+
+    # batch_size: several prompts per request (a batch of prompts), the same log-likelihoods
+    unbatched, first = len(sent), sent[0][0]
+    sent.clear()
+    batched = completions_model(served, tokenizer=tokenizer, api_key=API_KEY, max_retries=1, batch_size=8)
+    again = lm_eval.simple_evaluate(
+        model=batched,
+        tasks=["pylon_mc"],
+        task_manager=TaskManager(include_path=str(REPO / "examples" / "lm_eval")),
+        log_samples=True,
+    )
+    failed = [(body, status, text) for body, status, text in sent if status != 200]
+    assert not failed, f"the server refused {len(failed)} of {len(sent)} batched requests; the first: {failed[0]}"
+    assert len(sent) == -(-expected // 8) and max(len(b["prompt"]) for b, _, _ in sent) == 8
+    assert _floats([s["resps"] for s in again["samples"]["pylon_mc"]]) == pytest.approx(
+        _floats([s["resps"] for s in samples]), abs=1e-4
+    )
+    print(
+        f"lm-eval pylon_mc: acc {acc:.3f} over {len(docs)} documents, {unbatched} requests (batch_size 8: "
+        f"{len(sent)}); the first: {first}"
+    )
+
+
+def _floats(value) -> list[float]:
+    """Every number in nested lists and tuples, in order (lm-eval's responses: log-likelihood, is-greedy)."""
+    if isinstance(value, (list, tuple)):
+        return [x for item in value for x in _floats(item)]
+    return [float(value)]
 
 
 @pytest.mark.slow  # a second process importing lm-eval and transformers: ~20 s more

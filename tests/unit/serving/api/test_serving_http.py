@@ -5,6 +5,7 @@ the request, HAProxy) are in tests/integration/test_serving.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -47,6 +48,21 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     """A real uvicorn server on a free loopback port serving OpenAIApp over a PylonLLMServer (in-process engine)."""
+    with serving(
+        model_dir,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        kv_cache_tokens=4096,
+        max_model_len=1024,
+        separate_process=False,
+    ) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serving(model_dir, **engine):
+    """A uvicorn server on a free loopback port in front of a PylonLLMServer of the tiny model (`engine`: the spec's
+    engine fields): its base URL and the replica."""
     import os
 
     import uvicorn
@@ -59,15 +75,7 @@ def server(model_dir):
             "kind": "Deployment",
             "name": "tiny",
             "model": model_dir,
-            "engine": {
-                "max_num_seqs": 4,
-                "max_num_batched_tokens": 256,
-                "kv_cache_tokens": 4096,
-                "max_model_len": 1024,
-                "device": "cpu",
-                "dtype": "fp32",
-                "separate_process": False,
-            },
+            "engine": {"device": "cpu", "dtype": "fp32", **engine},
             "http": {"api_keys_env": "PYLON_TEST_HTTP_KEYS", "stream_interval_ms": 20, "max_queued_requests": 8},
         }
     )
@@ -85,15 +93,17 @@ def server(model_dir):
     )
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not http.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    http.should_exit = True
-    thread.join(10)
-    replica.engine.shutdown()
-    os.environ.pop("PYLON_SCHED_BATCH", None)
+    try:
+        deadline = time.monotonic() + 30
+        while not http.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", replica
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        replica.engine.shutdown()
+        os.environ.pop("PYLON_SCHED_BATCH", None)
 
 
 def auth() -> dict:
@@ -723,6 +733,23 @@ def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
         assert asyncio.run(run(single)) == got  # greedy: the same tokens whichever engine served a request
     finally:
         single.shutdown()
+
+
+def test_a_batch_of_prompts_spreads_over_an_engine_pool(model_dir):
+    """A batch's engine requests are made one after the other, each once the previous one is counted: on a replica
+    with two engine processes, a batch of 8 prompts goes 4 and 4, and each choice is what its prompt alone gives."""
+    pool = {"max_num_seqs": 4, "max_num_batched_tokens": 128, "kv_cache_tokens": 1024, "max_model_len": 128}
+    with serving(model_dir, data_parallel=2, **pool) as (url, replica):
+        prompts = [f"prompt number {i}:" for i in range(8)]
+        body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = requests.post(f"{url}/v1/completions", headers=auth(), json={**body, "prompt": prompts}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts = [c["text"] for c in r.json()["choices"]]
+        per_engine = [e.stats().requests_finished_total.get("length", 0) for e in replica.engine.engines]
+        assert per_engine == [4, 4]
+        for prompt, text in zip(prompts, texts):
+            alone = requests.post(f"{url}/v1/completions", headers=auth(), json={**body, "prompt": prompt}, timeout=60)
+            assert alone.json()["choices"][0]["text"] == text
 
 
 def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
