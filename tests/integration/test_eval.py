@@ -149,15 +149,21 @@ def test_lm_eval_local_completions_on_a_local_multiple_choice_task(served, tiny,
     monkeypatch.setattr(requests, "post", counting)
     monkeypatch.chdir(REPO)  # the task's data_files is relative to the repository root, as docs/eval.md runs it
     tokenizer = hf_tokenizer_dir(str(tiny.dir), str(tmp_path / "tokenizer"))
-    lm = completions_model(served, tokenizer=tokenizer, api_key=API_KEY, max_retries=1)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=["pylon_mc"],
-        task_manager=TaskManager(include_path=str(REPO / "examples" / "lm_eval")),
-        log_samples=True,
-    )
-    failed = [(body, status, text) for body, status, text in sent if status != 200]
-    assert not failed, f"the server refused {len(failed)} of {len(sent)} requests; the first: {failed[0]}"
+
+    def evaluate(**kwargs) -> dict:
+        """lm-eval's task run through `pylon-completions` (`kwargs`: the model's), every request answered 200."""
+        lm = completions_model(served, tokenizer=tokenizer, api_key=API_KEY, max_retries=1, **kwargs)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=["pylon_mc"],
+            task_manager=TaskManager(include_path=str(REPO / "examples" / "lm_eval")),
+            log_samples=True,
+        )
+        failed = [(body, status, text) for body, status, text in sent if status != 200]
+        assert not failed, f"the server refused {len(failed)} of {len(sent)} requests; the first: {failed[0]}"
+        return results
+
+    results = evaluate()
     docs = [json.loads(line) for line in (REPO / "examples/lm_eval/pylon_mc.jsonl").read_text().splitlines()]
     expected = sum(len(d["choices"]) for d in docs)
     samples = results["samples"]["pylon_mc"]
@@ -171,15 +177,7 @@ def test_lm_eval_local_completions_on_a_local_multiple_choice_task(served, tiny,
     # batch_size: several prompts per request (a batch of prompts), the same log-likelihoods
     unbatched, first = len(sent), sent[0][0]
     sent.clear()
-    batched = completions_model(served, tokenizer=tokenizer, api_key=API_KEY, max_retries=1, batch_size=8)
-    again = lm_eval.simple_evaluate(
-        model=batched,
-        tasks=["pylon_mc"],
-        task_manager=TaskManager(include_path=str(REPO / "examples" / "lm_eval")),
-        log_samples=True,
-    )
-    failed = [(body, status, text) for body, status, text in sent if status != 200]
-    assert not failed, f"the server refused {len(failed)} of {len(sent)} batched requests; the first: {failed[0]}"
+    again = evaluate(batch_size=8)
     assert len(sent) == -(-expected // 8) and max(len(b["prompt"]) for b, _, _ in sent) == 8
     assert _floats([s["resps"] for s in again["samples"]["pylon_mc"]]) == pytest.approx(
         _floats([s["resps"] for s in samples]), abs=1e-4
