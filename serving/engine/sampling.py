@@ -225,7 +225,7 @@ def _checked_logit_bias(bias) -> dict[int, float] | None:
     out = {}
     for key, value in bias.items():
         token = key
-        if isinstance(key, str) and key.strip().isdecimal():
+        if isinstance(key, str) and key.isascii() and key.isdecimal():  # JSON's keys: "50256", not " 7" or "٣"
             token = int(key)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise InvalidRequest(

@@ -143,6 +143,8 @@ def test_sampled_distribution_is_shaped_before_temperature() -> None:
         ({"repetition_penalty": "high"}, "repetition_penalty"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"-4": 1}}, "logit_bias"),
+        ({"logit_bias": {"\u0663": 1}}, "logit_bias"),  # an Arabic-Indic 3 is a digit to str.isdecimal
+        ({"logit_bias": {" 7": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5"),
         ({"logit_bias": {"5": "up"}}, "logit_bias.5"),
         ({"logit_bias": [5]}, "logit_bias"),
