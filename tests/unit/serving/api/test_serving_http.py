@@ -752,6 +752,54 @@ def test_a_batch_of_prompts_spreads_over_an_engine_pool(model_dir):
             assert alone.json()["choices"][0]["text"] == text
 
 
+def test_a_client_gone_mid_stream_aborts_every_choice(model_dir):
+    """n choices streamed, then the client goes, which Serve's ingress turns into cancelling the request's task:
+    every choice's engine request is aborted, none left running, every KV block back."""
+    import asyncio
+
+    engine = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "kv_cache_tokens": 4096, "max_model_len": 1024}
+    with serving(model_dir, separate_process=False, **engine) as (_, replica):
+        body = json.dumps(
+            {"model": "tiny", "prompt": "go on:", "n": 3, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        ).encode()
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")],
+        }
+
+        async def scenario() -> int:
+            received, every_choice = [b""], asyncio.Event()
+
+            async def receive():
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            async def send(message):
+                if message["type"] == "http.response.body":
+                    received[0] += message["body"]
+                    if all(f'"index":{k}'.encode() in received[0] for k in range(3)):
+                        every_choice.set()
+
+            task = asyncio.create_task(replica.__serve_build_asgi_app__()(scope, receive, send))
+            await asyncio.wait_for(every_choice.wait(), 60)
+            running = replica.engine.stats().num_running
+            task.cancel()  # what Serve's ingress does when the client disconnects
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            # within the replica's own loop, still running (asyncio.run's exit would close any stream left open)
+            deadline = time.monotonic() + 5
+            while replica.engine.stats().num_running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return running, replica.engine.stats().num_running
+
+        assert asyncio.run(scenario()) == (3, 0)
+        stats = replica.engine.stats()
+        assert (stats.num_running, stats.num_waiting) == (0, 0)
+        assert stats.num_free_blocks == stats.num_blocks
+        assert stats.requests_finished_total == {"abort": 3}
+
+
 def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
     """One engine of a pool dies (the OOM killer, a segfault): its streams end with EngineDeadError, the pool
     reports unhealthy (Serve replaces the replica), and until then every new request goes to the live engine
