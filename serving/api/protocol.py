@@ -123,15 +123,15 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) == 1:
-                self.prompt = self.prompt[0]
-            elif len(self.prompt) * self.n > MAX_BATCH_CHOICES:
-                raise InvalidRequest(
-                    f"prompt: a batch of {len(self.prompt)} prompts x n {self.n} is {len(self.prompt) * self.n} "
-                    f"choices; at most {MAX_BATCH_CHOICES} per request (send the rest in another)",
-                    param="prompt",
-                )
+        prompts = self.prompts()
+        if len(prompts) == 1:
+            self.prompt = prompts[0]  # a batch of one is that prompt
+        elif len(prompts) * self.n > MAX_BATCH_CHOICES:
+            raise InvalidRequest(
+                f"prompt: a batch of {len(prompts)} prompts x n {self.n} is {len(prompts) * self.n} "
+                f"choices; at most {MAX_BATCH_CHOICES} per request (send the rest in another)",
+                param="prompt",
+            )
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequest(
                 "max_tokens must be >= 1; 0 (generate nothing) only with echo: true, to score the prompt",
@@ -576,20 +576,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{os.urandom(16).hex()}"
 
 
-def merge_choices(responses: list[dict], n: int = 1) -> dict:
-    """One response of many choices from one-choice responses (`completion_response`'s or `chat_response`'s), `n`
-    per prompt, prompt by prompt: each choice with its `index`; usage counts each prompt once (its first choice's)
-    and every choice's completion tokens."""
+def merge_choices(responses: list[dict]) -> dict:
+    """One response of many choices from one-choice responses (`completion_response`'s or `chat_response`'s), in
+    order, each choice with its `index` (the caller sets the usage of them all)."""
     if len(responses) == 1:
         return responses[0]
-    first = responses[0]
-    merged = {**first, "choices": [{**r["choices"][0], "index": k} for k, r in enumerate(responses)]}
-    merged["usage"] = usage(
-        sum(r["usage"]["prompt_tokens"] for r in responses[::n]),
-        sum(r["usage"]["completion_tokens"] for r in responses),
-        sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses[::n]),
-    )
-    return merged
+    return {**responses[0], "choices": [{**r["choices"][0], "index": k} for k, r in enumerate(responses)]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

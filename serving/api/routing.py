@@ -87,6 +87,7 @@ def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
     """The key of a request body (parsed JSON), rendered and tokenized as a replica renders it for its engine. Any
     body a replica would refuse, or that names no prompt, routes by load alone (the replica answers the 4xx)."""
     from pylon.serving.api import protocol
+    from pylon.serving.engine.tokenization import prompt_ids
 
     if not isinstance(body, dict):
         return RoutingKey()
@@ -99,8 +100,7 @@ def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
         else:
             return RoutingKey()
         if isinstance(prompt, str):
-            encoded = tokenizer.encode(prompt)
-            ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
+            ids = prompt_ids(tokenizer, prompt)
         elif isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
             ids = list(prompt)
         else:

@@ -30,7 +30,7 @@ from pylon.serving.api.http import (
 from pylon.serving.api.keys import KeyCheck
 from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.serving.engine.tokenization import TokenTexts
+from pylon.serving.engine.tokenization import TokenTexts, prompt_ids
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.specs import DeploymentSpec
 
@@ -287,21 +287,17 @@ class PylonLLMServer:
     async def _tokenize(self, scope, receive, send) -> None:
         """vLLM's /tokenize: the ids the engine computes for a prompt (or a chat, rendered as the chat endpoint
         renders it), so a client can count a prompt's tokens against the context before sending it."""
-        try:
-            body = await self._request(request_headers(scope), receive, protocol.TokenizeRequest)
-            tokenizer = self.engine.tokenizer
-            encoded = tokenizer.encode(body.text(tokenizer))  # as the engine tokenizes a prompt
-            ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
-        except HttpError as e:
-            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
-        except InvalidRequest as e:
-            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
-        await send_json(send, 200, {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids})
+
+        def answer(body) -> dict:
+            ids = prompt_ids(self.engine.tokenizer, body.text(self.engine.tokenizer))
+            return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+        await self._answer(scope, receive, send, protocol.TokenizeRequest, answer)
 
     async def _detokenize(self, scope, receive, send) -> None:
         """vLLM's /detokenize: the text of token ids."""
-        try:
-            body = await self._request(request_headers(scope), receive, protocol.DetokenizeRequest)
+
+        def answer(body) -> dict:
             tokenizer = self.engine.tokenizer
             bad = next((i for i, t in enumerate(body.tokens) if t >= tokenizer.vocab_size), None)
             if bad is not None:
@@ -309,11 +305,20 @@ class PylonLLMServer:
                     f"token id {body.tokens[bad]} is not in the vocabulary (ids 0 to {tokenizer.vocab_size - 1})",
                     param=f"tokens.{bad}",
                 )
+            return {"prompt": tokenizer.decode(body.tokens)}
+
+        await self._answer(scope, receive, send, protocol.DetokenizeRequest, answer)
+
+    async def _answer(self, scope, receive, send, cls, answer) -> None:
+        """A request that is answered at once (no engine request): its body as `cls`, then `answer(body)` as JSON;
+        a refused key, body or value is its 4xx."""
+        try:
+            result = answer(await self._request(request_headers(scope), receive, cls))
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
         except InvalidRequest as e:
             return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
-        await send_json(send, 200, {"prompt": tokenizer.decode(body.tokens)})
+        await send_json(send, 200, result)
 
     async def _completions(self, scope, receive, send) -> None:
         await self._generate(scope, receive, send, "completion")
@@ -504,7 +509,9 @@ class PylonLLMServer:
                     **extra,
                 )
             )
-        await send_json(send, 200, protocol.merge_choices(answers, body.n), answer_headers)
+        merged = protocol.merge_choices(answers)
+        merged["usage"] = protocol.usage(*_usage([last for _, _, last in results], body.n))
+        await send_json(send, 200, merged, answer_headers)
 
     @functools.cached_property
     def _token_texts(self) -> TokenTexts:
@@ -540,12 +547,8 @@ class PylonLLMServer:
                     if left:  # the last piece of the last choice waits for the usage chunk and [DONE]
                         await send({"type": "http.response.body", "body": held.encode(), "more_body": True})
                         held = ""
-            if body.include_usage:  # each prompt counted once (its first choice's), every choice's tokens
-                held += events[0].usage(
-                    sum(o.num_prompt_tokens for o in lasts[:: body.n]),
-                    sum(o.num_output_tokens for o in lasts),
-                    sum(o.num_cached_tokens for o in lasts[:: body.n]),
-                )
+            if body.include_usage:
+                held += events[0].usage(*_usage(lasts, body.n))
             for k, last in enumerate(lasts):
                 self._observe(last, count=k == 0)
         except TimeoutError:
@@ -683,6 +686,17 @@ async def _naming_prompt(awaitable, i: int, count: int):
         if count == 1 or e.param != "prompt":
             raise
         raise InvalidRequest(f"prompt {i} of the batch: {e}", param=_prompt_param(i, count)) from e
+
+
+def _usage(lasts: list, n: int) -> tuple[int, int, int]:
+    """A request's usage from its choices' last engine outputs, `n` per prompt, prompt by prompt: (prompt tokens,
+    completion tokens, cached tokens), each prompt counted once (its first choice's), every choice's tokens."""
+    firsts = lasts[::n]
+    return (
+        sum(o.num_prompt_tokens for o in firsts),
+        sum(o.num_output_tokens for o in lasts),
+        sum(o.num_cached_tokens for o in firsts),
+    )
 
 
 def _choice_params(params, k: int):

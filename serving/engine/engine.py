@@ -35,7 +35,12 @@ from pylon.serving.engine.request import FinishReason, Request, RequestOutput, T
 from pylon.serving.engine.sampling import SamplingParams, sample, shape_logits, token_logprobs
 from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
-from pylon.serving.engine.tokenization import IncrementalDetokenizer, chars_per_token_bound, load_model_tokenizer
+from pylon.serving.engine.tokenization import (
+    IncrementalDetokenizer,
+    chars_per_token_bound,
+    load_model_tokenizer,
+    prompt_ids,
+)
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.model.step import StepSequence
 from pylon.specs import EngineSpec
@@ -237,8 +242,7 @@ class LLMEngine:
                     f"least {-(-len(prompt) // bound)} tokens, past max_model_len ({self.max_model_len})",
                     param="prompt",
                 )
-            encoded = self.tokenizer.encode(prompt)
-            ids = encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
+            ids = prompt_ids(self.tokenizer, prompt)
         elif isinstance(prompt, Sequence):
             ids = prompt
         else:
@@ -327,12 +331,14 @@ class LLMEngine:
             logits = self._take_prompt_logprobs(batch.scheduled, steps, logits, draft_rows)
         sampling = [s.request for s in batch.scheduled if s.samples]
         # Penalties and logit_bias shape a copy of the rows that ask; logprobs below stay the model's own.
-        shaped = shape_logits(
-            logits,
-            [r.params for r in sampling],
-            [(r.prompt_tensor(), r.output_token_ids) if r.params.shapes_logits else ([], []) for r in sampling],
-            self.tokenizer.eos_id,
-        )
+        params = [r.params for r in sampling]
+        shaped = logits
+        if any(p.shapes_logits for p in params):  # a step where no request shapes builds no history
+            histories = [
+                (r.prompt_tensor(), r.output_token_ids) if p.shapes_logits else ([], [])
+                for r, p in zip(sampling, params)
+            ]
+            shaped = shape_logits(logits, params, histories, self.tokenizer.eos_id)
         guided = [i for i, r in enumerate(sampling) if r.guide is not None and r.max_tokens > 0]
         # Guided rows sample from the grammar's tokens only.
         allowed = (
@@ -340,7 +346,7 @@ class LLMEngine:
             if guided
             else shaped
         )
-        tokens = sample(allowed, [r.params for r in sampling], [r.generator for r in sampling])
+        tokens = sample(allowed, params, [r.generator for r in sampling])
         for i in guided:
             sampling[i].guide.consume_token(tokens[i])
         # Logprobs cost nothing to a step without a request that asks for them: one pass over its sampling requests.

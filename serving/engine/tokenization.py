@@ -18,6 +18,13 @@ PYLON_TOKENIZER_FILE = "pylon_tokenizer.json"  # what `pylon export` writes (pyl
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The token ids of a text prompt as the engine computes them (the engine, the prefix-aware router and
+    /tokenize all count a prompt with this one function)."""
+    encoded = tokenizer.encode(text)
+    return encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
+
+
 def load_model_tokenizer(model_dir: str) -> Tokenizer:
     """The tokenizer of the local model directory `model_dir`.
 
