@@ -339,7 +339,12 @@ class LLMEngine:
                 for r, p in zip(sampling, params)
             ]
             shaped = shape_logits(logits, params, histories, self.tokenizer.eos_id)
-        guided = [i for i, r in enumerate(sampling) if r.guide is not None and r.max_tokens > 0]
+        # (A speculating request's grammar masks its rows and takes its tokens in `_append_verified`.)
+        guided = [
+            i
+            for i, r in enumerate(sampling)
+            if r.guide is not None and r.max_tokens > 0 and r.request_id not in draft_rows
+        ]
         # Guided rows sample from the grammar's tokens only.
         allowed = (
             self.guides.apply(shaped, guided, [sampling[i].guide for i in guided], self.tokenizer.eos_id)
@@ -372,9 +377,10 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         """Speculative decoding (`engine/speculative.py`): give this step's decodes their drafts, when the measured
-        rule says speculating pays at this batch. Requests that constrain their tokens (a grammar), want logprobs,
-        shape their logits (penalties, logit_bias: each draft position would need its own), or sample with a seed
-        (whose tokens must not depend on the machine's timing) decode plainly."""
+        rule says speculating pays at this batch. Requests that sample with a seed (whose tokens must not depend on the
+        machine's timing) decode plainly. Penalties, logit_bias and min_tokens shape each draft position's row as its
+        history up to there says, a grammar masks it as its state after the drafts before it says (`_append_verified`);
+        logprobs come from the row that scored each token."""
         policy = self.spec_policy
         if policy is None:
             return
@@ -394,10 +400,6 @@ class LLMEngine:
         drafted, rooms = [], []
         for request in decodes:
             params = request.params
-            if request.guide is not None or params.logprobs is not None or request.prompt_logprobs is not None:
-                continue
-            if params.shapes_logits:
-                continue
             if params.seed is not None and not params.greedy:
                 continue  # verification draws more from its stream, and when it runs depends on measured times
             room = min(
@@ -430,14 +432,32 @@ class LLMEngine:
 
     def _append_verified(self, request: Request, rows, now: float) -> RequestOutput:
         """A speculating request's step: its accepted drafts and the model's next token, up to where it finishes."""
+        params = request.params
         draft = request.draft[: rows.shape[0] - 1]
         request.draft = []
-        emitted, accepted = verify(rows, draft, request.params, request.generator)
-        self.spec_policy.observe_drafts(len(draft), accepted)
+        shaped = rows
+        if params.shapes_logits:  # row i follows the drafts before it: its history holds them, as a plain step's would
+            prompt, generated = request.prompt_tensor(), request.output_token_ids
+            histories = [(prompt, generated + draft[:i]) for i in range(len(draft) + 1)]
+            shaped = shape_logits(rows, [params] * len(histories), histories, self.tokenizer.eos_id)
+        proposed = len(draft)
+        if request.guide is not None:  # each row masked by the grammar's state after the drafts before it
+            shaped, draft = self.guides.draft_rows(shaped, draft, request.guide, self.tokenizer.eos_id)
+        emitted, accepted = verify(shaped, draft, params, request.generator)
+        self.spec_policy.observe_drafts(proposed, accepted)
         request.num_computed_tokens += accepted  # the step wrote the accepted drafts' KV: they are computed
+        # Each emitted token's logprobs from the model's own row that scored it, as a plain step gives them.
+        logprobs = (
+            token_logprobs(rows[: len(emitted)], emitted, [params.logprobs] * len(emitted))
+            if params.logprobs is not None
+            else [None] * len(emitted)
+        )
         outs = []
-        for token in emitted:
-            outs.append(self._append_token(request, token, now))
+        for token, logprob in zip(emitted, logprobs):
+            if request.guide is not None:
+                request.guide.consume_token(token)
+                self.guides.guided_tokens_total += 1
+            outs.append(self._append_token(request, token, now, logprob))
             if outs[-1].finished:
                 break
         return outs[0] if len(outs) == 1 else merge_outputs(outs)

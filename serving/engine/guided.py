@@ -128,8 +128,7 @@ class Guides:
                 error = matcher.get_error()
                 log.warning("structured output: the matcher failed (%s); ending the request", error[:300])
                 failed.append(j)
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), words * 32)[:, : logits.shape[1]].bool()
+        allowed = _allowed(bitmask, logits.shape[1])
         for j in failed:
             allowed[j] = False
             allowed[j, eos_id] = True
@@ -138,6 +137,44 @@ class Guides:
         masked[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
         self.guided_tokens_total += len(rows)
         return masked
+
+    def draft_rows(
+        self, rows: "torch.Tensor", draft: list[int], matcher, eos_id: int
+    ) -> tuple["torch.Tensor", list[int]]:
+        """A speculating guided request's verification rows masked as a plain step would mask each: row i by the
+        matcher's state after draft[:i]. The draft is cut before its first token the grammar refuses (that token's
+        probability is 0 under the mask, so the acceptance rule rejects it for certain; the rows past it are never
+        read). Returns (the masked rows, one more than the draft kept; the draft kept). The matcher is walked along
+        the draft and rolled back: it ends as it started, for the caller to consume what verification emits."""
+        import torch
+
+        keep = matcher.validate_tokens(draft) if draft else 0
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty((keep + 1, words), dtype=torch.int32)
+        n, failed, consumed = keep + 1, False, 0
+        for i in range(keep + 1):
+            matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+            if matcher.is_error():  # as in `apply`: only eos, which ends the request
+                log.warning("structured output: the matcher failed (%s); ending the request", matcher.get_error()[:300])
+                n, failed = i + 1, True
+                break
+            if i < keep:
+                matcher.consume_token(draft[i])  # validated above; were it refused, the next mask sees the error
+                consumed += 1
+        matcher.rollback(consumed)
+        allowed = _allowed(bitmask[:n], rows.shape[1])
+        if failed:
+            allowed[n - 1] = False
+            allowed[n - 1, eos_id] = True
+        return rows[:n].masked_fill(~allowed.to(rows.device), float("-inf")), draft[: n - 1]
+
+
+def _allowed(bitmask: "torch.Tensor", vocab: int) -> "torch.Tensor":
+    """llguidance's bitmasks ([rows, words] int32, one bit per token) as [rows, vocab] booleans."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def _pointer_param(param: str, message: str) -> str:

@@ -4,14 +4,19 @@ sampled token's distribution exactly the model's; the measured rule that turns i
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 from engine_models import FAMILIES, Family, assert_pool_empty, run, speculating, tokens_of
 
-from pylon.serving.engine.sampling import SamplingParams, filtered_probs
+from pylon.data.tokenizer import ByteTokenizer
+from pylon.serving.engine.sampling import SamplingParams, filtered_probs, shape_logits
 from pylon.serving.engine.speculative import BUDGET, SpecPolicy, ngram_propose, verify
 
 NGRAM = {"method": "ngram", "num_tokens": 4}
+EOS = ByteTokenizer().eos_id
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -90,6 +95,125 @@ def test_sampled_requests_speculate_and_seeded_ones_stay_reproducible(tmp_path) 
         assert engine.stats().spec_verify_steps_total > 0
         assert_pool_empty(engine)
     assert outs[0] == outs[1]
+
+
+SHAPED = {
+    "repetition": SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.3),
+    "presence+frequency": SamplingParams(max_tokens=40, temperature=0, presence_penalty=0.2, frequency_penalty=0.1),
+    "logit_bias": SamplingParams(max_tokens=40, temperature=0, logit_bias={7: 2.5, 65: -100.0}),
+    # eos made the likeliest token by far: held back until 30 tokens are out, then taken
+    "min_tokens": SamplingParams(max_tokens=40, temperature=0, min_tokens=30, logit_bias={EOS: 50.0}),
+    "logprobs": SamplingParams(max_tokens=40, temperature=0, logprobs=3),
+    "prompt_logprobs": SamplingParams(max_tokens=40, temperature=0, logprobs=2, prompt_logprobs=2),  # echo's
+    "all": SamplingParams(
+        max_tokens=40, temperature=0, repetition_penalty=1.1, frequency_penalty=0.2, logit_bias={7: 1.0}, logprobs=2
+    ),
+}
+
+BARE = {"max_tokens": 40, "temperature": 0}
+
+
+@pytest.mark.parametrize("case", list(SHAPED))
+def test_penalties_bias_min_tokens_and_logprobs_speculate_and_change_nothing(case: str, tmp_path) -> None:
+    """Requests that shape their logits (penalties, logit_bias, min_tokens) or want logprobs speculate: each draft
+    position's row is shaped by the history up to it, so greedy tokens are token for token plain decoding's, and each
+    token's logprobs are the ones plain decoding reports (the model's own row that scored it)."""
+    family = Family("gpt2", tmp_path / "m", initializer_range=0.02)  # repeats itself: drafts get accepted
+    params = SHAPED[case]
+    plain, spec, unshaped = family.engine(), speculating(family.engine(speculative=NGRAM)), family.engine()
+    for engine in (plain, spec, unshaped):
+        for i, prompt in enumerate(grounded_prompts()):
+            engine.add_request(f"r{i}", prompt, params if engine is not unshaped else SamplingParams(**BARE))
+    expected, got, bare = run(plain), run(spec), run(unshaped)
+    if params.shapes_logits:  # the shaping is in force: some request's tokens are not the bare model's
+        assert any(tokens_of(got[key]) != tokens_of(bare[key]) for key in bare)
+    for key in expected:
+        assert tokens_of(got[key]) == tokens_of(expected[key]), key
+        if params.logprobs is not None:
+            want = [lp for o in expected[key] for lp in o.logprobs]
+            have = [lp for o in got[key] for lp in o.logprobs]
+            assert [lp.token_id for lp in have] == tokens_of(got[key])
+            assert [[t for t, _ in lp.top] for lp in have] == [[t for t, _ in lp.top] for lp in want], key
+            assert have[0].top and len(have[0].top) == params.logprobs
+            flat = lambda lps: [lp.logprob for lp in lps] + [v for lp in lps for _, v in lp.top]  # noqa: E731
+            assert flat(have) == pytest.approx(flat(want), abs=1e-4), key
+        if params.prompt_logprobs is not None:
+            want, have = expected[key][0].prompt_logprobs, got[key][0].prompt_logprobs
+            assert have[0] is None and [lp.token_id for lp in have[1:]] == [lp.token_id for lp in want[1:]], key
+            assert [lp.logprob for lp in have[1:]] == pytest.approx([lp.logprob for lp in want[1:]], abs=1e-4)
+    stats = spec.stats()
+    assert stats.spec_verify_steps_total > 0 and stats.spec_accepted_tokens_total > 0, stats
+    assert max(len(o.token_ids) for outs in got.values() for o in outs) > 1  # some step gave several tokens
+    if params.min_tokens:  # each request ends on the eos it was kept from: its 31st token
+        assert all(outs[-1].finish_reason == "stop" and tokens_of(outs)[30:] == [EOS] for outs in got.values())
+    assert_pool_empty(spec)
+
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "role", "tags"],
+    "additionalProperties": False,
+}
+
+
+def record_prompts() -> list[list[int]]:
+    """Prompts that hold records of the schema's shape (as an extraction task's input does), compact and spaced."""
+    out = []
+    for name, role, tags in (("ada", "admin", ["red"]), ("bo", "guest", ["green", "blue"]), ("cy", "user", [])):
+        one = json.dumps({"name": name, "role": role, "tags": tags})
+        compact = json.dumps({"name": name, "role": role, "tags": tags}, separators=(",", ":"))
+        out.append(list(f"records: {one}\n{compact}\nnext: ".encode()))
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_structured_outputs_speculate_and_still_validate(temperature: float, tmp_path) -> None:
+    """Guided requests speculate: each draft position's row is masked by the grammar's state after the drafts before
+    it, a draft the grammar refuses is cut there, and the matcher takes exactly the tokens emitted. Greedy output is
+    token for token plain decoding's; every output, greedy or sampled, validates; the drafts the grammar forces are
+    accepted."""
+    family = Family("gpt2", tmp_path / "m", initializer_range=0.02)
+    guide = {"type": "json_schema", "schema": RECORD}
+    params = SamplingParams(max_tokens=96, temperature=temperature, guide=guide)
+    plain, spec = family.engine(), speculating(family.engine(speculative=NGRAM))
+    for engine in (plain, spec):
+        for i, prompt in enumerate(record_prompts()):
+            engine.add_request(f"r{i}", prompt, params)
+    expected, got = run(plain), run(spec)
+    for key, outs in got.items():
+        text = "".join(o.text for o in outs)
+        assert outs[-1].finish_reason == "stop", (key, text)
+        jsonschema.validate(json.loads(text), RECORD)
+        if temperature == 0:
+            assert tokens_of(outs) == tokens_of(expected[key]), key
+    stats = spec.stats()
+    assert stats.spec_verify_steps_total > 0 and stats.spec_accepted_tokens_total > 0, stats
+    assert max(len(o.token_ids) for outs in got.values() for o in outs) > 1  # some step gave several tokens
+    assert spec.guides.guided_tokens_total == sum(len(tokens_of(outs)) for outs in got.values())
+    assert_pool_empty(spec)
+
+
+def test_sampled_rows_with_penalties_keep_the_shaped_distribution() -> None:
+    """A sampled request with penalties verifies against the shaped rows it is given: the first token emitted is
+    distributed as the shaped row's probabilities (the penalty moved mass off the penalised token), not the model's."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(2, 8, generator=g)
+    rows[0, 2] = 3.0  # the token the penalty hits would be the likeliest
+    params = SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=2.0)
+    shaped = shape_logits(rows, [params] * 2, [([], [2, 2]), ([], [2, 2, 5])])
+    p = filtered_probs(shaped, [params] * 2)
+    assert p[0, 2] < filtered_probs(rows, [params] * 2)[0, 2] / 10
+    n, first = 8000, torch.zeros(8)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(n):
+        out, _ = verify(shaped, [2], params, gen)
+        first[out[0]] += 1
+    assert torch.allclose(first / n, p[0], atol=0.02), (first / n, p[0])
 
 
 @pytest.mark.parametrize("draft", [[0, 1], [7, 0]])

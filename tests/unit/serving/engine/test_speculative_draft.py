@@ -145,3 +145,30 @@ def test_the_draft_models_proposing_is_predicted_from_its_measured_passes_catch_
     measure(5, 2)
     measure(2, 2)
     assert drafter.estimate([behind, small]) == pytest.approx((cost(5, 2) + cost(2, 2),) * 2)
+
+
+def test_guided_requests_speculate_from_the_draft_model_too(family: Family) -> None:
+    """The draft model knows nothing of the grammar: verification masks each of its drafts' rows by the grammar's
+    state there and cuts a draft at its first refused token, so greedy guided output is still plain decoding's and
+    validates."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "tag": {"enum": ["a", "bb", "ccc"]}},
+        "required": ["id", "tag"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(max_tokens=40, temperature=0, guide={"type": "json_schema", "schema": schema})
+    plain, spec = family.engine(), speculating(family.engine(speculative=draft(family.dir)))
+    for engine in (plain, spec):
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"r{i}", prompt, params)
+    expected, got = run(plain), run(spec)
+    for key, outs in got.items():
+        assert tokens_of(outs) == tokens_of(expected[key]), key
+        assert outs[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads("".join(o.text for o in outs)), schema)
+    stats = spec.stats()
+    assert stats.spec_draft_model_steps_total > 0 and stats.spec_verify_steps_total > 0, stats
+    assert_pool_empty(spec)
