@@ -20,7 +20,9 @@ per row of a batch.
 
 constrained(): structured outputs against free decoding on the same model: output tokens/s of greedy requests whose
 output must validate against a JSON schema (llguidance masks applied in the batched step) against the same requests
-unconstrained, at concurrency 1 and 8 (target >= 0.9x), and the mask's own cost per token.
+unconstrained, at concurrency 1 and 8 (target >= 0.9x), and the mask's own cost per token. Then the same guided
+requests on extraction prompts (records of the schema's shape in the input), with `engine.speculative: ngram` against
+without: tokens/s, acceptance, and the model's forward passes per output token.
 
 speculative(): `engine.speculative: ngram` and `draft` against plain decoding at concurrency 1 and 32, greedy, on an
 input-grounded workload (prompts that repeat their own phrases, as edits and summaries copy their input). Random
@@ -31,7 +33,9 @@ must keep from costing; target >= 0.95x). Targets: >= 1.7x at 1 (best case), >= 
 acceptance, tokens per verifying step and how many steps the rule let speculate. The draft model is the model's
 first `--draft-layers` layers with its embeddings, final norm and output layer, saved as an export of its own (an
 early exit, as LayerSkip and Draft & Verify draft): no training needed, the same tokenizer by construction; the
-counters also give the model's forward passes per output token, which do not depend on the machine.
+counters also give the model's forward passes per output token, which do not depend on the machine. With
+`--spec-shaped penalties` (or `logit_bias`), every request of every leg carries the penalties section's shaping (or
+its logit_bias alone): shaped requests speculate too, each draft position's row shaped by the history up to it.
 
     .venv/bin/python bench/serve_features.py                 # all four, CPU, ~14 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
@@ -337,6 +341,9 @@ def constrained(args) -> dict:
             guides = eng.guides
             del eng
             gc.collect()  # an engine holds its KV cache until the collector breaks its cycles
+            # Guided requests speculating: an extraction (the output's records copy the input's shape) with
+            # prompt lookup against the same guided requests decoding plainly, two engines, legs alternating.
+            results.setdefault("speculative", {})[c] = guided_speculation(str(directory), c, args, guide)
         # the mask alone: one matcher advanced through a valid output, timed per token
         matcher = guides.matcher(guide)
         text = b'{"records":[' + b",".join(b'{"id":12,"kind":"beta","ok":true,"tag":"ab"}' for _ in range(45)) + b"]}"
@@ -349,6 +356,70 @@ def constrained(args) -> dict:
     return results
 
 
+def extraction_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that hold `RECORDS`-shaped records (compact JSON) to be extracted: the output copies their shape."""
+    import random
+    import string
+
+    rng = random.Random(seed)
+    kinds = RECORDS["properties"]["records"]["items"]["properties"]["kind"]["enum"]
+    out = []
+    for _ in range(n):
+        records = [
+            {
+                "id": rng.randrange(10000),
+                "kind": rng.choice(kinds),
+                "ok": rng.random() < 0.5,
+                "tag": "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randrange(1, 7))),
+            }
+            for _ in range(4)
+        ]
+        out.append(list(f"input: {json.dumps({'records': records}, separators=(',', ':'))}\noutput: ".encode()))
+    return out
+
+
+def guided_speculation(directory: str, c: int, args, guide: dict) -> dict:
+    """Guided requests on extraction prompts with `engine.speculative: ngram` against the same requests decoding
+    plainly: tokens/s per round, and the model's forward passes per output token (machine-independent)."""
+    methods = {
+        "json_schema": {},
+        "json_schema+ngram": {"speculative": {"method": "ngram", "num_tokens": args.spec_tokens}},
+    }
+    engines = {name: engine(directory, "none", c, **fields) for name, fields in methods.items()}
+    steps = {name: _counting_steps(eng) for name, eng in engines.items()}
+    requests = max(2, c * args.requests_per_slot)
+    prompts = extraction_prompts(requests, seed=c)
+    legs: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            legs[name].append(
+                throughput(
+                    engines[name],
+                    c,
+                    requests,
+                    0,
+                    args.spec_output_tokens,
+                    guide=guide,
+                    prompts=[list(p) for p in prompts],
+                )
+            )
+    policy = engines["json_schema+ngram"].spec_policy
+    out = {
+        "legs": legs,
+        "passes_per_token": {
+            name: steps[name][0] / eng.stats().generation_tokens_total for name, eng in engines.items()
+        },
+        "proposed": policy.proposed_total,
+        "accepted": policy.accepted_total,
+        "speculated_steps": policy.speculated_steps_total,
+        "skipped_steps": policy.skipped_steps_total,
+    }
+    del engines
+    gc.collect()
+    return out
+
+
 def report_constrained(r: dict) -> None:
     print("== structured outputs: json_schema-constrained vs free greedy decoding, same model and prompts")
     for c, legs in r["tokens_per_s"].items():
@@ -359,6 +430,19 @@ def report_constrained(r: dict) -> None:
             f"(rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.9x: {met})"
         )
     print(f"  the mask alone (llguidance + applying it to one row): {r['mask_us']:.0f} us per token")
+    print("== structured outputs speculating: json_schema + ngram vs json_schema plain, greedy, extraction prompts")
+    for c, got in r.get("speculative", {}).items():
+        plain, spec = (statistics.median(got["legs"][k]) for k in ("json_schema", "json_schema+ngram"))
+        ratios = [a / b for a, b in zip(got["legs"]["json_schema+ngram"], got["legs"]["json_schema"])]
+        passes = got["passes_per_token"]
+        accept = got["accepted"] / got["proposed"] if got["proposed"] else float("nan")
+        print(
+            f"concurrency {c}: plain {plain:.1f} tok/s, ngram {spec:.1f} tok/s: {spec / plain:.2f}x "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); drafts {got['proposed']}, accepted {got['accepted']} "
+            f"({accept:.0%}); the rule speculated in {got['speculated_steps']} steps, held back in "
+            f"{got['skipped_steps']}; model passes per output token {passes['json_schema']:.2f} plain, "
+            f"{passes['json_schema+ngram']:.2f} ngram"
+        )
 
 
 # What an application that discourages repeats sends: every kind of shaping at once.
@@ -440,6 +524,7 @@ def truncated_gpt2(source: Path, directory: Path, layers: int) -> None:
 
 
 SPEC_LEGS = ("plain", "ngram", "draft")
+SPEC_SHAPING = {"penalties": SHAPING, "logit_bias": {"logit_bias": SHAPING["logit_bias"]}}
 
 
 def speculative(args) -> dict:
@@ -472,7 +557,15 @@ def speculative(args) -> dict:
                         eng = engine(str(directory), "none", c, **fields)
                         steps = _counting_steps(eng)
                         legs[leg].append(
-                            throughput(eng, c, requests, 0, args.spec_output_tokens, prompts=[list(p) for p in prompts])
+                            throughput(
+                                eng,
+                                c,
+                                requests,
+                                0,
+                                args.spec_output_tokens,
+                                prompts=[list(p) for p in prompts],
+                                shaping=SPEC_SHAPING.get(args.spec_shaped),
+                            )
                         )
                         generated = eng.stats().generation_tokens_total
                         stats.setdefault(leg, {})["passes_per_token"] = steps[0] / generated
@@ -492,6 +585,7 @@ def speculative(args) -> dict:
                         gc.collect()  # an engine holds its KV cache until the collector breaks its cycles
                 by_c[c] = {"legs": legs, "stats": stats}
             results[init] = by_c
+    results["shaped"] = args.spec_shaped
     return results
 
 
@@ -509,7 +603,10 @@ def _counting_steps(eng) -> list[int]:
 
 
 def report_speculative(r: dict) -> None:
-    print("== speculative decoding: ngram prompt lookup and a draft model vs plain, greedy, input-grounded prompts")
+    print(
+        "== speculative decoding: ngram prompt lookup and a draft model vs plain, greedy, input-grounded prompts"
+        + (f", every request with shaping: {shaped}" if (shaped := r.pop("shaped", None)) else "")
+    )
     for init, by_c in r.items():
         kind = "loops (best case)" if init == 0.02 else "follows the context (worst case)"
         for c, got in by_c.items():
@@ -558,6 +655,12 @@ def main() -> None:
         "--spec-methods", nargs="+", choices=SPEC_LEGS[1:], default=list(SPEC_LEGS[1:]), help="legs beside plain"
     )
     p.add_argument("--spec-output-tokens", type=int, default=96, help="decoding, not the prompt, is what it speeds")
+    p.add_argument(
+        "--spec-shaped",
+        choices=list(SPEC_SHAPING),
+        help="every speculative-section request (each leg's) carries the penalties section's shaping (penalties: all "
+        "of it; logit_bias: its biased tokens only)",
+    )
     p.add_argument(
         "--only",
         nargs="+",
