@@ -351,11 +351,18 @@ class LLMEngine:
             if guided
             else shaped
         )
-        tokens = sample(allowed, params, [r.generator for r in sampling])
+        # A speculating request's tokens come from `_append_verified`: its first row here is not drawn from (its
+        # random stream gives one draw per token emitted, as a plain step's does).
+        drawn = (
+            [_NOT_DRAWN if r.request_id in draft_rows else p for r, p in zip(sampling, params)]
+            if draft_rows
+            else params
+        )
+        tokens = sample(allowed, drawn, [r.generator for r in sampling])
         for i in guided:
             sampling[i].guide.consume_token(tokens[i])
         # Logprobs cost nothing to a step without a request that asks for them: one pass over its sampling requests.
-        wanted = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
+        wanted = [i for i, r in enumerate(sampling) if r.params.logprobs is not None and r.request_id not in draft_rows]
         chosen = [None] * len(sampling)
         if wanted:
             found = token_logprobs(
@@ -377,10 +384,10 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         """Speculative decoding (`engine/speculative.py`): give this step's decodes their drafts, when the measured
-        rule says speculating pays at this batch. Requests that sample with a seed (whose tokens must not depend on the
-        machine's timing) decode plainly. Penalties, logit_bias and min_tokens shape each draft position's row as its
-        history up to there says, a grammar masks it as its state after the drafts before it says (`_append_verified`);
-        logprobs come from the row that scored each token."""
+        rule says speculating pays at this batch. Every kind of request may: penalties, logit_bias and min_tokens shape
+        each draft position's row as its history up to there says, a grammar masks it as its state after the drafts
+        before it says, logprobs come from the row that scored each token, and a sampled row draws as the sampler
+        would, from the request's own stream (`_append_verified`, `speculative.verify`)."""
         policy = self.spec_policy
         if policy is None:
             return
@@ -399,9 +406,6 @@ class LLMEngine:
         spec = self.spec.speculative
         drafted, rooms = [], []
         for request in decodes:
-            params = request.params
-            if params.seed is not None and not params.greedy:
-                continue  # verification draws more from its stream, and when it runs depends on measured times
             room = min(
                 spec.num_tokens,
                 self.max_model_len - request.num_tokens - 1,
@@ -608,6 +612,9 @@ def next_tick(now: float, interval_s: float) -> float:
     of the ingress and of the clients' event loops took a core from the engine mid-step. Chunks come every
     0.5-1.5 intervals, once per interval on average, as before."""
     return (math.floor(now / interval_s + 0.5) + 1) * interval_s
+
+
+_NOT_DRAWN = SamplingParams(temperature=0)  # a row `sample` takes the argmax of, drawing nothing
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

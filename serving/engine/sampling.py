@@ -337,12 +337,28 @@ def sample(
     if not rows:
         return tokens
     index = torch.tensor(rows, device=logits.device)
-    probs, sorted_ids = _sorted_probs(logits[index], [params[i] for i in rows])
-    probs, sorted_ids = probs.cpu(), sorted_ids.cpu()
+    probs, sorted_ids = sampling_distributions(logits[index], [params[i] for i in rows])
     for j, i in enumerate(rows):
-        choice = torch.multinomial(probs[j], 1, generator=generators[i])
-        tokens[i] = int(sorted_ids[j, choice])
+        tokens[i] = draw(probs[j], sorted_ids[j], generators[i])
     return tokens
+
+
+def sampling_distributions(
+    logits: "torch.Tensor", params: list[SamplingParams]
+) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Row i's sampling distribution under `params[i]` over its tokens sorted by logit (descending), and those ids,
+    on the CPU: what `draw` takes, one row at a time."""
+    probs, sorted_ids = _sorted_probs(logits, params)
+    return probs.cpu(), sorted_ids.cpu()
+
+
+def draw(probs: "torch.Tensor", sorted_ids: "torch.Tensor", generator: "torch.Generator | None") -> int:
+    """One token from one row of `sampling_distributions`, with one draw from `generator`: the sampler's and
+    speculative verification's draw alike, so that a request's random stream gives the same token at a position
+    whichever of them takes it."""
+    import torch
+
+    return int(sorted_ids[torch.multinomial(probs, 1, generator=generator)])
 
 
 def _sorted_probs(chosen: "torch.Tensor", params: list[SamplingParams]) -> tuple["torch.Tensor", "torch.Tensor"]:

@@ -5,11 +5,14 @@ A decode that speculates computes its last token and `k` draft tokens in one ste
 at the first mismatch, or after the last draft) all come out of that one step, and the KV the step wrote for the
 accepted drafts is kept (the rejected ones' is overwritten later: the request's computed length never covers it).
 
-Acceptance is the standard rule (Leviathan et al. 2023; Chen et al. 2023) for a draft that is one token, not a
-distribution (prompt lookup proposes exactly one continuation, q(d) = 1): greedy rows accept a draft while it is the
-argmax, so their output is token for token what plain decoding gives; sampled rows accept draft d with probability
-p(d) under the request's own filtered distribution (temperature, top-k, top-p) and on a rejection draw from p with d
-removed, which leaves every token's probability exactly p (docs/serving.md, "Speculative decoding").
+Acceptance, for a draft that is one token, not a distribution (prompt lookup proposes exactly one continuation, and
+a draft model its argmax: q(d) = 1): greedy rows accept a draft while it is the argmax, so their output is token for
+token what plain decoding gives; a sampled row draws its token exactly as the sampler would (the request's filtered
+distribution: temperature, top-k, min-p, top-p; the next draw from the request's own random stream) and accepts the
+draft while it is that token. That is the standard rule (Leviathan et al. 2023; Chen et al. 2023) coupled to the
+sampler: d is accepted with probability p(d), and the token emitted is always p's own draw, so every token keeps
+exactly the distribution p, each emitted token takes one draw from the stream as a plain step's does, and a seeded
+request gives the same tokens whether or when its steps speculate (docs/serving.md, "Speculative decoding").
 
 When to speculate is measured, not guessed (`SpecPolicy`): verification turns a step of B decodes into one of
 B x (1 + k) tokens, which costs little while a step is bound by reading the weights and a lot once it is bound by
@@ -25,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pylon.serving.engine.sampling import SamplingParams, filtered_probs
+from pylon.serving.engine.sampling import SamplingParams, draw, sampling_distributions
 
 if TYPE_CHECKING:
     import torch
@@ -68,8 +71,6 @@ def verify(
     """The tokens a speculating step emits for one request, and how many of them are accepted drafts. `rows`: the
     logits at the request's last known token and at each draft ([1 + len(draft), vocab]); row i scores the token
     after position i, so draft[i] is checked against row i."""
-    import torch
-
     if params.greedy:
         best = rows.argmax(dim=-1).tolist()
         out = []
@@ -78,19 +79,16 @@ def verify(
                 return out + [best[i]], i
             out.append(d)
         return out + [best[len(draft)]], len(draft)
-    probs = filtered_probs(rows, [params] * rows.shape[0])
+    # Row by row, the token the sampler itself would draw there (the same draw from the request's stream); a draft
+    # is accepted while it is that token.
+    probs, sorted_ids = sampling_distributions(rows, [params] * rows.shape[0])
     out = []
     for i, d in enumerate(draft):
-        p = probs[i]
-        if torch.rand((), generator=generator).item() < p[d].item():
-            out.append(d)
-            continue
-        residual = p.clone()
-        residual[d] = 0.0
-        if residual.sum() <= 0:  # p was all on d: (cannot happen after a rejection, but never divide by 0)
-            return out + [d], i
-        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))], i
-    return out + [int(torch.multinomial(probs[len(draft)], 1, generator=generator))], len(draft)
+        token = draw(probs[i], sorted_ids[i], generator)
+        if token != d:
+            return out + [token], i
+        out.append(token)
+    return out + [draw(probs[len(draft)], sorted_ids[len(draft)], generator)], len(draft)
 
 
 def _average(table: dict, key, value: float) -> None:
