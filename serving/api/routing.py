@@ -84,8 +84,10 @@ def short_hashes(hashes) -> bytes:
 
 
 def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
-    """The key of a request body (parsed JSON), rendered and tokenized as a replica renders it for its engine. Any
-    body a replica would refuse, or that names no prompt, routes by load alone (the replica answers the 4xx)."""
+    """The key of a request body (parsed JSON), rendered and tokenized as a replica renders it for its engine; for a
+    batch of prompts (completions), the blocks every prompt of it starts with (a few-shot preamble, an evaluation's
+    shared context): those are what its engine requests reuse. Any body a replica would refuse, or that names no
+    prompt, routes by load alone (the replica answers the 4xx)."""
     from pylon.serving.api import protocol
     from pylon.serving.engine.tokenization import prompt_ids
 
@@ -94,21 +96,32 @@ def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
     try:
         if "messages" in body:
             request = protocol.ChatCompletionRequest.model_validate(body)
-            prompt = request.render(tokenizer)  # as the replica renders it, tools included
+            prompts = [request.render(tokenizer)]  # as the replica renders it, tools included
         elif "prompt" in body:
-            prompt = protocol.CompletionRequest.model_validate(body).prompt
+            prompts = protocol.CompletionRequest.model_validate(body).prompts()
+            if len(prompts) > protocol.MAX_BATCH_CHOICES:
+                return RoutingKey()  # the replica refuses it
         else:
             return RoutingKey()
-        if isinstance(prompt, str):
-            ids = prompt_ids(tokenizer, prompt)
-        elif isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
-            ids = list(prompt)
-        else:
-            return RoutingKey()
+        keys = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                ids = prompt_ids(tokenizer, prompt)
+            elif isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
+                ids = list(prompt)
+            else:
+                return RoutingKey()
+            # The engine always computes a prompt's last token (kv_cache: the same cut as the scheduler's lookup).
+            keys.append(block_hashes(ids[: len(ids) - 1], block_size, []))
     except Exception:  # invalid for the replica too, which says why
         return RoutingKey()
-    # The engine always computes a prompt's last token (kv_cache: the same cut as the scheduler's lookup).
-    return RoutingKey(tuple(h[:HASH_BYTES] for h in block_hashes(ids[: len(ids) - 1], block_size, [])))
+    shared = keys[0]
+    for other in keys[1:]:
+        n = 0
+        while n < min(len(shared), len(other)) and shared[n] == other[n]:
+            n += 1
+        shared = shared[:n]
+    return RoutingKey(tuple(h[:HASH_BYTES] for h in shared))
 
 
 # -- the policy --------------------------------------------------------------------------------------------------

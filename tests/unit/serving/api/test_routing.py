@@ -205,3 +205,21 @@ def test_haproxy_sends_the_router_key_from_a_keyed_copy_of_rays_lua(tmp_path: Pa
     assert Path(f"{lua}.pylon").stat().st_mode & 0o077 == 0  # the key is for HAProxy's eyes
     with pytest.raises(SystemExit, match="Connection header"):
         haproxy.keyed_lua(template.replace("Connection: close", "Connection: keep-alive"), "k")
+
+
+def test_a_batch_of_prompts_routes_by_the_blocks_they_all_start_with():
+    """A completions batch (few-shot questions on one preamble, an evaluation's shared context) is keyed by the blocks
+    every prompt of it starts with: what its engine requests will reuse. Prompts that share nothing route by load."""
+    tok = ByteTokenizer()
+    preamble = "Q: what is 2 + 2?\nA: 4\n" * 4
+    first, second = preamble + "Q: 3 + 3 is what, in words?\nA:", preamble + "Q: 5 + 1 is what, in words?\nA:"
+    a, b = _key(first).hashes, _key(second).hashes
+    common = next(n for n in range(min(len(a), len(b)) + 1) if n == min(len(a), len(b)) or a[n] != b[n])
+    assert common >= len(preamble) // BLOCK and common < len(a)  # the preamble's blocks, not the questions'
+    batch = routing_key(tok, BLOCK, {"model": "m", "prompt": [first, second]})
+    assert batch.hashes == a[:common]
+    ids = [tok.encode(first), tok.encode(second)]
+    ids = [i.tolist() if hasattr(i, "tolist") else list(i) for i in ids]
+    assert routing_key(tok, BLOCK, {"model": "m", "prompt": ids}).hashes == a[:common]  # token-id lists alike
+    assert routing_key(tok, BLOCK, {"model": "m", "prompt": [first]}).hashes == a  # a batch of one is that prompt
+    assert routing_key(tok, BLOCK, {"model": "m", "prompt": ["x" * 80, "y" * 80]}).hashes == ()
