@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 from typing import TYPE_CHECKING
 
 from pylon.serving.api.protocol import error_body
@@ -22,11 +23,14 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
+MODEL_PATH = "/v1/models/{model}"  # the one route with a parameter: the rest of the path after /v1/models/
+
 # path -> (method, handler): the whole API. Anything else is a 404, another method a 405, both as JSON.
 ROUTES = {
     "/v1/completions": ("POST", "_completions"),
     "/v1/chat/completions": ("POST", "_chat_completions"),
     "/v1/models": ("GET", "_models"),
+    MODEL_PATH: ("GET", "_model"),  # OpenAI's "retrieve model": this server's one model, or a 404 naming the id
     "/tokenize": ("POST", "_tokenize"),  # vLLM's: the token ids of a prompt or a chat, and their count
     "/detokenize": ("POST", "_detokenize"),
     "/health": ("GET", "_health"),
@@ -65,6 +69,14 @@ async def send_error(
     or Serve's proxy) echoes (or assigns) it on every response, ours included."""
 
     await send_json(send, status, error_body(message, type=type, param=param, code=status), headers)
+
+
+def route_of(path: str) -> tuple[str, str | None]:
+    """The ROUTES key a request path goes to, and its model id where the route takes one (`MODEL_PATH`)."""
+    prefix = MODEL_PATH.split("{")[0]
+    if path.startswith(prefix) and len(path) > len(prefix):
+        return MODEL_PATH, urllib.parse.unquote(path[len(prefix) :])
+    return path, None
 
 
 def route_path(scope) -> str:

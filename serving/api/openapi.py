@@ -12,7 +12,7 @@ import json
 from pydantic.json_schema import models_json_schema
 
 from pylon.serving.api import protocol
-from pylon.serving.api.http import MAX_BODY_BYTES, RETRY_AFTER_S, ROUTES
+from pylon.serving.api.http import MAX_BODY_BYTES, MODEL_PATH, RETRY_AFTER_S, ROUTES
 from pylon.version import __version__
 
 OPENAPI_VERSION = "3.1.0"
@@ -188,6 +188,27 @@ def build(
                 },
             },
         ),
+        MODEL_PATH: (
+            "get",
+            {
+                "summary": "The served model's card (OpenAI's retrieve model); another id is a 404",
+                "parameters": [
+                    {
+                        "name": "model",
+                        "in": "path",
+                        "required": True,
+                        "description": "the model's id, as GET /v1/models lists it",
+                        "schema": {"type": "string"},
+                    }
+                ],
+                "responses": {
+                    "200": {"description": "The model.", "content": _json(_ref(protocol.ModelCard))},
+                    "404": _error(404),
+                    **({"401": _error(401)} if secured else {}),
+                    **internal,
+                },
+            },
+        ),
         "/tokenize": (
             "post",
             _tokens(
@@ -246,6 +267,7 @@ def build(
             "/v1/completions",
             "/v1/chat/completions",
             "/v1/models",
+            MODEL_PATH,
             "/tokenize",
             "/detokenize",
         )

@@ -23,6 +23,7 @@ from pylon.serving.api.http import (
     OpenAIApp,
     read_body,
     request_headers,
+    route_of,
     route_path,
     send_error,
     send_json,
@@ -31,7 +32,7 @@ from pylon.serving.api.keys import KeyCheck
 from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
 from pylon.serving.engine.tokenization import TokenTexts, prompt_ids
-from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
+from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed, shown
 from pylon.specs import DeploymentSpec
 
 log = logging.getLogger("pylon.serving")
@@ -234,13 +235,14 @@ class PylonLLMServer:
 
     async def _dispatch(self, scope, receive, send) -> None:
         path, method = route_path(scope), scope["method"]
-        route = ROUTES.get(path)
+        route = ROUTES.get(route_of(path)[0])
         if route is None:
             return await send_error(
                 send,
                 404,
                 f"no route {path}; this server answers POST /v1/completions, POST /v1/chat/completions, "
-                "GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /ready and GET /openapi.json",
+                "GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, GET /health, GET /ready "
+                "and GET /openapi.json",
                 type="invalid_request_error",
             )
         allowed, handler = route
@@ -331,22 +333,34 @@ class PylonLLMServer:
             await self._authorize(request_headers(scope))
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
-        await send_json(
-            send,
-            200,
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "owned_by": "pylon",
-                        "created": 0,
-                        "max_model_len": self.engine.max_model_len,
-                    }
-                ],
-            },
-        )
+        await send_json(send, 200, {"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, scope, receive, send) -> None:
+        """OpenAI's "retrieve model": the served model's card, or a 404 naming the id asked for."""
+        try:
+            await self._authorize(request_headers(scope))
+        except HttpError as e:
+            return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
+        model = route_of(route_path(scope))[1]
+        if model != self.model_name:
+            return await send_error(
+                send,
+                404,
+                f"the model {shown(model)} does not exist here; this server serves {self.model_name!r} "
+                "(GET /v1/models lists it)",
+                type="invalid_request_error",
+                param="model",
+            )
+        await send_json(send, 200, self._model_card())
+
+    def _model_card(self) -> dict:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "owned_by": "pylon",
+            "created": 0,
+            "max_model_len": self.engine.max_model_len,
+        }
 
     async def _health(self, scope, receive, send) -> None:
         """Liveness that probes the engine: its step loop must have beaten within the heartbeat window."""

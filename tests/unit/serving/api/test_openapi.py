@@ -102,7 +102,14 @@ def test_the_bearer_scheme_applies_where_the_server_asks_for_a_key():
     }
     for path, item in doc["paths"].items():
         operation = next(iter(item.values()))
-        needs_key = path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize")
+        needs_key = path in (
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/models",
+            "/v1/models/{model}",
+            "/tokenize",
+            "/detokenize",
+        )
         assert operation["security"] == ([{"bearer": []}] if needs_key else []), path
         assert ("401" in operation["responses"]) == needs_key, path
     open_doc = _doc(secured=False)
@@ -301,6 +308,16 @@ def test_what_the_mounted_server_answers_conforms_to_its_document(mounted):
         r = requests.get(f"{url}{path}", headers=auth, timeout=30)
         assert r.status_code == 200, r.text
         _assert_valid(doc, _response_schema(doc, path, "get", 200), r.json())
+    # OpenAI's retrieve model: the served one's card; another id (a name with a slash, escaped, too) a 404 naming it
+    for model, status, named in (("tiny", 200, ""), ("other", 404, "other"), ("org%2Fname", 404, "org/name")):
+        r = requests.get(f"{url}/v1/models/{model}", headers=auth, timeout=30)
+        assert r.status_code == status, (model, r.text)
+        _assert_valid(doc, _response_schema(doc, "/v1/models/{model}", "get", status), r.json())
+        if status == 404:
+            assert r.json()["error"]["param"] == "model" and f'"{named}"' in r.json()["error"]["message"], r.text
+        else:
+            assert r.json()["id"] == "tiny" and r.json()["max_model_len"] > 0
+    assert requests.get(f"{url}/v1/models/tiny", timeout=30).status_code == 401
     r = requests.delete(f"{url}/v1/models", timeout=30)
     assert r.status_code == 405 and r.headers["allow"] == "GET"
     _assert_valid(

@@ -155,6 +155,7 @@ def test_completions_streamed_and_not_agree_and_count_usage(server):
 
 
 def test_chat_streams_the_role_first_and_the_openai_client_reads_it(server):
+    import openai
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
@@ -172,6 +173,9 @@ def test_chat_streams_the_role_first_and_the_openai_client_reads_it(server):
     assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
     assert parts[-1].choices[0].finish_reason == "length"
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        client.models.retrieve("gpt-4o")
 
 
 def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(server):
