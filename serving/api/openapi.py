@@ -198,7 +198,7 @@ def build(
                         "in": "path",
                         "required": True,
                         "description": "the model's id, as GET /v1/models lists it",
-                        "schema": {"type": "string"},
+                        "schema": {"type": "string", "minLength": 1},
                     }
                 ],
                 "responses": {
