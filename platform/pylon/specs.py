@@ -622,6 +622,11 @@ class HttpSpec(_Spec):
         "chunk per decoding step)",
     )
     route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9_\-/]*$")
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="a reasoning model's <think> block as chat replies' reasoning_content, the rest as content "
+        "(deepseek_r1: the chat template opens the block; qwen3: the model does); null: replies as generated",
+    )
     host: str = Field(
         "127.0.0.1",
         min_length=1,

@@ -10,6 +10,7 @@ over the same prompt. `response_format` (`json_object`, `json_schema`) is enforc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 
 MAX_CHOICES = 16  # `n`: each choice is an engine request, and holds a slot of the batch
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables at most
 MAX_BATCH_CHOICES = 64  # a batch of prompts x n: the engine requests one HTTP request may start
 
 
@@ -103,6 +105,32 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+@functools.cache
+def _reserved_template_kwargs() -> frozenset:
+    """Names Hugging Face's apply_chat_template takes as its own arguments, not template variables (as the installed
+    version has them), and `messages`."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages", "self"}
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    """chat_template_kwargs: variables the model's chat template may read, by name; names that are the template
+    call's own arguments, or not identifiers, are refused naming them."""
+    for name in kwargs or {}:
+        param = f"chat_template_kwargs.{name}"
+        if not name.isidentifier() or name.startswith("_"):
+            raise InvalidRequest(
+                f"{param}: a template variable's name is an identifier (got {shown(name)})", param=param
+            )
+        if name in _reserved_template_kwargs():
+            raise InvalidRequest(
+                f"{param}: {name!r} is set by the server, not a template variable a request may give", param=param
+            )
 
 
 class StreamOptions(BaseModel):
@@ -221,9 +249,13 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables for the model's chat template (Qwen3's enable_thinking: false); a model without a
+    # chat template, or a template that does not read one, ignores it
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_template_kwargs(self.chat_template_kwargs)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         tool_calls.check_tool_calls(self.messages)
@@ -255,6 +287,7 @@ class ChatCompletionRequest(_Request):
             tool_calls.template_messages([m.model_dump(exclude_none=True) for m in self.messages]),
             tools=plan.tools if plan is not None else None,
             tool_preamble=plan.preamble() if plan is not None else None,
+            template_kwargs=self.chat_template_kwargs,
         )
 
     @property
@@ -454,6 +487,11 @@ class AssistantMessage(_Response):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
+    reasoning_content: str | None = Field(
+        None,
+        description="the model's reasoning (its <think> block), where the deployment sets http.reasoning_parser",
+        json_schema_extra=_absent_when_unset,
+    )
 
 
 class TopLogprob(_Response):
@@ -495,6 +533,7 @@ class ChatDelta(_Response):
     role: Literal["assistant"] = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
     content: str = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
     tool_calls: list["ToolCallDelta"] = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
+    reasoning_content: str = Field(None, json_schema_extra=_absent_when_unset)  # type: ignore[assignment]
 
 
 class ToolCallDelta(ToolCall):
@@ -631,10 +670,16 @@ def chat_response(
     logprobs: dict | None = None,
     cached_tokens: int = 0,
     tool_calls: list[dict] | None = None,
+    reasoning_content: str | None = None,
+    with_reasoning: bool = False,
 ) -> dict:
+    """`with_reasoning`: the deployment splits replies' reasoning off, and the message carries `reasoning_content`
+    (null for a reply without any)."""
     message = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
+    if with_reasoning:
+        message["reasoning_content"] = reasoning_content
     return {
         "id": rid,
         "object": "chat.completion",
@@ -753,6 +798,13 @@ class StreamEvents:
         reason = "null" if finish_reason is None else _quote(finish_reason)
         body = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
         return f'{self._head}"delta":{body},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
+
+    def reasoning(self, text: str, logprobs: dict | None = None) -> str:
+        """A chat chunk of the model's reasoning (`delta.reasoning_content`: `pylon.serving.api.reasoning`)."""
+        lp = "null" if logprobs is None else json.dumps(logprobs, separators=(",", ":"))
+        return (
+            f'{self._head}"delta":{{"reasoning_content":{_quote(text)}}},"finish_reason":null,"logprobs":{lp}}}]}}\n\n'
+        )
 
     def role(self) -> str:
         """Chat's first chunk: the assistant's role, empty content."""

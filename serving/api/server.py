@@ -11,7 +11,7 @@ import logging
 import re
 import time
 
-from pylon.serving.api import openapi, protocol, routing, tools
+from pylon.serving.api import openapi, protocol, reasoning, routing, tools
 from pylon.serving.api.http import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -468,6 +468,8 @@ class PylonLLMServer:
             return await send_error(send, 500, str(e), type="server_error")
 
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
+        # A chat reply's <think> block as reasoning_content (`reasoning`), unless a grammar constrains the output.
+        parser = self.spec.http.reasoning_parser if kind == "chat" and params.guide is None else None
         timeout = self.spec.http.request_timeout_s
         choices = [_Choice(kind, body, prompts[i], self.engine.tokenizer, self._token_texts) for i, _ in plan]
         if body.stream:
@@ -475,7 +477,7 @@ class PylonLLMServer:
             events = [
                 protocol.StreamEvents(kind, rid, self.model_name, index=j, created=created) for j in range(len(plan))
             ]
-            return await self._stream(send, events, body, firsts, streams, timeout, choices, answer_headers)
+            return await self._stream(send, events, body, firsts, streams, timeout, choices, answer_headers, parser)
 
         async def collect(k: int):
             text, pairs, last = [], [], firsts[k]
@@ -505,6 +507,9 @@ class PylonLLMServer:
         for k, (content, pairs, last) in enumerate(results):
             self._observe(last, count=k == 0)
             reason, extra = last.finish_reason, {}
+            if parser is not None:
+                thought, content = reasoning.split(content, parser)
+                extra.update(reasoning_content=thought, with_reasoning=True)
             if kind == "chat" and body.tool_plan is not None:
                 content, calls = tools.parse(content, body.tool_plan)
                 if calls:
@@ -536,7 +541,16 @@ class PylonLLMServer:
         return await stream.__anext__()
 
     async def _stream(
-        self, send, events: list, body, firsts: list, streams: list, timeout: float, choices: list, answer_headers: dict
+        self,
+        send,
+        events: list,
+        body,
+        firsts: list,
+        streams: list,
+        timeout: float,
+        choices: list,
+        answer_headers: dict,
+        parser: str | None = None,
     ) -> None:
         """Server-sent events: the chunks of every choice as they come, a usage chunk if asked, then [DONE]. A client
         that disconnects gets this task cancelled by Serve's ingress; closing the streams then aborts the engine
@@ -549,7 +563,8 @@ class PylonLLMServer:
         await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *extra]})
         lasts, held, left = list(firsts), "", len(streams)
         parts = [
-            self._choice_events(k, events[k], body, firsts[k], streams[k], choices[k]) for k in range(len(streams))
+            self._choice_events(k, events[k], body, firsts[k], streams[k], choices[k], parser)
+            for k in range(len(streams))
         ]
         source = parts[0] if len(parts) == 1 else _interleave(parts)
         try:
@@ -582,23 +597,37 @@ class PylonLLMServer:
                 await stream.aclose()  # aborts the engine request if it has not finished
         await send({"type": "http.response.body", "body": (held + "data: [DONE]\n\n").encode(), "more_body": False})
 
-    async def _choice_events(self, k: int, events, body, first, stream, choice: "_Choice"):
+    async def _choice_events(self, k: int, events, body, first, stream, choice: "_Choice", parser: str | None = None):
         """One choice's server-sent events as they become ready to go out: (k, text, the engine output they end
-        at). Chat's role chunk waits for the first content; text that may be a tool call is held back."""
+        at). Chat's role chunk waits for the first reasoning or content; text that may be a tool call, or the end of
+        a reasoning block, is held back."""
         held = events.role() if events.kind == "chat" else ""
         pending = []  # tokens whose logprobs go with the next chunk (tokens without text yet wait for their text)
         plan = body.tool_plan if events.kind == "chat" else None
         calling = tools.ToolStream(plan) if plan is not None else None  # holds text that may be a tool call
+        thinking = reasoning.ReasoningStream(parser) if parser is not None else None
         async for out in _chain(first, stream):
             text, tokens = choice.take(out)
+            thought = ""
+            if thinking is not None:
+                thought, text = thinking.feed(text)
+                if out.finished:
+                    more_thought, more_text = thinking.finish()
+                    thought, text = thought + more_thought, text + more_text
+            pending.extend(tokens)
+            if thought:
+                held += events.reasoning(thought, choice.logprobs(pending))
+                pending = []
             calls = []
             if calling is not None:
                 text = calling.feed(text)
                 if out.finished:
                     rest, calls = calling.finish()
                     text += rest
-            pending.extend(tokens)
             if not text and not out.finished:
+                if thought:
+                    yield k, held, out
+                    held = ""
                 continue
             if calls:  # content first (if any), then the calls with the finish reason
                 if text:

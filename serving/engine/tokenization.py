@@ -281,7 +281,11 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def apply_chat_template(
-    tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None, tool_preamble: str | None = None
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    tool_preamble: str | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """The prompt text for a chat: the tokenizer's own chat template when it has one, else plain
     "role: content" lines ending with "assistant: " for the model to continue.
@@ -289,7 +293,8 @@ def apply_chat_template(
     `tools` (OpenAI's tool objects) go to a template that reads them (`tools=`, as Hugging Face templates take
     them); a template that never mentions tools, and the plain lines, get `tool_preamble` as (the start of) the
     system message instead. An assistant message's `tool_calls` reach a template as they are (arguments as
-    objects: `pylon.serving.api.tools.template_messages`) and the plain lines as Hermes `<tool_call>` blocks."""
+    objects: `pylon.serving.api.tools.template_messages`) and the plain lines as Hermes `<tool_call>` blocks.
+    `template_kwargs`: more variables for the template (the request's chat_template_kwargs, checked by name)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects", param="messages")
     plain = []
@@ -317,7 +322,9 @@ def apply_chat_template(
         import jinja2
 
         try:
-            return hf.apply_chat_template(plain, tools=tools, tokenize=False, add_generation_prompt=True)
+            return hf.apply_chat_template(
+                plain, tools=tools, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            )
         except jinja2.TemplateError as e:
             # A template's own refusal (many `raise_exception(...)` for roles out of turn, or a system message
             # they do not take) is about the messages: a 400 that says what it said, not a 500.

@@ -60,7 +60,7 @@ def server(model_dir):
 
 
 @contextlib.contextmanager
-def serving(model_dir, **engine):
+def serving(model_dir, http: dict | None = None, **engine):
     """A uvicorn server on a free loopback port in front of a PylonLLMServer of the tiny model (`engine`: the spec's
     engine fields): its base URL and the replica."""
     import os
@@ -76,7 +76,12 @@ def serving(model_dir, **engine):
             "name": "tiny",
             "model": model_dir,
             "engine": {"device": "cpu", "dtype": "fp32", **engine},
-            "http": {"api_keys_env": "PYLON_TEST_HTTP_KEYS", "stream_interval_ms": 20, "max_queued_requests": 8},
+            "http": {
+                "api_keys_env": "PYLON_TEST_HTTP_KEYS",
+                "stream_interval_ms": 20,
+                "max_queued_requests": 8,
+                **(http or {}),
+            },
         }
     )
     # as build_app does: the env var's keys become salted hashes, and the replica gets only those
@@ -965,3 +970,49 @@ def test_type_errors_name_the_field_and_what_it_takes(body, param, message):
     with pytest.raises(protocol.InvalidRequest) as e:
         protocol.parse_request(cls, body)
     assert e.value.param == param and message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_reasoning_parser_splits_chat_replies_streamed_and_not(model_dir, server, parser):
+    """With http.reasoning_parser, a chat reply's <think> block is `reasoning_content`: this random model never
+    closes one, so under deepseek_r1 (the template opened it) the whole reply is reasoning and under qwen3 (it never
+    opened one) the whole reply is content; streamed deltas add up to the same split, the role first. The same
+    request to a server without a parser gives the raw reply. Completions and grammar-constrained chats stay raw."""
+    messages = [{"role": "user", "content": "think about it"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 48, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    raw = requests.post(f"{server}/v1/chat/completions", headers=auth(), json=body, timeout=60).json()
+    raw_text = raw["choices"][0]["message"]["content"]
+    assert "reasoning_content" not in raw["choices"][0]["message"] and raw_text
+    engine = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_cache_tokens": 4096, "max_model_len": 1024}
+    with serving(model_dir, http={"reasoning_parser": parser}, separate_process=False, **engine) as (url, _):
+        whole = requests.post(f"{url}/v1/chat/completions", headers=auth(), json=body, timeout=60)
+        assert whole.status_code == 200, whole.text
+        message = whole.json()["choices"][0]["message"]
+        expected = (raw_text, "") if parser == "deepseek_r1" else (None, raw_text)
+        assert (message["reasoning_content"], message["content"]) == expected
+        r = requests.post(f"{url}/v1/chat/completions", headers=auth(), json={**body, "stream": True}, timeout=60)
+        events = sse(r)
+        assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+        streamed = (
+            "".join(d.get("reasoning_content", "") for d in deltas),
+            "".join(d.get("content", "") or "" for d in deltas),
+        )
+        assert streamed == (raw_text, "") if parser == "deepseek_r1" else streamed == ("", raw_text)
+        if parser == "deepseek_r1":
+            assert sum("reasoning_content" in d for d in deltas) >= 2, deltas  # streamed, not one blob
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        # completions return the raw text; a grammar-constrained chat is not split (its output is the JSON)
+        completion = {"model": "tiny", "prompt": "x", "max_tokens": 8, "temperature": 0}
+        assert (
+            requests.post(f"{url}/v1/completions", headers=auth(), json=completion, timeout=60).json()["choices"][0][
+                "text"
+            ]
+            == requests.post(f"{server}/v1/completions", headers=auth(), json=completion, timeout=60).json()["choices"][
+                0
+            ]["text"]
+        )
+        constrained = {**body, "max_tokens": 200, "response_format": {"type": "json_object"}, "ignore_eos": False}
+        answer = requests.post(f"{url}/v1/chat/completions", headers=auth(), json=constrained, timeout=60).json()
+        assert "reasoning_content" not in answer["choices"][0]["message"]
+        assert answer["choices"][0]["message"]["content"].lstrip().startswith("{")

@@ -296,3 +296,32 @@ def test_chars_per_token_bound_holds_where_it_is_given(hf_dir: Path, tmp_path: P
     wp = TokenizersFileTokenizer(str(tmp_path / "wp.json"), "wp", "0", where="test")
     assert len(wp.encode("zzzzzzzzzzzzzzzzzzzzzzzz")) == 1  # one [UNK] for the whole word
     assert chars_per_token_bound(wp) is None
+
+
+def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(hf_dir: Path, tmp_path: Path) -> None:
+    """A request's chat_template_kwargs are the template's variables (Qwen3's enable_thinking: false writes an
+    empty think block into the prompt); names that are the template call's own arguments are a 400 naming them."""
+    from pylon.serving.api import protocol
+
+    tok = _with_chat_template(
+        hf_dir,
+        tmp_path / "thinking",
+        (
+            "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] "
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+        ),
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    assert apply_chat_template(tok, messages) == "[user] hi[assistant] "
+    assert apply_chat_template(tok, messages, template_kwargs={"enable_thinking": False}) == (
+        "[user] hi[assistant] <think>\n\n</think>\n\n"
+    )
+    body = {"model": "m", "messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    request = protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(body).encode())
+    assert request.render(tok).endswith("<think>\n\n</think>\n\n")
+    for name in ("tokenize", "add_generation_prompt", "messages", "conversation", "bad-name", "_private"):
+        bad = {**body, "chat_template_kwargs": {name: True}}
+        with pytest.raises(InvalidRequest) as e:
+            protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(bad).encode())
+        assert e.value.param == f"chat_template_kwargs.{name}", (name, e.value)
