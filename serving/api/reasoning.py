@@ -66,7 +66,7 @@ class ReasoningStream:
             self.had_reasoning = True
             at = self.held.find(END)
             if at < 0:
-                keep = _tag_prefix(self.held, END)
+                keep = tag_prefix(self.held, END)
                 reasoning, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
                 return reasoning, ""
             reasoning, self.held = self.held[:at], self.held[at + len(END) :]
@@ -87,7 +87,7 @@ class ReasoningStream:
         return "", held
 
 
-def _tag_prefix(text: str, tag: str) -> int:
+def tag_prefix(text: str, tag: str) -> int:
     """How many characters at the end of `text` could be the start of `tag` (held back until the next text)."""
     longest = min(len(tag) - 1, len(text))
     return next((k for k in range(longest, 0, -1) if tag.startswith(text[-k:])), 0)

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pylon.serving.api.reasoning import tag_prefix
 from pylon.serving.engine.guided import check_json_schema
 from pylon.serving.errors import InvalidRequest, shown
 
@@ -233,9 +234,7 @@ class ToolStream:
         if at >= 0:
             out, self.held = self.held[:at], self.held[at:]
         else:
-            # keep a tail that could still grow into "<tool_call>"
-            longest = min(len(OPEN) - 1, len(self.held))
-            keep = next((k for k in range(longest, 0, -1) if OPEN.startswith(self.held[-k:])), 0)
+            keep = tag_prefix(self.held, OPEN)  # a tail that could still grow into "<tool_call>"
             out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         self.sent += out
         return out
