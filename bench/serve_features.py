@@ -37,7 +37,7 @@ counters also give the model's forward passes per output token, which do not dep
 `--spec-shaped penalties` (or `logit_bias`), every request of every leg carries the penalties section's shaping (or
 its logit_bias alone): shaped requests speculate too, each draft position's row shaped by the history up to it.
 
-    .venv/bin/python bench/serve_features.py                 # all four, CPU, ~14 min on 2 cores
+    .venv/bin/python bench/serve_features.py                 # all four, CPU, ~17 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
     .venv/bin/python bench/serve_features.py --rounds 3
 """
