@@ -51,9 +51,10 @@ def add_serve_parser(sub, fmt) -> None:
         formatter_class=fmt,
         help="deploy a model on Ray Serve behind OpenAI-compatible HTTP",
         description="Deploy a Deployment spec on Ray Serve: continuous batching over a paged KV cache, "
-        "POST /v1/completions and /v1/chat/completions (streaming), GET /v1/models, "
-        "/health, /ready. Prints the base URL once the first replica is ready. API keys "
-        "come from the environment variable named by http.api_keys_env.",
+        "POST /v1/completions and /v1/chat/completions (streaming), GET /v1/models and /v1/models/{model}, "
+        "POST /tokenize and /detokenize, GET /health, /ready and /openapi.json (docs/http.md). Prints the base "
+        "URL once the first replica is ready. API keys come from the environment variable named by "
+        "http.api_keys_env.",
         epilog="examples:\n  PYLON_API_KEYS=sk-mine pylon serve deploy.yaml\n  pylon serve --delete stdlib-gpt",
     )
     sv.add_argument("file", metavar="FILE", nargs="?", help="YAML file with one Deployment document")
