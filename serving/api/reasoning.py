@@ -19,11 +19,8 @@ required or named `tool_choice`) is not split: its output is the constrained tex
 
 from __future__ import annotations
 
-from typing import Literal
-
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
-Parser = Literal["deepseek_r1", "qwen3"]
+PARSERS = ("deepseek_r1", "qwen3")  # http.reasoning_parser's values (a test keeps the spec's list equal to this)
 
 
 def split(text: str, parser: str) -> tuple[str | None, str]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -115,13 +116,8 @@ def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
             keys.append(block_hashes(ids[: len(ids) - 1], block_size, []))
     except Exception:  # invalid for the replica too, which says why
         return RoutingKey()
-    shared = keys[0]
-    for other in keys[1:]:
-        n = 0
-        while n < min(len(shared), len(other)) and shared[n] == other[n]:
-            n += 1
-        shared = shared[:n]
-    return RoutingKey(tuple(h[:HASH_BYTES] for h in shared))
+    # Chained hashes: equal at position n means equal prompts up to there, so the common prefix of the hash lists.
+    return RoutingKey(tuple(h[:HASH_BYTES] for h in os.path.commonprefix(keys)))
 
 
 # -- the policy --------------------------------------------------------------------------------------------------
