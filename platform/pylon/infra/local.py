@@ -60,7 +60,15 @@ from pylon.specs import ClusterSpec
 # `pylon cluster up` to choose another.
 # Serve's own log lines (a replica's access log: one line a request) go to Serve's log files only, not also to
 # the worker's stderr, which Ray's log monitor tails and republishes; `ray logs` and the dashboard read the files.
-LOCAL_SERVE_CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_LOG_TO_STDERR": "0"}
+# Serve's controller gives a new HTTP proxy 5 s (Ray's default) from its creation to answer `ready`, worker start
+# included, then kills it and starts another; on a busy 2-core machine a worker's start alone can take longer, and
+# the dashboard starting Serve for a first deployment then fails that deployment with the killed proxy's
+# ActorDiedError (pylon.sdk.serve retries it). A local cluster gives the proxy 30 s.
+LOCAL_SERVE_CONTROLLER_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+}
 
 
 # Two of Ray's own background loops, paced for a local cluster. An idle local cluster with one deployment burns

@@ -81,10 +81,26 @@ def _other_configs(details: dict, name: str) -> list[dict]:
     return configs
 
 
+PUT_ATTEMPTS = 3  # a PUT that lost Serve's starting HTTP proxy is repeated (it names the whole state: idempotent)
+PUT_RETRY_WAIT_S = 2.0
+
+
+def _lost_starting_proxy(r: requests.Response) -> bool:
+    """The dashboard started Serve and waited for its HTTP proxies, and the controller killed one that was not ready
+    in time (it starts another): the controller runs, so the same PUT connects to it and goes through."""
+    return r.status_code == 500 and "ActorDiedError" in r.text and "SERVE_PROXY_ACTOR" in r.text
+
+
 def _put(where: home.ClusterAddress, http_options: dict, applications: list[dict]) -> None:
-    r = _request(where, "PUT", {"http_options": http_options, "applications": applications})
-    if r.status_code != 200:
-        raise PylonError(f"Serve refused the deployment (HTTP {r.status_code}): {r.text.strip()[-1500:]}")
+    body = {"http_options": http_options, "applications": applications}
+    for attempt in range(1, PUT_ATTEMPTS + 1):
+        r = _request(where, "PUT", body)
+        if r.status_code == 200:
+            return
+        if attempt == PUT_ATTEMPTS or not _lost_starting_proxy(r):
+            break
+        time.sleep(PUT_RETRY_WAIT_S)
+    raise PylonError(f"Serve refused the deployment (HTTP {r.status_code}): {r.text.strip()[-1500:]}")
 
 
 def _running_http(details: dict) -> dict | None:

@@ -440,6 +440,7 @@ def test_local_clusters_put_haproxy_files_under_their_temp_dir_and_its_listeners
     local = {
         "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
         "RAY_SERVE_LOG_TO_STDERR": "0",
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     }
     assert cluster.local_serve_env(temp_dir) == local

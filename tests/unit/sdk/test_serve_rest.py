@@ -125,3 +125,63 @@ def test_a_proxy_that_stays_unhealthy_fails_the_deploy_naming_the_node(monkeypat
     serve._check_proxies({"proxies": proxies}, since, "u")
     serve._check_proxies({"proxies": {"n2": {"status": "HEALTHY"}}}, since, "u")
     assert since == {}
+
+
+def test_a_put_that_lost_serves_starting_proxy_is_repeated_and_no_other_failure_is(monkeypatch) -> None:
+    """The dashboard starting Serve waits for its HTTP proxies; the controller kills one not ready in time (and
+    starts another), and the PUT answers 500 with that actor's death (CI, stop 51). The controller runs by then, so
+    the same PUT goes through. Any other refusal is reported at once. Served here by an HTTP server on loopback
+    that answers as the dashboard did."""
+    import http.server
+    import threading
+
+    from pylon.sdk import serve
+
+    died = (
+        "Traceback (most recent call last):\n  ...\nray.exceptions.ActorDiedError: The actor died unexpectedly before "
+        "finishing this task.\n\tclass_name: HAProxyManager\n\tname: SERVE_PROXY_ACTOR-9aaa92f2\n\tnamespace: serve\n"
+        "The actor is dead because it was killed by `ray.kill`."
+    )
+    answers: list[tuple[int, str]] = []
+    bodies: list[dict] = []
+
+    class Dashboard(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:  # noqa: N802 (http.server's name)
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            status, text = answers.pop(0)
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(serve, "PUT_RETRY_WAIT_S", 0.0)
+    where = home.ClusterAddress(f"http://127.0.0.1:{server.server_address[1]}")
+    app = {"name": "a", "import_path": "x:y"}
+    try:
+        answers[:] = [(500, died), (200, "")]
+        serve._put(where, {"host": "127.0.0.1", "port": 8000}, [app])
+        assert len(bodies) == 2 and bodies[0] == bodies[1] == {
+            "http_options": {"host": "127.0.0.1", "port": 8000},
+            "applications": [app],
+        }
+        # Lost every time: given up after PUT_ATTEMPTS, with Serve's words.
+        bodies.clear()
+        answers[:] = [(500, died)] * serve.PUT_ATTEMPTS
+        with pytest.raises(PylonError, match=r"(?s)Serve refused the deployment \(HTTP 500\):.*SERVE_PROXY_ACTOR"):
+            serve._put(where, {}, [app])
+        assert len(bodies) == serve.PUT_ATTEMPTS
+        # Another failure (a 500 of another cause, a 400): not repeated.
+        for status, text in [(500, "Traceback ...\nValueError: bad import path"), (400, "ValidationError ...")]:
+            bodies.clear()
+            answers[:] = [(status, text)]
+            with pytest.raises(PylonError, match=rf"HTTP {status}\): {text[:9]}"):
+                serve._put(where, {}, [app])
+            assert len(bodies) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
