@@ -10,6 +10,11 @@ prompt needs none, and the other positions of a prefill never need any, unless t
 
 The runner owns the KV tensors, one K and one V per layer, `[num_blocks, block_size, kv_heads, head_dim]`;
 which blocks belong to whom is `KVBlockPool`'s business.
+
+LoRA adapters (`adapters`: peft's saved adapter directories; `pylon.serving.model.lora`) are served per sequence
+(`StepSequence.adapter`), many at once on the one base model: the base weights stay as loaded, and after each
+projection the step's rows of each adapter get that adapter's low-rank delta. A step whose sequences all run the base
+model computes exactly what it would without adapters; only such steps replay CUDA decode graphs.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.model import kernels, linear, quant
+from pylon.serving.model import kernels, linear, lora, quant
 from pylon.serving.model.attention import (
     AttentionMetadata,
     Final,
@@ -219,6 +224,7 @@ class ModelRunner:
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         quantization: str = "none",
+        adapters: Sequence[str] = (),
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -243,6 +249,15 @@ class ModelRunner:
             raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()
         self.config = config
+        # LoRA adapters, slot k = adapters[k - 1], checked against the model's projections and kept in its dtype and
+        # on its device (pylon.serving.model.lora); None without any, and then no step spends anything on them.
+        self.adapter_set = (
+            lora.load_adapters(adapters, self.model, model_type, dtype=self.dtype, device=self.device)
+            if adapters
+            else None
+        )
+        self.num_adapters = len(adapters)
+        self.adapter_bytes = self.adapter_set.nbytes if self.adapter_set is not None else 0
         # oneDNN for the projections on a CPU (pylon.serving.model.linear), or quantized weights in their place
         # (pylon.serving.model.quant); `self._mm(bias, x, w)` is addmm's signature.
         quantized = quantization != "none"
@@ -339,14 +354,16 @@ class ModelRunner:
         meta: AttentionMetadata,
         final: Final,
         workspace: Workspace | None = None,
+        adapters: lora.StepAdapters | None = None,
     ) -> torch.Tensor:
         """The model's final hidden states at the sampling tokens (see `_forward_gpt2`); `workspace`: gather into
-        these buffers instead of the runner's own (a CUDA graph's step keeps its own)."""
+        these buffers instead of the runner's own (a CUDA graph's step keeps its own); `adapters`: which rows run
+        which LoRA adapter (None: every row the base model)."""
         saved = self.workspace
         self.workspace = saved if workspace is None else workspace
         try:
             with prompt_attention_backends(self.device):
-                return self._forward(ids, positions, meta, final)
+                return self._forward(ids, positions, meta, final, adapters)
         finally:
             self.workspace = saved
 
@@ -374,8 +391,12 @@ class ModelRunner:
         """Run one step; return float32 logits `[rows, vocab]`: for each of `steps` in order, one row per token it
         computes (positions start, start + 1, ...) when its `prompt_logits` is true, else one row (its last token's)
         when its `samples` is true, else none (empty when no sequence has a row). Without `prompt_logits` that is
-        `[sampling sequences, vocab]`, each sampling sequence's last token only."""
-        if self.decode_graphs is not None and all(s.num_new_tokens == 1 and s.samples for s in steps):
+        `[sampling sequences, vocab]`, each sampling sequence's last token only. Each sequence runs with its
+        `adapter` (0: the base model)."""
+        with_adapters = any(s.adapter for s in steps)
+        if with_adapters:
+            self._check_adapters(steps)
+        elif self.decode_graphs is not None and all(s.num_new_tokens == 1 and s.samples for s in steps):
             logits = self.decode_graphs.run(steps)  # one token a sequence: its one row, prompt_logits or not
             if logits is not None:
                 return logits
@@ -425,11 +446,32 @@ class ModelRunner:
             token_ids.extend([0] * pad)
             positions.extend([0] * pad)
         ids, positions = stage.add(token_ids), stage.add(positions)
+        adapters = self._step_adapters(steps, len(token_ids), last_tokens, final) if with_adapters else None
         stage.send()
-        hidden = self.forward(ids, positions, meta, final)
+        hidden = self.forward(ids, positions, meta, final, adapters=adapters)
         if not last_tokens:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self.model.lm_head(hidden).float()
+
+    def _check_adapters(self, steps: list[StepSequence]) -> None:
+        for s in steps:
+            if not 0 <= s.adapter <= self.num_adapters:
+                raise ValueError(
+                    f"StepSequence.adapter {s.adapter}: this runner serves adapters 1 to {self.num_adapters} "
+                    "(0: the base model)"
+                )
+
+    def _step_adapters(
+        self, steps: list[StepSequence], num_rows: int, last_tokens: list[int], final: Final
+    ) -> lora.StepAdapters:
+        """Each row's adapter: the step's token rows (padding rows past the tokens are base rows), and the rows the
+        last layer keeps after attention (`final.rows`: `last_tokens`), their index tensors staged with the step's."""
+        slots = [s.adapter for s in steps for _ in range(s.num_new_tokens)]
+        tokens = self.adapter_set.rows(slots, num_rows, self.stage.add)
+        if final.rows is None:  # decodes only: the last layer keeps every row
+            return lora.StepAdapters(tokens, tokens)
+        finals = self.adapter_set.rows([slots[t] for t in last_tokens], len(last_tokens), self.stage.add)
+        return lora.StepAdapters(tokens, finals)
 
     def _attend(
         self,
@@ -465,7 +507,12 @@ class ModelRunner:
         return paged_attention(q, None, None, self.k_cache[i], self.v_cache[i], final.meta, scale, self.workspace), h
 
     def _forward_gpt2(
-        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, final: Final
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        final: Final,
+        adapters: lora.StepAdapters | None = None,
     ) -> torch.Tensor:
         """Final hidden states (after ln_f) of GPT-2 (pre-norm blocks, learned positions) at the sampling tokens
         (`final`): `[sampling tokens, hidden]`.
@@ -473,43 +520,84 @@ class ModelRunner:
         The loaded model's own parameters, called through the functional ops its modules would run (GPT-2's
         Conv1D is `addmm(bias, x, weight)`, or oneDNN's linear over the reordered weight; dropout is the identity
         in eval): the same arithmetic without a dozen module calls and shape juggling per layer, which on a small
-        model is a good part of a step."""
+        model is a good part of a step.
+
+        `adapters`: each LoRA adapter's delta is added to its rows' output of each projection (`lora.Rows.add`);
+        the last layer's rows past attention are `final`'s."""
         T = len(ids)
         h = F.embedding(ids, self._gpt2.wte) + F.embedding(positions, self._gpt2.wpe)
         last = len(self._gpt2.layers) - 1
         mm = self._mm
+        rows = adapters.tokens if adapters is not None else None  # None: no row of this part of the step adapted
         for i, layer in enumerate(self._gpt2.layers):
-            qkv = mm(layer.qkv_b, F.layer_norm(h, *layer.ln_1), layer.qkv_w)
+            x = F.layer_norm(h, *layer.ln_1)
+            qkv = mm(layer.qkv_b, x, layer.qkv_w)
+            if rows is not None:
+                rows.add(qkv, x, i, "attn.c_attn")
             q, k, v = qkv.view(T, 3, layer.heads, layer.head_dim).unbind(1)
             # layer.scaling is attn.scaling: it folds in scale_attn_weights and scale_attn_by_inverse_layer_idx.
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, layer.scaling)
             if a is None:
                 break
+            if i == last and adapters is not None:
+                rows = adapters.finals  # the sampling rows only, from here on
             T = len(h)
-            h = h + mm(layer.proj_b, a.view(T, -1), layer.proj_w)
-            up = self._gpt2_act(mm(layer.fc_b, F.layer_norm(h, *layer.ln_2), layer.fc_w))
-            h = h + mm(layer.down_b, up, layer.down_w)
+            a = a.view(T, -1)
+            proj = mm(layer.proj_b, a, layer.proj_w)
+            if rows is not None:
+                rows.add(proj, a, i, "attn.c_proj")
+            h = h + proj
+            x = F.layer_norm(h, *layer.ln_2)
+            fc = mm(layer.fc_b, x, layer.fc_w)
+            if rows is not None:
+                rows.add(fc, x, i, "mlp.c_fc")
+            up = self._gpt2_act(fc)
+            down = mm(layer.down_b, up, layer.down_w)
+            if rows is not None:
+                rows.add(down, up, i, "mlp.c_proj")
+            h = h + down
         return F.layer_norm(h, *self._gpt2.ln_f)
 
     def _forward_llama(
-        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, final: Final
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        final: Final,
+        adapters: lora.StepAdapters | None = None,
     ) -> torch.Tensor:
         """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
-        tokens (`final`): `[sampling tokens, hidden]`."""
+        tokens (`final`): `[sampling tokens, hidden]`. `adapters`: as in `_forward_gpt2`; the MLP is written out
+        (LlamaMLP's forward: down(act(gate(x)) * up(x))) for the rows that need its projections' deltas."""
         llama = self.model.model
         h = llama.embed_tokens(ids)
         cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
         last = len(llama.layers) - 1
+        rows = adapters.tokens if adapters is not None else None  # None: no row of this part of the step adapted
         for i, layer in enumerate(llama.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(len(x), -1, attn.head_dim)
-            k = attn.k_proj(x).view(len(x), -1, attn.head_dim)
-            v = attn.v_proj(x).view(len(x), -1, attn.head_dim)
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            if rows is not None:
+                rows.add(q, x, i, "self_attn.q_proj")
+                rows.add(k, x, i, "self_attn.k_proj")
+                rows.add(v, x, i, "self_attn.v_proj")
+            T = len(x)
+            q, k, v = q.view(T, -1, attn.head_dim), k.view(T, -1, attn.head_dim), v.view(T, -1, attn.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
             if a is None:
                 break
-            h = h + attn.o_proj(a.reshape(len(h), -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i == last and adapters is not None:
+                rows = adapters.finals  # the sampling rows only, from here on
+            a = a.reshape(len(h), -1)
+            if rows is None:
+                h = h + attn.o_proj(a)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                continue
+            h = h + rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
+            x, mlp = layer.post_attention_layernorm(h), layer.mlp
+            gate = rows.add(mlp.gate_proj(x), x, i, "mlp.gate_proj")
+            up = mlp.act_fn(gate) * rows.add(mlp.up_proj(x), x, i, "mlp.up_proj")
+            h = h + rows.add(mlp.down_proj(up), up, i, "mlp.down_proj")
         return llama.norm(h)

@@ -17,6 +17,9 @@ class StepSequence:
     # The logits of every token this step computes for the sequence are returned, not only the last one's (a prompt
     # whose tokens' log-probabilities were asked for: the logits at position p score the token at p + 1).
     prompt_logits: bool = False
+    # Which LoRA adapter the sequence runs with: 0 the base model alone, k >= 1 the k-th of the runner's `adapters`
+    # (`ModelRunner(adapters=...)`; pylon.serving.model.lora). Sequences of different adapters share a step.
+    adapter: int = 0
 
     @property
     def num_new_tokens(self) -> int:
