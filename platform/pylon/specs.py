@@ -496,6 +496,22 @@ class SpeculativeSpec(_Spec):
         return self
 
 
+MAX_ADAPTERS = 64
+
+
+class AdapterSpec(_Spec):
+    """A LoRA adapter served beside the base model (docs/serving.md, "LoRA adapters")."""
+
+    name: Name = Field(
+        description="what clients put in a request's `model` to use it (GET /v1/models lists it); unique, and "
+        "not the deployment's own name"
+    )
+    path: Uri = Field(
+        description="its directory in peft's format (adapter_config.json, adapter_model.safetensors), local or "
+        "object storage: what `pylon export --lora adapter` writes for a LoRA run on this base model"
+    )
+
+
 class EngineSpec(_Spec):
     max_num_seqs: PositiveInt = 64
     max_num_batched_tokens: PositiveInt = 2048
@@ -522,6 +538,15 @@ class EngineSpec(_Spec):
         "Activations and the KV cache stay in dtype; greedy outputs part from the float model's after some tokens",
     )
     speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters of the model served beside it by the same engine (vLLM's --lora-modules): a "
+        "request names one in `model`; requests for different adapters and for the base model share each "
+        "batched step, each row computing its own adapter's low-rank update on top of the shared weights. All "
+        "stay loaded (their weights are small: 2 x r x width per adapted projection). The prefix cache is kept "
+        "apart per adapter",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="reuse the KV cache blocks of a prompt's prefix that an earlier request computed (vLLM's "
@@ -577,6 +602,11 @@ class EngineSpec(_Spec):
                     f"must be a multiple of block_size ({self.block_size}) (got {self.kv_cache_tokens})",
                 )
             )
+        seen: set[str] = set()
+        for i, adapter in enumerate(self.adapters):
+            if adapter.name in seen:
+                problems.append((f"adapters.{i}.name", f"'{adapter.name}' names an earlier adapter too"))
+            seen.add(adapter.name)
         _raise_problems(problems)
         return self
 
@@ -678,6 +708,17 @@ class DeploymentSpec(_Spec):
                     )
                 ]
             )
+        for i, adapter in enumerate(self.engine.adapters):
+            if adapter.name == self.name:
+                _raise_problems(
+                    [
+                        (
+                            f"engine.adapters.{i}.name",
+                            f"'{adapter.name}' is the deployment's own name, which requests use for the base "
+                            "model; name the adapter otherwise",
+                        )
+                    ]
+                )
         if self.engine.device == "cuda" and self.replica.num_gpus == 0:
             _raise_problems([("replica.num_gpus", "must be > 0 when engine.device is 'cuda' (got 0)")])
         dp = self.engine.data_parallel

@@ -140,11 +140,17 @@ def _tokens(summary: str, request, response, secured: bool) -> dict:
 
 
 def build(
-    *, model: str, max_model_len: int, secured: bool, route_prefix: str = "/", server_url: str | None = None
+    *,
+    model: str,
+    max_model_len: int,
+    secured: bool,
+    route_prefix: str = "/",
+    server_url: str | None = None,
+    adapters: tuple[str, ...] = (),
 ) -> dict:
-    """The OpenAPI document of one deployment: `model` served with `max_model_len` tokens of context, a bearer key
-    required when `secured`, mounted under `route_prefix` (or reached at `server_url`, for a document served
-    elsewhere)."""
+    """The OpenAPI document of one deployment: `model` (and its LoRA `adapters`) served with `max_model_len` tokens
+    of context, a bearer key required when `secured`, mounted under `route_prefix` (or reached at `server_url`, for
+    a document served elsewhere)."""
     _, defs = models_json_schema([(m, "validation") for m in _MODELS], ref_template=_REF)
     schemas = defs["$defs"]
     # The engine refuses a prompt plus max_tokens past the context, and a prompt has at least one token.
@@ -152,7 +158,7 @@ def build(
         schemas[name]["properties"][field]["anyOf"][0]["maximum"] = max_model_len - 1
     schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]["maximum"] = max_model_len - 1
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):  # else 404
-        schemas[name]["properties"]["model"]["enum"] = [model]
+        schemas[name]["properties"]["model"]["enum"] = [model, *adapters]
 
     security = [{"bearer": []}] if secured else []
     internal = {"500": _error(500)}

@@ -576,6 +576,9 @@ class ModelCard(_Response):
     owned_by: str
     created: int
     max_model_len: int
+    parent: str | None = Field(
+        None, description="a LoRA adapter's base model (engine.adapters), as vLLM lists one; null for the base model"
+    )
 
 
 class ModelList(_Response):

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from pylon.serving.api.http import lifespan, read_body, request_headers, route_path, send_json
-from pylon.serving.engine.kv_cache import block_hashes
+from pylon.serving.engine.kv_cache import block_hashes, cache_salt
 
 log = logging.getLogger("pylon.serving")
 
@@ -84,7 +84,7 @@ def short_hashes(hashes) -> bytes:
     return b"".join(h[:HASH_BYTES] for h in hashes)
 
 
-def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
+def routing_key(tokenizer, block_size: int, body: dict | None, adapters: frozenset[str] = frozenset()) -> RoutingKey:
     """The key of a request body (parsed JSON), rendered and tokenized as a replica renders it for its engine; for a
     batch of prompts (completions), the blocks every prompt of it starts with (a few-shot preamble, an evaluation's
     shared context): those are what its engine requests reuse. Any body a replica would refuse, or that names no
@@ -94,6 +94,8 @@ def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
 
     if not isinstance(body, dict):
         return RoutingKey()
+    # A LoRA adapter's request (`model` names one of engine.adapters): its blocks are hashed apart, as its engine's.
+    salt = cache_salt(body["model"]) if body.get("model") in adapters else b""
     try:
         if "messages" in body:
             request = protocol.ChatCompletionRequest.model_validate(body)
@@ -113,7 +115,7 @@ def routing_key(tokenizer, block_size: int, body: dict | None) -> RoutingKey:
             else:
                 return RoutingKey()
             # The engine always computes a prompt's last token (kv_cache: the same cut as the scheduler's lookup).
-            keys.append(block_hashes(ids[: len(ids) - 1], block_size, []))
+            keys.append(block_hashes(ids[: len(ids) - 1], block_size, [], salt))
     except Exception:  # invalid for the replica too, which says why
         return RoutingKey()
     # Chained hashes: equal at position n means equal prompts up to there, so the common prefix of the hash lists.
@@ -257,6 +259,7 @@ class PylonRouter:
         spec = DeploymentSpec.model_validate(spec)
         self.name = spec.name
         self.block_size = spec.engine.block_size
+        self.adapters = frozenset(a.name for a in spec.engine.adapters)
         with local_model_dir(spec.model, weights=False) as directory:
             self.tokenizer = load_model_tokenizer(directory)
         self._key = router_key()
@@ -285,7 +288,7 @@ class PylonRouter:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        key = routing_key(self.tokenizer, self.block_size, parsed)
+        key = routing_key(self.tokenizer, self.block_size, parsed, self.adapters)
         try:
             async with self._handle.choose_replica(key, _reserve=False) as selection:
                 replica = selection._replica

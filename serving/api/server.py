@@ -224,11 +224,19 @@ class PylonLLMServer:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
+    @functools.cached_property
+    def _served(self) -> list[str]:
+        """The model ids requests may name: the deployment's own (the base model), then its LoRA adapters'."""
+        return [self.model_name, *(a.name for a in self.spec.engine.adapters)]
+
+    def _served_list(self) -> str:
+        return ", ".join(f"'{m}'" for m in self._served)
+
     def _check_model(self, name: str) -> None:
-        if name != self.model_name:
+        if name not in self._served:
             raise HttpError(
                 404,
-                f"model '{name}' does not exist; this server has '{self.model_name}' (see GET /v1/models)",
+                f"model {shown(name)} does not exist; this server has {self._served_list()} (see GET /v1/models)",
                 type="invalid_request_error",
                 param="model",
             )
@@ -333,7 +341,7 @@ class PylonLLMServer:
             await self._authorize(request_headers(scope))
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
-        await send_json(send, 200, {"object": "list", "data": [self._model_card()]})
+        await send_json(send, 200, {"object": "list", "data": [self._model_card(m) for m in self._served]})
 
     async def _model(self, scope, receive, send) -> None:
         """OpenAI's "retrieve model": the served model's card, or a 404 naming the id asked for."""
@@ -342,24 +350,26 @@ class PylonLLMServer:
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
         model = route_of(route_path(scope))[1]
-        if model != self.model_name:
+        if model not in self._served:
             return await send_error(
                 send,
                 404,
-                f"the model {shown(model)} does not exist here; this server serves {self.model_name!r} "
-                "(GET /v1/models lists it)",
+                f"the model {shown(model)} does not exist here; this server serves {self._served_list()} "
+                "(GET /v1/models lists them)",
                 type="invalid_request_error",
                 param="model",
             )
-        await send_json(send, 200, self._model_card())
+        await send_json(send, 200, self._model_card(model))
 
-    def _model_card(self) -> dict:
+    def _model_card(self, model: str) -> dict:
+        """`model`'s card: the base model's, or a LoRA adapter's (its `parent` the base model, as vLLM's)."""
         return {
-            "id": self.model_name,
+            "id": model,
             "object": "model",
             "owned_by": "pylon",
             "created": 0,
             "max_model_len": self.engine.max_model_len,
+            "parent": None if model == self.model_name else self.model_name,
         }
 
     async def _health(self, scope, receive, send) -> None:
@@ -391,7 +401,11 @@ class PylonLLMServer:
         cached = self.__dict__.setdefault("_openapi_docs", {})
         if (prefix, secured) not in cached:
             cached[prefix, secured] = openapi.document_bytes(
-                model=self.model_name, max_model_len=self.engine.max_model_len, secured=secured, route_prefix=prefix
+                model=self.model_name,
+                max_model_len=self.engine.max_model_len,
+                secured=secured,
+                route_prefix=prefix,
+                adapters=tuple(self._served[1:]),
             )
         body = cached[prefix, secured]
         headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
@@ -421,6 +435,8 @@ class PylonLLMServer:
                 prompts = [body.render(self.engine.tokenizer)]
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default.
             params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
+            if body.model != self.model_name:  # one of its LoRA adapters (`_check_model` let it in)
+                params.adapter = body.model
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
             interval_s = self.spec.http.stream_interval_ms / 1000
@@ -474,9 +490,7 @@ class PylonLLMServer:
         choices = [_Choice(kind, body, prompts[i], self.engine.tokenizer, self._token_texts) for i, _ in plan]
         if body.stream:
             created = int(time.time())
-            events = [
-                protocol.StreamEvents(kind, rid, self.model_name, index=j, created=created) for j in range(len(plan))
-            ]
+            events = [protocol.StreamEvents(kind, rid, body.model, index=j, created=created) for j in range(len(plan))]
             return await self._stream(send, events, body, firsts, streams, timeout, choices, answer_headers, parser)
 
         async def collect(k: int):
@@ -518,7 +532,7 @@ class PylonLLMServer:
             answers.append(
                 make(
                     rid,
-                    self.model_name,
+                    body.model,  # the model or adapter asked for, as vLLM answers
                     content,
                     reason,
                     last.num_prompt_tokens,

@@ -17,6 +17,7 @@ Everything else belongs to the thread that calls `step()`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -30,7 +31,7 @@ from pylon.errors import PylonError
 from pylon.models import local_model_dir
 from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.guided import Guides
-from pylon.serving.engine.kv_cache import KVBlockPool
+from pylon.serving.engine.kv_cache import KVBlockPool, cache_salt
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from pylon.serving.engine.sampling import SamplingParams, sample, shape_logits, token_logprobs
 from pylon.serving.engine.scheduler import Scheduler
@@ -85,6 +86,35 @@ class Completion:
     finish_reason: FinishReason
 
 
+def _adapter_where(i: int, adapter) -> str:
+    """engine.adapters[i] in a message: its field, name and path (an object store's with its endpoint)."""
+    from pylon import storage
+
+    path = storage.describe(adapter.path) if "://" in adapter.path else adapter.path
+    return f"engine.adapters.{i}.path ({adapter.name}, {path})"
+
+
+def _adapter_dir(stack: contextlib.ExitStack, i: int, adapter) -> str:
+    """A local directory holding engine.adapters[i] (a private copy of a remote one, removed with `stack`); errors
+    name the field and the adapter."""
+    try:
+        return stack.enter_context(local_model_dir(adapter.path))
+    except PylonError as e:
+        detail = str(e).split(": ", 1)[-1]  # local_model_dir's message starts "model.path <uri>: "
+        detail = detail.replace("a Hugging Face model directory", "an adapter directory in peft's format")
+        raise PylonError(f"{_adapter_where(i, adapter)}: {detail}") from None
+
+
+def _named_adapter_error(error: PylonError, directories: list[str], spec: EngineSpec) -> PylonError:
+    """The runner's error about an adapter's directory (maybe a temporary copy) as one naming its field, name and
+    path; any other error as it is."""
+    message = str(error)
+    for i, (directory, adapter) in enumerate(zip(directories, spec.adapters)):
+        if directory in message:
+            return PylonError(message.replace(directory, _adapter_where(i, adapter)))
+    return error
+
+
 class LLMEngine:
     def __init__(self, model: str, spec: EngineSpec | None = None):
         """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
@@ -96,18 +126,26 @@ class LLMEngine:
         self.pool = KVBlockPool.for_tokens(
             spec.kv_cache_tokens, spec.block_size, enable_caching=spec.enable_prefix_caching
         )
-        with local_model_dir(model) as directory:
+        # LoRA adapters (engine.adapters): the runner's slot k is the k-th; requests name them (params.adapter).
+        self.adapter_slots = {a.name: k for k, a in enumerate(spec.adapters, 1)}
+        with contextlib.ExitStack() as stack:
+            directory = stack.enter_context(local_model_dir(model))
             self.tokenizer = load_model_tokenizer(directory)
             self._chars_per_token = chars_per_token_bound(self.tokenizer)
-            self.runner = ModelRunner(
-                directory,
-                num_blocks=self.pool.num_blocks,
-                block_size=spec.block_size,
-                device=spec.device,
-                dtype=spec.dtype,
-                kv_cache_dtype=spec.kv_cache_dtype,
-                quantization=spec.quantization,
-            )
+            adapter_dirs = [_adapter_dir(stack, i, a) for i, a in enumerate(spec.adapters)]
+            try:
+                self.runner = ModelRunner(
+                    directory,
+                    num_blocks=self.pool.num_blocks,
+                    block_size=spec.block_size,
+                    device=spec.device,
+                    dtype=spec.dtype,
+                    kv_cache_dtype=spec.kv_cache_dtype,
+                    quantization=spec.quantization,
+                    adapters=adapter_dirs,
+                )
+            except PylonError as e:
+                raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         speculative = spec.speculative
         self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method != "none" else None
@@ -212,6 +250,14 @@ class LLMEngine:
                     f"{self.runner.vocab_size - 1})",
                     param=f"logit_bias.{bad[0]}",
                 )
+        adapter = 0
+        if params.adapter is not None:
+            adapter = self.adapter_slots.get(params.adapter, 0)
+            if not adapter:
+                known = ", ".join(self.adapter_slots) or "none"
+                raise InvalidRequest(
+                    f"adapter {params.adapter!r} is not loaded in this engine (its adapters: {known})", param="model"
+                )
         request = Request(
             request_id,
             prompt_ids,
@@ -219,6 +265,8 @@ class LLMEngine:
             max_tokens,
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
             params.new_generator(),
+            adapter=adapter,
+            cache_salt=cache_salt(params.adapter if adapter else None),
         )
         if params.guide is not None:
             request.guide = self.guides.matcher(params.guide)  # compiled once per grammar; InvalidRequest if it can't
@@ -320,6 +368,7 @@ class LLMEngine:
                 or (
                     s.request.prompt_logprobs is not None and _needs_prompt_logits(s.request, s.start, s.num_new_tokens)
                 ),
+                s.request.adapter,
             )
             for s in batch.scheduled
         ]

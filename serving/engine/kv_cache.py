@@ -43,10 +43,17 @@ from typing import Any
 RESERVE_MAX_BLOCKS = 64  # at most this many blocks set aside beyond what a request needs when it starts
 
 
-def block_hashes(token_ids: list[int], block_size: int, hashes: list[bytes]) -> list[bytes]:
+def cache_salt(adapter: str | None) -> bytes:
+    """What a request's first block hash starts from: nothing for the base model, the adapter's name for a LoRA
+    adapter's request, whose keys and values differ from the base model's for the same tokens (engine.adapters)."""
+    return b"" if adapter is None else b"adapter\0" + adapter.encode()
+
+
+def block_hashes(token_ids: list[int], block_size: int, hashes: list[bytes], salt: bytes = b"") -> list[bytes]:
     """Extend `hashes` (those of `token_ids`' first full blocks, computed before) to every full block of `token_ids`:
-    block k's hash is BLAKE2b over block k-1's hash and block k's token ids. Returns `hashes`."""
-    parent = hashes[-1] if hashes else b""
+    block k's hash is BLAKE2b over block k-1's hash (block 0: over `salt`, `cache_salt`) and block k's token ids.
+    Returns `hashes`."""
+    parent = hashes[-1] if hashes else salt
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         digest = hashlib.blake2b(parent, digest_size=16)
         digest.update(array("q", token_ids[start : start + block_size]).tobytes())

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
 from pylon.serving.engine.heap import allocator, engine_process_env, freeze_loaded_objects, keep_freed_memory
-from pylon.serving.engine.kv_cache import block_hashes
+from pylon.serving.engine.kv_cache import block_hashes, cache_salt
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
@@ -323,10 +323,11 @@ class EnginePool:
         # answer each with a 503 until Serve replaces the replica; the live ones take them instead (the pool stays
         # unhealthy, so Serve still replaces it, letting the live engines' streams finish as it drains).
         live = [e for e in self.engines if e.check_health()] or self.engines
-        engine = self._holder_of(prompt, live) or min(live, key=lambda e: e.open_streams)
+        adapter = params.adapter if params is not None else None
+        engine = self._holder_of(prompt, live, cache_salt(adapter)) or min(live, key=lambda e: e.open_streams)
         return engine.generate(request_id, prompt, params, interval_s=interval_s)
 
-    def _holder_of(self, prompt: Prompt, engines: list[ProcessLLMEngine]) -> ProcessLLMEngine | None:
+    def _holder_of(self, prompt: Prompt, engines: list[ProcessLLMEngine], salt: bytes = b"") -> ProcessLLMEngine | None:
         """With prefix caching: the engine that holds the longest cached prefix of `prompt` (by the hashes each
         engine reports of the blocks it has cached, not a guess from past routing), if it has a free sequence
         slot; the least loaded among equals. None: no engine holds a block of it, or the holder is busy (it
@@ -338,7 +339,7 @@ class EnginePool:
             ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         except Exception:  # the engine refuses it with the reason; routing is not the place
             return None
-        hashes = block_hashes(ids[: len(ids) - 1], self.spec.block_size, [])  # the last token is always computed
+        hashes = block_hashes(ids[: len(ids) - 1], self.spec.block_size, [], salt)  # the last token is always computed
         if not hashes:
             return None
         best = max(engines, key=lambda e: (e.cached_prefix_blocks(hashes), -e.open_streams))

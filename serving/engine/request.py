@@ -66,6 +66,8 @@ class Request:
     prompt_logprobs_sent: bool = False  # its first output (which carries prompt_logprobs) has gone out
     guide: object | None = None  # with params.guide: its llguidance matcher, advanced by each generated token
     draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed for this step to verify
+    adapter: int = 0  # the runner's slot of its LoRA adapter (params.adapter); 0: the base model
+    cache_salt: bytes = b""  # where its block hashes start (kv_cache.cache_salt): apart per adapter
     _prompt_tensor: "torch.Tensor | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

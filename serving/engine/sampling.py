@@ -58,6 +58,7 @@ class SamplingParams:
     logit_bias: {token id: bias in [-100, 100]}, added to the token's logit (-100 bans it, 100 all but forces it).
     The shaping runs in that order (bias, repetition, frequency, presence: vLLM's), before temperature, top-k and
     top-p, for greedy requests too; logprobs stay the model's own.
+    adapter: None (the base model), or the name of one of the engine's LoRA adapters (`engine.adapters`) to run with.
     """
 
     max_tokens: int | None = 16
@@ -77,6 +78,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.guide is not None and (

@@ -209,7 +209,7 @@ class Scheduler:
                 kept.next[prompt[nxt]] = entries[nxt]
 
     def _hashes(self, request: Request) -> list[bytes]:
-        return block_hashes(request.token_ids, self.pool.block_size, request.block_hashes)
+        return block_hashes(request.token_ids, self.pool.block_size, request.block_hashes, request.cache_salt)
 
     def _register(self, request: Request) -> None:
         """Register `request`'s full blocks that earlier steps computed (see the module's docs)."""

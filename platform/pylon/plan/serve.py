@@ -118,6 +118,34 @@ class ServePlan:
         }
 
 
+def _adapter_params(config, i: int, uri: str) -> int:
+    """The parameters of the LoRA adapter at `uri` (engine.adapters[i]) on `config`'s model, from its
+    adapter_config.json alone (rank and target modules), counted as peft builds it."""
+    from pydantic import ValidationError
+
+    from pylon import storage
+    from pylon.errors import PylonError, StorageError
+    from pylon.specs import LoraSpec
+
+    where = f"engine.adapters.{i}.path {storage.describe(uri)}"
+    try:
+        raw = storage.read_json(storage.join(uri, "adapter_config.json"))
+    except StorageError as e:
+        raise PylonError(
+            f"{where}: cannot read adapter_config.json ({e}); the planner needs the adapter's rank"
+        ) from None
+    try:
+        targets = raw.get("target_modules")
+        lora = LoraSpec(
+            r=raw.get("r"),
+            alpha=raw.get("lora_alpha") or 1,
+            target_modules=[targets] if isinstance(targets, str) else targets,
+        )
+        return model_shape(config, lora).trainable_params
+    except (ValidationError, ValueError, TypeError, AttributeError) as e:
+        raise PylonError(f"{where}: adapter_config.json is not a LoRA adapter of this model ({e})") from None
+
+
 def plan_serve(
     spec: DeploymentSpec,
     *,
@@ -155,6 +183,13 @@ def plan_serve(
         notes.append(
             f"weights include the draft model's {_gib(draft_weights)} ({draft.total_params:,} parameters) and the "
             f"KV cache its {_gib(draft_kv)} ({draft_tokens:,} tokens); decode throughput is without speculation"
+        )
+    if e.adapters:
+        adapter_params = sum(_adapter_params(config, i, a.path) for i, a in enumerate(e.adapters))
+        weights += adapter_params * b
+        notes.append(
+            f"weights include {len(e.adapters)} LoRA adapter(s): {_gib(adapter_params * b)} "
+            f"({adapter_params:,} parameters); decode throughput is the base model's"
         )
     # Prefill of a token batch: a few hidden-size tensors and the MLP's intermediate ones; fp32 logits of the
     # sequences that sample.

@@ -416,3 +416,30 @@ def test_a_draft_model_counts_its_weights_and_its_kv_cache(tmp_path: Path) -> No
     assert any("draft model" in n for n in spec.notes)
     with pytest.raises(PylonError, match=r"engine\.speculative\.draft_model .*absent"):
         plan(speculative={"method": "draft", "draft_model": str(tmp_path / "absent")})
+
+
+def test_lora_adapters_count_their_weights(tmp_path: Path) -> None:
+    """engine.adapters: each adapter's A and B at the engine's dtype, from its adapter_config.json (rank, targets),
+    hand-counted here for Llama 2 70B's shapes."""
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps(LLAMA_70B))
+    for name, r, targets in (("a", 16, ["q_proj", "v_proj"]), ("b", 8, ["down_proj"])):
+        (tmp_path / name).mkdir()
+        config = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": targets}
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+
+    def plan(*names: str):
+        adapters = [{"name": f"x-{n}", "path": str(tmp_path / n)} for n in names]
+        engine = {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536, "adapters": adapters}
+        spec = DeploymentSpec(name="big", model=str(tmp_path / "big"), replica={"num_gpus": 1}, engine=engine)
+        return plan_serve(spec)
+
+    plain, adapted = plan(), plan("a", "b")
+    without, with_adapters = (next(r for r in p.rows if r.accelerator.name == "MI300X") for p in (plain, adapted))
+    hidden, kv_width, mlp, layers = 8192, 8 * 128, 28672, 80
+    a = 16 * ((hidden + hidden) + (hidden + kv_width)) * layers  # q: 8192 -> 8192, v: 8192 -> 1024
+    b = 8 * (mlp + hidden) * layers  # down: 28672 -> 8192
+    assert with_adapters.weights - without.weights == (a + b) * 2  # bf16
+    assert any("2 LoRA adapter(s)" in n for n in adapted.notes)
+    with pytest.raises(PylonError, match=r"engine\.adapters\.0\.path .*absent.*cannot read adapter_config\.json"):
+        plan("absent")

@@ -15,7 +15,7 @@ import pytest
 from pylon.data.tokenizer import ByteTokenizer
 from pylon.serving.api import protocol, routing
 from pylon.serving.api.routing import HASH_BYTES, ReplicaView, RoutingKey, choose, routing_key
-from pylon.serving.engine.kv_cache import KVBlockPool, block_hashes
+from pylon.serving.engine.kv_cache import KVBlockPool, block_hashes, cache_salt
 from pylon.serving.engine.tokenization import apply_chat_template
 
 BLOCK = 16
@@ -46,6 +46,12 @@ def test_the_key_is_the_engines_own_block_hashes_of_the_prompt_a_replica_renders
     rendered = rendered.tolist() if hasattr(rendered, "tolist") else list(rendered)
     assert routing_key(tok, BLOCK, body).hashes == tuple(h[:HASH_BYTES] for h in block_hashes(rendered[:-1], BLOCK, []))
     assert routing_key(tok, BLOCK, body).hashes[:1] != chat.hashes[:1]
+    # A LoRA adapter's request: hashed from its adapter's name, as its engine hashes it (engine.adapters).
+    adapters = frozenset({"terse"})
+    adapted = routing_key(tok, BLOCK, {"model": "terse", "prompt": ids}, adapters)
+    assert adapted.hashes == tuple(h[:HASH_BYTES] for h in block_hashes(ids[:-1], BLOCK, [], cache_salt("terse")))
+    assert adapted.hashes[0] != _key(text).hashes[0]
+    assert routing_key(tok, BLOCK, {"model": "m", "prompt": ids}, adapters).hashes == _key(text).hashes
     # Same first blocks, same first hashes: a longer question on the same system prompt shares its prefix.
     longer = _key(text + " and one more question")
     assert longer.hashes[: len(_key(text).hashes)] == _key(text).hashes

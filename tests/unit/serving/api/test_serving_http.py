@@ -1018,3 +1018,71 @@ def test_a_reasoning_parser_splits_chat_replies_streamed_and_not(model_dir, serv
         answer = requests.post(f"{url}/v1/chat/completions", headers=auth(), json=constrained, timeout=60).json()
         assert "reasoning_content" not in answer["choices"][0]["message"]
         assert answer["choices"][0]["message"]["content"].lstrip().startswith("{")
+
+
+def test_lora_adapters_are_models_clients_name_and_each_answers_as_peft(model_dir, tmp_path):
+    """engine.adapters over HTTP: GET /v1/models lists the base model and each adapter (its `parent` the base, as
+    vLLM's); a request naming an adapter gets that adapter's greedy tokens (peft's own, streamed and not, through
+    the `openai` client) and its name back in `model`; the base model's requests are untouched; an unknown name is
+    a 404 listing the served ones."""
+    import openai
+    from openai import OpenAI
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], init_lora_weights=False),
+    )
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(20)  # a change the tokens show (peft's random B alone barely moves them)
+    peft_model.save_pretrained(tmp_path / "shout")
+    prompt = list(b"the quick brown fox")
+
+    @torch.no_grad()
+    def greedy(model) -> list[int]:  # 12 argmax tokens, end of text or not (the requests ignore eos)
+        ids = list(prompt)
+        for _ in range(12):
+            ids.append(int(model.eval()(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt) :]
+
+    expected = greedy(peft_model)
+    base_expected = greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    assert expected != base_expected
+    adapters = [{"name": "shout", "path": str(tmp_path / "shout")}]
+    with serving(model_dir, max_model_len=256, kv_cache_tokens=1024, separate_process=False, adapters=adapters) as (
+        url,
+        _,
+    ):
+        client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        cards = client.models.list().data
+        assert [(m.id, m.parent) for m in cards] == [("tiny", None), ("shout", "tiny")]
+        assert client.models.retrieve("shout").parent == "tiny"
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        for model, want in (("shout", expected), ("tiny", base_expected), ("shout", expected)):
+            r = requests.post(f"{url}/v1/completions", headers=auth(), json={**body, "model": model}, timeout=60)
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            assert answer["model"] == model and answer["usage"]["completion_tokens"] == 12
+            # The engine's tokens are peft's: their text is the text of peft's ids.
+            text = requests.post(f"{url}/detokenize", headers=auth(), json={"model": model, "tokens": want}, timeout=60)
+            assert text.status_code == 200, text.text
+            assert answer["choices"][0]["text"] == text.json()["prompt"]
+            streamed = list(
+                client.completions.create(
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            assert {c.model for c in streamed} == {model}
+            assert "".join(c.choices[0].text for c in streamed) == answer["choices"][0]["text"]
+        with pytest.raises(
+            openai.NotFoundError, match=r"model \"whisper\" does not exist; this server has 'tiny', 'shout'"
+        ):
+            client.completions.create(model="whisper", prompt="hi", max_tokens=1)
