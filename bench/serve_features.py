@@ -37,7 +37,12 @@ counters also give the model's forward passes per output token, which do not dep
 `--spec-shaped penalties` (or `logit_bias`), every request of every leg carries the penalties section's shaping (or
 its logit_bias alone): shaped requests speculate too, each draft position's row shaped by the history up to it.
 
-    .venv/bin/python bench/serve_features.py                 # all four, CPU, ~17 min on 2 cores
+lora(): LoRA adapters (`engine.adapters`) on the same model: one engine holding `--lora-adapters` random adapters of
+rank `--lora-rank` on every projection; output tokens/s of the same greedy requests for the base model, for one
+adapter, and for the adapters in turn (every step mixing them), at concurrency 1 and 8, and the adapters'
+multiply-adds per token as a share of the model's.
+
+    .venv/bin/python bench/serve_features.py                 # all five, CPU, ~20 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
     .venv/bin/python bench/serve_features.py --rounds 3
 """
@@ -45,6 +50,7 @@ its logit_bias alone): shaped requests speculate too, each draft position's row 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -156,9 +162,11 @@ def throughput(
     guide=None,
     prompts=None,
     shaping: dict | None = None,
+    adapters: list | None = None,
 ) -> float:
     """Output tokens/s of `requests` greedy requests, `concurrency` open at a time (closed loop); `shaping`:
-    SamplingParams' penalties and logit_bias for them."""
+    SamplingParams' penalties and logit_bias for them; `adapters`: the LoRA adapter of each request in turn (None:
+    the base model)."""
     import random
 
     from pylon.serving.engine.sampling import SamplingParams
@@ -172,6 +180,8 @@ def throughput(
     t0 = time.monotonic()
     while pending or open_:
         while pending and len(open_) < concurrency:
+            if adapters:
+                params = dataclasses.replace(params, adapter=adapters[n % len(adapters)])
             eng.add_request(f"r{n}", pending.pop(), params)
             open_.add(f"r{n}")
             n += 1
@@ -493,6 +503,61 @@ def report_penalties(r: dict) -> None:
         )
 
 
+LORA_TARGETS = ["c_attn", "c_proj", "c_fc"]  # every projection of GPT-2's layers (c_proj: attention's and the MLP's)
+
+
+def lora(args) -> dict:
+    """LoRA adapters (`engine.adapters`): output tokens/s of the same greedy requests on one engine holding
+    `--lora-adapters` random adapters (rank `--lora-rank` on every projection), for the base model alone, one adapter
+    for all, and the adapters in turn (each step mixing them), legs alternating; and the adapters' arithmetic per
+    token as a share of the model's (the count that does not depend on the machine)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    results: dict = {"tokens_per_s": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "gpt2"
+        build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab)
+        names = []
+        for k in range(args.lora_adapters):
+            torch.manual_seed(k)
+            base = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+            config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS)
+            model = get_peft_model(base, dataclasses.replace(config, init_lora_weights=False))
+            model.save_pretrained(Path(tmp) / f"adapter-{k}")
+            names.append(f"adapter-{k}")
+            if k == 0:
+                adapter_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+                # multiply-adds per token: every weight but the position table (wte is also lm_head, counted once)
+                base_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+                base_params -= base.transformer.wpe.weight.numel()
+            del model, base
+        adapters = [{"name": n, "path": str(Path(tmp) / n)} for n in names]
+        results["flops_share"] = adapter_params / base_params
+        for c in args.concurrency:
+            eng = engine(str(directory), "none", c, adapters=adapters)
+            legs = {"free": {}, "one adapter": {"adapters": names[:1]}, "mixed": {"adapters": names}}
+            results["tokens_per_s"][c] = two_legs(eng, c, args, legs)
+            del eng
+            gc.collect()
+    return results
+
+
+def report_lora(r: dict) -> None:
+    print(
+        "== LoRA adapters: base model vs one adapter for every request vs the adapters in turn (mixed steps); "
+        f"the adapters' multiply-adds per token: {r['flops_share']:.1%} of the model's (lm_head included)"
+    )
+    for c, legs in r["tokens_per_s"].items():
+        line = [f"concurrency {c}: base {statistics.median(legs['free']):.1f} tok/s"]
+        for name in ("one adapter", "mixed"):
+            free, it, ratios = against_free(legs, name)
+            line.append(f"{name} {it:.1f} tok/s: {it / free:.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})")
+        print("; ".join(line))
+
+
 def grounded_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
     """Prompts made of a few phrases repeated (ASCII bytes), as an edit or a summary repeats its input."""
     import random
@@ -664,11 +729,13 @@ def main() -> None:
     p.add_argument(
         "--only",
         nargs="+",
-        choices=["quantization", "constrained", "penalties", "speculative"],
+        choices=["quantization", "constrained", "penalties", "speculative", "lora"],
         help="run these sections only",
     )
+    p.add_argument("--lora-adapters", type=int, default=4, help="LoRA adapters the lora section's engine holds")
+    p.add_argument("--lora-rank", type=int, default=16, help="their rank (on every projection)")
     args = p.parse_args()
-    sections = args.only or ["quantization", "constrained", "penalties", "speculative"]
+    sections = args.only or ["quantization", "constrained", "penalties", "speculative", "lora"]
     if "quantization" in sections:
         report_quantization(quantization(args))
     if "constrained" in sections:
@@ -677,6 +744,8 @@ def main() -> None:
         report_penalties(penalties(args))
     if "speculative" in sections:
         report_speculative(speculative(args))
+    if "lora" in sections:
+        report_lora(lora(args))
 
 
 if __name__ == "__main__":
