@@ -24,6 +24,7 @@ KEYS_ENV = "PYLON_TEST_API_KEYS"
 MAX_NUM_SEQS = 8
 MAX_QUEUED = 16
 MAX_MODEL_LEN = 192
+ADAPTER = "tiny-shout"  # the `served` deployment's LoRA adapter (engine.adapters)
 
 
 class TinyModel:
@@ -54,12 +55,25 @@ class TinyModel:
         self.model.save_pretrained(directory)
         (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
         self.dir, self.tok = directory, tok
+        # A LoRA adapter of it in peft's format (engine.adapters), random and large enough to change the tokens.
+        from peft import LoraConfig, get_peft_model
 
-    def greedy_text(self, prompt: str, new_tokens: int) -> tuple[str, list[int]]:
+        base = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], init_lora_weights=False)
+        self.adapted = get_peft_model(base, lora).eval()
+        with torch.no_grad():
+            for name, p in self.adapted.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(20)
+        self.adapter_dir = directory.parent / f"{directory.name}-adapter"
+        self.adapted.save_pretrained(self.adapter_dir)
+
+    def greedy_text(self, prompt: str, new_tokens: int, *, adapted: bool = False) -> tuple[str, list[int]]:
+        """transformers' greedy continuation of `prompt`; `adapted`: with the LoRA adapter (peft's model)."""
         import torch
 
         ids = torch.tensor([list(prompt.encode())])
-        out = self.model.generate(
+        out = (self.adapted if adapted else self.model).generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new_tokens,
@@ -105,7 +119,9 @@ def served(ray_cluster, tiny):
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")
-        url = deploy(_spec("tiny", tiny.dir))
+        engine = _spec("tiny", tiny.dir).engine.model_dump(mode="json")
+        adapters = [{"name": ADAPTER, "path": str(tiny.adapter_dir)}]
+        url = deploy(_spec("tiny", tiny.dir, engine={**engine, "adapters": adapters}))
     yield url
     delete("tiny")
 
@@ -136,7 +152,7 @@ def _ready(url: str) -> dict:
 
 def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
     client = _openai(served)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [(m.id, m.parent) for m in client.models.list().data] == [("tiny", None), (ADAPTER, "tiny")]
 
     prompt = "def fibonacci(n):\n    "
     expected, _ = tiny.greedy_text(prompt, 12)
@@ -207,6 +223,41 @@ def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
         extra_body={"ignore_eos": True},
     )
     assert forced.choices[0].text == "AAAAA"
+
+
+def test_a_lora_adapter_answers_as_peft_beside_the_base_model(served, tiny):
+    """engine.adapters through Serve, HAProxy, the router and the engine's own process: requests naming the adapter
+    and the base model at once, each token for token what peft's (or transformers') greedy decoding gives, streamed
+    and not, and the adapter's name in the answers."""
+    client = _openai(served)
+    prompts = [f"adapter test {i}: " + "xyz" * i for i in range(6)]
+    jobs = [(p, model) for p in prompts for model in ("tiny", ADAPTER)]
+    expected = {(p, m): tiny.greedy_text(p, 12, adapted=m == ADAPTER)[0] for p, m in jobs}
+    assert all(expected[p, "tiny"] != expected[p, ADAPTER] for p in prompts)
+
+    def complete(job):
+        prompt, model = job
+        done = client.completions.create(
+            model=model, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert done.model == model
+        return done.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        assert dict(zip(jobs, pool.map(complete, jobs))) == expected
+    chunks = list(
+        client.chat.completions.create(
+            model=ADAPTER,
+            messages=[{"role": "user", "content": "Write a loop."}],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert {c.model for c in chunks} == {ADAPTER}
+    want, _ = tiny.greedy_text("user: Write a loop.\nassistant: ", 10, adapted=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
 def test_raw_sse_ends_with_done_and_carries_a_request_id(served):
