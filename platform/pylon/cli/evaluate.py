@@ -83,7 +83,9 @@ def add_eval_parser(sub, fmt) -> None:
     )
     e.add_argument("--max-sequences", type=int, metavar="N", help="score only the held-out split's first N rows")
     e.add_argument(
-        "--model", metavar="NAME", help="endpoint only: the served model's name (default: the one it serves)"
+        "--model",
+        metavar="NAME",
+        help="endpoint only: the served model's name (default: the one it serves; with LoRA adapters, its base model)",
     )
     e.add_argument(
         "--api-key-env",

@@ -255,7 +255,8 @@ def _http_error(response, what: str, api_key_env: str) -> PylonError:
 
 
 def served_model_name(url: str, session, api_key_env: str, timeout_s: float = 30.0) -> str:
-    """The one model a deployment serves (`GET /v1/models`)."""
+    """The one model a deployment serves (`GET /v1/models`): its base model when the others are its LoRA adapters
+    (cards with a `parent`: `--model NAME` evaluates one of them)."""
     import requests
 
     try:
@@ -264,7 +265,11 @@ def served_model_name(url: str, session, api_key_env: str, timeout_s: float = 30
         raise PylonError(f"{url}: cannot reach the deployment ({type(e).__name__}: {e})") from None
     if r.status_code != 200:
         raise _http_error(r, f"GET {url}/v1/models", api_key_env)
-    models = [m["id"] for m in r.json().get("data", [])]
+    cards = r.json().get("data", [])
+    models = [m["id"] for m in cards]
+    bases = [m["id"] for m in cards if not m.get("parent")]
+    if len(bases) == 1:
+        return bases[0]
     if len(models) != 1:
         raise PylonError(f"{url}: serves {len(models)} models ({', '.join(models)}); name one with --model")
     return models[0]
