@@ -156,3 +156,37 @@ def test_a_missing_or_foreign_adapter_fails_the_start_naming_the_field(gpt2, tmp
     adapters = [{"name": "foreign", "path": str(tmp_path / "foreign")}]
     with pytest.raises(PylonError, match=r"^engine\.adapters\.0\.path \(foreign, .*foreign\): .*c_attn"):
         LLMEngine(gpt2.dir, spec(adapters=adapters))
+
+
+def test_a_lora_runs_adapter_export_serves_as_its_merged_export(family, tmp_path) -> None:
+    """What Pylon's trainer writes for a LoRA run (pylon.models.with_lora, export_lora): the adapter alone
+    (`pylon export --lora adapter`), served on the base model, gives the tokens the merged export (`--lora merged`)
+    gives served as a model of its own."""
+    import shutil
+
+    from pylon.models import export_lora, with_lora
+    from pylon.specs import LoraSpec
+
+    targets = TARGETS[family.name][1]
+    model = with_lora(
+        AutoModelForCausalLM.from_pretrained(family.dir, dtype=torch.float32),
+        LoraSpec(r=4, alpha=8, target_modules=targets),
+    )
+    torch.manual_seed(3)
+    with torch.no_grad():  # as if trained: B away from its zero start
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    export_lora(model, tmp_path / "adapter", merge=False)
+    export_lora(model, tmp_path / "merged", merge=True)
+    shutil.copy(f"{family.dir}/pylon_tokenizer.json", tmp_path / "merged")  # as `pylon export` writes it beside
+    adapted = LLMEngine(family.dir, spec(adapters=[{"name": "run", "path": str(tmp_path / "adapter")}]))
+    merged = LLMEngine(str(tmp_path / "merged"), spec())
+    prompts = PROMPTS[:4]
+    with_adapter = [
+        c.token_ids
+        for c in adapted.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, adapter="run"))
+    ]
+    as_merged = [c.token_ids for c in merged.generate(prompts, GREEDY)]
+    assert with_adapter == as_merged
+    assert with_adapter != [c.token_ids for c in adapted.generate(prompts, GREEDY)]  # the adapter does something
