@@ -605,7 +605,7 @@ class EngineSpec(_Spec):
         seen: set[str] = set()
         for i, adapter in enumerate(self.adapters):
             if adapter.name in seen:
-                problems.append((f"adapters.{i}.name", f"'{adapter.name}' names an earlier adapter too"))
+                problems.append((f"adapters[{i}].name", f"'{adapter.name}' names an earlier adapter too"))
             seen.add(adapter.name)
         _raise_problems(problems)
         return self
@@ -713,7 +713,7 @@ class DeploymentSpec(_Spec):
                 _raise_problems(
                     [
                         (
-                            f"engine.adapters.{i}.name",
+                            f"engine.adapters[{i}].name",
                             f"'{adapter.name}' is the deployment's own name, which requests use for the base "
                             "model; name the adapter otherwise",
                         )

@@ -91,7 +91,7 @@ def _adapter_where(i: int, adapter) -> str:
     from pylon import storage
 
     path = storage.describe(adapter.path) if "://" in adapter.path else adapter.path
-    return f"engine.adapters.{i}.path ({adapter.name}, {path})"
+    return f"engine.adapters[{i}].path ({adapter.name}, {path})"
 
 
 def _adapter_dir(stack: contextlib.ExitStack, i: int, adapter) -> str:

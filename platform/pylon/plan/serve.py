@@ -127,7 +127,7 @@ def _adapter_params(config, i: int, uri: str) -> int:
     from pylon.errors import PylonError, StorageError
     from pylon.specs import LoraSpec
 
-    where = f"engine.adapters.{i}.path {storage.describe(uri)}"
+    where = f"engine.adapters[{i}].path {storage.describe(uri)}"
     try:
         raw = storage.read_json(storage.join(uri, "adapter_config.json"))
     except StorageError as e:

@@ -509,8 +509,26 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "http: {route_prefix: v1}\n",
             "4: document 1 (Deployment 'svc'): http.route_prefix: string should match pattern '^/[A-Za-z0-9_\\-/]*$'",
         ),
+        (
+            "engine:\n  adapters:\n    - {name: a, path: s3://b/a}\n    - {name: a, path: s3://b/c}\n",
+            "7: document 1 (Deployment 'svc'): engine.adapters[1].name: 'a' names an earlier adapter too",
+        ),
+        (
+            "engine:\n  adapters: [{name: svc, path: s3://b/a}]\n",
+            "5: document 1 (Deployment 'svc'): engine.adapters[0].name: 'svc' is the deployment's own name, which "
+            "requests use for the base model; name the adapter otherwise",
+        ),
     ],
-    ids=["kv<max_model_len", "kv-block", "min>max", "initial", "cuda-no-gpus", "route_prefix"],
+    ids=[
+        "kv<max_model_len",
+        "kv-block",
+        "min>max",
+        "initial",
+        "cuda-no-gpus",
+        "route_prefix",
+        "adapter-twice",
+        "adapter-own",
+    ],
 )
 def test_deployment_cross_field_rules(extra: str, expected: str) -> None:
     assert one_problem(DEPLOY + extra) == f"spec.yaml:{expected}"

@@ -441,5 +441,5 @@ def test_lora_adapters_count_their_weights(tmp_path: Path) -> None:
     b = 8 * (mlp + hidden) * layers  # down: 28672 -> 8192
     assert with_adapters.weights - without.weights == (a + b) * 2  # bf16
     assert any("2 LoRA adapter(s)" in n for n in adapted.notes)
-    with pytest.raises(PylonError, match=r"engine\.adapters\.0\.path .*absent.*cannot read adapter_config\.json"):
+    with pytest.raises(PylonError, match=r"engine\.adapters\[0\]\.path .*absent.*cannot read adapter_config\.json"):
         plan("absent")

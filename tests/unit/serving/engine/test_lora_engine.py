@@ -144,7 +144,7 @@ def test_a_missing_or_foreign_adapter_fails_the_start_naming_the_field(gpt2, tmp
     with pytest.raises(PylonError) as e:
         LLMEngine(gpt2.dir, spec(adapters=[{"name": "gone", "path": str(tmp_path / "nowhere")}]))
     message = str(e.value)
-    assert message.startswith(f"engine.adapters.0.path (gone, {tmp_path / 'nowhere'}): no such directory")
+    assert message.startswith(f"engine.adapters[0].path (gone, {tmp_path / 'nowhere'}): no such directory")
     assert "adapter directory in peft's format" in message
     # An adapter of another model (hidden size 64, not 128): named by its field, with the module at fault.
     from transformers import AutoConfig
@@ -154,7 +154,7 @@ def test_a_missing_or_foreign_adapter_fails_the_start_naming_the_field(gpt2, tmp
     AutoModelForCausalLM.from_config(config).save_pretrained(other_dir)
     save_adapter(str(other_dir), str(tmp_path / "foreign"), 0, r=4, lora_alpha=8, target_modules=["c_attn"])
     adapters = [{"name": "foreign", "path": str(tmp_path / "foreign")}]
-    with pytest.raises(PylonError, match=r"^engine\.adapters\.0\.path \(foreign, .*foreign\): .*c_attn"):
+    with pytest.raises(PylonError, match=r"^engine\.adapters\[0\]\.path \(foreign, .*foreign\): .*c_attn"):
         LLMEngine(gpt2.dir, spec(adapters=adapters))
 
 
