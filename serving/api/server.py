@@ -44,10 +44,13 @@ def _metrics(model: str):
     from ray.serve import metrics
 
     tags = {"model": model}
+    # A finished request's series also carry its LoRA adapter (engine.adapters; "" for the base model): latencies,
+    # tokens and request counts per adapter, as a deployment serving many fine-tunes bills and watches them.
+    per_request = {"model": model, "adapter": ""}
 
     def hist(name, desc):
-        h = metrics.Histogram(name, description=desc, boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))
-        h.set_default_tags(dict(tags))  # Serve adds its own tags to the dict it gets
+        h = metrics.Histogram(name, description=desc, boundaries=_LATENCY_BOUNDARIES, tag_keys=tuple(per_request))
+        h.set_default_tags(dict(per_request))  # Serve adds its own tags to the dict it gets
         return h
 
     def gauge(name, desc):
@@ -57,7 +60,7 @@ def _metrics(model: str):
 
     def counter(name, desc, keys=("model",)):
         c = metrics.Counter(name, description=desc, tag_keys=keys)
-        c.set_default_tags(dict(tags))  # Serve adds its own tags to the dict it gets
+        c.set_default_tags({k: v for k, v in per_request.items() if k in keys})  # Serve adds its own tags to it
         return c
 
     return {
@@ -68,8 +71,8 @@ def _metrics(model: str):
         "running": gauge("pylon_num_requests_running", "Requests in the engine's running batch"),
         "waiting": gauge("pylon_num_requests_waiting", "Requests waiting for the engine"),
         "kv": gauge("pylon_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
-        "prompt_tokens": counter("pylon_prompt_tokens_total", "Prompt tokens processed"),
-        "generation_tokens": counter("pylon_generation_tokens_total", "Tokens generated"),
+        "prompt_tokens": counter("pylon_prompt_tokens_total", "Prompt tokens processed", ("model", "adapter")),
+        "generation_tokens": counter("pylon_generation_tokens_total", "Tokens generated", ("model", "adapter")),
         "prefix_queries": counter("pylon_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
         "prefix_hits": counter("pylon_prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
         "spec_drafts": counter("pylon_spec_decode_draft_tokens_total", "Draft tokens verified (speculative decoding)"),
@@ -85,7 +88,7 @@ def _metrics(model: str):
         "requests": counter(
             "pylon_requests_total",
             "Finished requests by HTTP status and finish reason",
-            keys=("model", "status", "finish_reason"),
+            keys=("model", "adapter", "status", "finish_reason"),
         ),
     }
 
@@ -506,12 +509,12 @@ class PylonLLMServer:
             async with asyncio.timeout(timeout):
                 results = await _all([collect(j) for j in range(len(plan))])
         except TimeoutError:
-            self._count(504, "timeout")
+            self._count(504, "timeout", self._adapter_of(body))
             return await send_error(
                 send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error"
             )
         except EngineDeadError as e:
-            self._count(503, "none")
+            self._count(503, "none", self._adapter_of(body))
             return await send_error(send, 503, str(e), type="server_error")
         finally:
             for stream in streams:
@@ -519,7 +522,7 @@ class PylonLLMServer:
         make = protocol.completion_response if kind == "completion" else protocol.chat_response
         answers = []
         for k, (content, pairs, last) in enumerate(results):
-            self._observe(last, count=k == 0)
+            self._observe(last, count=k == 0, adapter=self._adapter_of(body))
             reason, extra = last.finish_reason, {}
             if parser is not None:
                 thought, content = reasoning.split(content, parser)
@@ -593,16 +596,16 @@ class PylonLLMServer:
             if body.include_usage:
                 held += events[0].usage(*_usage(lasts, body.n))
             for k, last in enumerate(lasts):
-                self._observe(last, count=k == 0)
+                self._observe(last, count=k == 0, adapter=self._adapter_of(body))
         except TimeoutError:
-            self._count(504, "timeout")
+            self._count(504, "timeout", self._adapter_of(body))
             held += events[0].event(
                 protocol.error_body(
                     f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error", code=504
                 )
             )
         except EngineDeadError as e:
-            self._count(503, "none")
+            self._count(503, "none", self._adapter_of(body))
             held += events[0].event(protocol.error_body(str(e), type="server_error", code=503))
         finally:
             for part in parts:
@@ -655,29 +658,36 @@ class PylonLLMServer:
             yield k, held, out
             held = ""
 
-    def _observe(self, last, *, count: bool = True) -> None:
-        """A finished engine request's latencies and tokens into the metrics and the ledger; `count`: the HTTP
-        request's status too (once per request, whatever its `n`)."""
-        m, metrics = self.metrics, last.metrics
+    def _adapter_of(self, body) -> str:
+        """The metrics' `adapter` of a request: the LoRA adapter its `model` names, "" for the base model."""
+        return "" if body.model == self.model_name else body.model
+
+    def _observe(self, last, *, count: bool = True, adapter: str = "") -> None:
+        """A finished engine request's latencies and tokens into the metrics (under its LoRA `adapter`) and the
+        ledger; `count`: the HTTP request's status too (once per request, whatever its `n`)."""
+        m, metrics, tags = self.metrics, last.metrics, {"adapter": adapter}
         if metrics.time_to_first_token is not None:
-            m["ttft"].observe(metrics.time_to_first_token)
+            m["ttft"].observe(metrics.time_to_first_token, tags=tags)
         if metrics.queue_time is not None:
-            m["queue"].observe(metrics.queue_time)
+            m["queue"].observe(metrics.queue_time, tags=tags)
         if metrics.last_token_time is not None:
-            m["e2e"].observe(metrics.last_token_time - metrics.arrival_time)
+            m["e2e"].observe(metrics.last_token_time - metrics.arrival_time, tags=tags)
             if last.num_output_tokens > 1 and metrics.first_token_time is not None:
-                m["itl"].observe((metrics.last_token_time - metrics.first_token_time) / (last.num_output_tokens - 1))
-        m["prompt_tokens"].inc(last.num_prompt_tokens)
+                itl = (metrics.last_token_time - metrics.first_token_time) / (last.num_output_tokens - 1)
+                m["itl"].observe(itl, tags=tags)
+        m["prompt_tokens"].inc(last.num_prompt_tokens, tags=tags)
         self.ledger.finished(
             last.num_prompt_tokens, last.num_output_tokens, metrics.arrival_time, metrics.last_token_time
         )
         if last.num_output_tokens:
-            m["generation_tokens"].inc(last.num_output_tokens)
+            m["generation_tokens"].inc(last.num_output_tokens, tags=tags)
         if count:
-            self._count(200, last.finish_reason or "none")
+            self._count(200, last.finish_reason or "none", adapter)
 
-    def _count(self, status: int, reason: str) -> None:
-        self.metrics["requests"].inc(tags={"status": str(status), "finish_reason": reason})
+    def _count(self, status: int, reason: str, adapter: str = "") -> None:
+        """A request's HTTP status into the metrics; `adapter`: its LoRA adapter's name (requests refused before their
+        body was read count under "")."""
+        self.metrics["requests"].inc(tags={"status": str(status), "finish_reason": reason, "adapter": adapter})
 
     def __serve_build_asgi_app__(self) -> OpenAIApp:
         """Serve's ingress calls this once the replica is constructed: the ASGI app it hands HTTP requests."""

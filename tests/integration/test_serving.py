@@ -723,9 +723,9 @@ def _cost(name: str) -> dict:
 
 
 def test_prometheus_metrics_carry_the_model_label(served, ray_cluster):
-    requests.post(
-        f"{served}/v1/completions", headers=_auth(), json={"model": "tiny", "prompt": "m", "max_tokens": 4}, timeout=60
-    )
+    for model in ("tiny", ADAPTER):
+        body = {"model": model, "prompt": "m", "max_tokens": 4}
+        assert requests.post(f"{served}/v1/completions", headers=_auth(), json=body, timeout=60).status_code == 200
     wanted = [
         "pylon_time_to_first_token_seconds",
         "pylon_inter_token_latency_seconds",
@@ -741,12 +741,19 @@ def test_prometheus_metrics_carry_the_model_label(served, ray_cluster):
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
         text = "\n".join(_get(u) for u in urls)
-        if all(f"{name}" in text for name in wanted) and 'model="tiny"' in text:
+        if all(f"{name}" in text for name in wanted) and 'model="tiny"' in text and f'adapter="{ADAPTER}"' in text:
             break
         time.sleep(2)
     missing = [name for name in wanted if name not in text]
     assert not missing, (missing, urls)
     assert any('model="tiny"' in line for line in text.splitlines() if line.startswith("ray_pylon_time_to_first"))
+    # A LoRA adapter's finished requests (test_a_lora_adapter_answers_as_peft_beside_the_base_model) under its name.
+    adapted = [
+        line
+        for line in text.splitlines()
+        if line.startswith("ray_pylon_generation_tokens_total") and f'adapter="{ADAPTER}"' in line
+    ]
+    assert adapted and float(adapted[0].rsplit(" ", 1)[1]) > 0, adapted
 
 
 def _metrics_urls(ray_cluster) -> list[str]:
