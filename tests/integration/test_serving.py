@@ -113,15 +113,20 @@ def tiny(tmp_path_factory) -> TinyModel:
     return TinyModel(tmp_path_factory.mktemp("tiny-model"))
 
 
+def _served_spec(tiny: TinyModel):
+    """The `served` deployment: the tiny model with its LoRA adapter (engine.adapters)."""
+    engine = _spec("tiny", tiny.dir).engine.model_dump(mode="json")
+    adapters = [{"name": ADAPTER, "path": str(tiny.adapter_dir)}]
+    return _spec("tiny", tiny.dir, engine={**engine, "adapters": adapters})
+
+
 @pytest.fixture(scope="module")
 def served(ray_cluster, tiny):
     from pylon.sdk.serve import delete, deploy
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")
-        engine = _spec("tiny", tiny.dir).engine.model_dump(mode="json")
-        adapters = [{"name": ADAPTER, "path": str(tiny.adapter_dir)}]
-        url = deploy(_spec("tiny", tiny.dir, engine={**engine, "adapters": adapters}))
+        url = deploy(_served_spec(tiny))
     yield url
     delete("tiny")
 
@@ -971,7 +976,7 @@ def test_api_keys_rotate_on_the_running_replica(served, ray_cluster, tiny):
     try:
         with pytest.MonkeyPatch.context() as env:
             env.setenv(KEYS_ENV, f"{API_KEY},{new_key}")  # SECOND_KEY removed, new_key added
-            deploy(_spec("tiny", tiny.dir))
+            deploy(_served_spec(tiny))  # the same spec, other keys
         assert status(new_key) == 200 and status(API_KEY) == 200
         assert status(SECOND_KEY) == 401
         stored = serve_details(None)["applications"]["tiny"]["deployed_app_config"]["deployments"][0]["user_config"]
@@ -980,6 +985,6 @@ def test_api_keys_rotate_on_the_running_replica(served, ray_cluster, tiny):
     finally:
         with pytest.MonkeyPatch.context() as env:
             env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")  # as the module's other tests expect
-            deploy(_spec("tiny", tiny.dir))
+            deploy(_served_spec(tiny))  # the same spec, other keys
     assert status(SECOND_KEY) == 200 and status(new_key) == 401
     assert _replica_processes(ray_cluster, "ServeReplica:tiny:tiny") == [replica], "the same replica process"
