@@ -285,3 +285,25 @@ def init_ray(where: ClusterAddress | str | None = None, **kwargs) -> None:
             "address (HOST:6379) to run Ray work from this process"
         )
     ray.init(address=where.gcs_address, **{"log_to_driver": False, **kwargs})
+    _raylet_messages_to_stderr()
+
+
+def _raylet_messages_to_stderr() -> None:
+    """Ray prints the cluster's error messages (a raylet's "WARNING: 8 PYTHON worker processes have been started
+    ...") to every driver's standard output, from a thread of its own, whenever they come, `log_to_driver` or not;
+    in a `pylon ... --json` that broke the JSON on stdout (CI, `pylon jobs list --json`). They are diagnostics: this
+    process prints them to stderr instead. (Ray's thread looks `print_to_stdstream` up in its module each time.)"""
+    import functools
+
+    from ray._private import worker
+
+    original = getattr(worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "pylon_to_stderr", False):
+        return
+
+    @functools.wraps(original)
+    def to_stderr(data, *args, **kwargs):
+        return original({**data, "is_err": True}, *args, **kwargs)
+
+    to_stderr.pylon_to_stderr = True
+    worker.print_to_stdstream = to_stderr

@@ -185,3 +185,19 @@ def test_a_put_that_lost_serves_starting_proxy_is_repeated_and_no_other_failure_
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_clusters_messages_to_a_driver_go_to_stderr(capsys, monkeypatch) -> None:
+    """Ray prints a raylet's warnings to every driver's stdout from a thread of its own (`listen_error_messages`),
+    which broke `pylon jobs list --json` in CI; a driver Pylon connects (`home.init_ray`) prints them to stderr, through
+    Ray's own printer, so stdout holds only what Pylon writes."""
+    from ray._private import worker
+
+    monkeypatch.setattr(worker, "print_to_stdstream", worker.print_to_stdstream)  # restored after the test
+    home._raylet_messages_to_stderr()
+    home._raylet_messages_to_stderr()  # once only, however often a process connects
+    assert not getattr(worker.print_to_stdstream.__wrapped__, "pylon_to_stderr", False)  # Ray's own, wrapped once
+    warning = "WARNING: 8 PYTHON worker processes have been started on node: abc"
+    worker.print_to_stdstream({"lines": [warning], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    out, err = capsys.readouterr()
+    assert out == "" and warning in err
