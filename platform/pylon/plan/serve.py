@@ -118,9 +118,10 @@ class ServePlan:
         }
 
 
-def _adapter_params(config, i: int, uri: str) -> int:
+def _adapter_params(config, i: int, uri: str, counted: dict) -> int:
     """The parameters of the LoRA adapter at `uri` (engine.adapters[i]) on `config`'s model, from its
-    adapter_config.json alone (rank and target modules), counted as peft builds it."""
+    adapter_config.json alone (rank and target modules), counted as peft builds it; `counted` keeps each
+    (rank, targets)'s count, so adapters of one shape build the model on the meta device once."""
     from pydantic import ValidationError
 
     from pylon import storage
@@ -141,7 +142,10 @@ def _adapter_params(config, i: int, uri: str) -> int:
             alpha=raw.get("lora_alpha") or 1,
             target_modules=[targets] if isinstance(targets, str) else targets,
         )
-        return model_shape(config, lora).trainable_params
+        key = (lora.r, tuple(lora.target_modules))
+        if key not in counted:
+            counted[key] = model_shape(config, lora).trainable_params
+        return counted[key]
     except (ValidationError, ValueError, TypeError, AttributeError) as e:
         raise PylonError(f"{where}: adapter_config.json is not a LoRA adapter of this model ({e})") from None
 
@@ -185,7 +189,8 @@ def plan_serve(
             f"KV cache its {_gib(draft_kv)} ({draft_tokens:,} tokens); decode throughput is without speculation"
         )
     if e.adapters:
-        adapter_params = sum(_adapter_params(config, i, a.path) for i, a in enumerate(e.adapters))
+        counted: dict = {}
+        adapter_params = sum(_adapter_params(config, i, a.path, counted) for i, a in enumerate(e.adapters))
         weights += adapter_params * b
         notes.append(
             f"weights include {len(e.adapters)} LoRA adapter(s): {_gib(adapter_params * b)} "

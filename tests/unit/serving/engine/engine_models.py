@@ -65,6 +65,20 @@ def make_prompts() -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """`model`'s (`transformers`' or peft's) greedy continuation of `prompt`, stopping at the byte tokenizer's eos."""
+    ids = torch.tensor([prompt], device=DEVICE)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=256,
+        pad_token_id=257,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 class Family:
     """A tiny random model saved as a Pylon export, and `transformers`' greedy continuation of each prompt."""
 
@@ -91,16 +105,7 @@ class Family:
         self.greedy = [self.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
 
     def hf_greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt], device=DEVICE)
-        out = self.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=256,
-            pad_token_id=257,
-        )
-        return out[0, len(prompt) :].tolist()
+        return hf_greedy(self.model, prompt, new_tokens)
 
     def engine(self, **fields) -> LLMEngine:
         return LLMEngine(self.dir, spec(**fields))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_models import DEVICE, GREEDY, NEW_TOKENS, PROMPTS, Family, run, spec, speculating, tokens_of
+from engine_models import DEVICE, GREEDY, NEW_TOKENS, PROMPTS, Family, hf_greedy, run, spec, speculating, tokens_of
 from transformers import AutoModelForCausalLM
 
 from pylon.errors import PylonError
@@ -41,19 +41,6 @@ def save_adapter(base_dir: str, out: str, seed: int, **config) -> AutoModelForCa
     return model.eval().to(DEVICE)
 
 
-def greedy_of(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt], device=DEVICE)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=256,
-        pad_token_id=257,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 class Adapted:
     """A family's tiny model, two adapters of it on disk, and each adapter's greedy continuations (peft's)."""
 
@@ -68,7 +55,7 @@ class Adapted:
             out = str(directory / name)
             model = save_adapter(family.dir, out, seed, **config)
             self.dirs[name] = out
-            self.greedy[name] = [greedy_of(model, p) for p in PROMPTS]
+            self.greedy[name] = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
         self.greedy[None] = family.greedy
 
     def adapters(self) -> list[dict]:
