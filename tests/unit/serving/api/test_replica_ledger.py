@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import pytest
 
+from pylon.serving.api import ledger as ledger_module
 from pylon.serving.api.ledger import ReplicaLedger, report
 
 SPEC = {"name": "ledger-unit", "model": "/models/x", "replica": {"num_cpus": 2, "num_gpus": 0}}
 
 
-def test_busy_time_is_the_union_of_request_intervals_and_the_report_prices_it(tmp_path) -> None:
+class _Clock:
+    """The ledger's clock, held still: replica time is what the test says, however slow the machine."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_busy_time_is_the_union_of_request_intervals_and_the_report_prices_it(tmp_path, monkeypatch) -> None:
+    clock = _Clock(1_000.0)
+    monkeypatch.setattr(ledger_module, "time", clock)
     ledger = ReplicaLedger(SPEC)
     ledger.finished(10, 4, 100.0, 102.0)
     ledger.finished(10, 4, 101.0, 103.0)  # overlaps the first: 1 s more
@@ -17,7 +30,7 @@ def test_busy_time_is_the_union_of_request_intervals_and_the_report_prices_it(tm
     ledger.finished(10, 8, 105.0, 106.5)
     assert ledger.record["busy_s"] == pytest.approx(3.0 + 1.5)
     assert (ledger.record["requests"], ledger.record["prompt_tokens"], ledger.record["output_tokens"]) == (4, 40, 16)
-    ledger.record["started_at"] = ledger.record["updated_at"] - 45.0  # 45 s of replica time
+    clock.now += 45.0  # 45 s of replica time
     ledger.write(ended=True)
     r = report("ledger-unit", now=ledger.record["ended_at"])
     assert r["replica_hours"] == pytest.approx(45.0 / 3600, rel=1e-3)
