@@ -32,23 +32,24 @@ from dataclasses import dataclass
 import torch
 
 from pylon.errors import PylonError
+from pylon.serving.model.families import LLAMA_FAMILIES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")  # the first found is read
 # The projections the runner adapts, by their path under a decoder layer, and where the layers sit in the model.
-PROJECTIONS = {
-    "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
-    "llama": (
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-    ),
-}
-LAYERS = {"gpt2": "transformer.h", "llama": "model.layers"}
+_LLAMA_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+PROJECTIONS = {"gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")} | dict.fromkeys(
+    LLAMA_FAMILIES, _LLAMA_PROJECTIONS
+)
+LAYERS = {"gpt2": "transformer.h"} | dict.fromkeys(LLAMA_FAMILIES, "model.layers")
 # peft's key for one of a projection's two matrices (the adapter's name is not in a saved adapter's keys).
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
 # Initialisations that change the base weights too (PiSSA, OLoRA, CorDA, LoRA-GA move the principal part of each

@@ -1,6 +1,7 @@
 """Executes one scheduled step: a Hugging Face causal LM's own weights and submodules, our paged attention.
 
-The forward pass is written out per model family (GPT-2, Llama), calling the loaded model's embeddings,
+The forward pass is written out per model family (GPT-2; Llama and the families built as it is: Mistral, Qwen2 and
+Qwen2.5, Qwen3 with its per-head query and key norms), calling the loaded model's embeddings,
 norms, projections, rotary embedding, MLPs and lm_head; only attention is ours (`pylon.serving.model.attention`),
 because it must read and write the paged KV cache. All tokens of a step run as one flat batch `[T, hidden]`
 (with oneDNN projections, a step with a prompt chunk pads T to one of a few row counts; see `linear.py`).
@@ -46,13 +47,13 @@ from pylon.serving.model.attention import (
     prompt_attention_backends,
     store_kv_pair,
 )
+from pylon.serving.model.families import SUPPORTED_MODEL_TYPES, attention_window
 from pylon.serving.model.graphs import DecodeGraphs
 from pylon.serving.model.step import StepSequence
 from pylon.settings import switched_on
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh approximation, under its Hugging Face names
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
@@ -235,7 +236,7 @@ class ModelRunner:
                 f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        self._forward: Callable = getattr(self, f"_forward_{model_type}")
+        self._forward: Callable = self._forward_gpt2 if model_type == "gpt2" else self._forward_llama
         if model_type == "gpt2":
             self._gpt2_act = _gpt2_activation(config.activation_function)
         self.device = resolve_device(device)
@@ -271,6 +272,19 @@ class ModelRunner:
             _pack_llama(self.model, quantization)
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
+        # A sliding window is not implemented here: within it, windowed attention is full attention, so the context
+        # stops at the window (Mistral 7B v0.1: 4,096 of 32,768 positions) and every output stays the model's own.
+        self.attention_window = attention_window(config)
+        if self.attention_window is not None and self.attention_window < self.max_position_embeddings:
+            log.warning(
+                "model %s: its attention has a sliding window of %d tokens, which this engine does not implement; "
+                "contexts stop at %d tokens (of its %d positions)",
+                model_dir,
+                self.attention_window,
+                self.attention_window,
+                self.max_position_embeddings,
+            )
+            self.max_position_embeddings = self.attention_window
         self.block_size = block_size
 
         num_heads = config.num_attention_heads
@@ -567,8 +581,11 @@ class ModelRunner:
         adapters: lora.StepAdapters | None = None,
     ) -> torch.Tensor:
         """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
-        tokens (`final`): `[sampling tokens, hidden]`. `adapters`: as in `_forward_gpt2`; the MLP is written out
-        (LlamaMLP's forward: down(act(gate(x)) * up(x))) for the rows that need its projections' deltas."""
+        tokens (`final`): `[sampling tokens, hidden]`, and of the families built as it is
+        (`families.LLAMA_FAMILIES`): the projections' biases are the modules' own, and a layer with `q_norm` and
+        `k_norm` (Qwen3) normalises each head's query and key before the rotary embedding. `adapters`: as in
+        `_forward_gpt2`; the MLP is written out (LlamaMLP's forward: down(act(gate(x)) * up(x))) for the rows that
+        need its projections' deltas."""
         llama = self.model.model
         h = llama.embed_tokens(ids)
         cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
@@ -584,6 +601,8 @@ class ModelRunner:
                 rows.add(v, x, i, "self_attn.v_proj")
             T = len(x)
             q, k, v = q.view(T, -1, attn.head_dim), k.view(T, -1, attn.head_dim), v.view(T, -1, attn.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: an RMSNorm over each head's dimensions
+                q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
             if a is None:

@@ -36,6 +36,14 @@ FAMILIES = {
         "vocab_size": 320,
     },
 }
+# The families built as Llama is (pylon.serving.model.families), each at a shape that exercises what sets it apart:
+# Qwen2's projection biases, Qwen3's per-head query and key norms, its head_dim apart from hidden_size / heads (32 x 4
+# heads over a hidden size of 96) and its tied embeddings. Their tests: test_model_families.py.
+LLAMA_LIKE = {
+    "mistral": FAMILIES["llama"],
+    "qwen2": FAMILIES["llama"],
+    "qwen3": {**FAMILIES["llama"], "hidden_size": 96, "head_dim": 32, "tie_word_embeddings": True},
+}
 PROMPT_LENGTHS = (3, 17, 40, 90, 5, 64, 33, 8)
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
@@ -82,14 +90,14 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 class Family:
     """A tiny random model saved as a Pylon export, and `transformers`' greedy continuation of each prompt."""
 
-    def __init__(self, name: str, directory: Path, initializer_range: float = 0.5):
+    def __init__(self, name: str, directory: Path, initializer_range: float = 0.5, **overrides):
         tok = ByteTokenizer()
         # initializer_range 0.5 (not 0.02): a model at the default scale mostly repeats one token, which a
         # broken attention could reproduce too; this one's continuations depend on the context, with
         # comfortable gaps between the best two logits so fp32 rounding never flips an argmax.
         config = AutoConfig.for_model(
             name,
-            **FAMILIES[name],
+            **{**(FAMILIES | LLAMA_LIKE)[name], **overrides},
             eos_token_id=tok.eos_id,
             bos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id,
@@ -97,6 +105,11 @@ class Family:
         )
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        if name in LLAMA_LIKE:  # their biases and norm weights off their zeros and ones, so that each one counts
+            with torch.no_grad():
+                for key, p in self.model.named_parameters():
+                    if key.endswith("bias") or "norm" in key:
+                        p.add_(torch.randn_like(p) * initializer_range * 0.5)
         self.model.save_pretrained(directory)
         self.model.to(DEVICE)
         # What `pylon export` writes: the run's tokenizer identity (TokenizerInfo) as JSON.
