@@ -8,7 +8,10 @@ Formats read from the model's output (docs/http.md, "Tool calls"):
   - Hermes / Qwen 2.5 / Qwen 3: one or more `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, with
     optional text before them (the reply's `content`);
   - Llama 3.1-3.3 JSON: the whole reply one object `{"name": ..., "parameters": {...}}` (after an optional
-    `<|python_tag|>`), or a JSON list of them.
+    `<|python_tag|>`), or a JSON list of them;
+  - Mistral: after optional text (the `content`), `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects
+    (Mistral 7B v0.3, Nemo), or one or more `[TOOL_CALLS]name[ARGS]{...}` (tokenizers v11+: Mistral Small 3.1+,
+    Magistral). Its calls get ids of 9 letters and digits, the only ids Mistral's chat templates take back.
 With `tool_choice` "required" or a named function the output is constrained (`engine/guided.py`) to Hermes blocks
 whose arguments follow each function's `parameters` schema, one block unless `parallel_tool_calls`. With "auto" the
 model writes what it likes; a call that does not parse, or names no declared function, comes back as text.
@@ -30,6 +33,7 @@ NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
 @dataclass
@@ -152,6 +156,10 @@ def parse(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     if calls is not None:
         content = HERMES_BLOCK.sub("", text).strip()
         return (content or None), calls
+    if MISTRAL_CALLS in text:
+        content, _, body = text.partition(MISTRAL_CALLS)
+        calls = _mistral(body, plan)
+        return ((content.strip() or None), calls) if calls is not None else (text, [])
     calls = _llama_json(text, plan)
     if calls is not None:
         return None, calls
@@ -192,7 +200,34 @@ def _llama_json(text: str, plan: ToolPlan) -> list[dict] | None:
     return calls if calls and (plan.parallel or len(calls) == 1) else None
 
 
-def _call(body: str | dict, plan: ToolPlan, *, arguments_key: str) -> dict | None:
+def _mistral(body: str, plan: ToolPlan) -> list[dict] | None:
+    """Mistral's calls, from what follows the first `[TOOL_CALLS]`: a JSON list (or object) of calls, or
+    `name[ARGS]{...}` segments, each after a `[TOOL_CALLS]` of its own."""
+    if body.lstrip().startswith(("[", "{")):
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        items = value if isinstance(value, list) else [value]
+    else:
+        items = []
+        for segment in body.split(MISTRAL_CALLS):
+            name, found, arguments = segment.partition(MISTRAL_ARGS)
+            try:
+                items.append({"name": name.strip(), "arguments": json.loads(arguments)} if found else None)
+            except ValueError:
+                return None
+    calls = [_call(item, plan, arguments_key="arguments", id_=_mistral_id()) for item in items]
+    if not calls or None in calls:
+        return None
+    return calls if plan.parallel or len(calls) == 1 else None
+
+
+def _mistral_id() -> str:
+    return uuid.uuid4().hex[:9]
+
+
+def _call(body: str | dict | None, plan: ToolPlan, *, arguments_key: str, id_: str | None = None) -> dict | None:
     if isinstance(body, str):
         try:
             body = json.loads(body)
@@ -206,7 +241,7 @@ def _call(body: str | dict, plan: ToolPlan, *, arguments_key: str) -> dict | Non
     if plan.choice not in ("auto", "required") and name != plan.choice:
         return None
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": id_ or f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
         "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
     }
@@ -214,8 +249,8 @@ def _call(body: str | dict, plan: ToolPlan, *, arguments_key: str) -> dict | Non
 
 class ToolStream:
     """Streaming with tools: text that cannot be the start of a call streams as content at once; from a possible
-    call on (`<tool_call>`, or a reply that opens with `{`, `[` or `<|python_tag|>`), text is held until the end,
-    where `finish` parses it into calls, or gives it back as content if it holds none."""
+    call on (`<tool_call>`, `[TOOL_CALLS]`, or a reply that opens with `{`, `[` or `<|python_tag|>`), text is held
+    until the end, where `finish` parses it into calls, or gives it back as content if it holds none."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
@@ -230,11 +265,11 @@ class ToolStream:
         self.held += text
         if not self.sent and self._may_be_json(self.held.lstrip()):
             return ""  # the reply may be a Llama-style JSON call: hold it all
-        at = self.held.find(OPEN)
-        if at >= 0:
-            out, self.held = self.held[:at], self.held[at:]
-        else:
-            keep = tag_prefix(self.held, OPEN)  # a tail that could still grow into "<tool_call>"
+        found = [at for at in (self.held.find(OPEN), self.held.find(MISTRAL_CALLS)) if at >= 0]
+        if found:
+            out, self.held = self.held[: min(found)], self.held[min(found) :]
+        else:  # a tail that could still grow into "<tool_call>" or "[TOOL_CALLS]"
+            keep = max(tag_prefix(self.held, OPEN), tag_prefix(self.held, MISTRAL_CALLS))
             out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         self.sent += out
         return out

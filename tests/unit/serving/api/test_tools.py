@@ -1,5 +1,5 @@
-"""Tool calling's parts (`pylon.serving.api.tools`): what a request may declare, how replies in the Hermes and Llama 3
-formats become OpenAI `tool_calls` (and malformed ones stay text), how a stream holds back only what may be a call,
+"""Tool calling's parts (`pylon.serving.api.tools`): what a request may declare, how replies in the Hermes, Llama 3 and
+Mistral formats become OpenAI `tool_calls` (and malformed ones stay text), how a stream holds back only what may be a call,
 and the grammar that constrains `required` and named choices, run by llguidance against the byte tokenizer."""
 
 from __future__ import annotations
@@ -87,9 +87,42 @@ def test_llama3_json_becomes_a_call() -> None:
     assert len(calls) == 1
 
 
+def test_mistral_calls_become_calls_with_ids_its_templates_take_back() -> None:
+    # Mistral 7B v0.3, Nemo: a JSON list after [TOOL_CALLS], any text before it the content.
+    content, calls = tools.parse(
+        'Checking. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 4, "b": 5}}, '
+        '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]',
+        plan(),
+    )
+    assert content == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("add", {"a": 4, "b": 5}),
+        ("get_weather", {"city": "Oslo", "unit": "c"}),
+    ]
+    # Mistral's templates refuse any id but 9 letters and digits.
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # Tokenizers v11+ (Mistral Small 3.1+): name[ARGS]{...}, one [TOOL_CALLS] per call.
+    content, calls = tools.parse('[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]add[ARGS]{"a": 3, "b": 4}', plan())
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"a": 1, "b": 2},
+        {"a": 3, "b": 4},
+    ]
+    text = '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]add[ARGS]{"a": 3, "b": 4}'
+    assert tools.parse(text, plan(parallel=False)) == (text, [])
+
+    stream = tools.ToolStream(plan())
+    sent = [stream.feed(piece) for piece in ["Sure. ", "[TOOL", "_CALLS]", 'add[ARGS]{"a": 1, "b": 2}']]
+    assert "".join(sent) == "Sure. "
+    rest, calls = stream.finish()
+    assert rest == "" and calls[0]["function"]["name"] == "add"
+
+
 @pytest.mark.parametrize(
     "text",
     [
+        '[TOOL_CALLS]add[ARGS]{"a": 1',  # Mistral's, cut
+        '[TOOL_CALLS] [{"name": "rm_rf", "arguments": {}}]',  # Mistral's, not declared
+        "[TOOL_CALLS]add",  # Mistral's, no arguments
         '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',  # cut JSON
         '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not declared
         '<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>',  # arguments not an object
