@@ -49,6 +49,20 @@ MODEL_PRESETS: dict[str, dict] = {
         "max_position_embeddings": 256,
         "vocab_size": BYTE_VOCAB_SIZE,
     },
+    # Qwen3's layout (per-head query and key norms, head_dim apart from hidden_size / heads, tied embeddings) at the
+    # size of llama-tiny: tests of the families the serving engine runs beside Llama (pylon.serving.model.families).
+    "qwen3-tiny": {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 172,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 256,
+        "vocab_size": BYTE_VOCAB_SIZE,
+    },
     # Llama-2-7B and -13B shapes: for planning memory and cost.
     "llama-7b": {
         "model_type": "llama",

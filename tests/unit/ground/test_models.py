@@ -46,7 +46,7 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["gpt-tiny", "gpt-small", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt-tiny", "gpt-small", "llama-tiny", "qwen3-tiny"])
 def test_small_presets_build_trainable_causal_lms(preset: str) -> None:
     model = build_model(job(model={"preset": preset}), **BYTE)
     expected = MODEL_PRESETS[preset]
@@ -169,7 +169,7 @@ def _checkpointing(model) -> bool:
     return flag if flag is not None else model.is_gradient_checkpointing
 
 
-@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny", "qwen3-tiny"])
 def test_gradient_checkpointing_is_set_and_gives_the_same_gradients(preset: str) -> None:
     plain = build_model(job(model={"preset": preset}), **BYTE)
     ckpt = build_model(job(model={"preset": preset}, gradient_checkpointing=True), **BYTE)
@@ -183,7 +183,10 @@ def test_gradient_checkpointing_is_set_and_gives_the_same_gradients(preset: str)
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
-@pytest.mark.parametrize("preset, targets", [("gpt-tiny", ["c_attn", "c_fc"]), ("llama-tiny", ["q_proj", "v_proj"])])
+@pytest.mark.parametrize(
+    "preset, targets",
+    [("gpt-tiny", ["c_attn", "c_fc"]), ("llama-tiny", ["q_proj", "v_proj"]), ("qwen3-tiny", ["q_proj", "down_proj"])],
+)
 def test_lora_trains_only_the_adapters(preset: str, targets: list[str]) -> None:
     model = build_model(
         job(model={"preset": preset}, lora={"r": 4, "target_modules": targets}, gradient_checkpointing=True), **BYTE
