@@ -5,7 +5,8 @@
     engine/   the engine process (`engine.separate_process`, `engine.data_parallel` of them): engine.py (LLMEngine,
               AsyncLLMEngine), process.py (ProcessLLMEngine, EnginePool), scheduler.py (continuous batching,
               chunked prefill, preemption), kv_cache.py (KV blocks), request.py, sampling.py, tokenization.py,
-              heap.py and sched_batch.py (the process's malloc and CPU policy)
+              generation.py (the model's generation_config.json: eos ids, sampling defaults), heap.py and
+              sched_batch.py (the process's malloc and CPU policy)
     model/    the model executor, inside the engine process: runner.py (ModelRunner: one step over a list of
               step.StepSequence, plain data), attention.py (paged attention), graphs.py (CUDA graphs), linear.py
               (oneDNN projections), kernels.py + csrc/ (compiled CPU kernels)

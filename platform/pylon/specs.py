@@ -575,6 +575,16 @@ class EngineSpec(_Spec):
         "costs instead of one per engine. autoscaling.target_ongoing_requests counts a replica's "
         "requests, all its engines'",
     )
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="the sampling defaults of the model's generation_config.json (vLLM's --generation-config, auto "
+        "as there): auto = a request that leaves out temperature, top_p, top_k, min_p, repetition_penalty or "
+        "max_tokens takes the model's value where the file sets one (max_new_tokens for max_tokens, capped by the "
+        "context left; do_sample is ignored, as vLLM ignores it), and a value the request gives wins; a value "
+        "outside what a request may ask stops the engine at start. none = OpenAI's defaults, the file's sampling "
+        "values unread. Either way a generation ends at every end-of-sequence id the model lists "
+        "(generation_config.json's and config.json's eos_token_id, and the tokenizer's eos)",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "EngineSpec":

@@ -5,7 +5,9 @@ never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`be
 are accepted only at their neutral value, with an error that says so otherwise. `n` choices are `n` engine requests
 over the same prompt. `response_format` (`json_object`, `json_schema`) is enforced on both endpoints by token masks;
 `presence_penalty`, `frequency_penalty` and `logit_bias` shape the logits in the engine's step. `top_k`, `min_p`,
-`min_tokens`, `stop_token_ids`, `ignore_eos` and `repetition_penalty` are vLLM's extensions, kept by name.
+`min_tokens`, `stop_token_ids`, `ignore_eos` and `repetition_penalty` are vLLM's extensions, kept by name. A sampling
+field a request leaves out takes the model's default from its generation_config.json where it has one
+(`_Request.sampling_params`, `engine.generation_config`), else OpenAI's.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables at most
 MAX_BATCH_CHOICES = 64  # a batch of prompts x n: the engine requests one HTTP request may start
 
 
+# The request fields a model's generation_config.json may give defaults for, besides max_tokens (engine/generation.py).
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class _Request(BaseModel):
     # Strict: "5" is not a number and 1 is not a boolean here, as in OpenAI's own API.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -72,14 +78,25 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream: true", param="stream_options")
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+    def sampling_params(self, default_max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
+        """The engine's SamplingParams for this request. A field the request leaves out (not in pydantic's
+        `model_fields_set`; for max_tokens, null too) takes the model's default from `defaults` (its
+        generation_config.json's, `GenerationConfig.sampling`: empty under engine.generation_config: none), else
+        OpenAI's; a max_tokens default leaves max_tokens None for the engine, which caps the model's default by the
+        context the prompt leaves. `default_max_tokens`: the endpoint's own default (OpenAI's 16 for completions)."""
+        defaults = defaults or {}
+        given = self.model_fields_set
+        if self.max_tokens is not None:
+            max_tokens = self.max_tokens
+        else:
+            max_tokens = None if defaults.get("max_tokens") is not None else default_max_tokens
+        sampled = {
+            name: defaults[name] if name in defaults and name not in given else getattr(self, name)
+            for name in _MODEL_DEFAULTS
+        }
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            **sampled,
             min_tokens=self.min_tokens,
             seed=self.seed,
             stop=self.stop or [],
@@ -88,7 +105,6 @@ class _Request(BaseModel):
             guide=self._guide(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             **self._logprobs_params(),
         )

@@ -122,6 +122,23 @@ class PylonLLMServer:
         )
         self.engine = kind.from_model(self.spec.model, self.spec.engine)
         log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
+        # The model's sampling defaults (its generation_config.json's; none under engine.generation_config: none),
+        # read by the engine where it loaded the model: the fields a request leaves out take them.
+        generation = self.engine.generation
+        self.sampling_defaults = dict(generation.sampling)
+        if self.sampling_defaults:
+            log.info(
+                "%s: the model's generation_config.json sets the sampling defaults %s, which requests that leave "
+                "them out take (engine.generation_config: none gives OpenAI's defaults instead)",
+                self.model_name,
+                generation.describe_sampling(),
+            )
+        if len(generation.eos_token_ids) > 1:
+            log.info(
+                "%s: a generation ends at any of the model's end-of-sequence ids %s",
+                self.model_name,
+                list(generation.eos_token_ids),
+            )
         # On a CPU the engines are throughput work and this process's wakeups (chunks, Ray's own threads) should
         # not preempt them mid-step (pylon.serving.engine.sched_batch).
         serve_cpu_as_batch(self.engine.device, f"replica of {self.model_name}")
@@ -436,8 +453,9 @@ class PylonLLMServer:
                         raise InvalidRequest("prompt must not be empty", param=_prompt_param(i, len(prompts)))
             else:
                 prompts = [body.render(self.engine.tokenizer)]
-            # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default.
-            params = body.sampling_params(default_max_tokens=16 if kind == "completion" else None)
+            # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default; a model whose
+            # generation_config.json sets max_new_tokens runs up to that instead (and the other defaults it sets).
+            params = body.sampling_params(16 if kind == "completion" else None, self.sampling_defaults)
             if body.model != self.model_name:  # one of its LoRA adapters (`_check_model` let it in)
                 params.adapter = body.model
             self._admit()

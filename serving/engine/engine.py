@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pylon.errors import PylonError
 from pylon.models import local_model_dir
 from pylon.serving.engine.draft import DraftModel, DraftRequest
+from pylon.serving.engine.generation import GenerationConfig, read_generation_config
 from pylon.serving.engine.guided import Guides
 from pylon.serving.engine.kv_cache import KVBlockPool, cache_salt
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
@@ -146,6 +147,17 @@ class LLMEngine:
                 )
             except PylonError as e:
                 raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
+            # The model's end-of-sequence ids and (engine.generation_config: auto) sampling defaults, from its
+            # generation_config.json (engine/generation.py): an error names the file and key (the URI, if remote).
+            self.generation: GenerationConfig = read_generation_config(
+                directory,
+                tokenizer_eos=self.tokenizer.eos_id,
+                vocab_size=self.runner.vocab_size,
+                sampling=spec.generation_config == "auto",
+            )
+        # Any of them ends a request (unless it ignores eos), and min_tokens holds all of them back.
+        self.eos_ids = frozenset(self.generation.eos_token_ids)
+        self._default_max_tokens = self.generation.sampling.get("max_tokens")
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         speculative = spec.speculative
         self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method != "none" else None
@@ -231,11 +243,15 @@ class LLMEngine:
             raise RequestFailed(f"the engine could not take the request ({type(e).__name__}: {e})") from e
 
     def _add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None) -> None:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.generation.default_params()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
         prompt_ids = self._prompt_token_ids(prompt, scoring=params.max_tokens == 0)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # what the context leaves, and no more than the model's own default (if it has one)
+            max_tokens = self.max_model_len - len(prompt_ids)
+            if self._default_max_tokens is not None:
+                max_tokens = min(max_tokens, self._default_max_tokens)
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"max_tokens ({max_tokens}) plus the prompt ({len(prompt_ids)} tokens) exceed max_model_len "
@@ -387,14 +403,14 @@ class LLMEngine:
                 (r.prompt_tensor(), r.output_token_ids) if p.shapes_logits else ([], [])
                 for r, p in zip(sampling, params)
             ]
-            shaped = shape_logits(logits, params, histories, self.tokenizer.eos_id)
+            shaped = shape_logits(logits, params, histories, self.eos_ids)
         # (A speculating request's grammar masks its rows and takes its tokens in `_append_verified`.)
         guided = [
             i
             for i, r in enumerate(sampling)
             if r.guide is not None and r.max_tokens > 0 and r.request_id not in draft_rows
         ]
-        # Guided rows sample from the grammar's tokens only.
+        # Guided rows sample from the grammar's tokens only; a grammar ends on the tokenizer's eos (one of eos_ids).
         allowed = (
             self.guides.apply(shaped, guided, [sampling[i].guide for i in guided], self.tokenizer.eos_id)
             if guided
@@ -492,7 +508,7 @@ class LLMEngine:
         if params.shapes_logits:  # row i follows the drafts before it: its history holds them, as a plain step's would
             prompt, generated = request.prompt_tensor(), request.output_token_ids
             histories = [(prompt, generated + draft[:i]) for i in range(len(draft) + 1)]
-            shaped = shape_logits(rows, [params] * len(histories), histories, self.tokenizer.eos_id)
+            shaped = shape_logits(rows, [params] * len(histories), histories, self.eos_ids)
         proposed = len(draft)
         if request.guide is not None:  # each row masked by the grammar's state after the drafts before it
             shaped, draft = self.guides.draft_rows(shaped, draft, request.guide, self.tokenizer.eos_id)
@@ -562,8 +578,9 @@ class LLMEngine:
         self._generation_tokens_total += 1
 
         params, text, reason = request.params, "", None
-        # A stop token ends the request without becoming text (eos would otherwise decode as "<|endoftext|>").
-        if token in params.stop_token_ids or (token == self.tokenizer.eos_id and not params.ignore_eos):
+        # A stop token ends the request without becoming text (eos would otherwise decode as "<|endoftext|>"); so does
+        # any of the model's eos ids (engine/generation.py). A speculating step's tokens past it are dropped.
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             reason = "stop"
         else:
             # Stop strings are looked for once min_tokens are out (vLLM's rule; the text before is never searched).
@@ -753,6 +770,11 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def generation(self) -> GenerationConfig:
+        """The model's eos ids and sampling defaults (engine/generation.py)."""
+        return self.engine.generation
 
     @property
     def device(self) -> str:

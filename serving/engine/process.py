@@ -4,11 +4,12 @@ A replica's request handling and SSE streams would otherwise share one interpret
 small model's step on a CPU is mostly Python. vLLM v1 runs its engine core in a separate process; so does this.
 
 `ProcessLLMEngine` has `AsyncLLMEngine`'s interface (generate / abort / stats / check_health / shutdown,
-`tokenizer`, `max_model_len`). It starts `python -m pylon.serving.engine.process FD` with one end of a socket pair;
-the child builds the `LLMEngine`, answers `ready` with the tokenizer, then loops: take in adds and aborts, step, send
-the outputs and stats back (an idle child's stats are the heartbeat). Outputs of coalesced streams wait in the child
-and go back merged (`_Outbox`). A refused request comes back as `invalid` and is raised by the stream's first
-iteration. The child exits when asked or when the socket closes, so no engine outlives its replica.
+`tokenizer`, `max_model_len`, `generation`). It starts `python -m pylon.serving.engine.process FD` with one end of a
+socket pair; the child builds the `LLMEngine`, answers `ready` with the tokenizer and the model's generation settings,
+then loops: take in adds and aborts, step, send the outputs and stats back (an idle child's stats are the heartbeat).
+Outputs of coalesced streams wait in the child and go back merged (`_Outbox`). A refused request comes back as
+`invalid` and is raised by the stream's first iteration. The child exits when asked or when the socket closes, so no
+engine outlives its replica.
 
 `EnginePool` runs `EngineSpec.data_parallel` such engines behind one replica (each its own model and KV cache) and
 sends a request to a healthy engine with the fewest open streams.
@@ -30,6 +31,7 @@ from multiprocessing.connection import Connection
 
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
+from pylon.serving.engine.generation import GenerationConfig
 from pylon.serving.engine.heap import allocator, engine_process_env, freeze_loaded_objects, keep_freed_memory
 from pylon.serving.engine.kv_cache import block_hashes, cache_salt
 from pylon.serving.engine.sampling import SamplingParams
@@ -82,7 +84,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
         except BaseException:
             self._kill()
             raise
-        _, self._tokenizer, self._max_model_len, self._device, self._stats, self.allocator = message
+        _, self._tokenizer, self._max_model_len, self._device, self._stats, self.allocator, self._generation = message
         self._heartbeat = time.monotonic()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="pylon-engine-reader", daemon=True)
@@ -128,6 +130,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def generation(self) -> GenerationConfig:
+        return self._generation
 
     @property
     def device(self) -> str:
@@ -305,6 +311,10 @@ class EnginePool:
     @property
     def max_model_len(self) -> int:
         return self.engines[0].max_model_len
+
+    @property
+    def generation(self) -> GenerationConfig:
+        return self.engines[0].generation
 
     @property
     def device(self) -> str:
@@ -511,7 +521,7 @@ def _child(conn: Connection) -> int:
     freeze_loaded_objects()  # full collections then never walk the model's and the libraries' objects (heap.py)
     malloc = allocator()
     log.info("engine process %d ready on %s, malloc: %s", os.getpid(), device, malloc)
-    conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats(), malloc))
+    conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats(), malloc, engine.generation))
     outbox = _Outbox(conn)
     while True:
         # Busy: take in what has arrived and step at once. Idle: wait for work, beating every IDLE_WAIT_S.

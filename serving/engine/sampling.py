@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,19 +32,21 @@ class TokenLogprob:
 
 @dataclass
 class SamplingParams:
-    """What to generate for one request. Defaults follow OpenAI's completions API.
+    """What to generate for one request. Defaults follow OpenAI's completions API (the replica gives the fields a
+    request leaves out the model's defaults instead, under engine.generation_config: auto: `engine/generation.py`).
 
-    max_tokens: new tokens at most; None means up to the engine's max_model_len.
+    max_tokens: new tokens at most; None means up to the engine's max_model_len, and at most the model's own default
+    (its generation_config.json's max_new_tokens, under engine.generation_config: auto) where it has one.
     temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
     top_p: keep the smallest set of most likely tokens whose probability adds up to top_p (1 keeps all).
     top_k: keep the k most likely tokens; 0 keeps all (-1, vLLM's spelling of "all", is accepted too).
     min_p: keep the tokens at least min_p times as likely as the most likely one (0 keeps all; vLLM's and SGLang's).
-    min_tokens: generate at least this many tokens before eos or a stop token id can end the request (they are
-    masked until then) or a stop string is looked for (vLLM's).
+    min_tokens: generate at least this many tokens before an eos id or a stop token id can end the request (they
+    are masked until then) or a stop string is looked for (vLLM's).
     seed: seeds this request's own random stream, for reproducible sampling.
     stop: strings that end generation; the matched stop string is not part of the output text.
-    stop_token_ids: token ids that end generation (besides the tokenizer's eos).
-    ignore_eos: keep generating past the eos token (benchmarks).
+    stop_token_ids: token ids that end generation (besides the model's eos ids: `engine/generation.py`).
+    ignore_eos: keep generating past the model's eos ids (benchmarks).
     logprobs: None, or k >= 0: each generated token's logprob and the k most likely tokens at its position.
     prompt_logprobs: None, or k >= 0: each prompt token's logprob (from position 1 on) and the k most likely there.
     Logprobs are the model's own log-softmax over fp32 logits, before temperature, top-p and top-k (as vLLM's).
@@ -246,13 +249,13 @@ def shape_logits(
     logits: "torch.Tensor",
     params: list[SamplingParams],
     histories: list[tuple[object, list[int]]],
-    eos_id: int | None = None,
+    eos_ids: Collection[int] = (),
 ) -> "torch.Tensor":
     """`logits` ([rows, vocab], float32) as row i's request shapes them (`SamplingParams.shapes_logits`): its
     logit_bias added, then its repetition penalty over the tokens of `histories[i]` (prompt ids as a list or a CPU
     tensor, generated ids) and its frequency and presence penalties over the generated ones; then, while it has
-    fewer than min_tokens generated tokens, the tokens that would end it (`eos_id` unless it ignores eos, its
-    stop_token_ids) pushed to float32's lowest (not -inf: a grammar that allows only eos then still leaves a
+    fewer than min_tokens generated tokens, the tokens that would end it (the model's `eos_ids` unless it ignores
+    eos, its stop_token_ids) pushed to float32's lowest (not -inf: a grammar that allows only eos then still leaves a
     token). Every row that shapes is done in the same few indexed reads and writes, touching only the tokens
     concerned (never a whole row: a vocabulary-wide pass per row cost more than the rest); rows that shape nothing
     are left as they are, and when none does, `logits` itself comes back (no copy)."""
@@ -293,7 +296,7 @@ def shape_logits(
         (i, t)
         for i in shaping
         if len(histories[i][1]) < params[i].min_tokens
-        for t in _ending_tokens(params[i], eos_id)
+        for t in _ending_tokens(params[i], eos_ids)
         if t < logits.shape[1]
     ]
     if early:
@@ -302,10 +305,10 @@ def shape_logits(
     return out
 
 
-def _ending_tokens(params: SamplingParams, eos_id: int | None) -> set[int]:
+def _ending_tokens(params: SamplingParams, eos_ids: Collection[int]) -> set[int]:
     ending = set(params.stop_token_ids)
-    if eos_id is not None and not params.ignore_eos:
-        ending.add(eos_id)
+    if not params.ignore_eos:
+        ending.update(eos_ids)
     return ending
 
 

@@ -639,8 +639,8 @@ def test_a_request_the_engine_fails_to_take_is_a_500_for_it_alone(server, monkey
     next request is served. The fault: sampling parameters corrupted after validation, as a bug might leave them."""
     original = protocol._Request.sampling_params
 
-    def corrupted(self, default_max_tokens):
-        params = original(self, default_max_tokens)
+    def corrupted(self, default_max_tokens, defaults=None):
+        params = original(self, default_max_tokens, defaults)
         if self.user == "break":
             params.stop = [3]  # not a string: the engine cannot build the request's detokenizer
         return params
@@ -1086,3 +1086,95 @@ def test_lora_adapters_are_models_clients_name_and_each_answers_as_peft(model_di
             openai.NotFoundError, match=r"model \"whisper\" does not exist; this server has 'tiny', 'shout'"
         ):
             client.completions.create(model="whisper", prompt="hi", max_tokens=1)
+
+
+# A Qwen3-like generation_config.json (two eos ids, sampling defaults), over the tiny model.
+GENERATION_CONFIG = {
+    "eos_token_id": [300, 256],
+    "do_sample": True,
+    "temperature": 0,  # greedy: a request that leaves temperature out gives transformers' greedy tokens
+    "top_p": 0.9,
+    "top_k": 20,
+    "max_new_tokens": 7,
+}
+
+
+def with_generation_config(model_dir: str, directory) -> str:
+    import shutil
+
+    shutil.copytree(model_dir, directory)
+    (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    return str(directory)
+
+
+def spy_on_params(replica, monkeypatch) -> list:
+    """The SamplingParams of every engine request the replica makes from now on."""
+    seen = []
+    generate = replica.engine.generate
+
+    def spy(request_id, prompt, params=None, **kwargs):
+        seen.append(params)
+        return generate(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(replica.engine, "generate", spy)
+    return seen
+
+
+def test_sampling_fields_a_request_leaves_out_take_the_models_defaults(model_dir, tmp_path, monkeypatch, caplog):
+    """engine.generation_config auto (the default): a field a request leaves out takes the model's default from its
+    generation_config.json, read by the engine process where it loads the model and handed to the replica; a field the
+    request gives wins, at OpenAI's default value too. The replica says which defaults it took, once."""
+    import logging
+
+    directory = with_generation_config(model_dir, tmp_path / "model")
+    pool = {"max_num_seqs": 4, "max_num_batched_tokens": 128, "kv_cache_tokens": 1024, "max_model_len": 128}
+    with (
+        caplog.at_level(logging.INFO, logger="pylon.serving"),
+        serving(directory, **pool) as (
+            url,
+            replica,
+        ),
+    ):
+        assert replica.engine.generation.eos_token_ids == (300, 256)
+        seen = spy_on_params(replica, monkeypatch)
+
+        def post(path: str, body: dict) -> dict:
+            r = requests.post(f"{url}{path}", headers=auth(), json={"model": "tiny", **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        prompt = {"prompt": "hello there", "ignore_eos": True}
+        left_out = post("/v1/completions", prompt)
+        p = seen[-1]
+        assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0, 0.9, 20, 0.0, 1.0)
+        assert p.max_tokens is None and left_out["usage"]["completion_tokens"] == 7  # the model's, not OpenAI's 16
+        given = post("/v1/completions", {**prompt, "temperature": 0, "top_p": 1, "top_k": 0, "max_tokens": 7})
+        p = seen[-1]
+        assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0, 1, 0, 7)  # given, at OpenAI's defaults: kept
+        assert left_out["choices"][0]["text"] == given["choices"][0]["text"]  # greedy either way
+        answer = post("/v1/completions", {**prompt, "temperature": 0.5, "top_k": 5, "max_tokens": 3})
+        p = seen[-1]
+        assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.5, 0.9, 5, 3)
+        assert answer["usage"]["completion_tokens"] == 3
+        # chat, n choices: each takes the defaults
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "ignore_eos": True}
+        answer = post("/v1/chat/completions", chat)
+        assert [(p.temperature, p.top_k, p.max_tokens) for p in seen[-2:]] == [(0, 20, None)] * 2
+        replies = [c["message"]["content"] for c in answer["choices"]]
+        assert replies[0] == replies[1] and answer["usage"]["completion_tokens"] == 14  # greedy, 7 tokens each
+    said = [r.getMessage() for r in caplog.records if "sets the sampling defaults" in r.getMessage()]
+    assert len(said) == 1 and "temperature=0, top_p=0.9, top_k=20, max_tokens=7" in said[0], said
+
+
+def test_generation_config_none_gives_openais_defaults_and_keeps_the_eos_ids(model_dir, tmp_path, monkeypatch):
+    directory = with_generation_config(model_dir, tmp_path / "model")
+    small = {"max_num_seqs": 4, "max_num_batched_tokens": 128, "kv_cache_tokens": 1024, "max_model_len": 128}
+    with serving(directory, generation_config="none", separate_process=False, **small) as (url, replica):
+        assert replica.engine.generation.eos_token_ids == (300, 256) and replica.sampling_defaults == {}
+        seen = spy_on_params(replica, monkeypatch)
+        body = {"model": "tiny", "prompt": "hello there", "ignore_eos": True}
+        r = requests.post(f"{url}/v1/completions", headers=auth(), json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        p = seen[-1]
+        assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, 16)  # sampled, OpenAI's 16 tokens
+        assert r.json()["usage"]["completion_tokens"] == 16

@@ -207,8 +207,8 @@ def test_stop_token_ids_and_eos(gpt2: Family) -> None:
     assert c.token_ids == expected[: stop_at + 1] and c.finish_reason == "stop"
     assert c.text == ByteTokenizer().decode(expected[:stop_at])  # the stop token is not text
 
-    # The tokenizer's eos stops the same way, unless ignore_eos.
-    engine.tokenizer = ByteTokenizer(eos_id=expected[stop_at])
+    # An eos id of the model's stops the same way, unless ignore_eos (test_generation_config.py reads them from files).
+    engine.eos_ids = frozenset({expected[stop_at]})
     [c] = engine.generate([PROMPTS[3]], GREEDY)
     assert c.token_ids == expected[: stop_at + 1] and c.finish_reason == "stop"
     [c] = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
