@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -385,16 +386,20 @@ class LLMEngine:
                     s.request.prompt_logprobs is not None and _needs_prompt_logits(s.request, s.start, s.num_new_tokens)
                 ),
                 s.request.adapter,
+                s.request.params.embed,
             )
             for s in batch.scheduled
         ]
         self._step_tokens = sum(step.num_new_tokens for step in steps)
-        logits = self.runner.execute(steps)
+        logits, pooled = self.runner.execute_step(steps)
+        if pooled is not None:  # embedding requests whose prompt this step finished: their rows are not logits
+            embedded = [s.request for s in batch.scheduled if s.samples and s.request.params.embed]
+            outputs.extend(self._finish_embedded(r, row) for r, row in zip(embedded, pooled.cpu()))
         self._step_rows = logits.shape[0]
         draft_rows: dict[str, object] = {}  # a speculating request's rows: its last token's and each draft's
         if any(step.prompt_logits for step in steps):
             logits = self._take_prompt_logprobs(batch.scheduled, steps, logits, draft_rows)
-        sampling = [s.request for s in batch.scheduled if s.samples]
+        sampling = [s.request for s in batch.scheduled if s.samples and not s.request.params.embed]
         # Penalties and logit_bias shape a copy of the rows that ask; logprobs below stay the model's own.
         params = [r.params for r in sampling]
         shaped = logits
@@ -538,7 +543,7 @@ class LLMEngine:
         rows, offset = [], 0
         for s, step in zip(scheduled, steps):
             if not step.prompt_logits:
-                if s.samples:
+                if s.samples and not step.pooled:  # a pooled sequence's row is not among the logits
                     rows.append(offset)
                     offset += 1
                 continue
@@ -560,6 +565,13 @@ class LLMEngine:
             if s.samples:
                 rows.append(offset - 1)
         return logits[rows]
+
+    def _finish_embedded(self, request: Request, hidden) -> RequestOutput:
+        """An embedding request whose prompt has been computed: it ends ("stop") with its last token's final hidden
+        state and no token."""
+        self._prompt_tokens_total += request.num_prompt_tokens
+        self._finish(request, "stop")
+        return dataclasses.replace(RequestOutput.of(request, "", []), embedding=hidden.tolist())
 
     def _finish_scored(self, request: Request) -> RequestOutput:
         """A request with max_tokens 0 whose prompt has been computed: it ends ("length") with no token."""
@@ -701,6 +713,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         logprobs,
         next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
         last.num_cached_tokens,
+        last.embedding,
     )
 
 

@@ -120,6 +120,8 @@ class RequestOutput:
     # with params.prompt_logprobs: the whole prompt's (index 0 None), on the request's first output only
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens that came from a prefix cache
+    # with params.embed: the prompt's last token's final hidden state (float32), on its one output
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -62,6 +62,8 @@ class SamplingParams:
     The shaping runs in that order (bias, repetition, frequency, presence: vLLM's), before temperature, top-k and
     top-p, for greedy requests too; logprobs stay the model's own.
     adapter: None (the base model), or the name of one of the engine's LoRA adapters (`engine.adapters`) to run with.
+    embed: compute the prompt and return its last token's final hidden state (`RequestOutput.embedding`) instead of
+    generating: max_tokens must be 0, and no logprobs are asked.
     """
 
     max_tokens: int | None = 16
@@ -82,6 +84,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     adapter: str | None = None
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if self.guide is not None and (
@@ -97,9 +100,16 @@ class SamplingParams:
                 _check_int(name, value)
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS} (got {value})", param=name)
+        if self.embed:  # an embedding generates nothing and scores nothing
+            for name, neutral in (("max_tokens", 0), ("logprobs", None), ("prompt_logprobs", None)):
+                if getattr(self, name) != neutral:
+                    raise InvalidRequest(
+                        f"an embedding request generates nothing: {name} must be {neutral} (got {getattr(self, name)})",
+                        param=name,
+                    )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+            if self.max_tokens < 1 and not (self.max_tokens == 0 and (self.prompt_logprobs is not None or self.embed)):
                 raise InvalidRequest(
                     f"max_tokens must be >= 1 (0 only with prompt_logprobs) (got {self.max_tokens})",
                     param="max_tokens",

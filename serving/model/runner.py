@@ -400,20 +400,27 @@ class ModelRunner:
                     found.setdefault((module.in_features, module.out_features), module)
         return [(n_in, n_out, project) for (n_in, n_out), project in found.items()]
 
-    @torch.no_grad()
     def execute(self, steps: list[StepSequence]) -> torch.Tensor:
         """Run one step; return float32 logits `[rows, vocab]`: for each of `steps` in order, one row per token it
         computes (positions start, start + 1, ...) when its `prompt_logits` is true, else one row (its last token's)
         when its `samples` is true, else none (empty when no sequence has a row). Without `prompt_logits` that is
         `[sampling sequences, vocab]`, each sampling sequence's last token only. Each sequence runs with its
-        `adapter` (0: the base model)."""
+        `adapter` (0: the base model). `pooled` sequences have no row here: see `execute_step`."""
+        return self.execute_step(steps)[0]
+
+    @torch.no_grad()
+    def execute_step(self, steps: list[StepSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`execute`'s logits, and the final hidden states `[pooled sequences, hidden]` (float32) of the sampling
+        `pooled` sequences' last tokens, in order (None when the step has none): their rows skip the lm_head."""
         with_adapters = any(s.adapter for s in steps)
         if with_adapters:
             self._check_adapters(steps)
-        elif self.decode_graphs is not None and all(s.num_new_tokens == 1 and s.samples for s in steps):
+        elif self.decode_graphs is not None and all(
+            s.num_new_tokens == 1 and s.samples and not s.pooled for s in steps
+        ):
             logits = self.decode_graphs.run(steps)  # one token a sequence: its one row, prompt_logits or not
             if logits is not None:
-                return logits
+                return logits, None
         token_ids, positions, seqs, last_tokens = [], [], [], []
         for s in steps:
             token_ids.extend(s.token_ids)
@@ -464,8 +471,19 @@ class ModelRunner:
         stage.send()
         hidden = self.forward(ids, positions, meta, final, adapters=adapters)
         if not last_tokens:
-            return torch.empty(0, self.vocab_size, device=self.device)
-        return self.model.lm_head(hidden).float()
+            return torch.empty(0, self.vocab_size, device=self.device), None
+        if not any(s.pooled and s.samples for s in steps):
+            return self.model.lm_head(hidden).float(), None
+        pooled, row = [], 0  # the pooled sequences' rows among `hidden`'s (last_tokens' order)
+        for s in steps:
+            if s.pooled and s.prompt_logits:
+                raise ValueError("StepSequence: a pooled sequence has no logits (prompt_logits must be false)")
+            if s.pooled and s.samples:
+                pooled.append(row)
+            row += s.num_new_tokens if s.prompt_logits else int(s.samples)
+        rest = sorted(set(range(len(hidden))) - set(pooled))
+        logits = self.model.lm_head(hidden[rest]) if rest else hidden.new_empty(0, self.vocab_size)
+        return logits.float(), hidden[pooled].float()
 
     def _check_adapters(self, steps: list[StepSequence]) -> None:
         for s in steps:

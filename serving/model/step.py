@@ -20,6 +20,9 @@ class StepSequence:
     # Which LoRA adapter the sequence runs with: 0 the base model alone, k >= 1 the k-th of the runner's `adapters`
     # (`ModelRunner(adapters=...)`; pylon.serving.model.lora). Sequences of different adapters share a step.
     adapter: int = 0
+    # The sequence is embedded, not sampled: when it `samples` (its prompt's last chunk), its last token's final
+    # hidden state (after the last norm) is returned instead of logits (`ModelRunner.execute_step`).
+    pooled: bool = False
 
     @property
     def num_new_tokens(self) -> int:

@@ -98,14 +98,14 @@ def test_async_concurrent_generate_and_abort_by_cancelling(gpt2: Family) -> None
 def test_async_health_follows_the_step_loop(gpt2: Family) -> None:
     inner = gpt2.engine()
     engine = AsyncLLMEngine(inner, heartbeat_timeout_s=0.5)
-    execute, release = inner.runner.execute, threading.Event()
+    execute, release = inner.runner.execute_step, threading.Event()
     try:
 
         def stuck(*args):
             release.wait(30)
             return execute(*args)
 
-        inner.runner.execute = stuck
+        inner.runner.execute_step = stuck
         inner.add_request("stuck", PROMPTS[0], GREEDY)  # the idle loop finds it within IDLE_WAIT_S
         assert eventually(lambda: not engine.check_health())  # a loop stuck in a step is not healthy
         release.set()
@@ -114,7 +114,7 @@ def test_async_health_follows_the_step_loop(gpt2: Family) -> None:
         def crash(*args):
             raise RuntimeError("device lost")
 
-        inner.runner.execute = crash
+        inner.runner.execute_step = crash
 
         async def main():
             async for _ in engine.generate("doomed", PROMPTS[1], GREEDY):
@@ -602,8 +602,8 @@ def test_every_step_sends_its_integer_tensors_in_one_copy_and_keeps_greedy_parit
         runner.decode_graphs.capture_all()
     assert runner.stage.staged
     steps = []
-    execute = runner.execute
-    runner.execute = lambda *a: (steps.append(1), execute(*a))[1]
+    execute = runner.execute_step
+    runner.execute_step = lambda *a: (steps.append(1), execute(*a))[1]
     got = []
     for part in (PROMPTS[:5], PROMPTS[5:]):  # at most 8 decodes a step, so that fixed shapes take them
         got += [c.token_ids for c in engine.generate(part, GREEDY)]

@@ -97,16 +97,16 @@ def test_generated_and_prompt_logprobs_match_transformers(family: Family) -> Non
 def test_prompt_logprobs_across_chunked_prefill(family: Family) -> None:
     engine = family.engine(max_num_batched_tokens=16, block_size=4)
     chunks = []
-    execute = engine.runner.execute
+    execute = engine.runner.execute_step
 
     def recording_execute(steps):
-        logits = execute(steps)
+        logits, pooled = execute(steps)
         chunks.append([(s.start, s.num_new_tokens, s.prompt_logits) for s in steps])
         expected = sum(s.num_new_tokens if s.prompt_logits else int(s.samples) for s in steps)
-        assert logits.shape[0] == expected
-        return logits
+        assert logits.shape[0] == expected and pooled is None
+        return logits, pooled
 
-    engine.runner.execute = recording_execute
+    engine.runner.execute_step = recording_execute
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=4)
     long, other = PROMPTS[3], PROMPTS[1]  # 90 tokens: six steps' budget and more
     engine.add_request("long", long, params)
@@ -167,17 +167,17 @@ def test_a_prompt_that_fills_the_context_is_scored_but_not_continued(gpt2: Famil
 def test_a_step_without_logprobs_requests_does_no_logprobs_work(gpt2: Family, monkeypatch) -> None:
     engine = gpt2.engine(max_num_batched_tokens=16)
     seen = []
-    execute = engine.runner.execute
+    execute = engine.runner.execute_step
 
     def recording_execute(steps):
-        logits = execute(steps)
+        logits, pooled = execute(steps)
         seen.append((any(s.prompt_logits for s in steps), logits.shape[0], sum(s.samples for s in steps)))
-        return logits
+        return logits, pooled
 
     def no_logprobs(*args, **kwargs):
         raise AssertionError("token_logprobs ran in a step without a logprobs request")
 
-    engine.runner.execute = recording_execute
+    engine.runner.execute_step = recording_execute
     monkeypatch.setattr(engine_module, "token_logprobs", no_logprobs)
     for i in range(3):
         engine.add_request(f"r{i}", PROMPTS[i + 2], SamplingParams(max_tokens=5, temperature=0))
