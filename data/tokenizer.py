@@ -40,7 +40,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     info: TokenizerInfo
 
-    def encode(self, text: str) -> np.ndarray: ...
+    def encode(self, text: str, *, special: bool = False) -> np.ndarray: ...
 
     def decode(self, ids) -> str: ...
 
@@ -59,7 +59,8 @@ class ByteTokenizer:
             kind="byte", name="byte", vocab_size=self.vocab_size, eos_id=self.eos_id, pad_id=self.pad_id, sha256=None
         )
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, *, special: bool = False) -> np.ndarray:
+        """`text`'s UTF-8 bytes (`special`: the other tokenizers' special tokens; bytes have none to add)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
     def decode(self, ids) -> str:
@@ -101,8 +102,9 @@ class TokenizersFileTokenizer:
             sha256=sha256,
         )
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    def encode(self, text: str, *, special: bool = False) -> np.ndarray:
+        """`text`'s ids; `special`: with the special tokens the tokenizer's post-processor adds (a BOS, an EOS)."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=special).ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
@@ -141,8 +143,9 @@ class HuggingFaceTokenizer:
     def _vocab_id(self, token: str) -> int | None:
         return self._tok.get_vocab().get(token)
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False), dtype=np.int64)
+    def encode(self, text: str, *, special: bool = False) -> np.ndarray:
+        """`text`'s ids; `special`: with the special tokens the tokenizer adds (a BOS; an EOS, as Qwen3-Embedding's)."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=special), dtype=np.int64)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)

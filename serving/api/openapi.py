@@ -33,6 +33,8 @@ _MODELS = (
     protocol.TokenizeResponse,
     protocol.DetokenizeRequest,
     protocol.DetokenizeResponse,
+    protocol.EmbeddingRequest,
+    protocol.EmbeddingResponse,
     protocol.HealthStatus,
     protocol.ReadyStatus,
 )
@@ -127,8 +129,8 @@ def _generate(summary: str, request, response, chunk, secured: bool) -> dict:
     }
 
 
-def _tokens(summary: str, request, response, secured: bool) -> dict:
-    statuses = [400, *([401] if secured else []), 404, 413, 415, 500]
+def _tokens(summary: str, request, response, secured: bool, statuses: tuple[int, ...] = ()) -> dict:
+    statuses = sorted([400, *([401] if secured else []), 404, 413, 415, 500, *statuses])
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": _json(_ref(request))},
@@ -157,7 +159,13 @@ def build(
     for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens")):
         schemas[name]["properties"][field]["anyOf"][0]["maximum"] = max_model_len - 1
     schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]["maximum"] = max_model_len - 1
-    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):  # else 404
+    for name in (
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeRequest",
+        "DetokenizeRequest",
+        "EmbeddingRequest",
+    ):  # else 404
         schemas[name]["properties"]["model"]["enum"] = [model, *adapters]
 
     security = [{"bearer": []}] if secured else []
@@ -181,6 +189,16 @@ def build(
                 protocol.ChatCompletionResponse,
                 protocol.ChatCompletionChunk,
                 secured,
+            ),
+        ),
+        "/v1/embeddings": (
+            "post",
+            _tokens(
+                "Embed texts or token ids (OpenAI's embeddings API): each input's last-token hidden state, normalised",
+                protocol.EmbeddingRequest,
+                protocol.EmbeddingResponse,
+                secured,
+                statuses=(429, 503, 504),
             ),
         ),
         "/v1/models": (
@@ -272,6 +290,7 @@ def build(
         authed = secured and path in (
             "/v1/completions",
             "/v1/chat/completions",
+            "/v1/embeddings",
             "/v1/models",
             MODEL_PATH,
             "/tokenize",

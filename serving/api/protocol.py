@@ -12,6 +12,7 @@ field a request leaves out takes the model's default from its generation_config.
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
@@ -20,6 +21,7 @@ import time
 from json.encoder import encode_basestring_ascii as _quote
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pylon.serving.api import tools as tool_calls
@@ -347,6 +349,46 @@ class TokenizeRequest(BaseModel):
         return chat.render(tokenizer)
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings API: each input's vector is the model's final hidden state at its last token (after the
+    last norm: last-token pooling, as Qwen3-Embedding, gte-Qwen2 and e5-mistral are trained), L2-normalised.
+    `dimensions` keeps the first that many of them, normalised again (Matryoshka models are trained for it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    # one text, texts, one token-id list, or token-id lists (OpenAI's four shapes)
+    input: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] = Field(
+        description=f"a text, texts, token ids, or lists of token ids: at most {MAX_EMBEDDING_INPUTS} inputs"
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        inputs = self.inputs()
+        if not inputs:
+            raise InvalidRequest("input must not be empty: give a text, texts or token ids", param="input")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequest(
+                f"input: at most {MAX_EMBEDDING_INPUTS} inputs a request (got {len(inputs)}); split them over requests",
+                param="input",
+            )
+        for i, item in enumerate(inputs):
+            if len(item) == 0:
+                raise InvalidRequest("an input must not be empty", param="input" if len(inputs) == 1 else f"input.{i}")
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a text or a list of token ids."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and all(isinstance(i, int) for i in self.input):
+            return [list(self.input)]
+        return list(self.input)
+
+
 class DetokenizeRequest(BaseModel):
     """`POST /detokenize` (vLLM's): the text of token ids, as the tokenizer decodes them."""
 
@@ -612,6 +654,26 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+class Embedding(_Response):
+    object: Literal["embedding"]
+    index: int = Field(ge=0, description="the input's place in the request's input list")
+    embedding: list[float] | str = Field(
+        description="the vector, or with encoding_format base64 its float32 values (little-endian) in base64"
+    )
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class HealthStatus(_Response):
     """GET /health: "ok" with 200, else why not with 503."""
 
@@ -627,6 +689,17 @@ class ReadyStatus(_Response):
     revision: str = Field(
         description="the deployment config this replica runs (its `user_config` revision; a deploy waits for it)"
     )
+
+
+def embedding_data(index: int, hidden: list[float], dimensions: int | None, encoding_format: str) -> dict:
+    """One input's entry of an embeddings response: the final hidden state `hidden`, cut to `dimensions` (None: all)
+    and L2-normalised, as floats or as base64 of its float32 bytes (little-endian, as OpenAI sends them)."""
+    vector = np.asarray(hidden, dtype=np.float32)[:dimensions]
+    vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+    if encoding_format == "base64":
+        encoded = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+        return {"object": "embedding", "index": index, "embedding": encoded}
+    return {"object": "embedding", "index": index, "embedding": vector.tolist()}
 
 
 def new_id(prefix: str) -> str:

@@ -30,8 +30,9 @@ from pylon.serving.api.http import (
 )
 from pylon.serving.api.keys import KeyCheck
 from pylon.serving.api.ledger import ReplicaLedger
+from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.serving.engine.tokenization import TokenTexts, prompt_ids
+from pylon.serving.engine.tokenization import TokenTexts, embedding_ids, prompt_ids
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed, shown
 from pylon.specs import DeploymentSpec
 
@@ -269,8 +270,8 @@ class PylonLLMServer:
                 send,
                 404,
                 f"no route {path}; this server answers POST /v1/completions, POST /v1/chat/completions, "
-                "GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, GET /health, GET /ready "
-                "and GET /openapi.json",
+                "POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, "
+                "GET /health, GET /ready and GET /openapi.json",
                 type="invalid_request_error",
             )
         allowed, handler = route
@@ -355,6 +356,87 @@ class PylonLLMServer:
 
     async def _chat_completions(self, scope, receive, send) -> None:
         await self._generate(scope, receive, send, "chat")
+
+    async def _embeddings(self, scope, receive, send) -> None:
+        """OpenAI's embeddings API: one engine request per input (`SamplingParams(embed=True)`), run in the engine's
+        steps beside the generating requests; each input's last token's final hidden state, L2-normalised
+        (`protocol.embedding_data`). A bad input is a 400 naming it (`input.3`), and the other inputs are aborted."""
+        headers = request_headers(scope)
+        request_id = headers.get("x-request-id", "")
+        if not REQUEST_ID.match(request_id):
+            request_id = protocol.new_id("req")
+        self._ensure_gauges()
+        streams: list = []
+        adapter = ""
+        try:
+            body = await self._request(headers, receive, protocol.EmbeddingRequest)
+            adapter = self._adapter_of(body)
+            params = SamplingParams(max_tokens=0, embed=True, adapter=adapter or None)
+            tokenizer = self.engine.tokenizer
+            inputs = [embedding_ids(tokenizer, i) if isinstance(i, str) else i for i in body.inputs()]
+            self._admit()
+            engine_id = f"{request_id}-{protocol.new_id('e')}"
+            streams = [
+                self.engine.generate(f"{engine_id}-{i}", item, params, interval_s=0.0) for i, item in enumerate(inputs)
+            ]
+            async with asyncio.timeout(self.spec.http.request_timeout_s):
+                lasts = await _all(
+                    [_naming_prompt(_last(stream), i, len(inputs), "input") for i, stream in enumerate(streams)]
+                )
+        except HttpError as e:
+            self._count(e.status, "none", adapter)
+            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
+        except InvalidRequest as e:
+            self._count(400, "none", adapter)
+            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
+        except TimeoutError:
+            self._count(504, "timeout", adapter)
+            timeout = self.spec.http.request_timeout_s
+            return await send_error(
+                send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error"
+            )
+        except EngineDeadError as e:
+            self._count(503, "none", adapter)
+            return await send_error(
+                send,
+                503,
+                f"{self.model_name} is unavailable: {e}",
+                type="server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        except RequestFailed as e:
+            log.error("%s: %s", self.model_name, e)
+            self._count(500, "none", adapter)
+            return await send_error(send, 500, str(e), type="server_error")
+        finally:
+            for stream in streams:
+                await stream.aclose()  # aborts the inputs not finished (a refused one, a timeout, a cancel)
+        width = len(lasts[0].embedding)
+        if body.dimensions is not None and body.dimensions > width:
+            self._count(400, "none", adapter)
+            return await send_error(
+                send,
+                400,
+                f"dimensions must be at most the model's hidden size, {width} (got {body.dimensions})",
+                type="invalid_request_error",
+                param="dimensions",
+            )
+        for k, last in enumerate(lasts):
+            self._observe(last, count=k == 0, adapter=adapter)
+        tokens = sum(last.num_prompt_tokens for last in lasts)
+        await send_json(
+            send,
+            200,
+            {
+                "object": "list",
+                "data": [
+                    protocol.embedding_data(i, last.embedding, body.dimensions, body.encoding_format)
+                    for i, last in enumerate(lasts)
+                ],
+                "model": body.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
 
     async def _models(self, scope, receive, send) -> None:
         try:
@@ -688,15 +770,15 @@ class PylonLLMServer:
             m["ttft"].observe(metrics.time_to_first_token, tags=tags)
         if metrics.queue_time is not None:
             m["queue"].observe(metrics.queue_time, tags=tags)
-        if metrics.last_token_time is not None:
-            m["e2e"].observe(metrics.last_token_time - metrics.arrival_time, tags=tags)
+        # An embedding ends with no token: its request ends when its prompt is computed.
+        end = metrics.last_token_time if last.embedding is None else metrics.finished_time
+        if end is not None:
+            m["e2e"].observe(end - metrics.arrival_time, tags=tags)
             if last.num_output_tokens > 1 and metrics.first_token_time is not None:
                 itl = (metrics.last_token_time - metrics.first_token_time) / (last.num_output_tokens - 1)
                 m["itl"].observe(itl, tags=tags)
         m["prompt_tokens"].inc(last.num_prompt_tokens, tags=tags)
-        self.ledger.finished(
-            last.num_prompt_tokens, last.num_output_tokens, metrics.arrival_time, metrics.last_token_time
-        )
+        self.ledger.finished(last.num_prompt_tokens, last.num_output_tokens, metrics.arrival_time, end)
         if last.num_output_tokens:
             m["generation_tokens"].inc(last.num_output_tokens, tags=tags)
         if count:
@@ -763,14 +845,25 @@ def _prompt_param(i: int, count: int) -> str:
     return "prompt" if count == 1 else f"prompt.{i}"
 
 
-async def _naming_prompt(awaitable, i: int, count: int):
-    """`awaitable`'s result; an error about its prompt names prompt i of a batch (`_prompt_param`)."""
+async def _naming_prompt(awaitable, i: int, count: int, field: str = "prompt"):
+    """`awaitable`'s result; an error about its prompt names prompt i of a batch (`_prompt_param`), or the request's
+    own `field` that holds the prompts (embeddings' `input`, `input.<i>`)."""
     try:
         return await awaitable
     except InvalidRequest as e:
-        if count == 1 or e.param != "prompt":
+        if e.param != "prompt" or (count == 1 and field == "prompt"):
             raise
-        raise InvalidRequest(f"prompt {i} of the batch: {e}", param=_prompt_param(i, count)) from e
+        if count == 1:
+            raise InvalidRequest(str(e), param=field) from e
+        raise InvalidRequest(f"{field} {i}: {e}", param=f"{field}.{i}") from e
+
+
+async def _last(stream):
+    """A stream's last output (an embedding request's one)."""
+    last = None
+    async for out in stream:
+        last = out
+    return last
 
 
 def _usage(lasts: list, n: int) -> tuple[int, int, int]:

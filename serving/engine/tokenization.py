@@ -25,6 +25,12 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
 
 
+def embedding_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The token ids of a text to embed: with the special tokens the tokenizer adds (a BOS; the EOS Qwen3-Embedding
+    pools at), as vLLM and sentence-transformers tokenize an input to embed."""
+    return tokenizer.encode(text, special=True).tolist()
+
+
 def load_model_tokenizer(model_dir: str) -> Tokenizer:
     """The tokenizer of the local model directory `model_dir`.
 

@@ -105,6 +105,7 @@ def test_the_bearer_scheme_applies_where_the_server_asks_for_a_key():
         needs_key = path in (
             "/v1/completions",
             "/v1/chat/completions",
+            "/v1/embeddings",
             "/v1/models",
             "/v1/models/{model}",
             "/tokenize",

@@ -276,6 +276,65 @@ def test_openai_fields_at_their_neutral_value_are_served_and_the_rest_named(serv
     assert r.status_code == 200, r.text
 
 
+def test_embeddings_through_the_openai_client_are_the_models_last_hidden_state(server, model_dir):
+    """POST /v1/embeddings (OpenAI's): each input's last token's final hidden state, L2-normalised, as transformers
+    computes it; texts and token ids, batches, base64 (the openai client's default) and floats, `dimensions`; bad
+    inputs are 400s naming the input."""
+    import base64
+
+    import numpy as np
+    from openai import OpenAI
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def want(ids: list[int], dimensions: int | None = None) -> np.ndarray:
+        with torch.no_grad():
+            hidden = model.base_model(torch.tensor([ids])).last_hidden_state[0, -1, :dimensions]
+        return (hidden / hidden.norm()).numpy()
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    texts = ["hello", "a longer sentence about something else entirely", "hello"]
+    out = client.embeddings.create(model="tiny", input=texts)  # the client asks for base64 and decodes it
+    assert out.model == "tiny" and [d.index for d in out.data] == [0, 1, 2]
+    for d, text in zip(out.data, texts):
+        assert np.allclose(d.embedding, want(list(text.encode())), atol=1e-5), text
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(len(t.encode()) for t in texts)
+    assert not np.allclose(out.data[0].embedding, out.data[1].embedding)
+
+    url = f"{server}/v1/embeddings"
+    ids = [[104, 105], [1, 2, 3, 4]]
+    r = requests.post(url, headers=auth(), json={"model": "tiny", "input": ids, "encoding_format": "float"}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["embedding"] * 2
+    for d, item in zip(body["data"], ids):
+        assert len(d["embedding"]) == 64 and np.allclose(d["embedding"], want(item), atol=1e-5)
+    r = requests.post(
+        url, headers=auth(), json={"model": "tiny", "input": [104, 105], "dimensions": 16, "encoding_format": "base64"}
+    )
+    vector = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+    assert vector.shape == (16,) and np.allclose(vector, want([104, 105], 16), atol=1e-5)
+
+    refused = [
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ["fine", ""]}, "input.1", "must not be empty"),
+        ({"input": "x" * 1100}, "input", "max_model_len"),
+        ({"input": ["fine", "x" * 1100]}, "input.1", "max_model_len"),
+        ({"input": [[1, 2], [999]]}, "input.1", "token ids"),
+        ({"input": "hi", "dimensions": 65}, "dimensions", "at most the model's hidden size, 64"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
+        ({"input": 5}, "input", ""),
+    ]
+    for extra, param, words in refused:
+        r = requests.post(url, headers=auth(), json={"model": "tiny", **extra}, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and words in error["message"], (extra, error)
+    r = requests.post(url, headers=auth(), json={"model": "text-embedding-3-small", "input": "hi"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert requests.post(url, json={"model": "tiny", "input": "hi"}, timeout=30).status_code == 401
+
+
 def test_penalties_and_logit_bias_through_the_openai_client(server):
     """presence/frequency_penalty and logit_bias (OpenAI's) and repetition_penalty (vLLM's, in extra_body) reach the
     engine on both endpoints, streamed and not; values it cannot take are a 400 naming the field."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_models import DEVICE, GREEDY, PROMPTS, Family, assert_pool_empty, run, tokens_of
+from test_serving_text import hf_dir  # noqa: F401 - a byte-level BPE tokenizer's directory (the fixture)
 
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.errors import InvalidRequest
@@ -78,3 +79,19 @@ def test_an_embedding_request_asks_for_nothing_it_cannot_have(gpt2) -> None:
         engine.add_request("long", list(range(100)) * 3, EMBED)  # 300 tokens of a 256-token context
     engine.add_request("full", list(range(200)) + list(range(56)), EMBED)  # a whole context: no token follows it
     assert run(engine)["full"][-1].embedding is not None
+
+
+def test_a_text_to_embed_gets_the_special_tokens_its_tokenizer_adds(hf_dir, tmp_path) -> None:  # noqa: F811
+    """Qwen3-Embedding's tokenizer appends its EOS, and the model pools there: a text to embed is tokenized with the
+    tokenizer's special tokens (a prompt to complete is not, as in training)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from pylon.serving.engine.tokenization import embedding_ids, load_model_tokenizer, prompt_ids
+
+    raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    eos = raw.token_to_id("</s>")
+    raw.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", eos)])
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>").save_pretrained(str(tmp_path))
+    tokenizer = load_model_tokenizer(str(tmp_path))
+    assert embedding_ids(tokenizer, "hello world") == prompt_ids(tokenizer, "hello world") + [eos]
