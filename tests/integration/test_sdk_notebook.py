@@ -105,6 +105,10 @@ def test_a_notebook_prepares_trains_plots_serves_and_cleans_up(ray_cluster, tmp_
             service.complete("def ", n=2, stream=True)
         reply = service.chat([{"role": "user", "content": "def"}], max_tokens=8, temperature=0, ignore_eos=True)
         assert reply == "".join(service.chat("def", max_tokens=8, temperature=0, ignore_eos=True, stream=True))
+        one, both = service.embed("def "), service.embed(["def ", "class "])
+        assert len(both) == 2 and both[0] == pytest.approx(one, abs=1e-6) and both[1] != both[0]
+        assert sum(v * v for v in one) == pytest.approx(1.0, abs=1e-4)  # L2-normalised
+        assert len(service.embed("def ", dimensions=8)) == 8
         assert service.status() == "RUNNING" and service.replicas() == 1
         listed = {s.name: s for s in client.services()}
         assert listed["sdk-tiny"].url == service.url

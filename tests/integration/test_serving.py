@@ -265,6 +265,28 @@ def test_a_lora_adapter_answers_as_peft_beside_the_base_model(served, tiny):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
+def test_embeddings_through_serve_are_the_models_last_hidden_states(served, tiny):
+    """POST /v1/embeddings through Serve, HAProxy and the engine process, for the base model and its adapter, with the
+    official client (base64): each input's last-token final hidden state, L2-normalised, as transformers and peft
+    compute it."""
+    client = _openai(served)
+    texts = ["embed me", "and me, a little longer"]
+
+    def want(model, text: str):
+        import torch
+
+        body = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: adapters in place
+        with torch.no_grad():
+            out = body.base_model(torch.tensor([list(text.encode())])).last_hidden_state[0, -1]
+        return out / out.norm()
+
+    for name, model in (("tiny", tiny.model), (ADAPTER, tiny.adapted)):
+        got = client.embeddings.create(model=name, input=texts)
+        assert got.model == name and got.usage.prompt_tokens == sum(len(t.encode()) for t in texts)
+        for d, text in zip(got.data, texts):
+            assert (want(model, text) - want(model, text).new_tensor(d.embedding)).abs().max() < 1e-5, (name, text)
+
+
 def test_raw_sse_ends_with_done_and_carries_a_request_id(served):
     with requests.post(
         f"{served}/v1/completions",

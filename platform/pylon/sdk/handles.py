@@ -524,6 +524,17 @@ class Service:
             [c["message"]["content"] for c in choices] if params.get("n", 1) != 1 else choices[0]["message"]["content"]
         )
 
+    def embed(self, texts: str | list[str], *, dimensions: int | None = None) -> list[float] | list[list[float]]:
+        """`POST /v1/embeddings`: the vector of `texts` (one text), or one vector per text in order: each the text's
+        last-token final hidden state, L2-normalised; `dimensions`: the first that many values, normalised again
+        (docs/http.md, "Embeddings")."""
+        body: dict = {"model": self.name, "input": texts, "encoding_format": "float"}
+        if dimensions is not None:
+            body["dimensions"] = int(dimensions)
+        data = sorted(self._post("/v1/embeddings", body).json()["data"], key=lambda d: d["index"])
+        vectors = [d["embedding"] for d in data]
+        return vectors[0] if isinstance(texts, str) else vectors
+
     def _body(self, max_tokens, temperature, params: dict, **fields) -> dict:
         body = {"model": self.name, **fields, **params}
         if max_tokens is not None:
