@@ -42,7 +42,14 @@ rank `--lora-rank` on every projection; output tokens/s of the same greedy reque
 adapter, and for the adapters in turn (every step mixing them), at concurrency 1 and 8, and the adapters'
 multiply-adds per token as a share of the model's.
 
-    .venv/bin/python bench/serve_features.py                 # all five, CPU, ~20 min on 2 cores
+embeddings(): `POST /v1/embeddings`'s engine path (`SamplingParams(embed=True)`) against `transformers` as
+sentence-transformers runs it (inputs sorted by length, the model's body over padded batches of `--embed-batch`, the
+last real token's state taken): inputs/s for `--embed-inputs` texts of 16-256 tokens from the held-out text, legs
+alternating, and the largest difference between the two legs' normalised vectors. Then inputs that share an
+instruction prefix (as Qwen3-Embedding's queries do): the engine's prompt tokens computed per input, with the prefix
+cache, against every token (the count that does not depend on the machine).
+
+    .venv/bin/python bench/serve_features.py                 # all six, CPU, ~25 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
     .venv/bin/python bench/serve_features.py --rounds 3
 """
@@ -698,6 +705,111 @@ def report_speculative(r: dict) -> None:
                 )
 
 
+def embed_inputs(n: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:
+    """`n` inputs of 16-256 bytes of the held-out text (each after `prefix`, if given)."""
+    import random
+
+    text = DATASET.read_bytes()[-200_000:]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length, at = rng.randrange(16, 257), rng.randrange(0, len(text) - 257)
+        out.append((prefix or []) + list(text[at : at + length]))
+    return out
+
+
+def embed_engine(eng, inputs: list[list[int]]) -> tuple[list[list[float]], int]:
+    """Every input embedded by the engine, all queued at once; (their vectors, prompt tokens taken from the cache)."""
+    from pylon.serving.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=0, embed=True)
+    for i, ids in enumerate(inputs):
+        eng.add_request(f"e{i}", ids, params)
+    vectors: dict[str, list[float]] = {}
+    cached = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                vectors[out.request_id] = out.embedding
+                cached += out.num_cached_tokens
+    return [vectors[f"e{i}"] for i in range(len(inputs))], cached
+
+
+def embed_transformers(model, inputs: list[list[int]], batch: int):
+    """The baseline, as sentence-transformers' `encode` runs it: the inputs sorted by length (longest first, so that
+    a batch pads little), the model's body over right-padded batches, each input's last real token's final state;
+    returned in the inputs' order."""
+    import torch
+
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    vectors: list = [None] * len(inputs)
+    with torch.no_grad():
+        for b in range(0, len(order), batch):
+            part = order[b : b + batch]
+            width = len(inputs[part[0]])
+            ids = torch.tensor([inputs[i] + [0] * (width - len(inputs[i])) for i in part])
+            mask = torch.tensor([[1] * len(inputs[i]) + [0] * (width - len(inputs[i])) for i in part])
+            hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+            for row, i in enumerate(part):
+                vectors[i] = hidden[row, len(inputs[i]) - 1]
+    return vectors
+
+
+def embeddings(args) -> dict:
+    """Embedding inputs/s, the engine against transformers' padded batches, legs alternating; then the prompt tokens
+    the engine computes for inputs sharing a prefix."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    results: dict = {"inputs_per_s": {"engine": [], "transformers": []}}
+    inputs = embed_inputs(args.embed_inputs, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "gpt2"
+        build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        eng = engine(str(directory), "none", 64, enable_prefix_caching=False)
+        embed_engine(eng, inputs[:2])  # first-call costs, not counted
+        for r in range(args.rounds):
+            for leg in ("engine", "transformers") if r % 2 == 0 else ("transformers", "engine"):
+                t0 = time.monotonic()
+                if leg == "engine":
+                    ours, _ = embed_engine(eng, inputs)
+                else:
+                    theirs = embed_transformers(model, inputs, args.embed_batch)
+                results["inputs_per_s"][leg].append(len(inputs) / (time.monotonic() - t0))
+        results["max_difference"] = max(
+            (torch.tensor(a) / torch.tensor(a).norm() - b / b.norm()).abs().max().item() for a, b in zip(ours, theirs)
+        )
+        del eng
+        gc.collect()
+        prefix = list(b"Instruct: Given a question, retrieve passages of the play that answer it\nQuery: ") * 2
+        shared = embed_inputs(args.embed_inputs, seed=1, prefix=prefix)
+        eng = engine(str(directory), "none", 64)
+        _, cached = embed_engine(eng, shared)
+        total = sum(map(len, shared))
+        results["prefix"] = {"prefix_tokens": len(prefix), "tokens": total, "computed": total - cached}
+        del eng
+        gc.collect()
+    return results
+
+
+def report_embeddings(r: dict) -> None:
+    legs = r["inputs_per_s"]
+    ratios = [a / b for a, b in zip(legs["engine"], legs["transformers"])]
+    print(
+        f"== embeddings: engine {statistics.median(legs['engine']):.1f} inputs/s, transformers' padded batches "
+        f"{statistics.median(legs['transformers']):.1f}: {statistics.median(ratios):.2f}x "
+        f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); largest difference between their normalised vectors "
+        f"{r['max_difference']:.1e}"
+    )
+    p = r["prefix"]
+    print(
+        f"   a shared {p['prefix_tokens']}-token instruction prefix: the engine computed {p['computed']:,} of the "
+        f"inputs' {p['tokens']:,} prompt tokens ({p['computed'] / p['tokens']:.2f}x; transformers computes them all)"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
@@ -729,13 +841,15 @@ def main() -> None:
     p.add_argument(
         "--only",
         nargs="+",
-        choices=["quantization", "constrained", "penalties", "speculative", "lora"],
+        choices=["quantization", "constrained", "penalties", "speculative", "lora", "embeddings"],
         help="run these sections only",
     )
+    p.add_argument("--embed-inputs", type=int, default=128, help="texts the embeddings section embeds per leg")
+    p.add_argument("--embed-batch", type=int, default=32, help="the transformers leg's batch (sentence-transformers')")
     p.add_argument("--lora-adapters", type=int, default=4, help="LoRA adapters the lora section's engine holds")
     p.add_argument("--lora-rank", type=int, default=16, help="their rank (on every projection)")
     args = p.parse_args()
-    sections = args.only or ["quantization", "constrained", "penalties", "speculative", "lora"]
+    sections = args.only or ["quantization", "constrained", "penalties", "speculative", "lora", "embeddings"]
     if "quantization" in sections:
         report_quantization(quantization(args))
     if "constrained" in sections:
@@ -746,6 +860,8 @@ def main() -> None:
         report_speculative(speculative(args))
     if "lora" in sections:
         report_lora(lora(args))
+    if "embeddings" in sections:
+        report_embeddings(embeddings(args))
 
 
 if __name__ == "__main__":
