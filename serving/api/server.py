@@ -383,31 +383,8 @@ class PylonLLMServer:
                 lasts = await _all(
                     [_naming_prompt(_last(stream), i, len(inputs), "input") for i, stream in enumerate(streams)]
                 )
-        except HttpError as e:
-            self._count(e.status, "none", adapter)
-            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
-        except InvalidRequest as e:
-            self._count(400, "none", adapter)
-            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
-        except TimeoutError:
-            self._count(504, "timeout", adapter)
-            timeout = self.spec.http.request_timeout_s
-            return await send_error(
-                send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error"
-            )
-        except EngineDeadError as e:
-            self._count(503, "none", adapter)
-            return await send_error(
-                send,
-                503,
-                f"{self.model_name} is unavailable: {e}",
-                type="server_error",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        except RequestFailed as e:
-            log.error("%s: %s", self.model_name, e)
-            self._count(500, "none", adapter)
-            return await send_error(send, 500, str(e), type="server_error")
+        except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
+            return await self._refuse(send, e, adapter)
         finally:
             for stream in streams:
                 await stream.aclose()  # aborts the inputs not finished (a refused one, a timeout, a cancel)
@@ -514,6 +491,38 @@ class PylonLLMServer:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
+    async def _refuse(self, send, error: BaseException, adapter: str = "") -> None:
+        """The error answer for a request that failed before its response started, counted in the metrics: the
+        request's own fault (4xx naming the parameter), a timeout (504), the engine gone (503 with Retry-After, the
+        replica restarts it), or the engine's fault for this request alone (500, the engine serves on)."""
+        if isinstance(error, HttpError):
+            self._count(error.status, "none", adapter)
+            return await send_error(
+                send, error.status, error.message, type=error.type, param=error.param, headers=error.headers
+            )
+        if isinstance(error, InvalidRequest):
+            self._count(400, "none", adapter)
+            return await send_error(send, 400, str(error), type="invalid_request_error", param=error.param)
+        if isinstance(error, TimeoutError):
+            self._count(504, "timeout", adapter)
+            timeout = self.spec.http.request_timeout_s
+            return await send_error(
+                send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error"
+            )
+        if isinstance(error, EngineDeadError):
+            self._count(503, "none", adapter)
+            return await send_error(
+                send,
+                503,
+                f"{self.model_name} is unavailable: {error}",
+                type="server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        assert isinstance(error, RequestFailed), error
+        log.error("%s: %s", self.model_name, error)
+        self._count(500, "none", adapter)
+        return await send_error(send, 500, str(error), type="server_error")
+
     async def _generate(self, scope, receive, send, kind: str) -> None:
 
         headers = request_headers(scope)
@@ -566,25 +575,8 @@ class PylonLLMServer:
                     if stream is not None:
                         await stream.aclose()
                 raise
-        except HttpError as e:
-            self._count(e.status, "none")
-            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
-        except InvalidRequest as e:
-            self._count(400, "none")
-            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
-        except EngineDeadError as e:
-            self._count(503, "none")
-            return await send_error(
-                send,
-                503,
-                f"{self.model_name} is unavailable: {e}",
-                type="server_error",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        except RequestFailed as e:  # the engine's fault, this request's alone: the engine serves on
-            log.error("%s: %s", self.model_name, e)
-            self._count(500, "none")
-            return await send_error(send, 500, str(e), type="server_error")
+        except (HttpError, InvalidRequest, EngineDeadError, RequestFailed) as e:
+            return await self._refuse(send, e)
 
         rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
         # A chat reply's <think> block as reasoning_content (`reasoning`), unless a grammar constrains the output.
@@ -608,14 +600,8 @@ class PylonLLMServer:
         try:
             async with asyncio.timeout(timeout):
                 results = await _all([collect(j) for j in range(len(plan))])
-        except TimeoutError:
-            self._count(504, "timeout", self._adapter_of(body))
-            return await send_error(
-                send, 504, f"the request took longer than request_timeout_s ({timeout:g} s)", type="timeout_error"
-            )
-        except EngineDeadError as e:
-            self._count(503, "none", self._adapter_of(body))
-            return await send_error(send, 503, str(e), type="server_error")
+        except (TimeoutError, EngineDeadError) as e:
+            return await self._refuse(send, e, self._adapter_of(body))
         finally:
             for stream in streams:
                 await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
