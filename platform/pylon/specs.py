@@ -28,14 +28,14 @@ from pylon.storage import SUPPORTED_SCHEMES as _URI_SCHEMES
 # Field types
 # ---------------------------------------------------------------------------------------------------------
 
-_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a spec name's grammar (`Name`)
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _check_name(value: str) -> str:
     # Names become directory names, Ray job ids, Serve app names and Kubernetes object names, so they
     # take the strictest of those grammars (RFC 1123 label) and can never escape a storage root.
-    if not _NAME_RE.fullmatch(value):
+    if not NAME_RE.fullmatch(value):
         raise ValueError(
             f"must be 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit, "
             f"e.g. 'stdlib-gpt' (got {_show(value)})"
@@ -512,6 +512,32 @@ class AdapterSpec(_Spec):
     )
 
 
+class DynamicAdaptersSpec(_Spec):
+    """LoRA adapters loaded when a request first names one (docs/serving.md, "Adapters loaded on demand")."""
+
+    root: Uri | None = Field(
+        None,
+        description="a directory, local or object storage, whose sub-directories are LoRA adapters of this model in "
+        "peft's format (`<root>/<name>/adapter_config.json`, `adapter_model.safetensors`): a request whose `model` "
+        "is a name that is neither the deployment's nor one of `adapters` runs with `<root>/<name>/`, fetched by the "
+        "replica the first time (as Ray Serve LLM's dynamic_lora_loading_path). Names take the grammar of a spec's "
+        "names (lowercase letters, digits, '-'), so a request never reaches outside the root. A name is an adapter's "
+        "identity: a replica keeps what it fetched, so publish a changed adapter under a new name. null: off",
+    )
+    max_loaded: PositiveInt = Field(
+        8,
+        description="adapters from the root an engine holds loaded at once (vLLM's --max-loras), beside `adapters`; "
+        "a request for another one loads it in the place of the least recently used one that no unfinished request "
+        "runs with, or waits until one is free. The planner counts this many adapters of `max_rank` on every "
+        "projection",
+    )
+    max_rank: PositiveInt = Field(
+        16,
+        description="the largest LoRA rank an adapter from the root may have (vLLM's --max-lora-rank); a request for "
+        "one of a higher rank is refused naming it",
+    )
+
+
 class EngineSpec(_Spec):
     max_num_seqs: PositiveInt = 64
     max_num_batched_tokens: PositiveInt = 2048
@@ -546,6 +572,10 @@ class EngineSpec(_Spec):
         "batched step, each row computing its own adapter's low-rank update on top of the shared weights. All "
         "stay loaded (their weights are small: 2 x r x width per adapted projection). The prefix cache is kept "
         "apart per adapter",
+    )
+    dynamic_adapters: DynamicAdaptersSpec = Field(
+        default_factory=DynamicAdaptersSpec,
+        description="LoRA adapters loaded on demand from a root directory, by the name a request gives in `model`",
     )
     enable_prefix_caching: bool = Field(
         True,

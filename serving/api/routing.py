@@ -84,18 +84,28 @@ def short_hashes(hashes) -> bytes:
     return b"".join(h[:HASH_BYTES] for h in hashes)
 
 
-def routing_key(tokenizer, block_size: int, body: dict | None, adapters: frozenset[str] = frozenset()) -> RoutingKey:
+def routing_key(
+    tokenizer,
+    block_size: int,
+    body: dict | None,
+    adapters: frozenset[str] = frozenset(),
+    *,
+    base: str | None = None,
+) -> RoutingKey:
     """The key of a request body (parsed JSON), rendered and tokenized as a replica renders it for its engine; for a
     batch of prompts (completions), the blocks every prompt of it starts with (a few-shot preamble, an evaluation's
     shared context): those are what its engine requests reuse. Any body a replica would refuse, or that names no
-    prompt, routes by load alone (the replica answers the 4xx)."""
+    prompt, routes by load alone (the replica answers the 4xx). `adapters`: the LoRA adapters' names; `base`: the
+    base model's, when every other name is an adapter (engine.dynamic_adapters)."""
     from pylon.serving.api import protocol
     from pylon.serving.engine.tokenization import prompt_ids
 
     if not isinstance(body, dict):
         return RoutingKey()
     # A LoRA adapter's request (`model` names one of engine.adapters): its blocks are hashed apart, as its engine's.
-    salt = cache_salt(body["model"]) if body.get("model") in adapters else b""
+    model = body.get("model")
+    adapter = model in adapters or (base is not None and isinstance(model, str) and model != base)
+    salt = cache_salt(model) if adapter else b""
     try:
         if "messages" in body:
             request = protocol.ChatCompletionRequest.model_validate(body)
@@ -260,6 +270,8 @@ class PylonRouter:
         self.name = spec.name
         self.block_size = spec.engine.block_size
         self.adapters = frozenset(a.name for a in spec.engine.adapters)
+        # With adapters loaded on demand, any name but the deployment's is one.
+        self.base = spec.name if spec.engine.dynamic_adapters.root is not None else None
         with local_model_dir(spec.model, weights=False) as directory:
             self.tokenizer = load_model_tokenizer(directory)
         self._key = router_key()
@@ -288,7 +300,7 @@ class PylonRouter:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        key = routing_key(self.tokenizer, self.block_size, parsed, self.adapters)
+        key = routing_key(self.tokenizer, self.block_size, parsed, self.adapters, base=self.base)
         try:
             async with self._handle.choose_replica(key, _reserve=False) as selection:
                 replica = selection._replica

@@ -12,6 +12,7 @@ import re
 import time
 
 from pylon.serving.api import openapi, protocol, reasoning, routing, tools
+from pylon.serving.api.adapters import AdapterFetcher
 from pylon.serving.api.http import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -34,7 +35,7 @@ from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
 from pylon.serving.engine.tokenization import TokenTexts, embedding_ids, prompt_ids
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed, shown
-from pylon.specs import DeploymentSpec
+from pylon.specs import NAME_RE, DeploymentSpec
 
 log = logging.getLogger("pylon.serving")
 _ROUTE = re.compile(r"^(prefix:\d{1,6}|load)$")
@@ -148,6 +149,11 @@ class PylonLLMServer:
         self.ledger = ReplicaLedger(
             self.spec.model_dump(mode="json"), accelerator=_accelerator_name(self.engine.device)
         )
+        # LoRA adapters loaded on demand: this replica's copies of those requests named (engine.dynamic_adapters).
+        dynamic = self.spec.engine.dynamic_adapters
+        self.fetcher = (
+            AdapterFetcher(dynamic.root, keep=max(32, 4 * dynamic.max_loaded)) if dynamic.root is not None else None
+        )
 
     # -- Serve hooks ------------------------------------------------------------------------------------
 
@@ -181,6 +187,9 @@ class PylonLLMServer:
             self.ledger.write()
 
     def __del__(self):
+        fetcher = getattr(self, "fetcher", None)
+        if fetcher is not None:
+            fetcher.close()
         ledger = getattr(self, "ledger", None)
         if ledger is not None:
             ledger.write(ended=True)
@@ -253,14 +262,34 @@ class PylonLLMServer:
     def _served_list(self) -> str:
         return ", ".join(f"'{m}'" for m in self._served)
 
-    def _check_model(self, name: str) -> None:
-        if name not in self._served:
-            raise HttpError(
-                404,
-                f"model {shown(name)} does not exist; this server has {self._served_list()} (see GET /v1/models)",
-                type="invalid_request_error",
-                param="model",
+    async def _check_model(self, name: str) -> None:
+        """`name` is served: the base model, one of its adapters, or an adapter at the root of those loaded on demand
+        (fetched here if need be: `adapter_path`)."""
+        if name in self._served:
+            return
+        if self.fetcher is not None and NAME_RE.fullmatch(name):
+            await self.fetcher.fetch(name)
+            return
+        raise HttpError(
+            404,
+            f"model {shown(name)} does not exist; this server has {self._served_list()}"
+            + (
+                " and LoRA adapters by name (lowercase letters, digits and '-') from engine.dynamic_adapters.root"
+                if self.fetcher is not None
+                else ""
             )
+            + " (see GET /v1/models)",
+            type="invalid_request_error",
+            param="model",
+        )
+
+    def _adapter_params(self, params: SamplingParams, model: str) -> SamplingParams:
+        """`params` for a request whose `model` is `model`: a LoRA adapter's name, and where an adapter loaded on
+        demand was fetched to, unless `model` is the base model's."""
+        if model != self.model_name:
+            params.adapter = model
+            params.adapter_path = self.fetcher.path(model) if self.fetcher is not None else None
+        return params
 
     async def _dispatch(self, scope, receive, send) -> None:
         path, method = route_path(scope), scope["method"]
@@ -312,7 +341,7 @@ class PylonLLMServer:
                 param="body",
             )
         body = protocol.parse_request(cls, await read_body(receive))
-        self._check_model(body.model)
+        await self._check_model(body.model)
         return body
 
     async def _tokenize(self, scope, receive, send) -> None:
@@ -371,7 +400,7 @@ class PylonLLMServer:
         try:
             body = await self._request(headers, receive, protocol.EmbeddingRequest)
             adapter = self._adapter_of(body)
-            params = SamplingParams(max_tokens=0, embed=True, adapter=adapter or None)
+            params = self._adapter_params(SamplingParams(max_tokens=0, embed=True), body.model)
             tokenizer = self.engine.tokenizer
             inputs = [embedding_ids(tokenizer, i) if isinstance(i, str) else i for i in body.inputs()]
             self._admit()
@@ -420,7 +449,9 @@ class PylonLLMServer:
             await self._authorize(request_headers(scope))
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
-        await send_json(send, 200, {"object": "list", "data": [self._model_card(m) for m in self._served]})
+        # Adapters loaded on demand: those this replica holds a copy of (the root may have more).
+        fetched = [m for m in self.fetcher.names() if m not in self._served] if self.fetcher is not None else []
+        await send_json(send, 200, {"object": "list", "data": [self._model_card(m) for m in [*self._served, *fetched]]})
 
     async def _model(self, scope, receive, send) -> None:
         """OpenAI's "retrieve model": the served model's card, or a 404 naming the id asked for."""
@@ -429,7 +460,12 @@ class PylonLLMServer:
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
         model = route_of(route_path(scope))[1]
-        if model not in self._served:
+        if model not in self._served and self.fetcher is not None and NAME_RE.fullmatch(model):
+            try:
+                await self.fetcher.fetch(model)
+            except HttpError as e:
+                return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
+        elif model not in self._served:
             return await send_error(
                 send,
                 404,
@@ -502,7 +538,8 @@ class PylonLLMServer:
             )
         if isinstance(error, InvalidRequest):
             self._count(400, "none", adapter)
-            return await send_error(send, 400, str(error), type="invalid_request_error", param=error.param)
+            message = self.fetcher.named(str(error)) if self.fetcher is not None else str(error)
+            return await send_error(send, 400, message, type="invalid_request_error", param=error.param)
         if isinstance(error, TimeoutError):
             self._count(504, "timeout", adapter)
             timeout = self.spec.http.request_timeout_s
@@ -547,8 +584,7 @@ class PylonLLMServer:
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default; a model whose
             # generation_config.json sets max_new_tokens runs up to that instead (and the other defaults it sets).
             params = body.sampling_params(16 if kind == "completion" else None, self.sampling_defaults)
-            if body.model != self.model_name:  # one of its LoRA adapters (`_check_model` let it in)
-                params.adapter = body.model
+            self._adapter_params(params, body.model)  # one of its LoRA adapters, if not the base model
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
             interval_s = self.spec.http.stream_interval_ms / 1000

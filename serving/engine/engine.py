@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.models import local_model_dir
+from pylon.serving.engine.adapters import OnDemandAdapters
 from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.generation import GenerationConfig, read_generation_config
 from pylon.serving.engine.guided import Guides
@@ -70,6 +71,8 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     prefill_tokens_computed_total: int = 0
     num_cached_blocks: int = 0
+    adapter_loads_total: int = 0  # adapters loaded on demand (engine.dynamic_adapters) into a slot...
+    adapter_evictions_total: int = 0  # ...and unloaded to make room for another
     # Speculative decoding (vLLM's spec_decode counters): draft tokens verified, those accepted, and the requests'
     # speculating steps (accepted / steps + 1 = the mean acceptance length, tokens per step).
     spec_draft_tokens_total: int = 0
@@ -148,6 +151,20 @@ class LLMEngine:
                 )
             except PylonError as e:
                 raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
+            # Adapters loaded when a request first names one (engine.dynamic_adapters), in the slots after these.
+            dynamic = spec.dynamic_adapters
+            self.on_demand = (
+                OnDemandAdapters(
+                    self.runner,
+                    self.pool,
+                    first_slot=len(spec.adapters) + 1,
+                    max_loaded=dynamic.max_loaded,
+                    max_rank=dynamic.max_rank,
+                )
+                if dynamic.root is not None
+                else None
+            )
+            self._parked: list[Request] = []  # requests whose adapter waits for a slot (OnDemandAdapters.place)
             # The model's end-of-sequence ids and (engine.generation_config: auto) sampling defaults, from its
             # generation_config.json (engine/generation.py): an error names the file and key (the URI, if remote).
             self.generation: GenerationConfig = read_generation_config(
@@ -267,10 +284,13 @@ class LLMEngine:
                     f"{self.runner.vocab_size - 1})",
                     param=f"logit_bias.{bad[0]}",
                 )
-        adapter = 0
+        adapter, on_demand = 0, None
         if params.adapter is not None:
             adapter = self.adapter_slots.get(params.adapter, 0)
-            if not adapter:
+            if not adapter and self.on_demand is not None and params.adapter_path is not None:
+                on_demand = params.adapter  # its slot is given when the step takes it in (`_place_adapters`)
+                self.on_demand.stage(on_demand, params.adapter_path)
+            elif not adapter:
                 known = ", ".join(self.adapter_slots) or "none"
                 raise InvalidRequest(
                     f"adapter {params.adapter!r} is not loaded in this engine (its adapters: {known})", param="model"
@@ -283,13 +303,17 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
             params.new_generator(),
             adapter=adapter,
-            cache_salt=cache_salt(params.adapter if adapter else None),
+            cache_salt=cache_salt(params.adapter if adapter or on_demand else None),
+            on_demand_adapter=on_demand,
         )
         if params.guide is not None:
             request.guide = self.guides.matcher(params.guide)  # compiled once per grammar; InvalidRequest if it can't
         with self._lock:
             if request_id in self._unfinished_ids:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
+            if on_demand is not None and self.on_demand.needs_staging(on_demand):
+                # Unloaded by a step since `stage` looked (a threaded engine's request thread): read it again.
+                self.on_demand.stage(on_demand, params.adapter_path)
             self._unfinished_ids.add(request_id)
             self._incoming.append(request)
 
@@ -339,7 +363,7 @@ class LLMEngine:
             self._abort_ids.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._incoming or self._abort_ids or self.scheduler.has_unfinished())
+        return bool(self._incoming or self._abort_ids or self._parked or self.scheduler.has_unfinished())
 
     # -- the step -----------------------------------------------------------------------------------------
 
@@ -363,10 +387,18 @@ class LLMEngine:
         with self._lock:
             incoming, self._incoming = self._incoming, []
             abort_ids, self._abort_ids = self._abort_ids, []
+            if self.on_demand is not None and (self._parked or any(r.on_demand_adapter for r in incoming)):
+                incoming = self._place_adapters(incoming)
         for request in incoming:
             self.scheduler.add(request)
         for request_id in abort_ids:
             request = self.scheduler.requests.get(request_id)
+            if request is None:  # maybe one waiting for its adapter's slot
+                request = next((r for r in self._parked if r.request_id == request_id), None)
+                if request is not None:  # never scheduled: ended here rather than by the scheduler
+                    self._parked.remove(request)
+                    request.finish_reason = "abort"
+                    request.metrics.finished_time = time.monotonic()
             if request is not None:
                 self._finish(request, "abort")
                 outputs.append(RequestOutput.of(request, request.detokenizer.flush(), []))
@@ -451,6 +483,28 @@ class LLMEngine:
                 continue
             outputs.append(self._append_token(request, token, now, logprob))
         return outputs
+
+    def _place_adapters(self, incoming: list[Request]) -> list[Request]:
+        """The requests the step takes in: `incoming` and those parked before, each request of an adapter loaded on
+        demand with its slot (OnDemandAdapters.place), oldest first; those whose adapter finds no slot wait, parked,
+        for a later step. Under the engine's lock."""
+        waiting = [*self._parked, *incoming]
+        needed = {r.on_demand_adapter for r in waiting if r.on_demand_adapter and not r.adapter}
+        busy = {r.adapter for r in self.scheduler.requests.values() if r.adapter}
+        ready, parked = [], []
+        for request in waiting:
+            name = request.on_demand_adapter
+            if name is not None and not request.adapter:
+                slot = self.on_demand.place(name, busy, needed)
+                if slot is None:
+                    parked.append(request)
+                    continue
+                request.adapter = slot
+                busy.add(slot)
+            ready.append(request)
+        self._parked = parked
+        self.on_demand.keep_staged({r.on_demand_adapter for r in parked})
+        return ready
 
     def _propose_drafts(self) -> None:
         """Speculative decoding (`engine/speculative.py`): give this step's decodes their drafts, when the measured
@@ -648,7 +702,10 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=expected_waiting(
-                len(self.scheduler.running), len(self.scheduler.waiting), len(self._incoming), self.spec.max_num_seqs
+                len(self.scheduler.running),
+                len(self.scheduler.waiting) + len(self._parked),
+                len(self._incoming),
+                self.spec.max_num_seqs,
             ),
             kv_cache_utilization=self.pool.utilization,
             num_free_blocks=self.pool.num_free_blocks,
@@ -661,6 +718,8 @@ class LLMEngine:
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
             prefill_tokens_computed_total=self.scheduler.prefill_tokens_computed,
             num_cached_blocks=self.pool.num_cached_blocks,
+            adapter_loads_total=self.on_demand.loads_total if self.on_demand is not None else 0,
+            adapter_evictions_total=self.on_demand.evictions_total if self.on_demand is not None else 0,
             **(
                 {
                     "spec_draft_tokens_total": self.spec_policy.proposed_total,

@@ -168,6 +168,17 @@ class KVBlockPool:
             if self._journal is not None:
                 self._journal.append((False, h))
 
+    def forget_cached(self) -> int:
+        """Forget the contents of every cached block no request holds (later lookups miss them); how many. An engine
+        does this when a name its hashes are salted with comes to stand for other weights (an adapter loaded on
+        demand that was replaced at its root: engine/adapters.py)."""
+        blocks = [b for b in self._hash_of if not self._refs[b]]
+        for block in blocks:
+            self._forget(block)
+            if self._open[block]:
+                self._bare[block] = 1
+        return len(blocks)
+
     # -- allocation -----------------------------------------------------------------------------------------
 
     def allocate(self, request_id: str, num_tokens: int, *, reserve_tokens: int = 0, cached: list[int] = ()) -> bool:

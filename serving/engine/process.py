@@ -400,6 +400,8 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         prefix_cache_hits_total=sum(s.prefix_cache_hits_total for s in stats),
         prefill_tokens_computed_total=sum(s.prefill_tokens_computed_total for s in stats),
         num_cached_blocks=sum(s.num_cached_blocks for s in stats),
+        adapter_loads_total=sum(s.adapter_loads_total for s in stats),
+        adapter_evictions_total=sum(s.adapter_evictions_total for s in stats),
         spec_draft_tokens_total=sum(s.spec_draft_tokens_total for s in stats),
         spec_accepted_tokens_total=sum(s.spec_accepted_tokens_total for s in stats),
         spec_verify_steps_total=sum(s.spec_verify_steps_total for s in stats),

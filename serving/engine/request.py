@@ -68,6 +68,8 @@ class Request:
     draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed for this step to verify
     adapter: int = 0  # the runner's slot of its LoRA adapter (params.adapter); 0: the base model
     cache_salt: bytes = b""  # where its block hashes start (kv_cache.cache_salt): apart per adapter
+    on_demand_adapter: str | None = None  # the name of its adapter when loaded on demand (engine/adapters.py);
+    # `adapter` is 0 until the step that takes it in gives it its slot
     _prompt_tensor: "torch.Tensor | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

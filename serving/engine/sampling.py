@@ -62,6 +62,8 @@ class SamplingParams:
     The shaping runs in that order (bias, repetition, frequency, presence: vLLM's), before temperature, top-k and
     top-p, for greedy requests too; logprobs stay the model's own.
     adapter: None (the base model), or the name of one of the engine's LoRA adapters (`engine.adapters`) to run with.
+    adapter_path: with `adapter` naming none of those, the local directory of an adapter loaded on demand
+    (`engine.dynamic_adapters`; its replica fetched it from the root).
     embed: compute the prompt and return its last token's final hidden state (`RequestOutput.embedding`) instead of
     generating: max_tokens must be 0, and no logprobs are asked.
     """
@@ -84,6 +86,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     adapter: str | None = None
+    adapter_path: str | None = None
     embed: bool = False
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ refused when the adapter is loaded, with what to do instead: merging such an ada
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -195,6 +196,7 @@ class Adapter:
 
     directory: str
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    digest: str = ""  # of its files' bytes (config and weights): the same name with other contents differs
 
     @property
     def nbytes(self) -> int:
@@ -208,10 +210,13 @@ def load_adapter(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    max_rank: int | None = None,
+    rank_limit: str = "max_rank",
 ) -> Adapter:
     """Read and check the adapter peft saved in `directory` for a `model_type` model whose projections are `shapes`
     (`projection_shapes`); its matrices in `dtype` on `device`. Raises a PylonError naming the directory and what to
-    do when the adapter cannot be served on this model as it is."""
+    do when the adapter cannot be served on this model as it is, or when a projection's rank is above `max_rank`
+    (the field that sets it named as `rank_limit`)."""
     config = _read_config(directory)
     _check_config(directory, config)
     tensors = _read_tensors(directory)
@@ -267,11 +272,29 @@ def load_adapter(
                 f"{directory}: {module} has rank {a.shape[0]} in its weights but {r} in {CONFIG_FILE} (r, "
                 "rank_pattern): the two files are from different adapters; write the adapter again"
             )
+        if max_rank is not None and r > max_rank:
+            raise PylonError(
+                f"{directory}: {module} has rank {r}, above {rank_limit} ({max_rank}); raise {rank_limit} or serve "
+                "an adapter of a lower rank"
+            )
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         a_t = a.float().t().contiguous().to(device, dtype)
         b_t = (b.float() * scale).t().contiguous().to(device, dtype)
         weights[module] = (a_t, b_t)
-    return Adapter(directory, weights)
+    return Adapter(directory, weights, _digest(directory))
+
+
+def _digest(directory: str) -> str:
+    """sha256 over the adapter's config and weight files (the ones `load_adapter` read)."""
+    h = hashlib.sha256()
+    for name in (CONFIG_FILE, *WEIGHT_FILES):
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            h.update(name.encode() + b"\0")
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
 
 
 class Rows:
@@ -315,21 +338,42 @@ class AdapterSet:
     projection for `Rows.add`."""
 
     def __init__(self, adapters: Sequence[Adapter], model_type: str, num_layers: int):
-        self.adapters = list(adapters)
-        prefix = LAYERS[model_type]
+        self.prefix = LAYERS[model_type]
+        self.slots: dict[int, Adapter] = {}
         # table[layer][projection path under the layer] = {slot: (A^T, scale * B^T)}
         self.table: list[dict[str, dict[int, tuple]]] = [{} for _ in range(num_layers)]
-        for slot, adapter in enumerate(self.adapters, start=1):
-            for module, ab in adapter.weights.items():
-                layer, projection = module[len(prefix) + 1 :].split(".", 1)
-                self.table[int(layer)].setdefault(projection, {})[slot] = ab
+        for slot, adapter in enumerate(adapters, start=1):
+            self.put(slot, adapter)
+
+    def put(self, slot: int, adapter: Adapter | None) -> None:
+        """Serve `adapter` in `slot` (>= 1) from the next step on, in the place of the one there; None empties it.
+        (An engine loads adapters on demand this way: engine/adapters.py.)"""
+        if slot < 1:
+            raise ValueError(f"adapter slot {slot}: slots start at 1 (0 is the base model)")
+        for projections in self.table:
+            for by_slot in projections.values():
+                by_slot.pop(slot, None)
+        self.slots.pop(slot, None)
+        if adapter is None:
+            return
+        self.slots[slot] = adapter
+        for module, ab in adapter.weights.items():
+            layer, projection = module[len(self.prefix) + 1 :].split(".", 1)
+            self.table[int(layer)].setdefault(projection, {})[slot] = ab
 
     def __len__(self) -> int:
-        return len(self.adapters)
+        return len(self.slots)
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self.slots
+
+    @property
+    def adapters(self) -> list[Adapter]:
+        return [self.slots[k] for k in sorted(self.slots)]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.adapters)
+        return sum(a.nbytes for a in self.slots.values())
 
     def rows(self, slots: Sequence[int], num_rows: int, index: Callable[[list[int]], torch.Tensor]) -> Rows | None:
         """`slots[i]`: the adapter of row i (rows past `len(slots)`, up to `num_rows`, are base rows); `index(list)`

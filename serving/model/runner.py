@@ -257,7 +257,7 @@ class ModelRunner:
             if adapters
             else None
         )
-        self.num_adapters = len(adapters)
+        self.model_type = model_type
         self.adapter_bytes = self.adapter_set.nbytes if self.adapter_set is not None else 0
         # oneDNN for the projections on a CPU (pylon.serving.model.linear), or quantized weights in their place
         # (pylon.serving.model.quant); `self._mm(bias, x, w)` is addmm's signature.
@@ -486,12 +486,37 @@ class ModelRunner:
         return logits.float(), hidden[pooled].float()
 
     def _check_adapters(self, steps: list[StepSequence]) -> None:
+        served = self.adapter_set.slots if self.adapter_set is not None else {}
         for s in steps:
-            if not 0 <= s.adapter <= self.num_adapters:
+            if s.adapter and s.adapter not in served:
                 raise ValueError(
-                    f"StepSequence.adapter {s.adapter}: this runner serves adapters 1 to {self.num_adapters} "
+                    f"StepSequence.adapter {s.adapter}: this runner serves adapters in slots {sorted(served)} "
                     "(0: the base model)"
                 )
+
+    def read_adapter(self, directory: str, *, max_rank: int | None = None, rank_limit: str = "max_rank"):
+        """The LoRA adapter peft saved in `directory`, checked against this model and in its dtype and on its device,
+        not yet served (`put_adapter`); a PylonError naming the directory if it cannot be served as it is."""
+        shapes = self.__dict__.get("_adapter_shapes")
+        if shapes is None:
+            shapes = self._adapter_shapes = lora.projection_shapes(self.model, self.model_type)
+        return lora.load_adapter(
+            directory,
+            self.model_type,
+            shapes,
+            dtype=self.dtype,
+            device=self.device,
+            max_rank=max_rank,
+            rank_limit=rank_limit,
+        )
+
+    def put_adapter(self, slot: int, adapter) -> None:
+        """Serve `adapter` (`read_adapter`'s) in `slot` from the next step on; None empties the slot."""
+        if self.adapter_set is None:
+            num_layers = len(self.model.get_submodule(lora.LAYERS[self.model_type]))
+            self.adapter_set = lora.AdapterSet([], self.model_type, num_layers)
+        self.adapter_set.put(slot, adapter)
+        self.adapter_bytes = self.adapter_set.nbytes
 
     def _step_adapters(
         self, steps: list[StepSequence], num_rows: int, last_tokens: list[int], final: Final

@@ -118,6 +118,10 @@ class ServePlan:
         }
 
 
+# The projections of a Llama-like model the serving engine adapts (serving/model/lora.py's _LLAMA_PROJECTIONS).
+_LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _adapter_params(config, i: int, uri: str, counted: dict) -> int:
     """The parameters of the LoRA adapter at `uri` (engine.adapters[i]) on `config`'s model, from its
     adapter_config.json alone (rank and target modules), counted as peft builds it; `counted` keeps each
@@ -188,13 +192,30 @@ def plan_serve(
             f"weights include the draft model's {_gib(draft_weights)} ({draft.total_params:,} parameters) and the "
             f"KV cache its {_gib(draft_kv)} ({draft_tokens:,} tokens); decode throughput is without speculation"
         )
+    counted: dict = {}  # LoRA parameters by (rank, targets)
     if e.adapters:
-        counted: dict = {}
         adapter_params = sum(_adapter_params(config, i, a.path, counted) for i, a in enumerate(e.adapters))
         weights += adapter_params * b
         notes.append(
             f"weights include {len(e.adapters)} LoRA adapter(s): {_gib(adapter_params * b)} "
             f"({adapter_params:,} parameters); decode throughput is the base model's"
+        )
+    dynamic = e.dynamic_adapters
+    if dynamic.root is not None:
+        # Adapters loaded on demand: max_loaded of them at once, each at most max_rank on every projection the
+        # engine adapts (serving/model/lora.py's PROJECTIONS), as peft would build such an adapter.
+        from pylon.specs import LoraSpec
+
+        targets = ["c_attn", "c_proj", "c_fc"] if config.model_type == "gpt2" else list(_LLAMA_TARGETS)
+        key = (dynamic.max_rank, tuple(targets))
+        if key not in counted:
+            lora = LoraSpec(r=dynamic.max_rank, alpha=dynamic.max_rank, target_modules=targets)
+            counted[key] = model_shape(config, lora).trainable_params
+        on_demand = dynamic.max_loaded * counted[key]
+        weights += on_demand * b
+        notes.append(
+            f"weights include room for {dynamic.max_loaded} LoRA adapter(s) loaded on demand, rank up to "
+            f"{dynamic.max_rank} on every projection: {_gib(on_demand * b)} ({on_demand:,} parameters)"
         )
     # Prefill of a token batch: a few hidden-size tensors and the MLP's intermediate ones; fp32 logits of the
     # sequences that sample.

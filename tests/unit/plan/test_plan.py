@@ -443,3 +443,23 @@ def test_lora_adapters_count_their_weights(tmp_path: Path) -> None:
     assert any("2 LoRA adapter(s)" in n for n in adapted.notes)
     with pytest.raises(PylonError, match=r"engine\.adapters\[0\]\.path .*absent.*cannot read adapter_config\.json"):
         plan("absent")
+
+
+def test_adapters_loaded_on_demand_count_max_loaded_adapters_of_max_rank(tmp_path: Path) -> None:
+    """engine.dynamic_adapters: room for max_loaded adapters of max_rank on all seven projections, hand-counted for
+    Llama 2 70B's shapes (the root is not read: its adapters are not known before they are asked for)."""
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps(LLAMA_70B))
+
+    def plan(dynamic: dict | None):
+        engine = {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536}
+        if dynamic is not None:
+            engine["dynamic_adapters"] = dynamic
+        spec = DeploymentSpec(name="big", model=str(tmp_path / "big"), replica={"num_gpus": 1}, engine=engine)
+        return next(r for r in plan_serve(spec).rows if r.accelerator.name == "MI300X"), plan_serve(spec).notes
+
+    (plain, _), (room, notes) = plan(None), plan({"root": "s3://adapters/big", "max_loaded": 4, "max_rank": 16})
+    h, kv, mlp, layers = 8192, 8 * 128, 28672, 80
+    per_layer = 16 * (2 * h + 2 * (h + kv) + 2 * h + 2 * (h + mlp) + (mlp + h))  # q, k, v, o, gate, up, down
+    assert room.weights - plain.weights == 4 * per_layer * layers * 2  # bf16
+    assert any("4 LoRA adapter(s) loaded on demand, rank up to 16" in n for n in notes)

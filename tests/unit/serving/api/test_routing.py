@@ -52,6 +52,11 @@ def test_the_key_is_the_engines_own_block_hashes_of_the_prompt_a_replica_renders
     assert adapted.hashes == tuple(h[:HASH_BYTES] for h in block_hashes(ids[:-1], BLOCK, [], cache_salt("terse")))
     assert adapted.hashes[0] != _key(text).hashes[0]
     assert routing_key(tok, BLOCK, {"model": "m", "prompt": ids}, adapters).hashes == _key(text).hashes
+    # Adapters loaded on demand (engine.dynamic_adapters): any name but the base model's is hashed from its name.
+    on_demand = routing_key(tok, BLOCK, {"model": "shout", "prompt": ids}, adapters, base="m")
+    assert on_demand.hashes == tuple(h[:HASH_BYTES] for h in block_hashes(ids[:-1], BLOCK, [], cache_salt("shout")))
+    assert routing_key(tok, BLOCK, {"model": "m", "prompt": ids}, adapters, base="m").hashes == _key(text).hashes
+    assert routing_key(tok, BLOCK, {"model": "shout", "prompt": ids}, adapters).hashes == _key(text).hashes
     # Same first blocks, same first hashes: a longer question on the same system prompt shares its prefix.
     longer = _key(text + " and one more question")
     assert longer.hashes[: len(_key(text).hashes)] == _key(text).hashes

@@ -1147,6 +1147,68 @@ def test_lora_adapters_are_models_clients_name_and_each_answers_as_peft(model_di
             client.completions.create(model="whisper", prompt="hi", max_tokens=1)
 
 
+def test_adapters_load_on_demand_from_object_storage_by_the_name_a_request_gives(model_dir, tmp_path, s3_root):
+    """engine.dynamic_adapters with an s3:// root (a real S3-protocol server), one slot, in an engine process: each
+    adapter named in `model` is fetched, loaded and answers peft's greedy tokens, the other evicted and loaded again
+    as they alternate; GET /v1/models lists those fetched; a name with no adapter at the root is a 404 naming the
+    root, a name outside the grammar a 404 without a look, an adapter above max_rank a 400 naming `model`."""
+    import openai
+    from openai import OpenAI
+    from peft import LoraConfig, get_peft_model
+
+    from pylon import storage
+
+    prompt = list(b"the quick brown fox")
+
+    @torch.no_grad()
+    def greedy(model) -> list[int]:
+        ids = list(prompt)
+        for _ in range(10):
+            ids.append(int(model.eval()(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt) :]
+
+    expected = {}
+    for seed, (name, r) in enumerate((("shout", 4), ("hush", 8), ("wide", 32))):
+        torch.manual_seed(seed)
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+            LoraConfig(r=r, lora_alpha=r, target_modules=["c_attn", "c_fc"], init_lora_weights=False),
+        )
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(20)
+        model.save_pretrained(tmp_path / name)
+        expected[name] = greedy(model)
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            storage.upload_file(tmp_path / name / file, storage.join(s3_root, name, file))
+    assert expected["shout"] != expected["hush"]
+    dynamic = {"root": s3_root, "max_loaded": 1, "max_rank": 16}
+    with serving(model_dir, max_model_len=256, kv_cache_tokens=1024, dynamic_adapters=dynamic) as (url, replica):
+        client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        for model in ("shout", "hush", "shout", "hush"):
+            r = requests.post(f"{url}/v1/completions", headers=auth(), json={**body, "model": model}, timeout=60)
+            assert r.status_code == 200, r.text
+            text = requests.post(
+                f"{url}/detokenize", headers=auth(), json={"model": model, "tokens": expected[model]}, timeout=60
+            )
+            assert (r.json()["model"], r.json()["choices"][0]["text"]) == (model, text.json()["prompt"])
+        stats = replica.engine.stats()
+        assert (stats.adapter_loads_total, stats.adapter_evictions_total) == (4, 3)
+        cards = client.models.list().data
+        assert [(m.id, m.parent) for m in cards] == [("tiny", None), ("shout", "tiny"), ("hush", "tiny")]
+        with pytest.raises(openai.NotFoundError, match=r"model 'nope' does not exist: .*s3://.*/nope .*no adapter"):
+            client.completions.create(model="nope", prompt="hi", max_tokens=1)
+        with pytest.raises(openai.NotFoundError, match=r"model \"\.\./shout\" does not exist; this server has 'tiny'"):
+            client.completions.create(model="../shout", prompt="hi", max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match=r"model 'wide': s3://\S+/wide \(endpoint .* rank 32, above"):
+            client.completions.create(model="wide", prompt="hi", max_tokens=1)
+        r = requests.post(f"{url}/v1/completions", headers=auth(), json={**body, "model": "tiny"}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
 # A Qwen3-like generation_config.json (two eos ids, sampling defaults), over the tiny model.
 GENERATION_CONFIG = {
     "eos_token_id": [300, 256],
