@@ -16,6 +16,14 @@ The mask is causal with an offset, as an additive bias built once per step: quer
 starts at position `start` sees keys 0..start+q, which is what makes a prompt chunked across steps compute
 exactly what one pass would.
 
+A layer with a sliding window (`families.layer_windows`) sees only the last `window` of those keys: the query at
+position p, keys p - window + 1 .. p, as `transformers` masks them. Its metadata (`build_metadata(window=...)`) puts
+the window into the decode groups' bias and the prompt chunks' masks (a chunk that starts its prompt gets a mask
+too, in place of `is_causal`, once the window cuts into it), and never goes to the compiled kernels, which take no
+window. The keys before the window stay in the cache and are gathered and masked out (a windowed sequence still holds
+blocks for its whole context: freeing those that fall out of the window is not done). A model without a window
+builds exactly the metadata it would without this.
+
 Prompt chunks are attended one sequence at a time by torch's fused `scaled_dot_product_attention` (a flash
 kernel on CPU and CUDA: it skips the masked half of a causal square and never materialises the scores): a
 chunk that starts the prompt attends over its own fresh keys with `is_causal`, a later chunk over its cached
@@ -28,6 +36,7 @@ included, through the block table (`PromptChunk.key_blocks`). On a GPU the runne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -102,7 +111,8 @@ class PromptChunk:
     num_new: int
     key_blocks: torch.Tensor | None  # its block table up to its last new token (None when start == 0, unless the
     # prefill kernel reads even a fresh prompt's keys from the cache: `AttentionMetadata.prefill`)
-    mask: torch.Tensor | None  # [num_new, start + num_new] bool: True where the query may attend the key (SDPA's)
+    mask: torch.Tensor | None  # [num_new, start + num_new] bool: True where the query may attend the key (SDPA's);
+    # None with key_blocks None: plain causal attention over the chunk's own keys (`is_causal`)
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,17 @@ class AttentionMetadata:
     kernel: bool = False  # decode groups go to the compiled kernel (pylon.serving.model.kernels)
     chunks: tuple[PromptChunk, ...] = ()
     prefill: bool = False  # prompt chunks go to the compiled prefill kernel (kernels.prefill_attention_)
+    window: int | None = None  # the sliding window its masks apply (None: plain causal attention)
+    # The metadata of the model's windowed layers, where they mix with layers of full attention (Qwen's
+    # max_window_layers): the same step and slot mapping, with the window. None where every layer attends as this
+    # metadata says (a model with no window, or windowed in every layer: then this one has the window).
+    windowed: AttentionMetadata | None = None
+
+    def over_cache(self) -> AttentionMetadata:
+        """This metadata (and its `windowed`) without the slot mapping: the keys and values are already in the cache
+        (a step of decodes only's last layer: `Final`)."""
+        windowed = self.windowed.over_cache() if self.windowed is not None else None
+        return dataclasses.replace(self, slot_mapping=None, windowed=windowed)
 
 
 class Workspace:
@@ -240,6 +261,7 @@ def build_metadata(
     stage: HostStage | None = None,
     slots: bool = True,
     rounded: bool = False,
+    window: int | None = None,
 ) -> AttentionMetadata:
     """What every layer's attention needs to know about this step, for `seqs` in their flat token order.
     `kernel`: decodes are attended by the compiled paged kernel, in place, so they form one group. `prefill`: prompt
@@ -247,7 +269,12 @@ def build_metadata(
     step's HostStage, which the caller sends (without one, the lists go over before this returns); `slots`: make the
     slot mapping (else None: see `final_metadata`). `rounded`: the cache is narrower than the model computes
     (kv_cache_dtype), and every prompt chunk, the first too, attends over the keys and values read back from it, so a
-    prompt's outputs do not depend on where its chunks start: in one chunk, in several, or after a cached prefix."""
+    prompt's outputs do not depend on where its chunks start: in one chunk, in several, or after a cached prefix.
+    `window`: the layers it is for have this sliding window (`families.layer_windows`): every query attends to the
+    `window` keys up to its own only, and neither kernel runs (`kernel` and `prefill` are ignored: they take no
+    window)."""
+    if window is not None:
+        kernel = prefill = False
     own = stage is None
     stage = stage or HostStage(device)
     # Plain Python ints, one tensor at the end: a step of 32 decodes would otherwise make ~100 tiny tensors.
@@ -275,16 +302,20 @@ def build_metadata(
         parts = min(DECODE_GROUPS, max(1, len(decodes) // MIN_GROUP))
     bounds = [round(j * len(decodes) / parts) for j in range(parts + 1)]
     members = [decodes[a:b] for a, b in zip(bounds, bounds[1:])]
-    make = _kernel_group if kernel else _group
-    groups = [
-        make([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype, stage) for m in members if m
-    ]
+    if kernel:
+        groups = [_kernel_group([seqs[i] for i in m], [offsets[i] for i in m], block_size, stage) for m in members if m]
+    else:
+        groups = [
+            _group([seqs[i] for i in m], [offsets[i] for i in m], block_size, device, dtype, stage, window)
+            for m in members
+            if m
+        ]
     chunks = tuple(
-        _chunk(seq, offset, block_size, device, prefill, stage, rounded)
+        _chunk(seq, offset, block_size, device, prefill, stage, rounded, window)
         for seq, offset in zip(seqs, offsets)
         if seq.num_new > 1
     )
-    meta = AttentionMetadata(stage.add(slot_list) if slots else None, groups, kernel, chunks, prefill)
+    meta = AttentionMetadata(stage.add(slot_list) if slots else None, groups, kernel, chunks, prefill, window)
     if own:
         stage.send()
     return meta
@@ -298,12 +329,13 @@ def final_metadata(
     *,
     kernel: bool = False,
     stage: HostStage | None = None,
+    window: int | None = None,
 ) -> AttentionMetadata:
     """The last layer's attention for the step's sampling tokens only, one query each: `seqs` are
     `SequenceSlice(position, 1, table)` of each sampling token, in the order of the queries. Their keys and values,
     the step's included, are in the cache when it runs (the layer stores every token's first), so it stores
-    nothing and every query is a decode over the cache."""
-    return build_metadata(seqs, block_size, device, dtype, kernel=kernel, stage=stage, slots=False)
+    nothing and every query is a decode over the cache. `window`: as `build_metadata`'s."""
+    return build_metadata(seqs, block_size, device, dtype, kernel=kernel, stage=stage, slots=False, window=window)
 
 
 def padded_tables(tables: Iterable[list[int]], num_blocks: int) -> list[int]:
@@ -321,8 +353,6 @@ def _kernel_group(
     seqs: list[SequenceSlice],
     offsets: list[int],
     block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
     stage: HostStage,
 ) -> AttentionGroup:
     """Decodes for the kernel, which needs only block tables and lengths: no padding, no mask (plain Python,
@@ -350,17 +380,28 @@ def _chunk(
     prefill: bool,
     stage: HostStage,
     rounded: bool = False,
+    window: int | None = None,
 ) -> PromptChunk:
-    if seq.start == 0 and not prefill and not rounded:  # its keys are its own new tokens: plain causal attention
-        return PromptChunk(offset, 0, seq.num_new, None, None)
     num_keys = seq.start + seq.num_new
+    # The window hides keys from some of the chunk's queries: its last query's, at position num_keys - 1, begin at
+    # num_keys - window (within the window, windowed attention is causal attention).
+    cut = window is not None and num_keys > window
+    if seq.start == 0 and not prefill and not rounded:  # its keys are its own new tokens: plain causal attention
+        if not cut:
+            return PromptChunk(offset, 0, seq.num_new, None, None)
+        key = torch.arange(num_keys, device=device)
+        mask = (key[None, :] <= key[:, None]) & (key[None, :] > key[:, None] - window)
+        return PromptChunk(offset, 0, seq.num_new, None, mask)
     blocks = stage.add(seq.block_table[: -(-num_keys // block_size)])
     if prefill:  # the kernel reads every key through the block table and masks by position itself
         return PromptChunk(offset, seq.start, seq.num_new, blocks, None)
     # Made where it is used: on a GPU, building the [num_new, num_keys] mask on the host and copying it over took
     # ~0.5 ms a chunk (torch.profiler on an H100: `aten::le` on the CPU 0.42 ms, then a pageable copy).
     position = torch.arange(seq.start, num_keys, device=device)
-    mask = torch.arange(num_keys, device=device)[None, :] <= position[:, None]
+    key = torch.arange(num_keys, device=device)
+    mask = key[None, :] <= position[:, None]
+    if cut:  # and past its window: the query at position p sees keys p - window + 1 .. p
+        mask &= key[None, :] > position[:, None] - window
     return PromptChunk(offset, seq.start, seq.num_new, blocks, mask)
 
 
@@ -371,9 +412,11 @@ def _group(
     device: torch.device,
     dtype: torch.dtype,
     stage: HostStage,
+    window: int | None = None,
 ) -> AttentionGroup:
     """Decodes (one new token each) in one padded batch: each sequence's keys up to the group's longest context,
-    masked past its own (the bias is made on the device, from the lengths, once they are there)."""
+    masked past its own (the bias is made on the device, from the lengths, once they are there); with a `window`,
+    masked before its window too (its query, at position n - 1 of a context of n keys, sees keys n - window ..)."""
     num_keys = [s.start + 1 for s in seqs]
     K, B = max(num_keys), len(seqs)
     num_blocks = -(-K // block_size)
@@ -381,12 +424,18 @@ def _group(
     table = stage.add(padded_tables((seq.block_table for seq in seqs), num_blocks))
     lens = stage.add(num_keys)
     bias = torch.empty(B, 1, K, dtype=dtype, device=device)
-    stage.then(
-        lambda: bias.zero_().masked_fill_(
-            torch.arange(K, device=device)[None, None, :] >= lens[:, None, None], float("-inf")
-        )
-    )
+    keys = torch.arange(K, device=device)
+    stage.then(lambda: bias.zero_().masked_fill_(decode_mask(keys, lens, window), float("-inf")))
     return AttentionGroup(tokens.view(-1, 1), torch.arange(B, device=device), tokens, table, num_blocks, K, bias, lens)
+
+
+def decode_mask(keys: torch.Tensor, lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """`[B, 1, K]` bool, True where a decode may not attend: the `keys` (`arange(K)`) at or past each sequence's
+    context length `lens` (`[B]`), and with a `window` those before its last `window` (`_group`; CUDA graphs)."""
+    hidden = keys[None, None, :] >= lens[:, None, None]
+    if window is not None:
+        hidden |= keys[None, None, :] < (lens - window)[:, None, None]
+    return hidden
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
@@ -452,14 +501,14 @@ def paged_attention(
             kernels.prefill_attention_(out[rows], q[rows], k_cache, v_cache, c.key_blocks, c.start, scale)
             continue
         queries = q[rows].transpose(0, 1)[None]  # [1, heads, num_new, D]
-        if c.key_blocks is None:
-            keys, values, mask = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None], None
+        if c.key_blocks is None:  # a chunk that starts its prompt: its own keys (causal, or masked by a window)
+            keys, values = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
         else:
             num_keys = c.start + c.num_new
             keys = k_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
             values = v_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
             keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops where the cache is stored as computed
-            mask = c.mask
+        mask = c.mask
         attended = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=share > 1
         )

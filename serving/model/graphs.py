@@ -7,7 +7,9 @@ do. A graph replays fixed shapes at fixed addresses, so a step of B decodes runs
 
 - rows past B are token 0 at position 0 with one key, stored in a scratch block the pool never hands out
   (`ModelRunner.add_scratch_block`);
-- block tables are padded with block 0, and the attention bias is made inside the graph from the context lengths.
+- block tables are padded with block 0, and the attention bias is made inside the graph from the context lengths
+  (with the model's sliding window where it has one: a second bias for its windowed layers where they mix with full
+  ones, as `ModelRunner.execute_step` builds a second metadata).
 
 The step is the eager path's arithmetic, so a graph computes what the eager step computes. Steps with a prompt chunk,
 or larger than any graph, run eagerly. Every shape is captured at start-up (`capture_all`, largest first); shapes
@@ -24,7 +26,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pylon.serving.model.attention import AttentionGroup, AttentionMetadata, Final, Workspace, padded_tables
+from pylon.serving.model.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    Final,
+    Workspace,
+    decode_mask,
+    padded_tables,
+)
 from pylon.serving.model.step import StepSequence
 
 GATHER_BYTES = 1 << 30  # the most a graph's step may gather of keys and values (bytes, all of a layer's heads)
@@ -159,13 +168,20 @@ class DecodeGraphs:
             bias=bias,
             context_lens=context_lens,
         )
-        meta = AttentionMetadata(slots, [group])
-        final = Final(None, dataclasses.replace(meta, slot_mapping=None))
+        window, mixed = runner.step_window, runner.mixed_window  # see ModelRunner.layer_windows
+        windowed = None
+        if mixed is not None:  # the windowed layers' group: the same, but for its bias
+            mixed_bias = torch.zeros_like(bias)
+            windowed = AttentionMetadata(slots, [dataclasses.replace(group, bias=mixed_bias)], window=mixed)
+        meta = AttentionMetadata(slots, [group], window=window, windowed=windowed)
+        final = Final(None, meta.over_cache())
 
         logits = self.logits[:b]
 
         def step() -> torch.Tensor:
-            bias.zero_().masked_fill_((keys[None, None, :] >= context_lens[:, None, None]), float("-inf"))
+            bias.zero_().masked_fill_(decode_mask(keys, context_lens, window), float("-inf"))
+            if mixed is not None:
+                mixed_bias.zero_().masked_fill_(decode_mask(keys, context_lens, mixed), float("-inf"))
             hidden = runner.forward(ids, positions, meta, final, Workspace())
             return logits.copy_(runner.model.lm_head(hidden))
 

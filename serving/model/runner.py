@@ -47,7 +47,7 @@ from pylon.serving.model.attention import (
     prompt_attention_backends,
     store_kv_pair,
 )
-from pylon.serving.model.families import SUPPORTED_MODEL_TYPES, attention_window
+from pylon.serving.model.families import SUPPORTED_MODEL_TYPES, layer_windows
 from pylon.serving.model.graphs import DecodeGraphs
 from pylon.serving.model.step import StepSequence
 from pylon.settings import switched_on
@@ -272,19 +272,19 @@ class ModelRunner:
             _pack_llama(self.model, quantization)
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
-        # A sliding window is not implemented here: within it, windowed attention is full attention, so the context
-        # stops at the window (Mistral 7B v0.1: 4,096 of 32,768 positions) and every output stays the model's own.
-        self.attention_window = attention_window(config)
-        if self.attention_window is not None and self.attention_window < self.max_position_embeddings:
-            log.warning(
-                "model %s: its attention has a sliding window of %d tokens, which this engine does not implement; "
-                "contexts stop at %d tokens (of its %d positions)",
-                model_dir,
-                self.attention_window,
-                self.attention_window,
-                self.max_position_embeddings,
-            )
-            self.max_position_embeddings = self.attention_window
+        # Each layer's sliding window (None: full attention; families.layer_windows), applied by the attention
+        # metadata of the step (pylon.serving.model.attention): `step_window` in the step's own metadata, which every
+        # layer reads, where every layer has the window (Mistral); where windowed layers mix with full ones (Qwen's
+        # max_window_layers), `mixed_window` in a second metadata for the windowed ones (`AttentionMetadata.windowed`).
+        # Windowed metadata never goes to the compiled kernels. The blocks of a sequence's keys that fall out of
+        # the window are kept (and masked out): freeing them is not done.
+        self.layer_windows = layer_windows(config)
+        self.attention_window = next((w for w in self.layer_windows if w is not None), None)
+        if len({w for w in self.layer_windows if w is not None}) > 1:
+            raise PylonError(f"model {model_dir}: its layers have sliding windows of different sizes")
+        every = all(w is not None for w in self.layer_windows)
+        self.step_window = self.attention_window if every else None
+        self.mixed_window = None if every else self.attention_window
         self.block_size = block_size
 
         num_heads = config.num_attention_heads
@@ -441,9 +441,22 @@ class ModelRunner:
             prefill=self.prefill,
             stage=stage,
             rounded=self.kv_dtype != self.dtype,
+            window=self.step_window,
         )
+        if self.mixed_window is not None:  # the windowed layers' metadata: the same step, through the same slots
+            windowed = build_metadata(
+                seqs,
+                self.block_size,
+                self.device,
+                self.dtype,
+                stage=stage,
+                slots=False,
+                rounded=self.kv_dtype != self.dtype,
+                window=self.mixed_window,
+            )
+            meta = dataclasses.replace(meta, windowed=dataclasses.replace(windowed, slot_mapping=meta.slot_mapping))
         if len(last_tokens) == len(token_ids) == len(steps):  # decodes only: the last layer's queries are the step's
-            final = Final(None, dataclasses.replace(meta, slot_mapping=None))
+            final = Final(None, meta.over_cache())
         else:
             # Each row's query over the cache: a prompt_logits sequence's every token (each one query, as a decode
             # would be), the other sampling sequences' last token.
@@ -454,12 +467,7 @@ class ModelRunner:
                     finals.extend(SequenceSlice(p, 1, table) for p in range(s.start, s.start + s.num_new_tokens))
                 elif s.samples:
                     finals.append(SequenceSlice(s.start + s.num_new_tokens - 1, 1, s.block_table))
-            final = Final(
-                stage.add(last_tokens),
-                final_metadata(finals, self.block_size, self.device, self.dtype, kernel=self.kernel, stage=stage)
-                if finals
-                else None,
-            )
+            final = Final(stage.add(last_tokens), self._final_metadata(finals) if finals else None)
         if final.rows is not None and self.pad_rows:
             # A step with a prompt chunk: its projections run over one of a few row counts (linear.padded_rows),
             # the extra rows token 0 at position 0, which store nothing, attend nothing and sample nothing.
@@ -484,6 +492,14 @@ class ModelRunner:
         rest = sorted(set(range(len(hidden))) - set(pooled))
         logits = self.model.lm_head(hidden[rest]) if rest else hidden.new_empty(0, self.vocab_size)
         return logits.float(), hidden[pooled].float()
+
+    def _final_metadata(self, finals: list[SequenceSlice]) -> AttentionMetadata:
+        """`final_metadata` of the step's sampling queries `finals`, with the windowed layers' (see `step_window`)."""
+        args = (finals, self.block_size, self.device, self.dtype)
+        meta = final_metadata(*args, kernel=self.kernel, stage=self.stage, window=self.step_window)
+        if self.mixed_window is None:
+            return meta
+        return dataclasses.replace(meta, windowed=final_metadata(*args, stage=self.stage, window=self.mixed_window))
 
     def _check_adapters(self, steps: list[StepSequence]) -> None:
         served = self.adapter_set.slots if self.adapter_set is not None else {}
@@ -544,7 +560,13 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Layer i's attention output and the hidden states it is added to: every token's, or in the `last`
         layer the sampling tokens' only (see Final); `(None, h)` there when no token samples. Rows past the step's
-        tokens (`execute`'s padding) have their keys and values stored nowhere and an attention output of zeros."""
+        tokens (`execute`'s padding) have their keys and values stored nowhere and an attention output of zeros.
+        A layer with a sliding window attends through the windowed metadata, where the step has one of its own
+        (`AttentionMetadata.windowed`)."""
+        if meta.windowed is not None and self.layer_windows[i] is not None:
+            meta = meta.windowed
+            if final.meta is not None:
+                final = Final(final.rows, final.meta.windowed)
         if meta.slot_mapping is not None and len(k) > len(meta.slot_mapping):
             k, v = k[: len(meta.slot_mapping)], v[: len(meta.slot_mapping)]
         if not last:

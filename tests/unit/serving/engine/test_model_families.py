@@ -1,14 +1,28 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3) in the engine: greedy output
 token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax; int8 projections computing the dequantized model; LoRA adapters
-computing what peft computes; and a sliding window (Mistral 7B v0.1's) capping the context at the window, within which
-windowed attention is the full attention the engine computes."""
+computing what peft computes; and a sliding window (Mistral's in every layer, Qwen2's in the layers from
+max_window_layers on) applied as transformers applies it, through batching, chunked prefill, the prefix cache,
+speculative verification and fixed-shape decode steps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from engine_models import GREEDY, LLAMA_LIKE, NEW_TOKENS, PROMPTS, Family, hf_greedy, run, spec, tokens_of
+from engine_models import (
+    GREEDY,
+    LLAMA_LIKE,
+    NEW_TOKENS,
+    ON_CUDA,
+    PROMPTS,
+    Family,
+    assert_pool_empty,
+    hf_greedy,
+    run,
+    spec,
+    speculating,
+    tokens_of,
+)
 from test_lora_engine import save_adapter
 from test_serving_logprobs import INIT, check_request
 from test_serving_quant_engine import _dequantized_copy, _greedy, _last_logits, _rel
@@ -16,8 +30,7 @@ from transformers import AutoConfig
 
 from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
-from pylon.serving.errors import InvalidRequest
-from pylon.serving.model.families import attention_window
+from pylon.serving.model.families import attention_window, layer_windows
 from pylon.serving.model.quant import QuantLinear
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -91,22 +104,122 @@ def test_a_lora_adapter_computes_what_peft_computes(family, tmp_path) -> None:
     assert [tokens_of(outputs[f"base-{i}"]) for i in range(len(PROMPTS))] == family.greedy
 
 
-def test_a_sliding_window_caps_the_context_at_the_window(tmp_path) -> None:
-    windowed = Family("mistral", tmp_path / "mistral-window", sliding_window=48)
-    assert attention_window(windowed.model.config) == 48
-    engine = windowed.engine()
-    assert engine.max_model_len == 48  # of the spec's 256 and the model's 256 positions
-    fits = [p for p in PROMPTS if len(p) + NEW_TOKENS <= 48]
-    for i, p in enumerate(fits):
-        engine.add_request(str(i), p, GREEDY)
-    outputs = run(engine)
-    assert [tokens_of(outputs[str(i)]) for i in range(len(fits))] == [windowed.greedy[PROMPTS.index(p)] for p in fits]
-    with pytest.raises(InvalidRequest, match="max_model_len"):
-        engine.add_request("long", PROMPTS[2], GREEDY)  # 40 tokens + 20 new: past the window
+# Sliding windows narrower than the prompts and continuations (and than a block, or one block exactly), at every
+# layer (Mistral) or at the layers from max_window_layers on (Qwen2: layer 0 full, 1 and 2 windowed).
+WINDOWED = {
+    "mistral": {"sliding_window": 13},
+    "qwen2": {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 3},
+}
+_g = torch.Generator().manual_seed(2)
+WINDOW_PROMPTS = [torch.randint(0, 256, (n,), generator=_g).tolist() for n in (40, 90, 57, 33, 3, 17, 5, 12)]
+WINDOW_NEW = 30
+WINDOW_GREEDY = SamplingParams(max_tokens=WINDOW_NEW, temperature=0)
+
+
+class Windowed(Family):
+    """A family with a sliding window, and transformers' greedy continuations of WINDOW_PROMPTS (`window_greedy`) and
+    those of the same weights without the window (`unwindowed`): the test's window must change what transformers
+    computes, or an engine that ignored it would pass."""
+
+    def __init__(self, name: str, directory):
+        super().__init__(name, directory, **WINDOWED[name])
+        self.window_greedy = [self.hf_greedy(p, WINDOW_NEW) for p in WINDOW_PROMPTS]
+        config = self.model.config.__class__.from_dict(self.model.config.to_dict())
+        config.sliding_window, config.layer_types = None, ["full_attention"] * config.num_hidden_layers
+        full = type(self.model)(config).to(self.model.device).eval()
+        full.load_state_dict(self.model.state_dict())
+        self.unwindowed = [hf_greedy(full, p, WINDOW_NEW) for p in WINDOW_PROMPTS]
+
+
+@pytest.fixture(scope="module", params=list(WINDOWED))
+def windowed(request, tmp_path_factory) -> Windowed:
+    return Windowed(request.param, tmp_path_factory.mktemp(f"{request.param}-window"))
+
+
+def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
+    model = windowed.model.model
+    if windowed.name == "mistral":
+        assert layer_windows(windowed.model.config) == [13, 13]
+        assert model.config.sliding_window == 13 and model.layers[0].self_attn.config.sliding_window == 13
+    else:
+        assert layer_windows(windowed.model.config) == [None, 16, 16]
+        assert [layer.self_attn.sliding_window for layer in model.layers] == [None, 16, 16]
+    assert attention_window(windowed.model.config) == WINDOWED[windowed.name]["sliding_window"]
+    # The window changes transformers' continuations: an engine that ignored it would not pass the tests below.
+    assert sum(a != b for a, b in zip(windowed.window_greedy, windowed.unwindowed)) >= len(WINDOW_PROMPTS) - 2
 
     # A window every layer leaves off is no window: Qwen's configs clear it unless use_sliding_window is set.
-    common = {"model_type": "qwen2", "max_position_embeddings": 4096, "sliding_window": 1024}
-    assert attention_window(AutoConfig.for_model(**common)) is None
-    assert attention_window(AutoConfig.for_model(**common, use_sliding_window=True, max_window_layers=0)) == 1024
+    common = {"model_type": "qwen2", "max_position_embeddings": 4096, "sliding_window": 1024, "num_hidden_layers": 4}
+    assert layer_windows(AutoConfig.for_model(**common)) == [None] * 4
+    assert layer_windows(AutoConfig.for_model(**common, use_sliding_window=True, max_window_layers=0)) == [1024] * 4
+    assert layer_windows(AutoConfig.for_model(**common, use_sliding_window=True, max_window_layers=3)) == [None] * 3 + [
+        1024
+    ]
+    assert attention_window(AutoConfig.for_model(**common, use_sliding_window=True, max_window_layers=3)) == 1024
     assert attention_window(AutoConfig.for_model("mistral", sliding_window=None)) is None
     assert attention_window(AutoConfig.for_model("llama")) is None
+    assert attention_window(AutoConfig.for_model("gpt2")) is None
+
+
+def test_a_sliding_window_is_transformers_own_through_batching_chunks_and_the_prefix_cache(windowed) -> None:
+    """Prompts and continuations well past the window, all in one batch of different lengths: decodes in padded
+    groups, prompts in one chunk each (the first chunk masked by the window in place of `is_causal`), then split across
+    steps (max_num_batched_tokens 32), then again from the prefix cache, and a prompt that shares a cached prefix."""
+    for fields in ({}, {"max_num_batched_tokens": 32, "max_num_seqs": 4}):
+        engine = windowed.engine(**fields)
+        assert engine.max_model_len == 256  # the spec's, and the model's positions: the window does not cap it
+        runner = engine.runner
+        if windowed.name == "mistral":  # one metadata, windowed, for every layer
+            assert (runner.step_window, runner.mixed_window) == (13, None)
+        else:  # a second one for the windowed layers
+            assert (runner.step_window, runner.mixed_window) == (None, 16)
+        for i, p in enumerate(WINDOW_PROMPTS):
+            engine.add_request(str(i), p, WINDOW_GREEDY)
+        outputs = run(engine)
+        assert [tokens_of(outputs[str(i)]) for i in range(len(WINDOW_PROMPTS))] == windowed.window_greedy, fields
+        for i, p in enumerate(WINDOW_PROMPTS):
+            engine.add_request(f"again-{i}", p, WINDOW_GREEDY)
+        shared = WINDOW_PROMPTS[1][:64] + WINDOW_PROMPTS[0][:20]  # four blocks of a cached prompt, then its own
+        engine.add_request("shared", shared, WINDOW_GREEDY)
+        outputs = run(engine)
+        assert [tokens_of(outputs[f"again-{i}"]) for i in range(len(WINDOW_PROMPTS))] == windowed.window_greedy, fields
+        assert sum(outputs[f"again-{i}"][0].num_cached_tokens for i in range(len(WINDOW_PROMPTS))) >= 16 * 8
+        assert outputs["shared"][0].num_cached_tokens == 64
+        assert tokens_of(outputs["shared"]) == windowed.hf_greedy(shared, WINDOW_NEW)
+        assert_pool_empty(engine)
+
+
+def test_a_sliding_window_holds_through_speculative_verification(windowed) -> None:
+    """Drafts verified several queries a sequence at once (a chunk over the cache, masked by the window)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = []
+    for n in (7, 11, 18):  # phrases that repeat: prompt lookup finds drafts
+        phrase = torch.randint(0, 256, (n,), generator=g).tolist()
+        prompts.append(phrase * 3 + phrase[: n // 2])
+    engine = speculating(windowed.engine(speculative={"method": "ngram", "num_tokens": 4}))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, WINDOW_GREEDY)
+    outputs = run(engine)
+    assert [tokens_of(outputs[str(i)]) for i in range(len(prompts))] == [
+        windowed.hf_greedy(p, WINDOW_NEW) for p in prompts
+    ]
+    assert engine.stats().spec_verify_steps_total > 0
+
+
+def test_a_sliding_window_holds_in_fixed_shape_decode_steps_over_a_staged_step(windowed) -> None:
+    """What a GPU runs: decode steps in fixed shapes (CUDA graphs; here run eagerly, `capture=False`), their bias made
+    from the context lengths with the window, and each step's integer tensors staged in one copy."""
+    from pylon.serving.model.attention import HostStage
+    from pylon.serving.model.graphs import DecodeGraphs
+
+    engine = windowed.engine()
+    runner = engine.runner
+    if not ON_CUDA:
+        runner.stage = HostStage(runner.device, staged=True)
+        runner.add_scratch_block()
+        runner.decode_graphs = DecodeGraphs(runner, 8, engine.max_model_len, capture=False)
+        runner.decode_graphs.capture_all()
+    got = [c.token_ids for c in engine.generate(WINDOW_PROMPTS, WINDOW_GREEDY)]
+    assert got == windowed.window_greedy
+    assert runner.decode_graphs.replays >= WINDOW_NEW - 1
+    assert_pool_empty(engine)

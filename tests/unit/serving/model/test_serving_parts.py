@@ -229,6 +229,7 @@ def check_paged_attention(
     *,
     prefill: bool = False,
     stage: HostStage | None = None,
+    window: int | None = None,
 ) -> None:
     if kernel:
         from pylon.serving.model import kernels
@@ -261,10 +262,12 @@ def check_paged_attention(
         cat = lambda xs: torch.cat([xs[i][starts[i] : starts[i] + counts[i]] for i in live])  # noqa: E731
         if stage is not None:
             stage.begin()
-        meta = build_metadata(seqs, block_size, torch.device("cpu"), kernel=kernel, prefill=prefill, stage=stage)
+        meta = build_metadata(
+            seqs, block_size, torch.device("cpu"), kernel=kernel, prefill=prefill, stage=stage, window=window
+        )
         if stage is not None:
             stage.send()
-        assert meta.prefill == prefill
+        assert meta.prefill == (prefill and window is None) and meta.window == window
         return paged_attention(cat(q), cat(k), cat(v), k_cache, v_cache, meta, dim**-0.5), live
 
     run_step([0] * len(cached), [c if c else 0 for c in cached])  # what earlier steps cached
@@ -273,21 +276,43 @@ def check_paged_attention(
     for i in live:
         # A chunk that starts its prompt attends over its fresh keys and values; everything else over the cache's.
         rounded = (lambda x: x) if cached[i] == 0 else (lambda x: x.to(kv_dtype).float())  # noqa: E731
+        causal = torch.ones(total[i], total[i], dtype=torch.bool).tril()
+        if window is not None:  # transformers' sliding window: the query at p sees keys p - window + 1 .. p
+            causal &= torch.ones(total[i], total[i], dtype=torch.bool).triu(1 - window)
         dense = F.scaled_dot_product_attention(
             q[i][None].transpose(1, 2),
             rounded(k[i])[None].transpose(1, 2),
             rounded(v[i])[None].transpose(1, 2),
             is_causal=False,
             enable_gqa=True,
-            attn_mask=torch.ones(total[i], total[i], dtype=torch.bool).tril(),
+            attn_mask=causal,
         )
         expected = dense[0].transpose(0, 1)[cached[i] :]
         torch.testing.assert_close(out[offset : offset + new[i]], expected)
         offset += new[i]
     if kv_dtype != torch.float32:  # and the cache really holds the narrower values (not float32 ones)
         assert k_cache.dtype == kv_dtype and not torch.equal(rounded(k[5]), k[5])
-    if prefill:  # and the kernel really ran: every chunk found through its block table
+    if prefill and window is None:  # and the kernel really ran: every chunk found through its block table
         assert all(c.key_blocks is not None and c.mask is None for c in meta_chunks(tables, cached, new, block_size))
+
+
+# A sliding window (pylon.serving.model.families.layer_windows): of one key (the query's own), of fewer keys than a block
+# and than the fresh prompt (whose chunk gets a mask in place of `is_causal`), of several blocks, of more keys than any
+# sequence has (attention as without one). The kernels take no window: asked for, they are not used.
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel-asked"])
+@pytest.mark.parametrize("window", [1, 3, 5, 16, 100])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_with_a_sliding_window_equals_dense_windowed_attention(
+    kernel: bool, window: int, kv_dtype: torch.dtype
+) -> None:
+    check_paged_attention(kernel, 2, 32, 4, kv_dtype, prefill=kernel, window=window)
+    fresh = meta_chunks([[0, 1]], [0], [7], 4, window=window)[0]  # 7 tokens starting a prompt
+    assert fresh.key_blocks is None and (fresh.mask is None) == (window >= 7)
+
+
+def test_a_staged_step_applies_the_window_to_the_decode_bias() -> None:
+    """The decode groups' bias is made from the lengths after the copy (HostStage), with the window."""
+    check_paged_attention(False, 2, 32, 4, torch.float32, stage=HostStage("cpu", staged=True), window=5)
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
@@ -310,9 +335,9 @@ def test_metadata_staged_in_one_copy_attends_as_unstaged(kernel: bool, min_size:
         assert stage.copies == 1  # the step's every integer tensor in one copy
 
 
-def meta_chunks(tables, cached, new, block_size):
+def meta_chunks(tables, cached, new, block_size, window=None):
     seqs = [SequenceSlice(c, n, t) for c, n, t in zip(cached, new, tables)]
-    return build_metadata(seqs, block_size, torch.device("cpu"), kernel=True, prefill=True).chunks
+    return build_metadata(seqs, block_size, torch.device("cpu"), kernel=True, prefill=True, window=window).chunks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
