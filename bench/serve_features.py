@@ -61,6 +61,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -170,10 +171,11 @@ def throughput(
     prompts=None,
     shaping: dict | None = None,
     adapters: list | None = None,
+    adapter_root: str | None = None,
 ) -> float:
     """Output tokens/s of `requests` greedy requests, `concurrency` open at a time (closed loop); `shaping`:
     SamplingParams' penalties and logit_bias for them; `adapters`: the LoRA adapter of each request in turn (None:
-    the base model)."""
+    the base model), loaded on demand from `adapter_root` if given (engine.dynamic_adapters)."""
     import random
 
     from pylon.serving.engine.sampling import SamplingParams
@@ -188,7 +190,9 @@ def throughput(
     while pending or open_:
         while pending and len(open_) < concurrency:
             if adapters:
-                params = dataclasses.replace(params, adapter=adapters[n % len(adapters)])
+                name = adapters[n % len(adapters)]
+                path = None if adapter_root is None else os.path.join(adapter_root, name)
+                params = dataclasses.replace(params, adapter=name, adapter_path=path)
             eng.add_request(f"r{n}", pending.pop(), params)
             open_.add(f"r{n}")
             n += 1
@@ -543,10 +547,24 @@ def lora(args) -> dict:
             del model, base
         adapters = [{"name": n, "path": str(Path(tmp) / n)} for n in names]
         results["flops_share"] = adapter_params / base_params
+        # The same adapters again under other names, at a root: loaded on demand into --lora-slots slots.
+        root = Path(tmp) / "root"
+        root.mkdir()
+        for n in names:
+            (root / f"on-demand-{n}").symlink_to(Path(tmp) / n)
+        dynamic = {"root": str(root), "max_loaded": args.lora_slots, "max_rank": args.lora_rank}
+        results["slots"], results["loads_per_request"] = args.lora_slots, {}
         for c in args.concurrency:
-            eng = engine(str(directory), "none", c, adapters=adapters)
-            legs = {"free": {}, "one adapter": {"adapters": names[:1]}, "mixed": {"adapters": names}}
+            eng = engine(str(directory), "none", c, adapters=adapters, dynamic_adapters=dynamic)
+            legs = {
+                "free": {},
+                "one adapter": {"adapters": names[:1]},
+                "mixed": {"adapters": names},
+                "mixed on demand": {"adapters": [f"on-demand-{n}" for n in names], "adapter_root": str(root)},
+            }
             results["tokens_per_s"][c] = two_legs(eng, c, args, legs)
+            on_demand_requests = args.rounds * max(2, c * args.requests_per_slot)  # two_legs' count for the leg
+            results["loads_per_request"][c] = eng.stats().adapter_loads_total / on_demand_requests
             del eng
             gc.collect()
     return results
@@ -559,10 +577,14 @@ def report_lora(r: dict) -> None:
     )
     for c, legs in r["tokens_per_s"].items():
         line = [f"concurrency {c}: base {statistics.median(legs['free']):.1f} tok/s"]
-        for name in ("one adapter", "mixed"):
+        for name in ("one adapter", "mixed", "mixed on demand"):
             free, it, ratios = against_free(legs, name)
             line.append(f"{name} {it:.1f} tok/s: {it / free:.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})")
         print("; ".join(line))
+        print(
+            f"  on demand: {r['slots']} slot(s) for the adapters in turn, {r['loads_per_request'][c]:.2f} adapter "
+            "loads per request"
+        )
 
 
 def grounded_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
@@ -848,6 +870,7 @@ def main() -> None:
     p.add_argument("--embed-batch", type=int, default=32, help="the transformers leg's batch (sentence-transformers')")
     p.add_argument("--lora-adapters", type=int, default=4, help="LoRA adapters the lora section's engine holds")
     p.add_argument("--lora-rank", type=int, default=16, help="their rank (on every projection)")
+    p.add_argument("--lora-slots", type=int, default=2, help="engine.dynamic_adapters.max_loaded for the on-demand leg")
     args = p.parse_args()
     sections = args.only or ["quantization", "constrained", "penalties", "speculative", "lora", "embeddings"]
     if "quantization" in sections:
