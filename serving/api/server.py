@@ -87,6 +87,12 @@ def _metrics(model: str):
             "pylon_spec_decode_draft_model_steps_total",
             "The draft model's forward passes (engine.speculative.method: draft)",
         ),
+        "adapter_loads": counter(
+            "pylon_lora_adapter_loads_total", "LoRA adapters loaded on demand (engine.dynamic_adapters) into a slot"
+        ),
+        "adapter_evictions": counter(
+            "pylon_lora_adapter_evictions_total", "LoRA adapters unloaded to make room for another"
+        ),
         "requests": counter(
             "pylon_requests_total",
             "Finished requests by HTTP status and finish reason",
@@ -206,7 +212,17 @@ class PylonLLMServer:
     async def _report_gauges(self) -> None:
         # the engines' totals counted so far
         reported = dict.fromkeys(
-            ("prefix_queries", "prefix_hits", "spec_drafts", "spec_accepted", "spec_steps", "spec_draft_model_steps"), 0
+            (
+                "prefix_queries",
+                "prefix_hits",
+                "spec_drafts",
+                "spec_accepted",
+                "spec_steps",
+                "spec_draft_model_steps",
+                "adapter_loads",
+                "adapter_evictions",
+            ),
+            0,
         )
         while True:
             stats = self.engine.stats()
@@ -222,6 +238,8 @@ class PylonLLMServer:
                 ("spec_accepted", stats.spec_accepted_tokens_total),
                 ("spec_steps", stats.spec_verify_steps_total),
                 ("spec_draft_model_steps", stats.spec_draft_model_steps_total),
+                ("adapter_loads", stats.adapter_loads_total),
+                ("adapter_evictions", stats.adapter_evictions_total),
             ):
                 if total > reported[name]:
                     self.metrics[name].inc(total - reported[name])

@@ -25,6 +25,7 @@ MAX_NUM_SEQS = 8
 MAX_QUEUED = 16
 MAX_MODEL_LEN = 192
 ADAPTER = "tiny-shout"  # the `served` deployment's LoRA adapter (engine.adapters)
+ON_DEMAND = "shout-on-demand"  # the same adapter at its root of adapters loaded on demand (engine.dynamic_adapters)
 
 
 class TinyModel:
@@ -67,6 +68,8 @@ class TinyModel:
                     p.mul_(20)
         self.adapter_dir = directory.parent / f"{directory.name}-adapter"
         self.adapted.save_pretrained(self.adapter_dir)
+        self.adapter_root = directory.parent / f"{directory.name}-adapters"
+        self.adapted.save_pretrained(self.adapter_root / ON_DEMAND)
 
     def greedy_text(self, prompt: str, new_tokens: int, *, adapted: bool = False) -> tuple[str, list[int]]:
         """transformers' greedy continuation of `prompt`; `adapted`: with the LoRA adapter (peft's model)."""
@@ -114,10 +117,12 @@ def tiny(tmp_path_factory) -> TinyModel:
 
 
 def _served_spec(tiny: TinyModel):
-    """The `served` deployment: the tiny model with its LoRA adapter (engine.adapters)."""
+    """The `served` deployment: the tiny model with its LoRA adapter (engine.adapters), and the same adapter under
+    another name at a root of adapters loaded on demand (engine.dynamic_adapters)."""
     engine = _spec("tiny", tiny.dir).engine.model_dump(mode="json")
     adapters = [{"name": ADAPTER, "path": str(tiny.adapter_dir)}]
-    return _spec("tiny", tiny.dir, engine={**engine, "adapters": adapters})
+    dynamic = {"root": str(tiny.adapter_root), "max_loaded": 1}
+    return _spec("tiny", tiny.dir, engine={**engine, "adapters": adapters, "dynamic_adapters": dynamic})
 
 
 @pytest.fixture(scope="module")
@@ -233,11 +238,14 @@ def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
 def test_a_lora_adapter_answers_as_peft_beside_the_base_model(served, tiny):
     """engine.adapters through Serve, HAProxy, the router and the engine's own process: requests naming the adapter
     and the base model at once, each token for token what peft's (or transformers') greedy decoding gives, streamed
-    and not, and the adapter's name in the answers."""
+    and not, and the adapter's name in the answers. The same adapter loaded on demand by another name from the
+    deployment's root (engine.dynamic_adapters) answers the same; a name with no adapter there is a 404."""
+    import openai
+
     client = _openai(served)
     prompts = [f"adapter test {i}: " + "xyz" * i for i in range(6)]
-    jobs = [(p, model) for p in prompts for model in ("tiny", ADAPTER)]
-    expected = {(p, m): tiny.greedy_text(p, 12, adapted=m == ADAPTER)[0] for p, m in jobs}
+    jobs = [(p, model) for p in prompts for model in ("tiny", ADAPTER, ON_DEMAND)]
+    expected = {(p, m): tiny.greedy_text(p, 12, adapted=m != "tiny")[0] for p, m in jobs}
     assert all(expected[p, "tiny"] != expected[p, ADAPTER] for p in prompts)
 
     def complete(job):
@@ -263,6 +271,9 @@ def test_a_lora_adapter_answers_as_peft_beside_the_base_model(served, tiny):
     assert {c.model for c in chunks} == {ADAPTER}
     want, _ = tiny.greedy_text("user: Write a loop.\nassistant: ", 10, adapted=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    with pytest.raises(openai.NotFoundError, match=r"model 'not-there' does not exist: .*not-there .*no adapter"):
+        client.completions.create(model="not-there", prompt="hi", max_tokens=1)
+    assert [m.id for m in client.models.list().data] == ["tiny", ADAPTER, ON_DEMAND]
 
 
 def test_embeddings_through_serve_are_the_models_last_hidden_states(served, tiny):
@@ -763,6 +774,7 @@ def test_prometheus_metrics_carry_the_model_label(served, ray_cluster):
         "pylon_kv_cache_usage_ratio",
         "pylon_prompt_tokens_total",
         "pylon_generation_tokens_total",
+        "pylon_lora_adapter_loads_total",  # ON_DEMAND's load (test_a_lora_adapter_answers_as_peft_beside_the_base_model)
     ]
     urls = _metrics_urls(ray_cluster)
     deadline, text = time.monotonic() + 60, ""
