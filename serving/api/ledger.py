@@ -9,7 +9,9 @@ replica's node.
 
 `report(name)` sums the replicas: replica-hours (and CPU/GPU-hours by the resources each held), tokens, the
 idle fraction (replica time with nothing to do over replica time), the cost at the catalog's prices and the cost
-per million output tokens at the load it measured.
+per million output tokens at the load it measured. Requests are also counted by the model they named (the base
+model, or one of its LoRA adapters), and the cost is split between those by their share of the tokens (prompt and
+output): what each adapter's users cost on the shared replicas.
 """
 
 from __future__ import annotations
@@ -58,18 +60,27 @@ class ReplicaLedger:
             "prompt_tokens": 0,
             "output_tokens": 0,
             "busy_s": 0.0,
+            "by_model": {},  # model named (the base model or a LoRA adapter) -> requests, tokens
         }
         self._written_at = 0.0
         self._busy_until = float("-inf")  # the latest end of a finished request's interval
         self.write()
 
-    def finished(self, prompt_tokens: int, output_tokens: int, start: float, end: float | None) -> None:
-        """A finished request: its tokens, and its interval [start, end] (one clock) added to the busy time
-        where it extends past the intervals before it."""
+    def finished(
+        self, prompt_tokens: int, output_tokens: int, start: float, end: float | None, model: str | None = None
+    ) -> None:
+        """A finished request: its tokens (also under `model`, the model it named: None for the base model), and its
+        interval [start, end] (one clock) added to the busy time where it extends past the intervals before it."""
         r = self.record
         r["requests"] += 1
         r["prompt_tokens"] += int(prompt_tokens)
         r["output_tokens"] += int(output_tokens)
+        mine = r["by_model"].setdefault(
+            model or r["deployment"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0}
+        )
+        mine["requests"] += 1
+        mine["prompt_tokens"] += int(prompt_tokens)
+        mine["output_tokens"] += int(output_tokens)
         if end is not None and end > self._busy_until:
             r["busy_s"] += end - max(start, self._busy_until)
             self._busy_until = end
@@ -128,6 +139,7 @@ def report(name: str, *, root: str | None = None, prices: str | None = None, now
     hours: dict[str, float] = {}
     replica_s = busy_s = 0.0
     tokens_in = tokens_out = requests = 0
+    by_model: dict[str, dict[str, int]] = {}
     gpu_cost = 0.0
     accelerator = None
     stale_after = 3 * UPDATE_EVERY_S
@@ -141,6 +153,14 @@ def report(name: str, *, root: str | None = None, prices: str | None = None, now
         tokens_in += r["prompt_tokens"]
         tokens_out += r["output_tokens"]
         requests += r["requests"]
+        # (a record written before requests were counted by model: all of them the base model's)
+        mine = r.get("by_model") or {
+            name: {k: r[k] for k in ("requests", "prompt_tokens", "output_tokens")} if r["requests"] else {}
+        }
+        for model, counts in mine.items():
+            total_of = by_model.setdefault(model, {"requests": 0, "prompt_tokens": 0, "output_tokens": 0})
+            for k, v in counts.items():
+                total_of[k] += v
         if r.get("accelerator"):
             accelerator = r["accelerator"]
             try:
@@ -169,6 +189,7 @@ def report(name: str, *, root: str | None = None, prices: str | None = None, now
         "cost_usd": total,
         "cost_breakdown_usd": cost,
         "cost_per_million_output_tokens_usd": total / tokens_out * 1e6 if tokens_out else None,
+        "by_model": _by_model(by_model, total),
         "prices": {
             "source": catalog.prices_source,
             "accelerator": accelerator,
@@ -176,6 +197,28 @@ def report(name: str, *, root: str | None = None, prices: str | None = None, now
         },
         "predicted": _predicted(replicas[-1], catalog),
     }
+
+
+def _by_model(counts: dict[str, dict[str, int]], cost: float) -> list[dict]:
+    """Each model named (the base model, its adapters): its requests and tokens, its share of all the tokens
+    (prompt and output), and that share of the cost; the costliest first."""
+    tokens = sum(c["prompt_tokens"] + c["output_tokens"] for c in counts.values())
+    rows = []
+    for model, c in counts.items():
+        if not c.get("requests"):
+            continue
+        share = (c["prompt_tokens"] + c["output_tokens"]) / tokens if tokens else 0.0
+        rows.append(
+            {
+                "model": model,
+                "requests": c["requests"],
+                "tokens_in": c["prompt_tokens"],
+                "tokens_out": c["output_tokens"],
+                "token_share": share,
+                "cost_usd": cost * share,
+            }
+        )
+    return sorted(rows, key=lambda row: (-row["cost_usd"], row["model"]))
 
 
 def _predicted(replica: dict, catalog) -> dict:

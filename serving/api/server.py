@@ -818,7 +818,7 @@ class PylonLLMServer:
                 itl = (metrics.last_token_time - metrics.first_token_time) / (last.num_output_tokens - 1)
                 m["itl"].observe(itl, tags=tags)
         m["prompt_tokens"].inc(last.num_prompt_tokens, tags=tags)
-        self.ledger.finished(last.num_prompt_tokens, last.num_output_tokens, metrics.arrival_time, end)
+        self.ledger.finished(last.num_prompt_tokens, last.num_output_tokens, metrics.arrival_time, end, adapter or None)
         if last.num_output_tokens:
             m["generation_tokens"].inc(last.num_output_tokens, tags=tags)
         if count:

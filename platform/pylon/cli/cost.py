@@ -96,6 +96,15 @@ def render(ledger: dict) -> str:
             ),
             f"  prices           {ledger['prices']['source']}",
         ]
+        models = ledger.get("by_model") or []
+        if len(models) > 1:  # LoRA adapters beside the base model: each one's part of the tokens and the cost
+            lines.append("  by model (cost split by the share of tokens in + out)")
+            width = max(len(m["model"]) for m in models)
+            lines.extend(
+                f"    {m['model']:<{width}}  {m['requests']:,} requests, {m['tokens_in']:,} / {m['tokens_out']:,} "
+                f"tokens, {m['token_share']:.0%}, {usd(m['cost_usd'])}"
+                for m in models
+            )
         return "\n".join(lines)
     p = ledger["predicted"]
     g = ledger["goodput"]

@@ -38,3 +38,38 @@ def test_busy_time_is_the_union_of_request_intervals_and_the_report_prices_it(tm
     assert r["idle_fraction"] == pytest.approx(1 - 4.5 / 45.0, rel=1e-3)
     assert r["output_tokens_per_s"] == pytest.approx(16 / 4.5)
     assert r["cost_per_million_output_tokens_usd"] == pytest.approx(r["cost_usd"] / 16 * 1e6)
+
+
+def test_the_report_splits_the_cost_between_the_base_model_and_its_adapters_by_their_tokens(
+    tmp_path, monkeypatch
+) -> None:
+    """Two replicas, each counting requests by the model they named (the base model or a LoRA adapter); one record
+    from before the count by model (its requests the base model's). The report sums them per model across replicas
+    and gives each its share of the tokens and of the cost; `pylon cost` prints it."""
+    from pylon.cli.cost import render
+
+    clock = _Clock(1_000.0)
+    monkeypatch.setattr(ledger_module, "time", clock)
+    spec = {**SPEC, "name": "ledger-models"}
+    first, second = ReplicaLedger(spec), ReplicaLedger(spec)
+    first.finished(30, 10, 100.0, 101.0)  # the base model
+    first.finished(20, 20, 100.0, 101.0, "shout")
+    second.finished(40, 20, 100.0, 101.0, "shout")
+    second.finished(10, 10, 100.0, 101.0, "hush")
+    old = ReplicaLedger(spec)
+    old.finished(25, 15, 100.0, 101.0)
+    del old.record["by_model"]
+    clock.now += 60.0
+    for ledger in (first, second, old):
+        ledger.write(ended=True)
+    r = report("ledger-models", now=clock.now)
+    rows = {row["model"]: row for row in r["by_model"]}
+    assert [row["model"] for row in r["by_model"]] == ["shout", "ledger-models", "hush"]  # costliest first
+    assert (rows["ledger-models"]["requests"], rows["ledger-models"]["tokens_in"]) == (2, 55)
+    assert (rows["shout"]["requests"], rows["shout"]["tokens_in"], rows["shout"]["tokens_out"]) == (2, 60, 40)
+    assert rows["shout"]["token_share"] == pytest.approx(100 / 200)
+    assert rows["hush"]["cost_usd"] == pytest.approx(r["cost_usd"] * 20 / 200)
+    assert sum(row["cost_usd"] for row in r["by_model"]) == pytest.approx(r["cost_usd"])
+    text = render(r)
+    assert "by model (cost split by the share of tokens in + out)" in text
+    assert "shout          2 requests, 60 / 40 tokens, 50%" in text
