@@ -747,6 +747,10 @@ def test_the_deployments_ledger_has_its_replica_hours_tokens_and_cost(served):
     assert 0 <= ledger["idle_fraction"] < 1
     assert ledger["cost_usd"] > 0 and ledger["cost_per_million_output_tokens_usd"] > 0
     assert ledger["predicted"]["cost_per_replica_hour_usd"] == pytest.approx(0.5 * ledger["prices"]["per_vcpu_hour"])
+    # By model: the base model's and its adapters' (test_a_lora_adapter_answers_as_peft_beside_the_base_model) requests.
+    by_model = {row["model"]: row for row in ledger["by_model"]}
+    assert {"tiny", ADAPTER, ON_DEMAND} <= set(by_model) and by_model["tiny"]["requests"] >= 16
+    assert sum(row["cost_usd"] for row in ledger["by_model"]) == pytest.approx(ledger["cost_usd"])
 
 
 def _cost(name: str) -> dict:
