@@ -481,11 +481,20 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = Field(ge=0, description="prompt tokens whose KV cache an earlier request had computed")
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = Field(
+        ge=0, description="completion tokens of the replies' reasoning blocks (with http.reasoning_parser set)"
+    )
+
+
 class Usage(_Response):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="present where the deployment reads reasoning (http.reasoning_parser), for chat"
+    )
 
 
 class CompletionLogprobs(_Response):
@@ -715,13 +724,19 @@ def merge_choices(responses: list[dict]) -> dict:
     return {**responses[0], "choices": [{**r["choices"][0], "index": k} for k, r in enumerate(responses)]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None
+) -> dict:
+    """OpenAI's usage; `reasoning_tokens` (of the completion tokens) where a reasoning parser reads the replies."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def completion_response(
@@ -902,7 +917,9 @@ class StreamEvents:
         """Chat's first chunk: the assistant's role, empty content."""
         return f'{self._head}"delta":{{"role":"assistant","content":""}},"finish_reason":null,"logprobs":null}}]}}\n\n'
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
+    def usage(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None
+    ) -> str:
         return self.event(
             usage_chunk(
                 self.rid,
@@ -912,6 +929,7 @@ class StreamEvents:
                 completion_tokens,
                 created=self.created,
                 cached_tokens=cached_tokens,
+                reasoning_tokens=reasoning_tokens,
             )
         )
 
@@ -929,6 +947,7 @@ def usage_chunk(
     *,
     created: int | None = None,
     cached_tokens: int = 0,
+    reasoning_tokens: int | None = None,
 ) -> dict:
     """The last chunk of a stream with stream_options.include_usage: no choices, only usage."""
     created = int(time.time()) if created is None else created
@@ -938,7 +957,7 @@ def usage_chunk(
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens),
     }
 
 

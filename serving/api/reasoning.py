@@ -84,6 +84,37 @@ class ReasoningStream:
         return "", held
 
 
+class ReasoningCount:
+    """How many of a reply's tokens are its reasoning (`usage.completion_tokens_details.reasoning_tokens`, as OpenAI
+    reports a reasoning model's hidden tokens): each generated token's own text (`texts(id)`) goes through a parser of
+    its own, and a token counts while the reply is in its reasoning block, the ones that open and close it included
+    (all of them while the block is open: a reply cut short; none for a reply without a block)."""
+
+    def __init__(self, parser: str, texts):
+        self._stream = ReasoningStream(parser)
+        self._texts = texts
+        self.tokens = 0  # reasoning tokens so far
+        self._pending = 0  # tokens fed while undecided (whitespace, part of a tag): reasoning if the block opens
+
+    def add(self, token_ids) -> None:
+        stream = self._stream
+        for token_id in token_ids:
+            if stream.state == "answering":
+                return
+            stream.feed(self._texts(token_id))
+            if stream.state == "start":
+                self._pending += 1
+            elif stream.had_reasoning:  # inside the block, or the token that closed it
+                self.tokens += self._pending + 1
+                self._pending = 0
+
+    def finish(self) -> int:
+        if self._stream.state == "start" and self._stream.parser == "deepseek_r1":
+            self.tokens += self._pending  # deepseek_r1: the template opened the block; undecided text is reasoning
+        self._pending = 0
+        return self.tokens
+
+
 def tag_prefix(text: str, tag: str) -> int:
     """How many characters at the end of `text` could be the start of `tag` (held back until the next text)."""
     longest = min(len(tag) - 1, len(text))

@@ -636,7 +636,7 @@ class PylonLLMServer:
         # A chat reply's <think> block as reasoning_content (`reasoning`), unless a grammar constrains the output.
         parser = self.spec.http.reasoning_parser if kind == "chat" and params.guide is None else None
         timeout = self.spec.http.request_timeout_s
-        choices = [_Choice(kind, body, prompts[i], self.engine.tokenizer, self._token_texts) for i, _ in plan]
+        choices = [_Choice(kind, body, prompts[i], self.engine.tokenizer, self._token_texts, parser) for i, _ in plan]
         if body.stream:
             created = int(time.time())
             events = [protocol.StreamEvents(kind, rid, body.model, index=j, created=created) for j in range(len(plan))]
@@ -686,7 +686,7 @@ class PylonLLMServer:
                 )
             )
         merged = protocol.merge_choices(answers)
-        merged["usage"] = protocol.usage(*_usage([last for _, _, last in results], body.n))
+        merged["usage"] = protocol.usage(*_usage([last for _, _, last in results], body.n, choices))
         await send_json(send, 200, merged, answer_headers)
 
     @functools.cached_property
@@ -734,7 +734,7 @@ class PylonLLMServer:
                         await send({"type": "http.response.body", "body": held.encode(), "more_body": True})
                         held = ""
             if body.include_usage:
-                held += events[0].usage(*_usage(lasts, body.n))
+                held += events[0].usage(*_usage(lasts, body.n, choices))
             for k, last in enumerate(lasts):
                 self._observe(last, count=k == 0, adapter=self._adapter_of(body))
         except TimeoutError:
@@ -838,16 +838,20 @@ class _Choice:
     """What a request's choice carries besides the engine's text: the echoed prompt (completions' `echo`) and the
     tokens' logprobs in OpenAI's shape (`protocol.LogprobsFormat`)."""
 
-    def __init__(self, kind: str, body, prompt, tokenizer, texts: TokenTexts):
+    def __init__(self, kind: str, body, prompt, tokenizer, texts: TokenTexts, parser: str | None = None):
         self.kind, self.prompt, self.tokenizer = kind, prompt, tokenizer
         self.echo = kind == "completion" and body.echo
         wanted = body.logprobs is not None if kind == "completion" else body.logprobs
         self.format = protocol.LogprobsFormat(texts) if wanted else None
         self.started = False
+        # The reply's reasoning tokens, where a reasoning parser reads it (usage.completion_tokens_details).
+        self.reasoning = reasoning.ReasoningCount(parser, texts.text) if parser is not None else None
 
     def take(self, out) -> tuple[str, list]:
         """One engine output's text (after the echoed prompt, on the first) and its (token id, logprob) pairs."""
         text, pairs = out.text, []
+        if self.reasoning is not None:
+            self.reasoning.add(out.token_ids)
         if not self.started:
             self.started = True
             if self.echo:
@@ -906,14 +910,17 @@ async def _last(stream):
     return last
 
 
-def _usage(lasts: list, n: int) -> tuple[int, int, int]:
+def _usage(lasts: list, n: int, choices: list) -> tuple[int, int, int, int | None]:
     """A request's usage from its choices' last engine outputs, `n` per prompt, prompt by prompt: (prompt tokens,
-    completion tokens, cached tokens), each prompt counted once (its first choice's), every choice's tokens."""
+    completion tokens, cached tokens, reasoning tokens), each prompt counted once (its first choice's), every choice's
+    tokens; reasoning tokens None unless the choices' replies are read for reasoning (`_Choice.reasoning`)."""
     firsts = lasts[::n]
+    counts = [c.reasoning.finish() for c in choices if c.reasoning is not None]
     return (
         sum(o.num_prompt_tokens for o in firsts),
         sum(o.num_output_tokens for o in lasts),
         sum(o.num_cached_tokens for o in firsts),
+        sum(counts) if counts else None,
     )
 
 

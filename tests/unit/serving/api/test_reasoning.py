@@ -8,7 +8,7 @@ from typing import get_args
 
 import pytest
 
-from pylon.serving.api.reasoning import PARSERS, ReasoningStream, split
+from pylon.serving.api.reasoning import END, PARSERS, ReasoningCount, ReasoningStream, split
 from pylon.specs import HttpSpec
 
 CASES = [
@@ -53,6 +53,32 @@ def test_a_stream_cut_anywhere_gives_the_whole_replys_split(parser, reply, r1, q
         thought, content = thought + r, content + c
         expected = r1 if parser == "deepseek_r1" else qwen3
         assert (thought if stream.had_reasoning else None, content) == expected, pieces
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("reply,r1,qwen3", CASES)
+def test_reasoning_tokens_are_the_tokens_that_start_before_the_block_ends(parser, reply, r1, qwen3):
+    """`ReasoningCount` over a reply cut into tokens anywhere (each token's text its own): the tokens that start
+    before the end of the reasoning block's closing tag (the whole reply while it never closes; none without a
+    block), whether they come one output at a time or several together."""
+    thought, _ = r1 if parser == "deepseek_r1" else qwen3
+    if thought is None:
+        end = 0
+    else:
+        closed = reply.find(END, reply.find(thought) + len(thought)) if thought else reply.find(END)
+        end = closed + len(END) if closed >= 0 else len(reply)
+    rng = random.Random(len(reply) + len(parser))
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(reply)), min(len(reply) - 1, rng.randrange(0, 8)))) if reply else []
+        starts = [0, *cuts]
+        tokens = [reply[a:b] for a, b in zip(starts, [*cuts, len(reply)])] if reply else []
+        count = ReasoningCount(parser, tokens.__getitem__)
+        ids = list(range(len(tokens)))
+        while ids:  # outputs of one to three tokens
+            k = rng.randrange(1, 4)
+            count.add(ids[:k])
+            ids = ids[k:]
+        assert count.finish() == sum(start < end for start in starts[: len(tokens)]), tokens
 
 
 def test_a_tag_cut_between_chunks_is_never_sent_as_text():

@@ -1051,6 +1051,14 @@ def test_a_reasoning_parser_splits_chat_replies_streamed_and_not(model_dir, serv
         message = whole.json()["choices"][0]["message"]
         expected = (raw_text, "") if parser == "deepseek_r1" else (None, raw_text)
         assert (message["reasoning_content"], message["content"]) == expected
+        # usage says how many of the 48 tokens were reasoning: all of them under deepseek_r1, none under qwen3
+        reasoning_tokens = 48 if parser == "deepseek_r1" else 0
+        assert whole.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": reasoning_tokens}
+        assert "completion_tokens_details" not in raw["usage"]  # no parser: no count
+        streamed_usage = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        r = requests.post(f"{url}/v1/chat/completions", headers=auth(), json=streamed_usage, timeout=60)
+        usage = sse(r)[-2]["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": reasoning_tokens}, usage
         r = requests.post(f"{url}/v1/chat/completions", headers=auth(), json={**body, "stream": True}, timeout=60)
         events = sse(r)
         assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
