@@ -3,24 +3,66 @@ attention that the runner must honour.
 
 GPT-2 has a forward pass of its own; the others are built as Llama is (RMSNorm, RoPE, grouped-query attention,
 gated MLP) up to what the runner reads from the loaded modules themselves: projection biases (Qwen2 and Qwen2.5),
-per-head query and key norms and a head_dim of their own (Qwen3), and a sliding window (`layer_windows`): in every
-layer of Mistral 7B v0.1, in the layers `layer_types` says of Qwen2's and Qwen3's with `use_sliding_window`. The
-runner attends each windowed layer over its window only, as `transformers` does (pylon.serving.model.attention).
+per-head query and key norms and a head_dim of their own (Qwen3, Gemma 3), and a sliding window (`layer_windows`): in
+every layer of Mistral 7B v0.1, in the layers `layer_types` says of Qwen2's and Qwen3's with `use_sliding_window` and
+of Gemma 3's (five windowed layers to one full one in its checkpoints). The runner attends each windowed layer over
+its window only, as `transformers` does (pylon.serving.model.attention).
+
+Gemma 3's text models (`gemma3_text`: Gemma3ForCausalLM, Gemma 3 270M and 1B) differ from Llama further, each part
+computed by the loaded modules as transformers computes it: embeddings scaled by sqrt(hidden_size) (its embedding
+module does), RMSNorms of `x * (1 + w)` (its norm modules do), four norms a layer (the attention's and the MLP's
+outputs are normalised too, `post_attention_layernorm` and `post_feedforward_layernorm`, before they join the
+residual; `pre_feedforward_layernorm` is the MLP's input norm), an attention scale of query_pre_attn_scalar**-0.5
+(`attn.scaling`), the rotary embedding of each layer's type (the windowed layers' base is rope_local_base_freq), and
+the logits soft-capped by `final_logit_softcapping` where the config sets it. What the engine cannot compute is
+refused at load (`unsupported`): Gemma 3's attention logit soft-capping and its bidirectional attention (embedding
+models). The multimodal Gemma 3 checkpoints (`gemma3`: Gemma3ForConditionalGeneration) are not served.
 """
 
 from __future__ import annotations
 
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILIES)
+# What to do instead, for model types not served that have a served sibling.
+UNSUPPORTED_HINTS = {
+    "gemma3": (
+        "the multimodal Gemma 3 (Gemma3ForConditionalGeneration: 4B, 12B, 27B) is not served; its language model "
+        "saved on its own as Gemma3ForCausalLM (model_type gemma3_text) is"
+    ),
+}
+
+
+def unsupported(config) -> str | None:
+    """What in a supported family's `config` the engine does not compute, naming the field, or None."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return (
+            f"attn_logit_softcapping is {config.attn_logit_softcapping}: the engine's attention does not soft-cap "
+            "attention logits (Gemma 3's checkpoints leave it null)"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        return (
+            "use_bidirectional_attention is true: the engine's attention is causal (a bidirectional Gemma 3 is an "
+            "embedding model, not a generator)"
+        )
+    return None
+
+
+def rope_layer_types(config) -> list[str] | None:
+    """Each layer's type where the model's rotary embedding takes it (Gemma 3: a base of its own for the windowed
+    layers, rope_parameters["sliding_attention"], and for the full ones), else None: one rotary embedding for every
+    layer."""
+    if config.model_type != "gemma3_text":
+        return None
+    return list(config.layer_types)
 
 
 def layer_windows(config) -> list[int | None]:
     """Each layer's sliding window, as `transformers` applies it: a query at position p attends to the keys at
     positions p - window + 1 .. p (masking_utils' `sliding_window_causal_mask_function`), or None for a layer that
     attends to the whole context. Mistral's `sliding_window` holds in every layer (its modeling code reads no
-    `layer_types`); Qwen2's and Qwen3's in the layers whose `layer_types` entry is "sliding_attention" (their configs
-    make it from `use_sliding_window` and `max_window_layers`: layers from max_window_layers on, and clear the window
-    unless use_sliding_window)."""
+    `layer_types`); Qwen2's, Qwen3's and Gemma 3's in the layers whose `layer_types` entry is "sliding_attention"
+    (Qwen's configs make it from `use_sliding_window` and `max_window_layers`: layers from max_window_layers on, and
+    clear the window unless use_sliding_window; Gemma 3's from `sliding_window_pattern`: every 6th layer full)."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if not window:

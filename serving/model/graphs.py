@@ -183,7 +183,7 @@ class DecodeGraphs:
             if mixed is not None:
                 mixed_bias.zero_().masked_fill_(decode_mask(keys, context_lens, mixed), float("-inf"))
             hidden = runner.forward(ids, positions, meta, final, Workspace())
-            return logits.copy_(runner.model.lm_head(hidden))
+            return logits.copy_(runner.logits(hidden))
 
         if not self.capture:
             step()  # the warm-up a capture runs first, so that a CPU test goes through what a GPU's start does

@@ -1,10 +1,12 @@
 """Executes one scheduled step: a Hugging Face causal LM's own weights and submodules, our paged attention.
 
 The forward pass is written out per model family (GPT-2; Llama and the families built as it is: Mistral, Qwen2 and
-Qwen2.5, Qwen3 with its per-head query and key norms), calling the loaded model's embeddings,
-norms, projections, rotary embedding, MLPs and lm_head; only attention is ours (`pylon.serving.model.attention`),
-because it must read and write the paged KV cache. All tokens of a step run as one flat batch `[T, hidden]`
-(with oneDNN projections, a step with a prompt chunk pads T to one of a few row counts; see `linear.py`).
+Qwen2.5, Qwen3 with its per-head query and key norms, Gemma 3 with those and its norms of the attention's and the MLP's
+outputs and a rotary embedding per layer type; see `pylon.serving.model.families`), calling the loaded model's
+embeddings, norms, projections, rotary embedding, MLPs and lm_head; only attention is ours
+(`pylon.serving.model.attention`), because it must read and write the paged KV cache. All tokens of a step run as
+one flat batch `[T, hidden]` (with oneDNN projections, a step with a prompt chunk pads T to one of a few row counts;
+see `linear.py`).
 Logits are computed only for each sampling sequence's last token: a prompt chunk that does not finish its
 prompt needs none, and the other positions of a prefill never need any, unless the sequence asks for them
 (`StepSequence.prompt_logits`: a request that wants its prompt's log-probabilities).
@@ -47,7 +49,13 @@ from pylon.serving.model.attention import (
     prompt_attention_backends,
     store_kv_pair,
 )
-from pylon.serving.model.families import SUPPORTED_MODEL_TYPES, layer_windows
+from pylon.serving.model.families import (
+    SUPPORTED_MODEL_TYPES,
+    UNSUPPORTED_HINTS,
+    layer_windows,
+    rope_layer_types,
+    unsupported,
+)
 from pylon.serving.model.graphs import DecodeGraphs
 from pylon.serving.model.step import StepSequence
 from pylon.settings import switched_on
@@ -231,16 +239,29 @@ class ModelRunner:
 
         model_type = _model_type(model_dir)
         if model_type not in SUPPORTED_MODEL_TYPES:
+            hint = f"; {UNSUPPORTED_HINTS[model_type]}" if model_type in UNSUPPORTED_HINTS else ""
             raise PylonError(
                 f"model {model_dir}: model_type '{model_type}' is not supported by the serving "
-                f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
             )
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        problem = unsupported(config)
+        if problem is not None:
+            raise PylonError(f"model {model_dir}: {problem}; the serving engine cannot serve it")
         self._forward: Callable = self._forward_gpt2 if model_type == "gpt2" else self._forward_llama
         if model_type == "gpt2":
             self._gpt2_act = _gpt2_activation(config.activation_function)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if model_type == "gemma3_text" and self.dtype == torch.float16:
+            # Gemma 3's activations pass fp16's range (as vLLM, which refuses fp16 for it): fp32 where `auto` would
+            # pick fp16 (a GPU without bf16), and a named refusal where the spec asks for it.
+            if dtype != "auto":
+                raise PylonError(
+                    f"engine.dtype: fp16 cannot serve {model_dir} (Gemma 3's activations overflow fp16); use bf16 "
+                    "or fp32"
+                )
+            self.dtype = torch.float32
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         quant.check(quantization, self.device)  # before loading: fp8 on a CPU is refused at once
         self.quantization = quantization
@@ -250,6 +271,13 @@ class ModelRunner:
             raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()
         self.config = config
+        # What the Llama-like forward does beyond Llama's, read once here (families.py): each layer's rotary
+        # embedding by its type (None: one for all), norms of the attention's and the MLP's outputs (Gemma 3's
+        # post_attention_layernorm and post_feedforward_layernorm, with pre_feedforward_layernorm before the MLP),
+        # and the logits' soft cap.
+        self._rope_types = rope_layer_types(config)
+        self._output_norms = model_type != "gpt2" and hasattr(self.model.model.layers[0], "pre_feedforward_layernorm")
+        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         # LoRA adapters, slot k = adapters[k - 1], checked against the model's projections and kept in its dtype and
         # on its device (pylon.serving.model.lora); None without any, and then no step spends anything on them.
         self.adapter_set = (
@@ -481,7 +509,7 @@ class ModelRunner:
         if not last_tokens:
             return torch.empty(0, self.vocab_size, device=self.device), None
         if not any(s.pooled and s.samples for s in steps):
-            return self.model.lm_head(hidden).float(), None
+            return self.logits(hidden).float(), None
         pooled, row = [], 0  # the pooled sequences' rows among `hidden`'s (last_tokens' order)
         for s in steps:
             if s.pooled and s.prompt_logits:
@@ -490,8 +518,16 @@ class ModelRunner:
                 pooled.append(row)
             row += s.num_new_tokens if s.prompt_logits else int(s.samples)
         rest = sorted(set(range(len(hidden))) - set(pooled))
-        logits = self.model.lm_head(hidden[rest]) if rest else hidden.new_empty(0, self.vocab_size)
+        logits = self.logits(hidden[rest]) if rest else hidden.new_empty(0, self.vocab_size)
         return logits.float(), hidden[pooled].float()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head's logits of final hidden states, in the model's dtype, soft-capped where the config says
+        (`final_logit_softcapping`: cap * tanh(logits / cap), as transformers' Gemma 3 computes it)."""
+        logits = self.model.lm_head(hidden)
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def _final_metadata(self, finals: list[SequenceSlice]) -> AttentionMetadata:
         """`final_metadata` of the step's sampling queries `finals`, with the windowed layers' (see `step_window`)."""
@@ -648,15 +684,23 @@ class ModelRunner:
         """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
         tokens (`final`): `[sampling tokens, hidden]`, and of the families built as it is
         (`families.LLAMA_FAMILIES`): the projections' biases are the modules' own, and a layer with `q_norm` and
-        `k_norm` (Qwen3) normalises each head's query and key before the rotary embedding. `adapters`: as in
-        `_forward_gpt2`; the MLP is written out (LlamaMLP's forward: down(act(gate(x)) * up(x))) for the rows that
-        need its projections' deltas."""
+        `k_norm` (Qwen3, Gemma 3) normalises each head's query and key before the rotary embedding. Gemma 3 (see
+        families.py): its embedding module scales, its norms compute x * (1 + w), each layer takes the rotary
+        embedding of its type (`_rope_types`), and the attention's and the MLP's outputs are normalised before they
+        join the residual (`_output_norms`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's
+        and Gemma3MLP's forward: down(act(gate(x)) * up(x))) for the rows that need its projections' deltas."""
         llama = self.model.model
         h = llama.embed_tokens(ids)
-        cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
+        rope_types, output_norms = self._rope_types, self._output_norms
+        if rope_types is None:
+            cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
+        else:  # one per layer type, as Gemma3TextModel computes them
+            ropes = {t: llama.rotary_emb(h, positions[None], t) for t in set(rope_types)}
         last = len(llama.layers) - 1
         rows = adapters.tokens if adapters is not None else None  # None: no row of this part of the step adapted
         for i, layer in enumerate(llama.layers):
+            if rope_types is not None:
+                cos, sin = ropes[rope_types[i]]
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
@@ -666,7 +710,7 @@ class ModelRunner:
                 rows.add(v, x, i, "self_attn.v_proj")
             T = len(x)
             q, k, v = q.view(T, -1, attn.head_dim), k.view(T, -1, attn.head_dim), v.view(T, -1, attn.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: an RMSNorm over each head's dimensions
+            if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: an RMSNorm over each head's dimensions
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
@@ -675,13 +719,24 @@ class ModelRunner:
             if i == last and adapters is not None:
                 rows = adapters.finals  # the sampling rows only, from here on
             a = a.reshape(len(h), -1)
+            if output_norms:  # Gemma 3: the attention's and the MLP's outputs normalised before they join h
+                o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
+                h = h + layer.post_attention_layernorm(o)
+                x = layer.pre_feedforward_layernorm(h)
+                h = h + layer.post_feedforward_layernorm(layer.mlp(x) if rows is None else self._mlp(layer, x, rows, i))
+                continue
             if rows is None:
                 h = h + attn.o_proj(a)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
                 continue
             h = h + rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
-            x, mlp = layer.post_attention_layernorm(h), layer.mlp
-            gate = rows.add(mlp.gate_proj(x), x, i, "mlp.gate_proj")
-            up = mlp.act_fn(gate) * rows.add(mlp.up_proj(x), x, i, "mlp.up_proj")
-            h = h + rows.add(mlp.down_proj(up), up, i, "mlp.down_proj")
+            h = h + self._mlp(layer, layer.post_attention_layernorm(h), rows, i)
         return llama.norm(h)
+
+    @staticmethod
+    def _mlp(layer, x: torch.Tensor, rows: lora.Rows, i: int) -> torch.Tensor:
+        """Layer i's MLP of `x` with `rows`' adapters' deltas on its projections."""
+        mlp = layer.mlp
+        gate = rows.add(mlp.gate_proj(x), x, i, "mlp.gate_proj")
+        up = mlp.act_fn(gate) * rows.add(mlp.up_proj(x), x, i, "mlp.up_proj")
+        return rows.add(mlp.down_proj(up), up, i, "mlp.down_proj")

@@ -38,11 +38,26 @@ FAMILIES = {
 }
 # The families built as Llama is (pylon.serving.model.families), each at a shape that exercises what sets it apart:
 # Qwen2's projection biases, Qwen3's per-head query and key norms, its head_dim apart from hidden_size / heads (32 x 4
-# heads over a hidden size of 96) and its tied embeddings. Their tests: test_model_families.py.
+# heads over a hidden size of 96) and its tied embeddings; Gemma 3's as its 1B checkpoint is laid out (layer_types from
+# its config's rule: every 6th layer full, the rest windowed, the last one too), a window narrower than most prompts,
+# the windowed layers' rotary base (rope_local_base_freq) apart from the full ones' (rope_theta), an attention scale
+# (query_pre_attn_scalar) apart from head_dim's, and soft-capped logits (the checkpoints leave the cap null; set here,
+# it changes the log-probabilities, not the argmax). Their tests: test_model_families.py.
 LLAMA_LIKE = {
     "mistral": FAMILIES["llama"],
     "qwen2": FAMILIES["llama"],
     "qwen3": {**FAMILIES["llama"], "hidden_size": 96, "head_dim": 32, "tie_word_embeddings": True},
+    "gemma3_text": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 7,
+        "head_dim": 32,
+        "sliding_window": 16,
+        "rope_theta": 10000.0,
+        "rope_local_base_freq": 100.0,
+        "query_pre_attn_scalar": 20,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": False,  # tied, a random model at this scale repeats its last token: its embedding wins
+    },
 }
 PROMPT_LENGTHS = (3, 17, 40, 90, 5, 64, 33, 8)
 NEW_TOKENS = 20

@@ -1,11 +1,15 @@
-"""The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3) in the engine: greedy output
-token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
-log-probabilities within 1e-4 of its log-softmax; int8 projections computing the dequantized model; LoRA adapters
-computing what peft computes; and a sliding window (Mistral's in every layer, Qwen2's in the layers from
-max_window_layers on) applied as transformers applies it, through batching, chunked prefill, the prefix cache,
-speculative verification and fixed-shape decode steps."""
+"""The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma 3) in the engine: greedy
+output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
+log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped); int8 projections computing the dequantized
+model; LoRA adapters computing what peft computes; a sliding window (Mistral's in every layer, Qwen2's in the layers
+from max_window_layers on, Gemma 3's in five layers of six) applied as transformers applies it, through batching,
+chunked prefill, the prefix cache, speculative verification and fixed-shape decode steps; and what the engine cannot
+compute refused at load, naming the field."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import pytest
 import torch
@@ -28,10 +32,12 @@ from test_serving_logprobs import INIT, check_request
 from test_serving_quant_engine import _dequantized_copy, _greedy, _last_logits, _rel
 from transformers import AutoConfig
 
+from pylon.errors import PylonError
 from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.model.families import attention_window, layer_windows
 from pylon.serving.model.quant import QuantLinear
+from pylon.serving.model.runner import ModelRunner
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -50,6 +56,17 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         assert hasattr(layer.self_attn, "q_norm") and layer.self_attn.q_norm.weight.std() > 0
         assert layer.self_attn.q_proj.out_features == 4 * 32 != family.model.config.hidden_size
         assert family.model.lm_head.weight is family.model.model.embed_tokens.weight
+    if family.name == "gemma3_text":
+        config, model = family.model.config, family.model.model
+        assert model.embed_tokens.embed_scale.item() == pytest.approx(math.sqrt(config.hidden_size))
+        assert layer.self_attn.scaling == 20**-0.5 != layer.self_attn.head_dim**-0.5
+        rope = model.rotary_emb
+        assert not torch.equal(rope.sliding_attention_inv_freq, rope.full_attention_inv_freq)  # bases 100 and 1e4
+        assert layer_windows(config) == [16] * 5 + [None, 16]  # every 6th layer full, as the checkpoints
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm"):
+            assert getattr(layer, norm).weight.abs().mean() > 0.05  # x * (1 + w): w off its zeros
+        assert layer.post_feedforward_layernorm.weight.abs().mean() > 0.05 and layer.self_attn.q_norm.weight.std() > 0
+        assert config.final_logit_softcapping == 30.0 and config.attn_logit_softcapping is None
     assert sum(a != b for a, b in zip(family.greedy, family.greedy[1:])) >= len(PROMPTS) - 2  # context-dependent
 
 
@@ -68,15 +85,60 @@ def test_greedy_output_is_transformers_through_batching_chunks_and_the_prefix_ca
         assert sum(outputs[f"again-{i}"][0].num_cached_tokens for i in range(len(PROMPTS))) >= 16 * 6
 
 
-def test_logprobs_are_transformers_own(tmp_path) -> None:
-    family = Family("qwen3", tmp_path / "qwen3", initializer_range=INIT)
+def fixed_shape_decodes(engine: LLMEngine) -> None:
+    """`engine`'s steps of decodes in fixed shapes (CUDA graphs, which a GPU's engine has already; here run eagerly,
+    `capture=False`), each step's integer tensors staged in one copy, as a GPU's are."""
+    from pylon.serving.model.attention import HostStage
+    from pylon.serving.model.graphs import DecodeGraphs
+
+    runner = engine.runner
+    if not ON_CUDA:
+        runner.stage = HostStage(runner.device, staged=True)
+        runner.add_scratch_block()
+        runner.decode_graphs = DecodeGraphs(runner, 8, engine.max_model_len, capture=False)
+        runner.decode_graphs.capture_all()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+def test_logprobs_are_transformers_own(name, tmp_path) -> None:
+    """Gemma 3's through its soft cap (final_logit_softcapping), in eager steps and fixed-shape decode steps."""
+    family = Family(name, tmp_path / name, initializer_range=INIT)
     engine = family.engine()
+    if name == "gemma3_text":
+        fixed_shape_decodes(engine)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=5)
     for i, prompt in enumerate(PROMPTS[:4]):
         engine.add_request(str(i), prompt, params)
     outputs = run(engine)
     for i, prompt in enumerate(PROMPTS[:4]):
         check_request(family, prompt, outputs[str(i)], k=5, prompt_k=5)
+    if name == "gemma3_text":
+        assert engine.runner.decode_graphs.replays > 0
+
+
+def test_what_the_engine_cannot_compute_is_refused_naming_the_field(tmp_path) -> None:
+    """Refused before any weight is read: a config.json alone is enough to tell."""
+    common = {**LLAMA_LIKE["gemma3_text"], "model_type": "gemma3_text"}
+    for fields, named in (
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is 50.0"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ):
+        directory = tmp_path / named.split()[0]
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**common, **fields}))
+        with pytest.raises(PylonError, match=named):
+            ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu")
+    directory = tmp_path / "fp16"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(common))
+    with pytest.raises(PylonError, match="engine.dtype: fp16 .*overflow fp16"):
+        ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu", dtype="fp16")
+    # The multimodal Gemma 3 is not served, and the refusal says what is.
+    directory = tmp_path / "gemma3"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": common}))
+    with pytest.raises(PylonError, match="model_type 'gemma3' is not supported.*gemma3_text.*Gemma3ForCausalLM"):
+        ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu")
 
 
 def test_int8_projections_compute_the_dequantized_model(family) -> None:
@@ -105,10 +167,13 @@ def test_a_lora_adapter_computes_what_peft_computes(family, tmp_path) -> None:
 
 
 # Sliding windows narrower than the prompts and continuations (and than a block, or one block exactly), at every
-# layer (Mistral) or at the layers from max_window_layers on (Qwen2: layer 0 full, 1 and 2 windowed).
+# layer (Mistral) or at the layers from max_window_layers on (Qwen2: layer 0 full, 1 and 2 windowed), or as Gemma 3's
+# 270M checkpoint lays them out (its config's rule over 6 layers: 0-4 windowed, the last one full; the `family`
+# fixture's Gemma 3 has 1B's layout, the last layer windowed).
 WINDOWED = {
     "mistral": {"sliding_window": 13},
     "qwen2": {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 3},
+    "gemma3_text": {"sliding_window": 16, "num_hidden_layers": 6},
 }
 _g = torch.Generator().manual_seed(2)
 WINDOW_PROMPTS = [torch.randint(0, 256, (n,), generator=_g).tolist() for n in (40, 90, 57, 33, 3, 17, 5, 12)]
@@ -125,7 +190,10 @@ class Windowed(Family):
         super().__init__(name, directory, **WINDOWED[name])
         self.window_greedy = [self.hf_greedy(p, WINDOW_NEW) for p in WINDOW_PROMPTS]
         config = self.model.config.__class__.from_dict(self.model.config.to_dict())
-        config.sliding_window, config.layer_types = None, ["full_attention"] * config.num_hidden_layers
+        if name == "gemma3_text":  # its layer types choose the rotary base too: the same ones, a window wider than all
+            config.sliding_window = 1 << 20
+        else:
+            config.sliding_window, config.layer_types = None, ["full_attention"] * config.num_hidden_layers
         full = type(self.model)(config).to(self.model.device).eval()
         full.load_state_dict(self.model.state_dict())
         self.unwindowed = [hf_greedy(full, p, WINDOW_NEW) for p in WINDOW_PROMPTS]
@@ -141,6 +209,9 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     if windowed.name == "mistral":
         assert layer_windows(windowed.model.config) == [13, 13]
         assert model.config.sliding_window == 13 and model.layers[0].self_attn.config.sliding_window == 13
+    elif windowed.name == "gemma3_text":
+        assert layer_windows(windowed.model.config) == [16] * 5 + [None]
+        assert [layer.self_attn.sliding_window for layer in model.layers] == [16] * 5 + [None]
     else:
         assert layer_windows(windowed.model.config) == [None, 16, 16]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [None, 16, 16]
@@ -159,6 +230,9 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     assert attention_window(AutoConfig.for_model("mistral", sliding_window=None)) is None
     assert attention_window(AutoConfig.for_model("llama")) is None
     assert attention_window(AutoConfig.for_model("gpt2")) is None
+    # Gemma 3 1B's config as it ships: 26 layers, every 6th one full (sliding_window_pattern), a window of 512.
+    gemma = AutoConfig.for_model("gemma3_text", num_hidden_layers=26, sliding_window=512, sliding_window_pattern=6)
+    assert layer_windows(gemma) == [None if i % 6 == 5 else 512 for i in range(26)]
 
 
 def test_a_sliding_window_is_transformers_own_through_batching_chunks_and_the_prefix_cache(windowed) -> None:
@@ -209,16 +283,9 @@ def test_a_sliding_window_holds_through_speculative_verification(windowed) -> No
 def test_a_sliding_window_holds_in_fixed_shape_decode_steps_over_a_staged_step(windowed) -> None:
     """What a GPU runs: decode steps in fixed shapes (CUDA graphs; here run eagerly, `capture=False`), their bias made
     from the context lengths with the window, and each step's integer tensors staged in one copy."""
-    from pylon.serving.model.attention import HostStage
-    from pylon.serving.model.graphs import DecodeGraphs
-
     engine = windowed.engine()
     runner = engine.runner
-    if not ON_CUDA:
-        runner.stage = HostStage(runner.device, staged=True)
-        runner.add_scratch_block()
-        runner.decode_graphs = DecodeGraphs(runner, 8, engine.max_model_len, capture=False)
-        runner.decode_graphs.capture_all()
+    fixed_shape_decodes(engine)
     got = [c.token_ids for c in engine.generate(WINDOW_PROMPTS, WINDOW_GREEDY)]
     assert got == windowed.window_greedy
     assert runner.decode_graphs.replays >= WINDOW_NEW - 1
