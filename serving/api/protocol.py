@@ -108,6 +108,7 @@ class _Request(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
+            add_special_tokens=self.add_special_tokens,
             **self._logprobs_params(),
         )
 
@@ -166,6 +167,8 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's: a text prompt gets the special tokens its tokenizer adds (Llama's and Gemma's BOS); false: its own only
+    add_special_tokens: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -270,6 +273,8 @@ class ChatCompletionRequest(_Request):
     # vLLM's: more variables for the model's chat template (Qwen3's enable_thinking: false); a model without a
     # chat template, or a template that does not read one, ignores it
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    # vLLM's: the rendered chat tokenized with the special tokens the tokenizer adds too (a template writes its BOS)
+    add_special_tokens: bool = False
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -331,6 +336,9 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[dict[str, Any]] | None = None
+    # vLLM's: with the special tokens the tokenizer adds; by default as the endpoint the text goes to (a prompt's
+    # completions: true; a chat's: false)
+    add_special_tokens: bool | None = None
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -347,6 +355,11 @@ class TokenizeRequest(BaseModel):
         chat = ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools)
         chat.check_supported()
         return chat.render(tokenizer)
+
+    @property
+    def special(self) -> bool:
+        """Whether the text is tokenized with the tokenizer's special tokens (`add_special_tokens`)."""
+        return self.add_special_tokens if self.add_special_tokens is not None else self.prompt is not None
 
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs

@@ -111,7 +111,8 @@ def routing_key(
             request = protocol.ChatCompletionRequest.model_validate(body)
             prompts = [request.render(tokenizer)]  # as the replica renders it, tools included
         elif "prompt" in body:
-            prompts = protocol.CompletionRequest.model_validate(body).prompts()
+            request = protocol.CompletionRequest.model_validate(body)
+            prompts = request.prompts()
             if len(prompts) > protocol.MAX_BATCH_CHOICES:
                 return RoutingKey()  # the replica refuses it
         else:
@@ -119,7 +120,7 @@ def routing_key(
         keys = []
         for prompt in prompts:
             if isinstance(prompt, str):
-                ids = prompt_ids(tokenizer, prompt)
+                ids = prompt_ids(tokenizer, prompt, request.add_special_tokens)
             elif isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
                 ids = list(prompt)
             else:

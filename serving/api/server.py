@@ -367,7 +367,7 @@ class PylonLLMServer:
         renders it), so a client can count a prompt's tokens against the context before sending it."""
 
         def answer(body) -> dict:
-            ids = prompt_ids(self.engine.tokenizer, body.text(self.engine.tokenizer))
+            ids = prompt_ids(self.engine.tokenizer, body.text(self.engine.tokenizer), body.special)
             return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
         await self._answer(scope, receive, send, protocol.TokenizeRequest, answer)
@@ -840,6 +840,7 @@ class _Choice:
 
     def __init__(self, kind: str, body, prompt, tokenizer, texts: TokenTexts, parser: str | None = None):
         self.kind, self.prompt, self.tokenizer = kind, prompt, tokenizer
+        self.special = body.add_special_tokens  # how the engine tokenizes a text prompt (`prompt_ids`)
         self.echo = kind == "completion" and body.echo
         wanted = body.logprobs is not None if kind == "completion" else body.logprobs
         self.format = protocol.LogprobsFormat(texts) if wanted else None
@@ -874,7 +875,7 @@ class _Choice:
                 continue
             if ids is None:
                 prompt = self.prompt
-                ids = list(prompt) if not isinstance(prompt, str) else [int(i) for i in self.tokenizer.encode(prompt)]
+                ids = list(prompt) if not isinstance(prompt, str) else prompt_ids(self.tokenizer, prompt, self.special)
             pairs.append((ids[p], None))
         return pairs
 

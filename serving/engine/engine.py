@@ -264,7 +264,7 @@ class LLMEngine:
         params = params if params is not None else self.generation.default_params()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
-        prompt_ids = self._prompt_token_ids(prompt, scoring=params.max_tokens == 0)
+        prompt_ids = self._prompt_token_ids(prompt, scoring=params.max_tokens == 0, special=params.add_special_tokens)
         max_tokens = params.max_tokens
         if max_tokens is None:  # what the context leaves, and no more than the model's own default (if it has one)
             max_tokens = self.max_model_len - len(prompt_ids)
@@ -317,7 +317,7 @@ class LLMEngine:
             self._unfinished_ids.add(request_id)
             self._incoming.append(request)
 
-    def _prompt_token_ids(self, prompt: Prompt, *, scoring: bool = False) -> list[int]:
+    def _prompt_token_ids(self, prompt: Prompt, *, scoring: bool = False, special: bool = False) -> list[int]:
         # The step loop waits while a prompt is tokenized and checked: a prompt that cannot fit is refused on its
         # length first (characters: see chars_per_token_bound; token ids: before each is looked at). A prompt to be
         # scored only (max_tokens 0) may fill the context, as the sequences a model was trained on do; one to be
@@ -331,7 +331,7 @@ class LLMEngine:
                     f"least {-(-len(prompt) // bound)} tokens, past max_model_len ({self.max_model_len})",
                     param="prompt",
                 )
-            ids = prompt_ids(self.tokenizer, prompt)
+            ids = prompt_ids(self.tokenizer, prompt, special)
         elif isinstance(prompt, Sequence):
             ids = prompt
         else:

@@ -36,6 +36,7 @@ from pylon.serving.engine.heap import allocator, engine_process_env, freeze_load
 from pylon.serving.engine.kv_cache import block_hashes, cache_salt
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
+from pylon.serving.engine.tokenization import prompt_ids
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.specs import EngineSpec
 
@@ -334,10 +335,13 @@ class EnginePool:
         # unhealthy, so Serve still replaces it, letting the live engines' streams finish as it drains).
         live = [e for e in self.engines if e.check_health()] or self.engines
         adapter = params.adapter if params is not None else None
-        engine = self._holder_of(prompt, live, cache_salt(adapter)) or min(live, key=lambda e: e.open_streams)
+        special = params.add_special_tokens if params is not None else False
+        engine = self._holder_of(prompt, live, cache_salt(adapter), special) or min(live, key=lambda e: e.open_streams)
         return engine.generate(request_id, prompt, params, interval_s=interval_s)
 
-    def _holder_of(self, prompt: Prompt, engines: list[ProcessLLMEngine], salt: bytes = b"") -> ProcessLLMEngine | None:
+    def _holder_of(
+        self, prompt: Prompt, engines: list[ProcessLLMEngine], salt: bytes = b"", special: bool = False
+    ) -> ProcessLLMEngine | None:
         """With prefix caching: the engine that holds the longest cached prefix of `prompt` (by the hashes each
         engine reports of the blocks it has cached, not a guess from past routing), if it has a free sequence
         slot; the least loaded among equals. None: no engine holds a block of it, or the holder is busy (it
@@ -345,8 +349,7 @@ class EnginePool:
         if not self.spec.enable_prefix_caching or len(engines) < 2:
             return None
         try:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            ids = prompt_ids(self.tokenizer, prompt, special) if isinstance(prompt, str) else list(prompt)
         except Exception:  # the engine refuses it with the reason; routing is not the place
             return None
         hashes = block_hashes(ids[: len(ids) - 1], self.spec.block_size, [], salt)  # the last token is always computed

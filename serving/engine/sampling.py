@@ -64,6 +64,8 @@ class SamplingParams:
     adapter: None (the base model), or the name of one of the engine's LoRA adapters (`engine.adapters`) to run with.
     adapter_path: with `adapter` naming none of those, the local directory of an adapter loaded on demand
     (`engine.dynamic_adapters`; its replica fetched it from the root).
+    add_special_tokens: a text prompt is tokenized with the special tokens its tokenizer adds (a BOS), as vLLM's
+    completions do by default; off, the text's own tokens (a chat rendered by its template holds its BOS already).
     embed: compute the prompt and return its last token's final hidden state (`RequestOutput.embedding`) instead of
     generating: max_tokens must be 0, and no logprobs are asked.
     """
@@ -87,6 +89,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     adapter: str | None = None
     adapter_path: str | None = None
+    add_special_tokens: bool = False
     embed: bool = False
 
     def __post_init__(self) -> None:

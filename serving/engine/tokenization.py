@@ -18,10 +18,11 @@ PYLON_TOKENIZER_FILE = "pylon_tokenizer.json"  # what `pylon export` writes (pyl
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, text: str, special: bool = False) -> list[int]:
     """The token ids of a text prompt as the engine computes them (the engine, the prefix-aware router and
-    /tokenize all count a prompt with this one function)."""
-    encoded = tokenizer.encode(text)
+    /tokenize all count a prompt with this one function). `special`: with the special tokens the tokenizer adds (a
+    BOS: `SamplingParams.add_special_tokens`, a completion's default as vLLM's; a rendered chat has its own)."""
+    encoded = tokenizer.encode(text, special=True) if special else tokenizer.encode(text)
     return encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
 
 

@@ -1307,3 +1307,80 @@ def test_generation_config_none_gives_openais_defaults_and_keeps_the_eos_ids(mod
         p = seen[-1]
         assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, 16)  # sampled, OpenAI's 16 tokens
         assert r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_a_completion_prompt_gets_its_tokenizers_bos_as_vllm_gives_it_and_a_chat_does_not(tmp_path):
+    """A tokenizer that adds a BOS (Llama's, Gemma's): a completions text prompt is tokenized with it by default
+    (vLLM's add_special_tokens: true), so its tokens are the model's greedy continuation of BOS + the text; with
+    add_special_tokens false, of the text alone. /tokenize counts the same way (a chat's messages without it: its
+    template writes its own); the routing key hashes what the engine computes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pylon.serving.api.routing import HASH_BYTES, routing_key
+    from pylon.serving.engine.kv_cache import block_hashes
+    from pylon.serving.engine.tokenization import load_model_tokenizer
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    raw.train_from_iterator(["the quick brown fox jumps over the lazy dog. " * 20], trainer)
+    bos = raw.token_to_id("<s>")
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", chat_template=template
+    ).save_pretrained(str(tmp_path))
+    eos = raw.token_to_id("</s>")
+    config = AutoConfig.for_model(
+        "gpt2",
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        n_positions=256,
+        vocab_size=300,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        initializer_range=0.5,  # a model whose continuations follow the context (the default's repeat one token)
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    text = "the quick brown fox"
+    plain = raw.encode(text, add_special_tokens=False).ids
+
+    @torch.no_grad()
+    def greedy(ids: list[int]) -> list[int]:
+        ids = list(ids)
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[-8:]
+
+    with_bos, without = greedy([bos, *plain]), greedy(plain)
+    assert with_bos != without  # else the test could not tell
+    with serving(str(tmp_path), max_model_len=128, kv_cache_tokens=1024, separate_process=False) as (url, _):
+        body = {"model": "tiny", "prompt": text, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        for extra, want, count in (
+            ({}, with_bos, len(plain) + 1),
+            ({"add_special_tokens": False}, without, len(plain)),
+        ):
+            r = requests.post(f"{url}/v1/completions", headers=auth(), json={**body, **extra}, timeout=60)
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            assert answer["usage"]["prompt_tokens"] == count
+            assert answer["choices"][0]["text"] == raw.decode(want, skip_special_tokens=False), extra
+            tokenized = requests.post(
+                f"{url}/tokenize", headers=auth(), json={"model": "tiny", "prompt": text, **extra}, timeout=60
+            ).json()
+            assert tokenized["tokens"] == ([bos] if not extra else []) + plain
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+        rendered = requests.post(f"{url}/tokenize", headers=auth(), json=chat, timeout=60).json()["tokens"]
+        assert rendered[0] == bos and rendered[1] != bos  # the template's BOS only
+        r = requests.post(f"{url}/v1/chat/completions", headers=auth(), json={**chat, "max_tokens": 2}, timeout=60)
+        assert r.json()["usage"]["prompt_tokens"] == len(rendered)
+    tokenizer = load_model_tokenizer(str(tmp_path))
+    key = routing_key(tokenizer, 2, {"model": "tiny", "prompt": text})
+    assert key.hashes == tuple(h[:HASH_BYTES] for h in block_hashes([bos, *plain][:-1], 2, []))

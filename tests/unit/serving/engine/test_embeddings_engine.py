@@ -83,7 +83,7 @@ def test_an_embedding_request_asks_for_nothing_it_cannot_have(gpt2) -> None:
 
 def test_a_text_to_embed_gets_the_special_tokens_its_tokenizer_adds(hf_dir, tmp_path) -> None:  # noqa: F811
     """Qwen3-Embedding's tokenizer appends its EOS, and the model pools there: a text to embed is tokenized with the
-    tokenizer's special tokens (a prompt to complete is not, as in training)."""
+    tokenizer's special tokens (`prompt_ids` without `special` gives the text's own)."""
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
