@@ -115,8 +115,8 @@ def test_specs_show_as_html_tables_without_changing_validation() -> None:
     html = spec._repr_html_()
     assert html.startswith("<table") and f"Deployment &#x27;{spec.name}&#x27;" in html
     assert (
-        "api_keys_env" in html and "max_num_seqs" in html and html.count("<table") == 1 + 5
-    )  # engine, engine.speculative, autoscaling, http, replica
+        "api_keys_env" in html and "max_num_seqs" in html and html.count("<table") == 1 + 6
+    )  # engine, engine.speculative, engine.dynamic_adapters, autoscaling, http, replica
     hostile = DatasetSpec(name="d", sources=["<script>alert(1)</script>"], output="o")
     assert "<script>" not in hostile._repr_html_() and "&lt;script&gt;" in hostile._repr_html_()
     # Still pydantic models that forbid unknown keys; the display is a method, not a field.
