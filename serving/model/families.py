@@ -17,11 +17,25 @@ residual; `pre_feedforward_layernorm` is the MLP's input norm), an attention sca
 the logits soft-capped by `final_logit_softcapping` where the config sets it. What the engine cannot compute is
 refused at load (`unsupported`): Gemma 3's attention logit soft-capping and its bidirectional attention (embedding
 models). The multimodal Gemma 3 checkpoints (`gemma3`: Gemma3ForConditionalGeneration) are not served.
+
+Phi-3 and Phi-4 (`phi3`: Phi3ForCausalLM: Phi-3-mini, Phi-3-medium, Phi-3.5-mini, Phi-4 14B, Phi-4-mini; not
+Phi-3-small, a model type of its own) are Llama with fused projections, kept fused (one matmul each):
+`self_attn.qkv_proj` (queries, then keys, then values along its output) and `mlp.gate_up_proj` (gate, then up:
+`up * act(gate)`); their LoRA adapters adapt those modules by those names (`pylon.serving.model.lora`). A
+`partial_rotary_factor` below 1 (Phi-4-mini's 0.75) rotates only the first part of each head's dimensions, as phi3's
+`apply_rotary_pos_emb` does (the runner calls it for this family). Phi-3-mini-4k's `sliding_window` (2047) holds in
+every layer, as transformers masks it. Residual dropout is the identity in eval.
+
+LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
+short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long
+factors past it, recomputing the whole cache, which a batched paged engine cannot do per sequence: the engine serves
+such a model up to `original_max_position_embeddings` positions (`position_limit`), where its outputs are the
+model's own (the rotary module's attention scaling, applied at every length, included).
 """
 
 from __future__ import annotations
 
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILIES)
 # What to do instead, for model types not served that have a served sibling.
 UNSUPPORTED_HINTS = {
@@ -47,6 +61,29 @@ def unsupported(config) -> str | None:
     return None
 
 
+def position_limit(config) -> tuple[int, str | None]:
+    """How many positions the engine serves `config`'s model over, and why, where fewer than its
+    `max_position_embeddings` (else None): a LongRoPE model (see above) is served up to its
+    `original_max_position_embeddings`, within which transformers rotates with the short factors."""
+    limit = config.max_position_embeddings
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = [v for v in params.values() if isinstance(v, dict)]  # Gemma 3's: one set per layer type
+    for p in nested if nested and "rope_type" not in params else [params]:
+        if p.get("rope_type") != "longrope":
+            continue
+        original = p.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        if original and original < limit:
+            return original, (
+                f"LongRoPE (rope_type longrope) switches every position from its short to its long factors once a "
+                f"sequence passes original_max_position_embeddings {original} (transformers recomputes the whole "
+                "cache there), which a batched paged engine cannot do per sequence; within it the model computes with "
+                "the short factors, as transformers does"
+            )
+    return limit, None
+
+
 def rope_layer_types(config) -> list[str] | None:
     """Each layer's type where the model's rotary embedding takes it (Gemma 3: a base of its own for the windowed
     layers, rope_parameters["sliding_attention"], and for the full ones), else None: one rotary embedding for every
@@ -59,16 +96,17 @@ def rope_layer_types(config) -> list[str] | None:
 def layer_windows(config) -> list[int | None]:
     """Each layer's sliding window, as `transformers` applies it: a query at position p attends to the keys at
     positions p - window + 1 .. p (masking_utils' `sliding_window_causal_mask_function`), or None for a layer that
-    attends to the whole context. Mistral's `sliding_window` holds in every layer (its modeling code reads no
-    `layer_types`); Qwen2's, Qwen3's and Gemma 3's in the layers whose `layer_types` entry is "sliding_attention"
-    (Qwen's configs make it from `use_sliding_window` and `max_window_layers`: layers from max_window_layers on, and
-    clear the window unless use_sliding_window; Gemma 3's from `sliding_window_pattern`: every 6th layer full)."""
+    attends to the whole context. Mistral's and Phi-3's `sliding_window` holds in every layer (their modeling code
+    reads no `layer_types`); Qwen2's, Qwen3's and Gemma 3's in the layers whose `layer_types` entry is
+    "sliding_attention" (Qwen's configs make it from `use_sliding_window` and `max_window_layers`: layers from
+    max_window_layers on, and clear the window unless use_sliding_window; Gemma 3's from `sliding_window_pattern`:
+    every 6th layer full)."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if not window:
         return [None] * n
     layer_types = getattr(config, "layer_types", None)
-    if config.model_type == "mistral" or layer_types is None:
+    if config.model_type in ("mistral", "phi3") or layer_types is None:
         return [int(window)] * n
     return [int(window) if layer_types[i] == "sliding_attention" else None for i in range(n)]
 

@@ -47,8 +47,11 @@ _LLAMA_PROJECTIONS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-PROJECTIONS = {"gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")} | dict.fromkeys(
-    LLAMA_FAMILIES, _LLAMA_PROJECTIONS
+PROJECTIONS = (
+    {"gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    | dict.fromkeys(LLAMA_FAMILIES, _LLAMA_PROJECTIONS)
+    # Phi-3's fused projections, adapted whole, as peft targets them (pylon.serving.model.families).
+    | {"phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
 )
 LAYERS = {"gpt2": "transformer.h"} | dict.fromkeys(LLAMA_FAMILIES, "model.layers")
 # peft's key for one of a projection's two matrices (the adapter's name is not in a saved adapter's keys).

@@ -2,11 +2,11 @@
 
 The forward pass is written out per model family (GPT-2; Llama and the families built as it is: Mistral, Qwen2 and
 Qwen2.5, Qwen3 with its per-head query and key norms, Gemma 3 with those and its norms of the attention's and the MLP's
-outputs and a rotary embedding per layer type; see `pylon.serving.model.families`), calling the loaded model's
-embeddings, norms, projections, rotary embedding, MLPs and lm_head; only attention is ours
-(`pylon.serving.model.attention`), because it must read and write the paged KV cache. All tokens of a step run as
-one flat batch `[T, hidden]` (with oneDNN projections, a step with a prompt chunk pads T to one of a few row counts;
-see `linear.py`).
+outputs and a rotary embedding per layer type, Phi-3 and Phi-4 with their fused projections and partial rotary
+embedding; see `pylon.serving.model.families`), calling the loaded model's embeddings, norms, projections, rotary
+embedding, MLPs and lm_head; only attention is ours (`pylon.serving.model.attention`), because it must read and write
+the paged KV cache. All tokens of a step run as one flat batch `[T, hidden]` (with oneDNN projections, a step with a
+prompt chunk pads T to one of a few row counts; see `linear.py`).
 Logits are computed only for each sampling sequence's last token: a prompt chunk that does not finish its
 prompt needs none, and the other positions of a prefill never need any, unless the sequence asks for them
 (`StepSequence.prompt_logits`: a request that wants its prompt's log-probabilities).
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial_rotary_pos_emb
 
 from pylon.errors import PylonError
 from pylon.serving.model import kernels, linear, lora, quant
@@ -53,6 +54,7 @@ from pylon.serving.model.families import (
     SUPPORTED_MODEL_TYPES,
     UNSUPPORTED_HINTS,
     layer_windows,
+    position_limit,
     rope_layer_types,
     unsupported,
 )
@@ -274,9 +276,17 @@ class ModelRunner:
         # What the Llama-like forward does beyond Llama's, read once here (families.py): each layer's rotary
         # embedding by its type (None: one for all), norms of the attention's and the MLP's outputs (Gemma 3's
         # post_attention_layernorm and post_feedforward_layernorm, with pre_feedforward_layernorm before the MLP),
-        # and the logits' soft cap.
+        # and the logits' soft cap; fused projections (Phi-3's qkv_proj, split by `_qkv_sizes`, and gate_up_proj), and
+        # the rotary embedding applied to the first `cos.shape[-1]` dimensions of each head only (Phi-3's
+        # partial_rotary_factor; Llama's apply rotates them all).
         self._rope_types = rope_layer_types(config)
         self._output_norms = model_type != "gpt2" and hasattr(self.model.model.layers[0], "pre_feedforward_layernorm")
+        self._fused = model_type != "gpt2" and hasattr(self.model.model.layers[0].self_attn, "qkv_proj")
+        if self._fused:
+            attn = self.model.model.layers[0].self_attn
+            q_size, kv_size = config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
+            self._qkv_sizes = (q_size, kv_size, kv_size)
+        self._apply_rope: Callable = apply_partial_rotary_pos_emb if model_type == "phi3" else apply_rotary_pos_emb
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         # LoRA adapters, slot k = adapters[k - 1], checked against the model's projections and kept in its dtype and
         # on its device (pylon.serving.model.lora); None without any, and then no step spends anything on them.
@@ -299,7 +309,17 @@ class ModelRunner:
         elif self.packed_linear or quantized:
             _pack_llama(self.model, quantization)
         self.vocab_size = config.vocab_size
-        self.max_position_embeddings = config.max_position_embeddings
+        # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:
+        # LongRoPE's switch to its long factors), said once here.
+        self.max_position_embeddings, why = position_limit(config)
+        if why is not None:
+            log.warning(
+                "model %s: served up to %d positions, not its max_position_embeddings %d: %s",
+                model_dir,
+                self.max_position_embeddings,
+                config.max_position_embeddings,
+                why,
+            )
         # Each layer's sliding window (None: full attention; families.layer_windows), applied by the attention
         # metadata of the step (pylon.serving.model.attention): `step_window` in the step's own metadata, which every
         # layer reads, where every layer has the window (Mistral); where windowed layers mix with full ones (Qwen's
@@ -687,11 +707,15 @@ class ModelRunner:
         `k_norm` (Qwen3, Gemma 3) normalises each head's query and key before the rotary embedding. Gemma 3 (see
         families.py): its embedding module scales, its norms compute x * (1 + w), each layer takes the rotary
         embedding of its type (`_rope_types`), and the attention's and the MLP's outputs are normalised before they
-        join the residual (`_output_norms`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's
-        and Gemma3MLP's forward: down(act(gate(x)) * up(x))) for the rows that need its projections' deltas."""
+        join the residual (`_output_norms`). Phi-3: its fused projections (`_fused`: qkv_proj split into queries, keys
+        and values; gate_up_proj) and the rotary embedding of the first `partial_rotary_factor` of each head's
+        dimensions (`_apply_rope`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's and
+        Gemma3MLP's forward: down(act(gate(x)) * up(x)); Phi3MLP's with gate and up from one projection) for the rows
+        that need its projections' deltas."""
         llama = self.model.model
         h = llama.embed_tokens(ids)
         rope_types, output_norms = self._rope_types, self._output_norms
+        fused, apply_rope = self._fused, self._apply_rope
         if rope_types is None:
             cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
         else:  # one per layer type, as Gemma3TextModel computes them
@@ -703,16 +727,22 @@ class ModelRunner:
                 cos, sin = ropes[rope_types[i]]
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            if rows is not None:
-                rows.add(q, x, i, "self_attn.q_proj")
-                rows.add(k, x, i, "self_attn.k_proj")
-                rows.add(v, x, i, "self_attn.v_proj")
+            if fused:  # Phi-3: one projection, queries then keys then values along its output
+                qkv = attn.qkv_proj(x)
+                if rows is not None:
+                    rows.add(qkv, x, i, "self_attn.qkv_proj")
+                q, k, v = qkv.split(self._qkv_sizes, dim=-1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+                if rows is not None:
+                    rows.add(q, x, i, "self_attn.q_proj")
+                    rows.add(k, x, i, "self_attn.k_proj")
+                    rows.add(v, x, i, "self_attn.v_proj")
             T = len(x)
             q, k, v = q.view(T, -1, attn.head_dim), k.view(T, -1, attn.head_dim), v.view(T, -1, attn.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: an RMSNorm over each head's dimensions
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
+            q, k = apply_rope(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
             if a is None:
                 break
@@ -733,10 +763,13 @@ class ModelRunner:
             h = h + self._mlp(layer, layer.post_attention_layernorm(h), rows, i)
         return llama.norm(h)
 
-    @staticmethod
-    def _mlp(layer, x: torch.Tensor, rows: lora.Rows, i: int) -> torch.Tensor:
+    def _mlp(self, layer, x: torch.Tensor, rows: lora.Rows, i: int) -> torch.Tensor:
         """Layer i's MLP of `x` with `rows`' adapters' deltas on its projections."""
         mlp = layer.mlp
+        if self._fused:  # Phi3MLP's forward: gate then up in one projection, up * act(gate)
+            gate, up = rows.add(mlp.gate_up_proj(x), x, i, "mlp.gate_up_proj").chunk(2, dim=-1)
+            up = up * mlp.activation_fn(gate)
+            return rows.add(mlp.down_proj(up), up, i, "mlp.down_proj")
         gate = rows.add(mlp.gate_proj(x), x, i, "mlp.gate_proj")
         up = mlp.act_fn(gate) * rows.add(mlp.up_proj(x), x, i, "mlp.up_proj")
         return rows.add(mlp.down_proj(up), up, i, "mlp.down_proj")

@@ -118,8 +118,13 @@ class ServePlan:
         }
 
 
-# The projections of a Llama-like model the serving engine adapts (serving/model/lora.py's _LLAMA_PROJECTIONS).
+# The projections the serving engine adapts, by model_type (serving/model/lora.py's PROJECTIONS): a Llama-like model's
+# seven unless listed here (Phi-3's fused ones).
 _LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ADAPTED_TARGETS = {
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+}
 
 
 def _adapter_params(config, i: int, uri: str, counted: dict) -> int:
@@ -206,7 +211,7 @@ def plan_serve(
         # engine adapts (serving/model/lora.py's PROJECTIONS), as peft would build such an adapter.
         from pylon.specs import LoraSpec
 
-        targets = ["c_attn", "c_proj", "c_fc"] if config.model_type == "gpt2" else list(_LLAMA_TARGETS)
+        targets = list(_ADAPTED_TARGETS.get(config.model_type, _LLAMA_TARGETS))
         key = (dynamic.max_rank, tuple(targets))
         if key not in counted:
             lora = LoraSpec(r=dynamic.max_rank, alpha=dynamic.max_rank, target_modules=targets)

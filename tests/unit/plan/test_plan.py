@@ -463,3 +463,32 @@ def test_adapters_loaded_on_demand_count_max_loaded_adapters_of_max_rank(tmp_pat
     per_layer = 16 * (2 * h + 2 * (h + kv) + 2 * h + 2 * (h + mlp) + (mlp + h))  # q, k, v, o, gate, up, down
     assert room.weights - plain.weights == 4 * per_layer * layers * 2  # bf16
     assert any("4 LoRA adapter(s) loaded on demand, rank up to 16" in n for n in notes)
+
+
+def test_adapters_loaded_on_demand_on_phi3_adapt_its_fused_projections(tmp_path: Path) -> None:
+    """Phi-3's adapters target its fused projections (serving/model/lora.py's PROJECTIONS["phi3"]: qkv_proj, o_proj,
+    gate_up_proj, down_proj), hand-counted for Phi-3-mini's shapes."""
+    phi3_mini = {
+        "model_type": "phi3",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "vocab_size": 32064,
+    }
+    (tmp_path / "phi3").mkdir()
+    (tmp_path / "phi3" / "config.json").write_text(json.dumps(phi3_mini))
+
+    def plan(dynamic: dict | None):
+        engine = {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536}
+        if dynamic is not None:
+            engine["dynamic_adapters"] = dynamic
+        spec = DeploymentSpec(name="phi3", model=str(tmp_path / "phi3"), replica={"num_gpus": 1}, engine=engine)
+        return next(r for r in plan_serve(spec).rows if r.accelerator.name == "MI300X")
+
+    plain, room = plan(None), plan({"root": "s3://adapters/phi3", "max_loaded": 2, "max_rank": 8})
+    h, mlp, layers = 3072, 8192, 32
+    per_layer = 8 * ((h + 3 * h) + 2 * h + (h + 2 * mlp) + (mlp + h))  # qkv, o, gate_up, down
+    assert room.weights - plain.weights == 2 * per_layer * layers * 2  # bf16

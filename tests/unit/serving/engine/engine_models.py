@@ -42,7 +42,9 @@ FAMILIES = {
 # its config's rule: every 6th layer full, the rest windowed, the last one too), a window narrower than most prompts,
 # the windowed layers' rotary base (rope_local_base_freq) apart from the full ones' (rope_theta), an attention scale
 # (query_pre_attn_scalar) apart from head_dim's, and soft-capped logits (the checkpoints leave the cap null; set here,
-# it changes the log-probabilities, not the argmax). Their tests: test_model_families.py.
+# it changes the log-probabilities, not the argmax); Phi-3's fused projections (qkv_proj with fewer key and value heads
+# than query heads, so that its three parts differ in size; gate_up_proj) and a partial rotary embedding (16 of each
+# head's 32 dimensions rotated, as Phi-4-mini rotates 96 of 128). Their tests: test_model_families.py.
 LLAMA_LIKE = {
     "mistral": FAMILIES["llama"],
     "qwen2": FAMILIES["llama"],
@@ -58,6 +60,7 @@ LLAMA_LIKE = {
         "final_logit_softcapping": 30.0,
         "tie_word_embeddings": False,  # tied, a random model at this scale repeats its last token: its embedding wins
     },
+    "phi3": {**FAMILIES["llama"], "partial_rotary_factor": 0.5},
 }
 PROMPT_LENGTHS = (3, 17, 40, 90, 5, 64, 33, 8)
 NEW_TOKENS = 20

@@ -1,14 +1,16 @@
-"""The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma 3) in the engine: greedy
-output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
+"""The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma 3, Phi-3) in the engine:
+greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped); int8 projections computing the dequantized
-model; LoRA adapters computing what peft computes; a sliding window (Mistral's in every layer, Qwen2's in the layers
-from max_window_layers on, Gemma 3's in five layers of six) applied as transformers applies it, through batching,
-chunked prefill, the prefix cache, speculative verification and fixed-shape decode steps; and what the engine cannot
-compute refused at load, naming the field."""
+model; LoRA adapters computing what peft computes (Phi-3's on its fused projections); a sliding window (Mistral's and
+Phi-3's in every layer, Qwen2's in the layers from max_window_layers on, Gemma 3's in five layers of six) applied as
+transformers applies it, through batching, chunked prefill, the prefix cache, speculative verification and fixed-shape
+decode steps; a LongRoPE model served within its original_max_position_embeddings, as transformers computes it there;
+and what the engine cannot compute refused at load, naming the field."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -31,15 +33,18 @@ from test_lora_engine import save_adapter
 from test_serving_logprobs import INIT, check_request
 from test_serving_quant_engine import _dequantized_copy, _greedy, _last_logits, _rel
 from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
-from pylon.serving.model.families import attention_window, layer_windows
+from pylon.serving.model.families import attention_window, layer_windows, position_limit
 from pylon.serving.model.quant import QuantLinear
 from pylon.serving.model.runner import ModelRunner
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Where a family's projections are named otherwise: Phi-3's fused ones, as peft targets them.
+FAMILY_PROJECTIONS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
 @pytest.fixture(scope="module", params=list(LLAMA_LIKE))
@@ -67,6 +72,12 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
             assert getattr(layer, norm).weight.abs().mean() > 0.05  # x * (1 + w): w off its zeros
         assert layer.post_feedforward_layernorm.weight.abs().mean() > 0.05 and layer.self_attn.q_norm.weight.std() > 0
         assert config.final_logit_softcapping == 30.0 and config.attn_logit_softcapping is None
+    if family.name == "phi3":
+        attn, config = layer.self_attn, family.model.config
+        assert not hasattr(attn, "q_proj") and hasattr(layer.mlp, "gate_up_proj")
+        assert attn.qkv_proj.out_features == (4 + 2 * 2) * 32  # 4 query heads, 2 key and 2 value heads, of 32
+        assert family.model.model.rotary_emb.inv_freq.numel() * 2 == 16 < attn.head_dim  # 16 of 32 dimensions rotated
+        assert config.sliding_window is None and family.model.model.rotary_emb.attention_scaling == 1.0
     assert sum(a != b for a, b in zip(family.greedy, family.greedy[1:])) >= len(PROMPTS) - 2  # context-dependent
 
 
@@ -99,7 +110,7 @@ def fixed_shape_decodes(engine: LLMEngine) -> None:
         runner.decode_graphs.capture_all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "phi3"])
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     """Gemma 3's through its soft cap (final_logit_softcapping), in eager steps and fixed-shape decode steps."""
     family = Family(name, tmp_path / name, initializer_range=INIT)
@@ -141,10 +152,73 @@ def test_what_the_engine_cannot_compute_is_refused_naming_the_field(tmp_path) ->
         ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu")
 
 
+def test_a_longrope_model_is_served_within_its_original_positions_as_transformers_computes_it(tmp_path, caplog) -> None:
+    """LongRoPE (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): transformers rotates with the short factors while a
+    sequence stays within original_max_position_embeddings and with the long ones past it (recomputing the cache), which
+    the engine cannot do per sequence: it serves the positions up to there (max_model_len capped, with a warning saying
+    why) and within them computes what transformers does, the rotary module's attention scaling (from the ratio of
+    max_position_embeddings to original_max_position_embeddings, applied at every length) included."""
+    g = torch.Generator().manual_seed(5)
+    half = 8  # a factor for each pair of the 16 rotated dimensions (partial_rotary_factor 0.5 of head_dim 32)
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": (1 + 3 * torch.rand(half, generator=g)).tolist(),
+        "long_factor": (8 + 24 * torch.rand(half, generator=g)).tolist(),
+    }
+    family = Family(
+        "phi3",
+        tmp_path / "longrope",
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_scaling=rope,
+    )
+    config, rotary = family.model.config, family.model.model.rotary_emb
+    assert rotary.rope_type == "longrope"
+    assert rotary.attention_scaling == pytest.approx(math.sqrt(1 + math.log(256 / 64) / math.log(64)))  # ~1.155
+    assert position_limit(config)[0] == 64
+    assert position_limit(AutoConfig.for_model("phi3", max_position_embeddings=4096)) == (4096, None)
+    with caplog.at_level(logging.WARNING, logger="pylon.serving.model.runner"):
+        engine = family.engine()
+    assert engine.max_model_len == 64 and engine.runner.max_position_embeddings == 64
+    assert "not its max_position_embeddings 256" in caplog.text and "LongRoPE" in caplog.text
+
+    prompts = [p[:40] for p in PROMPTS]  # each continued to the last position served
+    want = [family.hf_greedy(p, 64 - len(p)) for p in prompts]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=64 - len(p), temperature=0))
+    outputs = run(engine)
+    assert [tokens_of(outputs[str(i)]) for i in range(len(prompts))] == want
+    assert_pool_empty(engine)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", PROMPTS[3], GREEDY)  # 90 tokens: past the positions served
+    fixed = family.engine()  # and in fixed-shape decode steps (a GPU's CUDA graphs, whose warm-up rotates first)
+    fixed_shape_decodes(fixed)
+    params = [SamplingParams(max_tokens=64 - len(p), temperature=0) for p in prompts]
+    assert [c.token_ids for c in fixed.generate(prompts, params)] == want
+    assert fixed.runner.decode_graphs.replays > 0
+
+    # The attention scaling and the short factors change transformers' continuations: an engine that left out the
+    # one or used the long factors would not pass the parity above.
+    scaling, rotary.attention_scaling = rotary.attention_scaling, 1.0
+    unscaled = [family.hf_greedy(p, 64 - len(p)) for p in prompts]
+    rotary.attention_scaling = scaling
+    short = rotary.original_inv_freq.clone()
+    rotary.original_inv_freq.copy_(ROPE_INIT_FUNCTIONS["longrope"](config, short.device, seq_len=65)[0])
+    long = [family.hf_greedy(p, 64 - len(p)) for p in prompts]
+    rotary.original_inv_freq.copy_(short)
+    assert sum(a != b for a, b in zip(want, unscaled)) >= len(prompts) - 2
+    assert sum(a != b for a, b in zip(want, long)) >= len(prompts) - 2
+
+
 def test_int8_projections_compute_the_dequantized_model(family) -> None:
     engine = family.engine(quantization="int8")
-    attention = engine.runner.model.model.layers[0].self_attn
-    assert isinstance(attention.q_proj, QuantLinear) and isinstance(attention.o_proj, QuantLinear)
+    layer = engine.runner.model.model.layers[0]
+    attention = layer.self_attn
+    if family.name == "phi3":  # its fused projections, quantized whole
+        assert isinstance(attention.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    else:
+        assert isinstance(attention.q_proj, QuantLinear)
+    assert isinstance(attention.o_proj, QuantLinear)
     reference = _dequantized_copy(family.model)
     with torch.no_grad():
         want = reference(torch.tensor([PROMPTS[3]], device=family.model.device)).logits[0, -1]
@@ -154,7 +228,8 @@ def test_int8_projections_compute_the_dequantized_model(family) -> None:
 
 def test_a_lora_adapter_computes_what_peft_computes(family, tmp_path) -> None:
     adapter = str(tmp_path / "adapter")
-    peft_model = save_adapter(family.dir, adapter, seed=3, r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS)
+    targets = FAMILY_PROJECTIONS.get(family.name, ALL_PROJECTIONS)
+    peft_model = save_adapter(family.dir, adapter, seed=3, r=8, lora_alpha=16, target_modules=targets)
     want = [hf_greedy(peft_model, p, NEW_TOKENS) for p in PROMPTS]
     assert sum(a != b for a, b in zip(want, family.greedy)) >= len(PROMPTS) - 1  # the adapter changes the outputs
     engine = LLMEngine(family.dir, spec(adapters=[{"name": "tuned", "path": adapter}]))
@@ -167,13 +242,14 @@ def test_a_lora_adapter_computes_what_peft_computes(family, tmp_path) -> None:
 
 
 # Sliding windows narrower than the prompts and continuations (and than a block, or one block exactly), at every
-# layer (Mistral) or at the layers from max_window_layers on (Qwen2: layer 0 full, 1 and 2 windowed), or as Gemma 3's
+# layer (Mistral, and Phi-3 as Phi-3-mini-4k's config sets one) or at the layers from max_window_layers on (Qwen2: layer 0 full, 1 and 2 windowed), or as Gemma 3's
 # 270M checkpoint lays them out (its config's rule over 6 layers: 0-4 windowed, the last one full; the `family`
 # fixture's Gemma 3 has 1B's layout, the last layer windowed).
 WINDOWED = {
     "mistral": {"sliding_window": 13},
     "qwen2": {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 3},
     "gemma3_text": {"sliding_window": 16, "num_hidden_layers": 6},
+    "phi3": {"sliding_window": 16},
 }
 _g = torch.Generator().manual_seed(2)
 WINDOW_PROMPTS = [torch.randint(0, 256, (n,), generator=_g).tolist() for n in (40, 90, 57, 33, 3, 17, 5, 12)]
@@ -209,6 +285,9 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     if windowed.name == "mistral":
         assert layer_windows(windowed.model.config) == [13, 13]
         assert model.config.sliding_window == 13 and model.layers[0].self_attn.config.sliding_window == 13
+    elif windowed.name == "phi3":  # Phi3Model masks every layer by config.sliding_window (no layer_types)
+        assert layer_windows(windowed.model.config) == [16, 16]
+        assert getattr(model.config, "layer_types", None) is None and model.config.sliding_window == 16
     elif windowed.name == "gemma3_text":
         assert layer_windows(windowed.model.config) == [16] * 5 + [None]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [16] * 5 + [None]
@@ -243,8 +322,8 @@ def test_a_sliding_window_is_transformers_own_through_batching_chunks_and_the_pr
         engine = windowed.engine(**fields)
         assert engine.max_model_len == 256  # the spec's, and the model's positions: the window does not cap it
         runner = engine.runner
-        if windowed.name == "mistral":  # one metadata, windowed, for every layer
-            assert (runner.step_window, runner.mixed_window) == (13, None)
+        if windowed.name in ("mistral", "phi3"):  # one metadata, windowed, for every layer
+            assert (runner.step_window, runner.mixed_window) == (WINDOWED[windowed.name]["sliding_window"], None)
         else:  # a second one for the windowed layers
             assert (runner.step_window, runner.mixed_window) == (None, 16)
         for i, p in enumerate(WINDOW_PROMPTS):
