@@ -285,7 +285,7 @@ class PylonLLMServer:
         (fetched here if need be: `adapter_path`)."""
         if name in self._served:
             return
-        if self.fetcher is not None and NAME_RE.fullmatch(name):
+        if self._on_demand(name):
             await self.fetcher.fetch(name)
             return
         raise HttpError(
@@ -300,6 +300,11 @@ class PylonLLMServer:
             type="invalid_request_error",
             param="model",
         )
+
+    def _on_demand(self, name: str) -> bool:
+        """Whether `name` may be an adapter at engine.dynamic_adapters.root (one is set, and the name is a spec
+        name: nothing that could leave the root)."""
+        return self.fetcher is not None and NAME_RE.fullmatch(name) is not None
 
     def _adapter_params(self, params: SamplingParams, model: str) -> SamplingParams:
         """`params` for a request whose `model` is `model`: a LoRA adapter's name, and where an adapter loaded on
@@ -478,7 +483,7 @@ class PylonLLMServer:
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, headers=e.headers)
         model = route_of(route_path(scope))[1]
-        if model not in self._served and self.fetcher is not None and NAME_RE.fullmatch(model):
+        if model not in self._served and self._on_demand(model):
             try:
                 await self.fetcher.fetch(model)
             except HttpError as e:

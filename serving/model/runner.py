@@ -569,18 +569,20 @@ class ModelRunner:
     def read_adapter(self, directory: str, *, max_rank: int | None = None, rank_limit: str = "max_rank"):
         """The LoRA adapter peft saved in `directory`, checked against this model and in its dtype and on its device,
         not yet served (`put_adapter`); a PylonError naming the directory if it cannot be served as it is."""
-        shapes = self.__dict__.get("_adapter_shapes")
-        if shapes is None:
-            shapes = self._adapter_shapes = lora.projection_shapes(self.model, self.model_type)
         return lora.load_adapter(
             directory,
             self.model_type,
-            shapes,
+            self._adapter_shapes,
             dtype=self.dtype,
             device=self.device,
             max_rank=max_rank,
             rank_limit=rank_limit,
         )
+
+    @functools.cached_property
+    def _adapter_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every adaptable projection's (in, out), read once (`lora.projection_shapes`)."""
+        return lora.projection_shapes(self.model, self.model_type)
 
     def put_adapter(self, slot: int, adapter) -> None:
         """Serve `adapter` (`read_adapter`'s) in `slot` from the next step on; None empties the slot."""
