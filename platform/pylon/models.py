@@ -566,12 +566,29 @@ def flops_per_token(config: "PretrainedConfig", seq_len: int) -> float:
 
 
 def _matmul_parameters(model: torch.nn.Module) -> int:
+    """The parameters in a matmul per token (see `flops_per_token`). A mixture-of-experts layer's experts count as
+    the share a token runs, top_k of num_experts (`expert_parameters`): Mixtral 8x7B's 46.7B parameters are 12.9B
+    active, the figure its FLOPs and MFU are reported in."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     output = model.get_output_embeddings()
     total = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
     if output is not None and id(output.weight) in embeddings:  # tied: the lm_head matmul still happens
         total += output.weight.numel()
-    return total
+    experts, share = expert_parameters(model)
+    return total - round(experts * (1 - share))
+
+
+def expert_parameters(model: torch.nn.Module) -> tuple[int, float]:
+    """A mixture-of-experts model's expert weights (transformers' 3-D `experts.gate_up_proj` and `down_proj`: every
+    expert of every sparse layer) and the share of them one token runs (num_experts_per_tok / num_experts); (0, 1.0)
+    for a dense model. A shared expert (Qwen2-MoE's) is dense: every token runs it."""
+    config = model.config
+    top_k = getattr(config, "num_experts_per_tok", None)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not top_k or not num_experts:
+        return 0, 1.0
+    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 3 and name.rsplit(".", 2)[-2] == "experts")
+    return n, top_k / num_experts
 
 
 def measure_matmul_peak_flops(

@@ -26,6 +26,10 @@ Phi-3-small, a model type of its own) are Llama with fused projections, kept fus
 `apply_rotary_pos_emb` does (the runner calls it for this family). Phi-3-mini-4k's `sliding_window` (2047) holds in
 every layer, as transformers masks it. Residual dropout is the identity in eval.
 
+The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are their dense siblings' attention (Mistral's, Qwen2's
+with projection biases, Qwen3's with per-head norms) with sparse MoE blocks for MLPs, which the runner computes from
+the loaded blocks' weights (`pylon.serving.model.moe`); a Qwen MoE's `mlp_only_layers` are dense MLPs, as loaded.
+
 LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
 short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long
 factors past it, recomputing the whole cache, which a batched paged engine cannot do per sequence: the engine serves
@@ -35,7 +39,10 @@ model's own (the rotary module's attention scaling, applied at every length, inc
 
 from __future__ import annotations
 
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+# Mixture-of-experts families: their dense siblings' attention (Mixtral's is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's
+# Qwen3's) and sparse MoE blocks for MLPs (pylon.serving.model.moe).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", *MOE_MODEL_TYPES)
 SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILIES)
 # What to do instead, for model types not served that have a served sibling.
 UNSUPPORTED_HINTS = {

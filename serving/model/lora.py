@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from pylon.errors import PylonError
-from pylon.serving.model.families import LLAMA_FAMILIES
+from pylon.serving.model.families import LLAMA_FAMILIES, MOE_MODEL_TYPES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")  # the first found is read
@@ -52,6 +52,9 @@ PROJECTIONS = (
     | dict.fromkeys(LLAMA_FAMILIES, _LLAMA_PROJECTIONS)
     # Phi-3's fused projections, adapted whole, as peft targets them (pylon.serving.model.families).
     | {"phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    # Mixture-of-experts families: the attention's projections (the experts are 3-D weights, not modules, and
+    # peft's LoRA on them, target_parameters, is refused below).
+    | dict.fromkeys(MOE_MODEL_TYPES, _LLAMA_PROJECTIONS[:4])
 )
 LAYERS = {"gpt2": "transformer.h"} | dict.fromkeys(LLAMA_FAMILIES, "model.layers")
 # peft's key for one of a projection's two matrices (the adapter's name is not in a saved adapter's keys).

@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.model import kernels, linear, lora, quant
+from pylon.serving.model import kernels, linear, lora, moe, quant
 from pylon.serving.model.attention import (
     AttentionMetadata,
     Final,
@@ -51,6 +51,7 @@ from pylon.serving.model.attention import (
     store_kv_pair,
 )
 from pylon.serving.model.families import (
+    MOE_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     UNSUPPORTED_HINTS,
     layer_windows,
@@ -215,7 +216,10 @@ def _pack_llama(model, quantization: str = "none") -> None:
     """Every projection of every decoder layer as a `PackedLinear`, or with `quantization` (int8, fp8) a
     `QuantLinear` (lm_head, tied to the embeddings or not, stays)."""
     for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
+        # An MoE layer's experts are its SparseMoE's own (pylon.serving.model.moe); its shared expert is a module here.
+        for parent in (layer.self_attn, layer.mlp, getattr(layer.mlp, "shared", None)):
+            if parent is None:
+                continue
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear:
                     if quantization != "none":
@@ -306,7 +310,13 @@ class ModelRunner:
         self.pad_rows = self.packed_linear and switched_on("PYLON_PADDED_ROWS")
         if model_type == "gpt2":
             self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear, quantization=quantization)
-        elif self.packed_linear or quantized:
+        # Mixture-of-experts layers (Mixtral, Qwen MoE): their sparse blocks computed by pylon.serving.model.moe, the
+        # experts' weights quantized there with the rest, else kept as loaded (torch's matmul: see moe.py).
+        self.moe_layers = 0
+        if model_type in MOE_MODEL_TYPES:
+            project = functools.partial(quant.QuantLinear, method=quantization) if quantized else None
+            self.moe_layers = moe.replace_blocks(self.model, project)
+        if model_type != "gpt2" and (self.packed_linear or quantized):
             _pack_llama(self.model, quantization)
         self.vocab_size = config.vocab_size
         # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:
@@ -403,6 +413,12 @@ class ModelRunner:
         """On a GPU, capture the CUDA graphs that steps of decodes only will replay (pylon.serving.model.graphs;
         the engine asks unless `engine.cuda_graphs` is false). Returns how many (0: none, every step runs eagerly)."""
         if self.device.type != "cuda":
+            return 0
+        if self.moe_layers:
+            log.info(
+                "MoE model: decode steps run eagerly, without CUDA graphs (its routing is read back to the host "
+                "every layer; pylon.serving.model.moe)"
+            )
             return 0
 
         self.add_scratch_block()
@@ -766,8 +782,11 @@ class ModelRunner:
         return llama.norm(h)
 
     def _mlp(self, layer, x: torch.Tensor, rows: lora.Rows, i: int) -> torch.Tensor:
-        """Layer i's MLP of `x` with `rows`' adapters' deltas on its projections."""
+        """Layer i's MLP of `x` with `rows`' adapters' deltas on its projections (an MoE layer's are not adapted:
+        pylon.serving.model.lora)."""
         mlp = layer.mlp
+        if self.moe_layers:
+            return mlp(x)
         if self._fused:  # Phi3MLP's forward: gate then up in one projection, up * act(gate)
             gate, up = rows.add(mlp.gate_up_proj(x), x, i, "mlp.gate_up_proj").chunk(2, dim=-1)
             up = up * mlp.activation_fn(gate)

@@ -80,6 +80,10 @@ class ModelShape:
     head_dim: int
     projection_params: int = 0  # the decoder layers' linear projections (not lm_head): what engine.quantization shrinks
     projection_channels: int = 0  # their output channels: one quantization scale each
+    # A mixture-of-experts model's expert weights (all experts, all sparse layers; in projection_params too) and the
+    # share of them a token runs (top_k / num_experts); 0 and 1.0 for a dense model.
+    expert_params: int = 0
+    expert_share: float = 1.0
 
 
 def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
@@ -87,18 +91,29 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pylon.models import _matmul_parameters, with_lora
+    from pylon.models import _matmul_parameters, expert_parameters, with_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         matmul = _matmul_parameters(model)
+        experts, share = expert_parameters(model)
         if lora is not None:
             model = with_lora(model, lora)
     output = model.get_output_embeddings()
     projections = [  # (weight, its output channels): nn.Linear's weight is [out, in], GPT-2's Conv1D's [in, out]
         (m.weight, m.weight.shape[1] if type(m).__name__ == "Conv1D" else m.weight.shape[0])
-        for m in model.modules()
-        if type(m).__name__ in ("Linear", "Conv1D") and m is not output and m.weight.dim() == 2
+        for name, m in model.named_modules()
+        if type(m).__name__ in ("Linear", "Conv1D")
+        and m is not output
+        and m.weight.dim() == 2
+        and not name.endswith("shared_expert_gate")  # Qwen2-MoE's one-output gate stays in float, as the router
+    ]
+    # An MoE layer's experts: 3-D weights [experts, out, in], quantized per expert and output channel as projections
+    # are (serving/model/moe.py); the router stays in float.
+    projections += [
+        (p, p.shape[0] * p.shape[1])
+        for name, p in model.named_parameters()
+        if p.dim() == 3 and name.rsplit(".", 2)[-2] == "experts"
     ]
     params = list(model.parameters())  # each Parameter once, so tied embeddings count once
     trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -120,6 +135,8 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
         head_dim=getattr(config, "head_dim", None) or hidden // heads,
         projection_params=sum(w.numel() for w, _ in projections),
         projection_channels=sum(channels for _, channels in projections),
+        expert_params=experts,
+        expert_share=share,
     )
 
 

@@ -119,11 +119,15 @@ class ServePlan:
 
 
 # The projections the serving engine adapts, by model_type (serving/model/lora.py's PROJECTIONS): a Llama-like model's
-# seven unless listed here (Phi-3's fused ones).
+# seven unless listed here (Phi-3's fused ones, an MoE model's attention).
 _LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ADAPTED_TARGETS = {
     "gpt2": ("c_attn", "c_proj", "c_fc"),
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    # Mixture-of-experts models: the attention's projections (their experts are not adapted)
+    "mixtral": _LLAMA_TARGETS[:4],
+    "qwen2_moe": _LLAMA_TARGETS[:4],
+    "qwen3_moe": _LLAMA_TARGETS[:4],
 }
 
 
@@ -159,6 +163,13 @@ def _adapter_params(config, i: int, uri: str, counted: dict) -> int:
         raise PylonError(f"{where}: adapter_config.json is not a LoRA adapter of this model ({e})") from None
 
 
+def experts_read(shape, seqs: int) -> float:
+    """The share of an MoE model's expert weights a decode step of `seqs` tokens reads: each layer's experts that
+    some token picks, expected under routing spread evenly (each token's top_k of num_experts): 1 - (1 - share)^seqs.
+    1.0 for a dense model."""
+    return 1.0 - (1.0 - shape.expert_share) ** seqs if shape.expert_params else 1.0
+
+
 def plan_serve(
     spec: DeploymentSpec,
     *,
@@ -181,9 +192,17 @@ def plan_serve(
     weights = shape.total_params * b
     if e.quantization != "none":  # the projections at 1 byte a weight plus a float32 scale per output channel
         weights -= shape.projection_params * (b - QUANT_BYTES) - shape.projection_channels * 4
+    expert_bytes = shape.expert_params * (QUANT_BYTES if e.quantization != "none" else b)
     kv_dtype = dtype if e.kv_cache_dtype == "auto" else e.kv_cache_dtype
     per_token = kv_bytes_per_token(shape, KV_BYTES[kv_dtype])
     notes = []
+    if shape.expert_params:
+        notes.append(
+            f"mixture of experts: {shape.expert_params:,} of the {shape.total_params:,} parameters are experts, a "
+            f"token runs {shape.expert_share:.0%} of them ({shape.matmul_params:,} parameters in a matmul per "
+            f"token); a decode step of n tokens reads the experts they pick, 1 - (1 - {shape.expert_share:.3g})^n of "
+            "them with routing spread evenly"
+        )
     draft_kv = 0
     if e.speculative.method == "draft":
         # The draft model beside it: its weights (unquantized) and its own KV cache, sized by the engine as the
@@ -253,7 +272,8 @@ def plan_serve(
         launch = LAUNCH_S_PER_LAYER * shape.num_layers
 
         def decode_tps(seqs: int) -> float:  # a decode step reads every weight and each sequence's KV cache
-            return seqs / ((weights + seqs * context * per_token) / bandwidth + launch) if seqs else 0.0
+            read = weights - expert_bytes * (1 - experts_read(shape, seqs))  # an MoE model: the experts hit
+            return seqs / ((read + seqs * context * per_token) / bandwidth + launch) if seqs else 0.0
 
         single = decode_tps(1 if kv_fit >= context else 0)
         batched = decode_tps(batch)

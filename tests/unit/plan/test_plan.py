@@ -492,3 +492,58 @@ def test_adapters_loaded_on_demand_on_phi3_adapt_its_fused_projections(tmp_path:
     h, mlp, layers = 3072, 8192, 32
     per_layer = 8 * ((h + 3 * h) + 2 * h + (h + 2 * mlp) + (mlp + h))  # qkv, o, gate_up, down
     assert room.weights - plain.weights == 2 * per_layer * layers * 2  # bf16
+
+
+MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1's config.json (the fields that shape it)
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768,
+    "vocab_size": 32000,
+}
+
+
+def test_a_mixture_of_experts_model_counts_every_expert_in_memory_and_the_ones_a_token_runs_in_flops(
+    tmp_path: Path,
+) -> None:
+    """Mixtral 8x7B, hand-counted: 46.7B parameters held (its model card's figure), 12.9B active (12.75B in a matmul:
+    the input embeddings are a lookup); int8 shrinks the experts with the other projections (the router stays);
+    a decode step of one token reads a quarter of the experts, a step of many nearly all of them."""
+    from pylon.models import flops_per_token
+    from pylon.plan.serve import experts_read
+
+    config = model_config(ModelSpec(config=MIXTRAL_8X7B))
+    shape = model_shape(config)
+    h, kv, mlp, layers, vocab = 4096, 1024, 14336, 32, 32000
+    attention = 2 * h * h + 2 * h * kv
+    experts = 8 * 3 * h * mlp
+    per_layer = attention + experts + 8 * h + 2 * h  # + router, two norms
+    assert shape.total_params == per_layer * layers + 2 * vocab * h + h == 46_702_792_704
+    assert shape.expert_params == experts * layers and shape.expert_share == 0.25
+    active = (attention + experts // 4 + 8 * h + 2 * h) * layers + vocab * h + h
+    assert shape.matmul_params == active == 12_748_853_248
+    assert flops_per_token(config, 4096) == 6.0 * active + 12.0 * layers * h * 4096
+    assert shape.projection_params == (attention + experts) * layers  # what int8 quantizes: experts included
+    assert experts_read(shape, 1) == 0.25 and experts_read(shape, 64) > 0.999
+
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+
+    def plan(quantization: str):
+        engine = {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536, "quantization": quantization}
+        spec = DeploymentSpec(name="mixtral", model=str(tmp_path / "mixtral"), replica={"num_gpus": 1}, engine=engine)
+        result = plan_serve(spec)
+        return next(r for r in result.rows if r.accelerator.name == "H200"), result.notes
+
+    (bf16, notes), (int8, _) = plan("none"), plan("int8")
+    assert bf16.weights == 46_702_792_704 * 2
+    assert int8.weights == bf16.weights - shape.projection_params + shape.projection_channels * 4
+    assert any("mixture of experts" in n and "25%" in n for n in notes)
+    # One sequence reads the dense part and a quarter of the experts: decodes well past a dense model of its size.
+    dense_bound = bf16.accelerator.bandwidth_gbs * 1e9 * 0.8 / bf16.weights
+    assert bf16.single_stream_tps > 2 * dense_bound

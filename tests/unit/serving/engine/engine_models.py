@@ -44,7 +44,11 @@ FAMILIES = {
 # (query_pre_attn_scalar) apart from head_dim's, and soft-capped logits (the checkpoints leave the cap null; set here,
 # it changes the log-probabilities, not the argmax); Phi-3's fused projections (qkv_proj with fewer key and value heads
 # than query heads, so that its three parts differ in size; gate_up_proj) and a partial rotary embedding (16 of each
-# head's 32 dimensions rotated, as Phi-4-mini rotates 96 of 128). Their tests: test_model_families.py.
+# head's 32 dimensions rotated, as Phi-4-mini rotates 96 of 128); the mixture-of-experts families with fewer experts
+# than their checkpoints (Mixtral 8x7B: 8, top 2; Qwen1.5-MoE-A2.7B: 60, top 4, with a shared expert, router weights
+# not renormalised; Qwen3-30B-A3B: 128, top 8, renormalised), each expert picked by some prompt token: Mixtral's 4,
+# top 2; Qwen2-MoE's 6, top 2, its shared expert and, in layer 1, a dense MLP (mlp_only_layers, as some checkpoints
+# set); Qwen3-MoE's 8, top 3, renormalised, on Qwen3's attention. Their tests: test_model_families.py.
 LLAMA_LIKE = {
     "mistral": FAMILIES["llama"],
     "qwen2": FAMILIES["llama"],
@@ -61,6 +65,25 @@ LLAMA_LIKE = {
         "tie_word_embeddings": False,  # tied, a random model at this scale repeats its last token: its embedding wins
     },
     "phi3": {**FAMILIES["llama"], "partial_rotary_factor": 0.5},
+    "mixtral": {**FAMILIES["llama"], "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        **FAMILIES["llama"],
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128,
+        "mlp_only_layers": [1],
+    },
+    "qwen3_moe": {
+        **FAMILIES["llama"],
+        "hidden_size": 96,
+        "head_dim": 32,
+        "tie_word_embeddings": True,
+        "num_experts": 8,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+    },
 }
 PROMPT_LENGTHS = (3, 17, 40, 90, 5, 64, 33, 8)
 NEW_TOKENS = 20

@@ -1,7 +1,9 @@
-"""The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma 3, Phi-3) in the engine:
+"""The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped); int8 projections computing the dequantized
-model; LoRA adapters computing what peft computes (Phi-3's on its fused projections); a sliding window (Mistral's and
+model (an MoE model's experts quantized too); LoRA adapters computing what peft computes (Phi-3's on its fused
+projections; an MoE model's on its attention, and one on its experts refused naming them); a sliding window (Mistral's and
 Phi-3's in every layer, Qwen2's in the layers from max_window_layers on, Gemma 3's in five layers of six) applied as
 transformers applies it, through batching, chunked prefill, the prefix cache, speculative verification and fixed-shape
 decode steps; a LongRoPE model served within its original_max_position_embeddings, as transformers computes it there;
@@ -29,6 +31,7 @@ from engine_models import (
     speculating,
     tokens_of,
 )
+from safetensors import safe_open
 from test_lora_engine import save_adapter
 from test_serving_logprobs import INIT, check_request
 from test_serving_quant_engine import _dequantized_copy, _greedy, _last_logits, _rel
@@ -38,13 +41,16 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
-from pylon.serving.model.families import attention_window, layer_windows, position_limit
+from pylon.serving.model.families import MOE_MODEL_TYPES, attention_window, layer_windows, position_limit
+from pylon.serving.model.moe import SparseMoE
 from pylon.serving.model.quant import QuantLinear
 from pylon.serving.model.runner import ModelRunner
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Where a family's projections are named otherwise: Phi-3's fused ones, as peft targets them.
-FAMILY_PROJECTIONS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+FAMILY_PROJECTIONS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]} | dict.fromkeys(
+    MOE_MODEL_TYPES, ALL_PROJECTIONS[:4]
+)
 
 
 @pytest.fixture(scope="module", params=list(LLAMA_LIKE))
@@ -78,7 +84,64 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         assert attn.qkv_proj.out_features == (4 + 2 * 2) * 32  # 4 query heads, 2 key and 2 value heads, of 32
         assert family.model.model.rotary_emb.inv_freq.numel() * 2 == 16 < attn.head_dim  # 16 of 32 dimensions rotated
         assert config.sliding_window is None and family.model.model.rotary_emb.attention_scaling == 1.0
+    if family.name in MOE_MODEL_TYPES:
+        check_experts_matter(family)
     assert sum(a != b for a, b in zip(family.greedy, family.greedy[1:])) >= len(PROMPTS) - 2  # context-dependent
+
+
+def check_experts_matter(family) -> None:
+    """Every expert of every MoE layer is picked by some prompt token (an engine that never ran one could pass the
+    parity otherwise), and the router's weights as the family computes them matter: flipped renormalisation changes
+    transformers' continuations. Qwen2-MoE's shared expert and its dense layer are there."""
+    model, config = family.model, family.model.config
+    # Saved as the published checkpoints are laid out (one weight per expert and projection; transformers merges
+    # them into 3-D weights at load): what the engine reads from the hub's files.
+    with safe_open(f"{family.dir}/model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    per_expert = {
+        "mixtral": "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+        "qwen2_moe": "model.layers.0.mlp.experts.5.gate_proj.weight",
+        "qwen3_moe": "model.layers.1.mlp.experts.7.down_proj.weight",
+    }
+    assert per_expert[family.name] in keys, sorted(keys)[:8]
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    if family.name == "qwen2_moe":
+        assert sparse == [0] and hasattr(model.model.layers[0].mlp, "shared_expert")
+        assert model.model.layers[0].mlp.shared_expert_gate.weight.abs().sum() > 0
+        assert not hasattr(model.model.layers[1].mlp, "experts")  # mlp_only_layers: dense
+    else:
+        assert sparse == [0, 1]
+    picked = {i: set() for i in sparse}
+    hooks = [
+        model.model.layers[i].mlp.gate.register_forward_hook(
+            lambda m, args, out, i=i: picked[i].update(out[2].flatten().tolist())
+        )
+        for i in sparse
+    ]
+    with torch.no_grad():
+        for p in PROMPTS:
+            model(torch.tensor([p], device=model.device))
+    for h in hooks:
+        h.remove()
+    num_experts = getattr(config, "num_local_experts", None) or config.num_experts
+    assert all(picked[i] == set(range(num_experts)) for i in sparse), picked
+    routers = [model.model.layers[i].mlp.gate for i in sparse]
+    if family.name == "mixtral":  # its router always renormalises: scale the top weights as a sum of 1 would not
+        forward = type(routers[0]).forward
+        for r in routers:
+            r.forward = lambda x, r=r: (lambda o: (o[0], o[1] * 0.7, o[2]))(forward(r, x))
+    else:
+        for r in routers:
+            r.norm_topk_prob = not r.norm_topk_prob
+    try:
+        changed = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+    finally:
+        for r in routers:
+            if family.name == "mixtral":
+                del r.forward
+            else:
+                r.norm_topk_prob = not r.norm_topk_prob
+    assert sum(a != b for a, b in zip(changed, family.greedy)) >= 2  # the parity below would catch it
 
 
 def test_greedy_output_is_transformers_through_batching_chunks_and_the_prefix_cache(family) -> None:
@@ -216,6 +279,11 @@ def test_int8_projections_compute_the_dequantized_model(family) -> None:
     attention = layer.self_attn
     if family.name == "phi3":  # its fused projections, quantized whole
         assert isinstance(attention.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    elif family.name in MOE_MODEL_TYPES:  # each expert's two weights, and the shared expert's projections
+        assert isinstance(layer.mlp, SparseMoE) and all(isinstance(e, QuantLinear) for e in layer.mlp.gate_up)
+        assert all(isinstance(e, QuantLinear) for e in layer.mlp.down) and layer.mlp.router.dtype == torch.float32
+        if family.name == "qwen2_moe":
+            assert isinstance(layer.mlp.shared.down_proj, QuantLinear)
     else:
         assert isinstance(attention.q_proj, QuantLinear)
     assert isinstance(attention.o_proj, QuantLinear)
@@ -239,6 +307,18 @@ def test_a_lora_adapter_computes_what_peft_computes(family, tmp_path) -> None:
     outputs = run(engine)
     assert [tokens_of(outputs[f"tuned-{i}"]) for i in range(len(PROMPTS))] == want
     assert [tokens_of(outputs[f"base-{i}"]) for i in range(len(PROMPTS))] == family.greedy
+
+
+def test_an_adapter_on_an_moe_models_experts_is_refused_naming_them(tmp_path) -> None:
+    """The engine adapts an MoE model's attention only: an adapter that changes an expert (here Qwen2-MoE's shared
+    expert) is refused at load, naming the module and what to do, not served as if the expert were not adapted."""
+    family = Family("qwen2_moe", tmp_path / "base")
+    adapter = str(tmp_path / "adapter")
+    save_adapter(family.dir, adapter, seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "shared_expert.up_proj"])
+    with pytest.raises(PylonError) as e:
+        LLMEngine(family.dir, spec(adapters=[{"name": "tuned", "path": adapter}]))
+    assert "model.layers.0.mlp.shared_expert.up_proj" in str(e.value) and "self_attn.q_proj" in str(e.value)
+    assert "merge" in str(e.value)
 
 
 # Sliding windows narrower than the prompts and continuations (and than a block, or one block exactly), at every

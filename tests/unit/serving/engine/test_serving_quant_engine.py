@@ -35,7 +35,14 @@ def _dequantized_copy(model, method: str = "int8"):
     """`model` with each decoder-layer projection's weight replaced by its int8 (or fp8) round trip."""
     model = copy.deepcopy(model)
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
+            if isinstance(getattr(module, "gate_up_proj", None), torch.Tensor):  # an MoE layer's 3-D experts
+                for w in (module.gate_up_proj, module.down_proj):
+                    for e in range(len(w)):
+                        w[e].copy_(QuantWeight(w[e].float(), method).dequantized(torch.float32))
+                continue
+            if name.endswith("shared_expert_gate"):  # Qwen2-MoE's: one output, kept in float as the router is
+                continue
             if module is model.get_output_embeddings() or type(module).__name__ not in ("Linear", "Conv1D"):
                 continue
             gpt2 = type(module).__name__ == "Conv1D"  # weight [in, out]
