@@ -211,7 +211,13 @@ def train_loop(config: dict) -> None:
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
-    from pylon.models import build_model, flops_per_token, measure_matmul_peak_flops, parameter_counts
+    from pylon.models import (
+        build_model,
+        flops_per_token,
+        measure_matmul_peak_flops,
+        parameter_counts,
+        router_aux_coef,
+    )
 
     started_at = time.time()
     spec = TrainJobSpec.model_validate(config["spec"])
@@ -280,6 +286,7 @@ def train_loop(config: dict) -> None:
 
     cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
+    aux_coef = router_aux_coef(cfg)
     # The peak is measured in the precision the model trains in, on the worker's own device.
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
     peak = measure_matmul_peak_flops(seconds=0.5, device=device, dtype=dtype)
@@ -310,17 +317,18 @@ def train_loop(config: dict) -> None:
     while step < spec.steps:
         t_step = time.perf_counter()
         step_started_at = time.time()
-        wait_s, loss_sum, tokens_sum = 0.0, 0.0, 0
+        wait_s, loss_sum, tokens_sum, aux_sum, aux_n = 0.0, 0.0, 0, 0.0, 0
         for _ in range(gas):
             batch = next(batches)
             wait_s += batch.wait_s
             inputs = batch.to_torch(tok.pad_id, device=device) if len(batch) else _padding_batch(stream, device)
-            logits = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-            loss, local_sum, n_tokens = _global_mean_loss(logits, inputs["labels"], world)
+            loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef)
             engine.backward(loss)
             engine.step()
             loss_sum += local_sum
             tokens_sum += n_tokens
+            if aux is not None and n_tokens:
+                aux_sum, aux_n = aux_sum + aux, aux_n + 1
         step += 1
         step_s = time.perf_counter() - t_step
         # fp16: a step whose gradients overflowed was skipped by DeepSpeed (its update not applied; the loss scale
@@ -328,12 +336,14 @@ def train_loop(config: dict) -> None:
         # a trained step.
         skipped = spec.precision == "fp16" and not engine.was_step_applied()
         # On the device the process group reduces on: NCCL reduces CUDA tensors only, gloo CPU ones.
-        totals = torch.tensor([loss_sum, float(tokens_sum), *moved()], dtype=torch.float64, device=device)
+        totals = torch.tensor(
+            [loss_sum, float(tokens_sum), *moved(), aux_sum, float(aux_n)], dtype=torch.float64, device=device
+        )
         if dist.is_initialized():
             dist.all_reduce(totals)
         global_tokens = int(totals[1].item())
         ledger.step(step, step_s=step_s, wait_s=wait_s, tokens=global_tokens, started_at=step_started_at)
-        record_moved(totals[2:].tolist())
+        record_moved(totals[2:5].tolist())
         tokens_seen += global_tokens
         record = {
             "step": step,
@@ -348,6 +358,8 @@ def train_loop(config: dict) -> None:
             "peak_memory_bytes": _peak_memory_bytes(device),
             "epoch": stream.position.epoch,
         }
+        if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean
+            record["router_aux_loss"] = totals[5].item() / max(totals[6].item(), 1.0)
         if spec.precision == "fp16":
             record["loss_scale"] = float(engine.optimizer.loss_scale)
             record["skipped"] = skipped
@@ -496,6 +508,23 @@ def _padding_batch(stream, device) -> dict:
     seq = stream.manifest.seq_len
     ids = torch.full((1, seq), stream.manifest.tokenizer.pad_id, dtype=torch.long, device=device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100)}
+
+
+def step_loss(engine, inputs: dict, world: int, aux_coef: float = 0.0):
+    """One micro-batch's training loss (see `_global_mean_loss`), and for a mixture-of-experts model (`aux_coef`:
+    `pylon.models.router_aux_coef`) its routers' load-balancing loss weighted by `aux_coef` on top, as transformers'
+    MoE models add it (each rank's own, which DeepSpeed's gradient average makes the ranks' mean; nothing for an
+    all-padding row). Returns (loss to backpropagate, this rank's summed token loss, its token count, the
+    load-balancing loss as a float or None for a dense model)."""
+    extra = {"output_router_logits": True} if aux_coef else {}
+    out = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **extra)
+    loss, local_sum, n_tokens = _global_mean_loss(out.logits, inputs["labels"], world)
+    if not aux_coef:
+        return loss, local_sum, n_tokens, None
+    aux = out.aux_loss
+    if n_tokens:
+        loss = loss + aux_coef * aux
+    return loss, local_sum, n_tokens, float(aux.item())
 
 
 def _global_mean_loss(logits, labels, world: int):

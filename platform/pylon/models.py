@@ -578,6 +578,16 @@ def _matmul_parameters(model: torch.nn.Module) -> int:
     return total - round(experts * (1 - share))
 
 
+def router_aux_coef(config) -> float:
+    """The weight of a mixture-of-experts model's load-balancing loss in its training objective: its config's
+    `router_aux_loss_coef` (Mixtral's and Qwen MoE's 0.001; set `model.config.router_aux_loss_coef: 0` to train
+    without it), as transformers adds it to the loss (Switch Transformer's auxiliary loss over every sparse layer's
+    router); 0.0 for a dense model."""
+    if not getattr(config, "num_experts_per_tok", None):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def expert_parameters(model: torch.nn.Module) -> tuple[int, float]:
     """A mixture-of-experts model's expert weights (transformers' 3-D `experts.gate_up_proj` and `down_proj`: every
     expert of every sparse layer) and the share of them one token runs (num_experts_per_tok / num_experts); (0, 1.0)
@@ -588,7 +598,7 @@ def expert_parameters(model: torch.nn.Module) -> tuple[int, float]:
     if not top_k or not num_experts:
         return 0, 1.0
     n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 3 and name.rsplit(".", 2)[-2] == "experts")
-    return n, top_k / num_experts
+    return (n, top_k / num_experts) if n else (0, 1.0)
 
 
 def measure_matmul_peak_flops(
