@@ -49,7 +49,16 @@ alternating, and the largest difference between the two legs' normalised vectors
 instruction prefix (as Qwen3-Embedding's queries do): the engine's prompt tokens computed per input, with the prefix
 cache, against every token (the count that does not depend on the machine).
 
-    .venv/bin/python bench/serve_features.py                 # all six, CPU, ~25 min on 2 cores
+moe(): a mixture-of-experts model (Mixtral's layout: `--moe-experts` experts, top `--moe-top-k`, each expert's
+intermediate size `--moe-intermediate`) against two dense models (Mistral's layout) built in the same run: one with the
+parameters a token runs (intermediate size top_k x the expert's: the same FLOPs per token) and one with all of them
+(num_experts x: the same bytes). Output tokens/s of the engine at each concurrency for the three, and the MoE model
+with int8 weights (its experts quantized), legs alternating; the share of the expert weights a decode step of n
+sequences reads (experts some token picked, counted in the engine's steps, against `pylon plan`'s 1 - (1 - k/E)^n:
+machine-independent); and one MoE layer, Pylon's (serving/model/moe.py) against transformers' own block (its default
+experts implementation), at 1 to 512 rows.
+
+    .venv/bin/python bench/serve_features.py                 # all seven, CPU, ~30 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
     .venv/bin/python bench/serve_features.py --rounds 3
 """
@@ -587,6 +596,176 @@ def report_lora(r: dict) -> None:
         )
 
 
+def build_moe_family(directory: Path, args, kind: str) -> tuple[int, int]:
+    """A random model of the moe section (GPT-2's initializer, std 0.02; the byte tokenizer): `kind` "moe" is
+    Mixtral-shaped, "dense-active" and "dense-total" are Mistral-shaped with the MoE model's active and total MLP
+    widths. Returns (its parameters, its experts' parameters)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pylon.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    common = dict(
+        hidden_size=args.moe_hidden,
+        num_hidden_layers=args.moe_layers,
+        num_attention_heads=args.moe_hidden // 64,
+        num_key_value_heads=args.moe_hidden // 256,
+        max_position_embeddings=1024,
+        vocab_size=args.vocab,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        initializer_range=0.02,
+    )
+    if kind == "moe":
+        config = AutoConfig.for_model(
+            "mixtral",
+            intermediate_size=args.moe_intermediate,
+            num_local_experts=args.moe_experts,
+            num_experts_per_tok=args.moe_top_k,
+            **common,
+        )
+    else:
+        width = args.moe_top_k if kind == "dense-active" else args.moe_experts
+        config = AutoConfig.for_model("mistral", intermediate_size=width * args.moe_intermediate, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return sum(p.numel() for p in model.parameters()), experts
+
+
+def moe_layer_micro(args, rows_list=(1, 8, 64, 512)) -> dict:
+    """Microseconds of one MoE layer (best of 3) at each row count: Pylon's SparseMoE against transformers' block it
+    replaces, on the same weights; and the largest difference between their outputs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pylon.serving.model.moe import SparseMoE
+
+    config = AutoConfig.for_model(
+        "mixtral",
+        hidden_size=args.moe_hidden,
+        intermediate_size=args.moe_intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=args.moe_hidden // 64,
+        num_key_value_heads=args.moe_hidden // 256,
+        num_local_experts=args.moe_experts,
+        num_experts_per_tok=args.moe_top_k,
+        vocab_size=256,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    block = model.model.layers[0].mlp
+    ours = SparseMoE(block, config, None)
+    out: dict = {"implementation": model.config._experts_implementation or "eager", "us": {}, "max_diff": 0.0}
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for rows in rows_list:
+            x = torch.randn(1, rows, args.moe_hidden, generator=g)
+            out["max_diff"] = max(out["max_diff"], (block(x)[0] - ours(x[0])).abs().max().item())
+            for name, f in (("transformers", lambda: block(x)), ("pylon", lambda: ours(x[0]))):
+                f()
+                best, n = math.inf, max(3, 64 // rows)
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        f()
+                    best = min(best, (time.perf_counter() - t0) / n)
+                out["us"].setdefault(name, {})[rows] = best * 1e6
+    return out
+
+
+def moe(args) -> dict:
+    """The moe section (see the module's docstring)."""
+    import torch
+
+    from pylon.serving.model import moe as moe_module
+
+    torch.set_num_threads(args.threads)
+    results: dict = {"tokens_per_s": {}, "experts_read": {}, "params": {}}
+    results["top_k"], results["experts"] = args.moe_top_k, args.moe_experts
+    hits: list[tuple[int, int]] = []  # (rows, experts picked) of each MoE layer call of a decode-only step
+    forward = moe_module.SparseMoE.forward
+
+    def counted(self, x):
+        flat = self.route(x.reshape(-1, x.shape[-1]))[0]
+        hits.append((len(flat), len(flat.unique())))
+        return forward(self, x)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {}
+        for kind in ("moe", "dense-active", "dense-total"):
+            dirs[kind] = Path(tmp) / kind
+            results["params"][kind], experts = build_moe_family(dirs[kind], args, kind)
+            results["params"].setdefault("experts", experts)
+        for c in args.concurrency:
+            engines = {kind: engine(str(d), "none", c) for kind, d in dirs.items()}
+            engines["moe int8"] = engine(str(dirs["moe"]), "int8", c)
+            out: dict[str, list[float]] = {kind: [] for kind in engines}
+            names = list(engines)
+            for r in range(args.rounds):
+                for kind in names if r % 2 == 0 else reversed(names):
+                    requests = max(2, c * args.requests_per_slot)
+                    out[kind].append(throughput(engines[kind], c, requests, args.prompt_tokens, args.output_tokens))
+            results["tokens_per_s"][c] = out
+            # The experts a decode step of c sequences picks: c requests decoding together, counted per layer call.
+            moe_module.SparseMoE.forward = counted
+            try:
+                hits.clear()
+                throughput(engines["moe"], c, c, args.prompt_tokens, args.output_tokens)
+            finally:
+                moe_module.SparseMoE.forward = forward
+            full = [picked for rows, picked in hits if rows == c]
+            results["experts_read"][c] = statistics.mean(full) / args.moe_experts if full else float("nan")
+            del engines
+            gc.collect()
+    results["micro"] = moe_layer_micro(args)
+    return results
+
+
+def report_moe(r: dict) -> None:
+    p = r["params"]
+    print(
+        f"== Mixture of experts: {p['moe']:,} parameters ({p['experts']:,} experts, a token runs their top-k share) "
+        f"against dense models of its active ({p['dense-active']:,}) and total ({p['dense-total']:,}) size"
+    )
+    for c, legs in r["tokens_per_s"].items():
+        moe_tps = statistics.median(legs["moe"])
+        line = [f"concurrency {c}: MoE {moe_tps:.1f} tok/s"]
+        for kind in ("dense-active", "dense-total"):
+            ratios = [a / b for a, b in zip(legs["moe"], legs[kind])]
+            line.append(
+                f"{kind} {statistics.median(legs[kind]):.1f} tok/s: MoE {statistics.median(ratios):.2f}x it "
+                f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+            )
+        ratios = [a / b for a, b in zip(legs["moe int8"], legs["moe"])]
+        line.append(
+            f"MoE int8 {statistics.median(legs['moe int8']):.1f} tok/s: {statistics.median(ratios):.2f}x fp32 "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        )
+        print("; ".join(line))
+    for c, share in r["experts_read"].items():
+        planned = 1 - (1 - r["top_k"] / r["experts"]) ** c
+        print(
+            f"  a decode step of {c} sequence(s) picks {share:.1%} of each layer's experts (counted in the engine; "
+            f"pylon plan assumes {planned:.1%})"
+        )
+    m = r["micro"]
+    print(
+        f"  one MoE layer, µs, Pylon's against transformers' ({m['implementation']} experts; largest difference "
+        f"{m['max_diff']:.1e}):"
+    )
+    for rows, us in m["us"]["pylon"].items():
+        theirs = m["us"]["transformers"][rows]
+        print(
+            f"    {rows:4d} rows: Pylon {us:9.0f}, transformers {theirs:9.0f}: "
+            f"transformers' time / Pylon's {theirs / us:.2f}"
+        )
+
+
 def grounded_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
     """Prompts made of a few phrases repeated (ASCII bytes), as an edit or a summary repeats its input."""
     import random
@@ -863,7 +1042,7 @@ def main() -> None:
     p.add_argument(
         "--only",
         nargs="+",
-        choices=["quantization", "constrained", "penalties", "speculative", "lora", "embeddings"],
+        choices=["quantization", "constrained", "penalties", "speculative", "lora", "embeddings", "moe"],
         help="run these sections only",
     )
     p.add_argument("--embed-inputs", type=int, default=128, help="texts the embeddings section embeds per leg")
@@ -871,8 +1050,13 @@ def main() -> None:
     p.add_argument("--lora-adapters", type=int, default=4, help="LoRA adapters the lora section's engine holds")
     p.add_argument("--lora-rank", type=int, default=16, help="their rank (on every projection)")
     p.add_argument("--lora-slots", type=int, default=2, help="engine.dynamic_adapters.max_loaded for the on-demand leg")
+    p.add_argument("--moe-hidden", type=int, default=512, help="the moe section's hidden size")
+    p.add_argument("--moe-layers", type=int, default=4, help="its layers")
+    p.add_argument("--moe-experts", type=int, default=8, help="its experts per layer (Mixtral's 8)")
+    p.add_argument("--moe-top-k", type=int, default=2, help="the experts a token runs (Mixtral's 2)")
+    p.add_argument("--moe-intermediate", type=int, default=1024, help="an expert's intermediate size")
     args = p.parse_args()
-    sections = args.only or ["quantization", "constrained", "penalties", "speculative", "lora", "embeddings"]
+    sections = args.only or ["quantization", "constrained", "penalties", "speculative", "lora", "embeddings", "moe"]
     if "quantization" in sections:
         report_quantization(quantization(args))
     if "constrained" in sections:
@@ -885,6 +1069,8 @@ def main() -> None:
         report_lora(lora(args))
     if "embeddings" in sections:
         report_embeddings(embeddings(args))
+    if "moe" in sections:
+        report_moe(moe(args))
 
 
 if __name__ == "__main__":
