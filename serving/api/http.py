@@ -29,6 +29,7 @@ MODEL_PATH = "/v1/models/{model}"  # the one route with a parameter: the rest of
 ROUTES = {
     "/v1/completions": ("POST", "_completions"),
     "/v1/chat/completions": ("POST", "_chat_completions"),
+    "/v1/responses": ("POST", "_responses"),  # OpenAI's Responses API, on the chat path (pylon.serving.api.responses)
     "/v1/embeddings": ("POST", "_embeddings"),  # OpenAI's: each input's last-token hidden state, normalised
     "/v1/models": ("GET", "_models"),
     MODEL_PATH: ("GET", "_model"),  # OpenAI's "retrieve model": this server's one model, or a 404 naming the id

@@ -11,7 +11,7 @@ import json
 
 from pydantic.json_schema import models_json_schema
 
-from pylon.serving.api import protocol
+from pylon.serving.api import protocol, responses
 from pylon.serving.api.http import MAX_BODY_BYTES, MODEL_PATH, RETRY_AFTER_S, ROUTES
 from pylon.version import __version__
 
@@ -37,6 +37,9 @@ _MODELS = (
     protocol.EmbeddingResponse,
     protocol.HealthStatus,
     protocol.ReadyStatus,
+    responses.ResponsesRequest,
+    responses.ResponseObject,
+    responses.ResponseStreamEvent,
 )
 
 
@@ -110,6 +113,22 @@ def _event_schema(chunk) -> dict:
     }
 
 
+def _responses_event_schema() -> dict:
+    """A streamed response's server-sent event: `event: <type>`, its data a `ResponseStreamEvent` (no `[DONE]`)."""
+    return {
+        "type": "object",
+        "required": ["data", "event"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": _ref(responses.ResponseStreamEvent),
+            },
+            "event": {"type": "string"},
+        },
+    }
+
+
 def _generate(summary: str, request, response, chunk, secured: bool) -> dict:
     statuses = [400, *([401] if secured else []), 404, 413, 415, 429, 500, 503, 504]
     return {
@@ -121,12 +140,29 @@ def _generate(summary: str, request, response, chunk, secured: bool) -> dict:
                 "`data: [DONE]`.",
                 "content": {
                     **_json(_ref(response)),
-                    "text/event-stream": {"schema": _event_schema(chunk)},
+                    **({"text/event-stream": {"schema": _event_schema(chunk)}} if chunk is not None else {}),
                 },
             },
             **{str(s): _error(s) for s in statuses},
         },
     }
+
+
+def _responses_operation(secured: bool) -> dict:
+    operation = _generate(
+        "Respond to a conversation (OpenAI's Responses API, on the chat path; nothing is stored)",
+        responses.ResponsesRequest,
+        responses.ResponseObject,
+        None,
+        secured,
+    )
+    ok = operation["responses"]["200"]
+    ok["description"] = (
+        "The Response object, or with `stream: true` the Responses API's typed server-sent events, "
+        "`response.created` first and `response.completed` (or `response.incomplete`) last."
+    )
+    ok["content"]["text/event-stream"] = {"schema": _responses_event_schema()}
+    return operation
 
 
 def _tokens(summary: str, request, response, secured: bool, statuses: tuple[int, ...] = ()) -> dict:
@@ -156,7 +192,11 @@ def build(
     _, defs = models_json_schema([(m, "validation") for m in _MODELS], ref_template=_REF)
     schemas = defs["$defs"]
     # The engine refuses a prompt plus max_tokens past the context, and a prompt has at least one token.
-    for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens")):
+    for name, field in (
+        ("CompletionRequest", "max_tokens"),
+        ("ChatCompletionRequest", "max_tokens"),
+        ("ResponsesRequest", "max_output_tokens"),
+    ):
         schemas[name]["properties"][field]["anyOf"][0]["maximum"] = max_model_len - 1
     schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]["maximum"] = max_model_len - 1
     for name in (
@@ -165,6 +205,7 @@ def build(
         "TokenizeRequest",
         "DetokenizeRequest",
         "EmbeddingRequest",
+        "ResponsesRequest",
     ):  # else 404
         schemas[name]["properties"]["model"]["enum"] = [model, *adapters]
 
@@ -191,6 +232,7 @@ def build(
                 secured,
             ),
         ),
+        "/v1/responses": ("post", _responses_operation(secured)),
         "/v1/embeddings": (
             "post",
             _tokens(
@@ -290,6 +332,7 @@ def build(
         authed = secured and path in (
             "/v1/completions",
             "/v1/chat/completions",
+            "/v1/responses",
             "/v1/embeddings",
             "/v1/models",
             MODEL_PATH,

@@ -950,6 +950,11 @@ class StreamEvents:
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
+    @staticmethod
+    def done() -> str:
+        """The stream's end."""
+        return "data: [DONE]\n\n"
+
 
 def usage_chunk(
     rid: str,

@@ -110,6 +110,11 @@ def routing_key(
         if "messages" in body:
             request = protocol.ChatCompletionRequest.model_validate(body)
             prompts = [request.render(tokenizer)]  # as the replica renders it, tools included
+        elif "input" in body:  # the Responses API: its chat request, rendered as the replica renders it
+            from pylon.serving.api.responses import ResponsesRequest
+
+            request = ResponsesRequest.model_validate(body).chat()
+            prompts = [request.render(tokenizer)]
         elif "prompt" in body:
             request = protocol.CompletionRequest.model_validate(body)
             prompts = request.prompts()

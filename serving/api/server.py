@@ -11,7 +11,7 @@ import logging
 import re
 import time
 
-from pylon.serving.api import openapi, protocol, reasoning, routing, tools
+from pylon.serving.api import openapi, protocol, reasoning, responses, routing, tools
 from pylon.serving.api.adapters import AdapterFetcher
 from pylon.serving.api.http import (
     JSON_HEADERS,
@@ -40,6 +40,14 @@ from pylon.specs import NAME_RE, DeploymentSpec
 log = logging.getLogger("pylon.serving")
 _ROUTE = re.compile(r"^(prefix:\d{1,6}|load)$")
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+
+
+# The body each generating endpoint takes (a Responses API request becomes a chat one: pylon.serving.api.responses).
+_REQUESTS = {
+    "completion": protocol.CompletionRequest,
+    "chat": protocol.ChatCompletionRequest,
+    "responses": responses.ResponsesRequest,
+}
 
 
 def _metrics(model: str):
@@ -322,6 +330,7 @@ class PylonLLMServer:
                 send,
                 404,
                 f"no route {path}; this server answers POST /v1/completions, POST /v1/chat/completions, "
+                "POST /v1/responses, "
                 "POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, "
                 "GET /health, GET /ready and GET /openapi.json",
                 type="invalid_request_error",
@@ -408,6 +417,10 @@ class PylonLLMServer:
 
     async def _chat_completions(self, scope, receive, send) -> None:
         await self._generate(scope, receive, send, "chat")
+
+    async def _responses(self, scope, receive, send) -> None:
+        """OpenAI's Responses API on the chat path (pylon.serving.api.responses)."""
+        await self._generate(scope, receive, send, "responses")
 
     async def _embeddings(self, scope, receive, send) -> None:
         """OpenAI's embeddings API: one engine request per input (`SamplingParams(embed=True)`), run in the engine's
@@ -594,9 +607,12 @@ class PylonLLMServer:
         if not REQUEST_ID.match(request_id):
             request_id = protocol.new_id("req")
         self._ensure_gauges()
+        request = None  # a Responses API request, whose chat request `body` is
         try:
-            cls = protocol.CompletionRequest if kind == "completion" else protocol.ChatCompletionRequest
+            cls = _REQUESTS[kind]
             body = await self._request(headers, receive, cls)
+            if kind == "responses":
+                request, body = body, body.chat()
             if kind == "completion":
                 prompts = body.prompts()
                 for i, prompt in enumerate(prompts):
@@ -635,16 +651,26 @@ class PylonLLMServer:
                         await stream.aclose()
                 raise
         except (HttpError, InvalidRequest, EngineDeadError, RequestFailed) as e:
+            if request is not None and isinstance(e, InvalidRequest):  # named as the Responses request's field
+                param = request.param_of(e.param)
+                e = InvalidRequest(str(e).replace(e.param, param) if e.param else str(e), param=param)
             return await self._refuse(send, e)
 
-        rid = protocol.new_id("cmpl" if kind == "completion" else "chatcmpl")
+        chat = kind != "completion"
+        rid = responses.new_item_id("resp") if request is not None else protocol.new_id("chatcmpl" if chat else "cmpl")
         # A chat reply's <think> block as reasoning_content (`reasoning`), unless a grammar constrains the output.
-        parser = self.spec.http.reasoning_parser if kind == "chat" and params.guide is None else None
+        parser = self.spec.http.reasoning_parser if chat and params.guide is None else None
         timeout = self.spec.http.request_timeout_s
-        choices = [_Choice(kind, body, prompts[i], self.engine.tokenizer, self._token_texts, parser) for i, _ in plan]
+        shape = "chat" if chat else "completion"
+        choices = [_Choice(shape, body, prompts[i], self.engine.tokenizer, self._token_texts, parser) for i, _ in plan]
         if body.stream:
             created = int(time.time())
-            events = [protocol.StreamEvents(kind, rid, body.model, index=j, created=created) for j in range(len(plan))]
+            if request is not None:
+                events = [responses.ResponseEvents(request, rid, created)]
+            else:
+                events = [
+                    protocol.StreamEvents(shape, rid, body.model, index=j, created=created) for j in range(len(plan))
+                ]
             return await self._stream(send, events, body, firsts, streams, timeout, choices, answer_headers, parser)
 
         async def collect(k: int):
@@ -672,7 +698,7 @@ class PylonLLMServer:
             if parser is not None:
                 thought, content = reasoning.split(content, parser)
                 extra.update(reasoning_content=thought, with_reasoning=True)
-            if kind == "chat" and body.tool_plan is not None:
+            if chat and body.tool_plan is not None:
                 content, calls = tools.parse(content, body.tool_plan)
                 if calls:
                     extra["tool_calls"] = calls
@@ -692,6 +718,8 @@ class PylonLLMServer:
             )
         merged = protocol.merge_choices(answers)
         merged["usage"] = protocol.usage(*_usage([last for _, _, last in results], body.n, choices))
+        if request is not None:
+            merged = responses.response_object(request, merged, rid)
         await send_json(send, 200, merged, answer_headers)
 
     @functools.cached_property
@@ -757,7 +785,7 @@ class PylonLLMServer:
                 await part.aclose()
             for stream in streams:
                 await stream.aclose()  # aborts the engine request if it has not finished
-        await send({"type": "http.response.body", "body": (held + "data: [DONE]\n\n").encode(), "more_body": False})
+        await send({"type": "http.response.body", "body": (held + events[0].done()).encode(), "more_body": False})
 
     async def _choice_events(self, k: int, events, body, first, stream, choice: "_Choice", parser: str | None = None):
         """One choice's server-sent events as they become ready to go out: (k, text, the engine output they end

@@ -218,6 +218,17 @@ def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_chat
     assert stream[-1].usage.completion_tokens == 10 and stream[-1].usage.total_tokens == len(chat_prompt.encode()) + 10
 
+    # The Responses API on the same conversation (through Serve, HAProxy and the router's key of its input): the
+    # chat's greedy text, up to the model's end of text (the Responses API has no ignore_eos), streamed as typed events.
+    reply = client.responses.create(model="tiny", input="Write a loop.", max_output_tokens=10, temperature=0)
+    assert reply.object == "response" and reply.output_text and expected_chat.startswith(reply.output_text)
+    assert reply.usage.input_tokens == len(chat_prompt.encode()) and reply.usage.output_tokens <= 10
+    events = list(
+        client.responses.create(model="tiny", input="Write a loop.", max_output_tokens=10, temperature=0, stream=True)
+    )
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+
     # n choices and logit_bias through Serve and the engine's own process: greedy choices are all transformers'
     three = client.completions.create(
         model="tiny", prompt=prompt, max_tokens=12, temperature=0, n=3, extra_body={"ignore_eos": True}

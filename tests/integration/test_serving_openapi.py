@@ -100,6 +100,10 @@ def _bounded(case) -> None:
             body[key] = MAX_TOKENS
     if case.operation.path.endswith("/chat/completions") and "max_tokens" not in body:
         body.setdefault("max_completion_tokens", MAX_TOKENS)
+    if case.operation.path.endswith("/responses"):  # like chat, it runs to the end of the context by default
+        value = body.get("max_output_tokens")
+        if not isinstance(value, int) or isinstance(value, bool) or value > MAX_TOKENS:
+            body["max_output_tokens"] = MAX_TOKENS
 
 
 def test_the_live_api_keeps_its_published_contract(contract_schema):
@@ -131,6 +135,6 @@ def test_the_live_api_keeps_its_published_contract(contract_schema):
                 case.call_and_validate(checks=CHECKS, timeout=60)
 
             conforms()
-    assert negative == 5, (
-        "invalid bodies went to every operation with a body (generation, embeddings, /tokenize, /detokenize)"
+    assert negative == 6, (
+        "invalid bodies went to every operation with a body (generation, responses, embeddings, /tokenize, /detokenize)"
     )

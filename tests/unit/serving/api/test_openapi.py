@@ -19,7 +19,7 @@ from openapi_spec_validator import OpenAPIV31SpecValidator
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pylon.data.tokenizer import ByteTokenizer
-from pylon.serving.api import keys, openapi, protocol
+from pylon.serving.api import keys, openapi, protocol, responses
 from pylon.serving.api import server as serving_server
 from pylon.serving.api.http import ROUTES
 from pylon.serving.engine.request import TokenLogprob
@@ -105,6 +105,7 @@ def test_the_bearer_scheme_applies_where_the_server_asks_for_a_key():
         needs_key = path in (
             "/v1/completions",
             "/v1/chat/completions",
+            "/v1/responses",
             "/v1/embeddings",
             "/v1/models",
             "/v1/models/{model}",
@@ -135,6 +136,10 @@ def test_requests_state_the_bounds_the_server_enforces():
         completion["properties"]["top_p"]["exclusiveMinimum"] == 0 and completion["properties"]["top_p"]["maximum"] == 1
     )
     assert completion["properties"]["temperature"]["maximum"] == 100
+    responses = schemas["ResponsesRequest"]
+    assert responses["properties"]["model"]["enum"] == ["tiny"] and set(responses["required"]) == {"model", "input"}
+    assert responses["properties"]["max_output_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 127}
+    assert responses["additionalProperties"] is False
 
 
 def _sse_events(text: str) -> list[str]:
@@ -177,6 +182,39 @@ def test_what_the_protocol_builds_is_what_the_document_says():
         stream += events.usage(3, 2, 1) + events.event(protocol.error_body("late", type="timeout_error", code=504))
         for data in [*_sse_events(stream), "[DONE]"]:
             _assert_event(doc, path, data)
+    # The Responses API's object and events, with every kind of output item (reasoning, message, tool calls).
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    chat = protocol.chat_response(
+        "c", "tiny", "", "tool_calls", 3, 4, tool_calls=[call], reasoning_content="hm", with_reasoning=True
+    )
+    request = responses.ResponsesRequest.model_validate({"model": "tiny", "input": "x", "metadata": {"k": "v"}})
+    built = responses.response_object(request, chat, "resp_1")
+    assert [item["type"] for item in built["output"]] == ["reasoning", "function_call"]
+    _assert_valid(doc, ref("ResponseObject"), built)
+    text_reply = protocol.chat_response("c", "tiny", "hi", "length", 3, 2, logprobs=chat_lp)
+    built = responses.response_object(request, text_reply, "resp_2")
+    assert built["status"] == "incomplete" and built["output"][0]["content"][0]["logprobs"] == chat_lp["content"]
+    _assert_valid(doc, ref("ResponseObject"), built)
+    events = responses.ResponseEvents(request, "resp_3")
+    stream = (
+        events.role()
+        + events.reasoning("hm")
+        + events.chunk("a", None, chat_lp)
+        + events.tool_calls([call], "tool_calls")
+    )
+    stream += events.usage(3, 2, 1, 1) + events.event(protocol.error_body("late", type="timeout_error", code=504))
+    schema = doc["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    kinds = []
+    for block in (b for b in stream.split("\n\n") if b):
+        event, data = block.split("\n", 1)
+        payload = json.loads(data.removeprefix("data: "))
+        kinds.append(payload["type"])
+        assert event == f"event: {payload['type']}"
+        _assert_valid(doc, schema["properties"]["data"]["contentSchema"], payload)
+    assert kinds[0] == "response.created" and kinds[-2:] == ["response.completed", "error"], kinds
+    assert (
+        json.loads(stream.split("\n\n")[-3].split("data: ", 1)[1])["response"]["output"][-1]["type"] == "function_call"
+    )
     # and the schemas are strict enough to fail: an extra key, a wrong object, a bad finish reason
     bad = protocol.completion_response("cmpl-1", "tiny", "hi", "length", 3, 2)
     for broken in ({**bad, "extra": 1}, {**bad, "object": "chat.completion"}):
@@ -319,6 +357,36 @@ def test_what_the_mounted_server_answers_conforms_to_its_document(mounted):
         else:
             assert r.json()["id"] == "tiny" and r.json()["max_model_len"] > 0
     assert requests.get(f"{url}/v1/models/tiny", timeout=30).status_code == 401
+    # The Responses API: its object and typed events, its 400s (one of them the engine's: the tool preamble is past
+    # this model's 128 tokens, named as `input`) and 401; tool calls' items: test_what_the_protocol_builds_...
+    tools = [
+        {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+    ]
+    for body, status in (
+        ({"model": "tiny", "input": "x", "max_output_tokens": 3, "include": ["message.output_text.logprobs"]}, 200),
+        ({"model": "tiny", "input": "x", "tools": tools, "tool_choice": "required", "max_output_tokens": 40}, 400),
+        ({"model": "tiny", "input": "x", "previous_response_id": "resp_1"}, 400),
+    ):
+        r = requests.post(f"{url}/v1/responses", json=body, headers=auth, timeout=60)
+        assert r.status_code == status, (body, r.text)
+        _assert_valid(doc, _response_schema(doc, "/v1/responses", "post", status), r.json())
+        if status != 200:
+            assert r.json()["error"]["param"] in ("previous_response_id", "input"), r.text
+            continue
+        r = requests.post(f"{url}/v1/responses", json={**body, "stream": True}, headers=auth, timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"].split(";")[0] == "text/event-stream"
+        schema = _response_schema(doc, "/v1/responses", "post", 200, "text/event-stream")
+        blocks = [b for b in r.text.split("\n\n") if b]
+        assert len(blocks) >= 4 and "[DONE]" not in r.text
+        for block in blocks:
+            event, data = block.split("\n", 1)
+            event, data = event.removeprefix("event: "), data.removeprefix("data: ")
+            _assert_valid(doc, schema, {"event": event, "data": data})
+            payload = json.loads(data)
+            assert payload["type"] == event
+            _assert_valid(doc, schema["properties"]["data"]["contentSchema"], payload)
+    r = requests.post(f"{url}/v1/responses", json={"model": "tiny", "input": "x"}, timeout=30)
+    assert r.status_code == 401
     r = requests.delete(f"{url}/v1/models", timeout=30)
     assert r.status_code == 405 and r.headers["allow"] == "GET"
     _assert_valid(

@@ -46,6 +46,12 @@ def test_the_key_is_the_engines_own_block_hashes_of_the_prompt_a_replica_renders
     rendered = rendered.tolist() if hasattr(rendered, "tolist") else list(rendered)
     assert routing_key(tok, BLOCK, body).hashes == tuple(h[:HASH_BYTES] for h in block_hashes(rendered[:-1], BLOCK, []))
     assert routing_key(tok, BLOCK, body).hashes[:1] != chat.hashes[:1]
+    # The Responses API's request: its instructions and input are the chat's messages, and its key the chat's.
+    responses = {"model": "m", "instructions": messages[0]["content"], "input": "hi"}
+    assert routing_key(tok, BLOCK, responses).hashes == chat.hashes and chat.hashes
+    flat_tool = {"type": "function", "name": "add", "parameters": {"type": "object"}}
+    items = {"model": "m", "input": messages, "tools": [flat_tool]}
+    assert routing_key(tok, BLOCK, items).hashes == routing_key(tok, BLOCK, body).hashes
     # A LoRA adapter's request: hashed from its adapter's name, as its engine hashes it (engine.adapters).
     adapters = frozenset({"terse"})
     adapted = routing_key(tok, BLOCK, {"model": "terse", "prompt": ids}, adapters)
