@@ -14,7 +14,12 @@ computes (its router, then its experts) from the block's own weights:
 3. Qwen2-MoE's shared expert: a dense MLP every token runs, scaled by sigmoid(shared_expert_gate(x)), added.
 
 A step's routing is read back to the host once per layer (how many rows each expert takes), which CUDA graphs cannot
-capture: an MoE model's decode steps run eagerly on a GPU (vLLM's fused MoE kernel is what removes that; not here).
+capture. So on a GPU, where torch has a grouped matmul (`torch.nn.functional.grouped_mm`, compute capability 8.0 and
+newer) and it agrees with the loop on the device at load (`grouped_usable`), the float experts run as two grouped
+matmuls instead (`SparseMoE.grouped`): the same sort by expert, each expert's row count and offsets computed on the
+device, one kernel over all experts for gate and up and one for down, nothing read back, so the decode steps are
+captured as CUDA graphs like a dense model's (pylon.serving.model.graphs). On a CPU the loop stays (it is on par with
+torch's grouped matmul there, and the quantized experts need it); the tests run the grouped path on a CPU too.
 
 Each expert's two weights go through the runner's projections (`project`): int8 or fp8 weights quantized per expert and
 output channel (`engine.quantization`: the experts are most of an MoE model's bytes), else the float weights
@@ -24,10 +29,15 @@ count, and an expert's row count changes every step. The router stays in float (
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 def is_sparse_block(module: torch.nn.Module) -> bool:
@@ -38,6 +48,66 @@ def is_sparse_block(module: torch.nn.Module) -> bool:
         and hasattr(module, "gate")
         and getattr(getattr(experts, "gate_up_proj", None), "dim", lambda: 0)() == 3
     )
+
+
+def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows `x` grouped by expert (`offsets`: each group's end) times each group's `[in, out]` weight."""
+    return F.grouped_mm(x, weight_t, offs=offsets)
+
+
+@functools.cache
+def grouped_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `SparseMoE`'s grouped path runs on `device` in `dtype` and computes what the loop computes (once per
+    process and device, on a small random block)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        experts, hidden, inter, rows = 4, 64, 32, 12
+
+        def rand(*shape):
+            return (torch.randn(*shape, generator=g) * 0.1).to(device=device, dtype=dtype)
+
+        block = _Block(rand(experts, 2 * inter, hidden), rand(experts, hidden, inter), rand(experts, hidden))
+        moe = SparseMoE(block, _BlockConfig(top_k=2), None)
+        x = rand(rows, hidden)
+        want = moe(x)
+        moe.grouped = True
+        got = moe(x)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        ok = torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    except (RuntimeError, TypeError, NotImplementedError) as e:  # no kernel for this device, dtype or alignment
+        log.info("grouped matmul unavailable on %s in %s (%s): MoE experts run one by one", device, dtype, e)
+        return False
+    if not ok:
+        log.warning(
+            "grouped matmul disagrees with the experts' loop on %s in %s: MoE experts run one by one", device, dtype
+        )
+    return ok
+
+
+class _Block(torch.nn.Module):
+    """A sparse block's parts, as transformers' blocks hold them (for `grouped_usable`'s check)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, router: torch.Tensor):
+        super().__init__()
+        self.experts = torch.nn.Module()
+        self.experts.gate_up_proj, self.experts.down_proj = gate_up, down
+        self.experts.act_fn = torch.nn.SiLU()
+        self.gate = torch.nn.Module()
+        self.gate.weight = router
+
+
+@dataclasses.dataclass
+class _BlockConfig:
+    top_k: int
+    model_type: str = "mixtral"
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return self.top_k
 
 
 class _Dense(torch.nn.Module):
@@ -80,6 +150,10 @@ class SparseMoE(torch.nn.Module):
 
         self.gate_up = torch.nn.ModuleList(expert(experts.gate_up_proj[e]) for e in range(self.num_experts))
         self.down = torch.nn.ModuleList(expert(experts.down_proj[e]) for e in range(self.num_experts))
+        # The grouped path (float experts only): each expert's weights as `[in, out]` views of the loaded ones.
+        self.grouped = False
+        self._gate_up_t = experts.gate_up_proj.detach().transpose(-2, -1) if project is None else None
+        self._down_t = experts.down_proj.detach().transpose(-2, -1) if project is None else None
         self.shared = getattr(block, "shared_expert", None)  # Qwen2-MoE: a dense MLP module
         self.shared_gate = None if self.shared is None else block.shared_expert_gate.weight.detach()  # [1, hidden]
 
@@ -96,6 +170,8 @@ class SparseMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if self.grouped:
+            return self._forward_grouped(x).view(shape)
         experts, weights = self.route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
@@ -118,14 +194,34 @@ class SparseMoE(torch.nn.Module):
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out.view(shape)
 
+    def _forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward`'s arithmetic with no value read back to the host (see above): static shapes, capturable."""
+        experts, weights = self.route(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        # torch.histc counts floats on a CPU and integers on a GPU; bincount on a GPU reads its maximum back
+        counted = flat.float() if x.device.type == "cpu" else flat.int()
+        counts = torch.histc(counted, bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = _grouped_mm(x[tokens], self._gate_up_t, offsets).chunk(2, dim=-1)
+        y = _grouped_mm(self.act(gate) * up, self._down_t, offsets) * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return out
 
-def replace_blocks(model: torch.nn.Module, project: Callable[[torch.nn.Linear], torch.nn.Module] | None) -> int:
+
+def replace_blocks(
+    model: torch.nn.Module, project: Callable[[torch.nn.Linear], torch.nn.Module] | None, *, grouped: bool = False
+) -> int:
     """Every decoder layer's sparse MoE block of `model` (a transformers causal LM) as a `SparseMoE` (its experts
-    through `project`, see there), the block's 3-D expert weights released where `project` made copies of them.
-    Returns how many were replaced."""
+    through `project`, see there), the block's 3-D expert weights released where `project` made copies of them;
+    `grouped`: their float experts through the grouped path (see above). Returns how many were replaced."""
     n = 0
     for layer in model.model.layers:
         if is_sparse_block(layer.mlp):
             layer.mlp = SparseMoE(layer.mlp, model.config, project)
+            layer.mlp.grouped = grouped and project is None
             n += 1
     return n

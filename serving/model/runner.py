@@ -312,10 +312,14 @@ class ModelRunner:
             self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear, quantization=quantization)
         # Mixture-of-experts layers (Mixtral, Qwen MoE): their sparse blocks computed by pylon.serving.model.moe, the
         # experts' weights quantized there with the rest, else kept as loaded (torch's matmul: see moe.py).
-        self.moe_layers = 0
+        self.moe_layers, self.moe_grouped = 0, False
         if model_type in MOE_MODEL_TYPES:
             project = functools.partial(quant.QuantLinear, method=quantization) if quantized else None
-            self.moe_layers = moe.replace_blocks(self.model, project)
+            # On a GPU, float experts as grouped matmuls, which CUDA graphs capture (moe.py: checked at load).
+            self.moe_grouped = (
+                not quantized and self.device.type == "cuda" and moe.grouped_usable(self.device, self.dtype)
+            )
+            self.moe_layers = moe.replace_blocks(self.model, project, grouped=self.moe_grouped)
         if model_type != "gpt2" and (self.packed_linear or quantized):
             _pack_llama(self.model, quantization)
         self.vocab_size = config.vocab_size
@@ -414,10 +418,10 @@ class ModelRunner:
         the engine asks unless `engine.cuda_graphs` is false). Returns how many (0: none, every step runs eagerly)."""
         if self.device.type != "cuda":
             return 0
-        if self.moe_layers:
+        if self.moe_layers and not self.moe_grouped:
             log.info(
-                "MoE model: decode steps run eagerly, without CUDA graphs (its routing is read back to the host "
-                "every layer; pylon.serving.model.moe)"
+                "MoE model: decode steps run eagerly, without CUDA graphs (its experts run one by one, their rows read "
+                "back to the host every layer: quantized experts, or no grouped matmul here; pylon.serving.model.moe)"
             )
             return 0
 

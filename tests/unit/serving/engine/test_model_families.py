@@ -309,6 +309,34 @@ def test_a_lora_adapter_computes_what_peft_computes(family, tmp_path) -> None:
     assert [tokens_of(outputs[f"base-{i}"]) for i in range(len(PROMPTS))] == family.greedy
 
 
+@pytest.mark.parametrize("name", MOE_MODEL_TYPES)
+def test_moe_experts_as_grouped_matmuls_give_transformers_tokens_in_fixed_shape_decode_steps(name, tmp_path) -> None:
+    """The grouped path (moe.py: no value read back, so CUDA graphs capture it; a GPU's engine takes it by itself):
+    transformers' greedy tokens through batching and fixed-shape decode steps. Forced here on a CPU, whose engine
+    runs the experts' loop."""
+    from pylon.serving.model import moe
+
+    family = Family(name, tmp_path / name)
+    engine = family.engine()
+    runner = engine.runner
+    blocks = [layer.mlp for layer in runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    if ON_CUDA:  # chosen at load where it agrees with the loop; decode steps then captured as graphs
+        usable = moe.grouped_usable(runner.device, runner.dtype)
+        assert runner.moe_grouped == usable and all(b.grouped == usable for b in blocks)
+        if not usable:
+            pytest.skip(f"torch's grouped matmul does not run on this GPU in {runner.dtype}: the experts' loop runs")
+    else:
+        assert not runner.moe_grouped and moe.grouped_usable(runner.device, runner.dtype)
+        for block in blocks:
+            block.grouped = True
+    fixed_shape_decodes(engine)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    outputs = run(engine)
+    assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == family.greedy
+    assert runner.decode_graphs.replays > 0
+
+
 def test_an_adapter_on_an_moe_models_experts_is_refused_naming_them(tmp_path) -> None:
     """The engine adapts an MoE model's attention only: an adapter that changes an expert (here Qwen2-MoE's shared
     expert) is refused at load, naming the module and what to do, not served as if the expert were not adapted."""
