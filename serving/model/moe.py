@@ -139,7 +139,6 @@ class SparseMoE(torch.nn.Module):
         self.scores_in_model_dtype = config.model_type != "mixtral"
         self.router = block.gate.weight.detach()  # [num_experts, hidden]
         self.act = experts.act_fn
-        self.intermediate = experts.gate_up_proj.shape[1] // 2
 
         def expert(weight: torch.Tensor) -> torch.nn.Module:
             if project is None:
@@ -187,12 +186,9 @@ class SparseMoE(torch.nn.Module):
             outputs.append(self.down[e](self.act(gate) * up))
             start += n
         if not outputs:  # no rows
-            return x.view(shape).clone()
+            return torch.zeros_like(x).view(shape)
         y = torch.cat(outputs) * weights.reshape(-1)[order, None]
-        out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
-        if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
-        return out.view(shape)
+        return self._summed(x, tokens, y).view(shape)
 
     def _forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
         """`forward`'s arithmetic with no value read back to the host (see above): static shapes, capturable."""
@@ -206,6 +202,11 @@ class SparseMoE(torch.nn.Module):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         gate, up = _grouped_mm(x[tokens], self._gate_up_t, offsets).chunk(2, dim=-1)
         y = _grouped_mm(self.act(gate) * up, self._down_t, offsets) * weights.reshape(-1)[order, None]
+        return self._summed(x, tokens, y)
+
+    def _summed(self, x: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each token's weighted expert outputs `y` (rows in expert order, their tokens `tokens`) summed, plus the
+        shared expert's output where the block has one."""
         out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
