@@ -142,7 +142,9 @@ def _render_serve(p: ServePlan) -> str:
     kv_bytes = p.kv_per_token // max(1, s.num_layers * s.kv_heads * s.head_dim * 2)  # per key or value element
     lines = [
         f"Deployment '{p.name}': {p.model}, {_count(s.total_params)} parameters, {p.dtype}",
-        f"  weights {_gib(s.total_params * WEIGHT_BYTES[p.dtype])}, KV cache {p.kv_per_token / 2**10:,.1f} KiB per "
+        # the weights as loaded: quantized projections, adapters and a draft model included (every row's are these)
+        f"  weights {_gib(p.rows[0].weights if p.rows else s.total_params * WEIGHT_BYTES[p.dtype])}, KV cache "
+        f"{p.kv_per_token / 2**10:,.1f} KiB per "
         f"token ({s.num_layers} layers x {s.kv_heads} KV heads x {s.head_dim} x 2 x {kv_bytes} bytes); spec: "
         f"{p.kv_cache_tokens:,} KV tokens, max_model_len {p.max_model_len:,}, max_num_seqs {p.max_num_seqs}",
         "",

@@ -538,11 +538,14 @@ def test_a_mixture_of_experts_model_counts_every_expert_in_memory_and_the_ones_a
         engine = {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536, "quantization": quantization}
         spec = DeploymentSpec(name="mixtral", model=str(tmp_path / "mixtral"), replica={"num_gpus": 1}, engine=engine)
         result = plan_serve(spec)
-        return next(r for r in result.rows if r.accelerator.name == "H200"), result.notes
+        return next(r for r in result.rows if r.accelerator.name == "H200"), result
 
-    (bf16, notes), (int8, _) = plan("none"), plan("int8")
+    (bf16, result), (int8, quantized) = plan("none"), plan("int8")
+    notes = result.notes
     assert bf16.weights == 46_702_792_704 * 2
     assert int8.weights == bf16.weights - shape.projection_params + shape.projection_channels * 4
+    # the plan's text says the weights as loaded: int8's, not bf16's
+    assert "weights 87.0 GiB," in render(result) and "weights 43.8 GiB," in render(quantized)
     assert any("mixture of experts" in n and "25%" in n for n in notes)
     # One sequence reads the dense part and a quarter of the experts: decodes well past a dense model of its size.
     dense_bound = bf16.accelerator.bandwidth_gbs * 1e9 * 0.8 / bf16.weights
