@@ -10,7 +10,7 @@ import json
 
 import pytest
 import requests
-from test_serving_http import INVOICE, KEY, auth, model_dir, server  # noqa: F401 (fixtures)
+from test_serving_http import ADD, INVOICE, KEY, auth, model_dir, server  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +127,6 @@ def test_structured_outputs_streamed_and_not(client):
     assert obj.output_text.lstrip().startswith("{")
 
 
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": 0, "maximum": 99},
-        "b": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
 TOOLS = [{"type": "function", "name": "add", "description": "a + b", "parameters": ADD, "strict": True}]
 
 

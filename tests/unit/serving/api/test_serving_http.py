@@ -571,6 +571,18 @@ def test_structured_outputs_through_the_openai_client(server):
     assert obj.choices[0].message.content.startswith("{")
 
 
+# The tool-calling tests' function's parameters (test_responses_api.py's too).
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
+
 def test_a_tool_calling_loop_through_the_openai_client(server):
     """The official client's loop: tool_choice "required" gets valid tool_calls (their arguments follow the
     function's schema), the tool's result goes back as a "tool" message after the assistant's message as the client
@@ -579,15 +591,7 @@ def test_a_tool_calling_loop_through_the_openai_client(server):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
-    add = {
-        "type": "object",
-        "properties": {
-            "a": {"type": "integer", "minimum": 0, "maximum": 99},
-            "b": {"type": "integer", "minimum": 0, "maximum": 99},
-        },
-        "required": ["a", "b"],
-        "additionalProperties": False,
-    }
+    add = ADD
     tool_list = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": add}}]
     messages = [{"role": "user", "content": "what is 2 + 3?"}]
     reply = client.chat.completions.create(
