@@ -597,8 +597,13 @@ def expert_parameters(model: torch.nn.Module) -> tuple[int, float]:
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if not top_k or not num_experts:
         return 0, 1.0
-    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 3 and name.rsplit(".", 2)[-2] == "experts")
+    n = sum(p.numel() for p in expert_weights(model))
     return (n, top_k / num_experts) if n else (0, 1.0)
+
+
+def expert_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Every sparse layer's expert weights: transformers' 3-D `<layer>.experts.gate_up_proj` / `down_proj`."""
+    return [p for name, p in model.named_parameters() if p.dim() == 3 and name.rsplit(".", 2)[-2] == "experts"]
 
 
 def measure_matmul_peak_flops(

@@ -108,9 +108,12 @@ class ResponsesRequest(BaseModel):
             self._chat = self._to_chat()
         return self._chat
 
-    def param_of(self, param: str | None) -> str | None:
-        """The Responses field a chat request's field (as an error names it) came from."""
-        return None if param is None else _responses_param(param, self._origins)
+    def refusal(self, error: InvalidRequest) -> InvalidRequest:
+        """A chat request's refusal (its own or the engine's) naming the Responses field the chat field came from."""
+        if not error.param:
+            return error
+        mapped = _responses_param(error.param, self._origins)
+        return InvalidRequest(str(error).replace(error.param, mapped), param=mapped)
 
     @property
     def logprobs(self) -> bool:
@@ -153,8 +156,7 @@ class ResponsesRequest(BaseModel):
             mapped = _responses_param(param, origins)
             raise InvalidRequest(f"{mapped}: {first['msg']} (got {shown(first.get('input'))})", param=mapped) from None
         except InvalidRequest as e:
-            mapped = _responses_param(e.param, origins) if e.param else e.param
-            raise InvalidRequest(str(e).replace(e.param, mapped) if e.param else str(e), param=mapped) from None
+            raise self.refusal(e) from None
         return chat
 
     def _messages(self) -> tuple[list[dict], list[str]]:

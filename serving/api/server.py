@@ -652,8 +652,7 @@ class PylonLLMServer:
                 raise
         except (HttpError, InvalidRequest, EngineDeadError, RequestFailed) as e:
             if request is not None and isinstance(e, InvalidRequest):  # named as the Responses request's field
-                param = request.param_of(e.param)
-                e = InvalidRequest(str(e).replace(e.param, param) if e.param else str(e), param=param)
+                e = request.refusal(e)
             return await self._refuse(send, e)
 
         chat = kind != "completion"

@@ -91,7 +91,7 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pylon.models import _matmul_parameters, expert_parameters, with_lora
+    from pylon.models import _matmul_parameters, expert_parameters, expert_weights, with_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -110,11 +110,7 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
     ]
     # An MoE layer's experts: 3-D weights [experts, out, in], quantized per expert and output channel as projections
     # are (serving/model/moe.py); the router stays in float.
-    projections += [
-        (p, p.shape[0] * p.shape[1])
-        for name, p in model.named_parameters()
-        if p.dim() == 3 and name.rsplit(".", 2)[-2] == "experts"
-    ]
+    projections += [(p, p.shape[0] * p.shape[1]) for p in expert_weights(model)]
     params = list(model.parameters())  # each Parameter once, so tied embeddings count once
     trainable = sum(p.numel() for p in params if p.requires_grad)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
