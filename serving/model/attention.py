@@ -477,6 +477,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     workspace: Workspace | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention output `[T, heads, head_dim]` for the step's queries `q` (`[T, heads, head_dim]`), after
     storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout; unless
@@ -485,7 +486,10 @@ def paged_attention(
     prompt chunk that starts its prompt attends over its own fresh keys and values, unrounded, as vLLM does.
     (With `build_metadata(rounded=True)` it reads them back from the cache too.)
     `q` may have rows past the step's tokens (the model runner pads a step with a prompt chunk to one of a few row
-    counts, `linear.padded_rows`): their output is zeros."""
+    counts, `linear.padded_rows`): their output is zeros. `softcap` (Gemma 2's attn_logit_softcapping): every score,
+    once scaled, becomes softcap * tanh(score / softcap) before the mask and the softmax, as transformers computes it;
+    neither compiled kernel takes it (the runner builds no metadata for them: `ModelRunner.attn_softcap`), and SDPA
+    cannot, so prompt chunks attend through `_softcapped_attention`."""
     num_kv_heads, num_pool_blocks, block_size, head_dim = k_cache.shape
     heads = q.shape[1]
     share = heads // num_kv_heads  # query heads per kv head
@@ -509,6 +513,9 @@ def paged_attention(
             values = v_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
             keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops where the cache is stored as computed
         mask = c.mask
+        if softcap is not None:
+            out[rows] = _softcapped_attention(queries[0], keys[0], values[0], mask, scale, softcap).transpose(0, 1)
+            continue
         attended = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=share > 1
         )
@@ -537,7 +544,10 @@ def paged_attention(
             .reshape(num_kv_heads * B, share * Q, head_dim)
         )
         scores = torch.bmm(queries, keys.transpose(1, 2))  # [kv_heads * B, share * Q, K]
-        scores = scores.view(num_kv_heads, B, share, Q, K).mul_(scale).add_(g.bias[None, :, None])
+        scores = scores.view(num_kv_heads, B, share, Q, K).mul_(scale)
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        scores = scores.add_(g.bias[None, :, None])
         if scores.dtype != torch.float32:  # softmax of half-precision scores loses too much
             probs = scores.float().softmax(dim=-1).to(scores.dtype)
         else:
@@ -548,6 +558,32 @@ def paged_attention(
         )
         out[g.tokens] = attended[g.real]
     return out
+
+
+def _softcapped_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """A prompt chunk's attention with soft-capped scores, as transformers' eager Gemma 2 attention computes it:
+    `queries` `[heads, Q, D]` over `keys` and `values` `[kv_heads, K, D]` (a kv head's query heads side by side in one
+    matmul, as the decode groups do), `mask` `[Q, K]` True where a query may attend (None: causal over the chunk's own
+    keys, Q == K). The scores are made whole (`[heads, Q, K]`): a chunk is at most max_num_batched_tokens long. The
+    softmax is float32 whatever the model's dtype. Returns `[heads, Q, D]`."""
+    heads, Q, D = queries.shape
+    kv_heads, K = keys.shape[0], keys.shape[1]
+    share = heads // kv_heads
+    grouped = queries.reshape(kv_heads, share * Q, D)  # heads are kv-head-major: head h reads kv head h // share
+    scores = torch.bmm(grouped, keys.transpose(1, 2)).view(kv_heads, share, Q, K).mul_(scale)
+    scores = scores.div_(softcap).tanh_().mul_(softcap)
+    if mask is None:
+        mask = torch.ones(Q, K, dtype=torch.bool, device=queries.device).tril_()
+    probs = scores.float().masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(values.dtype)
+    attended = torch.bmm(probs.view(kv_heads, share * Q, K), values)
+    return attended.view(heads, Q, D)
 
 
 @dataclass(frozen=True)

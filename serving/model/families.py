@@ -15,8 +15,17 @@ outputs are normalised too, `post_attention_layernorm` and `post_feedforward_lay
 residual; `pre_feedforward_layernorm` is the MLP's input norm), an attention scale of query_pre_attn_scalar**-0.5
 (`attn.scaling`), the rotary embedding of each layer's type (the windowed layers' base is rope_local_base_freq), and
 the logits soft-capped by `final_logit_softcapping` where the config sets it. What the engine cannot compute is
-refused at load (`unsupported`): Gemma 3's attention logit soft-capping and its bidirectional attention (embedding
-models). The multimodal Gemma 3 checkpoints (`gemma3`: Gemma3ForConditionalGeneration) are not served.
+refused at load (`unsupported`): an attention logit soft cap in a Gemma 3 config (transformers' Gemma 3 does not apply
+it) and its bidirectional attention (embedding models). The multimodal Gemma 3 checkpoints (`gemma3`:
+Gemma3ForConditionalGeneration) are not served.
+
+Gemma (`gemma`: Gemma 2B and 7B, CodeGemma) is Gemma 3's embedding scale and `x * (1 + w)` norms on Llama's layer
+(two norms, one rotary embedding, a head_dim of 256 apart from hidden_size / heads), its MLP gated by GELU (tanh), as
+its modules compute. Gemma 2 (`gemma2`: 2B, 9B, 27B) has Gemma 3's four norms a layer and query_pre_attn_scalar, its
+`layer_types` alternating windowed and full layers (a window of 4096), no per-head norms, one rotary embedding, and
+soft-capped attention logits (`attn_logit_softcapping`, 50 in its checkpoints: `attention_softcap`), which the runner
+applies in the PyTorch attention (the compiled CPU kernels take no cap, so a Gemma 2 model does not use them), and
+soft-capped final logits (30). Gemma 2 and Gemma 3 are served in bf16 or fp32 (`FP16_UNSAFE`).
 
 Phi-3 and Phi-4 (`phi3`: Phi3ForCausalLM: Phi-3-mini, Phi-3-medium, Phi-3.5-mini, Phi-4 14B, Phi-4-mini; not
 Phi-3-small, a model type of its own) are Llama with fused projections, kept fused (one matmul each):
@@ -42,7 +51,9 @@ from __future__ import annotations
 # Mixture-of-experts families: their dense siblings' attention (Mixtral's is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's
 # Qwen3's) and sparse MoE blocks for MLPs (pylon.serving.model.moe).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", *MOE_MODEL_TYPES)
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", *MOE_MODEL_TYPES)
+# Families whose activations pass fp16's range (vLLM refuses fp16 for them too): served in bf16 or fp32.
+FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
 SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILIES)
 # What to do instead, for model types not served that have a served sibling.
 UNSUPPORTED_HINTS = {
@@ -55,10 +66,11 @@ UNSUPPORTED_HINTS = {
 
 def unsupported(config) -> str | None:
     """What in a supported family's `config` the engine does not compute, naming the field, or None."""
-    if getattr(config, "attn_logit_softcapping", None):
+    if getattr(config, "attn_logit_softcapping", None) and config.model_type != "gemma2":
         return (
-            f"attn_logit_softcapping is {config.attn_logit_softcapping}: the engine's attention does not soft-cap "
-            "attention logits (Gemma 3's checkpoints leave it null)"
+            f"attn_logit_softcapping is {config.attn_logit_softcapping}: the engine soft-caps the attention of Gemma 2 "
+            f"only, whose modeling code applies it; {config.model_type}'s (in transformers) does not say how it would "
+            "(Gemma 3's checkpoints leave it null)"
         )
     if getattr(config, "use_bidirectional_attention", False):
         return (
@@ -66,6 +78,13 @@ def unsupported(config) -> str | None:
             "embedding model, not a generator)"
         )
     return None
+
+
+def attention_softcap(config) -> float | None:
+    """The cap of a model's attention scores (Gemma 2's `attn_logit_softcapping`: each score, once scaled, becomes
+    cap * tanh(score / cap) before the mask), or None where they are not capped."""
+    cap = getattr(config, "attn_logit_softcapping", None) if config.model_type == "gemma2" else None
+    return float(cap) if cap else None
 
 
 def position_limit(config) -> tuple[int, str | None]:

@@ -51,9 +51,11 @@ from pylon.serving.model.attention import (
     store_kv_pair,
 )
 from pylon.serving.model.families import (
+    FP16_UNSAFE,
     MOE_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     UNSUPPORTED_HINTS,
+    attention_softcap,
     layer_windows,
     position_limit,
     rope_layer_types,
@@ -259,13 +261,13 @@ class ModelRunner:
             self._gpt2_act = _gpt2_activation(config.activation_function)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        if model_type == "gemma3_text" and self.dtype == torch.float16:
-            # Gemma 3's activations pass fp16's range (as vLLM, which refuses fp16 for it): fp32 where `auto` would
-            # pick fp16 (a GPU without bf16), and a named refusal where the spec asks for it.
+        if model_type in FP16_UNSAFE and self.dtype == torch.float16:
+            # Gemma 2's and 3's activations pass fp16's range (as vLLM, which refuses fp16 for them): fp32 where `auto`
+            # would pick fp16 (a GPU without bf16), and a named refusal where the spec asks for it.
             if dtype != "auto":
                 raise PylonError(
-                    f"engine.dtype: fp16 cannot serve {model_dir} (Gemma 3's activations overflow fp16); use bf16 "
-                    "or fp32"
+                    f"engine.dtype: fp16 cannot serve {model_dir} ({FP16_UNSAFE[model_type]}'s activations overflow "
+                    "fp16); use bf16 or fp32"
                 )
             self.dtype = torch.float32
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
@@ -292,6 +294,8 @@ class ModelRunner:
             self._qkv_sizes = (q_size, kv_size, kv_size)
         self._apply_rope: Callable = apply_partial_rotary_pos_emb if model_type == "phi3" else apply_rotary_pos_emb
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
+        # Gemma 2's attention logits soft-capped (families.attention_softcap): through the PyTorch attention only.
+        self.attn_softcap = attention_softcap(config)
         # LoRA adapters, slot k = adapters[k - 1], checked against the model's projections and kept in its dtype and
         # on its device (pylon.serving.model.lora); None without any, and then no step spends anything on them.
         self.adapter_set = (
@@ -362,7 +366,8 @@ class ModelRunner:
         self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
         self.decode_graphs = None  # pylon.serving.model.graphs.DecodeGraphs, on a GPU (use_decode_graphs)
 
-        self.kernel = kernels.usable(self.device, self.dtype, self.kv_dtype)  # decodes attend in place (see kernels.py)
+        # Decodes attend in place (see kernels.py), unless the attention soft-caps its scores, which the kernels do not.
+        self.kernel = self.attn_softcap is None and kernels.usable(self.device, self.dtype, self.kv_dtype)
         # Prompt chunks too, through the prefill kernel, where it is built for this model (float32, AVX-512 or AVX2).
         self.prefill = self.kernel and kernels.prefill_usable(self.dtype, self.kv_dtype, head_dim)
         if model_type == "gpt2" and self.kernel and config.activation_function in TANH_GELUS:
@@ -648,7 +653,10 @@ class ModelRunner:
         if meta.slot_mapping is not None and len(k) > len(meta.slot_mapping):
             k, v = k[: len(meta.slot_mapping)], v[: len(meta.slot_mapping)]
         if not last:
-            return paged_attention(q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace), h
+            attended = paged_attention(
+                q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace, softcap=self.attn_softcap
+            )
+            return attended, h
         store_kv_pair(
             self.k_cache[i],
             self.v_cache[i],
@@ -661,7 +669,18 @@ class ModelRunner:
             h, q = h[final.rows], q[final.rows]
         if final.meta is None:
             return None, h
-        return paged_attention(q, None, None, self.k_cache[i], self.v_cache[i], final.meta, scale, self.workspace), h
+        attended = paged_attention(
+            q,
+            None,
+            None,
+            self.k_cache[i],
+            self.v_cache[i],
+            final.meta,
+            scale,
+            self.workspace,
+            softcap=self.attn_softcap,
+        )
+        return attended, h
 
     def _forward_gpt2(
         self,

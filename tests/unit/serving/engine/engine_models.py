@@ -42,7 +42,9 @@ FAMILIES = {
 # its config's rule: every 6th layer full, the rest windowed, the last one too), a window narrower than most prompts,
 # the windowed layers' rotary base (rope_local_base_freq) apart from the full ones' (rope_theta), an attention scale
 # (query_pre_attn_scalar) apart from head_dim's, and soft-capped logits (the checkpoints leave the cap null; set here,
-# it changes the log-probabilities, not the argmax); Phi-3's fused projections (qkv_proj with fewer key and value heads
+# it changes the log-probabilities, not the argmax); Gemma's head_dim apart from hidden_size / heads; Gemma 2's
+# windowed and full layers by turns (the last one full) and its attention scores soft-capped at 10 (its checkpoints'
+# 50 would rarely bind on a random model this small; at 10 the cap changes every continuation); Phi-3's fused projections (qkv_proj with fewer key and value heads
 # than query heads, so that its three parts differ in size; gate_up_proj) and a partial rotary embedding (16 of each
 # head's 32 dimensions rotated, as Phi-4-mini rotates 96 of 128); the mixture-of-experts families with fewer experts
 # than their checkpoints (Mixtral 8x7B: 8, top 2; Qwen1.5-MoE-A2.7B: 60, top 4, with a shared expert, router weights
@@ -63,6 +65,17 @@ LLAMA_LIKE = {
         "query_pre_attn_scalar": 20,
         "final_logit_softcapping": 30.0,
         "tie_word_embeddings": False,  # tied, a random model at this scale repeats its last token: its embedding wins
+    },
+    "gemma": {**FAMILIES["llama"], "hidden_size": 96, "head_dim": 32, "tie_word_embeddings": False},
+    "gemma2": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "sliding_window": 16,
+        "query_pre_attn_scalar": 20,
+        "attn_logit_softcapping": 10.0,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": False,
     },
     "phi3": {**FAMILIES["llama"], "partial_rotary_factor": 0.5},
     "mixtral": {**FAMILIES["llama"], "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2},

@@ -1,13 +1,14 @@
-"""The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in the engine:
+"""The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
+and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
-log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped); int8 projections computing the dequantized
-model (an MoE model's experts quantized too); LoRA adapters computing what peft computes (Phi-3's on its fused
-projections; an MoE model's on its attention, and one on its experts refused naming them); a sliding window (Mistral's and
-Phi-3's in every layer, Qwen2's in the layers from max_window_layers on, Gemma 3's in five layers of six) applied as
-transformers applies it, through batching, chunked prefill, the prefix cache, speculative verification and fixed-shape
-decode steps; a LongRoPE model served within its original_max_position_embeddings, as transformers computes it there;
-and what the engine cannot compute refused at load, naming the field."""
+log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
+int8 projections computing the dequantized model (an MoE model's experts quantized too); LoRA adapters computing what
+peft computes (Phi-3's on its fused projections; an MoE model's on its attention, and one on its experts refused naming
+them); a sliding window (Mistral's and Phi-3's in every layer, Qwen2's in the layers from max_window_layers on, Gemma
+2's in every other layer, Gemma 3's in five layers of six) applied as transformers applies it, through batching,
+chunked prefill, the prefix cache, speculative verification and fixed-shape decode steps; a LongRoPE model served
+within its original_max_position_embeddings, as transformers computes it there; and what the engine cannot compute
+refused at load, naming the field."""
 
 from __future__ import annotations
 
@@ -41,7 +42,13 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
-from pylon.serving.model.families import MOE_MODEL_TYPES, attention_window, layer_windows, position_limit
+from pylon.serving.model.families import (
+    MOE_MODEL_TYPES,
+    attention_softcap,
+    attention_window,
+    layer_windows,
+    position_limit,
+)
 from pylon.serving.model.moe import SparseMoE
 from pylon.serving.model.quant import QuantLinear
 from pylon.serving.model.runner import ModelRunner
@@ -78,6 +85,28 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
             assert getattr(layer, norm).weight.abs().mean() > 0.05  # x * (1 + w): w off its zeros
         assert layer.post_feedforward_layernorm.weight.abs().mean() > 0.05 and layer.self_attn.q_norm.weight.std() > 0
         assert config.final_logit_softcapping == 30.0 and config.attn_logit_softcapping is None
+    if family.name in ("gemma", "gemma2"):
+        config, model = family.model.config, family.model.model
+        assert model.embed_tokens.embed_scale.item() == pytest.approx(math.sqrt(config.hidden_size))
+        assert layer.input_layernorm.weight.abs().mean() > 0.05 and not hasattr(layer.self_attn, "q_norm")
+        assert layer.mlp.act_fn.__class__.__name__ == "GELUTanh"  # gelu_pytorch_tanh gates the MLP
+    if family.name == "gemma":
+        assert layer.self_attn.head_dim * 4 != config.hidden_size and not hasattr(layer, "pre_feedforward_layernorm")
+    if family.name == "gemma2":
+        assert layer.self_attn.scaling == 20**-0.5 != layer.self_attn.head_dim**-0.5
+        assert layer_windows(config) == [16, None, 16, None]  # layer_types: windowed and full by turns
+        assert layer.post_feedforward_layernorm.weight.abs().mean() > 0.05
+        assert config.final_logit_softcapping == 30.0 and attention_softcap(config) == 10.0
+        # The attention's soft cap changes transformers' continuations: an engine without it could not pass.
+        attns = [layer.self_attn for layer in model.layers]
+        for a in attns:
+            a.attn_logit_softcapping = None
+        try:
+            uncapped = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+        finally:
+            for a in attns:
+                a.attn_logit_softcapping = config.attn_logit_softcapping
+        assert sum(a != b for a, b in zip(uncapped, family.greedy)) >= len(PROMPTS) - 2
     if family.name == "phi3":
         attn, config = layer.self_attn, family.model.config
         assert not hasattr(attn, "q_proj") and hasattr(layer.mlp, "gate_up_proj")
@@ -173,12 +202,13 @@ def fixed_shape_decodes(engine: LLMEngine) -> None:
         runner.decode_graphs.capture_all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "phi3"])
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
-    """Gemma 3's through its soft cap (final_logit_softcapping), in eager steps and fixed-shape decode steps."""
+    """Gemma 3's through its soft cap (final_logit_softcapping), Gemma 2's through both of its caps, in eager steps
+    and fixed-shape decode steps."""
     family = Family(name, tmp_path / name, initializer_range=INIT)
     engine = family.engine()
-    if name == "gemma3_text":
+    if name in ("gemma3_text", "gemma2"):
         fixed_shape_decodes(engine)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=5)
     for i, prompt in enumerate(PROMPTS[:4]):
@@ -186,7 +216,7 @@ def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     outputs = run(engine)
     for i, prompt in enumerate(PROMPTS[:4]):
         check_request(family, prompt, outputs[str(i)], k=5, prompt_k=5)
-    if name == "gemma3_text":
+    if name in ("gemma3_text", "gemma2"):
         assert engine.runner.decode_graphs.replays > 0
 
 
@@ -205,7 +235,12 @@ def test_what_the_engine_cannot_compute_is_refused_naming_the_field(tmp_path) ->
     directory = tmp_path / "fp16"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(common))
-    with pytest.raises(PylonError, match="engine.dtype: fp16 .*overflow fp16"):
+    with pytest.raises(PylonError, match="engine.dtype: fp16 .*Gemma 3's activations overflow fp16"):
+        ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu", dtype="fp16")
+    directory = tmp_path / "gemma2-fp16"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({**LLAMA_LIKE["gemma2"], "model_type": "gemma2"}))
+    with pytest.raises(PylonError, match="engine.dtype: fp16 .*Gemma 2's activations overflow fp16"):
         ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu", dtype="fp16")
     # The multimodal Gemma 3 is not served, and the refusal says what is.
     directory = tmp_path / "gemma3"
@@ -357,6 +392,7 @@ WINDOWED = {
     "mistral": {"sliding_window": 13},
     "qwen2": {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 3},
     "gemma3_text": {"sliding_window": 16, "num_hidden_layers": 6},
+    "gemma2": {"sliding_window": 13, "num_hidden_layers": 3},
     "phi3": {"sliding_window": 16},
 }
 _g = torch.Generator().manual_seed(2)
@@ -374,7 +410,8 @@ class Windowed(Family):
         super().__init__(name, directory, **WINDOWED[name])
         self.window_greedy = [self.hf_greedy(p, WINDOW_NEW) for p in WINDOW_PROMPTS]
         config = self.model.config.__class__.from_dict(self.model.config.to_dict())
-        if name == "gemma3_text":  # its layer types choose the rotary base too: the same ones, a window wider than all
+        if name in ("gemma3_text", "gemma2"):  # their models always mask by layer type (Gemma 3's choose the rotary
+            # base too): the same types, a window wider than all
             config.sliding_window = 1 << 20
         else:
             config.sliding_window, config.layer_types = None, ["full_attention"] * config.num_hidden_layers
@@ -399,6 +436,9 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     elif windowed.name == "gemma3_text":
         assert layer_windows(windowed.model.config) == [16] * 5 + [None]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [16] * 5 + [None]
+    elif windowed.name == "gemma2":  # the last layer windowed: the sampling tokens' own attention is too
+        assert layer_windows(windowed.model.config) == [13, None, 13]
+        assert [layer.self_attn.sliding_window for layer in model.layers] == [13, None, 13]
     else:
         assert layer_windows(windowed.model.config) == [None, 16, 16]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [None, 16, 16]
@@ -433,7 +473,7 @@ def test_a_sliding_window_is_transformers_own_through_batching_chunks_and_the_pr
         if windowed.name in ("mistral", "phi3"):  # one metadata, windowed, for every layer
             assert (runner.step_window, runner.mixed_window) == (WINDOWED[windowed.name]["sliding_window"], None)
         else:  # a second one for the windowed layers
-            assert (runner.step_window, runner.mixed_window) == (None, 16)
+            assert (runner.step_window, runner.mixed_window) == (None, WINDOWED[windowed.name]["sliding_window"])
         for i, p in enumerate(WINDOW_PROMPTS):
             engine.add_request(str(i), p, WINDOW_GREEDY)
         outputs = run(engine)
