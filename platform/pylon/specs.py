@@ -697,6 +697,13 @@ class HttpSpec(_Spec):
         description="a reasoning model's <think> block as chat replies' reasoning_content, the rest as content "
         "(deepseek_r1: the chat template opens the block; qwen3: the model does); null: replies as generated",
     )
+    responses_store: Uri | None = Field(
+        None,
+        description="where the Responses API keeps the responses clients ask it to store (s3://bucket/prefix for "
+        "replicas on several machines; a local directory for one machine), so that previous_response_id and GET/"
+        "DELETE /v1/responses/{id} work on any replica; each client's under its API key. null: nothing is kept "
+        "(previous_response_id is a 400 saying to set this)",
+    )
     host: str = Field(
         "127.0.0.1",
         min_length=1,

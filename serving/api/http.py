@@ -23,21 +23,26 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
-MODEL_PATH = "/v1/models/{model}"  # the one route with a parameter: the rest of the path after /v1/models/
+MODEL_PATH = "/v1/models/{model}"  # routes with a parameter: the rest of the path after /v1/models/...
+RESPONSE_PATH = "/v1/responses/{response_id}"  # ...and a stored response's id (pylon.serving.api.response_store)
+INPUT_ITEMS_PATH = "/v1/responses/{response_id}/input_items"
 
-# path -> (method, handler): the whole API. Anything else is a 404, another method a 405, both as JSON.
+# path -> {method: handler}: the whole API. Anything else is a 404, another method a 405, both as JSON.
 ROUTES = {
-    "/v1/completions": ("POST", "_completions"),
-    "/v1/chat/completions": ("POST", "_chat_completions"),
-    "/v1/responses": ("POST", "_responses"),  # OpenAI's Responses API, on the chat path (pylon.serving.api.responses)
-    "/v1/embeddings": ("POST", "_embeddings"),  # OpenAI's: each input's last-token hidden state, normalised
-    "/v1/models": ("GET", "_models"),
-    MODEL_PATH: ("GET", "_model"),  # OpenAI's "retrieve model": this server's one model, or a 404 naming the id
-    "/tokenize": ("POST", "_tokenize"),  # vLLM's: the token ids of a prompt or a chat, and their count
-    "/detokenize": ("POST", "_detokenize"),
-    "/health": ("GET", "_health"),
-    "/ready": ("GET", "_ready"),
-    "/openapi.json": ("GET", "_openapi"),  # this API as an OpenAPI 3.1 document (pylon.serving.api.openapi)
+    "/v1/completions": {"POST": "_completions"},
+    "/v1/chat/completions": {"POST": "_chat_completions"},
+    # OpenAI's Responses API, on the chat path (pylon.serving.api.responses), and its stored responses
+    "/v1/responses": {"POST": "_responses"},
+    RESPONSE_PATH: {"GET": "_get_response", "DELETE": "_delete_response"},
+    INPUT_ITEMS_PATH: {"GET": "_response_input_items"},
+    "/v1/embeddings": {"POST": "_embeddings"},  # OpenAI's: each input's last-token hidden state, normalised
+    "/v1/models": {"GET": "_models"},
+    MODEL_PATH: {"GET": "_model"},  # OpenAI's "retrieve model": this server's one model, or a 404 naming the id
+    "/tokenize": {"POST": "_tokenize"},  # vLLM's: the token ids of a prompt or a chat, and their count
+    "/detokenize": {"POST": "_detokenize"},
+    "/health": {"GET": "_health"},
+    "/ready": {"GET": "_ready"},
+    "/openapi.json": {"GET": "_openapi"},  # this API as an OpenAPI 3.1 document (pylon.serving.api.openapi)
 }
 
 
@@ -74,10 +79,18 @@ async def send_error(
 
 
 def route_of(path: str) -> tuple[str, str | None]:
-    """The ROUTES key a request path goes to, and its model id where the route takes one (`MODEL_PATH`)."""
+    """The ROUTES key a request path goes to, and its parameter where the route takes one (`MODEL_PATH`'s model
+    id, `RESPONSE_PATH`'s and `INPUT_ITEMS_PATH`'s response id)."""
     prefix = MODEL_PATH.split("{")[0]
     if path.startswith(prefix) and len(path) > len(prefix):
         return MODEL_PATH, urllib.parse.unquote(path[len(prefix) :])
+    prefix, items = RESPONSE_PATH.split("{")[0], INPUT_ITEMS_PATH.split("}")[1]
+    if path.startswith(prefix) and len(path) > len(prefix):
+        rest = path[len(prefix) :]
+        if rest.endswith(items) and len(rest) > len(items) and "/" not in rest[: -len(items)]:
+            return INPUT_ITEMS_PATH, urllib.parse.unquote(rest[: -len(items)])
+        if "/" not in rest:
+            return RESPONSE_PATH, urllib.parse.unquote(rest)
     return path, None
 
 

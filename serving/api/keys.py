@@ -89,6 +89,7 @@ class KeyCheck:
             self._hashes = [bytes.fromhex(h) for h in config["hashes"]]
         self._memo_key = secrets.token_bytes(32)  # this process's only: the memo's names mean nothing elsewhere
         self._memo: dict[bytes, bool] = {}
+        self._owners: dict[bytes, str] = {}  # `owner`'s answers, under the memo's names
         self._one_at_a_time = threading.Lock()
 
     @property
@@ -115,3 +116,25 @@ class KeyCheck:
                 self._memo.clear()
             self._memo[name] = known
         return known
+
+    async def owner(self, key: str | None, deployment: str) -> str:
+        """Who `key` (a verified one; None without auth) is to what the deployment keeps for its clients (stored
+        responses, pylon.serving.api.response_store): a name stable across replicas, redeploys and key rotations of
+        the deployment, not a secret, and as costly to turn back into the key as the deployment's stored hashes
+        (scrypt with a salt of the deployment's name, then BLAKE2b). Without auth every client is "anonymous"."""
+        if key is None:
+            return "anonymous"
+        name = b"owner\0" + hashlib.blake2b(key.encode(), key=self._memo_key, digest_size=32).digest()
+        owner = self._owners.get(name)
+        if owner is None:
+            salt = b"pylon-owner/" + deployment.encode()
+
+            def derive() -> str:
+                with self._one_at_a_time:
+                    return hashlib.blake2b(_scrypt(key, salt), digest_size=16).hexdigest()
+
+            owner = await asyncio.to_thread(derive)
+            if len(self._owners) >= _MAX_REMEMBERED:
+                self._owners.clear()
+            self._owners[name] = owner
+        return owner

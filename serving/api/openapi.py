@@ -12,7 +12,14 @@ import json
 from pydantic.json_schema import models_json_schema
 
 from pylon.serving.api import protocol, responses
-from pylon.serving.api.http import MAX_BODY_BYTES, MODEL_PATH, RETRY_AFTER_S, ROUTES
+from pylon.serving.api.http import (
+    INPUT_ITEMS_PATH,
+    MAX_BODY_BYTES,
+    MODEL_PATH,
+    RESPONSE_PATH,
+    RETRY_AFTER_S,
+    ROUTES,
+)
 from pylon.version import __version__
 
 OPENAPI_VERSION = "3.1.0"
@@ -40,6 +47,8 @@ _MODELS = (
     responses.ResponsesRequest,
     responses.ResponseObject,
     responses.ResponseStreamEvent,
+    responses.DeletedResponse,
+    responses.InputItemList,
 )
 
 
@@ -150,7 +159,8 @@ def _generate(summary: str, request, response, chunk, secured: bool) -> dict:
 
 def _responses_operation(secured: bool) -> dict:
     operation = _generate(
-        "Respond to a conversation (OpenAI's Responses API, on the chat path; nothing is stored)",
+        "Respond to a conversation (OpenAI's Responses API, on the chat path; kept where the deployment has "
+        "http.responses_store, unless store is false)",
         responses.ResponsesRequest,
         responses.ResponseObject,
         None,
@@ -163,6 +173,54 @@ def _responses_operation(secured: bool) -> dict:
     )
     ok["content"]["text/event-stream"] = {"schema": _responses_event_schema()}
     return operation
+
+
+# The routes that answer without a key: probes and this document.
+_OPEN = ("/health", "/ready", OPENAPI_PATH)
+
+
+def _stored(summary: str, response, secured: bool, query: bool = False) -> dict:
+    """An operation on a stored response (pylon.serving.api.response_store): 404 where the key has none by that id,
+    or the deployment keeps none; 503 where the store cannot be read."""
+    parameters = [
+        {
+            "name": "response_id",
+            "in": "path",
+            "required": True,
+            "description": "the response's id (resp_...), as POST /v1/responses answered it",
+            "schema": {"type": "string", "minLength": 1},
+        }
+    ]
+    if query:
+        parameters += [
+            {
+                "name": "limit",
+                "in": "query",
+                "description": "items per page",
+                "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+            },
+            {
+                "name": "order",
+                "in": "query",
+                "description": "desc: newest first",
+                "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"},
+            },
+            {
+                "name": "after",
+                "in": "query",
+                "description": "an item id: the page after it",
+                "schema": {"type": "string"},
+            },
+        ]
+    statuses = [*([400] if query else []), *([401] if secured else []), 404, 500, 503]
+    return {
+        "summary": summary,
+        "parameters": parameters,
+        "responses": {
+            "200": {"description": "The answer.", "content": _json(_ref(response))},
+            **{str(s): _error(s) for s in statuses},
+        },
+    }
 
 
 def _tokens(summary: str, request, response, secured: bool, statuses: tuple[int, ...] = ()) -> dict:
@@ -233,6 +291,23 @@ def build(
             ),
         ),
         "/v1/responses": ("post", _responses_operation(secured)),
+        RESPONSE_PATH: {
+            "get": _stored(
+                "A stored response (OpenAI's retrieve a response; the deployment's http.responses_store)",
+                responses.ResponseObject,
+                secured,
+            ),
+            "delete": _stored("Delete a stored response", responses.DeletedResponse, secured),
+        },
+        INPUT_ITEMS_PATH: (
+            "get",
+            _stored(
+                "A stored response's input items, a page at a time (OpenAI's list input items)",
+                responses.InputItemList,
+                secured,
+                query=True,
+            ),
+        ),
         "/v1/embeddings": (
             "post",
             _tokens(
@@ -326,21 +401,13 @@ def build(
     }
     assert set(operations) == set(ROUTES), "every route in ROUTES is documented, and nothing else"
     paths = {}
-    for path, (method, operation) in operations.items():
-        assert ROUTES[path][0] == method.upper(), path
-        operation["operationId"] = ROUTES[path][1].strip("_")
-        authed = secured and path in (
-            "/v1/completions",
-            "/v1/chat/completions",
-            "/v1/responses",
-            "/v1/embeddings",
-            "/v1/models",
-            MODEL_PATH,
-            "/tokenize",
-            "/detokenize",
-        )
-        operation["security"] = security if authed else []
-        paths[path] = {method: operation}
+    for path, entry in operations.items():
+        by_method = entry if isinstance(entry, dict) else {entry[0]: entry[1]}
+        assert [m.upper() for m in by_method] == list(ROUTES[path]), path
+        for method, operation in by_method.items():
+            operation["operationId"] = ROUTES[path][method.upper()].strip("_")
+            operation["security"] = security if secured and path not in _OPEN else []
+        paths[path] = by_method
 
     components = {
         "schemas": schemas,

@@ -16,9 +16,13 @@ server-sent events are the Responses API's typed ones (`ResponseEvents`): `respo
 `response.output_item.added`, `response.output_text.delta`, ..., `response.completed`, each with its
 `sequence_number`; no `[DONE]`.
 
-Nothing is stored: a response cannot be retrieved or continued by id (`previous_response_id`, `background`, stored
-`item_reference`s are 400s saying so; `store` is accepted and answered `false`), so a client sends the whole
-conversation in `input`, as chat clients do. Built-in tools (web search, file search, computer use, ...) are not
+Where the deployment keeps responses (`http.responses_store`: pylon.serving.api.response_store), a response is stored
+unless the request says `store: false`, and a later request continues it with `previous_response_id`: the stored
+conversation (its inputs and outputs, and those it continued) comes before the new `input`, the new `instructions` in
+place of the old; `GET`/`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items` read and delete it.
+Without a store nothing is kept (`store` is answered `false`; `previous_response_id` is a 400 saying what to set), and a
+client sends the whole conversation in `input`, as chat clients do. `background` and `item_reference` are 400s (send
+the item itself). Built-in tools (web search, file search, computer use, ...) are not
 there: only `function` tools. Images and files in `input` are refused (the engine serves text models).
 """
 
@@ -27,15 +31,19 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.parse
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pylon.serving.api import protocol
+from pylon.serving.api.response_store import valid_id
 from pylon.serving.errors import InvalidRequest, shown
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -56,7 +64,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # accepted; whether and how much a model reasons is its own
-    store: bool | None = None  # accepted; nothing is stored (see above)
+    store: bool | None = None  # keep the response (the default where the deployment has a store: see above)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
     previous_response_id: str | None = None
@@ -68,18 +76,34 @@ class ResponsesRequest(BaseModel):
 
     _chat: protocol.ChatCompletionRequest | None = PrivateAttr(None)
     _origins: list[str] = PrivateAttr(default_factory=list)
+    # The conversation of previous_response_id (`continue_from`), before this request's input.
+    _previous: list[dict] = PrivateAttr(default_factory=list)
+    _input_items: list[dict] | None = PrivateAttr(None)
+    _kept: bool = PrivateAttr(False)  # whether the server keeps this response (its `store` field)...
+    _owner: str = PrivateAttr("")  # ...under whose name (`KeyCheck.owner`)
+
+    def keep(self, owner: str) -> None:
+        """Have the server keep this response under `owner`'s name (a deployment with a store, `store` not false)."""
+        self._kept, self._owner = True, owner
+
+    @property
+    def kept(self) -> bool:
+        return self._kept
+
+    @property
+    def owner(self) -> str:
+        return self._owner
 
     def check_supported(self) -> None:
-        if self.previous_response_id is not None:
+        if self.previous_response_id is not None and not valid_id(self.previous_response_id):
             raise InvalidRequest(
-                "previous_response_id is not supported: this server stores no responses; send the whole "
-                "conversation in input (earlier output items, function_call and function_call_output items included)",
+                f"previous_response_id: {shown(self.previous_response_id)} is not a response id (resp_...)",
                 param="previous_response_id",
             )
         if self.background:
             raise InvalidRequest(
-                "background: true is not supported: this server stores no responses to poll; use stream: true for "
-                "long generations",
+                "background: true is not supported: responses are not run in the background to poll; use stream: "
+                "true for long generations",
                 param="background",
             )
         if self.truncation == "auto":
@@ -100,7 +124,32 @@ class ResponsesRequest(BaseModel):
                 "max_tool_calls limits built-in tool calls, which this server does not run; leave it out",
                 param="max_tool_calls",
             )
-        self._chat = self._to_chat()
+        if self.previous_response_id is None:  # else once the stored conversation is in (`continue_from`)
+            self._chat = self._to_chat()
+
+    def continue_from(self, conversation: list[dict]) -> None:
+        """Put the stored conversation of `previous_response_id` before this request's input."""
+        self._previous, self._chat = list(conversation), None
+
+    def input_items(self) -> list[dict]:
+        """This request's input as items, each with an id (what GET .../input_items lists, and a stored
+        conversation holds): a string input is one user message."""
+        if self._input_items is None:
+            if isinstance(self.input, str):
+                items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
+            else:
+                items = [dict(item) for item in self.input]
+            for item in items:
+                item.setdefault("type", "message")
+                if not item.get("id"):
+                    item["id"] = new_item_id(_ITEM_PREFIX.get(item["type"], "item"))
+            self._input_items = items
+        return self._input_items
+
+    def conversation(self, response: dict) -> list[dict]:
+        """The conversation as it stands after `response` (this request's): the previous one, this input, its
+        output: what a request continuing from it starts with."""
+        return [*self._previous, *self.input_items(), *response["output"]]
 
     def chat(self) -> protocol.ChatCompletionRequest:
         """The chat request this one becomes (checked: a 400 names this request's fields)."""
@@ -166,16 +215,16 @@ class ResponsesRequest(BaseModel):
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
             origins.append("instructions")
+        items = [(item, "previous_response_id") for item in self._previous]
         if isinstance(self.input, str):
             if not self.input:
                 raise InvalidRequest("input must not be empty", param="input")
-            messages.append({"role": "user", "content": self.input})
-            origins.append("input")
-            return messages, origins
-        if not self.input:
+            items.append(({"type": "message", "role": "user", "content": self.input}, "input"))
+        elif not self.input:
             raise InvalidRequest("input must hold at least one item", param="input")
-        for i, item in enumerate(self.input):
-            where = f"input.{i}"
+        else:
+            items.extend((item, f"input.{i}") for i, item in enumerate(self.input))
+        for item, where in items:
             if not isinstance(item, dict):
                 raise InvalidRequest(f"{where}: an input item is a JSON object", param=where)
             kind = item.get("type", "message")
@@ -185,7 +234,7 @@ class ResponsesRequest(BaseModel):
             elif kind == "function_call":
                 call = _function_call(item, where)
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and origins[-1].startswith("input."):
+                if last is not None and last["role"] == "assistant" and origins[-1] != "instructions":
                     last.setdefault("tool_calls", []).append(call)  # one assistant turn, several calls
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -197,7 +246,8 @@ class ResponsesRequest(BaseModel):
                 continue  # a model's earlier reasoning is not fed back (chat templates drop it too)
             elif kind == "item_reference":
                 raise InvalidRequest(
-                    f"{where}: item_reference needs stored items, and this server stores none; send the item itself",
+                    f"{where}: item_reference is not supported: send the item itself, or continue a stored response "
+                    "with previous_response_id",
                     param=f"{where}.type",
                 )
             else:
@@ -430,7 +480,7 @@ class IncompleteDetails(protocol._Response):
 
 
 class ResponseObject(protocol._Response):
-    """OpenAI's Response object (`object: "response"`); `store` is always false: nothing is kept."""
+    """OpenAI's Response object (`object: "response"`); `store`: whether the deployment keeps it."""
 
     id: str
     object: Literal["response"]
@@ -446,7 +496,7 @@ class ResponseObject(protocol._Response):
     model: str
     output: list[Annotated[OutputMessage | ReasoningItem | FunctionCallItem, Field(discriminator="type")]]
     parallel_tool_calls: bool
-    previous_response_id: None
+    previous_response_id: str | None
     reasoning: dict[str, Any]
     store: bool
     temperature: float
@@ -458,6 +508,73 @@ class ResponseObject(protocol._Response):
     truncation: Literal["disabled"]
     usage: ResponseUsage | None
     user: str | None
+
+
+class DeletedResponse(protocol._Response):
+    """What DELETE /v1/responses/{response_id} answers."""
+
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class InputItemList(protocol._Response):
+    """A page of a stored response's input items (GET /v1/responses/{response_id}/input_items)."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+@dataclass(frozen=True)
+class ItemsQuery:
+    """GET .../input_items' query parameters, as OpenAI's: `limit` (1-100, default 20), `order` (`asc` or `desc`, the
+    default: newest first), `after` (an item id: the page starts past it); `include` is accepted (the items are
+    stored whole)."""
+
+    limit: int = 20
+    order: str = "desc"
+    after: str | None = None
+
+    @classmethod
+    def parse(cls, query: bytes) -> ItemsQuery:
+        fields = {}
+        for name, values in urllib.parse.parse_qs(query.decode("latin-1"), keep_blank_values=True).items():
+            value = values[-1]
+            if name == "limit":
+                if not value.isdigit() or not 1 <= int(value) <= 100:
+                    raise InvalidRequest(f"limit: an integer from 1 to 100 (got {shown(value)})", param="limit")
+                fields["limit"] = int(value)
+            elif name == "order":
+                if value not in ("asc", "desc"):
+                    raise InvalidRequest(f"order: asc or desc (got {shown(value)})", param="order")
+                fields["order"] = value
+            elif name == "after":
+                fields["after"] = value
+            elif name not in ("include", "include[]"):
+                raise InvalidRequest(
+                    f"{shown(name)} is not a query parameter here (limit, order, after, include)", param=name
+                )
+        return cls(**fields)
+
+    def of(self, items: list[dict]) -> dict:
+        """The page of `items` (in the order they were given) this query asks for: an InputItemList."""
+        ordered = items if self.order == "asc" else items[::-1]
+        if self.after is not None:
+            ids = [item.get("id") for item in ordered]
+            if self.after not in ids:
+                raise InvalidRequest(f"after: no input item {shown(self.after)} in this response", param="after")
+            ordered = ordered[ids.index(self.after) + 1 :]
+        page = ordered[: self.limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(ordered) > len(page),
+        }
 
 
 class ResponseStreamEvent(BaseModel):
@@ -495,9 +612,9 @@ def _skeleton(request: ResponsesRequest, rid: str, created: int) -> dict:
         "model": request.model,
         "output": [],
         "parallel_tool_calls": request.parallel_tool_calls is not False,
-        "previous_response_id": None,
+        "previous_response_id": request.previous_response_id,
         "reasoning": {"effort": (request.reasoning or {}).get("effort"), "summary": None},
-        "store": False,
+        "store": request.kept,
         "temperature": request.temperature if request.temperature is not None else 1.0,
         "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
         "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",

@@ -11,6 +11,7 @@ import logging
 import re
 import time
 
+from pylon.errors import StorageError
 from pylon.serving.api import openapi, protocol, reasoning, responses, routing, tools
 from pylon.serving.api.adapters import AdapterFetcher
 from pylon.serving.api.http import (
@@ -31,6 +32,7 @@ from pylon.serving.api.http import (
 )
 from pylon.serving.api.keys import KeyCheck
 from pylon.serving.api.ledger import ReplicaLedger
+from pylon.serving.api.response_store import ResponseStore
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
 from pylon.serving.engine.tokenization import TokenTexts, embedding_ids, prompt_ids
@@ -130,6 +132,9 @@ class PylonLLMServer:
         # Auth: the salted key hashes (`pylon.serving.api.keys`), replaced in place by `reconfigure`. Without them a
         # spec that names an API-key variable refuses every key (fails closed).
         self._keys = KeyCheck(api_keys, required=bool(self.spec.http.api_keys_env))
+        # The Responses API's stored responses (pylon.serving.api.response_store), where the spec keeps them.
+        store = self.spec.http.responses_store
+        self._response_store = ResponseStore(store) if store is not None else None
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
         engine = self.spec.engine
@@ -330,17 +335,18 @@ class PylonLLMServer:
                 send,
                 404,
                 f"no route {path}; this server answers POST /v1/completions, POST /v1/chat/completions, "
-                "POST /v1/responses, "
+                "POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, "
                 "POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, "
                 "GET /health, GET /ready and GET /openapi.json",
                 type="invalid_request_error",
             )
-        allowed, handler = route
-        if method != allowed:
+        handler = route.get(method)
+        if handler is None:
+            allowed = ", ".join(route)
             return await send_error(
                 send,
                 405,
-                f"{method} {path} is not allowed; use {allowed}",
+                f"{method} {path} is not allowed; use {' or '.join(route)}",
                 type="invalid_request_error",
                 headers={"Allow": allowed},
             )
@@ -489,6 +495,131 @@ class PylonLLMServer:
         fetched = [m for m in self.fetcher.names() if m not in self._served] if self.fetcher is not None else []
         await send_json(send, 200, {"object": "list", "data": [self._model_card(m) for m in [*self._served, *fetched]]})
 
+    async def _owner(self, headers: dict[str, str]) -> str:
+        """Whose stored responses a request (already authorized) may read: its key's `KeyCheck.owner`."""
+        token = headers.get("authorization", "").partition(" ")[2].strip() if self._keys.required else ""
+        return await self._keys.owner(token or None, self.model_name)
+
+    async def _stored(self, owner: str, response_id: str) -> dict | None:
+        """`owner`'s stored response record (response_store), None where there is none; a store that cannot be read is
+        a 503."""
+        try:
+            return await self._response_store.get(owner, response_id)
+        except StorageError as e:
+            log.error("%s: the response store cannot be read: %s", self.model_name, e)
+            raise HttpError(
+                503,
+                "the response store cannot be read right now (see the replica's log); retry later",
+                type="server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+
+    async def _continue(self, headers: dict[str, str], request: responses.ResponsesRequest) -> None:
+        """Where the deployment keeps responses: keep `request`'s (unless it says store: false), and put the stored
+        conversation its previous_response_id names before its input."""
+        previous = request.previous_response_id
+        if self._response_store is None:
+            if previous is not None:
+                raise InvalidRequest(
+                    "previous_response_id: this deployment keeps no responses (its spec's http.responses_store is "
+                    "null): set one to continue responses by id, or send the whole conversation in input",
+                    param="previous_response_id",
+                )
+            return
+        owner = await self._owner(headers)
+        if request.store is not False:
+            request.keep(owner)
+        if previous is not None:
+            record = await self._stored(owner, previous)
+            if record is None:
+                raise InvalidRequest(
+                    f"previous_response_id: no stored response {shown(previous)} (a response is found with the API "
+                    "key that made it, unless it was made with store: false or deleted)",
+                    param="previous_response_id",
+                )
+            request.continue_from(record["conversation"])
+
+    async def _keep_response(self, request: responses.ResponsesRequest, response: dict) -> bool:
+        """Store `response` (`request`'s) with its input and the conversation so far; False (and its `store` false)
+        where the store cannot take it: the reply still goes out."""
+        record = {"response": response, "input": request.input_items(), "conversation": request.conversation(response)}
+        try:
+            await self._response_store.put(request.owner, response["id"], record)
+            return True
+        except StorageError as e:
+            log.error("%s: response %s not stored: %s", self.model_name, response["id"], e)
+            response["store"] = False
+            return False
+
+    async def _stored_answer(self, scope, send, answer) -> None:
+        """GET/DELETE on a stored response: `await answer(owner, response_id)`'s JSON, or its 4xx."""
+        headers = request_headers(scope)
+        response_id = route_of(route_path(scope))[1]
+        try:
+            await self._authorize(headers)
+            if self._response_store is None:
+                raise HttpError(
+                    404,
+                    f"no stored response {shown(response_id)}: this deployment keeps no responses (its spec's "
+                    "http.responses_store is null)",
+                    type="invalid_request_error",
+                    param="response_id",
+                )
+            result = await answer(await self._owner(headers), response_id, scope)
+        except HttpError as e:
+            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
+        except InvalidRequest as e:
+            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
+        await send_json(send, 200, result)
+
+    @staticmethod
+    def _not_stored(response_id: str) -> HttpError:
+        return HttpError(
+            404,
+            f"no stored response {shown(response_id)} (a response is found with the API key that made it)",
+            type="invalid_request_error",
+            param="response_id",
+        )
+
+    async def _get_response(self, scope, receive, send) -> None:
+        """OpenAI's "retrieve a response": the stored Response object."""
+
+        async def answer(owner: str, response_id: str, scope) -> dict:
+            record = await self._stored(owner, response_id)
+            if record is None:
+                raise self._not_stored(response_id)
+            return record["response"]
+
+        await self._stored_answer(scope, send, answer)
+
+    async def _delete_response(self, scope, receive, send) -> None:
+        """OpenAI's "delete a response"."""
+
+        async def answer(owner: str, response_id: str, scope) -> dict:
+            try:
+                deleted = await self._response_store.delete(owner, response_id)
+            except StorageError as e:
+                log.error("%s: the response store cannot delete %s: %s", self.model_name, response_id, e)
+                raise HttpError(503, "the response store cannot delete it right now; retry later", type="server_error")
+            if not deleted:
+                raise self._not_stored(response_id)
+            return {"id": response_id, "object": "response", "deleted": True}
+
+        await self._stored_answer(scope, send, answer)
+
+    async def _response_input_items(self, scope, receive, send) -> None:
+        """OpenAI's "list input items": a stored response's input items, a page at a time (`limit`, `order`,
+        `after`, as OpenAI's query parameters)."""
+
+        async def answer(owner: str, response_id: str, scope) -> dict:
+            page = responses.ItemsQuery.parse(scope.get("query_string", b""))
+            record = await self._stored(owner, response_id)
+            if record is None:
+                raise self._not_stored(response_id)
+            return page.of(record["input"])
+
+        await self._stored_answer(scope, send, answer)
+
     async def _model(self, scope, receive, send) -> None:
         """OpenAI's "retrieve model": the served model's card, or a 404 naming the id asked for."""
         try:
@@ -612,7 +743,9 @@ class PylonLLMServer:
             cls = _REQUESTS[kind]
             body = await self._request(headers, receive, cls)
             if kind == "responses":
-                request, body = body, body.chat()
+                request = body
+                await self._continue(headers, request)
+                body = request.chat()
             if kind == "completion":
                 prompts = body.prompts()
                 for i, prompt in enumerate(prompts):
@@ -719,6 +852,8 @@ class PylonLLMServer:
         merged["usage"] = protocol.usage(*_usage([last for _, _, last in results], body.n, choices))
         if request is not None:
             merged = responses.response_object(request, merged, rid)
+            if request.kept:
+                await self._keep_response(request, merged)
         await send_json(send, 200, merged, answer_headers)
 
     @functools.cached_property
@@ -767,6 +902,15 @@ class PylonLLMServer:
                         held = ""
             if body.include_usage:
                 held += events[0].usage(*_usage(lasts, body.n, choices))
+            kept = getattr(events[0], "request", None)  # a Responses API request the deployment keeps
+            if kept is not None and kept.kept and not await self._keep_response(kept, events[0].response):
+                held += events[0].event(
+                    protocol.error_body(
+                        "the response was not stored (see the replica's log); previous_response_id cannot name it",
+                        type="server_error",
+                        code=503,
+                    )
+                )
             for k, last in enumerate(lasts):
                 self._observe(last, count=k == 0, adapter=self._adapter_of(body))
         except TimeoutError:

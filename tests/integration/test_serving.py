@@ -116,22 +116,25 @@ def tiny(tmp_path_factory) -> TinyModel:
     return TinyModel(tmp_path_factory.mktemp("tiny-model"))
 
 
-def _served_spec(tiny: TinyModel):
+def _served_spec(tiny: TinyModel, responses_store: str):
     """The `served` deployment: the tiny model with its LoRA adapter (engine.adapters), and the same adapter under
-    another name at a root of adapters loaded on demand (engine.dynamic_adapters)."""
-    engine = _spec("tiny", tiny.dir).engine.model_dump(mode="json")
+    another name at a root of adapters loaded on demand (engine.dynamic_adapters); its Responses API keeps responses
+    in the object store (http.responses_store)."""
+    base = _spec("tiny", tiny.dir)
+    engine = base.engine.model_dump(mode="json")
     adapters = [{"name": ADAPTER, "path": str(tiny.adapter_dir)}]
     dynamic = {"root": str(tiny.adapter_root), "max_loaded": 1}
-    return _spec("tiny", tiny.dir, engine={**engine, "adapters": adapters, "dynamic_adapters": dynamic})
+    http = {**base.http.model_dump(mode="json"), "responses_store": responses_store}
+    return _spec("tiny", tiny.dir, engine={**engine, "adapters": adapters, "dynamic_adapters": dynamic}, http=http)
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tiny):
+def served(ray_cluster, tiny, s3_server):
     from pylon.sdk.serve import delete, deploy
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")
-        url = deploy(_served_spec(tiny))
+        url = deploy(_served_spec(tiny, f"s3://{s3_server.bucket}/served-responses"))
     yield url
     delete("tiny")
 
@@ -160,7 +163,7 @@ def _ready(url: str) -> dict:
     return requests.get(f"{url}/ready", timeout=10).json()
 
 
-def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
+def test_openai_client_completions_and_chat_streamed_and_not(served, tiny, s3_server):
     client = _openai(served)
     assert [(m.id, m.parent) for m in client.models.list().data] == [("tiny", None), (ADAPTER, "tiny")]
 
@@ -228,6 +231,19 @@ def test_openai_client_completions_and_chat_streamed_and_not(served, tiny):
     )
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+    # Kept in the object store (http.responses_store on the S3 server) and continued by id through Serve: the reply
+    # to the whole conversation sent at once, token for token.
+    assert reply.store is True and client.responses.retrieve(reply.id).output_text == reply.output_text
+    turn = {"model": "tiny", "max_output_tokens": 10, "temperature": 0}
+    follow = client.responses.create(previous_response_id=reply.id, input="Another.", **turn)
+    whole = [{"role": "user", "content": "Write a loop."}, *reply.output, {"role": "user", "content": "Another."}]
+    sent = client.responses.create(input=whole, store=False, **turn)
+    assert (follow.output_text, follow.usage.input_tokens) == (sent.output_text, sent.usage.input_tokens)
+    from pylon import storage
+
+    owners = storage.listdir(f"s3://{s3_server.bucket}/served-responses")
+    kept = storage.listdir(f"s3://{s3_server.bucket}/served-responses/{owners[0]}")
+    assert len(owners) == 1 and {f"{reply.id}.json", f"{follow.id}.json"} <= set(kept) and API_KEY not in owners[0]
 
     # n choices and logit_bias through Serve and the engine's own process: greedy choices are all transformers'
     three = client.completions.create(

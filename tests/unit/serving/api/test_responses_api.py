@@ -193,8 +193,9 @@ def test_log_probabilities_come_with_the_output_text(client):
 @pytest.mark.parametrize(
     "fields,param,words",
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
-        ({"background": True}, "background", "stores no responses"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "http.responses_store is null"),
+        ({"previous_response_id": "../../etc/passwd"}, "previous_response_id", "not a response id"),
+        ({"background": True}, "background", "not supported"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"temperature": "hot"}, "temperature", "number"),
         ({"instructionz": "x"}, "instructionz", "unknown field"),
@@ -205,7 +206,7 @@ def test_log_probabilities_come_with_the_output_text(client):
             "input.0.content.0.type",
             "text models",
         ),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "stores none"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type", "no built-in tools"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}, "tools.0.parameters", ""),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
