@@ -105,6 +105,20 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
+# A multimodal checkpoint's language model (families.TEXT_MODELS: Gemma 3 4B-27B), as peft names its modules on the
+# conditional model (transformers 5's layout, then the hub's), and as the engine's causal LM of it names them.
+_LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
+def _language_model_module(module: str) -> str:
+    """`module` of a multimodal model's language model as the engine's causal LM of it names it (`model.layers...`);
+    other names as they are (a vision tower's module stays foreign, and is refused naming it)."""
+    for prefix in _LANGUAGE_MODEL_PREFIXES:
+        if module.startswith(prefix):
+            return "model." + module[len(prefix) :]
+    return module
+
+
 def _module_of(key: str) -> str:
     """The module a saved tensor belongs to: its key without peft's prefix and what peft appends (`lora_A.weight`,
     `lora_embedding_A`, `base_layer.weight`, `modules_to_save...`, a plain `weight`)."""
@@ -232,7 +246,7 @@ def load_adapter(
     foreign: list[str] = []  # modules the adapter changes that the engine does not adapt
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
-        module = match["module"] if match else _module_of(key)
+        module = _language_model_module(match["module"] if match else _module_of(key))
         if match is None or module_re.fullmatch(module) is None:
             foreign.append(module)
             continue

@@ -54,7 +54,7 @@ from pylon.serving.model.families import (
     FP16_UNSAFE,
     MOE_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
-    UNSUPPORTED_HINTS,
+    TEXT_MODELS,
     attention_softcap,
     layer_windows,
     position_limit,
@@ -127,6 +127,21 @@ def weights_failure(model_dir: str, error: Exception) -> str:
             "a `pylon export` output or a saved transformers model"
         )
     return f"model {model_dir}: its weights cannot be loaded ({type(error).__name__}: {str(error)[:500]})"
+
+
+def _language_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A multimodal checkpoint's language model as the causal LM of its family (families.TEXT_MODELS): Gemma 3's
+    Gemma3ForConditionalGeneration loaded as it ships (its hub layout, `language_model.model.*`), then its text model
+    and lm_head (tied to the embeddings, as loaded) put in a Gemma3ForCausalLM, whose forward is the conditional
+    model's on text; the vision tower and the projector go with the rest of it."""
+    from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+
+    full = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    with torch.device("meta"):  # a shell: both of its parts are replaced by the loaded ones
+        causal = Gemma3ForCausalLM(full.config.get_text_config())
+    causal.model, causal.lm_head = full.model.language_model, full.lm_head
+    causal.generation_config = full.generation_config
+    return causal
 
 
 def _model_type(model_dir: str) -> str | None:
@@ -247,12 +262,16 @@ class ModelRunner:
 
         model_type = _model_type(model_dir)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            hint = f"; {UNSUPPORTED_HINTS[model_type]}" if model_type in UNSUPPORTED_HINTS else ""
             raise PylonError(
                 f"model {model_dir}: model_type '{model_type}' is not supported by the serving "
-                f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
+                f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        # A multimodal checkpoint served for its text (families.TEXT_MODELS: Gemma 3 4B-27B): its language model's
+        # config and family from here on; its vision tower is dropped once loaded (`_language_model`).
+        multimodal = model_type in TEXT_MODELS
+        if multimodal:
+            config, model_type = config.get_text_config(), TEXT_MODELS[model_type]
         problem = unsupported(config)
         if problem is not None:
             raise PylonError(f"model {model_dir}: {problem}; the serving engine cannot serve it")
@@ -274,7 +293,10 @@ class ModelRunner:
         quant.check(quantization, self.device)  # before loading: fp8 on a CPU is refused at once
         self.quantization = quantization
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
+            if multimodal:
+                self.model = _language_model(model_dir, self.dtype)
+            else:
+                self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         except Exception as e:  # a missing, truncated or foreign weights file: say which, and what to do
             raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()

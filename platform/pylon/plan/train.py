@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import tempfile
@@ -329,7 +330,8 @@ def choose(options: list[Option], *, deadline_s: float, budget_usd: float | None
 
 
 def _config_from_dir(uri: str, what: str):
-    """The Hugging Face config of a model directory, reading only its config.json (never the weights)."""
+    """The Hugging Face config of a model directory, reading only its config.json (never the weights); of a multimodal
+    checkpoint served for its text (Gemma 3 4B-27B), its language model's, which is what the engine loads."""
     from transformers import AutoConfig
 
     try:
@@ -339,9 +341,14 @@ def _config_from_dir(uri: str, what: str):
     with tempfile.TemporaryDirectory(prefix="pylon-plan-") as tmp:
         Path(tmp, "config.json").write_text(json.dumps(raw))
         try:
-            return AutoConfig.from_pretrained(tmp, local_files_only=True)
+            config = AutoConfig.from_pretrained(tmp, local_files_only=True)
         except (OSError, ValueError) as e:
             raise PylonError(f"{what} {uri}: not a Hugging Face config.json ({e})") from None
+    text = config.get_text_config()
+    if text is not config:  # the multimodal model ties its lm_head as its own config says
+        text = copy.deepcopy(text)
+        text.tie_word_embeddings = config.tie_word_embeddings
+    return text
 
 
 def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[Workload, list[str]]:

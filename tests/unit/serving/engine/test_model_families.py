@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import types
 
 import pytest
 import torch
 from engine_models import (
+    DEVICE,
     GREEDY,
     LLAMA_LIKE,
     NEW_TOKENS,
@@ -242,12 +244,121 @@ def test_what_the_engine_cannot_compute_is_refused_naming_the_field(tmp_path) ->
     (directory / "config.json").write_text(json.dumps({**LLAMA_LIKE["gemma2"], "model_type": "gemma2"}))
     with pytest.raises(PylonError, match="engine.dtype: fp16 .*Gemma 2's activations overflow fp16"):
         ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu", dtype="fp16")
-    # The multimodal Gemma 3 is not served, and the refusal says what is.
+    # The multimodal Gemma 3 is checked as its language model is.
     directory = tmp_path / "gemma3"
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": common}))
-    with pytest.raises(PylonError, match="model_type 'gemma3' is not supported.*gemma3_text.*Gemma3ForCausalLM"):
+    text = {**common, "attn_logit_softcapping": 50.0}
+    (directory / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    with pytest.raises(PylonError, match="attn_logit_softcapping is 50.0"):
         ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu")
+    (directory / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": common}))
+    with pytest.raises(PylonError, match="Gemma 3's activations overflow fp16"):
+        ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu", dtype="fp16")
+
+
+def test_a_multimodal_gemma_3_checkpoint_is_served_for_its_text(tmp_path) -> None:
+    """Gemma 3 4B, 12B and 27B ship as Gemma3ForConditionalGeneration (a vision tower and projector beside the language
+    model, saved under the hub's language_model.model.* keys): served for their text, the engine's greedy tokens and
+    log-probabilities are what that model computes on text alone, through batching, chunks and the prefix cache, with
+    the vision tower not kept."""
+    from safetensors import safe_open
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from pylon.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    text = {**LLAMA_LIKE["gemma3_text"], "initializer_range": 0.5, "eos_token_id": tok.eos_id, "pad_token_id": 257}
+    # As the checkpoints ship: no final soft cap (transformers' conditional model would not apply one: its
+    # Gemma3ForCausalLM does).
+    text["final_logit_softcapping"] = None
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = Gemma3Config(
+        text_config=text,
+        vision_config={**vision, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4,
+        image_token_index=300,  # past the byte tokenizer's ids: no prompt holds an image
+        boi_token_index=301,
+        eoi_token_index=302,
+        eos_token_id=tok.eos_id,
+        pad_token_id=257,
+        tie_word_embeddings=False,  # tied, a random model this small repeats its last token (see engine_models)
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # the norms off their zeros, as the family fixture's
+        for key, p in model.model.language_model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.randn_like(p) * 0.25)
+    directory = tmp_path / "gemma3-4b-like"
+    model.save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    with safe_open(f"{directory}/model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" in keys  # the hub's layout, as it ships
+    assert any(k.startswith("vision_tower.") for k in keys) and any(k.startswith("multi_modal_projector") for k in keys)
+    model.to(DEVICE)
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert sum(a != b for a, b in zip(want, want[1:])) >= len(PROMPTS) - 2  # context-dependent continuations...
+    assert sum(len(set(w)) > 3 for w in want) >= len(PROMPTS) - 2  # ...that do not repeat one token
+    for fields in ({}, {"max_num_batched_tokens": 32, "max_num_seqs": 4}):
+        engine = LLMEngine(str(directory), spec(**fields))
+        runner = engine.runner
+        assert runner.model_type == "gemma3_text" and runner.layer_windows == [16] * 5 + [None, 16]
+        names = [name for name, _ in runner.model.named_parameters()]
+        assert not any("vision" in n or "multi_modal" in n for n in names), names[:5]
+        assert torch.equal(runner.model.lm_head.weight.cpu(), model.lm_head.weight.cpu())  # the checkpoint's own
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, GREEDY)
+        outputs = run(engine)
+        assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == want, fields
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"again-{i}", p, GREEDY)
+        outputs = run(engine)
+        assert [tokens_of(outputs[f"again-{i}"]) for i in range(len(PROMPTS))] == want, fields
+    # A LoRA adapter trained on the conditional model (peft names its modules model.language_model.layers...) adapts
+    # the engine's language model as peft computes it; one that changes the vision tower is refused naming it.
+    from peft import LoraConfig, get_peft_model
+
+    targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    torch.manual_seed(3)
+    base = Gemma3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
+    tuned = get_peft_model(base, LoraConfig(init_lora_weights=False, r=8, lora_alpha=16, target_modules=targets))
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.mul_(20)
+    tuned.save_pretrained(tmp_path / "adapter")
+    tuned = tuned.eval().to(DEVICE)
+    adapted = [hf_greedy(tuned, p, NEW_TOKENS) for p in PROMPTS]
+    assert sum(a != b for a, b in zip(adapted, want)) >= len(PROMPTS) - 1  # the adapter changes the outputs
+    engine = LLMEngine(str(directory), spec(adapters=[{"name": "tuned", "path": str(tmp_path / "adapter")}]))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"tuned-{i}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, adapter="tuned"))
+        engine.add_request(f"base-{i}", p, GREEDY)
+    outputs = run(engine)
+    assert [tokens_of(outputs[f"tuned-{i}"]) for i in range(len(PROMPTS))] == adapted
+    assert [tokens_of(outputs[f"base-{i}"]) for i in range(len(PROMPTS))] == want
+    vision = get_peft_model(
+        Gemma3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32),
+        LoraConfig(r=4, target_modules=["q_proj"]),  # the vision tower's attention has q_proj too
+    )
+    vision.save_pretrained(tmp_path / "vision-adapter")
+    with pytest.raises(PylonError, match="vision_tower"):
+        LLMEngine(str(directory), spec(adapters=[{"name": "v", "path": str(tmp_path / "vision-adapter")}]))
+    # The planner sizes what the engine holds: the language model's parameters, not the vision tower's.
+    from pylon.plan.serve import plan_serve
+    from pylon.specs import DeploymentSpec
+
+    plan = plan_serve(DeploymentSpec(name="g", model=str(directory)), gpu="A100-80GB")
+    language = sum(p.numel() for p in model.model.language_model.parameters()) + model.lm_head.weight.numel()
+    assert plan.rows[0].weights == language * 2  # bf16 on a GPU
+    # Log-probabilities: the conditional model's log-softmax of its logits, generated and prompt tokens.
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=5)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"lp-{i}", prompt, params)
+    outputs = run(engine)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        check_request(types.SimpleNamespace(model=model), prompt, outputs[f"lp-{i}"], k=5, prompt_k=5)
 
 
 def test_a_longrope_model_is_served_within_its_original_positions_as_transformers_computes_it(tmp_path, caplog) -> None:
