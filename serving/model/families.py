@@ -29,6 +29,16 @@ soft-capped attention logits (`attn_logit_softcapping`, 50 in its checkpoints: `
 applies in the PyTorch attention (the compiled CPU kernels take no cap, so a Gemma 2 model does not use them), and
 soft-capped final logits (30). Gemma 2 and Gemma 3 are served in bf16 or fp32 (`FP16_UNSAFE`).
 
+Granite (`granite`: IBM Granite 3.x dense, GraniteForCausalLM) is Llama with four multipliers from its config, each
+applied where transformers applies it: the embeddings times `embedding_multiplier`, an attention scale of
+`attention_multiplier` (`attn.scaling`), the attention's and the MLP's outputs times `residual_multiplier` as they join
+the residual, and the logits divided by `logits_scaling`. OLMo 2 (`olmo2`: OLMo 2 7B, 13B, 32B) normalises the outputs
+of the attention and the MLP (`post_attention_layernorm`, `post_feedforward_layernorm`) and not their inputs (no
+`input_layernorm`), and its query and key norms span all the heads at once (an RMSNorm over heads x head_dim before the
+heads are split), which the runner tells from the norm's size. SmolLM3 (`smollm3`: SmolLM3-3B) is Llama whose every
+fourth layer has no rotary embedding (`no_rope_layers`: NoPE), and whose windowed layers, where `use_sliding_window`
+turns them on, are those NoPE layers.
+
 Phi-3 and Phi-4 (`phi3`: Phi3ForCausalLM: Phi-3-mini, Phi-3-medium, Phi-3.5-mini, Phi-4 14B, Phi-4-mini; not
 Phi-3-small, a model type of its own) are Llama with fused projections, kept fused (one matmul each):
 `self_attn.qkv_proj` (queries, then keys, then values along its output) and `mlp.gate_up_proj` (gate, then up:
@@ -53,7 +63,20 @@ from __future__ import annotations
 # Mixture-of-experts families: their dense siblings' attention (Mixtral's is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's
 # Qwen3's) and sparse MoE blocks for MLPs (pylon.serving.model.moe).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", *MOE_MODEL_TYPES)
+LLAMA_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "granite",
+    "olmo2",
+    "smollm3",
+    *MOE_MODEL_TYPES,
+)
 # Families whose activations pass fp16's range (vLLM refuses fp16 for them too): served in bf16 or fp32.
 FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
 # Multimodal checkpoints served for their text: model_type -> their language model's (the runner loads the checkpoint
@@ -127,7 +150,7 @@ def layer_windows(config) -> list[int | None]:
     every 6th layer full)."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if not window or getattr(config, "use_sliding_window", True) is False:  # (SmolLM3's config keeps the size)
         return [None] * n
     layer_types = getattr(config, "layer_types", None)
     if config.model_type in ("mistral", "phi3") or layer_types is None:

@@ -308,13 +308,31 @@ class ModelRunner:
         # the rotary embedding applied to the first `cos.shape[-1]` dimensions of each head only (Phi-3's
         # partial_rotary_factor; Llama's apply rotates them all).
         self._rope_types = rope_layer_types(config)
-        self._output_norms = model_type != "gpt2" and hasattr(self.model.model.layers[0], "pre_feedforward_layernorm")
+        first = self.model.model.layers[0] if model_type != "gpt2" else None
+        # Norms of the attention's and the MLP's outputs (Gemma 2 and 3, OLMo 2: post_feedforward_layernorm), and of
+        # their inputs (every family but OLMo 2, whose layers normalise outputs only: no input_layernorm).
+        self._output_norms = first is not None and hasattr(first, "post_feedforward_layernorm")
+        self._input_norms = first is None or hasattr(first, "input_layernorm")
+        # Per-head query and key norms (Qwen3, Gemma 3), or norms over the whole projection (OLMo 2's q_norm and k_norm:
+        # over heads x head_dim), or none.
+        q_norm = getattr(first.self_attn, "q_norm", None) if first is not None else None
+        self._qk_norms = (
+            None if q_norm is None else "head" if q_norm.weight.numel() == first.self_attn.head_dim else "all"
+        )
+        # Granite's multipliers (families.py): of the embeddings, of the attention's and the MLP's outputs before they
+        # join the residual, and the logits' divisor; None where the family has none.
+        self._embedding_multiplier = getattr(config, "embedding_multiplier", None)
+        self._residual_multiplier = getattr(config, "residual_multiplier", None)
+        self.logits_scaling = getattr(config, "logits_scaling", None)
         self._fused = model_type != "gpt2" and hasattr(self.model.model.layers[0].self_attn, "qkv_proj")
         if self._fused:
             attn = self.model.model.layers[0].self_attn
             q_size, kv_size = config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
             self._qkv_sizes = (q_size, kv_size, kv_size)
         self._apply_rope: Callable = apply_partial_rotary_pos_emb if model_type == "phi3" else apply_rotary_pos_emb
+        # The layers that rotate (all but SmolLM3's NoPE layers: its config's no_rope_layers holds 0 for those).
+        no_rope = getattr(config, "no_rope_layers", None) if model_type == "smollm3" else None
+        self._rotates = [bool(r) for r in no_rope] if no_rope is not None else None
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         # Gemma 2's attention logits soft-capped (families.attention_softcap): through the PyTorch attention only.
         self.attn_softcap = attention_softcap(config)
@@ -592,6 +610,8 @@ class ModelRunner:
         """The lm_head's logits of final hidden states, in the model's dtype, soft-capped where the config says
         (`final_logit_softcapping`: cap * tanh(logits / cap), as transformers' Gemma 3 computes it)."""
         logits = self.model.lm_head(hidden)
+        if self.logits_scaling is not None:  # Granite: the logits divided, as GraniteForCausalLM divides them
+            logits = logits / self.logits_scaling
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
@@ -767,17 +787,24 @@ class ModelRunner:
         """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
         tokens (`final`): `[sampling tokens, hidden]`, and of the families built as it is
         (`families.LLAMA_FAMILIES`): the projections' biases are the modules' own, and a layer with `q_norm` and
-        `k_norm` (Qwen3, Gemma 3) normalises each head's query and key before the rotary embedding. Gemma 3 (see
-        families.py): its embedding module scales, its norms compute x * (1 + w), each layer takes the rotary
-        embedding of its type (`_rope_types`), and the attention's and the MLP's outputs are normalised before they
-        join the residual (`_output_norms`). Phi-3: its fused projections (`_fused`: qkv_proj split into queries, keys
-        and values; gate_up_proj) and the rotary embedding of the first `partial_rotary_factor` of each head's
-        dimensions (`_apply_rope`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's and
-        Gemma3MLP's forward: down(act(gate(x)) * up(x)); Phi3MLP's with gate and up from one projection) for the rows
-        that need its projections' deltas."""
+        `k_norm` (Qwen3, Gemma 3) normalises each head's query and key before the rotary embedding (OLMo 2's norms span
+        all the heads at once: `_qk_norms`). Gemma 3 (see families.py): its embedding module scales, its norms compute
+        x * (1 + w), each layer takes the rotary embedding of its type (`_rope_types`), and the attention's and the
+        MLP's outputs are normalised before they join the residual (`_output_norms`; Gemma 2's too, and OLMo 2's,
+        whose inputs are not normalised: `_input_norms`). Granite: its multipliers (`_embedding_multiplier`,
+        `_residual_multiplier`; `logits_scaling` in `logits`). SmolLM3: no rotary embedding in its NoPE layers
+        (`_rotates`). Phi-3: its fused projections (`_fused`: qkv_proj split
+        into queries, keys and values; gate_up_proj) and the rotary embedding of the first `partial_rotary_factor` of
+        each head's dimensions (`_apply_rope`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's
+        and Gemma3MLP's forward: down(act(gate(x)) * up(x)); Phi3MLP's with gate and up from one projection) for the
+        rows that need its projections' deltas."""
         llama = self.model.model
         h = llama.embed_tokens(ids)
-        rope_types, output_norms = self._rope_types, self._output_norms
+        if self._embedding_multiplier is not None:  # Granite: GraniteModel scales its embeddings
+            h = h * self._embedding_multiplier
+        rope_types, output_norms, input_norms = self._rope_types, self._output_norms, self._input_norms
+        residual = self._residual_multiplier  # Granite: each output scaled as it joins the residual
+        qk_norms, rotates = self._qk_norms, self._rotates
         fused, apply_rope = self._fused, self._apply_rope
         if rope_types is None:
             cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
@@ -789,7 +816,7 @@ class ModelRunner:
             if rope_types is not None:
                 cos, sin = ropes[rope_types[i]]
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = layer.input_layernorm(h) if input_norms else h
             if fused:  # Phi-3: one projection, queries then keys then values along its output
                 qkv = attn.qkv_proj(x)
                 if rows is not None:
@@ -802,21 +829,32 @@ class ModelRunner:
                     rows.add(k, x, i, "self_attn.k_proj")
                     rows.add(v, x, i, "self_attn.v_proj")
             T = len(x)
-            q, k, v = q.view(T, -1, attn.head_dim), k.view(T, -1, attn.head_dim), v.view(T, -1, attn.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: an RMSNorm over each head's dimensions
+            if qk_norms == "all":  # OLMo 2: an RMSNorm over all the heads' queries (and keys) at once
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rope(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
+            q, k, v = q.view(T, -1, attn.head_dim), k.view(T, -1, attn.head_dim), v.view(T, -1, attn.head_dim)
+            if qk_norms == "head":  # Qwen3, Gemma 3: an RMSNorm over each head's dimensions
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            if rotates is None or rotates[i]:  # (SmolLM3's NoPE layers attend without positions)
+                q, k = apply_rope(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
             if a is None:
                 break
             if i == last and adapters is not None:
                 rows = adapters.finals  # the sampling rows only, from here on
             a = a.reshape(len(h), -1)
-            if output_norms:  # Gemma 3: the attention's and the MLP's outputs normalised before they join h
+            if (
+                output_norms
+            ):  # Gemma 2 and 3, OLMo 2: the attention's and the MLP's outputs normalised before they join h
                 o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
                 h = h + layer.post_attention_layernorm(o)
-                x = layer.pre_feedforward_layernorm(h)
+                x = layer.pre_feedforward_layernorm(h) if input_norms else h
                 h = h + layer.post_feedforward_layernorm(layer.mlp(x) if rows is None else self._mlp(layer, x, rows, i))
+                continue
+            if residual is not None:  # Granite
+                o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
+                h = h + o * residual
+                x = layer.post_attention_layernorm(h)
+                h = h + (layer.mlp(x) if rows is None else self._mlp(layer, x, rows, i)) * residual
                 continue
             if rows is None:
                 h = h + attn.o_proj(a)

@@ -44,7 +44,9 @@ FAMILIES = {
 # (query_pre_attn_scalar) apart from head_dim's, and soft-capped logits (the checkpoints leave the cap null; set here,
 # it changes the log-probabilities, not the argmax); Gemma's head_dim apart from hidden_size / heads; Gemma 2's
 # windowed and full layers by turns (the last one full) and its attention scores soft-capped at 10 (its checkpoints'
-# 50 would rarely bind on a random model this small; at 10 the cap changes every continuation); Phi-3's fused projections (qkv_proj with fewer key and value heads
+# 50 would rarely bind on a random model this small; at 10 the cap changes every continuation); Granite's four
+# multipliers off 1 (and its attention's off head_dim's scale); OLMo 2 as it is (output norms only, whole-projection
+# query and key norms); SmolLM3 with every other layer NoPE (its checkpoints: every fourth); Phi-3's fused projections (qkv_proj with fewer key and value heads
 # than query heads, so that its three parts differ in size; gate_up_proj) and a partial rotary embedding (16 of each
 # head's 32 dimensions rotated, as Phi-4-mini rotates 96 of 128); the mixture-of-experts families with fewer experts
 # than their checkpoints (Mixtral 8x7B: 8, top 2; Qwen1.5-MoE-A2.7B: 60, top 4, with a shared expert, router weights
@@ -78,6 +80,15 @@ LLAMA_LIKE = {
         "tie_word_embeddings": False,
     },
     "phi3": {**FAMILIES["llama"], "partial_rotary_factor": 0.5},
+    "granite": {
+        **FAMILIES["llama"],
+        "embedding_multiplier": 3.0,
+        "attention_multiplier": 0.1,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 4.0,
+    },
+    "olmo2": FAMILIES["llama"],
+    "smollm3": {**FAMILIES["llama"], "num_hidden_layers": 4, "no_rope_layer_interval": 2},
     "mixtral": {**FAMILIES["llama"], "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {
         **FAMILIES["llama"],

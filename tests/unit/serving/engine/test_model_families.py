@@ -1,11 +1,11 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
-and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in the engine:
+Granite, OLMo 2, SmolLM3, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
 int8 projections computing the dequantized model (an MoE model's experts quantized too); LoRA adapters computing what
 peft computes (Phi-3's on its fused projections; an MoE model's on its attention, and one on its experts refused naming
 them); a sliding window (Mistral's and Phi-3's in every layer, Qwen2's in the layers from max_window_layers on, Gemma
-2's in every other layer, Gemma 3's in five layers of six) applied as transformers applies it, through batching,
+2's in every other layer, Gemma 3's in five layers of six, SmolLM3's in its NoPE layers) applied as transformers applies it, through batching,
 chunked prefill, the prefix cache, speculative verification and fixed-shape decode steps; a LongRoPE model served
 within its original_max_position_embeddings, as transformers computes it there; and what the engine cannot compute
 refused at load, naming the field."""
@@ -109,6 +109,35 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
             for a in attns:
                 a.attn_logit_softcapping = config.attn_logit_softcapping
         assert sum(a != b for a, b in zip(uncapped, family.greedy)) >= len(PROMPTS) - 2
+    if family.name == "granite":
+        config, model = family.model.config, family.model.model
+        assert layer.self_attn.scaling == 0.1 != layer.self_attn.head_dim**-0.5 and config.logits_scaling == 4.0
+        # Each multiplier changes transformers' continuations: an engine that ignored one could not pass.
+        for owners, name in (([model], "embedding_multiplier"), (list(model.layers), "residual_multiplier")):
+            kept = [getattr(o, name) for o in owners]
+            for o in owners:
+                setattr(o, name, 1.0)
+            try:
+                changed = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+            finally:
+                for o, value in zip(owners, kept):
+                    setattr(o, name, value)
+            assert sum(a != b for a, b in zip(changed, family.greedy)) >= len(PROMPTS) - 2, name
+    if family.name == "smollm3":  # NoPE layers 1 and 3: rotating them too changes transformers' continuations
+        attns = [layer.self_attn for layer in family.model.model.layers]
+        assert [a.use_rope for a in attns] == [1, 0, 1, 0]
+        for a in attns:
+            a.use_rope = 1
+        try:
+            rotated = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+        finally:
+            for a, r in zip(attns, [1, 0, 1, 0]):
+                a.use_rope = r
+        assert sum(a != b for a, b in zip(rotated, family.greedy)) >= len(PROMPTS) - 2
+    if family.name == "olmo2":
+        attn = layer.self_attn
+        assert not hasattr(layer, "input_layernorm") and layer.post_feedforward_layernorm.weight.std() > 0
+        assert attn.q_norm.weight.numel() == 4 * attn.head_dim and attn.k_norm.weight.numel() == 2 * attn.head_dim
     if family.name == "phi3":
         attn, config = layer.self_attn, family.model.config
         assert not hasattr(attn, "q_proj") and hasattr(layer.mlp, "gate_up_proj")
@@ -204,10 +233,10 @@ def fixed_shape_decodes(engine: LLMEngine) -> None:
         runner.decode_graphs.capture_all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "phi3", "granite"])
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     """Gemma 3's through its soft cap (final_logit_softcapping), Gemma 2's through both of its caps, in eager steps
-    and fixed-shape decode steps."""
+    and fixed-shape decode steps; Granite's logits divided by logits_scaling."""
     family = Family(name, tmp_path / name, initializer_range=INIT)
     engine = family.engine()
     if name in ("gemma3_text", "gemma2"):
@@ -505,6 +534,8 @@ WINDOWED = {
     "gemma3_text": {"sliding_window": 16, "num_hidden_layers": 6},
     "gemma2": {"sliding_window": 13, "num_hidden_layers": 3},
     "phi3": {"sliding_window": 16},
+    # its NoPE layers (1 and 3 of 4) windowed, as use_sliding_window makes them
+    "smollm3": {"sliding_window": 13, "use_sliding_window": True, "num_hidden_layers": 4, "no_rope_layer_interval": 2},
 }
 _g = torch.Generator().manual_seed(2)
 WINDOW_PROMPTS = [torch.randint(0, 256, (n,), generator=_g).tolist() for n in (40, 90, 57, 33, 3, 17, 5, 12)]
@@ -547,6 +578,9 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     elif windowed.name == "gemma3_text":
         assert layer_windows(windowed.model.config) == [16] * 5 + [None]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [16] * 5 + [None]
+    elif windowed.name == "smollm3":
+        assert layer_windows(windowed.model.config) == [None, 13, None, 13]
+        assert [layer.self_attn.sliding_window for layer in model.layers] == [None, 13, None, 13]
     elif windowed.name == "gemma2":  # the last layer windowed: the sampling tokens' own attention is too
         assert layer_windows(windowed.model.config) == [13, None, 13]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [13, None, 13]
