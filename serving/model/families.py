@@ -17,9 +17,11 @@ residual; `pre_feedforward_layernorm` is the MLP's input norm), an attention sca
 the logits soft-capped by `final_logit_softcapping` where the config sets it. What the engine cannot compute is
 refused at load (`unsupported`): an attention logit soft cap in a Gemma 3 config (transformers' Gemma 3 does not apply
 it) and its bidirectional attention (embedding models). The multimodal Gemma 3 checkpoints (`gemma3`:
-Gemma3ForConditionalGeneration: 4B, 12B, 27B) are served for their text (`TEXT_MODELS`): loaded as they ship, their
-language model kept and the vision tower dropped, so they answer text as Gemma3ForConditionalGeneration does on text
-alone (LoRA adapters trained on it adapt that language model: pylon.serving.model.lora); images are not taken.
+Gemma3ForConditionalGeneration: 4B, 12B, 27B) are served for their text (`TEXT_MODELS`), as are Mistral 3's
+(`mistral3`: Mistral3ForConditionalGeneration, Mistral Small 3.1 and 3.2 24B, whose language model is Mistral's):
+loaded as they ship, their language model kept and the vision tower dropped, so they answer text as the conditional
+model does on text alone (LoRA adapters trained on it adapt that language model: pylon.serving.model.lora); images
+are not taken.
 
 Gemma (`gemma`: Gemma 2B and 7B, CodeGemma) is Gemma 3's embedding scale and `x * (1 + w)` norms on Llama's layer
 (two norms, one rotary embedding, a head_dim of 256 apart from hidden_size / heads), its MLP gated by GELU (tanh), as
@@ -79,9 +81,9 @@ LLAMA_FAMILIES = (
 )
 # Families whose activations pass fp16's range (vLLM refuses fp16 for them too): served in bf16 or fp32.
 FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
-# Multimodal checkpoints served for their text: model_type -> their language model's (the runner loads the checkpoint
-# as it ships and keeps its language model; images are not taken).
-TEXT_MODELS = {"gemma3": "gemma3_text"}
+# Multimodal checkpoints served for their text, their language model one of the families above (text_config's
+# model_type): the runner loads the checkpoint as it ships and keeps its language model; images are not taken.
+TEXT_MODELS = ("gemma3", "mistral3")
 SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILIES, *TEXT_MODELS)
 
 

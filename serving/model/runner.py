@@ -52,6 +52,7 @@ from pylon.serving.model.attention import (
 )
 from pylon.serving.model.families import (
     FP16_UNSAFE,
+    LLAMA_FAMILIES,
     MOE_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     TEXT_MODELS,
@@ -130,15 +131,16 @@ def weights_failure(model_dir: str, error: Exception) -> str:
 
 
 def _language_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A multimodal checkpoint's language model as the causal LM of its family (families.TEXT_MODELS): Gemma 3's
-    Gemma3ForConditionalGeneration loaded as it ships (its hub layout, `language_model.model.*`), then its text model
-    and lm_head (tied to the embeddings, as loaded) put in a Gemma3ForCausalLM, whose forward is the conditional
-    model's on text; the vision tower and the projector go with the rest of it."""
-    from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+    """A multimodal checkpoint's language model as the causal LM of its family (families.TEXT_MODELS: Gemma 3's
+    Gemma3ForConditionalGeneration, Mistral 3's Mistral3ForConditionalGeneration): the conditional model loaded as it
+    ships (the hub's layout: `language_model.model.*`), then its text model and lm_head (tied to the embeddings or
+    not, as loaded) put in the causal LM of its text config (Gemma3ForCausalLM, MistralForCausalLM), whose forward is
+    the conditional model's on text; the vision tower and the projector go with the rest of it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    full = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    full = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     with torch.device("meta"):  # a shell: both of its parts are replaced by the loaded ones
-        causal = Gemma3ForCausalLM(full.config.get_text_config())
+        causal = AutoModelForCausalLM.from_config(full.config.get_text_config())
     causal.model, causal.lm_head = full.model.language_model, full.lm_head
     causal.generation_config = full.generation_config
     return causal
@@ -267,11 +269,18 @@ class ModelRunner:
                 f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        # A multimodal checkpoint served for its text (families.TEXT_MODELS: Gemma 3 4B-27B): its language model's
-        # config and family from here on; its vision tower is dropped once loaded (`_language_model`).
+        # A multimodal checkpoint served for its text (families.TEXT_MODELS: Gemma 3 4B-27B, Mistral Small 3.1 and
+        # 3.2): its language model's config and family from here on; its vision tower is dropped once loaded
+        # (`_language_model`).
         multimodal = model_type in TEXT_MODELS
         if multimodal:
-            config, model_type = config.get_text_config(), TEXT_MODELS[model_type]
+            config = config.get_text_config()
+            if config.model_type not in LLAMA_FAMILIES:
+                raise PylonError(
+                    f"model {model_dir}: its language model's model_type '{config.model_type}' (text_config) is not "
+                    f"one the serving engine runs (supported: {', '.join(LLAMA_FAMILIES)})"
+                )
+            model_type = config.model_type
         problem = unsupported(config)
         if problem is not None:
             raise PylonError(f"model {model_dir}: {problem}; the serving engine cannot serve it")

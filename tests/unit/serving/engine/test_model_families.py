@@ -285,42 +285,69 @@ def test_what_the_engine_cannot_compute_is_refused_naming_the_field(tmp_path) ->
         ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu", dtype="fp16")
 
 
-def test_a_multimodal_gemma_3_checkpoint_is_served_for_its_text(tmp_path) -> None:
-    """Gemma 3 4B, 12B and 27B ship as Gemma3ForConditionalGeneration (a vision tower and projector beside the language
-    model, saved under the hub's language_model.model.* keys): served for their text, the engine's greedy tokens and
-    log-probabilities are what that model computes on text alone, through batching, chunks and the prefix cache, with
-    the vision tower not kept."""
-    from safetensors import safe_open
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+def _multimodal(name: str):
+    """A tiny multimodal checkpoint of `name`'s kind: its conditional model (a vision tower and projector beside a
+    language model of the family LLAMA_LIKE shapes), and the language model's layer windows."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+    )
 
     from pylon.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    text = {**LLAMA_LIKE["gemma3_text"], "initializer_range": 0.5, "eos_token_id": tok.eos_id, "pad_token_id": 257}
-    # As the checkpoints ship: no final soft cap (transformers' conditional model would not apply one: its
-    # Gemma3ForCausalLM does).
-    text["final_logit_softcapping"] = None
+    ids = {"eos_token_id": tok.eos_id, "pad_token_id": 257}
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
-    config = Gemma3Config(
-        text_config=text,
-        vision_config={**vision, "image_size": 28, "patch_size": 14},
-        mm_tokens_per_image=4,
-        image_token_index=300,  # past the byte tokenizer's ids: no prompt holds an image
-        boi_token_index=301,
-        eoi_token_index=302,
-        eos_token_id=tok.eos_id,
-        pad_token_id=257,
-        tie_word_embeddings=False,  # tied, a random model this small repeats its last token (see engine_models)
-    )
+    vision |= {"image_size": 28, "patch_size": 14}
+    # image_token_index past the byte tokenizer's ids: no prompt holds an image; untied: a random model this small
+    # repeats its last token with tied embeddings (see engine_models).
+    common = {"image_token_index": 300, "tie_word_embeddings": False, **ids}
+    if name == "gemma3":
+        text = {**LLAMA_LIKE["gemma3_text"], "initializer_range": 0.5, **ids}
+        # As the checkpoints ship: no final soft cap (transformers' conditional model would not apply one: its
+        # Gemma3ForCausalLM does).
+        text["final_logit_softcapping"] = None
+        config = Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            boi_token_index=301,
+            eoi_token_index=302,
+            **common,
+        )
+        return Gemma3ForConditionalGeneration(config), [16] * 5 + [None, 16]
+    # As Mistral Small 3.1 and 3.2 ship: no sliding window (MistralConfig's default has one). At the logprob tests'
+    # scale (INIT): at 0.5 its logits are large enough for fp32 rounding to move a logprob past their 1e-4.
+    text = {**LLAMA_LIKE["mistral"], "model_type": "mistral", "sliding_window": None, "initializer_range": INIT, **ids}
+    vision = {**vision, "model_type": "pixtral", "head_dim": 16}
+    config = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=1, **common)
+    return Mistral3ForConditionalGeneration(config), [None, None]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral3"])
+def test_a_multimodal_checkpoint_is_served_for_its_text(name, tmp_path) -> None:
+    """Gemma 3 4B, 12B and 27B and Mistral Small 3.1 and 3.2 ship as conditional models (a vision tower and projector
+    beside the language model, saved under the hub's language_model.model.* keys): served for their text, the
+    engine's greedy tokens and log-probabilities are what that model computes on text alone, through batching,
+    chunks and the prefix cache, with the vision tower not kept; a LoRA adapter of the conditional model adapts its
+    language model."""
+    from safetensors import safe_open
+
+    from pylon.data.tokenizer import ByteTokenizer
+
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # the norms off their zeros, as the family fixture's
+    model, windows = _multimodal(name)
+    model.eval()
+    conditional = type(model)
+    with torch.no_grad():  # the norms off their zeros and ones, as the family fixture's
         for key, p in model.model.language_model.named_parameters():
             if "norm" in key:
                 p.add_(torch.randn_like(p) * 0.25)
-    directory = tmp_path / "gemma3-4b-like"
+    directory = tmp_path / f"{name}-like"
     model.save_pretrained(directory)
-    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(ByteTokenizer().info.model_dump(mode="json")))
     with safe_open(f"{directory}/model.safetensors", "pt") as f:
         keys = set(f.keys())
     assert "language_model.model.layers.0.self_attn.q_proj.weight" in keys  # the hub's layout, as it ships
@@ -332,7 +359,7 @@ def test_a_multimodal_gemma_3_checkpoint_is_served_for_its_text(tmp_path) -> Non
     for fields in ({}, {"max_num_batched_tokens": 32, "max_num_seqs": 4}):
         engine = LLMEngine(str(directory), spec(**fields))
         runner = engine.runner
-        assert runner.model_type == "gemma3_text" and runner.layer_windows == [16] * 5 + [None, 16]
+        assert runner.model_type == model.config.text_config.model_type and runner.layer_windows == windows
         names = [name for name, _ in runner.model.named_parameters()]
         assert not any("vision" in n or "multi_modal" in n for n in names), names[:5]
         assert torch.equal(runner.model.lm_head.weight.cpu(), model.lm_head.weight.cpu())  # the checkpoint's own
@@ -350,7 +377,7 @@ def test_a_multimodal_gemma_3_checkpoint_is_served_for_its_text(tmp_path) -> Non
 
     targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
     torch.manual_seed(3)
-    base = Gemma3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
+    base = conditional.from_pretrained(directory, dtype=torch.float32)
     tuned = get_peft_model(base, LoraConfig(init_lora_weights=False, r=8, lora_alpha=16, target_modules=targets))
     with torch.no_grad():
         for name, p in tuned.named_parameters():
@@ -368,7 +395,7 @@ def test_a_multimodal_gemma_3_checkpoint_is_served_for_its_text(tmp_path) -> Non
     assert [tokens_of(outputs[f"tuned-{i}"]) for i in range(len(PROMPTS))] == adapted
     assert [tokens_of(outputs[f"base-{i}"]) for i in range(len(PROMPTS))] == want
     vision = get_peft_model(
-        Gemma3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32),
+        conditional.from_pretrained(directory, dtype=torch.float32),
         LoraConfig(r=4, target_modules=["q_proj"]),  # the vision tower's attention has q_proj too
     )
     vision.save_pretrained(tmp_path / "vision-adapter")
