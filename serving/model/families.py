@@ -39,7 +39,9 @@ of the attention and the MLP (`post_attention_layernorm`, `post_feedforward_laye
 `input_layernorm`), and its query and key norms span all the heads at once (an RMSNorm over heads x head_dim before the
 heads are split), which the runner tells from the norm's size. SmolLM3 (`smollm3`: SmolLM3-3B) is Llama whose every
 fourth layer has no rotary embedding (`no_rope_layers`: NoPE), and whose windowed layers, where `use_sliding_window`
-turns them on, are those NoPE layers.
+turns them on, are those NoPE layers. StarCoder2 (`starcoder2`: 3B, 7B, 15B) is Llama with LayerNorms (weights and
+biases), biases on every projection, and a plain MLP (`c_proj(act(c_fc(x)))`, GELU), its modules' own; its
+`sliding_window` holds in every layer; LoRA adapts its attention's projections and `mlp.c_fc`, `mlp.c_proj`.
 
 Phi-3 and Phi-4 (`phi3`: Phi3ForCausalLM: Phi-3-mini, Phi-3-medium, Phi-3.5-mini, Phi-4 14B, Phi-4-mini; not
 Phi-3-small, a model type of its own) are Llama with fused projections, kept fused (one matmul each):
@@ -77,6 +79,7 @@ LLAMA_FAMILIES = (
     "granite",
     "olmo2",
     "smollm3",
+    "starcoder2",
     *MOE_MODEL_TYPES,
 )
 # Families whose activations pass fp16's range (vLLM refuses fp16 for them too): served in bf16 or fp32.

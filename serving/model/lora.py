@@ -55,6 +55,8 @@ PROJECTIONS = (
     # Mixture-of-experts families: the attention's projections (the experts are 3-D weights, not modules, and
     # peft's LoRA on them, target_parameters, is refused below).
     | dict.fromkeys(MOE_MODEL_TYPES, _LLAMA_PROJECTIONS[:4])
+    # StarCoder2's plain MLP (c_proj(act(c_fc(x)))).
+    | {"starcoder2": (*_LLAMA_PROJECTIONS[:4], "mlp.c_fc", "mlp.c_proj")}
 )
 LAYERS = {"gpt2": "transformer.h"} | dict.fromkeys(LLAMA_FAMILIES, "model.layers")
 # peft's key for one of a projection's two matrices (the adapter's name is not in a saved adapter's keys).

@@ -879,6 +879,9 @@ class ModelRunner:
         mlp = layer.mlp
         if self.moe_layers:
             return mlp(x)
+        if hasattr(mlp, "c_fc"):  # Starcoder2MLP's forward: c_proj(act(c_fc(x))), no gate
+            up = mlp.act(rows.add(mlp.c_fc(x), x, i, "mlp.c_fc"))
+            return rows.add(mlp.c_proj(up), up, i, "mlp.c_proj")
         if self._fused:  # Phi3MLP's forward: gate then up in one projection, up * act(gate)
             gate, up = rows.add(mlp.gate_up_proj(x), x, i, "mlp.gate_up_proj").chunk(2, dim=-1)
             up = up * mlp.activation_fn(gate)

@@ -128,6 +128,7 @@ _ADAPTED_TARGETS = {
     "mixtral": _LLAMA_TARGETS[:4],
     "qwen2_moe": _LLAMA_TARGETS[:4],
     "qwen3_moe": _LLAMA_TARGETS[:4],
+    "starcoder2": (*_LLAMA_TARGETS[:4], "c_fc", "c_proj"),
 }
 
 

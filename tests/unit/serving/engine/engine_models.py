@@ -46,7 +46,8 @@ FAMILIES = {
 # windowed and full layers by turns (the last one full) and its attention scores soft-capped at 10 (its checkpoints'
 # 50 would rarely bind on a random model this small; at 10 the cap changes every continuation); Granite's four
 # multipliers off 1 (and its attention's off head_dim's scale); OLMo 2 as it is (output norms only, whole-projection
-# query and key norms); SmolLM3 with every other layer NoPE (its checkpoints: every fourth); Phi-3's fused projections (qkv_proj with fewer key and value heads
+# query and key norms); SmolLM3 with every other layer NoPE (its checkpoints: every fourth); StarCoder2 as it is
+# (LayerNorms, biases, a plain GELU MLP); Phi-3's fused projections (qkv_proj with fewer key and value heads
 # than query heads, so that its three parts differ in size; gate_up_proj) and a partial rotary embedding (16 of each
 # head's 32 dimensions rotated, as Phi-4-mini rotates 96 of 128); the mixture-of-experts families with fewer experts
 # than their checkpoints (Mixtral 8x7B: 8, top 2; Qwen1.5-MoE-A2.7B: 60, top 4, with a shared expert, router weights
@@ -89,6 +90,7 @@ LLAMA_LIKE = {
     },
     "olmo2": FAMILIES["llama"],
     "smollm3": {**FAMILIES["llama"], "num_hidden_layers": 4, "no_rope_layer_interval": 2},
+    "starcoder2": FAMILIES["llama"],
     "mixtral": {**FAMILIES["llama"], "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {
         **FAMILIES["llama"],

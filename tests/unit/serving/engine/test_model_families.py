@@ -1,14 +1,15 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite, OLMo 2, SmolLM3, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in the engine:
+Granite, OLMo 2, SmolLM3, StarCoder2, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
 int8 projections computing the dequantized model (an MoE model's experts quantized too); LoRA adapters computing what
 peft computes (Phi-3's on its fused projections; an MoE model's on its attention, and one on its experts refused naming
-them); a sliding window (Mistral's and Phi-3's in every layer, Qwen2's in the layers from max_window_layers on, Gemma
-2's in every other layer, Gemma 3's in five layers of six, SmolLM3's in its NoPE layers) applied as transformers applies it, through batching,
-chunked prefill, the prefix cache, speculative verification and fixed-shape decode steps; a LongRoPE model served
-within its original_max_position_embeddings, as transformers computes it there; and what the engine cannot compute
-refused at load, naming the field."""
+them); a sliding window (Mistral's, Phi-3's and StarCoder2's in every layer, Qwen2's in the layers from
+max_window_layers on, Gemma 2's in every other layer, Gemma 3's in five layers of six, SmolLM3's in its NoPE layers)
+applied as transformers applies it, through batching, chunked prefill, the prefix cache, speculative verification and
+fixed-shape decode steps; a LongRoPE model served within its original_max_position_embeddings, as transformers
+computes it there; the multimodal Gemma 3 and Mistral 3 checkpoints served for their text; and what the engine cannot
+compute refused at load, naming the field."""
 
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ from pylon.serving.model.runner import ModelRunner
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Where a family's projections are named otherwise: Phi-3's fused ones, as peft targets them.
-FAMILY_PROJECTIONS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]} | dict.fromkeys(
-    MOE_MODEL_TYPES, ALL_PROJECTIONS[:4]
+FAMILY_PROJECTIONS = (
+    {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+    | dict.fromkeys(MOE_MODEL_TYPES, ALL_PROJECTIONS[:4])
+    | {"starcoder2": [*ALL_PROJECTIONS[:4], "c_fc", "c_proj"]}
 )
 
 
@@ -134,6 +137,9 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
             for a, r in zip(attns, [1, 0, 1, 0]):
                 a.use_rope = r
         assert sum(a != b for a, b in zip(rotated, family.greedy)) >= len(PROMPTS) - 2
+    if family.name == "starcoder2":
+        assert isinstance(layer.input_layernorm, torch.nn.LayerNorm) and layer.input_layernorm.bias.abs().sum() > 0
+        assert layer.mlp.c_fc.bias.abs().sum() > 0 and not hasattr(layer.mlp, "gate_proj")
     if family.name == "olmo2":
         attn = layer.self_attn
         assert not hasattr(layer, "input_layernorm") and layer.post_feedforward_layernorm.weight.std() > 0
@@ -561,6 +567,7 @@ WINDOWED = {
     "gemma3_text": {"sliding_window": 16, "num_hidden_layers": 6},
     "gemma2": {"sliding_window": 13, "num_hidden_layers": 3},
     "phi3": {"sliding_window": 16},
+    "starcoder2": {"sliding_window": 13},
     # its NoPE layers (1 and 3 of 4) windowed, as use_sliding_window makes them
     "smollm3": {"sliding_window": 13, "use_sliding_window": True, "num_hidden_layers": 4, "no_rope_layer_interval": 2},
 }
@@ -605,6 +612,8 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     elif windowed.name == "gemma3_text":
         assert layer_windows(windowed.model.config) == [16] * 5 + [None]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [16] * 5 + [None]
+    elif windowed.name == "starcoder2":  # Starcoder2Model masks every layer by config.sliding_window
+        assert layer_windows(windowed.model.config) == [13, 13]
     elif windowed.name == "smollm3":
         assert layer_windows(windowed.model.config) == [None, 13, None, 13]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [None, 13, None, 13]
@@ -642,7 +651,7 @@ def test_a_sliding_window_is_transformers_own_through_batching_chunks_and_the_pr
         engine = windowed.engine(**fields)
         assert engine.max_model_len == 256  # the spec's, and the model's positions: the window does not cap it
         runner = engine.runner
-        if windowed.name in ("mistral", "phi3"):  # one metadata, windowed, for every layer
+        if windowed.name in ("mistral", "phi3", "starcoder2"):  # one metadata, windowed, for every layer
             assert (runner.step_window, runner.mixed_window) == (WINDOWED[windowed.name]["sliding_window"], None)
         else:  # a second one for the windowed layers
             assert (runner.step_window, runner.mixed_window) == (None, WINDOWED[windowed.name]["sliding_window"])
