@@ -802,9 +802,9 @@ class ModelRunner:
         MLP's outputs are normalised before they join the residual (`_output_norms`; Gemma 2's too, and OLMo 2's,
         whose inputs are not normalised: `_input_norms`). Granite: its multipliers (`_embedding_multiplier`,
         `_residual_multiplier`; `logits_scaling` in `logits`). SmolLM3: no rotary embedding in its NoPE layers
-        (`_rotates`). Phi-3: its fused projections (`_fused`: qkv_proj split
-        into queries, keys and values; gate_up_proj) and the rotary embedding of the first `partial_rotary_factor` of
-        each head's dimensions (`_apply_rope`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's
+        (`_rotates`). Phi-3: its fused projections (`_fused`: qkv_proj split into queries, keys and values;
+        gate_up_proj) and the rotary embedding of the first `partial_rotary_factor` of each head's dimensions
+        (`_apply_rope`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's
         and Gemma3MLP's forward: down(act(gate(x)) * up(x)); Phi3MLP's with gate and up from one projection) for the
         rows that need its projections' deltas."""
         llama = self.model.model
@@ -851,9 +851,8 @@ class ModelRunner:
             if i == last and adapters is not None:
                 rows = adapters.finals  # the sampling rows only, from here on
             a = a.reshape(len(h), -1)
-            if (
-                output_norms
-            ):  # Gemma 2 and 3, OLMo 2: the attention's and the MLP's outputs normalised before they join h
+            # Gemma 2 and 3, OLMo 2: the attention's and the MLP's outputs normalised before they join h
+            if output_norms:
                 o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
                 h = h + layer.post_attention_layernorm(o)
                 x = layer.pre_feedforward_layernorm(h) if input_norms else h
