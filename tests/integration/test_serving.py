@@ -116,7 +116,7 @@ def tiny(tmp_path_factory) -> TinyModel:
     return TinyModel(tmp_path_factory.mktemp("tiny-model"))
 
 
-def _served_spec(tiny: TinyModel, responses_store: str):
+def _served_spec(tiny: TinyModel, s3_server):
     """The `served` deployment: the tiny model with its LoRA adapter (engine.adapters), and the same adapter under
     another name at a root of adapters loaded on demand (engine.dynamic_adapters); its Responses API keeps responses
     in the object store (http.responses_store)."""
@@ -124,8 +124,13 @@ def _served_spec(tiny: TinyModel, responses_store: str):
     engine = base.engine.model_dump(mode="json")
     adapters = [{"name": ADAPTER, "path": str(tiny.adapter_dir)}]
     dynamic = {"root": str(tiny.adapter_root), "max_loaded": 1}
-    http = {**base.http.model_dump(mode="json"), "responses_store": responses_store}
+    http = {**base.http.model_dump(mode="json"), "responses_store": _responses_store(s3_server)}
     return _spec("tiny", tiny.dir, engine={**engine, "adapters": adapters, "dynamic_adapters": dynamic}, http=http)
+
+
+def _responses_store(s3_server) -> str:
+    """Where the `served` deployment keeps its Responses API responses: a prefix of the S3 server's bucket."""
+    return f"s3://{s3_server.bucket}/served-responses"
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +139,7 @@ def served(ray_cluster, tiny, s3_server):
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")
-        url = deploy(_served_spec(tiny, f"s3://{s3_server.bucket}/served-responses"))
+        url = deploy(_served_spec(tiny, s3_server))
     yield url
     delete("tiny")
 
@@ -241,8 +246,8 @@ def test_openai_client_completions_and_chat_streamed_and_not(served, tiny, s3_se
     assert (follow.output_text, follow.usage.input_tokens) == (sent.output_text, sent.usage.input_tokens)
     from pylon import storage
 
-    owners = storage.listdir(f"s3://{s3_server.bucket}/served-responses")
-    kept = storage.listdir(f"s3://{s3_server.bucket}/served-responses/{owners[0]}")
+    owners = storage.listdir(_responses_store(s3_server))
+    kept = storage.listdir(f"{_responses_store(s3_server)}/{owners[0]}")
     assert len(owners) == 1 and {f"{reply.id}.json", f"{follow.id}.json"} <= set(kept) and API_KEY not in owners[0]
 
     # n choices and logit_bias through Serve and the engine's own process: greedy choices are all transformers'
@@ -1026,7 +1031,7 @@ def test_no_listener_off_loopback_answers_without_credentials(served, ray_cluste
     assert _grpc_status(address, gcs_port, "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo") == "UNAUTHENTICATED"
 
 
-def test_api_keys_rotate_on_the_running_replica(served, ray_cluster, tiny):
+def test_api_keys_rotate_on_the_running_replica(served, ray_cluster, tiny, s3_server):
     """Adding a key and removing one is `pylon serve` of the same spec with other keys in the environment: Serve
     reconfigures the running replica in place (the same process, no new engine) and the change holds at once."""
     from pylon.sdk.serve import deploy, serve_details
@@ -1041,7 +1046,7 @@ def test_api_keys_rotate_on_the_running_replica(served, ray_cluster, tiny):
     try:
         with pytest.MonkeyPatch.context() as env:
             env.setenv(KEYS_ENV, f"{API_KEY},{new_key}")  # SECOND_KEY removed, new_key added
-            deploy(_served_spec(tiny))  # the same spec, other keys
+            deploy(_served_spec(tiny, s3_server))  # the same spec, other keys
         assert status(new_key) == 200 and status(API_KEY) == 200
         assert status(SECOND_KEY) == 401
         stored = serve_details(None)["applications"]["tiny"]["deployed_app_config"]["deployments"][0]["user_config"]
@@ -1050,6 +1055,6 @@ def test_api_keys_rotate_on_the_running_replica(served, ray_cluster, tiny):
     finally:
         with pytest.MonkeyPatch.context() as env:
             env.setenv(KEYS_ENV, f"{API_KEY},{SECOND_KEY}")  # as the module's other tests expect
-            deploy(_served_spec(tiny))  # the same spec, other keys
+            deploy(_served_spec(tiny, s3_server))  # the same spec, other keys
     assert status(SECOND_KEY) == 200 and status(new_key) == 401
     assert _replica_processes(ray_cluster, "ServeReplica:tiny:tiny") == [replica], "the same replica process"
