@@ -107,8 +107,12 @@ class KeyCheck:
             ok |= hmac.compare_digest(presented, stored)
         return ok
 
+    def _memo_name(self, key: str) -> bytes:
+        """What the memos remember `key`'s answers under: a keyed BLAKE2b of it, never the key."""
+        return hashlib.blake2b(key.encode(), key=self._memo_key, digest_size=32).digest()
+
     async def verify(self, key: str) -> bool:
-        name = hashlib.blake2b(key.encode(), key=self._memo_key, digest_size=32).digest()
+        name = self._memo_name(key)
         known = self._memo.get(name)
         if known is None:
             known = await asyncio.to_thread(self._check, key)
@@ -124,7 +128,7 @@ class KeyCheck:
         (scrypt with a salt of the deployment's name, then BLAKE2b). Without auth every client is "anonymous"."""
         if key is None:
             return "anonymous"
-        name = b"owner\0" + hashlib.blake2b(key.encode(), key=self._memo_key, digest_size=32).digest()
+        name = self._memo_name(key)
         owner = self._owners.get(name)
         if owner is None:
             salt = b"pylon-owner/" + deployment.encode()

@@ -526,6 +526,8 @@ class PylonLLMServer:
                     param="previous_response_id",
                 )
             return
+        if request.store is False and previous is None:
+            return  # nothing to keep or read: no owner to work out (a scrypt, the first time per key)
         owner = await self._owner(headers)
         if request.store is not False:
             request.keep(owner)
