@@ -577,6 +577,16 @@ class EngineSpec(_Spec):
         default_factory=DynamicAdaptersSpec,
         description="LoRA adapters loaded on demand from a root directory, by the name a request gives in `model`",
     )
+    max_images_per_prompt: int = Field(
+        8,
+        ge=0,
+        le=64,
+        description="images a chat request may send (image_url parts, data: URLs), for a multimodal checkpoint "
+        "(Gemma 3 4B-27B, Mistral Small 3.1/3.2; vLLM's limit_mm_per_prompt): its vision tower and projector are "
+        "kept on the device and each request's images run through them once. 0 = text only: the vision tower is "
+        "dropped at load (less memory) and a request with an image is a 400. No effect for a text-only model, "
+        "which refuses images",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="reuse the KV cache blocks of a prompt's prefix that an earlier request computed (vLLM's "

@@ -34,6 +34,7 @@ from pylon.serving.engine.adapters import OnDemandAdapters
 from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.generation import GenerationConfig, read_generation_config
 from pylon.serving.engine.guided import Guides
+from pylon.serving.engine.images import PROCESSOR_FILES, ImageInputs, ImageProcessor, ImagePrompt, has_processor
 from pylon.serving.engine.kv_cache import KVBlockPool, cache_salt
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from pylon.serving.engine.sampling import SamplingParams, sample, shape_logits, token_logprobs
@@ -51,7 +52,7 @@ from pylon.specs import EngineSpec
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]  # text, or token ids already
+Prompt = str | Sequence[int] | ImagePrompt  # text, token ids already, or a chat prompt with images
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,25 @@ def _named_adapter_error(error: PylonError, directories: list[str], spec: Engine
     return error
 
 
+def _takes_images(directory: str, model: str) -> bool:
+    """Whether the engine keeps `model`'s vision tower for requests with images: a multimodal checkpoint
+    (families.TEXT_MODELS) that ships its image processor; one without is served for its text only, said once."""
+    from pylon.serving.model.families import TEXT_MODELS
+    from pylon.serving.model.runner import model_type_of
+
+    if model_type_of(directory) not in TEXT_MODELS:
+        return False
+    if not has_processor(directory):
+        log.warning(
+            "model %s: a multimodal checkpoint without its image processor (%s): served for its text only; copy "
+            "those files from the checkpoint to take images",
+            model,
+            " or ".join(PROCESSOR_FILES),
+        )
+        return False
+    return True
+
+
 class LLMEngine:
     def __init__(self, model: str, spec: EngineSpec | None = None):
         """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
@@ -138,6 +158,7 @@ class LLMEngine:
             self.tokenizer = load_model_tokenizer(directory)
             self._chars_per_token = chars_per_token_bound(self.tokenizer)
             adapter_dirs = [_adapter_dir(stack, i, a) for i, a in enumerate(spec.adapters)]
+            images = spec.max_images_per_prompt > 0 and _takes_images(directory, model)
             try:
                 self.runner = ModelRunner(
                     directory,
@@ -148,9 +169,16 @@ class LLMEngine:
                     kv_cache_dtype=spec.kv_cache_dtype,
                     quantization=spec.quantization,
                     adapters=adapter_dirs,
+                    images=images,
                 )
             except PylonError as e:
                 raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
+            # A multimodal checkpoint's processor, for requests with images (engine/images.py); None: text only.
+            self.images = (
+                ImageProcessor(directory, self.runner.full_config, spec.max_images_per_prompt)
+                if self.runner.vision is not None
+                else None
+            )
             # Adapters loaded when a request first names one (engine.dynamic_adapters), in the slots after these.
             dynamic = spec.dynamic_adapters
             self.on_demand = (
@@ -264,6 +292,9 @@ class LLMEngine:
         params = params if params is not None else self.generation.default_params()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
+        images = None
+        if isinstance(prompt, ImagePrompt):
+            prompt, images = self._image_prompt(prompt, params)
         prompt_ids = self._prompt_token_ids(prompt, scoring=params.max_tokens == 0, special=params.add_special_tokens)
         max_tokens = params.max_tokens
         if max_tokens is None:  # what the context leaves, and no more than the model's own default (if it has one)
@@ -305,6 +336,7 @@ class LLMEngine:
             adapter=adapter,
             cache_salt=cache_salt(params.adapter if adapter or on_demand else None),
             on_demand_adapter=on_demand,
+            images=images,
         )
         if params.guide is not None:
             request.guide = self.guides.matcher(params.guide)  # compiled once per grammar; InvalidRequest if it can't
@@ -316,6 +348,32 @@ class LLMEngine:
                 self.on_demand.stage(on_demand, params.adapter_path)
             self._unfinished_ids.add(request_id)
             self._incoming.append(request)
+
+    def _image_prompt(self, prompt: ImagePrompt, params: SamplingParams) -> tuple[list[int], ImageInputs]:
+        """A prompt with images: its token ids (each image's placeholders in place of its marker) and its images'
+        inputs, by the model's processor. Refused for a model (or a deployment) without images, for an image whose
+        run of placeholders attended both ways cannot fit one step, and with prompt log-probabilities or
+        embedding."""
+        if self.images is None:
+            why = (
+                "this deployment serves its text only (engine.max_images_per_prompt: 0)"
+                if self.runner.full_config is not self.runner.config
+                else "the model takes no images (a text-only model)"
+            )
+            raise InvalidRequest(f"the request has images, and {why}; send text parts only", param="messages")
+        if params.embed or params.prompt_logprobs is not None:
+            raise InvalidRequest(
+                "prompt_logprobs and embeddings are not computed for prompts with images", param="prompt_logprobs"
+            )
+        ids, inputs = self.images.prepare(prompt, params.add_special_tokens)
+        longest = max((b - a for a, b in inputs.spans), default=0)
+        if longest > self.spec.max_num_batched_tokens:
+            raise InvalidRequest(
+                f"an image of this model is {longest} tokens, which attend each other in one step: more than "
+                f"engine.max_num_batched_tokens ({self.spec.max_num_batched_tokens}); raise it",
+                param="messages",
+            )
+        return ids, inputs
 
     def _prompt_token_ids(self, prompt: Prompt, *, scoring: bool = False, special: bool = False) -> list[int]:
         # The step loop waits while a prompt is tokenized and checked: a prompt that cannot fit is refused on its
@@ -419,6 +477,7 @@ class LLMEngine:
                 ),
                 s.request.adapter,
                 s.request.params.embed,
+                **(self._image_step(s.request, s.start, s.num_new_tokens) if s.request.images is not None else {}),
             )
             for s in batch.scheduled
         ]
@@ -483,6 +542,21 @@ class LLMEngine:
                 continue
             outputs.append(self._append_token(request, token, now, logprob))
         return outputs
+
+    def _image_step(self, request: Request, start: int, num_new: int) -> dict:
+        """A step's image fields (StepSequence) for `request`'s positions start .. start + num_new - 1: its images'
+        rows among them, from the vision tower's output, computed when the prompt first reaches an image (and again
+        after a preemption) and let go once the prompt is past the last."""
+        images = request.images
+        offsets, first, last = images.rows(start, num_new)
+        fields: dict = {"image_spans": images.spans_in(start, num_new)}
+        if offsets:
+            if request.image_embeds is None:
+                request.image_embeds = self.runner.embed_images(images.pixels)
+            fields.update(image_rows=tuple(offsets), image_embeds=request.image_embeds[first:last])
+        if start + num_new > images.last_position:
+            request.image_embeds = None
+        return fields
 
     def _place_adapters(self, incoming: list[Request]) -> list[Request]:
         """The requests the step takes in: `incoming` and those parked before, each request of an adapter loaded on

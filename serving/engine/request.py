@@ -17,6 +17,7 @@ from pylon.serving.engine.sampling import SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     import torch
 
+    from pylon.serving.engine.images import ImageInputs
     from pylon.serving.engine.tokenization import IncrementalDetokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -70,6 +71,8 @@ class Request:
     cache_salt: bytes = b""  # where its block hashes start (kv_cache.cache_salt): apart per adapter
     on_demand_adapter: str | None = None  # the name of its adapter when loaded on demand (engine/adapters.py);
     # `adapter` is 0 until the step that takes it in gives it its slot
+    images: "ImageInputs | None" = field(default=None, repr=False)  # its prompt's images (engine/images.py)
+    image_embeds: "torch.Tensor | None" = field(default=None, repr=False)  # their rows, while its prompt needs them
     _prompt_tensor: "torch.Tensor | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -100,6 +100,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.images is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                num_new = request.images.cut(request.num_computed_tokens, num_new)  # never inside an image's run
+                if not num_new:  # the rest of its image does not fit what this step has left: the next step
+                    i += 1
+                    continue
             if request.draft and num_new == 1:
                 # A speculating decode: its drafts too, if the budget and the free blocks allow (never preempting
                 # anyone for a draft); otherwise a plain decode.
@@ -121,6 +126,10 @@ class Scheduler:
             cached = self._cached_prefix(request)
             num_cached = len(cached) * self.pool.block_size
             num_new = min(request.num_tokens - num_cached, budget)
+            if request.images is not None:
+                num_new = request.images.cut(num_cached, num_new)
+                if not num_new:  # its first chunk would end inside an image's run: it waits for a fuller budget
+                    break
             # Placed where its whole expected length fits in one run if it can (see KVBlockPool).
             expected = len(request.prompt_token_ids) + request.max_tokens
             if not self.pool.allocate(request.request_id, num_cached + num_new, reserve_tokens=expected, cached=cached):
@@ -209,7 +218,9 @@ class Scheduler:
                 kept.next[prompt[nxt]] = entries[nxt]
 
     def _hashes(self, request: Request) -> list[bytes]:
-        return block_hashes(request.token_ids, self.pool.block_size, request.block_hashes, request.cache_salt)
+        # An image's placeholders hash as its contents (ImageInputs.hash_ids): one image's blocks never serve another.
+        ids = request.token_ids if request.images is None else request.images.hash_ids(request.token_ids)
+        return block_hashes(ids, self.pool.block_size, request.block_hashes, request.cache_salt)
 
     def _register(self, request: Request) -> None:
         """Register `request`'s full blocks that earlier steps computed (see the module's docs)."""

@@ -84,6 +84,9 @@ class SequenceSlice:
     start: int
     num_new: int
     block_table: list[int]
+    # Runs of positions [a, b) whose queries attend the whole run, keys after their own included (an image's
+    # placeholders in Gemma 3: pylon.serving.engine.images); the step never ends inside one.
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -387,22 +390,37 @@ def _chunk(
     # num_keys - window (within the window, windowed attention is causal attention).
     cut = window is not None and num_keys > window
     if seq.start == 0 and not prefill and not rounded:  # its keys are its own new tokens: plain causal attention
-        if not cut:
+        if not cut and not seq.spans:
             return PromptChunk(offset, 0, seq.num_new, None, None)
         key = torch.arange(num_keys, device=device)
-        mask = (key[None, :] <= key[:, None]) & (key[None, :] > key[:, None] - window)
-        return PromptChunk(offset, 0, seq.num_new, None, mask)
+        return PromptChunk(offset, 0, seq.num_new, None, _mask(key, key, seq.spans, window if cut else None))
     blocks = stage.add(seq.block_table[: -(-num_keys // block_size)])
     if prefill:  # the kernel reads every key through the block table and masks by position itself
+        if seq.spans:
+            raise ValueError("the prefill kernel masks causally only: a chunk with spans needs prefill=False")
         return PromptChunk(offset, seq.start, seq.num_new, blocks, None)
     # Made where it is used: on a GPU, building the [num_new, num_keys] mask on the host and copying it over took
     # ~0.5 ms a chunk (torch.profiler on an H100: `aten::le` on the CPU 0.42 ms, then a pageable copy).
     position = torch.arange(seq.start, num_keys, device=device)
     key = torch.arange(num_keys, device=device)
+    return PromptChunk(offset, seq.start, seq.num_new, blocks, _mask(position, key, seq.spans, window if cut else None))
+
+
+def _mask(
+    position: torch.Tensor, key: torch.Tensor, spans: tuple[tuple[int, int], ...], window: int | None
+) -> torch.Tensor:
+    """`[queries, keys]` True where the query at `position` attends the key: causal; each of `spans`' queries also
+    sees its whole span (transformers' OR(causal, block) for Gemma 3's images); and, with a `window`, only keys
+    p - window + 1 .. (AND(window, ...), as transformers composes Gemma 3's sliding layers' masks)."""
     mask = key[None, :] <= position[:, None]
-    if cut:  # and past its window: the query at position p sees keys p - window + 1 .. p
+    start = int(position[0]) if len(position) else 0
+    for a, b in spans:
+        q0, q1 = max(a - start, 0), min(b - start, len(position))
+        if q1 > q0:
+            mask[q0:q1, a : min(b, len(key))] = True
+    if window is not None:  # and past its window: the query at position p sees keys p - window + 1 .. p
         mask &= key[None, :] > position[:, None] - window
-    return PromptChunk(offset, seq.start, seq.num_new, blocks, mask)
+    return mask
 
 
 def _group(

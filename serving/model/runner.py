@@ -130,12 +130,13 @@ def weights_failure(model_dir: str, error: Exception) -> str:
     return f"model {model_dir}: its weights cannot be loaded ({type(error).__name__}: {str(error)[:500]})"
 
 
-def _language_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+def _language_model(model_dir: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A multimodal checkpoint's language model as the causal LM of its family (families.TEXT_MODELS: Gemma 3's
-    Gemma3ForConditionalGeneration, Mistral 3's Mistral3ForConditionalGeneration): the conditional model loaded as it
+    Gemma3ForConditionalGeneration, Mistral 3's Mistral3ForConditionalGeneration), and the conditional model's inner
+    model, which holds its vision tower and projector (`get_image_features`): the conditional model loaded as it
     ships (the hub's layout: `language_model.model.*`), then its text model and lm_head (tied to the embeddings or
     not, as loaded) put in the causal LM of its text config (Gemma3ForCausalLM, MistralForCausalLM), whose forward is
-    the conditional model's on text; the vision tower and the projector go with the rest of it."""
+    the conditional model's on text. The caller keeps the vision part for images, or drops it."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     full = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
@@ -143,10 +144,12 @@ def _language_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
         causal = AutoModelForCausalLM.from_config(full.config.get_text_config())
     causal.model, causal.lm_head = full.model.language_model, full.lm_head
     causal.generation_config = full.generation_config
-    return causal
+    vision = full.model
+    del vision.language_model  # the causal LM's now: one copy, not registered twice
+    return causal, vision
 
 
-def _model_type(model_dir: str) -> str | None:
+def model_type_of(model_dir: str) -> str | None:
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             return json.load(f).get("model_type")
@@ -259,16 +262,20 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         quantization: str = "none",
         adapters: Sequence[str] = (),
+        images: bool = False,
     ):
+        """`images`: keep a multimodal checkpoint's vision tower and projector, for requests with images
+        (`embed_images`); without it they are dropped once loaded (`vision` is None)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        model_type = _model_type(model_dir)
+        model_type = model_type_of(model_dir)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise PylonError(
                 f"model {model_dir}: model_type '{model_type}' is not supported by the serving "
                 f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self.full_config = config  # a multimodal checkpoint's whole config (its vision's too); else the model's
         # A multimodal checkpoint served for its text (families.TEXT_MODELS: Gemma 3 4B-27B, Mistral Small 3.1 and
         # 3.2): its language model's config and family from here on; its vision tower is dropped once loaded
         # (`_language_model`).
@@ -301,9 +308,13 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         quant.check(quantization, self.device)  # before loading: fp8 on a CPU is refused at once
         self.quantization = quantization
+        self.vision: torch.nn.Module | None = None  # the vision tower and projector (`_language_model`), with images
         try:
             if multimodal:
-                self.model = _language_model(model_dir, self.dtype)
+                self.model, vision = _language_model(model_dir, self.dtype)
+                if images:
+                    self.vision = vision.to(self.device).eval()
+                del vision
             else:
                 self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         except Exception as e:  # a missing, truncated or foreign weights file: say which, and what to do
@@ -491,14 +502,18 @@ class ModelRunner:
         final: Final,
         workspace: Workspace | None = None,
         adapters: lora.StepAdapters | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The model's final hidden states at the sampling tokens (see `_forward_gpt2`); `workspace`: gather into
         these buffers instead of the runner's own (a CUDA graph's step keeps its own); `adapters`: which rows run
-        which LoRA adapter (None: every row the base model)."""
+        which LoRA adapter (None: every row the base model); `images`: rows of the step and the embeddings that
+        replace their tokens' (the vision tower's: `embed_images`)."""
         saved = self.workspace
         self.workspace = saved if workspace is None else workspace
         try:
             with prompt_attention_backends(self.device):
+                if images is not None:
+                    return self._forward(ids, positions, meta, final, adapters, images)
                 return self._forward(ids, positions, meta, final, adapters)
         finally:
             self.workspace = saved
@@ -538,16 +553,20 @@ class ModelRunner:
         if with_adapters:
             self._check_adapters(steps)
         elif self.decode_graphs is not None and all(
-            s.num_new_tokens == 1 and s.samples and not s.pooled for s in steps
+            s.num_new_tokens == 1 and s.samples and not s.pooled and not s.image_rows for s in steps
         ):
             logits = self.decode_graphs.run(steps)  # one token a sequence: its one row, prompt_logits or not
             if logits is not None:
                 return logits, None
         token_ids, positions, seqs, last_tokens = [], [], [], []
+        image_rows, image_embeds = [], []  # the step's rows that are images' (pylon.serving.engine.images)
         for s in steps:
+            if s.image_rows:
+                image_rows.extend(len(token_ids) + r for r in s.image_rows)
+                image_embeds.append(s.image_embeds)
             token_ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + s.num_new_tokens))
-            seqs.append(SequenceSlice(s.start, s.num_new_tokens, s.block_table))
+            seqs.append(SequenceSlice(s.start, s.num_new_tokens, s.block_table, s.image_spans))
             if s.prompt_logits:
                 last_tokens.extend(range(len(token_ids) - s.num_new_tokens, len(token_ids)))
             elif s.samples:
@@ -560,7 +579,8 @@ class ModelRunner:
             self.device,
             self.dtype,
             kernel=self.kernel,
-            prefill=self.prefill,
+            # The prefill kernel masks causally only: a step with spans attended both ways goes through PyTorch's.
+            prefill=self.prefill and not any(s.image_spans for s in steps),
             stage=stage,
             rounded=self.kv_dtype != self.dtype,
             window=self.step_window,
@@ -598,8 +618,11 @@ class ModelRunner:
             positions.extend([0] * pad)
         ids, positions = stage.add(token_ids), stage.add(positions)
         adapters = self._step_adapters(steps, len(token_ids), last_tokens, final) if with_adapters else None
+        images = None
+        if image_rows:
+            images = (stage.add(image_rows), torch.cat(image_embeds))
         stage.send()
-        hidden = self.forward(ids, positions, meta, final, adapters=adapters)
+        hidden = self.forward(ids, positions, meta, final, adapters=adapters, images=images)
         if not last_tokens:
             return torch.empty(0, self.vocab_size, device=self.device), None
         if not any(s.pooled and s.samples for s in steps):
@@ -614,6 +637,23 @@ class ModelRunner:
         rest = sorted(set(range(len(hidden))) - set(pooled))
         logits = self.logits(hidden[rest]) if rest else hidden.new_empty(0, self.vocab_size)
         return logits.float(), hidden[pooled].float()
+
+    @torch.no_grad()
+    def embed_images(self, pixels: dict) -> torch.Tensor:
+        """The rows `[placeholders, hidden]` a request's images put in its prompt (the multimodal model's
+        `get_image_features`: the vision tower, then the projector), in the order of their placeholders; `pixels`:
+        the processor's tensors (pylon.serving.engine.images.ImageInputs.pixels)."""
+        if self.vision is None:
+            raise ValueError("this runner keeps no vision tower (ModelRunner(images=True))")
+        kwargs = {"pixel_values": pixels["pixel_values"].to(self.device, self.dtype)}
+        if "image_sizes" in pixels:  # Mistral 3 (Pixtral): each image's own size, and the layer its features are from
+            kwargs["image_sizes"] = pixels["image_sizes"].to(self.device)
+            kwargs["vision_feature_layer"] = self.full_config.vision_feature_layer
+        features = self.vision.get_image_features(**kwargs).pooler_output
+        hidden = self.config.hidden_size
+        if isinstance(features, torch.Tensor):
+            return features.reshape(-1, hidden)
+        return torch.cat([f.reshape(-1, hidden) for f in features])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits of final hidden states, in the model's dtype, soft-capped where the config says
@@ -792,6 +832,7 @@ class ModelRunner:
         meta: AttentionMetadata,
         final: Final,
         adapters: lora.StepAdapters | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
         tokens (`final`): `[sampling tokens, hidden]`, and of the families built as it is
@@ -811,6 +852,9 @@ class ModelRunner:
         h = llama.embed_tokens(ids)
         if self._embedding_multiplier is not None:  # Granite: GraniteModel scales its embeddings
             h = h * self._embedding_multiplier
+        if images is not None:  # the images' rows in place of their placeholders' (after Gemma 3's scaling, as there)
+            rows, embeds = images
+            h = h.index_copy(0, rows, embeds.to(h.dtype))
         rope_types, output_norms, input_norms = self._rope_types, self._output_norms, self._input_norms
         residual = self._residual_multiplier  # Granite: each output scaled as it joins the residual
         qk_norms, rotates = self._qk_norms, self._rotates

@@ -1,0 +1,228 @@
+"""Images in chat prompts, for the multimodal checkpoints the engine serves (families.IMAGE_MODELS: Gemma 3 4B-27B,
+Mistral Small 3.1 and 3.2).
+
+A chat request's image parts reach the engine as an `ImagePrompt`: the text its chat template rendered (one image
+marker where each image goes: Gemma 3's `<start_of_image>`, Mistral's `[IMG]`) and the images' files. The engine
+runs the checkpoint's own processor (`transformers.AutoProcessor`, as vLLM does): it expands each marker into the
+image's placeholder tokens and turns each image into the vision tower's pixels. The vision tower and projector run
+once per request, when its prompt is first computed (`ModelRunner.embed_images`); their rows replace the
+placeholders' embeddings, chunk by chunk (`ImageInputs.rows`).
+
+Two things differ from text:
+
+- The prefix cache must not take one image's keys and values for another's: the placeholders are the same tokens
+  for every image. Block hashes read each placeholder as a key of its image's contents and place in it
+  (`ImageInputs.hash_ids`: negative ids, which no token has), so requests that share a text and an image share their
+  blocks, and a different image shares the text before it only.
+- Gemma 3 attends an image's placeholders both ways while it reads the prompt (transformers' token_type_ids mask):
+  `ImageInputs.spans` are those runs; a prompt chunk never ends inside one (the scheduler cuts it before), and the
+  chunk's mask lets a run's queries see the whole run (pylon.serving.model.attention).
+
+Decoding images: PNG, JPEG, WebP and GIF (the first frame), as data: URLs only. The replica fetches nothing from the
+network for a request (no request can make a replica read an internal address).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import bisect
+import hashlib
+import io
+import os
+import re
+from dataclasses import dataclass, field
+
+from pylon.serving.errors import InvalidRequest
+
+# Gemma 3 attends each image's tokens both ways in its prompt (Gemma3Model's bidirectional block mask).
+BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
+IMAGE_FORMATS = ("png", "jpeg", "webp", "gif")
+MAX_IMAGE_PIXELS = 40_000_000  # a decompression bomb is refused before it is decoded (PIL's own limit is ~89M)
+_DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp|gif);base64,", re.IGNORECASE)
+_KEY_MASK = (1 << 62) - 1
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A chat prompt with images: the chat template's text, with one image marker for each of `images` (their
+    files' bytes, in the order the messages give them)."""
+
+    text: str
+    images: tuple[bytes, ...]
+
+
+def image_bytes(url: object, where: str) -> bytes:
+    """The image file a request's `image_url` holds (a data: URL of a PNG, JPEG, WebP or GIF), checked to be an image
+    PIL can read of at most MAX_IMAGE_PIXELS; an InvalidRequest naming `where` (the part's field path) otherwise."""
+    if not isinstance(url, str):
+        raise InvalidRequest(f"{where}: an image URL is a string (a data: URL)", param=where)
+    found = _DATA_URL.match(url)
+    if found is None:
+        if url.startswith(("http://", "https://")):
+            raise InvalidRequest(
+                f"{where}: images are taken inline only: this server fetches nothing from the network for a request. "
+                "Send the file as a data URL (data:image/png;base64,...)",
+                param=where,
+            )
+        raise InvalidRequest(
+            f"{where}: not an image data URL; send data:image/<png|jpeg|webp|gif>;base64,<the file in base64>",
+            param=where,
+        )
+    try:
+        data = base64.b64decode(url[found.end() :], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{where}: the data URL's base64 does not decode", param=where) from None
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            kind = (image.format or "").lower()
+            if width * height > MAX_IMAGE_PIXELS:
+                raise InvalidRequest(
+                    f"{where}: the image is {width}x{height} pixels; at most {MAX_IMAGE_PIXELS:,} are taken",
+                    param=where,
+                )
+            image.verify()
+    except InvalidRequest:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise InvalidRequest(f"{where}: not a readable image ({type(e).__name__}: {e})", param=where) from None
+    if kind not in IMAGE_FORMATS:
+        raise InvalidRequest(f"{where}: a {kind or 'unknown'} image; send PNG, JPEG, WebP or GIF", param=where)
+    return data
+
+
+@dataclass
+class ImageInputs:
+    """What the engine keeps of a request's images: the vision tower's inputs, where their rows go in the prompt, and
+    how its blocks are hashed."""
+
+    pixels: dict  # the processor's tensors the vision tower takes (pixel_values; Pixtral's image_sizes)
+    positions: list[int]  # the prompt positions whose embeddings are the images' rows, in order
+    keys: list[int]  # each of those positions' key in the block hashes (its image's digest and its place in it)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # runs attended both ways (Gemma 3), [start, end)
+
+    def hash_ids(self, token_ids: list[int]) -> list[int]:
+        """`token_ids` with each image position's key in place of its placeholder token (for block hashes only)."""
+        ids = list(token_ids)
+        for p, key in zip(self.positions, self.keys):
+            ids[p] = key
+        return ids
+
+    def rows(self, start: int, num_new: int) -> tuple[list[int], int, int]:
+        """The image rows a step computing positions start .. start + num_new - 1 takes: their offsets within the
+        step's tokens, and the range [first, last) of the images' rows (in `positions`' order) they are."""
+        first = bisect.bisect_left(self.positions, start)
+        last = bisect.bisect_left(self.positions, start + num_new)
+        return [p - start for p in self.positions[first:last]], first, last
+
+    def spans_in(self, start: int, num_new: int) -> tuple[tuple[int, int], ...]:
+        """The bidirectional runs that the positions start .. start + num_new - 1 reach into."""
+        end = start + num_new
+        return tuple((a, b) for a, b in self.spans if a < end and b > start)
+
+    def cut(self, start: int, num_new: int) -> int:
+        """How many of num_new prompt tokens from `start` a step may compute: a chunk that would end inside a
+        bidirectional run stops before it, or takes nothing (0) when it starts inside that run (it waits for a step
+        whose budget takes the run to its end)."""
+        end = start + num_new
+        for a, b in self.spans:
+            if a < end < b:
+                return a - start if a > start else 0
+        return num_new
+
+    @property
+    def last_position(self) -> int:
+        return self.positions[-1] if self.positions else -1
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def has_processor(model_dir: str) -> bool:
+    """Whether `model_dir` ships an image processor (a multimodal checkpoint as published does; one saved without it
+    is served for its text only)."""
+    return any(os.path.exists(os.path.join(model_dir, name)) for name in PROCESSOR_FILES)
+
+
+class ImageProcessor:
+    """A multimodal checkpoint's processor (its image processor and its tokenizer, as it ships), for the engine."""
+
+    def __init__(self, model_dir: str, config, max_images: int):
+        from transformers import AutoProcessor
+
+        from pylon.errors import PylonError
+
+        try:
+            self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        except Exception as e:
+            raise PylonError(
+                f"model {model_dir}: its image processor cannot be loaded ({type(e).__name__}: {str(e)[:300]}); a "
+                "multimodal checkpoint ships processor_config.json and preprocessor_config.json beside its tokenizer "
+                "(copy them from the checkpoint), or set engine.max_images_per_prompt: 0 to serve its text only"
+            ) from None
+        self.model_type = config.model_type
+        self.image_token_id = config.image_token_id
+        self.bidirectional = self.model_type in BIDIRECTIONAL_IMAGES
+        self.max_images = max_images
+        # Pixtral (Mistral 3): an image's rows, one per (patch_size * spatial_merge_size) square of its resized size.
+        patch = getattr(config.vision_config, "patch_size", 1)
+        self._per_row = patch * getattr(config, "spatial_merge_size", 1)
+
+    def prepare(self, prompt: ImagePrompt, special: bool = False) -> tuple[list[int], ImageInputs]:
+        """The prompt's token ids (each image marker expanded into its placeholders) and its images' inputs."""
+        from PIL import Image
+
+        if len(prompt.images) > self.max_images:
+            raise InvalidRequest(
+                f"the request has {len(prompt.images)} images; this deployment takes at most {self.max_images} "
+                "(engine.max_images_per_prompt)",
+                param="messages",
+            )
+        images = []
+        for data in prompt.images:
+            with Image.open(io.BytesIO(data)) as image:
+                image.seek(0)  # a GIF's first frame
+                images.append(image.convert("RGB"))
+        try:
+            out = self.processor(text=[prompt.text], images=[images], return_tensors="pt", add_special_tokens=special)
+        except ValueError as e:  # e.g. the template placed fewer image markers than there are images
+            raise InvalidRequest(f"messages: the images do not fit the prompt ({e})", param="messages") from None
+        ids = out["input_ids"][0].tolist()
+        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        pixels = {k: out[k] for k in ("pixel_values", "image_sizes") if k in out}
+        counts = self._rows_per_image(pixels, len(images))
+        if sum(counts) != len(positions):
+            raise InvalidRequest(
+                f"messages: the prompt has {len(positions)} image placeholders for {len(images)} images of "
+                f"{sum(counts)} rows (does the model's chat template place each image once?)",
+                param="messages",
+            )
+        keys = []
+        for data, count in zip(prompt.images, counts):
+            digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+            keys.extend(-1 - ((digest + j) & _KEY_MASK) for j in range(count))
+        spans = _runs(positions) if self.bidirectional else []
+        return ids, ImageInputs(pixels, positions, keys, spans)
+
+    def _rows_per_image(self, pixels: dict, n: int) -> list[int]:
+        if "image_sizes" in pixels:  # Pixtral: its resized height and width, in merged patches
+            return [int(h) // self._per_row * (int(w) // self._per_row) for h, w in pixels["image_sizes"].tolist()]
+        per = getattr(self.processor, "image_seq_length", None)
+        if per is None or len(pixels["pixel_values"]) != n:
+            raise InvalidRequest(
+                f"messages: the model's processor made {len(pixels['pixel_values'])} images of {n}", param="messages"
+            )
+        return [per] * n

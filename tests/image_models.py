@@ -1,0 +1,211 @@
+"""Tiny multimodal checkpoints as they ship, for the image tests (tests/unit/serving/engine/test_images.py, the HTTP
+ones): a conditional model (vision tower, projector, language model) of Gemma 3 or Mistral 3 with random weights large
+enough that each image changes the continuation, and beside it what a real checkpoint has for images: a Hugging Face
+tokenizer with the family's image tokens and chat template, and the processor's files (processor_config.json,
+preprocessor_config.json), so that `AutoProcessor.from_pretrained` loads them. Built offline, in seconds."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+VOCAB = 320  # the language model's embedding rows (the tokenizer's ids fit under it)
+IMAGE = 56  # pixels a side the processors resize to: 4 x 4 patches of 14
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}<start_of_image>{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}"
+    "{% endif %}<end_of_turn>\n{% endfor %}<start_of_turn>model\n"
+)
+MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"]
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST]"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' or p.type == 'image_url' %}[IMG]{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}[/INST]{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+TEXT = "the image shows a red square beside a green circle; describe what you see in the picture " * 4
+
+
+def _tokenizer(specials: list[str], template: str, **tokens):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TEXT], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **tokens)
+
+
+def _randomize(module: torch.nn.Module, scale: float) -> None:
+    """Every weight of `module` random (the initializers leave Gemma 3's projector at zeros and norms at ones, which
+    would make every image look alike)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * scale)
+
+
+def image_checkpoint(name: str, directory: Path) -> Path:
+    """A tiny `name` ("gemma3" or "mistral3") checkpoint saved in `directory`, with its tokenizer and processor."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        PixtralImageProcessorPil,
+        PixtralProcessor,
+    )
+
+    torch.manual_seed(0)
+    text = {
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "vocab_size": VOCAB,
+        "initializer_range": 0.5,
+    }
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": IMAGE, "patch_size": 14}
+    if name == "gemma3":
+        tok = _tokenizer(
+            GEMMA_SPECIALS,
+            GEMMA_TEMPLATE,
+            bos_token="<bos>",
+            eos_token="<eos>",
+            pad_token="<pad>",
+            extra_special_tokens={
+                "boi_token": "<start_of_image>",
+                "eoi_token": "<end_of_image>",
+                "image_token": "<image_soft_token>",
+            },
+        )
+        ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("eos_token_id", "<eos>"), ("pad_token_id", "<pad>"))}
+        # Gemma 3's layers: windowed (a window narrower than the prompts) and full, as the 1B checkpoint's config
+        # lays them out (every 6th full), with two of them here.
+        text |= {"num_hidden_layers": 3, "sliding_window": 16, "query_pre_attn_scalar": 20, **ids}
+        text |= {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+        text |= {"rope_local_base_freq": 100.0, "final_logit_softcapping": None, "tie_word_embeddings": False}
+        config = Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
+            eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+            image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
+            tie_word_embeddings=False,
+            **ids,
+        )
+        model = Gemma3ForConditionalGeneration(config)
+        processor = Gemma3Processor(
+            image_processor=Gemma3ImageProcessorPil(size={"height": IMAGE, "width": IMAGE}),
+            tokenizer=tok,
+            image_seq_length=4,
+            chat_template=GEMMA_TEMPLATE,
+        )
+    else:
+        tok = _tokenizer(MISTRAL_SPECIALS, MISTRAL_TEMPLATE, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("eos_token_id", "</s>"), ("pad_token_id", "<unk>"))}
+        text |= {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": None, **ids}
+        config = Mistral3Config(
+            text_config=text,
+            vision_config={**vision, "model_type": "pixtral", "head_dim": 16},
+            spatial_merge_size=1,
+            image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+            tie_word_embeddings=False,
+            **ids,
+        )
+        model = Mistral3ForConditionalGeneration(config)
+        processor = PixtralProcessor(
+            image_processor=PixtralImageProcessorPil(size={"longest_edge": IMAGE}, patch_size=14),
+            tokenizer=tok,
+            patch_size=14,
+            spatial_merge_size=1,
+            chat_template=MISTRAL_TEMPLATE,
+        )
+    _randomize(model.model.vision_tower, 0.5)
+    _randomize(model.model.multi_modal_projector, 0.5)
+    with torch.no_grad():  # the language model's norms off their zeros and ones, as the family fixtures'
+        for key, p in model.model.language_model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.randn_like(p) * 0.25)
+    model.eval().save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def png(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
+    """A PNG (`size` = (width, height)) of a 4 x 4 grid of random solid colours (`seed`): shapes that survive the
+    vision tower's pooling, where pixel noise averages out to the same features for every image."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.randint(0, 256, (4, 4, 3), generator=g, dtype=torch.uint8)
+    rows = torch.arange(size[1]) * 4 // size[1]
+    cols = torch.arange(size[0]) * 4 // size[0]
+    pixels = grid[rows][:, cols].numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+class Reference:
+    """The conditional model as transformers computes it, on the processor's inputs."""
+
+    def __init__(self, directory: Path):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(directory)
+        self.model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+
+    def inputs(self, text: str, images: list[bytes]) -> dict:
+        from PIL import Image
+
+        pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        return dict(
+            self.processor(
+                text=[text], images=[pictures] if pictures else None, return_tensors="pt", add_special_tokens=False
+            )
+        )
+
+    def greedy(self, text: str, images: list[bytes], new_tokens: int) -> list[int]:
+        """The greedy continuation of a rendered chat `text` with `images` (generate)."""
+        inputs = self.inputs(text, images)
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    def logprobs(self, text: str, images: list[bytes], continuation: list[int], *, causal: bool = False):
+        """`[len(continuation), vocab]`: the log-probabilities at each token of `continuation` after the prompt
+        (teacher-forced). `causal`: without Gemma 3's token_type_ids (its images attended causally)."""
+        inputs = self.inputs(text, images)
+        n = inputs["input_ids"].shape[1]
+        extra = torch.tensor([continuation[:-1]], dtype=inputs["input_ids"].dtype)
+        inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if causal:
+            inputs.pop("token_type_ids", None)
+        elif "token_type_ids" in inputs:
+            inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros_like(extra)], dim=1)
+        with torch.no_grad():
+            logits = self.model(**inputs).logits[0, n - 1 :].float()
+        return logits.log_softmax(-1)
+
+
+def render(directory: Path, messages: list[dict]) -> str:
+    """The chat text of `messages` (image parts as {"type": "image"}) through the checkpoint's template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory)
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

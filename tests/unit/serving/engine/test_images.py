@@ -1,0 +1,176 @@
+"""Images in chat prompts (pylon.serving.engine.images) through the engine, against the conditional model as
+`transformers` computes it on its processor's inputs: each generated token's log-probability within 1e-4 of the
+reference's (teacher-forced), through batching, prompt chunks cut around an image's tokens, the prefix cache (one
+image's blocks never serve another's), and preemption; Gemma 3's images attended both ways. The fixtures make each
+check able to fail: two images, or Gemma 3's images attended causally, move the log-probabilities by more than 1e-3
+(asserted below), so a wrong image, a cache hit across images or a causal mask is caught."""
+
+from __future__ import annotations
+
+import shutil
+
+import image_models
+import pytest
+from engine_models import DEVICE, run, spec, tokens_of
+
+from pylon.serving.engine.engine import LLMEngine
+from pylon.serving.engine.images import ImagePrompt
+from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.errors import InvalidRequest
+
+NEW = 8
+PARAMS = SamplingParams(max_tokens=NEW, temperature=0, logprobs=2)
+TOL = 1e-4
+
+
+def _user(*parts) -> list[dict]:
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+@pytest.fixture(scope="module", params=["gemma3"])
+def checkpoint(request, tmp_path_factory):
+    directory = image_models.image_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, directory, image_models.Reference(directory)
+
+
+def _prompts(directory):
+    a, b, c = image_models.png(1), image_models.png(2, (40, 70)), image_models.png(3, (90, 30))
+    one = image_models.render(directory, _user("describe ", None, " what you see in it"))
+    two = image_models.render(directory, _user("compare ", None, " and ", None, " please"))
+    text = image_models.render(directory, [{"role": "user", "content": "what is in the picture"}])
+    return {
+        "a": (one, (a,)),
+        "b": (one, (b,)),
+        "ac": (two, (a, c)),
+        "ca": (two, (c, a)),
+        "text": (text, ()),
+    }
+
+
+def _check(reference, prompt, out) -> None:
+    """`out`'s tokens are the reference's greedy ones, and each one's log-probability (and its alternatives') the
+    reference's, teacher-forced."""
+    text, images = prompt
+    tokens = tokens_of(out)
+    assert tokens == reference.greedy(text, list(images), NEW)
+    want = reference.logprobs(text, list(images), tokens)
+    got = [lp for o in out for lp in o.logprobs]
+    for i, lp in enumerate(got):
+        assert abs(lp.logprob - float(want[i, lp.token_id])) < TOL, (i, lp, float(want[i, lp.token_id]))
+        for token, logprob in lp.top:
+            assert abs(logprob - float(want[i, token])) < TOL
+
+
+def _engine_prompt(prompt):
+    text, images = prompt
+    return ImagePrompt(text, images) if images else text
+
+
+def test_the_fixture_tells_images_apart(checkpoint) -> None:
+    """Two images, and (Gemma 3) images attended causally rather than both ways, move the reference's
+    log-probabilities by more than 1e-3: the engine's agreeing within 1e-4 means it read each image, in its mask."""
+    name, directory, reference = checkpoint
+    prompts = _prompts(directory)
+    text, (a,) = prompts["a"]
+    tokens = reference.greedy(text, [a], NEW)
+    with_a = reference.logprobs(text, [a], tokens)
+    assert (with_a - reference.logprobs(text, [prompts["b"][1][0]], tokens)).abs().max() > 1e-3
+    assert (
+        reference.logprobs(*prompts["ac"][0:1], list(prompts["ac"][1]), tokens)
+        - reference.logprobs(prompts["ca"][0], list(prompts["ca"][1]), tokens)
+    ).abs().max() > 1e-3  # the order of the images matters too
+    if name == "gemma3":
+        assert (with_a - reference.logprobs(text, [a], tokens, causal=True)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("fields", [{}, {"max_num_batched_tokens": 8, "max_num_seqs": 2}], ids=["whole", "chunked"])
+def test_images_are_read_as_transformers_reads_them(checkpoint, fields) -> None:
+    """Prompts with one image, two (in both orders) and none, in one batch, then again (their blocks now cached):
+    each the reference's tokens and log-probabilities. Chunked: 8 tokens a step, so prompts are cut in chunks, never
+    inside an image's tokens; the second pass starts past the cached blocks, images included."""
+    _, directory, reference = checkpoint
+    prompts = _prompts(directory)
+    engine = LLMEngine(str(directory), spec(block_size=4, **fields))
+    assert engine.runner.vision is not None and engine.images is not None
+    for round in range(2):
+        for key, prompt in prompts.items():
+            engine.add_request(f"{round}-{key}", _engine_prompt(prompt), PARAMS)
+        outputs = run(engine)
+        for key, prompt in prompts.items():
+            _check(reference, prompt, outputs[f"{round}-{key}"])
+        if round:  # every prompt found its blocks, images and all: the last token's block is computed again
+            assert all(
+                outputs[f"1-{k}"][-1].num_cached_tokens >= outputs[f"1-{k}"][-1].num_prompt_tokens - 4 for k in prompts
+            )
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_one_images_cached_blocks_never_serve_another(checkpoint) -> None:
+    """The same text with another image shares only the blocks before the image; the same image, every block."""
+    _, directory, reference = checkpoint
+    prompts = _prompts(directory)
+    engine = LLMEngine(str(directory), spec(block_size=4))
+    engine.add_request("a", _engine_prompt(prompts["a"]), PARAMS)
+    first = run(engine)["a"]
+    ids, inputs = engine.images.prepare(ImagePrompt(*prompts["a"]))
+    for key in ("b", "a"):
+        engine.add_request(key, _engine_prompt(prompts[key]), PARAMS)
+        out = run(engine)[key]
+        _check(reference, prompts[key], out)
+        cached = out[-1].num_cached_tokens
+        if key == "b":
+            assert 0 < cached <= inputs.positions[0]  # the text before the image only
+        else:
+            assert cached >= len(ids) - 4 and tokens_of(out) == tokens_of(first)
+
+
+def test_a_preempted_request_reads_its_images_again(checkpoint) -> None:
+    """A KV cache too small for every request at once: some are preempted and recomputed, their images run through
+    the vision tower again, with the same results."""
+    _, directory, reference = checkpoint
+    prompts = _prompts(directory)
+    engine = LLMEngine(
+        str(directory),
+        spec(
+            block_size=4, kv_cache_tokens=128, max_model_len=128, max_num_batched_tokens=16, enable_prefix_caching=False
+        ),
+    )
+    keys = ["a", "b", "ac", "ca"]
+    for key in keys:
+        engine.add_request(key, _engine_prompt(prompts[key]), SamplingParams(max_tokens=24, temperature=0, logprobs=0))
+    outputs = run(engine)
+    assert engine.stats().num_preemptions_total > 0
+    for key in keys:
+        text, images = prompts[key]
+        tokens = tokens_of(outputs[key])
+        assert tokens == reference.greedy(text, list(images), 24)
+
+
+def test_images_are_refused_where_they_cannot_be_read(checkpoint, tmp_path, caplog) -> None:
+    _, directory, _ = checkpoint
+    prompts = _prompts(directory)
+    prompt = ImagePrompt(*prompts["ac"])
+    engine = LLMEngine(str(directory), spec(max_images_per_prompt=1, max_num_batched_tokens=3))
+    with pytest.raises(InvalidRequest, match=r"2 images; this deployment takes at most 1 \(engine.max_images_per"):
+        engine.add_request("two", prompt, PARAMS)
+    with pytest.raises(InvalidRequest, match=r"4 tokens.*engine.max_num_batched_tokens \(3\)"):
+        engine.add_request("long", ImagePrompt(*prompts["a"]), PARAMS)
+    with pytest.raises(InvalidRequest, match="image placeholders|do not fit the prompt"):
+        engine.add_request("marker", ImagePrompt(prompts["text"][0], prompts["a"][1]), PARAMS)
+    with pytest.raises(InvalidRequest, match="prompt_logprobs"):
+        engine.add_request("scored", ImagePrompt(*prompts["a"]), SamplingParams(max_tokens=1, prompt_logprobs=1))
+    # Text only: by the spec (the vision tower dropped at load), or a checkpoint saved without its processor.
+    text_only = LLMEngine(str(directory), spec(max_images_per_prompt=0))
+    assert text_only.runner.vision is None and text_only.images is None
+    with pytest.raises(InvalidRequest, match=r"text only \(engine.max_images_per_prompt: 0\)"):
+        text_only.add_request("x", ImagePrompt(*prompts["a"]), PARAMS)
+    bare = tmp_path / "bare"
+    shutil.copytree(directory, bare)
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        (bare / name).unlink(missing_ok=True)
+    engine = LLMEngine(str(bare), spec())
+    assert engine.images is None and "without its image processor" in caplog.text
+    with pytest.raises(InvalidRequest, match="text only"):
+        engine.add_request("x", ImagePrompt(*prompts["a"]), PARAMS)
+    assert DEVICE in ("cpu", "cuda")
