@@ -35,6 +35,7 @@ from pylon.serving.engine.sampling import (
 from pylon.serving.errors import InvalidRequest, shown
 
 if TYPE_CHECKING:
+    from pylon.serving.engine.images import ImagePrompt
     from pylon.serving.engine.request import TokenLogprob
     from pylon.serving.engine.tokenization import TokenTexts
 
@@ -297,21 +298,58 @@ class ChatCompletionRequest(_Request):
 
     _tool_plan: "tool_calls.ToolPlan | None" = PrivateAttr(None)
 
-    def render(self, tokenizer) -> str:
-        """The prompt text the engine gets: the messages (with earlier tool calls) and the tools, through the
-        model's chat template. The replica and the prefix-aware router render with this one function."""
+    def render(self, tokenizer, max_images: int = 0) -> "str | ImagePrompt":
+        """The prompt the engine gets: the messages (with earlier tool calls) and the tools, through the model's chat
+        template; with image_url parts (at most `max_images`: the engine's, 0 for a model that takes none), the text
+        and the images' files (pylon.serving.engine.images). The replica and the prefix-aware router render with
+        this one function (the router with no images: a request with images routes by load)."""
+        from pylon.serving.engine.images import ImagePrompt, image_bytes
         from pylon.serving.engine.tokenization import apply_chat_template
 
+        parts = self.image_parts()
+        if parts and not max_images:
+            where = parts[0][0]
+            raise InvalidRequest(
+                f"{where}: this deployment takes no images (a text-only model, or engine.max_images_per_prompt: 0); "
+                "send text parts only",
+                param=where,
+            )
+        if len(parts) > max_images:
+            raise InvalidRequest(
+                f"the messages have {len(parts)} images; this deployment takes at most {max_images} a request "
+                "(engine.max_images_per_prompt)",
+                param=parts[max_images][0],
+            )
         plan = self._tool_plan
         if plan is None and self.tools:
             plan = tool_calls.plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
-        return apply_chat_template(
+        text = apply_chat_template(
             tokenizer,
             tool_calls.template_messages([m.model_dump(exclude_none=True) for m in self.messages]),
             tools=plan.tools if plan is not None else None,
             tool_preamble=plan.preamble() if plan is not None else None,
             template_kwargs=self.chat_template_kwargs,
+            images=bool(parts),
         )
+        if not parts:
+            return text
+        return ImagePrompt(text, tuple(image_bytes(url, where) for where, url in parts))
+
+    def image_parts(self) -> list[tuple[str, object]]:
+        """The messages' image_url parts in order: each one's field path and its URL (`image_url.url`, or a bare
+        string as some clients send it)."""
+        found = []
+        for i, message in enumerate(self.messages):
+            if not isinstance(message.content, list):
+                continue
+            for j, part in enumerate(message.content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    url = part.get("image_url")
+                    if isinstance(url, dict):
+                        found.append((f"messages.{i}.content.{j}.image_url.url", url.get("url")))
+                    else:
+                        found.append((f"messages.{i}.content.{j}.image_url", url))
+        return found
 
     @property
     def tool_plan(self) -> "tool_calls.ToolPlan | None":

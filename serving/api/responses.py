@@ -282,7 +282,7 @@ def _message(item: dict, where: str) -> dict:
         raise InvalidRequest(
             f"{where}.content: a string or a list of content parts (got {shown(content)})", param=f"{where}.content"
         )
-    texts = []
+    texts, parts = [], []  # parts: one chat part per content part (same indices), where an image makes them needed
     for j, part in enumerate(content):
         at = f"{where}.content.{j}"
         kind = part.get("type") if isinstance(part, dict) else None
@@ -290,16 +290,26 @@ def _message(item: dict, where: str) -> dict:
             texts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise InvalidRequest(
-                f"{at}: {kind} is not supported: the engine serves text models; send text parts", param=f"{at}.type"
-            )
+        elif kind == "input_image":
+            # The image itself is checked where the chat request is rendered (a data: URL; the model takes images).
+            if part.get("file_id") is not None:
+                raise InvalidRequest(
+                    f"{at}.file_id: there is no file store here; send the image as image_url (a data: URL)",
+                    param=f"{at}.file_id",
+                )
+            parts.append({"type": "image_url", "image_url": part.get("image_url")})
+            continue
+        elif kind in ("input_file", "input_audio"):
+            raise InvalidRequest(f"{at}: {kind} is not supported; send text or image parts", param=f"{at}.type")
         else:
             raise InvalidRequest(
-                f"{at}: a content part is {{'type': 'input_text', 'text': ...}} (or output_text, refusal; got "
-                f"{shown(part)})",
+                f"{at}: a content part is {{'type': 'input_text', 'text': ...}} (or output_text, refusal, input_image; "
+                f"got {shown(part)})",
                 param=at,
             )
+        parts.append({"type": "text", "text": texts[-1]})
+    if any(p["type"] == "image_url" for p in parts):
+        return {"role": role, "content": parts}
     return {"role": role, "content": "".join(texts)}
 
 

@@ -754,7 +754,7 @@ class PylonLLMServer:
                     if isinstance(prompt, str) and not prompt:
                         raise InvalidRequest("prompt must not be empty", param=_prompt_param(i, len(prompts)))
             else:
-                prompts = [body.render(self.engine.tokenizer)]
+                prompts = [body.render(self.engine.tokenizer, self.engine.max_images)]
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default; a model whose
             # generation_config.json sets max_new_tokens runs up to that instead (and the other defaults it sets).
             params = body.sampling_params(16 if kind == "completion" else None, self.sampling_defaults)

@@ -349,6 +349,11 @@ class LLMEngine:
             self._unfinished_ids.add(request_id)
             self._incoming.append(request)
 
+    @property
+    def max_images(self) -> int:
+        """Images a prompt may have (ImagePrompt): engine.max_images_per_prompt for a model that takes them, else 0."""
+        return self.images.max_images if self.images is not None else 0
+
     def _image_prompt(self, prompt: ImagePrompt, params: SamplingParams) -> tuple[list[int], ImageInputs]:
         """A prompt with images: its token ids (each image's placeholders in place of its marker) and its images'
         inputs, by the model's processor. Refused for a model (or a deployment) without images, for an image whose
@@ -916,6 +921,10 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def max_images(self) -> int:
+        return self.engine.max_images
 
     @property
     def generation(self) -> GenerationConfig:

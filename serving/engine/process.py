@@ -85,7 +85,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
         except BaseException:
             self._kill()
             raise
-        _, self._tokenizer, self._max_model_len, self._device, self._stats, self.allocator, self._generation = message
+        _, self._tokenizer, self._max_model_len, self._device, self._stats, self.allocator, self._generation = message[
+            :7
+        ]
+        self._max_images = message[7]
         self._heartbeat = time.monotonic()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="pylon-engine-reader", daemon=True)
@@ -135,6 +138,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
     @property
     def generation(self) -> GenerationConfig:
         return self._generation
+
+    @property
+    def max_images(self) -> int:
+        return self._max_images
 
     @property
     def device(self) -> str:
@@ -316,6 +323,10 @@ class EnginePool:
     @property
     def generation(self) -> GenerationConfig:
         return self.engines[0].generation
+
+    @property
+    def max_images(self) -> int:
+        return self.engines[0].max_images
 
     @property
     def device(self) -> str:
@@ -526,7 +537,16 @@ def _child(conn: Connection) -> int:
     freeze_loaded_objects()  # full collections then never walk the model's and the libraries' objects (heap.py)
     malloc = allocator()
     log.info("engine process %d ready on %s, malloc: %s", os.getpid(), device, malloc)
-    conn.send(("ready", engine.tokenizer, engine.max_model_len, device, engine.stats(), malloc, engine.generation))
+    ready = (
+        engine.tokenizer,
+        engine.max_model_len,
+        device,
+        engine.stats(),
+        malloc,
+        engine.generation,
+        engine.max_images,
+    )
+    conn.send(("ready", *ready))
     outbox = _Outbox(conn)
     while True:
         # Busy: take in what has arrived and step at once. Idle: wait for work, beating every IDLE_WAIT_S.

@@ -293,9 +293,14 @@ def apply_chat_template(
     tools: list[dict] | None = None,
     tool_preamble: str | None = None,
     template_kwargs: dict | None = None,
+    images: bool = False,
 ) -> str:
     """The prompt text for a chat: the tokenizer's own chat template when it has one, else plain
     "role: content" lines ending with "assistant: " for the model to continue.
+
+    `images`: the messages' image_url parts reach the template as {"type": "image"} parts among their text parts (as
+    multimodal templates take them: Gemma 3's writes `<start_of_image>` for each, Mistral's `[IMG]`), for the model's
+    processor to expand (pylon.serving.engine.images); without it an image part is refused naming it.
 
     `tools` (OpenAI's tool objects) go to a template that reads them (`tools=`, as Hugging Face templates take
     them); a template that never mentions tools, and the plain lines, get `tool_preamble` as (the start of) the
@@ -311,7 +316,7 @@ def apply_chat_template(
         plain.append(
             {
                 "role": message["role"],
-                "content": _content_text(message.get("content", ""), i),
+                "content": _content(message.get("content", ""), i, images),
                 # what a model's own template may read (a tool result's call id, a participant's name, past calls)
                 **{k: message[k] for k in ("name", "tool_call_id") if isinstance(message.get(k), str)},
                 **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {}),
@@ -325,6 +330,10 @@ def apply_chat_template(
         else:
             plain.insert(0, {"role": "system", "content": tool_preamble})
         tools = None
+    if images and not template:
+        raise InvalidRequest(
+            "messages: images need the model's chat template, and its tokenizer has none", param="messages"
+        )
     if template:
         import jinja2
 
@@ -353,9 +362,9 @@ def _plain_calls(message: dict) -> str:
     return "".join(out)
 
 
-def _content_text(content, index: int) -> str:
-    # OpenAI allows a string or a list of parts; only text parts mean anything to a text model. An assistant message
-    # that only calls tools has none (null).
+def _content(content, index: int, images: bool = False) -> str | list[dict]:
+    # OpenAI allows a string or a list of parts; text parts join into one string. An assistant message that only calls
+    # tools has none (null). With `images`, a message with image_url parts is a list of text and image parts.
     if isinstance(content, str):
         return content
     if content is None:
@@ -364,4 +373,20 @@ def _content_text(content, index: int) -> str:
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):
         return "".join(p["text"] for p in content)
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        parts: list[dict] = []
+        for j, p in enumerate(content):
+            if p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append({"type": "text", "text": p["text"]})
+            elif p.get("type") == "image_url" and images:
+                parts.append({"type": "image"})
+            elif p.get("type") == "image_url":
+                where = f"messages.{index}.content.{j}"
+                raise InvalidRequest(f"{where}: this model takes no images; send text parts only", param=where)
+            else:
+                break
+        else:
+            return parts
+    raise InvalidRequest(
+        f"messages.{index}.content must be a string or a list of text (and image_url) parts", param=f"messages.{index}"
+    )

@@ -203,8 +203,8 @@ def test_log_probabilities_come_with_the_output_text(client):
         ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role", "user, system, developer or assistant"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-            "input.0.content.0.type",
-            "text models",
+            "input.0.content.0.image_url",
+            "takes no images",
         ),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type", "no built-in tools"),

@@ -1,0 +1,155 @@
+"""Images over HTTP through the official `openai` client against a real uvicorn server whose engine runs in its own
+process (engine.separate_process, the default): a chat message's image_url parts (data: URLs) and the Responses API's
+input_image parts reach a tiny Gemma 3 checkpoint's vision tower, and the reply is the conditional model's greedy
+continuation as `transformers` computes it (tests/image_models.py), streamed and not; bad images are 400s naming
+the part; a text-only model refuses images naming the part."""
+
+from __future__ import annotations
+
+import base64
+
+import image_models
+import pytest
+import requests
+from test_serving_http import KEY, auth, model_dir, serving  # noqa: F401 (fixtures)
+
+
+def _url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    directory = image_models.image_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3"))
+    return directory, image_models.Reference(directory)
+
+
+@pytest.fixture(scope="module")
+def server(gemma):
+    directory, _ = gemma
+    with serving(
+        str(directory),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        kv_cache_tokens=2048,
+        max_model_len=512,
+        max_images_per_prompt=2,
+    ) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _expected(gemma, parts: list, new_tokens: int, logprobs: bool = False):
+    """The reference's greedy reply text to one user message of `parts` (text, or bytes for an image), and the
+    prompt's tokens (each image's placeholders counted); with `logprobs`, each reply token's log-probability too."""
+    directory, reference = gemma
+    content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+    text = image_models.render(directory, [{"role": "user", "content": content}])
+    images = [p for p in parts if isinstance(p, bytes)]
+    tokens = reference.greedy(text, images, new_tokens)
+    prompt_tokens = reference.inputs(text, images)["input_ids"].shape[1]
+    reply = reference.processor.tokenizer.decode(tokens, skip_special_tokens=True)
+    if not logprobs:
+        return reply, prompt_tokens
+    rows = reference.logprobs(text, images, tokens)
+    return reply, prompt_tokens, [float(rows[i, t]) for i, t in enumerate(tokens)]
+
+
+def _chat_content(parts: list) -> list[dict]:
+    return [
+        {"type": "image_url", "image_url": {"url": _url(p)}} if isinstance(p, bytes) else {"type": "text", "text": p}
+        for p in parts
+    ]
+
+
+def test_a_chat_with_images_is_answered_as_the_model_reads_them(gemma, client) -> None:
+    a, b = image_models.png(1), image_models.png(2, (40, 70))
+    for parts in (["describe ", a, " what you see"], ["compare ", a, " and ", b, " please"]):
+        want, prompt_tokens, logprobs = _expected(gemma, parts, 10, logprobs=True)
+        messages = [{"role": "user", "content": _chat_content(parts)}]
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True
+        )
+        assert reply.choices[0].message.content == want
+        # Each token's log-probability the reference's: two images move them by more than 1e-3 (test_images.py).
+        got = [t.logprob for t in reply.choices[0].logprobs.content]
+        assert len(got) == len(logprobs) and all(abs(g - w) < 1e-4 for g, w in zip(got, logprobs)), (got, logprobs)
+        assert reply.usage.prompt_tokens == prompt_tokens  # each image's placeholder tokens counted
+        stream = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_the_responses_api_takes_input_images(gemma, client) -> None:
+    a = image_models.png(3, (90, 30))
+    want, _ = _expected(gemma, ["what is this ", a], 10)
+    response = client.responses.create(
+        model="tiny",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "what is this "},
+                    {"type": "input_image", "image_url": _url(a)},
+                ],
+            }
+        ],
+        max_output_tokens=10,
+        temperature=0,
+    )
+    assert response.output_text == want
+
+
+@pytest.mark.parametrize(
+    "part, param, says",
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "image_url.url", "inline"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}, "image_url.url", "base64"),
+        (
+            {"type": "image_url", "image_url": {"url": _url(b"just some text", "png")}},
+            "image_url.url",
+            "not a readable image",
+        ),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "image_url.url", "not an image data URL"),
+        ({"type": "image_url", "image_url": 42}, "image_url", "a string"),
+        ({"type": "input_audio", "input_audio": {}}, "", "text (and image_url) parts"),
+    ],
+)
+def test_bad_images_are_400s_naming_the_part(server, part, param, says) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, part]}]}
+    r = requests.post(f"{server}/v1/chat/completions", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == ("messages.0.content.1." + param if param else "messages.0"), error
+    assert says in error["message"], error
+
+
+def test_too_many_images_and_file_ids_are_refused(server) -> None:
+    image = {"type": "image_url", "image_url": {"url": _url(image_models.png(1))}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [image, image, image]}]}
+    r = requests.post(f"{server}/v1/chat/completions", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.2.image_url.url", r.text
+    assert "at most 2" in r.json()["error"]["message"]
+    body = {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}
+    r = requests.post(f"{server}/v1/responses", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.content.0.file_id", r.text
+
+
+def test_a_text_only_model_refuses_images_naming_the_part(model_dir) -> None:  # noqa: F811
+    with serving(model_dir, max_num_seqs=2, kv_cache_tokens=2048, max_model_len=512, separate_process=False) as (
+        url,
+        _,
+    ):
+        image = {"type": "image_url", "image_url": {"url": _url(image_models.png(1))}}
+        body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+        r = requests.post(f"{url}/v1/chat/completions", json=body, headers=auth(), timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages.0.content.1.image_url.url"
+        assert "takes no images" in r.json()["error"]["message"]
