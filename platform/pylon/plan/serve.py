@@ -10,7 +10,7 @@ from pylon.plan.catalog import Accelerator, Catalog, load_catalog
 from pylon.plan.fmt import _gib
 from pylon.plan.memory import CUDA_RUNTIME_BYTES, WEIGHT_BYTES, ModelShape, kv_bytes_per_token, model_shape
 from pylon.plan.steptime import DEFAULT_MFU, _check_knobs
-from pylon.plan.train import USABLE_FRACTION, _assumptions, _config_from_dir
+from pylon.plan.train import USABLE_FRACTION, _assumptions, _config_from_dir, vision_params
 from pylon.specs import DeploymentSpec
 
 BANDWIDTH_EFFICIENCY = 0.8  # of datasheet memory bandwidth that decoding reaches
@@ -185,7 +185,8 @@ def plan_serve(
     _check_knobs(mfu=mfu, utilization=utilization)
     catalog = catalog or load_catalog()
     accelerators = [catalog.get(gpu)] if gpu else list(catalog.accelerators)
-    config = config if config is not None else _config_from_dir(spec.model, "model")
+    given = config is not None
+    config = config if given else _config_from_dir(spec.model, "model")
     shape = model_shape(config)
     e = spec.engine
     dtype = "bf16" if e.dtype == "auto" else e.dtype  # auto is bf16 on these GPUs (fp32 only on CPU)
@@ -203,6 +204,16 @@ def plan_serve(
             f"token runs {shape.expert_share:.0%} of them ({shape.matmul_params:,} parameters in a matmul per "
             f"token); a decode step of n tokens reads the experts they pick, 1 - (1 - {shape.expert_share:.3g})^n of "
             "them with routing spread evenly"
+        )
+    # A multimodal checkpoint's vision tower and projector, kept for requests with images (engine.max_images_per_prompt
+    # > 0), unquantized, in the engine's dtype.
+    vision = vision_params(spec.model, "model") if not given and e.max_images_per_prompt > 0 else 0
+    if vision:
+        weights += vision * b
+        notes.append(
+            f"weights include the vision tower and projector: {_gib(vision * b)} ({vision:,} parameters; "
+            "engine.max_images_per_prompt: 0 drops them); each request's images run through them once, beside the "
+            "steps"
         )
     draft_kv = 0
     if e.speculative.method == "draft":

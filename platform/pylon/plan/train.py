@@ -331,7 +331,31 @@ def choose(options: list[Option], *, deadline_s: float, budget_usd: float | None
 
 def _config_from_dir(uri: str, what: str):
     """The Hugging Face config of a model directory, reading only its config.json (never the weights); of a multimodal
-    checkpoint served for its text (Gemma 3 4B-27B), its language model's, which is what the engine loads."""
+    checkpoint (Gemma 3 4B-27B), its language model's (the vision tower's weights: `vision_params`)."""
+    config = _whole_config_from_dir(uri, what)
+    text = config.get_text_config()
+    if text is not config:  # the multimodal model ties its lm_head as its own config says
+        text = copy.deepcopy(text)
+        text.tie_word_embeddings = config.tie_word_embeddings
+    return text
+
+
+def vision_params(uri: str, what: str) -> int:
+    """The parameters of a multimodal checkpoint's vision tower and projector (what the serving engine keeps for
+    requests with images), counted on the meta device from its config.json; 0 for a text-only model."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    config = _whole_config_from_dir(uri, what)
+    if getattr(config, "vision_config", None) is None:
+        return 0
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    inner = model.model
+    return sum(p.numel() for part in (inner.vision_tower, inner.multi_modal_projector) for p in part.parameters())
+
+
+def _whole_config_from_dir(uri: str, what: str):
     from transformers import AutoConfig
 
     try:
@@ -344,11 +368,7 @@ def _config_from_dir(uri: str, what: str):
             config = AutoConfig.from_pretrained(tmp, local_files_only=True)
         except (OSError, ValueError) as e:
             raise PylonError(f"{what} {uri}: not a Hugging Face config.json ({e})") from None
-    text = config.get_text_config()
-    if text is not config:  # the multimodal model ties its lm_head as its own config says
-        text = copy.deepcopy(text)
-        text.tie_word_embeddings = config.tie_word_embeddings
-    return text
+    return config
 
 
 def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[Workload, list[str]]:

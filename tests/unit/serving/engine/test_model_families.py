@@ -407,13 +407,20 @@ def test_a_multimodal_checkpoint_is_served_for_its_text(name, tmp_path) -> None:
     vision.save_pretrained(tmp_path / "vision-adapter")
     with pytest.raises(PylonError, match="vision_tower"):
         LLMEngine(str(directory), spec(adapters=[{"name": "v", "path": str(tmp_path / "vision-adapter")}]))
-    # The planner sizes what the engine holds: the language model's parameters, not the vision tower's.
+    # The planner sizes what the engine holds: the language model's parameters, and the vision tower's and the
+    # projector's where images are taken (engine.max_images_per_prompt > 0, the default; test_images.py).
     from pylon.plan.serve import plan_serve
     from pylon.specs import DeploymentSpec
 
-    plan = plan_serve(DeploymentSpec(name="g", model=str(directory)), gpu="A100-80GB")
     language = sum(p.numel() for p in model.model.language_model.parameters()) + model.lm_head.weight.numel()
+    seeing = sum(
+        p.numel() for m in (model.model.vision_tower, model.model.multi_modal_projector) for p in m.parameters()
+    )
+    text_only = {"max_images_per_prompt": 0}
+    plan = plan_serve(DeploymentSpec(name="g", model=str(directory), engine=text_only), gpu="A100-80GB")
     assert plan.rows[0].weights == language * 2  # bf16 on a GPU
+    plan = plan_serve(DeploymentSpec(name="g", model=str(directory)), gpu="A100-80GB")
+    assert plan.rows[0].weights == (language + seeing) * 2 and "vision tower" in " ".join(plan.notes)
     # Log-probabilities: the conditional model's log-softmax of its logits, generated and prompt tokens.
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=5)
     for i, prompt in enumerate(PROMPTS[:3]):
