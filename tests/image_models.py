@@ -7,6 +7,7 @@ preprocessor_config.json), so that `AutoProcessor.from_pretrained` loads them. B
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import torch
@@ -27,6 +28,14 @@ MISTRAL_TEMPLATE = (
     "{% if p.type == 'image' or p.type == 'image_url' %}[IMG]{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
     "{% endfor %}{% endif %}[/INST]{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
 )
+PIXTRAL = {
+    "processor_class": "PixtralProcessor",
+    "patch_size": 14,
+    "spatial_merge_size": 1,
+    "image_token": "[IMG]",
+    "image_break_token": "[IMG_BREAK]",
+    "image_end_token": "[IMG_END]",
+}
 TEXT = "the image shows a red square beside a green circle; describe what you see in the picture " * 4
 
 
@@ -62,7 +71,6 @@ def image_checkpoint(name: str, directory: Path) -> Path:
         Mistral3Config,
         Mistral3ForConditionalGeneration,
         PixtralImageProcessorPil,
-        PixtralProcessor,
     )
 
     torch.manual_seed(0)
@@ -127,13 +135,12 @@ def image_checkpoint(name: str, directory: Path) -> Path:
             **ids,
         )
         model = Mistral3ForConditionalGeneration(config)
-        processor = PixtralProcessor(
-            image_processor=PixtralImageProcessorPil(size={"longest_edge": IMAGE}, patch_size=14),
-            tokenizer=tok,
-            patch_size=14,
-            spatial_merge_size=1,
-            chat_template=MISTRAL_TEMPLATE,
-        )
+        # As the checkpoints ship it (PixtralProcessor's files; transformers' class itself needs torchvision): its
+        # tokenizer, image processor and processor_config.json.
+        processor = None
+        tok.save_pretrained(directory)
+        PixtralImageProcessorPil(size={"longest_edge": IMAGE}, patch_size=14).save_pretrained(directory)
+        (directory / "processor_config.json").write_text(json.dumps(PIXTRAL))
     _randomize(model.model.vision_tower, 0.5)
     _randomize(model.model.multi_modal_projector, 0.5)
     with torch.no_grad():  # the language model's norms off their zeros and ones, as the family fixtures'
@@ -141,7 +148,8 @@ def image_checkpoint(name: str, directory: Path) -> Path:
             if "norm" in key:
                 p.add_(torch.randn_like(p) * 0.25)
     model.eval().save_pretrained(directory)
-    processor.save_pretrained(directory)
+    if processor is not None:
+        processor.save_pretrained(directory)
     return directory
 
 
@@ -164,20 +172,42 @@ class Reference:
     """The conditional model as transformers computes it, on the processor's inputs."""
 
     def __init__(self, directory: Path):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PixtralImageProcessorPil
 
-        self.processor = AutoProcessor.from_pretrained(directory)
         self.model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+        self.pixtral = self.model.config.model_type == "mistral3"
+        if self.pixtral:  # PixtralProcessor needs torchvision: its layout built here, by token ids
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.image_processor = PixtralImageProcessorPil.from_pretrained(directory)
+        else:
+            self.processor = AutoProcessor.from_pretrained(directory)
+            self.tokenizer = self.processor.tokenizer
 
     def inputs(self, text: str, images: list[bytes]) -> dict:
         from PIL import Image
 
         pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        return dict(
-            self.processor(
-                text=[text], images=[pictures] if pictures else None, return_tensors="pt", add_special_tokens=False
+        if not self.pixtral:
+            return dict(
+                self.processor(
+                    text=[text], images=[pictures] if pictures else None, return_tensors="pt", add_special_tokens=False
+                )
             )
-        )
+        # Mistral 3: each [IMG] marker becomes rows of [IMG] (one per 14 pixels of the resized width), each ended by
+        # [IMG_BREAK], the last by [IMG_END] (PixtralProcessor's layout), the text between tokenized as it is.
+        img, brk, end = (self.tokenizer.convert_tokens_to_ids(t) for t in ("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
+        pieces = text.split("[IMG]")
+        ids = self.tokenizer(pieces[0], add_special_tokens=False)["input_ids"]
+        out = {}
+        if pictures:
+            out = dict(self.image_processor(pictures, patch_size=14, return_tensors="pt"))
+        for k, piece in enumerate(pieces[1:]):
+            height, width = (int(x) // 14 for x in out["image_sizes"][k])
+            layout = ([img] * width + [brk]) * height
+            ids += layout[:-1] + [end] + self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        out["input_ids"] = torch.tensor([ids])
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+        return out
 
     def greedy(self, text: str, images: list[bytes], new_tokens: int) -> list[int]:
         """The greedy continuation of a rendered chat `text` with `images` (generate)."""

@@ -138,6 +138,44 @@ class ImageInputs:
         return self.positions[-1] if self.positions else -1
 
 
+class PixtralProcessor:
+    """Mistral 3's processor (transformers' PixtralProcessor), whose transformers 5.23 module needs torchvision, which
+    Pylon does not install: the checkpoint's image processor with its PIL backend (PixtralImageProcessorPil) and its
+    tokenizer, each image's `[IMG]` marker expanded as PixtralProcessor expands it: a row of `[IMG]` per
+    (patch_size x spatial_merge_size) pixels of its resized height, each row as wide as its width and ended by
+    `[IMG_BREAK]`, the last one by `[IMG_END]`."""
+
+    def __init__(self, model_dir: str):
+        import json
+
+        from transformers import AutoTokenizer, PixtralImageProcessorPil
+
+        with open(os.path.join(model_dir, "processor_config.json")) as f:
+            config = json.load(f)
+        self.image_processor = PixtralImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.patch = int(config.get("patch_size", 16)) * int(config.get("spatial_merge_size", 1))
+        self.image_token = config.get("image_token", "[IMG]")
+        self.image_break = config.get("image_break_token", "[IMG_BREAK]")
+        self.image_end = config.get("image_end_token", "[IMG_END]")
+
+    def __call__(self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool) -> dict:
+        pixels = self.image_processor(images[0], patch_size=self.patch, return_tensors=return_tensors)
+        pieces = text[0].split(self.image_token)
+        if len(pieces) - 1 != len(images[0]):
+            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
+        expanded = [pieces[0]]
+        for (height, width), piece in zip(pixels["image_sizes"].tolist(), pieces[1:]):
+            rows = [self.image_token * (width // self.patch) + self.image_break] * (height // self.patch)
+            expanded.append("".join(rows)[: -len(self.image_break)] + self.image_end + piece)
+        ids = self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens, return_tensors=return_tensors)
+        return {
+            "input_ids": ids["input_ids"],
+            "pixel_values": pixels["pixel_values"],
+            "image_sizes": pixels["image_sizes"],
+        }
+
+
 def _runs(positions: list[int]) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     for p in positions:
@@ -166,7 +204,10 @@ class ImageProcessor:
         from pylon.errors import PylonError
 
         try:
-            self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+            if config.model_type == "mistral3":
+                self.processor = PixtralProcessor(model_dir)
+            else:
+                self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         except Exception as e:
             raise PylonError(
                 f"model {model_dir}: its image processor cannot be loaded ({type(e).__name__}: {str(e)[:300]}); a "

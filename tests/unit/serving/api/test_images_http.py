@@ -1,6 +1,6 @@
 """Images over HTTP through the official `openai` client against a real uvicorn server whose engine runs in its own
 process (engine.separate_process, the default): a chat message's image_url parts (data: URLs) and the Responses API's
-input_image parts reach a tiny Gemma 3 checkpoint's vision tower, and the reply is the conditional model's greedy
+input_image parts reach a tiny Gemma 3 (and Mistral 3) checkpoint's vision tower, and the reply is the conditional model's greedy
 continuation as `transformers` computes it (tests/image_models.py), streamed and not; bad images are 400s naming
 the part; a text-only model refuses images naming the part."""
 
@@ -18,9 +18,9 @@ def _url(data: bytes, kind: str = "png") -> str:
     return f"data:image/{kind};base64," + base64.b64encode(data).decode()
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    directory = image_models.image_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3"))
+@pytest.fixture(scope="module", params=["gemma3", "mistral3"])
+def gemma(request, tmp_path_factory):
+    directory = image_models.image_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return directory, image_models.Reference(directory)
 
 
@@ -54,7 +54,9 @@ def _expected(gemma, parts: list, new_tokens: int, logprobs: bool = False):
     images = [p for p in parts if isinstance(p, bytes)]
     tokens = reference.greedy(text, images, new_tokens)
     prompt_tokens = reference.inputs(text, images)["input_ids"].shape[1]
-    reply = reference.processor.tokenizer.decode(tokens, skip_special_tokens=True)
+    # The engine's text: every token's, special ones too (pylon.data.tokenizer), but the eos that ends it.
+    shown = tokens[:-1] if tokens and tokens[-1] == reference.tokenizer.eos_token_id else tokens
+    reply = reference.tokenizer.decode(shown, skip_special_tokens=False)
     if not logprobs:
         return reply, prompt_tokens
     rows = reference.logprobs(text, images, tokens)
