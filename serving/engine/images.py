@@ -233,10 +233,16 @@ class ImageProcessor:
                 param="messages",
             )
         images = []
-        for data in prompt.images:
-            with Image.open(io.BytesIO(data)) as image:
-                image.seek(0)  # a GIF's first frame
-                images.append(image.convert("RGB"))
+        for k, data in enumerate(prompt.images):
+            try:
+                with Image.open(io.BytesIO(data)) as image:
+                    image.seek(0)  # a GIF's first frame
+                    images.append(image.convert("RGB"))
+            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated past its header
+                raise InvalidRequest(
+                    f"messages: image {k + 1} of the request cannot be decoded ({type(e).__name__}: {e})",
+                    param="messages",
+                ) from None
         try:
             out = self.processor(text=[prompt.text], images=[images], return_tensors="pt", add_special_tokens=special)
         except ValueError as e:  # e.g. the template placed fewer image markers than there are images

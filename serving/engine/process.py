@@ -85,10 +85,8 @@ class ProcessLLMEngine(AsyncLLMEngine):
         except BaseException:
             self._kill()
             raise
-        _, self._tokenizer, self._max_model_len, self._device, self._stats, self.allocator, self._generation = message[
-            :7
-        ]
-        self._max_images = message[7]
+        _, self._tokenizer, self._max_model_len, self._device, self._stats, self.allocator, *rest = message
+        self._generation, self._max_images = rest
         self._heartbeat = time.monotonic()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="pylon-engine-reader", daemon=True)

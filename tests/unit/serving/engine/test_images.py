@@ -178,3 +178,16 @@ def test_images_are_refused_where_they_cannot_be_read(checkpoint, tmp_path, capl
     with pytest.raises(InvalidRequest, match="text only"):
         engine.add_request("x", ImagePrompt(*prompts["a"]), PARAMS)
     assert DEVICE in ("cpu", "cuda")
+
+
+def test_an_image_that_cannot_be_decoded_is_refused(checkpoint) -> None:
+    """A file whose header reads (so the replica's check passes) but whose pixels are cut off: a 400, not a failure
+    of the engine, which serves on."""
+    _, directory, _ = checkpoint
+    prompts = _prompts(directory)
+    text, (a,) = prompts["a"]
+    engine = LLMEngine(str(directory), spec())
+    with pytest.raises(InvalidRequest, match="image 1 of the request cannot be decoded"):
+        engine.add_request("cut", ImagePrompt(text, (a[: len(a) // 2],)), PARAMS)
+    engine.add_request("whole", ImagePrompt(text, (a,)), PARAMS)
+    assert tokens_of(run(engine)["whole"])
