@@ -97,6 +97,11 @@ def _metrics(model: str):
             "pylon_spec_decode_draft_model_steps_total",
             "The draft model's forward passes (engine.speculative.method: draft)",
         ),
+        "images": counter("pylon_images_total", "Images in the requests the engine took"),
+        "images_encoded": counter(
+            "pylon_images_encoded_total",
+            "Images run through the vision tower (fewer than pylon_images_total where the prefix cache held them)",
+        ),
         "adapter_loads": counter(
             "pylon_lora_adapter_loads_total", "LoRA adapters loaded on demand (engine.dynamic_adapters) into a slot"
         ),
@@ -234,6 +239,8 @@ class PylonLLMServer:
                 "spec_draft_model_steps",
                 "adapter_loads",
                 "adapter_evictions",
+                "images",
+                "images_encoded",
             ),
             0,
         )
@@ -253,6 +260,8 @@ class PylonLLMServer:
                 ("spec_draft_model_steps", stats.spec_draft_model_steps_total),
                 ("adapter_loads", stats.adapter_loads_total),
                 ("adapter_evictions", stats.adapter_evictions_total),
+                ("images", stats.images_total),
+                ("images_encoded", stats.images_encoded_total),
             ):
                 if total > reported[name]:
                     self.metrics[name].inc(total - reported[name])

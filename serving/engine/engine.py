@@ -80,6 +80,10 @@ class EngineStats:
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0
     spec_draft_model_steps_total: int = 0  # the draft model's forward passes (engine.speculative.method: draft)
+    # Images (engine/images.py): in the requests taken, and run through the vision tower (a request whose images'
+    # blocks were all in the prefix cache runs none; a preempted one runs its own again).
+    images_total: int = 0
+    images_encoded_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,7 @@ class LLMEngine:
         self._unfinished_ids: set[str] = set()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._images_total = self._images_encoded_total = 0
         self._finished_total: Counter[str] = Counter()
 
     def _load_draft_model(self, spec: EngineSpec) -> DraftModel:
@@ -378,6 +383,7 @@ class LLMEngine:
                 f"engine.max_num_batched_tokens ({self.spec.max_num_batched_tokens}); raise it",
                 param="messages",
             )
+        self._images_total += inputs.count
         return ids, inputs
 
     def _prompt_token_ids(self, prompt: Prompt, *, scoring: bool = False, special: bool = False) -> list[int]:
@@ -558,6 +564,7 @@ class LLMEngine:
         if offsets:
             if request.image_embeds is None:
                 request.image_embeds = self.runner.embed_images(images.pixels)
+                self._images_encoded_total += images.count
             fields.update(image_rows=tuple(offsets), image_embeds=request.image_embeds[first:last])
         if start + num_new > images.last_position:
             request.image_embeds = None
@@ -799,6 +806,8 @@ class LLMEngine:
             num_cached_blocks=self.pool.num_cached_blocks,
             adapter_loads_total=self.on_demand.loads_total if self.on_demand is not None else 0,
             adapter_evictions_total=self.on_demand.evictions_total if self.on_demand is not None else 0,
+            images_total=self._images_total,
+            images_encoded_total=self._images_encoded_total,
             **(
                 {
                     "spec_draft_tokens_total": self.spec_policy.proposed_total,

@@ -103,6 +103,7 @@ class ImageInputs:
     positions: list[int]  # the prompt positions whose embeddings are the images' rows, in order
     keys: list[int]  # each of those positions' key in the block hashes (its image's digest and its place in it)
     spans: list[tuple[int, int]] = field(default_factory=list)  # runs attended both ways (Gemma 3), [start, end)
+    count: int = 0  # images
 
     def hash_ids(self, token_ids: list[int]) -> list[int]:
         """`token_ids` with each image position's key in place of its placeholder token (for block hashes only)."""
@@ -262,7 +263,7 @@ class ImageProcessor:
             digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
             keys.extend(-1 - ((digest + j) & _KEY_MASK) for j in range(count))
         spans = _runs(positions) if self.bidirectional else []
-        return ids, ImageInputs(pixels, positions, keys, spans)
+        return ids, ImageInputs(pixels, positions, keys, spans, len(images))
 
     def _rows_per_image(self, pixels: dict, n: int) -> list[int]:
         if "image_sizes" in pixels:  # Pixtral: its resized height and width, in merged patches

@@ -123,6 +123,8 @@ def test_one_images_cached_blocks_never_serve_another(checkpoint) -> None:
             assert 0 < cached <= inputs.positions[0]  # the text before the image only
         else:
             assert cached >= len(ids) - 4 and tokens_of(out) == tokens_of(first)
+    stats = engine.stats()  # the cached image was not run through the vision tower again
+    assert (stats.images_total, stats.images_encoded_total) == (3, 2)
 
 
 def test_a_preempted_request_reads_its_images_again(checkpoint) -> None:
