@@ -49,6 +49,10 @@ alternating, and the largest difference between the two legs' normalised vectors
 instruction prefix (as Qwen3-Embedding's queries do): the engine's prompt tokens computed per input, with the prefix
 cache, against every token (the count that does not depend on the machine).
 
+images(): a chat about one image over several turns with the prefix cache against without (prompt tokens computed
+and the vision tower's runs, which do not depend on the machine, and wall time), and the price of an image against
+text of the same length; see `images`.
+
 moe(): a mixture-of-experts model (Mixtral's layout: `--moe-experts` experts, top `--moe-top-k`, each expert's
 intermediate size `--moe-intermediate`) against two dense models (Mistral's layout) built in the same run: one with the
 parameters a token runs (intermediate size top_k x the expert's: the same FLOPs per token) and one with all of them
@@ -58,7 +62,7 @@ sequences reads (experts some token picked, counted in the engine's steps, again
 machine-independent); and one MoE layer, Pylon's (serving/model/moe.py) against transformers' own block (its default
 experts implementation), at 1 to 512 rows.
 
-    .venv/bin/python bench/serve_features.py                 # all seven, CPU, ~30 min on 2 cores
+    .venv/bin/python bench/serve_features.py                 # all eight, CPU, ~30 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
     .venv/bin/python bench/serve_features.py --rounds 3
 """
@@ -108,20 +112,17 @@ def engine(directory: str, quantization: str, concurrency: int, **fields):
     from pylon.serving.engine.engine import LLMEngine
     from pylon.specs import EngineSpec
 
-    return LLMEngine(
-        directory,
-        EngineSpec(
-            max_num_seqs=max(concurrency, 1),
-            max_num_batched_tokens=512,
-            kv_cache_tokens=16384,
-            block_size=16,
-            max_model_len=1024,
-            device="cpu",
-            dtype="fp32",
-            quantization=quantization,
-            **fields,
-        ),
-    )
+    settings = {
+        "max_num_seqs": max(concurrency, 1),
+        "max_num_batched_tokens": 512,
+        "kv_cache_tokens": 16384,
+        "block_size": 16,
+        "max_model_len": 1024,
+        "device": "cpu",
+        "dtype": "fp32",
+        "quantization": quantization,
+    }
+    return LLMEngine(directory, EngineSpec(**(settings | fields)))
 
 
 def projection_bytes(runner) -> tuple[int, int]:
@@ -1011,6 +1012,123 @@ def report_embeddings(r: dict) -> None:
     )
 
 
+def images(args) -> dict:
+    """Images (serving/engine/images.py) on a Gemma-3-shaped checkpoint built in the run with the image tests' builder
+    (tests/image_models.py; random weights, a SigLIP-shaped vision tower of `--image-vision-layers` layers over 224 x
+    224 images, 64 tokens an image): a chat about one image over `--image-turns` turns, each request sending the whole
+    conversation as chat clients do, with the prefix cache against without (prompt tokens computed and the vision
+    tower's runs: counts that do not depend on the machine; and the turns' wall time); then the price of an image, the
+    time to the first token of a request with one image against one of the same length in text tokens, legs
+    alternating."""
+    import sys
+
+    import torch
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import image_models
+
+    from pylon.serving.engine.images import ImagePrompt
+    from pylon.serving.engine.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    layers = 6
+    text = {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 4096,
+        "sliding_window": 512,
+        "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"],
+    }
+    vision = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": args.image_vision_layers}
+    vision["num_attention_heads"] = 6
+    questions = DATASET.read_text()[:4000].split("\n\n")
+    results: dict = {"turns": {}, "price": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = image_models.image_checkpoint(
+            "gemma3", Path(tmp) / "gemma3", text=text, vision=vision, image=224, image_tokens=64
+        )
+        picture = image_models.png(0, (320, 240))
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        params = SamplingParams(max_tokens=args.image_reply_tokens, temperature=0, ignore_eos=True)
+        for cached in (True, False):
+            eng = engine(str(directory), "none", 1, enable_prefix_caching=cached, max_model_len=4096)
+            messages: list[dict] = []
+            rows = []
+            for turn in range(args.image_turns):
+                content = [{"type": "text", "text": questions[turn % len(questions)][:200]}]
+                if turn == 0:
+                    content.insert(0, {"type": "image"})
+                messages.append({"role": "user", "content": content})
+                before = eng.stats()
+                t0 = time.monotonic()
+                eng.add_request(f"t{turn}", ImagePrompt(image_models.render(directory, messages), (picture,)), params)
+                reply = []
+                while eng.has_unfinished():
+                    for out in eng.step():
+                        reply.extend(out.token_ids)
+                        prompt_tokens = out.num_prompt_tokens
+                after = eng.stats()
+                rows.append(
+                    {
+                        "prompt_tokens": prompt_tokens,
+                        "computed": after.prefill_tokens_computed_total - before.prefill_tokens_computed_total,
+                        "encoded": after.images_encoded_total - before.images_encoded_total,
+                        "seconds": time.monotonic() - t0,
+                    }
+                )
+                # (a random model's reply holds special tokens: an <start_of_image> in it would be a marker)
+                messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
+            results["turns"][cached] = rows
+            del eng
+            gc.collect()
+        eng = engine(str(directory), "none", 1, enable_prefix_caching=False)
+        prompt = ImagePrompt(
+            image_models.render(directory, [{"role": "user", "content": [{"type": "image"}]}]), (picture,)
+        )
+        ids, _ = eng.images.prepare(prompt)
+        words = [i for i in eng.tokenizer.encode(DATASET.read_text()[:20000]).tolist()][: len(ids)]
+        one = SamplingParams(max_tokens=1, temperature=0)
+        for r in range(args.rounds * 2):
+            times = {}
+            for leg in ("image", "text") if r % 2 == 0 else ("text", "image"):
+                t0 = time.monotonic()
+                eng.add_request(f"{leg}{r}", prompt if leg == "image" else words, one)
+                while eng.has_unfinished():
+                    eng.step()
+                times[leg] = time.monotonic() - t0
+            results["price"].append(times)
+        results["prompt_tokens"] = len(ids)
+    return results
+
+
+def report_images(r: dict) -> None:
+    on, off = r["turns"][True], r["turns"][False]
+    computed_on, computed_off = sum(t["computed"] for t in on), sum(t["computed"] for t in off)
+    print(
+        f"== images: a chat about one image over {len(on)} turns, the whole conversation sent each turn (prompts "
+        f"{on[0]['prompt_tokens']}..{on[-1]['prompt_tokens']} tokens)"
+    )
+    print(
+        f"prefix cache on: {computed_on} prompt tokens computed, the vision tower run "
+        f"{sum(t['encoded'] for t in on)}x, {sum(t['seconds'] for t in on):.2f} s; off: {computed_off} computed, run "
+        f"{sum(t['encoded'] for t in off)}x, {sum(t['seconds'] for t in off):.2f} s: tokens computed "
+        f"{computed_on / computed_off:.2f}x, time {sum(t['seconds'] for t in on) / sum(t['seconds'] for t in off):.2f}x"
+    )
+    ratios = [p["image"] / p["text"] for p in r["price"]]
+    print(
+        f"the price of an image: a request of one image ({r['prompt_tokens']} tokens) to its first token "
+        f"{statistics.median(p['image'] for p in r['price']):.3f} s, the same length in text "
+        f"{statistics.median(p['text'] for p in r['price']):.3f} s: {statistics.median(ratios):.2f}x "
+        f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
@@ -1042,7 +1160,7 @@ def main() -> None:
     p.add_argument(
         "--only",
         nargs="+",
-        choices=["quantization", "constrained", "penalties", "speculative", "lora", "embeddings", "moe"],
+        choices=["quantization", "constrained", "penalties", "speculative", "lora", "embeddings", "moe", "images"],
         help="run these sections only",
     )
     p.add_argument("--embed-inputs", type=int, default=128, help="texts the embeddings section embeds per leg")
@@ -1055,8 +1173,20 @@ def main() -> None:
     p.add_argument("--moe-experts", type=int, default=8, help="its experts per layer (Mixtral's 8)")
     p.add_argument("--moe-top-k", type=int, default=2, help="the experts a token runs (Mixtral's 2)")
     p.add_argument("--moe-intermediate", type=int, default=1024, help="an expert's intermediate size")
+    p.add_argument("--image-turns", type=int, default=6, help="turns of the images section's chat about one image")
+    p.add_argument("--image-reply-tokens", type=int, default=32, help="the reply's tokens each turn")
+    p.add_argument("--image-vision-layers", type=int, default=6, help="its vision tower's layers")
     args = p.parse_args()
-    sections = args.only or ["quantization", "constrained", "penalties", "speculative", "lora", "embeddings", "moe"]
+    sections = args.only or [
+        "quantization",
+        "constrained",
+        "penalties",
+        "speculative",
+        "lora",
+        "embeddings",
+        "moe",
+        "images",
+    ]
     if "quantization" in sections:
         report_quantization(quantization(args))
     if "constrained" in sections:
@@ -1071,6 +1201,8 @@ def main() -> None:
         report_embeddings(embeddings(args))
     if "moe" in sections:
         report_moe(moe(args))
+    if "images" in sections:
+        report_images(images(args))
 
 
 if __name__ == "__main__":

@@ -61,8 +61,19 @@ def _randomize(module: torch.nn.Module, scale: float) -> None:
             p.copy_(torch.randn_like(p) * scale)
 
 
-def image_checkpoint(name: str, directory: Path) -> Path:
-    """A tiny `name` ("gemma3" or "mistral3") checkpoint saved in `directory`, with its tokenizer and processor."""
+def image_checkpoint(
+    name: str,
+    directory: Path,
+    *,
+    text: dict | None = None,
+    vision: dict | None = None,
+    image: int = IMAGE,
+    image_tokens: int = 4,
+) -> Path:
+    """A tiny `name` ("gemma3" or "mistral3") checkpoint saved in `directory`, with its tokenizer and processor.
+    `text`, `vision`: shapes over the tests' (bench/serve_features.py's images section builds a larger one); `image`:
+    the pixels a side images are resized to; `image_tokens`: Gemma 3's tokens an image (a square number)."""
+    text_shape, vision_shape = text or {}, vision or {}
     from transformers import (
         Gemma3Config,
         Gemma3ForConditionalGeneration,
@@ -85,7 +96,7 @@ def image_checkpoint(name: str, directory: Path) -> Path:
         "initializer_range": 0.5,
     }
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
-    vision |= {"image_size": IMAGE, "patch_size": 14}
+    vision |= {"image_size": image, "patch_size": 14, **vision_shape}
     if name == "gemma3":
         tok = _tokenizer(
             GEMMA_SPECIALS,
@@ -106,9 +117,9 @@ def image_checkpoint(name: str, directory: Path) -> Path:
         text |= {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
         text |= {"rope_local_base_freq": 100.0, "final_logit_softcapping": None, "tie_word_embeddings": False}
         config = Gemma3Config(
-            text_config=text,
+            text_config=text | text_shape,
             vision_config=vision,
-            mm_tokens_per_image=4,
+            mm_tokens_per_image=image_tokens,
             boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
             eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
             image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
@@ -117,9 +128,9 @@ def image_checkpoint(name: str, directory: Path) -> Path:
         )
         model = Gemma3ForConditionalGeneration(config)
         processor = Gemma3Processor(
-            image_processor=Gemma3ImageProcessorPil(size={"height": IMAGE, "width": IMAGE}),
+            image_processor=Gemma3ImageProcessorPil(size={"height": image, "width": image}),
             tokenizer=tok,
-            image_seq_length=4,
+            image_seq_length=image_tokens,
             chat_template=GEMMA_TEMPLATE,
         )
     else:
@@ -127,7 +138,7 @@ def image_checkpoint(name: str, directory: Path) -> Path:
         ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("eos_token_id", "</s>"), ("pad_token_id", "<unk>"))}
         text |= {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": None, **ids}
         config = Mistral3Config(
-            text_config=text,
+            text_config=text | text_shape,
             vision_config={**vision, "model_type": "pixtral", "head_dim": 16},
             spatial_merge_size=1,
             image_token_index=tok.convert_tokens_to_ids("[IMG]"),
@@ -139,7 +150,7 @@ def image_checkpoint(name: str, directory: Path) -> Path:
         # tokenizer, image processor and processor_config.json.
         processor = None
         tok.save_pretrained(directory)
-        PixtralImageProcessorPil(size={"longest_edge": IMAGE}, patch_size=14).save_pretrained(directory)
+        PixtralImageProcessorPil(size={"longest_edge": image}, patch_size=14).save_pretrained(directory)
         (directory / "processor_config.json").write_text(json.dumps(PIXTRAL))
     _randomize(model.model.vision_tower, 0.5)
     _randomize(model.model.multi_modal_projector, 0.5)

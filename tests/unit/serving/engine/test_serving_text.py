@@ -125,10 +125,23 @@ def test_chat_prompts(hf_dir: Path) -> None:
     assert apply_chat_template(load_model_tokenizer(str(hf_dir)), messages) == (
         "<|system|>be brief\n<|user|>hi!\n<|assistant|>"
     )
-    for bad in ([], [{"content": "no role"}], [{"role": "user", "content": 3}], "hi"):
+    for bad in ([], [{"content": "no role"}], "hi"):
         with pytest.raises(InvalidRequest) as e:
             apply_chat_template(ByteTokenizer(), bad)
         assert e.value.param == "messages"
+    for content in (3, [{"type": "input_audio"}], ["hi"]):  # a bad content names its message
+        with pytest.raises(InvalidRequest) as e:
+            apply_chat_template(
+                ByteTokenizer(), [{"role": "system", "content": "x"}, {"role": "user", "content": content}]
+            )
+        assert e.value.param == "messages.1" and "text (and image_url) parts" in str(e.value)
+    # An image part, where the model takes none, names the part; where it does, it reaches the template as an image.
+    image = [{"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {"url": "data:..."}}]
+    with pytest.raises(InvalidRequest) as e:
+        apply_chat_template(ByteTokenizer(), [{"role": "user", "content": image}])
+    assert e.value.param == "messages.0.content.1" and "takes no images" in str(e.value)
+    with pytest.raises(InvalidRequest, match="chat template"):  # the plain lines have no place for an image
+        apply_chat_template(ByteTokenizer(), [{"role": "user", "content": image}], images=True)
 
 
 def _with_chat_template(hf_dir: Path, copy: Path, template: str):
