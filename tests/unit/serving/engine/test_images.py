@@ -193,3 +193,46 @@ def test_an_image_that_cannot_be_decoded_is_refused(checkpoint) -> None:
         engine.add_request("cut", ImagePrompt(text, (a[: len(a) // 2],)), PARAMS)
     engine.add_request("whole", ImagePrompt(text, (a,)), PARAMS)
     assert tokens_of(run(engine)["whole"])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"speculative": {"method": "ngram", "num_tokens": 3}},
+        {"kv_cache_dtype": "bf16"},
+        {"quantization": "int8"},
+    ],
+    ids=["ngram", "bf16-cache", "int8"],
+)
+def test_images_with_speculation_a_narrower_cache_and_int8_weights(checkpoint, fields) -> None:
+    """Images beside the engine's other features: n-gram speculation gives the plain engine's greedy tokens (drafts
+    verified as for text); a bf16 KV cache (every chunk reading its keys back, Gemma 3's both ways) and int8 weights
+    (the language model's projections; the vision tower stays float) serve them, the images still read (their
+    outputs' log-probabilities differ with another image)."""
+    name, directory, _ = checkpoint
+    prompts = _prompts(directory)
+    # Every printable character in the prompt: a random model's tokens then recur in it, and prompt lookup drafts.
+    alphabet = bytes(range(33, 127)).decode()
+    text = image_models.render(directory, _user(alphabet, None, " what you see"))
+    prompts |= {"a": (text, prompts["a"][1]), "b": (text, prompts["b"][1])}
+    keys = ["a", "b", "ac"]
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    plain = LLMEngine(str(directory), spec(block_size=4, max_num_batched_tokens=8))
+    for key in keys:
+        plain.add_request(key, _engine_prompt(prompts[key]), params)
+    want = run(plain)
+    engine = LLMEngine(str(directory), spec(block_size=4, max_num_batched_tokens=8, **fields))
+    if "speculative" in fields:
+        from engine_models import speculating
+
+        speculating(engine)
+    for key in keys:
+        engine.add_request(key, _engine_prompt(prompts[key]), params)
+    got = run(engine)
+    if "speculative" in fields:
+        assert [tokens_of(got[k]) for k in keys] == [tokens_of(want[k]) for k in keys]
+        assert engine.stats().spec_verify_steps_total > 0
+    else:
+        first = [lp.logprob for lp in got["a"][0].logprobs][:1] + [lp.logprob for lp in got["b"][0].logprobs][:1]
+        assert abs(first[0] - first[1]) > 1e-4 or tokens_of(got["a"]) != tokens_of(got["b"])
+        assert all(len(tokens_of(got[k])) == 16 for k in keys)
