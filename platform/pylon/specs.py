@@ -714,6 +714,12 @@ class HttpSpec(_Spec):
         "DELETE /v1/responses/{id} work on any replica; each client's under its API key. null: nothing is kept "
         "(previous_response_id is a 400 saying to set this)",
     )
+    background_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        3600,
+        description="how long a Responses request with background: true may run (request_timeout_s is the limit "
+        "of a request a client waits on); past it the response ends failed. A background response still in "
+        "progress this long after it started is answered failed by GET (its replica stopped)",
+    )
     host: str = Field(
         "127.0.0.1",
         min_length=1,

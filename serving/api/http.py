@@ -26,6 +26,7 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 MODEL_PATH = "/v1/models/{model}"  # routes with a parameter: the rest of the path after /v1/models/...
 RESPONSE_PATH = "/v1/responses/{response_id}"  # ...and a stored response's id (pylon.serving.api.response_store)
 INPUT_ITEMS_PATH = "/v1/responses/{response_id}/input_items"
+CANCEL_PATH = "/v1/responses/{response_id}/cancel"  # a background response's
 
 # path -> {method: handler}: the whole API. Anything else is a 404, another method a 405, both as JSON.
 ROUTES = {
@@ -35,6 +36,7 @@ ROUTES = {
     "/v1/responses": {"POST": "_responses"},
     RESPONSE_PATH: {"GET": "_get_response", "DELETE": "_delete_response"},
     INPUT_ITEMS_PATH: {"GET": "_response_input_items"},
+    CANCEL_PATH: {"POST": "_cancel_response"},
     "/v1/embeddings": {"POST": "_embeddings"},  # OpenAI's: each input's last-token hidden state, normalised
     "/v1/models": {"GET": "_models"},
     MODEL_PATH: {"GET": "_model"},  # OpenAI's "retrieve model": this server's one model, or a 404 naming the id
@@ -80,15 +82,17 @@ async def send_error(
 
 def route_of(path: str) -> tuple[str, str | None]:
     """The ROUTES key a request path goes to, and its parameter where the route takes one (`MODEL_PATH`'s model
-    id, `RESPONSE_PATH`'s and `INPUT_ITEMS_PATH`'s response id)."""
+    id, `RESPONSE_PATH`'s, `INPUT_ITEMS_PATH`'s and `CANCEL_PATH`'s response id)."""
     prefix = MODEL_PATH.split("{")[0]
     if path.startswith(prefix) and len(path) > len(prefix):
         return MODEL_PATH, urllib.parse.unquote(path[len(prefix) :])
-    prefix, items = RESPONSE_PATH.split("{")[0], INPUT_ITEMS_PATH.split("}")[1]
+    prefix = RESPONSE_PATH.split("{")[0]
     if path.startswith(prefix) and len(path) > len(prefix):
         rest = path[len(prefix) :]
-        if rest.endswith(items) and len(rest) > len(items) and "/" not in rest[: -len(items)]:
-            return INPUT_ITEMS_PATH, urllib.parse.unquote(rest[: -len(items)])
+        for route in (INPUT_ITEMS_PATH, CANCEL_PATH):
+            tail = route.split("}")[1]
+            if rest.endswith(tail) and len(rest) > len(tail) and "/" not in rest[: -len(tail)]:
+                return route, urllib.parse.unquote(rest[: -len(tail)])
         if "/" not in rest:
             return RESPONSE_PATH, urllib.parse.unquote(rest)
     return path, None

@@ -13,6 +13,7 @@ from pydantic.json_schema import models_json_schema
 
 from pylon.serving.api import protocol, responses
 from pylon.serving.api.http import (
+    CANCEL_PATH,
     INPUT_ITEMS_PATH,
     MAX_BODY_BYTES,
     MODEL_PATH,
@@ -179,7 +180,7 @@ def _responses_operation(secured: bool) -> dict:
 _OPEN = ("/health", "/ready", OPENAPI_PATH)
 
 
-def _stored(summary: str, response, secured: bool, query: bool = False) -> dict:
+def _stored(summary: str, response, secured: bool, query: bool = False, refused: bool = False) -> dict:
     """An operation on a stored response (pylon.serving.api.response_store): 404 where the key has none by that id,
     or the deployment keeps none; 503 where the store cannot be read."""
     parameters = [
@@ -212,7 +213,7 @@ def _stored(summary: str, response, secured: bool, query: bool = False) -> dict:
                 "schema": {"type": "string"},
             },
         ]
-    statuses = [*([400] if query else []), *([401] if secured else []), 404, 500, 503]
+    statuses = [*([400] if query or refused else []), *([401] if secured else []), 404, 500, 503]
     return {
         "summary": summary,
         "parameters": parameters,
@@ -299,6 +300,15 @@ def build(
             ),
             "delete": _stored("Delete a stored response", responses.DeletedResponse, secured),
         },
+        CANCEL_PATH: (
+            "post",
+            _stored(
+                "Cancel a background response still in progress (OpenAI's cancel a response): 400 once it has ended",
+                responses.ResponseObject,
+                secured,
+                refused=True,
+            ),
+        ),
         INPUT_ITEMS_PATH: (
             "get",
             _stored(

@@ -21,9 +21,11 @@ unless the request says `store: false`, and a later request continues it with `p
 conversation (its inputs and outputs, and those it continued) comes before the new `input`, the new `instructions` in
 place of the old; `GET`/`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items` read and delete it.
 Without a store nothing is kept (`store` is answered `false`; `previous_response_id` is a 400 saying what to set), and a
-client sends the whole conversation in `input`, as chat clients do. `background` and `item_reference` are 400s (send
-the item itself). Built-in tools (web search, file search, computer use, ...) are not
-there: only `function` tools. Images and files in `input` are refused (the engine serves text models).
+client sends the whole conversation in `input`, as chat clients do. With a store, `background: true` answers at once
+(queued) and the replica runs the response to its end, stored for `GET` to poll, `POST /v1/responses/{id}/cancel` to
+stop (pylon.serving.api.server). `item_reference` is a 400 (send the item itself). Built-in tools (web search, file
+search, computer use, ...) are not there: only `function` tools. `input_image` parts are taken as chat's image_url
+parts (for a model that takes images); files and audio are refused.
 """
 
 from __future__ import annotations
@@ -100,11 +102,15 @@ class ResponsesRequest(BaseModel):
                 f"previous_response_id: {shown(self.previous_response_id)} is not a response id (resp_...)",
                 param="previous_response_id",
             )
-        if self.background:
+        if self.background and self.stream:
             raise InvalidRequest(
-                "background: true is not supported: responses are not run in the background to poll; use stream: "
-                "true for long generations",
+                "background: true runs the response to be polled (GET /v1/responses/{id}); a background stream is not "
+                "served: give one of stream and background",
                 param="background",
+            )
+        if self.background and self.store is False:
+            raise InvalidRequest(
+                "background: true keeps the response to be polled, so it needs store (not false)", param="background"
             )
         if self.truncation == "auto":
             raise InvalidRequest(
@@ -489,15 +495,20 @@ class IncompleteDetails(protocol._Response):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(protocol._Response):
+    code: str
+    message: str
+
+
 class ResponseObject(protocol._Response):
     """OpenAI's Response object (`object: "response"`); `store`: whether the deployment keeps it."""
 
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
     background: bool
-    error: None
+    error: ResponseError | None
     incomplete_details: IncompleteDetails | None
     instructions: str | None
     max_output_tokens: int | None
@@ -612,7 +623,7 @@ def _skeleton(request: ResponsesRequest, rid: str, created: int) -> dict:
         "object": "response",
         "created_at": created,
         "status": "in_progress",
-        "background": False,
+        "background": bool(request.background),
         "error": None,
         "incomplete_details": None,
         "instructions": request.instructions,
@@ -691,6 +702,19 @@ def _call_item(call: dict, status: str = "completed", arguments: str | None = No
         "arguments": function["arguments"] if arguments is None else arguments,
         "status": status,
     }
+
+
+def queued_object(request: ResponsesRequest, rid: str, created: int) -> dict:
+    """A background response as its POST answers it, before it has run: queued, no output."""
+    response = _skeleton(request, rid, created)
+    response["status"] = "queued"
+    return response
+
+
+def ended(response: dict, status: str, message: str | None = None) -> dict:
+    """`response` cancelled, or failed (with `message`): no output, no usage."""
+    error = {"code": "server_error", "message": message} if message is not None else None
+    return {**response, "status": status, "output": [], "usage": None, "error": error}
 
 
 def response_object(request: ResponsesRequest, chat: dict, rid: str) -> dict:

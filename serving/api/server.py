@@ -41,6 +41,7 @@ from pylon.specs import NAME_RE, DeploymentSpec
 
 log = logging.getLogger("pylon.serving")
 _ROUTE = re.compile(r"^(prefix:\d{1,6}|load)$")
+BACKGROUND_POLL_S = 1.0  # how often a background response's task looks for a cancel stored by another replica
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
 
@@ -140,6 +141,7 @@ class PylonLLMServer:
         # The Responses API's stored responses (pylon.serving.api.response_store), where the spec keeps them.
         store = self.spec.http.responses_store
         self._response_store = ResponseStore(store) if store is not None else None
+        self._background: dict[str, asyncio.Task] = {}  # background responses this replica runs, by id
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
         engine = self.spec.engine
@@ -528,6 +530,12 @@ class PylonLLMServer:
         conversation its previous_response_id names before its input."""
         previous = request.previous_response_id
         if self._response_store is None:
+            if request.background:
+                raise InvalidRequest(
+                    "background: true keeps the response to be polled, and this deployment keeps no responses (its "
+                    "spec's http.responses_store is null): set one, or leave background out",
+                    param="background",
+                )
             if previous is not None:
                 raise InvalidRequest(
                     "previous_response_id: this deployment keeps no responses (its spec's http.responses_store is "
@@ -593,13 +601,19 @@ class PylonLLMServer:
         )
 
     async def _get_response(self, scope, receive, send) -> None:
-        """OpenAI's "retrieve a response": the stored Response object."""
+        """OpenAI's "retrieve a response": the stored Response object. A background response still queued past
+        http.background_timeout_s (and a minute) after it started is answered failed: the replica running it
+        stopped."""
 
         async def answer(owner: str, response_id: str, scope) -> dict:
             record = await self._stored(owner, response_id)
             if record is None:
                 raise self._not_stored(response_id)
-            return record["response"]
+            response = record["response"]
+            limit = self.spec.http.background_timeout_s + 60
+            if response["status"] in ("queued", "in_progress") and time.time() - record.get("started", 0) > limit:
+                return responses.ended(response, "failed", "the replica running it stopped before it finished")
+            return response
 
         await self._stored_answer(scope, send, answer)
 
@@ -615,6 +629,41 @@ class PylonLLMServer:
             if not deleted:
                 raise self._not_stored(response_id)
             return {"id": response_id, "object": "response", "deleted": True}
+
+        await self._stored_answer(scope, send, answer)
+
+    async def _cancel_response(self, scope, receive, send) -> None:
+        """OpenAI's "cancel a response": a background response still queued is stored cancelled (the replica running
+        it stops it: at once where this is that replica, else within BACKGROUND_POLL_S); one that has ended is a 400
+        (cancelled again: itself)."""
+
+        async def answer(owner: str, response_id: str, scope) -> dict:
+            record = await self._stored(owner, response_id)
+            if record is None:
+                raise self._not_stored(response_id)
+            response = record["response"]
+            if not response.get("background"):
+                raise InvalidRequest(
+                    f"{response_id} was not made with background: true; only a background response can be cancelled",
+                    param="response_id",
+                )
+            if response["status"] == "cancelled":
+                return response
+            if response["status"] not in ("queued", "in_progress"):
+                raise InvalidRequest(
+                    f"{response_id} has ended ({response['status']}); only a response in progress can be cancelled",
+                    param="response_id",
+                )
+            response = responses.ended(response, "cancelled")
+            try:
+                await self._response_store.put(owner, response_id, {**record, "response": response})
+            except StorageError as e:
+                log.error("%s: the response store cannot take the cancel of %s: %s", self.model_name, response_id, e)
+                raise HttpError(503, "the response store cannot take the cancel right now; retry", type="server_error")
+            task = self._background.get(response_id)
+            if task is not None:
+                task.cancel()
+            return response
 
         await self._stored_answer(scope, send, answer)
 
@@ -816,6 +865,24 @@ class PylonLLMServer:
                 ]
             return await self._stream(send, events, body, firsts, streams, timeout, choices, answer_headers, parser)
 
+        if request is not None and request.background:  # answered queued now; polled from the store
+            return await self._start_background(send, request, rid, (body, firsts, streams, choices, parser))
+        try:
+            merged = await self._whole_answer(kind, body, rid, firsts, streams, choices, parser, timeout)
+        except (TimeoutError, EngineDeadError) as e:
+            return await self._refuse(send, e, self._adapter_of(body))
+        if request is not None:
+            merged = responses.response_object(request, merged, rid)
+            if request.kept:
+                await self._keep_response(request, merged)
+        await send_json(send, 200, merged, answer_headers)
+
+    async def _whole_answer(self, kind: str, body, rid: str, firsts, streams, choices, parser, timeout: float) -> dict:
+        """The whole answer (a completion's or a chat's JSON) of a request whose engine streams have started: each
+        choice collected, within `timeout` (TimeoutError); the streams closed whatever happens (which aborts what
+        has not finished)."""
+        chat = kind != "completion"
+
         async def collect(k: int):
             text, pairs, last = [], [], firsts[k]
             async for out in _chain(firsts[k], streams[k]):
@@ -827,9 +894,7 @@ class PylonLLMServer:
 
         try:
             async with asyncio.timeout(timeout):
-                results = await _all([collect(j) for j in range(len(plan))])
-        except (TimeoutError, EngineDeadError) as e:
-            return await self._refuse(send, e, self._adapter_of(body))
+                results = await _all([collect(j) for j in range(len(streams))])
         finally:
             for stream in streams:
                 await stream.aclose()  # aborts the engine request if it has not finished (a timeout, a cancel)
@@ -861,11 +926,68 @@ class PylonLLMServer:
             )
         merged = protocol.merge_choices(answers)
         merged["usage"] = protocol.usage(*_usage([last for _, _, last in results], body.n, choices))
-        if request is not None:
-            merged = responses.response_object(request, merged, rid)
-            if request.kept:
-                await self._keep_response(request, merged)
-        await send_json(send, 200, merged, answer_headers)
+        return merged
+
+    async def _start_background(self, send, request: responses.ResponsesRequest, rid: str, work: tuple) -> None:
+        """A Responses request with background: true, its engine request started: kept queued in the store, answered
+        so at once, and run to its end by a task of this replica (`_run_background`), which stores what it ends as."""
+        _, _, streams, _, _ = work
+        response = responses.queued_object(request, rid, int(time.time()))
+        record = {"response": response, "input": request.input_items(), "conversation": [], "started": time.time()}
+        try:
+            await self._response_store.put(request.owner, rid, record)
+        except StorageError as e:
+            for stream in streams:
+                await stream.aclose()
+            log.error("%s: background response %s not stored: %s", self.model_name, rid, e)
+            return await send_error(
+                send,
+                503,
+                "the response store cannot take a background response right now (see the replica's log); retry later",
+                type="server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        task = asyncio.get_running_loop().create_task(self._run_background(request, rid, response, work))
+        self._background[rid] = task
+        task.add_done_callback(lambda _: self._background.pop(rid, None))
+        await send_json(send, 200, response)
+
+    async def _run_background(self, request: responses.ResponsesRequest, rid: str, queued: dict, work: tuple) -> None:
+        """Run a background response to its end and store it: completed (or incomplete), failed (an engine fault,
+        http.background_timeout_s), or left as a cancel stored it (`_cancel_response`, on any replica: checked every
+        BACKGROUND_POLL_S, and before the end is stored)."""
+        body, firsts, streams, choices, parser = work
+        answer = asyncio.ensure_future(
+            self._whole_answer("chat", body, rid, firsts, streams, choices, parser, self.spec.http.background_timeout_s)
+        )
+        store, owner = self._response_store, request.owner
+        try:
+            while not answer.done():
+                await asyncio.wait({answer}, timeout=BACKGROUND_POLL_S)
+                if answer.done():
+                    break
+                record = await store.get(owner, rid)
+                if record is None or record["response"]["status"] == "cancelled":  # deleted, or cancelled elsewhere
+                    answer.cancel()
+                    return
+            try:
+                result = responses.response_object(request, answer.result(), rid)
+            except (TimeoutError, EngineDeadError, RequestFailed, InvalidRequest) as e:
+                why = "it ran past http.background_timeout_s" if isinstance(e, TimeoutError) else str(e)
+                result = responses.ended(queued, "failed", f"the response did not finish: {why}")
+            record = await store.get(owner, rid)
+            if record is None or record["response"]["status"] == "cancelled":
+                return
+            await self._keep_response(request, result)
+        except asyncio.CancelledError:  # the replica is stopping, or a cancel on this replica
+            answer.cancel()
+            raise
+        except StorageError as e:
+            answer.cancel()
+            log.error("%s: background response %s: the store failed: %s", self.model_name, rid, e)
+        except Exception:
+            answer.cancel()
+            log.exception("%s: background response %s failed", self.model_name, rid)
 
     @functools.cached_property
     def _token_texts(self) -> TokenTexts:

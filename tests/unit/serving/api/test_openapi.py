@@ -107,6 +107,7 @@ def test_the_bearer_scheme_applies_where_the_server_asks_for_a_key():
             "/v1/responses",
             "/v1/responses/{response_id}",
             "/v1/responses/{response_id}/input_items",
+            "/v1/responses/{response_id}/cancel",
             "/v1/embeddings",
             "/v1/models",
             "/v1/models/{model}",

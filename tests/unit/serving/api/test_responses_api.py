@@ -195,7 +195,7 @@ def test_log_probabilities_come_with_the_output_text(client):
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "http.responses_store is null"),
         ({"previous_response_id": "../../etc/passwd"}, "previous_response_id", "not a response id"),
-        ({"background": True}, "background", "not supported"),
+        ({"background": True}, "background", "http.responses_store is null"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"temperature": "hot"}, "temperature", "number"),
         ({"instructionz": "x"}, "instructionz", "unknown field"),

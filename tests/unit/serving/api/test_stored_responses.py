@@ -18,10 +18,10 @@ from test_serving_http import ADD, KEY, auth, model_dir, serving  # noqa: F401 (
 OTHER = "sk-other"  # the second key the test deployments accept
 
 
-def _serve(model_dir, store: str):  # noqa: F811
+def _serve(model_dir, store: str, **http):  # noqa: F811
     return serving(
         model_dir,
-        http={"responses_store": store},
+        http={"responses_store": store, **http},
         max_num_seqs=4,
         max_num_batched_tokens=256,
         kv_cache_tokens=4096,
@@ -216,3 +216,100 @@ def test_a_store_that_cannot_take_a_response_leaves_the_reply_whole(model_dir, t
         assert events[-1].type == "error" and "not stored" in events[-1].message
         assert events[-2].response.output_text == reply.output_text
     assert "not stored" in caplog.text and KEY not in caplog.text
+
+
+def _polled(client, response, timeout_s: float = 60.0):
+    """`response` retrieved until it is no longer queued or in progress."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while response.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, response.status
+        time.sleep(0.05)
+        response = client.responses.retrieve(response.id)
+    return response
+
+
+def test_a_background_response_is_polled_to_the_reply_and_continues(client):
+    """background: true answers at once, queued; polled, it completes with the reply a waiting request gets, and a
+    request continues from it."""
+    queued = client.responses.create(input="name a colour", background=True, **GREEDY)
+    assert queued.background and queued.status in ("queued", "in_progress") and not queued.output
+    done = _polled(client, queued)
+    waited = client.responses.create(input="name a colour", store=False, **GREEDY)
+    assert done.status == waited.status == "incomplete" and done.output_text == waited.output_text  # 12 tokens
+    assert done.usage.output_tokens == waited.usage.output_tokens
+    follow = client.responses.create(previous_response_id=done.id, input="another", **GREEDY)
+    whole = [{"role": "user", "content": "name a colour"}, *done.output, {"role": "user", "content": "another"}]
+    sent = client.responses.create(input=whole, store=False, **GREEDY)
+    assert (follow.output_text, follow.usage.input_tokens) == (sent.output_text, sent.usage.input_tokens)
+    assert [i.id for i in client.responses.input_items.list(done.id).data] == [
+        queued_item.id for queued_item in client.responses.input_items.list(queued.id).data
+    ]
+
+
+def test_a_background_response_cancelled_on_another_replica_stops_and_stays_so(client, model_dir, store):  # noqa: F811
+    """A cancel stored by another replica (the same store) stops the replica that runs the response within its next
+    look at the store, and what it had computed is not stored over the cancel."""
+    import time
+
+    queued = client.responses.create(input="write at length", background=True, **{**GREEDY, "max_output_tokens": 900})
+    with _serve(model_dir, str(store)) as (url, _):
+        assert _client(url).responses.cancel(queued.id).status == "cancelled"
+    time.sleep(2.5)
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+
+
+def test_a_background_response_is_cancelled_and_stays_so(client, server):
+    import time
+
+    long = {**GREEDY, "max_output_tokens": 900}
+    queued = client.responses.create(input="write at length", background=True, **long)
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and not cancelled.output
+    time.sleep(2.5)  # past the end it would have reached, and past the running task's look at the store
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"  # again: itself
+    done = _polled(client, client.responses.create(input="hi", background=True, **GREEDY))
+    for response_id, says in (
+        (done.id, "has ended (incomplete)"),
+        (client.responses.create(input="hi", **GREEDY).id, "background: true"),
+    ):
+        r = requests.post(f"{server}/v1/responses/{response_id}/cancel", headers=auth(), timeout=30)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    r = requests.post(f"{server}/v1/responses/resp_unknown/cancel", headers=auth(), timeout=30)
+    assert r.status_code == 404, r.text
+
+
+def test_a_background_response_past_its_time_fails_and_one_whose_replica_stopped_reads_failed(model_dir, tmp_path):  # noqa: F811
+    """http.background_timeout_s ends a background response failed, its engine request aborted; a record left
+    queued by a replica that stopped reads failed once that time (and a minute) has passed."""
+    with _serve(model_dir, str(tmp_path), background_timeout_s=0.05) as (url, replica):
+        client = _client(url)
+        queued = client.responses.create(
+            input="write at length", background=True, **{**GREEDY, "max_output_tokens": 900}
+        )
+        failed = _polled(client, queued)
+        assert failed.status == "failed" and "background_timeout_s" in failed.error.message
+        assert replica.engine.stats().num_running == 0
+        # A record as a replica that stopped leaves it: queued, started long ago.
+        stopped = client.responses.create(input="hi", background=True, **GREEDY)
+        _polled(client, stopped)
+        (path,) = tmp_path.glob(f"*/{stopped.id}.json")
+        record = json.loads(path.read_text())
+        record["response"]["status"], record["started"] = "queued", 0
+        path.write_text(json.dumps(record))
+        again = client.responses.retrieve(stopped.id)
+        assert again.status == "failed" and "stopped" in again.error.message
+
+
+def test_background_refusals(client, server):
+    for body, says in (
+        ({"background": True, "stream": True}, "give one of stream and background"),
+        ({"background": True, "store": False}, "needs store"),
+    ):
+        r = requests.post(
+            f"{server}/v1/responses", json={"model": "tiny", "input": "hi", **body}, headers=auth(), timeout=30
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+        assert says in r.json()["error"]["message"]
