@@ -46,7 +46,11 @@ class ResponseStore:
         return f"{self.root}/{owner}/{response_id}.json"
 
     async def put(self, owner: str, response_id: str, record: dict[str, Any]) -> None:
-        await asyncio.to_thread(storage.atomic_write_json, self._uri(owner, response_id), record)
+        await asyncio.to_thread(self.put_now, owner, response_id, record)
+
+    def put_now(self, owner: str, response_id: str, record: dict[str, Any]) -> None:
+        """`put`, in the calling thread (a replica's last writes, as it stops)."""
+        storage.atomic_write_json(self._uri(owner, response_id), record)
 
     async def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
         """The stored record, or None where `owner` has none by that id (an id of the wrong shape included)."""

@@ -141,7 +141,8 @@ class PylonLLMServer:
         # The Responses API's stored responses (pylon.serving.api.response_store), where the spec keeps them.
         store = self.spec.http.responses_store
         self._response_store = ResponseStore(store) if store is not None else None
-        self._background: dict[str, asyncio.Task] = {}  # background responses this replica runs, by id
+        # Background responses this replica runs, by id: the task, its owner and its queued record.
+        self._background: dict[str, tuple[asyncio.Task, str, dict]] = {}
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
         engine = self.spec.engine
@@ -213,6 +214,7 @@ class PylonLLMServer:
             self.ledger.write()
 
     def __del__(self):
+        self._stop_background()
         fetcher = getattr(self, "fetcher", None)
         if fetcher is not None:
             fetcher.close()
@@ -222,6 +224,20 @@ class PylonLLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=2)
+
+    def _stop_background(self) -> None:
+        """As the replica stops (a redeploy, a scale-down): its background responses still running end failed in the
+        store, so that their clients' next GET says so rather than waiting out http.background_timeout_s."""
+        for rid, (task, owner, record) in list(getattr(self, "_background", {}).items()):
+            try:  # (__del__ runs in whichever thread dropped the replica)
+                task.get_loop().call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # its loop has closed: nothing runs it any more
+                pass
+            ended = responses.ended(record["response"], "failed", "the replica running it stopped; create it again")
+            try:
+                self._response_store.put_now(owner, rid, {**record, "response": ended})
+            except Exception as e:  # the store cannot take it: GET reads it failed later all the same
+                log.error("%s: background response %s: its end not stored: %s", self.model_name, rid, e)
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
@@ -660,9 +676,9 @@ class PylonLLMServer:
             except StorageError as e:
                 log.error("%s: the response store cannot take the cancel of %s: %s", self.model_name, response_id, e)
                 raise HttpError(503, "the response store cannot take the cancel right now; retry", type="server_error")
-            task = self._background.get(response_id)
-            if task is not None:
-                task.cancel()
+            running = self._background.get(response_id)
+            if running is not None:
+                running[0].cancel()
             return response
 
         await self._stored_answer(scope, send, answer)
@@ -948,7 +964,7 @@ class PylonLLMServer:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         task = asyncio.get_running_loop().create_task(self._run_background(request, rid, response, work))
-        self._background[rid] = task
+        self._background[rid] = (task, request.owner, record)
         task.add_done_callback(lambda _: self._background.pop(rid, None))
         await send_json(send, 200, response)
 

@@ -313,3 +313,16 @@ def test_background_refusals(client, server):
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
         assert says in r.json()["error"]["message"]
+
+
+def test_a_replica_that_stops_ends_its_background_responses_failed(model_dir, tmp_path):  # noqa: F811
+    """A replica stopping (Serve calls its __del__ at a redeploy or a scale-down) stores its running background
+    responses failed, so that a GET says so at once."""
+    with _serve(model_dir, str(tmp_path)) as (url, replica):
+        client = _client(url)
+        queued = client.responses.create(
+            input="write at length", background=True, **{**GREEDY, "max_output_tokens": 900}
+        )
+        replica._stop_background()
+        stopped = client.responses.retrieve(queued.id)
+        assert stopped.status == "failed" and "stopped" in stopped.error.message
