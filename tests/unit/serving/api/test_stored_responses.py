@@ -253,8 +253,10 @@ def test_a_background_response_cancelled_on_another_replica_stops_and_stays_so(c
     look at the store, and what it had computed is not stored over the cancel."""
     import time
 
-    queued = client.responses.create(input="write at length", background=True, **{**GREEDY, "max_output_tokens": 900})
-    with _serve(model_dir, str(store)) as (url, _):
+    with _serve(model_dir, str(store)) as (url, _):  # the other replica up first: the cancel follows the create
+        queued = client.responses.create(
+            input="write at length", background=True, **{**GREEDY, "max_output_tokens": 900}
+        )
         assert _client(url).responses.cancel(queued.id).status == "cancelled"
     time.sleep(2.5)
     assert client.responses.retrieve(queued.id).status == "cancelled"
@@ -284,6 +286,8 @@ def test_a_background_response_is_cancelled_and_stays_so(client, server):
 def test_a_background_response_past_its_time_fails_and_one_whose_replica_stopped_reads_failed(model_dir, tmp_path):  # noqa: F811
     """http.background_timeout_s ends a background response failed, its engine request aborted; a record left
     queued by a replica that stopped reads failed once that time (and a minute) has passed."""
+    import time
+
     with _serve(model_dir, str(tmp_path), background_timeout_s=0.05) as (url, replica):
         client = _client(url)
         queued = client.responses.create(
@@ -291,7 +295,10 @@ def test_a_background_response_past_its_time_fails_and_one_whose_replica_stopped
         )
         failed = _polled(client, queued)
         assert failed.status == "failed" and "background_timeout_s" in failed.error.message
-        assert replica.engine.stats().num_running == 0
+        deadline = time.monotonic() + 10  # its engine request aborted (at the engine's next step)
+        while replica.engine.stats().num_running:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         # A record as a replica that stopped leaves it: queued, started long ago.
         stopped = client.responses.create(input="hi", background=True, **GREEDY)
         _polled(client, stopped)
