@@ -31,12 +31,15 @@ to route by and no router is built; Serve's own balancing applies.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
 import os
 import random
+import re
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from pylon.serving.api.http import lifespan, read_body, request_headers, route_path, send_json
@@ -62,16 +65,42 @@ PROBE_ALL_UP_TO = 16  # replicas: with more, the probe asks the likeliest holder
 
 @dataclass(frozen=True)
 class RoutingKey:
-    """What a request is routed by: its prompt's full-block hashes (first `HASH_BYTES` bytes each, in order), and an
-    id under which the decision leaves what decided it (`decision`)."""
+    """What a request is routed by: its prompt's full-block hashes (first `HASH_BYTES` bytes each, in order), the
+    tag of the replica that made the response it continues (`response_replica`: a Responses request's
+    previous_response_id), and an id under which the decision leaves what decided it (`decision`)."""
 
     hashes: tuple[bytes, ...] = ()
     id: int = field(default_factory=lambda: next(_KEY_IDS))
+    replica: str = ""
+
+
+# A response made by a replica under Serve carries the replica's tag in its id (`response_id`), so that a request
+# continuing it (previous_response_id) goes back to the replica that holds its conversation's blocks: the router never
+# sees the stored conversation (it has no API key to read it by), only the id. An id without a tag is a 32-hex uuid.
+TAG_LENGTH = 8
+_TAGGED = re.compile(r"^resp_p([0-9a-f]{%d})[0-9a-f]{32}$" % TAG_LENGTH)
+
+
+def replica_tag(unique_id: str) -> str:
+    """The tag of a Serve replica (its replica id's unique part), in its responses' ids."""
+    return hashlib.blake2b(unique_id.encode(), digest_size=TAG_LENGTH // 2).hexdigest()
+
+
+def response_id(tag: str) -> str:
+    """A new response id (resp_...) that names the replica of `tag` ("": none, outside Serve)."""
+    return f"resp_p{tag}{uuid.uuid4().hex}" if tag else f"resp_{uuid.uuid4().hex}"
+
+
+def response_replica(response_id: object) -> str:
+    """The tag of the replica that made `response_id` ("" for an id without one)."""
+    found = _TAGGED.match(response_id) if isinstance(response_id, str) else None
+    return found.group(1) if found else ""
 
 
 _KEY_IDS = itertools.count()
-# Key id -> what decided its route: "prefix:N" (the replica holding its first N blocks) or "load" (the least loaded
-# replica). Written by `rank` in the handle's routing thread, taken by PylonRouter (the key it sees there is a copy).
+# Key id -> what decided its route: "response" (the replica that made the response it continues), "prefix:N" (the
+# replica holding its first N blocks) or "load" (the least loaded replica). Written by `rank` in the handle's routing
+# thread, taken by PylonRouter (the key it sees there is a copy).
 _DECISIONS: dict[int, str] = {}
 
 
@@ -106,6 +135,7 @@ def routing_key(
     model = body.get("model")
     adapter = model in adapters or (base is not None and isinstance(model, str) and model != base)
     salt = cache_salt(model) if adapter else b""
+    replica = ""
     try:
         if "messages" in body:
             request = protocol.ChatCompletionRequest.model_validate(body)
@@ -113,6 +143,7 @@ def routing_key(
         elif "input" in body:  # the Responses API: its chat request, rendered as the replica renders it
             from pylon.serving.api.responses import ResponsesRequest
 
+            replica = response_replica(body.get("previous_response_id"))
             request = ResponsesRequest.model_validate(body).chat()
             prompts = [request.render(tokenizer)]
         elif "prompt" in body:
@@ -133,9 +164,9 @@ def routing_key(
             # The engine always computes a prompt's last token (kv_cache: the same cut as the scheduler's lookup).
             keys.append(block_hashes(ids[: len(ids) - 1], block_size, [], salt))
     except Exception:  # invalid for the replica too, which says why
-        return RoutingKey()
+        return RoutingKey(replica=replica)
     # Chained hashes: equal at position n means equal prompts up to there, so the common prefix of the hash lists.
-    return RoutingKey(tuple(h[:HASH_BYTES] for h in os.path.commonprefix(keys)))
+    return RoutingKey(tuple(h[:HASH_BYTES] for h in os.path.commonprefix(keys)), replica=replica)
 
 
 # -- the policy --------------------------------------------------------------------------------------------------
@@ -192,12 +223,17 @@ class ReplicaView:
 
 
 def choose(views: dict, key: RoutingKey, now: float, rng: random.Random = random) -> tuple[list, str]:
-    """The replica ids of `views` in the order to try them, and what decided: first the one holding the longest
-    cached prefix of `key` (fewest requests among equals; "prefix:N") unless it holds none or is busy; then the rest,
-    least loaded first (ties in random order, so that equal replicas share the work; "load")."""
+    """The replica ids of `views` in the order to try them, and what decided: first the replica that made the
+    response `key` continues ("response"), unless it is gone or busy; else the one holding the longest cached prefix
+    of `key` (fewest requests among equals; "prefix:N") unless it holds none or is busy; then the rest, least loaded
+    first (ties in random order, so that equal replicas share the work; "load")."""
     ids = list(views)
     rng.shuffle(ids)
     by_load = sorted(ids, key=lambda r: views[r].load(now))
+    if key.replica:
+        maker = next((r for r in ids if replica_tag(getattr(r, "unique_id", str(r))) == key.replica), None)
+        if maker is not None and not views[maker].busy(now):
+            return [maker, *(r for r in by_load if r != maker)], "response"
     if key.hashes:
         holder = max(ids, key=lambda r: (views[r].cached_prefix(key, now), -views[r].load(now)))
         held = views[holder].cached_prefix(key, now)

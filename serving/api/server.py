@@ -40,7 +40,7 @@ from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed,
 from pylon.specs import NAME_RE, DeploymentSpec
 
 log = logging.getLogger("pylon.serving")
-_ROUTE = re.compile(r"^(prefix:\d{1,6}|load)$")
+_ROUTE = re.compile(r"^(prefix:\d{1,6}|load|response)$")
 BACKGROUND_POLL_S = 1.0  # how often a background response's task looks for a cancel stored by another replica
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
@@ -126,6 +126,15 @@ def _accelerator_name(device) -> str | None:
     return None
 
 
+def _own_replica_tag() -> str:
+    try:
+        from ray import serve
+
+        return routing.replica_tag(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # not a Serve replica (a test's server, a notebook's)
+        return ""
+
+
 class PylonLLMServer:
     """One replica: the engine for `spec.model` and the HTTP API in front of it."""
 
@@ -141,6 +150,9 @@ class PylonLLMServer:
         # The Responses API's stored responses (pylon.serving.api.response_store), where the spec keeps them.
         store = self.spec.http.responses_store
         self._response_store = ResponseStore(store) if store is not None else None
+        # The tag this replica puts in its responses' ids, so that the router sends their continuations here
+        # (routing.response_id; "" outside Serve).
+        self._replica_tag = _own_replica_tag()
         # Background responses this replica runs, by id: the task, its owner and its queued record.
         self._background: dict[str, tuple[asyncio.Task, str, dict]] = {}
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
@@ -865,7 +877,11 @@ class PylonLLMServer:
             return await self._refuse(send, e)
 
         chat = kind != "completion"
-        rid = responses.new_item_id("resp") if request is not None else protocol.new_id("chatcmpl" if chat else "cmpl")
+        rid = (
+            routing.response_id(self._replica_tag)
+            if request is not None
+            else protocol.new_id("chatcmpl" if chat else "cmpl")
+        )
         # A chat reply's <think> block as reasoning_content (`reasoning`), unless a grammar constrains the output.
         parser = self.spec.http.reasoning_parser if chat and params.guide is None else None
         timeout = self.spec.http.request_timeout_s

@@ -514,13 +514,14 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
 # ~50 s of a second deployment; tests/unit/serving/api/test_routing.py checks the router's policy and key against
 # real engines' block hashes. `make test-all`.
 @pytest.mark.slow
-def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_cluster, tiny, served):
+def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_cluster, tiny, served, tmp_path):
     """Two replicas behind HAProxy and Pylon's router (pylon.serving.api.routing). Each of 8 prompts sent cold, then
     again with other endings: every follow-up finds its prefix cached (`cached_tokens`), both while the router knows
     where it sent the first (at once) and once only the replicas' reports of their cache say so (after
-    RECENT_S). Then 12 long requests on one prefix at once: the replica holding it takes what fits its sequence
-    slots and the other replica the rest, computing the prefix itself. Balancing by load alone sends about half of
-    the follow-ups to the replica without the prefix."""
+    RECENT_S). Responses continued by id go back to the replica that made the response (its id names it), where the
+    conversation is cached. Then 12 long requests on one prefix at once: the replica holding it takes what fits its
+    sequence slots and the other replica the rest, computing the prefix itself. Balancing by load alone sends about
+    half of the follow-ups to the replica without the prefix."""
     import random
 
     from pylon.sdk.serve import delete, deploy
@@ -530,7 +531,13 @@ def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_clust
         "tiny-route",
         tiny.dir,
         autoscaling={"min_replicas": 2, "max_replicas": 2},
-        http={"api_keys_env": None, "max_queued_requests": 64, "request_timeout_s": 120, "route_prefix": "/route"},
+        http={
+            "api_keys_env": None,
+            "max_queued_requests": 64,
+            "request_timeout_s": 120,
+            "route_prefix": "/route",
+            "responses_store": str(tmp_path / "responses"),
+        },
         replica={"num_cpus": 0.25},
     )
     url = deploy(spec)
@@ -561,6 +568,30 @@ def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_clust
         assert [send(p + " second question") for p in prefixes] == [(96, "prefix:6")] * 8
         time.sleep(RECENT_S + 2)  # that memory is gone; the replicas' reports of their caches remain
         assert [send(p + " third, longer question") for p in prefixes] == [(96, "prefix:6")] * 8
+
+        # A conversation continued by previous_response_id: the router cannot read the stored conversation (it has no
+        # API key to read it by), but the id names the replica that made it, which holds its blocks.
+        for p in prefixes[:4]:
+            first = requests.post(
+                f"{url}/v1/responses",
+                timeout=120,
+                json={"model": "tiny-route", "input": p + " fourth", "max_output_tokens": 4, "temperature": 0},
+            )
+            assert first.status_code == 200, first.text
+            follow = requests.post(
+                f"{url}/v1/responses",
+                timeout=120,
+                json={
+                    "model": "tiny-route",
+                    "previous_response_id": first.json()["id"],
+                    "input": "and then?",
+                    "max_output_tokens": 4,
+                    "temperature": 0,
+                },
+            )
+            assert follow.status_code == 200, follow.text
+            assert follow.headers.get("X-Pylon-Route") == "response", follow.headers
+            assert follow.json()["usage"]["input_tokens_details"]["cached_tokens"] >= 96, follow.json()["usage"]
 
         # The holder is busy: past its 8 sequence slots, the other replica takes requests (and computes the prefix).
         hot = prefixes[0][:64]

@@ -14,6 +14,7 @@ import pytest
 
 from pylon.data.tokenizer import ByteTokenizer
 from pylon.serving.api import protocol, routing
+from pylon.serving.api.response_store import valid_id
 from pylon.serving.api.routing import HASH_BYTES, ReplicaView, RoutingKey, choose, routing_key
 from pylon.serving.engine.kv_cache import KVBlockPool, block_hashes, cache_salt
 from pylon.serving.engine.tokenization import apply_chat_template
@@ -240,3 +241,27 @@ def test_a_batch_of_prompts_routes_by_the_blocks_they_all_start_with():
     assert routing_key(tok, BLOCK, {"model": "m", "prompt": ids}).hashes == a[:common]  # token-id lists alike
     assert routing_key(tok, BLOCK, {"model": "m", "prompt": [first]}).hashes == a  # a batch of one is that prompt
     assert routing_key(tok, BLOCK, {"model": "m", "prompt": ["x" * 80, "y" * 80]}).hashes == ()
+
+
+def test_a_continued_response_goes_back_to_the_replica_that_made_it():
+    """A response's id names the replica that made it (a tag of its Serve replica id); a Responses request continuing
+    it (previous_response_id) goes there, before any prefix holder, unless that replica is busy or gone."""
+    tag = routing.replica_tag("r1")
+    made = routing.response_id(tag)
+    assert routing.response_replica(made) == tag and valid_id(made)
+    plain = routing.response_id("")
+    assert routing.response_replica(plain) == "" and valid_id(plain)
+    assert routing.response_replica("resp_p" + "0" * 8) == "" and routing.response_replica(None) == ""
+    body = {"model": "m", "previous_response_id": made, "input": "and then? " * 20}
+    key = routing_key(ByteTokenizer(), BLOCK, body)
+    assert key.replica == tag and key.hashes  # the new input's blocks too, for when the maker cannot take it
+    assert routing_key(ByteTokenizer(), BLOCK, {"model": "m", "input": "hi " * 40}).replica == ""
+    views, now = _views(3), 1000.0
+    views["r2"].blocks = frozenset(key.hashes)  # another replica holds the new input's every block
+    order, why = choose(views, key, now, random.Random(0))
+    assert (order[0], why) == ("r1", "response")
+    views["r1"].ongoing = 4  # busy: the prefix holder, then by load
+    order, why = choose(views, key, now, random.Random(0))
+    assert (order, why) == (["r2", "r0", "r1"], f"prefix:{len(key.hashes)}")
+    del views["r1"]  # gone (a replica replaced)
+    assert choose(views, key, now, random.Random(0))[1].startswith("prefix:")
