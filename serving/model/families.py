@@ -80,12 +80,20 @@ LLAMA_FAMILIES = (
     "olmo2",
     "smollm3",
     "starcoder2",
+    "cohere",
+    "cohere2",
     *MOE_MODEL_TYPES,
 )
+# Cohere's layers run the attention and the MLP side by side on the same normed input (one LayerNorm a layer, no bias:
+# CohereLayerNorm), both added to the residual at once; its rotary embedding rotates interleaved pairs of dimensions
+# (its own apply_rotary_pos_emb), its query and key norms are LayerNorms per head (weights [heads, head_dim]), and its
+# logits are multiplied by `logit_scale`. Cohere 2 (Command R7B, Command A) adds windowed layers (`layer_types`) and
+# rotates only those: its full-attention layers have no rotary embedding.
+PARALLEL_FAMILIES = ("cohere", "cohere2")
 # Families whose activations pass fp16's range (vLLM refuses fp16 for them too): served in bf16 or fp32.
 FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
-# Multimodal checkpoints served for their text, their language model one of the families above (text_config's
-# model_type): the runner loads the checkpoint as it ships and keeps its language model; images are not taken.
+# Multimodal checkpoints, their language model one of the families above (text_config's model_type): the runner loads
+# the checkpoint as it ships and keeps its language model, and its vision tower for images (engine/images.py).
 TEXT_MODELS = ("gemma3", "mistral3")
 SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILIES, *TEXT_MODELS)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as apply_interleaved_rotary_pos_emb
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial_rotary_pos_emb
 
@@ -54,6 +55,7 @@ from pylon.serving.model.families import (
     FP16_UNSAFE,
     LLAMA_FAMILIES,
     MOE_MODEL_TYPES,
+    PARALLEL_FAMILIES,
     SUPPORTED_MODEL_TYPES,
     TEXT_MODELS,
     attention_softcap,
@@ -336,8 +338,13 @@ class ModelRunner:
         # Per-head query and key norms (Qwen3, Gemma 3), or norms over the whole projection (OLMo 2's q_norm and k_norm:
         # over heads x head_dim), or none.
         q_norm = getattr(first.self_attn, "q_norm", None) if first is not None else None
+        # (Cohere's per-head LayerNorms carry a weight per head: [heads, head_dim], applied to the split heads too.)
         self._qk_norms = (
-            None if q_norm is None else "head" if q_norm.weight.numel() == first.self_attn.head_dim else "all"
+            None
+            if q_norm is None
+            else "head"
+            if q_norm.weight.numel() == first.self_attn.head_dim or q_norm.weight.dim() == 2
+            else "all"
         )
         # Granite's multipliers (families.py): of the embeddings, of the attention's and the MLP's outputs before they
         # join the residual, and the logits' divisor; None where the family has none.
@@ -349,10 +356,22 @@ class ModelRunner:
             attn = self.model.model.layers[0].self_attn
             q_size, kv_size = config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
             self._qkv_sizes = (q_size, kv_size, kv_size)
-        self._apply_rope: Callable = apply_partial_rotary_pos_emb if model_type == "phi3" else apply_rotary_pos_emb
-        # The layers that rotate (all but SmolLM3's NoPE layers: its config's no_rope_layers holds 0 for those).
+        self._apply_rope: Callable = (
+            apply_partial_rotary_pos_emb
+            if model_type == "phi3"
+            else apply_interleaved_rotary_pos_emb
+            if model_type in PARALLEL_FAMILIES
+            else apply_rotary_pos_emb
+        )
+        # The layers that rotate (all but SmolLM3's NoPE layers: its config's no_rope_layers holds 0 for those; Cohere
+        # 2's windowed layers only).
         no_rope = getattr(config, "no_rope_layers", None) if model_type == "smollm3" else None
         self._rotates = [bool(r) for r in no_rope] if no_rope is not None else None
+        if model_type == "cohere2":
+            self._rotates = [t == "sliding_attention" for t in config.layer_types]
+        # Cohere: the attention and the MLP side by side on one normed input; the logits multiplied by logit_scale.
+        self._parallel = model_type in PARALLEL_FAMILIES
+        self.logit_scale = getattr(config, "logit_scale", None) if self._parallel else None
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         # Gemma 2's attention logits soft-capped (families.attention_softcap): through the PyTorch attention only.
         self.attn_softcap = attention_softcap(config)
@@ -661,6 +680,8 @@ class ModelRunner:
         logits = self.model.lm_head(hidden)
         if self.logits_scaling is not None:  # Granite: the logits divided, as GraniteForCausalLM divides them
             logits = logits / self.logits_scaling
+        if self.logit_scale is not None:  # Cohere: multiplied, as CohereForCausalLM multiplies them
+            logits = logits * self.logit_scale
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
@@ -895,6 +916,12 @@ class ModelRunner:
             if i == last and adapters is not None:
                 rows = adapters.finals  # the sampling rows only, from here on
             a = a.reshape(len(h), -1)
+            if self._parallel:  # Cohere: the MLP reads the attention's input (that of the sampling rows, in the last)
+                if i == last and final.rows is not None:
+                    x = x[final.rows]
+                o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
+                h = h + o + (layer.mlp(x) if rows is None else self._mlp(layer, x, rows, i))
+                continue
             # Gemma 2 and 3, OLMo 2: the attention's and the MLP's outputs normalised before they join h
             if output_norms:
                 o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")

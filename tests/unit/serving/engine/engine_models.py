@@ -91,6 +91,17 @@ LLAMA_LIKE = {
     "olmo2": FAMILIES["llama"],
     "smollm3": {**FAMILIES["llama"], "num_hidden_layers": 4, "no_rope_layer_interval": 2},
     "starcoder2": FAMILIES["llama"],
+    # Cohere (Command R+) with its per-head query and key LayerNorms; Cohere 2 (Command R7B) with every 4th layer full
+    # and unrotated, as its checkpoints. Both scale their logits (Command R's 0.0625); untied, as Gemma's fixtures.
+    "cohere": {**FAMILIES["llama"], "use_qk_norm": True, "logit_scale": 0.25, "tie_word_embeddings": False},
+    "cohere2": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 4,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "logit_scale": 0.25,
+        "tie_word_embeddings": False,
+    },
     "mixtral": {**FAMILIES["llama"], "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {
         **FAMILIES["llama"],

@@ -41,6 +41,7 @@ from test_serving_logprobs import INIT, check_request
 from test_serving_quant_engine import _dequantized_copy, _greedy, _last_logits, _rel
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import LLMEngine
@@ -137,6 +138,25 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
             for a, r in zip(attns, [1, 0, 1, 0]):
                 a.use_rope = r
         assert sum(a != b for a, b in zip(rotated, family.greedy)) >= len(PROMPTS) - 2
+    if family.name in ("cohere", "cohere2"):
+        import importlib
+
+        config = family.model.config
+        assert not hasattr(layer, "post_attention_layernorm") and config.logit_scale == 0.25  # one norm, side by side
+        # Its rotary embedding rotates interleaved pairs: rotating as Llama does changes transformers' continuations.
+        module = importlib.import_module(f"transformers.models.{family.name}.modeling_{family.name}")
+        own = module.apply_rotary_pos_emb
+        module.apply_rotary_pos_emb = apply_rotary_pos_emb
+        try:
+            as_llama = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+        finally:
+            module.apply_rotary_pos_emb = own
+        assert sum(a != b for a, b in zip(as_llama, family.greedy)) >= len(PROMPTS) // 2
+    if family.name == "cohere":  # Command R+'s per-head query and key LayerNorms: a weight per head
+        assert tuple(layer.self_attn.q_norm.weight.shape) == (4, 32) and layer.self_attn.q_norm.weight.std() > 0
+    if family.name == "cohere2":  # every 4th layer full and unrotated (NoPE), as its checkpoints
+        assert layer_windows(family.model.config) == [16, 16, 16, None]
+        assert LLMEngine(family.dir, spec()).runner._rotates == [True, True, True, False]
     if family.name == "starcoder2":
         assert isinstance(layer.input_layernorm, torch.nn.LayerNorm) and layer.input_layernorm.bias.abs().sum() > 0
         assert layer.mlp.c_fc.bias.abs().sum() > 0 and not hasattr(layer.mlp, "gate_proj")
@@ -239,7 +259,7 @@ def fixed_shape_decodes(engine: LLMEngine) -> None:
         runner.decode_graphs.capture_all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "phi3", "granite"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "phi3", "granite", "cohere", "cohere2"])
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     """Gemma 3's through its soft cap (final_logit_softcapping), Gemma 2's through both of its caps, in eager steps
     and fixed-shape decode steps; Granite's logits divided by logits_scaling."""
@@ -577,6 +597,12 @@ WINDOWED = {
     "starcoder2": {"sliding_window": 13},
     # its NoPE layers (1 and 3 of 4) windowed, as use_sliding_window makes them
     "smollm3": {"sliding_window": 13, "use_sliding_window": True, "num_hidden_layers": 4, "no_rope_layer_interval": 2},
+    # every 4th layer full (and unrotated), as Command R7B's
+    "cohere2": {
+        "sliding_window": 13,
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    },
 }
 _g = torch.Generator().manual_seed(2)
 WINDOW_PROMPTS = [torch.randint(0, 256, (n,), generator=_g).tolist() for n in (40, 90, 57, 33, 3, 17, 5, 12)]
@@ -593,8 +619,8 @@ class Windowed(Family):
         super().__init__(name, directory, **WINDOWED[name])
         self.window_greedy = [self.hf_greedy(p, WINDOW_NEW) for p in WINDOW_PROMPTS]
         config = self.model.config.__class__.from_dict(self.model.config.to_dict())
-        if name in ("gemma3_text", "gemma2"):  # their models always mask by layer type (Gemma 3's choose the rotary
-            # base too): the same types, a window wider than all
+        if name in ("gemma3_text", "gemma2", "cohere2"):  # their models always mask by layer type (Gemma 3's choose
+            # the rotary base too, Cohere 2's whether to rotate): the same types, a window wider than all
             config.sliding_window = 1 << 20
         else:
             config.sliding_window, config.layer_types = None, ["full_attention"] * config.num_hidden_layers
@@ -624,6 +650,9 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     elif windowed.name == "smollm3":
         assert layer_windows(windowed.model.config) == [None, 13, None, 13]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [None, 13, None, 13]
+    elif windowed.name == "cohere2":
+        assert layer_windows(windowed.model.config) == [13, 13, 13, None]
+        assert [layer.self_attn.sliding_window for layer in model.layers] == [13, 13, 13, None]
     elif windowed.name == "gemma2":  # the last layer windowed: the sampling tokens' own attention is too
         assert layer_windows(windowed.model.config) == [13, None, 13]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [13, None, 13]
