@@ -23,9 +23,9 @@ place of the old; `GET`/`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/
 Without a store nothing is kept (`store` is answered `false`; `previous_response_id` is a 400 saying what to set), and a
 client sends the whole conversation in `input`, as chat clients do. With a store, `background: true` answers at once
 (queued) and the replica runs the response to its end, stored for `GET` to poll, `POST /v1/responses/{id}/cancel` to
-stop (pylon.serving.api.server). `item_reference` is a 400 (send the item itself). Built-in tools (web search, file
-search, computer use, ...) are not there: only `function` tools. `input_image` parts are taken as chat's image_url
-parts (for a model that takes images); files and audio are refused.
+stop (pylon.serving.api.server). An `item_reference` names an item of the continued conversation. Built-in tools
+(web search, file search, computer use, ...) are not there: only `function` tools. `input_image` parts are taken as
+chat's image_url parts (for a model that takes images); files and audio are refused.
 """
 
 from __future__ import annotations
@@ -214,6 +214,28 @@ class ResponsesRequest(BaseModel):
             raise self.refusal(e) from None
         return chat
 
+    def _referenced(self, item: dict, where: str) -> dict:
+        """The item an `item_reference` names: one of the conversation previous_response_id continues (its inputs
+        and outputs, and those it continued), by id."""
+        extra = _unknown(item, {"type", "id"})
+        if extra:
+            raise InvalidRequest(
+                f"{where}: unknown field '{extra[0]}' of an item_reference", param=f"{where}.{extra[0]}"
+            )
+        ref = item.get("id")
+        if not self._previous:
+            raise InvalidRequest(
+                f"{where}: an item_reference names an item of the conversation previous_response_id continues: give "
+                "previous_response_id, or send the item itself",
+                param=f"{where}.id",
+            )
+        found = next((i for i in self._previous if isinstance(i, dict) and i.get("id") == ref), None)
+        if found is None:
+            raise InvalidRequest(
+                f"{where}.id: no item {shown(ref)} in the conversation of previous_response_id", param=f"{where}.id"
+            )
+        return found
+
     def _messages(self) -> tuple[list[dict], list[str]]:
         """Chat messages, and for each the Responses field it came from (for errors)."""
         messages: list[dict] = []
@@ -233,6 +255,8 @@ class ResponsesRequest(BaseModel):
         for item, where in items:
             if not isinstance(item, dict):
                 raise InvalidRequest(f"{where}: an input item is a JSON object", param=where)
+            if item.get("type") == "item_reference":  # an item of the continued conversation, here again
+                item = self._referenced(item, where)
             kind = item.get("type", "message")
             if kind == "message":
                 messages.append(_message(item, where))
@@ -250,12 +274,6 @@ class ResponsesRequest(BaseModel):
                 origins.append(where)
             elif kind == "reasoning":
                 continue  # a model's earlier reasoning is not fed back (chat templates drop it too)
-            elif kind == "item_reference":
-                raise InvalidRequest(
-                    f"{where}: item_reference is not supported: send the item itself, or continue a stored response "
-                    "with previous_response_id",
-                    param=f"{where}.type",
-                )
             else:
                 raise InvalidRequest(
                     f"{where}.type: {shown(kind)} is not an input item this server takes (message, function_call, "

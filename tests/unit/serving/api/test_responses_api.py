@@ -206,7 +206,7 @@ def test_log_probabilities_come_with_the_output_text(client):
             "input.0.content.0.image_url",
             "takes no images",
         ),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "previous_response_id"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.id", "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type", "no built-in tools"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}, "tools.0.parameters", ""),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),

@@ -333,3 +333,24 @@ def test_a_replica_that_stops_ends_its_background_responses_failed(model_dir, tm
         replica._stop_background()
         stopped = client.responses.retrieve(queued.id)
         assert stopped.status == "failed" and "stopped" in stopped.error.message
+
+
+def test_an_item_reference_names_an_item_of_the_continued_conversation(client, server):
+    """input's item_reference items are the continued conversation's items by id, at their place in the input."""
+    first = client.responses.create(input="name a colour", **GREEDY)
+    said = first.output[0]
+    follow = client.responses.create(
+        previous_response_id=first.id,
+        input=[{"type": "item_reference", "id": said.id}, {"role": "user", "content": "again"}],
+        **GREEDY,
+    )
+    whole = [{"role": "user", "content": "name a colour"}, said, said, {"role": "user", "content": "again"}]
+    sent = client.responses.create(input=whole, store=False, **GREEDY)
+    assert (follow.output_text, follow.usage.input_tokens) == (sent.output_text, sent.usage.input_tokens)
+    body = {
+        "model": "tiny",
+        "previous_response_id": first.id,
+        "input": [{"type": "item_reference", "id": "msg_nowhere"}],
+    }
+    r = requests.post(f"{server}/v1/responses", json=body, headers=auth(), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.id", r.text
