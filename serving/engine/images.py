@@ -1,4 +1,4 @@
-"""Images in chat prompts, for the multimodal checkpoints the engine serves (families.IMAGE_MODELS: Gemma 3 4B-27B,
+"""Images in chat prompts, for the multimodal checkpoints the engine serves (families.TEXT_MODELS: Gemma 3 4B-27B,
 Mistral Small 3.1 and 3.2).
 
 A chat request's image parts reach the engine as an `ImagePrompt`: the text its chat template rendered (one image
@@ -105,8 +105,12 @@ class ImageInputs:
     spans: list[tuple[int, int]] = field(default_factory=list)  # runs attended both ways (Gemma 3), [start, end)
     count: int = 0  # images
 
-    def hash_ids(self, token_ids: list[int]) -> list[int]:
-        """`token_ids` with each image position's key in place of its placeholder token (for block hashes only)."""
+    def hash_ids(self, token_ids: list[int], hashed: int = 0) -> list[int]:
+        """`token_ids` with each image position's key in place of its placeholder token (for block hashes only).
+        `hashed`: the tokens whose blocks are hashed already; once they are past the last image, `token_ids` as they
+        are (no copy: a decode fills a block every block_size steps)."""
+        if hashed > self.last_position:
+            return token_ids
         ids = list(token_ids)
         for p, key in zip(self.positions, self.keys):
             ids[p] = key

@@ -219,7 +219,8 @@ class Scheduler:
 
     def _hashes(self, request: Request) -> list[bytes]:
         # An image's placeholders hash as its contents (ImageInputs.hash_ids): one image's blocks never serve another.
-        ids = request.token_ids if request.images is None else request.images.hash_ids(request.token_ids)
+        hashed = len(request.block_hashes) * self.pool.block_size
+        ids = request.token_ids if request.images is None else request.images.hash_ids(request.token_ids, hashed)
         return block_hashes(ids, self.pool.block_size, request.block_hashes, request.cache_salt)
 
     def _register(self, request: Request) -> None:
