@@ -496,6 +496,7 @@ def paged_attention(
     scale: float,
     workspace: Workspace | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output `[T, heads, head_dim]` for the step's queries `q` (`[T, heads, head_dim]`), after
     storing the step's `k`, `v` (`[T, kv_heads, head_dim]`) in the caches (`new_kv_cache` layout; unless
@@ -507,7 +508,9 @@ def paged_attention(
     counts, `linear.padded_rows`): their output is zeros. `softcap` (Gemma 2's attn_logit_softcapping): every score,
     once scaled, becomes softcap * tanh(score / softcap) before the mask and the softmax, as transformers computes it;
     neither compiled kernel takes it (the runner builds no metadata for them: `ModelRunner.attn_softcap`), and SDPA
-    cannot, so prompt chunks attend through `_softcapped_attention`."""
+    cannot, so prompt chunks attend through `_eager_attention`. `sinks` (`[heads]`, GPT-OSS's): each head's learned
+    logit joins every query's softmax as one more column, which takes its share of the weight and adds no value, as
+    transformers' eager GPT-OSS attention computes it; likewise through `_eager_attention` and no kernel."""
     num_kv_heads, num_pool_blocks, block_size, head_dim = k_cache.shape
     heads = q.shape[1]
     share = heads // num_kv_heads  # query heads per kv head
@@ -531,8 +534,9 @@ def paged_attention(
             values = v_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
             keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops where the cache is stored as computed
         mask = c.mask
-        if softcap is not None:
-            out[rows] = _softcapped_attention(queries[0], keys[0], values[0], mask, scale, softcap).transpose(0, 1)
+        if softcap is not None or sinks is not None:
+            attended = _eager_attention(queries[0], keys[0], values[0], mask, scale, softcap, sinks)
+            out[rows] = attended.transpose(0, 1)
             continue
         attended = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=share > 1
@@ -566,10 +570,15 @@ def paged_attention(
         if softcap is not None:
             scores = scores.div_(softcap).tanh_().mul_(softcap)
         scores = scores.add_(g.bias[None, :, None])
+        if sinks is not None:  # one more column per head: its sink's logit (dropped once softmaxed)
+            sink = sinks.to(scores.dtype).view(num_kv_heads, 1, share, 1, 1).expand(num_kv_heads, B, share, Q, 1)
+            scores = torch.cat([scores, sink], dim=-1)
         if scores.dtype != torch.float32:  # softmax of half-precision scores loses too much
             probs = scores.float().softmax(dim=-1).to(scores.dtype)
         else:
             probs = scores.softmax(dim=-1)
+        if sinks is not None:
+            probs = probs[..., :K].contiguous()
         attended = torch.bmm(probs.view(num_kv_heads * B, share * Q, K), values)
         attended = (
             attended.view(num_kv_heads, B, share, Q, head_dim).permute(1, 3, 0, 2, 4).reshape(B * Q, heads, head_dim)
@@ -578,28 +587,36 @@ def paged_attention(
     return out
 
 
-def _softcapped_attention(
+def _eager_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    softcap: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A prompt chunk's attention with soft-capped scores, as transformers' eager Gemma 2 attention computes it:
-    `queries` `[heads, Q, D]` over `keys` and `values` `[kv_heads, K, D]` (a kv head's query heads side by side in one
-    matmul, as the decode groups do), `mask` `[Q, K]` True where a query may attend (None: causal over the chunk's own
-    keys, Q == K). The scores are made whole (`[heads, Q, K]`): a chunk is at most max_num_batched_tokens long. The
-    softmax is float32 whatever the model's dtype. Returns `[heads, Q, D]`."""
+    """A prompt chunk's attention with soft-capped scores or sinks, as transformers' eager Gemma 2 and GPT-OSS
+    attentions compute it: `queries` `[heads, Q, D]` over `keys` and `values` `[kv_heads, K, D]` (a kv head's query
+    heads side by side in one matmul, as the decode groups do), `mask` `[Q, K]` True where a query may attend (None:
+    causal over the chunk's own keys, Q == K); `sinks` `[heads]`: one more logit per head in each softmax (see
+    `paged_attention`). The scores are made whole (`[heads, Q, K]`): a chunk is at most max_num_batched_tokens long.
+    The softmax is float32 whatever the model's dtype. Returns `[heads, Q, D]`."""
     heads, Q, D = queries.shape
     kv_heads, K = keys.shape[0], keys.shape[1]
     share = heads // kv_heads
     grouped = queries.reshape(kv_heads, share * Q, D)  # heads are kv-head-major: head h reads kv head h // share
     scores = torch.bmm(grouped, keys.transpose(1, 2)).view(kv_heads, share, Q, K).mul_(scale)
-    scores = scores.div_(softcap).tanh_().mul_(softcap)
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     if mask is None:
         mask = torch.ones(Q, K, dtype=torch.bool, device=queries.device).tril_()
-    probs = scores.float().masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(values.dtype)
+    scores = scores.float().masked_fill_(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(kv_heads, share, 1, 1).expand(kv_heads, share, Q, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :K].to(values.dtype).contiguous()
+    else:
+        probs = scores.softmax(dim=-1).to(values.dtype)
     attended = torch.bmm(probs.view(kv_heads, share * Q, K), values)
     return attended.view(heads, Q, D)
 

@@ -55,6 +55,19 @@ The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are their dense 
 with projection biases, Qwen3's with per-head norms) with sparse MoE blocks for MLPs, which the runner computes from
 the loaded blocks' weights (`pylon.serving.model.moe`); a Qwen MoE's `mlp_only_layers` are dense MLPs, as loaded.
 
+GPT-OSS (`gpt_oss`: gpt-oss-20b, gpt-oss-120b) is an MoE family with an attention of its own: biases on every
+projection, windowed layers (a window of 128) and full ones by turns (`layer_types`), YaRN's rotary embedding
+rotating the two halves of each head (its own `apply_rotary_pos_emb`, whose cos and sin span half a head), and a
+learned sink per head (`sinks`, SINK_FAMILIES): one more logit in each query's softmax, which takes its share of the
+weight and adds no value, so a query may attend to nothing much. The runner gives each layer's sinks to the attention
+(pylon.serving.model.attention; the compiled CPU kernels take none, so a GPT-OSS model attends through PyTorch). Its
+MoE blocks route by the top 4 of the router's logits (a bias of its own), softmaxed over those 4, and its experts
+(weights stored `[experts, in, out]`, biases on both) apply a clamped SwiGLU to interleaved gate and up columns
+(`pylon.serving.model.moe`). Its checkpoints store the experts in MXFP4 (`quantization_config`); transformers
+dequantizes them at load where its MXFP4 kernels are not installed (Pylon's case), so the engine computes what the
+dequantized model computes, its experts in the engine's dtype, or int8 / fp8 by `engine.quantization`. Its chat
+format is OpenAI's harmony (reasoning, answer and tool calls as channels: pylon.serving.api.harmony).
+
 LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
 short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long
 factors past it, recomputing the whole cache, which a batched paged engine cannot do per sequence: the engine serves
@@ -65,8 +78,11 @@ model's own (the rotary module's attention scaling, applied at every length, inc
 from __future__ import annotations
 
 # Mixture-of-experts families: their dense siblings' attention (Mixtral's is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's
-# Qwen3's) and sparse MoE blocks for MLPs (pylon.serving.model.moe).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Qwen3's; GPT-OSS's its own, below) and sparse MoE blocks for MLPs (pylon.serving.model.moe).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+# Families whose attention has a learned sink per head: a logit that joins each query's softmax and takes its share of
+# the weight without a value (GPT-OSS's `sinks`); the runner passes each layer's to the attention.
+SINK_FAMILIES = ("gpt_oss",)
 LLAMA_FAMILIES = (
     "llama",
     "mistral",

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): each token's hidden state goes to the `top_k` of
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): each token's hidden state goes to the `top_k` of
 `num_experts` gated MLPs its router picks, and their outputs, weighted by the router, are summed.
 
 The loaded model's sparse MoE blocks are replaced at load by `SparseMoE`, which computes what transformers' block
@@ -12,6 +12,11 @@ computes (its router, then its experts) from the block's own weights:
    weighted outputs scatter-added back to their tokens in expert order, as transformers adds them. An expert no
    token chose costs nothing. Batching mixes requests freely: routing is per token.
 3. Qwen2-MoE's shared expert: a dense MLP every token runs, scaled by sigmoid(shared_expert_gate(x)), added.
+
+GPT-OSS's blocks (`router` for `gate`) differ in each part, as GptOssTopKRouter and GptOssExperts compute them: the
+router has a bias and softmaxes its top_k logits among themselves (in the model's dtype); each expert's weights are
+stored `[in, out]` (used as they are: `x @ w + b`, no copy) with biases on both projections, and its activation is a
+clamped SwiGLU over interleaved gate and up columns (`SparseMoE._glu`).
 
 A step's routing is read back to the host once per layer (how many rows each expert takes), which CUDA graphs cannot
 capture. So on a GPU, where torch has a grouped matmul (`torch.nn.functional.grouped_mm`, compute capability 8.0 and
@@ -41,11 +46,12 @@ log = logging.getLogger(__name__)
 
 
 def is_sparse_block(module: torch.nn.Module) -> bool:
-    """Whether `module` is one of transformers' sparse MoE blocks (a router `gate` and 3-D `experts` weights)."""
+    """Whether `module` is one of transformers' sparse MoE blocks (a router, `gate` or GPT-OSS's `router`, and 3-D
+    `experts` weights)."""
     experts = getattr(module, "experts", None)
     return (
         experts is not None
-        and hasattr(module, "gate")
+        and (hasattr(module, "gate") or hasattr(module, "router"))
         and getattr(getattr(experts, "gate_up_proj", None), "dim", lambda: 0)() == 3
     )
 
@@ -111,15 +117,18 @@ class _BlockConfig:
 
 
 class _Dense(torch.nn.Module):
-    """An expert's `[out, in]` weight as a projection: `x @ w^T` (a view of the loaded 3-D weight; no copy)."""
+    """An expert's `[out, in]` weight as a projection: `x @ w^T + bias` (a view of the loaded 3-D weight; no copy);
+    `transposed`: the weight is stored `[in, out]` (GPT-OSS's), and the projection is `x @ w + bias`."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, transposed: bool = False):
         super().__init__()
-        self.weight = weight
-        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias, self.transposed = weight, bias, transposed
+        self.out_features, self.in_features = weight.shape[::-1] if transposed else weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 
 class SparseMoE(torch.nn.Module):
@@ -134,30 +143,56 @@ class SparseMoE(torch.nn.Module):
         experts = block.experts
         self.num_experts = experts.gate_up_proj.shape[0]
         self.top_k = config.num_experts_per_tok
+        # GPT-OSS (families.py): a router with a bias that softmaxes its top_k logits; experts stored [in, out] with
+        # biases, a clamped SwiGLU over interleaved gate and up columns.
+        self.gpt_oss = hasattr(block, "router")
         # Mixtral's router always renormalises its top_k; Qwen's where the config says (norm_topk_prob).
         self.renormalise = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
         self.scores_in_model_dtype = config.model_type != "mixtral"
-        self.router = block.gate.weight.detach()  # [num_experts, hidden]
-        self.act = experts.act_fn
+        router = block.router if self.gpt_oss else block.gate
+        self.router = router.weight.detach()  # [num_experts, hidden]
+        self.router_bias = router.bias.detach() if getattr(router, "bias", None) is not None else None
+        self.act = None if self.gpt_oss else experts.act_fn
+        self.alpha, self.limit = (experts.alpha, experts.limit) if self.gpt_oss else (None, None)
+        transposed = self.gpt_oss  # GptOssExperts' weights are [experts, in, out]
 
-        def expert(weight: torch.Tensor) -> torch.nn.Module:
+        def expert(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+            bias = None if bias is None else bias.detach()
             if project is None:
-                return _Dense(weight.detach())
-            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            linear.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+                return _Dense(weight.detach(), bias, transposed)
+            weight = weight.detach().t() if transposed else weight.detach()
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                linear.bias = torch.nn.Parameter(bias, requires_grad=False)
             return project(linear)
 
-        self.gate_up = torch.nn.ModuleList(expert(experts.gate_up_proj[e]) for e in range(self.num_experts))
-        self.down = torch.nn.ModuleList(expert(experts.down_proj[e]) for e in range(self.num_experts))
+        gate_up_bias = getattr(experts, "gate_up_proj_bias", None)
+        down_bias = getattr(experts, "down_proj_bias", None)
+        self.gate_up = torch.nn.ModuleList(
+            expert(experts.gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e])
+            for e in range(self.num_experts)
+        )
+        self.down = torch.nn.ModuleList(
+            expert(experts.down_proj[e], None if down_bias is None else down_bias[e]) for e in range(self.num_experts)
+        )
         # The grouped path (float experts only): each expert's weights as `[in, out]` views of the loaded ones.
         self.grouped = False
-        self._gate_up_t = experts.gate_up_proj.detach().transpose(-2, -1) if project is None else None
-        self._down_t = experts.down_proj.detach().transpose(-2, -1) if project is None else None
+
+        def as_in_out(w: torch.Tensor) -> torch.Tensor | None:
+            return None if project is not None else w.detach() if transposed else w.detach().transpose(-2, -1)
+
+        self._gate_up_t, self._down_t = as_in_out(experts.gate_up_proj), as_in_out(experts.down_proj)
+        self._gate_up_bias = None if gate_up_bias is None else gate_up_bias.detach()
+        self._down_bias = None if down_bias is None else down_bias.detach()
         self.shared = getattr(block, "shared_expert", None)  # Qwen2-MoE: a dense MLP module
         self.shared_gate = None if self.shared is None else block.shared_expert_gate.weight.detach()  # [1, hidden]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top_k experts `[rows, top_k]` and their weights, as the family's router computes them."""
+        if self.gpt_oss:  # GptOssTopKRouter: the top_k logits, softmaxed among themselves in the model's dtype
+            top, experts = torch.topk(F.linear(x, self.router, self.router_bias), self.top_k, dim=-1)
+            return experts, torch.softmax(top, dim=1, dtype=top.dtype)
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
@@ -182,8 +217,7 @@ class SparseMoE(torch.nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate, up = self.gate_up[e](rows[start : start + n]).chunk(2, dim=-1)
-            outputs.append(self.down[e](self.act(gate) * up))
+            outputs.append(self.down[e](self._glu(self.gate_up[e](rows[start : start + n]))))
             start += n
         if not outputs:  # no rows
             return torch.zeros_like(x).view(shape)
@@ -200,9 +234,24 @@ class SparseMoE(torch.nn.Module):
         counted = flat.float() if x.device.type == "cpu" else flat.int()
         counts = torch.histc(counted, bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate, up = _grouped_mm(x[tokens], self._gate_up_t, offsets).chunk(2, dim=-1)
-        y = _grouped_mm(self.act(gate) * up, self._down_t, offsets) * weights.reshape(-1)[order, None]
-        return self._summed(x, tokens, y)
+        gate_up = _grouped_mm(x[tokens], self._gate_up_t, offsets)
+        sorted_experts = flat[order]
+        if self._gate_up_bias is not None:  # GPT-OSS: each row's expert's biases
+            gate_up = gate_up + self._gate_up_bias[sorted_experts]
+        y = _grouped_mm(self._glu(gate_up), self._down_t, offsets)
+        if self._down_bias is not None:
+            y = y + self._down_bias[sorted_experts]
+        return self._summed(x, tokens, y * weights.reshape(-1)[order, None])
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation of their gate and up projections (one tensor, `[rows, 2 x intermediate]`):
+        `act(gate) * up` over its two halves, or GPT-OSS's clamped SwiGLU over interleaved columns (GptOssExperts'
+        `_apply_gate`: gate clamped above at `limit`, up to +-limit, `(up + 1) * gate * sigmoid(alpha * gate)`)."""
+        if not self.gpt_oss:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act(gate) * up
+        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def _summed(self, x: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Each token's weighted expert outputs `y` (rows in expert order, their tokens `tokens`) summed, plus the

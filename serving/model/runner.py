@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as apply_interleaved_rotary_pos_emb
+from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as apply_half_rotary_pos_emb
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial_rotary_pos_emb
 
@@ -56,6 +57,7 @@ from pylon.serving.model.families import (
     LLAMA_FAMILIES,
     MOE_MODEL_TYPES,
     PARALLEL_FAMILIES,
+    SINK_FAMILIES,
     SUPPORTED_MODEL_TYPES,
     TEXT_MODELS,
     attention_softcap,
@@ -361,6 +363,8 @@ class ModelRunner:
             if model_type == "phi3"
             else apply_interleaved_rotary_pos_emb
             if model_type in PARALLEL_FAMILIES
+            else apply_half_rotary_pos_emb
+            if model_type == "gpt_oss"  # its rotary embedding's cos and sin span half a head (families.py)
             else apply_rotary_pos_emb
         )
         # The layers that rotate (all but SmolLM3's NoPE layers: its config's no_rope_layers holds 0 for those; Cohere
@@ -375,6 +379,12 @@ class ModelRunner:
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         # Gemma 2's attention logits soft-capped (families.attention_softcap): through the PyTorch attention only.
         self.attn_softcap = attention_softcap(config)
+        # GPT-OSS's attention sinks, each layer's `[heads]` (families.SINK_FAMILIES): through the PyTorch attention too.
+        self.attn_sinks = (
+            [layer.self_attn.sinks.detach() for layer in self.model.model.layers]
+            if model_type in SINK_FAMILIES
+            else None
+        )
         # LoRA adapters, slot k = adapters[k - 1], checked against the model's projections and kept in its dtype and
         # on its device (pylon.serving.model.lora); None without any, and then no step spends anything on them.
         self.adapter_set = (
@@ -445,8 +455,13 @@ class ModelRunner:
         self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
         self.decode_graphs = None  # pylon.serving.model.graphs.DecodeGraphs, on a GPU (use_decode_graphs)
 
-        # Decodes attend in place (see kernels.py), unless the attention soft-caps its scores, which the kernels do not.
-        self.kernel = self.attn_softcap is None and kernels.usable(self.device, self.dtype, self.kv_dtype)
+        # Decodes attend in place (see kernels.py), unless the attention soft-caps its scores or has sinks, which the
+        # kernels do not take.
+        self.kernel = (
+            self.attn_softcap is None
+            and self.attn_sinks is None
+            and kernels.usable(self.device, self.dtype, self.kv_dtype)
+        )
         # Prompt chunks too, through the prefill kernel, where it is built for this model (float32, AVX-512 or AVX2).
         self.prefill = self.kernel and kernels.prefill_usable(self.dtype, self.kv_dtype, head_dim)
         if model_type == "gpt2" and self.kernel and config.activation_function in TANH_GELUS:
@@ -764,9 +779,19 @@ class ModelRunner:
                 final = Final(final.rows, final.meta.windowed)
         if meta.slot_mapping is not None and len(k) > len(meta.slot_mapping):
             k, v = k[: len(meta.slot_mapping)], v[: len(meta.slot_mapping)]
+        sinks = self.attn_sinks[i] if self.attn_sinks is not None else None
         if not last:
             attended = paged_attention(
-                q, k, v, self.k_cache[i], self.v_cache[i], meta, scale, self.workspace, softcap=self.attn_softcap
+                q,
+                k,
+                v,
+                self.k_cache[i],
+                self.v_cache[i],
+                meta,
+                scale,
+                self.workspace,
+                softcap=self.attn_softcap,
+                sinks=sinks,
             )
             return attended, h
         store_kv_pair(
@@ -791,6 +816,7 @@ class ModelRunner:
             scale,
             self.workspace,
             softcap=self.attn_softcap,
+            sinks=sinks,
         )
         return attended, h
 

@@ -121,6 +121,29 @@ LLAMA_LIKE = {
         "moe_intermediate_size": 64,
         "norm_topk_prob": True,
     },
+    # GPT-OSS (gpt-oss-20b: 32 experts, top 4, a window of 128 in every other layer, YaRN over 4096 positions): 4
+    # experts, top 2, a window of 16 in layers 0 and 2, YaRN over 64 positions (its attention scaling off 1), and the
+    # SwiGLU's clamp at 1 (its checkpoints' 7 would rarely bind on a random model this small; at 1 it changes every
+    # continuation).
+    "gpt_oss": {
+        **FAMILIES["llama"],
+        "intermediate_size": 64,
+        "head_dim": 32,
+        "num_hidden_layers": 4,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "swiglu_limit": 1.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    },
 }
 PROMPT_LENGTHS = (3, 17, 40, 90, 5, 64, 33, 8)
 NEW_TOKENS = 20

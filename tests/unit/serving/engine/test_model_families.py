@@ -1,5 +1,6 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite, OLMo 2, SmolLM3, StarCoder2, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in the engine:
+Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS,
+with its attention sinks and its MXFP4 checkpoints) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
 int8 projections computing the dequantized model (an MoE model's experts quantized too); LoRA adapters computing what
@@ -170,9 +171,43 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         assert attn.qkv_proj.out_features == (4 + 2 * 2) * 32  # 4 query heads, 2 key and 2 value heads, of 32
         assert family.model.model.rotary_emb.inv_freq.numel() * 2 == 16 < attn.head_dim  # 16 of 32 dimensions rotated
         assert config.sliding_window is None and family.model.model.rotary_emb.attention_scaling == 1.0
+    if family.name == "gpt_oss":
+        check_gpt_oss_parts_matter(family)
     if family.name in MOE_MODEL_TYPES:
         check_experts_matter(family)
     assert sum(a != b for a, b in zip(family.greedy, family.greedy[1:])) >= len(PROMPTS) - 2  # context-dependent
+
+
+def check_gpt_oss_parts_matter(family) -> None:
+    """GPT-OSS's attention sinks, its experts' clamp and their biases each change transformers' continuations: an
+    engine that left one out could not pass the parity below. Its layers windowed and full by turns; YaRN's attention
+    scaling on."""
+    model, config = family.model, family.model.config
+    assert layer_windows(config) == [16, None, 16, None]
+    assert model.model.rotary_emb.attention_scaling > 1.05  # YaRN's attention scaling, folded into cos and sin
+    layers = model.model.layers
+    assert all(
+        layer.self_attn.o_proj.bias.abs().sum() > 0 and layer.mlp.router.bias.abs().sum() > 0 for layer in layers
+    )
+
+    def changes(part: str, saved: list, set_to) -> None:
+        for owner in saved:
+            set_to(owner)
+        try:  # half the prompts: transformers' MoE loop is slow on a CPU
+            changed = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS[:4]]
+        finally:
+            for owner, value in saved.items():
+                setattr(*owner, value) if isinstance(owner, tuple) else owner.data.copy_(value)
+        assert sum(a != b for a, b in zip(changed, family.greedy)) >= 3, part
+
+    sinks = {layer.self_attn.sinks: layer.self_attn.sinks.detach().clone() for layer in layers}
+    changes("sinks", sinks, lambda p: p.data.fill_(-1e4))  # a sink of -1e4 weighs nothing: plain attention
+    limits = {(layer.mlp.experts, "limit"): layer.mlp.experts.limit for layer in layers}
+    changes("swiglu_limit", limits, lambda owner: setattr(*owner, 1e9))
+    biases = {
+        layer.mlp.experts.gate_up_proj_bias: layer.mlp.experts.gate_up_proj_bias.detach().clone() for layer in layers
+    }
+    changes("experts' biases", biases, lambda p: p.data.zero_())
 
 
 def check_experts_matter(family) -> None:
@@ -188,6 +223,7 @@ def check_experts_matter(family) -> None:
         "mixtral": "model.layers.0.block_sparse_moe.experts.3.w1.weight",
         "qwen2_moe": "model.layers.0.mlp.experts.5.gate_proj.weight",
         "qwen3_moe": "model.layers.1.mlp.experts.7.down_proj.weight",
+        "gpt_oss": "model.layers.3.mlp.experts.gate_up_proj_bias",  # its checkpoints keep the 3-D weights
     }
     assert per_expert[family.name] in keys, sorted(keys)[:8]
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -196,10 +232,11 @@ def check_experts_matter(family) -> None:
         assert model.model.layers[0].mlp.shared_expert_gate.weight.abs().sum() > 0
         assert not hasattr(model.model.layers[1].mlp, "experts")  # mlp_only_layers: dense
     else:
-        assert sparse == [0, 1]
+        assert sparse == list(range(len(model.model.layers)))
     picked = {i: set() for i in sparse}
+    router_of = "router" if family.name == "gpt_oss" else "gate"
     hooks = [
-        model.model.layers[i].mlp.gate.register_forward_hook(
+        getattr(model.model.layers[i].mlp, router_of).register_forward_hook(
             lambda m, args, out, i=i: picked[i].update(out[2].flatten().tolist())
         )
         for i in sparse
@@ -211,8 +248,9 @@ def check_experts_matter(family) -> None:
         h.remove()
     num_experts = getattr(config, "num_local_experts", None) or config.num_experts
     assert all(picked[i] == set(range(num_experts)) for i in sparse), picked
-    routers = [model.model.layers[i].mlp.gate for i in sparse]
-    if family.name == "mixtral":  # its router always renormalises: scale the top weights as a sum of 1 would not
+    routers = [getattr(model.model.layers[i].mlp, router_of) for i in sparse]
+    # Mixtral's and GPT-OSS's routers always renormalise: scale the top weights as a sum of 1 would not.
+    if family.name in ("mixtral", "gpt_oss"):
         forward = type(routers[0]).forward
         for r in routers:
             r.forward = lambda x, r=r: (lambda o: (o[0], o[1] * 0.7, o[2]))(forward(r, x))
@@ -223,7 +261,7 @@ def check_experts_matter(family) -> None:
         changed = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
     finally:
         for r in routers:
-            if family.name == "mixtral":
+            if family.name in ("mixtral", "gpt_oss"):
                 del r.forward
             else:
                 r.norm_topk_prob = not r.norm_topk_prob
@@ -259,11 +297,13 @@ def fixed_shape_decodes(engine: LLMEngine) -> None:
         runner.decode_graphs.capture_all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "phi3", "granite", "cohere", "cohere2"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "phi3", "granite", "cohere", "cohere2", "gpt_oss"])
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     """Gemma 3's through its soft cap (final_logit_softcapping), Gemma 2's through both of its caps, in eager steps
     and fixed-shape decode steps; Granite's logits divided by logits_scaling."""
-    family = Family(name, tmp_path / name, initializer_range=INIT)
+    # GPT-OSS's fp32 noise floor (transformers' own fp32 log-probabilities against fp64's) is ~1.5e-4 at INIT and
+    # ~2e-5 at 0.15, where the engine's stay within 1e-6 of transformers' fp32 ones.
+    family = Family(name, tmp_path / name, initializer_range=0.15 if name == "gpt_oss" else INIT)
     engine = family.engine()
     if name in ("gemma3_text", "gemma2"):
         fixed_shape_decodes(engine)
@@ -570,6 +610,70 @@ def test_moe_experts_as_grouped_matmuls_give_transformers_tokens_in_fixed_shape_
     outputs = run(engine)
     assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == family.greedy
     assert runner.decode_graphs.replays > 0
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GPT-OSS expert weight (`[experts, in, out]`) as its checkpoints store it in MXFP4: per expert and output row,
+    blocks of 32 inputs, each a power-of-two scale (a byte, 127 for 2^0) and 32 FP4 values, two to a byte (low nibble
+    first): `blocks` `[experts, out, in / 32, 16]` and `scales` `[experts, out, in / 32]`, both uint8; and the weight
+    those decode to, as the model holds it."""
+    rows = weight.transpose(1, 2).float()  # [experts, out, in]
+    groups = rows.reshape(*rows.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    nearest = (scaled[..., None] - FP4).abs().argmin(-1).to(torch.uint8)  # index into FP4
+    blocks = nearest[..., 0::2] | (nearest[..., 1::2] << 4)
+    decoded = (FP4[nearest.long()] * torch.exp2(exponent)[..., None]).reshape(rows.shape).transpose(1, 2)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8), decoded
+
+
+def test_an_mxfp4_checkpoint_is_served_as_transformers_dequantizes_it(tmp_path) -> None:
+    """gpt-oss-20b and -120b ship their experts in MXFP4 (quantization_config quant_method mxfp4: `*_blocks` and
+    `*_scales` in place of the weights). Without transformers' MXFP4 kernels (Pylon's wheel set) transformers
+    dequantizes them at load, and the engine serves what that model computes: its greedy tokens, token for token."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    family = Family("gpt_oss", tmp_path / "float")
+    directory = tmp_path / "mxfp4"
+    directory.mkdir()
+    tensors, decoded = {}, {}
+    for key, value in family.model.state_dict().items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"], decoded[key] = _mxfp4(value.cpu())
+        else:
+            tensors[key] = value.detach().cpu().contiguous()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("generation_config.json", "pylon_tokenizer.json"):
+        (directory / name).write_text((tmp_path / "float" / name).read_text())
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval().to(DEVICE)
+    experts = reference.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.shape == (4, 128, 128)
+    # The format read as written: FP4 values times power-of-two scales, off the float weights they round.
+    for key, value in decoded.items():
+        assert torch.equal(reference.get_parameter(key).cpu(), value), key
+        assert not torch.equal(value, family.model.get_parameter(key).cpu())
+    want = [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+    assert want != family.greedy  # FP4's rounding shows: an engine serving the float weights could not pass
+    engine = LLMEngine(str(directory), spec())
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    outputs = run(engine)
+    assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == want
 
 
 def test_an_adapter_on_an_moe_models_experts_is_refused_naming_them(tmp_path) -> None:

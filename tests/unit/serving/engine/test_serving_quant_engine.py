@@ -37,9 +37,11 @@ def _dequantized_copy(model, method: str = "int8"):
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(getattr(module, "gate_up_proj", None), torch.Tensor):  # an MoE layer's 3-D experts
+                transposed = hasattr(module, "gate_up_proj_bias")  # GPT-OSS's: [experts, in, out]
                 for w in (module.gate_up_proj, module.down_proj):
                     for e in range(len(w)):
-                        w[e].copy_(QuantWeight(w[e].float(), method).dequantized(torch.float32))
+                        we = w[e].t() if transposed else w[e]  # quantized per output channel, as the engine does
+                        we.copy_(QuantWeight(we.float(), method).dequantized(torch.float32))
                 continue
             if name.endswith("shared_expert_gate"):  # Qwen2-MoE's: one output, kept in float as the router is
                 continue
