@@ -10,9 +10,10 @@ import functools
 import logging
 import re
 import time
+from collections.abc import Collection
 
 from pylon.errors import StorageError
-from pylon.serving.api import openapi, protocol, reasoning, responses, routing, tools
+from pylon.serving.api import harmony, openapi, protocol, reasoning, responses, routing, tools
 from pylon.serving.api.adapters import AdapterFetcher
 from pylon.serving.api.http import (
     JSON_HEADERS,
@@ -180,6 +181,18 @@ class PylonLLMServer:
                 self.model_name,
                 list(generation.eos_token_ids),
             )
+        # A model that speaks OpenAI's harmony format (gpt-oss: its tokenizer has harmony's special tokens): its chat
+        # replies read by channel, reasoning, answer and tool calls (pylon.serving.api.harmony), in place of
+        # http.reasoning_parser and the text formats of tool calls.
+        self._harmony = harmony.HarmonyTokens.of(self.engine.tokenizer)
+        if self._harmony is not None:
+            log.info("%s: speaks OpenAI's harmony format: chat replies are read by channel", self.model_name)
+            if self.spec.http.reasoning_parser is not None:
+                log.warning(
+                    "%s: http.reasoning_parser %s is not used: the model's harmony channels say what is reasoning",
+                    self.model_name,
+                    self.spec.http.reasoning_parser,
+                )
         # On a CPU the engines are throughput work and this process's wakeups (chunks, Ray's own threads) should
         # not preempt them mid-step (pylon.serving.engine.sched_batch).
         serve_cpu_as_batch(self.engine.device, f"replica of {self.model_name}")
@@ -882,11 +895,20 @@ class PylonLLMServer:
             if request is not None
             else protocol.new_id("chatcmpl" if chat else "cmpl")
         )
-        # A chat reply's <think> block as reasoning_content (`reasoning`), unless a grammar constrains the output.
-        parser = self.spec.http.reasoning_parser if chat and params.guide is None else None
+        # A chat reply's <think> block as reasoning_content (`reasoning`), or a harmony model's channels, unless a
+        # grammar constrains the output.
+        free = chat and params.guide is None
+        read_harmony = free and self._harmony is not None
+        parser = self.spec.http.reasoning_parser if free and not read_harmony else None
         timeout = self.spec.http.request_timeout_s
         shape = "chat" if chat else "completion"
-        choices = [_Choice(shape, body, prompts[i], self.engine.tokenizer, self._token_texts, parser) for i, _ in plan]
+        speaks = None
+        if read_harmony:
+            plan_ = body.tool_plan
+            speaks = (self._harmony, None if plan_ is None else plan_.functions)
+        choices = [
+            _Choice(shape, body, prompts[i], self.engine.tokenizer, self._token_texts, parser, speaks) for i, _ in plan
+        ]
         if body.stream:
             created = int(time.time())
             if request is not None:
@@ -935,10 +957,17 @@ class PylonLLMServer:
         for k, (content, pairs, last) in enumerate(results):
             self._observe(last, count=k == 0, adapter=self._adapter_of(body))
             reason, extra = last.finish_reason, {}
-            if parser is not None:
+            read = choices[k].harmony
+            if read is not None:  # the reply's channels, fed as the engine gave its tokens (`_Choice.take`)
+                content, calls = choices[k].harmony_reply()
+                extra.update(reasoning_content=choices[k].harmony_thought, with_reasoning=True)
+                if calls:
+                    extra["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            elif parser is not None:
                 thought, content = reasoning.split(content, parser)
                 extra.update(reasoning_content=thought, with_reasoning=True)
-            if chat and body.tool_plan is not None:
+            if chat and body.tool_plan is not None and read is None:
                 content, calls = tools.parse(content, body.tool_plan)
                 if calls:
                     extra["tool_calls"] = calls
@@ -1102,12 +1131,19 @@ class PylonLLMServer:
         held = events.role() if events.kind == "chat" else ""
         pending = []  # tokens whose logprobs go with the next chunk (tokens without text yet wait for their text)
         plan = body.tool_plan if events.kind == "chat" else None
-        calling = tools.ToolStream(plan) if plan is not None else None  # holds text that may be a tool call
+        read = choice.harmony  # a harmony model's reply: read by channel (`_Choice.take`), no text formats
+        calling = tools.ToolStream(plan) if plan is not None and read is None else None  # holds a possible call
         thinking = reasoning.ReasoningStream(parser) if parser is not None else None
         async for out in _chain(first, stream):
             text, tokens = choice.take(out)
             thought = ""
-            if thinking is not None:
+            calls = []
+            if read is not None:
+                thought, text = choice.harmony_delta
+                if out.finished:
+                    more_thought, more_text, calls = read.finish()
+                    thought, text = thought + more_thought, text + more_text
+            elif thinking is not None:
                 thought, text = thinking.feed(text)
                 if out.finished:
                     more_thought, more_text = thinking.finish()
@@ -1116,7 +1152,6 @@ class PylonLLMServer:
             if thought:
                 held += events.reasoning(thought, choice.logprobs(pending))
                 pending = []
-            calls = []
             if calling is not None:
                 text = calling.feed(text)
                 if out.finished:
@@ -1179,8 +1214,23 @@ class _Choice:
     """What a request's choice carries besides the engine's text: the echoed prompt (completions' `echo`) and the
     tokens' logprobs in OpenAI's shape (`protocol.LogprobsFormat`)."""
 
-    def __init__(self, kind: str, body, prompt, tokenizer, texts: TokenTexts, parser: str | None = None):
+    def __init__(
+        self,
+        kind: str,
+        body,
+        prompt,
+        tokenizer,
+        texts: TokenTexts,
+        parser: str | None = None,
+        speaks: tuple[harmony.HarmonyTokens, Collection[str] | None] | None = None,
+    ):
+        """`speaks`: the reply is read as harmony (the model's marker ids, and the request's functions or None):
+        `harmony` reads it as it comes, `harmony_delta` is what the last `take` gave (reasoning, content)."""
         self.kind, self.prompt, self.tokenizer = kind, prompt, tokenizer
+        self.harmony = harmony.HarmonyStream(tokenizer, *speaks) if speaks is not None else None
+        self.harmony_delta = ("", "")
+        self.harmony_thought: str | None = None
+        self._harmony_parts: tuple[list[str], list[str]] = ([], [])
         self.special = body.add_special_tokens  # how the engine tokenizes a text prompt (`prompt_ids`)
         self.echo = kind == "completion" and body.echo
         wanted = body.logprobs is not None if kind == "completion" else body.logprobs
@@ -1188,11 +1238,18 @@ class _Choice:
         self.started = False
         # The reply's reasoning tokens, where a reasoning parser reads it (usage.completion_tokens_details).
         self.reasoning = reasoning.ReasoningCount(parser, texts.text) if parser is not None else None
+        if self.harmony is not None:
+            self.reasoning = _HarmonyCount(self.harmony)
 
     def take(self, out) -> tuple[str, list]:
-        """One engine output's text (after the echoed prompt, on the first) and its (token id, logprob) pairs."""
+        """One engine output's text (after the echoed prompt, on the first) and its (token id, logprob) pairs; a
+        harmony reply's ids read on (`harmony_delta`)."""
         text, pairs = out.text, []
-        if self.reasoning is not None:
+        if self.harmony is not None:
+            self.harmony_delta = self.harmony.feed(out.token_ids)
+            self._harmony_parts[0].append(self.harmony_delta[0])
+            self._harmony_parts[1].append(self.harmony_delta[1])
+        elif self.reasoning is not None:
             self.reasoning.add(out.token_ids)
         if not self.started:
             self.started = True
@@ -1204,6 +1261,17 @@ class _Choice:
         if self.format is not None and out.logprobs is not None:
             pairs.extend(zip(out.token_ids, out.logprobs))
         return text, pairs
+
+    def harmony_reply(self) -> tuple[str | None, list[dict]]:
+        """A whole harmony reply, all its outputs taken: its content and tool calls (`harmony_thought`: its reasoning,
+        None where it had none)."""
+        thought, content, calls = self.harmony.finish()
+        self._harmony_parts[0].append(thought)
+        self._harmony_parts[1].append(content)
+        reasoning_text = "".join(self._harmony_parts[0])
+        self.harmony_thought = reasoning_text if self.harmony.had_reasoning else None
+        content = "".join(self._harmony_parts[1])
+        return (content or None) if calls else content, calls
 
     def _prompt_pairs(self, entries: list) -> list:
         """The prompt's (token id, logprob) pairs; the first token's logprob is None (nothing predicts it). The ids
@@ -1224,6 +1292,17 @@ class _Choice:
         if self.format is None:
             return None
         return self.format.completion(pairs) if self.kind == "completion" else self.format.chat(pairs)
+
+
+class _HarmonyCount:
+    """A harmony reply's reasoning tokens (its analysis messages'), as its stream counted them: `ReasoningCount`'s
+    part in `_usage`."""
+
+    def __init__(self, stream: harmony.HarmonyStream):
+        self._stream = stream
+
+    def finish(self) -> int:
+        return self._stream.reasoning_tokens
 
 
 def _prompt_param(i: int, count: int) -> str:

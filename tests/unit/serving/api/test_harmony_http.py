@@ -1,0 +1,152 @@
+"""A GPT-OSS model's harmony replies over HTTP, through the official `openai` client against a real uvicorn server
+whose engine runs in its own process: the analysis channel comes back as `reasoning_content` (and counts as
+reasoning tokens), the final channel as `content`, a message to `functions.NAME` as a tool call of a declared
+function (else as text), streamed and not, in chat completions and the Responses API. The model is a tiny GPT-OSS
+checkpoint built to write given harmony replies (tests/harmony_models.py: its greedy reply is the one the request's
+logit_bias picks), so what is checked is how the server reads them: without it, the content would be the raw
+`<|channel|>final<|message|>...`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harmony_models import HarmonyModel, harmony_ids
+from test_serving_http import KEY, serving  # noqa: F401 (fixtures)
+
+FINAL = "<|channel|>final<|message|>The answer is 4.<|return|>"
+THINKING = "<|channel|>analysis<|message|>Thinking about the question..."  # cut short by max_tokens 5
+CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+WORDS = [
+    "final",
+    "analysis",
+    "commentary",
+    " to=functions.get_weather ",
+    "json",
+    "The answer is 4.",
+    "Thinking",
+    " about the question...",
+    '{"city": "Paris"}',
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> HarmonyModel:
+    model = HarmonyModel(tmp_path_factory.mktemp("gpt-oss"), [FINAL, THINKING, CALL], WORDS)
+    prompt = harmony_ids(
+        model.tokenizer, model.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    )
+    for reply in (FINAL, CALL):  # transformers' greedy reply is the one the bias picks: the fixture holds
+        assert model.greedy(prompt, reply, 20) == model.replies[reply]
+    assert model.greedy(prompt, THINKING, 5) == model.replies[THINKING]
+    return model
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    from openai import OpenAI
+
+    with serving(
+        str(model.directory), max_num_seqs=4, max_num_batched_tokens=64, kv_cache_tokens=2048, max_model_len=512
+    ) as (url, _):
+        yield OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _chat(client, model, reply: str, *, stream: bool = False, max_tokens: int = 20, **fields):
+    return client.chat.completions.create(
+        model="tiny",
+        messages=fields.pop("messages", QUESTION),
+        max_tokens=max_tokens,
+        temperature=0,
+        logit_bias=model.bias(reply),
+        stream=stream,
+        **fields,
+    )
+
+
+def _streamed(chunks) -> dict:
+    """A streamed chat reply put together: reasoning, content, tool calls (by index), finish reason, usage."""
+    out = {"reasoning": "", "content": "", "calls": {}, "finish": None, "usage": None}
+    for chunk in chunks:
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            out["reasoning"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            out["content"] += delta.content or ""
+            for call in delta.tool_calls or []:
+                entry = out["calls"].setdefault(call.index, {"name": "", "arguments": "", "id": None})
+                entry["id"] = entry["id"] or call.id
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+def test_the_final_channel_is_the_content(client, model) -> None:
+    reply = _chat(client, model, FINAL)
+    message = reply.choices[0].message
+    assert message.content == "The answer is 4." and reply.choices[0].finish_reason == "stop"
+    assert message.model_extra.get("reasoning_content") is None and not message.tool_calls
+    assert reply.usage.completion_tokens == 5  # the reply's tokens, its <|return|> included
+    streamed = _streamed(_chat(client, model, FINAL, stream=True, stream_options={"include_usage": True}))
+    assert (streamed["content"], streamed["reasoning"], streamed["calls"]) == ("The answer is 4.", "", {})
+    assert streamed["finish"] == "stop" and streamed["usage"].completion_tokens == 5
+
+
+def test_the_analysis_channel_is_the_reasoning_and_counts_as_reasoning_tokens(client, model) -> None:
+    reply = _chat(client, model, THINKING, max_tokens=5)
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"] == "Thinking about the question..."
+    assert message.content == "" and reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 5  # header, <|message|> and the text
+    streamed = _streamed(_chat(client, model, THINKING, max_tokens=5, stream=True))
+    assert (streamed["reasoning"], streamed["content"]) == ("Thinking about the question...", "")
+
+
+def test_a_call_of_a_declared_function_is_a_tool_call_and_the_loop_goes_on(client, model) -> None:
+    reply = _chat(client, model, CALL, tools=TOOLS)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_")
+    streamed = _streamed(_chat(client, model, CALL, tools=TOOLS, stream=True))
+    assert streamed["finish"] == "tool_calls" and streamed["content"] == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    # The call and its result fed back through the chat template; the model answers.
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    answer = _chat(client, model, FINAL, tools=TOOLS, messages=messages)
+    assert answer.choices[0].message.content == "The answer is 4." and answer.usage.prompt_tokens > 40
+
+
+def test_a_call_of_no_declared_function_is_text(client, model) -> None:
+    reply = _chat(client, model, CALL)  # no tools in the request
+    message = reply.choices[0].message
+    assert message.content == '{"city": "Paris"}' and not message.tool_calls
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_the_responses_api_reads_the_channels_too(client, model) -> None:
+    # Without a bias the replies' first tokens tie, and the lowest id, the final channel's, wins (as it does in
+    # transformers' argmax): the model answers.
+    response = client.responses.create(model="tiny", input="What is 2+2?", max_output_tokens=20, temperature=0)
+    assert response.output_text == "The answer is 4."
+    assert [item.type for item in response.output] == ["message"]
