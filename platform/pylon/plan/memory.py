@@ -108,9 +108,10 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
         and m.weight.dim() == 2
         and not name.endswith("shared_expert_gate")  # Qwen2-MoE's one-output gate stays in float, as the router
     ]
-    # An MoE layer's experts: 3-D weights [experts, out, in], quantized per expert and output channel as projections
-    # are (serving/model/moe.py); the router stays in float.
-    projections += [(p, p.shape[0] * p.shape[1]) for p in expert_weights(model)]
+    # An MoE layer's experts: 3-D weights [experts, out, in] (GPT-OSS's [experts, in, out]), quantized per expert and
+    # output channel as projections are (serving/model/moe.py); the router stays in float.
+    out_dim = 2 if config.model_type == "gpt_oss" else 1
+    projections += [(p, p.shape[0] * p.shape[out_dim]) for p in expert_weights(model)]
     params = list(model.parameters())  # each Parameter once, so tied embeddings count once
     trainable = sum(p.numel() for p in params if p.requires_grad)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())

@@ -550,3 +550,37 @@ def test_a_mixture_of_experts_model_counts_every_expert_in_memory_and_the_ones_a
     # One sequence reads the dense part and a quarter of the experts: decodes well past a dense model of its size.
     dense_bound = bf16.accelerator.bandwidth_gbs * 1e9 * 0.8 / bf16.weights
     assert bf16.single_stream_tps > 2 * dense_bound
+
+
+GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json (its MXFP4 quantization_config aside)
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "max_position_embeddings": 131072,
+    "vocab_size": 201088,
+    "tie_word_embeddings": False,
+}
+
+
+def test_gpt_oss_is_counted_with_its_biases_sinks_and_experts_as_stored() -> None:
+    """gpt-oss-20b, hand-counted: 20.9B parameters (its model card's 21B), 3.6B active per token; its experts' weights
+    stored [experts, in, out], so their output channels (one int8 scale each) are counted along the last dimension."""
+    shape = model_shape(model_config(ModelSpec(config=GPT_OSS_20B)))
+    h, heads, kv, d, experts, inter, layers, vocab = 2880, 64, 8, 64, 32, 2880, 24, 201088
+    attention = 2 * h * heads * d + 2 * h * kv * d + heads * d + 2 * kv * d + h + heads  # biases and sinks
+    expert_weights = experts * (h * 2 * inter + 2 * inter + inter * h + h)
+    router = experts * h + experts
+    per_layer = attention + expert_weights + router + 2 * h
+    assert shape.total_params == per_layer * layers + 2 * vocab * h + h == 20_914_757_184
+    assert shape.expert_params == experts * 3 * h * inter * layers and shape.expert_share == 0.125
+    attention_channels = heads * d + 2 * kv * d + h
+    assert shape.projection_channels == (attention_channels + experts * (2 * inter + h)) * layers
+    active = shape.total_params - shape.expert_params * 7 // 8 - vocab * h
+    assert 3.5e9 < active < 3.7e9  # the model card's 3.6B active
