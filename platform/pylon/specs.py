@@ -705,8 +705,8 @@ class HttpSpec(_Spec):
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None,
         description="a reasoning model's <think> block as chat replies' reasoning_content, the rest as content "
-        "(deepseek_r1: the chat template opens the block; qwen3: the model does); null: replies as generated. A harmony "
-        "model (gpt-oss) needs none: its channels are read by themselves",
+        "(deepseek_r1: the chat template opens the block; qwen3: the model does); null: replies as generated. A "
+        "harmony model (gpt-oss) needs none: its channels are read by themselves",
     )
     responses_store: Uri | None = Field(
         None,
