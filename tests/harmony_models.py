@@ -28,7 +28,7 @@ HARMONY_TEMPLATE = r"""
     {%- set ns.instructions = ns.instructions ~ ('\n\n' if ns.instructions else '') ~ m.content -%}
   {%- endif -%}
 {%- endfor -%}
-{{- '<|start|>system<|message|>You are a helpful assistant.\nReasoning: medium\n\n' -}}
+{{- '<|start|>system<|message|>You are a helpful assistant.\nReasoning: ' ~ (reasoning_effort or 'medium') ~ '\n\n' -}}
 {{- '# Valid channels: analysis, commentary, final.<|end|>' -}}
 {%- if ns.instructions or tools -%}
   {{- '<|start|>developer<|message|>' -}}

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 MAX_CHOICES = 16  # `n`: each choice is an engine request, and holds a slot of the batch
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables at most
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's reasoning_effort values (and gpt-oss's)
 MAX_BATCH_CHOICES = 64  # a batch of prompts x n: the engine requests one HTTP request may start
 
 
@@ -276,10 +277,18 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
     # vLLM's: the rendered chat tokenized with the special tokens the tokenizer adds too (a template writes its BOS)
     add_special_tokens: bool = False
+    # OpenAI's: how much a reasoning model thinks, given to its chat template as `reasoning_effort` (gpt-oss's
+    # template writes it into its system message; a template that does not read it ignores it)
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         check_template_kwargs(self.chat_template_kwargs)
+        if self.reasoning_effort is not None and "reasoning_effort" in (self.chat_template_kwargs or {}):
+            raise InvalidRequest(
+                "reasoning_effort is given twice (the field and chat_template_kwargs.reasoning_effort); give one",
+                param="chat_template_kwargs.reasoning_effort",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         tool_calls.check_tool_calls(self.messages)
@@ -328,12 +337,18 @@ class ChatCompletionRequest(_Request):
             tool_calls.template_messages([m.model_dump(exclude_none=True) for m in self.messages]),
             tools=plan.tools if plan is not None else None,
             tool_preamble=plan.preamble() if plan is not None else None,
-            template_kwargs=self.chat_template_kwargs,
+            template_kwargs=self.template_kwargs(),
             images=bool(parts),
         )
         if not parts:
             return text
         return ImagePrompt(text, tuple(image_bytes(url, where) for where, url in parts))
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort where given."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     def image_parts(self) -> list[tuple[str, object]]:
         """The messages' image_url parts in order: each one's field path and its URL (`image_url.url`, or a bare

@@ -65,7 +65,8 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # accepted; whether and how much a model reasons is its own
+    # {"effort": ...}: the chat's reasoning_effort (its template's variable); the rest ("summary") accepted
+    reasoning: dict[str, Any] | None = None
     store: bool | None = None  # keep the response (the default where the deployment has a store: see above)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
@@ -202,6 +203,14 @@ class ResponsesRequest(BaseModel):
                 body["response_format"] = response_format
         if self.chat_template_kwargs is not None:
             body["chat_template_kwargs"] = self.chat_template_kwargs
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:
+            if effort not in protocol.REASONING_EFFORTS:
+                raise InvalidRequest(
+                    f"reasoning.effort must be one of {', '.join(protocol.REASONING_EFFORTS)} (got {effort!r})",
+                    param="reasoning.effort",
+                )
+            body["reasoning_effort"] = effort
         try:
             chat = protocol.ChatCompletionRequest.model_validate(body)
             chat.check_supported()

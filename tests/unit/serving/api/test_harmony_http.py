@@ -150,3 +150,40 @@ def test_the_responses_api_reads_the_channels_too(client, model) -> None:
     response = client.responses.create(model="tiny", input="What is 2+2?", max_output_tokens=20, temperature=0)
     assert response.output_text == "The answer is 4."
     assert [item.type for item in response.output] == ["message"]
+
+
+def test_reasoning_effort_reaches_the_chat_template(client, model) -> None:
+    """OpenAI's reasoning_effort (chat) and reasoning.effort (Responses) are the template's `reasoning_effort`
+    (gpt-oss's system message says it); a value OpenAI does not have is a 400 naming the field."""
+    import openai
+
+    def rendered(effort: str) -> int:
+        text = model.tokenizer.apply_chat_template(
+            QUESTION, tokenize=False, add_generation_prompt=True, reasoning_effort=effort
+        )
+        assert f"Reasoning: {effort}\n" in text
+        return len(harmony_ids(model.tokenizer, text))
+
+    assert rendered("high") != rendered("minimal")
+    for effort in ("high", "minimal"):
+        reply = _chat(client, model, FINAL, reasoning_effort=effort)
+        assert reply.usage.prompt_tokens == rendered(effort)
+        response = client.responses.create(
+            model="tiny", input=QUESTION, max_output_tokens=20, temperature=0, reasoning={"effort": effort}
+        )
+        assert response.usage.input_tokens == rendered(effort)
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, model, FINAL, reasoning_effort="extreme")
+    assert e.value.body["param"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="hi", reasoning={"effort": "extreme"})
+    assert e.value.body["param"] == "reasoning.effort"
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(
+            client,
+            model,
+            FINAL,
+            reasoning_effort="low",
+            extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}},
+        )
+    assert e.value.body["param"] == "chat_template_kwargs.reasoning_effort"
