@@ -904,8 +904,8 @@ class PylonLLMServer:
         shape = "chat" if chat else "completion"
         speaks = None
         if read_harmony:
-            plan_ = body.tool_plan
-            speaks = (self._harmony, None if plan_ is None else plan_.functions)
+            tool_plan = body.tool_plan
+            speaks = (self._harmony, None if tool_plan is None else tool_plan.functions)
         choices = [
             _Choice(shape, body, prompts[i], self.engine.tokenizer, self._token_texts, parser, speaks) for i, _ in plan
         ]

@@ -205,6 +205,14 @@ def plan_serve(
             f"token); a decode step of n tokens reads the experts they pick, 1 - (1 - {shape.expert_share:.3g})^n of "
             "them with routing spread evenly"
         )
+    quant_method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
+    if quant_method == "mxfp4":  # gpt-oss's checkpoints: experts in MXFP4, dequantized by transformers at load
+        notes.append(
+            f"the checkpoint's experts are MXFP4 (~{_gib(shape.expert_params * 17 // 32)} on disk); the engine "
+            f"dequantizes them at load to {dtype} (transformers does where its MXFP4 kernels are not installed), so "
+            "they weigh as counted here"
+            + ("" if e.quantization != "none" else "; engine.quantization int8 (or fp8) halves them again")
+        )
     # A multimodal checkpoint's vision tower and projector, kept for requests with images (engine.max_images_per_prompt
     # > 0), unquantized, in the engine's dtype.
     vision = vision_params(spec.model, "model") if not given and e.max_images_per_prompt > 0 else 0

@@ -584,3 +584,24 @@ def test_gpt_oss_is_counted_with_its_biases_sinks_and_experts_as_stored() -> Non
     assert shape.projection_channels == (attention_channels + experts * (2 * inter + h)) * layers
     active = shape.total_params - shape.expert_params * 7 // 8 - vocab * h
     assert 3.5e9 < active < 3.7e9  # the model card's 3.6B active
+
+
+def test_an_mxfp4_checkpoint_is_planned_as_the_engine_loads_it(tmp_path: Path) -> None:
+    """gpt-oss ships its experts in MXFP4; the engine dequantizes them at load, so the plan counts bf16 weights (and
+    int8's with engine.quantization) and says so."""
+    directory = tmp_path / "gpt-oss-20b"
+    directory.mkdir()
+    (directory / "config.json").write_text(
+        json.dumps({**GPT_OSS_20B, "quantization_config": {"quant_method": "mxfp4"}})
+    )
+
+    def plan(quantization: str):
+        engine = {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536, "quantization": quantization}
+        spec = DeploymentSpec(name="oss", model=str(directory), replica={"num_gpus": 1}, engine=engine)
+        result = plan_serve(spec)
+        return next(r for r in result.rows if r.accelerator.name == "H200"), result.notes
+
+    (bf16, notes), (int8, quantized_notes) = plan("none"), plan("int8")
+    assert bf16.weights == 20_914_757_184 * 2 and int8.weights < 0.6 * bf16.weights
+    assert any("MXFP4" in n and "dequantizes them at load to bf16" in n and "int8" in n for n in notes)
+    assert any("MXFP4" in n and "halves" not in n for n in quantized_notes)
