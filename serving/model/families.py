@@ -54,6 +54,12 @@ every layer, as transformers masks it. Residual dropout is the identity in eval.
 The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are their dense siblings' attention (Mistral's, Qwen2's
 with projection biases, Qwen3's with per-head norms) with sparse MoE blocks for MLPs, which the runner computes from
 the loaded blocks' weights (`pylon.serving.model.moe`); a Qwen MoE's `mlp_only_layers` are dense MLPs, as loaded.
+GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) is Llama's attention with biased query, key and value
+projections, per-head query and key norms where `use_qk_norm`, and the rotary embedding of the first half of each head's
+dimensions (`partial_rotary_factor` 0.5, applied as Phi-3's); its first `first_k_dense_replace` layers are dense MLPs,
+the rest sparse blocks with shared experts beside the routed ones and DeepSeek-V3's router (sigmoid scores, a
+correction bias, groups of experts, a scaling factor). Its checkpoints' multi-token-prediction layer is not loaded
+(transformers skips it), so it is not used for speculation.
 
 GPT-OSS (`gpt_oss`: gpt-oss-20b, gpt-oss-120b) is an MoE family with an attention of its own: biases on every
 projection, windowed layers (a window of 128) and full ones by turns (`layer_types`), YaRN's rotary embedding
@@ -78,8 +84,9 @@ model's own (the rotary module's attention scaling, applied at every length, inc
 from __future__ import annotations
 
 # Mixture-of-experts families: their dense siblings' attention (Mixtral's is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's
-# Qwen3's; GPT-OSS's its own, below) and sparse MoE blocks for MLPs (pylon.serving.model.moe).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+# Qwen3's; GLM-4.5's Llama's with a partial rotary embedding; GPT-OSS's its own, below) and sparse MoE blocks for MLPs
+# (pylon.serving.model.moe).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")
 # Families whose attention has a learned sink per head: a logit that joins each query's softmax and takes its share of
 # the weight without a value (GPT-OSS's `sinks`); the runner passes each layer's to the attention.
 SINK_FAMILIES = ("gpt_oss",)

@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): each token's hidden state goes to the `top_k` of
-`num_experts` gated MLPs its router picks, and their outputs, weighted by the router, are summed.
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5): each token's hidden state goes to
+the `top_k` of `num_experts` gated MLPs its router picks, and their outputs, weighted by the router, are summed.
 
 The loaded model's sparse MoE blocks are replaced at load by `SparseMoE`, which computes what transformers' block
 computes (its router, then its experts) from the block's own weights:
@@ -11,7 +11,13 @@ computes (its router, then its experts) from the block's own weights:
    (two matmuls: gate and up in one `[2 x intermediate, hidden]` weight, then down, `down(act(gate) * up)`), and the
    weighted outputs scatter-added back to their tokens in expert order, as transformers adds them. An expert no
    token chose costs nothing. Batching mixes requests freely: routing is per token.
-3. Qwen2-MoE's shared expert: a dense MLP every token runs, scaled by sigmoid(shared_expert_gate(x)), added.
+3. Qwen2-MoE's shared expert: a dense MLP every token runs, scaled by sigmoid(shared_expert_gate(x)), added;
+   GLM-4.5's shared experts likewise, unscaled.
+
+GLM-4.5's router (Glm4MoeTopkRouter, DeepSeek-V3's "noaux_tc") differs in step 1: sigmoid scores in float32, a
+correction bias (`e_score_correction_bias`) added to them to choose, within the best `topk_group` of `n_group`
+groups of experts, and the chosen experts weighted by their uncorrected scores, renormalised, times
+`routed_scaling_factor` (`SparseMoE._route_grouped`).
 
 GPT-OSS's blocks (`router` for `gate`) differ in each part, as GptOssTopKRouter and GptOssExperts compute them: the
 router has a bias and softmaxes its top_k logits among themselves (in the model's dtype); each expert's weights are
@@ -152,6 +158,14 @@ class SparseMoE(torch.nn.Module):
         router = block.router if self.gpt_oss else block.gate
         self.router = router.weight.detach()  # [num_experts, hidden]
         self.router_bias = router.bias.detach() if getattr(router, "bias", None) is not None else None
+        # GLM-4.5's (DeepSeek-V3's) router: sigmoid scores; experts chosen by the scores plus a correction bias within
+        # the best topk_group of n_group groups; weighted by their own scores, renormalised, times a scaling factor.
+        correction = getattr(router, "e_score_correction_bias", None)
+        self.correction = None if correction is None else correction.detach()
+        if self.correction is not None:
+            self.groups, self.topk_group = router.num_group, router.topk_group
+            self.routed_scaling = float(router.routed_scaling_factor)
+            self.renormalise = bool(router.norm_topk_prob)
         self.act = None if self.gpt_oss else experts.act_fn
         self.alpha, self.limit = (experts.alpha, experts.limit) if self.gpt_oss else (None, None)
         transposed = self.gpt_oss  # GptOssExperts' weights are [experts, in, out]
@@ -185,14 +199,20 @@ class SparseMoE(torch.nn.Module):
         self._gate_up_t, self._down_t = as_in_out(experts.gate_up_proj), as_in_out(experts.down_proj)
         self._gate_up_bias = None if gate_up_bias is None else gate_up_bias.detach()
         self._down_bias = None if down_bias is None else down_bias.detach()
-        self.shared = getattr(block, "shared_expert", None)  # Qwen2-MoE: a dense MLP module
-        self.shared_gate = None if self.shared is None else block.shared_expert_gate.weight.detach()  # [1, hidden]
+        # Qwen2-MoE's shared expert (a dense MLP module, gated), GLM-4.5's shared experts (one dense MLP, ungated)
+        self.shared = getattr(block, "shared_expert", None)
+        if self.shared is None:
+            self.shared = getattr(block, "shared_experts", None)
+        gate = getattr(block, "shared_expert_gate", None)
+        self.shared_gate = None if gate is None else gate.weight.detach()  # [1, hidden]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top_k experts `[rows, top_k]` and their weights, as the family's router computes them."""
         if self.gpt_oss:  # GptOssTopKRouter: the top_k logits, softmaxed among themselves in the model's dtype
             top, experts = torch.topk(F.linear(x, self.router, self.router_bias), self.top_k, dim=-1)
             return experts, torch.softmax(top, dim=1, dtype=top.dtype)
+        if self.correction is not None:
+            return self._route_grouped(x)
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
@@ -200,6 +220,23 @@ class SparseMoE(torch.nn.Module):
         if self.scores_in_model_dtype:
             weights = weights.to(x.dtype)
         return experts, weights
+
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Glm4MoeTopkRouter's (DeepSeek-V3's noaux_tc) routing, in float32 as it computes it: each group's score the
+        sum of its best two corrected scores, the best topk_group groups' experts eligible, their top_k chosen by the
+        corrected scores and weighted by the plain ones (renormalised where norm_topk_prob), times routed_scaling."""
+        scores = F.linear(x.float(), self.router.float()).sigmoid()
+        choice = scores + self.correction
+        rows, per_group = len(x), self.num_experts // self.groups
+        group_scores = choice.view(rows, self.groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        eligible = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+        eligible = eligible[:, :, None].expand(rows, self.groups, per_group).reshape(rows, self.num_experts)
+        experts = torch.topk(choice.masked_fill(~eligible, float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.renormalise:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.routed_scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -257,6 +294,8 @@ class SparseMoE(torch.nn.Module):
         """Each token's weighted expert outputs `y` (rows in expert order, their tokens `tokens`) summed, plus the
         shared expert's output where the block has one."""
         out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+        if self.shared is not None and self.shared_gate is None:
+            return out + self.shared(x)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out

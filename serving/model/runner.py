@@ -360,7 +360,7 @@ class ModelRunner:
             self._qkv_sizes = (q_size, kv_size, kv_size)
         self._apply_rope: Callable = (
             apply_partial_rotary_pos_emb
-            if model_type == "phi3"
+            if model_type in ("phi3", "glm4_moe")  # the first cos.shape[-1] dimensions of each head rotated
             else apply_interleaved_rotary_pos_emb
             if model_type in PARALLEL_FAMILIES
             else apply_half_rotary_pos_emb

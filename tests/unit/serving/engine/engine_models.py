@@ -121,6 +121,26 @@ LLAMA_LIKE = {
         "moe_intermediate_size": 64,
         "norm_topk_prob": True,
     },
+    # GLM-4.5 (GLM-4.5-Air: 128 experts, top 8, 1 group; the first layer dense; a shared expert; scaling 1): 8 experts
+    # in 2 groups, the best 1 group's experts eligible, top 3, scaled by 2.5, its correction bias off zero (the
+    # fixture's), per-head query and key norms (use_qk_norm, as GLM-4.5's) and half of each head rotated.
+    "glm4_moe": {
+        **FAMILIES["llama"],
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_group": 2,
+        "topk_group": 1,
+        "moe_intermediate_size": 64,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+    },
     # GPT-OSS (gpt-oss-20b: 32 experts, top 4, a window of 128 in every other layer, YaRN over 4096 positions): 4
     # experts, top 2, a window of 16 in layers 0 and 2, YaRN over 64 positions (its attention scaling off 1), and the
     # SwiGLU's clamp at 1 (its checkpoints' 7 would rarely bind on a random model this small; at 1 it changes every
@@ -211,6 +231,9 @@ class Family:
                 for key, p in self.model.named_parameters():
                     if key.endswith("bias") or "norm" in key:
                         p.add_(torch.randn_like(p) * initializer_range * 0.5)
+                for key, b in self.model.named_buffers():  # GLM-4.5's router correction (zeros at init)
+                    if key.endswith("e_score_correction_bias"):
+                        b.add_(torch.randn_like(b) * initializer_range * 0.2)
         self.model.save_pretrained(directory)
         self.model.to(DEVICE)
         # What `pylon export` writes: the run's tokenizer identity (TokenizerInfo) as JSON.

@@ -1,6 +1,6 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS,
-with its attention sinks and its MXFP4 checkpoints) in the engine:
+Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and
+GPT-OSS, with its attention sinks and its MXFP4 checkpoints) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
 int8 projections computing the dequantized model (an MoE model's experts quantized too); LoRA adapters computing what
@@ -173,6 +173,8 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         assert config.sliding_window is None and family.model.model.rotary_emb.attention_scaling == 1.0
     if family.name == "gpt_oss":
         check_gpt_oss_parts_matter(family)
+    if family.name == "glm4_moe":
+        check_glm4_moe_parts_matter(family)
     if family.name in MOE_MODEL_TYPES:
         check_experts_matter(family)
     assert sum(a != b for a, b in zip(family.greedy, family.greedy[1:])) >= len(PROMPTS) - 2  # context-dependent
@@ -210,6 +212,32 @@ def check_gpt_oss_parts_matter(family) -> None:
     changes("experts' biases", biases, lambda p: p.data.zero_())
 
 
+def check_glm4_moe_parts_matter(family) -> None:
+    """GLM-4.5's half-rotated heads, its router's correction bias, groups and scaling each change transformers'
+    continuations: an engine that left one out could not pass the parity below."""
+    model = family.model
+    layer = model.model.layers[1]
+    assert model.model.rotary_emb.inv_freq.numel() * 2 == 16 < layer.self_attn.head_dim  # 16 of 32 dimensions
+    assert layer.self_attn.q_proj.bias.abs().sum() > 0 and layer.self_attn.q_norm.weight.numel() == 32
+    routers = [model.model.layers[i].mlp.gate for i in (1, 2)]
+    assert all(r.e_score_correction_bias.abs().sum() > 0 for r in routers)
+
+    def changes(part: str, name: str, value) -> None:
+        kept = [getattr(r, name) for r in routers]
+        for r in routers:
+            setattr(r, name, value if not isinstance(value, torch.Tensor) else torch.zeros_like(getattr(r, name)))
+        try:
+            changed = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS[:4]]
+        finally:
+            for r, v in zip(routers, kept):
+                setattr(r, name, v)
+        assert sum(a != b for a, b in zip(changed, family.greedy)) >= 3, part
+
+    changes("the correction bias", "e_score_correction_bias", torch.zeros(1))
+    changes("groups", "topk_group", 2)  # every group eligible
+    changes("routed_scaling_factor", "routed_scaling_factor", 1.0)
+
+
 def check_experts_matter(family) -> None:
     """Every expert of every MoE layer is picked by some prompt token (an engine that never ran one could pass the
     parity otherwise), and the router's weights as the family computes them matter: flipped renormalisation changes
@@ -224,6 +252,7 @@ def check_experts_matter(family) -> None:
         "qwen2_moe": "model.layers.0.mlp.experts.5.gate_proj.weight",
         "qwen3_moe": "model.layers.1.mlp.experts.7.down_proj.weight",
         "gpt_oss": "model.layers.3.mlp.experts.gate_up_proj_bias",  # its checkpoints keep the 3-D weights
+        "glm4_moe": "model.layers.2.mlp.experts.7.up_proj.weight",
     }
     assert per_expert[family.name] in keys, sorted(keys)[:8]
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -231,6 +260,8 @@ def check_experts_matter(family) -> None:
         assert sparse == [0] and hasattr(model.model.layers[0].mlp, "shared_expert")
         assert model.model.layers[0].mlp.shared_expert_gate.weight.abs().sum() > 0
         assert not hasattr(model.model.layers[1].mlp, "experts")  # mlp_only_layers: dense
+    elif family.name == "glm4_moe":  # first_k_dense_replace: layer 0 dense; shared experts beside the routed ones
+        assert sparse == [1, 2] and hasattr(model.model.layers[1].mlp, "shared_experts")
     else:
         assert sparse == list(range(len(model.model.layers)))
     picked = {i: set() for i in sparse}
@@ -297,7 +328,9 @@ def fixed_shape_decodes(engine: LLMEngine) -> None:
         runner.decode_graphs.capture_all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "phi3", "granite", "cohere", "cohere2", "gpt_oss"])
+@pytest.mark.parametrize(
+    "name", ["qwen3", "gemma3_text", "gemma2", "phi3", "granite", "cohere", "cohere2", "gpt_oss", "glm4_moe"]
+)
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     """Gemma 3's through its soft cap (final_logit_softcapping), Gemma 2's through both of its caps, in eager steps
     and fixed-shape decode steps; Granite's logits divided by logits_scaling."""
@@ -555,10 +588,12 @@ def test_int8_projections_compute_the_dequantized_model(family) -> None:
     if family.name == "phi3":  # its fused projections, quantized whole
         assert isinstance(attention.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
     elif family.name in MOE_MODEL_TYPES:  # each expert's two weights, and the shared expert's projections
-        assert isinstance(layer.mlp, SparseMoE) and all(isinstance(e, QuantLinear) for e in layer.mlp.gate_up)
-        assert all(isinstance(e, QuantLinear) for e in layer.mlp.down) and layer.mlp.router.dtype == torch.float32
-        if family.name == "qwen2_moe":
-            assert isinstance(layer.mlp.shared.down_proj, QuantLinear)
+        layers = engine.runner.model.model.layers
+        sparse = next(layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE))  # (GLM-4.5's layer 0 dense)
+        assert all(isinstance(e, QuantLinear) for e in sparse.gate_up)
+        assert all(isinstance(e, QuantLinear) for e in sparse.down) and sparse.router.dtype == torch.float32
+        if family.name in ("qwen2_moe", "glm4_moe"):
+            assert isinstance(sparse.shared.down_proj, QuantLinear)
     else:
         assert isinstance(attention.q_proj, QuantLinear)
     assert isinstance(attention.o_proj, QuantLinear)
