@@ -54,6 +54,12 @@ every layer, as transformers masks it. Residual dropout is the identity in eval.
 The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are their dense siblings' attention (Mistral's, Qwen2's
 with projection biases, Qwen3's with per-head norms) with sparse MoE blocks for MLPs, which the runner computes from
 the loaded blocks' weights (`pylon.serving.model.moe`); a Qwen MoE's `mlp_only_layers` are dense MLPs, as loaded.
+GLM-4 (`glm4`: GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1) is Llama with biased query, key and value projections, a rotary
+embedding of interleaved pairs over the first half of each head's dimensions (its own `apply_rotary_pos_emb`), its
+MLP's gate and up in one projection (`gate_up_proj`, as Phi-3's), and four norms a layer: the attention's output
+normalised (`post_self_attn_layernorm`) before it joins the residual, `post_attention_layernorm` the MLP's input norm,
+and the MLP's output normalised (`post_mlp_layernorm`).
+
 GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) is Llama's attention with biased query, key and value
 projections, per-head query and key norms where `use_qk_norm`, and the rotary embedding of the first half of each head's
 dimensions (`partial_rotary_factor` 0.5, applied as Phi-3's); its first `first_k_dense_replace` layers are dense MLPs,
@@ -105,6 +111,7 @@ LLAMA_FAMILIES = (
     "starcoder2",
     "cohere",
     "cohere2",
+    "glm4",
     *MOE_MODEL_TYPES,
 )
 # Cohere's layers run the attention and the MLP side by side on the same normed input (one LayerNorm a layer, no bias:

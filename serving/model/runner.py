@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as apply_interleaved_rotary_pos_emb
+from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as apply_interleaved_partial_rotary_pos_emb
 from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as apply_half_rotary_pos_emb
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial_rotary_pos_emb
@@ -336,6 +337,9 @@ class ModelRunner:
         # Norms of the attention's and the MLP's outputs (Gemma 2 and 3, OLMo 2: post_feedforward_layernorm), and of
         # their inputs (every family but OLMo 2, whose layers normalise outputs only: no input_layernorm).
         self._output_norms = first is not None and hasattr(first, "post_feedforward_layernorm")
+        # GLM-4's names for them: post_self_attn_layernorm and post_mlp_layernorm (post_attention_layernorm: the MLP's
+        # input norm, as Llama's).
+        self._glm_norms = first is not None and hasattr(first, "post_mlp_layernorm")
         self._input_norms = first is None or hasattr(first, "input_layernorm")
         # Per-head query and key norms (Qwen3, Gemma 3), or norms over the whole projection (OLMo 2's q_norm and k_norm:
         # over heads x head_dim), or none.
@@ -365,6 +369,8 @@ class ModelRunner:
             if model_type in PARALLEL_FAMILIES
             else apply_half_rotary_pos_emb
             if model_type == "gpt_oss"  # its rotary embedding's cos and sin span half a head (families.py)
+            else apply_interleaved_partial_rotary_pos_emb
+            if model_type == "glm4"
             else apply_rotary_pos_emb
         )
         # The layers that rotate (all but SmolLM3's NoPE layers: its config's no_rope_layers holds 0 for those; Cohere
@@ -948,6 +954,12 @@ class ModelRunner:
                 o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
                 h = h + o + (layer.mlp(x) if rows is None else self._mlp(layer, x, rows, i))
                 continue
+            if self._glm_norms:  # GLM-4: the attention's and the MLP's outputs normalised before they join h
+                o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
+                h = h + layer.post_self_attn_layernorm(o)
+                x = layer.post_attention_layernorm(h)
+                h = h + layer.post_mlp_layernorm(layer.mlp(x) if rows is None else self._mlp(layer, x, rows, i))
+                continue
             # Gemma 2 and 3, OLMo 2: the attention's and the MLP's outputs normalised before they join h
             if output_norms:
                 o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
@@ -978,7 +990,7 @@ class ModelRunner:
         if hasattr(mlp, "c_fc"):  # Starcoder2MLP's forward: c_proj(act(c_fc(x))), no gate
             up = mlp.act(rows.add(mlp.c_fc(x), x, i, "mlp.c_fc"))
             return rows.add(mlp.c_proj(up), up, i, "mlp.c_proj")
-        if self._fused:  # Phi3MLP's forward: gate then up in one projection, up * act(gate)
+        if hasattr(mlp, "gate_up_proj"):  # Phi3MLP's and Glm4MLP's forward: gate then up in one projection
             gate, up = rows.add(mlp.gate_up_proj(x), x, i, "mlp.gate_up_proj").chunk(2, dim=-1)
             up = up * mlp.activation_fn(gate)
             return rows.add(mlp.down_proj(up), up, i, "mlp.down_proj")

@@ -121,6 +121,9 @@ LLAMA_LIKE = {
         "moe_intermediate_size": 64,
         "norm_topk_prob": True,
     },
+    # GLM-4 (GLM-4-9B-0414) as it is: biased query, key and value projections, half of each head rotated by
+    # interleaved pairs, its fused MLP and four norms a layer.
+    "glm4": {**FAMILIES["llama"], "head_dim": 32, "attention_bias": True, "partial_rotary_factor": 0.5},
     # GLM-4.5 (GLM-4.5-Air: 128 experts, top 8, 1 group; the first layer dense; a shared expert; scaling 1): 8 experts
     # in 2 groups, the best 1 group's experts eligible, top 3, scaled by 2.5, its correction bias off zero (the
     # fixture's), per-head query and key norms (use_qk_norm, as GLM-4.5's) and half of each head rotated.

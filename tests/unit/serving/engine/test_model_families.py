@@ -1,5 +1,5 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and
+Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, GLM-4, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and
 GPT-OSS, with its attention sinks and its MXFP4 checkpoints) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
@@ -43,6 +43,7 @@ from test_serving_quant_engine import _dequantized_copy, _greedy, _last_logits, 
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial_rotary_pos_emb
 
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import LLMEngine
@@ -64,6 +65,7 @@ FAMILY_PROJECTIONS = (
     {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
     | dict.fromkeys(MOE_MODEL_TYPES, ALL_PROJECTIONS[:4])
     | {"starcoder2": [*ALL_PROJECTIONS[:4], "c_fc", "c_proj"]}
+    | {"glm4": [*ALL_PROJECTIONS[:4], "gate_up_proj", "down_proj"]}
 )
 
 
@@ -175,6 +177,19 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         check_gpt_oss_parts_matter(family)
     if family.name == "glm4_moe":
         check_glm4_moe_parts_matter(family)
+    if family.name == "glm4":  # four norms, a fused MLP; its interleaved rotation changes transformers' continuations
+        assert hasattr(layer, "post_self_attn_layernorm") and layer.post_mlp_layernorm.weight.std() > 0
+        assert hasattr(layer.mlp, "gate_up_proj") and layer.self_attn.q_proj.bias.abs().sum() > 0
+        assert family.model.model.rotary_emb.inv_freq.numel() * 2 == 16 < layer.self_attn.head_dim
+        import transformers.models.glm4.modeling_glm4 as glm4
+
+        interleaved = glm4.apply_rotary_pos_emb
+        glm4.apply_rotary_pos_emb = apply_partial_rotary_pos_emb  # Phi-3's: the first half's halves, not pairs
+        try:
+            halves = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS[:4]]
+        finally:
+            glm4.apply_rotary_pos_emb = interleaved
+        assert sum(a != b for a, b in zip(halves, family.greedy)) >= 3
     if family.name in MOE_MODEL_TYPES:
         check_experts_matter(family)
     assert sum(a != b for a, b in zip(family.greedy, family.greedy[1:])) >= len(PROMPTS) - 2  # context-dependent
