@@ -67,6 +67,19 @@ the rest sparse blocks with shared experts beside the routed ones and DeepSeek-V
 correction bias, groups of experts, a scaling factor). Its checkpoints' multi-token-prediction layer is not loaded
 (transformers skips it), so it is not used for speculation.
 
+DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3, V3.1, R1, Kimi K2, Moonlight) has GLM-4.5's MoE blocks (DeepSeek's router,
+shared experts, dense first layers) and multi-head latent attention (MLA): each token's keys and values are one
+latent of `kv_lora_rank` dimensions (after `kv_a_layernorm`) that `kv_b_proj` expands into every head's key (its
+`qk_nope_head_dim` part) and value, beside a `qk_rope_head_dim` key part shared by the heads and rotated (in interleaved
+pairs where `rope_interleave`, as its checkpoints). The engine caches the latent and the rotated part, `kv_lora_rank +
+qk_rope_head_dim` numbers a token and layer (576 for V3, against 128 heads x 2 x 192 expanded), one "kv head" that all
+query heads share, and computes attention over it with the expansion folded into the queries and the outputs (the
+weights absorbed, as DeepSeek's and vLLM's MLA kernels do): each head's query part is multiplied by its slice of
+`kv_b_proj` (the key half) into the latent's space, the rotated parts appended, and the attention output over the
+latents multiplied by the value half: the same scores and outputs as the expanded keys and values give, at a
+fraction of the cache. Its attention scale is `qk_head_dim ** -0.5` times YaRN's mscale squared, as the module sets it.
+Its multi-token-prediction layer is not loaded. LoRA adapters adapt its `o_proj` only.
+
 GPT-OSS (`gpt_oss`: gpt-oss-20b, gpt-oss-120b) is an MoE family with an attention of its own: biases on every
 projection, windowed layers (a window of 128) and full ones by turns (`layer_types`), YaRN's rotary embedding
 rotating the two halves of each head (its own `apply_rotary_pos_emb`, whose cos and sin span half a head), and a
@@ -92,7 +105,10 @@ from __future__ import annotations
 # Mixture-of-experts families: their dense siblings' attention (Mixtral's is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's
 # Qwen3's; GLM-4.5's Llama's with a partial rotary embedding; GPT-OSS's its own, below) and sparse MoE blocks for MLPs
 # (pylon.serving.model.moe).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3")
+# Families whose attention is multi-head latent attention (DeepSeek-V3's MLA, below): the cache holds one compressed
+# latent per token and layer, not keys and values per head.
+MLA_FAMILIES = ("deepseek_v3",)
 # Families whose attention has a learned sink per head: a logit that joins each query's softmax and takes its share of
 # the weight without a value (GPT-OSS's `sinks`); the runner passes each layer's to the attention.
 SINK_FAMILIES = ("gpt_oss",)

@@ -57,6 +57,9 @@ PROJECTIONS = (
     # Mixture-of-experts families: the attention's projections (the experts are 3-D weights, not modules, and
     # peft's LoRA on them, target_parameters, is refused below).
     | dict.fromkeys(MOE_MODEL_TYPES, _LLAMA_PROJECTIONS[:4])
+    # DeepSeek-V3's latent attention: its output projection (its query and latent projections are absorbed into the
+    # attention at load: pylon.serving.model.families).
+    | {"deepseek_v3": ("self_attn.o_proj",)}
     # StarCoder2's plain MLP (c_proj(act(c_fc(x)))).
     | {"starcoder2": (*_LLAMA_PROJECTIONS[:4], "mlp.c_fc", "mlp.c_proj")}
 )

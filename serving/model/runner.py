@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as apply_interleaved_rotary_pos_emb
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
 from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as apply_interleaved_partial_rotary_pos_emb
 from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as apply_half_rotary_pos_emb
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -56,6 +57,7 @@ from pylon.serving.model.attention import (
 from pylon.serving.model.families import (
     FP16_UNSAFE,
     LLAMA_FAMILIES,
+    MLA_FAMILIES,
     MOE_MODEL_TYPES,
     PARALLEL_FAMILIES,
     SINK_FAMILIES,
@@ -409,6 +411,26 @@ class ModelRunner:
         self.pad_rows = self.packed_linear and switched_on("PYLON_PADDED_ROWS")
         if model_type == "gpt2":
             self._gpt2 = _GPT2Weights.of(self.model, packed=self.packed_linear, quantization=quantization)
+        # DeepSeek's latent attention (families.py): each layer's kv_b_proj split into its key and value halves
+        # ([heads, qk_nope_head_dim or v_head_dim, kv_lora_rank]), absorbed into the queries and outputs (with
+        # engine.quantization, its weights' round trip through it, in float); the module itself dropped.
+        self._mla = None
+        if model_type in MLA_FAMILIES:
+            self._mla = []
+            for layer in self.model.model.layers:
+                attn = layer.self_attn
+                w = attn.kv_b_proj.weight.detach()
+                if quantization != "none":  # as quantized as the other projections: their round trip, absorbed
+                    w = quant.QuantWeight(w, quantization).dequantized(self.dtype)
+                w = w.view(attn.num_heads, -1, attn.kv_lora_rank)
+                keys, values = w.split([attn.qk_nope_head_dim, attn.v_head_dim], dim=1)
+                self._mla.append((keys.contiguous(), values.contiguous()))
+                attn.kv_b_proj = None
+            self._mla_rope = (
+                deepseek_v3.apply_rotary_pos_emb_interleave
+                if getattr(config, "rope_interleave", False)
+                else deepseek_v3.apply_rotary_pos_emb
+            )
         # Mixture-of-experts layers (Mixtral, Qwen MoE): their sparse blocks computed by pylon.serving.model.moe, the
         # experts' weights quantized there with the rest, else kept as loaded (torch's matmul: see moe.py).
         self.moe_layers, self.moe_grouped = 0, False
@@ -451,6 +473,8 @@ class ModelRunner:
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        if self._mla is not None:  # one latent and its rotated part a token, shared by every head
+            num_kv_heads, head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         self.k_cache = [
             new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype, device=self.device)
             for _ in range(config.num_hidden_layers)
@@ -923,6 +947,17 @@ class ModelRunner:
                 cos, sin = ropes[rope_types[i]]
             attn = layer.self_attn
             x = layer.input_layernorm(h) if input_norms else h
+            if self._mla is not None:  # DeepSeek: attention over latents (`_mla_attention`)
+                a, h = self._mla_attention(i, i == last, attn, x, h, cos[0], sin[0], meta, final)
+                if a is None:
+                    break
+                if i == last and adapters is not None:
+                    rows = adapters.finals
+                o = attn.o_proj(a) if rows is None else rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
+                h = h + o
+                x = layer.post_attention_layernorm(h)
+                h = h + (layer.mlp(x) if rows is None else self._mlp(layer, x, rows, i))
+                continue
             if fused:  # Phi-3: one projection, queries then keys then values along its output
                 qkv = attn.qkv_proj(x)
                 if rows is not None:
@@ -980,6 +1015,43 @@ class ModelRunner:
             h = h + rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
             h = h + self._mlp(layer, layer.post_attention_layernorm(h), rows, i)
         return llama.norm(h)
+
+    def _mla_attention(
+        self,
+        i: int,
+        last: bool,
+        attn,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        final: Final,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Layer i's latent attention (DeepSeek-V3's MLA; families.py), `[rows, heads x v_head_dim]` before o_proj,
+        and the hidden states it joins (`_attend`'s). The cache holds each token's normed latent and rotated key part
+        (one kv head); each head's query part times its key half of kv_b_proj is its query in the latent's space, so
+        the scores are the expanded keys' scores, and the output over the latents times the value half is the
+        expanded values' output."""
+        keys_half, values_half = self._mla[i]  # [heads, nope, rank], [heads, v, rank]
+        heads, nope, rank = keys_half.shape
+        rope = attn.qk_rope_head_dim
+        T = len(x)
+        if attn.q_lora_rank is None:
+            queries = attn.q_proj(x)
+        else:
+            queries = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q_pass, q_rot = queries.view(T, heads, nope + rope).split([nope, rope], dim=-1)
+        latent, k_rot = attn.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
+        latent = attn.kv_a_layernorm(latent)
+        q_rot, k_rot = self._mla_rope(q_rot, k_rot.view(T, 1, rope), cos, sin, unsqueeze_dim=1)
+        q = torch.cat([torch.einsum("thn,hnr->thr", q_pass, keys_half), q_rot], dim=-1)  # [T, heads, rank + rope]
+        k = torch.cat([latent.view(T, 1, rank), k_rot], dim=-1)  # [T, 1, rank + rope]: its values too
+        a, h = self._attend(i, last, q, k, k, h, meta, final, attn.scaling)
+        if a is None:
+            return None, h
+        out = torch.einsum("thr,hvr->thv", a[..., :rank], values_half)  # the values' output, per head
+        return out.reshape(len(h), -1), h
 
     def _mlp(self, layer, x: torch.Tensor, rows: lora.Rows, i: int) -> torch.Tensor:
         """Layer i's MLP of `x` with `rows`' adapters' deltas on its projections (an MoE layer's are not adapted:

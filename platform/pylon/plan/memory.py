@@ -117,6 +117,7 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     heads = config.num_attention_heads
     hidden = config.hidden_size
+    latent = (config.kv_lora_rank + config.qk_rope_head_dim) if getattr(config, "kv_lora_rank", None) else 0
     return ModelShape(
         total_params=sum(p.numel() for p in params),
         trainable_params=trainable,
@@ -128,8 +129,9 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
         hidden_size=hidden,
         vocab_size=config.vocab_size,
         intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        # DeepSeek's latent attention: the engine caches one latent and rotated part a token and layer (its "kv head")
+        kv_heads=1 if latent else getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=latent or getattr(config, "head_dim", None) or hidden // heads,
         projection_params=sum(w.numel() for w, _ in projections),
         projection_channels=sum(channels for _, channels in projections),
         expert_params=experts,

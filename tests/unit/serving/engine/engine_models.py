@@ -144,6 +144,39 @@ LLAMA_LIKE = {
         "attention_bias": True,
         "partial_rotary_factor": 0.5,
     },
+    # DeepSeek-V3 (671B: 128 heads, a query rank of 1536, a latent of 512 and 64 rotated dimensions, keys' other
+    # parts 128 and values 128; 256 experts in 8 groups, the best 4 eligible, top 8; 3 dense layers; YaRN x40): 4
+    # heads, a query rank of 48, a latent of 32 and 16 rotated dimensions, keys' other parts 32 and values 24 (apart, so
+    # that the halves of kv_b_proj cannot be swapped unseen), GLM-4.5's fixture's experts, YaRN x4 with its mscale.
+    "deepseek_v3": {
+        **FAMILIES["llama"],
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 3,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 24,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_group": 2,
+        "topk_group": 1,
+        "moe_intermediate_size": 64,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "rope_interleave": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
     # GPT-OSS (gpt-oss-20b: 32 experts, top 4, a window of 128 in every other layer, YaRN over 4096 positions): 4
     # experts, top 2, a window of 16 in layers 0 and 2, YaRN over 64 positions (its attention scaling off 1), and the
     # SwiGLU's clamp at 1 (its checkpoints' 7 would rarely bind on a random model this small; at 1 it changes every

@@ -1,6 +1,6 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, GLM-4, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and
-GPT-OSS, with its attention sinks and its MXFP4 checkpoints) in the engine:
+Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, GLM-4, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5,
+DeepSeek-V3 with its latent attention, and GPT-OSS, with its attention sinks and its MXFP4 checkpoints) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
 int8 projections computing the dequantized model (an MoE model's experts quantized too); LoRA adapters computing what
@@ -175,8 +175,10 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         assert config.sliding_window is None and family.model.model.rotary_emb.attention_scaling == 1.0
     if family.name == "gpt_oss":
         check_gpt_oss_parts_matter(family)
-    if family.name == "glm4_moe":
-        check_glm4_moe_parts_matter(family)
+    if family.name in ("glm4_moe", "deepseek_v3"):
+        check_deepseek_router_matters(family)
+    if family.name == "deepseek_v3":
+        check_latent_attention(family)
     if family.name == "glm4":  # four norms, a fused MLP; its interleaved rotation changes transformers' continuations
         assert hasattr(layer, "post_self_attn_layernorm") and layer.post_mlp_layernorm.weight.std() > 0
         assert hasattr(layer.mlp, "gate_up_proj") and layer.self_attn.q_proj.bias.abs().sum() > 0
@@ -227,13 +229,32 @@ def check_gpt_oss_parts_matter(family) -> None:
     changes("experts' biases", biases, lambda p: p.data.zero_())
 
 
-def check_glm4_moe_parts_matter(family) -> None:
-    """GLM-4.5's half-rotated heads, its router's correction bias, groups and scaling each change transformers'
-    continuations: an engine that left one out could not pass the parity below."""
+def check_latent_attention(family) -> None:
+    """DeepSeek-V3's latent attention: the engine caches one latent and rotated part a token and layer (48 numbers
+    here, against 4 heads x (56 + 24) expanded), and its parts each change transformers' continuations: the YaRN
+    mscale in the scale, the interleaved rotation."""
+    model, config = family.model, family.model.config
+    attn = model.model.layers[0].self_attn
+    assert attn.scaling > attn.qk_head_dim**-0.5 * 1.1 and attn.q_lora_rank == 48  # YaRN's mscale squared
+    engine = family.engine()
+    assert [tuple(k.shape) for k in engine.runner.k_cache] == [(1, 2048 // 16, 16, 32 + 16)] * 3
+    assert all(layer.self_attn.kv_b_proj is None for layer in engine.runner.model.model.layers)  # absorbed
+    config.rope_interleave = False
+    try:
+        halves = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS[:4]]
+    finally:
+        config.rope_interleave = True
+    assert sum(a != b for a, b in zip(halves, family.greedy)) >= 3
+
+
+def check_deepseek_router_matters(family) -> None:
+    """DeepSeek's router (GLM-4.5's too): its correction bias, groups and scaling each change transformers'
+    continuations: an engine that left one out could not pass the parity below. GLM-4.5's half-rotated heads."""
     model = family.model
     layer = model.model.layers[1]
-    assert model.model.rotary_emb.inv_freq.numel() * 2 == 16 < layer.self_attn.head_dim  # 16 of 32 dimensions
-    assert layer.self_attn.q_proj.bias.abs().sum() > 0 and layer.self_attn.q_norm.weight.numel() == 32
+    if family.name == "glm4_moe":
+        assert model.model.rotary_emb.inv_freq.numel() * 2 == 16 < layer.self_attn.head_dim  # 16 of 32 dimensions
+        assert layer.self_attn.q_proj.bias.abs().sum() > 0 and layer.self_attn.q_norm.weight.numel() == 32
     routers = [model.model.layers[i].mlp.gate for i in (1, 2)]
     assert all(r.e_score_correction_bias.abs().sum() > 0 for r in routers)
 
@@ -268,6 +289,7 @@ def check_experts_matter(family) -> None:
         "qwen3_moe": "model.layers.1.mlp.experts.7.down_proj.weight",
         "gpt_oss": "model.layers.3.mlp.experts.gate_up_proj_bias",  # its checkpoints keep the 3-D weights
         "glm4_moe": "model.layers.2.mlp.experts.7.up_proj.weight",
+        "deepseek_v3": "model.layers.2.mlp.experts.7.up_proj.weight",
     }
     assert per_expert[family.name] in keys, sorted(keys)[:8]
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -275,7 +297,7 @@ def check_experts_matter(family) -> None:
         assert sparse == [0] and hasattr(model.model.layers[0].mlp, "shared_expert")
         assert model.model.layers[0].mlp.shared_expert_gate.weight.abs().sum() > 0
         assert not hasattr(model.model.layers[1].mlp, "experts")  # mlp_only_layers: dense
-    elif family.name == "glm4_moe":  # first_k_dense_replace: layer 0 dense; shared experts beside the routed ones
+    elif family.name in ("glm4_moe", "deepseek_v3"):  # first_k_dense_replace: layer 0 dense; shared experts too
         assert sparse == [1, 2] and hasattr(model.model.layers[1].mlp, "shared_experts")
     else:
         assert sparse == list(range(len(model.model.layers)))
@@ -344,7 +366,8 @@ def fixed_shape_decodes(engine: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3", "gemma3_text", "gemma2", "phi3", "granite", "cohere", "cohere2", "gpt_oss", "glm4_moe"]
+    "name",
+    ["qwen3", "gemma3_text", "gemma2", "phi3", "granite", "cohere", "cohere2", "gpt_oss", "glm4_moe", "deepseek_v3"],
 )
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     """Gemma 3's through its soft cap (final_logit_softcapping), Gemma 2's through both of its caps, in eager steps
@@ -660,6 +683,19 @@ def test_moe_experts_as_grouped_matmuls_give_transformers_tokens_in_fixed_shape_
     outputs = run(engine)
     assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == family.greedy
     assert runner.decode_graphs.replays > 0
+
+
+@pytest.mark.parametrize("variant", [{"q_lora_rank": None}, {"rope_interleave": False}])
+def test_latent_attention_variants_are_transformers_own(variant, tmp_path) -> None:
+    """DeepSeek-V3-shaped checkpoints without a query rank (Moonlight, DeepSeek-V2-Lite's layout: one q_proj) and
+    with rotary pairs laid out as halves: greedy tokens through batching, chunks and the prefix cache."""
+    family = Family("deepseek_v3", tmp_path / "model", **variant)
+    for fields in ({}, {"max_num_batched_tokens": 32, "max_num_seqs": 4}):
+        engine = family.engine(**fields)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, GREEDY)
+        outputs = run(engine)
+        assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == family.greedy
 
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
