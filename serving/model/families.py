@@ -78,7 +78,10 @@ weights absorbed, as DeepSeek's and vLLM's MLA kernels do): each head's query pa
 `kv_b_proj` (the key half) into the latent's space, the rotated parts appended, and the attention output over the
 latents multiplied by the value half: the same scores and outputs as the expanded keys and values give, at a
 fraction of the cache. Its attention scale is `qk_head_dim ** -0.5` times YaRN's mscale squared, as the module sets it.
-Its multi-token-prediction layer is not loaded. LoRA adapters adapt its `o_proj` only.
+Its multi-token-prediction layer is not loaded. LoRA adapters adapt its `o_proj` only. DeepSeek-V2 (`deepseek_v2`:
+DeepSeek-V2, V2-Lite, DeepSeek-Coder-V2) has the same latent attention, its rotation a complex product over
+interleaved pairs (its rotary embedding gives complex frequencies), and DeepSeek-V2's router (softmax scores, groups
+by their best expert, no renormalisation, a scaling factor).
 
 GPT-OSS (`gpt_oss`: gpt-oss-20b, gpt-oss-120b) is an MoE family with an attention of its own: biases on every
 projection, windowed layers (a window of 128) and full ones by turns (`layer_types`), YaRN's rotary embedding
@@ -105,10 +108,10 @@ from __future__ import annotations
 # Mixture-of-experts families: their dense siblings' attention (Mixtral's is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's
 # Qwen3's; GLM-4.5's Llama's with a partial rotary embedding; GPT-OSS's its own, below) and sparse MoE blocks for MLPs
 # (pylon.serving.model.moe).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
 # Families whose attention is multi-head latent attention (DeepSeek-V3's MLA, below): the cache holds one compressed
 # latent per token and layer, not keys and values per head.
-MLA_FAMILIES = ("deepseek_v3",)
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # Families whose attention has a learned sink per head: a logit that joins each query's softmax and takes its share of
 # the weight without a value (GPT-OSS's `sinks`); the runner passes each layer's to the attention.
 SINK_FAMILIES = ("gpt_oss",)

@@ -59,7 +59,7 @@ PROJECTIONS = (
     | dict.fromkeys(MOE_MODEL_TYPES, _LLAMA_PROJECTIONS[:4])
     # DeepSeek-V3's latent attention: its output projection (its query and latent projections are absorbed into the
     # attention at load: pylon.serving.model.families).
-    | {"deepseek_v3": ("self_attn.o_proj",)}
+    | dict.fromkeys(("deepseek_v2", "deepseek_v3"), ("self_attn.o_proj",))
     # StarCoder2's plain MLP (c_proj(act(c_fc(x)))).
     | {"starcoder2": (*_LLAMA_PROJECTIONS[:4], "mlp.c_fc", "mlp.c_proj")}
 )

@@ -17,7 +17,8 @@ computes (its router, then its experts) from the block's own weights:
 GLM-4.5's router (Glm4MoeTopkRouter, DeepSeek-V3's "noaux_tc") differs in step 1: sigmoid scores in float32, a
 correction bias (`e_score_correction_bias`) added to them to choose, within the best `topk_group` of `n_group`
 groups of experts, and the chosen experts weighted by their uncorrected scores, renormalised, times
-`routed_scaling_factor` (`SparseMoE._route_grouped`).
+`routed_scaling_factor` (`SparseMoE._route_grouped`). DeepSeek-V2's (`topk_method`) softmaxes, chooses within the
+groups whose best expert scores highest, and scales without renormalising (`SparseMoE._route_v2`).
 
 GPT-OSS's blocks (`router` for `gate`) differ in each part, as GptOssTopKRouter and GptOssExperts compute them: the
 router has a bias and softmaxes its top_k logits among themselves (in the model's dtype); each expert's weights are
@@ -160,6 +161,12 @@ class SparseMoE(torch.nn.Module):
         self.router_bias = router.bias.detach() if getattr(router, "bias", None) is not None else None
         # GLM-4.5's (DeepSeek-V3's) router: sigmoid scores; experts chosen by the scores plus a correction bias within
         # the best topk_group of n_group groups; weighted by their own scores, renormalised, times a scaling factor.
+        # DeepSeek-V2's router: softmax scores, the top_k (within the best topk_group groups by their best expert, for
+        # "group_limited_greedy"), not renormalised, times routed_scaling_factor.
+        self.v2_method = getattr(router, "topk_method", None)
+        if self.v2_method is not None:
+            self.groups, self.topk_group = router.num_group, router.topk_group
+            self.routed_scaling = float(router.routed_scaling_factor)
         correction = getattr(router, "e_score_correction_bias", None)
         self.correction = None if correction is None else correction.detach()
         if self.correction is not None:
@@ -213,6 +220,8 @@ class SparseMoE(torch.nn.Module):
             return experts, torch.softmax(top, dim=1, dtype=top.dtype)
         if self.correction is not None:
             return self._route_grouped(x)
+        if self.v2_method is not None:
+            return self._route_v2(x)
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
@@ -236,6 +245,21 @@ class SparseMoE(torch.nn.Module):
         weights = scores.gather(1, experts)
         if self.renormalise:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.routed_scaling
+
+    def _route_v2(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepseekV2TopkRouter's routing, in float32 as it computes it: softmax scores; "greedy": their top_k;
+        "group_limited_greedy": the top_k of the experts in the topk_group groups whose best score is highest; the
+        weights the scores themselves, times routed_scaling_factor."""
+        scores = F.linear(x.float(), self.router.float()).softmax(dim=-1, dtype=torch.float32)
+        if self.v2_method == "group_limited_greedy":
+            rows, per_group = len(x), self.num_experts // self.groups
+            group_scores = scores.view(rows, self.groups, per_group).max(dim=-1).values
+            groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            eligible = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+            eligible = eligible[:, :, None].expand(rows, self.groups, per_group).reshape(rows, self.num_experts)
+            scores = scores.masked_fill(~eligible, 0.0)
+        weights, experts = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
         return experts, weights * self.routed_scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -257,6 +257,18 @@ def _pack_llama(model, quantization: str = "none") -> None:
                         setattr(parent, name, linear.PackedLinear(child))
 
 
+def _rotate_complex(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, _sin=None, unsqueeze_dim: int = 1):
+    """DeepSeek-V2's rotation (its `apply_rotary_emb`) of `q` and `k` (`[T, heads, dims]`): each interleaved pair of
+    dimensions a complex number, times its position's complex frequency (`freqs` `[T, dims / 2]`), in float32."""
+    f = freqs.unsqueeze(unsqueeze_dim)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * f).flatten(-2).type_as(x)
+
+    return rotate(q), rotate(k)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -427,7 +439,9 @@ class ModelRunner:
                 self._mla.append((keys.contiguous(), values.contiguous()))
                 attn.kv_b_proj = None
             self._mla_rope = (
-                deepseek_v3.apply_rotary_pos_emb_interleave
+                _rotate_complex  # DeepSeek-V2: complex frequencies from its rotary embedding
+                if model_type == "deepseek_v2"
+                else deepseek_v3.apply_rotary_pos_emb_interleave
                 if getattr(config, "rope_interleave", False)
                 else deepseek_v3.apply_rotary_pos_emb
             )
@@ -937,7 +951,9 @@ class ModelRunner:
         qk_norms, rotates = self._qk_norms, self._rotates
         fused, apply_rope = self._fused, self._apply_rope
         if rope_types is None:
-            cos, sin = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
+            rotary = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
+            # (DeepSeek-V2's: one complex tensor of frequencies, [1, T, rotated dims / 2])
+            cos, sin = (rotary, rotary) if isinstance(rotary, torch.Tensor) else rotary
         else:  # one per layer type, as Gemma3TextModel computes them
             ropes = {t: llama.rotary_emb(h, positions[None], t) for t in set(rope_types)}
         last = len(llama.layers) - 1

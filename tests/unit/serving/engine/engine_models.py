@@ -177,6 +177,28 @@ LLAMA_LIKE = {
             "mscale_all_dim": 1.0,
         },
     },
+    # DeepSeek-V2-Lite (16B: no query rank, a latent of 512, 64 experts, top 6, greedy): its latent attention at the
+    # DeepSeek-V3 fixture's sizes without a query rank, and 8 experts in 2 groups routed "group_limited_greedy" (as
+    # DeepSeek-V2's 236B), top 3, scaled by 2.
+    "deepseek_v2": {
+        **FAMILIES["llama"],
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 3,
+        "q_lora_rank": None,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 24,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_group": 2,
+        "topk_group": 1,
+        "topk_method": "group_limited_greedy",
+        "moe_intermediate_size": 64,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.0,
+    },
     # GPT-OSS (gpt-oss-20b: 32 experts, top 4, a window of 128 in every other layer, YaRN over 4096 positions): 4
     # experts, top 2, a window of 16 in layers 0 and 2, YaRN over 64 positions (its attention scaling off 1), and the
     # SwiGLU's clamp at 1 (its checkpoints' 7 would rarely bind on a random model this small; at 1 it changes every

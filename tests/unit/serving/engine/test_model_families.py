@@ -1,6 +1,6 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
 Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, GLM-4, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5,
-DeepSeek-V3 with its latent attention, and GPT-OSS, with its attention sinks and its MXFP4 checkpoints) in the engine:
+DeepSeek-V2 and V3 with their latent attention, and GPT-OSS, with its attention sinks and its MXFP4 checkpoints) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
 int8 projections computing the dequantized model (an MoE model's experts quantized too); LoRA adapters computing what
@@ -66,6 +66,7 @@ FAMILY_PROJECTIONS = (
     | dict.fromkeys(MOE_MODEL_TYPES, ALL_PROJECTIONS[:4])
     | {"starcoder2": [*ALL_PROJECTIONS[:4], "c_fc", "c_proj"]}
     | {"glm4": [*ALL_PROJECTIONS[:4], "gate_up_proj", "down_proj"]}
+    | dict.fromkeys(("deepseek_v2", "deepseek_v3"), ["o_proj"])  # latent attention: its output projection only
 )
 
 
@@ -175,10 +176,14 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         assert config.sliding_window is None and family.model.model.rotary_emb.attention_scaling == 1.0
     if family.name == "gpt_oss":
         check_gpt_oss_parts_matter(family)
-    if family.name in ("glm4_moe", "deepseek_v3"):
+    if family.name in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
         check_deepseek_router_matters(family)
     if family.name == "deepseek_v3":
         check_latent_attention(family)
+    if family.name == "deepseek_v2":  # its latent cache, and no query rank (V2-Lite's one q_proj)
+        engine = family.engine()
+        assert [tuple(k.shape) for k in engine.runner.k_cache] == [(1, 2048 // 16, 16, 32 + 16)] * 3
+        assert layer.self_attn.q_proj is not None and layer.self_attn.q_a_proj is None
     if family.name == "glm4":  # four norms, a fused MLP; its interleaved rotation changes transformers' continuations
         assert hasattr(layer, "post_self_attn_layernorm") and layer.post_mlp_layernorm.weight.std() > 0
         assert hasattr(layer.mlp, "gate_up_proj") and layer.self_attn.q_proj.bias.abs().sum() > 0
@@ -256,7 +261,8 @@ def check_deepseek_router_matters(family) -> None:
         assert model.model.rotary_emb.inv_freq.numel() * 2 == 16 < layer.self_attn.head_dim  # 16 of 32 dimensions
         assert layer.self_attn.q_proj.bias.abs().sum() > 0 and layer.self_attn.q_norm.weight.numel() == 32
     routers = [model.model.layers[i].mlp.gate for i in (1, 2)]
-    assert all(r.e_score_correction_bias.abs().sum() > 0 for r in routers)
+    if family.name != "deepseek_v2":  # (DeepSeek-V2's router has no correction bias)
+        assert all(r.e_score_correction_bias.abs().sum() > 0 for r in routers)
 
     def changes(part: str, name: str, value) -> None:
         kept = [getattr(r, name) for r in routers]
@@ -269,7 +275,8 @@ def check_deepseek_router_matters(family) -> None:
                 setattr(r, name, v)
         assert sum(a != b for a, b in zip(changed, family.greedy)) >= 3, part
 
-    changes("the correction bias", "e_score_correction_bias", torch.zeros(1))
+    if family.name != "deepseek_v2":  # (DeepSeek-V2's router has none)
+        changes("the correction bias", "e_score_correction_bias", torch.zeros(1))
     changes("groups", "topk_group", 2)  # every group eligible
     changes("routed_scaling_factor", "routed_scaling_factor", 1.0)
 
@@ -290,6 +297,7 @@ def check_experts_matter(family) -> None:
         "gpt_oss": "model.layers.3.mlp.experts.gate_up_proj_bias",  # its checkpoints keep the 3-D weights
         "glm4_moe": "model.layers.2.mlp.experts.7.up_proj.weight",
         "deepseek_v3": "model.layers.2.mlp.experts.7.up_proj.weight",
+        "deepseek_v2": "model.layers.2.mlp.experts.7.up_proj.weight",
     }
     assert per_expert[family.name] in keys, sorted(keys)[:8]
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -297,7 +305,7 @@ def check_experts_matter(family) -> None:
         assert sparse == [0] and hasattr(model.model.layers[0].mlp, "shared_expert")
         assert model.model.layers[0].mlp.shared_expert_gate.weight.abs().sum() > 0
         assert not hasattr(model.model.layers[1].mlp, "experts")  # mlp_only_layers: dense
-    elif family.name in ("glm4_moe", "deepseek_v3"):  # first_k_dense_replace: layer 0 dense; shared experts too
+    elif family.name in ("glm4_moe", "deepseek_v2", "deepseek_v3"):  # layer 0 dense (first_k_dense_replace)
         assert sparse == [1, 2] and hasattr(model.model.layers[1].mlp, "shared_experts")
     else:
         assert sparse == list(range(len(model.model.layers)))
@@ -318,7 +326,7 @@ def check_experts_matter(family) -> None:
     assert all(picked[i] == set(range(num_experts)) for i in sparse), picked
     routers = [getattr(model.model.layers[i].mlp, router_of) for i in sparse]
     # Mixtral's and GPT-OSS's routers always renormalise: scale the top weights as a sum of 1 would not.
-    if family.name in ("mixtral", "gpt_oss"):
+    if family.name in ("mixtral", "gpt_oss", "deepseek_v2"):  # (DeepSeek-V2's: no renormalisation to flip)
         forward = type(routers[0]).forward
         for r in routers:
             r.forward = lambda x, r=r: (lambda o: (o[0], o[1] * 0.7, o[2]))(forward(r, x))
@@ -329,7 +337,7 @@ def check_experts_matter(family) -> None:
         changed = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
     finally:
         for r in routers:
-            if family.name in ("mixtral", "gpt_oss"):
+            if family.name in ("mixtral", "gpt_oss", "deepseek_v2"):
                 del r.forward
             else:
                 r.norm_topk_prob = not r.norm_topk_prob
