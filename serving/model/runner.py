@@ -493,7 +493,8 @@ class ModelRunner:
             new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype, device=self.device)
             for _ in range(config.num_hidden_layers)
         ]
-        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        # (DeepSeek's latent attention: a token's latent is its key and its value: one cache, both names)
+        self.v_cache = list(self.k_cache) if self._mla is not None else [torch.zeros_like(k) for k in self.k_cache]
         self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
         self.stage = HostStage(self.device)  # a step's integer tensors, in one copy to a GPU
         self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
@@ -552,7 +553,11 @@ class ModelRunner:
         if self.scratch_slot is None:
             num_blocks = self.k_cache[0].shape[1]
             self.k_cache = [torch.cat([k, torch.zeros_like(k[:, :1])], 1) for k in self.k_cache]
-            self.v_cache = [torch.cat([v, torch.zeros_like(v[:, :1])], 1) for v in self.v_cache]
+            self.v_cache = (
+                list(self.k_cache)
+                if self._mla is not None
+                else [torch.cat([v, torch.zeros_like(v[:, :1])], 1) for v in self.v_cache]
+            )
             self.scratch_slot = num_blocks * self.block_size
         return self.scratch_slot
 

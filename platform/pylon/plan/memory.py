@@ -80,6 +80,7 @@ class ModelShape:
     head_dim: int
     projection_params: int = 0  # the decoder layers' linear projections (not lm_head): what engine.quantization shrinks
     projection_channels: int = 0  # their output channels: one quantization scale each
+    latent_kv: bool = False  # DeepSeek's latent attention: one cached latent a token and layer, its key and value
     # A mixture-of-experts model's expert weights (all experts, all sparse layers; in projection_params too) and the
     # share of them a token runs (top_k / num_experts); 0 and 1.0 for a dense model.
     expert_params: int = 0
@@ -136,6 +137,7 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
         projection_channels=sum(channels for _, channels in projections),
         expert_params=experts,
         expert_share=share,
+        latent_kv=bool(latent),
     )
 
 
@@ -388,5 +390,6 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
-    """KV cache bytes one token takes: a key and a value per layer and KV head."""
-    return 2 * shape.num_layers * shape.kv_heads * shape.head_dim * dtype_bytes
+    """KV cache bytes one token takes: a key and a value per layer and KV head (DeepSeek's latent attention: one
+    latent a layer, which is its key and its value: the engine keeps it once)."""
+    return (1 if shape.latent_kv else 2) * shape.num_layers * shape.kv_heads * shape.head_dim * dtype_bytes

@@ -139,14 +139,20 @@ def _render_train(p: TrainPlan) -> str:
 
 def _render_serve(p: ServePlan) -> str:
     s = p.shape
-    kv_bytes = p.kv_per_token // max(1, s.num_layers * s.kv_heads * s.head_dim * 2)  # per key or value element
+    stored = 1 if s.latent_kv else 2  # a key and a value, or one latent that is both
+    kv_bytes = p.kv_per_token // max(1, s.num_layers * s.kv_heads * s.head_dim * stored)  # per element
     lines = [
         f"Deployment '{p.name}': {p.model}, {_count(s.total_params)} parameters, {p.dtype}",
         # the weights as loaded: quantized projections, adapters and a draft model included (every row's are these)
         f"  weights {_gib(p.rows[0].weights if p.rows else s.total_params * WEIGHT_BYTES[p.dtype])}, KV cache "
         f"{p.kv_per_token / 2**10:,.1f} KiB per "
-        f"token ({s.num_layers} layers x {s.kv_heads} KV heads x {s.head_dim} x 2 x {kv_bytes} bytes); spec: "
-        f"{p.kv_cache_tokens:,} KV tokens, max_model_len {p.max_model_len:,}, max_num_seqs {p.max_num_seqs}",
+        f"token ({s.num_layers} layers x "
+        + (
+            f"one latent of {s.head_dim}, its key and value, x {kv_bytes} bytes); spec: "
+            if s.latent_kv
+            else f"{s.kv_heads} KV heads x {s.head_dim} x 2 x {kv_bytes} bytes); spec: "
+        )
+        + f"{p.kv_cache_tokens:,} KV tokens, max_model_len {p.max_model_len:,}, max_num_seqs {p.max_num_seqs}",
         "",
         f"Per accelerator (one GPU per replica; throughput at contexts of {p.max_model_len // 2:,} tokens):",
     ]

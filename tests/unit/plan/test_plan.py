@@ -610,11 +610,11 @@ def test_an_mxfp4_checkpoint_is_planned_as_the_engine_loads_it(tmp_path: Path) -
 def test_deepseek_v3_is_counted_with_its_latent_cache() -> None:
     """DeepSeek-V3 (transformers' default config is V3's): 671B parameters held and 37B active, as its model card says
     (its multi-token-prediction layer, not loaded, aside), and a KV cache of one 512-number latent and its 64 rotated
-    numbers a token and layer, keys and values (the engine stores the latent as both): 61 x 576 x 2 x 2 bytes in bf16,
-    not the 61 x 128 heads x (192 + 128) x 2 bytes of expanded keys and values."""
+    numbers a token and layer, its key and its value at once: 61 x 576 x 2 bytes in bf16, not the
+    61 x 128 heads x (192 + 128) x 2 bytes of expanded keys and values."""
     from transformers import AutoConfig
 
     shape = model_shape(AutoConfig.for_model("deepseek_v3"))
     assert round(shape.total_params / 1e9) == 671 and round(shape.matmul_params / 1e9) in (36, 37)
     assert (shape.kv_heads, shape.head_dim) == (1, 576)
-    assert kv_bytes_per_token(shape, 2) == 61 * 576 * 2 * 2
+    assert kv_bytes_per_token(shape, 2) == 61 * 576 * 2

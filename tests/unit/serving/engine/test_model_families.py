@@ -244,6 +244,7 @@ def check_latent_attention(family) -> None:
     engine = family.engine()
     assert [tuple(k.shape) for k in engine.runner.k_cache] == [(1, 2048 // 16, 16, 32 + 16)] * 3
     assert all(layer.self_attn.kv_b_proj is None for layer in engine.runner.model.model.layers)  # absorbed
+    assert all(k is v for k, v in zip(engine.runner.k_cache, engine.runner.v_cache))  # the latent: key and value
     config.rope_interleave = False
     try:
         halves = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS[:4]]
