@@ -37,7 +37,9 @@ applied where transformers applies it: the embeddings times `embedding_multiplie
 the residual, and the logits divided by `logits_scaling`. OLMo 2 (`olmo2`: OLMo 2 7B, 13B, 32B) normalises the outputs
 of the attention and the MLP (`post_attention_layernorm`, `post_feedforward_layernorm`) and not their inputs (no
 `input_layernorm`), and its query and key norms span all the heads at once (an RMSNorm over heads x head_dim before the
-heads are split), which the runner tells from the norm's size. SmolLM3 (`smollm3`: SmolLM3-3B) is Llama whose every
+heads are split), which the runner tells from the norm's size. OLMo 3 (`olmo3`: OLMo 3 7B, 32B) is OLMo 2 with
+windowed layers (three in four, `layer_types`) and a rotary embedding per layer type (YaRN in its full layers), as
+Gemma 3's (`rope_layer_types`). SmolLM3 (`smollm3`: SmolLM3-3B) is Llama whose every
 fourth layer has no rotary embedding (`no_rope_layers`: NoPE), and whose windowed layers, where `use_sliding_window`
 turns them on, are those NoPE layers. StarCoder2 (`starcoder2`: 3B, 7B, 15B) is Llama with LayerNorms (weights and
 biases), biases on every projection, and a plain MLP (`c_proj(act(c_fc(x)))`, GELU), its modules' own; its
@@ -126,6 +128,7 @@ LLAMA_FAMILIES = (
     "phi3",
     "granite",
     "olmo2",
+    "olmo3",
     "smollm3",
     "starcoder2",
     "cohere",
@@ -195,9 +198,9 @@ def position_limit(config) -> tuple[int, str | None]:
 
 def rope_layer_types(config) -> list[str] | None:
     """Each layer's type where the model's rotary embedding takes it (Gemma 3: a base of its own for the windowed
-    layers, rope_parameters["sliding_attention"], and for the full ones), else None: one rotary embedding for every
-    layer."""
-    if config.model_type != "gemma3_text":
+    layers, rope_parameters["sliding_attention"], and for the full ones; OLMo 3: YaRN in the full ones), else None:
+    one rotary embedding for every layer."""
+    if config.model_type not in ("gemma3_text", "olmo3"):
         return None
     return list(config.layer_types)
 

@@ -89,6 +89,22 @@ LLAMA_LIKE = {
         "logits_scaling": 4.0,
     },
     "olmo2": FAMILIES["llama"],
+    # OLMo 3 as its checkpoints lay it out (every 4th layer full), a window of 16, YaRN in the full layers only
+    "olmo3": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 4,
+        "sliding_window": 16,
+        "rope_parameters": {
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "attention_factor": 1.2,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
     "smollm3": {**FAMILIES["llama"], "num_hidden_layers": 4, "no_rope_layer_interval": 2},
     "starcoder2": FAMILIES["llama"],
     # Cohere (Command R+) with its per-head query and key LayerNorms; Cohere 2 (Command R7B) with every 4th layer full

@@ -1,5 +1,5 @@
 """The families built as Llama is (pylon.serving.model.families: Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite, OLMo 2, SmolLM3, StarCoder2, Cohere, GLM-4, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5,
+Granite, OLMo 2, OLMo 3, SmolLM3, StarCoder2, Cohere, GLM-4, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5,
 DeepSeek-V2 and V3 with their latent attention, and GPT-OSS, with its attention sinks and its MXFP4 checkpoints) in the engine:
 greedy output token for token `transformers`' own, through continuous batching, chunked prefill and the prefix cache;
 log-probabilities within 1e-4 of its log-softmax (Gemma 3's soft-capped, Gemma 2's attention scores and logits both);
@@ -184,6 +184,11 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         engine = family.engine()
         assert [tuple(k.shape) for k in engine.runner.k_cache] == [(1, 2048 // 16, 16, 32 + 16)] * 3
         assert layer.self_attn.q_proj is not None and layer.self_attn.q_a_proj is None
+    if family.name == "olmo3":  # OLMo 2's layer, windowed in three layers of four; YaRN in the full layer only
+        rotary = family.model.model.rotary_emb
+        assert layer_windows(family.model.config) == [16, 16, 16, None] and not hasattr(layer, "input_layernorm")
+        assert rotary.full_attention_attention_scaling == 1.2 and rotary.sliding_attention_attention_scaling == 1.0
+        assert not torch.equal(rotary.full_attention_inv_freq, rotary.sliding_attention_inv_freq)
     if family.name == "glm4":  # four norms, a fused MLP; its interleaved rotation changes transformers' continuations
         assert hasattr(layer, "post_self_attn_layernorm") and layer.post_mlp_layernorm.weight.std() > 0
         assert hasattr(layer.mlp, "gate_up_proj") and layer.self_attn.q_proj.bias.abs().sum() > 0
