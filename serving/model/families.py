@@ -56,6 +56,16 @@ every layer, as transformers masks it. Residual dropout is the identity in eval.
 The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are their dense siblings' attention (Mistral's, Qwen2's
 with projection biases, Qwen3's with per-head norms) with sparse MoE blocks for MLPs, which the runner computes from
 the loaded blocks' weights (`pylon.serving.model.moe`); a Qwen MoE's `mlp_only_layers` are dense MLPs, as loaded.
+Families that are Llama up to what their loaded modules compute: Seed-OSS (`seed_oss`: Seed-OSS-36B, biases on every
+attention projection), ERNIE 4.5 (`ernie4_5`: ERNIE-4.5-0.3B, rotating interleaved pairs), Helium (`helium`: Kyutai's
+Helium-1, interleaved pairs too), Arcee (`arcee`: AFM-4.5B, an MLP without a gate, `down(relu(up(x))^2)`), Ministral
+(`ministral`: Ministral-8B, a window in its layers by `layer_types`), Ministral 3 (`ministral3`: Ministral 3 3B-14B,
+its queries scaled past `original_max_position_embeddings` by Llama 4's `1 + beta * log(1 + floor(position /
+original))`), HunYuan dense (`hunyuan_v1_dense`: Hunyuan-7B and smaller, per-head query and key norms applied after
+the rotation, `query_layernorm` and `key_layernorm`), and EXAONE 4 (`exaone4`: EXAONE 4.0 1.2B and 32B: OLMo 2's
+output norms, per-head query and key norms, three windowed layers in four and, as Cohere 2, no rotation in the full
+ones). The rotary embedding of every family is its modeling module's own `apply_rotary_pos_emb`.
+
 GLM-4 (`glm4`: GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1) is Llama with biased query, key and value projections, a rotary
 embedding of interleaved pairs over the first half of each head's dimensions (its own `apply_rotary_pos_emb`), its
 MLP's gate and up in one projection (`gate_up_proj`, as Phi-3's), and four norms a layer: the attention's output
@@ -134,6 +144,14 @@ LLAMA_FAMILIES = (
     "cohere",
     "cohere2",
     "glm4",
+    "seed_oss",
+    "ernie4_5",
+    "exaone4",
+    "arcee",
+    "hunyuan_v1_dense",
+    "ministral",
+    "ministral3",
+    "helium",
     *MOE_MODEL_TYPES,
 )
 # Cohere's layers run the attention and the MLP side by side on the same normed input (one LayerNorm a layer, no bias:

@@ -27,17 +27,14 @@ import functools
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as apply_interleaved_rotary_pos_emb
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
-from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as apply_interleaved_partial_rotary_pos_emb
-from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as apply_half_rotary_pos_emb
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial_rotary_pos_emb
 
 from pylon.errors import PylonError
 from pylon.serving.model import kernels, linear, lora, moe, quant
@@ -376,23 +373,28 @@ class ModelRunner:
             attn = self.model.model.layers[0].self_attn
             q_size, kv_size = config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
             self._qkv_sizes = (q_size, kv_size, kv_size)
-        self._apply_rope: Callable = (
-            apply_partial_rotary_pos_emb
-            if model_type in ("phi3", "glm4_moe")  # the first cos.shape[-1] dimensions of each head rotated
-            else apply_interleaved_rotary_pos_emb
-            if model_type in PARALLEL_FAMILIES
-            else apply_half_rotary_pos_emb
-            if model_type == "gpt_oss"  # its rotary embedding's cos and sin span half a head (families.py)
-            else apply_interleaved_partial_rotary_pos_emb
-            if model_type == "glm4"
-            else apply_rotary_pos_emb
+        # The rotary embedding as the family's own modeling code applies it (its module's `apply_rotary_pos_emb`:
+        # Llama's halves, Phi-3's and GLM-4.5's partial, Cohere's, GLM-4's, Helium's and ERNIE's interleaved pairs,
+        # GPT-OSS's half-span cos and sin), Llama's where a module has none.
+        self._apply_rope: Callable = getattr(
+            sys.modules[type(self.model).__module__], "apply_rotary_pos_emb", apply_rotary_pos_emb
         )
         # The layers that rotate (all but SmolLM3's NoPE layers: its config's no_rope_layers holds 0 for those; Cohere
         # 2's windowed layers only).
         no_rope = getattr(config, "no_rope_layers", None) if model_type == "smollm3" else None
         self._rotates = [bool(r) for r in no_rope] if no_rope is not None else None
-        if model_type == "cohere2":
+        if model_type == "cohere2" or (model_type == "exaone4" and getattr(config, "sliding_window", None)):
             self._rotates = [t == "sliding_attention" for t in config.layer_types]
+        # Ministral 3's queries scaled by position once past original_max_position_embeddings (Llama 4's scale:
+        # 1 + beta * log(1 + floor(position / original)), after the rotation), as its attention scales them.
+        rope_parameters = getattr(config, "rope_parameters", None) or {}
+        self._llama4_scale = (
+            (float(rope_parameters["llama_4_scaling_beta"]), int(rope_parameters["original_max_position_embeddings"]))
+            if model_type == "ministral3" and rope_parameters.get("llama_4_scaling_beta") is not None
+            else None
+        )
+        # HunYuan's per-head query and key norms (query_layernorm, key_layernorm), applied after the rotation.
+        self._qk_norms_after_rope = first is not None and hasattr(first.self_attn, "query_layernorm")
         # Cohere: the attention and the MLP side by side on one normed input; the logits multiplied by logit_scale.
         self._parallel = model_type in PARALLEL_FAMILIES
         self.logit_scale = getattr(config, "logit_scale", None) if self._parallel else None
@@ -963,6 +965,10 @@ class ModelRunner:
             ropes = {t: llama.rotary_emb(h, positions[None], t) for t in set(rope_types)}
         last = len(llama.layers) - 1
         rows = adapters.tokens if adapters is not None else None  # None: no row of this part of the step adapted
+        query_scale = None
+        if self._llama4_scale is not None:  # Ministral 3: [T, 1, 1], 1 within original_max_position_embeddings
+            beta, original = self._llama4_scale
+            query_scale = (1 + beta * torch.log1p(torch.floor(positions / original)))[:, None, None].to(h.dtype)
         for i, layer in enumerate(llama.layers):
             if rope_types is not None:
                 cos, sin = ropes[rope_types[i]]
@@ -998,6 +1004,10 @@ class ModelRunner:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             if rotates is None or rotates[i]:  # (SmolLM3's NoPE layers attend without positions)
                 q, k = apply_rope(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
+            if self._qk_norms_after_rope:
+                q, k = attn.query_layernorm(q), attn.key_layernorm(k)
+            if query_scale is not None:
+                q = q * query_scale
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
             if a is None:
                 break
@@ -1086,6 +1096,9 @@ class ModelRunner:
         if hasattr(mlp, "gate_up_proj"):  # Phi3MLP's and Glm4MLP's forward: gate then up in one projection
             gate, up = rows.add(mlp.gate_up_proj(x), x, i, "mlp.gate_up_proj").chunk(2, dim=-1)
             up = up * mlp.activation_fn(gate)
+            return rows.add(mlp.down_proj(up), up, i, "mlp.down_proj")
+        if not hasattr(mlp, "gate_proj"):  # ArceeMLP's forward: down(act(up(x))), no gate
+            up = mlp.act_fn(rows.add(mlp.up_proj(x), x, i, "mlp.up_proj"))
             return rows.add(mlp.down_proj(up), up, i, "mlp.down_proj")
         gate = rows.add(mlp.gate_proj(x), x, i, "mlp.gate_proj")
         up = mlp.act_fn(gate) * rows.add(mlp.up_proj(x), x, i, "mlp.up_proj")

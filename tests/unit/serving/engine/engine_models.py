@@ -140,6 +140,28 @@ LLAMA_LIKE = {
     # GLM-4 (GLM-4-9B-0414) as it is: biased query, key and value projections, half of each head rotated by
     # interleaved pairs, its fused MLP and four norms a layer.
     "glm4": {**FAMILIES["llama"], "head_dim": 32, "attention_bias": True, "partial_rotary_factor": 0.5},
+    # Llama up to their modules: Seed-OSS with biases on every attention projection; ERNIE 4.5 and Helium rotating
+    # interleaved pairs; Arcee's gateless ReLU^2 MLP; Ministral's window (every layer, by layer_types); Ministral 3's
+    # queries scaled past 32 positions (its checkpoints: 16384) by a beta of 0.5 (its checkpoints': 0.1); HunYuan's
+    # query and key norms after the rotation; EXAONE 4's output norms and three windowed layers in four.
+    "seed_oss": {**FAMILIES["llama"], "attention_bias": True, "attention_out_bias": True},
+    "ernie4_5": FAMILIES["llama"],
+    "helium": {**FAMILIES["llama"], "head_dim": 32},
+    "arcee": FAMILIES["llama"],
+    "ministral": {**FAMILIES["llama"], "head_dim": 32, "num_hidden_layers": 3, "sliding_window": 16},
+    "ministral3": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 3,
+        "sliding_window": 16,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "llama_4_scaling_beta": 0.5,
+            "original_max_position_embeddings": 32,
+        },
+    },
+    "hunyuan_v1_dense": {**FAMILIES["llama"], "head_dim": 32, "use_qk_norm": True},
+    "exaone4": {**FAMILIES["llama"], "num_hidden_layers": 4, "sliding_window": 16},
     # GLM-4.5 (GLM-4.5-Air: 128 experts, top 8, 1 group; the first layer dense; a shared expert; scaling 1): 8 experts
     # in 2 groups, the best 1 group's experts eligible, top 3, scaled by 2.5, its correction bias off zero (the
     # fixture's), per-head query and key norms (use_qk_norm, as GLM-4.5's) and half of each head rotated.

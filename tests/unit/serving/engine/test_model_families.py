@@ -66,6 +66,7 @@ FAMILY_PROJECTIONS = (
     | dict.fromkeys(MOE_MODEL_TYPES, ALL_PROJECTIONS[:4])
     | {"starcoder2": [*ALL_PROJECTIONS[:4], "c_fc", "c_proj"]}
     | {"glm4": [*ALL_PROJECTIONS[:4], "gate_up_proj", "down_proj"]}
+    | {"arcee": [*ALL_PROJECTIONS[:4], "up_proj", "down_proj"]}
     | dict.fromkeys(("deepseek_v2", "deepseek_v3"), ["o_proj"])  # latent attention: its output projection only
 )
 
@@ -184,6 +185,18 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         engine = family.engine()
         assert [tuple(k.shape) for k in engine.runner.k_cache] == [(1, 2048 // 16, 16, 32 + 16)] * 3
         assert layer.self_attn.q_proj is not None and layer.self_attn.q_a_proj is None
+    if family.name == "seed_oss":
+        assert layer.self_attn.o_proj.bias.abs().sum() > 0 and layer.self_attn.k_proj.bias.abs().sum() > 0
+    if family.name == "arcee":
+        assert not hasattr(layer.mlp, "gate_proj") and family.model.config.hidden_act == "relu2"
+    if family.name == "hunyuan_v1_dense":
+        assert layer.self_attn.query_layernorm.weight.std() > 0 and not hasattr(layer.self_attn, "q_norm")
+    if family.name == "exaone4":  # output norms only; its full layer unrotated
+        assert not hasattr(layer, "input_layernorm") and layer_windows(family.model.config) == [16, 16, 16, None]
+    if family.name == "ministral":
+        assert layer_windows(family.model.config) == [16, 16, 16]
+    if family.name in ("ernie4_5", "helium", "ministral3"):  # what their modules compute apart from Llama's
+        check_family_part_matters(family)
     if family.name == "olmo3":  # OLMo 2's layer, windowed in three layers of four; YaRN in the full layer only
         rotary = family.model.model.rotary_emb
         assert layer_windows(family.model.config) == [16, 16, 16, None] and not hasattr(layer, "input_layernorm")
@@ -237,6 +250,27 @@ def check_gpt_oss_parts_matter(family) -> None:
         layer.mlp.experts.gate_up_proj_bias: layer.mlp.experts.gate_up_proj_bias.detach().clone() for layer in layers
     }
     changes("experts' biases", biases, lambda p: p.data.zero_())
+
+
+def check_family_part_matters(family) -> None:
+    """ERNIE 4.5's and Helium's rotation of interleaved pairs (rotating halves, as Llama, changes transformers'
+    continuations), and Ministral 3's query scale past original_max_position_embeddings (off, it changes them)."""
+    import importlib
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+
+    module = importlib.import_module(type(family.model.model).__module__)
+    if family.name == "ministral3":
+        name, replacement = "get_llama_4_attn_scale", lambda positions, beta, original: torch.ones(1)
+    else:
+        name, replacement = "apply_rotary_pos_emb", llama_rope
+    kept = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        changed = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+    finally:
+        setattr(module, name, kept)
+    assert sum(a != b for a, b in zip(changed, family.greedy)) >= 3
 
 
 def check_latent_attention(family) -> None:
