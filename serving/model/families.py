@@ -72,6 +72,11 @@ MLP's gate and up in one projection (`gate_up_proj`, as Phi-3's), and four norms
 normalised (`post_self_attn_layernorm`) before it joins the residual, `post_attention_layernorm` the MLP's input norm,
 and the MLP's output normalised (`post_mlp_layernorm`).
 
+OLMoE (`olmoe`: OLMoE-1B-7B) and FlexOlmo (`flex_olmo`) are OLMo's attention (query and key norms over all heads;
+FlexOlmo's output norms as OLMo 2's) with Qwen-style routers (softmax, top_k, renormalised where `norm_topk_prob`).
+dots.llm1 (`dots1`) is Qwen3's attention with GLM-4.5's MoE blocks (DeepSeek-V3's router, shared experts, dense first
+layers).
+
 GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) is Llama's attention with biased query, key and value
 projections, per-head query and key norms where `use_qk_norm`, and the rotary embedding of the first half of each head's
 dimensions (`partial_rotary_factor` 0.5, applied as Phi-3's); its first `first_k_dense_replace` layers are dense MLPs,
@@ -120,7 +125,18 @@ from __future__ import annotations
 # Mixture-of-experts families: their dense siblings' attention (Mixtral's is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's
 # Qwen3's; GLM-4.5's Llama's with a partial rotary embedding; GPT-OSS's its own, below) and sparse MoE blocks for MLPs
 # (pylon.serving.model.moe).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
+MOE_MODEL_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "flex_olmo",
+    "gpt_oss",
+    "glm4_moe",
+    "dots1",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 # Families whose attention is multi-head latent attention (DeepSeek-V3's MLA, below): the cache holds one compressed
 # latent per token and layer, not keys and values per head.
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")

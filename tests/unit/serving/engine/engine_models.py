@@ -36,6 +36,23 @@ FAMILIES = {
         "vocab_size": 320,
     },
 }
+# DeepSeek's latent attention and MoE blocks at a tiny size: both DeepSeek fixtures' shared part (LLAMA_LIKE below).
+_LATENT = {
+    **FAMILIES["llama"],
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 3,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 24,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "n_group": 2,
+    "topk_group": 1,
+    "moe_intermediate_size": 64,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+}
 # The families built as Llama is (pylon.serving.model.families), each at a shape that exercises what sets it apart:
 # Qwen2's projection biases, Qwen3's per-head query and key norms, its head_dim apart from hidden_size / heads (32 x 4
 # heads over a hidden size of 96) and its tied embeddings; Gemma 3's as its 1B checkpoint is laid out (layer_types from
@@ -162,6 +179,35 @@ LLAMA_LIKE = {
     },
     "hunyuan_v1_dense": {**FAMILIES["llama"], "head_dim": 32, "use_qk_norm": True},
     "exaone4": {**FAMILIES["llama"], "num_hidden_layers": 4, "sliding_window": 16},
+    # OLMoE (64 experts, top 8, not renormalised) and FlexOlmo: 8 experts, top 2, on OLMo's attention; dots.llm1 (128
+    # experts, top 6, DeepSeek-V3's router): the GLM-4.5 fixture's experts on Qwen3's attention.
+    "olmoe": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+    },
+    "flex_olmo": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+    },
+    "dots1": {
+        **FAMILIES["llama"],
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_group": 2,
+        "topk_group": 1,
+        "moe_intermediate_size": 64,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+    },
     # GLM-4.5 (GLM-4.5-Air: 128 experts, top 8, 1 group; the first layer dense; a shared expert; scaling 1): 8 experts
     # in 2 groups, the best 1 group's experts eligible, top 3, scaled by 2.5, its correction bias off zero (the
     # fixture's), per-head query and key norms (use_qk_norm, as GLM-4.5's) and half of each head rotated.
@@ -187,21 +233,8 @@ LLAMA_LIKE = {
     # heads, a query rank of 48, a latent of 32 and 16 rotated dimensions, keys' other parts 32 and values 24 (apart, so
     # that the halves of kv_b_proj cannot be swapped unseen), GLM-4.5's fixture's experts, YaRN x4 with its mscale.
     "deepseek_v3": {
-        **FAMILIES["llama"],
-        "num_key_value_heads": 4,
-        "num_hidden_layers": 3,
+        **_LATENT,
         "q_lora_rank": 48,
-        "kv_lora_rank": 32,
-        "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 32,
-        "v_head_dim": 24,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 3,
-        "n_group": 2,
-        "topk_group": 1,
-        "moe_intermediate_size": 64,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.5,
         "rope_interleave": True,
         "rope_parameters": {
@@ -219,22 +252,9 @@ LLAMA_LIKE = {
     # DeepSeek-V3 fixture's sizes without a query rank, and 8 experts in 2 groups routed "group_limited_greedy" (as
     # DeepSeek-V2's 236B), top 3, scaled by 2.
     "deepseek_v2": {
-        **FAMILIES["llama"],
-        "num_key_value_heads": 4,
-        "num_hidden_layers": 3,
+        **_LATENT,
         "q_lora_rank": None,
-        "kv_lora_rank": 32,
-        "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 32,
-        "v_head_dim": 24,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 3,
-        "n_group": 2,
-        "topk_group": 1,
         "topk_method": "group_limited_greedy",
-        "moe_intermediate_size": 64,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.0,
     },
     # GPT-OSS (gpt-oss-20b: 32 experts, top 4, a window of 128 in every other layer, YaRN over 4096 positions): 4

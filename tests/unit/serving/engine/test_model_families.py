@@ -177,7 +177,7 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         assert config.sliding_window is None and family.model.model.rotary_emb.attention_scaling == 1.0
     if family.name == "gpt_oss":
         check_gpt_oss_parts_matter(family)
-    if family.name in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
+    if family.name in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3"):
         check_deepseek_router_matters(family)
     if family.name == "deepseek_v3":
         check_latent_attention(family)
@@ -338,6 +338,9 @@ def check_experts_matter(family) -> None:
         "glm4_moe": "model.layers.2.mlp.experts.7.up_proj.weight",
         "deepseek_v3": "model.layers.2.mlp.experts.7.up_proj.weight",
         "deepseek_v2": "model.layers.2.mlp.experts.7.up_proj.weight",
+        "dots1": "model.layers.2.mlp.experts.7.up_proj.weight",
+        "olmoe": "model.layers.2.mlp.experts.7.up_proj.weight",
+        "flex_olmo": "model.layers.2.mlp.experts.7.up_proj.weight",
     }
     assert per_expert[family.name] in keys, sorted(keys)[:8]
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -345,7 +348,7 @@ def check_experts_matter(family) -> None:
         assert sparse == [0] and hasattr(model.model.layers[0].mlp, "shared_expert")
         assert model.model.layers[0].mlp.shared_expert_gate.weight.abs().sum() > 0
         assert not hasattr(model.model.layers[1].mlp, "experts")  # mlp_only_layers: dense
-    elif family.name in ("glm4_moe", "deepseek_v2", "deepseek_v3"):  # layer 0 dense (first_k_dense_replace)
+    elif family.name in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3"):  # layer 0 dense (first_k_dense_replace)
         assert sparse == [1, 2] and hasattr(model.model.layers[1].mlp, "shared_experts")
     else:
         assert sparse == list(range(len(model.model.layers)))
@@ -366,10 +369,13 @@ def check_experts_matter(family) -> None:
     assert all(picked[i] == set(range(num_experts)) for i in sparse), picked
     routers = [getattr(model.model.layers[i].mlp, router_of) for i in sparse]
     # Mixtral's and GPT-OSS's routers always renormalise: scale the top weights as a sum of 1 would not.
-    if family.name in ("mixtral", "gpt_oss", "deepseek_v2"):  # (DeepSeek-V2's: no renormalisation to flip)
+    # FlexOlmo normalises the MLP's output, so a scale of all the weights is lost: its top two weights swapped instead.
+    retuned = ("mixtral", "gpt_oss", "deepseek_v2", "flex_olmo")
+    if family.name in retuned:  # (DeepSeek-V2's: no renormalisation to flip)
         forward = type(routers[0]).forward
+        tweak = (lambda w: w.flip(-1)) if family.name == "flex_olmo" else (lambda w: w * 0.7)
         for r in routers:
-            r.forward = lambda x, r=r: (lambda o: (o[0], o[1] * 0.7, o[2]))(forward(r, x))
+            r.forward = lambda x, r=r: (lambda o: (o[0], tweak(o[1]), o[2]))(forward(r, x))
     else:
         for r in routers:
             r.norm_topk_prob = not r.norm_topk_prob
@@ -377,7 +383,7 @@ def check_experts_matter(family) -> None:
         changed = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
     finally:
         for r in routers:
-            if family.name in ("mixtral", "gpt_oss", "deepseek_v2"):
+            if family.name in retuned:
                 del r.forward
             else:
                 r.norm_topk_prob = not r.norm_topk_prob
