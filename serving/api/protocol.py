@@ -225,6 +225,10 @@ class ChatMessage(BaseModel):
     annotations: list[dict[str, Any]] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
+    # An assistant reply's reasoning as this server (and vLLM) returned it, sent back with the message: its chat
+    # template may read it (Qwen3's `reasoning_content`; gpt-oss's `thinking`: tools.template_messages)
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for it
 
 
 class JsonSchemaFormat(BaseModel):

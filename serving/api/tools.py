@@ -294,9 +294,15 @@ class ToolStream:
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates read them: an assistant's `tool_calls` with `arguments` as objects (Hugging Face
-    templates write them with `tojson`; a string would be written quoted)."""
+    templates write them with `tojson`; a string would be written quoted), and its reasoning sent back (as
+    `reasoning_content` or vLLM's `reasoning`) under both names templates read it by: `reasoning_content` (Qwen3's)
+    and `thinking` (gpt-oss's, which writes it back on the analysis channel of a turn that called tools)."""
     out = []
     for message in messages:
+        thought = message.get("reasoning_content") or message.get("reasoning")
+        if thought:
+            message = {k: v for k, v in message.items() if k != "reasoning"}
+            message.update(reasoning_content=thought, thinking=thought)
         calls = message.get("tool_calls")
         if calls:
             fixed = []

@@ -317,8 +317,13 @@ def apply_chat_template(
             {
                 "role": message["role"],
                 "content": _content(message.get("content", ""), i, images),
-                # what a model's own template may read (a tool result's call id, a participant's name, past calls)
-                **{k: message[k] for k in ("name", "tool_call_id") if isinstance(message.get(k), str)},
+                # what a model's own template may read (a tool result's call id, a participant's name, past calls,
+                # an assistant turn's reasoning sent back: tools.template_messages)
+                **{
+                    k: message[k]
+                    for k in ("name", "tool_call_id", "reasoning_content", "thinking")
+                    if isinstance(message.get(k), str)
+                },
                 **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {}),
             }
         )

@@ -187,3 +187,25 @@ def test_reasoning_effort_reaches_the_chat_template(client, model) -> None:
             extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}},
         )
     assert e.value.body["param"] == "chat_template_kwargs.reasoning_effort"
+
+
+def test_the_official_clients_loop_sends_the_reply_back_as_it_came(client, model) -> None:
+    """The client appends the reply's message object as it is, `reasoning_content` included; it goes back through the
+    template (a reasoning model's template may read it: Qwen3's `reasoning_content`, gpt-oss's `thinking`)."""
+    reply = _chat(client, model, THINKING, max_tokens=5)
+    assert reply.choices[0].message.model_extra["reasoning_content"]
+    messages = [*QUESTION, reply.choices[0].message, {"role": "user", "content": "And 3+3?"}]
+    answer = _chat(client, model, FINAL, messages=messages)
+    assert answer.choices[0].message.content == "The answer is 4."
+    call = _chat(client, model, CALL, tools=TOOLS).choices[0].message
+    messages = [*QUESTION, call, {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "21 C"}]
+    assert _chat(client, model, FINAL, tools=TOOLS, messages=messages).choices[0].message.content == "The answer is 4."
+    # A tool-calling turn's reasoning, sent back, is in the prompt (this template writes it on the analysis channel).
+    turn = {"role": "assistant", "content": None, "tool_calls": [call.tool_calls[0].model_dump()]}
+    result = {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "21 C"}
+    tokens = {}
+    for key in (None, "reasoning_content", "reasoning"):
+        sent = {**turn, key: "Thinking about the question..."} if key else turn
+        usage = _chat(client, model, FINAL, tools=TOOLS, messages=[*QUESTION, sent, result]).usage
+        tokens[key] = usage.prompt_tokens
+    assert tokens["reasoning_content"] == tokens["reasoning"] > tokens[None]
