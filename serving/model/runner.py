@@ -238,12 +238,19 @@ class _GPT2Weights:
         return cls(gpt.wte.weight, gpt.wpe.weight, layers, ln(gpt.ln_f))
 
 
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    """A Llama-like causal LM's decoder layers (`model.layers`), or OPT's (`model.decoder.layers`)."""
+    inner = model.model
+    return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers
+
+
 def _pack_llama(model, quantization: str = "none") -> None:
     """Every projection of every decoder layer as a `PackedLinear`, or with `quantization` (int8, fp8) a
-    `QuantLinear` (lm_head, tied to the embeddings or not, stays)."""
-    for layer in model.model.layers:
+    `QuantLinear` (lm_head, tied to the embeddings or not, stays); OPT's MLP projections are its layers' own."""
+    for layer in _decoder_layers(model):
         # An MoE layer's experts are its SparseMoE's own (pylon.serving.model.moe); its shared expert is a module here.
-        for parent in (layer.self_attn, layer.mlp, getattr(layer.mlp, "shared", None)):
+        mlp = getattr(layer, "mlp", layer)  # (OPT: fc1 and fc2 on the layer itself)
+        for parent in (layer.self_attn, mlp, getattr(mlp, "shared", None)):
             if parent is None:
                 continue
             for name, child in list(parent.named_children()):
@@ -307,7 +314,13 @@ class ModelRunner:
         problem = unsupported(config)
         if problem is not None:
             raise PylonError(f"model {model_dir}: {problem}; the serving engine cannot serve it")
-        self._forward: Callable = self._forward_gpt2 if model_type == "gpt2" else self._forward_llama
+        self._forward: Callable = (
+            self._forward_gpt2
+            if model_type == "gpt2"
+            else self._forward_opt
+            if model_type == "opt"
+            else self._forward_llama
+        )
         if model_type == "gpt2":
             self._gpt2_act = _gpt2_activation(config.activation_function)
         self.device = resolve_device(device)
@@ -344,7 +357,7 @@ class ModelRunner:
         # the rotary embedding applied to the first `cos.shape[-1]` dimensions of each head only (Phi-3's
         # partial_rotary_factor; Llama's apply rotates them all).
         self._rope_types = rope_layer_types(config)
-        first = self.model.model.layers[0] if model_type != "gpt2" else None
+        first = self.model.model.layers[0] if model_type in LLAMA_FAMILIES else None
         # Norms of the attention's and the MLP's outputs (Gemma 2 and 3, OLMo 2: post_feedforward_layernorm), and of
         # their inputs (every family but OLMo 2, whose layers normalise outputs only: no input_layernorm).
         self._output_norms = first is not None and hasattr(first, "post_feedforward_layernorm")
@@ -368,7 +381,7 @@ class ModelRunner:
         self._embedding_multiplier = getattr(config, "embedding_multiplier", None)
         self._residual_multiplier = getattr(config, "residual_multiplier", None)
         self.logits_scaling = getattr(config, "logits_scaling", None)
-        self._fused = model_type != "gpt2" and hasattr(self.model.model.layers[0].self_attn, "qkv_proj")
+        self._fused = first is not None and hasattr(first.self_attn, "qkv_proj")
         if self._fused:
             attn = self.model.model.layers[0].self_attn
             q_size, kv_size = config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
@@ -617,7 +630,7 @@ class ModelRunner:
             ):
                 found.setdefault((n_in, len(b)), functools.partial(self._mm, b, packed=w))
         else:
-            for module in self.model.model.layers[0].modules():
+            for module in _decoder_layers(self.model)[0].modules():
                 if isinstance(module, linear.PackedLinear):
                     found.setdefault((module.in_features, module.out_features), module)
         return [(n_in, n_out, project) for (n_in, n_out), project in found.items()]
@@ -922,6 +935,58 @@ class ModelRunner:
                 rows.add(down, up, i, "mlp.c_proj")
             h = h + down
         return F.layer_norm(h, *self._gpt2.ln_f)
+
+    def _forward_opt(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        final: Final,
+        adapters: lora.StepAdapters | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states of OPT (learned positions, offset by 2; LayerNorms before each block, or after them
+        where `do_layer_norm_before` is false, as OPT-350m; a ReLU MLP of fc1 and fc2; 350m's project_in and
+        project_out between its 512-wide embeddings and its 1024-wide layers) at the sampling tokens (`final`), the
+        loaded modules' own computations in OPTDecoder's order. The queries' scale goes to the attention (OPT
+        multiplies its queries by it before; the same product). `adapters`: as in `_forward_gpt2`."""
+        decoder = self.model.model.decoder
+        h = decoder.embed_tokens(ids)
+        if decoder.project_in is not None:
+            h = decoder.project_in(h)
+        h = h + F.embedding(positions + decoder.embed_positions.offset, decoder.embed_positions.weight)
+        before = self.config.do_layer_norm_before
+        last = len(decoder.layers) - 1
+        rows = adapters.tokens if adapters is not None else None
+
+        def project(module, x, i, name):
+            return module(x) if rows is None else rows.add(module(x), x, i, name)
+
+        for i, layer in enumerate(decoder.layers):
+            attn = layer.self_attn
+            x = layer.self_attn_layer_norm(h) if before else h
+            T = len(x)
+            q = project(attn.q_proj, x, i, "self_attn.q_proj").view(T, attn.num_heads, attn.head_dim)
+            k = project(attn.k_proj, x, i, "self_attn.k_proj").view(T, attn.num_heads, attn.head_dim)
+            v = project(attn.v_proj, x, i, "self_attn.v_proj").view(T, attn.num_heads, attn.head_dim)
+            a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
+            if a is None:
+                break
+            if i == last and adapters is not None:
+                rows = adapters.finals
+            a = a.reshape(len(h), -1)
+            h = h + project(attn.out_proj, a, i, "self_attn.out_proj")
+            if not before:
+                h = layer.self_attn_layer_norm(h)
+            x = layer.final_layer_norm(h) if before else h
+            up = layer.activation_fn(project(layer.fc1, x, i, "fc1"))
+            h = h + project(layer.fc2, up, i, "fc2")
+            if not before:
+                h = layer.final_layer_norm(h)
+        if decoder.final_layer_norm is not None:
+            h = decoder.final_layer_norm(h)
+        if decoder.project_out is not None:
+            h = decoder.project_out(h)
+        return h
 
     def _forward_llama(
         self,

@@ -334,7 +334,7 @@ class Family:
         # comfortable gaps between the best two logits so fp32 rounding never flips an argmax.
         config = AutoConfig.for_model(
             name,
-            **{**(FAMILIES | LLAMA_LIKE)[name], **overrides},
+            **{**(FAMILIES | LLAMA_LIKE).get(name, {}), **overrides},  # (a family tested on its own: overrides)
             eos_token_id=tok.eos_id,
             bos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id,

@@ -45,6 +45,8 @@ def _dequantized_copy(model, method: str = "int8"):
                 continue
             if name.endswith("shared_expert_gate"):  # Qwen2-MoE's: one output, kept in float as the router is
                 continue
+            if name.endswith(("project_in", "project_out")):  # OPT-350m's, outside its layers: float as the lm_head
+                continue
             if module is model.get_output_embeddings() or type(module).__name__ not in ("Linear", "Conv1D"):
                 continue
             gpt2 = type(module).__name__ == "Conv1D"  # weight [in, out]
