@@ -2,7 +2,9 @@
 attention that the runner must honour.
 
 GPT-2 and OPT (`opt`: OPT-125m to 66B, vLLM's quickstart model; learned positions, LayerNorms before the blocks or,
-in 350m, after them, a ReLU MLP, 350m's projections in and out) have forward passes of their own; the others are
+in 350m, after them, a ReLU MLP, 350m's projections in and out) and GPT-NeoX (`gpt_neox`: Pythia, GPT-NeoX-20B,
+Dolly v2; a fused per-head query-key-value projection, partial rotary embedding, parallel residual) have forward
+passes of their own; the others are
 built as Llama is (RMSNorm, RoPE, grouped-query attention, gated MLP) up to what the runner reads from the loaded
 modules themselves: projection biases (Qwen2 and Qwen2.5),
 per-head query and key norms and a head_dim of their own (Qwen3, Gemma 3), and a sliding window (`layer_windows`): in
@@ -183,7 +185,7 @@ FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
 # Multimodal checkpoints, their language model one of the families above (text_config's model_type): the runner loads
 # the checkpoint as it ships and keeps its language model, and its vision tower for images (engine/images.py).
 TEXT_MODELS = ("gemma3", "mistral3")
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt", *LLAMA_FAMILIES, *TEXT_MODELS)
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "gpt_neox", *LLAMA_FAMILIES, *TEXT_MODELS)
 
 
 def unsupported(config) -> str | None:

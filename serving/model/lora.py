@@ -50,6 +50,7 @@ _LLAMA_PROJECTIONS = (
 PROJECTIONS = (
     {"gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
     | {"opt": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "fc1", "fc2")}
+    | {"gpt_neox": ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")}
     | dict.fromkeys(LLAMA_FAMILIES, _LLAMA_PROJECTIONS)
     # Phi-3's fused projections, adapted whole, as peft targets them (pylon.serving.model.families).
     | {"phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
@@ -66,7 +67,9 @@ PROJECTIONS = (
     # StarCoder2's plain MLP (c_proj(act(c_fc(x)))).
     | {"starcoder2": (*_LLAMA_PROJECTIONS[:4], "mlp.c_fc", "mlp.c_proj")}
 )
-LAYERS = {"gpt2": "transformer.h", "opt": "model.decoder.layers"} | dict.fromkeys(LLAMA_FAMILIES, "model.layers")
+LAYERS = {"gpt2": "transformer.h", "opt": "model.decoder.layers", "gpt_neox": "gpt_neox.layers"} | dict.fromkeys(
+    LLAMA_FAMILIES, "model.layers"
+)
 # peft's key for one of a projection's two matrices (the adapter's name is not in a saved adapter's keys).
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
 # Initialisations that change the base weights too (PiSSA, OLoRA, CorDA, LoRA-GA move the principal part of each

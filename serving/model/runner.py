@@ -239,7 +239,10 @@ class _GPT2Weights:
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
-    """A Llama-like causal LM's decoder layers (`model.layers`), or OPT's (`model.decoder.layers`)."""
+    """A Llama-like causal LM's decoder layers (`model.layers`), OPT's (`model.decoder.layers`) or GPT-NeoX's
+    (`gpt_neox.layers`)."""
+    if hasattr(model, "gpt_neox"):
+        return model.gpt_neox.layers
     inner = model.model
     return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers
 
@@ -250,7 +253,8 @@ def _pack_llama(model, quantization: str = "none") -> None:
     for layer in _decoder_layers(model):
         # An MoE layer's experts are its SparseMoE's own (pylon.serving.model.moe); its shared expert is a module here.
         mlp = getattr(layer, "mlp", layer)  # (OPT: fc1 and fc2 on the layer itself)
-        for parent in (layer.self_attn, mlp, getattr(mlp, "shared", None)):
+        attention = layer.attention if hasattr(layer, "attention") else layer.self_attn  # (GPT-NeoX: `attention`)
+        for parent in (attention, mlp, getattr(mlp, "shared", None)):
             if parent is None:
                 continue
             for name, child in list(parent.named_children()):
@@ -319,6 +323,8 @@ class ModelRunner:
             if model_type == "gpt2"
             else self._forward_opt
             if model_type == "opt"
+            else self._forward_neox
+            if model_type == "gpt_neox"
             else self._forward_llama
         )
         if model_type == "gpt2":
@@ -756,7 +762,7 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits of final hidden states, in the model's dtype, soft-capped where the config says
         (`final_logit_softcapping`: cap * tanh(logits / cap), as transformers' Gemma 3 computes it)."""
-        logits = self.model.lm_head(hidden)
+        logits = self.model.get_output_embeddings()(hidden)  # lm_head (GPT-NeoX's embed_out)
         if self.logits_scaling is not None:  # Granite: the logits divided, as GraniteForCausalLM divides them
             logits = logits / self.logits_scaling
         if self.logit_scale is not None:  # Cohere: multiplied, as CohereForCausalLM multiplies them
@@ -935,6 +941,49 @@ class ModelRunner:
                 rows.add(down, up, i, "mlp.c_proj")
             h = h + down
         return F.layer_norm(h, *self._gpt2.ln_f)
+
+    def _forward_neox(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        final: Final,
+        adapters: lora.StepAdapters | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states of GPT-NeoX (Pythia, GPT-NeoX-20B, Dolly v2: LayerNorms; one fused projection whose
+        output holds each head's query, key and value side by side; the rotary embedding of the first
+        `partial_rotary_factor` of each head's dimensions; the attention and the MLP side by side on the same input
+        where `use_parallel_residual`, else one after the other) at the sampling tokens (`final`), its modules' own
+        computations in GPTNeoXLayer's order. `adapters`: as in `_forward_gpt2`."""
+        neox = self.model.gpt_neox
+        h = neox.embed_in(ids)
+        cos, sin = neox.rotary_emb(h, positions[None])
+        parallel = self.config.use_parallel_residual
+        last = len(neox.layers) - 1
+        rows = adapters.tokens if adapters is not None else None
+
+        def project(module, x, i, name):
+            return module(x) if rows is None else rows.add(module(x), x, i, name)
+
+        for i, layer in enumerate(neox.layers):
+            attn, mlp = layer.attention, layer.mlp
+            T = len(h)
+            x = layer.input_layernorm(h)
+            qkv = project(attn.query_key_value, x, i, "attention.query_key_value").view(T, -1, 3 * attn.head_size)
+            q, k, v = qkv.chunk(3, dim=-1)
+            q, k = self._apply_rope(q, k, cos[0], sin[0], unsqueeze_dim=1)
+            # h: the layer's input (its sampling rows' in the last layer)
+            a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
+            if a is None:
+                break
+            if i == last and adapters is not None:
+                rows = adapters.finals
+            o = project(attn.dense, a.reshape(len(h), -1), i, "attention.dense")
+            # the MLP of the layer's input (parallel residual) or of the input plus the attention's output
+            x = layer.post_attention_layernorm(h if parallel else h + o)
+            up = mlp.act(project(mlp.dense_h_to_4h, x, i, "mlp.dense_h_to_4h"))
+            h = h + o + project(mlp.dense_4h_to_h, up, i, "mlp.dense_4h_to_h")
+        return neox.final_layer_norm(h)
 
     def _forward_opt(
         self,
