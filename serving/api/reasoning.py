@@ -13,8 +13,8 @@ each chat reply as the message's `reasoning_content` (streamed as `delta.reasoni
   writes an empty block into the prompt).
 
 The tags themselves are in neither part. Tool calls are read from the content only. Completions
-(`/v1/completions`) return the raw text, and a request whose output a grammar constrains (`response_format`, a
-required or named `tool_choice`) is not split: its output is the constrained text from its first token.
+(`/v1/completions`) return the raw text. A chat whose output a grammar constrains (`response_format`, a required or
+named `tool_choice`) is split the same way: its grammar lets the reasoning come first (`reply_guide`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import time
 from collections.abc import Collection
 
 from pylon.errors import StorageError
-from pylon.serving.api import harmony, openapi, protocol, reasoning, responses, routing, tools
+from pylon.serving.api import harmony, openapi, protocol, reasoning, reply_guide, responses, routing, tools
 from pylon.serving.api.adapters import AdapterFetcher
 from pylon.serving.api.http import (
     JSON_HEADERS,
@@ -857,6 +857,14 @@ class PylonLLMServer:
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default; a model whose
             # generation_config.json sets max_new_tokens runs up to that instead (and the other defaults it sets).
             params = body.sampling_params(16 if kind == "completion" else None, self.sampling_defaults)
+            if kind != "completion":  # a constrained chat reply in the model's own format, its reasoning first
+                params.guide = reply_guide.for_reply(
+                    params.guide,
+                    body.tool_plan,
+                    self.engine.tokenizer,
+                    parser=self.spec.http.reasoning_parser if self._harmony is None else None,
+                    harmony=self._harmony,
+                )
             self._adapter_params(params, body.model)  # one of its LoRA adapters, if not the base model
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
@@ -895,11 +903,10 @@ class PylonLLMServer:
             if request is not None
             else protocol.new_id("chatcmpl" if chat else "cmpl")
         )
-        # A chat reply's <think> block as reasoning_content (`reasoning`), or a harmony model's channels, unless a
-        # grammar constrains the output.
-        free = chat and params.guide is None
-        read_harmony = free and self._harmony is not None
-        parser = self.spec.http.reasoning_parser if free and not read_harmony else None
+        # A chat reply's <think> block as reasoning_content (`reasoning`), or a harmony model's channels; a grammar
+        # that constrains the reply lets the reasoning come first (`reply_guide`).
+        read_harmony = chat and self._harmony is not None
+        parser = self.spec.http.reasoning_parser if chat and not read_harmony else None
         timeout = self.spec.http.request_timeout_s
         shape = "chat" if chat else "completion"
         speaks = None

@@ -13,8 +13,10 @@ Formats read from the model's output (docs/http.md, "Tool calls"):
     (Mistral 7B v0.3, Nemo), or one or more `[TOOL_CALLS]name[ARGS]{...}` (tokenizers v11+: Mistral Small 3.1+,
     Magistral). Its calls get ids of 9 letters and digits, the only ids Mistral's chat templates take back.
 With `tool_choice` "required" or a named function the output is constrained (`engine/guided.py`) to Hermes blocks
-whose arguments follow each function's `parameters` schema, one block unless `parallel_tool_calls`. With "auto" the
-model writes what it likes; a call that does not parse, or names no declared function, comes back as text.
+whose arguments follow each function's `parameters` schema, one block unless `parallel_tool_calls`; on chat,
+after the model's reasoning and in its own tokens, or as harmony's call for a harmony model (`reply_guide`). With
+"auto" the model writes what it likes; a call that does not parse, or names no declared function, comes back as
+text.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# A call's JSON as models write it: compact, or with one space after `:` and `,` (json.dumps's and chat templates'
+# `tojson`); never padded further, which a weak model would do forever.
+ARGUMENT_SPACING = {"whitespace_pattern": "[ ]?"}
 
 
 @dataclass
@@ -50,11 +55,21 @@ class ToolPlan:
         self.constrained = self.choice != "auto"
 
     def guide(self) -> dict | None:
-        """The engine's grammar (a `SamplingParams.guide`) when the choice constrains the output."""
+        """The engine's grammar (a `SamplingParams.guide`) when the choice constrains the output: Hermes blocks of
+        the allowed calls, the tags as text (`reply_guide` writes them as the model's own tokens where it has them)."""
         if not self.constrained:
             return None
-        names = list(self.functions) if self.choice == "required" else [self.choice]
-        call = {
+        rules = self.hermes_rules(json.dumps(OPEN), json.dumps(CLOSE))
+        return {"type": "lark", "grammar": f"start: calls\n{rules}", "param": "tools"}
+
+    def allowed(self) -> list[str]:
+        """The functions the output may call: all of them ("required"), or the named one."""
+        return list(self.functions) if self.choice == "required" else [self.choice]
+
+    def call_schema(self, names: list[str]) -> dict:
+        """The JSON Schema of a Hermes call's body, `{"name": ..., "arguments": {...}}`, of one of `names`, each
+        function's arguments held to its `parameters`."""
+        return {
             "anyOf": [
                 {
                     "type": "object",
@@ -64,11 +79,20 @@ class ToolPlan:
                 }
                 for name in names
             ],
-            "x-guidance": {"whitespace_flexible": False},
+            "x-guidance": ARGUMENT_SPACING,
         }
-        repeat = "+" if self.parallel else ""
-        grammar = f'start: call{repeat}\ncall: "{OPEN}" body "{CLOSE}"\nbody: %json {json.dumps(call)}\n'
-        return {"type": "lark", "grammar": grammar, "param": "tools"}
+
+    def hermes_rules(self, open_: str, close: str) -> str:
+        """Lark rules whose `calls` is one Hermes block of an allowed call (one or more with `parallel`), `open_` and
+        `close` the grammar's symbols for `<tool_call>` and `</tool_call>`; a newline or space may pad the body as
+        Hermes-trained models write it (`<tool_call>\\n{...}\\n</tool_call>`), and separate the blocks."""
+        calls = "call (CALL_GAP? call)*" if self.parallel else "call"
+        return (
+            f"calls: {calls}\n"
+            f"call: {open_} CALL_GAP? body CALL_GAP? {close}\n"
+            f"body: %json {json.dumps(self.call_schema(self.allowed()))}\n"
+            "CALL_GAP: /[ \\n]{1,2}/\n"
+        )
 
     def preamble(self) -> str:
         """The system text that tells a model without a tool-aware template what it may call, and how."""

@@ -17,6 +17,7 @@ from test_serving_http import KEY, serving  # noqa: F401 (fixtures)
 FINAL = "<|channel|>final<|message|>The answer is 4.<|return|>"
 THINKING = "<|channel|>analysis<|message|>Thinking about the question..."  # cut short by max_tokens 5
 CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+FINAL_JSON = '<|channel|>final<|message|>{"answer":4}<|return|>'  # a structured answer
 WORDS = [
     "final",
     "analysis",
@@ -27,6 +28,8 @@ WORDS = [
     "Thinking",
     " about the question...",
     '{"city": "Paris"}',
+    '{"answer":',  # (llguidance's masks leave out a token that spans a key and its value: "answer":4)
+    "4}",
 ]
 TOOLS = [
     {
@@ -39,15 +42,21 @@ TOOLS = [
     }
 ]
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> HarmonyModel:
-    model = HarmonyModel(tmp_path_factory.mktemp("gpt-oss"), [FINAL, THINKING, CALL], WORDS)
+    model = HarmonyModel(tmp_path_factory.mktemp("gpt-oss"), [FINAL, THINKING, CALL, FINAL_JSON], WORDS, vocab=328)
     prompt = harmony_ids(
         model.tokenizer, model.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     )
-    for reply in (FINAL, CALL):  # transformers' greedy reply is the one the bias picks: the fixture holds
+    for reply in (FINAL, CALL, FINAL_JSON):  # transformers' greedy reply is the one the bias picks: the fixture holds
         assert model.greedy(prompt, reply, 20) == model.replies[reply]
     assert model.greedy(prompt, THINKING, 5) == model.replies[THINKING]
     return model
@@ -135,6 +144,44 @@ def test_a_call_of_a_declared_function_is_a_tool_call_and_the_loop_goes_on(clien
     ]
     answer = _chat(client, model, FINAL, tools=TOOLS, messages=messages)
     assert answer.choices[0].message.content == "The answer is 4." and answer.usage.prompt_tokens > 40
+
+
+def test_a_required_or_named_tool_choice_takes_the_models_own_harmony_call(client, model) -> None:
+    """A constraining tool_choice holds the reply to harmony's calls of the allowed functions
+    (pylon.serving.api.reply_guide), which the model's own call passes: its arguments come back as it wrote them.
+    (Held to Hermes blocks from its first token, the model was made to spell out `<tool_call>` and write arguments it
+    never chose.) Its reasoning comes first as it does unconstrained."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        reply = _chat(client, model, CALL, tools=TOOLS, tool_choice=choice)
+        assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+        (call,) = reply.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert reply.usage.completion_tokens == len(model.replies[CALL])
+        streamed = _streamed(_chat(client, model, CALL, tools=TOOLS, tool_choice=choice, stream=True))
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        assert streamed["finish"] == "tool_calls"
+    thinking = _chat(client, model, THINKING, tools=TOOLS, tool_choice="required", max_tokens=5)
+    message = thinking.choices[0].message
+    assert message.model_extra["reasoning_content"] == "Thinking about the question..." and not message.tool_calls
+    assert thinking.choices[0].finish_reason == "length"
+
+
+def test_a_structured_answer_comes_on_the_final_channel_after_the_reasoning(client, model) -> None:
+    """response_format holds the final channel's message to the schema; the model's own JSON answer passes, and its
+    analysis comes first as reasoning. A reply the schema does not allow is made JSON."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    reply = _chat(client, model, FINAL_JSON, response_format=fmt)
+    assert reply.choices[0].message.content == '{"answer":4}' and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(model.replies[FINAL_JSON])
+    streamed = _streamed(_chat(client, model, FINAL_JSON, response_format=fmt, stream=True))
+    assert (streamed["content"], streamed["reasoning"], streamed["finish"]) == ('{"answer":4}', "", "stop")
+    thinking = _chat(client, model, THINKING, response_format=fmt, max_tokens=5)
+    assert thinking.choices[0].message.model_extra["reasoning_content"] == "Thinking about the question..."
+    prose = _chat(client, model, FINAL, response_format={"type": "json_object"}, max_tokens=20)
+    assert prose.choices[0].message.content.startswith("{")  # not "The answer is 4."
 
 
 def test_a_call_of_no_declared_function_is_text(client, model) -> None:

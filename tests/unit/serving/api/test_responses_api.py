@@ -138,7 +138,7 @@ def test_a_tool_calling_loop_through_the_openai_client(client):
 
     conversation: list = [{"role": "user", "content": "what is 2 + 3?"}]
     reply = client.responses.create(  # greedy: sampled, the random model's calls could run past the budget
-        model="tiny", input=conversation, tools=TOOLS, tool_choice="required", max_output_tokens=300, temperature=0
+        model="tiny", input=conversation, tools=TOOLS, tool_choice="required", max_output_tokens=480, temperature=0
     )
     calls = [item for item in reply.output if item.type == "function_call"]
     assert calls and reply.status == "completed" and all(c.name == "add" for c in calls), reply.output

@@ -104,7 +104,7 @@ def test_a_tool_loop_continues_by_id_with_only_the_calls_outputs(client):
     import jsonschema
 
     reply = client.responses.create(  # greedy: sampled, the random model may ramble past the budget inside the call
-        model="tiny", input="what is 2 + 3?", tools=TOOLS, tool_choice="required", max_output_tokens=300, temperature=0
+        model="tiny", input="what is 2 + 3?", tools=TOOLS, tool_choice="required", max_output_tokens=480, temperature=0
     )
     calls = [item for item in reply.output if item.type == "function_call"]
     assert calls, reply.output

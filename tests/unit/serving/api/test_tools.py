@@ -170,7 +170,7 @@ def test_the_constraining_grammar_only_lets_declared_calls_out(choice, parallel)
     for _ in range(4):
         matcher = guides.matcher(the_plan.guide())
         out = []
-        while not matcher.is_stopped() and len(out) < 600:
+        while not matcher.is_stopped() and len(out) < 3000:
             logits = guides.apply(torch.randn(1, 320, generator=generator), [0], [matcher], 256)
             token = int(torch.multinomial(logits[0].softmax(-1), 1, generator=generator))
             assert matcher.consume_token(token), matcher.get_error()

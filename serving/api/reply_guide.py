@@ -1,0 +1,138 @@
+"""The grammar a constrained chat reply is held to, in the model's own format: a model that reasons first
+(`http.reasoning_parser`, or a harmony model's analysis channel) still reasons, and only its answer is held to the
+request's JSON schema or tool calls; tags the model has as tokens of their own (`<think>`, `<tool_call>`, harmony's
+markers) are those tokens in the grammar, not their spelling.
+
+A request's own guide (`response_format`, or a required or named `tool_choice`: `protocol`, `tools.ToolPlan.guide`)
+is written for any model: JSON, or Hermes blocks, from the reply's first token. Held to it as it is, a reasoning
+model is made to answer without its reasoning (Qwen3, DeepSeek-R1 and gpt-oss all start with it), and a model whose
+tags are tokens of their own is made to spell them out character by character, neither of which it was trained to
+do. `for_reply` rewrites the guide for the model being served (one Lark grammar, llguidance's syntax, `<[id]>` a
+token by its id):
+
+  - qwen3 (the model opens its block itself; Qwen3 with thinking off writes none):
+      `start: (think GAP?)? answer`, `think: <think> THOUGHT </think>`;
+  - deepseek_r1 (the chat template opened the block): `start: <think>? THOUGHT </think> GAP? answer`;
+  - harmony (gpt-oss): any analysis messages and commentary preambles, then the answer as harmony writes it: a
+    message on the `final` channel (`response_format`), or a call of an allowed function on the `commentary` channel
+    (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, the recipient before or
+    after the channel, `<|constrain|>json` optional); one call a reply, as harmony ends a reply at `<|call|>`;
+  - any other model: the request's guide, with its tags as the model's tokens.
+The answer is `%json` of the schema (compact, as OpenAI's structured outputs are) or the Hermes calls
+(`tools.ToolPlan.hermes_rules`). The reasoning is free text: the model thinks as long as it likes within max_tokens,
+as under vLLM's reasoning parsers; a reply cut short before its answer has reasoning only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from pylon.serving.api import tools as tool_calls
+from pylon.serving.api.reasoning import END, START
+from pylon.serving.engine.guided import JSON_OPTIONS
+
+if TYPE_CHECKING:
+    from pylon.serving.api.harmony import HarmonyTokens
+
+THOUGHT = "THOUGHT: /(?s:.*)/\n"  # free text: a terminal, so that the Earley parser takes it as one lexeme
+GAP = "GAP: /[ \\t\\r\\n]{1,4}/\n"  # between the reasoning and the answer (Qwen3 writes "\n\n")
+
+
+def for_reply(
+    guide: dict | None,
+    plan: tool_calls.ToolPlan | None,
+    tokenizer,
+    *,
+    parser: str | None = None,
+    harmony: HarmonyTokens | None = None,
+) -> dict | None:
+    """The engine's guide for a chat reply of this model: `guide` (the request's: None, a JSON one, or its tool plan's
+    Hermes grammar), with reasoning first where the model reasons (`parser`: http.reasoning_parser; `harmony`: the
+    model's harmony tokens) and tags as the model's own tokens (`tokenizer`)."""
+    if guide is None:
+        return None
+    calls = plan is not None and plan.constrained
+    if not calls and guide.get("type") not in ("json_object", "json_schema"):
+        return guide
+    param = guide.get("param") or ("tools" if calls else "response_format")
+    if harmony is not None:
+        return {"type": "lark", "grammar": _harmony(guide, plan if calls else None, harmony), "param": param}
+    if calls:
+        answer = plan.hermes_rules(_tag(tokenizer, tool_calls.OPEN), _tag(tokenizer, tool_calls.CLOSE))
+        top = "calls"
+    elif parser is None:
+        return guide  # JSON from the first token: the engine compiles the schema itself
+    else:
+        answer, top = f"answer: %json {json.dumps(_schema(guide))}\n", "answer"
+    if parser is None:
+        start = f"start: {top}\n"
+    else:
+        start = _thinking(tokenizer, parser, top)
+    return {"type": "lark", "grammar": start + answer, "param": param}
+
+
+def _thinking(tokenizer, parser: str, top: str) -> str:
+    """The start rule and reasoning block of a `<think>` model, under `parser`'s rule, before the rule `top`."""
+    opening, closing = _token_id(tokenizer, START), _token_id(tokenizer, END)
+    if opening is not None and closing is not None:  # tokens of their own: free text cannot hold them
+        if parser == "qwen3":
+            return f"start: (think GAP?)? {top}\nthink: <[{opening}]> THOUGHT <[{closing}]>\n{THOUGHT}{GAP}"
+        return f"start: <[{opening}]>? THOUGHT <[{closing}]> GAP? {top}\n{THOUGHT}{GAP}"
+    # Text tags: the block is one lazy lexeme, ended by the first closing tag.
+    if parser == "qwen3":
+        return f"start: (think GAP?)? {top}\nthink[lazy]: /<think>(?s:.*)<\\/think>/\n{GAP}"
+    return f"start: think GAP? {top}\nthink[lazy]: /(<think>)?(?s:.*)<\\/think>/\n{GAP}"
+
+
+def _harmony(guide: dict, plan: tool_calls.ToolPlan | None, tokens: HarmonyTokens) -> str:
+    """A harmony reply: leading analysis and preamble messages, then the final answer or one call."""
+    ch, msg, end, start = (f"<[{t}]>" for t in (tokens.channel, tokens.message, tokens.end, tokens.start))
+    lines = [
+        "start: lead* answer",
+        f'lead: {ch} ("analysis" | "commentary") {msg} TEXT {end} {start} "assistant"',
+        "TEXT: /(?s:.*)/",
+    ]
+    if plan is None:
+        lines.append(f'answer: {ch} "final" {msg} body <[{tokens.return_}]>')
+        lines.append(f"body: %json {json.dumps(_schema(guide))}")
+    else:
+        constrain = f'(" " <[{tokens.constrain}]> "json")?'
+        names = plan.allowed()
+        lines.append("answer: " + " | ".join(f"call{i}" for i in range(len(names))))
+        for i, name in enumerate(names):
+            to = json.dumps(f" to=functions.{name}")
+            # `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`, or the recipient first:
+            # ` to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>`
+            lines.append(
+                f'call{i}: ({ch} "commentary" {to} {constrain} | {to} {ch} "commentary" {constrain}) '
+                f"{msg} args{i} <[{tokens.call}]>"
+            )
+            schema = {**plan.functions[name]["parameters"], "x-guidance": tool_calls.ARGUMENT_SPACING}
+            lines.append(f"args{i}: %json {json.dumps(schema)}")
+    return "\n".join(lines) + "\n"
+
+
+def _schema(guide: dict) -> dict:
+    """The JSON Schema of a json_object or json_schema guide, with the engine's JSON options."""
+    schema = guide.get("schema") if guide.get("type") == "json_schema" else {"type": "object"}
+    return {**schema, "x-guidance": JSON_OPTIONS}
+
+
+def _tag(tokenizer, text: str) -> str:
+    """`text` as a grammar symbol: the model's token for it (or its spelling) where it has one, else the string."""
+    found = _token_id(tokenizer, text)
+    return json.dumps(text) if found is None else f"(<[{found}]> | {json.dumps(text)})"
+
+
+def _token_id(tokenizer, text: str) -> int | None:
+    """The id of the tokenizer's added token `text` (a tag the model was trained to write as one token), or None."""
+    inner = getattr(tokenizer, "_tok", tokenizer)
+    added = getattr(inner, "get_added_vocab", None)
+    if added is not None:
+        found = added().get(text)
+        return int(found) if found is not None else None
+    decoder = getattr(inner, "get_added_tokens_decoder", None)  # a `tokenizers` Tokenizer
+    if decoder is not None:
+        return next((int(i) for i, token in decoder().items() if token.content == text), None)
+    return None

@@ -1,0 +1,267 @@
+"""`pylon.serving.api.reply_guide`: a constrained chat reply's grammar in the model's own format. The replies a
+reasoning model, a harmony model and a model with tag tokens write (their tags as the tokens they have) pass the
+rewritten grammar token by token, where the request's own grammar refuses them at their first token; and whatever
+random logits the masks let through reads back, as the server reads it, as reasoning and a valid answer."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from harmony_models import bpe_tokenizer, harmony_ids, harmony_tokenizer
+
+from pylon.serving.api import harmony, reasoning, reply_guide, tools
+from pylon.serving.api.harmony import HarmonyTokens
+from pylon.serving.api.protocol import ResponseFormat
+from pylon.serving.engine.guided import Guides
+from pylon.serving.engine.tokenization import load_model_tokenizer
+
+VOCAB = 320
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD}},
+]
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}, "why": {"type": "string", "maxLength": 10}},
+    "required": ["answer", "why"],
+    "additionalProperties": False,
+}
+QWEN_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def _tokenizer(tmp_path, tags: list[str]):
+    """A Qwen-like tokenizer (ChatML specials), with `tags` as added tokens as Qwen's has them, loaded as a
+    deployment loads its model's."""
+    tok = bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, eos_token="<|im_end|>")
+    tok.add_tokens(tags)
+    tok.save_pretrained(tmp_path)
+    return load_model_tokenizer(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return _tokenizer(tmp_path_factory.mktemp("qwen"), QWEN_TAGS)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return _tokenizer(tmp_path_factory.mktemp("plain"), [])
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("harmony")
+    harmony_tokenizer(directory)
+    return load_model_tokenizer(str(directory))
+
+
+def _plan(choice: str = "required", parallel: bool = True) -> tools.ToolPlan:
+    named = choice if choice in ("required", "auto") else {"type": "function", "function": {"name": choice}}
+    return tools.plan_of(TOOLS, named, parallel)
+
+
+def _json_guide() -> dict:
+    return ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+    ).guide()
+
+
+def _walk(tokenizer, guide: dict, ids: list[int]) -> tuple[bool, object]:
+    """Whether the grammar takes `ids` one token at a time and may end after them (the matcher, for its error)."""
+    matcher = Guides(tokenizer, VOCAB).matcher(guide)
+    for token in ids:
+        if not matcher.consume_token(token) or matcher.is_error():
+            return False, matcher
+    return matcher.is_accepting(), matcher
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer._tok.encode(text, add_special_tokens=False))
+
+
+QWEN_CALL = (
+    "<think>\nThe user wants the weather in Paris.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    "parser, reply, kind",
+    [
+        ("qwen3", QWEN_CALL, "calls"),
+        ("qwen3", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "calls"),  # no thinking
+        ("qwen3", '<think>\nJSON it is.\n</think>\n\n{"answer":4,"why":"2+2"}', "json"),
+        ("deepseek_r1", 'The template opened the block.\n</think>\n\n{"answer":4,"why":"2+2"}', "json"),
+        ("deepseek_r1", "<think>Again.</think>" + QWEN_CALL[QWEN_CALL.index("\n\n") :], "calls"),
+        (None, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "calls"),
+        (None, '<tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call>', "calls"),  # compact JSON too
+    ],
+)
+def test_a_models_own_reply_passes_the_rewritten_grammar(qwen, parser, reply, kind) -> None:
+    """The model's tags are its tokens (`<think>` is one id here, as in Qwen's tokenizer); the reply passes, and the
+    request's own grammar (JSON or Hermes from the first token, tags spelled out) refuses it."""
+    ids = _ids(qwen, reply)
+    assert qwen._tok.convert_tokens_to_ids("<tool_call>") in ids or "<tool_call>" not in reply
+    plan = _plan() if kind == "calls" else None
+    request_guide = plan.guide() if plan is not None else _json_guide()
+    guide = reply_guide.for_reply(request_guide, plan, qwen, parser=parser)
+    ok, matcher = _walk(qwen, guide, ids)
+    assert ok, matcher.get_error()
+    assert not _walk(qwen, request_guide, ids)[0]
+    # and the server reads it back: reasoning apart, the answer valid
+    text = qwen._tok.decode(ids)
+    thought, content = reasoning.split(text, parser) if parser else (None, text)
+    if kind == "calls":
+        content, calls = tools.parse(content, plan)
+        assert calls and content is None, text
+    else:
+        jsonschema.validate(json.loads(content), ANSWER)
+    assert (thought is not None) == ("think" in reply or parser == "deepseek_r1")
+
+
+def test_a_reasoning_model_may_not_skip_its_answer_or_put_it_inside_the_block(qwen) -> None:
+    guide = reply_guide.for_reply(_json_guide(), None, qwen, parser="qwen3")
+    assert not _walk(qwen, guide, _ids(qwen, "<think>x</think>\n\nnot json"))[0]
+    assert not _walk(qwen, guide, _ids(qwen, "<think>x</think>"))[0]  # the answer must come
+    assert not _walk(qwen, guide, _ids(qwen, 'x</think>{"answer":4,"why":""}'))[0]  # qwen3 opens its own block
+
+
+def test_text_tags_are_held_as_text(plain) -> None:
+    """A tokenizer without tag tokens: the tags are text, the block one lazy lexeme ending at the first `</think>`."""
+    guide = reply_guide.for_reply(_plan().guide(), _plan(), plain, parser="qwen3")
+    assert _walk(plain, guide, _ids(plain, QWEN_CALL))[0]
+    guide = reply_guide.for_reply(_json_guide(), None, plain, parser="deepseek_r1")
+    assert _walk(plain, guide, _ids(plain, 'a</think>\n{"answer":1,"why":""}'))[0]
+    assert not _walk(plain, guide, _ids(plain, 'a</think>b</think>{"answer":1,"why":""}'))[0]
+    # without a parser and without tag tokens the request's guide goes to the engine as it is
+    assert reply_guide.for_reply(_json_guide(), None, plain) == _json_guide()
+
+
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather: call the tool.<|end|><|start|>assistant"
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>'
+)
+
+
+@pytest.mark.parametrize(
+    "reply, kind",
+    [
+        (HARMONY_CALL, "calls"),
+        ('<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1, "b": 2}<|call|>', "calls"),
+        ('<|channel|>commentary to=functions.add<|message|>{"a":1,"b":2}<|call|>', "calls"),  # no <|constrain|>
+        (' to=functions.add<|channel|>commentary <|constrain|>json<|message|>{"a":1,"b":2}<|call|>', "calls"),
+        (
+            "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+            "Let me check.<|end|><|start|>assistant" + HARMONY_CALL[HARMONY_CALL.index("<|channel|>commentary") :],
+            "calls",
+        ),
+        (
+            '<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>{"answer":4,"why":"x"}'
+            "<|return|>",
+            "json",
+        ),
+        ('<|channel|>final<|message|>{"answer":4,"why":"x"}<|return|>', "json"),
+    ],
+)
+def test_a_harmony_reply_passes_the_rewritten_grammar(gpt_oss, reply, kind) -> None:
+    tokens = HarmonyTokens.of(gpt_oss)
+    plan = _plan() if kind == "calls" else None
+    request_guide = plan.guide() if plan is not None else _json_guide()
+    guide = reply_guide.for_reply(request_guide, plan, gpt_oss, harmony=tokens)
+    ids = harmony_ids(gpt_oss, reply)
+    ok, matcher = _walk(gpt_oss, guide, ids)
+    assert ok, matcher.get_error()
+    assert not _walk(gpt_oss, request_guide, ids)[0]
+    thought, content, calls = harmony.parse(gpt_oss, tokens, ids, list(plan.functions) if plan else None)
+    if kind == "calls":
+        assert [c["function"]["name"] for c in calls]
+        assert content == ("Let me check." if "Let me check." in reply else None)  # a preamble is content
+    else:
+        jsonschema.validate(json.loads(content), ANSWER)
+    assert (thought is not None) == ("analysis" in reply)
+
+
+def test_harmony_calls_are_of_the_allowed_functions_only(gpt_oss) -> None:
+    tokens = HarmonyTokens.of(gpt_oss)
+    plan = _plan("add")
+    guide = reply_guide.for_reply(plan.guide(), plan, gpt_oss, harmony=tokens)
+    weather = HARMONY_CALL[HARMONY_CALL.index("<|channel|>commentary") :]
+    assert not _walk(gpt_oss, guide, harmony_ids(gpt_oss, weather))[0]  # a named choice: only `add`
+    final = '<|channel|>final<|message|>{"a":1,"b":2}<|return|>'
+    assert not _walk(gpt_oss, guide, harmony_ids(gpt_oss, final))[0]  # a call is required
+    bad = '<|channel|>commentary to=functions.add<|message|>{"a":"1","b":2}<|call|>'
+    assert not _walk(gpt_oss, guide, harmony_ids(gpt_oss, bad))[0]  # arguments held to the schema
+
+
+def _sample(tokenizer, guide: dict, finish: set[int], seed: int) -> list[int]:
+    """Tokens drawn from random logits under the grammar's masks; the tokens in `finish` (those that end the
+    model's free text) pushed up once it has written a few, so that a reply gets to its answer."""
+    import torch
+
+    guides = Guides(tokenizer, VOCAB)
+    matcher = guides.matcher(guide)
+    generator = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    while not matcher.is_stopped() and len(out) < 800:
+        logits = torch.randn(1, VOCAB, generator=generator) * 2
+        if len(out) % 12 > 6:
+            logits[0, sorted(finish)] += 30
+        masked = guides.apply(logits, [0], [matcher], tokenizer.eos_id)
+        token = int(torch.multinomial(masked[0].softmax(-1), 1, generator=generator))
+        assert matcher.consume_token(token), matcher.get_error()
+        out.append(token)
+    assert matcher.is_stopped(), "no end in 800 tokens"
+    return out
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("kind", ["calls", "json"])
+def test_random_logits_through_a_thinking_grammar_read_back_valid(qwen, parser, kind) -> None:
+    plan = _plan(parallel=False) if kind == "calls" else None
+    guide = reply_guide.for_reply(plan.guide() if plan else _json_guide(), plan, qwen, parser=parser)
+    finish = {qwen._tok.convert_tokens_to_ids("</think>")}
+    for seed in range(3):
+        ids = _sample(qwen, guide, finish, seed)
+        text = qwen._tok.decode([t for t in ids if t != qwen.eos_id])
+        thought, content = reasoning.split(text, parser)
+        if kind == "calls":
+            content, calls = tools.parse(content, plan)
+            assert len(calls) == 1 and content is None, text
+            name = calls[0]["function"]["name"]
+            jsonschema.validate(
+                json.loads(calls[0]["function"]["arguments"]), WEATHER if name == "get_weather" else ADD
+            )
+        else:
+            jsonschema.validate(json.loads(content), ANSWER)
+
+
+@pytest.mark.parametrize("kind", ["calls", "json"])
+def test_random_logits_through_a_harmony_grammar_read_back_valid(gpt_oss, kind) -> None:
+    tokens = HarmonyTokens.of(gpt_oss)
+    plan = _plan() if kind == "calls" else None
+    guide = reply_guide.for_reply(plan.guide() if plan else _json_guide(), plan, gpt_oss, harmony=tokens)
+    for seed in range(3):
+        ids = _sample(gpt_oss, guide, {tokens.end}, seed)
+        thought, content, calls = harmony.parse(gpt_oss, tokens, ids, list(plan.functions) if plan else None)
+        if kind == "calls":
+            assert len(calls) == 1 and content is None, (thought, content)
+            name = calls[0]["function"]["name"]
+            jsonschema.validate(
+                json.loads(calls[0]["function"]["arguments"]), WEATHER if name == "get_weather" else ADD
+            )
+        else:
+            jsonschema.validate(json.loads(content), ANSWER)
