@@ -128,10 +128,17 @@ def _named_adapter_error(error: PylonError, directories: list[str], spec: Engine
 def _takes_images(directory: str, model: str) -> bool:
     """Whether the engine keeps `model`'s vision tower for requests with images: a multimodal checkpoint
     (families.TEXT_MODELS) that ships its image processor; one without is served for its text only, said once."""
-    from pylon.serving.model.families import TEXT_MODELS
+    from pylon.serving.model.families import IMAGE_MODELS, TEXT_MODELS
     from pylon.serving.model.runner import model_type_of
 
-    if model_type_of(directory) not in TEXT_MODELS:
+    model_type = model_type_of(directory)
+    if model_type not in IMAGE_MODELS:
+        if model_type in TEXT_MODELS:
+            log.info(
+                "model %s: a %s checkpoint: served for its text (the engine does not embed its images)",
+                model,
+                model_type,
+            )
         return False
     if not has_processor(directory):
         log.warning(

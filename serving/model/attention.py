@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pylon.serving.model import kernels
+from pylon.serving.model.families import Chunk
 
 # The SDPA backends a step may use on a GPU: flash and memory-efficient attention (math as their fallback), not
 # cuDNN's. torch prefers cuDNN's attention on Hopper for bf16/fp16, and cuDNN builds an execution plan on the host
@@ -418,7 +419,9 @@ def _mask(
         q0, q1 = max(a - start, 0), min(b - start, len(position))
         if q1 > q0:
             mask[q0:q1, a : min(b, len(key))] = True
-    if window is not None:  # and past its window: the query at position p sees keys p - window + 1 .. p
+    if isinstance(window, Chunk):  # Llama 4's chunks: the query at position p sees keys (p // size) * size .. p
+        mask &= key[None, :] >= (position[:, None] // window) * window
+    elif window is not None:  # and past its window: the query at position p sees keys p - window + 1 .. p
         mask &= key[None, :] > position[:, None] - window
     return mask
 
@@ -449,9 +452,12 @@ def _group(
 
 def decode_mask(keys: torch.Tensor, lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """`[B, 1, K]` bool, True where a decode may not attend: the `keys` (`arange(K)`) at or past each sequence's
-    context length `lens` (`[B]`), and with a `window` those before its last `window` (`_group`; CUDA graphs)."""
+    context length `lens` (`[B]`), and with a `window` those before its last `window` (`_group`; CUDA graphs), or
+    with a `Chunk` those before its chunk."""
     hidden = keys[None, None, :] >= lens[:, None, None]
-    if window is not None:
+    if isinstance(window, Chunk):  # the query at position n - 1 sees its chunk's keys only
+        hidden |= keys[None, None, :] < ((lens - 1) // window * window)[:, None, None]
+    elif window is not None:
         hidden |= keys[None, None, :] < (lens - window)[:, None, None]
     return hidden
 

@@ -117,6 +117,19 @@ dequantizes them at load where its MXFP4 kernels are not installed (Pylon's case
 dequantized model computes, its experts in the engine's dtype, or int8 / fp8 by `engine.quantization`. Its chat
 format is OpenAI's harmony (reasoning, answer and tool calls as channels: pylon.serving.api.harmony).
 
+Llama 4 (`llama4_text`: Llama4ForCausalLM; the text of Llama 4 Scout and Maverick) is Llama's layer with three
+kinds of attention layer and MoE blocks of its own, each as transformers computes it: its rotating layers
+(`no_rope_layers` 1: three in four in its checkpoints) rotate interleaved pairs of dimensions by complex frequencies
+(DeepSeek-V2's rotation), normalise each head's query and key by their L2 norm after the rotation (`qk_norm` where
+`use_qk_norm`), and attend within chunks of `attention_chunk_size` positions (8192: a query sees the keys of its own
+chunk up to itself, `Chunk`); its NoPE layers attend to the whole context without positions, their queries scaled by
+`1 + attn_scale * log(1 + floor((position + 1) / floor_scale))` where `attn_temperature_tuning`. Its MoE blocks
+(every `interleave_moe_layer_step`-th layer; the others dense MLPs of `intermediate_size_mlp`) route each token to its
+top `num_experts_per_tok` experts (1 in its checkpoints) by the sigmoid of their logits, which scales the expert's
+*input*, and add a shared expert (`pylon.serving.model.moe`). Its layers' `feed_forward` is the runner's `mlp`. Its
+multimodal checkpoints (`llama4`: Llama4ForConditionalGeneration, as Scout and Maverick ship) are served for their
+text (TEXT_MODELS): the conditional model's whole Llama4ForCausalLM kept, its vision model dropped, no images taken.
+
 LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
 short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long
 factors past it, recomputing the whole cache, which a batched paged engine cannot do per sequence: the engine serves
@@ -140,6 +153,7 @@ MOE_MODEL_TYPES = (
     "dots1",
     "deepseek_v2",
     "deepseek_v3",
+    "llama4_text",
 )
 # Families whose attention is multi-head latent attention (DeepSeek-V3's MLA, below): the cache holds one compressed
 # latent per token and layer, not keys and values per head.
@@ -184,7 +198,9 @@ PARALLEL_FAMILIES = ("cohere", "cohere2")
 FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
 # Multimodal checkpoints, their language model one of the families above (text_config's model_type): the runner loads
 # the checkpoint as it ships and keeps its language model, and its vision tower for images (engine/images.py).
-TEXT_MODELS = ("gemma3", "mistral3")
+TEXT_MODELS = ("gemma3", "mistral3", "llama4")
+# Those whose images the engine embeds (engine/images.py); Llama 4's multimodal checkpoints are served for their text.
+IMAGE_MODELS = ("gemma3", "mistral3")
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "gpt_neox", *LLAMA_FAMILIES, *TEXT_MODELS)
 
 
@@ -243,6 +259,15 @@ def rope_layer_types(config) -> list[str] | None:
     return list(config.layer_types)
 
 
+class Chunk(int):
+    """A layer's chunked attention (Llama 4's `attention_chunk_size`), passed where a sliding window goes (an int: the
+    chunk's size): the query at position p sees the keys of its own chunk up to p, positions (p // size) * size .. p
+    (masking_utils' `chunked_causal_mask_function`), where a window of that size would see the last `size` keys."""
+
+    def __repr__(self) -> str:
+        return f"Chunk({int(self)})"
+
+
 def layer_windows(config) -> list[int | None]:
     """Each layer's sliding window, as `transformers` applies it: a query at position p attends to the keys at
     positions p - window + 1 .. p (masking_utils' `sliding_window_causal_mask_function`), or None for a layer that
@@ -250,8 +275,13 @@ def layer_windows(config) -> list[int | None]:
     reads no `layer_types`); Qwen2's, Qwen3's and Gemma 3's in the layers whose `layer_types` entry is
     "sliding_attention" (Qwen's configs make it from `use_sliding_window` and `max_window_layers`: layers from
     max_window_layers on, and clear the window unless use_sliding_window; Gemma 3's from `sliding_window_pattern`:
-    every 6th layer full)."""
+    every 6th layer full). Llama 4's chunked layers have a `Chunk` in its place."""
     n = config.num_hidden_layers
+    if config.model_type == "llama4_text":  # chunked attention in its rotating layers (`Chunk`)
+        size = getattr(config, "attention_chunk_size", None)
+        if not size:
+            return [None] * n
+        return [Chunk(size) if t == "chunked_attention" else None for t in config.layer_types]
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:  # (SmolLM3's config keeps the size)
         return [None] * n

@@ -152,11 +152,14 @@ class SparseMoE(torch.nn.Module):
         self.top_k = config.num_experts_per_tok
         # GPT-OSS (families.py): a router with a bias that softmaxes its top_k logits; experts stored [in, out] with
         # biases, a clamped SwiGLU over interleaved gate and up columns.
-        self.gpt_oss = hasattr(block, "router")
+        self.gpt_oss = hasattr(block, "router") and config.model_type != "llama4_text"
+        # Llama 4 (families.py): the sigmoid of each token's top_k logits scales its input to those experts (not their
+        # outputs); experts stored [in, out], gate and up as halves; a shared expert.
+        self.llama4 = config.model_type == "llama4_text"
         # Mixtral's router always renormalises its top_k; Qwen's where the config says (norm_topk_prob).
         self.renormalise = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
         self.scores_in_model_dtype = config.model_type != "mixtral"
-        router = block.router if self.gpt_oss else block.gate
+        router = block.router if self.gpt_oss or self.llama4 else block.gate
         self.router = router.weight.detach()  # [num_experts, hidden]
         self.router_bias = router.bias.detach() if getattr(router, "bias", None) is not None else None
         # GLM-4.5's (DeepSeek-V3's) router: sigmoid scores; experts chosen by the scores plus a correction bias within
@@ -175,7 +178,7 @@ class SparseMoE(torch.nn.Module):
             self.renormalise = bool(router.norm_topk_prob)
         self.act = None if self.gpt_oss else experts.act_fn
         self.alpha, self.limit = (experts.alpha, experts.limit) if self.gpt_oss else (None, None)
-        transposed = self.gpt_oss  # GptOssExperts' weights are [experts, in, out]
+        transposed = self.gpt_oss or self.llama4  # GptOssExperts' and Llama4TextExperts' are [experts, in, out]
 
         def expert(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
             bias = None if bias is None else bias.detach()
@@ -218,6 +221,9 @@ class SparseMoE(torch.nn.Module):
         if self.gpt_oss:  # GptOssTopKRouter: the top_k logits, softmaxed among themselves in the model's dtype
             top, experts = torch.topk(F.linear(x, self.router, self.router_bias), self.top_k, dim=-1)
             return experts, torch.softmax(top, dim=1, dtype=top.dtype)
+        if self.llama4:  # Llama4Router: the sigmoid of the top_k logits (in float32, then the model's dtype)
+            top, experts = torch.topk(F.linear(x, self.router), self.top_k, dim=-1)
+            return experts, torch.sigmoid(top.float()).to(x.dtype)
         if self.correction is not None:
             return self._route_grouped(x)
         if self.v2_method is not None:
@@ -273,6 +279,9 @@ class SparseMoE(torch.nn.Module):
         tokens = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one read back to the host
         rows = x[tokens]
+        scaled = weights.reshape(-1)[order, None]
+        if self.llama4:  # the weights scale the experts' inputs
+            rows, scaled = rows * scaled, None
         outputs = []
         start = 0
         for e, n in enumerate(counts):
@@ -282,7 +291,7 @@ class SparseMoE(torch.nn.Module):
             start += n
         if not outputs:  # no rows
             return torch.zeros_like(x).view(shape)
-        y = torch.cat(outputs) * weights.reshape(-1)[order, None]
+        y = torch.cat(outputs) if scaled is None else torch.cat(outputs) * scaled
         return self._summed(x, tokens, y).view(shape)
 
     def _forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
@@ -295,14 +304,16 @@ class SparseMoE(torch.nn.Module):
         counted = flat.float() if x.device.type == "cpu" else flat.int()
         counts = torch.histc(counted, bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate_up = _grouped_mm(x[tokens], self._gate_up_t, offsets)
+        scaled = weights.reshape(-1)[order, None]
+        rows = x[tokens] * scaled if self.llama4 else x[tokens]  # Llama 4: the weights scale the experts' inputs
+        gate_up = _grouped_mm(rows, self._gate_up_t, offsets)
         sorted_experts = flat[order]
         if self._gate_up_bias is not None:  # GPT-OSS: each row's expert's biases
             gate_up = gate_up + self._gate_up_bias[sorted_experts]
         y = _grouped_mm(self._glu(gate_up), self._down_t, offsets)
         if self._down_bias is not None:
             y = y + self._down_bias[sorted_experts]
-        return self._summed(x, tokens, y * weights.reshape(-1)[order, None])
+        return self._summed(x, tokens, y if self.llama4 else y * scaled)
 
     def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The experts' gated activation of their gate and up projections (one tensor, `[rows, 2 x intermediate]`):

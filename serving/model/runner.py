@@ -140,10 +140,16 @@ def _language_model(model_dir: str, dtype: torch.dtype) -> tuple[torch.nn.Module
     model, which holds its vision tower and projector (`get_image_features`): the conditional model loaded as it
     ships (the hub's layout: `language_model.model.*`), then its text model and lm_head (tied to the embeddings or
     not, as loaded) put in the causal LM of its text config (Gemma3ForCausalLM, MistralForCausalLM), whose forward is
-    the conditional model's on text. The caller keeps the vision part for images, or drops it."""
+    the conditional model's on text; Llama 4's conditional model holds its causal LM whole (`language_model`). The
+    caller keeps the vision part for images, or drops it."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     full = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    inner = getattr(full, "language_model", None)
+    if inner is not None and hasattr(inner, "lm_head"):  # Llama 4's holds a whole causal LM (Llama4ForCausalLM)
+        inner.generation_config = full.generation_config
+        del full.language_model
+        return inner, full
     with torch.device("meta"):  # a shell: both of its parts are replaced by the loaded ones
         causal = AutoModelForCausalLM.from_config(full.config.get_text_config())
     causal.model, causal.lm_head = full.model.language_model, full.lm_head
@@ -356,6 +362,9 @@ class ModelRunner:
             raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()
         self.config = config
+        if model_type == "llama4_text":  # Llama 4's layers call their MLP (or MoE block) `feed_forward`
+            for layer in self.model.model.layers:
+                layer.mlp = layer._modules.pop("feed_forward")
         # What the Llama-like forward does beyond Llama's, read once here (families.py): each layer's rotary
         # embedding by its type (None: one for all), norms of the attention's and the MLP's outputs (Gemma 3's
         # post_attention_layernorm and post_feedforward_layernorm, with pre_feedforward_layernorm before the MLP),
@@ -398,9 +407,11 @@ class ModelRunner:
         self._apply_rope: Callable = getattr(
             sys.modules[type(self.model).__module__], "apply_rotary_pos_emb", apply_rotary_pos_emb
         )
-        # The layers that rotate (all but SmolLM3's NoPE layers: its config's no_rope_layers holds 0 for those; Cohere
-        # 2's windowed layers only).
-        no_rope = getattr(config, "no_rope_layers", None) if model_type == "smollm3" else None
+        if model_type == "llama4_text":  # its `apply_rotary_emb`: interleaved pairs by complex frequencies
+            self._apply_rope = _rotate_complex
+        # The layers that rotate (all but SmolLM3's and Llama 4's NoPE layers: their configs' no_rope_layers holds 0
+        # for those; Cohere 2's windowed layers only).
+        no_rope = getattr(config, "no_rope_layers", None) if model_type in ("smollm3", "llama4_text") else None
         self._rotates = [bool(r) for r in no_rope] if no_rope is not None else None
         if model_type == "cohere2" or (model_type == "exaone4" and getattr(config, "sliding_window", None)):
             self._rotates = [t == "sliding_attention" for t in config.layer_types]
@@ -414,6 +425,15 @@ class ModelRunner:
         )
         # HunYuan's per-head query and key norms (query_layernorm, key_layernorm), applied after the rotation.
         self._qk_norms_after_rope = first is not None and hasattr(first.self_attn, "query_layernorm")
+        # Llama 4: an L2 norm of each head's query and key after the rotation (`qk_norm`, in its rotating layers where
+        # use_qk_norm), and its NoPE layers' queries scaled by position (attn_temperature_tuning: attn_scale and
+        # floor_scale), as Llama4TextAttention computes them.
+        self._l2_qk_norm = model_type == "llama4_text" and bool(getattr(config, "use_qk_norm", False))
+        self._nope_temperature = (
+            (float(config.attn_scale), float(config.floor_scale))
+            if model_type == "llama4_text" and getattr(config, "attn_temperature_tuning", False)
+            else None
+        )
         # Cohere: the attention and the MLP side by side on one normed input; the logits multiplied by logit_scale.
         self._parallel = model_type in PARALLEL_FAMILIES
         self.logit_scale = getattr(config, "logit_scale", None) if self._parallel else None
@@ -1079,10 +1099,14 @@ class ModelRunner:
             ropes = {t: llama.rotary_emb(h, positions[None], t) for t in set(rope_types)}
         last = len(llama.layers) - 1
         rows = adapters.tokens if adapters is not None else None  # None: no row of this part of the step adapted
-        query_scale = None
+        query_scale = nope_scale = None
         if self._llama4_scale is not None:  # Ministral 3: [T, 1, 1], 1 within original_max_position_embeddings
             beta, original = self._llama4_scale
             query_scale = (1 + beta * torch.log1p(torch.floor(positions / original)))[:, None, None].to(h.dtype)
+        if self._nope_temperature is not None:  # Llama 4's NoPE layers: [T, 1, 1] in float32, as it scales them
+            attn_scale, floor_scale = self._nope_temperature
+            nope_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            nope_scale = nope_scale[:, None, None]
         for i, layer in enumerate(llama.layers):
             if rope_types is not None:
                 cos, sin = ropes[rope_types[i]]
@@ -1120,8 +1144,12 @@ class ModelRunner:
                 q, k = apply_rope(q, k, cos[0], sin[0], unsqueeze_dim=1)  # heads sit at dim 1 here
             if self._qk_norms_after_rope:
                 q, k = attn.query_layernorm(q), attn.key_layernorm(k)
+            if self._l2_qk_norm and rotates[i]:  # Llama 4's rotating layers
+                q, k = attn.qk_norm(q), attn.qk_norm(k)
             if query_scale is not None:
                 q = q * query_scale
+            if nope_scale is not None and not rotates[i]:  # Llama 4's NoPE layers
+                q = (q * nope_scale).to(q.dtype)
             a, h = self._attend(i, i == last, q, k, v, h, meta, final, attn.scaling)
             if a is None:
                 break

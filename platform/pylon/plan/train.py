@@ -346,9 +346,11 @@ def vision_params(uri: str, what: str) -> int:
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from pylon.serving.model.families import IMAGE_MODELS
+
     config = _whole_config_from_dir(uri, what)
-    if getattr(config, "vision_config", None) is None:
-        return 0
+    if getattr(config, "vision_config", None) is None or config.model_type not in IMAGE_MODELS:
+        return 0  # (Llama 4's multimodal checkpoints are served for their text: no vision tower kept)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     inner = model.model

@@ -257,6 +257,22 @@ LLAMA_LIKE = {
         "topk_method": "group_limited_greedy",
         "routed_scaling_factor": 2.0,
     },
+    # Llama 4 (Scout: 16 experts, top 1, every layer MoE; Maverick: 128, MoE every other layer; chunks of 8192, every
+    # 4th layer NoPE with its queries scaled past floor_scale 8192): 4 experts, top 1, MoE in layers 1 and 3, chunks of
+    # 16 in layers 0-2, layer 3 NoPE, its queries scaled from position 7 on (floor_scale 8, attn_scale 0.5).
+    "llama4_text": {
+        **FAMILIES["llama"],
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 96,
+        "num_hidden_layers": 4,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 16,
+        "floor_scale": 8,
+        "attn_scale": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
     # GPT-OSS (gpt-oss-20b: 32 experts, top 4, a window of 128 in every other layer, YaRN over 4096 positions): 4
     # experts, top 2, a window of 16 in layers 0 and 2, YaRN over 64 positions (its attention scaling off 1), and the
     # SwiGLU's clamp at 1 (its checkpoints' 7 would rarely bind on a random model this small; at 1 it changes every

@@ -50,6 +50,7 @@ from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.model.families import (
     MOE_MODEL_TYPES,
+    Chunk,
     attention_softcap,
     attention_window,
     layer_windows,
@@ -215,7 +216,9 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         finally:
             glm4.apply_rotary_pos_emb = interleaved
         assert sum(a != b for a, b in zip(halves, family.greedy)) >= 3
-    if family.name in MOE_MODEL_TYPES:
+    if family.name == "llama4_text":
+        check_llama4_parts_matter(family)
+    elif family.name in MOE_MODEL_TYPES:
         check_experts_matter(family)
     assert sum(a != b for a, b in zip(family.greedy, family.greedy[1:])) >= len(PROMPTS) - 2  # context-dependent
 
@@ -250,6 +253,77 @@ def check_gpt_oss_parts_matter(family) -> None:
         layer.mlp.experts.gate_up_proj_bias: layer.mlp.experts.gate_up_proj_bias.detach().clone() for layer in layers
     }
     changes("experts' biases", biases, lambda p: p.data.zero_())
+
+
+def check_llama4_parts_matter(family) -> None:
+    """Llama 4's layers as its checkpoints lay them out (chunks in the rotating layers, the last NoPE, MoE blocks by
+    turns with a shared expert), every expert picked by some prompt token, and each part that sets it apart changing
+    transformers' continuations when it is off: the chunks, the L2 query and key norms, the NoPE layer's query
+    temperature, the NoPE layer itself (rotated), and the router's weights on the experts' inputs (on their outputs
+    instead)."""
+    import transformers.models.llama4.modeling_llama4 as llama4
+
+    model, config = family.model, family.model.config
+    layers = model.model.layers
+    assert layer_windows(config) == [16, 16, 16, None] and config.no_rope_layers == [1, 1, 1, 0]
+    assert [hasattr(layer.feed_forward, "experts") for layer in layers] == [False, True, False, True]
+    assert hasattr(layers[0].self_attn, "qk_norm") and not hasattr(layers[3].self_attn, "qk_norm")
+    picked = {i: set() for i in (1, 3)}
+    hooks = [
+        layers[i].feed_forward.router.register_forward_hook(
+            lambda m, args, out, i=i: picked[i].update(out[0].argmax(-1).flatten().tolist())
+        )
+        for i in picked
+    ]
+    with torch.no_grad():
+        for p in PROMPTS:
+            model(torch.tensor([p], device=model.device))
+    for h in hooks:
+        h.remove()
+    assert all(picked[i] == set(range(4)) for i in picked), picked
+
+    def changed(undo, redo) -> int:
+        undo()
+        try:
+            out = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+        finally:
+            redo()
+        return sum(a != b for a, b in zip(out, family.greedy))
+
+    attns = [layer.self_attn for layer in layers]
+    norm = attns[0].qk_norm
+
+    def set_all(name, value):
+        return lambda: [setattr(a, name, value) for a in attns]
+
+    chunk = config.attention_chunk_size
+    assert (
+        changed(
+            lambda: setattr(config, "attention_chunk_size", 10**6),
+            lambda: setattr(config, "attention_chunk_size", chunk),
+        )
+        >= 2
+    )
+    assert (
+        changed(
+            lambda: [delattr(a, "qk_norm") for a in attns[:3]], lambda: [setattr(a, "qk_norm", norm) for a in attns[:3]]
+        )
+        >= 2
+    )
+    assert changed(set_all("attn_temperature_tuning", False), set_all("attn_temperature_tuning", True)) >= 2
+    assert changed(lambda: setattr(attns[3], "use_rope", 1), lambda: setattr(attns[3], "use_rope", 0)) >= 2
+    moe_forward = llama4.Llama4TextMoe.forward
+
+    def outputs_weighted(self, hidden_states):  # the router's weights on the experts' outputs, as other MoEs
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        scores, logits = self.router(hidden_states)
+        routed = self.experts(hidden_states.repeat(scores.shape[1], 1))
+        routed = routed * scores.transpose(0, 1).reshape(-1, 1)
+        out = self.shared_expert(hidden_states)
+        return out + routed.reshape(scores.shape[1], -1, routed.shape[-1]).sum(dim=0), logits
+
+    undo = lambda: setattr(llama4.Llama4TextMoe, "forward", outputs_weighted)  # noqa: E731
+    assert changed(undo, lambda: setattr(llama4.Llama4TextMoe, "forward", moe_forward)) >= 2
 
 
 def check_family_part_matters(family) -> None:
@@ -421,7 +495,19 @@ def fixed_shape_decodes(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen3", "gemma3_text", "gemma2", "phi3", "granite", "cohere", "cohere2", "gpt_oss", "glm4_moe", "deepseek_v3"],
+    [
+        "qwen3",
+        "gemma3_text",
+        "gemma2",
+        "phi3",
+        "granite",
+        "cohere",
+        "cohere2",
+        "gpt_oss",
+        "glm4_moe",
+        "deepseek_v3",
+        "llama4_text",
+    ],
 )
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     """Gemma 3's through its soft cap (final_logit_softcapping), Gemma 2's through both of its caps, in eager steps
@@ -613,6 +699,74 @@ def test_a_multimodal_checkpoint_is_served_for_its_text(name, tmp_path) -> None:
     outputs = run(engine)
     for i, prompt in enumerate(PROMPTS[:3]):
         check_request(types.SimpleNamespace(model=model), prompt, outputs[f"lp-{i}"], k=5, prompt_k=5)
+
+
+def test_a_llama4_multimodal_checkpoint_is_served_for_its_text(tmp_path) -> None:
+    """Llama 4 Scout and Maverick ship as Llama4ForConditionalGeneration (a vision model and projector beside a whole
+    Llama4ForCausalLM, under language_model.*): served for its text, its greedy tokens are the conditional model's on
+    text alone, through batching and chunks; the vision model is not kept, no image is taken, the planner counts the
+    language model only; a LoRA adapter of the conditional model's attention adapts the engine's as peft computes."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from pylon.data.tokenizer import ByteTokenizer
+    from pylon.plan.serve import plan_serve
+    from pylon.specs import DeploymentSpec
+
+    tok = ByteTokenizer()
+    ids = {"eos_token_id": tok.eos_id, "pad_token_id": 257}
+    text = {**LLAMA_LIKE["llama4_text"], "initializer_range": 0.5, **ids}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32}
+    vision |= {"projector_output_dim": 128}
+    config = Llama4Config(text_config=text, vision_config=vision, image_token_index=300, **ids)
+    torch.manual_seed(0)
+    model = Llama4ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # the norms off their ones, as the family fixture's
+        for key, p in model.language_model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.randn_like(p) * 0.25)
+    directory = tmp_path / "llama4-like"
+    model.save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    with safe_open(f"{directory}/model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" in keys and "language_model.lm_head.weight" in keys
+    assert any(k.startswith("vision_model.") for k in keys) and any(k.startswith("multi_modal_projector") for k in keys)
+    model.to(DEVICE)
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert sum(a != b for a, b in zip(want, want[1:])) >= len(PROMPTS) - 2
+    for fields in ({}, {"max_num_batched_tokens": 32, "max_num_seqs": 4}):
+        engine = LLMEngine(str(directory), spec(**fields))
+        runner = engine.runner
+        assert runner.model_type == "llama4_text" and runner.layer_windows == [16, 16, 16, None]
+        assert engine.max_images == 0 and runner.vision is None
+        names = [name for name, _ in runner.model.named_parameters()]
+        assert not any("vision" in n or "multi_modal" in n for n in names), names[:5]
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, GREEDY)
+        outputs = run(engine)
+        assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == want, fields
+    language = sum(p.numel() for p in model.language_model.parameters())
+    plan = plan_serve(DeploymentSpec(name="l", model=str(directory)), gpu="A100-80GB")
+    assert plan.rows[0].weights == language * 2  # bf16; no vision tower: its images are not taken
+    torch.manual_seed(3)
+    base = Llama4ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
+    targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"
+    tuned = get_peft_model(base, LoraConfig(init_lora_weights=False, r=8, lora_alpha=16, target_modules=targets))
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.mul_(20)
+    tuned.save_pretrained(tmp_path / "adapter")
+    tuned = tuned.eval().to(DEVICE)
+    adapted = [hf_greedy(tuned, p, NEW_TOKENS) for p in PROMPTS]
+    assert sum(a != b for a, b in zip(adapted, want)) >= len(PROMPTS) - 1
+    engine = LLMEngine(str(directory), spec(adapters=[{"name": "tuned", "path": str(tmp_path / "adapter")}]))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"tuned-{i}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, adapter="tuned"))
+    outputs = run(engine)
+    assert [tokens_of(outputs[f"tuned-{i}"]) for i in range(len(PROMPTS))] == adapted
 
 
 def test_a_longrope_model_is_served_within_its_original_positions_as_transformers_computes_it(tmp_path, caplog) -> None:
@@ -847,8 +1001,16 @@ WINDOWED = {
         "num_hidden_layers": 4,
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
     },
+    # Llama 4's chunks in its rotating layers (0-2; layer 3 NoPE and full), where a window would go
+    "llama4_text": {"attention_chunk_size": 13},
 }
 _g = torch.Generator().manual_seed(2)
+
+
+def _window_size(name: str) -> int:
+    return WINDOWED[name].get("sliding_window") or WINDOWED[name]["attention_chunk_size"]
+
+
 WINDOW_PROMPTS = [torch.randint(0, 256, (n,), generator=_g).tolist() for n in (40, 90, 57, 33, 3, 17, 5, 12)]
 WINDOW_NEW = 30
 WINDOW_GREEDY = SamplingParams(max_tokens=WINDOW_NEW, temperature=0)
@@ -863,7 +1025,9 @@ class Windowed(Family):
         super().__init__(name, directory, **WINDOWED[name])
         self.window_greedy = [self.hf_greedy(p, WINDOW_NEW) for p in WINDOW_PROMPTS]
         config = self.model.config.__class__.from_dict(self.model.config.to_dict())
-        if name in ("gemma3_text", "gemma2", "cohere2"):  # their models always mask by layer type (Gemma 3's choose
+        if name == "llama4_text":  # chunks wider than every sequence
+            config.attention_chunk_size = 1 << 20
+        elif name in ("gemma3_text", "gemma2", "cohere2"):  # their models always mask by layer type (Gemma 3's choose
             # the rotary base too, Cohere 2's whether to rotate): the same types, a window wider than all
             config.sliding_window = 1 << 20
         else:
@@ -897,13 +1061,17 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     elif windowed.name == "cohere2":
         assert layer_windows(windowed.model.config) == [13, 13, 13, None]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [13, 13, 13, None]
+    elif windowed.name == "llama4_text":  # chunks, not windows, in its rotating layers
+        windows = layer_windows(windowed.model.config)
+        assert windows == [13, 13, 13, None] and all(isinstance(w, Chunk) for w in windows[:3])
+        assert windowed.model.config.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
     elif windowed.name == "gemma2":  # the last layer windowed: the sampling tokens' own attention is too
         assert layer_windows(windowed.model.config) == [13, None, 13]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [13, None, 13]
     else:
         assert layer_windows(windowed.model.config) == [None, 16, 16]
         assert [layer.self_attn.sliding_window for layer in model.layers] == [None, 16, 16]
-    assert attention_window(windowed.model.config) == WINDOWED[windowed.name]["sliding_window"]
+    assert attention_window(windowed.model.config) == _window_size(windowed.name)
     # The window changes transformers' continuations: an engine that ignored it would not pass the tests below.
     assert sum(a != b for a, b in zip(windowed.window_greedy, windowed.unwindowed)) >= len(WINDOW_PROMPTS) - 2
 
@@ -934,7 +1102,7 @@ def test_a_sliding_window_is_transformers_own_through_batching_chunks_and_the_pr
         if windowed.name in ("mistral", "phi3", "starcoder2"):  # one metadata, windowed, for every layer
             assert (runner.step_window, runner.mixed_window) == (WINDOWED[windowed.name]["sliding_window"], None)
         else:  # a second one for the windowed layers
-            assert (runner.step_window, runner.mixed_window) == (None, WINDOWED[windowed.name]["sliding_window"])
+            assert (runner.step_window, runner.mixed_window) == (None, _window_size(windowed.name))
         for i, p in enumerate(WINDOW_PROMPTS):
             engine.add_request(str(i), p, WINDOW_GREEDY)
         outputs = run(engine)

@@ -37,7 +37,8 @@ def _dequantized_copy(model, method: str = "int8"):
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(getattr(module, "gate_up_proj", None), torch.Tensor):  # an MoE layer's 3-D experts
-                transposed = hasattr(module, "gate_up_proj_bias")  # GPT-OSS's: [experts, in, out]
+                # GPT-OSS's and Llama 4's: [experts, in, out]
+                transposed = hasattr(module, "gate_up_proj_bias") or type(module).__name__ == "Llama4TextExperts"
                 for w in (module.gate_up_proj, module.down_proj):
                     for e in range(len(w)):
                         we = w[e].t() if transposed else w[e]  # quantized per output channel, as the engine does
