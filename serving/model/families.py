@@ -68,7 +68,10 @@ its queries scaled past `original_max_position_embeddings` by Llama 4's `1 + bet
 original))`), HunYuan dense (`hunyuan_v1_dense`: Hunyuan-7B and smaller, per-head query and key norms applied after
 the rotation, `query_layernorm` and `key_layernorm`), and EXAONE 4 (`exaone4`: EXAONE 4.0 1.2B and 32B: OLMo 2's
 output norms, per-head query and key norms, three windowed layers in four and, as Cohere 2, no rotation in the full
-ones). The rotary embedding of every family is its modeling module's own `apply_rotary_pos_emb`.
+ones), and Apertus (`apertus`: Apertus 8B and 70B: Qwen3's per-head query and key norms, Arcee's MLP without a gate,
+its activation xIELU with learned parameters per layer, computed by its module; its two norms named
+`attention_layernorm` and `feedforward_layernorm`, which the runner renames Llama's at load). The rotary embedding of
+every family is its modeling module's own `apply_rotary_pos_emb`.
 
 GLM-4 (`glm4`: GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1) is Llama with biased query, key and value projections, a rotary
 embedding of interleaved pairs over the first half of each head's dimensions (its own `apply_rotary_pos_emb`), its
@@ -186,6 +189,7 @@ LLAMA_FAMILIES = (
     "ministral",
     "ministral3",
     "helium",
+    "apertus",
     *MOE_MODEL_TYPES,
 )
 # Cohere's layers run the attention and the MLP side by side on the same normed input (one LayerNorm a layer, no bias:

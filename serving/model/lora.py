@@ -56,8 +56,8 @@ PROJECTIONS = (
     | {"phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
     # GLM-4's fused MLP (gate, then up, in one projection) beside separate attention projections.
     | {"glm4": (*_LLAMA_PROJECTIONS[:4], "mlp.gate_up_proj", "mlp.down_proj")}
-    # Arcee's MLP has no gate: down(act(up(x))).
-    | {"arcee": (*_LLAMA_PROJECTIONS[:4], "mlp.up_proj", "mlp.down_proj")}
+    # Arcee's and Apertus's MLPs have no gate: down(act(up(x))).
+    | dict.fromkeys(("arcee", "apertus"), (*_LLAMA_PROJECTIONS[:4], "mlp.up_proj", "mlp.down_proj"))
     # Mixture-of-experts families: the attention's projections (the experts are 3-D weights, not modules, and
     # peft's LoRA on them, target_parameters, is refused below).
     | dict.fromkeys(MOE_MODEL_TYPES, _LLAMA_PROJECTIONS[:4])

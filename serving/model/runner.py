@@ -365,6 +365,10 @@ class ModelRunner:
         if model_type == "llama4_text":  # Llama 4's layers call their MLP (or MoE block) `feed_forward`
             for layer in self.model.model.layers:
                 layer.mlp = layer._modules.pop("feed_forward")
+        if model_type == "apertus":  # Apertus's names for Llama's two norms
+            for layer in self.model.model.layers:
+                layer.input_layernorm = layer._modules.pop("attention_layernorm")
+                layer.post_attention_layernorm = layer._modules.pop("feedforward_layernorm")
         # What the Llama-like forward does beyond Llama's, read once here (families.py): each layer's rotary
         # embedding by its type (None: one for all), norms of the attention's and the MLP's outputs (Gemma 3's
         # post_attention_layernorm and post_feedforward_layernorm, with pre_feedforward_layernorm before the MLP),

@@ -257,6 +257,8 @@ LLAMA_LIKE = {
         "topk_method": "group_limited_greedy",
         "routed_scaling_factor": 2.0,
     },
+    # Apertus as it is: per-head query and key norms, a gateless MLP with xIELU
+    "apertus": {**FAMILIES["llama"], "tie_word_embeddings": False},
     # Llama 4 (Scout: 16 experts, top 1, every layer MoE; Maverick: 128, MoE every other layer; chunks of 8192, every
     # 4th layer NoPE with its queries scaled past floor_scale 8192): 4 experts, top 1, MoE in layers 1 and 3, chunks of
     # 16 in layers 0-2, layer 3 NoPE, its queries scaled from position 7 on (floor_scale 8, attn_scale 0.5).

@@ -188,6 +188,21 @@ def test_each_family_is_what_sets_it_apart(family) -> None:
         assert layer.self_attn.q_proj is not None and layer.self_attn.q_a_proj is None
     if family.name == "seed_oss":
         assert layer.self_attn.o_proj.bias.abs().sum() > 0 and layer.self_attn.k_proj.bias.abs().sum() > 0
+    if family.name == "apertus":  # Qwen3's norms, a gateless xIELU MLP, its own names for Llama's norms
+        assert layer.self_attn.q_norm.weight.std() > 0 and not hasattr(layer.mlp, "gate_proj")
+        assert type(layer.mlp.act_fn).__name__ == "XIELUActivation" and hasattr(layer, "attention_layernorm")
+        act = layer.mlp.act_fn
+        with torch.no_grad():  # its learned parameters count: moved, transformers' continuations change
+            kept = [p.clone() for p in act.parameters()]
+            for p in act.parameters():
+                p.add_(0.5)
+        try:
+            moved = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+        finally:
+            with torch.no_grad():
+                for p, k in zip(act.parameters(), kept):
+                    p.copy_(k)
+        assert sum(a != b for a, b in zip(moved, family.greedy)) >= 2
     if family.name == "arcee":
         assert not hasattr(layer.mlp, "gate_proj") and family.model.config.hidden_act == "relu2"
     if family.name == "hunyuan_v1_dense":
