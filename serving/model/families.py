@@ -79,6 +79,10 @@ MLP's gate and up in one projection (`gate_up_proj`, as Phi-3's), and four norms
 normalised (`post_self_attn_layernorm`) before it joins the residual, `post_attention_layernorm` the MLP's input norm,
 and the MLP's output normalised (`post_mlp_layernorm`).
 
+ERNIE 4.5 MoE (`ernie4_5_moe`: ERNIE-4.5-21B-A3B, ERNIE-4.5-300B-A47B) is ERNIE 4.5's attention (interleaved pairs)
+with MoE blocks in the layers its config names (`moe_layer_start_index` to `moe_layer_end_index`, every
+`moe_layer_interval`-th), each with ungated shared experts and a router of its own (`pylon.serving.model.moe`).
+
 OLMoE (`olmoe`: OLMoE-1B-7B) and FlexOlmo (`flex_olmo`) are OLMo's attention (query and key norms over all heads;
 FlexOlmo's output norms as OLMo 2's) with Qwen-style routers (softmax, top_k, renormalised where `norm_topk_prob`).
 dots.llm1 (`dots1`) is Qwen3's attention with GLM-4.5's MoE blocks (DeepSeek-V3's router, shared experts, dense first
@@ -157,6 +161,7 @@ MOE_MODEL_TYPES = (
     "deepseek_v2",
     "deepseek_v3",
     "llama4_text",
+    "ernie4_5_moe",
 )
 # Families whose attention is multi-head latent attention (DeepSeek-V3's MLA, below): the cache holds one compressed
 # latent per token and layer, not keys and values per head.

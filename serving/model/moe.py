@@ -20,6 +20,9 @@ groups of experts, and the chosen experts weighted by their uncorrected scores, 
 `routed_scaling_factor` (`SparseMoE._route_grouped`). DeepSeek-V2's (`topk_method`) softmaxes, chooses within the
 groups whose best expert scores highest, and scales without renormalising (`SparseMoE._route_v2`).
 
+ERNIE 4.5's (`moe_statics`) chooses by its softmax probabilities plus a correction bias and weights the chosen by
+the plain ones, renormalised with their sum clamped at `moe_norm_min`.
+
 GPT-OSS's blocks (`router` for `gate`) differ in each part, as GptOssTopKRouter and GptOssExperts compute them: the
 router has a bias and softmaxes its top_k logits among themselves (in the model's dtype); each expert's weights are
 stored `[in, out]` (used as they are: `x @ w + b`, no copy) with biases on both projections, and its activation is a
@@ -170,6 +173,11 @@ class SparseMoE(torch.nn.Module):
         if self.v2_method is not None:
             self.groups, self.topk_group = router.num_group, router.topk_group
             self.routed_scaling = float(router.routed_scaling_factor)
+        # ERNIE 4.5's router (Ernie4_5_MoeTopKRouter): softmax probabilities in float32; experts chosen by them plus a
+        # correction bias (`moe_statics`), weighted by the plain ones renormalised (their sum clamped at norm_min).
+        statics = getattr(router, "moe_statics", None)
+        self.ernie_bias = None if statics is None else statics.e_score_correction_bias.detach().reshape(-1).float()
+        self.norm_min = getattr(router, "norm_min", None)
         correction = getattr(router, "e_score_correction_bias", None)
         self.correction = None if correction is None else correction.detach()
         if self.correction is not None:
@@ -224,6 +232,12 @@ class SparseMoE(torch.nn.Module):
         if self.llama4:  # Llama4Router: the sigmoid of the top_k logits (in float32, then the model's dtype)
             top, experts = torch.topk(F.linear(x, self.router), self.top_k, dim=-1)
             return experts, torch.sigmoid(top.float()).to(x.dtype)
+        if self.ernie_bias is not None:
+            probs = torch.softmax(F.linear(x.float(), self.router.float()), dim=-1, dtype=torch.float32)
+            experts = torch.topk(probs + self.ernie_bias, self.top_k, dim=-1)[1]
+            weights = probs.gather(1, experts)
+            weights = weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=self.norm_min)
+            return experts, weights.to(x.dtype)
         if self.correction is not None:
             return self._route_grouped(x)
         if self.v2_method is not None:

@@ -257,6 +257,19 @@ LLAMA_LIKE = {
         "topk_method": "group_limited_greedy",
         "routed_scaling_factor": 2.0,
     },
+    # ERNIE 4.5 MoE (21B-A3B: 64 experts, top 6, 2 shared, layer 0 dense): 8 experts, top 2, one shared, layer 0
+    # dense, as its checkpoints lay them out
+    "ernie4_5_moe": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1,
+        "moe_layer_interval": 1,
+        "use_bias": True,
+    },
     # Apertus as it is: per-head query and key norms, a gateless MLP with xIELU
     "apertus": {**FAMILIES["llama"], "tie_word_embeddings": False},
     # Llama 4 (Scout: 16 experts, top 1, every layer MoE; Maverick: 128, MoE every other layer; chunks of 8192, every

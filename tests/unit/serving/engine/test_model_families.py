@@ -430,6 +430,7 @@ def check_experts_matter(family) -> None:
         "dots1": "model.layers.2.mlp.experts.7.up_proj.weight",
         "olmoe": "model.layers.2.mlp.experts.7.up_proj.weight",
         "flex_olmo": "model.layers.2.mlp.experts.7.up_proj.weight",
+        "ernie4_5_moe": "model.layers.2.mlp.experts.7.gate_proj.weight",
     }
     assert per_expert[family.name] in keys, sorted(keys)[:8]
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -439,6 +440,20 @@ def check_experts_matter(family) -> None:
         assert not hasattr(model.model.layers[1].mlp, "experts")  # mlp_only_layers: dense
     elif family.name in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3"):  # layer 0 dense (first_k_dense_replace)
         assert sparse == [1, 2] and hasattr(model.model.layers[1].mlp, "shared_experts")
+    elif family.name == "ernie4_5_moe":  # layer 0 dense (moe_layer_start_index); a correction bias off its zeros
+        assert sparse == [1, 2] and model.model.layers[1].mlp.shared_experts is not None
+        statics = [model.model.layers[i].mlp.gate.moe_statics.e_score_correction_bias for i in sparse]
+        kept = [b.detach().clone() for b in statics]
+        with torch.no_grad():
+            for b in statics:
+                b.zero_()
+        try:  # the bias chooses the experts: without it, transformers' continuations change
+            unbiased = [family.hf_greedy(p, NEW_TOKENS) for p in PROMPTS]
+        finally:
+            with torch.no_grad():
+                for b, k in zip(statics, kept):
+                    b.copy_(k)
+        assert sum(a != b for a, b in zip(unbiased, family.greedy)) >= 2
     else:
         assert sparse == list(range(len(model.model.layers)))
     picked = {i: set() for i in sparse}
@@ -459,7 +474,7 @@ def check_experts_matter(family) -> None:
     routers = [getattr(model.model.layers[i].mlp, router_of) for i in sparse]
     # Mixtral's and GPT-OSS's routers always renormalise: scale the top weights as a sum of 1 would not.
     # FlexOlmo normalises the MLP's output, so a scale of all the weights is lost: its top two weights swapped instead.
-    retuned = ("mixtral", "gpt_oss", "deepseek_v2", "flex_olmo")
+    retuned = ("mixtral", "gpt_oss", "deepseek_v2", "flex_olmo", "ernie4_5_moe")
     if family.name in retuned:  # (DeepSeek-V2's: no renormalisation to flip)
         forward = type(routers[0]).forward
         tweak = (lambda w: w.flip(-1)) if family.name == "flex_olmo" else (lambda w: w * 0.7)
