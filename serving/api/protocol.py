@@ -77,10 +77,21 @@ class _Request(BaseModel):
     # {token id (as a string, JSON's keys): bias}; the engine checks the ids against its vocabulary
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     response_format: "ResponseFormat | None" = None
+    # vLLM's: the output held to a JSON schema, a regular expression, one of some strings, or a grammar
+    structured_outputs: "StructuredOutputs | None" = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream: true", param="stream_options")
+        if (
+            self.structured_outputs is not None
+            and self.response_format is not None
+            and self.response_format.type != "text"
+        ):
+            raise InvalidRequest(
+                "response_format and structured_outputs both constrain the output; give one of them",
+                param="structured_outputs",
+            )
 
     def sampling_params(self, default_max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
         """The engine's SamplingParams for this request. A field the request leaves out (not in pydantic's
@@ -118,6 +129,8 @@ class _Request(BaseModel):
         return {}
 
     def _response_guide(self) -> dict | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs.guide()
         return self.response_format.guide() if self.response_format is not None else None
 
     def _guide(self) -> dict | None:
@@ -267,6 +280,100 @@ class ResponseFormat(BaseModel):
         return {"type": "json_schema", "schema": schema, "param": param}
 
 
+MAX_STRUCTURED_CHOICES = 1024  # structured_outputs.choice: strings at most
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its `StructuredOutputsParams`, on both endpoints): exactly one of `json` (a JSON
+    schema, as an object or a JSON string), `regex` (the whole output matches it: Rust's regex syntax, as llguidance
+    reads it), `choice` (the output is one of these strings), `grammar` (a Lark grammar in llguidance's syntax, or a
+    GBNF one, converted) and `json_object` (any JSON object). Enforced by the same token masks as response_format."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=MAX_STRUCTURED_CHOICES
+    )
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+    # the whitespace JSON may have between its tokens (a regex; default none: compact JSON)
+    whitespace_pattern: str | None = None
+    # vLLM's options, accepted where they change nothing here: our JSON is compact (no free whitespace) already, and
+    # there is one grammar library, so nothing to fall back from
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    # vLLM's, not supported: a 400 naming them where set
+    structural_tag: str | None = None
+    disable_additional_properties: bool | None = None
+
+    def guide(self) -> dict:
+        """The engine's `SamplingParams.guide`. InvalidRequest naming the field at fault."""
+        import json
+
+        if self.structural_tag is not None or self.disable_additional_properties:
+            name = "structural_tag" if self.structural_tag is not None else "disable_additional_properties"
+            raise InvalidRequest(
+                f"structured_outputs.{name} is not supported; hold the output with json, regex, choice or grammar",
+                param=f"structured_outputs.{name}",
+            )
+        given = [
+            name
+            for name, value in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            listed = f" (got {', '.join(given)})" if given else ""
+            raise InvalidRequest(
+                f"structured_outputs: give exactly one of json, regex, choice, grammar and json_object{listed}",
+                param="structured_outputs",
+            )
+        kind, param = given[0], f"structured_outputs.{given[0]}"
+        if kind == "json":
+            schema = self.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise InvalidRequest(f"{param}: not JSON ({e})", param=param) from None
+                if not isinstance(schema, dict):
+                    raise InvalidRequest(f"{param}: a JSON schema is an object", param=param)
+            check_json_schema(schema, param)
+            if self.whitespace_pattern is not None:
+                schema = {**schema, "x-guidance": {"whitespace_pattern": self.whitespace_pattern}}
+            return {"type": "json_schema", "schema": schema, "param": param}
+        if kind == "regex":
+            return {"type": "regex", "regex": self.regex, "param": param}
+        if kind == "choice":
+            # One rule of string literals (JSON's escapes are Lark's); the strings themselves kept for
+            # `reply_guide`, which holds a reasoning model's answer to them after its reasoning.
+            rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+            return {"type": "lark", "grammar": f"start: {rule}\n", "choices": list(self.choice), "param": param}
+        if kind == "grammar":
+            return {"type": "lark", "grammar": lark_grammar(self.grammar, param), "param": param}
+        if self.whitespace_pattern is not None:
+            schema = {"type": "object", "x-guidance": {"whitespace_pattern": self.whitespace_pattern}}
+            return {"type": "json_schema", "schema": schema, "param": param}
+        return {"type": "json_object", "param": param}
+
+
+def lark_grammar(text: str, param: str) -> str:
+    """A grammar as llguidance's Lark takes it: `text` itself, or converted from GBNF (llama.cpp's, vLLM's EBNF
+    examples: `root ::= ...`) by llguidance's own converter. InvalidRequest naming `param` where it is neither."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as e:  # the request's grammar: whatever the converter says of it is a 400
+        raise InvalidRequest(f"{param}: not a Lark or GBNF grammar ({e})", param=param) from None
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -298,11 +405,11 @@ class ChatCompletionRequest(_Request):
         tool_calls.check_tool_calls(self.messages)
         self._tool_plan = tool_calls.plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
         constrains = self.response_format is not None and self.response_format.type != "text"
-        if self._tool_plan is not None and self._tool_plan.constrained and constrains:
+        if self._tool_plan is not None and self._tool_plan.constrained and (constrains or self.structured_outputs):
+            param = "response_format" if constrains else "structured_outputs"
             raise InvalidRequest(
-                "response_format json_object/json_schema and a required or named tool_choice both constrain the "
-                "reply; give one of them",
-                param="response_format",
+                f"{param} and a required or named tool_choice both constrain the reply; give one of them",
+                param=param,
             )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:

@@ -18,9 +18,11 @@ token by its id):
     (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, the recipient before or
     after the channel, `<|constrain|>json` optional); one call a reply, as harmony ends a reply at `<|call|>`;
   - any other model: the request's guide, with its tags as the model's tokens.
-The answer is `%json` of the schema (compact, as OpenAI's structured outputs are) or the Hermes calls
-(`tools.ToolPlan.hermes_rules`). The reasoning is free text: the model thinks as long as it likes within max_tokens,
-as under vLLM's reasoning parsers; a reply cut short before its answer has reasoning only.
+The answer is `%json` of the schema (compact, as OpenAI's structured outputs are), one of structured_outputs' choices,
+or the Hermes calls (`tools.ToolPlan.hermes_rules`); a regex or a grammar of the request's own (structured_outputs)
+holds the reply from its first token, reasoning model or not. The reasoning is free text: the model thinks as long
+as it likes within max_tokens, as under vLLM's reasoning parsers; a reply cut short before its answer has reasoning
+only.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def for_reply(
     if guide is None:
         return None
     calls = plan is not None and plan.constrained
-    if not calls and guide.get("type") not in ("json_object", "json_schema"):
-        return guide
+    if not calls and guide.get("type") not in ("json_object", "json_schema") and "choices" not in guide:
+        return guide  # a regex or a grammar of the request's own: held from the reply's first token
     param = guide.get("param") or ("tools" if calls else "response_format")
     if harmony is not None:
         return {"type": "lark", "grammar": _harmony(guide, plan if calls else None, harmony), "param": param}
@@ -64,7 +66,7 @@ def for_reply(
     elif parser is None:
         return guide  # JSON from the first token: the engine compiles the schema itself
     else:
-        answer, top = f"answer: %json {json.dumps(_schema(guide))}\n", "answer"
+        answer, top = f"answer: {_body(guide)}\n", "answer"
     if parser is None:
         start = f"start: {top}\n"
     else:
@@ -95,7 +97,7 @@ def _harmony(guide: dict, plan: tool_calls.ToolPlan | None, tokens: HarmonyToken
     ]
     if plan is None:
         lines.append(f'answer: {ch} "final" {msg} body <[{tokens.return_}]>')
-        lines.append(f"body: %json {json.dumps(_schema(guide))}")
+        lines.append(f"body: {_body(guide)}")
     else:
         constrain = f'(" " <[{tokens.constrain}]> "json")?'
         names = plan.allowed()
@@ -113,10 +115,13 @@ def _harmony(guide: dict, plan: tool_calls.ToolPlan | None, tokens: HarmonyToken
     return "\n".join(lines) + "\n"
 
 
-def _schema(guide: dict) -> dict:
-    """The JSON Schema of a json_object or json_schema guide, with the engine's JSON options."""
+def _body(guide: dict) -> str:
+    """The grammar of a json_object or json_schema guide's answer (`%json` of its schema, with the engine's JSON
+    options), or of a choice's (structured_outputs.choice: one of its strings)."""
+    if "choices" in guide:
+        return " | ".join(json.dumps(c, ensure_ascii=False) for c in guide["choices"])
     schema = guide.get("schema") if guide.get("type") == "json_schema" else {"type": "object"}
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 
 def _tag(tokenizer, text: str) -> str:

@@ -34,7 +34,8 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 def grammar_of(guide: dict[str, Any]) -> str:
     """The llguidance grammar (its JSON form) for a request's `guide`:
-    {"type": "json_object"}, {"type": "json_schema", "schema": {...}} or {"type": "lark", "grammar": "..."}.
+    {"type": "json_object"}, {"type": "json_schema", "schema": {...}}, {"type": "lark", "grammar": "..."} or
+    {"type": "regex", "regex": "..."} (the whole output matches it).
     Raises InvalidRequest (param `guide["param"]`, default "response_format") for what cannot be one."""
     import llguidance
 
@@ -51,6 +52,8 @@ def grammar_of(guide: dict[str, Any]) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "lark":
             return llguidance.LLMatcher.grammar_from_lark(str(guide.get("grammar", "")))
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(str(guide.get("regex", "")))
     except ValueError as e:
         raise InvalidRequest(f"{param}: {e}", param=param) from None
     raise InvalidRequest(f"{param}: unknown guide type {kind!r}", param=param)

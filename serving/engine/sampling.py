@@ -94,10 +94,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.guide is not None and (
-            not isinstance(self.guide, dict) or self.guide.get("type") not in ("json_object", "json_schema", "lark")
+            not isinstance(self.guide, dict)
+            or self.guide.get("type") not in ("json_object", "json_schema", "lark", "regex")
         ):
             raise InvalidRequest(
-                f"guide must be a json_object, json_schema or lark grammar (got {shown(self.guide)})",
+                f"guide must be a json_object, json_schema, lark or regex grammar (got {shown(self.guide)})",
                 param="response_format",
             )
         for name in ("logprobs", "prompt_logprobs"):
