@@ -11,7 +11,17 @@ Formats read from the model's output (docs/http.md, "Tool calls"):
     `<|python_tag|>`), or a JSON list of them;
   - Mistral: after optional text (the `content`), `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects
     (Mistral 7B v0.3, Nemo), or one or more `[TOOL_CALLS]name[ARGS]{...}` (tokenizers v11+: Mistral Small 3.1+,
-    Magistral). Its calls get ids of 9 letters and digits, the only ids Mistral's chat templates take back.
+    Magistral). Its calls get ids of 9 letters and digits, the only ids Mistral's chat templates take back;
+  - Qwen3-Coder: `<tool_call>` blocks of XML, `<function=NAME><parameter=KEY>value</parameter>...</function>`;
+  - GLM-4.5 / 4.6: `<tool_call>` blocks of `NAME` then `<arg_key>KEY</arg_key><arg_value>value</arg_value>` pairs
+    (these two formats' values are text, read as JSON where the function's schema does not make them strings);
+  - DeepSeek-V3 / R1 / V3.1: after optional text, `<｜tool▁calls▁begin｜>` and `<｜tool▁call▁begin｜>` ...
+    `<｜tool▁call▁end｜>` per call (V3's and R1's `function<｜tool▁sep｜>NAME` and a ```json fence; V3.1's
+    `NAME<｜tool▁sep｜>{...}`);
+  - Kimi K2: after optional text, `<|tool_calls_section_begin|>` and per call `<|tool_call_begin|>functions.NAME:N
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>`, the call's id `functions.NAME:N` as written (its template's);
+  - Llama 4 pythonic: the whole reply `[name(key=value, ...), ...]` with literal arguments (optionally between
+    `<|python_start|>` and `<|python_end|>`).
 With `tool_choice` "required" or a named function the output is constrained (`engine/guided.py`) to Hermes blocks
 whose arguments follow each function's `parameters` schema, one block unless `parallel_tool_calls`; on chat,
 after the model's reasoning and in its own tokens, or as harmony's call for a harmony model (`reply_guide`). With
@@ -36,6 +46,18 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# DeepSeek-V3, R1 and V3.1's markers (tokens of their tokenizers, decoded as text), and Kimi K2's
+DEEPSEEK_CALLS, DEEPSEEK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+KIMI_CALLS, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+# Llama 4's pythonic calls, `[name(arg=value, ...), ...]`, optionally between these
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+# Inside a <tool_call> block: Qwen3-Coder's XML (`<function=NAME><parameter=KEY>value</parameter></function>`) and
+# GLM-4.5's (`NAME` then `<arg_key>KEY</arg_key><arg_value>value</arg_value>` pairs)
+QWEN_XML_FUNCTION = re.compile(r"^<function=([^>\n]+)>(.*?)</function>$", re.DOTALL)
+QWEN_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 # A call's JSON as models write it: compact, or with one space after `:` and `,` (json.dumps's and chat templates'
 # `tojson`); never padded further, which a weak model would do forever.
 ARGUMENT_SPACING = {"whitespace_pattern": "[ ]?"}
@@ -180,11 +202,14 @@ def parse(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     if calls is not None:
         content = HERMES_BLOCK.sub("", text).strip()
         return (content or None), calls
-    if MISTRAL_CALLS in text:
-        content, _, body = text.partition(MISTRAL_CALLS)
-        calls = _mistral(body, plan)
-        return ((content.strip() or None), calls) if calls is not None else (text, [])
+    for marker, read in ((MISTRAL_CALLS, _mistral), (DEEPSEEK_CALLS, _deepseek), (KIMI_CALLS, _kimi)):
+        if marker in text:
+            content, _, body = text.partition(marker)
+            calls = read(body, plan)
+            return ((content.strip() or None), calls) if calls is not None else (text, [])
     calls = _llama_json(text, plan)
+    if calls is None:
+        calls = _pythonic(text, plan)
     if calls is not None:
         return None, calls
     return text, []
@@ -196,10 +221,131 @@ def _hermes(text: str, plan: ToolPlan) -> list[dict] | None:
         return None
     calls = []
     for body in bodies:
-        call = _call(body, plan, arguments_key="arguments")
+        call = _call(body if body.startswith("{") else _tagged(body, plan), plan, arguments_key="arguments")
         if call is None:
             return None
         calls.append(call)
+    return calls if plan.parallel or len(calls) == 1 else None
+
+
+def _tagged(body: str, plan: ToolPlan) -> dict | None:
+    """A <tool_call> block's body in Qwen3-Coder's XML or GLM-4.5's argument tags, as {"name", "arguments"}: each
+    value text, read as JSON where the function's schema does not make it a string (vLLM's qwen3_coder and glm45
+    parsers' rule)."""
+    found = QWEN_XML_FUNCTION.match(body)
+    if found:
+        name = found.group(1).strip()
+        pairs = [(k.strip(), _unpadded(v)) for k, v in QWEN_XML_PARAMETER.findall(found.group(2))]
+    else:
+        name, _, rest = body.partition("\n")
+        name = name.strip()
+        pairs = [(k.strip(), v) for k, v in GLM_ARGUMENT.findall(rest)]
+        if GLM_ARGUMENT.sub("", rest).strip():
+            return None  # text beside the tags: not this format
+    function = plan.functions.get(name)
+    if function is None:
+        return None
+    properties = function["parameters"].get("properties") or {}
+    return {"name": name, "arguments": {k: _typed(v, properties.get(k)) for k, v in pairs}}
+
+
+def _unpadded(value: str) -> str:
+    """A Qwen3-Coder value without the newline it is written between (`<parameter=k>\\nvalue\\n</parameter>`)."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed(value: str, schema: dict | None):
+    """A tagged argument's text as its schema types it: a string where the schema says string (or says nothing of
+    its type); otherwise the JSON it is (a number, boolean, object, list), else the text itself."""
+    kinds = (schema or {}).get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if kinds == [None] or "string" in kinds:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _deepseek(body: str, plan: ToolPlan) -> list[dict] | None:
+    """DeepSeek's calls, from what follows `<｜tool▁calls▁begin｜>`: each `<｜tool▁call▁begin｜>` ...
+    `<｜tool▁call▁end｜>`, V3's and R1's `function<｜tool▁sep｜>NAME` then the arguments in a ```json fence,
+    V3.1's `NAME<｜tool▁sep｜>` then the arguments."""
+    body = body.split(DEEPSEEK_END)[0]
+    items = []
+    for part in body.split(DEEPSEEK_CALL)[1:]:
+        call, ended, _ = part.partition(DEEPSEEK_CALL_END)
+        head, sep, rest = call.partition(DEEPSEEK_SEP)
+        if not ended or not sep:
+            return None
+        if head.strip() == "function" and "```" in rest:  # V3, R1: type, name, fenced JSON
+            name, _, fenced = rest.partition("\n")
+            arguments = fenced.strip().removeprefix("```json").removesuffix("```").strip()
+        else:  # V3.1
+            name, arguments = head, rest
+        try:
+            items.append({"name": name.strip(), "arguments": json.loads(arguments)})
+        except ValueError:
+            return None
+    calls = [_call(item, plan, arguments_key="arguments") for item in items]
+    if not calls or None in calls:
+        return None
+    return calls if plan.parallel or len(calls) == 1 else None
+
+
+def _kimi(body: str, plan: ToolPlan) -> list[dict] | None:
+    """Kimi K2's calls: `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`
+    each, the id `functions.NAME:INDEX` as written (the only ids its chat template takes back)."""
+    body = body.split(KIMI_END)[0]
+    calls = []
+    for part in body.split(KIMI_CALL)[1:]:
+        call, ended, _ = part.partition(KIMI_CALL_END)
+        id_, sep, arguments = call.partition(KIMI_ARGS)
+        name = id_.strip().removeprefix("functions.").rpartition(":")[0]
+        if not ended or not sep or not name:
+            return None
+        try:
+            found = _call({"name": name, "arguments": json.loads(arguments)}, plan, arguments_key="arguments")
+        except ValueError:
+            return None
+        if found is None:
+            return None
+        found["id"] = id_.strip()
+        calls.append(found)
+    if not calls:
+        return None
+    return calls if plan.parallel or len(calls) == 1 else None
+
+
+def _pythonic(text: str, plan: ToolPlan) -> list[dict] | None:
+    """Llama 4's pythonic calls: the whole reply a Python list of calls, `[get_weather(city="Paris"), ...]` (between
+    `<|python_start|>` and `<|python_end|>` where the decoded text keeps them), each argument a literal."""
+    import ast
+
+    body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    items = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+        except (ValueError, SyntaxError):
+            return None
+        if len(arguments) != len(node.keywords):
+            return None  # a **kwargs
+        items.append({"name": node.func.id, "arguments": arguments})
+    calls = [_call(item, plan, arguments_key="arguments") for item in items]
+    if None in calls:
+        return None
     return calls if plan.parallel or len(calls) == 1 else None
 
 
@@ -271,6 +417,10 @@ def _call(body: str | dict | None, plan: ToolPlan, *, arguments_key: str, id_: s
     }
 
 
+# Where a call may start, mid-reply: text from the first of these on is held back while streaming.
+CALL_MARKERS = (OPEN, MISTRAL_CALLS, DEEPSEEK_CALLS, KIMI_CALLS)
+
+
 class ToolStream:
     """Streaming with tools: text that cannot be the start of a call streams as content at once; from a possible
     call on (`<tool_call>`, `[TOOL_CALLS]`, or a reply that opens with `{`, `[` or `<|python_tag|>`), text is held
@@ -289,11 +439,11 @@ class ToolStream:
         self.held += text
         if not self.sent and self._may_be_json(self.held.lstrip()):
             return ""  # the reply may be a Llama-style JSON call: hold it all
-        found = [at for at in (self.held.find(OPEN), self.held.find(MISTRAL_CALLS)) if at >= 0]
+        found = [at for at in (self.held.find(marker) for marker in CALL_MARKERS) if at >= 0]
         if found:
             out, self.held = self.held[: min(found)], self.held[min(found) :]
-        else:  # a tail that could still grow into "<tool_call>" or "[TOOL_CALLS]"
-            keep = max(tag_prefix(self.held, OPEN), tag_prefix(self.held, MISTRAL_CALLS))
+        else:  # a tail that could still grow into a marker ("<tool_call>", "[TOOL_CALLS]", ...)
+            keep = max(tag_prefix(self.held, marker) for marker in CALL_MARKERS)
             out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         self.sent += out
         return out
@@ -301,7 +451,9 @@ class ToolStream:
     def _may_be_json(self, text: str) -> bool:
         if not text:
             return True  # nothing but whitespace yet
-        return text[0] in "{[" or PYTHON_TAG.startswith(text[: len(PYTHON_TAG)]) or text.startswith(PYTHON_TAG)
+        return text[0] in "{[" or any(
+            tag.startswith(text[: len(tag)]) or text.startswith(tag) for tag in (PYTHON_TAG, PYTHON_START)
+        )
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to send, calls) at the end of the reply."""

@@ -1,5 +1,5 @@
-"""Tool calling's parts (`pylon.serving.api.tools`): what a request may declare, how replies in the Hermes, Llama 3 and
-Mistral formats become OpenAI `tool_calls` (and malformed ones stay text), how a stream holds back only what may be a call,
+"""Tool calling's parts (`pylon.serving.api.tools`): what a request may declare, how replies in the Hermes, Llama 3,
+Mistral, Qwen3-Coder, GLM-4.5, DeepSeek, Kimi K2 and Llama 4 formats become OpenAI `tool_calls` (and malformed ones stay text), how a stream holds back only what may be a call,
 and the grammar that constrains `required` and named choices, run by llguidance against the byte tokenizer."""
 
 from __future__ import annotations
@@ -115,6 +115,92 @@ def test_mistral_calls_become_calls_with_ids_its_templates_take_back() -> None:
     assert "".join(sent) == "Sure. "
     rest, calls = stream.finish()
     assert rest == "" and calls[0]["function"]["name"] == "add"
+
+
+# Each model family's own format (the model's text as its tokenizer decodes it), the content before the calls, and
+# the calls (name, arguments) it holds: what vLLM's parser of that name reads.
+FORMATS = {
+    "qwen3_coder": (
+        "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n"
+        "<parameter=a>\n4\n</parameter>\n<parameter=b>\n-5\n</parameter>\n</function>\n</tool_call>",
+        "Let me look.",
+        [("get_weather", {"city": "Oslo", "unit": "c"}), ("add", {"a": 4, "b": -5})],
+    ),
+    "glm45": (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n<arg_key>unit</arg_key>\n"
+        "<arg_value>f</arg_value>\n</tool_call><tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"
+        "<arg_key>b</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
+        None,
+        [("get_weather", {"city": "New York", "unit": "f"}), ("add", {"a": 1, "b": 2})],
+    ),
+    "deepseek_v3": (
+        "Checking both.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Paris", "unit": "c"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n'
+        '```json\n{"a": 2, "b": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "Checking both.",
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 2, "b": 3})],
+    ),
+    "deepseek_v31": (
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 7, "b": 8}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        None,
+        [("add", {"a": 7, "b": 8})],
+    ),
+    "kimi_k2": (
+        "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
+        '{"a": 1, "b": 1}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
+        '{"city": "Rome", "unit": "c"}<|tool_call_end|><|tool_calls_section_end|>',
+        "Sure.",
+        [("add", {"a": 1, "b": 1}), ("get_weather", {"city": "Rome", "unit": "c"})],
+    ),
+    "llama4_pythonic": (
+        '[get_weather(city="Lima", unit="c"), add(a=1, b=-2)]',
+        None,
+        [("get_weather", {"city": "Lima", "unit": "c"}), ("add", {"a": 1, "b": -2})],
+    ),
+    "llama4_pythonic_tagged": ("<|python_start|>[add(a=3, b=4)]<|python_end|>", None, [("add", {"a": 3, "b": 4})]),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_each_families_own_format_becomes_calls_whole_and_streamed(name) -> None:
+    text, content, expected = FORMATS[name]
+    found, calls = tools.parse(text, plan())
+    assert found == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected
+    for c in calls:
+        jsonschema.validate(
+            json.loads(c["function"]["arguments"]), WEATHER if c["function"]["name"] == "get_weather" else ADD
+        )
+    if name == "kimi_k2":  # its template takes back the ids it wrote
+        assert [c["id"] for c in calls] == ["functions.add:0", "functions.get_weather:1"]
+    # streamed in small pieces: the content goes out, the calls come whole at the end
+    stream = tools.ToolStream(plan())
+    sent = "".join(stream.feed(text[i : i + 3]) for i in range(0, len(text), 3))
+    rest, streamed = stream.finish()
+    assert (sent + rest).strip() == (content or "") and len(streamed) == len(expected)
+    # one call too many without parallel calls: all text
+    if len(expected) > 1:
+        assert tools.parse(text, plan(parallel=False)) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>rm_rf\n<arg_key>path</arg_key>\n<arg_value>/</arg_value>\n</tool_call>",  # GLM's, not declared
+        "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value> and more</tool_call>",  # GLM's, stray text
+        "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</tool_call>",  # Qwen3-Coder's, unclosed
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1',  # DeepSeek's, cut
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>nope<｜tool▁sep｜>{}<｜tool▁call▁end｜>",  # DeepSeek's, not declared
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{]<|tool_call_end|>",
+        "[add(a=1, b=open('x'))]",  # pythonic, an argument that is no literal
+        "[print(1), add(a=1, b=2)]",  # pythonic, a function not declared
+        "[1, 2, 3]",  # a list that is no call
+        "[add(1, 2)]",  # positional arguments: no names to give them
+    ],
+)
+def test_malformed_calls_of_the_families_formats_come_back_as_text(text) -> None:
+    assert tools.parse(text, plan()) == (text, [])
 
 
 @pytest.mark.parametrize(
