@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 MAX_CHOICES = 16  # `n`: each choice is an engine request, and holds a slot of the batch
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables at most
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's reasoning_effort values (and gpt-oss's)
+MAX_ALLOWED_TOKENS = 100_000  # allowed_token_ids: ids at most
 MAX_BATCH_CHOICES = 64  # a batch of prompts x n: the engine requests one HTTP request may start
 
 
@@ -79,6 +80,14 @@ class _Request(BaseModel):
     response_format: "ResponseFormat | None" = None
     # vLLM's: the output held to a JSON schema, a regular expression, one of some strings, or a grammar
     structured_outputs: "StructuredOutputs | None" = None
+    # vLLM's: the stop string that ended the output kept in it; the only tokens that may be sampled; the prompt cut to
+    # its last k tokens (-1: to what the context leaves); a salt naming the request's prefix-cache blocks apart
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, max_length=MAX_ALLOWED_TOKENS
+    )
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -122,6 +131,10 @@ class _Request(BaseModel):
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
             add_special_tokens=self.add_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            cache_salt=self.cache_salt,
             **self._logprobs_params(),
         )
 

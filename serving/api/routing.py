@@ -134,7 +134,8 @@ def routing_key(
     # A LoRA adapter's request (`model` names one of engine.adapters): its blocks are hashed apart, as its engine's.
     model = body.get("model")
     adapter = model in adapters or (base is not None and isinstance(model, str) and model != base)
-    salt = cache_salt(model) if adapter else b""
+    request_salt = body.get("cache_salt")  # a request's own salt (vLLM's cache_salt) names its blocks apart too
+    salt = cache_salt(model if adapter else None, request_salt if isinstance(request_salt, str) else None)
     replica = ""
     try:
         if "messages" in body:

@@ -308,6 +308,10 @@ class LLMEngine:
         if isinstance(prompt, ImagePrompt):
             prompt, images = self._image_prompt(prompt, params)
         prompt_ids = self._prompt_token_ids(prompt, scoring=params.max_tokens == 0, special=params.add_special_tokens)
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None and images is None:  # the prompt's last tokens (left truncation, vLLM's)
+            keep = truncate if truncate > 0 else self.max_model_len - (params.max_tokens or 1)
+            prompt_ids = prompt_ids[-max(keep, 1) :]
         max_tokens = params.max_tokens
         if max_tokens is None:  # what the context leaves, and no more than the model's own default (if it has one)
             max_tokens = self.max_model_len - len(prompt_ids)
@@ -327,6 +331,14 @@ class LLMEngine:
                     f"{self.runner.vocab_size - 1})",
                     param=f"logit_bias.{bad[0]}",
                 )
+        if params.allowed_token_ids:
+            bad = [t for t in params.allowed_token_ids if t >= self.runner.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"allowed_token_ids: token id {bad[0]} is not in the model's vocabulary (ids 0 to "
+                    f"{self.runner.vocab_size - 1})",
+                    param="allowed_token_ids",
+                )
         adapter, on_demand = 0, None
         if params.adapter is not None:
             adapter = self.adapter_slots.get(params.adapter, 0)
@@ -343,10 +355,12 @@ class LLMEngine:
             prompt_ids,
             params,
             max_tokens,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+            IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, keep_stop=params.include_stop_str_in_output
+            ),
             params.new_generator(),
             adapter=adapter,
-            cache_salt=cache_salt(params.adapter if adapter or on_demand else None),
+            cache_salt=cache_salt(params.adapter if adapter or on_demand else None, params.cache_salt),
             on_demand_adapter=on_demand,
             images=images,
         )

@@ -43,10 +43,12 @@ from typing import Any
 RESERVE_MAX_BLOCKS = 64  # at most this many blocks set aside beyond what a request needs when it starts
 
 
-def cache_salt(adapter: str | None) -> bytes:
+def cache_salt(adapter: str | None, salt: str | None = None) -> bytes:
     """What a request's first block hash starts from: nothing for the base model, the adapter's name for a LoRA
-    adapter's request, whose keys and values differ from the base model's for the same tokens (engine.adapters)."""
-    return b"" if adapter is None else b"adapter\0" + adapter.encode()
+    adapter's request, whose keys and values differ from the base model's for the same tokens (engine.adapters);
+    and the request's own `salt` (SamplingParams.cache_salt), which only requests with the same salt share."""
+    named = b"" if adapter is None else b"adapter\0" + adapter.encode()
+    return named if salt is None else named + b"salt\0" + salt.encode()
 
 
 def block_hashes(token_ids: list[int], block_size: int, hashes: list[bytes], salt: bytes = b"") -> list[bytes]:

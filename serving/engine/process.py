@@ -345,7 +345,8 @@ class EnginePool:
         live = [e for e in self.engines if e.check_health()] or self.engines
         adapter = params.adapter if params is not None else None
         special = params.add_special_tokens if params is not None else False
-        engine = self._holder_of(prompt, live, cache_salt(adapter), special) or min(live, key=lambda e: e.open_streams)
+        salt = cache_salt(adapter, params.cache_salt if params is not None else None)
+        engine = self._holder_of(prompt, live, salt, special) or min(live, key=lambda e: e.open_streams)
         return engine.generate(request_id, prompt, params, interval_s=interval_s)
 
     def _holder_of(

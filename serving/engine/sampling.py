@@ -68,6 +68,12 @@ class SamplingParams:
     completions do by default; off, the text's own tokens (a chat rendered by its template holds its BOS already).
     embed: compute the prompt and return its last token's final hidden state (`RequestOutput.embedding`) instead of
     generating: max_tokens must be 0, and no logprobs are asked.
+    include_stop_str_in_output: the stop string that ended the text stays in it (vLLM's).
+    allowed_token_ids: the only tokens that may be sampled (every other one masked; vLLM's), after the shaping above.
+    truncate_prompt_tokens: k >= 1: only the prompt's last k tokens are used (left truncation, vLLM's); -1: its last
+    max_model_len - max_tokens (what the context leaves).
+    cache_salt: the request's prefix-cache blocks are named under this salt too (vLLM's): only requests with the same
+    salt share them, so one tenant cannot learn by timing what another sent.
     """
 
     max_tokens: int | None = 16
@@ -91,6 +97,10 @@ class SamplingParams:
     adapter_path: str | None = None
     add_special_tokens: bool = False
     embed: bool = False
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.guide is not None and (
@@ -188,6 +198,35 @@ class SamplingParams:
                 param="repetition_penalty",
             )
         self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidRequest(
+                f"include_stop_str_in_output must be true or false (got {shown(self.include_stop_str_in_output)})",
+                param="include_stop_str_in_output",
+            )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (
+                not isinstance(ids, (list, tuple))
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            ):
+                raise InvalidRequest(
+                    f"allowed_token_ids must be a non-empty list of token ids >= 0 (got {shown(ids)})",
+                    param="allowed_token_ids",
+                )
+            self.allowed_token_ids = sorted(set(ids))
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise InvalidRequest(
+                    f"truncate_prompt_tokens must be >= 1, or -1 for what the context leaves (got "
+                    f"{self.truncate_prompt_tokens})",
+                    param="truncate_prompt_tokens",
+                )
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
+        ):
+            raise InvalidRequest(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters", param="cache_salt")
 
     @property
     def shapes_logits(self) -> bool:
@@ -198,6 +237,7 @@ class SamplingParams:
             or self.repetition_penalty != 1
             or self.logit_bias
             or self.min_tokens
+            or self.allowed_token_ids
         )
 
     @property
@@ -217,6 +257,7 @@ class SamplingParams:
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT = 256  # cache_salt: characters at most
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI's own limit is lower)
 MAX_REPETITION_PENALTY = 100.0  # far past any useful value: 2 is already strong
 MAX_LOGPROBS = 20  # alternatives per position at most (OpenAI's chat API takes 20, its completions API 5)
@@ -319,6 +360,13 @@ def shape_logits(
     if early:
         at, ids = zip(*early)
         out[torch.tensor(at, device=device), torch.tensor(ids, device=device)] = torch.finfo(dtype).min
+    for i in shaping:  # allowed_token_ids: every other token masked (a vocabulary-wide write, for these rows only)
+        allowed = params[i].allowed_token_ids
+        if allowed:
+            keep = torch.tensor([t for t in allowed if t < out.shape[1]], device=device)
+            kept = out[i, keep]
+            out[i] = float("-inf")
+            out[i, keep] = kept
     return out
 
 

@@ -102,19 +102,20 @@ class IncrementalDetokenizer:
     (from `_prefix`) rather than the whole output, and compares it with the same window without the new
     tokens, so tokenizers whose text depends on neighbours (sentencepiece's leading spaces) come out right.
 
-    Stop strings end the text before their first occurrence. While streaming, a tail of text that could
-    still grow into a stop string is held back, so no client ever sees part of a stop string.
+    Stop strings end the text before their first occurrence (after it with `keep_stop`). While streaming, a tail of
+    text that could still grow into a stop string is held back, so no client ever sees part of a stop string.
     """
 
     PROMPT_CONTEXT = 6  # prompt tokens decoded along with the first outputs, for context-dependent spacing
     MAX_HELD_TOKENS = 3  # through invalid bytes the window moves on to this many tokens from the end
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str], *, keep_stop: bool = False):
         self._tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-self.PROMPT_CONTEXT :])
         self._prefix = 0
         self._read = len(self._ids)
         self._stop = list(stop)
+        self._keep_stop = keep_stop  # the stop string found stays in the text (include_stop_str_in_output)
         # Streaming string matching (Knuth-Morris-Pratt), one state per stop string: how many of its first
         # characters the text ends with. Each new character moves every state in amortized constant time, so a
         # token costs the same however long the text and the stop strings are (checking every tail length against
@@ -175,7 +176,7 @@ class IncrementalDetokenizer:
         """Feed `text[start:]` to the stop strings' matchers; at a whole stop string, cut the text where the first
         one found in it begins (of those ending in the new text, the one that starts earliest) and stop."""
         text, stops, fallback, matched = self.text, self._stop, self._fallback, self._matched
-        first = None
+        first = cut = None
         for i in range(start, len(text)):
             c = text[i]
             for j, stop in enumerate(stops):
@@ -186,11 +187,12 @@ class IncrementalDetokenizer:
                     k += 1
                     if k == len(stop):
                         begin = i + 1 - k
-                        first = begin if first is None or begin < first else first
+                        if first is None or begin < first:
+                            first, cut = begin, i + 1
                         k = fallback[j][k - 1]
                 matched[j] = k
         if first is not None:
-            self.text = text[:first]
+            self.text = text[:cut] if self._keep_stop else text[:first]
             self.stopped = True
 
     def _take(self, *, final: bool) -> str:

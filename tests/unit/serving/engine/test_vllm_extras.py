@@ -1,0 +1,113 @@
+"""vLLM's sampling extras in the engine: `include_stop_str_in_output` (the stop string kept, streamed and not),
+`allowed_token_ids` (only those sampled, greedy equal to transformers' with the rest masked, beside requests that mask
+nothing), `truncate_prompt_tokens` (the prompt's last k tokens: the same tokens as a request of those alone), and
+`cache_salt` (prefix-cache blocks shared only under the same salt); each bad value a 400 naming its field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_models import DEVICE, NEW_TOKENS, PROMPTS, Family, assert_pool_empty, run, tokens_of
+
+from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.errors import InvalidRequest
+
+
+def test_the_stop_string_is_kept_where_asked(gpt2: Family) -> None:
+    engine = gpt2.engine()
+    [full] = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    text = full.text
+    k = next(k for k in range(3, len(text) - 2) if "\ufffd" not in text[k : k + 2])
+    stop = text[k : k + 2]
+    cut = text.find(stop)
+    for keep, expected in ((False, text[:cut]), (True, text[: cut + 2])):
+        params = SamplingParams(
+            max_tokens=60, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=keep
+        )
+        engine.add_request("s", PROMPTS[3], params)
+        outs = run(engine)["s"]  # streamed: one output a token
+        assert "".join(o.text for o in outs) == expected and outs[-1].finish_reason == "stop"
+    assert_pool_empty(engine)
+
+
+def test_only_the_allowed_tokens_are_sampled(gpt2: Family) -> None:
+    """Greedy under allowed_token_ids is transformers' greedy with every other logit masked; sampled tokens all come
+    from the list; a request beside it that masks nothing is untouched."""
+    allowed = [32, 65, 66, 97, 101, 116]
+    engine = gpt2.engine()
+    engine.add_request(
+        "masked", PROMPTS[3], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, allowed_token_ids=allowed)
+    )
+    engine.add_request("free", PROMPTS[2], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    engine.add_request(
+        "sampled", PROMPTS[1], SamplingParams(max_tokens=40, temperature=1.5, seed=3, allowed_token_ids=allowed)
+    )
+    outs = run(engine)
+    bias = torch.full((gpt2.model.config.vocab_size,), float("-inf"), device=DEVICE)
+    bias[allowed] = 0
+    ids = torch.tensor([PROMPTS[3]], device=DEVICE)
+    want = gpt2.model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=257,
+        eos_token_id=256,
+        logits_processor=[lambda _ids, scores: scores + bias],
+    )[0, ids.shape[1] :].tolist()
+    assert tokens_of(outs["masked"]) == want != gpt2.greedy[3]
+    assert tokens_of(outs["free"]) == gpt2.greedy[2]
+    assert set(tokens_of(outs["sampled"])) <= set(allowed)
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("x", PROMPTS[0], SamplingParams(allowed_token_ids=[1, 10**6]))
+    assert e.value.param == "allowed_token_ids"
+    assert_pool_empty(engine)
+
+
+def test_a_truncated_prompt_is_its_last_tokens(gpt2: Family) -> None:
+    engine = gpt2.engine()
+    prompt = PROMPTS[3]  # 90 tokens
+    engine.add_request("cut", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, truncate_prompt_tokens=20))
+    engine.add_request("tail", prompt[-20:], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    engine.add_request(
+        "short", PROMPTS[4], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, truncate_prompt_tokens=50)
+    )
+    outs = run(engine)
+    assert tokens_of(outs["cut"]) == tokens_of(outs["tail"]) and outs["cut"][0].num_prompt_tokens == 20
+    assert tokens_of(outs["short"]) == gpt2.greedy[4]  # shorter than k: the whole prompt
+    # -1: what the context leaves (max_model_len 256 less max_tokens): a prompt past it still runs
+    long = (PROMPTS[3] * 3)[:250]
+    with pytest.raises(InvalidRequest):
+        engine.add_request("long", long, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    engine.add_request("long", long, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, truncate_prompt_tokens=-1))
+    outs = run(engine)
+    assert outs["long"][0].num_prompt_tokens == 256 - NEW_TOKENS
+    for bad in (0, -2):
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(truncate_prompt_tokens=bad)
+        assert e.value.param == "truncate_prompt_tokens"
+    assert_pool_empty(engine)
+
+
+def test_the_prefix_cache_is_shared_under_one_salt_only(gpt2: Family) -> None:
+    engine = gpt2.engine()
+    prompt = PROMPTS[3]  # 90 tokens: five full blocks of 16 to share
+
+    def cached(salt: str | None) -> tuple[int, list[int]]:
+        engine.add_request(f"r{cached.n}", prompt, SamplingParams(max_tokens=4, temperature=0, cache_salt=salt))
+        outs = run(engine)[f"r{cached.n}"]
+        cached.n += 1
+        return outs[0].num_cached_tokens, tokens_of(outs)
+
+    cached.n = 0
+    assert cached(None)[0] == 0
+    assert cached(None)[0] == 80  # no salt: shared, as before
+    first, tokens = cached("tenant-a")
+    assert first == 0  # a salt of its own: nothing of the unsalted blocks
+    again, same = cached("tenant-a")
+    assert again == 80 and same == tokens == gpt2.greedy[3][:4]  # its own blocks, the same tokens
+    assert cached("tenant-b")[0] == 0
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(cache_salt="")
+    assert e.value.param == "cache_salt"
+    assert_pool_empty(engine)
