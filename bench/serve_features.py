@@ -384,7 +384,68 @@ def constrained(args) -> dict:
             guides.apply(logits, [0], [matcher], 256)
             matcher.consume_token(byte)
         results["mask_us"] = (time.perf_counter() - t0) / len(text) * 1e6
+    results["reasoning_mask_us"] = reasoning_mask()
     return results
+
+
+def reasoning_mask(vocab: int = 150_000, rounds: int = 3) -> dict[str, float]:
+    """The mask's cost per token in a reasoning-first grammar (pylon.serving.api.reply_guide: free text up to a
+    closing tag token, then the schema), over a vocabulary of a real model's size (Qwen's 151k): a synthetic one of
+    `vocab` tokens cut from real text, `<think>` and `</think>` tokens of their own. Per token, in the free reasoning
+    and in the JSON after it, and the same JSON under the schema alone; the median of `rounds`."""
+    import random
+
+    import llguidance
+    import torch
+
+    text = Path("/work/shared/datasets/tinyshakespeare.txt").read_text()
+    rng = random.Random(0)
+    pieces = {bytes([i]) for i in range(256)}
+    while len(pieces) < vocab - 3:
+        at = rng.randrange(len(text) - 12)
+        pieces.add(text[at : at + rng.randint(2, 10)].encode())
+    tokens = sorted(pieces, key=lambda b: (len(b), b))
+    n = len(tokens) + 3
+    opening, closing, eos = n - 3, n - 2, n - 1
+
+    class Words:  # llguidance's TokenizerWrapper protocol
+        bos_token_id = None
+        eos_token_id = eos
+        special_token_ids = [opening, closing, eos]
+
+        def __init__(self):
+            self.tokens = tokens + [b"\xff<think>", b"\xff</think>", b"\xff<eos>"]
+
+        def __call__(self, data: bytes) -> list[int]:
+            return list(data)
+
+    lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Words()), n_vocab=n)
+    schema = json.dumps({**RECORDS, "x-guidance": {"whitespace_flexible": False}})
+    thinking = f"start: <[{opening}]> THOUGHT <[{closing}]> answer\nTHOUGHT: /(?s:.*)/\nanswer: %json {schema}\n"
+    words = (n + 31) // 32
+    mask = torch.empty(words, dtype=torch.int32)
+    thought = [i for i in range(300, 90_000, 733)][:100]
+    answer = list(
+        b'{"records":[' + b",".join(b'{"id":12,"kind":"beta","ok":true,"tag":"ab"}' for _ in range(4)) + b"]}"
+    )
+
+    def walk(matcher, ids) -> float:
+        t0 = time.perf_counter()
+        for token in ids:
+            matcher.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
+            matcher.consume_token(token)
+        return (time.perf_counter() - t0) / len(ids) * 1e6
+
+    got: dict[str, list[float]] = {"reasoning": [], "answer after it": [], "schema alone": []}
+    for _ in range(rounds):
+        matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(thinking), log_level=0)
+        matcher.consume_token(opening)
+        got["reasoning"].append(walk(matcher, thought))
+        matcher.consume_token(closing)
+        got["answer after it"].append(walk(matcher, answer))
+        alone = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(RECORDS), log_level=0)
+        got["schema alone"].append(walk(alone, answer))
+    return {k: statistics.median(v) for k, v in got.items()}
 
 
 def extraction_prompts(n: int, seed: int) -> list[list[int]]:
@@ -461,6 +522,10 @@ def report_constrained(r: dict) -> None:
             f"(rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.9x: {met})"
         )
     print(f"  the mask alone (llguidance + applying it to one row): {r['mask_us']:.0f} us per token")
+    reasoned = r.get("reasoning_mask_us")
+    if reasoned:  # machine-dependent, but the three in one run: the reasoning's free text costs what JSON does
+        listed = ", ".join(f"{k} {v:.0f} us" for k, v in reasoned.items())
+        print(f"  a reasoning-first grammar's mask over a 150k-token vocabulary, per token: {listed}")
     print("== structured outputs speculating: json_schema + ngram vs json_schema plain, greedy, extraction prompts")
     for c, got in r.get("speculative", {}).items():
         plain, spec = (statistics.median(got["legs"][k]) for k in ("json_schema", "json_schema+ngram"))
