@@ -184,6 +184,15 @@ class LLMEngine:
                 )
             except PylonError as e:
                 raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
+            if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
+                if spec.speculative.method != "none":
+                    raise PylonError(
+                        f"engine.speculative: {spec.speculative.method} cannot serve model {model}: its recurrent "
+                        "layers' states cannot take back a rejected draft; set engine.speculative.method: none"
+                    )
+                if self.pool.enable_caching:  # a cached block holds keys and values, not the recurrent state there
+                    log.info("model %s has recurrent layers: its requests share no prefix cache", model)
+                    self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size, enable_caching=False)
             # A multimodal checkpoint's processor, for requests with images (engine/images.py); None: text only.
             self.images = (
                 ImageProcessor(directory, self.runner.full_config, spec.max_images_per_prompt)
@@ -497,6 +506,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return outputs
+        recurrent = self.runner.recurrent
         steps = [
             StepSequence(
                 s.request.token_ids[s.start : s.start + s.num_new_tokens] + s.request.draft[: s.num_draft],
@@ -510,6 +520,7 @@ class LLMEngine:
                 s.request.adapter,
                 s.request.params.embed,
                 **(self._image_step(s.request, s.start, s.num_new_tokens) if s.request.images is not None else {}),
+                state=s.request.request_id if recurrent else None,
             )
             for s in batch.scheduled
         ]
@@ -772,6 +783,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
+        if self.runner.recurrent:
+            self.runner.release_state(request.request_id)
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
         self._finished_total[reason] += 1

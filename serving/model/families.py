@@ -137,6 +137,16 @@ top `num_experts_per_tok` experts (1 in its checkpoints) by the sigmoid of their
 multimodal checkpoints (`llama4`: Llama4ForConditionalGeneration, as Scout and Maverick ship) are served for their
 text (TEXT_MODELS): the conditional model's whole Llama4ForCausalLM kept, its vision model dropped, no images taken.
 
+Qwen3-Next (`qwen3_next`: Qwen3-Next-80B-A3B) mixes two kinds of layer (`layer_types`, `linear_layers`): three in
+four are Gated DeltaNet layers, recurrent: each sequence's state is a depthwise convolution's last
+`linear_conv_kernel_dim - 1` inputs and one `[key_dim, value_dim]` matrix per value head, carried from token to token
+(the delta rule, gated), in place of a KV cache; the fourth is attention with a sigmoid gate on its output (half of
+`q_proj`'s output, per head), per-head query and key norms and a quarter of each head rotated. Its MLPs are
+Qwen2-MoE's sparse blocks with a gated shared expert. The runner computes the recurrent layers one sequence at a time
+with transformers' own delta-rule functions (the chunked one over a prompt's chunk, the recurrent one for a decode),
+each sequence's state kept under its request's id (`StepSequence.state`); a model with such layers shares no prefix
+cache (a cached block holds no state) and does not speculate (a rejected draft cannot be taken back from a state).
+
 LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
 short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long
 factors past it, recomputing the whole cache, which a batched paged engine cannot do per sequence: the engine serves
@@ -162,7 +172,11 @@ MOE_MODEL_TYPES = (
     "deepseek_v3",
     "llama4_text",
     "ernie4_5_moe",
+    "qwen3_next",
 )
+# Families with recurrent (linear-attention) layers beside attention ones: Qwen3-Next's Gated DeltaNet layers keep a
+# state per sequence (a convolution's last inputs and a matrix per head) in place of a KV cache (`linear_layers`).
+LINEAR_ATTENTION_FAMILIES = ("qwen3_next",)
 # Families whose attention is multi-head latent attention (DeepSeek-V3's MLA, below): the cache holds one compressed
 # latent per token and layer, not keys and values per head.
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -298,6 +312,14 @@ def layer_windows(config) -> list[int | None]:
     if config.model_type in ("mistral", "phi3") or layer_types is None:
         return [int(window)] * n
     return [int(window) if layer_types[i] == "sliding_attention" else None for i in range(n)]
+
+
+def linear_layers(config) -> list[bool] | None:
+    """Which layers are recurrent (Qwen3-Next's `layer_types` "linear_attention": three in four in its checkpoints),
+    or None for a model without any."""
+    if config.model_type not in LINEAR_ATTENTION_FAMILIES:
+        return None
+    return [t == "linear_attention" for t in config.layer_types]
 
 
 def attention_window(config) -> int | None:

@@ -101,7 +101,10 @@ def projection_shapes(model: torch.nn.Module, model_type: str) -> dict[str, tupl
     shapes = {}
     for i, layer in enumerate(model.get_submodule(LAYERS[model_type])):
         for path in PROJECTIONS[model_type]:
-            m = layer.get_submodule(path)
+            try:
+                m = layer.get_submodule(path)
+            except AttributeError:  # a layer without it (Qwen3-Next's recurrent layers have no self_attn)
+                continue
             if hasattr(m, "nx"):  # GPT-2's Conv1D: nx inputs, nf outputs
                 shapes[f"{LAYERS[model_type]}.{i}.{path}"] = (m.nx, m.nf)
             else:  # nn.Linear, linear.PackedLinear, quant.QuantLinear

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -62,6 +63,7 @@ from pylon.serving.model.families import (
     TEXT_MODELS,
     attention_softcap,
     layer_windows,
+    linear_layers,
     position_limit,
     rope_layer_types,
     unsupported,
@@ -259,7 +261,8 @@ def _pack_llama(model, quantization: str = "none") -> None:
     for layer in _decoder_layers(model):
         # An MoE layer's experts are its SparseMoE's own (pylon.serving.model.moe); its shared expert is a module here.
         mlp = getattr(layer, "mlp", layer)  # (OPT: fc1 and fc2 on the layer itself)
-        attention = layer.attention if hasattr(layer, "attention") else layer.self_attn  # (GPT-NeoX: `attention`)
+        # (GPT-NeoX: `attention`; Qwen3-Next's recurrent layers: `linear_attn`)
+        attention = getattr(layer, "attention", None) or getattr(layer, "self_attn", None) or layer.linear_attn
         for parent in (attention, mlp, getattr(mlp, "shared", None)):
             if parent is None:
                 continue
@@ -376,7 +379,12 @@ class ModelRunner:
         # the rotary embedding applied to the first `cos.shape[-1]` dimensions of each head only (Phi-3's
         # partial_rotary_factor; Llama's apply rotates them all).
         self._rope_types = rope_layer_types(config)
-        first = self.model.model.layers[0] if model_type in LLAMA_FAMILIES else None
+        # (the first layer with attention: Qwen3-Next's first layers are recurrent)
+        first = (
+            next(layer for layer in self.model.model.layers if hasattr(layer, "self_attn"))
+            if model_type in LLAMA_FAMILIES
+            else None
+        )
         # Norms of the attention's and the MLP's outputs (Gemma 2 and 3, OLMo 2: post_feedforward_layernorm), and of
         # their inputs (every family but OLMo 2, whose layers normalise outputs only: no input_layernorm).
         self._output_norms = first is not None and hasattr(first, "post_feedforward_layernorm")
@@ -402,7 +410,7 @@ class ModelRunner:
         self.logits_scaling = getattr(config, "logits_scaling", None)
         self._fused = first is not None and hasattr(first.self_attn, "qkv_proj")
         if self._fused:
-            attn = self.model.model.layers[0].self_attn
+            attn = first.self_attn
             q_size, kv_size = config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
             self._qkv_sizes = (q_size, kv_size, kv_size)
         # The rotary embedding as the family's own modeling code applies it (its module's `apply_rotary_pos_emb`:
@@ -427,6 +435,17 @@ class ModelRunner:
             if model_type == "ministral3" and rope_parameters.get("llama_4_scaling_beta") is not None
             else None
         )
+        # Qwen3-Next: its recurrent layers (`_linear_attention`, each sequence's state under its `StepSequence.state`
+        # in `_states`: per recurrent layer, the convolution's last inputs and the delta rule's matrices), and its
+        # attention's output gate (half of q_proj's output, per head).
+        self._linear = linear_layers(config)
+        self.recurrent = self._linear is not None
+        self._states: dict[str, list[list[torch.Tensor]]] = {}
+        self._step_spans: list[tuple[int, int, str | None, int]] = []  # the step's (offset, tokens, state, start)
+        self._gated_attention = model_type == "qwen3_next"
+        if self.recurrent:
+            module = sys.modules[type(self.model).__module__]
+            self._delta_rules = (module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule)
         # HunYuan's per-head query and key norms (query_layernorm, key_layernorm), applied after the rotation.
         self._qk_norms_after_rope = first is not None and hasattr(first.self_attn, "query_layernorm")
         # Llama 4: an L2 norm of each head's query and key after the rotation (`qk_norm`, in its rotating layers where
@@ -534,9 +553,16 @@ class ModelRunner:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         if self._mla is not None:  # one latent and its rotated part a token, shared by every head
             num_kv_heads, head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
-        self.k_cache = [
-            new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype, device=self.device)
-            for _ in range(config.num_hidden_layers)
+        self.k_cache = [  # (a recurrent layer caches nothing: an empty placeholder keeps the layers' indices)
+            new_kv_cache(
+                0 if self._linear and self._linear[i] else num_blocks,
+                block_size,
+                num_kv_heads,
+                head_dim,
+                dtype=self.kv_dtype,
+                device=self.device,
+            )
+            for i in range(config.num_hidden_layers)
         ]
         # (DeepSeek's latent attention: a token's latent is its key and its value: one cache, both names)
         self.v_cache = list(self.k_cache) if self._mla is not None else [torch.zeros_like(k) for k in self.k_cache]
@@ -610,6 +636,9 @@ class ModelRunner:
         """On a GPU, capture the CUDA graphs that steps of decodes only will replay (pylon.serving.model.graphs;
         the engine asks unless `engine.cuda_graphs` is false). Returns how many (0: none, every step runs eagerly)."""
         if self.device.type != "cuda":
+            return 0
+        if self.recurrent:
+            log.info("model with recurrent layers: decode steps run eagerly (its states are kept per sequence)")
             return 0
         if self.moe_layers and not self.moe_grouped:
             log.info(
@@ -688,6 +717,9 @@ class ModelRunner:
                 return logits, None
         token_ids, positions, seqs, last_tokens = [], [], [], []
         image_rows, image_embeds = [], []  # the step's rows that are images' (pylon.serving.engine.images)
+        if self.recurrent:  # where each sequence's rows are, for the recurrent layers
+            offsets = itertools.accumulate((s.num_new_tokens for s in steps), initial=0)
+            self._step_spans = [(o, s.num_new_tokens, s.state, s.start) for o, s in zip(offsets, steps)]
         for s in steps:
             if s.image_rows:
                 image_rows.extend(len(token_ids) + r for r in s.image_rows)
@@ -1114,6 +1146,13 @@ class ModelRunner:
         for i, layer in enumerate(llama.layers):
             if rope_types is not None:
                 cos, sin = ropes[rope_types[i]]
+            if self._linear is not None and self._linear[i]:  # Qwen3-Next's recurrent layers
+                o = self._linear_attention(i, layer.linear_attn, layer.input_layernorm(h))
+                h = h + o
+                if i == last and final.rows is not None:
+                    h = h[final.rows]
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                continue
             attn = layer.self_attn
             x = layer.input_layernorm(h) if input_norms else h
             if self._mla is not None:  # DeepSeek: attention over latents (`_mla_attention`)
@@ -1139,6 +1178,9 @@ class ModelRunner:
                     rows.add(k, x, i, "self_attn.k_proj")
                     rows.add(v, x, i, "self_attn.v_proj")
             T = len(x)
+            if self._gated_attention:  # Qwen3-Next: each head's query, then its output gate
+                q, gate = q.view(T, -1, attn.head_dim * 2).chunk(2, dim=-1)
+                gate = gate.reshape(T, -1)
             if qk_norms == "all":  # OLMo 2: an RMSNorm over all the heads' queries (and keys) at once
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.view(T, -1, attn.head_dim), k.view(T, -1, attn.head_dim), v.view(T, -1, attn.head_dim)
@@ -1160,6 +1202,8 @@ class ModelRunner:
             if i == last and adapters is not None:
                 rows = adapters.finals  # the sampling rows only, from here on
             a = a.reshape(len(h), -1)
+            if self._gated_attention:
+                a = a * torch.sigmoid(gate if i != last or final.rows is None else gate[final.rows])
             if self._parallel:  # Cohere: the MLP reads the attention's input (that of the sampling rows, in the last)
                 if i == last and final.rows is not None:
                     x = x[final.rows]
@@ -1192,6 +1236,56 @@ class ModelRunner:
             h = h + rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
             h = h + self._mlp(layer, layer.post_attention_layernorm(h), rows, i)
         return llama.norm(h)
+
+    def _linear_attention(self, i: int, attn, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3-Next's Gated DeltaNet layer `attn` over the step's rows `x` (`[T, hidden]`, normed), as
+        Qwen3NextGatedDeltaNet computes it with a cache, one sequence at a time (`_step_spans`): its queries, keys and
+        values through the depthwise causal convolution continued from the sequence's last inputs, then the gated
+        delta rule from the sequence's state (the chunked rule over a prompt's chunk, the recurrent one for a
+        decode), the gated norm and the output projection. Each sequence's state is kept for its next step; a
+        sequence at position 0 starts from zeros."""
+        T = len(x)
+        qkvz, ba = attn.in_proj_qkvz(x)[None], attn.in_proj_ba(x)[None]
+        q, k, v, z, b, a = attn.fix_query_key_value_ordering(qkvz, ba)
+        mixed = torch.cat([t.reshape(1, T, -1) for t in (q, k, v)], dim=-1)[0].t()  # [conv_dim, T]
+        beta = b.sigmoid()
+        g = -attn.A_log.float().exp() * F.softplus(a.float() + attn.dt_bias)
+        weight = attn.conv1d.weight  # [conv_dim, 1, kernel]
+        width, layer = weight.shape[-1] - 1, sum(self._linear[:i])
+        chunk_rule, recurrent_rule = self._delta_rules
+        out = torch.empty(T, attn.num_v_heads, attn.head_v_dim, dtype=x.dtype, device=x.device)
+        for offset, n, key, start in self._step_spans:
+            states = self._states.get(key)
+            if states is None or (start == 0 and layer == 0):  # a new sequence, or one computed again from its start
+                states = self._states[key] = [[None, None] for _ in range(sum(self._linear))]
+            state = states[layer]
+            if start == 0 or state[0] is None:
+                state[0] = torch.zeros(mixed.shape[0], width, dtype=mixed.dtype, device=mixed.device)
+            seen = torch.cat([state[0], mixed[:, offset : offset + n]], dim=1)
+            state[0] = seen[:, seen.shape[1] - width :]
+            conv = F.silu(F.conv1d(seen[None].to(weight.dtype), weight, attn.conv1d.bias, groups=seen.shape[0]))
+            qs, ks, vs = conv[0].t()[None].to(x.dtype).split([attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
+            qs, ks = qs.reshape(1, n, -1, attn.head_k_dim), ks.reshape(1, n, -1, attn.head_k_dim)
+            vs = vs.reshape(1, n, -1, attn.head_v_dim)
+            rule = recurrent_rule if n == 1 and state[1] is not None else chunk_rule
+            o, state[1] = rule(
+                qs,
+                ks,
+                vs,
+                g=g[:, offset : offset + n],
+                beta=beta[:, offset : offset + n],
+                initial_state=None if start == 0 else state[1],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            out[offset : offset + n] = o[0].to(x.dtype)
+        z = z.reshape(T, -1, attn.head_v_dim)
+        core = attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
+        return attn.out_proj(core.reshape(T, -1))
+
+    def release_state(self, key: str) -> None:
+        """Forget a finished sequence's recurrent state (`StepSequence.state`)."""
+        self._states.pop(key, None)
 
     def _mla_attention(
         self,

@@ -29,6 +29,9 @@ class StepSequence:
     image_rows: tuple[int, ...] = ()
     image_embeds: object = None
     image_spans: tuple[tuple[int, int], ...] = ()
+    # A model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES): the key of the sequence's state there (its
+    # request's id); a sequence that starts at position 0 starts its state afresh (a new prompt, or one recomputed).
+    state: str | None = None
 
     @property
     def num_new_tokens(self) -> int:

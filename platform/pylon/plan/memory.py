@@ -85,6 +85,9 @@ class ModelShape:
     # share of them a token runs (top_k / num_experts); 0 and 1.0 for a dense model.
     expert_params: int = 0
     expert_share: float = 1.0
+    # The layers that cache keys and values: all of them (None), or the attention layers of a model whose other layers
+    # are recurrent (Qwen3-Next's linear_attention layers keep a state per sequence instead)
+    kv_layers: int | None = None
 
 
 def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
@@ -138,6 +141,7 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
         expert_params=experts,
         expert_share=share,
         latent_kv=bool(latent),
+        kv_layers=_attention_layers(config),
     )
 
 
@@ -390,6 +394,17 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
-    """KV cache bytes one token takes: a key and a value per layer and KV head (DeepSeek's latent attention: one
-    latent a layer, which is its key and its value: the engine keeps it once)."""
-    return (1 if shape.latent_kv else 2) * shape.num_layers * shape.kv_heads * shape.head_dim * dtype_bytes
+    """KV cache bytes one token takes: a key and a value per attention layer and KV head (DeepSeek's latent attention:
+    one latent a layer, which is its key and its value: the engine keeps it once; Qwen3-Next: its attention layers
+    only)."""
+    layers = shape.num_layers if shape.kv_layers is None else shape.kv_layers
+    return (1 if shape.latent_kv else 2) * layers * shape.kv_heads * shape.head_dim * dtype_bytes
+
+
+def _attention_layers(config) -> int | None:
+    """How many of a model's layers attend (cache keys and values), where some are recurrent (`layer_types`'
+    "linear_attention"); None where all of them attend."""
+    types = getattr(config, "layer_types", None) or []
+    if "linear_attention" not in types:
+        return None
+    return sum(t != "linear_attention" for t in types)

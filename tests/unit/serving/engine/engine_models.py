@@ -257,6 +257,22 @@ LLAMA_LIKE = {
         "topk_method": "group_limited_greedy",
         "routed_scaling_factor": 2.0,
     },
+    # Qwen3-Next (80B-A3B: 48 layers, three recurrent in four, 512 experts, top 10, a gated shared expert): 4 layers
+    # (layer 3 attention), 4 experts, top 2; its Gated DeltaNet with 2 key heads and 4 value heads of 16
+    "qwen3_next": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
     # ERNIE 4.5 MoE (21B-A3B: 64 experts, top 6, 2 shared, layer 0 dense): 8 experts, top 2, one shared, layer 0
     # dense, as its checkpoints lay them out
     "ernie4_5_moe": {
