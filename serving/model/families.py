@@ -146,6 +146,10 @@ Qwen2-MoE's sparse blocks with a gated shared expert. The runner computes the re
 with transformers' own delta-rule functions (the chunked one over a prompt's chunk, the recurrent one for a decode),
 each sequence's state kept under its request's id (`StepSequence.state`); a model with such layers shares no prefix
 cache (a cached block holds no state) and does not speculate (a rejected draft cannot be taken back from a state).
+Qwen3.5 (`qwen3_5_text`, and `qwen3_5_moe_text` with Qwen3-Next's MoE blocks; their multimodal checkpoints `qwen3_5`
+and `qwen3_5_moe` served for their text) has the same layers, its recurrent layers' projections apart
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` in place of Qwen3-Next's interleaved `in_proj_qkvz` and
+`in_proj_ba`) and a multimodal rotary embedding, which on text alone is its rotation of the text's positions.
 
 LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
 short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long
@@ -173,10 +177,11 @@ MOE_MODEL_TYPES = (
     "llama4_text",
     "ernie4_5_moe",
     "qwen3_next",
+    "qwen3_5_moe_text",
 )
 # Families with recurrent (linear-attention) layers beside attention ones: Qwen3-Next's Gated DeltaNet layers keep a
 # state per sequence (a convolution's last inputs and a matrix per head) in place of a KV cache (`linear_layers`).
-LINEAR_ATTENTION_FAMILIES = ("qwen3_next",)
+LINEAR_ATTENTION_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Families whose attention is multi-head latent attention (DeepSeek-V3's MLA, below): the cache holds one compressed
 # latent per token and layer, not keys and values per head.
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -209,6 +214,7 @@ LLAMA_FAMILIES = (
     "ministral3",
     "helium",
     "apertus",
+    "qwen3_5_text",
     *MOE_MODEL_TYPES,
 )
 # Cohere's layers run the attention and the MLP side by side on the same normed input (one LayerNorm a layer, no bias:
@@ -221,7 +227,7 @@ PARALLEL_FAMILIES = ("cohere", "cohere2")
 FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
 # Multimodal checkpoints, their language model one of the families above (text_config's model_type): the runner loads
 # the checkpoint as it ships and keeps its language model, and its vision tower for images (engine/images.py).
-TEXT_MODELS = ("gemma3", "mistral3", "llama4")
+TEXT_MODELS = ("gemma3", "mistral3", "llama4", "qwen3_5", "qwen3_5_moe")
 # Those whose images the engine embeds (engine/images.py); Llama 4's multimodal checkpoints are served for their text.
 IMAGE_MODELS = ("gemma3", "mistral3")
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "gpt_neox", *LLAMA_FAMILIES, *TEXT_MODELS)

@@ -160,7 +160,10 @@ class SparseMoE(torch.nn.Module):
         # outputs); experts stored [in, out], gate and up as halves; a shared expert.
         self.llama4 = config.model_type == "llama4_text"
         # Mixtral's router always renormalises its top_k; Qwen's where the config says (norm_topk_prob).
-        self.renormalise = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+        # (Qwen3.5-MoE's router renormalises always: its config has no norm_topk_prob)
+        self.renormalise = config.model_type in ("mixtral", "qwen3_5_moe_text") or bool(
+            getattr(config, "norm_topk_prob", False)
+        )
         self.scores_in_model_dtype = config.model_type != "mixtral"
         router = block.router if self.gpt_oss or self.llama4 else block.gate
         self.router = router.weight.detach()  # [num_experts, hidden]

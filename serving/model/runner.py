@@ -442,7 +442,7 @@ class ModelRunner:
         self.recurrent = self._linear is not None
         self._states: dict[str, list[list[torch.Tensor]]] = {}
         self._step_spans: list[tuple[int, int, str | None, int]] = []  # the step's (offset, tokens, state, start)
-        self._gated_attention = model_type == "qwen3_next"
+        self._gated_attention = self.recurrent  # (Qwen3-Next's and Qwen3.5's attention layers)
         if self.recurrent:
             module = sys.modules[type(self.model).__module__]
             self._delta_rules = (module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule)
@@ -1147,11 +1147,13 @@ class ModelRunner:
             if rope_types is not None:
                 cos, sin = ropes[rope_types[i]]
             if self._linear is not None and self._linear[i]:  # Qwen3-Next's recurrent layers
-                o = self._linear_attention(i, layer.linear_attn, layer.input_layernorm(h))
-                h = h + o
+                h = h + self._linear_attention(i, layer.linear_attn, layer.input_layernorm(h))
                 if i == last and final.rows is not None:
                     h = h[final.rows]
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                if i == last and adapters is not None:
+                    rows = adapters.finals
+                x = layer.post_attention_layernorm(h)
+                h = h + (layer.mlp(x) if rows is None else self._mlp(layer, x, rows, i))
                 continue
             attn = layer.self_attn
             x = layer.input_layernorm(h) if input_norms else h
@@ -1245,15 +1247,19 @@ class ModelRunner:
         decode), the gated norm and the output projection. Each sequence's state is kept for its next step; a
         sequence at position 0 starts from zeros."""
         T = len(x)
-        qkvz, ba = attn.in_proj_qkvz(x)[None], attn.in_proj_ba(x)[None]
-        q, k, v, z, b, a = attn.fix_query_key_value_ordering(qkvz, ba)
-        mixed = torch.cat([t.reshape(1, T, -1) for t in (q, k, v)], dim=-1)[0].t()  # [conv_dim, T]
+        if hasattr(attn, "in_proj_qkvz"):  # Qwen3-Next: queries, keys, values and gates interleaved by key head
+            qkvz, ba = attn.in_proj_qkvz(x)[None], attn.in_proj_ba(x)[None]
+            q, k, v, z, b, a = attn.fix_query_key_value_ordering(qkvz, ba)
+            mixed = torch.cat([t.reshape(1, T, -1) for t in (q, k, v)], dim=-1)[0].t()  # [conv_dim, T]
+        else:  # Qwen3.5: a projection each
+            mixed, z = attn.in_proj_qkv(x).t(), attn.in_proj_z(x)
+            b, a = attn.in_proj_b(x)[None], attn.in_proj_a(x)[None]
         beta = b.sigmoid()
         g = -attn.A_log.float().exp() * F.softplus(a.float() + attn.dt_bias)
         weight = attn.conv1d.weight  # [conv_dim, 1, kernel]
         width, layer = weight.shape[-1] - 1, sum(self._linear[:i])
         chunk_rule, recurrent_rule = self._delta_rules
-        out = torch.empty(T, attn.num_v_heads, attn.head_v_dim, dtype=x.dtype, device=x.device)
+        out = torch.zeros(T, attn.num_v_heads, attn.head_v_dim, dtype=x.dtype, device=x.device)  # (padded rows: 0)
         for offset, n, key, start in self._step_spans:
             states = self._states.get(key)
             if states is None or (start == 0 and layer == 0):  # a new sequence, or one computed again from its start

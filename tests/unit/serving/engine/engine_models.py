@@ -273,6 +273,33 @@ LLAMA_LIKE = {
         "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 64,
     },
+    # Qwen3.5, dense and MoE: Qwen3-Next's shape (their recurrent layers' projections apart)
+    "qwen3_5_text": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_5_moe_text": {
+        **FAMILIES["llama"],
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "tie_word_embeddings": False,
+    },
     # ERNIE 4.5 MoE (21B-A3B: 64 experts, top 6, 2 shared, layer 0 dense): 8 experts, top 2, one shared, layer 0
     # dense, as its checkpoints lay them out
     "ernie4_5_moe": {

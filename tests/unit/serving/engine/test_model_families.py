@@ -458,6 +458,7 @@ def check_experts_matter(family) -> None:
         "flex_olmo": "model.layers.2.mlp.experts.7.up_proj.weight",
         "ernie4_5_moe": "model.layers.2.mlp.experts.7.gate_proj.weight",
         "qwen3_next": "model.layers.3.mlp.experts.3.gate_proj.weight",
+        "qwen3_5_moe_text": "model.layers.3.mlp.experts.3.gate_proj.weight",
     }
     assert per_expert[family.name] in keys, sorted(keys)[:8]
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -501,7 +502,7 @@ def check_experts_matter(family) -> None:
     routers = [getattr(model.model.layers[i].mlp, router_of) for i in sparse]
     # Mixtral's and GPT-OSS's routers always renormalise: scale the top weights as a sum of 1 would not.
     # FlexOlmo normalises the MLP's output, so a scale of all the weights is lost: its top two weights swapped instead.
-    retuned = ("mixtral", "gpt_oss", "deepseek_v2", "flex_olmo", "ernie4_5_moe")
+    retuned = ("mixtral", "gpt_oss", "deepseek_v2", "flex_olmo", "ernie4_5_moe", "qwen3_5_moe_text")
     if family.name in retuned:  # (DeepSeek-V2's: no renormalisation to flip)
         forward = type(routers[0]).forward
         tweak = (lambda w: w.flip(-1)) if family.name == "flex_olmo" else (lambda w: w * 0.7)
@@ -835,6 +836,44 @@ def test_a_llama4_multimodal_checkpoint_is_served_for_its_text(tmp_path) -> None
         engine.add_request(f"tuned-{i}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, adapter="tuned"))
     outputs = run(engine)
     assert [tokens_of(outputs[f"tuned-{i}"]) for i in range(len(PROMPTS))] == adapted
+
+
+def test_a_qwen3_5_multimodal_checkpoint_is_served_for_its_text(tmp_path) -> None:
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration (a vision model beside its language model, under
+    model.language_model.*): served for its text, through its recurrent layers, its greedy tokens are the conditional
+    model's on text alone; the vision model is not kept and the planner counts the language model only."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from pylon.data.tokenizer import ByteTokenizer
+    from pylon.plan.serve import plan_serve
+    from pylon.specs import DeploymentSpec
+
+    tok = ByteTokenizer()
+    ids = {"eos_token_id": tok.eos_id, "pad_token_id": 257}
+    text = {**LLAMA_LIKE["qwen3_5_text"], "initializer_range": 0.5, **ids}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128}
+    vision |= {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    tokens = {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302, "vision_end_token_id": 303}
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    directory = tmp_path / "qwen3_5-like"
+    model.save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    model.to(DEVICE)
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert sum(a != b for a, b in zip(want, want[1:])) >= len(PROMPTS) - 2
+    engine = LLMEngine(str(directory), spec(max_num_batched_tokens=32, max_num_seqs=4))
+    runner = engine.runner
+    assert runner.model_type == "qwen3_5_text" and runner.recurrent and engine.max_images == 0
+    assert not any("visual" in n for n, _ in runner.model.named_parameters())
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    outputs = run(engine)
+    assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == want
+    language = sum(p.numel() for p in model.model.language_model.parameters()) + model.lm_head.weight.numel()
+    plan = plan_serve(DeploymentSpec(name="q", model=str(directory)), gpu="A100-80GB")
+    assert plan.rows[0].weights == language * 2
 
 
 def test_a_longrope_model_is_served_within_its_original_positions_as_transformers_computes_it(tmp_path, caplog) -> None:
