@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -1269,7 +1270,9 @@ class ModelRunner:
                 state[0] = torch.zeros(mixed.shape[0], width, dtype=mixed.dtype, device=mixed.device)
             seen = torch.cat([state[0], mixed[:, offset : offset + n]], dim=1)
             state[0] = seen[:, seen.shape[1] - width :]
-            conv = F.silu(F.conv1d(seen[None].to(weight.dtype), weight, attn.conv1d.bias, groups=seen.shape[0]))
+            conv = ACT2FN[attn.activation](
+                F.conv1d(seen[None].to(weight.dtype), weight, attn.conv1d.bias, groups=seen.shape[0])
+            )
             qs, ks, vs = conv[0].t()[None].to(x.dtype).split([attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
             qs, ks = qs.reshape(1, n, -1, attn.head_k_dim), ks.reshape(1, n, -1, attn.head_k_dim)
             vs = vs.reshape(1, n, -1, attn.head_v_dim)
