@@ -17,7 +17,9 @@ token by its id):
     message on the `final` channel (`response_format`), or a call of an allowed function on the `commentary` channel
     (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, the recipient before or
     after the channel, `<|constrain|>json` optional); one call a reply, as harmony ends a reply at `<|call|>`;
-  - any other model: the request's guide, with its tags as the model's tokens.
+  - any other model: the request's guide, with its tags as the model's tokens; a required or named tool_choice's calls
+    in the model's own markers where its tokenizer has DeepSeek's or Kimi K2's (`_native_calls`), else as Hermes
+    blocks.
 The answer is `%json` of the schema (compact, as OpenAI's structured outputs are), one of structured_outputs' choices,
 or the Hermes calls (`tools.ToolPlan.hermes_rules`); a regex or a grammar of the request's own (structured_outputs)
 holds the reply from its first token, reasoning model or not. The reasoning is free text: the model thinks as long
@@ -61,7 +63,9 @@ def for_reply(
     if harmony is not None:
         return {"type": "lark", "grammar": _harmony(guide, plan if calls else None, harmony), "param": param}
     if calls:
-        answer = plan.hermes_rules(_tag(tokenizer, tool_calls.OPEN), _tag(tokenizer, tool_calls.CLOSE))
+        answer = _native_calls(plan, tokenizer) or plan.hermes_rules(
+            _tag(tokenizer, tool_calls.OPEN), _tag(tokenizer, tool_calls.CLOSE)
+        )
         top = "calls"
     elif parser is None:
         return guide  # JSON from the first token: the engine compiles the schema itself
@@ -72,6 +76,48 @@ def for_reply(
     else:
         start = _thinking(tokenizer, parser, top)
     return {"type": "lark", "grammar": start + answer, "param": param}
+
+
+def _native_calls(plan: tool_calls.ToolPlan, tokenizer) -> str | None:
+    """Lark rules whose `calls` are the allowed calls in the model's own markers, where its tokenizer has them as
+    tokens: DeepSeek's (V3's and R1's `function<｜tool▁sep｜>NAME` and a ```json fence where its chat template writes
+    one, V3.1's `NAME<｜tool▁sep｜>{...}` otherwise) or Kimi K2's (`functions.NAME:N<|tool_call_argument_begin|>{...}`);
+    None for any other model (Hermes blocks, then)."""
+    deepseek = [_token_id(tokenizer, t) for t in (tool_calls.DEEPSEEK_CALLS, tool_calls.DEEPSEEK_END)]
+    deepseek += [_token_id(tokenizer, t) for t in (tool_calls.DEEPSEEK_CALL, tool_calls.DEEPSEEK_SEP)]
+    deepseek += [_token_id(tokenizer, tool_calls.DEEPSEEK_CALL_END)]
+    kimi = [_token_id(tokenizer, t) for t in (tool_calls.KIMI_CALLS, tool_calls.KIMI_END, tool_calls.KIMI_CALL)]
+    kimi += [_token_id(tokenizer, t) for t in (tool_calls.KIMI_ARGS, tool_calls.KIMI_CALL_END)]
+    if None not in deepseek:
+        begin, end, call, sep, call_end = (f"<[{t}]>" for t in deepseek)
+        fenced = "```json" in (_chat_template(tokenizer) or "")
+    elif None not in kimi:
+        begin, end, call, args, call_end = (f"<[{t}]>" for t in kimi)
+    else:
+        return None
+    names = plan.allowed()
+    repeat = " (NL? call)*" if plan.parallel else ""  # (DeepSeek writes a newline between its calls)
+    lines = [f"calls: {begin} call{repeat} {end}", "call: " + " | ".join(f"call{i}" for i in range(len(names)))]
+    for i, name in enumerate(names):
+        schema = {**plan.functions[name]["parameters"], "x-guidance": tool_calls.ARGUMENT_SPACING}
+        if None not in deepseek and fenced:
+            head = f'{call} "function" {sep} {json.dumps(name + chr(10) + "```json" + chr(10))}'
+            lines.append(f"call{i}: {head} args{i} {json.dumps(chr(10) + '```')} {call_end}")
+        elif None not in deepseek:
+            lines.append(f"call{i}: {call} {json.dumps(name)} {sep} args{i} {call_end}")
+        else:
+            lines.append(f"call{i}: {call} {json.dumps('functions.' + name + ':')} INDEX {args} args{i} {call_end}")
+        lines.append(f"args{i}: %json {json.dumps(schema)}")
+    lines.append("NL: /\\n/")
+    if None in deepseek:
+        lines.append("INDEX: /[0-9]{1,3}/")
+    return "\n".join(lines) + "\n"
+
+
+def _chat_template(tokenizer) -> str | None:
+    inner = getattr(tokenizer, "_tok", tokenizer)
+    template = getattr(inner, "chat_template", None)
+    return template if isinstance(template, str) else None
 
 
 def _thinking(tokenizer, parser: str, top: str) -> str:

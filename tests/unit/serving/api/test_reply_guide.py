@@ -265,3 +265,69 @@ def test_random_logits_through_a_harmony_grammar_read_back_valid(gpt_oss, kind) 
             )
         else:
             jsonschema.validate(json.loads(content), ANSWER)
+
+
+DEEPSEEK_TAGS = [
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+]
+KIMI_TAGS = [
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
+NATIVE = {  # each family's tags, a chat template's tell-tale, a reply in its own format
+    "deepseek_v3": (
+        DEEPSEEK_TAGS,
+        "{{ '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n```json\\n' }}",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n'
+        '{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    ),
+    "deepseek_v31": (
+        DEEPSEEK_TAGS,
+        "{{ '<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments }}",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a":1,"b":2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    ),
+    "kimi_k2": (
+        KIMI_TAGS,
+        "{{ '<|tool_call_begin|>' + id + '<|tool_call_argument_begin|>' }}",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Oslo", "unit": "celsius"}<|tool_call_end|><|tool_calls_section_end|>',
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(NATIVE))
+def test_a_required_call_is_held_to_the_models_own_markers(tmp_path, family) -> None:
+    """DeepSeek's and Kimi K2's tokenizers have their call markers as tokens: a required tool_choice holds the reply
+    to calls in those markers (the template tells DeepSeek V3's fenced JSON from V3.1's), which the model's own reply
+    passes and Hermes blocks do not; random logits through the masks read back as valid calls."""
+    tags, template, reply = NATIVE[family]
+    tok = bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], template, eos_token="<|im_end|>")
+    tok.add_tokens(tags)
+    tok.save_pretrained(tmp_path)
+    tokenizer = load_model_tokenizer(str(tmp_path))
+    plan = _plan()
+    guide = reply_guide.for_reply(plan.guide(), plan, tokenizer)
+    assert "<tool_call>" not in guide["grammar"]
+    ok, matcher = _walk(tokenizer, guide, _ids(tokenizer, reply))
+    assert ok, matcher.get_error()
+    hermes = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    assert not _walk(tokenizer, guide, _ids(tokenizer, hermes))[0]
+    content, calls = tools.parse(tokenizer._tok.decode(_ids(tokenizer, reply)), plan)
+    assert calls and content is None
+    finish = {tokenizer._tok.convert_tokens_to_ids(tags[4])}  # the end of a call
+    for seed in range(3):
+        ids = _sample(tokenizer, guide, finish, seed)
+        text = tokenizer._tok.decode([t for t in ids if t != tokenizer.eos_id])
+        content, calls = tools.parse(text, plan)
+        assert calls and content is None, text
+        for call in calls:
+            name = call["function"]["name"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER if name == "get_weather" else ADD)
