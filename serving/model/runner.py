@@ -444,6 +444,8 @@ class ModelRunner:
         self._states: dict[str, list[list[torch.Tensor]]] = {}
         self._step_spans: list[tuple[int, int, str | None, int]] = []  # the step's (offset, tokens, state, start)
         self._gated_attention = self.recurrent  # (Qwen3-Next's and Qwen3.5's attention layers)
+        self.batch_recurrent_decodes = True  # a step's decodes in one call a layer (off: one a sequence; the bench's)
+        self.recurrent_rule_calls = 0  # delta-rule calls: a counter of the per-sequence work
         if self.recurrent:
             module = sys.modules[type(self.model).__module__]
             self._delta_rules = (module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule)
@@ -1261,7 +1263,18 @@ class ModelRunner:
         width, layer = weight.shape[-1] - 1, sum(self._linear[:i])
         chunk_rule, recurrent_rule = self._delta_rules
         out = torch.zeros(T, attn.num_v_heads, attn.head_v_dim, dtype=x.dtype, device=x.device)  # (padded rows: 0)
-        for offset, n, key, start in self._step_spans:
+        spans = self._step_spans
+        # Decodes of sequences with a state: one batched convolution and recurrent step for all of them.
+        decodes = [
+            (offset, key)
+            for offset, n, key, start in spans
+            if n == 1 and start > 0 and key in self._states and self._states[key][layer][1] is not None
+        ]
+        if len(decodes) > 1 and self.batch_recurrent_decodes:
+            self._recurrent_decodes(attn, decodes, layer, mixed, g, beta, out, x.dtype)
+            done = {offset for offset, _ in decodes}
+            spans = [span for span in spans if span[0] not in done]
+        for offset, n, key, start in spans:
             states = self._states.get(key)
             if states is None or (start == 0 and layer == 0):  # a new sequence, or one computed again from its start
                 states = self._states[key] = [[None, None] for _ in range(sum(self._linear))]
@@ -1277,6 +1290,7 @@ class ModelRunner:
             qs, ks = qs.reshape(1, n, -1, attn.head_k_dim), ks.reshape(1, n, -1, attn.head_k_dim)
             vs = vs.reshape(1, n, -1, attn.head_v_dim)
             rule = recurrent_rule if n == 1 and state[1] is not None else chunk_rule
+            self.recurrent_rule_calls += 1
             o, state[1] = rule(
                 qs,
                 ks,
@@ -1291,6 +1305,35 @@ class ModelRunner:
         z = z.reshape(T, -1, attn.head_v_dim)
         core = attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
         return attn.out_proj(core.reshape(T, -1))
+
+    def _recurrent_decodes(self, attn, decodes, layer: int, mixed, g, beta, out, dtype) -> None:
+        """`_linear_attention`'s decodes at once: each sequence's one new row through the convolution from its last
+        inputs and one step of the recurrent delta rule from its state, the states stacked into a batch and written
+        back (what a loop over the sequences computes, in one call each)."""
+        rows = torch.tensor([offset for offset, _ in decodes], device=mixed.device)
+        states = [self._states[key][layer] for _, key in decodes]
+        weight = attn.conv1d.weight
+        seen = torch.cat([torch.stack([s[0] for s in states]), mixed[:, rows].t()[:, :, None]], dim=2)  # [B, C, W+1]
+        conv = ACT2FN[attn.activation](F.conv1d(seen.to(weight.dtype), weight, attn.conv1d.bias, groups=seen.shape[1]))
+        qs, ks, vs = conv[:, :, -1].to(dtype)[:, None].split([attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
+        B = len(decodes)
+        qs, ks = qs.reshape(B, 1, -1, attn.head_k_dim), ks.reshape(B, 1, -1, attn.head_k_dim)
+        vs = vs.reshape(B, 1, -1, attn.head_v_dim)
+        self.recurrent_rule_calls += 1
+        o, final = self._delta_rules[1](
+            qs,
+            ks,
+            vs,
+            g=g[0, rows][:, None],
+            beta=beta[0, rows][:, None],
+            initial_state=torch.cat([s[1] for s in states]),  # (each [1, heads, key_dim, value_dim])
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        out[rows] = o[:, 0].to(dtype)
+        width = seen.shape[2] - 1
+        for j, s in enumerate(states):
+            s[0], s[1] = seen[j, :, seen.shape[2] - width :], final[j : j + 1]
 
     def release_state(self, key: str) -> None:
         """Forget a finished sequence's recurrent state (`StepSequence.state`)."""
