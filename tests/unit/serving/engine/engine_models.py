@@ -36,6 +36,24 @@ FAMILIES = {
         "vocab_size": 320,
     },
 }
+# Qwen3-Next's and Qwen3.5's layers at a tiny size (three recurrent, then attention; Gated DeltaNet of 2 key heads
+# and 4 value heads of 16), and their MoE blocks (4 experts, top 2, a gated shared expert): LLAMA_LIKE below.
+_DELTANET = {
+    **FAMILIES["llama"],
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+_SHARED_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+}
 # DeepSeek's latent attention and MoE blocks at a tiny size: both DeepSeek fixtures' shared part (LLAMA_LIKE below).
 _LATENT = {
     **FAMILIES["llama"],
@@ -259,47 +277,10 @@ LLAMA_LIKE = {
     },
     # Qwen3-Next (80B-A3B: 48 layers, three recurrent in four, 512 experts, top 10, a gated shared expert): 4 layers
     # (layer 3 attention), 4 experts, top 2; its Gated DeltaNet with 2 key heads and 4 value heads of 16
-    "qwen3_next": {
-        **FAMILIES["llama"],
-        "num_hidden_layers": 4,
-        "head_dim": 32,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 64,
-    },
+    "qwen3_next": {**_DELTANET, **_SHARED_MOE},
     # Qwen3.5, dense and MoE: Qwen3-Next's shape (their recurrent layers' projections apart)
-    "qwen3_5_text": {
-        **FAMILIES["llama"],
-        "num_hidden_layers": 4,
-        "head_dim": 32,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "tie_word_embeddings": False,
-    },
-    "qwen3_5_moe_text": {
-        **FAMILIES["llama"],
-        "num_hidden_layers": 4,
-        "head_dim": 32,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 64,
-        "tie_word_embeddings": False,
-    },
+    "qwen3_5_text": {**_DELTANET, "tie_word_embeddings": False},
+    "qwen3_5_moe_text": {**_DELTANET, **_SHARED_MOE, "tie_word_embeddings": False},
     # ERNIE 4.5 MoE (21B-A3B: 64 experts, top 6, 2 shared, layer 0 dense): 8 experts, top 2, one shared, layer 0
     # dense, as its checkpoints lay them out
     "ernie4_5_moe": {
