@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pylon.serving.api import tools as tool_calls
-from pylon.serving.engine.guided import check_json_schema
+from pylon.serving.engine.guided import check_json_schema, choice_rule
 from pylon.serving.engine.sampling import (
     MAX_LOGIT_BIAS,
     MAX_REPETITION_PENALTY,
@@ -366,8 +366,8 @@ class StructuredOutputs(BaseModel):
         if kind == "choice":
             # One rule of string literals (JSON's escapes are Lark's); the strings themselves kept for
             # `reply_guide`, which holds a reasoning model's answer to them after its reasoning.
-            rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
-            return {"type": "lark", "grammar": f"start: {rule}\n", "choices": list(self.choice), "param": param}
+            grammar = f"start: {choice_rule(self.choice)}\n"
+            return {"type": "lark", "grammar": grammar, "choices": list(self.choice), "param": param}
         if kind == "grammar":
             return {"type": "lark", "grammar": lark_grammar(self.grammar, param), "param": param}
         if self.whitespace_pattern is not None:

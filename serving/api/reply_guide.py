@@ -29,12 +29,13 @@ only.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING
 
 from pylon.serving.api import tools as tool_calls
 from pylon.serving.api.reasoning import END, START
-from pylon.serving.engine.guided import JSON_OPTIONS
+from pylon.serving.engine.guided import JSON_OPTIONS, choice_rule
 
 if TYPE_CHECKING:
     from pylon.serving.api.harmony import HarmonyTokens
@@ -165,7 +166,7 @@ def _body(guide: dict) -> str:
     """The grammar of a json_object or json_schema guide's answer (`%json` of its schema, with the engine's JSON
     options), or of a choice's (structured_outputs.choice: one of its strings)."""
     if "choices" in guide:
-        return " | ".join(json.dumps(c, ensure_ascii=False) for c in guide["choices"])
+        return choice_rule(guide["choices"])
     schema = guide.get("schema") if guide.get("type") == "json_schema" else {"type": "object"}
     return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
@@ -178,12 +179,18 @@ def _tag(tokenizer, text: str) -> str:
 
 def _token_id(tokenizer, text: str) -> int | None:
     """The id of the tokenizer's added token `text` (a tag the model was trained to write as one token), or None."""
+    return _added_vocab(tokenizer).get(text)
+
+
+@functools.lru_cache(maxsize=16)
+def _added_vocab(tokenizer) -> dict[str, int]:
+    """The tokenizer's added tokens by their text, read once per tokenizer (a replica has one): every constrained
+    request asks for a dozen tags."""
     inner = getattr(tokenizer, "_tok", tokenizer)
     added = getattr(inner, "get_added_vocab", None)
     if added is not None:
-        found = added().get(text)
-        return int(found) if found is not None else None
+        return {text: int(i) for text, i in added().items()}
     decoder = getattr(inner, "get_added_tokens_decoder", None)  # a `tokenizers` Tokenizer
     if decoder is not None:
-        return next((int(i) for i, token in decoder().items() if token.content == text), None)
-    return None
+        return {token.content: int(i) for i, token in decoder().items()}
+    return {}

@@ -59,6 +59,11 @@ def grammar_of(guide: dict[str, Any]) -> str:
     raise InvalidRequest(f"{param}: unknown guide type {kind!r}", param=param)
 
 
+def choice_rule(choices: list[str]) -> str:
+    """The body of a Lark rule that matches exactly one of `choices` (string literals: JSON's escapes are Lark's)."""
+    return " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
 def cache_key(guide: dict[str, Any]) -> str:
     """One string per distinct grammar (key order in the schema does not matter)."""
     key = json.dumps({k: v for k, v in guide.items() if k != "param"}, sort_keys=True, separators=(",", ":"))

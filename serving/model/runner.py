@@ -441,6 +441,9 @@ class ModelRunner:
         # attention's output gate (half of q_proj's output, per head).
         self._linear = linear_layers(config)
         self.recurrent = self._linear is not None
+        # each recurrent layer's index among them: where its state sits in a sequence's list of states
+        self._state_slot = list(itertools.accumulate(self._linear, initial=0))[:-1] if self.recurrent else None
+        self._num_states = sum(self._linear) if self.recurrent else 0
         self._states: dict[str, list[list[torch.Tensor]]] = {}
         self._step_spans: list[tuple[int, int, str | None, int]] = []  # the step's (offset, tokens, state, start)
         self._gated_attention = self.recurrent  # (Qwen3-Next's and Qwen3.5's attention layers)
@@ -1260,7 +1263,7 @@ class ModelRunner:
         beta = b.sigmoid()
         g = -attn.A_log.float().exp() * F.softplus(a.float() + attn.dt_bias)
         weight = attn.conv1d.weight  # [conv_dim, 1, kernel]
-        width, layer = weight.shape[-1] - 1, sum(self._linear[:i])
+        width, layer = weight.shape[-1] - 1, self._state_slot[i]
         chunk_rule, recurrent_rule = self._delta_rules
         out = torch.zeros(T, attn.num_v_heads, attn.head_v_dim, dtype=x.dtype, device=x.device)  # (padded rows: 0)
         spans = self._step_spans
@@ -1277,7 +1280,7 @@ class ModelRunner:
         for offset, n, key, start in spans:
             states = self._states.get(key)
             if states is None or (start == 0 and layer == 0):  # a new sequence, or one computed again from its start
-                states = self._states[key] = [[None, None] for _ in range(sum(self._linear))]
+                states = self._states[key] = [[None, None] for _ in range(self._num_states)]
             state = states[layer]
             if start == 0 or state[0] is None:
                 state[0] = torch.zeros(mixed.shape[0], width, dtype=mixed.dtype, device=mixed.device)
