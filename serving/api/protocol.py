@@ -27,8 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pylon.serving.api import tools as tool_calls
 from pylon.serving.engine.guided import check_json_schema, choice_rule
 from pylon.serving.engine.sampling import (
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_LENGTH,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 
 MAX_CHOICES = 16  # `n`: each choice is an engine request, and holds a slot of the batch
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables at most
+MAX_DOCUMENTS = 64  # documents: at most
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's reasoning_effort values (and gpt-oss's)
 MAX_ALLOWED_TOKENS = 100_000  # allowed_token_ids: ids at most
 MAX_BATCH_CHOICES = 64  # a batch of prompts x n: the engine requests one HTTP request may start
@@ -88,6 +92,22 @@ class _Request(BaseModel):
     )
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's: special tokens write no text (false: they do); the other is its slow tokenizers' option, accepted
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # vLLM's: words never generated (sampling.SamplingParams.bad_words)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]] = Field(
+        default_factory=list, max_length=MAX_BAD_WORDS
+    )
+    # vLLM's: the scheduler takes lower values first (ties in arrival order); the X-Vllm-Priority header overrides it
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    # vLLM's: each prompt token's logprob (and the k most likely there), in vLLM's shape
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: logprobs' tokens as "token_id:<id>"; the prompt's and the output's token ids in the answer
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    # vLLM's: the id the engine and the logs know the request by (as the X-Request-Id header, which wins)
+    request_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -135,6 +155,11 @@ class _Request(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             cache_salt=self.cache_salt,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            bad_words=list(self.bad_words),
+            priority=self.priority,
+            return_prompt_token_ids=self.return_token_ids,
             **self._logprobs_params(),
         )
 
@@ -231,11 +256,10 @@ class CompletionRequest(_Request):
         return [self.prompt]
 
     def _logprobs_params(self) -> dict:
-        prompt_logprobs = None
-        if self.echo and self.logprobs is not None:
-            prompt_logprobs = self.logprobs
-        elif self.max_tokens == 0:  # the engine computes the prompt only for requests that score it
-            prompt_logprobs = 0
+        # The engine scores the prompt for echo's logprobs, for prompt_logprobs (the more alternatives of the two),
+        # and for a request that only scores it (max_tokens 0).
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(wanted) if wanted else (0 if self.max_tokens == 0 else None)
         return {"logprobs": self.logprobs, "prompt_logprobs": prompt_logprobs}
 
 
@@ -404,6 +428,14 @@ class ChatCompletionRequest(_Request):
     # OpenAI's: how much a reasoning model thinks, given to its chat template as `reasoning_effort` (gpt-oss's
     # template writes it into its system message; a template that does not read it ignores it)
     reasoning_effort: Literal[REASONING_EFFORTS] | None = None
+    # vLLM's: the template's generation prompt (the assistant's header) ends the prompt; or, with
+    # continue_final_message, the last message is left open and the reply continues it (a prefilled answer)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # vLLM's: the reply's content starts with the last message's, where that message is the assistant's
+    echo: bool = False
+    # vLLM's: documents for a template that reads them (RAG templates: Command R's, Granite's), each {title, text}
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -415,6 +447,20 @@ class ChatCompletionRequest(_Request):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidRequest(
+                    "continue_final_message continues the last message, add_generation_prompt starts a new one: "
+                    "set add_generation_prompt: false with it",
+                    param="continue_final_message",
+                )
+            last = self.messages[-1]
+            if last.role != "assistant" or not isinstance(last.content, (str, list)) or not last.content:
+                raise InvalidRequest(
+                    f"continue_final_message: the last message (messages.{len(self.messages) - 1}) is the one "
+                    "continued: an assistant message with content",
+                    param=f"messages.{len(self.messages) - 1}",
+                )
         tool_calls.check_tool_calls(self.messages)
         self._tool_plan = tool_calls.plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
         constrains = self.response_format is not None and self.response_format.type != "text"
@@ -463,6 +509,9 @@ class ChatCompletionRequest(_Request):
             tool_preamble=plan.preamble() if plan is not None else None,
             template_kwargs=self.template_kwargs(),
             images=bool(parts),
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            documents=self.documents,
         )
         if not parts:
             return text
@@ -490,6 +539,15 @@ class ChatCompletionRequest(_Request):
                         found.append((f"messages.{i}.content.{j}.image_url", url))
         return found
 
+    def echoed(self) -> str:
+        """What `echo` puts before the reply's content: the last message's text where it is the assistant's."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "".join(p.get("text", "") for p in last.content or () if isinstance(p, dict) and p.get("type") == "text")
+
     @property
     def tool_plan(self) -> "tool_calls.ToolPlan | None":
         """What the model may do with the request's tools (None: no tool may be called); set by check_supported."""
@@ -501,7 +559,8 @@ class ChatCompletionRequest(_Request):
         return self._response_guide()
 
     def _logprobs_params(self) -> dict:
-        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return {"logprobs": logprobs, "prompt_logprobs": self.prompt_logprobs}
 
 
 class TokenizeRequest(BaseModel):
@@ -516,6 +575,9 @@ class TokenizeRequest(BaseModel):
     # vLLM's: with the special tokens the tokenizer adds; by default as the endpoint the text goes to (a prompt's
     # completions: true; a chat's: false)
     add_special_tokens: bool | None = None
+    # vLLM's, with messages: as the chat endpoint takes them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -524,12 +586,23 @@ class TokenizeRequest(BaseModel):
             raise InvalidRequest("prompt must not be empty", param="prompt")
         if self.tools is not None and self.messages is None:
             raise InvalidRequest("tools go with messages (a chat)", param="tools")
+        if self.messages is None and (self.continue_final_message or not self.add_generation_prompt):
+            raise InvalidRequest(
+                "add_generation_prompt and continue_final_message go with messages (a chat)",
+                param="continue_final_message" if self.continue_final_message else "add_generation_prompt",
+            )
 
     def text(self, tokenizer) -> str:
         """The text the engine would tokenize: the prompt, or the chat rendered as the chat endpoint renders it."""
         if self.prompt is not None:
             return self.prompt
-        chat = ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools)
+        chat = ChatCompletionRequest(
+            model=self.model,
+            messages=self.messages,
+            tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+        )
         chat.check_supported()
         return chat.render(tokenizer)
 
@@ -699,11 +772,36 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(description="where each token's text starts in the choice's text")
 
 
+def _absent_when_unset(schema: dict) -> None:
+    schema.pop("default", None)  # a key the server leaves out, never one it sends as null
+
+
+class VllmLogprob(_Response):
+    """One entry of vLLM's `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = Field(description="1 for the most likely token")
+    decoded_token: str
+
+
+# vLLM's fields, present where the request asks for them (prompt_logprobs, return_token_ids)
+PromptLogprobs = list[dict[str, VllmLogprob] | None]
+
+
+def _vllm_field(description: str):
+    return Field(None, description=description, json_schema_extra=_absent_when_unset)
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     finish_reason: FinishReason | None
     logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs = _vllm_field(
+        "with prompt_logprobs: per prompt token (null at the first), its token's and the most likely tokens' logprobs"
+    )  # type: ignore[assignment]
+    prompt_token_ids: list[int] | None = _vllm_field("with return_token_ids: the prompt's token ids (streamed: first)")
+    token_ids: list[int] = _vllm_field("with return_token_ids: the choice's (or chunk's) generated token ids")  # type: ignore[assignment]
 
 
 class CompletionResponse(_Response):
@@ -723,10 +821,6 @@ class CompletionChunk(_Response):
     created: int
     model: str
     choices: list[CompletionChoice] = Field(min_length=1, max_length=1)
-
-
-def _absent_when_unset(schema: dict) -> None:
-    schema.pop("default", None)  # a key the server leaves out, never one it sends as null
 
 
 class FunctionCall(_Response):
@@ -773,6 +867,7 @@ class ChatChoice(_Response):
     message: AssistantMessage
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None
+    token_ids: list[int] = _vllm_field("with return_token_ids: the choice's generated token ids")  # type: ignore[assignment]
 
 
 class ChatCompletionResponse(_Response):
@@ -782,6 +877,10 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs = _vllm_field(
+        "with prompt_logprobs: per prompt token (null at the first), its token's and the most likely tokens' logprobs"
+    )  # type: ignore[assignment]
+    prompt_token_ids: list[int] | None = _vllm_field("with return_token_ids: the rendered prompt's token ids")
 
 
 class ChatDelta(_Response):
@@ -804,6 +903,7 @@ class ChatChunkChoice(_Response):
     delta: ChatDelta
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None
+    token_ids: list[int] = _vllm_field("with return_token_ids: the chunk's generated token ids")  # type: ignore[assignment]
 
 
 class ChatCompletionChunk(_Response):
@@ -814,6 +914,8 @@ class ChatCompletionChunk(_Response):
     created: int
     model: str
     choices: list[ChatChunkChoice] = Field(min_length=1, max_length=1)
+    prompt_logprobs: PromptLogprobs = _vllm_field("with prompt_logprobs: on the first chunk")  # type: ignore[assignment]
+    prompt_token_ids: list[int] | None = _vllm_field("with return_token_ids: on the first chunk")
 
 
 class UsageChunk(_Response):
@@ -1004,6 +1106,11 @@ def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, log
     }
 
 
+def vllm_logprob(value: float, rank: int, decoded: str) -> dict:
+    """One entry of vLLM's prompt_logprobs: {logprob, rank (1: the most likely), decoded_token}."""
+    return {"logprob": _logprob(value), "rank": rank or None, "decoded_token": decoded}
+
+
 MIN_LOGPROB = -9999.0  # what a logprob of -inf (a token the model rules out) is sent as: JSON has no infinity
 
 
@@ -1016,14 +1123,23 @@ class LogprobsFormat:
     from `TokenTexts`. Completions' `text_offset` runs on across the calls of one stream (each call one chunk's
     tokens), counted in the tokens' own texts as vLLM counts them."""
 
-    def __init__(self, texts: "TokenTexts"):
+    def __init__(self, texts: "TokenTexts", *, as_ids: bool = False):
+        """`as_ids`: each token is written "token_id:<id>" (vLLM's return_tokens_as_token_ids: a token that is no
+        text of its own, part of a character, still says which it is), its bytes that string's."""
         self.texts = texts
         self.offset = 0
+        self.as_ids = as_ids
+
+    def _text(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.texts.text(token_id)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        return list(f"token_id:{token_id}".encode()) if self.as_ids else self.texts.bytes(token_id)
 
     def completion(self, pairs: "list[tuple[int, TokenLogprob | None]]") -> dict:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs (the top ones and the chosen one, by token
         text; null where a token has no logprob: the first of an echoed prompt), text_offset."""
-        text = self.texts.text
+        text = self._text
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in pairs:
             token = text(token_id)
@@ -1044,7 +1160,7 @@ class LogprobsFormat:
 
     def chat(self, pairs: "list[tuple[int, TokenLogprob | None]]") -> dict:
         """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
-        text, raw = self.texts.text, self.texts.bytes
+        text, raw = self._text, self._bytes
         content = []
         for token_id, entry in pairs:
             if entry is None:
@@ -1122,6 +1238,18 @@ class StreamEvents:
                 reasoning_tokens=reasoning_tokens,
             )
         )
+
+    @staticmethod
+    def splice(event: str, choice_fields: dict, response_fields: dict) -> str:
+        """A built event with more fields in its choice and at its top level (each event ends `...}]}` + two
+        newlines: the choice's object, the choices list, the event's object)."""
+        if not choice_fields and not response_fields:
+            return event
+        if not event.endswith("}]}\n\n"):
+            raise ValueError("not a chunk event of one choice")
+        more = "".join(f",{_quote(k)}:{json.dumps(v, separators=(',', ':'))}" for k, v in choice_fields.items())
+        top = "".join(f",{_quote(k)}:{json.dumps(v, separators=(',', ':'))}" for k, v in response_fields.items())
+        return f"{event[:-5]}{more}}}]{top}}}\n\n"
 
     @staticmethod
     def event(obj: dict) -> str:

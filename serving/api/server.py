@@ -36,7 +36,7 @@ from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.api.response_store import ResponseStore
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.serving.engine.tokenization import TokenTexts, embedding_ids, prompt_ids
+from pylon.serving.engine.tokenization import TokenTexts, added_token_ids, embedding_ids, prompt_ids
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed, shown
 from pylon.specs import NAME_RE, DeploymentSpec
 
@@ -856,7 +856,10 @@ class PylonLLMServer:
                 prompts = [body.render(self.engine.tokenizer, self.engine.max_images)]
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default; a model whose
             # generation_config.json sets max_new_tokens runs up to that instead (and the other defaults it sets).
+            if body.request_id is not None and not headers.get("x-request-id"):
+                request_id = body.request_id  # vLLM's field; a client's X-Request-Id header wins
             params = body.sampling_params(16 if kind == "completion" else None, self.sampling_defaults)
+            params.priority = _priority(headers, params.priority)
             if kind != "completion":  # a constrained chat reply in the model's own format, its reasoning first
                 params.guide = reply_guide.for_reply(
                     params.guide,
@@ -865,6 +868,7 @@ class PylonLLMServer:
                     parser=self.spec.http.reasoning_parser if self._harmony is None else None,
                     harmony=self._harmony,
                 )
+                params.keep_special_ids = self._parsed_markers(body)
             self._adapter_params(params, body.model)  # one of its LoRA adapters, if not the base model
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
@@ -979,19 +983,23 @@ class PylonLLMServer:
                 if calls:
                     extra["tool_calls"] = calls
                     reason = "tool_calls" if reason == "stop" else reason
-            answers.append(
-                make(
-                    rid,
-                    body.model,  # the model or adapter asked for, as vLLM answers
-                    content,
-                    reason,
-                    last.num_prompt_tokens,
-                    last.num_output_tokens,
-                    logprobs=choices[k].logprobs(pairs),
-                    cached_tokens=last.num_cached_tokens,
-                    **extra,
-                )
+            if choices[k].echoed:
+                content = choices[k].echoed + (content or "")
+            answer = make(
+                rid,
+                body.model,  # the model or adapter asked for, as vLLM answers
+                content,
+                reason,
+                last.num_prompt_tokens,
+                last.num_output_tokens,
+                logprobs=choices[k].logprobs(pairs),
+                cached_tokens=last.num_cached_tokens,
+                **extra,
             )
+            own, top = choices[k].fields()
+            answer["choices"][0].update(own)
+            answer.update(top)
+            answers.append(answer)
         merged = protocol.merge_choices(answers)
         merged["usage"] = protocol.usage(*_usage([last for _, _, last in results], body.n, choices))
         return merged
@@ -1056,6 +1064,17 @@ class PylonLLMServer:
         except Exception:
             answer.cancel()
             log.exception("%s: background response %s failed", self.model_name, rid)
+
+    def _parsed_markers(self, body) -> tuple[int, ...]:
+        """The special tokens a chat reply's parsers read, kept in its text whatever `skip_special_tokens` says: the
+        tool-call markers where the request has tools, the reasoning tags where the deployment reads reasoning (a
+        harmony reply is read by token id, not text)."""
+        if self._harmony is not None:
+            return ()
+        markers = [*tools.MARKERS] if body.tool_plan is not None else []
+        if self.spec.http.reasoning_parser is not None:
+            markers += [reasoning.START, reasoning.END]
+        return added_token_ids(self.engine.tokenizer, markers) if markers else ()
 
     @functools.cached_property
     def _token_texts(self) -> TokenTexts:
@@ -1135,14 +1154,19 @@ class PylonLLMServer:
         """One choice's server-sent events as they become ready to go out: (k, text, the engine output they end
         at). Chat's role chunk waits for the first reasoning or content; text that may be a tool call, or the end of
         a reasoning block, is held back."""
-        held = events.role() if events.kind == "chat" else ""
+        held = ""  # chat's role chunk (and an echoed message) goes out with the first reasoning or content
         pending = []  # tokens whose logprobs go with the next chunk (tokens without text yet wait for their text)
         plan = body.tool_plan if events.kind == "chat" else None
         read = choice.harmony  # a harmony model's reply: read by channel (`_Choice.take`), no text formats
         calling = tools.ToolStream(plan) if plan is not None and read is None else None  # holds a possible call
         thinking = reasoning.ReasoningStream(parser) if parser is not None else None
+        mark = choice.mark
         async for out in _chain(first, stream):
             text, tokens = choice.take(out)
+            if events.kind == "chat" and out is first:
+                held = mark(events.role(), tokens=False)
+                if choice.echoed:
+                    held += mark(events.chunk(choice.echoed, None), tokens=False)
             thought = ""
             calls = []
             if read is not None:
@@ -1157,7 +1181,7 @@ class PylonLLMServer:
                     thought, text = thought + more_thought, text + more_text
             pending.extend(tokens)
             if thought:
-                held += events.reasoning(thought, choice.logprobs(pending))
+                held += mark(events.reasoning(thought, choice.logprobs(pending)))
                 pending = []
             if calling is not None:
                 text = calling.feed(text)
@@ -1171,12 +1195,12 @@ class PylonLLMServer:
                 continue
             if calls:  # content first (if any), then the calls with the finish reason
                 if text:
-                    held += events.chunk(text, None, choice.logprobs(pending))
+                    held += mark(events.chunk(text, None, choice.logprobs(pending)))
                     pending = []
                 reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
-                held += events.tool_calls(calls, reason)
+                held += mark(events.tool_calls(calls, reason))
             else:
-                held += events.chunk(text, out.finish_reason, choice.logprobs(pending))
+                held += mark(events.chunk(text, out.finish_reason, choice.logprobs(pending)))
             pending = []
             yield k, held, out
             held = ""
@@ -1240,9 +1264,20 @@ class _Choice:
         self._harmony_parts: tuple[list[str], list[str]] = ([], [])
         self.special = body.add_special_tokens  # how the engine tokenizes a text prompt (`prompt_ids`)
         self.echo = kind == "completion" and body.echo
+        self.echo_logprobs = body.logprobs if self.echo else None  # the echoed prompt's alternatives: logprobs' count
+        # chat's echo: the last message's content, where it is the assistant's, before the reply's
+        self.echoed = body.echoed() if kind == "chat" else ""
         wanted = body.logprobs is not None if kind == "completion" else body.logprobs
-        self.format = protocol.LogprobsFormat(texts) if wanted else None
+        self.format = protocol.LogprobsFormat(texts, as_ids=body.return_tokens_as_token_ids) if wanted else None
         self.started = False
+        # vLLM's return_token_ids and prompt_logprobs: what the answer carries besides (`fields`, `mark`)
+        self.texts, self.as_ids = texts, body.return_tokens_as_token_ids
+        self.return_ids, self.prompt_k = body.return_token_ids, body.prompt_logprobs
+        self.token_ids: list[int] = []
+        self.prompt_token_ids: list[int] | None = None
+        self.prompt_entries: list | None = None
+        self._unmarked: list[int] = []  # token ids no streamed chunk has carried yet
+        self._marked_prompt = False
         # The reply's reasoning tokens, where a reasoning parser reads it (usage.completion_tokens_details).
         self.reasoning = reasoning.ReasoningCount(parser, texts.text) if parser is not None else None
         if self.harmony is not None:
@@ -1252,6 +1287,13 @@ class _Choice:
         """One engine output's text (after the echoed prompt, on the first) and its (token id, logprob) pairs; a
         harmony reply's ids read on (`harmony_delta`)."""
         text, pairs = out.text, []
+        if self.return_ids:
+            self.token_ids.extend(out.token_ids)
+            self._unmarked.extend(out.token_ids)
+            if out.prompt_token_ids is not None:
+                self.prompt_token_ids = out.prompt_token_ids
+        if self.prompt_k is not None and out.prompt_logprobs is not None:
+            self.prompt_entries = out.prompt_logprobs
         if self.harmony is not None:
             self.harmony_delta = self.harmony.feed(out.token_ids)
             self._harmony_parts[0].append(self.harmony_delta[0])
@@ -1264,7 +1306,7 @@ class _Choice:
                 prompt = self.prompt
                 text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) + text
                 if self.format is not None and out.prompt_logprobs is not None:
-                    pairs.extend(self._prompt_pairs(out.prompt_logprobs))
+                    pairs.extend(self._prompt_pairs(out.prompt_logprobs, self.echo_logprobs))
         if self.format is not None and out.logprobs is not None:
             pairs.extend(zip(out.token_ids, out.logprobs))
         return text, pairs
@@ -1280,13 +1322,16 @@ class _Choice:
         content = "".join(self._harmony_parts[1])
         return (content or None) if calls else content, calls
 
-    def _prompt_pairs(self, entries: list) -> list:
-        """The prompt's (token id, logprob) pairs; the first token's logprob is None (nothing predicts it). The ids
-        of tokens without an entry come from the prompt, tokenized here as the engine tokenized it."""
+    def _prompt_pairs(self, entries: list, k: int) -> list:
+        """The prompt's (token id, logprob) pairs, each with at most `k` alternatives (the engine may have scored
+        more, for prompt_logprobs); the first token's logprob is None (nothing predicts it). The ids of tokens without
+        an entry come from the prompt, tokenized here as the engine tokenized it."""
         ids = None
         pairs = []
         for p, entry in enumerate(entries):
             if entry is not None:
+                if len(entry.top) > k:
+                    entry = dataclasses.replace(entry, top=entry.top[:k])
                 pairs.append((entry.token_id, entry))
                 continue
             if ids is None:
@@ -1300,6 +1345,50 @@ class _Choice:
             return None
         return self.format.completion(pairs) if self.kind == "completion" else self.format.chat(pairs)
 
+    def prompt_logprobs(self) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt position, None at the first, else {token id: {logprob, rank,
+        decoded_token}} for the prompt's token there and the `prompt_logprobs` most likely tokens (ranks 1 on)."""
+        if self.prompt_entries is None:
+            return None
+        text = (lambda t: f"token_id:{t}") if self.as_ids else self.texts.text
+        out: list = []
+        for entry in self.prompt_entries:
+            if entry is None:
+                out.append(None)
+                continue
+            found = {str(entry.token_id): protocol.vllm_logprob(entry.logprob, entry.rank, text(entry.token_id))}
+            for rank, (t, value) in enumerate(entry.top[: self.prompt_k], 1):
+                found.setdefault(str(t), protocol.vllm_logprob(value, rank, text(t)))
+            out.append(found)
+        return out
+
+    def fields(self) -> tuple[dict, dict]:
+        """What the whole answer carries besides, for vLLM's return_token_ids and prompt_logprobs: (the choice's
+        fields, the response's). A completion's choice carries them all; a chat's prompt fields are the response's."""
+        prompt: dict = {}
+        if self.prompt_k is not None:
+            prompt["prompt_logprobs"] = self.prompt_logprobs()
+        if self.return_ids:
+            prompt["prompt_token_ids"] = self.prompt_token_ids
+        own = {"token_ids": list(self.token_ids)} if self.return_ids else {}
+        return ({**prompt, **own}, {}) if self.kind == "completion" else (own, prompt)
+
+    def mark(self, event: str, tokens: bool = True) -> str:
+        """A streamed event (`StreamEvents`') with vLLM's fields: the token ids since the last marked event
+        (`tokens`), and the prompt's token ids and logprobs on the first one marked."""
+        if not self.return_ids and self.prompt_k is None:
+            return event
+        own, prompt = {}, {}
+        if not self._marked_prompt:
+            self._marked_prompt = True
+            own, prompt = self.fields()
+            own.pop("token_ids", None)
+        if self.return_ids and tokens:
+            own["token_ids"], self._unmarked = self._unmarked, []
+        if self.kind == "completion":
+            own, prompt = {**prompt, **own}, {}
+        return protocol.StreamEvents.splice(event, own, prompt)
+
 
 class _HarmonyCount:
     """A harmony reply's reasoning tokens (its analysis messages'), as its stream counted them: `ReasoningCount`'s
@@ -1310,6 +1399,22 @@ class _HarmonyCount:
 
     def finish(self) -> int:
         return self._stream.reasoning_tokens
+
+
+def _priority(headers: dict[str, str], given: int) -> int:
+    """The request's scheduling priority: vLLM's X-Vllm-Priority header (an integer) where sent, else the body's."""
+    raw = headers.get("x-vllm-priority")
+    if raw is None:
+        return given
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or not -(2**63) <= value < 2**63:
+        raise InvalidRequest(
+            f"the X-Vllm-Priority header must be a 64-bit integer (got {shown(raw)})", param="priority"
+        )
+    return value
 
 
 def _prompt_param(i: int, count: int) -> str:

@@ -58,6 +58,31 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 QWEN_XML_FUNCTION = re.compile(r"^<function=([^>\n]+)>(.*?)</function>$", re.DOTALL)
 QWEN_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+# Every marker `parse` reads: a tokenizer that has one as a special token keeps it in a reply's text where the request
+# has tools (SamplingParams.keep_special_ids), whatever skip_special_tokens says
+MARKERS = (
+    OPEN,
+    CLOSE,
+    PYTHON_TAG,
+    MISTRAL_CALLS,
+    MISTRAL_ARGS,
+    DEEPSEEK_CALLS,
+    DEEPSEEK_END,
+    DEEPSEEK_CALL,
+    DEEPSEEK_SEP,
+    DEEPSEEK_CALL_END,
+    KIMI_CALLS,
+    KIMI_END,
+    KIMI_CALL,
+    KIMI_ARGS,
+    KIMI_CALL_END,
+    PYTHON_START,
+    PYTHON_END,
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
 # A call's JSON as models write it: compact, or with one space after `:` and `,` (json.dumps's and chat templates'
 # `tojson`); never padded further, which a weak model would do forever.
 ARGUMENT_SPACING = {"whitespace_pattern": "[ ]?"}

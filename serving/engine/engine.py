@@ -42,9 +42,11 @@ from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
 from pylon.serving.engine.tokenization import (
     IncrementalDetokenizer,
+    bad_words_ids,
     chars_per_token_bound,
     load_model_tokenizer,
     prompt_ids,
+    special_token_ids,
 )
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.model.step import StepSequence
@@ -348,6 +350,8 @@ class LLMEngine:
                     f"{self.runner.vocab_size - 1})",
                     param="allowed_token_ids",
                 )
+        if params.bad_words and params.bad_words_ids is None:
+            params.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words, self.runner.vocab_size)
         adapter, on_demand = 0, None
         if params.adapter is not None:
             adapter = self.adapter_slots.get(params.adapter, 0)
@@ -365,7 +369,11 @@ class LLMEngine:
             params,
             max_tokens,
             IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.stop, keep_stop=params.include_stop_str_in_output
+                self.tokenizer,
+                prompt_ids,
+                params.stop,
+                keep_stop=params.include_stop_str_in_output,
+                skip=self._skipped(params),
             ),
             params.new_generator(),
             adapter=adapter,
@@ -383,6 +391,13 @@ class LLMEngine:
                 self.on_demand.stage(on_demand, params.adapter_path)
             self._unfinished_ids.add(request_id)
             self._incoming.append(request)
+
+    def _skipped(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that write no text for a request (`SamplingParams.skip_special_tokens`)."""
+        if not params.skip_special_tokens:
+            return frozenset()
+        special = special_token_ids(self.tokenizer)
+        return special.difference(params.keep_special_ids) if params.keep_special_ids else special
 
     @property
     def max_images(self) -> int:
@@ -895,6 +910,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
         last.num_cached_tokens,
         last.embedding,
+        next((o.prompt_token_ids for o in outputs if o.prompt_token_ids is not None), None),
     )
 
 

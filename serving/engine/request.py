@@ -65,6 +65,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in a prefix cache, not computed for this request
     prompt_logprobs_sent: bool = False  # its first output (which carries prompt_logprobs) has gone out
+    prompt_ids_sent: bool = False  # with params.return_prompt_token_ids: its first output (which carries them) went
+    order: tuple[int, int] = (0, 0)  # (params.priority, arrival number): the scheduler's order (Scheduler.add)
     guide: object | None = None  # with params.guide: its llguidance matcher, advanced by each generated token
     draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed for this step to verify
     adapter: int = 0  # the runner's slot of its LoRA adapter (params.adapter); 0: the base model
@@ -127,6 +129,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens that came from a prefix cache
     # with params.embed: the prompt's last token's final hidden state (float32), on its one output
     embedding: list[float] | None = None
+    # with params.return_prompt_token_ids: the prompt's token ids as the engine computed them, on the first output
+    prompt_token_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -140,6 +144,10 @@ class RequestOutput:
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt_logprobs = list(request.prompt_logprobs)
             request.prompt_logprobs_sent = True
+        prompt_ids = None
+        if request.params.return_prompt_token_ids and not request.prompt_ids_sent:
+            prompt_ids = list(request.prompt_token_ids)
+            request.prompt_ids_sent = True
         return cls(
             request.request_id,
             text,
@@ -151,4 +159,5 @@ class RequestOutput:
             logprobs,
             prompt_logprobs,
             request.num_cached_tokens,
+            prompt_token_ids=prompt_ids,
         )

@@ -28,6 +28,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0  # 1 + how many tokens are more likely (vLLM's rank: 1 is the most likely); 0 where not computed
 
 
 @dataclass
@@ -74,6 +75,17 @@ class SamplingParams:
     max_model_len - max_tokens (what the context leaves).
     cache_salt: the request's prefix-cache blocks are named under this salt too (vLLM's): only requests with the same
     salt share them, so one tenant cannot learn by timing what another sent.
+    skip_special_tokens: the tokenizer's special tokens (`<|im_end|>`, `[INST]`...: its added tokens marked special,
+    and its bos, eos, pad...) write no text (vLLM's default); false: they are in the text as they decode. Tokens in
+    `keep_special_ids` are written all the same: the markers a reply's parser reads (a tool call's `[TOOL_CALLS]`),
+    which the replica names.
+    spaces_between_special_tokens: vLLM's; accepted (a fast tokenizer's decode, what Pylon's are, has no such option:
+    vLLM's fast path ignores it too).
+    bad_words: words that are never generated (vLLM's): each is tokenized as it is and with a leading space, and the
+    last token of either is banned wherever the tokens before it were just generated (a one-token word: always).
+    The engine tokenizes them (`bad_words_ids`).
+    priority: the order the engine's scheduler takes waiting requests in, lower first (vLLM's priority scheduling;
+    ties in arrival order); a running request is preempted before one with a lower value (0: everyone's default).
     """
 
     max_tokens: int | None = 16
@@ -101,6 +113,13 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
+    skip_special_tokens: bool = True
+    keep_special_ids: tuple[int, ...] = ()
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_ids: list[list[int]] | None = None  # filled in by the engine, from bad_words and its tokenizer
+    priority: int = 0
+    return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids (RequestOutput)
 
     def __post_init__(self) -> None:
         if self.guide is not None and (
@@ -227,6 +246,24 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
         ):
             raise InvalidRequest(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters", param="cache_salt")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be true or false (got {shown(getattr(self, name))})", param=name)
+        self.keep_special_ids = tuple(self.keep_special_ids)
+        if not isinstance(self.bad_words, (list, tuple)) or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise InvalidRequest(
+                f"bad_words must be a list of words, each with some text (got {shown(self.bad_words)})",
+                param="bad_words",
+            )
+        if len(self.bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_STOP_LENGTH for w in self.bad_words):
+            raise InvalidRequest(
+                f"bad_words: at most {MAX_BAD_WORDS} words of at most {MAX_STOP_LENGTH} characters each",
+                param="bad_words",
+            )
+        self.bad_words = list(self.bad_words)
+        _check_int("priority", self.priority)
 
     @property
     def shapes_logits(self) -> bool:
@@ -238,6 +275,7 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids
+            or self.bad_words_ids
         )
 
     @property
@@ -257,6 +295,7 @@ class SamplingParams:
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # bad_words: words at most (each is up to two token sequences checked every step)
 MAX_CACHE_SALT = 256  # cache_salt: characters at most
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI's own limit is lower)
 MAX_REPETITION_PENALTY = 100.0  # far past any useful value: 2 is already strong
@@ -314,9 +353,10 @@ def shape_logits(
     tensor, generated ids) and its frequency and presence penalties over the generated ones; then, while it has
     fewer than min_tokens generated tokens, the tokens that would end it (the model's `eos_ids` unless it ignores
     eos, its stop_token_ids) pushed to float32's lowest (not -inf: a grammar that allows only eos then still leaves a
-    token). Every row that shapes is done in the same few indexed reads and writes, touching only the tokens
-    concerned (never a whole row: a vocabulary-wide pass per row cost more than the rest); rows that shape nothing
-    are left as they are, and when none does, `logits` itself comes back (no copy)."""
+    token), and so are the tokens that would complete one of its bad words after the generated ones. Every row that
+    shapes is done in the same few indexed reads and writes, touching only the tokens concerned (never a whole row:
+    a vocabulary-wide pass per row cost more than the rest); rows that shape nothing are left as they are, and
+    when none does, `logits` itself comes back (no copy)."""
     import torch
 
     shaping = [i for i, p in enumerate(params) if p.shapes_logits]
@@ -360,6 +400,15 @@ def shape_logits(
     if early:
         at, ids = zip(*early)
         out[torch.tensor(at, device=device), torch.tensor(ids, device=device)] = torch.finfo(dtype).min
+    banned = [
+        (i, ids[-1])
+        for i in shaping
+        for ids in params[i].bad_words_ids or ()
+        if ids[-1] < logits.shape[1] and (len(ids) == 1 or _ends_with(histories[i][1], ids[:-1]))
+    ]
+    if banned:  # bad_words: float32's lowest, as min_tokens' (a grammar that allows only them still leaves a token)
+        at, ids = zip(*banned)
+        out[torch.tensor(at, device=device), torch.tensor(ids, device=device)] = torch.finfo(dtype).min
     for i in shaping:  # allowed_token_ids: every other token masked (a vocabulary-wide write, for these rows only)
         allowed = params[i].allowed_token_ids
         if allowed:
@@ -368,6 +417,15 @@ def shape_logits(
             out[i] = float("-inf")
             out[i, keep] = kept
     return out
+
+
+def _ends_with(generated, tail: list[int]) -> bool:
+    """Whether the generated ids (a list or a CPU tensor) end with `tail`."""
+    n = len(tail)
+    if len(generated) < n:
+        return False
+    last = generated[-n:]
+    return (last.tolist() if hasattr(last, "tolist") else list(last)) == tail
 
 
 def _ending_tokens(params: SamplingParams, eos_ids: Collection[int]) -> set[int]:
@@ -480,10 +538,12 @@ def token_logprobs(logits: "torch.Tensor", token_ids: list[int], ks: list[int]) 
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
     index = torch.tensor(token_ids, device=lp.device)
-    chosen = lp.gather(1, index[:, None])[:, 0].tolist()
+    picked = lp.gather(1, index[:, None])
+    ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
+    chosen = picked[:, 0].tolist()
     k = min(max(ks), lp.shape[1])
     if not k:
-        return [TokenLogprob(t, c) for t, c in zip(token_ids, chosen)]
+        return [TokenLogprob(t, c, (), r) for t, c, r in zip(token_ids, chosen, ranks)]
     values, ids = lp.topk(k, dim=-1)
     # topk orders ties arbitrarily: where more than k tokens reach the k-th value (tied at the cut, which random
     # fp32 logits practically never are), that row is sorted whole, stably, so the lowest ids among the tied win.
@@ -495,5 +555,5 @@ def token_logprobs(logits: "torch.Tensor", token_ids: list[int], ks: list[int]) 
     out = []
     for i, (t, c) in enumerate(zip(token_ids, chosen)):
         top = sorted(zip(ids[i], values[i]), key=lambda pair: (-pair[1], pair[0]))[: ks[i]]
-        out.append(TokenLogprob(t, c, tuple(top)))
+        out.append(TokenLogprob(t, c, tuple(top), ranks[i]))
     return out

@@ -9,13 +9,20 @@ requests, in this order:
    recomputed later, prompt and generated tokens alike), until the block is free or the request itself
    was the newest. Older requests keep their progress, so the oldest always advances: no request ever
    fails for lack of blocks, since one request (at most max_model_len tokens) fits in the pool alone.
-2. waiting requests, first come first served, while the budget, the sequence cap and the free blocks allow:
+2. waiting requests, first come first served (see Priority below), while the budget, the sequence cap and the
+   free blocks allow:
    a long prompt takes as much of the budget as is left, and continues in the next steps.
    No new request is admitted in a step that had to preempt: the pool is full.
    With prefix caching on, a request taken from the queue first looks up the blocks of its tokens that some
    request computed before (`KVBlockPool.lookup`): it starts with those blocks shared and those tokens computed,
    so its first chunk begins past them (at least its last token is always computed: it samples from it).
    A request preempted and taken again finds what it had computed the same way, while its blocks are still cached.
+
+**Priority** (vLLM's priority scheduling: `SamplingParams.priority`, lower first). Both queues are kept in
+(priority, arrival) order, so "oldest" above reads "first in that order" and "newest" "last": a waiting request is
+admitted before those of a higher value, and the running request preempted for blocks is the one of the highest value
+(the newest among them). A running request is never preempted to admit a waiting one (vLLM's rule too). With every
+priority 0, the default, this is exactly first come first served.
 
 A request's full blocks are registered in the cache once a step has computed them (from the next `schedule()` on,
 or when the request finishes or is preempted), never in the step that computes them: a request taken in the same
@@ -74,9 +81,12 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the newest is last
+        # Both in `Request.order`: priority (lower first), then arrival. With every priority 0 (the default) that is
+        # first come first served, and the running list is in admission order, the newest last.
+        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        self._arrivals = 0
         # Prefix caching, in tokens (vLLM's counters): tokens of requests taken from the queue that were looked up
         # in the cache, and those found there. Prefill: tokens computed by steps, past those a request had computed
         # (every scheduled token but decodes').
@@ -86,7 +96,9 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._arrivals += 1
+        request.order = (request.params.priority, self._arrivals)
+        _insert(self.waiting, request, from_end=True)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -135,7 +147,7 @@ class Scheduler:
             if not self.pool.allocate(request.request_id, num_cached + num_new, reserve_tokens=expected, cached=cached):
                 break  # the pool is full; running requests free blocks as they finish
             self.waiting.popleft()
-            self.running.append(request)
+            _insert(self.running, request, from_end=True)
             if self.pool.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_cached
@@ -192,7 +204,9 @@ class Scheduler:
                 if entry is None:
                     ok = False
                     break
-                fill[p] = entry if len(entry.top) <= k else TokenLogprob(entry.token_id, entry.logprob, entry.top[:k])
+                if len(entry.top) > k:
+                    entry = TokenLogprob(entry.token_id, entry.logprob, entry.top[:k], entry.rank)
+                fill[p] = entry
             if ok:
                 for p, entry in fill.items():
                     entries[p] = entry
@@ -254,7 +268,7 @@ class Scheduler:
         request.num_registered_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        _insert(self.waiting, request, from_end=False)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Take `request` out of whichever queue holds it and free its blocks."""
@@ -268,3 +282,19 @@ class Scheduler:
         self.pool.free(request.request_id)
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
+
+
+def _insert(queue, request: Request, *, from_end: bool) -> None:
+    """Put `request` into `queue` (the waiting deque or the running list, both in `Request.order`) where its order
+    puts it, looking from the end (a new arrival: its place is the end unless it has a lower priority than some)
+    or from the start (a preempted request: the front unless a request of a lower priority value waits)."""
+    key = request.order
+    if from_end:
+        at = len(queue)
+        while at and queue[at - 1].order > key:
+            at -= 1
+    else:
+        at = 0
+        while at < len(queue) and queue[at].order < key:
+            at += 1
+    queue.insert(at, request)

@@ -7,12 +7,14 @@ as either Hugging Face tokenizer files or, for a Pylon export trained on bytes, 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Collection
 
 from pylon.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer
 from pylon.errors import PylonError
-from pylon.serving.errors import InvalidRequest
+from pylon.serving.errors import InvalidRequest, shown
 
 PYLON_TOKENIZER_FILE = "pylon_tokenizer.json"  # what `pylon export` writes (pylon.jobs.export.TOKENIZER_FILE)
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -91,6 +93,61 @@ def chars_per_token_bound(tokenizer: Tokenizer) -> int | None:
     return max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=0) or None
 
 
+@functools.lru_cache(maxsize=8)
+def special_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids `skip_special_tokens` leaves out of the text: a Hugging Face tokenizer's added tokens marked special
+    and its named special tokens (bos, eos, unk, pad...), as its own `decode(..., skip_special_tokens=True)` drops
+    them; a `tokenizers` file's added tokens marked special. The byte tokenizer's are its ids past 255, which have no
+    text anyway. Read once per tokenizer."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return frozenset(range(256, tokenizer.vocab_size))
+    ids = {i for i, token in _added_tokens(tokenizer).items() if getattr(token, "special", False)}
+    hf = getattr(tokenizer, "_tok", None)
+    ids.update(int(i) for i in getattr(hf, "all_special_ids", ()) or () if i is not None)
+    return frozenset(ids)
+
+
+def added_token_ids(tokenizer: Tokenizer, texts: Collection[str]) -> tuple[int, ...]:
+    """The ids of the tokenizer's added tokens whose text is one of `texts` (a reply parser's markers), sorted."""
+    wanted = set(texts)
+    return tuple(sorted(i for i, token in _added_tokens(tokenizer).items() if str(token.content) in wanted))
+
+
+def _added_tokens(tokenizer: Tokenizer) -> dict[int, object]:
+    """A Hugging Face tokenizer's or a `tokenizers` file's added tokens (`AddedToken`s) by id; none for bytes."""
+    hf = getattr(tokenizer, "_tok", None)
+    added = getattr(hf, "added_tokens_decoder", None)
+    if added is None and hasattr(hf, "get_added_tokens_decoder"):  # a bare `tokenizers.Tokenizer`
+        added = hf.get_added_tokens_decoder()
+    return {int(i): token for i, token in (added or {}).items()}
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str], vocab_size: int) -> list[list[int]]:
+    """`SamplingParams.bad_words` as the token sequences the sampler bans (vLLM's rule): each word (its leading
+    whitespace stripped) as it tokenizes alone, and with a leading space where that gives a sequence as long that
+    starts with another token (" world" as one token beside "world"): a word is banned at the start of the text and
+    after a space alike. InvalidRequest for a word with a token past the model's vocabulary (a tokenizer larger than
+    the model's embedding)."""
+    out: list[list[int]] = []
+    for i, word in enumerate(words):
+        alone = prompt_ids(tokenizer, word.lstrip())
+        spaced = prompt_ids(tokenizer, " " + word.lstrip())
+        found = [alone]
+        if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+            found.append(spaced)
+        for ids in found:
+            if not ids:
+                continue
+            if max(ids) >= vocab_size:
+                raise InvalidRequest(
+                    f"bad_words.{i}: {shown(word)} has a token ({max(ids)}) past the model's vocabulary "
+                    f"({vocab_size} tokens)",
+                    param=f"bad_words.{i}",
+                )
+            out.append(ids)
+    return out
+
+
 class IncrementalDetokenizer:
     """Output token ids in, text deltas out, for streaming.
 
@@ -104,13 +161,26 @@ class IncrementalDetokenizer:
 
     Stop strings end the text before their first occurrence (after it with `keep_stop`). While streaming, a tail of
     text that could still grow into a stop string is held back, so no client ever sees part of a stop string.
+
+    `skip`: token ids that write no text (`SamplingParams.skip_special_tokens`: the special tokens, less those a
+    reply's parser reads); they are left out of the decoded window as a one-shot decode that skips them leaves them
+    out.
     """
 
     PROMPT_CONTEXT = 6  # prompt tokens decoded along with the first outputs, for context-dependent spacing
     MAX_HELD_TOKENS = 3  # through invalid bytes the window moves on to this many tokens from the end
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str], *, keep_stop: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        *,
+        keep_stop: bool = False,
+        skip: Collection[int] = (),
+    ):
         self._tokenizer = tokenizer
+        self._skip = skip
         self._ids = list(prompt_token_ids[-self.PROMPT_CONTEXT :])
         self._prefix = 0
         self._read = len(self._ids)
@@ -130,6 +200,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int, *, find_stop: bool = True) -> str:
         """Take one generated token; return the text that is now safe to emit. `find_stop` False: its text is not
         looked at for stop strings, then or later (a request's min_tokens)."""
+        if token_id in self._skip:
+            return ""
         self._ids.append(token_id)
         before = self._tokenizer.decode(self._ids[self._prefix : self._read])
         after = self._tokenizer.decode(self._ids[self._prefix :])
@@ -296,6 +368,9 @@ def apply_chat_template(
     tool_preamble: str | None = None,
     template_kwargs: dict | None = None,
     images: bool = False,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    documents: list[dict] | None = None,
 ) -> str:
     """The prompt text for a chat: the tokenizer's own chat template when it has one, else plain
     "role: content" lines ending with "assistant: " for the model to continue.
@@ -308,7 +383,12 @@ def apply_chat_template(
     them); a template that never mentions tools, and the plain lines, get `tool_preamble` as (the start of) the
     system message instead. An assistant message's `tool_calls` reach a template as they are (arguments as
     objects: `pylon.serving.api.tools.template_messages`) and the plain lines as Hermes `<tool_call>` blocks.
-    `template_kwargs`: more variables for the template (the request's chat_template_kwargs, checked by name)."""
+    `template_kwargs`: more variables for the template (the request's chat_template_kwargs, checked by name).
+
+    `add_generation_prompt`: the prompt ends with the assistant's header (the template's generation prompt; the plain
+    lines' "assistant: "). `continue_final_message`: the last message is left open, the prompt ending with its
+    content (Hugging Face's option of that name: a prefilled reply the model continues). `documents`: for a template
+    that reads them (retrieval-augmented templates), as Hugging Face passes them."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects", param="messages")
     plain = []
@@ -346,13 +426,30 @@ def apply_chat_template(
 
         try:
             return hf.apply_chat_template(
-                plain, tools=tools, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+                plain,
+                tools=tools,
+                documents=documents,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
+        except ValueError:  # Hugging Face's own refusal of continue_final_message (the content not found)
+            if not continue_final_message:
+                raise
+            raise InvalidRequest(
+                "continue_final_message: the model's chat template does not write the last message's content as it "
+                "is (it drops or rewrites part of it), so the reply cannot continue it; send the message without it",
+                param=f"messages.{len(messages) - 1}",
+            ) from None
         except jinja2.TemplateError as e:
             # A template's own refusal (many `raise_exception(...)` for roles out of turn, or a system message
             # they do not take) is about the messages: a 400 that says what it said, not a 500.
             raise InvalidRequest(f"messages: the model's chat template refused them: {e}", param="messages") from None
-    return "".join(f"{m['role']}: {m['content']}{_plain_calls(m)}\n" for m in plain) + "assistant: "
+    lines = "".join(f"{m['role']}: {m['content']}{_plain_calls(m)}\n" for m in plain)
+    if continue_final_message:  # the last line left open: the reply continues its content
+        return lines[:-1]
+    return lines + ("assistant: " if add_generation_prompt else "")
 
 
 def _plain_calls(message: dict) -> str:

@@ -256,3 +256,27 @@ def test_the_official_clients_loop_sends_the_reply_back_as_it_came(client, model
         usage = _chat(client, model, FINAL, tools=TOOLS, messages=[*QUESTION, sent, result]).usage
         tokens[key] = usage.prompt_tokens
     assert tokens["reasoning_content"] == tokens["reasoning"] > tokens[None]
+
+
+def test_a_completion_writes_the_special_tokens_only_where_asked(client, model) -> None:
+    """vLLM's skip_special_tokens on a model that writes special tokens (harmony's markers): by default they write no
+    text, as `decode(..., skip_special_tokens=True)`; false: every token's text; the reply's token ids the same."""
+    prompt = model.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    ids = model.replies[FINAL]
+    texts = {}
+
+    def complete(skip: bool, stream: bool = False):
+        extra = {"skip_special_tokens": skip, "return_token_ids": True, "add_special_tokens": False}
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=20, temperature=0, logit_bias=model.bias(FINAL), stream=stream,
+            extra_body=extra,
+        )  # fmt: skip
+
+    for skip in (True, False):
+        choice = complete(skip).choices[0]
+        assert choice.model_extra["token_ids"] == ids  # its <|return|> included
+        assert choice.model_extra["prompt_token_ids"] == harmony_ids(model.tokenizer, prompt)
+        texts[skip] = choice.text
+        assert "".join(c.choices[0].text for c in complete(skip, stream=True)) == choice.text
+    assert texts[True] == model.tokenizer.decode(ids[:-1], skip_special_tokens=True) == "finalThe answer is 4."
+    assert texts[False] == model.tokenizer.decode(ids[:-1]) == "<|channel|>final<|message|>The answer is 4."

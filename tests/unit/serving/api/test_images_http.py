@@ -54,9 +54,9 @@ def _expected(gemma, parts: list, new_tokens: int, logprobs: bool = False):
     images = [p for p in parts if isinstance(p, bytes)]
     tokens = reference.greedy(text, images, new_tokens)
     prompt_tokens = reference.inputs(text, images)["input_ids"].shape[1]
-    # The engine's text: every token's, special ones too (pylon.data.tokenizer), but the eos that ends it.
+    # The engine's text: every token's but the special ones' (skip_special_tokens, vLLM's default) and the eos.
     shown = tokens[:-1] if tokens and tokens[-1] == reference.tokenizer.eos_token_id else tokens
-    reply = reference.tokenizer.decode(shown, skip_special_tokens=False)
+    reply = reference.tokenizer.decode(shown, skip_special_tokens=True)
     if not logprobs:
         return reply, prompt_tokens
     rows = reference.logprobs(text, images, tokens)

@@ -338,3 +338,69 @@ def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(
         with pytest.raises(InvalidRequest) as e:
             protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(bad).encode())
         assert e.value.param == f"chat_template_kwargs.{name}", (name, e.value)
+
+
+def test_special_tokens_write_no_text_but_the_markers_a_parser_reads(tmp_path: Path) -> None:
+    """skip_special_tokens (vLLM's default): a streamed decode that skips the tokenizer's special tokens is its own
+    one-shot `decode(..., skip_special_tokens=True)`, over random ids, special ones among them; non-special added
+    tokens (Qwen's `<think>`) stay. A tool marker that is a special token (Mistral's `[TOOL_CALLS]`) is kept where
+    the reply is parsed for calls (`keep_special_ids`), and the call then parses."""
+    import random
+
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    from pylon.serving.api import tools
+    from pylon.serving.engine.tokenization import added_token_ids, special_token_ids
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["</s>", "<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(['hello world {"name": "f", "arguments": {}} ' * 20], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>")
+    fast.add_tokens([AddedToken("<think>", special=False)])
+    fast.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[INST]"]})
+    fast.save_pretrained(str(tmp_path))
+    wrapped = load_model_tokenizer(str(tmp_path))
+    special = special_token_ids(wrapped)
+    ids_of = fast.convert_tokens_to_ids
+    assert (
+        special == {ids_of(t) for t in ("</s>", "<s>", "[TOOL_CALLS]", "[INST]")} and ids_of("<think>") not in special
+    )
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.choice([*special, ids_of("<think>"), *range(300)]) for _ in range(40)]
+        detok = IncrementalDetokenizer(wrapped, [], [], skip=special)
+        text = "".join(detok.add(i) for i in ids) + detok.flush()
+        assert text == fast.decode(ids, skip_special_tokens=True)
+        assert "".join(stream(wrapped, ids)[0]) == fast.decode(ids)  # nothing skipped: every token's text
+    reply = fast.encode('[INST][TOOL_CALLS][{"name": "f", "arguments": {}}]</s>', add_special_tokens=False)
+    kept = added_token_ids(wrapped, tools.MARKERS)
+    assert kept == (ids_of("[TOOL_CALLS]"),)
+    detok = IncrementalDetokenizer(wrapped, [], [], skip=special - set(kept))
+    text = "".join(detok.add(i) for i in reply) + detok.flush()
+    assert text == '[TOOL_CALLS][{"name": "f", "arguments": {}}]'
+    plan = tools.plan_of(
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], None, None
+    )
+    content, calls = tools.parse(text, plan)
+    assert [c["function"]["name"] for c in calls] == ["f"] and not content
+
+
+def test_a_chat_can_end_without_a_generation_prompt_or_continue_its_last_message(hf_dir: Path) -> None:
+    """vLLM's add_generation_prompt and continue_final_message, through the model's template (Hugging Face's options
+    of those names) and the plain lines."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    hf = load_model_tokenizer(str(hf_dir))
+    assert apply_chat_template(hf, chat[:1], add_generation_prompt=False) == "<|user|>hi\n"
+    assert apply_chat_template(hf, chat, add_generation_prompt=False, continue_final_message=True) == (
+        "<|user|>hi\n<|assistant|>The answer is"
+    )
+    byte = ByteTokenizer()
+    assert apply_chat_template(byte, chat[:1], add_generation_prompt=False) == "user: hi\n"
+    assert apply_chat_template(byte, chat, add_generation_prompt=False, continue_final_message=True) == (
+        "user: hi\nassistant: The answer is"
+    )

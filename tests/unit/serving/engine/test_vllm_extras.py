@@ -111,3 +111,53 @@ def test_the_prefix_cache_is_shared_under_one_salt_only(gpt2: Family) -> None:
         SamplingParams(cache_salt="")
     assert e.value.param == "cache_salt"
     assert_pool_empty(engine)
+
+
+def _reference(gpt2: Family, prompt: list[int], new_tokens: int, banned) -> list[int]:
+    """transformers' greedy continuation of `prompt`, eos ignored, with `banned(generated ids)`'s tokens masked at
+    each step."""
+    ids = torch.tensor([prompt], device=DEVICE)
+
+    def mask(seen, scores):
+        for t in banned(seen[0, len(prompt) :].tolist()):
+            scores[0, t] = float("-inf")
+        return scores
+
+    return gpt2.model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=257,
+        eos_token_id=256,
+        logits_processor=[mask],
+    )[0, ids.shape[1] :].tolist()
+
+
+def test_bad_words_are_never_generated_and_the_rest_is_transformers_greedy(gpt2: Family) -> None:
+    """vLLM's bad_words: a one-token word is masked everywhere; a longer word's last token is masked right after the
+    generated tokens end with the ones before it (the prompt's tokens do not count). Greedy is then transformers'
+    greedy under the same masks, and the words are nowhere in the output, beside a request that bans nothing."""
+    engine = gpt2.engine()
+    prompt, n = PROMPTS[3], 40
+    [free] = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    ids = free.token_ids
+    word = lambda t: 33 <= t < 127  # noqa: E731 (printable ASCII, not a space: one byte, one token, as its text)
+    single = max((t for t in ids if word(t)), key=ids.count)
+    pair = next((a, b) for a, b in zip(ids, ids[1:]) if word(a) and word(b) and b != single)
+    params = dict(max_tokens=n, temperature=0, ignore_eos=True)
+    engine.add_request("one", prompt, SamplingParams(**params, bad_words=[chr(single)]))
+    engine.add_request("two", prompt, SamplingParams(**params, bad_words=[" " + chr(pair[0]) + chr(pair[1])]))
+    engine.add_request("none", prompt, SamplingParams(**params))
+    outs = run(engine)
+    one, two = tokens_of(outs["one"]), tokens_of(outs["two"])
+    assert single not in one and one == _reference(gpt2, prompt, n, lambda seen: [single])
+    assert all((a, b) != pair for a, b in zip(two, two[1:])) and two != ids
+    assert two == _reference(gpt2, prompt, n, lambda seen: [pair[1]] if seen and seen[-1] == pair[0] else [])
+    assert tokens_of(outs["none"]) == ids
+    for bad in ([""], ["  "], "word", [3]):
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(bad_words=bad)
+        assert e.value.param == "bad_words"
+    assert_pool_empty(engine)

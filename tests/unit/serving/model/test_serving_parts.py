@@ -170,6 +170,52 @@ def test_a_request_that_is_itself_the_newest_preempts_itself() -> None:
     assert list(scheduler.waiting) == [b] and scheduler.num_preemptions == 1
 
 
+def test_priority_orders_admission_and_preemption_and_zero_is_first_come_first_served() -> None:
+    """vLLM's priority scheduling: waiting requests are admitted lowest value first (ties by arrival), and the
+    running request preempted for blocks is the one of the highest value, which goes back before the waiting ones
+    of a higher value."""
+
+    def prioritised(request_id: str, prompt_len: int, priority: int) -> Request:
+        return Request(
+            request_id, list(range(prompt_len)), SamplingParams(temperature=0, priority=priority), 100, None, None
+        )
+
+    scheduler = Scheduler(KVBlockPool(100, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    late, urgent, normal, urgent_too = (
+        prioritised("late", 4, 5),
+        prioritised("urgent", 4, -1),
+        prioritised("normal", 4, 0),
+        prioritised("urgent_too", 4, -1),
+    )
+    for r in (late, urgent, normal, urgent_too):
+        scheduler.add(r)
+    assert [r.request_id for r in scheduler.waiting] == ["urgent", "urgent_too", "normal", "late"]
+    assert [rid for rid, _, _ in step(scheduler)] == ["urgent", "urgent_too"]  # two sequences at most
+    scheduler.finish(urgent, "stop")
+    assert [rid for rid, _, _ in step(scheduler)] == ["urgent_too", "normal"]
+
+    pool = KVBlockPool(4, 4)  # 16 tokens: the preemption case of the test above, with priorities
+    scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    low, high, waiting = prioritised("low", 6, 1), prioritised("high", 6, 0), prioritised("waiting", 2, 2)
+    scheduler.add(low)
+    scheduler.add(high)
+    assert [r.request_id for r in scheduler.waiting] == ["high", "low"]  # arrived second, admitted first
+    for _ in range(3):
+        assert [rid for rid, _, _ in step(scheduler)] == ["high", "low"]
+    scheduler.add(waiting)
+    assert pool.num_free_blocks == 0
+    # high needs a third block: low (the highest value running, though the older arrival) gives its two back and
+    # waits before `waiting` (value 2)
+    assert step(scheduler) == [("high", 8, 1)]
+    assert [r.request_id for r in scheduler.waiting] == ["low", "waiting"] and scheduler.running == [high]
+
+    fifo = Scheduler(KVBlockPool(100, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    plain = [request(str(i), 3) for i in range(5)]
+    for r in plain:
+        fifo.add(r)
+    assert list(fifo.waiting) == plain  # every priority 0: arrival order
+
+
 def test_finish_takes_a_waiting_request_out_too() -> None:
     scheduler = Scheduler(KVBlockPool(10, 4), max_num_seqs=1, max_num_batched_tokens=64)
     a, b = request("a", 3), request("b", 3)
