@@ -106,6 +106,8 @@ class _Request(BaseModel):
     # vLLM's: logprobs' tokens as "token_id:<id>"; the prompt's and the output's token ids in the answer
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
+    # vLLM's: at most this many tokens of reasoning (-1: no limit), then the model is made to end it and answer
+    thinking_token_budget: int | None = Field(None, ge=-1)
     # vLLM's: the id the engine and the logs know the request by (as the X-Request-Id header, which wins)
     request_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -160,6 +162,7 @@ class _Request(BaseModel):
             bad_words=list(self.bad_words),
             priority=self.priority,
             return_prompt_token_ids=self.return_token_ids,
+            thinking_token_budget=self.thinking_token_budget,
             **self._logprobs_params(),
         )
 

@@ -878,13 +878,19 @@ class PylonLLMServer:
             plan = [(i, k) for i in range(len(prompts)) for k in range(body.n)]
             streams: list = [None] * len(plan)
 
+            if params.thinking_token_budget is not None:
+                tags = [self._reasoning_tags(prompt) for prompt in prompts]
+
             async def start(j: int, i: int, k: int):
                 # Made and first iterated in its own task, in order: an engine pool picks each request's engine by
                 # its open streams, which the previous request's first iteration has just counted.
+                own = _choice_params(params, k)
+                if params.thinking_token_budget is not None:
+                    own = dataclasses.replace(own, reasoning_tags=tags[i])
                 streams[j] = self.engine.generate(
                     engine_id if len(plan) == 1 else f"{engine_id}-{j}",
                     prompts[i],
-                    _choice_params(params, k),
+                    own,
                     interval_s=interval_s,
                 )
                 return await _naming_prompt(self._first(streams[j]), i, len(prompts))
@@ -1064,6 +1070,29 @@ class PylonLLMServer:
         except Exception:
             answer.cancel()
             log.exception("%s: background response %s failed", self.model_name, rid)
+
+    def _reasoning_tags(self, prompt) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """What a reply's reasoning is, for thinking_token_budget (SamplingParams.reasoning_tags), as this model
+        writes it: a `<think>` block (http.reasoning_parser), already open where the prompt ends with `<think>`
+        (DeepSeek-R1's template), or a harmony model's analysis message, which ends by the final channel's header.
+        A 400 for a deployment that reads no reasoning."""
+        tokenizer = self.engine.tokenizer
+        if self._harmony is not None:
+            start, end = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
+        elif self.spec.http.reasoning_parser is not None:
+            start, end = reasoning.START, reasoning.END
+        else:
+            raise InvalidRequest(
+                "thinking_token_budget: this deployment reads no reasoning (set http.reasoning_parser for a model "
+                "that thinks in <think> blocks)",
+                param="thinking_token_budget",
+            )
+        if isinstance(prompt, list):
+            text = tokenizer.decode(prompt[-16:])
+        else:
+            text = getattr(prompt, "text", prompt)
+        opened = text.rstrip().endswith(start)
+        return tuple(prompt_ids(tokenizer, start)), tuple(prompt_ids(tokenizer, end)), opened
 
     def _parsed_markers(self, body) -> tuple[int, ...]:
         """The special tokens a chat reply's parsers read, kept in its text whatever `skip_special_tokens` says: the

@@ -350,6 +350,12 @@ class LLMEngine:
                     f"{self.runner.vocab_size - 1})",
                     param="allowed_token_ids",
                 )
+        if params.thinking_token_budget is not None and (not params.reasoning_tags or not params.reasoning_tags[1]):
+            raise InvalidRequest(
+                "thinking_token_budget needs to know what the model's reasoning is: give reasoning_tags (a deployment "
+                "gives them from its http.reasoning_parser)",
+                param="thinking_token_budget",
+            )
         if params.bad_words and params.bad_words_ids is None:
             params.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words, self.runner.vocab_size)
         adapter, on_demand = 0, None

@@ -86,6 +86,12 @@ class SamplingParams:
     The engine tokenizes them (`bad_words_ids`).
     priority: the order the engine's scheduler takes waiting requests in, lower first (vLLM's priority scheduling;
     ties in arrival order); a running request is preempted before one with a lower value (0: everyone's default).
+    thinking_token_budget: at most this many tokens of reasoning (vLLM's; None or -1: no limit): once the reasoning
+    has that many, the tokens that end it are the only ones that may be sampled, one after the other, and the reply
+    goes on to its answer. `reasoning_tags` say what reasoning is, as token ids: (the tokens that open it, those that
+    end it, whether the prompt opened it already: DeepSeek-R1's template ends with `<think>`); the replica gives them
+    from its reasoning parser. Reasoning starts after the first opening in the generated tokens (at the start where
+    the prompt opened it) and ends at the first ending after that.
     """
 
     max_tokens: int | None = 16
@@ -120,6 +126,8 @@ class SamplingParams:
     bad_words_ids: list[list[int]] | None = None  # filled in by the engine, from bad_words and its tokenizer
     priority: int = 0
     return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids (RequestOutput)
+    thinking_token_budget: int | None = None
+    reasoning_tags: tuple[tuple[int, ...], tuple[int, ...], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.guide is not None and (
@@ -264,6 +272,15 @@ class SamplingParams:
             )
         self.bad_words = list(self.bad_words)
         _check_int("priority", self.priority)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget)
+            if self.thinking_token_budget < -1:
+                raise InvalidRequest(
+                    f"thinking_token_budget must be >= 0, or -1 for no limit (got {self.thinking_token_budget})",
+                    param="thinking_token_budget",
+                )
+            if self.thinking_token_budget == -1:
+                self.thinking_token_budget = None
 
     @property
     def shapes_logits(self) -> bool:
@@ -276,6 +293,7 @@ class SamplingParams:
             or self.min_tokens
             or self.allowed_token_ids
             or self.bad_words_ids
+            or self.thinking_token_budget is not None
         )
 
     @property
@@ -411,12 +429,45 @@ def shape_logits(
         out[torch.tensor(at, device=device), torch.tensor(ids, device=device)] = torch.finfo(dtype).min
     for i in shaping:  # allowed_token_ids: every other token masked (a vocabulary-wide write, for these rows only)
         allowed = params[i].allowed_token_ids
+        if params[i].thinking_token_budget is not None:
+            forced = thinking_forced(params[i], histories[i][1])
+            if forced is not None:  # the reasoning is over budget: the next token of its ending, and nothing else
+                allowed = [forced]
         if allowed:
             keep = torch.tensor([t for t in allowed if t < out.shape[1]], device=device)
             kept = out[i, keep]
             out[i] = float("-inf")
             out[i, keep] = kept
     return out
+
+
+def thinking_forced(params: SamplingParams, generated) -> int | None:
+    """The token a request must take next because its reasoning has used its thinking_token_budget (the next token of
+    the ending, after whatever part of it the generated tokens end with), or None: not reasoning, or within budget."""
+    start, end, opened = params.reasoning_tags
+    ids = generated.tolist() if hasattr(generated, "tolist") else list(generated)
+    begin = 0 if opened else _find(ids, list(start), 0)
+    if begin is None:
+        return None
+    begin += 0 if opened else len(start)
+    if _find(ids, list(end), begin) is not None or len(ids) - begin < params.thinking_token_budget:
+        return None
+    done = next((k for k in range(len(end) - 1, 0, -1) if ids[len(ids) - k :] == list(end[:k])), 0)
+    return end[done]
+
+
+def _find(ids: list[int], part: list[int], start: int) -> int | None:
+    """Where `part` first occurs in `ids` at or after `start`, or None (candidates found by `list.index`: C speed
+    over a long reasoning, once a step)."""
+    n, at = len(part), start
+    while True:
+        try:
+            at = ids.index(part[0], at, len(ids) - n + 1)
+        except ValueError:
+            return None
+        if ids[at : at + n] == part:
+            return at
+        at += 1
 
 
 def _ends_with(generated, tail: list[int]) -> bool:

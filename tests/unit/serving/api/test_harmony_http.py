@@ -280,3 +280,19 @@ def test_a_completion_writes_the_special_tokens_only_where_asked(client, model) 
         assert "".join(c.choices[0].text for c in complete(skip, stream=True)) == choice.text
     assert texts[True] == model.tokenizer.decode(ids[:-1], skip_special_tokens=True) == "finalThe answer is 4."
     assert texts[False] == model.tokenizer.decode(ids[:-1]) == "<|channel|>final<|message|>The answer is 4."
+
+
+def test_a_thinking_budget_ends_the_analysis_and_the_reply_goes_on_to_the_final_channel(client, model) -> None:
+    """vLLM's thinking_token_budget on a harmony model: after that many tokens of its analysis message, the tokens
+    that end it and open the final channel are forced, and what the model writes next is the content."""
+    end = harmony_ids(model.tokenizer, "<|end|><|start|>assistant<|channel|>final<|message|>")
+    reply = _chat(
+        client, model, THINKING, max_tokens=20, extra_body={"thinking_token_budget": 1, "return_token_ids": True}
+    )
+    choice = reply.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert ids[:4] == model.replies[THINKING][:4] and ids[4 : 4 + len(end)] == end
+    assert choice.message.model_extra["reasoning_content"] == "Thinking"
+    assert choice.message.content and choice.message.content.startswith("Thinking")  # the model's own, on final
+    free = _chat(client, model, THINKING, max_tokens=5, extra_body={"thinking_token_budget": 5})
+    assert free.choices[0].message.model_extra["reasoning_content"] == "Thinking about the question..."

@@ -137,6 +137,8 @@ def test_bad_words_priority_and_request_id(server) -> None:  # noqa: F811
         ("/v1/completions", "skip_special_tokens", 0),
         ("/v1/chat/completions", "continue_final_message", True),  # with add_generation_prompt (the default)
         ("/v1/chat/completions", "documents", [{"title": 3}]),
+        ("/v1/chat/completions", "thinking_token_budget", 5),  # a deployment that reads no reasoning
+        ("/v1/completions", "thinking_token_budget", -2),
     ],
 )
 def test_a_bad_value_is_a_400_naming_it(server, path, field, value) -> None:  # noqa: F811

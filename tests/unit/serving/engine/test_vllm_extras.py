@@ -161,3 +161,40 @@ def test_bad_words_are_never_generated_and_the_rest_is_transformers_greedy(gpt2:
             SamplingParams(bad_words=bad)
         assert e.value.param == "bad_words"
     assert_pool_empty(engine)
+
+
+def test_a_thinking_budget_ends_the_reasoning_with_its_closing_tokens(gpt2: Family) -> None:
+    """vLLM's thinking_token_budget: once the reasoning (after the opening tokens, or from the start where the prompt
+    opened it) has that many tokens, its closing tokens are forced one after the other, and the reply goes on as the
+    model continues it (transformers' greedy after them); a reply that never opens reasoning, or one within its budget,
+    is the model's own."""
+    engine = gpt2.engine()
+    prompt, n = PROMPTS[3], 30
+    [free] = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    ids = free.token_ids
+    end = tuple(b"</t>")
+    assert not any(ids[i : i + 4] == list(end) for i in range(n))
+
+    def run_one(**fields) -> list[int]:
+        [out] = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **fields))
+        return out.token_ids
+
+    def after(head: list[int]) -> list[int]:  # transformers' greedy continuation once the closing tokens are in
+        return gpt2.hf_greedy(prompt + head, n - len(head))
+
+    opened = run_one(thinking_token_budget=5, reasoning_tags=((), end, True))
+    assert opened[:5] == ids[:5] and tuple(opened[5:9]) == end and opened[9:] == after(opened[:9])[: n - 9]
+    start = tuple(ids[2:4])  # "opens" its reasoning at its third token: 3 tokens of reasoning from the fifth
+    tagged = run_one(thinking_token_budget=3, reasoning_tags=(start, end, False))
+    assert tagged[:7] == ids[:7] and tuple(tagged[7:11]) == end
+    assert run_one(thinking_token_budget=0, reasoning_tags=((), end, True))[:4] == list(end)
+    assert run_one(thinking_token_budget=3, reasoning_tags=((1, 2, 3), end, False)) == ids  # never opened
+    assert run_one(thinking_token_budget=n, reasoning_tags=((), end, True)) == ids  # within its budget
+    assert run_one(thinking_token_budget=-1, reasoning_tags=((), end, True)) == ids  # no limit
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("x", prompt, SamplingParams(thinking_token_budget=3))  # what is reasoning? not said
+    assert e.value.param == "thinking_token_budget"
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(thinking_token_budget=-2)
+    assert e.value.param == "thinking_token_budget"
+    assert_pool_empty(engine)
