@@ -29,6 +29,7 @@ from pylon.serving.engine.guided import check_json_schema, choice_rule
 from pylon.serving.engine.sampling import (
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_LENGTH,
@@ -91,6 +92,11 @@ class _Request(BaseModel):
         None, min_length=1, max_length=MAX_ALLOWED_TOKENS
     )
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncate_prompt_tokens keeps from
+    # vLLM's: with logprobs, these tokens' logprobs at each position instead of the most likely ones
+    logprob_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS
+    )
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # vLLM's: special tokens write no text (false: they do); the other is its slow tokenizers' option, accepted
     skip_special_tokens: bool = True
@@ -163,6 +169,8 @@ class _Request(BaseModel):
             priority=self.priority,
             return_prompt_token_ids=self.return_token_ids,
             thinking_token_budget=self.thinking_token_budget,
+            truncation_side=self.truncation_side or "left",
+            logprob_token_ids=self.logprob_token_ids,
             **self._logprobs_params(),
         )
 

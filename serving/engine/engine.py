@@ -320,9 +320,9 @@ class LLMEngine:
             prompt, images = self._image_prompt(prompt, params)
         prompt_ids = self._prompt_token_ids(prompt, scoring=params.max_tokens == 0, special=params.add_special_tokens)
         truncate = params.truncate_prompt_tokens
-        if truncate is not None and images is None:  # the prompt's last tokens (left truncation, vLLM's)
-            keep = truncate if truncate > 0 else self.max_model_len - (params.max_tokens or 1)
-            prompt_ids = prompt_ids[-max(keep, 1) :]
+        if truncate is not None and images is None:  # the prompt's last tokens (left truncation, vLLM's), or first
+            keep = max(truncate if truncate > 0 else self.max_model_len - (params.max_tokens or 1), 1)
+            prompt_ids = prompt_ids[:keep] if params.truncation_side == "right" else prompt_ids[-keep:]
         max_tokens = params.max_tokens
         if max_tokens is None:  # what the context leaves, and no more than the model's own default (if it has one)
             max_tokens = self.max_model_len - len(prompt_ids)
@@ -341,6 +341,14 @@ class LLMEngine:
                     f"logit_bias: token id {bad[0]} is not in the model's vocabulary (ids 0 to "
                     f"{self.runner.vocab_size - 1})",
                     param=f"logit_bias.{bad[0]}",
+                )
+        if params.logprob_token_ids:
+            bad = [t for t in params.logprob_token_ids if t >= self.runner.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"logprob_token_ids: token id {bad[0]} is not in the model's vocabulary (ids 0 to "
+                    f"{self.runner.vocab_size - 1})",
+                    param="logprob_token_ids",
                 )
         if params.allowed_token_ids:
             bad = [t for t in params.allowed_token_ids if t >= self.runner.vocab_size]
@@ -591,7 +599,7 @@ class LLMEngine:
         chosen = [None] * len(sampling)
         if wanted:
             found = token_logprobs(
-                logits[wanted], [tokens[i] for i in wanted], [sampling[i].params.logprobs for i in wanted]
+                logits[wanted], [tokens[i] for i in wanted], [sampling[i].params.alternatives for i in wanted]
             )
             for i, logprob in zip(wanted, found):
                 chosen[i] = logprob
@@ -715,7 +723,7 @@ class LLMEngine:
         request.num_computed_tokens += accepted  # the step wrote the accepted drafts' KV: they are computed
         # Each emitted token's logprobs from the model's own row that scored it, as a plain step gives them.
         logprobs = (
-            token_logprobs(rows[: len(emitted)], emitted, [params.logprobs] * len(emitted))
+            token_logprobs(rows[: len(emitted)], emitted, [params.alternatives] * len(emitted))
             if params.logprobs is not None
             else [None] * len(emitted)
         )

@@ -72,7 +72,9 @@ class SamplingParams:
     include_stop_str_in_output: the stop string that ended the text stays in it (vLLM's).
     allowed_token_ids: the only tokens that may be sampled (every other one masked; vLLM's), after the shaping above.
     truncate_prompt_tokens: k >= 1: only the prompt's last k tokens are used (left truncation, vLLM's); -1: its last
-    max_model_len - max_tokens (what the context leaves).
+    max_model_len - max_tokens (what the context leaves). truncation_side "right": its first k tokens instead.
+    logprob_token_ids: with logprobs, these tokens' logprobs at each generated position instead of the most likely
+    ones (vLLM's: scoring a fixed set of labels), by logprob descending.
     cache_salt: the request's prefix-cache blocks are named under this salt too (vLLM's): only requests with the same
     salt share them, so one tenant cannot learn by timing what another sent.
     skip_special_tokens: the tokenizer's special tokens (`<|im_end|>`, `[INST]`...: its added tokens marked special,
@@ -127,6 +129,8 @@ class SamplingParams:
     priority: int = 0
     return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids (RequestOutput)
     thinking_token_budget: int | None = None
+    truncation_side: str = "left"
+    logprob_token_ids: list[int] | None = None
     reasoning_tags: tuple[tuple[int, ...], tuple[int, ...], bool] | None = None
 
     def __post_init__(self) -> None:
@@ -272,6 +276,25 @@ class SamplingParams:
             )
         self.bad_words = list(self.bad_words)
         _check_int("priority", self.priority)
+        if self.truncation_side not in ("left", "right"):
+            raise InvalidRequest(
+                f"truncation_side must be left or right (got {shown(self.truncation_side)})", param="truncation_side"
+            )
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if (
+                not isinstance(ids, (list, tuple))
+                or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            ):
+                raise InvalidRequest(
+                    f"logprob_token_ids must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids >= 0 "
+                    f"(got {shown(ids)})",
+                    param="logprob_token_ids",
+                )
+            if self.logprobs is None:
+                raise InvalidRequest("logprob_token_ids needs logprobs", param="logprob_token_ids")
+            self.logprob_token_ids = list(dict.fromkeys(ids))
         if self.thinking_token_budget is not None:
             _check_int("thinking_token_budget", self.thinking_token_budget)
             if self.thinking_token_budget < -1:
@@ -297,6 +320,12 @@ class SamplingParams:
         )
 
     @property
+    def alternatives(self) -> "int | list[int]":
+        """What each generated token's logprobs come with (`token_logprobs`' ks): logprob_token_ids, else logprobs'
+        count of the most likely tokens."""
+        return self.logprob_token_ids if self.logprob_token_ids is not None else self.logprobs
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
@@ -313,6 +342,7 @@ class SamplingParams:
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROB_TOKEN_IDS = 1024  # logprob_token_ids: ids at most
 MAX_BAD_WORDS = 128  # bad_words: words at most (each is up to two token sequences checked every step)
 MAX_CACHE_SALT = 256  # cache_salt: characters at most
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI's own limit is lower)
@@ -579,10 +609,11 @@ def filtered_probs(logits: "torch.Tensor", params: list[SamplingParams]) -> "tor
     return torch.zeros_like(probs).scatter_(1, sorted_ids, probs).cpu()
 
 
-def token_logprobs(logits: "torch.Tensor", token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
+def token_logprobs(logits: "torch.Tensor", token_ids: list[int], ks: list) -> list[TokenLogprob]:
     """`TokenLogprob`s of row i of `logits` ([rows, vocab]): token `token_ids[i]`'s log-probability and the `ks[i]`
-    most likely tokens, by logprob descending, ties by token id. The log-softmax is over the fp32 logits as they are
-    (no temperature, top-p or top-k: the model's own distribution, as vLLM reports by default)."""
+    most likely tokens, by logprob descending, ties by token id (`ks[i]` a list of ids: those tokens, in the same
+    order: `SamplingParams.logprob_token_ids`). The log-softmax is over the fp32 logits as they are (no temperature,
+    top-p or top-k: the model's own distribution, as vLLM reports by default)."""
     import torch
 
     if not token_ids:
@@ -592,9 +623,18 @@ def token_logprobs(logits: "torch.Tensor", token_ids: list[int], ks: list[int]) 
     picked = lp.gather(1, index[:, None])
     ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
     chosen = picked[:, 0].tolist()
+    listed = {i: ks[i] for i in range(len(ks)) if isinstance(ks[i], list)}
+    if listed:  # those tokens' own logprobs, in the order asked: one gather for all the rows that list them
+        rows = list(listed)
+        width = max(len(v) for v in listed.values())
+        wanted = torch.tensor([v + [0] * (width - len(v)) for v in listed.values()], device=lp.device)
+        found = lp[torch.tensor(rows, device=lp.device)].gather(1, wanted).tolist()
+        for row, values in zip(rows, found):
+            listed[row] = tuple(zip(listed[row], values))
+        ks = [0 if isinstance(k, list) else k for k in ks]
     k = min(max(ks), lp.shape[1])
     if not k:
-        return [TokenLogprob(t, c, (), r) for t, c, r in zip(token_ids, chosen, ranks)]
+        return [TokenLogprob(t, c, listed.get(i, ()), r) for i, (t, c, r) in enumerate(zip(token_ids, chosen, ranks))]
     values, ids = lp.topk(k, dim=-1)
     # topk orders ties arbitrarily: where more than k tokens reach the k-th value (tied at the cut, which random
     # fp32 logits practically never are), that row is sorted whole, stably, so the lowest ids among the tied win.
@@ -605,6 +645,6 @@ def token_logprobs(logits: "torch.Tensor", token_ids: list[int], ks: list[int]) 
     values, ids = values.tolist(), ids.tolist()
     out = []
     for i, (t, c) in enumerate(zip(token_ids, chosen)):
-        top = sorted(zip(ids[i], values[i]), key=lambda pair: (-pair[1], pair[0]))[: ks[i]]
-        out.append(TokenLogprob(t, c, tuple(top), ranks[i]))
+        top = listed.get(i) or tuple(sorted(zip(ids[i], values[i]), key=lambda pair: (-pair[1], pair[0]))[: ks[i]])
+        out.append(TokenLogprob(t, c, top, ranks[i]))
     return out

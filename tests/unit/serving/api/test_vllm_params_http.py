@@ -154,3 +154,16 @@ def test_continuing_needs_an_assistant_message_and_the_priority_header_an_intege
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0", r.text
     r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}, {"X-Vllm-Priority": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+
+
+def test_logprobs_of_given_tokens_and_truncation_from_the_right(server) -> None:  # noqa: F811
+    chat = {"model": "tiny", "messages": [QUESTION], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    reply = ok(post(server, "/v1/chat/completions", {**chat, "logprobs": True, "logprob_token_ids": [98, 97]}))
+    for entry in reply["choices"][0]["logprobs"]["content"]:
+        assert [t["token"] for t in entry["top_logprobs"]] == ["b", "a"]
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    cut = ok(post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 9, "truncation_side": "right"}))
+    head = ok(post(server, "/v1/completions", {**body, "prompt": "the quick"}))
+    assert cut["usage"]["prompt_tokens"] == 9 and cut["choices"][0]["text"] == head["choices"][0]["text"]
+    r = post(server, "/v1/completions", {**body, "logprob_token_ids": [97]})  # without logprobs
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids", r.text

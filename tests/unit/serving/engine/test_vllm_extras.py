@@ -198,3 +198,36 @@ def test_a_thinking_budget_ends_the_reasoning_with_its_closing_tokens(gpt2: Fami
         SamplingParams(thinking_token_budget=-2)
     assert e.value.param == "thinking_token_budget"
     assert_pool_empty(engine)
+
+
+def test_logprobs_of_given_tokens_and_a_prompt_cut_from_the_right(gpt2: Family) -> None:
+    """vLLM's logprob_token_ids: each generated position's logprobs of those tokens (transformers' log-softmax there),
+    in the order given, beside the chosen token's; truncation_side right: the prompt's first k tokens."""
+    engine = gpt2.engine()
+    prompt, labels = PROMPTS[3], [97, 98, 32, 300 % 258]
+    engine.add_request(
+        "labels", prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=0, logprob_token_ids=labels)
+    )
+    outs = run(engine)["labels"]
+    entries = [lp for o in outs for lp in o.logprobs]
+    with torch.no_grad():
+        ids = torch.tensor([prompt + tokens_of(outs)], device=DEVICE)
+        lp = torch.log_softmax(gpt2.model(ids).logits[0].float(), dim=-1)[len(prompt) - 1 : -1]
+    assert len(entries) == 6
+    for row, entry in zip(lp, entries):
+        assert [t for t, _ in entry.top] == labels
+        assert all(abs(v - float(row[t])) < 1e-4 for t, v in entry.top)
+        assert abs(entry.logprob - float(row[entry.token_id])) < 1e-4 and entry.rank == 1  # greedy: the best
+    engine.add_request("right", prompt, SamplingParams(max_tokens=8, temperature=0, truncate_prompt_tokens=20,
+                                                       truncation_side="right"))  # fmt: skip
+    engine.add_request("head", prompt[:20], SamplingParams(max_tokens=8, temperature=0))
+    outs = run(engine)
+    assert tokens_of(outs["right"]) == tokens_of(outs["head"]) and outs["right"][0].num_prompt_tokens == 20
+    for bad in ({"logprob_token_ids": [1]}, {"logprob_token_ids": [], "logprobs": 0}, {"truncation_side": "middle"}):
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(**bad)
+        assert e.value.param == next(iter(bad)), bad
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("x", prompt, SamplingParams(logprobs=0, logprob_token_ids=[10**6]))
+    assert e.value.param == "logprob_token_ids"
+    assert_pool_empty(engine)
