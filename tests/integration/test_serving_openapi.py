@@ -17,6 +17,11 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
+# What `schemathesis.openapi.from_url` imports lazily, imported here at collection, before the session's Ray cluster
+# has threads: CPython 3.11.7's ast is not thread-safe, and pytest's assertion rewriting compiled these modules inside
+# the fixture while another thread parsed ("AST constructor recursion depth mismatch", seen once in CI).
+import schemathesis.specs.openapi.schemas  # noqa: E402, F401 isort: skip
 from test_serving import API_KEY, KEYS_ENV, MAX_QUEUED, TinyModel, _spec
 
 from pylon.serving.api.http import ROUTES
