@@ -702,6 +702,11 @@ class HttpSpec(_Spec):
         "chunk per decoding step)",
     )
     route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9_\-/]*$")
+    trust_request_chat_template: bool = Field(
+        False,
+        description="take a chat request's own chat_template (vLLM's --trust-request-chat-template): a Jinja "
+        "template runs sandboxed, but a client's may take a replica's time; false: such a request is a 400",
+    )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None,
         description="a reasoning model's <think> block as chat replies' reasoning_content, the rest as content "

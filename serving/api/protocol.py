@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 MAX_CHOICES = 16  # `n`: each choice is an engine request, and holds a slot of the batch
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables at most
 MAX_DOCUMENTS = 64  # documents: at most
+MAX_CHAT_TEMPLATE = 65536  # chat_template: characters at most
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's reasoning_effort values (and gpt-oss's)
 MAX_ALLOWED_TOKENS = 100_000  # allowed_token_ids: ids at most
 MAX_BATCH_CHOICES = 64  # a batch of prompts x n: the engine requests one HTTP request may start
@@ -189,6 +190,10 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 @functools.cache
 def _reserved_template_kwargs() -> frozenset:
@@ -219,6 +224,8 @@ def check_template_kwargs(kwargs: dict | None) -> None:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (the prompt's tokens and the choice's generated ones)
+    continuous_usage_stats: bool = False
 
 
 class CompletionRequest(_Request):
@@ -447,6 +454,8 @@ class ChatCompletionRequest(_Request):
     echo: bool = False
     # vLLM's: documents for a template that reads them (RAG templates: Command R's, Granite's), each {title, text}
     documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    # vLLM's: a Jinja chat template of the request's own, in place of the model's (http.trust_request_chat_template)
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -523,6 +532,7 @@ class ChatCompletionRequest(_Request):
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             documents=self.documents,
+            chat_template=self.chat_template,
         )
         if not parts:
             return text
@@ -832,6 +842,7 @@ class CompletionChunk(_Response):
     created: int
     model: str
     choices: list[CompletionChoice] = Field(min_length=1, max_length=1)
+    usage: Usage = _vllm_field("with stream_options.continuous_usage_stats: the usage so far")  # type: ignore[assignment]
 
 
 class FunctionCall(_Response):
@@ -927,6 +938,7 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatChunkChoice] = Field(min_length=1, max_length=1)
     prompt_logprobs: PromptLogprobs = _vllm_field("with prompt_logprobs: on the first chunk")  # type: ignore[assignment]
     prompt_token_ids: list[int] | None = _vllm_field("with return_token_ids: on the first chunk")
+    usage: Usage = _vllm_field("with stream_options.continuous_usage_stats: the usage so far")  # type: ignore[assignment]
 
 
 class UsageChunk(_Response):

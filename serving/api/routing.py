@@ -138,6 +138,8 @@ def routing_key(
     salt = cache_salt(model if adapter else None, request_salt if isinstance(request_salt, str) else None)
     replica = ""
     try:
+        if body.get("chat_template") is not None:
+            return RoutingKey()  # the router renders no request's own template: by load (the replica may refuse it)
         if "messages" in body:
             request = protocol.ChatCompletionRequest.model_validate(body)
             prompts = [request.render(tokenizer)]  # as the replica renders it, tools included

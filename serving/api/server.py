@@ -853,6 +853,12 @@ class PylonLLMServer:
                     if isinstance(prompt, str) and not prompt:
                         raise InvalidRequest("prompt must not be empty", param=_prompt_param(i, len(prompts)))
             else:
+                if getattr(body, "chat_template", None) is not None and not self.spec.http.trust_request_chat_template:
+                    raise InvalidRequest(
+                        "chat_template: this deployment renders chats with the model's own template; a request's "
+                        "is taken only where http.trust_request_chat_template is true",
+                        param="chat_template",
+                    )
                 prompts = [body.render(self.engine.tokenizer, self.engine.max_images)]
             # OpenAI's completions default is 16 tokens; chat runs to the end of the context by default; a model whose
             # generation_config.json sets max_new_tokens runs up to that instead (and the other defaults it sets).
@@ -1189,9 +1195,16 @@ class PylonLLMServer:
         read = choice.harmony  # a harmony model's reply: read by channel (`_Choice.take`), no text formats
         calling = tools.ToolStream(plan) if plan is not None and read is None else None  # holds a possible call
         thinking = reasoning.ReasoningStream(parser) if parser is not None else None
-        mark = choice.mark
+        continuous = isinstance(events, protocol.StreamEvents) and body.continuous_usage
         async for out in _chain(first, stream):
             text, tokens = choice.take(out)
+            usage = None
+            if continuous:  # vLLM's continuous_usage_stats: this choice's usage so far on each of its chunks
+                usage = protocol.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+
+            def mark(event: str, tokens: bool = True, usage: dict | None = usage) -> str:
+                return choice.mark(event, tokens, usage)
+
             if events.kind == "chat" and out is first:
                 held = mark(events.role(), tokens=False)
                 if choice.echoed:
@@ -1402,10 +1415,11 @@ class _Choice:
         own = {"token_ids": list(self.token_ids)} if self.return_ids else {}
         return ({**prompt, **own}, {}) if self.kind == "completion" else (own, prompt)
 
-    def mark(self, event: str, tokens: bool = True) -> str:
+    def mark(self, event: str, tokens: bool = True, usage: dict | None = None) -> str:
         """A streamed event (`StreamEvents`') with vLLM's fields: the token ids since the last marked event
-        (`tokens`), and the prompt's token ids and logprobs on the first one marked."""
-        if not self.return_ids and self.prompt_k is None:
+        (`tokens`), the prompt's token ids and logprobs on the first one marked, and `usage` (the usage so far, for
+        stream_options.continuous_usage_stats)."""
+        if not self.return_ids and self.prompt_k is None and usage is None:
             return event
         own, prompt = {}, {}
         if not self._marked_prompt:
@@ -1416,6 +1430,8 @@ class _Choice:
             own["token_ids"], self._unmarked = self._unmarked, []
         if self.kind == "completion":
             own, prompt = {**prompt, **own}, {}
+        if usage is not None:
+            prompt["usage"] = usage
         return protocol.StreamEvents.splice(event, own, prompt)
 
 

@@ -371,6 +371,7 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     documents: list[dict] | None = None,
+    chat_template: str | None = None,
 ) -> str:
     """The prompt text for a chat: the tokenizer's own chat template when it has one, else plain
     "role: content" lines ending with "assistant: " for the model to continue.
@@ -388,7 +389,8 @@ def apply_chat_template(
     `add_generation_prompt`: the prompt ends with the assistant's header (the template's generation prompt; the plain
     lines' "assistant: "). `continue_final_message`: the last message is left open, the prompt ending with its
     content (Hugging Face's option of that name: a prefilled reply the model continues). `documents`: for a template
-    that reads them (retrieval-augmented templates), as Hugging Face passes them."""
+    that reads them (retrieval-augmented templates), as Hugging Face passes them. `chat_template`: a template of the
+    request's own in place of the tokenizer's (rendered by Hugging Face's sandboxed Jinja, for any tokenizer)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects", param="messages")
     plain = []
@@ -410,7 +412,7 @@ def apply_chat_template(
             }
         )
     hf = getattr(tokenizer, "_tok", None) if isinstance(tokenizer, HuggingFaceTokenizer) else None
-    template = getattr(hf, "chat_template", None) if hf is not None else None
+    template = chat_template or (getattr(hf, "chat_template", None) if hf is not None else None)
     if tools and tool_preamble and not (isinstance(template, str) and "tools" in template):
         if plain[0]["role"] == "system":
             plain[0] = {**plain[0], "content": f"{tool_preamble}\n\n{plain[0]['content']}"}
@@ -424,28 +426,35 @@ def apply_chat_template(
     if template:
         import jinja2
 
+        options = dict(
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
+        )
         try:
-            return hf.apply_chat_template(
-                plain,
-                tools=tools,
-                documents=documents,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **(template_kwargs or {}),
-            )
-        except ValueError:  # Hugging Face's own refusal of continue_final_message (the content not found)
-            if not continue_final_message:
-                raise
+            if hf is None:  # a request's template for a tokenizer without Hugging Face's (the byte tokenizer)
+                from transformers.utils.chat_template_utils import render_jinja_template
+
+                return render_jinja_template(conversations=[plain], chat_template=template, **options)[0][0]
+            return hf.apply_chat_template(plain, tokenize=False, chat_template=chat_template, **options)
+        except ValueError if continue_final_message else ():  # Hugging Face's: the content to continue not found
             raise InvalidRequest(
-                "continue_final_message: the model's chat template does not write the last message's content as it "
-                "is (it drops or rewrites part of it), so the reply cannot continue it; send the message without it",
+                "continue_final_message: the chat template does not write the last message's content as it is (it "
+                "drops or rewrites part of it), so the reply cannot continue it; send the message without it",
                 param=f"messages.{len(messages) - 1}",
             ) from None
         except jinja2.TemplateError as e:
             # A template's own refusal (many `raise_exception(...)` for roles out of turn, or a system message
             # they do not take) is about the messages: a 400 that says what it said, not a 500.
+            if chat_template:
+                raise InvalidRequest(f"chat_template: {type(e).__name__}: {e}", param="chat_template") from None
             raise InvalidRequest(f"messages: the model's chat template refused them: {e}", param="messages") from None
+        except Exception as e:  # a request's own template fails however it fails: its 400
+            if not chat_template:
+                raise
+            raise InvalidRequest(f"chat_template: it failed ({type(e).__name__}: {e})", param="chat_template") from None
     lines = "".join(f"{m['role']}: {m['content']}{_plain_calls(m)}\n" for m in plain)
     if continue_final_message:  # the last line left open: the reply continues its content
         return lines[:-1]

@@ -47,6 +47,16 @@ def test_the_key_is_the_engines_own_block_hashes_of_the_prompt_a_replica_renders
     rendered = rendered.tolist() if hasattr(rendered, "tolist") else list(rendered)
     assert routing_key(tok, BLOCK, body).hashes == tuple(h[:HASH_BYTES] for h in block_hashes(rendered[:-1], BLOCK, []))
     assert routing_key(tok, BLOCK, body).hashes[:1] != chat.hashes[:1]
+    # A chat that continues its last message is the prompt the replica renders, left open: its key is that prompt's.
+    prefill = [*messages, {"role": "assistant", "content": "Sure: " * 8}]
+    open_chat = {"model": "m", "messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    rendered = tok.encode(apply_chat_template(tok, prefill, add_generation_prompt=False, continue_final_message=True))
+    rendered = rendered.tolist() if hasattr(rendered, "tolist") else list(rendered)
+    assert routing_key(tok, BLOCK, open_chat).hashes == tuple(
+        h[:HASH_BYTES] for h in block_hashes(rendered[:-1], BLOCK, [])
+    )
+    # A request's own chat template is never rendered by the router (a client's code on the router): by load.
+    assert routing_key(tok, BLOCK, {**open_chat, "chat_template": "{{ messages }}"}).hashes == ()
     # The Responses API's request: its instructions and input are the chat's messages, and its key the chat's.
     responses = {"model": "m", "instructions": messages[0]["content"], "input": "hi"}
     assert routing_key(tok, BLOCK, responses).hashes == chat.hashes and chat.hashes

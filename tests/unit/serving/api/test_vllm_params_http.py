@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from test_serving_http import auth, model_dir, server, sse  # noqa: F401 (fixtures)
+from test_serving_http import auth, model_dir, server, serving, sse  # noqa: F401 (fixtures)
 
 QUESTION = {"role": "user", "content": "What is 2+2?"}
 PREFILL = {"role": "assistant", "content": "The answer is"}
@@ -167,3 +167,44 @@ def test_logprobs_of_given_tokens_and_truncation_from_the_right(server) -> None:
     assert cut["usage"]["prompt_tokens"] == 9 and cut["choices"][0]["text"] == head["choices"][0]["text"]
     r = post(server, "/v1/completions", {**body, "logprob_token_ids": [97]})  # without logprobs
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids", r.text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server) -> None:  # noqa: F811
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    events = sse(post(server, "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}}))
+    chunks = events[:-1]
+    assert all(c["usage"]["prompt_tokens"] == 5 for c in chunks)
+    generated = [c["usage"]["completion_tokens"] for c in chunks]
+    assert generated == sorted(generated) and generated[-1] == 6 and generated[0] >= 1
+    assert all(c["usage"]["total_tokens"] == 5 + c["usage"]["completion_tokens"] for c in chunks)
+    assert all("usage" not in c for c in sse(post(server, "/v1/completions", body))[:-1])  # only where asked
+    chat = {"model": "tiny", "messages": [QUESTION], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    events = sse(post(server, "/v1/chat/completions", {**chat, "stream": True,
+                                                       "stream_options": {"continuous_usage_stats": True}}))  # fmt: skip
+    assert events[-2]["usage"]["completion_tokens"] == 4 and all("usage" in e for e in events[:-1])
+
+
+TEMPLATE = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+
+
+def test_a_requests_own_chat_template_where_the_deployment_trusts_them(model_dir) -> None:  # noqa: F811
+    """chat_template: rendered in place of the model's (here, the plain lines of a model without one), as a
+    completion of the text it renders; refused by a deployment that does not take them (the default), and a template
+    that fails is a 400 naming it."""
+    chat = {"model": "tiny", "messages": [QUESTION], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with serving(model_dir, {"trust_request_chat_template": True}, max_model_len=256, separate_process=False) as (
+        url,
+        _,
+    ):
+        reply = ok(post(url, "/v1/chat/completions", {**chat, "chat_template": TEMPLATE}))
+        text = "[USER] What is 2+2?\n[ASSISTANT] "
+        completion = {k: v for k, v in chat.items() if k != "messages"}
+        same = ok(post(url, "/v1/completions", {**completion, "prompt": text, "add_special_tokens": False}))
+        assert reply["choices"][0]["message"]["content"] == same["choices"][0]["text"]
+        assert reply["usage"]["prompt_tokens"] == len(text)
+        for bad in ("{% for %}", "{{ messages[0].content + 1 }}", "{{ raise_exception('no') }}"):
+            r = post(url, "/v1/chat/completions", {**chat, "chat_template": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    with serving(model_dir, max_model_len=256, separate_process=False) as (url, _):
+        r = post(url, "/v1/chat/completions", {**chat, "chat_template": TEMPLATE})
+        assert r.status_code == 400 and "trust_request_chat_template" in r.json()["error"]["message"], r.text
