@@ -82,6 +82,7 @@ class ResponsesRequest(BaseModel):
     # The conversation of previous_response_id (`continue_from`), before this request's input.
     _previous: list[dict] = PrivateAttr(default_factory=list)
     _input_items: list[dict] | None = PrivateAttr(None)
+    _dropped_turns: int = PrivateAttr(0)  # truncation "auto": the conversation's earliest turns left out (`fit`)
     _kept: bool = PrivateAttr(False)  # whether the server keeps this response (its `store` field)...
     _owner: str = PrivateAttr("")  # ...under whose name (`KeyCheck.owner`)
 
@@ -112,12 +113,6 @@ class ResponsesRequest(BaseModel):
         if self.background and self.store is False:
             raise InvalidRequest(
                 "background: true keeps the response to be polled, so it needs store (not false)", param="background"
-            )
-        if self.truncation == "auto":
-            raise InvalidRequest(
-                'truncation "auto" is not supported: a conversation past the model\'s context is a 400; drop its '
-                "earliest items yourself",
-                param="truncation",
             )
         include = self.include or []
         for i, item in enumerate(include):
@@ -164,6 +159,37 @@ class ResponsesRequest(BaseModel):
             self._chat = self._to_chat()
         return self._chat
 
+    def fit(self, fits) -> int:
+        """truncation "auto" (OpenAI's): where the chat does not fit the context (`fits(chat)` False), drop the
+        conversation's earliest turns (a turn: a user message and what follows it, up to the next user message: the
+        calls and their outputs stay together), never the instructions, the leading system messages or the last
+        turn, as few as make it fit (found by bisection: a few renders). Returns how many were dropped; 0 where it
+        fits or where nothing dropped would make it fit (the engine's 400 then says by how much)."""
+        if self.truncation != "auto" or fits(self.chat()):
+            return 0
+        turns = self._turns()
+        low, high = 1, len(turns) - 1  # the last turn always stays
+        if high < low or not fits(self._with_dropped(high)):
+            self._with_dropped(0)
+            return 0
+        while low < high:
+            mid = (low + high) // 2
+            if fits(self._with_dropped(mid)):
+                high = mid
+            else:
+                low = mid + 1
+        self._with_dropped(low)
+        return low
+
+    def _with_dropped(self, k: int) -> protocol.ChatCompletionRequest:
+        self._dropped_turns, self._chat = k, None
+        return self.chat()
+
+    def _turns(self) -> list[int]:
+        """The indices of the chat's messages where its turns begin: its user messages after the leading system ones."""
+        messages, _ = self._messages(drop=0)
+        return [i for i, m in enumerate(messages) if m["role"] == "user"]
+
     def refusal(self, error: InvalidRequest) -> InvalidRequest:
         """A chat request's refusal (its own or the engine's) naming the Responses field the chat field came from."""
         if not error.param:
@@ -176,7 +202,7 @@ class ResponsesRequest(BaseModel):
         return LOGPROBS_INCLUDE in (self.include or [])
 
     def _to_chat(self) -> protocol.ChatCompletionRequest:
-        messages, origins = self._messages()
+        messages, origins = self._messages(self._dropped_turns)
         self._origins = origins
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
         if self.stream:
@@ -245,8 +271,9 @@ class ResponsesRequest(BaseModel):
             )
         return found
 
-    def _messages(self) -> tuple[list[dict], list[str]]:
-        """Chat messages, and for each the Responses field it came from (for errors)."""
+    def _messages(self, drop: int = 0) -> tuple[list[dict], list[str]]:
+        """Chat messages, and for each the Responses field it came from (for errors); the earliest `drop` turns
+        left out (`fit`)."""
         messages: list[dict] = []
         origins: list[str] = []
         if self.instructions is not None:
@@ -289,6 +316,10 @@ class ResponsesRequest(BaseModel):
                     "function_call_output, reasoning)",
                     param=f"{where}.type",
                 )
+        if drop:
+            starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            first, keep_from = starts[0], starts[min(drop, len(starts) - 1)]
+            messages, origins = messages[:first] + messages[keep_from:], origins[:first] + origins[keep_from:]
         return messages, origins
 
 
@@ -553,7 +584,7 @@ class ResponseObject(protocol._Response):
     tools: list[dict[str, Any]]
     top_logprobs: int | None
     top_p: float
-    truncation: Literal["disabled"]
+    truncation: Literal["disabled", "auto"]
     usage: ResponseUsage | None
     user: str | None
 
@@ -669,7 +700,7 @@ def _skeleton(request: ResponsesRequest, rid: str, created: int) -> dict:
         "tools": tools,
         "top_logprobs": request.top_logprobs,
         "top_p": request.top_p if request.top_p is not None else 1.0,
-        "truncation": "disabled",
+        "truncation": request.truncation or "disabled",
         "usage": None,
         "user": request.user,
     }

@@ -36,7 +36,13 @@ from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.api.response_store import ResponseStore
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.serving.engine.tokenization import TokenTexts, added_token_ids, embedding_ids, prompt_ids
+from pylon.serving.engine.tokenization import (
+    TokenTexts,
+    added_token_ids,
+    chars_per_token_bound,
+    embedding_ids,
+    prompt_ids,
+)
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed, shown
 from pylon.specs import NAME_RE, DeploymentSpec
 
@@ -846,6 +852,7 @@ class PylonLLMServer:
             if kind == "responses":
                 request = body
                 await self._continue(headers, request)
+                request.fit(self._fits)  # truncation "auto": the earliest turns dropped until it fits
                 body = request.chat()
             if kind == "completion":
                 prompts = body.prompts()
@@ -1076,6 +1083,22 @@ class PylonLLMServer:
         except Exception:
             answer.cancel()
             log.exception("%s: background response %s failed", self.model_name, rid)
+
+    def _fits(self, chat: protocol.ChatCompletionRequest) -> bool:
+        """Whether a chat's prompt and the tokens it asks for (at least one) fit the engine's context (a prompt with
+        images: as the engine will say)."""
+        tokenizer, limit = self.engine.tokenizer, self.engine.max_model_len
+        prompt = chat.render(tokenizer, self.engine.max_images)
+        if not isinstance(prompt, str):
+            return True
+        bound = self._chars_per_token
+        if bound is not None and len(prompt) > bound * limit:  # cannot fit: not tokenized (a huge one stalls)
+            return False
+        return len(prompt_ids(tokenizer, prompt, chat.add_special_tokens)) + (chat.max_tokens or 1) <= limit
+
+    @functools.cached_property
+    def _chars_per_token(self) -> int | None:
+        return chars_per_token_bound(self.engine.tokenizer)
 
     def _reasoning_tags(self, prompt) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
         """What a reply's reasoning is, for thinking_token_budget (SamplingParams.reasoning_tags), as this model

@@ -238,3 +238,34 @@ def test_an_unknown_model_is_a_404_and_a_missing_key_a_401(server):  # noqa: F81
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
     r = requests.post(f"{server}/v1/responses", json={"model": "tiny", "input": "hi"}, timeout=30)
     assert r.status_code == 401 and KEY not in r.text
+
+
+def test_truncation_auto_drops_the_earliest_turns_until_the_conversation_fits(server, client):  # noqa: F811
+    """truncation "auto": a conversation past the context loses its earliest turns (a user message and what follows
+    it), never the instructions or the last turn, as few as make it fit: the reply is the chat reply to what is
+    left; "disabled" (the default) is the 400 it was."""
+    turns = []
+    for i in range(6):
+        turns += [{"role": "user", "content": f"question {i} " + "x" * 200}, {"role": "assistant", "content": "ok"}]
+    turns.append({"role": "user", "content": "and the last one?"})
+    out = 16
+    body = {"model": "tiny", "instructions": "be brief", "input": turns, "max_output_tokens": out, "temperature": 0}
+    r = requests.post(f"{server}/v1/responses", headers=auth(), json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("input", "max_output_tokens"), r.text
+
+    def counted(k: int) -> int:
+        messages = [{"role": "system", "content": "be brief"}, *turns[2 * k :]]
+        r = requests.post(f"{server}/tokenize", headers=auth(), json={"model": "tiny", "messages": messages})
+        return r.json()["count"]
+
+    k = next(k for k in range(1, 7) if counted(k) + out <= 1024)
+    assert k >= 2  # the test drops more than one turn
+    reply = client.responses.create(**body, truncation="auto")
+    want = chat_reply(server, [{"role": "system", "content": "be brief"}, *turns[2 * k :]], max_tokens=out)
+    assert reply.output_text == want["choices"][0]["message"]["content"] and reply.truncation == "auto"
+    assert reply.usage.input_tokens == counted(k) == want["usage"]["prompt_tokens"]
+    long_last = [{"role": "user", "content": "y" * 1100}]  # the last turn alone is past it: nothing to drop
+    r = requests.post(
+        f"{server}/v1/responses", headers=auth(), json={**body, "input": long_last, "truncation": "auto"}, timeout=60
+    )
+    assert r.status_code == 400, r.text
