@@ -115,6 +115,10 @@ class _Request(BaseModel):
     return_token_ids: bool = False
     # vLLM's: at most this many tokens of reasoning (-1: no limit), then the model is made to end it and answer
     thinking_token_budget: int | None = Field(None, ge=-1)
+    # vLLM's: the n choices are the n best beams of a beam search (serving/api/beam_search.py), ranked by summed
+    # logprob over length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-10, le=10)
     # vLLM's: the id the engine and the logs know the request by (as the X-Request-Id header, which wins)
     request_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 

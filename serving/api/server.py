@@ -13,7 +13,17 @@ import time
 from collections.abc import Collection
 
 from pylon.errors import StorageError
-from pylon.serving.api import harmony, openapi, protocol, reasoning, reply_guide, responses, routing, tools
+from pylon.serving.api import (
+    beam_search,
+    harmony,
+    openapi,
+    protocol,
+    reasoning,
+    reply_guide,
+    responses,
+    routing,
+    tools,
+)
 from pylon.serving.api.adapters import AdapterFetcher
 from pylon.serving.api.http import (
     JSON_HEADERS,
@@ -42,6 +52,7 @@ from pylon.serving.engine.tokenization import (
     chars_per_token_bound,
     embedding_ids,
     prompt_ids,
+    special_token_ids,
 )
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed, shown
 from pylon.specs import NAME_RE, DeploymentSpec
@@ -883,6 +894,10 @@ class PylonLLMServer:
                 )
                 params.keep_special_ids = self._parsed_markers(body)
             self._adapter_params(params, body.model)  # one of its LoRA adapters, if not the base model
+            if getattr(body, "use_beam_search", False):
+                beam_search.check(body)
+                self._admit()
+                return await self._beams(send, kind, body, prompts, params, request_id, answer_headers)
             self._admit()
             engine_id = f"{request_id}-{protocol.new_id('e')}"
             interval_s = self.spec.http.stream_interval_ms / 1000
@@ -960,6 +975,50 @@ class PylonLLMServer:
             if request.kept:
                 await self._keep_response(request, merged)
         await send_json(send, 200, merged, answer_headers)
+
+    async def _beams(self, send, kind: str, body, prompts: list, params, request_id: str, headers: dict) -> None:
+        """A beam search request (`use_beam_search`): each prompt's `n` best beams as its choices, best first
+        (`beam_search.search`), answered whole within request_timeout_s."""
+        eos = frozenset() if body.ignore_eos else frozenset(self.engine.generation.eos_token_ids)
+        tokenizer, parser = self.engine.tokenizer, self.spec.http.reasoning_parser if kind != "completion" else None
+        skipped = special_token_ids(tokenizer) if params.skip_special_tokens else frozenset()
+        engine_id = f"{request_id}-{protocol.new_id('e')}"
+        limit = self.engine.max_model_len
+
+        async def one(i: int, prompt):
+            return await beam_search.search(
+                self.engine, f"{engine_id}-{i}", prompt, params, body.n, params.max_tokens, body.length_penalty, eos,
+                limit,
+            )  # fmt: skip
+
+        try:
+            async with asyncio.timeout(self.spec.http.request_timeout_s):
+                found = await _all([one(i, prompt) for i, prompt in enumerate(prompts)])
+        except TimeoutError as e:
+            return await self._refuse(send, e, self._adapter_of(body))
+        except (InvalidRequest, EngineDeadError, RequestFailed) as e:
+            return await self._refuse(send, e)
+        rid = protocol.new_id("chatcmpl" if kind != "completion" else "cmpl")
+        answers, prompt_tokens, cached, generated = [], 0, 0, 0
+        for beams, ids, hits in found:
+            prompt_tokens, cached = prompt_tokens + len(ids), cached + hits
+            for beam in beams:
+                tokens = beam.tokens[:-1] if beam.ended else beam.tokens
+                text = tokenizer.decode([t for t in tokens if t not in skipped])
+                reason = "stop" if beam.ended else "length"
+                generated += len(beam.tokens)
+                if kind == "completion":
+                    answers.append(protocol.completion_response(rid, body.model, text, reason, 0, 0))
+                else:
+                    extra = {}
+                    if parser is not None:
+                        thought, text = reasoning.split(text, parser)
+                        extra = {"reasoning_content": thought, "with_reasoning": True}
+                    answers.append(protocol.chat_response(rid, body.model, text, reason, 0, 0, **extra))
+        merged = protocol.merge_choices(answers)
+        merged["usage"] = protocol.usage(prompt_tokens, generated, cached)
+        self._count(200, merged["choices"][0]["finish_reason"], self._adapter_of(body))
+        await send_json(send, 200, merged, headers)
 
     async def _whole_answer(self, kind: str, body, rid: str, firsts, streams, choices, parser, timeout: float) -> dict:
         """The whole answer (a completion's or a chat's JSON) of a request whose engine streams have started: each
