@@ -122,6 +122,12 @@ async def search(
     then = dataclasses.replace(step, return_prompt_token_ids=False, truncate_prompt_tokens=None)
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt_ids)
+    elif len(prompt_ids) + max_tokens > max_model_len:  # refused before any later step runs, as the engine would
+        raise InvalidRequest(
+            f"max_tokens ({max_tokens}) plus the prompt ({len(prompt_ids)} tokens) exceed max_model_len "
+            f"({max_model_len}); ask for at most {max_model_len - len(prompt_ids)} tokens",
+            param="max_tokens",
+        )
     rank = lambda b: score(b, length_penalty)  # noqa: E731
     for n in range(1, max_tokens):
         if not live:

@@ -983,7 +983,7 @@ class PylonLLMServer:
         tokenizer, parser = self.engine.tokenizer, self.spec.http.reasoning_parser if kind != "completion" else None
         skipped = special_token_ids(tokenizer) if params.skip_special_tokens else frozenset()
         engine_id = f"{request_id}-{protocol.new_id('e')}"
-        limit = self.engine.max_model_len
+        limit, started = self.engine.max_model_len, time.monotonic()
 
         async def one(i: int, prompt):
             return await beam_search.search(
@@ -1017,7 +1017,10 @@ class PylonLLMServer:
                     answers.append(protocol.chat_response(rid, body.model, text, reason, 0, 0, **extra))
         merged = protocol.merge_choices(answers)
         merged["usage"] = protocol.usage(prompt_tokens, generated, cached)
-        self._count(200, merged["choices"][0]["finish_reason"], self._adapter_of(body))
+        adapter = self._adapter_of(body)
+        self._count(200, merged["choices"][0]["finish_reason"], adapter)
+        # the ledger counts what the answer counts (the beams' steps recompute little: the prefix cache has it)
+        self.ledger.finished(prompt_tokens, generated, started, time.monotonic(), adapter or None)
         await send_json(send, 200, merged, headers)
 
     async def _whole_answer(self, kind: str, body, rid: str, firsts, streams, choices, parser, timeout: float) -> dict:

@@ -80,7 +80,14 @@ def test_the_choices_are_transformers_beams_best_first(beams, n) -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("stream", True), ("logit_bias", {"97": 5}), ("n", 11), ("stop", ["x"]), ("presence_penalty", 1.0)],
+    [
+        ("stream", True),
+        ("logit_bias", {"97": 5}),
+        ("n", 11),
+        ("stop", ["x"]),
+        ("presence_penalty", 1.0),
+        ("max_tokens", 250),  # past the context with the prompt: refused before any step after the first
+    ],
 )
 def test_what_beams_do_not_take_is_a_400_naming_it(beams, field, value) -> None:
     url, _ = beams
