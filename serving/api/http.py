@@ -38,6 +38,10 @@ ROUTES = {
     INPUT_ITEMS_PATH: {"GET": "_response_input_items"},
     CANCEL_PATH: {"POST": "_cancel_response"},
     "/v1/embeddings": {"POST": "_embeddings"},  # OpenAI's: each input's last-token hidden state, normalised
+    # vLLM's (Jina's, Cohere's v2): documents ranked, and pairs scored, by the cosine of those vectors
+    "/v1/rerank": {"POST": "_rerank"},
+    "/v2/rerank": {"POST": "_rerank_v2"},
+    "/v1/score": {"POST": "_score"},
     "/v1/models": {"GET": "_models"},
     MODEL_PATH: {"GET": "_model"},  # OpenAI's "retrieve model": this server's one model, or a 404 naming the id
     "/tokenize": {"POST": "_tokenize"},  # vLLM's: the token ids of a prompt or a chat, and their count

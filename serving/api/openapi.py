@@ -43,6 +43,10 @@ _MODELS = (
     protocol.DetokenizeResponse,
     protocol.EmbeddingRequest,
     protocol.EmbeddingResponse,
+    protocol.RerankRequest,
+    protocol.RerankResponse,
+    protocol.ScoreRequest,
+    protocol.ScoreResponse,
     protocol.HealthStatus,
     protocol.ReadyStatus,
     responses.ResponsesRequest,
@@ -264,6 +268,8 @@ def build(
         "TokenizeRequest",
         "DetokenizeRequest",
         "EmbeddingRequest",
+        "RerankRequest",
+        "ScoreRequest",
         "ResponsesRequest",
     ):  # else 404
         schemas[name]["properties"]["model"]["enum"] = [model, *adapters]
@@ -324,6 +330,37 @@ def build(
                 "Embed texts or token ids (OpenAI's embeddings API): each input's last-token hidden state, normalised",
                 protocol.EmbeddingRequest,
                 protocol.EmbeddingResponse,
+                secured,
+                statuses=(429, 503, 504),
+            ),
+        ),
+        "/v1/rerank": (
+            "post",
+            _tokens(
+                "Rank documents by relevance to a query (vLLM's, Jina's and Cohere's rerank API): the cosine of the "
+                "embedding model's vectors",
+                protocol.RerankRequest,
+                protocol.RerankResponse,
+                secured,
+                statuses=(429, 503, 504),
+            ),
+        ),
+        "/v2/rerank": (
+            "post",
+            _tokens(
+                "The rerank API at Cohere's v2 path (the same as /v1/rerank)",
+                protocol.RerankRequest,
+                protocol.RerankResponse,
+                secured,
+                statuses=(429, 503, 504),
+            ),
+        ),
+        "/v1/score": (
+            "post",
+            _tokens(
+                "Score text pairs (vLLM's score API): the cosine of the embedding model's vectors of each pair",
+                protocol.ScoreRequest,
+                protocol.ScoreResponse,
                 secured,
                 statuses=(429, 503, 504),
             ),

@@ -677,6 +677,60 @@ class EmbeddingRequest(BaseModel):
         return list(self.input)
 
 
+class RerankRequest(BaseModel):
+    """vLLM's rerank API (Jina's and Cohere's shape): the documents ranked by their relevance to the query, the cosine
+    of the embedding model's vectors (last-token pooled, as /v1/embeddings gives them): a bi-encoder's score."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    query: str = Field(min_length=1)
+    documents: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS - 1)
+    top_n: int | None = Field(None, ge=0, description="the best this many (0 or absent: all)")
+    return_documents: bool = True
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        pass
+
+    def texts(self) -> list[str]:
+        return [self.query, *self.documents]
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's score API: each pair's score, the cosine of the embedding model's vectors of its two texts: `text_1` one
+    text scored against each of `text_2`, or two lists of the same length scored pair by pair."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    text_1: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]]
+    text_2: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]]
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        firsts, seconds = self.sides()
+        if not firsts or not seconds:
+            raise InvalidRequest(
+                "text_1 and text_2 must not be empty lists", param="text_1" if not firsts else "text_2"
+            )
+        if len(firsts) > 1 and len(firsts) != len(seconds):
+            raise InvalidRequest(
+                f"text_2: as many texts as text_1 ({len(firsts)}) to score pair by pair, or one text_1 to score "
+                f"against each (got {len(seconds)})",
+                param="text_2",
+            )
+        if len(firsts) + len(seconds) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequest(f"at most {MAX_EMBEDDING_INPUTS} texts a request", param="text_2")
+
+    def sides(self) -> tuple[list[str], list[str]]:
+        as_list = lambda v: [v] if isinstance(v, str) else list(v)  # noqa: E731
+        return as_list(self.text_1), as_list(self.text_2)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Each pair as (index in text_1, index in text_2)."""
+        firsts, seconds = self.sides()
+        return [(0 if len(firsts) == 1 else k, k) for k in range(len(seconds))]
+
+
 class DetokenizeRequest(BaseModel):
     """`POST /detokenize` (vLLM's): the text of token ids, as the tokenizer decodes them."""
 
@@ -1000,6 +1054,43 @@ class EmbeddingResponse(_Response):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+
+
+class RerankDocument(_Response):
+    text: str
+
+
+class RerankResult(_Response):
+    index: int = Field(ge=0, description="the document's place in the request's documents")
+    document: RerankDocument | None = Field(description="the document (null with return_documents: false)")
+    relevance_score: float = Field(description="the cosine of the query's and the document's vectors, -1 to 1")
+
+
+class RerankUsage(_Response):
+    prompt_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+
+class RerankResponse(_Response):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult] = Field(description="the documents by relevance, the most relevant first")
+
+
+class ScoreData(_Response):
+    index: int = Field(ge=0, description="the pair's place: text_2's index")
+    object: Literal["score"]
+    score: float = Field(description="the cosine of the two texts' vectors, -1 to 1")
+
+
+class ScoreResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: RerankUsage
 
 
 class HealthStatus(_Response):

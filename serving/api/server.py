@@ -502,32 +502,14 @@ class PylonLLMServer:
         steps beside the generating requests; each input's last token's final hidden state, L2-normalised
         (`protocol.embedding_data`). A bad input is a 400 naming it (`input.3`), and the other inputs are aborted."""
         headers = request_headers(scope)
-        request_id = headers.get("x-request-id", "")
-        if not REQUEST_ID.match(request_id):
-            request_id = protocol.new_id("req")
         self._ensure_gauges()
-        streams: list = []
         adapter = ""
         try:
             body = await self._request(headers, receive, protocol.EmbeddingRequest)
             adapter = self._adapter_of(body)
-            params = self._adapter_params(SamplingParams(max_tokens=0, embed=True), body.model)
-            tokenizer = self.engine.tokenizer
-            inputs = [embedding_ids(tokenizer, i) if isinstance(i, str) else i for i in body.inputs()]
-            self._admit()
-            engine_id = f"{request_id}-{protocol.new_id('e')}"
-            streams = [
-                self.engine.generate(f"{engine_id}-{i}", item, params, interval_s=0.0) for i, item in enumerate(inputs)
-            ]
-            async with asyncio.timeout(self.spec.http.request_timeout_s):
-                lasts = await _all(
-                    [_naming_prompt(_last(stream), i, len(inputs), "input") for i, stream in enumerate(streams)]
-                )
+            lasts = await self._embedded(headers, body.model, body.inputs())
         except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
             return await self._refuse(send, e, adapter)
-        finally:
-            for stream in streams:
-                await stream.aclose()  # aborts the inputs not finished (a refused one, a timeout, a cancel)
         width = len(lasts[0].embedding)
         if body.dimensions is not None and body.dimensions > width:
             self._count(400, "none", adapter)
@@ -554,6 +536,103 @@ class PylonLLMServer:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             },
         )
+
+    async def _embedded(self, headers: dict, model: str, inputs: list, field: str = "input") -> list:
+        """The engine's embedding outputs (last-token hidden states) of `inputs` (texts or token ids), one engine
+        request each, run in the engine's steps beside the generating requests; a bad one is an InvalidRequest naming
+        `field.i`, and the others are aborted."""
+        request_id = headers.get("x-request-id", "")
+        if not REQUEST_ID.match(request_id):
+            request_id = protocol.new_id("req")
+        params = self._adapter_params(SamplingParams(max_tokens=0, embed=True), model)
+        tokenizer = self.engine.tokenizer
+        inputs = [embedding_ids(tokenizer, i) if isinstance(i, str) else i for i in inputs]
+        self._admit()
+        engine_id = f"{request_id}-{protocol.new_id('e')}"
+        streams = [
+            self.engine.generate(f"{engine_id}-{i}", item, params, interval_s=0.0) for i, item in enumerate(inputs)
+        ]
+        try:
+            async with asyncio.timeout(self.spec.http.request_timeout_s):
+                return await _all(
+                    [_naming_prompt(_last(stream), i, len(inputs), field) for i, stream in enumerate(streams)]
+                )
+        finally:
+            for stream in streams:
+                await stream.aclose()  # aborts the inputs not finished (a refused one, a timeout, a cancel)
+
+    async def _rerank(self, scope, receive, send) -> None:
+        """vLLM's rerank API: the query and the documents embedded together, each document scored by the cosine of
+        its vector and the query's, the best first (`top_n` of them)."""
+        await self._similarity(scope, receive, send, protocol.RerankRequest)
+
+    async def _rerank_v2(self, scope, receive, send) -> None:
+        """The rerank API at Cohere's v2 path."""
+        await self._similarity(scope, receive, send, protocol.RerankRequest)
+
+    async def _score(self, scope, receive, send) -> None:
+        """vLLM's score API: each pair's cosine, text_1's vectors against text_2's."""
+        await self._similarity(scope, receive, send, protocol.ScoreRequest)
+
+    async def _similarity(self, scope, receive, send, cls) -> None:
+        import torch
+
+        headers = request_headers(scope)
+        self._ensure_gauges()
+        adapter = ""
+        try:
+            body = await self._request(headers, receive, cls)
+            adapter = self._adapter_of(body)
+            if cls is protocol.RerankRequest:
+                texts, names = body.texts(), ["query", *(f"documents.{k}" for k in range(len(body.documents)))]
+            else:
+                firsts, seconds = body.sides()
+                texts = [*firsts, *seconds]
+                names = [
+                    *(("text_1" if isinstance(body.text_1, str) else f"text_1.{k}") for k in range(len(firsts))),
+                    *(("text_2" if isinstance(body.text_2, str) else f"text_2.{k}") for k in range(len(seconds))),
+                ]
+            try:
+                lasts = await self._embedded(headers, body.model, texts, "text")
+            except InvalidRequest as e:  # "text.<i>": named as the field the text came from
+                if e.param is None or not e.param.startswith("text."):
+                    raise
+                i = int(e.param.split(".")[1])
+                message = str(e).removeprefix(f"text {i}: ")
+                raise InvalidRequest(f"{names[i]}: {message}", param=names[i]) from None
+        except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
+            return await self._refuse(send, e, adapter)
+        vectors = torch.nn.functional.normalize(torch.tensor([last.embedding for last in lasts]), dim=-1)
+        for k, last in enumerate(lasts):
+            self._observe(last, count=k == 0, adapter=adapter)
+        tokens = sum(last.num_prompt_tokens for last in lasts)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        if cls is protocol.RerankRequest:
+            scores = (vectors[1:] @ vectors[0]).tolist()
+            order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or None]
+            results = [
+                {
+                    "index": i,
+                    "document": {"text": body.documents[i]} if body.return_documents else None,
+                    "relevance_score": scores[i],
+                }
+                for i in order
+            ]
+            answer = {"id": protocol.new_id("rerank"), "model": body.model, "usage": usage, "results": results}
+        else:
+            data = [
+                {"index": k, "object": "score", "score": float(vectors[a] @ vectors[len(firsts) + b])}
+                for k, (a, b) in enumerate(body.pairs())
+            ]
+            answer = {
+                "id": protocol.new_id("score"),
+                "object": "list",
+                "created": int(time.time()),
+                "model": body.model,
+                "data": data,
+                "usage": usage,
+            }
+        await send_json(send, 200, answer)
 
     async def _models(self, scope, receive, send) -> None:
         try:
