@@ -30,6 +30,7 @@ chat's image_url parts (for a model that takes images); files and audio are refu
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -45,6 +46,11 @@ from pylon.serving.api.response_store import valid_id
 from pylon.serving.errors import InvalidRequest, shown
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# A reasoning item's `encrypted_content`, which clients that keep no server state send back (store: false: Codex CLI,
+# the Agents SDK). Here it is the item's own reasoning text, encoded (not encrypted: the item carries that text in its
+# `content` already), and a reasoning item sent back gives its text to the assistant turn after it.
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
+_ENCODED = "pylon-reasoning:"
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -116,9 +122,10 @@ class ResponsesRequest(BaseModel):
             )
         include = self.include or []
         for i, item in enumerate(include):
-            if item != LOGPROBS_INCLUDE:
+            if item not in (LOGPROBS_INCLUDE, ENCRYPTED_INCLUDE):
                 raise InvalidRequest(
-                    f"include.{i}: {shown(item)} is not available here (only {LOGPROBS_INCLUDE!r})",
+                    f"include.{i}: {shown(item)} is not available here (only {LOGPROBS_INCLUDE!r} and "
+                    f"{ENCRYPTED_INCLUDE!r})",
                     param=f"include.{i}",
                 )
         if self.max_tool_calls is not None:
@@ -200,6 +207,10 @@ class ResponsesRequest(BaseModel):
     @property
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
+
+    @property
+    def encrypted_reasoning(self) -> bool:
+        return ENCRYPTED_INCLUDE in (self.include or [])
 
     def _to_chat(self) -> protocol.ChatCompletionRequest:
         messages, origins = self._messages(self._dropped_turns)
@@ -288,6 +299,7 @@ class ResponsesRequest(BaseModel):
             raise InvalidRequest("input must hold at least one item", param="input")
         else:
             items.extend((item, f"input.{i}") for i, item in enumerate(self.input))
+        thought: str | None = None  # a reasoning item's text, for the assistant turn that follows it
         for item, where in items:
             if not isinstance(item, dict):
                 raise InvalidRequest(f"{where}: an input item is a JSON object", param=where)
@@ -295,21 +307,33 @@ class ResponsesRequest(BaseModel):
                 item = self._referenced(item, where)
             kind = item.get("type", "message")
             if kind == "message":
-                messages.append(_message(item, where))
+                message = _message(item, where)
+                if message["role"] == "assistant" and thought is not None:
+                    message["reasoning_content"], thought = thought, None
+                elif message["role"] != "assistant":
+                    thought = None  # reasoning belongs to the assistant turn right after it
+                messages.append(message)
                 origins.append(where)
             elif kind == "function_call":
                 call = _function_call(item, where)
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant" and origins[-1] != "instructions":
                     last.setdefault("tool_calls", []).append(call)  # one assistant turn, several calls
+                    if thought is not None and "reasoning_content" not in last:
+                        last["reasoning_content"], thought = thought, None
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                     origins.append(where)
+                    if thought is not None:
+                        messages[-1]["reasoning_content"], thought = thought, None
             elif kind == "function_call_output":
                 messages.append(_function_output(item, where))
                 origins.append(where)
             elif kind == "reasoning":
-                continue  # a model's earlier reasoning is not fed back (chat templates drop it too)
+                # An earlier turn's reasoning, as this server (or a client) wrote it: the assistant turn after it
+                # carries it as reasoning_content, for a chat template that reads it (gpt-oss's keeps a tool-calling
+                # turn's; Qwen3's drops earlier turns')
+                thought = _reasoning_text(item, where)
             else:
                 raise InvalidRequest(
                     f"{where}.type: {shown(kind)} is not an input item this server takes (message, function_call, "
@@ -522,6 +546,12 @@ class ReasoningItem(protocol._Response):
     summary: list[dict[str, Any]]
     content: list[ReasoningText]
     status: ItemStatus
+    encrypted_content: str = Field(
+        None,
+        description=f"with include [{ENCRYPTED_INCLUDE!r}]: the reasoning, encoded (not encrypted: `content` holds "
+        "it), for clients that send reasoning back without a stored response",
+        json_schema_extra=protocol._absent_when_unset,
+    )  # type: ignore[assignment]
 
 
 class FunctionCallItem(protocol._Response):
@@ -726,14 +756,42 @@ def _finish(response: dict, finish_reason: str | None) -> dict:
     return response
 
 
-def _reasoning_item(item_id: str, text: str) -> dict:
-    return {
+def _reasoning_item(item_id: str, text: str, encrypted: bool = False) -> dict:
+    """A reasoning output item; `encrypted`: with `encrypted_content` (include reasoning.encrypted_content)."""
+    item = {
         "type": "reasoning",
         "id": item_id,
         "summary": [],
         "content": [{"type": "reasoning_text", "text": text}],
         "status": "completed",
     }
+    if encrypted:
+        item["encrypted_content"] = _ENCODED + base64.urlsafe_b64encode(text.encode()).decode()
+    return item
+
+
+def _reasoning_text(item: dict, where: str) -> str | None:
+    """The text of a reasoning input item: its reasoning_text parts, else its summary's texts, else what this server
+    encoded in its encrypted_content (another server's, which only it can read, gives none)."""
+    extra = _unknown(item, {"type", "id", "summary", "content", "encrypted_content", "status"})
+    if extra:
+        raise InvalidRequest(f"{where}: unknown field '{extra[0]}' of a reasoning item", param=f"{where}.{extra[0]}")
+    for field in ("content", "summary"):
+        parts = item.get(field) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+            raise InvalidRequest(f"{where}.{field}: a list of text parts", param=f"{where}.{field}")
+        texts = [p["text"] for p in parts if isinstance(p.get("text"), str)]
+        if texts:
+            return "\n".join(texts)
+    blob = item.get("encrypted_content")
+    if isinstance(blob, str) and blob.startswith(_ENCODED):
+        try:
+            return base64.urlsafe_b64decode(blob[len(_ENCODED) :].encode()).decode()
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidRequest(
+                f"{where}.encrypted_content: not what this server wrote", param=f"{where}.encrypted_content"
+            ) from None
+    return None
 
 
 def _text_part(text: str, logprobs: list) -> dict:
@@ -782,7 +840,7 @@ def response_object(request: ResponsesRequest, chat: dict, rid: str) -> dict:
     response = _skeleton(request, rid, chat["created"])
     output = response["output"]
     if message.get("reasoning_content"):
-        output.append(_reasoning_item(new_item_id("rs"), message["reasoning_content"]))
+        output.append(_reasoning_item(new_item_id("rs"), message["reasoning_content"], request.encrypted_reasoning))
     calls = message.get("tool_calls") or []
     content = message.get("content")
     if content or not calls:
@@ -853,7 +911,7 @@ class ResponseEvents:
             return ""
         index, item_id, text = self._index(), self._item_id, self._text
         if self._open == "reasoning":
-            item = _reasoning_item(item_id, text)
+            item = _reasoning_item(item_id, text, self.request.encrypted_reasoning)
             out = self._event(
                 "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=text
             )

@@ -419,3 +419,43 @@ def test_the_whole_reply_text_round_trips_through_json(tokenizer, tokens):
     ((name, arguments),) = calls_of(calls)
     assert name == "get_weather" and json.loads(arguments) == body
     assert arguments == json.dumps(body, ensure_ascii=False)
+
+
+def test_a_responses_reasoning_item_goes_back_to_the_turn_it_reasoned_and_round_trips_encoded(tokenizer):
+    """The Responses API: a reasoning item in `input` (its text, or the `encrypted_content` this server wrote with
+    include ["reasoning.encrypted_content"]) becomes the next assistant turn's reasoning, which gpt-oss's template
+    writes back on the analysis channel of a turn that called tools; another server's encrypted_content, and a
+    reasoning item before a user message, give none."""
+    from pylon.serving.api import protocol, responses
+    from pylon.serving.errors import InvalidRequest
+
+    request = responses.ResponsesRequest(model="m", input="hi", include=[responses.ENCRYPTED_INCLUDE])
+    request.check_supported()
+    chat = protocol.chat_response("c", "m", "4", "stop", 1, 1, reasoning_content="Add them.", with_reasoning=True)
+    out = responses.response_object(request, chat, "resp_1")["output"]
+    responses.ResponseObject.model_validate(responses.response_object(request, chat, "resp_1"))  # the contract
+    blob = out[0]["encrypted_content"]
+    assert out[0]["type"] == "reasoning" and blob.startswith("pylon-reasoning:") and "Add them." not in blob
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    question = {"role": "user", "content": "Weather in Paris?"}
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    for reasoning, written in (
+        ({"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]}, "Call it."),
+        ({"type": "reasoning", "summary": [], "encrypted_content": blob}, "Add them."),
+        ({"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB-openai-s-own"}, None),
+    ):
+        turn = responses.ResponsesRequest(model="m", input=[question, reasoning, call, result], tools=tools)
+        turn.check_supported()
+        prompt = turn.chat().render(tokenizer)
+        analysis = f"<|channel|>analysis<|message|>{written}<|end|>"
+        assert (analysis in prompt) == (written is not None), prompt
+        if written is None:
+            assert "<|channel|>analysis" not in prompt
+    before_user = responses.ResponsesRequest(model="m", input=[out[0], question])  # nothing to reason for
+    before_user.check_supported()
+    assert all("reasoning_content" not in m for m in before_user.chat().model_dump(exclude_none=True)["messages"])
+    bad = responses.ResponsesRequest(model="m", input=[{"type": "reasoning", "summary": [], "x": 1}, question])
+    with pytest.raises(InvalidRequest) as e:
+        bad.check_supported()
+    assert e.value.param == "input.0.x"
