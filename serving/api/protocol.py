@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 MAX_CHOICES = 16  # `n`: each choice is an engine request, and holds a slot of the batch
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables at most
 MAX_DOCUMENTS = 64  # documents: at most
+SERVICE_TIERS = {"priority": -1, "flex": 1}  # OpenAI's service_tier as the scheduler's priority (the rest: 0)
 MAX_CHAT_TEMPLATE = 65536  # chat_template: characters at most
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's reasoning_effort values (and gpt-oss's)
 MAX_ALLOWED_TOKENS = 100_000  # allowed_token_ids: ids at most
@@ -78,6 +79,12 @@ class _Request(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # OpenAI's: an end user's id (as `user`); a cache key clients send to land on a replica that holds their prefix
+    # (Pylon's router finds that replica by the prompt's own blocks: the key is accepted, the blocks decide); the
+    # processing tier: "priority" and "flex" are the engine's scheduling priority -1 and 1 (see `priority`)
+    safety_identifier: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
@@ -171,7 +178,7 @@ class _Request(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             bad_words=list(self.bad_words),
-            priority=self.priority,
+            priority=self.priority or SERVICE_TIERS.get(self.service_tier, 0),
             return_prompt_token_ids=self.return_token_ids,
             thinking_token_budget=self.thinking_token_budget,
             truncation_side=self.truncation_side or "left",

@@ -76,6 +76,10 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None  # keep the response (the default where the deployment has a store: see above)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
+    # OpenAI's, as on chat (protocol._Request)
+    safety_identifier: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     previous_response_id: str | None = None
     background: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
@@ -219,7 +223,14 @@ class ResponsesRequest(BaseModel):
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # response.completed carries the usage
         given = self.model_fields_set
-        for name, chat_name in (("temperature", "temperature"), ("top_p", "top_p"), ("user", "user")):
+        for name, chat_name in (
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("user", "user"),
+            ("safety_identifier", "safety_identifier"),
+            ("prompt_cache_key", "prompt_cache_key"),
+            ("service_tier", "service_tier"),
+        ):
             if name in given and getattr(self, name) is not None:
                 body[chat_name] = getattr(self, name)
         if self.max_output_tokens is not None:

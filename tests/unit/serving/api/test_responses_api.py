@@ -269,3 +269,30 @@ def test_truncation_auto_drops_the_earliest_turns_until_the_conversation_fits(se
         f"{server}/v1/responses", headers=auth(), json={**body, "input": long_last, "truncation": "auto"}, timeout=60
     )
     assert r.status_code == 400, r.text
+
+
+def test_a_stateless_agents_request_is_served_as_codex_sends_it(server):  # noqa: F811
+    """What Codex CLI and the Agents SDK send with store: false (its fields as Codex's Responses request has them):
+    include reasoning.encrypted_content, prompt_cache_key, reasoning with a summary, text.verbosity, a function tool,
+    streamed; answered, the same text as without those fields. service_tier and safety_identifier on chat too."""
+    tool = {"type": "function", "name": "shell", "description": "run", "strict": False,
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}  # fmt: skip
+    plain = {"model": "tiny", "instructions": "be brief", "input": [{"role": "user", "content": "hi"}],
+             "max_output_tokens": 6, "temperature": 0, "tools": [tool], "tool_choice": "auto"}  # fmt: skip
+    codex = {**plain, "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"}, "store": False,
+             "include": ["reasoning.encrypted_content"], "prompt_cache_key": "0199-conversation",
+             "text": {"verbosity": "medium"}, "service_tier": "priority", "safety_identifier": "u-1"}  # fmt: skip
+    want = requests.post(f"{server}/v1/responses", headers=auth(), json=plain, timeout=60)
+    got = requests.post(f"{server}/v1/responses", headers=auth(), json=codex, timeout=60)
+    assert want.status_code == got.status_code == 200, got.text
+    text = lambda r: "".join(p["text"] for i in r["output"] if i["type"] == "message" for p in i["content"])  # noqa: E731
+    assert text(got.json()) == text(want.json())
+    streamed = requests.post(f"{server}/v1/responses", headers=auth(), json={**codex, "stream": True}, timeout=60)
+    ended = ("event: response.completed" in streamed.text) or ("event: response.incomplete" in streamed.text)
+    assert streamed.status_code == 200 and ended, streamed.text[-300:]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    extra = {"service_tier": "flex", "safety_identifier": "u-1", "prompt_cache_key": "k"}
+    assert (
+        chat_reply(server, chat["messages"], max_tokens=4, **extra)["choices"][0]["message"]["content"]
+        == (chat_reply(server, chat["messages"], max_tokens=4)["choices"][0]["message"]["content"])
+    )
