@@ -334,29 +334,16 @@ class LLMEngine:
                 f"({self.max_model_len}); ask for at most {self.max_model_len - len(prompt_ids)} tokens",
                 param="max_tokens",
             )
-        if params.logit_bias:
-            bad = sorted(t for t in params.logit_bias if t >= self.runner.vocab_size)
-            if bad:
+        for name, ids in (
+            ("logit_bias", sorted(params.logit_bias or ())),
+            ("logprob_token_ids", params.logprob_token_ids or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in ids if t >= self.runner.vocab_size), None)
+            if bad is not None:
                 raise InvalidRequest(
-                    f"logit_bias: token id {bad[0]} is not in the model's vocabulary (ids 0 to "
-                    f"{self.runner.vocab_size - 1})",
-                    param=f"logit_bias.{bad[0]}",
-                )
-        if params.logprob_token_ids:
-            bad = [t for t in params.logprob_token_ids if t >= self.runner.vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"logprob_token_ids: token id {bad[0]} is not in the model's vocabulary (ids 0 to "
-                    f"{self.runner.vocab_size - 1})",
-                    param="logprob_token_ids",
-                )
-        if params.allowed_token_ids:
-            bad = [t for t in params.allowed_token_ids if t >= self.runner.vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"allowed_token_ids: token id {bad[0]} is not in the model's vocabulary (ids 0 to "
-                    f"{self.runner.vocab_size - 1})",
-                    param="allowed_token_ids",
+                    f"{name}: token id {bad} is not in the model's vocabulary (ids 0 to {self.runner.vocab_size - 1})",
+                    param=f"logit_bias.{bad}" if name == "logit_bias" else name,
                 )
         if params.thinking_token_budget is not None and (not params.reasoning_tags or not params.reasoning_tags[1]):
             raise InvalidRequest(
