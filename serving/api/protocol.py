@@ -507,6 +507,7 @@ class ChatCompletionRequest(_Request):
             self.max_tokens = self.max_completion_tokens
 
     _tool_plan: "tool_calls.ToolPlan | None" = PrivateAttr(None)
+    _rendered: tuple | None = PrivateAttr(None)  # (the tokenizer's id and max_images, the prompt) of the last render
 
     def render(self, tokenizer, max_images: int = 0) -> "str | ImagePrompt":
         """The prompt the engine gets: the messages (with earlier tool calls) and the tools, through the model's chat
@@ -530,6 +531,8 @@ class ChatCompletionRequest(_Request):
                 "(engine.max_images_per_prompt)",
                 param=parts[max_images][0],
             )
+        if self._rendered is not None and self._rendered[0] == (id(tokenizer), max_images):
+            return self._rendered[1]  # rendered already (a Responses request's truncation fitted it)
         plan = self._tool_plan
         if plan is None and self.tools:
             plan = tool_calls.plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -545,9 +548,9 @@ class ChatCompletionRequest(_Request):
             documents=self.documents,
             chat_template=self.chat_template,
         )
-        if not parts:
-            return text
-        return ImagePrompt(text, tuple(image_bytes(url, where) for where, url in parts))
+        prompt = text if not parts else ImagePrompt(text, tuple(image_bytes(url, where) for where, url in parts))
+        self._rendered = ((id(tokenizer), max_images), prompt)
+        return prompt
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's extra variables: chat_template_kwargs, and reasoning_effort where given."""
@@ -1255,7 +1258,8 @@ class LogprobsFormat:
         self.offset = 0
         self.as_ids = as_ids
 
-    def _text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or `token_id:<id>`."""
         return f"token_id:{token_id}" if self.as_ids else self.texts.text(token_id)
 
     def _bytes(self, token_id: int) -> list[int]:
@@ -1264,7 +1268,7 @@ class LogprobsFormat:
     def completion(self, pairs: "list[tuple[int, TokenLogprob | None]]") -> dict:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs (the top ones and the chosen one, by token
         text; null where a token has no logprob: the first of an echoed prompt), text_offset."""
-        text = self._text
+        text = self.token_text
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in pairs:
             token = text(token_id)
@@ -1285,7 +1289,7 @@ class LogprobsFormat:
 
     def chat(self, pairs: "list[tuple[int, TokenLogprob | None]]") -> dict:
         """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
-        text, raw = self._text, self._bytes
+        text, raw = self.token_text, self._bytes
         content = []
         for token_id, entry in pairs:
             if entry is None:

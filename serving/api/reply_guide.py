@@ -29,13 +29,13 @@ only.
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import TYPE_CHECKING
 
 from pylon.serving.api import tools as tool_calls
 from pylon.serving.api.reasoning import END, START
 from pylon.serving.engine.guided import JSON_OPTIONS, choice_rule
+from pylon.serving.engine.tokenization import added_vocab
 
 if TYPE_CHECKING:
     from pylon.serving.api.harmony import HarmonyTokens
@@ -179,18 +179,4 @@ def _tag(tokenizer, text: str) -> str:
 
 def _token_id(tokenizer, text: str) -> int | None:
     """The id of the tokenizer's added token `text` (a tag the model was trained to write as one token), or None."""
-    return _added_vocab(tokenizer).get(text)
-
-
-@functools.lru_cache(maxsize=16)
-def _added_vocab(tokenizer) -> dict[str, int]:
-    """The tokenizer's added tokens by their text, read once per tokenizer (a replica has one): every constrained
-    request asks for a dozen tags."""
-    inner = getattr(tokenizer, "_tok", tokenizer)
-    added = getattr(inner, "get_added_vocab", None)
-    if added is not None:
-        return {text: int(i) for text, i in added().items()}
-    decoder = getattr(inner, "get_added_tokens_decoder", None)  # a `tokenizers` Tokenizer
-    if decoder is not None:
-        return {token.content: int(i) for i, token in decoder().items()}
-    return {}
+    return added_vocab(tokenizer).get(text)

@@ -1246,23 +1246,30 @@ class PylonLLMServer:
         writes it: a `<think>` block (http.reasoning_parser), already open where the prompt ends with `<think>`
         (DeepSeek-R1's template), or a harmony model's analysis message, which ends by the final channel's header.
         A 400 for a deployment that reads no reasoning."""
-        tokenizer = self.engine.tokenizer
-        if self._harmony is not None:
-            start, end = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
-        elif self.spec.http.reasoning_parser is not None:
-            start, end = reasoning.START, reasoning.END
-        else:
+        if self._reasoning_marks is None:
             raise InvalidRequest(
                 "thinking_token_budget: this deployment reads no reasoning (set http.reasoning_parser for a model "
                 "that thinks in <think> blocks)",
                 param="thinking_token_budget",
             )
-        if isinstance(prompt, list):
-            text = tokenizer.decode(prompt[-16:])
+        start, start_ids, end_ids = self._reasoning_marks
+        text = (
+            self.engine.tokenizer.decode(prompt[-16:]) if isinstance(prompt, list) else getattr(prompt, "text", prompt)
+        )
+        return start_ids, end_ids, text.rstrip().endswith(start)
+
+    @functools.cached_property
+    def _reasoning_marks(self) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+        """What opens and what ends this model's reasoning (the opening's text, both as token ids), tokenized once;
+        None where the deployment reads no reasoning."""
+        if self._harmony is not None:
+            start, end = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
+        elif self.spec.http.reasoning_parser is not None:
+            start, end = reasoning.START, reasoning.END
         else:
-            text = getattr(prompt, "text", prompt)
-        opened = text.rstrip().endswith(start)
-        return tuple(prompt_ids(tokenizer, start)), tuple(prompt_ids(tokenizer, end)), opened
+            return None
+        tokenizer = self.engine.tokenizer
+        return start, tuple(prompt_ids(tokenizer, start)), tuple(prompt_ids(tokenizer, end))
 
     def _parsed_markers(self, body) -> tuple[int, ...]:
         """The special tokens a chat reply's parsers read, kept in its text whatever `skip_special_tokens` says: the
@@ -1359,16 +1366,9 @@ class PylonLLMServer:
         read = choice.harmony  # a harmony model's reply: read by channel (`_Choice.take`), no text formats
         calling = tools.ToolStream(plan) if plan is not None and read is None else None  # holds a possible call
         thinking = reasoning.ReasoningStream(parser) if parser is not None else None
-        continuous = isinstance(events, protocol.StreamEvents) and body.continuous_usage
+        mark = choice.mark
         async for out in _chain(first, stream):
             text, tokens = choice.take(out)
-            usage = None
-            if continuous:  # vLLM's continuous_usage_stats: this choice's usage so far on each of its chunks
-                usage = protocol.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-
-            def mark(event: str, tokens: bool = True, usage: dict | None = usage) -> str:
-                return choice.mark(event, tokens, usage)
-
             if events.kind == "chat" and out is first:
                 held = mark(events.role(), tokens=False)
                 if choice.echoed:
@@ -1474,11 +1474,15 @@ class _Choice:
         # chat's echo: the last message's content, where it is the assistant's, before the reply's
         self.echoed = body.echoed() if kind == "chat" else ""
         wanted = body.logprobs is not None if kind == "completion" else body.logprobs
-        self.format = protocol.LogprobsFormat(texts, as_ids=body.return_tokens_as_token_ids) if wanted else None
+        names = protocol.LogprobsFormat(texts, as_ids=body.return_tokens_as_token_ids)  # a token's text, or its id
+        self.format = names if wanted else None
+        self.token_text = names.token_text
         self.started = False
         # vLLM's return_token_ids and prompt_logprobs: what the answer carries besides (`fields`, `mark`)
-        self.texts, self.as_ids = texts, body.return_tokens_as_token_ids
         self.return_ids, self.prompt_k = body.return_token_ids, body.prompt_logprobs
+        # vLLM's continuous_usage_stats (chat and completions' events; a Responses stream has none): the usage so far
+        self.continuous = kind in ("chat", "completion") and getattr(body, "continuous_usage", False)
+        self.usage: dict | None = None
         self.token_ids: list[int] = []
         self.prompt_token_ids: list[int] | None = None
         self.prompt_entries: list | None = None
@@ -1500,6 +1504,8 @@ class _Choice:
                 self.prompt_token_ids = out.prompt_token_ids
         if self.prompt_k is not None and out.prompt_logprobs is not None:
             self.prompt_entries = out.prompt_logprobs
+        if self.continuous:
+            self.usage = protocol.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         if self.harmony is not None:
             self.harmony_delta = self.harmony.feed(out.token_ids)
             self._harmony_parts[0].append(self.harmony_delta[0])
@@ -1556,7 +1562,7 @@ class _Choice:
         decoded_token}} for the prompt's token there and the `prompt_logprobs` most likely tokens (ranks 1 on)."""
         if self.prompt_entries is None:
             return None
-        text = (lambda t: f"token_id:{t}") if self.as_ids else self.texts.text
+        text = self.token_text
         out: list = []
         for entry in self.prompt_entries:
             if entry is None:
@@ -1579,11 +1585,11 @@ class _Choice:
         own = {"token_ids": list(self.token_ids)} if self.return_ids else {}
         return ({**prompt, **own}, {}) if self.kind == "completion" else (own, prompt)
 
-    def mark(self, event: str, tokens: bool = True, usage: dict | None = None) -> str:
+    def mark(self, event: str, tokens: bool = True) -> str:
         """A streamed event (`StreamEvents`') with vLLM's fields: the token ids since the last marked event
-        (`tokens`), the prompt's token ids and logprobs on the first one marked, and `usage` (the usage so far, for
+        (`tokens`), the prompt's token ids and logprobs on the first one marked, and the usage so far (with
         stream_options.continuous_usage_stats)."""
-        if not self.return_ids and self.prompt_k is None and usage is None:
+        if not self.return_ids and self.prompt_k is None and not self.continuous:
             return event
         own, prompt = {}, {}
         if not self._marked_prompt:
@@ -1594,8 +1600,8 @@ class _Choice:
             own["token_ids"], self._unmarked = self._unmarked, []
         if self.kind == "completion":
             own, prompt = {**prompt, **own}, {}
-        if usage is not None:
-            prompt["usage"] = usage
+        if self.continuous:
+            prompt["usage"] = self.usage
         return protocol.StreamEvents.splice(event, own, prompt)
 
 

@@ -475,7 +475,7 @@ def thinking_forced(params: SamplingParams, generated) -> int | None:
     """The token a request must take next because its reasoning has used its thinking_token_budget (the next token of
     the ending, after whatever part of it the generated tokens end with), or None: not reasoning, or within budget."""
     start, end, opened = params.reasoning_tags
-    ids = generated.tolist() if hasattr(generated, "tolist") else list(generated)
+    ids = generated if isinstance(generated, list) else generated.tolist()
     begin = 0 if opened else _find(ids, list(start), 0)
     if begin is None:
         return None

@@ -109,13 +109,21 @@ def special_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
 
 def added_token_ids(tokenizer: Tokenizer, texts: Collection[str]) -> tuple[int, ...]:
     """The ids of the tokenizer's added tokens whose text is one of `texts` (a reply parser's markers), sorted."""
-    wanted = set(texts)
-    return tuple(sorted(i for i, token in _added_tokens(tokenizer).items() if str(token.content) in wanted))
+    vocab = added_vocab(tokenizer)
+    return tuple(sorted({vocab[t] for t in texts if t in vocab}))
+
+
+@functools.lru_cache(maxsize=8)
+def added_vocab(tokenizer: Tokenizer) -> dict[str, int]:
+    """The tokenizer's added tokens' ids by their text (tags a model writes as one token: `<think>`, `<tool_call>`),
+    read once per tokenizer (a replica has one; every constrained or tool-using request asks)."""
+    return {str(token.content): i for i, token in _added_tokens(tokenizer).items()}
 
 
 def _added_tokens(tokenizer: Tokenizer) -> dict[int, object]:
-    """A Hugging Face tokenizer's or a `tokenizers` file's added tokens (`AddedToken`s) by id; none for bytes."""
-    hf = getattr(tokenizer, "_tok", None)
+    """A Hugging Face tokenizer's or a `tokenizers` file's added tokens (`AddedToken`s) by id (Pylon's wrapper of one,
+    or the library's object itself); none for bytes."""
+    hf = getattr(tokenizer, "_tok", tokenizer)
     added = getattr(hf, "added_tokens_decoder", None)
     if added is None and hasattr(hf, "get_added_tokens_decoder"):  # a bare `tokenizers.Tokenizer`
         added = hf.get_added_tokens_decoder()
