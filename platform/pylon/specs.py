@@ -625,6 +625,15 @@ class EngineSpec(_Spec):
         "values unread. Either way a generation ends at every end-of-sequence id the model lists "
         "(generation_config.json's and config.json's eos_token_id, and the tokenizer's eos)",
     )
+    classifier_from_token: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        max_length=2,
+        description="serve a causal LM as a classifier of one label, for /classify, /v1/score and /rerank "
+        "(vLLM's hf_overrides classifier_from_token): its head made of these tokens' lm_head rows, each one "
+        "token of the model's vocabulary. One token: its logit; two, [no, yes]: yes's logit less no's, whose "
+        'sigmoid is P(yes) / (P(yes) + P(no)) (Qwen3-Reranker: ["no", "yes"]). Empty: the model as it '
+        "ships (a *ForSequenceClassification checkpoint is a classifier by itself). A classifier generates no text",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "EngineSpec":

@@ -36,6 +36,7 @@ from pylon.serving.engine.generation import GenerationConfig, read_generation_co
 from pylon.serving.engine.guided import Guides
 from pylon.serving.engine.images import PROCESSOR_FILES, ImageInputs, ImageProcessor, ImagePrompt, has_processor
 from pylon.serving.engine.kv_cache import KVBlockPool, cache_salt
+from pylon.serving.engine.pooling import read_classifier
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from pylon.serving.engine.sampling import SamplingParams, sample, shape_logits, token_logprobs
 from pylon.serving.engine.scheduler import Scheduler
@@ -127,6 +128,20 @@ def _named_adapter_error(error: PylonError, directories: list[str], spec: Engine
     return error
 
 
+def _token_ids(tokenizer, tokens: list[str]) -> tuple[int, ...]:
+    """The ids of engine.classifier_from_token's tokens, each one token of the tokenizer's vocabulary."""
+    ids = []
+    for i, token in enumerate(tokens):
+        found = tokenizer.encode(token).tolist()
+        if len(found) != 1:
+            raise PylonError(
+                f"engine.classifier_from_token.{i}: {token!r} is {len(found)} tokens of this model's vocabulary, "
+                'not one; give tokens as the tokenizer writes them (Qwen3-Reranker: "no", "yes")'
+            )
+        ids.append(found[0])
+    return tuple(ids)
+
+
 def _takes_images(directory: str, model: str) -> bool:
     """Whether the engine keeps `model`'s vision tower for requests with images: a multimodal checkpoint
     (families.TEXT_MODELS) that ships its image processor; one without is served for its text only, said once."""
@@ -183,6 +198,7 @@ class LLMEngine:
                     quantization=spec.quantization,
                     adapters=adapter_dirs,
                     images=images,
+                    classifier_from_token=_token_ids(self.tokenizer, spec.classifier_from_token),
                 )
             except PylonError as e:
                 raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
@@ -223,6 +239,12 @@ class LLMEngine:
                 vocab_size=self.runner.vocab_size,
                 sampling=spec.generation_config == "auto",
             )
+            if self.runner.classifier is not None:  # what its logits mean (engine/pooling.py), for the HTTP layer
+                classifier = read_classifier(
+                    directory, self.runner.config, from_tokens=tuple(spec.classifier_from_token)
+                )
+                self.generation = dataclasses.replace(self.generation, classifier=classifier)
+                log.info("model %s is a classifier (%s): it generates no text", model, classifier.describe())
         # Any of them ends a request (unless it ignores eos), and min_tokens holds all of them back.
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         self._default_max_tokens = self.generation.sampling.get("max_tokens")
@@ -315,6 +337,12 @@ class LLMEngine:
         params = params if params is not None else self.generation.default_params()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
+        if self.generation.classifier is not None and not params.embed:
+            raise InvalidRequest(
+                f"this model is a classifier ({self.generation.classifier.describe()}): it generates no text and "
+                "scores no tokens; send its inputs to /classify, /pooling, /v1/score or /rerank",
+                param="model",
+            )
         images = None
         if isinstance(prompt, ImagePrompt):
             prompt, images = self._image_prompt(prompt, params)

@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 
 from pylon.errors import PylonError
+from pylon.serving.engine.pooling import Classifier
 from pylon.serving.engine.sampling import MAX_REPETITION_PENALTY, SamplingParams
 from pylon.serving.errors import InvalidRequest, shown
 
@@ -59,10 +60,13 @@ class GenerationConfig:
     tokenizer's, each once.
     sampling: {SamplingParams field: the model's default} for the fields its generation_config.json sets (empty
     under `engine.generation_config: none`, or without the file).
+    classifier: what a classifier's outputs mean (pooling.py), or None for a model that generates.
     """
 
     eos_token_ids: tuple[int, ...] = ()
     sampling: dict = field(default_factory=dict)
+    # A classifier's labels and activations (pylon.serving.engine.pooling); None: a model that generates.
+    classifier: Classifier | None = None
 
     def default_params(self) -> SamplingParams:
         """The SamplingParams of a request that gives none: SamplingParams' own defaults under the model's. A

@@ -233,6 +233,13 @@ IMAGE_MODELS = ("gemma3", "mistral3")
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "gpt_neox", *LLAMA_FAMILIES, *TEXT_MODELS)
 
 
+def is_sequence_classifier(config) -> bool:
+    """Whether a checkpoint is its family's `*ForSequenceClassification` (a reward model, a cross-encoder, a
+    classifier: a head over the last token's final hidden state instead of an lm_head), by its config's
+    `architectures`."""
+    return any(str(name).endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ())
+
+
 def unsupported(config) -> str | None:
     """What in a supported family's `config` the engine does not compute, naming the field, or None."""
     if getattr(config, "attn_logit_softcapping", None) and config.model_type != "gemma2":

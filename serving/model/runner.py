@@ -63,6 +63,7 @@ from pylon.serving.model.families import (
     SUPPORTED_MODEL_TYPES,
     TEXT_MODELS,
     attention_softcap,
+    is_sequence_classifier,
     layer_windows,
     linear_layers,
     position_limit,
@@ -160,6 +161,40 @@ def _language_model(model_dir: str, dtype: torch.dtype) -> tuple[torch.nn.Module
     vision = full.model
     del vision.language_model  # the causal LM's now: one copy, not registered twice
     return causal, vision
+
+
+def _sequence_classifier(model_dir: str, config, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A `*ForSequenceClassification` checkpoint (a reward model, a cross-encoder, a classifier) as the causal LM of its
+    family, which the runner's forward calls, and its classification head (`score`: hidden -> num_labels): the
+    classifier loaded as it ships (transformers' AutoModelForSequenceClassification), then its base model put in the
+    causal LM of its config (the same module names: `model`, GPT-2's `transformer`, GPT-NeoX's `gpt_neox`). The causal
+    LM's output embeddings are the head too (a module on the device, never called for a token: the engine takes no
+    generating request for a classifier)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        classifier = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    except ValueError as e:  # a family transformers has no sequence-classification class for
+        raise PylonError(f"model {model_dir}: its classifier cannot be loaded ({str(e)[:300]})") from None
+    with torch.device("meta"):  # a shell: its base model and head are replaced by the loaded ones
+        causal = AutoModelForCausalLM.from_config(config)
+    prefix = classifier.base_model_prefix
+    setattr(causal, prefix, getattr(classifier, prefix))
+    causal.set_output_embeddings(classifier.score)
+    left = [name for name, p in causal.named_parameters() if p.is_meta]
+    if left:
+        raise PylonError(f"model {model_dir}: its classifier's layout is not its causal LM's (not loaded: {left[0]})")
+    return causal, classifier.score
+
+
+def _token_classifier(model, token_ids: Sequence[int]) -> torch.nn.Module:
+    """A classification head made of the lm_head's rows of `token_ids` (vLLM's `classifier_from_token`, for rerankers
+    trained as language models: Qwen3-Reranker answers "yes" or "no"): one id, its logit; two ids `[no, yes]`, the
+    difference of their logits, whose sigmoid is P(yes) / (P(yes) + P(no)), what such a reranker's card computes."""
+    rows = model.get_output_embeddings().weight.detach()[list(token_ids)]
+    head = torch.nn.Linear(rows.shape[1], 1, bias=False, device=rows.device, dtype=rows.dtype)
+    head.weight.data.copy_(rows[-1:] - rows[:1] if len(token_ids) == 2 else rows)
+    return head
 
 
 def model_type_of(model_dir: str) -> str | None:
@@ -300,9 +335,11 @@ class ModelRunner:
         quantization: str = "none",
         adapters: Sequence[str] = (),
         images: bool = False,
+        classifier_from_token: Sequence[int] = (),
     ):
         """`images`: keep a multimodal checkpoint's vision tower and projector, for requests with images
-        (`embed_images`); without it they are dropped once loaded (`vision` is None)."""
+        (`embed_images`); without it they are dropped once loaded (`vision` is None). `classifier_from_token`: token
+        ids whose lm_head rows make the classification head of a causal LM (`_token_classifier`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model_type = model_type_of(model_dir)
@@ -354,17 +391,35 @@ class ModelRunner:
         quant.check(quantization, self.device)  # before loading: fp8 on a CPU is refused at once
         self.quantization = quantization
         self.vision: torch.nn.Module | None = None  # the vision tower and projector (`_language_model`), with images
+        # A classifier's head (hidden -> labels), applied to its pooled rows instead of the lm_head: a
+        # `*ForSequenceClassification` checkpoint's `score`, or one made of lm_head rows (`classifier_from_token`).
+        self.classifier: torch.nn.Module | None = None
+        if multimodal and is_sequence_classifier(self.full_config):
+            raise PylonError(f"model {model_dir}: a multimodal classifier is not served; serve its text model")
         try:
             if multimodal:
                 self.model, vision = _language_model(model_dir, self.dtype)
                 if images:
                     self.vision = vision.to(self.device).eval()
                 del vision
+            elif is_sequence_classifier(config):
+                self.model, self.classifier = _sequence_classifier(model_dir, config, self.dtype)
             else:
                 self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
+        except PylonError:
+            raise
         except Exception as e:  # a missing, truncated or foreign weights file: say which, and what to do
             raise PylonError(weights_failure(model_dir, e)) from e
+        if classifier_from_token:
+            if self.classifier is not None:
+                raise PylonError(
+                    f"engine.classifier_from_token: model {model_dir} is a classifier already "
+                    f"({config.architectures[0]}); leave the setting empty"
+                )
+            self.classifier = _token_classifier(self.model, classifier_from_token)
         self.model.to(self.device).eval()
+        if self.classifier is not None:
+            self.classifier.to(self.device).eval()
         self.config = config
         if model_type == "llama4_text":  # Llama 4's layers call their MLP (or MoE block) `feed_forward`
             for layer in self.model.model.layers:
@@ -802,7 +857,10 @@ class ModelRunner:
             row += s.num_new_tokens if s.prompt_logits else int(s.samples)
         rest = sorted(set(range(len(hidden))) - set(pooled))
         logits = self.logits(hidden[rest]) if rest else hidden.new_empty(0, self.vocab_size)
-        return logits.float(), hidden[pooled].float()
+        finals = hidden[pooled]
+        if self.classifier is not None:  # a classifier's pooled rows are its labels' logits
+            finals = self.classifier(finals)
+        return logits.float(), finals.float()
 
     @torch.no_grad()
     def embed_images(self, pixels: dict) -> torch.Tensor:
