@@ -42,6 +42,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, special: bool = False) -> np.ndarray: ...
 
+    def encode_pair(self, text: str, pair: str) -> np.ndarray: ...
+
     def decode(self, ids) -> str: ...
 
 
@@ -62,6 +64,10 @@ class ByteTokenizer:
     def encode(self, text: str, *, special: bool = False) -> np.ndarray:
         """`text`'s UTF-8 bytes (`special`: the other tokenizers' special tokens; bytes have none to add)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_pair(self, text: str, pair: str) -> np.ndarray:
+        """Two texts as one sequence (a cross-encoder's input): their bytes, one after the other."""
+        return np.concatenate([self.encode(text), self.encode(pair)])
 
     def decode(self, ids) -> str:
         # Special and unused ids (>= 256) carry no text; a sequence cut mid-character decodes to U+FFFD.
@@ -106,6 +112,11 @@ class TokenizersFileTokenizer:
         """`text`'s ids; `special`: with the special tokens the tokenizer's post-processor adds (a BOS, an EOS)."""
         return np.asarray(self._tok.encode(text, add_special_tokens=special).ids, dtype=np.int64)
 
+    def encode_pair(self, text: str, pair: str) -> np.ndarray:
+        """Two texts as one sequence (a cross-encoder's input), with the special tokens the post-processor puts
+        around a pair."""
+        return np.asarray(self._tok.encode(text, pair, add_special_tokens=True).ids, dtype=np.int64)
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
 
@@ -146,6 +157,12 @@ class HuggingFaceTokenizer:
     def encode(self, text: str, *, special: bool = False) -> np.ndarray:
         """`text`'s ids; `special`: with the special tokens the tokenizer adds (a BOS; an EOS, as Qwen3-Embedding's)."""
         return np.asarray(self._tok.encode(text, add_special_tokens=special), dtype=np.int64)
+
+    def encode_pair(self, text: str, pair: str) -> np.ndarray:
+        """Two texts as one sequence (a cross-encoder's input), with the special tokens the tokenizer puts around a
+        pair (BERT's [CLS] a [SEP] b [SEP], Llama's BOS before each), as sentence-transformers' CrossEncoder and vLLM
+        tokenize a pair."""
+        return np.asarray(self._tok(text, pair, add_special_tokens=True)["input_ids"], dtype=np.int64)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)

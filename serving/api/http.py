@@ -38,10 +38,14 @@ ROUTES = {
     INPUT_ITEMS_PATH: {"GET": "_response_input_items"},
     CANCEL_PATH: {"POST": "_cancel_response"},
     "/v1/embeddings": {"POST": "_embeddings"},  # OpenAI's: each input's last-token hidden state, normalised
-    # vLLM's (Jina's, Cohere's v2): documents ranked, and pairs scored, by the cosine of those vectors
+    # vLLM's (Jina's, Cohere's v2): documents ranked, and pairs scored, by a cross-encoder or the cosine of vectors
     "/v1/rerank": {"POST": "_rerank"},
     "/v2/rerank": {"POST": "_rerank_v2"},
     "/v1/score": {"POST": "_score"},
+    # vLLM's: a classifier's labels (a reward model's, a cross-encoder's), and any pooled output
+    "/classify": {"POST": "_classify"},
+    "/v1/classify": {"POST": "_classify_v1"},  # (SGLang's path)
+    "/pooling": {"POST": "_pooling"},
     "/v1/models": {"GET": "_models"},
     MODEL_PATH: {"GET": "_model"},  # OpenAI's "retrieve model": this server's one model, or a 404 naming the id
     "/tokenize": {"POST": "_tokenize"},  # vLLM's: the token ids of a prompt or a chat, and their count

@@ -47,6 +47,9 @@ _MODELS = (
     protocol.RerankResponse,
     protocol.ScoreRequest,
     protocol.ScoreResponse,
+    protocol.PoolingRequest,
+    protocol.ClassificationResponse,
+    protocol.PoolingResponse,
     protocol.HealthStatus,
     protocol.ReadyStatus,
     responses.ResponsesRequest,
@@ -337,8 +340,8 @@ def build(
         "/v1/rerank": (
             "post",
             _tokens(
-                "Rank documents by relevance to a query (vLLM's, Jina's and Cohere's rerank API): the cosine of the "
-                "embedding model's vectors",
+                "Rank documents by relevance to a query (vLLM's, Jina's and Cohere's rerank API): a cross-encoder's "
+                "score of each (query, document) pair, or the cosine of the embedding model's vectors",
                 protocol.RerankRequest,
                 protocol.RerankResponse,
                 secured,
@@ -358,9 +361,36 @@ def build(
         "/v1/score": (
             "post",
             _tokens(
-                "Score text pairs (vLLM's score API): the cosine of the embedding model's vectors of each pair",
+                "Score text pairs (vLLM's score API): a cross-encoder's score of each pair (a classifier of one "
+                "label), or the cosine of the embedding model's vectors",
                 protocol.ScoreRequest,
                 protocol.ScoreResponse,
+                secured,
+                statuses=(429, 503, 504),
+            ),
+        ),
+        **{
+            path: (
+                "post",
+                _tokens(
+                    "Classify texts or a chat (vLLM's classification API): each input's label and label probabilities "
+                    "from a classifier (a reward model, a cross-encoder: a *ForSequenceClassification checkpoint, or "
+                    "engine.classifier_from_token); 400 for a model that is not one",
+                    protocol.PoolingRequest,
+                    protocol.ClassificationResponse,
+                    secured,
+                    statuses=(429, 503, 504),
+                ),
+            )
+            for path in ("/classify", "/v1/classify")
+        },
+        "/pooling": (
+            "post",
+            _tokens(
+                "Pooled outputs (vLLM's pooling API): a classifier's label probabilities (its logits with "
+                "use_activation false: a reward model's reward), or an embedding model's vectors",
+                protocol.PoolingRequest,
+                protocol.PoolingResponse,
                 secured,
                 statuses=(429, 503, 504),
             ),

@@ -36,6 +36,7 @@ from pylon.serving.engine.sampling import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from pylon.serving.engine.tokenization import prompt_ids
 from pylon.serving.errors import InvalidRequest, shown
 
 if TYPE_CHECKING:
@@ -598,6 +599,20 @@ class ChatCompletionRequest(_Request):
         return {"logprobs": logprobs, "prompt_logprobs": self.prompt_logprobs}
 
 
+def render_chat(body, tokenizer) -> str:
+    """A request's `messages` (and `tools`, where it has them) rendered as /v1/chat/completions renders them, with its
+    `add_generation_prompt` and `continue_final_message`."""
+    chat = ChatCompletionRequest(
+        model=body.model,
+        messages=body.messages,
+        tools=getattr(body, "tools", None),
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
+    chat.check_supported()
+    return chat.render(tokenizer)
+
+
 class TokenizeRequest(BaseModel):
     """`POST /tokenize` (vLLM's): the token ids the engine computes for a completions `prompt`, or for a chat's
     `messages` (and `tools`) as `/v1/chat/completions` renders them through the model's chat template."""
@@ -631,15 +646,7 @@ class TokenizeRequest(BaseModel):
         """The text the engine would tokenize: the prompt, or the chat rendered as the chat endpoint renders it."""
         if self.prompt is not None:
             return self.prompt
-        chat = ChatCompletionRequest(
-            model=self.model,
-            messages=self.messages,
-            tools=self.tools,
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-        )
-        chat.check_supported()
-        return chat.render(tokenizer)
+        return render_chat(self, tokenizer)
 
     @property
     def special(self) -> bool:
@@ -688,7 +695,8 @@ class EmbeddingRequest(BaseModel):
 
 
 class RerankRequest(BaseModel):
-    """vLLM's rerank API (Jina's and Cohere's shape): the documents ranked by their relevance to the query, the cosine
+    """vLLM's rerank API (Jina's and Cohere's shape): the documents ranked by their relevance to the query: a
+    cross-encoder's score of each (query, document) pair where the model is a classifier of one label, else the cosine
     of the embedding model's vectors (last-token pooled, as /v1/embeddings gives them): a bi-encoder's score."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -697,6 +705,7 @@ class RerankRequest(BaseModel):
     documents: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS - 1)
     top_n: int | None = Field(None, ge=0, description="the best this many (0 or absent: all)")
     return_documents: bool = True
+    use_activation: bool | None = Field(None, description="a cross-encoder's: false, its logit as the score")
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -707,13 +716,15 @@ class RerankRequest(BaseModel):
 
 
 class ScoreRequest(BaseModel):
-    """vLLM's score API: each pair's score, the cosine of the embedding model's vectors of its two texts: `text_1` one
-    text scored against each of `text_2`, or two lists of the same length scored pair by pair."""
+    """vLLM's score API: each pair's score, a cross-encoder's (a classifier of one label) or the cosine of the
+    embedding model's vectors of its two texts: `text_1` one text scored against each of `text_2`, or two lists of the
+    same length scored pair by pair."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     text_1: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]]
     text_2: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]]
+    use_activation: bool | None = Field(None, description="a cross-encoder's: false, its logit as the score")
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -739,6 +750,61 @@ class ScoreRequest(BaseModel):
         """Each pair as (index in text_1, index in text_2)."""
         firsts, seconds = self.sides()
         return [(0 if len(firsts) == 1 else k, k) for k in range(len(seconds))]
+
+
+class PoolingRequest(BaseModel):
+    """vLLM's `POST /classify` and `POST /pooling`: each input's (or the chat's) outputs of the model's pooled last
+    token: a classifier's label probabilities (its activation: pylon.serving.engine.pooling), or `use_activation:
+    false` its logits (a reward model's reward); an embedding model's vector on /pooling (as /v1/embeddings)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    # as /v1/embeddings' input: a text, texts, token ids, or lists of token ids
+    input: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] | None = Field(
+        None, description=f"a text, texts, token ids, or lists of token ids: at most {MAX_EMBEDDING_INPUTS}"
+    )
+    # or a chat (a conversation to score: a reward model's input), rendered through the model's chat template
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = False  # vLLM's defaults for a chat to pool: as the conversation stands
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # default: true for input, false for messages (the template has them)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last k tokens (-1: the context)")
+    use_activation: bool | None = Field(None, description="false: the logits, not probabilities (default true)")
+    activation: bool | None = None  # vLLM's earlier names for use_activation
+    softmax: bool | None = None
+    encoding_format: Literal["float", "base64"] = "float"  # an embedding's (/pooling of an embedding model)
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if (self.input is None) == (self.messages is None):
+            raise InvalidRequest(
+                "give either input (texts or token ids) or messages (a chat), one of them", param="input"
+            )
+        if self.truncate_prompt_tokens == 0:
+            raise InvalidRequest(
+                "truncate_prompt_tokens must be >= 1, or -1 (the context)", param="truncate_prompt_tokens"
+            )
+        if self.input is not None:
+            EmbeddingRequest(model=self.model, input=self.input).check_supported()
+        elif self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
+            )
+
+    @property
+    def activated(self) -> bool:
+        """Whether the outputs go through the classifier's activation (use_activation, or its earlier names)."""
+        return next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), True)
+
+    def inputs(self, tokenizer) -> list[list[int]]:
+        """The token ids of each input (or of the rendered chat)."""
+        if self.messages is not None:
+            special = bool(self.add_special_tokens)
+            return [prompt_ids(tokenizer, render_chat(self, tokenizer), special)]
+        special = self.add_special_tokens is not False
+        items = EmbeddingRequest(model=self.model, input=self.input).inputs()
+        return [prompt_ids(tokenizer, i, special) if isinstance(i, str) else i for i in items]
 
 
 class DetokenizeRequest(BaseModel):
@@ -1073,7 +1139,9 @@ class RerankDocument(_Response):
 class RerankResult(_Response):
     index: int = Field(ge=0, description="the document's place in the request's documents")
     document: RerankDocument | None = Field(description="the document (null with return_documents: false)")
-    relevance_score: float = Field(description="the cosine of the query's and the document's vectors, -1 to 1")
+    relevance_score: float = Field(
+        description="a cross-encoder's score of the pair, or the cosine of the query's and the document's vectors"
+    )
 
 
 class RerankUsage(_Response):
@@ -1091,7 +1159,7 @@ class RerankResponse(_Response):
 class ScoreData(_Response):
     index: int = Field(ge=0, description="the pair's place: text_2's index")
     object: Literal["score"]
-    score: float = Field(description="the cosine of the two texts' vectors, -1 to 1")
+    score: float = Field(description="a cross-encoder's score of the pair, or the cosine of the two texts' vectors")
 
 
 class ScoreResponse(_Response):
@@ -1101,6 +1169,44 @@ class ScoreResponse(_Response):
     model: str
     data: list[ScoreData]
     usage: RerankUsage
+
+
+class ClassificationData(_Response):
+    index: int = Field(ge=0, description="the input's place")
+    label: str = Field(description="the label of the largest output (the config's id2label)")
+    probs: list[float] = Field(description="each label's probability (with use_activation false: its logit)")
+    num_classes: int = Field(ge=1)
+
+
+class PoolingUsage(_Response):
+    prompt_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    prompt_tokens_details: None = None
+
+
+class ClassificationResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
+class PoolingData(_Response):
+    index: int = Field(ge=0)
+    object: Literal["pooling"]
+    data: list[float] | str = Field(description="a classifier's outputs, or an embedding (base64 where asked)")
+
+
+class PoolingResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: PoolingUsage
 
 
 class HealthStatus(_Response):

@@ -51,6 +51,7 @@ from pylon.serving.engine.tokenization import (
     added_token_ids,
     chars_per_token_bound,
     embedding_ids,
+    pair_ids,
     prompt_ids,
     special_token_ids,
 )
@@ -405,7 +406,8 @@ class PylonLLMServer:
                 404,
                 f"no route {path}; this server answers POST /v1/completions, POST /v1/chat/completions, "
                 "POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, "
-                "POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, "
+                "POST /v1/embeddings, POST /v1/rerank, POST /v1/score, POST /classify, POST /pooling, "
+                "GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, "
                 "GET /health, GET /ready and GET /openapi.json",
                 type="invalid_request_error",
             )
@@ -507,6 +509,7 @@ class PylonLLMServer:
         try:
             body = await self._request(headers, receive, protocol.EmbeddingRequest)
             adapter = self._adapter_of(body)
+            self._not_a_classifier()
             lasts = await self._embedded(headers, body.model, body.inputs())
         except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
             return await self._refuse(send, e, adapter)
@@ -537,14 +540,17 @@ class PylonLLMServer:
             },
         )
 
-    async def _embedded(self, headers: dict, model: str, inputs: list, field: str = "input") -> list:
-        """The engine's embedding outputs (last-token hidden states) of `inputs` (texts or token ids), one engine
-        request each, run in the engine's steps beside the generating requests; a bad one is an InvalidRequest naming
-        `field.i`, and the others are aborted."""
+    async def _embedded(
+        self, headers: dict, model: str, inputs: list, field: str = "input", truncate: int | None = None
+    ) -> list:
+        """The engine's pooled outputs (last-token hidden states; a classifier's logits) of `inputs` (texts or token
+        ids), one engine request each, run in the engine's steps beside the generating requests; a bad one is an
+        InvalidRequest naming `field.i`, and the others are aborted. `truncate`: each keeps its last that many tokens
+        (-1: the context's worth)."""
         request_id = headers.get("x-request-id", "")
         if not REQUEST_ID.match(request_id):
             request_id = protocol.new_id("req")
-        params = self._adapter_params(SamplingParams(max_tokens=0, embed=True), model)
+        params = self._adapter_params(SamplingParams(max_tokens=0, embed=True, truncate_prompt_tokens=truncate), model)
         tokenizer = self.engine.tokenizer
         inputs = [embedding_ids(tokenizer, i) if isinstance(i, str) else i for i in inputs]
         self._admit()
@@ -561,9 +567,96 @@ class PylonLLMServer:
             for stream in streams:
                 await stream.aclose()  # aborts the inputs not finished (a refused one, a timeout, a cancel)
 
+    def _not_a_classifier(self) -> None:
+        """An embedding model's outputs asked of a classifier: refused, saying where its outputs are."""
+        classifier = self.engine.generation.classifier
+        if classifier is not None:
+            raise InvalidRequest(
+                f"this model is a classifier ({classifier.describe()}): it has no embeddings; send its inputs to "
+                "/classify or /pooling (texts), /v1/score or /rerank (pairs)",
+                param="model",
+            )
+
+    async def _classify(self, scope, receive, send) -> None:
+        """vLLM's classification API: each input's (or the chat's) label and label probabilities, from a classifier
+        (a *ForSequenceClassification checkpoint, or engine.classifier_from_token)."""
+        await self._pool(scope, receive, send, classify=True)
+
+    async def _classify_v1(self, scope, receive, send) -> None:
+        """The classification API at SGLang's path."""
+        await self._pool(scope, receive, send, classify=True)
+
+    async def _pooling(self, scope, receive, send) -> None:
+        """vLLM's pooling API: a classifier's outputs (probabilities, or logits with use_activation false), or an
+        embedding model's vectors."""
+        await self._pool(scope, receive, send, classify=False)
+
+    async def _pool(self, scope, receive, send, *, classify: bool) -> None:
+        headers = request_headers(scope)
+        self._ensure_gauges()
+        adapter = ""
+        classifier = self.engine.generation.classifier
+        try:
+            body = await self._request(headers, receive, protocol.PoolingRequest)
+            adapter = self._adapter_of(body)
+            if classify and classifier is None:
+                raise InvalidRequest(
+                    "this model is not a classifier (a *ForSequenceClassification checkpoint, or a deployment with "
+                    "engine.classifier_from_token): it has no labels; its vectors are at /v1/embeddings or /pooling",
+                    param="model",
+                )
+            if classifier is not None:
+                for name, value in (("dimensions", body.dimensions), ("encoding_format", body.encoding_format)):
+                    if value not in (None, "float"):
+                        raise InvalidRequest(
+                            f"{name} is an embedding's; a classifier's outputs are its {classifier.num_labels} "
+                            "label(s)' values, as floats",
+                            param=name,
+                        )
+            ids = body.inputs(self.engine.tokenizer)
+            lasts = await self._embedded(headers, body.model, ids, truncate=body.truncate_prompt_tokens)
+            if classifier is None and body.dimensions is not None and body.dimensions > len(lasts[0].embedding):
+                raise InvalidRequest(
+                    f"dimensions must be at most the model's hidden size, {len(lasts[0].embedding)} "
+                    f"(got {body.dimensions})",
+                    param="dimensions",
+                )
+        except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
+            return await self._refuse(send, e, adapter)
+        for k, last in enumerate(lasts):
+            self._observe(last, count=k == 0, adapter=adapter)
+        tokens = sum(last.num_prompt_tokens for last in lasts)
+        data = []
+        for i, last in enumerate(lasts):
+            if classifier is None:  # an embedding model's vector, as /v1/embeddings gives it
+                vector = protocol.embedding_data(i, last.embedding, body.dimensions, body.encoding_format)["embedding"]
+                data.append({"index": i, "object": "pooling", "data": vector})
+                continue
+            values = classifier.apply(last.embedding, body.activated)
+            if classify:
+                label = classifier.label(last.embedding)
+                data.append({"index": i, "label": label, "probs": values, "num_classes": classifier.num_labels})
+            else:
+                data.append({"index": i, "object": "pooling", "data": values})
+        answer = {
+            "id": protocol.new_id("classify" if classify else "pool"),
+            "object": "list",
+            "created": int(time.time()),
+            "model": body.model,
+            "data": data,
+            "usage": {
+                "prompt_tokens": tokens,
+                "total_tokens": tokens,
+                "completion_tokens": 0,
+                "prompt_tokens_details": None,
+            },
+        }
+        await send_json(send, 200, answer)
+
     async def _rerank(self, scope, receive, send) -> None:
-        """vLLM's rerank API: the query and the documents embedded together, each document scored by the cosine of
-        its vector and the query's, the best first (`top_n` of them)."""
+        """vLLM's rerank API: each document's relevance to the query, the best first (`top_n` of them): a
+        cross-encoder's score of the (query, document) pair where the model is a classifier of one label, else the
+        cosine of their vectors (a bi-encoder's)."""
         await self._similarity(scope, receive, send, protocol.RerankRequest)
 
     async def _rerank_v2(self, scope, receive, send) -> None:
@@ -571,12 +664,10 @@ class PylonLLMServer:
         await self._similarity(scope, receive, send, protocol.RerankRequest)
 
     async def _score(self, scope, receive, send) -> None:
-        """vLLM's score API: each pair's cosine, text_1's vectors against text_2's."""
+        """vLLM's score API: each pair's score, text_1's against text_2's: a cross-encoder's, or a cosine."""
         await self._similarity(scope, receive, send, protocol.ScoreRequest)
 
     async def _similarity(self, scope, receive, send, cls) -> None:
-        import torch
-
         headers = request_headers(scope)
         self._ensure_gauges()
         adapter = ""
@@ -584,31 +675,26 @@ class PylonLLMServer:
             body = await self._request(headers, receive, cls)
             adapter = self._adapter_of(body)
             if cls is protocol.RerankRequest:
-                texts, names = body.texts(), ["query", *(f"documents.{k}" for k in range(len(body.documents)))]
+                firsts, seconds = [body.query], list(body.documents)
+                pairs = [(0, k) for k in range(len(seconds))]
+                first_names, second_names = ["query"], [f"documents.{k}" for k in range(len(seconds))]
             else:
                 firsts, seconds = body.sides()
-                texts = [*firsts, *seconds]
-                names = [
-                    *(("text_1" if isinstance(body.text_1, str) else f"text_1.{k}") for k in range(len(firsts))),
-                    *(("text_2" if isinstance(body.text_2, str) else f"text_2.{k}") for k in range(len(seconds))),
+                pairs = body.pairs()
+                first_names = [
+                    ("text_1" if isinstance(body.text_1, str) else f"text_1.{k}") for k in range(len(firsts))
                 ]
-            try:
-                lasts = await self._embedded(headers, body.model, texts, "text")
-            except InvalidRequest as e:  # "text.<i>": named as the field the text came from
-                if e.param is None or not e.param.startswith("text."):
-                    raise
-                i = int(e.param.split(".")[1])
-                message = str(e).removeprefix(f"text {i}: ")
-                raise InvalidRequest(f"{names[i]}: {message}", param=names[i]) from None
+                second_names = [
+                    ("text_2" if isinstance(body.text_2, str) else f"text_2.{k}") for k in range(len(seconds))
+                ]
+            scores, lasts = await self._pair_scores(headers, body, firsts, seconds, pairs, first_names, second_names)
         except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
             return await self._refuse(send, e, adapter)
-        vectors = torch.nn.functional.normalize(torch.tensor([last.embedding for last in lasts]), dim=-1)
         for k, last in enumerate(lasts):
             self._observe(last, count=k == 0, adapter=adapter)
         tokens = sum(last.num_prompt_tokens for last in lasts)
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         if cls is protocol.RerankRequest:
-            scores = (vectors[1:] @ vectors[0]).tolist()
             order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or None]
             results = [
                 {
@@ -620,19 +706,49 @@ class PylonLLMServer:
             ]
             answer = {"id": protocol.new_id("rerank"), "model": body.model, "usage": usage, "results": results}
         else:
-            data = [
-                {"index": k, "object": "score", "score": float(vectors[a] @ vectors[len(firsts) + b])}
-                for k, (a, b) in enumerate(body.pairs())
-            ]
             answer = {
                 "id": protocol.new_id("score"),
                 "object": "list",
                 "created": int(time.time()),
                 "model": body.model,
-                "data": data,
+                "data": [{"index": k, "object": "score", "score": score} for k, score in enumerate(scores)],
                 "usage": usage,
             }
         await send_json(send, 200, answer)
+
+    async def _pair_scores(self, headers, body, firsts, seconds, pairs, first_names, second_names):
+        """Each pair's (index in firsts, index in seconds) score, and the engine outputs it came from: a
+        cross-encoder's (a classifier of one label: the pair as one sequence, `pair_ids`, its logit through the
+        classifier's score activation), else the cosine of the two texts' vectors. An input the engine refuses is an
+        InvalidRequest naming the field it came from."""
+        import torch
+
+        classifier = self.engine.generation.classifier
+        if classifier is not None:
+            if classifier.num_labels != 1:
+                raise InvalidRequest(
+                    f"this model is a classifier of {classifier.num_labels} labels ({classifier.describe()}): it "
+                    "scores no pairs (a cross-encoder has one label); send texts to /classify",
+                    param="model",
+                )
+            tokenizer = self.engine.tokenizer
+            texts = [pair_ids(tokenizer, firsts[a], seconds[b]) for a, b in pairs]
+            names = [second_names[b] if len(firsts) == 1 else f"{first_names[a]}+{second_names[b]}" for a, b in pairs]
+        else:
+            texts, names = [*firsts, *seconds], [*first_names, *second_names]
+        try:
+            lasts = await self._embedded(headers, body.model, texts, "text")
+        except InvalidRequest as e:  # "text.<i>": named as the field the text came from
+            if e.param is None or not e.param.startswith("text."):
+                raise
+            i = int(e.param.split(".")[1])
+            message = str(e).removeprefix(f"text {i}: ")
+            raise InvalidRequest(f"{names[i]}: {message}", param=names[i]) from None
+        if classifier is not None:
+            activated = body.use_activation is not False
+            return [classifier.apply(last.embedding, activated, score=True)[0] for last in lasts], lasts
+        vectors = torch.nn.functional.normalize(torch.tensor([last.embedding for last in lasts]), dim=-1)
+        return [float(vectors[a] @ vectors[len(firsts) + b]) for a, b in pairs], lasts
 
     async def _models(self, scope, receive, send) -> None:
         try:

@@ -34,6 +34,12 @@ def embedding_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, special=True).tolist()
 
 
+def pair_ids(tokenizer: Tokenizer, first: str, second: str) -> list[int]:
+    """The token ids of two texts as one sequence, a cross-encoder's input, with the special tokens the tokenizer
+    puts around a pair (`encode_pair`), as sentence-transformers' CrossEncoder and vLLM's score API tokenize one."""
+    return tokenizer.encode_pair(first, second).tolist()
+
+
 def load_model_tokenizer(model_dir: str) -> Tokenizer:
     """The tokenizer of the local model directory `model_dir`.
 
