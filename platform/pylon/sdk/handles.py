@@ -535,6 +535,31 @@ class Service:
         vectors = [d["embedding"] for d in data]
         return vectors[0] if isinstance(texts, str) else vectors
 
+    def classify(self, inputs: str | list[str] | list[dict], *, raw: bool = False) -> dict | list[dict]:
+        """`POST /classify` of a classifier (a reward model, a cross-encoder: docs/http.md, "Classifiers"): for one
+        text, its {"label", "probs"}; for a list of texts, one each in order; for a chat (a list of {role, content}),
+        its conversation's. `raw`: the logits instead of probabilities (a reward model's reward)."""
+        chat = isinstance(inputs, list) and bool(inputs) and all(isinstance(m, dict) for m in inputs)
+        body: dict = {"model": self.name, "messages" if chat else "input": inputs, "use_activation": not raw}
+        data = sorted(self._post("/classify", body).json()["data"], key=lambda d: d["index"])
+        results = [{"label": d["label"], "probs": d["probs"]} for d in data]
+        return results if isinstance(inputs, list) and not chat else results[0]
+
+    def score(self, first: str | list[str], second: str | list[str]) -> float | list[float]:
+        """`POST /v1/score`: the score of the pair (`first`, `second`), or of `first` (one text) against each text of
+        `second`, or of two lists pair by pair: a cross-encoder's, or the cosine of an embedding model's vectors."""
+        data = self._post("/v1/score", {"model": self.name, "text_1": first, "text_2": second}).json()["data"]
+        scores = [d["score"] for d in sorted(data, key=lambda d: d["index"])]
+        return scores if isinstance(second, list) else scores[0]
+
+    def rerank(self, query: str, documents: list[str], *, top_n: int | None = None) -> list[tuple[int, float]]:
+        """`POST /v1/rerank`: (index in `documents`, relevance score) by relevance, the best first (`top_n` of
+        them)."""
+        body: dict = {"model": self.name, "query": query, "documents": list(documents), "return_documents": False}
+        if top_n is not None:
+            body["top_n"] = int(top_n)
+        return [(r["index"], r["relevance_score"]) for r in self._post("/v1/rerank", body).json()["results"]]
+
     def _body(self, max_tokens, temperature, params: dict, **fields) -> dict:
         body = {"model": self.name, **fields, **params}
         if max_tokens is not None:

@@ -182,3 +182,25 @@ def test_a_cross_encoder_scores_each_pair_as_one_sequence(cross_encoder) -> None
     # a pair past the context is named by its document
     long = post(url, "/v1/rerank", {"query": query, "documents": ["ok", "x" * 1100]})
     assert long.status_code == 400 and long.json()["error"]["param"] == "documents.1", long.text
+
+
+def test_the_sdk_classifies_scores_and_reranks(classifier, cross_encoder) -> None:
+    from test_serving_http import KEY
+
+    from pylon.sdk.handles import Service
+
+    url, model = classifier
+    svc = Service(None, "tiny", url, api_key=KEY)
+    one = svc.classify(TEXTS[0])
+    assert one["label"] == LABELS[int(logits_of(model, list(TEXTS[0].encode())).argmax())]
+    assert [r["label"] for r in svc.classify(TEXTS)] == [svc.classify(t)["label"] for t in TEXTS]
+    chat = [{"role": "user", "content": "is it good?"}, {"role": "assistant", "content": "yes"}]
+    rendered = post(url, "/tokenize", {"messages": chat, "add_generation_prompt": False}).json()["tokens"]
+    assert close(svc.classify(chat, raw=True)["probs"], logits_of(model, rendered))
+    url, model = cross_encoder
+    svc = Service(None, "tiny", url, api_key=KEY)
+    scores = svc.score("hi", ["there", "you"])
+    assert len(scores) == 2 and abs(svc.score("hi", "there") - scores[0]) < 1e-6
+    ranked = svc.rerank("hi", ["there", "you", "hello"], top_n=2)
+    best = sorted(range(3), key=lambda i: -svc.score("hi", ["there", "you", "hello"])[i])[:2]
+    assert [i for i, _ in ranked] == best and ranked[0][1] >= ranked[1][1]
