@@ -97,13 +97,21 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
 
     from pylon.models import _matmul_parameters, expert_parameters, expert_weights, with_lora
 
+    from pylon.serving.model.families import is_sequence_classifier
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        # A classifier (a reward model, a cross-encoder): its head of num_labels rows, not a vocabulary's lm_head.
+        if is_sequence_classifier(config):
+            from transformers import AutoModelForSequenceClassification
+
+            model = AutoModelForSequenceClassification.from_config(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
         matmul = _matmul_parameters(model)
         experts, share = expert_parameters(model)
         if lora is not None:
             model = with_lora(model, lora)
-    output = model.get_output_embeddings()
+    output = model.get_output_embeddings() or getattr(model, "score", None)  # (a classifier's head stays in float)
     projections = [  # (weight, its output channels): nn.Linear's weight is [out, in], GPT-2's Conv1D's [in, out]
         (m.weight, m.weight.shape[1] if type(m).__name__ == "Conv1D" else m.weight.shape[0])
         for name, m in model.named_modules()

@@ -618,3 +618,20 @@ def test_deepseek_v3_is_counted_with_its_latent_cache() -> None:
     assert round(shape.total_params / 1e9) == 671 and round(shape.matmul_params / 1e9) in (36, 37)
     assert (shape.kv_heads, shape.head_dim) == (1, 576)
     assert kv_bytes_per_token(shape, 2) == 61 * 576 * 2
+
+
+def test_a_classifier_counts_its_head_not_an_lm_head() -> None:
+    """A reward model (LlamaForSequenceClassification, one label): its weights are the base model's and a head of one
+    row, not a vocabulary's lm_head (half a billion parameters at Llama 3 8B's 128k x 4096); the head is no projection
+    engine.quantization shrinks."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    fields = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
+    causal = model_shape(AutoConfig.for_model("llama", vocab_size=8000, **fields))
+    config = AutoConfig.for_model(
+        "llama", vocab_size=8000, num_labels=1, architectures=["LlamaForSequenceClassification"], **fields
+    )
+    shape = model_shape(config)
+    real = AutoModelForSequenceClassification.from_config(config)
+    assert shape.total_params == sum(p.numel() for p in real.parameters()) == causal.total_params - 8000 * 256 + 256
+    assert shape.projection_params == causal.projection_params
