@@ -96,7 +96,6 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from pylon.models import _matmul_parameters, expert_parameters, expert_weights, with_lora
-
     from pylon.serving.model.families import is_sequence_classifier
 
     with torch.device("meta"):
