@@ -49,6 +49,12 @@ alternating, and the largest difference between the two legs' normalised vectors
 instruction prefix (as Qwen3-Embedding's queries do): the engine's prompt tokens computed per input, with the prefix
 cache, against every token (the count that does not depend on the machine).
 
+rewards(): a reward model (GPT-2's shape with a one-label head: GPT2ForSequenceClassification, served as a
+classifier) scoring a GRPO-style batch, `--reward-prompts` prompts of `--reward-prompt-tokens` tokens each followed by
+`--reward-group` responses: the engine (prefix cache on, so a prompt's responses share its blocks) against
+`transformers`' sorted padded batches, legs alternating on a fresh batch each round: rollouts/s, the largest
+difference between the two legs' rewards, and the prompt tokens the engine computed against every token.
+
 images(): a chat about one image over several turns with the prefix cache against without (prompt tokens computed
 and the vision tower's runs, which do not depend on the machine, and wall time), and the price of an image against
 text of the same length; see `images`.
@@ -62,7 +68,7 @@ sequences reads (experts some token picked, counted in the engine's steps, again
 machine-independent); and one MoE layer, Pylon's (serving/model/moe.py) against transformers' own block (its default
 experts implementation), at 1 to 512 rows.
 
-    .venv/bin/python bench/serve_features.py                 # all eight, CPU, ~30 min on 2 cores
+    .venv/bin/python bench/serve_features.py                 # all nine, CPU, ~35 min on 2 cores
     .venv/bin/python bench/serve_features.py --only constrained speculative
     .venv/bin/python bench/serve_features.py --rounds 3
 """
@@ -83,10 +89,13 @@ from pathlib import Path
 DATASET = Path("/work/shared/datasets/tinyshakespeare.txt")
 
 
-def build_gpt2(directory: Path, n_layer: int, n_embd: int, n_head: int, vocab: int, init: float = 0.02) -> None:
-    """A random GPT-2 (GPT-2's own initializer, std `init`) saved as a Pylon export with the byte tokenizer."""
+def build_gpt2(
+    directory: Path, n_layer: int, n_embd: int, n_head: int, vocab: int, init: float = 0.02, *, reward: bool = False
+) -> None:
+    """A random GPT-2 (GPT-2's own initializer, std `init`) saved as a Pylon export with the byte tokenizer; `reward`:
+    a GPT2ForSequenceClassification of one label (a reward model's head) instead of the causal LM."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from pylon.data.tokenizer import ByteTokenizer
 
@@ -103,8 +112,12 @@ def build_gpt2(directory: Path, n_layer: int, n_embd: int, n_head: int, vocab: i
         pad_token_id=tok.pad_id,
         initializer_range=init,
     )
+    if reward:
+        config.num_labels = 1
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    (AutoModelForSequenceClassification if reward else AutoModelForCausalLM).from_config(config).save_pretrained(
+        directory
+    )
     (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
 
 
@@ -1077,6 +1090,94 @@ def report_embeddings(r: dict) -> None:
     )
 
 
+def reward_inputs(prompts: int, group: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    """A GRPO-style batch to score: `prompts` prompts of `prompt_tokens` bytes of the held-out text, each followed by
+    `group` responses of 32-128 bytes (a response: another stretch of the text), the prompt's responses in a row."""
+    import random
+
+    text = DATASET.read_bytes()[-200_000:]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(prompts):
+        at = rng.randrange(0, len(text) - prompt_tokens)
+        prompt = list(text[at : at + prompt_tokens])
+        for _ in range(group):
+            length, at = rng.randrange(32, 129), rng.randrange(0, len(text) - 129)
+            out.append(prompt + list(text[at : at + length]))
+    return out
+
+
+def rewards_transformers(model, inputs: list[list[int]], batch: int) -> list[float]:
+    """The baseline, as an RL trainer scores rollouts with `transformers`' reward model: the inputs sorted by length
+    (longest first: little padding), right-padded batches of `batch` through AutoModelForSequenceClassification with
+    an attention mask, each input's logit at its last real token (the model's own pooling, pad_token_id set)."""
+    import torch
+
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    scores: list = [None] * len(inputs)
+    pad = model.config.pad_token_id
+    with torch.no_grad():
+        for b in range(0, len(order), batch):
+            part = order[b : b + batch]
+            width = len(inputs[part[0]])
+            ids = torch.tensor([inputs[i] + [pad] * (width - len(inputs[i])) for i in part])
+            mask = torch.tensor([[1] * len(inputs[i]) + [0] * (width - len(inputs[i])) for i in part])
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            for row, i in enumerate(part):
+                scores[i] = float(logits[row, 0])
+    return scores
+
+
+def rewards(args) -> dict:
+    """Reward-model scoring of a GRPO-style batch (`--reward-prompts` prompts x `--reward-group` responses): the
+    engine (a GPT2ForSequenceClassification served as a classifier, the prefix cache on: a prompt's responses share
+    its blocks) against `transformers`' padded batches, legs alternating on a fresh batch each round; the rewards'
+    largest difference, and the prompt tokens the engine computed against every token (machine-independent)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    torch.set_num_threads(args.threads)
+    results: dict = {"inputs_per_s": {"engine": [], "transformers": []}, "computed": [], "tokens": [], "diff": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "reward"
+        build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab, reward=True)
+        model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).eval()
+        eng = engine(str(directory), "none", 64, kv_cache_tokens=32768)
+        embed_engine(eng, [list(b"warm up"), list(b"the first call")])  # first-call costs, not counted
+        for r in range(args.rounds):
+            inputs = reward_inputs(args.reward_prompts, args.reward_group, args.reward_prompt_tokens, seed=100 + r)
+            for leg in ("engine", "transformers") if r % 2 == 0 else ("transformers", "engine"):
+                t0 = time.monotonic()
+                if leg == "engine":
+                    ours, cached = embed_engine(eng, inputs)
+                else:
+                    theirs = rewards_transformers(model, inputs, args.embed_batch)
+                results["inputs_per_s"][leg].append(len(inputs) / (time.monotonic() - t0))
+            total = sum(map(len, inputs))
+            results["tokens"].append(total)
+            results["computed"].append(total - cached)
+            results["diff"].append(max(abs(a[0] - b) for a, b in zip(ours, theirs)))
+        results["inputs"] = len(inputs)
+        del eng
+        gc.collect()
+    return results
+
+
+def report_rewards(r: dict) -> None:
+    legs = r["inputs_per_s"]
+    ratios = [a / b for a, b in zip(legs["engine"], legs["transformers"])]
+    computed, tokens = sum(r["computed"]), sum(r["tokens"])
+    print(
+        f"== rewards ({r['inputs']} rollouts a round): engine {statistics.median(legs['engine']):.1f} inputs/s, "
+        f"transformers' padded batches {statistics.median(legs['transformers']):.1f}: {statistics.median(ratios):.2f}x "
+        f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); largest reward difference {max(r['diff']):.1e}"
+    )
+    print(
+        f"   prompt tokens the engine computed: {computed:,} of {tokens:,} ({computed / tokens:.2f}x; transformers "
+        "computes them all, and its padding besides)"
+    )
+
+
 def images(args) -> dict:
     """Images (serving/engine/images.py) on a Gemma-3-shaped checkpoint built in the run with the image tests' builder
     (tests/image_models.py; random weights, a SigLIP-shaped vision tower of `--image-vision-layers` layers over 224 x
@@ -1225,11 +1326,24 @@ def main() -> None:
     p.add_argument(
         "--only",
         nargs="+",
-        choices=["quantization", "constrained", "penalties", "speculative", "lora", "embeddings", "moe", "images"],
+        choices=[
+            "quantization",
+            "constrained",
+            "penalties",
+            "speculative",
+            "lora",
+            "embeddings",
+            "rewards",
+            "moe",
+            "images",
+        ],
         help="run these sections only",
     )
     p.add_argument("--embed-inputs", type=int, default=128, help="texts the embeddings section embeds per leg")
     p.add_argument("--embed-batch", type=int, default=32, help="the transformers leg's batch (sentence-transformers')")
+    p.add_argument("--reward-prompts", type=int, default=8, help="prompts of the rewards section's batch")
+    p.add_argument("--reward-group", type=int, default=8, help="responses scored per prompt (a GRPO group)")
+    p.add_argument("--reward-prompt-tokens", type=int, default=160, help="each prompt's tokens")
     p.add_argument("--lora-adapters", type=int, default=4, help="LoRA adapters the lora section's engine holds")
     p.add_argument("--lora-rank", type=int, default=16, help="their rank (on every projection)")
     p.add_argument("--lora-slots", type=int, default=2, help="engine.dynamic_adapters.max_loaded for the on-demand leg")
@@ -1249,6 +1363,7 @@ def main() -> None:
         "speculative",
         "lora",
         "embeddings",
+        "rewards",
         "moe",
         "images",
     ]
@@ -1264,6 +1379,8 @@ def main() -> None:
         report_lora(lora(args))
     if "embeddings" in sections:
         report_embeddings(embeddings(args))
+    if "rewards" in sections:
+        report_rewards(rewards(args))
     if "moe" in sections:
         report_moe(moe(args))
     if "images" in sections:

@@ -625,6 +625,17 @@ class EngineSpec(_Spec):
         "values unread. Either way a generation ends at every end-of-sequence id the model lists "
         "(generation_config.json's and config.json's eos_token_id, and the tokenizer's eos)",
     )
+    recurrent_state_snapshots: int = Field(
+        16,
+        ge=0,
+        le=4096,
+        description="for a model with recurrent layers (Qwen3-Next, Qwen3.5: Gated DeltaNet), the snapshots of "
+        "their states the prefix cache keeps beside its blocks, least recently used let go first: a request "
+        "starts from a cached prefix only as far as a block with a snapshot, which is taken at the last block "
+        "boundary of each prompt and the last one each request reached in decoding (a chat's next turn starts "
+        "there). Each holds every recurrent layer's state for one sequence (the engine logs its size at start); "
+        "0: such a model shares no prefix cache. No effect without enable_prefix_caching or recurrent layers",
+    )
     classifier_from_token: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         max_length=2,

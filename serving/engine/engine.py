@@ -35,7 +35,7 @@ from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.generation import GenerationConfig, read_generation_config
 from pylon.serving.engine.guided import Guides
 from pylon.serving.engine.images import PROCESSOR_FILES, ImageInputs, ImageProcessor, ImagePrompt, has_processor
-from pylon.serving.engine.kv_cache import KVBlockPool, cache_salt
+from pylon.serving.engine.kv_cache import KVBlockPool, StateSnapshots, cache_salt
 from pylon.serving.engine.pooling import read_classifier
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from pylon.serving.engine.sampling import SamplingParams, sample, shape_logits, token_logprobs
@@ -181,6 +181,9 @@ class LLMEngine:
         )
         # LoRA adapters (engine.adapters): the runner's slot k is the k-th; requests name them (params.adapter).
         self.adapter_slots = {a.name: k for k, a in enumerate(spec.adapters, 1)}
+        # A model with recurrent layers, with the prefix cache: their states at block boundaries (kv_cache.py).
+        self.snapshots: StateSnapshots | None = None
+        self._latest_snapshot: dict[str, tuple[int, list]] = {}  # request -> (blocks, its states there), decoding
         with contextlib.ExitStack() as stack:
             directory = stack.enter_context(local_model_dir(model))
             self.tokenizer = load_model_tokenizer(directory)
@@ -208,7 +211,18 @@ class LLMEngine:
                         f"engine.speculative: {spec.speculative.method} cannot serve model {model}: its recurrent "
                         "layers' states cannot take back a rejected draft; set engine.speculative.method: none"
                     )
-                if self.pool.enable_caching:  # a cached block holds keys and values, not the recurrent state there
+                if self.pool.enable_caching and spec.recurrent_state_snapshots:
+                    # A cached block holds keys and values, not the recurrent layers' state there: their states'
+                    # snapshots at block boundaries beside the blocks (kv_cache.StateSnapshots).
+                    self.snapshots = StateSnapshots(spec.recurrent_state_snapshots)
+                    log.info(
+                        "model %s has recurrent layers: its prefix cache keeps up to %d snapshots of their states "
+                        "(engine.recurrent_state_snapshots), %.1f MiB each",
+                        model,
+                        spec.recurrent_state_snapshots,
+                        self.runner.state_bytes() / 2**20,
+                    )
+                elif self.pool.enable_caching:
                     log.info("model %s has recurrent layers: its requests share no prefix cache", model)
                     self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size, enable_caching=False)
             # A multimodal checkpoint's processor, for requests with images (engine/images.py); None: text only.
@@ -275,7 +289,10 @@ class LLMEngine:
                 time.monotonic() - started,
             )
         self.scheduler = Scheduler(
-            self.pool, max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens
+            self.pool,
+            max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            snapshots=self.snapshots,
         )
         # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an
         # abort only together with or after the add it cancels, never in between.
@@ -548,6 +565,8 @@ class LLMEngine:
 
         self._propose_drafts()
         batch = self.scheduler.schedule()
+        if self.snapshots is not None:
+            self._restore_states(batch)
         if not batch.scheduled:
             return outputs
         recurrent = self.runner.recurrent
@@ -570,6 +589,8 @@ class LLMEngine:
         ]
         self._step_tokens = sum(step.num_new_tokens for step in steps)
         logits, pooled = self.runner.execute_step(steps)
+        if self.snapshots is not None:
+            self._snapshot_states(batch.scheduled)
         if pooled is not None:  # embedding requests whose prompt this step finished: their rows are not logits
             embedded = [s.request for s in batch.scheduled if s.samples and s.request.params.embed]
             outputs.extend(self._finish_embedded(r, row) for r, row in zip(embedded, pooled.cpu()))
@@ -629,6 +650,40 @@ class LLMEngine:
                 continue
             outputs.append(self._append_token(request, token, now, logprob))
         return outputs
+
+    def _restore_states(self, batch) -> None:
+        """Recurrent layers: the states of each request the step starts from a cached prefix, from its snapshot; a
+        preempted request's latest snapshot kept (its blocks were registered as it let them go)."""
+        for request in batch.preempted:
+            self._keep_latest_snapshot(request)
+        for s in batch.scheduled:
+            if s.request.restore_from is not None:
+                self.runner.restore_state(s.request.request_id, self.snapshots.get(s.request.restore_from))
+                self.snapshots.restored += 1
+                s.request.restore_from = None
+
+    def _snapshot_states(self, scheduled) -> None:
+        """Recurrent layers: snapshot the states of each request whose computed tokens the step ended on a block
+        boundary: at its prompt's snapshot boundary, kept at once; in decoding, its latest, kept when it ends."""
+        bs = self.pool.block_size
+        for s in scheduled:
+            end = s.start + s.num_new_tokens
+            if end % bs or not end:
+                continue
+            request = s.request
+            if end == self.scheduler.snapshot_boundary(request):
+                snapshot = self.runner.snapshot_state(request.request_id)
+                self.snapshots.put(self.scheduler.block_hashes(request)[end // bs - 1], snapshot)
+            elif end > request.num_prompt_tokens:
+                self._latest_snapshot[request.request_id] = (end // bs, self.runner.snapshot_state(request.request_id))
+
+    def _keep_latest_snapshot(self, request: Request) -> None:
+        latest = self._latest_snapshot.pop(request.request_id, None)
+        if latest is not None:
+            blocks, snapshot = latest
+            hashes = self.scheduler.block_hashes(request)
+            if len(hashes) >= blocks:
+                self.snapshots.put(hashes[blocks - 1], snapshot)
 
     def _image_step(self, request: Request, start: int, num_new: int) -> dict:
         """A step's image fields (StepSequence) for `request`'s positions start .. start + num_new - 1: its images'
@@ -828,6 +883,8 @@ class LLMEngine:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
         if self.runner.recurrent:
+            if self.snapshots is not None:
+                self._keep_latest_snapshot(request)
             self.runner.release_state(request.request_id)
         if self.drafter is not None:
             self.drafter.forget(request.request_id)

@@ -31,6 +31,16 @@ request's own blocks in one run where it can:
   all-or-nothing answer and preemption are as if nothing were set aside.
 
 Lowest first also keeps the live blocks packed at the start of the pool however many requests come and go.
+
+**Recurrent layers' states** (`StateSnapshots`; Qwen3-Next's and Qwen3.5's Gated DeltaNet layers). Such a layer keeps
+no keys and values: a sequence's whole past is one state, which a cached block cannot hold. So next to the blocks the
+engine keeps snapshots of every recurrent layer's state at some block boundaries, named by the hash of the block that
+ends there: a request starts from a cached prefix only as far as its deepest block with a snapshot, its attention
+layers from the blocks and its recurrent layers from that snapshot (`Scheduler._cached_prefix`). Snapshots are taken
+where a step's tokens end on a boundary: the last boundary of a prompt short of its last token (its computing is split
+there: what the same prompt, or one that extends it, will look up) and, in decoding, the latest boundary a request
+reached (kept when it ends: the next turn of a chat extends the whole of it). They are kept least recently used first,
+at most `engine.recurrent_state_snapshots`.
 """
 
 from __future__ import annotations
@@ -62,6 +72,35 @@ def block_hashes(token_ids: list[int], block_size: int, hashes: list[bytes], sal
         parent = digest.digest()
         hashes.append(parent)
     return hashes
+
+
+class StateSnapshots:
+    """The recurrent layers' states at block boundaries, by the hash of the block that ends there (see the module's
+    docs), at most `capacity` of them, the least recently used let go first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._kept: OrderedDict[bytes, Any] = OrderedDict()
+        self.stored = 0  # snapshots put, a counter
+        self.restored = 0  # requests started from one
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._kept
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, h: bytes, snapshot: Any) -> None:
+        self._kept[h] = snapshot
+        self._kept.move_to_end(h)
+        self.stored += 1
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, h: bytes) -> Any:
+        snapshot = self._kept[h]
+        self._kept.move_to_end(h)
+        return snapshot
 
 
 class KVBlockPool:

@@ -56,6 +56,9 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (kv_cache.block_hashes)
     num_registered_blocks: int = 0  # full computed blocks `Scheduler._register` gave the pool (0 after a preemption)
+    # A model with recurrent layers: the hash of the block whose states snapshot (kv_cache.StateSnapshots) its
+    # recurrent layers start from, set where it starts from a cached prefix, until the engine has restored them
+    restore_from: bytes | None = None
     num_kept_logprob_blocks: int = 0  # blocks whose prompt logprobs the cache keeps (Scheduler._keep_prompt_logprobs)
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))

@@ -37,7 +37,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pylon.serving.engine.kv_cache import KVBlockPool, block_hashes
+from pylon.serving.engine.kv_cache import KVBlockPool, StateSnapshots, block_hashes
 from pylon.serving.engine.request import FinishReason, Request, TokenLogprob
 
 
@@ -76,8 +76,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: KVBlockPool, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        pool: KVBlockPool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        snapshots: StateSnapshots | None = None,
+    ):
         self.pool = pool
+        # A model with recurrent layers (with the prefix cache): their states' snapshots, which a cached prefix needs
+        self.snapshots = snapshots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -127,6 +136,7 @@ class Scheduler:
                     i += 1
                     continue
                 request.draft = []
+            num_new = self._to_boundary(request, request.num_computed_tokens, num_new)
             if not self._make_room(request, request.num_computed_tokens + num_new, preempted):
                 break  # it was the newest running request itself: nothing after it is left
             scheduled.append(self._take(request, num_new))
@@ -137,7 +147,7 @@ class Scheduler:
             request = self.waiting[0]
             cached = self._cached_prefix(request)
             num_cached = len(cached) * self.pool.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = self._to_boundary(request, num_cached, min(request.num_tokens - num_cached, budget))
             if request.images is not None:
                 num_new = request.images.cut(num_cached, num_new)
                 if not num_new:  # its first chunk would end inside an image's run: it waits for a fuller budget
@@ -160,6 +170,20 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted)
 
+    def snapshot_boundary(self, request: Request) -> int:
+        """Where a request's recurrent states are snapshotted in its prompt: the last block boundary short of its last
+        token (the deepest a later request with the same prompt starts from), or 0 (none)."""
+        return (request.num_prompt_tokens - 1) // self.pool.block_size * self.pool.block_size
+
+    def _to_boundary(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, or fewer so that the step ends on the prompt's snapshot boundary where it
+        would pass it (a model with recurrent layers, with the prefix cache: see kv_cache.py)."""
+        if self.snapshots is not None:
+            boundary = self.snapshot_boundary(request)
+            if start < boundary < start + num_new:
+                return boundary - start
+        return num_new
+
     def _make_room(self, request: Request, num_tokens: int, preempted: list[Request]) -> bool:
         """Give `request` blocks for `num_tokens`, preempting the newest running requests while the pool is
         short. False when `request` itself was the newest and had to go."""
@@ -181,8 +205,15 @@ class Scheduler:
         hashes = self._hashes(request)
         usable = (request.num_tokens - 1) // self.pool.block_size
         blocks = self.pool.lookup(hashes[:usable])
+        if blocks and self.snapshots is not None:  # as far as its recurrent layers' states were kept
+            m = next((m for m in range(len(blocks), 0, -1) if hashes[m - 1] in self.snapshots), 0)
+            blocks = blocks[:m]
         if blocks and request.prompt_logprobs is not None:
             blocks = blocks[: self._with_prompt_logprobs(request, hashes, len(blocks))]
+            if self.snapshots is not None:  # (fewer blocks: the deepest of those with a snapshot)
+                m = next((m for m in range(len(blocks), 0, -1) if hashes[m - 1] in self.snapshots), 0)
+                blocks = blocks[:m]
+        request.restore_from = hashes[len(blocks) - 1] if blocks and self.snapshots is not None else None
         return blocks
 
     def _with_prompt_logprobs(self, request: Request, hashes: list[bytes], found: int) -> int:
@@ -230,6 +261,10 @@ class Scheduler:
             nxt = (i + 1) * bs
             if nxt < len(prompt) and entries[nxt] is not None and kept.k == k:
                 kept.next[prompt[nxt]] = entries[nxt]
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of every full block of `request`'s tokens (computed once each, kept with it)."""
+        return self._hashes(request)
 
     def _hashes(self, request: Request) -> list[bytes]:
         # An image's placeholders hash as its contents (ImageInputs.hash_ids): one image's blocks never serve another.
