@@ -50,6 +50,7 @@ from pylon.serving.engine.tokenization import (
     special_token_ids,
 )
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
+from pylon.serving.model.families import recurrent_state_bytes
 from pylon.serving.model.step import StepSequence
 from pylon.specs import EngineSpec
 
@@ -220,7 +221,7 @@ class LLMEngine:
                         "(engine.recurrent_state_snapshots), %.1f MiB each",
                         model,
                         spec.recurrent_state_snapshots,
-                        self.runner.state_bytes() / 2**20,
+                        recurrent_state_bytes(self.runner.config, self.runner.dtype.itemsize) / 2**20,
                     )
                 elif self.pool.enable_caching:
                     log.info("model %s has recurrent layers: its requests share no prefix cache", model)

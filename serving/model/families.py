@@ -233,6 +233,22 @@ IMAGE_MODELS = ("gemma3", "mistral3")
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "gpt_neox", *LLAMA_FAMILIES, *TEXT_MODELS)
 
 
+def recurrent_state_bytes(config, dtype_bytes: int) -> int:
+    """The bytes of one sequence's recurrent states in a model with recurrent layers (Qwen3-Next's and Qwen3.5's
+    Gated DeltaNet, `layer_types`' "linear_attention"), as the serving engine keeps them: per such layer the
+    convolution's last kernel - 1 inputs of every channel (queries, keys and values) in the model's dtype, and the delta
+    rule's matrix per value head (key_dim x value_dim) in float32; 0 for a model without them."""
+    types = getattr(config, "layer_types", None) or []
+    layers = sum(t == "linear_attention" for t in types)
+    if not layers:
+        return 0
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    conv = (2 * key_dim + value_dim) * (config.linear_conv_kernel_dim - 1) * dtype_bytes
+    matrices = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    return layers * (conv + matrices)
+
+
 def is_sequence_classifier(config) -> bool:
     """Whether a checkpoint is its family's `*ForSequenceClassification` (a reward model, a cross-encoder, a
     classifier: a head over the last token's final hidden state instead of an lm_head), by its config's

@@ -1406,19 +1406,6 @@ class ModelRunner:
         it continues from there."""
         self._states[key] = [[t.clone() if t is not None else None for t in layer] for layer in snapshot]
 
-    def state_bytes(self) -> int:
-        """The bytes of one sequence's recurrent states (a snapshot's size), from the recurrent layers' shapes."""
-        total = 0
-        for layer in self.model.model.layers:
-            attn = getattr(layer, "linear_attn", None)
-            if attn is None:
-                continue
-            width = attn.conv1d.weight.shape[-1] - 1
-            channels = attn.conv1d.weight.shape[0]
-            heads, key_dim, value_dim = attn.num_v_heads, attn.head_k_dim, attn.head_v_dim
-            total += (channels * width) * self.dtype.itemsize + heads * key_dim * value_dim * 4
-        return total
-
     def release_state(self, key: str) -> None:
         """Forget a finished sequence's recurrent state (`StepSequence.state`)."""
         self._states.pop(key, None)

@@ -635,3 +635,47 @@ def test_a_classifier_counts_its_head_not_an_lm_head() -> None:
     real = AutoModelForSequenceClassification.from_config(config)
     assert shape.total_params == sum(p.numel() for p in real.parameters()) == causal.total_params - 8000 * 256 + 256
     assert shape.projection_params == causal.projection_params
+
+
+def test_a_recurrent_models_states_are_counted_per_sequence_and_snapshot(tmp_path: Path) -> None:
+    """Qwen3-Next-80B-A3B's recurrent layers (36 of 48), hand-counted: per layer the convolution's last 3 inputs of
+    8,192 channels in bf16 and 32 delta-rule matrices of 128 x 128 in float32; the plan counts one state per running
+    sequence and per prefix-cache snapshot, and names them."""
+    from transformers import AutoConfig
+
+    from pylon.serving.model.families import recurrent_state_bytes
+
+    fields = {
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_value_heads": 32,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "intermediate_size": 64,
+        "vocab_size": 1000,
+    }
+    config = AutoConfig.for_model("qwen3_next", **fields)
+    per_layer = 8192 * 3 * 2 + 32 * 128 * 128 * 4
+    assert recurrent_state_bytes(config, 2) == 36 * per_layer == 77_266_944
+    assert recurrent_state_bytes(AutoConfig.for_model("llama"), 2) == 0
+    (tmp_path / "next").mkdir()
+    (tmp_path / "next" / "config.json").write_text(json.dumps({"model_type": "qwen3_next", **fields}))
+
+    def workspace(**engine):
+        spec = DeploymentSpec(name="next", model=str(tmp_path / "next"), replica={"num_gpus": 1}, engine=engine)
+        result = plan_serve(spec)
+        return next(r for r in result.rows if r.accelerator.name == "H200").workspace, result.notes
+
+    base = {"device": "cuda", "max_num_seqs": 8}
+    (cached, notes), (plain, _) = workspace(**base), workspace(**base, enable_prefix_caching=False)
+    assert cached - plain == 16 * 77_266_944  # the default 16 snapshots
+    assert any("recurrent layers' states" in n and "8 running" in n for n in notes)

@@ -11,6 +11,7 @@ import pytest
 from engine_models import GREEDY, NEW_TOKENS, PROMPTS, Family, run, tokens_of
 
 from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.model.families import recurrent_state_bytes
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,9 @@ def test_a_chats_next_turn_starts_past_the_last_one(family, fields) -> None:
     again, cached = turn(engine, "again", second)
     assert again == got and cached == (len(second) - 1) // 16 * 16
     assert engine.snapshots.restored == 2 and engine.runner._states == {}
+    # A snapshot's bytes are what `pylon plan` counts for one (families.recurrent_state_bytes, fp32 here).
+    kept = next(iter(engine.snapshots._kept.values()))
+    assert sum(t.nbytes for layer in kept for t in layer) == recurrent_state_bytes(family.model.config, 4)
     # Its log-probabilities from the cache (the third start from it) are those computed from scratch.
     fresh = family.engine(enable_prefix_caching=False, **fields)
     want = logprobs_of(fresh, "scratch", second)
