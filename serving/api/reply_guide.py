@@ -18,8 +18,8 @@ token by its id):
     (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, the recipient before or
     after the channel, `<|constrain|>json` optional); one call a reply, as harmony ends a reply at `<|call|>`;
   - any other model: the request's guide, with its tags as the model's tokens; a required or named tool_choice's calls
-    in the model's own markers where its tokenizer has DeepSeek's or Kimi K2's (`_native_calls`), else as Hermes
-    blocks.
+    in the model's own markers where its tokenizer has DeepSeek's or Kimi K2's, or its chat template writes
+    Qwen3-Coder's or GLM-4.5's argument tags (`_native_calls`), else as Hermes blocks.
 The answer is `%json` of the schema (compact, as OpenAI's structured outputs are), one of structured_outputs' choices,
 or the Hermes calls (`tools.ToolPlan.hermes_rules`); a regex or a grammar of the request's own (structured_outputs)
 holds the reply from its first token, reasoning model or not. The reasoning is free text: the model thinks as long
@@ -95,6 +95,11 @@ def _native_calls(plan: tool_calls.ToolPlan, tokenizer) -> str | None:
     elif None not in kimi:
         begin, end, call, args, call_end = (f"<[{t}]>" for t in kimi)
     else:
+        template = _chat_template(tokenizer) or ""
+        if tool_calls.GLM_KEY in template:
+            return _tagged_calls(plan, tokenizer, glm=True)
+        if "<function=" in template and "<parameter=" in template:
+            return _tagged_calls(plan, tokenizer, glm=False)
         return None
     names = plan.allowed()
     repeat = " (NL? call)*" if plan.parallel else ""  # (DeepSeek writes a newline between its calls)
@@ -113,6 +118,65 @@ def _native_calls(plan: tool_calls.ToolPlan, tokenizer) -> str | None:
     if None in deepseek:
         lines.append("INDEX: /[0-9]{1,3}/")
     return "\n".join(lines) + "\n"
+
+
+def _tagged_calls(plan: tool_calls.ToolPlan, tokenizer, *, glm: bool) -> str:
+    """Lark rules whose `calls` are the allowed calls as Qwen3-Coder's chat template writes them (`<tool_call>`, then
+    `<function=NAME>` and a `<parameter=KEY>` block per argument, each value between newlines) or GLM-4.5's
+    (`<tool_call>NAME`, then `<arg_key>KEY</arg_key>` and `<arg_value>VALUE</arg_value>` per argument), tags as the
+    model's tokens where it has them. Each argument of the function's `properties` appears once, in their order,
+    the required ones always; a value is text where its schema types it as a string (or not at all), held to its enum
+    or its minLength and maxLength, and otherwise JSON of its schema: what `tools.parse` reads back (`_typed`)."""
+    open_, close = _tag(tokenizer, tool_calls.OPEN), _tag(tokenizer, tool_calls.CLOSE)
+    names = plan.allowed()
+    repeat = " (NL call)*" if plan.parallel else ""
+    lines = [f"calls: call{repeat}", "call: " + " | ".join(f"call{i}" for i in range(len(names)))]
+    for i, name in enumerate(names):
+        schema = plan.functions[name]["parameters"]
+        required = set(schema.get("required") or ())
+        parts = []
+        for k, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+            rule = f"p{i}_{k}"
+            if glm:
+                head = f"{_tag(tokenizer, tool_calls.GLM_KEY)} {json.dumps(key)} {_tag(tokenizer, '</arg_key>')}"
+                head += f' "\\n" {_tag(tokenizer, "<arg_value>")}'
+                value = _tagged_value(f"v{i}_{k}", sub if isinstance(sub, dict) else {}, "</arg_value>", tokenizer)
+            else:
+                head = json.dumps(f"<parameter={key}>\n")
+                value = _tagged_value(f"v{i}_{k}", sub if isinstance(sub, dict) else {}, "\n</parameter>", tokenizer)
+            lines.append(f'{rule}: {head} {value[0]} "\\n"')
+            lines.extend(value[1])
+            parts.append(rule if key in required else f"{rule}?")
+        body = " ".join(parts)
+        if glm:
+            lines.append(f"call{i}: {open_} {json.dumps(name + chr(10))} {body} {close}")
+        else:
+            head = json.dumps(f"\n<function={name}>\n")
+            lines.append(f'call{i}: {open_} {head} {body} "</function>\\n" {close}')
+    lines.append("NL: /\\n/")
+    return "\n".join(lines) + "\n"
+
+
+def _tagged_value(rule: str, schema: dict, end: str, tokenizer) -> tuple[str, list[str]]:
+    """An argument's value and the tag `end` after it, as grammar symbols, and the rules they need: text (a string, or
+    no type: its enum's strings, or any text within its minLength and maxLength) or JSON of its schema."""
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    end_id = _token_id(tokenizer, end)
+    closing = f"<[{end_id}]>" if end_id is not None else json.dumps(end)
+    if kinds != [None] and "string" not in kinds:
+        return f"{rule} {closing}", [
+            f"{rule}: %json {json.dumps({**schema, 'x-guidance': tool_calls.ARGUMENT_SPACING})}"
+        ]
+    enum = schema.get("enum")
+    if enum and all(isinstance(e, str) for e in enum):
+        return "(" + " | ".join(json.dumps(e) for e in enum) + f") {closing}", []
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    text = f"(?s:.{{{low},{'' if high is None else int(high)}}})"
+    if end_id is not None:  # the tag is a token: the text is a terminal the token ends
+        return f"{rule.upper()} {closing}", [f"{rule.upper()}: /{text}/"]
+    spelled = end.replace("\n", "\\n").replace("/", "\\/")  # the text then its tag, ended by the tag's first spelling
+    return rule, [f"{rule}[lazy]: /{text}{spelled}/"]
 
 
 def _chat_template(tokenizer) -> str | None:

@@ -57,6 +57,7 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 # GLM-4.5's (`NAME` then `<arg_key>KEY</arg_key><arg_value>value</arg_value>` pairs)
 QWEN_XML_FUNCTION = re.compile(r"^<function=([^>\n]+)>(.*?)</function>$", re.DOTALL)
 QWEN_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+GLM_KEY = "<arg_key>"  # GLM-4.5's argument tags (its chat template writes them)
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 # Every marker `parse` reads: a tokenizer that has one as a special token keeps it in a reply's text where the request
 # has tools (SamplingParams.keep_special_ids), whatever skip_special_tokens says

@@ -281,7 +281,8 @@ KIMI_TAGS = [
     "<|tool_call_argument_begin|>",
     "<|tool_call_end|>",
 ]
-NATIVE = {  # each family's tags, a chat template's tell-tale, a reply in its own format
+GLM_TAGS = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
+NATIVE = {  # each family's tags, a chat template's tell-tale, a reply in its own format (and the tag ending a call)
     "deepseek_v3": (
         DEEPSEEK_TAGS,
         "{{ '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n```json\\n' }}",
@@ -300,6 +301,22 @@ NATIVE = {  # each family's tags, a chat template's tell-tale, a reply in its ow
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
         '{"city": "Oslo", "unit": "celsius"}<|tool_call_end|><|tool_calls_section_end|>',
     ),
+    "qwen3_coder": (
+        ["<tool_call>", "</tool_call>"],
+        "{{ '<tool_call>\\n<function=' + name + '>\\n' }}{{ '<parameter=' + key + '>\\n' }}",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n</parameter>\n<parameter=unit>\n"
+        "celsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n"
+        "</parameter>\n<parameter=b>\n-2\n</parameter>\n</function>\n</tool_call>",
+        "</tool_call>",
+    ),
+    "glm45": (
+        GLM_TAGS,
+        "{{ '<tool_call>' + name }}{{ '<arg_key>' + k + '</arg_key>' }}",
+        "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n"
+        "<arg_value>2</arg_value>\n</tool_call>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Oslo</arg_value>\n</tool_call>",
+        "</tool_call>",
+    ),
 }
 
 
@@ -307,22 +324,25 @@ NATIVE = {  # each family's tags, a chat template's tell-tale, a reply in its ow
 def test_a_required_call_is_held_to_the_models_own_markers(tmp_path, family) -> None:
     """DeepSeek's and Kimi K2's tokenizers have their call markers as tokens: a required tool_choice holds the reply
     to calls in those markers (the template tells DeepSeek V3's fenced JSON from V3.1's), which the model's own reply
-    passes and Hermes blocks do not; random logits through the masks read back as valid calls."""
-    tags, template, reply = NATIVE[family]
+    passes and Hermes blocks do not; Qwen3-Coder's and GLM-4.5's templates write their calls' arguments as tags (the
+    template tells which), text where a parameter is a string; random logits through the masks read back as valid
+    calls."""
+    tags, template, reply, *rest = NATIVE[family]
+    end = rest[0] if rest else tags[4]
     tok = bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], template, eos_token="<|im_end|>")
     tok.add_tokens(tags)
     tok.save_pretrained(tmp_path)
     tokenizer = load_model_tokenizer(str(tmp_path))
     plan = _plan()
     guide = reply_guide.for_reply(plan.guide(), plan, tokenizer)
-    assert "<tool_call>" not in guide["grammar"]
+    assert ("<tool_call>" in guide["grammar"]) == (family in ("qwen3_coder", "glm45")) and "%json" in guide["grammar"]
     ok, matcher = _walk(tokenizer, guide, _ids(tokenizer, reply))
     assert ok, matcher.get_error()
     hermes = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     assert not _walk(tokenizer, guide, _ids(tokenizer, hermes))[0]
     content, calls = tools.parse(tokenizer._tok.decode(_ids(tokenizer, reply)), plan)
     assert calls and content is None
-    finish = {tokenizer._tok.convert_tokens_to_ids(tags[4])}  # the end of a call
+    finish = {tokenizer._tok.convert_tokens_to_ids(end)}  # the end of a call
     for seed in range(3):
         ids = _sample(tokenizer, guide, finish, seed)
         text = tokenizer._tok.decode([t for t in ids if t != tokenizer.eos_id])
