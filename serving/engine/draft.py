@@ -73,6 +73,11 @@ class DraftModel:
         self.runner = ModelRunner(
             directory, num_blocks=self.pool.num_blocks, block_size=block_size, device=device, dtype=dtype
         )
+        if self.runner.recurrent:  # its proposals run ahead of the target's tokens, and a state cannot take one back
+            raise PylonError(
+                f"{where}: a draft model with recurrent layers is not served (its states cannot take back the drafts "
+                "the target rejects); use a draft model of attention layers, or engine.speculative.method: ngram"
+            )
         if self.runner.vocab_size != vocab_size:
             raise PylonError(
                 f"{where}: its output layer scores {self.runner.vocab_size} tokens, the model's {vocab_size}; a "

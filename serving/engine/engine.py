@@ -207,11 +207,6 @@ class LLMEngine:
             except PylonError as e:
                 raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
-                if spec.speculative.method != "none":
-                    raise PylonError(
-                        f"engine.speculative: {spec.speculative.method} cannot serve model {model}: its recurrent "
-                        "layers' states cannot take back a rejected draft; set engine.speculative.method: none"
-                    )
                 if self.pool.enable_caching and spec.recurrent_state_snapshots:
                     # A cached block holds keys and values, not the recurrent layers' state there: their states'
                     # snapshots at block boundaries beside the blocks (kv_cache.StateSnapshots).
@@ -585,6 +580,7 @@ class LLMEngine:
                 s.request.params.embed,
                 **(self._image_step(s.request, s.start, s.num_new_tokens) if s.request.images is not None else {}),
                 state=s.request.request_id if recurrent else None,
+                speculative=s.num_draft > 0,
             )
             for s in batch.scheduled
         ]
@@ -669,7 +665,7 @@ class LLMEngine:
         bs = self.pool.block_size
         for s in scheduled:
             end = s.start + s.num_new_tokens
-            if end % bs or not end:
+            if end % bs or not end or s.num_draft:  # (a speculating decode's: once its drafts are verified)
                 continue
             request = s.request
             if end == self.scheduler.snapshot_boundary(request):
@@ -677,6 +673,20 @@ class LLMEngine:
                 self.snapshots.put(self.scheduler.block_hashes(request)[end // bs - 1], snapshot)
             elif end > request.num_prompt_tokens:
                 self._latest_snapshot[request.request_id] = (end // bs, self.runner.snapshot_state(request.request_id))
+
+    def _keep_verified_state(self, request: Request, accepted: int) -> None:
+        """A speculating request of a model with recurrent layers: its states as they were after its decoded token
+        and the `accepted` drafts (the runner computed them after every draft), and, with the prefix cache, their
+        snapshot at the last block boundary the accepted tokens reached (its latest, `_snapshot_states`)."""
+        start = request.num_computed_tokens - 1  # the decoded token's position (the scheduler counted it)
+        end = start + 1 + accepted
+        boundary = end // self.pool.block_size * self.pool.block_size
+        at = None
+        if self.snapshots is not None and boundary > start and boundary > request.num_prompt_tokens:
+            at = boundary - start
+        snapshot = self.runner.keep_state(request.request_id, 1 + accepted, snapshot=at)
+        if snapshot is not None:
+            self._latest_snapshot[request.request_id] = (boundary // self.pool.block_size, snapshot)
 
     def _keep_latest_snapshot(self, request: Request) -> None:
         latest = self._latest_snapshot.pop(request.request_id, None)
@@ -791,6 +801,8 @@ class LLMEngine:
             shaped, draft = self.guides.draft_rows(shaped, draft, request.guide, self.tokenizer.eos_id)
         emitted, accepted = verify(shaped, draft, params, request.generator)
         self.spec_policy.observe_drafts(proposed, accepted)
+        if self.runner.recurrent:  # its recurrent states back to where the accepted drafts end
+            self._keep_verified_state(request, accepted)
         request.num_computed_tokens += accepted  # the step wrote the accepted drafts' KV: they are computed
         # Each emitted token's logprobs from the model's own row that scored it, as a plain step gives them.
         logprobs = (

@@ -501,6 +501,9 @@ class ModelRunner:
         self._num_states = sum(self._linear) if self.recurrent else 0
         self._states: dict[str, list[list[torch.Tensor]]] = {}
         self._step_spans: list[tuple[int, int, str | None, int]] = []  # the step's (offset, tokens, state, start)
+        # Speculating sequences' states after each of the step's tokens, per recurrent layer (`keep_state`).
+        self._drafting: set[str] = set()
+        self._drafted: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._gated_attention = self.recurrent  # (Qwen3-Next's and Qwen3.5's attention layers)
         self.batch_recurrent_decodes = True  # a step's decodes in one call a layer (off: one a sequence; the bench's)
         self.recurrent_rule_calls = 0  # delta-rule calls: a counter of the per-sequence work
@@ -781,6 +784,8 @@ class ModelRunner:
         if self.recurrent:  # where each sequence's rows are, for the recurrent layers
             offsets = itertools.accumulate((s.num_new_tokens for s in steps), initial=0)
             self._step_spans = [(o, s.num_new_tokens, s.state, s.start) for o, s in zip(offsets, steps)]
+            self._drafting = {s.state for s in steps if s.speculative}
+            self._drafted = {}
         for s in steps:
             if s.image_rows:
                 image_rows.extend(len(token_ids) + r for r in s.image_rows)
@@ -1350,6 +1355,23 @@ class ModelRunner:
             qs, ks, vs = conv[0].t()[None].to(x.dtype).split([attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
             qs, ks = qs.reshape(1, n, -1, attn.head_k_dim), ks.reshape(1, n, -1, attn.head_k_dim)
             vs = vs.reshape(1, n, -1, attn.head_v_dim)
+            if key in self._drafting and state[1] is not None:  # a decode and its drafts: a state after each token
+                kept = self._drafted.setdefault(key, [[] for _ in range(self._num_states)])[layer]
+                for j in range(n):
+                    self.recurrent_rule_calls += 1
+                    o, state[1] = recurrent_rule(
+                        qs[:, j : j + 1],
+                        ks[:, j : j + 1],
+                        vs[:, j : j + 1],
+                        g=g[:, offset + j : offset + j + 1],
+                        beta=beta[:, offset + j : offset + j + 1],
+                        initial_state=state[1],
+                        output_final_state=True,
+                        use_qk_l2norm_in_kernel=True,
+                    )
+                    out[offset + j] = o[0, 0].to(x.dtype)
+                    kept.append((seen[:, j + 1 : j + 1 + width], state[1]))
+                continue
             rule = recurrent_rule if n == 1 and state[1] is not None else chunk_rule
             self.recurrent_rule_calls += 1
             o, state[1] = rule(
@@ -1395,6 +1417,21 @@ class ModelRunner:
         width = seen.shape[2] - 1
         for j, s in enumerate(states):
             s[0], s[1] = seen[j, :, seen.shape[2] - width :], final[j : j + 1]
+
+    def keep_state(self, key: str, count: int, snapshot: int | None = None) -> list | None:
+        """A speculating sequence's recurrent states as they were after the first `count` of its step's tokens (the
+        decoded token and the drafts accepted), the rest let go; with `snapshot`, a copy of them after its first
+        `snapshot` tokens (`snapshot_state`'s form) is returned."""
+        drafted = self._drafted.pop(key, None)
+        states = self._states.get(key)
+        if drafted is None or states is None:
+            return None
+        copy = None
+        if snapshot is not None:
+            copy = [[t.clone() for t in layer[snapshot - 1]] for layer in drafted]
+        for layer, kept in enumerate(drafted):
+            states[layer][0], states[layer][1] = kept[count - 1]
+        return copy
 
     def snapshot_state(self, key: str) -> list:
         """A copy of a sequence's recurrent states (every recurrent layer's convolution inputs and delta-rule

@@ -32,6 +32,9 @@ class StepSequence:
     # A model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES): the key of the sequence's state there (its
     # request's id); a sequence that starts at position 0 starts its state afresh (a new prompt, or one recomputed).
     state: str | None = None
+    # Speculative decoding: the tokens after the first are drafts, which the engine may reject. A recurrent layer keeps
+    # its state after each of them, to go back to the last one accepted (`ModelRunner.keep_state`).
+    speculative: bool = False
 
     @property
     def num_new_tokens(self) -> int:

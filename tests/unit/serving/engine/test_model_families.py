@@ -292,8 +292,6 @@ def test_recurrent_layers_keep_each_sequences_state_through_preemption(tmp_path)
     assert engine.stats().num_preemptions_total > 0  # the pool held fewer sequences than were running
     assert [tokens_of(outputs[str(i)]) for i in range(len(PROMPTS))] == family.greedy
     assert engine.runner._states == {}  # every finished request's state let go
-    with pytest.raises(PylonError, match="engine.speculative"):
-        family.engine(speculative={"method": "ngram", "num_tokens": 3})
 
 
 def check_llama4_parts_matter(family) -> None:

@@ -8,7 +8,7 @@ prompt computed from scratch; prompt log-probabilities from the cache are the on
 from __future__ import annotations
 
 import pytest
-from engine_models import GREEDY, NEW_TOKENS, PROMPTS, Family, run, tokens_of
+from engine_models import GREEDY, NEW_TOKENS, PROMPTS, Family, run, speculating, tokens_of
 
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.model.families import recurrent_state_bytes
@@ -92,3 +92,56 @@ def test_snapshots_are_bounded_and_none_means_no_prefix_is_shared(family) -> Non
     turn(off, "a", PROMPTS[3])
     out, cached = turn(off, "b", PROMPTS[3])
     assert cached == 0 and out == family.greedy[3]
+
+
+def test_speculative_drafts_are_verified_and_rejected_ones_taken_back(family, monkeypatch) -> None:
+    """Drafts on a model with recurrent layers: the runner keeps each layer's state after every draft and goes back
+    to the last one accepted, so greedy outputs and their log-probabilities are those of plain decoding. The drafts
+    here are the model's own continuation with every third token wrong (a random model follows no n-gram), so each
+    step accepts two and takes one back, and block boundaries fall inside speculating steps; the latest one a request
+    reached is snapshotted there, and its next turn, started from it, scores as one computed from scratch."""
+    import pylon.serving.engine.engine as engine_module
+
+    def propose(token_ids, room, *_):
+        for p, continuation in zip(PROMPTS, family.greedy):
+            if token_ids[: len(p)] == p:
+                draft = continuation[len(token_ids) - len(p) :][:room]
+                return [t if k % 3 < 2 else (t + 1) % 256 for k, t in enumerate(draft)]
+        return []
+
+    monkeypatch.setattr(engine_module, "ngram_propose", propose)
+    plain = family.engine(enable_prefix_caching=False)
+    want = [logprobs_of(plain, f"p{i}", p) for i, p in enumerate(PROMPTS)]
+    engine = speculating(family.engine(speculative={"method": "ngram", "num_tokens": 4}))
+    kept = []
+    keep_state = engine.runner.keep_state
+    engine.runner.keep_state = lambda key, count, snapshot=None: (
+        kept.append(snapshot) or keep_state(key, count, snapshot)
+    )
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SCORED)
+    outputs = run(engine)
+    for i, p in enumerate(PROMPTS):
+        assert tokens_of(outputs[str(i)]) == family.greedy[i], i
+        got = [e.logprob for o in outputs[str(i)] for e in o.logprobs]
+        # (a draft's row is a query among several over the cache, a decode's alone: fp32 rounding apart)
+        assert max(abs(a - b) for a, b in zip(got, want[i])) < 1e-3, i
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total  # some taken, some taken back
+    assert any(at is not None and at > 1 for at in kept)  # a boundary passed by accepted drafts: snapshotted there
+    for i, p in enumerate(PROMPTS):
+        reply = tokens_of(outputs[str(i)])
+        second = p + reply + PROMPTS[0]
+        engine.add_request(f"next-{i}", second, SCORED)
+        outs = run(engine)[f"next-{i}"]
+        deepest = (len(p) + len(reply) - 1) // 16 * 16
+        assert outs[0].num_cached_tokens == (deepest if deepest > len(p) else (len(p) - 1) // 16 * 16), i
+        got = [e.logprob for o in outs for e in o.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, logprobs_of(plain, f"next-{i}", second))) < 1e-3, i
+
+
+def test_a_draft_model_with_recurrent_layers_is_refused_by_name(family) -> None:
+    from pylon.errors import PylonError
+
+    with pytest.raises(PylonError, match="engine.speculative.draft_model .*recurrent layers is not served"):
+        family.engine(speculative={"method": "draft", "draft_model": family.dir, "num_tokens": 3})
