@@ -31,6 +31,7 @@ from pylon.serving.engine.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROB_TOKEN_IDS,
     MAX_LOGPROBS,
+    MAX_PATTERN_SIZE,
     MAX_REPETITION_PENALTY,
     MAX_STOP_LENGTH,
     MAX_STOP_TOKEN_IDS,
@@ -123,6 +124,8 @@ class _Request(BaseModel):
     return_token_ids: bool = False
     # vLLM's: at most this many tokens of reasoning (-1: no limit), then the model is made to end it and answer
     thinking_token_budget: int | None = Field(None, ge=-1)
+    # vLLM's: the output ends (finish_reason "repetition") once it ends in a pattern said min_count times in a row
+    repetition_detection: "RepetitionDetection | None" = None
     # vLLM's: the n choices are the n best beams of a beam search (serving/api/beam_search.py), ranked by summed
     # logprob over length ** length_penalty
     use_beam_search: bool = False
@@ -182,6 +185,7 @@ class _Request(BaseModel):
             priority=self.priority or SERVICE_TIERS.get(self.service_tier, 0),
             return_prompt_token_ids=self.return_token_ids,
             thinking_token_budget=self.thinking_token_budget,
+            repetition_detection=self.repetition_detection.triple() if self.repetition_detection else None,
             truncation_side=self.truncation_side or "left",
             logprob_token_ids=self.logprob_token_ids,
             **self._logprobs_params(),
@@ -231,6 +235,19 @@ def check_template_kwargs(kwargs: dict | None) -> None:
             raise InvalidRequest(
                 f"{param}: {name!r} is set by the server, not a template variable a request may give", param=param
             )
+
+
+class RepetitionDetection(BaseModel):
+    """vLLM's repetition_detection: the output ends (finish_reason "repetition") once its last tokens are a pattern of
+    min_pattern_size to max_pattern_size tokens said min_count times in a row (max_pattern_size 0: off)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_pattern_size: int = Field(0, ge=0, le=MAX_PATTERN_SIZE)
+    min_pattern_size: int = Field(0, ge=0, le=MAX_PATTERN_SIZE)
+    min_count: int = Field(0, ge=0)
+
+    def triple(self) -> tuple[int, int, int]:
+        return (self.max_pattern_size, self.min_pattern_size, self.min_count)
 
 
 class StreamOptions(BaseModel):
@@ -892,7 +909,7 @@ class ErrorResponse(_Response):
     error: ErrorObject
 
 
-FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls", "repetition"]
 
 
 class PromptTokensDetails(_Response):

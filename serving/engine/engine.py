@@ -888,6 +888,13 @@ class LLMEngine:
             request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len
         ):
             reason = "length"
+        if (
+            reason is None
+            and params.repetition_detection is not None
+            and request.num_output_tokens >= params.min_tokens
+            and params.repeats(request.output_token_ids)
+        ):
+            reason = "repetition"  # (vLLM's: the output ends in a loop)
         if reason is not None:
             text += request.detokenizer.flush()
             self._finish(request, reason)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from pylon.serving.engine.images import ImageInputs
     from pylon.serving.engine.tokenization import IncrementalDetokenizer
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "repetition"]
 
 
 @dataclass

@@ -129,6 +129,8 @@ class SamplingParams:
     priority: int = 0
     return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids (RequestOutput)
     thinking_token_budget: int | None = None
+    # vLLM's repetition_detection: (max_pattern_size, min_pattern_size, min_count); None: off (see `repeats`)
+    repetition_detection: tuple[int, int, int] | None = None
     truncation_side: str = "left"
     logprob_token_ids: list[int] | None = None
     reasoning_tags: tuple[tuple[int, ...], tuple[int, ...], bool] | None = None
@@ -304,6 +306,34 @@ class SamplingParams:
                 )
             if self.thinking_token_budget == -1:
                 self.thinking_token_budget = None
+        if self.repetition_detection is not None:
+            largest, smallest, count = self.repetition_detection
+            for name, value in (("max_pattern_size", largest), ("min_pattern_size", smallest), ("min_count", count)):
+                _check_int(f"repetition_detection.{name}", value)
+            if largest <= 0:
+                self.repetition_detection = None  # vLLM's: 0 turns it off
+            elif count < 2 or not 0 <= smallest <= largest or largest > MAX_PATTERN_SIZE:
+                raise InvalidRequest(
+                    "repetition_detection: max_pattern_size at most "
+                    f"{MAX_PATTERN_SIZE}, min_pattern_size from 0 (1) to max_pattern_size, and min_count >= 2 "
+                    f"(got {largest}, {smallest}, {count})",
+                    param="repetition_detection",
+                )
+            else:
+                self.repetition_detection = (largest, max(smallest, 1), count)
+
+    def repeats(self, output_ids: list[int]) -> bool:
+        """Whether the output ends in a pattern of max_pattern_size tokens or fewer (min_pattern_size or more) said
+        min_count times in a row (vLLM's repetition_detection; the request then ends, finish reason "repetition")."""
+        largest, smallest, count = self.repetition_detection
+        n = len(output_ids)
+        for size in range(smallest, largest + 1):
+            if size * count > n:
+                return False
+            tail = output_ids[n - size :]
+            if all(output_ids[n - size * (k + 1) : n - size * k] == tail for k in range(1, count)):
+                return True
+        return False
 
     @property
     def shapes_logits(self) -> bool:
@@ -339,6 +369,7 @@ class SamplingParams:
         return torch.Generator().manual_seed(seed % 2**64)
 
 
+MAX_PATTERN_SIZE = 1024  # repetition_detection's largest pattern (each token checks up to this many)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024

@@ -63,9 +63,30 @@ def test_the_extras_reach_the_engine(client) -> None:
         ("truncate_prompt_tokens", -2),
         ("cache_salt", ""),
         ("include_stop_str_in_output", "yes"),
+        ("repetition_detection", {"max_pattern_size": 4, "min_count": 1}),
+        ("repetition_detection", {"max_pattern_size": 4, "min_pattern_size": 5, "min_count": 3}),
+        ("repetition_detection", {"max_pattern_size": 4, "min_count": 3, "mode": "x"}),
     ],
 )
 def test_a_bad_extra_is_a_400_naming_it(server, field, value) -> None:  # noqa: F811
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value}
     r = requests.post(f"{server}/v1/completions", headers=auth(), json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text
+
+
+def test_a_looping_output_ends_with_finish_reason_repetition(client) -> None:
+    """repetition_detection: one allowed token repeats it; the output ends once it is said min_count times (streamed
+    and not, both endpoints); max_pattern_size 0 leaves it off."""
+    loop = {"allowed_token_ids": [ord("a")], "repetition_detection": {"max_pattern_size": 3, "min_count": 5}}
+    reply = client.completions.create(model="tiny", prompt="hi", max_tokens=40, temperature=0, extra_body=loop)
+    assert reply.choices[0].text == "aaaaa" and reply.choices[0].finish_reason == "repetition"
+    chat = [{"role": "user", "content": "hi"}]
+    streamed = client.chat.completions.create(
+        model="tiny", messages=chat, max_tokens=40, temperature=0, stream=True, extra_body=loop
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "aaaaa"
+    assert chunks[-1].choices[0].finish_reason == "repetition"
+    off = {**loop, "repetition_detection": {"max_pattern_size": 0, "min_count": 5}}
+    reply = client.completions.create(model="tiny", prompt="hi", max_tokens=12, temperature=0, extra_body=off)
+    assert reply.choices[0].text == "a" * 12 and reply.choices[0].finish_reason == "length"

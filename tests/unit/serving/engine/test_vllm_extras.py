@@ -231,3 +231,33 @@ def test_logprobs_of_given_tokens_and_a_prompt_cut_from_the_right(gpt2: Family) 
         engine.add_request("x", prompt, SamplingParams(logprobs=0, logprob_token_ids=[10**6]))
     assert e.value.param == "logprob_token_ids"
     assert_pool_empty(engine)
+
+
+def test_repetition_detection_is_vllms_rule() -> None:
+    """The output's last tokens a pattern of min_pattern_size..max_pattern_size tokens said min_count times in a row,
+    as vLLM's check_sequence_repetition reads it; values that cannot detect anything are refused by name."""
+    params = SamplingParams(max_tokens=10, repetition_detection=(4, 2, 3))
+    assert params.repeats([9, 1, 2, 1, 2, 1, 2])  # "1 2" three times
+    assert not params.repeats([1, 2, 1, 2])  # twice
+    assert not params.repeats([7, 5, 5, 5, 5])  # one token four times: below min_pattern_size 2; "5 5" only twice
+    assert SamplingParams(max_tokens=10, repetition_detection=(4, 0, 3)).repeats([7, 5, 5, 5])  # min 0 means 1
+    assert params.repeats([1, 2, 3, 4] * 3) and not params.repeats([1, 2, 3, 4, 5] * 3)  # 5 > max_pattern_size
+    assert SamplingParams(max_tokens=10, repetition_detection=(0, 0, 0)).repetition_detection is None  # off
+    for bad in ((4, 0, 1), (4, 5, 3), (4, -1, 3), (10**6, 1, 3)):
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(max_tokens=10, repetition_detection=bad)
+        assert e.value.param == "repetition_detection"
+
+
+def test_a_looping_output_ends_at_min_count(gpt2: Family) -> None:
+    engine = gpt2.engine()
+    loop = {"max_tokens": 50, "temperature": 0, "allowed_token_ids": [65], "repetition_detection": (2, 1, 4)}
+    engine.add_request("loop", PROMPTS[3], SamplingParams(**loop))
+    engine.add_request("late", PROMPTS[3], SamplingParams(**loop, min_tokens=9))  # looked for once min_tokens are out
+    engine.add_request("free", PROMPTS[2], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    outs = run(engine)
+    assert tokens_of(outs["loop"]) == [65] * 4 and outs["loop"][-1].finish_reason == "repetition"
+    assert tokens_of(outs["late"]) == [65] * 9 and outs["late"][-1].finish_reason == "repetition"
+    assert tokens_of(outs["free"]) == gpt2.greedy[2]
+    assert engine.stats().requests_finished_total["repetition"] == 2
+    assert_pool_empty(engine)
