@@ -632,8 +632,9 @@ class EngineSpec(_Spec):
         description="for a model with recurrent layers (Qwen3-Next, Qwen3.5: Gated DeltaNet), the snapshots of "
         "their states the prefix cache keeps beside its blocks, least recently used let go first: a request "
         "starts from a cached prefix only as far as a block with a snapshot, which is taken at the last block "
-        "boundary of each prompt and the last one each request reached in decoding (a chat's next turn starts "
-        "there). Each holds every recurrent layer's state for one sequence (the engine logs its size at start); "
+        "boundary of each prompt, at the last one before a chat's last message (another conversation with the "
+        "same system prompt starts there) and at the last one each request reached in decoding (a chat's next turn "
+        "starts there). Each holds every recurrent layer's state for one sequence (the engine logs its size at start); "
         "0: such a model shares no prefix cache. No effect without enable_prefix_caching or recurrent layers",
     )
     classifier_from_token: list[Annotated[str, Field(min_length=1)]] = Field(

@@ -570,6 +570,23 @@ class ChatCompletionRequest(_Request):
         self._rendered = ((id(tokenizer), max_images), prompt)
         return prompt
 
+    def shared_prefix(self, tokenizer) -> str | None:
+        """The rendered chat up to its last message (what later requests of the same conversation, or with the same
+        system prompt, are likely to share): the messages before it through the template as the whole is rendered,
+        where the whole rendering starts with that text; None for a chat of one message, with images, or where the
+        template renders no such prefix."""
+        if len(self.messages) < 2 or self.image_parts():
+            return None
+        head = self.model_copy(
+            update={"messages": self.messages[:-1], "add_generation_prompt": False, "continue_final_message": False}
+        )
+        head._rendered = None
+        try:
+            text, whole = head.render(tokenizer), self.render(tokenizer)
+        except Exception:  # a template that takes no chat ending there (one that insists on a user turn last)
+            return None
+        return text if isinstance(whole, str) and text and whole.startswith(text) else None
+
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's extra variables: chat_template_kwargs, and reasoning_effort where given."""
         if self.reasoning_effort is None:

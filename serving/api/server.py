@@ -1079,6 +1079,10 @@ class PylonLLMServer:
                 request_id = body.request_id  # vLLM's field; a client's X-Request-Id header wins
             params = body.sampling_params(16 if kind == "completion" else None, self.sampling_defaults)
             params.priority = _priority(headers, params.priority)
+            if kind != "completion" and self.engine.generation.snapshots:  # recurrent layers: keep the shared part
+                shared = body.shared_prefix(self.engine.tokenizer)
+                if shared is not None:
+                    params.snapshot_at = len(prompt_ids(self.engine.tokenizer, shared, params.add_special_tokens))
             if kind != "completion":  # a constrained chat reply in the model's own format, its reasoning first
                 params.guide = reply_guide.for_reply(
                     params.guide,

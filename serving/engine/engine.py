@@ -249,6 +249,8 @@ class LLMEngine:
                 vocab_size=self.runner.vocab_size,
                 sampling=spec.generation_config == "auto",
             )
+            if self.snapshots is not None:  # the server names where a chat's shared part ends (snapshot_at)
+                self.generation = dataclasses.replace(self.generation, snapshots=True)
             if self.runner.classifier is not None:  # what its logits mean (engine/pooling.py), for the HTTP layer
                 classifier = read_classifier(
                     directory, self.runner.config, from_tokens=tuple(spec.classifier_from_token)
@@ -668,7 +670,7 @@ class LLMEngine:
             if end % bs or not end or s.num_draft:  # (a speculating decode's: once its drafts are verified)
                 continue
             request = s.request
-            if end == self.scheduler.snapshot_boundary(request):
+            if end in self.scheduler.snapshot_boundaries(request):
                 snapshot = self.runner.snapshot_state(request.request_id)
                 self.snapshots.put(self.scheduler.block_hashes(request)[end // bs - 1], snapshot)
             elif end > request.num_prompt_tokens:

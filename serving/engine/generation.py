@@ -67,6 +67,9 @@ class GenerationConfig:
     sampling: dict = field(default_factory=dict)
     # A classifier's labels and activations (pylon.serving.engine.pooling); None: a model that generates.
     classifier: Classifier | None = None
+    # The engine keeps its recurrent layers' states where a request asks (SamplingParams.snapshot_at): a model with
+    # recurrent layers, with the prefix cache (kv_cache.StateSnapshots)
+    snapshots: bool = False
 
     def default_params(self) -> SamplingParams:
         """The SamplingParams of a request that gives none: SamplingParams' own defaults under the model's. A

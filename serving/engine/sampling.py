@@ -129,6 +129,9 @@ class SamplingParams:
     priority: int = 0
     return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids (RequestOutput)
     thinking_token_budget: int | None = None
+    # A model with recurrent layers: a prompt position before which the prompt is likely shared by later requests
+    # (the server's: where a chat's last message begins), where the engine snapshots the states (kv_cache.py)
+    snapshot_at: int | None = None
     # vLLM's repetition_detection: (max_pattern_size, min_pattern_size, min_count); None: off (see `repeats`)
     repetition_detection: tuple[int, int, int] | None = None
     truncation_side: str = "left"

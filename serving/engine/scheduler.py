@@ -170,18 +170,24 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted)
 
-    def snapshot_boundary(self, request: Request) -> int:
-        """Where a request's recurrent states are snapshotted in its prompt: the last block boundary short of its last
-        token (the deepest a later request with the same prompt starts from), or 0 (none)."""
-        return (request.num_prompt_tokens - 1) // self.pool.block_size * self.pool.block_size
+    def snapshot_boundaries(self, request: Request) -> tuple[int, ...]:
+        """Where a request's recurrent states are snapshotted in its prompt, in order: the last block boundary before
+        the position its params name (`snapshot_at`: where a chat's shared part ends, the server's), and the last
+        block boundary short of its last token (the deepest a later request with the same prompt starts from); 0s
+        left out."""
+        bs = self.pool.block_size
+        last = (request.num_prompt_tokens - 1) // bs * bs
+        hint = request.params.snapshot_at
+        shared = (min(hint, request.num_prompt_tokens) - 1) // bs * bs if hint else 0
+        return tuple(b for b in sorted({shared, last}) if b > 0)
 
     def _to_boundary(self, request: Request, start: int, num_new: int) -> int:
-        """`num_new` tokens from `start`, or fewer so that the step ends on the prompt's snapshot boundary where it
-        would pass it (a model with recurrent layers, with the prefix cache: see kv_cache.py)."""
+        """`num_new` tokens from `start`, or fewer so that the step ends on the prompt's next snapshot boundary where
+        it would pass it (a model with recurrent layers, with the prefix cache: see kv_cache.py)."""
         if self.snapshots is not None:
-            boundary = self.snapshot_boundary(request)
-            if start < boundary < start + num_new:
-                return boundary - start
+            for boundary in self.snapshot_boundaries(request):
+                if start < boundary < start + num_new:
+                    return boundary - start
         return num_new
 
     def _make_room(self, request: Request, num_tokens: int, preempted: list[Request]) -> bool:

@@ -145,3 +145,25 @@ def test_a_draft_model_with_recurrent_layers_is_refused_by_name(family) -> None:
 
     with pytest.raises(PylonError, match="engine.speculative.draft_model .*recurrent layers is not served"):
         family.engine(speculative={"method": "draft", "draft_model": family.dir, "num_tokens": 3})
+
+
+def test_a_shared_system_prompt_is_snapshotted_where_the_server_says(family) -> None:
+    """`snapshot_at` (the server's: where a chat's last message begins): the prompt's computing is also split at the
+    last block boundary before it, and the states snapshotted there, so another conversation with the same system
+    prompt starts past it; without it, nothing before the prompt's own last boundary is kept."""
+    system, first, second = PROMPTS[3][:70], PROMPTS[6], PROMPTS[2]  # 70 shared tokens, then 33 or 40 of each
+    engine = family.engine()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=1, snapshot_at=len(system))
+    engine.add_request("a", system + first, params)
+    run(engine)
+    engine.add_request("b", system + second, params)
+    outs = run(engine)["b"]
+    assert outs[0].num_cached_tokens == 64  # (70 - 1) // 16 * 16
+    plain = family.engine(enable_prefix_caching=False)
+    want = logprobs_of(plain, "b", system + second)
+    # (the prompt computed in other chunks than from scratch: the chunked delta rule's fp32 rounding, 1e-4's order)
+    assert max(abs(e.logprob - w) for e, w in zip((e for o in outs for e in o.logprobs), want)) < 1e-3
+    assert tokens_of(outs) == family.hf_greedy(system + second, NEW_TOKENS)
+    unhinted = family.engine()
+    turn(unhinted, "a", system + first)
+    assert turn(unhinted, "b", system + second)[1] == 0
