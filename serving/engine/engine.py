@@ -651,15 +651,16 @@ class LLMEngine:
         return outputs
 
     def _restore_states(self, batch) -> None:
-        """Recurrent layers: the states of each request the step starts from a cached prefix, from its snapshot; a
-        preempted request's latest snapshot kept (its blocks were registered as it let them go)."""
-        for request in batch.preempted:
-            self._keep_latest_snapshot(request)
+        """Recurrent layers: the states of each request the step starts from a cached prefix, from its snapshot; then
+        a preempted request's latest snapshot kept (its blocks were registered as it let them go), after the restores,
+        whose snapshots the scheduler found and which keeping one could let go."""
         for s in batch.scheduled:
             if s.request.restore_from is not None:
                 self.runner.restore_state(s.request.request_id, self.snapshots.get(s.request.restore_from))
                 self.snapshots.restored += 1
                 s.request.restore_from = None
+        for request in batch.preempted:
+            self._keep_latest_snapshot(request)
 
     def _snapshot_states(self, scheduled) -> None:
         """Recurrent layers: snapshot the states of each request whose computed tokens the step ended on a block

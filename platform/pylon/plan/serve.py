@@ -267,18 +267,24 @@ def plan_serve(
         e.max_num_batched_tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * b
         + e.max_num_seqs * shape.vocab_size * 4
     )
-    # Recurrent layers' states: one per running sequence, and the prefix cache's snapshots of them (kv_cache.py).
+    # Recurrent layers' states: one per running sequence, and with the prefix cache its snapshots of them (kv_cache.py)
+    # and each running sequence's latest one in decoding (kept for the cache when it ends).
     from pylon.serving.model.families import recurrent_state_bytes
 
     state = recurrent_state_bytes(config, b)
     if state:
-        kept = e.max_num_seqs + (e.recurrent_state_snapshots if e.enable_prefix_caching else 0)
+        snapshots = e.recurrent_state_snapshots if e.enable_prefix_caching else 0
+        kept = e.max_num_seqs * (2 if snapshots else 1) + snapshots
         workspace += kept * state
         notes.append(
             f"recurrent layers' states: {_gib(kept * state)}, {state / 2**20:.1f} MiB a sequence for up to "
-            f"{e.max_num_seqs} running (engine.max_num_seqs) and "
-            f"{e.recurrent_state_snapshots if e.enable_prefix_caching else 0} prefix-cache snapshots "
-            "(engine.recurrent_state_snapshots)"
+            f"{e.max_num_seqs} running (engine.max_num_seqs)"
+            + (
+                f", each one's latest snapshot in decoding and {snapshots} prefix-cache snapshots "
+                "(engine.recurrent_state_snapshots)"
+                if snapshots
+                else ""
+            )
         )
     context = max(1, e.max_model_len // 2)
     rows = []

@@ -640,7 +640,7 @@ def test_a_classifier_counts_its_head_not_an_lm_head() -> None:
 def test_a_recurrent_models_states_are_counted_per_sequence_and_snapshot(tmp_path: Path) -> None:
     """Qwen3-Next-80B-A3B's recurrent layers (36 of 48), hand-counted: per layer the convolution's last 3 inputs of
     8,192 channels in bf16 and 32 delta-rule matrices of 128 x 128 in float32; the plan counts one state per running
-    sequence and per prefix-cache snapshot, and names them."""
+    sequence, and with the prefix cache one per snapshot it keeps and each running sequence's latest in decoding."""
     from transformers import AutoConfig
 
     from pylon.serving.model.families import recurrent_state_bytes
@@ -677,5 +677,5 @@ def test_a_recurrent_models_states_are_counted_per_sequence_and_snapshot(tmp_pat
 
     base = {"device": "cuda", "max_num_seqs": 8}
     (cached, notes), (plain, _) = workspace(**base), workspace(**base, enable_prefix_caching=False)
-    assert cached - plain == 16 * 77_266_944  # the default 16 snapshots
+    assert cached - plain == (16 + 8) * 77_266_944  # the default 16 snapshots, and each running sequence's latest
     assert any("recurrent layers' states" in n and "8 running" in n for n in notes)
