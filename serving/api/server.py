@@ -733,7 +733,7 @@ class PylonLLMServer:
                 )
             tokenizer = self.engine.tokenizer
             texts = [pair_ids(tokenizer, firsts[a], seconds[b]) for a, b in pairs]
-            names = [second_names[b] if len(firsts) == 1 else f"{first_names[a]}+{second_names[b]}" for a, b in pairs]
+            names = [second_names[b] for _, b in pairs]  # (a pair past the context: named by its second text)
         else:
             texts, names = [*firsts, *seconds], [*first_names, *second_names]
         try:
