@@ -19,7 +19,8 @@ token by its id):
     after the channel, `<|constrain|>json` optional); one call a reply, as harmony ends a reply at `<|call|>`;
   - any other model: the request's guide, with its tags as the model's tokens; a required or named tool_choice's calls
     in the model's own markers where its tokenizer has DeepSeek's or Kimi K2's, or its chat template writes
-    Qwen3-Coder's or GLM-4.5's argument tags (`_native_calls`), else as Hermes blocks.
+    Qwen3-Coder's or GLM-4.5's argument tags or Llama's `{"name", "parameters"}` JSON (`_native_calls`), else as
+    Hermes blocks.
 The answer is `%json` of the schema (compact, as OpenAI's structured outputs are), one of structured_outputs' choices,
 or the Hermes calls (`tools.ToolPlan.hermes_rules`); a regex or a grammar of the request's own (structured_outputs)
 holds the reply from its first token, reasoning model or not. The reasoning is free text: the model thinks as long
@@ -100,6 +101,8 @@ def _native_calls(plan: tool_calls.ToolPlan, tokenizer) -> str | None:
             return _tagged_calls(plan, tokenizer, glm=True)
         if "<function=" in template and "<parameter=" in template:
             return _tagged_calls(plan, tokenizer, glm=False)
+        if '"parameters": ' in template and '{"name": "' in template:
+            return _llama_calls(plan)
         return None
     names = plan.allowed()
     repeat = " (NL? call)*" if plan.parallel else ""  # (DeepSeek writes a newline between its calls)
@@ -118,6 +121,26 @@ def _native_calls(plan: tool_calls.ToolPlan, tokenizer) -> str | None:
     if None in deepseek:
         lines.append("INDEX: /[0-9]{1,3}/")
     return "\n".join(lines) + "\n"
+
+
+def _llama_calls(plan: tool_calls.ToolPlan) -> str:
+    """Lark rules whose `calls` are the allowed calls as Llama 3.1-3.3's and Llama 4's chat templates write them: the
+    reply one JSON object `{"name": ..., "parameters": {...}}` (with `parallel`, or a JSON list of them), what
+    `tools.parse` reads back (`_llama_json`)."""
+    body = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": plan.functions[name]["parameters"]},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name in plan.allowed()
+        ],
+        "x-guidance": tool_calls.ARGUMENT_SPACING,
+    }
+    calls = 'calls: call | "[" call (", " call)* "]"' if plan.parallel else "calls: call"
+    return f"{calls}\ncall: %json {json.dumps(body)}\n"
 
 
 def _tagged_calls(plan: tool_calls.ToolPlan, tokenizer, *, glm: bool) -> str:

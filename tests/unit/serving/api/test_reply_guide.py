@@ -309,6 +309,12 @@ NATIVE = {  # each family's tags, a chat template's tell-tale, a reply in its ow
         "</parameter>\n<parameter=b>\n-2\n</parameter>\n</function>\n</tool_call>",
         "</tool_call>",
     ),
+    "llama3_json": (
+        [],
+        """{{- '{"name": "' + tool_call.name + '", ' }}{{- '"parameters": ' }}""",
+        '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}',
+        "}",
+    ),
     "glm45": (
         GLM_TAGS,
         "{{ '<tool_call>' + name }}{{ '<arg_key>' + k + '</arg_key>' }}",
@@ -325,8 +331,8 @@ def test_a_required_call_is_held_to_the_models_own_markers(tmp_path, family) -> 
     """DeepSeek's and Kimi K2's tokenizers have their call markers as tokens: a required tool_choice holds the reply
     to calls in those markers (the template tells DeepSeek V3's fenced JSON from V3.1's), which the model's own reply
     passes and Hermes blocks do not; Qwen3-Coder's and GLM-4.5's templates write their calls' arguments as tags (the
-    template tells which), text where a parameter is a string; random logits through the masks read back as valid
-    calls."""
+    template tells which), text where a parameter is a string, and Llama's templates write `{"name", "parameters"}`
+    JSON; random logits through the masks read back as valid calls."""
     tags, template, reply, *rest = NATIVE[family]
     end = rest[0] if rest else tags[4]
     tok = bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], template, eos_token="<|im_end|>")
@@ -336,6 +342,7 @@ def test_a_required_call_is_held_to_the_models_own_markers(tmp_path, family) -> 
     plan = _plan()
     guide = reply_guide.for_reply(plan.guide(), plan, tokenizer)
     assert ("<tool_call>" in guide["grammar"]) == (family in ("qwen3_coder", "glm45")) and "%json" in guide["grammar"]
+    assert ('"parameters"' in guide["grammar"]) == (family == "llama3_json")
     ok, matcher = _walk(tokenizer, guide, _ids(tokenizer, reply))
     assert ok, matcher.get_error()
     hermes = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
