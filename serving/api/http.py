@@ -42,6 +42,8 @@ ROUTES = {
     "/v1/rerank": {"POST": "_rerank"},
     "/v2/rerank": {"POST": "_rerank_v2"},
     "/v1/score": {"POST": "_score"},
+    "/rerank": {"POST": "_rerank_bare"},  # (vLLM's paths without /v1, which clients of its score API use)
+    "/score": {"POST": "_score_bare"},
     # vLLM's: a classifier's labels (a reward model's, a cross-encoder's), and any pooled output
     "/classify": {"POST": "_classify"},
     "/v1/classify": {"POST": "_classify_v1"},  # (SGLang's path)

@@ -348,6 +348,26 @@ def build(
                 statuses=(429, 503, 504),
             ),
         ),
+        "/rerank": (
+            "post",
+            _tokens(
+                "The rerank API at vLLM's path without /v1 (the same as /v1/rerank)",
+                protocol.RerankRequest,
+                protocol.RerankResponse,
+                secured,
+                statuses=(429, 503, 504),
+            ),
+        ),
+        "/score": (
+            "post",
+            _tokens(
+                "The score API at vLLM's path without /v1 (the same as /v1/score)",
+                protocol.ScoreRequest,
+                protocol.ScoreResponse,
+                secured,
+                statuses=(429, 503, 504),
+            ),
+        ),
         "/v2/rerank": (
             "post",
             _tokens(

@@ -663,6 +663,14 @@ class PylonLLMServer:
         """The rerank API at Cohere's v2 path."""
         await self._similarity(scope, receive, send, protocol.RerankRequest)
 
+    async def _rerank_bare(self, scope, receive, send) -> None:
+        """The rerank API at vLLM's path without /v1."""
+        await self._similarity(scope, receive, send, protocol.RerankRequest)
+
+    async def _score_bare(self, scope, receive, send) -> None:
+        """The score API at vLLM's path without /v1."""
+        await self._similarity(scope, receive, send, protocol.ScoreRequest)
+
     async def _score(self, scope, receive, send) -> None:
         """vLLM's score API: each pair's score, text_1's against text_2's: a cross-encoder's, or a cosine."""
         await self._similarity(scope, receive, send, protocol.ScoreRequest)

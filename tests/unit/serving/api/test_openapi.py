@@ -112,6 +112,8 @@ def test_the_bearer_scheme_applies_where_the_server_asks_for_a_key():
             "/v1/rerank",
             "/v2/rerank",
             "/v1/score",
+            "/rerank",
+            "/score",
             "/classify",
             "/v1/classify",
             "/pooling",

@@ -1,4 +1,4 @@
-"""vLLM's rerank and score APIs (`POST /v1/rerank`, `/v2/rerank`, `/v1/score`) against a real server: each score is
+"""vLLM's rerank and score APIs (`POST /v1/rerank`, `/v2/rerank`, `/v1/score`, and `/rerank`, `/score`) against a real server: each score is
 the cosine of the texts' last-token hidden states as `transformers` computes them, documents ranked best first and cut
 to `top_n`; bad input is a 400 naming the query, the document or the text at fault."""
 
@@ -31,7 +31,7 @@ def post(server, path: str, body: dict) -> requests.Response:  # noqa: F811
     return requests.post(f"{server}{path}", headers=auth(), json={"model": "tiny", **body}, timeout=60)
 
 
-@pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank"])
+@pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank", "/rerank"])
 def test_documents_are_ranked_by_the_cosine_of_their_vectors(server, cosine, path) -> None:  # noqa: F811
     r = post(server, path, {"query": QUERY, "documents": DOCUMENTS})
     assert r.status_code == 200, r.text
@@ -56,6 +56,7 @@ def test_pairs_are_scored_one_against_many_or_pair_by_pair(server, cosine) -> No
     assert all(abs(d["score"] - cosine(QUERY, doc)) < 1e-5 for d, doc in zip(data, DOCUMENTS))
     firsts = ["hello", "stock prices"]
     pairwise = post(server, "/v1/score", {"text_1": firsts, "text_2": DOCUMENTS[:2]}).json()["data"]
+    assert post(server, "/score", {"text_1": firsts, "text_2": DOCUMENTS[:2]}).json()["data"] == pairwise  # vLLM's
     assert all(abs(d["score"] - cosine(a, b)) < 1e-5 for d, a, b in zip(pairwise, firsts, DOCUMENTS[:2]))
 
 
