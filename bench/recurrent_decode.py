@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 
-def build(directory: Path, layers: int, hidden: int) -> None:
+def build(directory: Path, layers: int, hidden: int, **overrides) -> None:
     import json
 
     import torch
@@ -50,6 +50,7 @@ def build(directory: Path, layers: int, hidden: int) -> None:
         max_position_embeddings=2048,
         eos_token_id=tok.eos_id,
         pad_token_id=tok.pad_id,
+        **overrides,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
