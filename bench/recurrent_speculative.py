@@ -1,12 +1,12 @@
-"""Speculative decoding on a model with recurrent layers (Qwen3-Next's Gated DeltaNet): n-gram drafts verified with
-each recurrent layer's state kept after every draft (`ModelRunner.keep_state`), against plain decoding, on the same
-model and requests, legs alternating over `--rounds`.
+"""Speculative decoding on a model with recurrent layers (Qwen3-Next's Gated DeltaNet): n-gram drafts verified with each
+recurrent layer's state kept after every draft (`ModelRunner.keep_state`), against plain decoding, on the same model and
+requests, legs alternating over `--rounds`.
 
-A Qwen3-Next-shaped model with random weights (bench/recurrent_decode.py's `build`: `--layers` layers, three
-recurrent in four, `--hidden` wide, MoE blocks), its embeddings tied to its output layer: at the small initializer a
-random model so built keeps repeating what it has written, so that prompt lookup's drafts land, as they do on an
-input-grounded workload (edits, summaries that copy). Each leg: `--concurrency` requests of a random phrase said
-three times (`--prompt-tokens`), greedy, `--output-tokens` each, through an in-process `LLMEngine`; the speculating engine's
+A Qwen3-Next-shaped model with random weights (bench/recurrent_decode.py's `build`: `--layers` layers, three recurrent
+in four, `--hidden` wide, MoE blocks), its embeddings tied to its output layer: at the small initializer a random model
+so built keeps repeating what it has written, so that prompt lookup's drafts land, as they do on an input-grounded
+workload (edits, summaries that copy). Each leg: `--concurrency` requests of a random phrase said three times
+(`--prompt-tokens`), greedy, `--output-tokens` each, through an in-process `LLMEngine`; the speculating engine's
 measured rule (engine/speculative.py) decides each step whether drafts pay. Prints output tokens/s for each leg and
 their ratio with the spread over rounds, the drafts proposed and accepted, and the model's forward passes per output
 token (machine-independent).
