@@ -50,7 +50,7 @@ from pylon.serving.engine.tokenization import (
     special_token_ids,
 )
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
-from pylon.serving.model.families import recurrent_state_bytes
+from pylon.serving.model.families import ENCODER_MODEL_TYPES, recurrent_state_bytes
 from pylon.serving.model.step import StepSequence
 from pylon.specs import EngineSpec
 
@@ -174,7 +174,7 @@ class LLMEngine:
         """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
         directories are copied to a temporary directory, loaded, and the copy removed)."""
         # Imported here so that importing this module stays light (no torch, no transformers).
-        from pylon.serving.model.runner import ModelRunner
+        from pylon.serving.model.runner import ModelRunner, model_type_of
 
         self.spec = spec = spec or EngineSpec()
         self.pool = KVBlockPool.for_tokens(
@@ -191,18 +191,23 @@ class LLMEngine:
             self._chars_per_token = chars_per_token_bound(self.tokenizer)
             adapter_dirs = [_adapter_dir(stack, i, a) for i, a in enumerate(spec.adapters)]
             images = spec.max_images_per_prompt > 0 and _takes_images(directory, model)
+            self.encoder = model_type_of(directory) in ENCODER_MODEL_TYPES  # a cross-encoder (model/encoder.py)
             try:
-                self.runner = ModelRunner(
-                    directory,
-                    num_blocks=self.pool.num_blocks,
-                    block_size=spec.block_size,
-                    device=spec.device,
-                    dtype=spec.dtype,
-                    kv_cache_dtype=spec.kv_cache_dtype,
-                    quantization=spec.quantization,
-                    adapters=adapter_dirs,
-                    images=images,
-                    classifier_from_token=_token_ids(self.tokenizer, spec.classifier_from_token),
+                self.runner = (
+                    self._encoder_runner(directory, model, spec)
+                    if self.encoder
+                    else ModelRunner(
+                        directory,
+                        num_blocks=self.pool.num_blocks,
+                        block_size=spec.block_size,
+                        device=spec.device,
+                        dtype=spec.dtype,
+                        kv_cache_dtype=spec.kv_cache_dtype,
+                        quantization=spec.quantization,
+                        adapters=adapter_dirs,
+                        images=images,
+                        classifier_from_token=_token_ids(self.tokenizer, spec.classifier_from_token),
+                    )
                 )
             except PylonError as e:
                 raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
@@ -291,6 +296,7 @@ class LLMEngine:
             max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             snapshots=self.snapshots,
+            whole_prompts=self.encoder,
         )
         # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an
         # abort only together with or after the add it cancels, never in between.
@@ -302,6 +308,26 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._images_total = self._images_encoded_total = 0
         self._finished_total: Counter[str] = Counter()
+
+    def _encoder_runner(self, directory: str, model: str, spec: EngineSpec):
+        """A cross-encoder's runner (model/encoder.py): its inputs read whole, nothing cached; the settings that need a
+        decoder refused by name."""
+        from pylon.serving.model.encoder import EncoderRunner
+
+        for name, value, neutral in (
+            ("engine.quantization", spec.quantization, "none"),
+            ("engine.speculative.method", spec.speculative.method, "none"),
+            ("engine.classifier_from_token", spec.classifier_from_token, []),
+            ("engine.adapters", [a.name for a in spec.adapters], []),
+        ):
+            if value != neutral:
+                raise PylonError(
+                    f"{name}: model {model} is an encoder (a cross-encoder, read whole): set {name} to {neutral!r}"
+                )
+        if self.pool.enable_caching:  # an input attended both ways shares nothing with another's
+            self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size, enable_caching=False)
+        sep = getattr(getattr(self.tokenizer, "_tok", None), "sep_token_id", None)
+        return EncoderRunner(directory, device=spec.device, dtype=spec.dtype, sep_token_id=sep)
 
     def _load_draft_model(self, spec: EngineSpec) -> DraftModel:
         """The draft model of `engine.speculative.draft_model`, on this engine's device and dtype, with a KV cache
@@ -362,6 +388,12 @@ class LLMEngine:
         if isinstance(prompt, ImagePrompt):
             prompt, images = self._image_prompt(prompt, params)
         prompt_ids = self._prompt_token_ids(prompt, scoring=params.max_tokens == 0, special=params.add_special_tokens)
+        if self.encoder and len(prompt_ids) > self.spec.max_num_batched_tokens:
+            raise InvalidRequest(
+                f"the input is {len(prompt_ids)} tokens; this model is an encoder, which reads each input whole in "
+                f"one step: at most engine.max_num_batched_tokens ({self.spec.max_num_batched_tokens})",
+                param="prompt",
+            )
         truncate = params.truncate_prompt_tokens
         if truncate is not None and images is None:  # the prompt's last tokens (left truncation, vLLM's), or first
             keep = max(truncate if truncate > 0 else self.max_model_len - (params.max_tokens or 1), 1)

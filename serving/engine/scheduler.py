@@ -83,8 +83,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         snapshots: StateSnapshots | None = None,
+        whole_prompts: bool = False,
     ):
         self.pool = pool
+        # An encoder's inputs (model/encoder.py): each computed whole in one step, never in chunks
+        self.whole_prompts = whole_prompts
         # A model with recurrent layers (with the prefix cache): their states' snapshots, which a cached prefix needs
         self.snapshots = snapshots
         self.max_num_seqs = max_num_seqs
@@ -152,6 +155,8 @@ class Scheduler:
                 num_new = request.images.cut(num_cached, num_new)
                 if not num_new:  # its first chunk would end inside an image's run: it waits for a fuller budget
                     break
+            if self.whole_prompts and num_new < request.num_tokens - num_cached:
+                break  # an encoder's input is read whole: it waits for a step with room for all of it
             # Placed where its whole expected length fits in one run if it can (see KVBlockPool).
             expected = len(request.prompt_token_ids) + request.max_tokens
             if not self.pool.allocate(request.request_id, num_cached + num_new, reserve_tokens=expected, cached=cached):

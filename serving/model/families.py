@@ -231,6 +231,9 @@ TEXT_MODELS = ("gemma3", "mistral3", "llama4", "qwen3_5", "qwen3_5_moe")
 # Those whose images the engine embeds (engine/images.py); Llama 4's multimodal checkpoints are served for their text.
 IMAGE_MODELS = ("gemma3", "mistral3")
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "gpt_neox", *LLAMA_FAMILIES, *TEXT_MODELS)
+# Encoders served as cross-encoders (their *ForSequenceClassification checkpoints: ms-marco's MiniLM cross-encoders are
+# BERT, BAAI's bge-reranker-base/large and -v2-m3 XLM-RoBERTa): every input read whole, both ways (model/encoder.py)
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 
 
 def recurrent_state_bytes(config, dtype_bytes: int) -> int:

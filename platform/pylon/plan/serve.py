@@ -197,6 +197,10 @@ def plan_serve(
     expert_bytes = shape.expert_params * (QUANT_BYTES if e.quantization != "none" else b)
     kv_dtype = dtype if e.kv_cache_dtype == "auto" else e.kv_cache_dtype
     per_token = kv_bytes_per_token(shape, KV_BYTES[kv_dtype])
+    from pylon.serving.model.families import ENCODER_MODEL_TYPES
+
+    if config.model_type in ENCODER_MODEL_TYPES:  # a cross-encoder reads each input whole: no KV cache
+        per_token = 0
     notes = []
     if shape.expert_params:
         notes.append(
@@ -292,7 +296,7 @@ def plan_serve(
         usable = acc.memory_bytes * USABLE_FRACTION
         kv = e.kv_cache_tokens * per_token + draft_kv
         free = usable - weights - draft_kv - workspace - CUDA_RUNTIME_BYTES
-        kv_fit = max(0, int(free // per_token))
+        kv_fit = max(0, int(free // per_token)) if per_token else (e.kv_cache_tokens if free >= 0 else 0)
         total = weights + kv + workspace + CUDA_RUNTIME_BYTES
         if total <= usable:
             fits, binding = True, f"{total / usable:.0%} of {_gib(usable)} usable"

@@ -679,3 +679,13 @@ def test_a_recurrent_models_states_are_counted_per_sequence_and_snapshot(tmp_pat
     (cached, notes), (plain, _) = workspace(**base), workspace(**base, enable_prefix_caching=False)
     assert cached - plain == (16 + 8) * 77_266_944  # the default 16 snapshots, and each running sequence's latest
     assert any("recurrent layers' states" in n and "8 running" in n for n in notes)
+
+
+def test_a_cross_encoder_holds_no_kv_cache(tmp_path: Path) -> None:
+    """A BERT cross-encoder (model/encoder.py) reads each input whole: its plan has weights and no KV cache."""
+    fields = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "num_labels": 1}
+    (tmp_path / "ce").mkdir()
+    (tmp_path / "ce" / "config.json").write_text(json.dumps(fields))
+    spec = DeploymentSpec(name="ce", model=str(tmp_path / "ce"), replica={"num_gpus": 1}, engine={"device": "cuda"})
+    row = next(r for r in plan_serve(spec).rows if r.accelerator.name == "H200")
+    assert row.kv_cache == 0 and row.weights > 0 and row.fits

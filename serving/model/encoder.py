@@ -1,0 +1,88 @@
+"""Cross-encoders: an encoder's `*ForSequenceClassification` checkpoint (families.ENCODER_MODEL_TYPES: BERT, as
+ms-marco's MiniLM cross-encoders are; XLM-RoBERTa, as BAAI's bge-reranker-base, -large and -v2-m3 are), served as a
+classifier (engine/pooling.py) for /classify, /pooling, /v1/score and /rerank.
+
+An encoder attends both ways over its whole input, so there is nothing to cache and nothing to chunk: each step's
+inputs are read whole, right-padded into one batch through the loaded model (`transformers`' own forward, with its
+attention mask and, for a BERT pair, its segments: 0 up to the first [SEP], 1 after), and each input's logits are its
+row of the classifier's output. The engine keeps a prompt whole (`Scheduler(whole_prompts=True)`), refuses one longer
+than a step's token budget, and shares no prefix cache.
+
+`EncoderRunner` has the part of `ModelRunner`'s interface the engine calls for pooled requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pylon.errors import PylonError
+from pylon.serving.model.runner import resolve_device, resolve_dtype, weights_failure
+from pylon.serving.model.step import StepSequence
+
+
+class EncoderRunner:
+    recurrent = False
+    vision = None
+
+    def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "auto", sep_token_id: int | None = None):
+        """`sep_token_id`: the tokenizer's [SEP], where a BERT pair's second segment starts after."""
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        from pylon.serving.model.families import is_sequence_classifier
+
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        if not is_sequence_classifier(config):
+            raise PylonError(
+                f"model {model_dir}: a {config.model_type} encoder is served as a cross-encoder only (a "
+                "*ForSequenceClassification checkpoint: a reranker or classifier); its embeddings are not served"
+            )
+        self.config = self.full_config = config
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        try:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                model_dir, dtype=self.dtype, local_files_only=True
+            )
+        except Exception as e:
+            raise PylonError(weights_failure(model_dir, e)) from e
+        self.model.to(self.device).eval()
+        self.classifier = self.model.classifier  # (the engine reads a runner with a classifier as one)
+        self.vocab_size = config.vocab_size
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        # RoBERTa's positions start after its padding index: 514 in its table are 512 tokens
+        offset = self.pad_id + 1 if config.model_type in ("roberta", "xlm-roberta") else 0
+        self.max_position_embeddings = config.max_position_embeddings - offset
+        self.segments = getattr(config, "type_vocab_size", 1) > 1 and sep_token_id is not None
+        self.sep_token_id = sep_token_id
+
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_gflop: float = 0.0) -> tuple[int, int]:
+        return 0, 0
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        return 0
+
+    def release_state(self, key: str) -> None:
+        pass
+
+    @torch.no_grad()
+    def execute_step(self, steps: list[StepSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """No logits, and each sequence's classifier logits `[sequences, labels]` (float32), in order: every sequence
+        is a whole input (`start` 0, `samples`, `pooled`)."""
+        for s in steps:
+            if s.start or not s.samples or not s.pooled:
+                raise ValueError("EncoderRunner: every sequence of a step is a whole input to pool")
+        width = max(s.num_new_tokens for s in steps)
+        ids = torch.full((len(steps), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(steps), width), dtype=torch.long)
+        types = torch.zeros((len(steps), width), dtype=torch.long)
+        for row, s in enumerate(steps):
+            n = s.num_new_tokens
+            ids[row, :n] = torch.tensor(s.token_ids)
+            mask[row, :n] = 1
+            if self.segments and self.sep_token_id in s.token_ids[:-1]:
+                types[row, s.token_ids.index(self.sep_token_id) + 1 : n] = 1
+        inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        if self.segments:
+            inputs["token_type_ids"] = types.to(self.device)
+        logits = self.model(**inputs).logits
+        return torch.empty(0, self.vocab_size, device=self.device), logits.float()

@@ -1,0 +1,130 @@
+"""Cross-encoders (model/encoder.py): BERT's and XLM-RoBERTa's `*ForSequenceClassification` checkpoints served as
+classifiers, each input read whole, both ways, in batches of inputs of different lengths: every input's logits are
+`transformers`' own for the tokenizer's encoding of it (a pair with its segments), over HTTP as in the engine; what a
+decoder needs is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, BertTokenizerFast
+
+from pylon.errors import PylonError
+from pylon.serving.engine.engine import LLMEngine
+from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.errors import InvalidRequest
+from pylon.specs import EngineSpec
+
+WORDS = "the a quick brown fox jumps over lazy dog stock prices fell today hello world what is capital of france paris"
+QUERY = "what is the capital of france"
+DOCUMENTS = ["paris", "the quick brown fox", "stock prices fell today", "hello world"]
+POOL = SamplingParams(max_tokens=0, embed=True)
+
+
+def save(directory, model_type: str):
+    """A tiny random cross-encoder of `model_type` (one label) with a WordPiece tokenizer of WORDS."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(WORDS.split()))]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(directory / "vocab.txt"))
+    tokenizer.save_pretrained(directory)
+    fields = {
+        "vocab_size": len(vocab),
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "num_labels": 1,
+        "pad_token_id": 0,
+        "initializer_range": 0.5,  # (at the default scale a random head scores every input alike)
+    }
+    if model_type == "bert":
+        fields["type_vocab_size"] = 2
+    else:  # RoBERTa's positions start after its padding index
+        fields.update(max_position_embeddings=514, type_vocab_size=1)
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    model.save_pretrained(directory)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def encoder(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param) / "model"
+    model, tokenizer = save(directory, request.param)
+    return model, tokenizer, str(directory)
+
+
+def reference(model, tokenizer, a: str, b: str | None = None) -> float:
+    with torch.no_grad():
+        segments = model.config.type_vocab_size > 1  # (XLM-RoBERTa's tokenizer gives none)
+        return model(**tokenizer(a, b, return_tensors="pt", return_token_type_ids=segments)).logits[0, 0].item()
+
+
+def spec(**fields) -> EngineSpec:
+    return EngineSpec(
+        **{"device": "cpu", "dtype": "fp32", "max_model_len": 128, "max_num_batched_tokens": 64, **fields}
+    )
+
+
+def test_every_input_reads_as_transformers_reads_it(encoder) -> None:
+    model, tokenizer, directory = encoder
+    engine = LLMEngine(directory, spec())
+    assert engine.encoder and engine.generation.classifier.labels == ("LABEL_0",)
+    pairs = [tokenizer(QUERY, d)["input_ids"] for d in DOCUMENTS]  # different lengths, in the same steps
+    singles = [tokenizer(d)["input_ids"] for d in DOCUMENTS]
+    for i, ids in enumerate(pairs + singles):
+        engine.add_request(str(i), ids, POOL)
+    outs = {}
+    steps = 0
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+        steps += 1
+    assert steps < len(pairs + singles)  # batched (64 tokens a step)
+    for i, d in enumerate(DOCUMENTS):
+        (got,) = outs[str(i)].embedding
+        assert abs(got - reference(model, tokenizer, QUERY, d)) < 1e-5, d
+        (alone,) = outs[str(len(pairs) + i)].embedding
+        assert abs(alone - reference(model, tokenizer, d)) < 1e-5, d
+    with pytest.raises(InvalidRequest, match="reads each input whole"):
+        engine.add_request("long", [2] + [5] * 70 + [3], POOL)  # 72 tokens of a 64-token step
+    with pytest.raises(InvalidRequest, match="classifier"):
+        engine.add_request("gen", singles[0], SamplingParams(max_tokens=2))
+
+
+def test_what_needs_a_decoder_is_refused_by_name(encoder) -> None:
+    _, _, directory = encoder
+    with pytest.raises(PylonError, match="engine.quantization"):
+        LLMEngine(directory, spec(quantization="int8"))
+    with pytest.raises(PylonError, match="engine.speculative.method"):
+        LLMEngine(directory, spec(speculative={"method": "ngram", "num_tokens": 2}))
+
+
+def test_a_cross_encoder_reranks_over_http(tmp_path) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "api"))
+    from test_serving_http import auth, serving
+
+    model, tokenizer = save(tmp_path / "bert", "bert")
+    with serving(str(tmp_path / "bert"), max_num_batched_tokens=64, max_model_len=128, kv_cache_tokens=1024) as (
+        url,
+        _,
+    ):
+        r = requests.post(
+            f"{url}/v1/rerank",
+            headers=auth(),
+            json={"model": "tiny", "query": QUERY, "documents": DOCUMENTS},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        scores = [torch.sigmoid(torch.tensor(reference(model, tokenizer, QUERY, d))).item() for d in DOCUMENTS]
+        want = sorted(((s, i) for i, s in enumerate(scores)), key=lambda x: (-x[0], x[1]))
+        got = r.json()["results"]
+        assert [x["index"] for x in got] == [i for _, i in want], (got, want)
+        assert all(abs(x["relevance_score"] - s) < 1e-5 for x, (s, _) in zip(got, want))
+        tokens = sum(len(tokenizer(QUERY, d)["input_ids"]) for d in DOCUMENTS)
+        assert r.json()["usage"]["prompt_tokens"] == tokens
