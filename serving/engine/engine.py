@@ -319,6 +319,7 @@ class LLMEngine:
             ("engine.speculative.method", spec.speculative.method, "none"),
             ("engine.classifier_from_token", spec.classifier_from_token, []),
             ("engine.adapters", [a.name for a in spec.adapters], []),
+            ("engine.dynamic_adapters.root", spec.dynamic_adapters.root, None),
         ):
             if value != neutral:
                 raise PylonError(
