@@ -18,7 +18,7 @@ token by its id):
     (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, the recipient before or
     after the channel, `<|constrain|>json` optional); one call a reply, as harmony ends a reply at `<|call|>`;
   - any other model: the request's guide, with its tags as the model's tokens; a required or named tool_choice's calls
-    in the model's own markers where its tokenizer has DeepSeek's or Kimi K2's, or its chat template writes
+    in the model's own markers where its tokenizer has DeepSeek's, Kimi K2's or Mistral's, or its chat template writes
     Qwen3-Coder's or GLM-4.5's argument tags or Llama's `{"name", "parameters"}` JSON (`_native_calls`), else as
     Hermes blocks.
 The answer is `%json` of the schema (compact, as OpenAI's structured outputs are), one of structured_outputs' choices,
@@ -95,6 +95,8 @@ def _native_calls(plan: tool_calls.ToolPlan, tokenizer) -> str | None:
         fenced = "```json" in (_chat_template(tokenizer) or "")
     elif None not in kimi:
         begin, end, call, args, call_end = (f"<[{t}]>" for t in kimi)
+    elif _token_id(tokenizer, tool_calls.MISTRAL_CALLS) is not None:
+        return _mistral_calls(plan, tokenizer)
     else:
         template = _chat_template(tokenizer) or ""
         if tool_calls.GLM_KEY in template:
@@ -120,6 +122,31 @@ def _native_calls(plan: tool_calls.ToolPlan, tokenizer) -> str | None:
     lines.append("NL: /\\n/")
     if None in deepseek:
         lines.append("INDEX: /[0-9]{1,3}/")
+    return "\n".join(lines) + "\n"
+
+
+def _mistral_calls(plan: tool_calls.ToolPlan, tokenizer) -> str:
+    """Lark rules whose `calls` are the allowed calls as Mistral's tokenizers write them: `[TOOL_CALLS]name[ARGS]{...}`
+    per call where `[ARGS]` is a token of its own (tokenizers v11+: Mistral Small 3.1 and later, Devstral, Magistral),
+    else `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (Mistral 7B v0.3, Nemo): what `tools.parse` reads
+    back (`_mistral`)."""
+    calls, args = _token_id(tokenizer, tool_calls.MISTRAL_CALLS), _token_id(tokenizer, tool_calls.MISTRAL_ARGS)
+    names = plan.allowed()
+    if args is None:
+        schema = plan.call_schema(names)
+        spacing = schema.pop("x-guidance")
+        listed = {"type": "array", "items": schema, "minItems": 1, "x-guidance": spacing}
+        if not plan.parallel:
+            listed["maxItems"] = 1
+        return f"calls: <[{calls}]> list\nlist: %json {json.dumps(listed)}\n"
+    lines = [
+        f"calls: call{' call*' if plan.parallel else ''}",
+        "call: " + " | ".join(f"call{i}" for i in range(len(names))),
+    ]
+    for i, name in enumerate(names):
+        schema = {**plan.functions[name]["parameters"], "x-guidance": tool_calls.ARGUMENT_SPACING}
+        lines.append(f"call{i}: <[{calls}]> {json.dumps(name)} <[{args}]> args{i}")
+        lines.append(f"args{i}: %json {json.dumps(schema)}")
     return "\n".join(lines) + "\n"
 
 

@@ -309,6 +309,19 @@ NATIVE = {  # each family's tags, a chat template's tell-tale, a reply in its ow
         "</parameter>\n<parameter=b>\n-2\n</parameter>\n</function>\n</tool_call>",
         "</tool_call>",
     ),
+    "mistral_v11": (
+        ["[TOOL_CALLS]", "[ARGS]"],
+        "{{ '[TOOL_CALLS]' + tool_call.name + '[ARGS]' + tool_call.arguments }}",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
+        "[ARGS]",
+    ),
+    "mistral_v3": (
+        ["[TOOL_CALLS]"],
+        "{{ '[TOOL_CALLS]' + tool_calls | tojson }}",
+        '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": '
+        '{"city": "Oslo"}}]',
+        "]",
+    ),
     "llama3_json": (
         [],
         """{{- '{"name": "' + tool_call.name + '", ' }}{{- '"parameters": ' }}""",
@@ -332,7 +345,8 @@ def test_a_required_call_is_held_to_the_models_own_markers(tmp_path, family) -> 
     to calls in those markers (the template tells DeepSeek V3's fenced JSON from V3.1's), which the model's own reply
     passes and Hermes blocks do not; Qwen3-Coder's and GLM-4.5's templates write their calls' arguments as tags (the
     template tells which), text where a parameter is a string, and Llama's templates write `{"name", "parameters"}`
-    JSON; random logits through the masks read back as valid calls."""
+    JSON; Mistral's tokenizers have `[TOOL_CALLS]` (and, v11+, `[ARGS]`); random logits through the masks read back as
+    valid calls."""
     tags, template, reply, *rest = NATIVE[family]
     end = rest[0] if rest else tags[4]
     tok = bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], template, eos_token="<|im_end|>")
