@@ -379,6 +379,11 @@ class LLMEngine:
         params = params if params is not None else self.generation.default_params()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string (got {request_id!r})", param="request_id")
+        if self.encoder and self.generation.classifier is None and not params.embed:
+            raise InvalidRequest(
+                "this model is an encoder's embedding model: it generates no text; send its inputs to /v1/embeddings",
+                param="model",
+            )
         if self.generation.classifier is not None and not params.embed:
             raise InvalidRequest(
                 f"this model is a classifier ({self.generation.classifier.describe()}): it generates no text and "

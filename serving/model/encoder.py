@@ -1,12 +1,14 @@
-"""Cross-encoders: an encoder's `*ForSequenceClassification` checkpoint (families.ENCODER_MODEL_TYPES: BERT, as
-ms-marco's MiniLM cross-encoders are; XLM-RoBERTa, as BAAI's bge-reranker-base, -large and -v2-m3 are), served as a
-classifier (engine/pooling.py) for /classify, /pooling, /v1/score and /rerank.
+"""Encoders (families.ENCODER_MODEL_TYPES: BERT, RoBERTa, XLM-RoBERTa): a `*ForSequenceClassification` checkpoint (a
+cross-encoder: ms-marco's MiniLM cross-encoders are BERT, BAAI's bge-reranker-base, -large and -v2-m3 XLM-RoBERTa)
+served as a classifier (engine/pooling.py) for /classify, /pooling, /v1/score and /rerank; any other checkpoint as an
+embedding model (bge-m3's dense vectors, all-MiniLM, e5) for /v1/embeddings, pooled as its sentence-transformers files
+say (`pooling_of`: the CLS token or the mean).
 
-An encoder attends both ways over its whole input, so there is nothing to cache and nothing to chunk: each step's
-inputs are read whole, right-padded into one batch through the loaded model (`transformers`' own forward, with its
-attention mask and, for a BERT pair, its segments: 0 up to the first [SEP], 1 after), and each input's logits are its
-row of the classifier's output. The engine keeps a prompt whole (`Scheduler(whole_prompts=True)`), refuses one longer
-than a step's token budget, and shares no prefix cache.
+An encoder attends both ways over its whole input, so there is nothing to cache and nothing to chunk: each step's inputs
+are read whole, right-padded into one batch through the loaded model (`transformers`' own forward, with its attention
+mask and, for a BERT pair, its segments: 0 up to the first [SEP], 1 after), and each input's logits are its row of the
+classifier's output, or its vector the pooled last hidden states. The engine keeps a prompt whole
+(`Scheduler(whole_prompts=True)`), refuses one longer than a step's token budget, and shares no prefix cache.
 
 `EncoderRunner` has the part of `ModelRunner`'s interface the engine calls for pooled requests.
 """
@@ -20,33 +22,72 @@ from pylon.serving.model.runner import resolve_device, resolve_dtype, weights_fa
 from pylon.serving.model.step import StepSequence
 
 
+def pooling_of(model_dir: str) -> str:
+    """How an encoder's embedding checkpoint pools its tokens into a vector, as its sentence-transformers files say
+    (`modules.json` and the Pooling module's `config.json`): "cls" (BGE, bge-m3's dense vectors) or "mean"
+    (all-MiniLM, e5); "cls" where the checkpoint ships no such files (BERT's own pooling token). A module past pooling
+    that changes the vector (a Dense layer) is refused by name, since the engine would not apply it; Normalize is
+    what /v1/embeddings does anyway."""
+    import json
+    import os
+
+    modules_file = os.path.join(model_dir, "modules.json")
+    if not os.path.exists(modules_file):
+        return "cls"
+    try:
+        with open(modules_file) as f:
+            modules = json.load(f)
+        pooling = next(m for m in modules if m.get("type", "").endswith("Pooling"))
+        with open(os.path.join(model_dir, pooling.get("path", ""), "config.json")) as f:
+            settings = json.load(f)
+    except (OSError, ValueError, StopIteration, AttributeError) as e:
+        raise PylonError(
+            f"model {model_dir}: modules.json names no readable Pooling module ({type(e).__name__}); fix the "
+            "sentence-transformers files or remove them"
+        ) from None
+    extra = [
+        m.get("type") for m in modules if not str(m.get("type", "")).endswith(("Transformer", "Pooling", "Normalize"))
+    ]
+    if extra:
+        raise PylonError(f"model {model_dir}: modules.json has {extra[0]}, which the engine does not apply")
+    if settings.get("pooling_mode_cls_token"):
+        return "cls"
+    if settings.get("pooling_mode_mean_tokens"):
+        return "mean"
+    raise PylonError(
+        f"model {model_dir}: its Pooling module pools by {[k for k, v in settings.items() if v is True]}; the engine "
+        "pools by the CLS token or the mean"
+    )
+
+
 class EncoderRunner:
     recurrent = False
     vision = None
 
     def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "auto", sep_token_id: int | None = None):
         """`sep_token_id`: the tokenizer's [SEP], where a BERT pair's second segment starts after."""
-        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
         from pylon.serving.model.families import is_sequence_classifier
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        if not is_sequence_classifier(config):
-            raise PylonError(
-                f"model {model_dir}: a {config.model_type} encoder is served as a cross-encoder only (a "
-                "*ForSequenceClassification checkpoint: a reranker or classifier); its embeddings are not served"
-            )
         self.config = self.full_config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        # A cross-encoder's logits, or an embedding model's pooled vector (`pooling_of`: CLS or mean)
+        self.pooling = None if is_sequence_classifier(config) else pooling_of(model_dir)
         try:
-            self.model = AutoModelForSequenceClassification.from_pretrained(
-                model_dir, dtype=self.dtype, local_files_only=True
-            )
+            if self.pooling is None:
+                self.model = AutoModelForSequenceClassification.from_pretrained(
+                    model_dir, dtype=self.dtype, local_files_only=True
+                )
+            else:
+                self.model = AutoModel.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         except Exception as e:
             raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()
-        self.classifier = self.model.classifier  # (the engine reads a runner with a classifier as one)
+        # (the engine reads a runner with a classifier as one)
+        self.classifier = self.model.classifier if self.pooling is None else None
         self.vocab_size = config.vocab_size
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         # RoBERTa's positions start after its padding index: 514 in its table are 512 tokens
@@ -84,5 +125,12 @@ class EncoderRunner:
         inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
         if self.segments:
             inputs["token_type_ids"] = types.to(self.device)
-        logits = self.model(**inputs).logits
-        return torch.empty(0, self.vocab_size, device=self.device), logits.float()
+        if self.pooling is None:
+            return torch.empty(0, self.vocab_size, device=self.device), self.model(**inputs).logits.float()
+        hidden = self.model(**inputs).last_hidden_state
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:  # the mean over each input's own tokens (its mask), as sentence-transformers' Pooling computes it
+            weights = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+        return torch.empty(0, self.vocab_size, device=self.device), pooled.float()

@@ -96,7 +96,7 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from pylon.models import _matmul_parameters, expert_parameters, expert_weights, with_lora
-    from pylon.serving.model.families import is_sequence_classifier
+    from pylon.serving.model.families import ENCODER_MODEL_TYPES, is_sequence_classifier
 
     with torch.device("meta"):
         # A classifier (a reward model, a cross-encoder): its head of num_labels rows, not a vocabulary's lm_head.
@@ -104,6 +104,10 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
             from transformers import AutoModelForSequenceClassification
 
             model = AutoModelForSequenceClassification.from_config(config)
+        elif config.model_type in ENCODER_MODEL_TYPES:  # an encoder's embedding model: its body, no head
+            from transformers import AutoModel
+
+            model = AutoModel.from_config(config)
         else:
             model = AutoModelForCausalLM.from_config(config)
         matmul = _matmul_parameters(model)

@@ -689,3 +689,8 @@ def test_a_cross_encoder_holds_no_kv_cache(tmp_path: Path) -> None:
     spec = DeploymentSpec(name="ce", model=str(tmp_path / "ce"), replica={"num_gpus": 1}, engine={"device": "cuda"})
     row = next(r for r in plan_serve(spec).rows if r.accelerator.name == "H200")
     assert row.kv_cache == 0 and row.weights > 0 and row.fits
+    # an embedding model of the same body: its weights without a head (BERT-base's 109.5M, no LM head)
+    from transformers import AutoConfig, AutoModel
+
+    body = sum(p.numel() for p in AutoModel.from_config(AutoConfig.for_model("bert")).parameters())
+    assert model_shape(AutoConfig.for_model("bert")).total_params == body

@@ -128,3 +128,66 @@ def test_a_cross_encoder_reranks_over_http(tmp_path) -> None:
         assert all(abs(x["relevance_score"] - s) < 1e-5 for x, (s, _) in zip(got, want))
         tokens = sum(len(tokenizer(QUERY, d)["input_ids"]) for d in DOCUMENTS)
         assert r.json()["usage"]["prompt_tokens"] == tokens
+
+
+def save_embedder(directory, pooling: str | None, extra_module: bool = False):
+    """A tiny random BERT embedding model (no head), with sentence-transformers files naming `pooling` (None: none)."""
+    import json
+
+    _, tokenizer = save(directory, "bert")  # its vocabulary and tokenizer files
+    for name in ("config.json", "model.safetensors"):
+        (directory / name).unlink()
+    config = AutoConfig.for_model(
+        "bert",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        pad_token_id=0,
+        initializer_range=0.5,
+    )
+    torch.manual_seed(1)
+    from transformers import AutoModel
+
+    model = AutoModel.from_config(config).eval()
+    model.save_pretrained(directory)
+    if pooling is not None:
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]
+        if extra_module:
+            modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        (directory / "modules.json").write_text(json.dumps(modules))
+        (directory / "1_Pooling").mkdir()
+        (directory / "1_Pooling" / "config.json").write_text(
+            json.dumps({"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean"})
+        )
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("pooling", [None, "cls", "mean"])
+def test_an_encoders_embeddings_are_its_pooled_hidden_states(tmp_path, pooling) -> None:
+    """An encoder that is not a classifier embeds: each input's CLS state (no sentence-transformers files, or theirs
+    saying CLS) or its tokens' mean (theirs saying mean), as transformers computes them, inputs of different lengths
+    batched; it generates nothing, and a module it would not apply (a Dense layer) stops it at start by name."""
+    model, tokenizer = save_embedder(tmp_path / "e", pooling)
+    engine = LLMEngine(str(tmp_path / "e"), spec())
+    assert engine.generation.classifier is None
+    texts = ["hello world", "the quick brown fox jumps over the lazy dog", "paris"]
+    for i, t in enumerate(texts):
+        engine.add_request(str(i), tokenizer(t)["input_ids"], POOL)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    for i, t in enumerate(texts):
+        with torch.no_grad():
+            hidden = model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0]
+        want = hidden.mean(0) if pooling == "mean" else hidden[0]
+        assert torch.allclose(torch.tensor(outs[str(i)].embedding), want, atol=1e-5), (pooling, t)
+    with pytest.raises(InvalidRequest, match="embedding model"):
+        engine.add_request("gen", tokenizer("hi")["input_ids"], SamplingParams(max_tokens=2))
+    save_embedder(tmp_path / "dense", "mean", extra_module=True)
+    with pytest.raises(PylonError, match="modules.json has sentence_transformers.models.Dense"):
+        LLMEngine(str(tmp_path / "dense"), spec())
