@@ -191,3 +191,25 @@ def test_an_encoders_embeddings_are_its_pooled_hidden_states(tmp_path, pooling) 
     save_embedder(tmp_path / "dense", "mean", extra_module=True)
     with pytest.raises(PylonError, match="modules.json has sentence_transformers.models.Dense"):
         LLMEngine(str(tmp_path / "dense"), spec())
+
+
+def test_an_encoders_embeddings_over_http(tmp_path) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "api"))
+    from test_serving_http import auth, serving
+
+    model, tokenizer = save_embedder(tmp_path / "e", "mean")
+    with serving(str(tmp_path / "e"), max_num_batched_tokens=64, max_model_len=128, kv_cache_tokens=1024) as (url, _):
+        texts = ["hello world", "paris"]
+        r = requests.post(f"{url}/v1/embeddings", headers=auth(), json={"model": "tiny", "input": texts}, timeout=60)
+        assert r.status_code == 200, r.text
+        for data, t in zip(r.json()["data"], texts):
+            with torch.no_grad():
+                want = model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0].mean(0)
+            want = want / want.norm()
+            assert torch.allclose(torch.tensor(data["embedding"]), want, atol=1e-5), t
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        refused = requests.post(f"{url}/v1/chat/completions", headers=auth(), json=chat, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
