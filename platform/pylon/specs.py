@@ -637,6 +637,15 @@ class EngineSpec(_Spec):
         "starts there). Each holds every recurrent layer's state for one sequence (the engine logs its size at start); "
         "0: such a model shares no prefix cache. No effect without enable_prefix_caching or recurrent layers",
     )
+    recurrent_snapshot_interval: int = Field(
+        0,
+        ge=0,
+        description="for a model with recurrent layers, with the prefix cache: also snapshot their states every this "
+        "many tokens of a prompt (rounded down to blocks), so that prompts sharing a long start that is neither a "
+        "system prompt nor an earlier turn (one document, different questions) share it to within this many tokens; "
+        "each such prompt is computed in steps that end there. 0: only a prompt's last boundary, a chat's last "
+        "message and decoding's last (see recurrent_state_snapshots)",
+    )
     classifier_from_token: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         max_length=2,

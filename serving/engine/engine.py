@@ -297,6 +297,7 @@ class LLMEngine:
             max_num_batched_tokens=spec.max_num_batched_tokens,
             snapshots=self.snapshots,
             whole_prompts=self.encoder,
+            snapshot_interval=spec.recurrent_snapshot_interval if self.snapshots is not None else 0,
         )
         # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an
         # abort only together with or after the add it cancels, never in between.

@@ -37,10 +37,12 @@ no keys and values: a sequence's whole past is one state, which a cached block c
 engine keeps snapshots of every recurrent layer's state at some block boundaries, named by the hash of the block that
 ends there: a request starts from a cached prefix only as far as its deepest block with a snapshot, its attention
 layers from the blocks and its recurrent layers from that snapshot (`Scheduler._cached_prefix`). Snapshots are taken
-where a step's tokens end on a boundary: the last boundary of a prompt short of its last token (its computing is split
-there: what the same prompt, or one that extends it, will look up) and, in decoding, the latest boundary a request
-reached (kept when it ends: the next turn of a chat extends the whole of it). They are kept least recently used first,
-at most `engine.recurrent_state_snapshots`.
+where a step's tokens end on a boundary (a prompt's computing is split at each of these): the last boundary of a
+prompt short of its last token (what the same prompt, or one that extends it, will look up); the last boundary before
+the position a request names (`SamplingParams.snapshot_at`: the server's, where a chat's last message begins, so that
+another conversation with the same system prompt starts past it); every `engine.recurrent_snapshot_interval` tokens
+where that is set; and, in decoding, the latest boundary a request reached (kept when it ends: the next turn of a chat
+extends the whole of it). They are kept least recently used first, at most `engine.recurrent_state_snapshots`.
 """
 
 from __future__ import annotations

@@ -84,10 +84,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         snapshots: StateSnapshots | None = None,
         whole_prompts: bool = False,
+        snapshot_interval: int = 0,
     ):
         self.pool = pool
         # An encoder's inputs (model/encoder.py): each computed whole in one step, never in chunks
         self.whole_prompts = whole_prompts
+        # Recurrent layers: their states snapshotted every this many tokens of a prompt too (a multiple of blocks)
+        self.snapshot_interval = snapshot_interval // pool.block_size * pool.block_size
         # A model with recurrent layers (with the prefix cache): their states' snapshots, which a cached prefix needs
         self.snapshots = snapshots
         self.max_num_seqs = max_num_seqs
@@ -177,14 +180,15 @@ class Scheduler:
 
     def snapshot_boundaries(self, request: Request) -> tuple[int, ...]:
         """Where a request's recurrent states are snapshotted in its prompt, in order: the last block boundary before
-        the position its params name (`snapshot_at`: where a chat's shared part ends, the server's), and the last
-        block boundary short of its last token (the deepest a later request with the same prompt starts from); 0s
-        left out."""
+        the position its params name (`snapshot_at`: where a chat's shared part ends, the server's), every
+        `snapshot_interval` tokens (engine.recurrent_snapshot_interval), and the last block boundary short of its last
+        token (the deepest a later request with the same prompt starts from); 0s left out."""
         bs = self.pool.block_size
         last = (request.num_prompt_tokens - 1) // bs * bs
         hint = request.params.snapshot_at
         shared = (min(hint, request.num_prompt_tokens) - 1) // bs * bs if hint else 0
-        return tuple(b for b in sorted({shared, last}) if b > 0)
+        every = range(self.snapshot_interval, last, self.snapshot_interval) if self.snapshot_interval else ()
+        return tuple(b for b in sorted({shared, last, *every}) if b > 0)
 
     def _to_boundary(self, request: Request, start: int, num_new: int) -> int:
         """`num_new` tokens from `start`, or fewer so that the step ends on the prompt's next snapshot boundary where

@@ -167,3 +167,27 @@ def test_a_shared_system_prompt_is_snapshotted_where_the_server_says(family) -> 
     unhinted = family.engine()
     turn(unhinted, "a", system + first)
     assert turn(unhinted, "b", system + second)[1] == 0
+
+
+def test_prompts_sharing_a_long_start_share_it_every_interval(family) -> None:
+    """engine.recurrent_snapshot_interval: a prompt's states are snapshotted every that many tokens too, so another
+    prompt that shares its start (a document, then another question) starts from the deepest such boundary within
+    it; its log-probabilities are those computed from scratch."""
+    document, first, second = PROMPTS[3][:75], PROMPTS[6], PROMPTS[2]  # 75 shared tokens, then 33 or 40 of each
+    engine = family.engine(recurrent_snapshot_interval=32)
+    assert engine.scheduler.snapshot_boundaries(_request(document + first)) == (32, 64, 96)
+    turn(engine, "a", document + first)
+    engine.add_request("b", document + second, SCORED)
+    outs = run(engine)["b"]
+    assert outs[0].num_cached_tokens == 64  # the interval's last boundary within the shared 75
+    want = logprobs_of(family.engine(enable_prefix_caching=False), "b", document + second)
+    assert max(abs(e.logprob - w) for e, w in zip((e for o in outs for e in o.logprobs), want)) < 1e-3
+    plain = family.engine()  # no interval: nothing before the prompts' own last boundaries is kept
+    turn(plain, "a", document + first)
+    assert turn(plain, "b", document + second)[1] == 0
+
+
+def _request(prompt: list[int]):
+    from pylon.serving.engine.request import Request
+
+    return Request("x", prompt, GREEDY, 4, None, None)
