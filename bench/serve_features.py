@@ -1326,17 +1326,7 @@ def main() -> None:
     p.add_argument(
         "--only",
         nargs="+",
-        choices=[
-            "quantization",
-            "constrained",
-            "penalties",
-            "speculative",
-            "lora",
-            "embeddings",
-            "rewards",
-            "moe",
-            "images",
-        ],
+        choices=list(SECTIONS),
         help="run these sections only",
     )
     p.add_argument("--embed-inputs", type=int, default=128, help="texts the embeddings section embeds per leg")
@@ -1356,35 +1346,23 @@ def main() -> None:
     p.add_argument("--image-reply-tokens", type=int, default=32, help="the reply's tokens each turn")
     p.add_argument("--image-vision-layers", type=int, default=6, help="its vision tower's layers")
     args = p.parse_args()
-    sections = args.only or [
-        "quantization",
-        "constrained",
-        "penalties",
-        "speculative",
-        "lora",
-        "embeddings",
-        "rewards",
-        "moe",
-        "images",
-    ]
-    if "quantization" in sections:
-        report_quantization(quantization(args))
-    if "constrained" in sections:
-        report_constrained(constrained(args))
-    if "penalties" in sections:
-        report_penalties(penalties(args))
-    if "speculative" in sections:
-        report_speculative(speculative(args))
-    if "lora" in sections:
-        report_lora(lora(args))
-    if "embeddings" in sections:
-        report_embeddings(embeddings(args))
-    if "rewards" in sections:
-        report_rewards(rewards(args))
-    if "moe" in sections:
-        report_moe(moe(args))
-    if "images" in sections:
-        report_images(images(args))
+    for name, (run, report) in SECTIONS.items():
+        if name in (args.only or SECTIONS):
+            report(run(args))
+
+
+# Each section's name (--only), what measures it and what prints it, in the order a whole run takes them.
+SECTIONS = {
+    "quantization": (quantization, report_quantization),
+    "constrained": (constrained, report_constrained),
+    "penalties": (penalties, report_penalties),
+    "speculative": (speculative, report_speculative),
+    "lora": (lora, report_lora),
+    "embeddings": (embeddings, report_embeddings),
+    "rewards": (rewards, report_rewards),
+    "moe": (moe, report_moe),
+    "images": (images, report_images),
+}
 
 
 if __name__ == "__main__":
