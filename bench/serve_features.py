@@ -1021,18 +1021,27 @@ def embed_transformers(model, inputs: list[list[int]], batch: int):
     returned in the inputs' order."""
     import torch
 
-    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
     vectors: list = [None] * len(inputs)
     with torch.no_grad():
-        for b in range(0, len(order), batch):
-            part = order[b : b + batch]
-            width = len(inputs[part[0]])
-            ids = torch.tensor([inputs[i] + [0] * (width - len(inputs[i])) for i in part])
-            mask = torch.tensor([[1] * len(inputs[i]) + [0] * (width - len(inputs[i])) for i in part])
+        for part, ids, mask in padded_batches(inputs, batch, 0):
             hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
             for row, i in enumerate(part):
                 vectors[i] = hidden[row, len(inputs[i]) - 1]
     return vectors
+
+
+def padded_batches(inputs: list[list[int]], batch: int, pad: int):
+    """The inputs as sentence-transformers batches them: sorted by length, longest first (a batch pads little), each
+    batch right-padded with `pad`: (the inputs' indices, ids, attention mask) per batch."""
+    import torch
+
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    for b in range(0, len(order), batch):
+        part = order[b : b + batch]
+        width = len(inputs[part[0]])
+        ids = torch.tensor([inputs[i] + [pad] * (width - len(inputs[i])) for i in part])
+        mask = torch.tensor([[1] * len(inputs[i]) + [0] * (width - len(inputs[i])) for i in part])
+        yield part, ids, mask
 
 
 def embeddings(args) -> dict:
@@ -1113,15 +1122,9 @@ def rewards_transformers(model, inputs: list[list[int]], batch: int) -> list[flo
     an attention mask, each input's logit at its last real token (the model's own pooling, pad_token_id set)."""
     import torch
 
-    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
     scores: list = [None] * len(inputs)
-    pad = model.config.pad_token_id
     with torch.no_grad():
-        for b in range(0, len(order), batch):
-            part = order[b : b + batch]
-            width = len(inputs[part[0]])
-            ids = torch.tensor([inputs[i] + [pad] * (width - len(inputs[i])) for i in part])
-            mask = torch.tensor([[1] * len(inputs[i]) + [0] * (width - len(inputs[i])) for i in part])
+        for part, ids, mask in padded_batches(inputs, batch, model.config.pad_token_id):
             logits = model(input_ids=ids, attention_mask=mask).logits
             for row, i in enumerate(part):
                 scores[i] = float(logits[row, 0])

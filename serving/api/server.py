@@ -154,6 +154,15 @@ def _own_replica_tag() -> str:
         return ""
 
 
+def _check_dimensions(dimensions: int | None, lasts: list) -> None:
+    """`dimensions` (an embedding request's) at most the model's hidden size, the width of its vectors."""
+    width = len(lasts[0].embedding)
+    if dimensions is not None and dimensions > width:
+        raise InvalidRequest(
+            f"dimensions must be at most the model's hidden size, {width} (got {dimensions})", param="dimensions"
+        )
+
+
 class PylonLLMServer:
     """One replica: the engine for `spec.model` and the HTTP API in front of it."""
 
@@ -511,18 +520,9 @@ class PylonLLMServer:
             adapter = self._adapter_of(body)
             self._not_a_classifier()
             lasts = await self._embedded(headers, body.model, body.inputs())
+            _check_dimensions(body.dimensions, lasts)
         except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
             return await self._refuse(send, e, adapter)
-        width = len(lasts[0].embedding)
-        if body.dimensions is not None and body.dimensions > width:
-            self._count(400, "none", adapter)
-            return await send_error(
-                send,
-                400,
-                f"dimensions must be at most the model's hidden size, {width} (got {body.dimensions})",
-                type="invalid_request_error",
-                param="dimensions",
-            )
         for k, last in enumerate(lasts):
             self._observe(last, count=k == 0, adapter=adapter)
         tokens = sum(last.num_prompt_tokens for last in lasts)
@@ -615,12 +615,8 @@ class PylonLLMServer:
                         )
             ids = body.inputs(self.engine.tokenizer)
             lasts = await self._embedded(headers, body.model, ids, truncate=body.truncate_prompt_tokens)
-            if classifier is None and body.dimensions is not None and body.dimensions > len(lasts[0].embedding):
-                raise InvalidRequest(
-                    f"dimensions must be at most the model's hidden size, {len(lasts[0].embedding)} "
-                    f"(got {body.dimensions})",
-                    param="dimensions",
-                )
+            if classifier is None:
+                _check_dimensions(body.dimensions, lasts)
         except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
             return await self._refuse(send, e, adapter)
         for k, last in enumerate(lasts):

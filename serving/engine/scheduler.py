@@ -217,18 +217,14 @@ class Scheduler:
         (`_with_prompt_logprobs`), and gets those entries filled in."""
         if not self.pool.enable_caching:
             return []
-        hashes = self._hashes(request)
+        hashes = self.block_hashes(request)
         usable = (request.num_tokens - 1) // self.pool.block_size
         blocks = self.pool.lookup(hashes[:usable])
-        if blocks and self.snapshots is not None:  # as far as its recurrent layers' states were kept
-            m = next((m for m in range(len(blocks), 0, -1) if hashes[m - 1] in self.snapshots), 0)
-            blocks = blocks[:m]
         if blocks and request.prompt_logprobs is not None:
             blocks = blocks[: self._with_prompt_logprobs(request, hashes, len(blocks))]
-            if self.snapshots is not None:  # (fewer blocks: the deepest of those with a snapshot)
-                m = next((m for m in range(len(blocks), 0, -1) if hashes[m - 1] in self.snapshots), 0)
-                blocks = blocks[:m]
-        request.restore_from = hashes[len(blocks) - 1] if blocks and self.snapshots is not None else None
+        if self.snapshots is not None:  # as far as its recurrent layers' states were kept: the deepest with one
+            blocks = blocks[: next((m for m in range(len(blocks), 0, -1) if hashes[m - 1] in self.snapshots), 0)]
+            request.restore_from = hashes[len(blocks) - 1] if blocks else None
         return blocks
 
     def _with_prompt_logprobs(self, request: Request, hashes: list[bytes], found: int) -> int:
@@ -279,9 +275,6 @@ class Scheduler:
 
     def block_hashes(self, request: Request) -> list[bytes]:
         """The hashes of every full block of `request`'s tokens (computed once each, kept with it)."""
-        return self._hashes(request)
-
-    def _hashes(self, request: Request) -> list[bytes]:
         # An image's placeholders hash as its contents (ImageInputs.hash_ids): one image's blocks never serve another.
         hashed = len(request.block_hashes) * self.pool.block_size
         ids = request.token_ids if request.images is None else request.images.hash_ids(request.token_ids, hashed)
@@ -294,7 +287,7 @@ class Scheduler:
             if computed <= request.num_registered_blocks:
                 return  # no block has filled since (a decode fills one every block_size steps): nothing to hash
             request.num_registered_blocks = computed
-            self.pool.cache_blocks(request.request_id, self._hashes(request), computed)
+            self.pool.cache_blocks(request.request_id, self.block_hashes(request), computed)
             if request.prompt_logprobs is not None and computed > request.num_kept_logprob_blocks:
                 self._keep_prompt_logprobs(request, computed)
                 request.num_kept_logprob_blocks = computed
