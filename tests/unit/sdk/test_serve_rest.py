@@ -142,6 +142,10 @@ def test_a_put_that_lost_serves_starting_proxy_is_repeated_and_no_other_failure_
         "finishing this task.\n\tclass_name: HAProxyManager\n\tname: SERVE_PROXY_ACTOR-9aaa92f2\n\tnamespace: serve\n"
         "The actor is dead because it was killed by `ray.kill`."
     )
+    waited = (
+        'Traceback (most recent call last):\n  File ".../ray/serve/_private/api.py", line 223, in serve_start_async\n'
+        "    raise TimeoutError(\nTimeoutError: HTTP proxies not available after 60s."
+    )
     answers: list[tuple[int, str]] = []
     bodies: list[dict] = []
 
@@ -169,6 +173,11 @@ def test_a_put_that_lost_serves_starting_proxy_is_repeated_and_no_other_failure_
             "http_options": {"host": "127.0.0.1", "port": 8000},
             "applications": [app],
         }
+        # The dashboard stopped waiting for a proxy that still starts (Ray's fixed 60 s): the same, repeated.
+        bodies.clear()
+        answers[:] = [(500, waited), (200, "")]
+        serve._put(where, {}, [app])
+        assert len(bodies) == 2
         # Lost every time: given up after PUT_ATTEMPTS, with Serve's words.
         bodies.clear()
         answers[:] = [(500, died)] * serve.PUT_ATTEMPTS
