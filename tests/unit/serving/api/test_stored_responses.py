@@ -289,6 +289,10 @@ def test_a_background_response_past_its_time_fails_and_one_whose_replica_stopped
     import time
 
     with _serve(model_dir, str(tmp_path), background_timeout_s=0.05) as (url, replica):
+        # Each engine step made to take 20 ms more, so that 900 tokens take 18 s however loaded the machine is: on a
+        # busy one the tiny model's whole answer could otherwise be queued before the server's loop ran its timer.
+        engine, step = replica.engine.engine, replica.engine.engine.step
+        engine.step = lambda: (time.sleep(0.02), step())[1]
         client = _client(url)
         queued = client.responses.create(
             input="write at length", background=True, **{**GREEDY, "max_output_tokens": 900}
