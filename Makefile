@@ -55,11 +55,14 @@ test: setup  ## run the whole test suite: ruff, then unit tests alongside the in
 	@$(VENV)/bin/ruff check --quiet . && $(VENV)/bin/ruff format --check --quiet . \
 	  || { echo "ruff: run 'make format' (or fix what it names), then 'make test' again"; exit 1; }
 	@# The integration tests spend much of their time waiting on Ray, jobs and replicas; the unit tests (no
-	@# cluster) use that idle CPU instead of running before them. Their output follows the integration run's, and
-	@# a summary of both (failed tests by name, then the counts) ends the output, where CI's excerpt of it looks;
+	@# cluster) use that idle CPU instead of running before them: one torch thread each and a lower priority, so
+	@# that they neither spin OpenMP threads against the cluster's processes nor hold up its timed waits (alone they
+	@# take 10 minutes; with two threads beside the integration run, 25). Their output follows the integration run's,
+	@# and a summary of both (failed tests by name, then the counts) ends the output, where CI's excerpt of it looks;
 	@# an integration run killed or aborted before its own summary adds its log's end and Ray's fatal lines.
 	@started=$$(date +%s); \
-	$(PY) -m pytest tests/unit -p no:cacheprovider > .cache/unit-tests.log 2>&1 & unit=$$!; \
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 5 $(PY) -m pytest tests/unit -p no:cacheprovider \
+	  > .cache/unit-tests.log 2>&1 & unit=$$!; \
 	$(PY) -m pytest tests/integration 2>&1 | tee .cache/integration-tests.log; integration=$${PIPESTATUS[0]}; \
 	wait $$unit; unit=$$?; \
 	echo "=== unit tests, run alongside (whole log: .cache/unit-tests.log) ==="; \

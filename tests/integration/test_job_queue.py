@@ -54,6 +54,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return r
 
 
+# Three training jobs one after another (4 minutes); the queue's rules are tests/unit/jobs/test_queue.py's. `make
+# test-all`, for make test's time.
+@pytest.mark.slow
 def test_jobs_that_need_the_whole_cluster_run_one_after_another_in_priority_order(ray_cluster, corpus, tmp_path):
     client = pylon.connect()
     first = client.train(_spec(corpus, tmp_path, "queue-first", priority=0, steps=40), export=False)
