@@ -328,7 +328,10 @@ class LLMEngine:
                 )
         if self.pool.enable_caching:  # an input attended both ways shares nothing with another's
             self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size, enable_caching=False)
-        sep = getattr(getattr(self.tokenizer, "_tok", None), "sep_token_id", None)
+        tok = getattr(self.tokenizer, "_tok", None)
+        # A pair's segments where the tokenizer gives them (BERT's, ELECTRA's; RoBERTa's and ModernBERT's give none)
+        segments = "token_type_ids" in (getattr(tok, "model_input_names", None) or ())
+        sep = getattr(tok, "sep_token_id", None) if segments else None
         return EncoderRunner(directory, device=spec.device, dtype=spec.dtype, sep_token_id=sep)
 
     def _load_draft_model(self, spec: EngineSpec) -> DraftModel:

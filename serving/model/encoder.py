@@ -1,8 +1,9 @@
-"""Encoders (families.ENCODER_MODEL_TYPES: BERT, RoBERTa, XLM-RoBERTa): a `*ForSequenceClassification` checkpoint (a
-cross-encoder: ms-marco's MiniLM cross-encoders are BERT, BAAI's bge-reranker-base, -large and -v2-m3 XLM-RoBERTa)
-served as a classifier (engine/pooling.py) for /classify, /pooling, /v1/score and /rerank; any other checkpoint as an
-embedding model (bge-m3's dense vectors, all-MiniLM, e5) for /v1/embeddings, pooled as its sentence-transformers files
-say (`pooling_of`: the CLS token or the mean).
+"""Encoders (families.ENCODER_MODEL_TYPES: BERT and its descendants, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT,
+ELECTRA, MPNet, DeBERTa-v2/v3, ModernBERT, NomicBERT, GTE, EuroBERT): a `*ForSequenceClassification` checkpoint (a
+cross-encoder: ms-marco's MiniLM cross-encoders are BERT, BAAI's bge-reranker-base, -large and -v2-m3 XLM-RoBERTa,
+mxbai-rerank-v1 DeBERTa-v3) served as a classifier (engine/pooling.py) for /classify, /pooling, /v1/score and /rerank;
+any other checkpoint as an embedding model (bge-m3's dense vectors, all-MiniLM, all-mpnet, e5, gte-modernbert) for
+/v1/embeddings, pooled as its sentence-transformers files say (`pooling_of`: the CLS token or the mean).
 
 An encoder attends both ways over its whole input, so there is nothing to cache and nothing to chunk: each step's inputs
 are read whole, right-padded into one batch through the loaded model (`transformers`' own forward, with its attention
@@ -60,6 +61,16 @@ def pooling_of(model_dir: str) -> str:
     )
 
 
+def _position_offset(model) -> int:
+    """How many rows of a model's learned position table come before its first token's: RoBERTa's, XLM-RoBERTa's,
+    CamemBERT's and MPNet's positions start after their padding index (514 rows are 512 tokens); BERT's start at 0,
+    and a model with rotary positions (ModernBERT, NomicBERT, GTE) has no table."""
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
+            return 0 if module.padding_idx is None else module.padding_idx + 1
+    return 0
+
+
 class EncoderRunner:
     recurrent = False
     vision = None
@@ -87,13 +98,13 @@ class EncoderRunner:
             raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()
         # (the engine reads a runner with a classifier as one)
-        self.classifier = self.model.classifier if self.pooling is None else None
+        self.classifier = self.model if self.pooling is None else None
         self.vocab_size = config.vocab_size
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-        # RoBERTa's positions start after its padding index: 514 in its table are 512 tokens
-        offset = self.pad_id + 1 if config.model_type in ("roberta", "xlm-roberta") else 0
-        self.max_position_embeddings = config.max_position_embeddings - offset
-        self.segments = getattr(config, "type_vocab_size", 1) > 1 and sep_token_id is not None
+        self.max_position_embeddings = config.max_position_embeddings - _position_offset(self.model)
+        # BERT's segments (0 up to the first [SEP], 1 after) where the model has them and its tokenizer gives them
+        # (a CamemBERT checkpoint may have two and its tokenizer none: transformers then reads all 0)
+        self.segments = (getattr(config, "type_vocab_size", 1) or 1) > 1 and sep_token_id is not None
         self.sep_token_id = sep_token_id
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_gflop: float = 0.0) -> tuple[int, int]:

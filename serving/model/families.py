@@ -231,9 +231,26 @@ TEXT_MODELS = ("gemma3", "mistral3", "llama4", "qwen3_5", "qwen3_5_moe")
 # Those whose images the engine embeds (engine/images.py); Llama 4's multimodal checkpoints are served for their text.
 IMAGE_MODELS = ("gemma3", "mistral3")
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "gpt_neox", *LLAMA_FAMILIES, *TEXT_MODELS)
-# Encoders served as cross-encoders (their *ForSequenceClassification checkpoints: ms-marco's MiniLM cross-encoders are
-# BERT, BAAI's bge-reranker-base/large and -v2-m3 XLM-RoBERTa): every input read whole, both ways (model/encoder.py)
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+# Encoders, served as cross-encoders (their *ForSequenceClassification checkpoints: ms-marco's MiniLM cross-encoders
+# are BERT, BAAI's bge-reranker-base/large and -v2-m3 XLM-RoBERTa, mxbai-rerank-v1 DeBERTa-v3, gte-reranker-modernbert
+# ModernBERT) or embedding models (all-mpnet-base-v2 is MPNet, gte-modernbert ModernBERT, e5 and bge BERT or
+# XLM-RoBERTa): every input read whole, both ways, through transformers' own classes
+# (model/encoder.py)
+ENCODER_MODEL_TYPES = (
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "camembert",
+    "distilbert",
+    "electra",
+    "mpnet",
+    "deberta-v2",
+    "modernbert",
+    "nomic_bert",
+    "gte",
+    "eurobert",
+)
 
 
 def recurrent_state_bytes(config, dtype_bytes: int) -> int:

@@ -26,6 +26,7 @@ from pylon.plan import (
 )
 from pylon.plan.catalog import load_catalog
 from pylon.plan.memory import GIB, HOST_BUFFER_FACTOR, Layout, Workload, kv_bytes_per_token, model_shape, train_memory
+from pylon.serving.model.families import ENCODER_MODEL_TYPES
 from pylon.specs import DeploymentSpec, ModelSpec, TrainJobSpec
 
 LLAMA_58M = {
@@ -694,3 +695,23 @@ def test_a_cross_encoder_holds_no_kv_cache(tmp_path: Path) -> None:
 
     body = sum(p.numel() for p in AutoModel.from_config(AutoConfig.for_model("bert")).parameters())
     assert model_shape(AutoConfig.for_model("bert")).total_params == body
+
+
+@pytest.mark.parametrize("model_type", ENCODER_MODEL_TYPES)
+def test_every_encoder_familys_plan_counts_its_body_and_no_kv_cache(tmp_path: Path, model_type: str) -> None:
+    """Each encoder family the engine serves (families.ENCODER_MODEL_TYPES) is planned as one: its embedding model's
+    parameters are transformers' own (its body), its classifier's are that and its head, and neither holds a KV cache."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model(model_type)
+    with torch.device("meta"):
+        body = sum(p.numel() for p in AutoModel.from_config(config).parameters())
+        classifier = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(model_type, num_labels=3))
+    assert model_shape(config).total_params == body
+    head = AutoConfig.for_model(model_type, num_labels=3, architectures=[type(classifier).__name__])
+    assert model_shape(head).total_params == sum(p.numel() for p in classifier.parameters())
+    (tmp_path / "m").mkdir()
+    head.save_pretrained(tmp_path / "m")
+    spec = DeploymentSpec(name="m", model=str(tmp_path / "m"), replica={"num_gpus": 1}, engine={"device": "cuda"})
+    row = next(r for r in plan_serve(spec).rows if r.accelerator.name == "H200")
+    assert row.kv_cache == 0 and row.weights > 0 and row.fits

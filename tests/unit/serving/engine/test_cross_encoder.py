@@ -1,5 +1,5 @@
-"""Cross-encoders (model/encoder.py): BERT's and XLM-RoBERTa's `*ForSequenceClassification` checkpoints served as
-classifiers, each input read whole, both ways, in batches of inputs of different lengths: every input's logits are
+"""Cross-encoders (model/encoder.py): BERT's and XLM-RoBERTa's `*ForSequenceClassification` checkpoints (and every
+other encoder family's, `test_each_encoder_family_classifies_and_embeds_as_transformers_does`) served as classifiers, each input read whole, both ways, in batches of inputs of different lengths: every input's logits are
 `transformers`' own for the tokenizer's encoding of it (a pair with its segments), over HTTP as in the engine; what a
 decoder needs is refused by name."""
 
@@ -14,6 +14,7 @@ from pylon.errors import PylonError
 from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.errors import InvalidRequest
+from pylon.serving.model.families import ENCODER_MODEL_TYPES
 from pylon.specs import EngineSpec
 
 WORDS = "the a quick brown fox jumps over lazy dog stock prices fell today hello world what is capital of france paris"
@@ -213,3 +214,95 @@ def test_an_encoders_embeddings_over_http(tmp_path) -> None:
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         refused = requests.post(f"{url}/v1/chat/completions", headers=auth(), json=chat, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
+def tiny(model_type: str, vocab_size: int, **fields):
+    """A tiny config of an encoder family, its token ids in WORDS' vocabulary ([PAD] 0, [CLS] 2, [SEP] 3, [MASK] 4)."""
+    sizes = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 64}
+    if model_type == "distilbert":
+        sizes = {"dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64}
+    ids = {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3, "cls_token_id": 2, "sep_token_id": 3}
+    extra = {
+        "electra": {"embedding_size": 32, "type_vocab_size": 2},
+        "nomic_bert": {"type_vocab_size": 2},
+        "deberta-v2": {"type_vocab_size": 0},
+        "modernbert": {"mask_token_id": 4},
+        "eurobert": {"mask_token_id": 4, "num_key_value_heads": 2},
+    }.get(model_type, {})
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        max_position_embeddings=160,
+        initializer_range=0.5,
+        **sizes,
+        **ids,
+        **extra,
+        **fields,
+    )
+
+
+FAMILIES = [t for t in ENCODER_MODEL_TYPES if t not in ("bert", "xlm-roberta")]  # (those two: the tests above)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_encoder_family_classifies_and_embeds_as_transformers_does(tmp_path, model_type) -> None:
+    """Every encoder family the engine serves, a classifier (two labels) and an embedding model (mean pooling) of
+    each: pairs and single texts of different lengths batched in the same steps read as transformers reads each
+    alone; the longest input is what the family's position table holds (RoBERTa's and MPNet's start after their
+    padding index)."""
+    import json
+
+    from transformers import AutoModel
+
+    from pylon.serving.model.encoder import EncoderRunner
+
+    _, tokenizer = save(tmp_path / "vocab", "bert")
+    classifier_dir, embedder_dir = tmp_path / "classifier", tmp_path / "embedder"
+    torch.manual_seed(0)
+    classifier = AutoModelForSequenceClassification.from_config(tiny(model_type, len(tokenizer), num_labels=2))
+    torch.manual_seed(1)
+    embedder = AutoModel.from_config(tiny(model_type, len(tokenizer)))
+    for directory, model in ((classifier_dir, classifier), (embedder_dir, embedder)):
+        model.eval().save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    (embedder_dir / "modules.json").write_text(
+        json.dumps([{"idx": 0, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    )
+    (embedder_dir / "1_Pooling").mkdir()
+    (embedder_dir / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    segments = getattr(classifier.config, "type_vocab_size", 1) > 1
+
+    def encode(a: str, b: str | None = None) -> dict:
+        return tokenizer(a, b, return_tensors="pt", return_token_type_ids=segments)
+
+    engine = LLMEngine(str(classifier_dir), spec())
+    assert engine.encoder and engine.generation.classifier.labels == ("LABEL_0", "LABEL_1")
+    inputs = [encode(QUERY, d) for d in DOCUMENTS] + [encode(d) for d in DOCUMENTS]
+    for i, enc in enumerate(inputs):
+        engine.add_request(str(i), enc["input_ids"][0].tolist(), POOL)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    for i, enc in enumerate(inputs):
+        with torch.no_grad():
+            want = classifier(**enc).logits[0]
+        got = torch.tensor(outs[str(i)].embedding)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (model_type, i, (got - want).abs().max().item())
+
+    engine = LLMEngine(str(embedder_dir), spec())
+    assert engine.generation.classifier is None
+    texts = ["hello world", "the quick brown fox jumps over the lazy dog", "paris"]
+    for i, t in enumerate(texts):
+        engine.add_request(str(i), encode(t)["input_ids"][0].tolist(), POOL)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    for i, t in enumerate(texts):
+        with torch.no_grad():
+            want = embedder(**encode(t)).last_hidden_state[0].mean(0)
+        assert torch.allclose(torch.tensor(outs[str(i)].embedding), want, rtol=1e-4, atol=1e-5), (model_type, t)
+
+    runner = EncoderRunner(str(embedder_dir), device="cpu", dtype="fp32")
+    # Positions from the padding index + 1: the config's (0) for RoBERTa's kin, MPNet's own 1 whatever the config says
+    after = {"roberta": 1, "xlm-roberta-xl": 1, "camembert": 1, "mpnet": 2}.get(model_type, 0)
+    assert runner.max_position_embeddings == 160 - after
