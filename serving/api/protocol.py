@@ -338,21 +338,108 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # the schema is always enforced; accepted as OpenAI's clients send it
 
 
-class ResponseFormat(BaseModel):
-    """`text` (free), `json_object` (any JSON object) or `json_schema` (JSON valid against a schema): enforced by
-    token masks (`pylon.serving.engine.guided`), so the output parses whatever the model."""
+MAX_STRUCTURES = 128  # a structural tag's structures at most
+
+
+class Structure(BaseModel):
+    """One structure of a structural tag: the text that begins it (starting with one of the tag's triggers), the JSON
+    schema of what follows, and the text that ends it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    begin: str = Field(min_length=1)
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str = ""
+
+
+class StructuralTag(BaseModel):
+    """vLLM's (and SGLang's) structural tag: free text in which each trigger, once the model writes it, starts one of
+    the structures whose `begin` it opens, held to that structure's begin, schema and end (a tool call in a model's
+    own tags: `<function=get_weather>{...}</function>`), then free text again."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["structural_tag"] = "structural_tag"
+    structures: list[Structure] = Field(min_length=1, max_length=MAX_STRUCTURES)
+    triggers: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, max_length=MAX_STRUCTURES)
+
+    def guide(self, param: str) -> dict:
+        """The engine's guide: llguidance's own grammar of structural tags (`StructTag.to_grammar`, as vLLM's
+        guidance backend builds it). InvalidRequest naming the structure at fault."""
+        from llguidance import StructTag
+
+        tags = []
+        for i, s in enumerate(self.structures):
+            trigger = next((t for t in self.triggers if s.begin.startswith(t)), None)
+            if trigger is None:
+                raise InvalidRequest(
+                    f"{param}.structures.{i}.begin: {s.begin!r} starts with none of the triggers {self.triggers}; "
+                    "each structure begins with the trigger that starts it",
+                    param=f"{param}.structures.{i}.begin",
+                )
+            check_json_schema(s.schema_, f"{param}.structures.{i}.schema")
+            # compact JSON, as every schema's here (guided.JSON_OPTIONS), unless the schema says otherwise
+            schema = {"x-guidance": {"whitespace_flexible": False}, **s.schema_}
+            tags.append(StructTag(trigger=trigger, begin=s.begin, grammar=schema, end=s.end))
+        return {"type": "lark", "grammar": StructTag.to_grammar(tags), "param": param}
+
+
+def structural_tag_of(value: Any, param: str) -> StructuralTag:
+    """A structural tag from a request (an object, or a JSON string of one as vLLM's `structured_outputs` takes it);
+    InvalidRequest naming the field at fault."""
+    import json
+
+    import pydantic
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidRequest(f"{param}: not JSON ({e})", param=param) from None
+    if isinstance(value, dict) and "format" in value and "structures" not in value:
+        raise InvalidRequest(
+            f"{param}.format: XGrammar's nested structural tag formats are not supported; give structures "
+            '([{"begin", "schema", "end"}]) and triggers',
+            param=f"{param}.format",
+        )
+    try:
+        return StructuralTag.model_validate(value)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join([param, *(str(p) for p in first["loc"])])
+        raise InvalidRequest(f"{where}: {first['msg']}", param=where) from None
+
+
+class ResponseFormat(BaseModel):
+    """`text` (free), `json_object` (any JSON object), `json_schema` (JSON valid against a schema) or vLLM's
+    `structural_tag` (free text with structures started by triggers): enforced by token masks
+    (`pylon.serving.engine.guided`), so the output parses whatever the model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type structural_tag's (StructuralTag), read there
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
+    format: Any = None
 
     def guide(self) -> dict | None:
         """The engine's `SamplingParams.guide` for this format (None for text). A schema that is not a valid JSON
         Schema is an InvalidRequest naming the path inside it."""
+        if self.type != "structural_tag":
+            for name in ("structures", "triggers", "format"):
+                if getattr(self, name) is not None:
+                    raise InvalidRequest(
+                        f'response_format.{name} belongs to type "structural_tag", not {self.type!r}',
+                        param=f"response_format.{name}",
+                    )
         if self.type == "text":
             return None
         if self.type == "json_object":
             return {"type": "json_object", "param": "response_format"}
+        if self.type == "structural_tag":
+            given = {k: v for k, v in (("structures", self.structures), ("triggers", self.triggers)) if v is not None}
+            if self.format is not None:
+                given["format"] = self.format
+            return structural_tag_of(given, "response_format").guide("response_format")
         if self.json_schema is None:
             raise InvalidRequest(
                 'response_format type "json_schema" needs a json_schema object ({"name": ..., "schema": {...}})',
@@ -387,18 +474,21 @@ class StructuredOutputs(BaseModel):
     # there is one grammar library, so nothing to fall back from
     disable_fallback: bool | None = None
     disable_any_whitespace: bool | None = None
-    # vLLM's, not supported: a 400 naming them where set
-    structural_tag: str | None = None
+    # vLLM's structural tag (a JSON string of StructuralTag's fields, as its StructuredOutputsParams takes it; an
+    # object too)
+    structural_tag: str | dict[str, Any] | None = None
+    # vLLM's, not supported: a 400 naming it where set
     disable_additional_properties: bool | None = None
 
     def guide(self) -> dict:
         """The engine's `SamplingParams.guide`. InvalidRequest naming the field at fault."""
         import json
 
-        if self.structural_tag is not None or self.disable_additional_properties:
-            name = "structural_tag" if self.structural_tag is not None else "disable_additional_properties"
+        if self.disable_additional_properties:
+            name = "disable_additional_properties"
             raise InvalidRequest(
-                f"structured_outputs.{name} is not supported; hold the output with json, regex, choice or grammar",
+                f"structured_outputs.{name} is not supported; hold the output with json, regex, choice, grammar or "
+                "structural_tag",
                 param=f"structured_outputs.{name}",
             )
         given = [
@@ -409,16 +499,20 @@ class StructuredOutputs(BaseModel):
                 ("choice", self.choice),
                 ("grammar", self.grammar),
                 ("json_object", self.json_object or None),
+                ("structural_tag", self.structural_tag),
             )
             if value is not None
         ]
         if len(given) != 1:
             listed = f" (got {', '.join(given)})" if given else ""
             raise InvalidRequest(
-                f"structured_outputs: give exactly one of json, regex, choice, grammar and json_object{listed}",
+                "structured_outputs: give exactly one of json, regex, choice, grammar, json_object and "
+                f"structural_tag{listed}",
                 param="structured_outputs",
             )
         kind, param = given[0], f"structured_outputs.{given[0]}"
+        if kind == "structural_tag":
+            return structural_tag_of(self.structural_tag, param).guide(param)
         if kind == "json":
             schema = self.json_
             if isinstance(schema, str):

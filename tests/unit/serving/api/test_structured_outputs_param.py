@@ -1,4 +1,4 @@
-"""vLLM's `structured_outputs` (json, regex, choice, grammar, json_object): what each request becomes, the 400s that
+"""vLLM's `structured_outputs` (json, regex, choice, grammar, json_object, structural_tag): what each request becomes, the 400s that
 name the field at fault, and random logits through each one's masks coming out as the request said; then the same
 through the official client against a real server, both endpoints, streamed and not."""
 
@@ -26,6 +26,20 @@ SIZE = {
 CHOICES = ["positive", "negative", 'ne "quoted" \\ one', "naïve — ünïcode"]
 REGEX = r"[A-Z]{2}-[0-9]{3,4}"
 GBNF = 'root ::= answer " " number\nanswer ::= "yes" | "no"\nnumber ::= [1-9] [0-9]?\n'
+
+
+WEATHER = {
+    "begin": "<function=get_weather>",
+    "schema": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "end": "</function>",
+}
+TIME = {"begin": "<function=get_time>", "schema": {"type": "object", "maxProperties": 0}, "end": "</function>"}
+TAG = {"type": "structural_tag", "structures": [WEATHER, TIME], "triggers": ["<function="]}
 
 
 def _chat(**fields) -> protocol.ChatCompletionRequest:
@@ -94,7 +108,33 @@ def test_each_kind_holds_random_logits_to_what_it_names(seed) -> None:
             "structured_outputs",
             "tool_choice",
         ),
-        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
+        ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag", "not JSON"),
+        (
+            {"structured_outputs": {"structural_tag": {"structures": [WEATHER]}}},
+            "structured_outputs.structural_tag.triggers",
+            "Field required",
+        ),
+        (
+            {"structured_outputs": {"structural_tag": {**TAG, "triggers": ["<tool="]}}},
+            "structured_outputs.structural_tag.structures.0.begin",
+            "starts with none of the triggers",
+        ),
+        (
+            {"structured_outputs": {"structural_tag": {**TAG, "structures": [{**WEATHER, "schema": {"type": "x"}}]}}},
+            "structured_outputs.structural_tag.structures.0.schema.type",
+            "not a valid",
+        ),
+        (
+            {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {"type": "any_text"}}}},
+            "structured_outputs.structural_tag.format",
+            "not supported",
+        ),
+        (
+            {"response_format": {"type": "structural_tag", **TAG, "structures": [{"begin": "<function=f>"}]}},
+            "response_format.structures.0.schema",
+            "Field required",
+        ),
+        ({"response_format": {"type": "json_object", "triggers": ["<f"]}}, "response_format.triggers", "belongs to"),
         (
             {"structured_outputs": {"json": SIZE, "disable_additional_properties": True}},
             "structured_outputs.disable_additional_properties",
@@ -173,3 +213,119 @@ def test_structured_outputs_through_the_openai_client(server):  # noqa: F811
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.regex", r.text
+
+
+DIGIT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# Each lowercase letter a trigger, and the structure it begins: a random model writes some soon.
+LETTER_TAG = {
+    "structures": [{"begin": c, "schema": DIGIT, "end": "!"} for c in LETTERS],
+    "triggers": list(LETTERS),
+}
+
+
+def _held_by_letter_tag(text: str, cut: bool) -> int:
+    """How many structures `text` holds, asserting that each lowercase letter of its free text begins one (`cut`:
+    the last may be cut short, at max_tokens)."""
+    held, at = 0, 0
+    while match := re.compile("[a-z]").search(text, at):
+        start = match.start()
+        try:
+            value, end = json.JSONDecoder().raw_decode(text, start + 1)
+        except ValueError:
+            assert cut and len(text) - start < 12, text
+            return held
+        jsonschema.validate(value, DIGIT)
+        assert text.startswith("!", end) or (cut and end == len(text)), text
+        held, at = held + 1, end + 1
+    return held
+
+
+def test_a_structural_tag_through_the_openai_client(server):  # noqa: F811
+    """A structural tag whose triggers are the lowercase letters, which a random model writes soon: through
+    response_format (type structural_tag) and structured_outputs.structural_tag, chat and completions, each letter it
+    writes begins a structure held to its schema and end; a bad tag is a 400 naming the field."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "say something"}]
+    held = 0
+    for seed in range(2):
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=60,
+            seed=seed,
+            response_format={"type": "structural_tag", **LETTER_TAG},
+        )
+        choice = reply.choices[0]
+        held += _held_by_letter_tag(choice.message.content, choice.finish_reason == "length")
+        completion = client.completions.create(
+            model="tiny",
+            prompt="text:",
+            max_tokens=60,
+            seed=seed,
+            extra_body={"structured_outputs": {"structural_tag": json.dumps(LETTER_TAG)}},
+        )
+        choice = completion.choices[0]
+        held += _held_by_letter_tag(choice.text, choice.finish_reason == "length")
+    assert held >= 3  # the model wrote the trigger, and what followed was held
+    bad = {"type": "structural_tag", "structures": [{"begin": "x", "schema": DIGIT}], "triggers": ["e"]}
+    r = requests.post(
+        f"{server}/v1/chat/completions",
+        headers=auth(),
+        json={"model": "tiny", "messages": messages, "response_format": bad},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.structures.0.begin", r.text
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_structural_tag_holds_what_follows_each_trigger_and_frees_the_rest(seed) -> None:
+    """vLLM's structural tag (structured_outputs.structural_tag, a JSON string or an object, and response_format
+    type structural_tag, the same guide): free text, but once the model writes a trigger it writes one of the
+    structures it begins, each held to its begin, schema and end, and then free text again."""
+    import torch
+
+    guide = _guide(structural_tag=json.dumps(TAG))
+    assert _guide(structural_tag=TAG)["grammar"] == guide["grammar"]
+    assert _chat(response_format=TAG).sampling_params(None).guide["grammar"] == guide["grammar"]
+    guides = Guides(ByteTokenizer(), 320)
+    generator = torch.Generator().manual_seed(seed)
+
+    def write(matcher, text: str) -> None:
+        for b in text.encode():
+            assert matcher.consume_token(b), (text, matcher.get_error())
+
+    def sample(matcher, until: str) -> str:
+        out = b""
+        while not out.decode(errors="ignore").endswith(until):
+            logits = guides.apply(torch.randn(1, 320, generator=generator), [0], [matcher], 256)
+            logits[0, 256] = float("-inf")  # (not the end of text, inside a structure the mask forbids it anyway)
+            token = int(torch.multinomial(logits[0].softmax(-1), 1, generator=generator))
+            assert matcher.consume_token(token), matcher.get_error()
+            out += bytes([token])
+            assert len(out) < 400
+        return out.decode()
+
+    matcher = guides.matcher(guide)
+    write(matcher, "Let me look. <function=get_weather>")
+    args = sample(matcher, "</function>")
+    assert json.loads(args.removesuffix("</function>"))["city"] in ("Paris", "Oslo"), args
+    write(matcher, " and the time: <function=get_time>")
+    assert sample(matcher, "</function>") == "{}</function>"  # compact JSON
+    write(matcher, " done, anything < > {} goes")
+    assert matcher.is_accepting()  # text may end here
+    # After a trigger, only a structure's own begin: a function the tag does not name is refused at its first byte
+    # that no structure has, and a structure's arguments outside its schema too.
+    matcher = guides.matcher(guide)
+    write(matcher, "ok <function=get_")
+    assert not matcher.consume_token(ord("x"))
+    matcher = guides.matcher(guide)
+    write(matcher, '<function=get_weather>{"city":"')
+    assert not matcher.consume_token(ord("R"))
