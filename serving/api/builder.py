@@ -9,8 +9,8 @@ answers HTTP itself (`@serve.ingress` over a plain ASGI app, `OpenAIApp`): a rou
 would add a hop per streamed token for nothing. With prefix caching on and more than one replica, HAProxy asks
 `<name>-router` which replica takes each request (once, before it sends it there: pylon.serving.api.routing).
 
-    POST /v1/completions   POST /v1/chat/completions   POST /v1/responses   POST /v1/embeddings
-    POST /v1/rerank   POST /v1/score   POST /classify   POST /pooling
+    POST /v1/completions   POST /v1/chat/completions   POST /v1/responses   POST /v1/messages
+    POST /v1/embeddings   POST /v1/rerank   POST /v1/score   POST /classify   POST /pooling
     GET /v1/models   POST /tokenize   POST /detokenize   GET /health   GET /ready   GET /openapi.json
 
 Admission: Serve routes up to `max_num_seqs + 2 * max_queued_requests` requests to a replica; the replica

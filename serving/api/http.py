@@ -37,6 +37,9 @@ ROUTES = {
     RESPONSE_PATH: {"GET": "_get_response", "DELETE": "_delete_response"},
     INPUT_ITEMS_PATH: {"GET": "_response_input_items"},
     CANCEL_PATH: {"POST": "_cancel_response"},
+    # Anthropic's Messages API, on the chat path (pylon.serving.api.anthropic), and its token count
+    "/v1/messages": {"POST": "_messages"},
+    "/v1/messages/count_tokens": {"POST": "_count_tokens"},
     "/v1/embeddings": {"POST": "_embeddings"},  # OpenAI's: each input's last-token hidden state, normalised
     # vLLM's (Jina's, Cohere's v2): documents ranked, and pairs scored, by a cross-encoder or the cosine of vectors
     "/v1/rerank": {"POST": "_rerank"},

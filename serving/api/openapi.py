@@ -11,7 +11,7 @@ import json
 
 from pydantic.json_schema import models_json_schema
 
-from pylon.serving.api import protocol, responses
+from pylon.serving.api import anthropic, protocol, responses
 from pylon.serving.api.http import (
     CANCEL_PATH,
     INPUT_ITEMS_PATH,
@@ -57,6 +57,12 @@ _MODELS = (
     responses.ResponseStreamEvent,
     responses.DeletedResponse,
     responses.InputItemList,
+    anthropic.MessagesRequest,
+    anthropic.CountTokensRequest,
+    anthropic.AnthropicMessage,
+    anthropic.AnthropicStreamEvent,
+    anthropic.AnthropicError,
+    anthropic.TokenCount,
 )
 
 
@@ -142,6 +148,54 @@ def _responses_event_schema() -> dict:
                 "contentSchema": _ref(responses.ResponseStreamEvent),
             },
             "event": {"type": "string"},
+        },
+    }
+
+
+def _anthropic_error(status: int) -> dict:
+    """An error of the Anthropic routes: Anthropic's error object (anthropic.anthropic_errors)."""
+    response = _error(status)
+    return {**response, "content": _json(_ref(anthropic.AnthropicError))}
+
+
+def _messages_operation(secured: bool) -> dict:
+    statuses = [400, *([401] if secured else []), 404, 413, 415, 429, 503, 504]
+    event = {
+        "type": "object",
+        "required": ["data", "event"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": _ref(anthropic.AnthropicStreamEvent),
+            },
+            "event": {"type": "string"},
+        },
+    }
+    return {
+        "summary": "Answer a conversation (Anthropic's Messages API, on the chat path)",
+        "requestBody": {"required": True, "content": _json(_ref(anthropic.MessagesRequest))},
+        "responses": {
+            "200": {
+                "description": "Anthropic's message, or with `stream: true` its server-sent events, `message_start` "
+                "first and `message_stop` last.",
+                "content": {**_json(_ref(anthropic.AnthropicMessage)), "text/event-stream": {"schema": event}},
+            },
+            **{str(s): _anthropic_error(s) for s in statuses},
+            "500": _error(500),
+        },
+    }
+
+
+def _count_tokens_operation(secured: bool) -> dict:
+    statuses = [400, *([401] if secured else []), 404, 413, 415]
+    return {
+        "summary": "The tokens of a Messages request's prompt, rendered as /v1/messages renders it (Anthropic's)",
+        "requestBody": {"required": True, "content": _json(_ref(anthropic.CountTokensRequest))},
+        "responses": {
+            "200": {"description": "Its count.", "content": _json(_ref(anthropic.TokenCount))},
+            **{str(s): _anthropic_error(s) for s in statuses},
+            "500": _error(500),
         },
     }
 
@@ -264,6 +318,7 @@ def build(
         ("ResponsesRequest", "max_output_tokens"),
     ):
         schemas[name]["properties"][field]["anyOf"][0]["maximum"] = max_model_len - 1
+    schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] = max_model_len - 1  # (required: no anyOf)
     schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]["maximum"] = max_model_len - 1
     for name in (
         "CompletionRequest",
@@ -274,6 +329,8 @@ def build(
         "RerankRequest",
         "ScoreRequest",
         "ResponsesRequest",
+        "MessagesRequest",
+        "CountTokensRequest",
     ):  # else 404
         schemas[name]["properties"]["model"]["enum"] = [model, *adapters]
 
@@ -301,6 +358,8 @@ def build(
             ),
         ),
         "/v1/responses": ("post", _responses_operation(secured)),
+        "/v1/messages": ("post", _messages_operation(secured)),
+        "/v1/messages/count_tokens": ("post", _count_tokens_operation(secured)),
         RESPONSE_PATH: {
             "get": _stored(
                 "A stored response (OpenAI's retrieve a response; the deployment's http.responses_store)",

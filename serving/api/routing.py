@@ -141,7 +141,12 @@ def routing_key(
         if body.get("chat_template") is not None:
             return RoutingKey()  # the router renders no request's own template: by load (the replica may refuse it)
         if "messages" in body:
-            request = protocol.ChatCompletionRequest.model_validate(body)
+            try:
+                request = protocol.ChatCompletionRequest.model_validate(body)
+            except ValueError:  # Anthropic's Messages API: its chat request (pylon.serving.api.anthropic)
+                from pylon.serving.api.anthropic import MessagesRequest
+
+                request = MessagesRequest.model_validate(body).chat()
             prompts = [request.render(tokenizer)]  # as the replica renders it, tools included
         elif "input" in body:  # the Responses API: its chat request, rendered as the replica renders it
             from pylon.serving.api.responses import ResponsesRequest

@@ -14,6 +14,7 @@ from collections.abc import Collection
 
 from pylon.errors import StorageError
 from pylon.serving.api import (
+    anthropic,
     beam_search,
     harmony,
     openapi,
@@ -69,6 +70,7 @@ _REQUESTS = {
     "completion": protocol.CompletionRequest,
     "chat": protocol.ChatCompletionRequest,
     "responses": responses.ResponsesRequest,
+    "messages": anthropic.MessagesRequest,
 }
 
 
@@ -342,16 +344,15 @@ class PylonLLMServer:
         keys = self._keys
         if not keys.required:
             return
-        header = headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = _key_of(headers)
+        if not token:
             raise HttpError(
                 401,
-                "missing API key: send 'Authorization: Bearer <key>'",
+                "missing API key: send 'Authorization: Bearer <key>' (or Anthropic's 'x-api-key: <key>')",
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        if not await keys.verify(token.strip()):
+        if not await keys.verify(token):
             raise HttpError(401, "invalid API key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     def _admit(self) -> None:
@@ -415,6 +416,7 @@ class PylonLLMServer:
                 404,
                 f"no route {path}; this server answers POST /v1/completions, POST /v1/chat/completions, "
                 "POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, "
+                "POST /v1/messages (Anthropic's), POST /v1/messages/count_tokens, "
                 "POST /v1/embeddings, POST /v1/rerank, POST /v1/score, POST /classify, POST /pooling, "
                 "GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, "
                 "GET /health, GET /ready and GET /openapi.json",
@@ -507,6 +509,23 @@ class PylonLLMServer:
     async def _responses(self, scope, receive, send) -> None:
         """OpenAI's Responses API on the chat path (pylon.serving.api.responses)."""
         await self._generate(scope, receive, send, "responses")
+
+    async def _messages(self, scope, receive, send) -> None:
+        """Anthropic's Messages API on the chat path (pylon.serving.api.anthropic), its errors in Anthropic's shape."""
+        await self._generate(scope, receive, anthropic.anthropic_errors(send), "messages")
+
+    async def _count_tokens(self, scope, receive, send) -> None:
+        """Anthropic's token count of a Messages request: its chat rendered as /v1/messages renders it."""
+
+        def answer(body) -> dict:
+            chat = body.chat()
+            if chat.image_parts():
+                where = chat.image_parts()[0][0]
+                raise InvalidRequest(f"{where}: images are not counted here; count the text alone", param=where)
+            tokenizer = self.engine.tokenizer
+            return {"input_tokens": len(prompt_ids(tokenizer, chat.render(tokenizer), chat.add_special_tokens))}
+
+        await self._answer(scope, receive, anthropic.anthropic_errors(send), anthropic.CountTokensRequest, answer)
 
     async def _embeddings(self, scope, receive, send) -> None:
         """OpenAI's embeddings API: one engine request per input (`SamplingParams(embed=True)`), run in the engine's
@@ -765,7 +784,7 @@ class PylonLLMServer:
 
     async def _owner(self, headers: dict[str, str]) -> str:
         """Whose stored responses a request (already authorized) may read: its key's `KeyCheck.owner`."""
-        token = headers.get("authorization", "").partition(" ")[2].strip() if self._keys.required else ""
+        token = _key_of(headers) if self._keys.required else ""
         return await self._keys.owner(token or None, self.model_name)
 
     async def _stored(self, owner: str, response_id: str) -> dict | None:
@@ -1056,9 +1075,13 @@ class PylonLLMServer:
             request_id = protocol.new_id("req")
         self._ensure_gauges()
         request = None  # a Responses API request, whose chat request `body` is
+        message = None  # an Anthropic Messages request, whose chat request `body` is
         try:
             cls = _REQUESTS[kind]
             body = await self._request(headers, receive, cls)
+            if kind == "messages":
+                message = body
+                body = message.chat()
             if kind == "responses":
                 request = body
                 await self._continue(headers, request)
@@ -1136,14 +1159,17 @@ class PylonLLMServer:
         except (HttpError, InvalidRequest, EngineDeadError, RequestFailed) as e:
             if request is not None and isinstance(e, InvalidRequest):  # named as the Responses request's field
                 e = request.refusal(e)
+            if message is not None and isinstance(e, InvalidRequest):  # ...or the Messages request's
+                e = message.refusal(e)
             return await self._refuse(send, e)
 
         chat = kind != "completion"
-        rid = (
-            routing.response_id(self._replica_tag)
-            if request is not None
-            else protocol.new_id("chatcmpl" if chat else "cmpl")
-        )
+        if request is not None:
+            rid = routing.response_id(self._replica_tag)
+        elif message is not None:
+            rid = anthropic.new_message_id()
+        else:
+            rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         # A chat reply's <think> block as reasoning_content (`reasoning`), or a harmony model's channels; a grammar
         # that constrains the reply lets the reasoning come first (`reply_guide`).
         read_harmony = chat and self._harmony is not None
@@ -1161,6 +1187,9 @@ class PylonLLMServer:
             created = int(time.time())
             if request is not None:
                 events = [responses.ResponseEvents(request, rid, created)]
+            elif message is not None:
+                first = firsts[0]
+                events = [anthropic.MessageEvents(message, rid, first.num_prompt_tokens, first.num_cached_tokens)]
             else:
                 events = [
                     protocol.StreamEvents(shape, rid, body.model, index=j, created=created) for j in range(len(plan))
@@ -1177,6 +1206,8 @@ class PylonLLMServer:
             merged = responses.response_object(request, merged, rid)
             if request.kept:
                 await self._keep_response(request, merged)
+        if message is not None:
+            merged = anthropic.message_object(message, merged, rid)
         await send_json(send, 200, merged, answer_headers)
 
     async def _beams(self, send, kind: str, body, prompts: list, params, request_id: str, headers: dict) -> None:
@@ -1846,3 +1877,12 @@ async def _chain(first, stream):
         return
     async for out in stream:
         yield out
+
+
+def _key_of(headers: dict[str, str]) -> str:
+    """The API key a request sends: `Authorization: Bearer <key>` (OpenAI's clients), else `x-api-key` (Anthropic's);
+    "" where it sends none."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key", "").strip()

@@ -51,7 +51,8 @@ def add_serve_parser(sub, fmt) -> None:
         formatter_class=fmt,
         help="deploy a model on Ray Serve behind OpenAI-compatible HTTP",
         description="Deploy a Deployment spec on Ray Serve: continuous batching over a paged KV cache, "
-        "POST /v1/completions, /v1/chat/completions and /v1/responses (streaming), POST /v1/embeddings, "
+        "POST /v1/completions, /v1/chat/completions, /v1/responses and Anthropic's /v1/messages (streaming), "
+        "POST /v1/embeddings, "
         "/v1/rerank, /v1/score, /classify and /pooling, GET /v1/models and "
         "/v1/models/{model}, "
         "POST /tokenize and /detokenize, GET /health, /ready and /openapi.json (docs/http.md). Prints the base "

@@ -71,6 +71,7 @@ def test_every_route_is_documented_with_its_method_and_nothing_else():
 
 @pytest.mark.parametrize("secured", [True, False])
 def test_every_error_response_is_the_openai_error_object(secured):
+    """(Anthropic's Messages routes answer Anthropic's error object instead.)"""
     doc = _doc(secured)
     seen = set()
     for path, item in doc["paths"].items():
@@ -82,6 +83,8 @@ def test_every_error_response_is_the_openai_error_object(secured):
                 schema = response["content"]["application/json"]["schema"]
                 if path in ("/health", "/ready") and status == "503":  # probes answer their status object
                     assert schema["$ref"].endswith(("/HealthStatus", "/ReadyStatus")), (path, schema)
+                elif path.startswith("/v1/messages") and status != "500":  # Anthropic's routes: its error object
+                    assert schema == {"$ref": "#/components/schemas/AnthropicError"}, (path, status, schema)
                 else:
                     assert schema == ERROR_REF, (path, status, schema)
     for response in doc["components"]["responses"].values():  # an unknown path (404), a wrong method (405)
@@ -108,6 +111,8 @@ def test_the_bearer_scheme_applies_where_the_server_asks_for_a_key():
             "/v1/responses/{response_id}",
             "/v1/responses/{response_id}/input_items",
             "/v1/responses/{response_id}/cancel",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
             "/v1/embeddings",
             "/v1/rerank",
             "/v2/rerank",

@@ -63,6 +63,14 @@ def test_the_key_is_the_engines_own_block_hashes_of_the_prompt_a_replica_renders
     flat_tool = {"type": "function", "name": "add", "parameters": {"type": "object"}}
     items = {"model": "m", "input": messages, "tools": [flat_tool]}
     assert routing_key(tok, BLOCK, items).hashes == routing_key(tok, BLOCK, body).hashes
+    # Anthropic's Messages API: its system and messages are the chat's, and its key the chat's.
+    anthropic = {
+        "model": "m",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": messages[0]["content"]}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    }
+    assert routing_key(tok, BLOCK, anthropic).hashes == chat.hashes
     # A LoRA adapter's request: hashed from its adapter's name, as its engine hashes it (engine.adapters).
     adapters = frozenset({"terse"})
     adapted = routing_key(tok, BLOCK, {"model": "terse", "prompt": ids}, adapters)
