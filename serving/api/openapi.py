@@ -136,17 +136,14 @@ def _event_schema(chunk) -> dict:
     }
 
 
-def _responses_event_schema() -> dict:
-    """A streamed response's server-sent event: `event: <type>`, its data a `ResponseStreamEvent` (no `[DONE]`)."""
+def _typed_event_schema(model) -> dict:
+    """A typed server-sent event (the Responses API's, Anthropic's): `event: <type>`, its data a `model` (no
+    `[DONE]`)."""
     return {
         "type": "object",
         "required": ["data", "event"],
         "properties": {
-            "data": {
-                "type": "string",
-                "contentMediaType": "application/json",
-                "contentSchema": _ref(responses.ResponseStreamEvent),
-            },
+            "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": _ref(model)},
             "event": {"type": "string"},
         },
     }
@@ -160,18 +157,7 @@ def _anthropic_error(status: int) -> dict:
 
 def _messages_operation(secured: bool) -> dict:
     statuses = [400, *([401] if secured else []), 404, 413, 415, 429, 503, 504]
-    event = {
-        "type": "object",
-        "required": ["data", "event"],
-        "properties": {
-            "data": {
-                "type": "string",
-                "contentMediaType": "application/json",
-                "contentSchema": _ref(anthropic.AnthropicStreamEvent),
-            },
-            "event": {"type": "string"},
-        },
-    }
+    event = _typed_event_schema(anthropic.AnthropicStreamEvent)
     return {
         "summary": "Answer a conversation (Anthropic's Messages API, on the chat path)",
         "requestBody": {"required": True, "content": _json(_ref(anthropic.MessagesRequest))},
@@ -233,7 +219,7 @@ def _responses_operation(secured: bool) -> dict:
         "The Response object, or with `stream: true` the Responses API's typed server-sent events, "
         "`response.created` first and `response.completed` (or `response.incomplete`) last."
     )
-    ok["content"]["text/event-stream"] = {"schema": _responses_event_schema()}
+    ok["content"]["text/event-stream"] = {"schema": _typed_event_schema(responses.ResponseStreamEvent)}
     return operation
 
 

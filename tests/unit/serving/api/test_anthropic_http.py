@@ -99,25 +99,18 @@ def test_a_stop_sequence_ends_the_message_and_is_named(client, server):  # noqa:
 
 def test_a_forced_tool_call_is_a_tool_use_block_and_its_result_goes_back(client):
     turns: list = [{"role": "user", "content": "what is 2 + 3?"}]
-    reply = client.messages.create(
-        model="tiny",
-        max_tokens=200,
-        messages=turns,
-        tools=TOOLS,
-        tool_choice={"type": "tool", "name": "add", "disable_parallel_tool_use": True},
-        extra_body=GREEDY,
-    )
+    forced = {
+        "model": "tiny",
+        "max_tokens": 200,
+        "tools": TOOLS,
+        "tool_choice": {"type": "tool", "name": "add", "disable_parallel_tool_use": True},
+        "extra_body": GREEDY,
+    }
+    reply = client.messages.create(messages=turns, **forced)
     calls = [b for b in reply.content if b.type == "tool_use"]
     assert len(calls) == 1 and calls[0].name == "add" and reply.stop_reason == "tool_use", reply
     jsonschema.validate(calls[0].input, ADD)
-    with client.messages.stream(
-        model="tiny",
-        max_tokens=200,
-        messages=turns,
-        tools=TOOLS,
-        tool_choice={"type": "tool", "name": "add", "disable_parallel_tool_use": True},
-        extra_body=GREEDY,
-    ) as stream:
+    with client.messages.stream(messages=turns, **forced) as stream:
         events = list(stream)
         final = stream.get_final_message()
     assert any(e.type == "input_json" for e in events)  # the SDK's event for input_json_delta
