@@ -1,7 +1,7 @@
 """The OpenAI-compatible request and response shapes, and the error body every 4xx/5xx carries.
 
 Requests are pydantic models that forbid unknown fields: a misspelled parameter is a 400 that names it,
-never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`best_of` other than `n`, `suffix`)
+never a silently ignored one. Fields OpenAI defines but Pylon cannot honour (`best_of` other than `n`)
 are accepted only at their neutral value, with an error that says so otherwise. `n` choices are `n` engine requests
 over the same prompt. `response_format` (`json_object`, `json_schema`) is enforced on both endpoints by token masks;
 `presence_penalty`, `frequency_penalty` and `logit_bias` shape the logits in the engine's step. `top_k`, `min_p`,
@@ -292,8 +292,11 @@ class CompletionRequest(_Request):
                 f"of more (got {self.best_of})",
                 param="best_of",
             )
-        if self.suffix:
-            raise InvalidRequest("suffix is not supported", param="suffix")
+        if self.suffix is not None:  # fill in the middle (tokenization.fim_ids): text prompts only, nothing echoed
+            if any(not isinstance(p, str) for p in self.prompts()):
+                raise InvalidRequest("suffix: give the prompt as text (the code before the cursor)", param="suffix")
+            if self.echo:
+                raise InvalidRequest("suffix: echo is not supported with a suffix", param="echo")
 
     def prompts(self) -> list:
         """The request's prompts: its one prompt (text or token ids), or each of a batch (OpenAI's list of strings

@@ -157,6 +157,10 @@ def routing_key(
         elif "prompt" in body:
             request = protocol.CompletionRequest.model_validate(body)
             prompts = request.prompts()
+            if request.suffix is not None:  # fill in the middle: the prompt the replica builds
+                from pylon.serving.engine.tokenization import fim_ids
+
+                prompts = [fim_ids(tokenizer, p, request.suffix, request.add_special_tokens) for p in prompts]
             if len(prompts) > protocol.MAX_BATCH_CHOICES:
                 return RoutingKey()  # the replica refuses it
         else:

@@ -52,6 +52,7 @@ from pylon.serving.engine.tokenization import (
     added_token_ids,
     chars_per_token_bound,
     embedding_ids,
+    fim_ids,
     pair_ids,
     prompt_ids,
     special_token_ids,
@@ -1090,8 +1091,11 @@ class PylonLLMServer:
             if kind == "completion":
                 prompts = body.prompts()
                 for i, prompt in enumerate(prompts):
-                    if isinstance(prompt, str) and not prompt:
+                    if isinstance(prompt, str) and not prompt and body.suffix is None:
                         raise InvalidRequest("prompt must not be empty", param=_prompt_param(i, len(prompts)))
+                if body.suffix is not None:  # fill in the middle: the code model's tokens around prefix and suffix
+                    special = body.add_special_tokens
+                    prompts = [fim_ids(self.engine.tokenizer, p, body.suffix, special) for p in prompts]
             else:
                 if getattr(body, "chat_template", None) is not None and not self.spec.http.trust_request_chat_template:
                     raise InvalidRequest(

@@ -28,6 +28,55 @@ def prompt_ids(tokenizer: Tokenizer, text: str, special: bool = False) -> list[i
     return encoded.tolist() if hasattr(encoded, "tolist") else [int(i) for i in encoded]
 
 
+# Fill in the middle (OpenAI's completions `suffix`): a code model's own tokens around the code before the cursor, the
+# code after it and the middle it writes, in the order its family was trained on: (prefix token, suffix token,
+# middle token or None, order). "psm": prefix first; "spm": the suffix first (Codestral: [SUFFIX] suffix [PREFIX]
+# prefix, and the model writes on).
+FIM_FORMATS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "psm"),  # Qwen2.5-Coder, Qwen3-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "psm"),  # StarCoder, StarCoder2, Granite Code, SantaCoder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "psm"),  # DeepSeek-Coder (and V2)
+    ("[PREFIX]", "[SUFFIX]", None, "spm"),  # Codestral
+)
+
+
+def fim_format(tokenizer: Tokenizer) -> tuple[list[int], str] | None:
+    """The model's fill-in-the-middle tokens ([prefix, suffix, middle?] ids) and their order, or None where its
+    tokenizer has none of FIM_FORMATS' as single tokens."""
+    vocab = getattr(tokenizer, "_vocab_id", None)
+    if vocab is None:
+        return None
+    for *names, order in FIM_FORMATS:
+        ids = [vocab(name) for name in names if name is not None]
+        if all(i is not None for i in ids):
+            return [int(i) for i in ids], order
+    return None
+
+
+def fim_ids(tokenizer: Tokenizer, prefix: str, suffix: str, special: bool = True) -> list[int]:
+    """The prompt of a completion with a `suffix`: the model's fill-in-the-middle tokens around `prefix` and `suffix`
+    in its family's order (`fim_format`), after the special tokens the tokenizer starts a text with (a BOS) where
+    `special`. InvalidRequest naming `suffix` for a model without such tokens."""
+    found = fim_format(tokenizer)
+    if found is None:
+        names = ", ".join(f"{p} {s}" for p, s, _, _ in FIM_FORMATS)
+        raise InvalidRequest(
+            f"suffix: this model's tokenizer has no fill-in-the-middle tokens (one of: {names}); a code model "
+            "trained to fill in the middle takes a suffix, this one takes the prompt alone",
+            param="suffix",
+        )
+    ids, order = found
+    before, after = prompt_ids(tokenizer, prefix), prompt_ids(tokenizer, suffix)
+    lead: list[int] = []
+    if special:  # what the tokenizer puts before a text (a BOS), once, before the whole prompt
+        marked = prompt_ids(tokenizer, prefix, True)
+        if before and marked[len(marked) - len(before) :] == before:
+            lead = marked[: len(marked) - len(before)]
+    if order == "spm":
+        return [*lead, ids[1], *after, ids[0], *before]
+    return [*lead, ids[0], *before, ids[1], *after, ids[2]]
+
+
 def embedding_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """The token ids of a text to embed: with the special tokens the tokenizer adds (a BOS; the EOS Qwen3-Embedding
     pools at), as vLLM and sentence-transformers tokenize an input to embed."""
