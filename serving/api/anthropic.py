@@ -93,7 +93,11 @@ class MessagesRequest(BaseModel):
     def chat(self) -> protocol.ChatCompletionRequest:
         """The chat request this one becomes (checked: a 400 names this request's fields)."""
         if self._chat is None:
-            body = self._to_chat()
+            try:
+                body = self._to_chat()
+            except InvalidRequest as e:  # named as this request's field already
+                e.named_for_messages = True
+                raise
             try:
                 self._chat = protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(body).encode())
                 self._chat.check_supported()
@@ -102,15 +106,20 @@ class MessagesRequest(BaseModel):
         return self._chat
 
     def refusal(self, error: InvalidRequest) -> InvalidRequest:
-        """A chat request's refusal (its own or the engine's) naming the field of this request it came from."""
-        if not error.param:
+        """A chat request's refusal (its own or the engine's) naming the field of this request it came from (once:
+        a refusal named so already is returned as it is)."""
+        if not error.param or getattr(error, "named_for_messages", False):
             return error
         param = error.param
         for chat_path, origin in sorted({**_CHAT_FIELDS, **self._origins}.items(), key=lambda kv: -len(kv[0])):
             if param == chat_path or param.startswith(chat_path + "."):
                 param = origin + param[len(chat_path) :]
                 break
-        return InvalidRequest(str(error).replace(error.param, param), param=param)
+        if param.endswith(".image_url.url"):  # an image part's URL is an image block's source here
+            param = param.removesuffix(".image_url.url") + ".source"
+        named = InvalidRequest(str(error).replace(error.param, param), param=param)
+        named.named_for_messages = True
+        return named
 
     def _to_chat(self) -> dict:
         messages: list[dict] = []

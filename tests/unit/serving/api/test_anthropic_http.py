@@ -13,10 +13,10 @@ import requests
 from test_serving_http import ADD, KEY, auth, model_dir, server  # noqa: F401 (fixtures)
 
 TOOLS = [{"name": "add", "description": "a + b", "input_schema": ADD}]
+PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}  # (to a model that takes no images)
+# Anthropic's newer clients have no sampling parameters: vLLM's extension, in the body.
 GREEDY = {"temperature": 0}
-SEEDED = {
-    "seed": 7
-}  # sampled, the same text each time (the greedy reply of the random model is mostly spaces)  # (Anthropic's newer clients have no sampling parameters: vLLM's extension, in the body)
+SEEDED = {"seed": 7}  # sampled, the same text each time (the greedy reply of the random model is mostly spaces)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +151,14 @@ def test_output_config_holds_the_reply_to_a_schema(client):
             "messages.0.content.0.type",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
+        (  # named once, as this request's (the system prompt is the chat's message 0)
+            {"system": "be brief", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content.0.text",
+        ),
+        (  # the chat's refusal of the chat's message 1, named as this request's message 0
+            {"system": "be brief", "messages": [{"role": "user", "content": [{"type": "image", "source": PNG}]}]},
+            "messages.0.content.0.source",
+        ),
         ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
         ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.budget_tokens"),
         ({"stop_sequences": [""]}, "stop_sequences.0"),
