@@ -161,13 +161,17 @@ class PackedGroup:
         return len(self.num_tokens)
 
 
-def read_documents(file: SourceFile, text_field: str = "text") -> list[str] | None:
-    """The documents in `file`; None when a text file is not UTF-8 (the caller skips and counts it)."""
+def read_documents(file: SourceFile, text_field: str = "text", chat: bool = False) -> list | None:
+    """The documents in `file`; None when a text file is not UTF-8 (the caller skips and counts it). `chat`: each
+    JSONL record's `text_field` is a conversation (a list of messages, each with a role), returned as
+    (line number, messages)."""
     try:
         data = storage.read_bytes(file.uri)
     except StorageError as e:
         raise DataError(f"source {e}") from None
     if not file.jsonl:
+        if chat:
+            raise DataError(f"{file.uri}: a chat dataset is JSON Lines, one conversation per line ({text_field!r})")
         try:
             return [data.decode("utf-8")]
         except UnicodeDecodeError:
@@ -186,6 +190,9 @@ def read_documents(file: SourceFile, text_field: str = "text") -> list[str] | No
             raise DataError(
                 f"{file.uri}: line {lineno}: no {text_field!r} field ({has}); choose the field with --text-field"
             )
+        if chat:
+            docs.append((lineno, _messages(obj[text_field], f"{file.uri}: line {lineno}: {text_field}")))
+            continue
         if not isinstance(obj[text_field], str):
             raise DataError(
                 f"{file.uri}: line {lineno}: field {text_field!r} is a {type(obj[text_field]).__name__}, not a string"
@@ -194,10 +201,31 @@ def read_documents(file: SourceFile, text_field: str = "text") -> list[str] | No
     return docs
 
 
+def _messages(value, where: str) -> list[dict]:
+    """A conversation as a chat template takes it: a non-empty list of messages, each an object with a string
+    `role`, at least one of them the assistant's (what the model learns)."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: a conversation is a non-empty list of messages")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise DataError(f"{where}.{i}: a message is an object with a string role")
+    if not any(m["role"] == "assistant" for m in value):
+        raise DataError(f"{where}: no assistant message: nothing in it to learn")
+    return value
+
+
 def pack_group(
-    files: list[SourceFile], *, tokenizer: str, seq_len: int, dtype: str, text_field: str = "text"
+    files: list[SourceFile],
+    *,
+    tokenizer: str,
+    seq_len: int,
+    dtype: str,
+    text_field: str = "text",
+    chat: bool = False,
 ) -> PackedGroup:
-    """Tokenize a group's documents (each followed by eos) and cut the concatenation into rows of seq_len.
+    """Tokenize a group's documents (each followed by eos) and cut the concatenation into rows of seq_len. `chat`:
+    each document is a conversation, rendered by the tokenizer's chat template, its tokens outside the assistant's
+    replies stored as -(id + 1) (`chat_tokens`), no eos added (the template ends each turn).
 
     Takes the tokenizer's spec, not the object, so that it can run as a Ray task on any node.
     """
@@ -205,13 +233,23 @@ def pack_group(
     pieces: list[np.ndarray] = []
     documents = 0
     skipped: list[str] = []
+    if chat and not hasattr(tok, "encode_chat"):
+        raise DataError(
+            f"tokenizer {tok.info.name}: a chat dataset needs a Hugging Face tokenizer directory with a chat template"
+        )
     for file in files:
-        docs = read_documents(file, text_field)
+        docs = read_documents(file, text_field, chat)
         if docs is None:
             # Skipped and counted rather than fatal: real corpora (the Python standard library included)
             # hold a few files in legacy encodings; one of them should not sink a run over millions, and
             # the manifest's `skipped_files` plus a warning naming each file keep the choice visible.
             skipped.append(file.uri)
+            continue
+        if chat:
+            for lineno, messages in docs:
+                ids, replies = tok.encode_chat(messages, f"{file.uri}: line {lineno}")
+                pieces.append(chat_tokens(ids, replies))
+                documents += 1
             continue
         for text in docs:
             if not text:
@@ -228,6 +266,13 @@ def pack_group(
             documents += 1
     tokens, num_tokens = pack(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
     return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256)
+
+
+def chat_tokens(ids: np.ndarray, replies: np.ndarray) -> np.ndarray:
+    """A conversation's tokens as a chat dataset stores them (int32): the assistant's replies' ids as they are, every
+    other token's as -(id + 1), so that a row says which of its tokens the loss counts (`ShardManifest.loss_mask`,
+    read back by `reader.Batch.to_torch`) without another column."""
+    return np.where(replies, ids, -ids - 1).astype(np.int32)
 
 
 def pack(pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -313,6 +358,7 @@ class _Job:
     tokenizer: str
     text_field: str
     run_id: str
+    chat: bool
     per_shard: int
     progress: bool
 
@@ -335,23 +381,28 @@ def prepare(
     shard_size_mb: float = 64.0,
     include: str | None = None,
     exclude: list[str] | tuple[str, ...] = (),
-    text_field: str = "text",
+    text_field: str | None = None,
     overwrite: bool = False,
     use_ray: bool | None = None,
     progress: bool = True,
+    chat: bool = False,
 ) -> ShardManifest:
     """Tokenize `sources` into fixed-length shards plus a manifest at `out`; returns the committed manifest.
 
     `use_ray`: None runs on Ray when a cluster is up (else in this process), True requires Ray, False never
     uses it. The shards are the same either way. `progress` shows a bar on an interactive terminal.
-    `out` must be empty unless `overwrite`, which replaces a prepared dataset whole.
+    `out` must be empty unless `overwrite`, which replaces a prepared dataset whole. `text_field`: a JSONL record's
+    field ("text"; "messages" with `chat`). `chat`: each record a conversation, the loss on its assistant replies
+    only (supervised fine-tuning: `pack_group`, `ShardManifest.loss_mask`).
     """
     started = time.perf_counter()
     if isinstance(sources, str):
         sources = [sources]
     _check_arguments(sources, fmt, seq_len, shard_size_mb)
     tok = load_tokenizer(tokenizer)
-    dtype = token_dtype(tok.vocab_size)
+    dtype = "int32" if chat else token_dtype(tok.vocab_size)  # (a chat dataset's signed ids: `chat_tokens`)
+    if text_field is None:
+        text_field = "messages" if chat else "text"
     replaced = _check_out(out, sources, overwrite)
     files = find_source_files(sources, include, exclude)
     if not files:
@@ -367,6 +418,7 @@ def prepare(
         tokenizer=tokenizer,
         text_field=text_field,
         run_id=uuid.uuid4().hex,
+        chat=chat,
         per_shard=rows_per_shard(shard_size_mb, seq_len, dtype),
         progress=progress,
     )
@@ -407,6 +459,7 @@ def prepare(
             ),
             sources=[_without_credentials(s) for s in sources],
             run_id=job.run_id,
+            loss_mask=chat,
         )
         manifest.check(out)
         storage.atomic_write_json(manifest_uri(out), manifest.model_dump(mode="json"))  # the commit
@@ -448,6 +501,7 @@ def prepare_spec(spec: DatasetSpec, **kw) -> ShardManifest:
         shard_size_mb=spec.shard_size_mb,
         include=spec.include,
         exclude=list(spec.exclude),
+        chat=spec.chat,
         **kw,
     )
 
@@ -546,7 +600,12 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
     with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True, desc="tokenizing") as bar:
         for files in groups:
             group = pack_group(
-                files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype, text_field=job.text_field
+                files,
+                tokenizer=job.tokenizer,
+                seq_len=job.seq_len,
+                dtype=job.dtype,
+                text_field=job.text_field,
+                chat=job.chat,
             )
             outcome.documents += group.documents
             outcome.skipped += group.skipped
@@ -731,7 +790,9 @@ def _placement(job: _Job, groups: list[list[SourceFile]]) -> dict:
 
 
 def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
-    group = pack_group(files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype, text_field=job.text_field)
+    group = pack_group(
+        files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype, text_field=job.text_field, chat=job.chat
+    )
     meta = {
         "rows": group.rows,
         "documents": group.documents,

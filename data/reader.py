@@ -271,15 +271,25 @@ class Batch:
     tokens: np.ndarray  # (b, seq_len)
     num_tokens: np.ndarray  # (b,)
     wait_s: float  # how long the consumer waited for this batch
+    # a chat dataset's rows (ShardManifest.loss_mask): tokens outside the assistant's replies stored as -(id + 1)
+    loss_mask: bool = False
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     def to_torch(self, pad_id: int, device=None) -> dict:
+        """The model's inputs: `labels` -100 past each row's real tokens, and in a chat dataset's rows outside the
+        assistant's replies (what the loss does not count)."""
         import torch
 
         input_ids = torch.from_numpy(self.tokens.astype(np.int64))
         mask = torch.arange(input_ids.shape[1])[None, :] < torch.from_numpy(self.num_tokens.astype(np.int64))[:, None]
+        if self.loss_mask:
+            context = input_ids < 0
+            input_ids = torch.where(context, -input_ids - 1, input_ids)
+            labels = input_ids.masked_fill(~mask | context, -100)
+            out = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels}
+            return {k: v.to(device) for k, v in out.items()} if device is not None else out
         labels = input_ids.masked_fill(~mask, -100)
         out = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels}
         return {k: v.to(device) for k, v in out.items()} if device is not None else out
@@ -454,13 +464,18 @@ class ShardStream:
         if not parts:
             seq_len = self.manifest.seq_len
             return Batch(
-                np.zeros(0, np.int64), np.zeros((0, seq_len), self.manifest.dtype), np.zeros(0, np.int32), wait_s
+                np.zeros(0, np.int64),
+                np.zeros((0, seq_len), self.manifest.dtype),
+                np.zeros(0, np.int32),
+                wait_s,
+                self.manifest.loss_mask,
             )
         return Batch(
             np.concatenate([p[0] for p in parts]),
             np.concatenate([p[2] for p in parts]),
             np.concatenate([p[1] for p in parts]),
             wait_s,
+            self.manifest.loss_mask,
         )
 
     def _windows(self, epoch: int, segments: list[Segment], first_window: int):

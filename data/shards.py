@@ -105,6 +105,9 @@ class ShardManifest(_Model):
     sources: list[str] = Field(default_factory=list)
     run_id: str = ""
     created_at: float = Field(default_factory=time.time)
+    # A chat dataset (`pylon data prepare --chat`): its tokens outside the assistant's replies are stored as
+    # -(id + 1) (prepare.chat_tokens), and the loss counts only the others (reader.Batch.to_torch)
+    loss_mask: bool = False
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -123,6 +126,7 @@ class ShardManifest(_Model):
             f"{self.format} dataset: {len(self.shards)} shard(s), {t.rows:,} sequences of {self.seq_len} tokens, "
             f"{t.tokens:,} tokens from {t.documents:,} documents, {t.bytes / 2**20:.1f} MiB; "
             f"tokenizer {self.tokenizer.kind}:{self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+            + ("; conversations, the loss on the assistant's replies" if self.loss_mask else "")
         )
 
 

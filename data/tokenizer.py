@@ -164,6 +164,43 @@ class HuggingFaceTokenizer:
         tokenize a pair."""
         return np.asarray(self._tok(text, pair, add_special_tokens=True)["input_ids"], dtype=np.int64)
 
+    def encode_chat(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+        """A conversation as the model's chat template renders it and the serving engine tokenizes it (the rendered
+        text, its special tokens written in it), and which of its tokens are the assistant's replies (a boolean per
+        token: the text from where the template opens an assistant turn, `add_generation_prompt`, to where that
+        reply's rendering ends, its end-of-turn token included). Each turn's rendering must begin the whole
+        conversation's, as a template that renders turns in order does; DataError naming `where` otherwise."""
+        if not getattr(self._tok, "chat_template", None):
+            raise DataError(f"{where}: tokenizer {self.info.name} has no chat template; a chat dataset needs one")
+
+        def render(turns: list[dict], opened: bool) -> str:
+            try:
+                return self._tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=opened)
+            except Exception as e:  # the template's own error, on this conversation
+                raise DataError(f"{where}: the chat template cannot render it ({type(e).__name__}: {e})") from None
+
+        text = render(messages, False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before, upto = render(messages[:i], True), render(messages[: i + 1], False)
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise DataError(
+                    f"{where}: message {i}: the chat template renders the conversation up to this reply differently "
+                    "from the whole conversation (it rewrites earlier turns, as templates that drop past reasoning "
+                    "do), so the reply's tokens cannot be found; give conversations whose template renders them in "
+                    "order"
+                )
+            spans.append((len(before), len(upto)))
+        encoded = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+        starts = np.asarray([start for start, _ in encoded["offset_mapping"]], dtype=np.int64)
+        replies = np.zeros(len(ids), dtype=bool)
+        for lo, hi in spans:
+            replies |= (starts >= lo) & (starts < hi)
+        return ids, replies
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
 

@@ -127,6 +127,12 @@ class DatasetSpec(_Spec):
     include: str | None = Field(None, description="glob on file names in source directories, e.g. '*.py'")
     exclude: list[str] = Field(default_factory=list, description="globs on path components to skip")
     shard_size_mb: Annotated[float, Field(gt=0)] = 64.0
+    chat: bool = Field(
+        False,
+        description="JSONL of conversations (each record's 'messages': role and content, as a chat template takes "
+        "them), rendered by the tokenizer's chat template, the loss on the assistant's replies only (supervised "
+        "fine-tuning); needs a Hugging Face tokenizer directory with a chat template",
+    )
 
     def summary(self) -> str:
         return (

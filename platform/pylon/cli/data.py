@@ -32,6 +32,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         use_ray=False if args.local else None,
         progress=not args.json,
+        chat=args.chat,
     )
     seconds = max(time.perf_counter() - started, 1e-9)
     t = manifest.totals
@@ -168,6 +169,7 @@ def _add_prepare_parser(dsub, fmt) -> None:
               pylon data prepare /usr/lib/python3.11 --include '*.py' --out s3://bucket/stdlib/ --format webdataset
               pylon data prepare chats.jsonl --text-field body --tokenizer ./tokenizer.json --out ./chats
               pylon data prepare books/ --out ./corpus --overwrite --local
+              pylon data prepare sft.jsonl --chat --tokenizer ./Qwen3-0.6B --out ./sft --seq-len 2048
             """),
     )
     pr.add_argument("sources", nargs="+", metavar="SRC", help="text file, directory or .jsonl file (path or URI)")
@@ -198,7 +200,16 @@ def _add_prepare_parser(dsub, fmt) -> None:
         help="skip files with a path component matching, e.g. 'site-packages' (repeatable)",
     )
     pr.add_argument(
-        "--text-field", default="text", metavar="NAME", help="the JSONL field holding the text (default text)"
+        "--text-field",
+        default=None,
+        metavar="NAME",
+        help="the JSONL field holding the text (default text; with --chat, messages)",
+    )
+    pr.add_argument(
+        "--chat",
+        action="store_true",
+        help="supervised fine-tuning: each JSONL record's messages (role, content) rendered by the --tokenizer's "
+        "chat template (a Hugging Face tokenizer directory), the loss on the assistant's replies only",
     )
     pr.add_argument("--overwrite", action="store_true", help="replace a prepared dataset at --out")
     pr.add_argument("--local", action="store_true", help="run in this process even if a Ray cluster is up")

@@ -49,6 +49,19 @@ class HeldOut:
     seq_len: int
     pad_id: int
     tokenizer: dict
+    # a chat dataset's rows (ShardManifest.loss_mask): tokens outside the assistant's replies stored as -(id + 1),
+    # scored as context only
+    loss_mask: bool = False
+
+    def token_ids(self, seq: np.ndarray) -> np.ndarray:
+        """A row's token ids (a chat dataset's context tokens decoded)."""
+        import numpy as np
+
+        return np.where(seq < 0, -seq - 1, seq) if self.loss_mask else seq
+
+    def counted(self, seq: np.ndarray) -> np.ndarray | None:
+        """Which of a row's tokens the loss counts (a chat dataset's: the assistant's replies); None: all."""
+        return seq >= 0 if self.loss_mask else None
 
 
 @dataclass
@@ -80,9 +93,12 @@ class Evaluation:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def prompt_loss_sum(token_logprobs: Sequence[float | None], n_tokens: int) -> tuple[float, int]:
+def prompt_loss_sum(
+    token_logprobs: Sequence[float | None], n_tokens: int, counted: Sequence[bool] | None = None
+) -> tuple[float, int]:
     """A scored prompt of `n_tokens` tokens as (summed next-token loss, tokens counted), the trainer's way:
-    position t predicts token t+1, so the first token (logprob null) counts for nothing and n - 1 tokens do."""
+    position t predicts token t+1, so the first token (logprob null) counts for nothing and n - 1 tokens do
+    (`counted`: only the tokens it marks, a chat dataset's assistant replies)."""
     if len(token_logprobs) != n_tokens:
         raise PylonError(
             f"the server scored {len(token_logprobs)} prompt tokens of {n_tokens} sent; it must echo the prompt "
@@ -95,6 +111,8 @@ def prompt_loss_sum(token_logprobs: Sequence[float | None], n_tokens: int) -> tu
     rest = token_logprobs[1:]
     if any(lp is None for lp in rest):
         raise PylonError("the server left a prompt token after the first without a logprob")
+    if counted is not None:
+        rest = [lp for lp, c in zip(rest, counted[1:]) if c]
     return -math.fsum(float(lp) for lp in rest), len(rest)
 
 
@@ -162,6 +180,7 @@ def held_out(dataset: str, validation_fraction: float, max_sequences: int | None
         seq_len=manifest.seq_len,
         pad_id=manifest.tokenizer.pad_id,
         tokenizer=manifest.tokenizer.model_dump(mode="json"),
+        loss_mask=manifest.loss_mask,
     )
 
 
@@ -190,7 +209,7 @@ def model_loss(
         raise PylonError(f"{directory}: cannot load a Hugging Face causal LM from it ({e})") from None
     model.to(device).eval()
     vocab = model.config.vocab_size
-    top = max((int(s.max()) for s in data.sequences if len(s)), default=0)
+    top = max((int(data.token_ids(s).max()) for s in data.sequences if len(s)), default=0)
     if top >= vocab:
         raise PylonError(
             f"{data.dataset}: token id {top} is outside the model's vocabulary of {vocab}; the dataset was "
@@ -205,7 +224,8 @@ def model_loss(
             for r, seq in enumerate(chunk):
                 rows[r, : len(seq)] = seq
             lengths = np.array([len(s) for s in chunk], dtype=np.int32)
-            inputs = Batch(np.arange(len(chunk)), rows, lengths, 0.0).to_torch(data.pad_id, device=device)
+            batch = Batch(np.arange(len(chunk)), rows, lengths, 0.0, data.loss_mask)  # (decodes a chat row's ids)
+            inputs = batch.to_torch(data.pad_id, device=device)
             logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
             part, n = token_loss_sum(logits, inputs["labels"])
             loss_sum += float(part.item())
@@ -308,7 +328,7 @@ def endpoint_loss(
     def score(seq: np.ndarray) -> tuple[float, int]:
         if len(seq) < 2:  # nothing to predict: the trainer counts no token of it either
             return 0.0, 0
-        body = {"model": name, "prompt": seq.tolist(), "echo": True, "logprobs": 0, "max_tokens": 0}
+        body = {"model": name, "prompt": data.token_ids(seq).tolist(), "echo": True, "logprobs": 0, "max_tokens": 0}
         try:
             r = session().post(f"{url}/v1/completions", json=body, timeout=timeout_s)
         except requests.RequestException as e:
@@ -321,7 +341,7 @@ def endpoint_loss(
                 f"{url}: the answer carries no prompt logprobs (choices[0].logprobs is {logprobs!r}); the "
                 "deployment must support echo: true with logprobs: 0 and max_tokens: 0"
             )
-        return prompt_loss_sum(logprobs["token_logprobs"], len(seq))
+        return prompt_loss_sum(logprobs["token_logprobs"], len(seq), data.counted(seq))
 
     parts: list[tuple[float, int]] = [(0.0, 0)] * len(data.sequences)
     bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="scoring")
