@@ -1,0 +1,65 @@
+"""Supervised fine-tuning on conversations end to end on the session's Ray cluster: a chat dataset prepared with
+`--chat` (tests/unit/data/test_chat_data.py checks its rows), trained by a TrainJob through Ray Train and DeepSpeed;
+the loss the run records counts exactly the assistant's replies' tokens of the rows it read, none of the prompts'."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import pylon
+from pylon import storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "data"))
+from test_chat_data import CONVERSATIONS, _jsonl, _tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_chat_fine_tune_counts_the_loss_on_the_replies_only(ray_cluster, tmp_path):
+    from pylon.data.prepare import prepare
+    from pylon.data.reader import Batch
+    from pylon.data.shards import decode_shard, read_manifest
+
+    tokenizer = _tokenizer(tmp_path / "tok")
+    source = _jsonl(tmp_path / "sft.jsonl", [{"messages": c} for c in CONVERSATIONS * 4])
+    data = str(tmp_path / "sft")
+    prepare([source], data, seq_len=32, tokenizer=tokenizer, chat=True, use_ray=False, progress=False)
+    manifest = read_manifest(data)
+    rows = sum(s.rows for s in manifest.shards)
+    counted = 0  # the tokens the loss should count: replies, each predicted from the token before it in its row
+    for info in manifest.shards:
+        shard = decode_shard(
+            manifest.format,
+            storage.read_bytes(storage.join(data, info.file)),
+            shard=info.file,
+            seq_len=manifest.seq_len,
+            dtype=manifest.dtype,
+        )
+        labels = Batch(shard.ids, shard.tokens, shard.num_tokens, 0.0, True).to_torch(0)["labels"]
+        counted += int((labels[:, 1:] != -100).sum())
+    whole = manifest.totals.tokens - rows  # every real token but each row's first: what plain rows would count
+    assert 0 < counted < whole
+
+    spec = {
+        "kind": "TrainJob",
+        "name": "chat-sft",
+        "model": {"preset": "gpt-tiny"},
+        "data": {"uri": data, "seq_len": 32},
+        "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
+        "deepspeed": {"zero_stage": 0},
+        "batch": {"micro_batch_size": rows, "grad_accum_steps": 1},  # one step: every row once
+        "optim": {"warmup_steps": 0},
+        "steps": 1,
+        "checkpoint": {"storage": str(tmp_path / "runs"), "every_steps": 1},
+    }
+    client = pylon.connect()
+    run = client.train(spec, export=False)
+    status = client.wait_job(run.job_id, timeout_s=600, poll_s=1)
+    assert status == "SUCCEEDED", client.job_logs(run.job_id)[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "runs" / "chat-sft" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("kind", "train") == "train"]
+    assert [r["step"] for r in steps] == [1] and steps[0]["tokens"] == counted, (steps, counted, whole)
