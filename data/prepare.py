@@ -164,7 +164,7 @@ class PackedGroup:
 def read_documents(file: SourceFile, text_field: str = "text", chat: bool = False) -> list | None:
     """The documents in `file`; None when a text file is not UTF-8 (the caller skips and counts it). `chat`: each
     JSONL record's `text_field` is a conversation (a list of messages, each with a role), returned as
-    (line number, messages)."""
+    (line number, messages, the record's `tools` or None)."""
     try:
         data = storage.read_bytes(file.uri)
     except StorageError as e:
@@ -191,7 +191,10 @@ def read_documents(file: SourceFile, text_field: str = "text", chat: bool = Fals
                 f"{file.uri}: line {lineno}: no {text_field!r} field ({has}); choose the field with --text-field"
             )
         if chat:
-            docs.append((lineno, _messages(obj[text_field], f"{file.uri}: line {lineno}: {text_field}")))
+            tools = obj.get("tools")
+            if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+                raise DataError(f"{file.uri}: line {lineno}: tools: a list of tool objects, as the chat API takes them")
+            docs.append((lineno, _messages(obj[text_field], f"{file.uri}: line {lineno}: {text_field}"), tools))
             continue
         if not isinstance(obj[text_field], str):
             raise DataError(
@@ -246,8 +249,8 @@ def pack_group(
             skipped.append(file.uri)
             continue
         if chat:
-            for lineno, messages in docs:
-                ids, replies = tok.encode_chat(messages, f"{file.uri}: line {lineno}")
+            for lineno, messages, tools in docs:
+                ids, replies = tok.encode_chat(messages, f"{file.uri}: line {lineno}", tools)
                 pieces.append(chat_tokens(ids, replies))
                 documents += 1
             continue

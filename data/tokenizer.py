@@ -164,18 +164,23 @@ class HuggingFaceTokenizer:
         tokenize a pair."""
         return np.asarray(self._tok(text, pair, add_special_tokens=True)["input_ids"], dtype=np.int64)
 
-    def encode_chat(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+    def encode_chat(
+        self, messages: list[dict], where: str, tools: list[dict] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """A conversation as the model's chat template renders it and the serving engine tokenizes it (the rendered
         text, its special tokens written in it), and which of its tokens are the assistant's replies (a boolean per
         token: the text from where the template opens an assistant turn, `add_generation_prompt`, to where that
         reply's rendering ends, its end-of-turn token included). Each turn's rendering must begin the whole
-        conversation's, as a template that renders turns in order does; DataError naming `where` otherwise."""
+        conversation's, as a template that renders turns in order does; DataError naming `where` otherwise. `tools`:
+        the functions the conversation may call, given to the template as Hugging Face templates take them."""
         if not getattr(self._tok, "chat_template", None):
             raise DataError(f"{where}: tokenizer {self.info.name} has no chat template; a chat dataset needs one")
 
         def render(turns: list[dict], opened: bool) -> str:
             try:
-                return self._tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=opened)
+                return self._tok.apply_chat_template(
+                    turns, tools=tools or None, tokenize=False, add_generation_prompt=opened
+                )
             except Exception as e:  # the template's own error, on this conversation
                 raise DataError(f"{where}: the chat template cannot render it ({type(e).__name__}: {e})") from None
 

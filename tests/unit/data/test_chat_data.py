@@ -117,6 +117,43 @@ def test_held_out_chat_rows_score_the_replies_only(tmp_path) -> None:
     assert prompt_loss_sum(logprobs, 4) == (7.0, 3)
 
 
+def test_a_records_tools_reach_the_template_and_calls_are_replies(tmp_path) -> None:
+    """A record's `tools` go to the chat template (as the chat API's do), and an assistant turn that calls one is
+    a reply the loss counts like any other."""
+    template = (
+        "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }};{% endfor %}<|im_end|>\n"
+        "{% endif %}"
+        + CHATML.replace(
+            "{{ m['content'] }}",
+            "{{ m['content'] or '' }}{% for c in m.get('tool_calls') "
+            "or [] %}<tool_call>{{ c['function']['name'] }}</tool_call>{% endfor %}",
+        )
+    )
+    tokenizer = _tokenizer(tmp_path / "tok", template)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    conversation = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    tok = load_tokenizer(tokenizer)
+    ids, replies = tok.encode_chat(conversation, "test", tools)
+    text = tok._tok.decode(ids.tolist())
+    assert text.startswith("<|im_start|>system\nget_weather;<|im_end|>")
+    spans = tok._tok.decode(ids[replies].tolist())
+    assert spans == "<tool_call>get_weather</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n"
+    source = _jsonl(tmp_path / "calls.jsonl", [{"messages": conversation, "tools": tools}])
+    manifest = prepare([source], str(tmp_path / "out"), seq_len=64, tokenizer=tokenizer, chat=True, progress=False)
+    _, tokens, num_tokens, _ = read_rows(str(tmp_path / "out"))
+    stored = np.concatenate([row[:n] for row, n in zip(tokens, num_tokens)])
+    assert manifest.totals.tokens == len(ids) and (stored >= 0).tolist() == replies.tolist()
+    with pytest.raises(DataError, match="line 1: tools: a list of tool objects"):
+        prepare([_jsonl(tmp_path / "bad.jsonl", [{"messages": conversation, "tools": "x"}])], str(tmp_path / "o2"),
+                tokenizer=tokenizer, chat=True, progress=False)  # fmt: skip
+
+
 def test_bad_chat_records_name_their_file_and_line(tmp_path) -> None:
     tokenizer = _tokenizer(tmp_path / "tok")
     out = str(tmp_path / "out")
