@@ -291,7 +291,7 @@ class Client:
     def prepare_data(self, spec=None, /, *, overwrite: bool = False, **fields) -> DataJob:
         """Submit `pylon data prepare` as a Ray job: for a `DatasetSpec`, a dict of its fields, a YAML file
         with one Dataset document, or the fields as keyword arguments (`sources`, `output`, `seq_len`,
-        `include`, `exclude`, `tokenizer`, `format`, `shard_size_mb`; `name` defaults to the output's last
+        `include`, `exclude`, `tokenizer`, `format`, `shard_size_mb`, `chat`; `name` defaults to the output's last
         path component). `overwrite` replaces a dataset already at the output."""
 
         spec = inputs.dataset_spec(spec, fields)

@@ -85,6 +85,8 @@ def prepare_entrypoint(spec: DatasetSpec, *, overwrite: bool) -> str:
         args += ["--include", spec.include]
     for pattern in spec.exclude:
         args += ["--exclude", pattern]
+    if spec.chat:
+        args.append("--chat")
     if overwrite:
         args.append("--overwrite")
     return " ".join(shlex.quote(a) for a in args)

@@ -108,6 +108,12 @@ def test_prepare_entrypoint_is_the_cli_command_line(tmp_path: Path) -> None:
         True,
         "byte",
     )
+    assert not args.chat
+    # A chat dataset's job prepares conversations (the field a Dataset spec names, said on the command line).
+    chat = build_parser().parse_args(
+        shlex.split(prepare_entrypoint(spec.model_copy(update={"chat": True}), overwrite=False))[1:]
+    )
+    assert chat.chat and not chat.overwrite
 
 
 def test_specs_show_as_html_tables_without_changing_validation() -> None:
