@@ -250,8 +250,8 @@ def pack_group(
             continue
         if chat:
             for lineno, messages, tools in docs:
-                ids, replies = tok.encode_chat(messages, f"{file.uri}: line {lineno}", tools)
-                pieces.append(chat_tokens(ids, replies))
+                for ids, replies in tok.encode_chat(messages, f"{file.uri}: line {lineno}", tools):
+                    pieces.append(chat_tokens(ids, replies))
                 documents += 1
             continue
         for text in docs:

@@ -166,13 +166,16 @@ class HuggingFaceTokenizer:
 
     def encode_chat(
         self, messages: list[dict], where: str, tools: list[dict] | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """A conversation as the model's chat template renders it and the serving engine tokenizes it (the rendered
         text, its special tokens written in it), and which of its tokens are the assistant's replies (a boolean per
         token: the text from where the template opens an assistant turn, `add_generation_prompt`, to where that
-        reply's rendering ends, its end-of-turn token included). Each turn's rendering must begin the whole
-        conversation's, as a template that renders turns in order does; DataError naming `where` otherwise. `tools`:
-        the functions the conversation may call, given to the template as Hugging Face templates take them."""
+        reply's rendering ends, its end-of-turn token included): one (ids, replies) example. A template that
+        renders earlier turns otherwise once the conversation goes on (Qwen3's drops past reasoning) gives one
+        example per reply instead, the conversation up to it as the template renders it then, only that reply
+        counted: what the model sees when it writes each. A reply whose rendering does not begin with the
+        template's opening of an assistant turn is a DataError naming `where` and the message. `tools`: the
+        functions the conversation may call, given to the template as Hugging Face templates take them."""
         if not getattr(self._tok, "chat_template", None):
             raise DataError(f"{where}: tokenizer {self.info.name} has no chat template; a chat dataset needs one")
 
@@ -184,27 +187,30 @@ class HuggingFaceTokenizer:
             except Exception as e:  # the template's own error, on this conversation
                 raise DataError(f"{where}: the chat template cannot render it ({type(e).__name__}: {e})") from None
 
+        def example(text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+            encoded = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+            starts = np.asarray([start for start, _ in encoded["offset_mapping"]], dtype=np.int64)
+            replies = np.zeros(len(ids), dtype=bool)
+            for lo, hi in spans:
+                replies |= (starts >= lo) & (starts < hi)
+            return ids, replies
+
         text = render(messages, False)
-        spans = []
+        turns = []  # (the conversation up to the reply, the reply's span in it)
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
             before, upto = render(messages[:i], True), render(messages[: i + 1], False)
-            if not (upto.startswith(before) and text.startswith(upto)):
+            if not upto.startswith(before):
                 raise DataError(
-                    f"{where}: message {i}: the chat template renders the conversation up to this reply differently "
-                    "from the whole conversation (it rewrites earlier turns, as templates that drop past reasoning "
-                    "do), so the reply's tokens cannot be found; give conversations whose template renders them in "
-                    "order"
+                    f"{where}: message {i}: the chat template renders this reply's turn otherwise than it opens an "
+                    "assistant's turn (add_generation_prompt), so the reply's tokens cannot be found; fix the template"
                 )
-            spans.append((len(before), len(upto)))
-        encoded = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(encoded["input_ids"], dtype=np.int64)
-        starts = np.asarray([start for start, _ in encoded["offset_mapping"]], dtype=np.int64)
-        replies = np.zeros(len(ids), dtype=bool)
-        for lo, hi in spans:
-            replies |= (starts >= lo) & (starts < hi)
-        return ids, replies
+            turns.append((upto, (len(before), len(upto))))
+        if all(text.startswith(upto) for upto, _ in turns):  # rendered in order: one example, every reply in it
+            return [example(text, [span for _, span in turns])]
+        return [example(upto, [span]) for upto, span in turns]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)

@@ -55,7 +55,7 @@ def test_the_replies_are_the_assistants_turns_and_their_ends(tmp_path) -> None:
     tok = load_tokenizer(_tokenizer(tmp_path / "tok"))
     hf = tok._tok
     for conversation in CONVERSATIONS:
-        ids, replies = tok.encode_chat(conversation, "test")
+        ((ids, replies),) = tok.encode_chat(conversation, "test")  # rendered in order: one example
         rendered = hf.apply_chat_template(conversation, tokenize=False)
         assert ids.tolist() == hf(rendered, add_special_tokens=False)["input_ids"]  # as the engine tokenizes a chat
         spans, start = [], None  # each run of reply tokens, decoded
@@ -85,7 +85,7 @@ def test_a_prepared_chat_dataset_counts_the_loss_on_the_replies_only(tmp_path, f
     real = inputs["attention_mask"].bool()
     want_ids, want_replies = [], []
     for conversation in CONVERSATIONS * 3:  # packed one after another, no eos between (the template ends turns)
-        i, r = tok.encode_chat(conversation, "test")
+        ((i, r),) = tok.encode_chat(conversation, "test")
         want_ids.append(i)
         want_replies.append(r)
     assert inputs["input_ids"][real].tolist() == np.concatenate(want_ids).tolist()
@@ -139,7 +139,7 @@ def test_a_records_tools_reach_the_template_and_calls_are_replies(tmp_path) -> N
         {"role": "assistant", "content": "It is sunny."},
     ]
     tok = load_tokenizer(tokenizer)
-    ids, replies = tok.encode_chat(conversation, "test", tools)
+    ((ids, replies),) = tok.encode_chat(conversation, "test", tools)
     text = tok._tok.decode(ids.tolist())
     assert text.startswith("<|im_start|>system\nget_weather;<|im_end|>")
     spans = tok._tok.decode(ids[replies].tolist())
@@ -173,13 +173,31 @@ def test_bad_chat_records_name_their_file_and_line(tmp_path) -> None:
     (tmp_path / "plain.txt").write_text("just text")
     with pytest.raises(DataError, match="a chat dataset is JSON Lines"):
         prepare([str(tmp_path / "plain.txt")], out, tokenizer=tokenizer, chat=True, progress=False)
-    # A template that drops earlier replies (as templates that drop past reasoning do) cannot say where a reply is.
+    # A template whose assistant turn is not what its generation prompt opens cannot say where a reply starts.
+    opens_otherwise = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>{% endif %}")
+    other = _tokenizer(tmp_path / "opens-otherwise", opens_otherwise)
+    source = _jsonl(tmp_path / "two.jsonl", [{"messages": CONVERSATIONS[0]}])
+    with pytest.raises(DataError, match=r"two.jsonl: line 1: message 2: the chat template renders this reply's turn"):
+        prepare([source], out, tokenizer=other, chat=True, progress=False)
+
+
+def test_a_template_that_rewrites_earlier_turns_gives_one_example_per_reply(tmp_path) -> None:
+    """A template that renders earlier replies otherwise once the conversation goes on (here it drops them, as
+    Qwen3's drops past reasoning): each reply is learnt from the conversation up to it as the template renders it
+    then, one example each, only that reply counted."""
     forgetful = (
         "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<|im_start|>{{ m['role'] }}\n"
         "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    other = _tokenizer(tmp_path / "forgetful", forgetful)
-    source = _jsonl(tmp_path / "two.jsonl", [{"messages": CONVERSATIONS[0]}])
-    with pytest.raises(DataError, match=r"two.jsonl: line 1: message 2: the chat template renders"):
-        prepare([source], out, tokenizer=other, chat=True, progress=False)
+    tok = load_tokenizer(_tokenizer(tmp_path / "forgetful", forgetful))
+    examples = tok.encode_chat(CONVERSATIONS[0], "test")
+    assert len(examples) == 2
+    for (ids, replies), reply, upto in zip(examples, REPLIES[:2], (3, 5)):
+        assert ids.tolist() == tok._tok(tok._tok.apply_chat_template(CONVERSATIONS[0][:upto], tokenize=False),
+                                        add_special_tokens=False)["input_ids"]  # fmt: skip
+        assert tok._tok.decode(ids[replies].tolist()) == reply
+    source = _jsonl(tmp_path / "sft.jsonl", [{"messages": CONVERSATIONS[0]}])
+    manifest = prepare([source], str(tmp_path / "out"), seq_len=32, tokenizer=str(tmp_path / "forgetful"), chat=True,
+                       progress=False)  # fmt: skip
+    assert manifest.totals.documents == 1 and manifest.totals.tokens == sum(len(i) for i, _ in examples)
