@@ -36,6 +36,7 @@ from pylon.data.shards import (
     DataError,
     ShardInfo,
     ShardManifest,
+    context_split,
     decode_shard_table,
     read_manifest,
     verify_shard_bytes,
@@ -282,15 +283,14 @@ class Batch:
         assistant's replies (what the loss does not count)."""
         import torch
 
-        input_ids = torch.from_numpy(self.tokens.astype(np.int64))
-        mask = torch.arange(input_ids.shape[1])[None, :] < torch.from_numpy(self.num_tokens.astype(np.int64))[:, None]
+        tokens = self.tokens.astype(np.int64)
+        context = None
         if self.loss_mask:
-            context = input_ids < 0
-            input_ids = torch.where(context, -input_ids - 1, input_ids)
-            labels = input_ids.masked_fill(~mask | context, -100)
-            out = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels}
-            return {k: v.to(device) for k, v in out.items()} if device is not None else out
-        labels = input_ids.masked_fill(~mask, -100)
+            tokens, context = context_split(tokens)
+        input_ids = torch.from_numpy(tokens)
+        mask = torch.arange(input_ids.shape[1])[None, :] < torch.from_numpy(self.num_tokens.astype(np.int64))[:, None]
+        unlearnt = ~mask if context is None else ~mask | torch.from_numpy(context)
+        labels = input_ids.masked_fill(unlearnt, -100)
         out = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels}
         return {k: v.to(device) for k, v in out.items()} if device is not None else out
 

@@ -130,6 +130,13 @@ class ShardManifest(_Model):
         )
 
 
+def context_split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A chat dataset's stored tokens (`ShardManifest.loss_mask`; prepare.chat_tokens wrote them) as (their ids, which
+    of them are context, stored as -(id + 1), not the assistant's replies)."""
+    context = tokens < 0
+    return np.where(context, -tokens - 1, tokens), context
+
+
 def manifest_uri(dataset_uri: str) -> str:
     return storage.join(dataset_uri, MANIFEST_NAME)
 

@@ -520,8 +520,9 @@ class PylonLLMServer:
 
         def answer(body) -> dict:
             chat = body.chat()
-            if chat.image_parts():
-                where = chat.image_parts()[0][0]
+            images = chat.image_parts()
+            if images:
+                where = images[0][0]
                 raise InvalidRequest(f"{where}: images are not counted here; count the text alone", param=where)
             tokenizer = self.engine.tokenizer
             return {"input_tokens": len(prompt_ids(tokenizer, chat.render(tokenizer), chat.add_special_tokens))}

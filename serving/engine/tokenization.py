@@ -42,12 +42,10 @@ FIM_FORMATS = (
 
 def fim_format(tokenizer: Tokenizer) -> tuple[list[int], str] | None:
     """The model's fill-in-the-middle tokens ([prefix, suffix, middle?] ids) and their order, or None where its
-    tokenizer has none of FIM_FORMATS' as single tokens."""
-    vocab = getattr(tokenizer, "_vocab_id", None)
-    if vocab is None:
-        return None
+    tokenizer has none of FIM_FORMATS' among its added tokens (`added_vocab`, read once per tokenizer)."""
+    vocab = added_vocab(tokenizer)
     for *names, order in FIM_FORMATS:
-        ids = [vocab(name) for name in names if name is not None]
+        ids = [vocab.get(name) for name in names if name is not None]
         if all(i is not None for i in ids):
             return [int(i) for i in ids], order
     return None

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 import pylon
-from pylon import storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "data"))
 from test_chat_data import CONVERSATIONS, _jsonl, _tokenizer  # noqa: E402
+from test_prepare import read_rows  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -22,25 +22,16 @@ pytestmark = pytest.mark.integration
 def test_a_chat_fine_tune_counts_the_loss_on_the_replies_only(ray_cluster, tmp_path):
     from pylon.data.prepare import prepare
     from pylon.data.reader import Batch
-    from pylon.data.shards import decode_shard, read_manifest
 
     tokenizer = _tokenizer(tmp_path / "tok")
     source = _jsonl(tmp_path / "sft.jsonl", [{"messages": c} for c in CONVERSATIONS * 4])
     data = str(tmp_path / "sft")
     prepare([source], data, seq_len=32, tokenizer=tokenizer, chat=True, use_ray=False, progress=False)
-    manifest = read_manifest(data)
-    rows = sum(s.rows for s in manifest.shards)
-    counted = 0  # the tokens the loss should count: replies, each predicted from the token before it in its row
-    for info in manifest.shards:
-        shard = decode_shard(
-            manifest.format,
-            storage.read_bytes(storage.join(data, info.file)),
-            shard=info.file,
-            seq_len=manifest.seq_len,
-            dtype=manifest.dtype,
-        )
-        labels = Batch(shard.ids, shard.tokens, shard.num_tokens, 0.0, True).to_torch(0)["labels"]
-        counted += int((labels[:, 1:] != -100).sum())
+    manifest, tokens, num_tokens, ids = read_rows(data)
+    rows = len(ids)
+    # the tokens the loss should count: replies, each predicted from the token before it in its row
+    labels = Batch(ids, tokens, num_tokens, 0.0, True).to_torch(0)["labels"]
+    counted = int((labels[:, 1:] != -100).sum())
     whole = manifest.totals.tokens - rows  # every real token but each row's first: what plain rows would count
     assert 0 < counted < whole
 

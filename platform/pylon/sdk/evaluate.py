@@ -55,13 +55,15 @@ class HeldOut:
 
     def token_ids(self, seq: np.ndarray) -> np.ndarray:
         """A row's token ids (a chat dataset's context tokens decoded)."""
-        import numpy as np
+        from pylon.data.shards import context_split
 
-        return np.where(seq < 0, -seq - 1, seq) if self.loss_mask else seq
+        return context_split(seq)[0] if self.loss_mask else seq
 
     def counted(self, seq: np.ndarray) -> np.ndarray | None:
         """Which of a row's tokens the loss counts (a chat dataset's: the assistant's replies); None: all."""
-        return seq >= 0 if self.loss_mask else None
+        from pylon.data.shards import context_split
+
+        return ~context_split(seq)[1] if self.loss_mask else None
 
 
 @dataclass
