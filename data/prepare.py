@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from pylon import home, storage
 from pylon.data.shards import (
+    DOCUMENT_START,
     MANIFEST_NAME,
     SHARD_SUFFIX,
     DataError,
@@ -272,10 +273,14 @@ def pack_group(
 
 
 def chat_tokens(ids: np.ndarray, replies: np.ndarray) -> np.ndarray:
-    """A conversation's tokens as a chat dataset stores them (int32): the assistant's replies' ids as they are, every
-    other token's as -(id + 1), so that a row says which of its tokens the loss counts (`ShardManifest.loss_mask`,
-    read back by `reader.Batch.to_torch`) without another column."""
-    return np.where(replies, ids, -ids - 1).astype(np.int32)
+    """A conversation's tokens as a chat dataset stores them (int32 words): the assistant's replies' ids as they are,
+    every other token's as -(word + 1), and the first token's word with DOCUMENT_START set, so that a row says
+    which of its tokens the loss counts (`ShardManifest.loss_mask`) and where each conversation starts
+    (`ShardManifest.document_starts`) without another column (`shards.split_words` reads them back)."""
+    words = ids.astype(np.int64)
+    if words.size:
+        words[0] |= DOCUMENT_START
+    return np.where(replies, words, -words - 1).astype(np.int32)
 
 
 def pack(pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -463,6 +468,7 @@ def prepare(
             sources=[_without_credentials(s) for s in sources],
             run_id=job.run_id,
             loss_mask=chat,
+            document_starts=chat,
         )
         manifest.check(out)
         storage.atomic_write_json(manifest_uri(out), manifest.model_dump(mode="json"))  # the commit

@@ -36,9 +36,9 @@ from pylon.data.shards import (
     DataError,
     ShardInfo,
     ShardManifest,
-    context_split,
     decode_shard_table,
     read_manifest,
+    split_words,
     verify_shard_bytes,
 )
 
@@ -266,7 +266,7 @@ class DataStats:
 
 @dataclass
 class Batch:
-    """One batch of samples; `input_ids`/`labels`/`attention_mask` are what a causal LM takes."""
+    """One batch of samples; `to_torch` gives what a causal LM takes."""
 
     sample_ids: np.ndarray  # (b,) dataset-wide ids, for tests and audits
     tokens: np.ndarray  # (b, seq_len)
@@ -274,24 +274,40 @@ class Batch:
     wait_s: float  # how long the consumer waited for this batch
     # a chat dataset's rows (ShardManifest.loss_mask): tokens outside the assistant's replies stored as -(id + 1)
     loss_mask: bool = False
+    eos_id: int = -1  # a text dataset's document end (`shards.split_words`): needed by `to_torch(documents=True)`
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
-    def to_torch(self, pad_id: int, device=None) -> dict:
-        """The model's inputs: `labels` -100 past each row's real tokens, and in a chat dataset's rows outside the
-        assistant's replies (what the loss does not count)."""
+    def to_torch(self, pad_id: int, device=None, *, documents: bool = False) -> dict:
+        """The model's inputs and `labels`: -100 past each row's real tokens, and in a chat dataset's rows outside
+        the assistant's replies (what the loss does not count).
+
+        `documents` (`TrainJobSpec.attention_mask: document`): each document packed into a row is attended on its
+        own. No `attention_mask`; `position_ids` restart at 0 where each document starts (and where the padding
+        does), which `transformers` turns into a block-diagonal causal mask (`packed_sequence_mask`; FlashAttention's
+        variable-length path on a GPU), as TRL's `padding_free` and TorchTitan's `block_causal` attend; and a
+        document's first token is not a label (nothing of its own document predicts it)."""
         import torch
 
-        tokens = self.tokens.astype(np.int64)
-        context = None
-        if self.loss_mask:
-            tokens, context = context_split(tokens)
-        input_ids = torch.from_numpy(tokens)
-        mask = torch.arange(input_ids.shape[1])[None, :] < torch.from_numpy(self.num_tokens.astype(np.int64))[:, None]
-        unlearnt = ~mask if context is None else ~mask | torch.from_numpy(context)
-        labels = input_ids.masked_fill(unlearnt, -100)
-        out = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels}
+        ids, context, starts = split_words(self.tokens, loss_mask=self.loss_mask, eos_id=self.eos_id)
+        length = ids.shape[1]
+        real = np.arange(length)[None, :] < self.num_tokens.astype(np.int64)[:, None]
+        unlearnt = ~real if context is None else ~real | context
+        out = {"input_ids": torch.from_numpy(ids)}
+        if documents:
+            if not self.loss_mask and self.eos_id < 0:
+                raise ValueError("Batch.to_torch(documents=True) on a text dataset needs its eos_id")
+            starts &= real
+            padding = self.num_tokens < length
+            starts[np.flatnonzero(padding), self.num_tokens[padding]] = True  # the padding: a segment of its own
+            unlearnt |= starts
+            index = np.arange(length)
+            first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)  # each token's segment's first index
+            out["position_ids"] = torch.from_numpy(index - first)
+        else:
+            out["attention_mask"] = torch.from_numpy(real.astype(np.int64))
+        out["labels"] = out["input_ids"].masked_fill(torch.from_numpy(unlearnt), -100)
         return {k: v.to(device) for k, v in out.items()} if device is not None else out
 
 
@@ -469,6 +485,7 @@ class ShardStream:
                 np.zeros(0, np.int32),
                 wait_s,
                 self.manifest.loss_mask,
+                self.manifest.tokenizer.eos_id,
             )
         return Batch(
             np.concatenate([p[0] for p in parts]),
@@ -476,6 +493,7 @@ class ShardStream:
             np.concatenate([p[1] for p in parts]),
             wait_s,
             self.manifest.loss_mask,
+            self.manifest.tokenizer.eos_id,
         )
 
     def _windows(self, epoch: int, segments: list[Segment], first_window: int):

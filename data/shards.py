@@ -10,6 +10,11 @@ only a pack's last row is shorter, padded with the tokenizer's pad id) and `toke
 - parquet: columns `id: int64`, `num_tokens: int32`, `tokens: list<uint16|int32>`.
 - webdataset: a POSIX tar; per sample `<id:012d>.tokens.npy` (a 1-D numpy array) and `<id:012d>.json`
   (`{"id": ..., "num_tokens": ...}`), so any WebDataset reader can decode it.
+
+Documents are packed one after another. In a text dataset each ends with the tokenizer's eos, which is where the
+next one starts. A chat dataset (`loss_mask`) stores int32 words: a token outside the assistant's replies as
+-(word + 1), and a conversation's first token with `DOCUMENT_START` set in its word (`document_starts`), so that a
+row says which tokens the loss counts and where each conversation starts without another column (`split_words`).
 """
 
 from __future__ import annotations
@@ -108,6 +113,9 @@ class ShardManifest(_Model):
     # A chat dataset (`pylon data prepare --chat`): its tokens outside the assistant's replies are stored as
     # -(id + 1) (prepare.chat_tokens), and the loss counts only the others (reader.Batch.to_torch)
     loss_mask: bool = False
+    # A chat dataset whose words mark each conversation's first token (DOCUMENT_START); one prepared before Pylon
+    # recorded that has none, and cannot be trained with `attention_mask: document`
+    document_starts: bool = False
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -130,11 +138,52 @@ class ShardManifest(_Model):
         )
 
 
+DOCUMENT_START = 1 << 30  # in a chat dataset's word: this token starts a conversation (ids stay below 2**30)
+
+
+def split_words(
+    tokens: np.ndarray, *, loss_mask: bool, eos_id: int
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Stored rows as (their token ids as int64, which of them are context or None, which start a document).
+
+    A chat dataset's (`ShardManifest.loss_mask`, `prepare.chat_tokens` wrote it): context (tokens outside the
+    assistant's replies) stored as -(word + 1), a conversation's first word with DOCUMENT_START set. A text
+    dataset's documents each end with `eos_id`: the token after one starts the next (a row's first token is not
+    marked, whether or not a document begins there; a chat row's is when a conversation does)."""
+    tokens = np.asarray(tokens)
+    if loss_mask:
+        context = tokens < 0
+        words = np.where(context, -tokens.astype(np.int64) - 1, tokens.astype(np.int64))
+        starts = (words & DOCUMENT_START) != 0
+        return words & ~DOCUMENT_START, context, starts
+    ids = tokens.astype(np.int64)
+    starts = np.zeros(ids.shape, dtype=bool)
+    starts[..., 1:] = ids[..., :-1] == eos_id
+    return ids, None, starts
+
+
+def separate_documents(setting: str, manifest: ShardManifest, where: str) -> bool:
+    """Whether rows of `manifest`'s dataset are attended one document at a time under `attention_mask` `setting`
+    (TrainJobSpec.attention_mask): "document" yes, "causal" no, "auto" for a chat dataset that marks where its
+    conversations start. DataError naming `where` (the dataset) for "document" on a chat dataset without marks."""
+    if setting == "causal":
+        return False
+    marked = not manifest.loss_mask or manifest.document_starts
+    if setting == "auto":
+        return manifest.loss_mask and manifest.document_starts
+    if not marked:
+        raise DataError(
+            f"{where}: attention_mask document needs to know where each conversation starts, and this chat dataset "
+            "was prepared before Pylon recorded it; prepare it again (`pylon data prepare --chat ... --overwrite`) "
+            "or set attention_mask: causal"
+        )
+    return True
+
+
 def context_split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A chat dataset's stored tokens (`ShardManifest.loss_mask`; prepare.chat_tokens wrote them) as (their ids, which
-    of them are context, stored as -(id + 1), not the assistant's replies)."""
-    context = tokens < 0
-    return np.where(context, -tokens - 1, tokens), context
+    """A chat dataset's stored tokens as (their ids, which of them are context): `split_words`'s first two."""
+    ids, context, _ = split_words(tokens, loss_mask=True, eos_id=-1)
+    return ids, context
 
 
 def manifest_uri(dataset_uri: str) -> str:

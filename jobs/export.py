@@ -126,6 +126,8 @@ def export_eval(run_uri: str, spec, step: int) -> dict | None:
         "split": "validation",
         "validation_fraction": spec.data.validation_fraction,
         "ids": r["val_ids"],  # sample ids [lo, hi): the tail of the dataset's id space
+        # how the rows were attended (`pylon eval` attends them the same way); runs before it was recorded: causal
+        "attention_mask": r.get("attention_mask", "causal"),
         "max_batches_per_worker": spec.eval.max_batches,
         "workers": spec.scaling.num_workers,
         "run": run_uri,

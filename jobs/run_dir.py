@@ -139,11 +139,20 @@ def read_metrics(run_uri: str, kind: str | None = "train") -> list[dict]:
 
 
 def eval_record(
-    step: int, *, loss_sum: float, tokens: int, sequences: int, batches: int, val_ids, seconds: float
+    step: int,
+    *,
+    loss_sum: float,
+    tokens: int,
+    sequences: int,
+    batches: int,
+    val_ids,
+    seconds: float,
+    attention_mask: str = "causal",
 ) -> dict:
     """A held-out evaluation as a `metrics.jsonl` record. `"kind": "eval"` and `val_*` names keep it apart
     from the training steps (`read_metrics` returns those alone unless asked); `step` is the optimizer step
-    it evaluated, so a resume drops it with the steps after its checkpoint."""
+    it evaluated, so a resume drops it with the steps after its checkpoint. `attention_mask`: how its packed
+    rows were attended ("causal" or "document", `TrainJobSpec.attention_mask` resolved for the dataset)."""
     import math
 
     loss = loss_sum / max(tokens, 1)
@@ -157,6 +166,7 @@ def eval_record(
         "val_batches": int(batches),
         "val_ids": [int(val_ids[0]), int(val_ids[1])],
         "eval_time_s": seconds,
+        "attention_mask": attention_mask,
     }
 
 

@@ -51,7 +51,7 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from pylon.data.shards import read_manifest
+    from pylon.data.shards import read_manifest, separate_documents
     from pylon.jobs.checkpoint import ray_train_storage
 
     working_dir = home.job_working_dir()
@@ -76,6 +76,7 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
         raise PylonError(
             f"data.seq_len is {spec.data.seq_len} but {spec.data.uri} was prepared with seq_len {manifest.seq_len}"
         )
+    separate_documents(spec.attention_mask, manifest, f"data.uri {spec.data.uri}")
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
     from pylon.jobs.ledger import LEDGER_FILE, SessionRecorder
 
@@ -207,6 +208,7 @@ def train_loop(config: dict) -> None:
     import deepspeed
 
     from pylon.data.reader import stream_from_spec
+    from pylon.data.shards import separate_documents
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.jobs.ledger import AttemptRecorder
@@ -217,6 +219,7 @@ def train_loop(config: dict) -> None:
         measure_matmul_peak_flops,
         parameter_counts,
         router_aux_coef,
+        without_padding_warning,
     )
 
     started_at = time.time()
@@ -239,6 +242,7 @@ def train_loop(config: dict) -> None:
             spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world, split="validation"
         )
     tok = stream.manifest.tokenizer
+    documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")
     ds_config = build_deepspeed_config(spec, world_size=world)
     if spec.scaling.use_gpu and spec.deepspeed.offload_optimizer == "none":
         _torch_adam_unless_fused_adam_builds(ds_config, rank)
@@ -253,10 +257,20 @@ def train_loop(config: dict) -> None:
         deepspeed_config=ds_config,
         device=ray.train.torch.get_device() if spec.scaling.use_gpu else None,
     )
+    if documents:
+        without_padding_warning(model)  # the padding of a document batch is a segment of its own: nothing to warn of
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     device = engine.device
+    if documents:  # every rank: under ZeRO-3 the forward passes gather parameters collectively
+        left = check_document_attention(engine, tok.vocab_size, where=spec.model.describe(), device=device)
+        if rank == 0:
+            print(
+                f"attention_mask document: each packed document attended on its own (checked: {left:.1e} of the "
+                "cross-document effect left)",
+                flush=True,
+            )
     if rank == 0:
         total, trainable = parameter_counts(model)
         print(
@@ -321,7 +335,11 @@ def train_loop(config: dict) -> None:
         for _ in range(gas):
             batch = next(batches)
             wait_s += batch.wait_s
-            inputs = batch.to_torch(tok.pad_id, device=device) if len(batch) else _padding_batch(stream, device)
+            inputs = (
+                batch.to_torch(tok.pad_id, device=device, documents=documents)
+                if len(batch)
+                else _padding_batch(stream, device)
+            )
             loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef)
             engine.backward(loss)
             engine.step()
@@ -377,7 +395,9 @@ def train_loop(config: dict) -> None:
         if val_stream is not None and (last or (spec.eval.every_steps and step % spec.eval.every_steps == 0)):
             # Before the checkpoint below: its metrics then hold this evaluation (an export of it reads it there).
             t0 = time.perf_counter()
-            metrics.write_eval(_evaluate(engine, val_stream, step, max_batches=spec.eval.max_batches))
+            metrics.write_eval(
+                _evaluate(engine, val_stream, step, max_batches=spec.eval.max_batches, documents=documents)
+            )
             outside_s += time.perf_counter() - t0
             ledger.add("evaluation_s", time.perf_counter() - t0)
         saving = step % spec.checkpoint.every_steps == 0 or last
@@ -510,6 +530,54 @@ def _padding_batch(stream, device) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100)}
 
 
+def model_inputs(inputs: dict) -> dict:
+    """The keyword arguments a causal LM takes for `Batch.to_torch`'s inputs: all but the labels, and no KV cache,
+    which a training or scoring pass has no use for and whose presence stops `transformers` from reading packed
+    documents from `position_ids` (it then attends across them)."""
+    return {**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": False}
+
+
+# Two documents the document-attention check packs into one row: the second's logits must not see the first.
+_PROBE_LENGTHS = (16, 16)
+_PROBE_LEAK = 0.1  # largest share of the cross-document effect left by a working mask (numerical noise: ~1e-6 fp32)
+
+
+def check_document_attention(model, vocab_size: int, *, where: str, device=None) -> float:
+    """Fail unless `model` attends packed documents apart (`attention_mask: document`): the second of two documents
+    packed into a row, with `position_ids` restarting, must give the logits it gives alone. Some architectures build
+    their masks or positions another way and would silently attend across (in transformers 5: Falcon, OPT, BLOOM
+    among others). Measured against the same row attended plainly, so the bound holds in bf16 and fp16 too.
+    Every rank calls it (ZeRO-3 gathers parameters collectively). Returns the share of the effect left."""
+    import torch
+
+    a, b = _PROBE_LENGTHS
+    device = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
+    first = (torch.arange(a, device=device) * 7 + 3) % vocab_size
+    second = (torch.arange(b, device=device) * 5 + 11) % vocab_size
+    row = torch.cat([first, second])[None]
+    positions = torch.cat([torch.arange(a, device=device), torch.arange(b, device=device)])[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = model(input_ids=second[None], use_cache=False).logits.float()
+            packed = model(input_ids=row, position_ids=positions, use_cache=False).logits[:, a:].float()
+            plain = model(input_ids=row, use_cache=False).logits[:, a:].float()
+    finally:
+        model.train(was_training)
+    effect = float((plain - alone).abs().max())
+    left = float((packed - alone).abs().max())
+    share = left / effect if effect > 0 else 0.0
+    if share > _PROBE_LEAK:
+        raise PylonError(
+            f"attention_mask document: {where} does not attend packed documents apart (a document's logits "
+            f"changed by {left:.3g} when another was packed before it, {share:.0%} of the change with no mask at "
+            "all); this architecture builds its attention mask or positions without reading packed "
+            "position_ids. Set attention_mask: causal (documents in a row then see the ones before them)"
+        )
+    return share
+
+
 def step_loss(engine, inputs: dict, world: int, aux_coef: float = 0.0):
     """One micro-batch's training loss (see `_global_mean_loss`), and for a mixture-of-experts model (`aux_coef`:
     `pylon.models.router_aux_coef`) its routers' load-balancing loss weighted by `aux_coef` on top, as transformers'
@@ -517,7 +585,7 @@ def step_loss(engine, inputs: dict, world: int, aux_coef: float = 0.0):
     all-padding row). Returns (loss to backpropagate, this rank's summed token loss, its token count, the
     load-balancing loss as a float or None for a dense model)."""
     extra = {"output_router_logits": True} if aux_coef else {}
-    out = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **extra)
+    out = engine(**model_inputs(inputs), **extra)
     loss, local_sum, n_tokens = _global_mean_loss(out.logits, inputs["labels"], world)
     if not aux_coef:
         return loss, local_sum, n_tokens, None
@@ -572,7 +640,7 @@ def reduce_eval(
     return float(totals[0].item()), int(totals[1].item()), int(totals[2].item()), int(totals[3].item())
 
 
-def _evaluate(engine, val_stream, step: int, *, max_batches: int = 0) -> dict:
+def _evaluate(engine, val_stream, step: int, *, max_batches: int = 0, documents: bool = False) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. Every rank takes part with the
     same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of
@@ -593,8 +661,12 @@ def _evaluate(engine, val_stream, step: int, *, max_batches: int = 0) -> dict:
         with torch.no_grad():
             for _ in range(n_batches):
                 batch = next(batches)
-                inputs = batch.to_torch(pad_id, device=device) if len(batch) else _padding_batch(val_stream, device)
-                logits = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+                inputs = (
+                    batch.to_torch(pad_id, device=device, documents=documents)
+                    if len(batch)
+                    else _padding_batch(val_stream, device)
+                )
+                logits = engine(**model_inputs(inputs)).logits
                 part, n = token_loss_sum(logits, inputs["labels"])
                 loss_sum += float(part.item())
                 tokens += n
@@ -611,6 +683,7 @@ def _evaluate(engine, val_stream, step: int, *, max_batches: int = 0) -> dict:
         batches=n_batches,
         val_ids=val_stream.id_range,
         seconds=time.perf_counter() - t0,
+        attention_mask="document" if documents else "causal",
     )
 
 

@@ -423,6 +423,21 @@ def enable_gradient_checkpointing(model: "PreTrainedModel") -> None:
     model.config.use_cache = False
 
 
+def without_padding_warning(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` without transformers' "input_ids may be padded, pass an attention_mask" check: Pylon's batches either
+    pass a mask, or (`attention_mask: document`) give the padding positions of its own, which is how packed rows are
+    attended, so the warning would only mislead a job's log; and the check reads token values (on the meta device of
+    `pylon.plan.activations` there are none). Returns `model`."""
+    for module in model.modules():
+        if hasattr(module, "warn_if_padding_and_no_attention_mask"):
+            module.warn_if_padding_and_no_attention_mask = _no_padding_warning
+    return model
+
+
+def _no_padding_warning(*args, **kwargs) -> None:
+    return None
+
+
 def with_lora(model: "PreTrainedModel", lora: LoraSpec) -> torch.nn.Module:
     """`model` as a peft model whose only trainable parameters are the LoRA adapters `lora` describes."""
     from peft import LoraConfig, get_peft_model

@@ -396,6 +396,13 @@ class TrainJobSpec(_Spec):
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     gradient_checkpointing: bool = False
+    attention_mask: Literal["auto", "causal", "document"] = Field(
+        "auto",
+        description="how a row packed from several documents is attended: causal, every token sees the row before "
+        "it (the usual for pretraining); document, each document only itself, its positions restarting at 0 and its "
+        "first token not predicted from the one before (TorchTitan's block_causal, TRL's padding_free, Llama 3's "
+        "pretraining); auto, document for a chat dataset, causal for text",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec)
     batch: BatchSpec = Field(default_factory=BatchSpec)
     steps: PositiveInt

@@ -22,6 +22,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         api_key_env=args.api_key_env,
         concurrency=args.concurrency,
         batch_size=args.batch_size,
+        attention_mask=args.attention_mask,
         progress=sys.stderr.isatty(),
     )
     if args.json:
@@ -38,6 +39,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"tokens      {result.tokens:,} scored over {result.sequences:,} sequences")
     print(f"data        {result.dataset}, held-out ids [{lo}, {hi}) (validation fraction {result.validation_fraction})")
     print(f"model       {where}, {result.seconds:.1f} s")
+    if result.attention_mask == "document":
+        print("attention   each packed document on its own (attention_mask: document)")
     if result.recorded is not None:
         r = result.recorded
         print(
@@ -105,9 +108,16 @@ def add_eval_parser(sub, fmt) -> None:
         "--batch-size", type=int, default=8, metavar="N", help="model only: rows per forward pass (default 8)"
     )
     e.add_argument(
+        "--attention-mask",
+        choices=("auto", "causal", "document"),
+        help="how a row packed from several documents is attended, as the TrainJob field: causal (the whole row "
+        "before a token), document (each document on its own; a deployment gets each as its own prompt), auto "
+        "(document for a chat dataset); default: as the model's training run did (its eval.json), else auto",
+    )
+    e.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object: loss, perplexity, tokens, sequences, source, model, served_model, device, "
-        "dataset, split, validation_fraction, ids, seconds, recorded, metric (docs/eval.md)",
+        "dataset, split, validation_fraction, ids, seconds, recorded, attention_mask, metric (docs/eval.md)",
     )
     e.set_defaults(func=_cmd_eval)

@@ -1,7 +1,7 @@
 """Activation memory of one training step, found by running the step on PyTorch's meta device.
 
     profile = step_activations(config, micro_batch=8, seq_len=4096, precision="bf16", checkpointing=True,
-                               lora=None, device="cuda")
+                               lora=None, device="cuda", documents=False)
     profile.saved_bytes   # tensors kept for the backward pass when the forward pass ends
     profile.peak_bytes    # most bytes live at once during forward + backward (saved tensors, activation
                           # gradients, temporaries), beyond the weights and the optimizer's states
@@ -25,8 +25,10 @@ Two things differ between the meta device and the device a job runs on, and are 
   simulation asks torch which kernel the target device would pick and, for a fused one, stands in a function
   that keeps what the fused kernel keeps.
 - transformers checks position ids for packed sequences, and unmasked input ids for padding, by reading values,
-  which meta tensors do not have; Pylon's batches are never packed and always masked, so the checks answer
-  "not packed" and stay quiet.
+  which meta tensors do not have. The checks are answered as the job's batches would answer them: "not packed"
+  (`attention_mask: causal`: Pylon's batches are then always masked), or, for a job that attends each packed
+  document on its own (`documents`), "packed", so that transformers builds the block-diagonal mask it will
+  build for real (batch x seq x seq booleans) and attention runs as it does with a mask.
 
 Depth and batch: the model runs at depth 1 and 2 and micro-batch 1 and 2, and the results are extrapolated
 bilinearly to the job's depth and micro-batch: every decoder layer adds the same bytes, and so does every
@@ -47,7 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from pylon.models import enable_gradient_checkpointing, with_lora
+from pylon.models import enable_gradient_checkpointing, with_lora, without_padding_warning
 from pylon.specs import LoraSpec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,13 +64,22 @@ class ActivationProfile:
 
 
 def step_activations(
-    config, *, micro_batch: int, seq_len: int, precision: str, checkpointing: bool, lora: LoraSpec | None, device: str
+    config,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    checkpointing: bool,
+    lora: LoraSpec | None,
+    device: str,
+    documents: bool = False,
 ) -> ActivationProfile:
-    """Activation memory of one micro-batch of Pylon's training step on `device` ('cuda' or 'cpu')."""
+    """Activation memory of one micro-batch of Pylon's training step on `device` ('cuda' or 'cpu'); `documents`:
+    each packed document attended on its own (`TrainJobSpec.attention_mask: document`)."""
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     _CONFIGS.setdefault(key, config)
     lora_key = lora.model_dump_json() if lora is not None else ""
-    saved, peak = _coefficients(key, seq_len, precision, checkpointing, lora_key, device)
+    saved, peak = _coefficients(key, seq_len, precision, checkpointing, lora_key, device, documents)
     layers = config.num_hidden_layers
     return ActivationProfile(
         saved_bytes=int(_extrapolate(saved, micro_batch, layers)),
@@ -85,7 +96,7 @@ def _extrapolate(c: tuple[float, float, float, float], batch: int, layers: int) 
 
 @functools.lru_cache(maxsize=64)
 def _coefficients(
-    config_key: str, seq_len: int, precision: str, checkpointing: bool, lora_json: str, device: str
+    config_key: str, seq_len: int, precision: str, checkpointing: bool, lora_json: str, device: str, documents: bool
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     config = _CONFIGS[config_key]
     lora = LoraSpec.model_validate_json(lora_json) if lora_json else None
@@ -99,6 +110,7 @@ def _coefficients(
             checkpointing=checkpointing,
             lora=lora,
             device=device,
+            documents=documents,
         )
         for b in (1, 2)
         for n in (1, 2)
@@ -133,6 +145,7 @@ def _simulate(
     checkpointing: bool,
     lora: LoraSpec | None,
     device: str,
+    documents: bool = False,
 ) -> tuple[int, int]:
     """(bytes live when the forward pass ends, peak live bytes) of one step of a `layers`-deep copy."""
     from transformers import AutoModelForCausalLM
@@ -147,11 +160,7 @@ def _simulate(
             # DeepSpeed casts the whole module, adapters included, to the training precision.
             model = with_lora(model, lora).to(dtype)
     model.train()
-    for module in model.modules():
-        # With a pad token set, transformers looks for padding in unmasked input ids by reading their values;
-        # Pylon's step always passes an attention mask, so there is nothing to warn about.
-        if hasattr(module, "warn_if_padding_and_no_attention_mask"):
-            module.warn_if_padding_and_no_attention_mask = _no_padding_warning
+    without_padding_warning(model)  # which reads the input ids' values
     for p in model.parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(_drop_grad)
@@ -160,17 +169,17 @@ def _simulate(
     # Weights, buffers and the input batch exist before the step; views of them (a transposed weight kept for
     # backward, a slice of the batch) allocate nothing and must not be counted as new bytes.
     tracker.preexisting([*model.parameters(), *model.buffers(), ids])
-    with _LOCK, _attention_as_on(device), _unpacked_batches(), tracker:
-        logits = model(input_ids=ids).logits
+    # The inputs `pylon.jobs.train.model_inputs` gives: a causal batch's all-ones mask is dropped by transformers
+    # unread, as no mask at all is; a document batch's restarting positions (their values are the check's answer).
+    extra = {"position_ids": torch.zeros((batch, seq_len), dtype=torch.long, device="meta")} if documents else {}
+    tracker.preexisting(list(extra.values()))
+    with _LOCK, _attention_as_on(device), _packed_batches(documents), tracker:
+        logits = model(input_ids=ids, use_cache=False, **extra).logits
         saved = tracker.live
         loss = _summed_cross_entropy(logits, ids)
         loss.backward()
         del loss, logits
     return saved, tracker.peak
-
-
-def _no_padding_warning(*args, **kwargs) -> None:
-    return None
 
 
 def _drop_grad(p: torch.Tensor) -> None:
@@ -232,19 +241,20 @@ class _LiveBytes(TorchDispatchMode):
 
 class _FusedAttention(torch.autograd.Function):
     """What a fused attention kernel allocates and keeps: the output and a float32 log-sum-exp per query row
-    (plus its inputs) for backward, and input-sized gradients -- never the seq x seq probabilities."""
+    (plus its inputs, a mask among them) for backward, and input-sized gradients -- never the seq x seq
+    probabilities."""
 
     @staticmethod
-    def forward(ctx, query, key, value):
+    def forward(ctx, query, key, value, mask=None):
         out = query.new_empty(query.shape[:-1] + value.shape[-1:])
         logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(query, key, value, out, logsumexp)
+        ctx.save_for_backward(query, key, value, out, logsumexp, mask)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, _, _ = ctx.saved_tensors
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        query, key, value, _, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), None
 
 
 @functools.lru_cache(maxsize=256)
@@ -299,7 +309,7 @@ def _attention_as_on(device: str):
                 bool(enable_gqa),
             )
         if fused:
-            return _FusedAttention.apply(query, key, value)
+            return _FusedAttention.apply(query, key, value, attn_mask)
         return real(
             query,
             key,
@@ -319,7 +329,9 @@ def _attention_as_on(device: str):
 
 
 @contextlib.contextmanager
-def _unpacked_batches():
+def _packed_batches(packed: bool):
+    """transformers' packed-sequence check answered without reading values: None ("not packed"), or with
+    `packed` a segment index per token (as meta, the shape is what counts)."""
     try:
         from transformers import masking_utils
     except ImportError:  # an older transformers: no packed-sequence detection to answer
@@ -329,7 +341,9 @@ def _unpacked_batches():
     if real is None:
         yield
         return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    masking_utils.find_packed_sequence_indices = (
+        (lambda position_ids: torch.zeros_like(position_ids)) if packed else (lambda position_ids: None)
+    )
     try:
         yield
     finally:

@@ -165,6 +165,7 @@ class Workload:
     precision: str
     seq_len: int
     lora: LoraSpec | None = None
+    documents: bool = False  # each packed document attended on its own (`attention_mask: document`): a mask
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
@@ -182,6 +183,7 @@ class Workload:
                 checkpointing=checkpointing,
                 lora=self.lora,
                 device=device,
+                documents=self.documents,
             ).peak_bytes
         return self._peaks[key]
 

@@ -404,7 +404,15 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
             pad_id=tok.pad_id if tok else 0,
         )
     shape = model_shape(config, spec.lora)
-    return Workload(config, shape, spec.precision, seq, spec.lora), notes
+    if manifest is not None:
+        from pylon.data.shards import separate_documents
+
+        documents = separate_documents(spec.attention_mask, manifest, f"data.uri {spec.data.uri}")
+    else:
+        documents = spec.attention_mask == "document"
+        if spec.attention_mask == "auto":
+            notes.append("attention_mask auto planned as causal (a chat dataset would attend each document apart)")
+    return Workload(config, shape, spec.precision, seq, spec.lora, documents), notes
 
 
 def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) -> Layout:
@@ -796,7 +804,7 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
     if not targets:
         return None
     lora = LoraSpec(r=8, alpha=16, target_modules=targets)
-    adapted = Workload(work.config, model_shape(work.config, lora), work.precision, work.seq_len, lora)
+    adapted = Workload(work.config, model_shape(work.config, lora), work.precision, work.seq_len, lora, work.documents)
     best = search(
         adapted,
         rec.accelerator,

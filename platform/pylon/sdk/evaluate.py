@@ -52,18 +52,34 @@ class HeldOut:
     # a chat dataset's rows (ShardManifest.loss_mask): tokens outside the assistant's replies stored as -(id + 1),
     # scored as context only
     loss_mask: bool = False
+    eos_id: int = -1  # a text dataset's document end
+    # each document of a row scored on its own, as the trainer attends it under `attention_mask: document`
+    documents: bool = False
 
     def token_ids(self, seq: np.ndarray) -> np.ndarray:
         """A row's token ids (a chat dataset's context tokens decoded)."""
-        from pylon.data.shards import context_split
+        from pylon.data.shards import split_words
 
-        return context_split(seq)[0] if self.loss_mask else seq
+        return split_words(seq, loss_mask=self.loss_mask, eos_id=self.eos_id)[0]
 
     def counted(self, seq: np.ndarray) -> np.ndarray | None:
         """Which of a row's tokens the loss counts (a chat dataset's: the assistant's replies); None: all."""
-        from pylon.data.shards import context_split
+        from pylon.data.shards import split_words
 
-        return ~context_split(seq)[1] if self.loss_mask else None
+        context = split_words(seq, loss_mask=self.loss_mask, eos_id=self.eos_id)[1]
+        return None if context is None else ~context
+
+    def pieces(self, seq: np.ndarray) -> list[tuple[int, int]]:
+        """The spans [lo, hi) of a row scored apart: its documents under `documents`, else the whole row."""
+        import numpy as np
+
+        if not self.documents:
+            return [(0, len(seq))]
+        from pylon.data.shards import split_words
+
+        starts = np.flatnonzero(split_words(seq, loss_mask=self.loss_mask, eos_id=self.eos_id)[2]).tolist()
+        bounds = [0, *starts, len(seq)]
+        return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
 @dataclass
@@ -84,6 +100,7 @@ class Evaluation:
     ids: list[int]  # the split's sample ids [lo, hi); `sequences` of them were scored, from lo on
     seconds: float
     recorded: dict | None  # the export's eval.json (the trainer's own figure), when it has one
+    attention_mask: str = "causal"  # how packed rows were attended: "causal", or "document" (each on its own)
     metric: str = METRIC
 
     def as_dict(self) -> dict:
@@ -137,14 +154,17 @@ def _perplexity(loss: float) -> float:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def held_out(dataset: str, validation_fraction: float, max_sequences: int | None = None) -> HeldOut:
+def held_out(
+    dataset: str, validation_fraction: float, max_sequences: int | None = None, *, attention_mask: str = "auto"
+) -> HeldOut:
     """The held-out split the trainer evaluates on (`data.validation_fraction` of the same dataset), its first
-    `max_sequences` rows when given, read from the shards without Ray."""
+    `max_sequences` rows when given, read from the shards without Ray; attended as `attention_mask` says (the
+    TrainJob field's values: auto, causal, document)."""
     import numpy as np
 
     from pylon import storage
     from pylon.data.reader import split_ids
-    from pylon.data.shards import decode_shard, read_manifest, verify_shard_bytes
+    from pylon.data.shards import decode_shard, read_manifest, separate_documents, verify_shard_bytes
 
     if not 0 < validation_fraction < 1:
         raise PylonError(
@@ -153,7 +173,10 @@ def held_out(dataset: str, validation_fraction: float, max_sequences: int | None
         )
     if max_sequences is not None and max_sequences < 1:
         raise PylonError(f"max sequences {max_sequences}: must be at least 1")
+    if attention_mask not in ("auto", "causal", "document"):
+        raise PylonError(f"attention mask {attention_mask!r}: must be auto, causal or document")
     manifest = read_manifest(dataset)
+    documents = separate_documents(attention_mask, manifest, dataset)
     lo, hi = split_ids(manifest, validation_fraction)["validation"]
     if lo == hi:
         raise PylonError(
@@ -183,6 +206,8 @@ def held_out(dataset: str, validation_fraction: float, max_sequences: int | None
         pad_id=manifest.tokenizer.pad_id,
         tokenizer=manifest.tokenizer.model_dump(mode="json"),
         loss_mask=manifest.loss_mask,
+        eos_id=manifest.tokenizer.eos_id,
+        documents=documents,
     )
 
 
@@ -195,14 +220,15 @@ def model_loss(
     directory: str, data: HeldOut, *, batch_size: int = 8, device: str | None = None, progress: bool = False
 ) -> tuple[float, int, str]:
     """(mean loss, tokens, device) of the `transformers` model in the local `directory`, in fp32, on the held-out
-    rows batched as the trainer batches them (full rows, padding masked out of the attention and the labels)."""
+    rows batched as the trainer batches them (full rows, padding masked out of the attention and the labels; each
+    document on its own under `data.documents`)."""
     import numpy as np
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     from pylon.data.reader import Batch
-    from pylon.jobs.train import token_loss_sum
+    from pylon.jobs.train import model_inputs, token_loss_sum
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -210,6 +236,10 @@ def model_loss(
     except (OSError, ValueError) as e:
         raise PylonError(f"{directory}: cannot load a Hugging Face causal LM from it ({e})") from None
     model.to(device).eval()
+    if data.documents:
+        from pylon.models import without_padding_warning
+
+        without_padding_warning(model)  # the padding of a document batch is a segment of its own
     vocab = model.config.vocab_size
     top = max((int(data.token_ids(s).max()) for s in data.sequences if len(s)), default=0)
     if top >= vocab:
@@ -226,9 +256,9 @@ def model_loss(
             for r, seq in enumerate(chunk):
                 rows[r, : len(seq)] = seq
             lengths = np.array([len(s) for s in chunk], dtype=np.int32)
-            batch = Batch(np.arange(len(chunk)), rows, lengths, 0.0, data.loss_mask)  # (decodes a chat row's ids)
-            inputs = batch.to_torch(data.pad_id, device=device)
-            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+            batch = Batch(np.arange(len(chunk)), rows, lengths, 0.0, data.loss_mask, data.eos_id)
+            inputs = batch.to_torch(data.pad_id, device=device, documents=data.documents)
+            logits = model(**model_inputs(inputs)).logits
             part, n = token_loss_sum(logits, inputs["labels"])
             loss_sum += float(part.item())
             tokens += n
@@ -328,9 +358,18 @@ def endpoint_loss(
     name = model or served_model_name(url, session(), api_key_env)
 
     def score(seq: np.ndarray) -> tuple[float, int]:
-        if len(seq) < 2:  # nothing to predict: the trainer counts no token of it either
+        """A row's (summed loss, tokens counted): one prompt per piece (the row, or each of its documents)."""
+        ids, counted = data.token_ids(seq), data.counted(seq)
+        total, n = 0.0, 0
+        for lo, hi in data.pieces(seq):
+            part, k = score_prompt(ids[lo:hi], None if counted is None else counted[lo:hi])
+            total, n = total + part, n + k
+        return total, n
+
+    def score_prompt(ids: np.ndarray, counted: np.ndarray | None) -> tuple[float, int]:
+        if len(ids) < 2:  # nothing to predict: the trainer counts no token of it either
             return 0.0, 0
-        body = {"model": name, "prompt": data.token_ids(seq).tolist(), "echo": True, "logprobs": 0, "max_tokens": 0}
+        body = {"model": name, "prompt": ids.tolist(), "echo": True, "logprobs": 0, "max_tokens": 0}
         try:
             r = session().post(f"{url}/v1/completions", json=body, timeout=timeout_s)
         except requests.RequestException as e:
@@ -343,7 +382,7 @@ def endpoint_loss(
                 f"{url}: the answer carries no prompt logprobs (choices[0].logprobs is {logprobs!r}); the "
                 "deployment must support echo: true with logprobs: 0 and max_tokens: 0"
             )
-        return prompt_loss_sum(logprobs["token_logprobs"], len(seq), data.counted(seq))
+        return prompt_loss_sum(logprobs["token_logprobs"], len(ids), counted)
 
     parts: list[tuple[float, int]] = [(0.0, 0)] * len(data.sequences)
     bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="scoring")
@@ -392,6 +431,7 @@ def evaluate(
     concurrency: int = DEFAULT_CONCURRENCY,
     batch_size: int = 8,
     device: str | None = None,
+    attention_mask: str | None = None,
     progress: bool = False,
 ) -> Evaluation:
     """The perplexity of a model on a prepared dataset's held-out split (see this module's docstring).
@@ -401,7 +441,9 @@ def evaluate(
     run evaluated on; otherwise both are required. `max_sequences`: the split's first N rows only. Endpoint only:
     `model` (default: the one the deployment serves), `api_key` (default: the first of the comma-separated keys
     in environment variable `api_key_env`), `concurrency` (requests in flight). Model only: `batch_size`,
-    `device` (default: cuda if available, else cpu)."""
+    `device` (default: cuda if available, else cpu). `attention_mask`: how a row packed from several documents is
+    attended, as TrainJob's field says (auto, causal, document; a deployment scores each document as its own
+    prompt); default: as the export's training run attended them (its eval.json), else auto."""
     from pylon.jobs.export import read_export_eval
     from pylon.sdk.inputs import first_api_key
 
@@ -425,7 +467,9 @@ def evaluate(
             f"{' and '.join(missing)} required: {why}; give the training run's data.uri (--data URI) and "
             "data.validation_fraction (--validation-fraction F)"
         )
-    held = held_out(data, float(validation_fraction), max_sequences)
+    if attention_mask is None:
+        attention_mask = (recorded or {}).get("attention_mask", "auto")
+    held = held_out(data, float(validation_fraction), max_sequences, attention_mask=attention_mask)
     if endpoint:
         key = api_key if api_key is not None else first_api_key(api_key_env, required=False)
         loss, tokens, served = endpoint_loss(
@@ -462,6 +506,7 @@ def evaluate(
         ids=list(held.ids),
         seconds=round(time.perf_counter() - t0, 3),
         recorded=recorded if same else None,
+        attention_mask="document" if held.documents else "causal",
     )
 
 
