@@ -36,6 +36,9 @@ Variants are named `BASE[+LEVER...]`, BASE one of ddp, zero1, zero2, zero3; the 
   buckets-N       gradient buckets of N elements (e.g. 50m, 1g): ZeRO reduce_bucket_size and allgather_bucket_size
                   (prefetch at ZeRO-3; a bench override of the config), DDP bucket_cap_mb (N fp32 gradients)
   cpu-offload     ZeRO optimizer offload to the CPU (DeepSpeedCPUAdam)
+  docs-N          rows packed from documents of N tokens (an eos ends each), attended each on its own
+                  (TrainJob attention_mask: document: `Batch.to_torch(documents=True)`'s restarting position_ids,
+                  which transformers turns into a block-diagonal mask); against the same rows attended causally
 `--only` takes names and the groups `default`, `levers`, `all`. Default variants: on CPU ddp, zero1, zero2,
 zero3, zero2+cpu-offload; on CUDA ddp, ddp+fused-adamw, zero1, zero2, zero3, zero2+ckpt (about 3 minutes on
 one H100/H200). `levers`: ddp, ddp+fused-adamw, ddp+fused-adamw+compile-layers, zero2, zero2+fused-adamw,
@@ -166,6 +169,7 @@ class Variant:
     compile: str | None = None  # "model" or "layers"
     ckpt: bool = False
     buckets: int | None = None  # elements
+    docs: int | None = None  # tokens per packed document, attended each on its own
 
 
 def parse_variant(name: str) -> Variant:
@@ -186,12 +190,16 @@ def parse_variant(name: str) -> Variant:
             fields["compile"] = "model" if lever == "compile" else "layers"
         elif lever == "ckpt":
             fields["ckpt"] = True
+        elif m := re.fullmatch(r"docs-(\d+)", lever):
+            if int(m.group(1)) < 2:
+                raise ValueError(f"{name}: docs-N needs documents of at least 2 tokens")
+            fields["docs"] = int(m.group(1))
         elif m := re.fullmatch(r"buckets-(\d+(?:\.\d+)?)([kmg]?)", lever):
             fields["buckets"] = int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)])
         else:
             raise ValueError(
                 f"{name}: unknown lever {lever!r}; levers: fused-adamw, compile, compile-layers, ckpt, "
-                "buckets-N (e.g. buckets-50m), cpu-offload"
+                "buckets-N (e.g. buckets-50m), cpu-offload, docs-N (e.g. docs-256)"
             )
     if fields.get("offload") == "cpu" and fields.get("fused_adamw"):
         raise ValueError(f"{name}: cpu-offload steps DeepSpeed's CPU Adam; fused-adamw does not apply")
@@ -259,6 +267,24 @@ def _rows(rank: int, world: int, steps: int, micro: int, seq_len: int):
         data = torch.randint(0, 256, (need,), generator=torch.Generator().manual_seed(0))
     data = data.reshape(steps, world, micro, seq_len)
     return [data[s, rank] for s in range(steps)]
+
+
+def _inputs(ids, docs: int | None) -> dict:
+    """A batch's model inputs: the rows as they are (labels = ids, the model shifts them), or with `docs` cut into
+    documents of that many tokens (each ending with eos) attended each on its own, as a training job's
+    `attention_mask: document` batches are (`Batch.to_torch`, `model_inputs`)."""
+    if docs is None:
+        return {"input_ids": ids, "labels": ids}
+    import numpy as np
+
+    from pylon.data.reader import Batch
+    from pylon.jobs.train import model_inputs
+
+    rows = ids.numpy().copy()
+    rows[:, docs - 1 :: docs] = BYTE_EOS
+    length = np.full(len(rows), rows.shape[1], dtype=np.int32)
+    inputs = Batch(np.arange(len(rows)), rows, length, 0.0, eos_id=BYTE_EOS).to_torch(BYTE_PAD, documents=True)
+    return {**model_inputs(inputs), "labels": inputs["labels"]}
 
 
 def _decoder_layers(model):
@@ -354,7 +380,7 @@ def worker(args) -> None:
             phases.mark()
             # Mixed precision the torch way (fp32 weights, autocast matmuls), as DeepSpeed's bf16 keeps fp32 masters.
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss = runner(input_ids=ids, labels=ids, **forward_kwargs).loss
+                loss = runner(**{**forward_kwargs, **ids}).loss
             phases.mark()
             loss.backward()
             phases.mark()
@@ -410,7 +436,7 @@ def worker(args) -> None:
 
         def step(ids, phases):
             phases.mark()
-            loss = engine(input_ids=ids, labels=ids, **forward_kwargs).loss
+            loss = engine(**{**forward_kwargs, **ids}).loss
             phases.mark()
             engine.backward(loss)
             phases.mark()
@@ -420,10 +446,12 @@ def worker(args) -> None:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    rows = _rows(rank, world, args.warmup + args.steps, args.micro_batch, args.seq_len)
+    rows = [
+        _inputs(r, variant.docs) for r in _rows(rank, world, args.warmup + args.steps, args.micro_batch, args.seq_len)
+    ]
     times, phase_times, losses = [], [], []
     for i, ids in enumerate(rows):
-        ids = ids.to(device)
+        ids = {k: v.to(device) if hasattr(v, "to") else v for k, v in ids.items()}
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
