@@ -168,22 +168,15 @@ def separate_documents(setting: str, manifest: ShardManifest, where: str) -> boo
     conversations start. DataError naming `where` (the dataset) for "document" on a chat dataset without marks."""
     if setting == "causal":
         return False
-    marked = not manifest.loss_mask or manifest.document_starts
     if setting == "auto":
         return manifest.loss_mask and manifest.document_starts
-    if not marked:
+    if manifest.loss_mask and not manifest.document_starts:
         raise DataError(
             f"{where}: attention_mask document needs to know where each conversation starts, and this chat dataset "
             "was prepared before Pylon recorded it; prepare it again (`pylon data prepare --chat ... --overwrite`) "
             "or set attention_mask: causal"
         )
     return True
-
-
-def context_split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A chat dataset's stored tokens as (their ids, which of them are context): `split_words`'s first two."""
-    ids, context, _ = split_words(tokens, loss_mask=True, eos_id=-1)
-    return ids, context
 
 
 def manifest_uri(dataset_uri: str) -> str:

@@ -3,7 +3,8 @@
 `make test-gpu` (PYLON_TEST_DEVICE=cuda, a machine with a CUDA GPU) runs every variant below on the one GPU at once,
 each job's worker taking a sixth of it, on NCCL: ZeRO-2 bf16; ZeRO-3 bf16 with parameters and optimizer offloaded to
 CPU; fp16 with dynamic loss scaling started high enough that the first steps overflow (skipped and reported, not a
-crash); gradient checkpointing; LoRA; ZeRO-3 with parameters and optimizer on NVMe where DeepSpeed's async I/O op
+crash); gradient checkpointing, with each packed document attended on its own (`attention_mask: document`, whose
+check runs in bf16 on the GPU's attention kernels); LoRA; ZeRO-3 with parameters and optimizer on NVMe where DeepSpeed's async I/O op
 builds (libaio). On a CPU (gloo; `make test-all`) the same runs, bar fp16 (a GPU's).
 
 Each variant trains a small GPT for STEPS steps in two submissions of one job, as a user resumes one: the first
@@ -63,7 +64,12 @@ VARIANTS = [
         {"zero_stage": 2, "loss_scaling": {"initial_power": 28, "hysteresis": 1}},
         gpu_only=True,
     ),
-    Variant("zero2-bf16-ckpt", "bf16", {"zero_stage": 2}, extra={"gradient_checkpointing": True}),
+    Variant(
+        "zero2-bf16-ckpt-docs",
+        "bf16",
+        {"zero_stage": 2},
+        extra={"gradient_checkpointing": True, "attention_mask": "document"},
+    ),
     Variant(
         "zero2-bf16-lora",
         "bf16",
@@ -228,6 +234,10 @@ def test_each_variant_trains_checkpoints_resumes_and_exports(cluster, corpus, tm
                     -3000:
                 ]
                 line += f"; {len(skipped)} overflowing steps skipped, loss scale now {records[-1]['loss_scale']:g}"
+            if v.extra.get("attention_mask") == "document":
+                found = re.search(r"attention_mask document: each packed document attended on its own.*", logs)
+                assert found, "no document-attention check in the log"
+                line += f"; {found.group(0)}"
             if "lora" in v.extra:
                 found = re.search(r"model: ([\d,]+) parameters, ([\d,]+) trainable", first[v.name][1])
                 assert found, "no parameter count in the log"

@@ -15,6 +15,10 @@ predecessor in its row (a row of n tokens scores n - 1), divided by their count 
   `POST /v1/completions` with `echo: true, logprobs: 0, max_tokens: 0`; the prompt tokens' log-probabilities
   (`choices[0].logprobs.token_logprobs`, the first null) give the same sum: -sum(logprobs[1:]) over n - 1
   tokens. A bounded number of requests is in flight at once.
+
+Rows packed from several documents are attended as the training run attended them (`attention_mask`, recorded in
+the export's eval.json): under "document" each document is scored on its own (restarting positions for a model; its
+own prompt for a deployment) and its first token is not scored, which is the trainer's arithmetic.
 """
 
 from __future__ import annotations
