@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 # so changing this changes the shards. 32 MiB keeps padding negligible and a task's memory small.
 GROUP_BYTES = 32 * 2**20
 FORMATS = tuple(SHARD_SUFFIX)
+PACKINGS = ("auto", "wrapped", "bfd")
 _SHARD_NAME = re.compile(r"^part-[0-9a-f]{8}-\d{5}(\.parquet|\.tar)$")
 # storage.atomic_write's temporary names: a crashed run can leave them behind.
 _TEMP_NAME = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{32}$")
@@ -156,6 +157,8 @@ class PackedGroup:
     documents: int
     skipped: list[str] = field(default_factory=list)  # files left out: not UTF-8 text
     tokenizer_sha256: str | None = None
+    truncated: int = 0  # documents longer than a row, cut to one (packing "bfd")
+    truncated_tokens: int = 0  # the tokens cut off them
 
     @property
     def rows(self) -> int:
@@ -226,10 +229,12 @@ def pack_group(
     dtype: str,
     text_field: str = "text",
     chat: bool = False,
+    packing: str = "wrapped",
 ) -> PackedGroup:
-    """Tokenize a group's documents (each followed by eos) and cut the concatenation into rows of seq_len. `chat`:
-    each document is a conversation, rendered by the tokenizer's chat template, its tokens outside the assistant's
-    replies stored as -(id + 1) (`chat_tokens`), no eos added (the template ends each turn).
+    """Tokenize a group's documents (each followed by eos) and pack them into rows of seq_len (`packing`: "wrapped"
+    cuts their concatenation, "bfd" keeps each whole in one row, `pack_whole`). `chat`: each document is a
+    conversation, rendered by the tokenizer's chat template, its tokens outside the assistant's replies stored as
+    -(id + 1) (`chat_tokens`), no eos added (the template ends each turn).
 
     Takes the tokenizer's spec, not the object, so that it can run as a Ray task on any node.
     """
@@ -268,6 +273,9 @@ def pack_group(
             piece[-1] = tok.eos_id
             pieces.append(piece)
             documents += 1
+    if packing == "bfd":
+        tokens, num_tokens, truncated, cut = pack_whole(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
+        return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256, truncated, cut)
     tokens, num_tokens = pack(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
     return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256)
 
@@ -293,6 +301,49 @@ def pack(pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str) -> 
     if rows:
         num_tokens[-1] = flat.size - (rows - 1) * seq_len
     return tokens.reshape(rows, seq_len), num_tokens
+
+
+def pack_whole(
+    pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Each piece whole in one row (TRL's "bfd" packing): best-fit decreasing, the longest first, each into the row
+    whose free space fits it most tightly, else a new row; each row padded after its pieces. A piece longer than a
+    row is cut to `seq_len` (its beginning kept). Rows come in the order of their first piece in `pieces`, and each
+    row's pieces in that order, so the rows follow the source (the held-out split, the tail of the ids, is the
+    source's tail, as with wrapped packing). Returns (tokens, num_tokens, pieces cut, tokens cut off them)."""
+    lengths = np.array([min(len(p), seq_len) for p in pieces], dtype=np.int64)
+    truncated = sum(1 for p in pieces if len(p) > seq_len)
+    cut = sum(len(p) - seq_len for p in pieces if len(p) > seq_len)
+    free_rows: list[list[int]] = [[] for _ in range(seq_len + 1)]  # rows by their free tokens
+    free_count = np.zeros(seq_len + 1, dtype=np.int64)
+    members: list[list[int]] = []
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        n = int(lengths[i])
+        if n == 0:
+            continue
+        fits = np.flatnonzero(free_count[n:])
+        if fits.size:  # the row with the least free space that still holds it
+            free = n + int(fits[0])
+            row = free_rows[free].pop()
+            free_count[free] -= 1
+        else:
+            free, row = seq_len, len(members)
+            members.append([])
+        members[row].append(i)
+        if free - n:
+            free_rows[free - n].append(row)
+            free_count[free - n] += 1
+    order = sorted(range(len(members)), key=lambda r: min(members[r]))
+    tokens = np.full((len(members), seq_len), pad_id, dtype=dtype)
+    num_tokens = np.zeros(len(members), dtype=np.int32)
+    for out, row in enumerate(order):
+        at = 0
+        for i in sorted(members[row]):
+            n = int(lengths[i])
+            tokens[out, at : at + n] = pieces[i][:n]
+            at += n
+        num_tokens[out] = at
+    return tokens, num_tokens, truncated, cut
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -369,6 +420,7 @@ class _Job:
     chat: bool
     per_shard: int
     progress: bool
+    packing: str = "wrapped"
 
 
 @dataclass
@@ -377,6 +429,8 @@ class _Outcome:
     documents: int
     skipped: list[str]
     tokenizer_sha256: set[str | None]
+    truncated: int = 0
+    truncated_tokens: int = 0
 
 
 def prepare(
@@ -394,6 +448,7 @@ def prepare(
     use_ray: bool | None = None,
     progress: bool = True,
     chat: bool = False,
+    packing: str = "auto",
 ) -> ShardManifest:
     """Tokenize `sources` into fixed-length shards plus a manifest at `out`; returns the committed manifest.
 
@@ -401,12 +456,18 @@ def prepare(
     uses it. The shards are the same either way. `progress` shows a bar on an interactive terminal.
     `out` must be empty unless `overwrite`, which replaces a prepared dataset whole. `text_field`: a JSONL record's
     field ("text"; "messages" with `chat`). `chat`: each record a conversation, the loss on its assistant replies
-    only (supervised fine-tuning: `pack_group`, `ShardManifest.loss_mask`).
+    only (supervised fine-tuning: `pack_group`, `ShardManifest.loss_mask`). `packing`: "wrapped" (documents one
+    after another, cut into rows wherever a row ends), "bfd" (each document whole in one row, `pack_whole`; longer
+    ones cut to a row), "auto": bfd for `chat`, wrapped otherwise.
     """
     started = time.perf_counter()
     if isinstance(sources, str):
         sources = [sources]
     _check_arguments(sources, fmt, seq_len, shard_size_mb)
+    if packing not in PACKINGS:
+        raise DataError(f"packing {packing!r}: must be one of {', '.join(PACKINGS)}")
+    if packing == "auto":
+        packing = "bfd" if chat else "wrapped"
     tok = load_tokenizer(tokenizer)
     dtype = "int32" if chat else token_dtype(tok.vocab_size)  # (a chat dataset's signed ids: `chat_tokens`)
     if text_field is None:
@@ -429,6 +490,7 @@ def prepare(
         chat=chat,
         per_shard=rows_per_shard(shard_size_mb, seq_len, dtype),
         progress=progress,
+        packing=packing,
     )
     executor = _ray_executor(use_ray, [*sources, out] + ([] if tokenizer == "byte" else [tokenizer]))
     log.info(
@@ -464,7 +526,10 @@ def prepare(
                 tokens=sum(s.tokens for s in outcome.shards),
                 bytes=sum(s.bytes for s in outcome.shards),
                 skipped_files=len(outcome.skipped),
+                truncated_documents=outcome.truncated,
+                truncated_tokens=outcome.truncated_tokens,
             ),
+            packing=packing,
             sources=[_without_credentials(s) for s in sources],
             run_id=job.run_id,
             loss_mask=chat,
@@ -484,6 +549,16 @@ def prepare(
         log.warning("skipped %s: not UTF-8 text", uri)
     if len(outcome.skipped) > 20:
         log.warning("skipped %d more file(s) that are not UTF-8 text", len(outcome.skipped) - 20)
+    if outcome.truncated:
+        log.warning(
+            "%d of %d %s longer than seq_len %d were cut to it (%d tokens left out); a longer seq_len keeps them "
+            "whole, packing wrapped keeps every token (cut across rows)",
+            outcome.truncated,
+            outcome.documents,
+            "conversations" if chat else "documents",
+            seq_len,
+            outcome.truncated_tokens,
+        )
     seconds = max(time.perf_counter() - started, 1e-9)
     t = manifest.totals
     log.info(
@@ -511,6 +586,7 @@ def prepare_spec(spec: DatasetSpec, **kw) -> ShardManifest:
         include=spec.include,
         exclude=list(spec.exclude),
         chat=spec.chat,
+        packing=spec.packing,
         **kw,
     )
 
@@ -615,8 +691,11 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
                 dtype=job.dtype,
                 text_field=job.text_field,
                 chat=job.chat,
+                packing=job.packing,
             )
             outcome.documents += group.documents
+            outcome.truncated += group.truncated
+            outcome.truncated_tokens += group.truncated_tokens
             outcome.skipped += group.skipped
             outcome.tokenizer_sha256.add(group.tokenizer_sha256)
             tokens, num_tokens = np.concatenate([tokens, group.tokens]), np.concatenate([num_tokens, group.num_tokens])
@@ -736,6 +815,8 @@ def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
         documents=sum(m["documents"] for m in metas.values()),
         skipped=[uri for g in range(len(groups)) for uri in metas[g]["skipped"]],
         tokenizer_sha256={m["tokenizer_sha256"] for m in metas.values()},
+        truncated=sum(m["truncated"] for m in metas.values()),
+        truncated_tokens=sum(m["truncated_tokens"] for m in metas.values()),
     )
 
 
@@ -800,11 +881,19 @@ def _placement(job: _Job, groups: list[list[SourceFile]]) -> dict:
 
 def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
     group = pack_group(
-        files, tokenizer=job.tokenizer, seq_len=job.seq_len, dtype=job.dtype, text_field=job.text_field, chat=job.chat
+        files,
+        tokenizer=job.tokenizer,
+        seq_len=job.seq_len,
+        dtype=job.dtype,
+        text_field=job.text_field,
+        chat=job.chat,
+        packing=job.packing,
     )
     meta = {
         "rows": group.rows,
         "documents": group.documents,
+        "truncated": group.truncated,
+        "truncated_tokens": group.truncated_tokens,
         "skipped": group.skipped,
         "tokenizer_sha256": group.tokenizer_sha256,
     }

@@ -4,8 +4,9 @@ A prepared dataset is a directory (local or object storage) holding shard files 
 The manifest is written last and atomically: it is the commit. Readers read only the shards it lists,
 so a crashed or concurrent `prepare` can never mix into what a reader sees.
 
-Every row ("sample") has a dataset-wide `id` (contiguous from 0 in shard order), `num_tokens` (real tokens;
-only a pack's last row is shorter, padded with the tokenizer's pad id) and `tokens` (exactly `seq_len`).
+Every row ("sample") has a dataset-wide `id` (contiguous from 0 in shard order), `num_tokens` (real tokens; the rest
+of the row is the tokenizer's pad id: only a group's last row under wrapped packing, any row under bfd) and `tokens`
+(exactly `seq_len`).
 
 - parquet: columns `id: int64`, `num_tokens: int32`, `tokens: list<uint16|int32>`.
 - webdataset: a POSIX tar; per sample `<id:012d>.tokens.npy` (a 1-D numpy array) and `<id:012d>.json`
@@ -97,6 +98,8 @@ class Totals(_Model):
     tokens: int = Field(ge=0)
     bytes: int = Field(ge=0)
     skipped_files: int = Field(0, ge=0, description="source files left out because they are not UTF-8 text")
+    truncated_documents: int = Field(0, ge=0, description="documents longer than a row, cut to one (packing bfd)")
+    truncated_tokens: int = Field(0, ge=0, description="the tokens cut off them")
 
 
 class ShardManifest(_Model):
@@ -116,6 +119,9 @@ class ShardManifest(_Model):
     # A chat dataset whose words mark each conversation's first token (DOCUMENT_START); one prepared before Pylon
     # recorded that has none, and cannot be trained with `attention_mask: document`
     document_starts: bool = False
+    # How documents were packed into rows: "wrapped", one after another and cut wherever a row ends (a document can
+    # run on into the next row); "bfd", each whole in one row (best-fit decreasing), rows padded
+    packing: Literal["wrapped", "bfd"] = "wrapped"
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -135,6 +141,13 @@ class ShardManifest(_Model):
             f"{t.tokens:,} tokens from {t.documents:,} documents, {t.bytes / 2**20:.1f} MiB; "
             f"tokenizer {self.tokenizer.kind}:{self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
             + ("; conversations, the loss on the assistant's replies" if self.loss_mask else "")
+            + (
+                f"; each document whole in a row (rows {t.tokens / max(t.rows * self.seq_len, 1):.0%} full"
+                + (f", {t.truncated_documents:,} cut to a row" if t.truncated_documents else "")
+                + ")"
+                if self.packing == "bfd"
+                else ""
+            )
         )
 
 

@@ -133,6 +133,12 @@ class DatasetSpec(_Spec):
         "them), rendered by the tokenizer's chat template, the loss on the assistant's replies only (supervised "
         "fine-tuning); needs a Hugging Face tokenizer directory with a chat template",
     )
+    packing: Literal["auto", "wrapped", "bfd"] = Field(
+        "auto",
+        description="how documents fill the rows: wrapped, one after another, cut wherever a row ends (no padding; a "
+        "document runs on into the next row); bfd, each whole in one row, best-fit decreasing (TRL's), rows padded "
+        "and documents longer than seq_len cut to it; auto, bfd for chat, wrapped for text",
+    )
 
     def summary(self) -> str:
         return (

@@ -27,9 +27,10 @@ def test_a_chat_fine_tune_counts_the_loss_on_the_replies_only(ray_cluster, tmp_p
     from pylon.data.reader import Batch, split_ids
 
     tokenizer = _tokenizer(tmp_path / "tok")
-    source = _jsonl(tmp_path / "sft.jsonl", [{"messages": c} for c in CONVERSATIONS * 4])
+    source = _jsonl(tmp_path / "sft.jsonl", [{"messages": c} for c in CONVERSATIONS * 6])
     data = str(tmp_path / "sft")
-    prepare([source], data, seq_len=48, tokenizer=tokenizer, chat=True, use_ray=False, progress=False)
+    # packed whole, best-fit decreasing (the default for conversations): rows of two or more conversations
+    prepare([source], data, seq_len=112, tokenizer=tokenizer, chat=True, use_ray=False, progress=False)
     manifest, tokens, num_tokens, ids = read_rows(data)
     lo, hi = split_ids(manifest, 0.25)["validation"]
     assert 0 < lo < hi == len(ids)
@@ -46,7 +47,7 @@ def test_a_chat_fine_tune_counts_the_loss_on_the_replies_only(ray_cluster, tmp_p
         "kind": "TrainJob",
         "name": "chat-sft",
         "model": {"preset": "gpt-tiny"},
-        "data": {"uri": data, "seq_len": 48, "validation_fraction": 0.25},
+        "data": {"uri": data, "seq_len": 112, "validation_fraction": 0.25},
         "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
         "deepspeed": {"zero_stage": 0},
         "batch": {"micro_batch_size": rows, "grad_accum_steps": 1},  # one step: every row once

@@ -33,6 +33,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         use_ray=False if args.local else None,
         progress=not args.json,
         chat=args.chat,
+        packing=args.packing,
     )
     seconds = max(time.perf_counter() - started, 1e-9)
     t = manifest.totals
@@ -47,6 +48,8 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
                     "bytes": t.bytes,
                     "documents": t.documents,
                     "skipped_files": t.skipped_files,
+                    "packing": manifest.packing,
+                    "truncated_documents": t.truncated_documents,
                     "seconds": round(seconds, 3),
                     "rows_per_s": round(t.rows / seconds, 1),
                     "tokens_per_s": round(t.tokens / seconds, 1),
@@ -210,6 +213,14 @@ def _add_prepare_parser(dsub, fmt) -> None:
         action="store_true",
         help="supervised fine-tuning: each JSONL record's messages (role, content) rendered by the --tokenizer's "
         "chat template (a Hugging Face tokenizer directory), the loss on the assistant's replies only",
+    )
+    pr.add_argument(
+        "--packing",
+        choices=("auto", "wrapped", "bfd"),
+        default="auto",
+        help="how documents fill the rows: wrapped, one after another, cut wherever a row ends (no padding); bfd, "
+        "each whole in one row (best-fit decreasing, as TRL packs; rows padded, documents longer than --seq-len cut "
+        "to it); auto (default): bfd with --chat, else wrapped",
     )
     pr.add_argument("--overwrite", action="store_true", help="replace a prepared dataset at --out")
     pr.add_argument("--local", action="store_true", help="run in this process even if a Ray cluster is up")

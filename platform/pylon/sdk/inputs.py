@@ -87,6 +87,8 @@ def prepare_entrypoint(spec: DatasetSpec, *, overwrite: bool) -> str:
         args += ["--exclude", pattern]
     if spec.chat:
         args.append("--chat")
+    if spec.packing != "auto":
+        args += ["--packing", spec.packing]
     if overwrite:
         args.append("--overwrite")
     return " ".join(shlex.quote(a) for a in args)

@@ -77,7 +77,9 @@ def test_a_prepared_chat_dataset_counts_the_loss_on_the_replies_only(tmp_path, f
     tok = load_tokenizer(tokenizer)
     source = _jsonl(tmp_path / "sft.jsonl", [{"messages": c} for c in CONVERSATIONS * 3])
     out = str(tmp_path / "sft")
-    manifest = prepare([source], out, fmt=fmt, seq_len=32, tokenizer=tokenizer, chat=True, progress=False)
+    manifest = prepare(
+        [source], out, fmt=fmt, seq_len=32, tokenizer=tokenizer, chat=True, packing="wrapped", progress=False
+    )
     assert manifest.loss_mask and manifest.dtype == "int32" and manifest.totals.documents == 6
 
     read, tokens, num_tokens, ids = read_rows(out)
@@ -145,7 +147,9 @@ def test_a_records_tools_reach_the_template_and_calls_are_replies(tmp_path) -> N
     spans = tok._tok.decode(ids[replies].tolist())
     assert spans == "<tool_call>get_weather</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n"
     source = _jsonl(tmp_path / "calls.jsonl", [{"messages": conversation, "tools": tools}])
-    manifest = prepare([source], str(tmp_path / "out"), seq_len=64, tokenizer=tokenizer, chat=True, progress=False)
+    manifest = prepare(
+        [source], str(tmp_path / "out"), seq_len=64, tokenizer=tokenizer, chat=True, packing="wrapped", progress=False
+    )
     _, tokens, num_tokens, _ = read_rows(str(tmp_path / "out"))
     stored = np.concatenate([row[:n] for row, n in zip(tokens, num_tokens)])
     assert manifest.totals.tokens == len(ids) and (stored >= 0).tolist() == replies.tolist()
@@ -199,5 +203,5 @@ def test_a_template_that_rewrites_earlier_turns_gives_one_example_per_reply(tmp_
         assert tok._tok.decode(ids[replies].tolist()) == reply
     source = _jsonl(tmp_path / "sft.jsonl", [{"messages": CONVERSATIONS[0]}])
     manifest = prepare([source], str(tmp_path / "out"), seq_len=32, tokenizer=str(tmp_path / "forgetful"), chat=True,
-                       progress=False)  # fmt: skip
+                       packing="wrapped", progress=False)  # fmt: skip
     assert manifest.totals.documents == 1 and manifest.totals.tokens == sum(len(i) for i, _ in examples)

@@ -121,7 +121,7 @@ def test_chat_rows_mark_where_each_conversation_starts(tmp_path) -> None:
     conversations = CONVERSATIONS * 3
     source = _jsonl(tmp_path / "sft.jsonl", [{"messages": c} for c in conversations])
     out = str(tmp_path / "sft")
-    manifest = prepare([source], out, seq_len=32, tokenizer=tokenizer, chat=True, progress=False)
+    manifest = prepare([source], out, seq_len=32, tokenizer=tokenizer, chat=True, packing="wrapped", progress=False)
     assert manifest.document_starts and manifest.loss_mask
     _, tokens, num_tokens, ids = read_rows(out)
     words, context, starts = split_words(tokens, loss_mask=True, eos_id=tok.eos_id)
