@@ -263,6 +263,9 @@ def train_loop(config: dict) -> None:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     device = engine.device
+    chunked = spec.loss_chunk_tokens > 0
+    if chunked:  # every rank, as below
+        check_chunked_loss(engine, tok.vocab_size, aux=router_aux_coef(model.config) > 0, device=device)
     if documents:  # every rank: under ZeRO-3 the forward passes gather parameters collectively
         left = check_document_attention(engine, tok.vocab_size, where=spec.model.describe(), device=device)
         if rank == 0:
@@ -340,7 +343,7 @@ def train_loop(config: dict) -> None:
                 if len(batch)
                 else _padding_batch(stream, device)
             )
-            loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef)
+            loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef, chunked=chunked)
             engine.backward(loss)
             engine.step()
             loss_sum += local_sum
@@ -396,7 +399,9 @@ def train_loop(config: dict) -> None:
             # Before the checkpoint below: its metrics then hold this evaluation (an export of it reads it there).
             t0 = time.perf_counter()
             metrics.write_eval(
-                _evaluate(engine, val_stream, step, max_batches=spec.eval.max_batches, documents=documents)
+                _evaluate(
+                    engine, val_stream, step, max_batches=spec.eval.max_batches, documents=documents, chunked=chunked
+                )
             )
             outside_s += time.perf_counter() - t0
             ledger.add("evaluation_s", time.perf_counter() - t0)
@@ -578,15 +583,16 @@ def check_document_attention(model, vocab_size: int, *, where: str, device=None)
     return share
 
 
-def step_loss(engine, inputs: dict, world: int, aux_coef: float = 0.0):
+def step_loss(engine, inputs: dict, world: int, aux_coef: float = 0.0, chunked: bool = False):
     """One micro-batch's training loss (see `_global_mean_loss`), and for a mixture-of-experts model (`aux_coef`:
     `pylon.models.router_aux_coef`) its routers' load-balancing loss weighted by `aux_coef` on top, as transformers'
     MoE models add it (each rank's own, which DeepSpeed's gradient average makes the ranks' mean; nothing for an
-    all-padding row). Returns (loss to backpropagate, this rank's summed token loss, its token count, the
-    load-balancing loss as a float or None for a dense model)."""
+    all-padding row). `chunked`: the model computes its loss in chunks (`loss_chunk_tokens`). Returns (loss to
+    backpropagate, this rank's summed token loss, its token count, the load-balancing loss as a float or None for a
+    dense model)."""
     extra = {"output_router_logits": True} if aux_coef else {}
-    out = engine(**model_inputs(inputs), **extra)
-    loss, local_sum, n_tokens = _global_mean_loss(out.logits, inputs["labels"], world)
+    loss_sum, n_tokens, out = forward_loss(engine, inputs, chunked, **extra)
+    loss, local_sum = _global_mean_loss(loss_sum, n_tokens, world)
     if not aux_coef:
         return loss, local_sum, n_tokens, None
     aux = out.aux_loss
@@ -595,19 +601,64 @@ def step_loss(engine, inputs: dict, world: int, aux_coef: float = 0.0):
     return loss, local_sum, n_tokens, float(aux.item())
 
 
-def _global_mean_loss(logits, labels, world: int):
+def forward_loss(model, inputs: dict, chunked: bool = False, **extra):
+    """A forward pass of `Batch.to_torch`'s inputs and its summed next-token loss: (loss as a tensor, tokens counted,
+    the model's output). `chunked`: the model was made by `pylon.models.with_chunked_loss` and computes the loss
+    itself from the labels, a chunk at a time (no logits); else from its logits (`token_loss_sum`)."""
+    if chunked:
+        out = model(**model_inputs(inputs), labels=inputs["labels"], **extra)
+        return out.loss_sum, out.tokens, out
+    out = model(**model_inputs(inputs), **extra)
+    loss_sum, n_tokens = token_loss_sum(out.logits, inputs["labels"])
+    return loss_sum, n_tokens, out
+
+
+def _global_mean_loss(loss_sum, n_local: int, world: int):
     """Next-token cross-entropy summed over this rank's tokens, divided by the tokens of all ranks and
     multiplied by the world size: DeepSpeed then averages gradients over ranks, which makes the result
     the mean over every token of the global batch, as one process would compute it.
-    Returns (loss to backpropagate, this rank's summed loss as a float, this rank's token count)."""
+    Returns (loss to backpropagate, this rank's summed loss as a float)."""
     import torch
     import torch.distributed as dist
 
-    loss_sum, n_local = token_loss_sum(logits, labels)
-    n_global = torch.tensor([n_local], dtype=torch.float64, device=logits.device)  # NCCL: a CUDA tensor
+    n_global = torch.tensor([n_local], dtype=torch.float64, device=loss_sum.device)  # NCCL: a CUDA tensor
     if dist.is_initialized():
         dist.all_reduce(n_global)
-    return loss_sum * world / max(n_global.item(), 1.0), float(loss_sum.item()), n_local
+    return loss_sum * world / max(n_global.item(), 1.0), float(loss_sum.item())
+
+
+def check_chunked_loss(model, vocab_size: int, *, aux: bool = False, device=None) -> float:
+    """Fail unless `model`'s chunked loss (`pylon.models.with_chunked_loss`) is the loss of its own logits: on two
+    rows of a fixed input (a few labels masked), in eval mode, in the training precision. A model that does more to
+    its output layer's result than `_logits_transform` knows would train on another objective. Every rank calls it
+    (ZeRO-3 gathers parameters collectively). Returns the relative difference."""
+    import torch
+
+    device = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = ((torch.arange(48, device=device) * 7 + 3) % vocab_size).reshape(2, 24)
+    labels = ids.masked_fill(torch.arange(24, device=device) % 5 == 0, -100)
+    inputs = {"input_ids": ids, "labels": labels}
+    extra = {"output_router_logits": True} if aux else {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want, n_want, out_want = forward_loss(model, inputs, False, **extra)
+            got, n_got, out_got = forward_loss(model, inputs, True, **extra)
+    finally:
+        model.train(was_training)
+    diff = abs(float(got) - float(want)) / max(abs(float(want)), 1e-6)
+    if aux:
+        a, b = float(out_got.aux_loss), float(out_want.aux_loss)
+        diff = max(diff, abs(a - b) / max(abs(b), 1e-6))
+    half = next((p.dtype for p in model.parameters()), torch.float32) != torch.float32
+    if n_got != n_want or diff > (2e-2 if half else 1e-4):
+        raise PylonError(
+            f"loss_chunk_tokens: the chunked loss of {type(model).__name__} is {float(got):.6g} over {n_got} "
+            f"tokens, its logits' loss {float(want):.6g} over {n_want}: this model does something to its output "
+            "layer's result that the chunked loss does not; set loss_chunk_tokens: 0"
+        )
+    return diff
 
 
 def token_loss_sum(logits, labels):
@@ -640,7 +691,9 @@ def reduce_eval(
     return float(totals[0].item()), int(totals[1].item()), int(totals[2].item()), int(totals[3].item())
 
 
-def _evaluate(engine, val_stream, step: int, *, max_batches: int = 0, documents: bool = False) -> dict:
+def _evaluate(
+    engine, val_stream, step: int, *, max_batches: int = 0, documents: bool = False, chunked: bool = False
+) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. Every rank takes part with the
     same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of
@@ -666,8 +719,7 @@ def _evaluate(engine, val_stream, step: int, *, max_batches: int = 0, documents:
                     if len(batch)
                     else _padding_batch(val_stream, device)
                 )
-                logits = engine(**model_inputs(inputs)).logits
-                part, n = token_loss_sum(logits, inputs["labels"])
+                part, n, _ = forward_loss(engine, inputs, chunked)
                 loss_sum += float(part.item())
                 tokens += n
                 sequences += len(batch)

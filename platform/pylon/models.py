@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -151,6 +152,8 @@ def build_model(
             enable_gradient_checkpointing(model)
         if spec.lora is not None:
             model = with_lora(model, spec.lora)
+        if spec.loss_chunk_tokens:
+            with_chunked_loss(model, spec.loss_chunk_tokens)
     if shared:
         _broadcast_module(model)  # after LoRA: its adapters are rank 0's too
     return model
@@ -436,6 +439,104 @@ def without_padding_warning(model: torch.nn.Module) -> torch.nn.Module:
 
 def _no_padding_warning(*args, **kwargs) -> None:
     return None
+
+
+@dataclass
+class TokenLoss:
+    """What a causal LM under `with_chunked_loss` returns when given `labels`: the next-token cross-entropy summed
+    over the tokens the labels count (fp32, a tensor with gradient), their count, and a mixture-of-experts model's
+    load-balancing loss (with `output_router_logits`); no logits."""
+
+    loss_sum: torch.Tensor
+    tokens: int
+    aux_loss: torch.Tensor | None = None
+
+
+def with_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
+    """`model` (a transformers causal LM, or a peft model around one) computing its loss `chunk_tokens` tokens at a
+    time when called with `labels` (`TrainJobSpec.loss_chunk_tokens`): the decoder's last hidden states of the tokens
+    the labels count only, through the output layer and the cross-entropy one chunk at a time, each chunk recomputed
+    in the backward pass (non-reentrant checkpointing) rather than kept. The logits of a whole micro-batch
+    (micro_batch x seq_len x vocab, and their fp32 copy) never exist; a chunk's do. Liger's fused linear
+    cross-entropy does the same in Triton kernels; this is PyTorch's own ops on any device. Called without
+    `labels`, the model is what it was (logits). `check_chunked_loss` compares both ways before a job trains.
+    Returns `model`."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    original = lm.forward
+
+    def forward(*args, labels=None, **kwargs):
+        if labels is None:
+            return original(*args, **kwargs)
+        return _chunked_loss_forward(lm, labels, chunk_tokens, args, kwargs)
+
+    lm.forward = forward
+    return model
+
+
+def _chunked_loss_forward(lm, labels: torch.Tensor, chunk_tokens: int, args, kwargs) -> TokenLoss:
+    import sys
+
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    router = bool(kwargs.pop("output_router_logits", False))
+    for key in ("use_cache", "logits_to_keep", "return_dict"):
+        kwargs.pop(key, None)
+    decoder = getattr(lm, lm.base_model_prefix)
+    out = decoder(*args, use_cache=False, **({"output_router_logits": True} if router else {}), **kwargs)
+    hidden = out.last_hidden_state
+    head = lm.get_output_embeddings()
+    transform = _logits_transform(lm)
+
+    def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(transform(head(h)).float(), y, reduction="sum")
+
+    width = hidden.shape[-1]
+    h = hidden[:, :-1].reshape(-1, width)  # position t predicts label t+1, as `token_loss_sum` shifts
+    y = labels[:, 1:].reshape(-1)
+    if not y.is_meta:  # (the planner's meta tensors have no values: every token counts there)
+        keep = (y != -100).nonzero().squeeze(1)
+        h, y = h.index_select(0, keep), y.index_select(0, keep)
+    n = int(y.shape[0])
+    if n == 0:  # nothing to count: a zero through the output layer, so that its parameters still get gradients
+        loss_sum = head(hidden[:, :1].reshape(-1, width)).float().sum() * 0.0
+    else:
+        parts = []
+        for start in range(0, n, chunk_tokens):
+            hc, yc = h[start : start + chunk_tokens], y[start : start + chunk_tokens]
+            grad = torch.is_grad_enabled() and (hc.requires_grad or any(p.requires_grad for p in head.parameters()))
+            parts.append(checkpoint(chunk_loss, hc, yc, use_reentrant=False) if grad else chunk_loss(hc, yc))
+        loss_sum = torch.stack(parts).sum()
+    aux = None
+    if router:
+        balance = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
+        if balance is None:
+            raise PylonError(
+                f"loss_chunk_tokens: {type(lm).__name__} has no load_balancing_loss_func beside it; set "
+                "loss_chunk_tokens: 0 for this mixture-of-experts model"
+            )
+        aux = balance(out.router_logits, lm.num_experts, lm.num_experts_per_tok, kwargs.get("attention_mask"))
+    return TokenLoss(loss_sum, n, aux)
+
+
+def _logits_transform(lm):
+    """What a causal LM does to its output layer's result before the loss, read from its config: Gemma 2/3's final
+    soft-capping, Cohere's `logit_scale` (times), Granite's `logits_scaling` (divided by); identity otherwise."""
+    config = lm.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    times = getattr(lm, "logit_scale", None) if isinstance(getattr(lm, "logit_scale", None), float | int) else None
+    divide = getattr(config, "logits_scaling", None)
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if times is not None:
+            logits = logits * times
+        if divide is not None:
+            logits = logits / divide
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return transform
 
 
 def with_lora(model: "PreTrainedModel", lora: LoraSpec) -> torch.nn.Module:

@@ -409,6 +409,13 @@ class TrainJobSpec(_Spec):
         "first token not predicted from the one before (TorchTitan's block_causal, TRL's padding_free, Llama 3's "
         "pretraining); auto, document for a chat dataset, causal for text",
     )
+    loss_chunk_tokens: NonNegInt = Field(
+        0,
+        description="compute the output layer and the loss this many tokens at a time, each chunk recomputed in the "
+        "backward pass, so that a micro-batch's logits (micro_batch x seq_len x vocab, in fp32 for the loss) never "
+        "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
+        "0: the whole micro-batch at once",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec)
     batch: BatchSpec = Field(default_factory=BatchSpec)
     steps: PositiveInt

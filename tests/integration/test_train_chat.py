@@ -3,7 +3,8 @@
 the loss the run records counts exactly the assistant's replies' tokens of the rows it read, none of the prompts';
 each conversation packed into a row is attended on its own (`attention_mask: auto` on a chat dataset:
 tests/unit/jobs/test_document_attention.py), and `pylon.evaluate` on the export gives the trainer's held-out figure
-attending them the same way."""
+attending them the same way. The run computes its loss a chunk of tokens at a time (`loss_chunk_tokens`:
+tests/unit/jobs/test_chunked_loss.py), `pylon.evaluate` from whole logits: the same figure."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def test_a_chat_fine_tune_counts_the_loss_on_the_replies_only(ray_cluster, tmp_p
         "data": {"uri": data, "seq_len": 112, "validation_fraction": 0.25},
         "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
         "deepspeed": {"zero_stage": 0},
+        "loss_chunk_tokens": 16,
         "batch": {"micro_batch_size": rows, "grad_accum_steps": 1},  # one step: every row once
         "optim": {"warmup_steps": 0},
         "steps": 1,

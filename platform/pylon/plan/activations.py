@@ -49,7 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from pylon.models import enable_gradient_checkpointing, with_lora, without_padding_warning
+from pylon.models import enable_gradient_checkpointing, with_chunked_loss, with_lora, without_padding_warning
 from pylon.specs import LoraSpec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,13 +73,15 @@ def step_activations(
     lora: LoraSpec | None,
     device: str,
     documents: bool = False,
+    loss_chunk_tokens: int = 0,
 ) -> ActivationProfile:
     """Activation memory of one micro-batch of Pylon's training step on `device` ('cuda' or 'cpu'); `documents`:
-    each packed document attended on its own (`TrainJobSpec.attention_mask: document`)."""
+    each packed document attended on its own (`TrainJobSpec.attention_mask: document`); `loss_chunk_tokens`: the
+    loss computed that many tokens at a time (`pylon.models.with_chunked_loss`)."""
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     _CONFIGS.setdefault(key, config)
     lora_key = lora.model_dump_json() if lora is not None else ""
-    saved, peak = _coefficients(key, seq_len, precision, checkpointing, lora_key, device, documents)
+    saved, peak = _coefficients(key, seq_len, precision, checkpointing, lora_key, device, documents, loss_chunk_tokens)
     layers = config.num_hidden_layers
     return ActivationProfile(
         saved_bytes=int(_extrapolate(saved, micro_batch, layers)),
@@ -96,7 +98,14 @@ def _extrapolate(c: tuple[float, float, float, float], batch: int, layers: int) 
 
 @functools.lru_cache(maxsize=64)
 def _coefficients(
-    config_key: str, seq_len: int, precision: str, checkpointing: bool, lora_json: str, device: str, documents: bool
+    config_key: str,
+    seq_len: int,
+    precision: str,
+    checkpointing: bool,
+    lora_json: str,
+    device: str,
+    documents: bool,
+    loss_chunk_tokens: int,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     config = _CONFIGS[config_key]
     lora = LoraSpec.model_validate_json(lora_json) if lora_json else None
@@ -111,6 +120,7 @@ def _coefficients(
             lora=lora,
             device=device,
             documents=documents,
+            loss_chunk_tokens=loss_chunk_tokens,
         )
         for b in (1, 2)
         for n in (1, 2)
@@ -146,6 +156,7 @@ def _simulate(
     lora: LoraSpec | None,
     device: str,
     documents: bool = False,
+    loss_chunk_tokens: int = 0,
 ) -> tuple[int, int]:
     """(bytes live when the forward pass ends, peak live bytes) of one step of a `layers`-deep copy."""
     from transformers import AutoModelForCausalLM
@@ -159,6 +170,8 @@ def _simulate(
         if lora is not None:
             # DeepSpeed casts the whole module, adapters included, to the training precision.
             model = with_lora(model, lora).to(dtype)
+        if loss_chunk_tokens:
+            with_chunked_loss(model, loss_chunk_tokens)
     model.train()
     without_padding_warning(model)  # which reads the input ids' values
     for p in model.parameters():
@@ -174,9 +187,14 @@ def _simulate(
     extra = {"position_ids": torch.zeros((batch, seq_len), dtype=torch.long, device="meta")} if documents else {}
     tracker.preexisting(list(extra.values()))
     with _LOCK, _attention_as_on(device), _packed_batches(documents), tracker:
-        logits = model(input_ids=ids, use_cache=False, **extra).logits
-        saved = tracker.live
-        loss = _summed_cross_entropy(logits, ids)
+        if loss_chunk_tokens:  # the model computes its loss a chunk at a time: no logits
+            logits = None
+            loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss_sum
+            saved = tracker.live
+        else:
+            logits = model(input_ids=ids, use_cache=False, **extra).logits
+            saved = tracker.live
+            loss = _summed_cross_entropy(logits, ids)
         loss.backward()
         del loss, logits
     return saved, tracker.peak

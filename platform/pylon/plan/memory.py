@@ -166,6 +166,7 @@ class Workload:
     seq_len: int
     lora: LoraSpec | None = None
     documents: bool = False  # each packed document attended on its own (`attention_mask: document`): a mask
+    loss_chunk_tokens: int = 0  # the loss a chunk of tokens at a time (`loss_chunk_tokens`): no whole-batch logits
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
@@ -184,6 +185,7 @@ class Workload:
                 lora=self.lora,
                 device=device,
                 documents=self.documents,
+                loss_chunk_tokens=self.loss_chunk_tokens,
             ).peak_bytes
         return self._peaks[key]
 

@@ -412,7 +412,7 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         documents = spec.attention_mask == "document"
         if spec.attention_mask == "auto":
             notes.append("attention_mask auto planned as causal (a chat dataset would attend each document apart)")
-    return Workload(config, shape, spec.precision, seq, spec.lora, documents), notes
+    return Workload(config, shape, spec.precision, seq, spec.lora, documents, spec.loss_chunk_tokens), notes
 
 
 def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) -> Layout:
@@ -804,7 +804,15 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
     if not targets:
         return None
     lora = LoraSpec(r=8, alpha=16, target_modules=targets)
-    adapted = Workload(work.config, model_shape(work.config, lora), work.precision, work.seq_len, lora, work.documents)
+    adapted = Workload(
+        work.config,
+        model_shape(work.config, lora),
+        work.precision,
+        work.seq_len,
+        lora,
+        work.documents,
+        work.loss_chunk_tokens,
+    )
     best = search(
         adapted,
         rec.accelerator,
