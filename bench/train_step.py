@@ -36,6 +36,8 @@ Variants are named `BASE[+LEVER...]`, BASE one of ddp, zero1, zero2, zero3; the 
   buckets-N       gradient buckets of N elements (e.g. 50m, 1g): ZeRO reduce_bucket_size and allgather_bucket_size
                   (prefetch at ZeRO-3; a bench override of the config), DDP bucket_cap_mb (N fp32 gradients)
   cpu-offload     ZeRO optimizer offload to the CPU (DeepSpeedCPUAdam)
+  chunk-N         the loss N tokens at a time (TrainJob loss_chunk_tokens: the output layer and cross-entropy per
+                  chunk, recomputed in the backward pass; no whole-batch logits)
   docs-N          rows packed from documents of N tokens (an eos ends each), attended each on its own
                   (TrainJob attention_mask: document: `Batch.to_torch(documents=True)`'s restarting position_ids,
                   which transformers turns into a block-diagonal mask); against the same rows attended causally
@@ -52,7 +54,8 @@ capability, driver, CUDA, torch / DeepSpeed / transformers versions, the model's
 the catalog's dense peak for this GPU -- `pylon.plan` accelerators.yaml, matched by the device's name -- and the
 matmul peak measured in the same run), and a table per variant: step time and its forward / backward /
 optimizer parts (CUDA events; the clock on CPU), tokens/s, ratio to DDP's step time, MFU against the catalog
-peak, MFU against the measured peak, HFU, peak GPU memory (torch.cuda.max_memory_allocated), first and last
+peak, MFU against the measured peak, HFU, peak memory (torch.cuda.max_memory_allocated on a GPU; on CPU rank 0's
+peak resident set, the process's whole: weights, optimizer, activations, Python), first and last
 loss; the optimizer each variant stepped and the bench's config overrides; what each lever changed (a variant
 against the same one without its last lever); and, on a GPU, the gap to TorchTitan's published 33-39% MFU
 (Llama 3.1 8B on 8 H100s, FSDP, bf16, no float8: 33% eager, 39% with torch.compile) in this run's numbers: the
@@ -170,6 +173,7 @@ class Variant:
     ckpt: bool = False
     buckets: int | None = None  # elements
     docs: int | None = None  # tokens per packed document, attended each on its own
+    chunk: int | None = None  # loss_chunk_tokens
 
 
 def parse_variant(name: str) -> Variant:
@@ -190,6 +194,10 @@ def parse_variant(name: str) -> Variant:
             fields["compile"] = "model" if lever == "compile" else "layers"
         elif lever == "ckpt":
             fields["ckpt"] = True
+        elif m := re.fullmatch(r"chunk-(\d+)", lever):
+            if int(m.group(1)) < 1:
+                raise ValueError(f"{name}: chunk-N needs at least 1 token a chunk")
+            fields["chunk"] = int(m.group(1))
         elif m := re.fullmatch(r"docs-(\d+)", lever):
             if int(m.group(1)) < 2:
                 raise ValueError(f"{name}: docs-N needs documents of at least 2 tokens")
@@ -199,7 +207,7 @@ def parse_variant(name: str) -> Variant:
         else:
             raise ValueError(
                 f"{name}: unknown lever {lever!r}; levers: fused-adamw, compile, compile-layers, ckpt, "
-                "buckets-N (e.g. buckets-50m), cpu-offload, docs-N (e.g. docs-256)"
+                "buckets-N (e.g. buckets-50m), cpu-offload, chunk-N (e.g. chunk-2048), docs-N (e.g. docs-256)"
             )
     if fields.get("offload") == "cpu" and fields.get("fused_adamw"):
         raise ValueError(f"{name}: cpu-offload steps DeepSpeed's CPU Adam; fused-adamw does not apply")
@@ -248,6 +256,7 @@ def _spec(args, variant: Variant) -> dict:
         "deepspeed": {"zero_stage": variant.stage or 0, "offload_optimizer": variant.offload},
         "precision": args.precision,
         "gradient_checkpointing": variant.ckpt,
+        "loss_chunk_tokens": variant.chunk or 0,
         "steps": args.warmup + args.steps,
         "batch": {"micro_batch_size": args.micro_batch},
         "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
@@ -285,6 +294,13 @@ def _inputs(ids, docs: int | None) -> dict:
     length = np.full(len(rows), rows.shape[1], dtype=np.int32)
     inputs = Batch(np.arange(len(rows)), rows, length, 0.0, eos_id=BYTE_EOS).to_torch(BYTE_PAD, documents=True)
     return {**model_inputs(inputs), "labels": inputs["labels"]}
+
+
+def _loss(out):
+    """The mean token loss of a forward pass with labels: transformers' `loss`, or a chunked model's summed loss
+    over its token count (`pylon.models.TokenLoss`)."""
+    loss = getattr(out, "loss", None)
+    return loss if loss is not None else out.loss_sum / max(out.tokens, 1)
 
 
 def _decoder_layers(model):
@@ -380,7 +396,7 @@ def worker(args) -> None:
             phases.mark()
             # Mixed precision the torch way (fp32 weights, autocast matmuls), as DeepSpeed's bf16 keeps fp32 masters.
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss = runner(**{**forward_kwargs, **ids}).loss
+                loss = _loss(runner(**{**forward_kwargs, **ids}))
             phases.mark()
             loss.backward()
             phases.mark()
@@ -436,7 +452,7 @@ def worker(args) -> None:
 
         def step(ids, phases):
             phases.mark()
-            loss = engine(**{**forward_kwargs, **ids}).loss
+            loss = _loss(engine(**{**forward_kwargs, **ids}))
             phases.mark()
             engine.backward(loss)
             phases.mark()
@@ -476,6 +492,10 @@ def worker(args) -> None:
             }
         except Exception as e:  # counters are internal: report, never fail over them
             info["dynamo"] = {"error": repr(e)}
+    if not cuda:  # each variant runs in fresh processes: rank 0's peak resident set is this variant's
+        import resource
+
+        info["max_memory_allocated"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     if cuda:
         info.update(
             max_memory_allocated=torch.cuda.max_memory_allocated(device),

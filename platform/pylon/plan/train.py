@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import tempfile
@@ -471,6 +472,8 @@ class TrainPlan:
     cpu_worker_bytes: int | None = None  # a CPU worker's RAM as requested (use_gpu false)
     cpu_job_bytes: int | None = None  # the whole job's RAM on CPU workers: its workers, driver and controller
     lora_alternative: tuple[LoraSpec, Option] | None = None
+    # bytes per GPU the recommendation's activations would shrink by with the loss a chunk at a time (when off)
+    chunked_loss_saving: int | None = None
     notes: list[str] = field(default_factory=list)
     kind: str = "TrainJob"
 
@@ -538,6 +541,11 @@ class TrainPlan:
             "lora_alternative": (
                 {"lora": _lora_dict(self.lora_alternative[0]), **self.lora_alternative[1].to_dict()}
                 if self.lora_alternative
+                else None
+            ),
+            "chunked_loss": (
+                {"loss_chunk_tokens": CHUNK_HINT_TOKENS, "activation_bytes_saved_per_gpu": self.chunked_loss_saving}
+                if self.chunked_loss_saving
                 else None
             ),
             "assumptions": _assumptions(self.mfu, self.prices_source, self.deadline_days, self.budget_usd),
@@ -645,6 +653,8 @@ def plan_train(
         plan.cpu_job_bytes = cpu_job_bytes(work, _requested_layout(spec, None, spec.scaling.num_workers))
     if recommendation is not None and spec.lora is None and recommendation.layout.offloads:
         plan.lora_alternative = _lora_alternative(spec, recommendation, work, mfu=mfu)
+    if recommendation is not None and not work.loss_chunk_tokens:
+        plan.chunked_loss_saving = _chunked_loss_saving(work, recommendation)
     if recommendation is not None and recommendation.hfu > MAX_HFU:
         notes.append(
             f"MFU {mfu:.2f} with recomputation means the GPUs execute {recommendation.hfu:.0%} of their peak "
@@ -655,6 +665,22 @@ def plan_train(
 
 
 MAX_HFU = 0.8  # hardware FLOPs utilisation beyond which an assumed MFU is implausible
+CHUNK_HINT_TOKENS = 4096  # the loss_chunk_tokens a plan suggests where the logits weigh
+CHUNK_HINT_SHARE = 0.1  # suggested when it frees at least this share of the recommendation's memory per GPU
+
+
+def _chunked_loss_saving(work: Workload, rec: Option) -> int | None:
+    """Activation bytes per GPU the recommended layout would save with `loss_chunk_tokens` (the planner's simulated
+    step, chunked); None when under CHUNK_HINT_SHARE of its memory (the logits do not weigh)."""
+    lay = rec.layout
+    chunked = dataclasses.replace(work, loss_chunk_tokens=CHUNK_HINT_TOKENS, _peaks={})
+    device = "cuda"
+    saving = work.activation_peak(lay.micro_batch_size, lay.gradient_checkpointing, device) - chunked.activation_peak(
+        lay.micro_batch_size, lay.gradient_checkpointing, device
+    )
+    return saving if saving >= CHUNK_HINT_SHARE * rec.memory.device_total else None
+
+
 LONG_SEQUENCE = 32_768  # tokens from which context parallelism is the usual way to split a sequence
 
 
@@ -904,6 +930,12 @@ def _explain(plan: TrainPlan) -> list[str]:
         + (f" (collectives {rec.step.collectives_s:.2f} s, {hidden})" if lay.num_gpus > 1 else "")
     )
     out += [f"parallelism: {a}" for a in row.advice]
+    if plan.chunked_loss_saving:
+        out.append(
+            f"the loss a chunk at a time (loss_chunk_tokens: {CHUNK_HINT_TOKENS}) would free "
+            f"{_gib(plan.chunked_loss_saving)} per GPU: the logits of a micro-batch, which the output layer and the "
+            "cross-entropy otherwise hold whole"
+        )
     if plan.lora_alternative:
         lora, alt = plan.lora_alternative
         out.append(

@@ -131,3 +131,35 @@ def test_the_planner_counts_a_chunk_of_logits_not_the_batchs() -> None:
     chunked = step_activations(config, loss_chunk_tokens=256, **kw)
     logits = 4 * 512 * 32000 * (2 + 4)  # bf16 logits and their fp32 copy for the loss
     assert whole.peak_bytes - chunked.peak_bytes > 0.8 * logits, (whole, chunked)
+
+
+def test_a_plan_says_what_the_chunked_loss_would_free_where_the_logits_weigh() -> None:
+    from pylon.plan.train import CHUNK_HINT_TOKENS, plan_train
+    from pylon.specs import TrainJobSpec
+
+    def plan(vocab: int, **fields):
+        model = {"model_type": "llama", "vocab_size": vocab, "hidden_size": 1024, "intermediate_size": 2816,
+                 "num_hidden_layers": 4, "num_attention_heads": 8}  # fmt: skip
+        spec = TrainJobSpec.model_validate(
+            {
+                "kind": "TrainJob",
+                "name": "job",
+                "model": {"config": model},
+                "data": {"uri": "/nonexistent/pylon-plan-data", "seq_len": 4096},
+                "scaling": {"num_workers": 1, "use_gpu": True},
+                "precision": "bf16",
+                "steps": 100,
+                "batch": {"micro_batch_size": 4, "grad_accum_steps": 1},
+                **fields,
+            }  # fmt: skip
+        )
+        return plan_train(spec, gpu="H100-80GB", gpus=1)
+
+    big = plan(128256)  # Llama 3's vocabulary: 4 x 4096 x 128256 logits, 4 GiB in bf16, 8 GiB more in fp32
+    hint = big.to_dict()["chunked_loss"]
+    assert hint["loss_chunk_tokens"] == CHUNK_HINT_TOKENS and hint["activation_bytes_saved_per_gpu"] > 8 * 2**30
+    assert any("loss_chunk_tokens: 4096" in line for line in big.explanation), big.explanation
+    on = plan(128256, loss_chunk_tokens=4096)  # already chunked: nothing to suggest, and the plan counts less
+    assert on.to_dict()["chunked_loss"] is None
+    assert on.requested_memory.activations < big.requested_memory.activations - 8 * 2**30
+    assert plan(512).to_dict()["chunked_loss"] is None  # a small vocabulary: the logits do not weigh
