@@ -133,7 +133,8 @@ COMBOS = [
     ),
     Combo(3, "fp32", "none", "cpu"),
     Combo(3, "fp32", "cpu", "cpu"),
-    Combo(3, "bf16", "cpu", "cpu", extra=(("gradient_checkpointing", True),)),
+    # ... with the loss a chunk of tokens at a time too: each chunk's output layer gathered again, and recomputed
+    Combo(3, "bf16", "cpu", "cpu", extra=(("gradient_checkpointing", True), ("loss_chunk_tokens", 24))),
     Combo(3, "fp32", "cpu", "cpu", extra=(("lora", {"r": 4, "target_modules": ["c_attn", "c_fc"]}),)),
 ]
 
