@@ -2,9 +2,10 @@
 
 `make test-gpu` (PYLON_TEST_DEVICE=cuda, a machine with a CUDA GPU) runs every variant below on the one GPU at once,
 each job's worker taking a sixth of it, on NCCL: ZeRO-2 bf16; ZeRO-3 bf16 with parameters and optimizer offloaded to
-CPU; fp16 with dynamic loss scaling started high enough that the first steps overflow (skipped and reported, not a
-crash); gradient checkpointing, with each packed document attended on its own (`attention_mask: document`, whose
-check runs in bf16 on the GPU's attention kernels); LoRA; ZeRO-3 with parameters and optimizer on NVMe where DeepSpeed's async I/O op
+CPU and the loss computed a chunk of tokens at a time (`loss_chunk_tokens`); fp16 with dynamic loss scaling started
+high enough that the first steps overflow (skipped and reported, not a crash); gradient checkpointing, with each
+packed document attended on its own (`attention_mask: document`, whose check runs in bf16 on the GPU's attention
+kernels); LoRA; ZeRO-3 with parameters and optimizer on NVMe where DeepSpeed's async I/O op
 builds (libaio). On a CPU (gloo; `make test-all`) the same runs, bar fp16 (a GPU's).
 
 Each variant trains a small GPT for STEPS steps in two submissions of one job, as a user resumes one: the first
@@ -55,7 +56,12 @@ class Variant:
 
 VARIANTS = [
     Variant("zero2-bf16", "bf16", {"zero_stage": 2}),
-    Variant("zero3-bf16-offload", "bf16", {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
+    Variant(
+        "zero3-bf16-offload-chunked",
+        "bf16",
+        {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+        extra={"loss_chunk_tokens": 48},  # the loss a chunk at a time, its check in bf16 on the GPU
+    ),
     # The loss scale starts at 2**28 and halves at every overflow (hysteresis 1): fp16 gradients of a random model
     # (largest elements ~1e-2) times it overflow (max 65,504), so the first steps are skipped until it is ~2**22.
     Variant(
