@@ -165,10 +165,13 @@ class PackedGroup:
         return len(self.num_tokens)
 
 
-def read_documents(file: SourceFile, text_field: str = "text", chat: bool = False) -> list | None:
+def read_documents(
+    file: SourceFile, text_field: str = "text", chat: bool = False, prompt_completion: bool = False
+) -> list | None:
     """The documents in `file`; None when a text file is not UTF-8 (the caller skips and counts it). `chat`: each
     JSONL record's `text_field` is a conversation (a list of messages, each with a role), returned as
-    (line number, messages, the record's `tools` or None)."""
+    (line number, messages, the record's `tools` or None). `prompt_completion`: each JSONL record's `prompt` and
+    `completion` strings, returned as (line number, prompt, completion)."""
     try:
         data = storage.read_bytes(file.uri)
     except StorageError as e:
@@ -176,6 +179,11 @@ def read_documents(file: SourceFile, text_field: str = "text", chat: bool = Fals
     if not file.jsonl:
         if chat:
             raise DataError(f"{file.uri}: a chat dataset is JSON Lines, one conversation per line ({text_field!r})")
+        if prompt_completion:
+            raise DataError(
+                f"{file.uri}: a prompt-completion dataset is JSON Lines, one record per line with 'prompt' and "
+                "'completion' strings"
+            )
         try:
             return [data.decode("utf-8")]
         except UnicodeDecodeError:
@@ -189,6 +197,9 @@ def read_documents(file: SourceFile, text_field: str = "text", chat: bool = Fals
             obj = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{file.uri}: line {lineno}: not a JSON object ({e})") from None
+        if prompt_completion:
+            docs.append((lineno, *_prompt_completion(obj, f"{file.uri}: line {lineno}")))
+            continue
         if not isinstance(obj, dict) or text_field not in obj:
             has = f"has {sorted(obj)[:8]}" if isinstance(obj, dict) else f"is a {type(obj).__name__}"
             raise DataError(
@@ -206,6 +217,20 @@ def read_documents(file: SourceFile, text_field: str = "text", chat: bool = Fals
             )
         docs.append(obj[text_field])
     return docs
+
+
+def _prompt_completion(obj, where: str) -> tuple[str, str]:
+    """A record's (prompt, completion): both strings, the completion not empty (it is what the model learns)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: a record is an object with 'prompt' and 'completion' strings")
+    for key in ("prompt", "completion"):
+        if key not in obj:
+            raise DataError(f"{where}: no {key!r} field (has {sorted(obj)[:8]})")
+        if not isinstance(obj[key], str):
+            raise DataError(f"{where}: {key} is a {type(obj[key]).__name__}, not a string")
+    if not obj["completion"]:
+        raise DataError(f"{where}: completion is empty: nothing in it to learn")
+    return obj["prompt"], obj["completion"]
 
 
 def _messages(value, where: str) -> list[dict]:
@@ -230,11 +255,14 @@ def pack_group(
     text_field: str = "text",
     chat: bool = False,
     packing: str = "wrapped",
+    prompt_completion: bool = False,
 ) -> PackedGroup:
     """Tokenize a group's documents (each followed by eos) and pack them into rows of seq_len (`packing`: "wrapped"
     cuts their concatenation, "bfd" keeps each whole in one row, `pack_whole`). `chat`: each document is a
     conversation, rendered by the tokenizer's chat template, its tokens outside the assistant's replies stored as
-    -(id + 1) (`chat_tokens`), no eos added (the template ends each turn).
+    -(id + 1) (`chat_tokens`), no eos added (the template ends each turn). `prompt_completion`: each document is a
+    prompt (tokenized with the special tokens the tokenizer adds, as a completions request's prompt is) and its
+    completion (then eos), stored as a conversation is, the completion and its eos the reply.
 
     Takes the tokenizer's spec, not the object, so that it can run as a Ray task on any node.
     """
@@ -247,12 +275,19 @@ def pack_group(
             f"tokenizer {tok.info.name}: a chat dataset needs a Hugging Face tokenizer directory with a chat template"
         )
     for file in files:
-        docs = read_documents(file, text_field, chat)
+        docs = read_documents(file, text_field, chat, prompt_completion)
         if docs is None:
             # Skipped and counted rather than fatal: real corpora (the Python standard library included)
             # hold a few files in legacy encodings; one of them should not sink a run over millions, and
             # the manifest's `skipped_files` plus a warning naming each file keep the choice visible.
             skipped.append(file.uri)
+            continue
+        if prompt_completion:
+            for _, prompt, completion in docs:
+                context = tok.encode(prompt, special=True)
+                ids = np.concatenate([context, tok.encode(completion), [tok.eos_id]]).astype(np.int64)
+                pieces.append(chat_tokens(ids, np.arange(ids.size) >= context.size))
+                documents += 1
             continue
         if chat:
             for lineno, messages, tools in docs:
@@ -421,6 +456,7 @@ class _Job:
     per_shard: int
     progress: bool
     packing: str = "wrapped"
+    prompt_completion: bool = False
 
 
 @dataclass
@@ -449,6 +485,7 @@ def prepare(
     progress: bool = True,
     chat: bool = False,
     packing: str = "auto",
+    prompt_completion: bool = False,
 ) -> ShardManifest:
     """Tokenize `sources` into fixed-length shards plus a manifest at `out`; returns the committed manifest.
 
@@ -458,7 +495,8 @@ def prepare(
     field ("text"; "messages" with `chat`). `chat`: each record a conversation, the loss on its assistant replies
     only (supervised fine-tuning: `pack_group`, `ShardManifest.loss_mask`). `packing`: "wrapped" (documents one
     after another, cut into rows wherever a row ends), "bfd" (each document whole in one row, `pack_whole`; longer
-    ones cut to a row), "auto": bfd for `chat`, wrapped otherwise.
+    ones cut to a row), "auto": bfd for `chat` and `prompt_completion`, wrapped otherwise. `prompt_completion`: each
+    JSONL record's `prompt` and `completion`, the loss on the completion (and its eos) only.
     """
     started = time.perf_counter()
     if isinstance(sources, str):
@@ -466,10 +504,15 @@ def prepare(
     _check_arguments(sources, fmt, seq_len, shard_size_mb)
     if packing not in PACKINGS:
         raise DataError(f"packing {packing!r}: must be one of {', '.join(PACKINGS)}")
+    if chat and prompt_completion:
+        raise DataError(
+            "chat and prompt_completion: choose one (a record is a conversation or a prompt-completion pair)"
+        )
+    masked = chat or prompt_completion  # the loss on part of each document: `chat_tokens`' signed words
     if packing == "auto":
-        packing = "bfd" if chat else "wrapped"
+        packing = "bfd" if masked else "wrapped"
     tok = load_tokenizer(tokenizer)
-    dtype = "int32" if chat else token_dtype(tok.vocab_size)  # (a chat dataset's signed ids: `chat_tokens`)
+    dtype = "int32" if masked else token_dtype(tok.vocab_size)
     if text_field is None:
         text_field = "messages" if chat else "text"
     replaced = _check_out(out, sources, overwrite)
@@ -491,6 +534,7 @@ def prepare(
         per_shard=rows_per_shard(shard_size_mb, seq_len, dtype),
         progress=progress,
         packing=packing,
+        prompt_completion=prompt_completion,
     )
     executor = _ray_executor(use_ray, [*sources, out] + ([] if tokenizer == "byte" else [tokenizer]))
     log.info(
@@ -532,8 +576,9 @@ def prepare(
             packing=packing,
             sources=[_without_credentials(s) for s in sources],
             run_id=job.run_id,
-            loss_mask=chat,
-            document_starts=chat,
+            loss_mask=masked,
+            document_starts=masked,
+            prompt_completion=prompt_completion,
         )
         manifest.check(out)
         storage.atomic_write_json(manifest_uri(out), manifest.model_dump(mode="json"))  # the commit
@@ -555,7 +600,7 @@ def prepare(
             "whole, packing wrapped keeps every token (cut across rows)",
             outcome.truncated,
             outcome.documents,
-            "conversations" if chat else "documents",
+            "conversations" if chat else "records" if prompt_completion else "documents",
             seq_len,
             outcome.truncated_tokens,
         )
@@ -587,6 +632,7 @@ def prepare_spec(spec: DatasetSpec, **kw) -> ShardManifest:
         exclude=list(spec.exclude),
         chat=spec.chat,
         packing=spec.packing,
+        prompt_completion=spec.prompt_completion,
         **kw,
     )
 
@@ -692,6 +738,7 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
                 text_field=job.text_field,
                 chat=job.chat,
                 packing=job.packing,
+                prompt_completion=job.prompt_completion,
             )
             outcome.documents += group.documents
             outcome.truncated += group.truncated
@@ -888,6 +935,7 @@ def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np
         text_field=job.text_field,
         chat=job.chat,
         packing=job.packing,
+        prompt_completion=job.prompt_completion,
     )
     meta = {
         "rows": group.rows,

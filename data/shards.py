@@ -122,6 +122,9 @@ class ShardManifest(_Model):
     # How documents were packed into rows: "wrapped", one after another and cut wherever a row ends (a document can
     # run on into the next row); "bfd", each whole in one row (best-fit decreasing), rows padded
     packing: Literal["wrapped", "bfd"] = "wrapped"
+    # A prompt-completion dataset (`pylon data prepare --prompt-completion`): stored as a chat dataset is, each
+    # record's completion (and its eos) the part the loss counts
+    prompt_completion: bool = False
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -140,7 +143,13 @@ class ShardManifest(_Model):
             f"{self.format} dataset: {len(self.shards)} shard(s), {t.rows:,} sequences of {self.seq_len} tokens, "
             f"{t.tokens:,} tokens from {t.documents:,} documents, {t.bytes / 2**20:.1f} MiB; "
             f"tokenizer {self.tokenizer.kind}:{self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
-            + ("; conversations, the loss on the assistant's replies" if self.loss_mask else "")
+            + (
+                "; prompts and completions, the loss on the completions"
+                if self.prompt_completion
+                else "; conversations, the loss on the assistant's replies"
+                if self.loss_mask
+                else ""
+            )
             + (
                 f"; each document whole in a row (rows {t.tokens / max(t.rows * self.seq_len, 1):.0%} full"
                 + (f", {t.truncated_documents:,} cut to a row" if t.truncated_documents else "")

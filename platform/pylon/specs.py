@@ -133,11 +133,16 @@ class DatasetSpec(_Spec):
         "them), rendered by the tokenizer's chat template, the loss on the assistant's replies only (supervised "
         "fine-tuning); needs a Hugging Face tokenizer directory with a chat template",
     )
+    prompt_completion: bool = Field(
+        False,
+        description="JSONL of {'prompt': ..., 'completion': ...} records (TRL's prompt-completion format): the prompt "
+        "tokenized as a completions request's is, then the completion and eos, the loss on the completion only",
+    )
     packing: Literal["auto", "wrapped", "bfd"] = Field(
         "auto",
         description="how documents fill the rows: wrapped, one after another, cut wherever a row ends (no padding; a "
         "document runs on into the next row); bfd, each whole in one row, best-fit decreasing (TRL's), rows padded "
-        "and documents longer than seq_len cut to it; auto, bfd for chat, wrapped for text",
+        "and documents longer than seq_len cut to it; auto, bfd for chat and prompt_completion, wrapped for text",
     )
 
     def summary(self) -> str:
@@ -407,7 +412,7 @@ class TrainJobSpec(_Spec):
         description="how a row packed from several documents is attended: causal, every token sees the row before "
         "it (the usual for pretraining); document, each document only itself, its positions restarting at 0 and its "
         "first token not predicted from the one before (TorchTitan's block_causal, TRL's padding_free, Llama 3's "
-        "pretraining); auto, document for a chat dataset, causal for text",
+        "pretraining); auto, document for a chat or prompt-completion dataset, causal for text",
     )
     loss_chunk_tokens: NonNegInt = Field(
         0,

@@ -34,6 +34,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         progress=not args.json,
         chat=args.chat,
         packing=args.packing,
+        prompt_completion=args.prompt_completion,
     )
     seconds = max(time.perf_counter() - started, 1e-9)
     t = manifest.totals
@@ -215,12 +216,18 @@ def _add_prepare_parser(dsub, fmt) -> None:
         "chat template (a Hugging Face tokenizer directory), the loss on the assistant's replies only",
     )
     pr.add_argument(
+        "--prompt-completion",
+        action="store_true",
+        help="each JSONL record's prompt and completion strings (TRL's prompt-completion format): the prompt "
+        "tokenized as a completions request's is, then the completion and eos; the loss on the completion only",
+    )
+    pr.add_argument(
         "--packing",
         choices=("auto", "wrapped", "bfd"),
         default="auto",
         help="how documents fill the rows: wrapped, one after another, cut wherever a row ends (no padding); bfd, "
         "each whole in one row (best-fit decreasing, as TRL packs; rows padded, documents longer than --seq-len cut "
-        "to it); auto (default): bfd with --chat, else wrapped",
+        "to it); auto (default): bfd with --chat or --prompt-completion, else wrapped",
     )
     pr.add_argument("--overwrite", action="store_true", help="replace a prepared dataset at --out")
     pr.add_argument("--local", action="store_true", help="run in this process even if a Ray cluster is up")

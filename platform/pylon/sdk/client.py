@@ -291,8 +291,8 @@ class Client:
     def prepare_data(self, spec=None, /, *, overwrite: bool = False, **fields) -> DataJob:
         """Submit `pylon data prepare` as a Ray job: for a `DatasetSpec`, a dict of its fields, a YAML file
         with one Dataset document, or the fields as keyword arguments (`sources`, `output`, `seq_len`,
-        `include`, `exclude`, `tokenizer`, `format`, `shard_size_mb`, `chat`, `packing`; `name` defaults to the
-        output's last path component). `overwrite` replaces a dataset already at the output."""
+        `include`, `exclude`, `tokenizer`, `format`, `shard_size_mb`, `chat`, `prompt_completion`, `packing`; `name`
+        defaults to the output's last path component). `overwrite` replaces a dataset already at the output."""
 
         spec = inputs.dataset_spec(spec, fields)
         package = ship.package(spec, self._where)

@@ -87,6 +87,8 @@ def prepare_entrypoint(spec: DatasetSpec, *, overwrite: bool) -> str:
         args += ["--exclude", pattern]
     if spec.chat:
         args.append("--chat")
+    if spec.prompt_completion:
+        args.append("--prompt-completion")
     if spec.packing != "auto":
         args += ["--packing", spec.packing]
     if overwrite:
