@@ -406,9 +406,7 @@ def structural_tag_of(value: Any, param: str) -> StructuralTag:
     try:
         return StructuralTag.model_validate(value)
     except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join([param, *(str(p) for p in first["loc"])])
-        raise InvalidRequest(f"{where}: {first['msg']}", param=where) from None
+        raise invalid_request(e, param) from None
 
 
 class ResponseFormat(BaseModel):
@@ -954,38 +952,44 @@ def parse_request(cls: type[_Request], body: bytes) -> _Request:
     try:
         request = cls.model_validate_json(body)
     except ValidationError as e:
-        errors = e.errors()
-        first = errors[0]
-        loc = list(first["loc"])
-        union = next((i for i, part in enumerate(loc) if isinstance(part, str) and _UNION_BRANCH.match(part)), None)
-        if union is not None:  # pydantic tried each type of a union field: name the field, list the types
-            loc = loc[:union]
-        param = ".".join(str(p) for p in loc) or "body"
-        if first["type"] == "json_invalid":
-            message, param = f"the request body is not valid JSON ({first['msg']})", "body"
-        elif first["type"] == "model_type" and param == "body":
-            message = "the request body must be a JSON object"
-        elif first["type"] == "extra_forbidden":
-            message = f"unknown field '{param}'"
-        elif first["type"] == "missing":
-            message = f"missing required field '{param}'"
-        elif union is not None:
-            tried = list(
-                dict.fromkeys(
-                    err["loc"][union] for err in errors if len(err["loc"]) > union and list(err["loc"][:union]) == loc
-                )
-            )
-            got = f" (got {shown(first.get('input'))})" if len(first["loc"]) == union + 1 else ""
-            message = (
-                f"{param}: expected {', '.join(tried[:-1])} or {tried[-1]}{got}"
-                if len(tried) > 1
-                else f"{param}: {first['msg']}{got}"
-            )
-        else:
-            message = f"{param}: {first['msg']} (got {shown(first.get('input'))})"
-        raise InvalidRequest(message, param=param) from None
+        raise invalid_request(e) from None
     request.check_supported()
     return request
+
+
+def invalid_request(e: ValidationError, prefix: str | None = None) -> InvalidRequest:
+    """A pydantic error as the InvalidRequest naming its first field: the body's (`parse_request`), or, with
+    `prefix`, a value's inside the request validated on its own (a structural tag at `prefix`)."""
+    errors = e.errors()
+    first = errors[0]
+    loc = list(first["loc"])
+    union = next((i for i, part in enumerate(loc) if isinstance(part, str) and _UNION_BRANCH.match(part)), None)
+    if union is not None:  # pydantic tried each type of a union field: name the field, list the types
+        loc = loc[:union]
+    param = ".".join([*([prefix] if prefix else []), *(str(p) for p in loc)]) or "body"
+    if first["type"] == "json_invalid":
+        message, param = f"the request body is not valid JSON ({first['msg']})", "body"
+    elif first["type"] == "model_type" and param == "body":
+        message = "the request body must be a JSON object"
+    elif first["type"] == "extra_forbidden":
+        message = f"unknown field '{param}'"
+    elif first["type"] == "missing":
+        message = f"missing required field '{param}'"
+    elif union is not None:
+        tried = list(
+            dict.fromkeys(
+                err["loc"][union] for err in errors if len(err["loc"]) > union and list(err["loc"][:union]) == loc
+            )
+        )
+        got = f" (got {shown(first.get('input'))})" if len(first["loc"]) == union + 1 else ""
+        message = (
+            f"{param}: expected {', '.join(tried[:-1])} or {tried[-1]}{got}"
+            if len(tried) > 1
+            else f"{param}: {first['msg']}{got}"
+        )
+    else:
+        message = f"{param}: {first['msg']} (got {shown(first.get('input'))})"
+    return InvalidRequest(message, param=param)
 
 
 # How pydantic names the member of a union it tried in an error's location ("str", "list[int]", ...), as opposed to

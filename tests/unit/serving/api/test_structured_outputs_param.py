@@ -112,7 +112,7 @@ def test_each_kind_holds_random_logits_to_what_it_names(seed) -> None:
         (
             {"structured_outputs": {"structural_tag": {"structures": [WEATHER]}}},
             "structured_outputs.structural_tag.triggers",
-            "Field required",
+            "missing required field 'structured_outputs.structural_tag.triggers'",
         ),
         (
             {"structured_outputs": {"structural_tag": {**TAG, "triggers": ["<tool="]}}},
@@ -132,7 +132,7 @@ def test_each_kind_holds_random_logits_to_what_it_names(seed) -> None:
         (
             {"response_format": {"type": "structural_tag", **TAG, "structures": [{"begin": "<function=f>"}]}},
             "response_format.structures.0.schema",
-            "Field required",
+            "missing required field 'response_format.structures.0.schema'",
         ),
         ({"response_format": {"type": "json_object", "triggers": ["<f"]}}, "response_format.triggers", "belongs to"),
         (
