@@ -8,7 +8,8 @@
 Each case is a TrainJob (a model preset or an explicit Hugging Face config, precision, ZeRO stage, offload,
 checkpointing, micro-batch, sequence length, LoRA) trained for `--steps` real steps in a process of its own: Pylon's
 model (`pylon.models.build_model`), Pylon's DeepSpeed config and engine (one rank), Pylon's loss
-(`pylon.jobs.train._global_mean_loss`), random tokens.
+(`pylon.jobs.train.step_loss`: the whole micro-batch's logits, or a chunk at a time where a case sets
+`loss_chunk_tokens`), random tokens.
 
 CPU (`--device cpu`, the default; gloo): the process first runs a throwaway step of a DeepSpeed engine of the same
 kind on another (tiny) model, so that libraries, DeepSpeed's C++ ops, thread pools and kernels are loaded, then
@@ -25,8 +26,7 @@ Also printed: the step's own increment (peak during a later step minus RSS just 
 activations + gradients + buffers -- the part of the peak that comes and goes with each step.
 
 CUDA (`--device cuda`; GPU 0, nccl, `scaling.use_gpu: true`, the model built as `pylon.jobs.train.train_loop` builds
-it, random tokens on the GPU; should `_global_mean_loss` fail on nccl, the same loss without its all-reduce, and the
-output says so): DeepSpeed's ops (FusedAdam, CPU Adam) are compiled once before the cases; each case
+it, random tokens on the GPU): DeepSpeed's ops (FusedAdam, CPU Adam) are compiled once before the cases; each case
 process runs a throwaway step of an engine of its kind on a tiny model (the CUDA context, cuBLAS, NCCL's communicator,
 the kernels and the libraries loaded), frees it, and measures from there, through the engine's construction and every
 step, the first included (it allocates Adam's moments at ZeRO-1/2, and DeepSpeed's buffers come and go with each
@@ -77,6 +77,19 @@ CASES = {
     "small-fp32-z1-lora": dict(
         preset="gpt-small", precision="fp32", zero=1, micro=16, seq=256, lora={"r": 8, "target_modules": ["c_attn"]}
     ),
+    # A small Llama with a 32,000-token vocabulary: the logits (8 x 256 x 32000 fp32, 250 MiB, and their gradient)
+    # weigh; computed whole, and a chunk of 256 tokens at a time (loss_chunk_tokens).
+    "vocab-fp32-z0": dict(config="VOCAB_LLAMA", precision="fp32", zero=0, micro=8, seq=256),
+    "vocab-fp32-z0-chunked": dict(config="VOCAB_LLAMA", precision="fp32", zero=0, micro=8, seq=256, chunk=256),
+}
+VOCAB_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 512,
+    "vocab_size": 32000,
 }
 # A Llama shape of ~1.1B parameters (TinyLlama's): large enough that activations and DeepSpeed's buckets, not the
 # CUDA runtime, make most of a GPU step's memory.
@@ -114,7 +127,7 @@ def case_spec(case: dict) -> dict:
     return {
         "kind": "TrainJob",
         "name": "bench",
-        "model": {"preset": case["preset"]} if "preset" in case else {"config": case["config"]},
+        "model": {"preset": case["preset"]} if "preset" in case else {"config": _config(case["config"])},
         "data": {"uri": "unused", "seq_len": case["seq"]},
         "scaling": {"num_workers": 1, "use_gpu": case.get("gpu", False)},
         "deepspeed": {
@@ -127,8 +140,25 @@ def case_spec(case: dict) -> dict:
         "batch": {"micro_batch_size": case["micro"]},
         "steps": 10,
         "lora": case.get("lora"),
+        "loss_chunk_tokens": case.get("chunk", 0),
         "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
     }
+
+
+def _config(config: dict | str) -> dict:
+    """A case's explicit model config (a module-level one named by a string, so that the table stays short)."""
+    return dict(globals()[config]) if isinstance(config, str) else config
+
+
+def _step_loss(engine, ids, chunked: bool):
+    """Pylon's training loss of one micro-batch of `ids` (`pylon.jobs.train.step_loss`, one rank): from the whole
+    micro-batch's logits, or with `chunked` (the spec's `loss_chunk_tokens`) a chunk at a time."""
+    import torch
+
+    from pylon.jobs.train import step_loss
+
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    return step_loss(engine, inputs, 1, chunked=chunked)[0]
 
 
 def cases_for(device: str) -> dict[str, dict]:
@@ -170,7 +200,6 @@ def worker(case_name: str, steps: int) -> None:
     import torch
 
     from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.jobs.train import _global_mean_loss
     from pylon.models import build_model
     from pylon.specs import TrainJobSpec
 
@@ -191,7 +220,7 @@ def worker(case_name: str, steps: int) -> None:
         config=build_deepspeed_config(warm, world_size=1),
     )
     ids = torch.randint(0, 256, (2, 32))
-    loss, _, _ = _global_mean_loss(warm_engine(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, ids, 1)
+    loss = _step_loss(warm_engine, ids, False)
     warm_engine.backward(loss)
     warm_engine.step()
     warm_engine.destroy()
@@ -202,7 +231,8 @@ def worker(case_name: str, steps: int) -> None:
     _reset_peak()
     config = build_deepspeed_config(spec, world_size=1)
     # As a training job builds it: partitioned at ZeRO-3 (zero.Init), which the planner's host-RAM term assumes.
-    model = build_model(spec, vocab_size=320, eos_id=256, pad_id=257, seed=0, deepspeed_config=config)
+    vocab, eos, pad = _vocab(spec)
+    model = build_model(spec, vocab_size=vocab, eos_id=eos, pad_id=pad, seed=0, deepspeed_config=config)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
     )
@@ -214,11 +244,10 @@ def worker(case_name: str, steps: int) -> None:
             _settle()
             before_step, outer_peak = _rss(), _peak_rss()
             _reset_peak()
-        logits = engine(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-        loss, _, _ = _global_mean_loss(logits, ids, 1)
+        loss = _step_loss(engine, ids, bool(spec.loss_chunk_tokens))
         engine.backward(loss)
         engine.step()
-        del logits, loss
+        del loss
         if i == steps - 1:
             step_peak = _peak_rss()
             after_step = _rss()
@@ -412,16 +441,12 @@ def cuda_worker(case_name: str, steps: int) -> None:
     import deepspeed
 
     from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.jobs.train import _global_mean_loss
     from pylon.models import build_model
     from pylon.specs import TrainJobSpec
 
     spec = TrainJobSpec.model_validate(case_spec(case))
     vocab, eos, pad = _vocab(spec)
     deepspeed.init_distributed(dist_backend="nccl")
-
-    def loss_of(logits, ids):
-        return _global_mean_loss(logits, ids, 1)[0]
 
     # Warm up: the same kind of engine on a tiny model, one step, then let it all go: the CUDA context, cuBLAS,
     # NCCL's communicator, DeepSpeed's ops and the libraries' code are the process's, not the job's.
@@ -436,7 +461,7 @@ def cuda_worker(case_name: str, steps: int) -> None:
         config=warm_config,
     )
     ids = torch.randint(0, 256, (2, 32), device=device)
-    loss = loss_of(warm_engine(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, ids)
+    loss = _step_loss(warm_engine, ids, False)
     warm_engine.backward(loss)
     warm_engine.step()
     warm_engine.destroy()
@@ -479,11 +504,10 @@ def cuda_worker(case_name: str, steps: int) -> None:
     for i in range(steps):
         t0 = time.perf_counter()
         ids = torch.randint(0, eos, (case["micro"], case["seq"]), device=device, generator=generator)
-        logits = engine(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-        loss = loss_of(logits, ids)
+        loss = _step_loss(engine, ids, bool(spec.loss_chunk_tokens))
         engine.backward(loss)
         engine.step()
-        del logits, loss, ids
+        del loss, ids
         if i == 0:  # Adam's moments (ZeRO-1/2) and DeepSpeed's lazy buffers appear in the first step
             first = window()
         step_seconds.append(time.perf_counter() - t0)

@@ -81,7 +81,12 @@ def step_activations(
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     _CONFIGS.setdefault(key, config)
     lora_key = lora.model_dump_json() if lora is not None else ""
-    saved, peak = _coefficients(key, seq_len, precision, checkpointing, lora_key, device, documents, loss_chunk_tokens)
+    # A chunked loss's peak is one chunk's logits whatever the batch, beside what does grow with it: not linear in
+    # the batch, so it is simulated at the micro-batch itself (and the one below), where the fit is exact.
+    batches = (max(1, micro_batch - 1), max(2, micro_batch)) if loss_chunk_tokens else (1, 2)
+    saved, peak = _coefficients(
+        key, seq_len, precision, checkpointing, lora_key, device, documents, loss_chunk_tokens, batches
+    )
     layers = config.num_hidden_layers
     return ActivationProfile(
         saved_bytes=int(_extrapolate(saved, micro_batch, layers)),
@@ -106,6 +111,7 @@ def _coefficients(
     device: str,
     documents: bool,
     loss_chunk_tokens: int,
+    batches: tuple[int, int] = (1, 2),
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     config = _CONFIGS[config_key]
     lora = LoraSpec.model_validate_json(lora_json) if lora_json else None
@@ -122,16 +128,18 @@ def _coefficients(
             documents=documents,
             loss_chunk_tokens=loss_chunk_tokens,
         )
-        for b in (1, 2)
+        for b in batches
         for n in (1, 2)
     }
+    b1, b2 = batches
 
     def fit(i: int) -> tuple[float, float, float, float]:
-        p11, p12, p21, p22 = runs[1, 1][i], runs[1, 2][i], runs[2, 1][i], runs[2, 2][i]
-        kbl = (p22 - p21) - (p12 - p11)
-        kb = (p21 - p11) - kbl
-        kl = (p12 - p11) - kbl
-        return p11 - kl - kb - kbl, kl, kb, kbl
+        # bytes(b, n) = k0 + kl*n + b*(kb + kbl*n) through the four runs, at depths 1 and 2, batches b1 and b2
+        p11, p12, p21, p22 = runs[b1, 1][i], runs[b1, 2][i], runs[b2, 1][i], runs[b2, 2][i]
+        kbl = ((p22 - p12) - (p21 - p11)) / (b2 - b1)
+        kb = (p21 - p11) / (b2 - b1) - kbl
+        kl = (p12 - p11) - b1 * kbl
+        return p11 - kl - b1 * (kb + kbl), kl, kb, kbl
 
     return fit(0), fit(1)
 
@@ -195,6 +203,10 @@ def _simulate(
             logits = model(input_ids=ids, use_cache=False, **extra).logits
             saved = tracker.live
             loss = _summed_cross_entropy(logits, ids)
+            # the trainer's step keeps no reference to the logits once the loss has them: the cross-entropy keeps
+            # what its backward needs (its log-softmax), and the logits go
+            del logits
+            logits = None
         loss.backward()
         del loss, logits
     return saved, tracker.peak
