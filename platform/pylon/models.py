@@ -17,7 +17,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -441,15 +440,26 @@ def _no_padding_warning(*args, **kwargs) -> None:
     return None
 
 
-@dataclass
-class TokenLoss:
+class TokenLoss(dict):
     """What a causal LM under `with_chunked_loss` returns when given `labels`: the next-token cross-entropy summed
-    over the tokens the labels count (fp32, a tensor with gradient), their count, and a mixture-of-experts model's
-    load-balancing loss (with `output_router_logits`); no logits."""
+    over the tokens the labels count (`loss_sum`, fp32, a tensor with gradient), their count (`tokens`), and a
+    mixture-of-experts model's load-balancing loss (`aux_loss`, with `output_router_logits`); no logits. A dict (as
+    transformers' outputs are), so that ZeRO-3's hooks find its tensors."""
 
-    loss_sum: torch.Tensor
-    tokens: int
-    aux_loss: torch.Tensor | None = None
+    def __init__(self, loss_sum: torch.Tensor, tokens: int, aux_loss: torch.Tensor | None = None):
+        super().__init__(loss_sum=loss_sum, tokens=tokens, aux_loss=aux_loss)
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        return self["loss_sum"]
+
+    @property
+    def tokens(self) -> int:
+        return self["tokens"]
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        return self["aux_loss"]
 
 
 def with_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
