@@ -186,6 +186,8 @@ class PylonLLMServer:
         self._replica_tag = _own_replica_tag()
         # Background responses this replica runs, by id: the task, its owner and its queued record.
         self._background: dict[str, tuple[asyncio.Task, str, dict]] = {}
+        # held while a background response's end or its cancel is read and stored: one of them wins, whole
+        self._background_ends: asyncio.Lock | None = None
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
         engine = self.spec.engine
@@ -916,6 +918,10 @@ class PylonLLMServer:
         (cancelled again: itself)."""
 
         async def answer(owner: str, response_id: str, scope) -> dict:
+            async with self._ending():  # not between a running response's look at the store and its end's write
+                return await cancel(owner, response_id)
+
+        async def cancel(owner: str, response_id: str) -> dict:
             record = await self._stored(owner, response_id)
             if record is None:
                 raise self._not_stored(response_id)
@@ -1371,10 +1377,12 @@ class PylonLLMServer:
             except (TimeoutError, EngineDeadError, RequestFailed, InvalidRequest) as e:
                 why = "it ran past http.background_timeout_s" if isinstance(e, TimeoutError) else str(e)
                 result = responses.ended(queued, "failed", f"the response did not finish: {why}")
-            record = await store.get(owner, rid)
-            if record is None or record["response"]["status"] == "cancelled":
-                return
-            await self._keep_response(request, result)
+            async with self._ending():  # a cancel on this replica comes before this look or after the write
+                record = await store.get(owner, rid)
+                if record is None or record["response"]["status"] == "cancelled":
+                    return
+                # shielded: a cancel waiting for the lock must find the end stored, not half a write
+                await asyncio.shield(self._keep_response(request, result))
         except asyncio.CancelledError:  # the replica is stopping, or a cancel on this replica
             answer.cancel()
             raise
@@ -1384,6 +1392,12 @@ class PylonLLMServer:
         except Exception:
             answer.cancel()
             log.exception("%s: background response %s failed", self.model_name, rid)
+
+    def _ending(self) -> asyncio.Lock:
+        """The lock a background response's end and a cancel of one take on this replica (made in its loop)."""
+        if self._background_ends is None:
+            self._background_ends = asyncio.Lock()
+        return self._background_ends
 
     def _fits(self, chat: protocol.ChatCompletionRequest) -> bool:
         """Whether a chat's prompt and the tokens it asks for (at least one) fit the engine's context (a prompt with

@@ -262,25 +262,32 @@ def test_a_background_response_cancelled_on_another_replica_stops_and_stays_so(c
     assert client.responses.retrieve(queued.id).status == "cancelled"
 
 
-def test_a_background_response_is_cancelled_and_stays_so(client, server):
+def test_a_background_response_is_cancelled_and_stays_so(model_dir, tmp_path):  # noqa: F811
     import time
 
-    long = {**GREEDY, "max_output_tokens": 900}
-    queued = client.responses.create(input="write at length", background=True, **long)
-    cancelled = client.responses.cancel(queued.id)
-    assert cancelled.status == "cancelled" and not cancelled.output
-    time.sleep(2.5)  # past the end it would have reached, and past the running task's look at the store
-    assert client.responses.retrieve(queued.id).status == "cancelled"
-    assert client.responses.cancel(queued.id).status == "cancelled"  # again: itself
-    done = _polled(client, client.responses.create(input="hi", background=True, **GREEDY))
-    for response_id, says in (
-        (done.id, "has ended (incomplete)"),
-        (client.responses.create(input="hi", **GREEDY).id, "background: true"),
-    ):
-        r = requests.post(f"{server}/v1/responses/{response_id}/cancel", headers=auth(), timeout=30)
-        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
-    r = requests.post(f"{server}/v1/responses/resp_unknown/cancel", headers=auth(), timeout=30)
-    assert r.status_code == 404, r.text
+    with _serve(model_dir, str(tmp_path)) as (server, replica):
+        # Each engine step made to take 20 ms more: 900 tokens take 18 s, so the answer is still running when the
+        # cancel comes, however loaded the machine is.
+        engine, step = replica.engine.engine, replica.engine.engine.step
+        engine.step = lambda: (time.sleep(0.02), step())[1]
+        client = _client(server)
+        long = {**GREEDY, "max_output_tokens": 900}
+        queued = client.responses.create(input="write at length", background=True, **long)
+        cancelled = client.responses.cancel(queued.id)
+        assert cancelled.status == "cancelled" and not cancelled.output
+        time.sleep(2.5)  # past the running task's look at the store
+        assert client.responses.retrieve(queued.id).status == "cancelled"
+        assert client.responses.cancel(queued.id).status == "cancelled"  # again: itself
+        engine.step = step
+        done = _polled(client, client.responses.create(input="hi", background=True, **GREEDY))
+        for response_id, says in (
+            (done.id, "has ended (incomplete)"),
+            (client.responses.create(input="hi", **GREEDY).id, "background: true"),
+        ):
+            r = requests.post(f"{server}/v1/responses/{response_id}/cancel", headers=auth(), timeout=30)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        r = requests.post(f"{server}/v1/responses/resp_unknown/cancel", headers=auth(), timeout=30)
+        assert r.status_code == 404, r.text
 
 
 def test_a_background_response_past_its_time_fails_and_one_whose_replica_stopped_reads_failed(model_dir, tmp_path):  # noqa: F811
