@@ -64,6 +64,15 @@ REPO = Path(__file__).resolve().parents[1]
 RESULT = "plan_accuracy: "
 MIB = 2**20
 
+VOCAB_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 512,
+    "vocab_size": 32000,
+}
 # name -> the TrainJob fields that vary
 CASES = {
     "tiny-fp32-z0": dict(preset="gpt-tiny", precision="fp32", zero=0, micro=32, seq=256),
@@ -79,17 +88,8 @@ CASES = {
     ),
     # A small Llama with a 32,000-token vocabulary: the logits (8 x 256 x 32000 fp32, 250 MiB, and their gradient)
     # weigh; computed whole, and a chunk of 256 tokens at a time (loss_chunk_tokens).
-    "vocab-fp32-z0": dict(config="VOCAB_LLAMA", precision="fp32", zero=0, micro=8, seq=256),
-    "vocab-fp32-z0-chunked": dict(config="VOCAB_LLAMA", precision="fp32", zero=0, micro=8, seq=256, chunk=256),
-}
-VOCAB_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 512,
-    "vocab_size": 32000,
+    "vocab-fp32-z0": dict(config=VOCAB_LLAMA, precision="fp32", zero=0, micro=8, seq=256),
+    "vocab-fp32-z0-chunked": dict(config=VOCAB_LLAMA, precision="fp32", zero=0, micro=8, seq=256, chunk=256),
 }
 # A Llama shape of ~1.1B parameters (TinyLlama's): large enough that activations and DeepSpeed's buckets, not the
 # CUDA runtime, make most of a GPU step's memory.
@@ -127,7 +127,7 @@ def case_spec(case: dict) -> dict:
     return {
         "kind": "TrainJob",
         "name": "bench",
-        "model": {"preset": case["preset"]} if "preset" in case else {"config": _config(case["config"])},
+        "model": {"preset": case["preset"]} if "preset" in case else {"config": case["config"]},
         "data": {"uri": "unused", "seq_len": case["seq"]},
         "scaling": {"num_workers": 1, "use_gpu": case.get("gpu", False)},
         "deepspeed": {
@@ -143,11 +143,6 @@ def case_spec(case: dict) -> dict:
         "loss_chunk_tokens": case.get("chunk", 0),
         "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
     }
-
-
-def _config(config: dict | str) -> dict:
-    """A case's explicit model config (a module-level one named by a string, so that the table stays short)."""
-    return dict(globals()[config]) if isinstance(config, str) else config
 
 
 def _step_loss(engine, ids, chunked: bool):

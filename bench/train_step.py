@@ -296,13 +296,6 @@ def _inputs(ids, docs: int | None) -> dict:
     return {**model_inputs(inputs), "labels": inputs["labels"]}
 
 
-def _loss(out):
-    """The mean token loss of a forward pass with labels: transformers' `loss`, or a chunked model's summed loss
-    over its token count (`pylon.models.TokenLoss`)."""
-    loss = getattr(out, "loss", None)
-    return loss if loss is not None else out.loss_sum / max(out.tokens, 1)
-
-
 def _decoder_layers(model):
     """The model's list of decoder blocks (Llama's model.layers, GPT-2's transformer.h)."""
     base = model.base_model
@@ -340,7 +333,13 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from pylon.models import build_model, flops_per_token, measure_matmul_peak_flops, parameter_counts
+    from pylon.models import (
+        build_model,
+        flops_per_token,
+        mean_token_loss,
+        measure_matmul_peak_flops,
+        parameter_counts,
+    )
     from pylon.specs import TrainJobSpec
 
     variant = parse_variant(args.variant)
@@ -396,7 +395,7 @@ def worker(args) -> None:
             phases.mark()
             # Mixed precision the torch way (fp32 weights, autocast matmuls), as DeepSpeed's bf16 keeps fp32 masters.
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss = _loss(runner(**{**forward_kwargs, **ids}))
+                loss = mean_token_loss(runner(**{**forward_kwargs, **ids}))
             phases.mark()
             loss.backward()
             phases.mark()
@@ -452,7 +451,7 @@ def worker(args) -> None:
 
         def step(ids, phases):
             phases.mark()
-            loss = _loss(engine(**{**forward_kwargs, **ids}))
+            loss = mean_token_loss(engine(**{**forward_kwargs, **ids}))
             phases.mark()
             engine.backward(loss)
             phases.mark()

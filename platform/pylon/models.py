@@ -462,6 +462,13 @@ class TokenLoss(dict):
         return self["aux_loss"]
 
 
+def mean_token_loss(out) -> torch.Tensor:
+    """The mean token loss of a causal LM's forward pass with labels: transformers' `loss`, or, for a model under
+    `with_chunked_loss`, its summed loss over its token count (`TokenLoss`)."""
+    loss = getattr(out, "loss", None)
+    return loss if loss is not None else out.loss_sum / max(out.tokens, 1)
+
+
 def with_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
     """`model` (a transformers causal LM, or a peft model around one) computing its loss `chunk_tokens` tokens at a
     time when called with `labels` (`TrainJobSpec.loss_chunk_tokens`): the decoder's last hidden states of the tokens

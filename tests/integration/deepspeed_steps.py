@@ -33,7 +33,7 @@ import deepspeed
 import torch
 
 from pylon.jobs.deepspeed_config import build_deepspeed_config
-from pylon.models import build_model, parameter_counts
+from pylon.models import build_model, mean_token_loss, parameter_counts
 from pylon.specs import TrainJobSpec
 
 BYTE_VOCAB, BYTE_EOS, BYTE_PAD = 320, 256, 257
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     def train_step() -> float:
         step_losses = []
         for _ in range(spec.batch.grad_accum_steps):
-            loss = _mean_loss(engine(input_ids=tokens, labels=tokens))
+            loss = mean_token_loss(engine(input_ids=tokens, labels=tokens))
             engine.backward(loss)
             engine.step()
             step_losses.append(loss.detach())
@@ -128,13 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _mean_loss(out) -> torch.Tensor:
-    """The mean token loss of a forward pass with labels: transformers' `loss`, or, for a model whose spec sets
-    `loss_chunk_tokens` (`pylon.models.with_chunked_loss`), its summed loss over its token count."""
-    loss = getattr(out, "loss", None)
-    return loss if loss is not None else out.loss_sum / max(out.tokens, 1)
-
-
 def _global_batch(rows: int, seq_len: int) -> torch.Tensor:
     """The same batch every step: the loss must fall as the model memorises it."""
     generator = torch.Generator().manual_seed(1234)
@@ -156,7 +149,7 @@ def _plain(spec: TrainJobSpec, model: torch.nn.Module, args, total: int, trainab
     losses = []
     for _ in range(args.steps):
         optimizer.zero_grad()
-        loss = _mean_loss(model(input_ids=tokens, labels=tokens))
+        loss = mean_token_loss(model(input_ids=tokens, labels=tokens))
         loss.backward()
         if optim.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)

@@ -196,7 +196,6 @@ def _simulate(
     tracker.preexisting(list(extra.values()))
     with _LOCK, _attention_as_on(device), _packed_batches(documents), tracker:
         if loss_chunk_tokens:  # the model computes its loss a chunk at a time: no logits
-            logits = None
             loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss_sum
             saved = tracker.live
         else:
@@ -206,9 +205,8 @@ def _simulate(
             # the trainer's step keeps no reference to the logits once the loss has them: the cross-entropy keeps
             # what its backward needs (its log-softmax), and the logits go
             del logits
-            logits = None
         loss.backward()
-        del loss, logits
+        del loss
     return saved, tracker.peak
 
 
