@@ -26,8 +26,14 @@ What maps to what:
   with the field at fault as `param`), through `anthropic_errors`; `x-api-key` is taken for a key as Anthropic's
   clients send it (`server._authorize`).
 
-Not there, said plainly: server tools (`web_search`, `bash`, ...: a 400 naming `tools.<i>.type`), `document`
-blocks (a 400 naming the block), and thinking `signature`s (empty: nothing here signs reasoning).
+- A user message's `document` blocks (a plain-text document, or a content document of text and images) and
+  `search_result` blocks are read as text, after their title (and a document's context). A tool result's content
+  may hold text, images, documents and search results: its text is the tool message; its images open the user
+  message after the tool messages (a chat's tool message holds text only).
+
+Not there, said plainly: server tools (`web_search`, `bash`, ...: a 400 naming `tools.<i>.type`), PDF, URL and file
+documents (a 400 naming the source), citations (a 400 naming `citations` where enabled), and thinking `signature`s
+(empty: nothing here signs reasoning).
 """
 
 from __future__ import annotations
@@ -132,29 +138,36 @@ class MessagesRequest(BaseModel):
                 [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
             )
             if message.role == "user":
-                parts: list[dict] = []
+                parts: list[tuple[dict, str]] = []  # the user message's parts, each with the block it came from
                 for j, block in enumerate(blocks):
                     at = f"{where}.content.{j}"
                     kind = _kind(block, at)
                     if kind == "tool_result":
+                        # The result's text is the tool message; its images (a screenshot, a file the tool read) go
+                        # first in the user message after the tool messages: a chat's tool message holds text only.
+                        text, images = [], []
+                        for part, part_at in _content_parts(block.get("content", ""), f"{at}.content", _RESULT_KINDS):
+                            (images if part["type"] == "image_url" else text).append((part, part_at))
                         self._origins[f"messages.{len(messages)}"] = at
                         messages.append(
                             {
                                 "role": "tool",
                                 "tool_call_id": _string(block, "tool_use_id", at),
-                                "content": _text_of(block.get("content", ""), f"{at}.content"),
+                                "content": "".join(p["text"] for p, _ in text),
                             }
                         )
-                    elif kind == "text":
-                        parts.append({"type": "text", "text": _string(block, "text", at)})
-                    elif kind == "image":
-                        parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
+                        parts.extend(images)
+                    elif kind in _USER_KINDS:
+                        parts.extend(_content_parts([block], at, _USER_KINDS, single=True))
                     else:
-                        raise _unsupported_block(kind, at)
+                        raise _unsupported_block(kind, at, user=True)
                 if parts:
-                    self._origins[f"messages.{len(messages)}"] = where
-                    plain = all(p["type"] == "text" for p in parts)
-                    content = "".join(p["text"] for p in parts) if plain else parts
+                    k = len(messages)
+                    self._origins[f"messages.{k}"] = where
+                    for m, (_, part_at) in enumerate(parts):
+                        self._origins[f"messages.{k}.content.{m}"] = part_at
+                    plain = all(p["type"] == "text" for p, _ in parts)
+                    content = "".join(p["text"] for p, _ in parts) if plain else [p for p, _ in parts]
                     messages.append({"role": "user", "content": content})
             else:
                 text, thought, calls = [], [], []
@@ -179,7 +192,7 @@ class MessagesRequest(BaseModel):
                             }
                         )
                     else:
-                        raise _unsupported_block(kind, at)
+                        raise _unsupported_block(kind, at, user=False)
                 self._origins[f"messages.{len(messages)}"] = where
                 reply: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
                 if calls:
@@ -269,6 +282,83 @@ def _text_of(value: Any, at: str) -> str:
     return "".join(texts)
 
 
+_USER_KINDS = ("text", "image", "document", "search_result")  # a user message's blocks (besides tool results)
+_RESULT_KINDS = ("text", "image", "document", "search_result")  # a tool result's
+
+
+def _content_parts(value: Any, at: str, kinds: tuple[str, ...], single: bool = False) -> list[tuple[dict, str]]:
+    """Content (a string, or blocks of `kinds`) as the chat's parts, each with the path of the block it came from:
+    text; an image's image_url; a document's text (a plain-text document, or a content document's blocks), after
+    its title and context; a search result's source, title and text. `single`: `value` is one block, at `at`."""
+    if isinstance(value, str):
+        return [({"type": "text", "text": value}, at)]
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{at}: a string or a list of content blocks", param=at)
+    out: list[tuple[dict, str]] = []
+    for j, block in enumerate(value):
+        block_at = at if single else f"{at}.{j}"
+        kind = _kind(block, block_at)
+        if kind not in kinds:
+            raise InvalidRequest(
+                f"{block_at}.type: {kind!r} blocks are not read here ({', '.join(kinds)})", param=f"{block_at}.type"
+            )
+        if kind == "text":
+            out.append(({"type": "text", "text": _string(block, "text", block_at)}, block_at))
+        elif kind == "image":
+            out.append(({"type": "image_url", "image_url": {"url": _image_url(block, block_at)}}, block_at))
+        elif kind == "document":
+            out.extend(_document(block, block_at))
+        else:
+            out.append(({"type": "text", "text": _search_result(block, block_at)}, block_at))
+    return out
+
+
+def _no_citations(block: dict, at: str) -> None:
+    citations = block.get("citations")
+    if isinstance(citations, dict) and citations.get("enabled"):
+        raise InvalidRequest(
+            f"{at}.citations: citations are not produced here (a reply's text blocks carry none); leave them off",
+            param=f"{at}.citations",
+        )
+
+
+def _document(block: dict, at: str) -> list[tuple[dict, str]]:
+    """A document block's parts: a plain-text document's text, or a content document's text and image blocks, after
+    its title and context (each on its own paragraph). PDFs, URLs and file ids are refused, naming the source."""
+    _no_citations(block, at)
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise InvalidRequest(f"{at}.source: a document block needs a source object", param=f"{at}.source")
+    head = [block[name] for name in ("title", "context") if isinstance(block.get(name), str) and block[name]]
+    kind = source.get("type")
+    if kind == "text":
+        body = [({"type": "text", "text": _string(source, "data", f"{at}.source")}, at)]
+    elif kind == "content":
+        body = _content_parts(source.get("content"), f"{at}.source.content", ("text", "image"))
+    elif not isinstance(kind, str):
+        raise InvalidRequest(f"{at}.source.type: a document's source is text or content", param=f"{at}.source.type")
+    else:
+        raise InvalidRequest(
+            f"{at}.source.type: {kind!r} documents are not read here (a PDF's pages, a URL or a file id); send the "
+            'document\'s text as {"type": "text", "media_type": "text/plain", "data": ...}',
+            param=f"{at}.source.type",
+        )
+    if not head:
+        return body
+    first = "\n\n".join(head) + "\n\n"
+    if body and body[0][0]["type"] == "text":
+        return [({"type": "text", "text": first + body[0][0]["text"]}, body[0][1]), *body[1:]]
+    return [({"type": "text", "text": first}, at), *body]
+
+
+def _search_result(block: dict, at: str) -> str:
+    """A search result block's text: its title and source, then its text blocks."""
+    _no_citations(block, at)
+    title, source = _string(block, "title", at), _string(block, "source", at)
+    text = "".join(p["text"] for p, _ in _content_parts(block.get("content"), f"{at}.content", ("text",)))
+    return f"{title} ({source})\n\n{text}"
+
+
 def _image_url(block: dict, at: str) -> str:
     """An image block's source as the chat path's image_url takes it: a data URL, or the URL."""
     source = block.get("source")
@@ -284,10 +374,11 @@ def _image_url(block: dict, at: str) -> str:
     raise InvalidRequest(f"{at}.source.type: base64 or url", param=f"{at}.source.type")
 
 
-def _unsupported_block(kind: str, at: str) -> InvalidRequest:
+def _unsupported_block(kind: str, at: str, user: bool) -> InvalidRequest:
+    kinds = (*_USER_KINDS, "tool_result") if user else ("text", "thinking", "redacted_thinking", "tool_use")
+    role = "a user message" if user else "an assistant message"
     return InvalidRequest(
-        f"{at}.type: {kind!r} blocks are not supported here (text, image, tool_use, tool_result, thinking)",
-        param=f"{at}.type",
+        f"{at}.type: {kind!r} blocks are not read in {role} here ({', '.join(kinds)})", param=f"{at}.type"
     )
 
 

@@ -728,9 +728,9 @@ class ChatCompletionRequest(_Request):
         return {"logprobs": logprobs, "prompt_logprobs": self.prompt_logprobs}
 
 
-def render_chat(body, tokenizer) -> str:
+def render_chat(body, tokenizer, max_images: int = 0) -> "str | ImagePrompt":
     """A request's `messages` (and `tools`, where it has them) rendered as /v1/chat/completions renders them, with its
-    `add_generation_prompt` and `continue_final_message`."""
+    `add_generation_prompt` and `continue_final_message` (with images: at most `max_images`, see `render`)."""
     chat = ChatCompletionRequest(
         model=body.model,
         messages=body.messages,
@@ -739,7 +739,7 @@ def render_chat(body, tokenizer) -> str:
         continue_final_message=body.continue_final_message,
     )
     chat.check_supported()
-    return chat.render(tokenizer)
+    return chat.render(tokenizer, max_images)
 
 
 class TokenizeRequest(BaseModel):
@@ -771,11 +771,12 @@ class TokenizeRequest(BaseModel):
                 param="continue_final_message" if self.continue_final_message else "add_generation_prompt",
             )
 
-    def text(self, tokenizer) -> str:
-        """The text the engine would tokenize: the prompt, or the chat rendered as the chat endpoint renders it."""
+    def text(self, tokenizer, max_images: int = 0) -> "str | ImagePrompt":
+        """What the engine would tokenize: the prompt, or the chat rendered as the chat endpoint renders it (with
+        image parts: an ImagePrompt)."""
         if self.prompt is not None:
             return self.prompt
-        return render_chat(self, tokenizer)
+        return render_chat(self, tokenizer, max_images)
 
     @property
     def special(self) -> bool:

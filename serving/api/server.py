@@ -188,6 +188,7 @@ class PylonLLMServer:
         self._background: dict[str, tuple[asyncio.Task, str, dict]] = {}
         # held while a background response's end or its cancel is read and stored: one of them wins, whole
         self._background_ends: asyncio.Lock | None = None
+        self._processing: asyncio.Lock | None = None  # one prompt with images through the processor at a time
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
         engine = self.spec.engine
@@ -471,11 +472,25 @@ class PylonLLMServer:
         """vLLM's /tokenize: the ids the engine computes for a prompt (or a chat, rendered as the chat endpoint
         renders it), so a client can count a prompt's tokens against the context before sending it."""
 
-        def answer(body) -> dict:
-            ids = prompt_ids(self.engine.tokenizer, body.text(self.engine.tokenizer), body.special)
+        async def answer(body) -> dict:
+            prompt = body.text(self.engine.tokenizer, self.engine.max_images)
+            ids = await self._prompt_token_ids(prompt, body.special)
             return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
         await self._answer(scope, receive, send, protocol.TokenizeRequest, answer)
+
+    async def _prompt_token_ids(self, prompt, special: bool) -> list[int]:
+        """A rendered prompt's token ids as the engine computes them: a text's, or a chat's with images (an
+        ImagePrompt) through the model's own processor, each image's placeholders counted. The processor runs in a
+        thread (decoding and resizing images takes milliseconds each), one request at a time."""
+        if isinstance(prompt, str):
+            return prompt_ids(self.engine.tokenizer, prompt, special)
+        processor = self.engine.image_processor
+        if self._processing is None:
+            self._processing = asyncio.Lock()
+        async with self._processing:
+            ids, _ = await asyncio.to_thread(processor.prepare, prompt, special)
+        return ids
 
     async def _detokenize(self, scope, receive, send) -> None:
         """vLLM's /detokenize: the text of token ids."""
@@ -497,6 +512,8 @@ class PylonLLMServer:
         a refused key, body or value is its 4xx."""
         try:
             result = answer(await self._request(request_headers(scope), receive, cls))
+            if asyncio.iscoroutine(result):
+                result = await result
         except HttpError as e:
             return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
         except InvalidRequest as e:
@@ -520,14 +537,13 @@ class PylonLLMServer:
     async def _count_tokens(self, scope, receive, send) -> None:
         """Anthropic's token count of a Messages request: its chat rendered as /v1/messages renders it."""
 
-        def answer(body) -> dict:
+        async def answer(body) -> dict:
             chat = body.chat()
-            images = chat.image_parts()
-            if images:
-                where = images[0][0]
-                raise InvalidRequest(f"{where}: images are not counted here; count the text alone", param=where)
-            tokenizer = self.engine.tokenizer
-            return {"input_tokens": len(prompt_ids(tokenizer, chat.render(tokenizer), chat.add_special_tokens))}
+            try:
+                prompt = chat.render(self.engine.tokenizer, self.engine.max_images)
+                return {"input_tokens": len(await self._prompt_token_ids(prompt, chat.add_special_tokens))}
+            except InvalidRequest as e:
+                raise body.refusal(e) from None
 
         await self._answer(scope, receive, anthropic.anthropic_errors(send), anthropic.CountTokensRequest, answer)
 

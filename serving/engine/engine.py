@@ -1137,6 +1137,12 @@ class AsyncLLMEngine:
         return self.engine.max_images
 
     @property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's processor for prompts with images (None: text only), which the replica runs to count such a
+        prompt's tokens as the engine will (`/tokenize`, Anthropic's count_tokens)."""
+        return self.engine.images
+
+    @property
     def generation(self) -> GenerationConfig:
         """The model's eos ids and sampling defaults (engine/generation.py)."""
         return self.engine.generation

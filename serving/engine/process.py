@@ -86,7 +86,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
             self._kill()
             raise
         _, self._tokenizer, self._max_model_len, self._device, self._stats, self.allocator, *rest = message
-        self._generation, self._max_images = rest
+        self._generation, self._max_images, self._image_processor = rest
         self._heartbeat = time.monotonic()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="pylon-engine-reader", daemon=True)
@@ -140,6 +140,10 @@ class ProcessLLMEngine(AsyncLLMEngine):
     @property
     def max_images(self) -> int:
         return self._max_images
+
+    @property
+    def image_processor(self):
+        return self._image_processor
 
     @property
     def device(self) -> str:
@@ -325,6 +329,10 @@ class EnginePool:
     @property
     def max_images(self) -> int:
         return self.engines[0].max_images
+
+    @property
+    def image_processor(self):
+        return self.engines[0].image_processor
 
     @property
     def device(self) -> str:
@@ -546,6 +554,7 @@ def _child(conn: Connection) -> int:
         malloc,
         engine.generation,
         engine.max_images,
+        engine.images,  # (its processor, for the replica to count a prompt's image tokens without a round trip)
     )
     conn.send(("ready", *ready))
     outbox = _Outbox(conn)

@@ -14,6 +14,13 @@ from test_serving_http import ADD, KEY, auth, model_dir, server  # noqa: F401 (f
 
 TOOLS = [{"name": "add", "description": "a + b", "input_schema": ADD}]
 PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}  # (to a model that takes no images)
+PDF = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"}
+TEXT = {"type": "text", "text": "see "}
+TEXT_DOCUMENT = {
+    "type": "document",
+    "source": {"type": "text", "media_type": "text/plain", "data": "The tide is high."},
+}
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "5"}
 # Anthropic's newer clients have no sampling parameters: vLLM's extension, in the body.
 GREEDY = {"temperature": 0}
 SEEDED = {"seed": 7}  # sampled, the same text each time (the greedy reply of the random model is mostly spaces)
@@ -148,7 +155,31 @@ def test_output_config_holds_the_reply_to_a_schema(client):
         ({"tools": [{"name": "add"}]}, "tools.0.input_schema"),
         (
             {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
-            "messages.0.content.0.type",
+            "messages.0.content.0.source.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": PDF}]}]},
+            "messages.0.content.0.source.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{**TEXT_DOCUMENT, "citations": {"enabled": True}}]}]},
+            "messages.0.content.0.citations",
+        ),
+        (  # a block a tool result cannot hold, named inside it
+            {"messages": [{"role": "user", "content": [{**RESULT, "content": [{"type": "tool_use"}]}]}]},
+            "messages.0.content.0.content.0.type",
+        ),
+        (  # an image in a tool result, to a model that takes none: named as the block inside the result
+            {
+                "messages": [
+                    {"role": "user", "content": [{**RESULT, "content": [TEXT, {"type": "image", "source": PNG}]}]}
+                ]
+            },
+            "messages.0.content.0.content.1.source",
+        ),
+        (  # the image after a tool result and a text block is block 2 (the chat's part 1)
+            {"messages": [{"role": "user", "content": [RESULT, TEXT, {"type": "image", "source": PNG}]}]},
+            "messages.0.content.2.source",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
         (  # named once, as this request's (the system prompt is the chat's message 0)
@@ -193,3 +224,46 @@ def test_a_key_comes_as_anthropics_clients_send_it(server):  # noqa: F811
         wrong.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     r = requests.post(f"{server}/v1/messages", headers={"x-api-key": KEY}, json={**body, "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "max_tokens"
+
+
+def test_documents_search_results_and_a_tool_results_images_become_the_chats_messages():
+    from pylon.serving.api.anthropic import MessagesRequest
+
+    image = {"type": "image", "source": PNG}
+    body = {
+        "model": "tiny",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "add 2 and 3"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "add", "input": {}}]},
+            {
+                "role": "user",
+                "content": [
+                    {**RESULT, "content": [{"type": "text", "text": "5, "}, image, {"type": "text", "text": "shown"}]},
+                    {**TEXT_DOCUMENT, "title": "Song", "context": "lyrics"},
+                    {
+                        "type": "search_result",
+                        "source": "https://example.com/tides",
+                        "title": "Tides",
+                        "content": [{"type": "text", "text": "Twice a day."}],
+                    },
+                    {
+                        "type": "document",
+                        "source": {"type": "content", "content": [TEXT, image]},
+                        "title": "Figure",
+                    },
+                    {"type": "text", "text": "what now?"},
+                ],
+            },
+        ],
+    }
+    chat = MessagesRequest(**body).chat()
+    tool, user = chat.messages[2], chat.messages[3]
+    assert tool.role == "tool" and tool.content == "5, shown" and tool.tool_call_id == "toolu_1"
+    kinds, texts = [p["type"] for p in user.content], [p.get("text") for p in user.content]
+    # the result's image first, then the document's title, context and text, the search result, the content
+    # document's title and text and its image, the question
+    assert kinds == ["image_url", "text", "text", "text", "image_url", "text"], kinds
+    assert texts[1] == "Song\n\nlyrics\n\nThe tide is high."
+    assert texts[2] == "Tides (https://example.com/tides)\n\nTwice a day."
+    assert texts[3] == "Figure\n\nsee " and texts[5] == "what now?"

@@ -155,3 +155,66 @@ def test_a_text_only_model_refuses_images_naming_the_part(model_dir) -> None:  #
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "messages.0.content.1.image_url.url"
         assert "takes no images" in r.json()["error"]["message"]
+
+
+def _anthropic_image(data: bytes) -> dict:
+    return {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()},
+    }
+
+
+def test_tokenize_and_count_tokens_count_each_images_tokens(gemma, server, client) -> None:
+    """/tokenize and Anthropic's count_tokens run the model's processor in the replica: the ids and the count are
+    the engine's (the reference's inputs; the usage the same chat reports), each image's placeholders included."""
+    directory, reference = gemma
+    a, b = image_models.png(1), image_models.png(2, (40, 70))
+    parts = ["compare ", a, " and ", b, " please"]
+    content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+    want = reference.inputs(image_models.render(directory, [{"role": "user", "content": content}]), [a, b])
+    want = want["input_ids"][0].tolist()
+    messages = [{"role": "user", "content": _chat_content(parts)}]
+    r = requests.post(f"{server}/tokenize", json={"model": "tiny", "messages": messages}, headers=auth(), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == want and r.json()["count"] == len(want)
+    text_only = requests.post(
+        f"{server}/tokenize",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "compare  and  please"}]},
+        headers=auth(),
+        timeout=60,
+    ).json()["count"]
+    assert len(want) > text_only + 2  # (each image is many tokens)
+    assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage.prompt_tokens == len(
+        want
+    )
+
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+    turns = [
+        {
+            "role": "user",
+            "content": [_anthropic_image(p) if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts],
+        }
+    ]
+    assert claude.messages.count_tokens(model="tiny", messages=turns).input_tokens == len(want)
+    # An image a tool gave back (a screenshot) is counted and read as the message's
+    tool = {"name": "screenshot", "input_schema": {"type": "object", "properties": {}}}
+    turns = [
+        {"role": "user", "content": "what is on the screen?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "the screen:"}, _anthropic_image(b)],
+                }
+            ],
+        },
+    ]
+    counted = claude.messages.count_tokens(model="tiny", messages=turns, tools=[tool]).input_tokens
+    reply = claude.messages.create(model="tiny", max_tokens=1, messages=turns, tools=[tool], extra_body={"seed": 1})
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted
+    without = [*turns[:2], {"role": "user", "content": [{**turns[2]["content"][0], "content": "the screen:"}]}]
+    assert counted > claude.messages.count_tokens(model="tiny", messages=without, tools=[tool]).input_tokens + 2
