@@ -956,7 +956,7 @@ class PylonLLMServer:
                 )
             response = responses.ended(response, "cancelled")
             try:
-                await self._response_store.put(owner, response_id, {**record, "response": response})
+                await self._response_store.cancel(owner, response_id, {**record, "response": response})
             except StorageError as e:
                 log.error("%s: the response store cannot take the cancel of %s: %s", self.model_name, response_id, e)
                 raise HttpError(503, "the response store cannot take the cancel right now; retry", type="server_error")
@@ -1397,8 +1397,9 @@ class PylonLLMServer:
                 record = await store.get(owner, rid)
                 if record is None or record["response"]["status"] == "cancelled":
                     return
-                # shielded: a cancel waiting for the lock must find the end stored, not half a write
-                await asyncio.shield(self._keep_response(request, result))
+                # shielded: a cancel waiting for the lock must find the end stored, not half a write; then a cancel
+                # another replica stored after the look above is put back over the end (response_store's docstring)
+                await asyncio.shield(self._end_background(request, result))
         except asyncio.CancelledError:  # the replica is stopping, or a cancel on this replica
             answer.cancel()
             raise
@@ -1408,6 +1409,10 @@ class PylonLLMServer:
         except Exception:
             answer.cancel()
             log.exception("%s: background response %s failed", self.model_name, rid)
+
+    async def _end_background(self, request: responses.ResponsesRequest, result: dict) -> None:
+        if await self._keep_response(request, result):
+            await self._response_store.settle(request.owner, result["id"])
 
     def _ending(self) -> asyncio.Lock:
         """The lock a background response's end and a cancel of one take on this replica (made in its loop)."""
