@@ -88,7 +88,7 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=protocol.MAX_TEMPLATE_KWARGS)
 
     _chat: protocol.ChatCompletionRequest | None = PrivateAttr(None)
-    _origins: list[str] = PrivateAttr(default_factory=list)
+    _origins: list = PrivateAttr(default_factory=list)
     # The conversation of previous_response_id (`continue_from`), before this request's input.
     _previous: list[dict] = PrivateAttr(default_factory=list)
     _input_items: list[dict] | None = PrivateAttr(None)
@@ -293,11 +293,11 @@ class ResponsesRequest(BaseModel):
             )
         return found
 
-    def _messages(self, drop: int = 0) -> tuple[list[dict], list[str]]:
+    def _messages(self, drop: int = 0) -> tuple[list[dict], list]:
         """Chat messages, and for each the Responses field it came from (for errors); the earliest `drop` turns
         left out (`fit`)."""
         messages: list[dict] = []
-        origins: list[str] = []
+        origins: list = []  # each message's field: a name, or (a name, each content part's) for shown images
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
             origins.append("instructions")
@@ -311,7 +311,19 @@ class ResponsesRequest(BaseModel):
         else:
             items.extend((item, f"input.{i}") for i, item in enumerate(self.input))
         thought: str | None = None  # a reasoning item's text, for the assistant turn that follows it
+        # Images in function_call_output items (a screenshot a tool took), each with its field: after the run of tool
+        # messages they answer, one user message holds them (a chat's tool message holds text only).
+        shown_images: list[tuple[dict, str]] = []
+
+        def show_images() -> None:
+            if shown_images:
+                messages.append({"role": "user", "content": [part for part, _ in shown_images]})
+                origins.append(("input", [at for _, at in shown_images]))
+                shown_images.clear()
+
         for item, where in items:
+            if isinstance(item, dict) and item.get("type") != "function_call_output":
+                show_images()
             if not isinstance(item, dict):
                 raise InvalidRequest(f"{where}: an input item is a JSON object", param=where)
             if item.get("type") == "item_reference":  # an item of the continued conversation, here again
@@ -338,8 +350,10 @@ class ResponsesRequest(BaseModel):
                     if thought is not None:
                         messages[-1]["reasoning_content"], thought = thought, None
             elif kind == "function_call_output":
-                messages.append(_function_output(item, where))
+                tool, images = _function_output(item, where)
+                messages.append(tool)
                 origins.append(where)
+                shown_images.extend(images)
             elif kind == "reasoning":
                 # An earlier turn's reasoning, as this server (or a client) wrote it: the assistant turn after it
                 # carries it as reasoning_content, for a chat template that reads it (gpt-oss's keeps a tool-calling
@@ -351,6 +365,7 @@ class ResponsesRequest(BaseModel):
                     "function_call_output, reasoning)",
                     param=f"{where}.type",
                 )
+        show_images()
         if drop:
             starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
             first, keep_from = starts[0], starts[min(drop, len(starts) - 1)]
@@ -364,7 +379,9 @@ def _unknown(item: dict, allowed: set[str]) -> list[str]:
     return sorted(k for k, v in item.items() if k not in allowed and v is not None)
 
 
-def _message(item: dict, where: str) -> dict:
+def _message(item: dict, where: str, field: str = "content") -> dict:
+    """A message item as the chat's message (`field`: what its parts are called, for errors: a function_call_output's
+    are its `output`)."""
     allowed = {"type", "role", "content", "id", "status", "phase"}
     extra = _unknown(item, allowed)
     if extra:
@@ -383,7 +400,7 @@ def _message(item: dict, where: str) -> dict:
         )
     texts, parts = [], []  # parts: one chat part per content part (same indices), where an image makes them needed
     for j, part in enumerate(content):
-        at = f"{where}.content.{j}"
+        at = f"{where}.{field}.{j}"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
@@ -441,11 +458,23 @@ def _function_output(item: dict, where: str) -> dict:
             f"{where}: unknown field '{extra[0]}' of a function_call_output item", param=f"{where}.{extra[0]}"
         )
     output = item.get("output")
-    if isinstance(output, list):  # content parts: their text
-        output = _message({"role": "user", "content": output}, where)["content"]
-    if not isinstance(output, str):
-        raise InvalidRequest(f"{where}.output: a string (got {shown(output)})", param=f"{where}.output")
-    return {"role": "tool", "tool_call_id": _string_field(item, "call_id", where), "content": output}
+    images: list[tuple[dict, str]] = []
+    if isinstance(output, list):  # content parts: their text is the tool message's, their images shown after it
+        parts = _message({"role": "user", "content": output}, where, "output")["content"]
+        if isinstance(parts, list):
+            texts = []
+            for j, part in enumerate(parts):
+                if part["type"] == "text":
+                    texts.append(part["text"])
+                else:
+                    images.append((part, f"{where}.output.{j}"))
+            parts = "".join(texts)
+        output = parts
+    elif not isinstance(output, str):
+        raise InvalidRequest(
+            f"{where}.output: a string or a list of content parts (got {shown(output)})", param=f"{where}.output"
+        )
+    return {"role": "tool", "tool_call_id": _string_field(item, "call_id", where), "content": output}, images
 
 
 def _chat_tool(i: int, tool: dict) -> dict:
@@ -503,7 +532,13 @@ def _responses_param(param: str, origins: list[str]) -> str:
     m = re.match(r"messages\.(\d+)(.*)", param)
     if m:
         i = int(m.group(1))
-        return (origins[i] if i < len(origins) else "input") + m.group(2)
+        origin = origins[i] if i < len(origins) else "input"
+        if isinstance(origin, tuple):  # a message of parts from several fields: (its own name, each part's field)
+            part = re.match(r"\.content\.(\d+)(.*)", m.group(2))
+            if part is None or int(part.group(1)) >= len(origin[1]):
+                return origin[0]
+            return origin[1][int(part.group(1))] + part.group(2)
+        return origin + m.group(2)
     for chat, mine in (
         ("response_format.json_schema", "text.format"),
         ("response_format", "text.format"),

@@ -218,3 +218,45 @@ def test_tokenize_and_count_tokens_count_each_images_tokens(gemma, server, clien
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted
     without = [*turns[:2], {"role": "user", "content": [{**turns[2]["content"][0], "content": "the screen:"}]}]
     assert counted > claude.messages.count_tokens(model="tiny", messages=without, tools=[tool]).input_tokens + 2
+
+
+def test_a_function_call_outputs_image_is_shown_to_the_model(gemma, client, server) -> None:
+    """The Responses API's function_call_output may hold input_image parts (a screenshot a tool took): its text is
+    the tool message, its images one user message after the tool messages, so the reply is the chat's for those
+    messages; a bad image there is named by its own field."""
+    a = image_models.png(4, (50, 60))
+    call = {"type": "function_call", "call_id": "call_1", "name": "screenshot", "arguments": "{}"}
+    output = [{"type": "input_text", "text": "the screen:"}, {"type": "input_image", "image_url": _url(a)}]
+    items = [
+        {"role": "user", "content": "what is on the screen?"},
+        call,
+        {"type": "function_call_output", "call_id": "call_1", "output": output},
+    ]
+    response = client.responses.create(model="tiny", input=items, max_output_tokens=6, temperature=0)
+    chat = [
+        {"role": "user", "content": "what is on the screen?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "the screen:"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(a)}}]},
+    ]
+    reply = client.chat.completions.create(model="tiny", messages=chat, max_tokens=6, temperature=0)
+    assert response.output_text == reply.choices[0].message.content
+    assert response.usage.input_tokens == reply.usage.prompt_tokens
+    text_only = client.responses.create(
+        model="tiny",
+        input=[*items[:2], {**items[2], "output": "the screen:"}],
+        max_output_tokens=1,
+        temperature=0,
+    )
+    assert response.usage.input_tokens > text_only.usage.input_tokens + 2  # the image's tokens
+
+    bad = [
+        *items[:2],
+        {**items[2], "output": [output[0], {"type": "input_image", "image_url": "data:image/png;base64,%%"}]},
+    ]
+    r = requests.post(f"{server}/v1/responses", json={"model": "tiny", "input": bad}, headers=auth(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.2.output.1.image_url", r.text
