@@ -905,11 +905,31 @@ class PoolingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"  # an embedding's (/pooling of an embedding model)
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
+    # vLLM's pooling tasks (default: the model's own: classify for a classifier, embed otherwise); an encoder's token
+    # heads (bge-m3's): token_embed (each token's ColBERT vector but the CLS's), token_classify (each token's sparse
+    # weight, the first and last special tokens left out), and Pylon's lexical_weights ({token id: its largest
+    # weight}, special tokens left out, as FlagEmbedding's BGEM3FlagModel returns them)
+    task: Literal["embed", "classify", "token_embed", "token_classify", "lexical_weights"] | None = None
+
+    @property
+    def pool_task(self) -> str:
+        """The engine's SamplingParams.pool_task for `task`."""
+        return {
+            "token_embed": "multi_vector",
+            "token_classify": "token_weights",
+            "lexical_weights": "token_weights",
+        }.get(self.task or "", "")
 
     def check_supported(self) -> None:
         if (self.input is None) == (self.messages is None):
             raise InvalidRequest(
                 "give either input (texts or token ids) or messages (a chat), one of them", param="input"
+            )
+        if self.pool_task and (self.dimensions is not None or self.encoding_format != "float"):
+            raise InvalidRequest(
+                f"task {self.task}: its outputs are per token, as floats; dimensions and encoding_format are a "
+                "vector's",
+                param="dimensions" if self.dimensions is not None else "encoding_format",
             )
         if self.truncate_prompt_tokens == 0:
             raise InvalidRequest(

@@ -45,7 +45,7 @@ from pylon.serving.api.http import (
 from pylon.serving.api.keys import KeyCheck
 from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.api.response_store import ResponseStore
-from pylon.serving.engine.sampling import SamplingParams
+from pylon.serving.engine.sampling import POOL_TASK_NAMES, SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
 from pylon.serving.engine.tokenization import (
     TokenTexts,
@@ -580,16 +580,30 @@ class PylonLLMServer:
         )
 
     async def _embedded(
-        self, headers: dict, model: str, inputs: list, field: str = "input", truncate: int | None = None
+        self,
+        headers: dict,
+        model: str,
+        inputs: list,
+        field: str = "input",
+        truncate: int | None = None,
+        pool_task: str = "",
     ) -> list:
         """The engine's pooled outputs (last-token hidden states; a classifier's logits) of `inputs` (texts or token
         ids), one engine request each, run in the engine's steps beside the generating requests; a bad one is an
         InvalidRequest naming `field.i`, and the others are aborted. `truncate`: each keeps its last that many tokens
-        (-1: the context's worth)."""
+        (-1: the context's worth). `pool_task`: an encoder's token outputs instead (SamplingParams.pool_task), each
+        output with the token ids they are of."""
         request_id = headers.get("x-request-id", "")
         if not REQUEST_ID.match(request_id):
             request_id = protocol.new_id("req")
-        params = self._adapter_params(SamplingParams(max_tokens=0, embed=True, truncate_prompt_tokens=truncate), model)
+        params = SamplingParams(
+            max_tokens=0,
+            embed=True,
+            truncate_prompt_tokens=truncate,
+            pool_task=pool_task,
+            return_prompt_token_ids=bool(pool_task),
+        )
+        params = self._adapter_params(params, model)
         tokenizer = self.engine.tokenizer
         inputs = [embedding_ids(tokenizer, i) if isinstance(i, str) else i for i in inputs]
         self._admit()
@@ -638,6 +652,18 @@ class PylonLLMServer:
         try:
             body = await self._request(headers, receive, protocol.PoolingRequest)
             adapter = self._adapter_of(body)
+            task = body.task
+            if classifier is not None and task in ("embed", "token_embed", "token_classify", "lexical_weights"):
+                raise InvalidRequest(
+                    f"task {task}: this model is a classifier ({classifier.describe()}); its task is classify",
+                    param="task",
+                )
+            if classifier is None and task == "classify":
+                raise InvalidRequest(
+                    "task classify: this model is not a classifier (it embeds); its tasks are embed"
+                    + "".join(f", {POOL_TASK_NAMES[t]}" for t in self.engine.generation.pool_tasks),
+                    param="task",
+                )
             if classify and classifier is None:
                 raise InvalidRequest(
                     "this model is not a classifier (a *ForSequenceClassification checkpoint, or a deployment with "
@@ -653,8 +679,10 @@ class PylonLLMServer:
                             param=name,
                         )
             ids = body.inputs(self.engine.tokenizer)
-            lasts = await self._embedded(headers, body.model, ids, truncate=body.truncate_prompt_tokens)
-            if classifier is None:
+            lasts = await self._embedded(
+                headers, body.model, ids, truncate=body.truncate_prompt_tokens, pool_task=body.pool_task
+            )
+            if classifier is None and not body.pool_task:
                 _check_dimensions(body.dimensions, lasts)
         except (HttpError, InvalidRequest, TimeoutError, EngineDeadError, RequestFailed) as e:
             return await self._refuse(send, e, adapter)
@@ -663,6 +691,9 @@ class PylonLLMServer:
         tokens = sum(last.num_prompt_tokens for last in lasts)
         data = []
         for i, last in enumerate(lasts):
+            if body.pool_task:  # an encoder's token outputs (bge-m3's token heads)
+                data.append({"index": i, "object": "pooling", "data": self._token_outputs(body.task, last)})
+                continue
             if classifier is None:  # an embedding model's vector, as /v1/embeddings gives it
                 vector = protocol.embedding_data(i, last.embedding, body.dimensions, body.encoding_format)["embedding"]
                 data.append({"index": i, "object": "pooling", "data": vector})
@@ -687,6 +718,25 @@ class PylonLLMServer:
             },
         }
         await send_json(send, 200, answer)
+
+    def _token_outputs(self, task: str, last) -> list | dict:
+        """A token task's outputs as /pooling answers them: token_embed, each token's vector (the CLS's left out by
+        the engine); token_classify, each token's [weight], a special first and last token left out (vLLM's); and
+        lexical_weights, {token id: its largest weight} over the tokens that are not special, weights above 0 only
+        (FlagEmbedding's)."""
+        if task == "token_embed":
+            return last.embedding
+        special = special_token_ids(self.engine.tokenizer)
+        ids, weights = last.prompt_token_ids, last.embedding
+        if task == "token_classify":
+            first = 1 if ids and ids[0] in special else 0
+            end = len(ids) - 1 if len(ids) > first and ids[-1] in special else len(ids)
+            return [[w] for w in weights[first:end]]
+        lexical: dict[str, float] = {}
+        for token, w in zip(ids, weights):
+            if token not in special and w > lexical.get(str(token), 0.0):
+                lexical[str(token)] = w
+        return lexical
 
     async def _rerank(self, scope, receive, send) -> None:
         """vLLM's rerank API: each document's relevance to the query, the best first (`top_n` of them): a

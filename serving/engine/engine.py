@@ -38,7 +38,7 @@ from pylon.serving.engine.images import PROCESSOR_FILES, ImageInputs, ImageProce
 from pylon.serving.engine.kv_cache import KVBlockPool, StateSnapshots, cache_salt
 from pylon.serving.engine.pooling import read_classifier
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
-from pylon.serving.engine.sampling import SamplingParams, sample, shape_logits, token_logprobs
+from pylon.serving.engine.sampling import POOL_TASK_NAMES, SamplingParams, sample, shape_logits, token_logprobs
 from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
 from pylon.serving.engine.tokenization import (
@@ -256,6 +256,8 @@ class LLMEngine:
             )
             if self.snapshots is not None:  # the server names where a chat's shared part ends (snapshot_at)
                 self.generation = dataclasses.replace(self.generation, snapshots=True)
+            if getattr(self.runner, "pool_tasks", ()):  # an encoder's token heads (bge-m3's)
+                self.generation = dataclasses.replace(self.generation, pool_tasks=self.runner.pool_tasks)
             if self.runner.classifier is not None:  # what its logits mean (engine/pooling.py), for the HTTP layer
                 classifier = read_classifier(
                     directory, self.runner.config, from_tokens=tuple(spec.classifier_from_token)
@@ -387,6 +389,13 @@ class LLMEngine:
             raise InvalidRequest(
                 "this model is an encoder's embedding model: it generates no text; send its inputs to /v1/embeddings",
                 param="model",
+            )
+        if params.pool_task and params.pool_task not in self.generation.pool_tasks:
+            offered = ", ".join(POOL_TASK_NAMES[t] for t in self.generation.pool_tasks) or "none"
+            raise InvalidRequest(
+                f"task {POOL_TASK_NAMES[params.pool_task]}: this model has no such token head (bge-m3's ship "
+                f"colbert_linear.pt and sparse_linear.pt beside the weights); its token tasks: {offered}",
+                param="task",
             )
         if self.generation.classifier is not None and not params.embed:
             raise InvalidRequest(
@@ -622,6 +631,7 @@ class LLMEngine:
                 ),
                 s.request.adapter,
                 s.request.params.embed,
+                pool_task=s.request.params.pool_task,
                 **(self._image_step(s.request, s.start, s.num_new_tokens) if s.request.images is not None else {}),
                 state=s.request.request_id if recurrent else None,
                 speculative=s.num_draft > 0,
@@ -634,7 +644,8 @@ class LLMEngine:
             self._snapshot_states(batch.scheduled)
         if pooled is not None:  # embedding requests whose prompt this step finished: their rows are not logits
             embedded = [s.request for s in batch.scheduled if s.samples and s.request.params.embed]
-            outputs.extend(self._finish_embedded(r, row) for r, row in zip(embedded, pooled.cpu()))
+            rows = pooled.cpu() if hasattr(pooled, "cpu") else [p.cpu() for p in pooled]  # (a list: token outputs)
+            outputs.extend(self._finish_embedded(r, row) for r, row in zip(embedded, rows))
         self._step_rows = logits.shape[0]
         draft_rows: dict[str, object] = {}  # a speculating request's rows: its last token's and each draft's
         if any(step.prompt_logits for step in steps):

@@ -70,6 +70,8 @@ class GenerationConfig:
     # The engine keeps its recurrent layers' states where a request asks (SamplingParams.snapshot_at): a model with
     # recurrent layers, with the prefix cache (kv_cache.StateSnapshots)
     snapshots: bool = False
+    # An encoder's token heads (SamplingParams.pool_task): "multi_vector" (ColBERT), "token_weights" (sparse)
+    pool_tasks: tuple[str, ...] = ()
 
     def default_params(self) -> SamplingParams:
         """The SamplingParams of a request that gives none: SamplingParams' own defaults under the model's. A

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     import torch
 
 
+POOL_TASKS = ("", "multi_vector", "token_weights")  # SamplingParams.pool_task's values
+POOL_TASK_NAMES = {"multi_vector": "token_embed", "token_weights": "token_classify"}  # as /pooling's task names them
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """One token's log-probability under the model (log-softmax of the fp32 logits, before temperature, top-p and
@@ -117,6 +121,10 @@ class SamplingParams:
     adapter_path: str | None = None
     add_special_tokens: bool = False
     embed: bool = False
+    # With embed: what comes back beside a model's one vector, from an encoder's token heads (bge-m3's, see
+    # pylon.serving.model.encoder): "multi_vector", each token's ColBERT vector but the first's; "token_weights", each
+    # token's sparse (lexical) weight. "": the one vector.
+    pool_task: str = ""
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
@@ -160,6 +168,12 @@ class SamplingParams:
                         f"an embedding request generates nothing: {name} must be {neutral} (got {getattr(self, name)})",
                         param=name,
                     )
+        if self.pool_task not in POOL_TASKS or self.pool_task and not self.embed:
+            raise InvalidRequest(
+                f"pool_task must be one of {', '.join(map(repr, POOL_TASKS))}, with embed "
+                f"(got {shown(self.pool_task)})",
+                param="task",
+            )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1 and not (self.max_tokens == 0 and (self.prompt_logprobs is not None or self.embed)):

@@ -11,6 +11,14 @@ mask and, for a BERT pair, its segments: 0 up to the first [SEP], 1 after), and 
 classifier's output, or its vector the pooled last hidden states. The engine keeps a prompt whole
 (`Scheduler(whole_prompts=True)`), refuses one longer than a step's token budget, and shares no prefix cache.
 
+bge-m3 is three models in one checkpoint: beside its dense vector (CLS pooling) it ships two token heads as PyTorch
+files, `colbert_linear.pt` (hidden -> ColBERT dimension: a vector per token for late interaction) and
+`sparse_linear.pt` (hidden -> 1: a lexical weight per token). Where they are, the runner loads them and a pooled
+request may ask for its tokens' outputs instead (`SamplingParams.pool_task`, FlagEmbedding's formulas):
+"multi_vector", each token's ColBERT vector but the first's (the CLS), L2-normalised; "token_weights", each token's
+relu(sparse_linear(hidden)) (the HTTP layer keeps a token id's largest weight, leaving out the special tokens, as
+FlagEmbedding's `lexical_weights` do).
+
 `EncoderRunner` has the part of `ModelRunner`'s interface the engine calls for pooled requests.
 """
 
@@ -71,6 +79,35 @@ def _position_offset(model) -> int:
     return 0
 
 
+TOKEN_HEADS = {"multi_vector": "colbert_linear.pt", "token_weights": "sparse_linear.pt"}  # bge-m3's files
+
+
+def _token_heads(model_dir: str, hidden: int) -> dict[str, torch.nn.Linear]:
+    """The token heads a checkpoint ships (TOKEN_HEADS), by pool task: each file a Linear's state dict over the
+    encoder's hidden size (read as tensors only: a .pt file runs no code here)."""
+    import os
+
+    heads = {}
+    for task, name in TOKEN_HEADS.items():
+        path = os.path.join(model_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            weight, bias = state["weight"], state.get("bias")
+            if weight.dim() != 2 or weight.shape[1] != hidden or (task == "token_weights" and weight.shape[0] != 1):
+                raise ValueError(f"a weight of {tuple(weight.shape)}")
+        except Exception as e:
+            raise PylonError(
+                f"model {model_dir}: {name} is not a linear layer over the encoder's {hidden} hidden features "
+                f"({type(e).__name__}: {str(e)[:200]}); fix or remove the file"
+            ) from None
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        head.load_state_dict(state)
+        heads[task] = head
+    return heads
+
+
 class EncoderRunner:
     recurrent = False
     vision = None
@@ -97,6 +134,11 @@ class EncoderRunner:
         except Exception as e:
             raise PylonError(weights_failure(model_dir, e)) from e
         self.model.to(self.device).eval()
+        # An embedding model's token heads (bge-m3's ColBERT and sparse ones), by pool task
+        self.heads = {} if self.pooling is None else _token_heads(model_dir, config.hidden_size)
+        for head in self.heads.values():
+            head.to(self.device, self.dtype).eval()
+        self.pool_tasks = tuple(sorted(self.heads))
         # (the engine reads a runner with a classifier as one)
         self.classifier = self.model if self.pooling is None else None
         self.vocab_size = config.vocab_size
@@ -144,4 +186,17 @@ class EncoderRunner:
         else:  # the mean over each input's own tokens (its mask), as sentence-transformers' Pooling computes it
             weights = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
-        return torch.empty(0, self.vocab_size, device=self.device), pooled.float()
+        none = torch.empty(0, self.vocab_size, device=self.device)
+        if not any(s.pool_task for s in steps):
+            return none, pooled.float()
+        # Some want their tokens' outputs: one tensor per sequence, of its own length
+        rows = []
+        for row, s in enumerate(steps):
+            if s.pool_task == "multi_vector":  # every token's but the CLS's, normalised (FlagEmbedding's colbert_vecs)
+                vectors = self.heads[s.pool_task](hidden[row, 1 : s.num_new_tokens]).float()
+                rows.append(torch.nn.functional.normalize(vectors, dim=-1))
+            elif s.pool_task == "token_weights":  # every token's relu(sparse_linear(hidden))
+                rows.append(torch.relu(self.heads[s.pool_task](hidden[row, : s.num_new_tokens])).float()[:, 0])
+            else:
+                rows.append(pooled[row].float())
+        return none, rows

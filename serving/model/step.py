@@ -23,6 +23,8 @@ class StepSequence:
     # The sequence is embedded, not sampled: when it `samples` (its prompt's last chunk), its last token's final
     # hidden state (after the last norm) is returned instead of logits (`ModelRunner.execute_step`).
     pooled: bool = False
+    # A pooled sequence of an encoder with token heads: its tokens' outputs instead (SamplingParams.pool_task)
+    pool_task: str = ""
     # Images (pylon.serving.engine.images): the offsets among this step's tokens whose embeddings are `image_embeds`'
     # rows (the vision tower's, `[len(image_rows), hidden]`) in place of their placeholder tokens', and the runs of
     # positions attended both ways (Gemma 3's images) that the step reaches into.

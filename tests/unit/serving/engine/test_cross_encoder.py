@@ -131,15 +131,17 @@ def test_a_cross_encoder_reranks_over_http(tmp_path) -> None:
         assert r.json()["usage"]["prompt_tokens"] == tokens
 
 
-def save_embedder(directory, pooling: str | None, extra_module: bool = False):
-    """A tiny random BERT embedding model (no head), with sentence-transformers files naming `pooling` (None: none)."""
+def save_embedder(directory, pooling: str | None, extra_module: bool = False, model_type: str = "bert"):
+    """A tiny random BERT (or `model_type`) embedding model (no head), with sentence-transformers files naming
+    `pooling` (None: none)."""
     import json
 
-    _, tokenizer = save(directory, "bert")  # its vocabulary and tokenizer files
+    _, tokenizer = save(directory, model_type)  # its vocabulary and tokenizer files
     for name in ("config.json", "model.safetensors"):
         (directory / name).unlink()
+    positions = {} if model_type == "bert" else {"max_position_embeddings": 514, "type_vocab_size": 1}
     config = AutoConfig.for_model(
-        "bert",
+        model_type,
         vocab_size=len(tokenizer),
         hidden_size=32,
         num_hidden_layers=2,
@@ -147,6 +149,7 @@ def save_embedder(directory, pooling: str | None, extra_module: bool = False):
         intermediate_size=64,
         pad_token_id=0,
         initializer_range=0.5,
+        **positions,
     )
     torch.manual_seed(1)
     from transformers import AutoModel
@@ -214,6 +217,89 @@ def test_an_encoders_embeddings_over_http(tmp_path) -> None:
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         refused = requests.post(f"{url}/v1/chat/completions", headers=auth(), json=chat, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
+def save_m3(directory):
+    """A tiny bge-m3: an XLM-RoBERTa embedding model pooled by its CLS token, with bge-m3's two token heads beside its
+    weights as it ships them (colbert_linear.pt: hidden -> 24, sparse_linear.pt: hidden -> 1)."""
+    model, tokenizer = save_embedder(directory, "cls", model_type="xlm-roberta")
+    torch.manual_seed(2)
+    colbert, sparse = torch.nn.Linear(32, 24), torch.nn.Linear(32, 1)
+    torch.save(colbert.state_dict(), directory / "colbert_linear.pt")
+    torch.save(sparse.state_dict(), directory / "sparse_linear.pt")
+    return model, tokenizer, colbert, sparse
+
+
+def m3_reference(model, tokenizer, colbert, sparse, text: str) -> tuple[torch.Tensor, torch.Tensor, dict, list]:
+    """FlagEmbedding's BGEM3FlagModel outputs for `text`, computed here: the dense vector (the CLS state,
+    normalised), the ColBERT vectors (every token's but the CLS's, normalised), the lexical weights (each token id's
+    largest relu(sparse) weight, CLS, SEP, PAD and UNK left out, weights above 0) and every token's weight."""
+    with torch.no_grad():
+        encoded = tokenizer(text, return_tensors="pt")
+        hidden = model(**encoded).last_hidden_state[0]
+        weights = torch.relu(sparse(hidden))[:, 0]
+        vectors = torch.nn.functional.normalize(colbert(hidden[1:]), dim=-1)
+    unused = {tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    lexical: dict[str, float] = {}
+    for token, w in zip(encoded["input_ids"][0].tolist(), weights.tolist()):
+        if token not in unused and w > lexical.get(str(token), 0):
+            lexical[str(token)] = w
+    dense = hidden[0] / hidden[0].norm()
+    return dense, vectors, lexical, weights.tolist()
+
+
+def test_bge_m3s_dense_sparse_and_multi_vector_outputs_over_http(tmp_path) -> None:
+    """bge-m3's three outputs from one deployment, each as FlagEmbedding computes it: /v1/embeddings its dense
+    vectors; /pooling with task token_embed its ColBERT vectors, token_classify its tokens' sparse weights (the CLS and
+    the last SEP left out, vLLM's), and lexical_weights FlagEmbedding's {token id: weight}; a model without the heads
+    refuses the token tasks naming task, and a task and a vector's settings do not mix."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "api"))
+    from test_serving_http import auth, serving
+
+    model, tokenizer, colbert, sparse = save_m3(tmp_path / "m3")
+    texts = ["what is the capital of france", "paris paris hello world"]
+    with serving(str(tmp_path / "m3"), max_num_batched_tokens=64, max_model_len=128, kv_cache_tokens=1024) as (url, _):
+
+        def pool(task: str, **extra):
+            body = {"model": "tiny", "input": texts, "task": task, **extra}
+            return requests.post(f"{url}/pooling", headers=auth(), json=body, timeout=60)
+
+        dense = requests.post(
+            f"{url}/v1/embeddings", headers=auth(), json={"model": "tiny", "input": texts}, timeout=60
+        )
+        vectors, weights, lexical = pool("token_embed"), pool("token_classify"), pool("lexical_weights")
+        for r in (dense, vectors, weights, lexical):
+            assert r.status_code == 200, r.text
+        for i, text in enumerate(texts):
+            want_dense, want_vectors, want_lexical, want_weights = m3_reference(model, tokenizer, colbert, sparse, text)
+            assert torch.allclose(torch.tensor(dense.json()["data"][i]["embedding"]), want_dense, atol=1e-5)
+            got = torch.tensor(vectors.json()["data"][i]["data"])
+            assert got.shape == want_vectors.shape and torch.allclose(got, want_vectors, atol=1e-5), text
+            got = [w for (w,) in weights.json()["data"][i]["data"]]
+            assert len(got) == len(want_weights) - 2  # the CLS and the SEP left out
+            assert all(abs(g - w) < 1e-5 for g, w in zip(got, want_weights[1:-1])), text
+            got = lexical.json()["data"][i]["data"]
+            assert got.keys() == want_lexical.keys() and all(abs(got[k] - want_lexical[k]) < 1e-5 for k in got)
+        assert lexical.json()["usage"]["prompt_tokens"] == sum(len(tokenizer(t)["input_ids"]) for t in texts)
+        for extra, param in (({"dimensions": 8}, "dimensions"), ({"encoding_format": "base64"}, "encoding_format")):
+            r = pool("token_embed", **extra)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = pool("classify")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "task", r.text
+        assert "token_classify" in r.json()["error"]["message"]  # (the tasks it has, named)
+
+    save_embedder(tmp_path / "plain", "cls")
+    with serving(str(tmp_path / "plain"), max_num_batched_tokens=64, max_model_len=128, kv_cache_tokens=1024) as (
+        url,
+        _,
+    ):
+        body = {"model": "tiny", "input": "paris", "task": "token_embed"}
+        r = requests.post(f"{url}/pooling", headers=auth(), json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "task", r.text
+        assert "colbert_linear.pt" in r.json()["error"]["message"]
 
 
 def tiny(model_type: str, vocab_size: int, **fields):
