@@ -166,12 +166,17 @@ class PackedGroup:
 
 
 def read_documents(
-    file: SourceFile, text_field: str = "text", chat: bool = False, prompt_completion: bool = False
+    file: SourceFile,
+    text_field: str = "text",
+    chat: bool = False,
+    prompt_completion: bool = False,
+    preference: bool = False,
 ) -> list | None:
     """The documents in `file`; None when a text file is not UTF-8 (the caller skips and counts it). `chat`: each
     JSONL record's `text_field` is a conversation (a list of messages, each with a role), returned as
     (line number, messages, the record's `tools` or None). `prompt_completion`: each JSONL record's `prompt` and
-    `completion` strings, returned as (line number, prompt, completion)."""
+    `completion` strings, returned as (line number, prompt, completion). `preference`: each JSONL record's `prompt`,
+    `chosen` and `rejected` strings, returned as (line number, prompt, chosen, rejected)."""
     try:
         data = storage.read_bytes(file.uri)
     except StorageError as e:
@@ -179,11 +184,9 @@ def read_documents(
     if not file.jsonl:
         if chat:
             raise DataError(f"{file.uri}: a chat dataset is JSON Lines, one conversation per line ({text_field!r})")
-        if prompt_completion:
-            raise DataError(
-                f"{file.uri}: a prompt-completion dataset is JSON Lines, one record per line with 'prompt' and "
-                "'completion' strings"
-            )
+        if prompt_completion or preference:
+            fields = "'prompt', 'chosen' and 'rejected'" if preference else "'prompt' and 'completion'"
+            raise DataError(f"{file.uri}: this dataset is JSON Lines, one record per line with {fields} strings")
         try:
             return [data.decode("utf-8")]
         except UnicodeDecodeError:
@@ -197,8 +200,9 @@ def read_documents(
             obj = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{file.uri}: line {lineno}: not a JSON object ({e})") from None
-        if prompt_completion:
-            docs.append((lineno, *_prompt_completion(obj, f"{file.uri}: line {lineno}")))
+        if prompt_completion or preference:
+            keys = ("prompt", "chosen", "rejected") if preference else ("prompt", "completion")
+            docs.append((lineno, *_prompt_completion(obj, f"{file.uri}: line {lineno}", keys)))
             continue
         if not isinstance(obj, dict) or text_field not in obj:
             has = f"has {sorted(obj)[:8]}" if isinstance(obj, dict) else f"is a {type(obj).__name__}"
@@ -219,18 +223,20 @@ def read_documents(
     return docs
 
 
-def _prompt_completion(obj, where: str) -> tuple[str, str]:
-    """A record's (prompt, completion): both strings, the completion not empty (it is what the model learns)."""
+def _prompt_completion(obj, where: str, keys: tuple[str, ...] = ("prompt", "completion")) -> tuple[str, ...]:
+    """A record's `keys` (prompt and completion; a preference pair's prompt, chosen and rejected): all strings, the
+    completions not empty (they are what the model learns from)."""
     if not isinstance(obj, dict):
-        raise DataError(f"{where}: a record is an object with 'prompt' and 'completion' strings")
-    for key in ("prompt", "completion"):
+        raise DataError(f"{where}: a record is an object with {' and '.join(map(repr, keys))} strings")
+    for key in keys:
         if key not in obj:
             raise DataError(f"{where}: no {key!r} field (has {sorted(obj)[:8]})")
         if not isinstance(obj[key], str):
             raise DataError(f"{where}: {key} is a {type(obj[key]).__name__}, not a string")
-    if not obj["completion"]:
-        raise DataError(f"{where}: completion is empty: nothing in it to learn")
-    return obj["prompt"], obj["completion"]
+    for key in keys[1:]:
+        if not obj[key]:
+            raise DataError(f"{where}: {key} is empty: nothing in it to learn from")
+    return tuple(obj[key] for key in keys)
 
 
 def _messages(value, where: str) -> list[dict]:
@@ -256,13 +262,17 @@ def pack_group(
     chat: bool = False,
     packing: str = "wrapped",
     prompt_completion: bool = False,
+    preference: bool = False,
 ) -> PackedGroup:
     """Tokenize a group's documents (each followed by eos) and pack them into rows of seq_len (`packing`: "wrapped"
     cuts their concatenation, "bfd" keeps each whole in one row, `pack_whole`). `chat`: each document is a
     conversation, rendered by the tokenizer's chat template, its tokens outside the assistant's replies stored as
     -(id + 1) (`chat_tokens`), no eos added (the template ends each turn). `prompt_completion`: each document is a
     prompt (tokenized with the special tokens the tokenizer adds, as a completions request's prompt is) and its
-    completion (then eos), stored as a conversation is, the completion and its eos the reply.
+    completion (then eos), stored as a conversation is, the completion and its eos the reply. `preference`: each
+    record is two such documents, its prompt with the chosen completion then with the rejected one, kept together
+    in one piece (so in one row, chosen first: `pylon.jobs.dpo` reads them as pairs); a pair longer than a row is
+    left out and counted (cut, its rejected completion would be lost).
 
     Takes the tokenizer's spec, not the object, so that it can run as a Ray task on any node.
     """
@@ -270,23 +280,31 @@ def pack_group(
     pieces: list[np.ndarray] = []
     documents = 0
     skipped: list[str] = []
+    dropped: list[int] = []  # preference pairs longer than a row: their lengths
     if chat and not hasattr(tok, "encode_chat"):
         raise DataError(
             f"tokenizer {tok.info.name}: a chat dataset needs a Hugging Face tokenizer directory with a chat template"
         )
     for file in files:
-        docs = read_documents(file, text_field, chat, prompt_completion)
+        docs = read_documents(file, text_field, chat, prompt_completion, preference)
         if docs is None:
             # Skipped and counted rather than fatal: real corpora (the Python standard library included)
             # hold a few files in legacy encodings; one of them should not sink a run over millions, and
             # the manifest's `skipped_files` plus a warning naming each file keep the choice visible.
             skipped.append(file.uri)
             continue
-        if prompt_completion:
-            for _, prompt, completion in docs:
+        if prompt_completion or preference:
+            for _, prompt, *completions in docs:
                 context = tok.encode(prompt, special=True)
-                ids = np.concatenate([context, tok.encode(completion), [tok.eos_id]]).astype(np.int64)
-                pieces.append(chat_tokens(ids, np.arange(ids.size) >= context.size))
+                piece = []
+                for completion in completions:  # (a preference pair: chosen, then rejected)
+                    ids = np.concatenate([context, tok.encode(completion), [tok.eos_id]]).astype(np.int64)
+                    piece.append(chat_tokens(ids, np.arange(ids.size) >= context.size))
+                piece = np.concatenate(piece)
+                if preference and piece.size > seq_len:
+                    dropped.append(piece.size)
+                    continue
+                pieces.append(piece)
                 documents += 1
             continue
         if chat:
@@ -310,6 +328,7 @@ def pack_group(
             documents += 1
     if packing == "bfd":
         tokens, num_tokens, truncated, cut = pack_whole(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
+        truncated, cut = truncated + len(dropped), cut + sum(dropped)  # (a dropped pair: all its tokens)
         return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256, truncated, cut)
     tokens, num_tokens = pack(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
     return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256)
@@ -457,6 +476,7 @@ class _Job:
     progress: bool
     packing: str = "wrapped"
     prompt_completion: bool = False
+    preference: bool = False
 
 
 @dataclass
@@ -486,6 +506,7 @@ def prepare(
     chat: bool = False,
     packing: str = "auto",
     prompt_completion: bool = False,
+    preference: bool = False,
 ) -> ShardManifest:
     """Tokenize `sources` into fixed-length shards plus a manifest at `out`; returns the committed manifest.
 
@@ -496,7 +517,10 @@ def prepare(
     only (supervised fine-tuning: `pack_group`, `ShardManifest.loss_mask`). `packing`: "wrapped" (documents one
     after another, cut into rows wherever a row ends), "bfd" (each document whole in one row, `pack_whole`; longer
     ones cut to a row), "auto": bfd for `chat` and `prompt_completion`, wrapped otherwise. `prompt_completion`: each
-    JSONL record's `prompt` and `completion`, the loss on the completion (and its eos) only.
+    JSONL record's `prompt` and `completion`, the loss on the completion (and its eos) only. `preference`: each
+    JSONL record's `prompt`, `chosen` and `rejected` (TRL's preference format, for `objective: dpo`): the two
+    completions after the prompt as two documents in one row, chosen first (bfd packing only; a pair longer than a
+    row is left out and counted).
     """
     started = time.perf_counter()
     if isinstance(sources, str):
@@ -504,11 +528,14 @@ def prepare(
     _check_arguments(sources, fmt, seq_len, shard_size_mb)
     if packing not in PACKINGS:
         raise DataError(f"packing {packing!r}: must be one of {', '.join(PACKINGS)}")
-    if chat and prompt_completion:
+    if chat + prompt_completion + preference > 1:
         raise DataError(
-            "chat and prompt_completion: choose one (a record is a conversation or a prompt-completion pair)"
+            "chat, prompt_completion and preference: choose one (a record is a conversation, a prompt-completion "
+            "pair or a preference pair)"
         )
-    masked = chat or prompt_completion  # the loss on part of each document: `chat_tokens`' signed words
+    if preference and packing == "wrapped":
+        raise DataError("packing wrapped: a preference pair must stay whole in one row; use bfd (or auto)")
+    masked = chat or prompt_completion or preference  # the loss on part of each document: `chat_tokens`' words
     if packing == "auto":
         packing = "bfd" if masked else "wrapped"
     tok = load_tokenizer(tokenizer)
@@ -535,6 +562,7 @@ def prepare(
         progress=progress,
         packing=packing,
         prompt_completion=prompt_completion,
+        preference=preference,
     )
     executor = _ray_executor(use_ray, [*sources, out] + ([] if tokenizer == "byte" else [tokenizer]))
     log.info(
@@ -578,7 +606,8 @@ def prepare(
             run_id=job.run_id,
             loss_mask=masked,
             document_starts=masked,
-            prompt_completion=prompt_completion,
+            prompt_completion=prompt_completion or preference,
+            preference=preference,
         )
         manifest.check(out)
         storage.atomic_write_json(manifest_uri(out), manifest.model_dump(mode="json"))  # the commit
@@ -594,7 +623,16 @@ def prepare(
         log.warning("skipped %s: not UTF-8 text", uri)
     if len(outcome.skipped) > 20:
         log.warning("skipped %d more file(s) that are not UTF-8 text", len(outcome.skipped) - 20)
-    if outcome.truncated:
+    if outcome.truncated and preference:
+        log.warning(
+            "%d of %d preference pairs longer than seq_len %d together were left out (%d tokens); a longer seq_len "
+            "keeps them",
+            outcome.truncated,
+            outcome.documents + outcome.truncated,
+            seq_len,
+            outcome.truncated_tokens,
+        )
+    elif outcome.truncated:
         log.warning(
             "%d of %d %s longer than seq_len %d were cut to it (%d tokens left out); a longer seq_len keeps them "
             "whole, packing wrapped keeps every token (cut across rows)",
@@ -633,6 +671,7 @@ def prepare_spec(spec: DatasetSpec, **kw) -> ShardManifest:
         chat=spec.chat,
         packing=spec.packing,
         prompt_completion=spec.prompt_completion,
+        preference=spec.preference,
         **kw,
     )
 
@@ -739,6 +778,7 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
                 chat=job.chat,
                 packing=job.packing,
                 prompt_completion=job.prompt_completion,
+                preference=job.preference,
             )
             outcome.documents += group.documents
             outcome.truncated += group.truncated
@@ -936,6 +976,7 @@ def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np
         chat=job.chat,
         packing=job.packing,
         prompt_completion=job.prompt_completion,
+        preference=job.preference,
     )
     meta = {
         "rows": group.rows,

@@ -125,6 +125,9 @@ class ShardManifest(_Model):
     # A prompt-completion dataset (`pylon data prepare --prompt-completion`): stored as a chat dataset is, each
     # record's completion (and its eos) the part the loss counts
     prompt_completion: bool = False
+    # A preference dataset (`pylon data prepare --preference`, for `objective: dpo`): stored as a prompt-completion
+    # dataset is, each record two documents in one row, its prompt with the chosen completion then with the rejected
+    preference: bool = False
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -144,7 +147,9 @@ class ShardManifest(_Model):
             f"{t.tokens:,} tokens from {t.documents:,} documents, {t.bytes / 2**20:.1f} MiB; "
             f"tokenizer {self.tokenizer.kind}:{self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
             + (
-                "; prompts and completions, the loss on the completions"
+                "; preference pairs (a prompt, its chosen and its rejected completion)"
+                if self.preference
+                else "; prompts and completions, the loss on the completions"
                 if self.prompt_completion
                 else "; conversations, the loss on the assistant's replies"
                 if self.loss_mask

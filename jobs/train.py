@@ -77,6 +77,7 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
             f"data.seq_len is {spec.data.seq_len} but {spec.data.uri} was prepared with seq_len {manifest.seq_len}"
         )
     separate_documents(spec.attention_mask, manifest, f"data.uri {spec.data.uri}")
+    check_objective(spec, manifest)
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
     from pylon.jobs.ledger import LEDGER_FILE, SessionRecorder
 
@@ -195,6 +196,15 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
     storage.atomic_write_json(uri, {"spec": now, "tokenizer": tokenizer, "updated_at": time.time()})
 
 
+def check_objective(spec: TrainJobSpec, manifest) -> None:
+    """objective dpo trains on preference pairs: a PylonError naming data.uri for a dataset of anything else."""
+    if spec.objective == "dpo" and not manifest.preference:
+        raise PylonError(
+            f"objective dpo: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, chosen and "
+            "rejected with `pylon data prepare --preference`"
+        )
+
+
 def train_loop(config: dict) -> None:
     import random
 
@@ -211,6 +221,7 @@ def train_loop(config: dict) -> None:
     from pylon.data.shards import separate_documents
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.jobs.dpo import dpo_forward, dpo_record
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
@@ -243,6 +254,8 @@ def train_loop(config: dict) -> None:
         )
     tok = stream.manifest.tokenizer
     documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")
+    check_objective(spec, stream.manifest)
+    dpo = spec.objective == "dpo"  # (pylon.jobs.dpo)
     ds_config = build_deepspeed_config(spec, world_size=world)
     if spec.scaling.use_gpu and spec.deepspeed.offload_optimizer == "none":
         _torch_adam_unless_fused_adam_builds(ds_config, rank)
@@ -335,6 +348,7 @@ def train_loop(config: dict) -> None:
         t_step = time.perf_counter()
         step_started_at = time.time()
         wait_s, loss_sum, tokens_sum, aux_sum, aux_n = 0.0, 0.0, 0, 0.0, 0
+        pairs_sum, dpo_sums = 0, [0.0, 0.0, 0.0]  # objective dpo: pairs; chosen and rejected rewards, correct pairs
         for _ in range(gas):
             batch = next(batches)
             wait_s += batch.wait_s
@@ -343,7 +357,16 @@ def train_loop(config: dict) -> None:
                 if len(batch)
                 else _padding_batch(stream, device)
             )
-            loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef, chunked=chunked)
+            if dpo:
+                loss_t, pairs, n_tokens, stats, _ = dpo_forward(
+                    engine, engine.module, inputs, spec.dpo_beta, f"data.uri {spec.data.uri}", model_inputs
+                )
+                loss, local_sum = _global_mean_loss(loss_t, pairs, world)
+                aux = None
+                pairs_sum += pairs
+                dpo_sums = [a + b for a, b in zip(dpo_sums, stats)]
+            else:
+                loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef, chunked=chunked)
             engine.backward(loss)
             engine.step()
             loss_sum += local_sum
@@ -358,7 +381,9 @@ def train_loop(config: dict) -> None:
         skipped = spec.precision == "fp16" and not engine.was_step_applied()
         # On the device the process group reduces on: NCCL reduces CUDA tensors only, gloo CPU ones.
         totals = torch.tensor(
-            [loss_sum, float(tokens_sum), *moved(), aux_sum, float(aux_n)], dtype=torch.float64, device=device
+            [loss_sum, float(tokens_sum), *moved(), aux_sum, float(aux_n), float(pairs_sum), *dpo_sums],
+            dtype=torch.float64,
+            device=device,
         )
         if dist.is_initialized():
             dist.all_reduce(totals)
@@ -368,7 +393,8 @@ def train_loop(config: dict) -> None:
         tokens_seen += global_tokens
         record = {
             "step": step,
-            "loss": totals[0].item() / max(global_tokens, 1),
+            # the mean over the global batch's tokens; objective dpo: over its pairs
+            "loss": totals[0].item() / max(totals[7].item() if dpo else global_tokens, 1),
             "lr": float(engine.get_lr()[0]) if engine.get_lr() else 0.0,
             "tokens": global_tokens,
             "tokens_seen": tokens_seen,
@@ -379,6 +405,8 @@ def train_loop(config: dict) -> None:
             "peak_memory_bytes": _peak_memory_bytes(device),
             "epoch": stream.position.epoch,
         }
+        if dpo:  # the pairs' rewards, margin and accuracy (TRL's figures)
+            record.update(dpo_record(*totals[[0, 7, 8, 9, 10]].tolist()))
         if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean
             record["router_aux_loss"] = totals[5].item() / max(totals[6].item(), 1.0)
         if spec.precision == "fp16":
@@ -400,7 +428,13 @@ def train_loop(config: dict) -> None:
             t0 = time.perf_counter()
             metrics.write_eval(
                 _evaluate(
-                    engine, val_stream, step, max_batches=spec.eval.max_batches, documents=documents, chunked=chunked
+                    engine,
+                    val_stream,
+                    step,
+                    max_batches=spec.eval.max_batches,
+                    documents=documents,
+                    chunked=chunked,
+                    dpo_beta=spec.dpo_beta if dpo else None,
                 )
             )
             outside_s += time.perf_counter() - t0
@@ -692,12 +726,20 @@ def reduce_eval(
 
 
 def _evaluate(
-    engine, val_stream, step: int, *, max_batches: int = 0, documents: bool = False, chunked: bool = False
+    engine,
+    val_stream,
+    step: int,
+    *,
+    max_batches: int = 0,
+    documents: bool = False,
+    chunked: bool = False,
+    dpo_beta: float | None = None,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
-    it), in eval mode without gradients; returns its `metrics.jsonl` record. Every rank takes part with the
-    same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of
-    the split (the stream pads a short part with empty batches, which run as all-padding rows)."""
+    it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_beta` (objective dpo): the
+    held-out pairs' DPO figures too (`val_dpo_*`), the completions' tokens being what val_loss counts. Every rank
+    takes part with the same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads
+    its own part of the split (the stream pads a short part with empty batches, which run as all-padding rows)."""
     import torch
 
     from pylon.data.reader import DataPosition
@@ -709,6 +751,7 @@ def _evaluate(
     val_stream.position = DataPosition()  # the same sequences every time: the split from its start
     batches = val_stream.epoch()
     loss_sum, tokens, sequences = 0.0, 0, 0
+    dpo_sums = [0.0] * 5  # objective dpo: pairs' loss, pairs, chosen and rejected rewards, correct pairs
     engine.eval()
     try:
         with torch.no_grad():
@@ -719,7 +762,16 @@ def _evaluate(
                     if len(batch)
                     else _padding_batch(val_stream, device)
                 )
-                part, n, _ = forward_loss(engine, inputs, chunked)
+                if dpo_beta is not None:
+                    from pylon.jobs.dpo import dpo_forward
+
+                    pair_loss, pairs, _, stats, out = dpo_forward(
+                        engine, engine.module, inputs, dpo_beta, "the validation split", model_inputs
+                    )
+                    dpo_sums = [a + b for a, b in zip(dpo_sums, [float(pair_loss.item()), pairs, *stats])]
+                    part, n = token_loss_sum(out.logits, inputs["labels"])
+                else:
+                    part, n, _ = forward_loss(engine, inputs, chunked)
                 loss_sum += float(part.item())
                 tokens += n
                 sequences += len(batch)
@@ -727,7 +779,15 @@ def _evaluate(
         batches.close()
         engine.train()
     loss_sum, tokens, sequences, n_batches = reduce_eval(loss_sum, tokens, sequences, n_batches, device=device)
-    return eval_record(
+    extra = {}
+    if dpo_beta is not None:
+        from pylon.jobs.dpo import dpo_record
+
+        sums = torch.tensor(dpo_sums, dtype=torch.float64, device=device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        extra = dpo_record(*sums.tolist(), prefix="val_")
+    return extra | eval_record(
         step,
         loss_sum=loss_sum,
         tokens=tokens,

@@ -138,6 +138,11 @@ class DatasetSpec(_Spec):
         description="JSONL of {'prompt': ..., 'completion': ...} records (TRL's prompt-completion format): the prompt "
         "tokenized as a completions request's is, then the completion and eos, the loss on the completion only",
     )
+    preference: bool = Field(
+        False,
+        description="JSONL of {'prompt': ..., 'chosen': ..., 'rejected': ...} records (TRL's preference format, for "
+        "a TrainJob with objective dpo): the prompt with each completion (then eos), the pair in one row",
+    )
     packing: Literal["auto", "wrapped", "bfd"] = Field(
         "auto",
         description="how documents fill the rows: wrapped, one after another, cut wherever a row ends (no padding; a "
@@ -421,6 +426,19 @@ class TrainJobSpec(_Spec):
         "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
         "0: the whole micro-batch at once",
     )
+    objective: Literal["causal_lm", "dpo"] = Field(
+        "causal_lm",
+        description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); dpo, direct "
+        "preference optimisation (TRL's DPOTrainer, sigmoid loss) on a dataset prepared with --preference: each "
+        "pair's chosen completion over its rejected one, relative to the model as it started (its LoRA adapters "
+        "disabled: needs lora)",
+    )
+    dpo_beta: float = Field(
+        0.1,
+        gt=0,
+        description="objective dpo: how far from the starting model the preferences may pull it (DPO's beta; a "
+        "larger beta keeps it closer)",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec)
     batch: BatchSpec = Field(default_factory=BatchSpec)
     steps: PositiveInt
@@ -461,6 +479,22 @@ class TrainJobSpec(_Spec):
             )
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
+        if self.objective == "dpo":
+            if self.lora is None:
+                problems.append(
+                    (
+                        "objective",
+                        "dpo compares the model with itself as it started: set lora (the adapters are trained, the "
+                        "base model with them disabled is the reference); full fine-tuning with a frozen copy is "
+                        "not built",
+                    )
+                )
+            if self.loss_chunk_tokens:
+                problems.append(("loss_chunk_tokens", "objective dpo computes its logits whole: set 0"))
+            if self.attention_mask == "causal":
+                problems.append(
+                    ("attention_mask", "objective dpo reads each completion on its own: set auto or document")
+                )
         if self.data.validation_fraction == 0:
             for field in ("every_steps", "max_batches"):
                 if getattr(self.eval, field):

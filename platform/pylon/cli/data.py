@@ -35,6 +35,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         chat=args.chat,
         packing=args.packing,
         prompt_completion=args.prompt_completion,
+        preference=args.preference,
     )
     seconds = max(time.perf_counter() - started, 1e-9)
     t = manifest.totals
@@ -220,6 +221,12 @@ def _add_prepare_parser(dsub, fmt) -> None:
         action="store_true",
         help="each JSONL record's prompt and completion strings (TRL's prompt-completion format): the prompt "
         "tokenized as a completions request's is, then the completion and eos; the loss on the completion only",
+    )
+    pr.add_argument(
+        "--preference",
+        action="store_true",
+        help="each JSONL record's prompt, chosen and rejected strings (TRL's preference format), for a TrainJob "
+        "with objective dpo: the prompt with each completion (then eos), the pair kept together in one row",
     )
     pr.add_argument(
         "--packing",

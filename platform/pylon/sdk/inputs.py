@@ -89,6 +89,8 @@ def prepare_entrypoint(spec: DatasetSpec, *, overwrite: bool) -> str:
         args.append("--chat")
     if spec.prompt_completion:
         args.append("--prompt-completion")
+    if spec.preference:
+        args.append("--preference")
     if spec.packing != "auto":
         args += ["--packing", spec.packing]
     if overwrite:

@@ -1,0 +1,127 @@
+"""Direct preference optimisation (`TrainJobSpec.objective: dpo`; Rafailov et al. 2023, the sigmoid loss of TRL's
+`DPOTrainer`): the model learns to prefer each pair's chosen completion over its rejected one, relative to where it
+started, with no reward model and no sampling.
+
+For a pair (prompt x, chosen y_w, rejected y_l), with log pi(y | x) the summed log-probability of a completion's tokens
+(and its eos) under the model being trained and log ref(y | x) the same under the reference (the model as it
+started):
+
+    reward(y) = beta * (log pi(y | x) - log ref(y | x))
+    loss = -log sigmoid(reward(y_w) - reward(y_l))
+
+averaged over every pair of the global batch. At the first step pi is ref, so every pair's loss is log 2; the loss
+falls as the margin between the rewards grows, `beta` setting how far from the reference that may go.
+
+The data (`pylon data prepare --preference`) holds each pair as two documents in one row, chosen first, each attended
+on its own (`attention_mask: document`): `sequence_logprobs` sums each document's counted tokens in row order, and
+`pair_up` reads them two by two. The reference is the same model with its LoRA adapters disabled (peft's
+`disable_adapter`): no second copy of the weights, one more forward pass without gradients per micro-batch, run first
+so that its activations are gone before the trained pass keeps its own. Full fine-tuning would need a frozen copy of
+the model, which is not built: `objective: dpo` asks for `lora`.
+
+Logged per step and per evaluation (TRL's names, under `dpo_`): the rewards of the chosen and the rejected completions,
+their margin, and the reward accuracy (the share of pairs whose chosen completion has the larger reward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+from pylon.data.shards import DataError
+
+LOG_2 = math.log(2.0)  # every pair's loss while the model is still its reference
+
+
+def sequence_logprobs(logits, labels, position_ids):
+    """Each document's summed log-probability of its counted tokens (`labels` not -100), in row order, and how many
+    documents each row holds. A document is a run of `position_ids` from 0 (`Batch.to_torch(documents=True)`); the
+    padding, which counts no token, is none. Returns ([documents] float32, [rows] int64)."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, length, vocab = logits.shape
+    targets = labels[:, 1:]
+    token_lp = -F.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=-100, reduction="none"
+    ).view(rows, length - 1)
+    counted = targets != -100
+    segment = torch.cumsum(position_ids == 0, dim=1) - 1  # each token's document in its row
+    key = (torch.arange(rows, device=logits.device)[:, None] * length + segment[:, 1:])[counted]
+    sums = torch.zeros(rows * length, dtype=torch.float32, device=logits.device).index_add(0, key, token_lp[counted])
+    counts = torch.zeros(rows * length, dtype=torch.int64, device=logits.device).index_add(0, key, torch.ones_like(key))
+    present = counts > 0
+    return sums[present], present.view(rows, length).sum(dim=1)
+
+
+def pair_up(logprobs, per_row, where: str):
+    """(chosen, rejected) log-probabilities: each row's documents two by two, chosen first. A row of an odd number of
+    documents is not a preference dataset's: a DataError naming `where` (the dataset)."""
+    odd = (per_row % 2 != 0).nonzero()
+    if odd.numel():
+        raise DataError(
+            f"{where}: a row holds {int(per_row[odd[0, 0]])} documents, not preference pairs; objective dpo trains on "
+            "a dataset prepared with `pylon data prepare --preference`"
+        )
+    return logprobs[0::2], logprobs[1::2]
+
+
+def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float):
+    """Each pair's loss and its chosen and rejected rewards (the rewards detached: they are reported, not trained)."""
+    import torch.nn.functional as F
+
+    chosen_rewards = beta * (chosen - ref_chosen)
+    rejected_rewards = beta * (rejected - ref_rejected)
+    losses = -F.logsigmoid(chosen_rewards - rejected_rewards)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+@contextlib.contextmanager
+def as_reference(module):
+    """The model as it started: its LoRA adapters disabled, in eval mode (no dropout), for one pass."""
+    training = module.training
+    module.eval()
+    try:
+        with module.disable_adapter():
+            yield module
+    finally:
+        module.train(training)
+
+
+def dpo_forward(model, module, inputs: dict, beta: float, where: str, model_inputs) -> tuple:
+    """One micro-batch: the reference's pass (no gradients), then `model`'s (the DeepSpeed engine: the pass that is
+    trained). Returns (the pairs' summed loss as a tensor, pairs, counted tokens, [chosen rewards' sum, rejected
+    rewards' sum, pairs whose chosen reward is larger], the model's output)."""
+    import torch
+
+    args = model_inputs(inputs)
+    labels = inputs["labels"]
+    # (an all-padding row, `train._padding_batch`, has no position_ids: one segment, no counted token, no pair)
+    positions = inputs.get("position_ids", torch.zeros_like(labels))
+    with torch.no_grad(), as_reference(module):
+        ref = module(**args).logits
+        ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions), where)
+        del ref
+    out = model(**args)
+    chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions), where)
+    losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta)
+    stats = [
+        float(chosen_rewards.sum().item()),
+        float(rejected_rewards.sum().item()),
+        float((chosen_rewards > rejected_rewards).sum().item()),
+    ]
+    tokens = int((labels[:, 1:] != -100).sum().item())
+    return losses.sum(), int(losses.numel()), tokens, stats, out
+
+
+def dpo_record(loss_sum: float, pairs: float, chosen: float, rejected: float, correct: float, prefix: str = "") -> dict:
+    """The DPO figures of a step or an evaluation (`prefix` "val_" for one), from the sums over its pairs."""
+    n = max(pairs, 1.0)
+    return {
+        f"{prefix}dpo_loss": loss_sum / n,
+        f"{prefix}dpo_pairs": int(pairs),
+        f"{prefix}dpo_rewards_chosen": chosen / n,
+        f"{prefix}dpo_rewards_rejected": rejected / n,
+        f"{prefix}dpo_reward_margin": (chosen - rejected) / n,
+        f"{prefix}dpo_reward_accuracy": correct / n,
+    }

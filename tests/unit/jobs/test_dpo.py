@@ -1,0 +1,184 @@
+"""Direct preference optimisation (`objective: dpo`, pylon.jobs.dpo) on preference data (`pylon data prepare
+--preference`): each pair is two documents in one row, chosen first, the loss counting the completions only; a pair
+longer than a row is left out and counted. The DPO loss of packed rows is, pair for pair, TRL's formula computed on
+each completion alone (policy with its LoRA adapters, reference with them disabled); it is log 2 while the adapters
+are still zero, and only the adapters learn. The spec refuses what DPO cannot run with, naming the field."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pylon.data.prepare import prepare
+from pylon.data.reader import Batch
+from pylon.data.shards import DataError
+from pylon.data.tokenizer import load_tokenizer
+from pylon.jobs.dpo import LOG_2, dpo_forward, pair_up, sequence_logprobs
+from pylon.jobs.train import model_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from harmony_models import bpe_tokenizer  # noqa: E402
+from test_chat_data import _jsonl  # noqa: E402
+from test_prepare import no_cluster, read_rows  # noqa: E402, F401 (fixture)
+
+PAIRS = [
+    {"prompt": "Q: the capital of France?", "chosen": " Paris.", "rejected": " Berlin, I think."},
+    {"prompt": "Q: 2 + 2 =", "chosen": " 4", "rejected": " 5"},
+    {"prompt": "Say hello.", "chosen": " Hello there!", "rejected": " No."},
+    {"prompt": "Q: the colour of the sky?", "chosen": " Blue.", "rejected": " Green, mostly."},
+]
+BETA = 0.5
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("tok")
+    text = " ".join(p["prompt"] + p["chosen"] + p["rejected"] for p in PAIRS) * 4
+    hf = bpe_tokenizer(["<s>", "</s>"], None, text=text, eos_token="</s>", bos_token="<s>")
+    hf.save_pretrained(directory)
+    return str(directory)
+
+
+def _prepared(tmp_path, tokenizer: str, records=PAIRS, seq_len: int = 64):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = str(tmp_path / "pref")
+    manifest = prepare([_jsonl(tmp_path / "pref.jsonl", records)], out, seq_len=seq_len, tokenizer=tokenizer,
+                       preference=True, progress=False)  # fmt: skip
+    return manifest, out
+
+
+def _rows(out: str, tokenizer: str) -> dict:
+    tok = load_tokenizer(tokenizer)
+    _, tokens, num_tokens, ids = read_rows(out)
+    return Batch(ids, tokens, num_tokens, 0.0, True, tok.eos_id).to_torch(tok.pad_id, documents=True)
+
+
+def test_a_preference_pair_is_two_documents_in_one_row_chosen_first(tmp_path, tokenizer) -> None:
+    manifest, out = _prepared(tmp_path, tokenizer)
+    assert manifest.preference and manifest.loss_mask and manifest.document_starts and manifest.packing == "bfd"
+    assert manifest.totals.documents == len(PAIRS) and "preference pairs" in manifest.summary()
+    inputs = _rows(out, tokenizer)
+    hf = load_tokenizer(tokenizer)._tok
+    # Each row's documents (runs of positions from 0) in order, with their counted tokens: pairs, chosen first
+    found = []
+    for (
+        ids,
+        positions,
+        labels,
+    ) in zip(inputs["input_ids"], inputs["position_ids"], inputs["labels"]):
+        starts = (positions == 0).nonzero()[:, 0].tolist() + [len(ids)]
+        docs = [(ids[a:b].tolist(), labels[a:b]) for a, b in zip(starts, starts[1:]) if (labels[a:b] != -100).any()]
+        assert len(docs) % 2 == 0
+        found += docs
+    want = []
+    for p in PAIRS:
+        prompt = hf(p["prompt"])["input_ids"]
+        for completion in (p["chosen"], p["rejected"]):
+            counted = hf(completion, add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
+            want.append((prompt + counted, counted))
+    pairs = {tuple(map(tuple, (found[i][0], found[i + 1][0]))) for i in range(0, len(found), 2)}
+    assert pairs == {(tuple(want[i][0]), tuple(want[i + 1][0])) for i in range(0, len(want), 2)}
+    for ids, labels in found:  # the loss counts the completion and its eos only
+        counted = next(c for w, c in want if w == ids)
+        assert labels[labels != -100].tolist() == counted
+
+
+def test_a_pair_longer_than_a_row_is_left_out_and_bad_records_are_named(tmp_path, tokenizer, caplog) -> None:
+    long = {"prompt": "Q: the capital of France?", "chosen": " Paris." * 10, "rejected": " Berlin." * 10}
+    manifest, _ = _prepared(tmp_path, tokenizer, [*PAIRS, long], seq_len=48)
+    assert manifest.totals.documents == len(PAIRS) and manifest.totals.truncated_documents == 1
+    assert "preference pairs longer than seq_len 48" in caplog.text
+    with pytest.raises(DataError, match=r"line 2: no 'rejected' field"):
+        _prepared(tmp_path / "a", tokenizer, [PAIRS[0], {"prompt": "x", "chosen": "y"}])
+    with pytest.raises(DataError, match=r"line 1: chosen is empty"):
+        _prepared(tmp_path / "b", tokenizer, [{**PAIRS[0], "chosen": ""}])
+    with pytest.raises(DataError, match="packing wrapped"):
+        prepare([_jsonl(tmp_path / "c.jsonl", PAIRS)], str(tmp_path / "c"), tokenizer=tokenizer, preference=True,
+                packing="wrapped", progress=False)  # fmt: skip
+
+
+def _model(vocab: int, seed: int):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+def _alone(model, prompt: list[int], completion: list[int]) -> float:
+    """log p(completion | prompt), the pair's one sequence alone through the model."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, dim=-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+    return float(lp[len(prompt) - 1 :].sum())
+
+
+def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_path, tokenizer) -> None:
+    _, out = _prepared(tmp_path, tokenizer)
+    inputs = _rows(out, tokenizer)
+    hf = load_tokenizer(tokenizer)._tok
+    model = _model(len(hf), 0)
+    # At the start the adapters are zero: the model is its reference, every pair's loss log 2
+    loss, pairs, tokens, stats, _ = dpo_forward(model, model, inputs, BETA, "test", model_inputs)
+    assert pairs == len(PAIRS) and abs(loss.item() / pairs - LOG_2) < 1e-6 and stats[:2] == [0.0, 0.0]
+    assert tokens == int((inputs["labels"][:, 1:] != -100).sum())
+    # Adapters off their zeros: the packed loss is TRL's formula on each completion alone
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    loss, pairs, _, stats, _ = dpo_forward(model, model, inputs, BETA, "test", model_inputs)
+    want, chosen_rewards, correct = 0.0, 0.0, 0
+    for p in PAIRS:
+        prompt = hf(p["prompt"])["input_ids"]
+        c = hf(p["chosen"], add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
+        r = hf(p["rejected"], add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
+        with torch.no_grad():
+            pc, pr = _alone(model, prompt, c), _alone(model, prompt, r)
+            with model.disable_adapter():
+                rc, rr = _alone(model, prompt, c), _alone(model, prompt, r)
+        margin = BETA * ((pc - rc) - (pr - rr))
+        want += -math.log(1 / (1 + math.exp(-margin)))
+        chosen_rewards += BETA * (pc - rc)
+        correct += margin > 0
+    assert abs(loss.item() - want) < 1e-4 * max(1.0, want), (loss.item(), want)
+    assert abs(stats[0] - chosen_rewards) < 1e-4 and stats[2] == correct
+    # Only the adapters learn
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all("lora_" in n for n in grads) and any(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_rows_that_are_not_pairs_are_refused_naming_the_dataset() -> None:
+    logits = torch.zeros(1, 6, 5)
+    labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    logprobs, per_row = sequence_logprobs(logits, labels, positions)
+    assert per_row.tolist() == [2] and torch.allclose(logprobs, torch.full((2,), 2 * math.log(1 / 5)))
+    with pytest.raises(DataError, match="data.uri s3://b/d: a row holds 3 documents"):
+        pair_up(torch.zeros(3), torch.tensor([3]), "data.uri s3://b/d")
+
+
+def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
+    from pylon.errors import SpecError
+    from pylon.specs import TrainJobSpec
+
+    base = {"name": "d", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/d"}, "steps": 2,
+            "objective": "dpo", "lora": {"target_modules": ["q_proj"]}}  # fmt: skip
+    assert TrainJobSpec.model_validate(base).dpo_beta == 0.1
+    for change, field in (
+        ({"lora": None}, "objective"),
+        ({"loss_chunk_tokens": 16}, "loss_chunk_tokens"),
+        ({"attention_mask": "causal"}, "attention_mask"),
+        ({"dpo_beta": 0}, "dpo_beta"),
+    ):
+        with pytest.raises((SpecError, ValueError), match=field):
+            TrainJobSpec.model_validate({**base, **change})
