@@ -146,7 +146,7 @@ class MessagesRequest(BaseModel):
                         # The result's text is the tool message; its images (a screenshot, a file the tool read) go
                         # first in the user message after the tool messages: a chat's tool message holds text only.
                         text, images = [], []
-                        for part, part_at in _content_parts(block.get("content", ""), f"{at}.content", _RESULT_KINDS):
+                        for part, part_at in _content_parts(block.get("content", ""), f"{at}.content", _CONTENT_KINDS):
                             (images if part["type"] == "image_url" else text).append((part, part_at))
                         self._origins[f"messages.{len(messages)}"] = at
                         messages.append(
@@ -157,8 +157,8 @@ class MessagesRequest(BaseModel):
                             }
                         )
                         parts.extend(images)
-                    elif kind in _USER_KINDS:
-                        parts.extend(_content_parts([block], at, _USER_KINDS, single=True))
+                    elif kind in _CONTENT_KINDS:
+                        parts.extend(_content_parts([block], at, _CONTENT_KINDS, single=True))
                     else:
                         raise _unsupported_block(kind, at, user=True)
                 if parts:
@@ -282,14 +282,16 @@ def _text_of(value: Any, at: str) -> str:
     return "".join(texts)
 
 
-_USER_KINDS = ("text", "image", "document", "search_result")  # a user message's blocks (besides tool results)
-_RESULT_KINDS = ("text", "image", "document", "search_result")  # a tool result's
+# The content blocks of a user message (besides tool results) and of a tool result
+_CONTENT_KINDS = ("text", "image", "document", "search_result")
 
 
 def _content_parts(value: Any, at: str, kinds: tuple[str, ...], single: bool = False) -> list[tuple[dict, str]]:
     """Content (a string, or blocks of `kinds`) as the chat's parts, each with the path of the block it came from:
     text; an image's image_url; a document's text (a plain-text document, or a content document's blocks), after
-    its title and context; a search result's source, title and text. `single`: `value` is one block, at `at`."""
+    its title and context; a search result's source, title and text. A document's and a search result's text end
+    with a blank line, so that text after them starts a paragraph of its own. `single`: `value` is one block, at
+    `at`."""
     if isinstance(value, str):
         return [({"type": "text", "text": value}, at)]
     if not isinstance(value, list):
@@ -343,6 +345,8 @@ def _document(block: dict, at: str) -> list[tuple[dict, str]]:
             'document\'s text as {"type": "text", "media_type": "text/plain", "data": ...}',
             param=f"{at}.source.type",
         )
+    if body and body[-1][0]["type"] == "text":
+        body[-1] = ({"type": "text", "text": body[-1][0]["text"] + "\n\n"}, body[-1][1])
     if not head:
         return body
     first = "\n\n".join(head) + "\n\n"
@@ -356,7 +360,7 @@ def _search_result(block: dict, at: str) -> str:
     _no_citations(block, at)
     title, source = _string(block, "title", at), _string(block, "source", at)
     text = "".join(p["text"] for p, _ in _content_parts(block.get("content"), f"{at}.content", ("text",)))
-    return f"{title} ({source})\n\n{text}"
+    return f"{title} ({source})\n\n{text}\n\n"
 
 
 def _image_url(block: dict, at: str) -> str:
@@ -375,7 +379,7 @@ def _image_url(block: dict, at: str) -> str:
 
 
 def _unsupported_block(kind: str, at: str, user: bool) -> InvalidRequest:
-    kinds = (*_USER_KINDS, "tool_result") if user else ("text", "thinking", "redacted_thinking", "tool_use")
+    kinds = (*_CONTENT_KINDS, "tool_result") if user else ("text", "thinking", "redacted_thinking", "tool_use")
     role = "a user message" if user else "an assistant message"
     return InvalidRequest(
         f"{at}.type: {kind!r} blocks are not read in {role} here ({', '.join(kinds)})", param=f"{at}.type"

@@ -264,6 +264,6 @@ def test_documents_search_results_and_a_tool_results_images_become_the_chats_mes
     # the result's image first, then the document's title, context and text, the search result, the content
     # document's title and text and its image, the question
     assert kinds == ["image_url", "text", "text", "text", "image_url", "text"], kinds
-    assert texts[1] == "Song\n\nlyrics\n\nThe tide is high."
-    assert texts[2] == "Tides (https://example.com/tides)\n\nTwice a day."
+    assert texts[1] == "Song\n\nlyrics\n\nThe tide is high.\n\n"  # (text after it starts a paragraph)
+    assert texts[2] == "Tides (https://example.com/tides)\n\nTwice a day.\n\n"
     assert texts[3] == "Figure\n\nsee " and texts[5] == "what now?"
