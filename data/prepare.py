@@ -185,8 +185,15 @@ def read_documents(
         if chat:
             raise DataError(f"{file.uri}: a chat dataset is JSON Lines, one conversation per line ({text_field!r})")
         if prompt_completion or preference:
-            fields = "'prompt', 'chosen' and 'rejected'" if preference else "'prompt' and 'completion'"
-            raise DataError(f"{file.uri}: this dataset is JSON Lines, one record per line with {fields} strings")
+            kind, fields = (
+                ("preference", "'prompt', 'chosen' and 'rejected'")
+                if preference
+                else (
+                    "prompt-completion",
+                    "'prompt' and 'completion' strings",
+                )
+            )
+            raise DataError(f"{file.uri}: a {kind} dataset is JSON Lines, one record per line with {fields}")
         try:
             return [data.decode("utf-8")]
         except UnicodeDecodeError:
@@ -200,9 +207,11 @@ def read_documents(
             obj = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{file.uri}: line {lineno}: not a JSON object ({e})") from None
-        if prompt_completion or preference:
-            keys = ("prompt", "chosen", "rejected") if preference else ("prompt", "completion")
-            docs.append((lineno, *_prompt_completion(obj, f"{file.uri}: line {lineno}", keys)))
+        if preference:
+            docs.append((lineno, *_preference(obj, f"{file.uri}: line {lineno}")))
+            continue
+        if prompt_completion:
+            docs.append((lineno, *_prompt_completion(obj, f"{file.uri}: line {lineno}")))
             continue
         if not isinstance(obj, dict) or text_field not in obj:
             has = f"has {sorted(obj)[:8]}" if isinstance(obj, dict) else f"is a {type(obj).__name__}"
@@ -237,6 +246,62 @@ def _prompt_completion(obj, where: str, keys: tuple[str, ...] = ("prompt", "comp
         if not obj[key]:
             raise DataError(f"{where}: {key} is empty: nothing in it to learn from")
     return tuple(obj[key] for key in keys)
+
+
+def _preference(obj, where: str) -> tuple:
+    """A preference record's (prompt, chosen, rejected), in one of TRL's formats: strings (`prompt`, `chosen`,
+    `rejected`); conversational with an explicit prompt (`prompt` a list of messages, `chosen` and `rejected` lists
+    of the messages that follow it, ending with the assistant's); or conversational with the prompt implicit
+    (`chosen` and `rejected` whole conversations, each ending with the assistant's reply: prompt None)."""
+    if isinstance(obj, dict) and isinstance(obj.get("chosen"), list):
+        prompt = obj.get("prompt", [])
+        if not isinstance(prompt, list):
+            raise DataError(f"{where}: prompt: a list of messages, as chosen and rejected are")
+        out = []
+        for key in ("chosen", "rejected"):
+            if not isinstance(obj.get(key), list):
+                raise DataError(f"{where}: {key}: a list of messages, as chosen is")
+            messages = [*prompt, *obj[key]]
+            _messages(messages, f"{where}: {key}")
+            if messages[-1]["role"] != "assistant" or (prompt and not obj[key]):
+                raise DataError(f"{where}: {key}: the conversation must end with the assistant's reply")
+            out.append(messages)
+        return (len(prompt), *out)
+    return _prompt_completion(obj, where, ("prompt", "chosen", "rejected"))
+
+
+def _conversational_pair(tok, prompt_length: int, conversations: list[list[dict]], where: str) -> np.ndarray:
+    """A conversational preference pair's piece: each conversation (the prompt's `prompt_length` messages and a
+    completion; with the prompt implicit, 0: the last message is the completion) rendered by the chat template and
+    tokenized as a chat dataset's, the loss on the completion's replies only, chosen then rejected."""
+    if not hasattr(tok, "encode_chat"):
+        raise DataError(
+            f"{where}: conversational preference pairs need a Hugging Face tokenizer directory with a chat template "
+            f"(tokenizer {tok.info.name} is not one)"
+        )
+    piece = []
+    for conversation in conversations:
+        examples = tok.encode_chat(conversation, where)
+        ids, replies = examples[-1]  # (a template that rewrites history: the last example, the final reply's)
+        completion = conversation[prompt_length:] if prompt_length else conversation[-1:]
+        keep = sum(1 for m in completion if m["role"] == "assistant")
+        if len(examples) > 1 and keep > 1:
+            raise DataError(
+                f"{where}: this chat template renders earlier turns otherwise as the conversation goes on, so a "
+                "completion of several assistant messages is not one sequence; give one"
+            )
+        piece.append(chat_tokens(ids, _last_replies(replies, keep)))
+    return np.concatenate(piece)
+
+
+def _last_replies(replies: np.ndarray, keep: int) -> np.ndarray:
+    """`replies` with only its last `keep` runs of reply tokens left (a conversational preference pair's completion:
+    the replies after its prompt's)."""
+    starts = np.flatnonzero(replies & ~np.concatenate([[False], replies[:-1]]))
+    out = replies.copy()
+    if len(starts) > keep:
+        out[: starts[len(starts) - keep]] = False
+    return out
 
 
 def _messages(value, where: str) -> list[dict]:
@@ -294,13 +359,16 @@ def pack_group(
             skipped.append(file.uri)
             continue
         if prompt_completion or preference:
-            for _, prompt, *completions in docs:
-                context = tok.encode(prompt, special=True)
-                piece = []
-                for completion in completions:  # (a preference pair: chosen, then rejected)
-                    ids = np.concatenate([context, tok.encode(completion), [tok.eos_id]]).astype(np.int64)
-                    piece.append(chat_tokens(ids, np.arange(ids.size) >= context.size))
-                piece = np.concatenate(piece)
+            for lineno, prompt, *completions in docs:
+                if isinstance(prompt, int):  # a conversational preference pair: (prompt's messages, conversations)
+                    piece = _conversational_pair(tok, prompt, completions, f"{file.uri}: line {lineno}")
+                else:
+                    context = tok.encode(prompt, special=True)
+                    piece = []
+                    for completion in completions:  # (a preference pair: chosen, then rejected)
+                        ids = np.concatenate([context, tok.encode(completion), [tok.eos_id]]).astype(np.int64)
+                        piece.append(chat_tokens(ids, np.arange(ids.size) >= context.size))
+                    piece = np.concatenate(piece)
                 if preference and piece.size > seq_len:
                     dropped.append(piece.size)
                     continue

@@ -141,7 +141,8 @@ class DatasetSpec(_Spec):
     preference: bool = Field(
         False,
         description="JSONL of {'prompt': ..., 'chosen': ..., 'rejected': ...} records (TRL's preference format, for "
-        "a TrainJob with objective dpo): the prompt with each completion (then eos), the pair in one row",
+        "a TrainJob with objective dpo; strings, or lists of messages rendered by the chat template): the prompt "
+        "with each completion, the pair in one row, the loss on the completions",
     )
     packing: Literal["auto", "wrapped", "bfd"] = Field(
         "auto",

@@ -102,6 +102,49 @@ def test_a_pair_longer_than_a_row_is_left_out_and_bad_records_are_named(tmp_path
                 packing="wrapped", progress=False)  # fmt: skip
 
 
+def test_conversational_pairs_count_the_final_reply_only(tmp_path) -> None:
+    """TRL's conversational preference formats: an explicit prompt (a list of messages; chosen and rejected the
+    assistant's messages after it) and an implicit one (chosen and rejected whole conversations): each rendered by the
+    chat template as a chat dataset is, the loss on the completion's reply only (not an earlier reply in the
+    prompt), chosen first in the row."""
+    from test_chat_data import _tokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok")
+    tok = load_tokenizer(tokenizer)
+    history = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Germany?"},
+    ]
+    good, bad = {"role": "assistant", "content": "Berlin."}, {"role": "assistant", "content": "Paris."}
+    records = [
+        {"prompt": history, "chosen": [good], "rejected": [bad]},
+        {"chosen": [*history, good], "rejected": [*history, bad]},
+    ]
+    prepare([_jsonl(tmp_path / "c.jsonl", records)], str(tmp_path / "c"), seq_len=128, tokenizer=tokenizer,
+            preference=True, progress=False)  # fmt: skip
+    inputs = _rows(str(tmp_path / "c"), tokenizer)
+    counted = []
+    for positions, labels in zip(inputs["position_ids"], inputs["labels"]):
+        starts = (positions == 0).nonzero()[:, 0].tolist() + [len(positions)]
+        counted += [labels[a:b][labels[a:b] != -100].tolist() for a, b in zip(starts, starts[1:])]
+    counted = [c for c in counted if c]
+    hf = tok._tok
+    want = []
+    for reply in (good, bad):  # TRL's completion: the whole conversation's tokens after the prompt's
+        prompt = hf(
+            hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
+        whole = hf(hf.apply_chat_template([*history, reply], tokenize=False), add_special_tokens=False)
+        prompt, whole = prompt["input_ids"], whole["input_ids"]
+        assert whole[: len(prompt)] == prompt
+        want.append(whole[len(prompt) :])
+    assert len(counted) == 4 and counted == [*want, *want], (counted, want)  # both formats alike, chosen first
+    with pytest.raises(DataError, match="line 1: chosen: the conversation must end with the assistant's reply"):
+        prepare([_jsonl(tmp_path / "d.jsonl", [{"prompt": history, "chosen": [], "rejected": [bad]}])],
+                str(tmp_path / "d"), tokenizer=tokenizer, preference=True, progress=False)  # fmt: skip
+
+
 def _model(vocab: int, seed: int):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
