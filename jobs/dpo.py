@@ -10,7 +10,11 @@ started):
     loss = -log sigmoid(reward(y_w) - reward(y_l))
 
 averaged over every pair of the global batch. At the first step pi is ref, so every pair's loss is log 2; the loss
-falls as the margin between the rewards grows, `beta` setting how far from the reference that may go.
+falls as the margin between the rewards grows, `beta` setting how far from the reference that may go. TRL's other
+losses (`dpo_loss`, with h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))): "hinge", relu(1 - beta h)
+(SLiC; 1 at the start); "ipo", (h - 1 / (2 beta))^2 with each completion's log-probability its tokens' mean (Azar et
+al. 2023; 1 / (4 beta^2) at the start); and `dpo_label_smoothing` e for the sigmoid loss, the pairs' labels taken as
+wrong with probability e (conservative DPO: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)).
 
 The data (`pylon data prepare --preference`) holds each pair as two documents in one row, chosen first, each attended
 on its own (`attention_mask: document`): `sequence_logprobs` sums each document's counted tokens in row order, and
@@ -27,16 +31,35 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 from pylon.data.shards import DataError
 
-LOG_2 = math.log(2.0)  # every pair's loss while the model is still its reference
+LOG_2 = math.log(2.0)  # every pair's sigmoid loss while the model is still its reference
 
 
-def sequence_logprobs(logits, labels, position_ids):
-    """Each document's summed log-probability of its counted tokens (`labels` not -100), in row order, and how many
-    documents each row holds. A document is a run of `position_ids` from 0 (`Batch.to_torch(documents=True)`); the
-    padding, which counts no token, is none. Returns ([documents] float32, [rows] int64)."""
+@dataclass(frozen=True)
+class DpoLoss:
+    """Which preference loss, and its settings (`TrainJobSpec.dpo_beta`, `dpo_loss`, `dpo_label_smoothing`)."""
+
+    beta: float = 0.1
+    kind: str = "sigmoid"  # "sigmoid", "hinge" or "ipo"
+    label_smoothing: float = 0.0
+
+    @classmethod
+    def of(cls, spec) -> "DpoLoss":
+        return cls(spec.dpo_beta, spec.dpo_loss, spec.dpo_label_smoothing)
+
+    def at_start(self) -> float:
+        """Every pair's loss while the model is its reference (h = 0)."""
+        return {"sigmoid": LOG_2, "hinge": 1.0, "ipo": 1.0 / (4.0 * self.beta**2)}[self.kind]
+
+
+def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
+    """Each document's summed log-probability of its counted tokens (`labels` not -100; `mean`: their mean), in row
+    order, and how many documents each row holds. A document is a run of `position_ids` from 0
+    (`Batch.to_torch(documents=True)`); the padding, which counts no token, is none. Returns ([documents] float32,
+    [rows] int64)."""
     import torch
     import torch.nn.functional as F
 
@@ -51,7 +74,8 @@ def sequence_logprobs(logits, labels, position_ids):
     sums = torch.zeros(rows * length, dtype=torch.float32, device=logits.device).index_add(0, key, token_lp[counted])
     counts = torch.zeros(rows * length, dtype=torch.int64, device=logits.device).index_add(0, key, torch.ones_like(key))
     present = counts > 0
-    return sums[present], present.view(rows, length).sum(dim=1)
+    sums = sums[present] / counts[present] if mean else sums[present]
+    return sums, present.view(rows, length).sum(dim=1)
 
 
 def pair_up(logprobs, per_row, where: str):
@@ -66,14 +90,21 @@ def pair_up(logprobs, per_row, where: str):
     return logprobs[0::2], logprobs[1::2]
 
 
-def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float):
+def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss):
     """Each pair's loss and its chosen and rejected rewards (the rewards detached: they are reported, not trained)."""
+    import torch
     import torch.nn.functional as F
 
-    chosen_rewards = beta * (chosen - ref_chosen)
-    rejected_rewards = beta * (rejected - ref_rejected)
-    losses = -F.logsigmoid(chosen_rewards - rejected_rewards)
-    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    beta = loss.beta
+    if loss.kind == "hinge":
+        losses = torch.relu(1 - beta * h)
+    elif loss.kind == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        e = loss.label_smoothing
+        losses = -F.logsigmoid(beta * h) * (1 - e) - F.logsigmoid(-beta * h) * e
+    return losses, (beta * (chosen - ref_chosen)).detach(), (beta * (rejected - ref_rejected)).detach()
 
 
 @contextlib.contextmanager
@@ -88,7 +119,7 @@ def as_reference(module):
         module.train(training)
 
 
-def dpo_forward(model, module, inputs: dict, beta: float, where: str, model_inputs) -> tuple:
+def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_inputs) -> tuple:
     """One micro-batch: the reference's pass (no gradients), then `model`'s (the DeepSpeed engine: the pass that is
     trained). Returns (the pairs' summed loss as a tensor, pairs, counted tokens, [chosen rewards' sum, rejected
     rewards' sum, pairs whose chosen reward is larger], the model's output)."""
@@ -96,15 +127,16 @@ def dpo_forward(model, module, inputs: dict, beta: float, where: str, model_inpu
 
     args = model_inputs(inputs)
     labels = inputs["labels"]
-    # (an all-padding row, `train._padding_batch`, has no position_ids: one segment, no counted token, no pair)
+    mean = loss.kind == "ipo"  # (IPO compares the completions' mean token log-probabilities)
+    # (an all-padding row, `train._padding_batch`, has no position_ids and counts no token: no pair)
     positions = inputs.get("position_ids", torch.zeros_like(labels))
     with torch.no_grad(), as_reference(module):
         ref = module(**args).logits
-        ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions), where)
+        ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions, mean), where)
         del ref
     out = model(**args)
-    chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions), where)
-    losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta)
+    chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions, mean), where)
+    losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss)
     stats = [
         float(chosen_rewards.sum().item()),
         float(rejected_rewards.sum().item()),

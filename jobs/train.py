@@ -221,7 +221,7 @@ def train_loop(config: dict) -> None:
     from pylon.data.shards import separate_documents
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.jobs.dpo import dpo_forward, dpo_record
+    from pylon.jobs.dpo import DpoLoss, dpo_forward, dpo_record
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
@@ -256,6 +256,7 @@ def train_loop(config: dict) -> None:
     documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")
     check_objective(spec, stream.manifest)
     dpo = spec.objective == "dpo"  # (pylon.jobs.dpo)
+    dpo_loss = DpoLoss.of(spec)
     ds_config = build_deepspeed_config(spec, world_size=world)
     if spec.scaling.use_gpu and spec.deepspeed.offload_optimizer == "none":
         _torch_adam_unless_fused_adam_builds(ds_config, rank)
@@ -359,7 +360,7 @@ def train_loop(config: dict) -> None:
             )
             if dpo:
                 loss_t, pairs, n_tokens, stats, _ = dpo_forward(
-                    engine, engine.module, inputs, spec.dpo_beta, f"data.uri {spec.data.uri}", model_inputs
+                    engine, engine.module, inputs, dpo_loss, f"data.uri {spec.data.uri}", model_inputs
                 )
                 loss, local_sum = _global_mean_loss(loss_t, pairs, world)
                 aux = None
@@ -434,7 +435,7 @@ def train_loop(config: dict) -> None:
                     max_batches=spec.eval.max_batches,
                     documents=documents,
                     chunked=chunked,
-                    dpo_beta=spec.dpo_beta if dpo else None,
+                    dpo_loss=dpo_loss if dpo else None,
                 )
             )
             outside_s += time.perf_counter() - t0
@@ -733,10 +734,10 @@ def _evaluate(
     max_batches: int = 0,
     documents: bool = False,
     chunked: bool = False,
-    dpo_beta: float | None = None,
+    dpo_loss=None,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
-    it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_beta` (objective dpo): the
+    it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (objective dpo): the
     held-out pairs' DPO figures too (`val_dpo_*`), the completions' tokens being what val_loss counts. Every rank
     takes part with the same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads
     its own part of the split (the stream pads a short part with empty batches, which run as all-padding rows)."""
@@ -762,11 +763,11 @@ def _evaluate(
                     if len(batch)
                     else _padding_batch(val_stream, device)
                 )
-                if dpo_beta is not None:
+                if dpo_loss is not None:
                     from pylon.jobs.dpo import dpo_forward
 
                     pair_loss, pairs, _, stats, out = dpo_forward(
-                        engine, engine.module, inputs, dpo_beta, "the validation split", model_inputs
+                        engine, engine.module, inputs, dpo_loss, "the validation split", model_inputs
                     )
                     dpo_sums = [a + b for a, b in zip(dpo_sums, [float(pair_loss.item()), pairs, *stats])]
                     part, n = token_loss_sum(out.logits, inputs["labels"])
@@ -780,7 +781,7 @@ def _evaluate(
         engine.train()
     loss_sum, tokens, sequences, n_batches = reduce_eval(loss_sum, tokens, sequences, n_batches, device=device)
     extra = {}
-    if dpo_beta is not None:
+    if dpo_loss is not None:
         from pylon.jobs.dpo import dpo_record
 
         sums = torch.tensor(dpo_sums, dtype=torch.float64, device=device)

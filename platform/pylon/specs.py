@@ -440,6 +440,18 @@ class TrainJobSpec(_Spec):
         description="objective dpo: how far from the starting model the preferences may pull it (DPO's beta; a "
         "larger beta keeps it closer)",
     )
+    dpo_loss: Literal["sigmoid", "hinge", "ipo"] = Field(
+        "sigmoid",
+        description="objective dpo: the preference loss (TRL's loss_type): sigmoid, DPO's; hinge, SLiC's; ipo, IPO's "
+        "(on the completions' mean token log-probabilities)",
+    )
+    dpo_label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="objective dpo with the sigmoid loss: the chance that a pair's preference is wrong (conservative "
+        "DPO); 0 trusts every pair",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec)
     batch: BatchSpec = Field(default_factory=BatchSpec)
     steps: PositiveInt
@@ -492,6 +504,8 @@ class TrainJobSpec(_Spec):
                 )
             if self.loss_chunk_tokens:
                 problems.append(("loss_chunk_tokens", "objective dpo computes its logits whole: set 0"))
+            if self.dpo_label_smoothing and self.dpo_loss != "sigmoid":
+                problems.append(("dpo_label_smoothing", f"smooths the sigmoid loss only (dpo_loss is {self.dpo_loss})"))
             if self.attention_mask == "causal":
                 problems.append(
                     ("attention_mask", "objective dpo reads each completion on its own: set auto or document")

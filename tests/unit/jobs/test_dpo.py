@@ -17,7 +17,7 @@ from pylon.data.prepare import prepare
 from pylon.data.reader import Batch
 from pylon.data.shards import DataError
 from pylon.data.tokenizer import load_tokenizer
-from pylon.jobs.dpo import LOG_2, dpo_forward, pair_up, sequence_logprobs
+from pylon.jobs.dpo import LOG_2, DpoLoss, dpo_forward, pair_up, sequence_logprobs
 from pylon.jobs.train import model_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
@@ -156,12 +156,25 @@ def _model(vocab: int, seed: int):
     return model
 
 
-def _alone(model, prompt: list[int], completion: list[int]) -> float:
-    """log p(completion | prompt), the pair's one sequence alone through the model."""
+def _alone(model, prompt: list[int], completion: list[int], mean: bool = False) -> float:
+    """log p(completion | prompt) (`mean`: per token), the pair's one sequence alone through the model."""
     ids = torch.tensor([prompt + completion])
     logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-    lp = torch.log_softmax(logits, dim=-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
-    return float(lp[len(prompt) - 1 :].sum())
+    lp = torch.log_softmax(logits, dim=-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(prompt) - 1 :]
+    return float(lp.mean() if mean else lp.sum())
+
+
+def _trl(kind: str, beta: float, h: float, smoothing: float = 0.0) -> float:
+    """TRL's DPOTrainer loss of one pair (loss_type `kind`) from h = (pi_c - ref_c) - (pi_r - ref_r)."""
+
+    def log_sigmoid(x: float) -> float:
+        return -math.log1p(math.exp(-x))
+
+    if kind == "hinge":
+        return max(0.0, 1 - beta * h)
+    if kind == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    return -log_sigmoid(beta * h) * (1 - smoothing) - log_sigmoid(-beta * h) * smoothing
 
 
 def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_path, tokenizer) -> None:
@@ -170,30 +183,41 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
     hf = load_tokenizer(tokenizer)._tok
     model = _model(len(hf), 0)
     # At the start the adapters are zero: the model is its reference, every pair's loss log 2
-    loss, pairs, tokens, stats, _ = dpo_forward(model, model, inputs, BETA, "test", model_inputs)
+    loss, pairs, tokens, stats, _ = dpo_forward(model, model, inputs, DpoLoss(BETA), "test", model_inputs)
     assert pairs == len(PAIRS) and abs(loss.item() / pairs - LOG_2) < 1e-6 and stats[:2] == [0.0, 0.0]
+    for kind in ("hinge", "ipo"):  # the other losses' values at the start
+        start = DpoLoss(BETA, kind)
+        got = dpo_forward(model, model, inputs, start, "test", model_inputs)[0].item() / pairs
+        assert abs(got - start.at_start()) < 1e-5, kind
     assert tokens == int((inputs["labels"][:, 1:] != -100).sum())
     # Adapters off their zeros: the packed loss is TRL's formula on each completion alone
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    loss, pairs, _, stats, _ = dpo_forward(model, model, inputs, BETA, "test", model_inputs)
-    want, chosen_rewards, correct = 0.0, 0.0, 0
+    loss, pairs, _, stats, _ = dpo_forward(model, model, inputs, DpoLoss(BETA), "test", model_inputs)
+    margins = {False: [], True: []}  # each pair's h, from summed and (IPO's) mean token log-probabilities
+    chosen_rewards, correct = 0.0, 0
     for p in PAIRS:
         prompt = hf(p["prompt"])["input_ids"]
         c = hf(p["chosen"], add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
         r = hf(p["rejected"], add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
-        with torch.no_grad():
-            pc, pr = _alone(model, prompt, c), _alone(model, prompt, r)
-            with model.disable_adapter():
-                rc, rr = _alone(model, prompt, c), _alone(model, prompt, r)
-        margin = BETA * ((pc - rc) - (pr - rr))
-        want += -math.log(1 / (1 + math.exp(-margin)))
-        chosen_rewards += BETA * (pc - rc)
-        correct += margin > 0
+        for mean in (False, True):
+            with torch.no_grad():
+                pc, pr = _alone(model, prompt, c, mean), _alone(model, prompt, r, mean)
+                with model.disable_adapter():
+                    rc, rr = _alone(model, prompt, c, mean), _alone(model, prompt, r, mean)
+            margins[mean].append((pc - rc) - (pr - rr))
+            if not mean:
+                chosen_rewards += BETA * (pc - rc)
+                correct += margins[mean][-1] > 0
+    want = sum(_trl("sigmoid", BETA, h) for h in margins[False])
     assert abs(loss.item() - want) < 1e-4 * max(1.0, want), (loss.item(), want)
     assert abs(stats[0] - chosen_rewards) < 1e-4 and stats[2] == correct
+    for kind, smoothing in (("sigmoid", 0.2), ("hinge", 0.0), ("ipo", 0.0)):  # TRL's other losses, the same way
+        got = dpo_forward(model, model, inputs, DpoLoss(BETA, kind, smoothing), "test", model_inputs)[0].item()
+        want_other = sum(_trl(kind, BETA, h, smoothing) for h in margins[kind == "ipo"])
+        assert abs(got - want_other) < 1e-4 * max(1.0, want_other), (kind, got, want_other)
     # Only the adapters learn
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -222,6 +246,8 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
         ({"loss_chunk_tokens": 16}, "loss_chunk_tokens"),
         ({"attention_mask": "causal"}, "attention_mask"),
         ({"dpo_beta": 0}, "dpo_beta"),
+        ({"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
+        ({"dpo_label_smoothing": 0.5}, "dpo_label_smoothing"),
     ):
         with pytest.raises((SpecError, ValueError), match=field):
             TrainJobSpec.model_validate({**base, **change})
