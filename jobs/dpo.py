@@ -137,13 +137,16 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
     out = model(**args)
     chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions, mean), where)
     losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss)
-    stats = [
-        float(chosen_rewards.sum().item()),
-        float(rejected_rewards.sum().item()),
-        float((chosen_rewards > rejected_rewards).sum().item()),
-    ]
-    tokens = int((labels[:, 1:] != -100).sum().item())
-    return losses.sum(), int(losses.numel()), tokens, stats, out
+    # one read from the device for the figures: rewards' sums, correct pairs, counted tokens
+    *stats, tokens = torch.stack(
+        [
+            chosen_rewards.sum(),
+            rejected_rewards.sum(),
+            (chosen_rewards > rejected_rewards).sum().float(),
+            (labels[:, 1:] != -100).sum().float(),
+        ]
+    ).tolist()
+    return losses.sum(), int(losses.numel()), int(tokens), stats, out
 
 
 def dpo_record(loss_sum: float, pairs: float, chosen: float, rejected: float, correct: float, prefix: str = "") -> dict:

@@ -744,6 +744,7 @@ def _evaluate(
     import torch
 
     from pylon.data.reader import DataPosition
+    from pylon.jobs.dpo import dpo_forward, dpo_record
 
     t0 = time.perf_counter()
     device = engine.device
@@ -764,8 +765,6 @@ def _evaluate(
                     else _padding_batch(val_stream, device)
                 )
                 if dpo_loss is not None:
-                    from pylon.jobs.dpo import dpo_forward
-
                     pair_loss, pairs, _, stats, out = dpo_forward(
                         engine, engine.module, inputs, dpo_loss, "the validation split", model_inputs
                     )
@@ -782,8 +781,6 @@ def _evaluate(
     loss_sum, tokens, sequences, n_batches = reduce_eval(loss_sum, tokens, sequences, n_batches, device=device)
     extra = {}
     if dpo_loss is not None:
-        from pylon.jobs.dpo import dpo_record
-
         sums = torch.tensor(dpo_sums, dtype=torch.float64, device=device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)

@@ -130,7 +130,8 @@ class MessagesRequest(BaseModel):
     def _to_chat(self) -> dict:
         messages: list[dict] = []
         if self.system is not None:
-            messages.append({"role": "system", "content": _text_of(self.system, "system")})
+            system = _content_parts(self.system, "system", ("text",))
+            messages.append({"role": "system", "content": "".join(p["text"] for p, _ in system)})
             self._origins["messages.0"] = "system"
         for i, message in enumerate(self.messages):
             where = f"messages.{i}"
@@ -264,22 +265,6 @@ def _string(block: dict, name: str, at: str) -> str:
     if not isinstance(value, str):
         raise InvalidRequest(f"{at}.{name}: a string is required", param=f"{at}.{name}")
     return value
-
-
-def _text_of(value: Any, at: str) -> str:
-    """A string, or text blocks' texts joined (a system prompt, a tool result)."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise InvalidRequest(f"{at}: a string or a list of text blocks", param=at)
-    texts = []
-    for j, block in enumerate(value):
-        if _kind(block, f"{at}.{j}") != "text":
-            raise InvalidRequest(
-                f"{at}.{j}.type: only text blocks are read here (got {block['type']!r})", param=f"{at}.{j}.type"
-            )
-        texts.append(_string(block, "text", f"{at}.{j}"))
-    return "".join(texts)
 
 
 # The content blocks of a user message (besides tool results) and of a tool result
