@@ -43,6 +43,26 @@ def build_deepspeed_config(spec: TrainJobSpec, *, world_size: int) -> dict:
     return config
 
 
+def reference_deepspeed_config(config: dict) -> dict:
+    """The config of a frozen model run beside the trained one at ZeRO-3 (objective dpo's reference, `pylon.jobs.dpo`):
+    partitioned and gathered as the trained model is, its parameters offloaded where the trained model's are, but no
+    optimizer, scheduler or gradients (DeepSpeed's ZeRO-Inference: an engine without an optimizer). DeepSpeed empties
+    a parameter swap folder when it opens it, so an NVMe-offloaded reference swaps to a folder of its own below the
+    trained model's."""
+    import copy
+    import os
+
+    reference = copy.deepcopy(config)
+    for key in ("optimizer", "scheduler"):
+        reference.pop(key, None)
+    reference["gradient_clipping"] = 0.0
+    zero = reference["zero_optimization"]
+    zero.pop("offload_optimizer", None)
+    if zero.get("offload_param", {}).get("device") == "nvme":
+        zero["offload_param"]["nvme_path"] = os.path.join(zero["offload_param"]["nvme_path"], "dpo-reference")
+    return reference
+
+
 def _zero(spec: TrainJobSpec) -> dict:
     ds = spec.deepspeed
     buffers = ds.buffers

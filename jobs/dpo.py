@@ -18,10 +18,15 @@ wrong with probability e (conservative DPO: -(1 - e) log sigmoid(beta h) - e log
 
 The data (`pylon data prepare --preference`) holds each pair as two documents in one row, chosen first, each attended
 on its own (`attention_mask: document`): `sequence_logprobs` sums each document's counted tokens in row order, and
-`pair_up` reads them two by two. The reference is the same model with its LoRA adapters disabled (peft's
-`disable_adapter`): no second copy of the weights, one more forward pass without gradients per micro-batch, run first
-so that its activations are gone before the trained pass keeps its own. Full fine-tuning would need a frozen copy of
-the model, which is not built: `objective: dpo` asks for `lora`.
+`pair_up` reads them two by two. The reference costs one more forward pass without gradients per micro-batch, run
+first so that its activations are gone before the trained pass keeps its own. It is, as in TRL:
+
+- with `lora`, the same model with its adapters disabled (peft's `disable_adapter`): no second copy of the weights;
+- without (full fine-tuning), a frozen copy of the model as it starts (`frozen_reference`: built from the same
+  `model` and seed, so the same weights, and rebuilt so on resumption, never checkpointed), in the training
+  precision: at ZeRO 0-2 whole on every rank (2 bytes a parameter in bf16), at ZeRO-3 partitioned like the trained
+  model and gathered layer by layer for its forward (a DeepSpeed engine without an optimizer, offloaded where the
+  trained model's parameters are).
 
 Logged per step and per evaluation (TRL's names, under `dpo_`): the rewards of the chosen and the rejected completions,
 their margin, and the reward accuracy (the share of pairs whose chosen completion has the larger reward).
@@ -119,10 +124,49 @@ def as_reference(module):
         module.train(training)
 
 
-def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_inputs) -> tuple:
-    """One micro-batch: the reference's pass (no gradients), then `model`'s (the DeepSpeed engine: the pass that is
-    trained). Returns (the pairs' summed loss as a tensor, pairs, counted tokens, [chosen rewards' sum, rejected
-    rewards' sum, pairs whose chosen reward is larger], the model's output)."""
+def frozen_reference(spec, ds_config: dict, *, vocab_size: int, eos_id: int, pad_id: int, seed: int, device, dtype):
+    """Full fine-tuning's reference: the model `spec` starts from, built again (the same `model` and `seed`: the same
+    weights) without adapters, gradient checkpointing or a chunked loss, frozen, in eval mode and in `dtype` (the
+    precision the trained model computes in). At ZeRO-3 (`ds_config`'s stage) it is built partitioned and wrapped in
+    a DeepSpeed engine without an optimizer (`reference_deepspeed_config`), which gathers each layer for its
+    forward; at stages 0-2 it is whole on `device` (the CPU when None). Every rank calls this: both builds are
+    collective."""
+    import deepspeed
+    import torch
+
+    from pylon.jobs.deepspeed_config import reference_deepspeed_config
+    from pylon.models import build_model
+
+    plain = spec.model_copy(update={"lora": None, "gradient_checkpointing": False, "loss_chunk_tokens": 0})
+    model = build_model(
+        plain, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, seed=seed, deepspeed_config=ds_config, device=device
+    )
+    model.requires_grad_(False)
+    if ds_config["zero_optimization"]["stage"] == 3:
+        model, *_ = deepspeed.initialize(model=model, config=reference_deepspeed_config(ds_config))
+    else:
+        model.to(device=device or torch.device("cpu"), dtype=dtype)
+    model.eval()  # (a DeepSpeed engine's returns None)
+    return model
+
+
+def reference_logits(reference, module, args: dict):
+    """The reference's logits for `args`, without gradients: `reference` the frozen copy (`frozen_reference`), or
+    None: `module` (a peft model) with its adapters disabled."""
+    import torch
+
+    with torch.no_grad():
+        if reference is not None:
+            return reference(**args).logits
+        with as_reference(module):
+            return module(**args).logits
+
+
+def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_inputs, reference=None) -> tuple:
+    """One micro-batch: the reference's pass (no gradients; `reference` the frozen copy, or None: `module` with its
+    adapters disabled), then `model`'s (the DeepSpeed engine: the pass that is trained). Returns (the pairs' summed
+    loss as a tensor, pairs, counted tokens, [chosen rewards' sum, rejected rewards' sum, pairs whose chosen reward
+    is larger], the model's output)."""
     import torch
 
     args = model_inputs(inputs)
@@ -130,10 +174,9 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
     mean = loss.kind == "ipo"  # (IPO compares the completions' mean token log-probabilities)
     # (an all-padding row, `train._padding_batch`, has no position_ids and counts no token: no pair)
     positions = inputs.get("position_ids", torch.zeros_like(labels))
-    with torch.no_grad(), as_reference(module):
-        ref = module(**args).logits
-        ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions, mean), where)
-        del ref
+    ref = reference_logits(reference, module, args)
+    ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions, mean), where)
+    del ref
     out = model(**args)
     chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions, mean), where)
     losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss)

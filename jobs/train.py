@@ -221,7 +221,7 @@ def train_loop(config: dict) -> None:
     from pylon.data.shards import separate_documents
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.jobs.dpo import DpoLoss, dpo_forward, dpo_record
+    from pylon.jobs.dpo import DpoLoss, dpo_forward, dpo_record, frozen_reference
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
@@ -277,6 +277,19 @@ def train_loop(config: dict) -> None:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     device = engine.device
+    # objective dpo's reference: with lora, the model with its adapters disabled; without, a frozen copy of it
+    reference = None
+    if dpo and spec.lora is None:
+        reference = frozen_reference(
+            spec,
+            ds_config,
+            vocab_size=tok.vocab_size,
+            eos_id=tok.eos_id,
+            pad_id=tok.pad_id,
+            seed=seed,
+            device=ray.train.torch.get_device() if spec.scaling.use_gpu else None,
+            dtype=_compute_dtype(spec.precision),
+        )
     chunked = spec.loss_chunk_tokens > 0
     if chunked:  # every rank, as below
         check_chunked_loss(engine, tok.vocab_size, aux=router_aux_coef(model.config) > 0, device=device)
@@ -295,6 +308,13 @@ def train_loop(config: dict) -> None:
             + (f" (LoRA r={spec.lora.r} on {', '.join(spec.lora.target_modules)})" if spec.lora else ""),
             flush=True,
         )
+        if reference is not None:
+            print(
+                "objective dpo: the reference is a frozen copy of the model as it started ("
+                + ("partitioned as the model is, ZeRO-3" if spec.deepspeed.zero_stage == 3 else "whole on every rank")
+                + f", {spec.precision})",
+                flush=True,
+            )
 
     committer = CheckpointCommitter(
         run_uri,
@@ -317,10 +337,11 @@ def train_loop(config: dict) -> None:
 
     cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
+    if dpo:  # the reference's forward pass too: a third of a trained token's FLOPs (2N of 6N, and so for attention)
+        flops_tok *= 4 / 3
     aux_coef = router_aux_coef(cfg)
     # The peak is measured in the precision the model trains in, on the worker's own device.
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
-    peak = measure_matmul_peak_flops(seconds=0.5, device=device, dtype=dtype)
+    peak = measure_matmul_peak_flops(seconds=0.5, device=device, dtype=_compute_dtype(spec.precision))
     gas = spec.batch.grad_accum_steps
     batches = _batches(stream)
     ledger = AttemptRecorder(
@@ -360,7 +381,7 @@ def train_loop(config: dict) -> None:
             )
             if dpo:
                 loss_t, pairs, n_tokens, stats, _ = dpo_forward(
-                    engine, engine.module, inputs, dpo_loss, f"data.uri {spec.data.uri}", model_inputs
+                    engine, engine.module, inputs, dpo_loss, f"data.uri {spec.data.uri}", model_inputs, reference
                 )
                 loss, local_sum = _global_mean_loss(loss_t, pairs, world)
                 aux = None
@@ -436,6 +457,7 @@ def train_loop(config: dict) -> None:
                     documents=documents,
                     chunked=chunked,
                     dpo_loss=dpo_loss if dpo else None,
+                    reference=reference,
                 )
             )
             outside_s += time.perf_counter() - t0
@@ -735,10 +757,12 @@ def _evaluate(
     documents: bool = False,
     chunked: bool = False,
     dpo_loss=None,
+    reference=None,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (objective dpo): the
-    held-out pairs' DPO figures too (`val_dpo_*`), the completions' tokens being what val_loss counts. Every rank
+    held-out pairs' DPO figures too (`val_dpo_*`, against `reference`: `pylon.jobs.dpo.dpo_forward`), the completions'
+    tokens being what val_loss counts. Every rank
     takes part with the same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads
     its own part of the split (the stream pads a short part with empty batches, which run as all-padding rows)."""
     import torch
@@ -766,7 +790,7 @@ def _evaluate(
                 )
                 if dpo_loss is not None:
                     pair_loss, pairs, _, stats, out = dpo_forward(
-                        engine, engine.module, inputs, dpo_loss, "the validation split", model_inputs
+                        engine, engine.module, inputs, dpo_loss, "the validation split", model_inputs, reference
                     )
                     dpo_sums = [a + b for a, b in zip(dpo_sums, [float(pair_loss.item()), pairs, *stats])]
                     part, n = token_loss_sum(out.logits, inputs["labels"])
@@ -795,6 +819,13 @@ def _evaluate(
         seconds=time.perf_counter() - t0,
         attention_mask="document" if documents else "causal",
     )
+
+
+def _compute_dtype(precision: str):
+    """The dtype a model trained in `precision` computes in (DeepSpeed casts the module to it)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 def _peak_memory_bytes(device) -> int:

@@ -431,8 +431,8 @@ class TrainJobSpec(_Spec):
         "causal_lm",
         description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); dpo, direct "
         "preference optimisation (TRL's DPOTrainer, sigmoid loss) on a dataset prepared with --preference: each "
-        "pair's chosen completion over its rejected one, relative to the model as it started (its LoRA adapters "
-        "disabled: needs lora)",
+        "pair's chosen completion over its rejected one, relative to the model as it started (the reference: with "
+        "lora, the model with its adapters disabled; without, a frozen copy, partitioned as the model is at ZeRO-3)",
     )
     dpo_beta: float = Field(
         0.1,
@@ -493,15 +493,6 @@ class TrainJobSpec(_Spec):
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
         if self.objective == "dpo":
-            if self.lora is None:
-                problems.append(
-                    (
-                        "objective",
-                        "dpo compares the model with itself as it started: set lora (the adapters are trained, the "
-                        "base model with them disabled is the reference); full fine-tuning with a frozen copy is "
-                        "not built",
-                    )
-                )
             if self.loss_chunk_tokens:
                 problems.append(("loss_chunk_tokens", "objective dpo computes its logits whole: set 0"))
             if self.dpo_label_smoothing and self.dpo_loss != "sigmoid":

@@ -1,8 +1,9 @@
 """Direct preference optimisation end to end on the session's Ray cluster: preference pairs prepared with
 `--preference` (tests/unit/jobs/test_dpo.py checks their rows and the loss against TRL's formula), trained by a
-TrainJob with `objective: dpo` and LoRA through Ray Train and DeepSpeed ZeRO-2: the first step's loss is log 2 (the
-model is still its reference), the loss falls and the reward accuracy rises as it learns the preferences, the
-held-out pairs are evaluated with the same figures, and the run exports its merged model."""
+TrainJob with `objective: dpo` through Ray Train and DeepSpeed: with LoRA at ZeRO-2 (the reference: the adapters
+disabled), and fully fine-tuned in bf16 on two workers at ZeRO-3 (the reference: a frozen copy, partitioned). The first
+step's loss is log 2 (the model is still its reference), the loss falls and the reward accuracy rises as it learns
+the preferences, the held-out pairs are evaluated with the same figures, and the run exports its model."""
 
 from __future__ import annotations
 
@@ -23,7 +24,22 @@ from test_dpo import PAIRS, tokenizer  # noqa: E402, F401 (fixture)
 pytestmark = pytest.mark.integration
 
 
-def test_a_dpo_run_learns_the_preferences_from_log_2(ray_cluster, tmp_path, tokenizer):  # noqa: F811
+LORA = {
+    "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]},
+    "deepspeed": {"zero_stage": 2},
+    "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
+}
+FULL = {
+    "precision": "bf16",
+    "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+    "deepspeed": {"zero_stage": 3},
+    "batch": {"micro_batch_size": 2, "grad_accum_steps": 1},
+    "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
+}
+
+
+@pytest.mark.parametrize("how", [LORA, FULL], ids=["lora-zero2", "full-zero3-bf16"])
+def test_a_dpo_run_learns_the_preferences_from_log_2(ray_cluster, tmp_path, tokenizer, how):  # noqa: F811
     from pylon.data.prepare import prepare
 
     data = str(tmp_path / "pref")
@@ -35,21 +51,19 @@ def test_a_dpo_run_learns_the_preferences_from_log_2(ray_cluster, tmp_path, toke
         "model": {"preset": "llama-tiny"},
         "objective": "dpo",
         "dpo_beta": 0.5,
-        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]},
         "data": {"uri": data, "seq_len": 64, "validation_fraction": 0.25},
         "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
-        "deepspeed": {"zero_stage": 2},
         "batch": {"micro_batch_size": 4, "grad_accum_steps": 1},
-        "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
         "steps": 12,
         "eval": {"every_steps": 12},
         "checkpoint": {"storage": str(tmp_path / "runs"), "every_steps": 12},
-    }
+    } | how
     client = pylon.connect()
     run = client.train(spec)
     status = client.wait_job(run.job_id, timeout_s=600, poll_s=1)
     logs = client.job_logs(run.job_id)
     assert status == "SUCCEEDED", logs[-4000:]
+    assert ("the reference is a frozen copy" in logs) == ("lora" not in how), logs[-4000:]
     run_dir = tmp_path / "runs" / "dpo"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("kind", "train") == "train"]
@@ -65,4 +79,4 @@ def test_a_dpo_run_learns_the_preferences_from_log_2(ray_cluster, tmp_path, toke
     (evaluation,) = evals
     print("dpo: held out", {k: v for k, v in evaluation.items() if k.startswith("val_dpo")})
     assert evaluation["step"] == 12 and evaluation["val_dpo_pairs"] > 0 and "val_loss" in evaluation, evaluation
-    assert (run_dir / "export" / "config.json").exists()  # the merged model
+    assert (run_dir / "export" / "config.json").exists()  # the (merged) model

@@ -167,6 +167,9 @@ class Workload:
     lora: LoraSpec | None = None
     documents: bool = False  # each packed document attended on its own (`attention_mask: document`): a mask
     loss_chunk_tokens: int = 0  # the loss a chunk of tokens at a time (`loss_chunk_tokens`): no whole-batch logits
+    # objective dpo's reference model: "adapters" (LoRA: the model with its adapters disabled, one more forward pass),
+    # "copy" (full fine-tuning: a frozen copy in the training precision too); "none" for other objectives
+    reference: str = "none"
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
@@ -272,6 +275,7 @@ class TrainMemory:
     host_buffers: int  # per node: pinned NVMe swap buffers
     nvme: int  # per node
     notes: dict[str, str] = field(default_factory=dict, compare=False)  # term -> what it holds
+    reference: int = 0  # objective dpo without LoRA: the frozen copy of the model
 
     @property
     def model_states(self) -> int:
@@ -279,7 +283,7 @@ class TrainMemory:
 
     @property
     def device_total(self) -> int:
-        return self.model_states + self.activations + self.buffers + self.runtime
+        return self.model_states + self.reference + self.activations + self.buffers + self.runtime
 
     @property
     def host_total(self) -> int:
@@ -290,6 +294,7 @@ class TrainMemory:
             ("parameters", self.params),
             ("gradients", self.grads),
             ("optimizer states", self.optimizer),
+            *([("reference model", self.reference)] if self.reference else []),
             ("activations", self.activations),
             ("working buffers", self.buffers),
             ("runtime", self.runtime),
@@ -383,6 +388,23 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
             f"({layout.buffers.prefetch_bucket:.0e}), small parameters kept whole"
         )
 
+    # objective dpo, fully fine-tuned: a frozen copy of the starting model in the training precision, partitioned and
+    # offloaded as the parameters are at ZeRO-3, whole on every GPU below it
+    reference = 0.0
+    if work.reference == "copy":
+        if stage < 3:
+            reference = w * n
+            notes["reference model"] = f"objective dpo: a frozen {work.precision} copy, whole on every GPU"
+        elif off_par:
+            if layout.offload_param == "nvme":
+                nvme += w * n / g * per_node
+            else:
+                host_states += w * n / g * per_node
+            notes["reference model"] = f"objective dpo: a frozen copy, its partitions in {layout.offload_param}"
+        else:
+            reference = w * n / g
+            notes["reference model"] = f"objective dpo: a frozen {work.precision} copy, a 1/G partition"
+
     acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device)
     notes["activations"] = (
         f"micro-batch {layout.micro_batch_size} x {work.seq_len} tokens, peak of forward + "
@@ -397,6 +419,7 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         activations=int(acts),
         buffers=int(buffers),
         runtime=runtime,
+        reference=int(reference),
         # ZeRO-3 builds under zero.Init: one module at a time exists whole before it is partitioned. Stages 0-2
         # build once, on rank 0's node, and broadcast: the other ranks allocate on their GPUs (on CPU workers
         # every process holds its replica in RAM).

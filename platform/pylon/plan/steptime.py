@@ -30,18 +30,23 @@ CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed's CPU Adam per GPU process (AVX-512, a 
 NVME_GBS = 6.0  # NVMe read or write bandwidth per node, GB/s, shared by its GPUs
 
 
-def model_flops_per_token(shape: ModelShape, seq_len: int, lora: bool) -> float:
+def model_flops_per_token(shape: ModelShape, seq_len: int, lora: bool, reference: bool = False) -> float:
     """Training FLOPs per token: 6N + 12 x layers x d_model x seq (PaLM's estimate, `pylon.models`); with LoRA
-    the frozen weights need only the forward and the input gradients (4N) and the adapters 6 x theirs."""
+    the frozen weights need only the forward and the input gradients (4N) and the adapters 6 x theirs. `reference`
+    (objective dpo): the reference model's forward pass too, 2N + 4 x layers x d_model x seq."""
     attention = 12.0 * shape.num_layers * shape.hidden_size * seq_len
+    extra = (2.0 * shape.matmul_params + attention / 3) if reference else 0.0
     if lora:
-        return 4.0 * shape.matmul_params + 6.0 * shape.trainable_matmul_params + attention
-    return 6.0 * shape.matmul_params + attention
+        return 4.0 * shape.matmul_params + 6.0 * shape.trainable_matmul_params + attention + extra
+    return 6.0 * shape.matmul_params + attention + extra
 
 
-def hardware_flops_per_token(shape: ModelShape, seq_len: int, lora: bool, checkpointing: bool) -> float:
-    """The FLOPs the GPUs execute: the model's, plus one more forward pass when checkpointing recomputes it."""
-    flops = model_flops_per_token(shape, seq_len, lora)
+def hardware_flops_per_token(
+    shape: ModelShape, seq_len: int, lora: bool, checkpointing: bool, reference: bool = False
+) -> float:
+    """The FLOPs the GPUs execute: the model's, plus one more forward pass when checkpointing recomputes it (the
+    reference's, run without gradients, is not recomputed)."""
+    flops = model_flops_per_token(shape, seq_len, lora, reference)
     if checkpointing:
         adapters = shape.trainable_matmul_params if lora else 0
         flops += 2.0 * (shape.matmul_params + adapters) + 4.0 * shape.num_layers * shape.hidden_size * seq_len
@@ -50,9 +55,9 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, lora: bool, checkp
 
 def hfu(work: Workload, checkpointing: bool, mfu: float) -> float:
     """The hardware FLOPs utilisation a run at `mfu` implies: recomputation included."""
-    lora = work.lora is not None
-    ratio = hardware_flops_per_token(work.shape, work.seq_len, lora, checkpointing) / model_flops_per_token(
-        work.shape, work.seq_len, lora
+    lora, reference = work.lora is not None, work.reference != "none"
+    ratio = hardware_flops_per_token(work.shape, work.seq_len, lora, checkpointing, reference) / model_flops_per_token(
+        work.shape, work.seq_len, lora, reference
     )
     return mfu * ratio
 
@@ -100,7 +105,7 @@ def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> S
     s, g, stage = work.shape, layout.num_gpus, layout.zero_stage
     w = WEIGHT_BYTES[work.precision]
     tokens = layout.micro_batch_size * layout.grad_accum_steps * g * work.seq_len
-    flops = tokens * model_flops_per_token(s, work.seq_len, work.lora is not None)
+    flops = tokens * model_flops_per_token(s, work.seq_len, work.lora is not None, work.reference != "none")
     compute = flops / (g * acc.peak_flops(work.precision) * mfu)
     comm, window = collectives(work, layout, acc)
     exposed = max(0.0, comm - window * compute)

@@ -413,7 +413,8 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         documents = spec.attention_mask == "document"
         if spec.attention_mask == "auto":
             notes.append("attention_mask auto planned as causal (a chat dataset would attend each document apart)")
-    return Workload(config, shape, spec.precision, seq, spec.lora, documents, spec.loss_chunk_tokens), notes
+    reference = "none" if spec.objective != "dpo" else "adapters" if spec.lora else "copy"
+    return Workload(config, shape, spec.precision, seq, spec.lora, documents, spec.loss_chunk_tokens, reference), notes
 
 
 def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) -> Layout:
@@ -505,7 +506,9 @@ class TrainPlan:
             "steps": self.steps,
             "global_batch": self.global_batch,
             "tokens": self.tokens,
-            "flops_per_token": model_flops_per_token(s, self.work.seq_len, self.work.lora is not None),
+            "flops_per_token": model_flops_per_token(
+                s, self.work.seq_len, self.work.lora is not None, self.work.reference != "none"
+            ),
             "utilization": {"mfu": self.mfu, "hfu": round(rec.hfu, 4) if rec else None, "mfu_means": MFU_MEANS},
             "deadline_days": self.deadline_days,
             "budget_usd": self.budget_usd,
@@ -838,6 +841,7 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
         lora,
         work.documents,
         work.loss_chunk_tokens,
+        "none" if work.reference == "none" else "adapters",
     )
     best = search(
         adapted,

@@ -11,7 +11,7 @@ from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config import DeepSpeedConfig
 from pydantic import ValidationError
 
-from pylon.jobs.deepspeed_config import build_deepspeed_config
+from pylon.jobs.deepspeed_config import build_deepspeed_config, reference_deepspeed_config
 from pylon.specs import TrainJobSpec
 
 
@@ -144,6 +144,22 @@ def test_aio_block_from_the_spec() -> None:
         "single_submit": True,
         "overlap_events": False,
     }
+
+
+def test_a_frozen_reference_model_gets_zero_3_without_optimizer_and_its_own_swap_folder() -> None:
+    spec = job(
+        precision="bf16",
+        deepspeed={"zero_stage": 3, "offload_param": "nvme", "offload_optimizer": "cpu", "nvme_path": "/nvme"},
+    )
+    trained = build_deepspeed_config(spec, world_size=1)
+    reference = reference_deepspeed_config(trained)
+    assert "optimizer" not in reference and "scheduler" not in reference and reference["gradient_clipping"] == 0
+    zero = reference["zero_optimization"]
+    assert zero["stage"] == 3 and "offload_optimizer" not in zero and reference["bf16"] == {"enabled": True}
+    # DeepSpeed empties a swap folder as it opens it: the reference's must not be the trained model's
+    assert zero["offload_param"]["nvme_path"] == "/nvme/dpo-reference" and reference["aio"] == trained["aio"]
+    assert trained["zero_optimization"]["offload_param"]["nvme_path"] == "/nvme" and "optimizer" in trained
+    assert DeepSpeedConfig(reference).zero_config.offload_param.nvme_path.as_posix() == "/nvme/dpo-reference"
 
 
 def test_fp16_uses_dynamic_loss_scaling() -> None:

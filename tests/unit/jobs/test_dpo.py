@@ -2,7 +2,9 @@
 --preference`): each pair is two documents in one row, chosen first, the loss counting the completions only; a pair
 longer than a row is left out and counted. The DPO loss of packed rows is, pair for pair, TRL's formula computed on
 each completion alone (policy with its LoRA adapters, reference with them disabled); it is log 2 while the adapters
-are still zero, and only the adapters learn. The spec refuses what DPO cannot run with, naming the field."""
+are still zero, and only the adapters learn. Without LoRA (full fine-tuning) the reference is a frozen copy of the model
+as it started, whole at ZeRO-2 and partitioned at ZeRO-3: log 2 at the start, and unmoved while the model learns. The
+spec refuses what DPO cannot run with, naming the field."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from harmony_models import bpe_tokenizer  # noqa: E402
 from test_chat_data import _jsonl  # noqa: E402
+from test_checkpoint import distributed  # noqa: E402, F401 (fixture: a one-process gloo world, for DeepSpeed)
 from test_prepare import no_cluster, read_rows  # noqa: E402, F401 (fixture)
 
 PAIRS = [
@@ -224,6 +227,46 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
     assert grads and all("lora_" in n for n in grads) and any(g.abs().sum() > 0 for g in grads.values())
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_full_fine_tuning_measures_against_a_frozen_copy_of_the_start(tmp_path, tokenizer, stage) -> None:
+    import deepspeed
+
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.jobs.dpo import frozen_reference
+    from pylon.models import build_model
+    from pylon.specs import TrainJobSpec
+
+    manifest, out = _prepared(tmp_path, tokenizer)
+    inputs = _rows(out, tokenizer)
+    tok = manifest.tokenizer
+    spec = TrainJobSpec.model_validate(
+        {"name": "d", "model": {"preset": "llama-tiny"}, "data": {"uri": out}, "steps": 2, "objective": "dpo",
+         "deepspeed": {"zero_stage": stage}, "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"}}
+    )  # fmt: skip
+    ds_config = build_deepspeed_config(spec, world_size=1)
+    built = {"vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id, "seed": 3}
+    model = build_model(spec, deepspeed_config=ds_config, **built)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
+    reference = frozen_reference(spec, ds_config, **built, device=None, dtype=torch.float32)
+    assert isinstance(reference, deepspeed.DeepSpeedEngine) == (stage == 3)  # ZeRO-3: partitioned, an engine
+    assert not any(p.requires_grad for p in reference.parameters())
+    assert not getattr(reference, "module", reference).training  # eval mode (an engine's is its module's)
+
+    def ref_logits():
+        with torch.no_grad():
+            return reference(**model_inputs(inputs)).logits.clone()
+
+    before = ref_logits()
+    loss, pairs, _, stats, _ = dpo_forward(engine, model, inputs, DpoLoss(BETA), "test", model_inputs, reference)
+    assert pairs == len(PAIRS) and abs(loss.item() / pairs - LOG_2) < 1e-6 and stats[:2] == [0.0, 0.0]
+    for _ in range(3):  # every weight learns (no adapters here); the reference stays as it started
+        engine.backward(loss / pairs)
+        engine.step()
+        loss, pairs, _, stats, _ = dpo_forward(engine, model, inputs, DpoLoss(BETA), "test", model_inputs, reference)
+    assert loss.item() / pairs < 0.9 * LOG_2 and stats[0] > stats[1], (loss.item() / pairs, stats)
+    assert torch.equal(ref_logits(), before)
+
+
 def test_rows_that_are_not_pairs_are_refused_naming_the_dataset() -> None:
     logits = torch.zeros(1, 6, 5)
     labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])
@@ -241,8 +284,8 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
     base = {"name": "d", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/d"}, "steps": 2,
             "objective": "dpo", "lora": {"target_modules": ["q_proj"]}}  # fmt: skip
     assert TrainJobSpec.model_validate(base).dpo_beta == 0.1
+    assert TrainJobSpec.model_validate({**base, "lora": None}).lora is None  # full fine-tuning: a frozen copy
     for change, field in (
-        ({"lora": None}, "objective"),
         ({"loss_chunk_tokens": 16}, "loss_chunk_tokens"),
         ({"attention_mask": "causal"}, "attention_mask"),
         ({"dpo_beta": 0}, "dpo_beta"),

@@ -289,6 +289,33 @@ def test_memory_terms_follow_the_layout() -> None:
     assert kv_bytes_per_token(work.shape, 2) == 2 * 32 * 32 * 128 * 2  # Llama-2-7B: 0.5 MiB per token
 
 
+def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora() -> None:
+    from dataclasses import replace
+
+    from pylon.plan.train import train_workload
+
+    lora = {"r": 16, "target_modules": ["q_proj", "v_proj"]}
+    plain = train_workload(_train())[0]
+    full = train_workload(_train(objective="dpo"))[0]
+    adapters = train_workload(_train(objective="dpo", lora=lora))[0]
+    assert (plain.reference, full.reference, adapters.reference) == ("none", "copy", "adapters")
+    s, seq = plain.shape, plain.seq_len
+    forward = 2 * s.matmul_params + 4 * s.num_layers * s.hidden_size * seq  # a third of a trained token's FLOPs
+    assert model_flops_per_token(s, seq, False, True) == model_flops_per_token(s, seq, False) + forward
+    assert abs(model_flops_per_token(s, seq, False, True) / model_flops_per_token(s, seq, False) - 4 / 3) < 1e-9
+    n = s.total_params
+    for layout, device, host in (
+        (Layout(2, num_gpus=8), 2 * n, 0),  # whole on every GPU, bf16
+        (Layout(3, num_gpus=8), 2 * n / 8, 0),  # a partition
+        (Layout(3, offload_param="cpu", num_gpus=8), 0, 2 * n),  # with the partitions in host RAM: 8 GPUs a node
+    ):
+        with_copy, without = train_memory(full, layout), train_memory(replace(full, reference="none"), layout)
+        assert with_copy.reference == int(device) and with_copy.device_total - without.device_total == int(device)
+        assert with_copy.host_states - without.host_states == int(host), layout
+        assert ("reference model" in dict(with_copy.device_terms())) == bool(device)
+        assert train_memory(adapters, layout).reference == 0  # LoRA: the model itself, its adapters disabled
+
+
 def test_pylon_plan_cli_json_and_table(tmp_path: Path, capsys) -> None:
     from pylon.cli import main
 
