@@ -1,6 +1,6 @@
-"""Direct preference optimisation (`TrainJobSpec.objective: dpo`; Rafailov et al. 2023, the sigmoid loss of TRL's
-`DPOTrainer`): the model learns to prefer each pair's chosen completion over its rejected one, relative to where it
-started, with no reward model and no sampling.
+"""Preference tuning: direct preference optimisation (`TrainJobSpec.objective: dpo`; Rafailov et al. 2023, the
+sigmoid loss of TRL's `DPOTrainer`) and the reference-free SimPO and ORPO (`objective: simpo`, `orpo`, below): the
+model learns to prefer each pair's chosen completion over its rejected one, with no reward model and no sampling.
 
 For a pair (prompt x, chosen y_w, rejected y_l), with log pi(y | x) the summed log-probability of a completion's tokens
 (and its eos) under the model being trained and log ref(y | x) the same under the reference (the model as it
@@ -28,8 +28,20 @@ first so that its activations are gone before the trained pass keeps its own. It
   model and gathered layer by layer for its forward (a DeepSpeed engine without an optimizer, offloaded where the
   trained model's parameters are).
 
-Logged per step and per evaluation (TRL's names, under `dpo_`): the rewards of the chosen and the rejected completions,
-their margin, and the reward accuracy (the share of pairs whose chosen completion has the larger reward).
+SimPO (Meng et al. 2024; TRL's `CPOTrainer` with loss_type "simpo" and cpo_alpha 0) and ORPO (Hong et al. 2024; TRL's
+`ORPOTrainer`) need no reference, so neither a frozen copy nor a second forward pass, and train LoRA or the whole model
+alike. With m(y) a completion's mean token log-probability under the model being trained:
+
+    simpo: loss = -log sigmoid(beta * (m(y_w) - m(y_l)) - gamma)          (`simpo_gamma`; smoothed as DPO's may be)
+    orpo:  loss = -m(y_w) - beta * log sigmoid(log odds(y_w) - log odds(y_l)),  odds(y) = p / (1 - p), p = exp(m(y))
+
+ORPO's first term is the chosen completion's negative log-likelihood (its tokens' mean, per pair: the paper's
+expectation over pairs, where TRL averages over a batch's chosen tokens), so it fine-tunes and aligns in one stage.
+Both report rewards beta * m(y), as TRL does.
+
+Logged per step and per evaluation (TRL's names, under the objective's: `dpo_`, `simpo_`, `orpo_`): the rewards of the
+chosen and the rejected completions, their margin, and the reward accuracy (the share of pairs whose chosen completion
+has the larger reward).
 """
 
 from __future__ import annotations
@@ -41,22 +53,40 @@ from dataclasses import dataclass
 from pylon.data.shards import DataError
 
 LOG_2 = math.log(2.0)  # every pair's sigmoid loss while the model is still its reference
+REFERENCE_FREE = ("simpo", "orpo")  # the losses that need no reference model
 
 
 @dataclass(frozen=True)
 class DpoLoss:
-    """Which preference loss, and its settings (`TrainJobSpec.dpo_beta`, `dpo_loss`, `dpo_label_smoothing`)."""
+    """Which preference loss, and its settings (`TrainJobSpec.objective`, `dpo_beta`, `dpo_loss`,
+    `dpo_label_smoothing`, `simpo_gamma`)."""
 
     beta: float = 0.1
-    kind: str = "sigmoid"  # "sigmoid", "hinge" or "ipo"
+    kind: str = "sigmoid"  # objective dpo's "sigmoid", "hinge" or "ipo"; or "simpo", "orpo"
     label_smoothing: float = 0.0
+    gamma: float = 0.5  # simpo's margin
 
     @classmethod
     def of(cls, spec) -> "DpoLoss":
-        return cls(spec.dpo_beta, spec.dpo_loss, spec.dpo_label_smoothing)
+        kind = spec.dpo_loss if spec.objective == "dpo" else spec.objective
+        return cls(spec.dpo_beta, kind, spec.dpo_label_smoothing, spec.simpo_gamma)
+
+    @property
+    def objective(self) -> str:
+        """The objective's name, which its figures are logged under."""
+        return self.kind if self.kind in REFERENCE_FREE else "dpo"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kind not in REFERENCE_FREE
+
+    @property
+    def mean(self) -> bool:
+        """Whether a completion's log-probability is its tokens' mean (IPO, SimPO, ORPO) rather than their sum."""
+        return self.kind in ("ipo", *REFERENCE_FREE)
 
     def at_start(self) -> float:
-        """Every pair's loss while the model is its reference (h = 0)."""
+        """Every pair's loss while the model is its reference (h = 0): objective dpo's losses only."""
         return {"sigmoid": LOG_2, "hinge": 1.0, "ipo": 1.0 / (4.0 * self.beta**2)}[self.kind]
 
 
@@ -89,25 +119,36 @@ def pair_up(logprobs, per_row, where: str):
     odd = (per_row % 2 != 0).nonzero()
     if odd.numel():
         raise DataError(
-            f"{where}: a row holds {int(per_row[odd[0, 0]])} documents, not preference pairs; objective dpo trains on "
-            "a dataset prepared with `pylon data prepare --preference`"
+            f"{where}: a row holds {int(per_row[odd[0, 0]])} documents, not preference pairs; objectives dpo, simpo "
+            "and orpo train on a dataset prepared with `pylon data prepare --preference`"
         )
     return logprobs[0::2], logprobs[1::2]
 
 
 def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss):
-    """Each pair's loss and its chosen and rejected rewards (the rewards detached: they are reported, not trained)."""
+    """Each pair's loss and its chosen and rejected rewards (the rewards detached: they are reported, not trained).
+    SimPO and ORPO take no reference (`ref_chosen`, `ref_rejected` None)."""
     import torch
     import torch.nn.functional as F
 
+    beta, e = loss.beta, loss.label_smoothing
+    if loss.kind == "orpo":
+        # log odds(y) = m - log(1 - exp(m)); expm1 keeps 1 - p exact as p nears 1 (clamped below: m < 0)
+        def log_odds(m):
+            return m - torch.log(-torch.expm1(m.clamp(max=-1e-6)))
+
+        losses = -chosen - beta * F.logsigmoid(log_odds(chosen) - log_odds(rejected))
+        return losses, (beta * chosen).detach(), (beta * rejected).detach()
+    if loss.kind == "simpo":
+        z = beta * (chosen - rejected) - loss.gamma
+        losses = -F.logsigmoid(z) * (1 - e) - F.logsigmoid(-z) * e
+        return losses, (beta * chosen).detach(), (beta * rejected).detach()
     h = (chosen - ref_chosen) - (rejected - ref_rejected)
-    beta = loss.beta
     if loss.kind == "hinge":
         losses = torch.relu(1 - beta * h)
     elif loss.kind == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2
     else:
-        e = loss.label_smoothing
         losses = -F.logsigmoid(beta * h) * (1 - e) - F.logsigmoid(-beta * h) * e
     return losses, (beta * (chosen - ref_chosen)).detach(), (beta * (rejected - ref_rejected)).detach()
 
@@ -164,19 +205,21 @@ def reference_logits(reference, module, args: dict):
 
 def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_inputs, reference=None) -> tuple:
     """One micro-batch: the reference's pass (no gradients; `reference` the frozen copy, or None: `module` with its
-    adapters disabled), then `model`'s (the DeepSpeed engine: the pass that is trained). Returns (the pairs' summed
-    loss as a tensor, pairs, counted tokens, [chosen rewards' sum, rejected rewards' sum, pairs whose chosen reward
-    is larger], the model's output)."""
+    adapters disabled; none for SimPO and ORPO), then `model`'s (the DeepSpeed engine: the pass that is trained).
+    Returns (the pairs' summed loss as a tensor, pairs, counted tokens, [chosen rewards' sum, rejected rewards' sum,
+    pairs whose chosen reward is larger], the model's output)."""
     import torch
 
     args = model_inputs(inputs)
     labels = inputs["labels"]
-    mean = loss.kind == "ipo"  # (IPO compares the completions' mean token log-probabilities)
+    mean = loss.mean
     # (an all-padding row, `train._padding_batch`, has no position_ids and counts no token: no pair)
     positions = inputs.get("position_ids", torch.zeros_like(labels))
-    ref = reference_logits(reference, module, args)
-    ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions, mean), where)
-    del ref
+    ref_chosen = ref_rejected = None
+    if loss.needs_reference:
+        ref = reference_logits(reference, module, args)
+        ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions, mean), where)
+        del ref
     out = model(**args)
     chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions, mean), where)
     losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss)
@@ -192,14 +235,18 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
     return losses.sum(), int(losses.numel()), int(tokens), stats, out
 
 
-def dpo_record(loss_sum: float, pairs: float, chosen: float, rejected: float, correct: float, prefix: str = "") -> dict:
-    """The DPO figures of a step or an evaluation (`prefix` "val_" for one), from the sums over its pairs."""
+def dpo_record(
+    loss_sum: float, pairs: float, chosen: float, rejected: float, correct: float, prefix: str = "", name: str = "dpo"
+) -> dict:
+    """The preference figures of a step or an evaluation (`prefix` "val_" for one) under the objective's `name`, from
+    the sums over its pairs."""
     n = max(pairs, 1.0)
+    p = f"{prefix}{name}_"
     return {
-        f"{prefix}dpo_loss": loss_sum / n,
-        f"{prefix}dpo_pairs": int(pairs),
-        f"{prefix}dpo_rewards_chosen": chosen / n,
-        f"{prefix}dpo_rewards_rejected": rejected / n,
-        f"{prefix}dpo_reward_margin": (chosen - rejected) / n,
-        f"{prefix}dpo_reward_accuracy": correct / n,
+        f"{p}loss": loss_sum / n,
+        f"{p}pairs": int(pairs),
+        f"{p}rewards_chosen": chosen / n,
+        f"{p}rewards_rejected": rejected / n,
+        f"{p}reward_margin": (chosen - rejected) / n,
+        f"{p}reward_accuracy": correct / n,
     }

@@ -40,7 +40,7 @@ from pylon.jobs.run_dir import (
     run_uri_of,
     storage_problems,
 )
-from pylon.specs import TrainJobSpec, load_spec
+from pylon.specs import PREFERENCE_OBJECTIVES, TrainJobSpec, load_spec
 
 log = logging.getLogger("pylon.train")
 
@@ -197,11 +197,12 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
 
 
 def check_objective(spec: TrainJobSpec, manifest) -> None:
-    """objective dpo trains on preference pairs: a PylonError naming data.uri for a dataset of anything else."""
-    if spec.objective == "dpo" and not manifest.preference:
+    """The preference objectives (dpo, simpo, orpo) train on preference pairs: a PylonError naming data.uri for a
+    dataset of anything else."""
+    if spec.objective in PREFERENCE_OBJECTIVES and not manifest.preference:
         raise PylonError(
-            f"objective dpo: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, chosen and "
-            "rejected with `pylon data prepare --preference`"
+            f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
+            "chosen and rejected with `pylon data prepare --preference`"
         )
 
 
@@ -255,7 +256,7 @@ def train_loop(config: dict) -> None:
     tok = stream.manifest.tokenizer
     documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")
     check_objective(spec, stream.manifest)
-    dpo = spec.objective == "dpo"  # (pylon.jobs.dpo)
+    dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo (pylon.jobs.dpo)
     dpo_loss = DpoLoss.of(spec)
     ds_config = build_deepspeed_config(spec, world_size=world)
     if spec.scaling.use_gpu and spec.deepspeed.offload_optimizer == "none":
@@ -277,9 +278,10 @@ def train_loop(config: dict) -> None:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     device = engine.device
-    # objective dpo's reference: with lora, the model with its adapters disabled; without, a frozen copy of it
+    # objective dpo's reference: with lora, the model with its adapters disabled; without, a frozen copy of it (simpo
+    # and orpo have none)
     reference = None
-    if dpo and spec.lora is None:
+    if dpo and dpo_loss.needs_reference and spec.lora is None:
         reference = frozen_reference(
             spec,
             ds_config,
@@ -337,7 +339,7 @@ def train_loop(config: dict) -> None:
 
     cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
-    if dpo:  # the reference's forward pass too: a third of a trained token's FLOPs (2N of 6N, and so for attention)
+    if dpo and dpo_loss.needs_reference:  # the reference's forward pass too: a third of a trained token's FLOPs
         flops_tok *= 4 / 3
     aux_coef = router_aux_coef(cfg)
     # The peak is measured in the precision the model trains in, on the worker's own device.
@@ -415,7 +417,7 @@ def train_loop(config: dict) -> None:
         tokens_seen += global_tokens
         record = {
             "step": step,
-            # the mean over the global batch's tokens; objective dpo: over its pairs
+            # the mean over the global batch's tokens; a preference objective's: over its pairs
             "loss": totals[0].item() / max(totals[7].item() if dpo else global_tokens, 1),
             "lr": float(engine.get_lr()[0]) if engine.get_lr() else 0.0,
             "tokens": global_tokens,
@@ -428,7 +430,7 @@ def train_loop(config: dict) -> None:
             "epoch": stream.position.epoch,
         }
         if dpo:  # the pairs' rewards, margin and accuracy (TRL's figures)
-            record.update(dpo_record(*totals[[0, 7, 8, 9, 10]].tolist()))
+            record.update(dpo_record(*totals[[0, 7, 8, 9, 10]].tolist(), name=dpo_loss.objective))
         if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean
             record["router_aux_loss"] = totals[5].item() / max(totals[6].item(), 1.0)
         if spec.precision == "fp16":
@@ -760,11 +762,11 @@ def _evaluate(
     reference=None,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
-    it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (objective dpo): the
-    held-out pairs' DPO figures too (`val_dpo_*`, against `reference`: `pylon.jobs.dpo.dpo_forward`), the completions'
-    tokens being what val_loss counts. Every rank
-    takes part with the same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads
-    its own part of the split (the stream pads a short part with empty batches, which run as all-padding rows)."""
+    it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
+    the held-out pairs' figures too (`val_dpo_*`, `val_simpo_*` or `val_orpo_*`; dpo's against `reference`:
+    `pylon.jobs.dpo.dpo_forward`), the completions' tokens being what val_loss counts. Every rank takes part with the
+    same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of the
+    split (the stream pads a short part with empty batches, which run as all-padding rows)."""
     import torch
 
     from pylon.data.reader import DataPosition
@@ -808,7 +810,7 @@ def _evaluate(
         sums = torch.tensor(dpo_sums, dtype=torch.float64, device=device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)
-        extra = dpo_record(*sums.tolist(), prefix="val_")
+        extra = dpo_record(*sums.tolist(), prefix="val_", name=dpo_loss.objective)
     return extra | eval_record(
         step,
         loss_sum=loss_sum,

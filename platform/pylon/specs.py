@@ -141,8 +141,8 @@ class DatasetSpec(_Spec):
     preference: bool = Field(
         False,
         description="JSONL of {'prompt': ..., 'chosen': ..., 'rejected': ...} records (TRL's preference format, for "
-        "a TrainJob with objective dpo; strings, or lists of messages rendered by the chat template): the prompt "
-        "with each completion, the pair in one row, the loss on the completions",
+        "a TrainJob with objective dpo, simpo or orpo; strings, or lists of messages rendered by the chat "
+        "template): the prompt with each completion, the pair in one row, the loss on the completions",
     )
     packing: Literal["auto", "wrapped", "bfd"] = Field(
         "auto",
@@ -402,6 +402,10 @@ class QueueSpec(_Spec):
     )
 
 
+# The objectives that train on preference pairs (`pylon data prepare --preference`; pylon.jobs.dpo)
+PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
+
+
 class TrainJobSpec(_Spec):
     """One training run: model, data, workers, DeepSpeed, optimisation and checkpoints."""
 
@@ -427,18 +431,27 @@ class TrainJobSpec(_Spec):
         "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
         "0: the whole micro-batch at once",
     )
-    objective: Literal["causal_lm", "dpo"] = Field(
+    objective: Literal["causal_lm", "dpo", "simpo", "orpo"] = Field(
         "causal_lm",
-        description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); dpo, direct "
-        "preference optimisation (TRL's DPOTrainer, sigmoid loss) on a dataset prepared with --preference: each "
-        "pair's chosen completion over its rejected one, relative to the model as it started (the reference: with "
-        "lora, the model with its adapters disabled; without, a frozen copy, partitioned as the model is at ZeRO-3)",
+        description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); on a dataset "
+        "prepared with --preference, each pair's chosen completion over its rejected one: dpo, direct preference "
+        "optimisation (TRL's DPOTrainer), relative to the model as it started (the reference: with lora, the model "
+        "with its adapters disabled; without, a frozen copy, partitioned as the model is at ZeRO-3); simpo (SimPO, "
+        "TRL's CPOTrainer loss_type simpo) and orpo (ORPO, TRL's ORPOTrainer, the chosen completion's NLL too) need "
+        "no reference: no frozen copy, no second forward pass",
     )
     dpo_beta: float = Field(
         0.1,
         gt=0,
-        description="objective dpo: how far from the starting model the preferences may pull it (DPO's beta; a "
-        "larger beta keeps it closer)",
+        description="the preference objectives' beta: dpo's, how far from the starting model the preferences may "
+        "pull it (a larger beta keeps it closer); simpo's, the scale of its length-normalised rewards (SimPO's paper "
+        "uses 2-2.5); orpo's lambda, the weight of its odds-ratio term against the NLL",
+    )
+    simpo_gamma: float = Field(
+        0.5,
+        ge=0,
+        description="objective simpo: the margin the chosen completion's reward must beat the rejected one's by "
+        "(SimPO's gamma; TRL's simpo_gamma)",
     )
     dpo_loss: Literal["sigmoid", "hinge", "ipo"] = Field(
         "sigmoid",
@@ -449,8 +462,8 @@ class TrainJobSpec(_Spec):
         0.0,
         ge=0,
         lt=0.5,
-        description="objective dpo with the sigmoid loss: the chance that a pair's preference is wrong (conservative "
-        "DPO); 0 trusts every pair",
+        description="objective dpo with the sigmoid loss, or simpo: the chance that a pair's preference is wrong "
+        "(conservative DPO); 0 trusts every pair",
     )
     optim: OptimSpec = Field(default_factory=OptimSpec)
     batch: BatchSpec = Field(default_factory=BatchSpec)
@@ -492,15 +505,29 @@ class TrainJobSpec(_Spec):
             )
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
-        if self.objective == "dpo":
+        objective = self.objective
+        if objective in PREFERENCE_OBJECTIVES:
             if self.loss_chunk_tokens:
-                problems.append(("loss_chunk_tokens", "objective dpo computes its logits whole: set 0"))
-            if self.dpo_label_smoothing and self.dpo_loss != "sigmoid":
-                problems.append(("dpo_label_smoothing", f"smooths the sigmoid loss only (dpo_loss is {self.dpo_loss})"))
+                problems.append(("loss_chunk_tokens", f"objective {objective} computes its logits whole: set 0"))
             if self.attention_mask == "causal":
                 problems.append(
-                    ("attention_mask", "objective dpo reads each completion on its own: set auto or document")
+                    ("attention_mask", f"objective {objective} reads each completion on its own: set auto or document")
                 )
+        if self.dpo_label_smoothing and not (
+            (objective == "dpo" and self.dpo_loss == "sigmoid") or objective == "simpo"
+        ):
+            problems.append(
+                (
+                    "dpo_label_smoothing",
+                    f"smooths objective dpo's sigmoid loss and simpo's only (objective {objective}"
+                    + (f", dpo_loss {self.dpo_loss})" if objective == "dpo" else ")"),
+                )
+            )
+        # (by value, not by whether the field was given: a submitted spec is dumped whole and read again)
+        if self.dpo_loss != "sigmoid" and objective != "dpo":
+            problems.append(("dpo_loss", f"chooses objective dpo's loss; objective is {objective}"))
+        if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and objective != "simpo":
+            problems.append(("simpo_gamma", f"is objective simpo's margin; objective is {objective}"))
         if self.data.validation_fraction == 0:
             for field in ("every_steps", "max_batches"):
                 if getattr(self.eval, field):

@@ -226,8 +226,8 @@ def _add_prepare_parser(dsub, fmt) -> None:
         "--preference",
         action="store_true",
         help="each JSONL record's prompt, chosen and rejected (TRL's preference format: strings, or lists of "
-        "messages rendered by the chat template), for a TrainJob with objective dpo: the prompt with each "
-        "completion, the pair kept together in one row, the loss on the completions",
+        "messages rendered by the chat template), for a TrainJob with objective dpo, simpo or orpo: the prompt "
+        "with each completion, the pair kept together in one row, the loss on the completions",
     )
     pr.add_argument(
         "--packing",

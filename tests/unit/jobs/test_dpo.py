@@ -200,6 +200,7 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
                 p.normal_(0, 0.5)
     loss, pairs, _, stats, _ = dpo_forward(model, model, inputs, DpoLoss(BETA), "test", model_inputs)
     margins = {False: [], True: []}  # each pair's h, from summed and (IPO's) mean token log-probabilities
+    means = []  # each pair's (chosen, rejected) mean token log-probabilities under the policy: SimPO's and ORPO's
     chosen_rewards, correct = 0.0, 0
     for p in PAIRS:
         prompt = hf(p["prompt"])["input_ids"]
@@ -211,6 +212,8 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
                 with model.disable_adapter():
                     rc, rr = _alone(model, prompt, c, mean), _alone(model, prompt, r, mean)
             margins[mean].append((pc - rc) - (pr - rr))
+            if mean:
+                means.append((pc, pr))
             if not mean:
                 chosen_rewards += BETA * (pc - rc)
                 correct += margins[mean][-1] > 0
@@ -221,6 +224,32 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
         got = dpo_forward(model, model, inputs, DpoLoss(BETA, kind, smoothing), "test", model_inputs)[0].item()
         want_other = sum(_trl(kind, BETA, h, smoothing) for h in margins[kind == "ipo"])
         assert abs(got - want_other) < 1e-4 * max(1.0, want_other), (kind, got, want_other)
+
+    # SimPO and ORPO, TRL's formulas on the policy's mean log-probabilities: no reference pass (the reference given
+    # here would fail if called), rewards beta * mean
+    def log_odds(m: float) -> float:
+        return m - math.log1p(-math.exp(m))
+
+    def log_sigmoid(x: float) -> float:
+        return -math.log1p(math.exp(-x))
+
+    def never(**_):
+        raise AssertionError("a reference-free loss ran the reference")
+
+    gamma, e = 0.3, 0.1
+    for kind, one in (
+        (
+            "simpo",
+            lambda c, r: -log_sigmoid(BETA * (c - r) - gamma) * (1 - e) - log_sigmoid(gamma - BETA * (c - r)) * e,
+        ),
+        ("orpo", lambda c, r: -c - BETA * log_sigmoid(log_odds(c) - log_odds(r))),
+    ):
+        spec = DpoLoss(BETA, kind, e if kind == "simpo" else 0.0, gamma)
+        got, pairs, _, stats, _ = dpo_forward(model, model, inputs, spec, "test", model_inputs, never)
+        want_other = sum(one(c, r) for c, r in means)
+        assert abs(got.item() - want_other) < 1e-4 * max(1.0, want_other), (kind, got.item(), want_other)
+        assert abs(stats[0] - sum(BETA * c for c, _ in means)) < 1e-4 and stats[2] == sum(c > r for c, r in means)
+        assert spec.objective == kind and not spec.needs_reference
     # Only the adapters learn
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -285,12 +314,21 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
             "objective": "dpo", "lora": {"target_modules": ["q_proj"]}}  # fmt: skip
     assert TrainJobSpec.model_validate(base).dpo_beta == 0.1
     assert TrainJobSpec.model_validate({**base, "lora": None}).lora is None  # full fine-tuning: a frozen copy
+    simpo = TrainJobSpec.model_validate({**base, "objective": "simpo", "simpo_gamma": 1.0, "dpo_label_smoothing": 0.1})
+    assert DpoLoss.of(simpo) == DpoLoss(0.1, "simpo", 0.1, 1.0)
+    assert DpoLoss.of(TrainJobSpec.model_validate({**base, "objective": "orpo", "lora": None})).kind == "orpo"
     for change, field in (
         ({"loss_chunk_tokens": 16}, "loss_chunk_tokens"),
         ({"attention_mask": "causal"}, "attention_mask"),
         ({"dpo_beta": 0}, "dpo_beta"),
         ({"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
         ({"dpo_label_smoothing": 0.5}, "dpo_label_smoothing"),
+        ({"simpo_gamma": 1.0}, "simpo_gamma"),  # simpo's, not dpo's
+        ({"objective": "orpo", "dpo_loss": "hinge"}, "dpo_loss"),
+        ({"objective": "orpo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
+        ({"objective": "simpo", "loss_chunk_tokens": 16}, "loss_chunk_tokens"),
+        ({"objective": "orpo", "attention_mask": "causal"}, "attention_mask"),
+        ({"objective": "causal_lm", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
     ):
         with pytest.raises((SpecError, ValueError), match=field):
             TrainJobSpec.model_validate({**base, **change})

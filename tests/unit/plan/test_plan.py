@@ -299,6 +299,7 @@ def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora(
     full = train_workload(_train(objective="dpo"))[0]
     adapters = train_workload(_train(objective="dpo", lora=lora))[0]
     assert (plain.reference, full.reference, adapters.reference) == ("none", "copy", "adapters")
+    assert train_workload(_train(objective="orpo"))[0].reference == "none"  # reference-free
     s, seq = plain.shape, plain.seq_len
     forward = 2 * s.matmul_params + 4 * s.num_layers * s.hidden_size * seq  # a third of a trained token's FLOPs
     assert model_flops_per_token(s, seq, False, True) == model_flops_per_token(s, seq, False) + forward
