@@ -39,9 +39,20 @@ ORPO's first term is the chosen completion's negative log-likelihood (its tokens
 expectation over pairs, where TRL averages over a batch's chosen tokens), so it fine-tunes and aligns in one stage.
 Both report rewards beta * m(y), as TRL does.
 
-Logged per step and per evaluation (TRL's names, under the objective's: `dpo_`, `simpo_`, `orpo_`): the rewards of the
-chosen and the rejected completions, their margin, and the reward accuracy (the share of pairs whose chosen completion
-has the larger reward).
+A reward model (`objective: reward`; TRL's `RewardTrainer`) is the model with a scalar head (its family's
+`*ForSequenceClassification`, one label: `pylon.models.with_head`) read at each completion's last token (its eos:
+`document_rewards`), trained so that the chosen completion scores higher (Bradley-Terry, Ouyang et al. 2022):
+
+    reward: loss = -log sigmoid(r(y_w) - r(y_l))
+
+The head's output at every position is taken by a forward hook (`head_outputs`: the classifier itself returns each
+row's last only, and a packed row holds several completions), inside the model's own forward, so ZeRO-3 gathers
+the head as it gathers any module.
+
+Logged per step and per evaluation (TRL's names, under the objective's: `dpo_`, `simpo_`, `orpo_`, `reward_`): the
+rewards of the chosen and the rejected completions, their margin, and the reward accuracy (the share of pairs whose
+chosen completion has the larger reward); a reward model's are `reward_loss`, `reward_chosen`, `reward_rejected`,
+`reward_margin`, `reward_accuracy`.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ from dataclasses import dataclass
 from pylon.data.shards import DataError
 
 LOG_2 = math.log(2.0)  # every pair's sigmoid loss while the model is still its reference
-REFERENCE_FREE = ("simpo", "orpo")  # the losses that need no reference model
+REFERENCE_FREE = ("simpo", "orpo", "reward")  # the losses that need no reference model
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,11 @@ class DpoLoss:
     @property
     def needs_reference(self) -> bool:
         return self.kind not in REFERENCE_FREE
+
+    @property
+    def scores(self) -> bool:
+        """Whether the pairs are scored by a reward head (objective reward) rather than by log-probabilities."""
+        return self.kind == "reward"
 
     @property
     def mean(self) -> bool:
@@ -113,6 +129,45 @@ def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
     return sums, present.view(rows, length).sum(dim=1)
 
 
+def document_rewards(scores, labels, position_ids, eos_id: int | None = None):
+    """Each document's reward: the head's output (`scores`, [rows, length]) at its completion's last token (`labels`
+    not -100), the eos `prepare` appends after it left out (a completion of eos alone: read there), in row order,
+    and how many documents each row holds (as `sequence_logprobs`). What a client scores, the prompt and the
+    completion as text, has no eos: Pylon's serving and transformers' classifier read it at that same token."""
+    import torch
+
+    rows, length = labels.shape
+    device = labels.device
+    counted = labels != -100
+    segment = torch.cumsum(position_ids == 0, dim=1) - 1
+    keys = torch.arange(rows, device=device)[:, None] * length + segment
+    index = torch.arange(length, device=device).expand(rows, length)
+
+    def last(where):
+        out = torch.full((rows * length,), -1, dtype=torch.int64, device=device)
+        return out.scatter_reduce(0, keys[where], index[where], reduce="amax")
+
+    ends = last(counted)
+    text = last(counted & (labels != eos_id)) if eos_id is not None else ends
+    present = ends >= 0
+    at = torch.where(text >= 0, text, ends)[present]
+    row_of = torch.arange(rows * length, device=device)[present] // length
+    return scores[row_of, at].float(), present.view(rows, length).sum(dim=1)
+
+
+@contextlib.contextmanager
+def head_outputs(module):
+    """The classification head's output at every position, for the passes run inside: a list that holds it (a
+    [rows, length, labels] tensor, in the autograd graph) after each forward of `module` (a reward model; a peft
+    model's head reached through it)."""
+    outputs = []
+    handle = module.score.register_forward_hook(lambda _m, _args, out: outputs.append(out))
+    try:
+        yield outputs
+    finally:
+        handle.remove()
+
+
 def pair_up(logprobs, per_row, where: str):
     """(chosen, rejected) log-probabilities: each row's documents two by two, chosen first. A row of an odd number of
     documents is not a preference dataset's: a DataError naming `where` (the dataset)."""
@@ -132,6 +187,8 @@ def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss):
     import torch.nn.functional as F
 
     beta, e = loss.beta, loss.label_smoothing
+    if loss.kind == "reward":  # Bradley-Terry on the rewards themselves
+        return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
     if loss.kind == "orpo":
         # log odds(y) = m - log(1 - exp(m)); expm1 keeps 1 - p exact as p nears 1 (clamped below: m < 0)
         def log_odds(m):
@@ -220,8 +277,14 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
         ref = reference_logits(reference, module, args)
         ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions, mean), where)
         del ref
-    out = model(**args)
-    chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions, mean), where)
+    if loss.scores:  # a reward model: its head at each completion's last token
+        with head_outputs(module) as heads:
+            out = model(**args)
+        eos = getattr(module.config, "eos_token_id", None)
+        chosen, rejected = pair_up(*document_rewards(heads[-1][..., 0], labels, positions, eos), where)
+    else:
+        out = model(**args)
+        chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions, mean), where)
     losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss)
     # one read from the device for the figures: rewards' sums, correct pairs, counted tokens
     *stats, tokens = torch.stack(
@@ -242,11 +305,13 @@ def dpo_record(
     the sums over its pairs."""
     n = max(pairs, 1.0)
     p = f"{prefix}{name}_"
+    # (a reward model's: reward_chosen, reward_margin; the others': dpo_rewards_chosen, dpo_reward_margin)
+    rewards, reward = (p, p) if name == "reward" else (f"{p}rewards_", f"{p}reward_")
     return {
         f"{p}loss": loss_sum / n,
         f"{p}pairs": int(pairs),
-        f"{p}rewards_chosen": chosen / n,
-        f"{p}rewards_rejected": rejected / n,
-        f"{p}reward_margin": (chosen - rejected) / n,
-        f"{p}reward_accuracy": correct / n,
+        f"{rewards}chosen": chosen / n,
+        f"{rewards}rejected": rejected / n,
+        f"{reward}margin": (chosen - rejected) / n,
+        f"{reward}accuracy": correct / n,
     }

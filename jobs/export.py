@@ -121,7 +121,10 @@ def export_eval(run_uri: str, spec, step: int) -> dict | None:
         "perplexity": r["val_perplexity"],
         "tokens": r["val_tokens"],
         "sequences": r["val_sequences"],
-        "metric": "mean next-token cross-entropy (nats/token) over the validation split; perplexity = exp(loss)",
+        "metric": "mean next-token cross-entropy (nats/token) over the validation split; perplexity = exp(loss)"
+        if r["val_perplexity"] is not None
+        else "a reward model's mean Bradley-Terry loss over the validation split's preference pairs (tokens: the "
+        "pairs; no perplexity)",
         "dataset": spec.data.uri,
         "split": "validation",
         "validation_fraction": spec.data.validation_fraction,

@@ -148,11 +148,14 @@ def eval_record(
     val_ids,
     seconds: float,
     attention_mask: str = "causal",
+    pairs: bool = False,
 ) -> dict:
     """A held-out evaluation as a `metrics.jsonl` record. `"kind": "eval"` and `val_*` names keep it apart
     from the training steps (`read_metrics` returns those alone unless asked); `step` is the optimizer step
     it evaluated, so a resume drops it with the steps after its checkpoint. `attention_mask`: how its packed
-    rows were attended ("causal" or "document", `TrainJobSpec.attention_mask` resolved for the dataset)."""
+    rows were attended ("causal" or "document", `TrainJobSpec.attention_mask` resolved for the dataset). `pairs`
+    (a reward model's evaluation): `loss_sum` is its preference pairs' Bradley-Terry loss and `tokens` their count;
+    there is no perplexity (None)."""
     import math
 
     loss = loss_sum / max(tokens, 1)
@@ -160,7 +163,7 @@ def eval_record(
         "kind": "eval",
         "step": step,
         "val_loss": loss,
-        "val_perplexity": math.exp(loss) if loss < 700 else float("inf"),
+        "val_perplexity": None if pairs else math.exp(loss) if loss < 700 else float("inf"),
         "val_tokens": int(tokens),
         "val_sequences": int(sequences),
         "val_batches": int(batches),
@@ -172,6 +175,11 @@ def eval_record(
 
 def eval_line(record: dict) -> str:
     """One readable line for an evaluation record (job logs, the final summary)."""
+    if record["val_perplexity"] is None:  # a reward model's: its pairs' loss
+        return (
+            f"evaluation at step {record['step']}: validation loss {record['val_loss']:.4f} (Bradley-Terry) over "
+            f"{record['val_tokens']:,} preference pairs ({record['val_sequences']:,} rows)"
+        )
     return (
         f"evaluation at step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
         f"{record['val_perplexity']:.3f} over {record['val_tokens']:,} tokens ({record['val_sequences']:,} sequences)"

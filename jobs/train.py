@@ -570,7 +570,7 @@ def _record_reference_logits(engine, run_uri: str, rank: int, seq_len: int) -> N
     ids = (torch.arange(min(seq_len, 32), device=engine.device) % 200).unsqueeze(0)
     engine.eval()
     with torch.no_grad():
-        logits = engine(input_ids=ids).logits.float()
+        logits = position_outputs(engine, input_ids=ids).float()
     engine.train()
     if rank == 0:
         storage.atomic_write_json(
@@ -601,6 +601,20 @@ def model_inputs(inputs: dict) -> dict:
     return {**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": False}
 
 
+def position_outputs(model, **inputs):
+    """`model`'s output at every position: a causal LM's logits, or a classifier's head (objective reward's reward
+    model, whose own output is each row's last position only). `model` may be a DeepSpeed engine."""
+    from pylon.jobs.dpo import head_outputs
+    from pylon.models import is_classifier
+
+    module = getattr(model, "module", model)
+    if not is_classifier(module.config):
+        return model(**inputs).logits
+    with head_outputs(module) as heads:
+        model(**inputs)
+    return heads[-1]
+
+
 # Two documents the document-attention check packs into one row: the second's logits must not see the first.
 _PROBE_LENGTHS = (16, 16)
 _PROBE_LEAK = 0.1  # largest share of the cross-document effect left by a working mask (numerical noise: ~1e-6 fp32)
@@ -624,9 +638,9 @@ def check_document_attention(model, vocab_size: int, *, where: str, device=None)
     model.eval()
     try:
         with torch.no_grad():
-            alone = model(input_ids=second[None], use_cache=False).logits.float()
-            packed = model(input_ids=row, position_ids=positions, use_cache=False).logits[:, a:].float()
-            plain = model(input_ids=row, use_cache=False).logits[:, a:].float()
+            alone = position_outputs(model, input_ids=second[None], use_cache=False).float()
+            packed = position_outputs(model, input_ids=row, position_ids=positions, use_cache=False)[:, a:].float()
+            plain = position_outputs(model, input_ids=row, use_cache=False)[:, a:].float()
     finally:
         model.train(was_training)
     effect = float((plain - alone).abs().max())
@@ -795,7 +809,8 @@ def _evaluate(
                         engine, engine.module, inputs, dpo_loss, "the validation split", model_inputs, reference
                     )
                     dpo_sums = [a + b for a, b in zip(dpo_sums, [float(pair_loss.item()), pairs, *stats])]
-                    part, n = token_loss_sum(out.logits, inputs["labels"])
+                    # a reward model has no next-token loss: its val_loss is the pairs' (Bradley-Terry)
+                    part, n = (pair_loss, pairs) if dpo_loss.scores else token_loss_sum(out.logits, inputs["labels"])
                 else:
                     part, n, _ = forward_loss(engine, inputs, chunked)
                 loss_sum += float(part.item())
@@ -820,6 +835,7 @@ def _evaluate(
         val_ids=val_stream.id_range,
         seconds=time.perf_counter() - t0,
         attention_mask="document" if documents else "causal",
+        pairs=dpo_loss is not None and dpo_loss.scores,
     )
 
 

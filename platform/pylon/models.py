@@ -112,8 +112,6 @@ def build_model(
     storage. Rank 0 builds on the CPU, as a single process does, and moves the model to `device`. Without a
     process group (or without `deepspeed_config`) the process builds the whole model itself.
     """
-    from transformers import AutoModelForCausalLM
-
     partitioned = bool(deepspeed_config) and deepspeed_config.get("zero_optimization", {}).get("stage") == 3
     ranks = _world_size() if deepspeed_config else 1
     rank = _rank() if ranks > 1 else 0
@@ -121,13 +119,14 @@ def build_model(
     config = _from_rank0(
         lambda: model_config(spec.model, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id), ranks, rank
     )
+    config = with_head(config, reward=spec.objective == "reward")
     shared = ranks > 1 and not partitioned  # stages 0-2: rank 0 builds, the others receive
     torch.manual_seed(seed)
     with _zero3_construction(deepspeed_config if partitioned else None):
         if partitioned:
             # transformers sees the config (HfDeepSpeedConfig): it builds under zero.Init with init switched off,
             # then initialises each module gathered on rank 0 and broadcasts it (initialize_weights_zero3).
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = auto_model_class(config).from_config(config, dtype=torch.float32)
             if spec.model.path is not None:
                 _load_partitioned(model, spec.model.path)
         elif shared:
@@ -163,10 +162,10 @@ def _initialised(config: "PretrainedConfig") -> torch.nn.Module:
 
     Built with init off, then initialised in one pass: the same random stream, module for module, as the
     partitioned build (whose constructors cannot initialise), so every stage starts equal."""
-    from transformers import AutoModelForCausalLM, initialization
+    from transformers import initialization
 
     with initialization.no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_model_class(config).from_config(config, dtype=torch.float32)
     model.initialize_weights()
     model.tie_weights()
     return model
@@ -175,21 +174,56 @@ def _initialised(config: "PretrainedConfig") -> torch.nn.Module:
 def _uninitialised(config: "PretrainedConfig", device: torch.device | str | None) -> torch.nn.Module:
     """A model from `config` in fp32, allocated on `device` (the CPU by default) and left uninitialised: storage
     for weights another rank broadcasts."""
-    from transformers import AutoModelForCausalLM, initialization
+    from transformers import initialization
 
     with initialization.no_init_weights(), torch.device(device or "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_model_class(config).from_config(config, dtype=torch.float32)
     model.tie_weights()
     return model
 
 
+def is_classifier(config: "PretrainedConfig") -> bool:
+    """Whether `config` is a `*ForSequenceClassification` model's (a reward model, a classifier)."""
+    return any(str(name).endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ())
+
+
+def auto_model_class(config: "PretrainedConfig"):
+    """The transformers auto class that builds `config`'s model: a classifier's, or the causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if is_classifier(config) else AutoModelForCausalLM
+
+
+def with_head(config: "PretrainedConfig", *, reward: bool) -> "PretrainedConfig":
+    """`config` with the head a TrainJob trains: `reward` (objective reward), its family's
+    `*ForSequenceClassification` with one label, the reward (from a causal LM's checkpoint, the body is loaded and
+    the head starts new: TRL's RewardTrainer does the same); otherwise the causal LM's, whatever checkpoint it
+    came from. Its `pad_token_id` must be set: the classifier reads each row's last token that is not padding."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    names = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if reward else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if reward == is_classifier(config) and (not reward or config.num_labels == 1):
+        return config
+    name = names.get(config.model_type)
+    if name is None:
+        raise PylonError(
+            f"objective {'reward' if reward else 'causal_lm'}: transformers has no "
+            f"{'sequence-classification' if reward else 'causal LM'} model for model_type {config.model_type}"
+        )
+    config.architectures = [name]
+    if reward:
+        config.num_labels = 1  # (id2label/label2id follow)
+    return config
+
+
 def _load_whole(uri: str, config: "PretrainedConfig") -> torch.nn.Module:
     """The model directory `uri`'s model, whole, in fp32, on the CPU."""
-    from transformers import AutoModelForCausalLM
-
     with local_model_dir(uri) as directory:
         try:
-            return AutoModelForCausalLM.from_pretrained(
+            return auto_model_class(config).from_pretrained(
                 directory, config=config, dtype=torch.float32, local_files_only=True
             )
         except (OSError, ValueError) as e:
@@ -258,6 +292,9 @@ def _zero3_construction(deepspeed_config: dict | None) -> Iterator[None]:
         del alive
 
 
+_CLASSIFIER_HEADS = ("score.", "classifier.")  # a *ForSequenceClassification's head (Llama's, Qwen's; others')
+
+
 def _load_partitioned(model: torch.nn.Module, uri: str) -> None:
     """The weights of the model directory `uri` into `model`, built partitioned under ZeRO-3.
 
@@ -313,6 +350,8 @@ def _load_partitioned(model: torch.nn.Module, uri: str) -> None:
                     with torch.no_grad():
                         buf.copy_(value)
     missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
+    if is_classifier(model.config):  # a reward model from a causal LM: its new head keeps its initialisation
+        missing = [name for name in missing if not name.startswith(_CLASSIFIER_HEADS)]
     if missing:
         raise PylonError(
             f"model.path {storage.describe(uri)}: no weights for {len(missing)} of the model's parameters "
@@ -569,7 +608,8 @@ def with_lora(model: "PreTrainedModel", lora: LoraSpec) -> torch.nn.Module:
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         fan_in_fan_out=fan_in_fan_out,
-        task_type="CAUSAL_LM",
+        # a classifier (objective reward): peft trains its new head whole beside the adapters (modules_to_save)
+        task_type="SEQ_CLS" if is_classifier(model.config) else "CAUSAL_LM",
     )
     return get_peft_model(model, config)
 

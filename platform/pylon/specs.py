@@ -403,7 +403,7 @@ class QueueSpec(_Spec):
 
 
 # The objectives that train on preference pairs (`pylon data prepare --preference`; pylon.jobs.dpo)
-PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
+PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward")
 
 
 class TrainJobSpec(_Spec):
@@ -431,14 +431,16 @@ class TrainJobSpec(_Spec):
         "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
         "0: the whole micro-batch at once",
     )
-    objective: Literal["causal_lm", "dpo", "simpo", "orpo"] = Field(
+    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward"] = Field(
         "causal_lm",
         description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); on a dataset "
         "prepared with --preference, each pair's chosen completion over its rejected one: dpo, direct preference "
         "optimisation (TRL's DPOTrainer), relative to the model as it started (the reference: with lora, the model "
         "with its adapters disabled; without, a frozen copy, partitioned as the model is at ZeRO-3); simpo (SimPO, "
         "TRL's CPOTrainer loss_type simpo) and orpo (ORPO, TRL's ORPOTrainer, the chosen completion's NLL too) need "
-        "no reference: no frozen copy, no second forward pass",
+        "no reference: no frozen copy, no second forward pass; reward, a reward model (TRL's RewardTrainer): the "
+        "model with a scalar head (*ForSequenceClassification, num_labels 1) scoring each completion at its last "
+        "token, trained so the chosen one scores higher (Bradley-Terry), exported as a classifier Pylon serves",
     )
     dpo_beta: float = Field(
         0.1,

@@ -272,8 +272,10 @@ def recurrent_state_bytes(config, dtype_bytes: int) -> int:
 def is_sequence_classifier(config) -> bool:
     """Whether a checkpoint is its family's `*ForSequenceClassification` (a reward model, a cross-encoder, a
     classifier: a head over the last token's final hidden state instead of an lm_head), by its config's
-    `architectures`."""
-    return any(str(name).endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ())
+    `architectures` (`pylon.models.is_classifier`, which training builds its reward models by)."""
+    from pylon.models import is_classifier
+
+    return is_classifier(config)
 
 
 def unsupported(config) -> str | None:

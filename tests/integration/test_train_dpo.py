@@ -4,7 +4,8 @@ TrainJob with `objective: dpo` through Ray Train and DeepSpeed: with LoRA at ZeR
 disabled), and fully fine-tuned in bf16 on two workers at ZeRO-3 (the reference: a frozen copy, partitioned); and
 ORPO, reference-free, fully fine-tuned. DPO's first step's loss is log 2 (the model is still its reference); the loss
 falls and the reward accuracy rises as it learns the preferences, the held-out pairs are evaluated with the same
-figures, and the run exports its model."""
+figures, and the run exports its model. A reward model (`objective: reward`, LoRA at ZeRO-3 on two workers) learns the
+same pairs, exports as a classifier, and Pylon's serving engine reads its rewards as transformers does."""
 
 from __future__ import annotations
 
@@ -66,18 +67,7 @@ def test_a_preference_run_learns_the_preferences(ray_cluster, tmp_path, tokenize
         "eval": {"every_steps": 12},
         "checkpoint": {"storage": str(tmp_path / "runs"), "every_steps": 12},
     } | how
-    client = pylon.connect()
-    run = client.train(spec)
-    status = client.wait_job(run.job_id, timeout_s=600, poll_s=1)
-    logs = client.job_logs(run.job_id)
-    assert status == "SUCCEEDED", logs[-4000:]
-    name = spec["objective"]
-    assert ("the reference is a frozen copy" in logs) == (name == "dpo" and "lora" not in how), logs[-4000:]
-    run_dir = tmp_path / "runs" / "dpo"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("kind", "train") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
-    assert [r["step"] for r in steps] == list(range(1, 13))
+    name, steps, evals, run_dir = _train(spec)
     first, last = steps[0], steps[-1]
     assert first["loss"] == first[f"{name}_loss"] and first[f"{name}_pairs"] > 0, first
     if name == "dpo":  # the model is its reference
@@ -87,9 +77,82 @@ def test_a_preference_run_learns_the_preferences(ray_cluster, tmp_path, tokenize
         assert last["orpo_loss"] < 0.7 * first["orpo_loss"], (first, last)
     assert last[f"{name}_reward_accuracy"] == 1.0 and last[f"{name}_reward_margin"] > first[f"{name}_reward_margin"]
     assert last[f"{name}_rewards_chosen"] > last[f"{name}_rewards_rejected"]
-    keys = (f"{name}_loss", f"{name}_reward_accuracy", f"{name}_reward_margin")
-    print(f"{name}: step 1", {k: first[k] for k in keys}, "step 12", {k: last[k] for k in keys})
     (evaluation,) = evals
-    print(f"{name}: held out", {k: v for k, v in evaluation.items() if k.startswith(f"val_{name}")})
     assert evaluation["step"] == 12 and evaluation[f"val_{name}_pairs"] > 0 and "val_loss" in evaluation, evaluation
     assert (run_dir / "export" / "config.json").exists()  # the (merged) model
+
+
+def _train(spec: dict) -> tuple:
+    """Run the TrainJob `spec`; (its objective, its steps' records, its evaluations, its run directory)."""
+    client = pylon.connect()
+    run = client.train(spec)
+    status = client.wait_job(run.job_id, timeout_s=600, poll_s=1)
+    logs = client.job_logs(run.job_id)
+    assert status == "SUCCEEDED", logs[-4000:]
+    name = spec["objective"]
+    assert ("the reference is a frozen copy" in logs) == (name == "dpo" and "lora" not in spec), logs[-4000:]
+    run_dir = Path(spec["checkpoint"]["storage"]) / spec["name"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("kind", "train") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    first, last = steps[0], steps[-1]
+    print(f"{name}: step 1", {k: v for k, v in first.items() if k.startswith(name)})
+    print(f"{name}: step 12", {k: v for k, v in last.items() if k.startswith(name)})
+    print(f"{name}: held out", {k: v for k, v in evals[-1].items() if k.startswith(f"val_{name}")} if evals else None)
+    return name, steps, evals, run_dir
+
+
+def test_a_reward_model_learns_the_preferences_and_serves_its_rewards(ray_cluster, tmp_path, tokenizer):  # noqa: F811
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from pylon.data.prepare import prepare
+    from pylon.serving.engine.engine import LLMEngine
+    from pylon.serving.engine.sampling import SamplingParams
+    from pylon.specs import EngineSpec
+
+    data = str(tmp_path / "pref")
+    prepare([_jsonl(tmp_path / "pref.jsonl", PAIRS * 4)], data, seq_len=64, tokenizer=tokenizer, preference=True,
+            use_ray=False, progress=False)  # fmt: skip
+    name, steps, evals, run_dir = _train(
+        {
+            "kind": "TrainJob",
+            "name": "rm",
+            "model": {"preset": "llama-tiny"},
+            "objective": "reward",
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]},
+            "data": {"uri": data, "seq_len": 64, "validation_fraction": 0.25},
+            "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+            "deepspeed": {"zero_stage": 3},
+            "batch": {"micro_batch_size": 2, "grad_accum_steps": 1},
+            "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
+            "steps": 12,
+            "eval": {"every_steps": 12},
+            "checkpoint": {"storage": str(tmp_path / "runs"), "every_steps": 12},
+        }
+    )
+    first, last = steps[0], steps[-1]
+    assert name == "reward" and first["loss"] == first["reward_loss"] and first["reward_pairs"] > 0, first
+    assert last["reward_loss"] < 0.5 * first["reward_loss"] and last["reward_accuracy"] == 1.0, (first, last)
+    (evaluation,) = evals  # a reward model's val_loss is its pairs' (Bradley-Terry): no perplexity
+    assert evaluation["val_loss"] == evaluation["val_reward_loss"] and evaluation["val_perplexity"] is None
+    assert evaluation["val_reward_accuracy"] == 1.0, evaluation
+    export = str(run_dir / "export")
+    config = json.loads((run_dir / "export" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1, config
+    model = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
+    hf = AutoTokenizer.from_pretrained(tokenizer)
+    engine = LLMEngine(export, EngineSpec(device="cpu", dtype="fp32", max_model_len=64, max_num_batched_tokens=64))
+    texts = [p["prompt"] + p[side] for p in PAIRS for side in ("chosen", "rejected")]
+    for i, text in enumerate(texts):
+        engine.add_request(str(i), hf(text)["input_ids"], SamplingParams(max_tokens=0, embed=True))
+    served = {}
+    while engine.has_unfinished():
+        served.update((o.request_id, o.embedding[0]) for o in engine.step())
+    for i, text in enumerate(texts):
+        with torch.no_grad():
+            want = model(**hf(text, return_tensors="pt")).logits[0, 0].item()
+        assert abs(served[str(i)] - want) < 1e-4, (text, served[str(i)], want)
+    assert all(served[str(2 * k)] > served[str(2 * k + 1)] for k in range(len(PAIRS))), served  # chosen scores higher
+    print("reward: served", {texts[int(k)]: round(v, 3) for k, v in sorted(served.items())})

@@ -130,14 +130,26 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from pylon.jobs.export import EVAL_FILE, export_run, read_export_eval
 
     out = export_run(args.run_uri, args.out, step=args.step, lora=args.lora)
+    from pylon import storage
+
+    config = storage.join(out, "config.json")  # (an adapter alone has none)
+    classifier = storage.exists(config) and "ForSequenceClassification" in str(
+        storage.read_json(config).get("architectures")
+    )
     how = (
         "peft.PeftModel.from_pretrained(base_model, DIR)"
         if args.lora == "adapter"
-        else "transformers.AutoModelForCausalLM.from_pretrained(DIR)"
+        else f"transformers.{'AutoModelForSequenceClassification' if classifier else 'AutoModelForCausalLM'}"
+        ".from_pretrained(DIR)"
     )
     print(f"exported {args.run_uri} to {out} (load it with {how})")
     evaluation = read_export_eval(out)
-    if evaluation is not None:
+    if evaluation is not None and evaluation["perplexity"] is None:  # a reward model's
+        print(
+            f"held-out evaluation at step {evaluation['step']}: validation loss {evaluation['loss']:.4f} "
+            f"(Bradley-Terry) over {evaluation['tokens']:,} preference pairs ({EVAL_FILE})"
+        )
+    elif evaluation is not None:
         print(
             f"held-out evaluation at step {evaluation['step']}: validation loss {evaluation['loss']:.4f}, "
             f"perplexity {evaluation['perplexity']:.3f} over {evaluation['tokens']:,} tokens ({EVAL_FILE})"

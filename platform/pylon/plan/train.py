@@ -376,7 +376,7 @@ def _whole_config_from_dir(uri: str, what: str):
 
 def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[Workload, list[str]]:
     """The model, precision, sequence length and adapters `spec` trains, with notes on where they came from."""
-    from pylon.models import model_config
+    from pylon.models import model_config, with_head
 
     notes = []
     manifest = None
@@ -404,6 +404,7 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
             eos_id=tok.eos_id if tok else 0,
             pad_id=tok.pad_id if tok else 0,
         )
+    config = with_head(config, reward=spec.objective == "reward")  # a reward model: a scalar head, no lm_head
     shape = model_shape(config, spec.lora)
     if manifest is not None:
         from pylon.data.shards import separate_documents

@@ -220,6 +220,25 @@ def held_out(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _refuse_classifier(directory: str) -> None:
+    """A classifier (a reward model: objective reward's export) has no next-token loss: a PylonError saying where its
+    figures are, rather than the perplexity of an lm_head it does not have."""
+    from transformers import AutoConfig
+
+    from pylon.models import is_classifier
+
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError):
+        return  # (loading the model says what is wrong)
+    if is_classifier(config):
+        raise PylonError(
+            f"{directory}: a classifier ({', '.join(config.architectures)}: a reward model, a cross-encoder) has no "
+            "next-token loss to evaluate; a reward model's held-out pairs' loss and accuracy are its run's "
+            "val_reward_* figures (and its export's eval.json), and a Deployment serves it on /classify and /pooling"
+        )
+
+
 def model_loss(
     directory: str, data: HeldOut, *, batch_size: int = 8, device: str | None = None, progress: bool = False
 ) -> tuple[float, int, str]:
@@ -235,6 +254,7 @@ def model_loss(
     from pylon.jobs.train import model_inputs, token_loss_sum
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _refuse_classifier(directory)
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
     except (OSError, ValueError) as e:

@@ -296,6 +296,48 @@ def test_full_fine_tuning_measures_against_a_frozen_copy_of_the_start(tmp_path, 
     assert torch.equal(ref_logits(), before)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_reward_model_scores_each_packed_completion_as_it_scores_it_alone(tmp_path, tokenizer, lora) -> None:
+    from pylon.models import build_model, is_classifier
+    from pylon.specs import TrainJobSpec
+
+    manifest, out = _prepared(tmp_path, tokenizer)
+    inputs = _rows(out, tokenizer)
+    tok, hf = manifest.tokenizer, load_tokenizer(tokenizer)._tok
+    spec = TrainJobSpec.model_validate(
+        {"name": "r", "model": {"preset": "llama-tiny"}, "data": {"uri": out}, "steps": 2, "objective": "reward",
+         **({"lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}} if lora else {})}
+    )  # fmt: skip
+    model = build_model(spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=1)
+    assert is_classifier(model.config) and model.config.num_labels == 1
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("score" in n for n in trained)  # the new head learns, with LoRA too
+    assert not lora or all("lora_" in n or "score" in n for n in trained)
+    reward = DpoLoss.of(spec)
+    assert (reward.kind, reward.objective, reward.needs_reference) == ("reward", "reward", False)
+
+    def alone(prompt: str, completion: str) -> float:  # the classifier's own reading of the text: its last token
+        ids = hf(prompt)["input_ids"] + hf(completion, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            return float(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, 0])
+
+    model.eval()
+    loss, pairs, _, stats, _ = dpo_forward(model, model, inputs, reward, "test", model_inputs)
+    want = [(alone(p["prompt"], p["chosen"]), alone(p["prompt"], p["rejected"])) for p in PAIRS]
+    bt = sum(math.log1p(math.exp(-(c - r))) for c, r in want)  # -log sigmoid(c - r)
+    assert pairs == len(PAIRS) and abs(loss.item() - bt) < 1e-4 * max(1.0, bt), (loss.item(), bt)
+    assert abs(stats[0] - sum(c for c, _ in want)) < 1e-4 and stats[2] == sum(c > r for c, r in want)
+    # it learns the preferences: a few steps of Adam on the pairs
+    model.train()
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(15):
+        loss, pairs, _, stats, _ = dpo_forward(model, model, inputs, reward, "test", model_inputs)
+        optimizer.zero_grad()
+        (loss / pairs).backward()
+        optimizer.step()
+    assert loss.item() / pairs < 0.3 and stats[2] == pairs, (loss.item() / pairs, stats)
+
+
 def test_rows_that_are_not_pairs_are_refused_naming_the_dataset() -> None:
     logits = torch.zeros(1, 6, 5)
     labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])

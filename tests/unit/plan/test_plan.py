@@ -304,6 +304,9 @@ def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora(
     forward = 2 * s.matmul_params + 4 * s.num_layers * s.hidden_size * seq  # a third of a trained token's FLOPs
     assert model_flops_per_token(s, seq, False, True) == model_flops_per_token(s, seq, False) + forward
     assert abs(model_flops_per_token(s, seq, False, True) / model_flops_per_token(s, seq, False) - 4 / 3) < 1e-9
+    reward = train_workload(_train(objective="reward"))[0]  # a reward model: a scalar head for the lm_head
+    assert reward.reference == "none"
+    assert plain.shape.total_params - reward.shape.total_params == (s.vocab_size - 1) * s.hidden_size
     n = s.total_params
     for layout, device, host in (
         (Layout(2, num_gpus=8), 2 * n, 0),  # whole on every GPU, bf16

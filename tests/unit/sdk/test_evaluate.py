@@ -227,6 +227,16 @@ def test_missing_data_options_are_named(tmp_path: Path) -> None:
         evaluate("http://127.0.0.1:1", data=str(tmp_path))
 
 
+def test_a_reward_models_export_is_refused_saying_where_its_figures_are(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    write_synthetic_dataset(str(tmp_path / "data"), rows=8, rows_per_shard=8, seq_len=16)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=1, n_head=2, num_labels=1, pad_token_id=0)
+    GPT2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    with pytest.raises(PylonError, match="a classifier .*GPT2ForSequenceClassification.* val_reward_"):
+        evaluate(str(tmp_path / "rm"), data=str(tmp_path / "data"), validation_fraction=0.5)
+
+
 def test_the_byte_tokenizer_as_hugging_face_files_is_utf8_bytes(tmp_path: Path) -> None:
     """What lm-eval tokenizes with for a byte-tokenizer export: the same ids Pylon's ByteTokenizer gives."""
     from transformers import AutoTokenizer
