@@ -76,11 +76,12 @@ class DpoLoss:
     kind: str = "sigmoid"  # objective dpo's "sigmoid", "hinge" or "ipo"; or "simpo", "orpo"
     label_smoothing: float = 0.0
     gamma: float = 0.5  # simpo's margin
+    chunked: bool = False  # the model computes its output layer a chunk of tokens at a time (`loss_chunk_tokens`)
 
     @classmethod
     def of(cls, spec) -> "DpoLoss":
         kind = spec.dpo_loss if spec.objective == "dpo" else spec.objective
-        return cls(spec.dpo_beta, kind, spec.dpo_label_smoothing, spec.simpo_gamma)
+        return cls(spec.dpo_beta, kind, spec.dpo_label_smoothing, spec.simpo_gamma, spec.loss_chunk_tokens > 0)
 
     @property
     def objective(self) -> str:
@@ -111,7 +112,6 @@ def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
     order, and how many documents each row holds. A document is a run of `position_ids` from 0
     (`Batch.to_torch(documents=True)`); the padding, which counts no token, is none. Returns ([documents] float32,
     [rows] int64)."""
-    import torch
     import torch.nn.functional as F
 
     rows, length, vocab = logits.shape
@@ -119,11 +119,21 @@ def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
     token_lp = -F.cross_entropy(
         logits[:, :-1].reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=-100, reduction="none"
     ).view(rows, length - 1)
-    counted = targets != -100
+    return document_sums(token_lp[targets != -100], labels, position_ids, mean)
+
+
+def document_sums(token_lp, labels, position_ids, mean: bool = False):
+    """`sequence_logprobs` from the counted tokens' log-probabilities alone (`token_lp`, [counted tokens], in the
+    order of `labels[:, 1:]`'s counted positions, row by row: what a model under `loss_chunk_tokens` returns, its
+    `TokenLoss.token_logprobs`, without ever holding a micro-batch's logits)."""
+    import torch
+
+    rows, length = labels.shape
+    counted = labels[:, 1:] != -100
     segment = torch.cumsum(position_ids == 0, dim=1) - 1  # each token's document in its row
-    key = (torch.arange(rows, device=logits.device)[:, None] * length + segment[:, 1:])[counted]
-    sums = torch.zeros(rows * length, dtype=torch.float32, device=logits.device).index_add(0, key, token_lp[counted])
-    counts = torch.zeros(rows * length, dtype=torch.int64, device=logits.device).index_add(0, key, torch.ones_like(key))
+    key = (torch.arange(rows, device=labels.device)[:, None] * length + segment[:, 1:])[counted]
+    sums = torch.zeros(rows * length, dtype=torch.float32, device=labels.device).index_add(0, key, token_lp.float())
+    counts = torch.zeros(rows * length, dtype=torch.int64, device=labels.device).index_add(0, key, torch.ones_like(key))
     present = counts > 0
     sums = sums[present] / counts[present] if mean else sums[present]
     return sums, present.view(rows, length).sum(dim=1)
@@ -224,7 +234,7 @@ def as_reference(module):
 
 def frozen_reference(spec, ds_config: dict, *, vocab_size: int, eos_id: int, pad_id: int, seed: int, device, dtype):
     """Full fine-tuning's reference: the model `spec` starts from, built again (the same `model` and `seed`: the same
-    weights) without adapters, gradient checkpointing or a chunked loss, frozen, in eval mode and in `dtype` (the
+    weights) without adapters or gradient checkpointing, frozen, in eval mode and in `dtype` (the
     precision the trained model computes in). At ZeRO-3 (`ds_config`'s stage) it is built partitioned and wrapped in
     a DeepSpeed engine without an optimizer (`reference_deepspeed_config`), which gathers each layer for its
     forward; at stages 0-2 it is whole on `device` (the CPU when None). Every rank calls this: both builds are
@@ -235,7 +245,7 @@ def frozen_reference(spec, ds_config: dict, *, vocab_size: int, eos_id: int, pad
     from pylon.jobs.deepspeed_config import reference_deepspeed_config
     from pylon.models import build_model
 
-    plain = spec.model_copy(update={"lora": None, "gradient_checkpointing": False, "loss_chunk_tokens": 0})
+    plain = spec.model_copy(update={"lora": None, "gradient_checkpointing": False})  # (chunked as the model is)
     model = build_model(
         plain, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, seed=seed, deepspeed_config=ds_config, device=device
     )
@@ -248,16 +258,27 @@ def frozen_reference(spec, ds_config: dict, *, vocab_size: int, eos_id: int, pad
     return model
 
 
-def reference_logits(reference, module, args: dict):
-    """The reference's logits for `args`, without gradients: `reference` the frozen copy (`frozen_reference`), or
-    None: `module` (a peft model) with its adapters disabled."""
+def completion_logprobs(model, args: dict, labels, positions, loss: DpoLoss) -> tuple:
+    """`model`'s log-probability of each completion (summed, or its tokens' mean: `loss.mean`) two by two as
+    `pair_up` reads them, and its output. Under `loss_chunk_tokens` (`loss.chunked`) the model gives the counted
+    tokens' log-probabilities a chunk at a time (`pylon.models.with_chunked_loss`): no whole logits."""
+    if loss.chunked:
+        out = model(**args, labels=labels, token_logprobs=True)
+        return document_sums(out.token_logprobs, labels, positions, loss.mean), out
+    out = model(**args)
+    return sequence_logprobs(out.logits, labels, positions, loss.mean), out
+
+
+def reference_logprobs(reference, module, args: dict, labels, positions, loss: DpoLoss) -> tuple:
+    """The reference's `completion_logprobs`, without gradients: `reference` the frozen copy (`frozen_reference`),
+    or None: `module` (a peft model) with its adapters disabled."""
     import torch
 
     with torch.no_grad():
         if reference is not None:
-            return reference(**args).logits
+            return completion_logprobs(reference, args, labels, positions, loss)[0]
         with as_reference(module):
-            return module(**args).logits
+            return completion_logprobs(module, args, labels, positions, loss)[0]
 
 
 def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_inputs, reference=None) -> tuple:
@@ -269,22 +290,19 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
 
     args = model_inputs(inputs)
     labels = inputs["labels"]
-    mean = loss.mean
     # (an all-padding row, `train._padding_batch`, has no position_ids and counts no token: no pair)
     positions = inputs.get("position_ids", torch.zeros_like(labels))
     ref_chosen = ref_rejected = None
     if loss.needs_reference:
-        ref = reference_logits(reference, module, args)
-        ref_chosen, ref_rejected = pair_up(*sequence_logprobs(ref, labels, positions, mean), where)
-        del ref
+        ref_chosen, ref_rejected = pair_up(*reference_logprobs(reference, module, args, labels, positions, loss), where)
     if loss.scores:  # a reward model: its head at each completion's last token
         with head_outputs(module) as heads:
             out = model(**args)
         eos = getattr(module.config, "eos_token_id", None)
         chosen, rejected = pair_up(*document_rewards(heads[-1][..., 0], labels, positions, eos), where)
     else:
-        out = model(**args)
-        chosen, rejected = pair_up(*sequence_logprobs(out.logits, labels, positions, mean), where)
+        logprobs, out = completion_logprobs(model, args, labels, positions, loss)
+        chosen, rejected = pair_up(*logprobs, where)
     losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss)
     # one read from the device for the figures: rewards' sums, correct pairs, counted tokens
     *stats, tokens = torch.stack(

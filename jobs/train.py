@@ -810,7 +810,12 @@ def _evaluate(
                     )
                     dpo_sums = [a + b for a, b in zip(dpo_sums, [float(pair_loss.item()), pairs, *stats])]
                     # a reward model has no next-token loss: its val_loss is the pairs' (Bradley-Terry)
-                    part, n = (pair_loss, pairs) if dpo_loss.scores else token_loss_sum(out.logits, inputs["labels"])
+                    if dpo_loss.scores:
+                        part, n = pair_loss, pairs
+                    elif dpo_loss.chunked:  # (a TokenLoss: the completions' tokens, a chunk at a time)
+                        part, n = out.loss_sum, out.tokens
+                    else:
+                        part, n = token_loss_sum(out.logits, inputs["labels"])
                 else:
                     part, n, _ = forward_loss(engine, inputs, chunked)
                 loss_sum += float(part.item())

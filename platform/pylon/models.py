@@ -482,11 +482,19 @@ def _no_padding_warning(*args, **kwargs) -> None:
 class TokenLoss(dict):
     """What a causal LM under `with_chunked_loss` returns when given `labels`: the next-token cross-entropy summed
     over the tokens the labels count (`loss_sum`, fp32, a tensor with gradient), their count (`tokens`), and a
-    mixture-of-experts model's load-balancing loss (`aux_loss`, with `output_router_logits`); no logits. A dict (as
-    transformers' outputs are), so that ZeRO-3's hooks find its tensors."""
+    mixture-of-experts model's load-balancing loss (`aux_loss`, with `output_router_logits`); no logits. With
+    `token_logprobs=True` the counted tokens' log-probabilities too (`token_logprobs`, fp32 [tokens], in the order
+    of `labels[:, 1:]`'s counted positions, row by row: what the preference objectives sum per completion). A dict
+    (as transformers' outputs are), so that ZeRO-3's hooks find its tensors."""
 
-    def __init__(self, loss_sum: torch.Tensor, tokens: int, aux_loss: torch.Tensor | None = None):
-        super().__init__(loss_sum=loss_sum, tokens=tokens, aux_loss=aux_loss)
+    def __init__(
+        self,
+        loss_sum: torch.Tensor,
+        tokens: int,
+        aux_loss: torch.Tensor | None = None,
+        token_logprobs: torch.Tensor | None = None,
+    ):
+        super().__init__(loss_sum=loss_sum, tokens=tokens, aux_loss=aux_loss, token_logprobs=token_logprobs)
 
     @property
     def loss_sum(self) -> torch.Tensor:
@@ -499,6 +507,10 @@ class TokenLoss(dict):
     @property
     def aux_loss(self) -> torch.Tensor | None:
         return self["aux_loss"]
+
+    @property
+    def token_logprobs(self) -> torch.Tensor | None:
+        return self["token_logprobs"]
 
 
 def mean_token_loss(out) -> torch.Tensor:
@@ -520,16 +532,18 @@ def with_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Mod
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     original = lm.forward
 
-    def forward(*args, labels=None, **kwargs):
+    def forward(*args, labels=None, token_logprobs=False, **kwargs):
         if labels is None:
             return original(*args, **kwargs)
-        return _chunked_loss_forward(lm, labels, chunk_tokens, args, kwargs)
+        return _chunked_loss_forward(lm, labels, chunk_tokens, args, kwargs, token_logprobs)
 
     lm.forward = forward
     return model
 
 
-def _chunked_loss_forward(lm, labels: torch.Tensor, chunk_tokens: int, args, kwargs) -> TokenLoss:
+def _chunked_loss_forward(
+    lm, labels: torch.Tensor, chunk_tokens: int, args, kwargs, token_logprobs: bool = False
+) -> TokenLoss:
     import sys
 
     import torch.nn.functional as F
@@ -545,7 +559,8 @@ def _chunked_loss_forward(lm, labels: torch.Tensor, chunk_tokens: int, args, kwa
     transform = _logits_transform(lm)
 
     def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(transform(head(h)).float(), y, reduction="sum")
+        # each token's loss (the preference objectives sum them per completion), or the chunk's sum
+        return F.cross_entropy(transform(head(h)).float(), y, reduction="none" if token_logprobs else "sum")
 
     width = hidden.shape[-1]
     h = hidden[:, :-1].reshape(-1, width)  # position t predicts label t+1, as `token_loss_sum` shifts
@@ -554,15 +569,21 @@ def _chunked_loss_forward(lm, labels: torch.Tensor, chunk_tokens: int, args, kwa
         keep = (y != -100).nonzero().squeeze(1)
         h, y = h.index_select(0, keep), y.index_select(0, keep)
     n = int(y.shape[0])
+    per_token = None
     if n == 0:  # nothing to count: a zero through the output layer, so that its parameters still get gradients
         loss_sum = head(hidden[:, :1].reshape(-1, width)).float().sum() * 0.0
+        per_token = loss_sum.reshape(1)[:0] if token_logprobs else None
     else:
         parts = []
         for start in range(0, n, chunk_tokens):
             hc, yc = h[start : start + chunk_tokens], y[start : start + chunk_tokens]
             grad = torch.is_grad_enabled() and (hc.requires_grad or any(p.requires_grad for p in head.parameters()))
             parts.append(checkpoint(chunk_loss, hc, yc, use_reentrant=False) if grad else chunk_loss(hc, yc))
-        loss_sum = torch.stack(parts).sum()
+        if token_logprobs:
+            per_token = -torch.cat(parts)
+            loss_sum = -per_token.sum()
+        else:
+            loss_sum = torch.stack(parts).sum()
     aux = None
     if router:
         balance = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
@@ -572,7 +593,7 @@ def _chunked_loss_forward(lm, labels: torch.Tensor, chunk_tokens: int, args, kwa
                 "loss_chunk_tokens: 0 for this mixture-of-experts model"
             )
         aux = balance(out.router_logits, lm.num_experts, lm.num_experts_per_tok, kwargs.get("attention_mask"))
-    return TokenLoss(loss_sum, n, aux)
+    return TokenLoss(loss_sum, n, aux, per_token)
 
 
 def _logits_transform(lm):

@@ -509,8 +509,8 @@ class TrainJobSpec(_Spec):
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
         objective = self.objective
         if objective in PREFERENCE_OBJECTIVES:
-            if self.loss_chunk_tokens:
-                problems.append(("loss_chunk_tokens", f"objective {objective} computes its logits whole: set 0"))
+            if self.loss_chunk_tokens and objective == "reward":
+                problems.append(("loss_chunk_tokens", "objective reward has no output layer to chunk: set 0"))
             if self.attention_mask == "causal":
                 problems.append(
                     ("attention_mask", f"objective {objective} reads each completion on its own: set auto or document")

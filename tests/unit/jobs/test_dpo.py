@@ -256,6 +256,36 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
     assert grads and all("lora_" in n for n in grads) and any(g.abs().sum() > 0 for g in grads.values())
 
 
+def test_a_chunked_output_layer_gives_the_same_preference_losses_and_gradients(tmp_path, tokenizer) -> None:
+    import copy
+
+    from pylon.models import with_chunked_loss
+
+    _, out = _prepared(tmp_path, tokenizer)
+    inputs = _rows(out, tokenizer)
+    model = _model(len(load_tokenizer(tokenizer)._tok), 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    chunked = with_chunked_loss(copy.deepcopy(model), 5)  # 5 tokens at a time: completions span chunks
+    for kind in ("sigmoid", "ipo", "simpo", "orpo"):
+        got = {}
+        for m, is_chunked in ((model, False), (chunked, True)):
+            m.zero_grad()
+            loss, pairs, tokens, stats, out = dpo_forward(
+                m, m, inputs, DpoLoss(BETA, kind, chunked=is_chunked), "test", model_inputs
+            )
+            loss.backward()
+            grads = [p.grad.clone() for n, p in m.named_parameters() if p.requires_grad]
+            got[is_chunked] = (loss.item(), pairs, tokens, stats, grads)
+            assert hasattr(out, "logits") != is_chunked  # chunked: no logits at all
+        (a, pa, ta, sa, ga), (b, pb, tb, sb, gb) = got[False], got[True]
+        assert abs(a - b) < 1e-5 * max(1.0, abs(a)) and (pa, ta) == (pb, tb), (kind, a, b)
+        assert all(abs(x - y) < 1e-4 for x, y in zip(sa, sb)), (kind, sa, sb)
+        assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(ga, gb)), kind
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_full_fine_tuning_measures_against_a_frozen_copy_of_the_start(tmp_path, tokenizer, stage) -> None:
     import deepspeed
@@ -360,7 +390,6 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
     assert DpoLoss.of(simpo) == DpoLoss(0.1, "simpo", 0.1, 1.0)
     assert DpoLoss.of(TrainJobSpec.model_validate({**base, "objective": "orpo", "lora": None})).kind == "orpo"
     for change, field in (
-        ({"loss_chunk_tokens": 16}, "loss_chunk_tokens"),
         ({"attention_mask": "causal"}, "attention_mask"),
         ({"dpo_beta": 0}, "dpo_beta"),
         ({"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
@@ -368,7 +397,7 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
         ({"simpo_gamma": 1.0}, "simpo_gamma"),  # simpo's, not dpo's
         ({"objective": "orpo", "dpo_loss": "hinge"}, "dpo_loss"),
         ({"objective": "orpo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
-        ({"objective": "simpo", "loss_chunk_tokens": 16}, "loss_chunk_tokens"),
+        ({"objective": "reward", "loss_chunk_tokens": 16}, "loss_chunk_tokens"),
         ({"objective": "orpo", "attention_mask": "causal"}, "attention_mask"),
         ({"objective": "causal_lm", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
     ):
