@@ -657,7 +657,10 @@ def plan_train(
         plan.cpu_job_bytes = cpu_job_bytes(work, _requested_layout(spec, None, spec.scaling.num_workers))
     if recommendation is not None and spec.lora is None and recommendation.layout.offloads:
         plan.lora_alternative = _lora_alternative(spec, recommendation, work, mfu=mfu)
-    if recommendation is not None and not work.loss_chunk_tokens:
+    from pylon.models import is_classifier
+
+    # (a reward model has no output layer to chunk)
+    if recommendation is not None and not work.loss_chunk_tokens and not is_classifier(work.config):
         plan.chunked_loss_saving = _chunked_loss_saving(work, recommendation)
     if recommendation is not None and recommendation.hfu > MAX_HFU:
         notes.append(
