@@ -14,7 +14,9 @@ falls as the margin between the rewards grows, `beta` setting how far from the r
 losses (`dpo_loss`, with h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))): "hinge", relu(1 - beta h)
 (SLiC; 1 at the start); "ipo", (h - 1 / (2 beta))^2 with each completion's log-probability its tokens' mean (Azar et
 al. 2023; 1 / (4 beta^2) at the start); and `dpo_label_smoothing` e for the sigmoid loss, the pairs' labels taken as
-wrong with probability e (conservative DPO: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)).
+wrong with probability e (conservative DPO: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)); `dpo_rpo_alpha` a
+adds a times the chosen completion's negative log-likelihood, its tokens' mean (RPO, Pang et al. 2024; TRL's
+`rpo_alpha`, as Llama 3's preference tuning did), so that the chosen completion's likelihood does not fall.
 
 The data (`pylon data prepare --preference`) holds each pair as two documents in one row, chosen first, each attended
 on its own (`attention_mask: document`): `sequence_logprobs` sums each document's counted tokens in row order, and
@@ -77,11 +79,19 @@ class DpoLoss:
     label_smoothing: float = 0.0
     gamma: float = 0.5  # simpo's margin
     chunked: bool = False  # the model computes its output layer a chunk of tokens at a time (`loss_chunk_tokens`)
+    rpo_alpha: float = 0.0  # objective dpo: the weight of the chosen completion's NLL (RPO)
 
     @classmethod
     def of(cls, spec) -> "DpoLoss":
         kind = spec.dpo_loss if spec.objective == "dpo" else spec.objective
-        return cls(spec.dpo_beta, kind, spec.dpo_label_smoothing, spec.simpo_gamma, spec.loss_chunk_tokens > 0)
+        return cls(
+            spec.dpo_beta,
+            kind,
+            spec.dpo_label_smoothing,
+            spec.simpo_gamma,
+            spec.loss_chunk_tokens > 0,
+            spec.dpo_rpo_alpha,
+        )
 
     @property
     def objective(self) -> str:
@@ -112,6 +122,11 @@ def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
     order, and how many documents each row holds. A document is a run of `position_ids` from 0
     (`Batch.to_torch(documents=True)`); the padding, which counts no token, is none. Returns ([documents] float32,
     [rows] int64)."""
+    return document_sums(counted_logprobs(logits, labels), labels, position_ids, mean)
+
+
+def counted_logprobs(logits, labels):
+    """The counted tokens' log-probabilities (`labels[:, 1:]` not -100, row by row) from a batch's logits."""
     import torch.nn.functional as F
 
     rows, length, vocab = logits.shape
@@ -119,13 +134,20 @@ def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
     token_lp = -F.cross_entropy(
         logits[:, :-1].reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=-100, reduction="none"
     ).view(rows, length - 1)
-    return document_sums(token_lp[targets != -100], labels, position_ids, mean)
+    return token_lp[targets != -100]
 
 
 def document_sums(token_lp, labels, position_ids, mean: bool = False):
     """`sequence_logprobs` from the counted tokens' log-probabilities alone (`token_lp`, [counted tokens], in the
     order of `labels[:, 1:]`'s counted positions, row by row: what a model under `loss_chunk_tokens` returns, its
     `TokenLoss.token_logprobs`, without ever holding a micro-batch's logits)."""
+    sums, counts, per_row = _sums_and_counts(token_lp, labels, position_ids)
+    return (sums / counts if mean else sums), per_row
+
+
+def _sums_and_counts(token_lp, labels, position_ids) -> tuple:
+    """Each document's summed log-probability and counted tokens, in row order, and how many documents each row
+    holds."""
     import torch
 
     rows, length = labels.shape
@@ -135,8 +157,7 @@ def document_sums(token_lp, labels, position_ids, mean: bool = False):
     sums = torch.zeros(rows * length, dtype=torch.float32, device=labels.device).index_add(0, key, token_lp.float())
     counts = torch.zeros(rows * length, dtype=torch.int64, device=labels.device).index_add(0, key, torch.ones_like(key))
     present = counts > 0
-    sums = sums[present] / counts[present] if mean else sums[present]
-    return sums, present.view(rows, length).sum(dim=1)
+    return sums[present], counts[present], present.view(rows, length).sum(dim=1)
 
 
 def document_rewards(scores, labels, position_ids, eos_id: int | None = None):
@@ -259,14 +280,19 @@ def frozen_reference(spec, ds_config: dict, *, vocab_size: int, eos_id: int, pad
 
 
 def completion_logprobs(model, args: dict, labels, positions, loss: DpoLoss) -> tuple:
-    """`model`'s log-probability of each completion (summed, or its tokens' mean: `loss.mean`) two by two as
-    `pair_up` reads them, and its output. Under `loss_chunk_tokens` (`loss.chunked`) the model gives the counted
+    """`model`'s log-probability of each completion (summed, or its tokens' mean: `loss.mean`) with how many each
+    row holds (`pair_up`'s arguments), each completion's mean token log-probability (RPO's NLL, `loss.rpo_alpha`;
+    else None), and the model's output. Under `loss_chunk_tokens` (`loss.chunked`) the model gives the counted
     tokens' log-probabilities a chunk at a time (`pylon.models.with_chunked_loss`): no whole logits."""
     if loss.chunked:
         out = model(**args, labels=labels, token_logprobs=True)
-        return document_sums(out.token_logprobs, labels, positions, loss.mean), out
-    out = model(**args)
-    return sequence_logprobs(out.logits, labels, positions, loss.mean), out
+        token_lp = out.token_logprobs
+    else:
+        out = model(**args)
+        token_lp = counted_logprobs(out.logits, labels)
+    sums, counts, per_row = _sums_and_counts(token_lp, labels, positions)
+    means = sums / counts
+    return ((means if loss.mean else sums), per_row), (means if loss.rpo_alpha else None), out
 
 
 def reference_logprobs(reference, module, args: dict, labels, positions, loss: DpoLoss) -> tuple:
@@ -301,9 +327,11 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
         eos = getattr(module.config, "eos_token_id", None)
         chosen, rejected = pair_up(*document_rewards(heads[-1][..., 0], labels, positions, eos), where)
     else:
-        logprobs, out = completion_logprobs(model, args, labels, positions, loss)
+        logprobs, means, out = completion_logprobs(model, args, labels, positions, loss)
         chosen, rejected = pair_up(*logprobs, where)
     losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss)
+    if loss.rpo_alpha:  # RPO: the chosen completion's NLL (its tokens' mean) too
+        losses = losses - loss.rpo_alpha * pair_up(means, logprobs[1], where)[0]
     # one read from the device for the figures: rewards' sums, correct pairs, counted tokens
     *stats, tokens = torch.stack(
         [

@@ -449,6 +449,13 @@ class TrainJobSpec(_Spec):
         "pull it (a larger beta keeps it closer); simpo's, the scale of its length-normalised rewards (SimPO's paper "
         "uses 2-2.5); orpo's lambda, the weight of its odds-ratio term against the NLL",
     )
+    dpo_rpo_alpha: float = Field(
+        0.0,
+        ge=0,
+        description="objective dpo: the weight of the chosen completion's negative log-likelihood (its tokens' mean) "
+        "added to each pair's loss (RPO; TRL's rpo_alpha, 1.0 in the paper), which keeps the chosen completions' "
+        "likelihood from falling; 0: none",
+    )
     simpo_gamma: float = Field(
         0.5,
         ge=0,
@@ -528,6 +535,8 @@ class TrainJobSpec(_Spec):
         # (by value, not by whether the field was given: a submitted spec is dumped whole and read again)
         if self.dpo_loss != "sigmoid" and objective != "dpo":
             problems.append(("dpo_loss", f"chooses objective dpo's loss; objective is {objective}"))
+        if self.dpo_rpo_alpha and objective != "dpo":
+            problems.append(("dpo_rpo_alpha", f"adds an NLL to objective dpo's loss; objective is {objective}"))
         if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and objective != "simpo":
             problems.append(("simpo_gamma", f"is objective simpo's margin; objective is {objective}"))
         if self.data.validation_fraction == 0:

@@ -225,6 +225,11 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
         want_other = sum(_trl(kind, BETA, h, smoothing) for h in margins[kind == "ipo"])
         assert abs(got - want_other) < 1e-4 * max(1.0, want_other), (kind, got, want_other)
 
+    # RPO (TRL's rpo_alpha): DPO's loss plus alpha times the chosen completion's mean NLL
+    got = dpo_forward(model, model, inputs, DpoLoss(BETA, rpo_alpha=0.5), "test", model_inputs)[0].item()
+    want_rpo = want + 0.5 * sum(-c for c, _ in means)
+    assert abs(got - want_rpo) < 1e-4 * max(1.0, want_rpo), (got, want_rpo)
+
     # SimPO and ORPO, TRL's formulas on the policy's mean log-probabilities: no reference pass (the reference given
     # here would fail if called), rewards beta * mean
     def log_odds(m: float) -> float:
@@ -395,6 +400,7 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
         ({"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
         ({"dpo_label_smoothing": 0.5}, "dpo_label_smoothing"),
         ({"simpo_gamma": 1.0}, "simpo_gamma"),  # simpo's, not dpo's
+        ({"objective": "simpo", "dpo_rpo_alpha": 1.0}, "dpo_rpo_alpha"),
         ({"objective": "orpo", "dpo_loss": "hinge"}, "dpo_loss"),
         ({"objective": "orpo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
         ({"objective": "reward", "loss_chunk_tokens": 16}, "loss_chunk_tokens"),
