@@ -1,6 +1,7 @@
 """Preference tuning: direct preference optimisation (`TrainJobSpec.objective: dpo`; Rafailov et al. 2023, the
 sigmoid loss of TRL's `DPOTrainer`) and the reference-free SimPO and ORPO (`objective: simpo`, `orpo`, below): the
-model learns to prefer each pair's chosen completion over its rejected one, with no reward model and no sampling.
+model learns to prefer each pair's chosen completion over its rejected one, with no reward model and no sampling; and
+reward models (`objective: reward`, below), trained on the same pairs.
 
 For a pair (prompt x, chosen y_w, rejected y_l), with log pi(y | x) the summed log-probability of a completion's tokens
 (and its eos) under the model being trained and log ref(y | x) the same under the reference (the model as it
@@ -42,8 +43,9 @@ expectation over pairs, where TRL averages over a batch's chosen tokens), so it 
 Both report rewards beta * m(y), as TRL does.
 
 A reward model (`objective: reward`; TRL's `RewardTrainer`) is the model with a scalar head (its family's
-`*ForSequenceClassification`, one label: `pylon.models.with_head`) read at each completion's last token (its eos:
-`document_rewards`), trained so that the chosen completion scores higher (Bradley-Terry, Ouyang et al. 2022):
+`*ForSequenceClassification`, one label: `pylon.models.with_head`) read at each completion's last token before the
+eos `prepare` appends (`document_rewards`: where serving reads the text a client sends), trained so that the chosen
+completion scores higher (Bradley-Terry, Ouyang et al. 2022):
 
     reward: loss = -log sigmoid(r(y_w) - r(y_l))
 
@@ -72,10 +74,10 @@ REFERENCE_FREE = ("simpo", "orpo", "reward")  # the losses that need no referenc
 @dataclass(frozen=True)
 class DpoLoss:
     """Which preference loss, and its settings (`TrainJobSpec.objective`, `dpo_beta`, `dpo_loss`,
-    `dpo_label_smoothing`, `simpo_gamma`)."""
+    `dpo_label_smoothing`, `simpo_gamma`, `dpo_rpo_alpha`, `loss_chunk_tokens`)."""
 
     beta: float = 0.1
-    kind: str = "sigmoid"  # objective dpo's "sigmoid", "hinge" or "ipo"; or "simpo", "orpo"
+    kind: str = "sigmoid"  # objective dpo's "sigmoid", "hinge" or "ipo"; or "simpo", "orpo", "reward"
     label_smoothing: float = 0.0
     gamma: float = 0.5  # simpo's margin
     chunked: bool = False  # the model computes its output layer a chunk of tokens at a time (`loss_chunk_tokens`)
@@ -205,15 +207,15 @@ def pair_up(logprobs, per_row, where: str):
     odd = (per_row % 2 != 0).nonzero()
     if odd.numel():
         raise DataError(
-            f"{where}: a row holds {int(per_row[odd[0, 0]])} documents, not preference pairs; objectives dpo, simpo "
-            "and orpo train on a dataset prepared with `pylon data prepare --preference`"
+            f"{where}: a row holds {int(per_row[odd[0, 0]])} documents, not preference pairs; objectives dpo, simpo, "
+            "orpo and reward train on a dataset prepared with `pylon data prepare --preference`"
         )
     return logprobs[0::2], logprobs[1::2]
 
 
 def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss):
     """Each pair's loss and its chosen and rejected rewards (the rewards detached: they are reported, not trained).
-    SimPO and ORPO take no reference (`ref_chosen`, `ref_rejected` None)."""
+    SimPO, ORPO and a reward model take no reference (`ref_chosen`, `ref_rejected` None)."""
     import torch
     import torch.nn.functional as F
 

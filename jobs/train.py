@@ -197,8 +197,8 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
 
 
 def check_objective(spec: TrainJobSpec, manifest) -> None:
-    """The preference objectives (dpo, simpo, orpo) train on preference pairs: a PylonError naming data.uri for a
-    dataset of anything else."""
+    """The preference objectives (dpo, simpo, orpo, reward) train on preference pairs: a PylonError naming data.uri
+    for a dataset of anything else."""
     if spec.objective in PREFERENCE_OBJECTIVES and not manifest.preference:
         raise PylonError(
             f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
@@ -256,7 +256,7 @@ def train_loop(config: dict) -> None:
     tok = stream.manifest.tokenizer
     documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")
     check_objective(spec, stream.manifest)
-    dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo (pylon.jobs.dpo)
+    dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo, reward (pylon.jobs.dpo)
     dpo_loss = DpoLoss.of(spec)
     ds_config = build_deepspeed_config(spec, world_size=world)
     if spec.scaling.use_gpu and spec.deepspeed.offload_optimizer == "none":
@@ -278,8 +278,8 @@ def train_loop(config: dict) -> None:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     device = engine.device
-    # objective dpo's reference: with lora, the model with its adapters disabled; without, a frozen copy of it (simpo
-    # and orpo have none)
+    # objective dpo's reference: with lora, the model with its adapters disabled; without, a frozen copy of it (the
+    # other preference objectives have none)
     reference = None
     if dpo and dpo_loss.needs_reference and spec.lora is None:
         reference = frozen_reference(
@@ -777,8 +777,9 @@ def _evaluate(
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
-    the held-out pairs' figures too (`val_dpo_*`, `val_simpo_*` or `val_orpo_*`; dpo's against `reference`:
-    `pylon.jobs.dpo.dpo_forward`), the completions' tokens being what val_loss counts. Every rank takes part with the
+    the held-out pairs' figures too (`val_dpo_*`, `val_simpo_*`, `val_orpo_*` or `val_reward_*`; dpo's against
+    `reference`: `pylon.jobs.dpo.dpo_forward`), the completions' tokens being what val_loss counts (a reward model's
+    val_loss: its pairs' loss). Every rank takes part with the
     same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of the
     split (the stream pads a short part with empty batches, which run as all-padding rows)."""
     import torch
