@@ -373,6 +373,37 @@ def test_a_reward_model_scores_each_packed_completion_as_it_scores_it_alone(tmp_
     assert loss.item() / pairs < 0.3 and stats[2] == pairs, (loss.item() / pairs, stats)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_reward_model_starts_from_a_causal_lm_checkpoint_with_a_new_head(tmp_path, stage) -> None:
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.models import build_model, is_classifier
+    from pylon.specs import TrainJobSpec
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=1, pad_token_id=0)  # fmt: skip
+    sft = LlamaForCausalLM(config)
+    sft.save_pretrained(tmp_path / "sft")
+    spec = TrainJobSpec.model_validate(
+        {"name": "r", "model": {"path": str(tmp_path / "sft")}, "data": {"uri": str(tmp_path)}, "steps": 2,
+         "objective": "reward", "deepspeed": {"zero_stage": stage}}
+    )  # fmt: skip
+    # ZeRO-3: partitioned, the checkpoint streamed in (its lm_head skipped, the head left as initialised)
+    model = build_model(
+        spec, vocab_size=64, eos_id=1, pad_id=0, deepspeed_config=build_deepspeed_config(spec, world_size=1)
+    )
+    assert is_classifier(model.config) and model.config.architectures == ["LlamaForSequenceClassification"]
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, w in sft.state_dict().items():
+        if not name.startswith("lm_head"):
+            assert torch.equal(weights[name], w), name  # the body is the checkpoint's
+    assert weights["score.weight"].shape == (1, 32) and weights["score.weight"].abs().sum() > 0
+
+
 def test_rows_that_are_not_pairs_are_refused_naming_the_dataset() -> None:
     logits = torch.zeros(1, 6, 5)
     labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])
