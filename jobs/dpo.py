@@ -49,9 +49,9 @@ completion scores higher (Bradley-Terry, Ouyang et al. 2022):
 
     reward: loss = -log sigmoid(r(y_w) - r(y_l))
 
-The head's output at every position is taken by a forward hook (`head_outputs`: the classifier itself returns each
-row's last only, and a packed row holds several completions), inside the model's own forward, so ZeRO-3 gathers
-the head as it gathers any module.
+The head's output at every position is taken by a forward hook (`pylon.models.head_outputs`: the classifier itself
+returns each row's last only, and a packed row holds several completions), inside the model's own forward, so ZeRO-3
+gathers the head as it gathers any module.
 
 Logged per step and per evaluation (TRL's names, under the objective's: `dpo_`, `simpo_`, `orpo_`, `reward_`): the
 rewards of the chosen and the rejected completions, their margin, and the reward accuracy (the share of pairs whose
@@ -188,19 +188,6 @@ def document_rewards(scores, labels, position_ids, eos_id: int | None = None):
     return scores[row_of, at].float(), present.view(rows, length).sum(dim=1)
 
 
-@contextlib.contextmanager
-def head_outputs(module):
-    """The classification head's output at every position, for the passes run inside: a list that holds it (a
-    [rows, length, labels] tensor, in the autograd graph) after each forward of `module` (a reward model; a peft
-    model's head reached through it)."""
-    outputs = []
-    handle = module.score.register_forward_hook(lambda _m, _args, out: outputs.append(out))
-    try:
-        yield outputs
-    finally:
-        handle.remove()
-
-
 def pair_up(logprobs, per_row, where: str):
     """(chosen, rejected) log-probabilities: each row's documents two by two, chosen first. A row of an odd number of
     documents is not a preference dataset's: a DataError naming `where` (the dataset)."""
@@ -324,6 +311,8 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
     if loss.needs_reference:
         ref_chosen, ref_rejected = pair_up(*reference_logprobs(reference, module, args, labels, positions, loss), where)
     if loss.scores:  # a reward model: its head at each completion's last token
+        from pylon.models import head_outputs
+
         with head_outputs(module) as heads:
             out = model(**args)
         eos = getattr(module.config, "eos_token_id", None)

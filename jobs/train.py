@@ -604,8 +604,7 @@ def model_inputs(inputs: dict) -> dict:
 def position_outputs(model, **inputs):
     """`model`'s output at every position: a causal LM's logits, or a classifier's head (objective reward's reward
     model, whose own output is each row's last position only). `model` may be a DeepSpeed engine."""
-    from pylon.jobs.dpo import head_outputs
-    from pylon.models import is_classifier
+    from pylon.models import head_outputs, is_classifier
 
     module = getattr(model, "module", model)
     if not is_classifier(module.config):

@@ -219,6 +219,19 @@ def with_head(config: "PretrainedConfig", *, reward: bool) -> "PretrainedConfig"
     return config
 
 
+@contextlib.contextmanager
+def head_outputs(module: torch.nn.Module) -> Iterator[list]:
+    """The classification head's output at every position, for the passes run inside: a list that holds it (a
+    [rows, length, labels] tensor, in the autograd graph) after each forward of `module` (a reward model; a peft
+    model's head reached through it)."""
+    outputs = []
+    handle = module.score.register_forward_hook(lambda _m, _args, out: outputs.append(out))
+    try:
+        yield outputs
+    finally:
+        handle.remove()
+
+
 def _load_whole(uri: str, config: "PretrainedConfig") -> torch.nn.Module:
     """The model directory `uri`'s model, whole, in fp32, on the CPU."""
     with local_model_dir(uri) as directory:

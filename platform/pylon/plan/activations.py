@@ -49,7 +49,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from pylon.models import enable_gradient_checkpointing, with_chunked_loss, with_lora, without_padding_warning
+from pylon.models import (
+    auto_model_class,
+    enable_gradient_checkpointing,
+    head_outputs,
+    is_classifier,
+    with_chunked_loss,
+    with_lora,
+    without_padding_warning,
+)
 from pylon.specs import LoraSpec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -166,13 +174,14 @@ def _simulate(
     documents: bool = False,
     loss_chunk_tokens: int = 0,
 ) -> tuple[int, int]:
-    """(bytes live when the forward pass ends, peak live bytes) of one step of a `layers`-deep copy."""
-    from transformers import AutoModelForCausalLM
-
+    """(bytes live when the forward pass ends, peak live bytes) of one step of a `layers`-deep copy. A classifier's
+    config (objective reward's reward model) simulates its head over every position (what the trainer reads) and no
+    vocabulary's logits."""
     dtype = _DTYPES[precision]
     config = _with_depth(config, layers)
+    classifier = is_classifier(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_model_class(config).from_config(config, dtype=dtype)
         if checkpointing:
             enable_gradient_checkpointing(model)
         if lora is not None:
@@ -195,7 +204,13 @@ def _simulate(
     extra = {"position_ids": torch.zeros((batch, seq_len), dtype=torch.long, device="meta")} if documents else {}
     tracker.preexisting(list(extra.values()))
     with _LOCK, _attention_as_on(device), _packed_batches(documents), tracker:
-        if loss_chunk_tokens:  # the model computes its loss a chunk at a time: no logits
+        if classifier:  # a reward model: its head at every position, each pair's loss from a few of them
+            with head_outputs(model) as heads:
+                model(input_ids=ids, use_cache=False, **extra)
+            saved = tracker.live
+            loss = heads[-1].float().sum()
+            heads.clear()
+        elif loss_chunk_tokens:  # the model computes its loss a chunk at a time: no logits
             loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss_sum
             saved = tracker.live
         else:

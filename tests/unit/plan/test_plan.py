@@ -307,6 +307,10 @@ def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora(
     reward = train_workload(_train(objective="reward"))[0]  # a reward model: a scalar head for the lm_head
     assert reward.reference == "none"
     assert plain.shape.total_params - reward.shape.total_params == (s.vocab_size - 1) * s.hidden_size
+    # and no vocabulary's logits: its step's activations are smaller by at least their bf16 and fp32 copies
+    one = Layout(2, micro_batch_size=1, num_gpus=8)
+    logits = seq * s.vocab_size * (2 + 4)
+    assert train_memory(plain, one).activations - train_memory(reward, one).activations > logits
     n = s.total_params
     for layout, device, host in (
         (Layout(2, num_gpus=8), 2 * n, 0),  # whole on every GPU, bf16
