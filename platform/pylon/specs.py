@@ -564,6 +564,7 @@ class TrainJobSpec(_Spec):
             f"{self.deepspeed.describe()}, {self.precision}, {self.steps} steps x {self.global_batch_size} "
             f"sequences, data {self.data.uri}, checkpoints -> {ckpt} every {self.checkpoint.every_steps}"
             + (f", LoRA r={self.lora.r}" if self.lora else "")
+            + (f", objective {self.objective}" if self.objective != "causal_lm" else "")
         )
 
 
