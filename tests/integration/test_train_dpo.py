@@ -143,6 +143,8 @@ def test_a_reward_model_learns_the_preferences_and_serves_its_rewards(ray_cluste
     assert evaluation["val_loss"] == evaluation["val_reward_loss"] and evaluation["val_perplexity"] is None
     assert evaluation["val_reward_accuracy"] == 1.0, evaluation
     export = str(run_dir / "export")
+    recorded = json.loads((run_dir / "export" / "eval.json").read_text())  # what `pylon export` prints from
+    assert recorded["perplexity"] is None and "Bradley-Terry" in recorded["metric"], recorded
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1, config
     model = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
