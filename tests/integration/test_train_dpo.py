@@ -49,8 +49,16 @@ ORPO = {
 }
 
 
+# (make test runs the full fine-tune, which covers the frozen copy, ZeRO-3 and the chunked output layer; the LoRA
+# reference and ORPO, whose losses tests/unit/jobs/test_dpo.py checks against TRL's formulas, run with make test-all:
+# CI's 30 minutes)
 @pytest.mark.parametrize(
-    "how", [LORA, FULL, ORPO], ids=["dpo-lora-zero2", "dpo-full-zero3-bf16-chunked", "orpo-full-zero2"]
+    "how",
+    [
+        pytest.param(LORA, id="dpo-lora-zero2", marks=pytest.mark.slow),
+        pytest.param(FULL, id="dpo-full-zero3-bf16-chunked"),
+        pytest.param(ORPO, id="orpo-full-zero2", marks=pytest.mark.slow),
+    ],
 )
 def test_a_preference_run_learns_the_preferences(ray_cluster, tmp_path, tokenizer, how):  # noqa: F811
     from pylon.data.prepare import prepare
