@@ -93,10 +93,14 @@ def collectives(work: Workload, layout: Layout, acc: Accelerator) -> tuple[float
     part = (g - 1) / g
     grads, weights = w * s.trainable_params * part, w * s.total_params * part
     volume = {0: 2 * grads, 1: 2 * grads, 2: (accum + 1) * grads, 3: accum * (2 * weights + grads)}[stage]
+    if stage == 3 and work.reference == "copy":  # objective dpo's frozen copy, gathered for its forward pass too
+        volume += accum * weights
     # Ring steps, each paying the latency: G-1 per reduce-scatter or all-gather (an all-reduce is both), per
     # bucket; ZeRO-3 gathers and reduces a transformer block at a time (forward, backward, gradients).
     buckets = math.ceil(s.trainable_params / layout.buffers.reduce_bucket)
     launches = {0: 2 * buckets, 1: 2 * buckets, 2: (accum + 1) * buckets, 3: accum * 3 * s.num_layers}[stage]
+    if stage == 3 and work.reference == "copy":
+        launches += accum * s.num_layers
     seconds = volume / (collective_gbs(acc, g) * 1e9) + launches * (g - 1) * RING_STEP_LATENCY_S
     return seconds, (1.0 / accum if stage < 2 else 1.0)
 

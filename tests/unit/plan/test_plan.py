@@ -322,6 +322,15 @@ def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora(
         assert with_copy.host_states - without.host_states == int(host), layout
         assert ("reference model" in dict(with_copy.device_terms())) == bool(device)
         assert train_memory(adapters, layout).reference == 0  # LoRA: the model itself, its adapters disabled
+    # at ZeRO-3 the copy is gathered for its forward pass as the model is: a third more bytes than forward, backward
+    from pylon.plan.steptime import RING_STEP_LATENCY_S, collective_gbs, collectives
+
+    h100 = load_catalog().get("H100-SXM")
+    z3 = Layout(3, num_gpus=8)
+    gathered = 2 * n * 7 / 8  # bf16 weights, each GPU's ring share
+    extra = collectives(full, z3, h100)[0] - collectives(replace(full, reference="none"), z3, h100)[0]
+    assert abs(extra - (gathered / (collective_gbs(h100, 8) * 1e9) + s.num_layers * 7 * RING_STEP_LATENCY_S)) < 1e-9
+    assert collectives(adapters, z3, h100) == collectives(replace(adapters, reference="none"), z3, h100)
 
 
 def test_pylon_plan_cli_json_and_table(tmp_path: Path, capsys) -> None:
