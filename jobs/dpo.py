@@ -124,7 +124,8 @@ def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
     order, and how many documents each row holds. A document is a run of `position_ids` from 0
     (`Batch.to_torch(documents=True)`); the padding, which counts no token, is none. Returns ([documents] float32,
     [rows] int64)."""
-    return document_sums(counted_logprobs(logits, labels), labels, position_ids, mean)
+    sums, counts, per_row = _sums_and_counts(counted_logprobs(logits, labels), labels, position_ids)
+    return (sums / counts if mean else sums), per_row
 
 
 def counted_logprobs(logits, labels):
@@ -139,17 +140,11 @@ def counted_logprobs(logits, labels):
     return token_lp[targets != -100]
 
 
-def document_sums(token_lp, labels, position_ids, mean: bool = False):
-    """`sequence_logprobs` from the counted tokens' log-probabilities alone (`token_lp`, [counted tokens], in the
-    order of `labels[:, 1:]`'s counted positions, row by row: what a model under `loss_chunk_tokens` returns, its
-    `TokenLoss.token_logprobs`, without ever holding a micro-batch's logits)."""
-    sums, counts, per_row = _sums_and_counts(token_lp, labels, position_ids)
-    return (sums / counts if mean else sums), per_row
-
-
 def _sums_and_counts(token_lp, labels, position_ids) -> tuple:
     """Each document's summed log-probability and counted tokens, in row order, and how many documents each row
-    holds."""
+    holds, from the counted tokens' log-probabilities alone (`token_lp`, [counted tokens], in the order of
+    `labels[:, 1:]`'s counted positions, row by row: `counted_logprobs`, or what a model under `loss_chunk_tokens`
+    returns, its `TokenLoss.token_logprobs`, without ever holding a micro-batch's logits)."""
     import torch
 
     rows, length = labels.shape

@@ -130,12 +130,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from pylon.jobs.export import EVAL_FILE, export_run, read_export_eval
 
     out = export_run(args.run_uri, args.out, step=args.step, lora=args.lora)
+    from types import SimpleNamespace
+
     from pylon import storage
+    from pylon.models import is_classifier
 
     config = storage.join(out, "config.json")  # (an adapter alone has none)
-    classifier = storage.exists(config) and "ForSequenceClassification" in str(
-        storage.read_json(config).get("architectures")
-    )
+    classifier = storage.exists(config) and is_classifier(SimpleNamespace(**storage.read_json(config)))
     how = (
         "peft.PeftModel.from_pretrained(base_model, DIR)"
         if args.lora == "adapter"
