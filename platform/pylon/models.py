@@ -586,7 +586,11 @@ def _chunked_loss_forward(
     if n == 0:  # nothing to count: a zero through the output layer, so that its parameters still get gradients
         loss_sum = head(hidden[:, :1].reshape(-1, width)).float().sum() * 0.0
         per_token = loss_sum.reshape(1)[:0] if token_logprobs else None
-    else:
+    elif type(head) is torch.nn.Linear:
+        losses = _head_losses(head, h, y, chunk_tokens, transform, token_logprobs)
+        per_token = -losses if token_logprobs else None
+        loss_sum = losses.sum() if token_logprobs else losses
+    else:  # an output layer with adapters of its own (LoRA on lm_head): each chunk through the module, checkpointed
         parts = []
         for start in range(0, n, chunk_tokens):
             hc, yc = h[start : start + chunk_tokens], y[start : start + chunk_tokens]
@@ -607,6 +611,81 @@ def _chunked_loss_forward(
             )
         aux = balance(out.router_logits, lm.num_experts, lm.num_experts_per_tok, kwargs.get("attention_mask"))
     return TokenLoss(loss_sum, n, aux, per_token)
+
+
+def _head_losses(head, h, y, chunk_tokens: int, transform, per_token: bool) -> torch.Tensor:
+    """The cross-entropy of `h` [n, width] through the output layer `head` (an `nn.Linear`) and `transform` against
+    `y` [n], `chunk_tokens` rows at a time: each token's ([n]) or their sum (a scalar). The chunks run inside one
+    call of `head`, so that ZeRO-3 gathers its weight once for the forward pass and once for the backward, however
+    many chunks there are. Called a chunk at a time instead, the layer is gathered again for each chunk's forward,
+    recomputation and backward whenever the chunk count changes between micro-batches (it does: it follows the
+    tokens the labels count), since every change invalidates the trace DeepSpeed keeps gathered parameters by."""
+    original = head.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _ChunkedHeadLoss.apply(x, head.weight, head.bias, y, chunk_tokens, transform, per_token)
+
+    head.forward = forward
+    try:
+        return head(h)
+    finally:
+        head.forward = original
+
+
+def _chunk_losses(logits, y, transform, per_token: bool) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(transform(logits).float(), y, reduction="none" if per_token else "sum")
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """`_head_losses`' pass: the forward keeps no chunk's logits; the backward computes each chunk's again and the
+    gradients from them, the output layer's added in place into one tensor (`addmm_` from the logits' gradient, as
+    `F.linear`'s backward computes it), so that no chunk's weight gradient exists beside it."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, chunk_tokens, transform, per_token):
+        import torch.nn.functional as F
+
+        ctx.save_for_backward(h, weight, bias, y)
+        ctx.chunk_tokens, ctx.transform, ctx.per_token = chunk_tokens, transform, per_token
+        parts = []
+        for s in range(0, int(y.shape[0]), chunk_tokens):
+            logits = F.linear(h[s : s + chunk_tokens], weight, bias)
+            parts.append(_chunk_losses(logits, y[s : s + chunk_tokens], transform, per_token))
+        return torch.cat(parts) if per_token else torch.stack(parts).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.nn.functional as F
+
+        h, weight, bias, y = ctx.saved_tensors
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None  # in the weight's dtype, as autograd sums a layer's uses
+        grad_b = torch.zeros_like(bias) if want_b else None
+        step = ctx.chunk_tokens
+        for s in range(0, int(y.shape[0]), step):
+            hc = h[s : s + step].detach()
+
+            @torch.no_grad()
+            def layer_grads(dlogits: torch.Tensor, hc: torch.Tensor = hc) -> None:
+                if want_w:
+                    grad_w.addmm_(dlogits.t(), hc)
+                if want_b:
+                    grad_b.add_(dlogits.sum(0))
+
+            with torch.enable_grad():
+                x = hc.requires_grad_()  # a view: no copy
+                logits = F.linear(x, weight.detach(), bias.detach() if bias is not None else None)
+                if want_w or want_b:
+                    logits.register_hook(layer_grads)
+                loss = _chunk_losses(logits, y[s : s + step], ctx.transform, ctx.per_token)
+                del logits  # freed as soon as the loss no longer needs it (as in the forward pass)
+                (dx,) = torch.autograd.grad(loss, x, grad[s : s + step] if ctx.per_token else grad)
+            if want_h:
+                grad_h[s : s + step] = dx
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _logits_transform(lm):

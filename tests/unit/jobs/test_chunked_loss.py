@@ -1,13 +1,15 @@
 """`loss_chunk_tokens`: the output layer and the cross-entropy a chunk of tokens at a time (`pylon.models.
 with_chunked_loss`), each chunk recomputed in the backward pass. The loss, its token count and every parameter's
 gradient are those of the whole micro-batch's logits, for each family's way of turning hidden states into logits
-(tied embeddings, Gemma 2's soft-capping, Cohere's and Granite's scales, a mixture of experts' load balancing,
+(tied embeddings, an output bias, Gemma 2's soft-capping, Cohere's and Granite's scales, a mixture of experts' load balancing,
 LoRA); a model that does something else is refused before it trains; the planner counts the logits that no longer
 exist."""
 
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ from pylon.errors import PylonError
 from pylon.jobs.train import check_chunked_loss, forward_loss
 from pylon.models import with_chunked_loss, with_lora
 from pylon.specs import LoraSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_checkpoint import distributed  # noqa: E402, F401 (autouse: a one-process gloo world, for DeepSpeed)
 
 VOCAB = 96
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -28,6 +33,7 @@ FAMILIES = {
     "cohere": dict(SMALL, logit_scale=0.5),
     "granite": dict(SMALL, logits_scaling=4.0),
     "mixtral": dict(SMALL, num_local_experts=4, num_experts_per_tok=2),
+    "phi": SMALL,  # an output layer with a bias
 }
 
 
@@ -163,3 +169,54 @@ def test_a_plan_says_what_the_chunked_loss_would_free_where_the_logits_weigh() -
     assert on.to_dict()["chunked_loss"] is None
     assert on.requested_memory.activations < big.requested_memory.activations - 8 * 2**30
     assert plan(512).to_dict()["chunked_loss"] is None  # a small vocabulary: the logits do not weigh
+
+
+def test_zero3_gathers_the_output_layer_once_a_step_however_many_chunks() -> None:
+    """The chunks run inside one call of the output layer: ZeRO-3 gathers its partitioned weight for the forward
+    pass and keeps it to the backward, once a micro-batch, as it does for the unchunked model. Called a chunk at a
+    time, the layer was gathered for each chunk's forward, recomputation and backward whenever the chunk count
+    changed between micro-batches (it follows the tokens the labels count): 14 gathers for 7 chunks."""
+    import deepspeed
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.models import build_model
+    from pylon.specs import TrainJobSpec
+
+    vocab = 4096  # 4096 x 32: above DeepSpeed's persistence threshold, so the output layer is partitioned
+    spec = TrainJobSpec.model_validate(
+        {"name": "z", "model": {"config": {"model_type": "llama", "vocab_size": vocab, **SMALL}},
+         "data": {"uri": "/nonexistent"}, "steps": 5, "deepspeed": {"zero_stage": 3},
+         "batch": {"micro_batch_size": 2, "grad_accum_steps": 1}, "loss_chunk_tokens": 16}
+    )  # fmt: skip
+    config = build_deepspeed_config(spec, world_size=1)
+    lm = build_model(spec, vocab_size=vocab, eos_id=0, pad_id=1, seed=0, deepspeed_config=config)
+    assert lm.lm_head.weight.ds_numel == vocab * 32  # partitioned (and chunked, as the spec asks)
+    engine, *_ = deepspeed.initialize(model=lm, model_parameters=list(lm.parameters()), config=config)
+    head = lm.lm_head.weight
+    gathers = []
+    original = coordinator.PartitionedParameterCoordinator._PartitionedParameterCoordinator__all_gather_params_
+
+    def counted(self, params, forward, quantize=False):
+        gathers.extend(p for p in params if p is head and p.ds_status == coordinator.ZeroParamStatus.NOT_AVAILABLE)
+        return original(self, params, forward, quantize)
+
+    setattr(coordinator.PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__all_gather_params_",
+            counted)  # fmt: skip
+    try:
+        torch.manual_seed(2)
+        ids = torch.randint(0, vocab, (2, 64))
+        per_step = []
+        for step in range(5):
+            labels = ids.clone()
+            labels[:, : 10 * step] = -100  # a longer prompt each step: 8, 7, 6, 5 and 4 chunks
+            gathers.clear()
+            loss, n, _ = forward_loss(engine, {"input_ids": ids, "labels": labels}, True)
+            engine.backward(loss / n)
+            engine.step()
+            per_step.append(len(gathers))
+            assert torch.isfinite(loss)
+    finally:
+        setattr(coordinator.PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__all_gather_params_",
+                original)  # fmt: skip
+    assert per_step[1:] == [1, 1, 1, 1] and per_step[0] <= 2, per_step  # the first step records DeepSpeed's trace
