@@ -47,7 +47,7 @@ A reward model (`objective: reward`; TRL's `RewardTrainer`) is the model with a 
 eos `prepare` appends (`document_rewards`: where serving reads the text a client sends), trained so that the chosen
 completion scores higher (Bradley-Terry, Ouyang et al. 2022):
 
-    reward: loss = -log sigmoid(r(y_w) - r(y_l))
+    reward: loss = -log sigmoid(r(y_w) - r(y_l)) + c (r(y_w) + r(y_l))^2      (c: `reward_center_coefficient`, 0)
 
 The head's output at every position is taken by a forward hook (`pylon.models.head_outputs`: the classifier itself
 returns each row's last only, and a packed row holds several completions), inside the model's own forward, so ZeRO-3
@@ -74,7 +74,7 @@ REFERENCE_FREE = ("simpo", "orpo", "reward")  # the losses that need no referenc
 @dataclass(frozen=True)
 class DpoLoss:
     """Which preference loss, and its settings (`TrainJobSpec.objective`, `dpo_beta`, `dpo_loss`,
-    `dpo_label_smoothing`, `simpo_gamma`, `dpo_rpo_alpha`, `loss_chunk_tokens`)."""
+    `dpo_label_smoothing`, `simpo_gamma`, `dpo_rpo_alpha`, `reward_center_coefficient`, `loss_chunk_tokens`)."""
 
     beta: float = 0.1
     kind: str = "sigmoid"  # objective dpo's "sigmoid", "hinge" or "ipo"; or "simpo", "orpo", "reward"
@@ -82,6 +82,7 @@ class DpoLoss:
     gamma: float = 0.5  # simpo's margin
     chunked: bool = False  # the model computes its output layer a chunk of tokens at a time (`loss_chunk_tokens`)
     rpo_alpha: float = 0.0  # objective dpo: the weight of the chosen completion's NLL (RPO)
+    center: float = 0.0  # objective reward: the weight of each pair's squared reward sum
 
     @classmethod
     def of(cls, spec) -> "DpoLoss":
@@ -93,6 +94,7 @@ class DpoLoss:
             spec.simpo_gamma,
             spec.loss_chunk_tokens > 0,
             spec.dpo_rpo_alpha,
+            spec.reward_center_coefficient,
         )
 
     @property
@@ -202,8 +204,11 @@ def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss):
     import torch.nn.functional as F
 
     beta, e = loss.beta, loss.label_smoothing
-    if loss.kind == "reward":  # Bradley-Terry on the rewards themselves
-        return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
+    if loss.kind == "reward":  # Bradley-Terry on the rewards themselves (and TRL's centring term)
+        losses = -F.logsigmoid(chosen - rejected)
+        if loss.center:
+            losses = losses + loss.center * (chosen + rejected) ** 2
+        return losses, chosen.detach(), rejected.detach()
     if loss.kind == "orpo":
         # log odds(y) = m - log(1 - exp(m)); expm1 keeps 1 - p exact as p nears 1 (clamped below: m < 0)
         def log_odds(m):

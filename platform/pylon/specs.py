@@ -462,6 +462,14 @@ class TrainJobSpec(_Spec):
         description="objective simpo: the margin the chosen completion's reward must beat the rejected one's by "
         "(SimPO's gamma; TRL's simpo_gamma)",
     )
+    reward_center_coefficient: float = Field(
+        0.0,
+        ge=0,
+        description="objective reward: the weight of each pair's squared reward sum, (r(chosen) + r(rejected))^2, "
+        "added to its loss so that the rewards centre on 0 (TRL's center_rewards_coefficient; Eisenstein et al. 2023 "
+        "use 0.01): the Bradley-Terry loss sees only differences, so without it a reward model's scores may drift "
+        "by any constant; 0: none",
+    )
     dpo_loss: Literal["sigmoid", "hinge", "ipo"] = Field(
         "sigmoid",
         description="objective dpo: the preference loss (TRL's loss_type): sigmoid, DPO's; hinge, SLiC's; ipo, IPO's "
@@ -539,6 +547,10 @@ class TrainJobSpec(_Spec):
             problems.append(("dpo_rpo_alpha", f"adds an NLL to objective dpo's loss; objective is {objective}"))
         if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and objective != "simpo":
             problems.append(("simpo_gamma", f"is objective simpo's margin; objective is {objective}"))
+        if self.reward_center_coefficient and objective != "reward":
+            problems.append(
+                ("reward_center_coefficient", f"centres objective reward's scores; objective is {objective}")
+            )
         if self.data.validation_fraction == 0:
             for field in ("every_steps", "max_batches"):
                 if getattr(self.eval, field):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -362,6 +363,10 @@ def test_a_reward_model_scores_each_packed_completion_as_it_scores_it_alone(tmp_
     bt = sum(math.log1p(math.exp(-(c - r))) for c, r in want)  # -log sigmoid(c - r)
     assert pairs == len(PAIRS) and abs(loss.item() - bt) < 1e-4 * max(1.0, bt), (loss.item(), bt)
     assert abs(stats[0] - sum(c for c, _ in want)) < 1e-4 and stats[2] == sum(c > r for c, r in want)
+    # TRL's center_rewards_coefficient: each pair's squared reward sum, weighted, on top (the figures unchanged)
+    centred, _, _, stats_c, _ = dpo_forward(model, model, inputs, replace(reward, center=0.25), "test", model_inputs)
+    squares = sum((c + r) ** 2 for c, r in want)
+    assert abs(centred.item() - (bt + 0.25 * squares)) < 1e-4 * max(1.0, bt) and stats_c == stats
     # it learns the preferences: a few steps of Adam on the pairs
     model.train()
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -425,6 +430,8 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
     simpo = TrainJobSpec.model_validate({**base, "objective": "simpo", "simpo_gamma": 1.0, "dpo_label_smoothing": 0.1})
     assert DpoLoss.of(simpo) == DpoLoss(0.1, "simpo", 0.1, 1.0)
     assert DpoLoss.of(TrainJobSpec.model_validate({**base, "objective": "orpo", "lora": None})).kind == "orpo"
+    reward = TrainJobSpec.model_validate({**base, "objective": "reward", "reward_center_coefficient": 0.01})
+    assert DpoLoss.of(reward).center == 0.01
     for change, field in (
         ({"attention_mask": "causal"}, "attention_mask"),
         ({"dpo_beta": 0}, "dpo_beta"),
@@ -437,6 +444,7 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
         ({"objective": "reward", "loss_chunk_tokens": 16}, "loss_chunk_tokens"),
         ({"objective": "orpo", "attention_mask": "causal"}, "attention_mask"),
         ({"objective": "causal_lm", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
+        ({"reward_center_coefficient": 0.01}, "reward_center_coefficient"),  # a reward model's, not dpo's
     ):
         with pytest.raises((SpecError, ValueError), match=field):
             TrainJobSpec.model_validate({**base, **change})
