@@ -159,6 +159,7 @@ class PackedGroup:
     tokenizer_sha256: str | None = None
     truncated: int = 0  # documents longer than a row, cut to one (packing "bfd")
     truncated_tokens: int = 0  # the tokens cut off them
+    conversational: int = 0  # preference pairs in a conversational format (the others are prompt and completion text)
 
     @property
     def rows(self) -> int:
@@ -346,6 +347,7 @@ def pack_group(
     documents = 0
     skipped: list[str] = []
     dropped: list[int] = []  # preference pairs longer than a row: their lengths
+    conversational = 0  # preference pairs given as conversations
     if chat and not hasattr(tok, "encode_chat"):
         raise DataError(
             f"tokenizer {tok.info.name}: a chat dataset needs a Hugging Face tokenizer directory with a chat template"
@@ -374,6 +376,7 @@ def pack_group(
                     continue
                 pieces.append(piece)
                 documents += 1
+                conversational += isinstance(prompt, int)
             continue
         if chat:
             for lineno, messages, tools in docs:
@@ -397,9 +400,17 @@ def pack_group(
     if packing == "bfd":
         tokens, num_tokens, truncated, cut = pack_whole(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
         truncated, cut = truncated + len(dropped), cut + sum(dropped)  # (a dropped pair: all its tokens)
-        return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256, truncated, cut)
+        return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256, truncated, cut, conversational)
     tokens, num_tokens = pack(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
     return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256)
+
+
+def _preference_format(outcome: "_Outcome") -> str:
+    """How a preference dataset's pairs were given: all as prompt and completion text, all as conversations, or
+    mixed (`ShardManifest.preference_format`)."""
+    if outcome.conversational == 0:
+        return "text"
+    return "conversational" if outcome.conversational == outcome.documents else "mixed"
 
 
 def chat_tokens(ids: np.ndarray, replies: np.ndarray) -> np.ndarray:
@@ -555,6 +566,7 @@ class _Outcome:
     tokenizer_sha256: set[str | None]
     truncated: int = 0
     truncated_tokens: int = 0
+    conversational: int = 0
 
 
 def prepare(
@@ -676,6 +688,7 @@ def prepare(
             document_starts=masked,
             prompt_completion=prompt_completion or preference,
             preference=preference,
+            preference_format=_preference_format(outcome) if preference else None,
         )
         manifest.check(out)
         storage.atomic_write_json(manifest_uri(out), manifest.model_dump(mode="json"))  # the commit
@@ -851,6 +864,7 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
             outcome.documents += group.documents
             outcome.truncated += group.truncated
             outcome.truncated_tokens += group.truncated_tokens
+            outcome.conversational += group.conversational
             outcome.skipped += group.skipped
             outcome.tokenizer_sha256.add(group.tokenizer_sha256)
             tokens, num_tokens = np.concatenate([tokens, group.tokens]), np.concatenate([num_tokens, group.num_tokens])
@@ -972,6 +986,7 @@ def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
         tokenizer_sha256={m["tokenizer_sha256"] for m in metas.values()},
         truncated=sum(m["truncated"] for m in metas.values()),
         truncated_tokens=sum(m["truncated_tokens"] for m in metas.values()),
+        conversational=sum(m["conversational"] for m in metas.values()),
     )
 
 
@@ -1051,6 +1066,7 @@ def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np
         "documents": group.documents,
         "truncated": group.truncated,
         "truncated_tokens": group.truncated_tokens,
+        "conversational": group.conversational,
         "skipped": group.skipped,
         "tokenizer_sha256": group.tokenizer_sha256,
     }

@@ -128,6 +128,11 @@ class ShardManifest(_Model):
     # A preference dataset (`pylon data prepare --preference`, for `objective: dpo`): stored as a prompt-completion
     # dataset is, each record two documents in one row, its prompt with the chosen completion then with the rejected
     preference: bool = False
+    # How its pairs were given (a reward model reads them differently, `pylon.jobs.dpo.document_rewards`): "text",
+    # a prompt and completions as strings, each completion followed by the eos prepare appends; "conversational",
+    # messages rendered by the chat template; "mixed", both. None: not a preference dataset, or one prepared before
+    # Pylon recorded it (read as text)
+    preference_format: Literal["text", "conversational", "mixed"] | None = None
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -147,7 +152,10 @@ class ShardManifest(_Model):
             f"{t.tokens:,} tokens from {t.documents:,} documents, {t.bytes / 2**20:.1f} MiB; "
             f"tokenizer {self.tokenizer.kind}:{self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
             + (
-                "; preference pairs (a prompt, its chosen and its rejected completion)"
+                "; preference pairs (a prompt, its chosen and its rejected completion"
+                + {"conversational": ", as conversations)", "mixed": ", as text and as conversations)"}.get(
+                    self.preference_format or "", ")"
+                )
                 if self.preference
                 else "; prompts and completions, the loss on the completions"
                 if self.prompt_completion

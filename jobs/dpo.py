@@ -44,7 +44,8 @@ Both report rewards beta * m(y), as TRL does.
 
 A reward model (`objective: reward`; TRL's `RewardTrainer`) is the model with a scalar head (its family's
 `*ForSequenceClassification`, one label: `pylon.models.with_head`) read at each completion's last token before the
-eos `prepare` appends (`document_rewards`: where serving reads the text a client sends), trained so that the chosen
+eos `prepare` appends, or a conversation's last token (`document_rewards`: where serving reads what a client sends,
+text or messages), trained so that the chosen
 completion scores higher (Bradley-Terry, Ouyang et al. 2022):
 
     reward: loss = -log sigmoid(r(y_w) - r(y_l)) + c (r(y_w) + r(y_l))^2      (c: `reward_center_coefficient`, 0)
@@ -83,9 +84,13 @@ class DpoLoss:
     chunked: bool = False  # the model computes its output layer a chunk of tokens at a time (`loss_chunk_tokens`)
     rpo_alpha: float = 0.0  # objective dpo: the weight of the chosen completion's NLL (RPO)
     center: float = 0.0  # objective reward: the weight of each pair's squared reward sum
+    # objective reward: the pairs are conversations (`ShardManifest.preference_format`), each read at its last token
+    conversations: bool = False
 
     @classmethod
-    def of(cls, spec) -> "DpoLoss":
+    def of(cls, spec, manifest=None) -> "DpoLoss":
+        """The loss `spec` asks for, on the dataset of `manifest` (how its pairs were given: a reward model's
+        reading)."""
         kind = spec.dpo_loss if spec.objective == "dpo" else spec.objective
         return cls(
             spec.dpo_beta,
@@ -95,6 +100,7 @@ class DpoLoss:
             spec.loss_chunk_tokens > 0,
             spec.dpo_rpo_alpha,
             spec.reward_center_coefficient,
+            getattr(manifest, "preference_format", None) == "conversational",
         )
 
     @property
@@ -159,11 +165,14 @@ def _sums_and_counts(token_lp, labels, position_ids) -> tuple:
     return sums[present], counts[present], present.view(rows, length).sum(dim=1)
 
 
-def document_rewards(scores, labels, position_ids, eos_id: int | None = None):
-    """Each document's reward: the head's output (`scores`, [rows, length]) at its completion's last token (`labels`
-    not -100), the eos `prepare` appends after it left out (a completion of eos alone: read there), in row order,
-    and how many documents each row holds (as `sequence_logprobs`). What a client scores, the prompt and the
-    completion as text, has no eos: Pylon's serving and transformers' classifier read it at that same token."""
+def document_rewards(scores, labels, position_ids, eos_id: int | None = None, conversations: bool = False):
+    """Each document's reward: the head's output (`scores`, [rows, length]) read where a client's request is read, in
+    row order, and how many documents each row holds (as `sequence_logprobs`). Text pairs: at the completion's last
+    token (`labels` not -100), the eos `prepare` appends after it left out (a completion of eos alone: read there),
+    since the prompt and completion a client scores as text have no eos. `conversations`: at the document's last
+    token, counted or not (a template's end of turn, which may be the eos, or what follows it), since a conversation
+    a client scores (`/classify` with `messages`) is rendered by the same template. Pylon's serving and transformers'
+    classifier read each at that same token."""
     import torch
 
     rows, length = labels.shape
@@ -178,9 +187,12 @@ def document_rewards(scores, labels, position_ids, eos_id: int | None = None):
         return out.scatter_reduce(0, keys[where], index[where], reduce="amax")
 
     ends = last(counted)
-    text = last(counted & (labels != eos_id)) if eos_id is not None else ends
     present = ends >= 0
-    at = torch.where(text >= 0, text, ends)[present]
+    if conversations:
+        at = last(torch.ones_like(counted))[present]
+    else:
+        text = last(counted & (labels != eos_id)) if eos_id is not None else ends
+        at = torch.where(text >= 0, text, ends)[present]
     row_of = torch.arange(rows * length, device=device)[present] // length
     return scores[row_of, at].float(), present.view(rows, length).sum(dim=1)
 
@@ -316,7 +328,8 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
         with head_outputs(module) as heads:
             out = model(**args)
         eos = getattr(module.config, "eos_token_id", None)
-        chosen, rejected = pair_up(*document_rewards(heads[-1][..., 0], labels, positions, eos), where)
+        rewards = document_rewards(heads[-1][..., 0], labels, positions, eos, loss.conversations)
+        chosen, rejected = pair_up(*rewards, where)
     else:
         logprobs, means, out = completion_logprobs(model, args, labels, positions, loss)
         chosen, rejected = pair_up(*logprobs, where)

@@ -204,6 +204,12 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
             f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
             "chosen and rejected with `pylon data prepare --preference`"
         )
+    if spec.objective == "reward" and manifest.preference_format == "mixed":
+        raise PylonError(
+            f"objective reward: data.uri {spec.data.uri} holds pairs given both as text and as conversations, which a "
+            "reward model reads at different tokens (a text completion before the eos prepare appends, a "
+            "conversation at its template's last token); prepare them in one format"
+        )
 
 
 def train_loop(config: dict) -> None:
@@ -257,7 +263,7 @@ def train_loop(config: dict) -> None:
     documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")
     check_objective(spec, stream.manifest)
     dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo, reward (pylon.jobs.dpo)
-    dpo_loss = DpoLoss.of(spec)
+    dpo_loss = DpoLoss.of(spec, stream.manifest)
     ds_config = build_deepspeed_config(spec, world_size=world)
     if spec.scaling.use_gpu and spec.deepspeed.offload_optimizer == "none":
         _torch_adam_unless_fused_adam_builds(ds_config, rank)

@@ -378,6 +378,66 @@ def test_a_reward_model_scores_each_packed_completion_as_it_scores_it_alone(tmp_
     assert loss.item() / pairs < 0.3 and stats[2] == pairs, (loss.item() / pairs, stats)
 
 
+def test_a_reward_model_reads_a_conversation_where_classify_reads_its_messages(tmp_path, tokenizer) -> None:
+    """Conversational pairs are read at the rendered conversation's last token, what `/classify` with `messages`
+    (and transformers' classifier on the template's text) reads, even where the template ends a turn with the eos
+    (as Llama 3's does); text pairs before the eos prepare appends. A dataset of both is refused for a reward model."""
+    from test_chat_data import _tokenizer
+
+    from pylon.errors import PylonError
+    from pylon.jobs.train import check_objective
+    from pylon.models import build_model, head_outputs
+    from pylon.specs import TrainJobSpec
+
+    ends_in_eos = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+    chat_tok = _tokenizer(tmp_path / "tok", ends_in_eos)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    records = [
+        {"prompt": question, "chosen": [{"role": "assistant", "content": "Paris."}],
+         "rejected": [{"role": "assistant", "content": "Oslo, on the fjord."}]},
+        {"chosen": [*question, {"role": "assistant", "content": "hello there, friend"}],
+         "rejected": [*question, {"role": "assistant", "content": "Paris."}]},
+    ]  # fmt: skip
+    out = str(tmp_path / "c")
+    manifest = prepare([_jsonl(tmp_path / "c.jsonl", records)], out, seq_len=128, tokenizer=chat_tok,
+                       preference=True, progress=False)  # fmt: skip
+    assert manifest.preference_format == "conversational"
+    tok, hf = manifest.tokenizer, load_tokenizer(chat_tok)._tok
+    spec = TrainJobSpec.model_validate(
+        {"name": "r", "model": {"preset": "llama-tiny"}, "data": {"uri": out}, "steps": 2, "objective": "reward"}
+    )
+    model = build_model(spec, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=1).eval()
+    reward = DpoLoss.of(spec, manifest)
+    assert reward.conversations
+
+    def alone(conversation: list[dict]) -> float:  # /classify's reading: the template's text, no special tokens added
+        ids = hf(hf.apply_chat_template(conversation, tokenize=False), add_special_tokens=False)["input_ids"]
+        assert ids[-1] == hf.eos_token_id  # (this template ends with the eos)
+        # at the last token, as Pylon's engine reads it (transformers' classifier skips trailing pad ids, and this
+        # tokenizer pads with its eos)
+        with torch.no_grad(), head_outputs(model) as heads:
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+        return float(heads[-1][0, -1, 0])
+
+    whole = [r["chosen"] if "prompt" not in r else [*r["prompt"], *r["chosen"]] for r in records]
+    whole += [r["rejected"] if "prompt" not in r else [*r["prompt"], *r["rejected"]] for r in records]
+    want = [alone(c) for c in whole]
+    inputs = _rows(out, chat_tok)
+    _, pairs, _, stats, _ = dpo_forward(model, model, inputs, reward, "test", model_inputs)
+    assert pairs == 2 and abs(stats[0] - sum(want[:2])) < 1e-4 and abs(stats[1] - sum(want[2:])) < 1e-4, (stats, want)
+    before_eos = dpo_forward(model, model, inputs, replace(reward, conversations=False), "test", model_inputs)[3]
+    assert abs(before_eos[0] + before_eos[1] - sum(want)) > 1e-3  # the text rule would read another token
+    # text pairs are read before the eos prepare appends; a dataset of both formats is refused for a reward model
+    mixed = prepare([_jsonl(tmp_path / "m.jsonl", [*records, {"prompt": "Q: 2 + 2 =", "chosen": " 4",
+                                                               "rejected": " 5"}])],
+                    str(tmp_path / "m"), seq_len=128, tokenizer=chat_tok, preference=True, progress=False)  # fmt: skip
+    assert mixed.preference_format == "mixed"
+    assert _prepared(tmp_path / "t", tokenizer)[0].preference_format == "text"
+    with pytest.raises(PylonError, match="objective reward: data.uri .* both as text and as conversations"):
+        check_objective(spec, mixed)
+    check_objective(spec.model_copy(update={"objective": "dpo"}), mixed)  # DPO reads log-probabilities: either way
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_reward_model_starts_from_a_causal_lm_checkpoint_with_a_new_head(tmp_path, stage) -> None:
     import deepspeed
