@@ -14,8 +14,10 @@ averaged over every pair of the global batch. At the first step pi is ref, so ev
 falls as the margin between the rewards grows, `beta` setting how far from the reference that may go. TRL's other
 losses (`dpo_loss`, with h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))): "hinge", relu(1 - beta h)
 (SLiC; 1 at the start); "ipo", (h - 1 / (2 beta))^2 with each completion's log-probability its tokens' mean (Azar et
-al. 2023; 1 / (4 beta^2) at the start); and `dpo_label_smoothing` e for the sigmoid loss, the pairs' labels taken as
-wrong with probability e (conservative DPO: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)); `dpo_rpo_alpha` a
+al. 2023; 1 / (4 beta^2) at the start); robust, exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down and
+discopop as TRL writes them (`dpo_losses`); and `dpo_label_smoothing` e for the sigmoid loss (and robust, exo_pair and
+AOT's), the pairs' labels taken as wrong with probability e (conservative DPO: -(1 - e) log sigmoid(beta h) - e log
+sigmoid(-beta h)); `dpo_rpo_alpha` a
 adds a times the chosen completion's negative log-likelihood, its tokens' mean (RPO, Pang et al. 2024; TRL's
 `rpo_alpha`, as Llama 3's preference tuning did), so that the chosen completion's likelihood does not fall.
 
@@ -75,15 +77,17 @@ REFERENCE_FREE = ("simpo", "orpo", "reward")  # the losses that need no referenc
 @dataclass(frozen=True)
 class DpoLoss:
     """Which preference loss, and its settings (`TrainJobSpec.objective`, `dpo_beta`, `dpo_loss`,
-    `dpo_label_smoothing`, `simpo_gamma`, `dpo_rpo_alpha`, `reward_center_coefficient`, `loss_chunk_tokens`)."""
+    `dpo_label_smoothing`, `simpo_gamma`, `dpo_rpo_alpha`, `reward_center_coefficient`, `dpo_discopop_tau`,
+    `loss_chunk_tokens`)."""
 
     beta: float = 0.1
-    kind: str = "sigmoid"  # objective dpo's "sigmoid", "hinge" or "ipo"; or "simpo", "orpo", "reward"
+    kind: str = "sigmoid"  # objective dpo's `dpo_loss` ("sigmoid", "hinge", "ipo", ...); or "simpo", "orpo", "reward"
     label_smoothing: float = 0.0
     gamma: float = 0.5  # simpo's margin
     chunked: bool = False  # the model computes its output layer a chunk of tokens at a time (`loss_chunk_tokens`)
     rpo_alpha: float = 0.0  # objective dpo: the weight of the chosen completion's NLL (RPO)
     center: float = 0.0  # objective reward: the weight of each pair's squared reward sum
+    discopop_tau: float = 0.05  # dpo_loss discopop: the temperature of its blend
     # objective reward: the pairs are conversations (`ShardManifest.preference_format`), each read at its last token
     conversations: bool = False
 
@@ -93,14 +97,15 @@ class DpoLoss:
         reading)."""
         kind = spec.dpo_loss if spec.objective == "dpo" else spec.objective
         return cls(
-            spec.dpo_beta,
-            kind,
-            spec.dpo_label_smoothing,
-            spec.simpo_gamma,
-            spec.loss_chunk_tokens > 0,
-            spec.dpo_rpo_alpha,
-            spec.reward_center_coefficient,
-            getattr(manifest, "preference_format", None) == "conversational",
+            beta=spec.dpo_beta,
+            kind=kind,
+            label_smoothing=spec.dpo_label_smoothing,
+            gamma=spec.simpo_gamma,
+            chunked=spec.loss_chunk_tokens > 0,
+            rpo_alpha=spec.dpo_rpo_alpha,
+            center=spec.reward_center_coefficient,
+            discopop_tau=spec.dpo_discopop_tau,
+            conversations=getattr(manifest, "preference_format", None) == "conversational",
         )
 
     @property
@@ -124,7 +129,21 @@ class DpoLoss:
 
     def at_start(self) -> float:
         """Every pair's loss while the model is its reference (h = 0): objective dpo's losses only."""
-        return {"sigmoid": LOG_2, "hinge": 1.0, "ipo": 1.0 / (4.0 * self.beta**2)}[self.kind]
+        e = self.label_smoothing or 1e-3  # (exo_pair's)
+        return {
+            "sigmoid": LOG_2,
+            "robust": LOG_2,
+            "aot": LOG_2,
+            "aot_pair": LOG_2,
+            "hinge": 1.0,
+            "ipo": 1.0 / (4.0 * self.beta**2),
+            "exo_pair": -LOG_2 - 0.5 * (math.log(1 - e) + math.log(e)),
+            "nca_pair": 2 * LOG_2,
+            "sppo_hard": 0.5 / self.beta**2,
+            "apo_zero": 1.0,
+            "apo_down": 1.0,
+            "discopop": 0.5 * LOG_2 + 0.5,
+        }[self.kind]
 
 
 def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
@@ -232,14 +251,46 @@ def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss):
         z = beta * (chosen - rejected) - loss.gamma
         losses = -F.logsigmoid(z) * (1 - e) - F.logsigmoid(-z) * e
         return losses, (beta * chosen).detach(), (beta * rejected).detach()
-    h = (chosen - ref_chosen) - (rejected - ref_rejected)
-    if loss.kind == "hinge":
+    a, b = chosen - ref_chosen, rejected - ref_rejected  # each completion's log-ratio to the reference
+    h = a - b
+    kind = loss.kind
+
+    def smoothed(z):  # DPO's sigmoid loss, its labels wrong with probability e (conservative DPO)
+        return -F.logsigmoid(beta * z) * (1 - e) - F.logsigmoid(-beta * z) * e
+
+    if kind == "hinge":
         losses = torch.relu(1 - beta * h)
-    elif loss.kind == "ipo":
+    elif kind == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2
+    elif kind == "robust":  # an unbiased estimate under label noise e (Chowdhury et al. 2024)
+        losses = (-F.logsigmoid(beta * h) * (1 - e) + F.logsigmoid(-beta * h) * e) / (1 - 2 * e)
+    elif kind == "exo_pair":  # EXO (Ji et al. 2024, eq. 16); e 0 taken as 1e-3, as TRL does
+        e = e or 1e-3
+        z = beta * h
+        losses = torch.sigmoid(z) * (F.logsigmoid(z) - math.log(1 - e)) + torch.sigmoid(-z) * (
+            F.logsigmoid(-z) - math.log(e)
+        )
+    elif kind == "nca_pair":  # NCA (Chen et al. 2024)
+        losses = -F.logsigmoid(beta * a) - 0.5 * F.logsigmoid(-beta * a) - 0.5 * F.logsigmoid(-beta * b)
+    elif kind == "sppo_hard":  # SPPO with hard probabilities (Wu et al. 2024)
+        losses = (a - 0.5 / beta) ** 2 + (b + 0.5 / beta) ** 2
+    elif kind in ("aot", "aot_pair"):  # AOT (Melnyk et al. 2024): sorted across the micro-batch's pairs
+        if kind == "aot":
+            d = torch.sort(chosen - rejected)[0] - torch.sort(ref_chosen - ref_rejected)[0]
+        else:
+            d = torch.sort(a)[0] - torch.sort(b)[0]
+        losses = smoothed(d)
+    elif kind == "apo_zero":  # APO (D'Oosterlinck et al. 2024, eq. 7): chosen outputs better than the model's own
+        losses = 1 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b)
+    elif kind == "apo_down":  # APO eq. 8: chosen outputs worse than the model's own
+        losses = torch.sigmoid(beta * a) + 1 - torch.sigmoid(beta * h)
+    elif kind == "discopop":  # DiscoPOP (Chris Lu et al. 2024, eq. 5): logistic and exponential, blended
+        z = beta * h
+        blend = torch.sigmoid(z / loss.discopop_tau)
+        losses = -F.logsigmoid(z) * (1 - blend) + torch.exp(-z) * blend
     else:
-        losses = -F.logsigmoid(beta * h) * (1 - e) - F.logsigmoid(-beta * h) * e
-    return losses, (beta * (chosen - ref_chosen)).detach(), (beta * (rejected - ref_rejected)).detach()
+        losses = smoothed(h)
+    return losses, (beta * a).detach(), (beta * b).detach()
 
 
 @contextlib.contextmanager

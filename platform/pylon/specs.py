@@ -404,6 +404,10 @@ class QueueSpec(_Spec):
 
 # The objectives that train on preference pairs (`pylon data prepare --preference`; pylon.jobs.dpo)
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward")
+# objective dpo's losses (TRL's DPOTrainer loss_type; pylon.jobs.dpo.dpo_losses); those label smoothing applies to
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "sppo_hard", "aot", "aot_pair", "apo_zero",
+              "apo_down", "discopop")  # fmt: skip
+SMOOTHED_DPO_LOSSES = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
 
 
 class TrainJobSpec(_Spec):
@@ -470,17 +474,26 @@ class TrainJobSpec(_Spec):
         "use 0.01): the Bradley-Terry loss sees only differences, so without it a reward model's scores may drift "
         "by any constant; 0: none",
     )
-    dpo_loss: Literal["sigmoid", "hinge", "ipo"] = Field(
+    dpo_loss: Literal[DPO_LOSSES] = Field(
         "sigmoid",
         description="objective dpo: the preference loss (TRL's loss_type): sigmoid, DPO's; hinge, SLiC's; ipo, IPO's "
-        "(on the completions' mean token log-probabilities)",
+        "(on the completions' mean token log-probabilities); robust (robust DPO, for noisy labels: with "
+        "dpo_label_smoothing); exo_pair (EXO); nca_pair (NCA); sppo_hard (SPPO, hard probabilities); aot and aot_pair "
+        "(AOT, sorted across a micro-batch's pairs); apo_zero and apo_down (APO: chosen completions better, or worse, "
+        "than the model's own); discopop (DiscoPOP, with dpo_discopop_tau)",
+    )
+    dpo_discopop_tau: float = Field(
+        0.05,
+        gt=0,
+        description="dpo_loss discopop: the temperature of its blend of the logistic and the exponential loss (TRL's "
+        "discopop_tau)",
     )
     dpo_label_smoothing: float = Field(
         0.0,
         ge=0,
         lt=0.5,
-        description="objective dpo with the sigmoid loss, or simpo: the chance that a pair's preference is wrong "
-        "(conservative DPO); 0 trusts every pair",
+        description="objective dpo with the sigmoid, robust, exo_pair, aot or aot_pair loss, or simpo: the chance "
+        "that a pair's preference is wrong (conservative DPO); 0 trusts every pair (exo_pair takes 0 as 1e-3)",
     )
     optim: OptimSpec = Field(default_factory=OptimSpec)
     batch: BatchSpec = Field(default_factory=BatchSpec)
@@ -531,13 +544,13 @@ class TrainJobSpec(_Spec):
                     ("attention_mask", f"objective {objective} reads each completion on its own: set auto or document")
                 )
         if self.dpo_label_smoothing and not (
-            (objective == "dpo" and self.dpo_loss == "sigmoid") or objective == "simpo"
+            (objective == "dpo" and self.dpo_loss in SMOOTHED_DPO_LOSSES) or objective == "simpo"
         ):
             problems.append(
                 (
                     "dpo_label_smoothing",
-                    f"smooths objective dpo's sigmoid loss and simpo's only (objective {objective}"
-                    + (f", dpo_loss {self.dpo_loss})" if objective == "dpo" else ")"),
+                    f"smooths objective dpo's {', '.join(SMOOTHED_DPO_LOSSES)} losses and simpo's only (objective "
+                    f"{objective}" + (f", dpo_loss {self.dpo_loss})" if objective == "dpo" else ")"),
                 )
             )
         # (by value, not by whether the field was given: a submitted spec is dumped whole and read again)
@@ -545,6 +558,10 @@ class TrainJobSpec(_Spec):
             problems.append(("dpo_loss", f"chooses objective dpo's loss; objective is {objective}"))
         if self.dpo_rpo_alpha and objective != "dpo":
             problems.append(("dpo_rpo_alpha", f"adds an NLL to objective dpo's loss; objective is {objective}"))
+        if self.dpo_discopop_tau != type(self).model_fields["dpo_discopop_tau"].default and not (
+            objective == "dpo" and self.dpo_loss == "discopop"
+        ):
+            problems.append(("dpo_discopop_tau", "is dpo_loss discopop's temperature"))
         if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and objective != "simpo":
             problems.append(("simpo_gamma", f"is objective simpo's margin; objective is {objective}"))
         if self.reward_center_coefficient and objective != "reward":

@@ -22,6 +22,7 @@ from pylon.data.shards import DataError
 from pylon.data.tokenizer import load_tokenizer
 from pylon.jobs.dpo import LOG_2, DpoLoss, dpo_forward, pair_up, sequence_logprobs
 from pylon.jobs.train import model_inputs
+from pylon.specs import DPO_LOSSES, SMOOTHED_DPO_LOSSES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -170,15 +171,53 @@ def _alone(model, prompt: list[int], completion: list[int], mean: bool = False) 
 
 def _trl(kind: str, beta: float, h: float, smoothing: float = 0.0) -> float:
     """TRL's DPOTrainer loss of one pair (loss_type `kind`) from h = (pi_c - ref_c) - (pi_r - ref_r)."""
+    return _trl_sum(kind, beta, [(h, 0.0, 0.0, 0.0)], smoothing)
 
-    def log_sigmoid(x: float) -> float:
+
+def _trl_sum(kind: str, beta: float, pairs: list, e: float = 0.0, tau: float = 0.05) -> float:
+    """TRL's DPOTrainer losses (loss_type `kind`, its formulas written out here) summed over `pairs`, each the
+    (pi_c, ref_c, pi_r, ref_r) log-probabilities of one pair; aot and aot_pair sort across them, as TRL sorts a
+    batch."""
+
+    def ls(x: float) -> float:  # log sigmoid
         return -math.log1p(math.exp(-x))
 
-    if kind == "hinge":
-        return max(0.0, 1 - beta * h)
-    if kind == "ipo":
-        return (h - 1 / (2 * beta)) ** 2
-    return -log_sigmoid(beta * h) * (1 - smoothing) - log_sigmoid(-beta * h) * smoothing
+    def sig(x: float) -> float:
+        return 1 / (1 + math.exp(-x))
+
+    if kind in ("aot", "aot_pair"):
+        if kind == "aot":
+            left, right = sorted(pc - pr for pc, _, pr, _ in pairs), sorted(rc - rr for _, rc, _, rr in pairs)
+        else:
+            left, right = sorted(pc - rc for pc, rc, _, _ in pairs), sorted(pr - rr for _, _, pr, rr in pairs)
+        return sum(-ls(beta * d) * (1 - e) - ls(-beta * d) * e for d in (x - y for x, y in zip(left, right)))
+    total = 0.0
+    for pc, rc, pr, rr in pairs:
+        a, b = pc - rc, pr - rr
+        h, z = a - b, beta * (a - b)
+        if kind == "hinge":
+            total += max(0.0, 1 - z)
+        elif kind == "ipo":
+            total += (h - 1 / (2 * beta)) ** 2
+        elif kind == "robust":
+            total += (-(1 - e) * ls(z) + e * ls(-z)) / (1 - 2 * e)
+        elif kind == "exo_pair":
+            eps = e or 1e-3
+            total += sig(z) * (ls(z) - math.log(1 - eps)) + sig(-z) * (ls(-z) - math.log(eps))
+        elif kind == "nca_pair":
+            total += -ls(beta * a) - 0.5 * ls(-beta * a) - 0.5 * ls(-beta * b)
+        elif kind == "sppo_hard":
+            total += (a - 0.5 / beta) ** 2 + (b + 0.5 / beta) ** 2
+        elif kind == "apo_zero":
+            total += (1 - sig(beta * a)) + sig(beta * b)
+        elif kind == "apo_down":
+            total += sig(beta * a) + (1 - sig(z))
+        elif kind == "discopop":
+            blend = sig(z / tau)
+            total += -ls(z) * (1 - blend) + math.exp(-z) * blend
+        else:
+            total += -ls(z) * (1 - e) - ls(-z) * e
+    return total
 
 
 def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_path, tokenizer) -> None:
@@ -189,10 +228,11 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
     # At the start the adapters are zero: the model is its reference, every pair's loss log 2
     loss, pairs, tokens, stats, _ = dpo_forward(model, model, inputs, DpoLoss(BETA), "test", model_inputs)
     assert pairs == len(PAIRS) and abs(loss.item() / pairs - LOG_2) < 1e-6 and stats[:2] == [0.0, 0.0]
-    for kind in ("hinge", "ipo"):  # the other losses' values at the start
+    for kind in DPO_LOSSES:  # every loss's value at the start
         start = DpoLoss(BETA, kind)
         got = dpo_forward(model, model, inputs, start, "test", model_inputs)[0].item() / pairs
         assert abs(got - start.at_start()) < 1e-5, kind
+        assert abs(start.at_start() - _trl_sum(kind, BETA, [(0.0, 0.0, 0.0, 0.0)])) < 1e-9, kind
     assert tokens == int((inputs["labels"][:, 1:] != -100).sum())
     # Adapters off their zeros: the packed loss is TRL's formula on each completion alone
     with torch.no_grad():
@@ -202,6 +242,7 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
     loss, pairs, _, stats, _ = dpo_forward(model, model, inputs, DpoLoss(BETA), "test", model_inputs)
     margins = {False: [], True: []}  # each pair's h, from summed and (IPO's) mean token log-probabilities
     means = []  # each pair's (chosen, rejected) mean token log-probabilities under the policy: SimPO's and ORPO's
+    logps = {False: [], True: []}  # each pair's (pi_c, ref_c, pi_r, ref_r), summed and (IPO's) mean
     chosen_rewards, correct = 0.0, 0
     for p in PAIRS:
         prompt = hf(p["prompt"])["input_ids"]
@@ -213,6 +254,7 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
                 with model.disable_adapter():
                     rc, rr = _alone(model, prompt, c, mean), _alone(model, prompt, r, mean)
             margins[mean].append((pc - rc) - (pr - rr))
+            logps[mean].append((pc, rc, pr, rr))
             if mean:
                 means.append((pc, pr))
             if not mean:
@@ -225,6 +267,14 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
         got = dpo_forward(model, model, inputs, DpoLoss(BETA, kind, smoothing), "test", model_inputs)[0].item()
         want_other = sum(_trl(kind, BETA, h, smoothing) for h in margins[kind == "ipo"])
         assert abs(got - want_other) < 1e-4 * max(1.0, want_other), (kind, got, want_other)
+    for kind in DPO_LOSSES:  # and every other, smoothed where it may be
+        e = 0.2 if kind in SMOOTHED_DPO_LOSSES else 0.0
+        got, _, _, stats_k, _ = dpo_forward(
+            model, model, inputs, DpoLoss(BETA, kind, e, discopop_tau=0.5), "test", model_inputs
+        )
+        want_other = _trl_sum(kind, BETA, logps[kind == "ipo"], e, tau=0.5)
+        assert abs(got.item() - want_other) < 1e-4 * max(1.0, abs(want_other)), (kind, got.item(), want_other)
+        assert abs(stats_k[0] - chosen_rewards) < 1e-4 or kind == "ipo"  # the rewards reported are DPO's
 
     # RPO (TRL's rpo_alpha): DPO's loss plus alpha times the chosen completion's mean NLL
     got = dpo_forward(model, model, inputs, DpoLoss(BETA, rpo_alpha=0.5), "test", model_inputs)[0].item()
@@ -490,6 +540,10 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
     simpo = TrainJobSpec.model_validate({**base, "objective": "simpo", "simpo_gamma": 1.0, "dpo_label_smoothing": 0.1})
     assert DpoLoss.of(simpo) == DpoLoss(0.1, "simpo", 0.1, 1.0)
     assert DpoLoss.of(TrainJobSpec.model_validate({**base, "objective": "orpo", "lora": None})).kind == "orpo"
+    disco = TrainJobSpec.model_validate({**base, "dpo_loss": "discopop", "dpo_discopop_tau": 0.1})
+    assert (DpoLoss.of(disco).kind, DpoLoss.of(disco).discopop_tau) == ("discopop", 0.1)
+    robust = TrainJobSpec.model_validate({**base, "dpo_loss": "robust", "dpo_label_smoothing": 0.1})
+    assert DpoLoss.of(robust).label_smoothing == 0.1
     reward = TrainJobSpec.model_validate({**base, "objective": "reward", "reward_center_coefficient": 0.01})
     assert DpoLoss.of(reward).center == 0.01
     for change, field in (
@@ -497,6 +551,9 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
         ({"dpo_beta": 0}, "dpo_beta"),
         ({"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
         ({"dpo_label_smoothing": 0.5}, "dpo_label_smoothing"),
+        ({"dpo_loss": "nca_pair", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
+        ({"dpo_loss": "sppo_hard", "dpo_discopop_tau": 0.1}, "dpo_discopop_tau"),
+        ({"dpo_loss": "kto"}, "dpo_loss"),
         ({"simpo_gamma": 1.0}, "simpo_gamma"),  # simpo's, not dpo's
         ({"objective": "simpo", "dpo_rpo_alpha": 1.0}, "dpo_rpo_alpha"),
         ({"objective": "orpo", "dpo_loss": "hinge"}, "dpo_loss"),
