@@ -152,6 +152,8 @@ def build_model(
             model = with_lora(model, spec.lora)
         if spec.loss_chunk_tokens:
             with_chunked_loss(model, spec.loss_chunk_tokens)
+        if spec.neftune_noise_alpha:
+            with_neftune(model, spec.neftune_noise_alpha)
     if shared:
         _broadcast_module(model)  # after LoRA: its adapters are rank 0's too
     return model
@@ -531,6 +533,17 @@ def mean_token_loss(out) -> torch.Tensor:
     `with_chunked_loss`, its summed loss over its token count (`TokenLoss`)."""
     loss = getattr(out, "loss", None)
     return loss if loss is not None else out.loss_sum / max(out.tokens, 1)
+
+
+def with_neftune(model: torch.nn.Module, alpha: float) -> torch.nn.Module:
+    """`model` (a transformers model, or a peft model around one) adding NEFTune's noise to its input embeddings in
+    training mode (`TrainJobSpec.neftune_noise_alpha`): transformers' own hook (`integrations.neftune`, what its
+    Trainer and TRL's register), uniform in [-m, m] with m = alpha / sqrt(length x hidden) of each batch's embeddings.
+    In eval mode (evaluation, a preference objective's reference pass) it adds nothing. Returns `model`."""
+    from transformers.integrations.neftune import activate_neftune
+
+    activate_neftune(model, alpha)
+    return model
 
 
 def with_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:

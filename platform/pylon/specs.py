@@ -428,6 +428,13 @@ class TrainJobSpec(_Spec):
         "first token not predicted from the one before (TorchTitan's block_causal, TRL's padding_free, Llama 3's "
         "pretraining); auto, document for a chat or prompt-completion dataset, causal for text",
     )
+    neftune_noise_alpha: float = Field(
+        0.0,
+        ge=0,
+        description="NEFTune (Jain et al. 2023; transformers' and TRL's neftune_noise_alpha): uniform noise of "
+        "magnitude alpha / sqrt(seq_len x hidden) added to the input embeddings in training passes (never in "
+        "evaluation, a preference objective's reference, or the export); the paper uses 5; 0: off",
+    )
     loss_chunk_tokens: NonNegInt = Field(
         0,
         description="compute the output layer and the loss this many tokens at a time, each chunk recomputed in the "
