@@ -13,6 +13,7 @@ same for every kind, so a tokenizer whose post-processor adds [CLS]/[SEP] or BOS
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import posixpath
 import shutil
@@ -306,3 +307,65 @@ def files_sha256(files: list[tuple[str, bytes]]) -> str:
         h.update(rel.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
+
+
+# A chat format for a base model's tokenizer, which has no template (`with_chat_template`'s "zephyr"): its role markers
+# are plain text, and each turn ends with the tokenizer's own eos, so a model fine-tuned on it ends its replies with
+# the eos that serving stops at, with no token added to the vocabulary (no embedding to resize). Zephyr's format.
+ZEPHYR_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CHAT_TEMPLATES = {"zephyr": ZEPHYR_TEMPLATE}
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where transformers keeps a template beside the config
+
+
+def with_chat_template(source: str, template: str, out: str, *, overwrite: bool = False) -> "HuggingFaceTokenizer":
+    """A copy of the Hugging Face tokenizer directory `source` at `out` (a directory, local or a URI) whose chat
+    template is `template`: a built-in's name (`CHAT_TEMPLATES`) or a Jinja file (path or URI). For a base model's
+    tokenizer, which has none, so that `pylon data prepare --chat` can render conversations with it; the copy is the
+    tokenizer the dataset, the training run and the export then carry, so serving renders chats the same way (as
+    TRL's `chat_template_path` sets one). Any template the source had (in `tokenizer_config.json` or a template
+    file) is replaced. The template is checked on a conversation before anything is written: it must render, and
+    open the assistant's turn where `add_generation_prompt` says. Returns the new tokenizer."""
+    where = f"tokenizer {source}"
+    is_directory, files = tokenizer_files(source, where)
+    if not is_directory:
+        raise DataError(
+            f"{where}: a chat template goes with a Hugging Face tokenizer directory (tokenizer.json, "
+            "tokenizer_config.json), not a single `tokenizers` file"
+        )
+    if template in CHAT_TEMPLATES:
+        text = CHAT_TEMPLATES[template]
+    else:
+        try:
+            text = storage.read_bytes(template).decode("utf-8")
+        except (StorageError, OSError, UnicodeDecodeError) as e:
+            raise DataError(
+                f"chat template {template}: not a built-in ({', '.join(CHAT_TEMPLATES)}) and cannot be read as a "
+                f"UTF-8 Jinja file ({e})"
+            ) from None
+    copied: list[tuple[str, bytes]] = []
+    for rel, data in files:
+        if rel in _TEMPLATE_FILES:
+            continue
+        if rel == "tokenizer_config.json":
+            try:
+                config = json.loads(data)
+            except ValueError as e:
+                raise DataError(f"{where}: tokenizer_config.json is not JSON ({e})") from None
+            config.pop("chat_template", None)
+            data = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        copied.append((rel, data))
+    copied = sorted([*copied, ("chat_template.jinja", text.encode("utf-8"))])
+    name = posixpath.basename(out.rstrip("/")) or out
+    tok = _parse(True, name, copied, files_sha256(copied), f"chat template {template}")
+    sample = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi there."}]
+    examples = tok.encode_chat(sample, f"chat template {template}")  # renders, and finds the assistant's reply
+    if not any(replies.any() for _, replies in examples):
+        raise DataError(f"chat template {template}: renders no assistant reply, so a chat dataset would count nothing")
+    if storage.exists(out) and not overwrite:
+        raise DataError(f"{out} already exists; pass --overwrite to replace it")
+    for rel, data in copied:
+        storage.atomic_write(storage.join(out, rel), data)
+    return tok

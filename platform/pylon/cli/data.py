@@ -1,7 +1,8 @@
-"""`pylon data prepare|tokenizer|inspect`: turn text into tokenized training shards, and check them.
+"""`pylon data prepare|tokenizer|chat-template|inspect`: turn text into tokenized training shards, and check them.
 
 Prepare packs text files, directories or JSONL into fixed-length token rows (parquet or WebDataset shards
-plus manifest.json), tokenizer learns a byte-level BPE for it, inspect prints and verifies a dataset.
+plus manifest.json), tokenizer learns a byte-level BPE for it, chat-template copies a tokenizer with a chat template,
+inspect prints and verifies a dataset.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def add_data_parser(sub, fmt) -> None:
     dsub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     _add_prepare_parser(dsub, fmt)
     _add_tokenizer_parser(dsub, fmt)
+    _add_chat_template_parser(dsub, fmt)
     _add_inspect_parser(dsub, fmt)
 
 
@@ -294,6 +296,63 @@ def _add_tokenizer_parser(dsub, fmt) -> None:
     tk.add_argument("--overwrite", action="store_true", help="replace an existing file at --out")
     tk.add_argument("--json", action="store_true", help="machine-readable summary on stdout")
     tk.set_defaults(func=_cmd_data_tokenizer)
+
+
+def _cmd_data_chat_template(args: argparse.Namespace) -> int:
+    from pylon.data.tokenizer import with_chat_template
+
+    tok = with_chat_template(args.tokenizer, args.template, args.out, overwrite=args.overwrite)
+    sample = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi there."}]
+    ((ids, replies),) = tok.encode_chat(sample, "sample")[-1:]
+    ends_with_eos = bool(replies.any()) and tok.eos_id in ids[replies].tolist()
+    if args.json:
+        summary = {"tokenizer": args.out, "reply_ends_with_eos": ends_with_eos, **tok.info.model_dump(mode="json")}
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"tokenizer: {args.out} ({tok.vocab_size:,} tokens) with chat template {args.template}")
+    print("  a conversation renders as:")
+    for line in tok.decode(ids.tolist()).splitlines():
+        print(f"    {line}")
+    if not ends_with_eos:
+        print(
+            f"  warning: the assistant's turn does not contain the eos ({tok.decode([tok.eos_id])}); a model "
+            "fine-tuned on it will not end its replies where serving stops (end the turn with {{ eos_token }})"
+        )
+    print(f"  next: pylon data prepare chats.jsonl --chat --tokenizer {args.out} --out DIR")
+    return 0
+
+
+def _add_chat_template_parser(dsub, fmt) -> None:
+    from pylon.data.tokenizer import CHAT_TEMPLATES
+
+    ct = dsub.add_parser(
+        "chat-template",
+        formatter_class=fmt,
+        help="copy a tokenizer with a chat template, to fine-tune a base model on conversations",
+        description="Write a copy of a Hugging Face tokenizer directory whose chat template is --template: a "
+        "built-in (zephyr: <|user|> and <|assistant|> as plain text, each turn ended by the tokenizer's own eos, so "
+        "no token is added and served replies stop at the eos) or a Jinja file. A base model's tokenizer has none, "
+        "and `pylon data prepare --chat` needs one; the copy is the tokenizer the dataset, the run and `pylon "
+        "export` then carry, so the served model renders chats as it was trained on them (TRL's "
+        "chat_template_path). The template is checked on a conversation before anything is written.",
+        epilog=textwrap.dedent("""\
+            examples:
+              pylon data chat-template ./Llama-3.2-1B --template zephyr --out ./tokenizer-chat
+              pylon data prepare chats.jsonl --chat --tokenizer ./tokenizer-chat --out ./sft
+              pylon data chat-template s3://models/base --template ./chatml.jinja --out s3://models/base-chat
+            """),
+    )
+    ct.add_argument("tokenizer", metavar="TOKENIZER", help="a Hugging Face tokenizer directory (path or URI)")
+    ct.add_argument(
+        "--template",
+        required=True,
+        metavar="NAME|FILE",
+        help=f"a built-in ({', '.join(CHAT_TEMPLATES)}) or a Jinja chat template file (path or URI)",
+    )
+    ct.add_argument("--out", required=True, metavar="DIR", help="the tokenizer directory to write (path or URI)")
+    ct.add_argument("--overwrite", action="store_true", help="replace an existing directory at --out")
+    ct.add_argument("--json", action="store_true", help="machine-readable summary on stdout")
+    ct.set_defaults(func=_cmd_data_chat_template)
 
 
 def _add_inspect_parser(dsub, fmt) -> None:
