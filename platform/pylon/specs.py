@@ -568,7 +568,12 @@ class TrainJobSpec(_Spec):
         if self.dpo_discopop_tau != type(self).model_fields["dpo_discopop_tau"].default and not (
             objective == "dpo" and self.dpo_loss == "discopop"
         ):
-            problems.append(("dpo_discopop_tau", "is dpo_loss discopop's temperature"))
+            problems.append(
+                (
+                    "dpo_discopop_tau",
+                    f"is dpo_loss discopop's temperature; objective {objective}, dpo_loss {self.dpo_loss}",
+                )
+            )
         if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and objective != "simpo":
             problems.append(("simpo_gamma", f"is objective simpo's margin; objective is {objective}"))
         if self.reward_center_coefficient and objective != "reward":
