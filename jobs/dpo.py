@@ -14,8 +14,9 @@ averaged over every pair of the global batch. At the first step pi is ref, so ev
 falls as the margin between the rewards grows, `beta` setting how far from the reference that may go. TRL's other
 losses (`dpo_loss`, with h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))): "hinge", relu(1 - beta h)
 (SLiC; 1 at the start); "ipo", (h - 1 / (2 beta))^2 with each completion's log-probability its tokens' mean (Azar et
-al. 2023; 1 / (4 beta^2) at the start); robust, exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down and
-discopop as TRL writes them (`dpo_losses`); and `dpo_label_smoothing` e for the sigmoid loss (and robust, exo_pair and
+al. 2023; 1 / (4 beta^2) at the start); robust, exo_pair, nca_pair, bco_pair (its rewards' running mean kept in
+checkpoints: `RunningMean`), sppo_hard, aot, aot_pair, apo_zero, apo_down and discopop as TRL writes them
+(`dpo_losses`); and `dpo_label_smoothing` e for the sigmoid loss (and robust, exo_pair and
 AOT's), the pairs' labels taken as wrong with probability e (conservative DPO: -(1 - e) log sigmoid(beta h) - e log
 sigmoid(-beta h)); `dpo_rpo_alpha` a
 adds a times the chosen completion's negative log-likelihood, its tokens' mean (RPO, Pang et al. 2024; TRL's
@@ -139,11 +140,49 @@ class DpoLoss:
             "ipo": 1.0 / (4.0 * self.beta**2),
             "exo_pair": -LOG_2 - 0.5 * (math.log(1 - e) + math.log(e)),
             "nca_pair": 2 * LOG_2,
+            "bco_pair": 2 * LOG_2,
             "sppo_hard": 0.5 / self.beta**2,
             "apo_zero": 1.0,
             "apo_down": 1.0,
             "discopop": 0.5 * LOG_2 + 0.5,
         }[self.kind]
+
+
+class RunningMean:
+    """dpo_loss bco_pair's delta: the running mean of every micro-batch's mean reward, over every rank (TRL's
+    `RunningMoments` mean: each rank's micro-batch one value), kept in the run's checkpoints so that a resumed run
+    goes on with it."""
+
+    def __init__(self) -> None:
+        self.mean, self.count = 0.0, 0
+
+    def update(self, value) -> float:
+        """Add this rank's micro-batch mean reward (None: it had no pair) and every other rank's; a collective call
+        when a process group is up. Returns the new mean."""
+        import torch
+        import torch.distributed as dist
+
+        device = value.device if value is not None else None
+        if device is None and dist.is_initialized() and dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        both = torch.tensor(
+            [float(value) if value is not None else 0.0, 1.0 if value is not None else 0.0],
+            dtype=torch.float64,
+            device=device,
+        )
+        if dist.is_initialized():
+            dist.all_reduce(both)
+        total, k = both.tolist()
+        if k:
+            self.mean = (self.mean * self.count + total) / (self.count + k)
+            self.count += int(k)
+        return self.mean
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.count = float(state["mean"]), int(state["count"])
 
 
 def sequence_logprobs(logits, labels, position_ids, mean: bool = False):
@@ -228,9 +267,10 @@ def pair_up(logprobs, per_row, where: str):
     return logprobs[0::2], logprobs[1::2]
 
 
-def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss):
+def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss, delta: float = 0.0):
     """Each pair's loss and its chosen and rejected rewards (the rewards detached: they are reported, not trained).
-    SimPO, ORPO and a reward model take no reference (`ref_chosen`, `ref_rejected` None)."""
+    SimPO, ORPO and a reward model take no reference (`ref_chosen`, `ref_rejected` None). `delta`: bco_pair's running
+    mean of the rewards (`RunningMean`)."""
     import torch
     import torch.nn.functional as F
 
@@ -272,6 +312,8 @@ def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss):
         )
     elif kind == "nca_pair":  # NCA (Chen et al. 2024)
         losses = -F.logsigmoid(beta * a) - 0.5 * F.logsigmoid(-beta * a) - 0.5 * F.logsigmoid(-beta * b)
+    elif kind == "bco_pair":  # BCO (Jung et al. 2024) on pairs: each reward classified against the running mean
+        losses = -F.logsigmoid(beta * a - delta) - F.logsigmoid(-(beta * b - delta))
     elif kind == "sppo_hard":  # SPPO with hard probabilities (Wu et al. 2024)
         losses = (a - 0.5 / beta) ** 2 + (b + 0.5 / beta) ** 2
     elif kind in ("aot", "aot_pair"):  # AOT (Melnyk et al. 2024): sorted across the micro-batch's pairs
@@ -359,11 +401,14 @@ def reference_logprobs(reference, module, args: dict, labels, positions, loss: D
             return completion_logprobs(module, args, labels, positions, loss)[0]
 
 
-def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_inputs, reference=None) -> tuple:
+def dpo_forward(
+    model, module, inputs: dict, loss: DpoLoss, where: str, model_inputs, reference=None, running=None, update=True
+) -> tuple:
     """One micro-batch: the reference's pass (no gradients; `reference` the frozen copy, or None: `module` with its
     adapters disabled; none for SimPO and ORPO), then `model`'s (the DeepSpeed engine: the pass that is trained).
-    Returns (the pairs' summed loss as a tensor, pairs, counted tokens, [chosen rewards' sum, rejected rewards' sum,
-    pairs whose chosen reward is larger], the model's output)."""
+    `running` (dpo_loss bco_pair's `RunningMean`): updated with this micro-batch's rewards on every rank (`update`;
+    an evaluation reads it as it stands). Returns (the pairs' summed loss as a tensor, pairs, counted tokens, [chosen
+    rewards' sum, rejected rewards' sum, pairs whose chosen reward is larger], the model's output)."""
     import torch
 
     args = model_inputs(inputs)
@@ -384,7 +429,15 @@ def dpo_forward(model, module, inputs: dict, loss: DpoLoss, where: str, model_in
     else:
         logprobs, means, out = completion_logprobs(model, args, labels, positions, loss)
         chosen, rejected = pair_up(*logprobs, where)
-    losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss)
+    delta = 0.0
+    if loss.kind == "bco_pair":  # the rewards' running mean, this micro-batch's (every rank's) included
+        if running is None:
+            raise ValueError("dpo_loss bco_pair needs its RunningMean")
+        if update:
+            rewards = loss.beta * torch.cat([chosen - ref_chosen, rejected - ref_rejected]).detach()
+            running.update(rewards.mean() if rewards.numel() else None)
+        delta = running.mean
+    losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss, delta)
     if loss.rpo_alpha:  # RPO: the chosen completion's NLL (its tokens' mean) too
         losses = losses - loss.rpo_alpha * pair_up(means, logprobs[1], where)[0]
     # one read from the device for the figures: rewards' sums, correct pairs, counted tokens

@@ -228,7 +228,7 @@ def train_loop(config: dict) -> None:
     from pylon.data.shards import separate_documents
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.jobs.dpo import DpoLoss, dpo_forward, dpo_record, frozen_reference
+    from pylon.jobs.dpo import DpoLoss, RunningMean, dpo_forward, dpo_record, frozen_reference
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
@@ -334,11 +334,15 @@ def train_loop(config: dict) -> None:
     )
     ray_reports = RayTrainReports(committer)
     step, tokens_seen = 0, 0
+    # dpo_loss bco_pair's running mean of the rewards: in every checkpoint, so that a resumed run goes on with it
+    running = RunningMean() if dpo and dpo_loss.kind == "bco_pair" else None
     latest = committer.latest()
     if latest is not None:
         extra = committer.load(engine, latest)
         stream.load_state_dict(extra["data"])
         step, tokens_seen = latest.step, int(extra.get("tokens_seen", 0))
+        if running is not None and "bco_running" in extra:
+            running.load_state_dict(extra["bco_running"])
         if rank == 0:
             print(f"resumed {spec.name} from step {step} ({latest.uri})", flush=True)
     metrics = MetricsLog(run_uri, enabled=rank == 0, resume_step=step)
@@ -389,7 +393,14 @@ def train_loop(config: dict) -> None:
             )
             if dpo:
                 loss_t, pairs, n_tokens, stats, _ = dpo_forward(
-                    engine, engine.module, inputs, dpo_loss, f"data.uri {spec.data.uri}", model_inputs, reference
+                    engine,
+                    engine.module,
+                    inputs,
+                    dpo_loss,
+                    f"data.uri {spec.data.uri}",
+                    model_inputs,
+                    reference,
+                    running=running,
                 )
                 loss, local_sum = _global_mean_loss(loss_t, pairs, world)
                 aux = None
@@ -466,6 +477,7 @@ def train_loop(config: dict) -> None:
                     chunked=chunked,
                     dpo_loss=dpo_loss if dpo else None,
                     reference=reference,
+                    running=running,
                 )
             )
             outside_s += time.perf_counter() - t0
@@ -481,7 +493,11 @@ def train_loop(config: dict) -> None:
                 committer.save(
                     engine,
                     step,
-                    extra={"data": stream.state_dict(), "tokens_seen": tokens_seen},
+                    extra={
+                        "data": stream.state_dict(),
+                        "tokens_seen": tokens_seen,
+                        **({"bco_running": running.state_dict()} if running is not None else {}),
+                    },
                     meta={"loss": record["loss"], "tokens_seen": tokens_seen},
                 )
             except BaseException:
@@ -779,6 +795,7 @@ def _evaluate(
     chunked: bool = False,
     dpo_loss=None,
     reference=None,
+    running=None,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
@@ -812,7 +829,15 @@ def _evaluate(
                 )
                 if dpo_loss is not None:
                     pair_loss, pairs, _, stats, out = dpo_forward(
-                        engine, engine.module, inputs, dpo_loss, "the validation split", model_inputs, reference
+                        engine,
+                        engine.module,
+                        inputs,
+                        dpo_loss,
+                        "the validation split",
+                        model_inputs,
+                        reference,
+                        running=running,
+                        update=False,  # (bco_pair: read as training left it)
                     )
                     dpo_sums = [a + b for a, b in zip(dpo_sums, [float(pair_loss.item()), pairs, *stats])]
                     # a reward model has no next-token loss: its val_loss is the pairs' (Bradley-Terry)

@@ -405,8 +405,8 @@ class QueueSpec(_Spec):
 # The objectives that train on preference pairs (`pylon data prepare --preference`; pylon.jobs.dpo)
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward")
 # objective dpo's losses (TRL's DPOTrainer loss_type; pylon.jobs.dpo.dpo_losses); those label smoothing applies to
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "sppo_hard", "aot", "aot_pair", "apo_zero",
-              "apo_down", "discopop")  # fmt: skip
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_pair",
+              "apo_zero", "apo_down", "discopop")  # fmt: skip
 SMOOTHED_DPO_LOSSES = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
 
 
@@ -485,9 +485,10 @@ class TrainJobSpec(_Spec):
         "sigmoid",
         description="objective dpo: the preference loss (TRL's loss_type): sigmoid, DPO's; hinge, SLiC's; ipo, IPO's "
         "(on the completions' mean token log-probabilities); robust (robust DPO, for noisy labels: with "
-        "dpo_label_smoothing); exo_pair (EXO); nca_pair (NCA); sppo_hard (SPPO, hard probabilities); aot and aot_pair "
-        "(AOT, sorted across a micro-batch's pairs); apo_zero and apo_down (APO: chosen completions better, or worse, "
-        "than the model's own); discopop (DiscoPOP, with dpo_discopop_tau)",
+        "dpo_label_smoothing); exo_pair (EXO); nca_pair (NCA); bco_pair (BCO on pairs, against the rewards' running "
+        "mean); sppo_hard (SPPO, hard probabilities); aot and aot_pair (AOT, sorted across a micro-batch's pairs); "
+        "apo_zero and apo_down (APO: chosen completions better, or worse, than the model's own); discopop "
+        "(DiscoPOP, with dpo_discopop_tau)",
     )
     dpo_discopop_tau: float = Field(
         0.05,

@@ -11,13 +11,13 @@ same pairs, exports as a classifier, and Pylon's serving engine reads its reward
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 import pytest
 
 import pylon
+from pylon.jobs.dpo import DpoLoss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "data"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "jobs"))
@@ -56,6 +56,8 @@ ORPO = {
     "how",
     [
         pytest.param(LORA, id="dpo-lora-zero2", marks=pytest.mark.slow),
+        # bco_pair: its rewards' running mean goes through the run (and its checkpoint)
+        pytest.param(LORA | {"dpo_loss": "bco_pair"}, id="dpo-bco-pair-lora-zero2", marks=pytest.mark.slow),
         pytest.param(FULL, id="dpo-full-zero3-bf16-chunked"),
         pytest.param(ORPO, id="orpo-full-zero2", marks=pytest.mark.slow),
     ],
@@ -82,9 +84,10 @@ def test_a_preference_run_learns_the_preferences(ray_cluster, tmp_path, tokenize
     name, steps, evals, run_dir = _train(spec)
     first, last = steps[0], steps[-1]
     assert first["loss"] == first[f"{name}_loss"] and first[f"{name}_pairs"] > 0, first
-    if name == "dpo":  # the model is its reference
-        assert abs(first["dpo_loss"] - math.log(2)) < 1e-5 and first["dpo_reward_margin"] == 0, first
-        assert last["dpo_loss"] < 0.5 * math.log(2), last
+    if name == "dpo":  # the model is its reference: log 2 (bco_pair's: 2 log 2)
+        start = DpoLoss(kind=spec.get("dpo_loss", "sigmoid")).at_start()
+        assert abs(first["dpo_loss"] - start) < 1e-5 and first["dpo_reward_margin"] == 0, first
+        assert last["dpo_loss"] < 0.5 * start, last
     else:  # ORPO: the chosen completions' NLL and the odds-ratio term both fall
         assert last["orpo_loss"] < 0.7 * first["orpo_loss"], (first, last)
     assert last[f"{name}_reward_accuracy"] == 1.0 and last[f"{name}_reward_margin"] > first[f"{name}_reward_margin"]

@@ -20,7 +20,7 @@ from pylon.data.prepare import prepare
 from pylon.data.reader import Batch
 from pylon.data.shards import DataError
 from pylon.data.tokenizer import load_tokenizer
-from pylon.jobs.dpo import LOG_2, DpoLoss, dpo_forward, pair_up, sequence_logprobs
+from pylon.jobs.dpo import LOG_2, DpoLoss, RunningMean, dpo_forward, pair_up, sequence_logprobs
 from pylon.jobs.train import model_inputs
 from pylon.specs import DPO_LOSSES, SMOOTHED_DPO_LOSSES
 
@@ -185,6 +185,10 @@ def _trl_sum(kind: str, beta: float, pairs: list, e: float = 0.0, tau: float = 0
     def sig(x: float) -> float:
         return 1 / (1 + math.exp(-x))
 
+    if kind == "bco_pair":  # each reward against the mean of them all (a fresh running mean: this batch's)
+        rewards = [beta * (pc - rc) for pc, rc, _, _ in pairs] + [beta * (pr - rr) for _, _, pr, rr in pairs]
+        delta = sum(rewards) / len(rewards)
+        return sum(-ls(beta * (pc - rc) - delta) - ls(-(beta * (pr - rr) - delta)) for pc, rc, pr, rr in pairs)
     if kind in ("aot", "aot_pair"):
         if kind == "aot":
             left, right = sorted(pc - pr for pc, _, pr, _ in pairs), sorted(rc - rr for _, rc, _, rr in pairs)
@@ -230,7 +234,7 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
     assert pairs == len(PAIRS) and abs(loss.item() / pairs - LOG_2) < 1e-6 and stats[:2] == [0.0, 0.0]
     for kind in DPO_LOSSES:  # every loss's value at the start
         start = DpoLoss(BETA, kind)
-        got = dpo_forward(model, model, inputs, start, "test", model_inputs)[0].item() / pairs
+        got = dpo_forward(model, model, inputs, start, "test", model_inputs, running=RunningMean())[0].item() / pairs
         assert abs(got - start.at_start()) < 1e-5, kind
         assert abs(start.at_start() - _trl_sum(kind, BETA, [(0.0, 0.0, 0.0, 0.0)])) < 1e-9, kind
     assert tokens == int((inputs["labels"][:, 1:] != -100).sum())
@@ -269,8 +273,9 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
         assert abs(got - want_other) < 1e-4 * max(1.0, want_other), (kind, got, want_other)
     for kind in DPO_LOSSES:  # and every other, smoothed where it may be
         e = 0.2 if kind in SMOOTHED_DPO_LOSSES else 0.0
+        running = RunningMean()
         got, _, _, stats_k, _ = dpo_forward(
-            model, model, inputs, DpoLoss(BETA, kind, e, discopop_tau=0.5), "test", model_inputs
+            model, model, inputs, DpoLoss(BETA, kind, e, discopop_tau=0.5), "test", model_inputs, running=running
         )
         want_other = _trl_sum(kind, BETA, logps[kind == "ipo"], e, tau=0.5)
         assert abs(got.item() - want_other) < 1e-4 * max(1.0, abs(want_other)), (kind, got.item(), want_other)
@@ -517,6 +522,37 @@ def test_a_reward_model_starts_from_a_causal_lm_checkpoint_with_a_new_head(tmp_p
         if not name.startswith("lm_head"):
             assert torch.equal(weights[name], w), name  # the body is the checkpoint's
     assert weights["score.weight"].shape == (1, 32) and weights["score.weight"].abs().sum() > 0
+
+
+def test_bco_pairs_running_mean_goes_on_across_micro_batches_and_checkpoints(tmp_path, tokenizer) -> None:
+    """bco_pair's delta is the running mean of every micro-batch's mean reward (TRL's RunningMoments): updated by
+    each training micro-batch, read as it stands by an evaluation, and carried through a checkpoint's state."""
+    _, out = _prepared(tmp_path, tokenizer)
+    inputs = _rows(out, tokenizer)
+    hf = load_tokenizer(tokenizer)._tok
+    model = _model(len(hf), 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    bco = DpoLoss(BETA, "bco_pair")
+    running = RunningMean()
+    _, pairs, _, stats, _ = dpo_forward(model, model, inputs, bco, "test", model_inputs, running=running)
+    first = (stats[0] + stats[1]) / (2 * pairs)  # this micro-batch's mean reward
+    assert running.count == 1 and abs(running.mean - first) < 1e-6
+    running.update(torch.tensor(first + 1.0))  # another micro-batch's mean: the mean of the two
+    assert running.count == 2 and abs(running.mean - (first + 0.5)) < 1e-6
+    running.update(None)  # a micro-batch with no pair adds nothing
+    assert running.count == 2
+    state = running.state_dict()
+    resumed = RunningMean()
+    resumed.load_state_dict(state)
+    a = dpo_forward(model, model, inputs, bco, "test", model_inputs, running=resumed, update=False)[0].item()
+    assert resumed.state_dict() == state  # an evaluation reads it, never moves it
+    b = dpo_forward(model, model, inputs, bco, "test", model_inputs, running=RunningMean())[0].item()
+    assert abs(a - b) > 1e-4  # the delta is the loss's: another mean, another loss
+    with pytest.raises(ValueError, match="bco_pair needs its RunningMean"):
+        dpo_forward(model, model, inputs, bco, "test", model_inputs)
 
 
 def test_rows_that_are_not_pairs_are_refused_naming_the_dataset() -> None:
