@@ -34,19 +34,31 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if result.source == "endpoint"
         else f"{result.model} (transformers, fp32, {result.device})"
     )
-    print(f"loss        {result.loss:.4f} nats/token (mean next-token cross-entropy)")
-    print(f"perplexity  {result.perplexity:.3f}")
-    print(f"tokens      {result.tokens:,} scored over {result.sequences:,} sequences")
+    if result.rewards is not None:  # a reward model, on preference pairs
+        r = result.rewards
+        print(f"loss        {result.loss:.4f} (mean Bradley-Terry loss, -log sigmoid(r(chosen) - r(rejected)))")
+        print(f"accuracy    {r['reward_accuracy']:.4f} (pairs whose chosen completion has the larger reward)")
+        print(
+            f"rewards     chosen {r['reward_chosen']:.4f}, rejected {r['reward_rejected']:.4f}, margin "
+            f"{r['reward_margin']:.4f}"
+        )
+        print(f"pairs       {result.pairs:,} scored over {result.sequences:,} sequences")
+    else:
+        print(f"loss        {result.loss:.4f} nats/token (mean next-token cross-entropy)")
+        print(f"perplexity  {result.perplexity:.3f}")
+        print(f"tokens      {result.tokens:,} scored over {result.sequences:,} sequences")
     print(f"data        {result.dataset}, held-out ids [{lo}, {hi}) (validation fraction {result.validation_fraction})")
     print(f"model       {where}, {result.seconds:.1f} s")
     if result.attention_mask == "document":
         print("attention   each packed document on its own (attention_mask: document)")
     if result.recorded is not None:
         r = result.recorded
-        print(
-            f"trainer     loss {r['loss']:.4f}, perplexity {r['perplexity']:.3f} over {r['tokens']:,} tokens at "
-            f"step {r['step']} (eval.json)"
+        scored = (
+            f"over {r['tokens']:,} pairs"
+            if r.get("perplexity") is None
+            else f"perplexity {r['perplexity']:.3f} over {r['tokens']:,} tokens"
         )
+        print(f"trainer     loss {r['loss']:.4f}, {scored} at step {r['step']} (eval.json)")
     return 0
 
 
@@ -63,7 +75,10 @@ def add_eval_parser(sub, fmt) -> None:
         "if there is one) or a deployment's base URL (http(s)://HOST:PORT[/prefix]; each row is sent as a "
         "token-id prompt with echo, logprobs 0 and max_tokens 0, --concurrency at a time). For an export "
         "with eval.json, --data and --validation-fraction default to the data its run evaluated on, and its "
-        "recorded figure is shown beside; otherwise both are required.",
+        "recorded figure is shown beside; otherwise both are required.\n\n"
+        "A reward model's export (a classifier of one label, objective reward) is scored on a preference "
+        "dataset's held-out pairs instead: its mean Bradley-Terry loss, reward accuracy, margin and mean rewards, "
+        "each completion read where its training run and serving read it.",
         epilog="examples:\n"
         "  pylon eval ./stdlib-gpt-hf                   # the data and split named by its eval.json\n"
         "  pylon eval s3://bucket/models/stdlib-gpt --max-sequences 200\n"
@@ -118,6 +133,7 @@ def add_eval_parser(sub, fmt) -> None:
         "--json",
         action="store_true",
         help="print one JSON object: loss, perplexity, tokens, sequences, source, model, served_model, device, "
-        "dataset, split, validation_fraction, ids, seconds, recorded, attention_mask, metric (docs/eval.md)",
+        "dataset, split, validation_fraction, ids, seconds, recorded, attention_mask, metric, pairs, rewards "
+        "(docs/eval.md)",
     )
     e.set_defaults(func=_cmd_eval)

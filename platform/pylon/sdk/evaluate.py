@@ -59,6 +59,9 @@ class HeldOut:
     eos_id: int = -1  # a text dataset's document end
     # each document of a row scored on its own, as the trainer attends it under `attention_mask: document`
     documents: bool = False
+    # a preference dataset's pairs (ShardManifest.preference, preference_format): what a reward model is scored on
+    preference: bool = False
+    preference_format: str | None = None
 
     def token_ids(self, seq: np.ndarray) -> np.ndarray:
         """A row's token ids (a chat dataset's context tokens decoded)."""
@@ -91,7 +94,7 @@ class Evaluation:
     """What `evaluate` measured. `as_dict()` is `pylon eval --json`'s object (docs/eval.md lists its keys)."""
 
     loss: float
-    perplexity: float
+    perplexity: float | None  # None: a reward model's (its loss is the pairs' Bradley-Terry loss)
     tokens: int
     sequences: int
     source: str  # "model" (an export directory, transformers) or "endpoint" (a deployment over HTTP)
@@ -106,6 +109,10 @@ class Evaluation:
     recorded: dict | None  # the export's eval.json (the trainer's own figure), when it has one
     attention_mask: str = "causal"  # how packed rows were attended: "causal", or "document" (each on its own)
     metric: str = METRIC
+    # a reward model's: the held-out preference pairs scored, and their figures (as the trainer's val_reward_*):
+    # reward_accuracy, reward_margin, reward_chosen, reward_rejected
+    pairs: int | None = None
+    rewards: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -212,6 +219,8 @@ def held_out(
         loss_mask=manifest.loss_mask,
         eos_id=manifest.tokenizer.eos_id,
         documents=documents,
+        preference=manifest.preference,
+        preference_format=manifest.preference_format,
     )
 
 
@@ -220,9 +229,16 @@ def held_out(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _refuse_classifier(directory: str) -> None:
-    """A classifier (a reward model: objective reward's export) has no next-token loss: a PylonError saying where its
-    figures are, rather than the perplexity of an lm_head it does not have."""
+REWARD_METRIC = (
+    "a reward model's mean Bradley-Terry loss over the held-out preference pairs, -log sigmoid(r(chosen) - "
+    "r(rejected)); no perplexity"
+)
+
+
+def _is_classifier(directory: str, data: HeldOut) -> bool:
+    """Whether the model in `directory` is a classifier (a reward model: objective reward's export), which is scored
+    on preference pairs (its Bradley-Terry loss and reward accuracy, `model_rewards`) and has no next-token loss: on
+    any other data a PylonError saying so."""
     from transformers import AutoConfig
 
     from pylon.models import is_classifier
@@ -230,13 +246,82 @@ def _refuse_classifier(directory: str) -> None:
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError):
-        return  # (loading the model says what is wrong)
-    if is_classifier(config):
+        return False  # (loading the model says what is wrong)
+    if not is_classifier(config):
+        return False
+    if not data.preference:
         raise PylonError(
             f"{directory}: a classifier ({', '.join(config.architectures)}: a reward model, a cross-encoder) has no "
-            "next-token loss to evaluate; a reward model's held-out pairs' loss and accuracy are its run's "
-            "val_reward_* figures (and its export's eval.json), and a Deployment serves it on /classify and /pooling"
+            f"next-token loss to evaluate, and {data.dataset} holds no preference pairs to score it on; give a "
+            "dataset prepared with `pylon data prepare --preference` (a reward model's run reports the same figures "
+            "as val_reward_*, and a Deployment serves it on /classify and /pooling)"
         )
+    if not data.documents:
+        raise PylonError("attention mask causal: a reward model reads each completion on its own; use auto or document")
+    return True
+
+
+def model_rewards(
+    directory: str, data: HeldOut, *, batch_size: int = 8, device: str | None = None, progress: bool = False
+) -> tuple[float, int, str, dict]:
+    """(mean Bradley-Terry loss, pairs, device, figures) of the reward model (a `*ForSequenceClassification` of one
+    label) in the local `directory`, in fp32, on the held-out preference pairs batched as its training run batched
+    them: each completion read where the trainer and serving read it (`pylon.jobs.dpo.document_rewards`), the pairs'
+    accuracy, margin and mean rewards as the run's val_reward_* figures."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForSequenceClassification
+
+    from pylon.data.reader import Batch
+    from pylon.jobs.dpo import document_rewards, pair_up
+    from pylon.jobs.train import model_inputs
+    from pylon.models import head_outputs, without_padding_warning
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            directory, dtype=torch.float32, local_files_only=True
+        )
+    except (OSError, ValueError) as e:
+        raise PylonError(f"{directory}: cannot load a Hugging Face classifier from it ({e})") from None
+    if model.config.num_labels != 1:
+        raise PylonError(f"{directory}: a classifier of {model.config.num_labels} labels is not a reward model (one)")
+    model.to(device).eval()
+    without_padding_warning(model)
+    eos = getattr(model.config, "eos_token_id", None)
+    conversations = data.preference_format == "conversational"
+    sums = torch.zeros(5, dtype=torch.float64)  # loss, pairs, correct, chosen, rejected
+    bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="evaluating")
+    with torch.no_grad():
+        for start in range(0, len(data.sequences), batch_size):
+            chunk = data.sequences[start : start + batch_size]
+            rows = np.full((len(chunk), data.seq_len), data.pad_id, dtype=np.int64)
+            for r, seq in enumerate(chunk):
+                rows[r, : len(seq)] = seq
+            lengths = np.array([len(s) for s in chunk], dtype=np.int32)
+            batch = Batch(np.arange(len(chunk)), rows, lengths, 0.0, data.loss_mask, data.eos_id)
+            inputs = batch.to_torch(data.pad_id, device=device, documents=True)
+            with head_outputs(model) as heads:
+                model(**model_inputs(inputs))
+            scores = heads[-1][..., 0]
+            rewards = document_rewards(scores, inputs["labels"], inputs["position_ids"], eos, conversations)
+            chosen, rejected = pair_up(*rewards, data.dataset)
+            losses = -torch.nn.functional.logsigmoid(chosen - rejected)
+            count, correct = losses.new_tensor(float(losses.numel())), (chosen > rejected).sum().to(losses.dtype)
+            sums += torch.stack([losses.sum(), count, correct, chosen.sum(), rejected.sum()]).double().cpu()
+            bar.update(len(chunk))
+    bar.close()
+    loss, pairs, correct, chosen_sum, rejected_sum = sums.tolist()
+    if pairs == 0:
+        raise PylonError(f"{data.dataset}: nothing to score: the held-out rows hold no preference pair")
+    figures = {
+        "reward_accuracy": correct / pairs,
+        "reward_margin": (chosen_sum - rejected_sum) / pairs,
+        "reward_chosen": chosen_sum / pairs,
+        "reward_rejected": rejected_sum / pairs,
+    }
+    return loss / pairs, int(pairs), str(device), figures
 
 
 def model_loss(
@@ -254,7 +339,6 @@ def model_loss(
     from pylon.jobs.train import model_inputs, token_loss_sum
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    _refuse_classifier(directory)
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -494,6 +578,7 @@ def evaluate(
     if attention_mask is None:
         attention_mask = (recorded or {}).get("attention_mask", "auto")
     held = held_out(data, float(validation_fraction), max_sequences, attention_mask=attention_mask)
+    rewards = None  # a reward model's figures
     if endpoint:
         key = api_key if api_key is not None else first_api_key(api_key_env, required=False)
         loss, tokens, served = endpoint_loss(
@@ -511,13 +596,22 @@ def evaluate(
 
         with local_model_dir(model_or_endpoint) as directory:
             _check_tokenizer(directory, model_or_endpoint, held)
-            loss, tokens, run_on = model_loss(directory, held, batch_size=batch_size, device=device, progress=progress)
+            if _is_classifier(directory, held):
+                loss, pairs, run_on, rewards = model_rewards(
+                    directory, held, batch_size=batch_size, device=device, progress=progress
+                )
+                tokens = pairs
+            else:
+                loss, tokens, run_on = model_loss(
+                    directory, held, batch_size=batch_size, device=device, progress=progress
+                )
         where, served = model_or_endpoint, None
     # Recorded for the same data only: a figure over other data would only mislead.
     same = recorded and recorded.get("dataset") == data and recorded.get("validation_fraction") == validation_fraction
+    scored_pairs = rewards is not None
     return Evaluation(
         loss=loss,
-        perplexity=_perplexity(loss),
+        perplexity=None if scored_pairs else _perplexity(loss),
         tokens=tokens,
         sequences=len(held.sequences),
         source="endpoint" if endpoint else "model",
@@ -531,6 +625,9 @@ def evaluate(
         seconds=round(time.perf_counter() - t0, 3),
         recorded=recorded if same else None,
         attention_mask="document" if held.documents else "causal",
+        metric=REWARD_METRIC if scored_pairs else METRIC,
+        pairs=tokens if scored_pairs else None,
+        rewards=rewards,
     )
 
 

@@ -42,7 +42,11 @@ BETA = 0.5
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("tok")
+    return tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+def tokenizer_dir(directory) -> str:
+    """A small BPE tokenizer learnt on `PAIRS`' text (<s> its BOS, </s> its eos), saved in `directory`."""
     text = " ".join(p["prompt"] + p["chosen"] + p["rejected"] for p in PAIRS) * 4
     hf = bpe_tokenizer(["<s>", "</s>"], None, text=text, eos_token="</s>", bos_token="<s>")
     hf.save_pretrained(directory)

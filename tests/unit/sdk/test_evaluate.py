@@ -227,14 +227,60 @@ def test_missing_data_options_are_named(tmp_path: Path) -> None:
         evaluate("http://127.0.0.1:1", data=str(tmp_path))
 
 
-def test_a_reward_models_export_is_refused_saying_where_its_figures_are(tmp_path: Path) -> None:
-    from transformers import GPT2Config, GPT2ForSequenceClassification
+def test_a_reward_model_is_scored_on_preference_pairs_and_refused_on_other_data(tmp_path: Path, capsys) -> None:
+    """A reward model's export (a classifier of one label) is scored on a preference dataset's held-out pairs, as its
+    training run scores them (`dpo_forward` with objective reward: the same loss, accuracy and rewards), with no
+    perplexity; on a dataset without pairs it is refused saying what to give."""
+    import sys
 
-    write_synthetic_dataset(str(tmp_path / "data"), rows=8, rows_per_shard=8, seq_len=16)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=1, n_head=2, num_labels=1, pad_token_id=0)
-    GPT2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-    with pytest.raises(PylonError, match="a classifier .*GPT2ForSequenceClassification.* val_reward_"):
-        evaluate(str(tmp_path / "rm"), data=str(tmp_path / "data"), validation_fraction=0.5)
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from pylon.cli import main
+    from pylon.data.reader import Batch
+    from pylon.jobs.dpo import DpoLoss, dpo_forward
+    from pylon.jobs.train import model_inputs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+    from test_chat_data import _jsonl
+    from test_dpo import PAIRS, tokenizer_dir
+
+    from pylon.data.prepare import prepare
+
+    tok_dir = tokenizer_dir(tmp_path / "tok")
+    data = str(tmp_path / "pairs")
+    manifest = prepare([_jsonl(tmp_path / "pairs.jsonl", PAIRS * 4)], data, seq_len=64, tokenizer=tok_dir,
+                       preference=True, progress=False)  # fmt: skip
+    tok = manifest.tokenizer
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_id,
+                         eos_token_id=tok.eos_id)  # fmt: skip
+    rm = LlamaForSequenceClassification(config).eval()
+    rm.save_pretrained(tmp_path / "rm")
+
+    result = evaluate(str(tmp_path / "rm"), data=data, validation_fraction=0.5)
+    assert result.perplexity is None and result.pairs and result.pairs == result.tokens, result
+    held = held_out(data, 0.5)
+    rows = np.full((len(held.sequences), held.seq_len), held.pad_id, dtype=np.int64)
+    for r, seq in enumerate(held.sequences):
+        rows[r, : len(seq)] = seq
+    lengths = np.array([len(q) for q in held.sequences], dtype=np.int32)
+    inputs = Batch(np.arange(len(rows)), rows, lengths, 0.0, True, held.eos_id).to_torch(held.pad_id, documents=True)
+    with torch.no_grad():
+        loss, pairs, _, stats, _ = dpo_forward(rm, rm, inputs, DpoLoss(kind="reward"), "test", model_inputs)
+    assert pairs == result.pairs and abs(result.loss - loss.item() / pairs) < 1e-5, (result, loss.item() / pairs)
+    assert abs(result.rewards["reward_chosen"] - stats[0] / pairs) < 1e-5
+    assert result.rewards["reward_accuracy"] == stats[2] / pairs
+    assert result.metric.startswith("a reward model's mean Bradley-Terry loss")
+
+    assert main(["eval", str(tmp_path / "rm"), "--data", data, "--validation-fraction", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "accuracy" in printed and "perplexity" not in printed and f"{result.pairs:,} scored" in printed
+
+    write_synthetic_dataset(str(tmp_path / "text"), rows=8, rows_per_shard=8, seq_len=16)
+    with pytest.raises(PylonError, match="a classifier .*LlamaForSequenceClassification.* holds no preference pairs"):
+        evaluate(str(tmp_path / "rm"), data=str(tmp_path / "text"), validation_fraction=0.5)
 
 
 def test_the_byte_tokenizer_as_hugging_face_files_is_utf8_bytes(tmp_path: Path) -> None:
