@@ -76,6 +76,22 @@ class HeldOut:
         context = split_words(seq, loss_mask=self.loss_mask, eos_id=self.eos_id)[1]
         return None if context is None else ~context
 
+    def batches(self, batch_size: int, device=None):
+        """The rows batched as the trainer batches them (full rows, padding masked; each document on its own under
+        `documents`), `batch_size` at a time: (rows in the batch, `Batch.to_torch`'s inputs on `device`)."""
+        import numpy as np
+
+        from pylon.data.reader import Batch
+
+        for start in range(0, len(self.sequences), batch_size):
+            chunk = self.sequences[start : start + batch_size]
+            rows = np.full((len(chunk), self.seq_len), self.pad_id, dtype=np.int64)
+            for r, seq in enumerate(chunk):
+                rows[r, : len(seq)] = seq
+            lengths = np.array([len(q) for q in chunk], dtype=np.int32)
+            batch = Batch(np.arange(len(chunk)), rows, lengths, 0.0, self.loss_mask, self.eos_id)
+            yield len(chunk), batch.to_torch(self.pad_id, device=device, documents=self.documents)
+
     def pieces(self, seq: np.ndarray) -> list[tuple[int, int]]:
         """The spans [lo, hi) of a row scored apart: its documents under `documents`, else the whole row."""
         import numpy as np
@@ -268,12 +284,10 @@ def model_rewards(
     label) in the local `directory`, in fp32, on the held-out preference pairs batched as its training run batched
     them: each completion read where the trainer and serving read it (`pylon.jobs.dpo.document_rewards`), the pairs'
     accuracy, margin and mean rewards as the run's val_reward_* figures."""
-    import numpy as np
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForSequenceClassification
 
-    from pylon.data.reader import Batch
     from pylon.jobs.dpo import document_rewards, pair_up
     from pylon.jobs.train import model_inputs
     from pylon.models import head_outputs, without_padding_warning
@@ -294,14 +308,7 @@ def model_rewards(
     sums = torch.zeros(5, dtype=torch.float64)  # loss, pairs, correct, chosen, rejected
     bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="evaluating")
     with torch.no_grad():
-        for start in range(0, len(data.sequences), batch_size):
-            chunk = data.sequences[start : start + batch_size]
-            rows = np.full((len(chunk), data.seq_len), data.pad_id, dtype=np.int64)
-            for r, seq in enumerate(chunk):
-                rows[r, : len(seq)] = seq
-            lengths = np.array([len(s) for s in chunk], dtype=np.int32)
-            batch = Batch(np.arange(len(chunk)), rows, lengths, 0.0, data.loss_mask, data.eos_id)
-            inputs = batch.to_torch(data.pad_id, device=device, documents=True)
+        for n_rows, inputs in data.batches(batch_size, device):
             with head_outputs(model) as heads:
                 model(**model_inputs(inputs))
             scores = heads[-1][..., 0]
@@ -310,7 +317,7 @@ def model_rewards(
             losses = -torch.nn.functional.logsigmoid(chosen - rejected)
             count, correct = losses.new_tensor(float(losses.numel())), (chosen > rejected).sum().to(losses.dtype)
             sums += torch.stack([losses.sum(), count, correct, chosen.sum(), rejected.sum()]).double().cpu()
-            bar.update(len(chunk))
+            bar.update(n_rows)
     bar.close()
     loss, pairs, correct, chosen_sum, rejected_sum = sums.tolist()
     if pairs == 0:
@@ -330,12 +337,10 @@ def model_loss(
     """(mean loss, tokens, device) of the `transformers` model in the local `directory`, in fp32, on the held-out
     rows batched as the trainer batches them (full rows, padding masked out of the attention and the labels; each
     document on its own under `data.documents`)."""
-    import numpy as np
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from pylon.data.reader import Batch
     from pylon.jobs.train import model_inputs, token_loss_sum
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -358,19 +363,12 @@ def model_loss(
     loss_sum, tokens = 0.0, 0
     bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="evaluating")
     with torch.no_grad():
-        for start in range(0, len(data.sequences), batch_size):
-            chunk = data.sequences[start : start + batch_size]
-            rows = np.full((len(chunk), data.seq_len), data.pad_id, dtype=np.int64)
-            for r, seq in enumerate(chunk):
-                rows[r, : len(seq)] = seq
-            lengths = np.array([len(s) for s in chunk], dtype=np.int32)
-            batch = Batch(np.arange(len(chunk)), rows, lengths, 0.0, data.loss_mask, data.eos_id)
-            inputs = batch.to_torch(data.pad_id, device=device, documents=data.documents)
+        for n_rows, inputs in data.batches(batch_size, device):
             logits = model(**model_inputs(inputs)).logits
             part, n = token_loss_sum(logits, inputs["labels"])
             loss_sum += float(part.item())
             tokens += n
-            bar.update(len(chunk))
+            bar.update(n_rows)
     bar.close()
     if tokens == 0:
         raise PylonError("nothing to score: the held-out sequences have no token with a predecessor")

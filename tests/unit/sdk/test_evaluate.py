@@ -236,7 +236,6 @@ def test_a_reward_model_is_scored_on_preference_pairs_and_refused_on_other_data(
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from pylon.cli import main
-    from pylon.data.reader import Batch
     from pylon.jobs.dpo import DpoLoss, dpo_forward
     from pylon.jobs.train import model_inputs
 
@@ -262,11 +261,7 @@ def test_a_reward_model_is_scored_on_preference_pairs_and_refused_on_other_data(
     result = evaluate(str(tmp_path / "rm"), data=data, validation_fraction=0.5)
     assert result.perplexity is None and result.pairs and result.pairs == result.tokens, result
     held = held_out(data, 0.5)
-    rows = np.full((len(held.sequences), held.seq_len), held.pad_id, dtype=np.int64)
-    for r, seq in enumerate(held.sequences):
-        rows[r, : len(seq)] = seq
-    lengths = np.array([len(q) for q in held.sequences], dtype=np.int32)
-    inputs = Batch(np.arange(len(rows)), rows, lengths, 0.0, True, held.eos_id).to_torch(held.pad_id, documents=True)
+    ((_, inputs),) = held.batches(len(held.sequences))  # every held-out row in one batch
     with torch.no_grad():
         loss, pairs, _, stats, _ = dpo_forward(rm, rm, inputs, DpoLoss(kind="reward"), "test", model_inputs)
     assert pairs == result.pairs and abs(result.loss - loss.item() / pairs) < 1e-5, (result, loss.item() / pairs)
