@@ -87,7 +87,8 @@ def test_a_preference_run_learns_the_preferences(ray_cluster, tmp_path, tokenize
     if name == "dpo":  # the model is its reference: log 2 (bco_pair's: 2 log 2)
         start = DpoLoss(kind=spec.get("dpo_loss", "sigmoid")).at_start()
         assert abs(first["dpo_loss"] - start) < 1e-5 and first["dpo_reward_margin"] == 0, first
-        assert last["dpo_loss"] < 0.5 * start, last
+        # (bco_pair's floor is higher: each reward is classified against their running mean, which moves with them)
+        assert last["dpo_loss"] < (0.6 if spec.get("dpo_loss") == "bco_pair" else 0.5) * start, last
     else:  # ORPO: the chosen completions' NLL and the odds-ratio term both fall
         assert last["orpo_loss"] < 0.7 * first["orpo_loss"], (first, last)
     assert last[f"{name}_reward_accuracy"] == 1.0 and last[f"{name}_reward_margin"] > first[f"{name}_reward_margin"]
