@@ -277,6 +277,17 @@ def _is_classifier(directory: str, data: HeldOut) -> bool:
     return True
 
 
+def _check_vocabulary(model, data: HeldOut) -> None:
+    """Every held-out token id inside the model's vocabulary: else the dataset was prepared with another tokenizer."""
+    vocab = model.config.vocab_size
+    top = max((int(data.token_ids(s).max()) for s in data.sequences if len(s)), default=0)
+    if top >= vocab:
+        raise PylonError(
+            f"{data.dataset}: token id {top} is outside the model's vocabulary of {vocab}; the dataset was "
+            "prepared with another tokenizer than the model's"
+        )
+
+
 def model_rewards(
     directory: str, data: HeldOut, *, batch_size: int = 8, device: str | None = None, progress: bool = False
 ) -> tuple[float, int, str, dict]:
@@ -303,6 +314,7 @@ def model_rewards(
         raise PylonError(f"{directory}: a classifier of {model.config.num_labels} labels is not a reward model (one)")
     model.to(device).eval()
     without_padding_warning(model)
+    _check_vocabulary(model, data)
     eos = getattr(model.config, "eos_token_id", None)
     conversations = data.preference_format == "conversational"
     sums = torch.zeros(5, dtype=torch.float64)  # loss, pairs, correct, chosen, rejected
@@ -353,13 +365,7 @@ def model_loss(
         from pylon.models import without_padding_warning
 
         without_padding_warning(model)  # the padding of a document batch is a segment of its own
-    vocab = model.config.vocab_size
-    top = max((int(data.token_ids(s).max()) for s in data.sequences if len(s)), default=0)
-    if top >= vocab:
-        raise PylonError(
-            f"{data.dataset}: token id {top} is outside the model's vocabulary of {vocab}; the dataset was "
-            "prepared with another tokenizer than the model's"
-        )
+    _check_vocabulary(model, data)
     loss_sum, tokens = 0.0, 0
     bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="evaluating")
     with torch.no_grad():
