@@ -76,9 +76,9 @@ def add_eval_parser(sub, fmt) -> None:
         "token-id prompt with echo, logprobs 0 and max_tokens 0, --concurrency at a time). For an export "
         "with eval.json, --data and --validation-fraction default to the data its run evaluated on, and its "
         "recorded figure is shown beside; otherwise both are required.\n\n"
-        "A reward model's export (a classifier of one label, objective reward) is scored on a preference "
-        "dataset's held-out pairs instead: its mean Bradley-Terry loss, reward accuracy, margin and mean rewards, "
-        "each completion read where its training run and serving read it.",
+        "A reward model (a classifier of one label, objective reward: an export, or a deployment, through its "
+        "/classify) is scored on a preference dataset's held-out pairs instead: its mean Bradley-Terry loss, reward "
+        "accuracy, margin and mean rewards, each completion read where its training run read it.",
         epilog="examples:\n"
         "  pylon eval ./stdlib-gpt-hf                   # the data and split named by its eval.json\n"
         "  pylon eval s3://bucket/models/stdlib-gpt --max-sequences 200\n"

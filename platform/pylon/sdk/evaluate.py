@@ -522,6 +522,96 @@ def endpoint_loss(
     return loss, tokens, name
 
 
+def reward_spans(data: HeldOut, seq: np.ndarray) -> list[np.ndarray]:
+    """The token ids a reward model reads of each document of a preference row, in row order: a text pair's
+    completion up to its last counted token before the eos prepare appends, a conversation whole
+    (`pylon.jobs.dpo.document_rewards`' rule, for a deployment's /classify, which reads an input's last token)."""
+    import numpy as np
+
+    ids, counted = data.token_ids(seq), data.counted(seq)
+    spans = []
+    for lo, hi in data.pieces(seq):
+        doc, mark = ids[lo:hi], counted[lo:hi] if counted is not None else np.ones(hi - lo, bool)
+        if not mark.any():
+            continue  # (the padding)
+        if data.preference_format == "conversational":
+            spans.append(doc)
+            continue
+        text = np.flatnonzero(mark & (doc != data.eos_id))
+        end = int(text[-1]) if text.size else int(np.flatnonzero(mark)[-1])
+        spans.append(doc[: end + 1])
+    return spans
+
+
+def endpoint_rewards(
+    endpoint: str,
+    data: HeldOut,
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    api_key_env: str = DEFAULT_API_KEY_ENV,
+    timeout_s: float = 300.0,
+    progress: bool = False,
+) -> tuple[float, int, str, dict] | None:
+    """(mean Bradley-Terry loss, pairs, served model name, figures) of a deployment of a reward model on the held-out
+    preference pairs: each row's completions, read as `reward_spans` says, sent as token ids to `POST /classify`
+    (raw values: `use_activation: false`), paired two by two, chosen first. None when the deployment is not a
+    classifier (its /classify says so): its completions' perplexity is then what is scored."""
+    import math as _math
+
+    import requests
+    from tqdm import tqdm
+
+    url = _base_url(endpoint)
+    http = requests.Session()
+    if api_key:
+        http.headers["Authorization"] = f"Bearer {api_key}"
+    name = model or served_model_name(url, http, api_key_env)
+    totals = [0.0, 0, 0, 0.0, 0.0]  # loss, pairs, correct, chosen, rejected
+    bar = tqdm(total=len(data.sequences), unit="seq", file=sys.stderr, disable=not progress, desc="scoring")
+    try:
+        for seq in data.sequences:
+            spans = reward_spans(data, seq)
+            if not spans:
+                bar.update(1)
+                continue
+            if len(spans) % 2:
+                raise PylonError(
+                    f"{data.dataset}: a row holds {len(spans)} documents, not preference pairs; a reward model is "
+                    "scored on a dataset prepared with `pylon data prepare --preference`"
+                )
+            body = {"model": name, "input": [s.tolist() for s in spans], "use_activation": False}
+            try:
+                r = http.post(f"{url}/classify", json=body, timeout=timeout_s)
+            except requests.RequestException as e:
+                raise PylonError(f"{url}: request failed ({type(e).__name__}: {e})") from None
+            if r.status_code == 400 and "not a classifier" in r.text and totals[1] == 0:
+                return None
+            if r.status_code != 200:
+                raise _http_error(r, f"POST {url}/classify", api_key_env)
+            values = [float(item["probs"][0]) for item in sorted(r.json()["data"], key=lambda d: d["index"])]
+            for chosen, rejected in zip(values[0::2], values[1::2]):
+                margin = chosen - rejected
+                totals[0] += _math.log1p(_math.exp(-margin)) if margin > -30 else -margin  # -log sigmoid
+                totals[1] += 1
+                totals[2] += chosen > rejected
+                totals[3] += chosen
+                totals[4] += rejected
+            bar.update(1)
+    finally:
+        bar.close()
+    loss, pairs, correct, chosen_sum, rejected_sum = totals
+    if pairs == 0:
+        raise PylonError(f"{data.dataset}: nothing to score: the held-out rows hold no preference pair")
+    figures = {
+        "reward_accuracy": correct / pairs,
+        "reward_margin": (chosen_sum - rejected_sum) / pairs,
+        "reward_chosen": chosen_sum / pairs,
+        "reward_rejected": rejected_sum / pairs,
+    }
+    return loss / pairs, pairs, name, figures
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The entry point
 # ---------------------------------------------------------------------------------------------------------
@@ -585,15 +675,23 @@ def evaluate(
     rewards = None  # a reward model's figures
     if endpoint:
         key = api_key if api_key is not None else first_api_key(api_key_env, required=False)
-        loss, tokens, served = endpoint_loss(
-            model_or_endpoint,
-            held,
-            model=model,
-            api_key=key,
-            api_key_env=api_key_env,
-            concurrency=concurrency,
-            progress=progress,
-        )
+        scored = None
+        if held.preference and held.documents:  # a reward model's deployment scores the pairs on /classify
+            scored = endpoint_rewards(
+                model_or_endpoint, held, model=model, api_key=key, api_key_env=api_key_env, progress=progress
+            )
+        if scored is not None:
+            loss, tokens, served, rewards = scored
+        else:
+            loss, tokens, served = endpoint_loss(
+                model_or_endpoint,
+                held,
+                model=model,
+                api_key=key,
+                api_key_env=api_key_env,
+                concurrency=concurrency,
+                progress=progress,
+            )
         where, run_on = _base_url(model_or_endpoint), None
     else:
         from pylon.models import local_model_dir

@@ -273,6 +273,62 @@ def test_a_reward_model_is_scored_on_preference_pairs_and_refused_on_other_data(
     printed = capsys.readouterr().out
     assert "accuracy" in printed and "perplexity" not in printed and f"{result.pairs:,} scored" in printed
 
+    # A deployment of it: each completion as token ids to /classify (raw values), read at the input's last token
+    from pylon.models import head_outputs
+
+    inputs_seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, status: int, body: dict) -> None:
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            self._send(200, {"object": "list", "data": [{"id": "rm", "object": "model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if not classifier:  # a causal LM's deployment: no /classify; its completions' log-probabilities instead
+                if self.path == "/classify":
+                    message = "this model is not a classifier (a *ForSequenceClassification checkpoint, ...)"
+                    return self._send(400, {"error": {"message": message, "type": "invalid_request_error"}})
+                lps = [None] + [-1.0] * (len(body["prompt"]) - 1)
+                return self._send(200, {"choices": [{"index": 0, "text": "", "logprobs": {"token_logprobs": lps}}]})
+            assert self.path == "/classify" and body["use_activation"] is False and body["model"] == "rm"
+            out = []
+            for i, ids in enumerate(body["input"]):
+                inputs_seen.append(ids)
+                with torch.no_grad(), head_outputs(rm) as heads:
+                    rm(input_ids=torch.tensor([ids]))
+                out.append({"index": i, "label": "LABEL_0", "probs": [float(heads[-1][0, -1, 0])], "num_classes": 1})
+            self._send(200, {"object": "list", "data": out})
+
+    classifier = True
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        remote = evaluate(url, data=data, validation_fraction=0.5)
+        classifier = False  # the same pairs to a causal LM's deployment: the completions' loss, as before
+        causal = evaluate(url, data=data, validation_fraction=0.5)
+        assert causal.rewards is None and causal.pairs is None and causal.loss == pytest.approx(1.0), causal
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert (remote.source, remote.served_model, remote.pairs, remote.perplexity) == ("endpoint", "rm", pairs, None)
+    assert (
+        abs(remote.loss - result.loss) < 1e-5 and remote.rewards["reward_accuracy"] == result.rewards["reward_accuracy"]
+    )
+    assert abs(remote.rewards["reward_margin"] - result.rewards["reward_margin"]) < 1e-5
+    assert len(inputs_seen) == 2 * pairs and all(ids[-1] != tok.eos_id for ids in inputs_seen)  # text: before eos
+
     write_synthetic_dataset(str(tmp_path / "text"), rows=8, rows_per_shard=8, seq_len=16)
     with pytest.raises(PylonError, match="a classifier .*LlamaForSequenceClassification.* holds no preference pairs"):
         evaluate(str(tmp_path / "rm"), data=str(tmp_path / "text"), validation_fraction=0.5)
