@@ -273,11 +273,23 @@ def test_a_reward_model_is_scored_on_preference_pairs_and_refused_on_other_data(
     printed = capsys.readouterr().out
     assert "accuracy" in printed and "perplexity" not in printed and f"{result.pairs:,} scored" in printed
 
-    # A deployment of it: each completion as token ids to /classify (raw values), read at the input's last token
-    from pylon.models import head_outputs
+    # A deployment of it (Pylon's replica over real HTTP): each completion's token ids to /classify, raw values
+    import shutil
 
-    inputs_seen = []
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving" / "api"))
+    from test_serving_http import KEY as SERVING_KEY
+    from test_serving_http import serving
 
+    for f in Path(tok_dir).iterdir():
+        shutil.copy(f, tmp_path / "rm" / f.name)  # the tokenizer beside the weights, as an export has it
+    with serving(str(tmp_path / "rm"), max_num_seqs=4, max_num_batched_tokens=256, kv_cache_tokens=4096) as (url, _):
+        remote = evaluate(url, data=data, validation_fraction=0.5, api_key=SERVING_KEY)
+    assert (remote.source, remote.served_model, remote.pairs, remote.perplexity) == ("endpoint", "tiny", pairs, None)
+    assert abs(remote.loss - result.loss) < 1e-4, (remote.loss, result.loss)
+    assert remote.rewards["reward_accuracy"] == result.rewards["reward_accuracy"]
+    assert abs(remote.rewards["reward_margin"] - result.rewards["reward_margin"]) < 1e-4
+
+    # a causal LM's deployment answers /classify that it is not a classifier: the completions' loss, as before
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -291,43 +303,24 @@ def test_a_reward_model_is_scored_on_preference_pairs_and_refused_on_other_data(
             self.wfile.write(raw)
 
         def do_GET(self):
-            self._send(200, {"object": "list", "data": [{"id": "rm", "object": "model"}]})
+            self._send(200, {"object": "list", "data": [{"id": "lm", "object": "model"}]})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if not classifier:  # a causal LM's deployment: no /classify; its completions' log-probabilities instead
-                if self.path == "/classify":
-                    message = "this model is not a classifier (a *ForSequenceClassification checkpoint, ...)"
-                    return self._send(400, {"error": {"message": message, "type": "invalid_request_error"}})
-                lps = [None] + [-1.0] * (len(body["prompt"]) - 1)
-                return self._send(200, {"choices": [{"index": 0, "text": "", "logprobs": {"token_logprobs": lps}}]})
-            assert self.path == "/classify" and body["use_activation"] is False and body["model"] == "rm"
-            out = []
-            for i, ids in enumerate(body["input"]):
-                inputs_seen.append(ids)
-                with torch.no_grad(), head_outputs(rm) as heads:
-                    rm(input_ids=torch.tensor([ids]))
-                out.append({"index": i, "label": "LABEL_0", "probs": [float(heads[-1][0, -1, 0])], "num_classes": 1})
-            self._send(200, {"object": "list", "data": out})
+            if self.path == "/classify":  # the replica's words (serving/api/server.py)
+                message = "this model is not a classifier (a *ForSequenceClassification checkpoint, or ...)"
+                return self._send(400, {"error": {"message": message, "type": "invalid_request_error"}})
+            lps = [None] + [-1.0] * (len(body["prompt"]) - 1)
+            self._send(200, {"choices": [{"index": 0, "text": "", "logprobs": {"token_logprobs": lps}}]})
 
-    classifier = True
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
-        remote = evaluate(url, data=data, validation_fraction=0.5)
-        classifier = False  # the same pairs to a causal LM's deployment: the completions' loss, as before
-        causal = evaluate(url, data=data, validation_fraction=0.5)
-        assert causal.rewards is None and causal.pairs is None and causal.loss == pytest.approx(1.0), causal
+        causal = evaluate(f"http://127.0.0.1:{httpd.server_address[1]}", data=data, validation_fraction=0.5)
     finally:
         httpd.shutdown()
         httpd.server_close()
-    assert (remote.source, remote.served_model, remote.pairs, remote.perplexity) == ("endpoint", "rm", pairs, None)
-    assert (
-        abs(remote.loss - result.loss) < 1e-5 and remote.rewards["reward_accuracy"] == result.rewards["reward_accuracy"]
-    )
-    assert abs(remote.rewards["reward_margin"] - result.rewards["reward_margin"]) < 1e-5
-    assert len(inputs_seen) == 2 * pairs and all(ids[-1] != tok.eos_id for ids in inputs_seen)  # text: before eos
+    assert causal.rewards is None and causal.pairs is None and causal.loss == pytest.approx(1.0), causal
 
     write_synthetic_dataset(str(tmp_path / "text"), rows=8, rows_per_shard=8, seq_len=16)
     with pytest.raises(PylonError, match="a classifier .*LlamaForSequenceClassification.* holds no preference pairs"):
