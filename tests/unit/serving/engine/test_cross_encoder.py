@@ -123,10 +123,13 @@ def test_a_cross_encoder_reranks_over_http(tmp_path) -> None:
         )
         assert r.status_code == 200, r.text
         scores = [torch.sigmoid(torch.tensor(reference(model, tokenizer, QUERY, d))).item() for d in DOCUMENTS]
-        want = sorted(((s, i) for i, s in enumerate(scores)), key=lambda x: (-x[0], x[1]))
         got = r.json()["results"]
-        assert [x["index"] for x in got] == [i for _, i in want], (got, want)
-        assert all(abs(x["relevance_score"] - s) < 1e-5 for x, (s, _) in zip(got, want))
+        # each document's score is transformers', best first; documents that score the same (two texts the tiny
+        # vocabulary tokenizes alike) may come in either order, as float rounding in their batches falls
+        assert sorted(x["index"] for x in got) == list(range(len(DOCUMENTS))), got
+        assert all(abs(x["relevance_score"] - scores[x["index"]]) < 1e-5 for x in got), (got, scores)
+        ranked = [x["relevance_score"] for x in got]
+        assert ranked == sorted(ranked, reverse=True), got
         tokens = sum(len(tokenizer(QUERY, d)["input_ids"]) for d in DOCUMENTS)
         assert r.json()["usage"]["prompt_tokens"] == tokens
 
