@@ -331,16 +331,20 @@ def model_rewards(
             sums += torch.stack([losses.sum(), count, correct, chosen.sum(), rejected.sum()]).double().cpu()
             bar.update(n_rows)
     bar.close()
-    loss, pairs, correct, chosen_sum, rejected_sum = sums.tolist()
+    loss, pairs, figures = _reward_figures(data, *sums.tolist())
+    return loss, pairs, str(device), figures
+
+
+def _reward_figures(data: HeldOut, loss: float, pairs: float, correct: float, chosen: float, rejected: float):
+    """(mean loss, pairs, figures) from the sums over the held-out pairs: the trainer's val_reward_* arithmetic
+    (`pylon.jobs.dpo.dpo_record`), its accuracy, margin and mean rewards; no pair is a PylonError."""
+    from pylon.jobs.dpo import dpo_record
+
     if pairs == 0:
         raise PylonError(f"{data.dataset}: nothing to score: the held-out rows hold no preference pair")
-    figures = {
-        "reward_accuracy": correct / pairs,
-        "reward_margin": (chosen_sum - rejected_sum) / pairs,
-        "reward_chosen": chosen_sum / pairs,
-        "reward_rejected": rejected_sum / pairs,
-    }
-    return loss / pairs, int(pairs), str(device), figures
+    record = dpo_record(loss, pairs, chosen, rejected, correct, name="reward")
+    figures = {k: record[k] for k in ("reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected")}
+    return record["reward_loss"], int(pairs), figures
 
 
 def model_loss(
@@ -600,16 +604,8 @@ def endpoint_rewards(
             bar.update(1)
     finally:
         bar.close()
-    loss, pairs, correct, chosen_sum, rejected_sum = totals
-    if pairs == 0:
-        raise PylonError(f"{data.dataset}: nothing to score: the held-out rows hold no preference pair")
-    figures = {
-        "reward_accuracy": correct / pairs,
-        "reward_margin": (chosen_sum - rejected_sum) / pairs,
-        "reward_chosen": chosen_sum / pairs,
-        "reward_rejected": rejected_sum / pairs,
-    }
-    return loss / pairs, pairs, name, figures
+    loss, pairs, figures = _reward_figures(data, *totals)
+    return loss, pairs, name, figures
 
 
 # ---------------------------------------------------------------------------------------------------------
