@@ -204,6 +204,23 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
             f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
             "chosen and rejected with `pylon data prepare --preference`"
         )
+    if spec.objective == "grpo":
+        from pylon.jobs.grpo import check_rewards
+
+        if manifest.preference or not manifest.loss_mask or not manifest.document_starts:
+            held = "preference pairs" if manifest.preference else "text" if not manifest.loss_mask else "conversations"
+            raise PylonError(
+                f"objective grpo: data.uri {spec.data.uri} holds {held}"
+                + (
+                    " without the marks of where each starts (prepared by an older Pylon)"
+                    if held == "conversations"
+                    else ""
+                )
+                + "; it samples completions of prompts: prepare JSONL of prompt and completion (the answer the reward "
+                "functions compare with) with `pylon data prepare --prompt-completion`, or conversations (the last "
+                "assistant reply the answer) with `--chat`"
+            )
+        check_rewards(spec)
     if spec.objective == "reward" and manifest.preference_format == "mixed":
         raise PylonError(
             f"objective reward: data.uri {spec.data.uri} holds pairs given both as text and as conversations, which a "
@@ -229,6 +246,7 @@ def train_loop(config: dict) -> None:
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.jobs.dpo import DpoLoss, RunningMean, dpo_forward, dpo_record, frozen_reference
+    from pylon.jobs.grpo import GrpoEvaluation, GrpoLoss, Rewards, grpo_forward, grpo_record, sample_seed
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
@@ -264,6 +282,14 @@ def train_loop(config: dict) -> None:
     check_objective(spec, stream.manifest)
     dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo, reward (pylon.jobs.dpo)
     dpo_loss = DpoLoss.of(spec, stream.manifest)
+    # objective grpo (pylon.jobs.grpo): completions sampled by the model, scored by the reward functions (decoded text)
+    grpo = GrpoLoss.of(spec) if spec.objective == "grpo" else None
+    rewards = Rewards(spec.grpo.rewards) if grpo is not None else None
+    grpo_eval = None
+    if grpo is not None:
+        from pylon.data.tokenizer import load_tokenizer
+
+        text_tokenizer = load_tokenizer(tok.uri or "byte")
     ds_config = build_deepspeed_config(spec, world_size=world)
     if spec.scaling.use_gpu and spec.deepspeed.offload_optimizer == "none":
         _torch_adam_unless_fused_adam_builds(ds_config, rank)
@@ -284,10 +310,13 @@ def train_loop(config: dict) -> None:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     device = engine.device
+    synced = spec.deepspeed.zero_stage == 3 and world > 1  # ZeRO-3's gathering forward passes: in step on every rank
+    if grpo is not None:
+        grpo_eval = GrpoEvaluation(engine.module, grpo, rewards, text_tokenizer, tok.eos_id, tok.pad_id, device, synced)
     # objective dpo's reference: with lora, the model with its adapters disabled; without, a frozen copy of it (the
     # other preference objectives have none)
     reference = None
-    if dpo and dpo_loss.needs_reference and spec.lora is None:
+    if ((dpo and dpo_loss.needs_reference) or (grpo is not None and grpo.needs_reference)) and spec.lora is None:
         reference = frozen_reference(
             spec,
             ds_config,
@@ -318,7 +347,7 @@ def train_loop(config: dict) -> None:
         )
         if reference is not None:
             print(
-                "objective dpo: the reference is a frozen copy of the model as it started ("
+                f"objective {spec.objective}: the reference is a frozen copy of the model as it started ("
                 + ("partitioned as the model is, ZeRO-3" if spec.deepspeed.zero_stage == 3 else "whole on every rank")
                 + f", {spec.precision})",
                 flush=True,
@@ -349,7 +378,8 @@ def train_loop(config: dict) -> None:
 
     cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
-    if dpo and dpo_loss.needs_reference:  # the reference's forward pass too: a third of a trained token's FLOPs
+    if (dpo and dpo_loss.needs_reference) or (grpo is not None and grpo.needs_reference):
+        # the reference's forward pass too: a third of a trained token's FLOPs
         flops_tok *= 4 / 3
     aux_coef = router_aux_coef(cfg)
     # The peak is measured in the precision the model trains in, on the worker's own device.
@@ -383,15 +413,37 @@ def train_loop(config: dict) -> None:
         step_started_at = time.time()
         wait_s, loss_sum, tokens_sum, aux_sum, aux_n = 0.0, 0.0, 0, 0.0, 0
         pairs_sum, dpo_sums = 0, [0.0, 0.0, 0.0]  # objective dpo: pairs; chosen and rejected rewards, correct pairs
-        for _ in range(gas):
+        grpo_sums, sample_s = [0.0] * (9 + 2 * len(rewards.functions) if rewards else 0), 0.0  # objective grpo's
+        for micro in range(gas):
             batch = next(batches)
             wait_s += batch.wait_s
             inputs = (
-                batch.to_torch(tok.pad_id, device=device, documents=documents)
+                None  # (objective grpo trains on the completions it samples)
+                if grpo is not None
+                else batch.to_torch(tok.pad_id, device=device, documents=documents)
                 if len(batch)
                 else _padding_batch(stream, device)
             )
-            if dpo:
+            if grpo is not None:  # sample, score, train (its loss averaged over what `grpo.loss` says)
+                loss_t, count, n_tokens, stats, seconds = grpo_forward(
+                    engine,
+                    engine.module,
+                    batch,
+                    grpo,
+                    rewards,
+                    text_tokenizer,
+                    eos_id=tok.eos_id,
+                    pad_id=tok.pad_id,
+                    seed=sample_seed(seed, step, micro, rank),
+                    reference=reference,
+                    synced=synced,
+                )
+                loss, local_sum = _global_mean_loss(loss_t, count, world)
+                aux = None
+                pairs_sum += count
+                grpo_sums = [a + b for a, b in zip(grpo_sums, stats)]
+                sample_s += seconds
+            elif dpo:
                 loss_t, pairs, n_tokens, stats, _ = dpo_forward(
                     engine,
                     engine.module,
@@ -422,7 +474,7 @@ def train_loop(config: dict) -> None:
         skipped = spec.precision == "fp16" and not engine.was_step_applied()
         # On the device the process group reduces on: NCCL reduces CUDA tensors only, gloo CPU ones.
         totals = torch.tensor(
-            [loss_sum, float(tokens_sum), *moved(), aux_sum, float(aux_n), float(pairs_sum), *dpo_sums],
+            [loss_sum, float(tokens_sum), *moved(), aux_sum, float(aux_n), float(pairs_sum), *dpo_sums, *grpo_sums],
             dtype=torch.float64,
             device=device,
         )
@@ -434,8 +486,9 @@ def train_loop(config: dict) -> None:
         tokens_seen += global_tokens
         record = {
             "step": step,
-            # the mean over the global batch's tokens; a preference objective's: over its pairs
-            "loss": totals[0].item() / max(totals[7].item() if dpo else global_tokens, 1),
+            # the mean over the global batch's tokens; a preference objective's: over its pairs; grpo's: over what its
+            # loss is averaged over
+            "loss": totals[0].item() / max(totals[7].item() if dpo or grpo is not None else global_tokens, 1),
             "lr": float(engine.get_lr()[0]) if engine.get_lr() else 0.0,
             "tokens": global_tokens,
             "tokens_seen": tokens_seen,
@@ -448,6 +501,8 @@ def train_loop(config: dict) -> None:
         }
         if dpo:  # the pairs' rewards, margin and accuracy (TRL's figures)
             record.update(dpo_record(*totals[[0, 7, 8, 9, 10]].tolist(), name=dpo_loss.objective))
+        if grpo is not None:  # the completions' rewards, lengths and KL (TRL's figures); this rank's sampling time
+            record.update(grpo_record(totals[11:].tolist(), rewards.names), grpo_sample_s=sample_s)
         if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean
             record["router_aux_loss"] = totals[5].item() / max(totals[6].item(), 1.0)
         if spec.precision == "fp16":
@@ -478,6 +533,7 @@ def train_loop(config: dict) -> None:
                     dpo_loss=dpo_loss if dpo else None,
                     reference=reference,
                     running=running,
+                    grpo_eval=grpo_eval,
                 )
             )
             outside_s += time.perf_counter() - t0
@@ -796,6 +852,7 @@ def _evaluate(
     dpo_loss=None,
     reference=None,
     running=None,
+    grpo_eval=None,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
@@ -803,7 +860,8 @@ def _evaluate(
     `reference`: `pylon.jobs.dpo.dpo_forward`), the completions' tokens being what val_loss counts (a reward model's
     val_loss: its pairs' loss). Every rank takes part with the
     same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of the
-    split (the stream pads a short part with empty batches, which run as all-padding rows)."""
+    split (the stream pads a short part with empty batches, which run as all-padding rows). `grpo_eval` (objective grpo:
+    a batch's `pylon.jobs.grpo.grpo_eval_stats`): its held-out prompts' greedy completions' rewards too."""
     import torch
 
     from pylon.data.reader import DataPosition
@@ -817,6 +875,7 @@ def _evaluate(
     batches = val_stream.epoch()
     loss_sum, tokens, sequences = 0.0, 0, 0
     dpo_sums = [0.0] * 5  # objective dpo: pairs' loss, pairs, chosen and rejected rewards, correct pairs
+    grpo_sums = None  # objective grpo: its figures' sums (`grpo_eval_stats`)
     engine.eval()
     try:
         with torch.no_grad():
@@ -849,6 +908,9 @@ def _evaluate(
                         part, n = token_loss_sum(out.logits, inputs["labels"])
                 else:
                     part, n, _ = forward_loss(engine, inputs, chunked)
+                if grpo_eval is not None:
+                    stats = grpo_eval(batch)
+                    grpo_sums = stats if grpo_sums is None else [a + b for a, b in zip(grpo_sums, stats)]
                 loss_sum += float(part.item())
                 tokens += n
                 sequences += len(batch)
@@ -862,6 +924,13 @@ def _evaluate(
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)
         extra = dpo_record(*sums.tolist(), prefix="val_", name=dpo_loss.objective)
+    if grpo_sums is not None:
+        from pylon.jobs.grpo import grpo_eval_record
+
+        sums = torch.tensor(grpo_sums, dtype=torch.float64, device=device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        extra = grpo_eval_record(sums.tolist(), grpo_eval.names)
     return extra | eval_record(
         step,
         loss_sum=loss_sum,

@@ -410,6 +410,66 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_
 SMOOTHED_DPO_LOSSES = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
 
 
+# objective grpo's built-in reward functions (pylon.jobs.grpo.BUILT_IN_REWARDS; a `module:function` path names another)
+GRPO_REWARDS = ("exact_match", "contains_answer", "last_number_match")
+_REWARD_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_reward_function(value: str) -> str:
+    if value in GRPO_REWARDS or _REWARD_PATH.match(value):
+        return value
+    raise ValueError(
+        f"{value!r} is neither a built-in reward ({', '.join(GRPO_REWARDS)}) nor a `package.module:function` path"
+    )
+
+
+class RewardFunctionSpec(_Spec):
+    function: Annotated[str, AfterValidator(_check_reward_function)] = Field(
+        description="a built-in reward (exact_match, contains_answer, last_number_match: the completion against the "
+        "record's answer) or `package.module:function`, importable where the job runs (its working directory, shipped "
+        "by `ray job submit --working-dir`, or an installed package), called as TRL calls reward functions: "
+        "f(prompts=[...], completions=[...], answers=[...], completion_ids=[...]) -> one float (or None: no score) "
+        "per completion"
+    )
+    weight: float = Field(
+        1.0, description="its weight in each completion's reward (the weighted sum of every function's)"
+    )
+
+
+class GrpoSpec(_Spec):
+    """objective grpo's settings (TRL's GRPOConfig)."""
+
+    rewards: list[RewardFunctionSpec] = Field(
+        min_length=1, description="the reward functions; a completion's reward is their weighted sum"
+    )
+    generations: int = Field(
+        8, ge=2, description="completions sampled for each prompt: its group, whose rewards set the advantages"
+    )
+    max_completion_tokens: PositiveInt = Field(
+        64, description="a completion's length at most; one that reaches it without an eos is cut there (clipped)"
+    )
+    temperature: float = Field(1.0, gt=0, description="the sampling temperature of the completions")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens this likely")
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="the weight of each token's KL divergence from the model as it started (the reference: with "
+        "lora the model with its adapters disabled, without a frozen copy); 0 (TRL's default): no reference, no "
+        "second forward pass",
+    )
+    loss: Literal["dapo", "grpo", "dr_grpo"] = Field(
+        "dapo",
+        description="how the token losses are averaged (TRL's loss_type): dapo, over every completion token of the "
+        "micro-batch's ranks; grpo, over each completion's tokens, then over completions (longer completions' tokens "
+        "weigh less); dr_grpo, summed per completion and divided by max_completion_tokens (Dr. GRPO)",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="advantages are each reward less its group's mean, divided by the standard deviation of its "
+        "group (group), of the micro-batch (batch), or not at all (none: Dr. GRPO)",
+    )
+
+
 class TrainJobSpec(_Spec):
     """One training run: model, data, workers, DeepSpeed, optimisation and checkpoints."""
 
@@ -442,7 +502,7 @@ class TrainJobSpec(_Spec):
         "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
         "0: the whole micro-batch at once",
     )
-    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward"] = Field(
+    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "grpo"] = Field(
         "causal_lm",
         description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); on a dataset "
         "prepared with --preference, each pair's chosen completion over its rejected one: dpo, direct preference "
@@ -451,8 +511,12 @@ class TrainJobSpec(_Spec):
         "TRL's CPOTrainer loss_type simpo) and orpo (ORPO, TRL's ORPOTrainer, the chosen completion's NLL too) need "
         "no reference: no frozen copy, no second forward pass; reward, a reward model (TRL's RewardTrainer): the "
         "model with a scalar head (*ForSequenceClassification, num_labels 1) scoring each completion at its last "
-        "token, trained so the chosen one scores higher (Bradley-Terry), exported as a classifier Pylon serves",
+        "token, trained so the chosen one scores higher (Bradley-Terry), exported as a classifier Pylon serves; grpo, "
+        "group relative policy optimisation (TRL's GRPOTrainer) on a prompt-completion or chat dataset: each prompt's "
+        "completions sampled from the model as it trains, scored by the reward functions of `grpo` against the "
+        "record's completion (its answer), and each reinforced by its reward against its group's",
     )
+    grpo: GrpoSpec | None = Field(None, description="objective grpo: its reward functions, sampling and loss")
     dpo_beta: float = Field(
         0.1,
         gt=0,
@@ -577,6 +641,15 @@ class TrainJobSpec(_Spec):
             )
         if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and objective != "simpo":
             problems.append(("simpo_gamma", f"is objective simpo's margin; objective is {objective}"))
+        if objective == "grpo":
+            if self.grpo is None:
+                problems.append(
+                    ("grpo", "objective grpo needs its reward functions: grpo: {rewards: [{function: ...}]}")
+                )
+            if self.neftune_noise_alpha:
+                problems.append(("neftune_noise_alpha", "would add noise to the sampled completions' scores: set 0"))
+        elif self.grpo is not None:
+            problems.append(("grpo", f"sets objective grpo's sampling and rewards; objective is {objective}"))
         if self.reward_center_coefficient and objective != "reward":
             problems.append(
                 ("reward_center_coefficient", f"centres objective reward's scores; objective is {objective}")

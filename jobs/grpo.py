@@ -1,0 +1,582 @@
+"""Group relative policy optimisation (`TrainJobSpec.objective: grpo`; Shao et al. 2024, TRL's `GRPOTrainer`): the
+model learns from completions it samples itself, each scored by reward functions, with no value model.
+
+The data is a prompt-completion or chat dataset (`pylon data prepare --prompt-completion` or `--chat`): each document
+a prompt (its tokens before its last counted run: the completion, or the last assistant reply) and an answer (that run,
+without the eos prepare appends), which the reward functions compare completions with (`prompts_and_answers`). Each
+micro-batch, in code order:
+
+1. **Sample** (`sample_completions`): every prompt of the micro-batch's rows `generations` times (G), with the model
+   as it is now, in eval mode, a KV cache, `temperature` and `top_p`, up to `max_completion_tokens` or an eos. The
+   random draws come from a generator seeded by (data seed, step, micro-batch, rank), so a resumed run samples what
+   the uninterrupted run did.
+2. **Score** (`Rewards`): each completion's reward, the weighted sum of the reward functions' scores (a function's
+   None counts as no score, as TRL's NaN).
+3. **Advantages** (`group_advantages`): A = (r - mean of its group) / (std of its group + 1e-4), or the micro-batch's
+   std (`scale_rewards: batch`), or no division (`none`, Dr. GRPO).
+4. **Loss** (`grpo_losses`), on the prompt and completion as one sequence, over the completion's tokens (its eos
+   included): per token, -exp(log pi - sg(log pi)) A + beta KL, with KL = exp(ref - log pi) - (ref - log pi) - 1
+   (Schulman's k3, against the model as it started: with lora its adapters disabled, else a frozen copy; only with
+   beta > 0). Each sampled batch is trained on once, so pi is the sampling policy and the PPO ratio is 1: its value
+   is 1 and its gradient A grad log pi, and clipping has nothing to clip (TRL with num_iterations 1). Averaged
+   (`loss`): dapo over every completion token of the micro-batch on every rank; grpo per completion, then over
+   completions; dr_grpo each completion's sum over max_completion_tokens, then over completions.
+
+Logged per step (TRL's figures, under `grpo_`): the mean reward and each function's (`grpo_rewards.<function>`), the
+mean of the groups' reward std, the share of groups whose completions all scored alike (no signal), the completions'
+mean length and the share clipped at max_completion_tokens, the KL (beta > 0) and the seconds spent sampling. A
+held-out evaluation adds each held-out prompt's greedy completion's mean reward (`val_grpo_reward`) to the loss of the
+dataset's own completions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import math
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pylon.data.shards import split_words
+from pylon.errors import PylonError
+
+# ---------------------------------------------------------------------------------------------------------
+# Built-in reward functions: a completion against its record's answer
+# ---------------------------------------------------------------------------------------------------------
+
+
+def exact_match(completions: list[str], answers: list[str], **_) -> list[float]:
+    """1.0 where the completion is the answer, surrounding whitespace aside; else 0.0."""
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
+
+
+def contains_answer(completions: list[str], answers: list[str], **_) -> list[float]:
+    """1.0 where the answer (stripped; not empty) occurs in the completion; else 0.0."""
+    return [float(bool(a.strip()) and a.strip() in c) for c, a in zip(completions, answers)]
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def last_number_match(completions: list[str], answers: list[str], **_) -> list[float | None]:
+    """GSM8K's rule: 1.0 where the completion's last number equals the answer's last number; 0.0 where it does not
+    or has none; None (no score) where the answer has no number."""
+    out: list[float | None] = []
+    for c, a in zip(completions, answers):
+        want = _last_number(a)
+        out.append(None if want is None else float(_last_number(c) == want))
+    return out
+
+
+BUILT_IN_REWARDS = {f.__name__: f for f in (exact_match, contains_answer, last_number_match)}
+
+
+class Rewards:
+    """The reward functions of `grpo.rewards`, resolved: built-in names, or `package.module:function` imported
+    here. A function that cannot be imported, raises, or returns other than one number (or None) per completion is a
+    PylonError naming it by its field (`grpo.rewards[i].function`)."""
+
+    def __init__(self, specs) -> None:
+        self.functions, self.names, self.weights = [], [], []
+        for i, spec in enumerate(specs):
+            self.functions.append(_resolve(spec.function, f"grpo.rewards[{i}].function"))
+            self.names.append(spec.function.rsplit(":", 1)[-1])
+            self.weights.append(float(spec.weight))
+        self.fields = [f"grpo.rewards[{i}].function ({spec.function})" for i, spec in enumerate(specs)]
+
+    def scores(self, prompts: list[str], completions: list[str], answers: list[str], completion_ids) -> np.ndarray:
+        """[completions, functions] float64, NaN where a function gave None."""
+        out = np.full((len(completions), len(self.functions)), np.nan)
+        for j, (fn, where) in enumerate(zip(self.functions, self.fields)):
+            try:
+                got = fn(prompts=prompts, completions=completions, answers=answers, completion_ids=completion_ids)
+            except Exception as e:  # noqa: BLE001 - a user's function: say which one failed
+                raise PylonError(f"{where} raised {type(e).__name__}: {e}") from e
+            try:
+                got = list(got)
+            except TypeError:
+                got = None
+            if got is None or len(got) != len(completions):
+                raise PylonError(
+                    f"{where} returned {type(got).__name__ if got is None else len(got)} scores for "
+                    f"{len(completions)} completions; return one number (or None) per completion"
+                )
+            for i, v in enumerate(got):
+                if v is None:
+                    continue
+                if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(float(v)):
+                    raise PylonError(f"{where} scored completion {i} {v!r}; a score is a finite number or None")
+                out[i, j] = float(v)
+        return out
+
+    def total(self, scores: np.ndarray) -> np.ndarray:
+        """Each completion's reward: the weighted sum of its scores, a missing score counting 0 (TRL's nansum)."""
+        return np.nansum(scores * np.asarray(self.weights)[None, :], axis=1)
+
+
+def _resolve(name: str, where: str):
+    if name in BUILT_IN_REWARDS:
+        return BUILT_IN_REWARDS[name]
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure has the same remedy
+        raise PylonError(
+            f"{where}: cannot import {module_name} ({type(e).__name__}: {e}); ship it in the job's working directory "
+            "(`ray job submit --working-dir`, `pylon train` from that directory) or install it on the cluster"
+        ) from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise PylonError(f"{where}: {module_name} has no function {attr}")
+    return fn
+
+
+def check_rewards(spec) -> None:
+    """Resolve every reward function of `spec` (a TrainJobSpec with objective grpo) here, before workers start."""
+    Rewards(spec.grpo.rewards)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The settings
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GrpoLoss:
+    """objective grpo's settings (`TrainJobSpec.grpo`), and whether the model computes its output layer in chunks."""
+
+    generations: int = 8
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    beta: float = 0.0
+    kind: str = "dapo"
+    scale: str = "group"
+    chunked: bool = False
+
+    @classmethod
+    def of(cls, spec) -> "GrpoLoss":
+        g = spec.grpo
+        return cls(
+            generations=g.generations,
+            max_tokens=g.max_completion_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            beta=g.beta,
+            kind=g.loss,
+            scale=g.scale_rewards,
+            chunked=spec.loss_chunk_tokens > 0,
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 0. Prompts and answers from a micro-batch's rows
+# ---------------------------------------------------------------------------------------------------------
+
+
+def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every document of `batch`'s rows (a `pylon.data.reader.Batch` of a prompt-completion or chat dataset) as (its
+    prompt's token ids, its answer's): the answer the document's last run of counted tokens less a final eos, the
+    prompt every token before that run. A document with no counted token is all prompt, its answer empty."""
+    ids, context, starts = split_words(batch.tokens, loss_mask=batch.loss_mask, eos_id=eos_id)
+    if context is None:
+        raise PylonError(
+            "objective grpo reads prompts from a prompt-completion or chat dataset (`pylon data prepare "
+            "--prompt-completion` or `--chat`); this one is plain text, with no prompt to sample from"
+        )
+    out = []
+    for row in range(len(batch)):
+        n = int(batch.num_tokens[row])
+        cuts = [0, *np.flatnonzero(starts[row, 1:n]) + 1, n]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            counted = ~context[row, a:b]
+            if not counted.any():
+                out.append((ids[row, a:b].copy(), ids[row, b:b].copy()))
+                continue
+            last = int(np.flatnonzero(counted)[-1])
+            first = last
+            while first > 0 and counted[first - 1]:
+                first -= 1
+            answer = ids[row, a + first : a + last + 1]
+            if len(answer) and answer[-1] == eos_id:
+                answer = answer[:-1]
+            out.append((ids[row, a : a + first].copy(), answer.copy()))
+    return [(p, ans) for p, ans in out if len(p)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Sampling
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sample_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    """The generator seed of one micro-batch's sampling: the same on a resumed run as on the uninterrupted one."""
+    return int.from_bytes(hashlib.sha256(f"grpo/{seed}/{step}/{micro}/{rank}".encode()).digest()[:8], "little") >> 1
+
+
+@contextlib.contextmanager
+def _eval_mode(module):
+    training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(training)
+
+
+def sample_completions(
+    module,
+    prompts: list[np.ndarray],
+    loss: GrpoLoss,
+    *,
+    eos_id: int,
+    pad_id: int,
+    device,
+    seed: int,
+    greedy: bool = False,
+    copies: int | None = None,
+    synced: bool = False,
+) -> list[np.ndarray]:
+    """`copies` (default `loss.generations`) completions of each prompt, the copies of a prompt consecutive: each up
+    to and including its eos, or `loss.max_tokens` tokens without one. Left-padded prompts, one forward pass over
+    them, then one per token with the KV cache. `greedy`: the likeliest token (an evaluation's). `synced` (ZeRO-3 on
+    several ranks, whose forward passes gather parameters collectively): every rank takes the same number of steps,
+    stopping when no rank has a completion left to finish."""
+    import torch
+    import torch.distributed as dist
+
+    copies = loss.generations if copies is None else copies
+    rows = [p for p in prompts for _ in range(copies)]
+    width = max((len(p) for p in rows), default=1)
+    n = max(len(rows), 1)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p) :] = torch.from_numpy(np.asarray(p, dtype=np.int64))
+        mask[i, width - len(p) :] = 1
+    if not rows:  # a rank whose data ran out: one row of padding, so that a synced forward pass still runs here
+        mask[0, -1] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out_tokens = torch.full((n, loss.max_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    if not rows:
+        done[:] = True
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with _eval_mode(module), torch.no_grad():
+        out = module(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache, next_pos = out.past_key_values, positions[:, -1:] + 1
+        for t in range(loss.max_tokens):
+            logits = out.logits[:, -1].float()
+            if greedy:
+                token = logits.argmax(-1)
+            else:
+                token = torch.multinomial(_nucleus(logits / loss.temperature, loss.top_p), 1, generator=generator)[:, 0]
+            token = torch.where(done, torch.full_like(token, pad_id), token)
+            out_tokens[:, t] = token
+            done = done | (token == eos_id)
+            left = (~done).any()
+            if synced and dist.is_initialized():
+                flag = left.to(torch.float32).reshape(1)
+                dist.all_reduce(flag)
+                left = flag.item() > 0
+            if not bool(left) or t == loss.max_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
+            out = module(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, next_pos = out.past_key_values, next_pos + 1
+    completions = []
+    for i in range(len(rows)):
+        row = out_tokens[i].tolist()
+        end = row.index(eos_id) + 1 if eos_id in row else loss.max_tokens
+        completions.append(np.asarray(row[:end], dtype=np.int64))
+    return completions
+
+
+def _nucleus(logits, top_p: float):
+    """Sampling probabilities kept to the smallest set of tokens whose probability reaches `top_p`."""
+    import torch
+
+    probs = torch.softmax(logits, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p > top_p  # (the likeliest token always stays)
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Advantages
+# ---------------------------------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: np.ndarray, generations: int, scale: str) -> np.ndarray:
+    """Each completion's advantage from the rewards of its group (`generations` consecutive completions of one
+    prompt), TRL's: r - its group's mean, divided by the group's standard deviation (unbiased, + 1e-4; `scale`
+    "group"), by the whole micro-batch's ("batch"), or by nothing ("none")."""
+    groups = rewards.reshape(-1, generations)
+    centred = groups - groups.mean(axis=1, keepdims=True)
+    if scale == "group":
+        centred = centred / (groups.std(axis=1, ddof=1, keepdims=True) + 1e-4)
+    elif scale == "batch":
+        centred = centred / ((rewards.std(ddof=1) if rewards.size > 1 else 0.0) + 1e-4)
+    return centred.reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. The loss
+# ---------------------------------------------------------------------------------------------------------
+
+
+def completion_batch(prompts: list[np.ndarray], completions: list[np.ndarray], pad_id: int, device) -> dict:
+    """Each prompt (repeated for its consecutive completions) and completion as one right-padded row: `input_ids`,
+    `attention_mask`, and `labels` counting the completion's tokens only."""
+    import torch
+
+    copies = len(completions) // max(len(prompts), 1)
+    rows = [(prompts[i // copies], c) for i, c in enumerate(completions)] if prompts else []
+    width = max((len(p) + len(c) for p, c in rows), default=2)
+    n = max(len(rows), 1)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), -100, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, (p, c) in enumerate(rows):
+        seq = np.concatenate([p, c]).astype(np.int64)
+        ids[i, : len(seq)] = torch.from_numpy(seq)
+        labels[i, len(p) : len(seq)] = torch.from_numpy(np.asarray(c, dtype=np.int64))
+        mask[i, : len(seq)] = 1
+    if not rows:
+        mask[0, 0] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+def token_logprobs(model, inputs: dict, chunked: bool):
+    """The counted tokens' log-probabilities under `model`, in row order ([counted tokens]), and each one's row."""
+    from pylon.jobs.dpo import counted_logprobs
+
+    args = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
+    labels = inputs["labels"]
+    if chunked:
+        lp = model(**args, labels=labels, token_logprobs=True).token_logprobs
+    else:
+        lp = counted_logprobs(model(**args).logits, labels)
+    rows = (labels[:, 1:] != -100).nonzero()[:, 0]
+    return lp.float(), rows
+
+
+def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=None):
+    """The micro-batch's summed loss and what it is averaged over (`loss.kind`: its completion tokens for dapo, its
+    completions for grpo and dr_grpo), and the summed per-token KL (0 without a reference). `logps`, `rows`:
+    `token_logprobs`; `advantages` [rows]."""
+    import torch
+
+    per_token = -torch.exp(logps - logps.detach()) * advantages[rows]
+    kl = torch.zeros((), device=logps.device)
+    if ref_logps is not None:
+        d = ref_logps - logps
+        per_token_kl = torch.exp(d) - d - 1
+        per_token = per_token + loss.beta * per_token_kl
+        kl = per_token_kl.detach().sum()
+    if loss.kind == "dapo":
+        return per_token.sum(), int(logps.numel()), kl
+    sums = torch.zeros(n_rows, device=logps.device, dtype=per_token.dtype).index_add(0, rows, per_token)
+    if loss.kind == "grpo":
+        counts = torch.bincount(rows, minlength=n_rows).clamp(min=1)
+        return (sums / counts).sum(), n_rows, kl
+    return sums.sum() / loss.max_tokens, n_rows, kl  # dr_grpo
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One micro-batch
+# ---------------------------------------------------------------------------------------------------------
+
+STAT_NAMES = (
+    "completions",
+    "reward",
+    "reward_std",
+    "groups",
+    "zero_std_groups",
+    "length",
+    "clipped",
+    "kl",
+    "kl_tokens",
+)
+
+
+def grpo_forward(
+    engine,
+    module,
+    batch,
+    loss: GrpoLoss,
+    rewards: Rewards,
+    tokenizer,
+    *,
+    eos_id: int,
+    pad_id: int,
+    seed: int,
+    reference=None,
+    synced: bool = False,
+) -> tuple:
+    """Sample, score and train one micro-batch (steps 1-4). Returns (the summed loss as a tensor, what it is averaged
+    over, completion tokens counted, [STAT_NAMES' sums..., each reward function's score sum..., and count...], the
+    seconds spent sampling)."""
+    import torch
+
+    from pylon.jobs.dpo import as_reference
+
+    device = engine.device
+    pairs = prompts_and_answers(batch, eos_id) if len(batch) else []
+    prompts = [p for p, _ in pairs]
+    t0 = time.perf_counter()
+    completions = sample_completions(
+        module, prompts, loss, eos_id=eos_id, pad_id=pad_id, device=device, seed=seed, synced=synced
+    )
+    sample_s = time.perf_counter() - t0
+    g = loss.generations
+    texts = [tokenizer.decode(_without_eos(c, eos_id)) for c in completions]
+    prompt_texts = [tokenizer.decode(p) for p, _ in pairs for _ in range(g)]
+    answers = [tokenizer.decode(a) for _, a in pairs for _ in range(g)]
+    k = len(rewards.functions)
+    if completions:
+        scores = rewards.scores(prompt_texts, texts, answers, [c.tolist() for c in completions])
+        reward = rewards.total(scores)
+        advantages = group_advantages(reward, g, loss.scale)
+        group_std = reward.reshape(-1, g).std(axis=1, ddof=1)
+    else:
+        scores, reward, advantages, group_std = np.zeros((0, k)), np.zeros(0), np.zeros(1), np.zeros(0)
+    inputs = completion_batch(prompts, completions, pad_id, device)
+    ref = None
+    if loss.needs_reference:
+        with torch.no_grad():
+            if reference is not None:
+                ref, _ = token_logprobs(reference, inputs, loss.chunked)
+            else:
+                with as_reference(module):
+                    ref, _ = token_logprobs(module, inputs, loss.chunked)
+    logps, rows = token_logprobs(engine, inputs, loss.chunked)
+    adv = torch.as_tensor(advantages, dtype=torch.float32, device=device)
+    loss_sum, count, kl = grpo_losses(logps, rows, adv, loss, int(inputs["input_ids"].shape[0]), ref)
+    if not completions:
+        loss_sum, count = loss_sum * 0.0, 0
+    lengths = [len(c) for c in completions]
+    clipped = sum(1 for c in completions if not (len(c) and c[-1] == eos_id))
+    stats = [
+        float(len(completions)),
+        float(reward.sum()),
+        float(group_std.sum()),
+        float(len(group_std)),
+        float((group_std < 1e-8).sum()),
+        float(sum(lengths)),
+        float(clipped),
+        float(kl.item()) if completions else 0.0,
+        float(logps.numel()) if completions and ref is not None else 0.0,
+        *[float(np.nansum(scores[:, j])) for j in range(k)],
+        *[float((~np.isnan(scores[:, j])).sum()) for j in range(k)],
+    ]
+    return loss_sum, count, int(sum(lengths)), stats, sample_s
+
+
+def grpo_record(sums: list[float], names: list[str], prefix: str = "") -> dict:
+    """A step's (or with `prefix` "val_", an evaluation's) figures from `grpo_forward`'s stats summed over
+    micro-batches and ranks."""
+    s = dict(zip(STAT_NAMES, sums))
+    n = max(s["completions"], 1.0)
+    k = len(names)
+    func_sums, func_counts = sums[len(STAT_NAMES) : len(STAT_NAMES) + k], sums[len(STAT_NAMES) + k :]
+    p = f"{prefix}grpo_"
+    record = {
+        f"{p}completions": int(s["completions"]),
+        f"{p}reward": s["reward"] / n,
+        f"{p}reward_std": s["reward_std"] / max(s["groups"], 1.0),
+        f"{p}zero_std_groups": s["zero_std_groups"] / max(s["groups"], 1.0),
+        f"{p}completion_length": s["length"] / n,
+        f"{p}clipped": s["clipped"] / n,
+    }
+    if s["kl_tokens"]:
+        record[f"{p}kl"] = s["kl"] / s["kl_tokens"]
+    for name, total, count in zip(names, func_sums, func_counts):
+        record[f"{p}rewards.{name}"] = total / count if count else None
+    return record
+
+
+class GrpoEvaluation:
+    """A held-out batch's figures (`_evaluate`'s `grpo_eval`): each prompt's greedy completion, scored. Called with
+    a batch, returns [completions, reward sum, length sum, each function's score sum..., and count...]."""
+
+    def __init__(self, module, loss: GrpoLoss, rewards: Rewards, tokenizer, eos_id, pad_id, device, synced) -> None:
+        self.module, self.loss, self.rewards, self.tokenizer = module, loss, rewards, tokenizer
+        self.eos_id, self.pad_id, self.device, self.synced = eos_id, pad_id, device, synced
+        self.names = rewards.names
+
+    def __call__(self, batch) -> list[float]:
+        pairs = prompts_and_answers(batch, self.eos_id) if len(batch) else []
+        completions = sample_completions(
+            self.module,
+            [p for p, _ in pairs],
+            self.loss,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            device=self.device,
+            seed=0,
+            greedy=True,
+            copies=1,
+            synced=self.synced,
+        )
+        k = len(self.rewards.functions)
+        if not completions:
+            return [0.0] * (3 + 2 * k)
+        scores = self.rewards.scores(
+            [self.tokenizer.decode(p) for p, _ in pairs],
+            [self.tokenizer.decode(_without_eos(c, self.eos_id)) for c in completions],
+            [self.tokenizer.decode(a) for _, a in pairs],
+            [c.tolist() for c in completions],
+        )
+        return [
+            float(len(completions)),
+            float(self.rewards.total(scores).sum()),
+            float(sum(len(c) for c in completions)),
+            *[float(np.nansum(scores[:, j])) for j in range(k)],
+            *[float((~np.isnan(scores[:, j])).sum()) for j in range(k)],
+        ]
+
+
+def grpo_eval_record(sums: list[float], names: list[str]) -> dict:
+    """An evaluation's figures from `GrpoEvaluation`'s sums over batches and ranks."""
+    n, k = max(sums[0], 1.0), len(names)
+    record = {
+        "val_grpo_completions": int(sums[0]),
+        "val_grpo_reward": sums[1] / n,
+        "val_grpo_completion_length": sums[2] / n,
+    }
+    for name, total, count in zip(names, sums[3 : 3 + k], sums[3 + k :]):
+        record[f"val_grpo_rewards.{name}"] = total / count if count else None
+    return record
+
+
+def _without_eos(ids: np.ndarray, eos_id: int) -> np.ndarray:
+    return ids[:-1] if len(ids) and ids[-1] == eos_id else ids

@@ -1,0 +1,300 @@
+"""Group relative policy optimisation (`objective: grpo`, pylon.jobs.grpo): prompts and answers read from a
+prompt-completion dataset's rows; completions sampled with a KV cache from left-padded prompts (greedy: each prompt's
+own argmax continuation, computed alone and without a cache); rewards from built-in or imported functions, a bad one
+named by its field; TRL's advantages and losses, value and gradient; and a model that learns, in this process through
+DeepSpeed, to say what its reward asks for."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pylon.data.prepare import prepare
+from pylon.data.reader import Batch
+from pylon.errors import PylonError
+from pylon.jobs.grpo import (
+    GrpoLoss,
+    Rewards,
+    completion_batch,
+    group_advantages,
+    grpo_forward,
+    grpo_losses,
+    grpo_record,
+    prompts_and_answers,
+    sample_completions,
+    sample_seed,
+    token_logprobs,
+)
+from pylon.specs import TrainJobSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+from test_chat_data import _jsonl  # noqa: E402
+from test_checkpoint import distributed  # noqa: E402, F401 (fixture: a one-process gloo world, for DeepSpeed)
+from test_prepare import no_cluster, read_rows  # noqa: E402, F401 (fixture)
+
+EOS, PAD = 256, 257  # the byte tokenizer's
+RECORDS = [
+    {"prompt": "Say a: ", "completion": "a"},
+    {"prompt": "Q: 2 + 2 = ", "completion": "4"},
+    {"prompt": "Name a colour. ", "completion": "blue"},
+    {"prompt": "Write the letter a. ", "completion": "a"},
+]
+
+
+def _batch(tmp_path, records=RECORDS, seq_len: int = 64) -> Batch:
+    out = str(tmp_path / "pc")
+    prepare([_jsonl(tmp_path / "pc.jsonl", records)], out, seq_len=seq_len, prompt_completion=True, progress=False)
+    _, tokens, num_tokens, ids = read_rows(out)
+    return Batch(ids, tokens, num_tokens, 0.0, True, EOS), out
+
+
+def _spec(preset: str = "llama-tiny", **grpo) -> TrainJobSpec:
+    return TrainJobSpec.model_validate(
+        {"name": "g", "model": {"preset": preset}, "data": {"uri": "/tmp/none"}, "steps": 2,
+         "objective": "grpo", "grpo": {"rewards": [{"function": "contains_answer"}], **grpo}}
+    )  # fmt: skip
+
+
+def _model(seed: int = 0, preset: str = "llama-tiny"):
+    from pylon.models import build_model
+
+    return build_model(_spec(preset), vocab_size=258, eos_id=EOS, pad_id=PAD, seed=seed).eval()
+
+
+def test_each_document_is_a_prompt_and_its_completion_the_answer(tmp_path) -> None:
+    batch, _ = _batch(tmp_path)
+    found = sorted((bytes(p.tolist()).decode(), bytes(a.tolist()).decode()) for p, a in prompts_and_answers(batch, EOS))
+    assert found == sorted((r["prompt"], r["completion"]) for r in RECORDS)
+    text = Batch(batch.sample_ids, np.abs(batch.tokens), batch.num_tokens, 0.0, False, EOS)
+    with pytest.raises(PylonError, match="prompt-completion or chat dataset"):
+        prompts_and_answers(text, EOS)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt-tiny"])  # rotary positions, and learnt absolute ones
+def test_greedy_sampling_from_left_padded_prompts_is_each_prompts_own_continuation(preset) -> None:
+    model = _model(preset=preset)
+    with torch.no_grad():  # larger weights: a random model's argmax then depends on every position and token
+        for p in model.parameters():
+            p.mul_(4)
+    prompts = [np.frombuffer(t.encode(), dtype=np.uint8).astype(np.int64) for t in ("Hi", "A longer prompt", "xyz!")]
+    loss = GrpoLoss(max_tokens=6)
+    got = sample_completions(model, prompts, loss, eos_id=EOS, pad_id=PAD, device="cpu", seed=0, greedy=True, copies=2)
+    assert len(got) == 6
+    for i, p in enumerate(prompts):
+        ids = torch.from_numpy(p)[None]
+        want = []
+        with torch.no_grad():
+            for _ in range(6):  # alone, no padding, no cache: the whole sequence each time
+                token = int(model(input_ids=ids, use_cache=False).logits[0, -1].argmax())
+                want.append(token)
+                if token == EOS:
+                    break
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        assert got[2 * i].tolist() == want and got[2 * i + 1].tolist() == want
+
+
+def test_sampling_is_seeded_ends_at_the_eos_and_top_p_narrows_it() -> None:
+    model = _model()
+    prompts = [np.frombuffer(b"Say a: ", dtype=np.uint8).astype(np.int64)] * 2
+    loss = GrpoLoss(generations=4, max_tokens=12)
+
+    def draw(seed, **kw):
+        return [c.tolist() for c in sample_completions(model, prompts, loss, eos_id=EOS, pad_id=PAD, device="cpu",
+                                                        seed=seed, **kw)]  # fmt: skip
+
+    a, b, c = draw(1), draw(1), draw(2)
+    assert a == b and a != c and len(a) == 8
+    assert all(len(x) == 12 or x[-1] == EOS for x in a) and all(EOS not in x[:-1] for x in a)
+    assert len({tuple(x) for x in a}) > 1  # a group's completions differ
+    greedy = draw(0, greedy=True, copies=4)
+    narrow = GrpoLoss(generations=4, max_tokens=12, top_p=1e-6)  # only the likeliest token left: greedy
+    assert [x.tolist() for x in sample_completions(model, prompts, narrow, eos_id=EOS, pad_id=PAD, device="cpu",
+                                                   seed=5)] == greedy  # fmt: skip
+    assert sample_seed(0, 3, 1, 0) == sample_seed(0, 3, 1, 0) != sample_seed(0, 3, 1, 1)
+
+
+def test_advantages_are_trls_group_relative_ones() -> None:
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    t = torch.tensor(rewards).view(-1, 4)
+    want = ((t - t.mean(1, keepdim=True)) / (t.std(1, keepdim=True) + 1e-4)).view(-1)  # TRL's, torch's unbiased std
+    assert np.allclose(group_advantages(rewards, 4, "group"), want.numpy())
+    assert np.allclose(group_advantages(rewards, 4, "none"), (t - t.mean(1, keepdim=True)).view(-1).numpy())
+    batch = (t - t.mean(1, keepdim=True)).view(-1) / (torch.tensor(rewards).std() + 1e-4)
+    assert np.allclose(group_advantages(rewards, 4, "batch"), batch.numpy())
+    assert np.all(group_advantages(rewards, 4, "group")[4:] == 0)  # a group all alike teaches nothing
+
+
+@pytest.mark.parametrize("kind", ["dapo", "grpo", "dr_grpo"])
+def test_the_loss_is_the_policy_gradient_and_kl_trl_writes(kind) -> None:
+    torch.manual_seed(0)
+    rows = torch.tensor([0, 0, 0, 1, 2, 2])  # three completions of 3, 1 and 2 tokens
+    base = torch.randn(6)
+    ref = base + 0.3 * torch.randn(6)
+    adv = torch.tensor([1.5, -0.5, -1.0])
+    loss = GrpoLoss(beta=0.04, kind=kind, max_tokens=4)
+    logps = base.clone().requires_grad_(True)
+    total, count, kl = grpo_losses(logps, rows, adv, loss, 3, ref)
+    (total / count).backward()
+    # TRL's per-token loss: -exp(lp - sg(lp)) A + beta (exp(ref - lp) - (ref - lp) - 1), reduced by loss_type
+    lp = base.clone().requires_grad_(True)
+    d = ref - lp
+    per_token = -torch.exp(lp - lp.detach()) * adv[rows] + 0.04 * (torch.exp(d) - d - 1)
+    mask = torch.zeros(3, 3)
+    mask[rows, torch.tensor([0, 1, 2, 0, 0, 1])] = 1
+    grid = torch.zeros(3, 3).index_put((rows, torch.tensor([0, 1, 2, 0, 0, 1])), per_token)
+    want = {"dapo": grid.sum() / mask.sum(), "grpo": ((grid.sum(1) / mask.sum(1)).mean()),
+            "dr_grpo": grid.sum() / (3 * 4)}[kind]  # fmt: skip
+    want.backward()
+    assert abs(float(total / count) - float(want)) < 1e-6
+    assert torch.allclose(logps.grad, lp.grad, atol=1e-6)
+    assert abs(float(kl) - float((torch.exp(ref - base) - (ref - base) - 1).sum())) < 1e-5
+    assert count == (6 if kind == "dapo" else 3)
+
+
+def test_token_logprobs_count_the_completion_tokens_only(tmp_path) -> None:
+    model = _model()
+    prompts = [np.array([72, 105]), np.array([65, 66, 67])]
+    completions = [np.array([1, 2, EOS]), np.array([3]), np.array([4, 5]), np.array([6, 7, 8, 9])]
+    inputs = completion_batch(prompts, completions, PAD, "cpu")
+    assert inputs["input_ids"][1].tolist()[:3] == [72, 105, 3] and inputs["attention_mask"][1].sum() == 3
+    with torch.no_grad():
+        lp, rows = token_logprobs(model, inputs, chunked=False)
+        assert rows.tolist() == [0, 0, 0, 1, 2, 2, 3, 3, 3, 3]
+        seq = torch.tensor([[65, 66, 67, 6, 7, 8, 9]])  # the last completion alone
+        alone = torch.log_softmax(model(input_ids=seq).logits[0, 2:-1], -1).gather(1, seq[0, 3:, None])[:, 0]
+    assert torch.allclose(lp[-4:], alone, atol=1e-5)
+
+
+def test_reward_functions_built_in_imported_and_refused_by_name(tmp_path, monkeypatch) -> None:
+    from pylon.specs import RewardFunctionSpec
+
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            def shorter(completions, **kw):
+                return [-len(c) for c in completions]
+
+            def none_for_empty(completions, answers, **kw):
+                return [None if not a else 1.0 for a in answers]
+
+            def wrong_count(completions, **kw):
+                return [1.0]
+
+            def raises(completions, **kw):
+                raise KeyError("solution")
+
+            def nan(completions, **kw):
+                return [float("nan")] * len(completions)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def rewards(*names, weights=None):
+        return Rewards([RewardFunctionSpec(function=n, weight=w) for n, w in zip(names, weights or [1.0] * len(names))])
+
+    r = rewards("exact_match", "contains_answer", "last_number_match", "my_rewards:shorter", weights=[1, 1, 1, 0.5])
+    completions, answers = [" 4 ", "it is 4.0", "x", "1,204 apples"], ["4", "4", "", "1204"]
+    scores = r.scores(["p"] * 4, completions, answers, [[1]] * 4)
+    assert scores[:, 0].tolist() == [1, 0, 0, 0] and scores[:, 1].tolist() == [1, 1, 0, 0]
+    assert scores[:3, 2].tolist()[:2] == [1, 1] and np.isnan(scores[2, 2]) and scores[3, 2] == 1
+    assert r.total(scores).tolist() == [3 - 1.5, 2 - 4.5, -0.5, 1 - 6]  # a missing score counts 0
+    assert r.names == ["exact_match", "contains_answer", "last_number_match", "shorter"]
+    assert np.isnan(rewards("my_rewards:none_for_empty").scores(["p"], ["c"], [""], [[1]])[0, 0])
+    for name, message in [
+        ("my_rewards:wrong_count", r"grpo.rewards\[0\].function \(my_rewards:wrong_count\) returned 1 scores for 2"),
+        ("my_rewards:raises", r"grpo.rewards\[0\].function \(my_rewards:raises\) raised KeyError"),
+        ("my_rewards:nan", "a score is a finite number or None"),
+    ]:
+        with pytest.raises(PylonError, match=message):
+            rewards(name).scores(["p", "q"], ["c", "d"], ["a", "b"], [[1], [2]])
+    with pytest.raises(PylonError, match=r"grpo.rewards\[0\].function: cannot import no_such_module"):
+        rewards("no_such_module:f")
+    with pytest.raises(PylonError, match="my_rewards has no function missing"):
+        rewards("my_rewards:missing")
+
+
+def test_the_spec_refuses_what_grpo_cannot_run_with() -> None:
+    from pylon.errors import SpecError
+
+    spec = _spec(generations=4, beta=0.04)
+    assert spec.grpo.generations == 4 and GrpoLoss.of(spec).needs_reference
+    base = spec.model_dump(mode="json")
+    for change, field in [
+        ({"grpo": None}, "grpo"),
+        ({"objective": "causal_lm"}, "grpo"),
+        ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),
+        ({"grpo": {"rewards": [{"function": "not a path"}]}}, "grpo.rewards.0.function"),
+        ({"grpo": {"rewards": []}}, "grpo.rewards"),
+        ({"grpo": {"rewards": [{"function": "exact_match"}], "generations": 1}}, "grpo.generations"),
+    ]:
+        with pytest.raises((SpecError, ValueError), match=field.replace(".", r"\.")):
+            TrainJobSpec.model_validate({**base, **change})
+
+
+def test_check_objective_refuses_data_without_prompts(tmp_path) -> None:
+    from pylon.data.shards import read_manifest
+    from pylon.jobs.train import check_objective
+
+    (tmp_path / "t.txt").write_text("plain text, no prompt in it\n" * 4)
+    text = str(tmp_path / "text")
+    prepare([str(tmp_path / "t.txt")], text, seq_len=32, progress=False)
+    spec = _spec()
+    with pytest.raises(PylonError, match=r"objective grpo: data.uri .* holds text.*--prompt-completion"):
+        check_objective(spec, read_manifest(text))
+    _, pc = _batch(tmp_path)
+    check_objective(spec, read_manifest(pc))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora) -> None:  # noqa: F811
+    """Through DeepSpeed (ZeRO-2) in this process: prompts whose answer is "a", rewarded when a completion contains
+    it. The reward rises; with beta, against a frozen copy (full fine-tuning) or the adapters disabled (LoRA)."""
+    import deepspeed
+
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.jobs.dpo import frozen_reference
+    from pylon.jobs.train import _global_mean_loss
+    from pylon.models import build_model
+
+    records = [{"prompt": f"Say a{'!' * i}: ", "completion": "a"} for i in range(4)]
+    batch, _ = _batch(tmp_path, records)
+    spec = TrainJobSpec.model_validate(
+        {"name": "g", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+         "objective": "grpo", "grpo": {"rewards": [{"function": "contains_answer"}], "generations": 8,
+                                       "max_completion_tokens": 8, "beta": 0.02},
+         "optim": {"lr": 2e-2 if lora else 3e-3, "warmup_steps": 0, "schedule": "constant"},
+         **({"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]}} if lora
+            else {})}
+    )  # fmt: skip
+    ds_config = build_deepspeed_config(spec, world_size=1)
+    built = {"vocab_size": 258, "eos_id": EOS, "pad_id": PAD, "seed": 0}
+    model = build_model(spec, deepspeed_config=ds_config, **built)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+    )
+    reference = None if lora else frozen_reference(spec, ds_config, **built, device=None, dtype=torch.float32)
+    loss = GrpoLoss.of(spec)
+    rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
+    figures = []
+    for step in range(40):
+        loss_t, count, _, stats, _ = grpo_forward(engine, engine.module, batch, loss, rewards, tok, eos_id=EOS,
+                                                  pad_id=PAD, seed=sample_seed(0, step, 0, 0), reference=reference)  # fmt: skip
+        engine.backward(_global_mean_loss(loss_t, count, 1)[0])
+        engine.step()
+        figures.append(grpo_record(stats, rewards.names))
+    first = np.mean([f["grpo_reward"] for f in figures[:8]])
+    last = np.mean([f["grpo_reward"] for f in figures[-8:]])
+    assert figures[0]["grpo_completions"] == 32 and figures[0].get("grpo_kl", 0.0) < 1e-6  # the start is the reference
+    assert last > first + 0.3 and last > 0.6, (
+        first,
+        last,
+        [(round(f["grpo_reward"], 2), f["grpo_completion_length"], round(f.get("grpo_kl", 0), 3)) for f in figures],
+    )
+    assert figures[-1]["grpo_kl"] > 0 and figures[-1]["grpo_rewards.contains_answer"] == figures[-1]["grpo_reward"]
