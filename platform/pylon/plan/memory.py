@@ -167,9 +167,12 @@ class Workload:
     lora: LoraSpec | None = None
     documents: bool = False  # each packed document attended on its own (`attention_mask: document`): a mask
     loss_chunk_tokens: int = 0  # the loss a chunk of tokens at a time (`loss_chunk_tokens`): no whole-batch logits
-    # objective dpo's reference model: "adapters" (LoRA: the model with its adapters disabled, one more forward pass),
-    # "copy" (full fine-tuning: a frozen copy in the training precision too); "none" for other objectives
+    # objective dpo's (and grpo's with a KL term) reference model: "adapters" (LoRA: the model with its adapters
+    # disabled, one more forward pass), "copy" (full fine-tuning: a frozen copy in the training precision too); "none"
+    # for other objectives
     reference: str = "none"
+    # objective grpo: the sequences each micro-batch row becomes (its prompt's `grpo.generations` completions)
+    rollouts: int = 1
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
@@ -181,7 +184,7 @@ class Workload:
 
             self._peaks[key] = step_activations(
                 self.config,
-                micro_batch=micro_batch,
+                micro_batch=micro_batch * self.rollouts,
                 seq_len=self.seq_len,
                 precision=self.precision,
                 checkpointing=checkpointing,
@@ -394,20 +397,22 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
     if work.reference == "copy":
         if stage < 3:
             reference = w * n
-            notes["reference model"] = f"objective dpo: a frozen {work.precision} copy, whole on every GPU"
+            notes["reference model"] = f"the reference: a frozen {work.precision} copy, whole on every GPU"
         elif off_par:
             if layout.offload_param == "nvme":
                 nvme += w * n / g * per_node
             else:
                 host_states += w * n / g * per_node
-            notes["reference model"] = f"objective dpo: a frozen copy, its partitions in {layout.offload_param}"
+            notes["reference model"] = f"the reference: a frozen copy, its partitions in {layout.offload_param}"
         else:
             reference = w * n / g
-            notes["reference model"] = f"objective dpo: a frozen {work.precision} copy, a 1/G partition"
+            notes["reference model"] = f"the reference: a frozen {work.precision} copy, a 1/G partition"
 
     acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device)
     notes["activations"] = (
-        f"micro-batch {layout.micro_batch_size} x {work.seq_len} tokens, peak of forward + "
+        f"micro-batch {layout.micro_batch_size}"
+        + (f" x {work.rollouts} completions" if work.rollouts > 1 else "")
+        + f" x {work.seq_len} tokens, peak of forward + "
         "backward" + (", recomputing each block" if layout.gradient_checkpointing else "")
     )
     runtime = CUDA_RUNTIME_BYTES if device == "cuda" else 0

@@ -108,7 +108,7 @@ def collectives(work: Workload, layout: Layout, acc: Accelerator) -> tuple[float
 def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> StepTime:
     s, g, stage = work.shape, layout.num_gpus, layout.zero_stage
     w = WEIGHT_BYTES[work.precision]
-    tokens = layout.micro_batch_size * layout.grad_accum_steps * g * work.seq_len
+    tokens = layout.micro_batch_size * work.rollouts * layout.grad_accum_steps * g * work.seq_len
     flops = tokens * model_flops_per_token(s, work.seq_len, work.lora is not None, work.reference != "none")
     compute = flops / (g * acc.peak_flops(work.precision) * mfu)
     comm, window = collectives(work, layout, acc)

@@ -24,9 +24,11 @@ def _render_train(p: TrainPlan) -> str:
         f"TrainJob '{p.name}': {p.model}, {_count(s.total_params)} parameters"
         + (f" ({_count(s.trainable_params)} trained: LoRA r={w.lora.r})" if w.lora else "")
         + f", {w.precision}, seq {w.seq_len:,}",
-        f"  {p.steps:,} steps x {p.global_batch:,} sequences = {_count(p.tokens)} tokens; "
+        f"  {p.steps:,} steps x {p.global_batch:,} "
+        + (f"prompts x {w.rollouts} completions" if w.rollouts > 1 else "sequences")
+        + f" = {_count(p.tokens)} tokens; "
         f"{model_flops_per_token(s, w.seq_len, w.lora is not None, w.reference != 'none') / 1e9:,.2f} GFLOP per "
-        "token (model FLOPs" + (", the DPO reference's forward pass included)" if w.reference != "none" else ")"),
+        "token (model FLOPs" + (", the reference's forward pass included)" if w.reference != "none" else ")"),
         "",
         f"Memory per GPU as requested ({lay.describe()}, {lay.num_gpus} GPU(s)):",
     ]

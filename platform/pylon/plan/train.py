@@ -414,8 +414,19 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         documents = spec.attention_mask == "document"
         if spec.attention_mask == "auto":
             notes.append("attention_mask auto planned as causal (a chat dataset would attend each document apart)")
-    reference = "none" if spec.objective != "dpo" else "adapters" if spec.lora else "copy"
-    return Workload(config, shape, spec.precision, seq, spec.lora, documents, spec.loss_chunk_tokens, reference), notes
+    referenced = spec.objective == "dpo" or (spec.objective == "grpo" and spec.grpo.beta > 0)
+    reference = "none" if not referenced else "adapters" if spec.lora else "copy"
+    rollouts = 1
+    if spec.objective == "grpo":  # each row's prompt and its completions, trained as one micro-batch
+        rollouts, seq = spec.grpo.generations, seq + spec.grpo.max_completion_tokens
+        notes.append(
+            f"objective grpo planned as {rollouts} sequences of seq_len + max_completion_tokens ({seq:,}) tokens per "
+            "micro-batch row (one prompt a row); sampling's KV cache, smaller than the training pass's activations, "
+            "and its time are not counted"
+        )
+    chunk = spec.loss_chunk_tokens
+    work = Workload(config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts=rollouts)
+    return work, notes
 
 
 def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) -> Layout:
@@ -481,7 +492,7 @@ class TrainPlan:
 
     @property
     def tokens(self) -> int:
-        return self.steps * self.global_batch * self.work.seq_len
+        return self.steps * self.global_batch * self.work.rollouts * self.work.seq_len
 
     def row(self, name: str) -> AcceleratorRow:
         return next(r for r in self.rows if r.accelerator.name == name)
@@ -846,6 +857,7 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
         work.documents,
         work.loss_chunk_tokens,
         "none" if work.reference == "none" else "adapters",
+        work.rollouts,
     )
     best = search(
         adapted,

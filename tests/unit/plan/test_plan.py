@@ -289,6 +289,27 @@ def test_memory_terms_follow_the_layout() -> None:
     assert kv_bytes_per_token(work.shape, 2) == 2 * 32 * 32 * 128 * 2  # Llama-2-7B: 0.5 MiB per token
 
 
+def test_grpo_plans_each_row_as_its_completions_and_a_reference_only_with_a_kl_term() -> None:
+    from dataclasses import replace
+
+    from pylon.plan.train import train_workload
+
+    grpo = {"rewards": [{"function": "exact_match"}], "generations": 4, "max_completion_tokens": 512}
+    work, notes = train_workload(_train(objective="grpo", grpo=grpo, data={"uri": "/nonexistent/p", "seq_len": 1024}))
+    assert (work.rollouts, work.seq_len, work.reference) == (4, 1024 + 512, "none")
+    assert any("objective grpo planned as 4 sequences" in n for n in notes)
+    # its activations: those of a causal LM's micro-batch of 4x the rows, each as long as a prompt and a completion
+    plain = train_workload(_train(data={"uri": "/nonexistent/p", "seq_len": 1536}))[0]
+    layout = Layout(2, micro_batch_size=2, num_gpus=8)
+    assert (
+        train_memory(work, layout).activations == train_memory(plain, replace(layout, micro_batch_size=8)).activations
+    )
+    beta = {**grpo, "beta": 0.04}
+    assert train_workload(_train(objective="grpo", grpo=beta))[0].reference == "copy"
+    lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    assert train_workload(_train(objective="grpo", grpo=beta, lora=lora))[0].reference == "adapters"
+
+
 def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora() -> None:
     from dataclasses import replace
 
