@@ -194,8 +194,9 @@ class GrpoLoss:
 
 def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every document of `batch`'s rows (a `pylon.data.reader.Batch` of a prompt-completion or chat dataset) as (its
-    prompt's token ids, its answer's): the answer the document's last run of counted tokens less a final eos, the
-    prompt every token before that run. A document with no counted token is all prompt, its answer empty."""
+    prompt's token ids, its answer's): the answer the document's last run of counted tokens up to its first eos (the
+    eos prepare appends, or a chat template's end of turn when that is the eos), the prompt every token before that
+    run (a chat's ends with the template's generation prompt). A document with no counted token is all prompt, its answer empty."""
     ids, context, starts = split_words(batch.tokens, loss_mask=batch.loss_mask, eos_id=eos_id)
     if context is None:
         raise PylonError(
@@ -216,8 +217,9 @@ def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray
             while first > 0 and counted[first - 1]:
                 first -= 1
             answer = ids[row, a + first : a + last + 1]
-            if len(answer) and answer[-1] == eos_id:
-                answer = answer[:-1]
+            ends = np.flatnonzero(answer == eos_id)
+            if len(ends):  # (a chat template's end of turn, when it is the eos, and what follows it)
+                answer = answer[: ends[0]]
             out.append((ids[row, a : a + first].copy(), answer.copy()))
     return [(p, ans) for p, ans in out if len(p)]
 

@@ -188,16 +188,25 @@ def eval_line(record: dict) -> str:
 
 def loss_figure(records: list[dict], *, title: str, evals: list[dict] | None = None):
     """The loss curve as a matplotlib Figure (what `Run.plot()` returns; Jupyter draws it inline); with
-    `evals` (`read_metrics(run, kind="eval")`), the validation loss as points on a line beside it."""
+    `evals` (`read_metrics(run, kind="eval")`), the validation loss as points on a line beside it. Objective grpo's:
+    the mean reward, and the held-out prompts' greedy completions' beside it."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     records = [r for r in records if r.get("kind", "train") == "train"]
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5, label="training")
+    # objective grpo: its loss is near 0 by construction (advantages centred per group); its reward is the curve
+    reward = bool(records) and "grpo_reward" in records[0]
+    key, val_key = ("grpo_reward", "val_grpo_reward") if reward else ("loss", "val_loss")
+    ax.plot([r["step"] for r in records], [r[key] for r in records], lw=1.5, label="training")
+    evals = [r for r in evals or [] if val_key in r]
     if evals:
-        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", lw=1.2, ms=4, label="validation")
+        label = "validation (greedy)" if reward else "validation"
+        ax.plot([r["step"] for r in evals], [r[val_key] for r in evals], "o-", lw=1.2, ms=4, label=label)
         ax.legend()
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{title}: loss")
+    if reward:
+        ax.set(xlabel="step", ylabel="mean reward of the sampled completions", title=f"{title}: reward")
+    else:
+        ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{title}: loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     # pyplot forgets the figure: a notebook then shows it once (as the returned value, not again at the

@@ -10,6 +10,9 @@ the token), never as a path on the client. The local paths a spec names are hand
   `PYLON_SHIP_LIMIT_MB`, with a progress bar) and the spec names the copies, relative to it: Ray unpacks the
   working directory on every node a job's workers and tasks run on, so every node reads them. Larger ones are
   refused before anything is submitted, naming the field.
+- code: objective grpo's reward functions named `module:function` whose module (a `.py` file, or a package's
+  directory) sits in the directory the job is submitted from are copied to the working directory's top, which Ray
+  puts on every worker's import path; others must be installed on the cluster.
 - outputs (`checkpoint.storage`, a dataset's `output`): a directory on this machine cannot be written by a
   cluster elsewhere, so those are refused, naming the field, on any cluster but a local one.
 """
@@ -160,6 +163,7 @@ def package(spec: Any, where: home.ClusterAddress, *, default_runs: bool = False
             _copy_inputs(inputs, sizes, workdir, progress=progress)
         for i, (p, path) in enumerate(inputs):
             spec = _set(spec, p.field, f"{INPUTS_DIR}/{i}-{path.name}")
+        _copy_reward_modules(spec, workdir)
         (workdir / SPEC_FILE).write_text(to_yaml(spec))
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -186,3 +190,30 @@ def _copy_inputs(inputs: list, sizes: list[int], workdir: Path, *, progress: boo
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, target)
                 bar.update(os.path.getsize(src))
+
+
+def reward_module_paths(spec: Any, base: Path | None = None) -> list[Path]:
+    """The files or package directories under `base` (the current directory) that hold the modules of `spec`'s
+    `module:function` reward functions (objective grpo), top-level name first: what `package` copies."""
+    if not isinstance(spec, TrainJobSpec) or spec.grpo is None:
+        return []
+    base = Path.cwd() if base is None else base
+    found = []
+    for reward in spec.grpo.rewards:
+        if ":" not in reward.function:
+            continue  # a built-in
+        top = reward.function.split(":", 1)[0].split(".", 1)[0]
+        for candidate in (base / top, base / f"{top}.py"):
+            if (candidate.is_dir() and (candidate / "__init__.py").is_file()) or candidate.is_file():
+                if candidate not in found:
+                    found.append(candidate)
+                break
+    return found
+
+
+def _copy_reward_modules(spec: Any, workdir: Path) -> None:
+    for path in reward_module_paths(spec):
+        if path.is_file():
+            shutil.copyfile(path, workdir / path.name)
+        else:
+            shutil.copytree(path, workdir / path.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

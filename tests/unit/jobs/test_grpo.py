@@ -75,6 +75,26 @@ def test_each_document_is_a_prompt_and_its_completion_the_answer(tmp_path) -> No
         prompts_and_answers(text, EOS)
 
 
+def test_a_conversation_is_its_last_reply_after_the_generation_prompt(tmp_path) -> None:
+    from test_chat_data import CONVERSATIONS, _tokenizer
+
+    from pylon.data.tokenizer import load_tokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok")
+    out = str(tmp_path / "chat")
+    prepare([_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS])], out, seq_len=128,
+            tokenizer=tokenizer, chat=True, progress=False)  # fmt: skip
+    tok = load_tokenizer(tokenizer)
+    _, tokens, num_tokens, ids = read_rows(out)
+    found = prompts_and_answers(Batch(ids, tokens, num_tokens, 0.0, True, tok.eos_id), tok.eos_id)
+    hf = tok._tok
+    want = sorted(
+        (hf.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True), c[-1]["content"])
+        for c in CONVERSATIONS
+    )
+    assert sorted((tok.decode(p), tok.decode(a)) for p, a in found) == want
+
+
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt-tiny"])  # rotary positions, and learnt absolute ones
 def test_greedy_sampling_from_left_padded_prompts_is_each_prompts_own_continuation(preset) -> None:
     model = _model(preset=preset)

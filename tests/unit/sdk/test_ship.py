@@ -76,6 +76,28 @@ def test_for_the_local_cluster_paths_are_made_absolute_and_nothing_is_copied(cor
         package.cleanup()
 
 
+@pytest.mark.parametrize("where", [LOCAL, REMOTE], ids=["local", "remote"])
+def test_grpo_reward_modules_in_the_submitting_directory_travel_with_the_job(corpus, where) -> None:
+    (corpus.parent / "rewards_a.py").write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    (corpus.parent / "pkg" / "sub").mkdir(parents=True)
+    (corpus.parent / "pkg" / "__init__.py").write_text("")
+    (corpus.parent / "pkg" / "sub" / "r.py").write_text("def g(**kw):\n    return []\n")
+    (corpus.parent / "pkg" / "__pycache__").mkdir()
+    (corpus.parent / "pkg" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    rewards = [{"function": f} for f in ("exact_match", "rewards_a:f", "pkg.sub.r:g", "json:loads", "rewards_a:f")]
+    spec = _train(objective="grpo", grpo={"rewards": rewards}, checkpoint={"storage": "s3://bucket/runs"})
+    # built-ins and modules found elsewhere (installed, or the standard library's json) are not shipped; each once
+    assert ship.reward_module_paths(spec) == [corpus.parent / "rewards_a.py", corpus.parent / "pkg"]
+    assert ship.reward_module_paths(_train()) == []
+    package = ship.package(spec, where, progress=False)
+    try:
+        top = package.working_dir
+        assert (top / "rewards_a.py").read_text().startswith("def f") and (top / "pkg" / "sub" / "r.py").is_file()
+        assert not (top / "pkg" / "__pycache__").exists()
+    finally:
+        package.cleanup()
+
+
 def test_outputs_on_this_machine_are_refused_for_a_remote_cluster_naming_the_field(corpus) -> None:
     with pytest.raises(SpecError) as e:
         ship.package(_train(checkpoint={"storage": "/tmp/runs"}), REMOTE, progress=False)
