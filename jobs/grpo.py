@@ -196,7 +196,8 @@ def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray
     """Every document of `batch`'s rows (a `pylon.data.reader.Batch` of a prompt-completion or chat dataset) as (its
     prompt's token ids, its answer's): the answer the document's last run of counted tokens up to its first eos (the
     eos prepare appends, or a chat template's end of turn when that is the eos), the prompt every token before that
-    run (a chat's ends with the template's generation prompt). A document with no counted token is all prompt, its answer empty."""
+    run (a chat's ends with the template's generation prompt). A document with no counted token is all prompt, its
+    answer empty."""
     ids, context, starts = split_words(batch.tokens, loss_mask=batch.loss_mask, eos_id=eos_id)
     if context is None:
         raise PylonError(
