@@ -318,3 +318,10 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora) ->
         [(round(f["grpo_reward"], 2), f["grpo_completion_length"], round(f.get("grpo_kl", 0), 3)) for f in figures],
     )
     assert figures[-1]["grpo_kl"] > 0 and figures[-1]["grpo_rewards.contains_answer"] == figures[-1]["grpo_reward"]
+    # a worker whose data ran out a step early joins the step with nothing: no completion, no loss
+    empty = Batch(np.zeros(0, dtype=np.int64), batch.tokens[:0], batch.num_tokens[:0], 0.0, True, EOS)
+    loss_t, count, tokens, stats, _ = grpo_forward(engine, engine.module, empty, loss, rewards, tok, eos_id=EOS,
+                                                   pad_id=PAD, seed=1, reference=reference)  # fmt: skip
+    assert (float(loss_t), count, tokens, stats[0]) == (0.0, 0, 0, 0.0)
+    engine.backward(_global_mean_loss(loss_t, count, 1)[0])  # (the step still runs, on every rank)
+    engine.step()
