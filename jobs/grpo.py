@@ -10,8 +10,8 @@ micro-batch, in code order:
    as it is now, in eval mode, a KV cache, `temperature` and `top_p`, up to `max_completion_tokens` or an eos. The
    random draws come from a generator seeded by (data seed, step, micro-batch, rank), so a resumed run samples what
    the uninterrupted run did.
-2. **Score** (`Rewards`): each completion's reward, the weighted sum of the reward functions' scores (a function's
-   None counts as no score, as TRL's NaN).
+2. **Score** (`Rewards`): each completion's reward, the weighted sum of the reward functions' (and reward models')
+   scores (a function's None counts as no score, as TRL's NaN).
 3. **Advantages** (`group_advantages`): A = (r - mean of its group) / (std of its group + 1e-4), or the micro-batch's
    std (`scale_rewards: batch`), or no division (`none`, Dr. GRPO).
 4. **Loss** (`grpo_losses`), on the prompt and completion as one sequence, over the completion's tokens (its eos
@@ -86,17 +86,28 @@ BUILT_IN_REWARDS = {f.__name__: f for f in (exact_match, contains_answer, last_n
 
 
 class Rewards:
-    """The reward functions of `grpo.rewards`, resolved: built-in names, or `package.module:function` imported
-    here. A function that cannot be imported, raises, or returns other than one number (or None) per completion is a
+    """The reward functions of `grpo.rewards`, resolved: built-in names, `package.module:function` imported here,
+    or reward models (`RewardModel`). A function that cannot be imported, raises, or returns other than one number (or None) per completion is a
     PylonError naming it by its field (`grpo.rewards[i].function`)."""
 
     def __init__(self, specs) -> None:
-        self.functions, self.names, self.weights = [], [], []
+        self.functions, self.names, self.weights, self.fields = [], [], [], []
         for i, spec in enumerate(specs):
-            self.functions.append(_resolve(spec.function, f"grpo.rewards[{i}].function"))
-            self.names.append(spec.function.rsplit(":", 1)[-1])
+            field = f"grpo.rewards[{i}]." + ("function" if spec.function is not None else "model")
+            if spec.model is not None:
+                self.functions.append(RewardModel(spec.model, field))
+            else:
+                self.functions.append(_resolve(spec.function, field))
+            self.names.append(spec.short_name)
             self.weights.append(float(spec.weight))
-        self.fields = [f"grpo.rewards[{i}].function ({spec.function})" for i, spec in enumerate(specs)]
+            self.fields.append(f"{field} ({spec.function if spec.function is not None else spec.model})")
+
+    def to(self, device) -> "Rewards":
+        """Score with the reward models on `device` (the worker's)."""
+        for fn in self.functions:
+            if isinstance(fn, RewardModel):
+                fn.device = device
+        return self
 
     def scores(self, prompts: list[str], completions: list[str], answers: list[str], completion_ids) -> np.ndarray:
         """[completions, functions] float64, NaN where a function gave None."""
@@ -126,6 +137,63 @@ class Rewards:
     def total(self, scores: np.ndarray) -> np.ndarray:
         """Each completion's reward: the weighted sum of its scores, a missing score counting 0 (TRL's nansum)."""
         return np.nansum(scores * np.asarray(self.weights)[None, :], axis=1)
+
+
+class RewardModel:
+    """A reward model as a reward function: an `objective: reward` export (a `*ForSequenceClassification` with one
+    label), scoring each prompt and completion as one text, tokenized as `/classify` tokenizes text (the tokenizer's
+    special tokens added) and read at its last token. The config is checked when made (the driver, before workers
+    start); the weights load on first use, whole, in fp32, on `device`."""
+
+    def __init__(self, uri: str, where: str) -> None:
+        from transformers import AutoConfig
+
+        from pylon.models import is_classifier, local_model_dir
+
+        self.uri, self.where, self.device = uri, where, None
+        self._model = self._tok = None
+        try:
+            with local_model_dir(uri, weights=False) as d:
+                config = AutoConfig.from_pretrained(d)
+        except Exception as e:  # noqa: BLE001 - unreadable or not a model directory: the same remedy
+            raise PylonError(f"{where}: {uri} is not a model directory ({type(e).__name__}: {e})") from e
+        if not is_classifier(config) or config.num_labels != 1:
+            raise PylonError(
+                f"{where}: {uri} is not a reward model (architectures {getattr(config, 'architectures', None)}, "
+                f"{config.num_labels} labels); give the export of an `objective: reward` run"
+            )
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification
+
+        from pylon.data.tokenizer import load_tokenizer
+        from pylon.models import local_model_dir
+
+        with local_model_dir(self.uri) as d:
+            model = AutoModelForSequenceClassification.from_pretrained(d, dtype=torch.float32)
+            self._tok = load_tokenizer(d)
+        self._model = model.eval().requires_grad_(False).to(self.device or "cpu")
+
+    def __call__(self, prompts: list[str], completions: list[str], **_) -> list[float]:
+        import torch
+
+        from pylon.models import head_outputs
+
+        if self._model is None:
+            self._load()
+        rows = [self._tok.encode(p + c, special=True) for p, c in zip(prompts, completions)]
+        width = max((len(r) for r in rows), default=1)
+        ids = torch.full((len(rows), width), self._tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.as_tensor(np.asarray(r, dtype=np.int64))
+            mask[i, : len(r)] = 1
+        device = next(self._model.parameters()).device
+        with torch.no_grad(), head_outputs(self._model) as heads:
+            self._model(input_ids=ids.to(device), attention_mask=mask.to(device))
+        last = torch.as_tensor([max(len(r), 1) - 1 for r in rows], device=device)
+        return heads[-1][torch.arange(len(rows), device=device), last, 0].float().tolist()
 
 
 def _resolve(name: str, where: str):

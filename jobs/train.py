@@ -57,6 +57,9 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     working_dir = home.job_working_dir()
     if working_dir is None:  # paths in a job's working dir stay relative: each node's workers read their own copy
         spec = spec.model_copy(update={"data": spec.data.model_copy(update={"uri": _absolute(spec.data.uri)})})
+        if spec.grpo is not None:  # (a reward model's directory, likewise)
+            absolute = [r.model_copy(update={"model": _absolute(r.model)}) if r.model else r for r in spec.grpo.rewards]
+            spec = spec.model_copy(update={"grpo": spec.grpo.model_copy(update={"rewards": absolute})})
     run_uri = run_uri_of(spec)
     if not ray.is_initialized():
         if os.environ.get("RAY_JOB_ID") or settings.value(settings.RAY_ADDRESS):
@@ -68,6 +71,9 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     shared = {"data.uri": spec.data.uri, "checkpoint.storage": run_uri}
     if spec.model.path is not None:
         shared["model.path"] = spec.model.path
+    for i, reward in enumerate(spec.grpo.rewards if spec.grpo is not None else []):
+        if reward.model is not None:
+            shared[f"grpo.rewards[{i}].model"] = reward.model
     problems = storage_problems(shared, nodes, working_dir=working_dir)
     if problems:
         raise SpecError([f"TrainJob '{spec.name}': {p}" for p in problems])
@@ -310,6 +316,8 @@ def train_loop(config: dict) -> None:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     device = engine.device
+    if rewards is not None:
+        rewards.to(device)
     synced = spec.deepspeed.zero_stage == 3 and world > 1  # ZeRO-3's gathering forward passes: in step on every rank
     if grpo is not None:
         grpo_eval = GrpoEvaluation(engine.module, grpo, rewards, text_tokenizer, tok.eos_id, tok.pad_id, device, synced)

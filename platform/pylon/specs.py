@@ -424,16 +424,43 @@ def _check_reward_function(value: str) -> str:
 
 
 class RewardFunctionSpec(_Spec):
-    function: Annotated[str, AfterValidator(_check_reward_function)] = Field(
+    function: Annotated[str, AfterValidator(_check_reward_function)] | None = Field(
+        None,
         description="a built-in reward (exact_match, contains_answer, last_number_match: the completion against the "
-        "record's answer) or `package.module:function`, importable where the job runs (its working directory, shipped "
-        "by `ray job submit --working-dir`, or an installed package), called as TRL calls reward functions: "
-        "f(prompts=[...], completions=[...], answers=[...], completion_ids=[...]) -> one float (or None: no score) "
-        "per completion"
+        "record's answer) or `package.module:function`, importable where the job runs (a module in the directory "
+        "`pylon train` runs from travels with the job; `ray job submit --working-dir`; or an installed package), "
+        "called as TRL calls reward functions: f(prompts=[...], completions=[...], answers=[...], "
+        "completion_ids=[...]) -> one float (or None: no score) per completion",
+    )
+    model: str | None = Field(
+        None,
+        description="instead of a function, a reward model: the directory of an `objective: reward` run's export (a "
+        "local path or a URI such as s3://...), which scores each prompt and completion as text, read at its last "
+        "token as `/classify` reads it; every worker holds a whole fp32 copy",
     )
     weight: float = Field(
         1.0, description="its weight in each completion's reward (the weighted sum of every function's)"
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardFunctionSpec":
+        if (self.function is None) == (self.model is None):
+            raise CrossFieldError(
+                [("function", "give a reward function or a reward model (model: the export's directory), one of them")]
+            )
+        return self
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name it: the function, or the reward model's directory."""
+        return self.function if self.function is not None else f"model {self.model}"
+
+    @property
+    def short_name(self) -> str:
+        """Its name in metrics (`grpo_rewards.<name>`): the function's, or the model directory's last part."""
+        if self.function is not None:
+            return self.function.rsplit(":", 1)[-1]
+        return self.model.rstrip("/").rsplit("/", 1)[-1] or "reward_model"
 
 
 class GrpoSpec(_Spec):

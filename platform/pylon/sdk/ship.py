@@ -4,12 +4,12 @@ A job runs on the cluster, not where it was submitted, and the two need not shar
 the CLI submits carries its spec in a Ray `runtime_env` working directory (uploaded through the dashboard, with
 the token), never as a path on the client. The local paths a spec names are handled by their role:
 
-- inputs (a training job's `data.uri` and `model.path`, a dataset's `sources` and `tokenizer`, a deployment's
-  `model`): on a cluster that shares this machine's disk (the one `pylon cluster up` started here) they are made
-  absolute and read in place. On any other cluster they are copied into the working directory (up to
-  `PYLON_SHIP_LIMIT_MB`, with a progress bar) and the spec names the copies, relative to it: Ray unpacks the
-  working directory on every node a job's workers and tasks run on, so every node reads them. Larger ones are
-  refused before anything is submitted, naming the field.
+- inputs (a training job's `data.uri`, `model.path` and objective grpo's reward models, a dataset's `sources` and
+  `tokenizer`, a deployment's `model`): on a cluster that shares this machine's disk (the one `pylon cluster up`
+  started here) they are made absolute and read in place. On any other cluster they are copied into the working
+  directory (up to `PYLON_SHIP_LIMIT_MB`, with a progress bar) and the spec names the copies, relative to it: Ray
+  unpacks the working directory on every node a job's workers and tasks run on, so every node reads them. Larger
+  ones are refused before anything is submitted, naming the field.
 - code: objective grpo's reward functions named `module:function` whose module (a `.py` file, or a package's
   directory) sits in the directory the job is submitted from are copied to the working directory's top, which Ray
   puts on every worker's import path; others must be installed on the cluster.
@@ -76,6 +76,9 @@ def local_paths(spec: Any) -> list[LocalPath]:
             found.append(LocalPath("model.path", spec.model.path, False))
         if spec.checkpoint.storage is not None:
             found.append(LocalPath("checkpoint.storage", spec.checkpoint.storage, True))
+        for i, reward in enumerate(spec.grpo.rewards if spec.grpo is not None else []):
+            if reward.model is not None:
+                found.append(LocalPath(f"grpo.rewards[{i}].model", reward.model, False))
     elif isinstance(spec, DatasetSpec):
         found += [LocalPath(f"sources[{i}]", s, False) for i, s in enumerate(spec.sources)]
         if spec.tokenizer not in BYTE_TOKENIZERS:
@@ -96,6 +99,11 @@ def _set(spec: Any, field: str, value: str) -> Any:
         sources = list(spec.sources)
         sources[int(field[len("sources[") : -1])] = value
         return spec.model_copy(update={"sources": sources})
+    if field.startswith("grpo.rewards["):  # an objective grpo reward model's directory
+        i = int(field[len("grpo.rewards[") : field.index("]")])
+        rewards = list(spec.grpo.rewards)
+        rewards[i] = rewards[i].model_copy(update={"model": value})
+        return spec.model_copy(update={"grpo": spec.grpo.model_copy(update={"rewards": rewards})})
     head, _, rest = field.partition(".")
     if not rest:
         return spec.model_copy(update={head: value})
@@ -200,8 +208,8 @@ def reward_module_paths(spec: Any, base: Path | None = None) -> list[Path]:
     base = Path.cwd() if base is None else base
     found = []
     for reward in spec.grpo.rewards:
-        if ":" not in reward.function:
-            continue  # a built-in
+        if reward.function is None or ":" not in reward.function:
+            continue  # a reward model, or a built-in
         top = reward.function.split(":", 1)[0].split(".", 1)[0]
         for candidate in (base / top, base / f"{top}.py"):
             if (candidate.is_dir() and (candidate / "__init__.py").is_file()) or candidate.is_file():

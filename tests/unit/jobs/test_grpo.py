@@ -239,6 +239,44 @@ def test_reward_functions_built_in_imported_and_refused_by_name(tmp_path, monkey
         rewards("my_rewards:missing")
 
 
+def test_a_reward_model_export_scores_completions_as_transformers_does(tmp_path) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
+
+    from pylon.specs import RewardFunctionSpec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from harmony_models import bpe_tokenizer
+
+    export = tmp_path / "rm-export"
+    hf = bpe_tokenizer(["<s>", "</s>", "<pad>"], None, eos_token="</s>", bos_token="<s>", pad_token="<pad>")
+    hf.save_pretrained(export)
+    config = LlamaConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=hf.pad_token_id,
+                         architectures=["LlamaForSequenceClassification"])  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(export)
+    r = Rewards([RewardFunctionSpec(model=str(export), weight=2.0)])
+    assert r.names == ["rm-export"] and r.fields == [f"grpo.rewards[0].model ({export})"]
+    prompts, completions = ["Q: the sky? ", "Say hello. "], ["Blue, mostly.", "Hello there, friend!"]
+    scores = r.scores(prompts, completions, ["", ""], [[1], [2]])
+    model = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    tok = AutoTokenizer.from_pretrained(export)
+    for i, (p, c) in enumerate(zip(prompts, completions)):  # each alone, unpadded: transformers reads its last token
+        with torch.no_grad():
+            want = model(**tok(p + c, return_tensors="pt")).logits[0, 0].item()
+        assert abs(scores[i, 0] - want) < 1e-5, (scores[i, 0], want)
+    assert np.allclose(r.total(scores), 2 * scores[:, 0])
+    causal = tmp_path / "causal"
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(causal)
+    with pytest.raises(PylonError, match=r"grpo.rewards\[0\].model: .*causal is not a reward model"):
+        Rewards([RewardFunctionSpec(model=str(causal))])
+    with pytest.raises(PylonError, match=r"grpo.rewards\[0\].model: .*nowhere is not a model directory"):
+        Rewards([RewardFunctionSpec(model=str(tmp_path / "nowhere"))])
+    with pytest.raises(ValueError, match="give a reward function or a reward model"):
+        RewardFunctionSpec(function="exact_match", model=str(export))
+
+
 def test_the_spec_refuses_what_grpo_cannot_run_with() -> None:
     from pylon.errors import SpecError
 

@@ -98,6 +98,25 @@ def test_grpo_reward_modules_in_the_submitting_directory_travel_with_the_job(cor
         package.cleanup()
 
 
+def test_a_grpo_reward_model_is_an_input(corpus) -> None:
+    (corpus.parent / "rm").mkdir()
+    (corpus.parent / "rm" / "config.json").write_text("{}")
+    rewards = [{"function": "exact_match"}, {"model": "rm"}, {"model": "s3://bucket/rm"}]
+    spec = _train(objective="grpo", grpo={"rewards": rewards}, checkpoint={"storage": "s3://bucket/runs"})
+    assert [(p.field, p.value) for p in ship.local_paths(spec)] == [
+        ("data.uri", "corpus"),
+        ("grpo.rewards[1].model", "rm"),
+    ]
+    remote, local = ship.package(spec, REMOTE, progress=False), ship.package(spec, LOCAL, progress=False)
+    try:
+        assert [r.model for r in remote.spec.grpo.rewards] == [None, "inputs/1-rm", "s3://bucket/rm"]
+        assert (remote.working_dir / "inputs" / "1-rm" / "config.json").read_text() == "{}"
+        assert [r.model for r in local.spec.grpo.rewards] == [None, str(corpus.parent / "rm"), "s3://bucket/rm"]
+    finally:
+        remote.cleanup()
+        local.cleanup()
+
+
 def test_outputs_on_this_machine_are_refused_for_a_remote_cluster_naming_the_field(corpus) -> None:
     with pytest.raises(SpecError) as e:
         ship.package(_train(checkpoint={"storage": "/tmp/runs"}), REMOTE, progress=False)
