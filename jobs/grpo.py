@@ -87,8 +87,8 @@ BUILT_IN_REWARDS = {f.__name__: f for f in (exact_match, contains_answer, last_n
 
 class Rewards:
     """The reward functions of `grpo.rewards`, resolved: built-in names, `package.module:function` imported here,
-    or reward models (`RewardModel`). A function that cannot be imported, raises, or returns other than one number (or None) per completion is a
-    PylonError naming it by its field (`grpo.rewards[i].function`)."""
+    or reward models (`RewardModel`). A function that cannot be imported, raises, or returns other than one number
+    (or None) per completion is a PylonError naming it by its field (`grpo.rewards[i].function`)."""
 
     def __init__(self, specs) -> None:
         self.functions, self.names, self.weights, self.fields = [], [], [], []
