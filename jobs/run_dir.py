@@ -180,10 +180,14 @@ def eval_line(record: dict) -> str:
             f"evaluation at step {record['step']}: validation loss {record['val_loss']:.4f} (Bradley-Terry) over "
             f"{record['val_tokens']:,} preference pairs ({record['val_sequences']:,} rows)"
         )
-    return (
+    line = (
         f"evaluation at step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
         f"{record['val_perplexity']:.3f} over {record['val_tokens']:,} tokens ({record['val_sequences']:,} sequences)"
     )
+    if "val_grpo_reward" in record:  # objective grpo: its held-out prompts' greedy completions, scored
+        n = record["val_grpo_completions"]
+        line += f"; mean reward {record['val_grpo_reward']:.4f} over {n:,} greedy completions"
+    return line
 
 
 def loss_figure(records: list[dict], *, title: str, evals: list[dict] | None = None):

@@ -64,6 +64,7 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
     status = client.wait_job(run.job_id, timeout_s=600, poll_s=1)
     logs = client.job_logs(run.job_id)
     assert status == "SUCCEEDED", logs[-4000:]
+    assert "greedy completions" in logs and "grpo_reward" in logs, logs[-4000:]  # the evaluation's line, step records
     run_dir = tmp_path / "runs" / "grpo"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("kind", "train") == "train"]

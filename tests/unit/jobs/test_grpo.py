@@ -363,3 +363,18 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora) ->
     assert (float(loss_t), count, tokens, stats[0]) == (0.0, 0, 0, 0.0)
     engine.backward(_global_mean_loss(loss_t, count, 1)[0])  # (the step still runs, on every rank)
     engine.step()
+
+
+def test_a_grpo_runs_plot_is_its_reward_and_its_evaluation_line_says_the_greedy_reward() -> None:
+    from pylon.jobs.run_dir import eval_line, loss_figure
+
+    records = [{"step": i, "loss": 0.01 * i, "grpo_reward": 0.1 * i} for i in range(1, 5)]
+    evals = [{"kind": "eval", "step": 4, "val_loss": 2.0, "val_perplexity": 7.39, "val_tokens": 4, "val_sequences": 2,
+              "val_grpo_reward": 0.75, "val_grpo_completions": 2}]  # fmt: skip
+    ax = loss_figure(records, title="g", evals=evals).axes[0]
+    assert "reward" in ax.get_ylabel() and "reward" in ax.get_title()
+    assert list(ax.lines[0].get_ydata()) == [r["grpo_reward"] for r in records]
+    assert list(ax.lines[1].get_ydata()) == [0.75]
+    assert eval_line(evals[0]).endswith("mean reward 0.7500 over 2 greedy completions")
+    plain = loss_figure([{"step": 1, "loss": 3.0}], title="c").axes[0]  # any other run: its loss
+    assert list(plain.lines[0].get_ydata()) == [3.0] and "loss" in plain.get_ylabel()
