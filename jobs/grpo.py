@@ -235,6 +235,7 @@ class GrpoLoss:
     kind: str = "dapo"
     scale: str = "group"
     chunked: bool = False
+    gather: bool = True  # at ZeRO-3, the whole model gathered once for sampling (`zero3_gather_for_sampling`)
 
     @classmethod
     def of(cls, spec) -> "GrpoLoss":
@@ -248,6 +249,7 @@ class GrpoLoss:
             kind=g.loss,
             scale=g.scale_rewards,
             chunked=spec.loss_chunk_tokens > 0,
+            gather=g.zero3_gather_for_sampling,
         )
 
     @property
@@ -388,6 +390,22 @@ def sample_completions(
     return completions
 
 
+@contextlib.contextmanager
+def sampling_model(engine, loss: GrpoLoss, synced: bool):
+    """The module to sample with, and whether its ranks must decode in step. At ZeRO-3 with `loss.gather`, the whole
+    model gathered once and DeepSpeed's per-layer hooks lifted while it samples (DeepSpeed's
+    `unwrap_model_for_generation`, as TRL samples): no collective per token, so each rank stops when its own
+    completions end; else `engine.module` as it is, in step with the other ranks when `synced`."""
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    if stage == 3 and loss.gather:
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(engine):
+            yield engine.module, False
+    else:
+        yield getattr(engine, "module", engine), synced
+
+
 def _nucleus(logits, top_p: float):
     """Sampling probabilities kept to the smallest set of tokens whose probability reaches `top_p`."""
     import torch
@@ -524,9 +542,10 @@ def grpo_forward(
     pairs = prompts_and_answers(batch, eos_id) if len(batch) else []
     prompts = [p for p, _ in pairs]
     t0 = time.perf_counter()
-    completions = sample_completions(
-        module, prompts, loss, eos_id=eos_id, pad_id=pad_id, device=device, seed=seed, synced=synced
-    )
+    with sampling_model(engine, loss, synced) as (sampler, in_step):
+        completions = sample_completions(
+            sampler, prompts, loss, eos_id=eos_id, pad_id=pad_id, device=device, seed=seed, synced=in_step
+        )
     sample_s = time.perf_counter() - t0
     g = loss.generations
     texts = [tokenizer.decode(_without_eos(c, eos_id)) for c in completions]
@@ -599,25 +618,26 @@ class GrpoEvaluation:
     """A held-out batch's figures (`_evaluate`'s `grpo_eval`): each prompt's greedy completion, scored. Called with
     a batch, returns [completions, reward sum, length sum, each function's score sum..., and count...]."""
 
-    def __init__(self, module, loss: GrpoLoss, rewards: Rewards, tokenizer, eos_id, pad_id, device, synced) -> None:
-        self.module, self.loss, self.rewards, self.tokenizer = module, loss, rewards, tokenizer
+    def __init__(self, engine, loss: GrpoLoss, rewards: Rewards, tokenizer, eos_id, pad_id, device, synced) -> None:
+        self.engine, self.loss, self.rewards, self.tokenizer = engine, loss, rewards, tokenizer
         self.eos_id, self.pad_id, self.device, self.synced = eos_id, pad_id, device, synced
         self.names = rewards.names
 
     def __call__(self, batch) -> list[float]:
         pairs = prompts_and_answers(batch, self.eos_id) if len(batch) else []
-        completions = sample_completions(
-            self.module,
-            [p for p, _ in pairs],
-            self.loss,
-            eos_id=self.eos_id,
-            pad_id=self.pad_id,
-            device=self.device,
-            seed=0,
-            greedy=True,
-            copies=1,
-            synced=self.synced,
-        )
+        with sampling_model(self.engine, self.loss, self.synced) as (sampler, in_step):
+            completions = sample_completions(
+                sampler,
+                [p for p, _ in pairs],
+                self.loss,
+                eos_id=self.eos_id,
+                pad_id=self.pad_id,
+                device=self.device,
+                seed=0,
+                greedy=True,
+                copies=1,
+                synced=in_step,
+            )
         k = len(self.rewards.functions)
         if not completions:
             return [0.0] * (3 + 2 * k)

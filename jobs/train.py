@@ -320,7 +320,7 @@ def train_loop(config: dict) -> None:
         rewards.to(device)
     synced = spec.deepspeed.zero_stage == 3 and world > 1  # ZeRO-3's gathering forward passes: in step on every rank
     if grpo is not None:
-        grpo_eval = GrpoEvaluation(engine.module, grpo, rewards, text_tokenizer, tok.eos_id, tok.pad_id, device, synced)
+        grpo_eval = GrpoEvaluation(engine, grpo, rewards, text_tokenizer, tok.eos_id, tok.pad_id, device, synced)
     # objective dpo's reference: with lora, the model with its adapters disabled; without, a frozen copy of it (the
     # other preference objectives have none)
     reference = None

@@ -490,6 +490,12 @@ class GrpoSpec(_Spec):
         "micro-batch's ranks; grpo, over each completion's tokens, then over completions (longer completions' tokens "
         "weigh less); dr_grpo, summed per completion and divided by max_completion_tokens (Dr. GRPO)",
     )
+    zero3_gather_for_sampling: bool = Field(
+        True,
+        description="at ZeRO-3, gather the whole model on every worker once for each micro-batch's sampling rather "
+        "than each layer for every token (TRL's ds3_gather_for_generation): far fewer collectives, at the cost of "
+        "holding the whole model (in the training precision) while sampling; false for a model that does not fit whole",
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
         description="advantages are each reward less its group's mean, divided by the standard deviation of its "

@@ -378,3 +378,69 @@ def test_a_grpo_runs_plot_is_its_reward_and_its_evaluation_line_says_the_greedy_
     assert eval_line(evals[0]).endswith("mean reward 0.7500 over 2 greedy completions")
     plain = loss_figure([{"step": 1, "loss": 3.0}], title="c").axes[0]  # any other run: its loss
     assert list(plain.lines[0].get_ydata()) == [3.0] and "loss" in plain.get_ylabel()
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_zero3_sampling_gathers_the_model_once_not_each_layer_for_every_token(distributed, gather) -> None:  # noqa: F811
+    """ZeRO-3 with `zero3_gather_for_sampling` (the default): the whole model gathered once for a micro-batch's
+    sampling (DeepSpeed's unwrap_model_for_generation, TRL's way), so the per-layer coordinator gathers nothing while
+    it decodes; without, each partitioned layer is gathered for every token. The completions are the same either way,
+    and training goes on after it (the hooks are back: a forward gathers again and the step runs)."""
+    import deepspeed
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.jobs.grpo import sampling_model
+    from pylon.models import build_model
+
+    vocab = 4096  # the embeddings and the output layer above DeepSpeed's persistence threshold: partitioned
+    spec = TrainJobSpec.model_validate(
+        {"name": "z", "model": {"config": {"model_type": "llama", "vocab_size": vocab, "hidden_size": 32,
+                                           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                           "num_key_value_heads": 2, "max_position_embeddings": 64}},
+         "data": {"uri": "/nonexistent"}, "steps": 2, "deepspeed": {"zero_stage": 3}, "objective": "grpo",
+         "grpo": {"rewards": [{"function": "exact_match"}], "zero3_gather_for_sampling": gather}}
+    )  # fmt: skip
+    config = build_deepspeed_config(spec, world_size=1)
+    lm = build_model(spec, vocab_size=vocab, eos_id=0, pad_id=1, seed=0, deepspeed_config=config)
+    engine, *_ = deepspeed.initialize(model=lm, model_parameters=list(lm.parameters()), config=config)
+    loss = replace_loss(GrpoLoss.of(spec), max_tokens=12, generations=2)
+    gathers = []
+    original = coordinator.PartitionedParameterCoordinator._PartitionedParameterCoordinator__all_gather_params_
+
+    def counted(self, params, forward, quantize=False):
+        gathers.extend(p for p in params if p.ds_status == coordinator.ZeroParamStatus.NOT_AVAILABLE)
+        return original(self, params, forward, quantize)
+
+    prompts = [np.array([5, 6, 7, 8]), np.array([9, 10])]
+    setattr(coordinator.PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__all_gather_params_",
+            counted)  # fmt: skip
+    try:
+        with sampling_model(engine, loss, synced=False) as (module, _):
+            got = sample_completions(module, prompts, loss, eos_id=0, pad_id=1, device="cpu", seed=3)
+        sampling = len(gathers)
+        inputs = completion_batch(prompts, got, 1, "cpu")
+        lp, rows = token_logprobs(engine, inputs, chunked=False)
+        assert len(gathers) > sampling  # the hooks are back: the training pass gathers its layers
+    finally:
+        setattr(coordinator.PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__all_gather_params_",
+                original)  # fmt: skip
+    assert sum(len(c) for c in got) > 8  # decoding went on for several tokens
+    if gather:
+        assert sampling == 0, sampling
+    else:
+        assert sampling >= 2 * max(len(c) for c in got), sampling  # at least the two large layers, every token
+    engine.backward(-(lp * 0.1).sum())
+    engine.step()
+    # the same completions whichever way: the gathered model is the partitioned one
+    with sampling_model(engine, replace_loss(loss, gather=not gather), synced=False) as (module, _):
+        again = sample_completions(module, prompts, loss, eos_id=0, pad_id=1, device="cpu", seed=3)
+    with sampling_model(engine, loss, synced=False) as (module, _):
+        same = sample_completions(module, prompts, loss, eos_id=0, pad_id=1, device="cpu", seed=3)
+    assert [c.tolist() for c in again] == [c.tolist() for c in same]
+
+
+def replace_loss(loss: GrpoLoss, **changes) -> GrpoLoss:
+    from dataclasses import replace
+
+    return replace(loss, **changes)
