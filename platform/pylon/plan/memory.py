@@ -173,6 +173,8 @@ class Workload:
     reference: str = "none"
     # objective grpo: the sequences each micro-batch row becomes (its prompt's `grpo.generations` completions)
     rollouts: int = 1
+    # objective grpo at ZeRO-3: the whole model gathered on every GPU while it samples (`zero3_gather_for_sampling`)
+    gathered_sampling: bool = False
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
@@ -415,6 +417,17 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         + f" x {work.seq_len} tokens, peak of forward + "
         "backward" + (", recomputing each block" if layout.gradient_checkpointing else "")
     )
+    if work.rollouts > 1:  # objective grpo samples before it trains: its peak is the larger of the two
+        sequences = layout.micro_batch_size * work.rollouts
+        kv = kv_bytes_per_token(s, w) * sequences * work.seq_len
+        whole = w * n - (params if stage == 3 else w * n) if work.gathered_sampling and stage == 3 else 0
+        if kv + whole > acts:
+            acts = kv + whole
+            notes["activations"] = (
+                f"sampling {sequences} completions: their KV cache ({kv / 2**30:.1f} GiB)"
+                + (f" and the whole model gathered ({whole / 2**30:.1f} GiB more)" if whole else "")
+                + ", more than the training pass's activations"
+            )
     runtime = CUDA_RUNTIME_BYTES if device == "cuda" else 0
     notes["runtime"] = "CUDA context, cuBLAS and NCCL" if device == "cuda" else "none counted on CPU"
     return TrainMemory(

@@ -425,7 +425,10 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
             "and its time are not counted"
         )
     chunk = spec.loss_chunk_tokens
-    work = Workload(config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts=rollouts)
+    gathered = spec.objective == "grpo" and spec.grpo.zero3_gather_for_sampling
+    work = Workload(
+        config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts, gathered_sampling=gathered
+    )
     return work, notes
 
 
@@ -858,6 +861,7 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
         work.loss_chunk_tokens,
         "none" if work.reference == "none" else "adapters",
         work.rollouts,
+        work.gathered_sampling,
     )
     best = search(
         adapted,

@@ -308,6 +308,19 @@ def test_grpo_plans_each_row_as_its_completions_and_a_reference_only_with_a_kl_t
     assert train_workload(_train(objective="grpo", grpo=beta))[0].reference == "copy"
     lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     assert train_workload(_train(objective="grpo", grpo=beta, lora=lora))[0].reference == "adapters"
+    # sampling's peak: the completions' KV cache, and at ZeRO-3 the whole model gathered (the default), when larger
+    from pylon.plan.memory import kv_bytes_per_token
+
+    z3 = Layout(3, gradient_checkpointing=True, micro_batch_size=1, num_gpus=8)
+    z2 = Layout(2, gradient_checkpointing=True, micro_batch_size=1, num_gpus=8)
+    assert work.gathered_sampling
+    gathered, per_layer = train_memory(work, z3), train_memory(replace(work, gathered_sampling=False), z3)
+    s = work.shape
+    whole = 2 * s.total_params - gathered.params  # bf16: all but what the GPU holds anyway
+    kv = kv_bytes_per_token(s, 2) * 4 * work.seq_len
+    assert gathered.activations == max(per_layer.activations, kv + whole) > per_layer.activations
+    assert "the whole model gathered" in gathered.notes["activations"]
+    assert train_memory(work, z2).activations == train_memory(replace(work, gathered_sampling=False), z2).activations
 
 
 def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora() -> None:
