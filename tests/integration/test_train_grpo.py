@@ -29,7 +29,12 @@ def share_of_answer(completions, answers, **kw):
 """
 
 
-def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monkeypatch):
+# (make test gathers the model once for sampling, the default; make test-all also decodes layer by layer, every rank
+# in step: the collectives per token)
+@pytest.mark.parametrize(
+    "gather", [pytest.param(True, id="gathered"), pytest.param(False, id="per-layer-in-step", marks=pytest.mark.slow)]
+)
+def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monkeypatch, gather):
     from pylon.data.prepare import prepare
 
     monkeypatch.chdir(tmp_path)  # the directory the job is submitted from: its reward module travels with it
@@ -48,6 +53,7 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
             "generations": 8,
             "max_completion_tokens": 8,
             "beta": 0.02,
+            "zero3_gather_for_sampling": gather,
         },
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]},
         "data": {"uri": data, "seq_len": 16, "validation_fraction": 0.25},
