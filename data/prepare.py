@@ -172,12 +172,15 @@ def read_documents(
     chat: bool = False,
     prompt_completion: bool = False,
     preference: bool = False,
+    prompts: bool = False,
 ) -> list | None:
     """The documents in `file`; None when a text file is not UTF-8 (the caller skips and counts it). `chat`: each
     JSONL record's `text_field` is a conversation (a list of messages, each with a role), returned as
     (line number, messages, the record's `tools` or None). `prompt_completion`: each JSONL record's `prompt` and
     `completion` strings, returned as (line number, prompt, completion). `preference`: each JSONL record's `prompt`,
-    `chosen` and `rejected` strings, returned as (line number, prompt, chosen, rejected)."""
+    `chosen` and `rejected` strings, returned as (line number, prompt, chosen, rejected). `prompts`: each JSONL record's
+    `prompt` (a string or a list of messages) and optional `answer` string, returned as (line number, prompt,
+    answer or "")."""
     try:
         data = storage.read_bytes(file.uri)
     except StorageError as e:
@@ -185,6 +188,8 @@ def read_documents(
     if not file.jsonl:
         if chat:
             raise DataError(f"{file.uri}: a chat dataset is JSON Lines, one conversation per line ({text_field!r})")
+        if prompts:
+            raise DataError(f"{file.uri}: a prompts dataset is JSON Lines, one record per line with a 'prompt'")
         if prompt_completion or preference:
             kind, fields = (
                 ("preference", "'prompt', 'chosen' and 'rejected'")
@@ -213,6 +218,9 @@ def read_documents(
             continue
         if prompt_completion:
             docs.append((lineno, *_prompt_completion(obj, f"{file.uri}: line {lineno}")))
+            continue
+        if prompts:
+            docs.append((lineno, *_prompt_record(obj, f"{file.uri}: line {lineno}")))
             continue
         if not isinstance(obj, dict) or text_field not in obj:
             has = f"has {sorted(obj)[:8]}" if isinstance(obj, dict) else f"is a {type(obj).__name__}"
@@ -247,6 +255,23 @@ def _prompt_completion(obj, where: str, keys: tuple[str, ...] = ("prompt", "comp
         if not obj[key]:
             raise DataError(f"{where}: {key} is empty: nothing in it to learn from")
     return tuple(obj[key] for key in keys)
+
+
+def _prompt_record(obj, where: str) -> tuple:
+    """A prompts dataset's record (TRL's prompt-only format, for objective grpo): its `prompt`, a non-empty string or
+    a non-empty list of messages (each an object with a string role), and its `answer`, a string or absent ("")."""
+    if not isinstance(obj, dict) or "prompt" not in obj:
+        has = f"has {sorted(obj)[:8]}" if isinstance(obj, dict) else f"is a {type(obj).__name__}"
+        raise DataError(f"{where}: no 'prompt' field ({has})")
+    prompt, answer = obj["prompt"], obj.get("answer", "")
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
+            raise DataError(f"{where}: prompt: a non-empty list of messages, each an object with a string role")
+    elif not isinstance(prompt, str) or not prompt:
+        raise DataError(f"{where}: prompt: a non-empty string or a list of messages")
+    if not isinstance(answer, str):
+        raise DataError(f"{where}: answer is a {type(answer).__name__}, not a string")
+    return prompt, answer
 
 
 def _preference(obj, where: str) -> tuple:
@@ -329,6 +354,7 @@ def pack_group(
     packing: str = "wrapped",
     prompt_completion: bool = False,
     preference: bool = False,
+    prompts: bool = False,
 ) -> PackedGroup:
     """Tokenize a group's documents (each followed by eos) and pack them into rows of seq_len (`packing`: "wrapped"
     cuts their concatenation, "bfd" keeps each whole in one row, `pack_whole`). `chat`: each document is a
@@ -338,7 +364,9 @@ def pack_group(
     completion (then eos), stored as a conversation is, the completion and its eos the reply. `preference`: each
     record is two such documents, its prompt with the chosen completion then with the rejected one, kept together
     in one piece (so in one row, chosen first: `pylon.jobs.dpo` reads them as pairs); a pair longer than a row is
-    left out and counted (cut, its rejected completion would be lost).
+    left out and counted (cut, its rejected completion would be lost). `prompts`: each record a prompt (text, as
+    `prompt_completion`'s; or messages, rendered by the chat template with its generation prompt) and its answer,
+    stored as a prompt-completion record (an empty answer: the eos alone counted).
 
     Takes the tokenizer's spec, not the object, so that it can run as a Ray task on any node.
     """
@@ -353,12 +381,28 @@ def pack_group(
             f"tokenizer {tok.info.name}: a chat dataset needs a Hugging Face tokenizer directory with a chat template"
         )
     for file in files:
-        docs = read_documents(file, text_field, chat, prompt_completion, preference)
+        docs = read_documents(file, text_field, chat, prompt_completion, preference, prompts)
         if docs is None:
             # Skipped and counted rather than fatal: real corpora (the Python standard library included)
             # hold a few files in legacy encodings; one of them should not sink a run over millions, and
             # the manifest's `skipped_files` plus a warning naming each file keep the choice visible.
             skipped.append(file.uri)
+            continue
+        if prompts:
+            for lineno, prompt, answer in docs:
+                where = f"{file.uri}: line {lineno}"
+                if isinstance(prompt, list):
+                    if not hasattr(tok, "encode_chat_prompt"):
+                        raise DataError(
+                            f"{where}: a prompt of messages needs a Hugging Face tokenizer directory with a chat "
+                            f"template (tokenizer {tok.info.name} is not one)"
+                        )
+                    context = tok.encode_chat_prompt(prompt, where)
+                else:
+                    context = tok.encode(prompt, special=True)
+                ids = np.concatenate([context, tok.encode(answer) if answer else [], [tok.eos_id]]).astype(np.int64)
+                pieces.append(chat_tokens(ids, np.arange(ids.size) >= context.size))
+                documents += 1
             continue
         if prompt_completion or preference:
             for lineno, prompt, *completions in docs:
@@ -556,6 +600,7 @@ class _Job:
     packing: str = "wrapped"
     prompt_completion: bool = False
     preference: bool = False
+    prompts: bool = False
 
 
 @dataclass
@@ -587,6 +632,7 @@ def prepare(
     packing: str = "auto",
     prompt_completion: bool = False,
     preference: bool = False,
+    prompts: bool = False,
 ) -> ShardManifest:
     """Tokenize `sources` into fixed-length shards plus a manifest at `out`; returns the committed manifest.
 
@@ -600,7 +646,9 @@ def prepare(
     JSONL record's `prompt` and `completion`, the loss on the completion (and its eos) only. `preference`: each
     JSONL record's `prompt`, `chosen` and `rejected` (TRL's preference format, for `objective: dpo`): the two
     completions after the prompt as two documents in one row, chosen first (bfd packing only; a pair longer than a
-    row is left out and counted).
+    row is left out and counted). `prompts`: each JSONL record's `prompt` (a string, or messages rendered by the chat
+    template with its generation prompt) and optional `answer` (TRL's prompt-only format, for `objective: grpo`),
+    stored as prompt-completion records.
     """
     started = time.perf_counter()
     if isinstance(sources, str):
@@ -608,14 +656,15 @@ def prepare(
     _check_arguments(sources, fmt, seq_len, shard_size_mb)
     if packing not in PACKINGS:
         raise DataError(f"packing {packing!r}: must be one of {', '.join(PACKINGS)}")
-    if chat + prompt_completion + preference > 1:
+    if chat + prompt_completion + preference + prompts > 1:
         raise DataError(
-            "chat, prompt_completion and preference: choose one (a record is a conversation, a prompt-completion "
-            "pair or a preference pair)"
+            "chat, prompt_completion, preference and prompts: choose one (a record is a conversation, a "
+            "prompt-completion pair, a preference pair or a prompt)"
         )
     if preference and packing == "wrapped":
         raise DataError("packing wrapped: a preference pair must stay whole in one row; use bfd (or auto)")
-    masked = chat or prompt_completion or preference  # the loss on part of each document: `chat_tokens`' words
+    # the loss on part of each document: `chat_tokens`' words
+    masked = chat or prompt_completion or preference or prompts
     if packing == "auto":
         packing = "bfd" if masked else "wrapped"
     tok = load_tokenizer(tokenizer)
@@ -643,6 +692,7 @@ def prepare(
         packing=packing,
         prompt_completion=prompt_completion,
         preference=preference,
+        prompts=prompts,
     )
     executor = _ray_executor(use_ray, [*sources, out] + ([] if tokenizer == "byte" else [tokenizer]))
     log.info(
@@ -686,8 +736,9 @@ def prepare(
             run_id=job.run_id,
             loss_mask=masked,
             document_starts=masked,
-            prompt_completion=prompt_completion or preference,
+            prompt_completion=prompt_completion or preference or prompts,
             preference=preference,
+            prompts=prompts,
             preference_format=_preference_format(outcome) if preference else None,
         )
         manifest.check(out)
@@ -719,7 +770,7 @@ def prepare(
             "whole, packing wrapped keeps every token (cut across rows)",
             outcome.truncated,
             outcome.documents,
-            "conversations" if chat else "records" if prompt_completion else "documents",
+            "conversations" if chat else "records" if prompt_completion or prompts else "documents",
             seq_len,
             outcome.truncated_tokens,
         )
@@ -753,6 +804,7 @@ def prepare_spec(spec: DatasetSpec, **kw) -> ShardManifest:
         packing=spec.packing,
         prompt_completion=spec.prompt_completion,
         preference=spec.preference,
+        prompts=spec.prompts,
         **kw,
     )
 
@@ -860,6 +912,7 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
                 packing=job.packing,
                 prompt_completion=job.prompt_completion,
                 preference=job.preference,
+                prompts=job.prompts,
             )
             outcome.documents += group.documents
             outcome.truncated += group.truncated
@@ -1060,6 +1113,7 @@ def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np
         packing=job.packing,
         prompt_completion=job.prompt_completion,
         preference=job.preference,
+        prompts=job.prompts,
     )
     meta = {
         "rows": group.rows,

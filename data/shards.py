@@ -133,6 +133,9 @@ class ShardManifest(_Model):
     # messages rendered by the chat template; "mixed", both. None: not a preference dataset, or one prepared before
     # Pylon recorded it (read as text)
     preference_format: Literal["text", "conversational", "mixed"] | None = None
+    # A prompts dataset (`pylon data prepare --prompts`, for `objective: grpo`): stored as a prompt-completion one, each
+    # record's answer (possibly empty) its completion
+    prompts: bool = False
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -157,6 +160,8 @@ class ShardManifest(_Model):
                     self.preference_format or "", ")"
                 )
                 if self.preference
+                else "; prompts and their answers, for objective grpo"
+                if self.prompts
                 else "; prompts and completions, the loss on the completions"
                 if self.prompt_completion
                 else "; conversations, the loss on the assistant's replies"

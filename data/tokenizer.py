@@ -165,6 +165,20 @@ class HuggingFaceTokenizer:
         tokenize a pair."""
         return np.asarray(self._tok(text, pair, add_special_tokens=True)["input_ids"], dtype=np.int64)
 
+    def encode_chat_prompt(self, messages: list[dict], where: str) -> np.ndarray:
+        """A conversation's messages rendered by the chat template with its generation prompt (the assistant's turn
+        opened), tokenized as `encode_chat` tokenizes: the prompt a model answers (a prompts dataset's, objective
+        grpo's)."""
+        if not getattr(self._tok, "chat_template", None):
+            raise DataError(
+                f"{where}: tokenizer {self.info.name} has no chat template; conversational prompts need one"
+            )
+        try:
+            text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own error, on this conversation
+            raise DataError(f"{where}: the chat template cannot render it ({type(e).__name__}: {e})") from None
+        return np.asarray(self._tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
     def encode_chat(
         self, messages: list[dict], where: str, tools: list[dict] | None = None
     ) -> list[tuple[np.ndarray, np.ndarray]]:

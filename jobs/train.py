@@ -210,6 +210,12 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
             f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
             "chosen and rejected with `pylon data prepare --preference`"
         )
+    if spec.objective != "grpo" and manifest.prompts:
+        raise PylonError(
+            f"objective {spec.objective}: data.uri {spec.data.uri} holds prompts (`pylon data prepare --prompts`), "
+            "whose answers may be empty, for objective grpo; prepare prompt and completion records with "
+            "`--prompt-completion` to fine-tune on them"
+        )
     if spec.objective == "grpo":
         from pylon.jobs.grpo import check_rewards
 
@@ -222,9 +228,9 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
                     if held == "conversations"
                     else ""
                 )
-                + "; it samples completions of prompts: prepare JSONL of prompt and completion (the answer the reward "
-                "functions compare with) with `pylon data prepare --prompt-completion`, or conversations (the last "
-                "assistant reply the answer) with `--chat`"
+                + "; it samples completions of prompts: prepare JSONL of prompts and their answers, which the reward "
+                "functions compare with, with `pylon data prepare --prompts` (or `--prompt-completion`), or "
+                "conversations (the last assistant reply the answer) with `--chat`"
             )
         check_rewards(spec)
     if spec.objective == "reward" and manifest.preference_format == "mixed":

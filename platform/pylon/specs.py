@@ -144,6 +144,12 @@ class DatasetSpec(_Spec):
         "a TrainJob with objective dpo, simpo or orpo; strings, or lists of messages rendered by the chat "
         "template): the prompt with each completion, the pair in one row, the loss on the completions",
     )
+    prompts: bool = Field(
+        False,
+        description="JSONL of {'prompt': ..., 'answer': ...} records (TRL's prompt-only format, for a TrainJob with "
+        "objective grpo): the prompt a string, or a list of messages rendered by the chat template with its generation "
+        "prompt; the answer (optional) what reward functions compare completions with",
+    )
     packing: Literal["auto", "wrapped", "bfd"] = Field(
         "auto",
         description="how documents fill the rows: wrapped, one after another, cut wherever a row ends (no padding; a "

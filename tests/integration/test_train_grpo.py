@@ -1,5 +1,5 @@
-"""Group relative policy optimisation end to end on the session's Ray cluster: prompts prepared with
-`--prompt-completion` (the completion each prompt's answer), a TrainJob with `objective: grpo` submitted through the
+"""Group relative policy optimisation end to end on the session's Ray cluster: prompts and answers prepared with
+`--prompts`, a TrainJob with `objective: grpo` submitted through the
 SDK, whose reward function is the user's own module in the directory it is submitted from (shipped with the job) beside
 a built-in one; two workers at ZeRO-3 with LoRA, so every completion is sampled with the forward passes of both ranks in
 step (each gathers the layers collectively), and a KL term against the adapters disabled. The reward rises as the model
@@ -40,8 +40,8 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
     monkeypatch.chdir(tmp_path)  # the directory the job is submitted from: its reward module travels with it
     (tmp_path / "user_rewards.py").write_text(textwrap.dedent(REWARDS))
     data = str(tmp_path / "prompts")
-    records = [{"prompt": f"Say a{'!' * i}: ", "completion": "a"} for i in range(8)]
-    prepare([_jsonl(tmp_path / "p.jsonl", records)], data, seq_len=16, prompt_completion=True, use_ray=False,
+    records = [{"prompt": f"Say a{'!' * i}: ", "answer": "a"} for i in range(8)]
+    prepare([_jsonl(tmp_path / "p.jsonl", records)], data, seq_len=16, prompts=True, use_ray=False,
             progress=False)  # fmt: skip
     spec = {
         "kind": "TrainJob",

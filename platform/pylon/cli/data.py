@@ -37,6 +37,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         packing=args.packing,
         prompt_completion=args.prompt_completion,
         preference=args.preference,
+        prompts=args.prompts,
     )
     seconds = max(time.perf_counter() - started, 1e-9)
     t = manifest.totals
@@ -230,6 +231,13 @@ def _add_prepare_parser(dsub, fmt) -> None:
         help="each JSONL record's prompt, chosen and rejected (TRL's preference format: strings, or lists of "
         "messages rendered by the chat template), for a TrainJob with objective dpo, simpo or orpo: the prompt "
         "with each completion, the pair kept together in one row, the loss on the completions",
+    )
+    pr.add_argument(
+        "--prompts",
+        action="store_true",
+        help="each JSONL record's prompt (a string, or messages rendered by the chat template with its generation "
+        "prompt) and optional answer string (TRL's prompt-only format), for a TrainJob with objective grpo: the "
+        "prompts it samples from, the answers its reward functions compare with",
     )
     pr.add_argument(
         "--packing",

@@ -55,7 +55,7 @@ BAD_ERRORS = [
     "bad.yaml:6: document 1 (TrainJob 'job'): deepspeed.zero_stage: must be one of 0, 1, 2, 3 (got 5)",
     "bad.yaml:12: document 2 (Dataset 'ds'): format: must be one of parquet, webdataset (got 'csv')",
     "bad.yaml:13: document 2 (Dataset 'ds'): colour: unknown field; allowed fields: kind, name, sources, output, "
-    "format, seq_len, tokenizer, include, exclude, shard_size_mb, chat, prompt_completion, preference, packing",
+    "format, seq_len, tokenizer, include, exclude, shard_size_mb, chat, prompt_completion, preference, prompts, packing",
 ]
 
 

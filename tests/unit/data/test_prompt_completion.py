@@ -72,7 +72,7 @@ def test_bad_records_name_their_line_and_field(tmp_path) -> None:
     (tmp_path / "plain.txt").write_text("text")
     with pytest.raises(DataError, match="a prompt-completion dataset is JSON Lines"):
         prepare([str(tmp_path / "plain.txt")], str(tmp_path / "o9"), prompt_completion=True, progress=False)
-    with pytest.raises(DataError, match="chat, prompt_completion and preference: choose one"):
+    with pytest.raises(DataError, match="chat, prompt_completion, preference and prompts: choose one"):
         prepare([source], str(tmp_path / "o8"), chat=True, prompt_completion=True, progress=False)
 
 

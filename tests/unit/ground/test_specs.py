@@ -657,7 +657,7 @@ def test_constructing_specs_in_python() -> None:
             DatasetSpec,
             [
                 "colour: unknown field; allowed fields: kind, name, sources, output, format, seq_len, "
-                "tokenizer, include, exclude, shard_size_mb, chat, prompt_completion, preference, packing"
+                "tokenizer, include, exclude, shard_size_mb, chat, prompt_completion, preference, prompts, packing"
             ],
         ),
         (

@@ -95,6 +95,61 @@ def test_a_conversation_is_its_last_reply_after_the_generation_prompt(tmp_path) 
     assert sorted((tok.decode(p), tok.decode(a)) for p, a in found) == want
 
 
+def test_a_prompts_dataset_holds_text_and_chat_prompts_with_optional_answers(tmp_path) -> None:
+    from test_chat_data import _tokenizer
+
+    from pylon.data.shards import DataError, read_manifest
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.jobs.train import check_objective
+
+    tokenizer = _tokenizer(tmp_path / "tok")
+    chat = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "And of Norway?"}]
+    records = [
+        {"prompt": "What is the capital of France? ", "answer": "Paris"},
+        {"prompt": chat, "answer": "Oslo"},
+        {"prompt": "hello there", "id": 7},  # no answer: the prompt alone (other fields ignored)
+    ]
+    out = str(tmp_path / "prompts")
+    manifest = prepare([_jsonl(tmp_path / "p.jsonl", records)], out, seq_len=64, tokenizer=tokenizer, prompts=True,
+                       progress=False)  # fmt: skip
+    assert manifest.prompts and manifest.prompt_completion and manifest.loss_mask and manifest.document_starts
+    assert "prompts and their answers, for objective grpo" in manifest.summary()
+    tok = load_tokenizer(tokenizer)
+    _, tokens, num_tokens, ids = read_rows(out)
+    found = prompts_and_answers(Batch(ids, tokens, num_tokens, 0.0, True, tok.eos_id), tok.eos_id)
+    hf = tok._tok
+    want = [
+        (hf.decode(hf("What is the capital of France? ")["input_ids"]), "Paris"),
+        (hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), "Oslo"),
+        (hf.decode(hf("hello there")["input_ids"]), ""),
+    ]
+    assert sorted((tok.decode(p), tok.decode(a)) for p, a in found) == sorted(want)
+    grpo = _spec().model_copy(update={"data": _spec().data.model_copy(update={"uri": out})})
+    check_objective(grpo, read_manifest(out))
+    sft = TrainJobSpec.model_validate(
+        {"name": "s", "model": {"preset": "llama-tiny"}, "data": {"uri": out}, "steps": 1}
+    )
+    with pytest.raises(PylonError, match=r"objective causal_lm: data.uri .* holds prompts .* for objective grpo"):
+        check_objective(sft, read_manifest(out))
+    for record, message in [
+        ({"answer": "x"}, r"line 1: no 'prompt' field \(has \['answer'\]\)"),
+        ({"prompt": ""}, "line 1: prompt: a non-empty string or a list of messages"),
+        (
+            {"prompt": [{"content": "hi"}]},
+            "line 1: prompt: a non-empty list of messages, each an object with a string role",
+        ),
+        ({"prompt": "q", "answer": 4}, "line 1: answer is a int, not a string"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            prepare([_jsonl(tmp_path / "bad.jsonl", [record])], str(tmp_path / "bad"), seq_len=64, tokenizer=tokenizer,
+                    prompts=True, progress=False)  # fmt: skip
+    with pytest.raises(DataError, match="a prompt of messages needs a Hugging Face tokenizer directory"):
+        prepare([_jsonl(tmp_path / "c.jsonl", [{"prompt": chat}])], str(tmp_path / "b2"), seq_len=64, prompts=True,
+                progress=False)  # fmt: skip
+    with pytest.raises(DataError, match="choose one"):
+        prepare([str(tmp_path / "p.jsonl")], str(tmp_path / "b3"), prompts=True, prompt_completion=True, progress=False)
+
+
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt-tiny"])  # rotary positions, and learnt absolute ones
 def test_greedy_sampling_from_left_padded_prompts_is_each_prompts_own_continuation(preset) -> None:
     model = _model(preset=preset)
@@ -303,7 +358,7 @@ def test_check_objective_refuses_data_without_prompts(tmp_path) -> None:
     text = str(tmp_path / "text")
     prepare([str(tmp_path / "t.txt")], text, seq_len=32, progress=False)
     spec = _spec()
-    with pytest.raises(PylonError, match=r"objective grpo: data.uri .* holds text.*--prompt-completion"):
+    with pytest.raises(PylonError, match=r"objective grpo: data.uri .* holds text.*--prompts"):
         check_objective(spec, read_manifest(text))
     _, pc = _batch(tmp_path)
     check_objective(spec, read_manifest(pc))
