@@ -1,10 +1,10 @@
 """Group relative policy optimisation end to end on the session's Ray cluster: prompts and answers prepared with
-`--prompts`, a TrainJob with `objective: grpo` submitted through the
-SDK, whose reward function is the user's own module in the directory it is submitted from (shipped with the job) beside
-a built-in one; two workers at ZeRO-3 with LoRA, so every completion is sampled with the forward passes of both ranks in
-step (each gathers the layers collectively), and a KL term against the adapters disabled. The reward rises as the model
-learns to say what it is asked; the held-out prompts' greedy completions are scored; the run exports its model and
-plots its reward (tests/unit/jobs/test_grpo.py checks the sampling, the advantages and the loss against TRL's)."""
+`--prompts`, a TrainJob with `objective: grpo` submitted through the SDK, whose reward function is the user's own
+module in the directory it is submitted from (shipped with the job) beside a built-in one; two workers at ZeRO-3 with
+LoRA and a KL term against the adapters disabled, sampling from the model gathered once per micro-batch (and, under
+`make test-all`, layer by layer with both ranks decoding in step). The reward rises as the model learns to say what it
+is asked; the held-out prompts' greedy completions are scored; the run exports its model and plots its reward
+(tests/unit/jobs/test_grpo.py checks the sampling, the advantages and the loss against TRL's)."""
 
 from __future__ import annotations
 
