@@ -499,3 +499,28 @@ def replace_loss(loss: GrpoLoss, **changes) -> GrpoLoss:
     from dataclasses import replace
 
     return replace(loss, **changes)
+
+
+def test_a_chunked_output_layer_gives_the_same_token_logprobs_and_gradients() -> None:
+    """`loss_chunk_tokens`: the completions' log-probabilities a chunk at a time (no whole logits), as the whole."""
+    from pylon.models import build_model
+
+    spec = _spec().model_copy(update={"loss_chunk_tokens": 3})
+    chunked = build_model(spec, vocab_size=258, eos_id=EOS, pad_id=PAD, seed=0)
+    whole = _model(seed=0).train()
+    prompts = [np.array([72, 105]), np.array([65, 66, 67])]
+    completions = [np.array([1, 2, EOS]), np.array([3]), np.array([4, 5]), np.array([6, 7, 8, 9])]
+    inputs = completion_batch(prompts, completions, PAD, "cpu")
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    grads = []
+    for model, is_chunked in ((chunked, True), (whole, False)):
+        lp, rows = token_logprobs(model, inputs, chunked=is_chunked)
+        total, count, _ = grpo_losses(lp, rows, adv, GrpoLoss(kind="grpo"), 4)
+        (total / count).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert rows.tolist() == [0, 0, 0, 1, 2, 2, 3, 3, 3, 3]
+        if is_chunked:
+            first = lp.detach()
+        else:
+            assert torch.allclose(lp.detach(), first, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
