@@ -29,23 +29,21 @@ def share_of_answer(completions, answers, **kw):
 """
 
 
-# (make test gathers the model once for sampling, the default; make test-all also decodes layer by layer, every rank
-# in step: the collectives per token)
-@pytest.mark.parametrize(
-    "gather", [pytest.param(True, id="gathered"), pytest.param(False, id="per-layer-in-step", marks=pytest.mark.slow)]
-)
-def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monkeypatch, gather):
+def _grpo_spec(tmp_path, monkeypatch, name: str = "grpo", gather: bool = True) -> dict:
+    """Prompts whose answer is "a" and a TrainJob learning to say it: a user's reward module in the submitting
+    directory beside a built-in; two workers at ZeRO-3, LoRA, a KL term."""
     from pylon.data.prepare import prepare
 
     monkeypatch.chdir(tmp_path)  # the directory the job is submitted from: its reward module travels with it
     (tmp_path / "user_rewards.py").write_text(textwrap.dedent(REWARDS))
     data = str(tmp_path / "prompts")
-    records = [{"prompt": f"Say a{'!' * i}: ", "answer": "a"} for i in range(8)]
-    prepare([_jsonl(tmp_path / "p.jsonl", records)], data, seq_len=16, prompts=True, use_ray=False,
-            progress=False)  # fmt: skip
-    spec = {
+    if not (tmp_path / "prompts").exists():
+        records = [{"prompt": f"Say a{'!' * i}: ", "answer": "a"} for i in range(8)]
+        prepare([_jsonl(tmp_path / "p.jsonl", records)], data, seq_len=16, prompts=True, use_ray=False,
+                progress=False)  # fmt: skip
+    return {
         "kind": "TrainJob",
-        "name": "grpo",
+        "name": name,
         "model": {"preset": "llama-tiny"},
         "objective": "grpo",
         "grpo": {
@@ -65,16 +63,30 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
         "eval": {"every_steps": 12},
         "checkpoint": {"storage": str(tmp_path / "runs"), "every_steps": 6},
     }
+
+
+def _run(spec: dict) -> tuple[str, list[dict], list[dict]]:
+    """Submit `spec` and wait: (its job's logs, its steps' records, its evaluations)."""
     client = pylon.connect()
     run = client.train(spec)
     status = client.wait_job(run.job_id, timeout_s=600, poll_s=1)
     logs = client.job_logs(run.job_id)
     assert status == "SUCCEEDED", logs[-4000:]
+    run_dir = Path(spec["checkpoint"]["storage"]) / spec["name"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return (
+        logs,
+        [r for r in records if r.get("kind", "train") == "train"],
+        [r for r in records if r.get("kind") == "eval"],
+    )
+
+
+def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monkeypatch):
+    spec = _grpo_spec(tmp_path, monkeypatch)
+    logs, steps, evals = _run(spec)
     assert "greedy completions" in logs and "grpo_reward" in logs, logs[-4000:]  # the evaluation's line, step records
     run_dir = tmp_path / "runs" / "grpo"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("kind", "train") == "train"]
-    (evaluation,) = [r for r in records if r.get("kind") == "eval"]
+    (evaluation,) = evals
     assert [r["step"] for r in steps] == list(range(1, 13))
     rewards = [round(r["grpo_reward"], 3) for r in steps]
     print("grpo: rewards by step", rewards)
@@ -92,3 +104,18 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
     assert evaluation["val_grpo_completions"] == 2 and evaluation["val_grpo_reward"] > 0.5, evaluation
     assert evaluation["val_loss"] > 0  # the dataset's own completions' loss, as for any prompt-completion run
     assert (run_dir / "export" / "config.json").exists() and (run_dir / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # (make test-all: three more jobs)
+def test_a_resumed_grpo_run_samples_and_learns_what_the_uninterrupted_one_did(ray_cluster, tmp_path, monkeypatch):
+    """A run stopped at its step-6 checkpoint and submitted again goes on from there, sampling with the same seeds
+    and the same restored state: its steps 7-12 are, figure for figure, an uninterrupted run's. The uninterrupted one
+    decodes layer by layer with both ranks in step (`zero3_gather_for_sampling: false`), the same model either way."""
+    whole = _run(_grpo_spec(tmp_path, monkeypatch, "whole", gather=False))[1]
+    _run(_grpo_spec(tmp_path, monkeypatch, "split") | {"steps": 6, "eval": {"every_steps": 6}})
+    logs, resumed, _ = _run(_grpo_spec(tmp_path, monkeypatch, "split"))
+    assert "resumed split from step 6" in logs, logs[-4000:]
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    keys = ["loss", "grpo_reward", "grpo_kl", "grpo_completion_length", "grpo_rewards.share_of_answer"]
+    for a, b in zip(whole, resumed):
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7) for k in keys), (a["step"], a, b)
