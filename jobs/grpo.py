@@ -17,8 +17,11 @@ micro-batch, in code order:
 4. **Loss** (`grpo_losses`), on the prompt and completion as one sequence, over the completion's tokens (its eos
    included): per token, -exp(log pi - sg(log pi)) A + beta KL, with KL = exp(ref - log pi) - (ref - log pi) - 1
    (Schulman's k3, against the model as it started: with lora its adapters disabled, else a frozen copy; only with
-   beta > 0). Each sampled batch is trained on once, so pi is the sampling policy and the PPO ratio is 1: its value
-   is 1 and its gradient A grad log pi, and clipping has nothing to clip (TRL with num_iterations 1). Averaged
+   beta > 0), here with the PPO ratio r = exp(log pi - log pi_old) against the sampling policy, clipped as TRL clips
+   it: -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A). Trained on once (`iterations` 1, TRL's default), pi is
+   the sampling policy: r is 1 and its gradient A grad log pi. With `iterations` mu, a sampled micro-batch
+   (`Rollout`) is kept and trained on at mu steps, the later ones' ratios against its sampling log-probabilities.
+   Averaged
    (`loss`): dapo over every completion token of the micro-batch on every rank; grpo per completion, then over
    completions; dr_grpo each completion's sum over max_completion_tokens, then over completions.
 
@@ -236,6 +239,9 @@ class GrpoLoss:
     scale: str = "group"
     chunked: bool = False
     gather: bool = True  # at ZeRO-3, the whole model gathered once for sampling (`zero3_gather_for_sampling`)
+    iterations: int = 1  # updates on each sampled micro-batch (TRL's num_iterations)
+    epsilon: float = 0.2  # the clip below 1 of the policy ratio
+    epsilon_high: float = 0.2  # and above (DAPO's clip-higher: larger)
 
     @classmethod
     def of(cls, spec) -> "GrpoLoss":
@@ -250,6 +256,9 @@ class GrpoLoss:
             scale=g.scale_rewards,
             chunked=spec.loss_chunk_tokens > 0,
             gather=g.zero3_gather_for_sampling,
+            iterations=g.iterations,
+            epsilon=g.epsilon,
+            epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
         )
 
     @property
@@ -478,26 +487,35 @@ def token_logprobs(model, inputs: dict, chunked: bool):
     return lp.float(), rows
 
 
-def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=None):
+def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=None, old_logps=None):
     """The micro-batch's summed loss and what it is averaged over (`loss.kind`: its completion tokens for dapo, its
-    completions for grpo and dr_grpo), and the summed per-token KL (0 without a reference). `logps`, `rows`:
-    `token_logprobs`; `advantages` [rows]."""
+    completions for grpo and dr_grpo), and [the summed per-token KL (0 without a reference), tokens clipped below,
+    tokens clipped above]. `logps`, `rows`: `token_logprobs`; `advantages` [rows]; `old_logps` the sampling policy's
+    (None: the model is still that policy, its first update of the batch). TRL's clipped surrogate: with r =
+    exp(log pi - log pi_old), -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); r is 1 on the first update."""
     import torch
 
-    per_token = -torch.exp(logps - logps.detach()) * advantages[rows]
+    old = logps.detach() if old_logps is None else old_logps
+    a = advantages[rows]
+    ratio = torch.exp(logps - old)
+    clipped = torch.clamp(ratio, 1 - loss.epsilon, 1 + loss.epsilon_high)
+    per_token = -torch.minimum(ratio * a, clipped * a)
+    low = ((ratio < 1 - loss.epsilon) & (a < 0)).sum()
+    high = ((ratio > 1 + loss.epsilon_high) & (a > 0)).sum()
     kl = torch.zeros((), device=logps.device)
     if ref_logps is not None:
         d = ref_logps - logps
         per_token_kl = torch.exp(d) - d - 1
         per_token = per_token + loss.beta * per_token_kl
         kl = per_token_kl.detach().sum()
+    figures = torch.stack([kl.float(), low.float(), high.float()])
     if loss.kind == "dapo":
-        return per_token.sum(), int(logps.numel()), kl
+        return per_token.sum(), int(logps.numel()), figures
     sums = torch.zeros(n_rows, device=logps.device, dtype=per_token.dtype).index_add(0, rows, per_token)
     if loss.kind == "grpo":
         counts = torch.bincount(rows, minlength=n_rows).clamp(min=1)
-        return (sums / counts).sum(), n_rows, kl
-    return sums.sum() / loss.max_tokens, n_rows, kl  # dr_grpo
+        return (sums / counts).sum(), n_rows, figures
+    return sums.sum() / loss.max_tokens, n_rows, figures  # dr_grpo
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -514,12 +532,28 @@ STAT_NAMES = (
     "clipped",
     "kl",
     "kl_tokens",
+    "clipped_low",
+    "clipped_high",
+    "policy_tokens",
 )
 
 
-def grpo_forward(
+@dataclass
+class Rollout:
+    """A micro-batch's completions, sampled and scored (steps 1-3): what `grpo_train` trains on, once, or
+    `iterations` times (then with the sampling policy's log-probabilities, `old_logps`)."""
+
+    inputs: dict  # `completion_batch`
+    advantages: object  # [completions] float32 tensor
+    completions: int
+    tokens: int  # completion tokens
+    stats: list  # STAT_NAMES' sampling figures (completions .. clipped), then each function's score sum and count
+    sample_s: float
+    old_logps: object = None
+
+
+def grpo_sample(
     engine,
-    module,
     batch,
     loss: GrpoLoss,
     rewards: Rewards,
@@ -528,18 +562,14 @@ def grpo_forward(
     eos_id: int,
     pad_id: int,
     seed: int,
-    reference=None,
     synced: bool = False,
-) -> tuple:
-    """Sample, score and train one micro-batch (steps 1-4). Returns (the summed loss as a tensor, what it is averaged
-    over, completion tokens counted, [STAT_NAMES' sums..., each reward function's score sum..., and count...], the
-    seconds spent sampling)."""
+) -> Rollout:
+    """Sample and score one micro-batch (steps 1-3); with `loss.iterations` > 1, the sampling policy's
+    log-probabilities too (a pass without gradients), which the later updates' ratios are taken against."""
     import torch
 
-    from pylon.jobs.dpo import as_reference
-
     device = engine.device
-    pairs = prompts_and_answers(batch, eos_id) if len(batch) else []
+    pairs = prompts_and_answers(batch, eos_id) if batch is not None and len(batch) else []
     prompts = [p for p, _ in pairs]
     t0 = time.perf_counter()
     with sampling_model(engine, loss, synced) as (sampler, in_step):
@@ -560,6 +590,43 @@ def grpo_forward(
     else:
         scores, reward, advantages, group_std = np.zeros((0, k)), np.zeros(0), np.zeros(1), np.zeros(0)
     inputs = completion_batch(prompts, completions, pad_id, device)
+    old = None
+    if loss.iterations > 1:
+        with torch.no_grad():
+            old, _ = token_logprobs(engine, inputs, loss.chunked)
+    lengths = [len(c) for c in completions]
+    stats = [
+        float(len(completions)),
+        float(reward.sum()),
+        float(group_std.sum()),
+        float(len(group_std)),
+        float((group_std < 1e-8).sum()),
+        float(sum(lengths)),
+        float(sum(1 for c in completions if not (len(c) and c[-1] == eos_id))),
+        *[float(np.nansum(scores[:, j])) for j in range(k)],
+        *[float((~np.isnan(scores[:, j])).sum()) for j in range(k)],
+    ]
+    return Rollout(
+        inputs=inputs,
+        advantages=torch.as_tensor(advantages, dtype=torch.float32, device=device),
+        completions=len(completions),
+        tokens=int(sum(lengths)),
+        stats=stats,
+        sample_s=sample_s,
+        old_logps=old,
+    )
+
+
+def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None, first: bool = True) -> tuple:
+    """Step 4 on a `Rollout`: the reference's pass (beta > 0; `reference` the frozen copy, or None: `module` with its
+    adapters disabled), then the trained one. `first`: the batch's first update (the model is still the sampling
+    policy). Returns (the summed loss as a tensor, what it is averaged over, completion tokens counted,
+    [STAT_NAMES' sums..., each reward function's score sum..., and count...])."""
+    import torch
+
+    from pylon.jobs.dpo import as_reference
+
+    inputs = rollout.inputs
     ref = None
     if loss.needs_reference:
         with torch.no_grad():
@@ -569,26 +636,39 @@ def grpo_forward(
                 with as_reference(module):
                     ref, _ = token_logprobs(module, inputs, loss.chunked)
     logps, rows = token_logprobs(engine, inputs, loss.chunked)
-    adv = torch.as_tensor(advantages, dtype=torch.float32, device=device)
-    loss_sum, count, kl = grpo_losses(logps, rows, adv, loss, int(inputs["input_ids"].shape[0]), ref)
-    if not completions:
+    old = None if first else rollout.old_logps
+    loss_sum, count, figures = grpo_losses(
+        logps, rows, rollout.advantages, loss, int(inputs["input_ids"].shape[0]), ref, old
+    )
+    if not rollout.completions:
         loss_sum, count = loss_sum * 0.0, 0
-    lengths = [len(c) for c in completions]
-    clipped = sum(1 for c in completions if not (len(c) and c[-1] == eos_id))
-    stats = [
-        float(len(completions)),
-        float(reward.sum()),
-        float(group_std.sum()),
-        float(len(group_std)),
-        float((group_std < 1e-8).sum()),
-        float(sum(lengths)),
-        float(clipped),
-        float(kl.item()) if completions else 0.0,
-        float(logps.numel()) if completions and ref is not None else 0.0,
-        *[float(np.nansum(scores[:, j])) for j in range(k)],
-        *[float((~np.isnan(scores[:, j])).sum()) for j in range(k)],
-    ]
-    return loss_sum, count, int(sum(lengths)), stats, sample_s
+    kl, low, high = figures.tolist() if rollout.completions else (0.0, 0.0, 0.0)
+    n = float(logps.numel()) if rollout.completions else 0.0
+    k = (len(rollout.stats) - 7) // 2
+    stats = [*rollout.stats[:7], kl, n if ref is not None else 0.0, low, high, n, *rollout.stats[7 : 7 + 2 * k]]
+    return loss_sum, count, rollout.tokens, stats
+
+
+def grpo_forward(
+    engine,
+    module,
+    batch,
+    loss: GrpoLoss,
+    rewards: Rewards,
+    tokenizer,
+    *,
+    eos_id: int,
+    pad_id: int,
+    seed: int,
+    reference=None,
+    synced: bool = False,
+) -> tuple:
+    """Sample, score and train one micro-batch once (steps 1-4: `grpo_sample`, then `grpo_train`). Returns
+    `grpo_train`'s figures and the seconds spent sampling."""
+    rollout = grpo_sample(
+        engine, batch, loss, rewards, tokenizer, eos_id=eos_id, pad_id=pad_id, seed=seed, synced=synced
+    )
+    return (*grpo_train(engine, module, rollout, loss, reference), rollout.sample_s)
 
 
 def grpo_record(sums: list[float], names: list[str], prefix: str = "") -> dict:
@@ -609,6 +689,8 @@ def grpo_record(sums: list[float], names: list[str], prefix: str = "") -> dict:
     }
     if s["kl_tokens"]:
         record[f"{p}kl"] = s["kl"] / s["kl_tokens"]
+    if s["policy_tokens"]:  # the share of tokens whose ratio the clip held (TRL's clip_ratio; 0 on a first update)
+        record[f"{p}clip_ratio"] = (s["clipped_low"] + s["clipped_high"]) / s["policy_tokens"]
     for name, total, count in zip(names, func_sums, func_counts):
         record[f"{p}rewards.{name}"] = total / count if count else None
     return record

@@ -258,7 +258,7 @@ def train_loop(config: dict) -> None:
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.jobs.dpo import DpoLoss, RunningMean, dpo_forward, dpo_record, frozen_reference
-    from pylon.jobs.grpo import GrpoEvaluation, GrpoLoss, Rewards, grpo_forward, grpo_record, sample_seed
+    from pylon.jobs.grpo import GrpoEvaluation, GrpoLoss, Rewards, grpo_record, grpo_sample, grpo_train, sample_seed
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
@@ -422,15 +422,18 @@ def train_loop(config: dict) -> None:
     def record_moved(totals) -> None:
         ledger.bytes_moved(data_read=totals[0], checkpoint_written=totals[1], checkpoint_read=totals[2])
 
+    rollouts: dict = {}  # objective grpo with iterations > 1: the last sampled batch's micro-batches, by index
     while step < spec.steps:
         t_step = time.perf_counter()
         step_started_at = time.time()
         wait_s, loss_sum, tokens_sum, aux_sum, aux_n = 0.0, 0.0, 0, 0.0, 0
         pairs_sum, dpo_sums = 0, [0.0, 0.0, 0.0]  # objective dpo: pairs; chosen and rejected rewards, correct pairs
-        grpo_sums, sample_s = [0.0] * (9 + 2 * len(rewards.functions) if rewards else 0), 0.0  # objective grpo's
+        grpo_sums, sample_s = [0.0] * (12 + 2 * len(rewards.functions) if rewards else 0), 0.0  # objective grpo's
+        # objective grpo: a step that samples (and reads data), or one of the later updates on the last sampled batch
+        fresh = grpo is None or step % grpo.iterations == 0
         for micro in range(gas):
-            batch = next(batches)
-            wait_s += batch.wait_s
+            batch = next(batches) if fresh else None
+            wait_s += batch.wait_s if batch is not None else 0.0
             inputs = (
                 None  # (objective grpo trains on the completions it samples)
                 if grpo is not None
@@ -438,25 +441,31 @@ def train_loop(config: dict) -> None:
                 if len(batch)
                 else _padding_batch(stream, device)
             )
-            if grpo is not None:  # sample, score, train (its loss averaged over what `grpo.loss` says)
-                loss_t, count, n_tokens, stats, seconds = grpo_forward(
-                    engine,
-                    engine.module,
-                    batch,
-                    grpo,
-                    rewards,
-                    text_tokenizer,
-                    eos_id=tok.eos_id,
-                    pad_id=tok.pad_id,
-                    seed=sample_seed(seed, step, micro, rank),
-                    reference=reference,
-                    synced=synced,
+            if grpo is not None:  # sample and score, then train (its loss averaged over what `grpo.loss` says)
+                if fresh:
+                    rollout = grpo_sample(
+                        engine,
+                        batch,
+                        grpo,
+                        rewards,
+                        text_tokenizer,
+                        eos_id=tok.eos_id,
+                        pad_id=tok.pad_id,
+                        seed=sample_seed(seed, step, micro, rank),
+                        synced=synced,
+                    )
+                    sample_s += rollout.sample_s
+                    if grpo.iterations > 1:
+                        rollouts[micro] = rollout
+                else:
+                    rollout = rollouts[micro]
+                loss_t, count, n_tokens, stats = grpo_train(
+                    engine, engine.module, rollout, grpo, reference, first=fresh
                 )
                 loss, local_sum = _global_mean_loss(loss_t, count, world)
                 aux = None
                 pairs_sum += count
                 grpo_sums = [a + b for a, b in zip(grpo_sums, stats)]
-                sample_s += seconds
             elif dpo:
                 loss_t, pairs, n_tokens, stats, _ = dpo_forward(
                     engine,

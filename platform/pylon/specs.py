@@ -496,6 +496,16 @@ class GrpoSpec(_Spec):
         "micro-batch's ranks; grpo, over each completion's tokens, then over completions (longer completions' tokens "
         "weigh less); dr_grpo, summed per completion and divided by max_completion_tokens (Dr. GRPO)",
     )
+    iterations: PositiveInt = Field(
+        1,
+        description="updates on each sampled micro-batch (TRL's num_iterations, PPO's epochs): its completions are "
+        "sampled at the first of every `iterations` steps and trained on at each, the policy ratio against the "
+        "sampling policy clipped by epsilon; steps and checkpoint.every_steps must be multiples of it",
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="the clip of the policy ratio below 1: 1 - epsilon")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="the clip above 1: 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28); None: epsilon"
+    )
     zero3_gather_for_sampling: bool = Field(
         True,
         description="at ZeRO-3, gather the whole model on every worker once for each micro-batch's sampling rather "
@@ -687,6 +697,11 @@ class TrainJobSpec(_Spec):
                 )
             if self.neftune_noise_alpha:
                 problems.append(("neftune_noise_alpha", "would add noise to the sampled completions' scores: set 0"))
+            mu = self.grpo.iterations if self.grpo is not None else 1
+            for field, value in (("steps", self.steps), ("checkpoint.every_steps", self.checkpoint.every_steps)):
+                if value % mu:
+                    why = "a checkpoint between the updates of one sampled batch would have to keep its completions"
+                    problems.append((field, f"must be a multiple of grpo.iterations ({mu}): {why} (got {value})"))
         elif self.grpo is not None:
             problems.append(("grpo", f"sets objective grpo's sampling and rewards; objective is {objective}"))
         if self.reward_center_coefficient and objective != "reward":

@@ -25,6 +25,8 @@ from pylon.jobs.grpo import (
     grpo_forward,
     grpo_losses,
     grpo_record,
+    grpo_sample,
+    grpo_train,
     prompts_and_answers,
     sample_completions,
     sample_seed,
@@ -213,7 +215,8 @@ def test_the_loss_is_the_policy_gradient_and_kl_trl_writes(kind) -> None:
     adv = torch.tensor([1.5, -0.5, -1.0])
     loss = GrpoLoss(beta=0.04, kind=kind, max_tokens=4)
     logps = base.clone().requires_grad_(True)
-    total, count, kl = grpo_losses(logps, rows, adv, loss, 3, ref)
+    total, count, figures = grpo_losses(logps, rows, adv, loss, 3, ref)
+    kl = figures[0]
     (total / count).backward()
     # TRL's per-token loss: -exp(lp - sg(lp)) A + beta (exp(ref - lp) - (ref - lp) - 1), reduced by loss_type
     lp = base.clone().requires_grad_(True)
@@ -229,6 +232,34 @@ def test_the_loss_is_the_policy_gradient_and_kl_trl_writes(kind) -> None:
     assert torch.allclose(logps.grad, lp.grad, atol=1e-6)
     assert abs(float(kl) - float((torch.exp(ref - base) - (ref - base) - 1).sum())) < 1e-5
     assert count == (6 if kind == "dapo" else 3)
+
+
+@pytest.mark.parametrize("kind", ["dapo", "grpo"])
+def test_a_later_update_clips_the_policy_ratio_as_trl_does(kind) -> None:
+    """`iterations` > 1: against the sampling policy's log-probabilities, TRL's clipped surrogate, DAPO's clip-higher
+    above; the tokens the clip held counted by side."""
+    torch.manual_seed(1)
+    rows = torch.tensor([0, 0, 0, 1, 2, 2])
+    base, old = torch.randn(6), torch.randn(6)  # ratios from ~0.1 to ~10: some inside, some clipped each way
+    adv = torch.tensor([1.5, -0.5, -1.0])
+    loss = GrpoLoss(kind=kind, epsilon=0.2, epsilon_high=0.28)
+    logps = base.clone().requires_grad_(True)
+    total, count, figures = grpo_losses(logps, rows, adv, loss, 3, None, old)
+    (total / count).backward()
+    lp = base.clone().requires_grad_(True)
+    coef_1 = torch.exp(lp - old)
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.28)
+    per_token = -torch.min(coef_1 * adv[rows], coef_2 * adv[rows])  # TRL's
+    grid = torch.zeros(3, 3).index_put((rows, torch.tensor([0, 1, 2, 0, 0, 1])), per_token)
+    counts = torch.tensor([3.0, 1.0, 2.0])
+    want = grid.sum() / 6 if kind == "dapo" else (grid.sum(1) / counts).mean()
+    want.backward()
+    assert abs(float(total.detach() / count) - float(want)) < 1e-6
+    assert torch.allclose(logps.grad, lp.grad, atol=1e-6)
+    low = int(((coef_1 < 0.8) & (adv[rows] < 0)).sum())
+    high = int(((coef_1 > 1.28) & (adv[rows] > 0)).sum())
+    assert figures[1:].tolist() == [low, high] and low + high > 0
+    assert (lp.grad == 0).any()  # a clipped token: no gradient
 
 
 def test_token_logprobs_count_the_completion_tokens_only(tmp_path) -> None:
@@ -345,6 +376,11 @@ def test_the_spec_refuses_what_grpo_cannot_run_with() -> None:
         ({"grpo": {"rewards": [{"function": "not a path"}]}}, "grpo.rewards.0.function"),
         ({"grpo": {"rewards": []}}, "grpo.rewards"),
         ({"grpo": {"rewards": [{"function": "exact_match"}], "generations": 1}}, "grpo.generations"),
+        ({"grpo": {"rewards": [{"function": "exact_match"}], "iterations": 3}}, "steps"),
+        (
+            {"grpo": {"rewards": [{"function": "exact_match"}], "iterations": 2}, "checkpoint": {"every_steps": 3}},
+            "checkpoint.every_steps",
+        ),
     ]:
         with pytest.raises((SpecError, ValueError), match=field.replace(".", r"\.")):
             TrainJobSpec.model_validate({**base, **change})
@@ -364,10 +400,13 @@ def test_check_objective_refuses_data_without_prompts(tmp_path) -> None:
     check_objective(spec, read_manifest(pc))
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora) -> None:  # noqa: F811
-    """Through DeepSpeed (ZeRO-2) in this process: prompts whose answer is "a", rewarded when a completion contains
-    it. The reward rises; with beta, against a frozen copy (full fine-tuning) or the adapters disabled (LoRA)."""
+@pytest.mark.parametrize(
+    "lora, iterations", [(False, 1), (True, 1), (False, 2)], ids=["full", "lora", "full-2-updates"]
+)
+def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, iterations) -> None:  # noqa: F811
+    """Through DeepSpeed (ZeRO-2) in this process, as the trainer's loop runs it: prompts whose answer is "a",
+    rewarded when a completion contains it. The reward rises; with beta, against a frozen copy (full fine-tuning) or
+    the adapters disabled (LoRA); with two updates on each sampled batch, the second's ratios clipped."""
     import deepspeed
 
     from pylon.data.tokenizer import load_tokenizer
@@ -381,7 +420,7 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora) ->
     spec = TrainJobSpec.model_validate(
         {"name": "g", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
          "objective": "grpo", "grpo": {"rewards": [{"function": "contains_answer"}], "generations": 8,
-                                       "max_completion_tokens": 8, "beta": 0.02},
+                                       "max_completion_tokens": 8, "beta": 0.02, "iterations": iterations},
          "optim": {"lr": 2e-2 if lora else 3e-3, "warmup_steps": 0, "schedule": "constant"},
          **({"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]}} if lora
             else {})}
@@ -397,11 +436,18 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora) ->
     rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
     figures = []
     for step in range(40):
-        loss_t, count, _, stats, _ = grpo_forward(engine, engine.module, batch, loss, rewards, tok, eos_id=EOS,
-                                                  pad_id=PAD, seed=sample_seed(0, step, 0, 0), reference=reference)  # fmt: skip
+        fresh = step % iterations == 0
+        if fresh:  # (what `train_loop` does: sample at the first of every `iterations` steps, then train on it)
+            rollout = grpo_sample(engine, batch, loss, rewards, tok, eos_id=EOS, pad_id=PAD,
+                                  seed=sample_seed(0, step, 0, 0))  # fmt: skip
+        loss_t, count, _, stats = grpo_train(engine, engine.module, rollout, loss, reference, first=fresh)
         engine.backward(_global_mean_loss(loss_t, count, 1)[0])
         engine.step()
         figures.append(grpo_record(stats, rewards.names))
+    if iterations > 1:  # a second update: its ratios against the sampling policy, some clipped; the first's are 1
+        assert all(f["grpo_clip_ratio"] == 0 for f in figures[0::2])
+        assert any(f["grpo_clip_ratio"] > 0 for f in figures[1::2])
+        assert [f["grpo_reward"] for f in figures[0::2]] == [f["grpo_reward"] for f in figures[1::2]]
     first = np.mean([f["grpo_reward"] for f in figures[:8]])
     last = np.mean([f["grpo_reward"] for f in figures[-8:]])
     assert figures[0]["grpo_completions"] == 32 and figures[0].get("grpo_kl", 0.0) < 1e-6  # the start is the reference
