@@ -1,35 +1,34 @@
 """Group relative policy optimisation (`TrainJobSpec.objective: grpo`; Shao et al. 2024, TRL's `GRPOTrainer`): the
 model learns from completions it samples itself, each scored by reward functions, with no value model.
 
-The data is a prompt-completion or chat dataset (`pylon data prepare --prompt-completion` or `--chat`): each document
-a prompt (its tokens before its last counted run: the completion, or the last assistant reply) and an answer (that run,
-without the eos prepare appends), which the reward functions compare completions with (`prompts_and_answers`). Each
+The data is prompts (`pylon data prepare --prompts`), or a prompt-completion or chat dataset: each document a prompt
+(its tokens before its last counted run) and an answer (that run up to its eos: the record's answer or completion, or
+the last assistant reply), which the reward functions compare completions with (`prompts_and_answers`). Each
 micro-batch, in code order:
 
 1. **Sample** (`sample_completions`): every prompt of the micro-batch's rows `generations` times (G), with the model
-   as it is now, in eval mode, a KV cache, `temperature` and `top_p`, up to `max_completion_tokens` or an eos. The
-   random draws come from a generator seeded by (data seed, step, micro-batch, rank), so a resumed run samples what
-   the uninterrupted run did.
+   as it is now, in eval mode, a KV cache, `temperature` and `top_p`, up to `max_completion_tokens` or an eos; at
+   ZeRO-3 from the model gathered once (`sampling_model`). The random draws come from a generator seeded by (data
+   seed, step, micro-batch, rank), so a resumed run samples what the uninterrupted run did.
 2. **Score** (`Rewards`): each completion's reward, the weighted sum of the reward functions' (and reward models')
    scores (a function's None counts as no score, as TRL's NaN).
 3. **Advantages** (`group_advantages`): A = (r - mean of its group) / (std of its group + 1e-4), or the micro-batch's
-   std (`scale_rewards: batch`), or no division (`none`, Dr. GRPO).
-4. **Loss** (`grpo_losses`), on the prompt and completion as one sequence, over the completion's tokens (its eos
-   included): per token, -exp(log pi - sg(log pi)) A + beta KL, with KL = exp(ref - log pi) - (ref - log pi) - 1
+   std (`scale_rewards: batch`), or no division (`none`, Dr. GRPO). Steps 1-3 make a `Rollout` (`grpo_sample`).
+4. **Loss** (`grpo_losses`, run by `grpo_train`) on the prompt and completion as one sequence, over the completion's
+   tokens (its eos included): per token, with r = exp(log pi - log pi_old) the ratio to the sampling policy,
+   -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta KL, KL = exp(ref - log pi) - (ref - log pi) - 1
    (Schulman's k3, against the model as it started: with lora its adapters disabled, else a frozen copy; only with
-   beta > 0), here with the PPO ratio r = exp(log pi - log pi_old) against the sampling policy, clipped as TRL clips
-   it: -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A). Trained on once (`iterations` 1, TRL's default), pi is
-   the sampling policy: r is 1 and its gradient A grad log pi. With `iterations` mu, a sampled micro-batch
-   (`Rollout`) is kept and trained on at mu steps, the later ones' ratios against its sampling log-probabilities.
-   Averaged
-   (`loss`): dapo over every completion token of the micro-batch on every rank; grpo per completion, then over
-   completions; dr_grpo each completion's sum over max_completion_tokens, then over completions.
+   beta > 0). Trained on once (`iterations` 1, TRL's default), pi is the sampling policy: r is 1, its gradient
+   A grad log pi, and nothing is clipped. With `iterations` mu, a `Rollout` is kept and trained on at mu steps, the
+   later ones' ratios against its sampling log-probabilities. Averaged (`loss`): dapo over every completion token of
+   the micro-batch on every rank; grpo per completion, then over completions; dr_grpo each completion's sum over
+   max_completion_tokens, then over completions.
 
 Logged per step (TRL's figures, under `grpo_`): the mean reward and each function's (`grpo_rewards.<function>`), the
 mean of the groups' reward std, the share of groups whose completions all scored alike (no signal), the completions'
-mean length and the share clipped at max_completion_tokens, the KL (beta > 0) and the seconds spent sampling. A
-held-out evaluation adds each held-out prompt's greedy completion's mean reward (`val_grpo_reward`) to the loss of the
-dataset's own completions.
+mean length and the share clipped at max_completion_tokens, the KL (beta > 0), the share of tokens whose ratio was
+clipped, and the seconds spent sampling. A held-out evaluation (`GrpoEvaluation`) adds each held-out prompt's greedy
+completion's mean reward (`val_grpo_reward`) to the loss of the dataset's own completions.
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ class Rewards:
                 self.functions.append(_resolve(spec.function, field))
             self.names.append(spec.short_name)
             self.weights.append(float(spec.weight))
-            self.fields.append(f"{field} ({spec.function if spec.function is not None else spec.model})")
+            self.fields.append(f"{field} ({spec.function if spec.function is not None else _shown(spec.model)})")
 
     def to(self, device) -> "Rewards":
         """Score with the reward models on `device` (the worker's)."""
@@ -159,11 +158,12 @@ class RewardModel:
             with local_model_dir(uri, weights=False) as d:
                 config = AutoConfig.from_pretrained(d)
         except Exception as e:  # noqa: BLE001 - unreadable or not a model directory: the same remedy
-            raise PylonError(f"{where}: {uri} is not a model directory ({type(e).__name__}: {e})") from e
+            raise PylonError(f"{where}: {_shown(uri)} is not a model directory ({type(e).__name__})") from None
         if not is_classifier(config) or config.num_labels != 1:
+            architectures = getattr(config, "architectures", None)
             raise PylonError(
-                f"{where}: {uri} is not a reward model (architectures {getattr(config, 'architectures', None)}, "
-                f"{config.num_labels} labels); give the export of an `objective: reward` run"
+                f"{where}: {_shown(uri)} is not a reward model (architectures {architectures}, {config.num_labels} "
+                "labels); give the export of an `objective: reward` run"
             )
 
     def _load(self) -> None:
@@ -197,6 +197,13 @@ class RewardModel:
             self._model(input_ids=ids.to(device), attention_mask=mask.to(device))
         last = torch.as_tensor([max(len(r), 1) - 1 for r in rows], device=device)
         return heads[-1][torch.arange(len(rows), device=device), last, 0].float().tolist()
+
+
+def _shown(uri: str) -> str:
+    """`uri` for messages: a local path as given, a URI without credentials (`storage.describe`)."""
+    from pylon import storage
+
+    return storage.describe(uri) if "://" in uri else uri
 
 
 def _resolve(name: str, where: str):

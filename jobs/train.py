@@ -884,7 +884,7 @@ def _evaluate(
     val_loss: its pairs' loss). Every rank takes part with the
     same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of the
     split (the stream pads a short part with empty batches, which run as all-padding rows). `grpo_eval` (objective grpo:
-    a batch's `pylon.jobs.grpo.grpo_eval_stats`): its held-out prompts' greedy completions' rewards too."""
+    a `pylon.jobs.grpo.GrpoEvaluation`): its held-out prompts' greedy completions' rewards too."""
     import torch
 
     from pylon.data.reader import DataPosition
@@ -898,7 +898,7 @@ def _evaluate(
     batches = val_stream.epoch()
     loss_sum, tokens, sequences = 0.0, 0, 0
     dpo_sums = [0.0] * 5  # objective dpo: pairs' loss, pairs, chosen and rejected rewards, correct pairs
-    grpo_sums = None  # objective grpo: its figures' sums (`grpo_eval_stats`)
+    grpo_sums = None  # objective grpo: its figures' sums (`GrpoEvaluation`)
     engine.eval()
     try:
         with torch.no_grad():

@@ -457,11 +457,6 @@ class RewardFunctionSpec(_Spec):
         return self
 
     @property
-    def label(self) -> str:
-        """How logs and errors name it: the function, or the reward model's directory."""
-        return self.function if self.function is not None else f"model {self.model}"
-
-    @property
     def short_name(self) -> str:
         """Its name in metrics (`grpo_rewards.<name>`): the function's, or the model directory's last part."""
         if self.function is not None:
