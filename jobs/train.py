@@ -241,6 +241,18 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
         )
 
 
+def check_completion_room(config, seq_len: int, max_tokens: int) -> None:
+    """Objective grpo: a PylonError naming grpo.max_completion_tokens unless a prompt as long as a row (`seq_len`) and
+    a completion of `max_tokens` fit the model's positions (`max_position_embeddings`, where it has one)."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit and seq_len + max_tokens > limit:
+        raise PylonError(
+            f"grpo.max_completion_tokens: {max_tokens} after a prompt of up to the dataset's seq_len {seq_len} makes "
+            f"{seq_len + max_tokens} positions, more than the model's {limit}; lower it to {max(limit - seq_len, 0)} "
+            "or prepare the prompts with a shorter --seq-len"
+        )
+
+
 def train_loop(config: dict) -> None:
     import random
 
@@ -391,6 +403,8 @@ def train_loop(config: dict) -> None:
     metrics = MetricsLog(run_uri, enabled=rank == 0, resume_step=step)
 
     cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
+    if grpo is not None:  # a prompt as long as a row and its longest completion must fit the model's positions
+        check_completion_room(cfg, stream.manifest.seq_len, grpo.max_tokens)
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
     if (dpo and dpo_loss.needs_reference) or (grpo is not None and grpo.needs_reference):
         # the reference's forward pass too: a third of a trained token's FLOPs

@@ -570,3 +570,12 @@ def test_a_chunked_output_layer_gives_the_same_token_logprobs_and_gradients() ->
         else:
             assert torch.allclose(lp.detach(), first, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+
+
+def test_a_prompt_and_its_longest_completion_must_fit_the_models_positions() -> None:
+    from pylon.jobs.train import check_completion_room
+
+    config = _model().config  # llama-tiny: 256 positions
+    check_completion_room(config, 192, 64)
+    with pytest.raises(PylonError, match=r"grpo.max_completion_tokens: 65 .* 257 positions, more than the model's 256"):
+        check_completion_room(config, 192, 65)
