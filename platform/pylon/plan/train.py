@@ -421,8 +421,8 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         rollouts, seq = spec.grpo.generations, seq + spec.grpo.max_completion_tokens
         notes.append(
             f"objective grpo planned as {rollouts} sequences of seq_len + max_completion_tokens ({seq:,}) tokens per "
-            "micro-batch row (one prompt a row); sampling's KV cache, smaller than the training pass's activations, "
-            "and its time are not counted"
+            "micro-batch row (one prompt a row); sampling's memory (its KV cache and, at ZeRO-3, the gathered model) "
+            "where it is more than the training pass's activations; its time is not counted"
         )
     chunk = spec.loss_chunk_tokens
     gathered = spec.objective == "grpo" and spec.grpo.zero3_gather_for_sampling
