@@ -287,8 +287,8 @@ def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray
     ids, context, starts = split_words(batch.tokens, loss_mask=batch.loss_mask, eos_id=eos_id)
     if context is None:
         raise PylonError(
-            "objective grpo reads prompts from a prompt-completion or chat dataset (`pylon data prepare "
-            "--prompt-completion` or `--chat`); this one is plain text, with no prompt to sample from"
+            "objective grpo reads prompts from a prompts, prompt-completion or chat dataset (`pylon data prepare "
+            "--prompts`, `--prompt-completion` or `--chat`); this one is plain text, with no prompt to sample from"
         )
     out = []
     for row in range(len(batch)):
