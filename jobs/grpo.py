@@ -249,6 +249,7 @@ class GrpoLoss:
     iterations: int = 1  # updates on each sampled micro-batch (TRL's num_iterations)
     epsilon: float = 0.2  # the clip below 1 of the policy ratio
     epsilon_high: float = 0.2  # and above (DAPO's clip-higher: larger)
+    mask_truncated: bool = False  # completions cut without an eos left out of the loss (`mask_truncated_completions`)
 
     @classmethod
     def of(cls, spec) -> "GrpoLoss":
@@ -266,6 +267,7 @@ class GrpoLoss:
             iterations=g.iterations,
             epsilon=g.epsilon,
             epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
+            mask_truncated=g.mask_truncated_completions,
         )
 
     @property
@@ -597,6 +599,9 @@ def grpo_sample(
     else:
         scores, reward, advantages, group_std = np.zeros((0, k)), np.zeros(0), np.zeros(1), np.zeros(0)
     inputs = completion_batch(prompts, completions, pad_id, device)
+    cut = [i for i, c in enumerate(completions) if not (len(c) and c[-1] == eos_id)]
+    if loss.mask_truncated and cut:  # (TRL's: no token of theirs counted; each still one of the completions)
+        inputs["labels"][torch.as_tensor(cut, device=device)] = -100
     old = None
     if loss.iterations > 1:
         with torch.no_grad():
@@ -609,7 +614,7 @@ def grpo_sample(
         float(len(group_std)),
         float((group_std < 1e-8).sum()),
         float(sum(lengths)),
-        float(sum(1 for c in completions if not (len(c) and c[-1] == eos_id))),
+        float(len(cut)),
         *[float(np.nansum(scores[:, j])) for j in range(k)],
         *[float((~np.isnan(scores[:, j])).sum()) for j in range(k)],
     ]

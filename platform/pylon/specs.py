@@ -501,6 +501,11 @@ class GrpoSpec(_Spec):
     epsilon_high: float | None = Field(
         None, gt=0, description="the clip above 1: 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28); None: epsilon"
     )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="leave out of the loss the completions cut at max_completion_tokens without an eos (TRL's "
+        "mask_truncated_completions; DAPO's overlong filtering): their rewards still set their groups' advantages",
+    )
     zero3_gather_for_sampling: bool = Field(
         True,
         description="at ZeRO-3, gather the whole model on every worker once for each micro-batch's sampling rather "

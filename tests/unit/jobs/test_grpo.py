@@ -579,3 +579,28 @@ def test_a_prompt_and_its_longest_completion_must_fit_the_models_positions() -> 
     check_completion_room(config, 192, 64)
     with pytest.raises(PylonError, match=r"grpo.max_completion_tokens: 65 .* 257 positions, more than the model's 256"):
         check_completion_room(config, 192, 65)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_truncated_completions_can_be_left_out_of_the_loss(tmp_path, mask) -> None:
+    """`mask_truncated_completions`: a completion cut at max_completion_tokens without an eos counts no token in the
+    loss (TRL's); its reward still counts in its group's advantages and the figures."""
+    from types import SimpleNamespace
+
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.specs import RewardFunctionSpec
+
+    model = _model()
+    loss = replace_loss(GrpoLoss.of(_spec(mask_truncated_completions=mask)), generations=4, max_tokens=3)
+    engine = SimpleNamespace(device=torch.device("cpu"), module=model)  # (samples as a ZeRO-0-2 engine's module)
+    batch, _ = _batch(tmp_path, RECORDS[:2])
+    rewards = Rewards([RewardFunctionSpec(function="contains_answer")])
+    rollout = grpo_sample(engine, batch, loss, rewards, load_tokenizer("byte"), eos_id=EOS, pad_id=PAD, seed=4)
+    labels = rollout.inputs["labels"]
+    completions, cut = int(rollout.stats[0]), int(rollout.stats[6])
+    assert cut > 0 and completions == 8
+    counted_rows = int(((labels[:, 1:] != -100).sum(1) > 0).sum())
+    assert counted_rows == (completions - cut if mask else completions)
+    lp, rows = token_logprobs(model, rollout.inputs, chunked=False)
+    _, count, _ = grpo_losses(lp, rows, rollout.advantages, loss, completions)
+    assert count == int((labels[:, 1:] != -100).sum())  # dapo: over the counted tokens only
