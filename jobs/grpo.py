@@ -136,6 +136,26 @@ class Rewards:
                 out[i, j] = float(v)
         return out
 
+    def score_completions(self, pairs, completions, tokenizer, eos_id: int) -> np.ndarray:
+        """`scores` of token ids: `pairs` (prompt, answer) each sampled len(completions) / len(pairs) times, the
+        copies of a prompt consecutive; decoded by `tokenizer`, each completion without its eos."""
+        copies = len(completions) // max(len(pairs), 1)
+        return self.scores(
+            [tokenizer.decode(p) for p, _ in pairs for _ in range(copies)],
+            [tokenizer.decode(_without_eos(c, eos_id)) for c in completions],
+            [tokenizer.decode(a) for _, a in pairs for _ in range(copies)],
+            [c.tolist() for c in completions],
+        )
+
+    @staticmethod
+    def sums(scores: np.ndarray) -> list[float]:
+        """Each function's score sum, then each one's count of scores (its None left out): a step's figures."""
+        k = scores.shape[1]
+        return [
+            *(float(np.nansum(scores[:, j])) for j in range(k)),
+            *(float((~np.isnan(scores[:, j])).sum()) for j in range(k)),
+        ]
+
     def total(self, scores: np.ndarray) -> np.ndarray:
         """Each completion's reward: the weighted sum of its scores, a missing score counting 0 (TRL's nansum)."""
         return np.nansum(scores * np.asarray(self.weights)[None, :], axis=1)
@@ -587,12 +607,9 @@ def grpo_sample(
         )
     sample_s = time.perf_counter() - t0
     g = loss.generations
-    texts = [tokenizer.decode(_without_eos(c, eos_id)) for c in completions]
-    prompt_texts = [tokenizer.decode(p) for p, _ in pairs for _ in range(g)]
-    answers = [tokenizer.decode(a) for _, a in pairs for _ in range(g)]
     k = len(rewards.functions)
     if completions:
-        scores = rewards.scores(prompt_texts, texts, answers, [c.tolist() for c in completions])
+        scores = rewards.score_completions(pairs, completions, tokenizer, eos_id)
         reward = rewards.total(scores)
         advantages = group_advantages(reward, g, loss.scale)
         group_std = reward.reshape(-1, g).std(axis=1, ddof=1)
@@ -615,8 +632,7 @@ def grpo_sample(
         float((group_std < 1e-8).sum()),
         float(sum(lengths)),
         float(len(cut)),
-        *[float(np.nansum(scores[:, j])) for j in range(k)],
-        *[float((~np.isnan(scores[:, j])).sum()) for j in range(k)],
+        *rewards.sums(scores),
     ]
     return Rollout(
         inputs=inputs,
@@ -735,18 +751,12 @@ class GrpoEvaluation:
         k = len(self.rewards.functions)
         if not completions:
             return [0.0] * (3 + 2 * k)
-        scores = self.rewards.scores(
-            [self.tokenizer.decode(p) for p, _ in pairs],
-            [self.tokenizer.decode(_without_eos(c, self.eos_id)) for c in completions],
-            [self.tokenizer.decode(a) for _, a in pairs],
-            [c.tolist() for c in completions],
-        )
+        scores = self.rewards.score_completions(pairs, completions, self.tokenizer, self.eos_id)
         return [
             float(len(completions)),
             float(self.rewards.total(scores).sum()),
             float(sum(len(c) for c in completions)),
-            *[float(np.nansum(scores[:, j])) for j in range(k)],
-            *[float((~np.isnan(scores[:, j])).sum()) for j in range(k)],
+            *self.rewards.sums(scores),
         ]
 
 
