@@ -963,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         import torch
 
+        from pylon.ops import plain_cuda_arch_list
+
+        plain_cuda_arch_list()  # one DeepSpeed's fused_adam build reads (the variants' processes inherit it)
         if torch.version.cuda is None or not torch.cuda.is_available():
             raise SystemExit(f"--device cuda: torch {torch.__version__} sees no CUDA GPU")
         gpus = torch.cuda.device_count()

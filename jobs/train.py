@@ -636,6 +636,9 @@ def _torch_adam_unless_fused_adam_builds(ds_config: dict, rank: int) -> None:
     failing at start."""
     from deepspeed.accelerator import get_accelerator
 
+    from pylon.ops import plain_cuda_arch_list
+
+    plain_cuda_arch_list()  # the engine builds it too, in this process, reading the same list
     try:
         builder = get_accelerator().create_op_builder("FusedAdamBuilder")
         if builder is None or not builder.is_compatible(verbose=False):

@@ -57,6 +57,31 @@ def venv_tools_first() -> None:
         os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def plain_cuda_arch_list(environ: dict | None = None) -> str | None:
+    """Make TORCH_CUDA_ARCH_LIST readable by DeepSpeed's just-in-time builders, for this process and what it starts.
+
+    torch takes architecture-specific entries such as `9.0a` (Hopper's wgmma) or `10.0f`, and CUDA images set them;
+    DeepSpeed 0.19 reads each entry as MAJOR.MINOR[+PTX] and fails (`invalid literal for int() with base 10: '0a'`),
+    so its fused Adam -- the optimizer Pylon's config gets on a GPU -- could not be built on such a machine (seen on a
+    lent H200). Each entry loses its suffix letters (`9.0a` -> `9.0`; `+PTX` kept, duplicates dropped): DeepSpeed's
+    kernels use no architecture-specific instruction. Returns the list now set, None where nothing changed."""
+    env = os.environ if environ is None else environ
+    value = env.get("TORCH_CUDA_ARCH_LIST", "")
+    entries = [e for e in value.replace(";", " ").split() if e]
+    plain = []
+    for entry in entries:
+        arch, ptx = (entry.split("+", 1) + [""])[:2]
+        major, _, minor = arch.partition(".")
+        cleaned = f"{major}.{minor.rstrip('abcdefghijklmnopqrstuvwxyz')}" if minor else arch
+        cleaned += f"+{ptx}" if ptx else ""
+        if cleaned not in plain:
+            plain.append(cleaned)
+    if plain == entries:
+        return None
+    env["TORCH_CUDA_ARCH_LIST"] = ";".join(plain)
+    return env["TORCH_CUDA_ARCH_LIST"]
+
+
 def build_command(name: str) -> list[str]:
     """The command that builds op `name` (a key of DEEPSPEED_OPS, NVME_OPS or SERVING_OPS);
     it exits 0 when built, 3 when the op is not compatible with this machine."""
@@ -76,6 +101,7 @@ def build(nvme: bool = False) -> dict[str, str]:
     """Build every op in parallel; returns {op: 'ok (Ns)' | 'skipped: ...' | 'failed: ...'}."""
     ops = [*DEEPSPEED_OPS, *(NVME_OPS if nvme else {}), *SERVING_OPS]
     venv_tools_first()
+    plain_cuda_arch_list()
     env = dict(os.environ)
     started = time.perf_counter()
     procs = {
