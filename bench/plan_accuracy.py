@@ -607,7 +607,7 @@ def predict(case: dict, device: str = "cpu") -> dict:
     }
     if device == "cuda":
         out["total"] = m.device_total
-        out["allocated"] = m.device_total - m.runtime
+        out["allocated"] = m.allocated
     return out
 
 
@@ -765,9 +765,10 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 
 def main_cuda(names: list[str], args) -> int:
-    from pylon.ops import venv_tools_first
+    from pylon.ops import plain_cuda_arch_list, venv_tools_first
 
     venv_tools_first()  # the ninja `python -m pylon.ops` builds with: another one would rebuild every op
+    plain_cuda_arch_list()  # one DeepSpeed reads (the cases' processes inherit it)
     cases = cases_for("cuda")
     threads = args.threads or os.cpu_count() or 1
     gpu, versions = _gpu_line(), _versions()

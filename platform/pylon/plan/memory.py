@@ -54,7 +54,21 @@ PARAM_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold: sma
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # the engine's buffered all-reduce without ZeRO
 NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer.buffer_count
 HOST_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' additional_buffer_factor for host memory
-CUDA_RUNTIME_BYTES = 1 * GIB  # CUDA context, cuBLAS workspaces and NCCL communicators, per GPU
+# CUDA context, its kernels, cuBLAS workspaces and NCCL communicators, per GPU: what nvidia-smi counts for a training
+# process beyond its allocator's reservation. Measured on an H200 (driver 580, CUDA 13.0, torch 2.11, DeepSpeed 0.19;
+# bench/plan_accuracy.py --device cuda, docs/benchmarks.md set 51): 1318 MiB at ZeRO-3, with or without offload;
+# 1690-1708 MiB at ZeRO-1 and -2, whose engines leave 390 MiB more outside the allocator from their first step on
+# (cause not pinned down yet: their optimizer's reduction stream and its collectives are the candidates). Stage 0,
+# not measured, is counted as 1 and 2. Before a GPU was measured the figure was 1 GiB for every stage.
+CUDA_RUNTIME_BYTES = 1318 * 2**20
+ZERO12_RUNTIME_EXTRA_BYTES = 390 * 2**20
+# A serving replica: the CUDA context, its kernels and cuBLAS, no NCCL (not yet measured on a GPU).
+CUDA_CONTEXT_BYTES = 1 * GIB
+# PyTorch's caching allocator reserves more than is allocated at the peak: blocks rounded up (512 B, then 2 MiB
+# segments for small blocks, 20 MiB for large ones) and segments split by frees in a different order than
+# allocations. Measured on an H200: reserved / allocated at the peak 1.09 (1B parameters, ZeRO-3) to 1.12 (3M
+# parameters with a 1 GiB activation peak); without it the process total is underpredicted by that much.
+ALLOCATOR_RESERVE = 0.10
 PROCESS_BYTES = 1 * GIB  # a CPU worker's Python, torch, transformers and DeepSpeed before the model exists
 # What a training job runs besides its workers: its driver (`python -m pylon.jobs.train`), Ray Train's controller and
 # its helper actors (data, synchronisation, placement). Measured on the local cluster: ~1 GiB of anonymous memory
@@ -281,6 +295,7 @@ class TrainMemory:
     nvme: int  # per node
     notes: dict[str, str] = field(default_factory=dict, compare=False)  # term -> what it holds
     reference: int = 0  # objective dpo without LoRA: the frozen copy of the model
+    allocator: int = 0  # on a GPU: the caching allocator's reservation beyond the peak allocated (ALLOCATOR_RESERVE)
 
     @property
     def model_states(self) -> int:
@@ -288,7 +303,12 @@ class TrainMemory:
 
     @property
     def device_total(self) -> int:
-        return self.model_states + self.reference + self.activations + self.buffers + self.runtime
+        return self.allocated + self.allocator + self.runtime
+
+    @property
+    def allocated(self) -> int:
+        """What the step's tensors take at the peak (on a GPU, torch.cuda.max_memory_allocated's share)."""
+        return self.model_states + self.reference + self.activations + self.buffers
 
     @property
     def host_total(self) -> int:
@@ -302,6 +322,7 @@ class TrainMemory:
             *([("reference model", self.reference)] if self.reference else []),
             ("activations", self.activations),
             ("working buffers", self.buffers),
+            *([("allocator reserve", self.allocator)] if self.allocator else []),
             ("runtime", self.runtime),
         ]
 
@@ -428,8 +449,12 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
                 + (f" and the whole model gathered ({whole / 2**30:.1f} GiB more)" if whole else "")
                 + ", more than the training pass's activations"
             )
-    runtime = CUDA_RUNTIME_BYTES if device == "cuda" else 0
+    runtime = CUDA_RUNTIME_BYTES + (ZERO12_RUNTIME_EXTRA_BYTES if stage < 3 else 0) if device == "cuda" else 0
     notes["runtime"] = "CUDA context, cuBLAS and NCCL" if device == "cuda" else "none counted on CPU"
+    allocated = params + grads + optimizer + reference + acts + buffers
+    allocator = ALLOCATOR_RESERVE * allocated if device == "cuda" else 0
+    if allocator:
+        notes["allocator reserve"] = f"PyTorch's caching allocator: {ALLOCATOR_RESERVE:.0%} reserved beyond the peak"
     return TrainMemory(
         params=int(params),
         grads=int(grads),
@@ -438,6 +463,7 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         buffers=int(buffers),
         runtime=runtime,
         reference=int(reference),
+        allocator=int(allocator),
         # ZeRO-3 builds under zero.Init: one module at a time exists whole before it is partitioned. Stages 0-2
         # build once, on rank 0's node, and broadcast: the other ranks allocate on their GPUs (on CPU workers
         # every process holds its replica in RAM).

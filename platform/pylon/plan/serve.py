@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pylon.plan.catalog import Accelerator, Catalog, load_catalog
 from pylon.plan.fmt import _gib
-from pylon.plan.memory import CUDA_RUNTIME_BYTES, WEIGHT_BYTES, ModelShape, kv_bytes_per_token, model_shape
+from pylon.plan.memory import CUDA_CONTEXT_BYTES, WEIGHT_BYTES, ModelShape, kv_bytes_per_token, model_shape
 from pylon.plan.steptime import DEFAULT_MFU, _check_knobs
 from pylon.plan.train import USABLE_FRACTION, _assumptions, _config_from_dir, vision_params
 from pylon.specs import DeploymentSpec
@@ -295,12 +295,12 @@ def plan_serve(
     for acc in accelerators:
         usable = acc.memory_bytes * USABLE_FRACTION
         kv = e.kv_cache_tokens * per_token + draft_kv
-        free = usable - weights - draft_kv - workspace - CUDA_RUNTIME_BYTES
+        free = usable - weights - draft_kv - workspace - CUDA_CONTEXT_BYTES
         kv_fit = max(0, int(free // per_token)) if per_token else (e.kv_cache_tokens if free >= 0 else 0)
-        total = weights + kv + workspace + CUDA_RUNTIME_BYTES
+        total = weights + kv + workspace + CUDA_CONTEXT_BYTES
         if total <= usable:
             fits, binding = True, f"{total / usable:.0%} of {_gib(usable)} usable"
-        elif weights + workspace + CUDA_RUNTIME_BYTES > usable:
+        elif weights + workspace + CUDA_CONTEXT_BYTES > usable:
             fits, binding = False, f"weights {_gib(weights)} alone exceed {_gib(usable)} usable"
         else:
             fits, binding = (
@@ -327,7 +327,7 @@ def plan_serve(
                 weights,
                 kv,
                 workspace,
-                CUDA_RUNTIME_BYTES,
+                CUDA_CONTEXT_BYTES,
                 fits,
                 binding,
                 kv_fit,

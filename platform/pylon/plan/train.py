@@ -25,9 +25,11 @@ from pylon.errors import PylonError, StorageError
 from pylon.plan.catalog import Accelerator, Catalog, load_catalog
 from pylon.plan.fmt import _gib, _usd
 from pylon.plan.memory import (
+    ALLOCATOR_RESERVE,
     CUDA_RUNTIME_BYTES,
     JOB_PROCESSES_BYTES,
     PROCESS_BYTES,
+    ZERO12_RUNTIME_EXTRA_BYTES,
     Buffers,
     Layout,
     TrainMemory,
@@ -49,7 +51,7 @@ from pylon.plan.steptime import (
 )
 from pylon.specs import LoraSpec, TrainJobSpec
 
-USABLE_FRACTION = 0.95  # of a GPU's memory, the rest left to the caching allocator's fragmentation
+USABLE_FRACTION = 0.95  # of a GPU's memory; the rest a margin for what the model of memory does not count
 MAX_GPUS = 16_384
 COST_TIE = 0.01  # configurations within 1% of the cheapest count as equally cheap
 DEFAULT_DEADLINE_DAYS = 30.0
@@ -587,6 +589,8 @@ def _assumptions(mfu: float, prices: str, deadline_days: float, budget_usd: floa
         "cpu_adam_params_per_s": CPU_ADAM_PARAMS_PER_S,
         "nvme_gbs_per_node": NVME_GBS,
         "cuda_runtime_bytes": CUDA_RUNTIME_BYTES,
+        "zero12_runtime_extra_bytes": ZERO12_RUNTIME_EXTRA_BYTES,
+        "allocator_reserve": ALLOCATOR_RESERVE,
         "gpu_counts": f"1, 2, 4, then whole nodes doubling, up to {MAX_GPUS:,}; at most one GPU per sequence",
         "deadline_days": deadline_days,
         "budget_usd": budget_usd,

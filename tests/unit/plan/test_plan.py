@@ -352,7 +352,7 @@ def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora(
         (Layout(3, offload_param="cpu", num_gpus=8), 0, 2 * n),  # with the partitions in host RAM: 8 GPUs a node
     ):
         with_copy, without = train_memory(full, layout), train_memory(replace(full, reference="none"), layout)
-        assert with_copy.reference == int(device) and with_copy.device_total - without.device_total == int(device)
+        assert with_copy.reference == int(device) and with_copy.allocated - without.allocated == int(device)
         assert with_copy.host_states - without.host_states == int(host), layout
         assert ("reference model" in dict(with_copy.device_terms())) == bool(device)
         assert train_memory(adapters, layout).reference == 0  # LoRA: the model itself, its adapters disabled
