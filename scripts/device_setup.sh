@@ -55,12 +55,32 @@ if ! install --no-build-isolation .; then
     cp -a platform/pylon "$SITE"/pylon && for pkg in data jobs serving; do cp -a "$pkg" "$SITE/pylon/$pkg"; done
 fi
 
+# libaio (DeepSpeed's async I/O op: NVMe offload), where the machine lacks it and the call carried its packages
+# (scripts/device_wheels.py puts them in .whl-b/): unpacked into the site, the compiler, linker and loader pointed there.
+aio=""
+if [ ! -e /usr/include/libaio.h ]; then
+    for dir in $WHEEL_DIRS; do
+        for deb in "$dir"/libaio*.deb; do
+            if [ -e "$deb" ]; then dpkg-deb -x "$deb" "$SITE/sysroot"; fi
+        done
+    done
+    if [ -e "$SITE/sysroot/usr/include/libaio.h" ]; then aio="$SITE/sysroot/usr"; fi
+fi
+
 cat >"$SITE/env.sh" <<EOF
 export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}
 export PATH=$SITE/bin:\$PATH
 export TORCH_EXTENSIONS_DIR=\${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
 export PYLON_NO_OP_PREBUILD=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 EOF
+if [ -n "$aio" ]; then
+    lib=$(dirname "$(find "$aio/lib" -name 'libaio.so*' | head -1)")
+    cat >>"$SITE/env.sh" <<EOF
+export CPATH=$aio/include\${CPATH:+:\$CPATH} LIBRARY_PATH=$lib\${LIBRARY_PATH:+:\$LIBRARY_PATH}
+export LD_LIBRARY_PATH=$lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
+export CFLAGS="-I$aio/include \${CFLAGS:-}" LDFLAGS="-L$lib \${LDFLAGS:-}"
+EOF
+fi
 # shellcheck source=/dev/null
 . "$SITE/env.sh"
 

@@ -107,6 +107,30 @@ def strip_jars(src: Path, dst: Path) -> None:
             zout.writestr(item, data)
 
 
+LIBAIO_DEBS = ("libaio1", "libaio-dev")
+
+
+def fetch_libaio(folder: Path) -> list[Path]:
+    """libaio's library and header as this machine's Debian packages (amd64; 43 kB), for DeepSpeed's async I/O op
+    (NVMe offload), which the device's image lacks: scripts/device_setup.sh unpacks them into the site and points the
+    compiler, the linker and the loader there. Kept when already there; [] where apt-get cannot fetch them."""
+    have = sorted(folder.glob("libaio*.deb"))
+    if len(have) >= len(LIBAIO_DEBS):
+        return have
+    if not shutil.which("apt-get"):
+        print("libaio: no apt-get here; NVMe offload stays untested on the device", file=sys.stderr)
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o755)  # apt's sandbox user writes there
+        done = subprocess.run(["apt-get", "download", "-qq", *LIBAIO_DEBS], cwd=tmp, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"libaio: apt-get download failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
+            return []
+        for deb in Path(tmp).glob("*.deb"):
+            shutil.move(deb, folder / deb.name)
+    return sorted(folder.glob("libaio*.deb"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python-version", default="3.12", help="the device's Python (default 3.12)")
@@ -151,12 +175,15 @@ def main() -> int:
             else:
                 shutil.move(path, folder / path.name)
 
+    debs = fetch_libaio(args.out / ".whl-b")
+
     for folder in sorted({*folders.values()}):
         wheels = sorted(folder.glob("*.whl"))
         total = sum(w.stat().st_size for w in wheels)
         print(f"{folder}: {len(wheels)} wheels, {total / 2**20:.1f} MiB")
         for w in wheels:
             print(f"  {w.stat().st_size / 2**20:6.2f} MiB  {w.name}")
+    print(f"libaio for NVMe offload: {', '.join(d.name for d in debs) or 'none (apt-get download failed; above)'}")
     missing = [n for n in folders if canonicalize_name(n) not in existing(folders[n], supported)]
     if missing:
         print(f"missing: {' '.join(missing)}", file=sys.stderr)

@@ -10,6 +10,8 @@
 # transformers and the rest; scripts/device_setup.sh installs what a call carries into /tmp/site. The first call
 # needs no Ray (the bench is processes of its own); the second adds Ray and runs what goes through a cluster. What
 # runs side by side measures per process (memory), never time; the speed bench has the GPU to itself.
+# On an H200 (set 51, docs/benchmarks) `speed` took 228 s and `train` 311 s of command time, about 10 of the lease's 15
+# minutes with the machine's start: the rest is room for one rerun of a part.
 # Logs and JSON results go to $OUT (what comes back from the device; .cache/gpu-check elsewhere), under 8 files a
 # call. On a machine with network and this repo's .venv, `make test-gpu` runs the same tests.
 set -u
