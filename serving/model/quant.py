@@ -8,7 +8,11 @@
      process against the dequantized matmul. It beats oneDNN's float32 projections for decodes and is on par up
      to ~64 rows; prompt chunks of hundreds of rows run slower than float32.
    - CUDA, int8: torch's `_weight_int8pack_mm`, where it exists here and agrees with the dequantized matmul.
-   - Otherwise (fp8, bf16 on a CPU, no compiler): the matmul over the weight dequantized for the call.
+   - CUDA, fp8, bf16 model, projections whose sizes are multiples of 16: the fp8 tensor cores through
+     `torch._scaled_mm`, as vLLM's fp8 runs (W8A8): each row of activations (a token) is quantized to e4m3 with its
+     own scale (max |row| / 448) for the call, and the GEMM's epilogue applies both scales. Checked once per process
+     against the same arithmetic in float32; where it is missing or disagrees, the dequantized matmul below.
+   - Otherwise (fp8 otherwise, bf16 on a CPU, no compiler): the matmul over the weight dequantized for the call.
    torch's `_weight_int8pack_mm` on a CPU without AVX-512 runs a scalar loop, slower than the dequantized matmul,
    so a CPU never takes it. Which layers and measurements: docs/serving.md.
 """
@@ -32,6 +36,7 @@ NAME = "pylon_int8_linear_v1"  # the build directory under $TORCH_EXTENSIONS_DIR
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude of each format; a channel's max |w| maps to it
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 METHODS = ("none", *QMAX)
+SCALED_MM_DEVICES = ("cuda",)  # where fp8 projections take torch._scaled_mm (tests add "cpu", where torch has it too)
 
 _SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
 _lock = threading.Lock()
@@ -83,6 +88,16 @@ class QuantWeight:
         self.in_features, self.out_features = self.q.shape[1], self.q.shape[0]
         self.kernel = method == "int8" and dtype == torch.float32 and device.type == "cpu" and kernel_usable()
         self.aten = method == "int8" and device.type == "cuda" and _aten_usable(device, dtype)
+        self.scaled_mm = (
+            method == "fp8"
+            and device.type in SCALED_MM_DEVICES
+            and dtype == torch.bfloat16
+            and self.in_features % 16 == 0
+            and self.out_features % 16 == 0
+            and scaled_mm_usable(device)
+        )
+        # _scaled_mm's rowwise scales: float32, one per output channel, as a [1, out] row
+        self.scales_row = scales.to(device, torch.float32).view(1, -1) if self.scaled_mm else None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The `[out, in]` weight in `dtype`, for one call."""
@@ -90,7 +105,7 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scales.nbytes
+        return self.q.nbytes + self.scales.nbytes + (0 if self.scales_row is None else self.scales_row.nbytes)
 
 
 def addmm(bias: torch.Tensor | None, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -100,7 +115,46 @@ def addmm(bias: torch.Tensor | None, x: torch.Tensor, w: QuantWeight) -> torch.T
     if w.aten:
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.q, w.scales)
         return y if bias is None else y.add_(bias)
+    if w.scaled_mm:
+        return fp8_matmul(x, w.q, w.scales_row, bias)
     return F.linear(x, w.dequantized(x.dtype), bias)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(xq [rows, in] float8 e4m3, scales [rows, 1] float32)`: each row with its own scale, max |row| / 448."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=1, keepdim=True) / QMAX["fp8"]).clamp_min(torch.finfo(torch.float32).tiny)
+    return (xf / scales).clamp_(-448, 448).to(torch.float8_e4m3fn), scales
+
+
+def fp8_matmul(x: torch.Tensor, q: torch.Tensor, scales_row: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`bias + x @ (q * scales)^T` on fp8 tensor cores: x's rows quantized for the call (W8A8, dynamic per token);
+    q `[out, in]` e4m3 is read column-major as `_scaled_mm` wants it (its transpose, no copy)."""
+    xq, sx = quantize_rows(x)
+    y = torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=scales_row, out_dtype=x.dtype)
+    return y if bias is None else y.add_(bias)
+
+
+@functools.cache
+def scaled_mm_usable(device: torch.device) -> bool:
+    """Once per process: `torch._scaled_mm` with rowwise scales runs on `device` and gives what the same quantized
+    operands give multiplied in float32 (odd row counts too)."""
+    g = torch.Generator().manual_seed(0)
+    try:
+        for rows, n_in, n_out in ((1, 64, 48), (5, 128, 32), (33, 96, 80)):
+            x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+            q, scales = quantize(w, "fp8")
+            x, q, row = x.to(device, torch.bfloat16), q.to(device), scales.to(device).view(1, -1)
+            got = fp8_matmul(x, q, row, None).float()
+            xq, sx = quantize_rows(x)
+            want = (xq.float() * sx) @ (q.float() * row.view(-1, 1)).t()
+            if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                log.warning("torch._scaled_mm disagrees with float32 on %s; fp8 weights are dequantized", device)
+                return False
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError) as e:
+        log.info("torch._scaled_mm unavailable on %s (%s); fp8 weights are dequantized per call", device, e)
+        return False
+    return True
 
 
 class QuantLinear(torch.nn.Module):
