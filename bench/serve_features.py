@@ -14,6 +14,13 @@ vocab 50257, ~124M parameters) with random weights (GPT-2's initializer), built 
    < 2%); random weights make the absolute perplexity meaningless (about the vocabulary's size), so also the mean
    KL divergence from fp32's next-token distribution and how often the two agree on the most likely token.
 
+On a GPU (`--device cuda`, bf16 unless `--dtype fp32`): the sections that compare engines only (quantization,
+constrained, penalties, speculative), the engines on the GPU; quantization then measures int8 and, on a GPU of compute
+capability 8.9+, fp8 (e4m3 weights and per-token activations on the fp8 tensor cores) against bf16, without the CPU's
+one-projection micro-benchmark:
+
+    python bench/serve_features.py --device cuda --only quantization --rounds 3
+
 penalties(): presence/frequency/repetition penalties and logit_bias against free greedy decoding on the same model
 and prompts, at concurrency 1 and 8 (output tokens/s, the ratio, the spread over rounds), and the shaping's own cost
 per row of a batch.
@@ -121,6 +128,13 @@ def build_gpt2(
     (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
 
 
+# Where the engines run (--device, --dtype): set by main() before any section runs.
+PLACE = {"device": "cpu", "dtype": "fp32"}
+# The sections that compare engines with engines only, which run on a GPU too; the others have a `transformers` or
+# CPU-kernel leg of their own.
+GPU_SECTIONS = ("quantization", "constrained", "penalties", "speculative")
+
+
 def engine(directory: str, quantization: str, concurrency: int, **fields):
     from pylon.serving.engine.engine import LLMEngine
     from pylon.specs import EngineSpec
@@ -131,8 +145,7 @@ def engine(directory: str, quantization: str, concurrency: int, **fields):
         "kv_cache_tokens": 16384,
         "block_size": 16,
         "max_model_len": 1024,
-        "device": "cpu",
-        "dtype": "fp32",
+        **PLACE,
         "quantization": quantization,
     }
     return LLMEngine(directory, EngineSpec(**(settings | fields)))
@@ -238,17 +251,30 @@ def log_likelihoods(eng, text: bytes, window: int):
         ids = list(text[start : start + window + 1])
         blocks = list(range(-(-window // eng.spec.block_size)))
         step = StepSequence(token_ids=ids[:-1], start=0, block_table=blocks, samples=True, prompt_logits=True)
-        rows.append(eng.runner.execute([step]).log_softmax(-1))
+        rows.append(eng.runner.execute([step]).float().log_softmax(-1).cpu())
         targets.append(torch.tensor(ids[1:]))
     return torch.cat(rows), torch.cat(targets)
 
 
+def quantization_legs() -> list[str]:
+    """engine.quantization's values measured here: none (the baseline, in --dtype) and int8; fp8 too on a CUDA GPU
+    that has it (compute capability 8.9+)."""
+    import torch
+
+    legs = ["none", "int8"]
+    if PLACE["device"] == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
+        legs.append("fp8")
+    return legs
+
+
 def quantization(args) -> dict:
-    """int8 against fp32: weights' bytes, one projection, tokens/s at each concurrency, and held-out likelihood."""
+    """int8 (and fp8 on a GPU) against the unquantized model: weights' bytes, one projection (CPU), tokens/s at each
+    concurrency, and held-out likelihood."""
     import torch
 
     torch.set_num_threads(args.threads)
-    results: dict = {"threads": args.threads}
+    legs = quantization_legs()
+    results: dict = {"threads": args.threads, "legs": legs, **PLACE}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "gpt2"
         build_gpt2(directory, args.n_layer, args.n_embd, args.n_head, args.vocab)
@@ -258,19 +284,19 @@ def quantization(args) -> dict:
         results["parameters"] = params
 
         # 1. weights' bytes
-        held = {q: projection_bytes(engine(str(directory), q, 1).runner) for q in ("none", "int8")}
+        held = {q: projection_bytes(engine(str(directory), q, 1).runner) for q in legs}
         results["bytes"] = held
         gc.collect()
 
-        # 2. one projection
-        results["micro"] = micro()
+        # 2. one projection (the CPU's paths)
+        results["micro"] = micro() if PLACE["device"] == "cpu" else {}
 
         # 3. tokens/s, legs alternating
         tps: dict[int, dict[str, list[float]]] = {}
         for c in args.concurrency:
-            tps[c] = {"none": [], "int8": []}
+            tps[c] = {q: [] for q in legs}
             for r in range(args.rounds):
-                for q in ("none", "int8") if r % 2 == 0 else ("int8", "none"):
+                for q in legs if r % 2 == 0 else legs[::-1]:
                     eng = engine(str(directory), q, c)
                     requests = max(2, c * args.requests_per_slot)
                     tps[c][q].append(throughput(eng, c, requests, args.prompt_tokens, args.output_tokens))
@@ -281,49 +307,64 @@ def quantization(args) -> dict:
         # 4. held-out likelihood
         text = DATASET.read_bytes()[-args.eval_tokens - 1 :]
         lp = {}
-        for q in ("none", "int8"):
+        for q in legs:
             lp[q] = log_likelihoods(engine(str(directory), q, 1), text, args.window)
             gc.collect()
-        (fp, targets), (iq, _) = lp["none"], lp["int8"]
+        fp, targets = lp["none"]
         ll = {q: lp[q][0].gather(1, targets[:, None]).mean().item() for q in lp}
         results["log_likelihood"] = ll
         results["perplexity"] = {q: math.exp(-v) for q, v in ll.items()}
-        results["kl"] = torch.nn.functional.kl_div(iq, fp, log_target=True, reduction="batchmean").item()
-        results["top1_agree"] = (iq.argmax(-1) == fp.argmax(-1)).float().mean().item()
+        results["kl"] = {
+            q: torch.nn.functional.kl_div(lp[q][0], fp, log_target=True, reduction="batchmean").item() for q in legs[1:]
+        }
+        results["top1_agree"] = {q: (lp[q][0].argmax(-1) == fp.argmax(-1)).float().mean().item() for q in legs[1:]}
         results["eval_tokens"] = len(targets)
     return results
 
 
 def report_quantization(r: dict) -> None:
+    base = r.get("dtype", "fp32")
+    where = f"{r.get('device', 'cpu')}, {r['threads']} thread(s)" if r.get("device", "cpu") == "cpu" else "cuda"
     print(
-        f"== quantization: int8 vs fp32, GPT-2-shaped, {r['parameters'] / 1e6:.1f}M parameters, random weights, "
-        f"{r['threads']} thread(s)"
+        f"== quantization: {', '.join(r['legs'][1:])} vs {base}, GPT-2-shaped, {r['parameters'] / 1e6:.1f}M "
+        f"parameters, random weights, {where}"
     )
-    (p32, m32), (p8, m8) = r["bytes"]["none"], r["bytes"]["int8"]
-    print(
-        f"weights: projections {p32 / 2**20:.1f} MiB fp32 -> {p8 / 2**20:.1f} MiB int8 ({p8 / p32:.3f}x); "
-        f"whole model {m32 / 2**20:.1f} -> {m8 / 2**20:.1f} MiB ({m8 / m32:.3f}x; embeddings/lm_head stay fp32)"
-    )
-    print("one projection 768->2304 (us, best of 3):")
-    for name, by_rows in r["micro"].items():
-        print(f"  {name:36s} " + "  ".join(f"{rows} row(s) {us:8.1f}" for rows, us in by_rows.items()))
-    for c, legs in r["tokens_per_s"].items():
-        f32, i8 = statistics.median(legs["none"]), statistics.median(legs["int8"])
-        ratios = [a / b for a, b in zip(legs["int8"], legs["none"])]
-        met = "met" if i8 / f32 >= 1.3 else "NOT met"
+    p0, m0 = r["bytes"]["none"]
+    for q in r["legs"][1:]:
+        pq, mq = r["bytes"][q]
         print(
-            f"concurrency {c}: fp32 {f32:.1f} tok/s, int8 {i8:.1f} tok/s: {i8 / f32:.2f}x "
-            f"(rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.3x: {met})"
+            f"weights ({q}): projections {p0 / 2**20:.1f} MiB {base} -> {pq / 2**20:.1f} MiB ({pq / p0:.3f}x); "
+            f"whole model {m0 / 2**20:.1f} -> {mq / 2**20:.1f} MiB ({mq / m0:.3f}x; embeddings/lm_head stay {base})"
         )
+    if r["micro"]:
+        print("one projection 768->2304 (us, best of 3):")
+        for name, by_rows in r["micro"].items():
+            print(f"  {name:36s} " + "  ".join(f"{rows} row(s) {us:8.1f}" for rows, us in by_rows.items()))
+    cpu = r.get("device", "cpu") == "cpu"
+    for c, legs in r["tokens_per_s"].items():
+        plain = statistics.median(legs["none"])
+        line = f"concurrency {c}: {base} {plain:.1f} tok/s"
+        for q in r["legs"][1:]:
+            got = statistics.median(legs[q])
+            ratios = [a / b for a, b in zip(legs[q], legs["none"])]
+            target = f"; target >= 1.3x: {'met' if got / plain >= 1.3 else 'NOT met'}" if cpu and q == "int8" else ""
+            line += f", {q} {got:.1f} tok/s: {got / plain:.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}{target})"
+        print(line)
     ll, ppl = r["log_likelihood"], r["perplexity"]
-    change_ll = (ll["int8"] - ll["none"]) / abs(ll["none"])
-    change_ppl = ppl["int8"] / ppl["none"] - 1
     print(
-        f"held-out text ({r['eval_tokens']} tokens of {DATASET.name}): mean log-likelihood fp32 {ll['none']:.5f}, "
-        f"int8 {ll['int8']:.5f} ({change_ll:+.4%}); perplexity fp32 {ppl['none']:.1f}, int8 {ppl['int8']:.1f} "
-        f"({change_ppl:+.4%}; target < 2%: {'met' if abs(change_ppl) < 0.02 else 'NOT met'})"
+        f"held-out text ({r['eval_tokens']} tokens of {DATASET.name}): mean log-likelihood {base} {ll['none']:.5f}, "
+        f"perplexity {ppl['none']:.1f}"
     )
-    print(f"  KL(fp32 || int8) per token {r['kl']:.2e} nats; most likely next token agrees on {r['top1_agree']:.2%}")
+    kl = r["kl"] if isinstance(r["kl"], dict) else {"int8": r["kl"]}
+    agree = r["top1_agree"] if isinstance(r["top1_agree"], dict) else {"int8": r["top1_agree"]}
+    for q in r["legs"][1:]:
+        change_ll = (ll[q] - ll["none"]) / abs(ll["none"])
+        change_ppl = ppl[q] / ppl["none"] - 1
+        print(
+            f"  {q}: log-likelihood {ll[q]:.5f} ({change_ll:+.4%}); perplexity {ppl[q]:.1f} ({change_ppl:+.4%}; "
+            f"target < 2%: {'met' if abs(change_ppl) < 0.02 else 'NOT met'}); KL({base} || {q}) per token "
+            f"{kl[q]:.2e} nats; most likely next token agrees on {agree[q]:.2%}"
+        )
 
 
 # Long enough that a random model is still inside it after --output-tokens tokens: many small typed fields.
@@ -1301,6 +1342,13 @@ def report_images(r: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help=f"where the engines run; on cuda the sections {', '.join(GPU_SECTIONS)} (default cpu)",
+    )
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="the engines' dtype (default fp32 on cpu, bf16 on cuda)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (an engine process per core runs 1)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--requests-per-slot", type=int, default=1)
@@ -1349,8 +1397,18 @@ def main() -> None:
     p.add_argument("--image-reply-tokens", type=int, default=32, help="the reply's tokens each turn")
     p.add_argument("--image-vision-layers", type=int, default=6, help="its vision tower's layers")
     args = p.parse_args()
+    PLACE.update(device=args.device, dtype=args.dtype or ("bf16" if args.device == "cuda" else "fp32"))
+    chosen = args.only or (GPU_SECTIONS if args.device == "cuda" else list(SECTIONS))
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--device cuda: torch {torch.__version__} sees no CUDA GPU")
+        off = [name for name in chosen if name not in GPU_SECTIONS]
+        if off:
+            p.error(f"--only {' '.join(off)}: CPU only (a transformers or CPU-kernel leg); on cuda: {GPU_SECTIONS}")
     for name, (run, report) in SECTIONS.items():
-        if name in (args.only or SECTIONS):
+        if name in chosen:
             report(run(args))
 
 
