@@ -5,6 +5,8 @@
 #   1. carrying .whl-b:  bash scripts/gpu_check.sh speed   # DeepSpeed's ops, bench/train_step.py --device cuda
 #   2. carrying .whl-a:  bash scripts/gpu_check.sh train   # the training test, bench/plan_accuracy.py --device
 #                                                           # cuda and the serving engine's GPU tests, side by side
+#   3. (time left) carrying .whl-b:  bash scripts/gpu_check.sh serve   # issue 37's GPU figures:
+#                                     # bench/serve_features.py --device cuda --only quantization (int8, fp8 vs bf16)
 #
 # The wheels come from scripts/device_wheels.py (run here first): .whl-a holds Ray, .whl-b DeepSpeed, pydantic,
 # transformers and the rest; scripts/device_setup.sh installs what a call carries into /tmp/site. The first call
@@ -24,9 +26,10 @@ say() { echo "[gpu_check +$(($(date +%s) - started))s] $*"; }
 
 case "$part" in
 speed) check="deepspeed pydantic transformers peft pylon pylon.jobs.train" ;;
+serve) check="pydantic transformers llguidance pylon pylon.serving" ;;
 train) check="" ;; # device_setup.sh's default: Ray, its dashboard and Ray Train too
 *)
-    echo "usage: bash scripts/gpu_check.sh speed|train (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh speed|train|serve (see the top of this file)" >&2
     exit 2
     ;;
 esac
@@ -55,7 +58,15 @@ EOF
 } >>"$OUT/setup.log" 2>&1
 tail -2 "$OUT/setup.log"
 
-if [ "$part" = speed ]; then
+if [ "$part" = serve ]; then
+    say "quantized weights on the GPU: int8 and fp8 against bf16 (tokens/s, bytes, held-out likelihood)"
+    timeout "${SERVE_LIMIT:-300}" $PY bench/serve_features.py --device cuda --only quantization --rounds 2 \
+        >"$OUT/serve_features.log" 2>&1
+    code=$?
+    echo "serve_features exit $code"
+    [ $code -eq 0 ] || failed=1
+    grep -v "Loading weights" "$OUT/serve_features.log" | tail -20
+elif [ "$part" = speed ]; then
     # DeepSpeed's ops build (nvcc and g++, CPU only) beside the bench, to fit the 15-minute lease: the bench's GPU
     # work is what it times, and it waits on the same lock for the fused Adam it needs.
     say "DeepSpeed's ops: fused Adam (GPU), CPU Adam (offload), async I/O where libaio is; built beside the bench"
