@@ -579,6 +579,19 @@ class Rollout:
     stats: list  # STAT_NAMES' sampling figures (completions .. clipped), then each function's score sum and count
     sample_s: float
     old_logps: object = None
+    sampled_tokens: int = 0  # what sampling's forward passes computed: each completion's prompt and its tokens
+    model_tokens: int = 0  # the non-pad tokens of `inputs`, which each update's passes compute
+
+    def trained_token_units(self, loss: "GrpoLoss", fresh: bool) -> float:
+        """The model FLOPs of training on this rollout once, in units of a trained token's (forward + backward = 3
+        forward passes, `flops_per_token`): the update over prompts and completions, the reference's forward pass
+        (beta > 0) and, on the step that sampled (`fresh`), sampling's forward passes (one per prompt token of each
+        completion and per sampled token, with the KV cache) and the sampling policy's log-probabilities
+        (iterations > 1). Sampling's attention over its cache is counted at the training context's rate."""
+        units = self.model_tokens * (4 / 3 if loss.needs_reference else 1.0)
+        if fresh:
+            units += (self.sampled_tokens + (self.model_tokens if loss.iterations > 1 else 0)) / 3
+        return units
 
 
 def grpo_sample(
@@ -642,6 +655,8 @@ def grpo_sample(
         stats=stats,
         sample_s=sample_s,
         old_logps=old,
+        sampled_tokens=g * sum(len(p) for p in prompts) + int(sum(lengths)) if completions else 0,
+        model_tokens=int(inputs["attention_mask"].sum()) if completions else 0,
     )
 
 

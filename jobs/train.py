@@ -406,6 +406,7 @@ def train_loop(config: dict) -> None:
     if grpo is not None:  # a prompt as long as a row and its longest completion must fit the model's positions
         check_completion_room(cfg, stream.manifest.seq_len, grpo.max_tokens)
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
+    trained_flops = flops_tok  # objective grpo's MFU counts its passes itself (Rollout.trained_token_units)
     if (dpo and dpo_loss.needs_reference) or (grpo is not None and grpo.needs_reference):
         # the reference's forward pass too: a third of a trained token's FLOPs
         flops_tok *= 4 / 3
@@ -443,6 +444,7 @@ def train_loop(config: dict) -> None:
         wait_s, loss_sum, tokens_sum, aux_sum, aux_n = 0.0, 0.0, 0, 0.0, 0
         pairs_sum, dpo_sums = 0, [0.0, 0.0, 0.0]  # objective dpo: pairs; chosen and rejected rewards, correct pairs
         grpo_sums, sample_s = [0.0] * (12 + 2 * len(rewards.functions) if rewards else 0), 0.0  # objective grpo's
+        grpo_units = 0.0  # objective grpo: its model FLOPs this step, in trained tokens (sampling included)
         # objective grpo: a step that samples (and reads data), or one of the later updates on the last sampled batch
         fresh = grpo is None or step % grpo.iterations == 0
         for micro in range(gas):
@@ -476,6 +478,7 @@ def train_loop(config: dict) -> None:
                 loss_t, count, n_tokens, stats = grpo_train(
                     engine, engine.module, rollout, grpo, reference, first=fresh
                 )
+                grpo_units += rollout.trained_token_units(grpo, fresh)
                 loss, local_sum = _global_mean_loss(loss_t, count, world)
                 aux = None
                 pairs_sum += count
@@ -511,7 +514,17 @@ def train_loop(config: dict) -> None:
         skipped = spec.precision == "fp16" and not engine.was_step_applied()
         # On the device the process group reduces on: NCCL reduces CUDA tensors only, gloo CPU ones.
         totals = torch.tensor(
-            [loss_sum, float(tokens_sum), *moved(), aux_sum, float(aux_n), float(pairs_sum), *dpo_sums, *grpo_sums],
+            [
+                loss_sum,
+                float(tokens_sum),
+                *moved(),
+                aux_sum,
+                float(aux_n),
+                float(pairs_sum),
+                *dpo_sums,
+                *grpo_sums,
+                grpo_units,
+            ],
             dtype=torch.float64,
             device=device,
         )
@@ -532,14 +545,22 @@ def train_loop(config: dict) -> None:
             "tokens_per_s": global_tokens / step_s,
             "step_time_s": step_s,
             "data_wait_fraction": min(1.0, wait_s / step_s) if step_s > 0 else 0.0,
-            "mfu": flops_tok * global_tokens / step_s / (peak * world) if peak else 0.0,
+            # model FLOPs over the workers' matmul peak; objective grpo's count its sampling and every pass over
+            # prompts and completions, not only the completion tokens it reports
+            "mfu": (
+                (trained_flops * totals[-1].item() if grpo is not None else flops_tok * global_tokens)
+                / step_s
+                / (peak * world)
+                if peak
+                else 0.0
+            ),
             "peak_memory_bytes": _peak_memory_bytes(device),
             "epoch": stream.position.epoch,
         }
         if dpo:  # the pairs' rewards, margin and accuracy (TRL's figures)
             record.update(dpo_record(*totals[[0, 7, 8, 9, 10]].tolist(), name=dpo_loss.objective))
         if grpo is not None:  # the completions' rewards, lengths and KL (TRL's figures); this rank's sampling time
-            record.update(grpo_record(totals[11:].tolist(), rewards.names), grpo_sample_s=sample_s)
+            record.update(grpo_record(totals[11:-1].tolist(), rewards.names), grpo_sample_s=sample_s)
         if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean
             record["router_aux_loss"] = totals[5].item() / max(totals[6].item(), 1.0)
         if spec.precision == "fp16":

@@ -101,6 +101,8 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
     early, late = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert late > early + 0.3, rewards
     assert steps[-1]["grpo_kl"] > 0 and 0 < steps[-1]["grpo_completion_length"] <= 8
+    # MFU counts sampling and the passes over prompts too: more FLOPs per step than its completion tokens' alone
+    assert all(r["mfu"] > 0 for r in steps), [r["mfu"] for r in steps]
     assert evaluation["val_grpo_completions"] == 2 and evaluation["val_grpo_reward"] > 0.5, evaluation
     assert evaluation["val_loss"] > 0  # the dataset's own completions' loss, as for any prompt-completion run
     assert (run_dir / "export" / "config.json").exists() and (run_dir / "loss.png").stat().st_size > 0

@@ -604,3 +604,36 @@ def test_truncated_completions_can_be_left_out_of_the_loss(tmp_path, mask) -> No
     lp, rows = token_logprobs(model, rollout.inputs, chunked=False)
     _, count, _ = grpo_losses(lp, rows, rollout.advantages, loss, completions)
     assert count == int((labels[:, 1:] != -100).sum())  # dapo: over the counted tokens only
+
+
+def test_a_rollouts_model_flops_count_sampling_and_every_pass_over_prompts_and_completions(tmp_path) -> None:
+    """MFU's FLOPs for a GRPO step (in trained tokens, each forward + backward: 3 forward passes): the update over
+    prompts and completions, the reference's forward (beta > 0), and on the step that sampled, sampling's forward
+    passes (each completion's prompt and its sampled tokens) and the sampling policy's log-probabilities
+    (iterations > 1). Not the completion tokens alone, which the step reports as its tokens."""
+    from types import SimpleNamespace
+
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.jobs.grpo import prompts_and_answers
+    from pylon.specs import RewardFunctionSpec
+
+    model = _model()
+    loss = replace_loss(GrpoLoss.of(_spec()), generations=4, max_tokens=3)
+    engine = SimpleNamespace(device=torch.device("cpu"), module=model)
+    batch, _ = _batch(tmp_path, RECORDS[:2])
+    rewards = Rewards([RewardFunctionSpec(function="contains_answer")])
+    rollout = grpo_sample(engine, batch, loss, rewards, load_tokenizer("byte"), eos_id=EOS, pad_id=PAD, seed=4)
+    prompt_tokens = sum(len(p) for p, _ in prompts_and_answers(batch, EOS))
+    assert rollout.sampled_tokens == 4 * prompt_tokens + rollout.tokens
+    assert rollout.model_tokens == int(rollout.inputs["attention_mask"].sum()) == rollout.sampled_tokens
+    assert rollout.model_tokens > rollout.tokens  # the prompts are computed too
+    m, s = rollout.model_tokens, rollout.sampled_tokens
+    plain = replace_loss(loss, beta=0.0)
+    assert plain.needs_reference is False and loss.needs_reference is (loss.beta > 0)
+    assert rollout.trained_token_units(plain, fresh=False) == m
+    assert rollout.trained_token_units(plain, fresh=True) == m + s / 3
+    with_ref = replace_loss(loss, beta=0.04)
+    assert rollout.trained_token_units(with_ref, fresh=True) == pytest.approx(m * 4 / 3 + s / 3)
+    again = replace_loss(loss, beta=0.0, iterations=2)
+    assert rollout.trained_token_units(again, fresh=True) == pytest.approx(m + (s + m) / 3)
+    assert rollout.trained_token_units(again, fresh=False) == m
