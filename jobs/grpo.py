@@ -24,6 +24,14 @@ micro-batch, in code order:
    the micro-batch on every rank; grpo per completion, then over completions; dr_grpo each completion's sum over
    max_completion_tokens, then over completions.
 
+`objective: rloo` (REINFORCE leave-one-out; Ahmadian et al. 2024, TRL's `RLOOTrainer`) runs the same steps 1-2, then:
+the sampling policy's log-probabilities and, with beta > 0, the reference's (passes without gradients, at sampling);
+each completion's reward less beta x its KL to the start (the sum over its tokens of log pi_old - ref, TRL's);
+advantages against the leave-one-out baseline (`leave_one_out_advantages`: r less the mean of its group's other
+completions), standardised over the micro-batch with `normalize_advantages`; and the loss per completion
+(`rloo_losses`): with r = exp(its tokens' summed log pi - the same under the sampling policy), -min(r A, clip(r) A),
+averaged over completions. No KL term in the loss: it is in the reward.
+
 Logged per step (TRL's figures, under `grpo_`): the mean reward and each function's (`grpo_rewards.<function>`), the
 mean of the groups' reward std, the share of groups whose completions all scored alike (no signal), the completions'
 mean length and the share clipped at max_completion_tokens, the KL (beta > 0), the share of tokens whose ratio was
@@ -270,6 +278,7 @@ class GrpoLoss:
     epsilon: float = 0.2  # the clip below 1 of the policy ratio
     epsilon_high: float = 0.2  # and above (DAPO's clip-higher: larger)
     mask_truncated: bool = False  # completions cut without an eos left out of the loss (`mask_truncated_completions`)
+    normalize: bool = False  # objective rloo: advantages standardised over the micro-batch (`normalize_advantages`)
 
     @classmethod
     def of(cls, spec) -> "GrpoLoss":
@@ -280,8 +289,9 @@ class GrpoLoss:
             temperature=g.temperature,
             top_p=g.top_p,
             beta=g.beta,
-            kind=g.loss,
+            kind="rloo" if spec.objective == "rloo" else g.loss,
             scale=g.scale_rewards,
+            normalize=g.normalize_advantages,
             chunked=spec.loss_chunk_tokens > 0,
             gather=g.zero3_gather_for_sampling,
             iterations=g.iterations,
@@ -293,6 +303,16 @@ class GrpoLoss:
     @property
     def needs_reference(self) -> bool:
         return self.beta > 0
+
+    @property
+    def rloo(self) -> bool:
+        return self.kind == "rloo"
+
+    @property
+    def sampling_logprobs(self) -> bool:
+        """Whether sampling also takes the sampling policy's log-probabilities (a pass without gradients): for later
+        updates' ratios (iterations > 1), and rloo's KL in the reward."""
+        return self.iterations > 1 or (self.rloo and self.needs_reference)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -475,6 +495,18 @@ def group_advantages(rewards: np.ndarray, generations: int, scale: str) -> np.nd
     return centred.reshape(-1)
 
 
+def leave_one_out_advantages(rewards: np.ndarray, generations: int, normalize: bool) -> np.ndarray:
+    """RLOO's advantages: each reward less the mean of its group's other completions' (G / (G - 1) times its distance
+    from the group's mean); with `normalize`, standardised over the micro-batch (mean 0, std 1; + 1e-4, TRL's)."""
+    groups = rewards.reshape(-1, generations)
+    baseline = (groups.sum(axis=1, keepdims=True) - groups) / (generations - 1)
+    advantages = (groups - baseline).reshape(-1)
+    if normalize and advantages.size:
+        spread = advantages.std(ddof=1) if advantages.size > 1 else 0.0
+        advantages = (advantages - advantages.mean()) / (spread + 1e-4)
+    return advantages
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 4. The loss
 # ---------------------------------------------------------------------------------------------------------
@@ -547,6 +579,31 @@ def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=
     return sums.sum() / loss.max_tokens, n_rows, figures  # dr_grpo
 
 
+def sequence_sums(values, rows, n_rows: int):
+    """Per completion (row), the sum of its counted tokens' `values`."""
+    import torch
+
+    return torch.zeros(n_rows, device=values.device, dtype=values.dtype).index_add(0, rows, values)
+
+
+def rloo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, old_seq=None):
+    """objective rloo: the micro-batch's summed loss over its completions, their count, and [0 (its KL is in the
+    reward), completions clipped below, completions clipped above]. Per completion, with r = exp(its tokens' summed
+    log pi - `old_seq`, the same under the sampling policy; None: the model is still that policy), the clipped
+    surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) (TRL's RLOOTrainer)."""
+    import torch
+
+    seq = sequence_sums(logps, rows, n_rows)
+    old = seq.detach() if old_seq is None else old_seq
+    ratio = torch.exp(seq - old)
+    clipped = torch.clamp(ratio, 1 - loss.epsilon, 1 + loss.epsilon_high)
+    per_completion = -torch.minimum(ratio * advantages, clipped * advantages)
+    low = ((ratio < 1 - loss.epsilon) & (advantages < 0)).sum()
+    high = ((ratio > 1 + loss.epsilon_high) & (advantages > 0)).sum()
+    figures = torch.stack([torch.zeros((), device=logps.device), low.float(), high.float()])
+    return per_completion.sum(), n_rows, figures
+
+
 # ---------------------------------------------------------------------------------------------------------
 # One micro-batch
 # ---------------------------------------------------------------------------------------------------------
@@ -579,6 +636,7 @@ class Rollout:
     stats: list  # STAT_NAMES' sampling figures (completions .. clipped), then each function's score sum and count
     sample_s: float
     old_logps: object = None
+    kl: tuple = (0.0, 0.0)  # objective rloo with beta > 0: the summed per-token KL at sampling, and its tokens
     sampled_tokens: int = 0  # what sampling's forward passes computed: each completion's prompt and its tokens
     model_tokens: int = 0  # the non-pad tokens of `inputs`, which each update's passes compute
 
@@ -588,9 +646,10 @@ class Rollout:
         (beta > 0) and, on the step that sampled (`fresh`), sampling's forward passes (one per prompt token of each
         completion and per sampled token, with the KV cache) and the sampling policy's log-probabilities
         (iterations > 1). Sampling's attention over its cache is counted at the training context's rate."""
-        units = self.model_tokens * (4 / 3 if loss.needs_reference else 1.0)
-        if fresh:
-            units += (self.sampled_tokens + (self.model_tokens if loss.iterations > 1 else 0)) / 3
+        units = self.model_tokens * (4 / 3 if loss.needs_reference and not loss.rloo else 1.0)
+        if fresh:  # (rloo takes the reference's pass at sampling)
+            passes = int(loss.sampling_logprobs) + int(loss.rloo and loss.needs_reference)
+            units += (self.sampled_tokens + passes * self.model_tokens) / 3
         return units
 
 
@@ -605,9 +664,12 @@ def grpo_sample(
     pad_id: int,
     seed: int,
     synced: bool = False,
+    reference=None,
 ) -> Rollout:
     """Sample and score one micro-batch (steps 1-3); with `loss.iterations` > 1, the sampling policy's
-    log-probabilities too (a pass without gradients), which the later updates' ratios are taken against."""
+    log-probabilities too (a pass without gradients), which the later updates' ratios are taken against. objective
+    rloo with beta > 0: those and the reference's (`reference`, the frozen copy, or None: `engine.module` with its
+    adapters disabled), each completion's reward less beta x its summed KL before its advantage."""
     import torch
 
     device = engine.device
@@ -621,21 +683,29 @@ def grpo_sample(
     sample_s = time.perf_counter() - t0
     g = loss.generations
     k = len(rewards.functions)
-    if completions:
-        scores = rewards.score_completions(pairs, completions, tokenizer, eos_id)
-        reward = rewards.total(scores)
-        advantages = group_advantages(reward, g, loss.scale)
-        group_std = reward.reshape(-1, g).std(axis=1, ddof=1)
-    else:
-        scores, reward, advantages, group_std = np.zeros((0, k)), np.zeros(0), np.zeros(1), np.zeros(0)
     inputs = completion_batch(prompts, completions, pad_id, device)
     cut = [i for i, c in enumerate(completions) if not (len(c) and c[-1] == eos_id)]
     if loss.mask_truncated and cut:  # (TRL's: no token of theirs counted; each still one of the completions)
         inputs["labels"][torch.as_tensor(cut, device=device)] = -100
-    old = None
-    if loss.iterations > 1:
+    old, seq_kl, kl = None, np.zeros(len(completions)), (0.0, 0.0)
+    if loss.sampling_logprobs:
         with torch.no_grad():
-            old, _ = token_logprobs(engine, inputs, loss.chunked)
+            old, rows = token_logprobs(engine, inputs, loss.chunked)
+            if loss.rloo and loss.needs_reference:  # (every rank: at ZeRO-3 its passes gather collectively)
+                ref = reference_logprobs(engine, reference, inputs, loss.chunked, owner=engine.module)
+                if completions:
+                    seq_kl = sequence_sums(old - ref, rows, len(completions)).cpu().numpy().astype(np.float64)
+                    kl = (float(seq_kl.sum()), float(old.numel()))
+    if completions:
+        scores = rewards.score_completions(pairs, completions, tokenizer, eos_id)
+        reward = rewards.total(scores)
+        if loss.rloo:  # the KL to the start is a cost in the reward (TRL's RLOO); the figures report the reward
+            advantages = leave_one_out_advantages(reward - loss.beta * seq_kl, g, loss.normalize)
+        else:
+            advantages = group_advantages(reward, g, loss.scale)
+        group_std = reward.reshape(-1, g).std(axis=1, ddof=1)
+    else:
+        scores, reward, advantages, group_std = np.zeros((0, k)), np.zeros(0), np.zeros(1), np.zeros(0)
     lengths = [len(c) for c in completions]
     stats = [
         float(len(completions)),
@@ -655,6 +725,7 @@ def grpo_sample(
         stats=stats,
         sample_s=sample_s,
         old_logps=old,
+        kl=kl,
         sampled_tokens=g * sum(len(p) for p in prompts) + int(sum(lengths)) if completions else 0,
         model_tokens=int(inputs["attention_mask"].sum()) if completions else 0,
     )
@@ -667,29 +738,44 @@ def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None,
     [STAT_NAMES' sums..., each reward function's score sum..., and count...])."""
     import torch
 
-    from pylon.jobs.dpo import as_reference
-
     inputs = rollout.inputs
+    n_rows = int(inputs["input_ids"].shape[0])
     ref = None
-    if loss.needs_reference:
+    if loss.needs_reference and not loss.rloo:  # (rloo's reference was read at sampling: its KL is in the reward)
         with torch.no_grad():
-            if reference is not None:
-                ref, _ = token_logprobs(reference, inputs, loss.chunked)
-            else:
-                with as_reference(module):
-                    ref, _ = token_logprobs(module, inputs, loss.chunked)
+            ref = reference_logprobs(module, reference, inputs, loss.chunked)
     logps, rows = token_logprobs(engine, inputs, loss.chunked)
     old = None if first else rollout.old_logps
-    loss_sum, count, figures = grpo_losses(
-        logps, rows, rollout.advantages, loss, int(inputs["input_ids"].shape[0]), ref, old
-    )
+    if loss.rloo:
+        old_seq = None if old is None else sequence_sums(old, rows, n_rows)
+        loss_sum, count, figures = rloo_losses(logps, rows, rollout.advantages, loss, n_rows, old_seq)
+    else:
+        loss_sum, count, figures = grpo_losses(logps, rows, rollout.advantages, loss, n_rows, ref, old)
     if not rollout.completions:
         loss_sum, count = loss_sum * 0.0, 0
     kl, low, high = figures.tolist() if rollout.completions else (0.0, 0.0, 0.0)
     n = float(logps.numel()) if rollout.completions else 0.0
+    kl_tokens = n if ref is not None else 0.0
+    if loss.rloo:  # its KL at sampling; the clip figures count completions, its loss's units
+        kl, kl_tokens, n = *rollout.kl, float(rollout.completions)
     k = (len(rollout.stats) - 7) // 2
-    stats = [*rollout.stats[:7], kl, n if ref is not None else 0.0, low, high, n, *rollout.stats[7 : 7 + 2 * k]]
+    stats = [*rollout.stats[:7], kl, kl_tokens, low, high, n, *rollout.stats[7 : 7 + 2 * k]]
     return loss_sum, count, rollout.tokens, stats
+
+
+def reference_logprobs(model, reference, inputs: dict, chunked: bool, owner=None):
+    """The reference's log-probabilities of `inputs`' counted tokens (no gradients): `reference`, the frozen copy,
+    or None: `model` run with the LoRA adapters of `owner` (the model itself where None; the engine's module where
+    `model` is the DeepSpeed engine) disabled."""
+    import torch
+
+    from pylon.jobs.dpo import as_reference
+
+    with torch.no_grad():
+        if reference is not None:
+            return token_logprobs(reference, inputs, chunked)[0]
+        with as_reference(model if owner is None else owner):
+            return token_logprobs(model, inputs, chunked)[0]
 
 
 def grpo_forward(
@@ -709,8 +795,9 @@ def grpo_forward(
     """Sample, score and train one micro-batch once (steps 1-4: `grpo_sample`, then `grpo_train`). Returns
     `grpo_train`'s figures and the seconds spent sampling."""
     rollout = grpo_sample(
-        engine, batch, loss, rewards, tokenizer, eos_id=eos_id, pad_id=pad_id, seed=seed, synced=synced
-    )
+        engine, batch, loss, rewards, tokenizer, eos_id=eos_id, pad_id=pad_id, seed=seed, synced=synced,
+        reference=reference,
+    )  # fmt: skip
     return (*grpo_train(engine, module, rollout, loss, reference), rollout.sample_s)
 
 

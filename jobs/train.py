@@ -40,7 +40,7 @@ from pylon.jobs.run_dir import (
     run_uri_of,
     storage_problems,
 )
-from pylon.specs import PREFERENCE_OBJECTIVES, TrainJobSpec, load_spec
+from pylon.specs import PREFERENCE_OBJECTIVES, RL_OBJECTIVES, TrainJobSpec, load_spec
 
 log = logging.getLogger("pylon.train")
 
@@ -210,19 +210,19 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
             f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
             "chosen and rejected with `pylon data prepare --preference`"
         )
-    if spec.objective != "grpo" and manifest.prompts:
+    if spec.objective not in RL_OBJECTIVES and manifest.prompts:
         raise PylonError(
             f"objective {spec.objective}: data.uri {spec.data.uri} holds prompts (`pylon data prepare --prompts`), "
-            "whose answers may be empty, for objective grpo; prepare prompt and completion records with "
+            "whose answers may be empty, for objective grpo or rloo; prepare prompt and completion records with "
             "`--prompt-completion` to fine-tune on them"
         )
-    if spec.objective == "grpo":
+    if spec.objective in RL_OBJECTIVES:
         from pylon.jobs.grpo import check_rewards
 
         if manifest.preference or not manifest.loss_mask or not manifest.document_starts:
             held = "preference pairs" if manifest.preference else "text" if not manifest.loss_mask else "conversations"
             raise PylonError(
-                f"objective grpo: data.uri {spec.data.uri} holds {held}"
+                f"objective {spec.objective}: data.uri {spec.data.uri} holds {held}"
                 + (
                     " without the marks of where each starts (prepared by an older Pylon)"
                     if held == "conversations"
@@ -307,7 +307,7 @@ def train_loop(config: dict) -> None:
     dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo, reward (pylon.jobs.dpo)
     dpo_loss = DpoLoss.of(spec, stream.manifest)
     # objective grpo (pylon.jobs.grpo): completions sampled by the model, scored by the reward functions (decoded text)
-    grpo = GrpoLoss.of(spec) if spec.objective == "grpo" else None
+    grpo = GrpoLoss.of(spec) if spec.objective in RL_OBJECTIVES else None
     rewards = Rewards(spec.grpo.rewards) if grpo is not None else None
     grpo_eval = None
     if grpo is not None:
@@ -469,6 +469,7 @@ def train_loop(config: dict) -> None:
                         pad_id=tok.pad_id,
                         seed=sample_seed(seed, step, micro, rank),
                         synced=synced,
+                        reference=reference,
                     )
                     sample_s += rollout.sample_s
                     if grpo.iterations > 1:

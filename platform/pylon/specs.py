@@ -416,6 +416,8 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_
 SMOOTHED_DPO_LOSSES = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
 
 
+# The objectives that sample completions of prompts and learn from their rewards (pylon.jobs.grpo; the `grpo` block)
+RL_OBJECTIVES = ("grpo", "rloo")
 # objective grpo's built-in reward functions (pylon.jobs.grpo.BUILT_IN_REWARDS; a `module:function` path names another)
 GRPO_REWARDS = ("exact_match", "contains_answer", "last_number_match")
 _REWARD_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -465,7 +467,7 @@ class RewardFunctionSpec(_Spec):
 
 
 class GrpoSpec(_Spec):
-    """objective grpo's settings (TRL's GRPOConfig)."""
+    """objective grpo's and rloo's settings (TRL's GRPOConfig and RLOOConfig)."""
 
     rewards: list[RewardFunctionSpec] = Field(
         min_length=1, description="the reward functions; a completion's reward is their weighted sum"
@@ -514,8 +516,13 @@ class GrpoSpec(_Spec):
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
-        description="advantages are each reward less its group's mean, divided by the standard deviation of its "
-        "group (group), of the micro-batch (batch), or not at all (none: Dr. GRPO)",
+        description="objective grpo: advantages are each reward less its group's mean, divided by the standard "
+        "deviation of its group (group), of the micro-batch (batch), or not at all (none: Dr. GRPO)",
+    )
+    normalize_advantages: bool = Field(
+        False,
+        description="objective rloo: standardise the leave-one-out advantages over the micro-batch's completions "
+        "(mean 0, standard deviation 1; TRL's normalize_advantages)",
     )
 
 
@@ -551,7 +558,7 @@ class TrainJobSpec(_Spec):
         "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
         "0: the whole micro-batch at once",
     )
-    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "grpo"] = Field(
+    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "grpo", "rloo"] = Field(
         "causal_lm",
         description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); on a dataset "
         "prepared with --preference, each pair's chosen completion over its rejected one: dpo, direct preference "
@@ -563,9 +570,14 @@ class TrainJobSpec(_Spec):
         "token, trained so the chosen one scores higher (Bradley-Terry), exported as a classifier Pylon serves; grpo, "
         "group relative policy optimisation (TRL's GRPOTrainer) on a prompt-completion or chat dataset: each prompt's "
         "completions sampled from the model as it trains, scored by the reward functions of `grpo` against the "
-        "record's completion (its answer), and each reinforced by its reward against its group's",
+        "record's completion (its answer), and each reinforced by its reward against its group's; rloo, REINFORCE "
+        "leave-one-out (TRL's RLOOTrainer) with the same sampling and rewards: each completion's reward, less beta "
+        "times its KL to the start (summed over its tokens), against the mean of its group's other completions, and "
+        "one clipped ratio per completion (its tokens' summed log-probabilities)",
     )
-    grpo: GrpoSpec | None = Field(None, description="objective grpo: its reward functions, sampling and loss")
+    grpo: GrpoSpec | None = Field(
+        None, description="objectives grpo and rloo: their reward functions, sampling and loss"
+    )
     dpo_beta: float = Field(
         0.1,
         gt=0,
@@ -690,10 +702,21 @@ class TrainJobSpec(_Spec):
             )
         if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and objective != "simpo":
             problems.append(("simpo_gamma", f"is objective simpo's margin; objective is {objective}"))
-        if objective == "grpo":
+        if objective in RL_OBJECTIVES:
             if self.grpo is None:
                 problems.append(
-                    ("grpo", "objective grpo needs its reward functions: grpo: {rewards: [{function: ...}]}")
+                    ("grpo", f"objective {objective} needs reward functions: grpo: {{rewards: [{{function: ...}}]}}")
+                )
+            elif objective == "rloo":  # (by value: a submitted spec is dumped whole and read again)
+                if self.grpo.loss != "dapo":
+                    problems.append(("grpo.loss", "averages objective grpo's token losses; rloo's is per completion"))
+                if self.grpo.scale_rewards != "group":
+                    problems.append(
+                        ("grpo.scale_rewards", "scales objective grpo's advantages; rloo's: grpo.normalize_advantages")
+                    )
+            elif self.grpo.normalize_advantages:
+                problems.append(
+                    ("grpo.normalize_advantages", "is objective rloo's; grpo's advantages: grpo.scale_rewards")
                 )
             if self.neftune_noise_alpha:
                 problems.append(("neftune_noise_alpha", "would add noise to the sampled completions' scores: set 0"))
@@ -703,7 +726,7 @@ class TrainJobSpec(_Spec):
                     why = "a checkpoint between the updates of one sampled batch would have to keep its completions"
                     problems.append((field, f"must be a multiple of grpo.iterations ({mu}): {why} (got {value})"))
         elif self.grpo is not None:
-            problems.append(("grpo", f"sets objective grpo's sampling and rewards; objective is {objective}"))
+            problems.append(("grpo", f"sets objective grpo's and rloo's sampling and rewards; objective: {objective}"))
         if self.reward_center_coefficient and objective != "reward":
             problems.append(
                 ("reward_center_coefficient", f"centres objective reward's scores; objective is {objective}")

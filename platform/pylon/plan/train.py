@@ -49,7 +49,7 @@ from pylon.plan.steptime import (
     model_flops_per_token,
     step_time,
 )
-from pylon.specs import LoraSpec, TrainJobSpec
+from pylon.specs import RL_OBJECTIVES, LoraSpec, TrainJobSpec
 
 USABLE_FRACTION = 0.95  # of a GPU's memory; the rest a margin for what the model of memory does not count
 MAX_GPUS = 16_384
@@ -416,18 +416,20 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         documents = spec.attention_mask == "document"
         if spec.attention_mask == "auto":
             notes.append("attention_mask auto planned as causal (a chat dataset would attend each document apart)")
-    referenced = spec.objective == "dpo" or (spec.objective == "grpo" and spec.grpo.beta > 0)
+    rl = spec.objective in RL_OBJECTIVES
+    referenced = spec.objective == "dpo" or (rl and spec.grpo.beta > 0)
     reference = "none" if not referenced else "adapters" if spec.lora else "copy"
     rollouts = 1
-    if spec.objective == "grpo":  # each row's prompt and its completions, trained as one micro-batch
+    if rl:  # each row's prompt and its completions, trained as one micro-batch
         rollouts, seq = spec.grpo.generations, seq + spec.grpo.max_completion_tokens
         notes.append(
-            f"objective grpo planned as {rollouts} sequences of seq_len + max_completion_tokens ({seq:,}) tokens per "
-            "micro-batch row (one prompt a row); sampling's memory (its KV cache and, at ZeRO-3, the gathered model) "
-            "where it is more than the training pass's activations; its time is not counted"
+            f"objective {spec.objective} planned as {rollouts} sequences of seq_len + max_completion_tokens "
+            f"({seq:,}) tokens per micro-batch row (one prompt a row); sampling's memory (its KV cache and, at "
+            "ZeRO-3, the gathered model) where it is more than the training pass's activations; its time is not "
+            "counted"
         )
     chunk = spec.loss_chunk_tokens
-    gathered = spec.objective == "grpo" and spec.grpo.zero3_gather_for_sampling
+    gathered = rl and spec.grpo.zero3_gather_for_sampling
     work = Workload(
         config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts, gathered_sampling=gathered
     )

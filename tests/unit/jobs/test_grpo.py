@@ -6,6 +6,8 @@ DeepSpeed, to say what its reward asks for."""
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from pylon.data.prepare import prepare
 from pylon.data.reader import Batch
@@ -637,3 +640,126 @@ def test_a_rollouts_model_flops_count_sampling_and_every_pass_over_prompts_and_c
     again = replace_loss(loss, beta=0.0, iterations=2)
     assert rollout.trained_token_units(again, fresh=True) == pytest.approx(m + (s + m) / 3)
     assert rollout.trained_token_units(again, fresh=False) == m
+
+
+# ---------------------------------------------------------------------------------------------------------
+# objective rloo: REINFORCE leave-one-out (TRL's RLOOTrainer), on the same sampling and rewards
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rloo_spec(**grpo) -> TrainJobSpec:
+    return TrainJobSpec.model_validate(
+        {"name": "r", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+         "objective": "rloo", "grpo": {"rewards": [{"function": "contains_answer"}], **grpo}}
+    )  # fmt: skip
+
+
+class _Engine:
+    """What `grpo_sample` and `grpo_train` call at ZeRO-0-2 without DeepSpeed: the model, its module and device."""
+
+    def __init__(self, model):
+        self.module, self.device = model, torch.device("cpu")
+
+    def __call__(self, **kwargs):
+        return self.module(**kwargs)
+
+
+def test_rloo_advantages_are_each_reward_against_its_groups_other_completions() -> None:
+    from pylon.jobs.grpo import leave_one_out_advantages
+
+    rewards = np.array([0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    got = leave_one_out_advantages(rewards, 4, normalize=False)
+    want = [r - (rewards[g * 4 : g * 4 + 4].sum() - r) / 3 for g in range(2) for r in rewards[g * 4 : g * 4 + 4]]
+    np.testing.assert_allclose(got, want)
+    assert got[0] == pytest.approx(-2 / 3) and got[4] == pytest.approx(1.0)  # (TRL's docs: 0 - mean(1, 0, 1))
+    np.testing.assert_allclose(got, 4 / 3 * (rewards - np.repeat(rewards.reshape(2, 4).mean(1), 4)))
+    normed = leave_one_out_advantages(rewards, 4, normalize=True)
+    assert abs(normed.mean()) < 1e-9 and normed.std(ddof=1) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_rloo_loss_is_one_clipped_ratio_per_completion_of_its_summed_log_probabilities() -> None:
+    """On the sampling policy (ratio 1) the loss is -sum(A) and its gradient REINFORCE's: -A on every token's log-
+    probability of its completion. Against an older policy, each completion's whole-sequence ratio is clipped."""
+    from pylon.jobs.grpo import rloo_losses
+
+    loss = GrpoLoss.of(_rloo_spec(epsilon=0.2))
+    logps = torch.tensor([-1.0, -2.0, -0.5, -0.3, -0.2], requires_grad=True)
+    rows = torch.tensor([0, 0, 1, 1, 2])
+    advantages = torch.tensor([1.0, -0.5, 2.0])
+    total, count, figures = rloo_losses(logps, rows, advantages, loss, 3)
+    assert count == 3 and total.item() == pytest.approx(-2.5)
+    total.backward()
+    assert logps.grad.tolist() == pytest.approx([-1.0, -1.0, 0.5, 0.5, -2.0])
+    assert figures.tolist() == [0.0, 0.0, 0.0]
+    # sums now: -3.0, -0.8, -0.2; the sampling policy's -3.5 (ratio e^0.5: clipped, A > 0), -0.8, -0.1 (e^-0.1: in)
+    total, _, figures = rloo_losses(logps.detach(), rows, advantages, loss, 3, torch.tensor([-3.5, -0.8, -0.1]))
+    want = -(1.2 * 1.0) + 0.5 * 1.0 - 2.0 * math.exp(-0.1)
+    assert total.item() == pytest.approx(want, rel=1e-6)
+    assert figures.tolist() == [0.0, 0.0, 1.0]
+
+
+def test_rloo_samples_with_its_kl_to_the_start_in_the_reward(tmp_path) -> None:
+    """With beta > 0, rloo reads the sampling policy's and the reference's log-probabilities as it samples; each
+    completion's advantage is the leave-one-out one of its reward less beta x its summed KL, and the figures report
+    the KL per token. The loss has no KL term."""
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.jobs.grpo import leave_one_out_advantages, token_logprobs
+    from pylon.specs import RewardFunctionSpec
+
+    model, start = _model(seed=0), _model(seed=1)  # the reference: another model, so the KL is not 0
+    loss = replace_loss(GrpoLoss.of(_rloo_spec(beta=0.5)), generations=4, max_tokens=3)
+    assert loss.rloo and loss.sampling_logprobs and loss.needs_reference
+    batch, _ = _batch(tmp_path, RECORDS[:2])
+    rewards = Rewards([RewardFunctionSpec(function="contains_answer")])
+    engine = _Engine(model)
+    rollout = grpo_sample(
+        engine, batch, loss, rewards, load_tokenizer("byte"), eos_id=EOS, pad_id=PAD, seed=4, reference=start
+    )
+    n = rollout.completions
+    old, rows = token_logprobs(model, rollout.inputs, chunked=False)
+    ref, _ = token_logprobs(start, rollout.inputs, chunked=False)
+    seq_kl = torch.zeros(n).index_add(0, rows, (old - ref).detach()).double().numpy()
+    assert rollout.stats[1] == pytest.approx(rollout.stats[7])  # the figures: the reward alone (one function)
+    got = rollout.advantages.numpy()
+    # the advantages sum to 0 per group whatever the rewards; the KL's part is the leave-one-out of -beta x seq_kl
+    np.testing.assert_allclose(got.reshape(-1, 4).sum(1), 0, atol=1e-5)
+    kl_part = leave_one_out_advantages(-0.5 * seq_kl, 4, normalize=False)
+    reward_part = got - kl_part
+    assert np.abs(kl_part).max() > 1e-3  # the reference differs: the KL moves the advantages
+    for group in reward_part.reshape(-1, 4):  # what is left is a leave-one-out of 0/1 rewards: multiples of 1/3
+        np.testing.assert_allclose(group * 3 - np.round(group * 3), 0, atol=1e-4)
+    assert rollout.kl[0] == pytest.approx(float(seq_kl.sum()), rel=1e-4) and rollout.kl[1] == float(old.numel())
+    _, count, _, stats = grpo_train(engine, model, rollout, loss, start)
+    assert count == n and stats[7] == pytest.approx(rollout.kl[0]) and stats[8] == rollout.kl[1]
+
+
+def test_rloo_counts_its_reference_and_sampling_passes_at_sampling() -> None:
+    from pylon.jobs.grpo import Rollout
+
+    r = Rollout(inputs={}, advantages=None, completions=8, tokens=20, stats=[], sample_s=0.0,
+                sampled_tokens=100, model_tokens=100)  # fmt: skip
+    with_kl = GrpoLoss.of(_rloo_spec(beta=0.05))
+    assert r.trained_token_units(with_kl, fresh=True) == pytest.approx(100 + (100 + 2 * 100) / 3)
+    assert r.trained_token_units(with_kl, fresh=False) == 100  # (iterations > 1: no reference pass again)
+    assert r.trained_token_units(GrpoLoss.of(_rloo_spec()), fresh=True) == pytest.approx(100 + 100 / 3)
+
+
+@pytest.mark.parametrize(
+    ("objective", "grpo", "field"),
+    [
+        ("rloo", {"loss": "grpo"}, "grpo.loss"),
+        ("rloo", {"scale_rewards": "none"}, "grpo.scale_rewards"),
+        ("grpo", {"normalize_advantages": True}, "grpo.normalize_advantages"),
+    ],
+)
+def test_each_objective_refuses_the_others_settings_by_name(objective, grpo, field) -> None:
+    with pytest.raises(ValidationError, match=re.escape(field)):
+        TrainJobSpec.model_validate(
+            {"name": "r", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+             "objective": objective, "grpo": {"rewards": [{"function": "contains_answer"}], **grpo}}
+        )  # fmt: skip
+    with pytest.raises(ValidationError, match="objective rloo needs reward functions"):
+        TrainJobSpec.model_validate(
+            {"name": "r", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+             "objective": "rloo"}
+        )  # fmt: skip
