@@ -308,6 +308,10 @@ def test_grpo_plans_each_row_as_its_completions_and_a_reference_only_with_a_kl_t
     assert train_workload(_train(objective="grpo", grpo=beta))[0].reference == "copy"
     lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     assert train_workload(_train(objective="grpo", grpo=beta, lora=lora))[0].reference == "adapters"
+    # objective rloo samples as grpo does: the same rows, and a reference with its KL term
+    rloo, rloo_notes = train_workload(_train(objective="rloo", grpo=beta, data={"uri": "/x", "seq_len": 1024}))
+    assert (rloo.rollouts, rloo.seq_len, rloo.reference) == (4, 1024 + 512, "copy")
+    assert any("objective rloo planned as 4 sequences" in n for n in rloo_notes)
     # sampling's peak: the completions' KV cache, and at ZeRO-3 the whole model gathered (the default), when larger
     from pylon.plan.memory import kv_bytes_per_token
 
