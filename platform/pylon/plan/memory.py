@@ -189,6 +189,9 @@ class Workload:
     rollouts: int = 1
     # objective grpo at ZeRO-3: the whole model gathered on every GPU while it samples (`zero3_gather_for_sampling`)
     gathered_sampling: bool = False
+    # objectives grpo and rloo: the tokens each completion is sampled for at most (`grpo.max_completion_tokens`),
+    # the last of seq_len; 0: no sampling
+    completion_tokens: int = 0
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:

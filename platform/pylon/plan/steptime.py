@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.plan.catalog import Accelerator
-from pylon.plan.memory import WEIGHT_BYTES, Layout, ModelShape, Workload
+from pylon.plan.memory import WEIGHT_BYTES, Layout, ModelShape, Workload, kv_bytes_per_token
 
 DEFAULT_MFU = 0.40  # model FLOPs utilisation: well-tuned dense LLM training reports 0.35-0.55
 COLLECTIVE_EFFICIENCY = 0.8  # of the nominal link rate, what bucketed ring collectives reach (nccl-tests: ~0.9)
@@ -68,10 +68,11 @@ class StepTime:
     comm_s: float  # the part of the collectives not hidden behind compute
     offload_s: float  # CPU Adam, PCIe and NVMe traffic
     collectives_s: float = 0.0  # all the collectives take, hidden or not
+    sampling_s: float = 0.0  # objectives grpo and rloo: sampling the completions (`sampling_time`)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.comm_s + self.offload_s
+        return self.compute_s + self.comm_s + self.offload_s + self.sampling_s
 
 
 def collective_gbs(acc: Accelerator, gpus: int) -> float:
@@ -126,7 +127,32 @@ def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> S
         offload += (
             moved / host_link if layout.offload_param == "cpu" else moved * layout.gpus_on_node / (NVME_GBS * 1e9)
         )
-    return StepTime(compute, exposed, offload, comm)
+    return StepTime(compute, exposed, offload, comm, sampling_time(work, layout, acc, mfu))
+
+
+def sampling_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> float:
+    """Seconds a step of objective grpo or rloo spends sampling (0 for the others), on each GPU for its own rows:
+    every micro-batch's prompts prefilled once per completion (forward FLOPs at `mfu`), then a decode step per
+    completion token, whichever is longer of its FLOPs and its bytes: every weight read once (a decode is
+    memory-bound) and the KV cache so far. At ZeRO-3 the model is gathered once per micro-batch
+    (`zero3_gather_for_sampling`), or else every layer for every token."""
+    steps = work.completion_tokens
+    if not steps:
+        return 0.0
+    s, g, w = work.shape, layout.num_gpus, WEIGHT_BYTES[work.precision]
+    rows = layout.micro_batch_size * work.rollouts
+    prompt = work.seq_len - steps
+    peak, bandwidth = acc.peak_flops(work.precision) * mfu, acc.bandwidth_gbs * 1e9
+    forward = 2 * s.total_params  # FLOPs a token, forward only (attention aside)
+    prefill = forward * rows * prompt / peak
+    kv = kv_bytes_per_token(s, w) * rows * (prompt + steps / 2)  # the cache read by an average decode step
+    decode = steps * max(forward * rows / peak, (w * s.total_params + kv) / bandwidth)
+    gather = 0.0
+    if layout.zero_stage == 3 and g > 1:
+        weights = w * s.total_params * (g - 1) / g
+        per_micro = weights if work.gathered_sampling else weights * steps
+        gather = per_micro / (collective_gbs(acc, g) * 1e9)
+    return layout.grad_accum_steps * (prefill + decode + gather)
 
 
 def _check_knobs(

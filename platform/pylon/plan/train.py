@@ -159,6 +159,7 @@ class Option:
             "comm_s": round(self.step.comm_s, 4),
             "collectives_s": round(self.step.collectives_s, 4),
             "offload_s": round(self.step.offload_s, 4),
+            "sampling_s": round(self.step.sampling_s, 4),
             "mfu": self.mfu,
             "hfu": round(self.hfu, 4),
             "achieved_mfu": round(self.achieved_mfu, 4),
@@ -425,14 +426,15 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         notes.append(
             f"objective {spec.objective} planned as {rollouts} sequences of seq_len + max_completion_tokens "
             f"({seq:,}) tokens per micro-batch row (one prompt a row); sampling's memory (its KV cache and, at "
-            "ZeRO-3, the gathered model) where it is more than the training pass's activations; its time is not "
-            "counted"
+            "ZeRO-3, the gathered model) where it is more than the training pass's activations; its time as a "
+            "prefill of the prompts and a decode step per completion token, each reading every weight once"
         )
     chunk = spec.loss_chunk_tokens
     gathered = rl and spec.grpo.zero3_gather_for_sampling
     work = Workload(
-        config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts, gathered_sampling=gathered
-    )
+        config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts,
+        gathered_sampling=gathered, completion_tokens=spec.grpo.max_completion_tokens if rl else 0,
+    )  # fmt: skip
     return work, notes
 
 
@@ -868,6 +870,7 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
         "none" if work.reference == "none" else "adapters",
         work.rollouts,
         work.gathered_sampling,
+        work.completion_tokens,
     )
     best = search(
         adapted,
@@ -957,6 +960,7 @@ def _explain(plan: TrainPlan) -> list[str]:
         f"{rec.wall_s / 3600:,.1f} h wall time, {rec.gpu_hours:,.1f} GPU-hours, ${rec.cost:,.2f}; "
         f"step {rec.step.total_s:.2f} s = compute {rec.step.compute_s:.2f} + exposed communication "
         f"{rec.step.comm_s:.2f} + offload {rec.step.offload_s:.2f}"
+        + (f" + sampling {rec.step.sampling_s:.2f}" if rec.step.sampling_s else "")
         + (f" (collectives {rec.step.collectives_s:.2f} s, {hidden})" if lay.num_gpus > 1 else "")
     )
     out += [f"parallelism: {a}" for a in row.advice]

@@ -797,3 +797,31 @@ def test_every_encoder_familys_plan_counts_its_body_and_no_kv_cache(tmp_path: Pa
     spec = DeploymentSpec(name="m", model=str(tmp_path / "m"), replica={"num_gpus": 1}, engine={"device": "cuda"})
     row = next(r for r in plan_serve(spec).rows if r.accelerator.name == "H200")
     assert row.kv_cache == 0 and row.weights > 0 and row.fits
+
+
+def test_grpo_and_rloo_steps_count_their_sampling_time() -> None:
+    """Sampling is a prefill of each row's prompt for every completion and a decode step per completion token that
+    reads every weight once (memory-bound for a few rows): on one H100, a 7B model's 512 decode steps take at least
+    512 x its bf16 bytes / the memory bandwidth. Other objectives sample nothing."""
+    from pylon.plan.catalog import load_catalog
+    from pylon.plan.steptime import sampling_time, step_time
+    from pylon.plan.train import train_workload
+
+    h100 = next(a for a in load_catalog().accelerators if a.name == "H100-SXM")
+    grpo = {"rewards": [{"function": "exact_match"}], "generations": 8, "max_completion_tokens": 512}
+    data = {"uri": "/nonexistent/p", "seq_len": 512}
+    layout = Layout(3, micro_batch_size=1, num_gpus=1)
+    for objective in ("grpo", "rloo"):
+        work, _ = train_workload(_train(model={"preset": "llama-7b"}, objective=objective, grpo=grpo, data=data))
+        assert work.completion_tokens == 512
+        sampling = sampling_time(work, layout, h100, 0.4)
+        weights_read = 512 * 2 * work.shape.total_params / (h100.bandwidth_gbs * 1e9)
+        assert weights_read < sampling < 3 * weights_read
+        assert step_time(work, layout, h100, 0.4).sampling_s == sampling
+        shorter, _ = train_workload(
+            _train(model={"preset": "llama-7b"}, objective=objective, grpo={**grpo, "max_completion_tokens": 128},
+                   data=data)
+        )  # fmt: skip
+        assert sampling_time(shorter, layout, h100, 0.4) < sampling / 2
+    plain, _ = train_workload(_train(model={"preset": "llama-7b"}, data=data))
+    assert plain.completion_tokens == 0 and step_time(plain, layout, h100, 0.4).sampling_s == 0.0
