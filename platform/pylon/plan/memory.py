@@ -66,7 +66,7 @@ ZERO12_RUNTIME_EXTRA_BYTES = 390 * 2**20
 CUDA_CONTEXT_BYTES = 1 * GIB
 # PyTorch's caching allocator reserves more than is allocated at the peak: blocks rounded up (512 B, then 2 MiB
 # segments for small blocks, 20 MiB for large ones) and segments split by frees in a different order than
-# allocations. Measured on an H200: reserved / allocated at the peak 1.09 (1B parameters, ZeRO-3) to 1.12 (3M
+# allocations. Measured on an H200: reserved / allocated at the peak 1.09 (1B parameters, ZeRO-3) to 1.16 (3M
 # parameters with a 1 GiB activation peak); without it the process total is underpredicted by that much.
 ALLOCATOR_RESERVE = 0.10
 PROCESS_BYTES = 1 * GIB  # a CPU worker's Python, torch, transformers and DeepSpeed before the model exists
