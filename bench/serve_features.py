@@ -355,8 +355,7 @@ def report_quantization(r: dict) -> None:
         f"held-out text ({r['eval_tokens']} tokens of {DATASET.name}): mean log-likelihood {base} {ll['none']:.5f}, "
         f"perplexity {ppl['none']:.1f}"
     )
-    kl = r["kl"] if isinstance(r["kl"], dict) else {"int8": r["kl"]}
-    agree = r["top1_agree"] if isinstance(r["top1_agree"], dict) else {"int8": r["top1_agree"]}
+    kl, agree = r["kl"], r["top1_agree"]
     for q in r["legs"][1:]:
         change_ll = (ll[q] - ll["none"]) / abs(ll["none"])
         change_ppl = ppl[q] / ppl["none"] - 1

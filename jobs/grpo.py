@@ -548,6 +548,13 @@ def token_logprobs(model, inputs: dict, chunked: bool):
     return lp.float(), rows
 
 
+def sequence_sums(values, rows, n_rows: int):
+    """Per completion (row), the sum of its counted tokens' `values`."""
+    import torch
+
+    return torch.zeros(n_rows, device=values.device, dtype=values.dtype).index_add(0, rows, values)
+
+
 def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=None, old_logps=None):
     """The micro-batch's summed loss and what it is averaged over (`loss.kind`: its completion tokens for dapo, its
     completions for grpo and dr_grpo), and [the summed per-token KL (0 without a reference), tokens clipped below,
@@ -572,18 +579,11 @@ def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=
     figures = torch.stack([kl.float(), low.float(), high.float()])
     if loss.kind == "dapo":
         return per_token.sum(), int(logps.numel()), figures
-    sums = torch.zeros(n_rows, device=logps.device, dtype=per_token.dtype).index_add(0, rows, per_token)
+    sums = sequence_sums(per_token, rows, n_rows)
     if loss.kind == "grpo":
         counts = torch.bincount(rows, minlength=n_rows).clamp(min=1)
         return (sums / counts).sum(), n_rows, figures
     return sums.sum() / loss.max_tokens, n_rows, figures  # dr_grpo
-
-
-def sequence_sums(values, rows, n_rows: int):
-    """Per completion (row), the sum of its counted tokens' `values`."""
-    import torch
-
-    return torch.zeros(n_rows, device=values.device, dtype=values.dtype).index_add(0, rows, values)
 
 
 def rloo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, old_seq=None):
