@@ -13,7 +13,15 @@ import numpy as np
 from tqdm import tqdm
 
 from pylon import storage
-from pylon.data.shards import BadShardError, ShardInfo, ShardManifest, decode_shard, read_manifest, verify_shard_bytes
+from pylon.data.shards import (
+    BadShardError,
+    ShardInfo,
+    ShardManifest,
+    decode_records,
+    decode_shard,
+    read_manifest,
+    verify_shard_bytes,
+)
 from pylon.errors import StorageError
 
 # Shards read at once: reads from object storage are latency-bound; four keep memory at four shards.
@@ -24,7 +32,8 @@ def inspect(uri: str, verify: bool = False, *, progress: bool = True) -> tuple[S
     """The dataset's manifest and, with `verify`, every problem found in its shards (empty: all good).
 
     Each shard is read whole and checked for size and sha256, then decoded and checked against its manifest
-    entry (rows, ids, tokens). A missing or unreadable manifest is a DataError, not a problem in the list.
+    entry (rows, ids, tokens); its records file too, when it has one (size, sha256, a line per row). A missing or
+    unreadable manifest is a DataError, not a problem in the list.
     """
     manifest = read_manifest(uri)
     if not verify:
@@ -58,6 +67,13 @@ def _shard_problem(uri: str, manifest: ShardManifest, info: ShardInfo) -> str | 
         _check_rows(info, rows.ids, rows.num_tokens)
     except BadShardError as e:
         return str(e)
+    if info.records is not None:  # the source records' other fields, per row (`shards.RecordsInfo`)
+        try:
+            decode_records(storage.read_bytes(storage.join(uri, info.records.file)), info=info)
+        except StorageError as e:
+            return f"records file {info.records.file}: cannot be read ({e})"
+        except BadShardError as e:
+            return str(e)
     return None
 
 

@@ -45,12 +45,14 @@ from pylon.data.shards import (
     MANIFEST_NAME,
     SHARD_SUFFIX,
     DataError,
+    RecordsInfo,
     ShardInfo,
     ShardManifest,
     ShardRows,
     Totals,
     encode_shard,
     manifest_uri,
+    records_name,
     sha256_hex,
 )
 from pylon.data.tokenizer import load_tokenizer
@@ -64,7 +66,10 @@ log = logging.getLogger(__name__)
 GROUP_BYTES = 32 * 2**20
 FORMATS = tuple(SHARD_SUFFIX)
 PACKINGS = ("auto", "wrapped", "bfd")
-_SHARD_NAME = re.compile(r"^part-[0-9a-f]{8}-\d{5}(\.parquet|\.tar)$")
+_SHARD_NAME = re.compile(r"^part-[0-9a-f]{8}-\d{5}(\.parquet|\.tar|\.records\.jsonl)$")
+# A source record's other fields (`record_fields`), JSON-encoded, at most: they ride in every worker's memory with
+# their shard, and a reward function wants an id, a label or a test case, not a document.
+RECORD_FIELDS_LIMIT = 64 * 2**10
 # storage.atomic_write's temporary names: a crashed run can leave them behind.
 _TEMP_NAME = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{32}$")
 _CREDENTIALS_IN_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
@@ -160,6 +165,9 @@ class PackedGroup:
     truncated: int = 0  # documents longer than a row, cut to one (packing "bfd")
     truncated_tokens: int = 0  # the tokens cut off them
     conversational: int = 0  # preference pairs in a conversational format (the others are prompt and completion text)
+    # each row's records file line (`shards.RecordsInfo`); None when no document of the group had other fields
+    records: list[str] | None = None
+    record_fields: list[str] = field(default_factory=list)  # their names, sorted
 
     @property
     def rows(self) -> int:
@@ -176,11 +184,12 @@ def read_documents(
 ) -> list | None:
     """The documents in `file`; None when a text file is not UTF-8 (the caller skips and counts it). `chat`: each
     JSONL record's `text_field` is a conversation (a list of messages, each with a role), returned as
-    (line number, messages, the record's `tools` or None). `prompt_completion`: each JSONL record's `prompt` and
-    `completion` strings, returned as (line number, prompt, completion). `preference`: each JSONL record's `prompt`,
-    `chosen` and `rejected` strings, returned as (line number, prompt, chosen, rejected). `prompts`: each JSONL record's
-    `prompt` (a string or a list of messages) and optional `answer` string, returned as (line number, prompt,
-    answer or "")."""
+    (line number, messages, the record's `tools` or None, its other fields). `prompt_completion`: each JSONL record's
+    `prompt` and `completion` strings, returned as (line number, prompt, completion, its other fields). `preference`:
+    each JSONL record's `prompt`, `chosen` and `rejected` strings, returned as (line number, prompt, chosen, rejected).
+    `prompts`: each JSONL record's `prompt` (a string or a list of messages) and optional `answer` string, returned as
+    (line number, prompt, answer or "", its other fields). A record's other fields (`other_fields`): an object of
+    every field but those read, or None when it has none."""
     try:
         data = storage.read_bytes(file.uri)
     except StorageError as e:
@@ -217,10 +226,12 @@ def read_documents(
             docs.append((lineno, *_preference(obj, f"{file.uri}: line {lineno}")))
             continue
         if prompt_completion:
-            docs.append((lineno, *_prompt_completion(obj, f"{file.uri}: line {lineno}")))
+            where = f"{file.uri}: line {lineno}"
+            docs.append((lineno, *_prompt_completion(obj, where), other_fields(obj, ("prompt", "completion"), where)))
             continue
         if prompts:
-            docs.append((lineno, *_prompt_record(obj, f"{file.uri}: line {lineno}")))
+            where = f"{file.uri}: line {lineno}"
+            docs.append((lineno, *_prompt_record(obj, where), other_fields(obj, ("prompt", "answer"), where)))
             continue
         if not isinstance(obj, dict) or text_field not in obj:
             has = f"has {sorted(obj)[:8]}" if isinstance(obj, dict) else f"is a {type(obj).__name__}"
@@ -231,7 +242,9 @@ def read_documents(
             tools = obj.get("tools")
             if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
                 raise DataError(f"{file.uri}: line {lineno}: tools: a list of tool objects, as the chat API takes them")
-            docs.append((lineno, _messages(obj[text_field], f"{file.uri}: line {lineno}: {text_field}"), tools))
+            where = f"{file.uri}: line {lineno}"
+            fields = other_fields(obj, (text_field, "tools"), where)
+            docs.append((lineno, _messages(obj[text_field], f"{where}: {text_field}"), tools, fields))
             continue
         if not isinstance(obj[text_field], str):
             raise DataError(
@@ -239,6 +252,22 @@ def read_documents(
             )
         docs.append(obj[text_field])
     return docs
+
+
+def other_fields(obj: dict, read: tuple[str, ...], where: str) -> dict | None:
+    """A record's fields beyond the `read` ones (`ShardManifest.record_fields`), or None when it has none: a prompt's
+    id, a task's test cases, a label, for reward functions to take by name. DataError naming the record when they
+    are larger than RECORD_FIELDS_LIMIT encoded."""
+    rest = {k: v for k, v in obj.items() if k not in read}
+    if not rest:
+        return None
+    size = len(json.dumps(rest, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > RECORD_FIELDS_LIMIT:
+        raise DataError(
+            f"{where}: its other fields ({', '.join(sorted(rest)[:8])}) take {size:,} bytes as JSON, over the "
+            f"{RECORD_FIELDS_LIMIT:,} kept per record; keep an id or a label there, and large content elsewhere"
+        )
+    return rest
 
 
 def _prompt_completion(obj, where: str, keys: tuple[str, ...] = ("prompt", "completion")) -> tuple[str, ...]:
@@ -372,6 +401,7 @@ def pack_group(
     """
     tok = load_tokenizer(tokenizer)
     pieces: list[np.ndarray] = []
+    fields: list[dict | None] = []  # each piece's record's other fields (`other_fields`)
     documents = 0
     skipped: list[str] = []
     dropped: list[int] = []  # preference pairs longer than a row: their lengths
@@ -389,7 +419,7 @@ def pack_group(
             skipped.append(file.uri)
             continue
         if prompts:
-            for lineno, prompt, answer in docs:
+            for lineno, prompt, answer, other in docs:
                 where = f"{file.uri}: line {lineno}"
                 if isinstance(prompt, list):
                     if not hasattr(tok, "encode_chat_prompt"):
@@ -402,10 +432,12 @@ def pack_group(
                     context = tok.encode(prompt, special=True)
                 ids = np.concatenate([context, tok.encode(answer) if answer else [], [tok.eos_id]]).astype(np.int64)
                 pieces.append(chat_tokens(ids, np.arange(ids.size) >= context.size))
+                fields.append(other)
                 documents += 1
             continue
         if prompt_completion or preference:
             for lineno, prompt, *completions in docs:
+                other = completions.pop() if prompt_completion else None
                 if isinstance(prompt, int):  # a conversational preference pair: (prompt's messages, conversations)
                     piece = _conversational_pair(tok, prompt, completions, f"{file.uri}: line {lineno}")
                 else:
@@ -419,13 +451,15 @@ def pack_group(
                     dropped.append(piece.size)
                     continue
                 pieces.append(piece)
+                fields.append(other)
                 documents += 1
                 conversational += isinstance(prompt, int)
             continue
         if chat:
-            for lineno, messages, tools in docs:
+            for lineno, messages, tools, other in docs:
                 for ids, replies in tok.encode_chat(messages, f"{file.uri}: line {lineno}", tools):
                     pieces.append(chat_tokens(ids, replies))
+                    fields.append(other)  # (every document a conversation makes carries its record's)
                 documents += 1
             continue
         for text in docs:
@@ -440,13 +474,35 @@ def pack_group(
             piece[:-1] = ids
             piece[-1] = tok.eos_id
             pieces.append(piece)
+            fields.append(None)
             documents += 1
+    rows_of: list[int] = []  # each piece's row
     if packing == "bfd":
-        tokens, num_tokens, truncated, cut = pack_whole(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
+        tokens, num_tokens, truncated, cut = pack_whole(
+            pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype, rows_of=rows_of
+        )
         truncated, cut = truncated + len(dropped), cut + sum(dropped)  # (a dropped pair: all its tokens)
-        return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256, truncated, cut, conversational)
-    tokens, num_tokens = pack(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
-    return PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256)
+        group = PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256, truncated, cut, conversational)
+    else:
+        tokens, num_tokens = pack(pieces, seq_len=seq_len, pad_id=tok.pad_id, dtype=dtype)
+        starts = np.cumsum([0, *(len(p) for p in pieces[:-1])]) if pieces else np.zeros(0, np.int64)
+        rows_of = [int(a // seq_len) if len(p) else -1 for a, p in zip(starts, pieces)]
+        group = PackedGroup(tokens, num_tokens, documents, skipped, tok.info.sha256)
+    if any(f is not None for f in fields):
+        group.records, group.record_fields = row_records(group.rows, rows_of, fields)
+    return group
+
+
+def row_records(rows: int, rows_of: list[int], fields: list[dict | None]) -> tuple[list[str], list[str]]:
+    """Each row's records file line (`shards.RecordsInfo`), from each piece's row (-1: in none, as an empty piece)
+    and its record's other fields; and the fields' names, sorted. Pieces come in source order, so a row's entries
+    follow the order of its documents."""
+    per_row: list[list[dict | None]] = [[] for _ in range(rows)]
+    for row, other in zip(rows_of, fields):
+        if row >= 0:
+            per_row[row].append(other)
+    names = sorted({k for f in fields if f is not None for k in f})
+    return [json.dumps(r, ensure_ascii=False, separators=(",", ":")) for r in per_row], names
 
 
 def _preference_format(outcome: "_Outcome") -> str:
@@ -481,13 +537,14 @@ def pack(pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str) -> 
 
 
 def pack_whole(
-    pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str
+    pieces: list[np.ndarray], *, seq_len: int, pad_id: int, dtype: str, rows_of: list[int] | None = None
 ) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Each piece whole in one row (TRL's "bfd" packing): best-fit decreasing, the longest first, each into the row
     whose free space fits it most tightly, else a new row; each row padded after its pieces. A piece longer than a
     row is cut to `seq_len` (its beginning kept). Rows come in the order of their first piece in `pieces`, and each
     row's pieces in that order, so the rows follow the source (the held-out split, the tail of the ids, is the
-    source's tail, as with wrapped packing). Returns (tokens, num_tokens, pieces cut, tokens cut off them)."""
+    source's tail, as with wrapped packing). Returns (tokens, num_tokens, pieces cut, tokens cut off them); `rows_of`,
+    when given, is filled with each piece's row (-1 for an empty piece, in none)."""
     lengths = np.array([min(len(p), seq_len) for p in pieces], dtype=np.int64)
     truncated = sum(1 for p in pieces if len(p) > seq_len)
     cut = sum(len(p) - seq_len for p in pieces if len(p) > seq_len)
@@ -520,6 +577,12 @@ def pack_whole(
             tokens[out, at : at + n] = pieces[i][:n]
             at += n
         num_tokens[out] = at
+    if rows_of is not None:
+        placed = [-1] * len(pieces)
+        for out, row in enumerate(order):
+            for i in members[row]:
+                placed[i] = out
+        rows_of[:] = placed
     return tokens, num_tokens, truncated, cut
 
 
@@ -561,11 +624,20 @@ def shard_name(run_id: str, index: int, fmt: str) -> str:
     return f"part-{run_id[:8]}-{index:05d}{SHARD_SUFFIX[fmt]}"
 
 
-def write_shard(out: str, fmt: str, name: str, first_id: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> ShardInfo:
-    """Encode (tokens, num_tokens) parts as one shard with ids from `first_id`, write it atomically."""
-    tokens = np.concatenate([t for t, _ in parts])
-    num_tokens = np.concatenate([n for _, n in parts])
+def write_shard(
+    out: str, fmt: str, name: str, first_id: int, parts: list[tuple[np.ndarray, np.ndarray, list[str] | None]]
+) -> ShardInfo:
+    """Encode (tokens, num_tokens, records lines or None) parts as one shard with ids from `first_id`, write it
+    atomically; and, when any part has records, its records file (`shards.RecordsInfo`) before it."""
+    tokens = np.concatenate([t for t, _, _ in parts])
+    num_tokens = np.concatenate([n for _, n, _ in parts])
     ids = np.arange(first_id, first_id + len(num_tokens), dtype=np.int64)
+    records = None
+    if any(r is not None for _, _, r in parts):
+        lines = [line for t, _, r in parts for line in (r if r is not None else ["[]"] * len(t))]
+        payload = "\n".join(lines).encode()
+        records = RecordsInfo(file=records_name(name), bytes=len(payload), sha256=sha256_hex(payload))
+        storage.atomic_write(storage.join(out, records.file), payload)
     data = encode_shard(fmt, ShardRows(ids, num_tokens, tokens))
     storage.atomic_write(storage.join(out, name), data)
     return ShardInfo(
@@ -575,6 +647,7 @@ def write_shard(out: str, fmt: str, name: str, first_id: int, parts: list[tuple[
         bytes=len(data),
         sha256=sha256_hex(data),
         first_id=first_id,
+        records=records,
     )
 
 
@@ -612,6 +685,7 @@ class _Outcome:
     truncated: int = 0
     truncated_tokens: int = 0
     conversational: int = 0
+    record_fields: set[str] = field(default_factory=set)
 
 
 def prepare(
@@ -740,6 +814,7 @@ def prepare(
             preference=preference,
             prompts=prompts,
             preference_format=_preference_format(outcome) if preference else None,
+            record_fields=sorted(outcome.record_fields),
         )
         manifest.check(out)
         storage.atomic_write_json(manifest_uri(out), manifest.model_dump(mode="json"))  # the commit
@@ -748,7 +823,8 @@ def prepare(
         raise
     if replaced:
         try:
-            _remove_replaced(out, keep={MANIFEST_NAME, *(s.file for s in manifest.shards)})
+            records = [s.records.file for s in manifest.shards if s.records]
+            _remove_replaced(out, keep={MANIFEST_NAME, *(s.file for s in manifest.shards), *records})
         except Exception as e:  # committed already: what is left is unreferenced, and the next overwrite removes it
             log.warning("prepared %s, but could not remove all of the dataset it replaced: %s", out, e)
     for uri in outcome.skipped[:20]:
@@ -900,6 +976,7 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
     outcome = _Outcome([], 0, [], set())
     tokens = np.zeros((0, job.seq_len), dtype=job.dtype)  # rows not yet in a shard
     num_tokens = np.zeros(0, dtype=np.int32)
+    records: list[str] | None = None  # their records file lines, once a group has had any
     with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True, desc="tokenizing") as bar:
         for files in groups:
             group = pack_group(
@@ -920,23 +997,26 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
             outcome.conversational += group.conversational
             outcome.skipped += group.skipped
             outcome.tokenizer_sha256.add(group.tokenizer_sha256)
+            outcome.record_fields.update(group.record_fields)
+            if group.records is not None or records is not None:
+                records = (records or ["[]"] * len(num_tokens)) + (group.records or ["[]"] * group.rows)
             tokens, num_tokens = np.concatenate([tokens, group.tokens]), np.concatenate([num_tokens, group.num_tokens])
             while len(num_tokens) >= job.per_shard:
-                _write_next_shard(job, outcome, tokens[: job.per_shard], num_tokens[: job.per_shard])
-                tokens, num_tokens = tokens[job.per_shard :], num_tokens[job.per_shard :]
+                n = job.per_shard
+                _write_next_shard(job, outcome, tokens[:n], num_tokens[:n], records[:n] if records else None)
+                tokens, num_tokens, records = tokens[n:], num_tokens[n:], records[n:] if records else None
             bar.update(sum(f.size for f in files))
     if len(num_tokens):
-        _write_next_shard(job, outcome, tokens, num_tokens)
+        _write_next_shard(job, outcome, tokens, num_tokens, records)
     return outcome
 
 
-def _write_next_shard(job: _Job, outcome: _Outcome, tokens: np.ndarray, num_tokens: np.ndarray) -> None:
+def _write_next_shard(
+    job: _Job, outcome: _Outcome, tokens: np.ndarray, num_tokens: np.ndarray, records: list[str] | None
+) -> None:
     index = len(outcome.shards)
-    outcome.shards.append(
-        write_shard(
-            job.out, job.fmt, shard_name(job.run_id, index, job.fmt), index * job.per_shard, [(tokens, num_tokens)]
-        )
-    )
+    name = shard_name(job.run_id, index, job.fmt)
+    outcome.shards.append(write_shard(job.out, job.fmt, name, index * job.per_shard, [(tokens, num_tokens, records)]))
 
 
 def _ray_executor(use_ray: bool | None, uris: list[str]) -> str | None:
@@ -1040,6 +1120,7 @@ def _run_on_ray(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
         truncated=sum(m["truncated"] for m in metas.values()),
         truncated_tokens=sum(m["truncated_tokens"] for m in metas.values()),
         conversational=sum(m["conversational"] for m in metas.values()),
+        record_fields={name for m in metas.values() for name in m["record_fields"]},
     )
 
 
@@ -1102,7 +1183,7 @@ def _placement(job: _Job, groups: list[list[SourceFile]]) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
 
-def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
+def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np.ndarray, np.ndarray, list | None]]:
     group = pack_group(
         files,
         tokenizer=job.tokenizer,
@@ -1123,12 +1204,20 @@ def _pack_group_task(files: list[SourceFile], job: _Job) -> tuple[dict, tuple[np
         "conversational": group.conversational,
         "skipped": group.skipped,
         "tokenizer_sha256": group.tokenizer_sha256,
+        "record_fields": group.record_fields,
     }
-    return meta, (group.tokens, group.num_tokens)
+    return meta, (group.tokens, group.num_tokens, group.records)
 
 
 def _write_shard_task(
-    job: _Job, name: str, first_id: int, ranges: list[tuple[int, int]], *group_arrays: tuple[np.ndarray, np.ndarray]
+    job: _Job,
+    name: str,
+    first_id: int,
+    ranges: list[tuple[int, int]],
+    *group_arrays: tuple[np.ndarray, np.ndarray, list[str] | None],
 ) -> ShardInfo:
-    parts = [(tokens[lo:hi], num_tokens[lo:hi]) for (lo, hi), (tokens, num_tokens) in zip(ranges, group_arrays)]
+    parts = [
+        (tokens[lo:hi], num_tokens[lo:hi], records[lo:hi] if records is not None else None)
+        for (lo, hi), (tokens, num_tokens, records) in zip(ranges, group_arrays)
+    ]
     return write_shard(job.out, job.fmt, name, first_id, parts)

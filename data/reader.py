@@ -21,10 +21,12 @@ The stream here is what a worker's `get_dataset_shard` iterator would be, made d
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -36,11 +38,13 @@ from pylon.data.shards import (
     DataError,
     ShardInfo,
     ShardManifest,
+    decode_records,
     decode_shard_table,
     read_manifest,
     split_words,
     verify_shard_bytes,
 )
+from pylon.errors import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +279,9 @@ class Batch:
     # a chat dataset's rows (ShardManifest.loss_mask): tokens outside the assistant's replies stored as -(id + 1)
     loss_mask: bool = False
     eos_id: int = -1  # a text dataset's document end (`shards.split_words`): needed by `to_torch(documents=True)`
+    # each row's documents' source records' other fields (`ShardManifest.record_fields`, a records file's line: one
+    # entry per document that starts in the row, None where its record had none); None: the dataset has no such fields
+    records: list[list[dict | None]] | None = None
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -374,6 +381,7 @@ class ShardStream:
         self.stats = DataStats()
         self._fs, self._root = storage.arrow_filesystem(uri)
         self._missing = self._missing_shards()
+        self.records = RecordReader(uri, self.manifest) if self.manifest.record_fields else None
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -487,13 +495,15 @@ class ShardStream:
                 self.manifest.loss_mask,
                 self.manifest.tokenizer.eos_id,
             )
+        ids = np.concatenate([p[0] for p in parts])
         return Batch(
-            np.concatenate([p[0] for p in parts]),
+            ids,
             np.concatenate([p[2] for p in parts]),
             np.concatenate([p[1] for p in parts]),
             wait_s,
             self.manifest.loss_mask,
             self.manifest.tokenizer.eos_id,
+            self.records.rows(ids) if self.records is not None else None,
         )
 
     def _windows(self, epoch: int, segments: list[Segment], first_window: int):
@@ -628,6 +638,45 @@ class ShardStream:
                 )
             },
         )
+
+
+class RecordReader:
+    """The rows' records (`Batch.records`) of a dataset with `record_fields`: each shard's records file read when a
+    row of it is first asked for (through pylon.storage, with its retries), checked against the manifest
+    (`shards.decode_records`), and kept for the next rows (the last `keep` shards: a worker reads a few shards at a
+    time). A file that cannot be read or fails its checks is a DataError naming it: rewards computed without their
+    fields would be wrong, not merely fewer."""
+
+    def __init__(self, uri: str, manifest: ShardManifest, keep: int = 4) -> None:
+        self.uri, self.manifest, self.keep = uri, manifest, keep
+        self._first_ids = [s.first_id for s in manifest.shards]
+        self._cache: OrderedDict[int, list[list[dict | None]]] = OrderedDict()
+
+    def rows(self, ids: np.ndarray) -> list[list[dict | None]]:
+        """Each row's records, for the dataset-wide row `ids`."""
+        out = []
+        for row_id in ids.tolist():
+            shard = bisect.bisect_right(self._first_ids, row_id) - 1
+            out.append(self._shard(shard)[row_id - self.manifest.shards[shard].first_id])
+        return out
+
+    def _shard(self, index: int) -> list[list[dict | None]]:
+        if index in self._cache:
+            self._cache.move_to_end(index)
+            return self._cache[index]
+        info = self.manifest.shards[index]
+        if info.records is None:  # no document of this shard had other fields
+            rows = [[] for _ in range(info.rows)]
+        else:
+            try:
+                data = storage.read_bytes(storage.join(self.uri, info.records.file))
+            except StorageError as e:
+                raise DataError(f"records file {info.records.file} of shard {info.file}: {e}") from None
+            rows = decode_records(data, info=info)
+        self._cache[index] = rows
+        while len(self._cache) > self.keep:
+            self._cache.popitem(last=False)
+        return rows
 
 
 def _find_cause(error: BaseException, kind: type):

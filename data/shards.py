@@ -28,12 +28,12 @@ import tarfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from pylon import storage
 from pylon.errors import PylonError, StorageError
@@ -83,13 +83,34 @@ class TokenizerInfo(_Model):
     )
 
 
+def _plain_name(name: str) -> str:
+    """A file of the dataset's own directory: a manifest names nothing outside it."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ValueError(f"{name!r} is not a file name in the dataset's directory")
+    return name
+
+
+FileName = Annotated[str, AfterValidator(_plain_name)]
+
+
+class RecordsInfo(_Model):
+    """A shard's records file (`records_name`): JSON Lines, one line per row of the shard, each a JSON list with one
+    entry per document that starts in that row (in order): the object of its source record's other fields, or null."""
+
+    file: FileName
+    bytes: int = Field(ge=0)
+    sha256: str
+
+
 class ShardInfo(_Model):
-    file: str
+    file: FileName
     rows: int = Field(ge=0)
     tokens: int = Field(ge=0)
     bytes: int = Field(ge=0)
     sha256: str
     first_id: int = Field(ge=0)
+    # the source records' other fields of the documents in this shard (ShardManifest.record_fields); None: none had any
+    records: RecordsInfo | None = None
 
 
 class Totals(_Model):
@@ -136,6 +157,10 @@ class ShardManifest(_Model):
     # A prompts dataset (`pylon data prepare --prompts`, for `objective: grpo`): stored as a prompt-completion one, each
     # record's answer (possibly empty) its completion
     prompts: bool = False
+    # The names of the fields its source records held beside the ones prepare reads (a prompt's `answer` and
+    # `prompt`, a prompt-completion record's, a conversation's): kept per document in each shard's records file
+    # (`RecordsInfo`) and handed to objective grpo's reward functions by name, as TRL hands a dataset's columns
+    record_fields: list[str] = Field(default_factory=list)
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -168,6 +193,7 @@ class ShardManifest(_Model):
                 if self.loss_mask
                 else ""
             )
+            + (f"; record fields {', '.join(self.record_fields)}" if self.record_fields else "")
             + (
                 f"; each document whole in a row (rows {t.tokens / max(t.rows * self.seq_len, 1):.0%} full"
                 + (f", {t.truncated_documents:,} cut to a row" if t.truncated_documents else "")
@@ -414,6 +440,43 @@ def read_npy(payload: bytes) -> np.ndarray:
             return np.frombuffer(body, dtype=dtype).copy()
     with _NP_LOAD_LOCK:
         return np.load(io.BytesIO(payload), allow_pickle=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Records files: the source records' other fields, per document
+# ---------------------------------------------------------------------------------------------------------
+
+RECORDS_SUFFIX = ".records.jsonl"
+
+
+def records_name(shard_file: str) -> str:
+    """The records file beside shard `shard_file` (`part-...-00003.parquet` -> `part-...-00003.records.jsonl`)."""
+    return shard_file.rsplit(".", 1)[0] + RECORDS_SUFFIX
+
+
+def decode_records(data: bytes, *, info: ShardInfo) -> list[list[dict | None]]:
+    """A records file's rows (each row's documents' records, in order), checked against `info` (its shard's entry:
+    size, sha256, one line per row); BadShardError naming the file otherwise."""
+    where = info.records.file
+    if len(data) != info.records.bytes:
+        raise BadShardError(where, f"{len(data)} bytes, manifest says {info.records.bytes} (truncated or replaced)")
+    digest = sha256_hex(data)
+    if digest != info.records.sha256:
+        want = info.records.sha256[:12]
+        raise BadShardError(where, f"sha256 {digest[:12]}... does not match the manifest's {want}...")
+    lines = data.decode("utf-8").split("\n") if data else []
+    if len(lines) != info.rows:
+        raise BadShardError(where, f"{len(lines)} lines, its shard {info.file} holds {info.rows} rows")
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadShardError(where, f"line {i + 1}: not JSON ({e})") from None
+        if not isinstance(row, list) or not all(r is None or isinstance(r, dict) for r in row):
+            raise BadShardError(where, f"line {i + 1}: not a list of records (objects or null)")
+        rows.append(row)
+    return rows
 
 
 def verify_shard_bytes(info: ShardInfo, data: bytes) -> None:

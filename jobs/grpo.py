@@ -100,7 +100,9 @@ class Rewards:
     or reward models (`RewardModel`). A function that cannot be imported, raises, or returns other than one number
     (or None) per completion is a PylonError naming it by its field (`grpo.rewards[i].function`)."""
 
-    def __init__(self, specs) -> None:
+    def __init__(self, specs, record_fields: list[str] | tuple[str, ...] = ()) -> None:
+        # the dataset's record fields (`ShardManifest.record_fields`): passed to every function by name
+        self.record_fields = tuple(record_fields)
         self.functions, self.names, self.weights, self.fields = [], [], [], []
         for i, spec in enumerate(specs):
             field = f"grpo.rewards[{i}]." + ("function" if spec.function is not None else "model")
@@ -119,14 +121,27 @@ class Rewards:
                 fn.device = device
         return self
 
-    def scores(self, prompts: list[str], completions: list[str], answers: list[str], completion_ids) -> np.ndarray:
-        """[completions, functions] float64, NaN where a function gave None."""
+    def scores(
+        self, prompts: list[str], completions: list[str], answers: list[str], completion_ids, fields=None
+    ) -> np.ndarray:
+        """[completions, functions] float64, NaN where a function gave None. `fields`: the record fields' values, a
+        list per name (one value per completion, None where its record had none), passed by name as TRL passes a
+        dataset's other columns."""
         out = np.full((len(completions), len(self.functions)), np.nan)
+        fields = fields or {}
         for j, (fn, where) in enumerate(zip(self.functions, self.fields)):
             try:
-                got = fn(prompts=prompts, completions=completions, answers=answers, completion_ids=completion_ids)
+                got = fn(
+                    prompts=prompts, completions=completions, answers=answers, completion_ids=completion_ids, **fields
+                )
             except Exception as e:  # noqa: BLE001 - a user's function: say which one failed
-                raise PylonError(f"{where} raised {type(e).__name__}: {e}") from e
+                unexpected = re.search(r"unexpected keyword argument '([^']+)'", str(e))
+                hint = (
+                    f"; the dataset's record fields ({', '.join(fields)}) are passed by name: take them, or **kwargs"
+                    if isinstance(e, TypeError) and unexpected and unexpected.group(1) in fields
+                    else ""
+                )
+                raise PylonError(f"{where} raised {type(e).__name__}: {e}{hint}") from e
             try:
                 got = list(got)
             except TypeError:
@@ -145,14 +160,16 @@ class Rewards:
         return out
 
     def score_completions(self, pairs, completions, tokenizer, eos_id: int) -> np.ndarray:
-        """`scores` of token ids: `pairs` (prompt, answer) each sampled len(completions) / len(pairs) times, the
-        copies of a prompt consecutive; decoded by `tokenizer`, each completion without its eos."""
+        """`scores` of token ids: `pairs` (prompt, answer, record fields: `prompts_and_answers`) each sampled
+        len(completions) / len(pairs) times, the copies of a prompt consecutive; decoded by `tokenizer`, each
+        completion without its eos; with every one of `record_fields`, None where a record lacks it."""
         copies = len(completions) // max(len(pairs), 1)
         return self.scores(
-            [tokenizer.decode(p) for p, _ in pairs for _ in range(copies)],
+            [tokenizer.decode(p) for p, _, _ in pairs for _ in range(copies)],
             [tokenizer.decode(_without_eos(c, eos_id)) for c in completions],
-            [tokenizer.decode(a) for _, a in pairs for _ in range(copies)],
+            [tokenizer.decode(a) for _, a, _ in pairs for _ in range(copies)],
             [c.tolist() for c in completions],
+            {name: [r.get(name) for _, _, r in pairs for _ in range(copies)] for name in self.record_fields},
         )
 
     @staticmethod
@@ -251,9 +268,22 @@ def _resolve(name: str, where: str):
     return fn
 
 
-def check_rewards(spec) -> None:
-    """Resolve every reward function of `spec` (a TrainJobSpec with objective grpo) here, before workers start."""
-    Rewards(spec.grpo.rewards)
+# What every reward function is passed already: a record field may not take one of these names
+REWARD_ARGUMENTS = ("prompts", "completions", "answers", "completion_ids")
+
+
+def check_rewards(spec, manifest) -> None:
+    """Resolve every reward function of `spec` (a TrainJobSpec with objective grpo or rloo) here, before workers
+    start; and check that its dataset's record fields (`manifest`'s) can be passed beside the arguments every
+    function takes."""
+    clash = [name for name in manifest.record_fields if name in REWARD_ARGUMENTS]
+    if clash:
+        raise PylonError(
+            f"data.uri {spec.data.uri}: its records' field {clash[0]!r} would be passed to the reward functions by "
+            f"name, and {clash[0]} is what they are passed already ({', '.join(REWARD_ARGUMENTS)}); rename it in the "
+            "source records and prepare them again"
+        )
+    Rewards(spec.grpo.rewards, manifest.record_fields)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -320,12 +350,14 @@ class GrpoLoss:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray, dict]]:
     """Every document of `batch`'s rows (a `pylon.data.reader.Batch` of a prompt-completion or chat dataset) as (its
-    prompt's token ids, its answer's): the answer the document's last run of counted tokens up to its first eos (the
-    eos prepare appends, or a chat template's end of turn when that is the eos), the prompt every token before that
-    run (a chat's ends with the template's generation prompt). A document with no counted token is all prompt, its
-    answer empty."""
+    prompt's token ids, its answer's, its record's other fields): the answer the document's last run of counted
+    tokens up to its first eos (the eos prepare appends, or a chat template's end of turn when that is the eos), the
+    prompt every token before that run (a chat's ends with the template's generation prompt). A document with no
+    counted token is all prompt, its answer empty. The fields (`Batch.records`; {} when its record had none, or the
+    dataset has none) go to the reward functions by name (`Rewards.score_completions`); a row's first tokens that
+    continue a document begun in the row before (wrapped packing) have none."""
     ids, context, starts = split_words(batch.tokens, loss_mask=batch.loss_mask, eos_id=eos_id)
     if context is None:
         raise PylonError(
@@ -336,10 +368,12 @@ def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray
     for row in range(len(batch)):
         n = int(batch.num_tokens[row])
         cuts = [0, *np.flatnonzero(starts[row, 1:n]) + 1, n]
+        records = iter(batch.records[row] if batch.records is not None else ())
         for a, b in zip(cuts[:-1], cuts[1:]):
+            record = (next(records, None) if starts[row, a] else None) or {}
             counted = ~context[row, a:b]
             if not counted.any():
-                out.append((ids[row, a:b].copy(), ids[row, b:b].copy()))
+                out.append((ids[row, a:b].copy(), ids[row, b:b].copy(), record))
                 continue
             last = int(np.flatnonzero(counted)[-1])
             first = last
@@ -349,8 +383,8 @@ def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray
             ends = np.flatnonzero(answer == eos_id)
             if len(ends):  # (a chat template's end of turn, when it is the eos, and what follows it)
                 answer = answer[: ends[0]]
-            out.append((ids[row, a : a + first].copy(), answer.copy()))
-    return [(p, ans) for p, ans in out if len(p)]
+            out.append((ids[row, a : a + first].copy(), answer.copy(), record))
+    return [(p, ans, record) for p, ans, record in out if len(p)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -674,7 +708,7 @@ def grpo_sample(
 
     device = engine.device
     pairs = prompts_and_answers(batch, eos_id) if batch is not None and len(batch) else []
-    prompts = [p for p, _ in pairs]
+    prompts = [p for p, _, _ in pairs]
     t0 = time.perf_counter()
     with sampling_model(engine, loss, synced) as (sampler, in_step):
         completions = sample_completions(
@@ -840,7 +874,7 @@ class GrpoEvaluation:
         with sampling_model(self.engine, self.loss, self.synced) as (sampler, in_step):
             completions = sample_completions(
                 sampler,
-                [p for p, _ in pairs],
+                [p for p, _, _ in pairs],
                 self.loss,
                 eos_id=self.eos_id,
                 pad_id=self.pad_id,

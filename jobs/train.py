@@ -232,7 +232,7 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
                 "functions compare with, with `pylon data prepare --prompts` (or `--prompt-completion`), or "
                 "conversations (the last assistant reply the answer) with `--chat`"
             )
-        check_rewards(spec)
+        check_rewards(spec, manifest)
     if spec.objective == "reward" and manifest.preference_format == "mixed":
         raise PylonError(
             f"objective reward: data.uri {spec.data.uri} holds pairs given both as text and as conversations, which a "
@@ -308,7 +308,7 @@ def train_loop(config: dict) -> None:
     dpo_loss = DpoLoss.of(spec, stream.manifest)
     # objective grpo (pylon.jobs.grpo): completions sampled by the model, scored by the reward functions (decoded text)
     grpo = GrpoLoss.of(spec) if spec.objective in RL_OBJECTIVES else None
-    rewards = Rewards(spec.grpo.rewards) if grpo is not None else None
+    rewards = Rewards(spec.grpo.rewards, stream.manifest.record_fields) if grpo is not None else None
     grpo_eval = None
     if grpo is not None:
         from pylon.data.tokenizer import load_tokenizer

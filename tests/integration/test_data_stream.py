@@ -168,3 +168,40 @@ def test_wait_fraction_separates_waiting_from_the_consumers_work(dataset):
     assert s.stats.step_s >= 0.05 * 9
     assert 0 < s.stats.wait_fraction < 1
     assert s.stats.as_dict()["wait_fraction"] == round(s.stats.wait_fraction, 4)
+
+
+def test_record_fields_ride_with_their_rows_through_shuffling_workers_and_resume(tmp_path, ray_cluster):
+    """A prompts dataset whose records carry other fields (`ShardManifest.record_fields`): every batch's records are
+    its own rows' documents' (their prompts decoded beside them), on two shuffling workers, and after a resume."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "data"))
+    from test_chat_data import _jsonl
+
+    from pylon.data.prepare import prepare
+    from pylon.jobs.grpo import prompts_and_answers
+
+    records = [{"prompt": f"prompt {i} " + "y" * (i % 9), "answer": "a", "n": i} for i in range(300)]
+    uri = str(tmp_path / "prompts")
+    manifest = prepare([_jsonl(tmp_path / "p.jsonl", records)], uri, seq_len=48, prompts=True, use_ray=False,
+                       progress=False, shard_size_mb=20 * 48 * 4 / 2**20)  # fmt: skip
+    assert manifest.record_fields == ["n"] and len(manifest.shards) > 3
+
+    def seen(stream: ShardStream, stop_after: int | None = None) -> list[int]:
+        out = []
+        for k, batch in enumerate(stream.epoch()):
+            assert batch.records is not None and len(batch.records) == len(batch)
+            for prompt, _, fields in prompts_and_answers(batch, manifest.tokenizer.eos_id):
+                assert bytes(prompt.tolist()).decode().startswith(f"prompt {fields['n']} ")
+                out.append(fields["n"])
+            if stop_after is not None and k + 1 == stop_after:
+                break
+        return out
+
+    both = [seen(ShardStream(uri, batch_size=4, rank=r, world_size=2, seed=3, shuffle_buffer=16)) for r in range(2)]
+    assert sorted(both[0] + both[1]) == list(range(300))
+    first = ShardStream(uri, batch_size=4, rank=1, world_size=2, seed=3, shuffle_buffer=16)
+    head = seen(first, stop_after=5)
+    resumed = ShardStream(uri, batch_size=4, rank=1, world_size=2, seed=3, shuffle_buffer=16)
+    resumed.load_state_dict(first.state_dict())
+    assert head + seen(resumed) == both[1]

@@ -23,9 +23,9 @@ from test_chat_data import _jsonl  # noqa: E402
 pytestmark = pytest.mark.integration
 
 REWARDS = """
-def share_of_answer(completions, answers, **kw):
-    # the share of a completion's characters that are its answer's (one character here)
-    return [sum(ch == a for ch in c) / max(len(c), 1) if len(a) == 1 else None for c, a in zip(completions, answers)]
+def share_of_answer(completions, target, **kw):
+    # the share of a completion's characters that are its record's target (one character here): a record field
+    return [sum(ch == t for ch in c) / max(len(c), 1) if len(t) == 1 else None for c, t in zip(completions, target)]
 """
 
 
@@ -38,7 +38,7 @@ def _grpo_spec(tmp_path, monkeypatch, name: str = "grpo", gather: bool = True) -
     (tmp_path / "user_rewards.py").write_text(textwrap.dedent(REWARDS))
     data = str(tmp_path / "prompts")
     if not (tmp_path / "prompts").exists():
-        records = [{"prompt": f"Say a{'!' * i}: ", "answer": "a"} for i in range(8)]
+        records = [{"prompt": f"Say a{'!' * i}: ", "answer": "a", "target": "a"} for i in range(8)]
         prepare([_jsonl(tmp_path / "p.jsonl", records)], data, seq_len=16, prompts=True, use_ray=False,
                 progress=False)  # fmt: skip
     return {

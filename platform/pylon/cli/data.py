@@ -237,7 +237,8 @@ def _add_prepare_parser(dsub, fmt) -> None:
         action="store_true",
         help="each JSONL record's prompt (a string, or messages rendered by the chat template with its generation "
         "prompt) and optional answer string (TRL's prompt-only format), for a TrainJob with objective grpo: the "
-        "prompts it samples from, the answers its reward functions compare with",
+        "prompts it samples from, the answers its reward functions compare with; a record's other fields (an id, "
+        "test cases) are kept beside it and passed to the reward functions by name",
     )
     pr.add_argument(
         "--packing",

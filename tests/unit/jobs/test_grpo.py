@@ -73,7 +73,9 @@ def _model(seed: int = 0, preset: str = "llama-tiny"):
 
 def test_each_document_is_a_prompt_and_its_completion_the_answer(tmp_path) -> None:
     batch, _ = _batch(tmp_path)
-    found = sorted((bytes(p.tolist()).decode(), bytes(a.tolist()).decode()) for p, a in prompts_and_answers(batch, EOS))
+    found = sorted(
+        (bytes(p.tolist()).decode(), bytes(a.tolist()).decode()) for p, a, _ in prompts_and_answers(batch, EOS)
+    )
     assert found == sorted((r["prompt"], r["completion"]) for r in RECORDS)
     text = Batch(batch.sample_ids, np.abs(batch.tokens), batch.num_tokens, 0.0, False, EOS)
     with pytest.raises(PylonError, match="prompt-completion or chat dataset"):
@@ -97,7 +99,7 @@ def test_a_conversation_is_its_last_reply_after_the_generation_prompt(tmp_path) 
         (hf.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True), c[-1]["content"])
         for c in CONVERSATIONS
     )
-    assert sorted((tok.decode(p), tok.decode(a)) for p, a in found) == want
+    assert sorted((tok.decode(p), tok.decode(a)) for p, a, _ in found) == want
 
 
 def test_a_prompts_dataset_holds_text_and_chat_prompts_with_optional_answers(tmp_path) -> None:
@@ -128,7 +130,7 @@ def test_a_prompts_dataset_holds_text_and_chat_prompts_with_optional_answers(tmp
         (hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), "Oslo"),
         (hf.decode(hf("hello there")["input_ids"]), ""),
     ]
-    assert sorted((tok.decode(p), tok.decode(a)) for p, a in found) == sorted(want)
+    assert sorted((tok.decode(p), tok.decode(a)) for p, a, _ in found) == sorted(want)
     grpo = _spec().model_copy(update={"data": _spec().data.model_copy(update={"uri": out})})
     check_objective(grpo, read_manifest(out))
     sft = TrainJobSpec.model_validate(
@@ -389,6 +391,60 @@ def test_the_spec_refuses_what_grpo_cannot_run_with() -> None:
             TrainJobSpec.model_validate({**base, **change})
 
 
+def test_reward_functions_take_the_records_other_fields_by_name(tmp_path, monkeypatch) -> None:
+    """A prompts dataset's record fields reach every function by name, one value per completion (each prompt's G
+    copies consecutive, None where its record lacks the field), as TRL passes a dataset's columns; a field named as
+    an argument already passed is refused before workers start; a function that takes no such argument is told."""
+    from pylon.data.reader import RecordReader
+    from pylon.data.shards import read_manifest
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.jobs.grpo import check_rewards
+    from pylon.jobs.train import check_objective
+    from pylon.specs import RewardFunctionSpec
+
+    (tmp_path / "field_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            def by_level(completions, level, tag, **kw):
+                return [None if lv is None else float(lv) + (0.5 if t == "x" else 0.0) for lv, t in zip(level, tag)]
+
+            def strict(prompts, completions, answers, completion_ids):
+                return [0.0] * len(completions)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    records = [{"prompt": f"P{i}: " + "z" * (5 - i), "answer": "a", "level": i, "tag": "x" if i % 2 else "y"}
+               for i in range(5)] + [{"prompt": "P9: ", "answer": "a"}]  # fmt: skip
+    out = str(tmp_path / "prompts")
+    manifest = prepare([_jsonl(tmp_path / "p.jsonl", records)], out, seq_len=32, prompts=True, progress=False)
+    _, tokens, num_tokens, ids = read_rows(out)
+    batch = Batch(ids, tokens, num_tokens, 0.0, True, EOS, RecordReader(out, manifest).rows(ids))
+    pairs = prompts_and_answers(batch, EOS)
+    specs = [RewardFunctionSpec(function="field_rewards:by_level"), RewardFunctionSpec(function="exact_match")]
+    rewards = Rewards(specs, manifest.record_fields)
+    g = 3
+    completions = [np.array([ord("a"), EOS]) for _ in range(len(pairs) * g)]
+    scores = rewards.score_completions(pairs, completions, load_tokenizer("byte"), EOS)
+    for k, (prompt, _, _) in enumerate(pairs):
+        i = int(bytes(prompt.tolist()).decode()[1])
+        want = np.nan if i == 9 else i + (0.5 if i % 2 else 0.0)
+        np.testing.assert_array_equal(scores[k * g : (k + 1) * g, 0], [want] * g)
+        assert scores[k * g : (k + 1) * g, 1].tolist() == [1.0] * g
+    with pytest.raises(PylonError, match=r"raised TypeError: .*'level'.*; the dataset's record fields \(level, tag\)"
+                       r" are passed by name: take them, or \*\*kwargs"):  # fmt: skip
+        Rewards([RewardFunctionSpec(function="field_rewards:strict")], manifest.record_fields).score_completions(
+            pairs, completions, load_tokenizer("byte"), EOS
+        )
+    spec = _spec().model_copy(update={"data": _spec().data.model_copy(update={"uri": out})})
+    check_objective(spec, manifest)
+    clash = str(tmp_path / "clash")
+    prepare([_jsonl(tmp_path / "c.jsonl", [{"prompt": "q", "answers": ["a"]}])], clash, seq_len=32, prompts=True,
+            progress=False)  # fmt: skip
+    with pytest.raises(PylonError, match=r"its records' field 'answers' would be passed to the reward functions"):
+        check_rewards(spec, read_manifest(clash))
+
+
 def test_check_objective_refuses_data_without_prompts(tmp_path) -> None:
     from pylon.data.shards import read_manifest
     from pylon.jobs.train import check_objective
@@ -626,7 +682,7 @@ def test_a_rollouts_model_flops_count_sampling_and_every_pass_over_prompts_and_c
     batch, _ = _batch(tmp_path, RECORDS[:2])
     rewards = Rewards([RewardFunctionSpec(function="contains_answer")])
     rollout = grpo_sample(engine, batch, loss, rewards, load_tokenizer("byte"), eos_id=EOS, pad_id=PAD, seed=4)
-    prompt_tokens = sum(len(p) for p, _ in prompts_and_answers(batch, EOS))
+    prompt_tokens = sum(len(p) for p, _, _ in prompts_and_answers(batch, EOS))
     assert rollout.sampled_tokens == 4 * prompt_tokens + rollout.tokens
     assert rollout.model_tokens == int(rollout.inputs["attention_mask"].sum()) == rollout.sampled_tokens
     assert rollout.model_tokens > rollout.tokens  # the prompts are computed too
