@@ -7,7 +7,8 @@ the last assistant reply), which the reward functions compare completions with (
 micro-batch, in code order:
 
 1. **Sample** (`sample_completions`): every prompt of the micro-batch's rows `generations` times (G), with the model
-   as it is now, in eval mode, a KV cache, `temperature` and `top_p`, up to `max_completion_tokens` or an eos; at
+   as it is now, in eval mode, a KV cache, `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`
+   (`sampling_probs`), up to `max_completion_tokens` or an eos; at
    ZeRO-3 from the model gathered once (`sampling_model`). The random draws come from a generator seeded by (data
    seed, step, micro-batch, rank), so a resumed run samples what the uninterrupted run did.
 2. **Score** (`Rewards`): each completion's reward, the weighted sum of the reward functions' (and reward models')
@@ -16,7 +17,8 @@ micro-batch, in code order:
    std (`scale_rewards: batch`), or no division (`none`, Dr. GRPO). Steps 1-3 make a `Rollout` (`grpo_sample`).
 4. **Loss** (`grpo_losses`, run by `grpo_train`) on the prompt and completion as one sequence, over the completion's
    tokens (its eos included): per token, with r = exp(log pi - log pi_old) the ratio to the sampling policy,
-   -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta KL, KL = exp(ref - log pi) - (ref - log pi) - 1
+   -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta KL, KL = exp(ref - log pi) - (ref - log pi) - 1,
+   every log-probability the tempered distribution's (the logits divided by `temperature`, as TRL's)
    (Schulman's k3, against the model as it started: with lora its adapters disabled, else a frozen copy; only with
    beta > 0). Trained on once (`iterations` 1, TRL's default), pi is the sampling policy: r is 1, its gradient
    A grad log pi, and nothing is clipped. With `iterations` mu, a `Rollout` is kept and trained on at mu steps, the
@@ -299,6 +301,9 @@ class GrpoLoss:
     max_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
     beta: float = 0.0
     kind: str = "dapo"
     scale: str = "group"
@@ -318,6 +323,9 @@ class GrpoLoss:
             max_tokens=g.max_completion_tokens,
             temperature=g.temperature,
             top_p=g.top_p,
+            top_k=g.top_k or 0,
+            min_p=g.min_p or 0.0,
+            repetition_penalty=g.repetition_penalty,
             beta=g.beta,
             kind="rloo" if spec.objective == "rloo" else g.loss,
             scale=g.scale_rewards,
@@ -441,6 +449,7 @@ def sample_completions(
         mask[0, -1] = 1
     ids, mask = ids.to(device), mask.to(device)
     generator = torch.Generator(device=device).manual_seed(seed)
+    seen = None  # repetition_penalty: which tokens each row holds so far (its prompt's, then its completion's)
     out_tokens = torch.full((n, loss.max_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
     if not rows:
@@ -454,8 +463,16 @@ def sample_completions(
             if greedy:
                 token = logits.argmax(-1)
             else:
-                token = torch.multinomial(_nucleus(logits / loss.temperature, loss.top_p), 1, generator=generator)[:, 0]
+                if loss.repetition_penalty != 1.0:
+                    if seen is None:
+                        seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+                        seen.scatter_(1, ids, mask.bool())  # (a left pad's id marks nothing: its mask is 0)
+                    logits = _penalize_repeats(logits, seen, loss.repetition_penalty)
+                probs = sampling_probs(logits, loss)
+                token = torch.multinomial(probs, 1, generator=generator)[:, 0]
             token = torch.where(done, torch.full_like(token, pad_id), token)
+            if seen is not None:
+                seen[torch.arange(n, device=device), token] |= ~done
             out_tokens[:, t] = token
             done = done | (token == eos_id)
             left = (~done).any()
@@ -496,6 +513,31 @@ def sampling_model(engine, loss: GrpoLoss, synced: bool):
             yield engine.module, False
     else:
         yield getattr(engine, "module", engine), synced
+
+
+def _penalize_repeats(logits, seen, penalty: float):
+    """CTRL's repetition penalty as transformers applies it (`RepetitionPenaltyLogitsProcessor`): a token already in
+    the row's prompt or completion has its logit divided by `penalty` where positive, multiplied where negative."""
+    import torch
+
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def sampling_probs(logits, loss: GrpoLoss):
+    """The distribution a completion's next token is drawn from, in transformers' order: the logits divided by
+    `temperature`; kept to the `top_k` likeliest tokens, to the nucleus of `top_p`, and to the tokens at least `min_p`
+    times as likely as the likeliest (each off at its default). The loss's log-probabilities are the tempered
+    distribution's, untruncated (TRL's)."""
+    import torch
+
+    logits = logits / loss.temperature
+    if loss.top_k and loss.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, loss.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = _nucleus(logits, loss.top_p)
+    if loss.min_p:
+        probs = probs.masked_fill(probs < loss.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
 
 
 def _nucleus(logits, top_p: float):
@@ -568,16 +610,20 @@ def completion_batch(prompts: list[np.ndarray], completions: list[np.ndarray], p
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
-def token_logprobs(model, inputs: dict, chunked: bool):
-    """The counted tokens' log-probabilities under `model`, in row order ([counted tokens]), and each one's row."""
+def token_logprobs(model, inputs: dict, chunked: bool, temperature: float = 1.0):
+    """The counted tokens' log-probabilities under `model`, in row order ([counted tokens]), and each one's row;
+    its logits divided by `temperature` (the sampling temperature: TRL's, so that the policy trained is the one
+    sampled from)."""
     from pylon.jobs.dpo import counted_logprobs
 
     args = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
     labels = inputs["labels"]
     if chunked:
-        lp = model(**args, labels=labels, token_logprobs=True).token_logprobs
+        scale = {"logits_temperature": temperature} if temperature != 1.0 else {}
+        lp = model(**args, labels=labels, token_logprobs=True, **scale).token_logprobs
     else:
-        lp = counted_logprobs(model(**args).logits, labels)
+        logits = model(**args).logits
+        lp = counted_logprobs(logits / temperature if temperature != 1.0 else logits, labels)
     rows = (labels[:, 1:] != -100).nonzero()[:, 0]
     return lp.float(), rows
 
@@ -724,9 +770,11 @@ def grpo_sample(
     old, seq_kl, kl = None, np.zeros(len(completions)), (0.0, 0.0)
     if loss.sampling_logprobs:
         with torch.no_grad():
-            old, rows = token_logprobs(engine, inputs, loss.chunked)
+            old, rows = token_logprobs(engine, inputs, loss.chunked, loss.temperature)
             if loss.rloo and loss.needs_reference:  # (every rank: at ZeRO-3 its passes gather collectively)
-                ref = reference_logprobs(engine, reference, inputs, loss.chunked, owner=engine.module)
+                ref = reference_logprobs(
+                    engine, reference, inputs, loss.chunked, owner=engine.module, temperature=loss.temperature
+                )
                 if completions:
                     seq_kl = sequence_sums(old - ref, rows, len(completions)).cpu().numpy().astype(np.float64)
                     kl = (float(seq_kl.sum()), float(old.numel()))
@@ -777,8 +825,8 @@ def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None,
     ref = None
     if loss.needs_reference and not loss.rloo:  # (rloo's reference was read at sampling: its KL is in the reward)
         with torch.no_grad():
-            ref = reference_logprobs(module, reference, inputs, loss.chunked)
-    logps, rows = token_logprobs(engine, inputs, loss.chunked)
+            ref = reference_logprobs(module, reference, inputs, loss.chunked, temperature=loss.temperature)
+    logps, rows = token_logprobs(engine, inputs, loss.chunked, loss.temperature)
     old = None if first else rollout.old_logps
     if loss.rloo:
         old_seq = None if old is None else sequence_sums(old, rows, n_rows)
@@ -797,19 +845,19 @@ def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None,
     return loss_sum, count, rollout.tokens, stats
 
 
-def reference_logprobs(model, reference, inputs: dict, chunked: bool, owner=None):
-    """The reference's log-probabilities of `inputs`' counted tokens (no gradients): `reference`, the frozen copy,
-    or None: `model` run with the LoRA adapters of `owner` (the model itself where None; the engine's module where
-    `model` is the DeepSpeed engine) disabled."""
+def reference_logprobs(model, reference, inputs: dict, chunked: bool, owner=None, temperature: float = 1.0):
+    """The reference's log-probabilities of `inputs`' counted tokens (no gradients; at `temperature`, as
+    `token_logprobs`): `reference`, the frozen copy, or None: `model` run with the LoRA adapters of `owner` (the
+    model itself where None; the engine's module where `model` is the DeepSpeed engine) disabled."""
     import torch
 
     from pylon.jobs.dpo import as_reference
 
     with torch.no_grad():
         if reference is not None:
-            return token_logprobs(reference, inputs, chunked)[0]
+            return token_logprobs(reference, inputs, chunked, temperature)[0]
         with as_reference(model if owner is None else owner):
-            return token_logprobs(model, inputs, chunked)[0]
+            return token_logprobs(model, inputs, chunked, temperature)[0]
 
 
 def grpo_forward(

@@ -554,21 +554,22 @@ def with_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Mod
     (micro_batch x seq_len x vocab, and their fp32 copy) never exist; a chunk's do. Liger's fused linear
     cross-entropy does the same in Triton kernels; this is PyTorch's own ops on any device. Called without
     `labels`, the model is what it was (logits). `check_chunked_loss` compares both ways before a job trains.
-    Returns `model`."""
+    `logits_temperature` (objective grpo's sampling temperature) divides the logits before the loss, as the
+    sampler divided them. Returns `model`."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     original = lm.forward
 
-    def forward(*args, labels=None, token_logprobs=False, **kwargs):
+    def forward(*args, labels=None, token_logprobs=False, logits_temperature=1.0, **kwargs):
         if labels is None:
             return original(*args, **kwargs)
-        return _chunked_loss_forward(lm, labels, chunk_tokens, args, kwargs, token_logprobs)
+        return _chunked_loss_forward(lm, labels, chunk_tokens, args, kwargs, token_logprobs, logits_temperature)
 
     lm.forward = forward
     return model
 
 
 def _chunked_loss_forward(
-    lm, labels: torch.Tensor, chunk_tokens: int, args, kwargs, token_logprobs: bool = False
+    lm, labels: torch.Tensor, chunk_tokens: int, args, kwargs, token_logprobs: bool = False, temperature: float = 1.0
 ) -> TokenLoss:
     import sys
 
@@ -582,7 +583,7 @@ def _chunked_loss_forward(
     out = decoder(*args, use_cache=False, **({"output_router_logits": True} if router else {}), **kwargs)
     hidden = out.last_hidden_state
     head = lm.get_output_embeddings()
-    transform = _logits_transform(lm)
+    transform = _logits_transform(lm, temperature)
 
     def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # each token's loss (the preference objectives sum them per completion), or the chunk's sum
@@ -701,9 +702,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
-def _logits_transform(lm):
+def _logits_transform(lm, temperature: float = 1.0):
     """What a causal LM does to its output layer's result before the loss, read from its config: Gemma 2/3's final
-    soft-capping, Cohere's `logit_scale` (times), Granite's `logits_scaling` (divided by); identity otherwise."""
+    soft-capping, Cohere's `logit_scale` (times), Granite's `logits_scaling` (divided by); identity otherwise. Then
+    divided by `temperature` (a sampling temperature: the distribution sampled from)."""
     config = lm.config
     cap = getattr(config, "final_logit_softcapping", None)
     times = getattr(lm, "logit_scale", None) if isinstance(getattr(lm, "logit_scale", None), float | int) else None
@@ -716,6 +718,8 @@ def _logits_transform(lm):
             logits = logits / divide
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
+        if temperature != 1.0:
+            logits = logits / temperature
         return logits
 
     return transform

@@ -478,8 +478,29 @@ class GrpoSpec(_Spec):
     max_completion_tokens: PositiveInt = Field(
         64, description="a completion's length at most; one that reaches it without an eos is cut there (clipped)"
     )
-    temperature: float = Field(1.0, gt=0, description="the sampling temperature of the completions")
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="the sampling temperature of the completions; the loss's log-probabilities are taken at it too "
+        "(the logits divided by it, as TRL's), so the policy trained is the one sampled from",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens this likely")
+    top_k: PositiveInt | None = Field(None, description="sample from the k likeliest tokens only; None: all")
+    min_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="sample only tokens at least this many times as likely as the likeliest (min-p sampling, e.g. "
+        "0.05); None: all",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        description="CTRL's repetition penalty as transformers applies it: a token already in the prompt or the "
+        "completion has its logit divided by this where positive, multiplied where negative (> 1 discourages "
+        "repeats); 1: off. Like top_k, top_p and min_p it shapes sampling only: the loss's log-probabilities are the "
+        "model's own at `temperature` (TRL's)",
+    )
     beta: float = Field(
         0.0,
         ge=0,

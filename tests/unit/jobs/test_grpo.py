@@ -600,6 +600,80 @@ def test_zero3_sampling_gathers_the_model_once_not_each_layer_for_every_token(di
     assert [c.tolist() for c in again] == [c.tolist() for c in same]
 
 
+def test_top_k_min_p_and_the_repetition_penalty_shape_sampling_as_transformers_does() -> None:
+    """`sampling_probs` against transformers' own logits processors and warpers (temperature, top-k, top-p, min-p, in
+    its order) and the repetition penalty against `RepetitionPenaltyLogitsProcessor`; in `sample_completions`, top_k 1
+    is greedy, and a penalty reads the prompt's tokens, not its padding."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from pylon.jobs.grpo import _penalize_repeats, sampling_probs
+
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0)) * 3
+    for k, p, m in [(0, 1.0, 0.0), (7, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (9, 0.9, 0.05)]:
+        loss = GrpoLoss(temperature=0.7, top_k=k, top_p=p, min_p=m)
+        chain = LogitsProcessorList([TemperatureLogitsWarper(0.7)] + ([TopKLogitsWarper(k)] if k else [])
+                                    + ([TopPLogitsWarper(p)] if p < 1 else []) + ([MinPLogitsWarper(m)] if m else []))  # fmt: skip
+        want = torch.softmax(chain(None, logits.clone()), dim=-1)
+        got = sampling_probs(logits, loss)
+        torch.testing.assert_close(got / got.sum(-1, keepdim=True), want, atol=1e-6, rtol=1e-5)
+        if k:
+            assert ((got > 0).sum(-1) <= k).all()
+    history = torch.tensor([[3, 3, 5, 39], [0, 1, 2, 3], [7, 7, 7, 7], [10, 20, 30, 0], [1, 1, 1, 1]])
+    seen = torch.zeros(5, 40, dtype=torch.bool).scatter_(1, history, True)
+    torch.testing.assert_close(
+        _penalize_repeats(logits, seen, 1.3), RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone())
+    )
+    model = _model()
+    prompts = [np.frombuffer(b"Say a: ", dtype=np.uint8).astype(np.int64), np.array([65], dtype=np.int64)]
+
+    def draw(loss, **kw):
+        return [c.tolist() for c in sample_completions(model, prompts, loss, eos_id=EOS, pad_id=PAD, device="cpu",
+                                                        seed=3, **kw)]  # fmt: skip
+
+    greedy = draw(GrpoLoss(generations=2, max_tokens=10), greedy=True)
+    assert draw(GrpoLoss(generations=2, max_tokens=10, top_k=1)) == greedy
+    # an overwhelming penalty with top_k 1: each token is the likeliest not yet in its row (its prompt included)
+    for row, completion in zip([p for p in prompts for _ in range(2)], draw(
+        GrpoLoss(generations=2, max_tokens=10, top_k=1, repetition_penalty=1e4))):  # fmt: skip
+        held = set(row.tolist())
+        for token in completion:
+            assert token not in held or token == EOS, (row, completion)
+            held.add(token)
+    # the short prompt's row is left-padded: its padding is no token of its, so the likeliest first token stays its
+    # first even when it is the pad id
+    first = greedy[2][0]
+    padded = sample_completions(model, prompts, GrpoLoss(generations=2, max_tokens=1, top_k=1, repetition_penalty=1e4),
+                                eos_id=EOS, pad_id=first, device="cpu", seed=3)  # fmt: skip
+    assert first != 65 and padded[2].tolist() == [first]
+
+
+def test_the_losss_logprobs_are_the_tempered_distributions_chunked_or_not() -> None:
+    """TRL's: each token's log-probability under the logits divided by the sampling temperature, through the
+    chunked output layer as through the whole."""
+    from pylon.jobs.dpo import counted_logprobs
+    from pylon.models import build_model
+
+    spec = _spec().model_copy(update={"loss_chunk_tokens": 3})
+    chunked = build_model(spec, vocab_size=258, eos_id=EOS, pad_id=PAD, seed=0).eval()
+    whole = _model(seed=0)
+    inputs = completion_batch([np.array([72, 105])], [np.array([1, 2, EOS]), np.array([3, 4])], PAD, "cpu")
+    with torch.no_grad():
+        logits = whole(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        want = counted_logprobs(logits / 0.6, inputs["labels"])
+        for model, is_chunked in ((whole, False), (chunked, True)):
+            got, _ = token_logprobs(model, inputs, is_chunked, temperature=0.6)
+            torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+            plain, _ = token_logprobs(model, inputs, is_chunked)
+            assert not torch.allclose(plain, got)
+
+
 def replace_loss(loss: GrpoLoss, **changes) -> GrpoLoss:
     from dataclasses import replace
 
