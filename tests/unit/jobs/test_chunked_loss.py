@@ -119,7 +119,9 @@ def test_the_check_refuses_a_model_whose_logits_it_does_not_reproduce(monkeypatc
     assert check_chunked_loss(mixtral, VOCAB, aux=True) < 1e-5
     import pylon.models
 
-    monkeypatch.setattr(pylon.models, "_logits_transform", lambda lm: lambda logits: logits)  # soft-capping forgotten
+    monkeypatch.setattr(
+        pylon.models, "_logits_transform", lambda lm, temperature=1.0: lambda logits: logits
+    )  # soft-capping forgotten
     with pytest.raises(PylonError, match="loss_chunk_tokens: the chunked loss of Gemma2ForCausalLM is .* set "
                        "loss_chunk_tokens: 0"):  # fmt: skip
         check_chunked_loss(model, VOCAB)
