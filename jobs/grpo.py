@@ -49,7 +49,7 @@ import importlib
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -314,6 +314,7 @@ class GrpoLoss:
     epsilon_high: float = 0.2  # and above (DAPO's clip-higher: larger)
     mask_truncated: bool = False  # completions cut without an eos left out of the loss (`mask_truncated_completions`)
     normalize: bool = False  # objective rloo: advantages standardised over the micro-batch (`normalize_advantages`)
+    log_completions: int = 0  # completions a micro-batch keeps as `Rollout.samples` (`log_completions`)
 
     @classmethod
     def of(cls, spec) -> "GrpoLoss":
@@ -336,6 +337,7 @@ class GrpoLoss:
             epsilon=g.epsilon,
             epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
             mask_truncated=g.mask_truncated_completions,
+            log_completions=g.log_completions,
         )
 
     @property
@@ -719,6 +721,7 @@ class Rollout:
     kl: tuple = (0.0, 0.0)  # objective rloo with beta > 0: the summed per-token KL at sampling, and its tokens
     sampled_tokens: int = 0  # what sampling's forward passes computed: each completion's prompt and its tokens
     model_tokens: int = 0  # the non-pad tokens of `inputs`, which each update's passes compute
+    samples: list = field(default_factory=list)  # its first `log_completions` completions (`completion_samples`)
 
     def trained_token_units(self, loss: "GrpoLoss", fresh: bool) -> float:
         """The model FLOPs of training on this rollout once, in units of a trained token's (forward + backward = 3
@@ -810,7 +813,36 @@ def grpo_sample(
         kl=kl,
         sampled_tokens=g * sum(len(p) for p in prompts) + int(sum(lengths)) if completions else 0,
         model_tokens=int(inputs["attention_mask"].sum()) if completions else 0,
+        samples=completion_samples(
+            pairs, completions, scores, reward, advantages, rewards.names, tokenizer, eos_id, loss
+        ),
     )
+
+
+def completion_samples(
+    pairs, completions, scores, reward, advantages, names, tokenizer, eos_id: int, loss: GrpoLoss
+) -> list:
+    """The first `loss.log_completions` completions as records (`run_dir.CompletionsLog`, TRL's completions table):
+    the decoded prompt, completion (without its eos) and answer, each function's score (None: no score), the
+    reward, the advantage, its tokens and whether it ended with the eos."""
+    g = loss.generations
+    out = []
+    for i in range(min(loss.log_completions, len(completions))):
+        prompt, answer, _ = pairs[i // g]
+        ended = bool(len(completions[i]) and completions[i][-1] == eos_id)
+        out.append(
+            {
+                "prompt": tokenizer.decode(prompt),
+                "completion": tokenizer.decode(_without_eos(completions[i], eos_id)),
+                "answer": tokenizer.decode(answer),
+                "rewards": {n: None if np.isnan(v) else float(v) for n, v in zip(names, scores[i])},
+                "reward": float(reward[i]),
+                "advantage": float(advantages[i]),
+                "tokens": int(len(completions[i])),
+                "ended": ended,
+            }
+        )
+    return out
 
 
 def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None, first: bool = True) -> tuple:

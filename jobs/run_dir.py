@@ -4,6 +4,8 @@
         run.json                     the spec and the tokenizer it trained with
         metrics.jsonl                one JSON record per logged step (MetricsLog writes, read_metrics reads), and
                                      one `"kind": "eval"` record per held-out evaluation (eval_record)
+        completions.jsonl            objective grpo and rloo: a few sampled completions a step, with their rewards
+                                     (CompletionsLog writes, read_completions reads)
         workers.json                 where each rank ran
         reference_logits.json        the last state's logits on a fixed batch (export checks against them)
         loss.png                     the loss curve (plot_loss)
@@ -22,6 +24,7 @@ from pylon import home, storage
 from pylon.specs import TrainJobSpec
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
 RUN_FILE = "run.json"
 LOSS_PLOT = "loss.png"
 WORKERS_FILE = "workers.json"
@@ -101,10 +104,13 @@ class MetricsLog:
     """Rank 0's per-step records. Kept locally and committed whole to `<run>/metrics.jsonl` (object stores
     cannot append); on resume the records past the resumed step are dropped, so the curve continues."""
 
+    name = METRICS_FILE
+
     def __init__(self, run_uri: str, *, enabled: bool, resume_step: int):
-        self.uri = storage.join(run_uri, METRICS_FILE)
+        self.uri = storage.join(run_uri, self.name)
         self.enabled = enabled
-        self.records = [r for r in read_metrics(run_uri, kind=None) if r["step"] <= resume_step] if enabled else []
+        kept = _read_jsonl(self.uri) if enabled else []
+        self.records = [r for r in kept if r["step"] <= resume_step]
 
     def write_eval(self, record: dict) -> None:
         """A held-out evaluation (`"kind": "eval"`, see `eval_record`), with one readable log line: not a
@@ -116,7 +122,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if self.enabled:
             self.records.append(record)
-            if record["step"] % 10 == 1 or record["step"] < 5:
+            if printed_step(record["step"]):
                 print(
                     json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}), flush=True
                 )
@@ -126,16 +132,59 @@ class MetricsLog:
             storage.atomic_write_text(self.uri, "".join(json.dumps(r) + "\n" for r in self.records))
 
 
+class CompletionsLog(MetricsLog):
+    """Rank 0's sampled completions (objective grpo and rloo: `grpo.log_completions` a step, TRL's
+    `log_completions`), each a record of its step, prompt, completion, answer, rewards and advantage; kept and
+    committed with the metrics (`flush`), and cut back to the resumed step as they are. One of each printed step's
+    is printed too (`sample_line`)."""
+
+    name = COMPLETIONS_FILE
+
+    def write_step(self, step: int, samples: list[dict]) -> None:
+        if self.enabled and samples:
+            self.records.extend({"step": step, **s} for s in samples)
+            if printed_step(step):
+                print(sample_line(step, samples[0]), flush=True)
+
+
+def printed_step(step: int) -> bool:
+    """Whether the job's log shows `step` (its record as a JSON line): the first few, then every tenth."""
+    return step % 10 == 1 or step < 5
+
+
+def sample_line(step: int, sample: dict, width: int = 100) -> str:
+    """One sampled completion as a log line: not a `{"step": ...}` line, which log followers take for a step."""
+
+    def short(text: str, keep_end: bool) -> str:
+        text = json.dumps(text, ensure_ascii=False)[1:-1]  # newlines and quotes escaped: one line
+        if len(text) <= width:
+            return text
+        return "..." + text[-width:] if keep_end else text[:width] + "..."
+
+    return (
+        f"step {step} completion: reward {sample['reward']:.3g}, advantage {sample['advantage']:.3g}: "
+        f'"{short(sample["prompt"], True)}" -> "{short(sample["completion"], False)}"'
+    )
+
+
+def _read_jsonl(uri: str) -> list[dict]:
+    if not storage.exists(uri):
+        return []
+    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
+
+
 def read_metrics(run_uri: str, kind: str | None = "train") -> list[dict]:
     """The records of `metrics.jsonl`: by default the training steps only (one per optimizer step, as
     always); `kind="eval"` the held-out evaluations (`"kind": "eval"` records); `kind=None` every record."""
-    uri = storage.join(run_uri, METRICS_FILE)
-    if not storage.exists(uri):
-        return []
-    records = [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
+    records = _read_jsonl(storage.join(run_uri, METRICS_FILE))
     if kind is None:
         return records
     return [r for r in records if r.get("kind", "train") == kind]
+
+
+def read_completions(run_uri: str) -> list[dict]:
+    """The records of `completions.jsonl` (`CompletionsLog`): none for a run that samples nothing."""
+    return _read_jsonl(storage.join(run_uri, COMPLETIONS_FILE))
 
 
 def eval_record(

@@ -31,6 +31,7 @@ from pylon.jobs.run_dir import (
     REFERENCE_FILE,
     RUN_FILE,
     WORKERS_FILE,
+    CompletionsLog,
     MetricsLog,
     _absolute,
     eval_line,
@@ -401,6 +402,7 @@ def train_loop(config: dict) -> None:
         if rank == 0:
             print(f"resumed {spec.name} from step {step} ({latest.uri})", flush=True)
     metrics = MetricsLog(run_uri, enabled=rank == 0, resume_step=step)
+    completions = CompletionsLog(run_uri, enabled=rank == 0 and grpo is not None, resume_step=step)
 
     cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
     if grpo is not None:  # a prompt as long as a row and its longest completion must fit the model's positions
@@ -445,6 +447,7 @@ def train_loop(config: dict) -> None:
         pairs_sum, dpo_sums = 0, [0.0, 0.0, 0.0]  # objective dpo: pairs; chosen and rejected rewards, correct pairs
         grpo_sums, sample_s = [0.0] * (12 + 2 * len(rewards.functions) if rewards else 0), 0.0  # objective grpo's
         grpo_units = 0.0  # objective grpo: its model FLOPs this step, in trained tokens (sampling included)
+        samples: list = []  # objective grpo: the first micro-batch's logged completions (`grpo.log_completions`)
         # objective grpo: a step that samples (and reads data), or one of the later updates on the last sampled batch
         fresh = grpo is None or step % grpo.iterations == 0
         for micro in range(gas):
@@ -472,6 +475,8 @@ def train_loop(config: dict) -> None:
                         reference=reference,
                     )
                     sample_s += rollout.sample_s
+                    if micro == 0:  # (rank 0's are logged: `grpo.log_completions`)
+                        samples = rollout.samples
                     if grpo.iterations > 1:
                         rollouts[micro] = rollout
                 else:
@@ -575,6 +580,8 @@ def train_loop(config: dict) -> None:
                     flush=True,
                 )
         metrics.write(record)
+        if grpo is not None and fresh:
+            completions.write_step(step, samples)
         prometheus.step(record)
         last = step == spec.steps
         outside_s = 0.0  # loop time that is neither the step nor its bookkeeping
@@ -602,6 +609,7 @@ def train_loop(config: dict) -> None:
             # Metrics first: a crash between the two leaves records past the last commit, which a resume
             # drops; the other order could commit a step whose records were never written.
             metrics.flush()
+            completions.flush()
             ledger.saving(step)
             t0 = time.perf_counter()
             try:
@@ -643,6 +651,7 @@ def train_loop(config: dict) -> None:
     prometheus.checkpoint(time.perf_counter() - t0, ok=True)
     ray_reports.finish()  # with async_upload, the last save: committed in the background
     metrics.flush()
+    completions.flush()
     _record_reference_logits(engine, run_uri, rank, stream.manifest.seq_len)
     totals = torch.tensor(moved(), dtype=torch.float64, device=device)  # the last upload's bytes, from every rank
     if dist.is_initialized():

@@ -545,6 +545,12 @@ class GrpoSpec(_Spec):
         description="objective rloo: standardise the leave-one-out advantages over the micro-batch's completions "
         "(mean 0, standard deviation 1; TRL's normalize_advantages)",
     )
+    log_completions: NonNegInt = Field(
+        4,
+        description="completions of each step the run keeps in its completions.jsonl (TRL's log_completions): the "
+        "first worker's first, each with its prompt, answer, every function's score, reward and advantage "
+        "(`Run.completions()` in the SDK); one of them printed beside each step the job's log prints; 0: none",
+    )
 
 
 class TrainJobSpec(_Spec):

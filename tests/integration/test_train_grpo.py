@@ -106,6 +106,14 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
     assert evaluation["val_grpo_completions"] == 2 and evaluation["val_grpo_reward"] > 0.5, evaluation
     assert evaluation["val_loss"] > 0  # the dataset's own completions' loss, as for any prompt-completion run
     assert (run_dir / "export" / "config.json").exists() and (run_dir / "loss.png").stat().st_size > 0
+    # the completions it sampled, 4 a step (grpo.log_completions' default), each with every function's score
+    from pylon.jobs.run_dir import read_completions
+
+    sampled = read_completions(str(run_dir))
+    assert [r["step"] for r in sampled] == [s for s in range(1, 13) for _ in range(4)]
+    assert all(set(r["rewards"]) == {"share_of_answer", "contains_answer"} and r["prompt"].startswith("Say a")
+               for r in sampled)  # fmt: skip
+    assert "step 1 completion: reward" in logs and "step 11 completion: reward" in logs, logs[-4000:]
 
 
 @pytest.mark.slow  # (make test-all: three more jobs)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pylon.display import html_table
 from pylon.errors import JobFailedError, PylonError
-from pylon.jobs.run_dir import eval_line, loss_figure, read_metrics
+from pylon.jobs.run_dir import eval_line, loss_figure, read_completions, read_metrics
 from pylon.sdk.serve import delete
 
 if TYPE_CHECKING:
@@ -351,6 +351,14 @@ class Run(Job):
         import pandas as pd
 
         return pd.DataFrame(read_metrics(self._uri(), kind="eval"))
+
+    def completions(self):
+        """Objective grpo's and rloo's sampled completions (`completions.jsonl`: `grpo.log_completions` a step, TRL's
+        completions table) as a pandas DataFrame: step, prompt, completion, answer, rewards (each function's
+        score), reward, advantage, tokens, ended (with its eos); committed with checkpoints, as metrics are."""
+        import pandas as pd
+
+        return pd.DataFrame(read_completions(self._uri()))
 
     def plot(self):
         """The loss curve as a matplotlib Figure (Jupyter draws it inline; `.savefig(path)` keeps it), with the

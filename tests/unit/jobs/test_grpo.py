@@ -739,6 +739,51 @@ def test_truncated_completions_can_be_left_out_of_the_loss(tmp_path, mask) -> No
     assert count == int((labels[:, 1:] != -100).sum())  # dapo: over the counted tokens only
 
 
+def test_a_rollout_keeps_its_first_completions_to_log_and_the_run_keeps_them_as_metrics(tmp_path, capsys) -> None:
+    """`log_completions` (TRL's completions table): the first completions of a micro-batch, decoded, beside each
+    function's score, the reward and the advantage the loss uses; the run's completions.jsonl keeps them, prints one
+    at each printed step, and a resume drops those past its step, as metrics.jsonl does."""
+    from types import SimpleNamespace
+
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.jobs.run_dir import COMPLETIONS_FILE, CompletionsLog, read_completions
+    from pylon.specs import RewardFunctionSpec
+
+    loss = replace_loss(GrpoLoss.of(_spec(log_completions=6)), generations=4, max_tokens=5)
+    assert GrpoLoss.of(_spec()).log_completions == 4  # (the default)
+    engine = SimpleNamespace(device=torch.device("cpu"), module=_model())
+    batch, _ = _batch(tmp_path, RECORDS[:2])
+    rewards = Rewards(
+        [RewardFunctionSpec(function="contains_answer"), RewardFunctionSpec(function="last_number_match")]
+    )
+    tok = load_tokenizer("byte")
+    rollout = grpo_sample(engine, batch, loss, rewards, tok, eos_id=EOS, pad_id=PAD, seed=4)
+    samples = rollout.samples
+    pairs = prompts_and_answers(batch, EOS)
+    assert len(samples) == 6 and [s["prompt"] for s in samples] == [tok.decode(pairs[0][0])] * 4 + [
+        tok.decode(pairs[1][0])] * 2  # fmt: skip
+    for i, s in enumerate(samples):
+        assert s["answer"] == tok.decode(pairs[i // 4][1]) and s["advantage"] == pytest.approx(
+            float(rollout.advantages[i]))  # fmt: skip
+        assert s["rewards"]["contains_answer"] == float(s["answer"] in s["completion"])
+        want = None if not any(ch.isdigit() for ch in s["answer"]) else s["rewards"]["last_number_match"]
+        assert s["rewards"]["last_number_match"] == want and s["reward"] == sum(v or 0 for v in s["rewards"].values())
+        assert s["ended"] or s["tokens"] == 5  # (a completion shorter than max_tokens ended with its eos)
+    log = CompletionsLog(str(tmp_path), enabled=True, resume_step=0)
+    for step in (1, 2, 5):
+        log.write_step(step, samples[:2])
+    log.flush()
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" completion:")[0] for line in out] == ["step 1", "step 2"]  # (step 5 is not printed)
+    assert f'"{samples[0]["prompt"]}" -> "' in out[0] and not out[0].startswith("{")
+    assert [r["step"] for r in read_completions(str(tmp_path))] == [1, 1, 2, 2, 5, 5]
+    CompletionsLog(str(tmp_path), enabled=True, resume_step=2).flush()
+    assert [r["step"] for r in read_completions(str(tmp_path))] == [1, 1, 2, 2]
+    assert (tmp_path / COMPLETIONS_FILE).exists()
+    quiet = replace_loss(loss, log_completions=0)
+    assert grpo_sample(engine, batch, quiet, rewards, tok, eos_id=EOS, pad_id=PAD, seed=4).samples == []
+
+
 def test_a_rollouts_model_flops_count_sampling_and_every_pass_over_prompts_and_completions(tmp_path) -> None:
     """MFU's FLOPs for a GRPO step (in trained tokens, each forward + backward: 3 forward passes): the update over
     prompts and completions, the reference's forward (beta > 0), and on the step that sampled, sampling's forward

@@ -167,6 +167,17 @@ def test_a_run_shows_its_held_out_evaluation_apart_from_its_steps(tmp_path: Path
     assert "step 2: validation loss 2.5000, perplexity 12.182" in page
     labels = [t.get_text() for t in run.plot().axes[0].get_legend().get_texts()]
     assert labels == ["training", "validation"]
+    assert run.completions().empty  # (a run that samples nothing)
+    from pylon.jobs.run_dir import CompletionsLog
+
+    sampled = CompletionsLog(str(tmp_path), enabled=True, resume_step=0)
+    sampled.write_step(2, [{"prompt": "Q ", "completion": "a", "answer": "a", "rewards": {"exact_match": 1.0},
+                            "reward": 1.0, "advantage": 0.5, "tokens": 2, "ended": True}])  # fmt: skip
+    sampled.flush()
+    table = run.completions()
+    assert table.to_dict("records") == [{"step": 2, "prompt": "Q ", "completion": "a", "answer": "a",
+                                         "rewards": {"exact_match": 1.0}, "reward": 1.0, "advantage": 0.5,
+                                         "tokens": 2, "ended": True}]  # fmt: skip
 
 
 def test_a_run_without_a_known_directory_says_so() -> None:
