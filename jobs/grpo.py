@@ -360,14 +360,16 @@ class GrpoLoss:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray, dict]]:
+def prompts_and_answers(batch, eos_id: int, whole: bool = False) -> list[tuple[np.ndarray, np.ndarray, dict]]:
     """Every document of `batch`'s rows (a `pylon.data.reader.Batch` of a prompt-completion or chat dataset) as (its
     prompt's token ids, its answer's, its record's other fields): the answer the document's last run of counted
     tokens up to its first eos (the eos prepare appends, or a chat template's end of turn when that is the eos), the
     prompt every token before that run (a chat's ends with the template's generation prompt). A document with no
     counted token is all prompt, its answer empty. The fields (`Batch.records`; {} when its record had none, or the
     dataset has none) go to the reward functions by name (`Rewards.score_completions`); a row's first tokens that
-    continue a document begun in the row before (wrapped packing) have none."""
+    continue a document begun in the row before (wrapped packing) have none. `whole` (objective kto's completions):
+    the answer is the whole last run of counted tokens, its eos included, and a document with an empty prompt is
+    kept, so that there is one entry per document, in row order."""
     ids, context, starts = split_words(batch.tokens, loss_mask=batch.loss_mask, eos_id=eos_id)
     if context is None:
         raise PylonError(
@@ -391,10 +393,10 @@ def prompts_and_answers(batch, eos_id: int) -> list[tuple[np.ndarray, np.ndarray
                 first -= 1
             answer = ids[row, a + first : a + last + 1]
             ends = np.flatnonzero(answer == eos_id)
-            if len(ends):  # (a chat template's end of turn, when it is the eos, and what follows it)
+            if len(ends) and not whole:  # (a chat template's end of turn, when it is the eos, and what follows it)
                 answer = answer[: ends[0]]
             out.append((ids[row, a : a + first].copy(), answer.copy(), record))
-    return [(p, ans, record) for p, ans, record in out if len(p)]
+    return [(p, ans, record) for p, ans, record in out if len(p) or whole]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -204,8 +204,9 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
 
 
 def check_objective(spec: TrainJobSpec, manifest) -> None:
-    """The preference objectives (dpo, simpo, orpo, reward) train on preference pairs: a PylonError naming data.uri
-    for a dataset of anything else."""
+    """The preference objectives (dpo, simpo, orpo, reward) train on preference pairs, kto on labelled
+    prompt-completion records (every label read and checked here), grpo and rloo on prompts: a PylonError naming
+    data.uri for a dataset of anything else."""
     if spec.objective in PREFERENCE_OBJECTIVES and not manifest.preference:
         raise PylonError(
             f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
@@ -234,6 +235,17 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
                 "conversations (the last assistant reply the answer) with `--chat`"
             )
         check_rewards(spec, manifest)
+    if spec.objective == "kto":
+        from pylon.jobs.kto import label_counts
+
+        if not manifest.prompt_completion or manifest.preference or manifest.prompts or not manifest.document_starts:
+            held = "preference pairs" if manifest.preference else "prompts" if manifest.prompts else "other data"
+            raise PylonError(
+                f"objective kto: data.uri {spec.data.uri} holds {held}; it learns from completions each labelled "
+                "desirable or not: prepare JSONL of prompt, completion and label (true or false) with `pylon data "
+                "prepare --prompt-completion`"
+            )
+        label_counts(spec.data.uri, manifest)
     if spec.objective == "reward" and manifest.preference_format == "mixed":
         raise PylonError(
             f"objective reward: data.uri {spec.data.uri} holds pairs given both as text and as conversations, which a "
@@ -272,6 +284,7 @@ def train_loop(config: dict) -> None:
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.jobs.dpo import DpoLoss, RunningMean, dpo_forward, dpo_record, frozen_reference
     from pylon.jobs.grpo import GrpoEvaluation, GrpoLoss, Rewards, grpo_record, grpo_sample, grpo_train, sample_seed
+    from pylon.jobs.kto import KtoLoss, balance_note, kto_forward, kto_record, label_counts
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
@@ -307,6 +320,10 @@ def train_loop(config: dict) -> None:
     check_objective(spec, stream.manifest)
     dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo, reward (pylon.jobs.dpo)
     dpo_loss = DpoLoss.of(spec, stream.manifest)
+    # objective kto (pylon.jobs.kto): unpaired completions, each labelled desirable or not in its record
+    kto = KtoLoss.of(spec) if spec.objective == "kto" else None
+    if kto is not None and rank == 0:
+        print(balance_note(*label_counts(spec.data.uri, stream.manifest), kto), flush=True)
     # objective grpo (pylon.jobs.grpo): completions sampled by the model, scored by the reward functions (decoded text)
     grpo = GrpoLoss.of(spec) if spec.objective in RL_OBJECTIVES else None
     rewards = Rewards(spec.grpo.rewards, stream.manifest.record_fields) if grpo is not None else None
@@ -343,7 +360,8 @@ def train_loop(config: dict) -> None:
     # objective dpo's reference: with lora, the model with its adapters disabled; without, a frozen copy of it (the
     # other preference objectives have none)
     reference = None
-    if ((dpo and dpo_loss.needs_reference) or (grpo is not None and grpo.needs_reference)) and spec.lora is None:
+    referenced = (dpo and dpo_loss.needs_reference) or (grpo is not None and grpo.needs_reference) or kto is not None
+    if referenced and spec.lora is None:
         reference = frozen_reference(
             spec,
             ds_config,
@@ -409,9 +427,10 @@ def train_loop(config: dict) -> None:
         check_completion_room(cfg, stream.manifest.seq_len, grpo.max_tokens)
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
     trained_flops = flops_tok  # objective grpo's MFU counts its passes itself (Rollout.trained_token_units)
-    if (dpo and dpo_loss.needs_reference) or (grpo is not None and grpo.needs_reference):
-        # the reference's forward pass too: a third of a trained token's FLOPs
+    if referenced:  # the reference's forward pass too: a third of a trained token's FLOPs
         flops_tok *= 4 / 3
+    if kto is not None and kto.baseline:  # and the KL baseline's two, over as many tokens (mismatched pairs)
+        flops_tok *= 6 / 4
     aux_coef = router_aux_coef(cfg)
     # The peak is measured in the precision the model trains in, on the worker's own device.
     peak = measure_matmul_peak_flops(seconds=0.5, device=device, dtype=_compute_dtype(spec.precision))
@@ -444,7 +463,9 @@ def train_loop(config: dict) -> None:
         t_step = time.perf_counter()
         step_started_at = time.time()
         wait_s, loss_sum, tokens_sum, aux_sum, aux_n = 0.0, 0.0, 0, 0.0, 0
-        pairs_sum, dpo_sums = 0, [0.0, 0.0, 0.0]  # objective dpo: pairs; chosen and rejected rewards, correct pairs
+        # objective dpo: pairs; chosen and rejected rewards, correct pairs. kto: completions; desirable and undesirable
+        # rewards, their counts, the KL baseline
+        pairs_sum, dpo_sums = 0, [0.0] * (5 if kto is not None else 3)
         grpo_sums, sample_s = [0.0] * (12 + 2 * len(rewards.functions) if rewards else 0), 0.0  # objective grpo's
         grpo_units = 0.0  # objective grpo: its model FLOPs this step, in trained tokens (sampling included)
         samples: list = []  # objective grpo: the first micro-batch's logged completions (`grpo.log_completions`)
@@ -504,6 +525,23 @@ def train_loop(config: dict) -> None:
                 aux = None
                 pairs_sum += pairs
                 dpo_sums = [a + b for a, b in zip(dpo_sums, stats)]
+            elif kto is not None:
+                loss_t, completions_n, n_tokens, stats, _ = kto_forward(
+                    engine,
+                    engine.module,
+                    inputs,
+                    batch,
+                    kto,
+                    f"data.uri {spec.data.uri}",
+                    model_inputs,
+                    reference,
+                    eos_id=tok.eos_id,
+                    pad_id=tok.pad_id,
+                )
+                loss, local_sum = _global_mean_loss(loss_t, completions_n, world)
+                aux = None
+                pairs_sum += completions_n
+                dpo_sums = [a + b for a, b in zip(dpo_sums, stats)]
             else:
                 loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef, chunked=chunked)
             engine.backward(loss)
@@ -544,7 +582,8 @@ def train_loop(config: dict) -> None:
             "step": step,
             # the mean over the global batch's tokens; a preference objective's: over its pairs; grpo's: over what its
             # loss is averaged over
-            "loss": totals[0].item() / max(totals[7].item() if dpo or grpo is not None else global_tokens, 1),
+            "loss": totals[0].item()
+            / max(totals[7].item() if dpo or grpo is not None or kto is not None else global_tokens, 1),
             "lr": float(engine.get_lr()[0]) if engine.get_lr() else 0.0,
             "tokens": global_tokens,
             "tokens_seen": tokens_seen,
@@ -565,6 +604,8 @@ def train_loop(config: dict) -> None:
         }
         if dpo:  # the pairs' rewards, margin and accuracy (TRL's figures)
             record.update(dpo_record(*totals[[0, 7, 8, 9, 10]].tolist(), name=dpo_loss.objective))
+        if kto is not None:  # the completions' rewards, margin and KL baseline (TRL's figures)
+            record.update(kto_record(*totals[[0, 7, 8, 9, 10, 11, 12]].tolist(), passes=gas * world))
         if grpo is not None:  # the completions' rewards, lengths and KL (TRL's figures); this rank's sampling time
             record.update(grpo_record(totals[11:-1].tolist(), rewards.names), grpo_sample_s=sample_s)
         if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean
@@ -597,6 +638,8 @@ def train_loop(config: dict) -> None:
                     documents=documents,
                     chunked=chunked,
                     dpo_loss=dpo_loss if dpo else None,
+                    kto=kto,
+                    pad_eos=(tok.pad_id, tok.eos_id),
                     reference=reference,
                     running=running,
                     grpo_eval=grpo_eval,
@@ -924,6 +967,8 @@ def _evaluate(
     reference=None,
     running=None,
     grpo_eval=None,
+    kto=None,
+    pad_eos: tuple[int, int] = (0, 0),
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
@@ -932,11 +977,13 @@ def _evaluate(
     val_loss: its pairs' loss). Every rank takes part with the
     same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of the
     split (the stream pads a short part with empty batches, which run as all-padding rows). `grpo_eval` (objective grpo:
-    a `pylon.jobs.grpo.GrpoEvaluation`): its held-out prompts' greedy completions' rewards too."""
+    a `pylon.jobs.grpo.GrpoEvaluation`): its held-out prompts' greedy completions' rewards too. `kto` (objective kto's
+    `KtoLoss`; `pad_eos` the tokenizer's pad and eos ids): the held-out completions' figures (`val_kto_*`)."""
     import torch
 
     from pylon.data.reader import DataPosition
     from pylon.jobs.dpo import dpo_forward, dpo_record
+    from pylon.jobs.kto import kto_forward, kto_record
 
     t0 = time.perf_counter()
     device = engine.device
@@ -947,6 +994,7 @@ def _evaluate(
     loss_sum, tokens, sequences = 0.0, 0, 0
     dpo_sums = [0.0] * 5  # objective dpo: pairs' loss, pairs, chosen and rejected rewards, correct pairs
     grpo_sums = None  # objective grpo: its figures' sums (`GrpoEvaluation`)
+    kto_sums = [0.0] * 8  # objective kto: loss, completions, the rewards' sums, their counts, the baseline, passes
     engine.eval()
     try:
         with torch.no_grad():
@@ -977,6 +1025,16 @@ def _evaluate(
                         part, n = out.loss_sum, out.tokens
                     else:
                         part, n = token_loss_sum(out.logits, inputs["labels"])
+                elif kto is not None:
+                    kto_loss, completions, _, stats, out = kto_forward(
+                        engine, engine.module, inputs, batch, kto, "the validation split", model_inputs, reference,
+                        pad_id=pad_eos[0], eos_id=pad_eos[1],
+                    )  # fmt: skip
+                    kto_sums = [a + b for a, b in zip(kto_sums, [float(kto_loss.item()), completions, *stats, 1.0])]
+                    if kto.chunked:  # (a TokenLoss: the completions' tokens, a chunk at a time)
+                        part, n = out.loss_sum, out.tokens
+                    else:
+                        part, n = token_loss_sum(out.logits, inputs["labels"])
                 else:
                     part, n, _ = forward_loss(engine, inputs, chunked)
                 if grpo_eval is not None:
@@ -995,6 +1053,11 @@ def _evaluate(
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)
         extra = dpo_record(*sums.tolist(), prefix="val_", name=dpo_loss.objective)
+    if kto is not None:
+        sums = torch.tensor(kto_sums, dtype=torch.float64, device=device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        extra = kto_record(*sums.tolist(), prefix="val_")
     if grpo_sums is not None:
         from pylon.jobs.grpo import grpo_eval_record
 

@@ -585,7 +585,7 @@ class TrainJobSpec(_Spec):
         "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
         "0: the whole micro-batch at once",
     )
-    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "grpo", "rloo"] = Field(
+    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "kto", "grpo", "rloo"] = Field(
         "causal_lm",
         description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); on a dataset "
         "prepared with --preference, each pair's chosen completion over its rejected one: dpo, direct preference "
@@ -594,7 +594,10 @@ class TrainJobSpec(_Spec):
         "TRL's CPOTrainer loss_type simpo) and orpo (ORPO, TRL's ORPOTrainer, the chosen completion's NLL too) need "
         "no reference: no frozen copy, no second forward pass; reward, a reward model (TRL's RewardTrainer): the "
         "model with a scalar head (*ForSequenceClassification, num_labels 1) scoring each completion at its last "
-        "token, trained so the chosen one scores higher (Bradley-Terry), exported as a classifier Pylon serves; grpo, "
+        "token, trained so the chosen one scores higher (Bradley-Terry), exported as a classifier Pylon serves; kto, "
+        "Kahneman-Tversky optimisation (TRL's KTOTrainer) on unpaired feedback: a --prompt-completion dataset whose "
+        "records each carry a `label`, true for a desirable completion and false for an undesirable one, each "
+        "pushed away from the reference by its side of a KL baseline (dpo_beta its beta); grpo, "
         "group relative policy optimisation (TRL's GRPOTrainer) on a prompt-completion or chat dataset: each prompt's "
         "completions sampled from the model as it trains, scored by the reward functions of `grpo` against the "
         "record's completion (its answer), and each reinforced by its reward against its group's; rloo, REINFORCE "
@@ -611,6 +614,24 @@ class TrainJobSpec(_Spec):
         description="the preference objectives' beta: dpo's, how far from the starting model the preferences may "
         "pull it (a larger beta keeps it closer); simpo's, the scale of its length-normalised rewards (SimPO's paper "
         "uses 2-2.5); orpo's lambda, the weight of its odds-ratio term against the NLL",
+    )
+    kto_loss: Literal["kto", "apo_zero_unpaired"] = Field(
+        "kto",
+        description="objective kto's loss (TRL's loss_type): kto, each desirable completion's 1 - sigmoid(beta (its "
+        "log-ratio to the reference - z)) and each undesirable one's 1 - sigmoid(beta (z - its log-ratio)), z the "
+        "batch's KL to the reference estimated on mismatched prompts and completions (the KTO paper's eq. 7); "
+        "apo_zero_unpaired (APO-zero on unpaired data): no KL baseline, undesirable completions' sigmoid(beta "
+        "log-ratio)",
+    )
+    kto_desirable_weight: float = Field(
+        1.0,
+        gt=0,
+        description="objective kto: the weight of the desirable completions' losses (TRL's desirable_weight); with "
+        "kto_undesirable_weight, keep desirable_weight x desirable count / (undesirable_weight x undesirable count) "
+        "within 1-4/3 (the KTO paper's advice; the job says where the data stands)",
+    )
+    kto_undesirable_weight: float = Field(
+        1.0, gt=0, description="objective kto: the weight of the undesirable completions' losses"
     )
     dpo_rpo_alpha: float = Field(
         0.0,
@@ -696,6 +717,11 @@ class TrainJobSpec(_Spec):
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
         objective = self.objective
+        if objective == "kto" and self.attention_mask == "causal":
+            problems.append(("attention_mask", "objective kto reads each completion on its own: set auto or document"))
+        for name in ("kto_loss", "kto_desirable_weight", "kto_undesirable_weight"):
+            if getattr(self, name) != type(self).model_fields[name].default and objective != "kto":
+                problems.append((name, f"is objective kto's; objective is {objective}"))
         if objective in PREFERENCE_OBJECTIVES:
             if self.loss_chunk_tokens and objective == "reward":
                 problems.append(("loss_chunk_tokens", "objective reward has no output layer to chunk: set 0"))

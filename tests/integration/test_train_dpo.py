@@ -106,7 +106,7 @@ def _train(spec: dict) -> tuple:
     logs = client.job_logs(run.job_id)
     assert status == "SUCCEEDED", logs[-4000:]
     name = spec["objective"]
-    assert ("the reference is a frozen copy" in logs) == (name == "dpo" and "lora" not in spec), logs[-4000:]
+    assert ("the reference is a frozen copy" in logs) == (name in ("dpo", "kto") and "lora" not in spec), logs[-4000:]
     run_dir = Path(spec["checkpoint"]["storage"]) / spec["name"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("kind", "train") == "train"]

@@ -418,8 +418,13 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         if spec.attention_mask == "auto":
             notes.append("attention_mask auto planned as causal (a chat dataset would attend each document apart)")
     rl = spec.objective in RL_OBJECTIVES
-    referenced = spec.objective == "dpo" or (rl and spec.grpo.beta > 0)
+    referenced = spec.objective in ("dpo", "kto") or (rl and spec.grpo.beta > 0)
     reference = "none" if not referenced else "adapters" if spec.lora else "copy"
+    if spec.objective == "kto" and spec.kto_loss == "kto":
+        notes.append(
+            "objective kto's KL baseline (the model and the reference on mismatched prompts and completions, without "
+            "gradients) is not in the time: two more forward passes a micro-batch, half as many FLOPs again"
+        )
     rollouts = 1
     if rl:  # each row's prompt and its completions, trained as one micro-batch
         rollouts, seq = spec.grpo.generations, seq + spec.grpo.max_completion_tokens
