@@ -338,6 +338,11 @@ def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora(
     adapters = train_workload(_train(objective="dpo", lora=lora))[0]
     assert (plain.reference, full.reference, adapters.reference) == ("none", "copy", "adapters")
     assert train_workload(_train(objective="orpo"))[0].reference == "none"  # reference-free
+    kto, kto_notes = train_workload(_train(objective="kto"))
+    assert kto.reference == "copy" and train_workload(_train(objective="kto", lora=lora))[0].reference == "adapters"
+    assert any("objective kto's KL baseline" in n for n in kto_notes)
+    apo = train_workload(_train(objective="kto", kto_loss="apo_zero_unpaired"))[1]
+    assert not any("KL baseline" in n for n in apo)  # (no baseline, no mismatched passes)
     s, seq = plain.shape, plain.seq_len
     forward = 2 * s.matmul_params + 4 * s.num_layers * s.hidden_size * seq  # a third of a trained token's FLOPs
     assert model_flops_per_token(s, seq, False, True) == model_flops_per_token(s, seq, False) + forward
