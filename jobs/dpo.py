@@ -402,10 +402,20 @@ def reference_logprobs(reference, module, args: dict, labels, positions, loss: D
 
 
 def dpo_forward(
-    model, module, inputs: dict, loss: DpoLoss, where: str, model_inputs, reference=None, running=None, update=True
+    model,
+    module,
+    inputs: dict,
+    loss: DpoLoss,
+    where: str,
+    model_inputs,
+    reference=None,
+    running=None,
+    update=True,
+    precomputed=None,
 ) -> tuple:
     """One micro-batch: the reference's pass (no gradients; `reference` the frozen copy, or None: `module` with its
-    adapters disabled; none for SimPO and ORPO), then `model`'s (the DeepSpeed engine: the pass that is trained).
+    adapters disabled; none for SimPO and ORPO; none either with `precomputed`, its values for these rows read from a
+    `pylon.jobs.reference_cache.ReferenceTable`), then `model`'s (the DeepSpeed engine: the pass that is trained).
     `running` (dpo_loss bco_pair's `RunningMean`): updated with this micro-batch's rewards on every rank (`update`;
     an evaluation reads it as it stands). Returns (the pairs' summed loss as a tensor, pairs, counted tokens, [chosen
     rewards' sum, rejected rewards' sum, pairs whose chosen reward is larger], the model's output)."""
@@ -416,7 +426,9 @@ def dpo_forward(
     # (an all-padding row, `train._padding_batch`, has no position_ids and counts no token: no pair)
     positions = inputs.get("position_ids", torch.zeros_like(labels))
     ref_chosen = ref_rejected = None
-    if loss.needs_reference:
+    if precomputed is not None:
+        ref_chosen, ref_rejected = pair_up(*precomputed, where)
+    elif loss.needs_reference:
         ref_chosen, ref_rejected = pair_up(*reference_logprobs(reference, module, args, labels, positions, loss), where)
     if loss.scores:  # a reward model: its head at each completion's last token
         from pylon.models import head_outputs

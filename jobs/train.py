@@ -397,6 +397,37 @@ def train_loop(config: dict) -> None:
                 + f", {spec.precision})",
                 flush=True,
             )
+    ref_table = None  # precompute_reference: every document's reference value, read once (pylon.jobs.reference_cache)
+    if spec.precompute_reference:
+        from pylon.jobs.reference_cache import precompute
+
+        ref_table, took, reused = precompute(
+            reference,
+            engine.module,
+            spec.data.uri,
+            stream.manifest,
+            run_uri,
+            rank=rank,
+            world=world,
+            micro_batch_size=spec.batch.micro_batch_size,
+            device=device,
+            loss=dpo_loss,
+            model_inputs=model_inputs,
+            padding=lambda: _padding_batch(stream, device),
+        )
+        if rank == 0:
+            print(
+                f"objective dpo: the reference's log-probabilities of {len(ref_table.rows):,} rows' documents "
+                + ("read from this run's reference_logprobs/" if reused else f"precomputed in {took:.1f} s")
+                + ("; the frozen copy let go" if reference is not None else ""),
+                flush=True,
+            )
+        reference = None  # (nothing holds the frozen copy now: its memory goes back)
+        import gc
+
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     committer = CheckpointCommitter(
         run_uri,
@@ -427,7 +458,7 @@ def train_loop(config: dict) -> None:
         check_completion_room(cfg, stream.manifest.seq_len, grpo.max_tokens)
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
     trained_flops = flops_tok  # objective grpo's MFU counts its passes itself (Rollout.trained_token_units)
-    if referenced:  # the reference's forward pass too: a third of a trained token's FLOPs
+    if referenced and ref_table is None:  # the reference's forward pass too: a third of a trained token's FLOPs
         flops_tok *= 4 / 3
     if kto is not None and kto.baseline:  # and the KL baseline's two, over as many tokens (mismatched pairs)
         flops_tok *= 6 / 4
@@ -520,6 +551,7 @@ def train_loop(config: dict) -> None:
                     model_inputs,
                     reference,
                     running=running,
+                    precomputed=ref_table.lookup(batch.sample_ids, device) if ref_table is not None else None,
                 )
                 loss, local_sum = _global_mean_loss(loss_t, pairs, world)
                 aux = None
@@ -640,6 +672,7 @@ def train_loop(config: dict) -> None:
                     dpo_loss=dpo_loss if dpo else None,
                     kto=kto,
                     pad_eos=(tok.pad_id, tok.eos_id),
+                    ref_table=ref_table,
                     reference=reference,
                     running=running,
                     grpo_eval=grpo_eval,
@@ -969,6 +1002,7 @@ def _evaluate(
     grpo_eval=None,
     kto=None,
     pad_eos: tuple[int, int] = (0, 0),
+    ref_table=None,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
@@ -1016,6 +1050,7 @@ def _evaluate(
                         reference,
                         running=running,
                         update=False,  # (bco_pair: read as training left it)
+                        precomputed=ref_table.lookup(batch.sample_ids, device) if ref_table is not None else None,
                     )
                     dpo_sums = [a + b for a, b in zip(dpo_sums, [float(pair_loss.item()), pairs, *stats])]
                     # a reward model has no next-token loss: its val_loss is the pairs' (Bradley-Terry)

@@ -615,6 +615,13 @@ class TrainJobSpec(_Spec):
         "pull it (a larger beta keeps it closer); simpo's, the scale of its length-normalised rewards (SimPO's paper "
         "uses 2-2.5); orpo's lambda, the weight of its odds-ratio term against the NLL",
     )
+    precompute_reference: bool = Field(
+        False,
+        description="objective dpo: read the reference's log-probabilities of every document once, before the first "
+        "step, and let the reference go (TRL's precompute_ref_log_probs): no frozen copy of the model held while "
+        "training (its weights' bytes again) and no reference pass a micro-batch, for one forward pass over the "
+        "dataset first; kept in the run's directory, so a resumed run reads them",
+    )
     kto_loss: Literal["kto", "apo_zero_unpaired"] = Field(
         "kto",
         description="objective kto's loss (TRL's loss_type): kto, each desirable completion's 1 - sigmoid(beta (its "
@@ -717,6 +724,8 @@ class TrainJobSpec(_Spec):
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
         objective = self.objective
+        if self.precompute_reference and objective != "dpo":
+            problems.append(("precompute_reference", f"reads objective dpo's reference ahead; objective: {objective}"))
         if objective == "kto" and self.attention_mask == "causal":
             problems.append(("attention_mask", "objective kto reads each completion on its own: set auto or document"))
         for name in ("kto_loss", "kto_desirable_weight", "kto_undesirable_weight"):

@@ -59,6 +59,8 @@ ORPO = {
         # bco_pair: its rewards' running mean goes through the run (and its checkpoint)
         pytest.param(LORA | {"dpo_loss": "bco_pair"}, id="dpo-bco-pair-lora-zero2", marks=pytest.mark.slow),
         pytest.param(FULL, id="dpo-full-zero3-bf16-chunked"),
+        # the reference read once before the first step (two ranks' parts), then let go
+        pytest.param(FULL | {"precompute_reference": True}, id="dpo-full-zero3-precomputed", marks=pytest.mark.slow),
         pytest.param(ORPO, id="orpo-full-zero2", marks=pytest.mark.slow),
     ],
 )
@@ -82,6 +84,10 @@ def test_a_preference_run_learns_the_preferences(ray_cluster, tmp_path, tokenize
         "checkpoint": {"storage": str(tmp_path / "runs"), "every_steps": 12},
     } | how
     name, steps, evals, run_dir = _train(spec)
+    if spec.get("precompute_reference"):
+        assert (run_dir / "reference_logprobs" / "manifest.json").exists()
+        assert sorted(p.name for p in (run_dir / "reference_logprobs").iterdir()) == [
+            "manifest.json", "rank-00000.npz", "rank-00001.npz"]  # fmt: skip
     first, last = steps[0], steps[-1]
     assert first["loss"] == first[f"{name}_loss"] and first[f"{name}_pairs"] > 0, first
     if name == "dpo":  # the model is its reference: log 2 (bco_pair's: 2 log 2)
@@ -107,6 +113,8 @@ def _train(spec: dict) -> tuple:
     assert status == "SUCCEEDED", logs[-4000:]
     name = spec["objective"]
     assert ("the reference is a frozen copy" in logs) == (name in ("dpo", "kto") and "lora" not in spec), logs[-4000:]
+    if spec.get("precompute_reference"):
+        assert "precomputed in" in logs and "the frozen copy let go" in logs, logs[-4000:]
     run_dir = Path(spec["checkpoint"]["storage"]) / spec["name"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("kind", "train") == "train"]

@@ -420,6 +420,12 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
     rl = spec.objective in RL_OBJECTIVES
     referenced = spec.objective in ("dpo", "kto") or (rl and spec.grpo.beta > 0)
     reference = "none" if not referenced else "adapters" if spec.lora else "copy"
+    if spec.precompute_reference:  # read once before the first step: no copy held, no pass a step
+        reference = "none"
+        notes.append(
+            "precompute_reference: the reference's one forward pass over the dataset before the first step is not in "
+            "the time; no frozen copy is held and no reference pass runs a step"
+        )
     if spec.objective == "kto" and spec.kto_loss == "kto":
         notes.append(
             "objective kto's KL baseline (the model and the reference on mismatched prompts and completions, without "

@@ -13,6 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -605,3 +606,65 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
     ):
         with pytest.raises((SpecError, ValueError), match=field):
             TrainJobSpec.model_validate({**base, **change})
+
+
+def test_precomputed_reference_values_are_the_reference_passes_and_a_resume_reads_them(
+    tmp_path,
+    tokenizer,
+    distributed,  # noqa: F811
+) -> None:
+    """`precompute_reference`: every row's documents' reference values, read a rank's part at a time across shard
+    ends (ranks padding to the same passes), are what the reference pass gives those rows in training; the DPO loss
+    with them is the loss with the pass; a resumed run reads the committed table, and another dataset's is not
+    taken for it."""
+    from pylon.data.shards import read_manifest
+    from pylon.jobs.dpo import reference_logprobs
+    from pylon.jobs.reference_cache import precompute, rank_rows
+
+    out = str(tmp_path / "pref")
+    prepare(
+        [_jsonl(tmp_path / "pref.jsonl", PAIRS * 3 + PAIRS[:1])],
+        out,
+        seq_len=64,
+        tokenizer=tokenizer,
+        preference=True,
+        progress=False,
+        shard_size_mb=4 * 64 * 4 / 2**20,
+    )  # fmt: skip (13 rows: 6 and 7)
+    manifest = read_manifest(out)
+    assert len(manifest.shards) > 1
+    hf = load_tokenizer(tokenizer)._tok
+    model, reference = _model(len(hf), 0), _model(len(hf), 1)  # (a reference unlike the model: it must be the one read)
+    loss = DpoLoss(BETA)
+    padded = []
+
+    def padding():
+        padded.append(1)
+        return {"input_ids": torch.zeros((1, 64), dtype=torch.long), "attention_mask": torch.ones((1, 64), dtype=torch.long),
+                "labels": torch.full((1, 64), -100)}  # fmt: skip
+
+    run = str(tmp_path / "run")
+    common = {"rank": 0, "world": 2, "micro_batch_size": 3, "device": torch.device("cpu"), "loss": loss,
+              "model_inputs": model_inputs, "padding": padding}  # fmt: skip
+    for rank in (1, 0):  # (one process plays both ranks: rank 0 commits once both parts are there)
+        table, _, reused = precompute(reference, model, out, manifest, run, **(common | {"rank": rank}))
+        assert not reused
+    parts = [rank_rows(manifest.totals.rows, r, 2) for r in (0, 1)]
+    most = -(-(-(-manifest.totals.rows // 2)) // 3)
+    assert len(padded) == sum(most - -(-(hi - lo) // 3) for lo, hi in parts) > 0, (parts, padded)
+    inputs = _rows(out, tokenizer)
+    _, _, _, ids = read_rows(out)
+    want, per_row = reference_logprobs(reference, model, model_inputs(inputs), inputs["labels"], inputs["position_ids"],
+                                       loss)  # fmt: skip
+    got, got_rows = table.lookup(ids, "cpu")
+    assert torch.equal(got_rows, per_row) and torch.allclose(got, want, atol=1e-5)
+    with_pass = dpo_forward(model, model, inputs, loss, "test", model_inputs, reference)
+    ahead = dpo_forward(model, model, inputs, loss, "test", model_inputs, None, precomputed=(got, got_rows))
+    assert abs(with_pass[0].item() - ahead[0].item()) < 1e-4 and with_pass[3] == pytest.approx(ahead[3], abs=1e-4)
+    again, _, reused = precompute(None, model, out, manifest, run, **common)  # (a resume: no reference needed)
+    assert reused and all(np.array_equal(again.rows[i], table.rows[i]) for i in table.rows)
+    other = prepare([_jsonl(tmp_path / "pref.jsonl", PAIRS * 3)], out, seq_len=64, tokenizer=tokenizer, preference=True,
+                    progress=False, overwrite=True)  # fmt: skip
+    assert other.run_id != manifest.run_id
+    _, _, reused = precompute(reference, model, out, other, run, **(common | {"world": 1}))
+    assert not reused  # (another dataset's run: read again)

@@ -148,6 +148,8 @@ def test_the_spec_takes_kto_settings_for_kto_only() -> None:
         _spec(objective="dpo", kto_desirable_weight=2.0)
     with pytest.raises(Exception, match="attention_mask: objective kto reads each completion on its own"):
         _spec(attention_mask="causal")
+    with pytest.raises(Exception, match="precompute_reference: reads objective dpo's reference ahead; objective: kto"):
+        _spec(precompute_reference=True)
 
 
 @pytest.mark.parametrize("lora", [False, True])

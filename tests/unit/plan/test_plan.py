@@ -338,6 +338,8 @@ def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora(
     adapters = train_workload(_train(objective="dpo", lora=lora))[0]
     assert (plain.reference, full.reference, adapters.reference) == ("none", "copy", "adapters")
     assert train_workload(_train(objective="orpo"))[0].reference == "none"  # reference-free
+    ahead, ahead_notes = train_workload(_train(objective="dpo", precompute_reference=True))
+    assert ahead.reference == "none" and any("precompute_reference" in n for n in ahead_notes)
     kto, kto_notes = train_workload(_train(objective="kto"))
     assert kto.reference == "copy" and train_workload(_train(objective="kto", lora=lora))[0].reference == "adapters"
     assert any("objective kto's KL baseline" in n for n in kto_notes)
