@@ -350,6 +350,7 @@ class ShardStream:
         seq_len: int | None = None,
         prefetch_shards: int = 2,
         read_num_cpus: float = 0.0,
+        records: bool = False,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -381,7 +382,8 @@ class ShardStream:
         self.stats = DataStats()
         self._fs, self._root = storage.arrow_filesystem(uri)
         self._missing = self._missing_shards()
-        self.records = RecordReader(uri, self.manifest) if self.manifest.record_fields else None
+        # `records`: the batches carry their rows' records (`Batch.records`), for the objectives that read them
+        self.records = RecordReader(uri, self.manifest) if records and self.manifest.record_fields else None
 
     # -- public ------------------------------------------------------------------------------------------
 

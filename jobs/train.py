@@ -309,11 +309,21 @@ def train_loop(config: dict) -> None:
 
     deepspeed.init_distributed(dist_backend="nccl" if spec.scaling.use_gpu else "gloo")
     _record_placement(run_uri, rank, world)
-    stream = stream_from_spec(spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world)
+    # the rows' records (their source records' other fields): what grpo's and rloo's reward functions and kto's labels
+    # read; the other objectives never open the records files
+    records = spec.objective in (*RL_OBJECTIVES, "kto")
+    stream = stream_from_spec(
+        spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world, records=records
+    )
     val_stream = None
     if spec.data.validation_fraction > 0:  # the held-out split: the tail of the id space, never trained on
         val_stream = stream_from_spec(
-            spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world, split="validation"
+            spec.data,
+            batch_size=spec.batch.micro_batch_size,
+            rank=rank,
+            world_size=world,
+            split="validation",
+            records=records,
         )
     tok = stream.manifest.tokenizer
     documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")

@@ -198,10 +198,16 @@ def test_record_fields_ride_with_their_rows_through_shuffling_workers_and_resume
                 break
         return out
 
-    both = [seen(ShardStream(uri, batch_size=4, rank=r, world_size=2, seed=3, shuffle_buffer=16)) for r in range(2)]
+    def stream(**kw) -> ShardStream:
+        return ShardStream(uri, batch_size=4, world_size=2, seed=3, shuffle_buffer=16, records=True, **kw)
+
+    both = [seen(stream(rank=r)) for r in range(2)]
     assert sorted(both[0] + both[1]) == list(range(300))
-    first = ShardStream(uri, batch_size=4, rank=1, world_size=2, seed=3, shuffle_buffer=16)
+    first = stream(rank=1)
     head = seen(first, stop_after=5)
-    resumed = ShardStream(uri, batch_size=4, rank=1, world_size=2, seed=3, shuffle_buffer=16)
+    resumed = stream(rank=1)
     resumed.load_state_dict(first.state_dict())
     assert head + seen(resumed) == both[1]
+    batches = ShardStream(uri, batch_size=4).epoch()
+    assert next(batches).records is None  # (not asked for: never read)
+    batches.close()
