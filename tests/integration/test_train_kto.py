@@ -19,7 +19,9 @@ from test_chat_data import _jsonl  # noqa: E402
 from test_kto import RECORDS  # noqa: E402
 from test_train_dpo import _train  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# (make test-all: make test's 30 minutes have no room for another training job; tests/unit/jobs/test_kto.py checks the
+# loss against TRL's formula and trains through DeepSpeed on every run)
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_a_kto_run_learns_which_completions_are_desirable(ray_cluster, tmp_path):
