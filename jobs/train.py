@@ -203,10 +203,10 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
     storage.atomic_write_json(uri, {"spec": now, "tokenizer": tokenizer, "updated_at": time.time()})
 
 
-def check_objective(spec: TrainJobSpec, manifest) -> None:
+def check_objective(spec: TrainJobSpec, manifest, labels: bool = True) -> None:
     """The preference objectives (dpo, simpo, orpo, reward) train on preference pairs, kto on labelled
-    prompt-completion records (every label read and checked here), grpo and rloo on prompts: a PylonError naming
-    data.uri for a dataset of anything else."""
+    prompt-completion records (with `labels`, every label read and checked here: the driver's check, before workers
+    start), grpo and rloo on prompts: a PylonError naming data.uri for a dataset of anything else."""
     if spec.objective in PREFERENCE_OBJECTIVES and not manifest.preference:
         raise PylonError(
             f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
@@ -245,7 +245,8 @@ def check_objective(spec: TrainJobSpec, manifest) -> None:
                 "desirable or not: prepare JSONL of prompt, completion and label (true or false) with `pylon data "
                 "prepare --prompt-completion`"
             )
-        label_counts(spec.data.uri, manifest)
+        if labels:
+            label_counts(spec.data.uri, manifest)
     if spec.objective == "reward" and manifest.preference_format == "mixed":
         raise PylonError(
             f"objective reward: data.uri {spec.data.uri} holds pairs given both as text and as conversations, which a "
@@ -327,7 +328,7 @@ def train_loop(config: dict) -> None:
         )
     tok = stream.manifest.tokenizer
     documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")
-    check_objective(spec, stream.manifest)
+    check_objective(spec, stream.manifest, labels=False)  # (read by the driver; rank 0 counts them below)
     dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo, reward (pylon.jobs.dpo)
     dpo_loss = DpoLoss.of(spec, stream.manifest)
     # objective kto (pylon.jobs.kto): unpaired completions, each labelled desirable or not in its record
