@@ -59,8 +59,7 @@ def _read_table(cache: str, manifest, mean: bool) -> ReferenceTable | None:
     if not storage.exists(uri):
         return None
     meta = storage.read_json(uri)
-    key = (meta.get("dataset_run_id"), meta.get("rows"), meta.get("mean"))
-    if key != (manifest.run_id, manifest.totals.rows, mean):
+    if not _matches(meta, manifest, mean):
         return None
     rows: dict[int, np.ndarray] = {}
     for part in meta["parts"]:
@@ -71,6 +70,24 @@ def _read_table(cache: str, manifest, mean: bool) -> ReferenceTable | None:
     if len(rows) != manifest.totals.rows:
         raise DataError(f"{cache}: {len(rows)} rows' reference values, the dataset has {manifest.totals.rows}")
     return ReferenceTable(rows)
+
+
+def committed(run_uri: str, manifest, loss) -> bool:
+    """Whether the run's directory holds a committed table for `manifest`'s dataset and `loss`'s values (a resumed
+    run then builds no reference at all)."""
+    uri = storage.join(run_uri, CACHE_DIR, MANIFEST)
+    if not storage.exists(uri):
+        return False
+    return _matches(storage.read_json(uri), manifest, bool(loss.mean))
+
+
+def _matches(meta: dict, manifest, mean: bool) -> bool:
+    """Whether a table's manifest `meta` is `manifest`'s dataset's (its run_id and rows), of the same values."""
+    return (meta.get("dataset_run_id"), meta.get("rows"), meta.get("mean")) == (
+        manifest.run_id,
+        manifest.totals.rows,
+        mean,
+    )
 
 
 def precompute(

@@ -372,7 +372,11 @@ def train_loop(config: dict) -> None:
     # other preference objectives have none)
     reference = None
     referenced = (dpo and dpo_loss.needs_reference) or (grpo is not None and grpo.needs_reference) or kto is not None
-    if referenced and spec.lora is None:
+    if spec.precompute_reference:
+        from pylon.jobs.reference_cache import committed
+
+        ahead = committed(run_uri, stream.manifest, dpo_loss)  # (a resumed run's table: no reference to build)
+    if referenced and spec.lora is None and not (spec.precompute_reference and ahead):
         reference = frozen_reference(
             spec,
             ds_config,

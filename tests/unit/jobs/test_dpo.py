@@ -619,7 +619,7 @@ def test_precomputed_reference_values_are_the_reference_passes_and_a_resume_read
     taken for it."""
     from pylon.data.shards import read_manifest
     from pylon.jobs.dpo import reference_logprobs
-    from pylon.jobs.reference_cache import precompute, rank_rows
+    from pylon.jobs.reference_cache import committed, precompute, rank_rows
 
     out = str(tmp_path / "pref")
     prepare(
@@ -661,10 +661,11 @@ def test_precomputed_reference_values_are_the_reference_passes_and_a_resume_read
     with_pass = dpo_forward(model, model, inputs, loss, "test", model_inputs, reference)
     ahead = dpo_forward(model, model, inputs, loss, "test", model_inputs, None, precomputed=(got, got_rows))
     assert abs(with_pass[0].item() - ahead[0].item()) < 1e-4 and with_pass[3] == pytest.approx(ahead[3], abs=1e-4)
+    assert committed(run, manifest, loss) and not committed(run, manifest, DpoLoss(BETA, "ipo"))  # (means: others)
     again, _, reused = precompute(None, model, out, manifest, run, **common)  # (a resume: no reference needed)
     assert reused and all(np.array_equal(again.rows[i], table.rows[i]) for i in table.rows)
     other = prepare([_jsonl(tmp_path / "pref.jsonl", PAIRS * 3)], out, seq_len=64, tokenizer=tokenizer, preference=True,
                     progress=False, overwrite=True)  # fmt: skip
     assert other.run_id != manifest.run_id
     _, _, reused = precompute(reference, model, out, other, run, **(common | {"world": 1}))
-    assert not reused  # (another dataset's run: read again)
+    assert not reused and not committed(run, manifest, loss)  # (another dataset's run: read again)
