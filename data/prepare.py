@@ -54,6 +54,7 @@ from pylon.data.shards import (
     manifest_uri,
     records_name,
     sha256_hex,
+    split_words,
 )
 from pylon.data.tokenizer import load_tokenizer
 from pylon.errors import ClusterError, PylonError, StorageError
@@ -493,6 +494,14 @@ def pack_group(
     return group
 
 
+def no_records(tokens: np.ndarray, num_tokens: np.ndarray) -> list[str]:
+    """The records file lines of rows whose documents had no other fields: a null for each document starting in
+    each row (a masked dataset's words mark where each starts), as `row_records` writes them."""
+    _, _, starts = split_words(tokens, loss_mask=True, eos_id=-1)
+    real = np.arange(tokens.shape[1])[None, :] < np.asarray(num_tokens)[:, None]
+    return ["[" + ",".join(["null"] * int(k)) + "]" for k in (starts & real).sum(axis=1)]
+
+
 def row_records(rows: int, rows_of: list[int], fields: list[dict | None]) -> tuple[list[str], list[str]]:
     """Each row's records file line (`shards.RecordsInfo`), from each piece's row (-1: in none, as an empty piece)
     and its record's other fields; and the fields' names, sorted. Pieces come in source order, so a row's entries
@@ -634,7 +643,7 @@ def write_shard(
     ids = np.arange(first_id, first_id + len(num_tokens), dtype=np.int64)
     records = None
     if any(r is not None for _, _, r in parts):
-        lines = [line for t, _, r in parts for line in (r if r is not None else ["[]"] * len(t))]
+        lines = [line for t, n, r in parts for line in (r if r is not None else no_records(t, n))]
         payload = "\n".join(lines).encode()
         records = RecordsInfo(file=records_name(name), bytes=len(payload), sha256=sha256_hex(payload))
         storage.atomic_write(storage.join(out, records.file), payload)
@@ -999,7 +1008,9 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
             outcome.tokenizer_sha256.add(group.tokenizer_sha256)
             outcome.record_fields.update(group.record_fields)
             if group.records is not None or records is not None:
-                records = (records or ["[]"] * len(num_tokens)) + (group.records or ["[]"] * group.rows)
+                records = (records if records is not None else no_records(tokens, num_tokens)) + (
+                    group.records if group.records is not None else no_records(group.tokens, group.num_tokens)
+                )
             tokens, num_tokens = np.concatenate([tokens, group.tokens]), np.concatenate([num_tokens, group.num_tokens])
             while len(num_tokens) >= job.per_shard:
                 n = job.per_shard

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pylon.data.shards import split_words
+from pylon.data.shards import DataError, split_words
 from pylon.errors import PylonError
 
 # ---------------------------------------------------------------------------------------------------------
@@ -380,7 +380,13 @@ def prompts_and_answers(batch, eos_id: int, whole: bool = False) -> list[tuple[n
     for row in range(len(batch)):
         n = int(batch.num_tokens[row])
         cuts = [0, *np.flatnonzero(starts[row, 1:n]) + 1, n]
-        records = iter(batch.records[row] if batch.records is not None else ())
+        held = batch.records[row] if batch.records is not None else []  # ([]: none of its documents had fields)
+        if held and len(held) != int(starts[row, :n].sum()):
+            raise DataError(
+                f"row {int(batch.sample_ids[row])}: {int(starts[row, :n].sum())} documents start in it, its records "
+                f"file line holds {len(held)}: the records do not belong to these shards; prepare the dataset again"
+            )
+        records = iter(held)
         for a, b in zip(cuts[:-1], cuts[1:]):
             record = (next(records, None) if starts[row, a] else None) or {}
             counted = ~context[row, a:b]

@@ -120,6 +120,11 @@ def label_counts(uri: str, manifest) -> tuple[int, int]:
     reader = RecordReader(uri, manifest, keep=1)
     good = bad = 0
     for shard in manifest.shards:
+        if shard.records is None:  # (no record of this shard had a field beside its prompt and completion)
+            raise DataError(
+                f"data.uri {uri}: shard {shard.file}: no record in it has a label; objective kto needs each record's "
+                "label, true (a desirable completion) or false (an undesirable one)"
+            )
         ids = np.arange(shard.first_id, shard.first_id + shard.rows)
         for row_id, records in zip(ids.tolist(), reader.rows(ids)):
             for k, record in enumerate(records):

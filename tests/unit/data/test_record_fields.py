@@ -167,3 +167,13 @@ def test_a_manifest_naming_a_file_outside_its_directory_is_refused(tmp_path, key
     where = "shards.0.records.file" if key == "records" else "shards.0.file"
     with pytest.raises(DataError, match=rf"not a Pylon manifest \({where}: .* is not a file name in the dataset's"):
         read_manifest(str(out))
+
+
+def test_records_that_do_not_match_their_rows_documents_are_refused(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    prepare([_jsonl(tmp_path / "p.jsonl", _records(8))], out, seq_len=48, prompts=True, progress=False)
+    manifest, tokens, num_tokens, ids = read_rows(out)
+    rows = RecordReader(out, manifest).rows(ids)
+    rows[0] = rows[0][1:]  # (one record short: every later document would get its neighbour's)
+    with pytest.raises(DataError, match=r"row 0: \d+ documents start in it, its records file line holds \d+"):
+        prompts_and_answers(Batch(ids, tokens, num_tokens, 0.0, True, EOS, rows), EOS)

@@ -127,6 +127,24 @@ def test_labels_are_read_from_the_records_and_checked_before_workers_start(tmp_p
                             read_manifest(bad_out))  # fmt: skip
         with pytest.raises(DataError, match=message.replace("row 0", "test: row 0")):
             document_labels(bad_batch, "test")
+    # records without a field of their own, in a group (a file) of their own: a shard with no records file, or
+    # nulls in a shared one; either way their missing labels are found before workers start
+    import pylon.data.prepare as prepare_module
+
+    for rows_a_shard, message in [
+        (1, r"shard part-\S+: no record in it has a label"),
+        (64, r"row 0, document 0: no label"),
+    ]:
+        mixed = tmp_path / f"mixed-{rows_a_shard}"
+        (mixed / "src").mkdir(parents=True)
+        _jsonl(mixed / "src" / "a.jsonl", [{"prompt": "q ", "completion": "a" * 70}])
+        _jsonl(mixed / "src" / "b.jsonl", RECORDS[:2])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(prepare_module, "GROUP_BYTES", 1)
+            prepare([str(mixed / "src")], str(mixed / "kto"), seq_len=80, prompt_completion=True, progress=False,
+                    shard_size_mb=rows_a_shard * 80 * 4 / 2**20)  # fmt: skip
+        with pytest.raises(DataError, match=message):
+            label_counts(str(mixed / "kto"), read_manifest(str(mixed / "kto")))
     plain = tmp_path / "plain"
     plain.mkdir()
     plain_out, _ = _prepared(plain, [{k: v for k, v in r.items() if k != "label"} for r in RECORDS[:5]])
