@@ -985,7 +985,7 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
     outcome = _Outcome([], 0, [], set())
     tokens = np.zeros((0, job.seq_len), dtype=job.dtype)  # rows not yet in a shard
     num_tokens = np.zeros(0, dtype=np.int32)
-    records: list[str] | None = None  # their records file lines, once a group has had any
+    records: list[str | None] = []  # their records file lines (None: a row of a group whose records had no fields)
     with _bar(job, total=sum(f.size for g in groups for f in g), unit="B", unit_scale=True, desc="tokenizing") as bar:
         for files in groups:
             group = pack_group(
@@ -1007,15 +1007,12 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
             outcome.skipped += group.skipped
             outcome.tokenizer_sha256.add(group.tokenizer_sha256)
             outcome.record_fields.update(group.record_fields)
-            if group.records is not None or records is not None:
-                records = (records if records is not None else no_records(tokens, num_tokens)) + (
-                    group.records if group.records is not None else no_records(group.tokens, group.num_tokens)
-                )
+            records += group.records if group.records is not None else [None] * group.rows
             tokens, num_tokens = np.concatenate([tokens, group.tokens]), np.concatenate([num_tokens, group.num_tokens])
             while len(num_tokens) >= job.per_shard:
                 n = job.per_shard
-                _write_next_shard(job, outcome, tokens[:n], num_tokens[:n], records[:n] if records else None)
-                tokens, num_tokens, records = tokens[n:], num_tokens[n:], records[n:] if records else None
+                _write_next_shard(job, outcome, tokens[:n], num_tokens[:n], records[:n])
+                tokens, num_tokens, records = tokens[n:], num_tokens[n:], records[n:]
             bar.update(sum(f.size for f in files))
     if len(num_tokens):
         _write_next_shard(job, outcome, tokens, num_tokens, records)
@@ -1023,11 +1020,19 @@ def _run_here(job: _Job, groups: list[list[SourceFile]]) -> _Outcome:
 
 
 def _write_next_shard(
-    job: _Job, outcome: _Outcome, tokens: np.ndarray, num_tokens: np.ndarray, records: list[str] | None
+    job: _Job, outcome: _Outcome, tokens: np.ndarray, num_tokens: np.ndarray, records: list[str | None]
 ) -> None:
+    """Write the next shard; `records` a line a row, None for a row of a group without fields: the shard has a
+    records file when any row has a line (as on Ray, where a shard's parts each come from one group)."""
     index = len(outcome.shards)
     name = shard_name(job.run_id, index, job.fmt)
-    outcome.shards.append(write_shard(job.out, job.fmt, name, index * job.per_shard, [(tokens, num_tokens, records)]))
+    if all(line is None for line in records):
+        lines = None
+    else:
+        nulls = [i for i, line in enumerate(records) if line is None]
+        filled = dict(zip(nulls, no_records(tokens[nulls], num_tokens[nulls]))) if nulls else {}
+        lines = [filled.get(i, line) for i, line in enumerate(records)]
+    outcome.shards.append(write_shard(job.out, job.fmt, name, index * job.per_shard, [(tokens, num_tokens, lines)]))
 
 
 def _ray_executor(use_ray: bool | None, uris: list[str]) -> str | None:

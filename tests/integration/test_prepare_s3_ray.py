@@ -62,6 +62,8 @@ def comparable(manifest) -> dict:
     data = manifest.model_dump(exclude={"created_at", "run_id", "sources"})
     for shard in data["shards"]:
         shard.pop("file")
+        if shard["records"]:
+            shard["records"].pop("file")
     return data
 
 
@@ -87,6 +89,32 @@ def test_ray_and_local_runs_write_identical_shards_to_s3(ray_cluster, s3_root, c
         )
         got += [row[:n] for row, n in zip(rows.tokens, rows.num_tokens)]
     assert np.array_equal(np.concatenate(got), expected)
+
+
+def test_records_other_fields_on_ray_match_an_in_process_run(ray_cluster, s3_root, tmp_path, monkeypatch):
+    """A prompts dataset whose records carry other fields, in files some of which have none, tokenized by Ray tasks a
+    file each: the same shards and records files (by sha256) as in this process."""
+    import json
+
+    monkeypatch.setattr(prepare_module, "GROUP_BYTES", 1)
+    src = tmp_path / "prompts"
+    src.mkdir()
+    for f in range(5):
+        lines = []
+        for i in range(12):
+            record = {"prompt": f"file {f} question {i}: " + "x" * (i * 5 % 17), "answer": str(i)}
+            if f % 2 == 0 and i % 3:
+                record |= {"id": f"{f}-{i}", "tests": [i, i + 1]}
+            lines.append(json.dumps(record))
+        (src / f"{f}.jsonl").write_text("\n".join(lines) + "\n")
+    kw = {"seq_len": 64, "prompts": True, "shard_size_mb": 7 * 64 * 4 / 2**20, "progress": False}
+    on_ray = prepare([str(src)], f"{s3_root}/rec-ray", use_ray=True, **kw)
+    here = prepare([str(src)], f"{s3_root}/rec-local", use_ray=False, **kw)
+    assert on_ray.record_fields == ["id", "tests"] and len(on_ray.shards) > 3
+    assert any(s.records is None for s in here.shards) and any(s.records for s in here.shards)
+    assert comparable(on_ray) == comparable(here)
+    _, problems = inspect(f"{s3_root}/rec-ray", verify=True, progress=False)
+    assert problems == []
 
 
 def test_s3_sources_on_ray_match_the_same_files_on_local_disk(
