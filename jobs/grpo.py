@@ -315,6 +315,7 @@ class GrpoLoss:
     mask_truncated: bool = False  # completions cut without an eos left out of the loss (`mask_truncated_completions`)
     normalize: bool = False  # objective rloo: advantages standardised over the micro-batch (`normalize_advantages`)
     log_completions: int = 0  # completions a micro-batch keeps as `Rollout.samples` (`log_completions`)
+    sequence_ratio: bool = False  # GSPO: one policy ratio a completion (`importance_sampling_level: sequence`)
 
     @classmethod
     def of(cls, spec) -> "GrpoLoss":
@@ -338,6 +339,7 @@ class GrpoLoss:
             epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
             mask_truncated=g.mask_truncated_completions,
             log_completions=g.log_completions,
+            sequence_ratio=g.importance_sampling_level == "sequence",
         )
 
     @property
@@ -650,12 +652,18 @@ def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=
     completions for grpo and dr_grpo), and [the summed per-token KL (0 without a reference), tokens clipped below,
     tokens clipped above]. `logps`, `rows`: `token_logprobs`; `advantages` [rows]; `old_logps` the sampling policy's
     (None: the model is still that policy, its first update of the batch). TRL's clipped surrogate: with r =
-    exp(log pi - log pi_old), -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); r is 1 on the first update."""
+    exp(log pi - log pi_old), -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); r is 1 on the first update.
+    `loss.sequence_ratio` (GSPO, Zheng et al. 2025; TRL's importance_sampling_level "sequence"): every token of a
+    completion takes its completion's r, exp of the mean over its tokens of log pi - log pi_old."""
     import torch
 
     old = logps.detach() if old_logps is None else old_logps
     a = advantages[rows]
-    ratio = torch.exp(logps - old)
+    log_ratio = logps - old
+    if loss.sequence_ratio:  # (its gradient through every token of the completion, as TRL's)
+        counts = torch.bincount(rows, minlength=n_rows).clamp(min=1)
+        log_ratio = (sequence_sums(log_ratio, rows, n_rows) / counts)[rows]
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - loss.epsilon, 1 + loss.epsilon_high)
     per_token = -torch.minimum(ratio * a, clipped * a)
     low = ((ratio < 1 - loss.epsilon) & (a < 0)).sum()

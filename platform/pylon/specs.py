@@ -524,6 +524,13 @@ class GrpoSpec(_Spec):
     epsilon_high: float | None = Field(
         None, gt=0, description="the clip above 1: 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28); None: epsilon"
     )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="objective grpo: the policy ratio each token's clipped surrogate takes (TRL's "
+        "importance_sampling_level): token, its own; sequence (GSPO, Zheng et al. 2025), its completion's, the "
+        "geometric mean of its tokens' (exp of the mean log-ratio), clipped once for the whole completion; it "
+        "matters from the second update on a sampled batch (iterations > 1), when the ratios leave 1",
+    )
     mask_truncated_completions: bool = Field(
         False,
         description="leave out of the loss the completions cut at max_completion_tokens without an eos (TRL's "
@@ -775,6 +782,10 @@ class TrainJobSpec(_Spec):
                 if self.grpo.scale_rewards != "group":
                     problems.append(
                         ("grpo.scale_rewards", "scales objective grpo's advantages; rloo's: grpo.normalize_advantages")
+                    )
+                if self.grpo.importance_sampling_level != "token":
+                    problems.append(
+                        ("grpo.importance_sampling_level", "is objective grpo's; rloo's ratio is a completion's")
                     )
             elif self.grpo.normalize_advantages:
                 problems.append(

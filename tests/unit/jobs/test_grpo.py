@@ -267,6 +267,39 @@ def test_a_later_update_clips_the_policy_ratio_as_trl_does(kind) -> None:
     assert (lp.grad == 0).any()  # a clipped token: no gradient
 
 
+def test_a_sequence_level_ratio_is_gspos_as_trl_writes_it() -> None:
+    """`importance_sampling_level: sequence` (GSPO): each completion's tokens share one ratio, exp of the mean of their
+    log-ratios, clipped once; value and gradient as TRL's, and the spec refuses it for rloo."""
+    torch.manual_seed(2)
+    rows = torch.tensor([0, 0, 0, 1, 2, 2])
+    base, old = torch.randn(6) * 0.3, torch.randn(6) * 0.3
+    adv = torch.tensor([1.5, -0.5, -1.0])
+    loss = GrpoLoss(kind="grpo", epsilon=0.2, epsilon_high=0.28, sequence_ratio=True)
+    logps = base.clone().requires_grad_(True)
+    total, count, figures = grpo_losses(logps, rows, adv, loss, 3, None, old)
+    (total / count).backward()
+    lp = base.clone().requires_grad_(True)
+    mask = torch.zeros(3, 3)
+    cols = torch.tensor([0, 1, 2, 0, 0, 1])
+    mask[rows, cols] = 1.0
+    grid = torch.zeros(3, 3).index_put((rows, cols), lp - old)  # TRL's (batch, tokens) layout
+    log_w = ((grid * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.28)
+    per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    want = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()  # loss_type grpo
+    want.backward()
+    assert abs(float(total.detach() / count) - float(want)) < 1e-6
+    assert torch.allclose(logps.grad, lp.grad, atol=1e-6)
+    assert GrpoLoss.of(_spec(importance_sampling_level="sequence")).sequence_ratio
+    with pytest.raises(Exception, match="grpo.importance_sampling_level: is objective grpo's"):
+        TrainJobSpec.model_validate(
+            {"name": "r", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+             "objective": "rloo", "grpo": {"rewards": [{"function": "contains_answer"}],
+                                           "importance_sampling_level": "sequence"}}
+        )  # fmt: skip
+
+
 def test_token_logprobs_count_the_completion_tokens_only(tmp_path) -> None:
     model = _model()
     prompts = [np.array([72, 105]), np.array([65, 66, 67])]
