@@ -328,8 +328,8 @@ class GrpoLoss:
             top_k=g.top_k or 0,
             min_p=g.min_p or 0.0,
             repetition_penalty=g.repetition_penalty,
-            beta=g.beta,
-            kind="rloo" if spec.objective == "rloo" else g.loss,
+            beta=spec.dpo_beta if spec.objective == "online_dpo" else g.beta,
+            kind=spec.objective if spec.objective in ("rloo", "online_dpo") else g.loss,
             scale=g.scale_rewards,
             normalize=g.normalize_advantages,
             chunked=spec.loss_chunk_tokens > 0,
@@ -344,7 +344,11 @@ class GrpoLoss:
 
     @property
     def needs_reference(self) -> bool:
-        return self.beta > 0
+        return self.beta > 0  # (online_dpo's beta is dpo_beta's, > 0: its reference is DPO's)
+
+    @property
+    def online_dpo(self) -> bool:
+        return self.kind == "online_dpo"
 
     @property
     def rloo(self) -> bool:
@@ -583,6 +587,29 @@ def group_advantages(rewards: np.ndarray, generations: int, scale: str) -> np.nd
     return centred.reshape(-1)
 
 
+def pair_preferences(rewards: np.ndarray) -> np.ndarray:
+    """objective online_dpo: each prompt's two completions (consecutive) as a preference pair, +1 for the chosen
+    (the larger reward; the first on a tie, as TRL's ranking keeps it) and -1 for the rejected."""
+    pairs = rewards.reshape(-1, 2)
+    first = pairs[:, 0] >= pairs[:, 1]
+    return np.stack([np.where(first, 1.0, -1.0), np.where(first, -1.0, 1.0)], axis=1).reshape(-1)
+
+
+def online_dpo_losses(logps, rows, preferences, ref_logps, loss: GrpoLoss, n_rows: int):
+    """objective online_dpo (TRL's OnlineDPOTrainer, its sigmoid loss): the micro-batch's summed loss over its pairs,
+    their count, and [the summed per-token log pi - log ref, pairs whose chosen completion has the larger implicit
+    reward, the sum of the pairs' reward margins]. With r = beta (a completion's summed log pi - log ref), each pair's
+    -log sigmoid(r(chosen) - r(rejected)); `preferences` (`pair_preferences`) says which is which."""
+    import torch
+    import torch.nn.functional as F
+
+    r = loss.beta * (sequence_sums(logps, rows, n_rows) - sequence_sums(ref_logps, rows, n_rows))
+    margin = (preferences * r).view(-1, 2).sum(1)  # r(chosen) - r(rejected)
+    losses = -F.logsigmoid(margin)
+    figures = torch.stack([(logps - ref_logps).detach().sum(), (margin > 0).sum().float(), margin.detach().sum()])
+    return losses.sum(), int(margin.numel()), figures
+
+
 def leave_one_out_advantages(rewards: np.ndarray, generations: int, normalize: bool) -> np.ndarray:
     """RLOO's advantages: each reward less the mean of its group's other completions' (G / (G - 1) times its distance
     from the group's mean); with `normalize`, standardised over the micro-batch (mean 0, std 1; + 1e-4, TRL's)."""
@@ -802,6 +829,8 @@ def grpo_sample(
         reward = rewards.total(scores)
         if loss.rloo:  # the KL to the start is a cost in the reward (TRL's RLOO); the figures report the reward
             advantages = leave_one_out_advantages(reward - loss.beta * seq_kl, g, loss.normalize)
+        elif loss.online_dpo:
+            advantages = pair_preferences(reward)
         else:
             advantages = group_advantages(reward, g, loss.scale)
         group_std = reward.reshape(-1, g).std(axis=1, ddof=1)
@@ -879,6 +908,8 @@ def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None,
     if loss.rloo:
         old_seq = None if old is None else sequence_sums(old, rows, n_rows)
         loss_sum, count, figures = rloo_losses(logps, rows, rollout.advantages, loss, n_rows, old_seq)
+    elif loss.online_dpo:
+        loss_sum, count, figures = online_dpo_losses(logps, rows, rollout.advantages, ref, loss, n_rows)
     else:
         loss_sum, count, figures = grpo_losses(logps, rows, rollout.advantages, loss, n_rows, ref, old)
     if not rollout.completions:
@@ -931,9 +962,10 @@ def grpo_forward(
     return (*grpo_train(engine, module, rollout, loss, reference), rollout.sample_s)
 
 
-def grpo_record(sums: list[float], names: list[str], prefix: str = "") -> dict:
+def grpo_record(sums: list[float], names: list[str], prefix: str = "", online_dpo: bool = False) -> dict:
     """A step's (or with `prefix` "val_", an evaluation's) figures from `grpo_forward`'s stats summed over
-    micro-batches and ranks."""
+    micro-batches and ranks. `online_dpo`: its pairs' implicit reward accuracy and margin (in the clip figures'
+    places) instead of a clip ratio."""
     s = dict(zip(STAT_NAMES, sums))
     n = max(s["completions"], 1.0)
     k = len(names)
@@ -949,7 +981,11 @@ def grpo_record(sums: list[float], names: list[str], prefix: str = "") -> dict:
     }
     if s["kl_tokens"]:
         record[f"{p}kl"] = s["kl"] / s["kl_tokens"]
-    if s["policy_tokens"]:  # the share of tokens whose ratio the clip held (TRL's clip_ratio; 0 on a first update)
+    if online_dpo:  # (TRL's rewards/accuracies and rewards/margins, over the pairs)
+        pairs = max(s["completions"] / 2, 1.0)
+        record[f"{prefix}online_dpo_reward_accuracy"] = s["clipped_low"] / pairs
+        record[f"{prefix}online_dpo_reward_margin"] = s["clipped_high"] / pairs
+    elif s["policy_tokens"]:  # the share of tokens whose ratio the clip held (TRL's clip_ratio; 0 on a first update)
         record[f"{p}clip_ratio"] = (s["clipped_low"] + s["clipped_high"]) / s["policy_tokens"]
     for name, total, count in zip(names, func_sums, func_counts):
         record[f"{p}rewards.{name}"] = total / count if count else None

@@ -417,7 +417,7 @@ SMOOTHED_DPO_LOSSES = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
 
 
 # The objectives that sample completions of prompts and learn from their rewards (pylon.jobs.grpo; the `grpo` block)
-RL_OBJECTIVES = ("grpo", "rloo")
+RL_OBJECTIVES = ("grpo", "rloo", "online_dpo")
 # objective grpo's built-in reward functions (pylon.jobs.grpo.BUILT_IN_REWARDS; a `module:function` path names another)
 GRPO_REWARDS = ("exact_match", "contains_answer", "last_number_match")
 _REWARD_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -467,7 +467,7 @@ class RewardFunctionSpec(_Spec):
 
 
 class GrpoSpec(_Spec):
-    """objective grpo's and rloo's settings (TRL's GRPOConfig and RLOOConfig)."""
+    """objective grpo's, rloo's and online_dpo's settings (TRL's GRPOConfig, RLOOConfig and OnlineDPOConfig)."""
 
     rewards: list[RewardFunctionSpec] = Field(
         min_length=1, description="the reward functions; a completion's reward is their weighted sum"
@@ -592,7 +592,7 @@ class TrainJobSpec(_Spec):
         "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
         "0: the whole micro-batch at once",
     )
-    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "kto", "grpo", "rloo"] = Field(
+    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "kto", "grpo", "rloo", "online_dpo"] = Field(
         "causal_lm",
         description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); on a dataset "
         "prepared with --preference, each pair's chosen completion over its rejected one: dpo, direct preference "
@@ -610,10 +610,12 @@ class TrainJobSpec(_Spec):
         "record's completion (its answer), and each reinforced by its reward against its group's; rloo, REINFORCE "
         "leave-one-out (TRL's RLOOTrainer) with the same sampling and rewards: each completion's reward, less beta "
         "times its KL to the start (summed over its tokens), against the mean of its group's other completions, and "
-        "one clipped ratio per completion (its tokens' summed log-probabilities)",
+        "one clipped ratio per completion (its tokens' summed log-probabilities); online_dpo (TRL's "
+        "OnlineDPOTrainer) with the same sampling and rewards: each prompt's two completions a preference pair, the "
+        "better-rewarded chosen, trained with DPO's loss against the reference (dpo_beta its beta)",
     )
     grpo: GrpoSpec | None = Field(
-        None, description="objectives grpo and rloo: their reward functions, sampling and loss"
+        None, description="objectives grpo, rloo and online_dpo: their reward functions, sampling and loss"
     )
     dpo_beta: float = Field(
         0.1,
@@ -787,6 +789,19 @@ class TrainJobSpec(_Spec):
                     problems.append(
                         ("grpo.importance_sampling_level", "is objective grpo's; rloo's ratio is a completion's")
                     )
+            elif objective == "online_dpo":
+                g = self.grpo
+                for name, value, want, why in (
+                    ("generations", g.generations, 2, "samples a pair a prompt"),
+                    ("beta", g.beta, 0.0, "takes dpo_beta as its beta"),
+                    ("iterations", g.iterations, 1, "trains once on each sampled pair"),
+                    ("loss", g.loss, "dapo", "has DPO's loss"),
+                    ("scale_rewards", g.scale_rewards, "group", "prefers by reward: no advantages to scale"),
+                    ("importance_sampling_level", g.importance_sampling_level, "token", "has no policy ratio"),
+                    ("normalize_advantages", g.normalize_advantages, False, "has no advantages"),
+                ):
+                    if value != want:
+                        problems.append((f"grpo.{name}", f"must be {want!r}: objective online_dpo {why}"))
             elif self.grpo.normalize_advantages:
                 problems.append(
                     ("grpo.normalize_advantages", "is objective rloo's; grpo's advantages: grpo.scale_rewards")

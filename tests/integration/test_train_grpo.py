@@ -154,3 +154,24 @@ def test_an_rloo_run_learns_with_its_kl_in_the_reward(ray_cluster, tmp_path, mon
     (evaluation,) = evals
     assert evaluation["val_grpo_completions"] == 2 and "val_grpo_reward" in evaluation
     assert (tmp_path / "runs" / "rloo" / "export" / "config.json").exists()
+
+
+@pytest.mark.slow  # (make test-all: tests/unit/jobs/test_grpo.py checks its loss against TRL's and that it learns)
+def test_an_online_dpo_run_learns_what_its_reward_prefers(ray_cluster, tmp_path, monkeypatch):
+    """objective online_dpo on the same prompts and rewards: two workers at ZeRO-3 with LoRA (the reference: the
+    adapters disabled), each prompt's two completions a pair, the better-rewarded chosen. The reward and the pairs'
+    implicit reward accuracy rise."""
+    spec = _grpo_spec(tmp_path, monkeypatch, name="online-dpo")
+    spec["objective"] = "online_dpo"
+    spec["dpo_beta"] = 0.1
+    spec["grpo"] = {**spec["grpo"], "generations": 2, "beta": 0.0}
+    spec["steps"], spec["eval"], spec["checkpoint"]["every_steps"] = 24, {"every_steps": 24}, 24
+    logs, steps, evals = _run(spec)
+    rewards = [round(r["grpo_reward"], 3) for r in steps]
+    print("online_dpo: rewards by step", rewards)
+    print("online_dpo: step 24", {k: v for k, v in steps[-1].items() if "dpo" in k or k.startswith("grpo")})
+    assert steps[0]["grpo_completions"] == 8 and steps[0]["online_dpo_reward_margin"] == 0.0  # 2 x 2 prompts x 2
+    early, late = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    assert late > early + 0.2 and steps[-1]["online_dpo_reward_accuracy"] >= 0.5, rewards
+    (evaluation,) = evals
+    assert "val_grpo_reward" in evaluation and (tmp_path / "runs" / "online-dpo" / "export" / "config.json").exists()

@@ -418,7 +418,7 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         if spec.attention_mask == "auto":
             notes.append("attention_mask auto planned as causal (a chat dataset would attend each document apart)")
     rl = spec.objective in RL_OBJECTIVES
-    referenced = spec.objective in ("dpo", "kto") or (rl and spec.grpo.beta > 0)
+    referenced = spec.objective in ("dpo", "kto", "online_dpo") or (rl and spec.grpo.beta > 0)
     reference = "none" if not referenced else "adapters" if spec.lora else "copy"
     if spec.precompute_reference:  # read once before the first step: no copy held, no pass a step
         reference = "none"

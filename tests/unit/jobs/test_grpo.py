@@ -300,6 +300,40 @@ def test_a_sequence_level_ratio_is_gspos_as_trl_writes_it() -> None:
         )  # fmt: skip
 
 
+def test_online_dpo_prefers_the_better_rewarded_completion_with_dpos_loss_as_trl_writes_it() -> None:
+    """objective online_dpo: each prompt's two completions a pair, the larger reward chosen (the first on a tie), and
+    TRL's sigmoid loss on the pair's implicit rewards beta (log pi - log ref), value and gradient; the spec asks for
+    two generations and takes dpo_beta."""
+    from pylon.jobs.grpo import online_dpo_losses, pair_preferences
+
+    assert pair_preferences(np.array([0.2, 0.9, 1.0, 1.0, 3.0, -1.0])).tolist() == [-1, 1, 1, -1, 1, -1]
+    torch.manual_seed(3)
+    rows = torch.tensor([0, 0, 1, 2, 2, 2, 3])
+    base, ref = torch.randn(7), torch.randn(7)
+    prefs = torch.tensor([-1.0, 1.0, 1.0, -1.0])  # pair 0: completion 1 chosen; pair 1: completion 2 chosen
+    loss = GrpoLoss(kind="online_dpo", beta=0.3, generations=2)
+    logps = base.clone().requires_grad_(True)
+    total, count, figures = online_dpo_losses(logps, rows, prefs, ref, loss, 4)
+    (total / count).backward()
+    lp = base.clone().requires_grad_(True)
+    seq = torch.zeros(4).index_add(0, rows, lp)
+    ref_seq = torch.zeros(4).index_add(0, rows, ref)
+    chosen, rejected = torch.tensor([1, 2]), torch.tensor([0, 3])
+    logits = (seq[chosen] - seq[rejected]) - (ref_seq[chosen] - ref_seq[rejected])  # TRL's
+    want = -torch.nn.functional.logsigmoid(0.3 * logits)
+    want.mean().backward()
+    assert count == 2 and abs(float(total.detach()) / 2 - float(want.mean())) < 1e-6
+    assert torch.allclose(logps.grad, lp.grad, atol=1e-6)
+    assert figures[1] == float((logits > 0).sum()) and abs(float(figures[2]) - float(0.3 * logits.sum())) < 1e-5
+    spec = _spec(generations=2).model_copy(update={"objective": "online_dpo", "dpo_beta": 0.2})
+    assert GrpoLoss.of(spec).online_dpo and GrpoLoss.of(spec).beta == 0.2 and GrpoLoss.of(spec).needs_reference
+    with pytest.raises(Exception, match="grpo.generations: must be 2: objective online_dpo samples a pair a prompt"):
+        TrainJobSpec.model_validate(
+            {"name": "o", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+             "objective": "online_dpo", "grpo": {"rewards": [{"function": "contains_answer"}]}}
+        )  # fmt: skip
+
+
 def test_token_logprobs_count_the_completion_tokens_only(tmp_path) -> None:
     model = _model()
     prompts = [np.array([72, 105]), np.array([65, 66, 67])]
@@ -556,6 +590,48 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, it
     assert (float(loss_t), count, tokens, stats[0]) == (0.0, 0, 0, 0.0)
     engine.backward(_global_mean_loss(loss_t, count, 1)[0])  # (the step still runs, on every rank)
     engine.step()
+
+
+def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distributed) -> None:  # noqa: F811
+    """objective online_dpo through DeepSpeed (ZeRO-2), against a frozen copy of the start, as the trainer's loop runs
+    it: the pairs' implicit reward accuracy and the completions' reward rise."""
+    import deepspeed
+
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.jobs.dpo import frozen_reference
+    from pylon.jobs.train import _global_mean_loss
+    from pylon.models import build_model
+
+    records = [{"prompt": f"Say a{'!' * i}: ", "completion": "a"} for i in range(4)]
+    batch, _ = _batch(tmp_path, records)
+    spec = TrainJobSpec.model_validate(
+        {"name": "o", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+         "objective": "online_dpo", "dpo_beta": 0.1,
+         "grpo": {"rewards": [{"function": "contains_answer"}], "generations": 2, "max_completion_tokens": 8},
+         "optim": {"lr": 3e-3, "warmup_steps": 0, "schedule": "constant"}}
+    )  # fmt: skip
+    ds_config = build_deepspeed_config(spec, world_size=1)
+    built = {"vocab_size": 258, "eos_id": EOS, "pad_id": PAD, "seed": 0}
+    model = build_model(spec, deepspeed_config=ds_config, **built)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
+    reference = frozen_reference(spec, ds_config, **built, device=None, dtype=torch.float32)
+    loss = GrpoLoss.of(spec)
+    rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
+    figures = []
+    for step in range(60):
+        rollout = grpo_sample(engine, batch, loss, rewards, tok, eos_id=EOS, pad_id=PAD,
+                              seed=sample_seed(0, step, 0, 0))  # fmt: skip
+        loss_t, count, _, stats = grpo_train(engine, engine.module, rollout, loss, reference)
+        assert count == 4  # (one pair a prompt)
+        engine.backward(_global_mean_loss(loss_t, count, 1)[0])
+        engine.step()
+        figures.append(grpo_record(stats, rewards.names, online_dpo=True))
+    assert figures[0]["online_dpo_reward_margin"] == 0.0 and "grpo_clip_ratio" not in figures[0]
+    first = np.mean([f["grpo_reward"] for f in figures[:10]])
+    last = np.mean([f["grpo_reward"] for f in figures[-10:]])
+    accuracy = np.mean([f["online_dpo_reward_accuracy"] for f in figures[-10:]])
+    assert last > first + 0.2 and accuracy > 0.5, (first, last, accuracy, [round(f["grpo_reward"], 2) for f in figures])
 
 
 def test_a_grpo_runs_plot_is_its_reward_and_its_evaluation_line_says_the_greedy_reward() -> None:

@@ -312,6 +312,10 @@ def test_grpo_plans_each_row_as_its_completions_and_a_reference_only_with_a_kl_t
     rloo, rloo_notes = train_workload(_train(objective="rloo", grpo=beta, data={"uri": "/x", "seq_len": 1024}))
     assert (rloo.rollouts, rloo.seq_len, rloo.reference) == (4, 1024 + 512, "copy")
     assert any("objective rloo planned as 4 sequences" in n for n in rloo_notes)
+    # objective online_dpo: a pair a prompt, and DPO's reference whatever grpo.beta (it must be 0: dpo_beta is its)
+    pair = {**grpo, "generations": 2}
+    online = train_workload(_train(objective="online_dpo", grpo=pair, data={"uri": "/x", "seq_len": 1024}))[0]
+    assert (online.rollouts, online.seq_len, online.reference) == (2, 1024 + 512, "copy")
     # sampling's peak: the completions' KV cache, and at ZeRO-3 the whole model gathered (the default), when larger
     from pylon.plan.memory import kv_bytes_per_token
 
