@@ -588,26 +588,31 @@ def group_advantages(rewards: np.ndarray, generations: int, scale: str) -> np.nd
 
 
 def pair_preferences(rewards: np.ndarray) -> np.ndarray:
-    """objective online_dpo: each prompt's two completions (consecutive) as a preference pair, +1 for the chosen
-    (the larger reward; the first on a tie, as TRL's ranking keeps it) and -1 for the rejected."""
+    """objective online_dpo: each prompt's two completions (consecutive) as a preference pair, +1 for the chosen (the
+    larger reward) and -1 for the rejected; 0 for both of a pair that scored alike, which prefers nothing (TRL takes
+    the first as chosen there, a preference the rewards never stated: noise the model would learn)."""
     pairs = rewards.reshape(-1, 2)
-    first = pairs[:, 0] >= pairs[:, 1]
-    return np.stack([np.where(first, 1.0, -1.0), np.where(first, -1.0, 1.0)], axis=1).reshape(-1)
+    sign = np.sign(pairs[:, 0] - pairs[:, 1])
+    return np.stack([sign, -sign], axis=1).reshape(-1)
 
 
 def online_dpo_losses(logps, rows, preferences, ref_logps, loss: GrpoLoss, n_rows: int):
-    """objective online_dpo (TRL's OnlineDPOTrainer, its sigmoid loss): the micro-batch's summed loss over its pairs,
-    their count, and [the summed per-token log pi - log ref, pairs whose chosen completion has the larger implicit
-    reward, the sum of the pairs' reward margins]. With r = beta (a completion's summed log pi - log ref), each pair's
-    -log sigmoid(r(chosen) - r(rejected)); `preferences` (`pair_preferences`) says which is which."""
+    """objective online_dpo (TRL's OnlineDPOTrainer, its sigmoid loss): the micro-batch's summed loss over its pairs
+    that prefer one completion (`preferences`, `pair_preferences`: a tied pair prefers none and is left out), their
+    count, and [the summed per-token log pi - log ref, pairs whose chosen completion has the larger implicit reward,
+    the sum of the pairs' reward margins]. With r = beta (a completion's summed log pi - log ref), each pair's
+    -log sigmoid(r(chosen) - r(rejected))."""
     import torch
     import torch.nn.functional as F
 
     r = loss.beta * (sequence_sums(logps, rows, n_rows) - sequence_sums(ref_logps, rows, n_rows))
     margin = (preferences * r).view(-1, 2).sum(1)  # r(chosen) - r(rejected)
-    losses = -F.logsigmoid(margin)
-    figures = torch.stack([(logps - ref_logps).detach().sum(), (margin > 0).sum().float(), margin.detach().sum()])
-    return losses.sum(), int(margin.numel()), figures
+    preferring = preferences.view(-1, 2)[:, 0] != 0
+    losses = -F.logsigmoid(margin[preferring])
+    figures = torch.stack(
+        [(logps - ref_logps).detach().sum(), (margin[preferring] > 0).sum().float(), margin[preferring].detach().sum()]
+    )
+    return losses.sum(), int(preferring.sum()), figures
 
 
 def leave_one_out_advantages(rewards: np.ndarray, generations: int, normalize: bool) -> np.ndarray:
@@ -981,8 +986,8 @@ def grpo_record(sums: list[float], names: list[str], prefix: str = "", online_dp
     }
     if s["kl_tokens"]:
         record[f"{p}kl"] = s["kl"] / s["kl_tokens"]
-    if online_dpo:  # (TRL's rewards/accuracies and rewards/margins, over the pairs)
-        pairs = max(s["completions"] / 2, 1.0)
+    if online_dpo:  # (TRL's rewards/accuracies and rewards/margins, over the pairs that prefer one completion)
+        pairs = max(s["groups"] - s["zero_std_groups"], 1.0)
         record[f"{prefix}online_dpo_reward_accuracy"] = s["clipped_low"] / pairs
         record[f"{prefix}online_dpo_reward_margin"] = s["clipped_high"] / pairs
     elif s["policy_tokens"]:  # the share of tokens whose ratio the clip held (TRL's clip_ratio; 0 on a first update)

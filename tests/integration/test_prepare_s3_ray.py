@@ -103,7 +103,7 @@ def test_records_other_fields_on_ray_match_an_in_process_run(ray_cluster, s3_roo
         lines = []
         for i in range(12):
             record = {"prompt": f"file {f} question {i}: " + "x" * (i * 5 % 17), "answer": str(i)}
-            if f % 2 == 0 and i % 3:
+            if f in (0, 4) and i % 3:  # (files 1-3 have none: a shard of their rows alone has no records file)
                 record |= {"id": f"{f}-{i}", "tests": [i, i + 1]}
             lines.append(json.dumps(record))
         (src / f"{f}.jsonl").write_text("\n".join(lines) + "\n")

@@ -306,11 +306,13 @@ def test_online_dpo_prefers_the_better_rewarded_completion_with_dpos_loss_as_trl
     two generations and takes dpo_beta."""
     from pylon.jobs.grpo import online_dpo_losses, pair_preferences
 
-    assert pair_preferences(np.array([0.2, 0.9, 1.0, 1.0, 3.0, -1.0])).tolist() == [-1, 1, 1, -1, 1, -1]
+    assert pair_preferences(np.array([0.2, 0.9, 1.0, 1.0, 3.0, -1.0])).tolist() == [-1, 1, 0, 0, 1, -1]
     torch.manual_seed(3)
     rows = torch.tensor([0, 0, 1, 2, 2, 2, 3])
     base, ref = torch.randn(7), torch.randn(7)
     prefs = torch.tensor([-1.0, 1.0, 1.0, -1.0])  # pair 0: completion 1 chosen; pair 1: completion 2 chosen
+    tied = online_dpo_losses(base, rows, torch.tensor([0.0, 0.0, 1.0, -1.0]), ref, GrpoLoss(beta=0.3), 4)
+    assert tied[1] == 1  # (a tied pair prefers nothing: left out)
     loss = GrpoLoss(kind="online_dpo", beta=0.3, generations=2)
     logps = base.clone().requires_grad_(True)
     total, count, figures = online_dpo_losses(logps, rows, prefs, ref, loss, 4)
@@ -623,14 +625,15 @@ def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distribute
         rollout = grpo_sample(engine, batch, loss, rewards, tok, eos_id=EOS, pad_id=PAD,
                               seed=sample_seed(0, step, 0, 0))  # fmt: skip
         loss_t, count, _, stats = grpo_train(engine, engine.module, rollout, loss, reference)
-        assert count == 4  # (one pair a prompt)
+        assert count <= 4  # (one pair a prompt; a tied one left out)
         engine.backward(_global_mean_loss(loss_t, count, 1)[0])
         engine.step()
         figures.append(grpo_record(stats, rewards.names, online_dpo=True))
     assert figures[0]["online_dpo_reward_margin"] == 0.0 and "grpo_clip_ratio" not in figures[0]
     first = np.mean([f["grpo_reward"] for f in figures[:10]])
     last = np.mean([f["grpo_reward"] for f in figures[-10:]])
-    accuracy = np.mean([f["online_dpo_reward_accuracy"] for f in figures[-10:]])
+    # (the pairs' accuracy where any pair prefers: once every completion says "a", every pair ties)
+    accuracy = np.mean([f["online_dpo_reward_accuracy"] for f in figures[20:] if f["grpo_zero_std_groups"] < 1])
     assert last > first + 0.2 and accuracy > 0.5, (first, last, accuracy, [round(f["grpo_reward"], 2) for f in figures])
 
 
