@@ -84,7 +84,8 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
             f"data.seq_len is {spec.data.seq_len} but {spec.data.uri} was prepared with seq_len {manifest.seq_len}"
         )
     separate_documents(spec.attention_mask, manifest, f"data.uri {spec.data.uri}")
-    check_objective(spec, manifest)
+    for note in check_objective(spec, manifest):
+        print(note, flush=True)
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
     from pylon.jobs.ledger import LEDGER_FILE, SessionRecorder
 
@@ -203,10 +204,11 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
     storage.atomic_write_json(uri, {"spec": now, "tokenizer": tokenizer, "updated_at": time.time()})
 
 
-def check_objective(spec: TrainJobSpec, manifest, labels: bool = True) -> None:
+def check_objective(spec: TrainJobSpec, manifest, labels: bool = True) -> list[str]:
     """The preference objectives (dpo, simpo, orpo, reward) train on preference pairs, kto on labelled
     prompt-completion records (with `labels`, every label read and checked here: the driver's check, before workers
-    start), grpo and rloo on prompts: a PylonError naming data.uri for a dataset of anything else."""
+    start), grpo and rloo on prompts: a PylonError naming data.uri for a dataset of anything else. Returns what the
+    job's log should say of the data (kto's balance of labels)."""
     if spec.objective in PREFERENCE_OBJECTIVES and not manifest.preference:
         raise PylonError(
             f"objective {spec.objective}: data.uri {spec.data.uri} holds no preference pairs; prepare JSONL of prompt, "
@@ -236,7 +238,7 @@ def check_objective(spec: TrainJobSpec, manifest, labels: bool = True) -> None:
             )
         check_rewards(spec, manifest)
     if spec.objective == "kto":
-        from pylon.jobs.kto import label_counts
+        from pylon.jobs.kto import KtoLoss, balance_note, label_counts
 
         if not manifest.prompt_completion or manifest.preference or manifest.prompts or not manifest.document_starts:
             held = "preference pairs" if manifest.preference else "prompts" if manifest.prompts else "other data"
@@ -246,13 +248,14 @@ def check_objective(spec: TrainJobSpec, manifest, labels: bool = True) -> None:
                 "prepare --prompt-completion`"
             )
         if labels:
-            label_counts(spec.data.uri, manifest)
+            return [balance_note(*label_counts(spec.data.uri, manifest), KtoLoss.of(spec))]
     if spec.objective == "reward" and manifest.preference_format == "mixed":
         raise PylonError(
             f"objective reward: data.uri {spec.data.uri} holds pairs given both as text and as conversations, which a "
             "reward model reads at different tokens (a text completion before the eos prepare appends, a "
             "conversation at its template's last token); prepare them in one format"
         )
+    return []
 
 
 def check_completion_room(config, seq_len: int, max_tokens: int) -> None:
@@ -285,7 +288,7 @@ def train_loop(config: dict) -> None:
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.jobs.dpo import DpoLoss, RunningMean, dpo_forward, dpo_record, frozen_reference
     from pylon.jobs.grpo import GrpoEvaluation, GrpoLoss, Rewards, grpo_record, grpo_sample, grpo_train, sample_seed
-    from pylon.jobs.kto import KtoLoss, balance_note, kto_forward, kto_record, label_counts
+    from pylon.jobs.kto import KtoLoss, kto_forward, kto_record
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
@@ -328,13 +331,11 @@ def train_loop(config: dict) -> None:
         )
     tok = stream.manifest.tokenizer
     documents = separate_documents(spec.attention_mask, stream.manifest, f"data.uri {spec.data.uri}")
-    check_objective(spec, stream.manifest, labels=False)  # (read by the driver; rank 0 counts them below)
+    check_objective(spec, stream.manifest, labels=False)  # (the labels: read and counted by the driver)
     dpo = spec.objective in PREFERENCE_OBJECTIVES  # dpo, simpo, orpo, reward (pylon.jobs.dpo)
     dpo_loss = DpoLoss.of(spec, stream.manifest)
     # objective kto (pylon.jobs.kto): unpaired completions, each labelled desirable or not in its record
     kto = KtoLoss.of(spec) if spec.objective == "kto" else None
-    if kto is not None and rank == 0:
-        print(balance_note(*label_counts(spec.data.uri, stream.manifest), kto), flush=True)
     # objective grpo (pylon.jobs.grpo): completions sampled by the model, scored by the reward functions (decoded text)
     grpo = GrpoLoss.of(spec) if spec.objective in RL_OBJECTIVES else None
     rewards = Rewards(spec.grpo.rewards, stream.manifest.record_fields) if grpo is not None else None

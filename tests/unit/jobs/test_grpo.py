@@ -71,6 +71,26 @@ def _model(seed: int = 0, preset: str = "llama-tiny"):
     return build_model(_spec(preset), vocab_size=258, eos_id=EOS, pad_id=PAD, seed=seed).eval()
 
 
+def deepspeed_start(spec: TrainJobSpec):
+    """(model, DeepSpeed engine, reference) for `spec` on the byte tokenizer, as the trainer starts them in this
+    process (`distributed`'s one-process world): the reference None with lora (its adapters disabled), else a frozen
+    copy of the start."""
+    import deepspeed
+
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.jobs.dpo import frozen_reference
+    from pylon.models import build_model
+
+    ds_config = build_deepspeed_config(spec, world_size=1)
+    built = {"vocab_size": 258, "eos_id": EOS, "pad_id": PAD, "seed": 0}
+    model = build_model(spec, deepspeed_config=ds_config, **built)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+    )
+    reference = None if spec.lora else frozen_reference(spec, ds_config, **built, device=None, dtype=torch.float32)
+    return model, engine, reference
+
+
 def test_each_document_is_a_prompt_and_its_completion_the_answer(tmp_path) -> None:
     batch, _ = _batch(tmp_path)
     found = sorted(
@@ -535,13 +555,9 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, it
     """Through DeepSpeed (ZeRO-2) in this process, as the trainer's loop runs it: prompts whose answer is "a",
     rewarded when a completion contains it. The reward rises; with beta, against a frozen copy (full fine-tuning) or
     the adapters disabled (LoRA); with two updates on each sampled batch, the second's ratios clipped."""
-    import deepspeed
 
     from pylon.data.tokenizer import load_tokenizer
-    from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.jobs.dpo import frozen_reference
     from pylon.jobs.train import _global_mean_loss
-    from pylon.models import build_model
 
     records = [{"prompt": f"Say a{'!' * i}: ", "completion": "a"} for i in range(4)]
     batch, _ = _batch(tmp_path, records)
@@ -553,13 +569,7 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, it
          **({"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]}} if lora
             else {})}
     )  # fmt: skip
-    ds_config = build_deepspeed_config(spec, world_size=1)
-    built = {"vocab_size": 258, "eos_id": EOS, "pad_id": PAD, "seed": 0}
-    model = build_model(spec, deepspeed_config=ds_config, **built)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
-    )
-    reference = None if lora else frozen_reference(spec, ds_config, **built, device=None, dtype=torch.float32)
+    model, engine, reference = deepspeed_start(spec)
     loss = GrpoLoss.of(spec)
     rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
     figures = []
@@ -597,13 +607,9 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, it
 def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distributed) -> None:  # noqa: F811
     """objective online_dpo through DeepSpeed (ZeRO-2), against a frozen copy of the start, as the trainer's loop runs
     it: the pairs' implicit reward accuracy and the completions' reward rise."""
-    import deepspeed
 
     from pylon.data.tokenizer import load_tokenizer
-    from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.jobs.dpo import frozen_reference
     from pylon.jobs.train import _global_mean_loss
-    from pylon.models import build_model
 
     records = [{"prompt": f"Say a{'!' * i}: ", "completion": "a"} for i in range(4)]
     batch, _ = _batch(tmp_path, records)
@@ -613,11 +619,7 @@ def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distribute
          "grpo": {"rewards": [{"function": "contains_answer"}], "generations": 2, "max_completion_tokens": 8},
          "optim": {"lr": 3e-3, "warmup_steps": 0, "schedule": "constant"}}
     )  # fmt: skip
-    ds_config = build_deepspeed_config(spec, world_size=1)
-    built = {"vocab_size": 258, "eos_id": EOS, "pad_id": PAD, "seed": 0}
-    model = build_model(spec, deepspeed_config=ds_config, **built)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
-    reference = frozen_reference(spec, ds_config, **built, device=None, dtype=torch.float32)
+    _, engine, reference = deepspeed_start(spec)
     loss = GrpoLoss.of(spec)
     rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
     figures = []

@@ -114,7 +114,8 @@ def test_labels_are_read_from_the_records_and_checked_before_workers_start(tmp_p
     assert "= 0.20, outside the KTO paper's 1 to 4/3: set kto_undesirable_weight to 0.15-0.20" in note
     assert "no undesirable completion" in balance_note(4, 0, KtoLoss())
     spec = _spec().model_copy(update={"data": _spec().data.model_copy(update={"uri": out})})
-    check_objective(spec, manifest)
+    assert check_objective(spec, manifest) == [balance_note(3, 3, KtoLoss.of(spec))]  # (the driver prints it)
+    assert check_objective(spec, manifest, labels=False) == []  # (a worker's: the driver read them)
     for bad, message in [
         ({"prompt": "q ", "completion": "a"}, r"row 0, document 1: no label; objective kto needs each record's label"),
         ({"prompt": "q ", "completion": "a", "label": "yes"}, r"row 0, document 1: label 'yes'"),
@@ -175,23 +176,13 @@ def test_a_model_learns_to_prefer_the_desirable_completions(tmp_path, distribute
     """Through DeepSpeed (ZeRO-2), against a frozen copy of the start (full fine-tuning) or the adapters disabled
     (LoRA): the desirable completions' rewards rise above the undesirable ones', the loss falls below its start's
     w / 2, and the reference does not move."""
-    import deepspeed
-
-    from pylon.jobs.deepspeed_config import build_deepspeed_config
-    from pylon.jobs.dpo import frozen_reference
-    from pylon.models import build_model
+    from test_grpo import deepspeed_start
 
     out, batch = _prepared(tmp_path)
     inputs = batch.to_torch(PAD, documents=True)
     extra = {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "lm_head"]}} if lora else {}
     spec = _spec(**extra, dpo_beta=BETA)
-    ds_config = build_deepspeed_config(spec, world_size=1)
-    built = {"vocab_size": 258, "eos_id": EOS, "pad_id": PAD, "seed": 0}
-    model = build_model(spec, deepspeed_config=ds_config, **built)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
-    )
-    reference = None if lora else frozen_reference(spec, ds_config, **built, device=None, dtype=torch.float32)
+    model, engine, reference = deepspeed_start(spec)
     loss_setting = KtoLoss.of(spec)
     figures = []
     for _ in range(12):
