@@ -995,6 +995,22 @@ class LLMEngine:
                     reasons[out.request_id] = out.finish_reason
         return [Completion(i, "".join(texts[i]), tokens[i], reasons[i]) for i in ids]
 
+    def load_weights(self, weights) -> int:
+        """Compute with new weights from the next request on: (name, tensor) pairs for every weight of the model,
+        named as its checkpoint names them (`ModelRunner.load_weights`), and the prefix cache forgotten (its blocks
+        hold the old weights' keys and values). Only between requests: a PylonError while any is unfinished. What a
+        trainer calls to sample from the policy it is training (TRL's colocated vLLM: `pylon.jobs.rollout`)."""
+        if self.has_unfinished():
+            raise PylonError("load_weights: the engine has unfinished requests; finish or abort them first")
+        if self.encoder or self.drafter is not None:
+            raise PylonError("load_weights: an encoder or an engine with a draft model cannot take new weights")
+        taken = self.runner.load_weights(weights)
+        self.pool.forget_cached()
+        if self.snapshots is not None:
+            self.snapshots = StateSnapshots(self.spec.recurrent_state_snapshots)
+            self.scheduler.snapshots = self.snapshots
+        return taken
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),

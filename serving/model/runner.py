@@ -282,6 +282,17 @@ class _GPT2Weights:
         return cls(gpt.wte.weight, gpt.wpe.weight, layers, ln(gpt.ln_f))
 
 
+_GPT2_PROJECTIONS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # `_GPT2Layer`'s four, in its order
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape: tuple) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise PylonError(
+            f"weight {name}: shape {list(tensor.shape)}, but the engine's model has {list(shape)}; give the weights "
+            "of the model it was loaded from"
+        )
+
+
 def _decoder_layers(model) -> torch.nn.ModuleList:
     """A Llama-like causal LM's decoder layers (`model.layers`), OPT's (`model.decoder.layers`) or GPT-NeoX's
     (`gpt_neox.layers`)."""
@@ -883,6 +894,103 @@ class ModelRunner:
         if isinstance(features, torch.Tensor):
             return features.reshape(-1, hidden)
         return torch.cat([f.reshape(-1, hidden) for f in features])
+
+    def fixed_weights(self) -> str | None:
+        """Why this runner's weights cannot be replaced by `load_weights` (weights transformed at load into a form
+        other than the checkpoint's), or None when they can."""
+        if self.quantization != "none":
+            return f"its projections are quantized ({self.quantization}) at load"
+        if self._mla is not None:
+            return "its latent attention's kv_b_proj is absorbed into the queries and outputs at load"
+        if self.moe_layers:
+            return "its experts are regrouped at load (pylon.serving.model.moe)"
+        if self.classifier is not None or self.vision is not None:
+            return "it is a classifier or keeps a vision tower"
+        if self.adapter_set is not None:
+            return "it serves LoRA adapters (engine.adapters)"
+        return None
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> int:
+        """Replace the model's weights by `weights`, (name, tensor) pairs named as the checkpoint names them (a
+        `*ForCausalLM`'s `state_dict` keys: `model.layers.0.self_attn.q_proj.weight`...), in any dtype and on any
+        device: each copied into the runner's own storage, in place (CUDA graphs keep reading it), a projection
+        reordered for oneDNN packed again. Every weight of the model must be given (tied ones once); a name the
+        model does not have, a shape that differs, or a weight left out is a PylonError naming it. Returns how many
+        tensors were taken. vLLM's `load_weights`, which TRL calls to sync a policy into a colocated engine."""
+        why = self.fixed_weights()
+        if why is not None:
+            raise PylonError(f"model ({self.model_type}): its weights cannot be replaced: {why}")
+        renames = {
+            "llama4_text": ((".feed_forward.", ".mlp."),),
+            "apertus": (
+                (".attention_layernorm.", ".input_layernorm."),
+                (".feedforward_layernorm.", ".post_attention_layernorm."),
+            ),
+        }.get(self.model_type, ())
+        modules = dict(self.model.named_modules())
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        # what must be given: each parameter once (tied embeddings: one entry), and each projection packed at load
+        wanted = {id(p): n for n, p in params.items()}
+        wanted.update({id(m): f"{n}.weight" for n, m in modules.items() if isinstance(m, linear.PackedLinear)})
+        gpt2_packed: dict[str, torch.Tensor] = {}  # GPT-2's projections, reordered once all are in (`_GPT2Weights`)
+        taken = 0
+        for name, tensor in weights:
+            own = name
+            for old, new in renames:
+                own = own.replace(old, new)
+            owner, _, attr = own.rpartition(".")
+            module = modules.get(owner)
+            tensor = tensor.detach()
+            if isinstance(module, linear.PackedLinear) and attr in ("weight", "bias"):
+                shape = (module.out_features, module.in_features) if attr == "weight" else (module.out_features,)
+                _check_shape(name, tensor, shape)
+                if attr == "weight":
+                    module.packed = linear.pack(tensor.to(self.device, self.dtype))
+                    wanted.pop(id(module), None)
+                else:
+                    module.bias.copy_(tensor)
+                taken += 1
+                continue
+            if self.model_type == "gpt2" and self.packed_linear and attr == "weight" and module is not None:
+                if type(module).__name__ == "Conv1D":
+                    _check_shape(name, tensor, (module.nx, module.nf))
+                    gpt2_packed[owner] = tensor.to(self.device, self.dtype)
+                    taken += 1
+                    continue
+            param = params.get(own)
+            if param is None:
+                raise PylonError(
+                    f"weight {name}: the engine's model ({self.model_type}) has no such weight; give the weights of "
+                    "the model it was loaded from, named as its checkpoint names them"
+                )
+            _check_shape(name, tensor, tuple(param.shape))
+            param.copy_(tensor)
+            wanted.pop(id(param), None)
+            taken += 1
+        if self.model_type == "gpt2" and self.packed_linear:
+            self._pack_gpt2(gpt2_packed)
+        missing = list(wanted.values())
+        if missing:
+            raise PylonError(
+                f"load_weights: {len(missing)} of the model's weights were not given ({', '.join(missing[:5])}); "
+                "give every weight, or the model would compute with a mix of old and new ones"
+            )
+        return taken
+
+    def _pack_gpt2(self, given: dict[str, torch.Tensor]) -> None:
+        """GPT-2's projections, reordered for oneDNN again: every layer's four, all given ([in, out], Conv1D's)."""
+        names = [f"transformer.h.{i}.{p}" for i in range(len(self._gpt2.layers)) for p in _GPT2_PROJECTIONS]
+        left = [n for n in names if n not in given]
+        if left:
+            raise PylonError(f"load_weights: GPT-2's projection weights are taken all together; missing {left[:3]}")
+        layers = []
+        for i, layer in enumerate(self._gpt2.layers):
+            packed = [linear.pack(given[f"transformer.h.{i}.{p}"].t()) for p in _GPT2_PROJECTIONS]
+            layers.append(
+                dataclasses.replace(layer, qkv_w=packed[0], proj_w=packed[1], fc_w=packed[2], down_w=packed[3])
+            )
+        self._gpt2 = dataclasses.replace(self._gpt2, layers=layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits of final hidden states, in the model's dtype, soft-capped where the config says
