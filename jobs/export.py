@@ -81,7 +81,7 @@ def export_run(
             model.config.use_cache = True  # training may have turned it off for gradient checkpointing
             model.save_pretrained(local_out, safe_serialization=True)
         Path(local_out, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
-        _write_tokenizer_files(tokenizer, local_out, getattr(model.config, "max_position_embeddings", None))
+        write_tokenizer_files(tokenizer, local_out, getattr(model.config, "max_position_embeddings", None))
         Path(local_out, "pylon_export.json").write_text(
             json.dumps(
                 {"run": run_uri, "step": info.step, "name": spec.name, "lora_merged": bool(spec.lora and merge)},
@@ -143,7 +143,7 @@ def read_export_eval(model_dir: str) -> dict | None:
     return storage.read_json(uri) if storage.exists(uri) else None
 
 
-def _write_tokenizer_files(tokenizer: dict, local_out: str, max_length: int | None) -> None:
+def write_tokenizer_files(tokenizer: dict, local_out: str, max_length: int | None) -> None:
     """The tokenizer's own files next to the model, as Hugging Face tokenizer files, so the export loads with
     `AutoTokenizer.from_pretrained` and serves without the dataset. The built-in byte tokenizer has none
     (`pylon_tokenizer.json` names it). The files are checked against the fingerprint the dataset recorded:

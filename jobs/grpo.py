@@ -796,21 +796,31 @@ def grpo_sample(
     seed: int,
     synced: bool = False,
     reference=None,
+    rollout=None,
 ) -> Rollout:
     """Sample and score one micro-batch (steps 1-3); with `loss.iterations` > 1, the sampling policy's
     log-probabilities too (a pass without gradients), which the later updates' ratios are taken against. objective
     rloo with beta > 0: those and the reference's (`reference`, the frozen copy, or None: `engine.module` with its
-    adapters disabled), each completion's reward less beta x its summed KL before its advantage."""
+    adapters disabled), each completion's reward less beta x its summed KL before its advantage. `rollout`: a
+    `pylon.jobs.rollout.RolloutEngine` that samples instead of the model (`grpo.sampler: engine`), given the
+    policy's weights first where they changed."""
     import torch
 
     device = engine.device
     pairs = prompts_and_answers(batch, eos_id) if batch is not None and len(batch) else []
     prompts = [p for p, _, _ in pairs]
     t0 = time.perf_counter()
-    with sampling_model(engine, loss, synced) as (sampler, in_step):
-        completions = sample_completions(
-            sampler, prompts, loss, eos_id=eos_id, pad_id=pad_id, device=device, seed=seed, synced=in_step
-        )
+    if rollout is not None:
+        rollout.current(engine)
+        computed = rollout.computed_tokens
+        completions = rollout.sample(prompts, loss, seed=seed)
+        computed = rollout.computed_tokens - computed
+    else:
+        with sampling_model(engine, loss, synced) as (sampler, in_step):
+            completions = sample_completions(
+                sampler, prompts, loss, eos_id=eos_id, pad_id=pad_id, device=device, seed=seed, synced=in_step
+            )
+        computed = loss.generations * sum(len(p) for p in prompts) + sum(len(c) for c in completions)
     sample_s = time.perf_counter() - t0
     g = loss.generations
     k = len(rewards.functions)
@@ -861,7 +871,7 @@ def grpo_sample(
         sample_s=sample_s,
         old_logps=old,
         kl=kl,
-        sampled_tokens=g * sum(len(p) for p in prompts) + int(sum(lengths)) if completions else 0,
+        sampled_tokens=int(computed) if completions else 0,
         model_tokens=int(inputs["attention_mask"].sum()) if completions else 0,
         samples=completion_samples(
             pairs, completions, scores, reward, advantages, rewards.names, tokenizer, eos_id, loss
@@ -1001,15 +1011,35 @@ class GrpoEvaluation:
     """A held-out batch's figures (`_evaluate`'s `grpo_eval`): each prompt's greedy completion, scored. Called with
     a batch, returns [completions, reward sum, length sum, each function's score sum..., and count...]."""
 
-    def __init__(self, engine, loss: GrpoLoss, rewards: Rewards, tokenizer, eos_id, pad_id, device, synced) -> None:
+    def __init__(
+        self, engine, loss: GrpoLoss, rewards: Rewards, tokenizer, eos_id, pad_id, device, synced, rollout=None
+    ) -> None:
         self.engine, self.loss, self.rewards, self.tokenizer = engine, loss, rewards, tokenizer
         self.eos_id, self.pad_id, self.device, self.synced = eos_id, pad_id, device, synced
+        self.rollout = rollout  # grpo.sampler: engine (`grpo_sample`'s)
         self.names = rewards.names
 
     def __call__(self, batch) -> list[float]:
         pairs = prompts_and_answers(batch, self.eos_id) if len(batch) else []
+        if self.rollout is not None:
+            self.rollout.current(self.engine)
+            completions = self.rollout.sample([p for p, _, _ in pairs], self.loss, seed=0, greedy=True, copies=1)
+        else:
+            completions = self._sample(pairs)
+        k = len(self.rewards.functions)
+        if not completions:
+            return [0.0] * (3 + 2 * k)
+        scores = self.rewards.score_completions(pairs, completions, self.tokenizer, self.eos_id)
+        return [
+            float(len(completions)),
+            float(self.rewards.total(scores).sum()),
+            float(sum(len(c) for c in completions)),
+            *self.rewards.sums(scores),
+        ]
+
+    def _sample(self, pairs) -> list[np.ndarray]:
         with sampling_model(self.engine, self.loss, self.synced) as (sampler, in_step):
-            completions = sample_completions(
+            return sample_completions(
                 sampler,
                 [p for p, _, _ in pairs],
                 self.loss,
@@ -1021,16 +1051,6 @@ class GrpoEvaluation:
                 copies=1,
                 synced=in_step,
             )
-        k = len(self.rewards.functions)
-        if not completions:
-            return [0.0] * (3 + 2 * k)
-        scores = self.rewards.score_completions(pairs, completions, self.tokenizer, self.eos_id)
-        return [
-            float(len(completions)),
-            float(self.rewards.total(scores).sum()),
-            float(sum(len(c) for c in completions)),
-            *self.rewards.sums(scores),
-        ]
 
 
 def grpo_eval_record(sums: list[float], names: list[str]) -> dict:

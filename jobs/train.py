@@ -472,6 +472,21 @@ def train_loop(config: dict) -> None:
     cfg = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
     if grpo is not None:  # a prompt as long as a row and its longest completion must fit the model's positions
         check_completion_room(cfg, stream.manifest.seq_len, grpo.max_tokens)
+    rollout_engine = None  # grpo.sampler engine (pylon.jobs.rollout): a serving engine beside the model samples
+    if grpo is not None and spec.grpo.sampler == "engine":  # (every rank: at ZeRO-3 its weights gather collectively)
+        from pylon.jobs.rollout import RolloutEngine
+
+        rollout_engine = RolloutEngine(
+            engine, tok.model_dump(mode="json"), spec=spec, device=device, seq_len=stream.manifest.seq_len
+        )
+        grpo_eval.rollout = rollout_engine
+        if rank == 0:
+            print(
+                f"grpo.sampler engine: completions sampled by a serving engine beside the model on each worker "
+                f"({rollout_engine.spec.dtype}, {rollout_engine.spec.kv_cache_tokens:,} KV tokens, "
+                f"{rollout_engine.spec.max_num_seqs} at once), given the policy's weights before each sampling step",
+                flush=True,
+            )
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
     trained_flops = flops_tok  # objective grpo's MFU counts its passes itself (Rollout.trained_token_units)
     if referenced and ref_table is None:  # the reference's forward pass too: a third of a trained token's FLOPs
@@ -541,6 +556,7 @@ def train_loop(config: dict) -> None:
                         seed=sample_seed(seed, step, micro, rank),
                         synced=synced,
                         reference=reference,
+                        rollout=rollout_engine,
                     )
                     sample_s += rollout.sample_s
                     if micro == 0:  # (rank 0's are logged: `grpo.log_completions`)

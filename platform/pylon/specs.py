@@ -542,6 +542,24 @@ class GrpoSpec(_Spec):
         "than each layer for every token (TRL's ds3_gather_for_generation): far fewer collectives, at the cost of "
         "holding the whole model (in the training precision) while sampling; false for a model that does not fit whole",
     )
+    sampler: Literal["model", "engine"] = Field(
+        "model",
+        description="what samples the completions: model, the trained model itself (transformers' way: a padded "
+        "batch with its KV cache, every row computing until the last one ends); engine, Pylon's serving engine "
+        "colocated on each worker (TRL's use_vllm with vllm_mode colocate): the policy's weights copied into it "
+        "before each sampling step (LoRA merged, ZeRO-3 gathered a module at a time), its paged KV cache sharing "
+        "each prompt among its copies, and continuous batching. The engine holds a second copy of the weights and "
+        "its KV cache (grpo.sampler_kv_cache_tokens): the planner counts both",
+    )
+    sampler_kv_cache_tokens: PositiveInt | None = Field(
+        None,
+        description="grpo.sampler engine: the tokens its KV cache holds; None: a micro-batch's rows of prompts and "
+        "`generations` completions of max_completion_tokens for each row (at least 4,096). Fewer is slower, never "
+        "wrong: completions wait for room",
+    )
+    sampler_max_num_seqs: PositiveInt = Field(
+        64, description="grpo.sampler engine: completions it computes at once (vLLM's max_num_seqs)"
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
         description="objective grpo: advantages are each reward less its group's mean, divided by the standard "

@@ -48,6 +48,9 @@ ALLOWED = {
     ("pylon.jobs", "pylon.plan.catalog"),
     ("pylon.jobs", "pylon.plan.steptime"),
     ("pylon.jobs", "pylon.plan.train"),
+    # grpo.sampler engine (jobs/rollout.py): a trainer samples through the serving engine
+    ("pylon.jobs", "pylon.serving.engine.engine"),
+    ("pylon.jobs", "pylon.serving.engine.sampling"),
 }
 
 

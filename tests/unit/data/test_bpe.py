@@ -97,14 +97,14 @@ def test_cli_then_prepare_records_where_the_tokenizer_is(corpus, tmp_path, monke
 def test_export_carries_the_tokenizer_as_hugging_face_files(corpus, tmp_path):
     from transformers import AutoTokenizer
 
-    from pylon.jobs.export import _write_tokenizer_files
+    from pylon.jobs.export import write_tokenizer_files
     from pylon.serving.engine.tokenization import load_model_tokenizer
 
     tok = train_bpe([str(corpus)], str(tmp_path / "tokenizer.json"), vocab_size=500)
     info = tok.info.model_copy(update={"uri": str(tmp_path / "tokenizer.json")}).model_dump(mode="json")
     model_dir = tmp_path / "export"
     model_dir.mkdir()
-    _write_tokenizer_files(info, str(model_dir), 512)
+    write_tokenizer_files(info, str(model_dir), 512)
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(model_dir))
     code = "def f(x):\n    return x . y , [ 1 ]  # spaces kept\n"
     hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -118,8 +118,8 @@ def test_export_carries_the_tokenizer_as_hugging_face_files(corpus, tmp_path):
         (tmp_path / "tokenizer.json").read_text().replace("<|endoftext|>", "<|eot|>")
     )
     with pytest.raises(PylonError, match="changed after the dataset was prepared"):
-        _write_tokenizer_files(info, str(tmp_path / "again"), 512)
+        write_tokenizer_files(info, str(tmp_path / "again"), 512)
     with pytest.raises(PylonError, match="does not record where its files are"):
-        _write_tokenizer_files({**info, "uri": None}, str(tmp_path / "again"), 512)
-    _write_tokenizer_files({"kind": "byte"}, str(tmp_path / "none"), 512)  # the byte tokenizer has no files
+        write_tokenizer_files({**info, "uri": None}, str(tmp_path / "again"), 512)
+    write_tokenizer_files({"kind": "byte"}, str(tmp_path / "none"), 512)  # the byte tokenizer has no files
     assert not (tmp_path / "none").exists()

@@ -63,10 +63,10 @@ def test_a_base_tokenizer_gets_a_template_and_a_chat_dataset_prepares_with_it(tm
     # the export's tokenizer files are the dataset's: the same template, so serving renders chats the same way
     from transformers import AutoTokenizer
 
-    from pylon.jobs.export import _write_tokenizer_files
+    from pylon.jobs.export import write_tokenizer_files
 
     (tmp_path / "export").mkdir()
-    _write_tokenizer_files(manifest.tokenizer.model_dump(mode="json"), str(tmp_path / "export"), None)
+    write_tokenizer_files(manifest.tokenizer.model_dump(mode="json"), str(tmp_path / "export"), None)
     exported = AutoTokenizer.from_pretrained(str(tmp_path / "export"), local_files_only=True)
     assert exported.chat_template == ZEPHYR_TEMPLATE
 

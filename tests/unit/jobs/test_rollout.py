@@ -1,0 +1,195 @@
+"""`grpo.sampler: engine` (pylon.jobs.rollout): the serving engine beside a trained model samples what the model
+would (greedy: token for token), follows its weights as they change (LoRA merged, ZeRO-3 gathered), shares a
+group's prompt among its copies through the prefix cache, and a model trained through DeepSpeed with it learns."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pylon.data.tokenizer import ByteTokenizer, load_tokenizer
+from pylon.jobs.grpo import (
+    GrpoLoss,
+    Rewards,
+    grpo_record,
+    grpo_sample,
+    grpo_train,
+    prompts_and_answers,
+    sample_completions,
+    sample_seed,
+)
+from pylon.jobs.rollout import RolloutEngine, full_weights, kv_cache_tokens
+from pylon.specs import TrainJobSpec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_checkpoint import distributed  # noqa: E402, F401 (fixture: a one-process gloo world, for DeepSpeed)
+from test_grpo import EOS, PAD, _batch, _model, _spec, deepspeed_start, replace_loss  # noqa: E402
+
+BYTE = ByteTokenizer().info.model_dump(mode="json")
+
+
+def _prompts(*texts: str) -> list[np.ndarray]:
+    return [np.frombuffer(t.encode(), dtype=np.uint8).astype(np.int64) for t in texts]
+
+
+def _rollout(module, spec=None, seq_len: int = 64) -> RolloutEngine:
+    return RolloutEngine(
+        module, BYTE, spec=spec or _spec(sampler="engine"), device=torch.device("cpu"), seq_len=seq_len
+    )
+
+
+def test_the_engine_samples_the_models_greedy_continuations_and_follows_its_weights() -> None:
+    model = _model()
+    with torch.no_grad():  # larger weights: a random model's argmax then depends on every position and token
+        for p in model.parameters():
+            p.mul_(4)
+    prompts = _prompts("Hi", "A longer prompt", "xyz!")
+    loss = GrpoLoss(max_tokens=6)
+    rollout = _rollout(model)
+
+    def both():
+        want = sample_completions(model, prompts, loss, eos_id=EOS, pad_id=PAD, device="cpu", seed=0, greedy=True,
+                                  copies=2)  # fmt: skip
+        rollout.current(model)  # (a module without DeepSpeed's step count: given its weights every time)
+        got = rollout.sample(prompts, loss, seed=0, greedy=True, copies=2)
+        return [c.tolist() for c in want], [c.tolist() for c in got]
+
+    want, got = both()
+    assert got == want and len(got) == 6
+    with torch.no_grad():  # an update: the engine follows it
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    again_want, again = both()
+    assert again == again_want and again != got
+    assert rollout.syncs == 2
+
+
+def test_a_groups_copies_read_its_prompt_from_the_prefix_cache_and_sampling_is_seeded() -> None:
+    model = _model()
+    prompts = _prompts("Say the letter a, and say it again: ", "Write down a colour name, then stop here: ")
+    assert all(len(p) > 32 for p in prompts)  # two full blocks of 16 each
+    loss = GrpoLoss(generations=4, max_tokens=12)
+    rollout = _rollout(model)
+    a = [c.tolist() for c in rollout.sample(prompts, loss, seed=1)]
+    assert len(a) == 8 and all(len(x) == 12 or x[-1] == EOS for x in a) and all(EOS not in x[:-1] for x in a)
+    assert len({tuple(x) for x in a}) > 1  # a group's completions differ
+    # each prompt computed once: its three other copies read its two full blocks from the cache
+    assert rollout.cached_tokens == 2 * 3 * 32
+    prefill = sum(len(p) for p in prompts) + 3 * sum(len(p) - 32 for p in prompts)
+    assert rollout.computed_tokens == prefill + sum(len(x) for x in a)
+    assert prefill < loss.generations * sum(len(p) for p in prompts)  # (the model sampler computes every copy's)
+    assert [c.tolist() for c in rollout.sample(prompts, loss, seed=1)] == a
+    assert [c.tolist() for c in rollout.sample(prompts, loss, seed=2)] != a
+    narrow = replace_loss(loss, top_p=1e-6)  # only the likeliest token left: greedy
+    greedy = [c.tolist() for c in rollout.sample(prompts, loss, seed=0, greedy=True)]
+    assert [c.tolist() for c in rollout.sample(prompts, narrow, seed=5)] == greedy
+
+
+def test_lora_adapters_are_merged_into_the_weights_the_engine_gets() -> None:
+    from pylon.models import build_model
+
+    spec = _spec(sampler="engine").model_copy(
+        update={"lora": TrainJobSpec.model_validate(
+            {"name": "l", "model": {"preset": "llama-tiny"}, "data": {"uri": "/x"}, "steps": 1,
+             "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj", "lm_head"]}}).lora}
+    )  # fmt: skip
+    model = build_model(spec, vocab_size=258, eos_id=EOS, pad_id=PAD, seed=0).eval()
+    with torch.no_grad():  # adapters start at zero (B = 0): move them, so that merging them changes the weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    got = {name: t.clone() for name, t in full_weights(model)}
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert set(got) == set(merged) - ({"lm_head.weight"} if "lm_head.weight" not in got else set())
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, merged[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any("lora" in n for n, _ in model.named_parameters())  # the trained model keeps its adapters apart
+    prompts = _prompts("Hi there", "xyz!")
+    loss = GrpoLoss(max_tokens=6)
+    rollout = _rollout(model, spec)
+    greedy = sample_completions(model, prompts, loss, eos_id=EOS, pad_id=PAD, device="cpu", seed=0, greedy=True,
+                                copies=1)  # fmt: skip
+    assert [c.tolist() for c in rollout.sample(prompts, loss, seed=0, greedy=True, copies=1)] == [
+        c.tolist() for c in greedy
+    ]
+
+
+def test_zero3_partitions_are_gathered_into_the_whole_weights(distributed) -> None:  # noqa: F811
+    """At ZeRO-3 each module's partitions are gathered while its weights are read: the engine gets the whole model,
+    the one a build without partitioning makes from the same seed."""
+    spec = TrainJobSpec.model_validate(
+        {"name": "z", "model": {"preset": "llama-tiny"}, "data": {"uri": "/none"}, "steps": 2,
+         "deepspeed": {"zero_stage": 3}, "objective": "grpo",
+         "grpo": {"rewards": [{"function": "exact_match"}], "sampler": "engine"}}
+    )  # fmt: skip
+    model, engine, _ = deepspeed_start(spec)
+    whole = _model()  # (build_model: the same weights at every ZeRO stage from one seed)
+    got = dict((n, t.clone()) for n, t in full_weights(engine.module))
+    want = whole.state_dict()
+    assert set(got) <= set(want) and len(got) >= len(want) - 1
+    for name, tensor in got.items():
+        assert tensor.shape == want[name].shape, name
+        torch.testing.assert_close(tensor.float(), want[name].float(), msg=name)
+    assert any(hasattr(p, "ds_id") and p.numel() == 0 for p in engine.module.parameters())  # still partitioned
+    rollout = _rollout(engine, spec)
+    prompts = _prompts("Hi", "xyz!")
+    loss = GrpoLoss(max_tokens=5)
+    assert [c.tolist() for c in rollout.sample(prompts, loss, seed=0, greedy=True, copies=1)] == [
+        c.tolist()
+        for c in sample_completions(
+            whole, prompts, loss, eos_id=EOS, pad_id=PAD, device="cpu", seed=0, greedy=True, copies=1
+        )  # fmt: skip
+    ]
+
+
+def test_a_model_sampled_by_the_engine_learns_what_its_reward_asks_for(tmp_path, distributed) -> None:  # noqa: F811
+    """`test_grpo.test_a_model_learns_what_its_reward_asks_for` with the engine sampling: through DeepSpeed (ZeRO-2)
+    with LoRA, the engine given the merged weights after every optimizer step (`current`: DeepSpeed's step count),
+    the reward rises."""
+    from pylon.jobs.train import _global_mean_loss
+
+    records = [{"prompt": f"Now say the letter a{'!' * i}: ", "completion": "a"} for i in range(4)]
+    batch, _ = _batch(tmp_path, records)
+    spec = TrainJobSpec.model_validate(
+        {"name": "g", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+         "objective": "grpo", "grpo": {"rewards": [{"function": "contains_answer"}], "generations": 8,
+                                       "max_completion_tokens": 8, "sampler": "engine"},
+         "optim": {"lr": 2e-2, "warmup_steps": 0, "schedule": "constant"},
+         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]}}
+    )  # fmt: skip
+    _, engine, reference = deepspeed_start(spec)
+    loss = GrpoLoss.of(spec)
+    rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
+    rollout = _rollout(engine, spec)
+    figures, computed = [], []
+    for step in range(30):
+        sampled = grpo_sample(engine, batch, loss, rewards, tok, eos_id=EOS, pad_id=PAD,
+                              seed=sample_seed(0, step, 0, 0), rollout=rollout)  # fmt: skip
+        loss_t, count, _, stats = grpo_train(engine, engine.module, sampled, loss, reference)
+        engine.backward(_global_mean_loss(loss_t, count, 1)[0])
+        engine.step()
+        figures.append(grpo_record(stats, rewards.names))
+        computed.append((sampled.sampled_tokens, sampled.tokens))
+    assert rollout.syncs == 29  # after each update but the last (step 0 samples the weights it was built from)
+    first = np.mean([f["grpo_reward"] for f in figures[:8]])
+    last = np.mean([f["grpo_reward"] for f in figures[-8:]])
+    assert last > first + 0.3 and last > 0.6, (first, last, [round(f["grpo_reward"], 2) for f in figures])
+    # what the engine computed: each prompt's full block once, then its copies' own tokens; the model sampler
+    # computes every copy's whole prompt
+    prompts = [p for p, _, _ in prompts_and_answers(batch, EOS)]
+    assert all(len(p) > 16 for p in prompts)
+    shared = (loss.generations - 1) * 16 * len(prompts)
+    assert all(c == loss.generations * sum(map(len, prompts)) - shared + n for c, n in computed), computed
+
+
+def test_the_sampler_settings_and_the_kv_cache_default() -> None:
+    spec = _spec(sampler="engine", generations=4, max_completion_tokens=100)
+    assert spec.grpo.sampler == "engine" and spec.grpo.sampler_max_num_seqs == 64
+    assert kv_cache_tokens(spec, 512) == max(4096, spec.batch.micro_batch_size * (512 + 4 * 100))
+    with pytest.raises(Exception, match="sampler"):
+        _spec(sampler="vllm")
