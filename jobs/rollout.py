@@ -73,13 +73,32 @@ def full_weights(module) -> Iterator[tuple[str, object]]:
     yield from walk("", base)
 
 
-def kv_cache_tokens(spec, seq_len: int) -> int:
-    """`grpo.sampler_kv_cache_tokens`' default: a micro-batch's rows of prompts (each computed once, its copies
-    sharing it) and, for each of its rows, `generations` completions of `max_completion_tokens` (at least 4,096).
-    A micro-batch needing more waits for room (the engine's scheduler), it does not fail."""
-    g = spec.grpo
-    rows = spec.batch.micro_batch_size
-    return max(4096, rows * (seq_len + g.generations * g.max_completion_tokens))
+def check_sampler(spec, manifest) -> None:
+    """`grpo.sampler: engine`, before workers start: a PylonError naming it where the serving engine cannot sample
+    the model or could not take its weights as it trains (a model type it does not serve; experts, latent attention
+    or a multimodal checkpoint, whose weights it reshapes at load)."""
+    from pylon.models import model_config
+    from pylon.serving.model.families import (
+        MLA_FAMILIES,
+        MOE_MODEL_TYPES,
+        SUPPORTED_MODEL_TYPES,
+        TEXT_MODELS,
+        unsupported,
+    )
+
+    tok = manifest.tokenizer
+    config = model_config(spec.model, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    kind = config.model_type
+    why = (
+        f"the serving engine does not run model_type {kind!r} (it runs {', '.join(SUPPORTED_MODEL_TYPES)})"
+        if kind not in SUPPORTED_MODEL_TYPES
+        else f"model_type {kind!r}'s weights are reshaped when the engine loads them (experts, latent attention or "
+        "a multimodal checkpoint), so it cannot take the policy's as it trains"
+        if kind in (*MOE_MODEL_TYPES, *MLA_FAMILIES, *TEXT_MODELS)
+        else unsupported(config)
+    )
+    if why is not None:
+        raise PylonError(f"grpo.sampler: engine: {why}; use grpo.sampler: model ({spec.model.describe()})")
 
 
 def _row_seed(seed: int, row: int) -> int:
@@ -91,20 +110,20 @@ class RolloutEngine:
     they are when it is made, given the policy's again by `sync`, sampling with `sample`."""
 
     def __init__(self, trainer, tokenizer: dict, *, spec, device, seq_len: int) -> None:
-        """`trainer`: DeepSpeed's engine of the trained model (its module: see `full_weights`), or the module
-        itself; `tokenizer`: the dataset's tokenizer identity
-        (`TokenizerInfo` as a dict); `spec`: the TrainJobSpec (its grpo block's sampler settings and precision);
-        `device`: the worker's; `seq_len`: the dataset's row length (a prompt's length at most)."""
+        """`trainer`: DeepSpeed's engine of the trained model (its module: see `full_weights`), or the module itself;
+        `tokenizer`: the dataset's tokenizer identity (`TokenizerInfo` as a dict); `spec`: the TrainJobSpec (its grpo
+        block's sampler settings, its precision); `device`: the worker's; `seq_len`: the dataset's row length (a
+        prompt's length at most). The engine loads the model from a checkpoint of its current weights written once
+        to a private temporary directory (in the engine's dtype), removed as soon as it is loaded."""
         from pylon.jobs.export import TOKENIZER_FILE, write_tokenizer_files
         from pylon.serving.engine.engine import LLMEngine
-        from pylon.specs import EngineSpec
+        from pylon.specs import EngineSpec, sampler_kv_cache_tokens
 
         g = spec.grpo
         self.eos_id = int(tokenizer["eos_id"])
         self.block_size = 16
         max_model_len = seq_len + g.max_completion_tokens
-        # (default: a micro-batch's rows of prompts, and a completion of each prompt token's worth of rows beside)
-        kv_tokens = g.sampler_kv_cache_tokens or kv_cache_tokens(spec, seq_len)
+        kv_tokens = sampler_kv_cache_tokens(spec, seq_len)
         kv_tokens = max(kv_tokens, max_model_len + self.block_size)
         on_gpu = getattr(device, "type", str(device)) == "cuda"
         dtype = {"bf16": "bf16", "fp16": "fp16"}.get(spec.precision, "fp32") if on_gpu else "fp32"
@@ -122,7 +141,7 @@ class RolloutEngine:
         started = time.perf_counter()
         directory = tempfile.mkdtemp(prefix="pylon-rollout-")
         try:
-            self._write_model(getattr(trainer, "module", trainer), directory)
+            self._write_model(getattr(trainer, "module", trainer), directory, dtype)
             Path(directory, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
             write_tokenizer_files(tokenizer, directory, None)
             try:
@@ -150,18 +169,20 @@ class RolloutEngine:
         )
 
     @staticmethod
-    def _write_model(module, directory: str) -> None:
-        """The model as a checkpoint the engine loads: its config and its current (merged, gathered) weights."""
+    def _write_model(module, directory: str, dtype: str) -> None:
+        """The model as a checkpoint the engine loads: its config and its current (merged, gathered) weights, in
+        `dtype` (the engine's)."""
         import torch
         from safetensors.torch import save_file
 
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
         base = module.get_base_model() if hasattr(module, "get_base_model") else module
         config = base.config.to_dict()
         config["use_cache"] = True
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(config, f, indent=2, default=str)
         tensors = {  # (a tied weight is given once, and tied again at load)
-            name: tensor.to("cpu", torch.float32).contiguous().clone() for name, tensor in full_weights(module)
+            name: tensor.to("cpu", torch_dtype).contiguous().clone() for name, tensor in full_weights(module)
         }
         save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 

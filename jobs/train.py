@@ -86,6 +86,10 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     separate_documents(spec.attention_mask, manifest, f"data.uri {spec.data.uri}")
     for note in check_objective(spec, manifest):
         print(note, flush=True)
+    if spec.grpo is not None and spec.grpo.sampler == "engine":  # before workers start: can the engine sample it
+        from pylon.jobs.rollout import check_sampler
+
+        check_sampler(spec, manifest)
     _record_run(run_uri, spec, tokenizer=manifest.tokenizer.model_dump(mode="json"))
     from pylon.jobs.ledger import LEDGER_FILE, SessionRecorder
 

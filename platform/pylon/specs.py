@@ -578,6 +578,16 @@ class GrpoSpec(_Spec):
     )
 
 
+def sampler_kv_cache_tokens(spec: "TrainJobSpec", seq_len: int) -> int:
+    """`grpo.sampler_kv_cache_tokens`, or its default for prompts of up to `seq_len` tokens: a micro-batch's rows of
+    prompts (each computed once, its copies sharing it) and, for each row, `generations` completions of
+    `max_completion_tokens` (at least 4,096). A micro-batch needing more waits for room; it does not fail."""
+    g = spec.grpo
+    if g.sampler_kv_cache_tokens:
+        return g.sampler_kv_cache_tokens
+    return max(4096, spec.batch.micro_batch_size * (seq_len + g.generations * g.max_completion_tokens))
+
+
 class TrainJobSpec(_Spec):
     """One training run: model, data, workers, DeepSpeed, optimisation and checkpoints."""
 
@@ -826,6 +836,13 @@ class TrainJobSpec(_Spec):
                 )
             if self.neftune_noise_alpha:
                 problems.append(("neftune_noise_alpha", "would add noise to the sampled completions' scores: set 0"))
+            if self.grpo is not None and self.grpo.sampler == "model":  # (by value, as above)
+                for name, value, default in (
+                    ("sampler_kv_cache_tokens", self.grpo.sampler_kv_cache_tokens, None),
+                    ("sampler_max_num_seqs", self.grpo.sampler_max_num_seqs, 64),
+                ):
+                    if value != default:
+                        problems.append((f"grpo.{name}", "sizes the serving engine of grpo.sampler: engine; set it"))
             mu = self.grpo.iterations if self.grpo is not None else 1
             for field, value in (("steps", self.steps), ("checkpoint.every_steps", self.checkpoint.every_steps)):
                 if value % mu:

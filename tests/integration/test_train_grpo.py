@@ -1,8 +1,8 @@
 """Group relative policy optimisation end to end on the session's Ray cluster: prompts and answers prepared with
 `--prompts`, a TrainJob with `objective: grpo` submitted through the SDK, whose reward function is the user's own
 module in the directory it is submitted from (shipped with the job) beside a built-in one; two workers at ZeRO-3 with
-LoRA and a KL term against the adapters disabled, sampling from the model gathered once per micro-batch (and, under
-`make test-all`, layer by layer with both ranks decoding in step). The reward rises as the model learns to say what it
+LoRA and a KL term against the adapters disabled, sampling through a serving engine beside each worker (and, under
+`make test-all`, from the model gathered once per micro-batch, and layer by layer with both ranks decoding in step). The reward rises as the model learns to say what it
 is asked; the held-out prompts' greedy completions are scored; the run exports its model and plots its reward
 (tests/unit/jobs/test_grpo.py checks the sampling, the advantages and the loss against TRL's)."""
 
@@ -33,16 +33,21 @@ def lowercase(completions, **kw):
 """
 
 
-def _grpo_spec(tmp_path, monkeypatch, name: str = "grpo", gather: bool = True) -> dict:
+def _grpo_spec(
+    tmp_path, monkeypatch, name: str = "grpo", gather: bool = True, sampler: str = "model", repeat: int = 0
+) -> dict:
     """Prompts whose answer is "a" and a TrainJob learning to say it: a user's reward module in the submitting
-    directory beside a built-in; two workers at ZeRO-3, LoRA, a KL term."""
+    directory beside a built-in; two workers at ZeRO-3, LoRA, a KL term; `sampler` samples. The prompts say "a" with
+    0-7 "!"s, the last two held out; `repeat`: with 0 to `repeat` - 1 of them, over again (held-out prompts then ask
+    as training ones do)."""
     from pylon.data.prepare import prepare
 
     monkeypatch.chdir(tmp_path)  # the directory the job is submitted from: its reward module travels with it
     (tmp_path / "user_rewards.py").write_text(textwrap.dedent(REWARDS))
     data = str(tmp_path / "prompts")
     if not (tmp_path / "prompts").exists():
-        records = [{"prompt": f"Say a{'!' * i}: ", "answer": "a", "target": "a"} for i in range(8)]
+        marks = [i % repeat if repeat else i for i in range(8)]
+        records = [{"prompt": f"Say a{'!' * k}: ", "answer": "a", "target": "a"} for k in marks]
         prepare([_jsonl(tmp_path / "p.jsonl", records)], data, seq_len=16, prompts=True, use_ray=False,
                 progress=False)  # fmt: skip
     return {
@@ -56,6 +61,7 @@ def _grpo_spec(tmp_path, monkeypatch, name: str = "grpo", gather: bool = True) -
             "max_completion_tokens": 8,
             "beta": 0.02,
             "zero3_gather_for_sampling": gather,
+            "sampler": sampler,
         },
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]},
         "data": {"uri": data, "seq_len": 16, "validation_fraction": 0.25},
@@ -86,9 +92,12 @@ def _run(spec: dict) -> tuple[str, list[dict], list[dict]]:
 
 
 def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monkeypatch):
-    spec = _grpo_spec(tmp_path, monkeypatch)
+    """Sampled by a serving engine beside each worker (`grpo.sampler: engine`), given the policy's weights, its LoRA
+    adapters merged and its ZeRO-3 partitions gathered, after every update; its greedy evaluation too."""
+    spec = _grpo_spec(tmp_path, monkeypatch, sampler="engine", repeat=4)
     logs, steps, evals = _run(spec)
     assert "greedy completions" in logs and "grpo_reward" in logs, logs[-4000:]  # the evaluation's line, step records
+    assert "grpo.sampler engine: completions sampled by a serving engine" in logs, logs[-4000:]
     run_dir = tmp_path / "runs" / "grpo"
     (evaluation,) = evals
     assert [r["step"] for r in steps] == list(range(1, 13))

@@ -192,6 +192,9 @@ class Workload:
     # objectives grpo and rloo: the tokens each completion is sampled for at most (`grpo.max_completion_tokens`),
     # the last of seq_len; 0: no sampling
     completion_tokens: int = 0
+    # objectives grpo and rloo with `grpo.sampler: engine`: the serving engine's KV cache tokens on every worker (it
+    # holds a whole copy of the model besides); 0: the model samples itself
+    sampler_kv_tokens: int = 0
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
@@ -298,6 +301,7 @@ class TrainMemory:
     nvme: int  # per node
     notes: dict[str, str] = field(default_factory=dict, compare=False)  # term -> what it holds
     reference: int = 0  # objective dpo without LoRA: the frozen copy of the model
+    sampler: int = 0  # grpo.sampler engine: the serving engine's whole copy of the model and its KV cache
     allocator: int = 0  # on a GPU: the caching allocator's reservation beyond the peak allocated (ALLOCATOR_RESERVE)
 
     @property
@@ -311,7 +315,7 @@ class TrainMemory:
     @property
     def allocated(self) -> int:
         """What the step's tensors take at the peak (on a GPU, torch.cuda.max_memory_allocated's share)."""
-        return self.model_states + self.reference + self.activations + self.buffers
+        return self.model_states + self.reference + self.sampler + self.activations + self.buffers
 
     @property
     def host_total(self) -> int:
@@ -323,6 +327,7 @@ class TrainMemory:
             ("gradients", self.grads),
             ("optimizer states", self.optimizer),
             *([("reference model", self.reference)] if self.reference else []),
+            *([("sampling engine", self.sampler)] if self.sampler else []),
             ("activations", self.activations),
             ("working buffers", self.buffers),
             *([("allocator reserve", self.allocator)] if self.allocator else []),
@@ -441,7 +446,18 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         + f" x {work.seq_len} tokens, peak of forward + "
         "backward" + (", recomputing each block" if layout.gradient_checkpointing else "")
     )
-    if work.rollouts > 1:  # objective grpo samples before it trains: its peak is the larger of the two
+    # grpo.sampler engine: a serving engine on every worker for the whole run, the model whole in its dtype (the
+    # training precision on a GPU, fp32 on a CPU) and its KV cache
+    sampler = 0.0
+    if work.sampler_kv_tokens:
+        e = w if device == "cuda" else 4
+        weights, kv = e * n, kv_bytes_per_token(s, e) * work.sampler_kv_tokens
+        sampler = weights + kv
+        notes["sampling engine"] = (
+            f"grpo.sampler engine: the model whole ({weights / 2**30:.1f} GiB) and its KV cache of "
+            f"{work.sampler_kv_tokens:,} tokens ({kv / 2**30:.1f} GiB), on every worker"
+        )
+    if work.rollouts > 1 and not work.sampler_kv_tokens:  # the model samples before it trains: the larger peak
         sequences = layout.micro_batch_size * work.rollouts
         kv = kv_bytes_per_token(s, w) * sequences * work.seq_len
         whole = w * n - (params if stage == 3 else w * n) if work.gathered_sampling and stage == 3 else 0
@@ -454,7 +470,7 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
             )
     runtime = CUDA_RUNTIME_BYTES + (ZERO12_RUNTIME_EXTRA_BYTES if stage < 3 else 0) if device == "cuda" else 0
     notes["runtime"] = "CUDA context, cuBLAS and NCCL" if device == "cuda" else "none counted on CPU"
-    allocated = params + grads + optimizer + reference + acts + buffers
+    allocated = params + grads + optimizer + reference + sampler + acts + buffers
     allocator = ALLOCATOR_RESERVE * allocated if device == "cuda" else 0
     if allocator:
         notes["allocator reserve"] = f"PyTorch's caching allocator: {ALLOCATOR_RESERVE:.0%} reserved beyond the peak"
@@ -466,6 +482,7 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
         buffers=int(buffers),
         runtime=runtime,
         reference=int(reference),
+        sampler=int(sampler),
         allocator=int(allocator),
         # ZeRO-3 builds under zero.Init: one module at a time exists whole before it is partitioned. Stages 0-2
         # build once, on rank 0's node, and broadcast: the other ranks allocate on their GPUs (on CPU workers

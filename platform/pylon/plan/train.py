@@ -49,7 +49,7 @@ from pylon.plan.steptime import (
     model_flops_per_token,
     step_time,
 )
-from pylon.specs import RL_OBJECTIVES, LoraSpec, TrainJobSpec
+from pylon.specs import RL_OBJECTIVES, LoraSpec, TrainJobSpec, sampler_kv_cache_tokens
 
 USABLE_FRACTION = 0.95  # of a GPU's memory; the rest a margin for what the model of memory does not count
 MAX_GPUS = 16_384
@@ -441,10 +441,19 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
             "prefill of the prompts and a decode step per completion token, each reading every weight once"
         )
     chunk = spec.loss_chunk_tokens
-    gathered = rl and spec.grpo.zero3_gather_for_sampling
+    engine = rl and spec.grpo.sampler == "engine"
+    gathered = rl and spec.grpo.zero3_gather_for_sampling and not engine
+    sampler_kv = 0
+    if engine:
+        sampler_kv = sampler_kv_cache_tokens(spec, seq - spec.grpo.max_completion_tokens)
+        notes.append(
+            f"grpo.sampler engine: a serving engine on every worker holds the model whole and {sampler_kv:,} KV cache "
+            "tokens for the whole run; its sampling time planned as the model's own"
+        )
     work = Workload(
         config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts,
         gathered_sampling=gathered, completion_tokens=spec.grpo.max_completion_tokens if rl else 0,
+        sampler_kv_tokens=sampler_kv,
     )  # fmt: skip
     return work, notes
 

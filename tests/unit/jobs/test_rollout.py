@@ -23,8 +23,8 @@ from pylon.jobs.grpo import (
     sample_completions,
     sample_seed,
 )
-from pylon.jobs.rollout import RolloutEngine, full_weights, kv_cache_tokens
-from pylon.specs import TrainJobSpec
+from pylon.jobs.rollout import RolloutEngine, full_weights
+from pylon.specs import TrainJobSpec, sampler_kv_cache_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoint import distributed  # noqa: E402, F401 (fixture: a one-process gloo world, for DeepSpeed)
@@ -190,6 +190,28 @@ def test_a_model_sampled_by_the_engine_learns_what_its_reward_asks_for(tmp_path,
 def test_the_sampler_settings_and_the_kv_cache_default() -> None:
     spec = _spec(sampler="engine", generations=4, max_completion_tokens=100)
     assert spec.grpo.sampler == "engine" and spec.grpo.sampler_max_num_seqs == 64
-    assert kv_cache_tokens(spec, 512) == max(4096, spec.batch.micro_batch_size * (512 + 4 * 100))
+    assert sampler_kv_cache_tokens(spec, 512) == max(4096, spec.batch.micro_batch_size * (512 + 4 * 100))
     with pytest.raises(Exception, match="sampler"):
         _spec(sampler="vllm")
+    with pytest.raises(Exception, match=r"grpo\.sampler_kv_cache_tokens: sizes the serving engine of grpo\.sampler"):
+        _spec(sampler_kv_cache_tokens=8192)
+
+
+def test_the_driver_refuses_a_model_the_engine_cannot_sample_by_name(tmp_path) -> None:
+    from pylon.data.reader import read_manifest
+    from pylon.errors import PylonError
+    from pylon.jobs.rollout import check_sampler
+
+    _, out = _batch(tmp_path)
+    manifest = read_manifest(out)
+    check_sampler(_spec(sampler="engine"), manifest)  # llama: served, its weights taken as they are
+    moe = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+    spec = TrainJobSpec.model_validate({**_spec(sampler="engine").model_dump(), "model": {"config": moe}})
+    with pytest.raises(PylonError, match=r"grpo\.sampler: engine: model_type 'mixtral''s weights are reshaped"):
+        check_sampler(spec, manifest)
+    bert = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 64}  # fmt: skip
+    spec = TrainJobSpec.model_validate({**_spec(sampler="engine").model_dump(), "model": {"config": bert}})
+    with pytest.raises(PylonError, match=r"does not run model_type 'bert'.*use grpo\.sampler: model"):
+        check_sampler(spec, manifest)

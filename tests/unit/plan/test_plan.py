@@ -331,6 +331,34 @@ def test_grpo_plans_each_row_as_its_completions_and_a_reference_only_with_a_kl_t
     assert train_memory(work, z2).activations == train_memory(replace(work, gathered_sampling=False), z2).activations
 
 
+def test_a_grpo_engine_sampler_is_planned_as_the_model_whole_and_its_kv_cache_on_every_worker() -> None:
+    from dataclasses import replace
+
+    from pylon.plan.memory import kv_bytes_per_token
+    from pylon.plan.train import train_workload
+
+    grpo = {"rewards": [{"function": "exact_match"}], "generations": 4, "max_completion_tokens": 512}
+    data = {"uri": "/nonexistent/p", "seq_len": 1024}
+    model = train_workload(_train(objective="grpo", grpo=grpo, data=data))[0]
+    work, notes = train_workload(_train(objective="grpo", grpo={**grpo, "sampler": "engine"}, data=data))
+    rows = _train().batch.micro_batch_size
+    assert work.sampler_kv_tokens == max(4096, rows * (1024 + 4 * 512)) and model.sampler_kv_tokens == 0
+    assert not work.gathered_sampling  # (the engine samples: the trained model is never gathered for it)
+    assert any("grpo.sampler engine: a serving engine on every worker" in n for n in notes)
+    z3 = Layout(3, gradient_checkpointing=True, micro_batch_size=1, num_gpus=8)
+    engine, plain = train_memory(work, z3), train_memory(replace(model, gathered_sampling=False), z3)
+    s = work.shape
+    assert engine.sampler == 2 * s.total_params + kv_bytes_per_token(s, 2) * work.sampler_kv_tokens  # bf16
+    assert ("sampling engine", engine.sampler) in engine.device_terms()
+    assert engine.allocated - engine.sampler <= plain.allocated  # no sampling peak of the trained model's own
+    # on CPU workers the engine computes in fp32; a smaller KV cache asked for is what is planned
+    small = train_workload(
+        _train(objective="grpo", grpo={**grpo, "sampler": "engine", "sampler_kv_cache_tokens": 8192}, data=data)
+    )[0]
+    cpu = train_memory(small, z3, device="cpu")
+    assert cpu.sampler == 4 * s.total_params + kv_bytes_per_token(s, 4) * 8192
+
+
 def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora() -> None:
     from dataclasses import replace
 
