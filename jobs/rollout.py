@@ -179,11 +179,17 @@ class RolloutEngine:
         base = module.get_base_model() if hasattr(module, "get_base_model") else module
         config = base.config.to_dict()
         config["use_cache"] = True
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, default=str)
         tensors = {  # (a tied weight is given once, and tied again at load)
             name: tensor.to("cpu", torch_dtype).contiguous().clone() for name, tensor in full_weights(module)
         }
+        head = base.get_output_embeddings()
+        head_name = next((f"{n}.weight" for n, m in base.named_modules() if m is head), None)
+        if config.get("tie_word_embeddings") and head_name in tensors:
+            # tied, with a LoRA adapter on the output layer: the trained model reads its embeddings without the
+            # adapter and its logits with it, two weights the engine keeps apart
+            config["tie_word_embeddings"] = False
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, default=str)
         save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
     def sync(self, module) -> None:

@@ -90,33 +90,56 @@ def test_a_groups_copies_read_its_prompt_from_the_prefix_cache_and_sampling_is_s
     assert [c.tolist() for c in rollout.sample(prompts, narrow, seed=5)] == greedy
 
 
-def test_lora_adapters_are_merged_into_the_weights_the_engine_gets() -> None:
+@pytest.mark.parametrize(
+    "preset, targets",
+    [("llama-tiny", ["q_proj", "down_proj", "lm_head"]), ("gpt-tiny", ["c_attn", "c_fc", "lm_head"])],
+    ids=["llama", "gpt2"],
+)
+def test_lora_adapters_are_merged_into_the_weights_the_engine_gets(preset, targets) -> None:
+    """The adapters' products added to their base weights apart from the trained model (peft's merge, which leaves
+    it as it is), Llama's Linear layers and GPT-2's Conv1D ones (fan_in_fan_out); the engine's greedy completions are
+    the model's, before and after the adapters move."""
     from pylon.models import build_model
 
-    spec = _spec(sampler="engine").model_copy(
+    spec = _spec(preset, sampler="engine").model_copy(
         update={"lora": TrainJobSpec.model_validate(
-            {"name": "l", "model": {"preset": "llama-tiny"}, "data": {"uri": "/x"}, "steps": 1,
-             "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj", "lm_head"]}}).lora}
+            {"name": "l", "model": {"preset": preset}, "data": {"uri": "/x"}, "steps": 1,
+             "lora": {"r": 4, "alpha": 8, "target_modules": targets}}).lora}
     )  # fmt: skip
     model = build_model(spec, vocab_size=258, eos_id=EOS, pad_id=PAD, seed=0).eval()
-    with torch.no_grad():  # adapters start at zero (B = 0): move them, so that merging them changes the weights
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.add_(torch.randn_like(p) * 0.2)
+
+    def move_adapters(scale: float) -> None:  # (B starts at 0: merged, the adapters would change nothing)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(torch.randn_like(p) * scale)
+
+    move_adapters(0.2)
     got = {name: t.clone() for name, t in full_weights(model)}
-    merged = copy.deepcopy(model).merge_and_unload().state_dict()
-    assert set(got) == set(merged) - ({"lm_head.weight"} if "lm_head.weight" not in got else set())
+    clone = copy.deepcopy(model)
+    head = clone.get_base_model().get_output_embeddings()
+    if head.base_layer.weight is clone.get_base_model().get_input_embeddings().weight:  # GPT-2's tied output layer:
+        head.base_layer.weight = torch.nn.Parameter(head.base_layer.weight.clone())  # the input keeps the bare weight
+    merged = clone.merge_and_unload().state_dict()
+    assert set(got) <= set(merged) and len(got) >= len(merged) - 1  # (a tied lm_head given once, as its embeddings)
     for name, tensor in got.items():
         torch.testing.assert_close(tensor, merged[name], rtol=1e-5, atol=1e-6, msg=name)
     assert any("lora" in n for n, _ in model.named_parameters())  # the trained model keeps its adapters apart
     prompts = _prompts("Hi there", "xyz!")
     loss = GrpoLoss(max_tokens=6)
     rollout = _rollout(model, spec)
-    greedy = sample_completions(model, prompts, loss, eos_id=EOS, pad_id=PAD, device="cpu", seed=0, greedy=True,
-                                copies=1)  # fmt: skip
-    assert [c.tolist() for c in rollout.sample(prompts, loss, seed=0, greedy=True, copies=1)] == [
-        c.tolist() for c in greedy
-    ]
+
+    def agree() -> list:
+        want = sample_completions(model, prompts, loss, eos_id=EOS, pad_id=PAD, device="cpu", seed=0, greedy=True,
+                                  copies=1)  # fmt: skip
+        got = rollout.sample(prompts, loss, seed=0, greedy=True, copies=1)
+        assert [c.tolist() for c in got] == [c.tolist() for c in want]
+        return [c.tolist() for c in got]
+
+    before = agree()
+    move_adapters(1.0)
+    rollout.current(model)
+    assert agree() != before
 
 
 def test_zero3_partitions_are_gathered_into_the_whole_weights(distributed) -> None:  # noqa: F811
