@@ -316,6 +316,9 @@ class GrpoLoss:
     normalize: bool = False  # objective rloo: advantages standardised over the micro-batch (`normalize_advantages`)
     log_completions: int = 0  # completions a micro-batch keeps as `Rollout.samples` (`log_completions`)
     sequence_ratio: bool = False  # GSPO: one policy ratio a completion (`importance_sampling_level: sequence`)
+    # grpo.sampler engine, objective grpo: the cap of each token's ratio of the trained model's probability to the
+    # engine's (`sampler_correction_cap`); 0: no correction
+    correction_cap: float = 0.0
 
     @classmethod
     def of(cls, spec) -> "GrpoLoss":
@@ -340,6 +343,9 @@ class GrpoLoss:
             mask_truncated=g.mask_truncated_completions,
             log_completions=g.log_completions,
             sequence_ratio=g.importance_sampling_level == "sequence",
+            correction_cap=(g.sampler_correction_cap or 0.0)
+            if g.sampler == "engine" and spec.objective == "grpo"
+            else 0.0,
         )
 
     @property
@@ -357,8 +363,8 @@ class GrpoLoss:
     @property
     def sampling_logprobs(self) -> bool:
         """Whether sampling also takes the sampling policy's log-probabilities (a pass without gradients): for later
-        updates' ratios (iterations > 1), and rloo's KL in the reward."""
-        return self.iterations > 1 or (self.rloo and self.needs_reference)
+        updates' ratios (iterations > 1), rloo's KL in the reward, and the engine sampler's correction."""
+        return self.iterations > 1 or (self.rloo and self.needs_reference) or self.correction_cap > 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -679,14 +685,16 @@ def sequence_sums(values, rows, n_rows: int):
     return torch.zeros(n_rows, device=values.device, dtype=values.dtype).index_add(0, rows, values)
 
 
-def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=None, old_logps=None):
+def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=None, old_logps=None, weights=None):
     """The micro-batch's summed loss and what it is averaged over (`loss.kind`: its completion tokens for dapo, its
     completions for grpo and dr_grpo), and [the summed per-token KL (0 without a reference), tokens clipped below,
     tokens clipped above]. `logps`, `rows`: `token_logprobs`; `advantages` [rows]; `old_logps` the sampling policy's
     (None: the model is still that policy, its first update of the batch). TRL's clipped surrogate: with r =
     exp(log pi - log pi_old), -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); r is 1 on the first update.
     `loss.sequence_ratio` (GSPO, Zheng et al. 2025; TRL's importance_sampling_level "sequence"): every token of a
-    completion takes its completion's r, exp of the mean over its tokens of log pi - log pi_old."""
+    completion takes its completion's r, exp of the mean over its tokens of log pi - log pi_old. `weights` (the engine
+    sampler's correction, `Rollout.sampler_ratio`): each token's surrogate multiplied by its weight before the KL
+    term is added (TRL's vllm_importance_sampling_correction)."""
     import torch
 
     old = logps.detach() if old_logps is None else old_logps
@@ -698,6 +706,8 @@ def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - loss.epsilon, 1 + loss.epsilon_high)
     per_token = -torch.minimum(ratio * a, clipped * a)
+    if weights is not None:
+        per_token = per_token * weights
     low = ((ratio < 1 - loss.epsilon) & (a < 0)).sum()
     high = ((ratio > 1 + loss.epsilon_high) & (a > 0)).sum()
     kl = torch.zeros((), device=logps.device)
@@ -751,6 +761,7 @@ STAT_NAMES = (
     "clipped_low",
     "clipped_high",
     "policy_tokens",
+    "sampler_ratio",
 )
 
 
@@ -770,6 +781,8 @@ class Rollout:
     sampled_tokens: int = 0  # what sampling's forward passes computed: each completion's prompt and its tokens
     model_tokens: int = 0  # the non-pad tokens of `inputs`, which each update's passes compute
     samples: list = field(default_factory=list)  # its first `log_completions` completions (`completion_samples`)
+    # grpo.sampler engine with its correction: each counted token's weight, min(cap, pi_old / pi_engine), detached
+    sampler_ratio: object = None
 
     def trained_token_units(self, loss: "GrpoLoss", fresh: bool) -> float:
         """The model FLOPs of training on this rollout once, in units of a trained token's (forward + backward = 3
@@ -810,10 +823,12 @@ def grpo_sample(
     pairs = prompts_and_answers(batch, eos_id) if batch is not None and len(batch) else []
     prompts = [p for p, _, _ in pairs]
     t0 = time.perf_counter()
+    drawn = None  # grpo.sampler engine with its correction: each completion's tokens' logprobs as the engine drew them
     if rollout is not None:
         rollout.current(engine)
         computed = rollout.computed_tokens
-        completions = rollout.sample(prompts, loss, seed=seed)
+        completions = rollout.sample(prompts, loss, seed=seed, logprobs=loss.correction_cap > 0)
+        drawn = rollout.last_logprobs if loss.correction_cap > 0 else None
         computed = rollout.computed_tokens - computed
     else:
         with sampling_model(engine, loss, synced) as (sampler, in_step):
@@ -828,10 +843,15 @@ def grpo_sample(
     cut = [i for i, c in enumerate(completions) if not (len(c) and c[-1] == eos_id)]
     if loss.mask_truncated and cut:  # (TRL's: no token of theirs counted; each still one of the completions)
         inputs["labels"][torch.as_tensor(cut, device=device)] = -100
-    old, seq_kl, kl = None, np.zeros(len(completions)), (0.0, 0.0)
+    old, seq_kl, kl, ratio = None, np.zeros(len(completions)), (0.0, 0.0), None
     if loss.sampling_logprobs:
         with torch.no_grad():
             old, rows = token_logprobs(engine, inputs, loss.chunked, loss.temperature)
+            if drawn is not None:  # (in `token_logprobs`' order: each counted completion's tokens in turn)
+                masked = set(cut) if loss.mask_truncated else set()
+                flat = [lp for i, lps in enumerate(drawn) if i not in masked for lp in lps]
+                sampled = torch.as_tensor(np.asarray(flat, dtype=np.float32), device=old.device)
+                ratio = torch.exp(old - sampled).clamp(max=loss.correction_cap) if len(flat) else old[:0]
             if loss.rloo and loss.needs_reference:  # (every rank: at ZeRO-3 its passes gather collectively)
                 ref = reference_logprobs(
                     engine, reference, inputs, loss.chunked, owner=engine.module, temperature=loss.temperature
@@ -876,6 +896,7 @@ def grpo_sample(
         samples=completion_samples(
             pairs, completions, scores, reward, advantages, rewards.names, tokenizer, eos_id, loss
         ),
+        sampler_ratio=ratio,
     )
 
 
@@ -926,7 +947,9 @@ def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None,
     elif loss.online_dpo:
         loss_sum, count, figures = online_dpo_losses(logps, rows, rollout.advantages, ref, loss, n_rows)
     else:
-        loss_sum, count, figures = grpo_losses(logps, rows, rollout.advantages, loss, n_rows, ref, old)
+        loss_sum, count, figures = grpo_losses(
+            logps, rows, rollout.advantages, loss, n_rows, ref, old, weights=rollout.sampler_ratio
+        )
     if not rollout.completions:
         loss_sum, count = loss_sum * 0.0, 0
     kl, low, high = figures.tolist() if rollout.completions else (0.0, 0.0, 0.0)
@@ -935,7 +958,9 @@ def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None,
     if loss.rloo:  # its KL at sampling; the clip figures count completions, its loss's units
         kl, kl_tokens, n = *rollout.kl, float(rollout.completions)
     k = (len(rollout.stats) - 7) // 2
-    stats = [*rollout.stats[:7], kl, kl_tokens, low, high, n, *rollout.stats[7 : 7 + 2 * k]]
+    weights = rollout.sampler_ratio
+    ratio_sum = float(weights.sum()) if weights is not None and rollout.completions else 0.0
+    stats = [*rollout.stats[:7], kl, kl_tokens, low, high, n, ratio_sum, *rollout.stats[7 : 7 + 2 * k]]
     return loss_sum, count, rollout.tokens, stats
 
 
@@ -1002,6 +1027,8 @@ def grpo_record(sums: list[float], names: list[str], prefix: str = "", online_dp
         record[f"{prefix}online_dpo_reward_margin"] = s["clipped_high"] / pairs
     elif s["policy_tokens"]:  # the share of tokens whose ratio the clip held (TRL's clip_ratio; 0 on a first update)
         record[f"{p}clip_ratio"] = (s["clipped_low"] + s["clipped_high"]) / s["policy_tokens"]
+        if s["sampler_ratio"]:  # grpo.sampler engine's correction: the mean capped ratio (TRL's importance ratio)
+            record[f"{p}sampler_ratio"] = s["sampler_ratio"] / s["policy_tokens"]
     for name, total, count in zip(names, func_sums, func_counts):
         record[f"{p}rewards.{name}"] = total / count if count else None
     return record

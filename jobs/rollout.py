@@ -159,6 +159,7 @@ class RolloutEngine:
         self.computed_tokens = 0  # tokens the engine's forward passes computed: prompts (less cache hits) and samples
         self.cached_tokens = 0  # prompt tokens read from its prefix cache instead
         self.sync_s, self.syncs = 0.0, 0
+        self.last_logprobs: list[np.ndarray] | None = None  # `sample(logprobs=True)`'s, per completion
         self._weights_step = getattr(trainer, "global_steps", None) if trainer is not None else None
         log.info(
             "grpo.sampler: engine: a serving engine beside this worker's model (%s, %s, %d KV tokens) in %.1f s",
@@ -208,11 +209,22 @@ class RolloutEngine:
             self.sync(getattr(trainer, "module", trainer))
             self._weights_step = step
 
-    def sample(self, prompts: list[np.ndarray], loss, *, seed: int, greedy: bool = False, copies: int | None = None):
+    def sample(
+        self,
+        prompts: list[np.ndarray],
+        loss,
+        *,
+        seed: int,
+        greedy: bool = False,
+        copies: int | None = None,
+        logprobs: bool = False,
+    ):
         """`copies` (default `loss.generations`) completions of each prompt, the copies of a prompt consecutive,
         each up to and including its eos or `loss.max_tokens` tokens without one: `grpo.sample_completions`'
         result, sampled by the engine. Each prompt's first copy goes first; once its prompt is computed (and in
-        the prefix cache) the others follow and read its full blocks from there."""
+        the prefix cache) the others follow and read its full blocks from there. `logprobs`: `last_logprobs` holds
+        each completion's tokens' log-probabilities under the distributions they were drawn from (the engine's
+        processed logprobs: after temperature, top-k, min-p, top-p and the repetition penalty)."""
         from pylon.serving.engine.sampling import SamplingParams
 
         copies = loss.generations if copies is None else copies
@@ -230,10 +242,13 @@ class RolloutEngine:
                 seed=_row_seed(seed, row),
                 ignore_eos=True,  # only the training tokenizer's eos ends a completion, as the model sampler's
                 stop_token_ids=[self.eos_id],
+                logprobs=0 if logprobs else None,
+                logprobs_mode="processed",
             )
 
         rows = len(prompts) * copies
         tokens: dict[str, list[int]] = {str(r): [] for r in range(rows)}
+        drawn: dict[str, list[float]] = {str(r): [] for r in range(rows)}
         first = [i * copies for i in range(len(prompts))]
         for r in first:
             engine.add_request(str(r), [int(t) for t in prompts[r // copies]], params(r))
@@ -246,10 +261,15 @@ class RolloutEngine:
                 rest = []
             for out in engine.step():
                 tokens[out.request_id].extend(out.token_ids)
+                if out.logprobs:
+                    drawn[out.request_id].extend(lp.logprob for lp in out.logprobs)
                 waiting.discard(out.request_id)
         after = engine.stats()
         self.cached_tokens += after.prefix_cache_hits_total - before.prefix_cache_hits_total
         self.computed_tokens += (after.prefill_tokens_computed_total - before.prefill_tokens_computed_total) + (
             after.generation_tokens_total - before.generation_tokens_total
+        )
+        self.last_logprobs = (
+            [np.asarray(drawn[str(r)][: loss.max_tokens], dtype=np.float32) for r in range(rows)] if logprobs else None
         )
         return [np.asarray(tokens[str(r)][: loss.max_tokens], dtype=np.int64) for r in range(rows)]

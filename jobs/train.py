@@ -291,7 +291,16 @@ def train_loop(config: dict) -> None:
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.jobs.dpo import DpoLoss, RunningMean, dpo_forward, dpo_record, frozen_reference
-    from pylon.jobs.grpo import GrpoEvaluation, GrpoLoss, Rewards, grpo_record, grpo_sample, grpo_train, sample_seed
+    from pylon.jobs.grpo import (
+        STAT_NAMES,
+        GrpoEvaluation,
+        GrpoLoss,
+        Rewards,
+        grpo_record,
+        grpo_sample,
+        grpo_train,
+        sample_seed,
+    )
     from pylon.jobs.kto import KtoLoss, kto_forward, kto_record
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
@@ -532,7 +541,7 @@ def train_loop(config: dict) -> None:
         # objective dpo: pairs; chosen and rejected rewards, correct pairs. kto: completions; desirable and undesirable
         # rewards, their counts, the KL baseline
         pairs_sum, dpo_sums = 0, [0.0] * (5 if kto is not None else 3)
-        grpo_sums, sample_s = [0.0] * (12 + 2 * len(rewards.functions) if rewards else 0), 0.0  # objective grpo's
+        grpo_sums, sample_s = [0.0] * (len(STAT_NAMES) + 2 * len(rewards.functions) if rewards else 0), 0.0
         grpo_units = 0.0  # objective grpo: its model FLOPs this step, in trained tokens (sampling included)
         samples: list = []  # objective grpo: the first micro-batch's logged completions (`grpo.log_completions`)
         # objective grpo: a step that samples (and reads data), or one of the later updates on the last sampled batch

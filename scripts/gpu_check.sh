@@ -90,7 +90,7 @@ else
         tests/unit/serving/engine/test_serving_engine_async.py tests/unit/serving/engine/test_serving_quant_engine.py \
         tests/unit/serving/engine/test_sampling_penalties.py tests/unit/serving/engine/test_speculative.py \
         tests/unit/serving/engine/test_speculative_draft.py tests/unit/serving/engine/test_structured_outputs.py \
-        >"$OUT/serve.log" 2>&1 &
+        tests/unit/serving/engine/test_load_weights.py >"$OUT/serve.log" 2>&1 &
     serve=$!
     timeout 420 $PY bench/plan_accuracy.py --device cuda --json "$OUT/plan_accuracy.json" >"$OUT/plan_accuracy.log" 2>&1
     code=$?

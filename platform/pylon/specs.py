@@ -560,6 +560,15 @@ class GrpoSpec(_Spec):
     sampler_max_num_seqs: PositiveInt = Field(
         64, description="grpo.sampler engine: completions it computes at once (vLLM's max_num_seqs)"
     )
+    sampler_correction_cap: float | None = Field(
+        3.0,
+        gt=1,
+        description="grpo.sampler engine, objective grpo: each completion token's loss weighed by the ratio of the "
+        "trained model's probability of it to the one the engine drew it with, capped here (TRL's "
+        "vllm_importance_sampling_correction, token_truncate, and its cap): the engine's numerics and top-k/top-p "
+        "truncation make it sample from a slightly different policy than the one trained; the mean ratio is logged "
+        "(grpo_sampler_ratio). None: no correction",
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
         description="objective grpo: advantages are each reward less its group's mean, divided by the standard "
@@ -840,6 +849,7 @@ class TrainJobSpec(_Spec):
                 for name, value, default in (
                     ("sampler_kv_cache_tokens", self.grpo.sampler_kv_cache_tokens, None),
                     ("sampler_max_num_seqs", self.grpo.sampler_max_num_seqs, 64),
+                    ("sampler_correction_cap", self.grpo.sampler_correction_cap, 3.0),
                 ):
                     if value != default:
                         problems.append((f"grpo.{name}", "sizes the serving engine of grpo.sampler: engine; set it"))

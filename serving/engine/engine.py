@@ -38,7 +38,14 @@ from pylon.serving.engine.images import PROCESSOR_FILES, ImageInputs, ImageProce
 from pylon.serving.engine.kv_cache import KVBlockPool, StateSnapshots, cache_salt
 from pylon.serving.engine.pooling import read_classifier
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
-from pylon.serving.engine.sampling import POOL_TASK_NAMES, SamplingParams, sample, shape_logits, token_logprobs
+from pylon.serving.engine.sampling import (
+    POOL_TASK_NAMES,
+    SamplingParams,
+    filtered_probs,
+    sample,
+    shape_logits,
+    token_logprobs,
+)
 from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
 from pylon.serving.engine.tokenization import (
@@ -686,8 +693,17 @@ class LLMEngine:
         wanted = [i for i, r in enumerate(sampling) if r.params.logprobs is not None and r.request_id not in draft_rows]
         chosen = [None] * len(sampling)
         if wanted:
+            source = logits[wanted]
+            processed = [j for j, i in enumerate(wanted) if sampling[i].params.logprobs_mode == "processed"]
+            if processed:  # (the log of what each was drawn from: `filtered_probs` of the rows `sample` took)
+                import torch
+
+                rows = [wanted[j] for j in processed]
+                drawn_from = filtered_probs(allowed[rows], [params[i] for i in rows]).to(source.device)
+                source = source.float().clone()
+                source[processed] = torch.log(drawn_from)
             found = token_logprobs(
-                logits[wanted], [tokens[i] for i in wanted], [sampling[i].params.alternatives for i in wanted]
+                source, [tokens[i] for i in wanted], [sampling[i].params.alternatives for i in wanted]
             )
             for i, logprob in zip(wanted, found):
                 chosen[i] = logprob

@@ -145,6 +145,10 @@ class SamplingParams:
     truncation_side: str = "left"
     logprob_token_ids: list[int] | None = None
     reasoning_tags: tuple[tuple[int, ...], tuple[int, ...], bool] | None = None
+    # vLLM's logprobs_mode: "raw", the model's own log-softmax (the default, as above); "processed", the log of the
+    # distribution the token was drawn from (after the shaping, temperature, top-k, min-p, top-p and any grammar; a
+    # greedy token's 0): what a trainer sampling through the engine corrects its ratios with (pylon.jobs.rollout)
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         if self.guide is not None and (
@@ -161,6 +165,10 @@ class SamplingParams:
                 _check_int(name, value)
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS} (got {value})", param=name)
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise InvalidRequest(
+                f"logprobs_mode must be 'raw' or 'processed' (got {shown(self.logprobs_mode)})", param="logprobs_mode"
+            )
         if self.embed:  # an embedding generates nothing and scores nothing
             for name, neutral in (("max_tokens", 0), ("logprobs", None), ("prompt_logprobs", None)):
                 if getattr(self, name) != neutral:

@@ -129,14 +129,19 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
     assert "step 1 completion: reward" in logs and "step 11 completion: reward" in logs, logs[-4000:]
 
 
-@pytest.mark.slow  # (make test-all: three more jobs)
-def test_a_resumed_grpo_run_samples_and_learns_what_the_uninterrupted_one_did(ray_cluster, tmp_path, monkeypatch):
+@pytest.mark.slow  # (make test-all: three more jobs each)
+@pytest.mark.parametrize("sampler", ["model", "engine"])
+def test_a_resumed_grpo_run_samples_and_learns_what_the_uninterrupted_one_did(
+    ray_cluster, tmp_path, monkeypatch, sampler
+):
     """A run stopped at its step-6 checkpoint and submitted again goes on from there, sampling with the same seeds
-    and the same restored state: its steps 7-12 are, figure for figure, an uninterrupted run's. The uninterrupted one
-    decodes layer by layer with both ranks in step (`zero3_gather_for_sampling: false`), the same model either way."""
-    whole = _run(_grpo_spec(tmp_path, monkeypatch, "whole", gather=False))[1]
-    _run(_grpo_spec(tmp_path, monkeypatch, "split") | {"steps": 6, "eval": {"every_steps": 6}})
-    logs, resumed, _ = _run(_grpo_spec(tmp_path, monkeypatch, "split"))
+    and the same restored state: its steps 7-12 are, figure for figure, an uninterrupted run's. The model sampler's
+    uninterrupted run decodes layer by layer with both ranks in step (`zero3_gather_for_sampling: false`), the same
+    model either way; the engine of the resumed run is built from the restored weights, the uninterrupted one's was
+    given them step by step."""
+    whole = _run(_grpo_spec(tmp_path, monkeypatch, "whole", gather=False, sampler=sampler))[1]
+    _run(_grpo_spec(tmp_path, monkeypatch, "split", sampler=sampler) | {"steps": 6, "eval": {"every_steps": 6}})
+    logs, resumed, _ = _run(_grpo_spec(tmp_path, monkeypatch, "split", sampler=sampler))
     assert "resumed split from step 6" in logs, logs[-4000:]
     assert [r["step"] for r in resumed] == list(range(1, 13))
     keys = ["loss", "grpo_reward", "grpo_kl", "grpo_completion_length", "grpo_rewards.share_of_answer"]

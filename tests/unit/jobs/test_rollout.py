@@ -238,3 +238,42 @@ def test_the_driver_refuses_a_model_the_engine_cannot_sample_by_name(tmp_path) -
     spec = TrainJobSpec.model_validate({**_spec(sampler="engine").model_dump(), "model": {"config": bert}})
     with pytest.raises(PylonError, match=r"does not run model_type 'bert'.*use grpo\.sampler: model"):
         check_sampler(spec, manifest)
+
+
+def test_the_engines_sampling_is_corrected_by_each_tokens_capped_ratio_as_trl_does(tmp_path) -> None:
+    """objective grpo with the engine (TRL's vllm_importance_sampling_correction, token_truncate): each completion
+    token's surrogate weighed by min(cap, pi_old / pi_engine), pi_engine the distribution the engine drew it from.
+    With top_k the engine draws from the k likeliest renormalised, so each weight is the tempered distribution's mass
+    on those k tokens (here, where the engine computes as the model does, in fp32); the mean is logged."""
+    from pylon.jobs.grpo import grpo_losses, token_logprobs
+
+    batch, _ = _batch(tmp_path, [{"prompt": f"Now say the letter a{'!' * i}: ", "completion": "a"} for i in range(2)])
+    spec = _spec(sampler="engine", generations=4, max_completion_tokens=6, top_k=5, temperature=0.8)
+    loss = GrpoLoss.of(spec)
+    assert loss.correction_cap == 3.0 and loss.sampling_logprobs  # (the trained model's logprobs at sampling)
+    assert GrpoLoss.of(_spec(generations=4)).correction_cap == 0.0  # (the model sampler: nothing to correct)
+    assert GrpoLoss.of(_spec(sampler="engine", sampler_correction_cap=None)).correction_cap == 0.0
+    model = _model()
+    rollout = _rollout(model, spec)
+    rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
+    sampled = grpo_sample(model, batch, loss, rewards, tok, eos_id=EOS, pad_id=PAD, seed=7, rollout=rollout)
+    weights = sampled.sampler_ratio
+    assert weights is not None and len(weights) == sampled.tokens
+    with torch.no_grad():  # the top-5 mass of the tempered distribution at each completion token's position
+        logits = model(input_ids=sampled.inputs["input_ids"], attention_mask=sampled.inputs["attention_mask"]).logits
+        probs = torch.softmax(logits[:, :-1].float() / 0.8, -1)
+        counted = sampled.inputs["labels"][:, 1:] != -100
+        mass = probs.topk(5, dim=-1).values.sum(-1)[counted]
+    torch.testing.assert_close(weights, mass.clamp(max=3.0), rtol=1e-4, atol=1e-5)
+    assert (weights < 1).all()
+    # the loss: each token's clipped surrogate times its weight, then the KL term (TRL's order)
+    logps, rows = token_logprobs(model, sampled.inputs, False, loss.temperature)
+    a = sampled.advantages
+    plain, _, _ = grpo_losses(logps, rows, a, loss, len(sampled.advantages))
+    weighted, _, _ = grpo_losses(logps, rows, a, loss, len(sampled.advantages), weights=weights)
+    per_token = -(torch.exp(logps - logps.detach()) * a[rows])
+    assert float(plain) == pytest.approx(float(per_token.sum()), rel=1e-5, abs=1e-6)
+    assert float(weighted) == pytest.approx(float((per_token * weights).sum()), rel=1e-5, abs=1e-6)
+    _, _, _, stats = grpo_train(model, model, sampled, loss)
+    record = grpo_record(stats, rewards.names)
+    assert record["grpo_sampler_ratio"] == pytest.approx(float(weights.mean()), rel=1e-5)

@@ -285,3 +285,36 @@ def test_token_texts_give_raw_bytes_for_part_of_a_character(hf_dir) -> None:  # 
     assert (texts.text(space), texts.bytes(space)) == (" ", [32])
     whole = tokenizer.encode("ça").tolist()
     assert b"".join(bytes(texts.bytes(i)) for i in whole) == "ça".encode()
+
+
+def test_processed_logprobs_are_the_log_of_what_each_token_was_drawn_from(gpt2) -> None:
+    """`logprobs_mode: processed` (vLLM's processed_logprobs): each token's logprob under the distribution it was
+    drawn from, after temperature and top-k, which a trainer's importance-sampling correction needs; raw stays the
+    model's own log-softmax. A greedy token's is 0."""
+    import torch
+
+    engine = gpt2.engine()
+    prompt = PROMPTS[2]
+    params = dict(max_tokens=6, temperature=0.7, top_k=20, seed=3, logprobs=0)
+    raw = engine.generate([prompt], SamplingParams(**params))[0]
+    engine.add_request("p", prompt, SamplingParams(**params, logprobs_mode="processed"))
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    processed = [lp for o in outs for lp in o.logprobs]
+    tokens = [t for o in outs for t in o.token_ids]
+    assert tokens == raw.token_ids  # the same draws: the mode changes what is reported, not what is sampled
+    ids = list(prompt)
+    with torch.no_grad():
+        for token, lp in zip(tokens, processed):
+            logits = gpt2.model(torch.tensor([ids], device=gpt2.model.device)).logits[0, -1].float().cpu() / 0.7
+            kth = logits.topk(20).values[-1]
+            want = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), -1)[token]
+            assert lp.logprob == pytest.approx(float(want), abs=1e-4)
+            ids.append(token)
+    greedy = SamplingParams(max_tokens=3, temperature=0, logprobs=0, logprobs_mode="processed")
+    engine.add_request("g", prompt, greedy)
+    while engine.has_unfinished():
+        assert all(lp.logprob == 0.0 for o in engine.step() for lp in o.logprobs)
+    with pytest.raises(InvalidRequest, match="logprobs_mode must be 'raw' or 'processed'"):
+        SamplingParams(logprobs_mode="sampled")
