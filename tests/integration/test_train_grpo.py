@@ -114,6 +114,8 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
     early, late = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert late > early + 0.3, rewards
     assert steps[-1]["grpo_kl"] > 0 and 0 < steps[-1]["grpo_completion_length"] <= 8
+    # the engine's correction: each token's pi_old / pi_engine, ~1 where the engine computes in fp32 as the model does
+    assert all(r["grpo_sampler_ratio"] == pytest.approx(1.0, abs=1e-3) for r in steps), steps[-1]
     # MFU counts sampling and the passes over prompts too: more FLOPs per step than its completion tokens' alone
     assert all(r["mfu"] > 0 for r in steps), [r["mfu"] for r in steps]
     assert evaluation["val_grpo_completions"] == 2 and evaluation["val_grpo_reward"] > 0.5, evaluation
