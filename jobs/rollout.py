@@ -78,23 +78,18 @@ def check_sampler(spec, manifest) -> None:
     the model or could not take its weights as it trains (a model type it does not serve; experts, latent attention
     or a multimodal checkpoint, whose weights it reshapes at load)."""
     from pylon.models import model_config
-    from pylon.serving.model.families import (
-        MLA_FAMILIES,
-        MOE_MODEL_TYPES,
-        SUPPORTED_MODEL_TYPES,
-        TEXT_MODELS,
-        unsupported,
-    )
+    from pylon.serving.model.families import SUPPORTED_MODEL_TYPES, reshaped_at_load, unsupported
 
     tok = manifest.tokenizer
     config = model_config(spec.model, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id)
     kind = config.model_type
+    reshaped = reshaped_at_load(kind)
     why = (
         f"the serving engine does not run model_type {kind!r} (it runs {', '.join(SUPPORTED_MODEL_TYPES)})"
         if kind not in SUPPORTED_MODEL_TYPES
-        else f"model_type {kind!r}'s weights are reshaped when the engine loads them (experts, latent attention or "
-        "a multimodal checkpoint), so it cannot take the policy's as it trains"
-        if kind in (*MOE_MODEL_TYPES, *MLA_FAMILIES, *TEXT_MODELS)
+        else f"model_type {kind!r}'s weights are reshaped when the engine loads them ({reshaped}), so it cannot take "
+        "the policy's as it trains"
+        if reshaped is not None
         else unsupported(config)
     )
     if why is not None:

@@ -278,6 +278,27 @@ def is_sequence_classifier(config) -> bool:
     return is_classifier(config)
 
 
+# Modules the runner renames at load to the names its Llama-like forward reads, per family (old -> new): Llama 4's
+# layers call their MLP (or MoE block) `feed_forward`; Apertus has its own names for Llama's two norms. A checkpoint's
+# weights keep the old names (`ModelRunner.load_weights` maps them).
+RENAMED_MODULES: dict[str, dict[str, str]] = {
+    "llama4_text": {"feed_forward": "mlp"},
+    "apertus": {"attention_layernorm": "input_layernorm", "feedforward_layernorm": "post_attention_layernorm"},
+}
+
+
+def reshaped_at_load(model_type: str | None) -> str | None:
+    """Why the engine's weights of a checkpoint of `model_type` are not the checkpoint's tensors as they load (so that
+    it cannot take a trainer's weights again: `ModelRunner.load_weights`), or None."""
+    if model_type in MLA_FAMILIES:
+        return "its latent attention's kv_b_proj is absorbed into the queries and outputs at load"
+    if model_type in MOE_MODEL_TYPES:
+        return "its experts are regrouped at load (pylon.serving.model.moe)"
+    if model_type in TEXT_MODELS:
+        return "it is a multimodal checkpoint whose language model is taken apart at load"
+    return None
+
+
 def unsupported(config) -> str | None:
     """What in a supported family's `config` the engine does not compute, naming the field, or None."""
     if getattr(config, "attn_logit_softcapping", None) and config.model_type != "gemma2":

@@ -59,6 +59,7 @@ from pylon.serving.model.families import (
     MLA_FAMILIES,
     MOE_MODEL_TYPES,
     PARALLEL_FAMILIES,
+    RENAMED_MODULES,
     SINK_FAMILIES,
     SUPPORTED_MODEL_TYPES,
     TEXT_MODELS,
@@ -67,6 +68,7 @@ from pylon.serving.model.families import (
     layer_windows,
     linear_layers,
     position_limit,
+    reshaped_at_load,
     rope_layer_types,
     unsupported,
 )
@@ -432,13 +434,9 @@ class ModelRunner:
         if self.classifier is not None:
             self.classifier.to(self.device).eval()
         self.config = config
-        if model_type == "llama4_text":  # Llama 4's layers call their MLP (or MoE block) `feed_forward`
+        for old, new in RENAMED_MODULES.get(model_type, {}).items():  # (Llama 4's feed_forward, Apertus's norms)
             for layer in self.model.model.layers:
-                layer.mlp = layer._modules.pop("feed_forward")
-        if model_type == "apertus":  # Apertus's names for Llama's two norms
-            for layer in self.model.model.layers:
-                layer.input_layernorm = layer._modules.pop("attention_layernorm")
-                layer.post_attention_layernorm = layer._modules.pop("feedforward_layernorm")
+                setattr(layer, new, layer._modules.pop(old))
         # What the Llama-like forward does beyond Llama's, read once here (families.py): each layer's rotary
         # embedding by its type (None: one for all), norms of the attention's and the MLP's outputs (Gemma 3's
         # post_attention_layernorm and post_feedforward_layernorm, with pre_feedforward_layernorm before the MLP),
@@ -900,10 +898,9 @@ class ModelRunner:
         other than the checkpoint's), or None when they can."""
         if self.quantization != "none":
             return f"its projections are quantized ({self.quantization}) at load"
-        if self._mla is not None:
-            return "its latent attention's kv_b_proj is absorbed into the queries and outputs at load"
-        if self.moe_layers:
-            return "its experts are regrouped at load (pylon.serving.model.moe)"
+        why = reshaped_at_load(self.full_config.model_type)  # (a multimodal checkpoint's own type, not its text's)
+        if why is not None:
+            return why
         if self.classifier is not None or self.vision is not None:
             return "it is a classifier or keeps a vision tower"
         if self.adapter_set is not None:
@@ -921,13 +918,7 @@ class ModelRunner:
         why = self.fixed_weights()
         if why is not None:
             raise PylonError(f"model ({self.model_type}): its weights cannot be replaced: {why}")
-        renames = {
-            "llama4_text": ((".feed_forward.", ".mlp."),),
-            "apertus": (
-                (".attention_layernorm.", ".input_layernorm."),
-                (".feedforward_layernorm.", ".post_attention_layernorm."),
-            ),
-        }.get(self.model_type, ())
+        renames = [(f".{old}.", f".{new}.") for old, new in RENAMED_MODULES.get(self.model_type, {}).items()]
         modules = dict(self.model.named_modules())
         params = dict(self.model.named_parameters(remove_duplicate=False))
         # what must be given: each parameter once (tied embeddings: one entry), and each projection packed at load
