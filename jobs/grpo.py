@@ -316,9 +316,12 @@ class GrpoLoss:
     normalize: bool = False  # objective rloo: advantages standardised over the micro-batch (`normalize_advantages`)
     log_completions: int = 0  # completions a micro-batch keeps as `Rollout.samples` (`log_completions`)
     sequence_ratio: bool = False  # GSPO: one policy ratio a completion (`importance_sampling_level: sequence`)
-    # grpo.sampler engine, objective grpo: the cap of each token's ratio of the trained model's probability to the
-    # engine's (`sampler_correction_cap`); 0: no correction
-    correction_cap: float = 0.0
+    # grpo.sampler engine, objectives grpo and rloo: the importance-sampling correction of the engine's sampling
+    # (`sampler_correction`: sequence_mask, sequence_truncate, token_mask, token_truncate; none) and the bounds of its
+    # ratio of the trained model's probability to the engine's (`sampler_correction_min`, `sampler_correction_cap`)
+    correction: str = "none"
+    correction_min: float | None = None
+    correction_max: float | None = None
 
     @classmethod
     def of(cls, spec) -> "GrpoLoss":
@@ -343,9 +346,9 @@ class GrpoLoss:
             mask_truncated=g.mask_truncated_completions,
             log_completions=g.log_completions,
             sequence_ratio=g.importance_sampling_level == "sequence",
-            correction_cap=(g.sampler_correction_cap or 0.0)
-            if g.sampler == "engine" and spec.objective == "grpo"
-            else 0.0,
+            correction=g.sampler_correction if g.sampler == "engine" and spec.objective in ("grpo", "rloo") else "none",
+            correction_min=g.sampler_correction_min,
+            correction_max=g.sampler_correction_cap,
         )
 
     @property
@@ -364,7 +367,12 @@ class GrpoLoss:
     def sampling_logprobs(self) -> bool:
         """Whether sampling also takes the sampling policy's log-probabilities (a pass without gradients): for later
         updates' ratios (iterations > 1), rloo's KL in the reward, and the engine sampler's correction."""
-        return self.iterations > 1 or (self.rloo and self.needs_reference) or self.correction_cap > 0
+        return self.iterations > 1 or (self.rloo and self.needs_reference) or self.corrects
+
+    @property
+    def corrects(self) -> bool:
+        """Whether the engine sampler's importance-sampling correction weighs the loss (`correction_weights`)."""
+        return self.correction != "none"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -685,6 +693,30 @@ def sequence_sums(values, rows, n_rows: int):
     return torch.zeros(n_rows, device=values.device, dtype=values.dtype).index_add(0, rows, values)
 
 
+def correction_weights(old, drawn, rows, n_rows: int, loss: GrpoLoss):
+    """grpo.sampler engine's importance-sampling correction (TRL's vllm_importance_sampling_correction and its
+    modes): the ratio of the trained model's probability of each counted token (`old`, log pi_old) to the one the
+    engine drew it with (`drawn`, its processed log-probabilities, in `token_logprobs`' order), per token (token_*) or
+    per completion (sequence_*: exp of the sum of its tokens' log-ratios), held to [correction_min, correction_max]:
+    clipped (*_truncate) or zero outside (*_mask). Returns the weights per token, and per completion (sequence_*; None
+    for token_*), detached."""
+    import torch
+
+    diff = (old - drawn).detach()
+    if loss.correction.startswith("sequence"):
+        per_completion = _bounded(torch.exp(sequence_sums(diff, rows, n_rows)), loss)
+        return per_completion[rows], per_completion
+    return _bounded(torch.exp(diff), loss), None
+
+
+def _bounded(ratio, loss: GrpoLoss):
+    low, high = loss.correction_min, loss.correction_max
+    if loss.correction.endswith("truncate"):
+        return ratio.clamp(min=low, max=high)
+    outside = (ratio < (low if low is not None else -math.inf)) | (ratio > (high if high is not None else math.inf))
+    return ratio.masked_fill(outside, 0.0)
+
+
 def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=None, old_logps=None, weights=None):
     """The micro-batch's summed loss and what it is averaged over (`loss.kind`: its completion tokens for dapo, its
     completions for grpo and dr_grpo), and [the summed per-token KL (0 without a reference), tokens clipped below,
@@ -693,8 +725,8 @@ def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=
     exp(log pi - log pi_old), -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); r is 1 on the first update.
     `loss.sequence_ratio` (GSPO, Zheng et al. 2025; TRL's importance_sampling_level "sequence"): every token of a
     completion takes its completion's r, exp of the mean over its tokens of log pi - log pi_old. `weights` (the engine
-    sampler's correction, `Rollout.sampler_ratio`): each token's surrogate multiplied by its weight before the KL
-    term is added (TRL's vllm_importance_sampling_correction)."""
+    sampler's correction, `correction_weights`' per token): each token's surrogate multiplied by its weight before the
+    KL term is added (TRL's vllm_importance_sampling_correction)."""
     import torch
 
     old = logps.detach() if old_logps is None else old_logps
@@ -726,11 +758,12 @@ def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=
     return sums.sum() / loss.max_tokens, n_rows, figures  # dr_grpo
 
 
-def rloo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, old_seq=None):
+def rloo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, old_seq=None, weights=None):
     """objective rloo: the micro-batch's summed loss over its completions, their count, and [0 (its KL is in the
     reward), completions clipped below, completions clipped above]. Per completion, with r = exp(its tokens' summed
     log pi - `old_seq`, the same under the sampling policy; None: the model is still that policy), the clipped
-    surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) (TRL's RLOOTrainer)."""
+    surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) (TRL's RLOOTrainer), times its weight in
+    `weights` (the engine sampler's sequence-level correction, `correction_weights`' per completion)."""
     import torch
 
     seq = sequence_sums(logps, rows, n_rows)
@@ -738,6 +771,8 @@ def rloo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, old_seq=No
     ratio = torch.exp(seq - old)
     clipped = torch.clamp(ratio, 1 - loss.epsilon, 1 + loss.epsilon_high)
     per_completion = -torch.minimum(ratio * advantages, clipped * advantages)
+    if weights is not None:
+        per_completion = per_completion * weights
     low = ((ratio < 1 - loss.epsilon) & (advantages < 0)).sum()
     high = ((ratio > 1 + loss.epsilon_high) & (advantages > 0)).sum()
     figures = torch.stack([torch.zeros((), device=logps.device), low.float(), high.float()])
@@ -781,7 +816,8 @@ class Rollout:
     sampled_tokens: int = 0  # what sampling's forward passes computed: each completion's prompt and its tokens
     model_tokens: int = 0  # the non-pad tokens of `inputs`, which each update's passes compute
     samples: list = field(default_factory=list)  # its first `log_completions` completions (`completion_samples`)
-    # grpo.sampler engine with its correction: each counted token's weight, min(cap, pi_old / pi_engine), detached
+    # grpo.sampler engine with its correction (`correction_weights`): objective grpo's weight of each counted token,
+    # rloo's of each completion; detached
     sampler_ratio: object = None
 
     def trained_token_units(self, loss: "GrpoLoss", fresh: bool) -> float:
@@ -827,8 +863,8 @@ def grpo_sample(
     if rollout is not None:
         rollout.current(engine)
         computed = rollout.computed_tokens
-        completions = rollout.sample(prompts, loss, seed=seed, logprobs=loss.correction_cap > 0)
-        drawn = rollout.last_logprobs if loss.correction_cap > 0 else None
+        completions = rollout.sample(prompts, loss, seed=seed, logprobs=loss.corrects)
+        drawn = rollout.last_logprobs if loss.corrects else None
         computed = rollout.computed_tokens - computed
     else:
         with sampling_model(engine, loss, synced) as (sampler, in_step):
@@ -851,7 +887,8 @@ def grpo_sample(
                 masked = set(cut) if loss.mask_truncated else set()
                 flat = [lp for i, lps in enumerate(drawn) if i not in masked for lp in lps]
                 sampled = torch.as_tensor(np.asarray(flat, dtype=np.float32), device=old.device)
-                ratio = torch.exp(old - sampled).clamp(max=loss.correction_cap) if len(flat) else old[:0]
+                per_token, per_completion = correction_weights(old, sampled, rows, len(completions), loss)
+                ratio = per_completion if loss.rloo else per_token
             if loss.rloo and loss.needs_reference:  # (every rank: at ZeRO-3 its passes gather collectively)
                 ref = reference_logprobs(
                     engine, reference, inputs, loss.chunked, owner=engine.module, temperature=loss.temperature
@@ -943,7 +980,9 @@ def grpo_train(engine, module, rollout: Rollout, loss: GrpoLoss, reference=None,
     old = None if first else rollout.old_logps
     if loss.rloo:
         old_seq = None if old is None else sequence_sums(old, rows, n_rows)
-        loss_sum, count, figures = rloo_losses(logps, rows, rollout.advantages, loss, n_rows, old_seq)
+        loss_sum, count, figures = rloo_losses(
+            logps, rows, rollout.advantages, loss, n_rows, old_seq, weights=rollout.sampler_ratio
+        )
     elif loss.online_dpo:
         loss_sum, count, figures = online_dpo_losses(logps, rows, rollout.advantages, ref, loss, n_rows)
     else:
@@ -1027,7 +1066,7 @@ def grpo_record(sums: list[float], names: list[str], prefix: str = "", online_dp
         record[f"{prefix}online_dpo_reward_margin"] = s["clipped_high"] / pairs
     elif s["policy_tokens"]:  # the share of tokens whose ratio the clip held (TRL's clip_ratio; 0 on a first update)
         record[f"{p}clip_ratio"] = (s["clipped_low"] + s["clipped_high"]) / s["policy_tokens"]
-        if s["sampler_ratio"]:  # grpo.sampler engine's correction: the mean capped ratio (TRL's importance ratio)
+        if s["sampler_ratio"]:  # grpo.sampler engine's correction: its mean weight (per token; rloo: per completion)
             record[f"{p}sampler_ratio"] = s["sampler_ratio"] / s["policy_tokens"]
     for name, total, count in zip(names, func_sums, func_counts):
         record[f"{p}rewards.{name}"] = total / count if count else None

@@ -560,14 +560,28 @@ class GrpoSpec(_Spec):
     sampler_max_num_seqs: PositiveInt = Field(
         64, description="grpo.sampler engine: completions it computes at once (vLLM's max_num_seqs)"
     )
+    sampler_correction: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate", "none"] = Field(
+        "sequence_mask",
+        description="grpo.sampler engine, objectives grpo and rloo: the importance-sampling correction for the engine "
+        "sampling from a slightly different policy than the one trained (its numerics; top-k/top-p truncation), TRL's "
+        "vllm_importance_sampling_mode. The ratio of the trained model's probability of the sampled tokens to the "
+        "engine's, per token (token_*) or per completion (sequence_*: the product over its tokens), weighs each "
+        "token's (rloo: each completion's) loss, held to [sampler_correction_min, sampler_correction_cap]: clipped to "
+        "it (*_truncate) or zero outside it (*_mask: the completion or token left out). Its mean is logged "
+        "(grpo_sampler_ratio). objective rloo takes sequence_* only (its loss is a completion's); none: no correction",
+    )
     sampler_correction_cap: float | None = Field(
         3.0,
         gt=1,
-        description="grpo.sampler engine, objective grpo: each completion token's loss weighed by the ratio of the "
-        "trained model's probability of it to the one the engine drew it with, capped here (TRL's "
-        "vllm_importance_sampling_correction, token_truncate, and its cap): the engine's numerics and top-k/top-p "
-        "truncation make it sample from a slightly different policy than the one trained; the mean ratio is logged "
-        "(grpo_sampler_ratio). None: no correction",
+        description="grpo.sampler engine: the upper bound of grpo.sampler_correction's ratio (TRL's "
+        "vllm_importance_sampling_clip_max); None: none (then sampler_correction_min must be set)",
+    )
+    sampler_correction_min: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="grpo.sampler engine: the lower bound of grpo.sampler_correction's ratio (TRL's "
+        "vllm_importance_sampling_clip_min); None: none",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
@@ -585,6 +599,39 @@ class GrpoSpec(_Spec):
         "first worker's first, each with its prompt, answer, every function's score, reward and advantage "
         "(`Run.completions()` in the SDK); one of them printed beside each step the job's log prints; 0: none",
     )
+
+    def correction_problems(self, objective: str) -> list[tuple[str, str]]:
+        """grpo.sampler engine: what is wrong with its correction's settings for `objective` (field, problem)."""
+        if self.sampler_correction == "none":
+            return []
+        if objective == "online_dpo":  # (compared by value: the default is on, and online_dpo takes none)
+            if (self.sampler_correction, self.sampler_correction_cap, self.sampler_correction_min) != (
+                "sequence_mask",
+                3.0,
+                None,
+            ):
+                return [
+                    ("grpo.sampler_correction", "objective online_dpo has no policy ratio to correct: leave it out")
+                ]
+            return []
+        problems = []
+        if objective == "rloo" and self.sampler_correction.startswith("token"):
+            problems.append(
+                (
+                    "grpo.sampler_correction",
+                    f"objective rloo's loss is a completion's: use sequence_mask or sequence_truncate, not "
+                    f"{self.sampler_correction}",
+                )
+            )
+        if self.sampler_correction_cap is None and self.sampler_correction_min is None:
+            problems.append(
+                (
+                    "grpo.sampler_correction_cap",
+                    "None with no grpo.sampler_correction_min leaves the ratio unbounded: set a cap (3.0, TRL's), or "
+                    "grpo.sampler_correction: none to turn the correction off",
+                )
+            )
+        return problems
 
 
 def sampler_kv_cache_tokens(spec: "TrainJobSpec", seq_len: int) -> int:
@@ -849,10 +896,16 @@ class TrainJobSpec(_Spec):
                 for name, value, default in (
                     ("sampler_kv_cache_tokens", self.grpo.sampler_kv_cache_tokens, None),
                     ("sampler_max_num_seqs", self.grpo.sampler_max_num_seqs, 64),
+                    ("sampler_correction", self.grpo.sampler_correction, "sequence_mask"),
                     ("sampler_correction_cap", self.grpo.sampler_correction_cap, 3.0),
+                    ("sampler_correction_min", self.grpo.sampler_correction_min, None),
                 ):
                     if value != default:
-                        problems.append((f"grpo.{name}", "sizes the serving engine of grpo.sampler: engine; set it"))
+                        problems.append(
+                            (f"grpo.{name}", "is grpo.sampler engine's: set grpo.sampler: engine, or leave it out")
+                        )
+            elif self.grpo is not None:
+                problems.extend(self.grpo.correction_problems(objective))
             mu = self.grpo.iterations if self.grpo is not None else 1
             for field, value in (("steps", self.steps), ("checkpoint.every_steps", self.checkpoint.every_steps)):
                 if value % mu:

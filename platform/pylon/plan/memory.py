@@ -195,6 +195,8 @@ class Workload:
     # objectives grpo and rloo with `grpo.sampler: engine`: the serving engine's KV cache tokens on every worker (it
     # holds a whole copy of the model besides); 0: the model samples itself
     sampler_kv_tokens: int = 0
+    # and the completions it decodes at once (`grpo.sampler_max_num_seqs`)
+    sampler_max_num_seqs: int = 64
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:

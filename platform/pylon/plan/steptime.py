@@ -135,7 +135,12 @@ def sampling_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) 
     every micro-batch's prompts prefilled once per completion (forward FLOPs at `mfu`), then a decode step per
     completion token, whichever is longer of its FLOPs and its bytes: every weight read once (a decode is
     memory-bound) and the KV cache so far. At ZeRO-3 the model is gathered once per micro-batch
-    (`zero3_gather_for_sampling`), or else every layer for every token."""
+    (`zero3_gather_for_sampling`), or else every layer for every token.
+
+    With `grpo.sampler: engine` (`work.sampler_kv_tokens`): each prompt prefilled once (its other completions read
+    its blocks from the prefix cache), the decodes in waves of at most `sampler_max_num_seqs` completions, and once a
+    step (the engine takes the policy's weights before the first micro-batch that samples after an update) the
+    weights copied into the engine, at ZeRO-3 gathered first (a module at a time: the whole model's bytes once)."""
     steps = work.completion_tokens
     if not steps:
         return 0.0
@@ -144,15 +149,25 @@ def sampling_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) 
     prompt = work.seq_len - steps
     peak, bandwidth = acc.peak_flops(work.precision) * mfu, acc.bandwidth_gbs * 1e9
     forward = 2 * s.total_params  # FLOPs a token, forward only (attention aside)
+    weights = w * s.total_params
+    gathered = weights * (g - 1) / g if layout.zero_stage == 3 and g > 1 else 0.0  # what a gather moves to a GPU
+
+    def decode(batch: int) -> float:  # one decode step of `batch` sequences
+        kv = kv_bytes_per_token(s, w) * batch * (prompt + steps / 2)  # the cache read by an average decode step
+        return max(forward * batch / peak, (weights + kv) / bandwidth)
+
+    if work.sampler_kv_tokens:
+        batch = min(rows, work.sampler_max_num_seqs)
+        waves = math.ceil(rows / batch)
+        prefill = forward * layout.micro_batch_size * prompt / peak
+        sync = gathered / (collective_gbs(acc, g) * 1e9) + weights / bandwidth  # (a copy: read and written once)
+        return layout.grad_accum_steps * (prefill + waves * steps * decode(batch)) + sync
     prefill = forward * rows * prompt / peak
-    kv = kv_bytes_per_token(s, w) * rows * (prompt + steps / 2)  # the cache read by an average decode step
-    decode = steps * max(forward * rows / peak, (w * s.total_params + kv) / bandwidth)
     gather = 0.0
-    if layout.zero_stage == 3 and g > 1:
-        weights = w * s.total_params * (g - 1) / g
-        per_micro = weights if work.gathered_sampling else weights * steps
+    if gathered:
+        per_micro = gathered if work.gathered_sampling else gathered * steps
         gather = per_micro / (collective_gbs(acc, g) * 1e9)
-    return layout.grad_accum_steps * (prefill + decode + gather)
+    return layout.grad_accum_steps * (prefill + steps * decode(rows) + gather)
 
 
 def _check_knobs(

@@ -448,12 +448,14 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         sampler_kv = sampler_kv_cache_tokens(spec, seq - spec.grpo.max_completion_tokens)
         notes.append(
             f"grpo.sampler engine: a serving engine on every worker holds the model whole and {sampler_kv:,} KV cache "
-            "tokens for the whole run; its sampling time planned as the model's own"
+            "tokens for the whole run; its sampling time as a prefill of each prompt once (its other completions "
+            f"read it from the prefix cache), decode steps of at most {spec.grpo.sampler_max_num_seqs} completions "
+            "(grpo.sampler_max_num_seqs) at a time, and the weights copied in once a step (at ZeRO-3, gathered)"
         )
     work = Workload(
         config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts,
         gathered_sampling=gathered, completion_tokens=spec.grpo.max_completion_tokens if rl else 0,
-        sampler_kv_tokens=sampler_kv,
+        sampler_kv_tokens=sampler_kv, sampler_max_num_seqs=spec.grpo.sampler_max_num_seqs if rl else 64,
     )  # fmt: skip
     return work, notes
 

@@ -216,7 +216,7 @@ def test_the_sampler_settings_and_the_kv_cache_default() -> None:
     assert sampler_kv_cache_tokens(spec, 512) == max(4096, spec.batch.micro_batch_size * (512 + 4 * 100))
     with pytest.raises(Exception, match="sampler"):
         _spec(sampler="vllm")
-    with pytest.raises(Exception, match=r"grpo\.sampler_kv_cache_tokens: sizes the serving engine of grpo\.sampler"):
+    with pytest.raises(Exception, match=r"grpo\.sampler_kv_cache_tokens: is grpo\.sampler engine\'s"):
         _spec(sampler_kv_cache_tokens=8192)
 
 
@@ -248,11 +248,17 @@ def test_the_engines_sampling_is_corrected_by_each_tokens_capped_ratio_as_trl_do
     from pylon.jobs.grpo import grpo_losses, token_logprobs
 
     batch, _ = _batch(tmp_path, [{"prompt": f"Now say the letter a{'!' * i}: ", "completion": "a"} for i in range(2)])
-    spec = _spec(sampler="engine", generations=4, max_completion_tokens=6, top_k=5, temperature=0.8)
+    spec = _spec(
+        sampler="engine", generations=4, max_completion_tokens=6, top_k=5, temperature=0.8,
+        sampler_correction="token_truncate",
+    )  # fmt: skip
     loss = GrpoLoss.of(spec)
-    assert loss.correction_cap == 3.0 and loss.sampling_logprobs  # (the trained model's logprobs at sampling)
-    assert GrpoLoss.of(_spec(generations=4)).correction_cap == 0.0  # (the model sampler: nothing to correct)
-    assert GrpoLoss.of(_spec(sampler="engine", sampler_correction_cap=None)).correction_cap == 0.0
+    assert loss.correction == "token_truncate" and loss.correction_max == 3.0 and loss.correction_min is None
+    assert loss.sampling_logprobs  # (the trained model's logprobs at sampling)
+    assert GrpoLoss.of(_spec(generations=4)).correction == "none"  # (the model sampler: nothing to correct)
+    assert GrpoLoss.of(_spec(sampler="engine")).correction == "sequence_mask"  # (TRL's default)
+    off = GrpoLoss.of(_spec(sampler="engine", sampler_correction="none"))
+    assert not off.corrects and not off.sampling_logprobs
     model = _model()
     rollout = _rollout(model, spec)
     rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
@@ -277,3 +283,90 @@ def test_the_engines_sampling_is_corrected_by_each_tokens_capped_ratio_as_trl_do
     _, _, _, stats = grpo_train(model, model, sampled, loss)
     record = grpo_record(stats, rewards.names)
     assert record["grpo_sampler_ratio"] == pytest.approx(float(weights.mean()), rel=1e-5)
+
+
+def test_the_corrections_four_modes_bound_a_tokens_or_a_completions_ratio_as_trl_does() -> None:
+    """TRL's vllm_importance_sampling_mode: per token or per completion (the product of its tokens' ratios), clipped
+    to [min, cap] (truncate) or zero outside it (mask)."""
+    from pylon.jobs.grpo import correction_weights
+
+    # three completions of 2, 3 and 1 counted tokens; the trained model's log-probabilities and the engine's
+    rows = torch.tensor([0, 0, 1, 1, 1, 2])
+    old = torch.log(torch.tensor([0.5, 0.9, 0.2, 0.6, 0.3, 0.7]))
+    drawn = torch.log(torch.tensor([0.1, 0.9, 0.4, 0.6, 0.3, 0.7]))
+    token = torch.tensor([5.0, 1.0, 0.5, 1.0, 1.0, 1.0])  # pi_old / pi_engine
+    sequence = torch.tensor([5.0, 0.5, 1.0])  # their products per completion
+
+    def weights(mode: str, low=None, high=3.0):
+        return correction_weights(
+            old, drawn, rows, 3, GrpoLoss(correction=mode, correction_min=low, correction_max=high)
+        )
+
+    w, per = weights("token_truncate")
+    torch.testing.assert_close(w, token.clamp(max=3.0))
+    assert per is None
+    w, _ = weights("token_mask", low=0.6)
+    torch.testing.assert_close(w, torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, 1.0]))  # 5 > 3 and 0.5 < 0.6: left out
+    w, per = weights("sequence_truncate", low=0.8)
+    torch.testing.assert_close(per, torch.tensor([3.0, 0.8, 1.0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w, per[rows])
+    w, per = weights("sequence_mask")
+    torch.testing.assert_close(per, torch.tensor([0.0, 0.5, 1.0]), rtol=1e-5, atol=1e-6)  # only above the cap
+    w, per = weights("sequence_mask", low=0.6, high=None)
+    torch.testing.assert_close(per, torch.tensor([5.0, 0.0, 1.0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sequence, torch.exp(torch.zeros(3).index_add(0, rows, old - drawn)))
+
+
+def test_rloo_with_the_engine_weighs_each_completions_loss_by_its_sequence_ratio(tmp_path) -> None:
+    """objective rloo (a completion's loss) with the engine: the sequence-level correction (sequence_mask, TRL's
+    default): each completion's clipped surrogate times its ratio pi_old / pi_engine over its tokens, zero above the
+    cap; the mean weight over completions logged. Token modes are refused for rloo, online_dpo takes none, and no bound
+    at all is refused, each by name."""
+    from pylon.jobs.grpo import rloo_losses, sequence_sums, token_logprobs
+
+    batch, _ = _batch(tmp_path, [{"prompt": f"Now say the letter a{'!' * i}: ", "completion": "a"} for i in range(2)])
+    grpo = {"rewards": [{"function": "contains_answer"}], "sampler": "engine", "generations": 4,
+            "max_completion_tokens": 6, "top_k": 5, "temperature": 0.8}  # fmt: skip
+    base = {"name": "g", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2}
+    spec = TrainJobSpec.model_validate({**base, "objective": "rloo", "grpo": grpo})
+    loss = GrpoLoss.of(spec)
+    assert loss.rloo and loss.correction == "sequence_mask" and loss.sampling_logprobs
+    model = _model()
+    rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
+    sampled = grpo_sample(
+        model, batch, loss, rewards, tok, eos_id=EOS, pad_id=PAD, seed=3, rollout=_rollout(model, spec)
+    )
+    n = sampled.completions
+    weights = sampled.sampler_ratio
+    assert weights is not None and weights.shape == (n,)
+    with torch.no_grad():  # each completion's product of its tokens' top-5 masses (the engine computes in fp32)
+        logits = model(input_ids=sampled.inputs["input_ids"], attention_mask=sampled.inputs["attention_mask"]).logits
+        probs = torch.softmax(logits[:, :-1].float() / 0.8, -1)
+        counted = sampled.inputs["labels"][:, 1:] != -100
+        mass = (probs.topk(5, dim=-1).values.sum(-1).log() * counted).sum(-1).exp()
+    torch.testing.assert_close(weights, torch.where(mass > 3.0, 0.0, mass), rtol=1e-4, atol=1e-5)
+    assert (weights > 0).all() and (weights < 1).all()
+    logps, rows = token_logprobs(model, sampled.inputs, False, loss.temperature)
+    a = sampled.advantages
+    plain, _, _ = rloo_losses(logps, rows, a, loss, n)
+    weighted, _, _ = rloo_losses(logps, rows, a, loss, n, weights=weights)
+    per_completion = -(torch.exp(sequence_sums(logps, rows, n) - sequence_sums(logps, rows, n).detach()) * a)
+    assert float(plain) == pytest.approx(float(per_completion.sum()), rel=1e-5, abs=1e-6)
+    assert float(weighted) == pytest.approx(float((per_completion * weights).sum()), rel=1e-5, abs=1e-6)
+    _, _, _, stats = grpo_train(model, model, sampled, loss)
+    assert grpo_record(stats, rewards.names)["grpo_sampler_ratio"] == pytest.approx(float(weights.mean()), rel=1e-5)
+
+    def refused(objective: str, match: str, **more) -> None:
+        with pytest.raises(Exception, match=match):
+            TrainJobSpec.model_validate({**base, "objective": objective, "grpo": {**grpo, **more}})
+
+    refused("rloo", r"grpo\.sampler_correction: objective rloo's loss is a completion's: use sequence_mask",
+            sampler_correction="token_truncate")  # fmt: skip
+    refused("online_dpo", r"grpo\.sampler_correction: objective online_dpo has no policy ratio",
+            generations=2, sampler_correction="sequence_truncate")  # fmt: skip
+    refused("grpo", r"grpo\.sampler_correction_cap: None with no grpo\.sampler_correction_min leaves the ratio unbounded",
+            sampler_correction_cap=None)  # fmt: skip
+    refused("grpo", r"grpo\.sampler_correction_min: is grpo\.sampler engine's", sampler="model",
+            sampler_correction_min=0.5)  # fmt: skip
+    dpo = TrainJobSpec.model_validate({**base, "objective": "online_dpo", "grpo": {**grpo, "generations": 2}})
+    assert GrpoLoss.of(dpo).correction == "none"

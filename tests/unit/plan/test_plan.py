@@ -864,3 +864,44 @@ def test_grpo_and_rloo_steps_count_their_sampling_time() -> None:
         assert sampling_time(shorter, layout, h100, 0.4) < sampling / 2
     plain, _ = train_workload(_train(model={"preset": "llama-7b"}, data=data))
     assert plain.completion_tokens == 0 and step_time(plain, layout, h100, 0.4).sampling_s == 0.0
+
+
+def test_an_engine_sampler_step_prefills_each_prompt_once_decodes_in_waves_and_copies_the_weights_once() -> None:
+    """grpo.sampler engine: the prompts' prefill is one pass per prompt, not per completion (the prefix cache); a
+    micro-batch with more completions than sampler_max_num_seqs decodes in waves; the policy's weights copied into the
+    engine once a step (gathered first at ZeRO-3 on several GPUs), not once per micro-batch."""
+    from dataclasses import replace
+
+    from pylon.plan.catalog import load_catalog
+    from pylon.plan.steptime import sampling_time
+    from pylon.plan.train import train_workload
+
+    h100 = next(a for a in load_catalog().accelerators if a.name == "H100-SXM")
+    grpo = {"rewards": [{"function": "exact_match"}], "generations": 8, "max_completion_tokens": 16}
+    data = {"uri": "/nonexistent/p", "seq_len": 4096}  # long prompts, short completions: the prefill dominates
+    spec = _train(model={"preset": "llama-7b"}, objective="grpo", grpo=grpo, data=data)
+    model, notes = train_workload(spec)
+    engine, notes = train_workload(_train(model={"preset": "llama-7b"}, objective="grpo",
+                                          grpo={**grpo, "sampler": "engine"}, data=data))  # fmt: skip
+    assert engine.sampler_max_num_seqs == 64 and any("decode steps of at most 64 completions" in n for n in notes)
+    one = Layout(2, micro_batch_size=4, num_gpus=1)
+    assert sampling_time(engine, one, h100, 0.4) < sampling_time(model, one, h100, 0.4) / 4
+    # 32 completions a micro-batch: in one wave of 64, or in 4 waves of 8 (the same FLOPs and KV cache reads, 4x the
+    # weights read: a 7B model's decodes are memory-bound)
+    decodes = replace(engine, seq_len=64 + 512, completion_tokens=512)
+    narrow = replace(decodes, sampler_max_num_seqs=8)
+    assert sampling_time(narrow, one, h100, 0.4) > 2.5 * sampling_time(decodes, one, h100, 0.4)
+    # the weights' copy once a step: 4 micro-batches a step cost less than 4 steps of one
+    accum = Layout(2, micro_batch_size=4, num_gpus=1, grad_accum_steps=4)
+    assert sampling_time(decodes, accum, h100, 0.4) < 4 * sampling_time(decodes, one, h100, 0.4)
+    copy = 2 * engine.shape.total_params / (h100.bandwidth_gbs * 1e9)
+    diff = 4 * sampling_time(decodes, one, h100, 0.4) - sampling_time(decodes, accum, h100, 0.4)
+    assert abs(diff - 3 * copy) < 1e-9 * copy + 1e-12
+    # at ZeRO-3 on 8 GPUs the copy gathers the model first: once a step, where the model's own sampling gathers it
+    # once per micro-batch
+    z3 = Layout(3, micro_batch_size=4, num_gpus=8, grad_accum_steps=4)
+    gathered_model = replace(decodes, sampler_kv_tokens=0, gathered_sampling=True)
+    assert sampling_time(decodes, z3, h100, 0.4) > sampling_time(
+        decodes, Layout(2, micro_batch_size=4, num_gpus=8, grad_accum_steps=4), h100, 0.4
+    )
+    assert sampling_time(decodes, z3, h100, 0.4) < sampling_time(gathered_model, z3, h100, 0.4)
