@@ -82,6 +82,7 @@ def test_a_failed_start_is_reported_and_leaves_no_record(tmp_path):
     assert (home / "ray-start.log").exists()
 
 
+@pytest.mark.slow  # make test-all: ~0.5 min
 def test_a_start_that_times_out_in_ray_is_tried_once_more(tmp_path, monkeypatch, capsys):
     """Ray's `ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded machine it can miss
     that. The first `ray start` here is a script that fails the way Ray does; the second is the real one."""

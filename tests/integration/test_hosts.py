@@ -182,6 +182,7 @@ print(c.job_logs(job))
     assert "Training started" not in out and "rank 1" not in out and "RayTrainWorker" not in out
 
 
+@pytest.mark.slow  # make test-all: ~6 min; make test keeps the two-host checks above
 def test_two_nodes_zero2_checkpoints_to_s3_and_survive_losing_a_node(hosts, client_corpus, s3_server):
     runs = f"s3://{s3_server.bucket}/hosts-runs-{int(time.time())}"
     run = f"{runs}/two-hosts"
@@ -258,6 +259,7 @@ print(json.dumps([
 """
 
 
+@pytest.mark.slow  # make test-all: ~4.5 min
 def test_the_quickstart_notebook_runs_headless_on_the_client(hosts, s3_server):
     serve_port = _free_port()
     hosts.client.copy_in(REPO / "examples" / "quickstart.ipynb", "/tmp/home/quickstart.ipynb")

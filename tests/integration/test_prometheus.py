@@ -109,6 +109,7 @@ def _train_spec(tmp: Path, name: str) -> Path:
     return path
 
 
+@pytest.mark.slow  # make test-all: ~2.5 min
 def test_prometheus_scrapes_serving_and_training_and_fires_an_alert(prom, ray_cluster, tmp_path):
     import pylon
     from pylon.infra.observability import dashboard_metrics, grafana_dashboard

@@ -143,6 +143,7 @@ async def _first_answer(url: str, name: str, deadline: float) -> tuple[float | N
     return None, tries
 
 
+@pytest.mark.slow  # make test-all: ~1 min
 def test_a_replica_killed_while_32_clients_stream(ray_cluster, tiny):
     """Two replicas, 32 streaming clients (HAProxy's leastconn puts ~16 on each); once streams flow, the worker
     process of the replica holding the most HTTP connections is SIGKILLed. Every client ends within CLIENT_TIMEOUT_S

@@ -117,6 +117,7 @@ def _bounded(case) -> None:
             body["max_output_tokens"] = MAX_TOKENS
 
 
+@pytest.mark.slow  # make test-all: ~1.5 min; tests/unit/serving/api checks the published schema
 def test_the_live_api_keeps_its_published_contract(contract_schema):
     """Every operation, valid and invalid requests (hypothesis, bounded and derandomized), every check above.
     (Schemathesis's own pytest plugin, `from_fixture(...).parametrize()`, does not run under pytest 9.)"""

@@ -23,6 +23,7 @@ from test_prepare import read_rows  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # make test-all: ~2 min; tests/unit/data checks the reply masks
 def test_a_chat_fine_tune_counts_the_loss_on_the_replies_only(ray_cluster, tmp_path):
     from pylon.data.prepare import prepare
     from pylon.data.reader import Batch, split_ids

@@ -58,7 +58,7 @@ ORPO = {
         pytest.param(LORA, id="dpo-lora-zero2", marks=pytest.mark.slow),
         # bco_pair: its rewards' running mean goes through the run (and its checkpoint)
         pytest.param(LORA | {"dpo_loss": "bco_pair"}, id="dpo-bco-pair-lora-zero2", marks=pytest.mark.slow),
-        pytest.param(FULL, id="dpo-full-zero3-bf16-chunked"),
+        pytest.param(FULL, id="dpo-full-zero3-bf16-chunked", marks=pytest.mark.slow),  # (~2.5 min)
         # the reference read once before the first step (two ranks' parts), then let go
         pytest.param(FULL | {"precompute_reference": True}, id="dpo-full-zero3-precomputed", marks=pytest.mark.slow),
         pytest.param(ORPO, id="orpo-full-zero2", marks=pytest.mark.slow),

@@ -151,6 +151,7 @@ def test_a_resumed_grpo_run_samples_and_learns_what_the_uninterrupted_one_did(
         assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7) for k in keys), (a["step"], a, b)
 
 
+@pytest.mark.slow  # make test-all: ~1.5 min; tests/unit/jobs/test_grpo.py checks its loss and that it learns
 def test_an_rloo_run_learns_with_its_kl_in_the_reward(ray_cluster, tmp_path, monkeypatch):
     """objective rloo on the same prompts and rewards: two workers at ZeRO-2 with LoRA, its KL to the start (the
     adapters disabled, read through the DeepSpeed engine as it samples) a cost in each completion's reward, the

@@ -95,7 +95,9 @@ def test_an_outage_mid_multipart_upload_is_retried_and_never_shows_half_an_objec
     assert uploads == []
 
 
-@pytest.mark.parametrize("mode", ["reset", "drop", "stall"])
+@pytest.mark.parametrize(  # (reset and stall: make test-all, ~13 s each on CI)
+    "mode", [pytest.param("reset", marks=pytest.mark.slow), "drop", pytest.param("stall", marks=pytest.mark.slow)]
+)
 def test_reads_writes_and_downloads_outlast_an_outage(s3_proxy, root, tmp_path, monkeypatch, mode):
     monkeypatch.setenv("PYLON_STORAGE_TIMEOUT_S", "1")  # a stalled request times out after 1 s, then is retried
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # no botocore retries: the retries that carry it through are storage's

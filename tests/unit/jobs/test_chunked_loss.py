@@ -141,6 +141,7 @@ def test_the_planner_counts_a_chunk_of_logits_not_the_batchs() -> None:
     assert whole.peak_bytes - chunked.peak_bytes > 0.8 * logits, (whole, chunked)
 
 
+@pytest.mark.slow  # make test-all: ~25 s
 def test_a_plan_says_what_the_chunked_loss_would_free_where_the_logits_weigh() -> None:
     from pylon.plan.train import CHUNK_HINT_TOKENS, plan_train
     from pylon.specs import TrainJobSpec

@@ -18,7 +18,7 @@ def _url(data: bytes, kind: str = "png") -> str:
     return f"data:image/{kind};base64," + base64.b64encode(data).decode()
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral3"])
+@pytest.fixture(scope="module", params=["gemma3", pytest.param("mistral3", marks=pytest.mark.slow)])  # (make test-all)
 def gemma(request, tmp_path_factory):
     directory = image_models.image_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return directory, image_models.Reference(directory)

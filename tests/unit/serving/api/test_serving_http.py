@@ -807,6 +807,7 @@ def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
         single.shutdown()
 
 
+@pytest.mark.slow  # make test-all: engine processes, ~15-20 s each on CI
 def test_a_batch_of_prompts_spreads_over_an_engine_pool(model_dir):
     """A batch's engine requests are made one after the other, each once the previous one is counted: on a replica
     with two engine processes, a batch of 8 prompts goes 4 and 4, and each choice is what its prompt alone gives."""
@@ -872,6 +873,7 @@ def test_a_client_gone_mid_stream_aborts_every_choice(model_dir):
         assert stats.requests_finished_total == {"abort": 3}
 
 
+@pytest.mark.slow  # make test-all: engine processes, ~15-20 s each on CI
 def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
     """One engine of a pool dies (the OOM killer, a segfault): its streams end with EngineDeadError, the pool
     reports unhealthy (Serve replaces the replica), and until then every new request goes to the live engine
@@ -907,6 +909,7 @@ def test_an_engine_pool_routes_around_a_dead_engine(model_dir):
         pool.shutdown()
 
 
+@pytest.mark.slow  # make test-all: engine processes, ~15-20 s each on CI
 def test_an_engine_pool_sends_a_prompt_to_the_engine_that_holds_its_prefix(model_dir):
     """Two long prefixes, A and B, start together: one engine each. Later requests that continue B go to B's engine
     (its reported cache holds B's blocks) although by open streams alone the first engine, A's, would take them
@@ -983,6 +986,7 @@ def test_data_parallel_spec_rules():
         )
 
 
+@pytest.mark.slow  # make test-all: engine processes, ~15-20 s each on CI
 def test_an_engine_pool_that_cannot_load_says_why_and_leaves_no_process(tmp_path):
     import psutil
 

@@ -251,6 +251,7 @@ def m3_reference(model, tokenizer, colbert, sparse, text: str) -> tuple[torch.Te
     return dense, vectors, lexical, weights.tolist()
 
 
+@pytest.mark.slow  # make test-all: ~25 s
 def test_bge_m3s_dense_sparse_and_multi_vector_outputs_over_http(tmp_path) -> None:
     """bge-m3's three outputs from one deployment, each as FlagEmbedding computes it: /v1/embeddings its dense
     vectors; /pooling with task token_embed its ColBERT vectors, token_classify its tokens' sparse weights (the CLS and

@@ -73,7 +73,19 @@ FAMILY_PROJECTIONS = (
 )
 
 
-@pytest.fixture(scope="module", params=list(LLAMA_LIKE))
+# The families `make test` runs each family test on: one of each way the engine computes a layer (Llama's; Qwen 3's
+# per-head norms and tied embeddings; Phi-3's fused projections and partial rotation; Cohere's parallel block;
+# Mixtral's experts; DeepSeek-V3's latent attention and grouped router; Qwen3-Next's recurrent layers; GPT-OSS's
+# sinks). `make test-all` runs every family (the rest are marked slow): each takes ~15-60 s of a 2-core CI machine.
+CORE_FAMILIES = ("mistral", "qwen3", "phi3", "cohere", "mixtral", "deepseek_v3", "qwen3_next", "gpt_oss")
+
+
+def core_first(names, core=CORE_FAMILIES) -> list:
+    """`names` as parameters, those outside `core` marked slow (`make test-all`)."""
+    return [n if n in core else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+@pytest.fixture(scope="module", params=core_first(LLAMA_LIKE))
 def family(request, tmp_path_factory) -> Family:
     return Family(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -557,20 +569,22 @@ NOISE_FLOOR_INIT = {"gpt_oss": 0.15, "qwen3_next": 0.05}
 
 @pytest.mark.parametrize(
     "name",
-    [
-        "qwen3",
-        "gemma3_text",
-        "gemma2",
-        "phi3",
-        "granite",
-        "cohere",
-        "cohere2",
-        "gpt_oss",
-        "glm4_moe",
-        "deepseek_v3",
-        "llama4_text",
-        "qwen3_next",
-    ],
+    core_first(
+        [
+            "qwen3",
+            "gemma3_text",
+            "gemma2",
+            "phi3",
+            "granite",
+            "cohere",
+            "cohere2",
+            "gpt_oss",
+            "glm4_moe",
+            "deepseek_v3",
+            "llama4_text",
+            "qwen3_next",
+        ]
+    ),
 )
 def test_logprobs_are_transformers_own(name, tmp_path) -> None:
     """Gemma 3's through its soft cap (final_logit_softcapping), Gemma 2's through both of its caps, in eager steps
@@ -668,7 +682,7 @@ def _multimodal(name: str):
     return Mistral3ForConditionalGeneration(config), [None, None]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral3"])
+@pytest.mark.parametrize("name", core_first(["gemma3", "mistral3"], core=("mistral3",)))
 def test_a_multimodal_checkpoint_is_served_for_its_text(name, tmp_path) -> None:
     """Gemma 3 4B, 12B and 27B and Mistral Small 3.1 and 3.2 ship as conditional models (a vision tower and projector
     beside the language model, saved under the hub's language_model.model.* keys): served for their text, the
@@ -766,6 +780,7 @@ def test_a_multimodal_checkpoint_is_served_for_its_text(name, tmp_path) -> None:
         check_request(types.SimpleNamespace(model=model), prompt, outputs[f"lp-{i}"], k=5, prompt_k=5)
 
 
+@pytest.mark.slow  # (Llama 4 is a make test-all family)
 def test_a_llama4_multimodal_checkpoint_is_served_for_its_text(tmp_path) -> None:
     """Llama 4 Scout and Maverick ship as Llama4ForConditionalGeneration (a vision model and projector beside a whole
     Llama4ForCausalLM, under language_model.*): served for its text, its greedy tokens are the conditional model's on
@@ -969,7 +984,7 @@ def test_a_lora_adapter_computes_what_peft_computes(family, tmp_path) -> None:
 
 
 # (a model with recurrent layers runs no fixed-shape decode steps: ModelRunner.use_decode_graphs)
-@pytest.mark.parametrize("name", [n for n in MOE_MODEL_TYPES if n not in LINEAR_ATTENTION_FAMILIES])
+@pytest.mark.parametrize("name", core_first([n for n in MOE_MODEL_TYPES if n not in LINEAR_ATTENTION_FAMILIES]))
 def test_moe_experts_as_grouped_matmuls_give_transformers_tokens_in_fixed_shape_decode_steps(name, tmp_path) -> None:
     """The grouped path (moe.py: no value read back, so CUDA graphs capture it; a GPU's engine takes it by itself):
     transformers' greedy tokens through batching and fixed-shape decode steps. Forced here on a CPU, whose engine
@@ -1141,7 +1156,7 @@ class Windowed(Family):
         self.unwindowed = [hf_greedy(full, p, WINDOW_NEW) for p in WINDOW_PROMPTS]
 
 
-@pytest.fixture(scope="module", params=list(WINDOWED))
+@pytest.fixture(scope="module", params=core_first(WINDOWED, core=("mistral", "qwen2")))  # (every layer; some)
 def windowed(request, tmp_path_factory) -> Windowed:
     return Windowed(request.param, tmp_path_factory.mktemp(f"{request.param}-window"))
 
