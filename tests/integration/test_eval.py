@@ -129,6 +129,7 @@ def loopback_only(monkeypatch):
     assert not refused, f"connections beyond loopback: {refused}"
 
 
+@pytest.mark.slow  # make test-all: ~0.5 min
 def test_lm_eval_local_completions_on_a_local_multiple_choice_task(served, tiny, tmp_path, monkeypatch, loopback_only):
     import requests
 

@@ -23,6 +23,7 @@ def _block() -> str:
     return blocks[0]
 
 
+@pytest.mark.slow  # make test-all: ~6 min; make test submits the same entrypoint through the same Jobs API (test_jobs_cli)
 def test_the_documented_ray_job_submit_commands_work_verbatim(ray_cluster, tmp_path):
     script = _block()
     assert f"ray job submit --address {DOC_ADDRESS} --working-dir my-project" in script

@@ -127,6 +127,7 @@ def _train(spec: dict) -> tuple:
     return name, steps, evals, run_dir
 
 
+@pytest.mark.slow  # make test-all: ~2.5 min; tests/unit/jobs checks the reward loss
 def test_a_reward_model_learns_the_preferences_and_serves_its_rewards(ray_cluster, tmp_path, tokenizer):  # noqa: F811
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

@@ -49,6 +49,7 @@ def test_each_family_gets_its_own_tokens_in_its_own_order(tmp_path, fmt) -> None
     assert fim_ids(tokenizer, BEFORE, "") == [1, *want([])]  # at the end of the file
 
 
+@pytest.mark.slow  # make test-all: ~15 s
 def test_the_engine_fills_in_the_middle_through_the_openai_client(tmp_path) -> None:
     import torch
     from openai import OpenAI

@@ -200,6 +200,7 @@ def test_an_encoders_embeddings_are_its_pooled_hidden_states(tmp_path, pooling) 
         LLMEngine(str(tmp_path / "dense"), spec())
 
 
+@pytest.mark.slow  # make test-all: ~11 s
 def test_an_encoders_embeddings_over_http(tmp_path) -> None:
     import sys
     from pathlib import Path

@@ -94,6 +94,7 @@ def test_snapshots_are_bounded_and_none_means_no_prefix_is_shared(family) -> Non
     assert cached == 0 and out == family.greedy[3]
 
 
+@pytest.mark.slow  # make test-all: ~15 s
 def test_speculative_drafts_are_verified_and_rejected_ones_taken_back(family, monkeypatch) -> None:
     """Drafts on a model with recurrent layers: the runner keeps each layer's state after every draft and goes back
     to the last one accepted, so greedy outputs and their log-probabilities are those of plain decoding. The drafts

@@ -355,6 +355,7 @@ def test_coalesced_streams_wake_together_on_shared_ticks() -> None:
     assert len({round(next_tick(1000.0 + t / 1000, interval), 9) for t in range(0, 25)}) == 1
 
 
+@pytest.mark.slow  # make test-all: ~12 s
 def test_an_engine_process_holds_outputs_for_coalesced_streams_only(gpt2: Family) -> None:
     """Streams that take outputs every 50 ms get the child's steps in fewer messages (first and last tokens at
     once), each with one output per request (the held steps merged); a stream that takes every step gets one
@@ -473,6 +474,7 @@ def test_engine_in_a_child_process_streams_the_same_tokens_refuses_and_dies_clea
         engine.shutdown()
 
 
+@pytest.mark.slow  # make test-all: ~12 s
 def test_engine_process_reports_a_model_it_cannot_load(tmp_path: Path) -> None:
     from pylon.serving.engine.process import ProcessLLMEngine
 
