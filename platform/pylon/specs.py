@@ -600,20 +600,18 @@ class GrpoSpec(_Spec):
         "(`Run.completions()` in the SDK); one of them printed beside each step the job's log prints; 0: none",
     )
 
+    def changed(self, *names: str) -> list[str]:
+        """Those of the fields `names` whose values differ from their defaults (by value: a default given explicitly
+        is no change)."""
+        return [n for n in names if getattr(self, n) != type(self).model_fields[n].default]
+
     def correction_problems(self, objective: str) -> list[tuple[str, str]]:
         """grpo.sampler engine: what is wrong with its correction's settings for `objective` (field, problem)."""
         if self.sampler_correction == "none":
             return []
-        if objective == "online_dpo":  # (compared by value: the default is on, and online_dpo takes none)
-            if (self.sampler_correction, self.sampler_correction_cap, self.sampler_correction_min) != (
-                "sequence_mask",
-                3.0,
-                None,
-            ):
-                return [
-                    ("grpo.sampler_correction", "objective online_dpo has no policy ratio to correct: leave it out")
-                ]
-            return []
+        if objective == "online_dpo":  # (the default is on, and online_dpo takes none: only a change is refused)
+            why = "objective online_dpo has no policy ratio to correct: leave it out"
+            return [(f"grpo.{n}", why) for n in self.changed(*CORRECTION_FIELDS)]
         problems = []
         if objective == "rloo" and self.sampler_correction.startswith("token"):
             problems.append(
@@ -632,6 +630,11 @@ class GrpoSpec(_Spec):
                 )
             )
         return problems
+
+
+# grpo.sampler engine's settings, and of them its correction's
+CORRECTION_FIELDS = ("sampler_correction", "sampler_correction_cap", "sampler_correction_min")
+ENGINE_SAMPLER_FIELDS = ("sampler_kv_cache_tokens", "sampler_max_num_seqs", *CORRECTION_FIELDS)
 
 
 def sampler_kv_cache_tokens(spec: "TrainJobSpec", seq_len: int) -> int:
@@ -893,17 +896,10 @@ class TrainJobSpec(_Spec):
             if self.neftune_noise_alpha:
                 problems.append(("neftune_noise_alpha", "would add noise to the sampled completions' scores: set 0"))
             if self.grpo is not None and self.grpo.sampler == "model":  # (by value, as above)
-                for name, value, default in (
-                    ("sampler_kv_cache_tokens", self.grpo.sampler_kv_cache_tokens, None),
-                    ("sampler_max_num_seqs", self.grpo.sampler_max_num_seqs, 64),
-                    ("sampler_correction", self.grpo.sampler_correction, "sequence_mask"),
-                    ("sampler_correction_cap", self.grpo.sampler_correction_cap, 3.0),
-                    ("sampler_correction_min", self.grpo.sampler_correction_min, None),
-                ):
-                    if value != default:
-                        problems.append(
-                            (f"grpo.{name}", "is grpo.sampler engine's: set grpo.sampler: engine, or leave it out")
-                        )
+                for name in self.grpo.changed(*ENGINE_SAMPLER_FIELDS):
+                    problems.append(
+                        (f"grpo.{name}", "is grpo.sampler engine's: set grpo.sampler: engine, or leave it out")
+                    )
             elif self.grpo is not None:
                 problems.extend(self.grpo.correction_problems(objective))
             mu = self.grpo.iterations if self.grpo is not None else 1
