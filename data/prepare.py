@@ -43,6 +43,7 @@ from pylon import home, storage
 from pylon.data.shards import (
     DOCUMENT_START,
     MANIFEST_NAME,
+    PROMPT_MESSAGES,
     SHARD_SUFFIX,
     DataError,
     RecordsInfo,
@@ -271,9 +272,13 @@ def other_fields(obj: dict, read: tuple[str, ...], where: str) -> dict | None:
     return rest
 
 
-def _prompt_completion(obj, where: str, keys: tuple[str, ...] = ("prompt", "completion")) -> tuple[str, ...]:
+def _prompt_completion(obj, where: str, keys: tuple[str, ...] = ("prompt", "completion")) -> tuple:
     """A record's `keys` (prompt and completion; a preference pair's prompt, chosen and rejected): all strings, the
-    completions not empty (they are what the model learns from)."""
+    completions not empty (they are what the model learns from). A prompt-completion record in TRL's conversational
+    format (`prompt` a list of messages, `completion` the messages after it, ending with the assistant's) is
+    returned as a conversational preference pair's is: (the prompt's number of messages, the whole conversation)."""
+    if keys == ("prompt", "completion") and isinstance(obj, dict) and isinstance(obj.get("prompt"), list):
+        return _conversational_completion(obj, where)
     if not isinstance(obj, dict):
         raise DataError(f"{where}: a record is an object with {' and '.join(map(repr, keys))} strings")
     for key in keys:
@@ -285,6 +290,23 @@ def _prompt_completion(obj, where: str, keys: tuple[str, ...] = ("prompt", "comp
         if not obj[key]:
             raise DataError(f"{where}: {key} is empty: nothing in it to learn from")
     return tuple(obj[key] for key in keys)
+
+
+def _conversational_completion(obj: dict, where: str) -> tuple[int, list[dict]]:
+    """A conversational prompt-completion record's (number of prompt messages, prompt and completion messages)."""
+    prompt, completion = obj["prompt"], obj.get("completion")
+    if not prompt:
+        raise DataError(f"{where}: prompt: a non-empty list of messages")
+    if not isinstance(completion, list) or not completion:
+        got = "absent" if completion is None else f"a {type(completion).__name__}"
+        raise DataError(
+            f"{where}: completion: a non-empty list of messages, as prompt is ({got}); TRL's conversational "
+            'format is {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]}'
+        )
+    messages = _messages([*prompt, *completion], where)
+    if messages[-1]["role"] != "assistant" or not any(m["role"] == "assistant" for m in completion):
+        raise DataError(f"{where}: completion: the conversation must end with the assistant's reply")
+    return len(prompt), messages
 
 
 def _prompt_record(obj, where: str) -> tuple:
@@ -327,12 +349,13 @@ def _preference(obj, where: str) -> tuple:
 
 
 def _conversational_pair(tok, prompt_length: int, conversations: list[list[dict]], where: str) -> np.ndarray:
-    """A conversational preference pair's piece: each conversation (the prompt's `prompt_length` messages and a
-    completion; with the prompt implicit, 0: the last message is the completion) rendered by the chat template and
-    tokenized as a chat dataset's, the loss on the completion's replies only, chosen then rejected."""
+    """A conversational preference pair's piece (or a conversational prompt-completion record's, one conversation):
+    each conversation (the prompt's `prompt_length` messages and a completion; with the prompt implicit, 0: the last
+    message is the completion) rendered by the chat template and tokenized as a chat dataset's, the loss on the
+    completion's replies only, chosen then rejected."""
     if not hasattr(tok, "encode_chat"):
         raise DataError(
-            f"{where}: conversational preference pairs need a Hugging Face tokenizer directory with a chat template "
+            f"{where}: conversational records need a Hugging Face tokenizer directory with a chat template "
             f"(tokenizer {tok.info.name} is not one)"
         )
     piece = []
@@ -348,6 +371,11 @@ def _conversational_pair(tok, prompt_length: int, conversations: list[list[dict]
             )
         piece.append(chat_tokens(ids, _last_replies(replies, keep)))
     return np.concatenate(piece)
+
+
+def _with_messages(other: dict | None, messages: list[dict]) -> dict:
+    """A record's other fields with its conversational prompt's messages (`shards.PROMPT_MESSAGES`) beside them."""
+    return {**(other or {}), PROMPT_MESSAGES: messages}
 
 
 def _last_replies(replies: np.ndarray, keep: int) -> np.ndarray:
@@ -406,7 +434,7 @@ def pack_group(
     documents = 0
     skipped: list[str] = []
     dropped: list[int] = []  # preference pairs longer than a row: their lengths
-    conversational = 0  # preference pairs given as conversations
+    conversational = 0  # preference pairs, prompts or prompt-completion records given as conversations
     if chat and not hasattr(tok, "encode_chat"):
         raise DataError(
             f"tokenizer {tok.info.name}: a chat dataset needs a Hugging Face tokenizer directory with a chat template"
@@ -429,6 +457,8 @@ def pack_group(
                             f"template (tokenizer {tok.info.name} is not one)"
                         )
                     context = tok.encode_chat_prompt(prompt, where)
+                    other = _with_messages(other, prompt)
+                    conversational += 1
                 else:
                     context = tok.encode(prompt, special=True)
                 ids = np.concatenate([context, tok.encode(answer) if answer else [], [tok.eos_id]]).astype(np.int64)
@@ -439,8 +469,10 @@ def pack_group(
         if prompt_completion or preference:
             for lineno, prompt, *completions in docs:
                 other = completions.pop() if prompt_completion else None
-                if isinstance(prompt, int):  # a conversational preference pair: (prompt's messages, conversations)
+                if isinstance(prompt, int):  # conversational: (the prompt's messages, conversations)
                     piece = _conversational_pair(tok, prompt, completions, f"{file.uri}: line {lineno}")
+                    if prompt_completion:  # (a preference pair's prompt messages: not kept, DPO never reads them)
+                        other = _with_messages(other, completions[0][:prompt])
                 else:
                     context = tok.encode(prompt, special=True)
                     piece = []
@@ -510,13 +542,13 @@ def row_records(rows: int, rows_of: list[int], fields: list[dict | None]) -> tup
     for row, other in zip(rows_of, fields):
         if row >= 0:
             per_row[row].append(other)
-    names = sorted({k for f in fields if f is not None for k in f})
+    names = sorted({k for f in fields if f is not None for k in f} - {PROMPT_MESSAGES})
     return [json.dumps(r, ensure_ascii=False, separators=(",", ":")) for r in per_row], names
 
 
-def _preference_format(outcome: "_Outcome") -> str:
-    """How a preference dataset's pairs were given: all as prompt and completion text, all as conversations, or
-    mixed (`ShardManifest.preference_format`)."""
+def _given_as(outcome: "_Outcome") -> str:
+    """How a preference dataset's pairs (or a prompts or prompt-completion dataset's prompts) were given: all as
+    text, all as conversations, or mixed (`ShardManifest.preference_format`, `prompt_format`)."""
     if outcome.conversational == 0:
         return "text"
     return "conversational" if outcome.conversational == outcome.documents else "mixed"
@@ -822,7 +854,8 @@ def prepare(
             prompt_completion=prompt_completion or preference or prompts,
             preference=preference,
             prompts=prompts,
-            preference_format=_preference_format(outcome) if preference else None,
+            preference_format=_given_as(outcome) if preference else None,
+            prompt_format=_given_as(outcome) if prompts or prompt_completion else None,
             record_fields=sorted(outcome.record_fields),
         )
         manifest.check(out)

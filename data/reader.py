@@ -383,7 +383,7 @@ class ShardStream:
         self._fs, self._root = storage.arrow_filesystem(uri)
         self._missing = self._missing_shards()
         # `records`: the batches carry their rows' records (`Batch.records`), for the objectives that read them
-        self.records = RecordReader(uri, self.manifest) if records and self.manifest.record_fields else None
+        self.records = RecordReader(uri, self.manifest) if records and self.manifest.has_records else None
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -643,11 +643,11 @@ class ShardStream:
 
 
 class RecordReader:
-    """The rows' records (`Batch.records`) of a dataset with `record_fields`: each shard's records file read when a
-    row of it is first asked for (through pylon.storage, with its retries), checked against the manifest
-    (`shards.decode_records`), and kept for the next rows (the last `keep` shards: a worker reads a few shards at a
-    time). A file that cannot be read or fails its checks is a DataError naming it: rewards computed without their
-    fields would be wrong, not merely fewer."""
+    """The rows' records (`Batch.records`) of a dataset with records files (`ShardManifest.has_records`): each
+    shard's records file read when a row of it is first asked for (through pylon.storage, with its retries), checked
+    against the manifest (`shards.decode_records`), and kept for the next rows (the last `keep` shards: a worker
+    reads a few shards at a time). A file that cannot be read or fails its checks is a DataError naming it: rewards
+    computed without their fields would be wrong, not merely fewer."""
 
     def __init__(self, uri: str, manifest: ShardManifest, keep: int = 4) -> None:
         self.uri, self.manifest, self.keep = uri, manifest, keep

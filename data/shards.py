@@ -157,10 +157,21 @@ class ShardManifest(_Model):
     # A prompts dataset (`pylon data prepare --prompts`, for `objective: grpo`): stored as a prompt-completion one, each
     # record's answer (possibly empty) its completion
     prompts: bool = False
+    # How a prompts or prompt-completion dataset's prompts were given: "text", strings; "conversational", lists of
+    # messages (TRL's conversational format), rendered by the chat template, each record's messages kept in its
+    # records file under `prompt` (objective grpo's reward functions and reward models take them as messages,
+    # `PROMPT_MESSAGES`); "mixed", both. None: neither kind of dataset, or one prepared before Pylon recorded it (text)
+    prompt_format: Literal["text", "conversational", "mixed"] | None = None
     # The names of the fields its source records held beside the ones prepare reads (a prompt's `answer` and
     # `prompt`, a prompt-completion record's, a conversation's): kept per document in each shard's records file
     # (`RecordsInfo`) and handed to objective grpo's reward functions by name, as TRL hands a dataset's columns
     record_fields: list[str] = Field(default_factory=list)
+
+    @property
+    def has_records(self) -> bool:
+        """Whether its shards have records files: fields beside the ones prepare reads, or conversational prompts'
+        messages."""
+        return bool(self.record_fields) or self.prompt_format in ("conversational", "mixed")
 
     def check(self, where: str) -> None:
         """Internal consistency: ids contiguous in shard order, totals adding up."""
@@ -185,9 +196,9 @@ class ShardManifest(_Model):
                     self.preference_format or "", ")"
                 )
                 if self.preference
-                else "; prompts and their answers, for objective grpo"
+                else "; prompts and their answers, for objective grpo" + _as_messages(self.prompt_format)
                 if self.prompts
-                else "; prompts and completions, the loss on the completions"
+                else "; prompts and completions, the loss on the completions" + _as_messages(self.prompt_format)
                 if self.prompt_completion
                 else "; conversations, the loss on the assistant's replies"
                 if self.loss_mask
@@ -203,6 +214,16 @@ class ShardManifest(_Model):
             )
         )
 
+
+def _as_messages(prompt_format: str | None) -> str:
+    return {"conversational": " (as conversations)", "mixed": " (as text and as conversations)"}.get(
+        prompt_format or "", ""
+    )
+
+
+# Where a conversational prompt's messages sit in its record (`ShardManifest.prompt_format`): the source's own key,
+# which prepare reads, so never one of `record_fields`
+PROMPT_MESSAGES = "prompt"
 
 DOCUMENT_START = 1 << 30  # in a chat dataset's word: this token starts a conversation (ids stay below 2**30)
 

@@ -165,6 +165,10 @@ class HuggingFaceTokenizer:
         tokenize a pair."""
         return np.asarray(self._tok(text, pair, add_special_tokens=True)["input_ids"], dtype=np.int64)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
     def encode_chat_prompt(self, messages: list[dict], where: str) -> np.ndarray:
         """A conversation's messages rendered by the chat template with its generation prompt (the assistant's turn
         opened), tokenized as `encode_chat` tokenizes: the prompt a model answers (a prompts dataset's, objective

@@ -61,14 +61,22 @@ from pylon.errors import PylonError
 # ---------------------------------------------------------------------------------------------------------
 
 
-def exact_match(completions: list[str], answers: list[str], **_) -> list[float]:
+def completion_text(completion) -> str:
+    """A completion's text: itself, or a conversational completion's (TRL's `[{"role": "assistant", "content":
+    ...}]`, what the reward functions get where the prompt was a list of messages) last message's content."""
+    if isinstance(completion, str):
+        return completion
+    return str(completion[-1].get("content") or "") if completion else ""
+
+
+def exact_match(completions: list, answers: list[str], **_) -> list[float]:
     """1.0 where the completion is the answer, surrounding whitespace aside; else 0.0."""
-    return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
+    return [float(completion_text(c).strip() == a.strip()) for c, a in zip(completions, answers)]
 
 
-def contains_answer(completions: list[str], answers: list[str], **_) -> list[float]:
+def contains_answer(completions: list, answers: list[str], **_) -> list[float]:
     """1.0 where the answer (stripped; not empty) occurs in the completion; else 0.0."""
-    return [float(bool(a.strip()) and a.strip() in c) for c, a in zip(completions, answers)]
+    return [float(bool(a.strip()) and a.strip() in completion_text(c)) for c, a in zip(completions, answers)]
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -84,13 +92,13 @@ def _last_number(text: str) -> float | None:
         return None
 
 
-def last_number_match(completions: list[str], answers: list[str], **_) -> list[float | None]:
+def last_number_match(completions: list, answers: list[str], **_) -> list[float | None]:
     """GSM8K's rule: 1.0 where the completion's last number equals the answer's last number; 0.0 where it does not
     or has none; None (no score) where the answer has no number."""
     out: list[float | None] = []
     for c, a in zip(completions, answers):
         want = _last_number(a)
-        out.append(None if want is None else float(_last_number(c) == want))
+        out.append(None if want is None else float(_last_number(completion_text(c)) == want))
     return out
 
 
@@ -123,12 +131,11 @@ class Rewards:
                 fn.device = device
         return self
 
-    def scores(
-        self, prompts: list[str], completions: list[str], answers: list[str], completion_ids, fields=None
-    ) -> np.ndarray:
+    def scores(self, prompts: list, completions: list, answers: list[str], completion_ids, fields=None) -> np.ndarray:
         """[completions, functions] float64, NaN where a function gave None. `fields`: the record fields' values, a
         list per name (one value per completion, None where its record had none), passed by name as TRL passes a
-        dataset's other columns."""
+        dataset's other columns. A prompt is text or a list of messages, its completion then text or TRL's
+        conversational one (`completion_text`)."""
         out = np.full((len(completions), len(self.functions)), np.nan)
         fields = fields or {}
         for j, (fn, where) in enumerate(zip(self.functions, self.fields)):
@@ -164,11 +171,21 @@ class Rewards:
     def score_completions(self, pairs, completions, tokenizer, eos_id: int) -> np.ndarray:
         """`scores` of token ids: `pairs` (prompt, answer, record fields: `prompts_and_answers`) each sampled
         len(completions) / len(pairs) times, the copies of a prompt consecutive; decoded by `tokenizer`, each
-        completion without its eos; with every one of `record_fields`, None where a record lacks it."""
+        completion without its eos; with every one of `record_fields`, None where a record lacks it. As TRL's: a
+        prompt given as messages (its record's `PROMPT_MESSAGES`) is passed as those messages, and its completions
+        as `[{"role": "assistant", "content": text}]`; any other prompt as the text it decodes to (a chat prompt as
+        its template rendered it), and its completions as text."""
+        from pylon.data.shards import PROMPT_MESSAGES
+
         copies = len(completions) // max(len(pairs), 1)
+        prompts = []
+        for p, _, record in pairs:
+            messages = record.get(PROMPT_MESSAGES)
+            prompts += [messages if isinstance(messages, list) else tokenizer.decode(p)] * copies
+        texts = [tokenizer.decode(_without_eos(c, eos_id)) for c in completions]
         return self.scores(
-            [tokenizer.decode(p) for p, _, _ in pairs for _ in range(copies)],
-            [tokenizer.decode(_without_eos(c, eos_id)) for c in completions],
+            prompts,
+            [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)],
             [tokenizer.decode(a) for _, a, _ in pairs for _ in range(copies)],
             [c.tolist() for c in completions],
             {name: [r.get(name) for _, _, r in pairs for _ in range(copies)] for name in self.record_fields},
@@ -191,12 +208,15 @@ class Rewards:
 class RewardModel:
     """A reward model as a reward function: an `objective: reward` export (a `*ForSequenceClassification` with one
     label), scoring each prompt and completion as one text, tokenized as `/classify` tokenizes text (the tokenizer's
-    special tokens added) and read at its last token. The config is checked when made (the driver, before workers
-    start); the weights load on first use, whole, in fp32, on `device`."""
+    special tokens added) and read at its last token; a conversational prompt (a list of messages) with its
+    completion as the assistant's reply, rendered by the reward model's own chat template as a conversational
+    preference pair is for its training (and `/classify` with `messages`), as TRL scores one. The config is checked
+    when made (the driver, before workers start); the weights load on first use, whole, in fp32, on `device`."""
 
     def __init__(self, uri: str, where: str) -> None:
         from transformers import AutoConfig
 
+        from pylon.data.tokenizer import load_tokenizer
         from pylon.models import is_classifier, local_model_dir
 
         self.uri, self.where, self.device = uri, where, None
@@ -204,6 +224,10 @@ class RewardModel:
         try:
             with local_model_dir(uri, weights=False) as d:
                 config = AutoConfig.from_pretrained(d)
+                try:  # (whether it can score conversations: `check_rewards`)
+                    self.chat_template = bool(getattr(load_tokenizer(d), "has_chat_template", False))
+                except Exception:  # noqa: BLE001 - no tokenizer: the weights' load says so, on first use
+                    self.chat_template = False
         except Exception as e:  # noqa: BLE001 - unreadable or not a model directory: the same remedy
             raise PylonError(f"{where}: {_shown(uri)} is not a model directory ({type(e).__name__})") from None
         if not is_classifier(config) or config.num_labels != 1:
@@ -225,14 +249,20 @@ class RewardModel:
             self._tok = load_tokenizer(d)
         self._model = model.eval().requires_grad_(False).to(self.device or "cpu")
 
-    def __call__(self, prompts: list[str], completions: list[str], **_) -> list[float]:
+    def _encode(self, prompt, completion) -> np.ndarray:
+        if isinstance(prompt, list):  # messages, then the completion as the assistant's reply
+            reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+            return self._tok.encode_chat([*prompt, *reply], self.where)[-1][0]
+        return self._tok.encode(prompt + completion_text(completion), special=True)
+
+    def __call__(self, prompts: list, completions: list, **_) -> list[float]:
         import torch
 
         from pylon.models import head_outputs
 
         if self._model is None:
             self._load()
-        rows = [self._tok.encode(p + c, special=True) for p, c in zip(prompts, completions)]
+        rows = [self._encode(p, c) for p, c in zip(prompts, completions)]
         width = max((len(r) for r in rows), default=1)
         ids = torch.full((len(rows), width), self._tok.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -285,7 +315,16 @@ def check_rewards(spec, manifest) -> None:
             f"name, and {clash[0]} is what they are passed already ({', '.join(REWARD_ARGUMENTS)}); rename it in the "
             "source records and prepare them again"
         )
-    Rewards(spec.grpo.rewards, manifest.record_fields)
+    rewards = Rewards(spec.grpo.rewards, manifest.record_fields)
+    if manifest.prompt_format in ("conversational", "mixed"):
+        for fn, where in zip(rewards.functions, rewards.fields):
+            if isinstance(fn, RewardModel) and not fn.chat_template:
+                raise PylonError(
+                    f"{where}: its tokenizer has no chat template, and data.uri {spec.data.uri} holds prompts given "
+                    "as messages, which a reward model scores as the conversation its own template renders (TRL's); "
+                    "give the reward model's directory a chat template (`pylon data chat-template`), or prepare the "
+                    "prompts as text"
+                )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -135,8 +135,9 @@ class DatasetSpec(_Spec):
     )
     prompt_completion: bool = Field(
         False,
-        description="JSONL of {'prompt': ..., 'completion': ...} records (TRL's prompt-completion format): the prompt "
-        "tokenized as a completions request's is, then the completion and eos, the loss on the completion only",
+        description="JSONL of {'prompt': ..., 'completion': ...} records (TRL's prompt-completion format): strings, "
+        "the prompt tokenized as a completions request's is, then the completion and eos; or lists of messages "
+        "(TRL's conversational format) rendered by the chat template; the loss on the completion only",
     )
     preference: bool = Field(
         False,

@@ -222,8 +222,9 @@ def _add_prepare_parser(dsub, fmt) -> None:
     pr.add_argument(
         "--prompt-completion",
         action="store_true",
-        help="each JSONL record's prompt and completion strings (TRL's prompt-completion format): the prompt "
-        "tokenized as a completions request's is, then the completion and eos; the loss on the completion only",
+        help="each JSONL record's prompt and completion (TRL's prompt-completion format): strings, the prompt "
+        "tokenized as a completions request's is, then the completion and eos; or lists of messages (TRL's "
+        "conversational one), rendered by the chat template; the loss on the completion only",
     )
     pr.add_argument(
         "--preference",

@@ -84,3 +84,63 @@ def test_the_byte_tokenizer_works_too(tmp_path) -> None:
     want = sum(len(r["completion"].encode()) + 1 for r in RECORDS)
     assert manifest.dtype == "int32" and int((labels != -100).sum()) == want
     assert np.isin(labels[labels != -100].numpy(), [256, *b" chatien4"]).all()
+
+
+def test_conversational_records_are_rendered_by_the_template_the_loss_on_the_completion_only(tmp_path) -> None:
+    """TRL's conversational prompt-completion format: the prompt a list of messages, the completion the messages after
+    it (ending with the assistant's). Each record is rendered and tokenized as a chat dataset's conversation, the loss
+    on the completion's reply only (not the replies in its prompt); its prompt's messages are kept in its record (for
+    objective grpo's reward functions), not as a record field."""
+    from test_chat_data import _tokenizer
+
+    from pylon.data.reader import RecordReader
+    from pylon.data.shards import PROMPT_MESSAGES
+
+    tokenizer = _tokenizer(tmp_path / "tok")
+    tok = load_tokenizer(tokenizer)
+    hf = tok._tok
+    first = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "capital of France?"}]
+    later = [*first, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Norway?"}]
+    records = [
+        {"prompt": first, "completion": [{"role": "assistant", "content": "Paris."}], "id": 1},
+        {"prompt": later, "completion": [{"role": "assistant", "content": "Oslo, on the fjord."}]},
+    ]
+    out = str(tmp_path / "pc")
+    manifest = prepare([_jsonl(tmp_path / "pc.jsonl", records)], out, seq_len=128, tokenizer=tokenizer,
+                       prompt_completion=True, progress=False)  # fmt: skip
+    assert manifest.prompt_format == "conversational" and manifest.record_fields == ["id"] and manifest.has_records
+    assert "prompts and completions, the loss on the completions (as conversations)" in manifest.summary()
+    _, tokens, num_tokens, ids = read_rows(out)
+    inputs = Batch(ids, tokens, num_tokens, 0.0, True, tok.eos_id).to_torch(tok.pad_id, documents=True)
+    got = [row[:n] for row, n in zip(inputs["input_ids"].tolist(), num_tokens)]
+    whole = [hf.apply_chat_template(r["prompt"] + r["completion"], tokenize=False) for r in records]
+    want = [hf(text, add_special_tokens=False)["input_ids"] for text in whole]  # as the engine tokenizes a chat
+    assert sum(map(len, got)) == sum(map(len, want))
+    for doc in want:  # each whole, in one row
+        assert any(row[i : i + len(doc)] == doc for row in got for i in range(len(row))), doc
+    labels = inputs["labels"]
+    counted = [hf.decode(row[row != -100].tolist()) for row in labels]
+    a, b = "Paris.<|im_end|>\n", "Oslo, on the fjord.<|im_end|>\n"
+    assert "".join(counted) in (a + b, b + a)  # each completion's reply, not the reply in the second's prompt
+    rows = RecordReader(out, manifest).rows(ids)
+    kept = sorted((d[PROMPT_MESSAGES], d.get("id")) for row in rows for d in row)
+    assert kept == sorted((r["prompt"], r.get("id")) for r in records)
+    mixed = prepare([_jsonl(tmp_path / "mixed.jsonl", [*records, {"prompt": "Q: ", "completion": "A."}])],
+                    str(tmp_path / "mixed"), seq_len=128, tokenizer=tokenizer, prompt_completion=True,
+                    progress=False)  # fmt: skip
+    assert mixed.prompt_format == "mixed" and "(as text and as conversations)" in mixed.summary()
+    user = [{"role": "user", "content": "hi"}]
+    for i, (record, message) in enumerate([
+        ({"prompt": user, "completion": "hello"}, r"line 1: completion: a non-empty list of messages, as prompt is "
+                                                  r"\(a str\); TRL's conversational format"),
+        ({"prompt": user}, r"line 1: completion: a non-empty list of messages, as prompt is \(absent\)"),
+        ({"prompt": [], "completion": user}, "line 1: prompt: a non-empty list of messages"),
+        ({"prompt": user, "completion": [{"role": "assistant", "content": "a"}, *user]},
+         "line 1: completion: the conversation must end with the assistant's reply"),
+        ({"prompt": user, "completion": [{"content": "a"}]}, r"line 1\.1: a message is an object with a string role"),
+    ]):  # fmt: skip
+        with pytest.raises(DataError, match=message):
+            prepare([_jsonl(tmp_path / f"bad{i}.jsonl", [record])], str(tmp_path / f"bad{i}"), tokenizer=tokenizer,
+                    prompt_completion=True, progress=False)  # fmt: skip
+    with pytest.raises(DataError, match="conversational records need a Hugging Face tokenizer directory with a chat"):
+        prepare([_jsonl(tmp_path / "b.jsonl", records)], str(tmp_path / "b"), prompt_completion=True, progress=False)

@@ -24,6 +24,7 @@ from pylon.jobs.grpo import (
     GrpoLoss,
     Rewards,
     completion_batch,
+    exact_match,
     group_advantages,
     grpo_forward,
     grpo_losses,
@@ -455,6 +456,99 @@ def test_a_reward_model_export_scores_completions_as_transformers_does(tmp_path)
         Rewards([RewardFunctionSpec(model=str(tmp_path / "nowhere"))])
     with pytest.raises(ValueError, match="give a reward function or a reward model"):
         RewardFunctionSpec(function="exact_match", model=str(export))
+
+
+def test_prompts_given_as_messages_reach_the_rewards_as_trl_passes_them(tmp_path, monkeypatch) -> None:
+    """A prompt given as messages reaches every reward function as those messages, its completions as
+    `[{"role": "assistant", "content": text}]` (TRL's conversational format); a text prompt as its text, its
+    completions as text; the built-in functions read both. A reward model scores the conversation with the
+    completion as the assistant's reply, rendered by its own chat template (TRL's), and one without a template is
+    refused before workers start when the dataset has such prompts."""
+    from test_chat_data import CHATML, _tokenizer
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    from pylon.data.reader import RecordReader
+    from pylon.data.shards import read_manifest
+    from pylon.data.tokenizer import load_tokenizer
+    from pylon.jobs.grpo import check_rewards
+    from pylon.specs import RewardFunctionSpec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from harmony_models import bpe_tokenizer
+
+    (tmp_path / "seen_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            SEEN = []
+
+            def seen(prompts, completions, level, **kw):
+                SEEN.append((prompts, completions, level))
+                return [float(len(c if isinstance(c, str) else c[0]["content"])) for c in completions]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tokenizer = _tokenizer(tmp_path / "tok")
+    tok = load_tokenizer(tokenizer)
+    chat = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "And of Norway?"}]
+    records = [{"prompt": "What is the capital of France? ", "answer": "Paris"},
+               {"prompt": chat, "answer": "Oslo", "level": 2}]  # fmt: skip
+    out = str(tmp_path / "prompts")
+    manifest = prepare([_jsonl(tmp_path / "p.jsonl", records)], out, seq_len=64, tokenizer=tokenizer, prompts=True,
+                       progress=False)  # fmt: skip
+    assert manifest.prompt_format == "mixed" and manifest.record_fields == ["level"]
+    _, tokens, num_tokens, ids = read_rows(out)
+    batch = Batch(ids, tokens, num_tokens, 0.0, True, tok.eos_id, RecordReader(out, manifest).rows(ids))
+    pairs = sorted(prompts_and_answers(batch, tok.eos_id), key=lambda pair: tok.decode(pair[1]))  # Oslo, Paris
+    texts = ["Oslo, of course.", "I think Paris"]
+    completions = [np.asarray([*tok.encode(t), tok.eos_id]) for t in texts]  # one a prompt
+    specs = [RewardFunctionSpec(function="seen_rewards:seen"), RewardFunctionSpec(function="contains_answer")]
+    scores = Rewards(specs, manifest.record_fields).score_completions(pairs, completions, tok, tok.eos_id)
+    import seen_rewards
+
+    ((prompts, given, level),) = seen_rewards.SEEN
+    rendered = tok.decode(tok.encode("What is the capital of France? ", special=True))
+    assert prompts == [chat, rendered] and level == [2, None]
+    assert given == [[{"role": "assistant", "content": texts[0]}], texts[1]]
+    assert scores.tolist() == [[len(texts[0]), 1.0], [len(texts[1]), 1.0]]
+    assert [exact_match([[{"role": "assistant", "content": " 4 "}], "5"], ["4", "4"])] == [[1.0, 0.0]]
+
+    export = tmp_path / "rm"  # a reward model whose tokenizer renders chats with its own template
+    hf = bpe_tokenizer(["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"], CHATML, eos_token="<|im_end|>",
+                       bos_token="<s>", pad_token="<pad>")  # fmt: skip
+    hf.save_pretrained(export)
+    config = LlamaConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=hf.pad_token_id,
+                         architectures=["LlamaForSequenceClassification"])  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(export)
+    rm = Rewards([RewardFunctionSpec(model=str(export))])
+    got = rm.scores(prompts, given, ["", ""], [[1], [2]])[:, 0]
+    model = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    conversation = hf.apply_chat_template([*chat, {"role": "assistant", "content": texts[0]}], tokenize=False)
+    for i, text in enumerate([conversation, rendered + texts[1]]):  # each alone: transformers reads its last token
+        with torch.no_grad():
+            special = i == 1  # (text as /classify tokenizes it; a chat as rendered, its specials written in it)
+            want = model(**hf(text, return_tensors="pt", add_special_tokens=special)).logits[0, 0].item()
+        assert abs(got[i] - want) < 1e-5, (i, got[i], want)
+    spec = _spec().model_copy(update={"data": _spec().data.model_copy(update={"uri": out})})
+    spec.grpo.rewards.append(RewardFunctionSpec(model=str(export)))
+    check_rewards(spec, read_manifest(out))  # (a template: taken)
+    plain = tmp_path / "plain-rm"
+    hf.chat_template = None
+    hf.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(plain)
+    spec.grpo.rewards[-1] = RewardFunctionSpec(model=str(plain))
+    with pytest.raises(PylonError, match=r"grpo.rewards\[1\].model \(.*plain-rm\): its tokenizer has no chat "
+                                         r"template, and data.uri .* holds prompts given as messages"):  # fmt: skip
+        check_rewards(spec, read_manifest(out))
+    text_only = str(tmp_path / "text-prompts")
+    prepare([_jsonl(tmp_path / "t.jsonl", records[:1])], text_only, seq_len=64, tokenizer=tokenizer, prompts=True,
+            progress=False)  # fmt: skip
+    assert read_manifest(text_only).prompt_format == "text"
+    check_rewards(spec.model_copy(update={"data": spec.data.model_copy(update={"uri": text_only})}),
+                  read_manifest(text_only))  # fmt: skip
 
 
 def test_the_spec_refuses_what_grpo_cannot_run_with() -> None:

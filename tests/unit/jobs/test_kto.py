@@ -46,17 +46,26 @@ def _spec(**extra) -> TrainJobSpec:
     )  # fmt: skip
 
 
-def _prepared(tmp_path, records=RECORDS, seq_len: int = 80) -> tuple[str, Batch]:
+def _conversational(record: dict) -> dict:
+    """`record` in TRL's conversational format: the prompt a user's message after a system prompt, the completion
+    the assistant's."""
+    prompt = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": record["prompt"]}]
+    return {**record, "prompt": prompt, "completion": [{"role": "assistant", "content": record["completion"]}]}
+
+
+def _prepared(tmp_path, records=RECORDS, seq_len: int = 80, tokenizer: str = "byte") -> tuple[str, Batch]:
     out = str(tmp_path / "kto")
-    prepare([_jsonl(tmp_path / "kto.jsonl", records)], out, seq_len=seq_len, prompt_completion=True, progress=False)
+    prepare([_jsonl(tmp_path / "kto.jsonl", records)], out, seq_len=seq_len, prompt_completion=True, progress=False,
+            tokenizer=tokenizer)  # fmt: skip
     manifest, tokens, num_tokens, ids = read_rows(out)
-    return out, Batch(ids, tokens, num_tokens, 0.0, True, EOS, RecordReader(out, manifest).rows(ids))
+    eos = manifest.tokenizer.eos_id
+    return out, Batch(ids, tokens, num_tokens, 0.0, True, eos, RecordReader(out, manifest).rows(ids))
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, vocab_size: int = 258, eos_id: int = EOS, pad_id: int = PAD):
     from pylon.models import build_model
 
-    return build_model(_spec(), vocab_size=258, eos_id=EOS, pad_id=PAD, seed=seed).eval()
+    return build_model(_spec(), vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, seed=seed).eval()
 
 
 def _logp(model, prompt: np.ndarray, completion: np.ndarray) -> float:
@@ -68,10 +77,26 @@ def _logp(model, prompt: np.ndarray, completion: np.ndarray) -> float:
     return float(lp[n - 1 :, :].gather(1, ids[0, n:, None]).sum())
 
 
-def test_the_packed_kto_loss_is_trls_completion_by_completion_and_half_at_the_start(tmp_path) -> None:
-    out, batch = _prepared(tmp_path)
+@pytest.mark.parametrize("conversational", [False, True])  # TRL's two formats: strings, and lists of messages
+def test_the_packed_kto_loss_is_trls_completion_by_completion_and_half_at_the_start(tmp_path, conversational) -> None:
+    from test_chat_data import _tokenizer
+
+    from pylon.data.tokenizer import load_tokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok") if conversational else "byte"
+    records = [_conversational(r) for r in RECORDS] if conversational else RECORDS
+    out, batch = _prepared(tmp_path, records, seq_len=160 if conversational else 80, tokenizer=tokenizer)
+    tok = load_tokenizer(tokenizer)
+    EOS, PAD = tok.eos_id, tok.pad_id  # noqa: N806 (the module's, for the byte tokenizer)
+    assert read_manifest(out).prompt_format == ("conversational" if conversational else "text")
+    if conversational:  # each prompt rendered with the generation prompt, each completion the reply and its end
+        hf = tok._tok
+        found = [(tok.decode(p), tok.decode(c)) for p, c, _ in prompts_and_answers(batch, EOS, whole=True)]
+        want = [(hf.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
+                 r["completion"][0]["content"] + "<|im_end|>\n") for r in records]  # fmt: skip
+        assert sorted(found) == sorted(want)
     inputs = batch.to_torch(PAD, documents=True)
-    model, reference = _model(0), _model(0)
+    model, reference = (_model(0, tok.vocab_size if conversational else 258, EOS, PAD) for _ in range(2))
     run = {"eos_id": EOS, "pad_id": PAD}
     loss, n, tokens, stats, _ = kto_forward(model, model, inputs, batch, KtoLoss(BETA), "test", model_inputs,
                                             reference, **run)  # fmt: skip
@@ -79,7 +104,10 @@ def test_the_packed_kto_loss_is_trls_completion_by_completion_and_half_at_the_st
     assert tokens == int((inputs["labels"][:, 1:] != -100).sum())
     with torch.no_grad():  # the model off its start: the packed loss is TRL's formula on each pair alone
         for p in reference.parameters():  # (the reference moved, so that the mismatched pairs' mean log-ratio is > 0)
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+            p.add_(
+                torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+                * (0.2 if conversational else 0.05)
+            )
     docs = prompts_and_answers(batch, EOS, whole=True)
     labels = document_labels(batch, "test")
     assert sorted(labels) == [False] * 3 + [True] * 3
