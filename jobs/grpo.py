@@ -1080,10 +1080,13 @@ def grpo_forward(
     return (*grpo_train(engine, module, rollout, loss, reference), rollout.sample_s)
 
 
-def grpo_record(sums: list[float], names: list[str], prefix: str = "", online_dpo: bool = False) -> dict:
+def grpo_record(
+    sums: list[float], names: list[str], prefix: str = "", online_dpo: bool = False, corrected: bool = False
+) -> dict:
     """A step's (or with `prefix` "val_", an evaluation's) figures from `grpo_forward`'s stats summed over
     micro-batches and ranks. `online_dpo`: its pairs' implicit reward accuracy and margin (in the clip figures'
-    places) instead of a clip ratio."""
+    places) instead of a clip ratio. `corrected` (`GrpoLoss.corrects`): the engine sampler's mean correction weight
+    too, 0 in a step whose every token a mask mode left out."""
     s = dict(zip(STAT_NAMES, sums))
     n = max(s["completions"], 1.0)
     k = len(names)
@@ -1105,7 +1108,7 @@ def grpo_record(sums: list[float], names: list[str], prefix: str = "", online_dp
         record[f"{prefix}online_dpo_reward_margin"] = s["clipped_high"] / pairs
     elif s["policy_tokens"]:  # the share of tokens whose ratio the clip held (TRL's clip_ratio; 0 on a first update)
         record[f"{p}clip_ratio"] = (s["clipped_low"] + s["clipped_high"]) / s["policy_tokens"]
-        if s["sampler_ratio"]:  # grpo.sampler engine's correction: its mean weight (per token; rloo: per completion)
+        if corrected:  # grpo.sampler engine's correction: its mean weight (per token; rloo: per completion)
             record[f"{p}sampler_ratio"] = s["sampler_ratio"] / s["policy_tokens"]
     for name, total, count in zip(names, func_sums, func_counts):
         record[f"{p}rewards.{name}"] = total / count if count else None

@@ -685,7 +685,8 @@ def train_loop(config: dict) -> None:
             record.update(kto_record(*totals[[0, 7, 8, 9, 10, 11, 12]].tolist(), passes=gas * world))
         if grpo is not None:  # the completions' rewards, lengths and KL (TRL's figures); this rank's sampling time
             record.update(
-                grpo_record(totals[11:-1].tolist(), rewards.names, online_dpo=grpo.online_dpo), grpo_sample_s=sample_s
+                grpo_record(totals[11:-1].tolist(), rewards.names, online_dpo=grpo.online_dpo, corrected=grpo.corrects),
+                grpo_sample_s=sample_s,
             )
         if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean
             record["router_aux_loss"] = totals[5].item() / max(totals[6].item(), 1.0)

@@ -14,6 +14,7 @@ import torch
 
 from pylon.data.tokenizer import ByteTokenizer, load_tokenizer
 from pylon.jobs.grpo import (
+    STAT_NAMES,
     GrpoLoss,
     Rewards,
     grpo_record,
@@ -281,7 +282,7 @@ def test_the_engines_sampling_is_corrected_by_each_tokens_capped_ratio_as_trl_do
     assert float(plain) == pytest.approx(float(per_token.sum()), rel=1e-5, abs=1e-6)
     assert float(weighted) == pytest.approx(float((per_token * weights).sum()), rel=1e-5, abs=1e-6)
     _, _, _, stats = grpo_train(model, model, sampled, loss)
-    record = grpo_record(stats, rewards.names)
+    record = grpo_record(stats, rewards.names, corrected=True)
     assert record["grpo_sampler_ratio"] == pytest.approx(float(weights.mean()), rel=1e-5)
 
 
@@ -354,7 +355,11 @@ def test_rloo_with_the_engine_weighs_each_completions_loss_by_its_sequence_ratio
     assert float(plain) == pytest.approx(float(per_completion.sum()), rel=1e-5, abs=1e-6)
     assert float(weighted) == pytest.approx(float((per_completion * weights).sum()), rel=1e-5, abs=1e-6)
     _, _, _, stats = grpo_train(model, model, sampled, loss)
-    assert grpo_record(stats, rewards.names)["grpo_sampler_ratio"] == pytest.approx(float(weights.mean()), rel=1e-5)
+    record = grpo_record(stats, rewards.names, corrected=True)
+    assert record["grpo_sampler_ratio"] == pytest.approx(float(weights.mean()), rel=1e-5)
+    assert "grpo_sampler_ratio" not in grpo_record(stats, rewards.names)  # (no correction: no figure)
+    masked = [0.0 if name == "sampler_ratio" else v for name, v in zip(STAT_NAMES, stats)] + stats[len(STAT_NAMES) :]
+    assert grpo_record(masked, rewards.names, corrected=True)["grpo_sampler_ratio"] == 0.0  # every token masked out
 
     def refused(objective: str, match: str, **more) -> None:
         with pytest.raises(Exception, match=match):
