@@ -110,7 +110,7 @@ class Rewards:
     or reward models (`RewardModel`). A function that cannot be imported, raises, or returns other than one number
     (or None) per completion is a PylonError naming it by its field (`grpo.rewards[i].function`)."""
 
-    def __init__(self, specs, record_fields: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, specs, record_fields: list[str] | tuple[str, ...] = (), judge: str | None = None) -> None:
         # the dataset's record fields (`ShardManifest.record_fields`): passed to every function by name
         self.record_fields = tuple(record_fields)
         self.functions, self.names, self.weights, self.fields = [], [], [], []
@@ -123,6 +123,21 @@ class Rewards:
             self.names.append(spec.short_name)
             self.weights.append(float(spec.weight))
             self.fields.append(f"{field} ({spec.function if spec.function is not None else _shown(spec.model)})")
+        if judge is not None:  # objective online_dpo's pairwise judge, in the rewards' place (`PairwiseJudge`)
+            self.functions.append(PairwiseJudge(judge, f"grpo.judge ({judge})"))
+            self.names.append(judge.rsplit(":", 1)[-1])
+            self.weights.append(1.0)
+            self.fields.append(f"grpo.judge ({judge})")
+
+    @property
+    def judged(self) -> bool:
+        """Whether a pairwise judge scores (objective online_dpo's `grpo.judge`): pairs, never one completion alone."""
+        return any(isinstance(fn, PairwiseJudge) for fn in self.functions)
+
+    @classmethod
+    def of(cls, grpo, record_fields: list[str] | tuple[str, ...] = ()) -> "Rewards":
+        """The rewards (or the judge) of `grpo` (a GrpoSpec)."""
+        return cls(grpo.rewards, record_fields, judge=grpo.judge)
 
     def to(self, device) -> "Rewards":
         """Score with the reward models on `device` (the worker's)."""
@@ -143,6 +158,8 @@ class Rewards:
                 got = fn(
                     prompts=prompts, completions=completions, answers=answers, completion_ids=completion_ids, **fields
                 )
+            except PylonError:  # (a judge's verdict it cannot read: named already)
+                raise
             except Exception as e:  # noqa: BLE001 - a user's function: say which one failed
                 unexpected = re.search(r"unexpected keyword argument '([^']+)'", str(e))
                 hint = (
@@ -276,6 +293,50 @@ class RewardModel:
         return heads[-1][torch.arange(len(rows), device=device), last, 0].float().tolist()
 
 
+class PairwiseJudge:
+    """objective online_dpo's `grpo.judge` (TRL's pairwise judges: `BasePairwiseJudge.judge(prompts, completions)`)
+    as a reward function of a micro-batch's pairs (each prompt's two completions, consecutive): called with one
+    prompt a pair (text, or its messages as the reward functions get them) and the pairs' completions as text,
+    [[a, b], ...]; its verdict for each, the index of the preferred completion, scores it 1.0 and the other 0.0, so
+    that `pair_preferences` prefers it; -1 or None scores neither (a tie: the pair is left out). A function, or an
+    object with a `judge` method (an instance of a TRL-style judge class)."""
+
+    def __init__(self, path: str, where: str) -> None:
+        target = _imported(path, where)
+        method = getattr(target, "judge", None)
+        self.judge = method if callable(method) else target
+        if not callable(self.judge):
+            raise PylonError(f"{where}: {path} is neither a function nor an object with a judge method")
+        self.where = where
+
+    def __call__(self, prompts: list, completions: list, **_) -> list[float | None]:
+        if len(completions) % 2:
+            raise PylonError(f"{self.where}: {len(completions)} completions do not make pairs (grpo.generations: 2)")
+        pairs = [[completion_text(a), completion_text(b)] for a, b in zip(completions[::2], completions[1::2])]
+        got = self.judge(prompts[::2], pairs)
+        try:
+            verdicts = list(got)
+        except TypeError:
+            verdicts = None
+        if verdicts is None or len(verdicts) != len(pairs):
+            raise PylonError(
+                f"{self.where} returned {type(got).__name__ if verdicts is None else len(verdicts)} verdicts for "
+                f"{len(pairs)} pairs; return one a pair: 0 (the first preferred), 1 (the second), -1 or None (neither)"
+            )
+        out: list[float | None] = []
+        for i, v in enumerate(verdicts):
+            if v is None or (isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v == -1):
+                out += [None, None]
+            elif isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v in (0, 1):
+                out += [1.0, 0.0] if v == 0 else [0.0, 1.0]
+            else:
+                raise PylonError(
+                    f"{self.where} judged pair {i} {v!r}; a verdict is 0 (the first completion preferred), 1 (the "
+                    "second), or -1 or None (neither)"
+                )
+        return out
+
+
 def _shown(uri: str) -> str:
     """`uri` for messages: a local path as given, a URI without credentials (`storage.describe`)."""
     from pylon import storage
@@ -286,6 +347,14 @@ def _shown(uri: str) -> str:
 def _resolve(name: str, where: str):
     if name in BUILT_IN_REWARDS:
         return BUILT_IN_REWARDS[name]
+    fn = _imported(name, where)
+    if not callable(fn):
+        raise PylonError(f"{where}: {name.partition(':')[0]} has no function {name.partition(':')[2]}")
+    return fn
+
+
+def _imported(name: str, where: str):
+    """What `package.module:name` names, imported here; a PylonError naming `where` when it cannot be."""
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -294,10 +363,9 @@ def _resolve(name: str, where: str):
             f"{where}: cannot import {module_name} ({type(e).__name__}: {e}); ship it in the job's working directory "
             "(`ray job submit --working-dir`, `pylon train` from that directory) or install it on the cluster"
         ) from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
+    if not hasattr(module, attr):
         raise PylonError(f"{where}: {module_name} has no function {attr}")
-    return fn
+    return getattr(module, attr)
 
 
 # What every reward function is passed already: a record field may not take one of these names
@@ -315,7 +383,7 @@ def check_rewards(spec, manifest) -> None:
             f"name, and {clash[0]} is what they are passed already ({', '.join(REWARD_ARGUMENTS)}); rename it in the "
             "source records and prepare them again"
         )
-    rewards = Rewards(spec.grpo.rewards, manifest.record_fields)
+    rewards = Rewards.of(spec.grpo, manifest.record_fields)
     if manifest.prompt_format in ("conversational", "mixed"):
         for fn, where in zip(rewards.functions, rewards.fields):
             if isinstance(fn, RewardModel) and not fn.chat_template:
@@ -1081,12 +1149,19 @@ def grpo_forward(
 
 
 def grpo_record(
-    sums: list[float], names: list[str], prefix: str = "", online_dpo: bool = False, corrected: bool = False
+    sums: list[float],
+    names: list[str],
+    prefix: str = "",
+    online_dpo: bool = False,
+    corrected: bool = False,
+    judged: bool = False,
 ) -> dict:
     """A step's (or with `prefix` "val_", an evaluation's) figures from `grpo_forward`'s stats summed over
     micro-batches and ranks. `online_dpo`: its pairs' implicit reward accuracy and margin (in the clip figures'
     places) instead of a clip ratio. `corrected` (`GrpoLoss.corrects`): the engine sampler's mean correction weight
-    too, 0 in a step whose every token a mask mode left out."""
+    too, 0 in a step whose every token a mask mode left out. `judged` (`Rewards.judged`): no reward figures, since a
+    judge's scores only mark which of a pair it preferred (`grpo_zero_std_groups`: the share of pairs it left
+    undecided), and the run's plot is its loss."""
     s = dict(zip(STAT_NAMES, sums))
     n = max(s["completions"], 1.0)
     k = len(names)
@@ -1100,6 +1175,8 @@ def grpo_record(
         f"{p}completion_length": s["length"] / n,
         f"{p}clipped": s["clipped"] / n,
     }
+    if judged:
+        del record[f"{p}reward"], record[f"{p}reward_std"]
     if s["kl_tokens"]:
         record[f"{p}kl"] = s["kl"] / s["kl_tokens"]
     if online_dpo:  # (TRL's rewards/accuracies and rewards/margins, over the pairs that prefer one completion)
@@ -1111,13 +1188,15 @@ def grpo_record(
         if corrected:  # grpo.sampler engine's correction: its mean weight (per token; rloo: per completion)
             record[f"{p}sampler_ratio"] = s["sampler_ratio"] / s["policy_tokens"]
     for name, total, count in zip(names, func_sums, func_counts):
-        record[f"{p}rewards.{name}"] = total / count if count else None
+        if not judged:
+            record[f"{p}rewards.{name}"] = total / count if count else None
     return record
 
 
 class GrpoEvaluation:
-    """A held-out batch's figures (`_evaluate`'s `grpo_eval`): each prompt's greedy completion, scored. Called with
-    a batch, returns [completions, reward sum, length sum, each function's score sum..., and count...]."""
+    """A held-out batch's figures (`_evaluate`'s `grpo_eval`): each prompt's greedy completion, scored (not with a
+    pairwise judge, which compares two: its length alone). Called with a batch, returns [completions, reward sum,
+    length sum, each function's score sum..., and count...]."""
 
     def __init__(
         self, engine, loss: GrpoLoss, rewards: Rewards, tokenizer, eos_id, pad_id, device, synced, rollout=None
@@ -1137,7 +1216,10 @@ class GrpoEvaluation:
         k = len(self.rewards.functions)
         if not completions:
             return [0.0] * (3 + 2 * k)
-        scores = self.rewards.score_completions(pairs, completions, self.tokenizer, self.eos_id)
+        if self.rewards.judged:  # (one greedy completion a prompt: nothing for a judge of pairs to compare)
+            scores = np.full((len(completions), k), np.nan)
+        else:
+            scores = self.rewards.score_completions(pairs, completions, self.tokenizer, self.eos_id)
         return [
             float(len(completions)),
             float(self.rewards.total(scores).sum()),
@@ -1166,7 +1248,8 @@ def grpo_eval_record(sums: list[float], names: list[str]) -> dict:
     n, k = max(sums[0], 1.0), len(names)
     record = {
         "val_grpo_completions": int(sums[0]),
-        "val_grpo_reward": sums[1] / n,
+        # (None where nothing scored a completion: a judge's run, whose judge compares pairs)
+        "val_grpo_reward": sums[1] / n if any(sums[3 + k :]) or not k else None,
         "val_grpo_completion_length": sums[2] / n,
     }
     for name, total, count in zip(names, sums[3 : 3 + k], sums[3 + k :]):

@@ -233,7 +233,7 @@ def eval_line(record: dict) -> str:
         f"evaluation at step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
         f"{record['val_perplexity']:.3f} over {record['val_tokens']:,} tokens ({record['val_sequences']:,} sequences)"
     )
-    if "val_grpo_reward" in record:  # objective grpo: its held-out prompts' greedy completions, scored
+    if record.get("val_grpo_reward") is not None:  # objective grpo: its held-out prompts' greedy completions, scored
         n = record["val_grpo_completions"]
         line += f"; mean reward {record['val_grpo_reward']:.4f} over {n:,} greedy completions"
     return line
@@ -251,7 +251,7 @@ def loss_figure(records: list[dict], *, title: str, evals: list[dict] | None = N
     reward = bool(records) and "grpo_reward" in records[0]
     key, val_key = ("grpo_reward", "val_grpo_reward") if reward else ("loss", "val_loss")
     ax.plot([r["step"] for r in records], [r[key] for r in records], lw=1.5, label="training")
-    evals = [r for r in evals or [] if val_key in r]
+    evals = [r for r in evals or [] if r.get(val_key) is not None]
     if evals:
         label = "validation (greedy)" if reward else "validation"
         ax.plot([r["step"] for r in evals], [r[val_key] for r in evals], "o-", lw=1.2, ms=4, label=label)

@@ -351,7 +351,7 @@ def train_loop(config: dict) -> None:
     kto = KtoLoss.of(spec) if spec.objective == "kto" else None
     # objective grpo (pylon.jobs.grpo): completions sampled by the model, scored by the reward functions (decoded text)
     grpo = GrpoLoss.of(spec) if spec.objective in RL_OBJECTIVES else None
-    rewards = Rewards(spec.grpo.rewards, stream.manifest.record_fields) if grpo is not None else None
+    rewards = Rewards.of(spec.grpo, stream.manifest.record_fields) if grpo is not None else None
     grpo_eval = None
     if grpo is not None:
         from pylon.data.tokenizer import load_tokenizer
@@ -685,7 +685,13 @@ def train_loop(config: dict) -> None:
             record.update(kto_record(*totals[[0, 7, 8, 9, 10, 11, 12]].tolist(), passes=gas * world))
         if grpo is not None:  # the completions' rewards, lengths and KL (TRL's figures); this rank's sampling time
             record.update(
-                grpo_record(totals[11:-1].tolist(), rewards.names, online_dpo=grpo.online_dpo, corrected=grpo.corrects),
+                grpo_record(
+                    totals[11:-1].tolist(),
+                    rewards.names,
+                    online_dpo=grpo.online_dpo,
+                    corrected=grpo.corrects,
+                    judged=rewards.judged,
+                ),
                 grpo_sample_s=sample_s,
             )
         if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean

@@ -432,6 +432,15 @@ def _check_reward_function(value: str) -> str:
     )
 
 
+def _check_judge(value: str) -> str:
+    if _REWARD_PATH.match(value):
+        return value
+    raise ValueError(
+        f"{value!r} is not a `package.module:function` path (or `package.module:name` of an object with a `judge` "
+        "method, as TRL's pairwise judges are)"
+    )
+
+
 class RewardFunctionSpec(_Spec):
     function: Annotated[str, AfterValidator(_check_reward_function)] | None = Field(
         None,
@@ -471,7 +480,16 @@ class GrpoSpec(_Spec):
     """objective grpo's, rloo's and online_dpo's settings (TRL's GRPOConfig, RLOOConfig and OnlineDPOConfig)."""
 
     rewards: list[RewardFunctionSpec] = Field(
-        min_length=1, description="the reward functions; a completion's reward is their weighted sum"
+        default_factory=list,
+        description="the reward functions; a completion's reward is their weighted sum (at least one; objective "
+        "online_dpo: these or grpo.judge)",
+    )
+    judge: Annotated[str, AfterValidator(_check_judge)] | None = Field(
+        None,
+        description="objective online_dpo, instead of rewards: a pairwise judge (TRL's `judge`), `package.module:"
+        "function` or an object with a `judge` method, importable where the job runs as a reward function is, called "
+        "with the prompts and each prompt's two completions as text, judge(prompts, [[a, b], ...]), and returning for "
+        "each pair the index of the preferred completion: 0 or 1; -1 or None, neither (the pair is left out)",
     )
     generations: int = Field(
         8, ge=2, description="completions sampled for each prompt: its group, whose rewards set the advantages"
@@ -865,6 +883,20 @@ class TrainJobSpec(_Spec):
             if self.grpo is None:
                 problems.append(
                     ("grpo", f"objective {objective} needs reward functions: grpo: {{rewards: [{{function: ...}}]}}")
+                )
+            elif self.grpo.judge is not None and objective != "online_dpo":
+                problems.append(
+                    ("grpo.judge", f"is objective online_dpo's, a judge of pairs; objective {objective}: grpo.rewards")
+                )
+            elif self.grpo.judge is not None and self.grpo.rewards:
+                problems.append(("grpo.rewards", "objective online_dpo prefers by grpo.judge or by rewards: give one"))
+            elif self.grpo.judge is None and not self.grpo.rewards:
+                problems.append(
+                    (
+                        "grpo.rewards",
+                        "give at least one reward function ({function: ...} or {model: ...})"
+                        + ("; or grpo.judge, a pairwise judge" if objective == "online_dpo" else ""),
+                    )
                 )
             elif objective == "rloo":  # (by value: a submitted spec is dumped whole and read again)
                 if self.grpo.loss != "dapo":

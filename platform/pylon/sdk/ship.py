@@ -202,15 +202,17 @@ def _copy_inputs(inputs: list, sizes: list[int], workdir: Path, *, progress: boo
 
 def reward_module_paths(spec: Any, base: Path | None = None) -> list[Path]:
     """The files or package directories under `base` (the current directory) that hold the modules of `spec`'s
-    `module:function` reward functions (objective grpo), top-level name first: what `package` copies."""
+    `module:function` reward functions (objective grpo; online_dpo's judge), top-level name first: what `package`
+    copies."""
     if not isinstance(spec, TrainJobSpec) or spec.grpo is None:
         return []
     base = Path.cwd() if base is None else base
     found = []
-    for reward in spec.grpo.rewards:
-        if reward.function is None or ":" not in reward.function:
+    functions = [reward.function for reward in spec.grpo.rewards] + [spec.grpo.judge]  # (and online_dpo's judge)
+    for function in functions:
+        if function is None or ":" not in function:
             continue  # a reward model, or a built-in
-        top = reward.function.split(":", 1)[0].split(".", 1)[0]
+        top = function.split(":", 1)[0].split(".", 1)[0]
         for candidate in (base / top, base / f"{top}.py"):
             if (candidate.is_dir() and (candidate / "__init__.py").is_file()) or candidate.is_file():
                 if candidate not in found:

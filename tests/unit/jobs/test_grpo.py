@@ -698,24 +698,98 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, it
     engine.step()
 
 
-def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distributed) -> None:  # noqa: F811
+JUDGES = """
+SEEN = []  # each call's pairs
+
+def says_a(prompts, completions):
+    SEEN.append(completions)
+    return [-1 if ("a" in x) == ("a" in y) else 0 if "a" in x else 1 for x, y in completions]
+
+class SaysA:  # as TRL's pairwise judges: an object with a judge method
+    def judge(self, prompts, completions, shuffle_order=True):
+        return says_a(prompts, completions)
+
+says_a_judge = SaysA()
+"""
+
+
+def test_a_pairwise_judges_verdicts_prefer_one_of_each_pair_and_bad_ones_are_named(tmp_path, monkeypatch) -> None:
+    """grpo.judge (objective online_dpo's, TRL's pairwise judges): a function or an object with a judge method, called
+    with one prompt a pair and the pairs' completions as text; 0 prefers the first, 1 the second, -1 or None neither;
+    anything else, or a verdict count that is not the pairs', fails naming grpo.judge. The spec takes it for
+    online_dpo only, instead of rewards."""
+    from pylon.errors import SpecError
+    from pylon.jobs.grpo import pair_preferences
+
+    (tmp_path / "pair_judges2.py").write_text(
+        JUDGES.replace("SEEN = []", "SEEN = []\nVERDICTS = []")
+        + "\ndef fixed(prompts, completions):\n    SEEN.append((prompts, completions))\n    return VERDICTS.pop()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import pair_judges2
+
+    rewards = Rewards([], judge="pair_judges2:fixed")
+    assert rewards.judged and rewards.names == ["fixed"] and not Rewards.of(_spec().grpo).judged
+    prompts = ["p0", "p0", [{"role": "user", "content": "p1"}], [{"role": "user", "content": "p1"}], "p2", "p2"]
+    completions = ["x", "y", [{"role": "assistant", "content": "u"}], [{"role": "assistant", "content": "v"}], "s", "t"]
+    pair_judges2.VERDICTS.append([1, np.int64(0), None])
+    scores = rewards.scores(prompts, completions, [""] * 6, [[1]] * 6)
+    assert pair_judges2.SEEN[-1] == (prompts[::2], [["x", "y"], ["u", "v"], ["s", "t"]])
+    np.testing.assert_array_equal(scores[:, 0], [0.0, 1.0, 1.0, 0.0, np.nan, np.nan])
+    assert pair_preferences(rewards.total(scores)).tolist() == [-1, 1, 1, -1, 0, 0]  # (the third left out)
+    for verdicts, message in [
+        ([0, 2, -1], r"grpo.judge \(pair_judges2:fixed\) judged pair 1 2; a verdict is 0 \(the first"),
+        ([0, True, 1], "judged pair 1 True"),
+        ([0, 1], r"returned 2 verdicts for 3 pairs; return one a pair"),
+        (None, r"returned NoneType verdicts for 3 pairs"),
+    ]:
+        pair_judges2.VERDICTS.append(verdicts)
+        with pytest.raises(PylonError, match=message):
+            rewards.scores(prompts, completions, [""] * 6, [[1]] * 6)
+    assert Rewards([], judge="pair_judges2:says_a_judge").scores(["p", "p"], ["a", "b"], ["", ""], [[1], [2]])[
+        :, 0
+    ].tolist() == [1.0, 0.0]  # (an object's judge method)
+    with pytest.raises(PylonError, match=r"grpo.judge \(pair_judges2:JUDGES\): pair_judges2 has no function"):
+        Rewards([], judge="pair_judges2:JUDGES")
+    with pytest.raises(PylonError, match=r"grpo.judge \(pair_judges2:SEEN\): pair_judges2:SEEN is neither a"):
+        Rewards([], judge="pair_judges2:SEEN")
+    base = {"name": "o", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
+            "objective": "online_dpo", "grpo": {"judge": "pair_judges2:fixed", "generations": 2}}  # fmt: skip
+    assert TrainJobSpec.model_validate(base).grpo.judge == "pair_judges2:fixed"
+    both = {**base["grpo"], "rewards": [{"function": "exact_match"}]}
+    for change, field, message in [
+        ({"objective": "grpo"}, "grpo.judge", "is objective online_dpo's, a judge of pairs; objective grpo"),
+        ({"grpo": both}, "grpo.rewards", "prefers by grpo.judge or by rewards: give one"),
+        ({"grpo": {"generations": 2}}, "grpo.rewards", "give at least one reward function .*; or grpo.judge"),
+        ({"grpo": {"judge": "not a path", "generations": 2}}, "grpo.judge", "is not a `package.module:function` path"),
+    ]:
+        with pytest.raises((SpecError, ValueError), match=f"(?s){re.escape(field)}.*{message}"):
+            TrainJobSpec.model_validate({**base, **change})
+
+
+@pytest.mark.parametrize("judge", [False, True])  # a reward function's pairs; a pairwise judge's (grpo.judge)
+def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distributed, judge, monkeypatch) -> None:  # noqa: F811
     """objective online_dpo through DeepSpeed (ZeRO-2), against a frozen copy of the start, as the trainer's loop runs
-    it: the pairs' implicit reward accuracy and the completions' reward rise."""
+    it: the pairs' implicit reward accuracy and the completions' reward rise; with a pairwise judge (TRL's judge) in
+    the reward's place, the share of completions it prefers."""
 
     from pylon.data.tokenizer import load_tokenizer
     from pylon.jobs.train import _global_mean_loss
 
+    (tmp_path / "pair_judges.py").write_text(JUDGES)
+    monkeypatch.syspath_prepend(str(tmp_path))
     records = [{"prompt": f"Say a{'!' * i}: ", "completion": "a"} for i in range(4)]
     batch, _ = _batch(tmp_path, records)
+    scoring = {"judge": "pair_judges:says_a_judge"} if judge else {"rewards": [{"function": "contains_answer"}]}
     spec = TrainJobSpec.model_validate(
         {"name": "o", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
          "objective": "online_dpo", "dpo_beta": 0.1,
-         "grpo": {"rewards": [{"function": "contains_answer"}], "generations": 2, "max_completion_tokens": 8},
+         "grpo": {**scoring, "generations": 2, "max_completion_tokens": 8},
          "optim": {"lr": 3e-3, "warmup_steps": 0, "schedule": "constant"}}
     )  # fmt: skip
     _, engine, reference = deepspeed_start(spec)
     loss = GrpoLoss.of(spec)
-    rewards, tok = Rewards(spec.grpo.rewards), load_tokenizer("byte")
+    rewards, tok = Rewards.of(spec.grpo), load_tokenizer("byte")
     figures = []
     for step in range(60):
         rollout = grpo_sample(engine, batch, loss, rewards, tok, eos_id=EOS, pad_id=PAD,
@@ -724,8 +798,15 @@ def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distribute
         assert count <= 4  # (one pair a prompt; a tied one left out)
         engine.backward(_global_mean_loss(loss_t, count, 1)[0])
         engine.step()
-        figures.append(grpo_record(stats, rewards.names, online_dpo=True))
+        figures.append(grpo_record(stats, rewards.names, online_dpo=True, judged=judge))
     assert figures[0]["online_dpo_reward_margin"] == 0.0 and "grpo_clip_ratio" not in figures[0]
+    if judge:  # no reward figures (a judge's scores only mark its choice); the share of completions saying "a"
+        import pair_judges
+
+        assert len(pair_judges.SEEN) == 60 and all(len(pairs) == 4 for pairs in pair_judges.SEEN)
+        assert "grpo_reward" not in figures[0] and "grpo_rewards.says_a_judge" not in figures[0]
+        for f, pairs in zip(figures, pair_judges.SEEN):
+            f["grpo_reward"] = np.mean([float("a" in c) for pair in pairs for c in pair])
     first = np.mean([f["grpo_reward"] for f in figures[:10]])
     last = np.mean([f["grpo_reward"] for f in figures[-10:]])
     # (the pairs' accuracy where any pair prefers: once every completion says "a", every pair ties)

@@ -89,6 +89,9 @@ def test_grpo_reward_modules_in_the_submitting_directory_travel_with_the_job(cor
     # built-ins and modules found elsewhere (installed, or the standard library's json) are not shipped; each once
     assert ship.reward_module_paths(spec) == [corpus.parent / "rewards_a.py", corpus.parent / "pkg"]
     assert ship.reward_module_paths(_train()) == []
+    (corpus.parent / "judges.py").write_text("def prefer(prompts, completions):\n    return [0] * len(completions)\n")
+    judged = _train(objective="online_dpo", grpo={"judge": "judges:prefer", "generations": 2})
+    assert ship.reward_module_paths(judged) == [corpus.parent / "judges.py"]  # (online_dpo's judge travels too)
     package = ship.package(spec, where, progress=False)
     try:
         top = package.working_dir
