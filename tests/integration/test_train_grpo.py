@@ -30,6 +30,14 @@ def share_of_answer(completions, target, **kw):
 def lowercase(completions, **kw):
     # the share of a completion's characters that are lowercase letters: a dense reward, few pairs tied
     return [sum(ch.islower() for ch in c) / max(len(c), 1) for c in completions]
+
+def more_lowercase(prompts, completions):
+    # a pairwise judge (objective online_dpo's grpo.judge): the completion with the larger share, or neither
+    verdicts = []
+    for a, b in completions:
+        x, y = lowercase([a, b])
+        verdicts.append(0 if x > y else 1 if y > x else -1)
+    return verdicts
 """
 
 
@@ -178,17 +186,35 @@ def test_an_rloo_run_learns_with_its_kl_in_the_reward(ray_cluster, tmp_path, mon
 
 
 @pytest.mark.slow  # (make test-all: tests/unit/jobs/test_grpo.py checks its loss against TRL's and that it learns)
-def test_an_online_dpo_run_learns_what_its_reward_prefers(ray_cluster, tmp_path, monkeypatch):
+@pytest.mark.parametrize("judge", [False, True])  # a reward function; a pairwise judge (grpo.judge) in its place
+def test_an_online_dpo_run_learns_what_its_reward_prefers(ray_cluster, tmp_path, monkeypatch, judge):
     """objective online_dpo on the same prompts: two workers at ZeRO-3 with LoRA (the reference: the adapters
     disabled), each prompt's two completions a pair, the better-rewarded chosen, a dense reward (the share of
     lowercase letters: two completions seldom tie, where saying "a" at random would leave most pairs tied at 0). The
-    reward rises and the pairs' implicit reward accuracy passes one half."""
+    reward rises and the pairs' implicit reward accuracy passes one half. With a judge of pairs (the user's module,
+    shipped as a reward module is), the completions it logs rise in the same share."""
     spec = _grpo_spec(tmp_path, monkeypatch, name="online-dpo")
     spec["objective"] = "online_dpo"
     spec["dpo_beta"] = 0.1
-    spec["grpo"] = {**spec["grpo"], "generations": 2, "beta": 0.0, "rewards": [{"function": "user_rewards:lowercase"}]}
+    scoring = (
+        {"judge": "user_rewards:more_lowercase"} if judge else {"rewards": [{"function": "user_rewards:lowercase"}]}
+    )
+    spec["grpo"] = {
+        **{k: v for k, v in spec["grpo"].items() if k != "rewards"},
+        "generations": 2,
+        "beta": 0.0,
+        **scoring,
+    }
     spec["steps"], spec["eval"], spec["checkpoint"]["every_steps"] = 24, {"every_steps": 24}, 24
     logs, steps, evals = _run(spec)
+    if judge:  # no reward figures: the logged completions' share of lowercase letters (4 a step) is the curve
+        from pylon.jobs.run_dir import read_completions
+
+        assert "grpo_reward" not in steps[0] and "grpo_rewards.more_lowercase" not in steps[0], steps[0]
+        sampled = read_completions(str(tmp_path / "runs" / "online-dpo"))
+        for r in steps:
+            texts = [c["completion"] for c in sampled if c["step"] == r["step"]]
+            r["grpo_reward"] = sum(sum(ch.islower() for ch in t) / max(len(t), 1) for t in texts) / max(len(texts), 1)
     rewards = [round(r["grpo_reward"], 3) for r in steps]
     print("online_dpo: rewards by step", rewards)
     print("online_dpo: step 24", {k: v for k, v in steps[-1].items() if "dpo" in k or k.startswith("grpo")})
@@ -200,4 +226,5 @@ def test_an_online_dpo_run_learns_what_its_reward_prefers(ray_cluster, tmp_path,
     print("online_dpo: accuracy where pairs prefer", preferring)
     assert late > early + 0.2 and sum(preferring) / max(len(preferring), 1) > 0.5, (rewards, preferring)
     (evaluation,) = evals
-    assert "val_grpo_reward" in evaluation and (tmp_path / "runs" / "online-dpo" / "export" / "config.json").exists()
+    assert (evaluation["val_grpo_reward"] is None) == judge, evaluation  # (a judge cannot score one completion)
+    assert (tmp_path / "runs" / "online-dpo" / "export" / "config.json").exists()
