@@ -418,7 +418,8 @@ class GrpoLoss:
     gather: bool = True  # at ZeRO-3, the whole model gathered once for sampling (`zero3_gather_for_sampling`)
     iterations: int = 1  # updates on each sampled micro-batch (TRL's num_iterations)
     epsilon: float = 0.2  # the clip below 1 of the policy ratio
-    epsilon_high: float = 0.2  # and above (DAPO's clip-higher: larger)
+    epsilon_high: float = 0.2  # and above (DAPO's clip-higher: larger); loss cispo: the importance weight's bound
+    delta: float | None = None  # two-sided clipping (INTELLECT-2, TRL's delta): the unclipped ratio's bound
     mask_truncated: bool = False  # completions cut without an eos left out of the loss (`mask_truncated_completions`)
     normalize: bool = False  # objective rloo: advantages standardised over the micro-batch (`normalize_advantages`)
     log_completions: int = 0  # completions a micro-batch keeps as `Rollout.samples` (`log_completions`)
@@ -450,6 +451,7 @@ class GrpoLoss:
             iterations=g.iterations,
             epsilon=g.epsilon,
             epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
+            delta=g.delta,
             mask_truncated=g.mask_truncated_completions,
             log_completions=g.log_completions,
             sequence_ratio=g.importance_sampling_level == "sequence",
@@ -825,11 +827,14 @@ def _bounded(ratio, loss: GrpoLoss):
 
 
 def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=None, old_logps=None, weights=None):
-    """The micro-batch's summed loss and what it is averaged over (`loss.kind`: its completion tokens for dapo, its
-    completions for grpo and dr_grpo), and [the summed per-token KL (0 without a reference), tokens clipped below,
-    tokens clipped above]. `logps`, `rows`: `token_logprobs`; `advantages` [rows]; `old_logps` the sampling policy's
-    (None: the model is still that policy, its first update of the batch). TRL's clipped surrogate: with r =
-    exp(log pi - log pi_old), -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); r is 1 on the first update.
+    """The micro-batch's summed loss and what it is averaged over (`loss.kind`: its completion tokens for dapo and
+    cispo, its completions for grpo and dr_grpo; bnpo, the mean over this rank's tokens already, over 1), and [the
+    summed per-token KL (0 without a reference), tokens clipped below, tokens clipped above]. `logps`, `rows`:
+    `token_logprobs`; `advantages` [rows]; `old_logps` the sampling policy's (None: the model is still that policy,
+    its first update of the batch). TRL's clipped surrogate: with r = exp(log pi - log pi_old), -min(r A, clip(r, 1 -
+    epsilon, 1 + epsilon_high) A), r bounded by `loss.delta` in its unclipped term where set (two-sided clipping,
+    INTELLECT-2); r is 1 on the first update. cispo (MiniMax-M1's CISPO, TRL's): -min(r, epsilon_high) A log pi, the
+    bounded weight without gradient, so that every token keeps its gradient (a clipped token's too), scaled.
     `loss.sequence_ratio` (GSPO, Zheng et al. 2025; TRL's importance_sampling_level "sequence"): every token of a
     completion takes its completion's r, exp of the mean over its tokens of log pi - log pi_old. `weights` (the engine
     sampler's correction, `correction_weights`' per token): each token's surrogate multiplied by its weight before the
@@ -843,12 +848,18 @@ def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=
         counts = torch.bincount(rows, minlength=n_rows).clamp(min=1)
         log_ratio = (sequence_sums(log_ratio, rows, n_rows) / counts)[rows]
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - loss.epsilon, 1 + loss.epsilon_high)
-    per_token = -torch.minimum(ratio * a, clipped * a)
+    if loss.kind == "cispo":
+        per_token = -torch.clamp(ratio, max=loss.epsilon_high).detach() * a * logps
+        low = torch.zeros((), device=logps.device)
+        high = ((ratio > loss.epsilon_high) & (a > 0)).sum()  # (TRL's cispo_clip_ratio)
+    else:
+        clipped = torch.clamp(ratio, 1 - loss.epsilon, 1 + loss.epsilon_high)
+        unclipped = ratio if loss.delta is None else torch.clamp(ratio, max=loss.delta)
+        per_token = -torch.minimum(unclipped * a, clipped * a)
+        low = ((ratio < 1 - loss.epsilon) & (a < 0)).sum()
+        high = ((ratio > 1 + loss.epsilon_high) & (a > 0)).sum()
     if weights is not None:
         per_token = per_token * weights
-    low = ((ratio < 1 - loss.epsilon) & (a < 0)).sum()
-    high = ((ratio > 1 + loss.epsilon_high) & (a > 0)).sum()
     kl = torch.zeros((), device=logps.device)
     if ref_logps is not None:
         d = ref_logps - logps
@@ -856,8 +867,10 @@ def grpo_losses(logps, rows, advantages, loss: GrpoLoss, n_rows: int, ref_logps=
         per_token = per_token + loss.beta * per_token_kl
         kl = per_token_kl.detach().sum()
     figures = torch.stack([kl.float(), low.float(), high.float()])
-    if loss.kind == "dapo":
+    if loss.kind in ("dapo", "cispo"):
         return per_token.sum(), int(logps.numel()), figures
+    if loss.kind == "bnpo":  # (this rank's token mean: `_global_mean_loss` then averages ranks with data, as TRL's)
+        return per_token.sum() / max(int(logps.numel()), 1), int(logps.numel() > 0), figures
     sums = sequence_sums(per_token, rows, n_rows)
     if loss.kind == "grpo":
         counts = torch.bincount(rows, minlength=n_rows).clamp(min=1)
@@ -1187,8 +1200,8 @@ def grpo_record(
         record[f"{p}clip_ratio"] = (s["clipped_low"] + s["clipped_high"]) / s["policy_tokens"]
         if corrected:  # grpo.sampler engine's correction: its mean weight (per token; rloo: per completion)
             record[f"{p}sampler_ratio"] = s["sampler_ratio"] / s["policy_tokens"]
-    for name, total, count in zip(names, func_sums, func_counts):
-        if not judged:
+    if not judged:
+        for name, total, count in zip(names, func_sums, func_counts):
             record[f"{p}rewards.{name}"] = total / count if count else None
     return record
 

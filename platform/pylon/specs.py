@@ -527,11 +527,14 @@ class GrpoSpec(_Spec):
         "lora the model with its adapters disabled, without a frozen copy); 0 (TRL's default): no reference, no "
         "second forward pass",
     )
-    loss: Literal["dapo", "grpo", "dr_grpo"] = Field(
+    loss: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo"] = Field(
         "dapo",
-        description="how the token losses are averaged (TRL's loss_type): dapo, over every completion token of the "
-        "micro-batch's ranks; grpo, over each completion's tokens, then over completions (longer completions' tokens "
-        "weigh less); dr_grpo, summed per completion and divided by max_completion_tokens (Dr. GRPO)",
+        description="the token loss and how it is averaged (TRL's loss_type): dapo, over every completion token of "
+        "the micro-batch's ranks; grpo, over each completion's tokens, then over completions (longer completions' "
+        "tokens weigh less); dr_grpo, summed per completion and divided by max_completion_tokens (Dr. GRPO); bnpo, "
+        "over each rank's completion tokens, then over ranks; cispo (MiniMax-M1's CISPO), -min(r, epsilon_high) A "
+        "log pi, the importance weight bounded and without gradient, so that no token's gradient is clipped away, "
+        "averaged as dapo (give epsilon_high, the bound: ScaleRL's 5.0)",
     )
     iterations: PositiveInt = Field(
         1,
@@ -541,7 +544,17 @@ class GrpoSpec(_Spec):
     )
     epsilon: float = Field(0.2, gt=0, lt=1, description="the clip of the policy ratio below 1: 1 - epsilon")
     epsilon_high: float | None = Field(
-        None, gt=0, description="the clip above 1: 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28); None: epsilon"
+        None,
+        gt=0,
+        description="the clip above 1: 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28); None: epsilon. With loss "
+        "cispo, the importance weight's bound itself (at least 1; ScaleRL's 5.0)",
+    )
+    delta: float | None = Field(
+        None,
+        gt=1,
+        description="objective grpo: two-sided clipping (INTELLECT-2; TRL's delta): the policy ratio of the clipped "
+        "surrogate's unclipped term bounded above by delta, so that a token with a negative advantage and a "
+        "runaway ratio cannot make the loss unbounded (INTELLECT-2's 4; keep it above 1 + epsilon_high); None: off",
     )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token",
@@ -909,6 +922,8 @@ class TrainJobSpec(_Spec):
                     problems.append(
                         ("grpo.importance_sampling_level", "is objective grpo's; rloo's ratio is a completion's")
                     )
+                if self.grpo.delta is not None:
+                    problems.append(("grpo.delta", "is objective grpo's two-sided clip of a token's ratio"))
             elif objective == "online_dpo":
                 g = self.grpo
                 for name, value, want, why in (
@@ -919,13 +934,25 @@ class TrainJobSpec(_Spec):
                     ("scale_rewards", g.scale_rewards, "group", "prefers by reward: no advantages to scale"),
                     ("importance_sampling_level", g.importance_sampling_level, "token", "has no policy ratio"),
                     ("normalize_advantages", g.normalize_advantages, False, "has no advantages"),
+                    ("delta", g.delta, None, "has no policy ratio"),
                 ):
                     if value != want:
                         problems.append((f"grpo.{name}", f"must be {want!r}: objective online_dpo {why}"))
-            elif self.grpo.normalize_advantages:
-                problems.append(
-                    ("grpo.normalize_advantages", "is objective rloo's; grpo's advantages: grpo.scale_rewards")
-                )
+            else:
+                if self.grpo.normalize_advantages:
+                    problems.append(
+                        ("grpo.normalize_advantages", "is objective rloo's; grpo's advantages: grpo.scale_rewards")
+                    )
+                if self.grpo.loss == "cispo" and (self.grpo.epsilon_high is None or self.grpo.epsilon_high < 1):
+                    problems.append(
+                        (
+                            "grpo.epsilon_high",
+                            "bounds loss cispo's importance weight itself, min(r, epsilon_high): give it, at least 1 "
+                            "(ScaleRL's 5.0; below 1 it would scale every token's gradient down)",
+                        )
+                    )
+                if self.grpo.loss == "cispo" and self.grpo.delta is not None:
+                    problems.append(("grpo.delta", "bounds the clipped surrogate's ratio; loss cispo has none"))
             if self.neftune_noise_alpha:
                 problems.append(("neftune_noise_alpha", "would add noise to the sampled completions' scores: set 0"))
             if self.grpo is not None and self.grpo.sampler == "model":  # (by value, as above)

@@ -232,53 +232,61 @@ def test_advantages_are_trls_group_relative_ones() -> None:
     assert np.all(group_advantages(rewards, 4, "group")[4:] == 0)  # a group all alike teaches nothing
 
 
-@pytest.mark.parametrize("kind", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("kind", ["dapo", "grpo", "dr_grpo", "bnpo", "cispo"])
 def test_the_loss_is_the_policy_gradient_and_kl_trl_writes(kind) -> None:
     torch.manual_seed(0)
     rows = torch.tensor([0, 0, 0, 1, 2, 2])  # three completions of 3, 1 and 2 tokens
     base = torch.randn(6)
     ref = base + 0.3 * torch.randn(6)
     adv = torch.tensor([1.5, -0.5, -1.0])
-    loss = GrpoLoss(beta=0.04, kind=kind, max_tokens=4)
+    loss = GrpoLoss(beta=0.04, kind=kind, max_tokens=4, epsilon_high=5.0 if kind == "cispo" else 0.2)
     logps = base.clone().requires_grad_(True)
     total, count, figures = grpo_losses(logps, rows, adv, loss, 3, ref)
     kl = figures[0]
     (total / count).backward()
-    # TRL's per-token loss: -exp(lp - sg(lp)) A + beta (exp(ref - lp) - (ref - lp) - 1), reduced by loss_type
+    # TRL's per-token loss: -exp(lp - sg(lp)) A + beta (exp(ref - lp) - (ref - lp) - 1), reduced by loss_type; cispo's
+    # -sg(min(r, epsilon_high)) A lp, r = 1 here: the same gradient, another value
     lp = base.clone().requires_grad_(True)
     d = ref - lp
-    per_token = -torch.exp(lp - lp.detach()) * adv[rows] + 0.04 * (torch.exp(d) - d - 1)
+    surrogate = -lp * adv[rows] if kind == "cispo" else -torch.exp(lp - lp.detach()) * adv[rows]
+    per_token = surrogate + 0.04 * (torch.exp(d) - d - 1)
     mask = torch.zeros(3, 3)
     mask[rows, torch.tensor([0, 1, 2, 0, 0, 1])] = 1
     grid = torch.zeros(3, 3).index_put((rows, torch.tensor([0, 1, 2, 0, 0, 1])), per_token)
     want = {"dapo": grid.sum() / mask.sum(), "grpo": ((grid.sum(1) / mask.sum(1)).mean()),
-            "dr_grpo": grid.sum() / (3 * 4)}[kind]  # fmt: skip
+            "dr_grpo": grid.sum() / (3 * 4), "bnpo": grid.sum() / mask.sum(),
+            "cispo": grid.sum() / mask.sum()}[kind]  # fmt: skip
     want.backward()
     assert abs(float(total / count) - float(want)) < 1e-6
     assert torch.allclose(logps.grad, lp.grad, atol=1e-6)
     assert abs(float(kl) - float((torch.exp(ref - base) - (ref - base) - 1).sum())) < 1e-5
-    assert count == (6 if kind == "dapo" else 3)
+    assert count == {"dapo": 6, "cispo": 6, "bnpo": 1}.get(kind, 3)  # (bnpo: this rank's mean already)
 
 
-@pytest.mark.parametrize("kind", ["dapo", "grpo"])
+@pytest.mark.parametrize("kind", ["dapo", "grpo", "delta"])  # delta: dapo's with TRL's two-sided clipping
 def test_a_later_update_clips_the_policy_ratio_as_trl_does(kind) -> None:
     """`iterations` > 1: against the sampling policy's log-probabilities, TRL's clipped surrogate, DAPO's clip-higher
-    above; the tokens the clip held counted by side."""
+    above; the tokens the clip held counted by side. `delta` (INTELLECT-2's two-sided clip): the unclipped ratio
+    bounded too, so that a negative advantage's runaway ratio stops there."""
     torch.manual_seed(1)
     rows = torch.tensor([0, 0, 0, 1, 2, 2])
     base, old = torch.randn(6), torch.randn(6)  # ratios from ~0.1 to ~10: some inside, some clipped each way
     adv = torch.tensor([1.5, -0.5, -1.0])
-    loss = GrpoLoss(kind=kind, epsilon=0.2, epsilon_high=0.28)
+    delta = 2.0 if kind == "delta" else None
+    loss = GrpoLoss(kind="dapo" if kind == "delta" else kind, epsilon=0.2, epsilon_high=0.28, delta=delta)
     logps = base.clone().requires_grad_(True)
     total, count, figures = grpo_losses(logps, rows, adv, loss, 3, None, old)
     (total / count).backward()
     lp = base.clone().requires_grad_(True)
     coef_1 = torch.exp(lp - old)
     coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.28)
+    if delta is not None:  # TRL's: coef_1 = clamp(coef_1, max=delta) before the min
+        assert bool(((coef_1 > delta) & (adv[rows] < 0)).any())  # (a token it bounds)
+        coef_1 = torch.clamp(coef_1, max=delta)
     per_token = -torch.min(coef_1 * adv[rows], coef_2 * adv[rows])  # TRL's
     grid = torch.zeros(3, 3).index_put((rows, torch.tensor([0, 1, 2, 0, 0, 1])), per_token)
     counts = torch.tensor([3.0, 1.0, 2.0])
-    want = grid.sum() / 6 if kind == "dapo" else (grid.sum(1) / counts).mean()
+    want = (grid.sum(1) / counts).mean() if kind == "grpo" else grid.sum() / 6
     want.backward()
     assert abs(float(total.detach() / count) - float(want)) < 1e-6
     assert torch.allclose(logps.grad, lp.grad, atol=1e-6)
@@ -286,6 +294,46 @@ def test_a_later_update_clips_the_policy_ratio_as_trl_does(kind) -> None:
     high = int(((coef_1 > 1.28) & (adv[rows] > 0)).sum())
     assert figures[1:].tolist() == [low, high] and low + high > 0
     assert (lp.grad == 0).any()  # a clipped token: no gradient
+    if kind == "delta":  # the same ratios unbounded: another loss
+        unbounded, _, _ = grpo_losses(base.clone(), rows, adv, GrpoLoss(epsilon=0.2, epsilon_high=0.28), 3, None, old)
+        assert abs(float(unbounded) - float(total)) > 1e-3
+
+
+def test_cispo_bounds_the_importance_weight_and_keeps_every_tokens_gradient() -> None:
+    """loss cispo (MiniMax-M1's CISPO; TRL's loss_type cispo) on a later update: -sg(min(r, epsilon_high)) A log pi,
+    averaged over the tokens, value and gradient as TRL's; no token's gradient is clipped to 0 (grpo's clip would
+    zero some); the tokens whose weight the bound held with a positive advantage are counted (TRL's
+    cispo_clip_ratio). The spec takes it for objective grpo with epsilon_high at least 1."""
+    from pylon.errors import SpecError
+
+    torch.manual_seed(1)
+    rows = torch.tensor([0, 0, 0, 1, 2, 2])
+    base, old = torch.randn(6), torch.randn(6)
+    adv = torch.tensor([1.5, -0.5, -1.0])
+    loss = GrpoLoss(kind="cispo", epsilon_high=2.0)
+    logps = base.clone().requires_grad_(True)
+    total, count, figures = grpo_losses(logps, rows, adv, loss, 3, None, old)
+    (total / count).backward()
+    lp = base.clone().requires_grad_(True)
+    coef_1 = torch.exp(lp - old)
+    want = (-torch.clamp(coef_1, max=2.0).detach() * adv[rows] * lp).sum() / 6  # TRL's, normalised as dapo
+    want.backward()
+    assert count == 6 and abs(float(total.detach() / count) - float(want)) < 1e-6
+    assert torch.allclose(logps.grad, lp.grad, atol=1e-6) and (lp.grad != 0).all()
+    high = int(((coef_1 > 2.0) & (adv[rows] > 0)).sum())
+    assert figures[1:].tolist() == [0, high] and high > 0
+    spec = _spec(loss="cispo", epsilon_high=5.0, iterations=2)
+    assert GrpoLoss.of(spec).kind == "cispo" and GrpoLoss.of(spec).epsilon_high == 5.0
+    base_spec = spec.model_dump(mode="json")
+    for grpo, field, message in [
+        ({"epsilon_high": None}, "grpo.epsilon_high", "bounds loss cispo's importance weight itself"),
+        ({"epsilon_high": 0.28}, "grpo.epsilon_high", "at least 1"),
+        ({"delta": 4.0}, "grpo.delta", "loss cispo has none"),
+        ({"loss": "dapo", "delta": 1.0}, "grpo.delta", "greater than 1"),
+    ]:
+        with pytest.raises((SpecError, ValueError), match=f"(?s){re.escape(field)}.*{message}"):
+            TrainJobSpec.model_validate({**base_spec, "grpo": {**base_spec["grpo"], **grpo}})
+    assert _spec(delta=4.0, epsilon_high=0.28).grpo.delta == 4.0
 
 
 def test_a_sequence_level_ratio_is_gspos_as_trl_writes_it() -> None:
@@ -643,12 +691,21 @@ def test_check_objective_refuses_data_without_prompts(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "lora, iterations", [(False, 1), (True, 1), (False, 2)], ids=["full", "lora", "full-2-updates"]
+    "lora, iterations, kind",
+    [
+        (False, 1, "dapo"),
+        (True, 1, "dapo"),
+        (False, 2, "dapo"),
+        # (make test-all: tests the cispo loss against TRL's formula, value and gradient, above)
+        pytest.param(False, 2, "cispo", marks=pytest.mark.slow),
+    ],
+    ids=["full", "lora", "full-2-updates", "cispo-2-updates"],
 )
-def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, iterations) -> None:  # noqa: F811
+def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, iterations, kind) -> None:  # noqa: F811
     """Through DeepSpeed (ZeRO-2) in this process, as the trainer's loop runs it: prompts whose answer is "a",
     rewarded when a completion contains it. The reward rises; with beta, against a frozen copy (full fine-tuning) or
-    the adapters disabled (LoRA); with two updates on each sampled batch, the second's ratios clipped."""
+    the adapters disabled (LoRA); with two updates on each sampled batch, the second's ratios clipped (cispo: its
+    importance weights bounded instead)."""
 
     from pylon.data.tokenizer import load_tokenizer
     from pylon.jobs.train import _global_mean_loss
@@ -658,7 +715,8 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, it
     spec = TrainJobSpec.model_validate(
         {"name": "g", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
          "objective": "grpo", "grpo": {"rewards": [{"function": "contains_answer"}], "generations": 8,
-                                       "max_completion_tokens": 8, "beta": 0.02, "iterations": iterations},
+                                       "max_completion_tokens": 8, "beta": 0.02, "iterations": iterations,
+                                       "loss": kind, **({"epsilon_high": 1.1} if kind == "cispo" else {})},
          "optim": {"lr": 2e-2 if lora else 3e-3, "warmup_steps": 0, "schedule": "constant"},
          **({"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]}} if lora
             else {})}
@@ -678,7 +736,7 @@ def test_a_model_learns_what_its_reward_asks_for(tmp_path, distributed, lora, it
         figures.append(grpo_record(stats, rewards.names))
     if iterations > 1:  # a second update: its ratios against the sampling policy, some clipped; the first's are 1
         assert all(f["grpo_clip_ratio"] == 0 for f in figures[0::2])
-        assert any(f["grpo_clip_ratio"] > 0 for f in figures[1::2])
+        assert any(f["grpo_clip_ratio"] > 0 for f in figures[1::2])  # (cispo's: weights over 1.1, bounded)
         assert [f["grpo_reward"] for f in figures[0::2]] == [f["grpo_reward"] for f in figures[1::2]]
     first = np.mean([f["grpo_reward"] for f in figures[:8]])
     last = np.mean([f["grpo_reward"] for f in figures[-8:]])
@@ -1214,6 +1272,10 @@ def test_rloo_counts_its_reference_and_sampling_passes_at_sampling() -> None:
         ("rloo", {"loss": "grpo"}, "grpo.loss"),
         ("rloo", {"scale_rewards": "none"}, "grpo.scale_rewards"),
         ("grpo", {"normalize_advantages": True}, "grpo.normalize_advantages"),
+        ("rloo", {"delta": 4.0}, "grpo.delta"),
+        ("rloo", {"loss": "cispo", "epsilon_high": 5.0}, "grpo.loss"),
+        ("online_dpo", {"delta": 4.0, "generations": 2}, "grpo.delta"),
+        ("online_dpo", {"loss": "bnpo", "generations": 2}, "grpo.loss"),
     ],
 )
 def test_each_objective_refuses_the_others_settings_by_name(objective, grpo, field) -> None:
