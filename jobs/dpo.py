@@ -66,6 +66,7 @@ chosen completion has the larger reward); a reward model's are `reward_loss`, `r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -91,19 +92,29 @@ class DpoLoss:
     discopop_tau: float = 0.05  # dpo_loss discopop: the temperature of its blend
     # objective reward: the pairs are conversations (`ShardManifest.preference_format`), each read at its last token
     conversations: bool = False
+    # objective dpo with a list of losses (TRL's loss_type list and loss_weights, MPO): each (loss, weight), `kind`
+    # then "mix"; TRL's "sft" among them is the chosen completion's NLL, `rpo_alpha`'s term, in `rpo_alpha`
+    mix: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def of(cls, spec, manifest=None) -> "DpoLoss":
         """The loss `spec` asks for, on the dataset of `manifest` (how its pairs were given: a reward model's
         reading)."""
         kind = spec.dpo_loss if spec.objective == "dpo" else spec.objective
+        mix, rpo_alpha = (), spec.dpo_rpo_alpha
+        if isinstance(kind, list):  # (a list of one is that loss, weighted)
+            weights = spec.dpo_loss_weights or [1.0] * len(kind)
+            mix = tuple((k, float(w)) for k, w in zip(kind, weights) if k != "sft")
+            rpo_alpha += sum(float(w) for k, w in zip(kind, weights) if k == "sft")
+            kind = "mix"
         return cls(
             beta=spec.dpo_beta,
             kind=kind,
+            mix=mix,
             label_smoothing=spec.dpo_label_smoothing,
             gamma=spec.simpo_gamma,
             chunked=spec.loss_chunk_tokens > 0,
-            rpo_alpha=spec.dpo_rpo_alpha,
+            rpo_alpha=rpo_alpha,
             center=spec.reward_center_coefficient,
             discopop_tau=spec.dpo_discopop_tau,
             conversations=getattr(manifest, "preference_format", None) == "conversational",
@@ -128,8 +139,16 @@ class DpoLoss:
         """Whether a completion's log-probability is its tokens' mean (IPO, SimPO, ORPO) rather than their sum."""
         return self.kind in ("ipo", *REFERENCE_FREE)
 
+    @property
+    def bco(self) -> bool:
+        """Whether bco_pair is its loss, or one of its mix: the rewards' running mean is kept (`RunningMean`)."""
+        return self.kind == "bco_pair" or any(k == "bco_pair" for k, _ in self.mix)
+
     def at_start(self) -> float:
-        """Every pair's loss while the model is its reference (h = 0): objective dpo's losses only."""
+        """Every pair's loss while the model is its reference (h = 0): objective dpo's losses only (a mix's: their
+        weighted sum, its NLL term aside)."""
+        if self.mix:
+            return sum(w * dataclasses.replace(self, kind=k, mix=()).at_start() for k, w in self.mix)
         e = self.label_smoothing or 1e-3  # (exo_pair's)
         return {
             "sigmoid": LOG_2,
@@ -274,6 +293,14 @@ def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, loss: DpoLoss, delta:
     import torch
     import torch.nn.functional as F
 
+    if loss.mix:  # TRL's loss_type list: each loss weighted, summed (the rewards are every dpo loss's)
+        total = 0.0
+        for kind, weight in loss.mix:
+            part, chosen_rewards, rejected_rewards = dpo_losses(
+                chosen, rejected, ref_chosen, ref_rejected, dataclasses.replace(loss, kind=kind, mix=()), delta
+            )
+            total = total + weight * part
+        return total, chosen_rewards, rejected_rewards
     beta, e = loss.beta, loss.label_smoothing
     if loss.kind == "reward":  # Bradley-Terry on the rewards themselves (and TRL's centring term)
         losses = -F.logsigmoid(chosen - rejected)
@@ -442,7 +469,7 @@ def dpo_forward(
         logprobs, means, out = completion_logprobs(model, args, labels, positions, loss)
         chosen, rejected = pair_up(*logprobs, where)
     delta = 0.0
-    if loss.kind == "bco_pair":  # the rewards' running mean, this micro-batch's (every rank's) included
+    if loss.bco:  # the rewards' running mean, this micro-batch's (every rank's) included
         if running is None:
             raise ValueError("dpo_loss bco_pair needs its RunningMean")
         if update:

@@ -469,7 +469,7 @@ def train_loop(config: dict) -> None:
     ray_reports = RayTrainReports(committer)
     step, tokens_seen = 0, 0
     # dpo_loss bco_pair's running mean of the rewards: in every checkpoint, so that a resumed run goes on with it
-    running = RunningMean() if dpo and dpo_loss.kind == "bco_pair" else None
+    running = RunningMean() if dpo and dpo_loss.bco else None
     latest = committer.latest()
     if latest is not None:
         extra = committer.load(engine, latest)

@@ -789,14 +789,20 @@ class TrainJobSpec(_Spec):
         "use 0.01): the Bradley-Terry loss sees only differences, so without it a reward model's scores may drift "
         "by any constant; 0: none",
     )
-    dpo_loss: Literal[DPO_LOSSES] = Field(
+    dpo_loss: Literal[DPO_LOSSES] | list[Literal[(*DPO_LOSSES, "sft")]] = Field(
         "sigmoid",
         description="objective dpo: the preference loss (TRL's loss_type): sigmoid, DPO's; hinge, SLiC's; ipo, IPO's "
         "(on the completions' mean token log-probabilities); robust (robust DPO, for noisy labels: with "
         "dpo_label_smoothing); exo_pair (EXO); nca_pair (NCA); bco_pair (BCO on pairs, against the rewards' running "
         "mean); sppo_hard (SPPO, hard probabilities); aot and aot_pair (AOT, sorted across a micro-batch's pairs); "
         "apo_zero and apo_down (APO: chosen completions better, or worse, than the model's own); discopop "
-        "(DiscoPOP, with dpo_discopop_tau)",
+        "(DiscoPOP, with dpo_discopop_tau). Or a list of them, each pair's loss their sum weighted by "
+        "dpo_loss_weights (TRL's loss_type list, MPO: e.g. [sigmoid, bco_pair, sft]), sft the chosen completion's "
+        "NLL (dpo_rpo_alpha's term); ipo, on mean log-probabilities, only alone",
+    )
+    dpo_loss_weights: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
+        None,
+        description="dpo_loss as a list: each loss's weight, in its order (TRL's loss_weights); None: 1 each",
     )
     dpo_discopop_tau: float = Field(
         0.05,
@@ -842,6 +848,32 @@ class TrainJobSpec(_Spec):
                 raise CrossFieldError([(key, f"not a field here; write 'precision: {key}'")])
         return data
 
+    @property
+    def dpo_losses(self) -> list[str]:
+        """`dpo_loss` as a list: the one loss, or the list given."""
+        return list(self.dpo_loss) if isinstance(self.dpo_loss, list) else [self.dpo_loss]
+
+    def _loss_list_problems(self) -> list[tuple[str, str]]:
+        """dpo_loss as a list (TRL's loss_type list) and its dpo_loss_weights."""
+        if not isinstance(self.dpo_loss, list):
+            if self.dpo_loss_weights is not None:
+                return [("dpo_loss_weights", "weighs dpo_loss given as a list; dpo_loss is one loss")]
+            return []
+        losses, weights = self.dpo_loss, self.dpo_loss_weights
+        if self.objective != "dpo":
+            return []  # (refused as any dpo_loss is on another objective)
+        if not [k for k in losses if k != "sft"]:
+            return [("dpo_loss", "a list needs a preference loss (sigmoid, ...) beside sft")]
+        if len(set(losses)) != len(losses):
+            return [("dpo_loss", "names a loss twice: give it once, with its weight in dpo_loss_weights")]
+        if "ipo" in losses and len(losses) > 1:
+            return [("dpo_loss", "ipo reads mean log-probabilities, the others summed ones: ipo only alone")]
+        if "sft" in losses and self.dpo_rpo_alpha:
+            return [("dpo_rpo_alpha", "is the same NLL term as sft in dpo_loss: give one of them")]
+        if weights is not None and len(weights) != len(losses):
+            return [("dpo_loss_weights", f"{len(weights)} weights for {len(losses)} losses: one each, in order")]
+        return []
+
     @model_validator(mode="after")
     def _rules(self) -> "TrainJobSpec":
         problems = []
@@ -867,7 +899,7 @@ class TrainJobSpec(_Spec):
                     ("attention_mask", f"objective {objective} reads each completion on its own: set auto or document")
                 )
         if self.dpo_label_smoothing and not (
-            (objective == "dpo" and self.dpo_loss in SMOOTHED_DPO_LOSSES) or objective == "simpo"
+            (objective == "dpo" and any(k in SMOOTHED_DPO_LOSSES for k in self.dpo_losses)) or objective == "simpo"
         ):
             problems.append(
                 (
@@ -882,7 +914,7 @@ class TrainJobSpec(_Spec):
         if self.dpo_rpo_alpha and objective != "dpo":
             problems.append(("dpo_rpo_alpha", f"adds an NLL to objective dpo's loss; objective is {objective}"))
         if self.dpo_discopop_tau != type(self).model_fields["dpo_discopop_tau"].default and not (
-            objective == "dpo" and self.dpo_loss == "discopop"
+            objective == "dpo" and "discopop" in self.dpo_losses
         ):
             problems.append(
                 (
@@ -890,6 +922,7 @@ class TrainJobSpec(_Spec):
                     f"is dpo_loss discopop's temperature; objective {objective}, dpo_loss {self.dpo_loss}",
                 )
             )
+        problems.extend(self._loss_list_problems())
         if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and objective != "simpo":
             problems.append(("simpo_gamma", f"is objective simpo's margin; objective is {objective}"))
         if objective in RL_OBJECTIVES:

@@ -23,7 +23,7 @@ from pylon.data.shards import DataError
 from pylon.data.tokenizer import load_tokenizer
 from pylon.jobs.dpo import LOG_2, DpoLoss, RunningMean, dpo_forward, pair_up, sequence_logprobs
 from pylon.jobs.train import model_inputs
-from pylon.specs import DPO_LOSSES, SMOOTHED_DPO_LOSSES
+from pylon.specs import DPO_LOSSES, SMOOTHED_DPO_LOSSES, TrainJobSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -290,6 +290,21 @@ def test_the_packed_dpo_loss_is_trls_pair_by_pair_and_log_2_at_the_start(tmp_pat
     got = dpo_forward(model, model, inputs, DpoLoss(BETA, rpo_alpha=0.5), "test", model_inputs)[0].item()
     want_rpo = want + 0.5 * sum(-c for c, _ in means)
     assert abs(got - want_rpo) < 1e-4 * max(1.0, want_rpo), (got, want_rpo)
+
+    # A list of losses (TRL's loss_type list and loss_weights; MPO's sigmoid, bco_pair and sft): their weighted sum,
+    # sft the chosen completion's mean NLL, as rpo_alpha's
+    mpo = TrainJobSpec.model_validate(
+        {"name": "m", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 1, "objective": "dpo",
+         "dpo_beta": BETA, "dpo_loss": ["sigmoid", "bco_pair", "sft"], "dpo_loss_weights": [0.8, 0.2, 1.0]}
+    )  # fmt: skip
+    mix = DpoLoss.of(mpo)
+    assert mix.mix == (("sigmoid", 0.8), ("bco_pair", 0.2)) and mix.rpo_alpha == 1.0 and mix.bco
+    got, _, _, stats_m, _ = dpo_forward(model, model, inputs, mix, "test", model_inputs, running=RunningMean())
+    want_mix = 0.8 * want + 0.2 * _trl_sum("bco_pair", BETA, logps[False]) + sum(-c for c, _ in means)
+    assert abs(got.item() - want_mix) < 1e-4 * max(1.0, want_mix), (got.item(), want_mix)
+    assert abs(stats_m[0] - chosen_rewards) < 1e-4
+    start = DpoLoss.of(mpo.model_copy(update={"dpo_loss": ["sigmoid", "hinge"], "dpo_loss_weights": [0.5, 2.0]}))
+    assert start.at_start() == pytest.approx(0.5 * LOG_2 + 2.0)  # (a mix's loss at the start: its parts' weighted)
 
     # SimPO and ORPO, TRL's formulas on the policy's mean log-probabilities: no reference pass (the reference given
     # here would fail if called), rewards beta * mean
@@ -603,9 +618,22 @@ def test_the_spec_refuses_what_dpo_cannot_run_with() -> None:
         ({"objective": "orpo", "attention_mask": "causal"}, "attention_mask"),
         ({"objective": "causal_lm", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
         ({"reward_center_coefficient": 0.01}, "reward_center_coefficient"),  # a reward model's, not dpo's
+        # a list of losses (TRL's loss_type list): one preference loss at least, each once, ipo alone, sft or
+        # dpo_rpo_alpha, a weight each
+        ({"dpo_loss": ["sft"]}, "dpo_loss: a list needs a preference loss"),
+        ({"dpo_loss": ["sigmoid", "sigmoid"]}, "dpo_loss: names a loss twice"),
+        ({"dpo_loss": ["ipo", "hinge"]}, "dpo_loss: ipo reads mean log-probabilities"),
+        ({"dpo_loss": ["sigmoid", "sft"], "dpo_rpo_alpha": 1.0}, "dpo_rpo_alpha: is the same NLL term as sft"),
+        ({"dpo_loss": ["sigmoid", "hinge"], "dpo_loss_weights": [1.0]}, "dpo_loss_weights: 1 weights for 2 losses"),
+        ({"dpo_loss_weights": [1.0]}, "dpo_loss_weights: weighs dpo_loss given as a list"),
+        ({"dpo_loss": ["sigmoid"], "dpo_loss_weights": [-1.0]}, "dpo_loss_weights.0"),
+        ({"dpo_loss": ["hinge", "discopop"], "dpo_label_smoothing": 0.1}, "dpo_label_smoothing"),
+        ({"objective": "simpo", "dpo_loss": ["sigmoid", "hinge"]}, "dpo_loss: chooses objective dpo's loss"),
     ):
         with pytest.raises((SpecError, ValueError), match=field):
             TrainJobSpec.model_validate({**base, **change})
+    mixed = TrainJobSpec.model_validate({**base, "dpo_loss": ["robust", "hinge"], "dpo_label_smoothing": 0.1})
+    assert DpoLoss.of(mixed).mix == (("robust", 1.0), ("hinge", 1.0))  # (weights: 1 each; smoothing for robust)
 
 
 def test_precomputed_reference_values_are_the_reference_passes_and_a_resume_reads_them(
