@@ -168,15 +168,9 @@ class Rewards:
                     else ""
                 )
                 raise PylonError(f"{where} raised {type(e).__name__}: {e}{hint}") from e
-            try:
-                got = list(got)
-            except TypeError:
-                got = None
-            if got is None or len(got) != len(completions):
-                raise PylonError(
-                    f"{where} returned {type(got).__name__ if got is None else len(got)} scores for "
-                    f"{len(completions)} completions; return one number (or None) per completion"
-                )
+            got = _one_each(
+                got, len(completions), where, "scores for", "completions; return one number (or None) per completion"
+            )
             for i, v in enumerate(got):
                 if v is None:
                     continue
@@ -313,16 +307,13 @@ class PairwiseJudge:
         if len(completions) % 2:
             raise PylonError(f"{self.where}: {len(completions)} completions do not make pairs (grpo.generations: 2)")
         pairs = [[completion_text(a), completion_text(b)] for a, b in zip(completions[::2], completions[1::2])]
-        got = self.judge(prompts[::2], pairs)
-        try:
-            verdicts = list(got)
-        except TypeError:
-            verdicts = None
-        if verdicts is None or len(verdicts) != len(pairs):
-            raise PylonError(
-                f"{self.where} returned {type(got).__name__ if verdicts is None else len(verdicts)} verdicts for "
-                f"{len(pairs)} pairs; return one a pair: 0 (the first preferred), 1 (the second), -1 or None (neither)"
-            )
+        verdicts = _one_each(
+            self.judge(prompts[::2], pairs),
+            len(pairs),
+            self.where,
+            "verdicts for",
+            "pairs; return one a pair: 0 (the first preferred), 1 (the second), -1 or None (neither)",
+        )
         out: list[float | None] = []
         for i, v in enumerate(verdicts):
             if v is None or (isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v == -1):
@@ -335,6 +326,18 @@ class PairwiseJudge:
                     "second), or -1 or None (neither)"
                 )
         return out
+
+
+def _one_each(got, n: int, where: str, what: str, remedy: str) -> list:
+    """A user's function's result as a list of `n` (one a completion, or a pair); else a PylonError naming `where`:
+    "{where} returned 3 {what} 4 {remedy}"."""
+    try:
+        out = list(got)
+    except TypeError:
+        out = None
+    if out is None or len(out) != n:
+        raise PylonError(f"{where} returned {type(got).__name__ if out is None else len(out)} {what} {n} {remedy}")
+    return out
 
 
 def _shown(uri: str) -> str:

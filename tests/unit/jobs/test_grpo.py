@@ -178,6 +178,20 @@ def test_a_prompts_dataset_holds_text_and_chat_prompts_with_optional_answers(tmp
         prepare([str(tmp_path / "p.jsonl")], str(tmp_path / "b3"), prompts=True, prompt_completion=True, progress=False)
 
 
+def _reward_model_export(export: Path, hf):
+    """A small random reward model (a one-label LlamaForSequenceClassification) with tokenizer `hf` in `export`, as
+    an `objective: reward` run exports one; its config."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    hf.save_pretrained(export)
+    config = LlamaConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=hf.pad_token_id,
+                         architectures=["LlamaForSequenceClassification"])  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(export)
+    return config
+
+
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt-tiny"])  # rotary positions, and learnt absolute ones
 def test_greedy_sampling_from_left_padded_prompts_is_each_prompts_own_continuation(preset) -> None:
     model = _model(preset=preset)
@@ -469,7 +483,7 @@ def test_reward_functions_built_in_imported_and_refused_by_name(tmp_path, monkey
 
 
 def test_a_reward_model_export_scores_completions_as_transformers_does(tmp_path) -> None:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from pylon.specs import RewardFunctionSpec
 
@@ -478,12 +492,7 @@ def test_a_reward_model_export_scores_completions_as_transformers_does(tmp_path)
 
     export = tmp_path / "rm-export"
     hf = bpe_tokenizer(["<s>", "</s>", "<pad>"], None, eos_token="</s>", bos_token="<s>", pad_token="<pad>")
-    hf.save_pretrained(export)
-    config = LlamaConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=hf.pad_token_id,
-                         architectures=["LlamaForSequenceClassification"])  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(export)
+    config = _reward_model_export(export, hf)
     r = Rewards([RewardFunctionSpec(model=str(export), weight=2.0)])
     assert r.names == ["rm-export"] and r.fields == [f"grpo.rewards[0].model ({export})"]
     prompts, completions = ["Q: the sky? ", "Say hello. "], ["Blue, mostly.", "Hello there, friend!"]
@@ -513,7 +522,7 @@ def test_prompts_given_as_messages_reach_the_rewards_as_trl_passes_them(tmp_path
     completion as the assistant's reply, rendered by its own chat template (TRL's), and one without a template is
     refused before workers start when the dataset has such prompts."""
     from test_chat_data import CHATML, _tokenizer
-    from transformers import AutoModelForSequenceClassification, LlamaConfig
+    from transformers import AutoModelForSequenceClassification
 
     from pylon.data.reader import RecordReader
     from pylon.data.shards import read_manifest
@@ -564,12 +573,7 @@ def test_prompts_given_as_messages_reach_the_rewards_as_trl_passes_them(tmp_path
     export = tmp_path / "rm"  # a reward model whose tokenizer renders chats with its own template
     hf = bpe_tokenizer(["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"], CHATML, eos_token="<|im_end|>",
                        bos_token="<s>", pad_token="<pad>")  # fmt: skip
-    hf.save_pretrained(export)
-    config = LlamaConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=hf.pad_token_id,
-                         architectures=["LlamaForSequenceClassification"])  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(export)
+    config = _reward_model_export(export, hf)
     rm = Rewards([RewardFunctionSpec(model=str(export))])
     got = rm.scores(prompts, given, ["", ""], [[1], [2]])[:, 0]
     model = AutoModelForSequenceClassification.from_pretrained(export).eval()
