@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pylon.data.shards import DataError, split_words
+from pylon.data.shards import PROMPT_MESSAGES, DataError, split_words
 from pylon.errors import PylonError
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,8 +186,6 @@ class Rewards:
         prompt given as messages (its record's `PROMPT_MESSAGES`) is passed as those messages, and its completions
         as `[{"role": "assistant", "content": text}]`; any other prompt as the text it decodes to (a chat prompt as
         its template rendered it), and its completions as text."""
-        from pylon.data.shards import PROMPT_MESSAGES
-
         copies = len(completions) // max(len(pairs), 1)
         prompts = []
         for p, _, record in pairs:
@@ -227,7 +225,6 @@ class RewardModel:
     def __init__(self, uri: str, where: str) -> None:
         from transformers import AutoConfig
 
-        from pylon.data.tokenizer import load_tokenizer
         from pylon.models import is_classifier, local_model_dir
 
         self.uri, self.where, self.device = uri, where, None
@@ -235,10 +232,6 @@ class RewardModel:
         try:
             with local_model_dir(uri, weights=False) as d:
                 config = AutoConfig.from_pretrained(d)
-                try:  # (whether it can score conversations: `check_rewards`)
-                    self.chat_template = bool(getattr(load_tokenizer(d), "has_chat_template", False))
-                except Exception:  # noqa: BLE001 - no tokenizer: the weights' load says so, on first use
-                    self.chat_template = False
         except Exception as e:  # noqa: BLE001 - unreadable or not a model directory: the same remedy
             raise PylonError(f"{where}: {_shown(uri)} is not a model directory ({type(e).__name__})") from None
         if not is_classifier(config) or config.num_labels != 1:
@@ -259,6 +252,18 @@ class RewardModel:
             model = AutoModelForSequenceClassification.from_pretrained(d, dtype=torch.float32)
             self._tok = load_tokenizer(d)
         self._model = model.eval().requires_grad_(False).to(self.device or "cpu")
+
+    def has_chat_template(self) -> bool:
+        """Whether its tokenizer can render conversations (`check_rewards`, on the driver, for a dataset with prompts
+        given as messages only): its files read once more, without the weights."""
+        from pylon.data.tokenizer import load_tokenizer
+        from pylon.models import local_model_dir
+
+        try:
+            with local_model_dir(self.uri, weights=False) as d:
+                return bool(getattr(load_tokenizer(d), "has_chat_template", False))
+        except Exception:  # noqa: BLE001 - no tokenizer: none to render with (the weights' load says so, on first use)
+            return False
 
     def _encode(self, prompt, completion) -> np.ndarray:
         if isinstance(prompt, list):  # messages, then the completion as the assistant's reply
@@ -389,7 +394,7 @@ def check_rewards(spec, manifest) -> None:
     rewards = Rewards.of(spec.grpo, manifest.record_fields)
     if manifest.prompt_format in ("conversational", "mixed"):
         for fn, where in zip(rewards.functions, rewards.fields):
-            if isinstance(fn, RewardModel) and not fn.chat_template:
+            if isinstance(fn, RewardModel) and not fn.has_chat_template():
                 raise PylonError(
                     f"{where}: its tokenizer has no chat template, and data.uri {spec.data.uri} holds prompts given "
                     "as messages, which a reward model scores as the conversation its own template renders (TRL's); "
