@@ -1192,6 +1192,24 @@ class EngineSpec(_Spec):
         "costs instead of one per engine. autoscaling.target_ongoing_requests counts a replica's "
         "requests, all its engines'",
     )
+    pipeline_parallel: PositiveInt = Field(
+        1,
+        description="split the model into this many pipeline stages, each a process holding a contiguous run of its "
+        "decoder layers and their KV cache (the first the embeddings, the last the final norm and lm_head), so that "
+        "a model larger than one machine's memory is served across machines (vLLM's pipeline_parallel_size). No "
+        "stage reads another's weights. In a Serve replica the stages after the first take the bundles of the "
+        "replica's placement group (each replica.num_cpus and replica.num_gpus), placed by pipeline_placement; each "
+        "stage loads its part from model.path itself, so the path must reach every node (s3://, or a shared "
+        "directory). A step goes through the stages in turn (no micro-batch overlap). Llama-like decoder families "
+        "only, without LoRA adapters, and kv_cache_tokens are every stage's",
+    )
+    pipeline_placement: Literal["spread", "strict_spread", "pack"] = Field(
+        "spread",
+        description="where the pipeline stages go (Ray's placement group strategies): spread = on different nodes "
+        "where the cluster has them, else together; strict_spread = each on a node of its own, waiting for "
+        "nodes (or the autoscaler) until there are enough; pack = on as few nodes as they fit. No effect with "
+        "pipeline_parallel 1",
+    )
     generation_config: Literal["auto", "none"] = Field(
         "auto",
         description="the sampling defaults of the model's generation_config.json (vLLM's --generation-config, auto "
@@ -1244,6 +1262,21 @@ class EngineSpec(_Spec):
                     f"(got data_parallel {self.data_parallel} with separate_process false)",
                 )
             )
+        if self.pipeline_parallel > 1:
+            for field, value, neutral in (
+                ("data_parallel", self.data_parallel, 1),
+                ("adapters", [a.name for a in self.adapters], []),
+                ("dynamic_adapters.root", self.dynamic_adapters.root, None),
+                ("classifier_from_token", self.classifier_from_token, []),
+            ):
+                if value != neutral:
+                    problems.append(
+                        (
+                            field,
+                            f"is not served with pipeline_parallel {self.pipeline_parallel} (set it to {neutral!r}, "
+                            "or pipeline_parallel to 1)",
+                        )
+                    )
         if self.kv_cache_tokens < self.max_model_len:
             problems.append(
                 (
@@ -1408,6 +1441,17 @@ class DeploymentSpec(_Spec):
                     )
                 ]
             )
+        if self.engine.pipeline_parallel > 1 and self.replica.num_cpus == 0 and self.replica.num_gpus == 0:
+            _raise_problems(
+                [
+                    (
+                        "replica.num_cpus",
+                        f"must be > 0 with engine.pipeline_parallel {self.engine.pipeline_parallel}: each stage "
+                        "takes a placement group bundle of the replica's resources, and an empty bundle places "
+                        "nothing (got 0, and num_gpus 0)",
+                    )
+                ]
+            )
         return self
 
     def summary(self) -> str:
@@ -1415,7 +1459,12 @@ class DeploymentSpec(_Spec):
         return (
             f"Deployment '{self.name}': model {self.model}, {a.min_replicas}-{a.max_replicas} replica(s), "
             f"max_num_seqs {self.engine.max_num_seqs}, KV cache {self.engine.kv_cache_tokens} tokens, "
-            f"auth {'from $' + self.http.api_keys_env if self.http.api_keys_env else 'OFF'}"
+            + (
+                f"{self.engine.pipeline_parallel} pipeline stages ({self.engine.pipeline_placement}), "
+                if self.engine.pipeline_parallel > 1
+                else ""
+            )
+            + f"auth {'from $' + self.http.api_keys_env if self.http.api_keys_env else 'OFF'}"
         )
 
 

@@ -76,6 +76,7 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
         user_config={"api_keys": keys, "revision": new_id("rev")},
+        **pipeline_placement(spec),
     )
     if not routes_by_prefix(spec):
         return deployment.bind(spec.model_dump(mode="json"))
@@ -103,6 +104,24 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
     ).bind(server, spec.model_dump(mode="json"))
     # Ray Serve's hook for an ingress request router (internal to Ray 2.60; Ray Serve LLM's router uses it).
     return server._with_ingress_request_router(router)
+
+
+PLACEMENT_STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK"}
+
+
+def pipeline_placement(spec: DeploymentSpec) -> dict:
+    """A replica of a model split into pipeline stages (engine.pipeline_parallel): a placement group of one bundle a
+    stage, each the replica's resources, the replica (and its engine, stage 1) in the first and the other stages'
+    actors in the rest (pylon.serving.engine.pipeline), placed by engine.pipeline_placement. Nothing otherwise."""
+    stages = spec.engine.pipeline_parallel
+    if stages == 1:
+        return {}
+    bundle = {"CPU": spec.replica.num_cpus, "GPU": spec.replica.num_gpus}
+    bundle = {k: v for k, v in bundle.items() if v}
+    return {
+        "placement_group_bundles": [dict(bundle) for _ in range(stages)],
+        "placement_group_strategy": PLACEMENT_STRATEGIES[spec.engine.pipeline_placement],
+    }
 
 
 def routes_by_prefix(spec: DeploymentSpec) -> bool:

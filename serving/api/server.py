@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import re
 import time
 from collections.abc import Collection
@@ -192,6 +193,10 @@ class PylonLLMServer:
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
         engine = self.spec.engine
+        if engine.pipeline_parallel > 1:  # the engine process places its stages in this replica's placement group
+            from pylon.serving.engine.pipeline import placement_env
+
+            os.environ.update(placement_env())
         kind = (
             EnginePool if engine.data_parallel > 1 else ProcessLLMEngine if engine.separate_process else AsyncLLMEngine
         )

@@ -199,23 +199,29 @@ class LLMEngine:
             adapter_dirs = [_adapter_dir(stack, i, a) for i, a in enumerate(spec.adapters)]
             images = spec.max_images_per_prompt > 0 and _takes_images(directory, model)
             self.encoder = model_type_of(directory) in ENCODER_MODEL_TYPES  # a cross-encoder (model/encoder.py)
+            runner_kwargs = {
+                "num_blocks": self.pool.num_blocks,
+                "block_size": spec.block_size,
+                "device": spec.device,
+                "dtype": spec.dtype,
+                "kv_cache_dtype": spec.kv_cache_dtype,
+                "quantization": spec.quantization,
+            }
             try:
-                self.runner = (
-                    self._encoder_runner(directory, model, spec)
-                    if self.encoder
-                    else ModelRunner(
+                if self.encoder:
+                    self.runner = self._encoder_runner(directory, model, spec)
+                elif spec.pipeline_parallel > 1:  # stages across processes and nodes (engine/pipeline.py)
+                    from pylon.serving.engine.pipeline import PipelineRunner
+
+                    self.runner = PipelineRunner(model, directory, spec.pipeline_parallel, runner_kwargs)
+                else:
+                    self.runner = ModelRunner(
                         directory,
-                        num_blocks=self.pool.num_blocks,
-                        block_size=spec.block_size,
-                        device=spec.device,
-                        dtype=spec.dtype,
-                        kv_cache_dtype=spec.kv_cache_dtype,
-                        quantization=spec.quantization,
+                        **runner_kwargs,
                         adapters=adapter_dirs,
                         images=images,
                         classifier_from_token=_token_ids(self.tokenizer, spec.classifier_from_token),
                     )
-                )
             except PylonError as e:
                 raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
@@ -330,6 +336,7 @@ class LLMEngine:
             ("engine.classifier_from_token", spec.classifier_from_token, []),
             ("engine.adapters", [a.name for a in spec.adapters], []),
             ("engine.dynamic_adapters.root", spec.dynamic_adapters.root, None),
+            ("engine.pipeline_parallel", spec.pipeline_parallel, 1),
         ):
             if value != neutral:
                 raise PylonError(

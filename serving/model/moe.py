@@ -361,7 +361,7 @@ def replace_blocks(
     `grouped`: their float experts through the grouped path (see above). Returns how many were replaced."""
     n = 0
     for layer in model.model.layers:
-        if is_sparse_block(layer.mlp):
+        if is_sparse_block(getattr(layer, "mlp", None)):  # (None: a layer another pipeline stage holds)
             layer.mlp = SparseMoE(layer.mlp, model.config, project)
             layer.mlp.grouped = grouped and project is None
             n += 1

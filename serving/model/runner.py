@@ -39,7 +39,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.model import kernels, linear, lora, moe, quant
+from pylon.serving.model import kernels, linear, lora, moe, quant, stages
 from pylon.serving.model.attention import (
     AttentionMetadata,
     Final,
@@ -307,7 +307,7 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
 def _pack_llama(model, quantization: str = "none") -> None:
     """Every projection of every decoder layer as a `PackedLinear`, or with `quantization` (int8, fp8) a
     `QuantLinear` (lm_head, tied to the embeddings or not, stays); OPT's MLP projections are its layers' own."""
-    for layer in _decoder_layers(model):
+    for layer in filter(stages.owned, _decoder_layers(model)):
         # An MoE layer's experts are its SparseMoE's own (pylon.serving.model.moe); its shared expert is a module here.
         mlp = getattr(layer, "mlp", layer)  # (OPT: fc1 and fc2 on the layer itself)
         # (GPT-NeoX: `attention`; Qwen3-Next's recurrent layers: `linear_attn`)
@@ -349,8 +349,13 @@ class ModelRunner:
         adapters: Sequence[str] = (),
         images: bool = False,
         classifier_from_token: Sequence[int] = (),
+        stage: stages.Stage | None = None,
     ):
-        """`images`: keep a multimodal checkpoint's vision tower and projector, for requests with images
+        """`stage`: hold only that pipeline stage's decoder layers (and their KV cache), the embeddings where it is
+        the first and the final norm and lm_head where it is the last (pylon.serving.model.stages); its `execute_step`
+        then takes the previous stage's hidden states and, but for the last, returns its own.
+
+        `images`: keep a multimodal checkpoint's vision tower and projector, for requests with images
         (`embed_images`); without it they are dropped once loaded (`vision` is None). `classifier_from_token`: token
         ids whose lm_head rows make the classification head of a causal LM (`_token_classifier`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -378,6 +383,11 @@ class ModelRunner:
         problem = unsupported(config)
         if problem is not None:
             raise PylonError(f"model {model_dir}: {problem}; the serving engine cannot serve it")
+        self.pipeline = stage  # None: the whole model
+        if stage is not None:
+            why = stages.refused(model_type, multimodal, config)
+            if why is not None:
+                raise PylonError(f"engine.pipeline_parallel: model {model_dir}: {why}")
         self._forward: Callable = (
             self._forward_gpt2
             if model_type == "gpt2"
@@ -417,6 +427,9 @@ class ModelRunner:
                 del vision
             elif is_sequence_classifier(config):
                 self.model, self.classifier = _sequence_classifier(model_dir, config, self.dtype)
+            elif stage is not None:
+                self.model = stages.load_stage(model_dir, config, self.dtype, stage)
+                self.stage_weights_bytes = stages.stage_bytes(self.model)  # as loaded (before packing)
             else:
                 self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         except PylonError:
@@ -434,8 +447,10 @@ class ModelRunner:
         if self.classifier is not None:
             self.classifier.to(self.device).eval()
         self.config = config
+        # The decoder layers this runner computes: all, or its pipeline stage's (the others are `stages.Elsewhere`).
+        self.layers = stage.layers if stage is not None else range(config.num_hidden_layers)
         for old, new in RENAMED_MODULES.get(model_type, {}).items():  # (Llama 4's feed_forward, Apertus's norms)
-            for layer in self.model.model.layers:
+            for layer in self._own_layers():
                 setattr(layer, new, layer._modules.pop(old))
         # What the Llama-like forward does beyond Llama's, read once here (families.py): each layer's rotary
         # embedding by its type (None: one for all), norms of the attention's and the MLP's outputs (Gemma 3's
@@ -446,7 +461,7 @@ class ModelRunner:
         self._rope_types = rope_layer_types(config)
         # (the first layer with attention: Qwen3-Next's first layers are recurrent)
         first = (
-            next(layer for layer in self.model.model.layers if hasattr(layer, "self_attn"))
+            next((layer for layer in self._own_layers() if hasattr(layer, "self_attn")), None)
             if model_type in LLAMA_FAMILIES
             else None
         )
@@ -538,7 +553,7 @@ class ModelRunner:
         self.attn_softcap = attention_softcap(config)
         # GPT-OSS's attention sinks, each layer's `[heads]` (families.SINK_FAMILIES): through the PyTorch attention too.
         self.attn_sinks = (
-            [layer.self_attn.sinks.detach() for layer in self.model.model.layers]
+            [layer.self_attn.sinks.detach() if stages.owned(layer) else None for layer in self.model.model.layers]
             if model_type in SINK_FAMILIES
             else None
         )
@@ -567,6 +582,9 @@ class ModelRunner:
         if model_type in MLA_FAMILIES:
             self._mla = []
             for layer in self.model.model.layers:
+                if not stages.owned(layer):
+                    self._mla.append(None)
+                    continue
                 attn = layer.self_attn
                 w = attn.kv_b_proj.weight.detach()
                 if quantization != "none":  # as quantized as the other projections: their round trip, absorbed
@@ -628,7 +646,7 @@ class ModelRunner:
             num_kv_heads, head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         self.k_cache = [  # (a recurrent layer caches nothing: an empty placeholder keeps the layers' indices)
             new_kv_cache(
-                0 if self._linear and self._linear[i] else num_blocks,
+                0 if (self._linear and self._linear[i]) or i not in self.layers else num_blocks,
                 block_size,
                 num_kv_heads,
                 head_dim,
@@ -655,6 +673,10 @@ class ModelRunner:
         self.prefill = self.kernel and kernels.prefill_usable(self.dtype, self.kv_dtype, head_dim)
         if model_type == "gpt2" and self.kernel and config.activation_function in TANH_GELUS:
             self._gpt2_act = kernels.gelu_tanh_  # the same function, ~10x torch's on a CPU (see kernels.py)
+
+    def _own_layers(self) -> list[torch.nn.Module]:
+        """The decoder layers this runner computes (its pipeline stage's, or all)."""
+        return [self.model.model.layers[i] for i in self.layers]
 
     @torch.no_grad()
     def warm_up(
@@ -733,15 +755,19 @@ class ModelRunner:
         workspace: Workspace | None = None,
         adapters: lora.StepAdapters | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model's final hidden states at the sampling tokens (see `_forward_gpt2`); `workspace`: gather into
         these buffers instead of the runner's own (a CUDA graph's step keeps its own); `adapters`: which rows run
         which LoRA adapter (None: every row the base model); `images`: rows of the step and the embeddings that
-        replace their tokens' (the vision tower's: `embed_images`)."""
+        replace their tokens' (the vision tower's: `embed_images`); `hidden`: a pipeline stage's input, the previous
+        stage's output (`_forward_llama`)."""
         saved = self.workspace
         self.workspace = saved if workspace is None else workspace
         try:
             with prompt_attention_backends(self.device):
+                if hidden is not None:
+                    return self._forward(ids, positions, meta, final, adapters, images, hidden)
                 if images is not None:
                     return self._forward(ids, positions, meta, final, adapters, images)
                 return self._forward(ids, positions, meta, final, adapters)
@@ -762,7 +788,7 @@ class ModelRunner:
             ):
                 found.setdefault((n_in, len(b)), functools.partial(self._mm, b, packed=w))
         else:
-            for module in _decoder_layers(self.model)[0].modules():
+            for module in _decoder_layers(self.model)[self.layers.start].modules():
                 if isinstance(module, linear.PackedLinear):
                     found.setdefault((module.in_features, module.out_features), module)
         return [(n_in, n_out, project) for (n_in, n_out), project in found.items()]
@@ -776,9 +802,15 @@ class ModelRunner:
         return self.execute_step(steps)[0]
 
     @torch.no_grad()
-    def execute_step(self, steps: list[StepSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute_step(
+        self, steps: list[StepSequence], hidden: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`execute`'s logits, and the final hidden states `[pooled sequences, hidden]` (float32) of the sampling
-        `pooled` sequences' last tokens, in order (None when the step has none): their rows skip the lm_head."""
+        `pooled` sequences' last tokens, in order (None when the step has none): their rows skip the lm_head.
+
+        A pipeline stage's runner (`stage`) takes `hidden`, the previous stage's output for the step's rows, unless it
+        is the first; one that is not the last returns its own output `[rows, hidden]` (in the model's dtype) and
+        None: every step, with or without rows to sample, since each stage writes its own layers' KV cache."""
         with_adapters = any(s.adapter for s in steps)
         if with_adapters:
             self._check_adapters(steps)
@@ -857,7 +889,11 @@ class ModelRunner:
         if image_rows:
             images = (stage.add(image_rows), torch.cat(image_embeds))
         stage.send()
-        hidden = self.forward(ids, positions, meta, final, adapters=adapters, images=images)
+        if hidden is not None:
+            hidden = hidden.to(self.device, self.dtype)
+        hidden = self.forward(ids, positions, meta, final, adapters=adapters, images=images, hidden=hidden)
+        if self.pipeline is not None and not self.pipeline.last:
+            return hidden, None
         if not last_tokens:
             return torch.empty(0, self.vocab_size, device=self.device), None
         if not any(s.pooled and s.samples for s in steps):
@@ -1269,6 +1305,7 @@ class ModelRunner:
         final: Final,
         adapters: lora.StepAdapters | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states (after the last RMSNorm) of Llama (RoPE, grouped-query attention) at the sampling
         tokens (`final`): `[sampling tokens, hidden]`, and of the families built as it is
@@ -1283,14 +1320,19 @@ class ModelRunner:
         gate_up_proj) and the rotary embedding of the first `partial_rotary_factor` of each head's dimensions
         (`_apply_rope`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's
         and Gemma3MLP's forward: down(act(gate(x)) * up(x)); Phi3MLP's with gate and up from one projection) for the
-        rows that need its projections' deltas."""
+        rows that need its projections' deltas. A pipeline stage (`self.pipeline`) computes its own layers only:
+        from `hidden`, the previous stage's output, unless it is the first, and returning its last layer's output
+        (all the step's rows), unless it is the last."""
         llama = self.model.model
-        h = llama.embed_tokens(ids)
-        if self._embedding_multiplier is not None:  # Granite: GraniteModel scales its embeddings
-            h = h * self._embedding_multiplier
-        if images is not None:  # the images' rows in place of their placeholders' (after Gemma 3's scaling, as there)
-            rows, embeds = images
-            h = h.index_copy(0, rows, embeds.to(h.dtype))
+        if hidden is not None:
+            h = hidden
+        else:
+            h = llama.embed_tokens(ids)
+            if self._embedding_multiplier is not None:  # Granite: GraniteModel scales its embeddings
+                h = h * self._embedding_multiplier
+            if images is not None:  # the images' rows in place of their placeholders' (after Gemma 3's scaling)
+                rows, embeds = images
+                h = h.index_copy(0, rows, embeds.to(h.dtype))
         rope_types, output_norms, input_norms = self._rope_types, self._output_norms, self._input_norms
         residual = self._residual_multiplier  # Granite: each output scaled as it joins the residual
         qk_norms, rotates = self._qk_norms, self._rotates
@@ -1311,7 +1353,8 @@ class ModelRunner:
             attn_scale, floor_scale = self._nope_temperature
             nope_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
             nope_scale = nope_scale[:, None, None]
-        for i, layer in enumerate(llama.layers):
+        for i in self.layers:
+            layer = llama.layers[i]
             if rope_types is not None:
                 cos, sin = ropes[rope_types[i]]
             if self._linear is not None and self._linear[i]:  # Qwen3-Next's recurrent layers
@@ -1405,7 +1448,7 @@ class ModelRunner:
                 continue
             h = h + rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
             h = h + self._mlp(layer, layer.post_attention_layernorm(h), rows, i)
-        return llama.norm(h)
+        return llama.norm(h) if self.pipeline is None or self.pipeline.last else h
 
     def _linear_attention(self, i: int, attn, x: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next's Gated DeltaNet layer `attn` over the step's rows `x` (`[T, hidden]`, normed), as

@@ -35,6 +35,7 @@ class ServeOption:
     batch_tps: float  # decode ceiling at max_num_seqs (or as many sequences as fit) at half-full contexts
     batch: int
     utilization: float
+    gpus: int = 1  # accelerators a replica takes: one a pipeline stage (the memory above is the largest stage's)
 
     @property
     def total(self) -> int:
@@ -44,7 +45,7 @@ class ServeOption:
     def cost_per_million_tokens(self) -> float:
         if self.batch_tps <= 0:
             return math.inf
-        return self.accelerator.price_per_gpu_hour / (self.batch_tps * 3600 * self.utilization) * 1e6
+        return self.gpus * self.accelerator.price_per_gpu_hour / (self.batch_tps * 3600 * self.utilization) * 1e6
 
     def to_dict(self) -> dict:
         return {
@@ -63,6 +64,7 @@ class ServeOption:
             "single_stream_tokens_per_s": round(self.single_stream_tps, 1),
             "batch_tokens_per_s": round(self.batch_tps, 1),
             "batch": self.batch,
+            "gpus_per_replica": self.gpus,
             "price_per_gpu_hour": self.accelerator.price_per_gpu_hour,
             "cost_per_million_tokens_usd": (
                 round(self.cost_per_million_tokens, 4) if math.isfinite(self.cost_per_million_tokens) else None
@@ -181,7 +183,8 @@ def plan_serve(
     config=None,
 ) -> ServePlan:
     """Weights, KV cache per token, what fits and the decode throughput ceiling of a Deployment per accelerator
-    (one GPU per replica: Pylon's engine does not shard a model). `config` stands in for an unread model dir."""
+    (one GPU per replica, or one per pipeline stage with engine.pipeline_parallel). `config` stands in for an unread
+    model dir."""
     _check_knobs(mfu=mfu, utilization=utilization)
     catalog = catalog or load_catalog()
     accelerators = [catalog.get(gpu)] if gpu else list(catalog.accelerators)
@@ -227,7 +230,7 @@ def plan_serve(
             "engine.max_images_per_prompt: 0 drops them); each request's images run through them once, beside the "
             "steps"
         )
-    draft_kv = 0
+    draft_kv = draft_weights = 0
     if e.speculative.method == "draft":
         # The draft model beside it: its weights (unquantized) and its own KV cache, sized by the engine as the
         # model's plus each running request's drafts (engine.LLMEngine._load_draft_model), in the engine's dtype.
@@ -290,23 +293,42 @@ def plan_serve(
                 else ""
             )
         )
+    # Pipeline stages (engine.pipeline_parallel): each on a GPU of its own, holding its share of the model's weights and
+    # of its layers' KV cache, with a step's workspace; each row counts the largest stage (the most weights, the most
+    # layers: an upper bound where they differ) and a replica's cost is all of its GPUs'. A step still reads every
+    # weight, one stage after another: the throughput is the whole model's (the hops between stages not counted).
+    stages = e.pipeline_parallel
+    held, held_per_token = weights, per_token  # what one GPU holds: the whole replica's, or its largest stage's
+    if stages > 1:
+        from pylon.serving.model.stages import split_layers, stage_parameters
+
+        per_stage = stage_parameters(config, stages)
+        held = int((weights - draft_weights) * max(per_stage) / sum(per_stage)) + draft_weights
+        most_layers = max(len(r) for r in split_layers(shape.num_layers, stages))
+        held_per_token = per_token * most_layers // shape.num_layers
+        notes.append(
+            f"{stages} pipeline stages, one GPU each: the memory shown is the largest stage's (of "
+            f"{', '.join(f'{n:,}' for n in per_stage)} parameters, and its layers' share of the KV cache); the cost "
+            f"is the replica's {stages} GPUs; decode throughput is the whole model's, the stages computing in turn "
+            "(plus one hop of a step's hidden states between stages, not counted)"
+        )
     context = max(1, e.max_model_len // 2)
     rows = []
     for acc in accelerators:
         usable = acc.memory_bytes * USABLE_FRACTION
-        kv = e.kv_cache_tokens * per_token + draft_kv
-        free = usable - weights - draft_kv - workspace - CUDA_CONTEXT_BYTES
-        kv_fit = max(0, int(free // per_token)) if per_token else (e.kv_cache_tokens if free >= 0 else 0)
-        total = weights + kv + workspace + CUDA_CONTEXT_BYTES
+        kv = e.kv_cache_tokens * held_per_token + draft_kv
+        free = usable - held - draft_kv - workspace - CUDA_CONTEXT_BYTES
+        kv_fit = max(0, int(free // held_per_token)) if held_per_token else (e.kv_cache_tokens if free >= 0 else 0)
+        total = held + kv + workspace + CUDA_CONTEXT_BYTES
         if total <= usable:
             fits, binding = True, f"{total / usable:.0%} of {_gib(usable)} usable"
-        elif weights + workspace + CUDA_CONTEXT_BYTES > usable:
-            fits, binding = False, f"weights {_gib(weights)} alone exceed {_gib(usable)} usable"
+        elif held + workspace + CUDA_CONTEXT_BYTES > usable:
+            fits, binding = False, f"weights {_gib(held)} alone exceed {_gib(usable)} usable"
         else:
             fits, binding = (
                 False,
                 (
-                    f"KV cache {_gib(kv)} ({e.kv_cache_tokens:,} tokens) + weights {_gib(weights)} "
+                    f"KV cache {_gib(kv)} ({e.kv_cache_tokens:,} tokens) + weights {_gib(held)} "
                     f"exceed {_gib(usable)}; {kv_fit:,} tokens fit"
                 ),
             )
@@ -324,7 +346,7 @@ def plan_serve(
         rows.append(
             ServeOption(
                 acc,
-                weights,
+                held,
                 kv,
                 workspace,
                 CUDA_CONTEXT_BYTES,
@@ -336,6 +358,7 @@ def plan_serve(
                 min(batched, compute_ceiling),
                 batch,
                 utilization,
+                stages,
             )
         )
     fitting = [r for r in rows if r.fits]

@@ -147,7 +147,9 @@ def _render_serve(p: ServePlan) -> str:
     lines = [
         f"Deployment '{p.name}': {p.model}, {_count(s.total_params)} parameters, {p.dtype}",
         # the weights as loaded: quantized projections, adapters and a draft model included (every row's are these)
-        f"  weights {_gib(p.rows[0].weights if p.rows else s.total_params * WEIGHT_BYTES[p.dtype])}, KV cache "
+        f"  weights {_gib(p.rows[0].weights if p.rows else s.total_params * WEIGHT_BYTES[p.dtype])}"
+        + (" (the largest pipeline stage's)" if p.rows and p.rows[0].gpus > 1 else "")
+        + ", KV cache "
         f"{p.kv_per_token / 2**10:,.1f} KiB per "
         f"token ({s.num_layers} layers x "
         + (
@@ -157,7 +159,13 @@ def _render_serve(p: ServePlan) -> str:
         )
         + f"{p.kv_cache_tokens:,} KV tokens, max_model_len {p.max_model_len:,}, max_num_seqs {p.max_num_seqs}",
         "",
-        f"Per accelerator (one GPU per replica; throughput at contexts of {p.max_model_len // 2:,} tokens):",
+        "Per accelerator ("
+        + (
+            f"{p.rows[0].gpus} GPUs per replica, one a pipeline stage, the memory the largest stage's"
+            if p.rows and p.rows[0].gpus > 1
+            else "one GPU per replica"
+        )
+        + f"; throughput at contexts of {p.max_model_len // 2:,} tokens):",
     ]
     table = [
         (
@@ -197,6 +205,7 @@ def _render_serve(p: ServePlan) -> str:
         f"at {p.utilization:.0%} utilisation, up to {rec.batch_tps:,.0f} tokens/s per replica"
         if rec
         else "Recommendation: none -- the model does not fit one GPU of any kind considered"
+        + (" a stage (more engine.pipeline_parallel stages hold less each)" if p.rows and p.rows[0].gpus > 1 else "")
     )
     lines += [
         "",

@@ -1,0 +1,241 @@
+"""The engine's runner for a model split into pipeline stages across processes and nodes (`engine.pipeline_parallel`).
+
+A model larger than one machine's memory is served by N stages (vLLM's `pipeline_parallel_size`): the engine's own
+process holds stage 1 (the embeddings and the first layers), and each other stage is a Ray actor holding its run of
+layers, their KV cache and, for the last, the final norm and lm_head (pylon.serving.model.stages: no stage ever
+reads another's weights). A step goes through them in order: the engine computes stage 1 and hands its hidden states
+with the step's sequences to stage 2, whose output goes to stage 3 as an object reference (Ray moves it from node to
+node, over its authenticated transport: nothing else listens), and the last returns the logits. Every stage builds
+the step's attention metadata from the same sequences and writes its own layers' keys and values into the same
+block ids, so the scheduler, the KV block pool and the prefix cache stay the engine's alone.
+
+Placement: in a Serve replica the stages take the bundles of its placement group after the replica's own (bundle 0:
+the replica and its engine), spread over nodes as `engine.pipeline_placement` says (serving/api/builder.py); outside
+Serve (an engine made in a driver or a notebook), each stage asks for one CPU (one GPU on CUDA) of the cluster the
+process is connected to.
+
+The stages run one after the other for each step (no overlap of micro-batches): it serves a model that fits no one
+node, at the speed of its layers plus one hop of `[step tokens, hidden]` between nodes per stage and step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from pylon.errors import PylonError
+from pylon.serving.model.stages import Stage, stage_of
+
+log = logging.getLogger(__name__)
+
+# What the replica tells its engine process (serving/api/server.py): the cluster's address and the placement group
+# whose bundles after the first are the stages'.
+RAY_ADDRESS_ENV = "PYLON_PIPELINE_RAY_ADDRESS"
+PLACEMENT_GROUP_ENV = "PYLON_PIPELINE_PLACEMENT_GROUP"
+STAGE_START_TIMEOUT_S = 900.0  # a stage loads its part of the model (from object storage: minutes)
+
+
+def placement_env() -> dict[str, str]:
+    """In a Ray worker (a Serve replica): the variables its engine process needs to place the stages in the replica's
+    placement group (empty outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    env = {RAY_ADDRESS_ENV: ray.get_runtime_context().gcs_address}
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        env[PLACEMENT_GROUP_ENV] = group.id.hex()
+    return env
+
+
+def _connect():
+    """Ray, connected: this process's own connection (a replica's, a driver's), or the cluster the replica named."""
+    import ray
+
+    if not ray.is_initialized():
+        address = os.environ.get(RAY_ADDRESS_ENV) or os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        except ConnectionError as e:
+            raise PylonError(
+                f"engine.pipeline_parallel: its stages run on a Ray cluster, and none was found ({e}); serve the "
+                "deployment on a cluster (pylon serve), or connect this process to one first (ray.init)"
+            ) from None
+    return ray
+
+
+def _placement_group(ray):
+    group = ray.util.get_current_placement_group()
+    if group is None and os.environ.get(PLACEMENT_GROUP_ENV):
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup
+
+        group = PlacementGroup(PlacementGroupID(bytes.fromhex(os.environ[PLACEMENT_GROUP_ENV])))
+    return group
+
+
+def _kv_cache_bytes(runner) -> int:
+    """The bytes of a runner's KV cache (its own layers'; one tensor where keys and values share it)."""
+    tensors = {id(t): t for t in runner.k_cache + runner.v_cache}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class StageWorker:
+    """One pipeline stage after the first (a Ray actor): its `ModelRunner`, loaded from the model's URI on the node it
+    runs on."""
+
+    def __init__(self, model: str, stage: Stage, runner_kwargs: dict):
+        from pylon.models import local_model_dir
+        from pylon.serving.model.runner import ModelRunner
+
+        self.stage = stage
+        with local_model_dir(model) as directory:
+            self.runner = ModelRunner(directory, stage=stage, **runner_kwargs)
+
+    def describe(self) -> dict:
+        import ray
+
+        runner = self.runner
+        return {
+            "stage": self.stage.index,
+            "layers": [self.stage.layers.start, self.stage.layers.stop],
+            "weights_bytes": runner.stage_weights_bytes,
+            "kv_cache_bytes": _kv_cache_bytes(runner),
+            "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "device": str(runner.device),
+        }
+
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
+
+    def run(self, steps, hidden: torch.Tensor):
+        """The stage's part of a step: its output hidden states (on the CPU, for the next stage), or, the last stage,
+        `execute_step`'s logits and pooled rows."""
+        out, pooled = self.runner.execute_step(steps, hidden)
+        if not self.stage.last:
+            return out.cpu()
+        return out.cpu(), (pooled.cpu() if pooled is not None else None)
+
+
+class PipelineRunner:
+    """`ModelRunner`'s interface (what the engine uses of it) over the stages of a model: stage 1 in this process,
+    the rest Ray actors (see the module's docstring). `model`: the URI the stages load from (each on its own node);
+    `directory`: this process's local copy of it."""
+
+    def __init__(self, model: str, directory: str, count: int, runner_kwargs: dict):
+        from transformers import AutoConfig
+
+        from pylon.serving.model.runner import ModelRunner
+
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        num_layers = config.get_text_config().num_hidden_layers
+        self.count = count
+        started = time.monotonic()
+        # The actors first: they load while this process loads its own stage.
+        ray = _connect()
+        group = _placement_group(ray)
+        worker = ray.remote(StageWorker)
+        self.stages = []
+        for k in range(1, count):
+            stage = stage_of(num_layers, k, count)
+            options = self._placement(ray, group, k, runner_kwargs)
+            self.stages.append(worker.options(**options).remote(model, stage, runner_kwargs))
+        self.local = ModelRunner(directory, stage=stage_of(num_layers, 0, count), **runner_kwargs)
+        try:
+            described = ray.get([s.describe.remote() for s in self.stages], timeout=STAGE_START_TIMEOUT_S)
+        except ray.exceptions.RayActorError as e:
+            self.shutdown()
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise PylonError(f"engine.pipeline_parallel: a stage failed to load {model}: {cause}") from None
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise PylonError(
+                f"engine.pipeline_parallel: the stages did not load {model} within {STAGE_START_TIMEOUT_S:.0f} s: "
+                "no node may have room for them (each asks for its placement group bundle, or one CPU or GPU)"
+            ) from None
+        mine = {
+            "stage": 0,
+            "layers": [self.local.layers.start, self.local.layers.stop],
+            "weights_bytes": self.local.stage_weights_bytes,
+            "kv_cache_bytes": _kv_cache_bytes(self.local),
+            "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
+        self.described = [mine, *described]
+        for d in self.described:
+            log.info(
+                "pipeline stage %d of %d: layers %d-%d, %.1f MiB of weights, node %s, pid %d",
+                d["stage"] + 1,
+                count,
+                d["layers"][0],
+                d["layers"][1] - 1,
+                d["weights_bytes"] / 2**20,
+                d["node"][:12],
+                d["pid"],
+            )
+        log.info("pipeline of %d stages loaded in %.1f s", count, time.monotonic() - started)
+
+    @staticmethod
+    def _placement(ray, group, k: int, runner_kwargs: dict) -> dict:
+        """Stage `k`'s actor options: bundle k of the replica's placement group, or one CPU (GPU) of the cluster."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cuda = str(runner_kwargs.get("device", "auto")) != "cpu" and torch.cuda.is_available()
+        if group is not None and len(group.bundle_specs) > k:
+            bundle = group.bundle_specs[k]
+            return {
+                "num_cpus": bundle.get("CPU", 0),
+                "num_gpus": bundle.get("GPU", 0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k),
+            }
+        return {"num_cpus": 1, "num_gpus": 1 if cuda else 0, "scheduling_strategy": "SPREAD"}
+
+    def __getattr__(self, name: str):
+        # What the engine reads of its runner (vocab_size, config, device, dtype, ...): stage 1's.
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def execute(self, steps):
+        return self.execute_step(steps)[0]
+
+    @torch.no_grad()
+    def execute_step(self, steps):
+        import ray
+
+        hidden, _ = self.local.execute_step(steps)
+        ref = hidden.cpu()
+        for stage in self.stages:
+            ref = stage.run.remote(steps, ref)
+        logits, pooled = ray.get(ref)
+        device = self.local.device
+        return logits.to(device), (pooled.to(device) if pooled is not None else None)
+
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        import ray
+
+        remote = [s.warm_up.remote(max_num_seqs, max_num_batched_tokens) for s in self.stages]
+        done = self.local.warm_up(max_num_seqs, max_num_batched_tokens)
+        ray.get(remote)
+        return done
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        return 0  # (each stage's step runs eagerly: one graph per stage and step would save little beside the hops)
+
+    def fixed_weights(self) -> str | None:
+        return "it is split into pipeline stages (engine.pipeline_parallel)"
+
+    def load_weights(self, weights) -> int:
+        raise PylonError(f"model ({self.local.model_type}): its weights cannot be replaced: {self.fixed_weights()}")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for stage in self.stages:
+            ray.kill(stage)
+        self.stages = []

@@ -1,0 +1,196 @@
+"""Pipeline stages of a model: which decoder layers each stage holds, and a causal LM loaded with only its own.
+
+A model larger than one machine's memory is served by `engine.pipeline_parallel` stages, each a process (on its own
+node where the placement spreads them) that holds a contiguous run of the decoder layers and their KV cache, the
+first the embeddings too and the last the final norm and lm_head (vLLM's pipeline parallelism; the engine's side:
+pylon.serving.engine.pipeline). A stage never holds the other stages' weights, not even for a moment: the model is
+built on the meta device as `from_pretrained` builds it, the layers another stage holds replaced by an empty
+placeholder before any weight is read, so their tensors are never read from the checkpoint (each is "skipped" by
+transformers' loader, as its own pipeline-parallel loading skips them), and every conversion `from_pretrained`
+makes at load (fused experts, renamed keys) is made for the layers kept exactly as for a whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pylon.errors import PylonError
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Stage `index` of `count`: its decoder layers `layers` (a contiguous range of the model's)."""
+
+    index: int
+    count: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def describe(self) -> str:
+        return f"stage {self.index + 1} of {self.count} (layers {self.layers.start}-{self.layers.stop - 1})"
+
+
+def split_layers(num_layers: int, count: int) -> list[range]:
+    """The decoder layers of each of `count` stages: as even as the count allows, the layers left over going to
+    the stages before the last, from the last but one back (vLLM's rule, `get_pp_indices`: the first stage holds the
+    embeddings and the last the lm_head, so neither takes an extra layer while a middle one can)."""
+    if not 1 <= count <= num_layers:
+        raise PylonError(
+            f"engine.pipeline_parallel: {count} stages for a model of {num_layers} decoder layers; each stage holds "
+            f"at least one layer (use at most {num_layers})"
+        )
+    sizes = [num_layers // count] * count
+    for k in range(num_layers % count):
+        sizes[-2 - k if count > 1 else 0] += 1
+    starts = [sum(sizes[:k]) for k in range(count)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def stage_of(num_layers: int, index: int, count: int) -> Stage:
+    return Stage(index, count, split_layers(num_layers, count)[index])
+
+
+class Elsewhere(torch.nn.Module):
+    """A decoder layer (or the embeddings, or the final norm and lm_head) that another pipeline stage holds: no
+    weights, and never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage ran a layer another stage holds")
+
+
+def owned(layer: torch.nn.Module) -> bool:
+    return not isinstance(layer, Elsewhere)
+
+
+def _prune(model: torch.nn.Module, stage: Stage) -> None:
+    """Replace what `stage` does not hold by placeholders (before the weights load); ties dropped where the stage
+    keeps one side of them only."""
+    inner = model.model
+    for i in range(len(inner.layers)):
+        if i not in stage.layers:
+            inner.layers[i] = Elsewhere()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # A tied lm_head is the embedding's matrix: the last stage keeps the embeddings for it, as transformers' own
+    # pipeline stages do (the tie then made within the stage).
+    if not (stage.first or (tied and stage.last)):
+        inner.embed_tokens = Elsewhere()
+    if not stage.last:
+        inner.norm = Elsewhere()
+        model.lm_head = Elsewhere()
+    if tied and not stage.last:
+        model.all_tied_weights_keys = {}
+
+
+def _no_load_report(record: logging.LogRecord) -> bool:
+    return "LOAD REPORT" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' load report lists every checkpoint key of the other stages as unexpected: not logged (the
+    stage checks what it loaded itself, `load_stage`)."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addFilter(_no_load_report)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_no_load_report)
+
+
+def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torch.nn.Module:
+    """The causal LM of `model_dir` (its config `config`) holding only what `stage` holds, in `dtype`, on the CPU:
+    the class `AutoModelForCausalLM` would load, subclassed so that its construction ends with the placeholders
+    (`_prune`), then `from_pretrained` as usual. A weight of the stage's own missing from the checkpoint is a
+    PylonError naming it (transformers would initialise it at random)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    base = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+
+    class StageModel(base):  # type: ignore[misc, valid-type]
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            _prune(self, stage)
+
+    # Named as its class, and of its module: the runner reads the family's own functions from the model's module
+    # (`apply_rotary_pos_emb`: GPT-OSS's, Cohere's...).
+    StageModel.__name__ = StageModel.__qualname__ = base.__name__
+    StageModel.__module__ = base.__module__
+    with _quiet_transformers():
+        model, info = StageModel.from_pretrained(
+            model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise PylonError(
+            f"model {model_dir}: {stage.describe()}: {len(missing)} of its weights are not in the checkpoint "
+            f"({', '.join(missing[:3])}); the checkpoint is incomplete"
+        )
+    return model
+
+
+def stage_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a stage's weights and buffers (each tensor once: a tied lm_head is the embedding's)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def refused(model_type: str, multimodal: bool, config) -> str | None:
+    """Why a model cannot be split into pipeline stages (None: it can): the families with forwards of their own
+    (GPT-2, OPT, GPT-NeoX), multimodal checkpoints, classifiers and models with recurrent layers, whose state the
+    stages do not carry."""
+    from pylon.serving.model.families import is_sequence_classifier, linear_layers
+
+    if model_type in ("gpt2", "opt", "gpt_neox"):
+        return f"a {model_type} model is not split into stages (the Llama-like families are: Llama, Qwen, Mistral, ...)"
+    if multimodal:
+        return "a multimodal checkpoint is not split into stages; serve its text model"
+    if is_sequence_classifier(config):
+        return "a classifier is not split into stages"
+    if linear_layers(config) is not None:
+        return "a model with recurrent layers (Gated DeltaNet) is not split into stages"
+    return None
+
+
+def stage_parameters(config, count: int) -> list[int]:
+    """The weights (parameters and persistent buffers, such as a router's correction bias) each of `count` stages of
+    `config`'s causal LM holds, counted on the meta device (any size): its layers', the first stage's embeddings, the
+    last one's final norm and lm_head (tied: the embeddings again, which the last stage keeps for it)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    sizes = {name: t.numel() for name, t in model.state_dict(keep_vars=True).items()}
+    num_layers = len(model.model.layers)
+    layers = [0] * num_layers
+    embed = norm = 0
+    for name, n in sizes.items():
+        if name.startswith("model.layers."):
+            layers[int(name.split(".")[2])] += n
+        elif name.startswith("model.embed_tokens."):
+            embed += n
+        elif name.startswith("model.norm."):
+            norm += n
+    head = embed if getattr(config, "tie_word_embeddings", False) else sizes["lm_head.weight"]
+    counts = []
+    for k, span in enumerate(split_layers(num_layers, count)):
+        n = sum(layers[i] for i in span)
+        n += embed if k == 0 else 0
+        n += head + norm if k == count - 1 else 0
+        counts.append(n)
+    return counts

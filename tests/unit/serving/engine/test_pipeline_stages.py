@@ -1,0 +1,124 @@
+"""Pipeline stages (engine.pipeline_parallel; pylon.serving.model.stages): each stage's runner loads its own layers
+only, and the stages one after another compute what the whole model computes, step for step. Here the stages run in
+this process; through Ray actors, in a Serve replica and across hosts: tests/integration (test_serving.py,
+test_hosts.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_models import PROMPTS, Family
+from safetensors.torch import load_file, save_file
+
+from pylon.errors import PylonError
+from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.stages import split_layers, stage_bytes, stage_of, stage_parameters
+from pylon.serving.model.step import StepSequence
+
+# Llama; Qwen3 with tied embeddings (the last stage keeps the embedding its lm_head is); Gemma 3 with its windowed and
+# full layers by type (7 layers: uneven stages); Mixtral's experts, fused by transformers at load; DeepSeek-V3's latent
+# attention and its dense first layer; GPT-OSS's attention sinks, by layer.
+# make test: the first three (~25 s); make test-all: all.
+SPLIT_FAMILIES = (
+    "llama",
+    "qwen3",
+    "mixtral",
+    *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma3_text", "deepseek_v3", "gpt_oss")),
+)
+
+
+@pytest.fixture(scope="module", params=SPLIT_FAMILIES)
+def split_family(request, tmp_path_factory) -> Family:
+    return Family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _runner(family: Family, stage=None) -> ModelRunner:
+    return ModelRunner(family.dir, num_blocks=32, block_size=16, dtype="fp32", device="cpu", stage=stage)
+
+
+def _through(stages: list[ModelRunner], steps: list[StepSequence]) -> torch.Tensor:
+    hidden = None
+    for runner in stages:
+        hidden, _ = runner.execute_step(steps, hidden)
+    return hidden
+
+
+def test_split_layers_is_vllms_rule_and_refuses_more_stages_than_layers():
+    assert split_layers(32, 4) == [range(0, 8), range(8, 16), range(16, 24), range(24, 32)]
+    # the layers left over go to the stages before the last, from the last but one back (vLLM's get_pp_indices)
+    assert [len(r) for r in split_layers(7, 3)] == [2, 3, 2]
+    assert [len(r) for r in split_layers(32, 3)] == [11, 11, 10]
+    assert split_layers(5, 1) == [range(0, 5)]
+    with pytest.raises(PylonError, match=r"engine.pipeline_parallel: 5 stages for a model of 4 decoder layers"):
+        split_layers(4, 5)
+
+
+def test_each_stage_holds_its_layers_only_and_together_they_compute_the_whole_model(split_family):
+    """Two stages (three for Gemma 3): every stage's weights are the checkpoint's own and only its part (no other
+    stage's layer, the embeddings on the first, the final norm and lm_head on the last); a chunked prompt and decodes
+    through the stages give the whole model's logits, exactly, while each stage keeps its own layers' KV cache."""
+    family = split_family
+    config = family.model.config
+    n = config.num_hidden_layers
+    count = 3 if n >= 6 else 2
+    whole = _runner(family)
+    stages = [_runner(family, stage_of(n, k, count)) for k in range(count)]
+    checkpoint = family.model.state_dict()
+    for k, runner in enumerate(stages):
+        own = runner.model.state_dict()
+        layers = {int(key.split(".")[2]) for key in own if key.startswith("model.layers.")}
+        assert layers == set(split_layers(n, count)[k]), (k, layers)
+        assert ("model.embed_tokens.weight" in own) == (k == 0 or (k == count - 1 and config.tie_word_embeddings))
+        assert ("lm_head.weight" in own) == ("model.norm.weight" in own) == (k == count - 1)
+        for key, tensor in own.items():
+            if key in checkpoint and "experts" not in key:  # (experts: fused at load, checked by the logits)
+                assert torch.equal(tensor, checkpoint[key]), key
+        # its KV cache: its own layers' blocks only
+        assert [len(t) > 0 and t.shape[1] > 0 for t in runner.k_cache] == [i in runner.layers for i in range(n)]
+    held = [r.stage_weights_bytes for r in stages]
+    assert max(held) < 0.75 * stage_bytes(family.model), (held, stage_bytes(family.model))
+
+    prompt = PROMPTS[2]  # 40 tokens: two chunks, then decodes
+    table = [0, 1, 2, 3]
+    chunks = [(0, 24), (24, 40)]
+    for start, stop in chunks:
+        steps = [StepSequence(prompt[start:stop], start, table, samples=stop == len(prompt))]
+        a, b = whole.execute(steps), _through(stages, steps)
+        assert torch.equal(a, b), (start, (a - b).abs().max())
+    tokens = list(prompt)
+    for _ in range(6):
+        token = int(a[-1].argmax())
+        tokens.append(token)
+        steps = [StepSequence([token], len(tokens) - 1, table, samples=True)]
+        a, b = whole.execute(steps), _through(stages, steps)
+        assert torch.equal(a, b), (len(tokens), (a - b).abs().max())
+    assert tokens[len(prompt) :] == family.greedy[2][:6]
+
+
+def test_stage_parameters_count_each_stage_as_it_loads(split_family):
+    family = split_family
+    config = family.model.config
+    counts = stage_parameters(config, 2)
+    n = config.num_hidden_layers
+    for k in range(2):
+        runner = _runner(family, stage_of(n, k, 2))
+        assert counts[k] * 4 == runner.stage_weights_bytes - _buffer_bytes(runner), (k, counts)
+
+
+def _buffer_bytes(runner: ModelRunner) -> int:
+    """The bytes of a stage's buffers that are not weights (not in its state dict: the rotary embeddings' frequencies,
+    Gemma's embedding scale)."""
+    persistent = set(runner.model.state_dict())
+    return sum(b.numel() * b.element_size() for name, b in runner.model.named_buffers() if name not in persistent)
+
+
+def test_a_stage_refuses_what_it_cannot_split_and_a_checkpoint_missing_its_weights(gpt2, tmp_path):
+    with pytest.raises(PylonError, match=r"engine.pipeline_parallel: model .*: a gpt2 model is not split into stages"):
+        _runner(gpt2, stage_of(2, 0, 2))
+    family = Family("llama", tmp_path / "llama")
+    weights = load_file(f"{family.dir}/model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, f"{family.dir}/model.safetensors", metadata={"format": "pt"})
+    _runner(family, stage_of(2, 0, 2))  # stage 1 holds layer 0: whole
+    with pytest.raises(PylonError, match=r"stage 2 of 2 \(layers 1-1\): 1 of its weights are not in the checkpoint "):
+        _runner(family, stage_of(2, 1, 2))
