@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hosts import REPO, Host, available
+from serving_models import greedy_text, tiny_llama
 
 from pylon import storage
 
@@ -257,6 +258,59 @@ print(json.dumps([
     for t in tasks if (t.name or "").startswith("ReadShard") and t.node_id
 ]))
 """
+
+
+def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts, s3_server, tmp_path):
+    """engine.pipeline_parallel 2 with strict_spread, deployed from the client with the model in object storage: the
+    replica (its engine process: stage 1) on one machine, the second stage's actor on the other, each having read
+    its part from S3 on its own machine; greedy completions over HTTP are transformers' own."""
+    model = tiny_llama(tmp_path / "llama")
+    uri = f"s3://{s3_server.bucket}/hosts-llama-{int(time.time())}"
+    for path in (tmp_path / "llama").iterdir():
+        storage.upload_file(path, f"{uri}/{path.name}")
+    spec = {
+        "kind": "Deployment",
+        "name": "pp-hosts",
+        "model": uri,
+        "engine": {
+            "max_num_seqs": 4,
+            "kv_cache_tokens": 1024,
+            "max_model_len": 128,
+            "device": "cpu",
+            "pipeline_parallel": 2,
+            "pipeline_placement": "strict_spread",
+        },
+        "http": {"api_keys_env": None, "route_prefix": "/pp"},
+        "replica": {"num_cpus": 0.5},
+    }
+    hosts.client.write_text("/tmp/home/pp.yaml", yaml.safe_dump(spec))
+    done = hosts.client.run(["pylon", "serve", "pp.yaml"], timeout=600)
+    url = done.stdout.strip().splitlines()[-1]
+    try:
+        where = {}
+        for host in (hosts.head, *hosts.workers):
+            for pid in host.processes():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                except OSError:
+                    continue
+                for marker in ("ServeReplica:pp-hosts", "StageWorker"):
+                    if marker in cmdline:
+                        where.setdefault(marker, set()).add(host.name)
+        assert len(where.get("ServeReplica:pp-hosts", ())) == len(where.get("StageWorker", ())) == 1, where
+        assert where["ServeReplica:pp-hosts"] != where["StageWorker"], where
+        import requests
+
+        for prompt in ("across two machines: ", "the second stage "):
+            r = requests.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={"model": "pp-hosts", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == greedy_text(model, prompt, 10)
+    finally:
+        hosts.client.run(["pylon", "serve", "--delete", "pp-hosts"], timeout=120, check=False)
 
 
 @pytest.mark.slow  # make test-all: ~4.5 min

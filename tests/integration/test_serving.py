@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from serving_models import greedy_text, tiny_llama
 
 pytestmark = pytest.mark.integration
 
@@ -508,6 +509,49 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
     finally:
         delete("tiny-dp")
     _, alive = psutil.wait_procs(engines, timeout=30)  # no engine outlives its replica
+    assert not alive, alive
+
+
+def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, served, tmp_path_factory):
+    """engine.pipeline_parallel 2: the replica's engine process holds layers 0-1 and the embeddings, a StageWorker
+    actor (a process of its own, in the replica's placement group) layers 2-3, the norm and the lm_head; 8 concurrent
+    greedy requests through HTTP are token for token transformers' own. Deleting the deployment ends the stage too."""
+    import psutil
+
+    from pylon.sdk.serve import delete, deploy
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_llama(directory)
+    base = _spec("tiny-pp", directory)
+    engine = {**base.engine.model_dump(mode="json"), "pipeline_parallel": 2, "pipeline_placement": "pack"}
+    http = {**base.http.model_dump(mode="json"), "api_keys_env": None, "route_prefix": "/pp"}
+    url = deploy(_spec("tiny-pp", directory, engine=engine, http=http, replica={"num_cpus": 0.25}))
+    try:
+        replicas = _replica_processes(ray_cluster, "ServeReplica:tiny-pp")
+        assert len(replicas) == 1, replicas
+        engines = _engine_processes(replicas[0])
+        stages = _replica_processes(ray_cluster, "StageWorker")
+        assert len(engines) == 1 and len(stages) == 1, (engines, stages)
+        assert stages[0].pid not in {replicas[0].pid, engines[0].pid}
+        prompts = [f"stage request {i}: " + "xyz" * i for i in range(8)]
+        expected = [greedy_text(model, p, 12) for p in prompts]
+
+        def complete(prompt: str) -> str:
+            r = requests.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={"model": "tiny-pp", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        before = sum(stages[0].cpu_times()[:2])
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(complete, prompts)) == expected
+        assert sum(stages[0].cpu_times()[:2]) > before  # the second stage computed its layers
+    finally:
+        delete("tiny-pp")
+    _, alive = psutil.wait_procs(stages, timeout=60)  # no stage outlives its replica
     assert not alive, alive
 
 

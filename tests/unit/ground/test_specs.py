@@ -518,6 +518,27 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "5: document 1 (Deployment 'svc'): engine.adapters[0].name: 'svc' is the deployment's own name, which "
             "requests use for the base model; name the adapter otherwise",
         ),
+        (
+            "engine: {pipeline_parallel: 2, data_parallel: 2}\n",
+            "4: document 1 (Deployment 'svc'): engine.data_parallel: is not served with pipeline_parallel 2 (set it "
+            "to 1, or pipeline_parallel to 1)",
+        ),
+        (
+            "engine:\n  pipeline_parallel: 2\n  adapters: [{name: a, path: s3://b/a}]\n",
+            "6: document 1 (Deployment 'svc'): engine.adapters: is not served with pipeline_parallel 2 (set it to [], "
+            "or pipeline_parallel to 1)",
+        ),
+        (
+            "engine: {pipeline_parallel: 2, classifier_from_token: ['yes']}\n",
+            "4: document 1 (Deployment 'svc'): engine.classifier_from_token: is not served with pipeline_parallel 2 "
+            "(set it to [], or pipeline_parallel to 1)",
+        ),
+        (
+            "engine: {pipeline_parallel: 3}\nreplica: {num_cpus: 0}\n",
+            "5: document 1 (Deployment 'svc'): replica.num_cpus: must be > 0 with engine.pipeline_parallel 3: each "
+            "stage takes a placement group bundle of the replica's resources, and an empty bundle places nothing "
+            "(got 0, and num_gpus 0)",
+        ),
     ],
     ids=[
         "kv<max_model_len",
@@ -528,6 +549,10 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "route_prefix",
         "adapter-twice",
         "adapter-own",
+        "pipeline-dp",
+        "pipeline-adapters",
+        "pipeline-classifier",
+        "pipeline-no-resources",
     ],
 )
 def test_deployment_cross_field_rules(extra: str, expected: str) -> None:

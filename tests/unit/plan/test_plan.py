@@ -905,3 +905,45 @@ def test_an_engine_sampler_step_prefills_each_prompt_once_decodes_in_waves_and_c
         decodes, Layout(2, micro_batch_size=4, num_gpus=8, grad_accum_steps=4), h100, 0.4
     )
     assert sampling_time(decodes, z3, h100, 0.4) < sampling_time(gathered_model, z3, h100, 0.4)
+
+
+def test_pipeline_stages_are_planned_one_gpu_each_the_largest_stage_binding() -> None:
+    """engine.pipeline_parallel: a 13B Llama does not fit a 24 GB GPU whole; in 4 stages each holds about a quarter (the
+    largest stage's weights, from the parameters each stage loads: its layers, the first the embeddings, the last the
+    norm and lm_head), and a quarter of each token's KV cache; a replica's cost is its 4 GPUs'; decode throughput stays
+    the whole model's, at the batch that fits."""
+    from transformers import AutoConfig
+
+    from pylon.serving.model.stages import stage_parameters
+
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        vocab_size=32000,
+    )
+
+    def rtx4090(stages: int):
+        engine = {"pipeline_parallel": stages, "kv_cache_tokens": 8192, "max_model_len": 4096}
+        spec = DeploymentSpec(name="big", model="s3://b/m", replica={"num_gpus": 1}, engine=engine)
+        plan = plan_serve(spec, config=config)
+        return next(r for r in plan.rows if r.accelerator.name == "RTX-4090"), plan
+
+    whole, _ = rtx4090(1)
+    four, plan = rtx4090(4)
+    per_stage = stage_parameters(config, 4)
+    shape = plan.shape
+    assert sum(per_stage) == shape.total_params  # (untied: each weight on one stage)
+    assert not whole.fits and "alone exceed" in whole.binding
+    assert four.fits and four.gpus == 4 and whole.gpus == 1
+    assert four.weights == shape.total_params * 2 * max(per_stage) // sum(per_stage)
+    assert four.kv_cache == 8192 * kv_bytes_per_token(shape, 2) // 4
+    assert four.to_dict()["gpus_per_replica"] == 4
+    # the cost per token is four GPUs' hours over the batch's tokens
+    expected = 4 * four.accelerator.price_per_gpu_hour / (four.batch_tps * 3600 * four.utilization) * 1e6
+    assert four.cost_per_million_tokens == pytest.approx(expected)
+    assert any("4 pipeline stages, one GPU each" in n for n in plan.notes)
+    text = render(plan)
+    assert "4 GPUs per replica, one a pipeline stage" in text and "(the largest pipeline stage's)" in text

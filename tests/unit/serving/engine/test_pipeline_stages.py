@@ -122,3 +122,22 @@ def test_a_stage_refuses_what_it_cannot_split_and_a_checkpoint_missing_its_weigh
     _runner(family, stage_of(2, 0, 2))  # stage 1 holds layer 0: whole
     with pytest.raises(PylonError, match=r"stage 2 of 2 \(layers 1-1\): 1 of its weights are not in the checkpoint "):
         _runner(family, stage_of(2, 1, 2))
+
+
+def test_a_replica_of_stages_asks_for_a_bundle_a_stage():
+    from pylon.serving.api.builder import pipeline_placement
+    from pylon.specs import DeploymentSpec
+
+    def spec(**engine):
+        return DeploymentSpec(name="m", model="s3://b/m", engine=engine, replica={"num_cpus": 2, "num_gpus": 1})
+
+    assert pipeline_placement(spec()) == {}
+    assert pipeline_placement(spec(pipeline_parallel=3, pipeline_placement="strict_spread", device="cuda")) == {
+        "placement_group_bundles": [{"CPU": 2, "GPU": 1}] * 3,
+        "placement_group_strategy": "STRICT_SPREAD",
+    }
+    cpu = DeploymentSpec(name="m", model="s3://b/m", engine={"pipeline_parallel": 2}, replica={"num_cpus": 0.5})
+    assert pipeline_placement(cpu) == {
+        "placement_group_bundles": [{"CPU": 0.5}] * 2,
+        "placement_group_strategy": "SPREAD",
+    }

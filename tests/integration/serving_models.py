@@ -1,0 +1,53 @@
+"""Small models the serving integration tests build (a Pylon export each, byte tokenizer) and transformers' greedy
+continuations of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def tiny_llama(directory: Path, layers: int = 4):
+    """A random Llama of `layers` layers saved as a Pylon export (byte tokenizer), and transformers' model of it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pylon.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        vocab_size=320,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        initializer_range=0.5,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    return model
+
+
+def greedy_text(model, prompt: str, new_tokens: int) -> str:
+    import torch
+
+    from pylon.data.tokenizer import ByteTokenizer
+
+    ids = torch.tensor([list(prompt.encode())])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=257,
+    )
+    return ByteTokenizer().decode(out[0, ids.shape[1] :].tolist())
