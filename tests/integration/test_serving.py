@@ -512,10 +512,13 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
     assert not alive, alive
 
 
+# ~90 s (a replica replaced); make test keeps the two-machine deployment in test_hosts.py. `make test-all`.
+@pytest.mark.slow
 def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, served, tmp_path_factory):
     """engine.pipeline_parallel 2: the replica's engine process holds layers 0-1 and the embeddings, a StageWorker
     actor (a process of its own, in the replica's placement group) layers 2-3, the norm and the lm_head; 8 concurrent
-    greedy requests through HTTP are token for token transformers' own. Deleting the deployment ends the stage too."""
+    greedy requests through HTTP are token for token transformers' own. The stage killed: a request fails with an
+    error body, and Serve replaces the replica, a new stage with it. Deleting the deployment ends the stage too."""
     import psutil
 
     from pylon.sdk.serve import delete, deploy
@@ -549,6 +552,23 @@ def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, ser
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             assert list(pool.map(complete, prompts)) == expected
         assert sum(stages[0].cpu_times()[:2]) > before  # the second stage computed its layers
+
+        # The second stage's process dies (its node lost, the OOM killer): the engine's next step fails, /ready says
+        # so, and Serve replaces the replica with its placement group, a new stage in it.
+        stages[0].kill()
+        r = requests.post(
+            f"{url}/v1/completions", timeout=120, json={"model": "tiny-pp", "prompt": prompts[0], "max_tokens": 4}
+        )
+        assert r.status_code >= 500 and "error" in r.json(), r.text
+        deadline = time.monotonic() + 180
+        while True:
+            fresh = [p for p in _replica_processes(ray_cluster, "StageWorker") if p.pid != stages[0].pid]
+            if fresh and requests.get(f"{url}/ready", timeout=30).status_code == 200:
+                break
+            assert time.monotonic() < deadline, "Serve did not replace the replica whose stage died"
+            time.sleep(1)
+        assert complete(prompts[1]) == expected[1]
+        stages += fresh
     finally:
         delete("tiny-pp")
     _, alive = psutil.wait_procs(stages, timeout=60)  # no stage outlives its replica

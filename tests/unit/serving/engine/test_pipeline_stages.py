@@ -112,16 +112,32 @@ def _buffer_bytes(runner: ModelRunner) -> int:
     return sum(b.numel() * b.element_size() for name, b in runner.model.named_buffers() if name not in persistent)
 
 
-def test_a_stage_refuses_what_it_cannot_split_and_a_checkpoint_missing_its_weights(gpt2, tmp_path):
+def _saved(directory, model_type: str, **fields) -> str:
+    """A random model of `model_type` saved (no tokenizer: a runner reads none), its directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=320, **fields)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
+def _load(directory: str, stage) -> ModelRunner:
+    return ModelRunner(directory, num_blocks=4, block_size=16, dtype="fp32", device="cpu", stage=stage)
+
+
+def test_a_stage_refuses_what_it_cannot_split_and_a_checkpoint_missing_its_weights(tmp_path):
+    gpt2 = _saved(tmp_path / "gpt2", "gpt2", n_layer=2, n_head=2, n_embd=32)
     with pytest.raises(PylonError, match=r"engine.pipeline_parallel: model .*: a gpt2 model is not split into stages"):
-        _runner(gpt2, stage_of(2, 0, 2))
-    family = Family("llama", tmp_path / "llama")
-    weights = load_file(f"{family.dir}/model.safetensors")
+        _load(gpt2, stage_of(2, 0, 2))
+    llama = _saved(
+        tmp_path / "llama", "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    weights = load_file(f"{llama}/model.safetensors")
     del weights["model.layers.1.mlp.down_proj.weight"]
-    save_file(weights, f"{family.dir}/model.safetensors", metadata={"format": "pt"})
-    _runner(family, stage_of(2, 0, 2))  # stage 1 holds layer 0: whole
+    save_file(weights, f"{llama}/model.safetensors", metadata={"format": "pt"})
+    _load(llama, stage_of(2, 0, 2))  # stage 1 holds layer 0: whole
     with pytest.raises(PylonError, match=r"stage 2 of 2 \(layers 1-1\): 1 of its weights are not in the checkpoint "):
-        _runner(family, stage_of(2, 1, 2))
+        _load(llama, stage_of(2, 1, 2))
 
 
 def test_a_replica_of_stages_asks_for_a_bundle_a_stage():
