@@ -8,7 +8,8 @@ and every step hands `[step tokens, hidden]` from stage to stage through Ray. Th
 - per process, the weights and KV cache each holds (machine-independent: bytes), whole against each stage;
 - the bytes a step hands between stages per output token (machine-independent);
 - decode tokens/s whole and in stages at each `--concurrency`, the ratio (stages / whole) with its spread over
-  rounds. On one machine both run on the same cores: the ratio is the cost of the hops and of the stages' turns, not
+  rounds, and per staged step the other stages' computing time and the rest of the wait for them (Ray's calls and the
+  hops). On one machine both run on the same cores: the ratio is the cost of the hops and of the stages' turns, not
   what separate machines would do.
 
 A Llama-shaped model with random weights (`--layers`, `--hidden`) is built in the run; the stages' actors run on a
@@ -84,10 +85,14 @@ def main() -> None:
     args = p.parse_args()
 
     import ray
+    import torch
 
     from pylon.serving.engine.engine import LLMEngine
     from pylon.specs import EngineSpec
 
+    # Each stage's actor computes on the one CPU it asks for (Ray gives it one thread); this process too, so that the
+    # whole model and every stage compute alike and the ratio is the pipeline's own cost.
+    torch.set_num_threads(1)
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -110,6 +115,8 @@ def main() -> None:
             for engine in (whole, staged):  # warm-up
                 leg(engine, 1, args, seed=0)
             for concurrency in args.concurrency:
+                runner = staged.runner
+                runner.steps, runner.remote_seconds, runner.hop_seconds = 0, 0.0, 0.0
                 ratios, rates = [], {"whole": [], "stages": []}
                 for r in range(args.rounds):
                     a = leg(whole, concurrency, args, seed=100 + r)
@@ -120,7 +127,9 @@ def main() -> None:
                 print(
                     f"concurrency {concurrency}: whole {statistics.median(rates['whole']):.1f} tok/s, stages "
                     f"{statistics.median(rates['stages']):.1f} tok/s; stages / whole {statistics.median(ratios):.2f}x "
-                    f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+                    f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); per staged step: the other stages "
+                    f"{runner.remote_seconds / runner.steps * 1e3:.1f} ms computing, "
+                    f"{runner.hop_seconds / runner.steps * 1e3:.1f} ms in Ray's calls and hops"
                 )
     finally:
         ray.shutdown()

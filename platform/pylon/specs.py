@@ -1195,7 +1195,7 @@ class EngineSpec(_Spec):
     pipeline_parallel: PositiveInt = Field(
         1,
         description="split the model into this many pipeline stages, each a process holding a contiguous run of its "
-        "decoder layers and their KV cache (the first the embeddings, the last the final norm and lm_head), so that "
+        "decoder layers and their KV cache (the first the embeddings and the final norm and lm_head too), so that "
         "a model larger than one machine's memory is served across machines (vLLM's pipeline_parallel_size). No "
         "stage reads another's weights. In a Serve replica the stages after the first take the bundles of the "
         "replica's placement group (each replica.num_cpus and replica.num_gpus), placed by pipeline_placement; each "

@@ -1,13 +1,17 @@
 """The engine's runner for a model split into pipeline stages across processes and nodes (`engine.pipeline_parallel`).
 
 A model larger than one machine's memory is served by N stages (vLLM's `pipeline_parallel_size`): the engine's own
-process holds stage 1 (the embeddings and the first layers), and each other stage is a Ray actor holding its run of
-layers, their KV cache and, for the last, the final norm and lm_head (pylon.serving.model.stages: no stage ever
-reads another's weights). A step goes through them in order: the engine computes stage 1 and hands its hidden states
-with the step's sequences to stage 2, whose output goes to stage 3 as an object reference (Ray moves it from node to
-node, over its authenticated transport: nothing else listens), and the last returns the logits. Every stage builds
-the step's attention metadata from the same sequences and writes its own layers' keys and values into the same
-block ids, so the scheduler, the KV block pool and the prefix cache stay the engine's alone.
+process holds stage 1 (the embeddings, the first layers and the head: final norm and lm_head), and each other stage
+is a Ray actor holding its run of layers and their KV cache (pylon.serving.model.stages: no stage ever reads
+another's weights). A step goes through them in order: the engine computes stage 1 and hands its hidden states with
+the step's sequences to stage 2, whose output goes to stage 3 as an object reference (Ray moves it from node to node,
+over its authenticated transport: nothing else listens), and the last hands back its sampling rows' hidden states,
+which the engine turns into logits with its head: `[rows, hidden]` crosses the network, never `[rows, vocabulary]`.
+Every stage builds the step's attention metadata from the same sequences and writes its own layers' keys and values
+into the same block ids, so the scheduler, the KV block pool and the prefix cache stay the engine's alone.
+
+Hidden states travel as bytes (a numpy view of the tensor's memory, which Ray serializes without a copy, where a
+torch tensor goes through pickle: ~2 ms a hop against ~4-14 ms for a small one on this machine).
 
 Placement: in a Serve replica the stages take the bundles of its placement group after the replica's own (bundle 0:
 the replica and its engine), spread over nodes as `engine.pipeline_placement` says (serving/api/builder.py); outside
@@ -84,6 +88,21 @@ def _kv_cache_bytes(runner) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def packed(tensor: torch.Tensor, seconds: float = 0.0) -> tuple:
+    """A tensor as (bytes as a numpy array, dtype, shape) on the CPU, what Ray serializes without pickling, and the
+    seconds the stages so far computed the step for."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return tensor.view(-1).view(torch.uint8).numpy(), dtype, tuple(tensor.shape), seconds
+
+
+def unpacked(message: tuple) -> tuple[torch.Tensor, float]:
+    data, dtype, shape, seconds = message
+    if not data.flags.writeable:  # (Ray's zero-copy arrays are read-only; torch wants its memory writable)
+        data = data.copy()
+    return torch.from_numpy(data).view(getattr(torch, dtype)).view(shape), seconds
+
+
 class StageWorker:
     """One pipeline stage after the first (a Ray actor): its `ModelRunner`, loaded from the model's URI on the node it
     runs on."""
@@ -113,13 +132,13 @@ class StageWorker:
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
 
-    def run(self, steps, hidden: torch.Tensor):
-        """The stage's part of a step: its output hidden states (on the CPU, for the next stage), or, the last stage,
-        `execute_step`'s logits and pooled rows."""
-        out, pooled = self.runner.execute_step(steps, hidden)
-        if not self.stage.last:
-            return out.cpu()
-        return out.cpu(), (pooled.cpu() if pooled is not None else None)
+    def run(self, steps, hidden):
+        """The stage's part of a step: its output hidden states for the next stage (the last stage's: its sampling
+        rows', for the engine's head), from the previous stage's; both as `packed`."""
+        started = time.perf_counter()
+        hidden, seconds = unpacked(hidden)
+        out, _ = self.runner.execute_step(steps, hidden)
+        return packed(out, seconds + time.perf_counter() - started)
 
 
 class PipelineRunner:
@@ -135,6 +154,9 @@ class PipelineRunner:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         num_layers = config.get_text_config().num_hidden_layers
         self.count = count
+        # Per step, summed: the other stages' computing (timed inside them) and the rest of the wait for them (Ray's
+        # calls and the hidden states' hops): where a pipeline's time goes (bench/serve_pipeline.py).
+        self.steps, self.remote_seconds, self.hop_seconds = 0, 0.0, 0.0
         started = time.monotonic()
         # The actors first: they load while this process loads its own stage.
         ray = _connect()
@@ -209,12 +231,16 @@ class PipelineRunner:
         import ray
 
         hidden, _ = self.local.execute_step(steps)
-        ref = hidden.cpu()
+        ref = packed(hidden)
+        started = time.perf_counter()
         for stage in self.stages:
             ref = stage.run.remote(steps, ref)
-        logits, pooled = ray.get(ref)
-        device = self.local.device
-        return logits.to(device), (pooled.to(device) if pooled is not None else None)
+        hidden, computing = unpacked(ray.get(ref))
+        waited = time.perf_counter() - started
+        self.steps += 1
+        self.remote_seconds += computing
+        self.hop_seconds += max(0.0, waited - computing)
+        return self.local.finish_step(steps, hidden)
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         import ray

@@ -351,9 +351,10 @@ class ModelRunner:
         classifier_from_token: Sequence[int] = (),
         stage: stages.Stage | None = None,
     ):
-        """`stage`: hold only that pipeline stage's decoder layers (and their KV cache), the embeddings where it is
-        the first and the final norm and lm_head where it is the last (pylon.serving.model.stages); its `execute_step`
-        then takes the previous stage's hidden states and, but for the last, returns its own.
+        """`stage`: hold only that pipeline stage's decoder layers (and their KV cache), and the embeddings and the
+        head (final norm, lm_head) where it is the first (pylon.serving.model.stages); its `execute_step` then takes
+        the previous stage's hidden states and returns its own, and the first stage's `finish_step` turns the last
+        stage's into the step's outputs.
 
         `images`: keep a multimodal checkpoint's vision tower and projector, for requests with images
         (`embed_images`); without it they are dropped once loaded (`vision` is None). `classifier_from_token`: token
@@ -384,6 +385,8 @@ class ModelRunner:
         if problem is not None:
             raise PylonError(f"model {model_dir}: {problem}; the serving engine cannot serve it")
         self.pipeline = stage  # None: the whole model
+        # A stage of several: its forward ends without the final norm (the first stage's `finish_step` applies it).
+        self._staged = stage is not None and stage.count > 1
         if stage is not None:
             why = stages.refused(model_type, multimodal, config)
             if why is not None:
@@ -808,9 +811,11 @@ class ModelRunner:
         """`execute`'s logits, and the final hidden states `[pooled sequences, hidden]` (float32) of the sampling
         `pooled` sequences' last tokens, in order (None when the step has none): their rows skip the lm_head.
 
-        A pipeline stage's runner (`stage`) takes `hidden`, the previous stage's output for the step's rows, unless it
-        is the first; one that is not the last returns its own output `[rows, hidden]` (in the model's dtype) and
-        None: every step, with or without rows to sample, since each stage writes its own layers' KV cache."""
+        A pipeline stage's runner (`stage`, of more than one) takes `hidden`, the previous stage's output for the step's
+        rows, unless it is the first, and returns its own output (in the model's dtype) and None: every step, with or
+        without rows to sample, since each stage writes its own layers' KV cache. That is `[rows, hidden]`, but for
+        the last stage, whose rows past the last layer are the sampling ones only (as the lm_head would take them,
+        before the final norm): the first stage's `finish_step` makes the outputs of them."""
         with_adapters = any(s.adapter for s in steps)
         if with_adapters:
             self._check_adapters(steps)
@@ -892,9 +897,23 @@ class ModelRunner:
         if hidden is not None:
             hidden = hidden.to(self.device, self.dtype)
         hidden = self.forward(ids, positions, meta, final, adapters=adapters, images=images, hidden=hidden)
-        if self.pipeline is not None and not self.pipeline.last:
+        if self._staged:
             return hidden, None
-        if not last_tokens:
+        return self._outputs(steps, hidden, bool(last_tokens))
+
+    @torch.no_grad()
+    def finish_step(self, steps: list[StepSequence], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first pipeline stage's end of a step: `execute_step`'s outputs from the last stage's output `hidden`
+        (its sampling rows, before the final norm), through this stage's final norm and head."""
+        hidden = self.model.model.norm(hidden.to(self.device, self.dtype))
+        return self._outputs(steps, hidden, any(s.prompt_logits or s.samples for s in steps))
+
+    def _outputs(
+        self, steps: list[StepSequence], hidden: torch.Tensor, rows: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`execute_step`'s outputs from the final hidden states (after the last norm) of the step's sampling rows;
+        `rows`: whether it has any."""
+        if not rows:
             return torch.empty(0, self.vocab_size, device=self.device), None
         if not any(s.pooled and s.samples for s in steps):
             return self.logits(hidden).float(), None
@@ -1320,9 +1339,9 @@ class ModelRunner:
         gate_up_proj) and the rotary embedding of the first `partial_rotary_factor` of each head's dimensions
         (`_apply_rope`). `adapters`: as in `_forward_gpt2`; the MLP is written out (LlamaMLP's
         and Gemma3MLP's forward: down(act(gate(x)) * up(x)); Phi3MLP's with gate and up from one projection) for the
-        rows that need its projections' deltas. A pipeline stage (`self.pipeline`) computes its own layers only:
-        from `hidden`, the previous stage's output, unless it is the first, and returning its last layer's output
-        (all the step's rows), unless it is the last."""
+        rows that need its projections' deltas. A pipeline stage (`self.pipeline`) computes its own layers only,
+        from `hidden`, the previous stage's output, unless it is the first, and returns its last layer's output
+        without the final norm (see `execute_step`)."""
         llama = self.model.model
         if hidden is not None:
             h = hidden
@@ -1448,7 +1467,7 @@ class ModelRunner:
                 continue
             h = h + rows.add(attn.o_proj(a), a, i, "self_attn.o_proj")
             h = h + self._mlp(layer, layer.post_attention_layernorm(h), rows, i)
-        return llama.norm(h) if self.pipeline is None or self.pipeline.last else h
+        return h if self._staged else llama.norm(h)
 
     def _linear_attention(self, i: int, attn, x: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next's Gated DeltaNet layer `attn` over the step's rows `x` (`[T, hidden]`, normed), as

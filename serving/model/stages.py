@@ -1,13 +1,17 @@
 """Pipeline stages of a model: which decoder layers each stage holds, and a causal LM loaded with only its own.
 
 A model larger than one machine's memory is served by `engine.pipeline_parallel` stages, each a process (on its own
-node where the placement spreads them) that holds a contiguous run of the decoder layers and their KV cache, the
-first the embeddings too and the last the final norm and lm_head (vLLM's pipeline parallelism; the engine's side:
-pylon.serving.engine.pipeline). A stage never holds the other stages' weights, not even for a moment: the model is
-built on the meta device as `from_pretrained` builds it, the layers another stage holds replaced by an empty
-placeholder before any weight is read, so their tensors are never read from the checkpoint (each is "skipped" by
-transformers' loader, as its own pipeline-parallel loading skips them), and every conversion `from_pretrained`
-makes at load (fused experts, renamed keys) is made for the layers kept exactly as for a whole model.
+node where the placement spreads them) that holds a contiguous run of the decoder layers and their KV cache (vLLM's
+pipeline parallelism; the engine's side: pylon.serving.engine.pipeline). The first stage, the engine's own process,
+holds the embeddings and the head too (the final norm and the lm_head, one matrix with the embeddings where they are
+tied): the last stage hands back the sampling rows' hidden states, `[rows, hidden]`, and the engine computes their
+logits where it samples, instead of `[rows, vocabulary]` floats crossing the network every step.
+
+A stage never holds the other stages' weights, not even for a moment: the model is built on the meta device as
+`from_pretrained` builds it, what other stages hold replaced by an empty placeholder before any weight is read, so
+their tensors are never read from the checkpoint (transformers' loader skips the keys the model does not have), and
+every conversion `from_pretrained` makes at load (fused experts, renamed keys) is made for what is kept exactly as for
+a whole model.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pylon.errors import PylonError
 
 @dataclass(frozen=True)
 class Stage:
-    """Stage `index` of `count`: its decoder layers `layers` (a contiguous range of the model's)."""
+    """Stage `index` of `count`: its decoder layers `layers` (a contiguous range of the model's); the first holds the
+    embeddings and the head (final norm, lm_head) besides."""
 
     index: int
     count: int
@@ -43,8 +48,8 @@ class Stage:
 
 def split_layers(num_layers: int, count: int) -> list[range]:
     """The decoder layers of each of `count` stages: as even as the count allows, the layers left over going to
-    the stages before the last, from the last but one back (vLLM's rule, `get_pp_indices`: the first stage holds the
-    embeddings and the last the lm_head, so neither takes an extra layer while a middle one can)."""
+    the last stages (the first holds the embeddings and the lm_head besides, so it takes no extra layer while
+    another can)."""
     if not 1 <= count <= num_layers:
         raise PylonError(
             f"engine.pipeline_parallel: {count} stages for a model of {num_layers} decoder layers; each stage holds "
@@ -52,7 +57,7 @@ def split_layers(num_layers: int, count: int) -> list[range]:
         )
     sizes = [num_layers // count] * count
     for k in range(num_layers % count):
-        sizes[-2 - k if count > 1 else 0] += 1
+        sizes[-1 - k] += 1
     starts = [sum(sizes[:k]) for k in range(count)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
@@ -74,21 +79,16 @@ def owned(layer: torch.nn.Module) -> bool:
 
 
 def _prune(model: torch.nn.Module, stage: Stage) -> None:
-    """Replace what `stage` does not hold by placeholders (before the weights load); ties dropped where the stage
-    keeps one side of them only."""
+    """Replace what `stage` does not hold by placeholders (before the weights load): other stages' layers; the
+    embeddings and the head but on the first stage (a tied lm_head is then tied within it)."""
     inner = model.model
     for i in range(len(inner.layers)):
         if i not in stage.layers:
             inner.layers[i] = Elsewhere()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    # A tied lm_head is the embedding's matrix: the last stage keeps the embeddings for it, as transformers' own
-    # pipeline stages do (the tie then made within the stage).
-    if not (stage.first or (tied and stage.last)):
+    if not stage.first:
         inner.embed_tokens = Elsewhere()
-    if not stage.last:
         inner.norm = Elsewhere()
         model.lm_head = Elsewhere()
-    if tied and not stage.last:
         model.all_tied_weights_keys = {}
 
 
@@ -169,8 +169,8 @@ def refused(model_type: str, multimodal: bool, config) -> str | None:
 
 def stage_parameters(config, count: int) -> list[int]:
     """The weights (parameters and persistent buffers, such as a router's correction bias) each of `count` stages of
-    `config`'s causal LM holds, counted on the meta device (any size): its layers', the first stage's embeddings, the
-    last one's final norm and lm_head (tied: the embeddings again, which the last stage keeps for it)."""
+    `config`'s causal LM holds, counted on the meta device (any size): its layers', and the first stage's embeddings,
+    final norm and lm_head (tied: one matrix)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -186,11 +186,7 @@ def stage_parameters(config, count: int) -> list[int]:
             embed += n
         elif name.startswith("model.norm."):
             norm += n
-    head = embed if getattr(config, "tie_word_embeddings", False) else sizes["lm_head.weight"]
-    counts = []
-    for k, span in enumerate(split_layers(num_layers, count)):
-        n = sum(layers[i] for i in span)
-        n += embed if k == 0 else 0
-        n += head + norm if k == count - 1 else 0
-        counts.append(n)
+    head = 0 if getattr(config, "tie_word_embeddings", False) else sizes["lm_head.weight"]
+    counts = [sum(layers[i] for i in span) for span in split_layers(num_layers, count)]
+    counts[0] += embed + norm + head
     return counts

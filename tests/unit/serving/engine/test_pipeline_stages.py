@@ -37,17 +37,20 @@ def _runner(family: Family, stage=None) -> ModelRunner:
 
 
 def _through(stages: list[ModelRunner], steps: list[StepSequence]) -> torch.Tensor:
+    """A step through the stages in turn, its logits made by the first stage's head (as PipelineRunner does)."""
     hidden = None
     for runner in stages:
         hidden, _ = runner.execute_step(steps, hidden)
-    return hidden
+    # the last stage's rows: the sampling ones only (one a sampling sequence here), not the step's
+    assert len(hidden) == sum(s.samples for s in steps), hidden.shape
+    return stages[0].finish_step(steps, hidden)[0]
 
 
 def test_split_layers_is_vllms_rule_and_refuses_more_stages_than_layers():
     assert split_layers(32, 4) == [range(0, 8), range(8, 16), range(16, 24), range(24, 32)]
-    # the layers left over go to the stages before the last, from the last but one back (vLLM's get_pp_indices)
-    assert [len(r) for r in split_layers(7, 3)] == [2, 3, 2]
-    assert [len(r) for r in split_layers(32, 3)] == [11, 11, 10]
+    # the layers left over go to the last stages (the first holds the embeddings and the head besides)
+    assert [len(r) for r in split_layers(7, 3)] == [2, 2, 3]
+    assert [len(r) for r in split_layers(32, 3)] == [10, 11, 11]
     assert split_layers(5, 1) == [range(0, 5)]
     with pytest.raises(PylonError, match=r"engine.pipeline_parallel: 5 stages for a model of 4 decoder layers"):
         split_layers(4, 5)
@@ -55,8 +58,9 @@ def test_split_layers_is_vllms_rule_and_refuses_more_stages_than_layers():
 
 def test_each_stage_holds_its_layers_only_and_together_they_compute_the_whole_model(split_family):
     """Two stages (three for Gemma 3): every stage's weights are the checkpoint's own and only its part (no other
-    stage's layer, the embeddings on the first, the final norm and lm_head on the last); a chunked prompt and decodes
-    through the stages give the whole model's logits, exactly, while each stage keeps its own layers' KV cache."""
+    stage's layer; the embeddings, final norm and lm_head on the first); a chunked prompt and decodes through the
+    stages give the whole model's logits, exactly, while each stage keeps its own layers' KV cache; the last stage
+    hands back its sampling rows only."""
     family = split_family
     config = family.model.config
     n = config.num_hidden_layers
@@ -68,8 +72,8 @@ def test_each_stage_holds_its_layers_only_and_together_they_compute_the_whole_mo
         own = runner.model.state_dict()
         layers = {int(key.split(".")[2]) for key in own if key.startswith("model.layers.")}
         assert layers == set(split_layers(n, count)[k]), (k, layers)
-        assert ("model.embed_tokens.weight" in own) == (k == 0 or (k == count - 1 and config.tie_word_embeddings))
-        assert ("lm_head.weight" in own) == ("model.norm.weight" in own) == (k == count - 1)
+        assert ("model.embed_tokens.weight" in own) == ("lm_head.weight" in own) == ("model.norm.weight" in own)
+        assert ("model.norm.weight" in own) == (k == 0)
         for key, tensor in own.items():
             if key in checkpoint and "experts" not in key:  # (experts: fused at load, checked by the logits)
                 assert torch.equal(tensor, checkpoint[key]), key
