@@ -38,10 +38,6 @@ class Stage:
     def first(self) -> bool:
         return self.index == 0
 
-    @property
-    def last(self) -> bool:
-        return self.index == self.count - 1
-
     def describe(self) -> str:
         return f"stage {self.index + 1} of {self.count} (layers {self.layers.start}-{self.layers.stop - 1})"
 
@@ -167,26 +163,31 @@ def refused(model_type: str, multimodal: bool, config) -> str | None:
     return None
 
 
-def stage_parameters(config, count: int) -> list[int]:
-    """The weights (parameters and persistent buffers, such as a router's correction bias) each of `count` stages of
-    `config`'s causal LM holds, counted on the meta device (any size): its layers', and the first stage's embeddings,
-    final norm and lm_head (tied: one matrix)."""
+def weight_sizes(config) -> tuple[list[int], int]:
+    """The weights (parameters and persistent buffers, such as a router's correction bias) of each decoder layer of
+    `config`'s causal LM, and of the rest (embeddings, final norm and lm_head: one matrix where tied), counted on the
+    meta device (any size)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     sizes = {name: t.numel() for name, t in model.state_dict(keep_vars=True).items()}
-    num_layers = len(model.model.layers)
-    layers = [0] * num_layers
-    embed = norm = 0
+    layers = [0] * len(model.model.layers)
+    rest = 0
     for name, n in sizes.items():
         if name.startswith("model.layers."):
             layers[int(name.split(".")[2])] += n
-        elif name.startswith("model.embed_tokens."):
-            embed += n
-        elif name.startswith("model.norm."):
-            norm += n
-    head = 0 if getattr(config, "tie_word_embeddings", False) else sizes["lm_head.weight"]
-    counts = [sum(layers[i] for i in span) for span in split_layers(num_layers, count)]
-    counts[0] += embed + norm + head
+        elif name.startswith(("model.embed_tokens.", "model.norm.")):
+            rest += n
+    if not getattr(config, "tie_word_embeddings", False):
+        rest += sizes["lm_head.weight"]
+    return layers, rest
+
+
+def stage_parameters(config, count: int, sizes: tuple[list[int], int] | None = None) -> list[int]:
+    """The weights each of `count` stages of `config`'s causal LM holds: its layers', and the first stage's
+    embeddings, final norm and lm_head. `sizes`: `weight_sizes(config)`, where already counted."""
+    layers, rest = sizes if sizes is not None else weight_sizes(config)
+    counts = [sum(layers[i] for i in span) for span in split_layers(len(layers), count)]
+    counts[0] += rest
     return counts

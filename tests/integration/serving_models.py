@@ -51,3 +51,18 @@ def greedy_text(model, prompt: str, new_tokens: int) -> str:
         pad_token_id=257,
     )
     return ByteTokenizer().decode(out[0, ids.shape[1] :].tolist())
+
+
+def greedy_completion(url: str, model: str, prompt: str, max_tokens: int, headers: dict | None = None) -> str:
+    """A deployment's greedy completion of `prompt` (`ignore_eos`: exactly `max_tokens` tokens) over HTTP; a status
+    other than 200 fails the test with the body."""
+    import requests
+
+    r = requests.post(
+        f"{url}/v1/completions",
+        headers=headers,
+        timeout=120,
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]

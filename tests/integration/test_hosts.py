@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hosts import REPO, Host, available
-from serving_models import greedy_text, tiny_llama
+from serving_models import greedy_completion, greedy_text, tiny_llama
 
 from pylon import storage
 
@@ -299,16 +299,8 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
                         where.setdefault(marker, set()).add(host.name)
         assert len(where.get("ServeReplica:pp-hosts", ())) == len(where.get("StageWorker", ())) == 1, where
         assert where["ServeReplica:pp-hosts"] != where["StageWorker"], where
-        import requests
-
         for prompt in ("across two machines: ", "the second stage "):
-            r = requests.post(
-                f"{url}/v1/completions",
-                timeout=120,
-                json={"model": "pp-hosts", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
-            )
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == greedy_text(model, prompt, 10)
+            assert greedy_completion(url, "pp-hosts", prompt, 10) == greedy_text(model, prompt, 10)
     finally:
         hosts.client.run(["pylon", "serve", "--delete", "pp-hosts"], timeout=120, check=False)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from serving_models import greedy_text, tiny_llama
+from serving_models import greedy_completion, greedy_text, tiny_llama
 
 pytestmark = pytest.mark.integration
 
@@ -398,14 +398,7 @@ def test_concurrent_greedy_requests_match_transformers(served, tiny):
     expected = [tiny.greedy_text(p, 16)[0] for p in prompts]
 
     def complete(prompt: str) -> str:
-        r = requests.post(
-            f"{served}/v1/completions",
-            headers=_auth(),
-            timeout=120,
-            json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
-        )
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
+        return greedy_completion(served, "tiny", prompt, 16, headers=_auth())
 
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         got = list(pool.map(complete, prompts))
@@ -471,13 +464,7 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
         expected = [tiny.greedy_text(p, 16)[0] for p in prompts]
 
         def complete(prompt: str) -> str:
-            r = requests.post(
-                f"{url}/v1/completions",
-                timeout=120,
-                json={"model": "tiny-dp", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
-            )
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
+            return greedy_completion(url, "tiny-dp", prompt, 16)
 
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             assert list(pool.map(complete, prompts)) == expected
@@ -540,13 +527,7 @@ def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, ser
         expected = [greedy_text(model, p, 12) for p in prompts]
 
         def complete(prompt: str) -> str:
-            r = requests.post(
-                f"{url}/v1/completions",
-                timeout=120,
-                json={"model": "tiny-pp", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
-            )
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
+            return greedy_completion(url, "tiny-pp", prompt, 12)
 
         before = sum(stages[0].cpu_times()[:2])
         with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -166,6 +166,28 @@ def _adapter_params(config, i: int, uri: str, counted: dict) -> int:
         raise PylonError(f"{where}: adapter_config.json is not a LoRA adapter of this model ({e})") from None
 
 
+MAX_SUGGESTED_STAGES = 16
+
+
+def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -> tuple[int, ServeOption] | None:
+    """The fewest pipeline stages past the spec's (up to MAX_SUGGESTED_STAGES, one layer a stage at least) with which
+    the model fits some GPU considered, and that plan's recommendation; None where none does or the model cannot be
+    split (pylon.serving.model.stages.refused)."""
+    from pylon.serving.model.families import TEXT_MODELS
+    from pylon.serving.model.stages import refused, weight_sizes
+
+    if refused(config.model_type, config.model_type in TEXT_MODELS, config) is not None:
+        return None
+    engine = spec.engine
+    counted = (shape, weight_sizes(config))
+    for n in range(engine.pipeline_parallel + 1, min(shape.num_layers, MAX_SUGGESTED_STAGES) + 1):
+        split = spec.model_copy(update={"engine": engine.model_copy(update={"pipeline_parallel": n})})
+        plan = plan_serve(split, config=config, _suggest=False, _counted=counted, **options)
+        if plan.recommendation is not None:
+            return n, plan.recommendation
+    return None
+
+
 def experts_read(shape, seqs: int) -> float:
     """The share of an MoE model's expert weights a decode step of `seqs` tokens reads: each layer's experts that
     some token picks, expected under routing spread evenly (each token's top_k of num_experts): 1 - (1 - share)^seqs.
@@ -181,6 +203,8 @@ def plan_serve(
     mfu: float = DEFAULT_MFU,
     utilization: float = DEFAULT_UTILIZATION,
     config=None,
+    _suggest: bool = True,
+    _counted: tuple | None = None,
 ) -> ServePlan:
     """Weights, KV cache per token, what fits and the decode throughput ceiling of a Deployment per accelerator
     (one GPU per replica, or one per pipeline stage with engine.pipeline_parallel). `config` stands in for an unread
@@ -190,7 +214,8 @@ def plan_serve(
     accelerators = [catalog.get(gpu)] if gpu else list(catalog.accelerators)
     given = config is not None
     config = config if given else _config_from_dir(spec.model, "model")
-    shape = model_shape(config)
+    # (_counted: the model's shape and its weights by layer, counted once where `_fewest_stages` plans it again)
+    shape = _counted[0] if _counted is not None else model_shape(config)
     e = spec.engine
     dtype = "bf16" if e.dtype == "auto" else e.dtype  # auto is bf16 on these GPUs (fp32 only on CPU)
     b = WEIGHT_BYTES[dtype]
@@ -302,7 +327,7 @@ def plan_serve(
     if stages > 1:
         from pylon.serving.model.stages import split_layers, stage_parameters
 
-        per_stage = stage_parameters(config, stages)
+        per_stage = stage_parameters(config, stages, _counted[1] if _counted is not None else None)
         held = int((weights - draft_weights) * max(per_stage) / sum(per_stage)) + draft_weights
         most_layers = max(len(r) for r in split_layers(shape.num_layers, stages))
         held_per_token = per_token * most_layers // shape.num_layers
@@ -363,6 +388,15 @@ def plan_serve(
         )
     fitting = [r for r in rows if r.fits]
     recommendation = min(fitting, key=lambda r: r.cost_per_million_tokens) if fitting else None
+    if recommendation is None and _suggest:
+        staged = _fewest_stages(spec, config, shape, catalog=catalog, gpu=gpu, mfu=mfu, utilization=utilization)
+        if staged is not None:
+            n, rec = staged
+            notes.append(
+                f"it fits no one GPU as asked; in {n} pipeline stages (engine.pipeline_parallel: {n}, one GPU a "
+                f"stage) it fits {rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per million tokens at "
+                f"{utilization:.0%} utilisation, the largest stage {_gib(rec.total)}"
+            )
     if e.device == "cpu" or spec.replica.num_gpus == 0:
         notes.append("the spec serves on CPU; the table shows what each GPU would do")
     return ServePlan(
