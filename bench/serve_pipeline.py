@@ -116,7 +116,7 @@ def main() -> None:
                 leg(engine, 1, args, seed=0)
             for concurrency in args.concurrency:
                 runner = staged.runner
-                runner.steps, runner.remote_seconds, runner.hop_seconds = 0, 0.0, 0.0
+                runner.pipeline_steps, runner.pipeline_stage_seconds, runner.pipeline_hop_seconds = 0, 0.0, 0.0
                 ratios, rates = [], {"whole": [], "stages": []}
                 for r in range(args.rounds):
                     a = leg(whole, concurrency, args, seed=100 + r)
@@ -128,8 +128,8 @@ def main() -> None:
                     f"concurrency {concurrency}: whole {statistics.median(rates['whole']):.1f} tok/s, stages "
                     f"{statistics.median(rates['stages']):.1f} tok/s; stages / whole {statistics.median(ratios):.2f}x "
                     f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); per staged step: the other stages "
-                    f"{runner.remote_seconds / runner.steps * 1e3:.1f} ms computing, "
-                    f"{runner.hop_seconds / runner.steps * 1e3:.1f} ms in Ray's calls and hops"
+                    f"{runner.pipeline_stage_seconds / runner.pipeline_steps * 1e3:.1f} ms computing, "
+                    f"{runner.pipeline_hop_seconds / runner.pipeline_steps * 1e3:.1f} ms in Ray's calls and hops"
                 )
     finally:
         ray.shutdown()

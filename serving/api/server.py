@@ -129,6 +129,16 @@ def _metrics(model: str):
         "adapter_loads": counter(
             "pylon_lora_adapter_loads_total", "LoRA adapters loaded on demand (engine.dynamic_adapters) into a slot"
         ),
+        "pipeline_steps": counter(
+            "pylon_pipeline_steps_total", "Steps through the pipeline stages (pipeline_parallel)"
+        ),
+        "pipeline_stage_seconds": counter(
+            "pylon_pipeline_stage_seconds_total", "Seconds the pipeline stages after the first computed steps"
+        ),
+        "pipeline_hop_seconds": counter(
+            "pylon_pipeline_hop_seconds_total",
+            "Seconds steps waited on the other pipeline stages beyond their computing (Ray's calls, the hops)",
+        ),
         "adapter_evictions": counter(
             "pylon_lora_adapter_evictions_total", "LoRA adapters unloaded to make room for another"
         ),
@@ -322,6 +332,9 @@ class PylonLLMServer:
                 "adapter_evictions",
                 "images",
                 "images_encoded",
+                "pipeline_steps",
+                "pipeline_stage_seconds",
+                "pipeline_hop_seconds",
             ),
             0,
         )
@@ -343,6 +356,9 @@ class PylonLLMServer:
                 ("adapter_evictions", stats.adapter_evictions_total),
                 ("images", stats.images_total),
                 ("images_encoded", stats.images_encoded_total),
+                ("pipeline_steps", stats.pipeline_steps_total),
+                ("pipeline_stage_seconds", stats.pipeline_stage_seconds_total),
+                ("pipeline_hop_seconds", stats.pipeline_hop_seconds_total),
             ):
                 if total > reported[name]:
                     self.metrics[name].inc(total - reported[name])

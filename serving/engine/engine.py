@@ -95,6 +95,11 @@ class EngineStats:
     # blocks were all in the prefix cache runs none; a preempted one runs its own again).
     images_total: int = 0
     images_encoded_total: int = 0
+    # Pipeline stages (engine.pipeline_parallel; engine/pipeline.py): steps through them, the seconds the stages
+    # after the first computed, and the rest of the wait for them (Ray's calls, the hidden states' hops).
+    pipeline_steps_total: int = 0
+    pipeline_stage_seconds_total: float = 0.0
+    pipeline_hop_seconds_total: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -1058,6 +1063,9 @@ class LLMEngine:
             adapter_evictions_total=self.on_demand.evictions_total if self.on_demand is not None else 0,
             images_total=self._images_total,
             images_encoded_total=self._images_encoded_total,
+            pipeline_steps_total=getattr(self.runner, "pipeline_steps", 0),
+            pipeline_stage_seconds_total=getattr(self.runner, "pipeline_stage_seconds", 0.0),
+            pipeline_hop_seconds_total=getattr(self.runner, "pipeline_hop_seconds", 0.0),
             **(
                 {
                     "spec_draft_tokens_total": self.spec_policy.proposed_total,

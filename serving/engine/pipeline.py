@@ -156,7 +156,7 @@ class PipelineRunner:
         self.count = count
         # Per step, summed: the other stages' computing (timed inside them) and the rest of the wait for them (Ray's
         # calls and the hidden states' hops): where a pipeline's time goes (bench/serve_pipeline.py).
-        self.steps, self.remote_seconds, self.hop_seconds = 0, 0.0, 0.0
+        self.pipeline_steps, self.pipeline_stage_seconds, self.pipeline_hop_seconds = 0, 0.0, 0.0
         started = time.monotonic()
         # The actors first: they load while this process loads its own stage.
         ray = _connect()
@@ -237,9 +237,9 @@ class PipelineRunner:
             ref = stage.run.remote(steps, ref)
         hidden, computing = unpacked(ray.get(ref))
         waited = time.perf_counter() - started
-        self.steps += 1
-        self.remote_seconds += computing
-        self.hop_seconds += max(0.0, waited - computing)
+        self.pipeline_steps += 1
+        self.pipeline_stage_seconds += computing
+        self.pipeline_hop_seconds += max(0.0, waited - computing)
         return self.local.finish_step(steps, hidden)
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:

@@ -429,6 +429,9 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         spec_draft_model_steps_total=sum(s.spec_draft_model_steps_total for s in stats),
         images_total=sum(s.images_total for s in stats),
         images_encoded_total=sum(s.images_encoded_total for s in stats),
+        pipeline_steps_total=sum(s.pipeline_steps_total for s in stats),
+        pipeline_stage_seconds_total=sum(s.pipeline_stage_seconds_total for s in stats),
+        pipeline_hop_seconds_total=sum(s.pipeline_hop_seconds_total for s in stats),
     )
 
 

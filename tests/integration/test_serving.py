@@ -504,7 +504,8 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
 def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, served, tmp_path_factory):
     """engine.pipeline_parallel 2: the replica's engine process holds layers 0-1 and the embeddings, a StageWorker
     actor (a process of its own, in the replica's placement group) layers 2-3, the norm and the lm_head; 8 concurrent
-    greedy requests through HTTP are token for token transformers' own. The stage killed: a request fails with an
+    greedy requests through HTTP are token for token transformers' own, the steps' time on the replica's metrics
+    (the second stage's computing, the hops). The stage killed: a request fails with an
     error body, and Serve replaces the replica, a new stage with it. Deleting the deployment ends the stage too."""
     import psutil
 
@@ -533,6 +534,16 @@ def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, ser
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             assert list(pool.map(complete, prompts)) == expected
         assert sum(stages[0].cpu_times()[:2]) > before  # the second stage computed its layers
+        # where the steps' time went, on the replica's metrics: the second stage's computing, and the hops
+        totals, deadline = {}, time.monotonic() + 60
+        names = ("pylon_pipeline_steps_total", "pylon_pipeline_stage_seconds_total", "pylon_pipeline_hop_seconds_total")
+        while time.monotonic() < deadline and len(totals) < len(names):
+            for line in "\n".join(_get(u) for u in _metrics_urls(ray_cluster)).splitlines():
+                for name in names:
+                    if line.startswith(f"ray_{name}") and 'model="tiny-pp"' in line and float(line.split()[-1]) > 0:
+                        totals[name] = float(line.split()[-1])
+            time.sleep(2)
+        assert len(totals) == len(names), totals
 
         # The second stage's process dies (its node lost, the OOM killer): the engine's next step fails, /ready says
         # so, and Serve replaces the replica with its placement group, a new stage in it.
