@@ -7,10 +7,12 @@ and every step hands `[step tokens, hidden]` from stage to stage through Ray. Th
 
 - per process, the weights and KV cache each holds (machine-independent: bytes), whole against each stage;
 - the bytes a step hands between stages per output token (machine-independent);
-- decode tokens/s whole and in stages at each `--concurrency`, the ratio (stages / whole) with its spread over
-  rounds, and per staged step the other stages' computing time and the rest of the wait for them (Ray's calls and the
-  hops). On one machine both run on the same cores: the ratio is the cost of the hops and of the stages' turns, not
-  what separate machines would do.
+- decode tokens/s whole and in stages at each `--concurrency`, the stages each step whole (`pipeline_microbatches:
+  1`, the stages in turn) and cut into micro-batches (the default: one a stage, the stages computing different groups
+  at once), the ratios to whole with their spread over rounds, and per staged step the other stages' computing time
+  and the rest of the step's wall time past the computing (Ray's calls and the hops not hidden behind it). On one
+  machine all of them run on the same cores: the ratios are the cost of the hops and the gain of the overlap there,
+  not what separate machines would do.
 
 A Llama-shaped model with random weights (`--layers`, `--hidden`) is built in the run; the stages' actors run on a
 local Ray started here (`--cpus`).
@@ -101,6 +103,9 @@ def main() -> None:
             common = {"device": "cpu", "dtype": "fp32", "max_num_seqs": max(args.concurrency), "kv_cache_tokens": 8192}
             whole = LLMEngine(str(model), EngineSpec(**common))
             staged = LLMEngine(str(model), EngineSpec(**common, pipeline_parallel=args.stages))
+            in_turn = LLMEngine(
+                str(model), EngineSpec(**common, pipeline_parallel=args.stages, pipeline_microbatches=1)
+            )
             print(f"model: llama, {args.layers} layers, hidden {args.hidden}, fp32; {args.stages} stages")
             for d in staged.runner.described:
                 print(
@@ -112,25 +117,27 @@ def main() -> None:
             print(f"  the largest stage holds {largest / total:.0%} of the weights (1 process whole: 100%)")
             handed = (args.stages - 1) * args.hidden * 4
             print(f"  handed between stages per decode token: {handed:,} bytes ({args.stages - 1} hop(s) x hidden x 4)")
-            for engine in (whole, staged):  # warm-up
+            legs = {"whole": whole, "stages in turn": in_turn, "stages, micro-batches": staged}
+            for engine in legs.values():  # warm-up
                 leg(engine, 1, args, seed=0)
             for concurrency in args.concurrency:
-                runner = staged.runner
-                runner.pipeline_steps, runner.pipeline_stage_seconds, runner.pipeline_hop_seconds = 0, 0.0, 0.0
-                ratios, rates = [], {"whole": [], "stages": []}
+                for engine in (in_turn, staged):
+                    runner = engine.runner
+                    runner.pipeline_steps, runner.pipeline_stage_seconds, runner.pipeline_hop_seconds = 0, 0.0, 0.0
+                rates = {name: [] for name in legs}
                 for r in range(args.rounds):
-                    a = leg(whole, concurrency, args, seed=100 + r)
-                    b = leg(staged, concurrency, args, seed=100 + r)
-                    rates["whole"].append(a)
-                    rates["stages"].append(b)
-                    ratios.append(b / a)
-                print(
-                    f"concurrency {concurrency}: whole {statistics.median(rates['whole']):.1f} tok/s, stages "
-                    f"{statistics.median(rates['stages']):.1f} tok/s; stages / whole {statistics.median(ratios):.2f}x "
-                    f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); per staged step: the other stages "
-                    f"{runner.pipeline_stage_seconds / runner.pipeline_steps * 1e3:.1f} ms computing, "
-                    f"{runner.pipeline_hop_seconds / runner.pipeline_steps * 1e3:.1f} ms in Ray's calls and hops"
-                )
+                    for name, engine in legs.items():
+                        rates[name].append(leg(engine, concurrency, args, seed=100 + r))
+                print(f"concurrency {concurrency}: whole {statistics.median(rates['whole']):.1f} tok/s")
+                for name in ("stages in turn", "stages, micro-batches"):
+                    ratios = [b / a for a, b in zip(rates["whole"], rates[name])]
+                    runner = legs[name].runner
+                    print(
+                        f"  {name}: {statistics.median(rates[name]):.1f} tok/s, / whole "
+                        f"{statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}); per step: "
+                        f"the other stages {runner.pipeline_stage_seconds / runner.pipeline_steps * 1e3:.1f} ms "
+                        f"computing, {runner.pipeline_hop_seconds / runner.pipeline_steps * 1e3:.1f} ms past computing"
+                    )
     finally:
         ray.shutdown()
 

@@ -1203,6 +1203,13 @@ class EngineSpec(_Spec):
         "directory). A step goes through the stages in turn (no micro-batch overlap). Llama-like decoder families "
         "only, without LoRA adapters, and kv_cache_tokens are every stage's",
     )
+    pipeline_microbatches: PositiveInt | None = Field(
+        None,
+        description="with pipeline_parallel, cut each step of several sequences into up to this many groups of about "
+        "as many tokens, sent down the stages one after another without waiting, so that the stages compute "
+        "different groups at once (null: one group a stage; 1: each step whole, the stages in turn). Outputs are the "
+        "same either way",
+    )
     pipeline_placement: Literal["spread", "strict_spread", "pack"] = Field(
         "spread",
         description="where the pipeline stages go (Ray's placement group strategies): spread = on different nodes "

@@ -218,7 +218,9 @@ class LLMEngine:
                 elif spec.pipeline_parallel > 1:  # stages across processes and nodes (engine/pipeline.py)
                     from pylon.serving.engine.pipeline import PipelineRunner
 
-                    self.runner = PipelineRunner(model, directory, spec.pipeline_parallel, runner_kwargs)
+                    self.runner = PipelineRunner(
+                        model, directory, spec.pipeline_parallel, runner_kwargs, spec.pipeline_microbatches
+                    )
                 else:
                     self.runner = ModelRunner(
                         directory,

@@ -18,8 +18,11 @@ the replica and its engine), spread over nodes as `engine.pipeline_placement` sa
 Serve (an engine made in a driver or a notebook), each stage asks for one CPU (one GPU on CUDA) of the cluster the
 process is connected to.
 
-The stages run one after the other for each step (no overlap of micro-batches): it serves a model that fits no one
-node, at the speed of its layers plus one hop of `[step tokens, hidden]` between nodes per stage and step.
+Micro-batches: a step of several sequences is cut into up to `microbatches` contiguous groups of about as many tokens
+(`engine.pipeline_microbatches`, default one a stage), sent down the pipeline one after another without waiting, so
+that stage 1 computes the second group while stage 2 computes the first (GPipe's schedule for inference, vLLM's
+virtual engines in spirit); each group's logits come back in its order, the step's outputs the same as in one piece.
+A step of one sequence (a long prompt's chunk) goes whole.
 """
 
 from __future__ import annotations
@@ -80,6 +83,26 @@ def _placement_group(ray):
 
         group = PlacementGroup(PlacementGroupID(bytes.fromhex(os.environ[PLACEMENT_GROUP_ENV])))
     return group
+
+
+def microbatches(steps: list, count: int) -> list[list]:
+    """`steps` cut into at most `count` contiguous, non-empty groups of about as many tokens each (none cut where
+    there is one sequence, or `count` is 1)."""
+    count = min(count, len(steps))
+    if count <= 1:
+        return [steps]
+    total = sum(s.num_new_tokens for s in steps)
+    groups, current, done = [], [], 0
+    for i, s in enumerate(steps):
+        current.append(s)
+        done += s.num_new_tokens
+        left = len(steps) - i - 1  # sequences after this one
+        wanted = count - len(groups) - 1  # groups still to make after this one
+        if wanted and left >= wanted and (done >= total * (len(groups) + 1) / count or left == wanted):
+            groups.append(current)
+            current = []
+    groups.append(current)
+    return groups
 
 
 def _kv_cache_bytes(runner) -> int:
@@ -146,7 +169,7 @@ class PipelineRunner:
     the rest Ray actors (see the module's docstring). `model`: the URI the stages load from (each on its own node);
     `directory`: this process's local copy of it."""
 
-    def __init__(self, model: str, directory: str, count: int, runner_kwargs: dict):
+    def __init__(self, model: str, directory: str, count: int, runner_kwargs: dict, microbatches: int | None = None):
         from transformers import AutoConfig
 
         from pylon.serving.model.runner import ModelRunner
@@ -154,6 +177,7 @@ class PipelineRunner:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         num_layers = config.get_text_config().num_hidden_layers
         self.count = count
+        self.microbatches = microbatches or count
         # Per step, summed: the other stages' computing (timed inside them) and the rest of the wait for them (Ray's
         # calls and the hidden states' hops): where a pipeline's time goes (bench/serve_pipeline.py).
         self.pipeline_steps, self.pipeline_stage_seconds, self.pipeline_hop_seconds = 0, 0.0, 0.0
@@ -230,17 +254,31 @@ class PipelineRunner:
     def execute_step(self, steps):
         import ray
 
-        hidden, _ = self.local.execute_step(steps)
-        ref = packed(hidden)
-        started = time.perf_counter()
-        for stage in self.stages:
-            ref = stage.run.remote(steps, ref)
-        hidden, computing = unpacked(ray.get(ref))
-        waited = time.perf_counter() - started
+        groups = microbatches(steps, self.microbatches)
+        refs, started = [], time.perf_counter()
+        local = 0.0
+        for group in groups:  # each group down the pipeline without waiting: stage 1 computes the next meanwhile
+            t = time.perf_counter()
+            hidden, _ = self.local.execute_step(group)
+            local += time.perf_counter() - t
+            ref = packed(hidden)
+            for stage in self.stages:
+                ref = stage.run.remote(group, ref)
+            refs.append(ref)
+        outputs, computing = [], 0.0
+        for group, message in zip(groups, ray.get(refs)):
+            hidden, seconds = unpacked(message)
+            computing += seconds
+            outputs.append(self.local.finish_step(group, hidden))
+        waited = time.perf_counter() - started - local
         self.pipeline_steps += 1
         self.pipeline_stage_seconds += computing
         self.pipeline_hop_seconds += max(0.0, waited - computing)
-        return self.local.finish_step(steps, hidden)
+        if len(outputs) == 1:
+            return outputs[0]
+        logits = torch.cat([o[0] for o in outputs])
+        pooled = [o[1] for o in outputs if o[1] is not None]
+        return logits, (torch.cat(pooled) if pooled else None)
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         import ray

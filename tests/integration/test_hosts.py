@@ -13,6 +13,7 @@ with private /tmp, /dev/shm and home, on this machine's network), used the way a
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import sys
@@ -279,6 +280,7 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
             "device": "cpu",
             "pipeline_parallel": 2,
             "pipeline_placement": "strict_spread",
+            "pipeline_microbatches": 2,
         },
         "http": {"api_keys_env": None, "route_prefix": "/pp"},
         "replica": {"num_cpus": 0.5},
@@ -299,8 +301,10 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
                         where.setdefault(marker, set()).add(host.name)
         assert len(where.get("ServeReplica:pp-hosts", ())) == len(where.get("StageWorker", ())) == 1, where
         assert where["ServeReplica:pp-hosts"] != where["StageWorker"], where
-        for prompt in ("across two machines: ", "the second stage "):
-            assert greedy_completion(url, "pp-hosts", prompt, 10) == greedy_text(model, prompt, 10)
+        prompts = ["across two machines: ", "the second stage ", "micro-batches ", "of a step"]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # steps of several: cut in micro-batches
+            answers = list(pool.map(lambda p: greedy_completion(url, "pp-hosts", p, 10), prompts))
+        assert answers == [greedy_text(model, p, 10) for p in prompts]
     finally:
         hosts.client.run(["pylon", "serve", "--delete", "pp-hosts"], timeout=120, check=False)
 

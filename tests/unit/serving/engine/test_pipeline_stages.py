@@ -210,3 +210,25 @@ def test_loading_a_stage_never_reads_the_other_stages_weights(tmp_path):
     stage, whole = map(int, done.stdout.split()[-2:])
     assert whole > 0.9 * size, (whole, size)
     assert stage < 0.5 * whole, (stage, whole, size)
+
+
+def test_microbatches_cut_a_step_into_contiguous_groups_of_about_as_many_tokens():
+    from pylon.serving.engine.pipeline import microbatches
+
+    def step(*tokens):
+        return [StepSequence([1] * n, 0, [0], True) for n in tokens]
+
+    def sizes(groups):
+        return [[s.num_new_tokens for s in g] for g in groups]
+
+    decodes = step(*[1] * 16)
+    assert sizes(microbatches(decodes, 2)) == [[1] * 8, [1] * 8]
+    assert sizes(microbatches(decodes, 3)) == [[1] * 6, [1] * 5, [1] * 5]
+    assert sizes(microbatches(step(40, 1, 1, 1), 2)) == [[40], [1, 1, 1]]
+    assert sizes(microbatches(step(1, 1, 1, 40), 2)) == [[1, 1, 1], [40]]
+    assert sizes(microbatches(step(5, 5), 4)) == [[5], [5]]
+    assert sizes(microbatches(step(64), 2)) == [[64]]  # one sequence: whole
+    assert sizes(microbatches(decodes, 1)) == [[1] * 16]
+    for count in (2, 3, 4):  # every sequence once, in order
+        groups = microbatches(decodes, count)
+        assert [s for g in groups for s in g] == decodes and all(groups)
