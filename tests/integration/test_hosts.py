@@ -113,6 +113,13 @@ def hosts(s3_server):
 
 
 @pytest.fixture(scope="module")
+def serve_port(hosts) -> int:
+    """Where the hosts' cluster's Serve listens: a free port, the same for every deployment of this module (Serve keeps
+    the first one's; the session's own cluster may hold 8000)."""
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
 def client_corpus(hosts, s3_server) -> str:
     """`pylon data prepare` on the client, from a directory only the client has, to the S3 server."""
     hosts.client.run(["mkdir", "-p", "/tmp/home/corpus"])
@@ -261,7 +268,7 @@ print(json.dumps([
 """
 
 
-def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts, s3_server, tmp_path):
+def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts, s3_server, serve_port, tmp_path):
     """engine.pipeline_parallel 2 with strict_spread, deployed from the client with the model in object storage: the
     replica (its engine process: stage 1) on one machine, the second stage's actor on the other, each having read
     its part from S3 on its own machine; greedy completions over HTTP are transformers' own."""
@@ -282,7 +289,7 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
             "pipeline_placement": "strict_spread",
             "pipeline_microbatches": 2,
         },
-        "http": {"api_keys_env": None, "route_prefix": "/pp"},
+        "http": {"api_keys_env": None, "route_prefix": "/pp", "port": serve_port},
         "replica": {"num_cpus": 0.5},
     }
     hosts.client.write_text("/tmp/home/pp.yaml", yaml.safe_dump(spec))
@@ -310,8 +317,7 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
 
 
 @pytest.mark.slow  # make test-all: ~4.5 min
-def test_the_quickstart_notebook_runs_headless_on_the_client(hosts, s3_server):
-    serve_port = _free_port()
+def test_the_quickstart_notebook_runs_headless_on_the_client(hosts, s3_server, serve_port):
     hosts.client.copy_in(REPO / "examples" / "quickstart.ipynb", "/tmp/home/quickstart.ipynb")
     code = """
 import nbformat
