@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import re
 import time
 from collections.abc import Collection
@@ -203,14 +202,15 @@ class PylonLLMServer:
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
         engine = self.spec.engine
-        if engine.pipeline_parallel > 1:  # the engine process places its stages in this replica's placement group
-            from pylon.serving.engine.pipeline import placement_env
-
-            os.environ.update(placement_env())
         kind = (
             EnginePool if engine.data_parallel > 1 else ProcessLLMEngine if engine.separate_process else AsyncLLMEngine
         )
-        self.engine = kind.from_model(self.spec.model, self.spec.engine)
+        options = {}
+        if engine.pipeline_parallel > 1 and kind is ProcessLLMEngine:
+            from pylon.serving.engine.pipeline import placement
+
+            options["pipeline"] = placement()  # its stages go in this replica's placement group
+        self.engine = kind.from_model(self.spec.model, self.spec.engine, **options)
         log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
         # The model's sampling defaults (its generation_config.json's; none under engine.generation_config: none),
         # read by the engine where it loaded the model: the fields a request leaves out take them.

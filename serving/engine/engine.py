@@ -182,9 +182,11 @@ def _takes_images(directory: str, model: str) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, model: str, spec: EngineSpec | None = None):
+    def __init__(self, model: str, spec: EngineSpec | None = None, *, pipeline: dict | None = None):
         """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
-        directories are copied to a temporary directory, loaded, and the copy removed)."""
+        directories are copied to a temporary directory, loaded, and the copy removed). `pipeline`: with
+        engine.pipeline_parallel, the cluster and placement group the stages go to (engine/pipeline.py's
+        `placement()`, from a replica to its engine process); None: this process's own."""
         # Imported here so that importing this module stays light (no torch, no transformers).
         from pylon.serving.model.runner import ModelRunner, model_type_of
 
@@ -219,7 +221,7 @@ class LLMEngine:
                     from pylon.serving.engine.pipeline import PipelineRunner
 
                     self.runner = PipelineRunner(
-                        model, directory, spec.pipeline_parallel, runner_kwargs, spec.pipeline_microbatches
+                        model, directory, spec.pipeline_parallel, runner_kwargs, spec.pipeline_microbatches, pipeline
                     )
                 else:
                     self.runner = ModelRunner(

@@ -38,33 +38,33 @@ from pylon.serving.model.stages import Stage, stage_of
 
 log = logging.getLogger(__name__)
 
-# What the replica tells its engine process (serving/api/server.py): the cluster's address and the placement group
-# whose bundles after the first are the stages'.
-RAY_ADDRESS_ENV = "PYLON_PIPELINE_RAY_ADDRESS"
-PLACEMENT_GROUP_ENV = "PYLON_PIPELINE_PLACEMENT_GROUP"
 STAGE_START_TIMEOUT_S = 900.0  # a stage loads its part of the model (from object storage: minutes)
 
 
-def placement_env() -> dict[str, str]:
-    """In a Ray worker (a Serve replica): the variables its engine process needs to place the stages in the replica's
-    placement group (empty outside Ray)."""
+def placement() -> dict[str, str]:
+    """In a Ray worker (a Serve replica): what its engine process needs to place the stages in the replica's
+    placement group, `{"address": the cluster's GCS, "placement_group": its id}` (empty outside Ray); the replica
+    sends it with the engine's start (engine/process.py)."""
     import ray
 
     if not ray.is_initialized():
         return {}
-    env = {RAY_ADDRESS_ENV: ray.get_runtime_context().gcs_address}
+    found = {"address": ray.get_runtime_context().gcs_address}
     group = ray.util.get_current_placement_group()
     if group is not None:
-        env[PLACEMENT_GROUP_ENV] = group.id.hex()
-    return env
+        found["placement_group"] = group.id.hex()
+    return found
 
 
-def _connect():
-    """Ray, connected: this process's own connection (a replica's, a driver's), or the cluster the replica named."""
+def _connect(address: str | None):
+    """Ray, connected: this process's own connection (a replica's, a driver's), or the cluster at `address` (the
+    replica's), else RAY_ADDRESS's, else the local one."""
     import ray
 
+    from pylon import settings
+
     if not ray.is_initialized():
-        address = os.environ.get(RAY_ADDRESS_ENV) or os.environ.get("RAY_ADDRESS") or "auto"
+        address = address or settings.value(settings.RAY_ADDRESS) or "auto"
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         except ConnectionError as e:
@@ -75,13 +75,15 @@ def _connect():
     return ray
 
 
-def _placement_group(ray):
+def _placement_group(ray, given: str | None):
+    """This process's placement group (a replica's), or the one whose id is `given` (the replica's, for its engine
+    process), or None."""
     group = ray.util.get_current_placement_group()
-    if group is None and os.environ.get(PLACEMENT_GROUP_ENV):
+    if group is None and given:
         from ray._raylet import PlacementGroupID
         from ray.util.placement_group import PlacementGroup
 
-        group = PlacementGroup(PlacementGroupID(bytes.fromhex(os.environ[PLACEMENT_GROUP_ENV])))
+        group = PlacementGroup(PlacementGroupID(bytes.fromhex(given)))
     return group
 
 
@@ -167,9 +169,18 @@ class StageWorker:
 class PipelineRunner:
     """`ModelRunner`'s interface (what the engine uses of it) over the stages of a model: stage 1 in this process,
     the rest Ray actors (see the module's docstring). `model`: the URI the stages load from (each on its own node);
-    `directory`: this process's local copy of it."""
+    `directory`: this process's local copy of it; `microbatches`: at most this many groups a step (None: one a
+    stage); `placement`: `placement()` of the replica whose engine process this is (None: this process's own)."""
 
-    def __init__(self, model: str, directory: str, count: int, runner_kwargs: dict, microbatches: int | None = None):
+    def __init__(
+        self,
+        model: str,
+        directory: str,
+        count: int,
+        runner_kwargs: dict,
+        microbatches: int | None = None,
+        placement: dict | None = None,
+    ):
         from transformers import AutoConfig
 
         from pylon.serving.model.runner import ModelRunner
@@ -183,8 +194,9 @@ class PipelineRunner:
         self.pipeline_steps, self.pipeline_stage_seconds, self.pipeline_hop_seconds = 0, 0.0, 0.0
         started = time.monotonic()
         # The actors first: they load while this process loads its own stage.
-        ray = _connect()
-        group = _placement_group(ray)
+        placement = placement or {}
+        ray = _connect(placement.get("address"))
+        group = _placement_group(ray, placement.get("placement_group"))
         worker = ray.remote(StageWorker)
         self.stages = []
         for k in range(1, count):

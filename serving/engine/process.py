@@ -57,9 +57,11 @@ class ProcessLLMEngine(AsyncLLMEngine):
         *,
         heartbeat_timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
+        pipeline: dict | None = None,
     ):
         """`env`: variables the child gets on top of this process's environment (an `EnginePool` gives each of
-        its engines its share of the CPUs, or its GPU)."""
+        its engines its share of the CPUs, or its GPU). `pipeline`: where the child's pipeline stages go
+        (`LLMEngine`'s, engine/pipeline.py's `placement()` of the replica)."""
         # Not AsyncLLMEngine.__init__: no engine and no step thread in this process.
         spec = spec or EngineSpec()
         self._max_num_seqs = spec.max_num_seqs
@@ -80,7 +82,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
             theirs.close()
         self._conn = Connection(ours.detach())
         try:
-            self._conn.send(("start", model, spec))
+            self._conn.send(("start", model, spec, pipeline))
             message = self._wait_ready(model)
         except BaseException:
             self._kill()
@@ -532,9 +534,9 @@ def _child(conn: Connection) -> int:
     from pylon.serving.engine.engine import LLMEngine
 
     keep_freed_memory()  # before the model: its steps' activations are reused, not faulted in again (heap.py)
-    _, model, spec = conn.recv()
+    _, model, spec, pipeline = conn.recv()
     try:
-        engine = LLMEngine(model, spec)
+        engine = LLMEngine(model, spec, pipeline=pipeline)
     except PylonError as e:
         conn.send(("failed", str(e)))
         return 1
