@@ -7,12 +7,12 @@ and every step hands `[step tokens, hidden]` from stage to stage through Ray. Th
 
 - per process, the weights and KV cache each holds (machine-independent: bytes), whole against each stage;
 - the bytes a step hands between stages per output token (machine-independent);
-- decode tokens/s whole and in stages at each `--concurrency`, the stages each step whole (`pipeline_microbatches:
-  1`, the stages in turn) and cut into micro-batches (the default: one a stage, the stages computing different groups
-  at once), the ratios to whole with their spread over rounds, and per staged step the other stages' computing time
-  and the rest of the step's wall time past the computing (Ray's calls and the hops not hidden behind it). On one
-  machine all of them run on the same cores: the ratios are the cost of the hops and the gain of the overlap there,
-  not what separate machines would do.
+- decode tokens/s whole and in stages at each `--concurrency`, the stages each step whole (the default,
+  `pipeline_microbatches: 1`: the stages in turn) and cut into micro-batches (`pipeline_microbatches` = `--stages`:
+  the stages computing different groups at once), the ratios to whole with their spread over rounds, and per staged
+  step the other stages' computing time and the rest of the step's wall time past the computing (Ray's calls and the
+  hops not hidden behind it). On one machine all of them run on the same cores: the ratios are the cost of the hops
+  and the gain (or loss) of the overlap there, not what separate machines would do.
 
 A Llama-shaped model with random weights (`--layers`, `--hidden`) is built in the run; the stages' actors run on a
 local Ray started here (`--cpus`).
@@ -102,9 +102,9 @@ def main() -> None:
             build(model, args.layers, args.hidden)
             common = {"device": "cpu", "dtype": "fp32", "max_num_seqs": max(args.concurrency), "kv_cache_tokens": 8192}
             whole = LLMEngine(str(model), EngineSpec(**common))
-            staged = LLMEngine(str(model), EngineSpec(**common, pipeline_parallel=args.stages))
-            in_turn = LLMEngine(
-                str(model), EngineSpec(**common, pipeline_parallel=args.stages, pipeline_microbatches=1)
+            in_turn = LLMEngine(str(model), EngineSpec(**common, pipeline_parallel=args.stages))
+            staged = LLMEngine(
+                str(model), EngineSpec(**common, pipeline_parallel=args.stages, pipeline_microbatches=args.stages)
             )
             print(f"model: llama, {args.layers} layers, hidden {args.hidden}, fp32; {args.stages} stages")
             for d in staged.runner.described:

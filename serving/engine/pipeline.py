@@ -18,11 +18,12 @@ the replica and its engine), spread over nodes as `engine.pipeline_placement` sa
 Serve (an engine made in a driver or a notebook), each stage asks for one CPU (one GPU on CUDA) of the cluster the
 process is connected to.
 
-Micro-batches: a step of several sequences is cut into up to `microbatches` contiguous groups of about as many tokens
-(`engine.pipeline_microbatches`, default one a stage), sent down the pipeline one after another without waiting, so
-that stage 1 computes the second group while stage 2 computes the first (GPipe's schedule for inference, vLLM's
-virtual engines in spirit); each group's logits come back in its order, the step's outputs the same as in one piece.
-A step of one sequence (a long prompt's chunk) goes whole.
+Micro-batches (`engine.pipeline_microbatches`, off by default): a step of several sequences is cut into up to that
+many contiguous groups of about as many tokens, sent down the pipeline one after another without waiting, so that
+stage 1 computes the second group while stage 2 computes the first (GPipe's schedule for inference, vLLM's virtual
+engines in spirit); each group's logits come back in its order, the step's outputs the same as in one piece. A step
+of one sequence (a long prompt's chunk) goes whole. Each group costs a step's fixed work and a hop and computes a
+smaller batch: on one machine it lost (bench/serve_pipeline.py, set 53), hence off unless asked.
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ class StageWorker:
 class PipelineRunner:
     """`ModelRunner`'s interface (what the engine uses of it) over the stages of a model: stage 1 in this process,
     the rest Ray actors (see the module's docstring). `model`: the URI the stages load from (each on its own node);
-    `directory`: this process's local copy of it; `microbatches`: at most this many groups a step (None: one a
-    stage); `placement`: `placement()` of the replica whose engine process this is (None: this process's own)."""
+    `directory`: this process's local copy of it; `microbatches`: at most this many groups a step (None: 1, each step
+    whole); `placement`: `placement()` of the replica whose engine process this is (None: this process's own)."""
 
     def __init__(
         self,
@@ -188,7 +189,7 @@ class PipelineRunner:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         num_layers = config.get_text_config().num_hidden_layers
         self.count = count
-        self.microbatches = microbatches or count
+        self.microbatches = microbatches or 1
         # Per step, summed: the other stages' computing (timed inside them) and the rest of the wait for them (Ray's
         # calls and the hidden states' hops): where a pipeline's time goes (bench/serve_pipeline.py).
         self.pipeline_steps, self.pipeline_stage_seconds, self.pipeline_hop_seconds = 0, 0.0, 0.0
