@@ -165,6 +165,18 @@ def _engine_processes(replica) -> list:
     return [c for c in replica.children() if "pylon.serving.engine.process" in " ".join(c.cmdline())]
 
 
+def _replaced(cluster, url: str, marker: str, dead, what: str) -> list:
+    """The cluster's processes marked `marker` other than `dead` once Serve has replaced `what` and /ready answers
+    200 (within 180 s)."""
+    deadline = time.monotonic() + 180
+    while True:
+        fresh = [p for p in _replica_processes(cluster, marker) if p.pid != dead.pid]
+        if fresh and requests.get(f"{url}/ready", timeout=30).status_code == 200:
+            return fresh
+        assert time.monotonic() < deadline, f"Serve did not replace {what}"
+        time.sleep(1)
+
+
 def _ready(url: str) -> dict:
     return requests.get(f"{url}/ready", timeout=10).json()
 
@@ -482,13 +494,7 @@ def test_one_replica_with_two_engine_processes_spreads_requests_and_matches_tran
             time.sleep(0.1)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             assert list(pool.map(complete, prompts[:6])) == expected[:6]
-        deadline = time.monotonic() + 180
-        while True:
-            fresh = [p for p in _replica_processes(ray_cluster, "ServeReplica:tiny-dp") if p.pid != replicas[0].pid]
-            if fresh and requests.get(f"{url}/ready", timeout=30).status_code == 200:
-                break
-            assert time.monotonic() < deadline, "Serve did not replace the replica with the dead engine"
-            time.sleep(1)
+        fresh = _replaced(ray_cluster, url, "ServeReplica:tiny-dp", replicas[0], "the replica with the dead engine")
         new_engines = _engine_processes(fresh[0])
         assert len(new_engines) == 2, new_engines
         assert complete(prompts[0]) == expected[0]
@@ -552,13 +558,7 @@ def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, ser
             f"{url}/v1/completions", timeout=120, json={"model": "tiny-pp", "prompt": prompts[0], "max_tokens": 4}
         )
         assert r.status_code >= 500 and "error" in r.json(), r.text
-        deadline = time.monotonic() + 180
-        while True:
-            fresh = [p for p in _replica_processes(ray_cluster, "StageWorker") if p.pid != stages[0].pid]
-            if fresh and requests.get(f"{url}/ready", timeout=30).status_code == 200:
-                break
-            assert time.monotonic() < deadline, "Serve did not replace the replica whose stage died"
-            time.sleep(1)
+        fresh = _replaced(ray_cluster, url, "StageWorker", stages[0], "the replica whose stage died")
         assert complete(prompts[1]) == expected[1]
         stages += fresh
     finally:
