@@ -308,6 +308,7 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
                         where.setdefault(marker, set()).add(host.name)
         assert len(where.get("ServeReplica:pp-hosts", ())) == len(where.get("StageWorker", ())) == 1, where
         assert where["ServeReplica:pp-hosts"] != where["StageWorker"], where
+        _routes_everywhere(url)
         prompts = ["across two machines: ", "the second stage ", "micro-batches ", "of a step"]
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # steps of several: cut in micro-batches
             answers = list(pool.map(lambda p: greedy_completion(url, "pp-hosts", p, 10), prompts))
@@ -344,6 +345,21 @@ nbformat.write(nb, "executed.ipynb")
     assert "pylon-progress" in texts and "SUCCEEDED" in texts, "no live progress display"
     assert f"http://127.0.0.1:{serve_port}/quickstart/v1/completions -> '" in texts, texts[-3000:]
     assert "done" in texts and API_KEY not in texts
+
+
+def _routes_everywhere(url: str, times: int = 20, timeout_s: float = 120.0) -> None:
+    """Wait until `url`'s route answers on `times` fresh connections in a row. The simulated machines share one
+    network, so each node's Serve proxy listens on the same loopback port and the kernel spreads connections among
+    them; a node's proxy learns a new route a moment after the head's (on separate machines each proxy has its own
+    address, and a client reaches the one it names)."""
+    import requests
+
+    deadline, good = time.monotonic() + timeout_s, 0
+    while good < times:
+        assert time.monotonic() < deadline, f"{url}: not every node's proxy routes it within {timeout_s:.0f} s"
+        ok = requests.get(f"{url}/v1/models", timeout=30, headers={"Connection": "close"}).status_code == 200
+        good = good + 1 if ok else 0
+        time.sleep(0.1 if ok else 0.5)
 
 
 def _free_port() -> int:
