@@ -138,6 +138,10 @@ def _metrics(model: str):
             "pylon_pipeline_hop_seconds_total",
             "Seconds steps waited on the other pipeline stages beyond their computing (Ray's calls, the hops)",
         ),
+        "pipeline_weights_read": counter(
+            "pylon_pipeline_weights_read_bytes_total",
+            "Bytes of the model's weights the pipeline stages read from object storage at load (each its own tensors)",
+        ),
         "adapter_evictions": counter(
             "pylon_lora_adapter_evictions_total", "LoRA adapters unloaded to make room for another"
         ),
@@ -335,6 +339,7 @@ class PylonLLMServer:
                 "pipeline_steps",
                 "pipeline_stage_seconds",
                 "pipeline_hop_seconds",
+                "pipeline_weights_read",
             ),
             0,
         )
@@ -359,6 +364,7 @@ class PylonLLMServer:
                 ("pipeline_steps", stats.pipeline_steps_total),
                 ("pipeline_stage_seconds", stats.pipeline_stage_seconds_total),
                 ("pipeline_hop_seconds", stats.pipeline_hop_seconds_total),
+                ("pipeline_weights_read", stats.pipeline_weights_read_bytes),
             ):
                 if total > reported[name]:
                     self.metrics[name].inc(total - reported[name])

@@ -100,6 +100,7 @@ class EngineStats:
     pipeline_steps_total: int = 0
     pipeline_stage_seconds_total: float = 0.0
     pipeline_hop_seconds_total: float = 0.0
+    pipeline_weights_read_bytes: int = 0  # of the checkpoint, read from object storage at load (each stage its own)
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,14 @@ class LLMEngine:
         # A model with recurrent layers, with the prefix cache: their states at block boundaries (kv_cache.py).
         self.snapshots: StateSnapshots | None = None
         self._latest_snapshot: dict[str, tuple[int, list]] = {}  # request -> (blocks, its states there), decoding
+        read_bytes = None
         with contextlib.ExitStack() as stack:
-            directory = stack.enter_context(local_model_dir(model))
+            if spec.pipeline_parallel > 1:  # stage 1's part of the checkpoint only (the other stages copy theirs)
+                from pylon.serving.model.stages import stage_model_dir
+
+                directory, _, read_bytes = stack.enter_context(stage_model_dir(model, 0, spec.pipeline_parallel))
+            else:
+                directory = stack.enter_context(local_model_dir(model))
             self.tokenizer = load_model_tokenizer(directory)
             self._chars_per_token = chars_per_token_bound(self.tokenizer)
             adapter_dirs = [_adapter_dir(stack, i, a) for i, a in enumerate(spec.adapters)]
@@ -221,7 +228,13 @@ class LLMEngine:
                     from pylon.serving.engine.pipeline import PipelineRunner
 
                     self.runner = PipelineRunner(
-                        model, directory, spec.pipeline_parallel, runner_kwargs, spec.pipeline_microbatches, pipeline
+                        model,
+                        directory,
+                        spec.pipeline_parallel,
+                        runner_kwargs,
+                        spec.pipeline_microbatches,
+                        pipeline,
+                        read_bytes,
                     )
                 else:
                     self.runner = ModelRunner(
@@ -1070,6 +1083,7 @@ class LLMEngine:
             pipeline_steps_total=getattr(self.runner, "pipeline_steps", 0),
             pipeline_stage_seconds_total=getattr(self.runner, "pipeline_stage_seconds", 0.0),
             pipeline_hop_seconds_total=getattr(self.runner, "pipeline_hop_seconds", 0.0),
+            pipeline_weights_read_bytes=getattr(self.runner, "pipeline_weights_read_bytes", 0),
             **(
                 {
                     "spec_draft_tokens_total": self.spec_policy.proposed_total,

@@ -35,7 +35,7 @@ import time
 import torch
 
 from pylon.errors import PylonError
-from pylon.serving.model.stages import Stage, stage_of
+from pylon.serving.model.stages import Stage, stage_model_dir, stage_of
 
 log = logging.getLogger(__name__)
 
@@ -129,31 +129,51 @@ def unpacked(message: tuple) -> tuple[torch.Tensor, float]:
     return torch.from_numpy(data).view(getattr(torch, dtype)).view(shape), seconds
 
 
+def _described(index: int, runner, read_bytes: int | None) -> dict:
+    """What a stage reports of itself once loaded: its layers, the bytes of its weights and KV cache, the weights'
+    bytes it read from object storage (None: from a local directory), and where it runs."""
+    import ray
+
+    return {
+        "stage": index,
+        "layers": [runner.layers.start, runner.layers.stop],
+        "weights_bytes": runner.stage_weights_bytes,
+        "kv_cache_bytes": _kv_cache_bytes(runner),
+        "read_bytes": read_bytes,
+        "node": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+        "device": str(runner.device),
+    }
+
+
+def _log_to_stderr(name: str) -> None:
+    """Pylon's INFO lines to this process's stderr (an actor's log file), as the engine process logs (a Ray worker
+    passes WARNING and above only)."""
+    logger = logging.getLogger("pylon")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name}: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 class StageWorker:
     """One pipeline stage after the first (a Ray actor): its `ModelRunner`, loaded from the model's URI on the node it
-    runs on."""
+    runs on (its own tensors only: `stage_model_dir`)."""
 
     def __init__(self, model: str, stage: Stage, runner_kwargs: dict):
-        from pylon.models import local_model_dir
         from pylon.serving.model.runner import ModelRunner
 
-        self.stage = stage
-        with local_model_dir(model) as directory:
+        _log_to_stderr(f"pylon-stage-{stage.index + 1}")
+        with stage_model_dir(model, stage.index, stage.count) as (directory, own, read):
+            if own != stage:  # (the engine split the same config's layers)
+                raise PylonError(f"model {model}: {stage.describe()} is {own.describe()} in its config")
             self.runner = ModelRunner(directory, stage=stage, **runner_kwargs)
+        self.stage, self.read_bytes = stage, read
 
     def describe(self) -> dict:
-        import ray
-
-        runner = self.runner
-        return {
-            "stage": self.stage.index,
-            "layers": [self.stage.layers.start, self.stage.layers.stop],
-            "weights_bytes": runner.stage_weights_bytes,
-            "kv_cache_bytes": _kv_cache_bytes(runner),
-            "node": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "device": str(runner.device),
-        }
+        return _described(self.stage.index, self.runner, self.read_bytes)
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
@@ -170,8 +190,9 @@ class StageWorker:
 class PipelineRunner:
     """`ModelRunner`'s interface (what the engine uses of it) over the stages of a model: stage 1 in this process,
     the rest Ray actors (see the module's docstring). `model`: the URI the stages load from (each on its own node);
-    `directory`: this process's local copy of it; `microbatches`: at most this many groups a step (None: 1, each step
-    whole); `placement`: `placement()` of the replica whose engine process this is (None: this process's own)."""
+    `directory`: this process's copy of what stage 1 loads (`stage_model_dir`), `read_bytes` of weights read for it
+    from object storage (None: a local directory); `microbatches`: at most this many groups a step (None: 1, each
+    step whole); `placement`: `placement()` of the replica whose engine process this is (None: this process's own)."""
 
     def __init__(
         self,
@@ -181,6 +202,7 @@ class PipelineRunner:
         runner_kwargs: dict,
         microbatches: int | None = None,
         placement: dict | None = None,
+        read_bytes: int | None = None,
     ):
         from transformers import AutoConfig
 
@@ -217,23 +239,18 @@ class PipelineRunner:
                 f"engine.pipeline_parallel: the stages did not load {model} within {STAGE_START_TIMEOUT_S:.0f} s: "
                 "no node may have room for them (each asks for its placement group bundle, or one CPU or GPU)"
             ) from None
-        mine = {
-            "stage": 0,
-            "layers": [self.local.layers.start, self.local.layers.stop],
-            "weights_bytes": self.local.stage_weights_bytes,
-            "kv_cache_bytes": _kv_cache_bytes(self.local),
-            "node": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-        }
-        self.described = [mine, *described]
+        self.described = [_described(0, self.local, read_bytes), *described]
+        # the weights' bytes the stages read from object storage (each its own tensors: model/stages.py)
+        self.pipeline_weights_read_bytes = sum(d["read_bytes"] or 0 for d in self.described)
         for d in self.described:
             log.info(
-                "pipeline stage %d of %d: layers %d-%d, %.1f MiB of weights, node %s, pid %d",
+                "pipeline stage %d of %d: layers %d-%d, %.1f MiB of weights (%s), node %s, pid %d",
                 d["stage"] + 1,
                 count,
                 d["layers"][0],
                 d["layers"][1] - 1,
                 d["weights_bytes"] / 2**20,
+                "local" if d["read_bytes"] is None else f"{d['read_bytes'] / 2**20:.1f} MiB read from storage",
                 d["node"][:12],
                 d["pid"],
             )

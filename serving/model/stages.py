@@ -11,18 +11,24 @@ A stage never holds the other stages' weights, not even for a moment: the model 
 `from_pretrained` builds it, what other stages hold replaced by an empty placeholder before any weight is read, so
 their tensors are never read from the checkpoint (transformers' loader skips the keys the model does not have), and
 every conversion `from_pretrained` makes at load (fused experts, renamed keys) is made for what is kept exactly as for
-a whole model.
+a whole model. Nor does a stage copy them: from object storage its node fetches the stage's own tensors alone, by
+byte range (`stage_model_dir`, pylon.weight_subset).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from pylon.errors import PylonError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,56 @@ def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torc
             f"({', '.join(missing[:3])}); the checkpoint is incomplete"
         )
     return model
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def holds(stage: Stage) -> Callable[[str], bool]:
+    """Whether a checkpoint's tensor (by its name) is `stage`'s: its layers' (`...layers.<i>.`); on the first stage
+    everything outside the decoder layers besides (embeddings, final norm, lm_head). What loading the stage would
+    not read anyway is never copied (`stage_model_dir`); a tensor of its own that this leaves out would be a missing
+    weight, which `load_stage` refuses by name."""
+
+    def held(name: str) -> bool:
+        found = _LAYER_KEY.search(name)
+        if found is None:
+            return stage.first
+        return int(found.group(1)) in stage.layers
+
+    return held
+
+
+@contextlib.contextmanager
+def stage_model_dir(uri: str, index: int, count: int) -> Iterator[tuple[str, Stage, int | None]]:
+    """A local directory holding what stage `index` of `count` of the model directory `uri` loads, the stage, and
+    the bytes of weights read from object storage (None: a local directory):
+    from object storage, its files but the weights, and of the weights the stage's tensors only, read by byte range
+    (pylon.weight_subset: a stage's node copies its share of the checkpoint, not all of it); a local directory as it
+    is (its files are read where they are, the stage's tensors only)."""
+    from fsspec.implementations.local import LocalFileSystem
+    from transformers import AutoConfig
+
+    from pylon import storage
+    from pylon.models import local_model_dir
+    from pylon.weight_subset import copy_tensors
+
+    with local_model_dir(uri, weights=False) as directory:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        stage = stage_of(config.get_text_config().num_hidden_layers, index, count)
+        if not isinstance(storage.resolve(uri)[0], LocalFileSystem):  # a private copy: the stage's tensors to fetch
+            started = time.monotonic()
+            copied = copy_tensors(uri, directory, holds(stage))
+            log.info(
+                "%s: copied %s from %s in %.1f s",
+                stage.describe(),
+                copied.describe(),
+                storage.describe(uri),
+                time.monotonic() - started,
+            )
+            yield directory, stage, copied.read
+        else:
+            yield directory, stage, None
 
 
 def stage_bytes(model: torch.nn.Module) -> int:

@@ -308,6 +308,16 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
                         where.setdefault(marker, set()).add(host.name)
         assert len(where.get("ServeReplica:pp-hosts", ())) == len(where.get("StageWorker", ())) == 1, where
         assert where["ServeReplica:pp-hosts"] != where["StageWorker"], where
+        # each machine copied its own stage's tensors from S3 (its layers'; stage 1 the embeddings and head besides),
+        # never the whole checkpoint: as each logs it
+        machines = {host.name: host for host in (hosts.head, *hosts.workers)}
+        for marker, copied in (
+            ("ServeReplica:pp-hosts", r"stage 1 of 2 \(layers 0-1\): copied 21 of its 39 tensors"),
+            ("StageWorker", r"stage 2 of 2 \(layers 2-3\): copied 18 of its 39 tensors"),
+        ):
+            host = machines[next(iter(where[marker]))]
+            logs = host.run(["bash", "-c", "grep -rh ': copied ' /tmp/pylon-*/session_latest/logs/; true"]).stdout
+            assert re.search(copied, logs), (marker, logs)
         _routes_everywhere(url)
         prompts = ["across two machines: ", "the second stage ", "micro-batches ", "of a step"]
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # steps of several: cut in micro-batches

@@ -32,6 +32,7 @@ LAYERS = [
         "pylon.specs",
         "pylon.home",
         "pylon.models",
+        "pylon.weight_subset",
         "pylon.ops",
     ],
     ["pylon.data", "pylon.serving.errors", "pylon.serving.model"],

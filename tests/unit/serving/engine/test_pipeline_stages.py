@@ -116,12 +116,14 @@ def _buffer_bytes(runner: ModelRunner) -> int:
     return sum(b.numel() * b.element_size() for name, b in runner.model.named_buffers() if name not in persistent)
 
 
-def _saved(directory, model_type: str, **fields) -> str:
-    """A random model of `model_type` saved (no tokenizer: a runner reads none), its directory."""
+def _saved(directory, model_type: str, max_shard_size: str | None = None, **fields) -> str:
+    """A random model of `model_type` saved (no tokenizer: a runner reads none; in shards of at most
+    `max_shard_size`), its directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, vocab_size=320, **fields)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory, **shards)
     return str(directory)
 
 
@@ -232,3 +234,116 @@ def test_microbatches_cut_a_step_into_contiguous_groups_of_about_as_many_tokens(
     for count in (2, 3, 4):  # every sequence once, in order
         groups = microbatches(decodes, count)
         assert [s for g in groups for s in g] == decodes and all(groups)
+
+
+def _tensors(directory) -> dict[str, torch.Tensor]:
+    from pathlib import Path
+
+    return {k: v for f in sorted(Path(directory).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _uploaded(directory: str, uri: str) -> None:
+    from pathlib import Path
+
+    from pylon import storage
+
+    for path in Path(directory).iterdir():
+        storage.upload_file(path, f"{uri}/{path.name}")
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "60KB"], ids=["one-file", "shards"])
+def test_from_object_storage_a_stage_copies_only_its_own_tensors(tmp_path, s3_root, max_shard_size):
+    """Stages of a checkpoint in S3 (one safetensors file; or shards with an index): each stage's copy holds its own
+    tensors alone, byte for byte the checkpoint's, read by byte range (what it read: its tensors and the headers, a
+    fraction of the checkpoint; a shard without any of them not read at all); together the stages copy every tensor
+    once; each loads with none of its weights missing, and computes what the stage loaded from the whole checkpoint
+    computes."""
+    import json
+    import os
+    import struct
+
+    from pylon.serving.model.stages import holds, load_stage, stage_model_dir
+
+    local = _saved(
+        tmp_path / "llama",
+        "llama",
+        max_shard_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+    )
+    whole = _tensors(local)
+    size = sum(os.path.getsize(f"{local}/{n}") for n in os.listdir(local) if n.endswith(".safetensors"))
+    shards = sorted(n for n in os.listdir(local) if n.endswith(".safetensors"))
+    assert (len(shards) > 3) == (max_shard_size is not None), shards
+    _uploaded(local, s3_root)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(local)
+    copied: list[str] = []
+    for k in range(3):
+        with stage_model_dir(s3_root, k, 3) as (directory, stage, read):
+            assert stage == stage_of(6, k, 3)
+            mine = _tensors(directory)
+            expected = {n for n in whole if holds(stage)(n)}
+            assert set(mine) == expected and expected, (k, sorted(mine))
+            assert all(torch.equal(mine[n], whole[n]) for n in mine)
+            tensor_bytes = sum(t.numel() * t.element_size() for t in mine.values())
+            files = [n for n in os.listdir(directory) if n.endswith(".safetensors")]
+            # read: its tensors, and the headers of the files it copied from
+            headers = sum(8 + struct.unpack("<Q", open(f"{local}/{n}", "rb").read(8))[0] for n in files)
+            assert read == tensor_bytes + headers, (read, tensor_bytes, headers)
+            assert read < 0.6 * size, (read, size)
+            if max_shard_size is not None:
+                index = json.load(open(f"{directory}/model.safetensors.index.json"))
+                assert set(index["weight_map"]) == expected
+                assert set(files) == set(index["weight_map"].values()) < set(shards)  # the other shards: not there
+            model = load_stage(directory, config, torch.float32, stage)
+            reference = load_stage(local, config, torch.float32, stage)
+            assert model.state_dict().keys() == reference.state_dict().keys()
+            assert all(torch.equal(v, reference.state_dict()[n]) for n, v in model.state_dict().items())
+            copied += mine
+    assert sorted(copied) == sorted(whole)  # every tensor, by exactly one stage
+
+
+def test_a_stage_copying_a_broken_checkpoint_says_which_file(tmp_path, s3_root):
+    """An index naming a shard that is not there, a file that is not safetensors, a file shorter than its header
+    says: each a PylonError naming the model and the file."""
+    import json
+    import os
+    import struct
+
+    from pylon import storage
+    from pylon.serving.model.stages import stage_model_dir
+
+    local = _saved(
+        tmp_path / "llama",
+        "llama",
+        "60KB",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
+    index = json.load(open(f"{local}/model.safetensors.index.json"))
+    last = sorted(set(index["weight_map"].values()))[-1]
+    _uploaded(local, s3_root)
+    storage.remove(f"{s3_root}/{last}")
+    with pytest.raises(
+        PylonError,
+        match=rf"model.path {s3_root} .*: model.safetensors.index.json names files that are not there \({last}\)",
+    ):
+        with stage_model_dir(s3_root, 1, 2):
+            pass
+    storage.atomic_write(f"{s3_root}/{last}", b"not a safetensors file")
+    with pytest.raises(PylonError, match=rf"model.path {s3_root} .*: {last}: not a safetensors file"):
+        with stage_model_dir(s3_root, 1, 2):
+            pass
+    data = open(f"{local}/{last}", "rb").read()
+    (length,) = struct.unpack("<Q", data[:8])
+    storage.atomic_write(f"{s3_root}/{last}", data[: 8 + length + 10])  # the header whole, the data cut short
+    with pytest.raises(PylonError, match=rf"model.path {s3_root} .*: {last}: truncated"):
+        with stage_model_dir(s3_root, 1, 2):
+            pass
+    assert os.path.getsize(f"{local}/{last}") > 8 + length + 10
