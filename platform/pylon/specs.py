@@ -1197,11 +1197,12 @@ class EngineSpec(_Spec):
         description="split the model into this many pipeline stages, each a process holding a contiguous run of its "
         "decoder layers and their KV cache (the first the embeddings and the final norm and lm_head too), so that "
         "a model larger than one machine's memory is served across machines (vLLM's pipeline_parallel_size). No "
-        "stage reads another's weights. In a Serve replica the stages after the first take the bundles of the "
-        "replica's placement group (each replica.num_cpus and replica.num_gpus), placed by pipeline_placement; each "
-        "stage loads its part from model.path itself, so the path must reach every node (s3://, or a shared "
-        "directory). A step goes through the stages in turn (no micro-batch overlap). Llama-like decoder families "
-        "only, without LoRA adapters, and kv_cache_tokens are every stage's",
+        "stage reads another's weights: from s3:// each copies its own tensors alone. In a Serve replica the stages "
+        "after the first take the bundles of the replica's placement group (each replica.num_cpus and "
+        "replica.num_gpus), placed by pipeline_placement; each stage loads its part from model.path itself, so the "
+        "path must reach every node (s3://, or a shared directory). A step goes through the stages in turn (see "
+        "pipeline_microbatches). Llama-like decoder families only; engine.adapters are served (each stage applies "
+        "their matrices of its own layers), dynamic_adapters are not; kv_cache_tokens are every stage's",
     )
     pipeline_microbatches: PositiveInt = Field(
         1,
@@ -1274,7 +1275,6 @@ class EngineSpec(_Spec):
         if self.pipeline_parallel > 1:
             for field, value, neutral in (
                 ("data_parallel", self.data_parallel, 1),
-                ("adapters", [a.name for a in self.adapters], []),
                 ("dynamic_adapters.root", self.dynamic_adapters.root, None),
                 ("classifier_from_token", self.classifier_from_token, []),
             ):

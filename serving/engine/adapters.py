@@ -1,4 +1,5 @@
-"""LoRA adapters loaded on demand (`engine.dynamic_adapters`): the first request that names an adapter at the root
+"""LoRA adapters: the spec's local copies (`engine.adapters`: `spec_adapter_dirs`), and those loaded on demand
+(`engine.dynamic_adapters`): the first request that names an adapter at the root
 brings it into the engine, beside the adapters of the spec (`engine.adapters`, always loaded).
 
 The replica fetches `<root>/<name>/` to a local directory (serving/api/adapters.py) and hands the engine that path
@@ -17,6 +18,7 @@ before) would meet blocks computed with the old weights: the engine then forgets
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -27,6 +29,40 @@ from pylon.serving.errors import InvalidRequest
 log = logging.getLogger(__name__)
 
 RANK_LIMIT = "engine.dynamic_adapters.max_rank"
+
+
+def _adapter_where(i: int, adapter) -> str:
+    """engine.adapters[i] in a message: its field, name and path (an object store's with its endpoint)."""
+    from pylon import storage
+
+    path = storage.describe(adapter.path) if "://" in adapter.path else adapter.path
+    return f"engine.adapters[{i}].path ({adapter.name}, {path})"
+
+
+def spec_adapter_dirs(stack: contextlib.ExitStack, adapters) -> list[str]:
+    """Local directories holding `engine.adapters` (private copies of remote ones, removed with `stack`); errors
+    name the field and the adapter."""
+    from pylon.models import local_model_dir
+
+    directories = []
+    for i, adapter in enumerate(adapters):
+        try:
+            directories.append(stack.enter_context(local_model_dir(adapter.path)))
+        except PylonError as e:
+            detail = str(e).split(": ", 1)[-1]  # local_model_dir's message starts "model.path <uri>: "
+            detail = detail.replace("a Hugging Face model directory", "an adapter directory in peft's format")
+            raise PylonError(f"{_adapter_where(i, adapter)}: {detail}") from None
+    return directories
+
+
+def named_adapter_error(error: PylonError, directories: list[str], adapters) -> PylonError:
+    """The runner's error about one of `directories` (`spec_adapter_dirs`' copies of `adapters`) as one naming its
+    field, name and path; any other error as it is."""
+    message = str(error)
+    for i, (directory, adapter) in enumerate(zip(directories, adapters)):
+        if directory in message:
+            return PylonError(message.replace(directory, _adapter_where(i, adapter)))
+    return error
 
 
 class OnDemandAdapters:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.models import local_model_dir
-from pylon.serving.engine.adapters import OnDemandAdapters
+from pylon.serving.engine.adapters import OnDemandAdapters, named_adapter_error, spec_adapter_dirs
 from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.generation import GenerationConfig, read_generation_config
 from pylon.serving.engine.guided import Guides
@@ -113,35 +113,6 @@ class Completion:
     finish_reason: FinishReason
 
 
-def _adapter_where(i: int, adapter) -> str:
-    """engine.adapters[i] in a message: its field, name and path (an object store's with its endpoint)."""
-    from pylon import storage
-
-    path = storage.describe(adapter.path) if "://" in adapter.path else adapter.path
-    return f"engine.adapters[{i}].path ({adapter.name}, {path})"
-
-
-def _adapter_dir(stack: contextlib.ExitStack, i: int, adapter) -> str:
-    """A local directory holding engine.adapters[i] (a private copy of a remote one, removed with `stack`); errors
-    name the field and the adapter."""
-    try:
-        return stack.enter_context(local_model_dir(adapter.path))
-    except PylonError as e:
-        detail = str(e).split(": ", 1)[-1]  # local_model_dir's message starts "model.path <uri>: "
-        detail = detail.replace("a Hugging Face model directory", "an adapter directory in peft's format")
-        raise PylonError(f"{_adapter_where(i, adapter)}: {detail}") from None
-
-
-def _named_adapter_error(error: PylonError, directories: list[str], spec: EngineSpec) -> PylonError:
-    """The runner's error about an adapter's directory (maybe a temporary copy) as one naming its field, name and
-    path; any other error as it is."""
-    message = str(error)
-    for i, (directory, adapter) in enumerate(zip(directories, spec.adapters)):
-        if directory in message:
-            return PylonError(message.replace(directory, _adapter_where(i, adapter)))
-    return error
-
-
 def _token_ids(tokenizer, tokens: list[str]) -> tuple[int, ...]:
     """The ids of engine.classifier_from_token's tokens, each one token of the tokenizer's vocabulary."""
     ids = []
@@ -210,7 +181,7 @@ class LLMEngine:
                 directory = stack.enter_context(local_model_dir(model))
             self.tokenizer = load_model_tokenizer(directory)
             self._chars_per_token = chars_per_token_bound(self.tokenizer)
-            adapter_dirs = [_adapter_dir(stack, i, a) for i, a in enumerate(spec.adapters)]
+            adapter_dirs = spec_adapter_dirs(stack, spec.adapters)
             images = spec.max_images_per_prompt > 0 and _takes_images(directory, model)
             self.encoder = model_type_of(directory) in ENCODER_MODEL_TYPES  # a cross-encoder (model/encoder.py)
             runner_kwargs = {
@@ -235,6 +206,7 @@ class LLMEngine:
                         spec.pipeline_microbatches,
                         pipeline,
                         read_bytes,
+                        adapters=(spec.adapters, adapter_dirs),
                     )
                 else:
                     self.runner = ModelRunner(
@@ -245,7 +217,7 @@ class LLMEngine:
                         classifier_from_token=_token_ids(self.tokenizer, spec.classifier_from_token),
                     )
             except PylonError as e:
-                raise _named_adapter_error(e, adapter_dirs, spec) from e.__cause__
+                raise named_adapter_error(e, adapter_dirs, spec.adapters) from e.__cause__
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
                 if self.pool.enable_caching and spec.recurrent_state_snapshots:
                     # A cached block holds keys and values, not the recurrent layers' state there: their states'

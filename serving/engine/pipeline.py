@@ -28,6 +28,7 @@ smaller batch: on one machine it lost (bench/serve_pipeline.py, set 53), hence o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -162,14 +163,21 @@ class StageWorker:
     """One pipeline stage after the first (a Ray actor): its `ModelRunner`, loaded from the model's URI on the node it
     runs on (its own tensors only: `stage_model_dir`)."""
 
-    def __init__(self, model: str, stage: Stage, runner_kwargs: dict):
+    def __init__(self, model: str, stage: Stage, runner_kwargs: dict, adapters: list = ()):
+        from pylon.serving.engine.adapters import named_adapter_error, spec_adapter_dirs
         from pylon.serving.model.runner import ModelRunner
 
         _log_to_stderr(f"pylon-stage-{stage.index + 1}")
-        with stage_model_dir(model, stage.index, stage.count) as (directory, own, read):
+        with contextlib.ExitStack() as stack:
+            directory, own, read = stack.enter_context(stage_model_dir(model, stage.index, stage.count))
             if own != stage:  # (the engine split the same config's layers)
                 raise PylonError(f"model {model}: {stage.describe()} is {own.describe()} in its config")
-            self.runner = ModelRunner(directory, stage=stage, **runner_kwargs)
+            # engine.adapters, copied on this node: their matrices of this stage's layers (model/lora.py)
+            adapter_dirs = spec_adapter_dirs(stack, adapters)
+            try:
+                self.runner = ModelRunner(directory, stage=stage, adapters=adapter_dirs, **runner_kwargs)
+            except PylonError as e:
+                raise named_adapter_error(e, adapter_dirs, adapters) from None
         self.stage, self.read_bytes = stage, read
 
     def describe(self) -> dict:
@@ -191,8 +199,10 @@ class PipelineRunner:
     """`ModelRunner`'s interface (what the engine uses of it) over the stages of a model: stage 1 in this process,
     the rest Ray actors (see the module's docstring). `model`: the URI the stages load from (each on its own node);
     `directory`: this process's copy of what stage 1 loads (`stage_model_dir`), `read_bytes` of weights read for it
-    from object storage (None: a local directory); `microbatches`: at most this many groups a step (None: 1, each
-    step whole); `placement`: `placement()` of the replica whose engine process this is (None: this process's own)."""
+    from object storage (None: a local directory); `adapters`: engine.adapters and this process's copies of them
+    (every stage serves each adapter's matrices of its own layers); `microbatches`: at most this many groups a step
+    (None: 1, each step whole); `placement`: `placement()` of the replica whose engine process this is (None: this
+    process's own)."""
 
     def __init__(
         self,
@@ -203,6 +213,7 @@ class PipelineRunner:
         microbatches: int | None = None,
         placement: dict | None = None,
         read_bytes: int | None = None,
+        adapters: tuple[list, list[str]] = ((), []),
     ):
         from transformers import AutoConfig
 
@@ -210,6 +221,7 @@ class PipelineRunner:
 
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         num_layers = config.get_text_config().num_hidden_layers
+        specs, dirs = adapters  # engine.adapters, and this process's copies of them (each stage copies its own)
         self.count = count
         self.microbatches = microbatches or 1
         # Per step, summed: the other stages' computing (timed inside them) and the rest of the wait for them (Ray's
@@ -225,8 +237,8 @@ class PipelineRunner:
         for k in range(1, count):
             stage = stage_of(num_layers, k, count)
             options = self._placement(ray, group, k, runner_kwargs)
-            self.stages.append(worker.options(**options).remote(model, stage, runner_kwargs))
-        self.local = ModelRunner(directory, stage=stage_of(num_layers, 0, count), **runner_kwargs)
+            self.stages.append(worker.options(**options).remote(model, stage, runner_kwargs, list(specs)))
+        self.local = ModelRunner(directory, stage=stage_of(num_layers, 0, count), adapters=dirs, **runner_kwargs)
         try:
             described = ray.get([s.describe.remote() for s in self.stages], timeout=STAGE_START_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:

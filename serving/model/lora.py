@@ -248,11 +248,13 @@ def load_adapter(
     device: torch.device | str = "cpu",
     max_rank: int | None = None,
     rank_limit: str = "max_rank",
+    held: tuple[range, int] | None = None,
 ) -> Adapter:
     """Read and check the adapter peft saved in `directory` for a `model_type` model whose projections are `shapes`
     (`projection_shapes`); its matrices in `dtype` on `device`. Raises a PylonError naming the directory and what to
     do when the adapter cannot be served on this model as it is, or when a projection's rank is above `max_rank`
-    (the field that sets it named as `rank_limit`)."""
+    (the field that sets it named as `rank_limit`). `held`: a pipeline stage's layers and the model's number of
+    layers: the adapter's matrices of the other stages' layers are left out (their stages load and check them)."""
     config = _read_config(directory)
     _check_config(directory, config)
     tensors = _read_tensors(directory)
@@ -260,14 +262,19 @@ def load_adapter(
     module_re = re.compile(rf"{re.escape(layers)}\.(\d+)\.({'|'.join(map(re.escape, projections))})")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     foreign: list[str] = []  # modules the adapter changes that the engine does not adapt
+    elsewhere = 0  # its tensors of the layers other pipeline stages hold (`held`)
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
         module = _language_model_module(match["module"] if match else _module_of(key))
         if match is None or module_re.fullmatch(module) is None:
             foreign.append(module)
             continue
+        layer = int(module_re.fullmatch(module)[1])
+        if held is not None and layer < held[1] and layer not in held[0]:
+            elsewhere += 1  # another stage's layer
+            continue
         if module not in shapes:  # a projection of a layer this model does not have
-            num_layers = len(shapes) // len(projections)
+            num_layers = held[1] if held is not None else len(shapes) // len(projections)
             raise PylonError(
                 f"{directory}: adapts {module}, but this model has {num_layers} layers (0 to {num_layers - 1}); "
                 "the adapter was trained on another base model: serve it with that one"
@@ -279,7 +286,7 @@ def load_adapter(
             f"applies LoRA to {', '.join(projections)} of each of {layers} only); retrain with target_modules among "
             f"those, or {_MERGE_INSTEAD}"
         )
-    if not pairs:
+    if not pairs and not elsewhere:
         raise PylonError(f"{directory}: holds no LoRA weights; write the adapter again with peft's save_pretrained")
     rslora = bool(config.get("use_rslora"))
     weights = {}
@@ -431,13 +438,15 @@ def load_adapters(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    layers: range | None = None,
 ) -> AdapterSet:
     """Every adapter of `directories` checked against `model` (a loaded Hugging Face model of `model_type`) and
-    loaded; the k-th is slot k."""
+    loaded; the k-th is slot k. `layers`: a pipeline stage's (the matrices of its layers only)."""
     shapes = projection_shapes(model, model_type)
     num_layers = len(model.get_submodule(LAYERS[model_type]))
+    held = (layers, num_layers) if layers is not None and len(layers) < num_layers else None
     return AdapterSet(
-        [load_adapter(str(d), model_type, shapes, dtype=dtype, device=device) for d in directories],
+        [load_adapter(str(d), model_type, shapes, dtype=dtype, device=device, held=held) for d in directories],
         model_type,
         num_layers,
     )

@@ -563,7 +563,14 @@ class ModelRunner:
         # LoRA adapters, slot k = adapters[k - 1], checked against the model's projections and kept in its dtype and
         # on its device (pylon.serving.model.lora); None without any, and then no step spends anything on them.
         self.adapter_set = (
-            lora.load_adapters(adapters, self.model, model_type, dtype=self.dtype, device=self.device)
+            lora.load_adapters(
+                adapters,
+                self.model,
+                model_type,
+                dtype=self.dtype,
+                device=self.device,
+                layers=stage.layers if stage is not None else None,
+            )
             if adapters
             else None
         )

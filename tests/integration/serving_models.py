@@ -36,6 +36,25 @@ def tiny_llama(directory: Path, layers: int = 4):
     return model
 
 
+def tiny_adapter(base_dir: Path, out: Path, target_modules=("q_proj", "v_proj", "down_proj")):
+    """A random LoRA adapter (peft's format, rank 4) of the model in `base_dir`, large enough to change the tokens,
+    saved to `out`; and peft's model of it (base + adapter) for `greedy_text`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules), init_lora_weights=False)
+    adapted = get_peft_model(base, lora).eval()
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.mul_(20)
+    adapted.save_pretrained(out)
+    return adapted
+
+
 def greedy_text(model, prompt: str, new_tokens: int) -> str:
     import torch
 

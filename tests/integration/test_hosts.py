@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hosts import REPO, Host, available
-from serving_models import greedy_completion, greedy_text, tiny_llama
+from serving_models import greedy_completion, greedy_text, tiny_adapter, tiny_llama
 
 from pylon import storage
 
@@ -270,12 +270,16 @@ print(json.dumps([
 
 def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts, s3_server, serve_port, tmp_path):
     """engine.pipeline_parallel 2 with strict_spread, deployed from the client with the model in object storage: the
-    replica (its engine process: stage 1) on one machine, the second stage's actor on the other, each having read
-    its part from S3 on its own machine; greedy completions over HTTP are transformers' own."""
+    replica (its engine process: stage 1) on one machine, the second stage's actor on the other, each having copied
+    its own tensors (only) from S3 on its own machine; greedy completions over HTTP are transformers' own, and a LoRA
+    adapter's (from S3 too, each stage applying its layers' matrices) peft's."""
     model = tiny_llama(tmp_path / "llama")
+    adapted = tiny_adapter(tmp_path / "llama", tmp_path / "lora")
     uri = f"s3://{s3_server.bucket}/hosts-llama-{int(time.time())}"
     for path in (tmp_path / "llama").iterdir():
         storage.upload_file(path, f"{uri}/{path.name}")
+    for path in (tmp_path / "lora").iterdir():
+        storage.upload_file(path, f"{uri}-lora/{path.name}")
     spec = {
         "kind": "Deployment",
         "name": "pp-hosts",
@@ -288,6 +292,7 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
             "pipeline_parallel": 2,
             "pipeline_placement": "strict_spread",
             "pipeline_microbatches": 2,
+            "adapters": [{"name": "pp-lora", "path": f"{uri}-lora"}],
         },
         "http": {"api_keys_env": None, "route_prefix": "/pp", "port": serve_port},
         "replica": {"num_cpus": 0.5},
@@ -323,6 +328,10 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # steps of several: cut in micro-batches
             answers = list(pool.map(lambda p: greedy_completion(url, "pp-hosts", p, 10), prompts))
         assert answers == [greedy_text(model, p, 10) for p in prompts]
+        # a LoRA adapter (engine.adapters, from S3): each stage applies its matrices of its own layers; peft's tokens
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            lora, base = pool.map(lambda m: greedy_completion(url, m, prompts[0], 10), ["pp-lora", "pp-hosts"])
+        assert (lora, base) == (greedy_text(adapted, prompts[0], 10), answers[0]) and lora != base
     finally:
         hosts.client.run(["pylon", "serve", "--delete", "pp-hosts"], timeout=120, check=False)
 

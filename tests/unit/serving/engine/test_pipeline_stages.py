@@ -347,3 +347,60 @@ def test_a_stage_copying_a_broken_checkpoint_says_which_file(tmp_path, s3_root):
         with stage_model_dir(s3_root, 1, 2):
             pass
     assert os.path.getsize(f"{local}/{last}") > 8 + length + 10
+
+
+def test_stages_serve_lora_adapters_each_applying_its_own_layers_matrices(tmp_path):
+    """engine.adapters with pipeline stages: each stage loads an adapter's matrices of its own layers only (none of
+    another stage's, and an adapter of another stage's layers alone still loads there); a step mixing the base model
+    and two adapters through the stages gives the whole model's logits with those adapters, exactly, and greedy
+    decoding through them is peft's own for each adapter."""
+    from engine_models import PROMPTS, hf_greedy
+    from test_lora_engine import TARGETS, save_adapter
+
+    family = Family("llama", tmp_path / "llama", greedy=False)
+    n = family.model.config.num_hidden_layers
+    attention, everything = TARGETS["llama"]
+    dirs, peft = [], []
+    for name, seed, config in (
+        ("terse", 1, {"r": 4, "lora_alpha": 8, "target_modules": attention}),
+        ("wordy", 2, {"r": 8, "lora_alpha": 16, "target_modules": everything, "use_rslora": True}),
+        ("late", 3, {"r": 4, "lora_alpha": 8, "target_modules": attention, "layers_to_transform": [n - 1]}),
+    ):
+        dirs.append(str(tmp_path / name))
+        peft.append(save_adapter(family.dir, dirs[-1], seed, **config))
+
+    def runner(stage=None) -> ModelRunner:
+        return ModelRunner(
+            family.dir, num_blocks=32, block_size=16, dtype="fp32", device="cpu", stage=stage, adapters=dirs
+        )
+
+    whole = runner()
+    stages = [runner(stage_of(n, k, 2)) for k in range(2)]
+    for k, staged in enumerate(stages):
+        for adapter in staged.adapter_set.adapters:
+            layers = {int(m.split(".")[2]) for m in adapter.weights}
+            assert layers <= set(staged.layers), (k, layers)
+    assert not stages[0].adapter_set.adapters[2].weights  # "late" adapts the last layer only: stage 2's
+    assert stages[1].adapter_set.adapters[2].weights
+
+    # one step of three sequences (base, terse, wordy), each a prompt's first chunk, then decodes together
+    prompts = [PROMPTS[0][:20], PROMPTS[1][:20], PROMPTS[2][:20], PROMPTS[3][:20]]
+    tables = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    slots = [0, 1, 2, 3]
+    steps = [StepSequence(p, 0, t, samples=True, adapter=a) for p, t, a in zip(prompts, tables, slots)]
+    a, b = whole.execute(steps), _through(stages, steps)
+    assert torch.equal(a, b), (a - b).abs().max()
+    tokens = [list(p) for p in prompts]
+    for _ in range(5):
+        for seq, row in zip(tokens, a):
+            seq.append(int(row.argmax()))
+        steps = [
+            StepSequence([s[-1]], len(s) - 1, t, samples=True, adapter=k) for s, t, k in zip(tokens, tables, slots)
+        ]
+        a, b = whole.execute(steps), _through(stages, steps)
+        assert torch.equal(a, b), (a - b).abs().max()
+    for seq, row in zip(tokens, a):
+        seq.append(int(row.argmax()))
+    references = [family.model, *peft]
+    for seq, prompt, model in zip(tokens, prompts, references):
+        assert seq[len(prompt) :] == hf_greedy(model, prompt, 6)
