@@ -1201,8 +1201,8 @@ class EngineSpec(_Spec):
         "after the first take the bundles of the replica's placement group (each replica.num_cpus and "
         "replica.num_gpus), placed by pipeline_placement; each stage loads its part from model.path itself, so the "
         "path must reach every node (s3://, or a shared directory). A step goes through the stages in turn (see "
-        "pipeline_microbatches). Llama-like decoder families only; engine.adapters are served (each stage applies "
-        "their matrices of its own layers), dynamic_adapters are not; kv_cache_tokens are every stage's",
+        "pipeline_microbatches). Llama-like decoder families only; LoRA adapters (adapters, dynamic_adapters) are "
+        "served, each stage applying their matrices of its own layers; kv_cache_tokens are every stage's",
     )
     pipeline_microbatches: PositiveInt = Field(
         1,
@@ -1275,7 +1275,6 @@ class EngineSpec(_Spec):
         if self.pipeline_parallel > 1:
             for field, value, neutral in (
                 ("data_parallel", self.data_parallel, 1),
-                ("dynamic_adapters.root", self.dynamic_adapters.root, None),
                 ("classifier_from_token", self.classifier_from_token, []),
             ):
                 if value != neutral:

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -186,6 +187,30 @@ class StageWorker:
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
 
+    def _adapter(self, files: dict[str, bytes], where: str, max_rank, rank_limit: str):
+        """The adapter of `files` (its directory's, by name; `where` the directory as errors name it), read as the
+        runner reads one (its layers' matrices)."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="pylon-adapter-") as directory:
+            for name, data in files.items():
+                with open(os.path.join(directory, name), "wb") as f:
+                    f.write(data)
+            try:
+                return self.runner.read_adapter(directory, max_rank=max_rank, rank_limit=rank_limit)
+            except PylonError as e:
+                raise PylonError(f"{self.stage.describe()}: {str(e).replace(directory, where)}") from None
+
+    def check_adapter(self, files: dict[str, bytes], where: str, max_rank, rank_limit: str) -> None:
+        """Raises the PylonError this stage's `read_adapter` would (its layers' projections, ranks)."""
+        self._adapter(files, where, max_rank, rank_limit)
+
+    def put_adapter(self, slot: int, files: dict[str, bytes] | None, where: str, max_rank, rank_limit: str) -> None:
+        """Serve the adapter of `files` in `slot` from the next step on (None: empty it), as the engine's stage does.
+        (Read again here rather than kept from `check_adapter`: a stage keeps nothing for an adapter never placed.)"""
+        adapter = None if files is None else self._adapter(files, where, max_rank, rank_limit)
+        self.runner.put_adapter(slot, adapter)
+
     def run(self, steps, hidden):
         """The stage's part of a step: its output hidden states for the next stage (the last stage's: its sampling
         rows', for the engine's head), from the previous stage's; both as `packed`."""
@@ -193,6 +218,26 @@ class StageWorker:
         hidden, seconds = unpacked(hidden)
         out, _ = self.runner.execute_step(steps, hidden)
         return packed(out, seconds + time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class StagedAdapter:
+    """An adapter loaded on demand, read for a pipeline's stages (`PipelineRunner.read_adapter`): stage 1's
+    `lora.Adapter`, and its files in Ray's object store for the other stages to read when it is placed."""
+
+    local: object
+    files: object  # ObjectRef of {file name: bytes}
+    where: str  # its directory, as errors name it
+    max_rank: int | None
+    rank_limit: str
+
+    @property
+    def digest(self) -> str:
+        return self.local.digest
+
+    @property
+    def directory(self) -> str:
+        return self.local.directory
 
 
 class PipelineRunner:
@@ -227,6 +272,7 @@ class PipelineRunner:
         # Per step, summed: the other stages' computing (timed inside them) and the rest of the wait for them (Ray's
         # calls and the hidden states' hops): where a pipeline's time goes (bench/serve_pipeline.py).
         self.pipeline_steps, self.pipeline_stage_seconds, self.pipeline_hop_seconds = 0, 0.0, 0.0
+        self._puts: list = []  # the other stages' put_adapter calls, waited for before the next step
         started = time.monotonic()
         # The actors first: they load while this process loads its own stage.
         placement = placement or {}
@@ -296,6 +342,9 @@ class PipelineRunner:
     def execute_step(self, steps):
         import ray
 
+        if self._puts:  # adapters placed since the last step: on every stage before this step computes
+            puts, self._puts = self._puts, []
+            ray.get(puts)
         groups = microbatches(steps, self.microbatches)
         refs, started = [], time.perf_counter()
         local = 0.0
@@ -329,6 +378,41 @@ class PipelineRunner:
         done = self.local.warm_up(max_num_seqs, max_num_batched_tokens)
         ray.get(remote)
         return done
+
+    def read_adapter(self, directory: str, *, max_rank: int | None = None, rank_limit: str = "max_rank"):
+        """An adapter loaded on demand (engine.dynamic_adapters), read by every stage: stage 1 here, the others from
+        its files sent through Ray (an adapter's few MiB; the replica copied them to this node), each checking its
+        own layers' matrices. Not yet served (`put_adapter`)."""
+        import ray
+
+        from pylon.serving.model.lora import CONFIG_FILE, WEIGHT_FILES
+
+        local = self.local.read_adapter(directory, max_rank=max_rank, rank_limit=rank_limit)
+        files = {}
+        for name in (CONFIG_FILE, *WEIGHT_FILES):
+            path = os.path.join(directory, name)
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    files[name] = f.read()
+        ref = ray.put(files)
+        try:
+            ray.get([s.check_adapter.remote(ref, directory, max_rank, rank_limit) for s in self.stages])
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(getattr(e, "cause", None), PylonError):
+                raise PylonError(str(e.cause)) from None
+            raise
+        return StagedAdapter(local, ref, directory, max_rank, rank_limit)
+
+    def put_adapter(self, slot: int, adapter: StagedAdapter | None) -> None:
+        """Serve `adapter` (`read_adapter`'s) in `slot` on every stage from the next step on; None empties it. The
+        other stages' calls run before the next step's on each (Ray runs an actor's calls from one caller in order),
+        and the next step waits for them to have succeeded."""
+        self.local.put_adapter(slot, adapter.local if adapter is not None else None)
+        if adapter is None:
+            self._puts += [s.put_adapter.remote(slot, None, "", None, "") for s in self.stages]
+            return
+        a = adapter
+        self._puts += [s.put_adapter.remote(slot, a.files, a.where, a.max_rank, a.rank_limit) for s in self.stages]
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         return 0  # (each stage's step runs eagerly: one graph per stage and step would save little beside the hops)

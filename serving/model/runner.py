@@ -1085,6 +1085,7 @@ class ModelRunner:
             device=self.device,
             max_rank=max_rank,
             rank_limit=rank_limit,
+            held=(self.layers, self.config.num_hidden_layers) if self._staged else None,
         )
 
     @functools.cached_property

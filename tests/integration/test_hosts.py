@@ -272,14 +272,15 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
     """engine.pipeline_parallel 2 with strict_spread, deployed from the client with the model in object storage: the
     replica (its engine process: stage 1) on one machine, the second stage's actor on the other, each having copied
     its own tensors (only) from S3 on its own machine; greedy completions over HTTP are transformers' own, and a LoRA
-    adapter's (from S3 too, each stage applying its layers' matrices) peft's."""
+    adapter's (from S3 too, of the spec and loaded on demand, each stage applying its layers' matrices) peft's."""
     model = tiny_llama(tmp_path / "llama")
     adapted = tiny_adapter(tmp_path / "llama", tmp_path / "lora")
     uri = f"s3://{s3_server.bucket}/hosts-llama-{int(time.time())}"
     for path in (tmp_path / "llama").iterdir():
         storage.upload_file(path, f"{uri}/{path.name}")
-    for path in (tmp_path / "lora").iterdir():
+    for path in (tmp_path / "lora").iterdir():  # an adapter of the spec, and the same at the on-demand root
         storage.upload_file(path, f"{uri}-lora/{path.name}")
+        storage.upload_file(path, f"{uri}-adapters/pp-demand/{path.name}")
     spec = {
         "kind": "Deployment",
         "name": "pp-hosts",
@@ -293,6 +294,7 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
             "pipeline_placement": "strict_spread",
             "pipeline_microbatches": 2,
             "adapters": [{"name": "pp-lora", "path": f"{uri}-lora"}],
+            "dynamic_adapters": {"root": f"{uri}-adapters"},
         },
         "http": {"api_keys_env": None, "route_prefix": "/pp", "port": serve_port},
         "replica": {"num_cpus": 0.5},
@@ -328,10 +330,12 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # steps of several: cut in micro-batches
             answers = list(pool.map(lambda p: greedy_completion(url, "pp-hosts", p, 10), prompts))
         assert answers == [greedy_text(model, p, 10) for p in prompts]
-        # a LoRA adapter (engine.adapters, from S3): each stage applies its matrices of its own layers; peft's tokens
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            lora, base = pool.map(lambda m: greedy_completion(url, m, prompts[0], 10), ["pp-lora", "pp-hosts"])
-        assert (lora, base) == (greedy_text(adapted, prompts[0], 10), answers[0]) and lora != base
+        # a LoRA adapter (engine.adapters, from S3), and the same loaded on demand (engine.dynamic_adapters): each
+        # stage applies its matrices of its own layers; peft's tokens, beside the base model's in the same steps
+        names = ["pp-lora", "pp-hosts", "pp-demand"]
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            lora, base, demand = pool.map(lambda m: greedy_completion(url, m, prompts[0], 10), names)
+        assert lora == demand == greedy_text(adapted, prompts[0], 10) != base == answers[0]
     finally:
         hosts.client.run(["pylon", "serve", "--delete", "pp-hosts"], timeout=120, check=False)
 

@@ -524,11 +524,6 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "to 1, or pipeline_parallel to 1)",
         ),
         (
-            "engine:\n  pipeline_parallel: 2\n  dynamic_adapters: {root: s3://b/a}\n",
-            "6: document 1 (Deployment 'svc'): engine.dynamic_adapters.root: is not served with pipeline_parallel 2 "
-            "(set it to None, or pipeline_parallel to 1)",
-        ),
-        (
             "engine: {pipeline_parallel: 2, classifier_from_token: ['yes']}\n",
             "4: document 1 (Deployment 'svc'): engine.classifier_from_token: is not served with pipeline_parallel 2 "
             "(set it to [], or pipeline_parallel to 1)",
@@ -550,7 +545,6 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "adapter-twice",
         "adapter-own",
         "pipeline-dp",
-        "pipeline-dynamic-adapters",
         "pipeline-classifier",
         "pipeline-no-resources",
     ],

@@ -5,6 +5,8 @@ test_hosts.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_models import PROMPTS, Family
@@ -404,3 +406,10 @@ def test_stages_serve_lora_adapters_each_applying_its_own_layers_matrices(tmp_pa
     references = [family.model, *peft]
     for seq, prompt, model in zip(tokens, prompts, references):
         assert seq[len(prompt) :] == hf_greedy(model, prompt, 6)
+
+    # loaded on demand (engine.dynamic_adapters: read_adapter, put_adapter), each stage reading its own layers'
+    for runner in (whole, *stages):
+        runner.put_adapter(4, runner.read_adapter(dirs[1]))
+    steps = [StepSequence(PROMPTS[4][:20], 0, [8, 9], samples=True, adapter=4)]
+    a, b = whole.execute(steps), _through(stages, steps)
+    assert torch.equal(a, b) and torch.equal(b, _through(stages, [dataclasses.replace(steps[0], adapter=2)]))
