@@ -39,7 +39,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.model import kernels, linear, lora, moe, quant, stages
+from pylon.serving.model import kernels, linear, lora, moe, quant, stages, tensor
 from pylon.serving.model.attention import (
     AttentionMetadata,
     Final,
@@ -350,11 +350,17 @@ class ModelRunner:
         images: bool = False,
         classifier_from_token: Sequence[int] = (),
         stage: stages.Stage | None = None,
+        shard: tensor.Shard | None = None,
     ):
         """`stage`: hold only that pipeline stage's decoder layers (and their KV cache), and the embeddings and the
         head (final norm, lm_head) where it is the first (pylon.serving.model.stages); its `execute_step` then takes
         the previous stage's hidden states and returns its own, and the first stage's `finish_step` turns the last
         stage's into the step's outputs.
+
+        `shard`: hold only that tensor-parallel shard's heads and MLP slice of every layer (and its heads' KV cache;
+        pylon.serving.model.tensor), its config the shard's (`config`: fewer heads, narrower MLP); every shard runs
+        every step, in a torch.distributed group of them all (initialised by the caller), whose all-reduces make
+        each layer's output whole.
 
         `images`: keep a multimodal checkpoint's vision tower and projector, for requests with images
         (`embed_images`); without it they are dropped once loaded (`vision` is None). `classifier_from_token`: token
@@ -391,6 +397,12 @@ class ModelRunner:
             why = stages.refused(model_type, multimodal, config)
             if why is not None:
                 raise PylonError(f"engine.pipeline_parallel: model {model_dir}: {why}")
+        if shard is not None:
+            why = tensor.refused(model_type, config, shard.count)
+            if why is None and (multimodal or adapters or classifier_from_token or stage is not None):
+                why = "multimodal checkpoints, adapters, classifiers and pipeline stages are not split into shards"
+            if why is not None:
+                raise PylonError(f"engine.tensor_parallel: model {model_dir}: {why}")
         self._forward: Callable = (
             self._forward_gpt2
             if model_type == "gpt2"
@@ -433,6 +445,10 @@ class ModelRunner:
             elif stage is not None:
                 self.model = stages.load_stage(model_dir, config, self.dtype, stage)
                 self.stage_weights_bytes = stages.stage_bytes(self.model)  # as loaded (before packing)
+            elif shard is not None:
+                self.model = tensor.load_shard(model_dir, config, self.dtype, shard)
+                config = self.model.config  # the shard's: its heads, its MLP width
+                self.stage_weights_bytes = stages.stage_bytes(self.model)
             else:
                 self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
         except PylonError:
@@ -622,6 +638,9 @@ class ModelRunner:
             self.moe_layers = moe.replace_blocks(self.model, project, grouped=self.moe_grouped)
         if model_type != "gpt2" and (self.packed_linear or quantized):
             _pack_llama(self.model, quantization)
+        self.shard = shard
+        if shard is not None:  # (on the projections as the forward calls them: packed, quantized or not)
+            tensor.reduce_outputs(self.model, self._own_layers())
         self.vocab_size = config.vocab_size
         # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:
         # LongRoPE's switch to its long factors), said once here.

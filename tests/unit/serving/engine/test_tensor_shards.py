@@ -1,0 +1,101 @@
+"""Tensor-parallel shards (engine.tensor_parallel; pylon.serving.model.tensor): two processes, each a runner of one
+shard in a gloo group (as the engine's process and its shard actor are), compute what the whole model computes: a
+chunked prompt and greedy decodes give the whole runner's logits (to float32 rounding: the all-reduce adds partial
+sums in another order) and transformers' greedy tokens, each shard holding half the heads, their KV cache and half
+of the MLP. Through Ray actors in a Serve replica: tests/integration/test_serving.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from engine_models import PROMPTS, Family
+
+from pylon.errors import PylonError
+from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.tensor import Shard, local_config, refused
+
+# Llama (grouped-query attention); Qwen2's biased q/k/v projections; Qwen3's per-head norms and tied embeddings;
+# Gemma 3's windowed and full layers and its output norms.
+SHARDED = ("llama", "qwen2", "qwen3", pytest.param("gemma3_text", marks=pytest.mark.slow))
+
+_SHARD = """
+import json, sys, torch, torch.distributed as dist
+from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.step import StepSequence
+from pylon.serving.model.tensor import Shard
+
+directory, rank, count, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
+runner = ModelRunner(directory, num_blocks=32, block_size=16, dtype="fp32", device="cpu", shard=Shard(rank, count))
+prompt = json.loads(sys.argv[6])
+logits, table = [], [0, 1, 2, 3]
+for start, stop in ((0, 24), (24, len(prompt))):
+    logits.append(runner.execute([StepSequence(prompt[start:stop], start, table, samples=stop == len(prompt))]))
+tokens = list(prompt)
+for _ in range(6):
+    tokens.append(int(logits[-1][-1].argmax()))
+    logits.append(runner.execute([StepSequence([tokens[-1]], len(tokens) - 1, table, samples=True)]))
+kv = [tuple(t.shape) for t in runner.k_cache]
+torch.save({"logits": logits, "tokens": tokens, "kv": kv, "bytes": runner.stage_weights_bytes}, out)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_two_shards_compute_the_whole_model(name, tmp_path):
+    family = Family(name, tmp_path / name, greedy=False)
+    prompt = PROMPTS[2]  # 40 tokens: two chunks, then decodes
+    store = tmp_path / "store"
+    outs = [tmp_path / f"shard{r}.pt" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SHARD, family.dir, str(r), "2", str(store), str(outs[r]), json.dumps(prompt)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        output = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, output[-4000:]
+    shards = [torch.load(o) for o in outs]
+    whole = ModelRunner(family.dir, num_blocks=32, block_size=16, dtype="fp32", device="cpu")
+    table, tokens = [0, 1, 2, 3], list(prompt)
+    from pylon.serving.model.step import StepSequence
+
+    expected = [whole.execute([StepSequence(prompt[0:24], 0, table, samples=False)])]
+    expected.append(whole.execute([StepSequence(prompt[24:], 24, table, samples=True)]))
+    for _ in range(6):
+        tokens.append(int(expected[-1][-1].argmax()))
+        expected.append(whole.execute([StepSequence([tokens[-1]], len(tokens) - 1, table, samples=True)]))
+    for shard in shards:
+        assert shard["tokens"] == tokens
+        for got, want in zip(shard["logits"], expected):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert tokens[len(prompt) :] == family.hf_greedy(prompt, 6)
+    # each shard: half the key-value heads in its KV cache ([kv heads, blocks, block size, head dim]), about half the
+    # layers' weights
+    config = family.model.config
+    kv_heads = config.num_key_value_heads
+    assert all(shape[0] == kv_heads // 2 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
+    whole_bytes = sum(p.numel() * p.element_size() for p in family.model.parameters())
+    assert all(shard["bytes"] < 0.8 * whole_bytes for shard in shards), ([s["bytes"] for s in shards], whole_bytes)
+
+
+def test_what_cannot_be_split_is_refused_by_name(tmp_path):
+    family = Family("llama", tmp_path / "llama", greedy=False)
+    config = family.model.config
+    assert refused("llama", config, 2) is None
+    assert "do not split into 3 equal shards" in refused("llama", config, 3)
+    assert "a mixtral model is not split for tensor parallelism" in refused("mixtral", config, 2)
+    local = local_config(config, 2)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 172)
+    assert local.head_dim == config.hidden_size // config.num_attention_heads
+    with pytest.raises(PylonError, match=r"engine.tensor_parallel: model .*: its 2 key-value heads do not split"):
+        ModelRunner(family.dir, num_blocks=4, block_size=16, dtype="fp32", device="cpu", shard=Shard(0, 4))
