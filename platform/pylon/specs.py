@@ -1220,6 +1220,18 @@ class EngineSpec(_Spec):
         "nodes (or the autoscaler) until there are enough; pack = on as few nodes as they fit. No effect with "
         "pipeline_parallel 1",
     )
+    tensor_parallel: PositiveInt = Field(
+        1,
+        description="split each decoder layer into this many tensor-parallel shards (vLLM's tensor_parallel_size), "
+        "each a process on the replica's node holding its share of the attention heads (and their KV cache) and of "
+        "the MLP, reading only its slices of the checkpoint: a model larger than one GPU's memory is served by the "
+        "GPUs of one node together, every shard computing every step, its layers' outputs summed across the shards "
+        "(gloo on CPUs, NCCL on GPUs, over the node's loopback and its own links). In a Serve replica the shards "
+        "after the first take the bundles of the replica's placement group (each replica.num_cpus and "
+        "replica.num_gpus), all on one node (STRICT_PACK). Llama-like families with separate projections, whose "
+        "attention heads, key-value heads and MLP width it divides; not with pipeline_parallel, data_parallel, "
+        "adapters or classifier_from_token",
+    )
     generation_config: Literal["auto", "none"] = Field(
         "auto",
         description="the sampling defaults of the model's generation_config.json (vLLM's --generation-config, auto "
@@ -1272,6 +1284,22 @@ class EngineSpec(_Spec):
                     f"(got data_parallel {self.data_parallel} with separate_process false)",
                 )
             )
+        if self.tensor_parallel > 1:
+            for field, value, neutral in (
+                ("pipeline_parallel", self.pipeline_parallel, 1),
+                ("data_parallel", self.data_parallel, 1),
+                ("adapters", [a.name for a in self.adapters], []),
+                ("dynamic_adapters.root", self.dynamic_adapters.root, None),
+                ("classifier_from_token", self.classifier_from_token, []),
+            ):
+                if value != neutral:
+                    problems.append(
+                        (
+                            field,
+                            f"is not served with tensor_parallel {self.tensor_parallel} (set it to {neutral!r}, "
+                            "or tensor_parallel to 1)",
+                        )
+                    )
         if self.pipeline_parallel > 1:
             for field, value, neutral in (
                 ("data_parallel", self.data_parallel, 1),
@@ -1449,17 +1477,20 @@ class DeploymentSpec(_Spec):
                     )
                 ]
             )
-        if self.engine.pipeline_parallel > 1 and self.replica.num_cpus == 0 and self.replica.num_gpus == 0:
-            _raise_problems(
-                [
-                    (
-                        "replica.num_cpus",
-                        f"must be > 0 with engine.pipeline_parallel {self.engine.pipeline_parallel}: each stage "
-                        "takes a placement group bundle of the replica's resources, and an empty bundle places "
-                        "nothing (got 0, and num_gpus 0)",
-                    )
-                ]
-            )
+        for field, count, each in (
+            ("pipeline_parallel", self.engine.pipeline_parallel, "stage"),
+            ("tensor_parallel", self.engine.tensor_parallel, "shard"),
+        ):
+            if count > 1 and self.replica.num_cpus == 0 and self.replica.num_gpus == 0:
+                _raise_problems(
+                    [
+                        (
+                            "replica.num_cpus",
+                            f"must be > 0 with engine.{field} {count}: each {each} takes a placement group bundle of "
+                            "the replica's resources, and an empty bundle places nothing (got 0, and num_gpus 0)",
+                        )
+                    ]
+                )
         return self
 
     def summary(self) -> str:
@@ -1472,6 +1503,7 @@ class DeploymentSpec(_Spec):
                 if self.engine.pipeline_parallel > 1
                 else ""
             )
+            + (f"{self.engine.tensor_parallel} tensor-parallel shards, " if self.engine.tensor_parallel > 1 else "")
             + f"auth {'from $' + self.http.api_keys_env if self.http.api_keys_env else 'OFF'}"
         )
 

@@ -110,17 +110,20 @@ PLACEMENT_STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "p
 
 
 def pipeline_placement(spec: DeploymentSpec) -> dict:
-    """A replica of a model split into pipeline stages (engine.pipeline_parallel): a placement group of one bundle a
-    stage, each the replica's resources, the replica (and its engine, stage 1) in the first and the other stages'
-    actors in the rest (pylon.serving.engine.pipeline), placed by engine.pipeline_placement. Nothing otherwise."""
-    stages = spec.engine.pipeline_parallel
-    if stages == 1:
+    """A replica of a model split into pipeline stages (engine.pipeline_parallel) or tensor-parallel shards
+    (engine.tensor_parallel): a placement group of one bundle a stage (shard), each the replica's resources, the
+    replica (and its engine, stage or shard 1) in the first and the other stages' (shards') actors in the rest
+    (pylon.serving.engine.pipeline, .tensor); stages placed by engine.pipeline_placement, shards all on one node
+    (STRICT_PACK). Nothing otherwise."""
+    stages, shards = spec.engine.pipeline_parallel, spec.engine.tensor_parallel
+    if stages == shards == 1:
         return {}
     bundle = {"CPU": spec.replica.num_cpus, "GPU": spec.replica.num_gpus}
     bundle = {k: v for k, v in bundle.items() if v}
+    strategy = PLACEMENT_STRATEGIES[spec.engine.pipeline_placement] if stages > 1 else "STRICT_PACK"
     return {
-        "placement_group_bundles": [dict(bundle) for _ in range(stages)],
-        "placement_group_strategy": PLACEMENT_STRATEGIES[spec.engine.pipeline_placement],
+        "placement_group_bundles": [dict(bundle) for _ in range(max(stages, shards))],
+        "placement_group_strategy": strategy,
     }
 
 

@@ -210,10 +210,10 @@ class PylonLLMServer:
             EnginePool if engine.data_parallel > 1 else ProcessLLMEngine if engine.separate_process else AsyncLLMEngine
         )
         options = {}
-        if engine.pipeline_parallel > 1 and kind is ProcessLLMEngine:
+        if (engine.pipeline_parallel > 1 or engine.tensor_parallel > 1) and kind is ProcessLLMEngine:
             from pylon.serving.engine.pipeline import placement
 
-            options["pipeline"] = placement()  # its stages go in this replica's placement group
+            options["pipeline"] = placement()  # its stages (shards) go in this replica's placement group
         self.engine = kind.from_model(self.spec.model, self.spec.engine, **options)
         log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
         # The model's sampling defaults (its generation_config.json's; none under engine.generation_config: none),

@@ -195,6 +195,10 @@ class LLMEngine:
             try:
                 if self.encoder:
                     self.runner = self._encoder_runner(directory, model, spec)
+                elif spec.tensor_parallel > 1:  # shards across processes (GPUs) of this node (engine/tensor.py)
+                    from pylon.serving.engine.tensor import TensorRunner
+
+                    self.runner = TensorRunner(directory, spec.tensor_parallel, runner_kwargs, pipeline)
                 elif spec.pipeline_parallel > 1:  # stages across processes and nodes (engine/pipeline.py)
                     from pylon.serving.engine.pipeline import PipelineRunner
 
@@ -331,6 +335,7 @@ class LLMEngine:
             ("engine.adapters", [a.name for a in spec.adapters], []),
             ("engine.dynamic_adapters.root", spec.dynamic_adapters.root, None),
             ("engine.pipeline_parallel", spec.pipeline_parallel, 1),
+            ("engine.tensor_parallel", spec.tensor_parallel, 1),
         ):
             if value != neutral:
                 raise PylonError(

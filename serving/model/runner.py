@@ -39,7 +39,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
-from pylon.serving.model import kernels, linear, lora, moe, quant, stages, tensor
+from pylon.serving.model import kernels, linear, lora, moe, quant, stages
+from pylon.serving.model import tensor as shards
 from pylon.serving.model.attention import (
     AttentionMetadata,
     Final,
@@ -350,7 +351,7 @@ class ModelRunner:
         images: bool = False,
         classifier_from_token: Sequence[int] = (),
         stage: stages.Stage | None = None,
-        shard: tensor.Shard | None = None,
+        shard: shards.Shard | None = None,
     ):
         """`stage`: hold only that pipeline stage's decoder layers (and their KV cache), and the embeddings and the
         head (final norm, lm_head) where it is the first (pylon.serving.model.stages); its `execute_step` then takes
@@ -398,7 +399,7 @@ class ModelRunner:
             if why is not None:
                 raise PylonError(f"engine.pipeline_parallel: model {model_dir}: {why}")
         if shard is not None:
-            why = tensor.refused(model_type, config, shard.count)
+            why = shards.refused(model_type, config, shard.count)
             if why is None and (multimodal or adapters or classifier_from_token or stage is not None):
                 why = "multimodal checkpoints, adapters, classifiers and pipeline stages are not split into shards"
             if why is not None:
@@ -446,7 +447,7 @@ class ModelRunner:
                 self.model = stages.load_stage(model_dir, config, self.dtype, stage)
                 self.stage_weights_bytes = stages.stage_bytes(self.model)  # as loaded (before packing)
             elif shard is not None:
-                self.model = tensor.load_shard(model_dir, config, self.dtype, shard)
+                self.model = shards.load_shard(model_dir, config, self.dtype, shard)
                 config = self.model.config  # the shard's: its heads, its MLP width
                 self.stage_weights_bytes = stages.stage_bytes(self.model)
             else:
@@ -640,7 +641,7 @@ class ModelRunner:
             _pack_llama(self.model, quantization)
         self.shard = shard
         if shard is not None:  # (on the projections as the forward calls them: packed, quantized or not)
-            tensor.reduce_outputs(self.model, self._own_layers())
+            shards.reduce_outputs(self.model, self._own_layers())
         self.vocab_size = config.vocab_size
         # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:
         # LongRoPE's switch to its long factors), said once here.

@@ -567,6 +567,56 @@ def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, ser
     assert not alive, alive
 
 
+# ~60 s (a replica replaced); tests/unit/serving/engine/test_tensor_shards.py checks the shards' arithmetic.
+# `make test-all`.
+@pytest.mark.slow
+def test_a_model_in_two_tensor_parallel_shards_answers_as_transformers(ray_cluster, served, tmp_path_factory):
+    """engine.tensor_parallel 2: the replica's engine process holds half of every layer's heads and MLP, a ShardWorker
+    actor (a process of its own, in the replica's placement group, on its node) the other half; 8 concurrent greedy
+    requests through HTTP are token for token transformers' own, both shards computing every step. The shard
+    killed: the next request fails at once with an error body naming the shard, and Serve replaces the replica, a
+    new shard with it. Deleting the deployment ends the shard too."""
+    import psutil
+
+    from pylon.sdk.serve import delete, deploy
+
+    directory = tmp_path_factory.mktemp("tiny-llama-tp")
+    model = tiny_llama(directory)
+    base = _spec("tiny-tp", directory)
+    engine = {**base.engine.model_dump(mode="json"), "tensor_parallel": 2}
+    http = {**base.http.model_dump(mode="json"), "api_keys_env": None, "route_prefix": "/tp"}
+    url = deploy(_spec("tiny-tp", directory, engine=engine, http=http, replica={"num_cpus": 0.25}))
+    try:
+        replicas = _replica_processes(ray_cluster, "ServeReplica:tiny-tp")
+        assert len(replicas) == 1, replicas
+        engines = _engine_processes(replicas[0])
+        shards = _replica_processes(ray_cluster, "ShardWorker")
+        assert len(engines) == 1 and len(shards) == 1, (engines, shards)
+        prompts = [f"shard request {i}: " + "xyz" * i for i in range(8)]
+        expected = [greedy_text(model, p, 12) for p in prompts]
+
+        def complete(prompt: str) -> str:
+            return greedy_completion(url, "tiny-tp", prompt, 12)
+
+        before = sum(shards[0].cpu_times()[:2])
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(complete, prompts)) == expected
+        assert sum(shards[0].cpu_times()[:2]) > before  # the second shard computed its half
+
+        shards[0].kill()
+        r = requests.post(
+            f"{url}/v1/completions", timeout=120, json={"model": "tiny-tp", "prompt": prompts[0], "max_tokens": 4}
+        )
+        assert r.status_code >= 500 and "error" in r.json(), r.text
+        fresh = _replaced(ray_cluster, url, "ShardWorker", shards[0], "the replica whose shard died")
+        assert complete(prompts[1]) == expected[1]
+        shards += fresh
+    finally:
+        delete("tiny-tp")
+    _, alive = psutil.wait_procs(shards, timeout=60)  # no shard outlives its replica
+    assert not alive, alive
+
+
 # ~50 s of a second deployment; tests/unit/serving/api/test_routing.py checks the router's policy and key against
 # real engines' block hashes. `make test-all`.
 @pytest.mark.slow

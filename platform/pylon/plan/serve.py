@@ -35,7 +35,8 @@ class ServeOption:
     batch_tps: float  # decode ceiling at max_num_seqs (or as many sequences as fit) at half-full contexts
     batch: int
     utilization: float
-    gpus: int = 1  # accelerators a replica takes: one a pipeline stage (the memory above is the largest stage's)
+    gpus: int = 1  # accelerators a replica takes: one a pipeline stage (the memory above is the largest stage's)...
+    split: str = "stage"  # ...or one a tensor-parallel "shard" (the memory above is one shard's)
 
     @property
     def total(self) -> int:
@@ -337,6 +338,23 @@ def plan_serve(
             f"is the replica's {stages} GPUs; decode throughput is the whole model's, the stages computing in turn "
             "(plus one hop of a step's hidden states between stages, not counted)"
         )
+    # Tensor-parallel shards (engine.tensor_parallel): each on a GPU of the node, holding its share of every layer
+    # (heads and MLP) and the embeddings and lm_head whole, and its heads' share of the KV cache; a decode step reads
+    # each shard's weights at once, so at the GPUs' bandwidth together (their all-reduces not counted).
+    shards = e.tensor_parallel
+    if shards > 1:
+        from pylon.serving.model.stages import weight_sizes
+
+        layers, rest = _counted[1] if _counted is not None else weight_sizes(config)
+        share = (sum(layers) / shards + rest) / (sum(layers) + rest)
+        held = int((weights - draft_weights) * share) + draft_weights
+        held_per_token = per_token // shards
+        notes.append(
+            f"{shards} tensor-parallel shards on one node, one GPU each: the memory shown is one shard's ("
+            f"{share:.0%} of the weights: its share of every layer's heads and MLP, the embeddings and lm_head "
+            f"whole; its heads' share of the KV cache); the cost is the replica's {shards} GPUs; a decode step reads "
+            "the shards' weights at once (their all-reduces, two a layer, not counted)"
+        )
     context = max(1, e.max_model_len // 2)
     rows = []
     for acc in accelerators:
@@ -363,11 +381,11 @@ def plan_serve(
 
         def decode_tps(seqs: int) -> float:  # a decode step reads every weight and each sequence's KV cache
             read = weights - expert_bytes * (1 - experts_read(shape, seqs))  # an MoE model: the experts hit
-            return seqs / ((read + seqs * context * per_token) / bandwidth + launch) if seqs else 0.0
+            return seqs / ((read + seqs * context * per_token) / shards / bandwidth + launch) if seqs else 0.0
 
         single = decode_tps(1 if kv_fit >= context else 0)
         batched = decode_tps(batch)
-        compute_ceiling = acc.peak_flops(dtype) * mfu / (2 * shape.matmul_params)
+        compute_ceiling = shards * acc.peak_flops(dtype) * mfu / (2 * shape.matmul_params)
         rows.append(
             ServeOption(
                 acc,
@@ -383,7 +401,8 @@ def plan_serve(
                 min(batched, compute_ceiling),
                 batch,
                 utilization,
-                stages,
+                stages * shards,
+                "shard" if shards > 1 else "stage",
             )
         )
     fitting = [r for r in rows if r.fits]

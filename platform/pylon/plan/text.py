@@ -148,7 +148,11 @@ def _render_serve(p: ServePlan) -> str:
         f"Deployment '{p.name}': {p.model}, {_count(s.total_params)} parameters, {p.dtype}",
         # the weights as loaded: quantized projections, adapters and a draft model included (every row's are these)
         f"  weights {_gib(p.rows[0].weights if p.rows else s.total_params * WEIGHT_BYTES[p.dtype])}"
-        + (" (the largest pipeline stage's)" if p.rows and p.rows[0].gpus > 1 else "")
+        + (
+            (" (one tensor-parallel shard's)" if p.rows[0].split == "shard" else " (the largest pipeline stage's)")
+            if p.rows and p.rows[0].gpus > 1
+            else ""
+        )
         + ", KV cache "
         f"{p.kv_per_token / 2**10:,.1f} KiB per "
         f"token ({s.num_layers} layers x "
@@ -161,7 +165,11 @@ def _render_serve(p: ServePlan) -> str:
         "",
         "Per accelerator ("
         + (
-            f"{p.rows[0].gpus} GPUs per replica, one a pipeline stage, the memory the largest stage's"
+            (
+                f"{p.rows[0].gpus} GPUs per replica, one a tensor-parallel shard, the memory one shard's"
+                if p.rows[0].split == "shard"
+                else f"{p.rows[0].gpus} GPUs per replica, one a pipeline stage, the memory the largest stage's"
+            )
             if p.rows and p.rows[0].gpus > 1
             else "one GPU per replica"
         )

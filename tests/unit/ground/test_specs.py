@@ -524,6 +524,22 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "to 1, or pipeline_parallel to 1)",
         ),
         (
+            "engine: {tensor_parallel: 2, pipeline_parallel: 2}\n",
+            "4: document 1 (Deployment 'svc'): engine.pipeline_parallel: is not served with tensor_parallel 2 (set it "
+            "to 1, or tensor_parallel to 1)",
+        ),
+        (
+            "engine:\n  tensor_parallel: 2\n  adapters: [{name: a, path: s3://b/a}]\n",
+            "6: document 1 (Deployment 'svc'): engine.adapters: is not served with tensor_parallel 2 (set it to [], "
+            "or tensor_parallel to 1)",
+        ),
+        (
+            "engine: {tensor_parallel: 2}\nreplica: {num_cpus: 0}\n",
+            "5: document 1 (Deployment 'svc'): replica.num_cpus: must be > 0 with engine.tensor_parallel 2: each "
+            "shard takes a placement group bundle of the replica's resources, and an empty bundle places nothing "
+            "(got 0, and num_gpus 0)",
+        ),
+        (
             "engine: {pipeline_parallel: 2, classifier_from_token: ['yes']}\n",
             "4: document 1 (Deployment 'svc'): engine.classifier_from_token: is not served with pipeline_parallel 2 "
             "(set it to [], or pipeline_parallel to 1)",
@@ -545,6 +561,9 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "adapter-twice",
         "adapter-own",
         "pipeline-dp",
+        "tensor-pipeline",
+        "tensor-adapters",
+        "tensor-no-resources",
         "pipeline-classifier",
         "pipeline-no-resources",
     ],

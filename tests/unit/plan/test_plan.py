@@ -961,3 +961,43 @@ def test_pipeline_stages_are_planned_one_gpu_each_the_largest_stage_binding() ->
     ), alone.notes
     three = spec.model_copy(update={"engine": spec.engine.model_copy(update={"pipeline_parallel": 3})})
     assert plan_serve(three, config=config, gpu="RTX-4090", _suggest=False).recommendation is None
+
+
+def test_tensor_parallel_shards_are_planned_one_gpu_each_one_shards_memory() -> None:
+    """engine.tensor_parallel: the 13B Llama in 4 shards on one node, each holding a quarter of every layer and the
+    embeddings and lm_head whole, and a quarter of each token's KV cache; a replica's cost is its 4 GPUs'; a decode
+    step reads the shards' weights at once, so one stream decodes faster than on one GPU holding the whole model."""
+    from transformers import AutoConfig
+
+    from pylon.serving.model.stages import weight_sizes
+
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        vocab_size=32000,
+    )
+
+    def gpu(name: str, shards: int):
+        engine = {"tensor_parallel": shards, "kv_cache_tokens": 8192, "max_model_len": 4096}
+        spec = DeploymentSpec(name="big", model="s3://b/m", replica={"num_gpus": 1}, engine=engine)
+        plan = plan_serve(spec, config=config)
+        return next(r for r in plan.rows if r.accelerator.name == name), plan
+
+    whole, _ = gpu("RTX-4090", 1)
+    four, plan = gpu("RTX-4090", 4)
+    layers, rest = weight_sizes(config)
+    shape = plan.shape
+    assert not whole.fits and four.fits and four.gpus == 4 and four.split == "shard"
+    assert four.weights == int(shape.total_params * 2 * (sum(layers) / 4 + rest) / (sum(layers) + rest))
+    assert four.kv_cache == 8192 * (kv_bytes_per_token(shape, 2) // 4)
+    h100, _ = gpu("H100-SXM", 1)
+    h100_four, _ = gpu("H100-SXM", 4)
+    # (each step's kernel launches stay: faster, by less than the shard count)
+    assert 1.5 < h100_four.single_stream_tps / h100.single_stream_tps < 4
+    expected = 4 * four.accelerator.price_per_gpu_hour / (four.batch_tps * 3600 * four.utilization) * 1e6
+    assert four.cost_per_million_tokens == pytest.approx(expected)
+    assert any("4 tensor-parallel shards on one node, one GPU each" in n for n in plan.notes)
+    assert "4 GPUs per replica, one a tensor-parallel shard" in render(plan)

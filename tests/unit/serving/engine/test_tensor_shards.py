@@ -99,3 +99,19 @@ def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     assert local.head_dim == config.hidden_size // config.num_attention_heads
     with pytest.raises(PylonError, match=r"engine.tensor_parallel: model .*: its 2 key-value heads do not split"):
         ModelRunner(family.dir, num_blocks=4, block_size=16, dtype="fp32", device="cpu", shard=Shard(0, 4))
+
+
+def test_a_replica_of_shards_asks_for_a_bundle_a_shard_all_on_one_node():
+    from pylon.serving.api.builder import pipeline_placement
+    from pylon.specs import DeploymentSpec
+
+    spec = DeploymentSpec(
+        name="m",
+        model="s3://b/m",
+        engine={"tensor_parallel": 4, "device": "cuda"},
+        replica={"num_cpus": 2, "num_gpus": 1},
+    )
+    assert pipeline_placement(spec) == {
+        "placement_group_bundles": [{"CPU": 2, "GPU": 1}] * 4,
+        "placement_group_strategy": "STRICT_PACK",
+    }

@@ -1,0 +1,215 @@
+"""The engine's runner for a model split into tensor-parallel shards across the GPUs of one node
+(`engine.tensor_parallel`; vLLM's `tensor_parallel_size`).
+
+Shard 1 is the engine's own process; each other shard is a Ray actor (`ShardWorker`) in a bundle of the replica's
+placement group, every bundle on the replica's node (STRICT_PACK: shards talk twice a layer, which only a node's own
+links carry at speed). Each holds its slice of every layer and its heads' KV cache (pylon.serving.model.tensor).
+A step: the engine schedules as always, sends the step's sequences to every other shard (a Ray call each, not
+waited for), and computes it itself; the shards meet in each layer's all-reduces (gloo on CPUs, NCCL on GPUs, in a
+torch.distributed group of them alone), so every shard ends the step with the whole logits; the engine samples from
+its own. The group's rendezvous is a file in a private directory of the node, and gloo and NCCL are bound to the
+loopback interface: nothing listens off the node's loopback.
+
+The shards read the model from the engine's local copy (they are on its node): no shard copies it again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from pylon.errors import PylonError
+from pylon.serving.model.tensor import Shard
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 900.0  # the shards load their slices (a large model: minutes)
+COLLECTIVE_TIMEOUT_S = 300.0  # a shard that stops answering (its process died): the step fails after this long
+
+
+def _join(rank: int, count: int, store: str, device: str) -> None:
+    """This process as rank `rank` of the shards' torch.distributed group, met at the file `store`."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (the shards share a node: its loopback only)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=count,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
+def _device(runner_kwargs: dict) -> str:
+    wanted = str(runner_kwargs.get("device", "auto"))
+    return "cuda" if wanted != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+class ShardWorker:
+    """One tensor-parallel shard after the first (a Ray actor on the engine's node): its `ModelRunner`, which runs
+    every step the engine runs."""
+
+    def __init__(self, directory: str, shard: Shard, runner_kwargs: dict, store: str):
+        from pylon.serving.engine.pipeline import _log_to_stderr
+        from pylon.serving.model.runner import ModelRunner
+
+        _log_to_stderr(f"pylon-shard-{shard.rank + 1}")
+        _join(shard.rank, shard.count, store, _device(runner_kwargs))
+        self.shard = shard
+        self.runner = ModelRunner(directory, shard=shard, **runner_kwargs)
+
+    def describe(self) -> dict:
+        from pylon.serving.engine.pipeline import _described
+
+        return _described(self.shard.rank, self.runner, None)
+
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
+
+    def run(self, steps) -> None:
+        self.runner.execute_step(steps)
+
+
+class TensorRunner:
+    """`ModelRunner`'s interface (what the engine uses of it) over the tensor-parallel shards of a model: shard 1 in
+    this process, the rest Ray actors on this node (see the module's docstring). `directory`: this process's local
+    copy of the model, which the other shards read too; `placement`: `placement()` of the replica whose engine
+    process this is (pylon.serving.engine.pipeline; None: this process's own)."""
+
+    def __init__(self, directory: str, count: int, runner_kwargs: dict, placement: dict | None = None):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        from pylon.serving.engine.pipeline import _connect, _described, _placement_group
+        from pylon.serving.model.runner import ModelRunner
+
+        started = time.monotonic()
+        placement = placement or {}
+        ray = _connect(placement.get("address"))
+        group = _placement_group(ray, placement.get("placement_group"))
+        device = _device(runner_kwargs)
+        self._rendezvous = tempfile.mkdtemp(prefix="pylon-tp-")  # (0700: this user's alone)
+        store = os.path.join(self._rendezvous, "store")
+        worker = ray.remote(ShardWorker)
+        node = ray.get_runtime_context().get_node_id()
+        self.workers = []
+        for k in range(1, count):
+            if group is not None and len(group.bundle_specs) > k:
+                bundle = group.bundle_specs[k]
+                options = {
+                    "num_cpus": bundle.get("CPU", 0),
+                    "num_gpus": bundle.get("GPU", 0),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k),
+                }
+            else:  # outside a replica: one CPU (GPU) of this node
+                options = {
+                    "num_cpus": 1,
+                    "num_gpus": 1 if device == "cuda" else 0,
+                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False),
+                }
+            self.workers.append(worker.options(**options).remote(directory, Shard(k, count), runner_kwargs, store))
+        try:
+            _join(0, count, store, device)
+            self.local = ModelRunner(directory, shard=Shard(0, count), **runner_kwargs)
+            described = ray.get([w.describe.remote() for w in self.workers], timeout=START_TIMEOUT_S)
+        except ray.exceptions.RayActorError as e:
+            self.shutdown()
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise PylonError(f"engine.tensor_parallel: a shard failed to load the model: {cause}") from None
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise PylonError(
+                f"engine.tensor_parallel: the shards did not load within {START_TIMEOUT_S:.0f} s: this node may "
+                "have no room for them (each asks for its placement group bundle, or one CPU or GPU of the node)"
+            ) from None
+        except BaseException:
+            self.shutdown()
+            raise
+        self.described = [_described(0, self.local, None), *described]
+        for d in self.described:
+            log.info(
+                "tensor-parallel shard %d of %d: %.1f MiB of weights, %.1f MiB of KV cache, node %s, pid %d",
+                d["stage"] + 1,
+                count,
+                d["weights_bytes"] / 2**20,
+                d["kv_cache_bytes"] / 2**20,
+                d["node"][:12],
+                d["pid"],
+            )
+        log.info("%d tensor-parallel shards loaded in %.1f s", count, time.monotonic() - started)
+
+    def __getattr__(self, name: str):
+        # What the engine reads of its runner (vocab_size, config, device, dtype, ...): shard 1's.
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def execute(self, steps):
+        return self.execute_step(steps)[0]
+
+    @torch.no_grad()
+    def execute_step(self, steps):
+        import ray
+
+        done = [w.run.remote(steps) for w in self.workers]  # every shard computes the step; they meet in it
+        try:
+            out = self.local.execute_step(steps)
+            ray.get(done)
+        except Exception as e:  # a shard gone (its process killed): the collectives break at once
+            lost = self._lost(done)
+            if not lost:
+                raise
+            raise PylonError(
+                f"engine.tensor_parallel: {lost}; this engine cannot step without it (a replica's engine stops, and "
+                "Serve replaces the replica)"
+            ) from e
+        return out
+
+    def _lost(self, done: list) -> str:
+        """The shards whose step failed, and why ("" when none did)."""
+        import ray
+
+        lost = []
+        for k, ref in enumerate(done, start=2):
+            try:
+                ray.get(ref, timeout=10)
+            except Exception as e:  # RayActorError (its process gone), RayTaskError, GetTimeoutError
+                why = "its process is gone" if isinstance(e, ray.exceptions.RayActorError) else type(e).__name__
+                lost.append(f"shard {k} of {len(done) + 1} failed ({why})")
+        return ", ".join(lost)
+
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        import ray
+
+        remote = [w.warm_up.remote(max_num_seqs, max_num_batched_tokens) for w in self.workers]
+        done = self.local.warm_up(max_num_seqs, max_num_batched_tokens)
+        ray.get(remote)
+        return done
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        return 0  # (a graph would have to capture the shards' collectives: each step runs eagerly)
+
+    def fixed_weights(self) -> str | None:
+        return "it is split into tensor-parallel shards (engine.tensor_parallel)"
+
+    def load_weights(self, weights) -> int:
+        raise PylonError(f"model ({self.local.model_type}): its weights cannot be replaced: {self.fixed_weights()}")
+
+    def shutdown(self) -> None:
+        import ray
+        import torch.distributed as dist
+
+        for w in getattr(self, "workers", []):
+            ray.kill(w)
+        self.workers = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
