@@ -59,7 +59,7 @@ def placement() -> dict[str, str]:
     return found
 
 
-def _connect(address: str | None):
+def connect_ray(address: str | None):
     """Ray, connected: this process's own connection (a replica's, a driver's), or the cluster at `address` (the
     replica's), else RAY_ADDRESS's, else the local one."""
     import ray
@@ -78,7 +78,7 @@ def _connect(address: str | None):
     return ray
 
 
-def _placement_group(ray, given: str | None):
+def replica_placement_group(ray, given: str | None):
     """This process's placement group (a replica's), or the one whose id is `given` (the replica's, for its engine
     process), or None."""
     group = ray.util.get_current_placement_group()
@@ -131,13 +131,14 @@ def unpacked(message: tuple) -> tuple[torch.Tensor, float]:
     return torch.from_numpy(data).view(getattr(torch, dtype)).view(shape), seconds
 
 
-def _described(index: int, runner, read_bytes: int | None) -> dict:
-    """What a stage reports of itself once loaded: its layers, the bytes of its weights and KV cache, the weights'
-    bytes it read from object storage (None: from a local directory), and where it runs."""
+def described_runner(index: int, runner, read_bytes: int | None) -> dict:
+    """What a pipeline stage (or a tensor-parallel shard: engine/tensor.py) reports of itself once loaded: its index,
+    its layers, the bytes of its weights and KV cache, the weights' bytes it read from object storage (None: from a
+    local directory), and where it runs."""
     import ray
 
     return {
-        "stage": index,
+        "index": index,
         "layers": [runner.layers.start, runner.layers.stop],
         "weights_bytes": runner.stage_weights_bytes,
         "kv_cache_bytes": _kv_cache_bytes(runner),
@@ -148,7 +149,7 @@ def _described(index: int, runner, read_bytes: int | None) -> dict:
     }
 
 
-def _log_to_stderr(name: str) -> None:
+def log_to_stderr(name: str) -> None:
     """Pylon's INFO lines to this process's stderr (an actor's log file), as the engine process logs (a Ray worker
     passes WARNING and above only)."""
     logger = logging.getLogger("pylon")
@@ -168,7 +169,7 @@ class StageWorker:
         from pylon.serving.engine.adapters import named_adapter_error, spec_adapter_dirs
         from pylon.serving.model.runner import ModelRunner
 
-        _log_to_stderr(f"pylon-stage-{stage.index + 1}")
+        log_to_stderr(f"pylon-stage-{stage.index + 1}")
         with contextlib.ExitStack() as stack:
             directory, own, read = stack.enter_context(stage_model_dir(model, stage.index, stage.count))
             if own != stage:  # (the engine split the same config's layers)
@@ -182,7 +183,7 @@ class StageWorker:
         self.stage, self.read_bytes = stage, read
 
     def describe(self) -> dict:
-        return _described(self.stage.index, self.runner, self.read_bytes)
+        return described_runner(self.stage.index, self.runner, self.read_bytes)
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
@@ -276,8 +277,8 @@ class PipelineRunner:
         started = time.monotonic()
         # The actors first: they load while this process loads its own stage.
         placement = placement or {}
-        ray = _connect(placement.get("address"))
-        group = _placement_group(ray, placement.get("placement_group"))
+        ray = connect_ray(placement.get("address"))
+        group = replica_placement_group(ray, placement.get("placement_group"))
         worker = ray.remote(StageWorker)
         self.stages = []
         for k in range(1, count):
@@ -297,13 +298,13 @@ class PipelineRunner:
                 f"engine.pipeline_parallel: the stages did not load {model} within {STAGE_START_TIMEOUT_S:.0f} s: "
                 "no node may have room for them (each asks for its placement group bundle, or one CPU or GPU)"
             ) from None
-        self.described = [_described(0, self.local, read_bytes), *described]
+        self.described = [described_runner(0, self.local, read_bytes), *described]
         # the weights' bytes the stages read from object storage (each its own tensors: model/stages.py)
         self.pipeline_weights_read_bytes = sum(d["read_bytes"] or 0 for d in self.described)
         for d in self.described:
             log.info(
                 "pipeline stage %d of %d: layers %d-%d, %.1f MiB of weights (%s), node %s, pid %d",
-                d["stage"] + 1,
+                d["index"] + 1,
                 count,
                 d["layers"][0],
                 d["layers"][1] - 1,

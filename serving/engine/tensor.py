@@ -59,18 +59,18 @@ class ShardWorker:
     every step the engine runs."""
 
     def __init__(self, directory: str, shard: Shard, runner_kwargs: dict, store: str):
-        from pylon.serving.engine.pipeline import _log_to_stderr
+        from pylon.serving.engine.pipeline import log_to_stderr
         from pylon.serving.model.runner import ModelRunner
 
-        _log_to_stderr(f"pylon-shard-{shard.rank + 1}")
+        log_to_stderr(f"pylon-shard-{shard.rank + 1}")
         _join(shard.rank, shard.count, store, _device(runner_kwargs))
         self.shard = shard
         self.runner = ModelRunner(directory, shard=shard, **runner_kwargs)
 
     def describe(self) -> dict:
-        from pylon.serving.engine.pipeline import _described
+        from pylon.serving.engine.pipeline import described_runner
 
-        return _described(self.shard.rank, self.runner, None)
+        return described_runner(self.shard.rank, self.runner, None)
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
@@ -88,13 +88,13 @@ class TensorRunner:
     def __init__(self, directory: str, count: int, runner_kwargs: dict, placement: dict | None = None):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-        from pylon.serving.engine.pipeline import _connect, _described, _placement_group
+        from pylon.serving.engine.pipeline import connect_ray, described_runner, replica_placement_group
         from pylon.serving.model.runner import ModelRunner
 
         started = time.monotonic()
         placement = placement or {}
-        ray = _connect(placement.get("address"))
-        group = _placement_group(ray, placement.get("placement_group"))
+        ray = connect_ray(placement.get("address"))
+        group = replica_placement_group(ray, placement.get("placement_group"))
         device = _device(runner_kwargs)
         self._rendezvous = tempfile.mkdtemp(prefix="pylon-tp-")  # (0700: this user's alone)
         store = os.path.join(self._rendezvous, "store")
@@ -133,11 +133,11 @@ class TensorRunner:
         except BaseException:
             self.shutdown()
             raise
-        self.described = [_described(0, self.local, None), *described]
+        self.described = [described_runner(0, self.local, None), *described]
         for d in self.described:
             log.info(
                 "tensor-parallel shard %d of %d: %.1f MiB of weights, %.1f MiB of KV cache, node %s, pid %d",
-                d["stage"] + 1,
+                d["index"] + 1,
                 count,
                 d["weights_bytes"] / 2**20,
                 d["kv_cache_bytes"] / 2**20,
