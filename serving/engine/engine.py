@@ -157,8 +157,8 @@ class LLMEngine:
     def __init__(self, model: str, spec: EngineSpec | None = None, *, pipeline: dict | None = None):
         """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
         directories are copied to a temporary directory, loaded, and the copy removed). `pipeline`: with
-        engine.pipeline_parallel, the cluster and placement group the stages go to (engine/pipeline.py's
-        `placement()`, from a replica to its engine process); None: this process's own."""
+        engine.pipeline_parallel (engine.tensor_parallel), the cluster and placement group the stages (shards) go to
+        (engine/pipeline.py's `placement()`, from a replica to its engine process); None: this process's own."""
         # Imported here so that importing this module stays light (no torch, no transformers).
         from pylon.serving.model.runner import ModelRunner, model_type_of
 
