@@ -170,6 +170,30 @@ def _adapter_params(config, i: int, uri: str, counted: dict) -> int:
 MAX_SUGGESTED_STAGES = 16
 
 
+SUGGESTED_SHARDS = (2, 4, 8)  # the GPUs of one node
+
+
+def _fewest_shards(spec: DeploymentSpec, config, shape: ModelShape, **options) -> tuple[int, ServeOption] | None:
+    """The fewest tensor-parallel shards past the spec's (2, 4 or 8: one node's GPUs) with which the model fits some
+    GPU considered, and that plan's recommendation; None where none does or the model cannot be split so
+    (pylon.serving.model.tensor.refused), or the spec's pipeline stages stand in the way."""
+    from pylon.serving.model.stages import weight_sizes
+    from pylon.serving.model.tensor import refused
+
+    engine = spec.engine
+    if engine.pipeline_parallel > 1 or engine.data_parallel > 1 or engine.adapters or engine.dynamic_adapters.root:
+        return None
+    counted = (shape, weight_sizes(config))
+    for n in (n for n in SUGGESTED_SHARDS if n > engine.tensor_parallel):
+        if refused(config.model_type, config, n) is not None:
+            continue
+        split = spec.model_copy(update={"engine": engine.model_copy(update={"tensor_parallel": n})})
+        plan = plan_serve(split, config=config, _suggest=False, _counted=counted, **options)
+        if plan.recommendation is not None:
+            return n, plan.recommendation
+    return None
+
+
 def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -> tuple[int, ServeOption] | None:
     """The fewest pipeline stages past the spec's (up to MAX_SUGGESTED_STAGES, one layer a stage at least) with which
     the model fits some GPU considered, and that plan's recommendation; None where none does or the model cannot be
@@ -180,6 +204,8 @@ def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -
     if refused(config.model_type, config.model_type in TEXT_MODELS, config) is not None:
         return None
     engine = spec.engine
+    if engine.tensor_parallel > 1:
+        return None
     counted = (shape, weight_sizes(config))
     for n in range(engine.pipeline_parallel + 1, min(shape.num_layers, MAX_SUGGESTED_STAGES) + 1):
         split = spec.model_copy(update={"engine": engine.model_copy(update={"pipeline_parallel": n})})
@@ -408,11 +434,21 @@ def plan_serve(
     fitting = [r for r in rows if r.fits]
     recommendation = min(fitting, key=lambda r: r.cost_per_million_tokens) if fitting else None
     if recommendation is None and _suggest:
-        staged = _fewest_stages(spec, config, shape, catalog=catalog, gpu=gpu, mfu=mfu, utilization=utilization)
+        options = {"catalog": catalog, "gpu": gpu, "mfu": mfu, "utilization": utilization}
+        sharded = _fewest_shards(spec, config, shape, **options)
+        if sharded is not None:
+            n, rec = sharded
+            notes.append(
+                f"it fits no one GPU as asked; in {n} tensor-parallel shards on one node (engine.tensor_parallel: "
+                f"{n}, one GPU a shard) it fits {rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per "
+                f"million tokens at {utilization:.0%} utilisation, one shard {_gib(rec.total)}"
+            )
+        staged = _fewest_stages(spec, config, shape, **options)
         if staged is not None:
             n, rec = staged
             notes.append(
-                f"it fits no one GPU as asked; in {n} pipeline stages (engine.pipeline_parallel: {n}, one GPU a "
+                ("or, across nodes" if sharded is not None else "it fits no one GPU as asked")
+                + f"; in {n} pipeline stages (engine.pipeline_parallel: {n}, one GPU a "
                 f"stage) it fits {rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per million tokens at "
                 f"{utilization:.0%} utilisation, the largest stage {_gib(rec.total)}"
             )

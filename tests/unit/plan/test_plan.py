@@ -947,18 +947,21 @@ def test_pipeline_stages_are_planned_one_gpu_each_the_largest_stage_binding() ->
     assert any("4 pipeline stages, one GPU each" in n for n in plan.notes)
     text = render(plan)
     assert "4 GPUs per replica, one a pipeline stage" in text and "(the largest pipeline stage's)" in text
-    # Asked for one RTX 4090 with 65,536 tokens of KV cache, the plan recommends nothing and says how few stages fit
-    # it: 4 (3 do not: the largest stage's weights and its layers' cache pass 24 GB).
+    # Asked for one RTX 4090 with 65,536 tokens of KV cache, the plan recommends nothing and says how few shards of
+    # one node fit it, and how few stages across nodes: 4 of each (2 shards or 3 stages do not: a shard's or the
+    # largest stage's weights and KV cache pass 24 GB).
     spec = DeploymentSpec(name="big", model="s3://b/m", replica={"num_gpus": 1}, engine={"max_model_len": 4096})
     alone = plan_serve(spec, config=config, gpu="RTX-4090")
     assert alone.recommendation is None
-    assert any(
-        n.startswith(
-            "it fits no one GPU as asked; in 4 pipeline stages (engine.pipeline_parallel: 4, one GPU a stage) "
-            "it fits RTX-4090: $"
-        )
-        for n in alone.notes
+    assert alone.notes[0].startswith(
+        "it fits no one GPU as asked; in 4 tensor-parallel shards on one node (engine.tensor_parallel: 4, one GPU a "
+        "shard) it fits RTX-4090: $"
     ), alone.notes
+    assert alone.notes[1].startswith(
+        "or, across nodes; in 4 pipeline stages (engine.pipeline_parallel: 4, one GPU a stage) it fits RTX-4090: $"
+    ), alone.notes
+    two = spec.model_copy(update={"engine": spec.engine.model_copy(update={"tensor_parallel": 2})})
+    assert plan_serve(two, config=config, gpu="RTX-4090", _suggest=False).recommendation is None
     three = spec.model_copy(update={"engine": spec.engine.model_copy(update={"pipeline_parallel": 3})})
     assert plan_serve(three, config=config, gpu="RTX-4090", _suggest=False).recommendation is None
 
