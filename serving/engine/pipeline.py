@@ -221,6 +221,29 @@ class StageWorker:
         return packed(out, seconds + time.perf_counter() - started)
 
 
+class SplitRunner:
+    """What the runners of a model split across processes share (`PipelineRunner`, engine/tensor.py's
+    `TensorRunner`): `local`, this process's part (a `ModelRunner`), answers what the engine reads of its runner
+    (vocab_size, config, device, dtype, ...); each step runs eagerly (a CUDA graph would capture one part of it), and
+    the weights cannot be replaced (`fixed_weights` says why)."""
+
+    local: object
+
+    def __getattr__(self, name: str):
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def execute(self, steps):
+        return self.execute_step(steps)[0]
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        return 0
+
+    def load_weights(self, weights) -> int:
+        raise PylonError(f"model ({self.local.model_type}): its weights cannot be replaced: {self.fixed_weights()}")
+
+
 @dataclass(frozen=True)
 class StagedAdapter:
     """An adapter loaded on demand, read for a pipeline's stages (`PipelineRunner.read_adapter`): stage 1's
@@ -241,7 +264,7 @@ class StagedAdapter:
         return self.local.directory
 
 
-class PipelineRunner:
+class PipelineRunner(SplitRunner):
     """`ModelRunner`'s interface (what the engine uses of it) over the stages of a model: stage 1 in this process,
     the rest Ray actors (see the module's docstring). `model`: the URI the stages load from (each on its own node);
     `directory`: this process's copy of what stage 1 loads (`stage_model_dir`), `read_bytes` of weights read for it
@@ -330,15 +353,6 @@ class PipelineRunner:
             }
         return {"num_cpus": 1, "num_gpus": 1 if cuda else 0, "scheduling_strategy": "SPREAD"}
 
-    def __getattr__(self, name: str):
-        # What the engine reads of its runner (vocab_size, config, device, dtype, ...): stage 1's.
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
-
-    def execute(self, steps):
-        return self.execute_step(steps)[0]
-
     @torch.no_grad()
     def execute_step(self, steps):
         import ray
@@ -415,14 +429,8 @@ class PipelineRunner:
         a = adapter
         self._puts += [s.put_adapter.remote(slot, a.files, a.where, a.max_rank, a.rank_limit) for s in self.stages]
 
-    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
-        return 0  # (each stage's step runs eagerly: one graph per stage and step would save little beside the hops)
-
     def fixed_weights(self) -> str | None:
         return "it is split into pipeline stages (engine.pipeline_parallel)"
-
-    def load_weights(self, weights) -> int:
-        raise PylonError(f"model ({self.local.model_type}): its weights cannot be replaced: {self.fixed_weights()}")
 
     def shutdown(self) -> None:
         import ray

@@ -25,6 +25,7 @@ import time
 import torch
 
 from pylon.errors import PylonError
+from pylon.serving.engine.pipeline import SplitRunner
 from pylon.serving.model.tensor import Shard
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class ShardWorker:
         self.runner.execute_step(steps)
 
 
-class TensorRunner:
+class TensorRunner(SplitRunner):
     """`ModelRunner`'s interface (what the engine uses of it) over the tensor-parallel shards of a model: shard 1 in
     this process, the rest Ray actors on this node (see the module's docstring). `directory`: this process's local
     copy of the model, which the other shards read too; `placement`: `placement()` of the replica whose engine
@@ -146,15 +147,6 @@ class TensorRunner:
             )
         log.info("%d tensor-parallel shards loaded in %.1f s", count, time.monotonic() - started)
 
-    def __getattr__(self, name: str):
-        # What the engine reads of its runner (vocab_size, config, device, dtype, ...): shard 1's.
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
-
-    def execute(self, steps):
-        return self.execute_step(steps)[0]
-
     @torch.no_grad()
     def execute_step(self, steps):
         import ray
@@ -194,14 +186,8 @@ class TensorRunner:
         ray.get(remote)
         return done
 
-    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
-        return 0  # (a graph would have to capture the shards' collectives: each step runs eagerly)
-
     def fixed_weights(self) -> str | None:
         return "it is split into tensor-parallel shards (engine.tensor_parallel)"
-
-    def load_weights(self, weights) -> int:
-        raise PylonError(f"model ({self.local.model_type}): its weights cannot be replaced: {self.fixed_weights()}")
 
     def shutdown(self) -> None:
         import ray
