@@ -151,9 +151,12 @@ def copy_tensors(uri: str, local_dir: str, keep: Callable[[str], bool]) -> Copie
         names = sorted(n for n in sizes if n.endswith(".safetensors"))
     total = Copied(total=sum(sizes[n] for n in names))
     kept_keys: dict[str, str] = {}
+    by_file: dict[str, list[str]] = {}
+    for key, name in (weight_map or {}).items():
+        by_file.setdefault(name, []).append(key)
     for name in names:
-        if weight_map is not None and not any(keep(k) for k, n in weight_map.items() if n == name):
-            total.of += sum(1 for n in weight_map.values() if n == name)
+        if weight_map is not None and not any(keep(k) for k in by_file[name]):
+            total.of += len(by_file[name])
             continue  # none of its tensors is asked for: not even its header is read
         part, keys = copy_file(fs, uri, f"{root}/{name}", name, os.path.join(local_dir, name), keep)
         total.read += part.read

@@ -90,6 +90,22 @@ def replica_placement_group(ray, given: str | None):
     return group
 
 
+def actor_options(group, k: int, runner_kwargs: dict, outside) -> dict:
+    """Part `k`'s actor options (a pipeline stage's, a tensor-parallel shard's): bundle k of the replica's placement
+    group `group`, or outside one, one CPU (GPU on CUDA) placed by the scheduling strategy `outside`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if group is not None and len(group.bundle_specs) > k:
+        bundle = group.bundle_specs[k]
+        return {
+            "num_cpus": bundle.get("CPU", 0),
+            "num_gpus": bundle.get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k),
+        }
+    cuda = str(runner_kwargs.get("device", "auto")) != "cpu" and torch.cuda.is_available()
+    return {"num_cpus": 1, "num_gpus": 1 if cuda else 0, "scheduling_strategy": outside}
+
+
 def microbatches(steps: list, count: int) -> list[list]:
     """`steps` cut into at most `count` contiguous, non-empty groups of about as many tokens each (none cut where
     there is one sequence, or `count` is 1)."""
@@ -306,7 +322,7 @@ class PipelineRunner(SplitRunner):
         self.stages = []
         for k in range(1, count):
             stage = stage_of(num_layers, k, count)
-            options = self._placement(ray, group, k, runner_kwargs)
+            options = actor_options(group, k, runner_kwargs, "SPREAD")
             self.stages.append(worker.options(**options).remote(model, stage, runner_kwargs, list(specs)))
         self.local = ModelRunner(directory, stage=stage_of(num_layers, 0, count), adapters=dirs, **runner_kwargs)
         try:
@@ -337,21 +353,6 @@ class PipelineRunner(SplitRunner):
                 d["pid"],
             )
         log.info("pipeline of %d stages loaded in %.1f s", count, time.monotonic() - started)
-
-    @staticmethod
-    def _placement(ray, group, k: int, runner_kwargs: dict) -> dict:
-        """Stage `k`'s actor options: bundle k of the replica's placement group, or one CPU (GPU) of the cluster."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        cuda = str(runner_kwargs.get("device", "auto")) != "cpu" and torch.cuda.is_available()
-        if group is not None and len(group.bundle_specs) > k:
-            bundle = group.bundle_specs[k]
-            return {
-                "num_cpus": bundle.get("CPU", 0),
-                "num_gpus": bundle.get("GPU", 0),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k),
-            }
-        return {"num_cpus": 1, "num_gpus": 1 if cuda else 0, "scheduling_strategy": "SPREAD"}
 
     @torch.no_grad()
     def execute_step(self, steps):

@@ -87,9 +87,9 @@ class TensorRunner(SplitRunner):
     process this is (pylon.serving.engine.pipeline; None: this process's own)."""
 
     def __init__(self, directory: str, count: int, runner_kwargs: dict, placement: dict | None = None):
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from pylon.serving.engine.pipeline import connect_ray, described_runner, replica_placement_group
+        from pylon.serving.engine.pipeline import actor_options, connect_ray, described_runner, replica_placement_group
         from pylon.serving.model.runner import ModelRunner
 
         started = time.monotonic()
@@ -103,19 +103,7 @@ class TensorRunner(SplitRunner):
         node = ray.get_runtime_context().get_node_id()
         self.workers = []
         for k in range(1, count):
-            if group is not None and len(group.bundle_specs) > k:
-                bundle = group.bundle_specs[k]
-                options = {
-                    "num_cpus": bundle.get("CPU", 0),
-                    "num_gpus": bundle.get("GPU", 0),
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k),
-                }
-            else:  # outside a replica: one CPU (GPU) of this node
-                options = {
-                    "num_cpus": 1,
-                    "num_gpus": 1 if device == "cuda" else 0,
-                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False),
-                }
+            options = actor_options(group, k, runner_kwargs, NodeAffinitySchedulingStrategy(node, soft=False))
             self.workers.append(worker.options(**options).remote(directory, Shard(k, count), runner_kwargs, store))
         try:
             _join(0, count, store, device)

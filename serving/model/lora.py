@@ -266,10 +266,11 @@ def load_adapter(
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
         module = _language_model_module(match["module"] if match else _module_of(key))
-        if match is None or module_re.fullmatch(module) is None:
+        projection = module_re.fullmatch(module) if match is not None else None
+        if projection is None:
             foreign.append(module)
             continue
-        layer = int(module_re.fullmatch(module)[1])
+        layer = int(projection[1])
         if held is not None and layer < held[1] and layer not in held[0]:
             elsewhere += 1  # another stage's layer
             continue

@@ -907,6 +907,16 @@ def test_an_engine_sampler_step_prefills_each_prompt_once_decodes_in_waves_and_c
     assert sampling_time(decodes, z3, h100, 0.4) < sampling_time(gathered_model, z3, h100, 0.4)
 
 
+# A 13B Llama's shape (Llama 2 13B's), for the split-model plans
+LLAMA_13B = {
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 40,
+    "vocab_size": 32000,
+}
+
+
 def test_pipeline_stages_are_planned_one_gpu_each_the_largest_stage_binding() -> None:
     """engine.pipeline_parallel: a 13B Llama does not fit a 24 GB GPU whole; in 4 stages each holds about a quarter (the
     largest stage's weights, from the parameters each stage loads: its layers, the first the embeddings, the last the
@@ -916,14 +926,7 @@ def test_pipeline_stages_are_planned_one_gpu_each_the_largest_stage_binding() ->
 
     from pylon.serving.model.stages import stage_parameters
 
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        vocab_size=32000,
-    )
+    config = AutoConfig.for_model("llama", **LLAMA_13B)
 
     def rtx4090(stages: int):
         engine = {"pipeline_parallel": stages, "kv_cache_tokens": 8192, "max_model_len": 4096}
@@ -974,14 +977,7 @@ def test_tensor_parallel_shards_are_planned_one_gpu_each_one_shards_memory() -> 
 
     from pylon.serving.model.stages import weight_sizes
 
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        vocab_size=32000,
-    )
+    config = AutoConfig.for_model("llama", **LLAMA_13B)
 
     def gpu(name: str, shards: int):
         engine = {"tensor_parallel": shards, "kv_cache_tokens": 8192, "max_model_len": 4096}
