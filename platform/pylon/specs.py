@@ -1228,9 +1228,10 @@ class EngineSpec(_Spec):
         "GPUs of one node together, every shard computing every step, its layers' outputs summed across the shards "
         "(gloo on CPUs, NCCL on GPUs, over the node's loopback and its own links). In a Serve replica the shards "
         "after the first take the bundles of the replica's placement group (each replica.num_cpus and "
-        "replica.num_gpus), all on one node (STRICT_PACK). Llama-like families with separate projections, whose "
-        "attention heads, key-value heads and MLP width it divides; not with pipeline_parallel, data_parallel, "
-        "adapters or classifier_from_token",
+        "replica.num_gpus), all on one node (STRICT_PACK). Llama-like families with separate projections, and "
+        "Mixtral, Qwen2-MoE and Qwen3-MoE (every expert split as the MLP is), whose attention heads, key-value heads "
+        "and MLP and experts' widths it divides; not with pipeline_parallel, data_parallel, adapters or "
+        "classifier_from_token",
     )
     generation_config: Literal["auto", "none"] = Field(
         "auto",

@@ -11,14 +11,24 @@ A shard is a model of its own: the family's class built from the config with `co
 width (`local_config`), so that everything downstream (the runner's KV cache, its attention, packing, quantization)
 sees an ordinary, smaller model; its weights are the checkpoint's slices, each read from the safetensors files by
 slice (`get_slice`: a shard never reads the other shards' slices). The families split are the Llama-like ones whose
-projections are separate modules and whose checkpoint keys are the model's (`refused`).
+projections are separate modules (`refused`).
+
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE; vLLM's default for them under tensor parallelism) split
+every expert as the dense MLP is split: each shard holds the same slice of every expert's gate, up and down
+projections (and of the shared expert's), the router whole, so that every shard routes every token alike and its
+experts' weighted outputs, summed, are a partial sum of the block's: one all-reduce per MoE block, as per dense MLP.
+The checkpoint's experts are separate tensors (`experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.
+{e}.w1.weight`), or fused as transformers holds them (`experts.gate_up_proj`); a shard reads its slice of each and
+fuses them as transformers' loader does (`_expert_reads`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +37,9 @@ import torch
 from pylon.errors import PylonError
 
 # The families split by heads and MLP width: separate q/k/v/o and gate/up/down projections, per-head (or no) query
-# and key norms, no experts, no latent attention, no recurrent layers, no attention sinks.
+# and key norms, no latent attention, no recurrent layers, no attention sinks; experts split by their width
+# (MOE_SPLIT_FAMILIES: softmax routers over the whole hidden state, gate and up as halves of one fused weight).
+MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SPLIT_FAMILIES = (
     "llama",
     "mistral",
@@ -45,6 +57,14 @@ SPLIT_FAMILIES = (
     "arcee",
     "apertus",
     "hunyuan_v1_dense",
+    *MOE_SPLIT_FAMILIES,
+)
+# The MLP widths a shard holds 1/count of: the dense MLP's (and Mixtral's experts'), Qwen MoE's experts' and their
+# shared expert's.
+_WIDTHS = (
+    ("intermediate_size", "MLP width"),
+    ("moe_intermediate_size", "experts' width"),
+    ("shared_expert_intermediate_size", "shared expert's width"),
 )
 ROW_PARALLEL = ("o_proj", "down_proj")  # their inputs sliced: partial sums, reduced across the shards
 
@@ -75,22 +95,24 @@ def refused(model_type: str, config, count: int) -> str | None:
             f"{', '.join(SPLIT_FAMILIES)})"
         )
     heads, kv_heads, _ = _heads(config)
-    width = config.intermediate_size
-    for what, n in (("attention heads", heads), ("key-value heads", kv_heads), ("MLP width", width)):
+    widths = [(what, getattr(config, name)) for name, what in _WIDTHS if getattr(config, name, None)]
+    for what, n in (("attention heads", heads), ("key-value heads", kv_heads), *widths):
         if n % count:
             return f"its {n} {what} do not split into {count} equal shards (use a count that divides them)"
     return None
 
 
 def local_config(config, count: int):
-    """`config` with `count` times fewer attention heads, key-value heads and MLP width (the head size kept): the
-    config of one shard's model."""
+    """`config` with `count` times fewer attention heads, key-value heads and MLP width (the experts' too; the head size
+    kept): the config of one shard's model."""
     heads, kv_heads, head_dim = _heads(config)
     local = copy.deepcopy(config)
     local.head_dim = head_dim
     local.num_attention_heads = heads // count
     local.num_key_value_heads = kv_heads // count
-    local.intermediate_size = config.intermediate_size // count
+    for name, _ in _WIDTHS:
+        if getattr(config, name, None):
+            setattr(local, name, getattr(config, name) // count)
     return local
 
 
@@ -129,9 +151,71 @@ def _slicer(name: str, local: torch.Size, full: list[int], shard: Shard) -> Call
     raise PylonError(f"{name}: the shard's shape {list(local)} is no slice of the checkpoint's {full}")
 
 
+# How checkpoints hold an expert's projections, which transformers holds fused (`experts.gate_up_proj`, `[experts,
+# 2 x width, hidden]`, and `experts.down_proj`, `[experts, hidden, width]`): each expert's apart, Qwen's names or
+# Mixtral's.
+_EXPERT_PARTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+
+
+def _renamed(key: str) -> str:
+    """`key` as Mixtral's checkpoints name it (its MoE block `block_sparse_moe`, transformers' `mlp`)."""
+    return re.sub(r"\.mlp(\.|$)", r".block_sparse_moe\1", key)
+
+
+def _sources(key: str, files: dict[str, str], experts: int) -> list[str] | None:
+    """The checkpoint's tensors that the model's tensor `key` is read from: itself (or its Mixtral name), or, for
+    fused expert weights, each expert's in order (gate and up alternating); None where they are not all there."""
+    for name in (key, _renamed(key)):
+        if name in files:
+            return [name]
+    head, _, part = key.rpartition(".experts.")
+    for prefix in (head, _renamed(head)) if head and part in _EXPERT_PARTS else ():
+        for names in _EXPERT_PARTS[part]:
+            sources = [f"{prefix}.experts.{e}.{name}.weight" for e in range(experts) for name in names]
+            if all(s in files for s in sources):
+                return sources
+    return None
+
+
+def _expert_reads(key: str, local: torch.Tensor, sources: list[str], view: Callable, shard: Shard) -> None:
+    """Shard `shard`'s slice of every expert's fused weight `key` (`local`, the shard's) read into it: each expert's
+    gate and up rows `rank * width ...` (the shard's `width`), or its down projection's columns, from the fused
+    checkpoint tensor or each expert's."""
+    r = shard.rank
+    down = key.endswith("down_proj")
+    width = local.shape[2] if down else local.shape[1] // 2
+    part = slice(r * width, (r + 1) * width)
+    experts, hidden = local.shape[0], local.shape[1] if down else local.shape[2]
+    full = width * shard.count
+
+    def checked(source: str, want: list[int]):
+        v = view(source)
+        if list(v.get_shape()) != want:
+            raise PylonError(
+                f"{source}: its shape {list(v.get_shape())} is not the {want} that {key} of the model's config holds"
+            )
+        return v
+
+    if len(sources) == 1:  # fused as transformers holds them
+        if down:
+            local.copy_(checked(sources[0], [experts, hidden, full])[:, :, part])
+        else:
+            v = checked(sources[0], [experts, 2 * full, hidden])
+            local[:, :width].copy_(v[:, part])
+            local[:, width:].copy_(v[:, full + r * width : full + (r + 1) * width])
+        return
+    for e in range(experts):
+        if down:
+            local[e].copy_(checked(sources[e], [hidden, full])[:, part])
+        else:
+            for half, source in enumerate(sources[2 * e : 2 * e + 2]):
+                local[e, half * width : (half + 1) * width].copy_(checked(source, [full, hidden])[part])
+
+
 def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torch.nn.Module:
     """Shard `shard`'s causal LM of `model_dir` (its config `config`), in `dtype` on the CPU: the family's class
-    built from `local_config` (no initialisation), each tensor read as the shard's slice of the checkpoint's."""
+    built from `local_config` (no initialisation), each tensor read as the shard's slice of the checkpoint's (an
+    MoE model's experts fused from each expert's, as transformers' loader fuses them)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -144,27 +228,34 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
     files = _weight_files(model_dir)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict()
-    missing = [k for k in state if k not in files and not (tied and k == "lm_head.weight")]
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    sources = {k: _sources(k, files, experts) for k in state if not (tied and k == "lm_head.weight")}
+    missing = [k for k, found in sources.items() if found is None]
     if missing:
         raise PylonError(
             f"model {model_dir}: {shard.describe()}: {len(missing)} of its tensors are not in the checkpoint under "
             f"the model's names ({', '.join(missing[:3])}): a checkpoint whose weights transformers converts at load "
-            "is not split for tensor parallelism"
+            "(other than fusing experts) is not split for tensor parallelism"
         )
-    by_file: dict[str, list[str]] = {}
-    for key in state:
-        if key in files:
-            by_file.setdefault(files[key], []).append(key)
-    with torch.no_grad():
-        for path, keys in by_file.items():
-            with safe_open(path, framework="pt") as f:
-                for key in keys:
-                    view = f.get_slice(key)
-                    take = _slicer(key, state[key].shape, view.get_shape(), shard)
-                    if take is None:
-                        state[key].zero_()
-                    else:
-                        state[key].copy_(take(view))
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        opened: dict[str, object] = {}
+
+        def view(source: str):
+            path = files[source]
+            if path not in opened:
+                opened[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return opened[path].get_slice(source)
+
+        for key, found in sources.items():
+            if key.rpartition(".experts.")[2] in _EXPERT_PARTS and state[key].dim() == 3:
+                _expert_reads(key, state[key], found, view, shard)
+                continue
+            v = view(found[0])
+            take = _slicer(key, state[key].shape, v.get_shape(), shard)
+            if take is None:
+                state[key].zero_()
+            else:
+                state[key].copy_(take(v))
     if tied:
         model.tie_weights()
     # the buffers computed at construction (the rotary embedding's frequencies), as the whole model's
@@ -173,14 +264,19 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
 
 def reduce_outputs(model: torch.nn.Module, layers) -> None:
     """Each row-parallel projection of `layers` (`ROW_PARALLEL`, as the runner calls them after packing or
-    quantizing) all-reduces its output across the shards, in place: the whole projection's output on every shard."""
+    quantizing), and each sparse MoE block (`SparseMoE`, whose shared expert's down projection is not reduced apart),
+    all-reduces its output across the shards, in place: the whole projection's or block's output on every shard."""
     import torch.distributed as dist
+
+    from pylon.serving.model.moe import SparseMoE
 
     def reduce(module, inputs, output):
         dist.all_reduce(output)
         return output
 
     for layer in layers:
+        if isinstance(layer.mlp, SparseMoE):  # its experts' and shared expert's partial sums: once, on the block
+            layer.mlp.register_forward_hook(reduce)
         for parent in (layer.self_attn, layer.mlp):
             for name in ROW_PARALLEL:
                 child = getattr(parent, name, None)

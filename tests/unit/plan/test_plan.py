@@ -672,6 +672,20 @@ def test_a_mixture_of_experts_model_counts_every_expert_in_memory_and_the_ones_a
     # One sequence reads the dense part and a quarter of the experts: decodes well past a dense model of its size.
     dense_bound = bf16.accelerator.bandwidth_gbs * 1e9 * 0.8 / bf16.weights
     assert bf16.single_stream_tps > 2 * dense_bound
+    # In bf16 it fits no H100 (80 GB) whole: the first way out named is 2 tensor-parallel shards on one node, every
+    # expert split in two (pylon.serving.model.tensor), each shard holding about half of the model
+    engine = {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536}
+    spec = DeploymentSpec(name="mixtral", model=str(tmp_path / "mixtral"), replica={"num_gpus": 1}, engine=engine)
+    h100 = plan_serve(spec, gpu="H100-SXM")
+    assert h100.recommendation is None
+    assert h100.notes[1].startswith(
+        "it fits no one GPU as asked; in 2 tensor-parallel shards on one node (engine.tensor_parallel: 2, one GPU a "
+        "shard) it fits H100-SXM: $"
+    ), h100.notes
+    engine["tensor_parallel"] = 2
+    spec = DeploymentSpec(name="mixtral", model=str(tmp_path / "mixtral"), replica={"num_gpus": 1}, engine=engine)
+    two = plan_serve(spec, gpu="H100-SXM").rows[0]
+    assert two.fits and two.split == "shard" and bf16.weights / 2 < two.weights < 0.52 * bf16.weights
 
 
 GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json (its MXFP4 quantization_config aside)

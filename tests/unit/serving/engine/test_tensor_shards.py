@@ -20,7 +20,12 @@ from pylon.serving.model.tensor import Shard, local_config, refused
 
 # Llama (grouped-query attention); Qwen3's per-head norms and tied embeddings; make test-all: Qwen2's biased q/k/v
 # projections, Gemma 3's windowed and full layers and its output norms (~11 s each).
-SHARDED = ("llama", "qwen3", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2", "gemma3_text")))
+SHARDED = (
+    "llama",
+    "qwen3",
+    "qwen2_moe",
+    *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2", "gemma3_text", "mixtral", "qwen3_moe")),
+)
 
 _SHARD = """
 import json, sys, torch, torch.distributed as dist
@@ -93,7 +98,7 @@ def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     config = family.model.config
     assert refused("llama", config, 2) is None
     assert "do not split into 3 equal shards" in refused("llama", config, 3)
-    assert "a mixtral model is not split for tensor parallelism" in refused("mixtral", config, 2)
+    assert "a gpt_oss model is not split for tensor parallelism" in refused("gpt_oss", config, 2)
     local = local_config(config, 2)
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 172)
     assert local.head_dim == config.hidden_size // config.num_attention_heads
@@ -115,3 +120,60 @@ def test_a_replica_of_shards_asks_for_a_bundle_a_shard_all_on_one_node():
         "placement_group_bundles": [{"CPU": 2, "GPU": 1}] * 4,
         "placement_group_strategy": "STRICT_PACK",
     }
+
+
+def _whole_experts(model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    experts = model.model.layers[layer].mlp.experts
+    return experts.gate_up_proj.detach(), experts.down_proj.detach()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["each-expert", "fused"])
+def test_shards_of_an_moe_model_hold_a_slice_of_every_expert(fused, tmp_path):
+    """Mixtral's checkpoint names each expert's projections apart (`block_sparse_moe.experts.{e}.w1.weight`); one saved
+    with transformers' fused names is read too: either way the two shards' experts, side by side, are the whole
+    model's (gate rows, up rows, down columns), the router every shard's whole, the experts' width halved."""
+    from safetensors.torch import save_file
+
+    from pylon.serving.model.tensor import load_shard
+
+    family = Family("mixtral", tmp_path / "mixtral", greedy=False)
+    if fused:  # the model's own names: experts.gate_up_proj [experts, 2 x width, hidden], experts.down_proj
+        state = {k: v.contiguous() for k, v in family.model.state_dict().items()}
+        save_file(state, str(tmp_path / "mixtral" / "model.safetensors"))
+    config = family.model.config
+    shards = [load_shard(family.dir, config, torch.float32, Shard(r, 2)) for r in range(2)]
+    width = config.intermediate_size // 2
+    assert all(s.config.intermediate_size == width for s in shards)
+    for layer in range(config.num_hidden_layers):
+        gate_up, down = _whole_experts(family.model, layer)
+        parts = [_whole_experts(s, layer) for s in shards]
+        full = config.intermediate_size
+        gates = torch.cat([p[0][:, :width] for p in parts], dim=1)
+        ups = torch.cat([p[0][:, width:] for p in parts], dim=1)
+        torch.testing.assert_close(gates, gate_up[:, :full], rtol=0, atol=0)
+        torch.testing.assert_close(ups, gate_up[:, full:], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat([p[1] for p in parts], dim=2), down, rtol=0, atol=0)
+        router = family.model.model.layers[layer].mlp.gate.weight
+        assert all(torch.equal(s.model.layers[layer].mlp.gate.weight, router) for s in shards)
+
+
+def test_an_moe_checkpoint_whose_experts_do_not_fit_the_config_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from pylon.serving.model.tensor import load_shard
+
+    family = Family("qwen2_moe", tmp_path / "m", greedy=False)
+    path = str(tmp_path / "m" / "model.safetensors")
+    state = load_file(path)
+    key = "model.layers.0.mlp.experts.2.up_proj.weight"
+    state[key] = state[key][:-2]  # two rows short
+    save_file(state, path)
+    config = family.model.config
+    with pytest.raises(PylonError, match=rf"{key}: its shape \[62, 128\] is not the \[64, 128\]"):
+        load_shard(family.dir, config, torch.float32, Shard(1, 2))
+    del state[key]
+    save_file(state, path)
+    with pytest.raises(
+        PylonError, match=r"1 of its tensors are not in the checkpoint .*layers.0.mlp.experts.gate_up_proj"
+    ):
+        load_shard(family.dir, config, torch.float32, Shard(0, 2))
