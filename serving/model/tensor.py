@@ -13,6 +13,10 @@ sees an ordinary, smaller model; its weights are the checkpoint's slices, each r
 slice (`get_slice`: a shard never reads the other shards' slices). The families split are the Llama-like ones whose
 projections are separate modules (`refused`).
 
+Where the shards outnumber the key-value heads (Qwen3-30B-A3B's 4 in 8 shards), each shard holds the one head its
+query heads attend with, the heads replicated (`kv_replicas`: vLLM's way), so each shard still computes its heads'
+attention whole.
+
 Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE; vLLM's default for them under tensor parallelism) split
 every expert as the dense MLP is split: each shard holds the same slice of every expert's gate, up and down
 projections (and of the shared expert's), the router whole, so that every shard routes every token alike and its
@@ -67,6 +71,7 @@ _WIDTHS = (
     ("shared_expert_intermediate_size", "shared expert's width"),
 )
 ROW_PARALLEL = ("o_proj", "down_proj")  # their inputs sliced: partial sums, reduced across the shards
+KEY_VALUE = ("k_proj", "v_proj")  # their heads split, or one each shard where the shards outnumber them
 
 
 @dataclass(frozen=True)
@@ -95,21 +100,34 @@ def refused(model_type: str, config, count: int) -> str | None:
             f"{', '.join(SPLIT_FAMILIES)})"
         )
     heads, kv_heads, _ = _heads(config)
+    if heads % count == 0 and count > kv_heads and count % kv_heads:
+        return (
+            f"its {kv_heads} key-value heads neither split into {count} equal shards nor are held by {count} shards "
+            f"alike (use a count that divides them, or a multiple of them)"
+        )
     widths = [(what, getattr(config, name)) for name, what in _WIDTHS if getattr(config, name, None)]
-    for what, n in (("attention heads", heads), ("key-value heads", kv_heads), *widths):
+    kv = [] if count > kv_heads else [("key-value heads", kv_heads)]
+    for what, n in (("attention heads", heads), *kv, *widths):
         if n % count:
             return f"its {n} {what} do not split into {count} equal shards (use a count that divides them)"
     return None
 
 
+def kv_replicas(config, count: int) -> int:
+    """How many of `count` shards hold each key-value head: 1 where the shards split them, else `count` over their
+    number (each shard one head, its query heads' group's: vLLM's replication past their count)."""
+    kv_heads = _heads(config)[1]
+    return count // kv_heads if count > kv_heads else 1
+
+
 def local_config(config, count: int):
-    """`config` with `count` times fewer attention heads, key-value heads and MLP width (the experts' too; the head size
-    kept): the config of one shard's model."""
+    """`config` with `count` times fewer attention heads, key-value heads (one where there are fewer than `count`) and
+    MLP width (the experts' too; the head size kept): the config of one shard's model."""
     heads, kv_heads, head_dim = _heads(config)
     local = copy.deepcopy(config)
     local.head_dim = head_dim
     local.num_attention_heads = heads // count
-    local.num_key_value_heads = kv_heads // count
+    local.num_key_value_heads = max(1, kv_heads // count)  # (past their count: one, replicated; `kv_replicas`)
     for name, _ in _WIDTHS:
         if getattr(config, name, None):
             setattr(local, name, getattr(config, name) // count)
@@ -148,6 +166,11 @@ def _slicer(name: str, local: torch.Size, full: list[int], shard: Shard) -> Call
     if len(full) == 2 and local[1] * n == full[1] and local[0] == full[0]:
         size = local[1]
         return lambda s: s[:, r * size : (r + 1) * size]
+    groups = full[0] // local[0] if full and local[0] else 0
+    if name.rsplit(".", 2)[-2] in KEY_VALUE and groups and full[0] % local[0] == 0 and n % groups == 0:
+        # fewer key-value heads than shards: each shard the head of its query heads' group (`kv_replicas`)
+        size, head = local[0], r // (n // groups)
+        return lambda s: s[head * size : (head + 1) * size]
     raise PylonError(f"{name}: the shard's shape {list(local)} is no slice of the checkpoint's {full}")
 
 

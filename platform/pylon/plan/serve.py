@@ -374,12 +374,19 @@ def plan_serve(
         layers, rest = _counted[1] if _counted is not None else weight_sizes(config)
         share = (sum(layers) / shards + rest) / (sum(layers) + rest)
         held = int((weights - draft_weights) * share) + draft_weights
-        held_per_token = per_token // shards
+        # past their count, the key-value heads are replicated: one a shard (pylon.serving.model.tensor.kv_replicas)
+        kv_held = max(1, shape.kv_heads // shards)
+        held_per_token = per_token * kv_held // shape.kv_heads
+        replicated = (
+            f", one of the {shape.kv_heads} key-value heads a shard, each held by {shards // shape.kv_heads}"
+            if shards > shape.kv_heads
+            else ""
+        )
         notes.append(
             f"{shards} tensor-parallel shards on one node, one GPU each: the memory shown is one shard's ("
             f"{share:.0%} of the weights: its share of every layer's heads and MLP, the embeddings and lm_head "
-            f"whole; its heads' share of the KV cache); the cost is the replica's {shards} GPUs; a decode step reads "
-            "the shards' weights at once (their all-reduces, two a layer, not counted)"
+            f"whole; its heads' share of the KV cache{replicated}); the cost is the replica's {shards} GPUs; a decode "
+            "step reads the shards' weights at once (their all-reduces, two a layer, not counted)"
         )
     context = max(1, e.max_model_len // 2)
     rows = []

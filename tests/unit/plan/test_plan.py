@@ -688,6 +688,44 @@ def test_a_mixture_of_experts_model_counts_every_expert_in_memory_and_the_ones_a
     assert two.fits and two.split == "shard" and bf16.weights / 2 < two.weights < 0.52 * bf16.weights
 
 
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json (the fields that shape it)
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "max_position_embeddings": 40960,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+
+
+def test_shards_past_the_key_value_heads_count_hold_one_head_each(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B has 4 key-value heads: in 8 tensor-parallel shards each holds one (every head on two shards), so a
+    shard's KV cache is a quarter of a token's, not an eighth; in 4 shards a quarter too, in 2 a half."""
+    (tmp_path / "qwen").mkdir()
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    shape = model_shape(model_config(ModelSpec(config=QWEN3_30B_A3B)))
+    per_token = kv_bytes_per_token(shape, 2)
+
+    def kv(shards: int) -> tuple[int, list[str]]:
+        engine = {"device": "cuda", "tensor_parallel": shards, "kv_cache_tokens": 8192, "max_model_len": 4096}
+        spec = DeploymentSpec(name="qwen", model=str(tmp_path / "qwen"), replica={"num_gpus": 1}, engine=engine)
+        plan = plan_serve(spec, gpu="H100-SXM")
+        return plan.rows[0].kv_cache, plan.notes
+
+    assert kv(2)[0] == 8192 * (per_token // 2)
+    assert kv(4)[0] == kv(8)[0] == 8192 * (per_token // 4)
+    notes = kv(8)[1]
+    assert any("one of the 4 key-value heads a shard, each held by 2" in n for n in notes), notes
+    assert not any("key-value heads a shard" in n for n in kv(4)[1])
+
+
 GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json (its MXFP4 quantization_config aside)
     "model_type": "gpt_oss",
     "hidden_size": 2880,

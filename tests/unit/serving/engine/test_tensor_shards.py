@@ -18,13 +18,16 @@ from pylon.errors import PylonError
 from pylon.serving.model.runner import ModelRunner
 from pylon.serving.model.tensor import Shard, local_config, refused
 
-# Llama (grouped-query attention); Qwen3's per-head norms and tied embeddings; make test-all: Qwen2's biased q/k/v
-# projections, Gemma 3's windowed and full layers and its output norms (~11 s each).
+# Qwen2-MoE (experts split, a gated shared expert, a dense layer between MoE ones; ~11 s); make test-all: Llama
+# (grouped-query attention), Qwen3's per-head norms and tied embeddings, Qwen2's biased q/k/v projections, Gemma 3's
+# windowed and full layers and its output norms, Mixtral's checkpoint names, Qwen3-MoE. Llama in 4 shards (its key-value
+# heads replicated) runs in make test below.
 SHARDED = (
-    "llama",
-    "qwen3",
     "qwen2_moe",
-    *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2", "gemma3_text", "mixtral", "qwen3_moe")),
+    *(
+        pytest.param(f, marks=pytest.mark.slow)
+        for f in ("llama", "qwen3", "qwen2", "gemma3_text", "mixtral", "qwen3_moe")
+    ),
 )
 
 _SHARD = """
@@ -50,20 +53,30 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("name", SHARDED)
-def test_two_shards_compute_the_whole_model(name, tmp_path):
-    family = Family(name, tmp_path / name, greedy=False)
+def _compare(family: Family, count: int, tmp_path) -> list[dict]:
+    """`count` shards of `family`'s model, each a process, against the whole runner and transformers: a prompt in two
+    chunks and 6 greedy decodes give the same logits and tokens. Returns each shard's figures."""
     prompt = PROMPTS[2]  # 40 tokens: two chunks, then decodes
     store = tmp_path / "store"
-    outs = [tmp_path / f"shard{r}.pt" for r in range(2)]
+    outs = [tmp_path / f"shard{r}.pt" for r in range(count)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _SHARD, family.dir, str(r), "2", str(store), str(outs[r]), json.dumps(prompt)],
+            [
+                sys.executable,
+                "-c",
+                _SHARD,
+                family.dir,
+                str(r),
+                str(count),
+                str(store),
+                str(outs[r]),
+                json.dumps(prompt),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for r in range(2)
+        for r in range(count)
     ]
     for p in procs:
         output = p.communicate(timeout=300)[0]
@@ -84,13 +97,37 @@ def test_two_shards_compute_the_whole_model(name, tmp_path):
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert tokens[len(prompt) :] == family.hf_greedy(prompt, 6)
-    # each shard: half the key-value heads in its KV cache ([kv heads, blocks, block size, head dim]), about half the
-    # layers' weights
-    config = family.model.config
-    kv_heads = config.num_key_value_heads
-    assert all(shape[0] == kv_heads // 2 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
     whole_bytes = sum(p.numel() * p.element_size() for p in family.model.parameters())
     assert all(shard["bytes"] < 0.8 * whole_bytes for shard in shards), ([s["bytes"] for s in shards], whole_bytes)
+    return shards
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_two_shards_compute_the_whole_model(name, tmp_path):
+    family = Family(name, tmp_path / name, greedy=False)
+    shards = _compare(family, 2, tmp_path)
+    # each shard: half the key-value heads in its KV cache ([kv heads, blocks, block size, head dim]), about half the
+    # layers' weights
+    kv_heads = family.model.config.num_key_value_heads
+    assert all(shape[0] == kv_heads // 2 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
+
+
+def test_four_shards_of_two_key_value_heads_hold_one_each_as_their_query_heads_group(tmp_path):
+    """More shards than key-value heads (Qwen3-30B-A3B's 4 in 8 shards): each shard holds the one head its query heads
+    attend with (shards 1-2 the first, 3-4 the second), replicated, and the shards still compute the whole model."""
+    from pylon.serving.model.tensor import kv_replicas, load_shard
+
+    family = Family("llama", tmp_path / "llama", greedy=False)
+    config = family.model.config
+    assert (config.num_attention_heads, config.num_key_value_heads, kv_replicas(config, 4)) == (4, 2, 2)
+    k = family.model.model.layers[0].self_attn.k_proj.weight
+    size = k.shape[0] // 2
+    for r in range(4):
+        shard = load_shard(family.dir, config, torch.float32, Shard(r, 4))
+        held = shard.model.layers[0].self_attn.k_proj.weight
+        assert torch.equal(held, k[(r // 2) * size : (r // 2 + 1) * size]), r
+    shards = _compare(family, 4, tmp_path)
+    assert all(shape[0] == 1 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
 
 
 def test_what_cannot_be_split_is_refused_by_name(tmp_path):
@@ -102,8 +139,14 @@ def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     local = local_config(config, 2)
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 172)
     assert local.head_dim == config.hidden_size // config.num_attention_heads
-    with pytest.raises(PylonError, match=r"engine.tensor_parallel: model .*: its 2 key-value heads do not split"):
-        ModelRunner(family.dir, num_blocks=4, block_size=16, dtype="fp32", device="cpu", shard=Shard(0, 4))
+    assert refused("llama", config, 4) is None  # (one key-value head each, replicated)
+    other = local_config(config, 1)
+    other.num_attention_heads, other.num_key_value_heads, other.head_dim = 12, 4, 32  # 6 shards: 2 heads each
+    assert "its 4 key-value heads neither split into 6 equal shards nor" in refused("llama", other, 6)
+    with pytest.raises(
+        PylonError, match=r"engine.tensor_parallel: model .*: its 4 attention heads do not split into 3"
+    ):
+        ModelRunner(family.dir, num_blocks=4, block_size=16, dtype="fp32", device="cpu", shard=Shard(0, 3))
 
 
 def test_a_replica_of_shards_asks_for_a_bundle_a_shard_all_on_one_node():
