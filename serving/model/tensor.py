@@ -17,7 +17,8 @@ Where the shards outnumber the key-value heads (Qwen3-30B-A3B's 4 in 8 shards), 
 query heads attend with, the heads replicated (`kv_replicas`: vLLM's way), so each shard still computes its heads'
 attention whole.
 
-Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE; vLLM's default for them under tensor parallelism) split
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE; vLLM's default for
+them under tensor parallelism) split
 every expert as the dense MLP is split: each shard holds the same slice of every expert's gate, up and down
 projections (and of the shared expert's), the router whole, so that every shard routes every token alike and its
 experts' weighted outputs, summed, are a partial sum of the block's: one all-reduce per MoE block, as per dense MLP.
@@ -42,8 +43,8 @@ from pylon.errors import PylonError
 
 # The families split by heads and MLP width: separate q/k/v/o and gate/up/down projections, per-head (or no) query
 # and key norms, no latent attention, no recurrent layers, no attention sinks; experts split by their width
-# (MOE_SPLIT_FAMILIES: softmax routers over the whole hidden state, gate and up as halves of one fused weight).
-MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# (MOE_SPLIT_FAMILIES: routers over the whole hidden state, gate and up as halves of one fused weight).
+MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe")
 SPLIT_FAMILIES = (
     "llama",
     "mistral",
@@ -180,19 +181,24 @@ def _slicer(name: str, local: torch.Size, full: list[int], shard: Shard) -> Call
 _EXPERT_PARTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
 
 
-def _renamed(key: str) -> str:
-    """`key` as Mixtral's checkpoints name it (its MoE block `block_sparse_moe`, transformers' `mlp`)."""
-    return re.sub(r"\.mlp(\.|$)", r".block_sparse_moe\1", key)
+# The checkpoints' names for what transformers renames at load: Mixtral's MoE block (`block_sparse_moe`, transformers'
+# `mlp`), ERNIE 4.5's router correction (beside the router, transformers' within it).
+_RENAMED = ((r"\.mlp(\.|$)", r".block_sparse_moe\1"), (r"\.mlp\.gate\.moe_statics\.", ".mlp.moe_statics."))
+
+
+def _names(key: str) -> list[str]:
+    """`key`, then the names a checkpoint may give it (`_RENAMED`)."""
+    return [key, *(re.sub(pattern, name, key) for pattern, name in _RENAMED if re.search(pattern, key))]
 
 
 def _sources(key: str, files: dict[str, str], experts: int) -> list[str] | None:
-    """The checkpoint's tensors that the model's tensor `key` is read from: itself (or its Mixtral name), or, for
-    fused expert weights, each expert's in order (gate and up alternating); None where they are not all there."""
-    for name in (key, _renamed(key)):
+    """The checkpoint's tensors that the model's tensor `key` is read from: itself (or its name in the checkpoint), or,
+    for fused expert weights, each expert's in order (gate and up alternating); None where they are not all there."""
+    for name in _names(key):
         if name in files:
             return [name]
     head, _, part = key.rpartition(".experts.")
-    for prefix in (head, _renamed(head)) if head and part in _EXPERT_PARTS else ():
+    for prefix in _names(head) if head and part in _EXPERT_PARTS else ():
         for names in _EXPERT_PARTS[part]:
             sources = [f"{prefix}.experts.{e}.{name}.weight" for e in range(experts) for name in names]
             if all(s in files for s in sources):
@@ -251,7 +257,8 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
     files = _weight_files(model_dir)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict()
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    counts = ("num_local_experts", "num_experts", "n_routed_experts")
+    experts = next((getattr(config, n) for n in counts if getattr(config, n, None)), 0)
     sources = {k: _sources(k, files, experts) for k in state if not (tied and k == "lm_head.weight")}
     missing = [k for k, found in sources.items() if found is None]
     if missing:

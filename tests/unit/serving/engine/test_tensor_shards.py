@@ -20,13 +20,14 @@ from pylon.serving.model.tensor import Shard, local_config, refused
 
 # Qwen2-MoE (experts split, a gated shared expert, a dense layer between MoE ones; ~11 s); make test-all: Llama
 # (grouped-query attention), Qwen3's per-head norms and tied embeddings, Qwen2's biased q/k/v projections, Gemma 3's
-# windowed and full layers and its output norms, Mixtral's checkpoint names, Qwen3-MoE. Llama in 4 shards (its key-value
+# windowed and full layers and its output norms, Mixtral's checkpoint names, Qwen3-MoE, GLM-4.5's grouped router
+# and shared experts, dots.llm1, ERNIE 4.5's renamed router correction. Llama in 4 shards (its key-value
 # heads replicated) runs in make test below.
 SHARDED = (
     "qwen2_moe",
     *(
         pytest.param(f, marks=pytest.mark.slow)
-        for f in ("llama", "qwen3", "qwen2", "gemma3_text", "mixtral", "qwen3_moe")
+        for f in ("llama", "qwen3", "qwen2", "gemma3_text", "mixtral", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe")
     ),
 )
 
