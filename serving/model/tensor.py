@@ -10,21 +10,21 @@ communication: two a layer, `[tokens, hidden]` each). The embeddings, the norms 
 A shard is a model of its own: the family's class built from the config with `count` times fewer heads and MLP
 width (`local_config`), so that everything downstream (the runner's KV cache, its attention, packing, quantization)
 sees an ordinary, smaller model; its weights are the checkpoint's slices, each read from the safetensors files by
-slice (`get_slice`: a shard never reads the other shards' slices). The families split are the Llama-like ones whose
-projections are separate modules (`refused`).
+slice (`get_slice`: a shard never reads the other shards' slices). The families split are the Llama-like ones
+(`refused`); a fused projection (Phi-3's `qkv_proj`, Phi-3's and GLM-4's `gate_up_proj`) is split part by part, the
+shard's rows of each part read and joined (`fused_rows`).
 
 Where the shards outnumber the key-value heads (Qwen3-30B-A3B's 4 in 8 shards), each shard holds the one head its
 query heads attend with, the heads replicated (`kv_replicas`: vLLM's way), so each shard still computes its heads'
 attention whole.
 
 Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE; vLLM's default for
-them under tensor parallelism) split
-every expert as the dense MLP is split: each shard holds the same slice of every expert's gate, up and down
-projections (and of the shared expert's), the router whole, so that every shard routes every token alike and its
-experts' weighted outputs, summed, are a partial sum of the block's: one all-reduce per MoE block, as per dense MLP.
-The checkpoint's experts are separate tensors (`experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.
-{e}.w1.weight`), or fused as transformers holds them (`experts.gate_up_proj`); a shard reads its slice of each and
-fuses them as transformers' loader does (`_expert_reads`).
+them under tensor parallelism) split every expert as the dense MLP is split: each shard holds the same slice of every
+expert's gate, up and down projections (and of the shared experts'), the router whole, so that every shard routes
+every token alike and its experts' weighted outputs, summed, are a partial sum of the block's: one all-reduce per MoE
+block, as per dense MLP. The checkpoint's experts are separate tensors (`experts.{e}.gate_proj.weight`, Mixtral's
+`block_sparse_moe.experts.{e}.w1.weight`), or fused as transformers holds them (`experts.gate_up_proj`); a shard
+reads its slice of each and fuses them as transformers' loader does (`_expert_reads`).
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ import torch
 
 from pylon.errors import PylonError
 
-# The families split by heads and MLP width: separate q/k/v/o and gate/up/down projections, per-head (or no) query
-# and key norms, no latent attention, no recurrent layers, no attention sinks; experts split by their width
-# (MOE_SPLIT_FAMILIES: routers over the whole hidden state, gate and up as halves of one fused weight).
+# The families split by heads and MLP width: q/k/v/o and gate/up/down projections (StarCoder2's c_fc and c_proj;
+# Cohere's attention and MLP side by side), per-head (or no) query and key norms (not OLMo 2's over all heads), no
+# latent attention, no recurrent layers, no attention sinks; experts split by their width (MOE_SPLIT_FAMILIES: routers
+# over the whole hidden state, gate and up as halves of one fused weight).
+FUSED_SPLIT_FAMILIES = ("phi3", "glm4")  # qkv_proj and gate_up_proj, or gate_up_proj: each part split (`fused_rows`)
 MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe")
 SPLIT_FAMILIES = (
     "llama",
@@ -62,6 +64,12 @@ SPLIT_FAMILIES = (
     "arcee",
     "apertus",
     "hunyuan_v1_dense",
+    "ernie4_5",
+    "ministral3",
+    "cohere",
+    "cohere2",
+    "starcoder2",
+    *FUSED_SPLIT_FAMILIES,
     *MOE_SPLIT_FAMILIES,
 )
 # The MLP widths a shard holds 1/count of: the dense MLP's (and Mixtral's experts'), Qwen MoE's experts' and their
@@ -71,8 +79,9 @@ _WIDTHS = (
     ("moe_intermediate_size", "experts' width"),
     ("shared_expert_intermediate_size", "shared expert's width"),
 )
-ROW_PARALLEL = ("o_proj", "down_proj")  # their inputs sliced: partial sums, reduced across the shards
-KEY_VALUE = ("k_proj", "v_proj")  # their heads split, or one each shard where the shards outnumber them
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")  # their inputs sliced: partial sums, reduced across the shards
+# their heads split, or one each shard where the shards outnumber them (Cohere's key norms: a weight per head)
+KEY_VALUE = ("k_proj", "v_proj", "k_norm")
 
 
 @dataclass(frozen=True)
@@ -153,10 +162,40 @@ def _weight_files(model_dir: str) -> dict[str, str]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _slicer(name: str, local: torch.Size, full: list[int], shard: Shard) -> Callable | None:
-    """How shard `shard` takes tensor `name` (local shape `local`, the checkpoint's `full`) from its slice view:
-    whole, rows, or columns (None: not at all: a row-parallel projection's bias, on shards but the first)."""
+def fused_rows(config, shard: Shard) -> dict[str, list[slice]]:
+    """The output rows of each fused projection (Phi-3's `qkv_proj`: queries, keys, values; Phi-3's and GLM-4's
+    `gate_up_proj`: gate, up) that shard `shard` holds: its slice of each part, in order."""
+    heads, kv_heads, d = _heads(config)
     r, n = shard.rank, shard.count
+    q = heads // n * d
+    kv = max(1, kv_heads // n) * d
+    kv_index = r // kv_replicas(config, n)
+    width = config.intermediate_size // n
+    return {
+        "qkv_proj": [
+            slice(r * q, (r + 1) * q),
+            slice(heads * d + kv_index * kv, heads * d + (kv_index + 1) * kv),
+            slice((heads + kv_heads) * d + kv_index * kv, (heads + kv_heads) * d + (kv_index + 1) * kv),
+        ],
+        "gate_up_proj": [
+            slice(r * width, (r + 1) * width),
+            slice(config.intermediate_size + r * width, config.intermediate_size + (r + 1) * width),
+        ],
+    }
+
+
+def _slicer(
+    name: str, local: torch.Size, full: list[int], shard: Shard, fused: dict[str, list[slice]] | None = None
+) -> Callable | None:
+    """How shard `shard` takes tensor `name` (local shape `local`, the checkpoint's `full`) from its slice view:
+    whole, rows, columns, or the rows of each part of a fused projection (`fused`, `fused_rows`'s; None: not at all:
+    a row-parallel projection's bias, on shards but the first)."""
+    r, n = shard.rank, shard.count
+    rows = (fused or {}).get(name.rsplit(".", 2)[-2])
+    if rows is not None and len(full) in (1, 2) and sum(p.stop - p.start for p in rows) == local[0]:
+        if rows[-1].stop > full[0]:
+            raise PylonError(f"{name}: the checkpoint's shape {full} does not hold the model config's parts")
+        return lambda s: torch.cat([s[p] for p in rows])
     if list(local) == list(full):
         if name.endswith(".bias") and name.rsplit(".", 2)[-2] in ROW_PARALLEL and r:
             return None  # (added once: by the first shard, to the partial sums)
@@ -267,6 +306,7 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
             f"the model's names ({', '.join(missing[:3])}): a checkpoint whose weights transformers converts at load "
             "(other than fusing experts) is not split for tensor parallelism"
         )
+    fused = fused_rows(config, shard)
     with contextlib.ExitStack() as stack, torch.no_grad():
         opened: dict[str, object] = {}
 
@@ -281,7 +321,7 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
                 _expert_reads(key, state[key], found, view, shard)
                 continue
             v = view(found[0])
-            take = _slicer(key, state[key].shape, v.get_shape(), shard)
+            take = _slicer(key, state[key].shape, v.get_shape(), shard, fused)
             if take is None:
                 state[key].zero_()
             else:

@@ -20,14 +20,32 @@ from pylon.serving.model.tensor import Shard, local_config, refused
 
 # Qwen2-MoE (experts split, a gated shared expert, a dense layer between MoE ones; ~11 s); make test-all: Llama
 # (grouped-query attention), Qwen3's per-head norms and tied embeddings, Qwen2's biased q/k/v projections, Gemma 3's
-# windowed and full layers and its output norms, Mixtral's checkpoint names, Qwen3-MoE, GLM-4.5's grouped router
-# and shared experts, dots.llm1, ERNIE 4.5's renamed router correction. Llama in 4 shards (its key-value
-# heads replicated) runs in make test below.
+# windowed and full layers and its output norms, Mixtral's checkpoint names, Qwen3-MoE, GLM-4.5's grouped router and
+# shared experts, dots.llm1, ERNIE 4.5's renamed router correction, Phi-3's fused q/k/v and gate/up projections,
+# GLM-4's fused gate/up, ERNIE 4.5, Ministral 3, Cohere's side-by-side attention and MLP and per-head key norms,
+# Cohere 2, StarCoder2's c_fc/c_proj with biases. Llama in 4 shards (its key-value heads replicated) runs in make test.
 SHARDED = (
     "qwen2_moe",
     *(
         pytest.param(f, marks=pytest.mark.slow)
-        for f in ("llama", "qwen3", "qwen2", "gemma3_text", "mixtral", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe")
+        for f in (
+            "llama",
+            "qwen3",
+            "qwen2",
+            "gemma3_text",
+            "mixtral",
+            "qwen3_moe",
+            "glm4_moe",
+            "dots1",
+            "ernie4_5_moe",
+            "phi3",
+            "glm4",
+            "ernie4_5",
+            "ministral3",
+            "cohere",
+            "cohere2",
+            "starcoder2",
+        )
     ),
 )
 
@@ -113,20 +131,23 @@ def test_two_shards_compute_the_whole_model(name, tmp_path):
     assert all(shape[0] == kv_heads // 2 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
 
 
-def test_four_shards_of_two_key_value_heads_hold_one_each_as_their_query_heads_group(tmp_path):
+@pytest.mark.parametrize("name", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("phi3", "cohere"))])
+def test_four_shards_of_two_key_value_heads_hold_one_each_as_their_query_heads_group(name, tmp_path):
     """More shards than key-value heads (Qwen3-30B-A3B's 4 in 8 shards): each shard holds the one head its query heads
-    attend with (shards 1-2 the first, 3-4 the second), replicated, and the shards still compute the whole model."""
+    attend with (shards 1-2 the first, 3-4 the second), replicated, and the shards still compute the whole model.
+    make test-all: Phi-3 (the heads in its fused qkv_proj), Cohere (a key norm weight per head)."""
     from pylon.serving.model.tensor import kv_replicas, load_shard
 
-    family = Family("llama", tmp_path / "llama", greedy=False)
+    family = Family(name, tmp_path / name, greedy=False)
     config = family.model.config
     assert (config.num_attention_heads, config.num_key_value_heads, kv_replicas(config, 4)) == (4, 2, 2)
-    k = family.model.model.layers[0].self_attn.k_proj.weight
-    size = k.shape[0] // 2
-    for r in range(4):
-        shard = load_shard(family.dir, config, torch.float32, Shard(r, 4))
-        held = shard.model.layers[0].self_attn.k_proj.weight
-        assert torch.equal(held, k[(r // 2) * size : (r // 2 + 1) * size]), r
+    if name == "llama":
+        k = family.model.model.layers[0].self_attn.k_proj.weight
+        size = k.shape[0] // 2
+        for r in range(4):
+            shard = load_shard(family.dir, config, torch.float32, Shard(r, 4))
+            held = shard.model.layers[0].self_attn.k_proj.weight
+            assert torch.equal(held, k[(r // 2) * size : (r // 2 + 1) * size]), r
     shards = _compare(family, 4, tmp_path)
     assert all(shape[0] == 1 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
 
