@@ -1231,7 +1231,8 @@ class EngineSpec(_Spec):
         "one node (STRICT_PACK). Llama-like families (Phi-3's and GLM-4's fused projections split part by part), and "
         "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1 and ERNIE 4.5 MoE (every expert split as the MLP is), whose "
         "attention heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a multiple "
-        "of (one a shard, replicated); not with pipeline_parallel, data_parallel, adapters or classifier_from_token",
+        "of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; not with pipeline_parallel, "
+        "data_parallel or classifier_from_token",
     )
     generation_config: Literal["auto", "none"] = Field(
         "auto",
@@ -1289,8 +1290,6 @@ class EngineSpec(_Spec):
             for field, value, neutral in (
                 ("pipeline_parallel", self.pipeline_parallel, 1),
                 ("data_parallel", self.data_parallel, 1),
-                ("adapters", [a.name for a in self.adapters], []),
-                ("dynamic_adapters.root", self.dynamic_adapters.root, None),
                 ("classifier_from_token", self.classifier_from_token, []),
             ):
                 if value != neutral:

@@ -198,7 +198,9 @@ class LLMEngine:
                 elif spec.tensor_parallel > 1:  # shards across processes (GPUs) of this node (engine/tensor.py)
                     from pylon.serving.engine.tensor import TensorRunner
 
-                    self.runner = TensorRunner(directory, spec.tensor_parallel, runner_kwargs, pipeline)
+                    self.runner = TensorRunner(
+                        directory, spec.tensor_parallel, runner_kwargs, pipeline, adapters=adapter_dirs
+                    )
                 elif spec.pipeline_parallel > 1:  # stages across processes and nodes (engine/pipeline.py)
                     from pylon.serving.engine.pipeline import PipelineRunner
 

@@ -177,7 +177,42 @@ def log_to_stderr(name: str) -> None:
         logger.propagate = False
 
 
-class StageWorker:
+class AdapterWorker:
+    """An actor holding a part of a split model (`StageWorker`, engine/tensor.py's `ShardWorker`): its `runner`'s
+    share of each adapter loaded on demand, read from the adapter's files as the engine's part reads it."""
+
+    runner: object
+
+    def part(self) -> str:
+        """This part, as errors name it."""
+        raise NotImplementedError
+
+    def _adapter(self, files: dict[str, bytes], where: str, max_rank, rank_limit: str):
+        """The adapter of `files` (its directory's, by name; `where` the directory as errors name it), read as the
+        runner reads one (its layers' matrices, or its shard's slice of them)."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="pylon-adapter-") as directory:
+            for name, data in files.items():
+                with open(os.path.join(directory, name), "wb") as f:
+                    f.write(data)
+            try:
+                return self.runner.read_adapter(directory, max_rank=max_rank, rank_limit=rank_limit)
+            except PylonError as e:
+                raise PylonError(f"{self.part()}: {str(e).replace(directory, where)}") from None
+
+    def check_adapter(self, files: dict[str, bytes], where: str, max_rank, rank_limit: str) -> None:
+        """Raises the PylonError this part's `read_adapter` would (its projections, ranks)."""
+        self._adapter(files, where, max_rank, rank_limit)
+
+    def put_adapter(self, slot: int, files: dict[str, bytes] | None, where: str, max_rank, rank_limit: str) -> None:
+        """Serve the adapter of `files` in `slot` from the next step on (None: empty it), as the engine's part does.
+        (Read again here rather than kept from `check_adapter`: a part keeps nothing for an adapter never placed.)"""
+        adapter = None if files is None else self._adapter(files, where, max_rank, rank_limit)
+        self.runner.put_adapter(slot, adapter)
+
+
+class StageWorker(AdapterWorker):
     """One pipeline stage after the first (a Ray actor): its `ModelRunner`, loaded from the model's URI on the node it
     runs on (its own tensors only: `stage_model_dir`)."""
 
@@ -201,32 +236,11 @@ class StageWorker:
     def describe(self) -> dict:
         return described_runner(self.stage.index, self.runner, self.read_bytes)
 
+    def part(self) -> str:
+        return self.stage.describe()
+
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
-
-    def _adapter(self, files: dict[str, bytes], where: str, max_rank, rank_limit: str):
-        """The adapter of `files` (its directory's, by name; `where` the directory as errors name it), read as the
-        runner reads one (its layers' matrices)."""
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="pylon-adapter-") as directory:
-            for name, data in files.items():
-                with open(os.path.join(directory, name), "wb") as f:
-                    f.write(data)
-            try:
-                return self.runner.read_adapter(directory, max_rank=max_rank, rank_limit=rank_limit)
-            except PylonError as e:
-                raise PylonError(f"{self.stage.describe()}: {str(e).replace(directory, where)}") from None
-
-    def check_adapter(self, files: dict[str, bytes], where: str, max_rank, rank_limit: str) -> None:
-        """Raises the PylonError this stage's `read_adapter` would (its layers' projections, ranks)."""
-        self._adapter(files, where, max_rank, rank_limit)
-
-    def put_adapter(self, slot: int, files: dict[str, bytes] | None, where: str, max_rank, rank_limit: str) -> None:
-        """Serve the adapter of `files` in `slot` from the next step on (None: empty it), as the engine's stage does.
-        (Read again here rather than kept from `check_adapter`: a stage keeps nothing for an adapter never placed.)"""
-        adapter = None if files is None else self._adapter(files, where, max_rank, rank_limit)
-        self.runner.put_adapter(slot, adapter)
 
     def run(self, steps, hidden):
         """The stage's part of a step: its output hidden states for the next stage (the last stage's: its sampling
@@ -244,6 +258,8 @@ class SplitRunner:
     the weights cannot be replaced (`fixed_weights` says why)."""
 
     local: object
+    actors: list  # the other parts' actors (`AdapterWorker`s)
+    _puts: list  # their put_adapter calls, waited for before the next step
 
     def __getattr__(self, name: str):
         if name == "local":
@@ -259,11 +275,55 @@ class SplitRunner:
     def load_weights(self, weights) -> int:
         raise PylonError(f"model ({self.local.model_type}): its weights cannot be replaced: {self.fixed_weights()}")
 
+    def read_adapter(self, directory: str, *, max_rank: int | None = None, rank_limit: str = "max_rank"):
+        """An adapter loaded on demand (engine.dynamic_adapters), read by every part: the engine's here, the others
+        from its files sent through Ray (an adapter's few MiB; the replica copied them to this node), each checking
+        its own share (a stage's layers, a shard's slices). Not yet served (`put_adapter`)."""
+        import ray
+
+        from pylon.serving.model.lora import CONFIG_FILE, WEIGHT_FILES
+
+        local = self.local.read_adapter(directory, max_rank=max_rank, rank_limit=rank_limit)
+        files = {}
+        for name in (CONFIG_FILE, *WEIGHT_FILES):
+            path = os.path.join(directory, name)
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    files[name] = f.read()
+        ref = ray.put(files)
+        try:
+            ray.get([s.check_adapter.remote(ref, directory, max_rank, rank_limit) for s in self.actors])
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(getattr(e, "cause", None), PylonError):
+                raise PylonError(str(e.cause)) from None
+            raise
+        return StagedAdapter(local, ref, directory, max_rank, rank_limit)
+
+    def put_adapter(self, slot: int, adapter: StagedAdapter | None) -> None:
+        """Serve `adapter` (`read_adapter`'s) in `slot` on every part from the next step on; None empties it. The
+        other parts' calls run before the next step's on each (Ray runs an actor's calls from one caller in order),
+        and the next step waits for them to have succeeded (`_placed`)."""
+        self.local.put_adapter(slot, adapter.local if adapter is not None else None)
+        if adapter is None:
+            self._puts += [s.put_adapter.remote(slot, None, "", None, "") for s in self.actors]
+            return
+        a = adapter
+        self._puts += [s.put_adapter.remote(slot, a.files, a.where, a.max_rank, a.rank_limit) for s in self.actors]
+
+    def _placed(self) -> None:
+        """Wait for the adapters placed since the last step to be on every part, before this step computes."""
+        import ray
+
+        if self._puts:
+            puts, self._puts = self._puts, []
+            ray.get(puts)
+
 
 @dataclass(frozen=True)
 class StagedAdapter:
-    """An adapter loaded on demand, read for a pipeline's stages (`PipelineRunner.read_adapter`): stage 1's
-    `lora.Adapter`, and its files in Ray's object store for the other stages to read when it is placed."""
+    """An adapter loaded on demand, read for a split model's parts (`SplitRunner.read_adapter`: pipeline stages,
+    tensor-parallel shards): the engine's part's `lora.Adapter`, and its files in Ray's object store for the other
+    parts to read when it is placed."""
 
     local: object
     files: object  # ObjectRef of {file name: bytes}
@@ -358,9 +418,7 @@ class PipelineRunner(SplitRunner):
     def execute_step(self, steps):
         import ray
 
-        if self._puts:  # adapters placed since the last step: on every stage before this step computes
-            puts, self._puts = self._puts, []
-            ray.get(puts)
+        self._placed()  # adapters placed since the last step: on every stage before this step computes
         groups = microbatches(steps, self.microbatches)
         refs, started = [], time.perf_counter()
         local = 0.0
@@ -395,40 +453,9 @@ class PipelineRunner(SplitRunner):
         ray.get(remote)
         return done
 
-    def read_adapter(self, directory: str, *, max_rank: int | None = None, rank_limit: str = "max_rank"):
-        """An adapter loaded on demand (engine.dynamic_adapters), read by every stage: stage 1 here, the others from
-        its files sent through Ray (an adapter's few MiB; the replica copied them to this node), each checking its
-        own layers' matrices. Not yet served (`put_adapter`)."""
-        import ray
-
-        from pylon.serving.model.lora import CONFIG_FILE, WEIGHT_FILES
-
-        local = self.local.read_adapter(directory, max_rank=max_rank, rank_limit=rank_limit)
-        files = {}
-        for name in (CONFIG_FILE, *WEIGHT_FILES):
-            path = os.path.join(directory, name)
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    files[name] = f.read()
-        ref = ray.put(files)
-        try:
-            ray.get([s.check_adapter.remote(ref, directory, max_rank, rank_limit) for s in self.stages])
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(getattr(e, "cause", None), PylonError):
-                raise PylonError(str(e.cause)) from None
-            raise
-        return StagedAdapter(local, ref, directory, max_rank, rank_limit)
-
-    def put_adapter(self, slot: int, adapter: StagedAdapter | None) -> None:
-        """Serve `adapter` (`read_adapter`'s) in `slot` on every stage from the next step on; None empties it. The
-        other stages' calls run before the next step's on each (Ray runs an actor's calls from one caller in order),
-        and the next step waits for them to have succeeded."""
-        self.local.put_adapter(slot, adapter.local if adapter is not None else None)
-        if adapter is None:
-            self._puts += [s.put_adapter.remote(slot, None, "", None, "") for s in self.stages]
-            return
-        a = adapter
-        self._puts += [s.put_adapter.remote(slot, a.files, a.where, a.max_rank, a.rank_limit) for s in self.stages]
+    @property
+    def actors(self) -> list:
+        return self.stages
 
     def fixed_weights(self) -> str | None:
         return "it is split into pipeline stages (engine.pipeline_parallel)"

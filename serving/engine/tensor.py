@@ -25,7 +25,7 @@ import time
 import torch
 
 from pylon.errors import PylonError
-from pylon.serving.engine.pipeline import SplitRunner
+from pylon.serving.engine.pipeline import AdapterWorker, SplitRunner
 from pylon.serving.model.tensor import Shard
 
 log = logging.getLogger(__name__)
@@ -55,23 +55,27 @@ def _device(runner_kwargs: dict) -> str:
     return "cuda" if wanted != "cpu" and torch.cuda.is_available() else "cpu"
 
 
-class ShardWorker:
+class ShardWorker(AdapterWorker):
     """One tensor-parallel shard after the first (a Ray actor on the engine's node): its `ModelRunner`, which runs
-    every step the engine runs."""
+    every step the engine runs. `adapters`: the engine's local copies of engine.adapters (on this node), each served
+    as this shard's slice of its matrices."""
 
-    def __init__(self, directory: str, shard: Shard, runner_kwargs: dict, store: str):
+    def __init__(self, directory: str, shard: Shard, runner_kwargs: dict, store: str, adapters: list[str] = ()):
         from pylon.serving.engine.pipeline import log_to_stderr
         from pylon.serving.model.runner import ModelRunner
 
         log_to_stderr(f"pylon-shard-{shard.rank + 1}")
         _join(shard.rank, shard.count, store, _device(runner_kwargs))
         self.shard = shard
-        self.runner = ModelRunner(directory, shard=shard, **runner_kwargs)
+        self.runner = ModelRunner(directory, shard=shard, adapters=adapters, **runner_kwargs)
 
     def describe(self) -> dict:
         from pylon.serving.engine.pipeline import described_runner
 
         return described_runner(self.shard.rank, self.runner, None)
+
+    def part(self) -> str:
+        return self.shard.describe()
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
@@ -84,9 +88,12 @@ class TensorRunner(SplitRunner):
     """`ModelRunner`'s interface (what the engine uses of it) over the tensor-parallel shards of a model: shard 1 in
     this process, the rest Ray actors on this node (see the module's docstring). `directory`: this process's local
     copy of the model, which the other shards read too; `placement`: `placement()` of the replica whose engine
-    process this is (pylon.serving.engine.pipeline; None: this process's own)."""
+    process this is (pylon.serving.engine.pipeline; None: this process's own); `adapters`: this process's copies of
+    engine.adapters, which the other shards read too (each shard serves its slice of their matrices)."""
 
-    def __init__(self, directory: str, count: int, runner_kwargs: dict, placement: dict | None = None):
+    def __init__(
+        self, directory: str, count: int, runner_kwargs: dict, placement: dict | None = None, adapters: list[str] = ()
+    ):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from pylon.serving.engine.pipeline import actor_options, connect_ray, described_runner, replica_placement_group
@@ -102,12 +109,16 @@ class TensorRunner(SplitRunner):
         worker = ray.remote(ShardWorker)
         node = ray.get_runtime_context().get_node_id()
         self.workers = []
+        self._puts: list = []  # the other shards' put_adapter calls, waited for before the next step
+        adapters = list(adapters)
         for k in range(1, count):
             options = actor_options(group, k, runner_kwargs, NodeAffinitySchedulingStrategy(node, soft=False))
-            self.workers.append(worker.options(**options).remote(directory, Shard(k, count), runner_kwargs, store))
+            self.workers.append(
+                worker.options(**options).remote(directory, Shard(k, count), runner_kwargs, store, adapters)
+            )
         try:
             _join(0, count, store, device)
-            self.local = ModelRunner(directory, shard=Shard(0, count), **runner_kwargs)
+            self.local = ModelRunner(directory, shard=Shard(0, count), adapters=adapters, **runner_kwargs)
             described = ray.get([w.describe.remote() for w in self.workers], timeout=START_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             self.shutdown()
@@ -139,6 +150,7 @@ class TensorRunner(SplitRunner):
     def execute_step(self, steps):
         import ray
 
+        self._placed()  # adapters placed since the last step: on every shard before this step computes
         done = [w.run.remote(steps) for w in self.workers]  # every shard computes the step; they meet in it
         try:
             out = self.local.execute_step(steps)
@@ -173,6 +185,10 @@ class TensorRunner(SplitRunner):
         done = self.local.warm_up(max_num_seqs, max_num_batched_tokens)
         ray.get(remote)
         return done
+
+    @property
+    def actors(self) -> list:
+        return self.workers
 
     def fixed_weights(self) -> str | None:
         return "it is split into tensor-parallel shards (engine.tensor_parallel)"

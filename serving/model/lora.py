@@ -249,12 +249,15 @@ def load_adapter(
     max_rank: int | None = None,
     rank_limit: str = "max_rank",
     held: tuple[range, int] | None = None,
+    split: Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Adapter:
     """Read and check the adapter peft saved in `directory` for a `model_type` model whose projections are `shapes`
     (`projection_shapes`); its matrices in `dtype` on `device`. Raises a PylonError naming the directory and what to
     do when the adapter cannot be served on this model as it is, or when a projection's rank is above `max_rank`
     (the field that sets it named as `rank_limit`). `held`: a pipeline stage's layers and the model's number of
-    layers: the adapter's matrices of the other stages' layers are left out (their stages load and check them)."""
+    layers: the adapter's matrices of the other stages' layers are left out (their stages load and check them).
+    `split(module, A, B)`: a tensor-parallel shard's part of each projection's matrices (pylon.serving.model.tensor's
+    `adapter_split`), taken after they are checked against `shapes`, the whole model's."""
     config = _read_config(directory)
     _check_config(directory, config)
     tensors = _read_tensors(directory)
@@ -322,6 +325,8 @@ def load_adapter(
                 "an adapter of a lower rank"
             )
         scale = alpha / math.sqrt(r) if rslora else alpha / r
+        if split is not None:
+            a, b = split(module, a, b)
         a_t = a.float().t().contiguous().to(device, dtype)
         b_t = (b.float() * scale).t().contiguous().to(device, dtype)
         weights[module] = (a_t, b_t)
@@ -345,9 +350,15 @@ class Rows:
     """A step's rows (of one batch of projections' inputs) grouped by adapter: `groups` holds, for each adapter
     present, its slot and the indices of its rows (None: every row), and `table` the adapters' matrices."""
 
-    def __init__(self, groups: list[tuple[int, torch.Tensor | None]], table: list[dict[str, dict[int, tuple]]]):
+    def __init__(
+        self,
+        groups: list[tuple[int, torch.Tensor | None]],
+        table: list[dict[str, dict[int, tuple]]],
+        reduced: tuple[frozenset[str], Callable[[torch.Tensor], object]] | None = None,
+    ):
         self.groups = groups
         self.table = table
+        self.reduced = reduced
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
         """`y` (`[rows, out]`, a projection's output over `x` `[rows, in]` in layer `layer`) with each adapter's
@@ -355,15 +366,21 @@ class Rows:
         adapted = self.table[layer].get(projection)
         if adapted is None:
             return y
+        # A tensor-parallel shard's row-parallel projection: `x` is its slice of the input and A^T its rows, so x @ A^T
+        # is a partial sum, made whole across the shards before B (`AdapterSet.reduced`).
+        reduce = self.reduced[1] if self.reduced is not None and projection in self.reduced[0] else None
         for slot, rows in self.groups:
             ab = adapted.get(slot)
             if ab is None:  # this adapter leaves the projection as it is
                 continue
             a, b = ab
+            low = x @ a if rows is None else x.index_select(0, rows) @ a
+            if reduce is not None:
+                reduce(low)
             if rows is None:
-                y.addmm_(x @ a, b)
+                y.addmm_(low, b)
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
+                y.index_add_(0, rows, low @ b)
         return y
 
 
@@ -381,8 +398,17 @@ class AdapterSet:
     """The adapters a runner serves, slot k = `adapters[k - 1]` (slot 0 is the base model), arranged per layer and
     projection for `Rows.add`."""
 
-    def __init__(self, adapters: Sequence[Adapter], model_type: str, num_layers: int):
+    def __init__(
+        self,
+        adapters: Sequence[Adapter],
+        model_type: str,
+        num_layers: int,
+        reduced: tuple[frozenset[str], Callable[[torch.Tensor], object]] | None = None,
+    ):
+        """`reduced`: a tensor-parallel shard's row-parallel projections (their paths under a layer), and how a partial
+        sum is made whole across the shards in place (`Rows.add`)."""
         self.prefix = LAYERS[model_type]
+        self.reduced = reduced
         self.slots: dict[int, Adapter] = {}
         # table[layer][projection path under the layer] = {slot: (A^T, scale * B^T)}
         self.table: list[dict[str, dict[int, tuple]]] = [{} for _ in range(num_layers)]
@@ -429,7 +455,7 @@ class AdapterSet:
         if not by_slot:
             return None
         groups = [(slot, None if len(rows) == num_rows else index(rows)) for slot, rows in sorted(by_slot.items())]
-        return Rows(groups, self.table)
+        return Rows(groups, self.table, self.reduced)
 
 
 def load_adapters(
@@ -440,14 +466,21 @@ def load_adapters(
     dtype: torch.dtype,
     device: torch.device,
     layers: range | None = None,
+    shard: tuple[dict[str, tuple[int, int]], Callable, tuple[frozenset[str], Callable]] | None = None,
 ) -> AdapterSet:
     """Every adapter of `directories` checked against `model` (a loaded Hugging Face model of `model_type`) and
-    loaded; the k-th is slot k. `layers`: a pipeline stage's (the matrices of its layers only)."""
-    shapes = projection_shapes(model, model_type)
+    loaded; the k-th is slot k. `layers`: a pipeline stage's (the matrices of its layers only). `shard`: a
+    tensor-parallel shard's model: the whole model's projection shapes (to check against), `load_adapter`'s `split`,
+    and `AdapterSet`'s `reduced`."""
+    shapes, split, reduced = shard if shard is not None else (projection_shapes(model, model_type), None, None)
     num_layers = len(model.get_submodule(LAYERS[model_type]))
     held = (layers, num_layers) if layers is not None and len(layers) < num_layers else None
     return AdapterSet(
-        [load_adapter(str(d), model_type, shapes, dtype=dtype, device=device, held=held) for d in directories],
+        [
+            load_adapter(str(d), model_type, shapes, dtype=dtype, device=device, held=held, split=split)
+            for d in directories
+        ],
         model_type,
         num_layers,
+        reduced,
     )

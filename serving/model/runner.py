@@ -400,8 +400,8 @@ class ModelRunner:
                 raise PylonError(f"engine.pipeline_parallel: model {model_dir}: {why}")
         if shard is not None:
             why = shards.refused(model_type, config, shard.count)
-            if why is None and (multimodal or adapters or classifier_from_token or stage is not None):
-                why = "multimodal checkpoints, adapters, classifiers and pipeline stages are not split into shards"
+            if why is None and (multimodal or classifier_from_token or stage is not None):
+                why = "multimodal checkpoints, classifiers and pipeline stages are not split into shards"
             if why is not None:
                 raise PylonError(f"engine.tensor_parallel: model {model_dir}: {why}")
         self._forward: Callable = (
@@ -448,6 +448,7 @@ class ModelRunner:
                 self.stage_weights_bytes = stages.stage_bytes(self.model)  # as loaded (before packing)
             elif shard is not None:
                 self.model = shards.load_shard(model_dir, config, self.dtype, shard)
+                self._whole_config = config  # (adapters are checked against the whole model's projections)
                 config = self.model.config  # the shard's: its heads, its MLP width
                 self.stage_weights_bytes = stages.stage_bytes(self.model)
             else:
@@ -579,6 +580,8 @@ class ModelRunner:
         )
         # LoRA adapters, slot k = adapters[k - 1], checked against the model's projections and kept in its dtype and
         # on its device (pylon.serving.model.lora); None without any, and then no step spends anything on them.
+        self.model_type = model_type
+        self.shard = shard
         self.adapter_set = (
             lora.load_adapters(
                 adapters,
@@ -587,11 +590,11 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=self.device,
                 layers=stage.layers if stage is not None else None,
+                shard=self._shard_adapters if shard is not None else None,
             )
             if adapters
             else None
         )
-        self.model_type = model_type
         self.adapter_bytes = self.adapter_set.nbytes if self.adapter_set is not None else 0
         # oneDNN for the projections on a CPU (pylon.serving.model.linear), or quantized weights in their place
         # (pylon.serving.model.quant); `self._mm(bias, x, w)` is addmm's signature.
@@ -639,7 +642,6 @@ class ModelRunner:
             self.moe_layers = moe.replace_blocks(self.model, project, grouped=self.moe_grouped)
         if model_type != "gpt2" and (self.packed_linear or quantized):
             _pack_llama(self.model, quantization)
-        self.shard = shard
         if shard is not None:  # (on the projections as the forward calls them: packed, quantized or not)
             shards.reduce_outputs(self.model, self._own_layers())
         self.vocab_size = config.vocab_size
@@ -1106,18 +1108,34 @@ class ModelRunner:
             max_rank=max_rank,
             rank_limit=rank_limit,
             held=(self.layers, self.config.num_hidden_layers) if self._staged else None,
+            split=self._shard_adapters[1] if self.shard is not None else None,
         )
 
     @functools.cached_property
     def _adapter_shapes(self) -> dict[str, tuple[int, int]]:
-        """Every adaptable projection's (in, out), read once (`lora.projection_shapes`)."""
+        """Every adaptable projection's (in, out), read once (`lora.projection_shapes`): the whole model's for a
+        tensor-parallel shard (an adapter is checked against them, then split)."""
+        if self.shard is not None:
+            return self._shard_adapters[0]
         return lora.projection_shapes(self.model, self.model_type)
+
+    @functools.cached_property
+    def _shard_adapters(self) -> tuple[dict[str, tuple[int, int]], Callable, tuple[frozenset[str], Callable]]:
+        """A tensor-parallel shard's adapters (`lora.load_adapters`' `shard`): the whole model's projection shapes,
+        this shard's part of each adapter's matrices, and its row-parallel projections' low-rank sums all-reduced."""
+        import torch.distributed as dist
+
+        shapes = lora.projection_shapes(self.model, self.model_type)
+        split = shards.adapter_split(self._whole_config, self.shard, shapes)
+        reduced = (shards.row_parallel_paths(lora.PROJECTIONS[self.model_type]), dist.all_reduce)
+        return shards.whole_shapes(self._whole_config, self.model_type), split, reduced
 
     def put_adapter(self, slot: int, adapter) -> None:
         """Serve `adapter` (`read_adapter`'s) in `slot` from the next step on; None empties the slot."""
         if self.adapter_set is None:
             num_layers = len(self.model.get_submodule(lora.LAYERS[self.model_type]))
-            self.adapter_set = lora.AdapterSet([], self.model_type, num_layers)
+            reduced = self._shard_adapters[2] if self.shard is not None else None
+            self.adapter_set = lora.AdapterSet([], self.model_type, num_layers, reduced)
         self.adapter_set.put(slot, adapter)
         self.adapter_bytes = self.adapter_set.nbytes
 

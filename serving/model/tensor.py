@@ -332,6 +332,40 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
     return model.eval()
 
 
+def adapter_split(config, shard: Shard, shapes: dict[str, tuple[int, int]]) -> Callable:
+    """`lora.load_adapter`'s `split` for shard `shard` of `config`'s model (`shapes`: the shard's projections' `(in,
+    out)`, `lora.projection_shapes`): a column-parallel projection's B `[out, r]` as its weight's rows (its heads, its
+    MLP slice, each part of a fused one's), A whole; a row-parallel one's A `[r, in]` as its weight's columns, B whole
+    (the shard's x @ A^T a partial sum: `lora.Rows.add` reduces it)."""
+    fused = fused_rows(config, shard)
+
+    def split(module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n_in, n_out = shapes[module]
+        name = f"{module}.weight"
+        if module.rsplit(".", 1)[-1] in ROW_PARALLEL:
+            return _slicer(name, torch.Size((a.shape[0], n_in)), list(a.shape), shard)(a), b
+        return a, _slicer(name, torch.Size((n_out, b.shape[1])), list(b.shape), shard, fused)(b)
+
+    return split
+
+
+def whole_shapes(config, model_type: str) -> dict[str, tuple[int, int]]:
+    """The whole model's projection shapes (`lora.projection_shapes`), from its class built on the meta device (no
+    memory): what a shard checks an adapter against."""
+    from transformers import AutoModelForCausalLM
+
+    from pylon.serving.model.lora import projection_shapes
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return projection_shapes(model, model_type)
+
+
+def row_parallel_paths(paths) -> frozenset[str]:
+    """Those of `paths` (projections' paths under a decoder layer) whose inputs a shard holds a slice of."""
+    return frozenset(p for p in paths if p.rsplit(".", 1)[-1] in ROW_PARALLEL)
+
+
 def reduce_outputs(model: torch.nn.Module, layers) -> None:
     """Each row-parallel projection of `layers` (`ROW_PARALLEL`, as the runner calls them after packing or
     quantizing), and each sparse MoE block (`SparseMoE`, whose shared expert's down projection is not reduced apart),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from serving_models import greedy_completion, greedy_text, tiny_llama
+from serving_models import greedy_completion, greedy_text, tiny_adapter, tiny_llama
 
 pytestmark = pytest.mark.integration
 
@@ -573,19 +574,27 @@ def test_a_model_in_two_pipeline_stages_answers_as_transformers(ray_cluster, ser
 def test_a_model_in_two_tensor_parallel_shards_answers_as_transformers(ray_cluster, served, tmp_path_factory):
     """engine.tensor_parallel 2: the replica's engine process holds half of every layer's heads and MLP, a ShardWorker
     actor (a process of its own, in the replica's placement group, on its node) the other half; 8 concurrent greedy
-    requests through HTTP are token for token transformers' own, both shards computing every step. The shard
-    killed: the next request fails at once with an error body naming the shard, and Serve replaces the replica, a
-    new shard with it. Deleting the deployment ends the shard too."""
+    requests through HTTP are token for token transformers' own, both shards computing every step; a LoRA adapter of
+    the spec and the same loaded on demand (each shard applying its slice of the matrices) give peft's tokens beside
+    the base model's. The shard killed: the next request fails at once with an error body naming the shard, and Serve
+    replaces the replica, a new shard with it. Deleting the deployment ends the shard too."""
     import psutil
 
     from pylon.sdk.serve import delete, deploy
 
     directory = tmp_path_factory.mktemp("tiny-llama-tp")
-    model = tiny_llama(directory)
-    base = _spec("tiny-tp", directory)
-    engine = {**base.engine.model_dump(mode="json"), "tensor_parallel": 2}
+    model = tiny_llama(directory / "model")
+    adapted = tiny_adapter(directory / "model", directory / "lora", ("q_proj", "k_proj", "o_proj", "down_proj"))
+    shutil.copytree(directory / "lora", directory / "adapters" / "tp-demand")  # (the on-demand root's)
+    base = _spec("tiny-tp", directory / "model")
+    engine = {
+        **base.engine.model_dump(mode="json"),
+        "tensor_parallel": 2,
+        "adapters": [{"name": "tp-lora", "path": str(directory / "lora")}],
+        "dynamic_adapters": {"root": str(directory / "adapters")},
+    }
     http = {**base.http.model_dump(mode="json"), "api_keys_env": None, "route_prefix": "/tp"}
-    url = deploy(_spec("tiny-tp", directory, engine=engine, http=http, replica={"num_cpus": 0.25}))
+    url = deploy(_spec("tiny-tp", directory / "model", engine=engine, http=http, replica={"num_cpus": 0.25}))
     try:
         replicas = _replica_processes(ray_cluster, "ServeReplica:tiny-tp")
         assert len(replicas) == 1, replicas
@@ -602,6 +611,10 @@ def test_a_model_in_two_tensor_parallel_shards_answers_as_transformers(ray_clust
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             assert list(pool.map(complete, prompts)) == expected
         assert sum(shards[0].cpu_times()[:2]) > before  # the second shard computed its half
+        names = ["tp-lora", "tiny-tp", "tp-demand"]
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            lora, plain, demand = pool.map(lambda m: greedy_completion(url, m, prompts[0], 12), names)
+        assert lora == demand == greedy_text(adapted, prompts[0], 12) != plain == expected[0]
 
         shards[0].kill()
         r = requests.post(

@@ -181,7 +181,7 @@ def _fewest_shards(spec: DeploymentSpec, config, shape: ModelShape, **options) -
     from pylon.serving.model.tensor import refused
 
     engine = spec.engine
-    if engine.pipeline_parallel > 1 or engine.data_parallel > 1 or engine.adapters or engine.dynamic_adapters.root:
+    if engine.pipeline_parallel > 1 or engine.data_parallel > 1:
         return None
     counted = (shape, weight_sizes(config))
     for n in (n for n in SUGGESTED_SHARDS if n > engine.tensor_parallel):

@@ -529,9 +529,9 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "to 1, or tensor_parallel to 1)",
         ),
         (
-            "engine:\n  tensor_parallel: 2\n  adapters: [{name: a, path: s3://b/a}]\n",
-            "6: document 1 (Deployment 'svc'): engine.adapters: is not served with tensor_parallel 2 (set it to [], "
-            "or tensor_parallel to 1)",
+            "engine:\n  tensor_parallel: 2\n  classifier_from_token: ['yes']\n",
+            "6: document 1 (Deployment 'svc'): engine.classifier_from_token: is not served with tensor_parallel 2 (set "
+            "it to [], or tensor_parallel to 1)",
         ),
         (
             "engine: {tensor_parallel: 2}\nreplica: {num_cpus: 0}\n",

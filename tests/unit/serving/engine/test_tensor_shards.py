@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from engine_models import PROMPTS, Family
+from engine_models import PROMPTS, Family, hf_greedy
 
 from pylon.errors import PylonError
 from pylon.serving.model.runner import ModelRunner
@@ -242,3 +242,102 @@ def test_an_moe_checkpoint_whose_experts_do_not_fit_the_config_is_named(tmp_path
         PylonError, match=r"1 of its tensors are not in the checkpoint .*layers.0.mlp.experts.gate_up_proj"
     ):
         load_shard(family.dir, config, torch.float32, Shard(0, 2))
+
+
+_ADAPTED_SHARD = """
+import json, sys, torch, torch.distributed as dist
+from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.step import StepSequence
+from pylon.serving.model.tensor import Shard
+
+directory, rank, count, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+adapters, prompts = json.loads(sys.argv[6]), json.loads(sys.argv[7])
+shard = Shard(rank, count) if count > 1 else None
+if shard is not None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
+runner = ModelRunner(
+    directory, num_blocks=32, block_size=16, dtype="fp32", device="cpu", shard=shard, adapters=adapters[:2]
+)
+tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
+slots = [0, 1, 2, 1]  # the base model and two adapters in one step, an adapter on some rows only
+logits = [runner.execute([StepSequence(p, 0, t, samples=True, adapter=a) for p, t, a in zip(prompts, tables, slots)])]
+tokens = [list(p) for p in prompts]
+for _ in range(4):
+    for seq, row in zip(tokens, logits[-1]):
+        seq.append(int(row.argmax()))
+    steps = [StepSequence([s[-1]], len(s) - 1, t, samples=True, adapter=a) for s, t, a in zip(tokens, tables, slots)]
+    logits.append(runner.execute(steps))
+# loaded on demand (engine.dynamic_adapters): read, then placed in slot 3
+runner.put_adapter(3, runner.read_adapter(adapters[2]))
+logits.append(runner.execute([StepSequence(prompts[0], 0, [12, 13], samples=True, adapter=3)]))
+sizes = [{m: (tuple(a.shape), tuple(b.shape)) for m, (a, b) in ad.weights.items()} for ad in runner.adapter_set.adapters]
+torch.save({"logits": logits, "tokens": tokens, "sizes": sizes}, out)
+if shard is not None:
+    dist.destroy_process_group()
+"""
+
+ADAPTER_TARGETS = {
+    "llama": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "phi3": (["qkv_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+}
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])
+def test_shards_serve_lora_adapters_each_holding_its_slice_of_their_matrices(name, tmp_path):
+    """engine.adapters (and dynamic_adapters) with tensor-parallel shards: each shard holds its slice of an adapter's
+    matrices (B's rows of its heads and MLP slice for the column-parallel projections, A's columns for the row-parallel
+    ones, whose low-rank partial sums are all-reduced); a step mixing the base model and two adapters, one on some of
+    its rows only, then decodes, and an adapter placed on demand, give the whole runner's logits with them and peft's
+    greedy tokens. make test-all: Phi-3, its fused qkv_proj and gate_up_proj adapted part by part."""
+    from test_lora_engine import save_adapter
+
+    family = Family(name, tmp_path / name, greedy=False)
+    attention, everything = ADAPTER_TARGETS[name]
+    dirs, peft = [], []
+    for adapter, seed, config in (
+        ("terse", 1, {"r": 4, "lora_alpha": 8, "target_modules": attention}),
+        ("wordy", 2, {"r": 8, "lora_alpha": 16, "target_modules": everything, "use_rslora": True}),
+        ("late", 3, {"r": 4, "lora_alpha": 8, "target_modules": everything}),
+    ):
+        dirs.append(str(tmp_path / adapter))
+        peft.append(save_adapter(family.dir, dirs[-1], seed, **config))
+    prompts = [PROMPTS[0][:20], PROMPTS[1][:20], PROMPTS[2][:20], PROMPTS[3][:20]]
+
+    def run(count: int) -> list[dict]:
+        outs = [tmp_path / f"{count}-{r}.pt" for r in range(count)]
+        args = [family.dir, "", str(count), str(tmp_path / f"store{count}"), "", json.dumps(dirs), json.dumps(prompts)]
+        procs = []
+        for r in range(count):
+            args[1], args[4] = str(r), str(outs[r])
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _ADAPTED_SHARD, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                )
+            )
+        for p in procs:
+            output = p.communicate(timeout=300)[0].decode()
+            assert p.returncode == 0, output[-4000:]
+        return [torch.load(o) for o in outs]
+
+    (whole,) = run(1)
+    shards = run(2)
+    for shard in shards:
+        assert shard["tokens"] == whole["tokens"]
+        for got, want in zip(shard["logits"], whole["logits"]):
+            # (float32 sums in another order, of logits the adapters' large B make large: to their scale)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 * float(want.abs().max()))
+    # a shard's adapter matrices: half of B's rows (column parallel), half of A's columns (row parallel)
+    wordy = shards[0]["sizes"][1]
+    full = whole["sizes"][1]
+    for module, (a, b) in wordy.items():
+        (fa, fb) = full[module]
+        if module.endswith(("o_proj", "down_proj")):
+            assert a == (fa[0] // 2, fa[1]) and b == fb, module  # (kept as A^T [in, r], B^T [r, out])
+        else:
+            assert a == fa and b == (fb[0], fb[1] // 2), module
+    references = [family.model, peft[0], peft[1], peft[0]]
+    for seq, prompt, model in zip(whole["tokens"], prompts, references):
+        want = hf_greedy(model, prompt, 4)  # (up to the eos, where peft's stops)
+        assert seq[len(prompt) : len(prompt) + len(want)] == want, prompt
+    # the adapter placed on demand: the prompt's next token as peft computes it
+    assert int(shards[0]["logits"][-1][-1].argmax()) == hf_greedy(peft[2], prompts[0], 1)[0]
