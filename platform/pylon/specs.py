@@ -1229,10 +1229,11 @@ class EngineSpec(_Spec):
         "CPUs, NCCL on GPUs, over the node's loopback and its own links). In a Serve replica the shards after the "
         "first take the bundles of the replica's placement group (each replica.num_cpus and replica.num_gpus), all on "
         "one node (STRICT_PACK). Llama-like families (Phi-3's and GLM-4's fused projections split part by part), and "
-        "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1 and ERNIE 4.5 MoE (every expert split as the MLP is), whose "
-        "attention heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a multiple "
-        "of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; not with pipeline_parallel, "
-        "data_parallel or classifier_from_token",
+        "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE and GPT-OSS (every expert split as the MLP "
+        "is), whose attention heads and MLP and experts' widths it divides, and whose key-value heads it divides or is "
+        "a multiple of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; float "
+        "checkpoints (a quantized one: save it dequantized); not with pipeline_parallel, data_parallel or "
+        "classifier_from_token",
     )
     generation_config: Literal["auto", "none"] = Field(
         "auto",

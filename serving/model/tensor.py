@@ -46,7 +46,8 @@ from pylon.errors import PylonError
 # latent attention, no recurrent layers, no attention sinks; experts split by their width (MOE_SPLIT_FAMILIES: routers
 # over the whole hidden state, gate and up as halves of one fused weight).
 FUSED_SPLIT_FAMILIES = ("phi3", "glm4")  # qkv_proj and gate_up_proj, or gate_up_proj: each part split (`fused_rows`)
-MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe")
+MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe", "gpt_oss")
+IN_OUT_EXPERTS = ("gpt_oss",)  # experts stored [in, out], gate and up interleaved, with biases (`_expert_reads`)
 SPLIT_FAMILIES = (
     "llama",
     "mistral",
@@ -106,8 +107,16 @@ def refused(model_type: str, config, count: int) -> str | None:
     """Why `config`'s model cannot be split into `count` tensor-parallel shards (None: it can)."""
     if model_type not in SPLIT_FAMILIES:
         return (
-            f"a {model_type} model is not split for tensor parallelism (the families split: "
+            f"the {model_type} family is not split for tensor parallelism (the families split: "
             f"{', '.join(SPLIT_FAMILIES)})"
+        )
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        return (
+            f"its checkpoint is quantized ({method}), and a shard reads float weights by slice: save the model "
+            "dequantized (transformers' from_pretrained, then save_pretrained), and use engine.quantization to serve "
+            "smaller weights"
         )
     heads, kv_heads, _ = _heads(config)
     if heads % count == 0 and count > kv_heads and count % kv_heads:
@@ -197,7 +206,8 @@ def _slicer(
             raise PylonError(f"{name}: the checkpoint's shape {full} does not hold the model config's parts")
         return lambda s: torch.cat([s[p] for p in rows])
     if list(local) == list(full):
-        if name.endswith(".bias") and name.rsplit(".", 2)[-2] in ROW_PARALLEL and r:
+        row_bias = name.endswith(".bias") and name.rsplit(".", 2)[-2] in ROW_PARALLEL
+        if (row_bias or name.endswith(".experts.down_proj_bias")) and r:
             return None  # (added once: by the first shard, to the partial sums)
         return lambda s: s[:]
     if len(full) >= 1 and local[0] * n == full[0] and list(local[1:]) == list(full[1:]):
@@ -245,12 +255,26 @@ def _sources(key: str, files: dict[str, str], experts: int) -> list[str] | None:
     return None
 
 
-def _expert_reads(key: str, local: torch.Tensor, sources: list[str], view: Callable, shard: Shard) -> None:
+def _expert_reads(
+    key: str, local: torch.Tensor, sources: list[str], view: Callable, shard: Shard, in_out: bool = False
+) -> None:
     """Shard `shard`'s slice of every expert's fused weight `key` (`local`, the shard's) read into it: each expert's
     gate and up rows `rank * width ...` (the shard's `width`), or its down projection's columns, from the fused
-    checkpoint tensor or each expert's."""
+    checkpoint tensor or each expert's. `in_out`: GPT-OSS's, stored `[experts, in, out]` with gate and up interleaved
+    column by column: the shard's `2 x width` columns of gate_up (pairs of gate and up), its `width` rows of down."""
     r = shard.rank
     down = key.endswith("down_proj")
+    if in_out:
+        width = local.shape[1] if down else local.shape[2] // 2
+        experts, hidden = local.shape[0], local.shape[2] if down else local.shape[1]
+        full = width * shard.count
+        v = view(sources[0])
+        want = [experts, full, hidden] if down else [experts, hidden, 2 * full]
+        if list(v.get_shape()) != want:
+            got = list(v.get_shape())
+            raise PylonError(f"{sources[0]}: its shape {got} is not the {want} that {key} of the model's config holds")
+        local.copy_(v[:, r * width : (r + 1) * width] if down else v[:, :, 2 * r * width : 2 * (r + 1) * width])
+        return
     width = local.shape[2] if down else local.shape[1] // 2
     part = slice(r * width, (r + 1) * width)
     experts, hidden = local.shape[0], local.shape[1] if down else local.shape[2]
@@ -318,7 +342,7 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
 
         for key, found in sources.items():
             if key.rpartition(".experts.")[2] in _EXPERT_PARTS and state[key].dim() == 3:
-                _expert_reads(key, state[key], found, view, shard)
+                _expert_reads(key, state[key], found, view, shard, in_out=config.model_type in IN_OUT_EXPERTS)
                 continue
             v = view(found[0])
             take = _slicer(key, state[key].shape, v.get_shape(), shard, fused)

@@ -45,6 +45,7 @@ SHARDED = (
             "cohere",
             "cohere2",
             "starcoder2",
+            "gpt_oss",
         )
     ),
 )
@@ -72,7 +73,7 @@ dist.destroy_process_group()
 """
 
 
-def _compare(family: Family, count: int, tmp_path) -> list[dict]:
+def _compare(family: Family, count: int, tmp_path, atol: float = 1e-4) -> list[dict]:
     """`count` shards of `family`'s model, each a process, against the whole runner and transformers: a prompt in two
     chunks and 6 greedy decodes give the same logits and tokens. Returns each shard's figures."""
     prompt = PROMPTS[2]  # 40 tokens: two chunks, then decodes
@@ -114,7 +115,7 @@ def _compare(family: Family, count: int, tmp_path) -> list[dict]:
         assert shard["tokens"] == tokens
         for got, want in zip(shard["logits"], expected):
             assert got.shape == want.shape
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=atol)
     assert tokens[len(prompt) :] == family.hf_greedy(prompt, 6)
     whole_bytes = sum(p.numel() * p.element_size() for p in family.model.parameters())
     assert all(shard["bytes"] < 0.8 * whole_bytes for shard in shards), ([s["bytes"] for s in shards], whole_bytes)
@@ -124,7 +125,8 @@ def _compare(family: Family, count: int, tmp_path) -> list[dict]:
 @pytest.mark.parametrize("name", SHARDED)
 def test_two_shards_compute_the_whole_model(name, tmp_path):
     family = Family(name, tmp_path / name, greedy=False)
-    shards = _compare(family, 2, tmp_path)
+    # GPT-OSS: its clamped SwiGLU and sinks carry the all-reduce's other rounding further (up to 2e-3 of logits ~19)
+    shards = _compare(family, 2, tmp_path, atol=4e-3 if name == "gpt_oss" else 1e-4)
     # each shard: half the key-value heads in its KV cache ([kv heads, blocks, block size, head dim]), about half the
     # layers' weights
     kv_heads = family.model.config.num_key_value_heads
@@ -157,7 +159,10 @@ def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     config = family.model.config
     assert refused("llama", config, 2) is None
     assert "do not split into 3 equal shards" in refused("llama", config, 3)
-    assert "a gpt_oss model is not split for tensor parallelism" in refused("gpt_oss", config, 2)
+    assert "the olmo2 family is not split for tensor parallelism" in refused("olmo2", config, 2)
+    quantized = local_config(config, 1)
+    quantized.quantization_config = {"quant_method": "mxfp4"}  # (GPT-OSS's checkpoints as published)
+    assert "its checkpoint is quantized (mxfp4)" in refused("gpt_oss", quantized, 2)
     local = local_config(config, 2)
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 172)
     assert local.head_dim == config.hidden_size // config.num_attention_heads
