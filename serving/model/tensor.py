@@ -18,13 +18,18 @@ Where the shards outnumber the key-value heads (Qwen3-30B-A3B's 4 in 8 shards), 
 query heads attend with, the heads replicated (`kv_replicas`: vLLM's way), so each shard still computes its heads'
 attention whole.
 
-Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE; vLLM's default for
-them under tensor parallelism) split every expert as the dense MLP is split: each shard holds the same slice of every
-expert's gate, up and down projections (and of the shared experts'), the router whole, so that every shard routes
-every token alike and its experts' weighted outputs, summed, are a partial sum of the block's: one all-reduce per MoE
-block, as per dense MLP. The checkpoint's experts are separate tensors (`experts.{e}.gate_proj.weight`, Mixtral's
-`block_sparse_moe.experts.{e}.w1.weight`), or fused as transformers holds them (`experts.gate_up_proj`); a shard
-reads its slice of each and fuses them as transformers' loader does (`_expert_reads`).
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS; vLLM's
+default for them under tensor parallelism) split every expert as the dense MLP is split: each shard holds the same
+slice of every expert's gate, up and down projections (and of the shared experts'), the router whole, so that every
+shard routes every token alike and its experts' weighted outputs, summed, are a partial sum of the block's: one
+all-reduce per MoE block, as per dense MLP. The checkpoint's experts are separate tensors
+(`experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`), or fused as transformers holds
+them (`experts.gate_up_proj`); a shard reads its slice of each and fuses them as transformers' loader does
+(`_expert_reads`). GPT-OSS's experts are stored `[in, out]`, gate and up interleaved column by column, with biases:
+a shard takes a block of column pairs, and the down projection's biases are added by the first shard alone.
+
+A quantized checkpoint (a `quantization_config`: GPT-OSS's MXFP4 as published, FP8 exports) is not read by slice:
+refused by name (`refused`).
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ from pylon.errors import PylonError
 
 # The families split by heads and MLP width: q/k/v/o and gate/up/down projections (StarCoder2's c_fc and c_proj;
 # Cohere's attention and MLP side by side), per-head (or no) query and key norms (not OLMo 2's over all heads), no
-# latent attention, no recurrent layers, no attention sinks; experts split by their width (MOE_SPLIT_FAMILIES: routers
-# over the whole hidden state, gate and up as halves of one fused weight).
+# latent attention, no recurrent layers; experts split by their width (MOE_SPLIT_FAMILIES: routers over the whole
+# hidden state, gate and up as halves of one fused weight or interleaved); GPT-OSS's attention sinks follow their heads.
 FUSED_SPLIT_FAMILIES = ("phi3", "glm4")  # qkv_proj and gate_up_proj, or gate_up_proj: each part split (`fused_rows`)
 MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe", "gpt_oss")
 IN_OUT_EXPERTS = ("gpt_oss",)  # experts stored [in, out], gate and up interleaved, with biases (`_expert_reads`)
