@@ -1235,6 +1235,14 @@ class EngineSpec(_Spec):
         "checkpoints (a quantized one: save it dequantized); not with pipeline_parallel, data_parallel or "
         "classifier_from_token",
     )
+    expert_parallel: bool = Field(
+        False,
+        description="with tensor_parallel, divide a mixture-of-experts model's experts among the shards whole (vLLM's "
+        "--enable-expert-parallel) instead of slicing every expert across them: each shard holds tensor_parallel "
+        "times fewer experts at their full width (whole matmuls, however narrow a slice would be), the router, "
+        "attention, dense MLPs and shared experts split as before, each MoE block's output summed across the shards "
+        "once. Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose experts tensor_parallel divides",
+    )
     generation_config: Literal["auto", "none"] = Field(
         "auto",
         description="the sampling defaults of the model's generation_config.json (vLLM's --generation-config, auto "
@@ -1285,6 +1293,14 @@ class EngineSpec(_Spec):
                     "data_parallel",
                     f"needs separate_process: true (each engine is a process of its own) "
                     f"(got data_parallel {self.data_parallel} with separate_process false)",
+                )
+            )
+        if self.expert_parallel and self.tensor_parallel == 1:
+            problems.append(
+                (
+                    "expert_parallel",
+                    "divides the experts among tensor-parallel shards: set tensor_parallel to the shards to divide "
+                    "them among (2 or more), or expert_parallel to false",
                 )
             )
         if self.tensor_parallel > 1:

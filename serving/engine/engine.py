@@ -199,7 +199,12 @@ class LLMEngine:
                     from pylon.serving.engine.tensor import TensorRunner
 
                     self.runner = TensorRunner(
-                        directory, spec.tensor_parallel, runner_kwargs, pipeline, adapters=adapter_dirs
+                        directory,
+                        spec.tensor_parallel,
+                        runner_kwargs,
+                        pipeline,
+                        adapters=adapter_dirs,
+                        expert_parallel=spec.expert_parallel,
                     )
                 elif spec.pipeline_parallel > 1:  # stages across processes and nodes (engine/pipeline.py)
                     from pylon.serving.engine.pipeline import PipelineRunner

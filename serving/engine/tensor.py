@@ -89,10 +89,17 @@ class TensorRunner(SplitRunner):
     this process, the rest Ray actors on this node (see the module's docstring). `directory`: this process's local
     copy of the model, which the other shards read too; `placement`: `placement()` of the replica whose engine
     process this is (pylon.serving.engine.pipeline; None: this process's own); `adapters`: this process's copies of
-    engine.adapters, which the other shards read too (each shard serves its slice of their matrices)."""
+    engine.adapters, which the other shards read too (each shard serves its slice of their matrices);
+    `expert_parallel`: an MoE model's experts divided among the shards whole (`Shard.experts`)."""
 
     def __init__(
-        self, directory: str, count: int, runner_kwargs: dict, placement: dict | None = None, adapters: list[str] = ()
+        self,
+        directory: str,
+        count: int,
+        runner_kwargs: dict,
+        placement: dict | None = None,
+        adapters: list[str] = (),
+        expert_parallel: bool = False,
     ):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -114,11 +121,15 @@ class TensorRunner(SplitRunner):
         for k in range(1, count):
             options = actor_options(group, k, runner_kwargs, NodeAffinitySchedulingStrategy(node, soft=False))
             self.workers.append(
-                worker.options(**options).remote(directory, Shard(k, count), runner_kwargs, store, adapters)
+                worker.options(**options).remote(
+                    directory, Shard(k, count, expert_parallel), runner_kwargs, store, adapters
+                )
             )
         try:
             _join(0, count, store, device)
-            self.local = ModelRunner(directory, shard=Shard(0, count), adapters=adapters, **runner_kwargs)
+            self.local = ModelRunner(
+                directory, shard=Shard(0, count, expert_parallel), adapters=adapters, **runner_kwargs
+            )
             described = ray.get([w.describe.remote() for w in self.workers], timeout=START_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             self.shutdown()

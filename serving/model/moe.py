@@ -40,6 +40,10 @@ Each expert's two weights go through the runner's projections (`project`): int8 
 output channel (`engine.quantization`: the experts are most of an MoE model's bytes), else the float weights
 themselves, through torch's matmul: oneDNN's reordered weights (pylon.serving.model.linear) compile a kernel per row
 count, and an expert's row count changes every step. The router stays in float (vLLM keeps the gate unquantized too).
+
+With expert parallelism (a tensor-parallel shard holding a share of the experts whole: pylon.serving.model.tensor),
+the block routes over all of the router's experts, then computes the rows of its own (`first_expert` on; contiguous
+in the sorted order) and its shared expert's slice; the shards' outputs are summed by the caller's all-reduce.
 """
 
 from __future__ import annotations
@@ -148,10 +152,17 @@ class SparseMoE(torch.nn.Module):
     one); None: the experts keep their float weights (views of the loaded ones, no copy). The shared expert stays the
     loaded module, whose projections the runner converts as it does the attention's (`shared`)."""
 
-    def __init__(self, block: torch.nn.Module, config, project: Callable[[torch.nn.Linear], torch.nn.Module] | None):
+    def __init__(
+        self,
+        block: torch.nn.Module,
+        config,
+        project: Callable[[torch.nn.Linear], torch.nn.Module] | None,
+        first_expert: int | None = None,
+    ):
+        """`first_expert`: the block holds experts `first_expert ...` of the router's only (a tensor-parallel shard's,
+        with expert parallelism: pylon.serving.model.tensor), and computes their share of each token's output."""
         super().__init__()
         experts = block.experts
-        self.num_experts = experts.gate_up_proj.shape[0]
         self.top_k = config.num_experts_per_tok
         # GPT-OSS (families.py): a router with a bias that softmaxes its top_k logits; experts stored [in, out] with
         # biases, a clamped SwiGLU over interleaved gate and up columns.
@@ -167,6 +178,10 @@ class SparseMoE(torch.nn.Module):
         self.scores_in_model_dtype = config.model_type != "mixtral"
         router = block.router if self.gpt_oss or self.llama4 else block.gate
         self.router = router.weight.detach()  # [num_experts, hidden]
+        # Expert parallelism: the router's experts are all of the model's; this block computes `held` of them.
+        held = experts.gate_up_proj.shape[0]
+        self.held = None if first_expert is None else range(first_expert, first_expert + held)
+        self.num_experts = self.router.shape[0]
         self.router_bias = router.bias.detach() if getattr(router, "bias", None) is not None else None
         # GLM-4.5's (DeepSeek-V3's) router: sigmoid scores; experts chosen by the scores plus a correction bias within
         # the best topk_group of n_group groups; weighted by their own scores, renormalised, times a scaling factor.
@@ -204,12 +219,12 @@ class SparseMoE(torch.nn.Module):
 
         gate_up_bias = getattr(experts, "gate_up_proj_bias", None)
         down_bias = getattr(experts, "down_proj_bias", None)
+        held = experts.gate_up_proj.shape[0]  # (the router's all, or expert parallelism's share of them)
         self.gate_up = torch.nn.ModuleList(
-            expert(experts.gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e])
-            for e in range(self.num_experts)
+            expert(experts.gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e]) for e in range(held)
         )
         self.down = torch.nn.ModuleList(
-            expert(experts.down_proj[e], None if down_bias is None else down_bias[e]) for e in range(self.num_experts)
+            expert(experts.down_proj[e], None if down_bias is None else down_bias[e]) for e in range(held)
         )
         # The grouped path (float experts only): each expert's weights as `[in, out]` views of the loaded ones.
         self.grouped = False
@@ -293,8 +308,12 @@ class SparseMoE(torch.nn.Module):
         experts, weights = self.route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
-        tokens = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one read back to the host
+        if self.held is not None:  # expert parallelism: the rows of this block's experts only (contiguous: sorted)
+            start = sum(counts[: self.held.start])
+            order = order[start : start + sum(counts[self.held.start : self.held.stop])]
+            counts = counts[self.held.start : self.held.stop]
+        tokens = order // self.top_k
         rows = x[tokens]
         scaled = weights.reshape(-1)[order, None]
         if self.llama4:  # the weights scale the experts' inputs
@@ -306,8 +325,8 @@ class SparseMoE(torch.nn.Module):
                 continue
             outputs.append(self.down[e](self._glu(self.gate_up[e](rows[start : start + n]))))
             start += n
-        if not outputs:  # no rows
-            return torch.zeros_like(x).view(shape)
+        if not outputs:  # no rows (or, with expert parallelism, none for this block's experts): the shared expert's
+            return self._summed(x, tokens, x.new_zeros((0, x.shape[-1]))).view(shape)
         y = torch.cat(outputs) if scaled is None else torch.cat(outputs) * scaled
         return self._summed(x, tokens, y).view(shape)
 
@@ -354,15 +373,20 @@ class SparseMoE(torch.nn.Module):
 
 
 def replace_blocks(
-    model: torch.nn.Module, project: Callable[[torch.nn.Linear], torch.nn.Module] | None, *, grouped: bool = False
+    model: torch.nn.Module,
+    project: Callable[[torch.nn.Linear], torch.nn.Module] | None,
+    *,
+    grouped: bool = False,
+    first_expert: int | None = None,
 ) -> int:
     """Every decoder layer's sparse MoE block of `model` (a transformers causal LM) as a `SparseMoE` (its experts
     through `project`, see there), the block's 3-D expert weights released where `project` made copies of them;
-    `grouped`: their float experts through the grouped path (see above). Returns how many were replaced."""
+    `grouped`: their float experts through the grouped path (see above); `first_expert`: the blocks hold the router's
+    experts from this one on only (expert parallelism; the loop computes them). Returns how many were replaced."""
     n = 0
     for layer in model.model.layers:
         if is_sparse_block(getattr(layer, "mlp", None)):  # (None: a layer another pipeline stage holds)
-            layer.mlp = SparseMoE(layer.mlp, model.config, project)
-            layer.mlp.grouped = grouped and project is None
+            layer.mlp = SparseMoE(layer.mlp, model.config, project, first_expert)
+            layer.mlp.grouped = grouped and project is None and first_expert is None
             n += 1
     return n

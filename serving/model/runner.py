@@ -399,7 +399,7 @@ class ModelRunner:
             if why is not None:
                 raise PylonError(f"engine.pipeline_parallel: model {model_dir}: {why}")
         if shard is not None:
-            why = shards.refused(model_type, config, shard.count)
+            why = shards.refused(model_type, config, shard.count, shard.experts)
             if why is None and (multimodal or classifier_from_token or stage is not None):
                 why = "multimodal checkpoints, classifiers and pipeline stages are not split into shards"
             if why is not None:
@@ -636,10 +636,18 @@ class ModelRunner:
         if model_type in MOE_MODEL_TYPES:
             project = functools.partial(quant.QuantLinear, method=quantization) if quantized else None
             # On a GPU, float experts as grouped matmuls, which CUDA graphs capture (moe.py: checked at load).
+            # Expert parallelism (a tensor-parallel shard's experts whole: model/tensor.py): its experts from the first
+            # of its share on; their rows picked out on the host, by the loop.
+            first = None
+            if shard is not None and shard.experts:
+                first = shard.rank * shards.num_experts(config)  # (the shard's config: its count of experts)
             self.moe_grouped = (
-                not quantized and self.device.type == "cuda" and moe.grouped_usable(self.device, self.dtype)
+                not quantized
+                and self.device.type == "cuda"
+                and first is None
+                and moe.grouped_usable(self.device, self.dtype)
             )
-            self.moe_layers = moe.replace_blocks(self.model, project, grouped=self.moe_grouped)
+            self.moe_layers = moe.replace_blocks(self.model, project, grouped=self.moe_grouped, first_expert=first)
         if model_type != "gpt2" and (self.packed_linear or quantized):
             _pack_llama(self.model, quantization)
         if shard is not None:  # (on the projections as the forward calls them: packed, quantized or not)

@@ -85,6 +85,11 @@ _WIDTHS = (
     ("moe_intermediate_size", "experts' width"),
     ("shared_expert_intermediate_size", "shared expert's width"),
 )
+# Expert parallelism (`Shard.experts`, vLLM's --enable-expert-parallel): the families whose experts' width is a field
+# of its own (or whose blocks have no dense MLP and no shared expert beside them), so that the experts stay whole while
+# the dense MLPs and shared experts are sliced.
+EXPERT_PARALLEL_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config's number of routed experts
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")  # their inputs sliced: partial sums, reduced across the shards
 # their heads split, or one each shard where the shards outnumber them (Cohere's key norms: a weight per head)
 KEY_VALUE = ("k_proj", "v_proj", "k_norm")
@@ -92,10 +97,12 @@ KEY_VALUE = ("k_proj", "v_proj", "k_norm")
 
 @dataclass(frozen=True)
 class Shard:
-    """Shard `rank` of `count`."""
+    """Shard `rank` of `count`; `experts`: an MoE model's experts divided among the shards whole (expert
+    parallelism, `EXPERT_PARALLEL_FAMILIES`) rather than each expert sliced."""
 
     rank: int
     count: int
+    experts: bool = False
 
     def describe(self) -> str:
         return f"tensor-parallel shard {self.rank + 1} of {self.count}"
@@ -108,8 +115,29 @@ def _heads(config) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def refused(model_type: str, config, count: int) -> str | None:
-    """Why `config`'s model cannot be split into `count` tensor-parallel shards (None: it can)."""
+def num_experts(config) -> int:
+    """The routed experts of `config`'s MoE blocks (0: none)."""
+    return next((getattr(config, n) for n in _EXPERT_COUNTS if getattr(config, n, None)), 0)
+
+
+def _experts_width(config) -> str:
+    """The config field that gives an expert's width: Mixtral's and GPT-OSS's experts are `intermediate_size` wide."""
+    return "moe_intermediate_size" if getattr(config, "moe_intermediate_size", None) else "intermediate_size"
+
+
+def refused(model_type: str, config, count: int, experts: bool = False) -> str | None:
+    """Why `config`'s model cannot be split into `count` tensor-parallel shards (None: it can); `experts`: its experts
+    divided among them whole (expert parallelism)."""
+    if experts and model_type not in EXPERT_PARALLEL_FAMILIES:
+        return (
+            f"expert parallelism (engine.expert_parallel) divides the experts of {', '.join(EXPERT_PARALLEL_FAMILIES)} "
+            f"models, not {model_type}'s: leave it off, each expert is then sliced across the shards"
+        )
+    if experts and num_experts(config) % count:
+        return (
+            f"its {num_experts(config)} experts do not divide among {count} shards (use a count that divides them, or "
+            "leave engine.expert_parallel off)"
+        )
     if model_type not in SPLIT_FAMILIES:
         return (
             f"the {model_type} family is not split for tensor parallelism (the families split: "
@@ -129,7 +157,8 @@ def refused(model_type: str, config, count: int) -> str | None:
             f"its {kv_heads} key-value heads neither split into {count} equal shards nor are held by {count} shards "
             f"alike (use a count that divides them, or a multiple of them)"
         )
-    widths = [(what, getattr(config, name)) for name, what in _WIDTHS if getattr(config, name, None)]
+    whole = _experts_width(config) if experts else None  # (expert parallelism: the experts' width is not split)
+    widths = [(what, getattr(config, name)) for name, what in _WIDTHS if getattr(config, name, None) and name != whole]
     kv = [] if count > kv_heads else [("key-value heads", kv_heads)]
     for what, n in (("attention heads", heads), *kv, *widths):
         if n % count:
@@ -144,17 +173,23 @@ def kv_replicas(config, count: int) -> int:
     return count // kv_heads if count > kv_heads else 1
 
 
-def local_config(config, count: int):
+def local_config(config, count: int, experts: bool = False):
     """`config` with `count` times fewer attention heads, key-value heads (one where there are fewer than `count`) and
-    MLP width (the experts' too; the head size kept): the config of one shard's model."""
+    MLP width (the experts' too; the head size kept): the config of one shard's model. `experts`: count times fewer
+    experts instead, each as wide as the model's (expert parallelism)."""
     heads, kv_heads, head_dim = _heads(config)
     local = copy.deepcopy(config)
     local.head_dim = head_dim
     local.num_attention_heads = heads // count
     local.num_key_value_heads = max(1, kv_heads // count)  # (past their count: one, replicated; `kv_replicas`)
+    whole = _experts_width(config) if experts else None
     for name, _ in _WIDTHS:
-        if getattr(config, name, None):
+        if getattr(config, name, None) and name != whole:
             setattr(local, name, getattr(config, name) // count)
+    if experts:  # each shard a count-th of the experts, whole
+        for name in _EXPERT_COUNTS:
+            if getattr(config, name, None):
+                setattr(local, name, getattr(config, name) // count)
     return local
 
 
@@ -263,50 +298,61 @@ def _sources(key: str, files: dict[str, str], experts: int) -> list[str] | None:
 def _expert_reads(
     key: str, local: torch.Tensor, sources: list[str], view: Callable, shard: Shard, in_out: bool = False
 ) -> None:
-    """Shard `shard`'s slice of every expert's fused weight `key` (`local`, the shard's) read into it: each expert's
+    """Shard `shard`'s part of every expert's fused weight `key` (`local`, the shard's) read into it: each expert's
     gate and up rows `rank * width ...` (the shard's `width`), or its down projection's columns, from the fused
-    checkpoint tensor or each expert's. `in_out`: GPT-OSS's, stored `[experts, in, out]` with gate and up interleaved
-    column by column: the shard's `2 x width` columns of gate_up (pairs of gate and up), its `width` rows of down."""
-    r = shard.rank
+    checkpoint tensor or each expert's; with expert parallelism (`shard.experts`), its experts `rank * n ...` whole.
+    `in_out`: GPT-OSS's, stored `[experts, in, out]` with gate and up interleaved column by column: the shard's
+    `2 x width` columns of gate_up (pairs of gate and up), its `width` rows of down."""
+    experts = local.shape[0]
+    # expert parallelism: the shard's experts from `first`, whole (as one shard of one); else every expert, sliced
+    first, total = (shard.rank * experts, experts * shard.count) if shard.experts else (0, experts)
+    r, count = (0, 1) if shard.experts else (shard.rank, shard.count)
+    held = slice(first, first + experts)
     down = key.endswith("down_proj")
-    if in_out:
-        width = local.shape[1] if down else local.shape[2] // 2
-        experts, hidden = local.shape[0], local.shape[2] if down else local.shape[1]
-        full = width * shard.count
-        v = view(sources[0])
-        want = [experts, full, hidden] if down else [experts, hidden, 2 * full]
-        if list(v.get_shape()) != want:
-            got = list(v.get_shape())
-            raise PylonError(f"{sources[0]}: its shape {got} is not the {want} that {key} of the model's config holds")
-        local.copy_(v[:, r * width : (r + 1) * width] if down else v[:, :, 2 * r * width : 2 * (r + 1) * width])
-        return
-    width = local.shape[2] if down else local.shape[1] // 2
-    part = slice(r * width, (r + 1) * width)
-    experts, hidden = local.shape[0], local.shape[1] if down else local.shape[2]
-    full = width * shard.count
 
     def checked(source: str, want: list[int]):
         v = view(source)
         if list(v.get_shape()) != want:
-            raise PylonError(
-                f"{source}: its shape {list(v.get_shape())} is not the {want} that {key} of the model's config holds"
-            )
+            got = list(v.get_shape())
+            raise PylonError(f"{source}: its shape {got} is not the {want} that {key} of the model's config holds")
         return v
 
+    if in_out:
+        width = local.shape[1] if down else local.shape[2] // 2
+        hidden, full = local.shape[2] if down else local.shape[1], width * count
+        v = checked(sources[0], [total, full, hidden] if down else [total, hidden, 2 * full])
+        local.copy_(v[held, r * width : (r + 1) * width] if down else v[held, :, 2 * r * width : 2 * (r + 1) * width])
+        return
+    width = local.shape[2] if down else local.shape[1] // 2
+    part = slice(r * width, (r + 1) * width)
+    hidden = local.shape[1] if down else local.shape[2]
+    full = width * count
     if len(sources) == 1:  # fused as transformers holds them
         if down:
-            local.copy_(checked(sources[0], [experts, hidden, full])[:, :, part])
+            local.copy_(checked(sources[0], [total, hidden, full])[held, :, part])
         else:
-            v = checked(sources[0], [experts, 2 * full, hidden])
-            local[:, :width].copy_(v[:, part])
-            local[:, width:].copy_(v[:, full + r * width : full + (r + 1) * width])
+            v = checked(sources[0], [total, 2 * full, hidden])
+            local[:, :width].copy_(v[held, part])
+            local[:, width:].copy_(v[held, full + r * width : full + (r + 1) * width])
         return
     for e in range(experts):
         if down:
-            local[e].copy_(checked(sources[e], [hidden, full])[:, part])
+            local[e].copy_(checked(sources[first + e], [hidden, full])[:, part])
         else:
-            for half, source in enumerate(sources[2 * e : 2 * e + 2]):
+            for half, source in enumerate(sources[2 * (first + e) : 2 * (first + e) + 2]):
                 local[e, half * width : (half + 1) * width].copy_(checked(source, [full, hidden])[part])
+
+
+def _whole_routers(model: torch.nn.Module, experts: int) -> None:
+    """Each MoE block's router of `model` (a shard's, built with a count-th of the experts) made to route over all
+    `experts` (its weight and bias, uninitialised: read from the checkpoint whole), as expert parallelism needs."""
+    for layer in model.model.layers:
+        mlp = getattr(layer, "mlp", None)
+        router = getattr(mlp, "router", None) or getattr(mlp, "gate", None)
+        if router is None or not hasattr(mlp, "experts"):
+            continue
+        for name, p in list(router.named_parameters(recurse=False)):
+            setattr(router, name, torch.nn.Parameter(p.new_empty((experts, *p.shape[1:])), requires_grad=False))
 
 
 def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torch.nn.Module:
@@ -318,15 +364,16 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
     from transformers.initialization import no_init_weights
     from transformers.models.auto.auto_factory import _get_model_class
 
-    local = local_config(config, shard.count)
+    local = local_config(config, shard.count, shard.experts)
     cls = _get_model_class(local, AutoModelForCausalLM._model_mapping)
     with no_init_weights():
         model = cls._from_config(local, dtype=dtype)
+    if shard.experts:
+        _whole_routers(model, num_experts(config))
     files = _weight_files(model_dir)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict()
-    counts = ("num_local_experts", "num_experts", "n_routed_experts")
-    experts = next((getattr(config, n) for n in counts if getattr(config, n, None)), 0)
+    experts = num_experts(config)
     sources = {k: _sources(k, files, experts) for k in state if not (tied and k == "lm_head.weight")}
     missing = [k for k, found in sources.items() if found is None]
     if missing:

@@ -185,7 +185,7 @@ def _fewest_shards(spec: DeploymentSpec, config, shape: ModelShape, **options) -
         return None
     counted = (shape, weight_sizes(config))
     for n in (n for n in SUGGESTED_SHARDS if n > engine.tensor_parallel):
-        if refused(config.model_type, config, n) is not None:
+        if refused(config.model_type, config, n, engine.expert_parallel) is not None:
             continue
         split = spec.model_copy(update={"engine": engine.model_copy(update={"tensor_parallel": n})})
         plan = plan_serve(split, config=config, _suggest=False, _counted=counted, **options)

@@ -534,6 +534,11 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "it to [], or tensor_parallel to 1)",
         ),
         (
+            "engine: {expert_parallel: true}\n",
+            "4: document 1 (Deployment 'svc'): engine.expert_parallel: divides the experts among tensor-parallel "
+            "shards: set tensor_parallel to the shards to divide them among (2 or more), or expert_parallel to false",
+        ),
+        (
             "engine: {tensor_parallel: 2}\nreplica: {num_cpus: 0}\n",
             "5: document 1 (Deployment 'svc'): replica.num_cpus: must be > 0 with engine.tensor_parallel 2: each "
             "shard takes a placement group bundle of the replica's resources, and an empty bundle places nothing "
@@ -562,7 +567,8 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "adapter-own",
         "pipeline-dp",
         "tensor-pipeline",
-        "tensor-adapters",
+        "tensor-classifier",
+        "experts-no-tensor",
         "tensor-no-resources",
         "pipeline-classifier",
         "pipeline-no-resources",

@@ -57,8 +57,9 @@ from pylon.serving.model.step import StepSequence
 from pylon.serving.model.tensor import Shard
 
 directory, rank, count, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+shard = Shard(rank, count, experts=sys.argv[7] == "experts")
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
-runner = ModelRunner(directory, num_blocks=32, block_size=16, dtype="fp32", device="cpu", shard=Shard(rank, count))
+runner = ModelRunner(directory, num_blocks=32, block_size=16, dtype="fp32", device="cpu", shard=shard)
 prompt = json.loads(sys.argv[6])
 logits, table = [], [0, 1, 2, 3]
 for start, stop in ((0, 24), (24, len(prompt))):
@@ -73,7 +74,7 @@ dist.destroy_process_group()
 """
 
 
-def _compare(family: Family, count: int, tmp_path, atol: float = 1e-4) -> list[dict]:
+def _compare(family: Family, count: int, tmp_path, atol: float = 1e-4, experts: bool = False) -> list[dict]:
     """`count` shards of `family`'s model, each a process, against the whole runner and transformers: a prompt in two
     chunks and 6 greedy decodes give the same logits and tokens. Returns each shard's figures."""
     prompt = PROMPTS[2]  # 40 tokens: two chunks, then decodes
@@ -91,6 +92,7 @@ def _compare(family: Family, count: int, tmp_path, atol: float = 1e-4) -> list[d
                 str(store),
                 str(outs[r]),
                 json.dumps(prompt),
+                "experts" if experts else "sliced",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -133,6 +135,31 @@ def test_two_shards_compute_the_whole_model(name, tmp_path):
     assert all(shape[0] == kv_heads // 2 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
 
 
+@pytest.mark.parametrize(
+    "name", ["qwen2_moe", *(pytest.param(f, marks=pytest.mark.slow) for f in ("mixtral", "qwen3_moe", "gpt_oss"))]
+)
+def test_with_expert_parallelism_each_shard_holds_half_the_experts_whole(name, tmp_path):
+    """engine.expert_parallel: each of two shards holds half of the experts at their full width (shard 1 the first
+    half), the router whole, the attention, dense MLPs and the shared expert sliced as without it; the two compute
+    the whole model. Qwen2-MoE (a gated shared expert and a dense layer beside the experts); make test-all: Mixtral,
+    Qwen3-MoE and GPT-OSS (experts stored [in, out], interleaved, biased)."""
+    from pylon.serving.model.tensor import load_shard, num_experts
+
+    family = Family(name, tmp_path / name, greedy=False)
+    config = family.model.config
+    experts = num_experts(config)
+    whole = family.model.model.layers[0].mlp.experts
+    for r in range(2):
+        shard = load_shard(family.dir, config, torch.float32, Shard(r, 2, experts=True))
+        block = shard.model.layers[0].mlp
+        half = slice(r * experts // 2, (r + 1) * experts // 2)
+        assert torch.equal(block.experts.gate_up_proj, whole.gate_up_proj[half])
+        assert torch.equal(block.experts.down_proj, whole.down_proj[half])
+        router = getattr(block, "router", None) or block.gate
+        assert router.weight.shape[0] == experts
+    _compare(family, 2, tmp_path, atol=4e-3 if name == "gpt_oss" else 1e-4, experts=True)
+
+
 @pytest.mark.parametrize("name", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("phi3", "cohere"))])
 def test_four_shards_of_two_key_value_heads_hold_one_each_as_their_query_heads_group(name, tmp_path):
     """More shards than key-value heads (Qwen3-30B-A3B's 4 in 8 shards): each shard holds the one head its query heads
@@ -163,6 +190,12 @@ def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     quantized = local_config(config, 1)
     quantized.quantization_config = {"quant_method": "mxfp4"}  # (GPT-OSS's checkpoints as published)
     assert "its checkpoint is quantized (mxfp4)" in refused("gpt_oss", quantized, 2)
+    assert "divides the experts of mixtral, qwen2_moe, qwen3_moe, gpt_oss models, not llama's" in refused(
+        "llama", config, 2, experts=True
+    )
+    six = Family("qwen2_moe", tmp_path / "qwen2_moe", greedy=False).model.config  # 6 experts
+    assert refused("qwen2_moe", six, 2, experts=True) is None
+    assert "its 6 experts do not divide among 4 shards" in refused("qwen2_moe", six, 4, experts=True)
     local = local_config(config, 2)
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 172)
     assert local.head_dim == config.hidden_size // config.num_attention_heads
