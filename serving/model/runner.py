@@ -652,6 +652,7 @@ class ModelRunner:
             _pack_llama(self.model, quantization)
         if shard is not None:  # (on the projections as the forward calls them: packed, quantized or not)
             shards.reduce_outputs(self.model, self._own_layers())
+            shards.vocab_parallel(self.model, shard)  # its rows of the embeddings and lm_head, made whole
         self.vocab_size = config.vocab_size
         # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:
         # LongRoPE's switch to its long factors), said once here.

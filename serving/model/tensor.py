@@ -4,8 +4,9 @@
 Shard `rank` of `count` holds, in each layer, the query, key and value projections of heads `rank * heads / count`
 ... (whole heads, and their KV cache), and the same slice of the MLP's gate and up projections' outputs (column
 parallel); the attention's output projection and the MLP's down projection take the matching slice of their inputs
-(row parallel), so each shard's output is a partial sum, made whole by an all-reduce across the shards (the only
-communication: two a layer, `[tokens, hidden]` each). The embeddings, the norms and the lm_head are every shard's.
+(row parallel), so each shard's output is a partial sum, made whole by an all-reduce across the shards (two a
+layer, `[tokens, hidden]` each). The norms are every shard's; the embeddings and the lm_head are split by vocabulary
+rows (`vocab_parallel`: one more all-reduce a step, and the sampled rows' logits gathered).
 
 A shard is a model of its own: the family's class built from the config with `count` times fewer heads and MLP
 width (`local_config`), so that everything downstream (the runner's KV cache, its attention, packing, quantization)
@@ -90,6 +91,7 @@ _WIDTHS = (
 # the dense MLPs and shared experts are sliced.
 EXPERT_PARALLEL_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config's number of routed experts
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # their rows split (`vocab_parallel`)
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")  # their inputs sliced: partial sums, reduced across the shards
 # their heads split, or one each shard where the shards outnumber them (Cohere's key norms: a weight per head)
 KEY_VALUE = ("k_proj", "v_proj", "k_norm")
@@ -190,7 +192,15 @@ def local_config(config, count: int, experts: bool = False):
         for name in _EXPERT_COUNTS:
             if getattr(config, name, None):
                 setattr(local, name, getattr(config, name) // count)
+    local.vocab_size = vocab_rows(config.vocab_size, count)  # (its embeddings' and lm_head's rows: `vocab_parallel`)
+    local.pad_token_id = None  # (an embedding's padding_idx, for training only, may be another shard's row)
     return local
+
+
+def vocab_rows(vocab: int, count: int) -> int:
+    """The embedding and lm_head rows each of `count` shards holds: a count-th of the vocabulary, rounded up (the last
+    shard's rows past the vocabulary are zeros, their logits dropped)."""
+    return -(-vocab // count)
 
 
 def _weight_files(model_dir: str) -> dict[str, str]:
@@ -256,6 +266,10 @@ def _slicer(
     if len(full) == 2 and local[1] * n == full[1] and local[0] == full[0]:
         size = local[1]
         return lambda s: s[:, r * size : (r + 1) * size]
+    if name in VOCAB_PARALLEL and len(full) == 2 and local[0] * n >= full[0] > local[0] * (n - 1):
+        size = local[0]  # (a count-th of the vocabulary rounded up: the last shard's rows past it zeros)
+        start, stop = min(r * size, full[0]), min((r + 1) * size, full[0])
+        return lambda s: torch.nn.functional.pad(s[start:stop], (0, 0, 0, size - (stop - start)))
     groups = full[0] // local[0] if full and local[0] else 0
     if name.rsplit(".", 2)[-2] in KEY_VALUE and groups and full[0] % local[0] == 0 and n % groups == 0:
         # fewer key-value heads than shards: each shard the head of its query heads' group (`kv_replicas`)
@@ -368,6 +382,8 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
     cls = _get_model_class(local, AutoModelForCausalLM._model_mapping)
     with no_init_weights():
         model = cls._from_config(local, dtype=dtype)
+    # what the runner samples over (its rows are `vocab_parallel`'s), and the model's pad id
+    model.config.vocab_size, model.config.pad_token_id = config.vocab_size, getattr(config, "pad_token_id", None)
     if shard.experts:
         _whole_routers(model, num_experts(config))
     files = _weight_files(model_dir)
@@ -440,6 +456,57 @@ def whole_shapes(config, model_type: str) -> dict[str, tuple[int, int]]:
 def row_parallel_paths(paths) -> frozenset[str]:
     """Those of `paths` (projections' paths under a decoder layer) whose inputs a shard holds a slice of."""
     return frozenset(p for p in paths if p.rsplit(".", 1)[-1] in ROW_PARALLEL)
+
+
+class _VocabEmbedding(torch.nn.Module):
+    """A shard's rows `start ...` of the embeddings (`inner`, the family's module: Gemma's scaling kept): each id's
+    row from the shard holding it, zeros from the others, summed across the shards."""
+
+    def __init__(self, inner: torch.nn.Module, start: int, rows: int):
+        super().__init__()
+        self.inner, self.start, self.rows = inner, start, rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        local = ids - self.start
+        held = (local >= 0) & (local < self.rows)
+        out = self.inner(local.clamp(0, self.rows - 1)) * held.unsqueeze(-1)
+        dist.all_reduce(out)
+        return out
+
+
+class _VocabHead(torch.nn.Module):
+    """A shard's rows of the lm_head (`inner`): its logits of its share of the vocabulary, gathered from every shard
+    into the whole vocabulary's (`vocab` columns; the last shard's padding dropped)."""
+
+    def __init__(self, inner: torch.nn.Module, vocab: int, count: int):
+        super().__init__()
+        self.inner, self.vocab, self.count = inner, vocab, count
+
+    @property
+    def weight(self) -> torch.Tensor:  # (the shard's rows, as the lm_head's)
+        return self.inner.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        local = self.inner(hidden).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.count)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)[..., : self.vocab]
+
+
+def vocab_parallel(model: torch.nn.Module, shard: Shard) -> None:
+    """`model`'s (a shard's, `load_shard`'s) embeddings and lm_head, each holding `vocab_rows` of the vocabulary (rows
+    `rank * rows ...`; one matrix where they are tied), made to compute the whole vocabulary's: an id's embedding from
+    the shard holding its row, summed across the shards; the logits of each shard's rows, gathered (vLLM's
+    VocabParallelEmbedding and ParallelLMHead)."""
+    rows = model.model.embed_tokens.weight.shape[0]
+    vocab = model.config.vocab_size
+    held = max(0, min(rows, vocab - shard.rank * rows))  # (the last shard's rows past the vocabulary: none of its ids)
+    model.model.embed_tokens = _VocabEmbedding(model.model.embed_tokens, shard.rank * rows, max(held, 1))
+    model.lm_head = _VocabHead(model.lm_head, vocab, shard.count)
 
 
 def reduce_outputs(model: torch.nn.Module, layers) -> None:

@@ -365,14 +365,12 @@ def plan_serve(
             "(plus one hop of a step's hidden states between stages, not counted)"
         )
     # Tensor-parallel shards (engine.tensor_parallel): each on a GPU of the node, holding its share of every layer
-    # (heads and MLP) and the embeddings and lm_head whole, and its heads' share of the KV cache; a decode step reads
-    # each shard's weights at once, so at the GPUs' bandwidth together (their all-reduces not counted).
+    # (heads and MLP) and of the vocabulary's rows of the embeddings and lm_head, and its heads' share of the KV cache;
+    # a decode step reads each shard's weights at once, so at the GPUs' bandwidth together (their all-reduces not
+    # counted).
     shards = e.tensor_parallel
     if shards > 1:
-        from pylon.serving.model.stages import weight_sizes
-
-        layers, rest = _counted[1] if _counted is not None else weight_sizes(config)
-        share = (sum(layers) / shards + rest) / (sum(layers) + rest)
+        share = 1 / shards
         held = int((weights - draft_weights) * share) + draft_weights
         # past their count, the key-value heads are replicated: one a shard (pylon.serving.model.tensor.kv_replicas)
         kv_held = max(1, shape.kv_heads // shards)
@@ -384,9 +382,10 @@ def plan_serve(
         )
         notes.append(
             f"{shards} tensor-parallel shards on one node, one GPU each: the memory shown is one shard's ("
-            f"{share:.0%} of the weights: its share of every layer's heads and MLP, the embeddings and lm_head "
-            f"whole; its heads' share of the KV cache{replicated}); the cost is the replica's {shards} GPUs; a decode "
-            "step reads the shards' weights at once (their all-reduces, two a layer, not counted)"
+            f"{share:.0%} of the weights: its share of every layer's heads and MLP and of the vocabulary's rows of "
+            f"the embeddings and lm_head; its heads' share of the KV cache{replicated}); the cost is the replica's "
+            f"{shards} GPUs; a decode step reads the shards' weights at once (their all-reduces, two a layer, not "
+            "counted)"
         )
     context = max(1, e.max_model_len // 2)
     rows = []

@@ -181,6 +181,28 @@ def test_four_shards_of_two_key_value_heads_hold_one_each_as_their_query_heads_g
     assert all(shape[0] == 1 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
 
 
+def test_each_shard_holds_its_share_of_the_vocabulary_the_last_padded(tmp_path):
+    """The embeddings and the lm_head (one matrix, tied, as Qwen3's) are split by vocabulary rows: a vocabulary of 321
+    in 2 shards gives each 161 rows (the second's last a zero row past the vocabulary), an id's embedding from the
+    shard holding it, the logits of both gathered into the whole 321, the padding dropped; the shards compute the
+    whole model."""
+    from pylon.serving.model.tensor import load_shard
+
+    family = Family("qwen3", tmp_path / "qwen3", greedy=False, vocab_size=321)
+    config = family.model.config
+    assert config.tie_word_embeddings
+    embeddings = family.model.model.embed_tokens.weight
+    for r in range(2):
+        shard = load_shard(family.dir, config, torch.float32, Shard(r, 2))
+        held = shard.model.embed_tokens.weight
+        assert held.shape == (161, config.hidden_size) and shard.config.vocab_size == 321
+        assert torch.equal(held[: 321 - 161 * r], embeddings[161 * r : 161 * (r + 1)])
+        assert r == 0 or not held[160].any()  # (the padding row)
+        assert shard.lm_head.weight is held  # (tied)
+    shards = _compare(family, 2, tmp_path)
+    assert all(len(row) == 321 for shard in shards for logits in shard["logits"] for row in logits)
+
+
 def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     family = Family("llama", tmp_path / "llama", greedy=False)
     config = family.model.config
