@@ -177,13 +177,12 @@ def _fewest_shards(spec: DeploymentSpec, config, shape: ModelShape, **options) -
     """The fewest tensor-parallel shards past the spec's (2, 4 or 8: one node's GPUs) with which the model fits some
     GPU considered, and that plan's recommendation; None where none does or the model cannot be split so
     (pylon.serving.model.tensor.refused), or the spec's pipeline stages stand in the way."""
-    from pylon.serving.model.stages import weight_sizes
     from pylon.serving.model.tensor import refused
 
     engine = spec.engine
     if engine.pipeline_parallel > 1 or engine.data_parallel > 1:
         return None
-    counted = (shape, weight_sizes(config))
+    counted = (shape, None)  # (a shard holds 1/n of the weights: no per-layer sizes are needed, stages' only)
     for n in (n for n in SUGGESTED_SHARDS if n > engine.tensor_parallel):
         if refused(config.model_type, config, n, engine.expert_parallel) is not None:
             continue
