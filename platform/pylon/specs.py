@@ -1230,8 +1230,9 @@ class EngineSpec(_Spec):
         "first take the bundles of the replica's placement group (each replica.num_cpus and replica.num_gpus), all on "
         "one node (STRICT_PACK). Llama-like families (Phi-3's and GLM-4's fused projections split part by part), and "
         "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE and GPT-OSS (every expert split as the MLP "
-        "is), whose attention heads and MLP and experts' widths it divides, and whose key-value heads it divides or is "
-        "a multiple of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; float "
+        "is), DeepSeek-V2 and V3 (latent attention split by heads, the latent cache whole on each shard), whose "
+        "attention heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a "
+        "multiple of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; float "
         "checkpoints (a quantized one: save it dequantized); not with pipeline_parallel, data_parallel or "
         "classifier_from_token",
     )
@@ -1241,7 +1242,8 @@ class EngineSpec(_Spec):
         "--enable-expert-parallel) instead of slicing every expert across them: each shard holds tensor_parallel "
         "times fewer experts at their full width (whole matmuls, however narrow a slice would be), the router, "
         "attention, dense MLPs and shared experts split as before, each MoE block's output summed across the shards "
-        "once. Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose experts tensor_parallel divides",
+        "once. Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, DeepSeek-V2 and V3, whose "
+        "experts tensor_parallel divides",
     )
     generation_config: Literal["auto", "none"] = Field(
         "auto",

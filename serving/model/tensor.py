@@ -19,6 +19,12 @@ Where the shards outnumber the key-value heads (Qwen3-30B-A3B's 4 in 8 shards), 
 query heads attend with, the heads replicated (`kv_replicas`: vLLM's way), so each shard still computes its heads'
 attention whole.
 
+DeepSeek's latent attention (DeepSeek-V2 and V3, Kimi K2) splits by heads too: a shard holds its heads' rows of the
+query projection (`q_proj`, or `q_b_proj` after the whole low-rank `q_a_proj`) and of `kv_b_proj` (each head's key and
+value expansion of the latent), and the matching columns of `o_proj`; the latent's own projection (`kv_a_proj_with_mqa`)
+and norms are whole, so every shard caches each token's whole latent, as vLLM's MLA does under tensor parallelism (a
+576-number latent a token and layer: nothing to gain by splitting it).
+
 Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS; vLLM's
 default for them under tensor parallelism) split every expert as the dense MLP is split: each shard holds the same
 slice of every expert's gate, up and down projections (and of the shared experts'), the router whole, so that every
@@ -48,11 +54,15 @@ import torch
 from pylon.errors import PylonError
 
 # The families split by heads and MLP width: q/k/v/o and gate/up/down projections (StarCoder2's c_fc and c_proj;
-# Cohere's attention and MLP side by side), per-head (or no) query and key norms (not OLMo 2's over all heads), no
-# latent attention, no recurrent layers; experts split by their width (MOE_SPLIT_FAMILIES: routers over the whole
-# hidden state, gate and up as halves of one fused weight or interleaved); GPT-OSS's attention sinks follow their heads.
+# Cohere's attention and MLP side by side), per-head (or no) query and key norms (not OLMo 2's over all heads),
+# DeepSeek's latent attention (LATENT_SPLIT_FAMILIES), no recurrent layers; experts split by their width
+# (MOE_SPLIT_FAMILIES: routers over the whole hidden state, gate and up as halves of one fused weight or interleaved);
+# GPT-OSS's attention sinks follow their heads.
 FUSED_SPLIT_FAMILIES = ("phi3", "glm4")  # qkv_proj and gate_up_proj, or gate_up_proj: each part split (`fused_rows`)
 MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe", "gpt_oss")
+# DeepSeek's latent attention (MLA): the query and kv_b projections split by heads, the latent's projections whole (its
+# cache, one latent a token, every shard's: vLLM's way); their MoE blocks as GLM-4.5's
+LATENT_SPLIT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 IN_OUT_EXPERTS = ("gpt_oss",)  # experts stored [in, out], gate and up interleaved, with biases (`_expert_reads`)
 SPLIT_FAMILIES = (
     "llama",
@@ -78,6 +88,7 @@ SPLIT_FAMILIES = (
     "starcoder2",
     *FUSED_SPLIT_FAMILIES,
     *MOE_SPLIT_FAMILIES,
+    *LATENT_SPLIT_FAMILIES,
 )
 # The MLP widths a shard holds 1/count of: the dense MLP's (and Mixtral's experts'), Qwen MoE's experts' and their
 # shared expert's.
@@ -86,10 +97,21 @@ _WIDTHS = (
     ("moe_intermediate_size", "experts' width"),
     ("shared_expert_intermediate_size", "shared expert's width"),
 )
-# Expert parallelism (`Shard.experts`, vLLM's --enable-expert-parallel): the families whose experts' width is a field
-# of its own (or whose blocks have no dense MLP and no shared expert beside them), so that the experts stay whole while
-# the dense MLPs and shared experts are sliced.
-EXPERT_PARALLEL_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+# Expert parallelism (`Shard.experts`, vLLM's --enable-expert-parallel): the experts stay whole while the dense MLPs
+# and shared experts are sliced (the shared experts of GLM-4.5, dots.llm1, ERNIE 4.5 and DeepSeek, as wide as the
+# experts' width times their count, rebuilt narrower: `_sliced_shared_experts`).
+EXPERT_PARALLEL_FAMILIES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "glm4_moe",
+    "dots1",
+    "ernie4_5_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
+_SHARED_COUNTS = ("n_shared_experts", "moe_num_shared_experts")  # shared experts `moe_intermediate_size` wide each
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config's number of routed experts
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # their rows split (`vocab_parallel`)
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")  # their inputs sliced: partial sums, reduced across the shards
@@ -154,6 +176,8 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
             "smaller weights"
         )
     heads, kv_heads, _ = _heads(config)
+    if model_type in LATENT_SPLIT_FAMILIES:  # (one latent a token, every shard's: no key-value heads to split)
+        kv_heads = count
     if heads % count == 0 and count > kv_heads and count % kv_heads:
         return (
             f"its {kv_heads} key-value heads neither split into {count} equal shards nor are held by {count} shards "
@@ -161,6 +185,9 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
         )
     whole = _experts_width(config) if experts else None  # (expert parallelism: the experts' width is not split)
     widths = [(what, getattr(config, name)) for name, what in _WIDTHS if getattr(config, name, None) and name != whole]
+    shared = next((getattr(config, n) for n in _SHARED_COUNTS if getattr(config, n, None)), 0)
+    if whole == "moe_intermediate_size" and shared:  # (its shared experts, still sliced)
+        widths.append(("shared experts' width", config.moe_intermediate_size * shared))
     kv = [] if count > kv_heads else [("key-value heads", kv_heads)]
     for what, n in (("attention heads", heads), *kv, *widths):
         if n % count:
@@ -359,14 +386,38 @@ def _expert_reads(
 
 def _whole_routers(model: torch.nn.Module, experts: int) -> None:
     """Each MoE block's router of `model` (a shard's, built with a count-th of the experts) made to route over all
-    `experts` (its weight and bias, uninitialised: read from the checkpoint whole), as expert parallelism needs."""
+    `experts` (its weight, bias and correction bias, DeepSeek's a buffer, ERNIE's `[1, experts]` in a module of its
+    own; uninitialised: read from the checkpoint whole), as expert parallelism needs."""
     for layer in model.model.layers:
         mlp = getattr(layer, "mlp", None)
         router = getattr(mlp, "router", None) or getattr(mlp, "gate", None)
         if router is None or not hasattr(mlp, "experts"):
             continue
-        for name, p in list(router.named_parameters(recurse=False)):
-            setattr(router, name, torch.nn.Parameter(p.new_empty((experts, *p.shape[1:])), requires_grad=False))
+        for path, t in [*router.named_parameters(), *router.named_buffers()]:
+            owner_path, _, name = path.rpartition(".")
+            owner = router.get_submodule(owner_path)
+            dim = t.dim() - 1 if name == "e_score_correction_bias" else 0
+            whole = t.new_empty((*t.shape[:dim], experts, *t.shape[dim + 1 :]))
+            if isinstance(t, torch.nn.Parameter):
+                setattr(owner, name, torch.nn.Parameter(whole, requires_grad=False))
+            else:
+                owner.register_buffer(name, whole)
+
+
+def _sliced_shared_experts(model: torch.nn.Module, config, count: int) -> None:
+    """Expert parallelism: each MoE block's shared experts (GLM-4.5's, dots.llm1's, ERNIE 4.5's, DeepSeek's: built
+    `moe_intermediate_size` times their count wide, a width the routed experts keep whole) rebuilt a count-th as wide
+    (uninitialised: read as slices), as the dense MLPs are sliced."""
+    from transformers.initialization import no_init_weights
+
+    dtype = model.dtype
+    for layer in model.model.layers:
+        shared = getattr(getattr(layer, "mlp", None), "shared_experts", None)
+        if shared is None:
+            continue
+        with no_init_weights():
+            layer.mlp.shared_experts = type(shared)(config, intermediate_size=shared.down_proj.in_features // count)
+        layer.mlp.shared_experts.to(dtype)
 
 
 def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torch.nn.Module:
@@ -386,6 +437,8 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
     model.config.vocab_size, model.config.pad_token_id = config.vocab_size, getattr(config, "pad_token_id", None)
     if shard.experts:
         _whole_routers(model, num_experts(config))
+        if any(getattr(config, n, None) for n in _SHARED_COUNTS):
+            _sliced_shared_experts(model, local, shard.count)
     files = _weight_files(model_dir)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict()

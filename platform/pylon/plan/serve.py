@@ -371,11 +371,14 @@ def plan_serve(
     if shards > 1:
         share = 1 / shards
         held = int((weights - draft_weights) * share) + draft_weights
-        # past their count, the key-value heads are replicated: one a shard (pylon.serving.model.tensor.kv_replicas)
+        # past their count, the key-value heads are replicated: one a shard (pylon.serving.model.tensor.kv_replicas);
+        # DeepSeek's latent (one "head" that every query head attends over) is every shard's, whole
         kv_held = max(1, shape.kv_heads // shards)
         held_per_token = per_token * kv_held // shape.kv_heads
         replicated = (
-            f", one of the {shape.kv_heads} key-value heads a shard, each held by {shards // shape.kv_heads}"
+            ", but each token's whole latent on every shard"
+            if shape.latent_kv
+            else f", one of the {shape.kv_heads} key-value heads a shard, each held by {shards // shape.kv_heads}"
             if shards > shape.kv_heads
             else ""
         )

@@ -794,6 +794,32 @@ def test_deepseek_v3_is_counted_with_its_latent_cache() -> None:
     assert kv_bytes_per_token(shape, 2) == 61 * 576 * 2
 
 
+def test_deepseek_v3_in_eight_shards_holds_an_eighth_of_its_weights_and_the_whole_latent_cache() -> None:
+    """DeepSeek-V3 in fp8 (engine.quantization) in 8 tensor-parallel shards: each holds an eighth of the weights (its
+    heads' query and kv_b rows, its slice of every expert), but every token's whole latent: its KV cache is the whole
+    model's, not an eighth; in bf16 no one node of 8 GPUs considered holds it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v3")
+    tokens = 32768
+
+    def plan(shards: int, quantization: str = "fp8"):
+        engine = {"tensor_parallel": shards, "kv_cache_tokens": tokens, "max_model_len": 8192}
+        spec = DeploymentSpec(
+            name="v3", model="s3://b/m", replica={"num_gpus": 1}, engine={**engine, "quantization": quantization}
+        )
+        result = plan_serve(spec, config=config)
+        return next(r for r in result.rows if r.accelerator.name == "H200"), result
+
+    eight, result = plan(8)
+    one, _ = plan(1)
+    assert eight.fits and not one.fits and eight.gpus == 8
+    assert eight.weights == pytest.approx(one.weights / 8, rel=0.01)
+    assert eight.kv_cache == one.kv_cache == tokens * kv_bytes_per_token(result.shape, 2)
+    assert any("but each token's whole latent on every shard" in n for n in result.notes), result.notes
+    assert not plan(8, "none")[0].fits
+
+
 def test_a_classifier_counts_its_head_not_an_lm_head() -> None:
     """A reward model (LlamaForSequenceClassification, one label): its weights are the base model's and a head of one
     row, not a vocabulary's lm_head (half a billion parameters at Llama 3 8B's 128k x 4096); the head is no projection

@@ -18,17 +18,19 @@ from pylon.errors import PylonError
 from pylon.serving.model.runner import ModelRunner
 from pylon.serving.model.tensor import Shard, local_config, refused
 
-# Qwen2-MoE (experts split, a gated shared expert, a dense layer between MoE ones; ~11 s); make test-all: Llama
-# (grouped-query attention), Qwen3's per-head norms and tied embeddings, Qwen2's biased q/k/v projections, Gemma 3's
-# windowed and full layers and its output norms, Mixtral's checkpoint names, Qwen3-MoE, GLM-4.5's grouped router and
-# shared experts, dots.llm1, ERNIE 4.5's renamed router correction, Phi-3's fused q/k/v and gate/up projections,
-# GLM-4's fused gate/up, ERNIE 4.5, Ministral 3, Cohere's side-by-side attention and MLP and per-head key norms,
-# Cohere 2, StarCoder2's c_fc/c_proj with biases. Llama in 4 shards (its key-value heads replicated) runs in make test.
+# DeepSeek-V3 (latent attention split by heads, the latent whole on each shard; experts split, its grouped router, a
+# shared expert, a dense first layer; a vocabulary of 321 split 161 + 160; ~13 s); make test-all: Qwen2-MoE (a gated
+# shared expert), DeepSeek-V2 (no query low rank, its own router), Llama (grouped-query attention), Qwen3's per-head
+# norms and tied embeddings, Qwen2's biased q/k/v projections, Gemma 3's windowed and full layers and its output norms,
+# Mixtral's checkpoint names, Qwen3-MoE, GLM-4.5's grouped router and shared experts, dots.llm1, ERNIE 4.5's renamed
+# router correction, Phi-3's fused q/k/v and gate/up projections, GLM-4's fused gate/up, ERNIE 4.5, Ministral 3,
+# Cohere's side-by-side attention and MLP and per-head key norms, Cohere 2, StarCoder2's c_fc/c_proj with biases.
 SHARDED = (
-    "qwen2_moe",
+    "deepseek_v3",
     *(
         pytest.param(f, marks=pytest.mark.slow)
         for f in (
+            "qwen2_moe",
             "llama",
             "qwen3",
             "qwen2",
@@ -46,6 +48,7 @@ SHARDED = (
             "cohere2",
             "starcoder2",
             "gpt_oss",
+            "deepseek_v2",
         )
     ),
 )
@@ -126,33 +129,57 @@ def _compare(family: Family, count: int, tmp_path, atol: float = 1e-4, experts: 
 
 @pytest.mark.parametrize("name", SHARDED)
 def test_two_shards_compute_the_whole_model(name, tmp_path):
-    # (Qwen2-MoE's vocabulary 321, not a multiple of 2: the second shard's last lm_head row is padding; below)
-    family = Family(name, tmp_path / name, greedy=False, **({"vocab_size": 321} if name == "qwen2_moe" else {}))
+    # (DeepSeek-V3's vocabulary 321, not a multiple of 2: the second shard's last lm_head row is padding; below)
+    family = Family(name, tmp_path / name, greedy=False, **({"vocab_size": 321} if name == "deepseek_v3" else {}))
     # GPT-OSS: its clamped SwiGLU and sinks carry the all-reduce's other rounding further (up to 2e-3 of logits ~19)
     shards = _compare(family, 2, tmp_path, atol=4e-3 if name == "gpt_oss" else 1e-4)
     # each shard: half the key-value heads in its KV cache ([kv heads, blocks, block size, head dim]), about half the
     # layers' weights
-    kv_heads = family.model.config.num_key_value_heads
-    assert all(shape[0] == kv_heads // 2 for shard in shards for shape in shard["kv"]), shards[0]["kv"]
+    config = family.model.config
+    # (DeepSeek's latent attention: every shard caches each token's whole latent and rotated key part, one "head")
+    latent = getattr(config, "kv_lora_rank", None)
+    kv_heads, kv_dim = (2, latent + config.qk_rope_head_dim) if latent else (config.num_key_value_heads, None)
+    for shape in (shape for shard in shards for shape in shard["kv"]):
+        assert shape[0] == kv_heads // 2 and shape[-1] == (kv_dim or shape[-1]), shards[0]["kv"]
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2_moe", *(pytest.param(f, marks=pytest.mark.slow) for f in ("mixtral", "qwen3_moe", "gpt_oss"))]
+    "name",
+    [
+        "deepseek_v3",
+        *(
+            pytest.param(f, marks=pytest.mark.slow)
+            for f in (
+                "qwen2_moe",
+                "mixtral",
+                "qwen3_moe",
+                "gpt_oss",
+                "deepseek_v2",
+                "glm4_moe",
+                "dots1",
+                "ernie4_5_moe",
+            )
+        ),
+    ],
 )
 def test_with_expert_parallelism_each_shard_holds_half_the_experts_whole(name, tmp_path):
     """engine.expert_parallel: each of two shards holds half of the experts at their full width (shard 1 the first
     half), the router whole, the attention, dense MLPs and the shared expert sliced as without it; the two compute
-    the whole model. Qwen2-MoE (a gated shared expert and a dense layer beside the experts); make test-all: Mixtral,
-    Qwen3-MoE and GPT-OSS (experts stored [in, out], interleaved, biased)."""
+    the whole model. DeepSeek-V3 (a dense first layer, its shared expert as wide as an expert, rebuilt sliced, its
+    router's correction bias a buffer); make test-all: Qwen2-MoE (a gated shared expert), Mixtral, Qwen3-MoE, GPT-OSS
+    (experts stored [in, out], interleaved, biased), DeepSeek-V2, GLM-4.5, dots.llm1 and ERNIE 4.5 MoE (its router's
+    correction bias `[1, experts]`)."""
     from pylon.serving.model.tensor import load_shard, num_experts
 
     family = Family(name, tmp_path / name, greedy=False)
     config = family.model.config
     experts = num_experts(config)
-    whole = family.model.model.layers[0].mlp.experts
+    # (the first MoE layer: DeepSeek's, GLM-4.5's, dots.llm1's and ERNIE's first layers are dense)
+    moe = next(i for i, layer in enumerate(family.model.model.layers) if hasattr(layer.mlp, "experts"))
+    whole = family.model.model.layers[moe].mlp.experts
     for r in range(2):
         shard = load_shard(family.dir, config, torch.float32, Shard(r, 2, experts=True))
-        block = shard.model.layers[0].mlp
+        block = shard.model.layers[moe].mlp
         half = slice(r * experts // 2, (r + 1) * experts // 2)
         assert torch.equal(block.experts.gate_up_proj, whole.gate_up_proj[half])
         assert torch.equal(block.experts.down_proj, whole.down_proj[half])
@@ -199,8 +226,8 @@ def test_each_shard_holds_its_share_of_the_vocabulary_the_last_padded(tmp_path):
     """The embeddings and the lm_head (one matrix, tied, as Qwen3's) are split by vocabulary rows: a vocabulary of 321
     in 2 shards gives each 161 rows (the second's last a zero row past the vocabulary). An id's embedding comes from
     the shard holding it and the logits of both are gathered into the whole 321, the padding dropped: the shards
-    compute the whole model (Qwen3 in make test-all, below; Qwen2-MoE's 2 shards in make test have a vocabulary of 321
-    too, untied)."""
+    compute the whole model (Qwen3 in make test-all, below; DeepSeek-V3's 2 shards in make test have a vocabulary of
+    321 too, untied)."""
     from pylon.serving.model.tensor import load_shard
 
     family = Family("qwen3", tmp_path / "qwen3", greedy=False, vocab_size=321)
@@ -232,12 +259,18 @@ def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     quantized = local_config(config, 1)
     quantized.quantization_config = {"quant_method": "mxfp4"}  # (GPT-OSS's checkpoints as published)
     assert "its checkpoint is quantized (mxfp4)" in refused("gpt_oss", quantized, 2)
-    assert "divides the experts of mixtral, qwen2_moe, qwen3_moe, gpt_oss models, not llama's" in refused(
+    assert "divides the experts of mixtral, qwen2_moe, qwen3_moe, gpt_oss, glm4_moe, dots1, ernie4_5_moe, " in refused(
         "llama", config, 2, experts=True
     )
     six = Family("qwen2_moe", tmp_path / "qwen2_moe", greedy=False).model.config  # 6 experts
     assert refused("qwen2_moe", six, 2, experts=True) is None
     assert "its 6 experts do not divide among 4 shards" in refused("qwen2_moe", six, 4, experts=True)
+    # DeepSeek: its shared expert, as wide as an expert, is sliced while the experts stay whole
+    latent = local_config(Family("deepseek_v3", tmp_path / "v3", greedy=False).model.config, 1)
+    assert refused("deepseek_v3", latent, 4, experts=True) is None
+    latent.moe_intermediate_size = 66
+    assert refused("deepseek_v3", latent, 4) is not None and refused("deepseek_v3", latent, 2, experts=True) is None
+    assert "its 66 shared experts' width do not split into 4" in refused("deepseek_v3", latent, 4, experts=True)
     local = local_config(config, 2)
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 172)
     assert local.head_dim == config.hidden_size // config.num_attention_heads
@@ -359,16 +392,18 @@ if shard is not None:
 ADAPTER_TARGETS = {
     "llama": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     "phi3": (["qkv_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "deepseek_v3": (["o_proj"], ["o_proj"]),  # (its latent attention's other projections are absorbed at load)
 }
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("phi3", "deepseek_v3"))])
 def test_shards_serve_lora_adapters_each_holding_its_slice_of_their_matrices(name, tmp_path):
     """engine.adapters (and dynamic_adapters) with tensor-parallel shards: each shard holds its slice of an adapter's
     matrices (B's rows of its heads and MLP slice for the column-parallel projections, A's columns for the row-parallel
     ones, whose low-rank partial sums are all-reduced); a step mixing the base model and two adapters, one on some of
     its rows only, then decodes, and an adapter placed on demand, give the whole runner's logits with them and peft's
-    greedy tokens. make test-all: Phi-3, its fused qkv_proj and gate_up_proj adapted part by part."""
+    greedy tokens. make test-all: Phi-3, its fused qkv_proj and gate_up_proj adapted part by part; DeepSeek-V3, its
+    latent attention's o_proj."""
     from test_lora_engine import save_adapter
 
     family = Family(name, tmp_path / name, greedy=False)
