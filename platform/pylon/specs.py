@@ -1232,9 +1232,9 @@ class EngineSpec(_Spec):
         "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE and GPT-OSS (every expert split as the MLP "
         "is), DeepSeek-V2 and V3 (latent attention split by heads, the latent cache whole on each shard), whose "
         "attention heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a "
-        "multiple of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; float "
-        "checkpoints (a quantized one: save it dequantized); not with pipeline_parallel, data_parallel or "
-        "classifier_from_token",
+        "multiple of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; float and "
+        "block-quantized FP8 checkpoints (another quantized one: save it dequantized); not with pipeline_parallel, "
+        "data_parallel or classifier_from_token",
     )
     expert_parallel: bool = Field(
         False,

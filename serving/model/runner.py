@@ -391,6 +391,14 @@ class ModelRunner:
         problem = unsupported(config)
         if problem is not None:
             raise PylonError(f"model {model_dir}: {problem}; the serving engine cannot serve it")
+        # A block-quantized FP8 checkpoint (DeepSeek-V3's, Kimi K2's, Qwen3's "-FP8" releases): its weights read
+        # dequantized into the engine's dtype (engine.quantization quantizes them per channel again), by the shards'
+        # reader (pylon.serving.model.tensor: any block, partial edge blocks too) where the family is one it splits,
+        # else by transformers, told to dequantize on every device (it would keep FP8 modules, which the engine does not
+        # run, where a GPU is present).
+        self.fp8_blocks = shards.fp8_blocks(config)
+        if self.fp8_blocks is not None and isinstance(config.quantization_config, dict):
+            config.quantization_config["dequantize"] = True
         self.pipeline = stage  # None: the whole model
         # A stage of several: its forward ends without the final norm (the first stage's `finish_step` applies it).
         self._staged = stage is not None and stage.count > 1
@@ -451,8 +459,19 @@ class ModelRunner:
                 self._whole_config = config  # (adapters are checked against the whole model's projections)
                 config = self.model.config  # the shard's: its heads, its MLP width
                 self.stage_weights_bytes = stages.stage_bytes(self.model)
+            elif self.fp8_blocks is not None and model_type in shards.SPLIT_FAMILIES:  # (as one shard of one)
+                self.model = shards.load_shard(model_dir, config, self.dtype, shards.Shard(0, 1))
+                log.info(
+                    "model %s: an FP8 checkpoint in blocks of %dx%d, read dequantized to %s",
+                    model_dir,
+                    *self.fp8_blocks,
+                    str(self.dtype).removeprefix("torch."),
+                )
             else:
-                self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, local_files_only=True)
+                loaded = {"config": config} if self.fp8_blocks is not None else {}
+                self.model = AutoModelForCausalLM.from_pretrained(
+                    model_dir, dtype=self.dtype, local_files_only=True, **loaded
+                )
         except PylonError:
             raise
         except Exception as e:  # a missing, truncated or foreign weights file: say which, and what to do

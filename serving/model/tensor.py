@@ -35,8 +35,11 @@ them (`experts.gate_up_proj`); a shard reads its slice of each and fuses them as
 (`_expert_reads`). GPT-OSS's experts are stored `[in, out]`, gate and up interleaved column by column, with biases:
 a shard takes a block of column pairs, and the down projection's biases are added by the first shard alone.
 
-A quantized checkpoint (a `quantization_config`: GPT-OSS's MXFP4 as published, FP8 exports) is not read by slice:
-refused by name (`refused`).
+A block-quantized FP8 checkpoint (quant_method fp8 with a `weight_block_size`: DeepSeek-V3's, Kimi K2's, Qwen3's and
+GLM-4.5's "-FP8" releases) is read by slice too, dequantized (`_BlockFP8`: each float8 element times its block's scale,
+edge blocks partial); the runner reads a whole model's, and a pipeline stage's, FP8 checkpoint the same way (as one
+shard of one). Other quantized checkpoints (GPT-OSS's MXFP4 as published, GPTQ, AWQ, compressed-tensors) are not read
+by slice: refused by name (`refused`).
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ class Shard:
     experts: bool = False
 
     def describe(self) -> str:
-        return f"tensor-parallel shard {self.rank + 1} of {self.count}"
+        return f"tensor-parallel shard {self.rank + 1} of {self.count}" if self.count > 1 else "its weights"
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -168,12 +171,12 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
             f"{', '.join(SPLIT_FAMILIES)})"
         )
     quantized = getattr(config, "quantization_config", None)
-    if quantized:
+    if quantized and fp8_blocks(config) is None:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
         return (
-            f"its checkpoint is quantized ({method}), and a shard reads float weights by slice: save the model "
-            "dequantized (transformers' from_pretrained, then save_pretrained), and use engine.quantization to serve "
-            "smaller weights"
+            f"its checkpoint is quantized ({method}), and a shard reads float weights (or FP8 blocks) by slice: save "
+            "the model dequantized (transformers' from_pretrained, then save_pretrained), and use engine.quantization "
+            "to serve smaller weights"
         )
     heads, kv_heads, _ = _heads(config)
     if model_type in LATENT_SPLIT_FAMILIES:  # (one latent a token, every shard's: no key-value heads to split)
@@ -193,6 +196,55 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
         if n % count:
             return f"its {n} {what} do not split into {count} equal shards (use a count that divides them)"
     return None
+
+
+def fp8_blocks(config) -> tuple[int, int] | None:
+    """The `[rows, columns]` of each scale's block where `config`'s checkpoint is block-quantized FP8 (quant_method
+    fp8 with a `weight_block_size`: DeepSeek-V3's and Kimi K2's releases, Qwen3's and GLM-4.5's "-FP8"); else None."""
+    quantized = getattr(config, "quantization_config", None)
+    if not isinstance(quantized, dict) and quantized is not None:
+        quantized = quantized.to_dict()
+    block = (quantized or {}).get("weight_block_size")
+    if (quantized or {}).get("quant_method") != "fp8" or not block or len(block) != 2:
+        return None
+    return int(block[0]), int(block[1])
+
+
+class _BlockFP8:
+    """A float8 weight of a block-quantized checkpoint (`fp8_blocks`) read by slice, dequantized as DeepSeek's and
+    vLLM's code computes it: each element times the float32 scale of its block (`weight_scale_inv`, `[ceil(rows /
+    bm), ceil(columns / bn)]`; the edge blocks partial where a dimension is no multiple of the block, as DeepSeek-V3's
+    576-row latent projection in blocks of 128). Only the slice's elements and its blocks' scales are read."""
+
+    def __init__(self, name: str, weight, scales, block: tuple[int, int]):
+        self.name, self.weight, self.scales, self.block = name, weight, scales, block
+        shape, grid = list(weight.get_shape()), list(scales.get_shape())
+        if len(shape) != 2:
+            raise PylonError(
+                f"{self.name}: an FP8 block weight of shape {shape} is read as a 2-D projection's only (fused "
+                "experts' are not): save the model dequantized"
+            )
+        want = [-(-n // b) for n, b in zip(shape, block)]
+        if grid != want:
+            raise PylonError(
+                f"{self.name}: its scales' shape {grid} is not the {want} blocks of {list(block)} that its shape "
+                f"{shape} holds (quantization_config.weight_block_size)"
+            )
+
+    def get_shape(self) -> list[int]:
+        return list(self.weight.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        shape = self.get_shape()
+        index = (index if isinstance(index, tuple) else (index,)) + (slice(None),) * 2
+        (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(index[:2], shape))
+        if rs != 1 or cs != 1:
+            raise PylonError(f"{self.name}: an FP8 block weight is read by contiguous slices")
+        (bm, bn), r1, c1 = self.block, max(r0, r1), max(c0, c1)
+        w = self.weight[r0:r1, c0:c1].to(torch.float32)
+        s = self.scales[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)].to(torch.float32)
+        s = s.repeat_interleave(bm, 0).repeat_interleave(bn, 1)
+        return w * s[r0 - r0 // bm * bm :][: r1 - r0, c0 - c0 // bn * bn :][:, : c1 - c0]
 
 
 def kv_replicas(config, count: int) -> int:
@@ -220,6 +272,8 @@ def local_config(config, count: int, experts: bool = False):
             if getattr(config, name, None):
                 setattr(local, name, getattr(config, name) // count)
     local.vocab_size = vocab_rows(config.vocab_size, count)  # (its embeddings' and lm_head's rows: `vocab_parallel`)
+    if getattr(local, "quantization_config", None) is not None:  # (an FP8 checkpoint's weights: read dequantized)
+        del local.quantization_config
     local.pad_token_id = None  # (an embedding's padding_idx, for training only, may be another shard's row)
     return local
 
@@ -420,17 +474,18 @@ def _sliced_shared_experts(model: torch.nn.Module, config, count: int) -> None:
         layer.mlp.shared_experts.to(dtype)
 
 
-def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torch.nn.Module:
+def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: type | None = None) -> torch.nn.Module:
     """Shard `shard`'s causal LM of `model_dir` (its config `config`), in `dtype` on the CPU: the family's class
-    built from `local_config` (no initialisation), each tensor read as the shard's slice of the checkpoint's (an
-    MoE model's experts fused from each expert's, as transformers' loader fuses them)."""
+    (or `cls`: a pipeline stage's, pylon.serving.model.stages) built from `local_config` (no initialisation), each
+    tensor read as the shard's slice of the checkpoint's (an MoE model's experts fused from each expert's, as
+    transformers' loader fuses them; an FP8 checkpoint's weights dequantized, `_BlockFP8`)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.models.auto.auto_factory import _get_model_class
 
     local = local_config(config, shard.count, shard.experts)
-    cls = _get_model_class(local, AutoModelForCausalLM._model_mapping)
+    cls = cls or _get_model_class(local, AutoModelForCausalLM._model_mapping)
     with no_init_weights():
         model = cls._from_config(local, dtype=dtype)
     # what the runner samples over (its rows are `vocab_parallel`'s), and the model's pad id
@@ -449,16 +504,20 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard) -> torc
         raise PylonError(
             f"model {model_dir}: {shard.describe()}: {len(missing)} of its tensors are not in the checkpoint under "
             f"the model's names ({', '.join(missing[:3])}): a checkpoint whose weights transformers converts at load "
-            "(other than fusing experts) is not split for tensor parallelism"
+            "(other than fusing experts) is not split for tensor parallelism, nor read from FP8 blocks"
         )
     fused = fused_rows(config, shard)
+    blocks = fp8_blocks(config)
     with contextlib.ExitStack() as stack, torch.no_grad():
         opened: dict[str, object] = {}
 
-        def view(source: str):
+        def view(source: str, scales: bool = True):
             path = files[source]
             if path not in opened:
                 opened[path] = stack.enter_context(safe_open(path, framework="pt"))
+            scale = f"{source}_scale_inv"  # (an FP8 checkpoint's weight: read dequantized, `_BlockFP8`)
+            if scales and blocks is not None and scale in files:
+                return _BlockFP8(source, opened[path].get_slice(source), view(scale, scales=False), blocks)
             return opened[path].get_slice(source)
 
         for key, found in sources.items():

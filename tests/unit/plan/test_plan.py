@@ -797,10 +797,12 @@ def test_deepseek_v3_is_counted_with_its_latent_cache() -> None:
 def test_deepseek_v3_in_eight_shards_holds_an_eighth_of_its_weights_and_the_whole_latent_cache() -> None:
     """DeepSeek-V3 in fp8 (engine.quantization) in 8 tensor-parallel shards: each holds an eighth of the weights (its
     heads' query and kv_b rows, its slice of every expert), but every token's whole latent: its KV cache is the whole
-    model's, not an eighth; in bf16 no one node of 8 GPUs considered holds it."""
+    model's, not an eighth; in bf16 (its FP8 checkpoint read dequantized) no one node of 8 GPUs considered holds it."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model("deepseek_v3")
+    # (as DeepSeek publishes it: FP8 in blocks of 128 x 128, read dequantized)
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    config = AutoConfig.for_model("deepseek_v3", quantization_config=fp8)
     tokens = 32768
 
     def plan(shards: int, quantization: str = "fp8"):
@@ -817,7 +819,10 @@ def test_deepseek_v3_in_eight_shards_holds_an_eighth_of_its_weights_and_the_whol
     assert eight.weights == pytest.approx(one.weights / 8, rel=0.01)
     assert eight.kv_cache == one.kv_cache == tokens * kv_bytes_per_token(result.shape, 2)
     assert any("but each token's whole latent on every shard" in n for n in result.notes), result.notes
-    assert not plan(8, "none")[0].fits
+    assert any("FP8 in blocks of 128x128" in n and "halves" not in n for n in result.notes), result.notes
+    bf16, result = plan(8, "none")
+    assert not bf16.fits and 1.9 * eight.weights < bf16.weights < 2 * eight.weights  # (embeddings, norms: bf16)
+    assert any("reads it dequantized to bf16" in n and "fp8 (or int8) halves it again" in n for n in result.notes)
 
 
 def test_a_classifier_counts_its_head_not_an_lm_head() -> None:

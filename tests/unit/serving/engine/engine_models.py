@@ -457,3 +457,51 @@ def speculating(engine: LLMEngine) -> LLMEngine:
     checks is the verification of drafts, which must then run."""
     engine.spec_policy.decide = lambda decodes, drafts, other, **_: decodes > 0 and drafts > 0
     return engine
+
+
+def save_fp8_blocks(source: str, directory: Path, block: int = 32) -> dict[str, torch.Tensor]:
+    """The export in `source` saved to `directory` as the FP8 releases are (DeepSeek-V3's, Qwen3's "-FP8", quant_method
+    fp8, `weight_block_size` [block, block]): each decoder layer's projection weights (2-D, the router's aside) in
+    float8_e4m3fn, one float32 `weight_scale_inv` a block (its max magnitude over 448; the edge blocks partial where a
+    dimension is no multiple of `block`). Returns each quantized weight dequantized (fp8 times its block's scale), what
+    a reader of the checkpoint must compute."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in os.listdir(source):
+        if not name.endswith(".safetensors") and not os.path.isdir(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), directory / name)
+    tensors, dequantized = {}, {}
+    for name in sorted(n for n in os.listdir(source) if n.endswith(".safetensors")):
+        out = {}
+        for key, w in load_file(os.path.join(source, name)).items():
+            if (
+                not (key.startswith("model.layers.") and key.endswith(".weight") and w.dim() == 2)
+                or ".mlp.gate." in key
+            ):
+                out[key] = w
+                continue
+            rows, cols = w.shape
+            grid = (-(-rows // block), -(-cols // block))
+            padded = torch.zeros(grid[0] * block, grid[1] * block)
+            padded[:rows, :cols] = w.float()
+            blocks = padded.view(grid[0], block, grid[1], block)
+            scales = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+            whole = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+            q = (w.float() / whole).to(torch.float8_e4m3fn)
+            out[key], out[key + "_scale_inv"] = q, scales
+            dequantized[key] = q.float() * whole
+        tensors[name] = out
+    for name, out in tensors.items():
+        save_file(out, str(directory / name), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [block, block],
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return dequantized

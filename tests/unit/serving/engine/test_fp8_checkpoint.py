@@ -1,0 +1,139 @@
+"""Block-quantized FP8 checkpoints (quant_method fp8 with a weight_block_size: DeepSeek-V3's, Kimi K2's, Qwen3's and
+GLM-4.5's "-FP8" releases): the engine reads each float8 weight times its block's scale (pylon.serving.model.tensor's
+reader, partial edge blocks included, which transformers' own dequantization refuses), so it serves what the
+dequantized model computes; tensor-parallel shards read their slices of the blocks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from engine_models import PROMPTS, Family, hf_greedy, save_fp8_blocks
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pylon.errors import PylonError
+from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.step import StepSequence
+from pylon.serving.model.tensor import Shard, load_shard, refused
+
+
+def _dequantized_copy(source: str, directory, dequantized: dict[str, torch.Tensor]) -> str:
+    """The float export `source` with each quantized weight replaced by its dequantized value: the model the FP8
+    checkpoint holds, loaded the ordinary way."""
+    shutil.copytree(source, directory)
+    for path in directory.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        save_file({k: dequantized.get(k, v) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    return str(directory)
+
+
+def _logits(runner: ModelRunner, prompt: list[int]) -> list[torch.Tensor]:
+    """A prompt in two chunks, then 4 greedy decodes: every step's logits."""
+    table, tokens = [0, 1, 2, 3], list(prompt)
+    out = [runner.execute([StepSequence(prompt[:24], 0, table, samples=False)])]
+    out.append(runner.execute([StepSequence(prompt[24:], 24, table, samples=True)]))
+    for _ in range(4):
+        tokens.append(int(out[-1][-1].argmax()))
+        out.append(runner.execute([StepSequence([tokens[-1]], len(tokens) - 1, table, samples=True)]))
+    return out
+
+
+# Llama (its 344-wide MLP: 10 blocks of 32 and one of 24), DeepSeek-V3 (its 48-row latent projection, 1.5 blocks; its
+# experts stored one by one, fused at load; its router in float, as the releases keep it)
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_an_fp8_block_checkpoint_is_served_as_its_dequantized_weights(name, tmp_path):
+    family = Family(name, tmp_path / name, greedy=False)
+    dequantized = save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    assert any(w.shape[0] % 32 for w in dequantized.values())  # (partial edge blocks)
+    reference = _dequantized_copy(family.dir, tmp_path / "reference", dequantized)
+    config = AutoConfig.from_pretrained(tmp_path / "fp8")
+    assert refused(name, config, 2) is None  # (its shards read their slices of the blocks: below)
+    fp8 = ModelRunner(str(tmp_path / "fp8"), num_blocks=32, block_size=16, dtype="fp32", device="cpu")
+    assert fp8.fp8_blocks == (32, 32)
+    whole = ModelRunner(reference, num_blocks=32, block_size=16, dtype="fp32", device="cpu")
+    served = _logits(fp8, PROMPTS[2])
+    for got, want in zip(served, _logits(whole, PROMPTS[2])):
+        # (float32 rounding: the same weights, loaded by another path, sit elsewhere in memory)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # transformers' greedy tokens from the dequantized model
+    dequantized_model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    assert [int(x[-1].argmax()) for x in served[1:]] == hf_greedy(dequantized_model, PROMPTS[2], 5)
+    # (and the quantization is there: the float model's logits are off by far more than rounding)
+    original = ModelRunner(family.dir, num_blocks=32, block_size=16, dtype="fp32", device="cpu")
+    assert float((_logits(original, PROMPTS[2])[1] - served[1]).abs().max()) > 1e-2
+
+
+def test_shards_read_their_slices_of_the_blocks(tmp_path):
+    """Two shards of DeepSeek-V3's FP8 checkpoint: each one's heads of q_b_proj, its columns of o_proj (a slice
+    starting mid-block: 48 of the 96 columns of 2 heads' 24-wide values, blocks of 32), its slice of each expert's gate,
+    up and down: the dequantized whole's, exactly."""
+    family = Family("deepseek_v3", tmp_path / "v3", greedy=False)
+    dequantized = save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    config = AutoConfig.from_pretrained(tmp_path / "fp8")
+    whole = load_shard(str(tmp_path / "fp8"), config, torch.float32, Shard(0, 1)).state_dict()
+    for key, w in dequantized.items():
+        if key in whole:
+            assert torch.equal(whole[key], w), key
+    experts = "model.layers.1.mlp.experts"
+    gate_up = torch.stack(
+        [torch.cat([dequantized[f"{experts}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")]) for e in range(8)]
+    )
+    assert torch.equal(whole[f"{experts}.gate_up_proj"], gate_up)
+    width = config.moe_intermediate_size // 2
+    for r in range(2):
+        shard = load_shard(str(tmp_path / "fp8"), config, torch.float32, Shard(r, 2)).state_dict()
+        o = whole["model.layers.0.self_attn.o_proj.weight"]
+        half = o.shape[1] // 2
+        assert torch.equal(shard["model.layers.0.self_attn.o_proj.weight"], o[:, r * half : (r + 1) * half])
+        q = whole["model.layers.0.self_attn.q_b_proj.weight"]
+        assert torch.equal(shard["model.layers.0.self_attn.q_b_proj.weight"], q.chunk(2)[r])
+        up = gate_up[:, 64 + r * width : 64 + (r + 1) * width]
+        assert torch.equal(shard[f"{experts}.gate_up_proj"][:, width:], up)
+
+
+def test_an_fp8_checkpoint_whose_scales_do_not_fit_its_blocks_is_named(tmp_path):
+    family = Family("llama", tmp_path / "llama", greedy=False)
+    save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(str(path))
+    key = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(PylonError, match=r"model.layers.1.mlp.down_proj.weight: its scales' shape \[4, 10\] is not"):
+        ModelRunner(str(tmp_path / "fp8"), num_blocks=8, block_size=16, dtype="fp32", device="cpu")
+    other = AutoConfig.from_pretrained(tmp_path / "fp8")
+    other.quantization_config = {"quant_method": "compressed-tensors"}
+    assert "its checkpoint is quantized (compressed-tensors)" in refused("llama", other, 2)
+
+
+@pytest.mark.slow  # make test-all (~15 s): two processes
+def test_two_shards_of_an_fp8_checkpoint_compute_the_dequantized_model(tmp_path):
+    """DeepSeek-V3's FP8 checkpoint in 2 tensor-parallel shards (gloo): the whole runner's logits over the same
+    checkpoint, and transformers' greedy tokens from the dequantized model."""
+    from test_tensor_shards import _compare
+
+    family = Family("deepseek_v3", tmp_path / "v3", greedy=False)
+    dequantized = save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    reference = _dequantized_copy(family.dir, tmp_path / "reference", dequantized)
+    family.model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    family.dir = str(tmp_path / "fp8")
+    _compare(family, 2, tmp_path)
+
+
+def test_a_pipeline_stage_reads_its_layers_of_an_fp8_checkpoint(tmp_path):
+    """engine.pipeline_parallel over an FP8 checkpoint: each stage's weights are the dequantized model's (read by the
+    same reader: transformers' own dequantization takes no partial blocks), and nothing of the other stages'."""
+    from pylon.serving.model.stages import load_stage, stage_of
+
+    family = Family("llama", tmp_path / "llama", greedy=False)
+    dequantized = save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    reference = _dequantized_copy(family.dir, tmp_path / "reference", dequantized)
+    config = AutoConfig.from_pretrained(tmp_path / "fp8")
+    for index in range(2):
+        stage = stage_of(config.num_hidden_layers, index, 2)
+        held = load_stage(str(tmp_path / "fp8"), config, torch.float32, stage).state_dict()
+        want = load_stage(reference, AutoConfig.from_pretrained(reference), torch.float32, stage).state_dict()
+        assert held.keys() == want.keys() and all(torch.equal(held[k], want[k]) for k in want), index
+        assert all(f"layers.{index}." in k for k in held if ".layers." in k)
