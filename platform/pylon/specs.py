@@ -1228,8 +1228,10 @@ class EngineSpec(_Spec):
         "one node together, every shard computing every step, its layers' outputs summed across the shards (gloo on "
         "CPUs, NCCL on GPUs, over the node's loopback and its own links). In a Serve replica the shards after the "
         "first take the bundles of the replica's placement group (each replica.num_cpus and replica.num_gpus), all on "
-        "one node (STRICT_PACK). Llama-like families (Phi-3's and GLM-4's fused projections split part by part), and "
-        "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE and GPT-OSS (every expert split as the MLP "
+        "one node (STRICT_PACK). Llama-like families (Phi-3's and GLM-4's fused projections split part by part; OLMo 2 "
+        "and 3's norms over all heads summed across the shards), and "
+        "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS, OLMoE and FlexOlmo (every expert "
+        "split as the MLP "
         "is), DeepSeek-V2 and V3 (latent attention split by heads, the latent cache whole on each shard), whose "
         "attention heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a "
         "multiple of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; float and "
@@ -1242,8 +1244,8 @@ class EngineSpec(_Spec):
         "--enable-expert-parallel) instead of slicing every expert across them: each shard holds tensor_parallel "
         "times fewer experts at their full width (whole matmuls, however narrow a slice would be), the router, "
         "attention, dense MLPs and shared experts split as before, each MoE block's output summed across the shards "
-        "once. Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, DeepSeek-V2 and V3, whose "
-        "experts tensor_parallel divides",
+        "once. Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, DeepSeek-V2 and V3, OLMoE "
+        "and FlexOlmo, whose experts tensor_parallel divides",
     )
     generation_config: Literal["auto", "none"] = Field(
         "auto",

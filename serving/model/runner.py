@@ -519,6 +519,8 @@ class ModelRunner:
         self._qk_norms = (
             None
             if q_norm is None
+            else "all"
+            if shard is not None and model_type in shards.SPANNING_NORM_FAMILIES  # (a shard of one head: OLMo's still)
             else "head"
             if q_norm.weight.numel() == first.self_attn.head_dim or q_norm.weight.dim() == 2
             else "all"
@@ -671,6 +673,8 @@ class ModelRunner:
             _pack_llama(self.model, quantization)
         if shard is not None:  # (on the projections as the forward calls them: packed, quantized or not)
             shards.reduce_outputs(self.model, self._own_layers())
+            if model_type in shards.SPANNING_NORM_FAMILIES:  # OLMo's query and key norms over every shard's heads
+                shards.spanning_norms(self._own_layers(), self._whole_config, shard)
             shards.vocab_parallel(self.model, shard)  # its rows of the embeddings and lm_head, made whole
         self.vocab_size = config.vocab_size
         # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:

@@ -25,6 +25,11 @@ value expansion of the latent), and the matching columns of `o_proj`; the latent
 and norms are whole, so every shard caches each token's whole latent, as vLLM's MLA does under tensor parallelism (a
 576-number latent a token and layer: nothing to gain by splitting it).
 
+OLMo 2 and 3, OLMoE and FlexOlmo normalise all the heads' queries (and keys) at once (one RMSNorm over the whole
+projection's output, not per head): a shard's norm sums its heads' squares and all-reduces them (one more small
+all-reduce, `[tokens, 1]`, per norm), each key head held by several shards counted once, then scales its slice by its
+slice of the weight (`spanning_norms`).
+
 Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS; vLLM's
 default for them under tensor parallelism) split every expert as the dense MLP is split: each shard holds the same
 slice of every expert's gate, up and down projections (and of the shared experts'), the router whole, so that every
@@ -57,12 +62,25 @@ import torch
 from pylon.errors import PylonError
 
 # The families split by heads and MLP width: q/k/v/o and gate/up/down projections (StarCoder2's c_fc and c_proj;
-# Cohere's attention and MLP side by side), per-head (or no) query and key norms (not OLMo 2's over all heads),
-# DeepSeek's latent attention (LATENT_SPLIT_FAMILIES), no recurrent layers; experts split by their width
-# (MOE_SPLIT_FAMILIES: routers over the whole hidden state, gate and up as halves of one fused weight or interleaved);
-# GPT-OSS's attention sinks follow their heads.
+# Cohere's attention and MLP side by side), per-head (or no) query and key norms, or OLMo's over all heads at once
+# (SPANNING_NORM_FAMILIES: their squares summed across the shards, `spanning_norms`), DeepSeek's latent attention
+# (LATENT_SPLIT_FAMILIES), no recurrent layers; experts split by their width (MOE_SPLIT_FAMILIES: routers over the
+# whole hidden state, gate and up as halves of one fused weight or interleaved); GPT-OSS's attention sinks follow their
+# heads.
 FUSED_SPLIT_FAMILIES = ("phi3", "glm4")  # qkv_proj and gate_up_proj, or gate_up_proj: each part split (`fused_rows`)
-MOE_SPLIT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "ernie4_5_moe", "gpt_oss")
+MOE_SPLIT_FAMILIES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "glm4_moe",
+    "dots1",
+    "ernie4_5_moe",
+    "gpt_oss",
+    "olmoe",
+    "flex_olmo",
+)
+# OLMo's query and key norms: one RMSNorm over all the heads' queries (keys) at once, not per head
+SPANNING_NORM_FAMILIES = ("olmo2", "olmo3", "olmoe", "flex_olmo")
 # DeepSeek's latent attention (MLA): the query and kv_b projections split by heads, the latent's projections whole (its
 # cache, one latent a token, every shard's: vLLM's way); their MoE blocks as GLM-4.5's
 LATENT_SPLIT_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -89,6 +107,8 @@ SPLIT_FAMILIES = (
     "cohere",
     "cohere2",
     "starcoder2",
+    "olmo2",
+    "olmo3",
     *FUSED_SPLIT_FAMILIES,
     *MOE_SPLIT_FAMILIES,
     *LATENT_SPLIT_FAMILIES,
@@ -113,6 +133,8 @@ EXPERT_PARALLEL_FAMILIES = (
     "ernie4_5_moe",
     "deepseek_v2",
     "deepseek_v3",
+    "olmoe",
+    "flex_olmo",
 )
 _SHARED_COUNTS = ("n_shared_experts", "moe_num_shared_experts")  # shared experts `moe_intermediate_size` wide each
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config's number of routed experts
@@ -458,6 +480,18 @@ def _whole_routers(model: torch.nn.Module, experts: int) -> None:
                 owner.register_buffer(name, whole)
 
 
+def _local_norms(model: torch.nn.Module, local) -> None:
+    """OLMo's query and key norms of `model` (a shard's, of config `local`) as wide as the shard's heads: OLMoE builds
+    them from the hidden size (its query norm) and the whole heads' size, which a shard does not split."""
+    heads, kv_heads, d = _heads(local)
+    for layer in model.model.layers:
+        attn = getattr(layer, "self_attn", None)
+        for name, width in (("q_norm", heads * d), ("k_norm", kv_heads * d)) if attn is not None else ():
+            norm = getattr(attn, name)
+            if norm.weight.numel() != width:
+                setattr(attn, name, type(norm)(width, eps=norm.variance_epsilon).to(norm.weight.dtype))
+
+
 def _sliced_shared_experts(model: torch.nn.Module, config, count: int) -> None:
     """Expert parallelism: each MoE block's shared experts (GLM-4.5's, dots.llm1's, ERNIE 4.5's, DeepSeek's: built
     `moe_intermediate_size` times their count wide, a width the routed experts keep whole) rebuilt a count-th as wide
@@ -490,6 +524,8 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
         model = cls._from_config(local, dtype=dtype)
     # what the runner samples over (its rows are `vocab_parallel`'s), and the model's pad id
     model.config.vocab_size, model.config.pad_token_id = config.vocab_size, getattr(config, "pad_token_id", None)
+    if config.model_type in SPANNING_NORM_FAMILIES:
+        _local_norms(model, local)
     if shard.experts:
         _whole_routers(model, num_experts(config))
         if any(getattr(config, n, None) for n in _SHARED_COUNTS):
@@ -619,6 +655,37 @@ def vocab_parallel(model: torch.nn.Module, shard: Shard) -> None:
     held = max(0, min(rows, vocab - shard.rank * rows))  # (the last shard's rows past the vocabulary: none of its ids)
     model.model.embed_tokens = _VocabEmbedding(model.model.embed_tokens, shard.rank * rows, max(held, 1))
     model.lm_head = _VocabHead(model.lm_head, vocab, shard.count)
+
+
+class _SpanningNorm(torch.nn.Module):
+    """OLMo's query (or key) norm on a shard (`inner`, its slice of the weight): an RMSNorm over all the heads at once,
+    the squares of each shard's heads summed across the shards (`width`: the whole projection's; each key head held by
+    `replicas` shards counted once), then each shard's slice scaled by its weights, as the whole norm computes."""
+
+    def __init__(self, inner: torch.nn.Module, width: int, replicas: int):
+        super().__init__()
+        self.weight, self.width, self.replicas = inner.weight, width, replicas
+        self.eps = getattr(inner, "variance_epsilon", None) or inner.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares)
+        variance = squares / (self.width * self.replicas)
+        return (self.weight * (xf * torch.rsqrt(variance + self.eps))).to(x.dtype)
+
+
+def spanning_norms(layers, config, shard: Shard) -> None:
+    """Each layer of `layers` (a shard's, of a SPANNING_NORM_FAMILIES model with `config`) given query and key norms
+    that span the shards (`_SpanningNorm`)."""
+    heads, kv_heads, d = _heads(config)
+    replicas = kv_replicas(config, shard.count)
+    for layer in layers:
+        attn = layer.self_attn
+        attn.q_norm = _SpanningNorm(attn.q_norm, heads * d, 1)
+        attn.k_norm = _SpanningNorm(attn.k_norm, kv_heads * d, replicas)
 
 
 def reduce_outputs(model: torch.nn.Module, layers) -> None:

@@ -49,6 +49,10 @@ SHARDED = (
             "starcoder2",
             "gpt_oss",
             "deepseek_v2",
+            "olmo2",
+            "olmo3",
+            "olmoe",
+            "flex_olmo",
         )
     ),
 )
@@ -158,6 +162,8 @@ def test_two_shards_compute_the_whole_model(name, tmp_path):
                 "glm4_moe",
                 "dots1",
                 "ernie4_5_moe",
+                "olmoe",
+                "flex_olmo",
             )
         ),
     ],
@@ -167,8 +173,8 @@ def test_with_expert_parallelism_each_shard_holds_half_the_experts_whole(name, t
     half), the router whole, the attention, dense MLPs and the shared expert sliced as without it; the two compute
     the whole model. DeepSeek-V3 (a dense first layer, its shared expert as wide as an expert, rebuilt sliced, its
     router's correction bias a buffer); make test-all: Qwen2-MoE (a gated shared expert), Mixtral, Qwen3-MoE, GPT-OSS
-    (experts stored [in, out], interleaved, biased), DeepSeek-V2, GLM-4.5, dots.llm1 and ERNIE 4.5 MoE (its router's
-    correction bias `[1, experts]`)."""
+    (experts stored [in, out], interleaved, biased), DeepSeek-V2, GLM-4.5, dots.llm1, ERNIE 4.5 MoE (its router's
+    correction bias `[1, experts]`), OLMoE and FlexOlmo (their query and key norms over all heads)."""
     from pylon.serving.model.tensor import load_shard, num_experts
 
     family = Family(name, tmp_path / name, greedy=False)
@@ -209,7 +215,7 @@ def test_four_shards_of_two_key_value_heads_read_their_query_heads_head(tmp_path
 # make test-all (4 processes, ~22 s each): the shards' arithmetic with replicated heads: Llama; Phi-3 (the heads in its
 # fused qkv_proj), Cohere (a key norm weight per head).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "phi3", "cohere"])
+@pytest.mark.parametrize("name", ["llama", "phi3", "cohere", "olmo2"])
 def test_four_shards_of_two_key_value_heads_hold_one_each_as_their_query_heads_group(name, tmp_path):
     """More shards than key-value heads: each shard holds the one head its query heads attend with, replicated, and
     the shards still compute the whole model."""
@@ -255,7 +261,7 @@ def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     config = family.model.config
     assert refused("llama", config, 2) is None
     assert "do not split into 3 equal shards" in refused("llama", config, 3)
-    assert "the olmo2 family is not split for tensor parallelism" in refused("olmo2", config, 2)
+    assert "the qwen3_next family is not split for tensor parallelism" in refused("qwen3_next", config, 2)
     quantized = local_config(config, 1)
     quantized.quantization_config = {"quant_method": "mxfp4"}  # (GPT-OSS's checkpoints as published)
     assert "its checkpoint is quantized (mxfp4)" in refused("gpt_oss", quantized, 2)
