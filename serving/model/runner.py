@@ -75,6 +75,7 @@ from pylon.serving.model.families import (
 )
 from pylon.serving.model.graphs import DecodeGraphs
 from pylon.serving.model.step import StepSequence
+from pylon.serving.model.stored import checkpoint_quantization
 from pylon.settings import switched_on
 
 log = logging.getLogger(__name__)
@@ -391,13 +392,19 @@ class ModelRunner:
         problem = unsupported(config)
         if problem is not None:
             raise PylonError(f"model {model_dir}: {problem}; the serving engine cannot serve it")
-        # A block-quantized FP8 checkpoint (DeepSeek-V3's, Kimi K2's, Qwen3's "-FP8" releases): its weights read
-        # dequantized into the engine's dtype (engine.quantization quantizes them per channel again), by the shards'
-        # reader (pylon.serving.model.tensor: any block, partial edge blocks too) where the family is one it splits,
-        # else by transformers, told to dequantize on every device (it would keep FP8 modules, which the engine does not
-        # run, where a GPU is present).
-        self.fp8_blocks = shards.fp8_blocks(config)
-        if self.fp8_blocks is not None and isinstance(config.quantization_config, dict):
+        # A quantized checkpoint (DeepSeek-V3's block FP8, compressed-tensors' FP8, INT8 and packed INT4: the "-FP8",
+        # "-FP8-dynamic", "-W8A8", "-W4A16" releases): its weights read dequantized into the engine's dtype
+        # (engine.quantization quantizes them per channel again), by the shards' reader (pylon.serving.model.stored:
+        # any block, partial edge blocks too) where the family is one it splits; else a block FP8 one by transformers,
+        # told to dequantize on every device (it would keep FP8 modules, which the engine does not run, on a GPU).
+        self.stored = checkpoint_quantization(config)
+        if self.stored is not None and model_type not in shards.SPLIT_FAMILIES and self.stored.method != "fp8":
+            raise PylonError(
+                f"model {model_dir}: its {self.stored.describe()} checkpoint is read for the families "
+                f"{', '.join(shards.SPLIT_FAMILIES)}, not {model_type}: save it dequantized, and use "
+                "engine.quantization"
+            )
+        if self.stored is not None and isinstance(config.quantization_config, dict):
             config.quantization_config["dequantize"] = True
         self.pipeline = stage  # None: the whole model
         # A stage of several: its forward ends without the final norm (the first stage's `finish_step` applies it).
@@ -459,16 +466,16 @@ class ModelRunner:
                 self._whole_config = config  # (adapters are checked against the whole model's projections)
                 config = self.model.config  # the shard's: its heads, its MLP width
                 self.stage_weights_bytes = stages.stage_bytes(self.model)
-            elif self.fp8_blocks is not None and model_type in shards.SPLIT_FAMILIES:  # (as one shard of one)
+            elif self.stored is not None and model_type in shards.SPLIT_FAMILIES:  # (as one shard of one)
                 self.model = shards.load_shard(model_dir, config, self.dtype, shards.Shard(0, 1))
                 log.info(
-                    "model %s: an FP8 checkpoint in blocks of %dx%d, read dequantized to %s",
+                    "model %s: a checkpoint of %s, read dequantized to %s",
                     model_dir,
-                    *self.fp8_blocks,
+                    self.stored.describe(),
                     str(self.dtype).removeprefix("torch."),
                 )
             else:
-                loaded = {"config": config} if self.fp8_blocks is not None else {}
+                loaded = {"config": config} if self.stored is not None else {}
                 self.model = AutoModelForCausalLM.from_pretrained(
                     model_dir, dtype=self.dtype, local_files_only=True, **loaded
                 )

@@ -118,7 +118,8 @@ def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torc
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.auto_factory import _get_model_class
 
-    from pylon.serving.model.tensor import Shard, fp8_blocks, load_shard
+    from pylon.serving.model.stored import checkpoint_quantization
+    from pylon.serving.model.tensor import Shard, load_shard
 
     base = _get_model_class(config, AutoModelForCausalLM._model_mapping)
 
@@ -131,7 +132,7 @@ def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torc
     # (`apply_rotary_pos_emb`: GPT-OSS's, Cohere's...).
     StageModel.__name__ = StageModel.__qualname__ = base.__name__
     StageModel.__module__ = base.__module__
-    if fp8_blocks(config) is not None:  # an FP8 checkpoint: read dequantized, any block (transformers: whole ones)
+    if checkpoint_quantization(config) is not None:  # a quantized checkpoint: read dequantized (model/stored.py)
         return load_shard(model_dir, config, dtype, Shard(0, 1), cls=StageModel)
     with _quiet_transformers():
         model, info = StageModel.from_pretrained(

@@ -41,10 +41,10 @@ them (`experts.gate_up_proj`); a shard reads its slice of each and fuses them as
 a shard takes a block of column pairs, and the down projection's biases are added by the first shard alone.
 
 A block-quantized FP8 checkpoint (quant_method fp8 with a `weight_block_size`: DeepSeek-V3's, Kimi K2's, Qwen3's and
-GLM-4.5's "-FP8" releases) is read by slice too, dequantized (`_BlockFP8`: each float8 element times its block's scale,
-edge blocks partial); the runner reads a whole model's, and a pipeline stage's, FP8 checkpoint the same way (as one
-shard of one). Other quantized checkpoints (GPT-OSS's MXFP4 as published, GPTQ, AWQ, compressed-tensors) are not read
-by slice: refused by name (`refused`).
+GLM-4.5's "-FP8" releases), and one in compressed-tensors' layouts (FP8, INT8, packed INT4: the "-FP8-dynamic",
+"-W8A8", "-W4A16" releases), is read by slice too, dequantized (pylon.serving.model.stored); the runner reads a whole
+model's, and a pipeline stage's, the same way (as one shard of one). Other quantized checkpoints (GPT-OSS's MXFP4 as
+published, GPTQ's and AWQ's own layouts) are not read by slice: refused by name (`refused`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from pylon.errors import PylonError
+from pylon.serving.model.stored import checkpoint_quantization, open_stored, stored_name, unreadable
 
 # The families split by heads and MLP width: q/k/v/o and gate/up/down projections (StarCoder2's c_fc and c_proj;
 # Cohere's attention and MLP side by side), per-head (or no) query and key norms, or OLMo's over all heads at once
@@ -192,13 +193,12 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
             f"the {model_type} family is not split for tensor parallelism (the families split: "
             f"{', '.join(SPLIT_FAMILIES)})"
         )
-    quantized = getattr(config, "quantization_config", None)
-    if quantized and fp8_blocks(config) is None:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+    why = unreadable(config)
+    if why is not None:
         return (
-            f"its checkpoint is quantized ({method}), and a shard reads float weights (or FP8 blocks) by slice: save "
-            "the model dequantized (transformers' from_pretrained, then save_pretrained), and use engine.quantization "
-            "to serve smaller weights"
+            f"{why}, and a shard reads float weights, block FP8 and compressed-tensors' by slice: save the model "
+            "dequantized (transformers' from_pretrained, then save_pretrained), and use engine.quantization to serve "
+            "smaller weights"
         )
     heads, kv_heads, _ = _heads(config)
     if model_type in LATENT_SPLIT_FAMILIES:  # (one latent a token, every shard's: no key-value heads to split)
@@ -218,55 +218,6 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
         if n % count:
             return f"its {n} {what} do not split into {count} equal shards (use a count that divides them)"
     return None
-
-
-def fp8_blocks(config) -> tuple[int, int] | None:
-    """The `[rows, columns]` of each scale's block where `config`'s checkpoint is block-quantized FP8 (quant_method
-    fp8 with a `weight_block_size`: DeepSeek-V3's and Kimi K2's releases, Qwen3's and GLM-4.5's "-FP8"); else None."""
-    quantized = getattr(config, "quantization_config", None)
-    if not isinstance(quantized, dict) and quantized is not None:
-        quantized = quantized.to_dict()
-    block = (quantized or {}).get("weight_block_size")
-    if (quantized or {}).get("quant_method") != "fp8" or not block or len(block) != 2:
-        return None
-    return int(block[0]), int(block[1])
-
-
-class _BlockFP8:
-    """A float8 weight of a block-quantized checkpoint (`fp8_blocks`) read by slice, dequantized as DeepSeek's and
-    vLLM's code computes it: each element times the float32 scale of its block (`weight_scale_inv`, `[ceil(rows /
-    bm), ceil(columns / bn)]`; the edge blocks partial where a dimension is no multiple of the block, as DeepSeek-V3's
-    576-row latent projection in blocks of 128). Only the slice's elements and its blocks' scales are read."""
-
-    def __init__(self, name: str, weight, scales, block: tuple[int, int]):
-        self.name, self.weight, self.scales, self.block = name, weight, scales, block
-        shape, grid = list(weight.get_shape()), list(scales.get_shape())
-        if len(shape) != 2:
-            raise PylonError(
-                f"{self.name}: an FP8 block weight of shape {shape} is read as a 2-D projection's only (fused "
-                "experts' are not): save the model dequantized"
-            )
-        want = [-(-n // b) for n, b in zip(shape, block)]
-        if grid != want:
-            raise PylonError(
-                f"{self.name}: its scales' shape {grid} is not the {want} blocks of {list(block)} that its shape "
-                f"{shape} holds (quantization_config.weight_block_size)"
-            )
-
-    def get_shape(self) -> list[int]:
-        return list(self.weight.get_shape())
-
-    def __getitem__(self, index) -> torch.Tensor:
-        shape = self.get_shape()
-        index = (index if isinstance(index, tuple) else (index,)) + (slice(None),) * 2
-        (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(index[:2], shape))
-        if rs != 1 or cs != 1:
-            raise PylonError(f"{self.name}: an FP8 block weight is read by contiguous slices")
-        (bm, bn), r1, c1 = self.block, max(r0, r1), max(c0, c1)
-        w = self.weight[r0:r1, c0:c1].to(torch.float32)
-        s = self.scales[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)].to(torch.float32)
-        s = s.repeat_interleave(bm, 0).repeat_interleave(bn, 1)
-        return w * s[r0 - r0 // bm * bm :][: r1 - r0, c0 - c0 // bn * bn :][:, : c1 - c0]
 
 
 def kv_replicas(config, count: int) -> int:
@@ -401,13 +352,15 @@ def _sources(key: str, files: dict[str, str], experts: int) -> list[str] | None:
     """The checkpoint's tensors that the model's tensor `key` is read from: itself (or its name in the checkpoint), or,
     for fused expert weights, each expert's in order (gate and up alternating); None where they are not all there."""
     for name in _names(key):
-        if name in files:
-            return [name]
+        if stored_name(name, files) is not None:  # (or its packed ints: pylon.serving.model.stored)
+            return [stored_name(name, files)]
     head, _, part = key.rpartition(".experts.")
     for prefix in _names(head) if head and part in _EXPERT_PARTS else ():
         for names in _EXPERT_PARTS[part]:
-            sources = [f"{prefix}.experts.{e}.{name}.weight" for e in range(experts) for name in names]
-            if all(s in files for s in sources):
+            sources = [
+                stored_name(f"{prefix}.experts.{e}.{name}.weight", files) for e in range(experts) for name in names
+            ]
+            if all(sources):
                 return sources
     return None
 
@@ -512,7 +465,7 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
     """Shard `shard`'s causal LM of `model_dir` (its config `config`), in `dtype` on the CPU: the family's class
     (or `cls`: a pipeline stage's, pylon.serving.model.stages) built from `local_config` (no initialisation), each
     tensor read as the shard's slice of the checkpoint's (an MoE model's experts fused from each expert's, as
-    transformers' loader fuses them; an FP8 checkpoint's weights dequantized, `_BlockFP8`)."""
+    transformers' loader fuses them; a quantized checkpoint's weights dequantized, pylon.serving.model.stored)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -543,18 +496,19 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
             "(other than fusing experts) is not split for tensor parallelism, nor read from FP8 blocks"
         )
     fused = fused_rows(config, shard)
-    blocks = fp8_blocks(config)
+    stored = checkpoint_quantization(config)
     with contextlib.ExitStack() as stack, torch.no_grad():
         opened: dict[str, object] = {}
 
-        def view(source: str, scales: bool = True):
+        def checkpoint(source: str):
             path = files[source]
             if path not in opened:
                 opened[path] = stack.enter_context(safe_open(path, framework="pt"))
-            scale = f"{source}_scale_inv"  # (an FP8 checkpoint's weight: read dequantized, `_BlockFP8`)
-            if scales and blocks is not None and scale in files:
-                return _BlockFP8(source, opened[path].get_slice(source), view(scale, scales=False), blocks)
-            return opened[path].get_slice(source)
+            return opened[path]
+
+        def view(source: str):  # (a quantized weight: read dequantized, pylon.serving.model.stored)
+            read = lambda other: checkpoint(other).get_tensor(other)  # noqa: E731
+            return open_stored(source, checkpoint(source).get_slice(source), read, stored, files)
 
         for key, found in sources.items():
             if key.rpartition(".experts.")[2] in _EXPERT_PARTS and state[key].dim() == 3:

@@ -252,7 +252,7 @@ def plan_serve(
     kv_dtype = dtype if e.kv_cache_dtype == "auto" else e.kv_cache_dtype
     per_token = kv_bytes_per_token(shape, KV_BYTES[kv_dtype])
     from pylon.serving.model.families import ENCODER_MODEL_TYPES
-    from pylon.serving.model.tensor import fp8_blocks
+    from pylon.serving.model.stored import checkpoint_quantization
 
     if config.model_type in ENCODER_MODEL_TYPES:  # a cross-encoder reads each input whole: no KV cache
         per_token = 0
@@ -272,11 +272,12 @@ def plan_serve(
             "they weigh as counted here"
             + ("" if e.quantization != "none" else "; engine.quantization int8 (or fp8) halves them again")
         )
-    blocks = fp8_blocks(config)
-    if blocks is not None:  # DeepSeek-V3's, Qwen3's "-FP8" releases: read dequantized (serving/model/tensor.py)
+    stored = checkpoint_quantization(config)
+    if stored is not None:  # DeepSeek-V3's, the "-FP8", "-W4A16" releases: read dequantized (serving/model/stored.py)
+        on_disk = shape.projection_params * stored.bits // 8
         notes.append(
-            f"the checkpoint is FP8 in blocks of {blocks[0]}x{blocks[1]} (~{_gib(shape.projection_params)} of its "
-            f"projections on disk); the engine reads it dequantized to {dtype}, so it weighs as counted here"
+            f"the checkpoint is {stored.describe()} (~{_gib(on_disk)} of its projections on disk); the engine reads "
+            f"it dequantized to {dtype}, so it weighs as counted here"
             + ("" if e.quantization != "none" else "; engine.quantization fp8 (or int8) halves it again")
         )
     # A multimodal checkpoint's vision tower and projector, kept for requests with images (engine.max_images_per_prompt

@@ -459,12 +459,37 @@ def speculating(engine: LLMEngine) -> LLMEngine:
     return engine
 
 
+# The quantized checkpoint layouts `save_quantized` writes: DeepSeek's block FP8, and compressed-tensors' FP8 per
+# channel ("-FP8-dynamic"), INT8 per channel with zero points (asymmetric "-W8A8"), INT4 in groups of 32 packed eight to
+# an int32 ("-W4A16").
+QUANTIZED = ("fp8-block", "fp8-channel", "int8-channel", "w4a16")
+
+
 def save_fp8_blocks(source: str, directory: Path, block: int = 32) -> dict[str, torch.Tensor]:
-    """The export in `source` saved to `directory` as the FP8 releases are (DeepSeek-V3's, Qwen3's "-FP8", quant_method
-    fp8, `weight_block_size` [block, block]): each decoder layer's projection weights (2-D, the router's aside) in
-    float8_e4m3fn, one float32 `weight_scale_inv` a block (its max magnitude over 448; the edge blocks partial where a
-    dimension is no multiple of `block`). Returns each quantized weight dequantized (fp8 times its block's scale), what
-    a reader of the checkpoint must compute."""
+    """`save_quantized`'s DeepSeek-style block FP8 checkpoint."""
+    return save_quantized(source, directory, "fp8-block", block)
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Signed ints in [-8, 7], `[rows, columns]`, as compressed-tensors packs them: offset by 8, eight to an int32
+    along the columns (column 8p + i at bits 4i of int32 p), the last padded with zeros."""
+    rows, cols = q.shape
+    per = 8
+    u = torch.zeros(rows, -(-cols // per) * per, dtype=torch.int64)
+    u[:, :cols] = q.to(torch.int64) + 8
+    packed = torch.zeros(rows, u.shape[1] // per, dtype=torch.int64)
+    for i in range(per):
+        packed |= u[:, i::per] << (4 * i)
+    return packed.to(torch.uint32).view(torch.int32) if hasattr(torch, "uint32") else packed.to(torch.int32)
+
+
+def save_quantized(source: str, directory: Path, scheme: str, block: int = 32) -> dict[str, torch.Tensor]:
+    """The export in `source` saved to `directory` quantized as published checkpoints are (`QUANTIZED`): each decoder
+    layer's projection weights (2-D, the router's aside), `fp8-block` as DeepSeek-V3's (float8_e4m3fn, a float32
+    `weight_scale_inv` per `block` x `block` block, partial at the edges), the others in compressed-tensors' layouts
+    (`weight_scale` per output channel, or per group of `block` columns; int8's `weight_zero_point`; int4's
+    `weight_packed` and `weight_shape`). Returns each quantized weight dequantized, what a reader of the checkpoint
+    must compute."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -484,24 +509,61 @@ def save_fp8_blocks(source: str, directory: Path, block: int = 32) -> dict[str, 
                 out[key] = w
                 continue
             rows, cols = w.shape
-            grid = (-(-rows // block), -(-cols // block))
-            padded = torch.zeros(grid[0] * block, grid[1] * block)
-            padded[:rows, :cols] = w.float()
-            blocks = padded.view(grid[0], block, grid[1], block)
-            scales = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
-            whole = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
-            q = (w.float() / whole).to(torch.float8_e4m3fn)
-            out[key], out[key + "_scale_inv"] = q, scales
-            dequantized[key] = q.float() * whole
+            w = w.float()
+            if scheme == "fp8-block":
+                grid = (-(-rows // block), -(-cols // block))
+                padded = torch.zeros(grid[0] * block, grid[1] * block)
+                padded[:rows, :cols] = w
+                scales = (padded.view(grid[0], block, grid[1], block).abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+                whole = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+                q = (w / whole).to(torch.float8_e4m3fn)
+                out[key], out[key + "_scale_inv"] = q, scales
+                dequantized[key] = q.float() * whole
+            elif scheme == "fp8-channel":
+                scales = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12).to(torch.bfloat16)
+                q = (w / scales.float()).to(torch.float8_e4m3fn)
+                out[key], out[key + "_scale"] = q, scales
+                dequantized[key] = q.float() * scales.float()
+            elif scheme == "int8-channel":  # asymmetric: [min, max] of each row onto [-128, 127]
+                low, high = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+                scales = ((high - low) / 255.0).clamp_min(1e-12)
+                zero = (-128 - torch.round(low / scales)).clamp(-128, 127).to(torch.int8)
+                q = (torch.round(w / scales) + zero.float()).clamp(-128, 127).to(torch.int8)
+                out[key], out[key + "_scale"], out[key + "_zero_point"] = q, scales, zero
+                dequantized[key] = (q.float() - zero.float()) * scales
+            else:  # w4a16: symmetric int4 in groups of `block` columns (the last partial)
+                groups = -(-cols // block)
+                padded = torch.zeros(rows, groups * block)
+                padded[:, :cols] = w
+                scales = (padded.view(rows, groups, block).abs().amax(dim=2) / 7.0).clamp_min(1e-12)
+                whole = scales.repeat_interleave(block, 1)[:, :cols]
+                q = torch.round(w / whole).clamp(-8, 7).to(torch.int8)
+                out[key + "_packed"], out[key + "_scale"] = _pack_int4(q), scales
+                out[key + "_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
+                dequantized[key] = q.float() * whole
         tensors[name] = out
     for name, out in tensors.items():
         save_file(out, str(directory / name), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "weight_block_size": [block, block],
-    }
+    if scheme == "fp8-block":
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [block, block],
+        }
+    else:
+        weights = {
+            "fp8-channel": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            "int8-channel": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False},
+            "w4a16": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": block, "symmetric": True},
+        }[scheme]
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": {"fp8-channel": "float-quantized", "int8-channel": "int-quantized"}.get(scheme, "pack-quantized"),
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**weights, "dynamic": False}}},
+            "ignore": ["lm_head"],
+            "quantization_status": "compressed",
+        }
     (directory / "config.json").write_text(json.dumps(config))
     return dequantized

@@ -1,7 +1,8 @@
-"""Block-quantized FP8 checkpoints (quant_method fp8 with a weight_block_size: DeepSeek-V3's, Kimi K2's, Qwen3's and
-GLM-4.5's "-FP8" releases): the engine reads each float8 weight times its block's scale (pylon.serving.model.tensor's
-reader, partial edge blocks included, which transformers' own dequantization refuses), so it serves what the
-dequantized model computes; tensor-parallel shards read their slices of the blocks."""
+"""Quantized checkpoints (pylon.serving.model.stored): block FP8 (quant_method fp8 with a weight_block_size:
+DeepSeek-V3's, Kimi K2's, the "-FP8" releases) and compressed-tensors' FP8, INT8 and packed INT4 ("-FP8-dynamic",
+"-W8A8", "-W4A16"): the engine reads each weight as its scales (less its zero points) make it, partial edge blocks and
+groups included (which transformers' own FP8 dequantization refuses), so it serves what the dequantized model
+computes; tensor-parallel shards and pipeline stages read their slices of them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from engine_models import PROMPTS, Family, hf_greedy, save_fp8_blocks
+from engine_models import PROMPTS, QUANTIZED, Family, hf_greedy, save_fp8_blocks, save_quantized
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -40,18 +41,22 @@ def _logits(runner: ModelRunner, prompt: list[int]) -> list[torch.Tensor]:
     return out
 
 
-# Llama (its 344-wide MLP: 10 blocks of 32 and one of 24), DeepSeek-V3 (its 48-row latent projection, 1.5 blocks; its
-# experts stored one by one, fused at load; its router in float, as the releases keep it)
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
-def test_an_fp8_block_checkpoint_is_served_as_its_dequantized_weights(name, tmp_path):
+# Llama (its 344-wide MLP: 10 blocks or groups of 32 and one of 24) in each layout; DeepSeek-V3 (its 48-row latent
+# projection, 1.5 blocks; its 48-wide q_b_proj inputs, 1.5 groups; its experts stored one by one, fused at load; its
+# router in float, as the releases keep it) in block FP8 and packed INT4.
+@pytest.mark.parametrize(
+    "name,scheme", [*(("llama", s) for s in QUANTIZED), ("deepseek_v3", "fp8-block"), ("deepseek_v3", "w4a16")]
+)
+def test_a_quantized_checkpoint_is_served_as_its_dequantized_weights(name, scheme, tmp_path):
     family = Family(name, tmp_path / name, greedy=False)
-    dequantized = save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
-    assert any(w.shape[0] % 32 for w in dequantized.values())  # (partial edge blocks)
+    dequantized = save_quantized(family.dir, tmp_path / "fp8", scheme, block=32)
+    assert any(w.shape[0] % 32 or w.shape[1] % 32 for w in dequantized.values())  # (partial edge blocks, groups)
     reference = _dequantized_copy(family.dir, tmp_path / "reference", dequantized)
     config = AutoConfig.from_pretrained(tmp_path / "fp8")
     assert refused(name, config, 2) is None  # (its shards read their slices of the blocks: below)
     fp8 = ModelRunner(str(tmp_path / "fp8"), num_blocks=32, block_size=16, dtype="fp32", device="cpu")
-    assert fp8.fp8_blocks == (32, 32)
+    assert fp8.stored.method == ("fp8" if scheme == "fp8-block" else "compressed-tensors")
+    assert fp8.stored.bits == (4 if scheme == "w4a16" else 8)
     whole = ModelRunner(reference, num_blocks=32, block_size=16, dtype="fp32", device="cpu")
     served = _logits(fp8, PROMPTS[2])
     for got, want in zip(served, _logits(whole, PROMPTS[2])):
@@ -65,12 +70,14 @@ def test_an_fp8_block_checkpoint_is_served_as_its_dequantized_weights(name, tmp_
     assert float((_logits(original, PROMPTS[2])[1] - served[1]).abs().max()) > 1e-2
 
 
-def test_shards_read_their_slices_of_the_blocks(tmp_path):
-    """Two shards of DeepSeek-V3's FP8 checkpoint: each one's heads of q_b_proj, its columns of o_proj (a slice
-    starting mid-block: 48 of the 96 columns of 2 heads' 24-wide values, blocks of 32), its slice of each expert's gate,
-    up and down: the dequantized whole's, exactly."""
+@pytest.mark.parametrize("scheme", ["fp8-block", "w4a16"])
+def test_shards_read_their_slices_of_the_blocks(scheme, tmp_path):
+    """Two shards of a DeepSeek-V3 quantized checkpoint: each one's heads of q_b_proj, its columns of o_proj (a slice
+    starting mid-block: 48 of the 96 columns of 2 heads' 24-wide values, blocks or groups of 32), its slice of each
+    expert's gate, up and down (packed INT4: the second shard's down_proj columns start mid-int32, 16 of 32 in 4 ints
+    of 8): the dequantized whole's, exactly."""
     family = Family("deepseek_v3", tmp_path / "v3", greedy=False)
-    dequantized = save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    dequantized = save_quantized(family.dir, tmp_path / "fp8", scheme, block=32)
     config = AutoConfig.from_pretrained(tmp_path / "fp8")
     whole = load_shard(str(tmp_path / "fp8"), config, torch.float32, Shard(0, 1)).state_dict()
     for key, w in dequantized.items():
@@ -91,6 +98,8 @@ def test_shards_read_their_slices_of_the_blocks(tmp_path):
         assert torch.equal(shard["model.layers.0.self_attn.q_b_proj.weight"], q.chunk(2)[r])
         up = gate_up[:, 64 + r * width : 64 + (r + 1) * width]
         assert torch.equal(shard[f"{experts}.gate_up_proj"][:, width:], up)
+        down = whole[f"{experts}.down_proj"][:, :, r * width : (r + 1) * width]
+        assert torch.equal(shard[f"{experts}.down_proj"], down)
 
 
 def test_an_fp8_checkpoint_whose_scales_do_not_fit_its_blocks_is_named(tmp_path):
@@ -104,18 +113,26 @@ def test_an_fp8_checkpoint_whose_scales_do_not_fit_its_blocks_is_named(tmp_path)
     with pytest.raises(PylonError, match=r"model.layers.1.mlp.down_proj.weight: its scales' shape \[4, 10\] is not"):
         ModelRunner(str(tmp_path / "fp8"), num_blocks=8, block_size=16, dtype="fp32", device="cpu")
     other = AutoConfig.from_pretrained(tmp_path / "fp8")
-    other.quantization_config = {"quant_method": "compressed-tensors"}
-    assert "its checkpoint is quantized (compressed-tensors)" in refused("llama", other, 2)
+    other.quantization_config = {"quant_method": "gptq", "bits": 4}
+    assert "its checkpoint is quantized (gptq)" in refused("llama", other, 2)
+    # a family the shards' reader does not split: named, with what to do
+    gpt2 = Family("gpt2", tmp_path / "gpt2", greedy=False)
+    save_quantized(gpt2.dir, tmp_path / "gpt2-w4", "w4a16")
+    with pytest.raises(PylonError, match=r"compressed-tensors \(4-bit weights\) checkpoint is read for the families"):
+        ModelRunner(str(tmp_path / "gpt2-w4"), num_blocks=8, block_size=16, dtype="fp32", device="cpu")
+    other.quantization_config = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    assert "its compressed-tensors checkpoint's format 'nvfp4-pack-quantized' is not read" in refused("llama", other, 2)
 
 
-@pytest.mark.slow  # make test-all (~15 s): two processes
-def test_two_shards_of_an_fp8_checkpoint_compute_the_dequantized_model(tmp_path):
-    """DeepSeek-V3's FP8 checkpoint in 2 tensor-parallel shards (gloo): the whole runner's logits over the same
-    checkpoint, and transformers' greedy tokens from the dequantized model."""
+@pytest.mark.slow  # make test-all (~15 s each): two processes
+@pytest.mark.parametrize("name,scheme", [("deepseek_v3", "fp8-block"), ("llama", "w4a16")])
+def test_two_shards_of_a_quantized_checkpoint_compute_the_dequantized_model(name, scheme, tmp_path):
+    """DeepSeek-V3's block FP8 checkpoint and Llama's packed INT4 in 2 tensor-parallel shards (gloo): the whole
+    runner's logits over the same checkpoint, and transformers' greedy tokens from the dequantized model."""
     from test_tensor_shards import _compare
 
-    family = Family("deepseek_v3", tmp_path / "v3", greedy=False)
-    dequantized = save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    family = Family(name, tmp_path / name, greedy=False)
+    dequantized = save_quantized(family.dir, tmp_path / "fp8", scheme, block=32)
     reference = _dequantized_copy(family.dir, tmp_path / "reference", dequantized)
     family.model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     family.dir = str(tmp_path / "fp8")
