@@ -1223,19 +1223,19 @@ class EngineSpec(_Spec):
     tensor_parallel: PositiveInt = Field(
         1,
         description="split each decoder layer into this many tensor-parallel shards (vLLM's tensor_parallel_size), "
-        "each a process on the replica's node holding its share of the attention heads (and their KV cache) and of the MLP, "
-        "reading only its slices of the checkpoint: a model larger than one GPU's memory is served by the GPUs of "
-        "one node together, every shard computing every step, its layers' outputs summed across the shards (gloo on "
-        "CPUs, NCCL on GPUs, over the node's loopback and its own links). In a Serve replica the shards after the "
-        "first take the bundles of the replica's placement group (each replica.num_cpus and replica.num_gpus), all "
-        "on one node (STRICT_PACK). Llama-like families (Phi-3's and GLM-4's fused projections split part by part; "
-        "OLMo 2 and 3's norms over all heads summed across the shards), and Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, "
-        "dots.llm1, ERNIE 4.5 MoE, GPT-OSS, OLMoE and FlexOlmo (every expert split as the MLP is), DeepSeek-V2 and "
-        "V3 (latent attention split by heads, the latent cache whole on each shard), whose attention heads and MLP "
-        "and experts' widths it divides, and whose key-value heads it divides or is a multiple of (one a shard, "
-        "replicated); LoRA adapters each shard's slice of their matrices; float and quantized checkpoints in block "
-        "FP8 or compressed-tensors' layouts (another quantized one: save it dequantized); not with "
-        "pipeline_parallel, data_parallel or classifier_from_token",
+        "each a process on the replica's node holding its share of the attention heads (and their KV cache) and of "
+        "the MLP, reading only its slices of the checkpoint: a model larger than one GPU's memory is served by the "
+        "GPUs of one node together, every shard computing every step, its layers' outputs summed across the shards "
+        "(gloo on CPUs, NCCL on GPUs, over the node's loopback and its own links). In a Serve replica the shards "
+        "after the first take the bundles of the replica's placement group (each replica.num_cpus and "
+        "replica.num_gpus), all on one node (STRICT_PACK). Llama-like families (Phi-3's and GLM-4's fused projections "
+        "split part by part; OLMo 2 and 3's norms over all heads summed across the shards), and Mixtral, Qwen2-MoE, "
+        "Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS, OLMoE and FlexOlmo (every expert split as the MLP "
+        "is), DeepSeek-V2 and V3 (latent attention split by heads, the latent cache whole on each shard), whose "
+        "attention heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a "
+        "multiple of (one a shard, replicated); LoRA adapters each shard's slice of their matrices; float and "
+        "quantized checkpoints in block FP8 or compressed-tensors' layouts (another quantized one: save it "
+        "dequantized); not with pipeline_parallel, data_parallel or classifier_from_token",
     )
     expert_parallel: bool = Field(
         False,
