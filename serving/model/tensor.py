@@ -30,15 +30,15 @@ projection's output, not per head): a shard's norm sums its heads' squares and a
 all-reduce, `[tokens, 1]`, per norm), each key head held by several shards counted once, then scales its slice by its
 slice of the weight (`spanning_norms`).
 
-Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS; vLLM's
-default for them under tensor parallelism) split every expert as the dense MLP is split: each shard holds the same
-slice of every expert's gate, up and down projections (and of the shared experts'), the router whole, so that every
-shard routes every token alike and its experts' weighted outputs, summed, are a partial sum of the block's: one
-all-reduce per MoE block, as per dense MLP. The checkpoint's experts are separate tensors
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS, OLMoE,
+FlexOlmo, DeepSeek; vLLM's default for them under tensor parallelism) split every expert as the dense MLP is split:
+each shard holds the same slice of every expert's gate, up and down projections (and of the shared experts'), the
+router whole, so that every shard routes every token alike and its experts' weighted outputs, summed, are a partial
+sum of the block's: one all-reduce per MoE block, as per dense MLP. The checkpoint's experts are separate tensors
 (`experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`), or fused as transformers holds
 them (`experts.gate_up_proj`); a shard reads its slice of each and fuses them as transformers' loader does
-(`_expert_reads`). GPT-OSS's experts are stored `[in, out]`, gate and up interleaved column by column, with biases:
-a shard takes a block of column pairs, and the down projection's biases are added by the first shard alone.
+(`_expert_reads`). GPT-OSS's experts are stored `[in, out]`, gate and up interleaved column by column, with biases: a
+shard takes a block of column pairs, and the down projection's biases are added by the first shard alone.
 
 A block-quantized FP8 checkpoint (quant_method fp8 with a `weight_block_size`: DeepSeek-V3's, Kimi K2's, Qwen3's and
 GLM-4.5's "-FP8" releases), and one in compressed-tensors' layouts (FP8, INT8, packed INT4: the "-FP8-dynamic",
@@ -245,7 +245,7 @@ def local_config(config, count: int, experts: bool = False):
             if getattr(config, name, None):
                 setattr(local, name, getattr(config, name) // count)
     local.vocab_size = vocab_rows(config.vocab_size, count)  # (its embeddings' and lm_head's rows: `vocab_parallel`)
-    if getattr(local, "quantization_config", None) is not None:  # (an FP8 checkpoint's weights: read dequantized)
+    if getattr(local, "quantization_config", None) is not None:  # (a quantized checkpoint's: read dequantized)
         del local.quantization_config
     local.pad_token_id = None  # (an embedding's padding_idx, for training only, may be another shard's row)
     return local
@@ -493,7 +493,7 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
         raise PylonError(
             f"model {model_dir}: {shard.describe()}: {len(missing)} of its tensors are not in the checkpoint under "
             f"the model's names ({', '.join(missing[:3])}): a checkpoint whose weights transformers converts at load "
-            "(other than fusing experts) is not split for tensor parallelism, nor read from FP8 blocks"
+            "(other than fusing experts, or dequantizing a quantized one) is not split for tensor parallelism"
         )
     fused = fused_rows(config, shard)
     stored = checkpoint_quantization(config)
