@@ -415,8 +415,9 @@ class ModelRunner:
                 raise PylonError(f"engine.pipeline_parallel: model {model_dir}: {why}")
         if shard is not None:
             why = shards.refused(model_type, config, shard.count, shard.experts)
-            if why is None and (multimodal or classifier_from_token or stage is not None):
-                why = "multimodal checkpoints, classifiers and pipeline stages are not split into shards"
+            split_multimodal = self.full_config.model_type in shards.SPLIT_MULTIMODAL  # (Llama 4's: its text model)
+            if why is None and ((multimodal and not split_multimodal) or classifier_from_token or stage is not None):
+                why = "multimodal checkpoints (but Llama 4's), classifiers and pipeline stages are not sharded"
             if why is not None:
                 raise PylonError(f"engine.tensor_parallel: model {model_dir}: {why}")
         self._forward: Callable = (
@@ -451,7 +452,7 @@ class ModelRunner:
         if multimodal and is_sequence_classifier(self.full_config):
             raise PylonError(f"model {model_dir}: a multimodal classifier is not served; serve its text model")
         try:
-            if multimodal:
+            if multimodal and shard is None:
                 self.model, vision = _language_model(model_dir, self.dtype)
                 if images:
                     self.vision = vision.to(self.device).eval()

@@ -79,13 +79,18 @@ MOE_SPLIT_FAMILIES = (
     "gpt_oss",
     "olmoe",
     "flex_olmo",
+    "llama4_text",
 )
 # OLMo's query and key norms: one RMSNorm over all the heads' queries (keys) at once, not per head
 SPANNING_NORM_FAMILIES = ("olmo2", "olmo3", "olmoe", "flex_olmo")
 # DeepSeek's latent attention (MLA): the query and kv_b projections split by heads, the latent's projections whole (its
 # cache, one latent a token, every shard's: vLLM's way); their MoE blocks as GLM-4.5's
 LATENT_SPLIT_FAMILIES = ("deepseek_v2", "deepseek_v3")
-IN_OUT_EXPERTS = ("gpt_oss",)  # experts stored [in, out], gate and up interleaved, with biases (`_expert_reads`)
+# experts stored [in, out]: GPT-OSS's gate and up interleaved, with biases; Llama 4's gate, then up (`_expert_reads`)
+IN_OUT_EXPERTS = {"gpt_oss": "interleaved", "llama4_text": "halves"}
+# multimodal checkpoints whose language model is split (Llama 4's: a whole causal LM under `language_model.`, served
+# for its text)
+SPLIT_MULTIMODAL = ("llama4",)
 SPLIT_FAMILIES = (
     "llama",
     "mistral",
@@ -120,6 +125,7 @@ _WIDTHS = (
     ("intermediate_size", "MLP width"),
     ("moe_intermediate_size", "experts' width"),
     ("shared_expert_intermediate_size", "shared expert's width"),
+    ("intermediate_size_mlp", "dense MLP width"),  # (Llama 4's dense layers; its experts' is intermediate_size)
 )
 # Expert parallelism (`Shard.experts`, vLLM's --enable-expert-parallel): the experts stay whole while the dense MLPs
 # and shared experts are sliced (the shared experts of GLM-4.5, dots.llm1, ERNIE 4.5 and DeepSeek, as wide as the
@@ -366,13 +372,14 @@ def _sources(key: str, files: dict[str, str], experts: int) -> list[str] | None:
 
 
 def _expert_reads(
-    key: str, local: torch.Tensor, sources: list[str], view: Callable, shard: Shard, in_out: bool = False
+    key: str, local: torch.Tensor, sources: list[str], view: Callable, shard: Shard, in_out: str | None = None
 ) -> None:
     """Shard `shard`'s part of every expert's fused weight `key` (`local`, the shard's) read into it: each expert's
     gate and up rows `rank * width ...` (the shard's `width`), or its down projection's columns, from the fused
     checkpoint tensor or each expert's; with expert parallelism (`shard.experts`), its experts `rank * n ...` whole.
-    `in_out`: GPT-OSS's, stored `[experts, in, out]` with gate and up interleaved column by column: the shard's
-    `2 x width` columns of gate_up (pairs of gate and up), its `width` rows of down."""
+    `in_out`: stored `[experts, in, out]`, gate and up `interleaved` column by column (GPT-OSS's: the shard's `2 x
+    width` columns of gate_up, pairs of gate and up) or as `halves` (Llama 4's: its `width` columns of each), and its
+    `width` rows of down."""
     experts = local.shape[0]
     # expert parallelism: the shard's experts from `first`, whole (as one shard of one); else every expert, sliced
     first, total = (shard.rank * experts, experts * shard.count) if shard.experts else (0, experts)
@@ -391,7 +398,13 @@ def _expert_reads(
         width = local.shape[1] if down else local.shape[2] // 2
         hidden, full = local.shape[2] if down else local.shape[1], width * count
         v = checked(sources[0], [total, full, hidden] if down else [total, hidden, 2 * full])
-        local.copy_(v[held, r * width : (r + 1) * width] if down else v[held, :, 2 * r * width : 2 * (r + 1) * width])
+        if down:
+            local.copy_(v[held, r * width : (r + 1) * width])
+        elif in_out == "interleaved":
+            local.copy_(v[held, :, 2 * r * width : 2 * (r + 1) * width])
+        else:
+            local[:, :, :width].copy_(v[held, :, r * width : (r + 1) * width])
+            local[:, :, width:].copy_(v[held, :, full + r * width : full + (r + 1) * width])
         return
     width = local.shape[2] if down else local.shape[1] // 2
     part = slice(r * width, (r + 1) * width)
@@ -484,6 +497,12 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
         if any(getattr(config, n, None) for n in _SHARED_COUNTS):
             _sliced_shared_experts(model, local, shard.count)
     files = _weight_files(model_dir)
+    # a multimodal checkpoint's language model (Llama 4's, SPLIT_MULTIMODAL): its tensors under `language_model.`
+    named = {k.removeprefix("language_model."): k for k in files if k.startswith("language_model.")}
+    if named and not any(k.startswith("model.") for k in files):
+        files = {short: files[name] for short, name in named.items()}
+    else:
+        named = {}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict()
     experts = num_experts(config)
@@ -507,12 +526,12 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
             return opened[path]
 
         def view(source: str):  # (a quantized weight: read dequantized, pylon.serving.model.stored)
-            read = lambda other: checkpoint(other).get_tensor(other)  # noqa: E731
-            return open_stored(source, checkpoint(source).get_slice(source), read, stored, files)
+            read = lambda other: checkpoint(other).get_tensor(named.get(other, other))  # noqa: E731
+            return open_stored(source, checkpoint(source).get_slice(named.get(source, source)), read, stored, files)
 
         for key, found in sources.items():
             if key.rpartition(".experts.")[2] in _EXPERT_PARTS and state[key].dim() == 3:
-                _expert_reads(key, state[key], found, view, shard, in_out=config.model_type in IN_OUT_EXPERTS)
+                _expert_reads(key, state[key], found, view, shard, in_out=IN_OUT_EXPERTS.get(config.model_type))
                 continue
             v = view(found[0])
             take = _slicer(key, state[key].shape, v.get_shape(), shard, fused)

@@ -53,6 +53,7 @@ SHARDED = (
             "olmo3",
             "olmoe",
             "flex_olmo",
+            "llama4_text",
         )
     ),
 )
@@ -135,8 +136,10 @@ def _compare(family: Family, count: int, tmp_path, atol: float = 1e-4, experts: 
 def test_two_shards_compute_the_whole_model(name, tmp_path):
     # (DeepSeek-V3's vocabulary 321, not a multiple of 2: the second shard's last lm_head row is padding; below)
     family = Family(name, tmp_path / name, greedy=False, **({"vocab_size": 321} if name == "deepseek_v3" else {}))
-    # GPT-OSS: its clamped SwiGLU and sinks carry the all-reduce's other rounding further (up to 2e-3 of logits ~19)
-    shards = _compare(family, 2, tmp_path, atol=4e-3 if name == "gpt_oss" else 1e-4)
+    # GPT-OSS: its clamped SwiGLU and sinks carry the all-reduce's other rounding further (up to 2e-3 of logits ~19);
+    # Llama 4: its experts' inputs scaled by the router and its L2 query and key norms, to 1.6e-4
+    atol = {"gpt_oss": 4e-3, "llama4_text": 5e-4}.get(name, 1e-4)
+    shards = _compare(family, 2, tmp_path, atol=atol)
     # each shard: half the key-value heads in its KV cache ([kv heads, blocks, block size, head dim]), about half the
     # layers' weights
     config = family.model.config
@@ -462,3 +465,38 @@ def test_shards_serve_lora_adapters_each_holding_its_slice_of_their_matrices(nam
         assert seq[len(prompt) : len(prompt) + len(want)] == want, prompt
     # the adapter placed on demand: the prompt's next token as peft computes it
     assert int(shards[0]["logits"][-1][-1].argmax()) == hf_greedy(peft[2], prompts[0], 1)[0]
+
+
+@pytest.mark.slow  # make test-all (~20 s): two processes
+def test_a_llama4_multimodal_checkpoint_is_split_for_its_text(tmp_path):
+    """Llama 4 Scout and Maverick ship as Llama4ForConditionalGeneration (a whole Llama4ForCausalLM under
+    language_model.*, beside a vision model): two shards read their slices of the language model's tensors under that
+    prefix (its experts stored [experts, in, out], gate then up), never the vision model's, and compute what the whole
+    runner and the conditional model compute on text."""
+    from engine_models import LLAMA_LIKE
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from pylon.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    ids = {"eos_token_id": tok.eos_id, "pad_token_id": 257}
+    text = {**LLAMA_LIKE["llama4_text"], "initializer_range": 0.5, **ids}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32}
+    vision |= {"projector_output_dim": 128}
+    torch.manual_seed(0)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision, **ids)).eval()
+    directory = tmp_path / "llama4"
+    model.save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+
+    class Multimodal:  # (what `_compare` reads of a Family)
+        dir = str(directory)
+
+        def __init__(self):
+            self.model = model
+
+        def hf_greedy(self, prompt, n):
+            return hf_greedy(model, prompt, n)
+
+    _compare(Multimodal(), 2, tmp_path, atol=5e-4)
