@@ -83,6 +83,16 @@ class ShardWorker(AdapterWorker):
     def run(self, steps) -> None:
         self.runner.execute_step(steps)
 
+    def keep_state(self, key: str, count: int) -> None:
+        self.runner.keep_state(key, count)
+
+    def release_state(self, key: str) -> None:
+        self.runner.release_state(key)
+
+    def held_states(self) -> list[str]:
+        """The sequences whose recurrent states this shard holds (none once they finish)."""
+        return sorted(self.runner._states)
+
 
 class TensorRunner(SplitRunner):
     """`ModelRunner`'s interface (what the engine uses of it) over the tensor-parallel shards of a model: shard 1 in
@@ -188,6 +198,28 @@ class TensorRunner(SplitRunner):
                 why = "its process is gone" if isinstance(e, ray.exceptions.RayActorError) else type(e).__name__
                 lost.append(f"shard {k} of {len(done) + 1} failed ({why})")
         return ", ".join(lost)
+
+    # A model with recurrent layers (Qwen3-Next, Qwen3.5): each shard keeps its heads' states of each sequence; what
+    # the engine does to them, every shard does, in order with the steps (a Ray actor runs one caller's calls in
+    # order), not waited for. Their snapshots (the prefix cache's) are not taken with shards: the engine's prefix cache
+    # is off for such a model then.
+    def keep_state(self, key: str, count: int, snapshot: int | None = None) -> list | None:
+        if snapshot is not None:
+            raise PylonError("engine.tensor_parallel: recurrent states are not snapshotted across shards")
+        for w in self.workers:
+            w.keep_state.remote(key, count)
+        return self.local.keep_state(key, count)
+
+    def release_state(self, key: str) -> None:
+        for w in self.workers:
+            w.release_state.remote(key)
+        self.local.release_state(key)
+
+    def snapshot_state(self, key: str) -> list:
+        raise PylonError("engine.tensor_parallel: recurrent states are not snapshotted across shards")
+
+    def restore_state(self, key: str, snapshot: list) -> None:
+        raise PylonError("engine.tensor_parallel: recurrent states are not restored across shards")
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         import ray

@@ -30,6 +30,11 @@ projection's output, not per head): a shard's norm sums its heads' squares and a
 all-reduce, `[tokens, 1]`, per norm), each key head held by several shards counted once, then scales its slice by its
 slice of the weight (`spanning_norms`).
 
+Qwen3-Next's and Qwen3.5's recurrent layers split by heads too (RECURRENT_SPLIT_FAMILIES): each shard computes its
+key heads and their value heads, keeping their recurrent state (the engine's runner, pylon.serving.engine.tensor, has
+every shard keep and let go of each sequence's states alike). Multimodal checkpoints (SPLIT_MULTIMODAL) are split for
+their text: a shard reads its language model's tensors under their prefix, never the vision model's.
+
 Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS, OLMoE,
 FlexOlmo, DeepSeek; vLLM's default for them under tensor parallelism) split every expert as the dense MLP is split:
 each shard holds the same slice of every expert's gate, up and down projections (and of the shared experts'), the
@@ -80,7 +85,14 @@ MOE_SPLIT_FAMILIES = (
     "olmoe",
     "flex_olmo",
     "llama4_text",
+    "qwen3_next",
+    "qwen3_5_moe_text",
 )
+# Qwen3-Next's and Qwen3.5's recurrent (Gated DeltaNet) layers, split by key heads and their value heads: their input
+# projections' rows (Qwen3-Next's grouped by key head; Qwen3.5's queries, keys and values apart, `fused_rows`), the
+# convolution's channels of the shard's queries, keys and values (`fused_rows`), their gates' and decays' heads, and
+# the output projection's columns (row parallel); each shard keeps its heads' recurrent states.
+RECURRENT_SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # OLMo's query and key norms: one RMSNorm over all the heads' queries (keys) at once, not per head
 SPANNING_NORM_FAMILIES = ("olmo2", "olmo3", "olmoe", "flex_olmo")
 # DeepSeek's latent attention (MLA): the query and kv_b projections split by heads, the latent's projections whole (its
@@ -88,9 +100,10 @@ SPANNING_NORM_FAMILIES = ("olmo2", "olmo3", "olmoe", "flex_olmo")
 LATENT_SPLIT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # experts stored [in, out]: GPT-OSS's gate and up interleaved, with biases; Llama 4's gate, then up (`_expert_reads`)
 IN_OUT_EXPERTS = {"gpt_oss": "interleaved", "llama4_text": "halves"}
-# multimodal checkpoints whose language model is split (Llama 4's: a whole causal LM under `language_model.`, served
-# for its text)
-SPLIT_MULTIMODAL = ("llama4",)
+# multimodal checkpoints whose language model is split, served for their text (no images: their vision model is never
+# read): Llama 4's (a whole causal LM under `language_model.`), Gemma 3's, Mistral 3's, Qwen3.5's
+SPLIT_MULTIMODAL = ("llama4", "gemma3", "mistral3", "qwen3_5", "qwen3_5_moe")
+_LANGUAGE_MODEL_PREFIXES = (("language_model.", ""), ("model.language_model.", "model."), ("lm_head.", "lm_head."))
 SPLIT_FAMILIES = (
     "llama",
     "mistral",
@@ -115,6 +128,7 @@ SPLIT_FAMILIES = (
     "starcoder2",
     "olmo2",
     "olmo3",
+    "qwen3_5_text",
     *FUSED_SPLIT_FAMILIES,
     *MOE_SPLIT_FAMILIES,
     *LATENT_SPLIT_FAMILIES,
@@ -146,7 +160,8 @@ EXPERT_PARALLEL_FAMILIES = (
 _SHARED_COUNTS = ("n_shared_experts", "moe_num_shared_experts")  # shared experts `moe_intermediate_size` wide each
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config's number of routed experts
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # their rows split (`vocab_parallel`)
-ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")  # their inputs sliced: partial sums, reduced across the shards
+# their inputs sliced: partial sums, reduced across the shards (a recurrent layer's out_proj too)
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "out_proj")
 # their heads split, or one each shard where the shards outnumber them (Cohere's key norms: a weight per head)
 KEY_VALUE = ("k_proj", "v_proj", "k_norm")
 
@@ -220,6 +235,9 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
     if whole == "moe_intermediate_size" and shared:  # (its shared experts, still sliced)
         widths.append(("shared experts' width", config.moe_intermediate_size * shared))
     kv = [] if count > kv_heads else [("key-value heads", kv_heads)]
+    if model_type in RECURRENT_SPLIT_FAMILIES:  # (their recurrent layers' heads)
+        kv.append(("recurrent layers' key heads", config.linear_num_key_heads))
+        kv.append(("recurrent layers' value heads", config.linear_num_value_heads))
     for what, n in (("attention heads", heads), *kv, *widths):
         if n % count:
             return f"its {n} {what} do not split into {count} equal shards (use a count that divides them)"
@@ -250,6 +268,9 @@ def local_config(config, count: int, experts: bool = False):
         for name in _EXPERT_COUNTS:
             if getattr(config, name, None):
                 setattr(local, name, getattr(config, name) // count)
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):  # (a recurrent layer's heads, split alike)
+        if getattr(config, name, None):
+            setattr(local, name, getattr(config, name) // count)
     local.vocab_size = vocab_rows(config.vocab_size, count)  # (its embeddings' and lm_head's rows: `vocab_parallel`)
     if getattr(local, "quantization_config", None) is not None:  # (a quantized checkpoint's: read dequantized)
         del local.quantization_config
@@ -283,14 +304,22 @@ def _weight_files(model_dir: str) -> dict[str, str]:
 
 def fused_rows(config, shard: Shard) -> dict[str, list[slice]]:
     """The output rows of each fused projection (Phi-3's `qkv_proj`: queries, keys, values; Phi-3's and GLM-4's
-    `gate_up_proj`: gate, up) that shard `shard` holds: its slice of each part, in order."""
+    `gate_up_proj`: gate, up; a recurrent layer's convolution channels and Qwen3.5's `in_proj_qkv`: queries, keys,
+    values of all its heads) that shard `shard` holds: its slice of each part, in order."""
     heads, kv_heads, d = _heads(config)
     r, n = shard.rank, shard.count
     q = heads // n * d
     kv = max(1, kv_heads // n) * d
     kv_index = r // kv_replicas(config, n)
-    width = config.intermediate_size // n
-    return {
+    width = (getattr(config, "intermediate_size", None) or 0) // n
+    recurrent = {}
+    if getattr(config, "linear_num_key_heads", None):  # Qwen3-Next's, Qwen3.5's recurrent layers
+        keys = config.linear_num_key_heads * config.linear_key_head_dim
+        values = config.linear_num_value_heads * config.linear_value_head_dim
+        k, v = keys // n, values // n
+        parts = [slice(r * k, (r + 1) * k), slice(keys + r * k, keys + (r + 1) * k)]
+        recurrent = dict.fromkeys(("conv1d", "in_proj_qkv"), [*parts, slice(2 * keys + r * v, 2 * keys + (r + 1) * v)])
+    return recurrent | {
         "qkv_proj": [
             slice(r * q, (r + 1) * q),
             slice(heads * d + kv_index * kv, heads * d + (kv_index + 1) * kv),
@@ -311,7 +340,7 @@ def _slicer(
     a row-parallel projection's bias, on shards but the first)."""
     r, n = shard.rank, shard.count
     rows = (fused or {}).get(name.rsplit(".", 2)[-2])
-    if rows is not None and len(full) in (1, 2) and sum(p.stop - p.start for p in rows) == local[0]:
+    if rows is not None and len(full) in (1, 2, 3) and sum(p.stop - p.start for p in rows) == local[0]:
         if rows[-1].stop > full[0]:
             raise PylonError(f"{name}: the checkpoint's shape {full} does not hold the model config's parts")
         return lambda s: torch.cat([s[p] for p in rows])
@@ -497,12 +526,16 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
         if any(getattr(config, n, None) for n in _SHARED_COUNTS):
             _sliced_shared_experts(model, local, shard.count)
     files = _weight_files(model_dir)
-    # a multimodal checkpoint's language model (Llama 4's, SPLIT_MULTIMODAL): its tensors under `language_model.`
-    named = {k.removeprefix("language_model."): k for k in files if k.startswith("language_model.")}
-    if named and not any(k.startswith("model.") for k in files):
+    # a multimodal checkpoint's language model (SPLIT_MULTIMODAL): its tensors under `language_model.` (Llama 4's) or
+    # `model.language_model.` (Gemma 3's, Mistral 3's, Qwen3.5's), its lm_head beside them; the vision model's never
+    # read
+    named: dict[str, str] = {}
+    if not any(k.startswith("model.layers.") for k in files):
+        for name in files:
+            for prefix, short in _LANGUAGE_MODEL_PREFIXES:
+                if name.startswith(prefix):
+                    named[short + name.removeprefix(prefix)] = name
         files = {short: files[name] for short, name in named.items()}
-    else:
-        named = {}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict()
     experts = num_experts(config)
@@ -676,7 +709,8 @@ def reduce_outputs(model: torch.nn.Module, layers) -> None:
     for layer in layers:
         if isinstance(layer.mlp, SparseMoE):  # its experts' and shared expert's partial sums: once, on the block
             layer.mlp.register_forward_hook(reduce)
-        for parent in (layer.self_attn, layer.mlp):
+        attention = getattr(layer, "self_attn", None) or layer.linear_attn  # (a recurrent layer's: `linear_attn`)
+        for parent in (attention, layer.mlp):
             for name in ROW_PARALLEL:
                 child = getattr(parent, name, None)
                 if child is not None:

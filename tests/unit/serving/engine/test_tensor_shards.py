@@ -54,6 +54,9 @@ SHARDED = (
             "olmoe",
             "flex_olmo",
             "llama4_text",
+            "qwen3_next",
+            "qwen3_5_text",
+            "qwen3_5_moe_text",
         )
     ),
 )
@@ -467,28 +470,53 @@ def test_shards_serve_lora_adapters_each_holding_its_slice_of_their_matrices(nam
     assert int(shards[0]["logits"][-1][-1].argmax()) == hf_greedy(peft[2], prompts[0], 1)[0]
 
 
-@pytest.mark.slow  # make test-all (~20 s): two processes
-def test_a_llama4_multimodal_checkpoint_is_split_for_its_text(tmp_path):
-    """Llama 4 Scout and Maverick ship as Llama4ForConditionalGeneration (a whole Llama4ForCausalLM under
-    language_model.*, beside a vision model): two shards read their slices of the language model's tensors under that
-    prefix (its experts stored [experts, in, out], gate then up), never the vision model's, and compute what the whole
-    runner and the conditional model compute on text."""
+def _conditional(name: str):
+    """A tiny multimodal checkpoint of `name`'s kind, as it ships: Llama 4's (a whole causal LM under
+    language_model.*), Gemma 3's and Mistral 3's (language_model.model.*), Qwen3.5's (model.language_model.*, its
+    recurrent layers), each beside a vision model."""
     from engine_models import LLAMA_LIKE
-    from transformers import Llama4Config, Llama4ForConditionalGeneration
+    from transformers import (
+        Llama4Config,
+        Llama4ForConditionalGeneration,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+    )
 
     from pylon.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     ids = {"eos_token_id": tok.eos_id, "pad_token_id": 257}
-    text = {**LLAMA_LIKE["llama4_text"], "initializer_range": 0.5, **ids}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
-    vision |= {"image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32}
-    vision |= {"projector_output_dim": 128}
     torch.manual_seed(0)
-    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision, **ids)).eval()
-    directory = tmp_path / "llama4"
+    if name in ("gemma3", "mistral3"):
+        from test_model_families import _multimodal
+
+        return _multimodal(name)[0]
+    vision = {"hidden_size": 32, "intermediate_size": 64}
+    if name == "llama4":
+        text = {**LLAMA_LIKE["llama4_text"], "initializer_range": 0.5, **ids}
+        vision |= {"num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+        vision |= {"vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 128}
+        return Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision, **ids))
+    text = {**LLAMA_LIKE["qwen3_5_text"], "initializer_range": 0.5, **ids}
+    vision |= {"depth": 1, "num_heads": 2, "out_hidden_size": 128, "patch_size": 14, "spatial_merge_size": 2}
+    tokens = {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302, "vision_end_token_id": 303}
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
+    return Qwen3_5ForConditionalGeneration(config)
+
+
+@pytest.mark.slow  # make test-all (~20 s each): two processes
+@pytest.mark.parametrize("name", ["llama4", "gemma3", "mistral3", "qwen3_5"])
+def test_a_multimodal_checkpoint_is_split_for_its_text(name, tmp_path):
+    """Llama 4 Scout and Maverick, Gemma 3, Mistral Small 3.1 and Qwen3.5 ship as conditional models (a vision model
+    beside the language model): two shards read their slices of the language model's tensors under its prefix (Llama
+    4's experts stored [experts, in, out], gate then up), never the vision model's, and compute what the whole runner
+    and the conditional model compute on text."""
+    from pylon.data.tokenizer import ByteTokenizer
+
+    model = _conditional(name).eval()
+    directory = tmp_path / name
     model.save_pretrained(directory)
-    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(ByteTokenizer().info.model_dump(mode="json")))
 
     class Multimodal:  # (what `_compare` reads of a Family)
         dir = str(directory)
