@@ -235,7 +235,7 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
     if whole == "moe_intermediate_size" and shared:  # (its shared experts, still sliced)
         widths.append(("shared experts' width", config.moe_intermediate_size * shared))
     kv = [] if count > kv_heads else [("key-value heads", kv_heads)]
-    if model_type in RECURRENT_SPLIT_FAMILIES:  # (their recurrent layers' heads)
+    if model_type in RECURRENT_SPLIT_FAMILIES and getattr(config, "linear_num_key_heads", None):  # (their heads)
         kv.append(("recurrent layers' key heads", config.linear_num_key_heads))
         kv.append(("recurrent layers' value heads", config.linear_num_value_heads))
     for what, n in (("attention heads", heads), *kv, *widths):

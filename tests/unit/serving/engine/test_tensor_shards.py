@@ -153,34 +153,28 @@ def test_two_shards_compute_the_whole_model(name, tmp_path):
         assert shape[0] == kv_heads // 2 and shape[-1] == (kv_dim or shape[-1]), shards[0]["kv"]
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "deepseek_v3",
-        *(
-            pytest.param(f, marks=pytest.mark.slow)
-            for f in (
-                "qwen2_moe",
-                "mixtral",
-                "qwen3_moe",
-                "gpt_oss",
-                "deepseek_v2",
-                "glm4_moe",
-                "dots1",
-                "ernie4_5_moe",
-                "olmoe",
-                "flex_olmo",
-            )
-        ),
-    ],
+EXPERT_PARALLEL = (
+    "deepseek_v3",
+    "qwen2_moe",
+    "ernie4_5_moe",
+    "mixtral",
+    "qwen3_moe",
+    "gpt_oss",
+    "deepseek_v2",
+    "glm4_moe",
+    "dots1",
+    "olmoe",
+    "flex_olmo",
 )
+
+
+@pytest.mark.parametrize("name", EXPERT_PARALLEL)
 def test_with_expert_parallelism_each_shard_holds_half_the_experts_whole(name, tmp_path):
     """engine.expert_parallel: each of two shards holds half of the experts at their full width (shard 1 the first
-    half), the router whole, the attention, dense MLPs and the shared expert sliced as without it; the two compute
-    the whole model. DeepSeek-V3 (a dense first layer, its shared expert as wide as an expert, rebuilt sliced, its
-    router's correction bias a buffer); make test-all: Qwen2-MoE (a gated shared expert), Mixtral, Qwen3-MoE, GPT-OSS
-    (experts stored [in, out], interleaved, biased), DeepSeek-V2, GLM-4.5, dots.llm1, ERNIE 4.5 MoE (its router's
-    correction bias `[1, experts]`), OLMoE and FlexOlmo (their query and key norms over all heads)."""
+    half), the router whole (its correction bias too: DeepSeek's a buffer, ERNIE's `[1, experts]`), the attention,
+    dense MLPs and shared experts sliced as without it (DeepSeek's shared expert, as wide as an expert, rebuilt
+    sliced; Qwen2-MoE's gated one; GPT-OSS's experts stored [in, out], interleaved, biased). In make test-all the
+    shards compute the whole model (below)."""
     from pylon.serving.model.tensor import load_shard, num_experts
 
     family = Family(name, tmp_path / name, greedy=False)
@@ -188,15 +182,30 @@ def test_with_expert_parallelism_each_shard_holds_half_the_experts_whole(name, t
     experts = num_experts(config)
     # (the first MoE layer: DeepSeek's, GLM-4.5's, dots.llm1's and ERNIE's first layers are dense)
     moe = next(i for i, layer in enumerate(family.model.model.layers) if hasattr(layer.mlp, "experts"))
-    whole = family.model.model.layers[moe].mlp.experts
+    whole = family.model.model.layers[moe].mlp
+    shared = getattr(whole, "shared_experts", None) or getattr(whole, "shared_expert", None)
     for r in range(2):
         shard = load_shard(family.dir, config, torch.float32, Shard(r, 2, experts=True))
         block = shard.model.layers[moe].mlp
         half = slice(r * experts // 2, (r + 1) * experts // 2)
-        assert torch.equal(block.experts.gate_up_proj, whole.gate_up_proj[half])
-        assert torch.equal(block.experts.down_proj, whole.down_proj[half])
-        router = getattr(block, "router", None) or block.gate
-        assert router.weight.shape[0] == experts
+        assert torch.equal(block.experts.gate_up_proj, whole.experts.gate_up_proj[half])
+        assert torch.equal(block.experts.down_proj, whole.experts.down_proj[half])
+        router, full = (getattr(m, "router", None) or m.gate for m in (block, whole))
+        assert torch.equal(router.weight, full.weight)
+        for name_, buffer in full.named_buffers():
+            assert torch.equal(block.get_buffer(f"{'router' if hasattr(block, 'router') else 'gate'}.{name_}"), buffer)
+        if shared is not None:
+            held = getattr(block, "shared_experts", None) or block.shared_expert
+            rows = held.up_proj.weight.shape[0]
+            assert rows * 2 == shared.up_proj.weight.shape[0]
+            assert torch.equal(held.up_proj.weight, shared.up_proj.weight[r * rows : (r + 1) * rows])
+            assert torch.equal(held.down_proj.weight, shared.down_proj.weight[:, r * rows : (r + 1) * rows])
+
+
+@pytest.mark.slow  # make test-all (~12 s each): two processes
+@pytest.mark.parametrize("name", EXPERT_PARALLEL)
+def test_with_expert_parallelism_the_shards_compute_the_whole_model(name, tmp_path):
+    family = Family(name, tmp_path / name, greedy=False)
     _compare(family, 2, tmp_path, atol=4e-3 if name == "gpt_oss" else 1e-4, experts=True)
 
 
@@ -267,7 +276,7 @@ def test_what_cannot_be_split_is_refused_by_name(tmp_path):
     config = family.model.config
     assert refused("llama", config, 2) is None
     assert "do not split into 3 equal shards" in refused("llama", config, 3)
-    assert "the qwen3_next family is not split for tensor parallelism" in refused("qwen3_next", config, 2)
+    assert "the gpt2 family is not split for tensor parallelism" in refused("gpt2", config, 2)
     quantized = local_config(config, 1)
     quantized.quantization_config = {"quant_method": "mxfp4"}  # (GPT-OSS's checkpoints as published)
     assert "its checkpoint is quantized (mxfp4)" in refused("gpt_oss", quantized, 2)
