@@ -415,11 +415,12 @@ class ModelRunner:
                 raise PylonError(f"engine.pipeline_parallel: model {model_dir}: {why}")
         if shard is not None:
             why = shards.refused(model_type, config, shard.count, shard.experts)
-            split_multimodal = self.full_config.model_type in shards.SPLIT_MULTIMODAL  # (their text model, no images)
             if why is None and multimodal and images:
                 why = "a multimodal checkpoint's shards serve its text: set engine.max_images_per_prompt to 0"
-            if why is None and ((multimodal and not split_multimodal) or classifier_from_token or stage is not None):
-                why = "multimodal checkpoints (but Llama 4's), classifiers and pipeline stages are not sharded"
+            if why is None and multimodal and self.full_config.model_type not in shards.SPLIT_MULTIMODAL:
+                why = f"a {self.full_config.model_type} multimodal checkpoint is not split into shards"
+            if why is None and (classifier_from_token or stage is not None):
+                why = "classifiers and pipeline stages are not split into shards"
             if why is not None:
                 raise PylonError(f"engine.tensor_parallel: model {model_dir}: {why}")
         self._forward: Callable = (
