@@ -697,7 +697,8 @@ def test_check_objective_refuses_data_without_prompts(tmp_path) -> None:
 @pytest.mark.parametrize(
     "lora, iterations, kind",
     [
-        (False, 1, "dapo"),
+        # (make test-all: full fine-tuning against a frozen copy; make test runs online DPO's frozen copy, below)
+        pytest.param(False, 1, "dapo", marks=pytest.mark.slow),
         (True, 1, "dapo"),
         # (make test-all: the clipped second update; make test checks the clipping against TRL's formula, above)
         pytest.param(False, 2, "dapo", marks=pytest.mark.slow),
@@ -830,7 +831,8 @@ def test_a_pairwise_judges_verdicts_prefer_one_of_each_pair_and_bad_ones_are_nam
             TrainJobSpec.model_validate({**base, **change})
 
 
-@pytest.mark.parametrize("judge", [False, True])  # a reward function's pairs; a pairwise judge's (grpo.judge)
+# a reward function's pairs (make test-all: GRPO's LoRA run above scores with one in make test); a pairwise judge's
+@pytest.mark.parametrize("judge", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distributed, judge, monkeypatch) -> None:  # noqa: F811
     """objective online_dpo through DeepSpeed (ZeRO-2), against a frozen copy of the start, as the trainer's loop runs
     it: the pairs' implicit reward accuracy and the completions' reward rise; with a pairwise judge (TRL's judge) in

@@ -417,7 +417,9 @@ ADAPTER_TARGETS = {
 }
 
 
-@pytest.mark.parametrize("name", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("phi3", "deepseek_v3"))])
+# make test-all (~22 s each: three processes); make test checks each shard's slices in-process (below)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "phi3", "deepseek_v3"])
 def test_shards_serve_lora_adapters_each_holding_its_slice_of_their_matrices(name, tmp_path):
     """engine.adapters (and dynamic_adapters) with tensor-parallel shards: each shard holds its slice of an adapter's
     matrices (B's rows of its heads and MLP slice for the column-parallel projections, A's columns for the row-parallel
@@ -537,3 +539,34 @@ def test_a_multimodal_checkpoint_is_split_for_its_text(name, tmp_path):
             return hf_greedy(model, prompt, n)
 
     _compare(Multimodal(), 2, tmp_path, atol=5e-4)
+
+
+def test_each_shard_holds_its_slice_of_an_adapters_matrices(tmp_path):
+    """engine.adapters with shards, in-process (the arithmetic through processes: make test-all, above): checked
+    against the whole model's projections, each of two shards keeps B's rows of its heads and MLP slice for the
+    column-parallel projections (q/k/v, gate/up: its key-value head's rows where the heads are few) and A's columns for
+    the row-parallel ones (o, down), the other matrix whole."""
+    from test_lora_engine import save_adapter
+
+    from pylon.serving.model.lora import load_adapter, projection_shapes
+    from pylon.serving.model.tensor import adapter_split, load_shard, whole_shapes
+
+    family = Family("llama", tmp_path / "llama", greedy=False)
+    config = family.model.config
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    save_adapter(family.dir, str(tmp_path / "lora"), 1, r=4, lora_alpha=8, target_modules=targets)
+    whole = load_adapter(str(tmp_path / "lora"), "llama", projection_shapes(family.model, "llama"))
+    for r in range(2):
+        shard = Shard(r, 2)
+        shapes = projection_shapes(load_shard(family.dir, config, torch.float32, shard), "llama")
+        split = adapter_split(config, shard, shapes)
+        held = load_adapter(str(tmp_path / "lora"), "llama", whole_shapes(config, "llama"), split=split)
+        assert held.weights.keys() == whole.weights.keys()
+        for module, (a, b) in held.weights.items():
+            (wa, wb), rows = whole.weights[module], shapes[module]
+            if module.endswith(("o_proj", "down_proj")):  # (kept as A^T [in, r]: the shard's rows of its inputs)
+                n = rows[0]
+                assert torch.equal(a, wa[r * n : (r + 1) * n]) and torch.equal(b, wb), module
+            else:  # (B^T [r, out]: the shard's columns of the outputs; one key-value head each)
+                n = rows[1]
+                assert torch.equal(a, wa) and torch.equal(b, wb[:, r * n : (r + 1) * n]), module
