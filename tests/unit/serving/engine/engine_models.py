@@ -465,11 +465,6 @@ def speculating(engine: LLMEngine) -> LLMEngine:
 QUANTIZED = ("fp8-block", "fp8-channel", "int8-channel", "w4a16")
 
 
-def save_fp8_blocks(source: str, directory: Path, block: int = 32) -> dict[str, torch.Tensor]:
-    """`save_quantized`'s DeepSeek-style block FP8 checkpoint."""
-    return save_quantized(source, directory, "fp8-block", block)
-
-
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Signed ints in [-8, 7], `[rows, columns]`, as compressed-tensors packs them: offset by 8, eight to an int32
     along the columns (column 8p + i at bits 4i of int32 p), the last padded with zeros."""

@@ -674,6 +674,27 @@ def _multimodal(name: str):
             **common,
         )
         return Gemma3ForConditionalGeneration(config), [16] * 5 + [None, 16]
+    if name == "llama4":  # a whole Llama4ForCausalLM under language_model.*
+        from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+        text = {**LLAMA_LIKE["llama4_text"], "initializer_range": 0.5, **ids}
+        vision |= {"num_hidden_layers": 1, "vision_output_dim": 32, "projector_input_dim": 32}
+        vision |= {"projector_output_dim": 128}
+        return Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision, **ids)), None
+    if name == "qwen3_5":  # under model.language_model.*, its recurrent layers
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        text = {**LLAMA_LIKE["qwen3_5_text"], "initializer_range": 0.5, **ids}
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128}
+        vision |= {"patch_size": 14, "spatial_merge_size": 2}
+        tokens = {
+            "image_token_id": 300,
+            "video_token_id": 301,
+            "vision_start_token_id": 302,
+            "vision_end_token_id": 303,
+        }
+        config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
+        return Qwen3_5ForConditionalGeneration(config), None
     # As Mistral Small 3.1 and 3.2 ship: no sliding window (MistralConfig's default has one). At the logprob tests'
     # scale (INIT): at 0.5 its logits are large enough for fp32 rounding to move a logprob past their 1e-4.
     text = {**LLAMA_LIKE["mistral"], "model_type": "mistral", "sliding_window": None, "initializer_range": INIT, **ids}

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from engine_models import PROMPTS, QUANTIZED, Family, hf_greedy, save_fp8_blocks, save_quantized
+from engine_models import PROMPTS, QUANTIZED, Family, hf_greedy, save_quantized
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -104,7 +104,7 @@ def test_shards_read_their_slices_of_the_blocks(scheme, tmp_path):
 
 def test_an_fp8_checkpoint_whose_scales_do_not_fit_its_blocks_is_named(tmp_path):
     family = Family("llama", tmp_path / "llama", greedy=False)
-    save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    save_quantized(family.dir, tmp_path / "fp8", "fp8-block", block=32)
     path = tmp_path / "fp8" / "model.safetensors"
     tensors = load_file(str(path))
     key = "model.layers.1.mlp.down_proj.weight_scale_inv"
@@ -145,7 +145,7 @@ def test_a_pipeline_stage_reads_its_layers_of_an_fp8_checkpoint(tmp_path):
     from pylon.serving.model.stages import load_stage, stage_of
 
     family = Family("llama", tmp_path / "llama", greedy=False)
-    dequantized = save_fp8_blocks(family.dir, tmp_path / "fp8", block=32)
+    dequantized = save_quantized(family.dir, tmp_path / "fp8", "fp8-block", block=32)
     reference = _dequantized_copy(family.dir, tmp_path / "reference", dequantized)
     config = AutoConfig.from_pretrained(tmp_path / "fp8")
     for index in range(2):

@@ -484,35 +484,11 @@ def test_shards_serve_lora_adapters_each_holding_its_slice_of_their_matrices(nam
 def _conditional(name: str):
     """A tiny multimodal checkpoint of `name`'s kind, as it ships: Llama 4's (a whole causal LM under
     language_model.*), Gemma 3's and Mistral 3's (language_model.model.*), Qwen3.5's (model.language_model.*, its
-    recurrent layers), each beside a vision model."""
-    from engine_models import LLAMA_LIKE
-    from transformers import (
-        Llama4Config,
-        Llama4ForConditionalGeneration,
-        Qwen3_5Config,
-        Qwen3_5ForConditionalGeneration,
-    )
+    recurrent layers), each beside a vision model (test_model_families' fixtures)."""
+    from test_model_families import _multimodal
 
-    from pylon.data.tokenizer import ByteTokenizer
-
-    tok = ByteTokenizer()
-    ids = {"eos_token_id": tok.eos_id, "pad_token_id": 257}
     torch.manual_seed(0)
-    if name in ("gemma3", "mistral3"):
-        from test_model_families import _multimodal
-
-        return _multimodal(name)[0]
-    vision = {"hidden_size": 32, "intermediate_size": 64}
-    if name == "llama4":
-        text = {**LLAMA_LIKE["llama4_text"], "initializer_range": 0.5, **ids}
-        vision |= {"num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
-        vision |= {"vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 128}
-        return Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision, **ids))
-    text = {**LLAMA_LIKE["qwen3_5_text"], "initializer_range": 0.5, **ids}
-    vision |= {"depth": 1, "num_heads": 2, "out_hidden_size": 128, "patch_size": 14, "spatial_merge_size": 2}
-    tokens = {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302, "vision_end_token_id": 303}
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
-    return Qwen3_5ForConditionalGeneration(config)
+    return _multimodal(name)[0]
 
 
 @pytest.mark.slow  # make test-all (~20 s each): two processes
