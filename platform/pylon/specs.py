@@ -1202,7 +1202,9 @@ class EngineSpec(_Spec):
         "replica.num_gpus), placed by pipeline_placement; each stage loads its part from model.path itself, so the "
         "path must reach every node (s3://, or a shared directory). A step goes through the stages in turn (see "
         "pipeline_microbatches). Llama-like decoder families only; LoRA adapters (adapters, dynamic_adapters) are "
-        "served, each stage applying their matrices of its own layers; kv_cache_tokens are every stage's",
+        "served, each stage applying their matrices of its own layers; kv_cache_tokens are every stage's. With "
+        "tensor_parallel, each stage is that many shards on its node (vLLM's TP x PP: a node's GPUs a stage, the "
+        "stages across nodes), its bundle holding tensor_parallel times the replica's resources",
     )
     pipeline_microbatches: PositiveInt = Field(
         1,
@@ -1236,8 +1238,9 @@ class EngineSpec(_Spec):
         "DeepSeek-V2 and V3 (latent attention split by heads, the latent cache whole on each shard), whose attention "
         "heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a multiple of (one "
         "a shard, replicated); LoRA adapters each shard's slice of their matrices; float and quantized checkpoints in "
-        "block FP8 or compressed-tensors' layouts (another quantized one: save it dequantized); not with "
-        "pipeline_parallel, data_parallel or classifier_from_token",
+        "block FP8 or compressed-tensors' layouts (another quantized one: save it dequantized). With "
+        "pipeline_parallel: each stage in this many shards on its node (see there); not with data_parallel or "
+        "classifier_from_token",
     )
     expert_parallel: bool = Field(
         False,
@@ -1310,7 +1313,6 @@ class EngineSpec(_Spec):
             )
         if self.tensor_parallel > 1:
             for field, value, neutral in (
-                ("pipeline_parallel", self.pipeline_parallel, 1),
                 ("data_parallel", self.data_parallel, 1),
                 ("classifier_from_token", self.classifier_from_token, []),
             ):

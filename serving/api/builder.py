@@ -114,15 +114,17 @@ def pipeline_placement(spec: DeploymentSpec) -> dict:
     (engine.tensor_parallel): a placement group of one bundle a stage (shard), each the replica's resources, the
     replica (and its engine, stage or shard 1) in the first and the other stages' (shards') actors in the rest
     (pylon.serving.engine.pipeline, .tensor); stages placed by engine.pipeline_placement, shards all on one node
-    (STRICT_PACK). Nothing otherwise."""
+    (STRICT_PACK). Both: a bundle a stage, as many times the replica's resources as it has shards (a bundle is on
+    one node: a stage's shards share it, each its share), placed by engine.pipeline_placement. Nothing otherwise."""
     stages, shards = spec.engine.pipeline_parallel, spec.engine.tensor_parallel
     if stages == shards == 1:
         return {}
-    bundle = {"CPU": spec.replica.num_cpus, "GPU": spec.replica.num_gpus}
+    each = shards if stages > 1 else 1  # (a stage's shards in its bundle; shards alone, a bundle each)
+    bundle = {"CPU": spec.replica.num_cpus * each, "GPU": spec.replica.num_gpus * each}
     bundle = {k: v for k, v in bundle.items() if v}
     strategy = PLACEMENT_STRATEGIES[spec.engine.pipeline_placement] if stages > 1 else "STRICT_PACK"
     return {
-        "placement_group_bundles": [dict(bundle) for _ in range(max(stages, shards))],
+        "placement_group_bundles": [dict(bundle) for _ in range(stages if stages > 1 else shards)],
         "placement_group_strategy": strategy,
     }
 

@@ -195,7 +195,7 @@ class LLMEngine:
             try:
                 if self.encoder:
                     self.runner = self._encoder_runner(directory, model, spec)
-                elif spec.tensor_parallel > 1:  # shards across processes (GPUs) of this node (engine/tensor.py)
+                elif spec.tensor_parallel > 1 and spec.pipeline_parallel == 1:  # shards across GPUs of this node
                     from pylon.serving.engine.tensor import TensorRunner
 
                     self.runner = TensorRunner(
@@ -206,7 +206,7 @@ class LLMEngine:
                         adapters=adapter_dirs,
                         expert_parallel=spec.expert_parallel,
                     )
-                elif spec.pipeline_parallel > 1:  # stages across processes and nodes (engine/pipeline.py)
+                elif spec.pipeline_parallel > 1:  # stages across nodes, each of tensor_parallel shards on its node
                     from pylon.serving.engine.pipeline import PipelineRunner
 
                     self.runner = PipelineRunner(
@@ -218,6 +218,8 @@ class LLMEngine:
                         pipeline,
                         read_bytes,
                         adapters=(spec.adapters, adapter_dirs),
+                        shards=spec.tensor_parallel,
+                        expert_parallel=spec.expert_parallel,
                     )
                 else:
                     self.runner = ModelRunner(

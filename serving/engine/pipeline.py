@@ -90,16 +90,17 @@ def replica_placement_group(ray, given: str | None):
     return group
 
 
-def actor_options(group, k: int, runner_kwargs: dict, outside) -> dict:
+def actor_options(group, k: int, runner_kwargs: dict, outside, share: int = 1) -> dict:
     """Part `k`'s actor options (a pipeline stage's, a tensor-parallel shard's): bundle k of the replica's placement
-    group `group`, or outside one, one CPU (GPU on CUDA) placed by the scheduling strategy `outside`."""
+    group `group` (`share`: of that many parts that bundle holds, each its share of it: a stage's tensor-parallel
+    shards), or outside one, one CPU (GPU on CUDA) placed by the scheduling strategy `outside`."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if group is not None and len(group.bundle_specs) > k:
         bundle = group.bundle_specs[k]
         return {
-            "num_cpus": bundle.get("CPU", 0),
-            "num_gpus": bundle.get("GPU", 0),
+            "num_cpus": bundle.get("CPU", 0) / share,
+            "num_gpus": bundle.get("GPU", 0) / share,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k),
         }
     cuda = str(runner_kwargs.get("device", "auto")) != "cpu" and torch.cuda.is_available()
@@ -214,9 +215,18 @@ class AdapterWorker:
 
 class StageWorker(AdapterWorker):
     """One pipeline stage after the first (a Ray actor): its `ModelRunner`, loaded from the model's URI on the node it
-    runs on (its own tensors only: `stage_model_dir`)."""
+    runs on (its own tensors only: `stage_model_dir`); with `shards` > 1 (engine.tensor_parallel), a `TensorRunner`
+    over that many shards of the stage on its node, this actor the first (engine/tensor.py)."""
 
-    def __init__(self, model: str, stage: Stage, runner_kwargs: dict, adapters: list = ()):
+    def __init__(
+        self,
+        model: str,
+        stage: Stage,
+        runner_kwargs: dict,
+        adapters: list = (),
+        shards: int = 1,
+        expert_parallel: bool = False,
+    ):
         from pylon.serving.engine.adapters import named_adapter_error, spec_adapter_dirs
         from pylon.serving.model.runner import ModelRunner
 
@@ -228,7 +238,19 @@ class StageWorker(AdapterWorker):
             # engine.adapters, copied on this node: their matrices of this stage's layers (model/lora.py)
             adapter_dirs = spec_adapter_dirs(stack, adapters)
             try:
-                self.runner = ModelRunner(directory, stage=stage, adapters=adapter_dirs, **runner_kwargs)
+                if shards > 1:  # (its shards read this node's copy while this loads its own: all loaded here)
+                    from pylon.serving.engine.tensor import TensorRunner
+
+                    self.runner = TensorRunner(
+                        directory,
+                        shards,
+                        runner_kwargs,
+                        adapters=adapter_dirs,
+                        expert_parallel=expert_parallel,
+                        stage=stage,
+                    )
+                else:
+                    self.runner = ModelRunner(directory, stage=stage, adapters=adapter_dirs, **runner_kwargs)
             except PylonError as e:
                 raise named_adapter_error(e, adapter_dirs, adapters) from None
         self.stage, self.read_bytes = stage, read
@@ -347,7 +369,8 @@ class PipelineRunner(SplitRunner):
     from object storage (None: a local directory); `adapters`: engine.adapters and this process's copies of them
     (every stage serves each adapter's matrices of its own layers); `microbatches`: at most this many groups a step
     (None: 1, each step whole); `placement`: `placement()` of the replica whose engine process this is (None: this
-    process's own)."""
+    process's own); `shards` > 1: each stage that many tensor-parallel shards on its node (engine.tensor_parallel:
+    stage 1's a `TensorRunner` here, each other stage's in its actor; `expert_parallel` as there)."""
 
     def __init__(
         self,
@@ -359,6 +382,8 @@ class PipelineRunner(SplitRunner):
         placement: dict | None = None,
         read_bytes: int | None = None,
         adapters: tuple[list, list[str]] = ((), []),
+        shards: int = 1,
+        expert_parallel: bool = False,
     ):
         from transformers import AutoConfig
 
@@ -382,10 +407,20 @@ class PipelineRunner(SplitRunner):
         self.stages = []
         for k in range(1, count):
             stage = stage_of(num_layers, k, count)
-            options = actor_options(group, k, runner_kwargs, "SPREAD")
-            self.stages.append(worker.options(**options).remote(model, stage, runner_kwargs, list(specs)))
-        self.local = ModelRunner(directory, stage=stage_of(num_layers, 0, count), adapters=dirs, **runner_kwargs)
+            options = actor_options(group, k, runner_kwargs, "SPREAD", share=shards)
+            self.stages.append(
+                worker.options(**options).remote(model, stage, runner_kwargs, list(specs), shards, expert_parallel)
+            )
+        first = stage_of(num_layers, 0, count)
         try:
+            if shards > 1:
+                from pylon.serving.engine.tensor import TensorRunner
+
+                self.local = TensorRunner(
+                    directory, shards, runner_kwargs, placement, dirs, expert_parallel=expert_parallel, stage=first
+                )
+            else:
+                self.local = ModelRunner(directory, stage=first, adapters=dirs, **runner_kwargs)
             described = ray.get([s.describe.remote() for s in self.stages], timeout=STAGE_START_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             self.shutdown()
@@ -397,6 +432,9 @@ class PipelineRunner(SplitRunner):
                 f"engine.pipeline_parallel: the stages did not load {model} within {STAGE_START_TIMEOUT_S:.0f} s: "
                 "no node may have room for them (each asks for its placement group bundle, or one CPU or GPU)"
             ) from None
+        except BaseException:  # (this process's stage failed to load: the others go with it)
+            self.shutdown()
+            raise
         self.described = [described_runner(0, self.local, read_bytes), *described]
         # the weights' bytes the stages read from object storage (each its own tensors: model/stages.py)
         self.pipeline_weights_read_bytes = sum(d["read_bytes"] or 0 for d in self.described)
@@ -463,6 +501,9 @@ class PipelineRunner(SplitRunner):
     def shutdown(self) -> None:
         import ray
 
-        for stage in self.stages:
+        for stage in self.stages:  # (a stage's tensor-parallel shards, its actors, end with it)
             ray.kill(stage)
         self.stages = []
+        local = self.__dict__.get("local")
+        if local is not None and hasattr(type(local), "shutdown"):  # stage 1's shards (engine/tensor.py)
+            local.shutdown()

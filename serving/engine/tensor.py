@@ -25,7 +25,8 @@ import time
 import torch
 
 from pylon.errors import PylonError
-from pylon.serving.engine.pipeline import AdapterWorker, SplitRunner
+from pylon.serving.engine.pipeline import AdapterWorker, SplitRunner, packed, unpacked
+from pylon.serving.model.stages import Stage
 from pylon.serving.model.tensor import Shard
 
 log = logging.getLogger(__name__)
@@ -60,14 +61,23 @@ class ShardWorker(AdapterWorker):
     every step the engine runs. `adapters`: the engine's local copies of engine.adapters (on this node), each served
     as this shard's slice of its matrices."""
 
-    def __init__(self, directory: str, shard: Shard, runner_kwargs: dict, store: str, adapters: list[str] = ()):
+    def __init__(
+        self,
+        directory: str,
+        shard: Shard,
+        runner_kwargs: dict,
+        store: str,
+        adapters: list[str] = (),
+        stage: Stage | None = None,
+    ):
         from pylon.serving.engine.pipeline import log_to_stderr
         from pylon.serving.model.runner import ModelRunner
 
-        log_to_stderr(f"pylon-shard-{shard.rank + 1}")
+        where = f"pylon-stage-{stage.index + 1}-shard" if stage is not None and stage.count > 1 else "pylon-shard"
+        log_to_stderr(f"{where}-{shard.rank + 1}")
         _join(shard.rank, shard.count, store, _device(runner_kwargs))
-        self.shard = shard
-        self.runner = ModelRunner(directory, shard=shard, adapters=adapters, **runner_kwargs)
+        self.shard, self.stage = shard, stage
+        self.runner = ModelRunner(directory, shard=shard, stage=stage, adapters=adapters, **runner_kwargs)
 
     def describe(self) -> dict:
         from pylon.serving.engine.pipeline import described_runner
@@ -75,13 +85,23 @@ class ShardWorker(AdapterWorker):
         return described_runner(self.shard.rank, self.runner, None)
 
     def part(self) -> str:
-        return self.shard.describe()
+        staged = self.stage is not None and self.stage.count > 1
+        return f"{self.stage.describe()}, {self.shard.describe()}" if staged else self.shard.describe()
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.runner.warm_up(max_num_seqs, max_num_batched_tokens)
 
-    def run(self, steps) -> None:
-        self.runner.execute_step(steps)
+    def run(self, steps, hidden=None) -> None:
+        """The step's part of this shard (of a pipeline stage after the first: from the previous stage's output
+        `hidden`, as `packed`); what it computes stays here, the first shard's being the same."""
+        if hidden is None:
+            self.runner.execute_step(steps)
+        else:
+            self.runner.execute_step(steps, unpacked(hidden)[0])
+
+    def finish(self, steps, hidden) -> None:
+        """The first stage's end of a step (`ModelRunner.finish_step`): this shard's rows of the lm_head, gathered."""
+        self.runner.finish_step(steps, unpacked(hidden)[0])
 
     def keep_state(self, key: str, count: int) -> None:
         self.runner.keep_state(key, count)
@@ -100,7 +120,13 @@ class TensorRunner(SplitRunner):
     copy of the model, which the other shards read too; `placement`: `placement()` of the replica whose engine
     process this is (pylon.serving.engine.pipeline; None: this process's own); `adapters`: this process's copies of
     engine.adapters, which the other shards read too (each shard serves its slice of their matrices);
-    `expert_parallel`: an MoE model's experts divided among the shards whole (`Shard.experts`)."""
+    `expert_parallel`: an MoE model's experts divided among the shards whole (`Shard.experts`).
+
+    `stage`: the shards of that pipeline stage (engine.pipeline_parallel with engine.tensor_parallel): the runner of
+    the engine's process (the first stage) or of a stage's actor (engine/pipeline.py's `StageWorker`), its shards in
+    a group of their own on its node, all in the stage's bundle of the replica's placement group (each its share of
+    it); `execute_step` takes the previous stage's output then, and the first stage's shards make the logits
+    together (`finish_step`)."""
 
     def __init__(
         self,
@@ -110,6 +136,7 @@ class TensorRunner(SplitRunner):
         placement: dict | None = None,
         adapters: list[str] = (),
         expert_parallel: bool = False,
+        stage: Stage | None = None,
     ):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -128,17 +155,21 @@ class TensorRunner(SplitRunner):
         self.workers = []
         self._puts: list = []  # the other shards' put_adapter calls, waited for before the next step
         adapters = list(adapters)
+        self.of_stage = stage  # (None: the whole model's shards)
         for k in range(1, count):
-            options = actor_options(group, k, runner_kwargs, NodeAffinitySchedulingStrategy(node, soft=False))
+            on_node = NodeAffinitySchedulingStrategy(node, soft=False)
+            # each shard a bundle of its own, or a stage's shards sharing the stage's
+            bundle, share = (k, 1) if stage is None else (stage.index, count)
+            options = actor_options(group, bundle, runner_kwargs, on_node, share)
             self.workers.append(
                 worker.options(**options).remote(
-                    directory, Shard(k, count, expert_parallel), runner_kwargs, store, adapters
+                    directory, Shard(k, count, expert_parallel), runner_kwargs, store, adapters, stage
                 )
             )
         try:
             _join(0, count, store, device)
             self.local = ModelRunner(
-                directory, shard=Shard(0, count, expert_parallel), adapters=adapters, **runner_kwargs
+                directory, shard=Shard(0, count, expert_parallel), stage=stage, adapters=adapters, **runner_kwargs
             )
             described = ray.get([w.describe.remote() for w in self.workers], timeout=START_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
@@ -155,9 +186,11 @@ class TensorRunner(SplitRunner):
             self.shutdown()
             raise
         self.described = [described_runner(0, self.local, None), *described]
+        of = f"{stage.describe()}: " if stage is not None and stage.count > 1 else ""
         for d in self.described:
             log.info(
-                "tensor-parallel shard %d of %d: %.1f MiB of weights, %.1f MiB of KV cache, node %s, pid %d",
+                "%stensor-parallel shard %d of %d: %.1f MiB of weights, %.1f MiB of KV cache, node %s, pid %d",
+                of,
                 d["index"] + 1,
                 count,
                 d["weights_bytes"] / 2**20,
@@ -165,18 +198,40 @@ class TensorRunner(SplitRunner):
                 d["node"][:12],
                 d["pid"],
             )
-        log.info("%d tensor-parallel shards loaded in %.1f s", count, time.monotonic() - started)
+        log.info("%s%d tensor-parallel shards loaded in %.1f s", of, count, time.monotonic() - started)
 
     @torch.no_grad()
-    def execute_step(self, steps):
+    def execute_step(self, steps, hidden: torch.Tensor | None = None):
+        """The step on every shard (`hidden`: a pipeline stage's input, the previous stage's output); the first
+        shard's outputs (every shard's are the same)."""
         import ray
 
         self._placed()  # adapters placed since the last step: on every shard before this step computes
-        done = [w.run.remote(steps) for w in self.workers]  # every shard computes the step; they meet in it
+        sent = None if hidden is None or not self.workers else ray.put(packed(hidden))  # (once for all shards)
+        done = [w.run.remote(steps, sent) for w in self.workers]  # every shard computes the step; they meet in it
+        if hidden is None:
+            return self._together(done, lambda: self.local.execute_step(steps))
+        return self._together(done, lambda: self.local.execute_step(steps, hidden))
+
+    @torch.no_grad()
+    def finish_step(self, steps, hidden: torch.Tensor):
+        """The first pipeline stage's end of a step (`ModelRunner.finish_step`), every shard computing its rows of the
+        lm_head, gathered."""
+        import ray
+
+        sent = ray.put(packed(hidden)) if self.workers else None
+        done = [w.finish.remote(steps, sent) for w in self.workers]
+        return self._together(done, lambda: self.local.finish_step(steps, hidden))
+
+    def _together(self, done: list, compute):
+        """`compute()` (this shard's part) while the other shards compute theirs (`done`, their calls); a shard
+        gone (its process killed) breaks the collectives at once, and is named."""
+        import ray
+
         try:
-            out = self.local.execute_step(steps)
+            out = compute()
             ray.get(done)
-        except Exception as e:  # a shard gone (its process killed): the collectives break at once
+        except Exception as e:
             lost = self._lost(done)
             if not lost:
                 raise
@@ -191,12 +246,14 @@ class TensorRunner(SplitRunner):
         import ray
 
         lost = []
+        stage = self.of_stage
+        of = f"{stage.describe()}'s " if stage is not None and stage.count > 1 else ""
         for k, ref in enumerate(done, start=2):
             try:
                 ray.get(ref, timeout=10)
             except Exception as e:  # RayActorError (its process gone), RayTaskError, GetTimeoutError
                 why = "its process is gone" if isinstance(e, ray.exceptions.RayActorError) else type(e).__name__
-                lost.append(f"shard {k} of {len(done) + 1} failed ({why})")
+                lost.append(f"{of}shard {k} of {len(done) + 1} failed ({why})")
         return ", ".join(lost)
 
     # A model with recurrent layers (Qwen3-Next, Qwen3.5): each shard keeps its heads' states of each sequence; what

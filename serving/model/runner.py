@@ -362,7 +362,9 @@ class ModelRunner:
         `shard`: hold only that tensor-parallel shard's heads and MLP slice of every layer (and its heads' KV cache;
         pylon.serving.model.tensor), its config the shard's (`config`: fewer heads, narrower MLP); every shard runs
         every step, in a torch.distributed group of them all (initialised by the caller), whose all-reduces make
-        each layer's output whole.
+        each layer's output whole. Both: that shard of that stage's layers (and of the embeddings and the head on the
+        first stage), in a group of the stage's shards alone; each computes every step of its stage (and the first
+        stage's shards every `finish_step`).
 
         `images`: keep a multimodal checkpoint's vision tower and projector, for requests with images
         (`embed_images`); without it they are dropped once loaded (`vision` is None). `classifier_from_token`: token
@@ -419,8 +421,8 @@ class ModelRunner:
                 why = "a multimodal checkpoint's shards serve its text: set engine.max_images_per_prompt to 0"
             if why is None and multimodal and self.full_config.model_type not in shards.SPLIT_MULTIMODAL:
                 why = f"a {self.full_config.model_type} multimodal checkpoint is not split into shards"
-            if why is None and (classifier_from_token or stage is not None):
-                why = "classifiers and pipeline stages are not split into shards"
+            if why is None and classifier_from_token:
+                why = "a classifier is not split into shards"
             if why is not None:
                 raise PylonError(f"engine.tensor_parallel: model {model_dir}: {why}")
         self._forward: Callable = (
@@ -462,14 +464,15 @@ class ModelRunner:
                 del vision
             elif is_sequence_classifier(config):
                 self.model, self.classifier = _sequence_classifier(model_dir, config, self.dtype)
-            elif stage is not None:
-                self.model = stages.load_stage(model_dir, config, self.dtype, stage)
-                self.stage_weights_bytes = stages.stage_bytes(self.model)  # as loaded (before packing)
-            elif shard is not None:
-                self.model = shards.load_shard(model_dir, config, self.dtype, shard)
+            elif shard is not None:  # (of a pipeline stage: its layers' slices, and the head's on the first stage)
+                cls = stages.stage_class(config, stage) if stage is not None else None
+                self.model = shards.load_shard(model_dir, config, self.dtype, shard, cls=cls)
                 self._whole_config = config  # (adapters are checked against the whole model's projections)
                 config = self.model.config  # the shard's: its heads, its MLP width
                 self.stage_weights_bytes = stages.stage_bytes(self.model)
+            elif stage is not None:
+                self.model = stages.load_stage(model_dir, config, self.dtype, stage)
+                self.stage_weights_bytes = stages.stage_bytes(self.model)  # as loaded (before packing)
             elif self.stored is not None and model_type in shards.SPLIT_FAMILIES:  # (as one shard of one)
                 self.model = shards.load_shard(model_dir, config, self.dtype, shards.Shard(0, 1))
                 log.info(
@@ -686,7 +689,8 @@ class ModelRunner:
             shards.reduce_outputs(self.model, self._own_layers())
             if model_type in shards.SPANNING_NORM_FAMILIES:  # OLMo's query and key norms over every shard's heads
                 shards.spanning_norms(self._own_layers(), self._whole_config, shard)
-            shards.vocab_parallel(self.model, shard)  # its rows of the embeddings and lm_head, made whole
+            if stage is None or stage.first:  # its rows of the embeddings and lm_head, made whole
+                shards.vocab_parallel(self.model, shard)
         self.vocab_size = config.vocab_size
         # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:
         # LongRoPE's switch to its long factors), said once here.

@@ -110,16 +110,12 @@ def _quiet_transformers():
         logger.removeFilter(_no_load_report)
 
 
-def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torch.nn.Module:
-    """The causal LM of `model_dir` (its config `config`) holding only what `stage` holds, in `dtype`, on the CPU:
-    the class `AutoModelForCausalLM` would load, subclassed so that its construction ends with the placeholders
-    (`_prune`), then `from_pretrained` as usual. A weight of the stage's own missing from the checkpoint is a
-    PylonError naming it (transformers would initialise it at random)."""
+def stage_class(config, stage: Stage) -> type:
+    """The class `AutoModelForCausalLM` would build for `config`, subclassed so that its construction ends with the
+    placeholders of what `stage` does not hold (`_prune`): built on the meta device, loaded, or a tensor-parallel
+    shard of it built (pylon.serving.model.tensor's `load_shard`), it never holds another stage's weights."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.auto_factory import _get_model_class
-
-    from pylon.serving.model.stored import checkpoint_quantization
-    from pylon.serving.model.tensor import Shard, load_shard
 
     base = _get_model_class(config, AutoModelForCausalLM._model_mapping)
 
@@ -132,6 +128,17 @@ def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torc
     # (`apply_rotary_pos_emb`: GPT-OSS's, Cohere's...).
     StageModel.__name__ = StageModel.__qualname__ = base.__name__
     StageModel.__module__ = base.__module__
+    return StageModel
+
+
+def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torch.nn.Module:
+    """The causal LM of `model_dir` (its config `config`) holding only what `stage` holds, in `dtype`, on the CPU:
+    `stage_class`, then `from_pretrained` as usual. A weight of the stage's own missing from the checkpoint is a
+    PylonError naming it (transformers would initialise it at random)."""
+    from pylon.serving.model.stored import checkpoint_quantization
+    from pylon.serving.model.tensor import Shard, load_shard
+
+    StageModel = stage_class(config, stage)
     if checkpoint_quantization(config) is not None:  # a quantized checkpoint: read dequantized (model/stored.py)
         return load_shard(model_dir, config, dtype, Shard(0, 1), cls=StageModel)
     with _quiet_transformers():

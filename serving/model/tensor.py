@@ -572,7 +572,7 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
                 state[key].zero_()
             else:
                 state[key].copy_(take(v))
-    if tied:
+    if tied and "model.embed_tokens.weight" in state:  # (a pipeline stage past the first holds neither)
         model.tie_weights()
     # the buffers computed at construction (the rotary embedding's frequencies), as the whole model's
     return model.eval()

@@ -268,11 +268,17 @@ print(json.dumps([
 """
 
 
-def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts, s3_server, serve_port, tmp_path):
+# make test: the stages of two tensor-parallel shards each (vLLM's TP x PP, ~100 s); make test-all: whole stages too.
+@pytest.mark.parametrize("shards", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["stages-of-shards", "stages"])
+def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(
+    hosts, s3_server, serve_port, tmp_path, shards
+):
     """engine.pipeline_parallel 2 with strict_spread, deployed from the client with the model in object storage: the
     replica (its engine process: stage 1) on one machine, the second stage's actor on the other, each having copied
     its own tensors (only) from S3 on its own machine; greedy completions over HTTP are transformers' own, and a LoRA
-    adapter's (from S3 too, of the spec and loaded on demand, each stage applying its layers' matrices) peft's."""
+    adapter's (from S3 too, of the spec and loaded on demand, each stage applying its layers' matrices) peft's.
+    With engine.tensor_parallel 2, each stage is two shards on its machine (a ShardWorker beside the engine process,
+    and beside the StageWorker), each computing half of its stage's heads and MLP, and of the adapter's matrices."""
     model = tiny_llama(tmp_path / "llama")
     adapted = tiny_adapter(tmp_path / "llama", tmp_path / "lora")
     uri = f"s3://{s3_server.bucket}/hosts-llama-{int(time.time())}"
@@ -293,6 +299,7 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
             "pipeline_parallel": 2,
             "pipeline_placement": "strict_spread",
             "pipeline_microbatches": 2,
+            "tensor_parallel": shards,
             "adapters": [{"name": "pp-lora", "path": f"{uri}-lora"}],
             "dynamic_adapters": {"root": f"{uri}-adapters"},
         },
@@ -310,11 +317,16 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(hosts,
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
                 except OSError:
                     continue
-                for marker in ("ServeReplica:pp-hosts", "StageWorker"):
+                for marker in ("ServeReplica:pp-hosts", "StageWorker", "ShardWorker"):
                     if marker in cmdline:
-                        where.setdefault(marker, set()).add(host.name)
-        assert len(where.get("ServeReplica:pp-hosts", ())) == len(where.get("StageWorker", ())) == 1, where
-        assert where["ServeReplica:pp-hosts"] != where["StageWorker"], where
+                        where.setdefault(marker, set()).add((host.name, pid))
+        on = {marker: sorted(name for name, _ in found) for marker, found in where.items()}
+        assert len(on.get("ServeReplica:pp-hosts", ())) == len(on.get("StageWorker", ())) == 1, where
+        assert on["ServeReplica:pp-hosts"] != on["StageWorker"], where
+        # each stage's second shard on its stage's machine (none without tensor_parallel)
+        stages = sorted(on["ServeReplica:pp-hosts"] + on["StageWorker"])
+        assert on.get("ShardWorker", []) == (stages if shards > 1 else []), where
+        where = {marker: {name for name, _ in found} for marker, found in where.items()}
         # each machine copied its own stage's tensors from S3 (its layers'; stage 1 the embeddings and head besides),
         # never the whole checkpoint: as each logs it
         machines = {host.name: host for host in (hosts.head, *hosts.workers)}

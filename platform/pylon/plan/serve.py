@@ -174,15 +174,18 @@ SUGGESTED_SHARDS = (2, 4, 8)  # the GPUs of one node
 
 
 def _fewest_shards(spec: DeploymentSpec, config, shape: ModelShape, **options) -> tuple[int, ServeOption] | None:
-    """The fewest tensor-parallel shards past the spec's (2, 4 or 8: one node's GPUs) with which the model fits some
-    GPU considered, and that plan's recommendation; None where none does or the model cannot be split so
-    (pylon.serving.model.tensor.refused), or the spec's pipeline stages stand in the way."""
+    """The fewest tensor-parallel shards past the spec's (2, 4 or 8: one node's GPUs; each pipeline stage's, with the
+    spec's stages) with which the model fits some GPU considered, and that plan's recommendation; None where none
+    does or the model cannot be split so (pylon.serving.model.tensor.refused), or the spec's data parallelism stands
+    in the way."""
+    from pylon.serving.model.stages import weight_sizes
     from pylon.serving.model.tensor import refused
 
     engine = spec.engine
-    if engine.pipeline_parallel > 1 or engine.data_parallel > 1:
+    if engine.data_parallel > 1:
         return None
-    counted = (shape, None)  # (a shard holds 1/n of the weights: no per-layer sizes are needed, stages' only)
+    # (a shard holds 1/n of the weights: per-layer sizes are needed for stages only)
+    counted = (shape, weight_sizes(config) if engine.pipeline_parallel > 1 else None)
     for n in (n for n in SUGGESTED_SHARDS if n > engine.tensor_parallel):
         if refused(config.model_type, config, n, engine.expert_parallel) is not None:
             continue
@@ -194,16 +197,16 @@ def _fewest_shards(spec: DeploymentSpec, config, shape: ModelShape, **options) -
 
 
 def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -> tuple[int, ServeOption] | None:
-    """The fewest pipeline stages past the spec's (up to MAX_SUGGESTED_STAGES, one layer a stage at least) with which
-    the model fits some GPU considered, and that plan's recommendation; None where none does or the model cannot be
-    split (pylon.serving.model.stages.refused)."""
+    """The fewest pipeline stages past the spec's (up to MAX_SUGGESTED_STAGES, one layer a stage at least; each of
+    the spec's tensor-parallel shards) with which the model fits some GPU considered, and that plan's
+    recommendation; None where none does or the model cannot be split (pylon.serving.model.stages.refused)."""
     from pylon.serving.model.families import TEXT_MODELS
     from pylon.serving.model.stages import refused, weight_sizes
 
     if refused(config.model_type, config.model_type in TEXT_MODELS, config) is not None:
         return None
     engine = spec.engine
-    if engine.tensor_parallel > 1:
+    if engine.data_parallel > 1:
         return None
     counted = (shape, weight_sizes(config))
     for n in range(engine.pipeline_parallel + 1, min(shape.num_layers, MAX_SUGGESTED_STAGES) + 1):
@@ -366,24 +369,27 @@ def plan_serve(
         held = int((weights - draft_weights) * max(per_stage) / sum(per_stage)) + draft_weights
         most_layers = max(len(r) for r in split_layers(shape.num_layers, stages))
         held_per_token = per_token * most_layers // shape.num_layers
+        each = f"{e.tensor_parallel} GPUs of a node each" if e.tensor_parallel > 1 else "one GPU each"
         notes.append(
-            f"{stages} pipeline stages, one GPU each: the memory shown is the largest stage's (of "
-            f"{', '.join(f'{n:,}' for n in per_stage)} parameters, and its layers' share of the KV cache); the cost "
-            f"is the replica's {stages} GPUs; decode throughput is the whole model's, the stages computing in turn "
-            "(plus one hop of a step's hidden states between stages, not counted)"
+            f"{stages} pipeline stages, {each}: the memory shown is the largest stage's (of "
+            f"{', '.join(f'{n:,}' for n in per_stage)} parameters, and its layers' share of the KV cache"
+            + ("; one shard's share of it, below" if e.tensor_parallel > 1 else "")
+            + f"); the cost is the replica's {stages * e.tensor_parallel} GPUs; decode throughput is the whole "
+            "model's, the stages computing in turn (plus one hop of a step's hidden states between stages, not "
+            "counted)"
         )
     # Tensor-parallel shards (engine.tensor_parallel): each on a GPU of the node, holding its share of every layer
     # (heads and MLP) and of the vocabulary's rows of the embeddings and lm_head, and its heads' share of the KV cache;
     # a decode step reads each shard's weights at once, so at the GPUs' bandwidth together (their all-reduces not
     # counted).
     shards = e.tensor_parallel
-    if shards > 1:
+    if shards > 1:  # (of the whole model, or of the largest pipeline stage: `held`)
         share = 1 / shards
-        held = int((weights - draft_weights) * share) + draft_weights
+        held = int((held - draft_weights) * share) + draft_weights
         # past their count, the key-value heads are replicated: one a shard (pylon.serving.model.tensor.kv_replicas);
         # DeepSeek's latent (one "head" that every query head attends over) is every shard's, whole
         kv_held = max(1, shape.kv_heads // shards)
-        held_per_token = per_token * kv_held // shape.kv_heads
+        held_per_token = held_per_token * kv_held // shape.kv_heads
         replicated = (
             ", but each token's whole latent on every shard"
             if shape.latent_kv
@@ -391,12 +397,14 @@ def plan_serve(
             if shards > shape.kv_heads
             else ""
         )
+        whose = "the largest stage's" if stages > 1 else "the"
         notes.append(
-            f"{shards} tensor-parallel shards on one node, one GPU each: the memory shown is one shard's ("
-            f"{share:.0%} of the weights: its share of every layer's heads and MLP and of the vocabulary's rows of "
-            f"the embeddings and lm_head; its heads' share of the KV cache{replicated}); the cost is the replica's "
-            f"{shards} GPUs; a decode step reads the shards' weights at once (their all-reduces, two a layer, not "
-            "counted)"
+            (f"each stage in {shards}" if stages > 1 else f"{shards}")
+            + f" tensor-parallel shards on one node, one GPU each: the memory shown is one shard's ({share:.0%} of "
+            f"{whose} weights: its share of every layer's heads and MLP and of the vocabulary's rows of the "
+            f"embeddings and lm_head; its heads' share of the KV cache{replicated}); the cost is the replica's "
+            f"{stages * shards} GPUs; a decode step reads the shards' weights at once (their all-reduces, two a "
+            "layer, not counted)"
         )
     context = max(1, e.max_model_len // 2)
     rows = []
@@ -452,23 +460,50 @@ def plan_serve(
     recommendation = min(fitting, key=lambda r: r.cost_per_million_tokens) if fitting else None
     if recommendation is None and _suggest:
         options = {"catalog": catalog, "gpu": gpu, "mfu": mfu, "utilization": utilization}
+        fitting_none = "it fits no one GPU as asked" if stages == shards == 1 else "it fits nothing as asked"
         sharded = _fewest_shards(spec, config, shape, **options)
         if sharded is not None:
             n, rec = sharded
             notes.append(
-                f"it fits no one GPU as asked; in {n} tensor-parallel shards on one node (engine.tensor_parallel: "
-                f"{n}, one GPU a shard) it fits {rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per "
-                f"million tokens at {utilization:.0%} utilisation, one shard {_gib(rec.total)}"
+                f"{fitting_none}; "
+                + (f"each of its {stages} stages " if stages > 1 else "")
+                + f"in {n} tensor-parallel shards on one node (engine.tensor_parallel: {n}, one GPU a shard) it fits "
+                f"{rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per million tokens at "
+                f"{utilization:.0%} utilisation, one shard {_gib(rec.total)}"
             )
         staged = _fewest_stages(spec, config, shape, **options)
         if staged is not None:
             n, rec = staged
             notes.append(
-                ("or, across nodes" if sharded is not None else "it fits no one GPU as asked")
-                + f"; in {n} pipeline stages (engine.pipeline_parallel: {n}, one GPU a "
-                f"stage) it fits {rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per million tokens at "
+                ("or, across nodes" if sharded is not None else fitting_none)
+                + f"; in {n} pipeline stages (engine.pipeline_parallel: {n}, "
+                + (f"{shards} GPUs of a node a stage" if shards > 1 else "one GPU a stage")
+                + f") it fits {rec.accelerator.name}: ${rec.cost_per_million_tokens:,.3f} per million tokens at "
                 f"{utilization:.0%} utilisation, the largest stage {_gib(rec.total)}"
+                + (" a shard" if shards > 1 else "")
             )
+        node = max(SUGGESTED_SHARDS)
+        if sharded is None and shards < node and stages == 1:
+            # past one node: stages across nodes, each a node's GPUs in shards (vLLM's TP 8 x PP n)
+            from pylon.serving.model.tensor import refused
+
+            if refused(config.model_type, config, node, e.expert_parallel) is None:
+                wide = spec.model_copy(update={"engine": e.model_copy(update={"tensor_parallel": node})})
+                both = _fewest_stages(wide, config, shape, **options)
+                if both is not None:
+                    n, rec = both
+                    notes.append(
+                        (
+                            "or, each stage a node"
+                            if staged is not None
+                            else f"it fits no one GPU, nor one node of {node}, as asked"
+                        )
+                        + f"; in {n} pipeline stages of {node} "
+                        f"tensor-parallel shards each (engine.pipeline_parallel: {n}, engine.tensor_parallel: "
+                        f"{node}; a node of {node} GPUs a stage, {n * node} GPUs) it fits {rec.accelerator.name}: "
+                        f"${rec.cost_per_million_tokens:,.3f} per million tokens at {utilization:.0%} utilisation, "
+                        f"one shard {_gib(rec.total)}"
+                    )
     if e.device == "cpu" or spec.replica.num_gpus == 0:
         notes.append("the spec serves on CPU; the table shows what each GPU would do")
     return ServePlan(

@@ -524,8 +524,8 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "to 1, or pipeline_parallel to 1)",
         ),
         (
-            "engine: {tensor_parallel: 2, pipeline_parallel: 2}\n",
-            "4: document 1 (Deployment 'svc'): engine.pipeline_parallel: is not served with tensor_parallel 2 (set it "
+            "engine: {tensor_parallel: 2, data_parallel: 2}\n",
+            "4: document 1 (Deployment 'svc'): engine.data_parallel: is not served with tensor_parallel 2 (set it "
             "to 1, or tensor_parallel to 1)",
         ),
         (
@@ -566,7 +566,7 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "adapter-twice",
         "adapter-own",
         "pipeline-dp",
-        "tensor-pipeline",
+        "tensor-dp",
         "tensor-classifier",
         "experts-no-tensor",
         "tensor-no-resources",

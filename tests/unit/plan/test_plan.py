@@ -825,6 +825,39 @@ def test_deepseek_v3_in_eight_shards_holds_an_eighth_of_its_weights_and_the_whol
     assert any("reads it dequantized to bf16" in n and "fp8 (or int8) halves it again" in n for n in result.notes)
 
 
+def test_deepseek_v3_in_bf16_is_planned_across_two_nodes_of_eight_shards() -> None:
+    """DeepSeek-V3 in bf16 fits no GPU, nor one node of 8: the plan says in how many pipeline stages of 8
+    tensor-parallel shards it fits (vLLM's TP 8 x PP n), and planned so, a shard holds an eighth of its stage's
+    weights (the largest stage's: 31 of the 61 layers) and its stage's layers' whole latent cache; the replica's
+    GPUs are all of them."""
+    from transformers import AutoConfig
+
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    config = AutoConfig.for_model("deepseek_v3", quantization_config=fp8)
+    tokens = 32768
+
+    def plan(**engine):
+        engine = {"kv_cache_tokens": tokens, "max_model_len": 8192, **engine}
+        spec = DeploymentSpec(name="v3", model="s3://b/m", replica={"num_gpus": 1}, engine=engine)
+        result = plan_serve(spec, config=config, gpu="H200")
+        return result.rows[0], result
+
+    whole, result = plan()
+    assert not whole.fits
+    said = next(n for n in result.notes if "pipeline stages of 8 tensor-parallel shards each" in n)
+    stages = int(re.search(r"engine.pipeline_parallel: (\d+), engine.tensor_parallel: 8", said).group(1))
+    assert stages >= 2, said
+    both, result = plan(pipeline_parallel=2, tensor_parallel=8)
+    assert both.fits and both.gpus == 16, both
+    node, _ = plan(tensor_parallel=8)
+    assert not node.fits
+    # the largest stage: the second (layers 30-60, 31 of 61; the first holds the embeddings and the head besides)
+    assert node.weights * 0.45 < both.weights < node.weights * 0.55, (both.weights, node.weights)
+    assert both.kv_cache == tokens * kv_bytes_per_token(result.shape, 2) * 31 // 61
+    assert any("2 pipeline stages, 8 GPUs of a node each" in n for n in result.notes), result.notes
+    assert any(n.startswith("each stage in 8 tensor-parallel shards") for n in result.notes), result.notes
+
+
 def test_a_classifier_counts_its_head_not_an_lm_head() -> None:
     """A reward model (LlamaForSequenceClassification, one label): its weights are the base model's and a head of one
     row, not a vocabulary's lm_head (half a billion parameters at Llama 3 8B's 128k x 4096); the head is no projection

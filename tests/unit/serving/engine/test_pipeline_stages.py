@@ -165,6 +165,12 @@ def test_a_replica_of_stages_asks_for_a_bundle_a_stage():
         "placement_group_bundles": [{"CPU": 0.5}] * 2,
         "placement_group_strategy": "SPREAD",
     }
+    # stages of tensor-parallel shards: a bundle a stage (on one node), as many replicas' resources as its shards
+    staged = spec(pipeline_parallel=2, tensor_parallel=8, device="cuda")
+    assert pipeline_placement(staged) == {
+        "placement_group_bundles": [{"CPU": 16, "GPU": 8}] * 2,
+        "placement_group_strategy": "SPREAD",
+    }
 
 
 _PEAK_RSS = """

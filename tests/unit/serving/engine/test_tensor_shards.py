@@ -16,6 +16,7 @@ from engine_models import PROMPTS, Family, hf_greedy
 
 from pylon.errors import PylonError
 from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.stages import split_layers
 from pylon.serving.model.tensor import Shard, local_config, refused
 
 # DeepSeek-V3 (latent attention split by heads, the latent whole on each shard; experts split, its grouped router, a
@@ -70,24 +71,48 @@ from pylon.serving.model.tensor import Shard
 directory, rank, count, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 shard = Shard(rank, count, experts=sys.argv[7] == "experts")
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
-runner = ModelRunner(directory, num_blocks=32, block_size=16, dtype="fp32", device="cpu", shard=shard)
+stages = int(sys.argv[8])  # pipeline stages, each of `count` shards: this process holds shard `rank` of each
+kwargs = dict(num_blocks=32, block_size=16, dtype="fp32", device="cpu", shard=shard)
+if stages == 1:
+    runners = [ModelRunner(directory, **kwargs)]
+else:
+    from transformers import AutoConfig
+    from pylon.serving.model.stages import stage_of
+    layers = AutoConfig.from_pretrained(directory).num_hidden_layers
+    runners = [ModelRunner(directory, stage=stage_of(layers, k, stages), **kwargs) for k in range(stages)]
+
+
+def execute(steps):  # (through the stages in turn, the first's head last, as PipelineRunner does)
+    if stages == 1:
+        return runners[0].execute(steps)
+    hidden = None
+    for runner in runners:
+        hidden, _ = runner.execute_step(steps, hidden)
+    return runners[0].finish_step(steps, hidden)[0]
+
+
 prompt = json.loads(sys.argv[6])
 logits, table = [], [0, 1, 2, 3]
 for start, stop in ((0, 24), (24, len(prompt))):
-    logits.append(runner.execute([StepSequence(prompt[start:stop], start, table, samples=stop == len(prompt))]))
+    logits.append(execute([StepSequence(prompt[start:stop], start, table, samples=stop == len(prompt))]))
 tokens = list(prompt)
 for _ in range(6):
     tokens.append(int(logits[-1][-1].argmax()))
-    logits.append(runner.execute([StepSequence([tokens[-1]], len(tokens) - 1, table, samples=True)]))
-kv = [tuple(t.shape) for t in runner.k_cache]
-torch.save({"logits": logits, "tokens": tokens, "kv": kv, "bytes": runner.stage_weights_bytes}, out)
+    logits.append(execute([StepSequence([tokens[-1]], len(tokens) - 1, table, samples=True)]))
+kv = [tuple(t.shape) for t in runners[-1].k_cache]
+figures = {"logits": logits, "tokens": tokens, "kv": kv, "bytes": sum(r.stage_weights_bytes for r in runners)}
+figures["parts"] = [(sorted(r.model.state_dict()), r.stage_weights_bytes) for r in runners]
+torch.save(figures, out)
 dist.destroy_process_group()
 """
 
 
-def _compare(family: Family, count: int, tmp_path, atol: float = 1e-4, experts: bool = False) -> list[dict]:
+def _compare(
+    family: Family, count: int, tmp_path, atol: float = 1e-4, experts: bool = False, stages: int = 1
+) -> list[dict]:
     """`count` shards of `family`'s model, each a process, against the whole runner and transformers: a prompt in two
-    chunks and 6 greedy decodes give the same logits and tokens. Returns each shard's figures."""
+    chunks and 6 greedy decodes give the same logits and tokens. `stages`: of each of that many pipeline stages (a
+    process holding its shard of each). Returns each shard's figures."""
     prompt = PROMPTS[2]  # 40 tokens: two chunks, then decodes
     store = tmp_path / "store"
     outs = [tmp_path / f"shard{r}.pt" for r in range(count)]
@@ -104,6 +129,7 @@ def _compare(family: Family, count: int, tmp_path, atol: float = 1e-4, experts: 
                 str(outs[r]),
                 json.dumps(prompt),
                 "experts" if experts else "sliced",
+                str(stages),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -151,6 +177,38 @@ def test_two_shards_compute_the_whole_model(name, tmp_path):
     kv_heads, kv_dim = (2, latent + config.qk_rope_head_dim) if latent else (config.num_key_value_heads, None)
     for shape in (shape for shard in shards for shape in shard["kv"]):
         assert shape[0] == kv_heads // 2 and shape[-1] == (kv_dim or shape[-1]), shards[0]["kv"]
+
+
+# Llama (make test, ~10 s); make test-all: DeepSeek-V3's latent attention and experts, Qwen3's tied embeddings (the
+# first stage's, its rows split), Gemma 3's windowed and full layers by index.
+STAGED = ("llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("deepseek_v3", "qwen3", "gemma3_text")))
+
+
+@pytest.mark.parametrize("name", STAGED)
+def test_two_pipeline_stages_of_two_shards_compute_the_whole_model(name, tmp_path):
+    """engine.pipeline_parallel with engine.tensor_parallel (vLLM's TP x PP): each of two processes holds one shard of
+    each of two stages, run one after the other as the stages' groups run (each in its own group there; here both in
+    the processes' one): the whole runner's logits and transformers' tokens. Each part holds its stage's layers only
+    (the embeddings, final norm and lm_head on the first stage, their rows split too), about half of what the
+    stage holds whole."""
+    family = Family(name, tmp_path / name, greedy=False)
+    shards = _compare(family, 2, tmp_path, stages=2)
+    spans = split_layers(family.model.config.num_hidden_layers, 2)
+
+    def stage_of_key(key: str) -> int:  # (outside the layers: the first stage's)
+        return next(
+            (k for k, span in enumerate(spans) if key.startswith("model.layers.") and int(key.split(".")[2]) in span), 0
+        )
+
+    whole = [0, 0]  # each stage's bytes in the whole model (a tied lm_head once)
+    for key, p in family.model.named_parameters():
+        whole[stage_of_key(key)] += p.numel() * p.element_size()
+    for figures in shards:
+        for k, (keys, held) in enumerate(figures["parts"]):
+            layers = {int(key.split(".")[2]) for key in keys if key.startswith("model.layers.")}
+            assert layers == set(spans[k]), (k, layers)
+            assert any("embed_tokens" in key for key in keys) == any("lm_head" in key for key in keys) == (k == 0)
+            assert held < 0.75 * whole[k], (k, held, whole)  # (about half: norms, routers and latents whole)
 
 
 EXPERT_PARALLEL = (
