@@ -1233,7 +1233,7 @@ class EngineSpec(_Spec):
         "replica.num_gpus), all on one node (STRICT_PACK). Llama-like families (Phi-3's and GLM-4's fused projections "
         "split part by part; OLMo 2 and 3's norms over all heads summed across the shards), and Mixtral, Qwen2-MoE, "
         "Qwen3-MoE, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, GPT-OSS, OLMoE, FlexOlmo and Llama 4 (every expert split as "
-        "the MLP is), Qwen3-Next and Qwen3.5 (recurrent layers split by heads; their prefix cache off with shards), "
+        "the MLP is), Qwen3-Next and Qwen3.5 (recurrent layers split by heads, each shard snapshotting its own), "
         "multimodal checkpoints for their text (Llama 4, Gemma 3, Mistral 3, Qwen3.5; max_images_per_prompt 0), "
         "DeepSeek-V2 and V3 (latent attention split by heads, the latent cache whole on each shard), whose attention "
         "heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a multiple of (one "

@@ -232,8 +232,8 @@ class LLMEngine:
             except PylonError as e:
                 raise named_adapter_error(e, adapter_dirs, spec.adapters) from e.__cause__
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
-                # (shards keep their heads' states each: not snapshotted, engine/tensor.py)
-                if self.pool.enable_caching and spec.recurrent_state_snapshots and spec.tensor_parallel == 1:
+                # (with shards, each snapshots its own heads' states: engine/tensor.py's ShardedSnapshot)
+                if self.pool.enable_caching and spec.recurrent_state_snapshots:
                     # A cached block holds keys and values, not the recurrent layers' state there: their states'
                     # snapshots at block boundaries beside the blocks (kv_cache.StateSnapshots).
                     self.snapshots = StateSnapshots(spec.recurrent_state_snapshots)
@@ -245,11 +245,7 @@ class LLMEngine:
                         recurrent_state_bytes(self.runner.config, self.runner.dtype.itemsize) / 2**20,
                     )
                 elif self.pool.enable_caching:
-                    log.info(
-                        "model %s has recurrent layers: its requests share no prefix cache%s",
-                        model,
-                        " (its states are split across tensor-parallel shards)" if spec.tensor_parallel > 1 else "",
-                    )
+                    log.info("model %s has recurrent layers: its requests share no prefix cache", model)
                     self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size, enable_caching=False)
             # A multimodal checkpoint's processor, for requests with images (engine/images.py); None: text only.
             self.images = (

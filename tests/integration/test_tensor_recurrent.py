@@ -1,6 +1,7 @@
 """A model with recurrent layers (Qwen3-Next's Gated DeltaNet) in two tensor-parallel shards through the engine
 (pylon.serving.engine.tensor): each shard keeps its heads' recurrent state of each sequence, and what the engine does to
-the states (a speculating step's kept drafts, a finished sequence's release) every shard does. The shards' arithmetic:
+the states (a speculating step's kept drafts, a finished sequence's release, the prefix cache's snapshots and restores)
+every shard does. The shards' arithmetic:
 tests/unit/serving/engine/test_tensor_shards.py."""
 
 from __future__ import annotations
@@ -17,20 +18,31 @@ import pylon
 ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
 
 DRIVER = """
-import json, sys
+import gc, json, sys
 sys.path.insert(0, sys.argv[3])
 import ray
 from engine_models import GREEDY, PROMPTS, run, spec, speculating, tokens_of
 from pylon.serving.engine.engine import LLMEngine
 ray.init(address=sys.argv[1], log_to_driver=False)
 engine = speculating(LLMEngine(sys.argv[2], spec(tensor_parallel=2, speculative={"method": "ngram", "num_tokens": 3})))
-assert engine.snapshots is None and not engine.pool.enable_caching  # (states split across shards: not snapshotted)
+assert engine.snapshots is not None and engine.pool.enable_caching  # (each shard snapshots its heads' states)
 for i, prompt in enumerate(PROMPTS[:4]):
     engine.add_request(str(i), prompt, GREEDY)
 outputs = run(engine)
-held = ray.get(engine.runner.workers[0].held_states.remote())
-print(json.dumps({"tokens": [tokens_of(outputs[str(i)]) for i in range(4)], "held": held,
-                  "drafts": engine.stats().spec_draft_tokens_total}))
+tokens = [tokens_of(outputs[str(i)]) for i in range(4)]
+# a chat's next turn: the first turn's prompt and reply, then a new message, from the snapshot the first left
+second = PROMPTS[3] + tokens[3] + PROMPTS[6]
+engine.add_request("turn-2", second, GREEDY)
+turn = run(engine)["turn-2"]
+shard = engine.runner.workers[0]
+held, snapshots = ray.get(shard.held_states.remote()), ray.get(shard.held_snapshots.remote())
+kept = sorted(s.name for s in engine.snapshots._kept.values())
+engine.snapshots._kept.clear()  # (the engine lets its snapshots go: the other shard lets its own go)
+gc.collect()
+print(json.dumps({"tokens": tokens, "held": held, "drafts": engine.stats().spec_draft_tokens_total,
+                  "second": second, "turn": tokens_of(turn), "cached": turn[0].num_cached_tokens,
+                  "restored": engine.snapshots.restored, "snapshots": snapshots, "kept": kept,
+                  "left": ray.get(shard.held_snapshots.remote())}))
 engine.runner.shutdown()
 """
 
@@ -55,3 +67,9 @@ def test_two_shards_of_a_recurrent_model_decode_as_one_with_speculation(ray_clus
     assert result["tokens"] == want
     assert result["drafts"] > 0  # (steps speculated: every shard kept the same accepted drafts' states)
     assert result["held"] == []  # (every finished sequence's state released on the other shard too)
+    # The prefix cache across shards: the next turn started from the first turn's snapshot (each shard restoring its
+    # own heads' states), as transformers continues the whole prompt; the other shard holds the snapshots the engine
+    # keeps, no more, and none once the engine lets them go.
+    assert result["turn"] == family.hf_greedy(result["second"], 20)
+    assert result["cached"] >= 80 and result["restored"] >= 1, result
+    assert result["snapshots"] == result["kept"] != [] and result["left"] == [], result
