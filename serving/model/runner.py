@@ -412,7 +412,9 @@ class ModelRunner:
         # A stage of several: its forward ends without the final norm (the first stage's `finish_step` applies it).
         self._staged = stage is not None and stage.count > 1
         if stage is not None:
-            why = stages.refused(model_type, multimodal, config)
+            why = stages.refused(model_type, config, self.full_config.model_type if multimodal else None)
+            if why is None and multimodal and images:
+                why = "a multimodal checkpoint's stages serve its text: set engine.max_images_per_prompt to 0"
             if why is not None:
                 raise PylonError(f"engine.pipeline_parallel: model {model_dir}: {why}")
         if shard is not None:
@@ -457,7 +459,7 @@ class ModelRunner:
         if multimodal and is_sequence_classifier(self.full_config):
             raise PylonError(f"model {model_dir}: a multimodal classifier is not served; serve its text model")
         try:
-            if multimodal and shard is None:
+            if multimodal and shard is None and stage is None:
                 self.model, vision = _language_model(model_dir, self.dtype)
                 if images:
                     self.vision = vision.to(self.device).eval()
@@ -470,8 +472,8 @@ class ModelRunner:
                 self._whole_config = config  # (adapters are checked against the whole model's projections)
                 config = self.model.config  # the shard's: its heads, its MLP width
                 self.stage_weights_bytes = stages.stage_bytes(self.model)
-            elif stage is not None:
-                self.model = stages.load_stage(model_dir, config, self.dtype, stage)
+            elif stage is not None:  # (a multimodal checkpoint's: its language model's layers, by their names)
+                self.model = stages.load_stage(model_dir, config, self.dtype, stage, multimodal)
                 self.stage_weights_bytes = stages.stage_bytes(self.model)  # as loaded (before packing)
             elif self.stored is not None and model_type in shards.SPLIT_FAMILIES:  # (as one shard of one)
                 self.model = shards.load_shard(model_dir, config, self.dtype, shards.Shard(0, 1))

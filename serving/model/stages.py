@@ -131,15 +131,18 @@ def stage_class(config, stage: Stage) -> type:
     return StageModel
 
 
-def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torch.nn.Module:
+def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage, multimodal: bool = False) -> torch.nn.Module:
     """The causal LM of `model_dir` (its config `config`) holding only what `stage` holds, in `dtype`, on the CPU:
     `stage_class`, then `from_pretrained` as usual. A weight of the stage's own missing from the checkpoint is a
-    PylonError naming it (transformers would initialise it at random)."""
+    PylonError naming it (transformers would initialise it at random). `multimodal`: the checkpoint is a multimodal
+    one (`config` its text model's), whose language model's tensors are read under their prefix, the vision model's
+    never."""
     from pylon.serving.model.stored import checkpoint_quantization
     from pylon.serving.model.tensor import Shard, load_shard
 
     StageModel = stage_class(config, stage)
-    if checkpoint_quantization(config) is not None:  # a quantized checkpoint: read dequantized (model/stored.py)
+    # a quantized checkpoint: read dequantized (model/stored.py); a multimodal one: its text's tensors by name
+    if multimodal or checkpoint_quantization(config) is not None:
         return load_shard(model_dir, config, dtype, Shard(0, 1), cls=StageModel)
     with _quiet_transformers():
         model, info = StageModel.from_pretrained(
@@ -157,13 +160,17 @@ def load_stage(model_dir: str, config, dtype: torch.dtype, stage: Stage) -> torc
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def holds(stage: Stage) -> Callable[[str], bool]:
+def holds(stage: Stage, multimodal: bool = False) -> Callable[[str], bool]:
     """Whether a checkpoint's tensor (by its name) is `stage`'s: its layers' (`...layers.<i>.`); on the first stage
     everything outside the decoder layers besides (embeddings, final norm, lm_head). What loading the stage would
     not read anyway is never copied (`stage_model_dir`); a tensor of its own that this leaves out would be a missing
-    weight, which `load_stage` refuses by name."""
+    weight, which `load_stage` refuses by name. `multimodal`: of a multimodal checkpoint, the language model's
+    tensors only (under its prefixes), never the vision model's."""
+    from pylon.serving.model.tensor import language_model_tensor
 
     def held(name: str) -> bool:
+        if multimodal and not language_model_tensor(name):
+            return False
         found = _LAYER_KEY.search(name)
         if found is None:
             return stage.first
@@ -184,6 +191,7 @@ def stage_model_dir(uri: str, index: int, count: int) -> Iterator[tuple[str, Sta
 
     from pylon import storage
     from pylon.models import local_model_dir
+    from pylon.serving.model.families import TEXT_MODELS
     from pylon.weight_subset import copy_tensors
 
     with local_model_dir(uri, weights=False) as directory:
@@ -191,7 +199,7 @@ def stage_model_dir(uri: str, index: int, count: int) -> Iterator[tuple[str, Sta
         stage = stage_of(config.get_text_config().num_hidden_layers, index, count)
         if not isinstance(storage.resolve(uri)[0], LocalFileSystem):  # a private copy: the stage's tensors to fetch
             started = time.monotonic()
-            copied = copy_tensors(uri, directory, holds(stage))
+            copied = copy_tensors(uri, directory, holds(stage, config.model_type in TEXT_MODELS))
             log.info(
                 "%s: copied %s from %s in %.1f s",
                 stage.describe(),
@@ -214,16 +222,18 @@ def stage_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def refused(model_type: str, multimodal: bool, config) -> str | None:
-    """Why a model cannot be split into pipeline stages (None: it can): the families with forwards of their own
-    (GPT-2, OPT, GPT-NeoX), multimodal checkpoints, classifiers and models with recurrent layers, whose state the
-    stages do not carry."""
+def refused(model_type: str, config, multimodal: str | None = None) -> str | None:
+    """Why a model (its text model's type and config) cannot be split into pipeline stages (None: it can): the
+    families with forwards of their own (GPT-2, OPT, GPT-NeoX), multimodal checkpoints but those split for their
+    text (`multimodal`: the checkpoint's type; pylon.serving.model.tensor.SPLIT_MULTIMODAL), classifiers and models
+    with recurrent layers, whose state the stages do not carry."""
     from pylon.serving.model.families import is_sequence_classifier, linear_layers
+    from pylon.serving.model.tensor import SPLIT_MULTIMODAL
 
     if model_type in ("gpt2", "opt", "gpt_neox"):
         return f"a {model_type} model is not split into stages (the Llama-like families are: Llama, Qwen, Mistral, ...)"
-    if multimodal:
-        return "a multimodal checkpoint is not split into stages; serve its text model"
+    if multimodal is not None and multimodal not in SPLIT_MULTIMODAL:
+        return f"a {multimodal} multimodal checkpoint is not split into stages; serve its text model"
     if is_sequence_classifier(config):
         return "a classifier is not split into stages"
     if linear_layers(config) is not None:
@@ -237,8 +247,8 @@ def weight_sizes(config) -> tuple[list[int], int]:
     meta device (any size)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # (a multimodal checkpoint's: its text model's, what its stages hold)
+        model = AutoModelForCausalLM.from_config(config.get_text_config())
     sizes = {name: t.numel() for name, t in model.state_dict(keep_vars=True).items()}
     layers = [0] * len(model.model.layers)
     rest = 0

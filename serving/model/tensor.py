@@ -104,6 +104,13 @@ IN_OUT_EXPERTS = {"gpt_oss": "interleaved", "llama4_text": "halves"}
 # read): Llama 4's (a whole causal LM under `language_model.`), Gemma 3's, Mistral 3's, Qwen3.5's
 SPLIT_MULTIMODAL = ("llama4", "gemma3", "mistral3", "qwen3_5", "qwen3_5_moe")
 _LANGUAGE_MODEL_PREFIXES = (("language_model.", ""), ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+
+
+def language_model_tensor(name: str) -> bool:
+    """Whether a multimodal checkpoint's tensor (by name) is its language model's (`_LANGUAGE_MODEL_PREFIXES`)."""
+    return name.startswith(tuple(prefix for prefix, _ in _LANGUAGE_MODEL_PREFIXES))
+
+
 SPLIT_FAMILIES = (
     "llama",
     "mistral",

@@ -200,10 +200,9 @@ def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -
     """The fewest pipeline stages past the spec's (up to MAX_SUGGESTED_STAGES, one layer a stage at least; each of
     the spec's tensor-parallel shards) with which the model fits some GPU considered, and that plan's
     recommendation; None where none does or the model cannot be split (pylon.serving.model.stages.refused)."""
-    from pylon.serving.model.families import TEXT_MODELS
     from pylon.serving.model.stages import refused, weight_sizes
 
-    if refused(config.model_type, config.model_type in TEXT_MODELS, config) is not None:
+    if refused(config.model_type, config) is not None:  # (a multimodal checkpoint's: its text model's, as staged)
         return None
     engine = spec.engine
     if engine.data_parallel > 1:

@@ -148,6 +148,52 @@ def test_a_stage_refuses_what_it_cannot_split_and_a_checkpoint_missing_its_weigh
         _load(llama, stage_of(2, 1, 2))
 
 
+# Gemma 3 (its text under language_model.model.*, windowed and full layers), Llama 4 (a whole causal LM under
+# language_model.*, its experts stored [experts, in, out]), Mistral 3: ~4 s in all.
+@pytest.mark.parametrize("name", ["gemma3", "llama4", "mistral3"])
+def test_a_multimodal_checkpoint_is_split_into_stages_for_its_text(name, tmp_path):
+    """Llama 4 Scout and Maverick, Gemma 3 and Mistral Small 3.1 ship as conditional models (a vision model beside
+    the language model): two stages read their language model's layers under its prefix, never the vision model's
+    tensors (nor copy them from object storage: `holds`), and compute what the whole runner computes on text; a stage asked for images is refused, naming engine.max_images_per_prompt."""
+    import json
+
+    from safetensors import safe_open
+    from test_model_families import _multimodal
+
+    from pylon.data.tokenizer import ByteTokenizer
+    from pylon.serving.model.stages import holds
+
+    torch.manual_seed(0)
+    directory = tmp_path / name
+    _multimodal(name)[0].eval().save_pretrained(directory)
+    (directory / "pylon_tokenizer.json").write_text(json.dumps(ByteTokenizer().info.model_dump(mode="json")))
+    whole = ModelRunner(str(directory), num_blocks=32, block_size=16, dtype="fp32", device="cpu")
+    n = whole.config.num_hidden_layers
+    stages = [
+        ModelRunner(str(directory), num_blocks=32, block_size=16, dtype="fp32", device="cpu", stage=stage_of(n, k, 2))
+        for k in range(2)
+    ]
+    prompt, table = PROMPTS[2], [0, 1, 2, 3]
+    tokens, a = list(prompt), None
+    for start, stop in ((0, 24), (24, 40), *((k, k + 1) for k in range(40, 45))):
+        if a is not None and start >= len(prompt):  # decodes: the greedy token of the last step
+            tokens.append(int(a[-1].argmax()))
+        steps = [StepSequence(tokens[start:stop], start, table, samples=stop >= len(prompt))]
+        a, b = whole.execute(steps), _through(stages, steps)
+        # (to float32 rounding: the whole runner's language model is the conditional model's, loaded otherwise)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(tokens) == 45
+    # no stage holds (or would copy) a tensor of the vision model's; together they hold the language model's
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    held = [[k for k in names if holds(stage_of(n, i, 2), multimodal=True)(k)] for i in range(2)]
+    text = {k for k in names if k.startswith(("language_model.", "model.language_model.", "lm_head."))}
+    assert set(held[0]) | set(held[1]) == text and not set(held[0]) & set(held[1]), sorted(set(names) - text)
+    assert len(text) < len(names)  # (the vision model's tensors: the rest)
+    with pytest.raises(PylonError, match=r"stages serve its text: set engine.max_images_per_prompt to 0"):
+        ModelRunner(str(directory), num_blocks=4, block_size=16, device="cpu", stage=stage_of(n, 1, 2), images=True)
+
+
 def test_a_replica_of_stages_asks_for_a_bundle_a_stage():
     from pylon.serving.api.builder import pipeline_placement
     from pylon.specs import DeploymentSpec
