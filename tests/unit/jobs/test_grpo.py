@@ -831,8 +831,10 @@ def test_a_pairwise_judges_verdicts_prefer_one_of_each_pair_and_bad_ones_are_nam
             TrainJobSpec.model_validate({**base, **change})
 
 
-# a reward function's pairs (make test-all: GRPO's LoRA run above scores with one in make test); a pairwise judge's
-@pytest.mark.parametrize("judge", [pytest.param(False, marks=pytest.mark.slow), True])
+# a reward function's pairs, and a pairwise judge's: make test-all (~27 s each on CI; make test keeps GRPO's LoRA run
+# above, online DPO's loss against TRL's and the judge's verdicts below)
+@pytest.mark.slow
+@pytest.mark.parametrize("judge", [False, True])
 def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distributed, judge, monkeypatch) -> None:  # noqa: F811
     """objective online_dpo through DeepSpeed (ZeRO-2), against a frozen copy of the start, as the trainer's loop runs
     it: the pairs' implicit reward accuracy and the completions' reward rise; with a pairwise judge (TRL's judge) in
