@@ -1240,8 +1240,9 @@ class EngineSpec(_Spec):
         "heads and MLP and experts' widths it divides, and whose key-value heads it divides or is a multiple of (one "
         "a shard, replicated); LoRA adapters each shard's slice of their matrices; float and quantized checkpoints in "
         "block FP8 or compressed-tensors' layouts (another quantized one: save it dequantized). With "
-        "pipeline_parallel: each stage in this many shards on its node (see there); not with data_parallel or "
-        "classifier_from_token",
+        "pipeline_parallel: each stage in this many shards on its node (see there). Classifiers too (a reward model's "
+        "...ForSequenceClassification, classifier_from_token), their head whole on every shard; not with "
+        "data_parallel",
     )
     expert_parallel: bool = Field(
         False,
@@ -1313,10 +1314,7 @@ class EngineSpec(_Spec):
                 )
             )
         if self.tensor_parallel > 1:
-            for field, value, neutral in (
-                ("data_parallel", self.data_parallel, 1),
-                ("classifier_from_token", self.classifier_from_token, []),
-            ):
+            for field, value, neutral in (("data_parallel", self.data_parallel, 1),):
                 if value != neutral:
                     problems.append(
                         (

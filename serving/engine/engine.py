@@ -198,10 +198,11 @@ class LLMEngine:
                 elif spec.tensor_parallel > 1 and spec.pipeline_parallel == 1:  # shards across GPUs of this node
                     from pylon.serving.engine.tensor import TensorRunner
 
+                    classifier = _token_ids(self.tokenizer, spec.classifier_from_token)
                     self.runner = TensorRunner(
                         directory,
                         spec.tensor_parallel,
-                        runner_kwargs,
+                        {**runner_kwargs, "classifier_from_token": classifier},
                         pipeline,
                         adapters=adapter_dirs,
                         expert_parallel=spec.expert_parallel,

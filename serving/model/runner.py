@@ -191,13 +191,31 @@ def _sequence_classifier(model_dir: str, config, dtype: torch.dtype) -> tuple[to
     return causal, classifier.score
 
 
-def _token_classifier(model, token_ids: Sequence[int]) -> torch.nn.Module:
-    """A classification head made of the lm_head's rows of `token_ids` (vLLM's `classifier_from_token`, for rerankers
-    trained as language models: Qwen3-Reranker answers "yes" or "no"): one id, its logit; two ids `[no, yes]`, the
-    difference of their logits, whose sigmoid is P(yes) / (P(yes) + P(no)), what such a reranker's card computes."""
-    rows = model.get_output_embeddings().weight.detach()[list(token_ids)]
+def _token_classifier(rows: torch.Tensor) -> torch.nn.Module:
+    """A classification head made of the lm_head's rows of engine.classifier_from_token's ids, `rows` (vLLM's
+    `classifier_from_token`, for rerankers trained as language models: Qwen3-Reranker answers "yes" or "no"): one id,
+    its logit; two ids `[no, yes]`, the difference of their logits, whose sigmoid is P(yes) / (P(yes) + P(no)), what
+    such a reranker's card computes."""
     head = torch.nn.Linear(rows.shape[1], 1, bias=False, device=rows.device, dtype=rows.dtype)
-    head.weight.data.copy_(rows[-1:] - rows[:1] if len(token_ids) == 2 else rows)
+    head.weight.data.copy_(rows[-1:] - rows[:1] if len(rows) == 2 else rows)
+    return head
+
+
+def _sharded_classifier(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A `*ForSequenceClassification` checkpoint's head (`score`: hidden -> labels), whole, for a tensor-parallel
+    shard of it (each shard's pooled rows are whole after the layers' all-reduces)."""
+    found = shards.whole_tensors(model_dir, ["score.weight", "score.bias"])
+    if "score.weight" not in found:
+        raise PylonError(
+            f"model {model_dir}: its classifier's head is not score.weight, the head engine.tensor_parallel reads for "
+            "a classifier (Llama's, Qwen's, Mistral's, Gemma's ...ForSequenceClassification)"
+        )
+    weight = found["score.weight"]
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias="score.bias" in found, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        if head.bias is not None:
+            head.bias.copy_(found["score.bias"])
     return head
 
 
@@ -423,8 +441,6 @@ class ModelRunner:
                 why = "a multimodal checkpoint's shards serve its text: set engine.max_images_per_prompt to 0"
             if why is None and multimodal and self.full_config.model_type not in shards.SPLIT_MULTIMODAL:
                 why = f"a {self.full_config.model_type} multimodal checkpoint is not split into shards"
-            if why is None and classifier_from_token:
-                why = "a classifier is not split into shards"
             if why is not None:
                 raise PylonError(f"engine.tensor_parallel: model {model_dir}: {why}")
         self._forward: Callable = (
@@ -464,11 +480,15 @@ class ModelRunner:
                 if images:
                     self.vision = vision.to(self.device).eval()
                 del vision
-            elif is_sequence_classifier(config):
+            elif is_sequence_classifier(config) and shard is None:
                 self.model, self.classifier = _sequence_classifier(model_dir, config, self.dtype)
             elif shard is not None:  # (of a pipeline stage: its layers' slices, and the head's on the first stage)
                 cls = stages.stage_class(config, stage) if stage is not None else None
-                self.model = shards.load_shard(model_dir, config, self.dtype, shard, cls=cls)
+                classifier = is_sequence_classifier(config)  # (a reward model's: its head whole on every shard)
+                self.model = shards.load_shard(model_dir, config, self.dtype, shard, cls=cls, head=not classifier)
+                if classifier:
+                    self.classifier = _sharded_classifier(model_dir, self.dtype)
+                    self.model.set_output_embeddings(self.classifier)
                 self._whole_config = config  # (adapters are checked against the whole model's projections)
                 config = self.model.config  # the shard's: its heads, its MLP width
                 self.stage_weights_bytes = stages.stage_bytes(self.model)
@@ -498,7 +518,12 @@ class ModelRunner:
                     f"engine.classifier_from_token: model {model_dir} is a classifier already "
                     f"({config.architectures[0]}); leave the setting empty"
                 )
-            self.classifier = _token_classifier(self.model, classifier_from_token)
+            rows = (  # (a shard's lm_head holds its rows of the vocabulary: the tokens' read whole)
+                shards.vocabulary_rows(model_dir, config, list(classifier_from_token)).to(self.dtype)
+                if shard is not None
+                else self.model.get_output_embeddings().weight.detach()[list(classifier_from_token)]
+            )
+            self.classifier = _token_classifier(rows)
         self.model.to(self.device).eval()
         if self.classifier is not None:
             self.classifier.to(self.device).eval()
@@ -692,7 +717,7 @@ class ModelRunner:
             if model_type in shards.SPANNING_NORM_FAMILIES:  # OLMo's query and key norms over every shard's heads
                 shards.spanning_norms(self._own_layers(), self._whole_config, shard)
             if stage is None or stage.first:  # its rows of the embeddings and lm_head, made whole
-                shards.vocab_parallel(self.model, shard)
+                shards.vocab_parallel(self.model, shard, head=not is_sequence_classifier(self._whole_config))
         self.vocab_size = config.vocab_size
         # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:
         # LongRoPE's switch to its long factors), said once here.

@@ -510,11 +510,15 @@ def _sliced_shared_experts(model: torch.nn.Module, config, count: int) -> None:
         layer.mlp.shared_experts.to(dtype)
 
 
-def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: type | None = None) -> torch.nn.Module:
+def load_shard(
+    model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: type | None = None, head: bool = True
+) -> torch.nn.Module:
     """Shard `shard`'s causal LM of `model_dir` (its config `config`), in `dtype` on the CPU: the family's class
     (or `cls`: a pipeline stage's, pylon.serving.model.stages) built from `local_config` (no initialisation), each
     tensor read as the shard's slice of the checkpoint's (an MoE model's experts fused from each expert's, as
-    transformers' loader fuses them; a quantized checkpoint's weights dequantized, pylon.serving.model.stored)."""
+    transformers' loader fuses them; a quantized checkpoint's weights dequantized, pylon.serving.model.stored).
+    `head` False: the checkpoint has no lm_head (a classifier's: its head is `whole_tensors`' `score`), which is
+    left unread (zeros)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -546,7 +550,8 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict()
     experts = num_experts(config)
-    sources = {k: _sources(k, files, experts) for k in state if not (tied and k == "lm_head.weight")}
+    unread = "lm_head.weight" if tied or not head else None
+    sources = {k: _sources(k, files, experts) for k in state if k != unread}
     missing = [k for k, found in sources.items() if found is None]
     if missing:
         raise PylonError(
@@ -581,8 +586,41 @@ def load_shard(model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: ty
                 state[key].copy_(take(v))
     if tied and "model.embed_tokens.weight" in state:  # (a pipeline stage past the first holds neither)
         model.tie_weights()
+    elif not head and "lm_head.weight" in state:
+        state["lm_head.weight"].zero_()
     # the buffers computed at construction (the rotary embedding's frequencies), as the whole model's
     return model.eval()
+
+
+def whole_tensors(model_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors every shard holds whole, read from the checkpoint by name (a classifier's head, `score.*`); a name the
+    checkpoint does not hold is left out."""
+    from safetensors import safe_open
+
+    files = _weight_files(model_dir)
+    found = {}
+    for name in names:
+        if name in files:
+            with safe_open(files[name], framework="pt") as f:
+                found[name] = f.get_tensor(name)
+    return found
+
+
+def vocabulary_rows(model_dir: str, config, ids: list[int]) -> torch.Tensor:
+    """The lm_head's rows of `ids` (the embeddings' where they are tied), whole, read from the checkpoint: what
+    engine.classifier_from_token makes its head of, whichever shard holds the rows."""
+    from safetensors import safe_open
+
+    files = _weight_files(model_dir)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    name = "model.embed_tokens.weight" if tied or "lm_head.weight" not in files else "lm_head.weight"
+    if name not in files:
+        raise PylonError(
+            f"model {model_dir}: no {name} in the checkpoint, whose rows engine.classifier_from_token reads"
+        )
+    with safe_open(files[name], framework="pt") as f:
+        rows = f.get_slice(name)
+        return torch.cat([rows[i : i + 1] for i in ids])
 
 
 def adapter_split(config, shard: Shard, shapes: dict[str, tuple[int, int]]) -> Callable:
@@ -658,16 +696,17 @@ class _VocabHead(torch.nn.Module):
         return torch.cat(parts, dim=-1)[..., : self.vocab]
 
 
-def vocab_parallel(model: torch.nn.Module, shard: Shard) -> None:
+def vocab_parallel(model: torch.nn.Module, shard: Shard, head: bool = True) -> None:
     """`model`'s (a shard's, `load_shard`'s) embeddings and lm_head, each holding `vocab_rows` of the vocabulary (rows
     `rank * rows ...`; one matrix where they are tied), made to compute the whole vocabulary's: an id's embedding from
     the shard holding its row, summed across the shards; the logits of each shard's rows, gathered (vLLM's
-    VocabParallelEmbedding and ParallelLMHead)."""
+    VocabParallelEmbedding and ParallelLMHead). `head` False: the embeddings only (a classifier's head is whole)."""
     rows = model.model.embed_tokens.weight.shape[0]
     vocab = model.config.vocab_size
     held = max(0, min(rows, vocab - shard.rank * rows))  # (the last shard's rows past the vocabulary: none of its ids)
     model.model.embed_tokens = _VocabEmbedding(model.model.embed_tokens, shard.rank * rows, max(held, 1))
-    model.lm_head = _VocabHead(model.lm_head, vocab, shard.count)
+    if head:
+        model.lm_head = _VocabHead(model.lm_head, vocab, shard.count)
 
 
 class _SpanningNorm(torch.nn.Module):

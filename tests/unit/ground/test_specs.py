@@ -529,11 +529,6 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "to 1, or tensor_parallel to 1)",
         ),
         (
-            "engine:\n  tensor_parallel: 2\n  classifier_from_token: ['yes']\n",
-            "6: document 1 (Deployment 'svc'): engine.classifier_from_token: is not served with tensor_parallel 2 (set "
-            "it to [], or tensor_parallel to 1)",
-        ),
-        (
             "engine: {expert_parallel: true}\n",
             "4: document 1 (Deployment 'svc'): engine.expert_parallel: divides the experts among tensor-parallel "
             "shards: set tensor_parallel to the shards to divide them among (2 or more), or expert_parallel to false",
@@ -567,7 +562,6 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "adapter-own",
         "pipeline-dp",
         "tensor-dp",
-        "tensor-classifier",
         "experts-no-tensor",
         "tensor-no-resources",
         "pipeline-classifier",

@@ -211,6 +211,91 @@ def test_two_pipeline_stages_of_two_shards_compute_the_whole_model(name, tmp_pat
             assert held < 0.75 * whole[k], (k, held, whole)  # (about half: norms, routers and latents whole)
 
 
+_CLASSIFIER = """
+import json, sys, torch, torch.distributed as dist
+from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.step import StepSequence
+from pylon.serving.model.tensor import Shard
+
+directory, rank, count, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+prompts, tokens = json.loads(sys.argv[6]), json.loads(sys.argv[7])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
+runner = ModelRunner(
+    directory, num_blocks=32, block_size=16, dtype="fp32", device="cpu", shard=Shard(rank, count),
+    classifier_from_token=tokens,
+)
+pooled = [runner.execute_step([StepSequence(p, 0, [0, 1, 2, 3], samples=True, pooled=True)])[1][0] for p in prompts]
+torch.save({"pooled": pooled, "bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters())}, out)
+"""
+
+
+@pytest.mark.parametrize("kind", ["reward-model", pytest.param("from-token", marks=pytest.mark.slow)])  # ~12 s each
+def test_two_shards_of_a_classifier_score_as_the_whole_model(kind, tmp_path):
+    """A reward model (LlamaForSequenceClassification, three labels: its `score` head whole on every shard, read from
+    the checkpoint) and a causal LM scoring by its tokens' logits (engine.classifier_from_token ["n", "y"]: the
+    tokens' lm_head rows read whole, whichever shard holds them) in two shards, each a process: every prompt's
+    outputs are the whole runner's (and the reward model's transformers' own), each shard holding about half of the
+    layers' weights."""
+    from test_classifier_engine import save_classifier
+
+    directory = tmp_path / kind
+    if kind == "reward-model":
+        model, tokens = save_classifier("llama", directory), []
+    else:
+        model, tokens = Family("llama", directory, greedy=False).model, [ord("n"), ord("y")]
+    prompts = [p[:60] for p in PROMPTS[:4]]
+
+    def run(count: int) -> list[dict]:
+        outs = [tmp_path / f"{kind}-{count}-{r}.pt" for r in range(count)]
+        args = [str(directory), "", str(count), str(tmp_path / f"store-{count}"), "", json.dumps(prompts)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _CLASSIFIER,
+                    *args[:1],
+                    str(r),
+                    *args[2:4],
+                    str(outs[r]),
+                    args[5],
+                    json.dumps(tokens),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(count)
+        ]
+        for p in procs:
+            output = p.communicate(timeout=300)[0]
+            assert p.returncode == 0, output[-4000:]
+        return [torch.load(o) for o in outs]
+
+    shards = run(2)
+    runner = ModelRunner(
+        str(directory), num_blocks=32, block_size=16, dtype="fp32", device="cpu", classifier_from_token=tokens
+    )
+    from pylon.serving.model.step import StepSequence
+
+    whole = {
+        "pooled": [
+            runner.execute_step([StepSequence(p, 0, [0, 1, 2, 3], samples=True, pooled=True)])[1][0] for p in prompts
+        ],
+        "bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+    }
+    for figures in shards:
+        for got, want in zip(figures["pooled"], whole["pooled"]):
+            assert got.shape == want.shape == (len(tokens) and 1 or 3,)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert figures["bytes"] < 0.75 * whole["bytes"], (figures["bytes"], whole["bytes"])
+    if kind == "reward-model":
+        with torch.no_grad():
+            for got, p in zip(shards[0]["pooled"], prompts):
+                want = model(torch.tensor([p], device=model.device)).logits[0].float().cpu()
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 EXPERT_PARALLEL = (
     "deepseek_v3",
     "qwen2_moe",
