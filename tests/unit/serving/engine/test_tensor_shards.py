@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,30 +109,14 @@ dist.destroy_process_group()
 """
 
 
-def _compare(
-    family: Family, count: int, tmp_path, atol: float = 1e-4, experts: bool = False, stages: int = 1
-) -> list[dict]:
-    """`count` shards of `family`'s model, each a process, against the whole runner and transformers: a prompt in two
-    chunks and 6 greedy decodes give the same logits and tokens. `stages`: of each of that many pipeline stages (a
-    process holding its shard of each). Returns each shard's figures."""
-    prompt = PROMPTS[2]  # 40 tokens: two chunks, then decodes
-    store = tmp_path / "store"
-    outs = [tmp_path / f"shard{r}.pt" for r in range(count)]
+def _processes(script: str, directory: str, count: int, tmp_path, args: list[str]) -> list[dict]:
+    """`script` run by `count` processes, rank r's arguments: `directory`, r, `count`, the group's rendezvous file, its
+    output file, then `args`; each one's output (what it saved there)."""
+    work = Path(tempfile.mkdtemp(dir=tmp_path))  # (a run's own: a test may run several)
+    store, outs = work / "store", [work / f"shard{r}.pt" for r in range(count)]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _SHARD,
-                family.dir,
-                str(r),
-                str(count),
-                str(store),
-                str(outs[r]),
-                json.dumps(prompt),
-                "experts" if experts else "sliced",
-                str(stages),
-            ],
+            [sys.executable, "-c", script, directory, str(r), str(count), str(store), str(outs[r]), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -140,7 +126,18 @@ def _compare(
     for p in procs:
         output = p.communicate(timeout=300)[0]
         assert p.returncode == 0, output[-4000:]
-    shards = [torch.load(o) for o in outs]
+    return [torch.load(o) for o in outs]
+
+
+def _compare(
+    family: Family, count: int, tmp_path, atol: float = 1e-4, experts: bool = False, stages: int = 1
+) -> list[dict]:
+    """`count` shards of `family`'s model, each a process, against the whole runner and transformers: a prompt in two
+    chunks and 6 greedy decodes give the same logits and tokens. `stages`: of each of that many pipeline stages (a
+    process holding its shard of each). Returns each shard's figures."""
+    prompt = PROMPTS[2]  # 40 tokens: two chunks, then decodes
+    split = ["experts" if experts else "sliced", str(stages)]
+    shards = _processes(_SHARD, family.dir, count, tmp_path, [json.dumps(prompt), *split])
     whole = ModelRunner(family.dir, num_blocks=32, block_size=16, dtype="fp32", device="cpu")
     table, tokens = [0, 1, 2, 3], list(prompt)
     from pylon.serving.model.step import StepSequence
@@ -245,34 +242,7 @@ def test_two_shards_of_a_classifier_score_as_the_whole_model(kind, tmp_path):
         model, tokens = Family("llama", directory, greedy=False).model, [ord("n"), ord("y")]
     prompts = [p[:60] for p in PROMPTS[:4]]
 
-    def run(count: int) -> list[dict]:
-        outs = [tmp_path / f"{kind}-{count}-{r}.pt" for r in range(count)]
-        args = [str(directory), "", str(count), str(tmp_path / f"store-{count}"), "", json.dumps(prompts)]
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    _CLASSIFIER,
-                    *args[:1],
-                    str(r),
-                    *args[2:4],
-                    str(outs[r]),
-                    args[5],
-                    json.dumps(tokens),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(count)
-        ]
-        for p in procs:
-            output = p.communicate(timeout=300)[0]
-            assert p.returncode == 0, output[-4000:]
-        return [torch.load(o) for o in outs]
-
-    shards = run(2)
+    shards = _processes(_CLASSIFIER, str(directory), 2, tmp_path, [json.dumps(prompts), json.dumps(tokens)])
     runner = ModelRunner(
         str(directory), num_blocks=32, block_size=16, dtype="fp32", device="cpu", classifier_from_token=tokens
     )
