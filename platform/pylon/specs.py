@@ -1201,8 +1201,9 @@ class EngineSpec(_Spec):
         "after the first take the bundles of the replica's placement group (each replica.num_cpus and "
         "replica.num_gpus), placed by pipeline_placement; each stage loads its part from model.path itself, so the "
         "path must reach every node (s3://, or a shared directory). A step goes through the stages in turn (see "
-        "pipeline_microbatches). Llama-like decoder families only, and multimodal checkpoints for their text (Llama 4, "
-        "Gemma 3, Mistral 3; max_images_per_prompt 0); LoRA adapters (adapters, dynamic_adapters) are "
+        "pipeline_microbatches). Llama-like decoder families only (Qwen3-Next's and Qwen3.5's recurrent layers each "
+        "stage's own, their states snapshotted by each for the prefix cache), and multimodal checkpoints for their "
+        "text (Llama 4, Gemma 3, Mistral 3; max_images_per_prompt 0); LoRA adapters (adapters, dynamic_adapters) are "
         "served, each stage applying their matrices of its own layers; kv_cache_tokens are every stage's. With "
         "tensor_parallel, each stage is that many shards on its node (vLLM's TP x PP: a node's GPUs a stage, the "
         "stages across nodes), its bundle holding tensor_parallel times the replica's resources",

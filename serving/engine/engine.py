@@ -233,7 +233,7 @@ class LLMEngine:
             except PylonError as e:
                 raise named_adapter_error(e, adapter_dirs, spec.adapters) from e.__cause__
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
-                # (with shards, each snapshots its own heads' states: engine/tensor.py's ShardedSnapshot)
+                # (split, each part snapshots its own share of the states: engine/pipeline.py's PartsSnapshot)
                 if self.pool.enable_caching and spec.recurrent_state_snapshots:
                     # A cached block holds keys and values, not the recurrent layers' state there: their states'
                     # snapshots at block boundaries beside the blocks (kv_cache.StateSnapshots).

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +144,8 @@ def packed(tensor: torch.Tensor, seconds: float = 0.0) -> tuple:
 
 def unpacked(message: tuple) -> tuple[torch.Tensor, float]:
     data, dtype, shape, seconds = message
+    if data.size == 0:  # (a step without rows to sample: the last stage hands back none)
+        return torch.empty(shape, dtype=getattr(torch, dtype)), seconds
     if not data.flags.writeable:  # (Ray's zero-copy arrays are read-only; torch wants its memory writable)
         data = data.copy()
     return torch.from_numpy(data).view(getattr(torch, dtype)).view(shape), seconds
@@ -178,11 +181,70 @@ def log_to_stderr(name: str) -> None:
         logger.propagate = False
 
 
+def _drop_snapshot(actors: list, name: str) -> None:
+    for actor in actors:
+        try:
+            actor.drop_snapshot.remote(name)
+        except Exception:  # (Ray shut down, the part gone: nothing is kept there any more)
+            pass
+
+
+class PartsSnapshot:
+    """A snapshot of a sequence's recurrent states across a split model's parts (the prefix cache's; `SplitRunner`:
+    tensor-parallel shards, each its heads' states; pipeline stages, each its layers'): this process's part's
+    (`local`, its runner's `snapshot_state` form), the other parts' kept by them as `name`. The engine keeps it as it
+    keeps any snapshot (kv_cache.StateSnapshots); once it lets it go (evicted, replaced, forgotten), the other parts
+    let theirs go too (a finalizer: nothing to call)."""
+
+    __slots__ = ("local", "name", "__weakref__")
+
+    def __init__(self, local, name: str):
+        self.local, self.name = local, name
+
+    @classmethod
+    def made(cls, local, name: str, actors: list) -> "PartsSnapshot":
+        snapshot = cls(local, name)
+        weakref.finalize(snapshot, _drop_snapshot, list(actors), name)
+        return snapshot
+
+
 class AdapterWorker:
     """An actor holding a part of a split model (`StageWorker`, engine/tensor.py's `ShardWorker`): its `runner`'s
-    share of each adapter loaded on demand, read from the adapter's files as the engine's part reads it."""
+    share of each adapter loaded on demand, read from the adapter's files as the engine's part reads it, and of a
+    model with recurrent layers, its part of each sequence's states and of their snapshots (`SplitRunner`)."""
 
     runner: object
+
+    @property
+    def _snapshots(self) -> dict:
+        """The prefix cache's snapshots of this part's recurrent states, by the name the engine's part gave them
+        (`PartsSnapshot`), kept until the engine lets its own go."""
+        return self.__dict__.setdefault("_kept_snapshots", {})
+
+    def keep_state(self, key: str, count: int, snapshot: int | None = None, name: str | None = None) -> None:
+        """As the engine's part does (`ModelRunner.keep_state`); its snapshot, if any, kept as `name`."""
+        copy = self.runner.keep_state(key, count, snapshot)
+        if copy is not None and name is not None:
+            self._snapshots[name] = copy
+
+    def release_state(self, key: str) -> None:
+        self.runner.release_state(key)
+
+    def snapshot_state(self, key: str, name: str) -> None:
+        self._snapshots[name] = self.runner.snapshot_state(key)
+
+    def restore_state(self, key: str, name: str) -> None:
+        self.runner.restore_state(key, self._snapshots[name])
+
+    def drop_snapshot(self, name: str) -> None:
+        self._snapshots.pop(name, None)  # (a stage of shards: its own `PartsSnapshot` let go, its shards' with it)
+
+    def held_snapshots(self) -> list[str]:
+        return sorted(self._snapshots)
+
+    def held_states(self) -> list[str]:
+        """The sequences whose recurrent states this part holds (none once they finish)."""
+        return sorted(self.runner._states)
 
     def part(self) -> str:
         """This part, as errors name it."""
@@ -339,6 +401,41 @@ class SplitRunner:
         if self._puts:
             puts, self._puts = self._puts, []
             ray.get(puts)
+
+    # A model with recurrent layers (Qwen3-Next, Qwen3.5): each part keeps its share of each sequence's states (a
+    # shard its heads', a stage its layers'); what the engine does to them, every part does, in order with the steps
+    # (a Ray actor runs one caller's calls in order), not waited for. A snapshot (the prefix cache's) is each part's
+    # of its own share: this process's in the `PartsSnapshot` the engine keeps, the others' kept by them under its
+    # name until the engine lets it go.
+    def keep_state(self, key: str, count: int, snapshot: int | None = None) -> PartsSnapshot | None:
+        name = self._snapshot_name() if snapshot is not None else None
+        for actor in self.actors:
+            actor.keep_state.remote(key, count, snapshot, name)
+        local = self.local.keep_state(key, count, snapshot)
+        if name is None or local is None:  # (then no part kept one: the same sequence, the same step)
+            return None
+        return PartsSnapshot.made(local, name, self.actors)
+
+    def release_state(self, key: str) -> None:
+        for actor in self.actors:
+            actor.release_state.remote(key)
+        self.local.release_state(key)
+
+    def snapshot_state(self, key: str) -> PartsSnapshot:
+        name = self._snapshot_name()
+        for actor in self.actors:
+            actor.snapshot_state.remote(key, name)
+        return PartsSnapshot.made(self.local.snapshot_state(key), name, self.actors)
+
+    def restore_state(self, key: str, snapshot: PartsSnapshot) -> None:
+        for actor in self.actors:
+            actor.restore_state.remote(key, snapshot.name)
+        self.local.restore_state(key, snapshot.local)
+
+    def _snapshot_name(self) -> str:
+        made = self.__dict__.get("_snapshots_made", 0) + 1
+        self.__dict__["_snapshots_made"] = made
+        return f"s{made}"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ import os
 import shutil
 import tempfile
 import time
-import weakref
 
 import torch
 
@@ -78,7 +77,6 @@ class ShardWorker(AdapterWorker):
         log_to_stderr(f"{where}-{shard.rank + 1}")
         _join(shard.rank, shard.count, store, _device(runner_kwargs))
         self.shard, self.stage = shard, stage
-        self.snapshots: dict[str, list] = {}  # recurrent states' snapshots, by name (`snapshot_state`)
         self.runner = ModelRunner(directory, shard=shard, stage=stage, adapters=adapters, **runner_kwargs)
 
     def describe(self) -> dict:
@@ -104,59 +102,6 @@ class ShardWorker(AdapterWorker):
     def finish(self, steps, hidden) -> None:
         """The first stage's end of a step (`ModelRunner.finish_step`): this shard's rows of the lm_head, gathered."""
         self.runner.finish_step(steps, unpacked(hidden)[0])
-
-    def keep_state(self, key: str, count: int, snapshot: int | None = None, name: str | None = None) -> None:
-        """As the engine's shard does (`ModelRunner.keep_state`); its snapshot, if any, kept as `name`."""
-        copy = self.runner.keep_state(key, count, snapshot)
-        if copy is not None and name is not None:
-            self.snapshots[name] = copy
-
-    def release_state(self, key: str) -> None:
-        self.runner.release_state(key)
-
-    # The prefix cache's snapshots of this shard's recurrent states (its heads'), by the name the engine's shard gave
-    # them (`ShardedSnapshot`), kept until the engine lets its own go.
-    def snapshot_state(self, key: str, name: str) -> None:
-        self.snapshots[name] = self.runner.snapshot_state(key)
-
-    def restore_state(self, key: str, name: str) -> None:
-        self.runner.restore_state(key, self.snapshots[name])
-
-    def drop_snapshot(self, name: str) -> None:
-        self.snapshots.pop(name, None)
-
-    def held_snapshots(self) -> list[str]:
-        return sorted(self.snapshots)
-
-    def held_states(self) -> list[str]:
-        """The sequences whose recurrent states this shard holds (none once they finish)."""
-        return sorted(self.runner._states)
-
-
-def _drop_snapshot(workers: list, name: str) -> None:
-    for w in workers:
-        try:
-            w.drop_snapshot.remote(name)
-        except Exception:  # (Ray shut down, the shard gone: nothing is kept there any more)
-            pass
-
-
-class ShardedSnapshot:
-    """A snapshot of a sequence's recurrent states across the shards (the prefix cache's; `TensorRunner`): this
-    shard's (`local`, `ModelRunner.snapshot_state`'s form), the other shards' kept by them as `name`. The engine keeps
-    it as it keeps any snapshot (kv_cache.StateSnapshots); once it lets it go (evicted, replaced, forgotten), the
-    other shards let theirs go too (a finalizer: nothing to call)."""
-
-    __slots__ = ("local", "name", "__weakref__")
-
-    def __init__(self, local: list, name: str):
-        self.local, self.name = local, name
-
-    @classmethod
-    def made(cls, local: list, name: str, workers: list) -> "ShardedSnapshot":
-        snapshot = cls(local, name)
-        weakref.finalize(snapshot, _drop_snapshot, list(workers), name)
-        return snapshot
 
 
 class TensorRunner(SplitRunner):
@@ -300,39 +245,6 @@ class TensorRunner(SplitRunner):
                 why = "its process is gone" if isinstance(e, ray.exceptions.RayActorError) else type(e).__name__
                 lost.append(f"{of}shard {k} of {len(done) + 1} failed ({why})")
         return ", ".join(lost)
-
-    # A model with recurrent layers (Qwen3-Next, Qwen3.5): each shard keeps its heads' states of each sequence; what
-    # the engine does to them, every shard does, in order with the steps (a Ray actor runs one caller's calls in
-    # order), not waited for. A snapshot (the prefix cache's) is each shard's of its own heads: this shard's in the
-    # `ShardedSnapshot` the engine keeps, the others' kept by them under its name until the engine lets it go.
-    def keep_state(self, key: str, count: int, snapshot: int | None = None) -> ShardedSnapshot | None:
-        name = self._snapshot_name() if snapshot is not None else None
-        for w in self.workers:
-            w.keep_state.remote(key, count, snapshot, name)
-        local = self.local.keep_state(key, count, snapshot)
-        if name is None or local is None:  # (then no shard kept one: the same sequence, the same step)
-            return None
-        return ShardedSnapshot.made(local, name, self.workers)
-
-    def release_state(self, key: str) -> None:
-        for w in self.workers:
-            w.release_state.remote(key)
-        self.local.release_state(key)
-
-    def snapshot_state(self, key: str) -> ShardedSnapshot:
-        name = self._snapshot_name()
-        for w in self.workers:
-            w.snapshot_state.remote(key, name)
-        return ShardedSnapshot.made(self.local.snapshot_state(key), name, self.workers)
-
-    def restore_state(self, key: str, snapshot: ShardedSnapshot) -> None:
-        for w in self.workers:
-            w.restore_state.remote(key, snapshot.name)
-        self.local.restore_state(key, snapshot.local)
-
-    def _snapshot_name(self) -> str:
-        self._snapshots_made = getattr(self, "_snapshots_made", 0) + 1
-        return f"s{self._snapshots_made}"
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         import ray

@@ -1707,11 +1707,12 @@ class ModelRunner:
         states = self._states.get(key)
         if drafted is None or states is None:
             return None
-        copy = None
+        copy = None  # (a pipeline stage's: its own layers' states; the others', none)
         if snapshot is not None:
-            copy = [[t.clone() for t in layer[snapshot - 1]] for layer in drafted]
+            copy = [[t.clone() for t in layer[snapshot - 1]] if layer else [None, None] for layer in drafted]
         for layer, kept in enumerate(drafted):
-            states[layer][0], states[layer][1] = kept[count - 1]
+            if kept:
+                states[layer][0], states[layer][1] = kept[count - 1]
         return copy
 
     def snapshot_state(self, key: str) -> list:

@@ -227,7 +227,7 @@ def refused(model_type: str, config, multimodal: str | None = None) -> str | Non
     families with forwards of their own (GPT-2, OPT, GPT-NeoX), multimodal checkpoints but those split for their
     text (`multimodal`: the checkpoint's type; pylon.serving.model.tensor.SPLIT_MULTIMODAL), classifiers and models
     with recurrent layers, whose state the stages do not carry."""
-    from pylon.serving.model.families import is_sequence_classifier, linear_layers
+    from pylon.serving.model.families import is_sequence_classifier
     from pylon.serving.model.tensor import SPLIT_MULTIMODAL
 
     if model_type in ("gpt2", "opt", "gpt_neox"):
@@ -236,8 +236,6 @@ def refused(model_type: str, config, multimodal: str | None = None) -> str | Non
         return f"a {multimodal} multimodal checkpoint is not split into stages; serve its text model"
     if is_sequence_classifier(config):
         return "a classifier is not split into stages"
-    if linear_layers(config) is not None:
-        return "a model with recurrent layers (Gated DeltaNet) is not split into stages"
     return None
 
 

@@ -148,6 +148,41 @@ def test_a_stage_refuses_what_it_cannot_split_and_a_checkpoint_missing_its_weigh
         _load(llama, stage_of(2, 1, 2))
 
 
+def test_stages_of_a_recurrent_model_keep_their_own_layers_states(tmp_path):
+    """Qwen3-Next (Gated DeltaNet layers, then attention) in two stages: each keeps its own recurrent layers' state of
+    a sequence (stage 1 two layers', stage 2 one's), and together they compute exactly what the whole model does over
+    a chunked prompt and decodes; a snapshot of each stage's states, restored into another sequence, continues as
+    the first (what the engine's prefix cache does with a split model: engine/pipeline.py's PartsSnapshot)."""
+    family = Family("qwen3_next", tmp_path / "qwen3_next", greedy=False)
+    whole = _runner(family)
+    n = whole.config.num_hidden_layers
+    stages = [_runner(family, stage_of(n, k, 2)) for k in range(2)]
+    prompt, table = PROMPTS[2], [0, 1, 2, 3]
+    tokens, a = list(prompt), None
+    for start, stop in ((0, 24), (24, 40), *((k, k + 1) for k in range(40, 46))):
+        if a is not None and start >= len(prompt):
+            tokens.append(int(a[-1].argmax()))
+        steps = [StepSequence(tokens[start:stop], start, table, samples=stop >= len(prompt), state="a")]
+        a, b = whole.execute(steps), _through(stages, steps)
+        assert torch.equal(a, b), (start, (a - b).abs().max())
+    assert tokens[len(prompt) :] == family.hf_greedy(prompt, 6)
+    # each stage's own recurrent layers' states only (`[conv, recurrent]` each; the other stage's left empty)
+    own = [sum(t is not None for layer in r.snapshot_state("a") for t in layer) for r in stages]
+    linear = whole._linear
+    assert own == [2 * sum(linear[i] for i in r.layers) for r in stages] and min(own) > 0, own
+    # a snapshot of every stage, restored into sequence "b": its next step is sequence "a"'s
+    for r in stages:
+        r.restore_state("b", r.snapshot_state("a"))
+    step = len(tokens) - 1
+    one = [StepSequence([tokens[-1]], step, table, samples=True, state="a")]
+    other = [StepSequence([tokens[-1]], step, [4, 5, 6, 7], samples=True, state="b")]
+    for r in (whole, *stages):  # (b's keys and values: a's blocks copied, as the prefix cache shares them)
+        for cache in (*r.k_cache, *r.v_cache):
+            if cache.numel():  # ([kv heads, blocks, block size, head dim])
+                cache[:, 4:8] = cache[:, 0:4]
+    assert torch.equal(_through(stages, one), _through(stages, other))
+
+
 # Gemma 3 (its text under language_model.model.*, windowed and full layers), Llama 4 (a whole causal LM under
 # language_model.*, its experts stored [experts, in, out]), Mistral 3: ~4 s in all.
 @pytest.mark.parametrize("name", ["gemma3", "llama4", "mistral3"])
@@ -266,6 +301,16 @@ def test_loading_a_stage_never_reads_the_other_stages_weights(tmp_path):
     stage, whole = map(int, done.stdout.split()[-2:])
     assert whole > 0.9 * size, (whole, size)
     assert stage < 0.5 * whole, (stage, whole, size)
+
+
+def test_hidden_states_cross_between_stages_as_bytes_even_without_rows():
+    """A step's hidden states between stages (`packed`, `unpacked`): bf16 and fp32 rows as they were; a step without
+    rows to sample (a long prompt's chunk alone) hands back `[0, hidden]`, which once stopped the engine's step."""
+    from pylon.serving.engine.pipeline import packed, unpacked
+
+    for tensor in (torch.randn(5, 8), torch.randn(3, 8).to(torch.bfloat16), torch.empty(0, 8)):
+        got, seconds = unpacked(packed(tensor, 0.5))
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor) and seconds == 0.5
 
 
 def test_microbatches_cut_a_step_into_contiguous_groups_of_about_as_many_tokens():

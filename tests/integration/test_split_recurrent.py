@@ -1,8 +1,8 @@
-"""A model with recurrent layers (Qwen3-Next's Gated DeltaNet) in two tensor-parallel shards through the engine
-(pylon.serving.engine.tensor): each shard keeps its heads' recurrent state of each sequence, and what the engine does to
-the states (a speculating step's kept drafts, a finished sequence's release, the prefix cache's snapshots and restores)
-every shard does. The shards' arithmetic:
-tests/unit/serving/engine/test_tensor_shards.py."""
+"""A model with recurrent layers (Qwen3-Next's Gated DeltaNet) in two tensor-parallel shards, or two pipeline stages,
+through the engine (pylon.serving.engine.tensor, .pipeline): each part keeps its share of each sequence's recurrent
+state (a shard its heads', a stage its layers'), and what the engine does to the states (a speculating step's kept
+drafts, a finished sequence's release, the prefix cache's snapshots and restores) every part does. Their arithmetic:
+tests/unit/serving/engine/test_tensor_shards.py, test_pipeline_stages.py."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ import ray
 from engine_models import GREEDY, PROMPTS, run, spec, speculating, tokens_of
 from pylon.serving.engine.engine import LLMEngine
 ray.init(address=sys.argv[1], log_to_driver=False)
-engine = speculating(LLMEngine(sys.argv[2], spec(tensor_parallel=2, speculative={"method": "ngram", "num_tokens": 3})))
-assert engine.snapshots is not None and engine.pool.enable_caching  # (each shard snapshots its heads' states)
+split = json.loads(sys.argv[4])
+engine = speculating(LLMEngine(sys.argv[2], spec(**split, speculative={"method": "ngram", "num_tokens": 3})))
+assert engine.snapshots is not None and engine.pool.enable_caching  # (each part snapshots its share of the states)
 for i, prompt in enumerate(PROMPTS[:4]):
     engine.add_request(str(i), prompt, GREEDY)
 outputs = run(engine)
@@ -34,7 +35,7 @@ tokens = [tokens_of(outputs[str(i)]) for i in range(4)]
 second = PROMPTS[3] + tokens[3] + PROMPTS[6]
 engine.add_request("turn-2", second, GREEDY)
 turn = run(engine)["turn-2"]
-shard = engine.runner.workers[0]
+shard = engine.runner.actors[0]  # (the other shard, or the second stage)
 held, snapshots = ray.get(shard.held_states.remote()), ray.get(shard.held_snapshots.remote())
 kept = sorted(s.name for s in engine.snapshots._kept.values())
 engine.snapshots._kept.clear()  # (the engine lets its snapshots go: the other shard lets its own go)
@@ -47,9 +48,10 @@ engine.runner.shutdown()
 """
 
 
-# ~60 s: a driver and a shard actor loading the model. `make test-all`.
+# ~60 s each: a driver and a shard (stage) actor loading the model. `make test-all`.
 @pytest.mark.slow
-def test_two_shards_of_a_recurrent_model_decode_as_one_with_speculation(ray_cluster, tmp_path):
+@pytest.mark.parametrize("split", [{"tensor_parallel": 2}, {"pipeline_parallel": 2}], ids=["two-shards", "two-stages"])
+def test_a_split_recurrent_model_decodes_as_one_with_speculation_and_its_prefix_cache(ray_cluster, tmp_path, split):
     sys.path.insert(0, str(ENGINE_MODELS))
     from engine_models import PROMPTS, Family
 
@@ -57,7 +59,7 @@ def test_two_shards_of_a_recurrent_model_decode_as_one_with_speculation(ray_clus
     want = [family.hf_greedy(p, 20) for p in PROMPTS[:4]]
     client = pylon.connect()
     child = subprocess.run(
-        [sys.executable, "-c", DRIVER, client.gcs_address, family.dir, str(ENGINE_MODELS)],
+        [sys.executable, "-c", DRIVER, client.gcs_address, family.dir, str(ENGINE_MODELS), json.dumps(split)],
         capture_output=True,
         text=True,
         timeout=600,
