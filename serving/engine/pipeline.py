@@ -208,7 +208,7 @@ class PartsSnapshot:
         return snapshot
 
 
-class AdapterWorker:
+class PartWorker:
     """An actor holding a part of a split model (`StageWorker`, engine/tensor.py's `ShardWorker`): its `runner`'s
     share of each adapter loaded on demand, read from the adapter's files as the engine's part reads it, and of a
     model with recurrent layers, its part of each sequence's states and of their snapshots (`SplitRunner`)."""
@@ -275,7 +275,7 @@ class AdapterWorker:
         self.runner.put_adapter(slot, adapter)
 
 
-class StageWorker(AdapterWorker):
+class StageWorker(PartWorker):
     """One pipeline stage after the first (a Ray actor): its `ModelRunner`, loaded from the model's URI on the node it
     runs on (its own tensors only: `stage_model_dir`); with `shards` > 1 (engine.tensor_parallel), a `TensorRunner`
     over that many shards of the stage on its node, this actor the first (engine/tensor.py)."""
@@ -342,7 +342,7 @@ class SplitRunner:
     the weights cannot be replaced (`fixed_weights` says why)."""
 
     local: object
-    actors: list  # the other parts' actors (`AdapterWorker`s)
+    actors: list  # the other parts' actors (`PartWorker`s)
     _puts: list  # their put_adapter calls, waited for before the next step
 
     def __getattr__(self, name: str):

@@ -25,7 +25,7 @@ import time
 import torch
 
 from pylon.errors import PylonError
-from pylon.serving.engine.pipeline import AdapterWorker, SplitRunner, packed, unpacked
+from pylon.serving.engine.pipeline import PartWorker, SplitRunner, packed, unpacked
 from pylon.serving.model.stages import Stage
 from pylon.serving.model.tensor import Shard
 
@@ -56,7 +56,7 @@ def _device(runner_kwargs: dict) -> str:
     return "cuda" if wanted != "cpu" and torch.cuda.is_available() else "cpu"
 
 
-class ShardWorker(AdapterWorker):
+class ShardWorker(PartWorker):
     """One tensor-parallel shard after the first (a Ray actor on the engine's node): its `ModelRunner`, which runs
     every step the engine runs. `adapters`: the engine's local copies of engine.adapters (on this node), each served
     as this shard's slice of its matrices."""
