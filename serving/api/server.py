@@ -211,7 +211,7 @@ class PylonLLMServer:
         )
         options = {}
         if (engine.pipeline_parallel > 1 or engine.tensor_parallel > 1) and kind is ProcessLLMEngine:
-            from pylon.serving.engine.pipeline import placement
+            from pylon.serving.engine.split import placement
 
             options["pipeline"] = placement()  # its stages (shards) go in this replica's placement group
         self.engine = kind.from_model(self.spec.model, self.spec.engine, **options)

@@ -158,7 +158,7 @@ class LLMEngine:
         """Load the Hugging Face model directory `model` (a local path or a URI such as s3://...; remote
         directories are copied to a temporary directory, loaded, and the copy removed). `pipeline`: with
         engine.pipeline_parallel (engine.tensor_parallel), the cluster and placement group the stages (shards) go to
-        (engine/pipeline.py's `placement()`, from a replica to its engine process); None: this process's own."""
+        (engine/split.py's `placement()`, from a replica to its engine process); None: this process's own."""
         # Imported here so that importing this module stays light (no torch, no transformers).
         from pylon.serving.model.runner import ModelRunner, model_type_of
 
@@ -233,7 +233,7 @@ class LLMEngine:
             except PylonError as e:
                 raise named_adapter_error(e, adapter_dirs, spec.adapters) from e.__cause__
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
-                # (split, each part snapshots its own share of the states: engine/pipeline.py's PartsSnapshot)
+                # (split, each part snapshots its own share of the states: engine/split.py's PartsSnapshot)
                 if self.pool.enable_caching and spec.recurrent_state_snapshots:
                     # A cached block holds keys and values, not the recurrent layers' state there: their states'
                     # snapshots at block boundaries beside the blocks (kv_cache.StateSnapshots).

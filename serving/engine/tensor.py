@@ -25,7 +25,7 @@ import time
 import torch
 
 from pylon.errors import PylonError
-from pylon.serving.engine.pipeline import PartWorker, SplitRunner, packed, unpacked
+from pylon.serving.engine.split import PartWorker, SplitRunner, packed, unpacked
 from pylon.serving.model.stages import Stage
 from pylon.serving.model.tensor import Shard
 
@@ -70,7 +70,7 @@ class ShardWorker(PartWorker):
         adapters: list[str] = (),
         stage: Stage | None = None,
     ):
-        from pylon.serving.engine.pipeline import log_to_stderr
+        from pylon.serving.engine.split import log_to_stderr
         from pylon.serving.model.runner import ModelRunner
 
         where = f"pylon-stage-{stage.index + 1}-shard" if stage is not None and stage.count > 1 else "pylon-shard"
@@ -80,7 +80,7 @@ class ShardWorker(PartWorker):
         self.runner = ModelRunner(directory, shard=shard, stage=stage, adapters=adapters, **runner_kwargs)
 
     def describe(self) -> dict:
-        from pylon.serving.engine.pipeline import described_runner
+        from pylon.serving.engine.split import described_runner
 
         return described_runner(self.shard.rank, self.runner, None)
 
@@ -108,7 +108,7 @@ class TensorRunner(SplitRunner):
     """`ModelRunner`'s interface (what the engine uses of it) over the tensor-parallel shards of a model: shard 1 in
     this process, the rest Ray actors on this node (see the module's docstring). `directory`: this process's local
     copy of the model, which the other shards read too; `placement`: `placement()` of the replica whose engine
-    process this is (pylon.serving.engine.pipeline; None: this process's own); `adapters`: this process's copies of
+    process this is (pylon.serving.engine.split; None: this process's own); `adapters`: this process's copies of
     engine.adapters, which the other shards read too (each shard serves its slice of their matrices);
     `expert_parallel`: an MoE model's experts divided among the shards whole (`Shard.experts`).
 
@@ -130,7 +130,7 @@ class TensorRunner(SplitRunner):
     ):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from pylon.serving.engine.pipeline import actor_options, connect_ray, described_runner, replica_placement_group
+        from pylon.serving.engine.split import actor_options, connect_ray, described_runner, replica_placement_group
         from pylon.serving.model.runner import ModelRunner
 
         started = time.monotonic()

@@ -764,7 +764,8 @@ def _pool_spec():
 def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
     import asyncio
 
-    from pylon.serving.engine.process import EnginePool, ProcessLLMEngine
+    from pylon.serving.engine.engine import AsyncLLMEngine
+    from pylon.serving.engine.process import EnginePool
     from pylon.serving.engine.sampling import SamplingParams
 
     spec = _pool_spec()
@@ -800,7 +801,8 @@ def test_an_engine_pool_spreads_requests_and_matches_one_engine(model_dir):
     finally:
         pool.shutdown()
     assert not pool.check_health()
-    single = ProcessLLMEngine.from_model(model_dir, spec.model_copy(update={"data_parallel": 1}))
+    # (the reference in this process: one engine process fewer to start)
+    single = AsyncLLMEngine.from_model(model_dir, spec.model_copy(update={"data_parallel": 1}))
     try:
         assert asyncio.run(run(single)) == got  # greedy: the same tokens whichever engine served a request
     finally:

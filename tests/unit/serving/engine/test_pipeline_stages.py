@@ -152,7 +152,7 @@ def test_stages_of_a_recurrent_model_keep_their_own_layers_states(tmp_path):
     """Qwen3-Next (Gated DeltaNet layers, then attention) in two stages: each keeps its own recurrent layers' state of
     a sequence (stage 1 two layers', stage 2 one's), and together they compute exactly what the whole model does over
     a chunked prompt and decodes; a snapshot of each stage's states, restored into another sequence, continues as
-    the first (what the engine's prefix cache does with a split model: engine/pipeline.py's PartsSnapshot)."""
+    the first (what the engine's prefix cache does with a split model: engine/split.py's PartsSnapshot)."""
     family = Family("qwen3_next", tmp_path / "qwen3_next", greedy=False)
     whole = _runner(family)
     n = whole.config.num_hidden_layers
@@ -306,7 +306,7 @@ def test_loading_a_stage_never_reads_the_other_stages_weights(tmp_path):
 def test_hidden_states_cross_between_stages_as_bytes_even_without_rows():
     """A step's hidden states between stages (`packed`, `unpacked`): bf16 and fp32 rows as they were; a step without
     rows to sample (a long prompt's chunk alone) hands back `[0, hidden]`, which once stopped the engine's step."""
-    from pylon.serving.engine.pipeline import packed, unpacked
+    from pylon.serving.engine.split import packed, unpacked
 
     for tensor in (torch.randn(5, 8), torch.randn(3, 8).to(torch.bfloat16), torch.empty(0, 8)):
         got, seconds = unpacked(packed(tensor, 0.5))
