@@ -697,9 +697,10 @@ def test_check_objective_refuses_data_without_prompts(tmp_path) -> None:
 @pytest.mark.parametrize(
     "lora, iterations, kind",
     [
-        # (make test-all: full fine-tuning against a frozen copy; make test runs online DPO's frozen copy, below)
+        # (make test-all, all of them: full fine-tuning against a frozen copy; LoRA, which make test runs with the
+        # engine sampling, test_rollout.py's test_a_model_sampled_by_the_engine_learns_what_its_reward_asks_for)
         pytest.param(False, 1, "dapo", marks=pytest.mark.slow),
-        (True, 1, "dapo"),
+        pytest.param(True, 1, "dapo", marks=pytest.mark.slow),
         # (make test-all: the clipped second update; make test checks the clipping against TRL's formula, above)
         pytest.param(False, 2, "dapo", marks=pytest.mark.slow),
         # (make test-all: tests the cispo loss against TRL's formula, value and gradient, above)
@@ -831,8 +832,8 @@ def test_a_pairwise_judges_verdicts_prefer_one_of_each_pair_and_bad_ones_are_nam
             TrainJobSpec.model_validate({**base, **change})
 
 
-# a reward function's pairs, and a pairwise judge's: make test-all (~27 s each on CI; make test keeps GRPO's LoRA run
-# above, online DPO's loss against TRL's and the judge's verdicts below)
+# a reward function's pairs, and a pairwise judge's: make test-all (~27 s each on CI; make test keeps online DPO's loss
+# against TRL's and the judge's verdicts; GRPO's learning with LoRA through the engine: test_rollout.py)
 @pytest.mark.slow
 @pytest.mark.parametrize("judge", [False, True])
 def test_an_online_dpo_model_learns_what_its_reward_prefers(tmp_path, distributed, judge, monkeypatch) -> None:  # noqa: F811

@@ -176,9 +176,10 @@ def test_two_shards_compute_the_whole_model(name, tmp_path):
         assert shape[0] == kv_heads // 2 and shape[-1] == (kv_dim or shape[-1]), shards[0]["kv"]
 
 
-# Llama (make test, ~10 s); make test-all: DeepSeek-V3's latent attention and experts, Qwen3's tied embeddings (the
-# first stage's, its rows split), Gemma 3's windowed and full layers by index.
-STAGED = ("llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("deepseek_v3", "qwen3", "gemma3_text")))
+# make test-all (~11 s each): Llama, DeepSeek-V3's latent attention and experts, Qwen3's tied embeddings (the first
+# stage's, its rows split), Gemma 3's windowed and full layers by index. make test serves a Llama in 2 stages of 2
+# shards across two machines as transformers (tests/integration/test_hosts.py).
+STAGED = tuple(pytest.param(f, marks=pytest.mark.slow) for f in ("llama", "deepseek_v3", "qwen3", "gemma3_text"))
 
 
 @pytest.mark.parametrize("name", STAGED)
