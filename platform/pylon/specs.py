@@ -1041,17 +1041,20 @@ class TrainJobSpec(_Spec):
 
 
 class SpeculativeSpec(_Spec):
-    method: Literal["none", "ngram", "draft"] = Field(
+    method: Literal["none", "ngram", "draft", "mtp"] = Field(
         "none",
         description="speculative decoding: ngram = draft tokens by prompt lookup (the request's own earlier "
         "tokens: the continuation of the latest earlier occurrence of its last n tokens, no second model); draft = "
         "the greedy tokens of a smaller model (draft_model) with the same tokenizer, run beside the model with a "
-        "KV cache of its own. Either way all drafts are "
+        "KV cache of its own; mtp = the greedy tokens of the checkpoint's own multi-token-prediction layer "
+        "(DeepSeek-V3, R1, GLM-4.5: the layer past num_hidden_layers that transformers skips), fed the model's "
+        "hidden states, its KV cache one more layer in the model's blocks. Either way all drafts are "
         "verified in one forward pass and accepted by the standard rule, so greedy outputs are token for token "
         "those without it and sampled ones keep their distribution. ngram pays off where outputs copy from the "
         "input (code edits, summaries, extraction), draft wherever the small model guesses the large one well; "
         "the engine turns it off per step when its own measured step times "
-        "say the verification would cost more than the accepted tokens save",
+        "say the verification would cost more than the accepted tokens save (docs/serving.md, 'Speculative "
+        "decoding')",
     )
     draft_model: str | None = Field(
         None,
@@ -1312,6 +1315,15 @@ class EngineSpec(_Spec):
                     "expert_parallel",
                     "divides the experts among tensor-parallel shards: set tensor_parallel to the shards to divide "
                     "them among (2 or more), or expert_parallel to false",
+                )
+            )
+        if self.speculative.method == "mtp" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
+            problems.append(
+                (
+                    "speculative.method",
+                    "mtp drafts with the checkpoint's layer beside a model in one process, not with tensor_parallel "
+                    f"{self.tensor_parallel} and pipeline_parallel {self.pipeline_parallel}: use method ngram there, "
+                    "or serve the model whole",
                 )
             )
         if self.tensor_parallel > 1:

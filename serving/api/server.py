@@ -118,7 +118,7 @@ def _metrics(model: str):
         ),
         "spec_draft_model_steps": counter(
             "pylon_spec_decode_draft_model_steps_total",
-            "The draft model's forward passes (engine.speculative.method: draft)",
+            "The draft model's forward passes (engine.speculative.method: draft), or the MTP layer's (mtp)",
         ),
         "images": counter("pylon_images_total", "Images in the requests the engine took"),
         "images_encoded": counter(

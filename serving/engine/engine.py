@@ -36,6 +36,7 @@ from pylon.serving.engine.generation import GenerationConfig, read_generation_co
 from pylon.serving.engine.guided import Guides
 from pylon.serving.engine.images import PROCESSOR_FILES, ImageInputs, ImageProcessor, ImagePrompt, has_processor
 from pylon.serving.engine.kv_cache import KVBlockPool, StateSnapshots, cache_salt
+from pylon.serving.engine.mtp import Computed, MtpDrafter
 from pylon.serving.engine.pooling import read_classifier
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from pylon.serving.engine.sampling import (
@@ -90,7 +91,8 @@ class EngineStats:
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0
-    spec_draft_model_steps_total: int = 0  # the draft model's forward passes (engine.speculative.method: draft)
+    # The draft model's forward passes (engine.speculative.method: draft), or the multi-token-prediction layer's (mtp)
+    spec_draft_model_steps_total: int = 0
     # Images (engine/images.py): in the requests taken, and run through the vision tower (a request whose images'
     # blocks were all in the prefix cache runs none; a preempted one runs its own again).
     images_total: int = 0
@@ -232,6 +234,8 @@ class LLMEngine:
                     )
             except PylonError as e:
                 raise named_adapter_error(e, adapter_dirs, spec.adapters) from e.__cause__
+            # The checkpoint's multi-token-prediction layer, drafting (engine/mtp.py); read while the directory is.
+            self.mtp = self._mtp_drafter(directory, spec, runner_kwargs) if spec.speculative.method == "mtp" else None
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
                 # (split, each part snapshots its own share of the states: engine/split.py's PartsSnapshot)
                 if self.pool.enable_caching and spec.recurrent_state_snapshots:
@@ -308,7 +312,12 @@ class LLMEngine:
         self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
         self.drafter = self._load_draft_model(spec) if speculative.method == "draft" else None
         started = time.monotonic()
-        if spec.cuda_graphs and (graphs := self.runner.use_decode_graphs(spec.max_num_seqs, self.max_model_len)):
+        # (not with a multi-token-prediction layer: its catch-up reads every row's hidden states, which the graphs'
+        # steps do not keep)
+        graphs = 0
+        if spec.cuda_graphs and self.mtp is None:
+            graphs = self.runner.use_decode_graphs(spec.max_num_seqs, self.max_model_len)
+        if graphs:
             log.info(
                 "engine: captured %d CUDA graphs for steps of decodes only in %.2f s (engine.cuda_graphs: false "
                 "turns them off)",
@@ -359,6 +368,23 @@ class LLMEngine:
         segments = "token_type_ids" in (getattr(tok, "model_input_names", None) or ())
         sep = getattr(tok, "sep_token_id", None) if segments else None
         return EncoderRunner(directory, device=spec.device, dtype=spec.dtype, sep_token_id=sep)
+
+    def _mtp_drafter(self, directory: str, spec: EngineSpec, runner_kwargs: dict) -> MtpDrafter:
+        """The multi-token-prediction layer of the model's checkpoint, its KV cache in the model's blocks, and the
+        model's runner told to keep its steps' hidden states for it. Every error it raises names the field."""
+        from pylon.serving.model.runner import ModelRunner
+
+        where = "engine.speculative.method mtp"  # (the spec refuses it with tensor or pipeline parallelism)
+        started = time.monotonic()
+        try:
+            runner = ModelRunner(directory, **runner_kwargs, mtp=self.runner)
+        except PylonError as e:
+            message = str(e)
+            raise PylonError(message if message.startswith(where) else f"{where}: {message}") from e.__cause__
+        runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
+        self.runner.keep_hidden = True
+        log.info("engine: loaded the checkpoint's multi-token-prediction layer in %.2f s", time.monotonic() - started)
+        return MtpDrafter(runner)
 
     def _load_draft_model(self, spec: EngineSpec) -> DraftModel:
         """The draft model of `engine.speculative.draft_model`, on this engine's device and dtype, with a KV cache
@@ -605,10 +631,12 @@ class LLMEngine:
         started = time.perf_counter()
         outputs = self._step()
         if self.spec_policy is not None and self._step_tokens:
+            # (the multi-token-prediction layer's catch-up runs whether the step speculates or not: timed apart)
+            catch_up = self.mtp.catch_up_seconds if self.mtp is not None else 0.0
             self.spec_policy.end_step(
                 self._step_tokens,
                 self._step_rows,
-                time.perf_counter() - started - self._draft_seconds,
+                time.perf_counter() - started - self._draft_seconds - catch_up,
                 self._draft_seconds,
             )
         return outputs
@@ -616,6 +644,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         self._step_tokens = self._step_rows = 0
         self._draft_seconds = 0.0
+        if self.mtp is not None:
+            self.mtp.catch_up_seconds = 0.0
         outputs = []
         with self._lock:
             incoming, self._incoming = self._incoming, []
@@ -734,7 +764,32 @@ class LLMEngine:
                 outputs.append(self._append_verified(request, rows, now))
                 continue
             outputs.append(self._append_token(request, token, now, logprob))
+        if self.mtp is not None:
+            self._advance_mtp(batch.scheduled, steps)
         return outputs
+
+    def _advance_mtp(self, scheduled, steps: list[StepSequence]) -> None:
+        """The multi-token-prediction layer's catch-up on what the step computed (engine/mtp.py): each unfinished
+        request's positions whose tokens stand (a prompt chunk's, a decode's and its accepted drafts), their hidden
+        states, and the token after each."""
+        hidden, computed, row = self.runner.step_hidden, [], 0
+        self.runner.step_hidden = None
+        for s, step in zip(scheduled, steps):
+            request, n = s.request, step.num_new_tokens
+            valid = request.num_computed_tokens - s.start  # (a speculating decode's: 1 + the drafts accepted)
+            if not request.finished and not request.params.embed and 0 < valid <= n:
+                computed.append(
+                    Computed(
+                        request.request_id,
+                        s.start,
+                        request.token_ids[s.start + 1 : s.start + valid + 1],
+                        hidden[row : row + valid],
+                        self.pool.block_table(request.request_id),
+                        s.start + valid + 1 == request.num_tokens,
+                    )
+                )
+            row += n
+        self.mtp.advance(computed)
 
     def _restore_states(self, batch) -> None:
         """Recurrent layers: the states of each request the step starts from a cached prefix, from its snapshot; then
@@ -858,6 +913,11 @@ class LLMEngine:
                 drafted.append(request)
                 rooms.append(room)
                 continue
+            if self.mtp is not None:  # (the layer's: those whose first draft it holds)
+                if self.mtp.ready(request.request_id, request.num_tokens):
+                    drafted.append(request)
+                    rooms.append(room)
+                continue
             request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
             if request.draft:
                 drafted.append(request)
@@ -867,6 +927,20 @@ class LLMEngine:
             if asked and policy.decide(len(decodes), sum(rooms), other, proposing=proposing, floor=floor):
                 started = time.perf_counter()
                 drafts = self.drafter.propose(asked)
+                self._draft_seconds = time.perf_counter() - started
+                for request in drafted:
+                    request.draft = drafts.get(request.request_id, [])
+            return
+        if self.mtp is not None:
+            asked = [DraftRequest(r.request_id, r.token_ids, room) for r, room in zip(drafted, rooms)]
+            proposing, floor = self.mtp.estimate(asked) if asked else (None, 0.0)
+            if asked and policy.decide(len(decodes), sum(rooms), other, proposing=proposing, floor=floor):
+                started = time.perf_counter()
+                # The drafts after the first are the layer's passes at the positions the verification computes (all
+                # but the last draft's): their keys and values go to the request's blocks, given room for them here.
+                asked = [a for a in asked if self.pool.allocate(a.request_id, len(a.token_ids) + a.room - 2)]
+                tables = {a.request_id: self.pool.block_table(a.request_id) for a in asked}
+                drafts = self.mtp.propose(asked, tables)
                 self._draft_seconds = time.perf_counter() - started
                 for request in drafted:
                     request.draft = drafts.get(request.request_id, [])
@@ -997,6 +1071,8 @@ class LLMEngine:
             self.runner.release_state(request.request_id)
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
+        if self.mtp is not None:
+            self.mtp.forget(request.request_id)
         self._finished_total[reason] += 1
         with self._lock:
             self._unfinished_ids.discard(request.request_id)
@@ -1035,8 +1111,10 @@ class LLMEngine:
         trainer calls to sample from the policy it is training (TRL's colocated vLLM: `pylon.jobs.rollout`)."""
         if self.has_unfinished():
             raise PylonError("load_weights: the engine has unfinished requests; finish or abort them first")
-        if self.encoder or self.drafter is not None:
-            raise PylonError("load_weights: an encoder or an engine with a draft model cannot take new weights")
+        if self.encoder or self.drafter is not None or self.mtp is not None:
+            raise PylonError(
+                "load_weights: an encoder or an engine with a draft model (or layer) cannot take new weights"
+            )
         taken = self.runner.load_weights(weights)
         self.pool.forget_cached()
         if self.snapshots is not None:
@@ -1077,7 +1155,13 @@ class LLMEngine:
                     "spec_draft_tokens_total": self.spec_policy.proposed_total,
                     "spec_accepted_tokens_total": self.spec_policy.accepted_total,
                     "spec_verify_steps_total": self.spec_policy.verified_total,
-                    "spec_draft_model_steps_total": self.drafter.forward_passes if self.drafter is not None else 0,
+                    "spec_draft_model_steps_total": (
+                        self.drafter.forward_passes
+                        if self.drafter is not None
+                        else self.mtp.forward_passes
+                        if self.mtp is not None
+                        else 0
+                    ),
                 }
                 if self.spec_policy is not None
                 else {}

@@ -92,8 +92,8 @@ GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) is Llama's attention with bi
 projections, per-head query and key norms where `use_qk_norm`, and the rotary embedding of the first half of each head's
 dimensions (`partial_rotary_factor` 0.5, applied as Phi-3's); its first `first_k_dense_replace` layers are dense MLPs,
 the rest sparse blocks with shared experts beside the routed ones and DeepSeek-V3's router (sigmoid scores, a
-correction bias, groups of experts, a scaling factor). Its checkpoints' multi-token-prediction layer is not loaded
-(transformers skips it), so it is not used for speculation.
+correction bias, groups of experts, a scaling factor). Its checkpoints' multi-token-prediction layer (which transformers
+skips) drafts with `engine.speculative.method: mtp` (pylon.serving.model.mtp).
 
 DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3, V3.1, R1, Kimi K2, Moonlight) has GLM-4.5's MoE blocks (DeepSeek's router,
 shared experts, dense first layers) and multi-head latent attention (MLA): each token's keys and values are one
@@ -106,7 +106,8 @@ weights absorbed, as DeepSeek's and vLLM's MLA kernels do): each head's query pa
 `kv_b_proj` (the key half) into the latent's space, the rotated parts appended, and the attention output over the
 latents multiplied by the value half: the same scores and outputs as the expanded keys and values give, at a
 fraction of the cache. Its attention scale is `qk_head_dim ** -0.5` times YaRN's mscale squared, as the module sets it.
-Its multi-token-prediction layer is not loaded. LoRA adapters adapt its `o_proj` only. DeepSeek-V2 (`deepseek_v2`:
+Its multi-token-prediction layer drafts with `engine.speculative.method: mtp` (pylon.serving.model.mtp). LoRA adapters
+adapt its `o_proj` only. DeepSeek-V2 (`deepseek_v2`:
 DeepSeek-V2, V2-Lite, DeepSeek-Coder-V2) has the same latent attention, its rotation a complex product over
 interleaved pairs (its rotary embedding gives complex frequencies), and DeepSeek-V2's router (softmax scores, groups
 by their best expert, no renormalisation, a scaling factor).

@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
 from pylon.serving.model import kernels, linear, lora, moe, quant, stages
+from pylon.serving.model import mtp as mtp_layer
 from pylon.serving.model import tensor as shards
 from pylon.serving.model.attention import (
     AttentionMetadata,
@@ -371,6 +372,7 @@ class ModelRunner:
         classifier_from_token: Sequence[int] = (),
         stage: stages.Stage | None = None,
         shard: shards.Shard | None = None,
+        mtp: "ModelRunner | None" = None,
     ):
         """`stage`: hold only that pipeline stage's decoder layers (and their KV cache), and the embeddings and the
         head (final norm, lm_head) where it is the first (pylon.serving.model.stages); its `execute_step` then takes
@@ -386,7 +388,13 @@ class ModelRunner:
 
         `images`: keep a multimodal checkpoint's vision tower and projector, for requests with images
         (`embed_images`); without it they are dropped once loaded (`vision` is None). `classifier_from_token`: token
-        ids whose lm_head rows make the classification head of a causal LM (`_token_classifier`)."""
+        ids whose lm_head rows make the classification head of a causal LM (`_token_classifier`).
+
+        `mtp`: the runner of the model served; this one then holds its checkpoint's multi-token-prediction layer
+        (pylon.serving.model.mtp) as a model of one layer sharing `mtp`'s embeddings and output layer. Its
+        `execute_step` takes `hidden`, the model's final hidden states a row (the layer's input beside the next
+        tokens), and returns the layer's output at the sampling rows, before the norm; `finish_step` (or
+        `head_logits`) scores them."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model_type = model_type_of(model_dir)
@@ -427,8 +435,15 @@ class ModelRunner:
         if self.stored is not None and isinstance(config.quantization_config, dict):
             config.quantization_config["dequantize"] = True
         self.pipeline = stage  # None: the whole model
-        # A stage of several: its forward ends without the final norm (the first stage's `finish_step` applies it).
-        self._staged = stage is not None and stage.count > 1
+        # A stage of several: its forward ends without the final norm (the first stage's `finish_step` applies it);
+        # a multi-token-prediction layer's likewise (its output feeds its next draft).
+        self._staged = (stage is not None and stage.count > 1) or mtp is not None
+        if mtp is not None:
+            why = mtp_layer.refused(model_type, config)
+            if why is None and (stage is not None or shard is not None or multimodal or adapters or images):
+                why = "its layer runs beside a model in one process, without adapters or images"
+            if why is not None:
+                raise PylonError(f"engine.speculative.method mtp: model {model_dir}: {why}")
         if stage is not None:
             why = stages.refused(model_type, config, self.full_config.model_type if multimodal else None)
             if why is None and multimodal and images:
@@ -475,7 +490,9 @@ class ModelRunner:
         if multimodal and is_sequence_classifier(self.full_config):
             raise PylonError(f"model {model_dir}: a multimodal classifier is not served; serve its text model")
         try:
-            if multimodal and shard is None and stage is None:
+            if mtp is not None:
+                self.model = mtp_layer.load(model_dir, config, self.dtype, mtp.model)
+            elif multimodal and shard is None and stage is None:
                 self.model, vision = _language_model(model_dir, self.dtype)
                 if images:
                     self.vision = vision.to(self.device).eval()
@@ -527,6 +544,14 @@ class ModelRunner:
         self.model.to(self.device).eval()
         if self.classifier is not None:
             self.classifier.to(self.device).eval()
+        # The multi-token-prediction layer's input (mtp_layer.MtpInput); None for a model's runner.
+        self.mtp_input = getattr(self.model, "mtp_input", None) if mtp is not None else None
+        if mtp is not None:
+            config = self.model.config  # (one decoder layer)
+        # A model's runner that keeps its steps' final hidden states, every row's (`step_hidden`), for a
+        # multi-token-prediction layer (pylon.serving.engine.mtp) to read; set by the engine.
+        self.keep_hidden = False
+        self.step_hidden: torch.Tensor | None = None
         self.config = config
         # The decoder layers this runner computes: all, or its pipeline stage's (the others are `stages.Elsewhere`).
         self.layers = stage.layers if stage is not None else range(config.num_hidden_layers)
@@ -920,10 +945,13 @@ class ModelRunner:
         the last stage, whose rows past the last layer are the sampling ones only (as the lm_head would take them,
         before the final norm): the first stage's `finish_step` makes the outputs of them."""
         with_adapters = any(s.adapter for s in steps)
+        keep = self.keep_hidden
         if with_adapters:
             self._check_adapters(steps)
-        elif self.decode_graphs is not None and all(
-            s.num_new_tokens == 1 and s.samples and not s.pooled and not s.image_rows for s in steps
+        elif (
+            self.decode_graphs is not None
+            and not keep
+            and all(s.num_new_tokens == 1 and s.samples and not s.pooled and not s.image_rows for s in steps)
         ):
             logits = self.decode_graphs.run(steps)  # one token a sequence: its one row, prompt_logits or not
             if logits is not None:
@@ -942,7 +970,7 @@ class ModelRunner:
             token_ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + s.num_new_tokens))
             seqs.append(SequenceSlice(s.start, s.num_new_tokens, s.block_table, s.image_spans))
-            if s.prompt_logits:
+            if s.prompt_logits or keep:  # (`keep_hidden`: every row's final hidden state)
                 last_tokens.extend(range(len(token_ids) - s.num_new_tokens, len(token_ids)))
             elif s.samples:
                 last_tokens.append(len(token_ids) - 1)
@@ -979,7 +1007,7 @@ class ModelRunner:
             # would be), the other sampling sequences' last token.
             finals = []
             for s in steps:
-                if s.prompt_logits:
+                if s.prompt_logits or keep:
                     table = s.block_table
                     finals.extend(SequenceSlice(p, 1, table) for p in range(s.start, s.start + s.num_new_tokens))
                 elif s.samples:
@@ -999,10 +1027,28 @@ class ModelRunner:
         stage.send()
         if hidden is not None:
             hidden = hidden.to(self.device, self.dtype)
+            if len(hidden) < len(token_ids):  # (a multi-token-prediction layer's input: the padded rows' zeros)
+                hidden = torch.cat([hidden, hidden.new_zeros(len(token_ids) - len(hidden), hidden.shape[1])])
         hidden = self.forward(ids, positions, meta, final, adapters=adapters, images=images, hidden=hidden)
         if self._staged:
             return hidden, None
+        if keep:  # every row's, kept; the sampling rows' go on (those `prompt_logits` or `samples` gives)
+            self.step_hidden = hidden
+            rows, row = [], 0
+            for s in steps:
+                if s.prompt_logits:
+                    rows.extend(range(row, row + s.num_new_tokens))
+                elif s.samples:
+                    rows.append(row + s.num_new_tokens - 1)
+                row += s.num_new_tokens
+            hidden = hidden[rows] if len(rows) < row else hidden
+            return self._outputs(steps, hidden, bool(rows))
         return self._outputs(steps, hidden, bool(last_tokens))
+
+    @torch.no_grad()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of a multi-token-prediction layer's outputs (`execute_step`'s, before the final norm)."""
+        return self.logits(self.model.model.norm(hidden.to(self.device, self.dtype))).float()
 
     @torch.no_grad()
     def finish_step(self, steps: list[StepSequence], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1463,7 +1509,9 @@ class ModelRunner:
         from `hidden`, the previous stage's output, unless it is the first, and returns its last layer's output
         without the final norm (see `execute_step`)."""
         llama = self.model.model
-        if hidden is not None:
+        if hidden is not None and self.mtp_input is not None:  # a multi-token-prediction layer: h and the next tokens
+            h = self.mtp_input(llama.embed_tokens(ids), positions, hidden)
+        elif hidden is not None:
             h = hidden
         else:
             h = llama.embed_tokens(ids)

@@ -511,14 +511,23 @@ def _sliced_shared_experts(model: torch.nn.Module, config, count: int) -> None:
 
 
 def load_shard(
-    model_dir: str, config, dtype: torch.dtype, shard: Shard, cls: type | None = None, head: bool = True
+    model_dir: str,
+    config,
+    dtype: torch.dtype,
+    shard: Shard,
+    cls: type | None = None,
+    head: bool = True,
+    names: Callable[[dict[str, str]], dict[str, str]] | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> torch.nn.Module:
     """Shard `shard`'s causal LM of `model_dir` (its config `config`), in `dtype` on the CPU: the family's class
     (or `cls`: a pipeline stage's, pylon.serving.model.stages) built from `local_config` (no initialisation), each
     tensor read as the shard's slice of the checkpoint's (an MoE model's experts fused from each expert's, as
     transformers' loader fuses them; a quantized checkpoint's weights dequantized, pylon.serving.model.stored).
     `head` False: the checkpoint has no lm_head (a classifier's: its head is `whole_tensors`' `score`), which is
-    left unread (zeros)."""
+    left unread (zeros). `names`: the model's tensor names of the checkpoint's (given its `_weight_files`), where they
+    are not the model's own (a multi-token-prediction layer's: pylon.serving.model.mtp); `skip`: the model's tensors
+    left unread (their modules replaced by the caller)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -541,7 +550,10 @@ def load_shard(
     # `model.language_model.` (Gemma 3's, Mistral 3's, Qwen3.5's), its lm_head beside them; the vision model's never
     # read
     named: dict[str, str] = {}
-    if not any(k.startswith("model.layers.") for k in files):
+    if names is not None:
+        named = names(files)
+        files = {short: files[name] for short, name in named.items()}
+    elif not any(k.startswith("model.layers.") for k in files):
         for name in files:
             for prefix, short in _LANGUAGE_MODEL_PREFIXES:
                 if name.startswith(prefix):
@@ -551,7 +563,7 @@ def load_shard(
     state = model.state_dict()
     experts = num_experts(config)
     unread = "lm_head.weight" if tied or not head else None
-    sources = {k: _sources(k, files, experts) for k in state if k != unread}
+    sources = {k: _sources(k, files, experts) for k in state if k != unread and k not in skip}
     missing = [k for k, found in sources.items() if found is None]
     if missing:
         raise PylonError(

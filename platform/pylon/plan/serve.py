@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pylon.errors import PylonError
 from pylon.plan.catalog import Accelerator, Catalog, load_catalog
 from pylon.plan.fmt import _gib
 from pylon.plan.memory import CUDA_CONTEXT_BYTES, WEIGHT_BYTES, ModelShape, kv_bytes_per_token, model_shape
@@ -142,7 +143,7 @@ def _adapter_params(config, i: int, uri: str, counted: dict) -> int:
     from pydantic import ValidationError
 
     from pylon import storage
-    from pylon.errors import PylonError, StorageError
+    from pylon.errors import StorageError
     from pylon.specs import LoraSpec
 
     where = f"engine.adapters[{i}].path {storage.describe(uri)}"
@@ -305,6 +306,33 @@ def plan_serve(
             f"weights include the draft model's {_gib(draft_weights)} ({draft.total_params:,} parameters) and the "
             f"KV cache its {_gib(draft_kv)} ({draft_tokens:,} tokens); decode throughput is without speculation"
         )
+    if e.speculative.method == "mtp":
+        # The checkpoint's multi-token-prediction layer (serving/model/mtp.py): one more decoder layer of the model's
+        # kind (past first_k_dense_replace: sparse) and its input projection and norms, quantized as the model is,
+        # the embeddings and head the model's; its KV cache one more layer in the model's blocks.
+        import copy
+
+        from pylon.serving.model.mtp import refused as mtp_refused
+
+        why = mtp_refused(config.model_type, config)
+        if why is not None:
+            raise PylonError(f"engine.speculative.method mtp: model {spec.model}: {why}")
+        longer = copy.deepcopy(config)
+        longer.num_hidden_layers += 1
+        layer = model_shape(longer)
+        hidden = config.hidden_size
+        layer_params = layer.total_params - shape.total_params + 2 * hidden * hidden + 3 * hidden
+        layer_bytes = layer_params * b
+        if e.quantization != "none":
+            projections = layer.projection_params - shape.projection_params + 2 * hidden * hidden
+            layer_bytes -= projections * (b - QUANT_BYTES)
+        draft_weights = layer_bytes
+        draft_kv = e.kv_cache_tokens * (kv_bytes_per_token(layer, KV_BYTES[kv_dtype]) - per_token)
+        weights += draft_weights
+        notes.append(
+            f"weights include the checkpoint's multi-token-prediction layer, {_gib(layer_bytes)} ({layer_params:,} "
+            f"parameters), and the KV cache its layer, {_gib(draft_kv)}; decode throughput is without speculation"
+        )
     counted: dict = {}  # LoRA parameters by (rank, targets)
     if e.adapters:
         adapter_params = sum(_adapter_params(config, i, a.path, counted) for i, a in enumerate(e.adapters))
@@ -460,6 +488,14 @@ def plan_serve(
     if recommendation is None and _suggest:
         options = {"catalog": catalog, "gpu": gpu, "mfu": mfu, "utilization": utilization}
         fitting_none = "it fits no one GPU as asked" if stages == shards == 1 else "it fits nothing as asked"
+        if e.speculative.method == "mtp":  # (split, it cannot draft with the layer: planned with prompt lookup)
+            ngram = e.speculative.model_copy(update={"method": "ngram"})
+            spec = spec.model_copy(update={"engine": e.model_copy(update={"speculative": ngram})})
+            e = spec.engine
+            notes.append(
+                "split as suggested below, the model drafts by prompt lookup (engine.speculative.method: ngram): mtp "
+                "drafts beside a model in one process, and the plans below count no such layer"
+            )
         sharded = _fewest_shards(spec, config, shape, **options)
         if sharded is not None:
             n, rec = sharded

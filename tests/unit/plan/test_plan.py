@@ -1113,3 +1113,35 @@ def test_tensor_parallel_shards_are_planned_one_gpu_each_one_shards_memory() -> 
     assert four.cost_per_million_tokens == pytest.approx(expected)
     assert any("4 tensor-parallel shards on one node, one GPU each" in n for n in plan.notes)
     assert "4 GPUs per replica, one a tensor-parallel shard" in render(plan)
+
+
+def test_deepseek_v3_s_multi_token_prediction_layer_is_counted_when_it_drafts() -> None:
+    """engine.speculative.method mtp: the plan counts the checkpoint's multi-token-prediction layer (one more sparse
+    decoder layer, ~11.5B parameters: DeepSeek's 14B of MTP modules but the embeddings and head it shares) and one more
+    layer's latent cache; a model without such a layer is refused by name."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v3")
+    tokens = 32768
+
+    def plan(**speculative):
+        engine = {"kv_cache_tokens": tokens, "max_model_len": 8192, "quantization": "fp8", "speculative": speculative}
+        spec = DeploymentSpec(name="v3", model="s3://b/m", replica={"num_gpus": 1}, engine=engine)
+        return plan_serve(spec, config=config, gpu="H200")
+
+    plain, drafting = plan(), plan(method="mtp")
+    note = next(n for n in drafting.notes if "multi-token-prediction layer" in n)
+    params = int(re.search(r"\(([\d,]+) parameters\)", note).group(1).replace(",", ""))
+    assert 11.0e9 < params < 12.0e9, note
+    assert drafting.rows[0].kv_cache - plain.rows[0].kv_cache == tokens * 576 * 2
+    extra = drafting.rows[0].weights - plain.rows[0].weights
+    assert params * 0.95 < extra < params * 1.1, (extra, params)  # (fp8: a byte a weight, its norms and router aside)
+    # it fits no one GPU: split as suggested, it drafts by prompt lookup, its shards' plans without the layer
+    assert any("drafts by prompt lookup (engine.speculative.method: ngram)" in n for n in drafting.notes)
+    shards = [n for n in drafting.notes if "tensor-parallel shards on one node" in n]
+    assert shards == [n for n in plain.notes if "tensor-parallel shards on one node" in n], shards
+    with pytest.raises(PylonError, match=r"engine\.speculative\.method mtp: .*a llama checkpoint has no"):
+        spec = DeploymentSpec(
+            name="l", model="s3://b/m", replica={"num_gpus": 1}, engine={"speculative": {"method": "mtp"}}
+        )
+        plan_serve(spec, config=AutoConfig.for_model("llama"))

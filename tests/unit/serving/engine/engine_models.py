@@ -562,3 +562,60 @@ def save_quantized(source: str, directory: Path, scheme: str, block: int = 32) -
         }
     (directory / "config.json").write_text(json.dumps(config))
     return dequantized
+
+
+def add_mtp_layer(directory: str, *, predictor: bool = False) -> dict[str, torch.Tensor]:
+    """Write a multi-token-prediction layer into the DeepSeek-V3 checkpoint in `directory` as DeepSeek's releases hold
+    it (`model.layers.{N}`: a decoder layer, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the
+    embeddings and the head, which the engine does not read); returns its tensors. The layer's decoder layer is layer
+    N of the model's class built with N + 1 layers (random); `predictor`: instead the model's own last layer (a model
+    of one sparse layer), `eh_proj` passing the next token's embedding through and the model's final norm, so that
+    the layer computes what the model computes one token later, its context short of the first two tokens (the
+    embeddings' rows scaled to RMS 1, so that `enorm` keeps them as the model reads them)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(directory) / "model.safetensors"
+    tensors = load_file(str(path))
+    config = AutoConfig.from_pretrained(directory)
+    n, hidden = config.num_hidden_layers, config.hidden_size
+    g = torch.Generator().manual_seed(7)
+    layer: dict[str, torch.Tensor] = {}
+    if predictor:
+        embed = tensors["model.embed_tokens.weight"]
+        tensors["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+        for name, t in tensors.items():
+            if name.startswith(f"model.layers.{n - 1}."):
+                layer[f"model.layers.{n}." + name.removeprefix(f"model.layers.{n - 1}.")] = t.clone()
+        own = {
+            "enorm.weight": torch.ones(hidden),
+            "hnorm.weight": torch.ones(hidden),
+            "eh_proj.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1),
+            "shared_head.norm.weight": tensors["model.norm.weight"].clone(),
+        }
+    else:
+        bigger = AutoConfig.from_pretrained(directory, num_hidden_layers=n + 1)
+        torch.manual_seed(11)
+        model = AutoModelForCausalLM.from_config(bigger, dtype=torch.float32)
+        with torch.no_grad():
+            for key, b in model.named_buffers():  # (the router's correction, off its zeros as the fixture's)
+                if key.endswith("e_score_correction_bias"):
+                    b.add_(torch.randn(b.shape, generator=g) * 0.1)
+        scratch = Path(directory) / "mtp-scratch"
+        model.save_pretrained(scratch)
+        for name, t in load_file(str(scratch / "model.safetensors")).items():
+            if name.startswith(f"model.layers.{n}."):
+                layer[name] = t
+        for f in scratch.iterdir():
+            f.unlink()
+        scratch.rmdir()
+        own = {
+            "enorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+            "hnorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+            "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * (2 * hidden) ** -0.5,
+            "shared_head.norm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+        }
+    layer.update({f"model.layers.{n}.{k}": v for k, v in own.items()})
+    layer[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    layer[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({**tensors, **layer}, str(path), metadata={"format": "pt"})
+    return layer

@@ -1,0 +1,188 @@
+"""Speculative decoding from the checkpoint's own multi-token-prediction layer (`engine.speculative.method: mtp`,
+`engine/mtp.py`, `model/mtp.py`): the drafts are the layer's, as transformers' own decoder layer computes it over the
+model's hidden states; greedy outputs stay the model's; a layer that predicts well is accepted; the layer's cache is
+the model's blocks, prefix cache included; what cannot draft is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_models import (
+    GREEDY,
+    PROMPTS,
+    Family,
+    add_mtp_layer,
+    assert_pool_empty,
+    run,
+    speculating,
+    tokens_of,
+)
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pylon.errors import PylonError
+from pylon.serving.engine.sampling import SamplingParams
+from pylon.specs import EngineSpec
+
+
+def mtp(num_tokens: int = 3) -> dict:
+    return {"method": "mtp", "num_tokens": num_tokens}
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> tuple[Family, dict]:
+    """The DeepSeek-V3 fixture (3 layers: 1 dense, 2 sparse; latent attention) with a random multi-token-prediction
+    layer written into its checkpoint as DeepSeek's releases hold it."""
+    family = Family("deepseek_v3", tmp_path_factory.mktemp("deepseek") / "m", greedy=False)
+    return family, add_mtp_layer(family.dir)
+
+
+def reference_layer(directory: str, tensors: dict) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The layer's decoder layer as transformers builds it (layer N of the model's class with N + 1 layers, its
+    tensors loaded from the checkpoint by transformers' own loader), and that model's rotary embedding."""
+    config = AutoConfig.from_pretrained(directory)
+    bigger = AutoConfig.from_pretrained(directory, num_hidden_layers=config.num_hidden_layers + 1)
+    bigger._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_pretrained(directory, config=bigger, dtype=torch.float32).eval()
+    n = config.num_hidden_layers
+    layer = model.model.layers[n]
+    # what transformers loaded as layer N is the checkpoint's (the router's weights: one read by name)
+    assert torch.equal(layer.mlp.gate.weight, tensors[f"model.layers.{n}.mlp.gate.weight"])
+    return layer, model.model.rotary_emb
+
+
+def rms(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@torch.no_grad()
+def reference_drafts(family: Family, tensors: dict, layer, rotary, token_ids: list[int], k: int) -> list[int]:
+    """DeepSeek-V3's multi-token prediction (its report's 2.2, vLLM's DeepSeekMultiTokenPredictorLayer), written out
+    over the whole sequence without a cache: row p reads the model's final hidden state at p and the embedding of the
+    token at p + 1 (zeroed at position 0); the first draft is the argmax of the last row's output through the layer's
+    norm and the model's head; each next one appends the draft before with the layer's own output as its hidden."""
+    config = family.model.config
+    n, eps = config.num_hidden_layers, config.rms_norm_eps
+    t = {name.removeprefix(f"model.layers.{n}."): v for name, v in tensors.items()}
+    ids = torch.tensor([token_ids])
+    h = family.model.model(input_ids=ids).last_hidden_state[0]  # after the final norm
+    embed = family.model.model.embed_tokens
+    tokens, hidden = list(token_ids[1:]), [h[p] for p in range(len(token_ids) - 1)]
+    drafts = []
+    for _ in range(k):
+        e = embed(torch.tensor(tokens))
+        e[0] = 0
+        x = torch.cat([rms(t["enorm.weight"], e, eps), rms(t["hnorm.weight"], torch.stack(hidden), eps)], dim=-1)
+        x = (x @ t["eh_proj.weight"].T)[None]
+        positions = torch.arange(x.shape[1])[None]
+        causal = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
+        out = layer(x, attention_mask=causal, position_ids=positions, position_embeddings=rotary(x, positions))
+        out = out[0] if isinstance(out, tuple) else out
+        last = out[0, -1]
+        draft = int(family.model.lm_head(rms(t["shared_head.norm.weight"], last, eps)).argmax())
+        drafts.append(draft)
+        tokens.append(draft)
+        hidden.append(last)
+    return drafts
+
+
+def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(deepseek) -> None:
+    """Each step's drafts are what the layer computes (transformers' decoder layer over the model's hidden states:
+    the catch-up's cache after prompts and verified drafts, and the drafts fed back), and greedy outputs stay
+    transformers' own (a random layer: its drafts are mostly rejected, which the outputs never show)."""
+    family, tensors = deepseek
+    layer, rotary = reference_layer(family.dir, tensors)
+    engine = speculating(family.engine(speculative=mtp(3)))
+    proposed = []
+    propose = engine.mtp.propose
+
+    def recording(requests, tables):
+        drafts = propose(requests, tables)
+        proposed.extend((list(r.token_ids), drafts[r.request_id]) for r in requests if r.request_id in drafts)
+        return drafts
+
+    engine.mtp.propose = recording
+    prompts = PROMPTS[:4]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    got = run(engine)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(got[str(i)]) == family.hf_greedy(prompt, GREEDY.max_tokens), i
+    assert len(proposed) > 20
+    checked = proposed[:: max(1, len(proposed) // 12)]
+    for token_ids, drafts in checked:
+        assert drafts == reference_drafts(family, tensors, layer, rotary, token_ids, len(drafts)), token_ids
+    stats = engine.stats()
+    assert stats.spec_draft_tokens_total > 0 and stats.spec_draft_model_steps_total > 0, stats
+    assert_pool_empty(engine)
+
+
+@pytest.fixture(scope="module")
+def predictor(tmp_path_factory) -> Family:
+    """A DeepSeek-V3 of one sparse layer whose multi-token-prediction layer is that layer, fed the next token: it
+    proposes what the model itself would compute a token later (short of the context's first two tokens)."""
+    family = Family(
+        "deepseek_v3",
+        tmp_path_factory.mktemp("predictor") / "m",
+        greedy=False,
+        num_hidden_layers=1,
+        first_k_dense_replace=0,
+    )
+    add_mtp_layer(family.dir, predictor=True)
+    family.model = AutoModelForCausalLM.from_pretrained(family.dir, dtype=torch.float32).eval()  # (rescaled rows)
+    return family
+
+
+def test_a_layer_that_predicts_the_model_is_accepted_several_tokens_a_step(predictor: Family) -> None:
+    """The layer's drafts are accepted where it predicts the model (here: most tokens), greedy outputs unchanged, and
+    a prompt that shares a cached prefix drafts as well, the layer's keys and values coming with the model's blocks."""
+    engine = speculating(predictor.engine(speculative=mtp(3), enable_prefix_caching=True))
+    shared = PROMPTS[5][:40]
+    prompts = [*PROMPTS, shared + [1, 2, 3], shared + [9, 8, 7, 6]]
+    got = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+        if i >= len(PROMPTS) - 1:  # (the shared prefix's first request done before the second: its blocks cached)
+            got.update(run(engine))
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(got[str(i)]) == predictor.hf_greedy(prompt, GREEDY.max_tokens), i
+    stats = engine.stats()
+    assert stats.prefix_cache_hits_total >= 32, stats
+    rate = stats.spec_accepted_tokens_total / stats.spec_draft_tokens_total
+    assert rate > 0.3, stats
+    assert engine.spec_policy.mean_acceptance_length > 1.8, stats
+    assert_pool_empty(engine)
+
+
+def test_a_seeded_request_gives_plain_decodings_tokens_with_the_layer_s_drafts(predictor: Family) -> None:
+    """Sampled requests speculate with the layer's drafts, and a seeded one draws the tokens plain decoding gives it."""
+    runs = []
+    for speculative in (None, mtp(2)):
+        engine = predictor.engine(speculative=speculative) if speculative else predictor.engine()
+        if speculative:
+            speculating(engine)
+        for i, prompt in enumerate(PROMPTS[:4]):
+            params = SamplingParams(max_tokens=24, temperature=0.2, seed=i, ignore_eos=True)
+            engine.add_request(str(i), prompt, params)
+        got = run(engine)
+        runs.append({k: tokens_of(v) for k, v in got.items()})
+        if speculative:
+            assert engine.stats().spec_accepted_tokens_total > 0, engine.stats()
+        assert_pool_empty(engine)
+    assert runs[0] == runs[1]
+
+
+def test_what_cannot_draft_from_such_a_layer_is_refused_by_name(tmp_path) -> None:
+    plain = Family("deepseek_v3", tmp_path / "plain", greedy=False)  # (transformers' save: no such layer)
+    with pytest.raises(PylonError, match=r"engine\.speculative\.method mtp: .*model\.layers\.3\.eh_proj\.weight"):
+        plain.engine(speculative=mtp())
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "plain" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(PylonError, match=r"engine\.speculative\.method mtp: .*num_nextn_predict_layers 0"):
+        plain.engine(speculative=mtp())
+    llama = Family("llama", tmp_path / "llama", greedy=False)
+    with pytest.raises(PylonError, match=r"engine\.speculative\.method mtp: .*a llama checkpoint has no"):
+        llama.engine(speculative=mtp())
+    with pytest.raises(ValueError, match=r"speculative\.method.*tensor_parallel 2"):
+        EngineSpec(tensor_parallel=2, speculative=mtp())
