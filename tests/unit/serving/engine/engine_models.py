@@ -565,7 +565,7 @@ def save_quantized(source: str, directory: Path, scheme: str, block: int = 32) -
 
 
 def add_mtp_layer(directory: str, *, predictor: bool = False) -> dict[str, torch.Tensor]:
-    """Write a multi-token-prediction layer into the DeepSeek-V3 checkpoint in `directory` as DeepSeek's releases hold
+    """Write a multi-token-prediction layer into the DeepSeek-V3 (or GLM-4.5) checkpoint in `directory` as DeepSeek's releases hold
     it (`model.layers.{N}`: a decoder layer, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the
     embeddings and the head, which the engine does not read); returns its tensors. The layer's decoder layer is layer
     N of the model's class built with N + 1 layers (random); `predictor`: instead the model's own last layer (a model

@@ -30,11 +30,12 @@ def mtp(num_tokens: int = 3) -> dict:
     return {"method": "mtp", "num_tokens": num_tokens}
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory) -> tuple[Family, dict]:
-    """The DeepSeek-V3 fixture (3 layers: 1 dense, 2 sparse; latent attention) with a random multi-token-prediction
-    layer written into its checkpoint as DeepSeek's releases hold it."""
-    family = Family("deepseek_v3", tmp_path_factory.mktemp("deepseek") / "m", greedy=False)
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def checkpoint(request, tmp_path_factory) -> tuple[Family, dict]:
+    """The DeepSeek-V3 fixture (3 layers: 1 dense, 2 sparse; latent attention), and GLM-4.5's (its attention
+    Llama's with biases, query and key norms and half of each head rotated), with a random multi-token-prediction layer
+    written into the checkpoint as their releases hold it."""
+    family = Family(request.param, tmp_path_factory.mktemp(request.param) / "m", greedy=False)
     return family, add_mtp_layer(family.dir)
 
 
@@ -58,7 +59,8 @@ def rms(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_drafts(family: Family, tensors: dict, layer, rotary, token_ids: list[int], k: int) -> list[int]:
-    """DeepSeek-V3's multi-token prediction (its report's 2.2, vLLM's DeepSeekMultiTokenPredictorLayer), written out
+    """DeepSeek-V3's multi-token prediction (its report's 2.2, vLLM's DeepSeekMultiTokenPredictorLayer; GLM-4.5's the
+    same), written out
     over the whole sequence without a cache: row p reads the model's final hidden state at p and the embedding of the
     token at p + 1 (zeroed at position 0); the first draft is the argmax of the last row's output through the layer's
     norm and the model's head; each next one appends the draft before with the layer's own output as its hidden."""
@@ -87,11 +89,11 @@ def reference_drafts(family: Family, tensors: dict, layer, rotary, token_ids: li
     return drafts
 
 
-def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(deepseek) -> None:
+def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(checkpoint) -> None:
     """Each step's drafts are what the layer computes (transformers' decoder layer over the model's hidden states:
     the catch-up's cache after prompts and verified drafts, and the drafts fed back), and greedy outputs stay
     transformers' own (a random layer: its drafts are mostly rejected, which the outputs never show)."""
-    family, tensors = deepseek
+    family, tensors = checkpoint
     layer, rotary = reference_layer(family.dir, tensors)
     engine = speculating(family.engine(speculative=mtp(3)))
     proposed = []
