@@ -1047,7 +1047,7 @@ class SpeculativeSpec(_Spec):
         "tokens: the continuation of the latest earlier occurrence of its last n tokens, no second model); draft = "
         "the greedy tokens of a smaller model (draft_model) with the same tokenizer, run beside the model with a "
         "KV cache of its own; mtp = the greedy tokens of the checkpoint's own multi-token-prediction layer "
-        "(DeepSeek-V3, R1, GLM-4.5: the layer past num_hidden_layers that transformers skips), fed the model's "
+        "(DeepSeek-V3, R1, GLM-4.5, Qwen3-Next, Qwen3.5: the layer transformers skips), fed the model's "
         "hidden states, its KV cache one more layer in the model's blocks. Either way all drafts are "
         "verified in one forward pass and accepted by the standard rule, so greedy outputs are token for token "
         "those without it and sampled ones keep their distribution. ngram pays off where outputs copy from the "

@@ -97,7 +97,7 @@ class MtpDrafter:
         out = torch.stack([self._outputs[r.request_id][1] for r in ready])
         first = self.runner.head_logits(out).argmax(dim=-1).tolist()
         drafts = {r.request_id: [int(t)] for r, t in zip(ready, first)}
-        outputs = dict(zip((r.request_id for r in ready), out))
+        outputs = dict(zip((r.request_id for r in ready), self.runner.mtp_hidden(out)))
         for i in range(1, max(r.room for r in ready)):
             going = [r for r in ready if r.room > i]
             # draft i (at position len - 1 + i) comes from the layer at the position before it, fed draft i - 1
@@ -107,7 +107,7 @@ class MtpDrafter:
             ]
             out, _ = self.runner.execute_step(steps, hidden=torch.stack([outputs[r.request_id] for r in going]))
             tokens = self.runner.head_logits(out).argmax(dim=-1).tolist()
-            for r, row, token in zip(going, out, tokens):
+            for r, row, token in zip(going, self.runner.mtp_hidden(out), tokens):
                 drafts[r.request_id].append(int(token))
                 outputs[r.request_id] = row
             self.forward_passes += 1

@@ -145,8 +145,10 @@ four are Gated DeltaNet layers, recurrent: each sequence's state is a depthwise 
 `q_proj`'s output, per head), per-head query and key norms and a quarter of each head rotated. Its MLPs are
 Qwen2-MoE's sparse blocks with a gated shared expert. The runner computes the recurrent layers one sequence at a time
 with transformers' own delta-rule functions (the chunked one over a prompt's chunk, the recurrent one for a decode),
-each sequence's state kept under its request's id (`StepSequence.state`); a model with such layers shares no prefix
-cache (a cached block holds no state) and does not speculate (a rejected draft cannot be taken back from a state).
+each sequence's state kept under its request's id (`StepSequence.state`); a speculating sequence's states are kept
+after each draft, to go back to the last one accepted (`keep_state`), and a cached prefix restores them from snapshots
+at block boundaries (docs/serving.md). Its checkpoints' multi-token-prediction layer (`mtp.`, which transformers
+skips) drafts with `engine.speculative.method: mtp` (pylon.serving.model.mtp), Qwen3.5's too.
 Qwen3.5 (`qwen3_5_text`, and `qwen3_5_moe_text` with Qwen3-Next's MoE blocks; their multimodal checkpoints `qwen3_5`
 and `qwen3_5_moe` served for their text) has the same layers, its recurrent layers' projections apart
 (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` in place of Qwen3-Next's interleaved `in_proj_qkvz` and

@@ -17,6 +17,12 @@ position 0's embedding is zeroed as vLLM's `DeepSeekMultiTokenPredictorLayer` ze
 read (DeepSeek-V3 and GLM-4.5 ship one); it proposes every draft, further drafts feeding it its own output in place of
 h, as vLLM runs them.
 
+Qwen3-Next and Qwen3.5 ship theirs under `mtp.` (`mtp.layers.0`, which transformers skips too), as vLLM's
+`qwen3_next_mtp` reads it: the same computation with their names (`pre_fc_norm_embedding`, `pre_fc_norm_hidden`,
+`fc`, the final norm `mtp.norm`), a full-attention decoder layer of the family's (its gated attention, its MoE block
+where the model has them), position 0's embedding kept, and the output after the norm fed to the next draft (DeepSeek's
+before it). The model's layers there are recurrent; the layer is not.
+
 This module builds it as a model of one decoder layer of the family's class (`load`): the layer's tensors read under the
 model's names for layer 0 (an MoE layer: `first_k_dense_replace` 0), the final norm `shared_head.norm`, and the input
 projection `MtpInput` beside them; `ModelRunner(mtp=...)` runs it (its `hidden` input, its output before the norm),
@@ -32,10 +38,14 @@ import torch
 
 from pylon.errors import PylonError
 
-# Families whose checkpoints' multi-token-prediction layers are read (their layout, above).
-MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
-_OWN = ("enorm", "hnorm", "eh_proj")  # the layer's input tensors (`MtpInput`)
-_UNREAD = ("embed_tokens", "shared_head.head")  # its copies of the model's embeddings and output layer
+# Families whose checkpoints' multi-token-prediction layers are read (their layouts, above): DeepSeek's, at
+# `model.layers.{N}`, and Qwen's, under `mtp.`.
+DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")
+QWEN_LAYOUT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+MTP_FAMILIES = DEEPSEEK_LAYOUT + QWEN_LAYOUT
+# The layer's input tensors (`MtpInput`): the next token's embedding's norm, the hidden state's, the projection.
+_INPUTS = {"deepseek": ("enorm", "hnorm", "eh_proj"), "qwen": ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc")}
+_UNREAD = ("embed_tokens", "shared_head.head")  # DeepSeek's layer's copies of the model's embeddings and output layer
 _SHARED = frozenset({"model.embed_tokens.weight", "lm_head.weight"})  # the model's, given by the caller
 
 
@@ -44,8 +54,12 @@ def refused(model_type: str, config) -> str | None:
     if model_type not in MTP_FAMILIES:
         return (
             f"a {model_type} checkpoint has no multi-token-prediction layer the engine reads (it reads "
-            f"{', '.join(MTP_FAMILIES)}'s: DeepSeek-V3, R1, GLM-4.5); use method ngram or draft"
+            f"{', '.join(MTP_FAMILIES)}'s: DeepSeek-V3, R1, GLM-4.5, Qwen3-Next, Qwen3.5); use method ngram or draft"
         )
+    if model_type in QWEN_LAYOUT:
+        if getattr(config, "mtp_num_hidden_layers", 1) == 0:
+            return "its config.json says mtp_num_hidden_layers 0: the checkpoint has no multi-token-prediction layer"
+        return None
     if not getattr(config, "num_nextn_predict_layers", 0):
         return (
             "its config.json says num_nextn_predict_layers 0: the checkpoint has no multi-token-prediction layer "
@@ -54,36 +68,54 @@ def refused(model_type: str, config) -> str | None:
     return None
 
 
-class MtpInput(torch.nn.Module):
-    """The layer's input: eh_proj([enorm(embedding of the next token), hnorm(h)]), position 0's embedding zeroed."""
+def layout(model_type: str) -> str:
+    return "qwen" if model_type in QWEN_LAYOUT else "deepseek"
 
-    def __init__(self, norm: type, hidden_size: int, eps: float) -> None:
+
+class MtpInput(torch.nn.Module):
+    """The layer's input: eh_proj([enorm(embedding of the next token), hnorm(h)]), position 0's embedding zeroed
+    (DeepSeek's names); fc([pre_fc_norm_embedding(...), pre_fc_norm_hidden(h)]), none zeroed (Qwen's)."""
+
+    def __init__(self, norm: type, hidden_size: int, eps: float, kind: str) -> None:
         super().__init__()
-        self.enorm = norm(hidden_size, eps=eps)
-        self.hnorm = norm(hidden_size, eps=eps)
-        self.eh_proj = torch.nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.names = _INPUTS[kind]
+        self.zero_first = kind == "deepseek"
+        embedding, hidden, projection = self.names
+        setattr(self, embedding, norm(hidden_size, eps=eps))
+        setattr(self, hidden, norm(hidden_size, eps=eps))
+        setattr(self, projection, torch.nn.Linear(2 * hidden_size, hidden_size, bias=False))
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        embeds = embeds.masked_fill((positions == 0)[:, None], 0)
-        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1))
+        embedding, previous, projection = (getattr(self, name) for name in self.names)
+        if self.zero_first:
+            embeds = embeds.masked_fill((positions == 0)[:, None], 0)
+        return projection(torch.cat([embedding(embeds), previous(hidden.to(embeds.dtype))], dim=-1))
 
 
 def layer_config(config):
-    """The model of the layer alone: one decoder layer, sparse as the layer is (its index is past
-    `first_k_dense_replace`), no vocabulary of its own (the model's embeddings and head are given to it)."""
+    """The model of the layer alone: one decoder layer, sparse as the layer is (DeepSeek's: its index is past
+    `first_k_dense_replace`; Qwen's: full attention), no vocabulary of its own (the model's embeddings and head are
+    given to it)."""
     local = copy.deepcopy(config)
     local.num_hidden_layers = 1
-    local.first_k_dense_replace = 0
-    local.num_nextn_predict_layers = 0
+    if layout(config.model_type) == "qwen":
+        local.layer_types = ["full_attention"]
+        local.mlp_only_layers = []
+    else:
+        local.first_k_dense_replace = 0
+        local.num_nextn_predict_layers = 0
     local.vocab_size = 1
     local.pad_token_id = None
     local.tie_word_embeddings = False
     return local
 
 
-def _checkpoint_names(index: int):
-    """The model's tensor names of the checkpoint's layer `index` (`load_shard`'s `names`)."""
-    prefix = f"model.layers.{index}."
+def _checkpoint_names(kind: str, index: int):
+    """The model's tensor names of the checkpoint's layer (`load_shard`'s `names`): DeepSeek's `model.layers.{index}`,
+    Qwen's `mtp.layers.0` and its norms and projection under `mtp.`."""
+    prefix, norm = (f"model.layers.{index}.", "shared_head.norm.") if kind == "deepseek" else ("mtp.", "norm.")
+    inputs = tuple(f"{name}." for name in _INPUTS[kind])
+    layer = "layers.0." if kind == "qwen" else ""
 
     def names(files: dict[str, str]) -> dict[str, str]:
         named = {}
@@ -91,14 +123,14 @@ def _checkpoint_names(index: int):
             if not name.startswith(prefix):
                 continue
             rest = name.removeprefix(prefix)
-            if rest.startswith(_UNREAD):
+            if kind == "deepseek" and rest.startswith(_UNREAD):
                 continue
-            if rest.startswith("shared_head.norm."):
-                named["model.norm." + rest.removeprefix("shared_head.norm.")] = name
-            elif rest.startswith(_OWN):
+            if rest.startswith(norm):
+                named["model.norm." + rest.removeprefix(norm)] = name
+            elif rest.startswith(inputs):
                 named["mtp_input." + rest] = name
-            else:
-                named["model.layers.0." + rest] = name
+            elif rest.startswith(layer):
+                named["model.layers.0." + rest.removeprefix(layer)] = name
         return named
 
     return names
@@ -115,7 +147,7 @@ def _layer_class(config) -> type:
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
             norm = type(self.model.norm)
-            self.mtp_input = MtpInput(norm, config.hidden_size, config.rms_norm_eps)
+            self.mtp_input = MtpInput(norm, config.hidden_size, config.rms_norm_eps, layout(config.model_type))
 
     # (named as its class, and of its module: the runner reads the family's functions from the model's module)
     MtpModel.__name__ = MtpModel.__qualname__ = base.__name__
@@ -129,9 +161,9 @@ def load(model_dir: str, config, dtype: torch.dtype, model: torch.nn.Module) -> 
     served model, as loaded)."""
     from pylon.serving.model import tensor as shards
 
-    index = config.num_hidden_layers
+    index, kind = config.num_hidden_layers, layout(config.model_type)
     files = shards._weight_files(model_dir)
-    wanted = f"model.layers.{index}.eh_proj.weight"
+    wanted = f"model.layers.{index}.eh_proj.weight" if kind == "deepseek" else "mtp.fc.weight"
     if wanted not in files:
         raise PylonError(
             f"model {model_dir}: its checkpoint holds no multi-token-prediction layer ({wanted} is in none of its "
@@ -139,7 +171,7 @@ def load(model_dir: str, config, dtype: torch.dtype, model: torch.nn.Module) -> 
             "; a checkpoint saved by transformers drops it): serve the checkpoint as released, or use method ngram"
         )
     local = layer_config(config)
-    names = _checkpoint_names(index)
+    names = _checkpoint_names(kind, index)
     cls = _layer_class(local)
     layer = shards.load_shard(model_dir, local, dtype, shards.Shard(0, 1), cls=cls, names=names, skip=_SHARED)
     layer.model.embed_tokens = model.get_input_embeddings()

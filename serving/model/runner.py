@@ -57,6 +57,7 @@ from pylon.serving.model.attention import (
 )
 from pylon.serving.model.families import (
     FP16_UNSAFE,
+    LINEAR_ATTENTION_FAMILIES,
     LLAMA_FAMILIES,
     MLA_FAMILIES,
     MOE_MODEL_TYPES,
@@ -440,8 +441,8 @@ class ModelRunner:
         self._staged = (stage is not None and stage.count > 1) or mtp is not None
         if mtp is not None:
             why = mtp_layer.refused(model_type, config)
-            if why is None and (stage is not None or shard is not None or multimodal or adapters or images):
-                why = "its layer runs beside a model in one process, without adapters or images"
+            if why is None and (stage is not None or shard is not None or adapters or images):
+                why = "its layer runs beside a model in one process, without adapters"
             if why is not None:
                 raise PylonError(f"engine.speculative.method mtp: model {model_dir}: {why}")
         if stage is not None:
@@ -544,8 +545,10 @@ class ModelRunner:
         self.model.to(self.device).eval()
         if self.classifier is not None:
             self.classifier.to(self.device).eval()
-        # The multi-token-prediction layer's input (mtp_layer.MtpInput); None for a model's runner.
+        # The multi-token-prediction layer's input (mtp_layer.MtpInput); None for a model's runner. Its output feeds its
+        # next draft before its final norm (DeepSeek's) or after it (Qwen's): `mtp_hidden`.
         self.mtp_input = getattr(self.model, "mtp_input", None) if mtp is not None else None
+        self._mtp_normed = mtp is not None and mtp_layer.layout(model_type) == "qwen"
         if mtp is not None:
             config = self.model.config  # (one decoder layer)
         # A model's runner that keeps its steps' final hidden states, every row's (`step_hidden`), for a
@@ -636,7 +639,8 @@ class ModelRunner:
         # Speculating sequences' states after each of the step's tokens, per recurrent layer (`keep_state`).
         self._drafting: set[str] = set()
         self._drafted: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-        self._gated_attention = self.recurrent  # (Qwen3-Next's and Qwen3.5's attention layers)
+        # (Qwen3-Next's and Qwen3.5's attention layers; their multi-token-prediction layer's too, which is no recurrent)
+        self._gated_attention = model_type in LINEAR_ATTENTION_FAMILIES
         self.batch_recurrent_decodes = True  # a step's decodes in one call a layer (off: one a sequence; the bench's)
         self.recurrent_rule_calls = 0  # delta-rule calls: a counter of the per-sequence work
         if self.recurrent:
@@ -1049,6 +1053,12 @@ class ModelRunner:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of a multi-token-prediction layer's outputs (`execute_step`'s, before the final norm)."""
         return self.logits(self.model.model.norm(hidden.to(self.device, self.dtype))).float()
+
+    @torch.no_grad()
+    def mtp_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a multi-token-prediction layer's output (`execute_step`'s) feeds its next draft as the hidden state:
+        itself (DeepSeek's layout), or after the final norm (Qwen's: pylon.serving.model.mtp)."""
+        return self.model.model.norm(hidden) if self._mtp_normed else hidden
 
     @torch.no_grad()
     def finish_step(self, steps: list[StepSequence], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -308,26 +308,23 @@ def plan_serve(
         )
     if e.speculative.method == "mtp":
         # The checkpoint's multi-token-prediction layer (serving/model/mtp.py): one more decoder layer of the model's
-        # kind (past first_k_dense_replace: sparse) and its input projection and norms, quantized as the model is,
+        # kind (DeepSeek's sparse, Qwen's full attention), its input projection and norms, quantized as the model is;
         # the embeddings and head the model's; its KV cache one more layer in the model's blocks.
-        import copy
-
+        from pylon.serving.model.mtp import layer_config
         from pylon.serving.model.mtp import refused as mtp_refused
 
         why = mtp_refused(config.model_type, config)
         if why is not None:
             raise PylonError(f"engine.speculative.method mtp: model {spec.model}: {why}")
-        longer = copy.deepcopy(config)
-        longer.num_hidden_layers += 1
-        layer = model_shape(longer)
+        layer = model_shape(layer_config(config))  # (its vocabulary of 1: the model's embeddings and head shared)
         hidden = config.hidden_size
-        layer_params = layer.total_params - shape.total_params + 2 * hidden * hidden + 3 * hidden
+        layer_params = layer.total_params + 2 * hidden * hidden + 2 * hidden
         layer_bytes = layer_params * b
         if e.quantization != "none":
-            projections = layer.projection_params - shape.projection_params + 2 * hidden * hidden
+            projections = layer.projection_params + 2 * hidden * hidden
             layer_bytes -= projections * (b - QUANT_BYTES)
         draft_weights = layer_bytes
-        draft_kv = e.kv_cache_tokens * (kv_bytes_per_token(layer, KV_BYTES[kv_dtype]) - per_token)
+        draft_kv = e.kv_cache_tokens * kv_bytes_per_token(layer, KV_BYTES[kv_dtype])
         weights += draft_weights
         notes.append(
             f"weights include the checkpoint's multi-token-prediction layer, {_gib(layer_bytes)} ({layer_params:,} "

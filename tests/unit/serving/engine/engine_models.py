@@ -565,19 +565,22 @@ def save_quantized(source: str, directory: Path, scheme: str, block: int = 32) -
 
 
 def add_mtp_layer(directory: str, *, predictor: bool = False) -> dict[str, torch.Tensor]:
-    """Write a multi-token-prediction layer into the DeepSeek-V3 (or GLM-4.5) checkpoint in `directory` as DeepSeek's releases hold
-    it (`model.layers.{N}`: a decoder layer, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the
-    embeddings and the head, which the engine does not read); returns its tensors. The layer's decoder layer is layer
-    N of the model's class built with N + 1 layers (random); `predictor`: instead the model's own last layer (a model
-    of one sparse layer), `eh_proj` passing the next token's embedding through and the model's final norm, so that
-    the layer computes what the model computes one token later, its context short of the first two tokens (the
-    embeddings' rows scaled to RMS 1, so that `enorm` keeps them as the model reads them)."""
+    """Write a multi-token-prediction layer into the checkpoint in `directory` as the family's releases hold it, and
+    return its tensors: DeepSeek-V3's and GLM-4.5's `model.layers.{N}` (a decoder layer, `enorm`, `hnorm`, `eh_proj`,
+    `shared_head.norm`, and copies of the embeddings and the head, which the engine does not read), Qwen3-Next's and
+    Qwen3.5's `mtp.` (`layers.0`, a full-attention layer, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, `norm`).
+    The decoder layer is random: layer N of the model's class built with N + 1 layers (Qwen's: of one full-attention
+    layer). `predictor` (DeepSeek's layout): instead the model's own last layer (a model of one sparse layer), `eh_proj`
+    passing the next token's embedding through and the model's final norm, so that the layer computes what the model
+    computes one token later, its context short of the first two tokens (the embeddings' rows scaled to RMS 1, so that
+    `enorm` keeps them as the model reads them)."""
     from safetensors.torch import load_file, save_file
 
     path = Path(directory) / "model.safetensors"
     tensors = load_file(str(path))
     config = AutoConfig.from_pretrained(directory)
     n, hidden = config.num_hidden_layers, config.hidden_size
+    qwen = config.model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
     g = torch.Generator().manual_seed(7)
     layer: dict[str, torch.Tensor] = {}
     if predictor:
@@ -593,29 +596,42 @@ def add_mtp_layer(directory: str, *, predictor: bool = False) -> dict[str, torch
             "shared_head.norm.weight": tensors["model.norm.weight"].clone(),
         }
     else:
-        bigger = AutoConfig.from_pretrained(directory, num_hidden_layers=n + 1)
+        if qwen:  # one full-attention layer (the fixture's recurrent layers' neighbour)
+            bigger = AutoConfig.from_pretrained(directory, num_hidden_layers=1, layer_types=["full_attention"])
+        else:
+            bigger = AutoConfig.from_pretrained(directory, num_hidden_layers=n + 1)
         torch.manual_seed(11)
         model = AutoModelForCausalLM.from_config(bigger, dtype=torch.float32)
         with torch.no_grad():
+            for key, p in model.named_parameters():  # (Qwen's norms are 1 + w: zeros at init, made to count)
+                if "norm" in key:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.2)
             for key, b in model.named_buffers():  # (the router's correction, off its zeros as the fixture's)
                 if key.endswith("e_score_correction_bias"):
                     b.add_(torch.randn(b.shape, generator=g) * 0.1)
         scratch = Path(directory) / "mtp-scratch"
         model.save_pretrained(scratch)
+        index = 0 if qwen else n
         for name, t in load_file(str(scratch / "model.safetensors")).items():
-            if name.startswith(f"model.layers.{n}."):
+            if name.startswith(f"model.layers.{index}."):
                 layer[name] = t
         for f in scratch.iterdir():
             f.unlink()
         scratch.rmdir()
-        own = {
-            "enorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
-            "hnorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
-            "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * (2 * hidden) ** -0.5,
-            "shared_head.norm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
-        }
-    layer.update({f"model.layers.{n}.{k}": v for k, v in own.items()})
-    layer[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    layer[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        base = 0.0 if qwen else 1.0  # (Qwen's norms scale by 1 + w)
+        norms = (
+            ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm") if qwen else ("enorm", "hnorm", "shared_head.norm")
+        )
+        own = {f"{name}.weight": base + 0.2 * torch.randn(hidden, generator=g) for name in norms}
+        own["fc.weight" if qwen else "eh_proj.weight"] = (
+            torch.randn(hidden, 2 * hidden, generator=g) * (2 * hidden) ** -0.5
+        )
+    if qwen:
+        layer = {"mtp.layers.0." + k.removeprefix("model.layers.0."): v for k, v in layer.items()}
+        layer.update({f"mtp.{k}": v for k, v in own.items()})
+    else:
+        layer.update({f"model.layers.{n}.{k}": v for k, v in own.items()})
+        layer[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        layer[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file({**tensors, **layer}, str(path), metadata={"format": "pt"})
     return layer

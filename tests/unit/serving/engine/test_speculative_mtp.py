@@ -30,43 +30,67 @@ def mtp(num_tokens: int = 3) -> dict:
     return {"method": "mtp", "num_tokens": num_tokens}
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+QWEN = ("qwen3_next", "qwen3_5_moe_text")
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", *QWEN])
 def checkpoint(request, tmp_path_factory) -> tuple[Family, dict]:
-    """The DeepSeek-V3 fixture (3 layers: 1 dense, 2 sparse; latent attention), and GLM-4.5's (its attention
-    Llama's with biases, query and key norms and half of each head rotated), with a random multi-token-prediction layer
-    written into the checkpoint as their releases hold it."""
+    """The DeepSeek-V3 fixture (3 layers: 1 dense, 2 sparse; latent attention), GLM-4.5's (its attention Llama's with
+    biases, query and key norms and half of each head rotated), Qwen3-Next's and Qwen3.5 MoE's (recurrent layers and a
+    gated attention one; the layer: gated attention and MoE), each with a random multi-token-prediction layer written
+    into the checkpoint as their releases hold it."""
     family = Family(request.param, tmp_path_factory.mktemp(request.param) / "m", greedy=False)
     return family, add_mtp_layer(family.dir)
 
 
-def reference_layer(directory: str, tensors: dict) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The layer's decoder layer as transformers builds it (layer N of the model's class with N + 1 layers, its
-    tensors loaded from the checkpoint by transformers' own loader), and that model's rotary embedding."""
-    config = AutoConfig.from_pretrained(directory)
-    bigger = AutoConfig.from_pretrained(directory, num_hidden_layers=config.num_hidden_layers + 1)
-    bigger._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_pretrained(directory, config=bigger, dtype=torch.float32).eval()
-    n = config.num_hidden_layers
-    layer = model.model.layers[n]
-    # what transformers loaded as layer N is the checkpoint's (the router's weights: one read by name)
-    assert torch.equal(layer.mlp.gate.weight, tensors[f"model.layers.{n}.mlp.gate.weight"])
-    return layer, model.model.rotary_emb
+def reference_layer(family: Family, tensors: dict, scratch) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The layer's decoder layer as transformers builds it, its tensors read by transformers' own loader, and its rotary
+    embedding: DeepSeek's, layer N of the model's class with N + 1 layers loaded from the checkpoint; Qwen's, layer 0
+    of a model of one full-attention layer saved from the checkpoint's `mtp.layers.0`."""
+    from safetensors.torch import save_file
+
+    config = AutoConfig.from_pretrained(family.dir)
+    if config.model_type in QWEN:
+        one = AutoConfig.from_pretrained(family.dir, num_hidden_layers=1, layer_types=["full_attention"])
+        one.save_pretrained(scratch)
+        state = {k: v for k, v in family.model.state_dict().items() if not k.startswith("model.layers.")}
+        state.update(
+            {"model.layers.0." + k.removeprefix("mtp.layers.0."): v for k, v in tensors.items() if ".layers." in k}
+        )
+        save_file({k: v.contiguous() for k, v in state.items()}, str(scratch / "model.safetensors"))
+        directory, index = str(scratch), 0
+    else:
+        one = AutoConfig.from_pretrained(family.dir, num_hidden_layers=config.num_hidden_layers + 1)
+        directory, index = family.dir, config.num_hidden_layers
+    one._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_pretrained(directory, config=one, dtype=torch.float32).eval()
+    return model.model.layers[index], model.model.rotary_emb
 
 
-def rms(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+def norm(family: Family, weight: torch.Tensor) -> torch.nn.Module:
+    """An RMSNorm of the family's class (Qwen's scale by 1 + w) holding `weight`."""
+    config = family.model.config
+    module = type(family.model.model.norm)(config.hidden_size, eps=config.rms_norm_eps)
+    module.weight.data.copy_(weight)
+    return module
 
 
 @torch.no_grad()
 def reference_drafts(family: Family, tensors: dict, layer, rotary, token_ids: list[int], k: int) -> list[int]:
     """DeepSeek-V3's multi-token prediction (its report's 2.2, vLLM's DeepSeekMultiTokenPredictorLayer; GLM-4.5's the
-    same), written out
-    over the whole sequence without a cache: row p reads the model's final hidden state at p and the embedding of the
-    token at p + 1 (zeroed at position 0); the first draft is the argmax of the last row's output through the layer's
-    norm and the model's head; each next one appends the draft before with the layer's own output as its hidden."""
-    config = family.model.config
-    n, eps = config.num_hidden_layers, config.rms_norm_eps
-    t = {name.removeprefix(f"model.layers.{n}."): v for name, v in tensors.items()}
+    same; Qwen's as vLLM's Qwen3NextMultiTokenPredictor), written out over the whole sequence without a cache: row p
+    reads the model's final hidden state at p and the embedding of the token at p + 1 (DeepSeek's: zeroed at position
+    0); the first draft is the argmax of the last row's output through the layer's norm and the model's head; each next
+    one appends the draft before with the layer's own output (Qwen's: after the norm) as its hidden."""
+    qwen = family.model.config.model_type in QWEN
+    parts = (
+        ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm") if qwen else ("enorm", "hnorm", "eh_proj", "norm")
+    )
+    n = family.model.config.num_hidden_layers
+    prefix = "mtp." if qwen else f"model.layers.{n}."
+    e_norm, h_norm = (norm(family, tensors[f"{prefix}{parts[i]}.weight"]) for i in (0, 1))
+    projection = tensors[f"{prefix}{parts[2]}.weight"]
+    out_norm = norm(family, tensors[f"{prefix}{'norm' if qwen else 'shared_head.norm'}.weight"])
     ids = torch.tensor([token_ids])
     h = family.model.model(input_ids=ids).last_hidden_state[0]  # after the final norm
     embed = family.model.model.embed_tokens
@@ -74,27 +98,27 @@ def reference_drafts(family: Family, tensors: dict, layer, rotary, token_ids: li
     drafts = []
     for _ in range(k):
         e = embed(torch.tensor(tokens))
-        e[0] = 0
-        x = torch.cat([rms(t["enorm.weight"], e, eps), rms(t["hnorm.weight"], torch.stack(hidden), eps)], dim=-1)
-        x = (x @ t["eh_proj.weight"].T)[None]
+        if not qwen:
+            e[0] = 0
+        x = (torch.cat([e_norm(e), h_norm(torch.stack(hidden))], dim=-1) @ projection.T)[None]
         positions = torch.arange(x.shape[1])[None]
         causal = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
         out = layer(x, attention_mask=causal, position_ids=positions, position_embeddings=rotary(x, positions))
-        out = out[0] if isinstance(out, tuple) else out
-        last = out[0, -1]
-        draft = int(family.model.lm_head(rms(t["shared_head.norm.weight"], last, eps)).argmax())
+        last = (out[0] if isinstance(out, tuple) else out)[0, -1]
+        normed = out_norm(last)
+        draft = int(family.model.lm_head(normed).argmax())
         drafts.append(draft)
         tokens.append(draft)
-        hidden.append(last)
+        hidden.append(normed if qwen else last)
     return drafts
 
 
-def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(checkpoint) -> None:
+def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(checkpoint, tmp_path) -> None:
     """Each step's drafts are what the layer computes (transformers' decoder layer over the model's hidden states:
     the catch-up's cache after prompts and verified drafts, and the drafts fed back), and greedy outputs stay
     transformers' own (a random layer: its drafts are mostly rejected, which the outputs never show)."""
     family, tensors = checkpoint
-    layer, rotary = reference_layer(family.dir, tensors)
+    layer, rotary = reference_layer(family, tensors, tmp_path)
     engine = speculating(family.engine(speculative=mtp(3)))
     proposed = []
     propose = engine.mtp.propose
