@@ -384,7 +384,7 @@ class LLMEngine:
         runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
         self.runner.keep_hidden = True
         log.info("engine: loaded the checkpoint's multi-token-prediction layer in %.2f s", time.monotonic() - started)
-        return MtpDrafter(runner)
+        return MtpDrafter(runner, spec.max_num_batched_tokens)
 
     def _load_draft_model(self, spec: EngineSpec) -> DraftModel:
         """The draft model of `engine.speculative.draft_model`, on this engine's device and dtype, with a KV cache
@@ -670,6 +670,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if self.snapshots is not None:
             self._restore_states(batch)
+        if self.mtp is not None:  # (their positions are computed again: what the layer held for them goes)
+            for request in batch.preempted:
+                self.mtp.forget(request.request_id)
         if not batch.scheduled:
             return outputs
         recurrent = self.runner.recurrent
@@ -769,7 +772,7 @@ class LLMEngine:
         return outputs
 
     def _advance_mtp(self, scheduled, steps: list[StepSequence]) -> None:
-        """The multi-token-prediction layer's catch-up on what the step computed (engine/mtp.py): each unfinished
+        """What the step computed, handed to the multi-token-prediction layer (engine/mtp.py): each unfinished
         request's positions whose tokens stand (a prompt chunk's, a decode's and its accepted drafts), their hidden
         states, and the token after each."""
         hidden, computed, row = self.runner.step_hidden, [], 0
@@ -784,12 +787,11 @@ class LLMEngine:
                         s.start,
                         request.token_ids[s.start + 1 : s.start + valid + 1],
                         hidden[row : row + valid],
-                        self.pool.block_table(request.request_id),
                         s.start + valid + 1 == request.num_tokens,
                     )
                 )
             row += n
-        self.mtp.advance(computed)
+        self.mtp.advance(computed, self.pool.block_table)
 
     def _restore_states(self, batch) -> None:
         """Recurrent layers: the states of each request the step starts from a cached prefix, from its snapshot; then

@@ -144,6 +144,44 @@ def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(ch
     assert_pool_empty(engine)
 
 
+def test_a_request_that_does_not_speculate_is_caught_up_in_few_passes_and_drafts_right_when_it_does(
+    checkpoint, tmp_path
+) -> None:
+    """While the rule says no, the layer holds the model's rows and catches up once a request holds 64 of them (a few
+    passes for hundreds of tokens, not one a step); when the rule says yes, it catches up on the rest first, and the
+    drafts are still the layer's own."""
+    from pylon.serving.engine.mtp import HOLD
+
+    family, tensors = checkpoint
+    engine = family.engine(speculative=mtp(3), max_model_len=512)
+    calls = []
+    engine.spec_policy.decide = lambda decodes, drafts, other, **_: calls.append(1) or len(calls) > 150
+    proposed = []
+    propose = engine.mtp.propose
+
+    def recording(requests, tables):
+        drafts = propose(requests, tables)
+        proposed.extend((list(r.token_ids), drafts[r.request_id]) for r in requests if r.request_id in drafts)
+        return drafts
+
+    engine.mtp.propose = recording
+    prompt = PROMPTS[1]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    passes = []
+    while engine.has_unfinished() and len(calls) < 150:
+        engine.step()
+        passes.append(engine.mtp.forward_passes)
+    # 150 plain steps: 150 decodes' rows and the prompt's, caught up HOLD at a time
+    assert passes[-1] == (len(prompt) + 150) // HOLD, passes
+    run(engine)
+    assert proposed, "the rule said yes: the request speculated"
+    layer, rotary = reference_layer(family, tensors, tmp_path)
+    token_ids, drafts = proposed[0]
+    assert len(token_ids) > len(prompt) + 140
+    assert drafts == reference_drafts(family, tensors, layer, rotary, token_ids, len(drafts))
+    assert_pool_empty(engine)
+
+
 @pytest.fixture(scope="module")
 def predictor(tmp_path_factory) -> Family:
     """A DeepSeek-V3 of one sparse layer whose multi-token-prediction layer is that layer, fed the next token: it
