@@ -1317,13 +1317,12 @@ class EngineSpec(_Spec):
                     "them among (2 or more), or expert_parallel to false",
                 )
             )
-        if self.speculative.method == "mtp" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
+        if self.speculative.method == "mtp" and self.pipeline_parallel > 1:
             problems.append(
                 (
                     "speculative.method",
-                    "mtp drafts with the checkpoint's layer beside a model in one process, not with tensor_parallel "
-                    f"{self.tensor_parallel} and pipeline_parallel {self.pipeline_parallel}: use method ngram there, "
-                    "or serve the model whole",
+                    "mtp drafts with the checkpoint's layer beside the model's last layer, in one stage, not with "
+                    f"pipeline_parallel {self.pipeline_parallel}: use method ngram there (tensor_parallel takes mtp)",
                 )
             )
         if self.tensor_parallel > 1:

@@ -374,15 +374,18 @@ class LLMEngine:
         model's runner told to keep its steps' hidden states for it. Every error it raises names the field."""
         from pylon.serving.model.runner import ModelRunner
 
-        where = "engine.speculative.method mtp"  # (the spec refuses it with tensor or pipeline parallelism)
+        where = "engine.speculative.method mtp"  # (the spec refuses it with pipeline stages)
         started = time.monotonic()
         try:
-            runner = ModelRunner(directory, **runner_kwargs, mtp=self.runner)
+            if spec.tensor_parallel > 1:  # each shard's slices beside that shard of the model
+                runner = self.runner.load_mtp(directory, runner_kwargs)
+            else:
+                runner = ModelRunner(directory, **runner_kwargs, mtp=self.runner)
+                self.runner.keep_hidden = True
         except PylonError as e:
             message = str(e)
             raise PylonError(message if message.startswith(where) else f"{where}: {message}") from e.__cause__
         runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
-        self.runner.keep_hidden = True
         log.info("engine: loaded the checkpoint's multi-token-prediction layer in %.2f s", time.monotonic() - started)
         return MtpDrafter(runner, spec.max_num_batched_tokens)
 
@@ -775,8 +778,7 @@ class LLMEngine:
         """What the step computed, handed to the multi-token-prediction layer (engine/mtp.py): each unfinished
         request's positions whose tokens stand (a prompt chunk's, a decode's and its accepted drafts), their hidden
         states, and the token after each."""
-        hidden, computed, row = self.runner.step_hidden, [], 0
-        self.runner.step_hidden = None
+        hidden, computed, row = self.runner.step_hidden, [], 0  # (the runner's, until its next step)
         for s, step in zip(scheduled, steps):
             request, n = s.request, step.num_new_tokens
             valid = request.num_computed_tokens - s.start  # (a speculating decode's: 1 + the drafts accepted)

@@ -141,11 +141,23 @@ class MtpDrafter:
             seconds = self.costs.measured(n, rows)
             if seconds is None and n >= LARGE_PASS and self._per_token is not None:
                 seconds = n * self._per_token
+            if seconds is None and n < LARGE_PASS:  # a small pass costs about what the nearest one measured did
+                seconds = self._nearest(n, rows)
             if seconds is None:
                 known = False
             else:
                 floor += seconds
         return (floor if known else None), floor
+
+    def _nearest(self, tokens: int, rows: int) -> float | None:
+        """The time of the measured small pass nearest in size to (tokens, rows), the larger of two as near: a pass of
+        a few tokens is bound by its fixed costs (a layer's launches, the attention's metadata), not its arithmetic."""
+        near = [
+            (abs(n - tokens) + abs(r - rows), -n, seconds)
+            for (n, r), seconds in self.costs.times.items()
+            if n < LARGE_PASS and (n == 0) == (tokens == 0)
+        ]
+        return min(near)[2] if near else None
 
     def propose(self, requests: list[DraftRequest], tables: dict[str, list[int]]) -> dict[str, list[int]]:
         """Each request's drafts (up to its `room`; those `ready` only), by request id; `tables`: each one's block

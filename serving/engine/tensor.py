@@ -103,6 +103,26 @@ class ShardWorker(PartWorker):
         """The first stage's end of a step (`ModelRunner.finish_step`): this shard's rows of the lm_head, gathered."""
         self.runner.finish_step(steps, unpacked(hidden)[0])
 
+    def load_mtp(self, directory: str, runner_kwargs: dict) -> None:
+        """This shard of the checkpoint's multi-token-prediction layer (engine/mtp.py), beside this shard of the model,
+        which from now on computes every row's final hidden state, as the first shard does for the layer (the shards'
+        last layers meet in the same collectives)."""
+        from pylon.serving.model.runner import ModelRunner
+
+        self.runner.keep_hidden = True
+        self.mtp = ModelRunner(directory, shard=self.shard, mtp=self.runner, **runner_kwargs)
+
+    def mtp_warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        return self.mtp.warm_up(max_num_seqs, max_num_batched_tokens)
+
+    def run_mtp(self, steps, hidden) -> None:
+        """A pass of the layer (its input `hidden`, as `packed`); its output stays here, the first shard's the same."""
+        self.mtp.execute_step(steps, unpacked(hidden)[0])
+
+    def mtp_head(self, hidden) -> None:
+        """The layer's outputs' logits: this shard's rows of the lm_head, gathered."""
+        self.mtp.head_logits(unpacked(hidden)[0])
+
 
 class TensorRunner(SplitRunner):
     """`ModelRunner`'s interface (what the engine uses of it) over the tensor-parallel shards of a model: shard 1 in
@@ -254,6 +274,26 @@ class TensorRunner(SplitRunner):
         ray.get(remote)
         return done
 
+    def load_mtp(self, directory: str, runner_kwargs: dict) -> "TensorMtp":
+        """The checkpoint's multi-token-prediction layer in this runner's shards (each shard's beside its part of the
+        model, which from now on keeps every row's final hidden state: `ModelRunner.keep_hidden`); its runner's
+        interface for engine/mtp.py."""
+        import ray
+
+        from pylon.serving.model.runner import ModelRunner
+
+        count = len(self.workers) + 1
+        loaded = [w.load_mtp.remote(directory, runner_kwargs) for w in self.workers]
+        try:
+            self.local.keep_hidden = True
+            local = ModelRunner(directory, shard=self.local.shard, mtp=self.local, **runner_kwargs)
+            ray.get(loaded, timeout=START_TIMEOUT_S)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise PylonError(str(cause)) from None
+        log.info("the multi-token-prediction layer loaded in %d tensor-parallel shards", count)
+        return TensorMtp(self, local)
+
     @property
     def actors(self) -> list:
         return self.workers
@@ -271,3 +311,38 @@ class TensorRunner(SplitRunner):
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+class TensorMtp:
+    """The multi-token-prediction layer's runner interface (what engine/mtp.py uses) over a `TensorRunner`'s shards:
+    each pass on every shard (its input sent once to all), the first shard's outputs returned."""
+
+    def __init__(self, tensor: TensorRunner, local) -> None:
+        self.tensor, self.local = tensor, local
+
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        import ray
+
+        remote = [w.mtp_warm_up.remote(max_num_seqs, max_num_batched_tokens) for w in self.tensor.workers]
+        done = self.local.warm_up(max_num_seqs, max_num_batched_tokens)
+        ray.get(remote)
+        return done
+
+    @torch.no_grad()
+    def execute_step(self, steps, hidden: torch.Tensor):
+        import ray
+
+        sent = ray.put(packed(hidden)) if self.tensor.workers else None
+        done = [w.run_mtp.remote(steps, sent) for w in self.tensor.workers]
+        return self.tensor._together(done, lambda: self.local.execute_step(steps, hidden))
+
+    @torch.no_grad()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        import ray
+
+        sent = ray.put(packed(hidden)) if self.tensor.workers else None
+        done = [w.mtp_head.remote(sent) for w in self.tensor.workers]
+        return self.tensor._together(done, lambda: self.local.head_logits(hidden))
+
+    def mtp_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.local.mtp_hidden(hidden)  # (the layer's final norm: whole on every shard)

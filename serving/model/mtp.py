@@ -155,10 +155,11 @@ def _layer_class(config) -> type:
     return MtpModel
 
 
-def load(model_dir: str, config, dtype: torch.dtype, model: torch.nn.Module) -> torch.nn.Module:
+def load(model_dir: str, config, dtype: torch.dtype, model: torch.nn.Module, shard=None) -> torch.nn.Module:
     """The first multi-token-prediction layer of `model_dir`'s checkpoint (its config `config`) as a causal LM of one
     decoder layer with `mtp_input`, in `dtype` on the CPU, sharing `model`'s embeddings and output layer (`model`: the
-    served model, as loaded)."""
+    served model, as loaded); `shard`: a tensor-parallel shard's slices of it (pylon.serving.model.tensor; `model` that
+    shard's, its vocabulary's rows), its input projection and norms whole."""
     from pylon.serving.model import tensor as shards
 
     index, kind = config.num_hidden_layers, layout(config.model_type)
@@ -173,7 +174,8 @@ def load(model_dir: str, config, dtype: torch.dtype, model: torch.nn.Module) -> 
     local = layer_config(config)
     names = _checkpoint_names(kind, index)
     cls = _layer_class(local)
-    layer = shards.load_shard(model_dir, local, dtype, shards.Shard(0, 1), cls=cls, names=names, skip=_SHARED)
+    shard = shard or shards.Shard(0, 1)
+    layer = shards.load_shard(model_dir, local, dtype, shard, cls=cls, names=names, skip=_SHARED)
     layer.model.embed_tokens = model.get_input_embeddings()
     layer.lm_head = model.get_output_embeddings()
     layer.config.vocab_size = config.vocab_size

@@ -441,8 +441,8 @@ class ModelRunner:
         self._staged = (stage is not None and stage.count > 1) or mtp is not None
         if mtp is not None:
             why = mtp_layer.refused(model_type, config)
-            if why is None and (stage is not None or shard is not None or adapters or images):
-                why = "its layer runs beside a model in one process, without adapters"
+            if why is None and (stage is not None or adapters or images):
+                why = "its layer runs beside a model's runner (not a pipeline stage's), without adapters"
             if why is not None:
                 raise PylonError(f"engine.speculative.method mtp: model {model_dir}: {why}")
         if stage is not None:
@@ -491,8 +491,9 @@ class ModelRunner:
         if multimodal and is_sequence_classifier(self.full_config):
             raise PylonError(f"model {model_dir}: a multimodal classifier is not served; serve its text model")
         try:
-            if mtp is not None:
-                self.model = mtp_layer.load(model_dir, config, self.dtype, mtp.model)
+            if mtp is not None:  # (a shard's: its slices, beside that shard of the model)
+                self.model = mtp_layer.load(model_dir, config, self.dtype, mtp.model, shard)
+                self._whole_config = config
             elif multimodal and shard is None and stage is None:
                 self.model, vision = _language_model(model_dir, self.dtype)
                 if images:
@@ -745,7 +746,7 @@ class ModelRunner:
             shards.reduce_outputs(self.model, self._own_layers())
             if model_type in shards.SPANNING_NORM_FAMILIES:  # OLMo's query and key norms over every shard's heads
                 shards.spanning_norms(self._own_layers(), self._whole_config, shard)
-            if stage is None or stage.first:  # its rows of the embeddings and lm_head, made whole
+            if (stage is None or stage.first) and mtp is None:  # its rows of the embeddings and lm_head, made whole
                 shards.vocab_parallel(self.model, shard, head=not is_sequence_classifier(self._whole_config))
         self.vocab_size = config.vocab_size
         # The positions served: the model's, or fewer where the engine cannot compute past them (families.py:

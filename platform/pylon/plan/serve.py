@@ -323,9 +323,9 @@ def plan_serve(
         if e.quantization != "none":
             projections = layer.projection_params + 2 * hidden * hidden
             layer_bytes -= projections * (b - QUANT_BYTES)
-        draft_weights = layer_bytes
+        # (its weights split as the model's among tensor-parallel shards; its KV cache counted whole on each)
         draft_kv = e.kv_cache_tokens * kv_bytes_per_token(layer, KV_BYTES[kv_dtype])
-        weights += draft_weights
+        weights += layer_bytes
         notes.append(
             f"weights include the checkpoint's multi-token-prediction layer, {_gib(layer_bytes)} ({layer_params:,} "
             f"parameters), and the KV cache its layer, {_gib(draft_kv)}; decode throughput is without speculation"
@@ -485,15 +485,15 @@ def plan_serve(
     if recommendation is None and _suggest:
         options = {"catalog": catalog, "gpu": gpu, "mfu": mfu, "utilization": utilization}
         fitting_none = "it fits no one GPU as asked" if stages == shards == 1 else "it fits nothing as asked"
-        if e.speculative.method == "mtp":  # (split, it cannot draft with the layer: planned with prompt lookup)
+        sharded = _fewest_shards(spec, config, shape, **options)
+        if e.speculative.method == "mtp":  # (in stages it cannot draft with the layer: planned with prompt lookup)
             ngram = e.speculative.model_copy(update={"method": "ngram"})
             spec = spec.model_copy(update={"engine": e.model_copy(update={"speculative": ngram})})
             e = spec.engine
             notes.append(
-                "split as suggested below, the model drafts by prompt lookup (engine.speculative.method: ngram): mtp "
-                "drafts beside a model in one process, and the plans below count no such layer"
+                "in pipeline stages as suggested below, the model drafts by prompt lookup (engine.speculative.method: "
+                "ngram): mtp drafts beside the model's last layer in one stage, and those plans count no such layer"
             )
-        sharded = _fewest_shards(spec, config, shape, **options)
         if sharded is not None:
             n, rec = sharded
             notes.append(

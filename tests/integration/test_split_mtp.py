@@ -1,0 +1,76 @@
+"""Speculative decoding from the checkpoint's multi-token-prediction layer with the model in two tensor-parallel shards
+(engine.tensor_parallel 2, engine.speculative.method mtp): each shard holds its slices of the layer beside its shard of
+the model, the layer's passes run on both (their input sent once from the engine's process), and the drafts are the
+ones the model in one process proposes. The layer's arithmetic in shards: tests/unit/serving/engine/
+test_speculative_mtp.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pylon
+
+ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+
+DRIVER = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import ray
+from engine_models import GREEDY, PROMPTS, run, spec, speculating, tokens_of
+from pylon.serving.engine.engine import LLMEngine
+ray.init(address=sys.argv[1], log_to_driver=False)
+split = json.loads(sys.argv[4])
+engine = speculating(LLMEngine(sys.argv[2], spec(**split, speculative={"method": "mtp", "num_tokens": 3})))
+proposed = []
+propose = engine.mtp.propose
+
+
+def recording(requests, tables):
+    drafts = propose(requests, tables)
+    proposed.extend([list(r.token_ids), drafts[r.request_id]] for r in requests if r.request_id in drafts)
+    return drafts
+
+
+engine.mtp.propose = recording
+for i, prompt in enumerate(PROMPTS[:4]):
+    engine.add_request(str(i), prompt, GREEDY)
+outputs = run(engine)
+stats = engine.stats()
+print(json.dumps({"tokens": [tokens_of(outputs[str(i)]) for i in range(4)], "proposed": proposed,
+                  "drafts": stats.spec_draft_tokens_total, "passes": stats.spec_draft_model_steps_total}))
+if hasattr(engine.runner, "shutdown"):
+    engine.runner.shutdown()
+"""
+
+
+def _drive(ray_cluster, directory: str, split: dict) -> dict:
+    client = pylon.connect()
+    child = subprocess.run(
+        [sys.executable, "-c", DRIVER, client.gcs_address, directory, str(ENGINE_MODELS), json.dumps(split)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+# ~40 s: a driver and a shard actor loading the model and its layer. `make test-all`.
+@pytest.mark.slow
+def test_the_layer_in_two_shards_drafts_as_the_model_in_one_process(ray_cluster, tmp_path):
+    sys.path.insert(0, str(ENGINE_MODELS))
+    from engine_models import PROMPTS, Family, add_mtp_layer
+
+    family = Family("deepseek_v3", tmp_path / "deepseek_v3", greedy=False)
+    add_mtp_layer(family.dir)
+    want = [family.hf_greedy(p, 20) for p in PROMPTS[:4]]
+    shards = _drive(ray_cluster, family.dir, {"tensor_parallel": 2})
+    whole = _drive(ray_cluster, family.dir, {})
+    assert shards["tokens"] == whole["tokens"] == want
+    assert shards["drafts"] > 0 and shards["passes"] > 0, shards
+    assert shards["proposed"] == whole["proposed"] != []
