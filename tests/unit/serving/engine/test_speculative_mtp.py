@@ -16,12 +16,14 @@ from engine_models import (
     add_mtp_layer,
     assert_pool_empty,
     run,
+    spec,
     speculating,
     tokens_of,
 )
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pylon.errors import PylonError
+from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.specs import EngineSpec
 
@@ -217,6 +219,34 @@ def test_a_layer_that_predicts_the_model_is_accepted_several_tokens_a_step(predi
     assert rate > 0.3, stats
     assert engine.spec_policy.mean_acceptance_length > 1.8, stats
     assert_pool_empty(engine)
+
+
+def test_a_block_fp8_checkpoint_s_layer_is_read_dequantized_and_still_predicts(predictor: Family, tmp_path) -> None:
+    """DeepSeek-V3's checkpoints are block FP8, the layer's projections too (`weight_scale_inv` beside each): read
+    dequantized as the model's, the layer that predicts the model still does, and outputs are the plain engine's."""
+    from engine_models import save_quantized
+
+    quantized = tmp_path / "fp8"
+    save_quantized(predictor.dir, quantized, "fp8-block")
+    n = predictor.model.config.num_hidden_layers
+    assert (quantized / "model.safetensors").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(quantized / "model.safetensors"), "pt") as f:
+        assert f"model.layers.{n}.self_attn.q_a_proj.weight_scale_inv" in f.keys()
+    runs = []
+    for speculative in (None, mtp(3)):
+        engine = LLMEngine(str(quantized), spec(speculative=speculative) if speculative else spec())
+        if speculative:
+            speculating(engine)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, GREEDY)
+        got = run(engine)
+        runs.append([tokens_of(got[str(i)]) for i in range(len(PROMPTS))])
+        if speculative:
+            stats = engine.stats()
+            assert stats.spec_accepted_tokens_total / stats.spec_draft_tokens_total > 0.3, stats
+    assert runs[0] == runs[1]
 
 
 def test_a_seeded_request_gives_plain_decodings_tokens_with_the_layer_s_drafts(predictor: Family) -> None:
