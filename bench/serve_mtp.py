@@ -12,6 +12,8 @@ Each leg: `--concurrency` requests, greedy, `--output-tokens` each, through an i
 engines' measured rule (engine/speculative.py) decides each step whether drafts pay. Prints output tokens/s per leg,
 each speculating leg's ratio to plain with the spread over rounds, drafts proposed and accepted, tokens a speculating
 step, and the model's forward passes per output token and the layer's passes per output token (machine-independent).
+`mtp-always` is the layer's drafts with the rule told to speculate at every step it can: what speculating with them
+costs and gains on this machine, whatever the rule would decide.
 
     .venv/bin/python bench/serve_mtp.py --concurrency 1 8
 """
@@ -25,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-LEGS = ("plain", "ngram", "mtp")
+LEGS = ("plain", "ngram", "mtp", "mtp-always")  # mtp-always: the rule told to speculate at every step it can
 
 
 def build(directory: Path, args) -> None:
@@ -218,8 +220,11 @@ def main() -> None:
         for c in args.concurrency:
             engines = {}
             for name in LEGS:
-                speculative = {"method": name, "num_tokens": args.num_tokens} if name != "plain" else {}
+                method = name.removesuffix("-always")
+                speculative = {"method": method, "num_tokens": args.num_tokens} if name != "plain" else {}
                 engines[name] = engine(directory, c, speculative)
+                if name.endswith("-always"):  # (what speculating costs and gains here, whatever the rule would say)
+                    engines[name].spec_policy.decide = lambda decodes, drafts, other, **_: decodes > 0 and drafts > 0
                 leg(engines[name], c, args, held, 99)  # warm-up (the rule's first measures too)
             speeds: dict[str, list[float]] = {name: [] for name in LEGS}
             passes: dict[str, float] = {}
@@ -235,7 +240,7 @@ def main() -> None:
                 rate = stats.spec_accepted_tokens_total / max(stats.spec_draft_tokens_total, 1)
                 length = engines[name].spec_policy.mean_acceptance_length
                 per_token = stats.spec_draft_model_steps_total / max(stats.generation_tokens_total, 1)
-                layer_passes = f", MTP layer passes per output token {per_token:.2f}" if name == "mtp" else ""
+                layer_passes = f", MTP layer passes per output token {per_token:.2f}" if "mtp" in name else ""
                 print(
                     f"  {name}: {statistics.median(speeds[name]):.1f} tok/s, {statistics.median(ratios):.2f}x (rounds "
                     f"{min(ratios):.2f}-{max(ratios):.2f}); drafts {stats.spec_draft_tokens_total:,}, accepted "

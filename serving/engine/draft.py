@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pylon.errors import PylonError
@@ -145,16 +146,7 @@ class DraftModel:
         for i in range(1, max((r.room for r in requests), default=0)):
             going = sum(1 for r in requests if r.room > i)
             sizes.append((going, going))
-        known, floor = True, 0.0
-        for tokens, rows in sizes:
-            seconds = self.costs.measured(tokens, rows)
-            if seconds is None and tokens >= LARGE_PASS and self._per_token is not None:
-                seconds = tokens * self._per_token  # a pass this large is bound by its arithmetic: per token
-            if seconds is None:
-                known = False
-            else:
-                floor += seconds
-        return (floor if known else None), floor
+        return price(sizes, self.costs, self._per_token)
 
     def _catch_up(self, ready: list[DraftRequest]) -> list[int]:
         """Feed each request's tokens the draft cache lacks (its last token at least, for its logits), in steps of
@@ -217,6 +209,26 @@ class DraftModel:
         """The request finished: free its draft cache."""
         self._computed.pop(request_id, None)
         self.pool.free(request_id)
+
+
+def price(
+    sizes: list[tuple[int, int]], costs: StepCosts, per_token: float | None, small: Callable | None = None
+) -> tuple[float | None, float]:
+    """What passes of `sizes` ((tokens, rows) each) take, in seconds, by the passes measured (`costs`): a large pass
+    not measured at `per_token` (its arithmetic), a small one by `small(tokens, rows)` where given. Returns (that, or
+    None while some pass cannot be priced; a floor: the passes that can)."""
+    known, floor = True, 0.0
+    for tokens, rows in sizes:
+        seconds = costs.measured(tokens, rows)
+        if seconds is None and tokens >= LARGE_PASS and per_token is not None:
+            seconds = tokens * per_token  # a pass this large is bound by its arithmetic: per token
+        if seconds is None and tokens < LARGE_PASS and small is not None:
+            seconds = small(tokens, rows)
+        if seconds is None:
+            known = False
+        else:
+            floor += seconds
+    return (floor if known else None), floor
 
 
 def _check_same_tokenizer(draft, target, where: str) -> None:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pylon.serving.engine.draft import LARGE_PASS, DraftRequest
+from pylon.serving.engine.draft import LARGE_PASS, DraftRequest, price
 from pylon.serving.engine.speculative import StepCosts
 from pylon.serving.model.step import StepSequence
 
@@ -136,18 +136,8 @@ class MtpDrafter:
         for i in range(1, max((r.room for r in requests), default=0)):
             going = sum(1 for r in requests if r.room > i)
             sizes.append((going, going))
-        known, floor = True, 0.0
-        for n, rows in sizes:
-            seconds = self.costs.measured(n, rows)
-            if seconds is None and n >= LARGE_PASS and self._per_token is not None:
-                seconds = n * self._per_token
-            if seconds is None and n < LARGE_PASS:  # a small pass costs about what the nearest one measured did
-                seconds = self._nearest(n, rows)
-            if seconds is None:
-                known = False
-            else:
-                floor += seconds
-        return (floor if known else None), floor
+        # (a small pass costs about what the nearest one measured did)
+        return price(sizes, self.costs, self._per_token, small=self._nearest)
 
     def _nearest(self, tokens: int, rows: int) -> float | None:
         """The time of the measured small pass nearest in size to (tokens, rows), the larger of two as near: a pass of

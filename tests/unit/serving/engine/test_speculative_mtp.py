@@ -115,13 +115,8 @@ def reference_drafts(family: Family, tensors: dict, layer, rotary, token_ids: li
     return drafts
 
 
-def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(checkpoint, tmp_path) -> None:
-    """Each step's drafts are what the layer computes (transformers' decoder layer over the model's hidden states:
-    the catch-up's cache after prompts and verified drafts, and the drafts fed back), and greedy outputs stay
-    transformers' own (a random layer: its drafts are mostly rejected, which the outputs never show)."""
-    family, tensors = checkpoint
-    layer, rotary = reference_layer(family, tensors, tmp_path)
-    engine = speculating(family.engine(speculative=mtp(3)))
+def recorded(engine) -> list[tuple[list[int], list[int]]]:
+    """Each proposal the engine's layer makes from now on: the request's tokens then, and its drafts."""
     proposed = []
     propose = engine.mtp.propose
 
@@ -131,6 +126,17 @@ def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(ch
         return drafts
 
     engine.mtp.propose = recording
+    return proposed
+
+
+def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(checkpoint, tmp_path) -> None:
+    """Each step's drafts are what the layer computes (transformers' decoder layer over the model's hidden states:
+    the catch-up's cache after prompts and verified drafts, and the drafts fed back), and greedy outputs stay
+    transformers' own (a random layer: its drafts are mostly rejected, which the outputs never show)."""
+    family, tensors = checkpoint
+    layer, rotary = reference_layer(family, tensors, tmp_path)
+    engine = speculating(family.engine(speculative=mtp(3)))
+    proposed = recorded(engine)
     prompts = PROMPTS[:4]
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
@@ -158,15 +164,7 @@ def test_a_request_that_does_not_speculate_is_caught_up_in_few_passes_and_drafts
     engine = family.engine(speculative=mtp(3), max_model_len=512)
     calls = []
     engine.spec_policy.decide = lambda decodes, drafts, other, **_: calls.append(1) or len(calls) > 150
-    proposed = []
-    propose = engine.mtp.propose
-
-    def recording(requests, tables):
-        drafts = propose(requests, tables)
-        proposed.extend((list(r.token_ids), drafts[r.request_id]) for r in requests if r.request_id in drafts)
-        return drafts
-
-    engine.mtp.propose = recording
+    proposed = recorded(engine)
     prompt = PROMPTS[1]
     engine.add_request("r", prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     passes = []
