@@ -383,6 +383,8 @@ class LLMEngine:
                 runner = ModelRunner(directory, **runner_kwargs, mtp=self.runner)
                 self.runner.keep_hidden = True
         except PylonError as e:
+            if spec.tensor_parallel > 1:  # (its shards' actors go with the engine that failed to start)
+                self.runner.shutdown()
             message = str(e)
             raise PylonError(message if message.startswith(where) else f"{where}: {message}") from e.__cause__
         runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
@@ -634,7 +636,7 @@ class LLMEngine:
         started = time.perf_counter()
         outputs = self._step()
         if self.spec_policy is not None and self._step_tokens:
-            # (the multi-token-prediction layer's catch-up runs whether the step speculates or not: timed apart)
+            # (a catch-up the multi-token-prediction layer took unasked, its rows piled up: timed apart)
             catch_up = self.mtp.catch_up_seconds if self.mtp is not None else 0.0
             self.spec_policy.end_step(
                 self._step_tokens,
