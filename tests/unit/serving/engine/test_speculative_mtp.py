@@ -219,6 +219,27 @@ def test_a_layer_that_predicts_the_model_is_accepted_several_tokens_a_step(predi
     assert_pool_empty(engine)
 
 
+def test_under_preemption_quantization_and_a_narrower_cache_outputs_stay_the_plain_engine_s(predictor: Family) -> None:
+    """A pool too small for the batch (requests preempted and computed again, their held rows dropped), the layer's
+    projections int8 as the model's (engine.quantization) and its cache bf16 as the model's: outputs are the plain
+    engine's under the same settings, and the layer still drafts what the model writes."""
+    settings = {"kv_cache_tokens": 256, "block_size": 8, "max_num_batched_tokens": 64, "quantization": "int8"}
+    settings["kv_cache_dtype"] = "bf16"
+    runs = []
+    for speculative in (None, mtp(3)):
+        engine = predictor.engine(**settings, **({"speculative": speculative} if speculative else {}))
+        if speculative:
+            speculating(engine)
+        runs.append([c.token_ids for c in engine.generate(PROMPTS, GREEDY)])
+        stats = engine.stats()
+        assert stats.num_preemptions_total > 0, stats
+        if speculative:
+            assert stats.spec_accepted_tokens_total / stats.spec_draft_tokens_total > 0.3, stats
+            assert not engine.mtp._held and not engine.mtp._outputs  # (every request's let go)
+        assert_pool_empty(engine)
+    assert runs[0] == runs[1]
+
+
 def test_a_block_fp8_checkpoint_s_layer_is_read_dequantized_and_still_predicts(predictor: Family, tmp_path) -> None:
     """DeepSeek-V3's checkpoints are block FP8, the layer's projections too (`weight_scale_inv` beside each): read
     dequantized as the model's, the layer that predicts the model still does, and outputs are the plain engine's."""
