@@ -38,6 +38,7 @@ EXPLORE_EVERY = 50  # steps: re-measure the road not taken, as loads change, whi
 EXPLORE_CLOSE = 1.25  # ...within this factor of break-even
 EXPLORE_FAR_EVERY = 500  # steps: ...and this seldom when it is not (at a large batch, a speculating step is dear)
 BUDGET = 0.03  # of the engine's time: what speculating steps taken to measure or explore may lose in all
+ACCEPT_MEMORY = 24  # drafts: the acceptance rate's memory (a step's verified drafts move it by 1 - (1 - 1/24)^drafts)
 
 
 def ngram_propose(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -189,8 +190,9 @@ class SpecPolicy:
             self._speculating = None
         self.observe_step(tokens, rows, seconds)
         self._settle()
-        if self._step_proposed:
-            self.accept_rate = 0.7 * self.accept_rate + 0.3 * (self._step_accepted / self._step_proposed)
+        if self._step_proposed:  # weighed by the drafts verified: 3 drafts say less than 96 do
+            weight = 1.0 - (1.0 - 1.0 / ACCEPT_MEMORY) ** self._step_proposed
+            self.accept_rate += weight * (self._step_accepted / self._step_proposed - self.accept_rate)
         self._step_proposed = self._step_accepted = 0
 
     def decide(

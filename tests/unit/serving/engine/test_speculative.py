@@ -283,6 +283,23 @@ def _cpu_like(tokens: int, rows: int) -> float:
     return max(0.020, 0.0007 * tokens) + 0.0002 * rows
 
 
+def test_the_acceptance_rate_weighs_a_step_by_the_drafts_it_verified() -> None:
+    """One decode's 3 rejected drafts say little about a source (its first tries, right after a prompt, may be its
+    worst); 32 decodes' 96 say much: the first moves the rate a little, the second nearly all the way."""
+    few, many = SpecPolicy(k=3, accept_rate=0.6), SpecPolicy(k=3, accept_rate=0.6)
+    few.observe_drafts(3, 0)
+    few.end_step(4, 4, 0.010)
+    for _ in range(32):
+        many.observe_drafts(3, 0)
+    many.end_step(128, 128, 0.010)
+    assert 0.5 < few.accept_rate < 0.6 and many.accept_rate < 0.02
+    # three such steps of one decode, 1 draft of 9 accepted: still above a break-even of 0.3, so it goes on looking
+    for accepted in (0, 1, 0):
+        few.observe_drafts(3, accepted)
+        few.end_step(4, 4, 0.010)
+    assert 0.3 < few.accept_rate < 0.5
+
+
 def test_the_rule_measures_each_side_then_speculates_only_while_it_pays() -> None:
     policy = SpecPolicy(k=4, accept_rate=0.5)
     assert not policy.decide(8, 0, 0)  # no drafts: nothing to decide
