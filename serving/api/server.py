@@ -116,6 +116,16 @@ def _metrics(model: str):
             "pylon_spec_decode_verify_steps_total",
             "Requests' speculating steps (accepted / steps + 1 = mean acceptance length)",
         ),
+        "spec_drafts_by_position": counter(
+            "pylon_spec_decode_draft_tokens_per_pos_total",
+            "Draft tokens verified, by their position among a request's drafts (0: the first)",
+            ("model", "position"),
+        ),
+        "spec_accepted_by_position": counter(
+            "pylon_spec_decode_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by their position among a request's drafts (vLLM's num_accepted_tokens_per_pos)",
+            ("model", "position"),
+        ),
         "spec_draft_model_steps": counter(
             "pylon_spec_decode_draft_model_steps_total",
             "The draft model's forward passes (engine.speculative.method: draft), or the MTP layer's (mtp)",
@@ -369,6 +379,15 @@ class PylonLLMServer:
                 if total > reported[name]:
                     self.metrics[name].inc(total - reported[name])
                     reported[name] = total
+            for name, totals in (
+                ("spec_drafts_by_position", stats.spec_draft_tokens_by_position),
+                ("spec_accepted_by_position", stats.spec_accepted_tokens_by_position),
+            ):
+                for position, total in enumerate(totals):
+                    key = (name, position)
+                    if total > reported.get(key, 0):
+                        self.metrics[name].inc(total - reported.get(key, 0), tags={"position": str(position)})
+                        reported[key] = total
             await asyncio.sleep(1.0)
 
     async def _authorize(self, headers: dict[str, str]) -> None:

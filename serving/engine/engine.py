@@ -91,6 +91,9 @@ class EngineStats:
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0
+    # by draft position: verified, and accepted (accepted[i] / verified[i]: the i-th draft's acceptance rate)
+    spec_draft_tokens_by_position: tuple[int, ...] = ()
+    spec_accepted_tokens_by_position: tuple[int, ...] = ()
     # The draft model's forward passes (engine.speculative.method: draft), or the multi-token-prediction layer's (mtp)
     spec_draft_model_steps_total: int = 0
     # Images (engine/images.py): in the requests taken, and run through the vision tower (a request whose images'
@@ -1161,6 +1164,8 @@ class LLMEngine:
                     "spec_draft_tokens_total": self.spec_policy.proposed_total,
                     "spec_accepted_tokens_total": self.spec_policy.accepted_total,
                     "spec_verify_steps_total": self.spec_policy.verified_total,
+                    "spec_draft_tokens_by_position": tuple(self.spec_policy.proposed_by_position),
+                    "spec_accepted_tokens_by_position": tuple(self.spec_policy.accepted_by_position),
                     "spec_draft_model_steps_total": (
                         self.drafter.forward_passes
                         if self.drafter is not None

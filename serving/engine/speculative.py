@@ -157,6 +157,10 @@ class SpecPolicy:
     proposed_total: int = 0
     accepted_total: int = 0
     verified_total: int = 0  # requests' speculating steps
+    # Per draft position (vLLM's spec_decode num_accepted_tokens_per_pos): drafts verified and accepted at position i
+    # of a request's drafts; where acceptance falls with the position, fewer num_tokens cost less for the same tokens.
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
     speculated_steps_total: int = 0
     skipped_steps_total: int = 0  # steps where the rule said no
     seconds_total: float = 0.0  # the engine's steps, proposing included
@@ -174,6 +178,10 @@ class SpecPolicy:
         """One request's verification (its share of `observe_step`'s step)."""
         self.proposed_total += proposed
         self.accepted_total += accepted
+        for counts, n in ((self.proposed_by_position, proposed), (self.accepted_by_position, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
         self.verified_total += 1
         self._step_proposed += proposed
         self._step_accepted += accepted

@@ -300,6 +300,17 @@ def test_the_acceptance_rate_weighs_a_step_by_the_drafts_it_verified() -> None:
     assert 0.3 < few.accept_rate < 0.5
 
 
+def test_drafts_are_counted_by_their_position_among_a_request_s_drafts() -> None:
+    """vLLM's num_accepted_tokens_per_pos: a request's i-th draft is accepted only after the ones before it, so the
+    counts fall with the position; verified counts fall where some requests had fewer drafts."""
+    policy = SpecPolicy(k=4)
+    for proposed, accepted in ((4, 4), (4, 1), (2, 0), (3, 2)):
+        policy.observe_drafts(proposed, accepted)
+    assert policy.proposed_by_position == [4, 4, 3, 2]
+    assert policy.accepted_by_position == [3, 2, 1, 1]
+    assert sum(policy.accepted_by_position) == policy.accepted_total == 7
+
+
 def test_the_rule_measures_each_side_then_speculates_only_while_it_pays() -> None:
     policy = SpecPolicy(k=4, accept_rate=0.5)
     assert not policy.decide(8, 0, 0)  # no drafts: nothing to decide

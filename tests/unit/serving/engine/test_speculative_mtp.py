@@ -215,6 +215,10 @@ def test_a_layer_that_predicts_the_model_is_accepted_several_tokens_a_step(predi
     assert stats.prefix_cache_hits_total >= 32, stats
     rate = stats.spec_accepted_tokens_total / stats.spec_draft_tokens_total
     assert rate > 0.3, stats
+    # by position among a request's drafts: each accepted after those before it, the first the most often
+    accepted, verified = stats.spec_accepted_tokens_by_position, stats.spec_draft_tokens_by_position
+    assert len(accepted) == 3 and sum(accepted) == stats.spec_accepted_tokens_total, stats
+    assert list(accepted) == sorted(accepted, reverse=True) and sum(verified) == stats.spec_draft_tokens_total
     assert engine.spec_policy.mean_acceptance_length > 1.8, stats
     assert_pool_empty(engine)
 
