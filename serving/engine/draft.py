@@ -93,8 +93,7 @@ class DraftModel:
         self.budget = max_num_batched_tokens  # tokens per catch-up step, as the target's steps
         self._computed: dict[str, int] = {}  # request id -> its tokens whose keys and values the draft cache holds
         self.forward_passes = 0  # the draft model's steps (a machine-independent counter for benchmarks)
-        self.costs = StepCosts()  # its passes' wall times
-        self._per_token: float | None = None  # seconds per token of its large (catch-up) passes
+        self.costs = PassCosts()  # its passes' wall times, and per token of its large (catch-up) ones
 
     def warm_up(self, max_num_seqs: int) -> None:
         self.runner.warm_up(max_num_seqs, self.budget)
@@ -110,7 +109,7 @@ class DraftModel:
             for _ in range(2):
                 started = time.perf_counter()
                 self.runner.execute([step]).argmax(dim=-1).tolist()  # reading the token waits for the device
-                self._per_token = (time.perf_counter() - started) / self.budget
+                self.costs.per_token = (time.perf_counter() - started) / self.budget
         finally:
             self.pool.free(_SCRATCH)
 
@@ -146,7 +145,7 @@ class DraftModel:
         for i in range(1, max((r.room for r in requests), default=0)):
             going = sum(1 for r in requests if r.room > i)
             sizes.append((going, going))
-        return price(sizes, self.costs, self._per_token)
+        return price(sizes, self.costs)
 
     def _catch_up(self, ready: list[DraftRequest]) -> list[int]:
         """Feed each request's tokens the draft cache lacks (its last token at least, for its logits), in steps of
@@ -187,8 +186,6 @@ class DraftModel:
         seconds = time.perf_counter() - started
         fed = sum(s.num_new_tokens for s in steps)
         self.costs.observe(fed, len(tokens), seconds)
-        if fed >= LARGE_PASS:
-            self._per_token = seconds / fed if self._per_token is None else 0.8 * self._per_token + 0.2 * seconds / fed
         self.forward_passes += 1
         return [int(t) for t in tokens]
 
@@ -211,17 +208,30 @@ class DraftModel:
         self.pool.free(request_id)
 
 
-def price(
-    sizes: list[tuple[int, int]], costs: StepCosts, per_token: float | None, small: Callable | None = None
-) -> tuple[float | None, float]:
+class PassCosts(StepCosts):
+    """A draft source's passes' wall times by size (`StepCosts`), and seconds per token of its large ones (a catch-up
+    of many tokens is bound by its arithmetic: priced per token where its size was not measured)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_token: float | None = None
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        super().observe(tokens, rows, seconds)
+        if tokens >= LARGE_PASS:
+            now = seconds / tokens
+            self.per_token = now if self.per_token is None else 0.8 * self.per_token + 0.2 * now
+
+
+def price(sizes: list[tuple[int, int]], costs: PassCosts, small: Callable | None = None) -> tuple[float | None, float]:
     """What passes of `sizes` ((tokens, rows) each) take, in seconds, by the passes measured (`costs`): a large pass
-    not measured at `per_token` (its arithmetic), a small one by `small(tokens, rows)` where given. Returns (that, or
-    None while some pass cannot be priced; a floor: the passes that can)."""
+    not measured at `costs.per_token` (its arithmetic), a small one by `small(tokens, rows)` where given. Returns
+    (that, or None while some pass cannot be priced; a floor: the passes that can)."""
     known, floor = True, 0.0
     for tokens, rows in sizes:
         seconds = costs.measured(tokens, rows)
-        if seconds is None and tokens >= LARGE_PASS and per_token is not None:
-            seconds = tokens * per_token  # a pass this large is bound by its arithmetic: per token
+        if seconds is None and tokens >= LARGE_PASS and costs.per_token is not None:
+            seconds = tokens * costs.per_token  # a pass this large is bound by its arithmetic: per token
         if seconds is None and tokens < LARGE_PASS and small is not None:
             seconds = small(tokens, rows)
         if seconds is None:

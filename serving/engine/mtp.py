@@ -38,8 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pylon.serving.engine.draft import LARGE_PASS, DraftRequest, price
-from pylon.serving.engine.speculative import StepCosts
+from pylon.serving.engine.draft import LARGE_PASS, DraftRequest, PassCosts, price
 from pylon.serving.model.step import StepSequence
 
 HOLD = 64  # rows a request's held hidden states may reach before the layer catches up on them unasked
@@ -68,8 +67,7 @@ class MtpDrafter:
         self._known: dict[str, int] = {}  # request id -> its last known token's position, where it can draft from
         self._outputs: dict[str, object] = {}  # request id -> the layer's output at the position before that
         self.forward_passes = 0  # the layer's passes (a machine-independent counter)
-        self.costs = StepCosts()  # its passes' wall times, by (tokens, rows)
-        self._per_token: float | None = None  # seconds per token of its large (catch-up) passes
+        self.costs = PassCosts()  # its passes' wall times, by (tokens, rows), and per token of its large ones
         self.catch_up_seconds = 0.0  # the last `advance`'s (a catch-up taken unasked)
         self._last_out = None  # the last chain pass's outputs (`_pass` with `head`)
 
@@ -137,7 +135,7 @@ class MtpDrafter:
             going = sum(1 for r in requests if r.room > i)
             sizes.append((going, going))
         # (a small pass costs about what the nearest one measured did)
-        return price(sizes, self.costs, self._per_token, small=self._nearest)
+        return price(sizes, self.costs, small=self._nearest)
 
     def _nearest(self, tokens: int, rows: int) -> float | None:
         """The time of the measured small pass nearest in size to (tokens, rows), the larger of two as near: a pass of
@@ -193,8 +191,6 @@ class MtpDrafter:
         seconds = time.perf_counter() - started
         fed = sum(s.num_new_tokens for s in steps)
         self.costs.observe(fed, len(out), seconds)
-        if fed >= LARGE_PASS:
-            self._per_token = seconds / fed if self._per_token is None else 0.8 * self._per_token + 0.2 * seconds / fed
         self.forward_passes += 1
         return out
 

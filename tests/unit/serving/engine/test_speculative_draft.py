@@ -112,17 +112,16 @@ def test_the_draft_models_proposing_is_predicted_from_its_measured_passes_catch_
     passes of the token budget, then k - 1 one-token passes, each priced as measured (a large catch-up pass of a size
     not measured, per token as the large ones were, which the engine times at start); and a floor, what the passes
     priced so far take, while some are not."""
-    from pylon.serving.engine.draft import LARGE_PASS, DraftRequest
-    from pylon.serving.engine.speculative import StepCosts
+    from pylon.serving.engine.draft import LARGE_PASS, DraftRequest, PassCosts
 
     engine = family.engine(speculative=draft(family.dir), max_num_batched_tokens=2 * LARGE_PASS)
     drafter = engine.drafter
-    assert drafter._per_token is not None and drafter._per_token > 0  # priced at start
+    assert drafter.costs.per_token is not None and drafter.costs.per_token > 0  # priced at start
     assert drafter.pool.num_free_blocks == drafter.pool.num_blocks  # its scratch cache freed
     fresh = DraftRequest("new", list(range(3 * LARGE_PASS)), room=4)
     seconds, floor = drafter.estimate([fresh])
     # The prompt's catch-up is priced per token; the one-token passes were never measured: no estimate, a floor.
-    assert seconds is None and floor == pytest.approx(3 * LARGE_PASS * drafter._per_token)
+    assert seconds is None and floor == pytest.approx(3 * LARGE_PASS * drafter.costs.per_token)
 
     def cost(tokens: int, rows: int) -> float:
         return 0.001 + 0.0001 * tokens + 0.0005 * rows
@@ -130,9 +129,10 @@ def test_the_draft_models_proposing_is_predicted_from_its_measured_passes_catch_
     def measure(tokens: int, rows: int) -> None:
         drafter.costs.observe(tokens, rows, cost(tokens, rows))
 
-    drafter.costs, drafter._per_token = StepCosts(), 0.0002
+    drafter.costs = PassCosts()
     for size in [(2 * LARGE_PASS, 0), (1, 1)]:
         measure(*size)
+    drafter.costs.per_token = 0.0002  # (the large passes' per token, as if measured so)
     # 3 x LARGE_PASS tokens to catch up at 2 x LARGE_PASS a pass (the last gives the first draft; its size is
     # priced per token), then 3 one-token passes for drafts 2-4.
     expected = cost(2 * LARGE_PASS, 0) + 0.0002 * LARGE_PASS + 3 * cost(1, 1)
