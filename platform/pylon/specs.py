@@ -1041,14 +1041,17 @@ class TrainJobSpec(_Spec):
 
 
 class SpeculativeSpec(_Spec):
-    method: Literal["none", "ngram", "draft", "mtp"] = Field(
+    method: Literal["none", "ngram", "draft", "mtp", "eagle", "eagle3"] = Field(
         "none",
         description="speculative decoding: ngram = draft tokens by prompt lookup (the request's own earlier "
         "tokens: the continuation of the latest earlier occurrence of its last n tokens, no second model); draft = "
         "the greedy tokens of a smaller model (draft_model) with the same tokenizer, run beside the model with a "
         "KV cache of its own; mtp = the greedy tokens of the checkpoint's own multi-token-prediction layer "
         "(DeepSeek-V3, R1, GLM-4.5, Qwen3-Next, Qwen3.5: the layer transformers skips), fed the model's "
-        "hidden states, its KV cache one more layer in the model's blocks. Either way all drafts are "
+        "hidden states, its KV cache one more layer in the model's blocks; eagle, eagle3 = the greedy tokens of "
+        "an EAGLE or EAGLE-3 head trained for the model (draft_model: its directory, as EAGLE's, SGLang's, "
+        "SpecForge's and the speculators releases hold it), run the same way (EAGLE-3's from three of the "
+        "model's layers' hidden states). Either way all drafts are "
         "verified in one forward pass and accepted by the standard rule, so greedy outputs are token for token "
         "those without it and sampled ones keep their distribution. ngram pays off where outputs copy from the "
         "input (code edits, summaries, extraction), draft wherever the small model guesses the large one well; "
@@ -1059,7 +1062,8 @@ class SpeculativeSpec(_Spec):
     draft_model: str | None = Field(
         None,
         description="method draft: the draft model's directory (a local path or a URI such as s3://..., as "
-        "`model`), e.g. a smaller `pylon export` trained with the same tokenizer",
+        "`model`), e.g. a smaller `pylon export` trained with the same tokenizer; method eagle or eagle3: the "
+        "head's directory (its config.json and weights, safetensors or pytorch_model.bin)",
     )
     num_tokens: int = Field(4, ge=1, le=16, description="draft tokens proposed per request and step at most")
     ngram_max: int = Field(3, ge=1, le=16, description="the longest suffix of the request's tokens looked up")
@@ -1071,8 +1075,15 @@ class SpeculativeSpec(_Spec):
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("method draft needs draft_model: the directory of a smaller model with this tokenizer")
-        if self.draft_model and self.method != "draft":
-            raise ValueError(f"draft_model is set but method is {self.method}; set method: draft to use it")
+        if self.method in ("eagle", "eagle3") and not self.draft_model:
+            raise ValueError(
+                f"method {self.method} needs draft_model: the directory of the head trained for this model"
+            )
+        if self.draft_model and self.method not in ("draft", "eagle", "eagle3"):
+            raise ValueError(
+                f"draft_model is set but method is {self.method}; set method: draft (a smaller model) or eagle, "
+                "eagle3 (a head) to use it"
+            )
         return self
 
 
@@ -1315,6 +1326,15 @@ class EngineSpec(_Spec):
                     "expert_parallel",
                     "divides the experts among tensor-parallel shards: set tensor_parallel to the shards to divide "
                     "them among (2 or more), or expert_parallel to false",
+                )
+            )
+        if self.speculative.method in ("eagle", "eagle3") and (self.pipeline_parallel > 1 or self.tensor_parallel > 1):
+            problems.append(
+                (
+                    "speculative.method",
+                    f"{self.speculative.method} drafts with its head in the model's own process, not beside "
+                    f"tensor_parallel {self.tensor_parallel} / pipeline_parallel {self.pipeline_parallel}: use "
+                    "method mtp (the checkpoint's own layer, with shards) or ngram there",
                 )
             )
         if self.speculative.method == "mtp" and self.pipeline_parallel > 1:

@@ -62,6 +62,10 @@ from pylon.serving.model.families import ENCODER_MODEL_TYPES, recurrent_state_by
 from pylon.serving.model.step import StepSequence
 from pylon.specs import EngineSpec
 
+# Speculative methods drafting from the model's hidden states (engine/mtp.py): the checkpoint's layer, EAGLE heads'.
+EAGLE_METHODS = ("eagle", "eagle3")
+HEAD_METHODS = ("mtp", *EAGLE_METHODS)
+
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | ImagePrompt  # text, token ids already, or a chat prompt with images
@@ -238,7 +242,9 @@ class LLMEngine:
             except PylonError as e:
                 raise named_adapter_error(e, adapter_dirs, spec.adapters) from e.__cause__
             # The checkpoint's multi-token-prediction layer, drafting (engine/mtp.py); read while the directory is.
-            self.mtp = self._mtp_drafter(directory, spec, runner_kwargs) if spec.speculative.method == "mtp" else None
+            # An EAGLE head (model/eagle.py) drafts the same way, from the model's hidden states.
+            method = spec.speculative.method
+            self.mtp = self._mtp_drafter(directory, spec, runner_kwargs) if method in HEAD_METHODS else None
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
                 # (split, each part snapshots its own share of the states: engine/split.py's PartsSnapshot)
                 if self.pool.enable_caching and spec.recurrent_state_snapshots:
@@ -373,14 +379,18 @@ class LLMEngine:
         return EncoderRunner(directory, device=spec.device, dtype=spec.dtype, sep_token_id=sep)
 
     def _mtp_drafter(self, directory: str, spec: EngineSpec, runner_kwargs: dict) -> MtpDrafter:
-        """The multi-token-prediction layer of the model's checkpoint, its KV cache in the model's blocks, and the
-        model's runner told to keep its steps' hidden states for it. Every error it raises names the field."""
+        """The multi-token-prediction layer of the model's checkpoint (or the EAGLE head of
+        `engine.speculative.draft_model`), its KV cache in the model's blocks, and the model's runner told to keep its
+        steps' hidden states for it (an EAGLE-3 head's: three layers' inputs). Every error it raises names the field."""
         from pylon.serving.model.runner import ModelRunner
 
-        where = "engine.speculative.method mtp"  # (the spec refuses it with pipeline stages)
+        method = spec.speculative.method
+        where = f"engine.speculative.method {method}"  # (the spec refuses it with pipeline stages)
         started = time.monotonic()
         try:
-            if spec.tensor_parallel > 1:  # each shard's slices beside that shard of the model
+            if method in EAGLE_METHODS:  # (the spec refuses them with shards and stages)
+                runner = self._eagle_runner(spec, runner_kwargs)
+            elif spec.tensor_parallel > 1:  # each shard's slices beside that shard of the model
                 runner = self.runner.load_mtp(directory, runner_kwargs)
             else:
                 runner = ModelRunner(directory, **runner_kwargs, mtp=self.runner)
@@ -389,10 +399,35 @@ class LLMEngine:
             if spec.tensor_parallel > 1:  # (its shards' actors go with the engine that failed to start)
                 self.runner.shutdown()
             message = str(e)
-            raise PylonError(message if message.startswith(where) else f"{where}: {message}") from e.__cause__
+            named = message.startswith(("engine.speculative.", where))  # (an EAGLE head's errors name it)
+            raise PylonError(message if named else f"{where}: {message}") from e.__cause__
         runner.warm_up(spec.max_num_seqs, spec.max_num_batched_tokens)
-        log.info("engine: loaded the checkpoint's multi-token-prediction layer in %.2f s", time.monotonic() - started)
+        what = "the checkpoint's multi-token-prediction layer" if method == "mtp" else f"the {method} head"
+        log.info("engine: loaded %s in %.2f s", what, time.monotonic() - started)
         return MtpDrafter(runner, spec.max_num_batched_tokens)
+
+    def _eagle_runner(self, spec: EngineSpec, runner_kwargs: dict):
+        """The runner of the EAGLE head of `engine.speculative.draft_model` (model/eagle.py), checked against the
+        model; the model's runner told to keep what it reads."""
+        from pylon import storage
+        from pylon.serving.model import eagle
+        from pylon.serving.model.runner import LLAMA_FAMILIES, ModelRunner
+
+        method, uri = spec.speculative.method, spec.speculative.draft_model
+        where = f"engine.speculative.draft_model {storage.describe(uri)}"
+        why = eagle.refused(method, self.runner.config.model_type, LLAMA_FAMILIES)
+        if why is not None:
+            raise PylonError(f"engine.speculative.method {method}: model {self.runner.config.model_type}: {why}")
+        try:
+            with local_model_dir(uri) as directory:
+                head = eagle.read(directory, method, self.runner.config)
+                runner = ModelRunner(directory, **runner_kwargs, mtp=self.runner, eagle=head)
+        except PylonError as e:
+            message = str(e).replace(f"engine.speculative.draft_model {directory}", where)
+            raise PylonError(message if message.startswith(where) else f"{where}: {message}") from None
+        self.runner.keep_hidden = True
+        self.runner.keep_layers = head.aux_layers
+        return runner
 
     def _load_draft_model(self, spec: EngineSpec) -> DraftModel:
         """The draft model of `engine.speculative.draft_model`, on this engine's device and dtype, with a KV cache

@@ -89,7 +89,8 @@ class MtpInput(torch.nn.Module):
         embedding, previous, projection = (getattr(self, name) for name in self.names)
         if self.zero_first:
             embeds = embeds.masked_fill((positions == 0)[:, None], 0)
-        return projection(torch.cat([embedding(embeds), previous(hidden.to(embeds.dtype))], dim=-1))
+        # (and no input of the first layer's own: its input norm of h)
+        return projection(torch.cat([embedding(embeds), previous(hidden.to(embeds.dtype))], dim=-1)), None
 
 
 def layer_config(config):

@@ -39,6 +39,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pylon.errors import PylonError
+from pylon.serving.model import eagle as eagle_head
 from pylon.serving.model import kernels, linear, lora, moe, quant, stages
 from pylon.serving.model import mtp as mtp_layer
 from pylon.serving.model import tensor as shards
@@ -374,6 +375,7 @@ class ModelRunner:
         stage: stages.Stage | None = None,
         shard: shards.Shard | None = None,
         mtp: "ModelRunner | None" = None,
+        eagle: "eagle_head.Head | None" = None,
     ):
         """`stage`: hold only that pipeline stage's decoder layers (and their KV cache), and the embeddings and the
         head (final norm, lm_head) where it is the first (pylon.serving.model.stages); its `execute_step` then takes
@@ -395,16 +397,20 @@ class ModelRunner:
         (pylon.serving.model.mtp) as a model of one layer sharing `mtp`'s embeddings and output layer. Its
         `execute_step` takes `hidden`, the model's final hidden states a row (the layer's input beside the next
         tokens), and returns the layer's output at the sampling rows, before the norm; `finish_step` (or
-        `head_logits`) scores them."""
+        `head_logits`) scores them.
+
+        `eagle` (with `mtp`): hold that EAGLE head (pylon.serving.model.eagle, read from `model_dir`) in place of a
+        multi-token-prediction layer, run as one is: `hidden` the model's final hidden states (EAGLE) or the three it
+        reads (EAGLE-3: `keep_layers`), `head_logits` over the model's vocabulary."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        model_type = model_type_of(model_dir)
+        model_type = "llama" if eagle is not None else model_type_of(model_dir)  # (an EAGLE head's layers: Llama's)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise PylonError(
                 f"model {model_dir}: model_type '{model_type}' is not supported by the serving "
                 f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = eagle.config if eagle is not None else AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.full_config = config  # a multimodal checkpoint's whole config (its vision's too); else the model's
         # A multimodal checkpoint served for its text (families.TEXT_MODELS: Gemma 3 4B-27B, Mistral Small 3.1 and
         # 3.2): its language model's config and family from here on; its vision tower is dropped once loaded
@@ -440,9 +446,11 @@ class ModelRunner:
         # a multi-token-prediction layer's likewise (its output feeds its next draft).
         self._staged = (stage is not None and stage.count > 1) or mtp is not None
         if mtp is not None:
-            why = mtp_layer.refused(model_type, config)
+            why = mtp_layer.refused(model_type, config) if eagle is None else None
             if why is None and (stage is not None or adapters or images):
                 why = "its layer runs beside a model's runner (not a pipeline stage's), without adapters"
+            if why is not None and eagle is not None:
+                raise PylonError(f"engine.speculative.draft_model {model_dir}: {why}")
             if why is not None:
                 raise PylonError(f"engine.speculative.method mtp: model {model_dir}: {why}")
         if stage is not None:
@@ -491,7 +499,9 @@ class ModelRunner:
         if multimodal and is_sequence_classifier(self.full_config):
             raise PylonError(f"model {model_dir}: a multimodal classifier is not served; serve its text model")
         try:
-            if mtp is not None:  # (a shard's: its slices, beside that shard of the model)
+            if eagle is not None:
+                self.model = eagle_head.build(eagle, self.dtype, mtp.model)
+            elif mtp is not None:  # (a shard's: its slices, beside that shard of the model)
                 self.model = mtp_layer.load(model_dir, config, self.dtype, mtp.model, shard)
                 self._whole_config = config
             elif multimodal and shard is None and stage is None:
@@ -556,6 +566,10 @@ class ModelRunner:
         # multi-token-prediction layer (pylon.serving.engine.mtp) to read; set by the engine.
         self.keep_hidden = False
         self.step_hidden: torch.Tensor | None = None
+        # With `keep_hidden`, the layers whose inputs are kept instead, side by side (`[rows, 3 x hidden]` for an
+        # EAGLE-3 head: pylon.serving.model.eagle); () the final hidden states. The Llama-like forward keeps them.
+        self.keep_layers: tuple[int, ...] = ()
+        self._kept: list[torch.Tensor] = []
         self.config = config
         # The decoder layers this runner computes: all, or its pipeline stage's (the others are `stages.Elsewhere`).
         self.layers = stage.layers if stage is not None else range(config.num_hidden_layers)
@@ -1039,6 +1053,9 @@ class ModelRunner:
             return hidden, None
         if keep:  # every row's, kept; the sampling rows' go on (those `prompt_logits` or `samples` gives)
             self.step_hidden = hidden
+            if self.keep_layers:  # (their padded rows dropped as the last layer drops them)
+                kept = [h if final.rows is None else h[final.rows] for h in self._kept]
+                self.step_hidden, self._kept = torch.cat(kept, dim=-1), []
             rows, row = [], 0
             for s in steps:
                 if s.prompt_logits:
@@ -1052,8 +1069,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of a multi-token-prediction layer's outputs (`execute_step`'s, before the final norm)."""
-        return self.logits(self.model.model.norm(hidden.to(self.device, self.dtype))).float()
+        """Float32 logits of a multi-token-prediction layer's outputs (`execute_step`'s, before the final norm), over
+        the model's vocabulary (an EAGLE-3 head's draft vocabulary's placed at their tokens, the others -inf)."""
+        logits = self.logits(self.model.model.norm(hidden.to(self.device, self.dtype))).float()
+        placed = getattr(self.model, "draft_to_target", None)
+        if placed is None:
+            return logits
+        full = logits.new_full((len(logits), self.vocab_size), float("-inf"))
+        full[:, placed] = logits
+        return full
 
     @torch.no_grad()
     def mtp_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -1520,8 +1544,9 @@ class ModelRunner:
         from `hidden`, the previous stage's output, unless it is the first, and returns its last layer's output
         without the final norm (see `execute_step`)."""
         llama = self.model.model
+        wide = None
         if hidden is not None and self.mtp_input is not None:  # a multi-token-prediction layer: h and the next tokens
-            h = self.mtp_input(llama.embed_tokens(ids), positions, hidden)
+            h, wide = self.mtp_input(llama.embed_tokens(ids), positions, hidden)
         elif hidden is not None:
             h = hidden
         else:
@@ -1551,8 +1576,11 @@ class ModelRunner:
             attn_scale, floor_scale = self._nope_temperature
             nope_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
             nope_scale = nope_scale[:, None, None]
+        keep = self.keep_layers if self.keep_hidden else ()
         for i in self.layers:
             layer = llama.layers[i]
+            if i in keep:  # (an EAGLE-3 head's: this layer's input, every row)
+                self._kept.append(h)
             if rope_types is not None:
                 cos, sin = ropes[rope_types[i]]
             if self._linear is not None and self._linear[i]:  # Qwen3-Next's recurrent layers
@@ -1566,6 +1594,8 @@ class ModelRunner:
                 continue
             attn = layer.self_attn
             x = layer.input_layernorm(h) if input_norms else h
+            if wide is not None and i == 0:  # an EAGLE-3 head's first layer: [its embeddings' norm, its h's]
+                x = wide
             if self._mla is not None:  # DeepSeek: attention over latents (`_mla_attention`)
                 a, h = self._mla_attention(i, i == last, attn, x, h, cos[0], sin[0], meta, final)
                 if a is None:

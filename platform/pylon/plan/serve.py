@@ -330,6 +330,32 @@ def plan_serve(
             f"weights include the checkpoint's multi-token-prediction layer, {_gib(layer_bytes)} ({layer_params:,} "
             f"parameters), and the KV cache its layer, {_gib(draft_kv)}; decode throughput is without speculation"
         )
+    if e.speculative.method in ("eagle", "eagle3"):
+        # An EAGLE head (serving/model/eagle.py): its decoder layers, fc and (EAGLE-3) its output layer over its draft
+        # vocabulary, unquantized but its layers' projections; the model's embeddings and head shared; its KV cache
+        # its layers in the model's blocks.
+        from pylon import storage
+        from pylon.errors import StorageError
+        from pylon.serving.model.eagle import config_dict, head_params
+
+        uri = e.speculative.draft_model
+        try:
+            raw = config_dict(storage.read_json(storage.join(uri, "config.json")))
+        except (StorageError, AttributeError) as err:
+            raise PylonError(f"engine.speculative.draft_model {uri}: cannot read config.json ({err})") from None
+        head_config, extra, output = head_params(e.speculative.method, raw, config)
+        head = model_shape(head_config)
+        own = head.total_params - 2 * config.vocab_size * head_config.hidden_size  # (its embeddings and head: shared)
+        layer_params = own + extra + output
+        layer_bytes = layer_params * b
+        if e.quantization != "none":
+            layer_bytes -= head.projection_params * (b - QUANT_BYTES)
+        draft_kv = e.kv_cache_tokens * kv_bytes_per_token(head, KV_BYTES[kv_dtype])
+        weights += layer_bytes
+        notes.append(
+            f"weights include the {e.speculative.method} head, {_gib(layer_bytes)} ({layer_params:,} parameters), "
+            f"and the KV cache its layers, {_gib(draft_kv)}; decode throughput is without speculation"
+        )
     counted: dict = {}  # LoRA parameters by (rank, targets)
     if e.adapters:
         adapter_params = sum(_adapter_params(config, i, a.path, counted) for i, a in enumerate(e.adapters))
