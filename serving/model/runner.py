@@ -569,7 +569,7 @@ class ModelRunner:
         # With `keep_hidden`, the layers whose inputs are kept instead, side by side (`[rows, 3 x hidden]` for an
         # EAGLE-3 head: pylon.serving.model.eagle); () the final hidden states. The Llama-like forward keeps them.
         self.keep_layers: tuple[int, ...] = ()
-        self._kept: list[torch.Tensor] = []
+        self._kept: dict[int, torch.Tensor] = {}  # (this step's, by layer)
         self.config = config
         # The decoder layers this runner computes: all, or its pipeline stage's (the others are `stages.Elsewhere`).
         self.layers = stage.layers if stage is not None else range(config.num_hidden_layers)
@@ -1054,8 +1054,8 @@ class ModelRunner:
         if keep:  # every row's, kept; the sampling rows' go on (those `prompt_logits` or `samples` gives)
             self.step_hidden = hidden
             if self.keep_layers:  # (their padded rows dropped as the last layer drops them)
-                kept = [h if final.rows is None else h[final.rows] for h in self._kept]
-                self.step_hidden, self._kept = torch.cat(kept, dim=-1), []
+                kept = [self._kept[i] if final.rows is None else self._kept[i][final.rows] for i in self.keep_layers]
+                self.step_hidden, self._kept = torch.cat(kept, dim=-1), {}
             rows, row = [], 0
             for s in steps:
                 if s.prompt_logits:
@@ -1580,7 +1580,7 @@ class ModelRunner:
         for i in self.layers:
             layer = llama.layers[i]
             if i in keep:  # (an EAGLE-3 head's: this layer's input, every row)
-                self._kept.append(h)
+                self._kept[i] = h
             if rope_types is not None:
                 cos, sin = ropes[rope_types[i]]
             if self._linear is not None and self._linear[i]:  # Qwen3-Next's recurrent layers

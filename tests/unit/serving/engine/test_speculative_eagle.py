@@ -208,7 +208,7 @@ HEADS = {
         "qwen3",
         {"num_hidden_layers": 4},
         "eagle3",
-        {"layout": "speculators", "aux": [1, 2, 3], "norm_before_residual": True, "own_embeddings": True},
+        {"layout": "speculators", "aux": [3, 1, 2], "norm_before_residual": True, "own_embeddings": True},
     ),
 }
 
