@@ -87,8 +87,7 @@ def layer_config(raw: dict, vocab_size: int, layers: int | None = None):
 
     known = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type")}
     config = LlamaConfig(**known)
-    if layers is not None:
-        config.num_hidden_layers = layers
+    config.num_hidden_layers = layers or int(raw.get("num_hidden_layers") or 1)  # (EAGLE's heads: one)
     config.vocab_size = vocab_size
     config.tie_word_embeddings = False
     config.pad_token_id = None
@@ -103,9 +102,9 @@ def head_params(method: str, raw: dict, target) -> tuple[object, int, int]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or width // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    if method == "eagle":
-        return config, 2 * width * width + width, 0
-    extra = 3 * target.hidden_size * width + (heads + 2 * kv) * head_dim * width + 2 * width
+    if method == "eagle":  # (fc and its bias; no final norm, its first layer no input norm: as many uncounted)
+        return config, 2 * width * width + width - 2 * width, 0
+    extra = 3 * target.hidden_size * width + (heads + 2 * kv) * head_dim * width + width  # (hidden_norm)
     return config, extra, int(raw.get("draft_vocab_size") or target.vocab_size) * width
 
 

@@ -1150,3 +1150,40 @@ def test_deepseek_v3_s_multi_token_prediction_layer_is_counted_when_it_drafts() 
             name="l", model="s3://b/m", replica={"num_gpus": 1}, engine={"speculative": {"method": "mtp"}}
         )
         plan_serve(spec, config=AutoConfig.for_model("llama"))
+
+
+def test_an_eagle_head_is_counted_as_its_checkpoint_holds_it(tmp_path) -> None:
+    """engine.speculative.method eagle3: the plan counts the head from its config.json alone (its layer with the wider
+    attention input, fc over three of the model's hidden states, its output layer over the draft vocabulary) as many
+    parameters as the checkpoint holds, and its layer's KV cache; in shards or stages it plans prompt lookup."""
+    from transformers import AutoConfig
+
+    head = tmp_path / "head"
+    config = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8)
+    config.num_key_value_heads, config.vocab_size = 2, 1000
+    head.mkdir()
+    layer = {"hidden_size": 512, "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 2}
+    (head / "config.json").write_text(json.dumps({**layer, "model_type": "llama", "draft_vocab_size": 300}))
+    wide, kv = 1024, 2 * 64
+    held = {  # the tensors an EAGLE-3 checkpoint of that config holds (its embeddings: the model's)
+        "fc": 3 * 512 * 512,
+        "q": 512 * wide,
+        "kv": 2 * kv * wide,
+        "o": 512 * 512,
+        "mlp": 3 * 512 * 768,
+        "norms": 4 * 512,
+        "lm_head": 300 * 512,
+    }
+    tokens = 4096
+
+    def plan(**speculative):
+        engine = {"kv_cache_tokens": tokens, "max_model_len": 2048, "speculative": speculative}
+        spec = DeploymentSpec(name="e", model="s3://b/m", replica={"num_gpus": 1}, engine=engine)
+        return plan_serve(spec, config=config, gpu="L40S")
+
+    plain, drafting = plan(), plan(method="eagle3", draft_model=str(head))
+    note = next(n for n in drafting.notes if "eagle3 head" in n)
+    params = int(re.search(r"\(([\d,]+) parameters\)", note).group(1).replace(",", ""))
+    assert params == sum(held.values()), (params, held)
+    assert drafting.rows[0].kv_cache - plain.rows[0].kv_cache == tokens * 2 * kv * 2
+    assert drafting.rows[0].weights - plain.rows[0].weights == params * 2
