@@ -418,12 +418,17 @@ class LLMEngine:
         why = eagle.refused(method, self.runner.config.model_type, LLAMA_FAMILIES)
         if why is not None:
             raise PylonError(f"engine.speculative.method {method}: model {self.runner.config.model_type}: {why}")
+        directory = None
         try:
             with local_model_dir(uri) as directory:
                 head = eagle.read(directory, method, self.runner.config)
                 runner = ModelRunner(directory, **runner_kwargs, mtp=self.runner, eagle=head)
         except PylonError as e:
-            message = str(e).replace(f"engine.speculative.draft_model {directory}", where)
+            message = str(e)
+            if message.startswith("model.path "):  # (local_model_dir's, about the URI: "model.path <uri>: ...")
+                message = message.split(": ", 1)[-1]
+            if directory is not None:  # (eagle.read's name the copy: the URI instead)
+                message = message.replace(f"engine.speculative.draft_model {directory}", where)
             raise PylonError(message if message.startswith(where) else f"{where}: {message}") from None
         self.runner.keep_hidden = True
         self.runner.keep_layers = head.aux_layers

@@ -8,6 +8,7 @@ name."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -348,3 +349,30 @@ def test_what_cannot_draft_is_refused_by_name(tmp_path) -> None:
     write_head(tmp_path / "gpt2-head", gpt2.model.config, "eagle3", aux=[1, 1, 1])
     with pytest.raises(PylonError, match=r"method eagle3: model gpt2: an EAGLE-3 head reads hidden states inside"):
         gpt2.engine(speculative=method("eagle3", tmp_path / "gpt2-head"))
+
+
+def test_a_head_in_object_storage_is_read_from_there_and_planned(predictor, s3_root) -> None:
+    """`draft_model` an s3:// URI: the engine copies the head (pytorch_model.bin) and drafts with it as from disk;
+    `pylon plan` reads its config.json there; a URI with no head behind it is refused naming the field."""
+    from pylon import storage
+    from pylon.plan.serve import plan_serve
+    from pylon.specs import DeploymentSpec
+
+    family, head = predictor
+    for path in head.iterdir():
+        storage.upload_file(path, f"{s3_root}/{path.name}")
+    engine = speculating(family.engine(speculative=method("eagle", s3_root)))
+    got = [c.token_ids for c in engine.generate(PROMPTS[:3], GREEDY)]
+    assert got == [family.hf_greedy(p, GREEDY.max_tokens) for p in PROMPTS[:3]]
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens_total / stats.spec_draft_tokens_total > 0.5, stats
+    spec = DeploymentSpec(
+        name="e", model=family.dir, replica={"num_gpus": 1}, engine={"speculative": method("eagle", s3_root)}
+    )
+    plan = plan_serve(spec, config=family.model.config, gpu="L40S")
+    note = next(n for n in plan.notes if "eagle head" in n)
+    planned = int(re.search(r"\(([\d,]+) parameters\)", note).group(1).replace(",", ""))
+    held = sum(t.numel() for t in torch.load(head / "pytorch_model.bin").values())
+    assert 0 <= planned - held <= family.model.config.hidden_size, (planned, held)  # (fc's bias, which this one lacks)
+    with pytest.raises(PylonError, match=r"engine\.speculative\.draft_model s3://.*/none"):
+        family.engine(speculative=method("eagle", f"{s3_root}/none"))
