@@ -1041,10 +1041,13 @@ class TrainJobSpec(_Spec):
 
 
 class SpeculativeSpec(_Spec):
-    method: Literal["none", "ngram", "draft", "mtp", "eagle", "eagle3"] = Field(
+    method: Literal["none", "ngram", "suffix", "draft", "mtp", "eagle", "eagle3"] = Field(
         "none",
         description="speculative decoding: ngram = draft tokens by prompt lookup (the request's own earlier "
-        "tokens: the continuation of the latest earlier occurrence of its last n tokens, no second model); draft = "
+        "tokens: the continuation of the latest earlier occurrence of its last n tokens, no second model); suffix = "
+        "suffix decoding: the most frequent continuation of its latest tokens in suffix trees of its own tokens "
+        "and of the outputs of the requests that finished before it (agents, tool loops, templated output: what "
+        "earlier requests wrote drafts the next one's); draft = "
         "the greedy tokens of a smaller model (draft_model) with the same tokenizer, run beside the model with a "
         "KV cache of its own; mtp = the greedy tokens of the checkpoint's own multi-token-prediction layer "
         "(DeepSeek-V3, R1, GLM-4.5, Qwen3-Next, Qwen3.5: the layer transformers skips), fed the model's "
@@ -1068,6 +1071,25 @@ class SpeculativeSpec(_Spec):
     num_tokens: int = Field(4, ge=1, le=16, description="draft tokens proposed per request and step at most")
     ngram_max: int = Field(3, ge=1, le=16, description="the longest suffix of the request's tokens looked up")
     ngram_min: int = Field(1, ge=1, le=16, description="the shortest suffix looked up before giving up")
+    suffix_max_depth: int = Field(
+        24, ge=2, le=256, description="method suffix: the longest run of tokens its trees count (vLLM's default)"
+    )
+    suffix_max_cached_requests: int = Field(
+        10000,
+        ge=0,
+        description="method suffix: the finished requests whose outputs draft later ones (the oldest let go first); "
+        "0: each request drafts from its own tokens only",
+    )
+    suffix_max_spec_factor: float = Field(
+        1.0, gt=0, description="method suffix: a draft is at most this many times the matched suffix's length"
+    )
+    suffix_min_token_prob: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="method suffix: a draft stops where its estimated probability (the product of each token's "
+        "share of what followed) falls below this",
+    )
 
     @model_validator(mode="after")
     def _ngram_bounds(self):

@@ -49,6 +49,7 @@ from pylon.serving.engine.sampling import (
 )
 from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
+from pylon.serving.engine.suffix import SuffixDecoding
 from pylon.serving.engine.tokenization import (
     IncrementalDetokenizer,
     bad_words_ids,
@@ -320,6 +321,17 @@ class LLMEngine:
         # A model cannot attend past its position table; the spec's own rules keep the pool >= max_model_len.
         self.max_model_len = min(spec.max_model_len, self.runner.max_position_embeddings)
         self.drafter = self._load_draft_model(spec) if speculative.method == "draft" else None
+        # Suffix decoding's trees (engine/suffix.py): each running request's, and the finished outputs'.
+        self.suffix = (
+            SuffixDecoding(
+                speculative.suffix_max_depth,
+                speculative.suffix_max_cached_requests,
+                speculative.suffix_max_spec_factor,
+                speculative.suffix_min_token_prob,
+            )
+            if speculative.method == "suffix"
+            else None
+        )
         started = time.monotonic()
         # (not with a multi-token-prediction layer: its catch-up reads every row's hidden states, which the graphs'
         # steps do not keep)
@@ -967,7 +979,10 @@ class LLMEngine:
                     drafted.append(request)
                     rooms.append(room)
                 continue
-            request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
+            if self.suffix is not None:
+                request.draft = self.suffix.propose(request.request_id, request.token_ids, room)
+            else:
+                request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
             if request.draft:
                 drafted.append(request)
         if self.drafter is not None:
@@ -1122,6 +1137,8 @@ class LLMEngine:
             self.drafter.forget(request.request_id)
         if self.mtp is not None:
             self.mtp.forget(request.request_id)
+        if self.suffix is not None:  # (its output drafts later requests')
+            self.suffix.finish(request.request_id, request.output_token_ids)
         self._finished_total[reason] += 1
         with self._lock:
             self._unfinished_ids.discard(request.request_id)

@@ -1,0 +1,130 @@
+"""Suffix decoding (`engine.speculative.method: suffix`, engine/suffix.py): the trees count every run of tokens up to
+their depth and give it back exactly; drafts follow the most frequent continuation of the longest matched suffix, as
+long as the match and the probability allow; through the engine, outputs stay the model's and what earlier requests
+wrote drafts later ones, which prompt lookup cannot."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from engine_models import GREEDY, PROMPTS, Family, assert_pool_empty, run, speculating, tokens_of
+
+from pylon.serving.engine.suffix import SuffixDecoding, SuffixTree
+
+
+def counted(tree: SuffixTree) -> Counter:
+    """Every path of the tree and its count."""
+    found: Counter = Counter()
+
+    def walk(node, path):
+        for t, child in node.children.items():
+            found[(*path, t)] = child.count
+            walk(child, (*path, t))
+
+    walk(tree.root, ())
+    return found
+
+
+def runs(sequences: list[list[int]], depth: int) -> Counter:
+    """Every run of 1 .. depth tokens of the sequences, counted: what the tree must hold."""
+    found: Counter = Counter()
+    for s in sequences:
+        for i in range(len(s)):
+            for n in range(1, depth + 1):
+                if i + n <= len(s):
+                    found[tuple(s[i : i + n])] += 1
+    return found
+
+
+def test_the_tree_counts_every_run_up_to_its_depth_and_gives_them_back() -> None:
+    rng = random.Random(0)
+    seqs = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
+    tree = SuffixTree(depth=6)
+    for i, s in enumerate(seqs):
+        cut = len(s) // 2  # (extended in two calls: the open suffixes carry over)
+        tree.extend(i, s[:cut])
+        tree.extend(i, s[cut:])
+        tree.close(i)
+    assert counted(tree) == runs(seqs, 6)
+    for s in seqs[::2]:
+        tree.remove(s)
+    assert counted(tree) == runs(seqs[1::2], 6)
+    for s in seqs[1::2]:
+        tree.remove(s)
+    assert not tree.root.children
+
+
+def test_a_draft_follows_the_most_frequent_continuation_while_it_is_likely() -> None:
+    tree = SuffixTree(depth=8)
+    for i, s in enumerate([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [7, 2, 3, 4, 6]]):
+        tree.extend(i, s)
+        tree.close(i)
+    # [2, 3] is followed by 4 three times in four: 4, then 5 (two of the three 2 3 4), probability 3/4 * 2/3
+    draft, score = tree.speculate([0, 2, 3], k=5, max_spec_factor=2.0, min_token_prob=0.1)
+    assert draft == [4, 5] and abs(score - (0.75 + 0.5)) < 1e-9
+    # the longest match wins: [1, 2, 3] -> 4 (2 of 3), then 5
+    assert tree.speculate([1, 2, 3], k=5, max_spec_factor=2.0, min_token_prob=0.1)[0] == [4, 5]
+    # a draft stops where its probability falls below the floor, or at the match's length x the factor, or at k
+    assert tree.speculate([0, 2, 3], k=5, max_spec_factor=2.0, min_token_prob=0.6)[0] == [4]
+    assert tree.speculate([0, 2, 3], k=5, max_spec_factor=0.5, min_token_prob=0.1)[0] == [4]
+    assert tree.speculate([0, 2, 3], k=1, max_spec_factor=2.0, min_token_prob=0.1)[0] == [4]
+    assert tree.speculate([8], k=5, max_spec_factor=2.0, min_token_prob=0.1) == ([], 0.0)
+
+
+def test_past_the_tree_s_depth_a_draft_finds_its_place_again() -> None:
+    tree = SuffixTree(depth=3)
+    text = list(range(20))
+    tree.extend("t", text)
+    tree.close("t")
+    assert tree.speculate([0, 4, 5], k=8, max_spec_factor=8.0, min_token_prob=0.1)[0] == [6, 7, 8, 9, 10, 11, 12, 13]
+
+
+def test_the_engine_s_drafter_takes_the_likelier_tree_and_lets_old_outputs_go() -> None:
+    suffix = SuffixDecoding(depth=16, max_cached_requests=2, max_spec_factor=4.0, min_token_prob=0.1)
+    answer = [40, 41, 42, 43, 44, 45, 46, 47]
+    suffix.finish("a", answer)
+    # a new request whose own tokens hold nothing like it drafts the earlier output once it starts writing it
+    assert suffix.propose("b", [1, 2, 3, 40, 41], k=4) == [42, 43, 44, 45]
+    assert suffix.propose("b", [1, 2, 3, 40, 41, 42, 43], k=4) == [44, 45, 46, 47]
+    # its own tokens win where they are likelier: a loop it wrote itself
+    own = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    assert suffix.propose("c", own, k=3) == [7, 5, 6]
+    suffix.finish("b", [40, 41, 42, 43])
+    suffix.finish("c", [9, 9])
+    suffix.finish("d", [8, 8])  # (max 2 kept: a's and b's outputs let go)
+    assert suffix.propose("e", [1, 40, 41], k=4) == []
+    assert counted(suffix.cached) == runs([[9, 9], [8, 8]], 16)
+
+
+def test_through_the_engine_outputs_stay_the_model_s_and_earlier_outputs_draft_later_requests(tmp_path) -> None:
+    """Prompts answered once, then again as new requests: greedy outputs are transformers' both times; the second
+    time suffix decoding drafts each answer from the first (most drafts accepted, few forward passes a token), where
+    prompt lookup finds only what the request itself holds."""
+    family = Family("llama", tmp_path / "m", greedy=False)
+    prompts = PROMPTS[:4]
+    passes = {}
+    for method in ("ngram", "suffix"):
+        engine = speculating(family.engine(speculative={"method": method, "num_tokens": 4}))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"first-{i}", prompt, GREEDY)
+        run(engine)
+        before = engine.stats()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"again-{i}", prompt, GREEDY)
+        steps, got = 0, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).append(out)
+            steps += 1
+        for i, prompt in enumerate(prompts):
+            assert tokens_of(got[f"again-{i}"]) == family.hf_greedy(prompt, GREEDY.max_tokens), (method, i)
+        stats = engine.stats()
+        drafts = stats.spec_draft_tokens_total - before.spec_draft_tokens_total
+        accepted = stats.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+        passes[method] = steps / GREEDY.max_tokens
+        if method == "suffix":
+            assert drafts > 0 and accepted / drafts > 0.9, (drafts, accepted)
+        assert_pool_empty(engine)
+    # the second round's steps per output token (the 4 requests batched): suffix's at most a third of prompt lookup's
+    assert passes["suffix"] < passes["ngram"] / 3, passes
