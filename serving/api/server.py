@@ -128,7 +128,8 @@ def _metrics(model: str):
         ),
         "spec_draft_model_steps": counter(
             "pylon_spec_decode_draft_model_steps_total",
-            "The draft model's forward passes (engine.speculative.method: draft), or the MTP layer's (mtp)",
+            "The draft model's forward passes (engine.speculative.method: draft), or the MTP layer's (mtp) or EAGLE "
+            "head's (eagle, eagle3)",
         ),
         "images": counter("pylon_images_total", "Images in the requests the engine took"),
         "images_encoded": counter(

@@ -100,6 +100,7 @@ class EngineStats:
     spec_draft_tokens_by_position: tuple[int, ...] = ()
     spec_accepted_tokens_by_position: tuple[int, ...] = ()
     # The draft model's forward passes (engine.speculative.method: draft), or the multi-token-prediction layer's (mtp)
+    # or EAGLE head's (eagle, eagle3)
     spec_draft_model_steps_total: int = 0
     # Images (engine/images.py): in the requests taken, and run through the vision tower (a request whose images'
     # blocks were all in the prefix cache runs none; a preempted one runs its own again).

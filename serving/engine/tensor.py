@@ -227,11 +227,16 @@ class TensorRunner(SplitRunner):
     def finish_step(self, steps, hidden: torch.Tensor):
         """The first pipeline stage's end of a step (`ModelRunner.finish_step`), every shard computing its rows of the
         lm_head, gathered."""
+        return self.with_hidden(
+            hidden, lambda w, sent: w.finish.remote(steps, sent), lambda: self.local.finish_step(steps, hidden)
+        )
+
+    def with_hidden(self, hidden: torch.Tensor, call, compute):
+        """`compute()` here while every other shard runs `call(worker, hidden as sent)` (`hidden` put once for all)."""
         import ray
 
         sent = ray.put(packed(hidden)) if self.workers else None
-        done = [w.finish.remote(steps, sent) for w in self.workers]
-        return self._together(done, lambda: self.local.finish_step(steps, hidden))
+        return self._together([call(w, sent) for w in self.workers], compute)
 
     def _together(self, done: list, compute):
         """`compute()` (this shard's part) while the other shards compute theirs (`done`, their calls); a shard
@@ -330,19 +335,15 @@ class TensorMtp:
 
     @torch.no_grad()
     def execute_step(self, steps, hidden: torch.Tensor):
-        import ray
-
-        sent = ray.put(packed(hidden)) if self.tensor.workers else None
-        done = [w.run_mtp.remote(steps, sent) for w in self.tensor.workers]
-        return self.tensor._together(done, lambda: self.local.execute_step(steps, hidden))
+        return self.tensor.with_hidden(
+            hidden, lambda w, sent: w.run_mtp.remote(steps, sent), lambda: self.local.execute_step(steps, hidden)
+        )
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        import ray
-
-        sent = ray.put(packed(hidden)) if self.tensor.workers else None
-        done = [w.mtp_head.remote(sent) for w in self.tensor.workers]
-        return self.tensor._together(done, lambda: self.local.head_logits(hidden))
+        return self.tensor.with_hidden(
+            hidden, lambda w, sent: w.mtp_head.remote(sent), lambda: self.local.head_logits(hidden)
+        )
 
     def mtp_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.local.mtp_hidden(hidden)  # (the layer's final norm: whole on every shard)

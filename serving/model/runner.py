@@ -556,8 +556,9 @@ class ModelRunner:
         self.model.to(self.device).eval()
         if self.classifier is not None:
             self.classifier.to(self.device).eval()
-        # The multi-token-prediction layer's input (mtp_layer.MtpInput); None for a model's runner. Its output feeds its
-        # next draft before its final norm (DeepSeek's) or after it (Qwen's): `mtp_hidden`.
+        # The multi-token-prediction layer's input (mtp_layer.MtpInput; an EAGLE head's eagle_head.EagleInput); None for
+        # a model's runner. Its output feeds its next draft before its final norm (DeepSeek's, EAGLE's) or after it
+        # (Qwen's): `mtp_hidden`.
         self.mtp_input = getattr(self.model, "mtp_input", None) if mtp is not None else None
         self._mtp_normed = mtp is not None and mtp_layer.layout(model_type) == "qwen"
         if mtp is not None:
