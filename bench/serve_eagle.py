@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from serve_mtp import corpus, engine, leg
+from serve_mtp import compare, corpus
 
 LEGS = ("plain", "ngram", "eagle3", "eagle3-always")  # eagle3-always: the rule told to speculate wherever it can
 
@@ -225,43 +224,9 @@ def main() -> None:
         train_ids, held = corpus()
         train_model(directory, train_ids, args)
         train_head(directory, head, train_ids, args)
-        for c in args.concurrency:
-            engines = {}
-            for name in LEGS:
-                method = name.removesuffix("-always")
-                speculative = {"method": method, "num_tokens": args.num_tokens} if name != "plain" else {}
-                if method == "eagle3":
-                    speculative["draft_model"] = str(head)
-                engines[name] = engine(directory, c, speculative)
-                if name.endswith("-always"):
-                    engines[name].spec_policy.decide = lambda decodes, drafts, other, **_: decodes > 0 and drafts > 0
-                leg(engines[name], c, args, held, 99)  # warm-up (the rule's first measures too)
-            speeds: dict[str, list[float]] = {name: [] for name in LEGS}
-            passes: dict[str, float] = {}
-            for r in range(args.rounds):
-                for name in LEGS if r % 2 == 0 else LEGS[::-1]:
-                    speed, steps = leg(engines[name], c, args, held, r)
-                    speeds[name].append(speed)
-                    passes[name] = steps / (c * args.output_tokens)
-            print(f"concurrency {c}: plain {statistics.median(speeds['plain']):.1f} tok/s")
-            for name in LEGS[1:]:
-                ratios = [a / b for a, b in zip(speeds[name], speeds["plain"])]
-                stats = engines[name].stats()
-                rate = stats.spec_accepted_tokens_total / max(stats.spec_draft_tokens_total, 1)
-                by_position = "/".join(
-                    f"{a / max(v, 1):.0%}"
-                    for a, v in zip(stats.spec_accepted_tokens_by_position, stats.spec_draft_tokens_by_position)
-                )
-                length = engines[name].spec_policy.mean_acceptance_length
-                per_token = stats.spec_draft_model_steps_total / max(stats.generation_tokens_total, 1)
-                head_passes = f", head passes per output token {per_token:.2f}" if "eagle" in name else ""
-                print(
-                    f"  {name}: {statistics.median(speeds[name]):.1f} tok/s, {statistics.median(ratios):.2f}x (rounds "
-                    f"{min(ratios):.2f}-{max(ratios):.2f}); drafts {stats.spec_draft_tokens_total:,}, accepted "
-                    f"{rate:.0%} (by position {by_position}), {length:.2f} tokens a speculating step, verifying steps "
-                    f"{stats.spec_verify_steps_total:,}; model forward passes per output token "
-                    f"{passes['plain']:.2f} -> {passes[name]:.2f}{head_passes}"
-                )
+        compare(
+            directory, args, held, LEGS, lambda method: {"draft_model": str(head)} if method == "eagle3" else {}, "head"
+        )
 
 
 if __name__ == "__main__":

@@ -188,6 +188,50 @@ def leg(eng, concurrency: int, args, held: list[int], seed: int) -> tuple[float,
     return tokens / (time.perf_counter() - t0), steps
 
 
+def compare(directory: Path, args, held: list[int], legs: tuple[str, ...], extra, drafter: str) -> None:
+    """At each `--concurrency`: every leg of `legs` (plain, then methods; a `-always` leg is its method with the rule
+    told to speculate wherever it can; `extra(method)`: more speculative settings) on its own engine over the same
+    requests, alternating over `--rounds`; prints tokens/s, ratios to plain with their spread, drafts accepted (and by
+    position), tokens a speculating step, and the model's passes and the `drafter`'s per output token."""
+    for c in args.concurrency:
+        engines = {}
+        for name in legs:
+            method = name.removesuffix("-always")
+            speculative = {"method": method, "num_tokens": args.num_tokens, **extra(method)} if name != "plain" else {}
+            engines[name] = engine(directory, c, speculative)
+            if name.endswith("-always"):  # (what speculating costs and gains here, whatever the rule would say)
+                engines[name].spec_policy.decide = lambda decodes, drafts, other, **_: decodes > 0 and drafts > 0
+            leg(engines[name], c, args, held, 99)  # warm-up (the rule's first measures too)
+        speeds: dict[str, list[float]] = {name: [] for name in legs}
+        passes: dict[str, float] = {}
+        for r in range(args.rounds):
+            for name in legs if r % 2 == 0 else legs[::-1]:
+                speed, steps = leg(engines[name], c, args, held, r)
+                speeds[name].append(speed)
+                passes[name] = steps / (c * args.output_tokens)
+        print(f"concurrency {c}: plain {statistics.median(speeds['plain']):.1f} tok/s")
+        for name in legs[1:]:
+            ratios = [a / b for a, b in zip(speeds[name], speeds["plain"])]
+            stats = engines[name].stats()
+            rate = stats.spec_accepted_tokens_total / max(stats.spec_draft_tokens_total, 1)
+            by_position = "/".join(
+                f"{a / max(v, 1):.0%}"
+                for a, v in zip(stats.spec_accepted_tokens_by_position, stats.spec_draft_tokens_by_position)
+            )
+            length = engines[name].spec_policy.mean_acceptance_length
+            per_token = stats.spec_draft_model_steps_total / max(stats.generation_tokens_total, 1)
+            drafts = (
+                f", {drafter} passes per output token {per_token:.2f}" if stats.spec_draft_model_steps_total else ""
+            )
+            print(
+                f"  {name}: {statistics.median(speeds[name]):.1f} tok/s, {statistics.median(ratios):.2f}x (rounds "
+                f"{min(ratios):.2f}-{max(ratios):.2f}); drafts {stats.spec_draft_tokens_total:,}, accepted "
+                f"{rate:.0%} (by position {by_position}), {length:.2f} tokens a speculating step, verifying steps "
+                f"{stats.spec_verify_steps_total:,}; model forward passes per output token "
+                f"{passes['plain']:.2f} -> {passes[name]:.2f}{drafts}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -217,37 +261,7 @@ def main() -> None:
         )
         train_ids, held = corpus()
         train(directory, train_ids, args)
-        for c in args.concurrency:
-            engines = {}
-            for name in LEGS:
-                method = name.removesuffix("-always")
-                speculative = {"method": method, "num_tokens": args.num_tokens} if name != "plain" else {}
-                engines[name] = engine(directory, c, speculative)
-                if name.endswith("-always"):  # (what speculating costs and gains here, whatever the rule would say)
-                    engines[name].spec_policy.decide = lambda decodes, drafts, other, **_: decodes > 0 and drafts > 0
-                leg(engines[name], c, args, held, 99)  # warm-up (the rule's first measures too)
-            speeds: dict[str, list[float]] = {name: [] for name in LEGS}
-            passes: dict[str, float] = {}
-            for r in range(args.rounds):
-                for name in LEGS if r % 2 == 0 else LEGS[::-1]:
-                    speed, steps = leg(engines[name], c, args, held, r)
-                    speeds[name].append(speed)
-                    passes[name] = steps / (c * args.output_tokens)
-            print(f"concurrency {c}: plain {statistics.median(speeds['plain']):.1f} tok/s")
-            for name in LEGS[1:]:
-                ratios = [a / b for a, b in zip(speeds[name], speeds["plain"])]
-                stats = engines[name].stats()
-                rate = stats.spec_accepted_tokens_total / max(stats.spec_draft_tokens_total, 1)
-                length = engines[name].spec_policy.mean_acceptance_length
-                per_token = stats.spec_draft_model_steps_total / max(stats.generation_tokens_total, 1)
-                layer_passes = f", MTP layer passes per output token {per_token:.2f}" if "mtp" in name else ""
-                print(
-                    f"  {name}: {statistics.median(speeds[name]):.1f} tok/s, {statistics.median(ratios):.2f}x (rounds "
-                    f"{min(ratios):.2f}-{max(ratios):.2f}); drafts {stats.spec_draft_tokens_total:,}, accepted "
-                    f"{rate:.0%}, {length:.2f} tokens a speculating step, verifying steps "
-                    f"{stats.spec_verify_steps_total:,}; model forward passes per output token "
-                    f"{passes['plain']:.2f} -> {passes[name]:.2f}{layer_passes}"
-                )
+        compare(directory, args, held, LEGS, lambda method: {}, "MTP layer")
 
 
 if __name__ == "__main__":

@@ -459,6 +459,21 @@ def speculating(engine: LLMEngine) -> LLMEngine:
     return engine
 
 
+def recorded(engine) -> list[tuple[list[int], list[int]]]:
+    """Each proposal the engine's hidden-state drafter (an MTP layer, an EAGLE head: `engine.mtp`) makes from now on:
+    the request's tokens then, and its drafts."""
+    proposed = []
+    propose = engine.mtp.propose
+
+    def recording(requests, tables):
+        drafts = propose(requests, tables)
+        proposed.extend((list(r.token_ids), drafts[r.request_id]) for r in requests if r.request_id in drafts)
+        return drafts
+
+    engine.mtp.propose = recording
+    return proposed
+
+
 # The quantized checkpoint layouts `save_quantized` writes: DeepSeek's block FP8, and compressed-tensors' FP8 per
 # channel ("-FP8-dynamic"), INT8 per channel with zero points (asymmetric "-W8A8"), INT4 in groups of 32 packed eight to
 # an int32 ("-W4A16").

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_models import GREEDY, PROMPTS, Family, assert_pool_empty, run, speculating, tokens_of
+from engine_models import GREEDY, PROMPTS, Family, assert_pool_empty, recorded, run, speculating, tokens_of
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -185,20 +185,6 @@ class Reference:
             tokens.append(draft)
             hidden.append(last)
         return drafts
-
-
-def recorded(engine) -> list[tuple[list[int], list[int]]]:
-    """Each proposal the engine's head makes from now on: the request's tokens then, and its drafts."""
-    proposed = []
-    propose = engine.mtp.propose
-
-    def recording(requests, tables):
-        drafts = propose(requests, tables)
-        proposed.extend((list(r.token_ids), drafts[r.request_id]) for r in requests if r.request_id in drafts)
-        return drafts
-
-    engine.mtp.propose = recording
-    return proposed
 
 
 # (name, target family and its settings, head kind, write_head's settings)

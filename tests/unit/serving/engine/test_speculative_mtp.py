@@ -15,6 +15,7 @@ from engine_models import (
     Family,
     add_mtp_layer,
     assert_pool_empty,
+    recorded,
     run,
     spec,
     speculating,
@@ -113,20 +114,6 @@ def reference_drafts(family: Family, tensors: dict, layer, rotary, token_ids: li
         tokens.append(draft)
         hidden.append(normed if qwen else last)
     return drafts
-
-
-def recorded(engine) -> list[tuple[list[int], list[int]]]:
-    """Each proposal the engine's layer makes from now on: the request's tokens then, and its drafts."""
-    proposed = []
-    propose = engine.mtp.propose
-
-    def recording(requests, tables):
-        drafts = propose(requests, tables)
-        proposed.extend((list(r.token_ids), drafts[r.request_id]) for r in requests if r.request_id in drafts)
-        return drafts
-
-    engine.mtp.propose = recording
-    return proposed
 
 
 def test_the_drafts_are_the_checkpoint_layer_s_and_greedy_outputs_the_model_s(checkpoint, tmp_path) -> None:
