@@ -1350,13 +1350,13 @@ class EngineSpec(_Spec):
                     "them among (2 or more), or expert_parallel to false",
                 )
             )
-        if self.speculative.method in ("eagle", "eagle3") and (self.pipeline_parallel > 1 or self.tensor_parallel > 1):
+        if self.speculative.method in ("eagle", "eagle3") and self.pipeline_parallel > 1:
             problems.append(
                 (
                     "speculative.method",
-                    f"{self.speculative.method} drafts with its head in the model's own process, not beside "
-                    f"tensor_parallel {self.tensor_parallel} / pipeline_parallel {self.pipeline_parallel}: use "
-                    "method mtp (the checkpoint's own layer, with shards) or ngram there",
+                    f"{self.speculative.method} drafts with its head beside the model's last layer, in one stage, not "
+                    f"with pipeline_parallel {self.pipeline_parallel}: use method ngram or suffix there "
+                    "(tensor_parallel takes it)",
                 )
             )
         if self.speculative.method == "mtp" and self.pipeline_parallel > 1:

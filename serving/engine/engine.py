@@ -401,7 +401,7 @@ class LLMEngine:
         where = f"engine.speculative.method {method}"  # (the spec refuses it with pipeline stages)
         started = time.monotonic()
         try:
-            if method in EAGLE_METHODS:  # (the spec refuses them with shards and stages)
+            if method in EAGLE_METHODS:  # (the spec refuses them with pipeline stages)
                 runner = self._eagle_runner(spec, runner_kwargs)
             elif spec.tensor_parallel > 1:  # each shard's slices beside that shard of the model
                 runner = self.runner.load_mtp(directory, runner_kwargs)
@@ -421,10 +421,12 @@ class LLMEngine:
 
     def _eagle_runner(self, spec: EngineSpec, runner_kwargs: dict):
         """The runner of the EAGLE head of `engine.speculative.draft_model` (model/eagle.py), checked against the
-        model; the model's runner told to keep what it reads."""
+        model (with `engine.tensor_parallel`: each shard's slices beside its shard of the model); the model's runner
+        told to keep what it reads."""
         from pylon import storage
+        from pylon.serving.engine.tensor import load_head
         from pylon.serving.model import eagle
-        from pylon.serving.model.runner import LLAMA_FAMILIES, ModelRunner
+        from pylon.serving.model.runner import LLAMA_FAMILIES
 
         method, uri = spec.speculative.method, spec.speculative.draft_model
         where = f"engine.speculative.draft_model {storage.describe(uri)}"
@@ -433,9 +435,10 @@ class LLMEngine:
             raise PylonError(f"engine.speculative.method {method}: model {self.runner.config.model_type}: {why}")
         directory = None
         try:
-            with local_model_dir(uri) as directory:
-                head = eagle.read(directory, method, self.runner.config)
-                runner = ModelRunner(directory, **runner_kwargs, mtp=self.runner, eagle=head)
+            with local_model_dir(uri) as directory:  # (read by every shard while it is there)
+                if spec.tensor_parallel > 1:
+                    return self.runner.load_mtp(directory, runner_kwargs, eagle=method)
+                return load_head(self.runner, None, directory, runner_kwargs, method)
         except PylonError as e:
             message = str(e)
             if message.startswith("model.path "):  # (local_model_dir's, about the URI: "model.path <uri>: ...")
@@ -443,9 +446,6 @@ class LLMEngine:
             if directory is not None:  # (eagle.read's name the copy: the URI instead)
                 message = message.replace(f"engine.speculative.draft_model {directory}", where)
             raise PylonError(message if message.startswith(where) else f"{where}: {message}") from None
-        self.runner.keep_hidden = True
-        self.runner.keep_layers = head.aux_layers
-        return runner
 
     def _load_draft_model(self, spec: EngineSpec) -> DraftModel:
         """The draft model of `engine.speculative.draft_model`, on this engine's device and dtype, with a KV cache

@@ -103,14 +103,12 @@ class ShardWorker(PartWorker):
         """The first stage's end of a step (`ModelRunner.finish_step`): this shard's rows of the lm_head, gathered."""
         self.runner.finish_step(steps, unpacked(hidden)[0])
 
-    def load_mtp(self, directory: str, runner_kwargs: dict) -> None:
-        """This shard of the checkpoint's multi-token-prediction layer (engine/mtp.py), beside this shard of the model,
-        which from now on computes every row's final hidden state, as the first shard does for the layer (the shards'
-        last layers meet in the same collectives)."""
-        from pylon.serving.model.runner import ModelRunner
-
-        self.runner.keep_hidden = True
-        self.mtp = ModelRunner(directory, shard=self.shard, mtp=self.runner, **runner_kwargs)
+    def load_mtp(self, directory: str, runner_kwargs: dict, eagle: str | None = None) -> None:
+        """This shard of the checkpoint's multi-token-prediction layer (engine/mtp.py), or of the EAGLE head in
+        `directory` (`eagle`: its method), beside this shard of the model, which from now on computes every row's
+        final hidden state (or the head's layers' inputs), as the first shard does for the layer (the shards' last
+        layers meet in the same collectives)."""
+        self.mtp = load_head(self.runner, self.shard, directory, runner_kwargs, eagle)
 
     def mtp_warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.mtp.warm_up(max_num_seqs, max_num_batched_tokens)
@@ -279,24 +277,23 @@ class TensorRunner(SplitRunner):
         ray.get(remote)
         return done
 
-    def load_mtp(self, directory: str, runner_kwargs: dict) -> "TensorMtp":
-        """The checkpoint's multi-token-prediction layer in this runner's shards (each shard's beside its part of the
-        model, which from now on keeps every row's final hidden state: `ModelRunner.keep_hidden`); its runner's
-        interface for engine/mtp.py."""
+    def load_mtp(self, directory: str, runner_kwargs: dict, eagle: str | None = None) -> "TensorMtp":
+        """The checkpoint's multi-token-prediction layer in this runner's shards, or the EAGLE head in `directory`
+        (`eagle`: its method), each shard's beside its part of the model, which from now on keeps every row's final
+        hidden state (`ModelRunner.keep_hidden`; an EAGLE-3 head's layers' inputs); its runner's interface for
+        engine/mtp.py."""
         import ray
 
-        from pylon.serving.model.runner import ModelRunner
-
         count = len(self.workers) + 1
-        loaded = [w.load_mtp.remote(directory, runner_kwargs) for w in self.workers]
+        loaded = [w.load_mtp.remote(directory, runner_kwargs, eagle) for w in self.workers]
         try:
-            self.local.keep_hidden = True
-            local = ModelRunner(directory, shard=self.local.shard, mtp=self.local, **runner_kwargs)
+            local = load_head(self.local, self.local.shard, directory, runner_kwargs, eagle)
             ray.get(loaded, timeout=START_TIMEOUT_S)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             raise PylonError(str(cause)) from None
-        log.info("the multi-token-prediction layer loaded in %d tensor-parallel shards", count)
+        what = f"the {eagle} head" if eagle else "the multi-token-prediction layer"
+        log.info("%s loaded in %d tensor-parallel shards", what, count)
         return TensorMtp(self, local)
 
     @property
@@ -316,6 +313,19 @@ class TensorRunner(SplitRunner):
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def load_head(runner, shard, directory: str, runner_kwargs: dict, eagle: str | None):
+    """Shard `shard`'s runner of the multi-token-prediction layer of the checkpoint in `directory` beside `runner`
+    (that shard's of the model), or of the EAGLE head there (`eagle`: its method, the head read and checked against
+    the whole model), the model's runner told to keep what it reads."""
+    from pylon.serving.model import eagle as eagle_head
+    from pylon.serving.model.runner import ModelRunner
+
+    head = eagle_head.read(directory, eagle, runner.full_config.get_text_config()) if eagle else None
+    runner.keep_hidden = True
+    runner.keep_layers = head.aux_layers if head is not None else ()
+    return ModelRunner(directory, shard=shard, mtp=runner, eagle=head, **runner_kwargs)
 
 
 class TensorMtp:

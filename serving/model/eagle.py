@@ -265,16 +265,20 @@ class EagleInput(torch.nn.Module):
         return (normed if self.norm_before_residual else g), torch.cat([self.input_layernorm(embeds), normed], dim=-1)
 
 
-def build(head: Head, dtype: torch.dtype, model: torch.nn.Module) -> torch.nn.Module:
+def build(head: Head, dtype: torch.dtype, model: torch.nn.Module, shard=None) -> torch.nn.Module:
     """The head as a Llama causal LM of its decoder layers with `mtp_input` (EagleInput), in `dtype` on the CPU,
     sharing `model`'s embeddings (unless an EAGLE-3 head holds its own) and, for EAGLE, its output layer (`model`: the
     served model, as loaded). EAGLE's final norm and first input norm are identities; EAGLE-3's first layer's
     attention projections read twice the width, its output layer the draft vocabulary (`draft_to_target`: each draft
-    token's id in the model's vocabulary, a buffer)."""
+    token's id in the model's vocabulary, a buffer). `shard`: a tensor-parallel shard's slices of its decoder layers
+    (pylon.serving.model.tensor: its heads, its MLP slice; `model` that shard's), the rest whole."""
     from transformers import LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
-    config = copy.deepcopy(head.config)
+    from pylon.serving.model import tensor as shards
+
+    split = shard is not None and shard.count > 1
+    config = shards.local_config(head.config, shard.count) if split else copy.deepcopy(head.config)
     config.vocab_size = 1  # (no vocabulary of its own: the model's, or its draft one, given below)
     with no_init_weights():
         lm = LlamaForCausalLM._from_config(config, dtype=dtype)
@@ -317,8 +321,9 @@ def build(head: Head, dtype: torch.dtype, model: torch.nn.Module) -> torch.nn.Mo
     else:
         lm.model.embed_tokens = model.get_input_embeddings()
     lm.to(dtype)
-    shared = {"model.embed_tokens.weight", "lm_head.weight"} - set(state)
-    expected = {k for k in lm.state_dict() if k not in shared and not k.endswith("draft_to_target")}
+    # (the model's modules, shared: a shard's wrap its rows, `tensor.vocab_parallel`)
+    shared = tuple(f"{m}." for m in ("model.embed_tokens", "lm_head") if f"{m}.weight" not in state)
+    expected = {k for k in lm.state_dict() if not k.startswith(shared) and not k.endswith("draft_to_target")}
     expected -= {k for k in expected if ".input_layernorm." in k and k.startswith("model.layers.0.")}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -327,6 +332,8 @@ def build(head: Head, dtype: torch.dtype, model: torch.nn.Module) -> torch.nn.Mo
             f"describes (missing: {', '.join(missing[:4]) or 'none'}; not read: {', '.join(unexpected[:4]) or 'none'})"
         )
     own = {k: v for k, v in lm.state_dict().items() if k in state}
+    if split:  # each tensor as the shard takes it (a layer's heads, its MLP's slice; the rest whole)
+        state = {name: shards._slicer(name, own[name].shape, list(t.shape), shard)(t) for name, t in state.items()}
     for name, t in state.items():
         if own[name].shape != t.shape:
             raise PylonError(

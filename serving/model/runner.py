@@ -499,8 +499,9 @@ class ModelRunner:
         if multimodal and is_sequence_classifier(self.full_config):
             raise PylonError(f"model {model_dir}: a multimodal classifier is not served; serve its text model")
         try:
-            if eagle is not None:
-                self.model = eagle_head.build(eagle, self.dtype, mtp.model)
+            if eagle is not None:  # (a shard's: its slices, beside that shard of the model)
+                self.model = eagle_head.build(eagle, self.dtype, mtp.model, shard)
+                self._whole_config = config
             elif mtp is not None:  # (a shard's: its slices, beside that shard of the model)
                 self.model = mtp_layer.load(model_dir, config, self.dtype, mtp.model, shard)
                 self._whole_config = config

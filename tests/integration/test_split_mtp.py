@@ -1,8 +1,8 @@
-"""Speculative decoding from the checkpoint's multi-token-prediction layer with the model in two tensor-parallel shards
-(engine.tensor_parallel 2, engine.speculative.method mtp): each shard holds its slices of the layer beside its shard of
-the model, the layer's passes run on both (their input sent once from the engine's process), and the drafts are the
-ones the model in one process proposes. The layer's arithmetic in shards: tests/unit/serving/engine/
-test_speculative_mtp.py."""
+"""Speculative decoding from the checkpoint's multi-token-prediction layer, or an EAGLE-3 head, with the model in two
+tensor-parallel shards (engine.tensor_parallel 2, engine.speculative.method mtp or eagle3): each shard holds its slices
+of the layer beside its shard of the model, the layer's passes run on both (their input sent once from the engine's
+process), and the drafts are the ones the model in one process proposes. The layer's arithmetic in shards:
+tests/unit/serving/engine/test_speculative_mtp.py, test_speculative_eagle.py."""
 
 from __future__ import annotations
 
@@ -21,22 +21,12 @@ DRIVER = """
 import json, sys
 sys.path.insert(0, sys.argv[3])
 import ray
-from engine_models import GREEDY, PROMPTS, run, spec, speculating, tokens_of
+from engine_models import GREEDY, PROMPTS, recorded, run, spec, speculating, tokens_of
 from pylon.serving.engine.engine import LLMEngine
 ray.init(address=sys.argv[1], log_to_driver=False)
-split = json.loads(sys.argv[4])
-engine = speculating(LLMEngine(sys.argv[2], spec(**split, speculative={"method": "mtp", "num_tokens": 3})))
-proposed = []
-propose = engine.mtp.propose
-
-
-def recording(requests, tables):
-    drafts = propose(requests, tables)
-    proposed.extend([list(r.token_ids), drafts[r.request_id]] for r in requests if r.request_id in drafts)
-    return drafts
-
-
-engine.mtp.propose = recording
+split, speculative = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+engine = speculating(LLMEngine(sys.argv[2], spec(**split, speculative={**speculative, "num_tokens": 3})))
+proposed = recorded(engine)
 for i, prompt in enumerate(PROMPTS[:4]):
     engine.add_request(str(i), prompt, GREEDY)
 outputs = run(engine)
@@ -48,10 +38,20 @@ if hasattr(engine.runner, "shutdown"):
 """
 
 
-def _drive(ray_cluster, directory: str, split: dict) -> dict:
+def _drive(ray_cluster, directory: str, split: dict, speculative: dict | None = None) -> dict:
     client = pylon.connect()
+    speculative = json.dumps(speculative or {"method": "mtp"})
     child = subprocess.run(
-        [sys.executable, "-c", DRIVER, client.gcs_address, directory, str(ENGINE_MODELS), json.dumps(split)],
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            client.gcs_address,
+            directory,
+            str(ENGINE_MODELS),
+            json.dumps(split),
+            speculative,
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -71,6 +71,24 @@ def test_the_layer_in_two_shards_drafts_as_the_model_in_one_process(ray_cluster,
     want = [family.hf_greedy(p, 20) for p in PROMPTS[:4]]
     shards = _drive(ray_cluster, family.dir, {"tensor_parallel": 2})
     whole = _drive(ray_cluster, family.dir, {})
+    assert shards["tokens"] == whole["tokens"] == want
+    assert shards["drafts"] > 0 and shards["passes"] > 0, shards
+    assert shards["proposed"] == whole["proposed"] != []
+
+
+# ~40 s, as above. `make test-all`.
+@pytest.mark.slow
+def test_an_eagle3_head_in_two_shards_drafts_as_in_one_process(ray_cluster, tmp_path):
+    sys.path.insert(0, str(ENGINE_MODELS))
+    from engine_models import PROMPTS, Family
+    from test_speculative_eagle import write_head
+
+    family = Family("llama", tmp_path / "llama", greedy=False, num_hidden_layers=8)
+    write_head(tmp_path / "head", family.model.config, "eagle3", draft_vocab=96)
+    speculative = {"method": "eagle3", "draft_model": str(tmp_path / "head")}
+    want = [family.hf_greedy(p, 20) for p in PROMPTS[:4]]
+    shards = _drive(ray_cluster, family.dir, {"tensor_parallel": 2}, speculative)
+    whole = _drive(ray_cluster, family.dir, {}, speculative)
     assert shards["tokens"] == whole["tokens"] == want
     assert shards["drafts"] > 0 and shards["passes"] > 0, shards
     assert shards["proposed"] == whole["proposed"] != []

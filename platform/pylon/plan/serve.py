@@ -511,24 +511,16 @@ def plan_serve(
     if recommendation is None and _suggest:
         options = {"catalog": catalog, "gpu": gpu, "mfu": mfu, "utilization": utilization}
         fitting_none = "it fits no one GPU as asked" if stages == shards == 1 else "it fits nothing as asked"
-        if e.speculative.method in ("eagle", "eagle3"):  # (an EAGLE head drafts in one process: neither in shards)
-            method = e.speculative.method
+        sharded = _fewest_shards(spec, config, shape, **options)
+        if e.speculative.method in ("mtp", "eagle", "eagle3"):  # (not in stages: planned with prompt lookup there)
+            drafter = "mtp" if e.speculative.method == "mtp" else f"an {e.speculative.method} head"
             ngram = e.speculative.model_copy(update={"method": "ngram", "draft_model": None})
             spec = spec.model_copy(update={"engine": e.model_copy(update={"speculative": ngram})})
             e = spec.engine
             notes.append(
-                "in tensor-parallel shards or pipeline stages as suggested below, the model drafts by prompt lookup "
-                f"(engine.speculative.method: ngram): an {method} head drafts beside the model in one process, and "
-                "those plans count no head"
-            )
-        sharded = _fewest_shards(spec, config, shape, **options)
-        if e.speculative.method == "mtp":  # (in stages it cannot draft with the layer: planned with prompt lookup)
-            ngram = e.speculative.model_copy(update={"method": "ngram"})
-            spec = spec.model_copy(update={"engine": e.model_copy(update={"speculative": ngram})})
-            e = spec.engine
-            notes.append(
                 "in pipeline stages as suggested below, the model drafts by prompt lookup (engine.speculative.method: "
-                "ngram): mtp drafts beside the model's last layer in one stage, and those plans count no such layer"
+                f"ngram): {drafter} drafts beside the model's last layer in one stage, and those plans count no such "
+                "layer"
             )
         if sharded is not None:
             n, rec = sharded

@@ -311,8 +311,8 @@ def test_what_cannot_draft_is_refused_by_name(tmp_path) -> None:
 
     with pytest.raises(ValidationError, match="method eagle3 needs draft_model"):
         EngineSpec(speculative={"method": "eagle3"})
-    with pytest.raises(ValidationError, match=r"speculative\.method.*eagle drafts with its head.*tensor_parallel 2"):
-        EngineSpec(tensor_parallel=2, speculative=method("eagle", tmp_path))
+    with pytest.raises(ValidationError, match=r"speculative\.method.*eagle drafts with its head.*pipeline_parallel 2"):
+        EngineSpec(pipeline_parallel=2, speculative=method("eagle", tmp_path))
     family = Family("llama", tmp_path / "m", greedy=False)  # (2 layers: EAGLE-3's default layers do not exist)
     config = family.model.config
     write_head(tmp_path / "one", config, "eagle")
@@ -362,3 +362,58 @@ def test_a_head_in_object_storage_is_read_from_there_and_planned(predictor, s3_r
     assert 0 <= planned - held <= family.model.config.hidden_size, (planned, held)  # (fc's bias, which this one lacks)
     with pytest.raises(PylonError, match=r"engine\.speculative\.draft_model s3://.*/none"):
         family.engine(speculative=method("eagle", f"{s3_root}/none"))
+
+
+_SHARDS = """
+import json, sys, torch, torch.distributed as dist
+from pylon.serving.engine.tensor import load_head
+from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.step import StepSequence
+from pylon.serving.model.tensor import Shard
+
+directory, rank, count, store, saved = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+head_dir, method, prompt = sys.argv[6], sys.argv[7], json.loads(sys.argv[8])
+shard = None
+if count > 1:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
+    shard = Shard(rank, count)
+kwargs = dict(num_blocks=32, block_size=16, dtype="fp32", device="cpu")
+model = ModelRunner(directory, shard=shard, **kwargs)
+head = load_head(model, shard, head_dir, kwargs, method)
+table = [0, 1, 2, 3]
+token = int(model.execute([StepSequence(prompt, 0, table, True)])[-1].argmax())
+hidden = model.step_hidden  # every row's: the final hidden states, or the three layers' inputs
+out, _ = head.execute_step([StepSequence(prompt[1:] + [token], 0, table, True)], hidden=hidden)
+first = head.head_logits(out)
+draft = int(first[-1].argmax())  # the head fed its first draft: the second
+out2, _ = head.execute_step([StepSequence([draft], len(prompt), table, True)], hidden=head.mtp_hidden(out))
+second = head.head_logits(out2)
+heads = head.config.num_attention_heads  # (the shard's config: its share of the heads)
+torch.save({"hidden": hidden, "first": first, "second": second, "heads": heads}, saved)
+if count > 1:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_the_head_in_two_shards_computes_the_whole_head(kind, tmp_path) -> None:
+    """engine.tensor_parallel 2: each shard holds its slices of the head's layer (its heads, its MLP's slice; fc, the
+    norms and an EAGLE-3 head's output layer whole) beside its shard of the model, and their catch-up and their draft
+    fed back give the whole head's logits."""
+    from test_tensor_shards import _processes
+
+    family = Family("llama", tmp_path / "m", greedy=False, num_hidden_layers=8)
+    write_head(tmp_path / "head", family.model.config, kind, **({"draft_vocab": 96} if kind == "eagle3" else {}))
+    args = [str(tmp_path / "head"), kind, json.dumps(PROMPTS[2])]
+    (whole,) = _processes(_SHARDS, family.dir, 1, tmp_path, args)
+    shards = _processes(_SHARDS, family.dir, 2, tmp_path, args)
+    assert whole["hidden"].shape[1] == (3 if kind == "eagle3" else 1) * family.model.config.hidden_size
+    # (float32 sums in another order: the layers' inputs, in the hundreds on this model, differ by ~2e-6 of their
+    # norm, a few in the 6th digit of the largest)
+    scale = float(whole["hidden"].abs().max())
+    for part in shards:
+        torch.testing.assert_close(part["hidden"], whole["hidden"], atol=2e-5 * scale, rtol=1e-4)
+        torch.testing.assert_close(part["first"], whole["first"], atol=5e-4, rtol=1e-3)
+        torch.testing.assert_close(part["second"], whole["second"], atol=5e-4, rtol=1e-3)
+        assert part["first"].argmax(-1).tolist() == whole["first"].argmax(-1).tolist()
+        assert part["heads"] * 2 == whole["heads"], (part["heads"], whole["heads"])
