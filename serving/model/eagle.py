@@ -125,7 +125,8 @@ def _read_tensors(directory: str) -> dict[str, torch.Tensor]:
             files = [os.path.join(directory, single)]
     if not files:
         raise PylonError(
-            f"{directory}: no weights (model.safetensors or pytorch_model.bin, one file or an index of them)"
+            f"engine.speculative.draft_model {directory}: no weights (model.safetensors or pytorch_model.bin, one "
+            "file or an index of them)"
         )
     raw: dict[str, torch.Tensor] = {}
     for path in files:
@@ -135,7 +136,10 @@ def _read_tensors(directory: str) -> dict[str, torch.Tensor]:
             else:
                 raw.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         except Exception as e:  # (a truncated or foreign file: which, and what it said)
-            raise PylonError(f"{path}: unreadable as an EAGLE head's weights ({type(e).__name__}: {e})") from None
+            raise PylonError(
+                f"engine.speculative.draft_model {directory}: {os.path.relpath(path, directory)} is unreadable as an "
+                f"EAGLE head's weights ({type(e).__name__}: {e})"
+            ) from None
     named = {}
     for name, t in raw.items():
         name = name.removeprefix("model.")
@@ -150,14 +154,13 @@ def _read_tensors(directory: str) -> dict[str, torch.Tensor]:
 def read(directory: str, method: str, target) -> Head:
     """The EAGLE head in `directory` for the model of config `target`, of `method`'s kind (`eagle` or `eagle3`):
     refused, its fault named, where it is of the other kind or does not fit the model (widths, vocabulary, layers)."""
-    path = os.path.join(directory, "config.json")
+    where = f"engine.speculative.draft_model {directory}"
     try:
-        with open(path) as f:
+        with open(os.path.join(directory, "config.json")) as f:
             raw = config_dict(json.load(f))
     except (OSError, ValueError, AttributeError) as e:
-        raise PylonError(f"{path}: not an EAGLE head's config ({e})") from None
+        raise PylonError(f"{where}: config.json is not an EAGLE head's config ({type(e).__name__}: {e})") from None
     tensors = _read_tensors(directory)
-    where = f"engine.speculative.draft_model {directory}"
     if "fc.weight" not in tensors:
         raise PylonError(
             f"{where}: not an EAGLE head (no fc.weight: the projection of the model's hidden states); a smaller "
@@ -291,6 +294,8 @@ def build(head: Head, dtype: torch.dtype, model: torch.nn.Module, shard=None) ->
             state["mtp_input." + name] = t
         elif name in ("layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight") and head.kind == "eagle3":
             state["mtp_input." + name.removeprefix("layers.0.")] = t
+        elif name == "layers.0.input_layernorm.weight":  # (EAGLE's first layer has none: not read, as vLLM's)
+            continue
         elif name.startswith("layers.") or (name == "norm.weight" and head.kind == "eagle3"):
             state["model." + name] = t
     if head.kind == "eagle":
@@ -324,7 +329,6 @@ def build(head: Head, dtype: torch.dtype, model: torch.nn.Module, shard=None) ->
     # (the model's modules, shared: a shard's wrap its rows, `tensor.vocab_parallel`)
     shared = tuple(f"{m}." for m in ("model.embed_tokens", "lm_head") if f"{m}.weight" not in state)
     expected = {k for k in lm.state_dict() if not k.startswith(shared) and not k.endswith("draft_to_target")}
-    expected -= {k for k in expected if ".input_layernorm." in k and k.startswith("model.layers.0.")}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise PylonError(

@@ -89,6 +89,8 @@ def write_head(
     stored = dict(t)
     if kind == "eagle3":
         stored["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, chosen, True)
+    else:  # (some EAGLE checkpoints keep the first layer's input norm, which EAGLE does not apply: not read)
+        stored["layers.0.input_layernorm.weight"] = norm()
     if layout == "speculators":
         from safetensors.torch import save_file
 
