@@ -419,3 +419,33 @@ def test_the_head_in_two_shards_computes_the_whole_head(kind, tmp_path) -> None:
         torch.testing.assert_close(part["second"], whole["second"], atol=5e-4, rtol=1e-3)
         assert part["first"].argmax(-1).tolist() == whole["first"].argmax(-1).tolist()
         assert part["heads"] * 2 == whole["heads"], (part["heads"], whole["heads"])
+
+
+def test_served_over_http_a_head_s_drafts_change_no_text(predictor) -> None:
+    """A Deployment whose engine drafts with the head (`engine.speculative: {method: eagle, draft_model: ...}`), served
+    over HTTP by the replica class Serve runs: the OpenAI client's greedy completions are those of a replica without
+    speculation, and the replica's engine speculated to give them."""
+    import sys
+
+    import openai
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
+    from test_serving_http import KEY, serving
+
+    family, head = predictor
+    texts, engines = [], []
+    for speculative in (None, method("eagle", head)):
+        engine = {"max_num_seqs": 4, "max_model_len": 256, "separate_process": False}
+        with serving(family.dir, **engine, **({"speculative": speculative} if speculative else {})) as (url, replica):
+            if speculative:  # (the rule told to speculate wherever it can: this machine's timings aside)
+                speculating(replica.engine.engine)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+            prompts = ["ROMEO: what light", "First Citizen:\nBefore we proceed"]
+            got = [
+                client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
+                for p in prompts
+            ]
+            texts.append(got)
+            engines.append(replica.engine.stats())
+    assert texts[0] == texts[1], texts
+    assert engines[1].spec_accepted_tokens_total > 0 and engines[1].spec_draft_model_steps_total > 0, engines[1]
