@@ -20,96 +20,151 @@ probabilities) is larger. The drafts are verified as any others are (speculative
 from __future__ import annotations
 
 import math
+from array import array
 from collections import OrderedDict
 
 WINDOW = 4096  # a request's tokens its own tree is built from at first (its latest), as prompt lookup searches
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    """A node of the tree: the path from the root to it ends with its edge's tokens, `seq[start : start + length]`
+    (one of the sequences added); `count` runs pass through its end, and as many through every position inside its
+    edge (a run that ends inside an edge splits it there)."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, _Node] = {}
+    __slots__ = ("count", "children", "seq", "start", "length")
+
+    def __init__(self, count: int, seq, start: int, length: int, children: dict | None = None) -> None:
+        self.count = count
+        self.children = children
+        self.seq, self.start, self.length = seq, start, length
 
 
 class SuffixTree:
-    """Counts of every run of up to `depth` tokens in the sequences added (a trie of their suffixes, cut at `depth`).
-    `extend` continues a sequence token by token (its open suffixes kept), `remove` takes a whole sequence out."""
+    """Counts of runs of up to `depth` tokens (a suffix trie cut at `depth`, its single-child chains compressed to one
+    edge, so that it holds about two nodes a token, not `depth`). `add` counts every run of a whole sequence (each
+    start, `depth` tokens or to its end), `remove` takes them back; `Growing` adds a sequence's runs as they
+    complete."""
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self.root = _Node()
-        self._open: dict[object, list[_Node]] = {}  # a sequence being extended -> its open suffixes' nodes
+        self.root = _Node(0, (), 0, 0, {})
 
-    def extend(self, key: object, tokens: list[int]) -> None:
-        """Append `tokens` to the sequence `key` (a new one if unknown): every run ending at each of them, counted."""
-        open_ = self._open.get(key) or [self.root]
-        for t in tokens:
-            moved = [self.root]
-            for node in open_:
-                child = node.children.get(t)
-                if child is None:
-                    child = node.children[t] = _Node()
-                child.count += 1
-                moved.append(child)
-            open_ = moved[: self.depth]  # (a run of `depth` tokens extends no further)
-        self._open[key] = open_
+    def add(self, tokens) -> None:
+        seq = array("l", tokens)
+        for s in range(len(seq)):
+            self.insert(seq, s, min(self.depth, len(seq) - s))
 
-    def close(self, key: object) -> None:
-        """The sequence `key` is complete: its open suffixes are let go (its counts stay)."""
-        self._open.pop(key, None)
+    def remove(self, tokens) -> None:
+        seq = list(tokens)
+        for s in range(len(seq)):
+            self._take(seq[s : s + self.depth])
 
-    def remove(self, tokens: list[int]) -> None:
-        """Take back what `extend` counted for the whole sequence `tokens`, dropping the nodes that reach 0."""
-        for start in range(len(tokens)):
-            node, path = self.root, []
-            for t in tokens[start : start + self.depth]:
-                child = node.children[t]
-                path.append((node, t, child))
-                node = child
-            for parent, t, child in path:
-                child.count -= 1
-                if child.count == 0:
-                    del parent.children[t]
-                    break  # (its subtree goes with it: its counts could not exceed its own)
+    def insert(self, seq, s: int, d: int) -> None:
+        """Count the run `seq[s : s + d]` (and so each of its prefixes)."""
+        node, i = self.root, 0
+        while i < d:
+            t = seq[s + i]
+            child = node.children.get(t) if node.children else None
+            if child is None:
+                if node.children is None:
+                    node.children = {}
+                node.children[t] = _Node(1, seq, s + i, d - i)
+                return
+            label, at, length = child.seq, child.start, child.length
+            j = 1
+            while j < length and i + j < d and label[at + j] == seq[s + i + j]:
+                j += 1
+            if j < length:  # the run leaves the edge (or ends) inside it: a node there
+                mid = _Node(child.count, label, at, j, {label[at + j]: child})
+                child.start, child.length = at + j, length - j
+                node.children[t] = mid
+                child = mid
+            child.count += 1
+            node, i = child, i + j
 
-    def match(self, context: list[int]) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` (up to depth - 1 tokens) that the tree holds with something
-        after it, and its length; (None, 0) if none. (A request's own tree holds its latest tokens, never continued:
-        an earlier occurrence is what drafts.)"""
+    def _take(self, run: list[int]) -> None:
+        node, i = self.root, 0
+        while i < len(run):
+            child = node.children[run[i]]
+            child.count -= 1
+            if child.count == 0:  # (its subtree goes with it: no run passes it any more)
+                del node.children[run[i]]
+                return
+            node, i = child, i + child.length
+
+    def _find(self, context: list[int]):
+        """Where the path `context` ends: (node, tokens of its edge matched), or None if the tree does not hold it."""
+        node, i, n = self.root, 0, len(context)
+        while i < n:
+            child = node.children.get(context[i]) if node.children else None
+            if child is None:
+                return None
+            label, at = child.seq, child.start
+            j = 1
+            while j < child.length and i + j < n:
+                if label[at + j] != context[i + j]:
+                    return None
+                j += 1
+            node, i = child, i + j
+            if j < child.length:
+                return node, j
+        return node, node.length
+
+    def match(self, context: list[int]):
+        """Where the longest suffix of `context` (up to depth - 1 tokens) that the tree holds with something after it
+        ends, and its length; (None, 0) if none. (A request's own tree holds its latest tokens, never continued: an
+        earlier occurrence is what drafts.)"""
         for n in range(min(self.depth - 1, len(context)), 0, -1):
-            node = self.root
-            for t in context[len(context) - n :]:
-                node = node.children.get(t)
-                if node is None:
-                    break
-            else:
-                if node.children:
-                    return node, n
+            found = self._find(context[len(context) - n :])
+            if found is not None and (found[1] < found[0].length or found[0].children):
+                return found, n
         return None, 0
 
     def speculate(self, context: list[int], k: int, max_spec_factor: float, min_token_prob: float):
         """A draft continuing `context`: (tokens, their expected accepted length), see the module's docstring."""
-        node, matched = self.match(context)
-        if node is None:
+        place, matched = self.match(context)
+        if place is None:
             return [], 0.0
+        node, j = place
         limit = min(k, max(1, math.floor(max_spec_factor * matched)))
         draft: list[int] = []
         prob, score = 1.0, 0.0
         while len(draft) < limit:
-            if not node.children:  # the tree's depth, or a run's end: its place again, from the latest tokens
-                node, matched = self.match(context[len(context) - self.depth :] + draft)
-                if node is None:
-                    break
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
-            prob *= child.count / max(node.count, sum(c.count for c in node.children.values()))
+            if j < node.length:  # inside an edge: its next token, every run here goes on to it
+                token = node.seq[node.start + j]
+                j += 1
+            else:
+                if not node.children:  # the tree's depth, or a run's end: its place again, from the latest tokens
+                    place, _ = self.match(context[len(context) - self.depth :] + draft)
+                    if place is None:
+                        break
+                    node, j = place
+                    continue
+                token, child = max(node.children.items(), key=lambda item: item[1].count)
+                prob *= child.count / max(node.count, sum(c.count for c in node.children.values()))
+                node, j = child, 1
             if prob < min_token_prob:
                 break
             draft.append(token)
             score += prob
-            node = child
         return draft, score
+
+
+class Growing:
+    """A sequence's tree as the sequence grows (a request's own tokens): each run of `depth` tokens counted once it is
+    complete (so the latest depth - 1 starts wait for their tokens)."""
+
+    def __init__(self, depth: int) -> None:
+        self.tree = SuffixTree(depth)
+        self.tokens = array("l")
+        self._next = 0  # the next start whose run is not counted yet
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(tokens)
+        depth = self.tree.depth
+        while self._next + depth <= len(self.tokens):
+            self.tree.insert(self.tokens, self._next, depth)
+            self._next += 1
 
 
 class SuffixDecoding:
@@ -119,16 +174,16 @@ class SuffixDecoding:
         self.depth, self.max_cached = depth, max_cached_requests
         self.factor, self.min_prob = max_spec_factor, min_token_prob
         self.cached = SuffixTree(depth)  # the finished outputs'
-        self._outputs: OrderedDict[str, list[int]] = OrderedDict()  # request id -> its output, oldest first
-        self._own: dict[str, tuple[SuffixTree, int]] = {}  # request id -> its tree, and how many tokens it holds
+        self._outputs: OrderedDict[str, array] = OrderedDict()  # request id -> its output, oldest first
+        self._own: dict[str, tuple[Growing, int]] = {}  # request id -> its tree, and how many of its tokens it holds
 
     def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """Up to `k` draft tokens after `token_ids` (the request's prompt and output so far)."""
-        tree, held = self._own.get(request_id) or (SuffixTree(self.depth), max(0, len(token_ids) - WINDOW))
-        tree.extend(request_id, token_ids[held:])
-        self._own[request_id] = (tree, len(token_ids))
+        grown, held = self._own.get(request_id) or (Growing(self.depth), max(0, len(token_ids) - WINDOW))
+        grown.extend(token_ids[held:])
+        self._own[request_id] = (grown, len(token_ids))
         context = token_ids[-self.depth :]
-        own, own_score = tree.speculate(context, k, self.factor, self.min_prob)
+        own, own_score = grown.tree.speculate(context, k, self.factor, self.min_prob)
         other, other_score = self.cached.speculate(context, k, self.factor, self.min_prob)
         return other if other_score > own_score else own
 
@@ -140,10 +195,8 @@ class SuffixDecoding:
         again = self._outputs.pop(request_id, None)  # (an id used before: its earlier output goes)
         if again is not None:
             self.cached.remove(again)
-        key = ("output", request_id)
-        self.cached.extend(key, output_ids)
-        self.cached.close(key)
-        self._outputs[request_id] = list(output_ids)
+        self.cached.add(output_ids)
+        self._outputs[request_id] = array("l", output_ids)
         while len(self._outputs) > self.max_cached:
             _, old = self._outputs.popitem(last=False)
             self.cached.remove(old)

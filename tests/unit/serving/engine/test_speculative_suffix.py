@@ -10,27 +10,39 @@ from collections import Counter
 
 from engine_models import GREEDY, PROMPTS, Family, assert_pool_empty, run, speculating, tokens_of
 
-from pylon.serving.engine.suffix import SuffixDecoding, SuffixTree
+from pylon.serving.engine.suffix import Growing, SuffixDecoding, SuffixTree
 
 
 def counted(tree: SuffixTree) -> Counter:
-    """Every path of the tree and its count."""
+    """Every path of the tree and its count (each position inside an edge counted as the edge's end)."""
     found: Counter = Counter()
 
     def walk(node, path):
-        for t, child in node.children.items():
-            found[(*path, t)] = child.count
-            walk(child, (*path, t))
+        for child in (node.children or {}).values():
+            label = tuple(child.seq[child.start : child.start + child.length])
+            for i in range(1, len(label) + 1):
+                found[(*path, *label[:i])] = child.count
+            walk(child, (*path, *label))
 
     walk(tree.root, ())
     return found
 
 
-def runs(sequences: list[list[int]], depth: int) -> Counter:
-    """Every run of 1 .. depth tokens of the sequences, counted: what the tree must hold."""
+def nodes(tree: SuffixTree) -> int:
+    todo, n = [tree.root], 0
+    while todo:
+        node = todo.pop()
+        n += 1
+        todo.extend((node.children or {}).values())
+    return n
+
+
+def runs(sequences: list[list[int]], depth: int, complete: bool = False) -> Counter:
+    """Every run of 1 .. depth tokens of the sequences, counted: what the tree must hold (`complete`: of the starts
+    with `depth` tokens after them only, as a growing sequence's tree holds them)."""
     found: Counter = Counter()
     for s in sequences:
-        for i in range(len(s)):
+        for i in range(len(s) - (depth - 1 if complete else 0)):
             for n in range(1, depth + 1):
                 if i + n <= len(s):
                     found[tuple(s[i : i + n])] += 1
@@ -41,11 +53,8 @@ def test_the_tree_counts_every_run_up_to_its_depth_and_gives_them_back() -> None
     rng = random.Random(0)
     seqs = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
     tree = SuffixTree(depth=6)
-    for i, s in enumerate(seqs):
-        cut = len(s) // 2  # (extended in two calls: the open suffixes carry over)
-        tree.extend(i, s[:cut])
-        tree.extend(i, s[cut:])
-        tree.close(i)
+    for s in seqs:
+        tree.add(s)
     assert counted(tree) == runs(seqs, 6)
     for s in seqs[::2]:
         tree.remove(s)
@@ -55,11 +64,28 @@ def test_the_tree_counts_every_run_up_to_its_depth_and_gives_them_back() -> None
     assert not tree.root.children
 
 
+def test_a_growing_sequence_s_tree_counts_its_runs_as_they_complete() -> None:
+    rng = random.Random(1)
+    seq = [rng.randrange(4) for _ in range(60)]
+    grown = Growing(depth=5)
+    grown.extend(seq[:17])  # (in two calls: the starts waiting for their tokens carry over)
+    grown.extend(seq[17:])
+    assert counted(grown.tree) == runs([seq], 5, complete=True)
+
+
+def test_the_tree_holds_a_few_nodes_a_token_not_its_depth() -> None:
+    """Single-child chains are one edge: text's tree holds ~2 nodes a token, where one node a run would be ~depth."""
+    text = [ord(c) for c in "the quick brown fox jumps over the lazy dog; " * 3 + "pack my box with five dozen jugs"]
+    tree = SuffixTree(depth=24)
+    tree.add(text)
+    assert nodes(tree) < 2.5 * len(text), (nodes(tree), len(text))
+    assert counted(tree) == runs([text], 24)
+
+
 def test_a_draft_follows_the_most_frequent_continuation_while_it_is_likely() -> None:
     tree = SuffixTree(depth=8)
-    for i, s in enumerate([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [7, 2, 3, 4, 6]]):
-        tree.extend(i, s)
-        tree.close(i)
+    for s in [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [7, 2, 3, 4, 6]]:
+        tree.add(s)
     # [2, 3] is followed by 4 three times in four: 4, then 5 (two of the three 2 3 4), probability 3/4 * 2/3
     draft, score = tree.speculate([0, 2, 3], k=5, max_spec_factor=2.0, min_token_prob=0.1)
     assert draft == [4, 5] and abs(score - (0.75 + 0.5)) < 1e-9
@@ -75,13 +101,12 @@ def test_a_draft_follows_the_most_frequent_continuation_while_it_is_likely() -> 
 def test_past_the_tree_s_depth_a_draft_finds_its_place_again() -> None:
     tree = SuffixTree(depth=3)
     text = list(range(20))
-    tree.extend("t", text)
-    tree.close("t")
+    tree.add(text)
     assert tree.speculate([0, 4, 5], k=8, max_spec_factor=8.0, min_token_prob=0.1)[0] == [6, 7, 8, 9, 10, 11, 12, 13]
 
 
 def test_the_engine_s_drafter_takes_the_likelier_tree_and_lets_old_outputs_go() -> None:
-    suffix = SuffixDecoding(depth=16, max_cached_requests=2, max_spec_factor=4.0, min_token_prob=0.1)
+    suffix = SuffixDecoding(depth=4, max_cached_requests=2, max_spec_factor=4.0, min_token_prob=0.1)
     answer = [40, 41, 42, 43, 44, 45, 46, 47]
     suffix.finish("a", answer)
     # a new request whose own tokens hold nothing like it drafts the earlier output once it starts writing it
@@ -94,7 +119,7 @@ def test_the_engine_s_drafter_takes_the_likelier_tree_and_lets_old_outputs_go() 
     suffix.finish("c", [9, 9])
     suffix.finish("d", [8, 8])  # (max 2 kept: a's and b's outputs let go)
     assert suffix.propose("e", [1, 40, 41], k=4) == []
-    assert counted(suffix.cached) == runs([[9, 9], [8, 8]], 16)
+    assert counted(suffix.cached) == runs([[9, 9], [8, 8]], 4)
 
 
 def test_through_the_engine_outputs_stay_the_model_s_and_earlier_outputs_draft_later_requests(tmp_path) -> None:
