@@ -4,17 +4,17 @@ Prompt lookup (`ngram`) drafts what followed the latest earlier occurrence of th
 tokens. Suffix decoding (Oliaro et al., "SuffixDecoding", 2024; vLLM's `suffix`, Arctic Inference's) looks in two
 suffix trees of bounded depth and picks by frequency, not recency:
 
-- the request's own: every run of up to `depth` tokens of its prompt and output, counted;
+- the request's own: every run of up to `depth` tokens of its prompt and output, counted (each once it is complete);
 - the engine's: the same over the outputs of the last `max_cached_requests` requests that finished, so that what an
   agent, a tool loop or a templated workload wrote before (a tool call's JSON, a SQL query's shape, the same
   answer to the same question) drafts the next request's output, which its own prompt does not hold.
 
-For each decode it finds the longest suffix of the request's tokens (up to `depth - 1`) that the tree holds, then
-walks down it, each step to the child seen most often, the draft's probability the product of each child's share of
-its parent's count; it stops where that falls below `min_token_prob`, after `max_spec_factor` x the match's length
-tokens (a short match earns a short draft), or at `k`. Past the tree's depth it finds its place again from the
-draft's own last tokens. Of the two trees' drafts it takes the one whose expected accepted length (the sum of its
-probabilities) is larger. The drafts are verified as any others are (speculative.py): outputs are the model's.
+For each decode it finds the longest suffix of the request's tokens (up to `depth - 1`) that a tree holds with something
+after it, then walks down it, each step to the child seen most often, the draft's probability the product of each
+child's share of its parent's count; it stops where that falls below `min_token_prob`, after `max_spec_factor` x the
+match's length tokens (a short match earns a short draft), or at `k`. Past the tree's depth it finds its place again
+from the draft's own last tokens. Of the two trees' drafts it takes the one whose expected accepted length (the sum of
+its probabilities) is larger. The drafts are verified as any others are (speculative.py): outputs are the model's.
 """
 
 from __future__ import annotations
