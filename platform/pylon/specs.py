@@ -1068,7 +1068,12 @@ class SpeculativeSpec(_Spec):
         "`model`), e.g. a smaller `pylon export` trained with the same tokenizer; method eagle or eagle3: the "
         "head's directory (its config.json and weights, safetensors or pytorch_model.bin)",
     )
-    num_tokens: int = Field(4, ge=1, le=16, description="draft tokens proposed per request and step at most")
+    num_tokens: int = Field(
+        4,
+        ge=1,
+        le=32,
+        description="draft tokens proposed per request and step at most (suffix decoding's long matches: up to 32)",
+    )
     ngram_max: int = Field(3, ge=1, le=16, description="the longest suffix of the request's tokens looked up")
     ngram_min: int = Field(1, ge=1, le=16, description="the shortest suffix looked up before giving up")
     suffix_max_depth: int = Field(

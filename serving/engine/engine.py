@@ -981,7 +981,9 @@ class LLMEngine:
                     rooms.append(room)
                 continue
             if self.suffix is not None:
-                request.draft = self.suffix.propose(request.request_id, request.token_ids, room)
+                request.draft = self.suffix.propose(
+                    request.request_id, request.token_ids, room, request.num_prompt_tokens
+                )
             else:
                 request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
             if request.draft:

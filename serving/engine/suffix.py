@@ -7,7 +7,9 @@ suffix trees of bounded depth and picks by frequency, not recency:
 - the request's own: every run of up to `depth` tokens of its prompt and output, counted (each once it is complete);
 - the engine's: the same over the outputs of the last `max_cached_requests` requests that finished, so that what an
   agent, a tool loop or a templated workload wrote before (a tool call's JSON, a SQL query's shape, the same
-  answer to the same question) drafts the next request's output, which its own prompt does not hold.
+  answer to the same question) drafts the next request's output, which its own prompt does not hold; and over the
+  outputs of the requests still running, as far as they go (each run once complete), so that requests running side
+  by side (the choices of one prompt, the same question asked twice at once) draft from each other.
 
 For each decode it finds the longest suffix of the request's tokens (up to `depth - 1`) that a tree holds with something
 after it, then walks down it, each step to the child seen most often, the draft's probability the product of each
@@ -57,7 +59,7 @@ class SuffixTree:
     def remove(self, tokens) -> None:
         seq = list(tokens)
         for s in range(len(seq)):
-            self._take(seq[s : s + self.depth])
+            self.take(seq[s : s + self.depth])
 
     def insert(self, seq, s: int, d: int) -> None:
         """Count the run `seq[s : s + d]` (and so each of its prefixes)."""
@@ -82,7 +84,8 @@ class SuffixTree:
             child.count += 1
             node, i = child, i + j
 
-    def _take(self, run: list[int]) -> None:
+    def take(self, run) -> None:
+        """Take back one run `insert` counted."""
         node, i = self.root, 0
         while i < len(run):
             child = node.children[run[i]]
@@ -176,27 +179,46 @@ class SuffixDecoding:
         self.cached = SuffixTree(depth)  # the finished outputs'
         self._outputs: OrderedDict[str, array] = OrderedDict()  # request id -> its output, oldest first
         self._own: dict[str, tuple[Growing, int]] = {}  # request id -> its tree, and how many of its tokens it holds
+        # request id -> its output so far, and the next start whose run the engine's tree does not count yet
+        self._live: dict[str, tuple[array, int]] = {}
 
-    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
-        """Up to `k` draft tokens after `token_ids` (the request's prompt and output so far)."""
+    def propose(self, request_id: str, token_ids: list[int], k: int, num_prompt_tokens: int) -> list[int]:
+        """Up to `k` draft tokens after `token_ids` (the request's prompt and output so far; its prompt the first
+        `num_prompt_tokens`)."""
         grown, held = self._own.get(request_id) or (Growing(self.depth), max(0, len(token_ids) - WINDOW))
         grown.extend(token_ids[held:])
         self._own[request_id] = (grown, len(token_ids))
+        if self.max_cached:  # its output's complete runs, in the engine's tree while it runs
+            output, start = self._live.get(request_id) or (array("l"), 0)
+            output.extend(token_ids[num_prompt_tokens + len(output) :])
+            while start + self.depth <= len(output):
+                self.cached.insert(output, start, self.depth)
+                start += 1
+            self._live[request_id] = (output, start)
         context = token_ids[-self.depth :]
         own, own_score = grown.tree.speculate(context, k, self.factor, self.min_prob)
         other, other_score = self.cached.speculate(context, k, self.factor, self.min_prob)
         return other if other_score > own_score else own
 
     def finish(self, request_id: str, output_ids: list[int]) -> None:
-        """The request is done: its tree goes, its output joins the cached ones (the oldest let go past the limit)."""
+        """The request is done: its tree goes, its output joins the cached ones, every run of it counted (the oldest
+        let go past the limit)."""
         self._own.pop(request_id, None)
-        if self.max_cached == 0 or not output_ids:
+        live, start = self._live.pop(request_id, (None, 0))
+        if self.max_cached == 0:
             return
         again = self._outputs.pop(request_id, None)  # (an id used before: its earlier output goes)
         if again is not None:
             self.cached.remove(again)
-        self.cached.add(output_ids)
-        self._outputs[request_id] = array("l", output_ids)
+        output = array("l", output_ids)
+        if live is not None and live != output[: len(live)]:  # (not what it wrote as it ran: those runs go)
+            for s in range(start):
+                self.cached.take(live[s : s + self.depth])
+            start = 0
+        for s in range(start, len(output)):  # the runs not counted yet: the latest starts', to the output's end
+            self.cached.insert(output, s, min(self.depth, len(output) - s))
+        if output:
+            self._outputs[request_id] = output
         while len(self._outputs) > self.max_cached:
             _, old = self._outputs.popitem(last=False)
             self.cached.remove(old)

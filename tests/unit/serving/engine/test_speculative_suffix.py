@@ -110,16 +110,33 @@ def test_the_engine_s_drafter_takes_the_likelier_tree_and_lets_old_outputs_go() 
     answer = [40, 41, 42, 43, 44, 45, 46, 47]
     suffix.finish("a", answer)
     # a new request whose own tokens hold nothing like it drafts the earlier output once it starts writing it
-    assert suffix.propose("b", [1, 2, 3, 40, 41], k=4) == [42, 43, 44, 45]
-    assert suffix.propose("b", [1, 2, 3, 40, 41, 42, 43], k=4) == [44, 45, 46, 47]
+    assert suffix.propose("b", [1, 2, 3, 40, 41], k=4, num_prompt_tokens=3) == [42, 43, 44, 45]
+    assert suffix.propose("b", [1, 2, 3, 40, 41, 42, 43], k=4, num_prompt_tokens=3) == [44, 45, 46, 47]
     # its own tokens win where they are likelier: a loop it wrote itself
     own = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
-    assert suffix.propose("c", own, k=3) == [7, 5, 6]
+    assert suffix.propose("c", own, k=3, num_prompt_tokens=len(own)) == [7, 5, 6]
     suffix.finish("b", [40, 41, 42, 43])
     suffix.finish("c", [9, 9])
     suffix.finish("d", [8, 8])  # (max 2 kept: a's and b's outputs let go)
-    assert suffix.propose("e", [1, 40, 41], k=4) == []
+    assert suffix.propose("e", [1, 40, 41], k=4, num_prompt_tokens=1) == []
     assert counted(suffix.cached) == runs([[9, 9], [8, 8]], 4)
+
+
+def test_a_running_request_s_output_drafts_another_and_is_counted_once_when_it_finishes() -> None:
+    suffix = SuffixDecoding(depth=4, max_cached_requests=8, max_spec_factor=4.0, min_token_prob=0.1)
+    prompt, answer = [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    for n in range(1, len(answer) + 1):  # request a decodes its answer, proposing at each step
+        suffix.propose("a", prompt + answer[:n], k=4, num_prompt_tokens=len(prompt))
+    # b, the same prompt asked beside it, drafts a's answer once it starts on it (a's runs, complete, are counted)
+    assert suffix.propose("b", prompt + answer[:2], k=4, num_prompt_tokens=len(prompt)) == [42, 43, 44, 45]
+    suffix.finish("a", answer)
+    suffix.finish("b", answer[:2])
+    assert counted(suffix.cached) == runs([answer, answer[:2]], 4)
+    # an output that is not what the request wrote as it ran (its runs so far taken back, the output's counted)
+    for n in range(1, 8):
+        suffix.propose("c", prompt + [7] * n, k=4, num_prompt_tokens=len(prompt))
+    suffix.finish("c", [9, 9, 9])
+    assert counted(suffix.cached) == runs([answer, answer[:2], [9, 9, 9]], 4)
 
 
 def test_through_the_engine_outputs_stay_the_model_s_and_earlier_outputs_draft_later_requests(tmp_path) -> None:
@@ -153,3 +170,24 @@ def test_through_the_engine_outputs_stay_the_model_s_and_earlier_outputs_draft_l
         assert_pool_empty(engine)
     # the second round's steps per output token (the 4 requests batched): suffix's at most a third of prompt lookup's
     assert passes["suffix"] < passes["ngram"] / 3, passes
+
+
+def test_through_the_engine_a_request_drafts_from_one_running_beside_it(tmp_path) -> None:
+    """The same prompt asked twice at once, the second a few steps after the first, on an engine that has finished
+    nothing yet: the second drafts the first's answer as far as it goes, and both are transformers' answer."""
+    family = Family("llama", tmp_path / "m", greedy=False)
+    engine = speculating(family.engine(speculative={"method": "suffix", "num_tokens": 24, "suffix_max_depth": 6}))
+    prompt = PROMPTS[1]
+    engine.add_request("first", prompt, GREEDY)
+    got = run(engine, steps=12)  # (its prompt, then 11 decodes)
+    engine.add_request("second", prompt, GREEDY)
+    accepted = None  # the drafts accepted while the first still runs: the second's, from the first's answer so far
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+            if out.request_id == "first" and out.finished:
+                accepted = engine.stats().spec_accepted_tokens_total
+    want = family.hf_greedy(prompt, GREEDY.max_tokens)
+    assert tokens_of(got["first"]) == tokens_of(got["second"]) == want
+    assert accepted is not None and accepted >= 4, accepted
+    assert_pool_empty(engine)
