@@ -356,6 +356,18 @@ def plan_serve(
             f"weights include the {e.speculative.method} head, {_gib(layer_bytes)} ({layer_params:,} parameters), "
             f"and the KV cache its layers, {_gib(draft_kv)}; decode throughput is without speculation"
         )
+    if e.speculative.method == "suffix":
+        # Suffix decoding's trees (serving/engine/suffix.py) live in the replica's host memory, not the GPU's: ~250
+        # bytes a cached output token (measured by the trees' tests), every output at most max_model_len.
+        from pylon.serving.engine.suffix import BYTES_PER_TOKEN
+
+        cached = e.speculative.suffix_max_cached_requests * e.max_model_len * BYTES_PER_TOKEN
+        notes.append(
+            f"suffix decoding's trees take host memory, not the GPU's: ~{BYTES_PER_TOKEN} bytes a cached output token, "
+            f"up to {_gib(cached)} were all {e.speculative.suffix_max_cached_requests:,} cached outputs "
+            f"{e.max_model_len:,} tokens long (engine.speculative.suffix_max_cached_requests bounds it); decode "
+            "throughput is without speculation"
+        )
     counted: dict = {}  # LoRA parameters by (rank, targets)
     if e.adapters:
         adapter_params = sum(_adapter_params(config, i, a.path, counted) for i, a in enumerate(e.adapters))

@@ -1187,3 +1187,21 @@ def test_an_eagle_head_is_counted_as_its_checkpoint_holds_it(tmp_path) -> None:
     assert params == sum(held.values()), (params, held)
     assert drafting.rows[0].kv_cache - plain.rows[0].kv_cache == tokens * 2 * kv * 2
     assert drafting.rows[0].weights - plain.rows[0].weights == params * 2
+
+
+def test_suffix_decoding_s_host_memory_is_said() -> None:
+    """engine.speculative.method suffix: no device memory; the plan says the host memory its trees may take."""
+    from transformers import AutoConfig
+
+    from pylon.serving.engine.suffix import BYTES_PER_TOKEN
+
+    def plan(**speculative):
+        engine = {"max_model_len": 2048, "speculative": speculative}
+        spec = DeploymentSpec(name="s", model="s3://b/m", replica={"num_gpus": 1}, engine=engine)
+        return plan_serve(spec, config=AutoConfig.for_model("llama"), gpu="L40S")
+
+    plain, suffix = plan(), plan(method="suffix", suffix_max_cached_requests=1000)
+    assert suffix.rows[0].weights == plain.rows[0].weights and suffix.rows[0].kv_cache == plain.rows[0].kv_cache
+    note = next(n for n in suffix.notes if n.startswith("suffix decoding's trees"))
+    assert f"~{BYTES_PER_TOKEN} bytes a cached output token" in note and "1,000 cached outputs 2,048 tokens" in note
+    assert f"up to {1000 * 2048 * BYTES_PER_TOKEN / 2**30:.1f} GiB" in note, note

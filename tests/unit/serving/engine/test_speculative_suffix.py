@@ -191,3 +191,28 @@ def test_through_the_engine_a_request_drafts_from_one_running_beside_it(tmp_path
     assert tokens_of(got["first"]) == tokens_of(got["second"]) == want
     assert accepted is not None and accepted >= 4, accepted
     assert_pool_empty(engine)
+
+
+def test_the_trees_host_memory_a_token_is_what_the_planner_counts() -> None:
+    """Outputs of real text in the engine's tree take about `BYTES_PER_TOKEN` of host memory a token (the figure
+    `pylon plan` multiplies out), and give it back when they are let go."""
+    import tracemalloc
+    from pathlib import Path
+
+    from pylon.serving.engine.suffix import BYTES_PER_TOKEN
+
+    text = list((Path(__file__).resolve().parents[5] / "shared" / "datasets" / "tinyshakespeare.txt").read_bytes())
+    outputs = [text[i : i + 500] for i in range(0, 50_000, 500)]
+    suffix = SuffixDecoding(depth=24, max_cached_requests=len(outputs), max_spec_factor=1.0, min_token_prob=0.1)
+    tracemalloc.start()
+    try:
+        for i, output in enumerate(outputs):
+            suffix.finish(str(i), output)
+        held = tracemalloc.get_traced_memory()[0] / 50_000
+        suffix.max_cached = 1
+        suffix.finish("last", [1])  # (past the limit: every other output let go)
+        left = tracemalloc.get_traced_memory()[0] / 50_000
+    finally:
+        tracemalloc.stop()
+    assert 0.5 * BYTES_PER_TOKEN < held < 1.3 * BYTES_PER_TOKEN, held
+    assert list(suffix.cached.root.children) == [1] and left < 0.1 * BYTES_PER_TOKEN, left
