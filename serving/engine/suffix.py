@@ -26,7 +26,6 @@ from array import array
 from collections import OrderedDict
 
 WINDOW = 4096  # a request's tokens its own tree is built from at first (its latest), as prompt lookup searches
-BYTES_PER_TOKEN = 256  # the trees' host memory a token added, measured on text (tests/.../test_speculative_suffix.py)
 
 
 class _Node:

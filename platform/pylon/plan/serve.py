@@ -19,6 +19,9 @@ LAUNCH_S_PER_LAYER = 1e-4  # eager PyTorch decoding: kernel launches per layer p
 DEFAULT_UTILIZATION = 0.5  # share of a serving replica's hours spent at its throughput ceiling
 KV_BYTES = {**WEIGHT_BYTES, "fp8": 1}  # bytes of a key or value element per engine.kv_cache_dtype
 QUANT_BYTES = 1  # bytes of a quantized projection weight (engine.quantization int8 or fp8)
+# Host memory of suffix decoding's trees (serving/engine/suffix.py) a cached output token: measured on text by
+# tests/unit/serving/engine/test_speculative_suffix.py
+SUFFIX_BYTES_PER_TOKEN = 256
 
 
 @dataclass(frozen=True)
@@ -358,12 +361,11 @@ def plan_serve(
         )
     if e.speculative.method == "suffix":
         # Suffix decoding's trees (serving/engine/suffix.py) live in the replica's host memory, not the GPU's: ~250
-        # bytes a cached output token (measured by the trees' tests), every output at most max_model_len.
-        from pylon.serving.engine.suffix import BYTES_PER_TOKEN
-
-        cached = e.speculative.suffix_max_cached_requests * e.max_model_len * BYTES_PER_TOKEN
+        # bytes a cached output token (SUFFIX_BYTES_PER_TOKEN), every output at most max_model_len.
+        cached = e.speculative.suffix_max_cached_requests * e.max_model_len * SUFFIX_BYTES_PER_TOKEN
         notes.append(
-            f"suffix decoding's trees take host memory, not the GPU's: ~{BYTES_PER_TOKEN} bytes a cached output token, "
+            f"suffix decoding's trees take host memory, not the GPU's: ~{SUFFIX_BYTES_PER_TOKEN} bytes a cached output "
+            "token, "
             f"up to {_gib(cached)} were all {e.speculative.suffix_max_cached_requests:,} cached outputs "
             f"{e.max_model_len:,} tokens long (engine.speculative.suffix_max_cached_requests bounds it); decode "
             "throughput is without speculation"

@@ -1193,7 +1193,7 @@ def test_suffix_decoding_s_host_memory_is_said() -> None:
     """engine.speculative.method suffix: no device memory; the plan says the host memory its trees may take."""
     from transformers import AutoConfig
 
-    from pylon.serving.engine.suffix import BYTES_PER_TOKEN
+    from pylon.plan.serve import SUFFIX_BYTES_PER_TOKEN as BYTES_PER_TOKEN
 
     def plan(**speculative):
         engine = {"max_model_len": 2048, "speculative": speculative}

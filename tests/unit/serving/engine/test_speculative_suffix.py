@@ -199,7 +199,7 @@ def test_the_trees_host_memory_a_token_is_what_the_planner_counts() -> None:
     import tracemalloc
     from pathlib import Path
 
-    from pylon.serving.engine.suffix import BYTES_PER_TOKEN
+    from pylon.plan.serve import SUFFIX_BYTES_PER_TOKEN as BYTES_PER_TOKEN
 
     text = list((Path(__file__).resolve().parents[5] / "shared" / "datasets" / "tinyshakespeare.txt").read_bytes())
     outputs = [text[i : i + 500] for i in range(0, 50_000, 500)]
