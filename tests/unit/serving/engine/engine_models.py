@@ -474,6 +474,41 @@ def recorded(engine) -> list[tuple[list[int], list[int]]]:
     return proposed
 
 
+# A script `test_tensor_shards._processes` runs in each shard's process: the model and a head drafting from its hidden
+# states (argv: the head's directory, the method: mtp, the checkpoint's own layer, or eagle, eagle3; the prompt), the
+# head's catch-up over the prompt and its first two drafts' logits saved (`hidden`, `first`, `second`, and `heads`, the
+# shard's share of the head's attention heads).
+HEAD_SHARDS = """
+import json, sys, torch, torch.distributed as dist
+from pylon.serving.engine.tensor import load_head
+from pylon.serving.model.runner import ModelRunner
+from pylon.serving.model.step import StepSequence
+from pylon.serving.model.tensor import Shard
+
+directory, rank, count, store, saved = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+head_dir, method, prompt = sys.argv[6], sys.argv[7], json.loads(sys.argv[8])
+shard = None
+if count > 1:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
+    shard = Shard(rank, count)
+kwargs = dict(num_blocks=32, block_size=16, dtype="fp32", device="cpu")
+model = ModelRunner(directory, shard=shard, **kwargs)
+head = load_head(model, shard, head_dir, kwargs, None if method == "mtp" else method)
+table = [0, 1, 2, 3]
+token = int(model.execute([StepSequence(prompt, 0, table, True)])[-1].argmax())
+hidden = model.step_hidden  # every row's: the final hidden states (after the final norm), or three layers' inputs
+out, _ = head.execute_step([StepSequence(prompt[1:] + [token], 0, table, True)], hidden=hidden)
+first = head.head_logits(out)
+draft = int(first[-1].argmax())  # the head fed its first draft: the second
+out2, _ = head.execute_step([StepSequence([draft], len(prompt), table, True)], hidden=head.mtp_hidden(out))
+second = head.head_logits(out2)
+heads = head.config.num_attention_heads  # (the shard's config: its share of the heads)
+torch.save({"hidden": hidden, "first": first, "second": second, "heads": heads}, saved)
+if count > 1:
+    dist.destroy_process_group()
+"""
+
+
 # The quantized checkpoint layouts `save_quantized` writes: DeepSeek's block FP8, and compressed-tensors' FP8 per
 # channel ("-FP8-dynamic"), INT8 per channel with zero points (asymmetric "-W8A8"), INT4 in groups of 32 packed eight to
 # an int32 ("-W4A16").

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_models import GREEDY, PROMPTS, Family, assert_pool_empty, recorded, run, speculating, tokens_of
+from engine_models import GREEDY, HEAD_SHARDS, PROMPTS, Family, assert_pool_empty, recorded, run, speculating, tokens_of
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -366,37 +366,6 @@ def test_a_head_in_object_storage_is_read_from_there_and_planned(predictor, s3_r
         family.engine(speculative=method("eagle", f"{s3_root}/none"))
 
 
-_SHARDS = """
-import json, sys, torch, torch.distributed as dist
-from pylon.serving.engine.tensor import load_head
-from pylon.serving.model.runner import ModelRunner
-from pylon.serving.model.step import StepSequence
-from pylon.serving.model.tensor import Shard
-
-directory, rank, count, store, saved = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-head_dir, method, prompt = sys.argv[6], sys.argv[7], json.loads(sys.argv[8])
-shard = None
-if count > 1:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
-    shard = Shard(rank, count)
-kwargs = dict(num_blocks=32, block_size=16, dtype="fp32", device="cpu")
-model = ModelRunner(directory, shard=shard, **kwargs)
-head = load_head(model, shard, head_dir, kwargs, method)
-table = [0, 1, 2, 3]
-token = int(model.execute([StepSequence(prompt, 0, table, True)])[-1].argmax())
-hidden = model.step_hidden  # every row's: the final hidden states, or the three layers' inputs
-out, _ = head.execute_step([StepSequence(prompt[1:] + [token], 0, table, True)], hidden=hidden)
-first = head.head_logits(out)
-draft = int(first[-1].argmax())  # the head fed its first draft: the second
-out2, _ = head.execute_step([StepSequence([draft], len(prompt), table, True)], hidden=head.mtp_hidden(out))
-second = head.head_logits(out2)
-heads = head.config.num_attention_heads  # (the shard's config: its share of the heads)
-torch.save({"hidden": hidden, "first": first, "second": second, "heads": heads}, saved)
-if count > 1:
-    dist.destroy_process_group()
-"""
-
-
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_the_head_in_two_shards_computes_the_whole_head(kind, tmp_path) -> None:
     """engine.tensor_parallel 2: each shard holds its slices of the head's layer (its heads, its MLP's slice; fc, the
@@ -407,8 +376,8 @@ def test_the_head_in_two_shards_computes_the_whole_head(kind, tmp_path) -> None:
     family = Family("llama", tmp_path / "m", greedy=False, num_hidden_layers=8)
     write_head(tmp_path / "head", family.model.config, kind, **({"draft_vocab": 96} if kind == "eagle3" else {}))
     args = [str(tmp_path / "head"), kind, json.dumps(PROMPTS[2])]
-    (whole,) = _processes(_SHARDS, family.dir, 1, tmp_path, args)
-    shards = _processes(_SHARDS, family.dir, 2, tmp_path, args)
+    (whole,) = _processes(HEAD_SHARDS, family.dir, 1, tmp_path, args)
+    shards = _processes(HEAD_SHARDS, family.dir, 2, tmp_path, args)
     assert whole["hidden"].shape[1] == (3 if kind == "eagle3" else 1) * family.model.config.hidden_size
     # (float32 sums in another order: the layers' inputs, in the hundreds on this model, differ by ~2e-6 of their
     # norm, a few in the 6th digit of the largest)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from engine_models import (
     GREEDY,
+    HEAD_SHARDS,
     PROMPTS,
     Family,
     add_mtp_layer,
@@ -293,36 +294,6 @@ def test_what_cannot_draft_from_such_a_layer_is_refused_by_name(tmp_path) -> Non
     EngineSpec(tensor_parallel=2, speculative=mtp())  # (shards take it: test_the_layer_in_two_shards_...)
 
 
-_SHARDS = """
-import json, sys, torch, torch.distributed as dist
-from pylon.serving.model.runner import ModelRunner
-from pylon.serving.model.step import StepSequence
-from pylon.serving.model.tensor import Shard
-
-directory, rank, count, store, saved = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-shard = None
-if count > 1:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=count)
-    shard = Shard(rank, count)
-kwargs = dict(num_blocks=32, block_size=16, dtype="fp32", device="cpu", shard=shard)
-model = ModelRunner(directory, **kwargs)
-model.keep_hidden = True
-layer = ModelRunner(directory, mtp=model, **kwargs)
-prompt, table = json.loads(sys.argv[6]), [0, 1, 2, 3]
-token = int(model.execute([StepSequence(prompt, 0, table, True)])[-1].argmax())
-hidden = model.step_hidden  # every row's, after the final norm
-out, _ = layer.execute_step([StepSequence(prompt[1:] + [token], 0, table, True)], hidden=hidden)
-first = layer.head_logits(out)
-draft = int(first[-1].argmax())  # the layer fed its first draft: the second
-out2, _ = layer.execute_step([StepSequence([draft], len(prompt), table, True)], hidden=layer.mtp_hidden(out))
-second = layer.head_logits(out2)
-heads = layer.config.num_attention_heads  # (the shard's config: its share of the heads)
-torch.save({"hidden": hidden, "first": first, "second": second, "heads": heads}, saved)
-if count > 1:
-    dist.destroy_process_group()
-"""
-
-
 @pytest.mark.parametrize(
     "name", ["deepseek_v3", *(pytest.param(n, marks=pytest.mark.slow) for n in ("glm4_moe", *QWEN))]
 )
@@ -333,9 +304,9 @@ def test_the_layer_in_two_shards_computes_the_whole_layer(name, tmp_path) -> Non
 
     family = Family(name, tmp_path / "m", greedy=False)
     add_mtp_layer(family.dir)
-    prompt = json.dumps(PROMPTS[2])
-    (whole,) = _processes(_SHARDS, family.dir, 1, tmp_path, [prompt])
-    shards = _processes(_SHARDS, family.dir, 2, tmp_path, [prompt])
+    args = [family.dir, "mtp", json.dumps(PROMPTS[2])]
+    (whole,) = _processes(HEAD_SHARDS, family.dir, 1, tmp_path, args)
+    shards = _processes(HEAD_SHARDS, family.dir, 2, tmp_path, args)
     for part in shards:  # (float32 sums in another order: a few units in the 4th decimal, the second pass's more)
         torch.testing.assert_close(part["hidden"], whole["hidden"], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(part["first"], whole["first"], atol=5e-4, rtol=1e-3)
