@@ -311,6 +311,7 @@ class CheckpointCommitter:
         commit_timeout_s: float = 1800.0,
         before_write: Callable[[str], None] | None = None,
         part_size: int = storage.DEFAULT_PART_SIZE,
+        exclude_frozen: bool = False,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -325,6 +326,8 @@ class CheckpointCommitter:
         self.commit_timeout_s = commit_timeout_s
         self.before_write = before_write
         self.part_size = part_size
+        # objective eagle3: the frozen model is model.path's; its checkpoints hold the trained head alone
+        self.exclude_frozen = exclude_frozen
         self.staging_dir = None if staging_dir is None else Path(staging_dir)
         self._uploader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pylon-ckpt")
         self._pending: concurrent.futures.Future | None = None
@@ -385,7 +388,8 @@ class CheckpointCommitter:
         staging = self._staging("save", step, snapshot=self.async_upload)
         t_snapshot = time.perf_counter()
         try:
-            engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
+            frozen = {"exclude_frozen_parameters": True} if self.exclude_frozen else {}
+            engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False, **frozen)
         except BaseException as e:
             full = _disk_full(staging, e)  # before the partial files are removed
             shutil.rmtree(staging, ignore_errors=True)
@@ -625,8 +629,9 @@ class CheckpointCommitter:
             error = e
         try:
             _all_ranks_succeeded(error, f"downloading checkpoint step {info.step}")
+            frozen = {"load_module_strict": False} if self.exclude_frozen else {}  # (the frozen model: not in it)
             load_path, _ = engine.load_checkpoint(
-                str(local), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+                str(local), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, **frozen
             )
             if load_path is None:
                 raise PylonError(f"{info.uri}: DeepSpeed found no checkpoint in the downloaded files")

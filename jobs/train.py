@@ -86,6 +86,8 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     separate_documents(spec.attention_mask, manifest, f"data.uri {spec.data.uri}")
     for note in check_objective(spec, manifest):
         print(note, flush=True)
+    if spec.objective == "eagle3":  # before workers start: can the engine run a head for this model
+        _check_eagle3_model(spec, manifest)
     if spec.grpo is not None and spec.grpo.sampler == "engine":  # before workers start: can the engine sample it
         from pylon.jobs.rollout import check_sampler
 
@@ -198,7 +200,7 @@ def _record_run(run_uri: str, spec: TrainJobSpec, *, tokenizer: dict) -> None:
     now = spec.model_dump(mode="json")
     if storage.exists(uri):
         before = storage.read_json(uri)["spec"]
-        fixed = ("model", "data", "scaling", "deepspeed", "precision", "lora", "batch")
+        fixed = ("model", "data", "scaling", "deepspeed", "precision", "lora", "batch", "eagle3")
         changed = [k for k in fixed if before.get(k) != now.get(k)]
         if changed:
             raise PylonError(
@@ -262,6 +264,29 @@ def check_objective(spec: TrainJobSpec, manifest, labels: bool = True) -> list[s
     return []
 
 
+def _check_eagle3_model(spec: TrainJobSpec, manifest) -> None:
+    """objective eagle3: the data is text, chat or prompt-completion records (the tokens the model answers with), and
+    the model one the engine keeps the hidden states of for an EAGLE-3 head, with the layers `eagle3.aux_layers`
+    names."""
+    from pylon.jobs.eagle import aux_layers, check_aux
+    from pylon.models import model_config
+    from pylon.serving.model.eagle import refused
+    from pylon.serving.model.families import LLAMA_FAMILIES
+    from pylon.specs import Eagle3Spec
+
+    if manifest.preference:
+        raise PylonError(
+            f"objective eagle3: data.uri {spec.data.uri} holds preference pairs; a drafting head learns the model's "
+            "next tokens over text, chat or prompt-completion records (the tokens it answers with)"
+        )
+    config = model_config(spec.model)
+    why = refused("eagle3", config.model_type, LLAMA_FAMILIES)
+    if why:
+        raise PylonError(f"objective eagle3: model.path {spec.model.path} is a {config.model_type} model: {why}")
+    settings = spec.eagle3 or Eagle3Spec()
+    check_aux(aux_layers(settings.aux_layers, config.num_hidden_layers), config.num_hidden_layers)
+
+
 def check_completion_room(config, seq_len: int, max_tokens: int) -> None:
     """Objective grpo: a PylonError naming grpo.max_completion_tokens unless a prompt as long as a row (`seq_len`) and
     a completion of `max_tokens` fit the model's positions (`max_position_embeddings`, where it has one)."""
@@ -291,6 +316,7 @@ def train_loop(config: dict) -> None:
     from pylon.jobs.checkpoint import CheckpointCommitter, RayTrainReports
     from pylon.jobs.deepspeed_config import build_deepspeed_config
     from pylon.jobs.dpo import DpoLoss, RunningMean, dpo_forward, dpo_record, frozen_reference
+    from pylon.jobs.eagle import eagle3_record
     from pylon.jobs.grpo import (
         STAT_NAMES,
         GrpoEvaluation,
@@ -373,6 +399,9 @@ def train_loop(config: dict) -> None:
     )
     if documents:
         without_padding_warning(model)  # the padding of a document batch is a segment of its own: nothing to warn of
+    eagle3 = None  # objective eagle3 (pylon.jobs.eagle): the model frozen beside the drafting head it trains
+    if spec.objective == "eagle3":
+        model = eagle3 = _eagle3_trainer(model, spec, rank, seed)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
@@ -405,7 +434,12 @@ def train_loop(config: dict) -> None:
     if chunked:  # every rank, as below
         check_chunked_loss(engine, tok.vocab_size, aux=router_aux_coef(model.config) > 0, device=device)
     if documents:  # every rank: under ZeRO-3 the forward passes gather parameters collectively
-        left = check_document_attention(engine, tok.vocab_size, where=spec.model.describe(), device=device)
+        left = check_document_attention(
+            engine.module.target if eagle3 is not None else engine,
+            tok.vocab_size,
+            where=spec.model.describe(),
+            device=device,
+        )
         if rank == 0:
             print(
                 f"attention_mask document: each packed document attended on its own (checked: {left:.1e} of the "
@@ -416,7 +450,13 @@ def train_loop(config: dict) -> None:
         total, trainable = parameter_counts(model)
         print(
             f"model: {total:,} parameters, {trainable:,} trainable"
-            + (f" (LoRA r={spec.lora.r} on {', '.join(spec.lora.target_modules)})" if spec.lora else ""),
+            + (f" (LoRA r={spec.lora.r} on {', '.join(spec.lora.target_modules)})" if spec.lora else "")
+            + (
+                f" (an EAGLE-3 head reading layers {', '.join(map(str, eagle3.aux))}' inputs, "
+                f"{len(eagle3.head.draft_tokens):,} draft tokens, {eagle3.steps} drafts deep; the model frozen)"
+                if eagle3 is not None
+                else ""
+            ),
             flush=True,
         )
         if reference is not None:
@@ -465,6 +505,7 @@ def train_loop(config: dict) -> None:
         keep_last=spec.checkpoint.keep_last,
         keep_every=spec.checkpoint.keep_every,
         async_upload=spec.checkpoint.async_upload,
+        exclude_frozen=eagle3 is not None,
     )
     ray_reports = RayTrainReports(committer)
     step, tokens_seen = 0, 0
@@ -501,6 +542,10 @@ def train_loop(config: dict) -> None:
                 flush=True,
             )
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
+    if eagle3 is not None:  # the frozen model's forward pass, and the head's drafts trained
+        from pylon.jobs.eagle import head_flops_per_token
+
+        flops_tok = flops_tok / 3 + head_flops_per_token(eagle3.head.config, stream.manifest.seq_len, eagle3.steps)
     trained_flops = flops_tok  # objective grpo's MFU counts its passes itself (Rollout.trained_token_units)
     if referenced and ref_table is None:  # the reference's forward pass too: a third of a trained token's FLOPs
         flops_tok *= 4 / 3
@@ -540,7 +585,8 @@ def train_loop(config: dict) -> None:
         wait_s, loss_sum, tokens_sum, aux_sum, aux_n = 0.0, 0.0, 0, 0.0, 0
         # objective dpo: pairs; chosen and rejected rewards, correct pairs. kto: completions; desirable and undesirable
         # rewards, their counts, the KL baseline
-        pairs_sum, dpo_sums = 0, [0.0] * (5 if kto is not None else 3)
+        # objective eagle3: per draft depth, the drafts whose top token is the model's, and the drafts counted
+        pairs_sum, dpo_sums = 0, [0.0] * (2 * eagle3.steps if eagle3 is not None else 5 if kto is not None else 3)
         grpo_sums, sample_s = [0.0] * (len(STAT_NAMES) + 2 * len(rewards.functions) if rewards else 0), 0.0
         grpo_units = 0.0  # objective grpo: its model FLOPs this step, in trained tokens (sampling included)
         samples: list = []  # objective grpo: the first micro-batch's logged completions (`grpo.log_completions`)
@@ -619,6 +665,11 @@ def train_loop(config: dict) -> None:
                 aux = None
                 pairs_sum += completions_n
                 dpo_sums = [a + b for a, b in zip(dpo_sums, stats)]
+            elif eagle3 is not None:  # (its loss a TokenLoss's: its drafts' weighted soft cross-entropy)
+                loss_t, n_tokens, out = forward_loss(engine, inputs, chunked=True)
+                loss, local_sum = _global_mean_loss(loss_t, n_tokens, world)
+                aux = None
+                dpo_sums = [a + b for a, b in zip(dpo_sums, out["stats"])]
             else:
                 loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef, chunked=chunked)
             engine.backward(loss)
@@ -683,6 +734,8 @@ def train_loop(config: dict) -> None:
             record.update(dpo_record(*totals[[0, 7, 8, 9, 10]].tolist(), name=dpo_loss.objective))
         if kto is not None:  # the completions' rewards, margin and KL baseline (TRL's figures)
             record.update(kto_record(*totals[[0, 7, 8, 9, 10, 11, 12]].tolist(), passes=gas * world))
+        if eagle3 is not None:  # each draft depth's accuracy, and the chain's expected accepted drafts
+            record.update(eagle3_record(totals[8 : 8 + 2 * eagle3.steps].tolist()))
         if grpo is not None:  # the completions' rewards, lengths and KL (TRL's figures); this rank's sampling time
             record.update(
                 grpo_record(
@@ -730,6 +783,7 @@ def train_loop(config: dict) -> None:
                     reference=reference,
                     running=running,
                     grpo_eval=grpo_eval,
+                    eagle3=eagle3 is not None,
                 )
             )
             outside_s += time.perf_counter() - t0
@@ -782,12 +836,45 @@ def train_loop(config: dict) -> None:
     ray_reports.finish()  # with async_upload, the last save: committed in the background
     metrics.flush()
     completions.flush()
-    _record_reference_logits(engine, run_uri, rank, stream.manifest.seq_len)
+    if eagle3 is None:  # (a head has no logits of its own to check an export against)
+        _record_reference_logits(engine, run_uri, rank, stream.manifest.seq_len)
     totals = torch.tensor(moved(), dtype=torch.float64, device=device)  # the last upload's bytes, from every rank
     if dist.is_initialized():
         dist.all_reduce(totals)
     record_moved(totals.tolist())
     ledger.finish()
+
+
+def _eagle3_trainer(model, spec: TrainJobSpec, rank: int, seed: int):
+    """objective eagle3: the frozen `model` beside a new EAGLE-3 head (pylon.jobs.eagle), its draft vocabulary chosen
+    by rank 0 from the training split's labels and given to every rank."""
+    import torch.distributed as dist
+
+    from pylon.data.reader import stream_from_spec
+    from pylon.jobs.eagle import build_trainer, draft_vocabulary
+    from pylon.specs import Eagle3Spec
+
+    settings = spec.eagle3 or Eagle3Spec()
+    vocab = model.config.vocab_size
+    chosen = None
+    if rank == 0:
+        t0 = time.perf_counter()
+        stream = stream_from_spec(spec.data, batch_size=spec.batch.micro_batch_size, rank=0, world_size=1)
+        ids, seen, covered = draft_vocabulary(stream, settings.draft_vocab_size, vocab, settings.vocab_sample_tokens)
+        chosen = ids.tolist()
+        print(
+            f"objective eagle3: a draft vocabulary of {len(chosen):,} of the model's {vocab:,} tokens, "
+            f"{covered:.1%} of the {seen:,} counted tokens of the training split read "
+            f"({time.perf_counter() - t0:.1f} s)",
+            flush=True,
+        )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [chosen]
+        dist.broadcast_object_list(box, src=0)
+        chosen = box[0]
+    import torch
+
+    return build_trainer(model, spec, torch.tensor(chosen, dtype=torch.long), seed=seed + 1)
 
 
 def _torch_adam_unless_fused_adam_builds(ds_config: dict, rank: int) -> None:
@@ -1057,6 +1144,7 @@ def _evaluate(
     kto=None,
     pad_eos: tuple[int, int] = (0, 0),
     ref_table=None,
+    eagle3: bool = False,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
@@ -1066,7 +1154,8 @@ def _evaluate(
     same number of forward passes, as ZeRO-3's collective parameter gathering needs: each reads its own part of the
     split (the stream pads a short part with empty batches, which run as all-padding rows). `grpo_eval` (objective grpo:
     a `pylon.jobs.grpo.GrpoEvaluation`): its held-out prompts' greedy completions' rewards too. `kto` (objective kto's
-    `KtoLoss`; `pad_eos` the tokenizer's pad and eos ids): the held-out completions' figures (`val_kto_*`)."""
+    `KtoLoss`; `pad_eos` the tokenizer's pad and eos ids): the held-out completions' figures (`val_kto_*`). `eagle3`
+    (objective eagle3): val_loss is the drafts' (no perplexity), and each draft depth's accuracy (`val_eagle3_*`)."""
     import torch
 
     from pylon.data.reader import DataPosition
@@ -1083,6 +1172,7 @@ def _evaluate(
     dpo_sums = [0.0] * 5  # objective dpo: pairs' loss, pairs, chosen and rejected rewards, correct pairs
     grpo_sums = None  # objective grpo: its figures' sums (`GrpoEvaluation`)
     kto_sums = [0.0] * 8  # objective kto: loss, completions, the rewards' sums, their counts, the baseline, passes
+    eagle3_sums = None  # objective eagle3: per draft depth, the drafts right and counted
     engine.eval()
     try:
         with torch.no_grad():
@@ -1125,7 +1215,10 @@ def _evaluate(
                     else:
                         part, n = token_loss_sum(out.logits, inputs["labels"])
                 else:
-                    part, n, _ = forward_loss(engine, inputs, chunked)
+                    part, n, out = forward_loss(engine, inputs, chunked or eagle3)
+                    if eagle3:
+                        stats = out["stats"]
+                        eagle3_sums = stats if eagle3_sums is None else [a + b for a, b in zip(eagle3_sums, stats)]
                 if grpo_eval is not None:
                     stats = grpo_eval(batch)
                     grpo_sums = stats if grpo_sums is None else [a + b for a, b in zip(grpo_sums, stats)]
@@ -1154,6 +1247,13 @@ def _evaluate(
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)
         extra = grpo_eval_record(sums.tolist(), grpo_eval.names)
+    if eagle3:
+        from pylon.jobs.eagle import eagle3_record
+
+        sums = torch.tensor(eagle3_sums, dtype=torch.float64, device=device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        extra = eagle3_record(sums.tolist(), prefix="val_")
     return extra | eval_record(
         step,
         loss_sum=loss_sum,
@@ -1163,7 +1263,7 @@ def _evaluate(
         val_ids=val_stream.id_range,
         seconds=time.perf_counter() - t0,
         attention_mask="document" if documents else "causal",
-        pairs=dpo_loss is not None and dpo_loss.scores,
+        pairs=(dpo_loss is not None and dpo_loss.scores) or eagle3,  # (no perplexity: no next-token loss)
     )
 
 

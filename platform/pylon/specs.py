@@ -389,6 +389,42 @@ class LoraSpec(_Spec):
     merge_on_export: bool = True
 
 
+class Eagle3Spec(_Spec):
+    """objective eagle3's head (pylon.jobs.eagle; docs/training.md, "Drafting heads"): SpecForge's settings."""
+
+    aux_layers: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        min_length=3,
+        max_length=3,
+        description="the three of the model's layers whose inputs the head reads (numbered as vLLM's and SGLang's "
+        "eagle_aux_hidden_state_layer_ids: j is the input of layer j, the output of layer j - 1); default EAGLE-3's, "
+        "2, N // 2 and N - 3 of the model's N layers",
+    )
+    draft_vocab_size: PositiveInt = Field(
+        32000,
+        description="the head's output layer's tokens: the most frequent of the tokens the training data's labels "
+        "count (d2t maps them to the model's); a drafted token outside them is never proposed. At least the model's "
+        "vocabulary: all of it",
+    )
+    vocab_sample_tokens: PositiveInt = Field(
+        10_000_000,
+        description="counted tokens of the training split read (from its start, before the first step) to choose "
+        "the draft vocabulary",
+    )
+    ttt_steps: Annotated[int, Field(ge=1, le=16)] = Field(
+        7,
+        description="training-time test (EAGLE-3's, SpecForge's ttt_length): the head is unrolled this many drafts "
+        "deep, each next draft fed its own output and the text's next token, as the engine drafts; set it to at least "
+        "engine.speculative.num_tokens",
+    )
+    ttt_decay: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.8, description="the loss of the head's draft k (from 0) weighs ttt_decay ** k (SpecForge's 0.8)"
+    )
+    intermediate_size: PositiveInt | None = Field(
+        None, description="the head's MLP width; default the model's intermediate_size"
+    )
+
+
 class QueueSpec(_Spec):
     """Where a TrainJob waits when the cluster is busy (docs/training.md, "Job queue")."""
 
@@ -679,6 +715,10 @@ def sampler_kv_cache_tokens(spec: "TrainJobSpec", seq_len: int) -> int:
     return max(4096, spec.batch.micro_batch_size * (seq_len + g.generations * g.max_completion_tokens))
 
 
+# What a TrainJob's model learns (TrainJobSpec.objective)
+Objective = Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "kto", "grpo", "rloo", "online_dpo", "eagle3"]
+
+
 class TrainJobSpec(_Spec):
     """One training run: model, data, workers, DeepSpeed, optimisation and checkpoints."""
 
@@ -711,7 +751,7 @@ class TrainJobSpec(_Spec):
         "exist at once (Liger's fused linear cross-entropy, chunked); only the tokens the loss counts are projected. "
         "0: the whole micro-batch at once",
     )
-    objective: Literal["causal_lm", "dpo", "simpo", "orpo", "reward", "kto", "grpo", "rloo", "online_dpo"] = Field(
+    objective: Objective = Field(
         "causal_lm",
         description="what the model learns: causal_lm, the next token (pretraining, fine-tuning); on a dataset "
         "prepared with --preference, each pair's chosen completion over its rejected one: dpo, direct preference "
@@ -731,8 +771,12 @@ class TrainJobSpec(_Spec):
         "times its KL to the start (summed over its tokens), against the mean of its group's other completions, and "
         "one clipped ratio per completion (its tokens' summed log-probabilities); online_dpo (TRL's "
         "OnlineDPOTrainer) with the same sampling and rewards: each prompt's two completions a preference pair, the "
-        "better-rewarded chosen, trained with DPO's loss against the reference (dpo_beta its beta)",
+        "better-rewarded chosen, trained with DPO's loss against the reference (dpo_beta its beta); eagle3, an "
+        "EAGLE-3 drafting head for the model in model.path (SpecForge's training), the model frozen: trained to "
+        "guess the model's next tokens from three of its layers' hidden states, unrolled as the engine drafts "
+        "(training-time test), exported as the head engine.speculative.method eagle3 reads as its draft_model",
     )
+    eagle3: Eagle3Spec | None = Field(None, description="objective eagle3: its head and training-time test")
     grpo: GrpoSpec | None = Field(
         None, description="objectives grpo, rloo and online_dpo: their reward functions, sampling and loss"
     )
@@ -874,6 +918,36 @@ class TrainJobSpec(_Spec):
             return [("dpo_loss_weights", f"{len(weights)} weights for {len(losses)} losses: one each, in order")]
         return []
 
+    def _eagle3_problems(self) -> list[tuple[str, str]]:
+        """objective eagle3 trains a head beside a frozen model: what would change the model, or is of no use to a
+        head, is refused."""
+        if self.objective != "eagle3":
+            return [("eagle3", f"sets objective eagle3's head; objective: {self.objective}")] if self.eagle3 else []
+        problems = []
+        if self.model.path is None:
+            problems.append(
+                ("model.path", "objective eagle3 trains a drafting head for a trained model: give its directory")
+            )
+        for name, why in (
+            ("lora", "the model is frozen: only the head trains"),
+            ("loss_chunk_tokens", "the head's output layer is the draft vocabulary's: set 0"),
+            ("neftune_noise_alpha", "would add noise to the hidden states the head learns from: set 0"),
+            ("gradient_checkpointing", "the model is frozen (no activations kept for it): leave it out"),
+            ("precompute_reference", "is objective dpo's"),
+        ):
+            value = getattr(self, name)
+            if value and value != type(self).model_fields[name].default:
+                problems.append((name, f"objective eagle3: {why}"))
+        if self.deepspeed.zero_stage == 3:
+            problems.append(
+                (
+                    "deepspeed.zero_stage",
+                    "objective eagle3 keeps the frozen model whole on every worker and partitions only the head's "
+                    "optimizer states: use stage 0, 1 or 2",
+                )
+            )
+        return problems
+
     @model_validator(mode="after")
     def _rules(self) -> "TrainJobSpec":
         problems = []
@@ -1002,6 +1076,7 @@ class TrainJobSpec(_Spec):
                     problems.append((field, f"must be a multiple of grpo.iterations ({mu}): {why} (got {value})"))
         elif self.grpo is not None:
             problems.append(("grpo", f"sets objective grpo's and rloo's sampling and rewards; objective: {objective}"))
+        problems.extend(self._eagle3_problems())
         if self.reward_center_coefficient and objective != "reward":
             problems.append(
                 ("reward_center_coefficient", f"centres objective reward's scores; objective is {objective}")
