@@ -171,6 +171,7 @@ class LLMEngine:
         engine.pipeline_parallel (engine.tensor_parallel), the cluster and placement group the stages (shards) go to
         (engine/split.py's `placement()`, from a replica to its engine process); None: this process's own."""
         # Imported here so that importing this module stays light (no torch, no transformers).
+        from pylon.serving.model.eagle import refuse_as_model
         from pylon.serving.model.runner import ModelRunner, model_type_of
 
         self.spec = spec = spec or EngineSpec()
@@ -190,6 +191,7 @@ class LLMEngine:
                 directory, _, read_bytes = stack.enter_context(stage_model_dir(model, 0, spec.pipeline_parallel))
             else:
                 directory = stack.enter_context(local_model_dir(model))
+            refuse_as_model(directory, model)  # (a head `objective: eagle3` exported: what to do instead)
             self.tokenizer = load_model_tokenizer(directory)
             self._chars_per_token = chars_per_token_bound(self.tokenizer)
             adapter_dirs = spec_adapter_dirs(stack, spec.adapters)

@@ -354,3 +354,31 @@ def refused(method: str, model_type: str, families: tuple[str, ...]) -> str | No
     if method == "eagle3" and model_type not in families:
         return f"an EAGLE-3 head reads hidden states inside the model, which the engine keeps for {', '.join(families)}"
     return None
+
+
+def refuse_as_model(directory: str, uri: str) -> None:
+    """Fail, saying what to do instead, where the directory given as a model holds an EAGLE head (EAGLE-3's
+    `LlamaForCausalLMEagle3`, EAGLE's `EagleLlamaForCausalLM`, a speculators config; what `objective: eagle3`
+    exports): it has no embeddings or layers of its own to serve."""
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return  # (no config: the loader says what is missing)
+    if not isinstance(raw, dict):
+        return
+    architectures = [str(a) for a in raw.get("architectures") or []]
+    if not (any("eagle" in a.lower() for a in architectures) or "speculators_model_type" in raw):
+        return
+    drafts_for = None
+    try:
+        with open(os.path.join(directory, "pylon_export.json")) as f:
+            drafts_for = json.load(f).get("drafts_for")
+    except (OSError, ValueError, AttributeError):
+        pass
+    method = "eagle3" if raw.get("draft_vocab_size") or "Eagle3" in "".join(architectures) else "eagle"
+    raise PylonError(
+        f"model {uri}: is an EAGLE drafting head ({', '.join(architectures) or raw['speculators_model_type']}), not "
+        f"a model: serve the model it drafts for{f' ({drafts_for})' if drafts_for else ''} as model, with "
+        f"engine.speculative: {{method: {method}, draft_model: {uri}}}"
+    )
