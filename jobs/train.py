@@ -268,7 +268,7 @@ def _check_eagle3_model(spec: TrainJobSpec, manifest) -> None:
     """objective eagle3: the data is text, chat or prompt-completion records (the tokens the model answers with), and
     the model one the engine keeps the hidden states of for an EAGLE-3 head, with the layers `eagle3.aux_layers`
     names."""
-    from pylon.jobs.eagle import aux_layers, check_aux
+    from pylon.draft_head import aux_layers, check_aux
     from pylon.models import model_config
     from pylon.serving.model.eagle import refused
     from pylon.serving.model.families import LLAMA_FAMILIES

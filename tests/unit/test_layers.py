@@ -32,6 +32,7 @@ LAYERS = [
         "pylon.specs",
         "pylon.home",
         "pylon.models",
+        "pylon.draft_head",
         "pylon.weight_subset",
         "pylon.ops",
     ],

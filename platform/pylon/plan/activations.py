@@ -102,6 +102,62 @@ def step_activations(
     )
 
 
+def eagle3_activations(
+    config, head, *, micro_batch: int, seq_len: int, precision: str, device: str, documents: bool, steps: int
+) -> ActivationProfile:
+    """Activation memory of one micro-batch of objective eagle3's step (`pylon.draft_head.Eagle3Trainer`): the frozen
+    model's forward pass without gradients at its full depth (its hidden states, which transformers keeps for every
+    layer, its logits, the teacher's over the draft vocabulary), then the head's `steps` drafts trained, forward and
+    backward. Simulated at micro-batch 1 and 2 and extrapolated linearly."""
+    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    head_key = json.dumps(head.to_dict(), sort_keys=True, default=str)
+    _CONFIGS.setdefault(key, config)
+    _CONFIGS.setdefault(head_key, head)
+    (s1, p1), (s2, p2) = (_eagle3_run(key, head_key, b, seq_len, precision, device, documents, steps) for b in (1, 2))
+    return ActivationProfile(
+        saved_bytes=int(max(0.0, s1 + (s2 - s1) * (micro_batch - 1))),
+        peak_bytes=int(max(0.0, p1 + (p2 - p1) * (micro_batch - 1))),
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _eagle3_run(
+    config_key: str, head_key: str, batch: int, seq_len: int, precision: str, device: str, documents: bool, steps: int
+) -> tuple[int, int]:
+    from pylon.draft_head import Eagle3Head, Eagle3Trainer, _shifted
+
+    config, head_config = _CONFIGS[config_key], _CONFIGS[head_key]
+    dtype = _DTYPES[precision]
+    aux = tuple(head_config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    with torch.device("meta"):
+        target = auto_model_class(config).from_config(config, dtype=dtype)
+        draft = torch.zeros(head_config.draft_vocab_size, dtype=torch.long)
+        head = Eagle3Head(head_config, draft).to(dtype)  # (DeepSpeed casts the whole module)
+        trainer = Eagle3Trainer(target, head, aux, steps, 0.8)
+    trainer.train()
+    without_padding_warning(target)
+    for p in head.parameters():
+        p.register_post_accumulate_grad_hook(_drop_grad)
+    ids = torch.zeros((batch, seq_len), dtype=torch.long, device="meta")
+    extra = {"position_ids": torch.zeros((batch, seq_len), dtype=torch.long, device="meta")} if documents else {}
+    tracker = _LiveBytes()
+    tracker.preexisting([*trainer.parameters(), *trainer.buffers(), ids, *extra.values()])
+    with _LOCK, _attention_as_on(device), _packed_batches(documents), tracker:
+        drafts, teacher, greedy, _ = trainer.drafts(ids, **extra)
+        saved = tracker.live
+        # the trainer's loss (its counted rows a mask: the boolean indexing reads values, which meta tensors lack)
+        loss = None
+        for k, d in enumerate(drafts):
+            target_p = torch.softmax(_shifted(teacher, k + 1), dim=-1)
+            part = -(target_p * torch.log_softmax(d.float(), dim=-1)).sum(-1)
+            loss = part.sum() if loss is None else loss + part.sum()
+            del target_p, part
+        del drafts, teacher, greedy
+        loss.backward()
+        del loss
+    return saved, tracker.peak
+
+
 def _extrapolate(c: tuple[float, float, float, float], batch: int, layers: int) -> float:
     # Bilinear in micro-batch and depth: bytes(b, L) = k0 + kL*L + b*(kb + kbL*L). Constants and per-layer
     # terms that do not grow with the batch (parameter gradients in flight) are k0 and kL.

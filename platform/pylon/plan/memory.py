@@ -197,12 +197,29 @@ class Workload:
     sampler_kv_tokens: int = 0
     # and the completions it decodes at once (`grpo.sampler_max_num_seqs`)
     sampler_max_num_seqs: int = 64
+    # objective eagle3: the head trained beside the frozen model (its LlamaConfig, `pylon.draft_head.head_config`)
+    # and the drafts deep it is unrolled (`eagle3.ttt_steps`); None and 0 for other objectives
+    head: object | None = None
+    head_steps: int = 0
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
         """Peak activation bytes of one micro-batch (`pylon.plan.activations`), remembered: a plan asks thousands
         of times for a handful of distinct answers."""
         key = (micro_batch, checkpointing, device)
+        if key not in self._peaks and self.head is not None:  # objective eagle3: the model frozen, the head trained
+            from pylon.plan.activations import eagle3_activations
+
+            self._peaks[key] = eagle3_activations(
+                self.config,
+                self.head,
+                micro_batch=micro_batch,
+                seq_len=self.seq_len,
+                precision=self.precision,
+                device=device,
+                documents=self.documents,
+                steps=self.head_steps,
+            ).peak_bytes
         if key not in self._peaks:
             from pylon.plan.activations import step_activations
 

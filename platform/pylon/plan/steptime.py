@@ -41,6 +41,17 @@ def model_flops_per_token(shape: ModelShape, seq_len: int, lora: bool, reference
     return 6.0 * shape.matmul_params + attention + extra
 
 
+def work_flops_per_token(work: Workload) -> float:
+    """`model_flops_per_token` of `work`; objective eagle3's (`work.head_steps` drafts deep): the frozen model's
+    forward pass (2N + 4 x layers x d_model x seq) and the head's drafts trained, each 6 x its matmul weights and one
+    layer's attention (12 x d_model x seq)."""
+    s = work.shape
+    if work.head_steps:
+        model = 2.0 * s.matmul_params + 4.0 * s.num_layers * s.hidden_size * work.seq_len
+        return model + work.head_steps * (6.0 * s.trainable_matmul_params + 12.0 * s.hidden_size * work.seq_len)
+    return model_flops_per_token(s, work.seq_len, work.lora is not None, work.reference != "none")
+
+
 def hardware_flops_per_token(
     shape: ModelShape, seq_len: int, lora: bool, checkpointing: bool, reference: bool = False
 ) -> float:
@@ -56,6 +67,8 @@ def hardware_flops_per_token(
 def hfu(work: Workload, checkpointing: bool, mfu: float) -> float:
     """The hardware FLOPs utilisation a run at `mfu` implies: recomputation included."""
     lora, reference = work.lora is not None, work.reference != "none"
+    if work.head_steps:  # (objective eagle3: nothing recomputed)
+        return mfu
     ratio = hardware_flops_per_token(work.shape, work.seq_len, lora, checkpointing, reference) / model_flops_per_token(
         work.shape, work.seq_len, lora, reference
     )
@@ -110,7 +123,7 @@ def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> S
     s, g, stage = work.shape, layout.num_gpus, layout.zero_stage
     w = WEIGHT_BYTES[work.precision]
     tokens = layout.micro_batch_size * work.rollouts * layout.grad_accum_steps * g * work.seq_len
-    flops = tokens * model_flops_per_token(s, work.seq_len, work.lora is not None, work.reference != "none")
+    flops = tokens * work_flops_per_token(work)
     compute = flops / (g * acc.peak_flops(work.precision) * mfu)
     comm, window = collectives(work, layout, acc)
     exposed = max(0.0, comm - window * compute)

@@ -7,7 +7,7 @@ import math
 from pylon.plan.fmt import _count, _duration, _gib, _table, _usd
 from pylon.plan.memory import WEIGHT_BYTES
 from pylon.plan.serve import BANDWIDTH_EFFICIENCY, LAUNCH_S_PER_LAYER, ServePlan
-from pylon.plan.steptime import CPU_ADAM_PARAMS_PER_S, model_flops_per_token
+from pylon.plan.steptime import CPU_ADAM_PARAMS_PER_S, work_flops_per_token
 from pylon.plan.train import COMMUNICATION, COUNTED, MFU_MEANS, TrainPlan
 
 SHOWN_DEADLINES = 10  # the text's Pareto tables stop at options this many deadlines long (JSON has them all)
@@ -27,7 +27,7 @@ def _render_train(p: TrainPlan) -> str:
         f"  {p.steps:,} steps x {p.global_batch:,} "
         + (f"prompts x {w.rollouts} completions" if w.rollouts > 1 else "sequences")
         + f" = {_count(p.tokens)} tokens; "
-        f"{model_flops_per_token(s, w.seq_len, w.lora is not None, w.reference != 'none') / 1e9:,.2f} GFLOP per "
+        f"{work_flops_per_token(w) / 1e9:,.2f} GFLOP per "
         "token (model FLOPs" + (", the reference's forward pass included)" if w.reference != "none" else ")"),
         "",
         f"Memory per GPU as requested ({lay.describe()}, {lay.num_gpus} GPU(s)):",

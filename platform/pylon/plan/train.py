@@ -32,6 +32,7 @@ from pylon.plan.memory import (
     ZERO12_RUNTIME_EXTRA_BYTES,
     Buffers,
     Layout,
+    ModelShape,
     TrainMemory,
     Workload,
     model_shape,
@@ -46,10 +47,10 @@ from pylon.plan.steptime import (
     StepTime,
     _check_knobs,
     hfu,
-    model_flops_per_token,
     step_time,
+    work_flops_per_token,
 )
-from pylon.specs import RL_OBJECTIVES, LoraSpec, TrainJobSpec, sampler_kv_cache_tokens
+from pylon.specs import RL_OBJECTIVES, Eagle3Spec, LoraSpec, TrainJobSpec, sampler_kv_cache_tokens
 
 USABLE_FRACTION = 0.95  # of a GPU's memory; the rest a margin for what the model of memory does not count
 MAX_GPUS = 16_384
@@ -293,6 +294,8 @@ def search_options(
     )
     by_count: dict[int, list[Option]] = {}
     for lay in layouts:
+        if work.head is not None and (lay.zero_stage == 3 or lay.gradient_checkpointing):
+            continue  # (objective eagle3 refuses them: the frozen model whole, nothing of it to recompute)
         o = evaluate(work, lay, acc, steps=steps, mfu=mfu)
         if o.fits:
             by_count.setdefault(lay.num_gpus, []).append(o)
@@ -409,6 +412,9 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         )
     config = with_head(config, reward=spec.objective == "reward")  # a reward model: a scalar head, no lm_head
     shape = model_shape(config, spec.lora)
+    head = None
+    if spec.objective == "eagle3":  # the model frozen, the drafting head trained beside it (pylon.draft_head)
+        head, shape = _eagle3_head(spec, config, shape, notes)
     if manifest is not None:
         from pylon.data.shards import separate_documents
 
@@ -456,8 +462,32 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts,
         gathered_sampling=gathered, completion_tokens=spec.grpo.max_completion_tokens if rl else 0,
         sampler_kv_tokens=sampler_kv, sampler_max_num_seqs=spec.grpo.sampler_max_num_seqs if rl else 64,
+        head=head, head_steps=(spec.eagle3 or Eagle3Spec()).ttt_steps if head is not None else 0,
     )  # fmt: skip
     return work, notes
+
+
+def _eagle3_head(spec: TrainJobSpec, config, shape: ModelShape, notes: list[str]):
+    """objective eagle3: the head's config, and the model's shape with the head's parameters added to it and the
+    head's alone trained."""
+    from pylon.draft_head import aux_layers, check_aux, head_config, head_parameters
+
+    settings = spec.eagle3 or Eagle3Spec()
+    n = config.num_hidden_layers
+    aux = check_aux(aux_layers(settings.aux_layers, n), n)
+    draft = min(settings.draft_vocab_size, config.vocab_size)
+    head = head_config(config, draft_vocab=draft, aux=aux, intermediate_size=settings.intermediate_size)
+    params, matmul = head_parameters(head)
+    notes.append(
+        f"objective eagle3: the model frozen, whole on every GPU in {spec.precision} (no gradients, optimizer states "
+        f"or kept activations of its own); the head's {params / 1e6:,.1f}M parameters trained, {settings.ttt_steps} "
+        f"drafts deep (each draft's attention scores: micro-batch x heads x seq x seq in fp32); ZeRO-3 and gradient "
+        "checkpointing are not planned (objective eagle3 refuses them)"
+    )
+    shape = dataclasses.replace(
+        shape, total_params=shape.total_params + params, trainable_params=params, trainable_matmul_params=matmul
+    )
+    return head, shape
 
 
 def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) -> Layout:
@@ -549,9 +579,7 @@ class TrainPlan:
             "steps": self.steps,
             "global_batch": self.global_batch,
             "tokens": self.tokens,
-            "flops_per_token": model_flops_per_token(
-                s, self.work.seq_len, self.work.lora is not None, self.work.reference != "none"
-            ),
+            "flops_per_token": work_flops_per_token(self.work),
             "utilization": {"mfu": self.mfu, "hfu": round(rec.hfu, 4) if rec else None, "mfu_means": MFU_MEANS},
             "deadline_days": self.deadline_days,
             "budget_usd": self.budget_usd,

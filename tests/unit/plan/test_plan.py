@@ -1205,3 +1205,70 @@ def test_suffix_decoding_s_host_memory_is_said() -> None:
     note = next(n for n in suffix.notes if n.startswith("suffix decoding's trees"))
     assert f"~{BYTES_PER_TOKEN} bytes a cached output token" in note and "1,000 cached outputs 2,048 tokens" in note
     assert f"up to {1000 * 2048 * BYTES_PER_TOKEN / 2**30:.1f} GiB" in note, note
+
+
+def test_an_eagle3_head_is_planned_beside_the_frozen_model(tmp_path) -> None:
+    """objective eagle3: the model's weights and the head's on every GPU, gradients and optimizer states of the head
+    alone, FLOPs of the model's forward pass and the head's drafts, never ZeRO-3 or checkpointing (refused); the
+    activations of its step as the trainer's own modules allocate them (`pylon.draft_head`, on the meta device)."""
+    from pylon.draft_head import head_config, head_parameters
+    from pylon.plan.steptime import work_flops_per_token
+    from pylon.plan.train import train_workload
+
+    config = model_config(ModelSpec(preset="llama-7b"), eos_id=0, pad_id=0)
+    config.save_pretrained(tmp_path / "m")
+    path = {"model": {"path": str(tmp_path / "m")}, "batch": {"micro_batch_size": 1, "grad_accum_steps": 1}}
+    plain = train_workload(_train(**path))[0]
+    work, notes = train_workload(_train(**path, objective="eagle3", eagle3={"ttt_steps": 3, "draft_vocab_size": 8000}))
+    params, matmul = head_parameters(head_config(config, draft_vocab=8000, aux=(2, 16, 29), intermediate_size=None))
+    h, inter = config.hidden_size, config.intermediate_size
+    assert params == 3 * h * h + 2 * h * 3 * h + h * h + 3 * h * inter + 8000 * h + 4 * h  # (GQA-free 7B; 4 norms)
+    assert work.shape.total_params == plain.shape.total_params + params and work.shape.trainable_params == params
+    assert any("objective eagle3: the model frozen" in n for n in notes)
+    n = work.shape.total_params
+    memory = train_memory(work, Layout(2, micro_batch_size=1, num_gpus=8))
+    assert memory.params == 2 * n and memory.optimizer == 12 * params // 8
+    assert memory.grads == int(2 * params / 8 + 4 * params / 8)
+    s, seq = plain.shape, plain.seq_len
+    forward = 2 * s.matmul_params + 4 * s.num_layers * h * seq
+    assert work_flops_per_token(work) == forward + 3 * (6 * matmul + 12 * h * seq)
+    plan = plan_train(_train(**path, objective="eagle3"))
+    layouts = [o.layout for row in plan.rows for o in [*row.options, *row.pareto, row.best] if o is not None]
+    assert layouts and all(lay.zero_stage < 3 and not lay.gradient_checkpointing for lay in layouts)
+
+
+def test_an_eagle3_step_s_activations_are_what_the_step_allocates(tmp_path) -> None:
+    """The planner's simulation of objective eagle3's step (meta tensors, its loss's masks left out) against the same
+    step run on real tensors on this CPU (the trainer's forward with its masked loss, and backward), counted by the
+    same allocation tracker."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pylon.draft_head import Eagle3Head, Eagle3Trainer, head_config
+    from pylon.plan.activations import _drop_grad, _LiveBytes, eagle3_activations
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    head = head_config(config, draft_vocab=96, aux=(2, 3, 3), intermediate_size=None)
+    batch, seq = 3, 128
+    simulated = eagle3_activations(
+        config, head, micro_batch=batch, seq_len=seq, precision="fp32", device="cpu", documents=False, steps=3
+    )
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    trainer = Eagle3Trainer(target, Eagle3Head(head, torch.arange(96)), (2, 3, 3), 3, 0.8).train()
+    for p in trainer.head.parameters():
+        p.register_post_accumulate_grad_hook(_drop_grad)
+    ids = torch.randint(0, 320, (batch, seq))
+    labels = ids.clone()
+    tracker = _LiveBytes()
+    tracker.preexisting([*trainer.parameters(), *trainer.buffers(), ids, labels])
+    with tracker:
+        out = trainer(input_ids=ids, labels=labels)
+        loss = out.loss_sum
+        del out
+        loss.backward()
+        del loss
+    print(f"eagle3 step activations: simulated {simulated.peak_bytes:,} B, measured {tracker.peak:,} B")
+    assert abs(simulated.peak_bytes / tracker.peak - 1) < 0.15, (simulated.peak_bytes, tracker.peak)
