@@ -87,18 +87,6 @@ def build_trainer(target: torch.nn.Module, spec, draft_tokens: torch.Tensor, see
     return Eagle3Trainer(target, head, aux, settings.ttt_steps, settings.ttt_decay)
 
 
-def head_flops_per_token(config, seq_len: int, steps: int) -> float:
-    """Model FLOPs a counted position costs objective eagle3: the frozen model's forward pass (a third of a trained
-    token's) and the head's `steps` drafts trained (forward and backward: 6 x its matmul weights, and its attention:
-    each draft's queries over the rows before, as a layer's)."""
-    width, inter = config.hidden_size, config.intermediate_size
-    heads, dim, kv = config.num_attention_heads, config.head_dim, config.num_key_value_heads
-    weights = 3 * width * width + 2 * width * (heads + 2 * kv) * dim + heads * dim * width + 3 * width * inter
-    weights += width * config.draft_vocab_size
-    attention = 2 * heads * dim * seq_len  # (q.k and a.v over half the row on average, forward: 2 x 2 / 2)
-    return steps * (6 * weights + 3 * attention)
-
-
 def eagle3_record(stats: list[float], prefix: str = "") -> dict:
     """Per draft depth k, the share of counted drafts whose top token is the model's (`eagle3_accuracy_k`), and the
     chain's expected accepted drafts if each depth is right that often given the ones before (`eagle3_accept_length`:

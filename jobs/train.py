@@ -543,7 +543,7 @@ def train_loop(config: dict) -> None:
             )
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
     if eagle3 is not None:  # the frozen model's forward pass, and the head's drafts trained
-        from pylon.jobs.eagle import head_flops_per_token
+        from pylon.draft_head import head_flops_per_token
 
         flops_tok = flops_tok / 3 + head_flops_per_token(eagle3.head.config, stream.manifest.seq_len, eagle3.steps)
     trained_flops = flops_tok  # objective grpo's MFU counts its passes itself (Rollout.trained_token_units)

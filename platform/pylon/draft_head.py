@@ -260,3 +260,10 @@ def head_parameters(config) -> tuple[int, int]:
     total = sum(p.numel() for p in head.parameters())
     matmul = sum(m.weight.numel() for m in head.modules() if isinstance(m, torch.nn.Linear))
     return total, matmul
+
+
+def head_flops_per_token(config, seq_len: int, steps: int) -> float:
+    """Model FLOPs the head's `steps` drafts trained cost a position: each 6 x its matmul weights (forward and
+    backward) and one layer's attention over the row (12 x d_model x seq, PaLM's count). The frozen model's forward
+    pass is a third of its trained token's (`pylon.models.flops_per_token`)."""
+    return steps * (6.0 * head_parameters(config)[1] + 12.0 * config.hidden_size * seq_len)

@@ -43,12 +43,13 @@ def model_flops_per_token(shape: ModelShape, seq_len: int, lora: bool, reference
 
 def work_flops_per_token(work: Workload) -> float:
     """`model_flops_per_token` of `work`; objective eagle3's (`work.head_steps` drafts deep): the frozen model's
-    forward pass (2N + 4 x layers x d_model x seq) and the head's drafts trained, each 6 x its matmul weights and one
-    layer's attention (12 x d_model x seq)."""
+    forward pass (2N + 4 x layers x d_model x seq) and the head's drafts trained (`pylon.draft_head`)."""
     s = work.shape
     if work.head_steps:
+        from pylon.draft_head import head_flops_per_token
+
         model = 2.0 * s.matmul_params + 4.0 * s.num_layers * s.hidden_size * work.seq_len
-        return model + work.head_steps * (6.0 * s.trainable_matmul_params + 12.0 * s.hidden_size * work.seq_len)
+        return model + head_flops_per_token(work.head, work.seq_len, work.head_steps)
     return model_flops_per_token(s, work.seq_len, work.lora is not None, work.reference != "none")
 
 
