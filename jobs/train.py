@@ -452,7 +452,7 @@ def train_loop(config: dict) -> None:
             f"model: {total:,} parameters, {trainable:,} trainable"
             + (f" (LoRA r={spec.lora.r} on {', '.join(spec.lora.target_modules)})" if spec.lora else "")
             + (
-                f" (an EAGLE-3 head reading layers {', '.join(map(str, eagle3.aux))}' inputs, "
+                f" (an EAGLE-3 head reading the inputs of layers {', '.join(map(str, eagle3.aux))}, "
                 f"{len(eagle3.head.draft_tokens):,} draft tokens, {eagle3.steps} drafts deep; the model frozen)"
                 if eagle3 is not None
                 else ""
@@ -783,7 +783,7 @@ def train_loop(config: dict) -> None:
                     reference=reference,
                     running=running,
                     grpo_eval=grpo_eval,
-                    eagle3=eagle3 is not None,
+                    eagle3=eagle3.steps if eagle3 is not None else 0,
                 )
             )
             outside_s += time.perf_counter() - t0
@@ -848,6 +848,7 @@ def train_loop(config: dict) -> None:
 def _eagle3_trainer(model, spec: TrainJobSpec, rank: int, seed: int):
     """objective eagle3: the frozen `model` beside a new EAGLE-3 head (pylon.jobs.eagle), its draft vocabulary chosen
     by rank 0 from the training split's labels and given to every rank."""
+    import torch
     import torch.distributed as dist
 
     from pylon.data.reader import stream_from_spec
@@ -872,8 +873,6 @@ def _eagle3_trainer(model, spec: TrainJobSpec, rank: int, seed: int):
         box = [chosen]
         dist.broadcast_object_list(box, src=0)
         chosen = box[0]
-    import torch
-
     return build_trainer(model, spec, torch.tensor(chosen, dtype=torch.long), seed=seed + 1)
 
 
@@ -1144,7 +1143,7 @@ def _evaluate(
     kto=None,
     pad_eos: tuple[int, int] = (0, 0),
     ref_table=None,
-    eagle3: bool = False,
+    eagle3: int = 0,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
@@ -1155,7 +1154,8 @@ def _evaluate(
     split (the stream pads a short part with empty batches, which run as all-padding rows). `grpo_eval` (objective grpo:
     a `pylon.jobs.grpo.GrpoEvaluation`): its held-out prompts' greedy completions' rewards too. `kto` (objective kto's
     `KtoLoss`; `pad_eos` the tokenizer's pad and eos ids): the held-out completions' figures (`val_kto_*`). `eagle3`
-    (objective eagle3): val_loss is the drafts' (no perplexity), and each draft depth's accuracy (`val_eagle3_*`)."""
+    (objective eagle3: its drafts deep): val_loss is the drafts' (no perplexity), and each depth's accuracy
+    (`val_eagle3_*`)."""
     import torch
 
     from pylon.data.reader import DataPosition
@@ -1172,7 +1172,7 @@ def _evaluate(
     dpo_sums = [0.0] * 5  # objective dpo: pairs' loss, pairs, chosen and rejected rewards, correct pairs
     grpo_sums = None  # objective grpo: its figures' sums (`GrpoEvaluation`)
     kto_sums = [0.0] * 8  # objective kto: loss, completions, the rewards' sums, their counts, the baseline, passes
-    eagle3_sums = None  # objective eagle3: per draft depth, the drafts right and counted
+    eagle3_sums = [0.0] * (2 * eagle3)  # objective eagle3: per draft depth, the drafts right and counted
     engine.eval()
     try:
         with torch.no_grad():
@@ -1215,10 +1215,9 @@ def _evaluate(
                     else:
                         part, n = token_loss_sum(out.logits, inputs["labels"])
                 else:
-                    part, n, out = forward_loss(engine, inputs, chunked or eagle3)
+                    part, n, out = forward_loss(engine, inputs, chunked or bool(eagle3))
                     if eagle3:
-                        stats = out["stats"]
-                        eagle3_sums = stats if eagle3_sums is None else [a + b for a, b in zip(eagle3_sums, stats)]
+                        eagle3_sums = [a + b for a, b in zip(eagle3_sums, out["stats"])]
                 if grpo_eval is not None:
                     stats = grpo_eval(batch)
                     grpo_sums = stats if grpo_sums is None else [a + b for a, b in zip(grpo_sums, stats)]
@@ -1263,7 +1262,7 @@ def _evaluate(
         val_ids=val_stream.id_range,
         seconds=time.perf_counter() - t0,
         attention_mask="document" if documents else "causal",
-        pairs=(dpo_loss is not None and dpo_loss.scores) or eagle3,  # (no perplexity: no next-token loss)
+        pairs=(dpo_loss is not None and dpo_loss.scores) or bool(eagle3),  # (no perplexity: no next-token loss)
     )
 
 
