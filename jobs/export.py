@@ -148,16 +148,28 @@ def export_eval(run_uri: str, spec, step: int) -> dict | None:
     if not found:
         return None
     r = found[-1]
+    drafts = {k.removeprefix("val_"): v for k, v in r.items() if k.startswith("val_eagle3_")}  # objective eagle3
+    if drafts:
+        metric = (
+            "an EAGLE-3 head's drafts' weighted soft cross-entropy against the model's distribution (nats/drafted "
+            "position; tokens: the positions drafted) over the validation split; eagle3_accuracy_k: the share of "
+            "draft k's whose top token is the model's; eagle3_accept_length: the drafts a verification would accept"
+        )
+    elif r["val_perplexity"] is not None:
+        metric = "mean next-token cross-entropy (nats/token) over the validation split; perplexity = exp(loss)"
+    else:
+        metric = (
+            "a reward model's mean Bradley-Terry loss over the validation split's preference pairs (tokens: the "
+            "pairs; no perplexity)"
+        )
     return {
         "step": step,
         "loss": r["val_loss"],
         "perplexity": r["val_perplexity"],
         "tokens": r["val_tokens"],
         "sequences": r["val_sequences"],
-        "metric": "mean next-token cross-entropy (nats/token) over the validation split; perplexity = exp(loss)"
-        if r["val_perplexity"] is not None
-        else "a reward model's mean Bradley-Terry loss over the validation split's preference pairs (tokens: the "
-        "pairs; no perplexity)",
+        **drafts,
+        "metric": metric,
         "dataset": spec.data.uri,
         "split": "validation",
         "validation_fraction": spec.data.validation_fraction,

@@ -67,7 +67,7 @@ def _accepted(model: Path, head: str, prompts: list[list[int]]) -> tuple[float, 
     return (stats.spec_accepted_tokens_total / max(stats.spec_draft_tokens_total, 1) if head else 0.0), outputs
 
 
-def test_an_eagle3_head_trained_for_a_model_drafts_for_it_in_the_engine(ray_cluster, tmp_path):
+def test_an_eagle3_head_trained_for_a_model_drafts_for_it_in_the_engine(ray_cluster, tmp_path, capsys):
     from pylon.data.prepare import prepare
     from pylon.data.tokenizer import ByteTokenizer
 
@@ -113,6 +113,15 @@ def test_an_eagle3_head_trained_for_a_model_drafts_for_it_in_the_engine(ray_clus
     model_bytes = (tmp_path / "model" / "model.safetensors").stat().st_size
     shares = [p for p in (run_dir / "checkpoints").rglob("*model_states.pt")]
     assert shares and all(p.stat().st_size < model_bytes / 2 for p in shares), [p.stat().st_size for p in shares]
+
+    from pylon.cli import main
+
+    capsys.readouterr()
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "again")]) == 0  # (what `pylon export` says)
+    said = capsys.readouterr().out
+    assert "serve it with a Deployment of the model it drafts for, engine.speculative: {method: eagle3" in said, said
+    assert "drafts a verification would accept" in said and "first draft" in said, said
+    assert json.loads((tmp_path / "again" / "eval.json").read_text())["eagle3_accept_length"] > 1.0
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r.get("kind") == "eval"]

@@ -137,15 +137,25 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     config = storage.join(out, "config.json")  # (an adapter alone has none)
     classifier = storage.exists(config) and is_classifier(SimpleNamespace(**storage.read_json(config)))
+    head = storage.read_json(storage.join(out, "pylon_export.json")).get("objective") == "eagle3"
     how = (
         "peft.PeftModel.from_pretrained(base_model, DIR)"
         if args.lora == "adapter"
         else f"transformers.{'AutoModelForSequenceClassification' if classifier else 'AutoModelForCausalLM'}"
         ".from_pretrained(DIR)"
     )
-    print(f"exported {args.run_uri} to {out} (load it with {how})")
+    if head:  # objective eagle3: a drafting head, which the engine runs beside the model it drafts for
+        how = f"a Deployment of the model it drafts for, engine.speculative: {{method: eagle3, draft_model: {out}}}"
+    print(f"exported {args.run_uri} to {out} ({'serve it with' if head else 'load it with'} {how})")
     evaluation = read_export_eval(out)
-    if evaluation is not None and evaluation["perplexity"] is None:  # a reward model's
+    if evaluation is not None and head:
+        print(
+            f"held-out evaluation at step {evaluation['step']}: the drafts' loss {evaluation['loss']:.4f} over "
+            f"{evaluation['tokens']:,} drafted positions, first draft {evaluation['eagle3_accuracy_0']:.0%} the "
+            f"model's top token, {evaluation['eagle3_accept_length']:.2f} drafts a verification would accept "
+            f"({EVAL_FILE})"
+        )
+    elif evaluation is not None and evaluation["perplexity"] is None:  # a reward model's
         print(
             f"held-out evaluation at step {evaluation['step']}: validation loss {evaluation['loss']:.4f} "
             f"(Bradley-Terry) over {evaluation['tokens']:,} preference pairs ({EVAL_FILE})"

@@ -691,8 +691,10 @@ def evaluate(
         where, run_on = _base_url(model_or_endpoint), None
     else:
         from pylon.models import local_model_dir
+        from pylon.serving.model.eagle import refuse_as_model
 
         with local_model_dir(model_or_endpoint) as directory:
+            refuse_as_model(directory, model_or_endpoint)  # (a drafting head: no model of its own to evaluate)
             _check_tokenizer(directory, model_or_endpoint, held)
             if _is_classifier(directory, held):
                 loss, pairs, run_on, rewards = model_rewards(

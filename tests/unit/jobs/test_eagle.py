@@ -207,3 +207,14 @@ def test_a_head_given_as_the_model_is_refused_saying_how_to_serve_it(headed) -> 
         r"drafts for as model, with engine\.speculative: \{method: eagle3, draft_model: "
     ):  # fmt: skip
         LLMEngine(str(head), EngineSpec(dtype="fp32", kv_cache_tokens=256, max_model_len=64))
+
+
+def test_pylon_eval_of_a_head_is_refused_saying_how_to_serve_it(headed, tmp_path, no_cluster) -> None:  # noqa: F811
+    from pylon.data.prepare import prepare
+    from pylon.sdk.evaluate import evaluate
+
+    _, _, head = headed
+    (tmp_path / "t.txt").write_text("some held-out text " * 20)
+    prepare([str(tmp_path / "t.txt")], str(tmp_path / "d"), seq_len=32, progress=False, use_ray=False)
+    with pytest.raises(PylonError, match=r"is an EAGLE drafting head .* engine\.speculative: \{method: eagle3"):
+        evaluate(str(head), data=str(tmp_path / "d"), validation_fraction=0.5)
