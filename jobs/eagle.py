@@ -77,14 +77,27 @@ def build_trainer(target: torch.nn.Module, spec, draft_tokens: torch.Tensor, see
     torch.manual_seed(seed)
     head = Eagle3Head(hc, draft_tokens.to(next(target.parameters()).device))
     head.to(next(target.parameters()).device)
-    with torch.no_grad():
-        output = target.get_output_embeddings()
+    output = target.get_output_embeddings()
+    final = getattr(getattr(target, "model", None), "norm", None)
+    starts = [m.weight for m in (output, final) if m is not None and getattr(m, "weight", None) is not None]
+    with _gathered(starts), torch.no_grad():  # (ZeRO-3: the model's partitions gathered for the copy)
         if output is not None and output.weight.shape[1] == hc.hidden_size:
-            head.lm_head.weight.copy_(output.weight[head.draft_tokens].float())
-        final = getattr(getattr(target, "model", None), "norm", None)
+            head.lm_head.weight.copy_(output.weight[head.draft_tokens.to(output.weight.device)].float())
         if final is not None and getattr(final, "weight", None) is not None:
             head.norm.weight.copy_(final.weight.float())
     return Eagle3Trainer(target, head, aux, settings.ttt_steps, settings.ttt_decay)
+
+
+def _gathered(params: list):
+    """DeepSpeed's `GatheredParameters` over those of `params` ZeRO-3 partitioned (read-only), else nothing."""
+    import contextlib
+
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
 
 
 def eagle3_record(stats: list[float], prefix: str = "") -> dict:

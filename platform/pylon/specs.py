@@ -938,14 +938,6 @@ class TrainJobSpec(_Spec):
             value = getattr(self, name)
             if value and value != type(self).model_fields[name].default:
                 problems.append((name, f"objective eagle3: {why}"))
-        if self.deepspeed.zero_stage == 3:
-            problems.append(
-                (
-                    "deepspeed.zero_stage",
-                    "objective eagle3 keeps the frozen model whole on every worker and partitions only the head's "
-                    "optimizer states: use stage 0, 1 or 2",
-                )
-            )
         return problems
 
     @model_validator(mode="after")

@@ -294,8 +294,8 @@ def search_options(
     )
     by_count: dict[int, list[Option]] = {}
     for lay in layouts:
-        if work.head is not None and (lay.zero_stage == 3 or lay.gradient_checkpointing):
-            continue  # (objective eagle3 refuses them: the frozen model whole, nothing of it to recompute)
+        if work.head is not None and lay.gradient_checkpointing:
+            continue  # (objective eagle3 refuses it: the frozen model keeps no activations to recompute)
         o = evaluate(work, lay, acc, steps=steps, mfu=mfu)
         if o.fits:
             by_count.setdefault(lay.num_gpus, []).append(o)
@@ -479,10 +479,10 @@ def _eagle3_head(spec: TrainJobSpec, config, shape: ModelShape, notes: list[str]
     head = head_config(config, draft_vocab=draft, aux=aux, intermediate_size=settings.intermediate_size)
     params, matmul = head_parameters(head)
     notes.append(
-        f"objective eagle3: the model frozen, whole on every GPU in {spec.precision} (no gradients, optimizer states "
-        f"or kept activations of its own); the head's {params / 1e6:,.1f}M parameters trained, {settings.ttt_steps} "
-        f"drafts deep (each draft's attention scores: micro-batch x heads x seq x seq in fp32); ZeRO-3 and gradient "
-        "checkpointing are not planned (objective eagle3 refuses them)"
+        f"objective eagle3: the model frozen in {spec.precision} (no gradients, optimizer states or kept activations "
+        "of its own; whole on every GPU at ZeRO 0-2, partitioned at ZeRO-3); the head's "
+        f"{params / 1e6:,.1f}M parameters trained, {settings.ttt_steps} drafts deep (each draft's attention scores: "
+        "micro-batch x heads x seq x seq in fp32); gradient checkpointing is not planned (objective eagle3 refuses it)"
     )
     shape = dataclasses.replace(
         shape, total_params=shape.total_params + params, trainable_params=params, trainable_matmul_params=matmul

@@ -19,6 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from engine_models import GREEDY, PROMPTS, Family, recorded, run, speculating, tokens_of  # noqa: E402
 from test_prepare import no_cluster, read_rows  # noqa: E402, F401 (fixture)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_checkpoint import distributed  # noqa: E402, F401 (fixture: a one-process gloo world, for DeepSpeed)
+
 from pylon.errors import PylonError  # noqa: E402
 from pylon.jobs.eagle import build_trainer, draft_vocabulary, eagle3_record, export_head  # noqa: E402
 from pylon.specs import Eagle3Spec, TrainJobSpec  # noqa: E402
@@ -188,7 +191,6 @@ def test_the_spec_refuses_what_a_frozen_model_cannot_take() -> None:
         ({"loss_chunk_tokens": 64}, "loss_chunk_tokens"),
         ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),
         ({"gradient_checkpointing": True}, "gradient_checkpointing"),
-        ({"deepspeed": {"zero_stage": 3}}, "deepspeed.zero_stage"),
         ({"objective": "causal_lm", "eagle3": {}}, "eagle3"),
         ({"eagle3": {"aux_layers": [1, 2]}}, "eagle3.aux_layers"),
         ({"eagle3": {"ttt_steps": 0}}, "eagle3.ttt_steps"),
@@ -218,3 +220,62 @@ def test_pylon_eval_of_a_head_is_refused_saying_how_to_serve_it(headed, tmp_path
     prepare([str(tmp_path / "t.txt")], str(tmp_path / "d"), seq_len=32, progress=False, use_ray=False)
     with pytest.raises(PylonError, match=r"is an EAGLE drafting head .* engine\.speculative: \{method: eagle3"):
         evaluate(str(head), data=str(tmp_path / "d"), validation_fraction=0.5)
+
+
+def test_at_zero_3_the_frozen_model_is_partitioned_and_the_head_trains_saves_and_resumes_as_at_zero_2(
+    tmp_path,
+    distributed,  # noqa: F811
+) -> None:
+    """Through DeepSpeed: at ZeRO-3 (the model built partitioned from model.path, its output rows gathered to start the
+    head's) the steps' losses are ZeRO-2's; a checkpoint without the frozen parameters holds the head alone, exports
+    it whole (zero_to_fp32), and a fresh engine resumed from it computes the same loss."""
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pylon.jobs.deepspeed_config import build_deepspeed_config
+    from pylon.jobs.export import _consolidated_state_dict
+    from pylon.models import build_model
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def start(stage: int, seed: int = 1):
+        spec = TrainJobSpec.model_validate(
+            _spec(model={"path": str(tmp_path / "m")}, deepspeed={"zero_stage": stage}, eagle3={"ttt_steps": 2},
+                  optim={"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"})
+        )  # fmt: skip
+        ds = build_deepspeed_config(spec, world_size=1)
+        model = build_model(spec, vocab_size=320, eos_id=256, pad_id=257, deepspeed_config=ds)
+        trainer = build_trainer(model, spec, torch.arange(40, 120), seed=seed)
+        engine, *_ = deepspeed.initialize(
+            model=trainer, model_parameters=[p for p in trainer.parameters() if p.requires_grad], config=ds
+        )
+        return trainer, engine
+
+    losses = {}
+    for stage in (2, 3):
+        trainer, engine = start(stage)
+        losses[stage] = []
+        for _ in range(3):
+            out = engine(input_ids=ids, labels=ids)
+            loss = out.loss_sum / out.tokens
+            engine.backward(loss)
+            engine.step()
+            losses[stage].append(float(loss))
+    assert losses[3] == pytest.approx(losses[2], rel=1e-5), losses
+    engine.save_checkpoint(str(tmp_path / "c"), tag="ds", save_latest=False, exclude_frozen_parameters=True)
+    state = _consolidated_state_dict(str(tmp_path / "c"), 3)
+    assert all(k.startswith("head.") for k in state) and state["head.draft_tokens"].tolist() == list(range(40, 120))
+    with deepspeed.zero.GatheredParameters(list(trainer.head.parameters())):
+        for name, value in trainer.head.named_parameters():
+            torch.testing.assert_close(state[f"head.{name}"], value.detach().float())
+    _, fresh = start(3, seed=9)
+    fresh.load_checkpoint(str(tmp_path / "c"), tag="ds", load_module_strict=False)
+    assert float(fresh(input_ids=ids, labels=ids).loss_sum) == pytest.approx(
+        float(engine(input_ids=ids, labels=ids).loss_sum)
+    )
