@@ -41,7 +41,7 @@ from pylon.jobs.run_dir import (
     run_uri_of,
     storage_problems,
 )
-from pylon.specs import PREFERENCE_OBJECTIVES, RL_OBJECTIVES, TrainJobSpec, load_spec
+from pylon.specs import PREFERENCE_OBJECTIVES, RL_OBJECTIVES, Eagle3Spec, TrainJobSpec, load_spec
 
 log = logging.getLogger("pylon.train")
 
@@ -164,6 +164,13 @@ def _fit_and_export(trainer, spec: TrainJobSpec, run_uri: str, session, *, expor
         export_run(run_uri, out, moved=moved)
         session.exported(time.perf_counter() - t0, read=moved.get("read", 0), written=moved.get("written", 0))
         summary["export"] = out
+        if spec.objective == "eagle3":  # a head, not a model: how it is served
+            depth = min(3, (spec.eagle3 or Eagle3Spec()).ttt_steps)
+            print(
+                f"exported the EAGLE-3 head to {out}: serve {spec.model.path} with engine.speculative: "
+                f"{{method: eagle3, draft_model: {out}, num_tokens: {depth}}}",
+                flush=True,
+            )
     return summary
 
 

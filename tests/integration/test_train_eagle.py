@@ -105,6 +105,7 @@ def test_an_eagle3_head_trained_for_a_model_drafts_for_it_in_the_engine(ray_clus
         assert "draft vocabulary of 72 of the model's 320 tokens" in logs, logs[-3000:]
         if steps == 64:
             assert "resumed drafter from step 16" in logs, logs[-3000:]
+        assert "serve " + str(tmp_path / "model") + " with engine.speculative: {method: eagle3, draft_model: " in logs
         export = run_dir / "export"
         assert json.loads((export / "pylon_export.json").read_text())["objective"] == "eagle3"
         exports.append(tmp_path / f"head-{steps}")
