@@ -229,13 +229,18 @@ def app_failure(details: dict, name: str) -> str | None:
     return (messages[-1] if messages else app.get("message")) or "no message"
 
 
-def port_owner(port: int) -> str | None:
-    """What listens on TCP `port` on this machine ("NAME (pid N)"), if anything can tell."""
+def port_owner(port: int, host: str | None = None) -> str | None:
+    """What listens on TCP `port` on this machine ("NAME (pid N)"), if anything can tell; with `host`, a listener on
+    that address or on every address (another process may listen on the same port of another of the machine's
+    addresses, which does not stop a bind to `host`)."""
     import psutil
 
+    wildcard = ("0.0.0.0", "::", "")
     try:
         for conn in psutil.net_connections("tcp"):
-            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
+            if conn.status != psutil.CONN_LISTEN or conn.laddr.port != port:
+                continue
+            if host is None or conn.laddr.ip in (host, *wildcard) or host in wildcard:
                 try:
                     return f"{psutil.Process(conn.pid).name()} (pid {conn.pid})" if conn.pid else "another process"
                 except psutil.Error:
@@ -259,7 +264,7 @@ def _check_port_free(host: str, port: int) -> None:
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
                 return  # not ours to judge (e.g. an address of another machine): Serve will say
-            owner = port_owner(port) or "another process"
+            owner = port_owner(port, host) or "another process"
             raise PylonError(
                 f"http.port: {host}:{port} is already in use by {owner}, so Serve's HTTP ingress cannot listen there; "
                 "set http.port in the spec to a free port, or stop what holds it"

@@ -107,6 +107,33 @@ def test_a_taken_http_port_is_refused_at_once_naming_its_owner() -> None:
     _check_port_free("127.0.0.1", port)  # released: free again
 
 
+def test_the_owner_named_is_the_listener_on_that_address_not_another_on_the_same_port() -> None:
+    """Another process listening on the same port of another address (127.0.0.2: the loopback range) does not stop a
+    bind to 127.0.0.1 and is not its owner."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from pylon.sdk.serve import port_owner
+
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys, time\ns = socket.socket(); s.bind(('127.0.0.2', 0)); s.listen()\n"
+         "print(s.getsockname()[1], flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = int(other.stdout.readline())
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", port))
+            held.listen()
+            assert port_owner(port, "127.0.0.1").endswith(f"(pid {os.getpid()})")
+            assert port_owner(port, "127.0.0.2").endswith(f"(pid {other.pid})")
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_proxy_that_stays_unhealthy_fails_the_deploy_naming_the_node(monkeypatch) -> None:
     from pylon.sdk import serve
 
