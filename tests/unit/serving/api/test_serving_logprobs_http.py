@@ -142,11 +142,14 @@ def test_the_openai_client_reads_logprobs(server):  # noqa: F811
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
-    chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True, top_logprobs=1
-    )
+    chat = client.chat.completions.create(  # (sampled: ignore_eos, or a drawn eos would end it short of 3)
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True, top_logprobs=1,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
     assert len(chat.choices[0].logprobs.content) == 3 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 1
-    completion = client.completions.create(model="tiny", prompt="abc", max_tokens=2, logprobs=1, echo=True)
+    completion = client.completions.create(
+        model="tiny", prompt="abc", max_tokens=2, logprobs=1, echo=True, extra_body={"ignore_eos": True}
+    )
     logprobs = completion.choices[0].logprobs
     assert logprobs.tokens[:3] == ["a", "b", "c"] and logprobs.token_logprobs[0] is None
     assert completion.usage.prompt_tokens_details.cached_tokens == 0
