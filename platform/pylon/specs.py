@@ -1107,6 +1107,12 @@ class TrainJobSpec(_Spec):
 # ---------------------------------------------------------------------------------------------------------
 
 
+# engine.speculative's methods that draft with an EAGLE head (`draft_model` its directory), and those that draft from
+# the model's hidden states (the checkpoint's MTP layer, or such a head): run by the engine's MTP machinery
+EAGLE_METHODS = ("eagle", "eagle3")
+HEAD_METHODS = ("mtp", *EAGLE_METHODS)
+
+
 class SpeculativeSpec(_Spec):
     method: Literal["none", "ngram", "suffix", "draft", "mtp", "eagle", "eagle3"] = Field(
         "none",
@@ -1169,11 +1175,11 @@ class SpeculativeSpec(_Spec):
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("method draft needs draft_model: the directory of a smaller model with this tokenizer")
-        if self.method in ("eagle", "eagle3") and not self.draft_model:
+        if self.method in EAGLE_METHODS and not self.draft_model:
             raise ValueError(
                 f"method {self.method} needs draft_model: the directory of the head trained for this model"
             )
-        if self.draft_model and self.method not in ("draft", "eagle", "eagle3"):
+        if self.draft_model and self.method not in ("draft", *EAGLE_METHODS):
             raise ValueError(
                 f"draft_model is set but method is {self.method}; set method: draft (a smaller model) or eagle, "
                 "eagle3 (a head) to use it"
@@ -1422,7 +1428,7 @@ class EngineSpec(_Spec):
                     "them among (2 or more), or expert_parallel to false",
                 )
             )
-        if self.speculative.method in ("eagle", "eagle3") and self.pipeline_parallel > 1:
+        if self.speculative.method in EAGLE_METHODS and self.pipeline_parallel > 1:
             problems.append(
                 (
                     "speculative.method",

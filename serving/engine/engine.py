@@ -61,11 +61,7 @@ from pylon.serving.engine.tokenization import (
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.serving.model.families import ENCODER_MODEL_TYPES, recurrent_state_bytes
 from pylon.serving.model.step import StepSequence
-from pylon.specs import EngineSpec
-
-# Speculative methods drafting from the model's hidden states (engine/mtp.py): the checkpoint's layer, EAGLE heads'.
-EAGLE_METHODS = ("eagle", "eagle3")
-HEAD_METHODS = ("mtp", *EAGLE_METHODS)
+from pylon.specs import EAGLE_METHODS, HEAD_METHODS, EngineSpec
 
 log = logging.getLogger(__name__)
 

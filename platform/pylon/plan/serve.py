@@ -12,7 +12,7 @@ from pylon.plan.fmt import _gib
 from pylon.plan.memory import CUDA_CONTEXT_BYTES, WEIGHT_BYTES, ModelShape, kv_bytes_per_token, model_shape
 from pylon.plan.steptime import DEFAULT_MFU, _check_knobs
 from pylon.plan.train import USABLE_FRACTION, _assumptions, _config_from_dir, vision_params
-from pylon.specs import DeploymentSpec
+from pylon.specs import EAGLE_METHODS, HEAD_METHODS, DeploymentSpec
 
 BANDWIDTH_EFFICIENCY = 0.8  # of datasheet memory bandwidth that decoding reaches
 LAUNCH_S_PER_LAYER = 1e-4  # eager PyTorch decoding: kernel launches per layer per step, whatever the batch
@@ -333,7 +333,7 @@ def plan_serve(
             f"weights include the checkpoint's multi-token-prediction layer, {_gib(layer_bytes)} ({layer_params:,} "
             f"parameters), and the KV cache its layer, {_gib(draft_kv)}; decode throughput is without speculation"
         )
-    if e.speculative.method in ("eagle", "eagle3"):
+    if e.speculative.method in EAGLE_METHODS:
         # An EAGLE head (serving/model/eagle.py): its decoder layers, fc and (EAGLE-3) its output layer over its draft
         # vocabulary, unquantized but its layers' projections; the model's embeddings and head shared; its KV cache
         # its layers in the model's blocks.
@@ -526,7 +526,7 @@ def plan_serve(
         options = {"catalog": catalog, "gpu": gpu, "mfu": mfu, "utilization": utilization}
         fitting_none = "it fits no one GPU as asked" if stages == shards == 1 else "it fits nothing as asked"
         sharded = _fewest_shards(spec, config, shape, **options)
-        if e.speculative.method in ("mtp", "eagle", "eagle3"):  # (not in stages: planned with prompt lookup there)
+        if e.speculative.method in HEAD_METHODS:  # (not in stages: planned with prompt lookup there)
             drafter = "mtp" if e.speculative.method == "mtp" else f"an {e.speculative.method} head"
             ngram = e.speculative.model_copy(update={"method": "ngram", "draft_model": None})
             spec = spec.model_copy(update={"engine": e.model_copy(update={"speculative": ngram})})
