@@ -120,7 +120,10 @@ class Eagle3Head(torch.nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out = []
-        blocked = ~causal[:, None]  # [B, 1, T, T]
+        # Draft k's queries attend [the first draft's keys (causal within the document), the chain's own earlier
+        # drafts' keys of the same row]: one mask over the keys side by side, so that scaled_dot_product_attention
+        # runs it (a fused kernel on a GPU keeps no seq x seq scores for the backward pass)
+        own = torch.eye(T, dtype=torch.bool, device=causal.device).expand(B, T, T)
         for k in range(steps):
             e = _shifted(embeddings, k)
             x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(g)], dim=-1)
@@ -132,14 +135,10 @@ class Eagle3Head(torch.nn.Module):
             key, value = (t.repeat_interleave(heads // kv, dim=1) for t in (key, value))
             keys.append(key)
             values.append(value)
-            # the first draft's keys of the rows up to i, then this chain's own drafts' keys of row i
-            first = (q @ keys[0].transpose(-1, -2)).float() * scale
-            first = first.masked_fill(blocked, float("-inf"))
-            own = [((q * keys[r]).sum(-1, keepdim=True)).float() * scale for r in range(1, k + 1)]
-            weights = torch.softmax(torch.cat([first, *own], dim=-1), dim=-1).to(q.dtype)
-            a = weights[..., :T] @ values[0]
-            for r in range(1, k + 1):
-                a = a + weights[..., T + r - 1 : T + r] * values[r]
+            mask = torch.cat([causal, *[own] * k], dim=-1)[:, None]  # [B, 1, T, (k + 1) T]
+            a = F.scaled_dot_product_attention(
+                q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, scale=scale
+            )
             h = g + attn["o_proj"](a.transpose(1, 2).reshape(B, T, heads * dim))
             y = layer.post_attention_layernorm(h)
             h = h + layer.mlp["down_proj"](F.silu(layer.mlp["gate_proj"](y)) * layer.mlp["up_proj"](y))

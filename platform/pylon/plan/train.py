@@ -481,8 +481,9 @@ def _eagle3_head(spec: TrainJobSpec, config, shape: ModelShape, notes: list[str]
     notes.append(
         f"objective eagle3: the model frozen in {spec.precision} (no gradients, optimizer states or kept activations "
         "of its own; whole on every GPU at ZeRO 0-2, partitioned at ZeRO-3); the head's "
-        f"{params / 1e6:,.1f}M parameters trained, {settings.ttt_steps} drafts deep (each draft's attention scores: "
-        "micro-batch x heads x seq x seq in fp32); gradient checkpointing is not planned (objective eagle3 refuses it)"
+        f"{params / 1e6:,.1f}M parameters trained, {settings.ttt_steps} drafts deep (each draft's queries over the "
+        "first draft's keys and its chain's, one masked attention); gradient checkpointing is not planned (objective "
+        "eagle3 refuses it)"
     )
     shape = dataclasses.replace(
         shape, total_params=shape.total_params + params, trainable_params=params, trainable_matmul_params=matmul
