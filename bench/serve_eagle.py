@@ -82,13 +82,13 @@ def train_head(model_dir: Path, head_dir: Path, train_ids: list[int], args) -> N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pylon.jobs.eagle import build_trainer, eagle3_record, export_head
+    from pylon.jobs.eagle import build_trainer, eagle3_record, export_head, most_frequent
     from pylon.specs import Eagle3Spec
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = model.config.vocab_size
     counts = torch.bincount(torch.tensor(train_ids), minlength=vocab)
-    chosen = counts.argsort(descending=True, stable=True)[: args.draft_vocab].sort().values  # as draft_vocabulary
+    chosen = most_frequent(counts, args.draft_vocab)  # (as draft_vocabulary chooses from a dataset's labels)
     spec = SimpleNamespace(eagle3=Eagle3Spec(draft_vocab_size=args.draft_vocab, ttt_steps=args.unroll))
     trainer = build_trainer(model, spec, chosen, seed=3).train()
     optimizer = torch.optim.AdamW(trainer.head.parameters(), lr=args.lr, weight_decay=0.0)

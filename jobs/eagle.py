@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from pylon.draft_head import Eagle3Head, Eagle3Trainer, aux_layers, check_aux, head_config
+from pylon.draft_head import Eagle3Head, Eagle3Trainer, aux_layers, head_config
 from pylon.errors import PylonError
 
 
@@ -59,9 +59,14 @@ def draft_vocabulary(stream, size: int, vocab_size: int, max_tokens: int) -> tup
         batches.close()
     if size >= vocab_size:
         return torch.arange(vocab_size), seen, 1.0
-    chosen = torch.argsort(-counts, stable=True)[:size].sort().values  # (stable: of equal counts, the lower id)
+    chosen = most_frequent(counts, size)
     covered = float(counts[chosen].sum() / max(seen, 1))
     return chosen, seen, covered
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ids of the `size` largest `counts` (of equal counts, the lower id), ascending: a draft vocabulary."""
+    return torch.argsort(-counts, stable=True)[:size].sort().values
 
 
 def build_trainer(target: torch.nn.Module, spec, draft_tokens: torch.Tensor, seed: int = 0) -> Eagle3Trainer:
@@ -72,32 +77,22 @@ def build_trainer(target: torch.nn.Module, spec, draft_tokens: torch.Tensor, see
 
     settings = spec.eagle3 or Eagle3Spec()
     config = target.config
-    aux = check_aux(aux_layers(settings.aux_layers, config.num_hidden_layers), config.num_hidden_layers)
+    aux = aux_layers(settings.aux_layers, config.num_hidden_layers)
     hc = head_config(config, draft_vocab=len(draft_tokens), aux=aux, intermediate_size=settings.intermediate_size)
+    import deepspeed
+
     torch.manual_seed(seed)
-    head = Eagle3Head(hc, draft_tokens.to(next(target.parameters()).device))
-    head.to(next(target.parameters()).device)
+    head = Eagle3Head(hc, draft_tokens).to(next(target.parameters()).device)
     output = target.get_output_embeddings()
     final = getattr(getattr(target, "model", None), "norm", None)
     starts = [m.weight for m in (output, final) if m is not None and getattr(m, "weight", None) is not None]
-    with _gathered(starts), torch.no_grad():  # (ZeRO-3: the model's partitions gathered for the copy)
+    # (ZeRO-3: the model's partitions gathered for the copy; DeepSpeed's context does nothing for whole parameters)
+    with deepspeed.zero.GatheredParameters(starts, modifier_rank=None), torch.no_grad():
         if output is not None and output.weight.shape[1] == hc.hidden_size:
-            head.lm_head.weight.copy_(output.weight[head.draft_tokens.to(output.weight.device)].float())
+            head.lm_head.weight.copy_(output.weight[head.draft_tokens].float())
         if final is not None and getattr(final, "weight", None) is not None:
             head.norm.weight.copy_(final.weight.float())
     return Eagle3Trainer(target, head, aux, settings.ttt_steps, settings.ttt_decay)
-
-
-def _gathered(params: list):
-    """DeepSpeed's `GatheredParameters` over those of `params` ZeRO-3 partitioned (read-only), else nothing."""
-    import contextlib
-
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
 
 
 def eagle3_record(stats: list[float], prefix: str = "") -> dict:

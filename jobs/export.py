@@ -63,79 +63,59 @@ def export_run(
         read = sum(p.stat().st_size for p in Path(ckpt_dir).rglob("*") if p.is_file())
         _fill_swapped_master_weights(info, ckpt_dir)
         state = _consolidated_state_dict(ckpt_dir, spec.deepspeed.zero_stage)
-        if spec.objective == "eagle3":  # a drafting head, not a model: the directory the engine's eagle3 reads
-            return _export_eagle3_head(run_uri, out, spec, tokenizer, info.step, state, read, moved, tmp)
-        model = build_model(
-            spec, vocab_size=tokenizer["vocab_size"], eos_id=tokenizer["eos_id"], pad_id=tokenizer["pad_id"]
-        )
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        trainable_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
-        if trainable_missing or unexpected:
-            raise PylonError(
-                f"{run_uri} step {info.step}: checkpoint does not match the model "
-                f"(missing {trainable_missing[:5]}, unexpected {unexpected[:5]})"
-            )
-        model.eval()
         local_out = os.path.join(tmp, "export")
-        if spec.lora is not None:
-            export_lora(model, local_out, merge=merge)
+        if spec.objective == "eagle3":  # a drafting head, not a model: the directory the engine's eagle3 reads
+            described = _export_eagle3_head(spec, tokenizer, state, local_out)
         else:
-            model.config.use_cache = True  # training may have turned it off for gradient checkpointing
-            model.save_pretrained(local_out, safe_serialization=True)
-        Path(local_out, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
-        write_tokenizer_files(tokenizer, local_out, getattr(model.config, "max_position_embeddings", None))
-        Path(local_out, "pylon_export.json").write_text(
-            json.dumps(
-                {"run": run_uri, "step": info.step, "name": spec.name, "lora_merged": bool(spec.lora and merge)},
-                indent=2,
+            model = build_model(
+                spec, vocab_size=tokenizer["vocab_size"], eos_id=tokenizer["eos_id"], pad_id=tokenizer["pad_id"]
             )
-            + "\n"
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            trainable_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+            if trainable_missing or unexpected:
+                raise PylonError(
+                    f"{run_uri} step {info.step}: checkpoint does not match the model "
+                    f"(missing {trainable_missing[:5]}, unexpected {unexpected[:5]})"
+                )
+            model.eval()
+            if spec.lora is not None:
+                export_lora(model, local_out, merge=merge)
+            else:
+                model.config.use_cache = True  # training may have turned it off for gradient checkpointing
+                model.save_pretrained(local_out, safe_serialization=True)
+            Path(local_out, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
+            write_tokenizer_files(tokenizer, local_out, getattr(model.config, "max_position_embeddings", None))
+            described = {"lora_merged": bool(spec.lora and merge)}
+        Path(local_out, "pylon_export.json").write_text(
+            json.dumps({"run": run_uri, "step": info.step, "name": spec.name, **described}, indent=2) + "\n"
         )
-        written = _publish(local_out, out, run_uri, spec, info.step)
+        evaluation = export_eval(run_uri, spec, info.step)
+        if evaluation is not None:
+            Path(local_out, EVAL_FILE).write_text(json.dumps(evaluation, indent=2) + "\n")
+        elif storage.exists(storage.join(out, EVAL_FILE)):  # an earlier export's, of another step
+            storage.remove(storage.join(out, EVAL_FILE))
+        written = 0
+        for path in sorted(Path(local_out).rglob("*")):
+            if path.is_file():
+                data = path.read_bytes()
+                storage.atomic_write(storage.join(out, str(path.relative_to(local_out))), data)
+                written += len(data)
     if moved is not None:
         moved.update(read=read, written=written)
     return out
 
 
-def _publish(local_out: str, out: str, run_uri: str, spec, step: int) -> int:
-    """Write the export staged in `local_out` (with its evaluation, `export_eval`) to `out`, file by file atomically;
-    returns the bytes written."""
-    evaluation = export_eval(run_uri, spec, step)
-    if evaluation is not None:
-        Path(local_out, EVAL_FILE).write_text(json.dumps(evaluation, indent=2) + "\n")
-    elif storage.exists(storage.join(out, EVAL_FILE)):  # an earlier export's, of another step
-        storage.remove(storage.join(out, EVAL_FILE))
-    written = 0
-    for path in sorted(Path(local_out).rglob("*")):
-        if path.is_file():
-            data = path.read_bytes()
-            storage.atomic_write(storage.join(out, str(path.relative_to(local_out))), data)
-            written += len(data)
-    return written
-
-
-def _export_eagle3_head(run_uri, out, spec, tokenizer: dict, step: int, state: dict, read: int, moved, tmp) -> str:
-    """objective eagle3's export: the head in EAGLE-3's layout (pylon.jobs.eagle.export_head), with
-    pylon_export.json naming the model it drafts for and its evaluation."""
+def _export_eagle3_head(spec, tokenizer: dict, state: dict, local_out: str) -> dict:
+    """objective eagle3's export: the head in EAGLE-3's layout (pylon.jobs.eagle.export_head) in `local_out`; returns
+    what pylon_export.json says of it (the model it drafts for)."""
     from pylon.jobs.eagle import export_head
     from pylon.models import model_config
 
     config = model_config(
         spec.model, vocab_size=tokenizer["vocab_size"], eos_id=tokenizer["eos_id"], pad_id=tokenizer["pad_id"]
     )
-    local_out = os.path.join(tmp, "export")
     export_head(state, spec, config, local_out)
-    Path(local_out, "pylon_export.json").write_text(
-        json.dumps(
-            {"run": run_uri, "step": step, "name": spec.name, "objective": "eagle3", "drafts_for": spec.model.path},
-            indent=2,
-        )
-        + "\n"
-    )
-    written = _publish(local_out, out, run_uri, spec, step)
-    if moved is not None:
-        moved.update(read=read, written=written)
-    return out
+    return {"objective": "eagle3", "drafts_for": spec.model.path}
 
 
 def export_eval(run_uri: str, spec, step: int) -> dict | None:

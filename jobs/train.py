@@ -275,7 +275,7 @@ def _check_eagle3_model(spec: TrainJobSpec, manifest) -> None:
     """objective eagle3: the data is text, chat or prompt-completion records (the tokens the model answers with), and
     the model one the engine keeps the hidden states of for an EAGLE-3 head, with the layers `eagle3.aux_layers`
     names."""
-    from pylon.draft_head import aux_layers, check_aux
+    from pylon.draft_head import aux_layers
     from pylon.models import model_config
     from pylon.serving.model.eagle import refused
     from pylon.serving.model.families import LLAMA_FAMILIES
@@ -291,7 +291,7 @@ def _check_eagle3_model(spec: TrainJobSpec, manifest) -> None:
     if why:
         raise PylonError(f"objective eagle3: model.path {spec.model.path} is a {config.model_type} model: {why}")
     settings = spec.eagle3 or Eagle3Spec()
-    check_aux(aux_layers(settings.aux_layers, config.num_hidden_layers), config.num_hidden_layers)
+    aux_layers(settings.aux_layers, config.num_hidden_layers)  # (the fault named, before any worker starts)
 
 
 def check_completion_room(config, seq_len: int, max_tokens: int) -> None:
@@ -408,7 +408,7 @@ def train_loop(config: dict) -> None:
         without_padding_warning(model)  # the padding of a document batch is a segment of its own: nothing to warn of
     eagle3 = None  # objective eagle3 (pylon.jobs.eagle): the model frozen beside the drafting head it trains
     if spec.objective == "eagle3":
-        model = eagle3 = _eagle3_trainer(model, spec, rank, seed)
+        model = eagle3 = _eagle3_trainer(model, spec, run_uri, rank, seed)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
@@ -550,9 +550,11 @@ def train_loop(config: dict) -> None:
             )
     flops_tok = flops_per_token(cfg, stream.manifest.seq_len)
     if eagle3 is not None:  # the frozen model's forward pass, and the head's drafts trained
-        from pylon.draft_head import head_flops_per_token
+        from pylon.draft_head import head_flops_per_token, head_parameters
 
-        flops_tok = flops_tok / 3 + head_flops_per_token(eagle3.head.config, stream.manifest.seq_len, eagle3.steps)
+        matmul = head_parameters(eagle3.head.config)[1]
+        head = head_flops_per_token(matmul, eagle3.head.config.hidden_size, stream.manifest.seq_len, eagle3.steps)
+        flops_tok = flops_tok / 3 + head
     trained_flops = flops_tok  # objective grpo's MFU counts its passes itself (Rollout.trained_token_units)
     if referenced and ref_table is None:  # the reference's forward pass too: a third of a trained token's FLOPs
         flops_tok *= 4 / 3
@@ -852,20 +854,29 @@ def train_loop(config: dict) -> None:
     ledger.finish()
 
 
-def _eagle3_trainer(model, spec: TrainJobSpec, rank: int, seed: int):
+def _eagle3_trainer(model, spec: TrainJobSpec, run_uri: str, rank: int, seed: int):
     """objective eagle3: the frozen `model` beside a new EAGLE-3 head (pylon.jobs.eagle), its draft vocabulary chosen
-    by rank 0 from the training split's labels and given to every rank."""
+    by rank 0 from the training split's labels and given to every rank; a run that resumes reads it from its
+    checkpoint (the head's `draft_tokens`) instead, and reads no data for it."""
     import torch
     import torch.distributed as dist
 
     from pylon.data.reader import stream_from_spec
+    from pylon.jobs.checkpoint import list_committed
     from pylon.jobs.eagle import build_trainer, draft_vocabulary
     from pylon.specs import Eagle3Spec
 
     settings = spec.eagle3 or Eagle3Spec()
     vocab = model.config.vocab_size
     chosen = None
-    if rank == 0:
+    if rank == 0 and list_committed(run_uri):  # (a placeholder of its size: the checkpoint's replaces it)
+        chosen = list(range(min(settings.draft_vocab_size, vocab)))
+        print(
+            f"objective eagle3: the draft vocabulary of {len(chosen):,} of the model's {vocab:,} tokens comes with "
+            "the checkpoint it resumes from",
+            flush=True,
+        )
+    elif rank == 0:
         t0 = time.perf_counter()
         stream = stream_from_spec(spec.data, batch_size=spec.batch.micro_batch_size, rank=0, world_size=1)
         ids, seen, covered = draft_vocabulary(stream, settings.draft_vocab_size, vocab, settings.vocab_sample_tokens)

@@ -21,8 +21,15 @@ HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def aux_layers(layers: list[int] | None, n: int) -> tuple[int, ...]:
-    """The model's layers whose inputs the head reads: the spec's, or EAGLE-3's default 2, N // 2, N - 3."""
-    return tuple(layers) if layers else (2, n // 2, n - 3)
+    """The layers of a model of `n` layers whose inputs the head reads: the spec's, or EAGLE-3's default 2, N // 2,
+    N - 3; the fault named unless they are three of its layer inputs (1 .. n - 1)."""
+    aux = tuple(layers) if layers else (2, n // 2, n - 3)
+    if len(aux) != 3 or not all(0 < j < n for j in aux):
+        raise PylonError(
+            f"eagle3.aux_layers: {list(aux)} are not three of the model's {n} layers (1 .. {n - 1}, the inputs of "
+            "those layers)"
+        )
+    return aux
 
 
 def head_config(target, *, draft_vocab: int, aux: tuple[int, ...], intermediate_size: int | None):
@@ -125,7 +132,7 @@ class Eagle3Head(torch.nn.Module):
         # runs it (a fused kernel on a GPU keeps no seq x seq scores for the backward pass)
         own = torch.eye(T, dtype=torch.bool, device=causal.device).expand(B, T, T)
         for k in range(steps):
-            e = _shifted(embeddings, k)
+            e = shifted(embeddings, k)
             x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(g)], dim=-1)
             q = attn["q_proj"](x).view(B, T, heads, dim).transpose(1, 2)
             key = attn["k_proj"](x).view(B, T, kv, dim).transpose(1, 2)
@@ -147,7 +154,14 @@ class Eagle3Head(torch.nn.Module):
         return out
 
 
-def _shifted(t: torch.Tensor, k: int) -> torch.Tensor:
+def draft_loss(draft: torch.Tensor, teacher: torch.Tensor, k: int) -> torch.Tensor:
+    """Draft k's soft cross-entropy at every row [B, T]: against the model's distribution over the draft vocabulary at
+    i + k + 1 (`teacher`: its logits there, every position)."""
+    target = torch.softmax(shifted(teacher, k + 1), dim=-1)
+    return -(target * torch.log_softmax(draft.float(), dim=-1)).sum(-1)
+
+
+def shifted(t: torch.Tensor, k: int) -> torch.Tensor:
     """`t` [B, T, ...] moved k rows up (row i holds row i + k's), the last k rows repeating the last (never counted)."""
     if k == 0:
         return t
@@ -228,27 +242,16 @@ class Eagle3Trainer(torch.nn.Module):
             counted = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
             if ahead < T:
                 counted[:, : T - ahead] = (labels[:, ahead:] != -100) & (documents[:, ahead:] == documents[:, :-ahead])
-            target = torch.softmax(_shifted(teacher, k + 1), dim=-1)
-            loss = -(target * torch.log_softmax(draft.float(), dim=-1)).sum(-1)
+            loss = draft_loss(draft, teacher, k)
             loss_sum = loss_sum + (self.decay**k) * loss[counted].sum()
             guessed = self.head.draft_tokens[draft.argmax(-1)]
-            right = (guessed == _shifted(greedy, k + 1)) & counted
+            right = (guessed == shifted(greedy, k + 1)) & counted
             stats += [float(right.sum()), float(counted.sum())]
             if k == 0:
                 tokens = int(counted.sum())
         result = TokenLoss(loss_sum, tokens)
         result["stats"] = stats
         return result
-
-
-def check_aux(aux: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """`aux` if it names three of a model of `n` layers' layer inputs (1 .. n - 1), else the fault."""
-    if len(aux) != 3 or not all(0 < j < n for j in aux):
-        raise PylonError(
-            f"eagle3.aux_layers: {list(aux)} are not three of the model's {n} layers (1 .. {n - 1}, the inputs of "
-            "those layers)"
-        )
-    return aux
 
 
 def head_parameters(config) -> tuple[int, int]:
@@ -261,8 +264,8 @@ def head_parameters(config) -> tuple[int, int]:
     return total, matmul
 
 
-def head_flops_per_token(config, seq_len: int, steps: int) -> float:
-    """Model FLOPs the head's `steps` drafts trained cost a position: each 6 x its matmul weights (forward and
-    backward) and one layer's attention over the row (12 x d_model x seq, PaLM's count). The frozen model's forward
-    pass is a third of its trained token's (`pylon.models.flops_per_token`)."""
-    return steps * (6.0 * head_parameters(config)[1] + 12.0 * config.hidden_size * seq_len)
+def head_flops_per_token(matmul_params: int, hidden_size: int, seq_len: int, steps: int) -> float:
+    """Model FLOPs the head's `steps` drafts trained cost a position: each 6 x its matmul weights (`matmul_params`,
+    `head_parameters`'s; forward and backward) and one layer's attention over the row (12 x d_model x seq, PaLM's
+    count). The frozen model's forward pass is a third of its trained token's (`pylon.models.flops_per_token`)."""
+    return steps * (6.0 * matmul_params + 12.0 * hidden_size * seq_len)

@@ -124,7 +124,7 @@ def eagle3_activations(
 def _eagle3_run(
     config_key: str, head_key: str, batch: int, seq_len: int, precision: str, device: str, documents: bool, steps: int
 ) -> tuple[int, int]:
-    from pylon.draft_head import Eagle3Head, Eagle3Trainer, _shifted
+    from pylon.draft_head import Eagle3Head, Eagle3Trainer, draft_loss
 
     config, head_config = _CONFIGS[config_key], _CONFIGS[head_key]
     dtype = _DTYPES[precision]
@@ -148,10 +148,9 @@ def _eagle3_run(
         # the trainer's loss (its counted rows a mask: the boolean indexing reads values, which meta tensors lack)
         loss = None
         for k, d in enumerate(drafts):
-            target_p = torch.softmax(_shifted(teacher, k + 1), dim=-1)
-            part = -(target_p * torch.log_softmax(d.float(), dim=-1)).sum(-1)
-            loss = part.sum() if loss is None else loss + part.sum()
-            del target_p, part
+            part = draft_loss(d, teacher, k).sum()
+            loss = part if loss is None else loss + part
+            del part
         del drafts, teacher, greedy
         loss.backward()
         del loss

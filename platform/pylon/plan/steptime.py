@@ -49,7 +49,7 @@ def work_flops_per_token(work: Workload) -> float:
         from pylon.draft_head import head_flops_per_token
 
         model = 2.0 * s.matmul_params + 4.0 * s.num_layers * s.hidden_size * work.seq_len
-        return model + head_flops_per_token(work.head, work.seq_len, work.head_steps)
+        return model + head_flops_per_token(s.trainable_matmul_params, s.hidden_size, work.seq_len, work.head_steps)
     return model_flops_per_token(s, work.seq_len, work.lora is not None, work.reference != "none")
 
 

@@ -470,11 +470,11 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
 def _eagle3_head(spec: TrainJobSpec, config, shape: ModelShape, notes: list[str]):
     """objective eagle3: the head's config, and the model's shape with the head's parameters added to it and the
     head's alone trained."""
-    from pylon.draft_head import aux_layers, check_aux, head_config, head_parameters
+    from pylon.draft_head import aux_layers, head_config, head_parameters
 
     settings = spec.eagle3 or Eagle3Spec()
     n = config.num_hidden_layers
-    aux = check_aux(aux_layers(settings.aux_layers, n), n)
+    aux = aux_layers(settings.aux_layers, n)
     draft = min(settings.draft_vocab_size, config.vocab_size)
     head = head_config(config, draft_vocab=draft, aux=aux, intermediate_size=settings.intermediate_size)
     params, matmul = head_parameters(head)

@@ -228,7 +228,8 @@ def test_at_zero_3_the_frozen_model_is_partitioned_and_the_head_trains_saves_and
 ) -> None:
     """Through DeepSpeed: at ZeRO-3 (the model built partitioned from model.path, its output rows gathered to start the
     head's) the steps' losses are ZeRO-2's; a checkpoint without the frozen parameters holds the head alone, exports
-    it whole (zero_to_fp32), and a fresh engine resumed from it computes the same loss."""
+    it whole (zero_to_fp32), and a fresh engine resumed from it (started with another draft vocabulary, as a resumed
+    run starts) computes the same loss."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -244,14 +245,14 @@ def test_at_zero_3_the_frozen_model_is_partitioned_and_the_head_trains_saves_and
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
     ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
 
-    def start(stage: int, seed: int = 1):
+    def start(stage: int, seed: int = 1, vocabulary=torch.arange(40, 120)):
         spec = TrainJobSpec.model_validate(
             _spec(model={"path": str(tmp_path / "m")}, deepspeed={"zero_stage": stage}, eagle3={"ttt_steps": 2},
                   optim={"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"})
         )  # fmt: skip
         ds = build_deepspeed_config(spec, world_size=1)
         model = build_model(spec, vocab_size=320, eos_id=256, pad_id=257, deepspeed_config=ds)
-        trainer = build_trainer(model, spec, torch.arange(40, 120), seed=seed)
+        trainer = build_trainer(model, spec, vocabulary, seed=seed)
         engine, *_ = deepspeed.initialize(
             model=trainer, model_parameters=[p for p in trainer.parameters() if p.requires_grad], config=ds
         )
@@ -274,7 +275,7 @@ def test_at_zero_3_the_frozen_model_is_partitioned_and_the_head_trains_saves_and
     with deepspeed.zero.GatheredParameters(list(trainer.head.parameters())):
         for name, value in trainer.head.named_parameters():
             torch.testing.assert_close(state[f"head.{name}"], value.detach().float())
-    _, fresh = start(3, seed=9)
+    _, fresh = start(3, seed=9, vocabulary=torch.arange(80))  # (the checkpoint's vocabulary replaces it)
     fresh.load_checkpoint(str(tmp_path / "c"), tag="ds", load_module_strict=False)
     assert float(fresh(input_ids=ids, labels=ids).loss_sum) == pytest.approx(
         float(engine(input_ids=ids, labels=ids).loss_sum)
