@@ -1664,6 +1664,85 @@ class DeploymentSpec(_Spec):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# BatchJob
+# ---------------------------------------------------------------------------------------------------------
+
+BATCH_FORMATS = ("openai", "conversations")
+
+
+class BatchJobSpec(_Spec):
+    """Offline batch inference: every request in `input` answered by Pylon's serving engine on the cluster's
+    workers, the answers written to `output` (`pylon batch`)."""
+
+    kind: Literal["BatchJob"] = "BatchJob"
+    name: Name
+    model: Uri = Field(description="a Hugging Face format model directory (local or object storage)")
+    input: Uri = Field(
+        description="a JSONL file, or a directory of them (read in name order). Each line is an OpenAI Batch API "
+        "request ({custom_id, method: POST, url, body}: url any POST route of the HTTP API, body its request), or "
+        "a record with 'messages' (a chat request for a reply to them: a last assistant message is dropped) or "
+        "'prompt' (a completion request), its other fields kept"
+    )
+    output: Uri = Field(
+        description="the directory the answers go to: results/part-NNNNN.jsonl (answered), errors/part-NNNNN.jsonl "
+        "(refused or failed, each naming the line and field at fault) and _batch.json (the job's counts); a job "
+        "submitted again with the same output goes on from the parts already written"
+    )
+    body: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the fields of the requests made from records (messages or prompt), e.g. max_tokens, "
+        "temperature, seed; checked as a chat or completion request before the engines start. An OpenAI Batch API "
+        "line's body is sent as written",
+    )
+    output_format: Literal["openai", "conversations"] = Field(
+        "openai",
+        description="openai: each answer as the Batch API's output line {id, custom_id, response: {status_code, "
+        "request_id, body}, error}; conversations: each chat answer as the record with the reply appended to its "
+        "messages, each completion as the record with its 'completion' (one line a choice): the files `pylon data "
+        "prepare --chat` or `--prompt-completion` takes (a model's own replies to train on: objective eagle3, "
+        "distillation)",
+    )
+    replicas: PositiveInt = Field(1, description="engines answering at once, each with replica's resources")
+    chunk_lines: PositiveInt = Field(
+        256,
+        description="input lines per part: an engine answers a part's lines together and commits its files whole, "
+        "so a job stopped and submitted again redoes at most one part an engine",
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="as a Deployment's http.reasoning_parser: a <think> block as reasoning_content"
+    )
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    replica: ReplicaSpec = Field(default_factory=ReplicaSpec)
+
+    @model_validator(mode="after")
+    def _rules(self) -> "BatchJobSpec":
+        self.deployment()  # the engine's and replica's rules, a Deployment's, by the same field paths
+        return self
+
+    def deployment(self) -> DeploymentSpec:
+        """The Deployment each engine of the job is: its model, engine and replica, answering in-process (no HTTP
+        listens; nothing to authorise, no request waits on a client's timeout)."""
+        return DeploymentSpec(
+            name=self.name,
+            model=self.model,
+            engine=self.engine,
+            replica=self.replica,
+            http=HttpSpec(
+                api_keys_env=None,
+                max_queued_requests=2**31 - 1,
+                request_timeout_s=7 * 24 * 3600,
+                reasoning_parser=self.reasoning_parser,
+            ),
+        )
+
+    def summary(self) -> str:
+        return (
+            f"BatchJob '{self.name}': {self.input} -> {self.output} ({self.output_format}), model {self.model}, "
+            f"{self.replicas} engine(s), max_num_seqs {self.engine.max_num_seqs}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Cluster
 # ---------------------------------------------------------------------------------------------------------
 
@@ -1815,9 +1894,10 @@ SPEC_KINDS: dict[str, type[_Spec]] = {
     "Dataset": DatasetSpec,
     "TrainJob": TrainJobSpec,
     "Deployment": DeploymentSpec,
+    "BatchJob": BatchJobSpec,
     "Cluster": ClusterSpec,
 }
-AnySpec = Union[DatasetSpec, TrainJobSpec, DeploymentSpec, ClusterSpec]
+AnySpec = Union[DatasetSpec, TrainJobSpec, DeploymentSpec, BatchJobSpec, ClusterSpec]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -302,6 +302,14 @@ class PylonLLMServer:
             self.ledger.write()
 
     def __del__(self):
+        self.close()
+
+    def close(self) -> None:
+        """Stop the replica: its background responses ended, its ledger's last record, its engine shut down (once;
+        Serve's replica calls it by dropping the object, a batch job's engine when its pool ends)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self._stop_background()
         fetcher = getattr(self, "fetcher", None)
         if fetcher is not None:

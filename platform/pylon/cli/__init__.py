@@ -14,7 +14,7 @@ import argparse
 import sys
 import textwrap
 
-from pylon.cli import cluster, cost, data, evaluate, jobs, serve, specs
+from pylon.cli import batch, cluster, cost, data, evaluate, jobs, serve, specs
 from pylon.cli.common import FORMATTER
 from pylon.errors import PylonError, SpecError
 from pylon.version import __version__
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_export_parser(sub, fmt)
     cost.add_cost_parser(sub, fmt)
     serve.add_serve_parser(sub, fmt)
+    batch.add_batch_parser(sub, fmt)
     evaluate.add_eval_parser(sub, fmt)
     serve.add_demo_parser(sub, fmt)
     return parser

@@ -4,7 +4,7 @@
     python -m pylon.cli.reference --cli > docs/cli.md  # every `pylon` command's --help, the same way
     python -m pylon.cli.reference --settings > docs/settings.md  # every environment variable Pylon reads
 
-One table per kind (Dataset, TrainJob, Deployment, Cluster): every field by its dotted path, its type with
+One table per kind (Dataset, TrainJob, Deployment, BatchJob, Cluster): every field by its dotted path, its type with
 allowed values, its default and constraints, and its description. Cross-field rules live in validators; the
 kind's docstring and the README list them.
 """

@@ -49,7 +49,7 @@ from pylon.plan.train import (
     plan_train,
     train_workload,
 )
-from pylon.specs import DeploymentSpec, TrainJobSpec, load_specs
+from pylon.specs import BatchJobSpec, DeploymentSpec, TrainJobSpec, load_specs
 
 __all__ = [
     "DEFAULT_DEADLINE_DAYS",
@@ -87,7 +87,9 @@ def plan_spec(
     budget_usd: float | None = None,
 ):
     """A TrainPlan for a TrainJobSpec (the cheapest within `deadline_days` and `budget_usd`), a ServePlan for a
-    DeploymentSpec."""
+    DeploymentSpec, and for a BatchJobSpec the ServePlan of the Deployment each of its engines is."""
+    if isinstance(spec, BatchJobSpec):
+        spec = spec.deployment()
     if isinstance(spec, TrainJobSpec):
         return plan_train(
             spec,
@@ -102,7 +104,7 @@ def plan_spec(
     if isinstance(spec, DeploymentSpec):
         return plan_serve(spec, catalog=catalog, gpu=gpu, mfu=mfu, utilization=utilization)
     raise PylonError(
-        f"the planner plans TrainJob and Deployment specs, not {getattr(spec, 'kind', type(spec).__name__)}"
+        f"the planner plans TrainJob, Deployment and BatchJob specs, not {getattr(spec, 'kind', type(spec).__name__)}"
     )
 
 
@@ -118,7 +120,9 @@ def plan_file(path: str | os.PathLike, **options) -> tuple[list, list[str]]:
         spec = doc.spec
         if isinstance(spec, TrainJobSpec):
             plans.append(plan_spec(spec, **options))
-        elif isinstance(spec, DeploymentSpec):
+        elif isinstance(spec, (DeploymentSpec, BatchJobSpec)):
+            if isinstance(spec, BatchJobSpec):
+                spec = spec.deployment()
             config = _exported_config(spec, trains, options.get("seq_len"))
             serve_options = {
                 k: v for k, v in options.items() if k not in ("gpus", "seq_len", "deadline_days", "budget_usd")
@@ -127,7 +131,7 @@ def plan_file(path: str | os.PathLike, **options) -> tuple[list, list[str]]:
         else:
             skipped.append(f"{doc.source}: document {doc.index} ({spec.kind} '{spec.name}'): nothing to plan")
     if not plans:
-        raise PylonError(f"{path}: no TrainJob or Deployment documents to plan")
+        raise PylonError(f"{path}: no TrainJob, Deployment or BatchJob documents to plan")
     return plans, skipped
 
 

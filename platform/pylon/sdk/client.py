@@ -17,9 +17,9 @@ from pylon.jobs.run_dir import run_uri_of, storage_problems
 from pylon.plan import DEFAULT_DEADLINE_DAYS, DEFAULT_MFU, check_fits, plan_file, plan_spec
 from pylon.plan.catalog import load_catalog
 from pylon.sdk import inputs, ship
-from pylon.sdk.handles import TERMINAL_JOB_STATES, DataJob, JobInfo, Run, Service
+from pylon.sdk.handles import TERMINAL_JOB_STATES, BatchRun, DataJob, JobInfo, Run, Service
 from pylon.sdk.serve import base_url, deploy, serve_details
-from pylon.specs import DeploymentSpec, TrainJobSpec, to_yaml
+from pylon.specs import BatchJobSpec, DeploymentSpec, TrainJobSpec, to_yaml
 
 
 @dataclass
@@ -308,6 +308,29 @@ class Client:
         finally:
             package.cleanup()
         return DataJob(self, job_id, name=spec.name, output=spec.output, start_time=time.time())
+
+    def batch(self, spec, *, overwrite: bool = False) -> BatchRun:
+        """Submit a BatchJob (a `BatchJobSpec`, a dict of its fields, or a YAML file) as a Ray job: offline batch
+        inference, `python -m pylon.serving.api.batch --config spec.yaml`, every line of its input answered by the
+        serving engine on `replicas` engines of the cluster, the answers written to its output. Submitting the same
+        job again goes on from the parts already answered; `overwrite` replaces another batch's answers there."""
+        spec, _ = inputs.as_spec(spec, BatchJobSpec)
+        package = ship.package(spec, self._where)
+        try:
+            spec = package.spec
+            self._check_storage(
+                {"model": spec.model, "input": spec.input, "output": spec.output}, f"BatchJob '{spec.name}'"
+            )
+            job_id = inputs.new_job_id("batch", spec.name)
+            self.submit_job(
+                f"python -m pylon.serving.api.batch --config {ship.SPEC_FILE}" + (" --overwrite" if overwrite else ""),
+                runtime_env=package.runtime_env,
+                submission_id=job_id,
+                metadata={"pylon_kind": "BatchJob", "pylon_name": spec.name, "pylon_output": spec.output},
+            )
+        finally:
+            package.cleanup()
+        return BatchRun(self, job_id, name=spec.name, output=spec.output, start_time=time.time())
 
     def deploy(self, spec, *, timeout_s: float = 600) -> Service:
         """Deploy a Deployment (a `DeploymentSpec`, a dict of its fields, or a YAML file) on Ray Serve, wait

@@ -16,9 +16,9 @@
     svc.delete()
 
 `Job` is any Ray job (`client.jobs()` lists them, `pylon jobs ...` drives them); `Run` is a training job with
-its run directory; `DataJob` a `pylon data prepare` job with its output; `Service` a Serve application.
-API keys are read from the environment variable a Deployment names, kept in the `Service` object only,
-and never shown by its repr.
+its run directory; `DataJob` a `pylon data prepare` job with its output; `BatchRun` a `pylon batch` job with its
+answers; `Service` a Serve application. API keys are read from the environment variable a Deployment names, kept
+in the `Service` object only, and never shown by its repr.
 """
 
 from __future__ import annotations
@@ -437,6 +437,59 @@ class DataJob(Job):
         from pylon.data.shards import read_manifest
 
         return read_manifest(self.output)
+
+    def _fields(self) -> list[tuple[str, Any]]:
+        return [*super()._fields(), ("output", self.output)]
+
+
+class BatchRun(Job):
+    """A `pylon batch` job (offline batch inference) and the answers it writes at its output."""
+
+    def __init__(
+        self, client: Client, job_id: str, *, name: str | None, output: str | None, start_time: float | None = None
+    ):
+        super().__init__(client, job_id, name=name, start_time=start_time)
+        self.output = output
+
+    @classmethod
+    def from_info(cls, client: Client, info: JobInfo) -> BatchRun:
+        return cls(
+            client,
+            info.job_id,
+            name=info.metadata.get("pylon_name"),
+            output=info.metadata.get("pylon_output"),
+            start_time=info.start_time,
+        )
+
+    def manifest(self) -> dict:
+        """The job's `_batch.json`: its state (running, done), input, parts and counts (lines answered and failed,
+        prompt and generated tokens)."""
+        from pylon import storage
+        from pylon.serving.api.batch import MANIFEST
+
+        return storage.read_json(storage.join(self.output, MANIFEST))
+
+    def results(self) -> Iterator[dict]:
+        """The answered lines, part after part, each in input order (the Batch API's output lines, or the records
+        with their replies under `output_format: conversations`)."""
+        from pylon.serving.api.batch import RESULTS
+
+        return self._lines(RESULTS)
+
+    def errors(self) -> Iterator[dict]:
+        """The lines refused or failed, each with its custom_id (or file:line) and error."""
+        from pylon.serving.api.batch import ERRORS
+
+        return self._lines(ERRORS)
+
+    def _lines(self, sub: str) -> Iterator[dict]:
+        from pylon import storage
+
+        where = storage.join(self.output, sub)
+        for name in storage.listdir(where):
+            for line in storage.read_text(storage.join(where, name)).splitlines():
+                if line.strip():
+                    yield json.loads(line)
 
     def _fields(self) -> list[tuple[str, Any]]:
         return [*super()._fields(), ("output", self.output)]

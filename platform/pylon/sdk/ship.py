@@ -29,7 +29,7 @@ from typing import Any
 
 from pylon import home, settings
 from pylon.errors import SpecError
-from pylon.specs import DatasetSpec, DeploymentSpec, TrainJobSpec, to_yaml
+from pylon.specs import BatchJobSpec, DatasetSpec, DeploymentSpec, TrainJobSpec, to_yaml
 
 SPEC_FILE = "spec.yaml"
 INPUTS_DIR = "inputs"
@@ -86,6 +86,9 @@ def local_paths(spec: Any) -> list[LocalPath]:
         found.append(LocalPath("output", spec.output, True))
     elif isinstance(spec, DeploymentSpec):
         found.append(LocalPath("model", spec.model, False))
+    elif isinstance(spec, BatchJobSpec):
+        found += [LocalPath("model", spec.model, False), LocalPath("input", spec.input, False)]
+        found.append(LocalPath("output", spec.output, True))
     return [p for p in found if is_local(p.value)]
 
 

@@ -155,7 +155,7 @@ def test_problem_input_that_once_crashed_is_reported_not_raised(specs: Path) -> 
     assert result.returncode == 1
     errors = result.stderr.splitlines()
     assert errors[:3] == [
-        "error  odd.yaml:1: document 1: kind: must be one of Dataset, TrainJob, Deployment, Cluster (got list)",
+        "error  odd.yaml:1: document 1: kind: must be one of Dataset, TrainJob, Deployment, BatchJob, Cluster (got list)",
         "error  odd.yaml:5: document 2 (Dataset 'ds'): sources[1]: must be a valid string (got list)",
         "error  odd.yaml:9: document 3 (Dataset 'ds\\n'): name: must be 1-63 lowercase letters, digits or '-', "
         "starting and ending with a letter or digit, e.g. 'stdlib-gpt' (got 'ds\\n')",

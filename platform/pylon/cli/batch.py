@@ -1,0 +1,54 @@
+"""`pylon batch`: offline batch inference as a Ray job (a BatchJob spec: pylon.serving.api.batch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pylon.cli.common import ADDRESS_HELP
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    import pylon
+    from pylon.cli.jobs import _follow
+
+    client = pylon.connect(args.address)
+    job = client.batch(args.file, overwrite=args.overwrite)  # every spec error refused before submitting
+    if args.json:
+        print(json.dumps({"job_id": job.job_id, "output": job.output}), flush=True)
+    else:
+        print(job.job_id, flush=True)
+    if not args.follow:
+        print(
+            f"follow it with: pylon jobs logs {job.job_id} --follow; its answers go to {job.output}",
+            file=sys.stderr,
+        )
+        return 0
+    return _follow(client, job.job_id, out=sys.stderr if args.json else None)
+
+
+def add_batch_parser(sub, fmt) -> None:
+    b = sub.add_parser(
+        "batch",
+        formatter_class=fmt,
+        help="submit a BatchJob: offline batch inference over a JSONL file",
+        description="Validate a BatchJob spec, then submit `python -m pylon.serving.api.batch --config FILE` as a "
+        "Ray job and print its id. Every line of the spec's input (an OpenAI Batch API request, or a record with "
+        "messages or prompt) is answered by Pylon's serving engine on `replicas` engines of the cluster, as the same "
+        "body POSTed to a Deployment would be; the answers go to the output's results/ and errors/ part files "
+        "(OpenAI's output and error files), the counts to its _batch.json. Submitting the same job again goes on "
+        "from the parts already answered.",
+        epilog="examples:\n  pylon batch batch.yaml --follow\n  pylon batch batch.yaml --json\n"
+        "  pylon batch batch.yaml --overwrite   # replace another batch's answers at the output",
+    )
+    b.add_argument("file", metavar="FILE", help="YAML file with one BatchJob document")
+    b.add_argument("--follow", action="store_true", help="stream the job's logs until it ends (exit 1 if it fails)")
+    b.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"job_id": ..., "output": ...} on stdout (with --follow, the logs go to stderr)',
+    )
+    b.add_argument("--overwrite", action="store_true", help="replace the answers of another batch found at the output")
+    b.add_argument("--address", help=ADDRESS_HELP)
+    b.set_defaults(func=_cmd_batch)

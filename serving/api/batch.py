@@ -1,0 +1,587 @@
+"""`pylon batch`: offline batch inference. Every request of a JSONL input answered by Pylon's serving engine on the
+cluster's workers, the answers written to object storage (`BatchJobSpec`).
+
+What it matches: vLLM's `run_batch` (an OpenAI Batch API file in, its output file out, one process) and Ray Data
+LLM's processors (a dataset's rows through engines on an actor pool). What it adds: each engine answers through the
+replica's own request handling (`PylonLLMServer`, called in-process, no HTTP), so a batch line means exactly what
+the same body POSTed to a Deployment means, chat templates, tools, structured outputs, reasoning, embeddings and
+errors included; the input is read in parts whose answers are committed whole, so a stopped job submitted again
+goes on from the parts done; and a record with `messages` or `prompt` (a dataset `pylon data prepare` takes) is a
+request too, answered, if asked, as the same record with the model's reply (`output_format: conversations`): the
+data a model's own replies make, to train a drafting head on (objective eagle3) or to distil.
+
+Layout of `output`: `results/part-NNNNN.jsonl` (answered lines, in input order), `errors/part-NNNNN.jsonl` (lines
+refused or failed: OpenAI's error file, each naming its file, line and field), `stats/part-NNNNN.json` (a part's
+counts), `_batch.json` (what the job is, its counts and tokens, each submission's; `state` running or done). A
+part's errors and counts are written before its results: a results part is the mark that the part is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pylon import home, settings, storage
+from pylon.errors import PylonError, SpecError
+from pylon.specs import BatchJobSpec, load_spec
+
+log = logging.getLogger("pylon.batch")
+
+RESULTS, ERRORS, STATS, MANIFEST = "results", "errors", "stats", "_batch.json"
+COUNTS = ("lines", "answered", "failed", "tokens_in", "tokens_out")
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+# -- the input: files, parts, lines ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Part:
+    """Lines [start, stop) of one input file (0-based), answered together and committed whole."""
+
+    index: int
+    file: str  # its URI
+    name: str  # as errors name it: the file's name
+    start: int
+    stop: int
+    offset: int  # the byte where line `start` begins
+
+    def results(self, output: str) -> str:
+        return storage.join(output, RESULTS, f"part-{self.index:05d}.jsonl")
+
+    def errors(self, output: str) -> str:
+        return storage.join(output, ERRORS, f"part-{self.index:05d}.jsonl")
+
+    def stats(self, output: str) -> str:
+        return storage.join(output, STATS, f"part-{self.index:05d}.json")
+
+
+def input_files(uri: str) -> list[str]:
+    """`input`'s JSONL files: itself, or the `.jsonl` files directly in the directory it names, in name order."""
+    if not storage.exists(uri):
+        raise PylonError(f"input: {uri} does not exist")
+    fs, path = storage.resolve(uri)
+    if not fs.isdir(path):
+        return [uri]
+    files = [storage.join(uri, n) for n in storage.listdir(uri) if n.endswith(".jsonl")]
+    if not files:
+        raise PylonError(f"input: {uri} is a directory with no .jsonl files in it")
+    return files
+
+
+def _raw_lines(uri: str, offset: int = 0):
+    """The lines of one input file from byte `offset`, as bytes with their line ends."""
+    fs, path = storage.resolve(uri)
+    with fs.open(path, "rb") as f:
+        f.seek(offset)
+        yield from f
+
+
+def plan_parts(files: list[str], chunk_lines: int) -> tuple[list[Part], list[dict]]:
+    """The parts of `files` and each file's {file, lines, bytes}. Reads every line once: custom_ids must be unique
+    across the input (OpenAI's Batch API refuses a file where they are not), else a PylonError naming both lines."""
+    parts, listing, seen = [], [], {}
+    for uri in files:
+        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        starts, size, count = [], 0, 0
+        for raw in _raw_lines(uri):
+            if count % chunk_lines == 0:
+                starts.append(size)
+            count, size = count + 1, size + len(raw)
+            if b'"custom_id"' not in raw:
+                continue
+            try:
+                custom_id = json.loads(raw).get("custom_id")
+            except (ValueError, AttributeError):
+                continue  # answered as an error line of its own
+            if isinstance(custom_id, str):
+                where = f"{name}:{count}"
+                if custom_id in seen:
+                    raise PylonError(
+                        f"input: {where}: custom_id {custom_id!r} is also {seen[custom_id]}'s; each request's "
+                        "custom_id must be unique, so that its answer can be told apart"
+                    )
+                seen[custom_id] = where
+        listing.append({"file": name, "lines": count, "bytes": size})
+        for k, offset in enumerate(starts):
+            start = k * chunk_lines
+            parts.append(Part(len(parts), uri, name, start, min(count, start + chunk_lines), offset))
+    return parts, listing
+
+
+def part_lines(part: Part) -> list[tuple[int, str]]:
+    """A part's lines that are not blank, with their line numbers (1-based)."""
+    lines = []
+    for lineno, raw in enumerate(_raw_lines(part.file, part.offset), part.start + 1):
+        if lineno > part.stop:
+            break
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if line.strip():
+            lines.append((lineno, line))
+    return lines
+
+
+# -- one line as a request ------------------------------------------------------------------------------------------
+
+
+class LineError(Exception):
+    """A line that is no request: its answer is an error line naming it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+@dataclass
+class Request:
+    custom_id: str
+    url: str
+    body: dict
+    record: dict | None  # a record's fields (messages or prompt mode); None for an OpenAI Batch API line
+
+
+def request_of(obj, where: str, name: str, defaults: dict) -> Request:
+    """A line's JSON value as a request to the engine, or a LineError saying what is wrong with it.
+
+    An OpenAI Batch API line: {custom_id, method: POST, url, body}. A record: `messages` (a chat request answering
+    them, a last assistant message dropped: a conversation's reply is regenerated) or `prompt` (a string: a
+    completion request; a list of messages: a chat request, TRL's conversational prompt). A record's request takes
+    `defaults` (the spec's `body`: max_tokens, temperature...); a Batch API line is sent as written. `model`
+    defaults to the job's name."""
+    if not isinstance(obj, dict):
+        raise LineError(f"{where}: a JSON object, got {type(obj).__name__}")
+    if any(k in obj for k in ("custom_id", "body", "url")):
+        custom_id = obj.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise LineError(f"{where}: custom_id: a non-empty string naming the request", "custom_id")
+        method = obj.get("method", "POST")
+        if method != "POST":
+            raise LineError(f"{where}: method: POST (a batch answers POST requests), got {method!r}", "method")
+        url = obj.get("url")
+        if not isinstance(url, str) or not url.startswith("/"):
+            raise LineError(f"{where}: url: the request's path, e.g. {CHAT!r}, got {url!r}", "url")
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            raise LineError(f"{where}: body: the request's JSON object, got {type(body).__name__}", "body")
+        if body.get("stream"):
+            raise LineError(f"{where}: body.stream: a batch answer is written whole; leave stream out", "body.stream")
+        return Request(custom_id, url.split("?")[0], {"model": name, **body}, None)
+    record = {k: v for k, v in obj.items()}
+    custom_id = where
+    if "messages" in obj:
+        messages = _prompt_messages(obj["messages"], f"{where}: messages", "messages")
+        body = {"model": name, **defaults, "messages": messages}
+        if isinstance(obj.get("tools"), list):
+            body["tools"] = obj["tools"]
+        return Request(custom_id, CHAT, body, record)
+    if "prompt" in obj:
+        prompt = obj["prompt"]
+        if isinstance(prompt, str):
+            return Request(custom_id, COMPLETIONS, {"model": name, **defaults, "prompt": prompt}, record)
+        messages = _prompt_messages(prompt, f"{where}: prompt", "prompt")
+        return Request(custom_id, CHAT, {"model": name, **defaults, "messages": messages}, record)
+    raise LineError(
+        f"{where}: neither an OpenAI Batch API request (custom_id, method, url, body) nor a record with 'messages' "
+        f"or 'prompt' (its keys: {', '.join(sorted(obj)) or 'none'})"
+    )
+
+
+def _prompt_messages(messages, where: str, param: str) -> list:
+    """A conversation to answer: its messages up to its last reply's (a trailing assistant message dropped)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise LineError(f"{where}: a list of messages, each an object with a role", param)
+    while messages and messages[-1].get("role") == "assistant":
+        messages = messages[:-1]
+    if not messages:
+        raise LineError(f"{where}: no message before the assistant's reply to answer", param)
+    return messages
+
+
+def check_defaults(spec: BatchJobSpec) -> None:
+    """The spec's `body` read as each endpoint's request reads it, before any engine starts: a field a request
+    does not take is a SpecError naming `body.<field>`, not an error on every line."""
+    from pylon.serving.api import protocol
+    from pylon.serving.errors import InvalidRequest
+
+    probes = (
+        (protocol.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+        (protocol.CompletionRequest, {"prompt": "x"}),
+    )
+    failures = []
+    for cls, minimal in probes:
+        try:
+            protocol.parse_request(cls, json.dumps({"model": spec.name, **spec.body, **minimal}).encode())
+            return  # one endpoint takes them: lines meant for it are answered
+        except InvalidRequest as e:
+            failures.append(e)
+    e = failures[0]
+    field = f"body.{e.param}" if getattr(e, "param", None) else "body"
+    raise SpecError([f"BatchJob '{spec.name}': {field}: {e}"])
+
+
+# -- answers --------------------------------------------------------------------------------------------------------
+
+
+def _answer_id(custom_id: str) -> str:
+    return "batch_req_" + hashlib.sha256(custom_id.encode()).hexdigest()[:24]
+
+
+def openai_line(custom_id: str | None, status: int, body: dict | None, request_id: str) -> dict:
+    """The Batch API's output line for an answer (`status` < 400) or a failed request."""
+    return {
+        "id": _answer_id(custom_id or request_id),
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def error_line(custom_id: str | None, where: str, error: LineError) -> dict:
+    """The Batch API's output line for a line that is no request (never sent to the engine)."""
+    return {
+        "id": _answer_id(custom_id or where),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": "invalid_request", "message": error.message, "param": error.param, "line": where},
+    }
+
+
+def conversations(request: Request, answer: dict) -> list[dict]:
+    """`output_format: conversations`: the record (or Batch API line's request) with each choice's reply, as `pylon
+    data prepare` reads records: a chat's messages with the assistant's reply appended; a completion's prompt with
+    its `completion`."""
+    base = dict(request.record) if request.record is not None else {"custom_id": request.custom_id}
+    out = []
+    for choice in answer.get("choices", []):
+        if "message" in choice:
+            message = {k: v for k, v in choice["message"].items() if v is not None and k != "refusal"}
+            record = {k: v for k, v in base.items() if k != "prompt"}
+            record["messages"] = [*request.body["messages"], message]
+        else:
+            record = {**base, "prompt": request.body.get("prompt"), "completion": choice.get("text", "")}
+        out.append(record)
+    return out
+
+
+# -- an engine on the cluster ---------------------------------------------------------------------------------------
+
+
+class PartAnswerer:
+    """One engine of the job (a Ray Data actor): a `PylonLLMServer` answering the parts it is given, each part's lines
+    in flight together (continuous batching), its files committed whole."""
+
+    def __init__(self, spec: dict):
+        from pylon.serving.api.http import OpenAIApp
+        from pylon.serving.api.server import PylonLLMServer
+
+        self.spec = BatchJobSpec.model_validate(spec)
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.server = PylonLLMServer(self.spec.deployment().model_dump(mode="json"))
+        self.app = OpenAIApp(self.server)
+        engine = self.spec.engine
+        # enough requests waiting that a finished one's place is filled at the next step
+        self.in_flight = 2 * engine.max_num_seqs * engine.data_parallel
+        self.requests = 0
+
+    def __del__(self):  # Ray Data drops the pool's callables as the job's dataset ends
+        server = getattr(self, "server", None)
+        if server is not None:
+            gauges = server._gauges_task
+            if gauges is not None:
+                gauges.cancel()
+            server.close()
+
+    def __call__(self, batch: dict) -> dict:
+        rows = [self.answer_part(Part(**{k: _plain(batch[k][i]) for k in batch})) for i in range(len(batch["index"]))]
+        return {k: [r[k] for r in rows] for k in rows[0]}
+
+    def answer_part(self, part: Part) -> dict:
+        output = self.spec.output
+        if storage.exists(part.results(output)):  # done by an earlier attempt (an engine restarted mid-job)
+            return {"index": part.index, **dict.fromkeys(COUNTS, 0)}
+        t0 = time.monotonic()
+        results, errors, stats = self.loop.run_until_complete(self._answer(part))
+        storage.atomic_write_text(
+            part.errors(output), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors)
+        )
+        storage.atomic_write_json(part.stats(output), stats)
+        storage.atomic_write_text(
+            part.results(output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+        )
+        log.info(
+            "part %d (%s lines %d-%d): %s in %.1f s",
+            part.index,
+            part.name,
+            part.start + 1,
+            part.stop,
+            stats,
+            time.monotonic() - t0,
+        )
+        return {"index": part.index, **stats}
+
+    async def _answer(self, part: Part) -> tuple[list, list, dict]:
+        lines = part_lines(part)
+        gate = asyncio.Semaphore(self.in_flight)
+
+        async def one(lineno: int, line: str):
+            where = f"{part.name}:{lineno}"
+            custom_id = None
+            try:
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise LineError(f"{where}: not JSON ({e})") from None
+                if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str):
+                    custom_id = obj["custom_id"]
+                request = request_of(obj, where, self.spec.name, self.spec.body)
+            except LineError as e:
+                return None, None, error_line(custom_id, where, e)
+            async with gate:
+                status, body, request_id = await self.ask(request.url, request.body)
+            return request, body, openai_line(request.custom_id, status, body, request_id)
+
+        answered = await asyncio.gather(*(one(n, line) for n, line in lines))
+        results, errors = [], []
+        stats = {"lines": len(lines), "answered": 0, "failed": 0, "tokens_in": 0, "tokens_out": 0}
+        for request, body, line in answered:
+            ok = line["response"] is not None and line["response"]["status_code"] < 400
+            if not ok:
+                stats["failed"] += 1
+                errors.append(line)
+                continue
+            stats["answered"] += 1
+            usage = body.get("usage") or {}
+            stats["tokens_in"] += int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+            stats["tokens_out"] += int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+            if self.spec.output_format == "conversations" and "choices" in body:
+                results.extend(conversations(request, body))
+            else:
+                results.append(line)
+        return results, errors, stats
+
+    async def ask(self, path: str, body: dict) -> tuple[int, dict, str]:
+        """POST `body` to the replica's own request handling, in this process: (status, JSON answer, request id)."""
+        self.requests += 1
+        request_id = f"batch-{os.getpid()}-{self.requests}"
+        data = json.dumps(body).encode()
+        delivered = False
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            await asyncio.Event().wait()  # the client never goes away
+
+        status, chunks = 500, []
+
+        async def send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": path,
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())],
+        }
+        await self.app(scope, receive, send)
+        try:
+            answer = json.loads(b"".join(chunks) or b"{}")
+        except ValueError:  # (every answer of the server is JSON; kept whole if one is not)
+            answer = {"error": {"message": b"".join(chunks).decode(errors="replace"), "type": "server_error"}}
+        return status, answer, request_id
+
+
+def _plain(value):
+    """A Ray Data batch's value (a numpy scalar) as the plain Python value a Part holds."""
+    return value.item() if hasattr(value, "item") else value
+
+
+# -- the job --------------------------------------------------------------------------------------------------------
+
+
+def _identity(spec: BatchJobSpec, listing: list[dict]) -> dict:
+    """What makes two submissions the same job: a rerun with the same identity goes on from the parts written."""
+    return {
+        "model": spec.model,
+        "input": listing,
+        "body": spec.body,
+        "output_format": spec.output_format,
+        "chunk_lines": spec.chunk_lines,
+        "engine": spec.engine.model_dump(mode="json"),
+    }
+
+
+def _start(spec: BatchJobSpec, identity: dict, *, overwrite: bool) -> dict | None:
+    """Claim `output` for this job: a new directory, or one an earlier submission of the same job left (its
+    manifest returned, to go on from); another job's answers are refused unless `overwrite` (then removed)."""
+    manifest_uri = storage.join(spec.output, MANIFEST)
+    earlier = storage.read_json(manifest_uri) if storage.exists(manifest_uri) else None
+    if earlier is not None and overwrite:
+        for sub in (RESULTS, ERRORS, STATS):
+            if storage.exists(storage.join(spec.output, sub)):
+                storage.remove(storage.join(spec.output, sub), recursive=True)
+        storage.remove(manifest_uri)
+        earlier = None
+    if earlier is not None and earlier.get("identity") != identity:
+        changed = sorted(k for k in identity if earlier.get("identity", {}).get(k) != identity[k])
+        raise PylonError(
+            f"output: {spec.output} holds the answers of another batch (it differs in {', '.join(changed)}); "
+            "choose another output, or submit with --overwrite to replace them"
+        )
+    if earlier is None and storage.exists(spec.output) and storage.listdir(spec.output):
+        raise PylonError(
+            f"output: {spec.output} is not empty and holds no batch's answers; choose another output directory"
+        )
+    return earlier
+
+
+def run(spec: BatchJobSpec, *, overwrite: bool = False, progress: bool = True) -> dict:
+    """Answer every line of `spec.input` on the connected cluster; returns the job's `_batch.json`."""
+    import ray
+
+    from pylon.jobs.run_dir import storage_problems
+
+    working_dir = home.job_working_dir()
+    if working_dir is None:  # the actors may start in another directory: relative paths pinned to this one's
+        spec = spec.model_copy(update={f: _absolute(getattr(spec, f)) for f in ("model", "input", "output")})
+    check_defaults(spec)
+    if not ray.is_initialized():
+        if os.environ.get("RAY_JOB_ID") or settings.value(settings.RAY_ADDRESS):
+            ray.init(log_to_driver=True)
+        else:
+            home.init_ray(log_to_driver=True)
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    problems = storage_problems(
+        {"model": spec.model, "input": spec.input, "output": spec.output}, nodes, working_dir=working_dir
+    )
+    if problems:
+        raise SpecError([f"BatchJob '{spec.name}': {p}" for p in problems])
+    t0 = time.time()
+    files = input_files(spec.input)
+    parts, listing = plan_parts(files, spec.chunk_lines)
+    identity = _identity(spec, listing)
+    earlier = _start(spec, identity, overwrite=overwrite)
+    done = {p.index for p in parts if storage.exists(p.results(spec.output))} if earlier is not None else set()
+    todo = [p for p in parts if p.index not in done]
+    total_lines = sum(f["lines"] for f in listing)
+    manifest = {
+        "kind": "BatchJob",
+        "name": spec.name,
+        "identity": identity,
+        "state": "running",
+        "parts": len(parts),
+        "lines": total_lines,
+        "started": t0,
+        "runs": [*(earlier or {}).get("runs", []), {"started": t0, "parts": len(todo)}],
+    }
+    storage.atomic_write_json(storage.join(spec.output, MANIFEST), manifest)
+    print(
+        f"BatchJob '{spec.name}': {total_lines:,} lines in {len(files)} file(s), {len(parts)} part(s) of up to "
+        f"{spec.chunk_lines} lines"
+        + (f"; {len(done)} part(s) answered by an earlier submission, going on from them" if done else ""),
+        flush=True,
+    )
+    now = _answer_parts(spec, todo, progress=progress) if todo else dict.fromkeys(COUNTS, 0)
+    counts = dict.fromkeys(COUNTS, 0)  # every part's: this submission's and earlier ones'
+    for part in parts:
+        stats = storage.read_json(part.stats(spec.output))
+        for k in COUNTS:
+            counts[k] += int(stats[k])
+    seconds = time.time() - t0
+    manifest["runs"][-1].update(seconds=round(seconds, 3), counts=now)
+    manifest.update(
+        state="done",
+        counts=counts,
+        ended=time.time(),
+        results=storage.join(spec.output, RESULTS),
+        errors=storage.join(spec.output, ERRORS),
+    )
+    storage.atomic_write_json(storage.join(spec.output, MANIFEST), manifest)
+    print(
+        f"BatchJob '{spec.name}': {counts['answered']:,} answered, {counts['failed']:,} failed (see "
+        f"{storage.join(spec.output, ERRORS)}), {counts['tokens_in']:,} prompt and {counts['tokens_out']:,} generated "
+        f"tokens; answers in {storage.join(spec.output, RESULTS)}. This submission: {now['lines']:,} lines in "
+        f"{seconds:.1f} s, {now['tokens_out'] / max(seconds, 1e-9):,.1f} generated tokens/s",
+        flush=True,
+    )
+    return manifest
+
+
+def _answer_parts(spec: BatchJobSpec, todo: list[Part], *, progress: bool) -> dict:
+    """`todo` through `spec.replicas` engines on a Ray Data actor pool, one part a call, a bar counting lines;
+    returns their counts."""
+    import ray.data
+    from tqdm import tqdm
+
+    from pylon.data.reader import pin_ray_data_helpers_here
+
+    pin_ray_data_helpers_here()
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # this job's own bar counts lines
+    parts = ray.data.from_items([asdict(p) for p in todo], override_num_blocks=len(todo))
+    answered = parts.map_batches(
+        PartAnswerer,
+        fn_constructor_kwargs={"spec": spec.model_dump(mode="json")},
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=min(spec.replicas, len(todo)), max_tasks_in_flight_per_actor=2),
+        num_cpus=spec.replica.num_cpus,
+        num_gpus=spec.replica.num_gpus,
+    )  # (Ray Data restarts a pool's actor that dies, and retries its part: max_restarts, max_task_retries -1)
+    lines = {p.index: p.stop - p.start for p in todo}
+    counts = dict.fromkeys(COUNTS, 0)
+    with tqdm(
+        total=sum(lines.values()),
+        unit="line",
+        desc=f"batch {spec.name}",
+        file=sys.stderr,
+        disable=None if progress else True,
+        mininterval=5,
+    ) as bar:
+        for row in answered.iter_rows():
+            for key in COUNTS:
+                counts[key] += int(row[key])
+            bar.update(lines[int(row["index"])])
+            bar.set_postfix(answered=counts["answered"], failed=counts["failed"], refresh=False)
+    return counts
+
+
+def _absolute(uri: str) -> str:
+    if "://" in uri:
+        return uri
+    return str(Path(uri).expanduser().resolve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pylon.serving.api.batch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, help="YAML file with one BatchJob document")
+    parser.add_argument("--overwrite", action="store_true", help="replace another batch's answers at the output")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = load_spec(args.config, BatchJobSpec)
+    manifest = run(spec, overwrite=args.overwrite)
+    counts = manifest["counts"]
+    return 1 if counts.get("lines", 0) and not counts.get("answered", 0) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

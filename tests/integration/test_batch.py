@@ -1,0 +1,90 @@
+"""Offline batch inference end to end on the session's Ray cluster: a BatchJob submitted through the SDK as a Ray job,
+its lines answered by two engines of a Ray Data actor pool, its answers in the S3-protocol server; the greedy
+completions are transformers' own; a part's answers removed and the job submitted again, only that part is answered
+again; another batch at the same output is refused naming what differs (tests/unit/serving/api/test_batch.py checks
+the answers against a replica's over HTTP)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from serving_models import greedy_text, tiny_llama
+
+import pylon
+from pylon import storage
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, s3_root, tmp_path: Path) -> None:
+    model = tiny_llama(tmp_path / "model", layers=2)
+    prompts = [f"request {i}: " for i in range(9)]
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": p, "max_tokens": 6, "min_tokens": 6, "temperature": 0},
+        }
+        for i, p in enumerate(prompts)
+    ]
+    lines.insert(5, "{not json")
+    lines.append({"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "old"}]})
+    (tmp_path / "requests.jsonl").write_text(
+        "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    )
+    spec = {
+        "name": "answers",
+        "model": str(tmp_path / "model"),
+        "input": str(tmp_path / "requests.jsonl"),
+        "output": f"{s3_root}/answers",
+        "body": {"max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        "replicas": 2,
+        "chunk_lines": 4,
+        "replica": {"num_cpus": 0.5},
+        "engine": {"device": "cpu", "dtype": "fp32", "max_num_seqs": 4, "kv_cache_tokens": 2048, "max_model_len": 256},
+    }
+    client = pylon.connect()
+    job = client.batch(spec)
+    assert job.wait(timeout=600) == "SUCCEEDED", job.logs()
+    manifest = job.manifest()
+    assert manifest["state"] == "done" and manifest["parts"] == 3 and manifest["lines"] == 11
+    assert manifest["counts"] == {
+        "lines": 11,
+        "answered": 10,
+        "failed": 1,
+        "tokens_in": manifest["counts"]["tokens_in"],
+        "tokens_out": 9 * 6 + 4,
+    }
+    results = list(job.results())
+    assert [r["custom_id"] for r in results] == [*(f"c{i}" for i in range(9)), "requests.jsonl:11"]
+    for i, prompt in enumerate(prompts):
+        assert results[i]["response"]["body"]["choices"][0]["text"] == greedy_text(model, prompt, 6)
+    engines = {r["response"]["request_id"].split("-")[1] for r in results}  # batch-<pid>-<n>
+    assert len(engines) == 2, engines  # both engines of the pool answered parts
+    (error,) = job.errors()
+    assert error["error"]["line"] == "requests.jsonl:6" and "not JSON" in error["error"]["message"]
+    assert "10 answered, 1 failed" in job.logs()
+
+    kept = {
+        n: storage.read_text(storage.join(spec["output"], "results", n))
+        for n in ("part-00000.jsonl", "part-00002.jsonl")
+    }
+    storage.remove(storage.join(spec["output"], "results", "part-00001.jsonl"))  # as if stopped before it committed
+    again = client.batch(spec)
+    assert again.wait(timeout=600) == "SUCCEEDED", again.logs()
+    manifest = again.manifest()
+    assert [r["parts"] for r in manifest["runs"]] == [3, 1]  # only the missing part answered again
+    assert manifest["runs"][1]["counts"]["lines"] == 4 and manifest["counts"]["lines"] == 11
+    assert "2 part(s) answered by an earlier submission" in again.logs()
+    for name, text in kept.items():  # the parts already committed are untouched
+        assert storage.read_text(storage.join(spec["output"], "results", name)) == text
+    redone = list(again.results())
+    assert [r["custom_id"] for r in redone] == [r["custom_id"] for r in results]
+    assert [r["response"]["body"]["choices"] for r in redone] == [r["response"]["body"]["choices"] for r in results]
+
+    other = client.batch({**spec, "body": {"max_tokens": 5}})
+    assert other.wait(timeout=600, check=False) == "FAILED"
+    assert "holds the answers of another batch (it differs in body)" in other.logs()
