@@ -274,22 +274,27 @@ def conversations(request: Request, answer: dict) -> list[dict]:
 # -- an engine on the cluster ---------------------------------------------------------------------------------------
 
 
+PARTS_AT_ONCE = 2  # parts an engine answers at once: the next one's lines fill the batch as the last one's end
+
+
 class PartAnswerer:
     """One engine of the job (a Ray Data actor): a `PylonLLMServer` answering the parts it is given, each part's lines
-    in flight together (continuous batching), its files committed whole."""
+    in flight together (continuous batching) and `PARTS_AT_ONCE` parts at a time, so that the engine's batch stays
+    full as a part's last lines end; each part's files committed whole as it ends."""
 
     def __init__(self, spec: dict):
         from pylon.serving.api.http import OpenAIApp
         from pylon.serving.api.server import PylonLLMServer
 
         self.spec = BatchJobSpec.model_validate(spec)
-        self.loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.loop)
         self.server = PylonLLMServer(self.spec.deployment().model_dump(mode="json"))
         self.app = OpenAIApp(self.server)
         engine = self.spec.engine
-        # enough requests waiting that a finished one's place is filled at the next step
+        # requests in the engine at once, every part's: enough waiting that a finished one's place is filled at the
+        # next step, and no more (a part's lines past it wait their turn here, in order)
         self.in_flight = 2 * engine.max_num_seqs * engine.data_parallel
+        self._gate: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # answer_parts' own (Ray Data's actor runs __call__'s)
         self.requests = 0
 
     def __del__(self):  # Ray Data drops the pool's callables as the job's dataset ends
@@ -300,23 +305,42 @@ class PartAnswerer:
                 gauges.cancel()
             server.close()
 
-    def __call__(self, batch: dict) -> dict:
-        rows = [self.answer_part(Part(**{k: _plain(batch[k][i]) for k in batch})) for i in range(len(batch["index"]))]
+    async def __call__(self, batch: dict) -> dict:
+        parts = [Part(**{k: _plain(batch[k][i]) for k in batch}) for i in range(len(batch["index"]))]
+        rows = await asyncio.gather(*(self.answer(p) for p in parts))
         return {k: [r[k] for r in rows] for k in rows[0]}
 
-    def answer_part(self, part: Part) -> dict:
+    def answer_parts(self, parts: list[Part], at_once: int = PARTS_AT_ONCE) -> list[dict]:
+        """`parts` answered in this thread, `at_once` at a time, as the job's pool answers them (tests, benchmarks)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+
+        async def all_of() -> list[dict]:
+            slots = asyncio.Semaphore(at_once)
+
+            async def one(part: Part) -> dict:
+                async with slots:
+                    return await self.answer(part)
+
+            return await asyncio.gather(*(one(p) for p in parts))
+
+        return self._loop.run_until_complete(all_of())
+
+    async def answer(self, part: Part) -> dict:
+        """Answer `part` and commit its files (its errors and counts, then its results: the mark that it is done);
+        nothing when an earlier attempt committed it (an engine restarted mid-job)."""
         output = self.spec.output
-        if storage.exists(part.results(output)):  # done by an earlier attempt (an engine restarted mid-job)
+        if await asyncio.to_thread(storage.exists, part.results(output)):
             return {"index": part.index, **dict.fromkeys(COUNTS, 0)}
         t0 = time.monotonic()
-        results, errors, stats = self.loop.run_until_complete(self._answer(part))
-        storage.atomic_write_text(
-            part.errors(output), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors)
-        )
-        storage.atomic_write_json(part.stats(output), stats)
-        storage.atomic_write_text(
-            part.results(output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
-        )
+        results, errors, stats = await self._answer(part)
+
+        def commit() -> None:
+            storage.atomic_write_text(part.errors(output), "".join(_json_line(e) for e in errors))
+            storage.atomic_write_json(part.stats(output), stats)
+            storage.atomic_write_text(part.results(output), "".join(_json_line(r) for r in results))
+
+        await asyncio.to_thread(commit)
         log.info(
             "part %d (%s lines %d-%d): %s in %.1f s",
             part.index,
@@ -329,8 +353,10 @@ class PartAnswerer:
         return {"index": part.index, **stats}
 
     async def _answer(self, part: Part) -> tuple[list, list, dict]:
-        lines = part_lines(part)
-        gate = asyncio.Semaphore(self.in_flight)
+        lines = await asyncio.to_thread(part_lines, part)
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.in_flight)
+        gate = self._gate
 
         async def one(lineno: int, line: str):
             where = f"{part.name}:{lineno}"
@@ -405,6 +431,10 @@ class PartAnswerer:
         except ValueError:  # (every answer of the server is JSON; kept whole if one is not)
             answer = {"error": {"message": b"".join(chunks).decode(errors="replace"), "type": "server_error"}}
         return status, answer, request_id
+
+
+def _json_line(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"
 
 
 def _plain(value):
@@ -497,6 +527,14 @@ def run(spec: BatchJobSpec, *, overwrite: bool = False, progress: bool = True) -
         + (f"; {len(done)} part(s) answered by an earlier submission, going on from them" if done else ""),
         flush=True,
     )
+    seqs = spec.engine.max_num_seqs * spec.engine.data_parallel
+    if todo and spec.chunk_lines * PARTS_AT_ONCE < seqs:
+        print(
+            f"note: chunk_lines {spec.chunk_lines}: an engine holds {PARTS_AT_ONCE} parts' lines at a time, fewer than "
+            f"the {seqs} sequences it batches (engine.max_num_seqs); parts of {-(-seqs // PARTS_AT_ONCE)} lines or "
+            "more keep it full",
+            flush=True,
+        )
     now = _answer_parts(spec, todo, progress=progress) if todo else dict.fromkeys(COUNTS, 0)
     counts = dict.fromkeys(COUNTS, 0)  # every part's: this submission's and earlier ones'
     for part in parts:
@@ -539,7 +577,11 @@ def _answer_parts(spec: BatchJobSpec, todo: list[Part], *, progress: bool) -> di
         PartAnswerer,
         fn_constructor_kwargs={"spec": spec.model_dump(mode="json")},
         batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=min(spec.replicas, len(todo)), max_tasks_in_flight_per_actor=2),
+        compute=ray.data.ActorPoolStrategy(
+            size=min(spec.replicas, len(todo)),
+            max_tasks_in_flight_per_actor=PARTS_AT_ONCE,
+            max_concurrent_calls_per_actor=PARTS_AT_ONCE,
+        ),
         num_cpus=spec.replica.num_cpus,
         num_gpus=spec.replica.num_gpus,
     )  # (Ray Data restarts a pool's actor that dies, and retries its part: max_restarts, max_task_retries -1)

@@ -42,7 +42,7 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
         "output": f"{s3_root}/answers",
         "body": {"max_tokens": 4, "temperature": 0, "ignore_eos": True},
         "replicas": 2,
-        "chunk_lines": 4,
+        "chunk_lines": 2,
         "replica": {"num_cpus": 0.5},
         "engine": {"device": "cpu", "dtype": "fp32", "max_num_seqs": 4, "kv_cache_tokens": 2048, "max_model_len": 256},
     }
@@ -50,7 +50,7 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
     job = client.batch(spec)
     assert job.wait(timeout=600) == "SUCCEEDED", job.logs()
     manifest = job.manifest()
-    assert manifest["state"] == "done" and manifest["parts"] == 3 and manifest["lines"] == 11
+    assert manifest["state"] == "done" and manifest["parts"] == 6 and manifest["lines"] == 11
     assert manifest["counts"] == {
         "lines": 11,
         "answered": 10,
@@ -76,9 +76,9 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
     again = client.batch(spec)
     assert again.wait(timeout=600) == "SUCCEEDED", again.logs()
     manifest = again.manifest()
-    assert [r["parts"] for r in manifest["runs"]] == [3, 1]  # only the missing part answered again
-    assert manifest["runs"][1]["counts"]["lines"] == 4 and manifest["counts"]["lines"] == 11
-    assert "2 part(s) answered by an earlier submission" in again.logs()
+    assert [r["parts"] for r in manifest["runs"]] == [6, 1]  # only the missing part answered again
+    assert manifest["runs"][1]["counts"]["lines"] == 2 and manifest["counts"]["lines"] == 11
+    assert "5 part(s) answered by an earlier submission" in again.logs()
     for name, text in kept.items():  # the parts already committed are untouched
         assert storage.read_text(storage.join(spec["output"], "results", name)) == text
     redone = list(again.results())

@@ -149,10 +149,10 @@ def test_a_part_is_answered_as_a_replica_answers_over_http(model_dir, tmp_path: 
     parts, _ = batch.plan_parts(batch.input_files(spec.input), spec.chunk_lines)
     answerer = batch.PartAnswerer(spec.model_dump(mode="json"))
     try:
-        stats = answerer.answer_part(parts[0])
-        again = answerer.answer_part(parts[0])  # committed: a second attempt answers nothing
+        (stats,) = answerer.answer_parts(parts)
+        (again,) = answerer.answer_parts(parts)  # committed: a second attempt answers nothing
     finally:
-        answerer.server.engine.shutdown()
+        answerer.server.close()
     assert stats["lines"] == 8 and (stats["answered"], stats["failed"]) == (6, 2)
     assert again["lines"] == again["answered"] == 0
     results = [json.loads(x) for x in Path(parts[0].results(spec.output)).read_text().splitlines()]
