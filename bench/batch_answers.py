@@ -163,7 +163,7 @@ def main() -> int:
             assert tokens == expected, (leg, tokens, expected)
             results[leg].append((expected / seconds, steps["batch"][0] - s0))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1][0]:,.0f} tok/s" for k, v in results.items()), flush=True)
-    answerer.server.close()
+    answerer.close()
     base = statistics.median(t for t, _ in results["generate"])
     print(
         f"\n{args.num_requests} requests, {expected:,} generated tokens, max_num_seqs {args.max_num_seqs}, "

@@ -171,8 +171,11 @@ def request_of(obj, where: str, name: str, defaults: dict) -> Request:
         body = obj.get("body")
         if not isinstance(body, dict):
             raise LineError(f"{where}: body: the request's JSON object, got {type(body).__name__}", "body")
-        if body.get("stream"):
-            raise LineError(f"{where}: body.stream: a batch answer is written whole; leave stream out", "body.stream")
+        for flag in ("stream", "background"):  # an answer is written whole, when it is done
+            if body.get(flag):
+                raise LineError(
+                    f"{where}: body.{flag}: a batch answer is written whole; leave {flag} out", f"body.{flag}"
+                )
         return Request(custom_id, url.split("?")[0], {"model": name, **body}, None)
     record = {k: v for k, v in obj.items()}
     custom_id = where
@@ -298,12 +301,26 @@ class PartAnswerer:
         self.requests = 0
 
     def __del__(self):  # Ray Data drops the pool's callables as the job's dataset ends
+        self.close()
+
+    def close(self) -> None:
+        """The engine shut down, the replica's gauge task ended (on `answer_parts`' loop, run to its end)."""
         server = getattr(self, "server", None)
-        if server is not None:
-            gauges = server._gauges_task
-            if gauges is not None:
+        if server is None:
+            return
+        gauges = server._gauges_task
+        if gauges is not None and not gauges.done():
+            if self._loop is not None and not self._loop.is_closed():
                 gauges.cancel()
-            server.close()
+                self._loop.run_until_complete(asyncio.gather(gauges, return_exceptions=True))
+            else:  # on the actor's event loop, which runs in another thread
+                try:
+                    gauges.get_loop().call_soon_threadsafe(gauges.cancel)
+                except RuntimeError:  # that loop has closed: nothing runs the task any more
+                    pass
+        if self._loop is not None:
+            self._loop.close()
+        server.close()
 
     async def __call__(self, batch: dict) -> dict:
         parts = [Part(**{k: _plain(batch[k][i]) for k in batch}) for i in range(len(batch["index"]))]

@@ -220,7 +220,7 @@ def add_jobs_parser(sub, fmt) -> None:
         formatter_class=fmt,
         help="every job, oldest first: id, status, kind, name, start; queued jobs and why they wait",
         description="List every job the cluster knows, running and ended, oldest first, with "
-        "its status, what Pylon submitted it as (TrainJob, Dataset; '-' for other "
+        "its status, what Pylon submitted it as (TrainJob, Dataset, BatchJob; '-' for other "
         "jobs), its name, start time and entrypoint. A TrainJob waiting in the cluster's job queue "
         "(its driver runs, its workers wait) shows as QUEUED, and is listed again below the table with its "
         "position, priority and the resources it waits for, e.g. 'queued (2nd, priority 5): needs {CPU: 2}, "

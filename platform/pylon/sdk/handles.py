@@ -58,7 +58,7 @@ class JobInfo:
 
     @property
     def kind(self) -> str | None:
-        """What Pylon submitted it as (TrainJob, Dataset), or None for any other job."""
+        """What Pylon submitted it as (TrainJob, Dataset, BatchJob), or None for any other job."""
         return self.metadata.get("pylon_kind")
 
 

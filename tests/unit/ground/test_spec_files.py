@@ -170,8 +170,14 @@ def test_file_that_is_not_utf8(tmp_path: Path) -> None:
         ("just text\n", "must be a mapping with a 'kind' (Dataset, TrainJob, Deployment, BatchJob, Cluster), got str"),
         ("name: x\nsteps: 1\n", "kind: required; must be one of Dataset, TrainJob, Deployment, BatchJob, Cluster"),
         ("name: x\nkind: Job\n", "kind: must be one of Dataset, TrainJob, Deployment, BatchJob, Cluster (got 'Job')"),
-        ("name: x\nkind: [TrainJob]\n", "kind: must be one of Dataset, TrainJob, Deployment, BatchJob, Cluster (got list)"),
-        ("name: x\nkind: {TrainJob: 1}\n", "kind: must be one of Dataset, TrainJob, Deployment, BatchJob, Cluster (got dict)"),
+        (
+            "name: x\nkind: [TrainJob]\n",
+            "kind: must be one of Dataset, TrainJob, Deployment, BatchJob, Cluster (got list)",
+        ),
+        (
+            "name: x\nkind: {TrainJob: 1}\n",
+            "kind: must be one of Dataset, TrainJob, Deployment, BatchJob, Cluster (got dict)",
+        ),
     ],
     ids=["list", "int", "str", "no-kind", "unknown-kind", "list-kind", "mapping-kind"],
 )

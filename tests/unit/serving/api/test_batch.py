@@ -80,6 +80,7 @@ def test_a_line_is_a_request_or_an_error_naming_it() -> None:
     assert refused({**line, "url": "v1/completions"})[1] == "url"
     assert refused({**line, "body": "prompt"})[1] == "body"
     assert refused({**line, "body": {"prompt": "x", "stream": True}})[1] == "body.stream"
+    assert refused({**line, "url": "/v1/responses", "body": {"input": "x", "background": True}})[1] == "body.background"
     assert refused({"messages": [conversation[2]]}) == (
         "in.jsonl:9: messages: no message before the assistant's reply to answer",
         "messages",
@@ -152,7 +153,7 @@ def test_a_part_is_answered_as_a_replica_answers_over_http(model_dir, tmp_path: 
         (stats,) = answerer.answer_parts(parts)
         (again,) = answerer.answer_parts(parts)  # committed: a second attempt answers nothing
     finally:
-        answerer.server.close()
+        answerer.close()
     assert stats["lines"] == 8 and (stats["answered"], stats["failed"]) == (6, 2)
     assert again["lines"] == again["answered"] == 0
     results = [json.loads(x) for x in Path(parts[0].results(spec.output)).read_text().splitlines()]
