@@ -12,8 +12,11 @@ data a model's own replies make, to train a drafting head on (objective eagle3) 
 
 Layout of `output`: `results/part-NNNNN.jsonl` (answered lines, in input order), `errors/part-NNNNN.jsonl` (lines
 refused or failed: OpenAI's error file, each naming its file, line and field), `stats/part-NNNNN.json` (a part's
-counts), `_batch.json` (what the job is, its counts and tokens, each submission's; `state` running or done). A
-part's errors and counts are written before its results: a results part is the mark that the part is done.
+counts), `attempts/part-NNNNN.json` (where an engine died answering a part: how often), `_batch.json` (what the job
+is, its counts and tokens, each submission's; `state` running or done). A part's errors and counts are written
+before its results: a results part is the mark that the part is done. An engine that dies takes its actor with it
+(Ray Data restarts it and hands it its parts again), and a part an engine died on `MAX_ATTEMPTS` times is committed
+with its unanswered lines as errors, so that one line that kills engines cannot hold the job forever.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from pylon.specs import BatchJobSpec, load_spec
 
 log = logging.getLogger("pylon.batch")
 
-RESULTS, ERRORS, STATS, MANIFEST = "results", "errors", "stats", "_batch.json"
+RESULTS, ERRORS, STATS, ATTEMPTS, MANIFEST = "results", "errors", "stats", "attempts", "_batch.json"
+MAX_ATTEMPTS = 3  # times a part is answered on an engine that dies before its lines left unanswered are errors
 COUNTS = ("lines", "answered", "failed", "tokens_in", "tokens_out")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -62,6 +66,9 @@ class Part:
 
     def stats(self, output: str) -> str:
         return storage.join(output, STATS, f"part-{self.index:05d}.json")
+
+    def attempts(self, output: str) -> str:
+        return storage.join(output, ATTEMPTS, f"part-{self.index:05d}.json")
 
 
 def input_files(uri: str) -> list[str]:
@@ -277,6 +284,10 @@ def conversations(request: Request, answer: dict) -> list[dict]:
 # -- an engine on the cluster ---------------------------------------------------------------------------------------
 
 
+class EngineDied(PylonError):
+    """The engine died while it answered a part: the part is not committed, and is answered again."""
+
+
 PARTS_AT_ONCE = 2  # parts an engine answers at once: the next one's lines fill the batch as the last one's end
 
 
@@ -324,7 +335,13 @@ class PartAnswerer:
 
     async def __call__(self, batch: dict) -> dict:
         parts = [Part(**{k: _plain(batch[k][i]) for k in batch}) for i in range(len(batch["index"]))]
-        rows = await asyncio.gather(*(self.answer(p) for p in parts))
+        try:
+            rows = await asyncio.gather(*(self.answer(p) for p in parts))
+        except EngineDied as e:  # this actor goes with its engine: Ray Data restarts it and hands it its parts again
+            log.error("%s; this engine's actor exits to be restarted", e)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(1)
         return {k: [r[k] for r in rows] for k in rows[0]}
 
     def answer_parts(self, parts: list[Part], at_once: int = PARTS_AT_ONCE) -> list[dict]:
@@ -349,8 +366,25 @@ class PartAnswerer:
         output = self.spec.output
         if await asyncio.to_thread(storage.exists, part.results(output)):
             return {"index": part.index, **dict.fromkeys(COUNTS, 0)}
+        engine = self.server.engine
+        if not engine.check_health():
+            raise EngineDied(f"part {part.index}: the engine is not running")
         t0 = time.monotonic()
         results, errors, stats = await self._answer(part)
+        if not engine.check_health():  # its lines in flight were answered 503: not what the part's answers are
+            attempts = await asyncio.to_thread(_attempts, part.attempts(output)) + 1
+            where = f"part {part.index} ({part.name} lines {part.start + 1}-{part.stop})"
+            if attempts < MAX_ATTEMPTS:
+                await asyncio.to_thread(storage.atomic_write_json, part.attempts(output), {"attempts": attempts})
+                raise EngineDied(
+                    f"{where}: the engine died while it answered it (attempt {attempts} of {MAX_ATTEMPTS})"
+                )
+            log.error(
+                "%s: the engine died on each of its %d attempts; its lines left unanswered are committed as errors "
+                "(status 503)",
+                where,
+                MAX_ATTEMPTS,
+            )
 
         def commit() -> None:
             storage.atomic_write_text(part.errors(output), "".join(_json_line(e) for e in errors))
@@ -450,6 +484,11 @@ class PartAnswerer:
         return status, answer, request_id
 
 
+def _attempts(uri: str) -> int:
+    """The attempts an engine that died made at a part (0: none recorded)."""
+    return int(storage.read_json(uri)["attempts"]) if storage.exists(uri) else 0
+
+
 def _json_line(obj: dict) -> str:
     return json.dumps(obj, ensure_ascii=False) + "\n"
 
@@ -480,7 +519,7 @@ def _start(spec: BatchJobSpec, identity: dict, *, overwrite: bool) -> dict | Non
     manifest_uri = storage.join(spec.output, MANIFEST)
     earlier = storage.read_json(manifest_uri) if storage.exists(manifest_uri) else None
     if earlier is not None and overwrite:
-        for sub in (RESULTS, ERRORS, STATS):
+        for sub in (RESULTS, ERRORS, STATS, ATTEMPTS):
             if storage.exists(storage.join(spec.output, sub)):
                 storage.remove(storage.join(spec.output, sub), recursive=True)
         storage.remove(manifest_uri)

@@ -88,3 +88,51 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
     other = client.batch({**spec, "body": {"max_tokens": 5}})
     assert other.wait(timeout=600, check=False) == "FAILED"
     assert "holds the answers of another batch (it differs in body)" in other.logs()
+
+
+def test_an_engine_killed_mid_job_is_restarted_and_every_line_answered(ray_cluster, s3_root, tmp_path: Path) -> None:
+    """The engine process of the job's one engine SIGKILLed once its first part is committed: its actor exits with it,
+    Ray Data restarts the actor and hands it the parts it held again, and the job ends with every line answered."""
+    import time
+
+    import psutil
+    from faults import kill
+
+    tiny_llama(tmp_path / "model", layers=2)
+    lines = [{"prompt": f"line {i}: "} for i in range(64)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    spec = {
+        "name": "killed",
+        "model": str(tmp_path / "model"),
+        "input": str(tmp_path / "prompts.jsonl"),
+        "output": f"{s3_root}/killed",
+        "body": {"max_tokens": 200, "min_tokens": 200, "temperature": 0},
+        "chunk_lines": 8,
+        "replica": {"num_cpus": 0.5},
+        "engine": {"device": "cpu", "dtype": "fp32", "max_num_seqs": 8, "kv_cache_tokens": 4096, "max_model_len": 256},
+    }
+    job = pylon.connect().batch(spec)
+    first = storage.join(spec["output"], "results", "part-00000.jsonl")
+    deadline = time.monotonic() + 300
+    while not storage.exists(first):
+        assert time.monotonic() < deadline and job.status() in ("PENDING", "RUNNING"), job.logs()
+        time.sleep(0.2)
+
+    def engines() -> list[int]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            if "pylon.serving.engine.process" in " ".join(p.info["cmdline"] or []):
+                parent = p.parent()
+                if parent is not None and "PartAnswerer" in " ".join(parent.cmdline()):
+                    found.append(p.pid)
+        return found
+
+    (victim,) = engines()
+    kill(victim)
+    assert job.wait(timeout=600) == "SUCCEEDED", job.logs()
+    counts = job.manifest()["counts"]
+    assert (counts["lines"], counts["answered"], counts["failed"]) == (64, 64, 0)
+    assert counts["tokens_out"] == 64 * 200
+    assert "the engine died while it answered it (attempt 1 of 3)" in job.logs()
+    assert storage.listdir(storage.join(spec["output"], "attempts"))  # the parts it held when it died
+    assert sorted(r["custom_id"] for r in job.results()) == sorted(f"prompts.jsonl:{i}" for i in range(1, 65))

@@ -241,3 +241,43 @@ def test_an_output_holds_one_batch_and_the_same_batch_goes_on(tmp_path: Path) ->
     (tmp_path / "out" / "mine.txt").write_text("a user's file")
     with pytest.raises(PylonError, match="is not empty and holds no batch's answers"):
         batch._start(spec, identity, overwrite=True)
+
+
+def test_an_engine_that_dies_leaves_its_part_to_another_attempt(
+    model_dir,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch,
+) -> None:
+    """The engine's process killed while a part is answered: the part is not committed (its lines in flight would be
+    503s) and EngineDied says so (a job's actor exits on it, to be restarted); on the part's last attempt its
+    unanswered lines are committed as errors, so that a line that kills engines cannot hold a job forever."""
+    import threading
+
+    from faults import kill
+
+    monkeypatch.setenv("PYLON_SCHED_BATCH", "0")
+    body = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    _write(tmp_path / "in.jsonl", [{"prompt": f"line {i}"} for i in range(16)])
+    spec = _spec(tmp_path, model_dir, body=body, engine={**ENGINE, "separate_process": True})
+    (part,), _ = batch.plan_parts(batch.input_files(spec.input), spec.chunk_lines)
+
+    def answer_with_a_kill() -> dict | Exception:
+        answerer = batch.PartAnswerer(spec.model_dump(mode="json"))
+        pid = answerer.server.engine._proc.pid
+        threading.Timer(0.5, kill, args=(pid,)).start()
+        try:
+            return answerer.answer_parts([part])[0]
+        except batch.EngineDied as e:
+            return e
+        finally:
+            answerer.close()
+
+    died = answer_with_a_kill()
+    assert isinstance(died, batch.EngineDied) and "the engine died while it answered it (attempt 1 of 3)" in str(died)
+    assert not Path(part.results(spec.output)).exists() and not Path(part.errors(spec.output)).exists()
+    assert json.loads(Path(part.attempts(spec.output)).read_text()) == {"attempts": 1}
+    Path(part.attempts(spec.output)).write_text(json.dumps({"attempts": batch.MAX_ATTEMPTS - 1}))
+    stats = answer_with_a_kill()  # the last attempt: committed, the lines it could not answer as errors
+    assert stats["lines"] == 16 and stats["failed"] > 0 and stats["answered"] + stats["failed"] == 16
+    errors = [json.loads(x) for x in Path(part.errors(spec.output)).read_text().splitlines()]
+    assert {e["response"]["status_code"] for e in errors} == {503}
