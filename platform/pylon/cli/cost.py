@@ -14,12 +14,16 @@ RUN, DEPLOYMENT = "run", "deployment"
 
 def resolve_target(target: str, kind: str | None = None) -> tuple[str, str]:
     """(kind, what): a run directory (a URI or path holding run.json, a run's name under $PYLON_HOME/runs, or a
-    TrainJob spec file) or a deployment's name (or a Deployment spec file)."""
+    TrainJob spec file) or a deployment's name (or a Deployment spec file; a BatchJob's, whose engines keep the
+    ledger a deployment's replicas do)."""
     from pylon.jobs.run_dir import RUN_FILE, run_uri_of
 
     if target.endswith((".yaml", ".yml")) and os.path.isfile(target):
-        from pylon.specs import DeploymentSpec, TrainJobSpec, load_spec
+        from pylon.specs import BatchJobSpec, DeploymentSpec, TrainJobSpec, load_spec, load_specs
 
+        kinds = {d.spec.kind for d in load_specs(target)}
+        if kinds == {"BatchJob"}:
+            return DEPLOYMENT, load_spec(target, BatchJobSpec).name
         try:
             return RUN, run_uri_of(load_spec(target, TrainJobSpec))
         except PylonError:

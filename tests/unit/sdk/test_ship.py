@@ -13,7 +13,7 @@ from pylon import home
 from pylon.errors import SpecError
 from pylon.jobs.run_dir import every_node_reads, filesystem_type, storage_problems
 from pylon.sdk import ship
-from pylon.specs import DatasetSpec, DeploymentSpec, TrainJobSpec
+from pylon.specs import BatchJobSpec, DatasetSpec, DeploymentSpec, TrainJobSpec
 
 REMOTE = home.ClusterAddress("http://head:8265", shares_disk=False)
 LOCAL = home.ClusterAddress("http://127.0.0.1:8265", shares_disk=True)
@@ -146,6 +146,24 @@ def test_missing_and_too_large_inputs_are_refused_before_anything_is_written(cor
 def test_a_deployment_model_is_an_input() -> None:
     spec = DeploymentSpec(name="d", model="./model")
     assert [(p.field, p.output) for p in ship.local_paths(spec)] == [("model", False)]
+
+
+def test_a_batch_jobs_model_and_input_travel_and_its_output_must_be_reachable(corpus) -> None:
+    (corpus.parent / "requests.jsonl").write_text('{"prompt": "x"}\n')
+    spec = BatchJobSpec(name="b", model="corpus", input="requests.jsonl", output="answers")
+    assert [(p.field, p.output) for p in ship.local_paths(spec)] == [
+        ("model", False),
+        ("input", False),
+        ("output", True),
+    ]
+    with pytest.raises(SpecError, match=r"BatchJob 'b': output: answers is a path on this machine"):
+        ship.package(spec, REMOTE, progress=False)
+    package = ship.package(spec.model_copy(update={"output": "s3://b/answers"}), REMOTE, progress=False)
+    try:
+        assert (package.spec.model, package.spec.input) == ("inputs/0-corpus", "inputs/1-requests.jsonl")
+        assert (package.working_dir / "inputs" / "1-requests.jsonl").read_text() == '{"prompt": "x"}\n'
+    finally:
+        package.cleanup()
 
 
 def test_several_nodes_refuse_one_machines_disk_but_not_object_storage_or_the_jobs_working_dir(tmp_path) -> None:

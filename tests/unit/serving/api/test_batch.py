@@ -281,3 +281,11 @@ def test_an_engine_that_dies_leaves_its_part_to_another_attempt(
     assert stats["lines"] == 16 and stats["failed"] > 0 and stats["answered"] + stats["failed"] == 16
     errors = [json.loads(x) for x in Path(part.errors(spec.output)).read_text().splitlines()]
     assert {e["response"]["status_code"] for e in errors} == {503}
+
+
+def test_pylon_cost_reads_a_batch_jobs_engines_as_a_deployments_replicas(tmp_path: Path) -> None:
+    from pylon.cli.cost import DEPLOYMENT, resolve_target
+
+    path = tmp_path / "batch.yaml"
+    path.write_text("kind: BatchJob\nname: nightly\nmodel: m\ninput: in.jsonl\noutput: out\n")
+    assert resolve_target(str(path)) == (DEPLOYMENT, "nightly")  # the ledger its engines keep, under its name
