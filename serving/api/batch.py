@@ -310,6 +310,7 @@ class PartAnswerer:
         self._gate: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # answer_parts' own (Ray Data's actor runs __call__'s)
         self.requests = 0
+        self.node = _node_id()  # where a part was answered, in its counts' file
 
     def __del__(self):  # Ray Data drops the pool's callables as the job's dataset ends
         self.close()
@@ -388,7 +389,7 @@ class PartAnswerer:
 
         def commit() -> None:
             storage.atomic_write_text(part.errors(output), "".join(_json_line(e) for e in errors))
-            storage.atomic_write_json(part.stats(output), stats)
+            storage.atomic_write_json(part.stats(output), {**stats, "node": self.node})
             storage.atomic_write_text(part.results(output), "".join(_json_line(r) for r in results))
 
         await asyncio.to_thread(commit)
@@ -482,6 +483,13 @@ class PartAnswerer:
         except ValueError:  # (every answer of the server is JSON; kept whole if one is not)
             answer = {"error": {"message": b"".join(chunks).decode(errors="replace"), "type": "server_error"}}
         return status, answer, request_id
+
+
+def _node_id() -> str:
+    """The Ray node this process runs on ("" outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
 def _attempts(uri: str) -> int:
@@ -593,15 +601,18 @@ def run(spec: BatchJobSpec, *, overwrite: bool = False, progress: bool = True) -
         )
     now = _answer_parts(spec, todo, progress=progress) if todo else dict.fromkeys(COUNTS, 0)
     counts = dict.fromkeys(COUNTS, 0)  # every part's: this submission's and earlier ones'
+    nodes = set()
     for part in parts:
         stats = storage.read_json(part.stats(spec.output))
         for k in COUNTS:
             counts[k] += int(stats[k])
+        nodes.add(stats.get("node", ""))
     seconds = time.time() - t0
     manifest["runs"][-1].update(seconds=round(seconds, 3), counts=now)
     manifest.update(
         state="done",
         counts=counts,
+        nodes=sorted(nodes - {""}),  # the Ray nodes whose engines answered its parts
         ended=time.time(),
         results=storage.join(spec.output, RESULTS),
         errors=storage.join(spec.output, ERRORS),

@@ -403,3 +403,40 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_batch_from_the_client_is_answered_on_both_machines(hosts, s3_server, tmp_path):
+    """`pylon batch` from the client: its requests in a file only the client has (shipped with the job), the model in
+    object storage, the answers to object storage; two engines of 1.5 CPUs (a machine's 2 hold one each), so one on
+    each machine, each answering parts; the greedy completions are transformers' own."""
+    model = tiny_llama(tmp_path / "llama", layers=2)
+    uri = f"s3://{s3_server.bucket}/hosts-batch-{int(time.time())}"
+    for path in (tmp_path / "llama").iterdir():
+        storage.upload_file(path, f"{uri}/model/{path.name}")
+    prompts = [f"machine request {i}: " for i in range(16)]
+    hosts.client.write_text("/tmp/home/requests.jsonl", "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    spec = {
+        "kind": "BatchJob",
+        "name": "hosts-batch",
+        "model": f"{uri}/model",
+        "input": "requests.jsonl",
+        "output": f"{uri}/answers",
+        "body": {"max_tokens": 8, "min_tokens": 8, "temperature": 0},
+        "replicas": 2,
+        "chunk_lines": 2,
+        "replica": {"num_cpus": 1.5},
+        "engine": {"device": "cpu", "dtype": "fp32", "max_num_seqs": 4, "kv_cache_tokens": 1024, "max_model_len": 128},
+    }
+    hosts.client.write_text("/tmp/home/batch.yaml", yaml.safe_dump(spec))
+    done = hosts.client.run(["pylon", "batch", "batch.yaml", "--follow"], timeout=600)
+    assert "16 answered, 0 failed" in done.stdout + done.stderr
+    manifest = storage.read_json(f"{uri}/answers/_batch.json")
+    assert manifest["state"] == "done" and len(manifest["nodes"]) == 2  # an engine on each machine answered
+    assert {n["node_id"] for n in hosts.alive()} >= set(manifest["nodes"])
+    answers = [
+        json.loads(line)
+        for name in storage.listdir(f"{uri}/answers/results")
+        for line in storage.read_text(f"{uri}/answers/results/{name}").splitlines()
+    ]
+    assert [a["custom_id"] for a in answers] == [f"0-requests.jsonl:{i}" for i in range(1, 17)]
+    assert [a["response"]["body"]["choices"][0]["text"] for a in answers] == [greedy_text(model, p, 8) for p in prompts]
