@@ -92,16 +92,30 @@ def _raw_lines(uri: str, offset: int = 0):
         yield from f
 
 
-def plan_parts(files: list[str], chunk_lines: int) -> tuple[list[Part], list[dict]]:
-    """The parts of `files` and each file's {file, lines, bytes}. Reads every line once: custom_ids must be unique
-    across the input (OpenAI's Batch API refuses a file where they are not), else a PylonError naming both lines."""
-    parts, listing, seen = [], [], {}
+def plan_parts(files: list[str], chunk_lines: int, *, progress: bool = False) -> tuple[list[Part], list[dict]]:
+    """The parts of `files` and each file's {file, lines, bytes}. Reads every line once (a bar of bytes with
+    `progress`): custom_ids must be unique across the input (OpenAI's Batch API refuses a file where they are not),
+    else a PylonError naming both lines."""
+    from tqdm import tqdm
+
+    parts, listing, seen, done = [], [], {}, 0
+    sizes = [storage.resolve(uri)[0].size(storage.resolve(uri)[1]) for uri in files] if progress else []
+    bar = tqdm(
+        total=sum(sizes),
+        unit="B",
+        unit_scale=True,
+        desc="reading the input",
+        file=sys.stderr,
+        disable=not progress,
+        mininterval=5,
+    )
     for uri in files:
         name = uri.rstrip("/").rsplit("/", 1)[-1]
         starts, size, count = [], 0, 0
         for raw in _raw_lines(uri):
             if count % chunk_lines == 0:
                 starts.append(size)
+                bar.update(done + size - bar.n)
             count, size = count + 1, size + len(raw)
             if b'"custom_id"' not in raw:
                 continue
@@ -118,9 +132,12 @@ def plan_parts(files: list[str], chunk_lines: int) -> tuple[list[Part], list[dic
                     )
                 seen[custom_id] = where
         listing.append({"file": name, "lines": count, "bytes": size})
+        done += size
+        bar.update(done - bar.n)
         for k, offset in enumerate(starts):
             start = k * chunk_lines
             parts.append(Part(len(parts), uri, name, start, min(count, start + chunk_lines), offset))
+    bar.close()
     return parts, listing
 
 
@@ -568,7 +585,7 @@ def run(spec: BatchJobSpec, *, overwrite: bool = False, progress: bool = True) -
         raise SpecError([f"BatchJob '{spec.name}': {p}" for p in problems])
     t0 = time.time()
     files = input_files(spec.input)
-    parts, listing = plan_parts(files, spec.chunk_lines)
+    parts, listing = plan_parts(files, spec.chunk_lines, progress=progress)
     identity = _identity(spec, listing)
     earlier = _start(spec, identity, overwrite=overwrite)
     done = {p.index for p in parts if storage.exists(p.results(spec.output))} if earlier is not None else set()
@@ -659,7 +676,7 @@ def _answer_parts(spec: BatchJobSpec, todo: list[Part], *, progress: bool) -> di
         unit="line",
         desc=f"batch {spec.name}",
         file=sys.stderr,
-        disable=None if progress else True,
+        disable=not progress,  # (in a job's log too: it is how `pylon jobs logs` shows where a batch is)
         mininterval=5,
     ) as bar:
         for row in answered.iter_rows():
