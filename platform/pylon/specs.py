@@ -1678,10 +1678,10 @@ class BatchJobSpec(_Spec):
     name: Name
     model: Uri = Field(description="a Hugging Face format model directory (local or object storage)")
     input: Uri = Field(
-        description="a JSONL file, or a directory of them (read in name order). Each line is an OpenAI Batch API "
-        "request ({custom_id, method: POST, url, body}: url any POST route of the HTTP API, body its request), or "
-        "a record with 'messages' (a chat request for a reply to them: a last assistant message is dropped) or "
-        "'prompt' (a completion request), its other fields kept"
+        description="a JSONL or Parquet file, or a directory of them (read in name order). Each JSONL line is an "
+        "OpenAI Batch API request ({custom_id, method: POST, url, body}: url any POST route of the HTTP API, body "
+        "its request), or a record with 'messages' (a chat request for a reply to them: a last assistant message is "
+        "dropped) or 'prompt' (a completion request), its other fields kept; each Parquet row a record"
     )
     output: Uri = Field(
         description="the directory the answers go to: results/part-NNNNN.jsonl (answered), errors/part-NNNNN.jsonl "

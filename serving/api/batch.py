@@ -38,6 +38,7 @@ from pylon.specs import BatchJobSpec, load_spec
 
 log = logging.getLogger("pylon.batch")
 
+PARQUET = ".parquet"  # an input file of records in rows; any other: JSONL
 RESULTS, ERRORS, STATS, ATTEMPTS, MANIFEST = "results", "errors", "stats", "attempts", "_batch.json"
 MAX_ATTEMPTS = 3  # times a part is answered on an engine that dies before its lines left unanswered are errors
 COUNTS = ("lines", "answered", "failed", "tokens_in", "tokens_out")
@@ -72,16 +73,43 @@ class Part:
 
 
 def input_files(uri: str) -> list[str]:
-    """`input`'s JSONL files: itself, or the `.jsonl` files directly in the directory it names, in name order."""
+    """`input`'s files: itself, or the `.jsonl` and `.parquet` files directly in the directory it names, in name
+    order."""
     if not storage.exists(uri):
         raise PylonError(f"input: {uri} does not exist")
     fs, path = storage.resolve(uri)
     if not fs.isdir(path):
         return [uri]
-    files = [storage.join(uri, n) for n in storage.listdir(uri) if n.endswith(".jsonl")]
+    files = [storage.join(uri, n) for n in storage.listdir(uri) if n.endswith((".jsonl", PARQUET))]
     if not files:
-        raise PylonError(f"input: {uri} is a directory with no .jsonl files in it")
+        raise PylonError(f"input: {uri} is a directory with no .jsonl or .parquet files in it")
     return files
+
+
+def _parquet(uri: str):
+    """A Parquet file's reader (pyarrow), through the storage layer's filesystem."""
+    import pyarrow.parquet as pq
+
+    fs, path = storage.resolve(uri)
+    try:
+        return pq.ParquetFile(fs.open(path, "rb"))
+    except Exception as e:  # (pyarrow's ArrowInvalid and its kin: not a Parquet file)
+        raise PylonError(f"input: {uri}: not a readable Parquet file ({e})") from None
+
+
+def _parquet_rows(uri: str, start: int, stop: int) -> list[dict]:
+    """Rows [start, stop) of a Parquet file as records, reading only the row groups that hold them."""
+    reader = _parquet(uri)
+    rows, first = [], 0
+    for group in range(reader.num_row_groups):
+        count = reader.metadata.row_group(group).num_rows
+        if first + count > start and first < stop:
+            table = reader.read_row_group(group)
+            rows += table.slice(max(start - first, 0), min(stop, first + count) - max(start, first)).to_pylist()
+        first += count
+        if first >= stop:
+            break
+    return rows
 
 
 def _raw_lines(uri: str, offset: int = 0):
@@ -111,6 +139,23 @@ def plan_parts(files: list[str], chunk_lines: int, *, progress: bool = False) ->
     )
     for uri in files:
         name = uri.rstrip("/").rsplit("/", 1)[-1]
+        if uri.endswith(PARQUET):  # rows: counted from the file's footer, custom_ids read as one column
+            reader = _parquet(uri)
+            count, size = reader.metadata.num_rows, storage.resolve(uri)[0].size(storage.resolve(uri)[1])
+            ids = (
+                reader.read(columns=["custom_id"]).column(0).to_pylist()
+                if "custom_id" in reader.schema_arrow.names
+                else []
+            )
+            for row, custom_id in enumerate(ids, 1):
+                if isinstance(custom_id, str):
+                    _unique(custom_id, f"{name}:{row}", seen)
+            listing.append({"file": name, "lines": count, "bytes": size})
+            done += size
+            bar.update(done - bar.n)
+            for start in range(0, count, chunk_lines):
+                parts.append(Part(len(parts), uri, name, start, min(count, start + chunk_lines), 0))
+            continue
         starts, size, count = [], 0, 0
         for raw in _raw_lines(uri):
             if count % chunk_lines == 0:
@@ -124,13 +169,7 @@ def plan_parts(files: list[str], chunk_lines: int, *, progress: bool = False) ->
             except (ValueError, AttributeError):
                 continue  # answered as an error line of its own
             if isinstance(custom_id, str):
-                where = f"{name}:{count}"
-                if custom_id in seen:
-                    raise PylonError(
-                        f"input: {where}: custom_id {custom_id!r} is also {seen[custom_id]}'s; each request's "
-                        "custom_id must be unique, so that its answer can be told apart"
-                    )
-                seen[custom_id] = where
+                _unique(custom_id, f"{name}:{count}", seen)
         listing.append({"file": name, "lines": count, "bytes": size})
         done += size
         bar.update(done - bar.n)
@@ -141,8 +180,19 @@ def plan_parts(files: list[str], chunk_lines: int, *, progress: bool = False) ->
     return parts, listing
 
 
-def part_lines(part: Part) -> list[tuple[int, str]]:
-    """A part's lines that are not blank, with their line numbers (1-based)."""
+def _unique(custom_id: str, where: str, seen: dict[str, str]) -> None:
+    if custom_id in seen:
+        raise PylonError(
+            f"input: {where}: custom_id {custom_id!r} is also {seen[custom_id]}'s; each request's custom_id must be "
+            "unique, so that its answer can be told apart"
+        )
+    seen[custom_id] = where
+
+
+def part_lines(part: Part) -> list[tuple[int, str | dict]]:
+    """A part's lines that are not blank, with their line numbers (1-based); a Parquet file's rows, as records."""
+    if part.file.endswith(PARQUET):
+        return list(enumerate(_parquet_rows(part.file, part.start, part.stop), part.start + 1))
     lines = []
     for lineno, raw in enumerate(_raw_lines(part.file, part.offset), part.start + 1):
         if lineno > part.stop:
@@ -225,6 +275,7 @@ def _prompt_messages(messages, where: str, param: str) -> list:
     """A conversation to answer: its messages up to its last reply's (a trailing assistant message dropped)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise LineError(f"{where}: a list of messages, each an object with a role", param)
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # (a Parquet row's absent fields)
     while messages and messages[-1].get("role") == "assistant":
         messages = messages[:-1]
     if not messages:
@@ -432,7 +483,7 @@ class PartAnswerer:
             custom_id = None
             try:
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(line) if isinstance(line, str) else line  # (a Parquet row: a record already)
                 except ValueError as e:
                     raise LineError(f"{where}: not JSON ({e})") from None
                 if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str):
@@ -515,7 +566,7 @@ def _attempts(uri: str) -> int:
 
 
 def _json_line(obj: dict) -> str:
-    return json.dumps(obj, ensure_ascii=False) + "\n"
+    return json.dumps(obj, ensure_ascii=False, default=str) + "\n"  # (a Parquet record's dates: as text)
 
 
 def _plain(value):

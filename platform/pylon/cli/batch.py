@@ -32,13 +32,13 @@ def add_batch_parser(sub, fmt) -> None:
     b = sub.add_parser(
         "batch",
         formatter_class=fmt,
-        help="submit a BatchJob: offline batch inference over a JSONL file",
+        help="submit a BatchJob: offline batch inference over JSONL or Parquet files",
         description="Validate a BatchJob spec, then submit `python -m pylon.serving.api.batch --config FILE` as a "
-        "Ray job and print its id. Every line of the spec's input (an OpenAI Batch API request, or a record with "
-        "messages or prompt) is answered by Pylon's serving engine on `replicas` engines of the cluster, as the same "
-        "body POSTed to a Deployment would be; the answers go to the output's results/ and errors/ part files "
-        "(OpenAI's output and error files), the counts to its _batch.json. Submitting the same job again goes on "
-        "from the parts already answered.",
+        "Ray job and print its id. Every line of the spec's input (JSONL: an OpenAI Batch API request, or a record "
+        "with messages or prompt; Parquet: a record a row) is answered by Pylon's serving engine on `replicas` "
+        "engines of the cluster, as the same body POSTed to a Deployment would be; the answers go to the output's "
+        "results/ and errors/ part files (OpenAI's output and error files), the counts to its _batch.json. "
+        "Submitting the same job again goes on from the parts already answered.",
         epilog="examples:\n  pylon batch batch.yaml --follow\n  pylon batch batch.yaml --json\n"
         "  pylon batch batch.yaml --overwrite   # replace another batch's answers at the output",
     )

@@ -117,7 +117,7 @@ def test_parts_begin_at_their_lines_bytes_and_custom_ids_are_unique(tmp_path: Pa
     with pytest.raises(PylonError, match=r"input: .*missing.jsonl does not exist"):
         batch.input_files(str(tmp_path / "missing.jsonl"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PylonError, match="a directory with no .jsonl files"):
+    with pytest.raises(PylonError, match="a directory with no .jsonl or .parquet files"):
         batch.input_files(str(tmp_path / "empty"))
 
 
@@ -289,3 +289,66 @@ def test_pylon_cost_reads_a_batch_jobs_engines_as_a_deployments_replicas(tmp_pat
     path = tmp_path / "batch.yaml"
     path.write_text("kind: BatchJob\nname: nightly\nmodel: m\ninput: in.jsonl\noutput: out\n")
     assert resolve_target(str(path)) == (DEPLOYMENT, "nightly")  # the ledger its engines keep, under its name
+
+
+def test_parquet_rows_are_records_read_by_row_group(model_dir, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    """A Parquet file's rows are records (a dataset's usual form: its messages a list of structs, absent fields
+    null), planned from its footer and read a part's row groups at a time; custom_ids in a column are checked as a
+    JSONL file's are; a file that is not Parquet is an error naming it."""
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("PYLON_SCHED_BATCH", "0")
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}", "name": None},
+                {"role": "assistant", "content": "old reply", "name": None},
+            ],
+            "source": f"s{i}",
+            "when": datetime.date(2026, 12, i + 1),
+        }
+        for i in range(7)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chats.parquet", row_group_size=2)
+    _write(tmp_path / "more.jsonl", [{"prompt": "x"}])
+    files = batch.input_files(str(tmp_path))
+    assert [Path(f).name for f in files] == ["chats.parquet", "more.jsonl"]
+    parts, listing = batch.plan_parts(files, 3)
+    assert listing[0] == {"file": "chats.parquet", "lines": 7, "bytes": (tmp_path / "chats.parquet").stat().st_size}
+    assert [(p.name, p.start, p.stop) for p in parts] == [
+        ("chats.parquet", 0, 3),
+        ("chats.parquet", 3, 6),
+        ("chats.parquet", 6, 7),
+        ("more.jsonl", 0, 1),
+    ]
+    middle = batch.part_lines(parts[1])  # rows 4-6: across the second and third row groups
+    assert [(n, r["source"]) for n, r in middle] == [(4, "s3"), (5, "s4"), (6, "s5")]
+    spec = _spec(
+        tmp_path,
+        model_dir,
+        input=str(tmp_path / "chats.parquet"),
+        output_format="conversations",
+        body={"max_tokens": 4, "temperature": 0},
+        chunk_lines=3,
+    )
+    parts, _ = batch.plan_parts(batch.input_files(spec.input), spec.chunk_lines)
+    answerer = batch.PartAnswerer(spec.model_dump(mode="json"))
+    try:
+        stats = answerer.answer_parts(parts)
+    finally:
+        answerer.close()
+    assert sum(s["answered"] for s in stats) == 7 and sum(s["failed"] for s in stats) == 0
+    out = [json.loads(x) for p in parts for x in Path(p.results(spec.output)).read_text().splitlines()]
+    assert [r["source"] for r in out] == [f"s{i}" for i in range(7)] and out[0]["when"] == "2026-12-01"
+    assert all(r["messages"][0] == {"role": "user", "content": f"question {i}"} for i, r in enumerate(out))
+    assert all(r["messages"][1]["role"] == "assistant" and len(r["messages"]) == 2 for r in out)
+
+    pq.write_table(pa.table({"custom_id": ["a", "b", "a"], "x": [1, 2, 3]}), tmp_path / "ids.parquet")
+    with pytest.raises(PylonError, match=r"ids.parquet:3: custom_id 'a' is also ids.parquet:1's"):
+        batch.plan_parts([str(tmp_path / "ids.parquet")], 3)
+    (tmp_path / "fake.parquet").write_text("not parquet")
+    with pytest.raises(PylonError, match=r"input: .*fake.parquet: not a readable Parquet file"):
+        batch.plan_parts([str(tmp_path / "fake.parquet")], 3)
