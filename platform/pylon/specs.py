@@ -1551,6 +1551,13 @@ class HttpSpec(_Spec):
         "DELETE /v1/responses/{id} work on any replica; each client's under its API key. null: nothing is kept "
         "(previous_response_id is a 400 saying to set this)",
     )
+    batch_store: Uri | None = Field(
+        None,
+        description="where OpenAI's Files and Batch APIs keep uploaded files, batches and their output files "
+        "(s3://bucket/prefix for replicas on several machines; a local directory for one machine), each client's "
+        "under its API key; the replica that creates a batch answers it in the background. null: /v1/files and "
+        "/v1/batches answer 400 saying to set this",
+    )
     background_timeout_s: Annotated[float, Field(gt=0)] = Field(
         3600,
         description="how long a Responses request with background: true may run (request_timeout_s is the limit "

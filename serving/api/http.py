@@ -27,6 +27,11 @@ MODEL_PATH = "/v1/models/{model}"  # routes with a parameter: the rest of the pa
 RESPONSE_PATH = "/v1/responses/{response_id}"  # ...and a stored response's id (pylon.serving.api.response_store)
 INPUT_ITEMS_PATH = "/v1/responses/{response_id}/input_items"
 CANCEL_PATH = "/v1/responses/{response_id}/cancel"  # a background response's
+# OpenAI's Files and Batch APIs (pylon.serving.api.batch_api): a file's object and bytes, a batch and its cancel
+FILE_PATH = "/v1/files/{file_id}"
+FILE_CONTENT_PATH = "/v1/files/{file_id}/content"
+BATCH_PATH = "/v1/batches/{batch_id}"
+BATCH_CANCEL_PATH = "/v1/batches/{batch_id}/cancel"
 
 # path -> {method: handler}: the whole API. Anything else is a 404, another method a 405, both as JSON.
 ROUTES = {
@@ -51,6 +56,12 @@ ROUTES = {
     "/classify": {"POST": "_classify"},
     "/v1/classify": {"POST": "_classify_v1"},  # (SGLang's path)
     "/pooling": {"POST": "_pooling"},
+    "/v1/files": {"POST": "_create_file", "GET": "_list_files"},
+    FILE_PATH: {"GET": "_get_file", "DELETE": "_delete_file"},
+    FILE_CONTENT_PATH: {"GET": "_file_content"},
+    "/v1/batches": {"POST": "_create_batch", "GET": "_list_batches"},
+    BATCH_PATH: {"GET": "_get_batch"},
+    BATCH_CANCEL_PATH: {"POST": "_cancel_batch"},
     "/v1/models": {"GET": "_models"},
     MODEL_PATH: {"GET": "_model"},  # OpenAI's "retrieve model": this server's one model, or a 404 naming the id
     "/tokenize": {"POST": "_tokenize"},  # vLLM's: the token ids of a prompt or a chat, and their count
@@ -108,6 +119,11 @@ def route_of(path: str) -> tuple[str, str | None]:
                 return route, urllib.parse.unquote(rest[: -len(tail)])
         if "/" not in rest:
             return RESPONSE_PATH, urllib.parse.unquote(rest)
+    for route in (FILE_CONTENT_PATH, FILE_PATH, BATCH_CANCEL_PATH, BATCH_PATH):  # the longer of each pair first
+        prefix, tail = route.split("{")[0], route.split("}")[1]
+        middle = path[len(prefix) : len(path) - len(tail)] if path.startswith(prefix) and path.endswith(tail) else ""
+        if len(path) > len(prefix) + len(tail) and middle and "/" not in middle:
+            return route, urllib.parse.unquote(middle)
     return path, None
 
 
@@ -123,7 +139,9 @@ def request_headers(scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-async def read_body(receive) -> bytes:
+async def read_body(receive, limit: int | None = None) -> bytes:
+    """The request's body, up to `limit` bytes (MAX_BODY_BYTES by default), else a 413."""
+    limit = MAX_BODY_BYTES if limit is None else limit
     parts, size = [], 0
     while True:
         message = await receive()
@@ -131,10 +149,10 @@ async def read_body(receive) -> bytes:
             raise ClientGone()
         part = message.get("body", b"")
         size += len(part)
-        if size > MAX_BODY_BYTES:
+        if size > limit:
             raise HttpError(
                 413,
-                f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
+                f"the request body is larger than {limit // 2**20} MiB",
                 type="invalid_request_error",
                 param="body",
             )

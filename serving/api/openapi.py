@@ -13,7 +13,11 @@ from pydantic.json_schema import models_json_schema
 
 from pylon.serving.api import anthropic, protocol, responses
 from pylon.serving.api.http import (
+    BATCH_CANCEL_PATH,
+    BATCH_PATH,
     CANCEL_PATH,
+    FILE_CONTENT_PATH,
+    FILE_PATH,
     INPUT_ITEMS_PATH,
     MAX_BODY_BYTES,
     MODEL_PATH,
@@ -57,6 +61,12 @@ _MODELS = (
     responses.ResponseStreamEvent,
     responses.DeletedResponse,
     responses.InputItemList,
+    protocol.BatchCreateRequest,
+    protocol.FileObject,
+    protocol.FileList,
+    protocol.Deleted,
+    protocol.Batch,
+    protocol.BatchList,
     anthropic.MessagesRequest,
     anthropic.CountTokensRequest,
     anthropic.AnthropicMessage,
@@ -271,6 +281,56 @@ def _stored(summary: str, response, secured: bool, query: bool = False, refused:
     }
 
 
+def _batch_op(
+    summary: str,
+    response,
+    secured: bool,
+    *,
+    param: str | None = None,
+    request=None,
+    listing: bool = False,
+    raw: bool = False,
+    statuses: tuple[int, ...] = (),
+) -> dict:
+    """An operation of OpenAI's Files and Batch APIs (pylon.serving.api.batch_api): 400 where the deployment keeps
+    none (http.batch_store null) or the request is wrong, 404 where the key has no object by that id, 503 where the
+    store cannot be reached."""
+    operation: dict = {"summary": summary}
+    parameters = []
+    if param is not None:
+        what = "file-..." if param == "file_id" else "batch_..."
+        parameters.append(
+            {
+                "name": param,
+                "in": "path",
+                "required": True,
+                "description": f"the id ({what}) its create answered",
+                "schema": {"type": "string", "minLength": 1},
+            }
+        )
+    if listing:
+        parameters += [
+            {
+                "name": "limit",
+                "in": "query",
+                "description": "objects per page, newest first",
+                "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+            },
+            {"name": "after", "in": "query", "description": "an id: the page after it", "schema": {"type": "string"}},
+        ]
+    if parameters:
+        operation["parameters"] = parameters
+    if request is not None:
+        operation["requestBody"] = {"required": True, "content": request}
+    ok = {"application/jsonl": {"schema": {"type": "string"}}} if raw else _json(_ref(response))
+    codes = sorted({400, *([401] if secured else []), *([404] if param is not None else []), 500, 503, *statuses})
+    operation["responses"] = {
+        "200": {"description": "The answer.", "content": ok},
+        **{str(s): _error(s) for s in codes},
+    }
+    return operation
+
+
 def _tokens(summary: str, request, response, secured: bool, statuses: tuple[int, ...] = ()) -> dict:
     statuses = sorted([400, *([401] if secured else []), 404, 413, 415, 500, *statuses])
     return {
@@ -458,6 +518,69 @@ def build(
                 protocol.PoolingResponse,
                 secured,
                 statuses=(429, 503, 504),
+            ),
+        ),
+        "/v1/files": {
+            "post": _batch_op(
+                "Upload a JSONL file of Batch API requests (OpenAI's upload file: multipart/form-data, purpose batch)",
+                protocol.FileObject,
+                secured,
+                request={
+                    "multipart/form-data": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["file", "purpose"],
+                            "properties": {
+                                "file": {"type": "string", "contentMediaType": "application/octet-stream"},
+                                "purpose": {"type": "string", "enum": ["batch"]},
+                            },
+                        }
+                    }
+                },
+                statuses=(413,),
+            ),
+            "get": _batch_op("The key's files (OpenAI's list files)", protocol.FileList, secured, listing=True),
+        },
+        FILE_PATH: {
+            "get": _batch_op("A file (OpenAI's retrieve file)", protocol.FileObject, secured, param="file_id"),
+            "delete": _batch_op("Delete a file", protocol.Deleted, secured, param="file_id"),
+        },
+        FILE_CONTENT_PATH: (
+            "get",
+            _batch_op(
+                "A file's bytes: an input, or a batch's output or error file (OpenAI's retrieve file content)",
+                None,
+                secured,
+                param="file_id",
+                raw=True,
+            ),
+        ),
+        "/v1/batches": {
+            "post": _batch_op(
+                "Create a batch of an uploaded file, answered in the background by the replica (OpenAI's create batch)",
+                protocol.Batch,
+                secured,
+                request=_json(_ref(protocol.BatchCreateRequest)),
+                statuses=(404,),
+            ),
+            "get": _batch_op("The key's batches (OpenAI's list batches)", protocol.BatchList, secured, listing=True),
+        },
+        BATCH_PATH: (
+            "get",
+            _batch_op(
+                "A batch: its status, counts and files (OpenAI's retrieve batch)",
+                protocol.Batch,
+                secured,
+                param="batch_id",
+            ),
+        ),
+        BATCH_CANCEL_PATH: (
+            "post",
+            _batch_op(
+                "Cancel a batch in progress (OpenAI's cancel batch): 400 once it has ended",
+                protocol.Batch,
+                secured,
+                param="batch_id",
             ),
         ),
         "/v1/models": (

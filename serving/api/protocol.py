@@ -1258,6 +1258,109 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
+# -- OpenAI's Files and Batch APIs (pylon.serving.api.batch_api) ---------------------------------------------------
+
+
+class BatchCreateRequest(BaseModel):
+    """POST /v1/batches: OpenAI's "create batch"."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    input_file_id: str = Field(min_length=1, description="an uploaded file (purpose batch) of Batch API requests")
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"] = Field(
+        description="the url every request of the file names"
+    )
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(
+        None, max_length=16, description="up to 16 pairs of your own, kept with the batch"
+    )
+    output_expires_after: dict[str, Any] | None = Field(None, description="accepted; files here do not expire")
+
+
+def parse_batch_request(body: bytes) -> BatchCreateRequest:
+    try:
+        return BatchCreateRequest.model_validate_json(body)
+    except ValidationError as e:
+        raise invalid_request(e) from None
+
+
+class FileObject(_Response):
+    id: str
+    object: Literal["file"]
+    bytes: int = Field(ge=0)
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["processed"]
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(_Response):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class Deleted(_Response):
+    id: str
+    object: str
+    deleted: bool
+
+
+class BatchRequestCounts(_Response):
+    total: int = Field(ge=0)
+    completed: int = Field(ge=0)
+    failed: int = Field(ge=0)
+
+
+class BatchError(_Response):
+    code: str
+    message: str
+    param: str | None
+    line: int | None
+
+
+class BatchErrors(_Response):
+    object: Literal["list"]
+    data: list[BatchError]
+
+
+class Batch(_Response):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: Literal[
+        "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+    ]
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: BatchRequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(_Response):
+    object: Literal["list"]
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class TokenizeResponse(_Response):
     count: int = Field(ge=0, description="how many tokens: the request's prompt_tokens in a completion's usage")
     max_model_len: int = Field(ge=1, description="the model's context, prompt and completion together")

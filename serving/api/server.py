@@ -15,6 +15,7 @@ from collections.abc import Collection
 from pylon.errors import StorageError
 from pylon.serving.api import (
     anthropic,
+    batch_api,
     beam_search,
     harmony,
     openapi,
@@ -26,6 +27,7 @@ from pylon.serving.api import (
     tools,
 )
 from pylon.serving.api.adapters import AdapterFetcher
+from pylon.serving.api.batch_lines import call as batch_api_call
 from pylon.serving.api.http import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -206,6 +208,11 @@ class PylonLLMServer:
         # The Responses API's stored responses (pylon.serving.api.response_store), where the spec keeps them.
         store = self.spec.http.responses_store
         self._response_store = ResponseStore(store) if store is not None else None
+        # OpenAI's Files and Batch APIs (pylon.serving.api.batch_api), where the spec keeps them; the batches this
+        # replica answers, by id: the task and the event that cancels it.
+        store = self.spec.http.batch_store
+        self._batch_store = batch_api.BatchStore(store) if store is not None else None
+        self._batch_runs: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
         # The tag this replica puts in its responses' ids, so that the router sends their continuations here
         # (routing.response_id; "" outside Serve).
         self._replica_tag = _own_replica_tag()
@@ -476,6 +483,8 @@ class PylonLLMServer:
                 f"no route {path}; this server answers POST /v1/completions, POST /v1/chat/completions, "
                 "POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, "
                 "POST /v1/messages (Anthropic's), POST /v1/messages/count_tokens, "
+                "POST and GET /v1/files, GET and DELETE /v1/files/{id}, GET /v1/files/{id}/content, "
+                "POST and GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel, "
                 "POST /v1/embeddings, POST /v1/rerank, POST /v1/score, POST /classify, POST /pooling, "
                 "GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize, "
                 "GET /health, GET /ready and GET /openapi.json",
@@ -1084,6 +1093,227 @@ class PylonLLMServer:
             return page.of(record["input"])
 
         await self._stored_answer(scope, send, answer)
+
+    # -- OpenAI's Files and Batch APIs (pylon.serving.api.batch_api) ----------------------------------------------
+
+    async def _batch_call(self, scope, receive, send, answer, status: int = 200) -> None:
+        """A Files or Batch API request: authorized, on a deployment that keeps them, `await answer(owner, object id,
+        headers)`'s JSON (or raw bytes) with `status`, or its 4xx; a store that cannot be reached is a 503."""
+        headers = request_headers(scope)
+        route, object_id = route_of(route_path(scope))
+        try:
+            await self._authorize(headers)
+            if self._batch_store is None:
+                raise InvalidRequest(
+                    "this deployment keeps no files or batches (its spec's http.batch_store is null): set one, or "
+                    "answer a file of requests offline with `pylon batch`",
+                    param="http.batch_store",
+                )
+            kind, pattern = (
+                ("file", batch_api.FILE_ID) if route.startswith("/v1/files") else ("batch", batch_api.BATCH_ID)
+            )
+            if object_id is not None and not pattern.match(object_id):  # (an id names an object: nothing else)
+                raise self._no_batch_object(kind, object_id)
+            result = await answer(await self._owner(headers), object_id, headers)
+        except HttpError as e:
+            return await send_error(send, e.status, e.message, type=e.type, param=e.param, headers=e.headers)
+        except InvalidRequest as e:
+            return await send_error(send, 400, str(e), type="invalid_request_error", param=e.param)
+        except StorageError as e:
+            log.error("%s: the batch store cannot be reached: %s", self.model_name, e)
+            return await send_error(
+                send,
+                503,
+                "the batch store cannot be reached right now (see the replica's log); retry later",
+                type="server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        if isinstance(result, bytes):
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/jsonl"),
+                        (b"content-length", str(len(result)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": result})
+            return
+        await send_json(send, status, result)
+
+    @staticmethod
+    def _no_batch_object(kind: str, object_id: str) -> HttpError:
+        return HttpError(
+            404,
+            f"no {kind} {shown(object_id)} (a {kind} is found with the API key that made it)",
+            type="invalid_request_error",
+            param=f"{kind}_id",
+        )
+
+    async def _stored_file(self, owner: str, file_id: str) -> dict:
+        if not batch_api.FILE_ID.match(file_id):  # (a request's input_file_id: an id, or nothing here)
+            raise self._no_batch_object("file", file_id)
+        meta = await asyncio.to_thread(self._batch_store.file, owner, file_id)
+        if meta is None:
+            raise self._no_batch_object("file", file_id)
+        return meta
+
+    async def _create_file(self, scope, receive, send) -> None:
+        """OpenAI's "upload file": a JSONL file of Batch API requests (multipart/form-data, purpose batch)."""
+
+        async def answer(owner: str, _, headers) -> dict:
+            body = await read_body(receive, batch_api.MAX_FILE_BYTES)
+            filename, purpose, data = batch_api.upload(headers.get("content-type", ""), body)
+            meta = batch_api.file_object(batch_api.new_id("file-"), filename, purpose, len(data))
+            await asyncio.to_thread(self._batch_store.put_file, owner, meta, data)
+            return meta
+
+        await self._batch_call(scope, receive, send, answer)
+
+    async def _list_files(self, scope, receive, send) -> None:
+        """OpenAI's "list files": the key's files, newest first, a page at a time (`limit`, `after`)."""
+
+        async def answer(owner: str, _, headers) -> dict:
+            records = await asyncio.to_thread(self._batch_store.files, owner)
+            return batch_api.page(records, scope.get("query_string", b""))
+
+        await self._batch_call(scope, receive, send, answer)
+
+    async def _get_file(self, scope, receive, send) -> None:
+        async def answer(owner: str, file_id: str, headers) -> dict:
+            return await self._stored_file(owner, file_id)
+
+        await self._batch_call(scope, receive, send, answer)
+
+    async def _file_content(self, scope, receive, send) -> None:
+        """OpenAI's "retrieve file content": the file's bytes (an input, or a batch's output or error file)."""
+
+        async def answer(owner: str, file_id: str, headers) -> bytes:
+            await self._stored_file(owner, file_id)
+            return await asyncio.to_thread(self._batch_store.content, owner, file_id)
+
+        await self._batch_call(scope, receive, send, answer)
+
+    async def _delete_file(self, scope, receive, send) -> None:
+        async def answer(owner: str, file_id: str, headers) -> dict:
+            if not await asyncio.to_thread(self._batch_store.delete_file, owner, file_id):
+                raise self._no_batch_object("file", file_id)
+            return {"id": file_id, "object": "file", "deleted": True}
+
+        await self._batch_call(scope, receive, send, answer)
+
+    async def _create_batch(self, scope, receive, send) -> None:
+        """OpenAI's "create batch": every line of an uploaded file answered in the background by this replica."""
+
+        async def answer(owner: str, _, headers) -> dict:
+            request = protocol.parse_batch_request(await read_body(receive))
+            meta = await self._stored_file(owner, request.input_file_id)
+            if meta["purpose"] != "batch":
+                raise InvalidRequest(
+                    f"input_file_id: {request.input_file_id} is a {meta['purpose']} file, not a batch's input",
+                    param="input_file_id",
+                )
+            data = await asyncio.to_thread(self._batch_store.content, owner, request.input_file_id)
+            lines = batch_api.lines_of(data)
+            batch = batch_api.new_batch(
+                request.input_file_id, request.endpoint, request.completion_window, request.metadata, len(lines)
+            )
+            await asyncio.to_thread(self._batch_store.put_batch, owner, batch)
+            self._start_batch(owner, batch, lines, headers)
+            return batch_api.public(batch)
+
+        await self._batch_call(scope, receive, send, answer)
+
+    def _start_batch(self, owner: str, batch: dict, lines: list, headers: dict) -> None:
+        """Answer `batch` in the background on this replica, each line with the creator's key (in memory only)."""
+        key = [(b"authorization", headers["authorization"].encode("latin-1"))] if "authorization" in headers else []
+        if not key and "x-api-key" in headers:
+            key = [(b"x-api-key", headers["x-api-key"].encode("latin-1"))]
+        app = OpenAIApp(self)
+        count = [0]
+
+        async def ask(path: str, body: dict) -> tuple[int, dict, str]:
+            count[0] += 1
+            request_id = f"{batch['id']}-{count[0]}"
+            # after the live traffic: a line that asks for no priority waits behind requests that did not (OpenAI's
+            # flex tier, the scheduler's priority 1); running lines are never preempted for them
+            tier = [] if "priority" in body or "service_tier" in body else [(b"x-vllm-priority", b"1")]
+            status, answer = await batch_api_call(app, path, body, request_id, (*key, *tier))
+            return status, answer, request_id
+
+        cancelled = asyncio.Event()
+        engine = self.spec.engine
+
+        async def run() -> None:
+            try:
+                await batch_api.answer(
+                    self._batch_store,
+                    owner,
+                    batch,
+                    lines,
+                    ask,
+                    self.model_name,
+                    engine.max_num_seqs * engine.data_parallel,
+                    cancelled,
+                )
+            except Exception:
+                log.exception("%s: batch %s failed", self.model_name, batch["id"])
+                batch.update(status="failed", failed_at=int(time.time()))
+                try:
+                    await asyncio.to_thread(self._batch_store.put_batch, owner, batch)
+                except StorageError:
+                    pass
+            finally:
+                self._batch_runs.pop(batch["id"], None)
+
+        self._batch_runs[batch["id"]] = (asyncio.get_running_loop().create_task(run()), cancelled)
+
+    async def _list_batches(self, scope, receive, send) -> None:
+        """OpenAI's "list batches": the key's batches, newest first, a page at a time (`limit`, `after`)."""
+
+        async def answer(owner: str, _, headers) -> dict:
+            records = await asyncio.to_thread(self._batch_store.batches, owner)
+            return batch_api.page(records, scope.get("query_string", b""), batch_api.public)
+
+        await self._batch_call(scope, receive, send, answer)
+
+    async def _stored_batch(self, owner: str, batch_id: str) -> dict:
+        batch = await asyncio.to_thread(self._batch_store.batch, owner, batch_id)
+        if batch is None:
+            raise self._no_batch_object("batch", batch_id)
+        at = await asyncio.to_thread(self._batch_store.cancelling_at, owner, batch_id)
+        return batch_api.public(batch, at)
+
+    async def _get_batch(self, scope, receive, send) -> None:
+        """OpenAI's "retrieve batch": its status, counts and, once it has ended, its output and error files."""
+
+        async def answer(owner: str, batch_id: str, headers) -> dict:
+            return await self._stored_batch(owner, batch_id)
+
+        await self._batch_call(scope, receive, send, answer)
+
+    async def _cancel_batch(self, scope, receive, send) -> None:
+        """OpenAI's "cancel batch": cancelling, then cancelled with the lines answered so far in its output file (at
+        once on the replica answering it, else at its next heartbeat); a batch that has ended is a 400."""
+
+        async def answer(owner: str, batch_id: str, headers) -> dict:
+            batch = await self._stored_batch(owner, batch_id)
+            if batch["status"] in ("cancelling", "cancelled"):
+                return batch
+            if batch["status"] not in batch_api.ACTIVE:
+                raise InvalidRequest(
+                    f"{batch_id} has ended ({batch['status']}); only a batch in progress can be cancelled",
+                    param="batch_id",
+                )
+            at = await asyncio.to_thread(self._batch_store.cancel, owner, batch_id)
+            running = self._batch_runs.get(batch_id)
+            if running is not None:
+                running[1].set()
+            return {**batch, "status": "cancelling", "cancelling_at": at}
+
+        await self._batch_call(scope, receive, send, answer)
 
     async def _model(self, scope, receive, send) -> None:
         """OpenAI's "retrieve model": the served model's card, or a 404 naming the id asked for."""

@@ -126,6 +126,12 @@ def test_the_bearer_scheme_applies_where_the_server_asks_for_a_key():
             "/v1/models/{model}",
             "/tokenize",
             "/detokenize",
+            "/v1/files",
+            "/v1/files/{file_id}",
+            "/v1/files/{file_id}/content",
+            "/v1/batches",
+            "/v1/batches/{batch_id}",
+            "/v1/batches/{batch_id}/cancel",
         )
         for operation in item.values():
             assert operation["security"] == ([{"bearer": []}] if needs_key else []), path
