@@ -121,12 +121,16 @@ def tiny(tmp_path_factory) -> TinyModel:
 def _served_spec(tiny: TinyModel, s3_server):
     """The `served` deployment: the tiny model with its LoRA adapter (engine.adapters), and the same adapter under
     another name at a root of adapters loaded on demand (engine.dynamic_adapters); its Responses API keeps responses
-    in the object store (http.responses_store)."""
+    in the object store (http.responses_store), and its Files and Batch APIs there too (http.batch_store)."""
     base = _spec("tiny", tiny.dir)
     engine = base.engine.model_dump(mode="json")
     adapters = [{"name": ADAPTER, "path": str(tiny.adapter_dir)}]
     dynamic = {"root": str(tiny.adapter_root), "max_loaded": 1}
-    http = {**base.http.model_dump(mode="json"), "responses_store": _responses_store(s3_server)}
+    http = {
+        **base.http.model_dump(mode="json"),
+        "responses_store": _responses_store(s3_server),
+        "batch_store": f"s3://{s3_server.bucket}/served-batches",
+    }
     return _spec("tiny", tiny.dir, engine={**engine, "adapters": adapters, "dynamic_adapters": dynamic}, http=http)
 
 
@@ -180,6 +184,40 @@ def _replaced(cluster, url: str, marker: str, dead, what: str) -> list:
 
 def _ready(url: str) -> dict:
     return requests.get(f"{url}/ready", timeout=10).json()
+
+
+def test_a_batch_through_serve_keeps_its_files_in_object_storage(served, tiny, s3_server, tmp_path):
+    """OpenAI's Files and Batch APIs through Serve, the store on the S3 server: the official client uploads a file of
+    requests, creates a batch, polls it to its end and reads its output file; greedy answers are transformers' own."""
+    from pylon import storage
+
+    client = _openai(served)
+    prompts = [f"batch line {i}: " for i in range(6)]
+    lines = [
+        {
+            "custom_id": f"b{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        }
+        for i, p in enumerate(prompts)
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 6 and batch.error_file_id is None
+    answers = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [a["response"]["body"]["choices"][0]["text"] for a in answers] == [
+        tiny.greedy_text(p, 8)[0] for p in prompts
+    ]
+    (owner,) = storage.listdir(f"s3://{s3_server.bucket}/served-batches")  # one key's, in the object store
+    kept = storage.listdir(f"s3://{s3_server.bucket}/served-batches/{owner}/files")
+    assert f"{uploaded.id}.jsonl" in kept and f"{batch.output_file_id}.jsonl" in kept
 
 
 def test_openai_client_completions_and_chat_streamed_and_not(served, tiny, s3_server):
