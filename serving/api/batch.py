@@ -295,18 +295,18 @@ class PartAnswerer:
         server = getattr(self, "server", None)
         if server is None:
             return
-        gauges = server._gauges_task
+        gauges, loop = server._gauges_task, getattr(self, "_loop", None)
         if gauges is not None and not gauges.done():
-            if self._loop is not None and not self._loop.is_closed():
+            if loop is not None and not loop.is_closed():
                 gauges.cancel()
-                self._loop.run_until_complete(asyncio.gather(gauges, return_exceptions=True))
+                loop.run_until_complete(asyncio.gather(gauges, return_exceptions=True))
             else:  # on the actor's event loop, which runs in another thread
                 try:
                     gauges.get_loop().call_soon_threadsafe(gauges.cancel)
                 except RuntimeError:  # that loop has closed: nothing runs the task any more
                     pass
-        if self._loop is not None:
-            self._loop.close()
+        if loop is not None:
+            loop.close()
         server.close()
 
     async def __call__(self, batch: dict) -> dict:

@@ -291,11 +291,13 @@ async def answer(
         waiter = asyncio.create_task(cancelled.wait())
         done = asyncio.gather(*work)
         await asyncio.wait([done, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if done.done() and done.exception() is not None:
+            raise done.exception()  # (a bug of ours: the batch ends failed, not completed with lines missing)
         if cancelled.is_set():
             for task in work:
                 task.cancel()
             await asyncio.gather(*work, return_exceptions=True)
-        waiter.cancel()
     finally:
         beat.cancel()
     now = int(time.time())

@@ -1217,6 +1217,11 @@ class PylonLLMServer:
                 )
             data = await asyncio.to_thread(self._batch_store.content, owner, request.input_file_id)
             lines = batch_api.lines_of(data)
+            if not lines:
+                raise InvalidRequest(
+                    f"input_file_id: {request.input_file_id} holds no requests (every line is blank)",
+                    param="input_file_id",
+                )
             batch = batch_api.new_batch(
                 request.input_file_id, request.endpoint, request.completion_window, request.metadata, len(lines)
             )

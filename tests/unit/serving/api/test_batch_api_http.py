@@ -148,6 +148,11 @@ def test_bad_uploads_and_batches_are_400s_naming_the_field(stored, server, tmp_p
         with pytest.raises(Exception) as e:
             client.batches.create(input_file_id=missing, endpoint="/v1/completions", completion_window="24h")
         assert e.value.status_code == 404 and f'no file "{missing}"' in str(e.value)
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    blank = client.files.create(file=(tmp_path / "blank.jsonl").open("rb"), purpose="batch")
+    with pytest.raises(Exception) as e:
+        client.batches.create(input_file_id=blank.id, endpoint="/v1/completions", completion_window="24h")
+    assert e.value.status_code == 400 and "holds no requests" in str(e.value)
     r = requests.post(
         f"{url}/v1/batches",
         headers=auth(),
