@@ -1096,9 +1096,9 @@ class PylonLLMServer:
 
     # -- OpenAI's Files and Batch APIs (pylon.serving.api.batch_api) ----------------------------------------------
 
-    async def _batch_call(self, scope, receive, send, answer, status: int = 200) -> None:
+    async def _batch_call(self, scope, receive, send, answer) -> None:
         """A Files or Batch API request: authorized, on a deployment that keeps them, `await answer(owner, object id,
-        headers)`'s JSON (or raw bytes) with `status`, or its 4xx; a store that cannot be reached is a 503."""
+        headers)`'s JSON (or raw bytes), or its 4xx; a store that cannot be reached is a 503."""
         headers = request_headers(scope)
         route, object_id = route_of(route_path(scope))
         try:
@@ -1141,7 +1141,7 @@ class PylonLLMServer:
             )
             await send({"type": "http.response.body", "body": result})
             return
-        await send_json(send, status, result)
+        await send_json(send, 200, result)
 
     @staticmethod
     def _no_batch_object(kind: str, object_id: str) -> HttpError:
