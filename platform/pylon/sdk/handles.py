@@ -413,8 +413,8 @@ class Run(Job):
         return rows
 
 
-class DataJob(Job):
-    """A `pylon data prepare` job and the dataset it writes."""
+class OutputJob(Job):
+    """A job that writes to an output URI (its submission's `pylon_output`)."""
 
     def __init__(
         self, client: Client, job_id: str, *, name: str | None, output: str | None, start_time: float | None = None
@@ -423,7 +423,7 @@ class DataJob(Job):
         self.output = output
 
     @classmethod
-    def from_info(cls, client: Client, info: JobInfo) -> DataJob:
+    def from_info(cls, client: Client, info: JobInfo):
         return cls(
             client,
             info.job_id,
@@ -431,6 +431,13 @@ class DataJob(Job):
             output=info.metadata.get("pylon_output"),
             start_time=info.start_time,
         )
+
+    def _fields(self) -> list[tuple[str, Any]]:
+        return [*super()._fields(), ("output", self.output)]
+
+
+class DataJob(OutputJob):
+    """A `pylon data prepare` job and the dataset it writes."""
 
     def manifest(self):
         """The prepared dataset's committed manifest (`ShardManifest`: shards, rows, tokens, tokenizer)."""
@@ -438,28 +445,9 @@ class DataJob(Job):
 
         return read_manifest(self.output)
 
-    def _fields(self) -> list[tuple[str, Any]]:
-        return [*super()._fields(), ("output", self.output)]
 
-
-class BatchRun(Job):
+class BatchRun(OutputJob):
     """A `pylon batch` job (offline batch inference) and the answers it writes at its output."""
-
-    def __init__(
-        self, client: Client, job_id: str, *, name: str | None, output: str | None, start_time: float | None = None
-    ):
-        super().__init__(client, job_id, name=name, start_time=start_time)
-        self.output = output
-
-    @classmethod
-    def from_info(cls, client: Client, info: JobInfo) -> BatchRun:
-        return cls(
-            client,
-            info.job_id,
-            name=info.metadata.get("pylon_name"),
-            output=info.metadata.get("pylon_output"),
-            start_time=info.start_time,
-        )
 
     def manifest(self) -> dict:
         """The job's `_batch.json`: its state (running, done), input, parts and counts (lines answered and failed,
@@ -490,9 +478,6 @@ class BatchRun(Job):
             for line in storage.read_text(storage.join(where, name)).splitlines():
                 if line.strip():
                     yield json.loads(line)
-
-    def _fields(self) -> list[tuple[str, Any]]:
-        return [*super()._fields(), ("output", self.output)]
 
 
 class Service:
