@@ -31,6 +31,7 @@ import uuid
 from typing import Any
 
 from pylon import storage
+from pylon.errors import StorageError
 from pylon.serving.api.batch_lines import LineError, error_line, openai_line, request_of
 from pylon.serving.errors import InvalidRequest
 
@@ -238,7 +239,6 @@ async def answer(
     storing its counts every HEARTBEAT_S and ending it: completed with its output and error files, or cancelled
     (`cancelled` set: by this replica's cancel at once, by another's through the store at the next heartbeat) with
     those answered so far. Returns the batch as last stored."""
-    gate = asyncio.Semaphore(in_flight)
     endpoint = batch["endpoint"]
     counts = batch["request_counts"]
     results: dict[int, dict] = {}
@@ -263,10 +263,7 @@ async def answer(
             errors[lineno] = error_line(custom_id, where, e)
             counts["failed"] += 1
             return
-        async with gate:
-            if cancelled.is_set():
-                return
-            status, body, request_id = await ask(request.url, request.body)
+        status, body, request_id = await ask(request.url, request.body)
         line_out = openai_line(request.custom_id, status, body, request_id)
         if status < 400:
             results[lineno] = line_out
@@ -278,15 +275,26 @@ async def answer(
     async def heartbeat() -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            at = await asyncio.to_thread(store.cancelling_at, owner, batch["id"])
-            if at is not None:
-                batch.update(status="cancelling", cancelling_at=at)
-                cancelled.set()
-            batch["_heartbeat"] = time.time()
-            await asyncio.to_thread(store.put_batch, owner, batch)
+            try:
+                at = await asyncio.to_thread(store.cancelling_at, owner, batch["id"])
+                if at is not None:
+                    batch.update(status="cancelling", cancelling_at=at)
+                    cancelled.set()
+                batch["_heartbeat"] = time.time()
+                await asyncio.to_thread(store.put_batch, owner, batch)
+            except StorageError as e:  # the next beat tries again (a batch goes stale only after STALE_S of these)
+                log.warning("%s: batch %s: its counts not stored this beat: %s", name, batch["id"], e)
+
+    pending = iter(lines)
+
+    async def worker() -> None:  # `in_flight` of these take the lines in order: no task per line of a large file
+        for lineno, line in pending:
+            if cancelled.is_set():
+                return
+            await one(lineno, line)
 
     beat = asyncio.create_task(heartbeat())
-    work = [asyncio.create_task(one(n, line)) for n, line in lines]
+    work = [asyncio.create_task(worker()) for _ in range(min(in_flight, len(lines)))]
     try:
         waiter = asyncio.create_task(cancelled.wait())
         done = asyncio.gather(*work)

@@ -694,6 +694,7 @@ def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_clust
             "request_timeout_s": 120,
             "route_prefix": "/route",
             "responses_store": str(tmp_path / "responses"),
+            "batch_store": str(tmp_path / "batches"),
         },
         replica={"num_cpus": 0.25},
     )
@@ -783,6 +784,37 @@ def test_requests_that_share_a_prefix_go_to_the_replica_that_caches_it(ray_clust
             except requests.RequestException:
                 pass  # gRPC
         assert answers and all(a == (401, 401, 200) for a in answers.values()), (answers, ports)
+
+        # OpenAI's Batch API across the two replicas: a batch created on one, polled through HAProxy (either replica
+        # answers from the shared store) until the one answering it ends it; its output file read the same way.
+        lines = [
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "tiny-route", "prompt": f"routed batch {i}", "max_tokens": 4, "ignore_eos": True},
+            }
+            for i in range(8)
+        ]
+        uploaded = requests.post(
+            f"{url}/v1/files",
+            files={"file": ("b.jsonl", "".join(json.dumps(x) + "\n" for x in lines)), "purpose": (None, "batch")},
+            timeout=60,
+        ).json()
+        batch = requests.post(
+            f"{url}/v1/batches",
+            json={"input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"},
+            timeout=60,
+        ).json()
+        deadline = time.monotonic() + 120
+        while batch["status"] not in ("completed", "failed", "cancelled"):
+            assert time.monotonic() < deadline, batch
+            r = requests.get(f"{url}/v1/batches/{batch['id']}", timeout=60)
+            assert r.status_code == 200, r.text  # from either replica: never a 404
+            batch = r.json()
+        assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 8, batch
+        output = requests.get(f"{url}/v1/files/{batch['output_file_id']}/content", timeout=60)
+        assert [json.loads(x)["custom_id"] for x in output.text.splitlines()] == [f"r{i}" for i in range(8)]
     finally:
         delete("tiny-route")
 
