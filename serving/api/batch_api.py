@@ -333,10 +333,18 @@ async def _output(store: BatchStore, owner: str, batch_id: str, kind: str, lines
 
 
 def page(records: list[dict], query: bytes, shown=lambda r: r) -> dict:
-    """A list answer, OpenAI's: `limit` (1-100, default 20) records after the id `after`, newest first."""
+    """A list answer, OpenAI's: `limit` (1-100, default 20) records after the id `after`, newest first (`order`:
+    `asc`, oldest first), those of one `purpose` where it is given (files)."""
     import urllib.parse
 
     params = dict(urllib.parse.parse_qsl(query.decode("latin-1")))
+    if "purpose" in params:
+        records = [r for r in records if r.get("purpose") == params["purpose"]]
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f"order: asc or desc (got {order!r})", param="order")
+    if order == "asc":
+        records = records[::-1]
     try:
         limit = int(params.get("limit", "20"))
     except ValueError:

@@ -317,7 +317,22 @@ def _batch_op(
                 "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
             },
             {"name": "after", "in": "query", "description": "an id: the page after it", "schema": {"type": "string"}},
+            {
+                "name": "order",
+                "in": "query",
+                "description": "desc: newest first",
+                "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"},
+            },
         ]
+        if param is None and response is protocol.FileList:
+            parameters.append(
+                {
+                    "name": "purpose",
+                    "in": "query",
+                    "description": "only the files of this purpose",
+                    "schema": {"type": "string", "enum": ["batch", "batch_output"]},
+                }
+            )
     if parameters:
         operation["parameters"] = parameters
     if request is not None:

@@ -97,6 +97,10 @@ def test_a_batch_of_an_uploaded_file_is_answered_as_its_bodies_posted(stored, tm
     assert "url: the batch's endpoint '/v1/completions'" in failures[2]["error"]["message"]
     output = client.files.retrieve(done.output_file_id)
     assert output.purpose == "batch_output" and output.filename == f"{batch.id}_output.jsonl"
+    assert [f.id for f in client.files.list(purpose="batch")] == [uploaded.id]
+    assert {f.id for f in client.files.list(purpose="batch_output")} == {done.output_file_id, done.error_file_id}
+    newest_first = [f.id for f in client.files.list()]
+    assert [f.id for f in client.files.list(order="asc")] == newest_first[::-1] and len(newest_first) == 3
 
     # another key's owner sees none of it
     other = _client(url, "sk-other")
