@@ -1674,9 +1674,6 @@ class DeploymentSpec(_Spec):
 # BatchJob
 # ---------------------------------------------------------------------------------------------------------
 
-BATCH_FORMATS = ("openai", "conversations")
-
-
 class BatchJobSpec(_Spec):
     """Offline batch inference: every request in `input` answered by Pylon's serving engine on the cluster's
     workers, the answers written to `output` (`pylon batch`)."""
@@ -1692,8 +1689,8 @@ class BatchJobSpec(_Spec):
     )
     output: Uri = Field(
         description="the directory the answers go to: results/part-NNNNN.jsonl (answered), errors/part-NNNNN.jsonl "
-        "(refused or failed, each naming the line and field at fault) and _batch.json (the job's counts); a job "
-        "submitted again with the same output goes on from the parts already written"
+        "(refused or failed, each naming the line and field at fault), stats/ (each part's counts) and _batch.json "
+        "(the job's counts); a job submitted again with the same output goes on from the parts already written"
     )
     body: dict[str, Any] = Field(
         default_factory=dict,
@@ -1712,8 +1709,8 @@ class BatchJobSpec(_Spec):
     replicas: PositiveInt = Field(1, description="engines answering at once, each with replica's resources")
     chunk_lines: PositiveInt = Field(
         256,
-        description="input lines per part: an engine answers a part's lines together and commits its files whole, "
-        "so a job stopped and submitted again redoes at most one part an engine",
+        description="input lines per part: an engine answers a part's lines together, two parts at a time, and "
+        "commits each part's files whole, so a job stopped and submitted again redoes at most two parts an engine",
     )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="as a Deployment's http.reasoning_parser: a <think> block as reasoning_content"
