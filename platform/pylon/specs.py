@@ -1674,6 +1674,7 @@ class DeploymentSpec(_Spec):
 # BatchJob
 # ---------------------------------------------------------------------------------------------------------
 
+
 class BatchJobSpec(_Spec):
     """Offline batch inference: every request in `input` answered by Pylon's serving engine on the cluster's
     workers, the answers written to `output` (`pylon batch`)."""
