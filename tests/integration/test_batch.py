@@ -26,7 +26,7 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
             "custom_id": f"c{i}",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"prompt": p, "max_tokens": 6, "min_tokens": 6, "temperature": 0},
+            "body": {"prompt": p, "max_tokens": 48, "min_tokens": 48, "temperature": 0},
         }
         for i, p in enumerate(prompts)
     ]
@@ -56,12 +56,12 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
         "answered": 10,
         "failed": 1,
         "tokens_in": manifest["counts"]["tokens_in"],
-        "tokens_out": 9 * 6 + 4,
+        "tokens_out": 9 * 48 + 4,
     }
     results = list(job.results())
     assert [r["custom_id"] for r in results] == [*(f"c{i}" for i in range(9)), "requests.jsonl:11"]
     for i, prompt in enumerate(prompts):
-        assert results[i]["response"]["body"]["choices"][0]["text"] == greedy_text(model, prompt, 6)
+        assert results[i]["response"]["body"]["choices"][0]["text"] == greedy_text(model, prompt, 48)
     engines = {r["response"]["request_id"].split("-")[1] for r in results}  # batch-<pid>-<n>
     assert len(engines) == 2, engines  # both engines of the pool answered parts
     (error,) = job.errors()

@@ -421,9 +421,9 @@ def test_a_batch_from_the_client_is_answered_on_both_machines(hosts, s3_server, 
         "model": f"{uri}/model",
         "input": "requests.jsonl",
         "output": f"{uri}/answers",
-        "body": {"max_tokens": 8, "min_tokens": 8, "temperature": 0},
+        "body": {"max_tokens": 48, "min_tokens": 48, "temperature": 0},
         "replicas": 2,
-        "chunk_lines": 2,
+        "chunk_lines": 1,  # 16 parts, long enough that the engine first up is not done before the other is up
         "replica": {"num_cpus": 1.5},
         "engine": {"device": "cpu", "dtype": "fp32", "max_num_seqs": 4, "kv_cache_tokens": 1024, "max_model_len": 128},
     }
@@ -439,4 +439,6 @@ def test_a_batch_from_the_client_is_answered_on_both_machines(hosts, s3_server, 
         for line in storage.read_text(f"{uri}/answers/results/{name}").splitlines()
     ]
     assert [a["custom_id"] for a in answers] == [f"0-requests.jsonl:{i}" for i in range(1, 17)]
-    assert [a["response"]["body"]["choices"][0]["text"] for a in answers] == [greedy_text(model, p, 8) for p in prompts]
+    assert [a["response"]["body"]["choices"][0]["text"] for a in answers] == [
+        greedy_text(model, p, 48) for p in prompts
+    ]
