@@ -133,6 +133,9 @@ def test_an_engine_killed_mid_job_is_restarted_and_every_line_answered(ray_clust
     counts = job.manifest()["counts"]
     assert (counts["lines"], counts["answered"], counts["failed"]) == (64, 64, 0)
     assert counts["tokens_out"] == 64 * 200
-    assert "the engine died while it answered it (attempt 1 of 3)" in job.logs()
-    assert storage.listdir(storage.join(spec["output"], "attempts"))  # the parts it held when it died
+    # the parts it held when it died, each answered again (its actor's log line saying so may not reach the job's log:
+    # the process exits right after it)
+    attempts = storage.join(spec["output"], "attempts")
+    held = storage.listdir(attempts)
+    assert held and all(storage.read_json(storage.join(attempts, name)) == {"attempts": 1} for name in held)
     assert sorted(r["custom_id"] for r in job.results()) == sorted(f"prompts.jsonl:{i}" for i in range(1, 65))
