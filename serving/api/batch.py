@@ -135,9 +135,9 @@ def plan_parts(files: list[str], chunk_lines: int, *, progress: bool = False) ->
     from tqdm import tqdm
 
     parts, listing, seen, done = [], [], {}, 0
-    sizes = [storage.resolve(uri)[0].size(storage.resolve(uri)[1]) for uri in files] if progress else []
+    sizes = {uri: _size(uri) for uri in files} if progress else {}
     bar = tqdm(
-        total=sum(sizes),
+        total=sum(sizes.values()),
         unit="B",
         unit_scale=True,
         desc="reading the input",
@@ -149,7 +149,7 @@ def plan_parts(files: list[str], chunk_lines: int, *, progress: bool = False) ->
         name = uri.rstrip("/").rsplit("/", 1)[-1]
         if uri.endswith(PARQUET):  # rows: counted from the file's footer, custom_ids read as one column
             reader = _parquet(uri)
-            count, size = reader.metadata.num_rows, storage.resolve(uri)[0].size(storage.resolve(uri)[1])
+            count, size = reader.metadata.num_rows, sizes.get(uri) or _size(uri)
             ids = (
                 reader.read(columns=["custom_id"]).column(0).to_pylist()
                 if "custom_id" in reader.schema_arrow.names
@@ -186,6 +186,11 @@ def plan_parts(files: list[str], chunk_lines: int, *, progress: bool = False) ->
             parts.append(Part(len(parts), uri, name, start, min(count, start + chunk_lines), offset))
     bar.close()
     return parts, listing
+
+
+def _size(uri: str) -> int:
+    fs, path = storage.resolve(uri)
+    return fs.size(path)
 
 
 def _unique(custom_id: str, where: str, seen: dict[str, str]) -> None:

@@ -28,7 +28,6 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
 
 from pylon import storage
 from pylon.errors import StorageError
@@ -365,8 +364,3 @@ def page(records: list[dict], query: bytes, shown=lambda r: r) -> dict:
         "last_id": chosen[-1]["id"] if chosen else None,
         "has_more": len(records) > limit,
     }
-
-
-def describe(batch: dict[str, Any]) -> str:
-    c = batch["request_counts"]
-    return f"{batch['id']} ({batch['status']}: {c['completed']} completed, {c['failed']} failed of {c['total']})"

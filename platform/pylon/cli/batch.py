@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from pylon.cli.common import ADDRESS_HELP
@@ -11,19 +10,11 @@ from pylon.cli.common import ADDRESS_HELP
 
 def _cmd_batch(args: argparse.Namespace) -> int:
     import pylon
-    from pylon.cli.jobs import _follow
+    from pylon.cli.jobs import _follow, announce
 
     client = pylon.connect(args.address)
     job = client.batch(args.file, overwrite=args.overwrite)  # every spec error refused before submitting
-    if args.json:
-        print(json.dumps({"job_id": job.job_id, "output": job.output}), flush=True)
-    else:
-        print(job.job_id, flush=True)
-    if not args.follow:
-        print(
-            f"follow it with: pylon jobs logs {job.job_id} --follow; its answers go to {job.output}",
-            file=sys.stderr,
-        )
+    if not announce(job.job_id, {"output": job.output}, args, f"; its answers go to {job.output}"):
         return 0
     return _follow(client, job.job_id, out=sys.stderr if args.json else None)
 

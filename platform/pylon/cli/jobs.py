@@ -22,21 +22,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run = client.train(
         args.file, force=args.force, export=not args.no_export
     )  # every spec error, and a job that cannot fit, refused first
-    if args.json:
-        print(json.dumps({"job_id": run.job_id, "run_uri": run.run_uri}), flush=True)
-    else:
-        print(run.job_id, flush=True)
-    if not args.follow:
-        print(
-            f"follow it with: pylon jobs logs {run.job_id} --follow, or the dashboard at {client.dashboard_url}",
-            file=sys.stderr,
-        )
+    if not announce(run.job_id, {"run_uri": run.run_uri}, args, f", or the dashboard at {client.dashboard_url}"):
         return 0
     # With --json, stdout stays one JSON document: the logs go to stderr.
     from pylon.specs import TrainJobSpec, load_spec
 
     steps = load_spec(args.file, TrainJobSpec).steps
     return _follow(client, run.job_id, out=sys.stderr if args.json else None, total_steps=steps)
+
+
+def announce(job_id: str, fields: dict, args: argparse.Namespace, where: str) -> bool:
+    """Print a job just submitted: its id (with --json, {"job_id": ..., **fields}); without --follow, how to follow
+    it (`where` ends that line) on stderr. Returns whether the caller goes on to follow its logs."""
+    if args.json:
+        print(json.dumps({"job_id": job_id, **fields}), flush=True)
+    else:
+        print(job_id, flush=True)
+    if not args.follow:
+        print(f"follow it with: pylon jobs logs {job_id} --follow{where}", file=sys.stderr)
+    return args.follow
 
 
 def _follow(client, job_id: str, *, out=None, total_steps: int | None = None) -> int:
