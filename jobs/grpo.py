@@ -432,9 +432,10 @@ class GrpoLoss:
     normalize: bool = False  # objective rloo: advantages standardised over the micro-batch (`normalize_advantages`)
     log_completions: int = 0  # completions a micro-batch keeps as `Rollout.samples` (`log_completions`)
     sequence_ratio: bool = False  # GSPO: one policy ratio a completion (`importance_sampling_level: sequence`)
-    # grpo.sampler engine, objectives grpo and rloo: the importance-sampling correction of the engine's sampling
-    # (`sampler_correction`: sequence_mask, sequence_truncate, token_mask, token_truncate; none) and the bounds of its
-    # ratio of the trained model's probability to the engine's (`sampler_correction_min`, `sampler_correction_cap`)
+    # grpo.sampler engine or server, objectives grpo and rloo: the importance-sampling correction of the engine's
+    # sampling (`sampler_correction`: sequence_mask, sequence_truncate, token_mask, token_truncate; none) and the
+    # bounds of its ratio of the trained model's probability to the engine's (`sampler_correction_min`,
+    # `sampler_correction_cap`)
     correction: str = "none"
     correction_min: float | None = None
     correction_max: float | None = None
@@ -463,7 +464,7 @@ class GrpoLoss:
             mask_truncated=g.mask_truncated_completions,
             log_completions=g.log_completions,
             sequence_ratio=g.importance_sampling_level == "sequence",
-            correction=g.sampler_correction if g.sampler == "engine" and spec.objective in ("grpo", "rloo") else "none",
+            correction=g.sampler_correction if g.sampler != "model" and spec.objective in ("grpo", "rloo") else "none",
             correction_min=g.sampler_correction_min,
             correction_max=g.sampler_correction_cap,
         )

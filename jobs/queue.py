@@ -62,12 +62,18 @@ class Entry:
 
 def job_need(spec: TrainJobSpec) -> dict[str, float]:
     """What the job's Ray Train workers ask for, in all: workers x resources per worker (a GPU each with
-    `use_gpu` unless the spec names GPUs), as `jobs.train.run` asks. Pylon's drivers ask for nothing themselves
-    (no entrypoint resources)."""
+    `use_gpu` unless the spec names GPUs), as `jobs.train.run` asks, and with `grpo.sampler: server` its sampling
+    servers' (`grpo.sampler_servers` x `grpo.sampler_resources`). Pylon's drivers ask for nothing themselves (no
+    entrypoint resources)."""
     per_worker = dict(spec.scaling.resources_per_worker) or {"CPU": 1}
     if spec.scaling.use_gpu and "GPU" not in per_worker:
         per_worker["GPU"] = 1
-    return {k: v * spec.scaling.num_workers for k, v in per_worker.items() if v}
+    need = {k: v * spec.scaling.num_workers for k, v in per_worker.items() if v}
+    if spec.grpo is not None and spec.grpo.sampler == "server":
+        for k, v in spec.grpo.sampler_resources.items():
+            if v:
+                need[k] = need.get(k, 0.0) + v * spec.grpo.sampler_servers
+    return need
 
 
 def _fits(need: dict[str, float], free: dict[str, float]) -> bool:

@@ -1,4 +1,5 @@
-"""`grpo.sampler: engine`: a training worker samples its completions through Pylon's serving engine, colocated.
+"""`grpo.sampler: engine`: a training worker samples its completions through Pylon's serving engine, colocated;
+`grpo.sampler: server`: through that engine in sampling servers of their own (`SamplingServer`, `RemoteRollout`).
 
 TRL's GRPOTrainer with `use_vllm=True, vllm_mode="colocate"`: each worker holds a serving engine (paged KV cache,
 continuous batching, prefix cache) beside the model it trains, on the same device, and before each sampling step
@@ -74,9 +75,9 @@ def full_weights(module) -> Iterator[tuple[str, object]]:
 
 
 def check_sampler(spec, manifest) -> None:
-    """`grpo.sampler: engine`, before workers start: a PylonError naming it where the serving engine cannot sample
-    the model or could not take its weights as it trains (a model type it does not serve; experts, latent attention
-    or a multimodal checkpoint, whose weights it reshapes at load)."""
+    """`grpo.sampler: engine` or `server`, before workers start: a PylonError naming it where the serving engine
+    cannot sample the model or could not take its weights as it trains (a model type it does not serve; experts,
+    latent attention or a multimodal checkpoint, whose weights it reshapes at load)."""
     from pylon.models import model_config
     from pylon.serving.model.families import SUPPORTED_MODEL_TYPES, reshaped_at_load, unsupported
 
@@ -93,11 +94,107 @@ def check_sampler(spec, manifest) -> None:
         else unsupported(config)
     )
     if why is not None:
-        raise PylonError(f"grpo.sampler: engine: {why}; use grpo.sampler: model ({spec.model.describe()})")
+        raise PylonError(f"grpo.sampler: {spec.grpo.sampler}: {why}; use grpo.sampler: model ({spec.model.describe()})")
 
 
 def _row_seed(seed: int, row: int) -> int:
     return int.from_bytes(hashlib.sha256(f"rollout/{seed}/{row}".encode()).digest()[:8], "little") >> 1
+
+
+def engine_spec(spec, seq_len: int, *, on_gpu: bool):
+    """The serving engine's settings for sampling `spec`'s completions of prompts of up to `seq_len` tokens
+    (`grpo.sampler: engine` and `server` alike): on a GPU in the training precision, else in fp32."""
+    from pylon.specs import EngineSpec, sampler_kv_cache_tokens
+
+    g = spec.grpo
+    block_size = 16
+    max_model_len = seq_len + g.max_completion_tokens
+    kv_tokens = max(sampler_kv_cache_tokens(spec, seq_len), max_model_len + block_size)
+    dtype = {"bf16": "bf16", "fp16": "fp16"}.get(spec.precision, "fp32") if on_gpu else "fp32"
+    return EngineSpec(
+        max_num_seqs=g.sampler_max_num_seqs,
+        max_num_batched_tokens=max(2048, max_model_len),
+        kv_cache_tokens=-(-kv_tokens // block_size) * block_size,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        device="cuda" if on_gpu else "cpu",
+        dtype=dtype,
+        enable_prefix_caching=True,
+        generation_config="none",
+    )
+
+
+def policy_tensors(module, dtype: str) -> dict:
+    """The policy's current weights (`full_weights`: LoRA merged, ZeRO-3 gathered: every rank calls this together)
+    as CPU tensors in `dtype` (the engine's), named as its checkpoint names them."""
+    import torch
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    return {name: tensor.to("cpu", torch_dtype).contiguous().clone() for name, tensor in full_weights(module)}
+
+
+def policy_config(module, names) -> dict:
+    """The trained model's config as the engine loads it, given the `names` of the weights it gets (a tied weight is
+    given once, and tied again at load)."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    config = base.config.to_dict()
+    config["use_cache"] = True
+    head = base.get_output_embeddings()
+    head_name = next((f"{n}.weight" for n, m in base.named_modules() if m is head), None)
+    if config.get("tie_word_embeddings") and head_name in names:
+        # tied, with a LoRA adapter on the output layer: the trained model reads its embeddings without the
+        # adapter and its logits with it, two weights the engine keeps apart
+        config["tie_word_embeddings"] = False
+    return config
+
+
+def build_engine(config: dict, tensors, tokenizer: dict, spec):
+    """An `LLMEngine` (EngineSpec `spec`) of the model `config` with the weights `tensors` ((name, tensor) pairs or a
+    dict), loaded from a checkpoint written to a private temporary directory, removed once it is loaded; a PylonError
+    naming grpo.sampler where the engine cannot sample the model or could not take its weights again."""
+    from safetensors.torch import save_file
+
+    from pylon.jobs.export import TOKENIZER_FILE, write_tokenizer_files
+    from pylon.serving.engine.engine import LLMEngine
+
+    directory = tempfile.mkdtemp(prefix="pylon-rollout-")
+    try:
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, default=str)
+        save_file(dict(tensors), os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        Path(directory, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
+        write_tokenizer_files(tokenizer, directory, None)
+        try:
+            engine = LLMEngine(directory, spec)
+        except PylonError as e:
+            raise PylonError(f"grpo.sampler: the serving engine cannot sample this model: {e}") from e
+        why = engine.runner.fixed_weights()
+        if why is not None:
+            raise PylonError(
+                f"grpo.sampler: the serving engine could not take the policy's weights as it trains ({why}); use "
+                "grpo.sampler: model"
+            )
+        return engine
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def sampling_fields(loss, eos_id: int, seed: int, row: int, *, greedy: bool = False, logprobs: bool = False) -> dict:
+    """`SamplingParams`' fields for completion `row` of a micro-batch sampled with `seed` under `loss`'s settings
+    (a `GrpoLoss`): its own seeded random stream, up to and including the training tokenizer's eos."""
+    return {
+        "max_tokens": loss.max_tokens,
+        "temperature": 0.0 if greedy else loss.temperature,
+        "top_p": 1.0 if greedy else loss.top_p,
+        "top_k": 0 if greedy else loss.top_k,
+        "min_p": 0.0 if greedy else loss.min_p,
+        "repetition_penalty": 1.0 if greedy else loss.repetition_penalty,
+        "seed": _row_seed(seed, row),
+        "ignore_eos": True,  # only the training tokenizer's eos ends a completion, as the model sampler's
+        "stop_token_ids": [eos_id],
+        "logprobs": 0 if logprobs else None,
+        "logprobs_mode": "processed",
+    }
 
 
 class RolloutEngine:
@@ -110,47 +207,13 @@ class RolloutEngine:
         block's sampler settings, its precision); `device`: the worker's; `seq_len`: the dataset's row length (a
         prompt's length at most). The engine loads the model from a checkpoint of its current weights written once
         to a private temporary directory (in the engine's dtype), removed as soon as it is loaded."""
-        from pylon.jobs.export import TOKENIZER_FILE, write_tokenizer_files
-        from pylon.serving.engine.engine import LLMEngine
-        from pylon.specs import EngineSpec, sampler_kv_cache_tokens
-
-        g = spec.grpo
         self.eos_id = int(tokenizer["eos_id"])
-        self.block_size = 16
-        max_model_len = seq_len + g.max_completion_tokens
-        kv_tokens = sampler_kv_cache_tokens(spec, seq_len)
-        kv_tokens = max(kv_tokens, max_model_len + self.block_size)
-        on_gpu = getattr(device, "type", str(device)) == "cuda"
-        dtype = {"bf16": "bf16", "fp16": "fp16"}.get(spec.precision, "fp32") if on_gpu else "fp32"
-        self.spec = EngineSpec(
-            max_num_seqs=g.sampler_max_num_seqs,
-            max_num_batched_tokens=max(2048, max_model_len),
-            kv_cache_tokens=-(-kv_tokens // self.block_size) * self.block_size,
-            block_size=self.block_size,
-            max_model_len=max_model_len,
-            device="cuda" if on_gpu else "cpu",
-            dtype=dtype,
-            enable_prefix_caching=True,
-            generation_config="none",
-        )
+        self.spec = engine_spec(spec, seq_len, on_gpu=getattr(device, "type", str(device)) == "cuda")
         started = time.perf_counter()
-        directory = tempfile.mkdtemp(prefix="pylon-rollout-")
-        try:
-            self._write_model(getattr(trainer, "module", trainer), directory, dtype)
-            Path(directory, TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2) + "\n")
-            write_tokenizer_files(tokenizer, directory, None)
-            try:
-                self.engine = LLMEngine(directory, self.spec)
-            except PylonError as e:
-                raise PylonError(f"grpo.sampler: engine: the serving engine cannot sample this model: {e}") from e
-            why = self.engine.runner.fixed_weights()
-            if why is not None:
-                raise PylonError(
-                    f"grpo.sampler: engine: the serving engine could not take the policy's weights as it trains "
-                    f"({why}); use grpo.sampler: model"
-                )
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        module = getattr(trainer, "module", trainer)
+        tensors = policy_tensors(module, self.spec.dtype)
+        self.engine = build_engine(policy_config(module, tensors), tensors, tokenizer, self.spec)
+        del tensors
         self.computed_tokens = 0  # tokens the engine's forward passes computed: prompts (less cache hits) and samples
         self.cached_tokens = 0  # prompt tokens read from its prefix cache instead
         self.sync_s, self.syncs = 0.0, 0
@@ -163,30 +226,6 @@ class RolloutEngine:
             self.spec.kv_cache_tokens,
             time.perf_counter() - started,
         )
-
-    @staticmethod
-    def _write_model(module, directory: str, dtype: str) -> None:
-        """The model as a checkpoint the engine loads: its config and its current (merged, gathered) weights, in
-        `dtype` (the engine's)."""
-        import torch
-        from safetensors.torch import save_file
-
-        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-        base = module.get_base_model() if hasattr(module, "get_base_model") else module
-        config = base.config.to_dict()
-        config["use_cache"] = True
-        tensors = {  # (a tied weight is given once, and tied again at load)
-            name: tensor.to("cpu", torch_dtype).contiguous().clone() for name, tensor in full_weights(module)
-        }
-        head = base.get_output_embeddings()
-        head_name = next((f"{n}.weight" for n, m in base.named_modules() if m is head), None)
-        if config.get("tie_word_embeddings") and head_name in tensors:
-            # tied, with a LoRA adapter on the output layer: the trained model reads its embeddings without the
-            # adapter and its logits with it, two weights the engine keeps apart
-            config["tie_word_embeddings"] = False
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, default=str)
-        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
     def sync(self, module) -> None:
         """The policy's current weights into the engine (every rank together at ZeRO-3: gathers are collective)."""
@@ -227,19 +266,7 @@ class RolloutEngine:
         before = engine.stats()
 
         def params(row: int) -> SamplingParams:
-            return SamplingParams(
-                max_tokens=loss.max_tokens,
-                temperature=0.0 if greedy else loss.temperature,
-                top_p=1.0 if greedy else loss.top_p,
-                top_k=0 if greedy else loss.top_k,
-                min_p=0.0 if greedy else loss.min_p,
-                repetition_penalty=1.0 if greedy else loss.repetition_penalty,
-                seed=_row_seed(seed, row),
-                ignore_eos=True,  # only the training tokenizer's eos ends a completion, as the model sampler's
-                stop_token_ids=[self.eos_id],
-                logprobs=0 if logprobs else None,
-                logprobs_mode="processed",
-            )
+            return SamplingParams(**sampling_fields(loss, self.eos_id, seed, row, greedy=greedy, logprobs=logprobs))
 
         rows = len(prompts) * copies
         tokens: dict[str, list[int]] = {str(r): [] for r in range(rows)}
@@ -268,3 +295,358 @@ class RolloutEngine:
             [np.asarray(drawn[str(r)][: loss.max_tokens], dtype=np.float32) for r in range(rows)] if logprobs else None
         )
         return [np.asarray(tokens[str(r)][: loss.max_tokens], dtype=np.int64) for r in range(rows)]
+
+
+# grpo.sampler: server. The engine in Ray actors of their own (TRL's `vllm_mode="server"`): the workers keep no engine
+# beside the model; the first worker sends the policy's weights through Ray's object store before each sampling
+# step, and every worker sends its rows to its server (worker r to server r mod sampler_servers), which batches the
+# rows of all the workers it serves in one engine (continuous batching across workers).
+
+CHUNK_BYTES = 64 << 20  # weights sent in objects of about this size: the sender's store holds them until all loaded
+VERSION_WAIT_S = 600.0  # how long a server waits for the weights a worker's rows ask for before it refuses them
+
+
+class SamplingServer:
+    """A sampling server (`grpo.sampler: server`): a serving engine, built when the first weights arrive and given
+    each later version in place, answering the workers' rows of completions. Run as a Ray actor (`start_servers`),
+    or directly (the unit tests). Every call says which version of the weights it was made for (a token the first
+    worker draws for each sync): rows wait for their version's weights, so a worker never samples from a step's
+    stale policy, whichever of the workers' calls arrives first."""
+
+    def __init__(self, name: str = "sampler") -> None:
+        import asyncio
+
+        self.name = name
+        self.engine = None  # AsyncLLMEngine, from the first weights
+        self.version: str | None = None
+        self._changed = asyncio.Condition()
+        self._sampling = 0  # calls sampling now: weights are not replaced under them
+        self.loads, self.load_s = 0, 0.0
+
+    async def ready(self) -> dict:
+        """Where this server runs: its node and process (for the job's log and the tests)."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return {"name": self.name, "node_id": node, "pid": os.getpid()}
+
+    async def current_version(self) -> str | None:
+        """The version of the weights it holds (None: none yet; a restarted server has none)."""
+        return self.version
+
+    async def load(self, version: str, config: dict, tokenizer: dict, spec: dict, chunks: list) -> dict:
+        """Take the policy's weights `version`: `chunks`, lists of (name, tensor) pairs (or Ray object refs of them,
+        fetched one at a time as they are read); the engine built from them first where this server has none yet
+        (`config`, `tokenizer` and the EngineSpec `spec` as a dict)."""
+        import asyncio
+
+        from pylon.serving.engine.engine import AsyncLLMEngine
+        from pylon.specs import EngineSpec
+
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._sampling == 0)
+            started = time.perf_counter()
+            self.version = None  # (rows asking for the old version wait for the new one from here)
+            if self.engine is None:
+                tensors = dict(_pairs(chunks))
+                engine = await asyncio.to_thread(
+                    build_engine, config, tensors, tokenizer, EngineSpec.model_validate(spec)
+                )
+                del tensors
+                self.engine = AsyncLLMEngine(engine)
+            else:
+                await asyncio.to_thread(self.engine.engine.load_weights, _pairs(chunks))
+            self.version = version
+            self.loads += 1
+            self.load_s += time.perf_counter() - started
+            self._changed.notify_all()
+            return {"version": version, "seconds": time.perf_counter() - started}
+
+    async def sample(self, version: str, requests: list[tuple[list[int], dict]], copies: int) -> dict:
+        """Complete `requests` ((prompt token ids, SamplingParams fields) each; each prompt's `copies` consecutive)
+        with the weights `version`: each prompt's first copy first, its others once its prompt is computed (they
+        read its blocks from the prefix cache). Returns each completion's `tokens` and `logprobs` (with the fields'
+        logprobs), and the tokens the engine `computed` and read from its prefix cache (`cached`) for them."""
+        import asyncio
+        import uuid
+
+        from pylon.serving.engine.sampling import SamplingParams
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.version == version), VERSION_WAIT_S)
+            except TimeoutError:
+                raise PylonError(
+                    f"grpo.sampler server {self.name}: rows for weights {version} waited {VERSION_WAIT_S:.0f} s and "
+                    f"the server holds {self.version or 'none'} (did the first worker stop before sending them?)"
+                ) from None
+            self._sampling += 1
+        try:
+            call = uuid.uuid4().hex[:12]
+            n = len(requests)
+            tokens: list[list[int]] = [[] for _ in range(n)]
+            drawn: list[list[float]] = [[] for _ in range(n)]
+            counts = [0, 0]  # computed, cached
+            computed = [asyncio.Event() for _ in range(0, n, max(1, copies))]
+
+            async def one(row: int) -> None:
+                prompt, fields = requests[row]
+                group = row // max(1, copies)
+                if row % max(1, copies):
+                    await computed[group].wait()
+                last = None
+                async for out in self.engine.generate(f"{call}-{row}", list(prompt), SamplingParams(**fields)):
+                    computed[group].set()
+                    tokens[row].extend(out.token_ids)
+                    if out.logprobs:
+                        drawn[row].extend(lp.logprob for lp in out.logprobs)
+                    last = out
+                computed[group].set()
+                if last is not None:
+                    counts[0] += last.num_prompt_tokens - last.num_cached_tokens + last.num_output_tokens
+                    counts[1] += last.num_cached_tokens
+
+            await asyncio.gather(*(one(r) for r in range(n)))
+            return {"tokens": tokens, "logprobs": drawn, "computed": counts[0], "cached": counts[1]}
+        finally:
+            async with self._changed:
+                self._sampling -= 1
+                self._changed.notify_all()
+
+    async def stats(self) -> dict:
+        """Its loads so far and what its engine computed (the tests, the job's log)."""
+        engine_stats = self.engine.stats() if self.engine is not None else None
+        return {
+            "name": self.name,
+            "version": self.version,
+            "loads": self.loads,
+            "load_s": self.load_s,
+            "generation_tokens_total": engine_stats.generation_tokens_total if engine_stats else 0,
+            "prefix_cache_hits_total": engine_stats.prefix_cache_hits_total if engine_stats else 0,
+        }
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def _pairs(chunks: list) -> Iterator[tuple[str, object]]:
+    """The (name, tensor) pairs of `chunks`, each chunk a list of them or a Ray object ref of one (fetched when its
+    turn comes, and let go after)."""
+    for chunk in chunks:
+        if not isinstance(chunk, list):
+            import ray
+
+            chunk = ray.get(chunk)
+        yield from chunk
+
+
+def server_names(session: str, count: int) -> list[str]:
+    """The Ray actor names of a run's `count` sampling servers (`session`: the run's submission, unique)."""
+    return [f"pylon-sampler-{session}-{i}" for i in range(count)]
+
+
+def start_servers(spec, session: str, *, say=print, wait_s: float | None = None) -> tuple[list, str]:
+    """The run's sampling servers (`grpo.sampler: server`), started on the connected cluster as Ray actors named
+    `server_names(session, ...)` in this driver's namespace, each holding `grpo.sampler_resources`; returns their
+    handles once each is placed (while the cluster has no room, `say` tells every 30 s what they wait for) and the
+    namespace. They live as long as this driver (or `stop_servers`)."""
+    import ray
+
+    g = spec.grpo
+    resources = dict(g.sampler_resources)
+    options = {
+        "num_cpus": resources.pop("CPU", 0),
+        "num_gpus": resources.pop("GPU", 0),
+        "resources": resources,
+        "max_restarts": 3,  # a server that died comes back without weights: the first worker sends them again
+        "max_concurrency": 1000,  # (an async actor: every worker's rows at once)
+    }
+    namespace = ray.get_runtime_context().namespace
+    names = server_names(session, g.sampler_servers)
+    actor = ray.remote(SamplingServer)
+    handles = [actor.options(name=name, namespace=namespace, **options).remote(name) for name in names]
+    pending = {h.ready.remote(): h for h in handles}
+    started = time.monotonic()
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=30)
+        for ref in done:
+            where = ray.get(ref)
+            pending.pop(ref)
+            say(f"grpo.sampler server: {where['name']} is up (node {str(where['node_id'])[:12]}, pid {where['pid']})")
+        if pending:
+            waited = time.monotonic() - started
+            if wait_s is not None and waited > wait_s:
+                stop_servers(handles)
+                raise PylonError(
+                    f"grpo.sampler server: no room for {len(pending)} sampling server(s) of "
+                    f"{dict(g.sampler_resources)} after {waited:.0f} s: free or add a node with those resources, or "
+                    "lower grpo.sampler_resources"
+                )
+            say(
+                f"grpo.sampler server: waiting {waited:.0f} s for room for {len(pending)} sampling server(s) of "
+                f"{dict(g.sampler_resources)} (grpo.sampler_resources)"
+            )
+    return handles, namespace
+
+
+def stop_servers(handles: list, *, say=None) -> None:
+    """Stop the run's sampling servers; `say`: first tell what each did (its weight loads and the tokens it
+    generated), as far as it still answers."""
+    import ray
+
+    if say is not None:
+        for handle in handles:
+            try:
+                got = ray.get(handle.stats.remote(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - a server that is gone has nothing to tell
+                say(f"grpo.sampler server: a server did not answer ({type(e).__name__})")
+                continue
+            say(
+                f"grpo.sampler server: {got['name']} took {got['loads']} weight loads ({got['load_s']:.1f} s) and "
+                f"generated {got['generation_tokens_total']:,} tokens ({got['prefix_cache_hits_total']:,} prompt "
+                "tokens read from its prefix cache)"
+            )
+    for handle in handles:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+
+
+class RemoteRollout:
+    """A training worker's side of `grpo.sampler: server`: what `RolloutEngine` offers (`current`, `sample`, the
+    counts), its engine in a sampling server. `servers`: the names of the run's servers (`server_names`), found in
+    `namespace`; worker `rank` of `world` samples on server rank mod len(servers), and rank 0 sends every server the
+    weights."""
+
+    def __init__(
+        self, trainer, tokenizer: dict, *, spec, seq_len: int, servers: list[str], namespace: str, rank: int, world: int
+    ) -> None:
+        import ray
+
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer["eos_id"])
+        on_gpu = spec.grpo.sampler_resources.get("GPU", 0) > 0
+        self.spec = engine_spec(spec, seq_len, on_gpu=on_gpu)
+        self.rank, self.world = rank, world
+        self.servers = [ray.get_actor(name, namespace=namespace) for name in servers] if rank == 0 else []
+        self.server = ray.get_actor(servers[rank % len(servers)], namespace=namespace)
+        self.server_name = servers[rank % len(servers)]
+        self.stage3 = spec.deepspeed.zero_stage == 3
+        self.computed_tokens = 0
+        self.cached_tokens = 0
+        self.sync_s, self.syncs = 0.0, 0
+        self.sent_bytes = 0  # weights rank 0 put in the object store for the servers
+        self.last_logprobs: list[np.ndarray] | None = None
+        self.version: str | None = None  # the weights this worker's rows ask for
+        self._weights_step = None  # the trainer's step those are (None: none sent yet: sync at the first sampling)
+
+    def current(self, trainer) -> None:
+        """The servers given the weights of DeepSpeed's `trainer` unless they have them already: once per optimizer
+        step that changed them, and again where a server restarted since (it lost them). Every rank calls this at
+        the same points; rank 0 decides and tells the others (a collective), and at ZeRO-3 all gather together."""
+        import ray
+
+        step = getattr(trainer, "global_steps", None)
+        version = None
+        if self.rank == 0:
+            stale = step is None or step != self._weights_step or self.version is None
+            if not stale:
+                held = ray.get([s.current_version.remote() for s in self.servers])
+                stale = any(v != self.version for v in held)
+            if stale:
+                import uuid
+
+                version = uuid.uuid4().hex
+        version = _from_rank0(version, self.world)
+        if version is not None:
+            self.sync(getattr(trainer, "module", trainer), version)
+            self._weights_step = step
+
+    def sync(self, module, version: str) -> None:
+        """Send the policy's current weights to every server as `version` (rank 0; at ZeRO-3 every rank gathers with
+        it). The other ranks go on at once: their rows wait at their server for `version`."""
+        import ray
+        import torch
+
+        started = time.perf_counter()
+        self.version = version
+        if self.rank != 0:
+            if self.stage3:  # the gathers are collective: take part, keep nothing
+                for _ in full_weights(module):
+                    pass
+            self.syncs += 1
+            return
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.dtype, torch.float32)
+        refs, chunk, size, names = [], [], 0, []
+        for name, tensor in full_weights(module):
+            t = tensor.to("cpu", torch_dtype).contiguous().clone()
+            chunk.append((name, t))
+            names.append(name)
+            size += t.numel() * t.element_size()
+            if size >= CHUNK_BYTES:
+                refs.append(ray.put(chunk))
+                self.sent_bytes += size
+                chunk, size = [], 0
+        if chunk:
+            refs.append(ray.put(chunk))
+            self.sent_bytes += size
+        config = policy_config(module, names)
+        spec = self.spec.model_dump(mode="json")
+        ray.get([s.load.remote(version, config, self.tokenizer, spec, refs) for s in self.servers])
+        del refs
+        self.syncs += 1
+        self.sync_s += time.perf_counter() - started
+
+    def sample(
+        self,
+        prompts: list[np.ndarray],
+        loss,
+        *,
+        seed: int,
+        greedy: bool = False,
+        copies: int | None = None,
+        logprobs: bool = False,
+    ):
+        """`RolloutEngine.sample`, on this worker's server: the same seeded streams, so the same completions."""
+        import ray
+
+        copies = loss.generations if copies is None else copies
+        rows = len(prompts) * copies
+        if not rows:
+            self.last_logprobs = [] if logprobs else None
+            return []
+        requests = [
+            (
+                [int(t) for t in prompts[r // copies]],
+                sampling_fields(loss, self.eos_id, seed, r, greedy=greedy, logprobs=logprobs),
+            )
+            for r in range(rows)
+        ]
+        try:
+            got = ray.get(self.server.sample.remote(self.version, requests, copies))
+        except ray.exceptions.RayActorError as e:
+            raise PylonError(
+                f"grpo.sampler server {self.server_name} stopped while sampling ({type(e).__name__}); the run "
+                "resumes from its last checkpoint, and the restarted server is sent the weights again"
+            ) from e
+        self.computed_tokens += got["computed"]
+        self.cached_tokens += got["cached"]
+        self.last_logprobs = (
+            [np.asarray(lp[: loss.max_tokens], dtype=np.float32) for lp in got["logprobs"]] if logprobs else None
+        )
+        return [np.asarray(t[: loss.max_tokens], dtype=np.int64) for t in got["tokens"]]
+
+
+def _from_rank0(value, world: int):
+    """`value` as rank 0 has it, on every rank (a collective: every rank calls it together)."""
+    if world <= 1:
+        return value
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -88,7 +88,7 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
         print(note, flush=True)
     if spec.objective == "eagle3":  # before workers start: can the engine run a head for this model
         _check_eagle3_model(spec, manifest)
-    if spec.grpo is not None and spec.grpo.sampler == "engine":  # before workers start: can the engine sample it
+    if spec.grpo is not None and spec.grpo.sampler != "model":  # before workers start: can the engine sample it
         from pylon.jobs.rollout import check_sampler
 
         check_sampler(spec, manifest)
@@ -102,9 +102,15 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
 
     use_gpu = spec.scaling.use_gpu
     resources = dict(spec.scaling.resources_per_worker) or {"CPU": 1}
+    loop_config = {"spec": spec.model_dump(mode="json"), "run_uri": run_uri, "session": session.id}
+    if spec.grpo is not None and spec.grpo.sampler == "server":  # started once admitted (_fit_and_export)
+        from pylon.jobs.rollout import server_names
+
+        loop_config["sampler_servers"] = server_names(session.id, spec.grpo.sampler_servers)
+        loop_config["sampler_namespace"] = ray.get_runtime_context().namespace
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "run_uri": run_uri, "session": session.id},
+        train_loop_config=loop_config,
         scaling_config=ScalingConfig(
             num_workers=spec.scaling.num_workers,
             use_gpu=use_gpu,
@@ -145,7 +151,16 @@ def _fit_and_export(trainer, spec: TrainJobSpec, run_uri: str, session, *, expor
     t0 = time.perf_counter()
     with admitted(spec):  # waits in the cluster's job queue while jobs ahead of it hold the workers it needs
         session.queued(time.perf_counter() - t0)
-        result = trainer.fit()
+        servers = []
+        if spec.grpo is not None and spec.grpo.sampler == "server":  # grpo.sampler server: before the workers
+            from pylon.jobs.rollout import start_servers, stop_servers
+
+            servers, _ = start_servers(spec, session.id, say=lambda line: print(line, flush=True))
+        try:
+            result = trainer.fit()
+        finally:
+            if servers:
+                stop_servers(servers, say=lambda line: print(line, flush=True))
     summary = {"run_uri": run_uri, **(result.metrics or {})}
     records = read_metrics(run_uri)
     evals = read_metrics(run_uri, kind="eval")
@@ -534,6 +549,28 @@ def train_loop(config: dict) -> None:
     if grpo is not None:  # a prompt as long as a row and its longest completion must fit the model's positions
         check_completion_room(cfg, stream.manifest.seq_len, grpo.max_tokens)
     rollout_engine = None  # grpo.sampler engine (pylon.jobs.rollout): a serving engine beside the model samples
+    if grpo is not None and spec.grpo.sampler == "server":  # or in sampling servers of their own
+        from pylon.jobs.rollout import RemoteRollout
+
+        rollout_engine = RemoteRollout(
+            engine,
+            tok.model_dump(mode="json"),
+            spec=spec,
+            seq_len=stream.manifest.seq_len,
+            servers=config["sampler_servers"],
+            namespace=config["sampler_namespace"],
+            rank=rank,
+            world=world,
+        )
+        grpo_eval.rollout = rollout_engine
+        if rank == 0:
+            print(
+                f"grpo.sampler server: completions sampled by {len(config['sampler_servers'])} sampling server(s) "
+                f"({rollout_engine.spec.device}, {rollout_engine.spec.dtype}, "
+                f"{rollout_engine.spec.kv_cache_tokens:,} KV tokens, {rollout_engine.spec.max_num_seqs} at once), "
+                "sent the policy's weights before each sampling step",
+                flush=True,
+            )
     if grpo is not None and spec.grpo.sampler == "engine":  # (every rank: at ZeRO-3 its weights gather collectively)
         from pylon.jobs.rollout import RolloutEngine
 

@@ -610,45 +610,59 @@ class GrpoSpec(_Spec):
         "than each layer for every token (TRL's ds3_gather_for_generation): far fewer collectives, at the cost of "
         "holding the whole model (in the training precision) while sampling; false for a model that does not fit whole",
     )
-    sampler: Literal["model", "engine"] = Field(
+    sampler: Literal["model", "engine", "server"] = Field(
         "model",
         description="what samples the completions: model, the trained model itself (transformers' way: a padded "
         "batch with its KV cache, every row computing until the last one ends); engine, Pylon's serving engine "
         "colocated on each worker (TRL's use_vllm with vllm_mode colocate): the policy's weights copied into it "
         "before each sampling step (LoRA merged, ZeRO-3 gathered a module at a time), its paged KV cache sharing "
         "each prompt among its copies, and continuous batching. The engine holds a second copy of the weights and "
-        "its KV cache (grpo.sampler_kv_cache_tokens): the planner counts both",
+        "its KV cache (grpo.sampler_kv_cache_tokens): the planner counts both. server, the same engine in "
+        "grpo.sampler_servers Ray actors of their own (TRL's vllm_mode server), each on grpo.sampler_resources "
+        "(another GPU or node): the workers' memory holds no engine, the first worker sends the policy's weights "
+        "through Ray's object store before each sampling step, and each server batches the rows of the workers it "
+        "samples for together",
+    )
+    sampler_servers: PositiveInt = Field(
+        1,
+        description="grpo.sampler server: how many sampling servers (TRL's vllm data_parallel_size); worker r "
+        "samples on server r mod sampler_servers, and each server is sent the weights",
+    )
+    sampler_resources: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="grpo.sampler server: the Ray resources each sampling server holds for the whole run, as "
+        "scaling.resources_per_worker ({GPU: 1} puts it on a GPU of its own, and the engine on CUDA)",
     )
     sampler_kv_cache_tokens: PositiveInt | None = Field(
         None,
-        description="grpo.sampler engine: the tokens its KV cache holds; None: a micro-batch's rows of prompts and "
-        "`generations` completions of max_completion_tokens for each row (at least 4,096). Fewer is slower, never "
-        "wrong: completions wait for room",
+        description="grpo.sampler engine or server: the tokens its KV cache holds; None: a micro-batch's rows of "
+        "prompts and `generations` completions of max_completion_tokens for each row (at least 4,096). Fewer is "
+        "slower, never wrong: completions wait for room",
     )
     sampler_max_num_seqs: PositiveInt = Field(
-        64, description="grpo.sampler engine: completions it computes at once (vLLM's max_num_seqs)"
+        64, description="grpo.sampler engine or server: completions it computes at once (vLLM's max_num_seqs)"
     )
     sampler_correction: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate", "none"] = Field(
         "sequence_mask",
-        description="grpo.sampler engine, objectives grpo and rloo: the importance-sampling correction for the engine "
-        "sampling from a slightly different policy than the one trained (its numerics; top-k/top-p truncation), TRL's "
-        "vllm_importance_sampling_mode. The ratio of the trained model's probability of the sampled tokens to the "
-        "engine's, per token (token_*) or per completion (sequence_*: the product over its tokens), weighs each "
-        "token's (rloo: each completion's) loss, held to [sampler_correction_min, sampler_correction_cap]: clipped to "
-        "it (*_truncate) or zero outside it (*_mask: the completion or token left out). Its mean is logged "
+        description="grpo.sampler engine or server, objectives grpo and rloo: the importance-sampling correction for "
+        "the engine sampling from a slightly different policy than the one trained (its numerics; top-k/top-p "
+        "truncation), TRL's vllm_importance_sampling_mode. The ratio of the trained model's probability of the sampled "
+        "tokens to the engine's, per token (token_*) or per completion (sequence_*: the product over its tokens), "
+        "weighs each token's (rloo: each completion's) loss, held to [sampler_correction_min, sampler_correction_cap]: "
+        "clipped to it (*_truncate) or zero outside it (*_mask: the completion or token left out). Its mean is logged "
         "(grpo_sampler_ratio). objective rloo takes sequence_* only (its loss is a completion's); none: no correction",
     )
     sampler_correction_cap: float | None = Field(
         3.0,
         gt=1,
-        description="grpo.sampler engine: the upper bound of grpo.sampler_correction's ratio (TRL's "
+        description="grpo.sampler engine or server: the upper bound of grpo.sampler_correction's ratio (TRL's "
         "vllm_importance_sampling_clip_max); None: none (then sampler_correction_min must be set)",
     )
     sampler_correction_min: float | None = Field(
         None,
         ge=0,
         lt=1,
-        description="grpo.sampler engine: the lower bound of grpo.sampler_correction's ratio (TRL's "
+        description="grpo.sampler engine or server: the lower bound of grpo.sampler_correction's ratio (TRL's "
         "vllm_importance_sampling_clip_min); None: none",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
@@ -671,7 +685,26 @@ class GrpoSpec(_Spec):
     def changed(self, *names: str) -> list[str]:
         """Those of the fields `names` whose values differ from their defaults (by value: a default given explicitly
         is no change)."""
-        return [n for n in names if getattr(self, n) != type(self).model_fields[n].default]
+        fields = type(self).model_fields
+        return [n for n in names if getattr(self, n) != fields[n].get_default(call_default_factory=True)]
+
+    def server_problems(self, num_workers: int) -> list[tuple[str, str]]:
+        """grpo.sampler server: what is wrong with its servers' settings for `num_workers` workers."""
+        problems = []
+        if self.sampler_servers > num_workers:
+            problems.append(
+                (
+                    "grpo.sampler_servers",
+                    f"{self.sampler_servers} servers for {num_workers} workers: worker r samples on server r mod "
+                    f"sampler_servers, so {self.sampler_servers - num_workers} would sample nothing; at most "
+                    f"{num_workers}",
+                )
+            )
+        if not any(v > 0 for v in self.sampler_resources.values()):
+            problems.append(
+                ("grpo.sampler_resources", "holds nothing: give each server a share of a node: {CPU: 1}, {GPU: 1}")
+            )
+        return problems
 
     def correction_problems(self, objective: str) -> list[tuple[str, str]]:
         """grpo.sampler engine: what is wrong with its correction's settings for `objective` (field, problem)."""
@@ -703,6 +736,8 @@ class GrpoSpec(_Spec):
 # grpo.sampler engine's settings, and of them its correction's
 CORRECTION_FIELDS = ("sampler_correction", "sampler_correction_cap", "sampler_correction_min")
 ENGINE_SAMPLER_FIELDS = ("sampler_kv_cache_tokens", "sampler_max_num_seqs", *CORRECTION_FIELDS)
+# grpo.sampler server's own settings
+SERVER_SAMPLER_FIELDS = ("sampler_servers", "sampler_resources")
 
 
 def sampler_kv_cache_tokens(spec: "TrainJobSpec", seq_len: int) -> int:
@@ -1057,10 +1092,20 @@ class TrainJobSpec(_Spec):
             if self.grpo is not None and self.grpo.sampler == "model":  # (by value, as above)
                 for name in self.grpo.changed(*ENGINE_SAMPLER_FIELDS):
                     problems.append(
-                        (f"grpo.{name}", "is grpo.sampler engine's: set grpo.sampler: engine, or leave it out")
+                        (
+                            f"grpo.{name}",
+                            "is grpo.sampler engine's (and server's): set grpo.sampler: engine, or leave it out",
+                        )
                     )
             elif self.grpo is not None:
                 problems.extend(self.grpo.correction_problems(objective))
+            if self.grpo is not None and self.grpo.sampler != "server":
+                for name in self.grpo.changed(*SERVER_SAMPLER_FIELDS):
+                    problems.append(
+                        (f"grpo.{name}", "is grpo.sampler server's: set grpo.sampler: server, or leave it out")
+                    )
+            if self.grpo is not None and self.grpo.sampler == "server":
+                problems.extend(self.grpo.server_problems(self.scaling.num_workers))
             mu = self.grpo.iterations if self.grpo is not None else 1
             for field, value in (("steps", self.steps), ("checkpoint.every_steps", self.checkpoint.every_steps)):
                 if value % mu:

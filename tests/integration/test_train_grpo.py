@@ -9,6 +9,7 @@ is asked; the held-out prompts' greedy completions are scored; the run exports i
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -139,8 +140,38 @@ def test_a_grpo_run_learns_what_its_reward_asks_for(ray_cluster, tmp_path, monke
     assert "step 1 completion: reward" in logs and "step 11 completion: reward" in logs, logs[-4000:]
 
 
+def test_a_grpo_run_samples_on_a_server_of_its_own_and_learns(ray_cluster, tmp_path, monkeypatch):
+    """`grpo.sampler: server` (TRL's vllm_mode server): the engine in a Ray actor of its own, holding its own share of
+    the cluster, sent the policy's weights (LoRA merged, ZeRO-3 gathered by both workers) by the first worker through
+    the object store before each sampling step; both workers' rows sampled there, batched together."""
+    spec = _grpo_spec(tmp_path, monkeypatch, name="grpo-server", sampler="server", repeat=4)
+    spec["scaling"]["resources_per_worker"] = {"CPU": 0.75}
+    spec["grpo"]["sampler_resources"] = {"CPU": 0.5}  # (the session cluster's 2 CPUs: both workers and the server)
+    logs, steps, evals = _run(spec)
+    assert "grpo.sampler server: completions sampled by 1 sampling server(s)" in logs, logs[-4000:]
+    up = re.search(r"grpo\.sampler server: (pylon-sampler-\S+-0) is up \(node \w+, pid (\d+)\)", logs)
+    assert up, logs[-4000:]
+    workers = json.loads((tmp_path / "runs" / "grpo-server" / "workers.json").read_text())["workers"]
+    assert int(up.group(2)) not in {w["pid"] for w in workers}  # a process of its own, not a worker's
+    # one load a sampling step (12) and one for the evaluation after the last update, all it generated
+    done = re.search(rf"{up.group(1)} took (\d+) weight loads .* and generated ([\d,]+) tokens", logs)
+    assert done and int(done.group(1)) == 13, logs[-4000:]
+    generated = int(done.group(2).replace(",", ""))
+    assert generated == pytest.approx(
+        sum(r["grpo_completions"] * r["grpo_completion_length"] for r in steps)
+        + sum(e["val_grpo_completions"] * e["val_grpo_completion_length"] for e in evals)
+    )
+    rewards = [round(r["grpo_reward"], 3) for r in steps]
+    print("grpo server: rewards by step", rewards)
+    assert steps[0]["grpo_completions"] == 32 and steps[0]["grpo_kl"] < 1e-6, steps[0]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
+    assert all(r["grpo_sampler_ratio"] == pytest.approx(1.0, abs=1e-3) for r in steps), steps[-1]
+    (evaluation,) = evals
+    assert evaluation["val_grpo_completions"] == 2 and evaluation["val_grpo_reward"] > 0.5, evaluation
+
+
 @pytest.mark.slow  # (make test-all: three more jobs each)
-@pytest.mark.parametrize("sampler", ["model", "engine"])
+@pytest.mark.parametrize("sampler", ["model", "engine", "server"])
 def test_a_resumed_grpo_run_samples_and_learns_what_the_uninterrupted_one_did(
     ray_cluster, tmp_path, monkeypatch, sampler
 ):

@@ -1,0 +1,189 @@
+"""`grpo.sampler: server` (pylon.jobs.rollout.SamplingServer): the sampling server, run here in this process as its
+Ray actor runs it, builds its engine from the first weights sent, samples what the colocated engine
+(`grpo.sampler: engine`) samples for the same rows and seeds, follows the weights it is sent, makes rows for weights
+it does not hold yet wait for them (and refuses them, naming both versions, when they never come), and batches the
+rows of several workers together. The actors, the weights through Ray's object store and a run on the cluster:
+tests/integration/test_train_grpo.py."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pylon.errors import PylonError
+from pylon.jobs import rollout as rollout_module
+from pylon.jobs.grpo import GrpoLoss
+from pylon.jobs.queue import job_need
+from pylon.jobs.rollout import (
+    CHUNK_BYTES,
+    RolloutEngine,
+    SamplingServer,
+    engine_spec,
+    policy_config,
+    policy_tensors,
+    sampling_fields,
+)
+from pylon.specs import TrainJobSpec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_grpo import EOS, _model, _spec  # noqa: E402
+from test_rollout import BYTE, _prompts  # noqa: E402
+
+SEQ_LEN = 64
+
+
+@pytest.fixture
+def run():
+    """One event loop for a test's calls, as a Ray actor has one for all of its calls (its condition binds to it)."""
+    loop = asyncio.new_event_loop()
+    yield loop.run_until_complete
+    loop.close()
+
+
+def _send(run, server: SamplingServer, module, version: str, spec) -> dict:
+    """What RemoteRollout.sync sends, without Ray: the weights in chunks (here lists, not object refs)."""
+    espec = engine_spec(spec, SEQ_LEN, on_gpu=False)
+    tensors = policy_tensors(module, espec.dtype)
+    items = list(tensors.items())
+    chunks = [items[i : i + 5] for i in range(0, len(items), 5)]  # several chunks, as a large model's
+    return run(server.load(version, policy_config(module, tensors), BYTE, espec.model_dump(mode="json"), chunks))
+
+
+def _rows(prompts, loss, seed, *, copies, greedy=False, logprobs=False):
+    rows = len(prompts) * copies
+    return [
+        ([int(t) for t in prompts[r // copies]], sampling_fields(loss, EOS, seed, r, greedy=greedy, logprobs=logprobs))
+        for r in range(rows)
+    ]
+
+
+def test_the_server_samples_what_the_colocated_engine_does_and_follows_the_weights_it_is_sent(run) -> None:
+    model = _model()
+    with torch.no_grad():  # larger weights: a random model's argmax then depends on every position and token
+        for p in model.parameters():
+            p.mul_(4)
+    spec = _spec(sampler="server")
+    prompts = _prompts("Say the letter a, and say it again: ", "Write down a colour name, then stop here: ")
+    loss = GrpoLoss(generations=4, max_tokens=10)
+    local = RolloutEngine(model, BYTE, spec=_spec(sampler="engine"), device=torch.device("cpu"), seq_len=SEQ_LEN)
+    server = SamplingServer("s0")
+    assert run(server.current_version()) is None and server.engine is None
+    assert _send(run, server, model, "v1", spec)["version"] == "v1"
+    assert run(server.current_version()) == "v1" and server.loads == 1
+
+    def both(seed, greedy=False):
+        want = [c.tolist() for c in local.sample(prompts, loss, seed=seed, greedy=greedy, logprobs=True)]
+        got = run(server.sample(server.version, _rows(prompts, loss, seed, copies=4, greedy=greedy,
+                                                               logprobs=True), 4))  # fmt: skip
+        return want, got
+
+    want, got = both(seed=3)
+    assert got["tokens"] == want and len(want) == 8
+    assert len({tuple(x) for x in want}) > 1  # a group's completions differ: sampled, each its own seeded stream
+    for drawn, local_drawn in zip(got["logprobs"], local.last_logprobs, strict=True):
+        np.testing.assert_allclose(np.asarray(drawn, dtype=np.float32), local_drawn, rtol=1e-5, atol=1e-5)
+    # each prompt computed once: its three other copies read its two full blocks of 16 from the prefix cache
+    assert got["cached"] == 2 * 3 * 32
+    prefill = sum(len(p) for p in prompts) + 3 * sum(len(p) - 32 for p in prompts)
+    assert got["computed"] == prefill + sum(len(x) for x in want)
+    greedy_want, greedy = both(seed=0, greedy=True)
+    assert greedy["tokens"] == greedy_want
+    with torch.no_grad():  # an update: sent as v2, the server follows it
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    local.current(model)
+    _send(run, server, model, "v2", spec)
+    assert server.loads == 2
+    again_want, again = both(seed=0, greedy=True)
+    assert again["tokens"] == again_want and again_want != greedy_want
+    server.shutdown()
+
+
+def test_rows_wait_for_their_weights_and_are_refused_naming_both_versions_when_they_never_come(
+    run, monkeypatch
+) -> None:
+    model = _model()
+    spec = _spec(sampler="server")
+    loss = GrpoLoss(generations=2, max_tokens=4)
+    rows = _rows(_prompts("abc"), loss, 0, copies=2)
+    server = SamplingServer("s1")
+    _send(run, server, model, "v1", spec)
+
+    async def early_rows_then_weights():
+        # a worker's rows for v2 arrive before the first worker has sent v2: they wait, then sample with v2
+        sampling = asyncio.ensure_future(server.sample("v2", rows, 2))
+        await asyncio.sleep(0.3)
+        assert not sampling.done()
+        espec = engine_spec(spec, SEQ_LEN, on_gpu=False)
+        tensors = policy_tensors(model, espec.dtype)
+        await server.load("v2", policy_config(model, tensors), BYTE, espec.model_dump(mode="json"),
+                          [list(tensors.items())])  # fmt: skip
+        return await sampling
+
+    got = run(early_rows_then_weights())
+    assert len(got["tokens"]) == 2 and server.version == "v2"
+    monkeypatch.setattr(rollout_module, "VERSION_WAIT_S", 0.2)
+    with pytest.raises(PylonError, match=r"server s1: rows for weights v3 waited 0 s and the server holds v2"):
+        run(server.sample("v3", rows, 2))
+    assert server._sampling == 0  # (a refused call holds nothing: the next weights are not kept waiting)
+    server.shutdown()
+
+
+def test_one_server_batches_several_workers_rows_together(run) -> None:
+    """Two workers' calls at once on one server: each gets what it would alone (the same seeded streams), and the
+    engine ran them in the same steps (fewer decode steps than one after the other)."""
+    model = _model()
+    spec = _spec(sampler="server")
+    loss = GrpoLoss(generations=2, max_tokens=8)
+    server = SamplingServer("s2")
+    _send(run, server, model, "v1", spec)
+    a = _rows(_prompts("first worker's prompt"), loss, 11, copies=2)
+    b = _rows(_prompts("the second one's"), loss, 12, copies=2)
+    engine = server.engine.engine
+    running: list[int] = []
+    step = engine.step
+
+    def counted_step():
+        out = step()
+        running.append(len(engine.scheduler.running) + sum(1 for o in out if o.finished))
+        return out
+
+    engine.step = counted_step  # (the server's step loop calls the engine's step)
+    alone = [run(server.sample("v1", rows, 2))["tokens"] for rows in (a, b)]
+    assert max(running) == 2  # one worker's two rows
+    running.clear()
+
+    async def together():
+        return await asyncio.gather(server.sample("v1", a, 2), server.sample("v1", b, 2))
+
+    got = run(together())
+    assert [g["tokens"] for g in got] == alone
+    assert max(running) == 4  # both workers' rows in the same steps
+    server.shutdown()
+
+
+def test_the_server_settings_are_checked_and_counted_in_the_jobs_need() -> None:
+    spec = _spec(sampler="server")
+    assert spec.grpo.sampler_servers == 1 and spec.grpo.sampler_resources == {"CPU": 1.0}
+    with pytest.raises(ValueError, match=r"grpo\.sampler_servers: is grpo\.sampler server's"):
+        _spec(sampler="engine", sampler_servers=2)
+    with pytest.raises(ValueError, match=r"grpo\.sampler_resources: is grpo\.sampler server's"):
+        _spec(sampler_resources={"GPU": 1})
+    with pytest.raises(ValueError, match=r"grpo\.sampler_servers: 2 servers for 1 workers"):
+        _spec(sampler="server", sampler_servers=2)
+    with pytest.raises(ValueError, match=r"grpo\.sampler_resources: holds nothing"):
+        _spec(sampler="server", sampler_resources={"CPU": 0})
+    # the engine's own settings are the server's too
+    assert _spec(sampler="server", sampler_max_num_seqs=8).grpo.sampler_max_num_seqs == 8
+    two = TrainJobSpec.model_validate(
+        {**spec.model_dump(), "scaling": {"num_workers": 4, "resources_per_worker": {"CPU": 2}},
+         "grpo": {**spec.grpo.model_dump(), "sampler_servers": 2, "sampler_resources": {"CPU": 1, "GPU": 1}}}
+    )  # fmt: skip
+    assert job_need(two) == {"CPU": 10.0, "GPU": 2.0}  # the workers' and the servers'
+    assert engine_spec(two, SEQ_LEN, on_gpu=True).device == "cuda"
+    assert CHUNK_BYTES >= 1 << 20
