@@ -104,6 +104,21 @@ class SessionRecorder:
         self.record["updated_at"] = time.time()
         _write(self.uri, self.record)
 
+    def servers_started(self, count: int, resources: dict, *, now: float | None = None) -> None:
+        """`count` actors of the run's own besides its workers (grpo.sampler server's), each holding `resources`
+        from now until `servers_stopped` (or the session's end): their hours are the job's too."""
+        now = now if now is not None else time.time()
+        self.record["servers"] = {"count": count, "resources": dict(resources), "started_at": now, "ended_at": None}
+        self.record["updated_at"] = now
+        _write(self.uri, self.record)
+
+    def servers_stopped(self, *, now: float | None = None) -> None:
+        if "servers" in self.record:
+            now = now if now is not None else time.time()
+            self.record["servers"]["ended_at"] = now
+            self.record["updated_at"] = now
+            _write(self.uri, self.record)
+
     def exported(self, seconds: float, *, read: int, written: int) -> None:
         self.record["export_s"] += seconds
         self.record["bytes"]["export"]["read"] += read
@@ -279,6 +294,11 @@ def measure(run_uri: str, *, now: float | None = None, records: tuple[list, list
             s_end = max([s_end, *(a["updated_at"] for a in mine)])
         s_wall = max(0.0, s_end - s_start)
         wall += s_wall
+        servers = session.get("servers")
+        if servers:  # held from their start to their stop (or, never stopped, the session's end)
+            held_s = max(0.0, (servers["ended_at"] or s_end) - servers["started_at"])
+            for resource, amount in servers["resources"].items():
+                hours[resource] = hours.get(resource, 0.0) + held_s * amount * servers["count"] / HOUR
         s_parts = dict.fromkeys(PARTS, 0.0)
         s_parts["export_s"] = session.get("export_s", 0.0)
         s_parts["queued_s"] = session.get("queued_s", 0.0)

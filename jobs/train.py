@@ -156,11 +156,13 @@ def _fit_and_export(trainer, spec: TrainJobSpec, run_uri: str, session, *, expor
             from pylon.jobs.rollout import start_servers, stop_servers
 
             servers, _ = start_servers(spec, session.id, say=lambda line: print(line, flush=True))
+            session.servers_started(len(servers), spec.grpo.sampler_resources)  # (the ledger counts their hours)
         try:
             result = trainer.fit()
         finally:
             if servers:
                 stop_servers(servers, say=lambda line: print(line, flush=True))
+                session.servers_stopped()
     summary = {"run_uri": run_uri, **(result.metrics or {})}
     records = read_metrics(run_uri)
     evals = read_metrics(run_uri, kind="eval")

@@ -168,6 +168,12 @@ def test_a_grpo_run_samples_on_a_server_of_its_own_and_learns(ray_cluster, tmp_p
     assert all(r["grpo_sampler_ratio"] == pytest.approx(1.0, abs=1e-3) for r in steps), steps[-1]
     (evaluation,) = evals
     assert evaluation["val_grpo_completions"] == 2 and evaluation["val_grpo_reward"] > 0.5, evaluation
+    # the ledger counts the server's share of the cluster from its start to its stop
+    run_dir = tmp_path / "runs" / "grpo-server"
+    (session,) = [json.loads(p.read_text()) for p in (run_dir / "ledger").glob("session-*.json")]
+    servers = session["servers"]
+    assert servers["count"] == 1 and servers["resources"] == {"CPU": 0.5}, servers
+    assert session["started_at"] < servers["started_at"] < servers["ended_at"] <= session["ended_at"]
 
 
 @pytest.mark.slow  # (make test-all: three more jobs each)

@@ -197,6 +197,11 @@ class Workload:
     sampler_kv_tokens: int = 0
     # and the completions it decodes at once (`grpo.sampler_max_num_seqs`)
     sampler_max_num_seqs: int = 64
+    # `grpo.sampler: server`: the sampling servers (each samples for num_gpus / sampler_servers workers, their rows
+    # batched together there; the engine then holds nothing on the workers), and the GPUs each holds (its cost).
+    # 0: colocated (or no engine)
+    sampler_servers: int = 0
+    sampler_server_gpus: float = 0.0
     # objective eagle3: the head trained beside the frozen model (its LlamaConfig, `pylon.draft_head.head_config`)
     # and the drafts deep it is unrolled (`eagle3.ttt_steps`); None and 0 for other objectives
     head: object | None = None
@@ -468,7 +473,11 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
     # grpo.sampler engine: a serving engine on every worker for the whole run, the model whole in its dtype (the
     # training precision on a GPU, fp32 on a CPU) and its KV cache
     sampler = 0.0
-    if work.sampler_kv_tokens:
+    if work.sampler_kv_tokens and work.sampler_servers:
+        notes["sampling servers"] = (
+            "grpo.sampler server: the engine holds its weights and KV cache on the sampling servers, not here"
+        )
+    elif work.sampler_kv_tokens:
         e = w if device == "cuda" else 4
         weights, kv = e * n, kv_bytes_per_token(s, e) * work.sampler_kv_tokens
         sampler = weights + kv

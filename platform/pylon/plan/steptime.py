@@ -154,7 +154,9 @@ def sampling_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) 
     With `grpo.sampler: engine` (`work.sampler_kv_tokens`): each prompt prefilled once (its other completions read
     its blocks from the prefix cache), the decodes in waves of at most `sampler_max_num_seqs` completions, and once a
     step (the engine takes the policy's weights before the first micro-batch that samples after an update) the
-    weights copied into the engine, at ZeRO-3 gathered first (a module at a time: the whole model's bytes once)."""
+    weights copied into the engine, at ZeRO-3 gathered first (a module at a time: the whole model's bytes once).
+    With `grpo.sampler: server` (`work.sampler_servers`), likewise on a server as fast as a worker's accelerator, its
+    waves holding the rows of every worker it samples for, and the weights sent over the network besides."""
     steps = work.completion_tokens
     if not steps:
         return 0.0
@@ -171,10 +173,13 @@ def sampling_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) 
         return max(forward * batch / peak, (weights + kv) / bandwidth)
 
     if work.sampler_kv_tokens:
-        batch = min(rows, work.sampler_max_num_seqs)
-        waves = math.ceil(rows / batch)
-        prefill = forward * layout.micro_batch_size * prompt / peak
+        k = math.ceil(g / work.sampler_servers) if work.sampler_servers else 1  # server: k workers' rows together
+        batch = min(rows * k, work.sampler_max_num_seqs)
+        waves = math.ceil(rows * k / batch)
+        prefill = forward * layout.micro_batch_size * k * prompt / peak
         sync = gathered / (collective_gbs(acc, g) * 1e9) + weights / bandwidth  # (a copy: read and written once)
+        if work.sampler_servers:  # and sent to the servers through the object store, over the network
+            sync += weights / (collective_gbs(acc, g) * 1e9)
         return layout.grad_accum_steps * (prefill + waves * steps * decode(batch)) + sync
     prefill = forward * rows * prompt / peak
     gather = 0.0

@@ -35,6 +35,7 @@ from pylon.plan.memory import (
     ModelShape,
     TrainMemory,
     Workload,
+    kv_bytes_per_token,
     model_shape,
     train_memory,
 )
@@ -108,6 +109,7 @@ class Option:
     tokens_per_step: int
     mfu: float  # assumed: model FLOPs only
     hfu: float  # what the GPUs execute at that MFU, recomputation included
+    extra_gpus: float = 0.0  # held for the whole run besides the layout's (grpo.sampler server's GPUs)
 
     @property
     def achieved_mfu(self) -> float:
@@ -128,7 +130,7 @@ class Option:
 
     @property
     def gpu_hours(self) -> float:
-        return self.wall_s / 3600 * self.layout.num_gpus
+        return self.wall_s / 3600 * (self.layout.num_gpus + self.extra_gpus)
 
     @property
     def cost(self) -> float:
@@ -183,7 +185,17 @@ def evaluate(work: Workload, layout: Layout, acc: Accelerator, *, steps: int, mf
     tokens = layout.micro_batch_size * layout.grad_accum_steps * layout.num_gpus * work.seq_len
     step = step_time(work, layout, acc, mfu)
     return Option(
-        acc, layout, memory, fits, binding, step, steps, tokens, mfu, hfu(work, layout.gradient_checkpointing, mfu)
+        acc,
+        layout,
+        memory,
+        fits,
+        binding,
+        step,
+        steps,
+        tokens,
+        mfu,
+        hfu(work, layout.gradient_checkpointing, mfu),
+        extra_gpus=work.sampler_servers * work.sampler_server_gpus,
     )
 
 
@@ -447,11 +459,24 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
             "prefill of the prompts and a decode step per completion token, each reading every weight once"
         )
     chunk = spec.loss_chunk_tokens
-    engine = rl and spec.grpo.sampler == "engine"
+    engine = rl and spec.grpo.sampler != "model"
     gathered = rl and spec.grpo.zero3_gather_for_sampling and not engine
-    sampler_kv = 0
+    sampler_kv, servers, server_gpus = 0, 0, 0.0
     if engine:
         sampler_kv = sampler_kv_cache_tokens(spec, seq - spec.grpo.max_completion_tokens)
+    if engine and spec.grpo.sampler == "server":
+        g = spec.grpo
+        servers, server_gpus = g.sampler_servers, g.sampler_resources.get("GPU", 0.0)
+        workers = -(-spec.scaling.num_workers // servers)
+        weights = 4 * shape.total_params  # (fp32 on a CPU; a GPU server holds the training precision's: less)
+        kv = kv_bytes_per_token(shape, 4) * sampler_kv
+        notes.append(
+            f"grpo.sampler server: {g.sampler_servers} sampling server(s) of {dict(g.sampler_resources)}, each "
+            f"holding the model whole and {sampler_kv:,} KV cache tokens (at most {(weights + kv) / 2**30:.1f} GiB) "
+            f"outside the workers' memory, and sampling the rows of up to {workers} worker(s) together; its time as "
+            "the engine's on the workers' accelerator, the weights sent to it once a step; its GPUs in the cost"
+        )
+    elif engine:
         notes.append(
             f"grpo.sampler engine: a serving engine on every worker holds the model whole and {sampler_kv:,} KV cache "
             "tokens for the whole run; its sampling time as a prefill of each prompt once (its other completions "
@@ -462,6 +487,7 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         config, shape, spec.precision, seq, spec.lora, documents, chunk, reference, rollouts,
         gathered_sampling=gathered, completion_tokens=spec.grpo.max_completion_tokens if rl else 0,
         sampler_kv_tokens=sampler_kv, sampler_max_num_seqs=spec.grpo.sampler_max_num_seqs if rl else 64,
+        sampler_servers=servers, sampler_server_gpus=server_gpus,
         head=head, head_steps=(spec.eagle3 or Eagle3Spec()).ttt_steps if head is not None else 0,
     )  # fmt: skip
     return work, notes
@@ -910,18 +936,12 @@ def _lora_alternative(spec: TrainJobSpec, rec: Option, work: Workload, *, mfu: f
     if not targets:
         return None
     lora = LoraSpec(r=8, alpha=16, target_modules=targets)
-    adapted = Workload(
-        work.config,
-        model_shape(work.config, lora),
-        work.precision,
-        work.seq_len,
-        lora,
-        work.documents,
-        work.loss_chunk_tokens,
-        "none" if work.reference == "none" else "adapters",
-        work.rollouts,
-        work.gathered_sampling,
-        work.completion_tokens,
+    adapted = dataclasses.replace(  # (the sampling engine's settings kept: a LoRA run samples as the run would)
+        work,
+        shape=model_shape(work.config, lora),
+        lora=lora,
+        reference="none" if work.reference == "none" else "adapters",
+        _peaks={},
     )
     best = search(
         adapted,

@@ -130,6 +130,27 @@ def test_the_parts_sum_to_the_wall_time_and_the_failure_is_the_work_redone(run) 
     assert (m["bytes_read"], m["bytes_written"]) == (2300, 10_200)
 
 
+def test_a_runs_sampling_servers_hours_are_the_jobs_too(run, tmp_path) -> None:
+    """grpo.sampler server: the servers' resources count from their start to their stop, or, never stopped (the
+    driver died), to the session's end; the workers' hours are unchanged."""
+    before = ledger.measure(run, now=2000.0)
+    recorder = ledger.SessionRecorder(str(tmp_path / "with-servers"), spec=SPEC, now=1000.0)
+    recorder.servers_started(2, {"CPU": 0.5, "GPU": 1}, now=1010.0)
+    recorder.servers_stopped(now=1082.0)
+    session = json.loads(storage.read_bytes(recorder.uri))
+    assert session["servers"] == {"count": 2, "resources": {"CPU": 0.5, "GPU": 1}, "started_at": 1010.0,
+                                  "ended_at": 1082.0}  # fmt: skip
+    stored = json.loads(storage.read_bytes(f"{run}/ledger/session-s1.json"))
+    storage.atomic_write_json(f"{run}/ledger/session-s1.json", {**stored, "servers": session["servers"]})
+    m = ledger.measure(run, now=2000.0)
+    assert m["cpu_hours"] == pytest.approx(before["cpu_hours"] + 72 * 0.5 * 2 / 3600)
+    assert m["accelerator_hours"] == pytest.approx(72 * 2 / 3600)
+    assert m["goodput"] == before["goodput"]  # (the wall time's parts are the workers')
+    never_stopped = {**session["servers"], "ended_at": None}
+    storage.atomic_write_json(f"{run}/ledger/session-s1.json", {**stored, "servers": never_stopped})
+    assert ledger.measure(run, now=2000.0)["accelerator_hours"] == pytest.approx((1100 - 1010) * 2 / 3600)
+
+
 def test_the_report_prices_the_hours_and_the_egress_and_predicts_beside_them(run, tmp_path) -> None:
     prices = tmp_path / "prices.yaml"
     prices.write_text("vCPU: 0.10\negress_GB: 1000\n")

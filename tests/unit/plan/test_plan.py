@@ -359,6 +359,49 @@ def test_a_grpo_engine_sampler_is_planned_as_the_model_whole_and_its_kv_cache_on
     assert cpu.sampler == 4 * s.total_params + kv_bytes_per_token(s, 4) * 8192
 
 
+def test_a_grpo_server_sampler_holds_nothing_on_the_workers_and_batches_their_rows_together() -> None:
+    """grpo.sampler server: the engine's weights and KV cache are on the servers (a note says how much), not in a
+    worker's memory; a server's waves hold the rows of every worker it samples for, and the weights go to it over the
+    network once a step besides the engine's copy."""
+    from dataclasses import replace
+
+    from pylon.plan.catalog import load_catalog
+    from pylon.plan.steptime import sampling_time
+    from pylon.plan.train import train_workload
+
+    h100 = next(a for a in load_catalog().accelerators if a.name == "H100-SXM")
+    grpo = {"rewards": [{"function": "exact_match"}], "generations": 8, "max_completion_tokens": 256}
+    data = {"uri": "/nonexistent/p", "seq_len": 512}
+    scaling = {"num_workers": 8, "use_gpu": True}
+    engine = train_workload(_train(model={"preset": "llama-7b"}, objective="grpo", scaling=scaling,
+                                   grpo={**grpo, "sampler": "engine"}, data=data))[0]  # fmt: skip
+    server, notes = train_workload(
+        _train(model={"preset": "llama-7b"}, objective="grpo", scaling=scaling, data=data,
+               grpo={**grpo, "sampler": "server", "sampler_servers": 2, "sampler_resources": {"GPU": 1}})
+    )  # fmt: skip
+    assert (server.sampler_servers, server.sampler_server_gpus) == (2, 1.0) and engine.sampler_servers == 0
+    assert server.sampler_kv_tokens == engine.sampler_kv_tokens and not server.gathered_sampling
+    assert any("grpo.sampler server: 2 sampling server(s) of {'GPU': 1.0}" in n and "up to 4 worker(s)" in n
+               for n in notes), notes  # fmt: skip
+    z3 = Layout(3, gradient_checkpointing=True, micro_batch_size=1, num_gpus=8)
+    on_workers, served = train_memory(engine, z3), train_memory(server, z3)
+    assert on_workers.sampler > 0 and served.sampler == 0
+    assert served.allocated == on_workers.allocated - on_workers.sampler
+    assert "sampling servers" in served.notes
+    # 4 workers' rows (4 x 8 completions) in waves of 64 on a server: 2 waves where one worker's would take 1
+    one = Layout(2, micro_batch_size=4, num_gpus=8)
+    alone = replace(server, sampler_servers=8)
+    assert sampling_time(server, one, h100, 0.4) > 1.5 * sampling_time(alone, one, h100, 0.4)
+    # and the weights sent once a step: more than the colocated engine's copy alone, with the same rows
+    assert sampling_time(alone, one, h100, 0.4) > sampling_time(engine, one, h100, 0.4)
+    # the servers' GPUs are paid for: 8 workers' and 2 servers' GPU-hours
+    from pylon.plan.train import evaluate
+
+    option = evaluate(server, one, h100, steps=100, mfu=0.4)
+    assert option.gpu_hours == pytest.approx(option.wall_s / 3600 * 10)
+    assert evaluate(engine, one, h100, steps=100, mfu=0.4).extra_gpus == 0
+
+
 def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora() -> None:
     from dataclasses import replace
 
