@@ -446,7 +446,7 @@ def server_names(session: str, count: int) -> list[str]:
     return [f"pylon-sampler-{session}-{i}" for i in range(count)]
 
 
-def start_servers(spec, session: str, *, say=print, wait_s: float | None = None) -> tuple[list, str]:
+def start_servers(spec, session: str, *, say=print) -> tuple[list, str]:
     """The run's sampling servers (`grpo.sampler: server`), started on the connected cluster as Ray actors named
     `server_names(session, ...)` in this driver's namespace, each holding `grpo.sampler_resources`; returns their
     handles once each is placed (while the cluster has no room, `say` tells every 30 s what they wait for) and the
@@ -462,6 +462,8 @@ def start_servers(spec, session: str, *, say=print, wait_s: float | None = None)
         "max_restarts": 3,  # a server that died comes back without weights: the first worker sends them again
         "max_concurrency": 1000,  # (an async actor: every worker's rows at once)
     }
+    if g.sampler_labels:
+        options["label_selector"] = dict(g.sampler_labels)
     namespace = ray.get_runtime_context().namespace
     names = server_names(session, g.sampler_servers)
     actor = ray.remote(SamplingServer)
@@ -475,19 +477,19 @@ def start_servers(spec, session: str, *, say=print, wait_s: float | None = None)
             pending.pop(ref)
             say(f"grpo.sampler server: {where['name']} is up (node {str(where['node_id'])[:12]}, pid {where['pid']})")
         if pending:
-            waited = time.monotonic() - started
-            if wait_s is not None and waited > wait_s:
-                stop_servers(handles)
-                raise PylonError(
-                    f"grpo.sampler server: no room for {len(pending)} sampling server(s) of "
-                    f"{dict(g.sampler_resources)} after {waited:.0f} s: free or add a node with those resources, or "
-                    "lower grpo.sampler_resources"
-                )
             say(
-                f"grpo.sampler server: waiting {waited:.0f} s for room for {len(pending)} sampling server(s) of "
-                f"{dict(g.sampler_resources)} (grpo.sampler_resources)"
+                f"grpo.sampler server: waiting {time.monotonic() - started:.0f} s for room for {len(pending)} sampling "
+                f"server(s) of {_wants(g)}: free or add such a node (an autoscaling cluster adds one itself)"
             )
     return handles, namespace
+
+
+def _wants(g) -> str:
+    """What a sampling server asks of a node, as the spec says it."""
+    wants = f"{dict(g.sampler_resources)} (grpo.sampler_resources)"
+    if g.sampler_labels:
+        wants += f" on a node labelled {dict(g.sampler_labels)} (grpo.sampler_labels)"
+    return wants
 
 
 def stop_servers(handles: list, *, say=None) -> None:

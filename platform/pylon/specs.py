@@ -633,6 +633,11 @@ class GrpoSpec(_Spec):
         description="grpo.sampler server: the Ray resources each sampling server holds for the whole run, as "
         "scaling.resources_per_worker ({GPU: 1} puts it on a GPU of its own, and the engine on CUDA)",
     )
+    sampler_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="grpo.sampler server: the node labels a server's node must have (Ray's label_selector; the "
+        "labels `pylon cluster join --labels` gives a node, e.g. {pool: inference}); {}: any node with room",
+    )
     sampler_kv_cache_tokens: PositiveInt | None = Field(
         None,
         description="grpo.sampler engine or server: the tokens its KV cache holds; None: a micro-batch's rows of "
@@ -737,7 +742,7 @@ class GrpoSpec(_Spec):
 CORRECTION_FIELDS = ("sampler_correction", "sampler_correction_cap", "sampler_correction_min")
 ENGINE_SAMPLER_FIELDS = ("sampler_kv_cache_tokens", "sampler_max_num_seqs", *CORRECTION_FIELDS)
 # grpo.sampler server's own settings
-SERVER_SAMPLER_FIELDS = ("sampler_servers", "sampler_resources")
+SERVER_SAMPLER_FIELDS = ("sampler_servers", "sampler_resources", "sampler_labels")
 
 
 def sampler_kv_cache_tokens(spec: "TrainJobSpec", seq_len: int) -> int:

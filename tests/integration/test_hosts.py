@@ -442,3 +442,57 @@ def test_a_batch_from_the_client_is_answered_on_both_machines(hosts, s3_server, 
     assert [a["response"]["body"]["choices"][0]["text"] for a in answers] == [
         greedy_text(model, p, 48) for p in prompts
     ]
+
+
+def test_a_grpo_run_samples_on_a_server_on_a_labelled_machine(hosts, s3_server):
+    """`grpo.sampler: server` on two machines: the sampling server placed by `grpo.sampler_labels` on the worker
+    machine with a label, the two workers one on each machine (1.5 CPUs of a machine's 2), so the weights or the rows
+    of one of them cross between machines through the object store; the prompts prepared on the client into object
+    storage, the run learning what its reward asks for."""
+    runs = f"s3://{s3_server.bucket}/hosts-grpo-{int(time.time())}"
+    records = [{"prompt": f"Say a{'!' * (k % 4)}: ", "answer": "a"} for k in range(8)]
+    hosts.client.write_text("/tmp/home/prompts.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    data = f"{runs}/prompts"
+    hosts.client.run(
+        ["pylon", "data", "prepare", "prompts.jsonl", "--out", data, "--seq-len", "16", "--prompts"], timeout=300
+    )
+    label = next(n["labels"]["pylon-host"] for n in hosts.alive() if not n["is_head"])  # (one may have been lost)
+    labelled = next(n["node_id"] for n in hosts.alive() if n["labels"].get("pylon-host") == label)
+    spec = {
+        "kind": "TrainJob",
+        "name": "hosts-grpo",
+        "model": {"preset": "llama-tiny"},
+        "objective": "grpo",
+        "grpo": {
+            "rewards": [{"function": "contains_answer"}],
+            "generations": 8,
+            "max_completion_tokens": 8,
+            "sampler": "server",
+            "sampler_resources": {"CPU": 0.5},
+            "sampler_labels": {"pylon-host": label},
+        },
+        "data": {"uri": data, "seq_len": 16},
+        "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1.5}},
+        "deepspeed": {"zero_stage": 2},
+        "precision": "fp32",
+        "batch": {"micro_batch_size": 2, "grad_accum_steps": 1},
+        "optim": {"lr": 3e-2, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
+        "steps": 10,
+        "checkpoint": {"storage": runs, "every_steps": 10},
+    }
+    hosts.client.write_text("/tmp/home/grpo.yaml", yaml.safe_dump(spec))
+    submitted = hosts.client.run(["pylon", "train", "grpo.yaml"], timeout=120).stdout
+    job_id = next(w for w in submitted.split() if w.startswith("train-hosts-grpo-"))
+    code = f"import pylon; c = pylon.connect(); print(c.wait_job({job_id!r}, timeout_s=600)); print(c.job_logs({job_id!r}))"
+    out = hosts.client.python(code, timeout=660).stdout
+    assert out.startswith("SUCCEEDED"), out[-6000:]
+    up = re.search(r"grpo\.sampler server: (pylon-sampler-\S+-0) is up \(node (\w+), pid \d+\)", out)
+    assert up and labelled.startswith(up.group(2)), (labelled, out[-4000:])  # on the labelled machine
+    workers = storage.read_json(f"{runs}/hosts-grpo/workers.json")["workers"]
+    assert len({w["node_id"] for w in workers}) == 2  # a worker on each machine: one of them samples across
+    done = re.search(rf"{up.group(1)} took (\d+) weight loads", out)
+    assert done and int(done.group(1)) == 10, out[-4000:]  # one a sampling step
+    records = [json.loads(line) for line in storage.read_text(f"{runs}/hosts-grpo/metrics.jsonl").splitlines()]
+    rewards = [r["grpo_reward"] for r in records]
+    assert [r["step"] for r in records] == list(range(1, 11)) and records[0]["grpo_completions"] == 32
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
