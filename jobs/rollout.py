@@ -422,6 +422,7 @@ class SamplingServer:
             "loads": self.loads,
             "load_s": self.load_s,
             "generation_tokens_total": engine_stats.generation_tokens_total if engine_stats else 0,
+            "forward_passes_total": engine_stats.forward_passes_total if engine_stats else 0,
             "prefix_cache_hits_total": engine_stats.prefix_cache_hits_total if engine_stats else 0,
         }
 

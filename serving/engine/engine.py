@@ -108,6 +108,9 @@ class EngineStats:
     pipeline_stage_seconds_total: float = 0.0
     pipeline_hop_seconds_total: float = 0.0
     pipeline_weights_read_bytes: int = 0  # of the checkpoint, read from object storage at load (each stage its own)
+    # The model's forward passes: one a step that scheduled anything (every request in it together; the draft
+    # model's or head's passes are spec_draft_model_steps_total)
+    forward_passes_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -360,6 +363,7 @@ class LLMEngine:
         self._unfinished_ids: set[str] = set()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._forward_passes_total = 0  # steps that ran the model (a step with nothing scheduled runs none)
         self._images_total = self._images_encoded_total = 0
         self._finished_total: Counter[str] = Counter()
 
@@ -755,6 +759,7 @@ class LLMEngine:
             for s in batch.scheduled
         ]
         self._step_tokens = sum(step.num_new_tokens for step in steps)
+        self._forward_passes_total += 1
         logits, pooled = self.runner.execute_step(steps)
         if self.snapshots is not None:
             self._snapshot_states(batch.scheduled)
@@ -1214,6 +1219,7 @@ class LLMEngine:
             images_total=self._images_total,
             images_encoded_total=self._images_encoded_total,
             pipeline_steps_total=getattr(self.runner, "pipeline_steps", 0),
+            forward_passes_total=self._forward_passes_total,
             pipeline_stage_seconds_total=getattr(self.runner, "pipeline_stage_seconds", 0.0),
             pipeline_hop_seconds_total=getattr(self.runner, "pipeline_hop_seconds", 0.0),
             pipeline_weights_read_bytes=getattr(self.runner, "pipeline_weights_read_bytes", 0),

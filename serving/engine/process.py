@@ -435,6 +435,7 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         pipeline_stage_seconds_total=sum(s.pipeline_stage_seconds_total for s in stats),
         pipeline_hop_seconds_total=sum(s.pipeline_hop_seconds_total for s in stats),
         pipeline_weights_read_bytes=sum(s.pipeline_weights_read_bytes for s in stats),
+        forward_passes_total=sum(s.forward_passes_total for s in stats),
     )
 
 

@@ -1,0 +1,178 @@
+"""GRPO's sampling server (`grpo.sampler: server`, TRL's vllm_mode server) against the engine beside each worker
+(`grpo.sampler: engine`), in one run, on the same model, prompts and sampling settings.
+
+    .venv/bin/python bench/grpo_server.py                  # 2 workers x 4 prompts of 48-112 tokens x 8 x 64 tokens
+    .venv/bin/python bench/grpo_server.py --workers 4      # one server sampling for 4 workers
+
+What it compares: `--workers` workers' micro-batches, each either sampled by that worker's own engine (colocated: one
+engine a device, the workers side by side) or sent to one sampling server (a Ray actor on a local Ray of its own),
+which samples all of them in the same steps. Per round, after one untimed round: each colocated engine's forward
+passes and seconds for its own rows (one after another here: on a cluster each worker has its device); the server's
+forward passes and seconds for every worker's rows sent at once (its device's time for the whole step's sampling);
+and a sync's cost: the bytes the first worker puts in the object store and the seconds until every server took them
+(`RemoteRollout.sync`'s steps: the weights read, put, loaded in place), against the colocated engine's in-place copy.
+
+Machine-independent counters: forward passes (the server's for W workers against one worker's engine: close to 1x
+when the rows fit a batch) and tokens computed (equal: the same prefix-cache sharing). The seconds are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="workers sampling on the one server (default 2)")
+    parser.add_argument("--hidden", type=int, default=512, help="the model's hidden size (default 512)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--vocab", type=int, default=4096, help="vocabulary (default 4096)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts in a worker's micro-batch (default 4)")
+    parser.add_argument("--generations", type=int, default=8, help="completions per prompt (default 8)")
+    parser.add_argument("--tokens", type=int, default=64, help="max_completion_tokens (default 64)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
+    args = parser.parse_args(argv)
+
+    import numpy as np
+    import ray
+    import torch
+
+    from pylon.data.shards import TokenizerInfo
+    from pylon.jobs.grpo import GrpoLoss
+    from pylon.jobs.rollout import (
+        RolloutEngine,
+        SamplingServer,
+        engine_spec,
+        policy_config,
+        policy_tensors,
+        sampling_fields,
+    )
+    from pylon.models import build_model
+    from pylon.specs import TrainJobSpec
+
+    vocab, eos, pad = args.vocab, args.vocab - 1, args.vocab - 2
+    spec = TrainJobSpec.model_validate(
+        {"name": "bench", "data": {"uri": "/nonexistent"}, "steps": 1,
+         "model": {"config": {"model_type": "llama", "vocab_size": vocab, "hidden_size": args.hidden,
+                              "intermediate_size": int(args.hidden * 2.6875), "num_hidden_layers": args.layers,
+                              "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 512}},
+         "batch": {"micro_batch_size": args.prompts},
+         "scaling": {"num_workers": args.workers},
+         "objective": "grpo", "grpo": {"rewards": [{"function": "exact_match"}], "generations": args.generations,
+                                       "max_completion_tokens": args.tokens, "sampler": "server",
+                                       "sampler_max_num_seqs": 256}}
+    )  # fmt: skip
+    model = build_model(spec, vocab_size=vocab, eos_id=eos, pad_id=pad, seed=0).eval()
+    params = sum(p.numel() for p in model.parameters())
+    g = np.random.default_rng(0)
+    lengths = np.linspace(48, 112, args.prompts).astype(int) if args.prompts > 1 else [64]
+    batches = [[g.integers(0, vocab - 2, n).astype(np.int64) for n in lengths] for _ in range(args.workers)]
+    loss = GrpoLoss(generations=args.generations, max_tokens=args.tokens)
+    tokenizer = TokenizerInfo(kind="byte", name="bench", vocab_size=vocab, eos_id=eos, pad_id=pad).model_dump(
+        mode="json"
+    )
+    seq_len = int(max(lengths))
+    colocated = [
+        RolloutEngine(model, tokenizer, spec=spec, device=torch.device("cpu"), seq_len=seq_len)
+        for _ in range(args.workers)
+    ]
+    espec = engine_spec(spec, seq_len, on_gpu=False)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    server = ray.remote(SamplingServer).options(max_concurrency=100).remote("bench")
+
+    def rows(worker: int, seed: int) -> list:
+        copies = loss.generations
+        return [
+            ([int(t) for t in batches[worker][r // copies]], sampling_fields(loss, eos, seed + 1000 * worker, r))
+            for r in range(len(batches[worker]) * copies)
+        ]
+
+    def send(version: str) -> int:  # RemoteRollout.sync's steps: read the weights, put them, every server loads
+        tensors = policy_tensors(model, espec.dtype)
+        items = list(tensors.items())
+        refs, chunk = [], []
+        for item in items:
+            chunk.append(item)
+            if sum(t.numel() * t.element_size() for _, t in chunk) >= 64 << 20:
+                refs.append(ray.put(chunk))
+                chunk = []
+        if chunk:
+            refs.append(ray.put(chunk))
+        size = sum(t.numel() * t.element_size() for _, t in items)
+        ray.get(server.load.remote(version, policy_config(model, tensors), tokenizer, espec.model_dump(mode="json"),
+                                   refs))  # fmt: skip
+        return size
+
+    fig = {"engine_s": [], "engine_passes": [], "engine_tokens": 0, "server_s": [], "server_passes": [],
+           "server_tokens": 0, "copy_s": [], "sync_s": [], "bytes": 0}  # fmt: skip
+    for r in range(args.rounds + 1):
+        # colocated: each worker's engine given the weights in place, then its own rows
+        t = time.perf_counter()
+        for engine in colocated:
+            engine.sync(model)
+        copy_s = (time.perf_counter() - t) / args.workers
+        walls, passes, tokens = [], [], 0
+        for w, engine in enumerate(colocated):
+            before = engine.engine.stats().forward_passes_total
+            computed = engine.computed_tokens
+            t = time.perf_counter()
+            engine.sample(batches[w], loss, seed=r + 1000 * w)
+            walls.append(time.perf_counter() - t)
+            passes.append(engine.engine.stats().forward_passes_total - before)
+            tokens += engine.computed_tokens - computed
+        # the server: the weights sent, then every worker's rows at once
+        t = time.perf_counter()
+        size = send(f"v{r}")
+        sync_s = time.perf_counter() - t
+        before = ray.get(server.stats.remote())["forward_passes_total"]
+        t = time.perf_counter()
+        got = ray.get([server.sample.remote(f"v{r}", rows(w, r), loss.generations) for w in range(args.workers)])
+        server_s = time.perf_counter() - t
+        server_passes = ray.get(server.stats.remote())["forward_passes_total"] - before
+        if r:  # (round 0: untimed, warming everything up)
+            fig["engine_s"].append(max(walls))  # the workers side by side: the slowest one's
+            fig["engine_passes"].append(max(passes))
+            fig["engine_tokens"] = tokens
+            fig["server_s"].append(server_s)
+            fig["server_passes"].append(server_passes)
+            fig["server_tokens"] = sum(x["computed"] for x in got)
+            fig["copy_s"].append(copy_s)
+            fig["sync_s"].append(sync_s)
+            fig["bytes"] = size
+    ray.shutdown()
+
+    med = statistics.median
+    print(
+        f"model: llama {args.hidden} x {args.layers} layers, vocab {vocab}: {params / 1e6:.1f}M parameters, fp32; "
+        f"{args.workers} workers x {args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens x "
+        f"{args.generations} completions x up to {args.tokens} tokens; {args.rounds} rounds"
+    )
+    print(
+        "| sampler | forward passes a step (a device) | tokens computed | s a step (median) | spread | weights a sync |"
+    )
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| engine beside each worker ({args.workers} devices) | {med(fig['engine_passes']):.0f} (each) | "
+        f"{fig['engine_tokens']:,} | {med(fig['engine_s']):.3f} (slowest worker) | "
+        f"{min(fig['engine_s']):.3f}-{max(fig['engine_s']):.3f} | copied in place, {med(fig['copy_s']):.3f} s |"
+    )
+    print(
+        f"| one server for {args.workers} workers (1 device) | {med(fig['server_passes']):.0f} | "
+        f"{fig['server_tokens']:,} | {med(fig['server_s']):.3f} | "
+        f"{min(fig['server_s']):.3f}-{max(fig['server_s']):.3f} | {fig['bytes'] / 2**20:.1f} MiB through the "
+        f"object store, {med(fig['sync_s']):.3f} s |"
+    )
+    print(
+        f"ratio server / one worker's engine: {med(fig['server_passes']) / med(fig['engine_passes']):.2f}x forward "
+        f"passes for {args.workers}x the rows; {med(fig['server_s']) / med(fig['engine_s']):.2f}x seconds; tokens "
+        f"computed {fig['server_tokens'] / max(fig['engine_tokens'], 1):.2f}x; a sync {med(fig['sync_s']):.3f} s "
+        f"against {med(fig['copy_s']):.3f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
