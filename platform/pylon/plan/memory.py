@@ -523,6 +523,17 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
     )
 
 
+def sampler_server_bytes(work: Workload, device: str = "cuda") -> int:
+    """`grpo.sampler: server`: what one sampling server's engine holds on its device for the whole run, the model
+    whole in the engine's dtype (the training precision on a GPU, fp32 on a CPU) and its KV cache, with the CUDA
+    runtime on a GPU. 0 without servers."""
+    if not work.sampler_servers:
+        return 0
+    e = WEIGHT_BYTES[work.precision] if device == "cuda" else 4
+    total = e * work.shape.total_params + kv_bytes_per_token(work.shape, e) * work.sampler_kv_tokens
+    return total + (CUDA_RUNTIME_BYTES if device == "cuda" else 0)
+
+
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     """KV cache bytes one token takes: a key and a value per attention layer and KV head (DeepSeek's latent attention:
     one latent a layer, which is its key and its value: the engine keeps it once; Qwen3-Next: its attention layers

@@ -35,8 +35,8 @@ from pylon.plan.memory import (
     ModelShape,
     TrainMemory,
     Workload,
-    kv_bytes_per_token,
     model_shape,
+    sampler_server_bytes,
     train_memory,
 )
 from pylon.plan.steptime import (
@@ -182,6 +182,13 @@ def _memory_dict(m: TrainMemory) -> dict:
 def evaluate(work: Workload, layout: Layout, acc: Accelerator, *, steps: int, mfu: float) -> Option:
     memory = train_memory(work, layout, device="cuda")
     fits, binding = _binding(memory, acc)
+    server = sampler_server_bytes(work) if work.sampler_server_gpus else 0  # grpo.sampler server on a GPU of its own
+    if server > acc.memory_bytes * USABLE_FRACTION * work.sampler_server_gpus:
+        fits = False
+        binding = (
+            f"a grpo.sampler server's GPU memory {_gib(server)} (the model whole and its KV cache) of "
+            f"{_gib(acc.memory_bytes * USABLE_FRACTION * work.sampler_server_gpus)} usable"
+        )
     tokens = layout.micro_batch_size * layout.grad_accum_steps * layout.num_gpus * work.seq_len
     step = step_time(work, layout, acc, mfu)
     return Option(
@@ -468,11 +475,14 @@ def train_workload(spec: TrainJobSpec, *, seq_len: int | None = None) -> tuple[W
         g = spec.grpo
         servers, server_gpus = g.sampler_servers, g.sampler_resources.get("GPU", 0.0)
         workers = -(-spec.scaling.num_workers // servers)
-        weights = 4 * shape.total_params  # (fp32 on a CPU; a GPU server holds the training precision's: less)
-        kv = kv_bytes_per_token(shape, 4) * sampler_kv
+        device = "cuda" if server_gpus else "cpu"
+        held = sampler_server_bytes(
+            Workload(config, shape, spec.precision, seq, None, sampler_kv_tokens=sampler_kv, sampler_servers=servers),
+            device,
+        )
         notes.append(
             f"grpo.sampler server: {g.sampler_servers} sampling server(s) of {dict(g.sampler_resources)}, each "
-            f"holding the model whole and {sampler_kv:,} KV cache tokens (at most {(weights + kv) / 2**30:.1f} GiB) "
+            f"holding the model whole and {sampler_kv:,} KV cache tokens ({held / 2**30:.1f} GiB on its {device}) "
             f"outside the workers' memory, and sampling the rows of up to {workers} worker(s) together; its time as "
             "the engine's on the workers' accelerator, the weights sent to it once a step; its GPUs in the cost"
         )

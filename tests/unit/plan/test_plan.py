@@ -400,6 +400,16 @@ def test_a_grpo_server_sampler_holds_nothing_on_the_workers_and_batches_their_ro
     option = evaluate(server, one, h100, steps=100, mfu=0.4)
     assert option.gpu_hours == pytest.approx(option.wall_s / 3600 * 10)
     assert evaluate(engine, one, h100, steps=100, mfu=0.4).extra_gpus == 0
+    # a server's GPU holds the model whole (bf16) and its KV cache: a 7B model's fits an H100, not a 16 GiB GPU
+    from pylon.plan.memory import CUDA_RUNTIME_BYTES, kv_bytes_per_token, sampler_server_bytes
+
+    s = server.shape
+    held = 2 * s.total_params + kv_bytes_per_token(s, 2) * server.sampler_kv_tokens + CUDA_RUNTIME_BYTES
+    assert sampler_server_bytes(server) == held and sampler_server_bytes(engine) == 0
+    assert "grpo.sampler server" not in option.binding  # (an H100 holds a server)
+    small = replace(h100, name="small", memory_gib=16)
+    refused = evaluate(server, Layout(3, micro_batch_size=1, num_gpus=8), small, steps=100, mfu=0.4)
+    assert not refused.fits and refused.binding.startswith("a grpo.sampler server's GPU memory"), refused.binding
 
 
 def test_dpo_counts_its_reference_models_forward_and_a_frozen_copy_without_lora() -> None:
