@@ -19,7 +19,10 @@ when the rows fit a batch) and tokens computed (equal: the same prefix-cache sha
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
+import tempfile
 import time
 
 
@@ -80,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     espec = engine_spec(spec, seq_len, on_gpu=False)
 
+    # A local Ray of its own, token auth on: the token Ray generates goes to $HOME/.ray, here a temporary home
+    home = tempfile.mkdtemp(prefix="bench-grpo-server-")
+    os.environ["HOME"] = home
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    server = ray.remote(SamplingServer).options(max_concurrency=100).remote("bench")
+    server = ray.remote(SamplingServer).options(num_cpus=2, max_concurrency=100).remote("bench")  # the machine, as here
 
     def rows(worker: int, seed: int) -> list:
         copies = loss.generations
@@ -106,34 +112,38 @@ def main(argv: list[str] | None = None) -> int:
                                    refs))  # fmt: skip
         return size
 
-    fig = {"engine_s": [], "engine_passes": [], "engine_tokens": 0, "server_s": [], "server_passes": [],
-           "server_tokens": 0, "copy_s": [], "sync_s": [], "bytes": 0}  # fmt: skip
+    fig = {"engine_s": [], "engine_cpu": [], "engine_passes": [], "engine_tokens": 0, "server_s": [], "server_cpu": [],
+           "server_passes": [], "server_tokens": 0, "copy_s": [], "sync_s": [], "bytes": 0}  # fmt: skip
     for r in range(args.rounds + 1):
         # colocated: each worker's engine given the weights in place, then its own rows
         t = time.perf_counter()
         for engine in colocated:
             engine.sync(model)
         copy_s = (time.perf_counter() - t) / args.workers
-        walls, passes, tokens = [], [], 0
+        walls, cpus, passes, tokens = [], [], [], 0
         for w, engine in enumerate(colocated):
             before = engine.engine.stats().forward_passes_total
             computed = engine.computed_tokens
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             engine.sample(batches[w], loss, seed=r + 1000 * w)
             walls.append(time.perf_counter() - t)
+            cpus.append(time.process_time() - c)
             passes.append(engine.engine.stats().forward_passes_total - before)
             tokens += engine.computed_tokens - computed
         # the server: the weights sent, then every worker's rows at once
         t = time.perf_counter()
         size = send(f"v{r}")
         sync_s = time.perf_counter() - t
-        before = ray.get(server.stats.remote())["forward_passes_total"]
+        before = ray.get(server.stats.remote())
         t = time.perf_counter()
         got = ray.get([server.sample.remote(f"v{r}", rows(w, r), loss.generations) for w in range(args.workers)])
         server_s = time.perf_counter() - t
-        server_passes = ray.get(server.stats.remote())["forward_passes_total"] - before
+        after = ray.get(server.stats.remote())
+        server_passes = after["forward_passes_total"] - before["forward_passes_total"]
         if r:  # (round 0: untimed, warming everything up)
             fig["engine_s"].append(max(walls))  # the workers side by side: the slowest one's
+            fig["engine_cpu"].append(sum(cpus))
+            fig["server_cpu"].append(after["cpu_s"] - before["cpu_s"])
             fig["engine_passes"].append(max(passes))
             fig["engine_tokens"] = tokens
             fig["server_s"].append(server_s)
@@ -143,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             fig["sync_s"].append(sync_s)
             fig["bytes"] = size
     ray.shutdown()
+    shutil.rmtree(home, ignore_errors=True)
 
     med = statistics.median
     print(
@@ -170,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         f"passes for {args.workers}x the rows; {med(fig['server_s']) / med(fig['engine_s']):.2f}x seconds; tokens "
         f"computed {fig['server_tokens'] / max(fig['engine_tokens'], 1):.2f}x; a sync {med(fig['sync_s']):.3f} s "
         f"against {med(fig['copy_s']):.3f} s"
+    )
+    print(
+        f"CPU-seconds for all {args.workers} workers' rows: the engines {med(fig['engine_cpu']):.2f}, the server "
+        f"{med(fig['server_cpu']):.2f} ({med(fig['server_cpu']) / med(fig['engine_cpu']):.2f}x)"
     )
     return 0
 

@@ -395,7 +395,9 @@ class SamplingServer:
                 if row % max(1, copies):
                     await computed[group].wait()
                 last = None
-                async for out in self.engine.generate(f"{call}-{row}", list(prompt), SamplingParams(**fields)):
+                # (outputs taken twice a second, merged, not every step: the first and the last come at once)
+                stream = self.engine.generate(f"{call}-{row}", list(prompt), SamplingParams(**fields), interval_s=0.5)
+                async for out in stream:
                     computed[group].set()
                     tokens[row].extend(out.token_ids)
                     if out.logprobs:
@@ -423,6 +425,7 @@ class SamplingServer:
             "load_s": self.load_s,
             "generation_tokens_total": engine_stats.generation_tokens_total if engine_stats else 0,
             "forward_passes_total": engine_stats.forward_passes_total if engine_stats else 0,
+            "cpu_s": time.process_time(),  # the server process's CPU-seconds so far
             "prefix_cache_hits_total": engine_stats.prefix_cache_hits_total if engine_stats else 0,
         }
 

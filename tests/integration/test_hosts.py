@@ -494,5 +494,6 @@ def test_a_grpo_run_samples_on_a_server_on_a_labelled_machine(hosts, s3_server):
     assert done and int(done.group(1)) == 10, out[-4000:]  # one a sampling step
     records = [json.loads(line) for line in storage.read_text(f"{runs}/hosts-grpo/metrics.jsonl").splitlines()]
     rewards = [r["grpo_reward"] for r in records]
+    print("hosts grpo: rewards by step", [round(x, 3) for x in rewards])
     assert [r["step"] for r in records] == list(range(1, 11)) and records[0]["grpo_completions"] == 32
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
