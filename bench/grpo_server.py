@@ -5,12 +5,13 @@
     .venv/bin/python bench/grpo_server.py --workers 4      # one server sampling for 4 workers
 
 What it compares: `--workers` workers' micro-batches, each either sampled by that worker's own engine (colocated: one
-engine a device, the workers side by side) or sent to one sampling server (a Ray actor on a local Ray of its own),
-which samples all of them in the same steps. Per round, after one untimed round: each colocated engine's forward
-passes and seconds for its own rows (one after another here: on a cluster each worker has its device); the server's
-forward passes and seconds for every worker's rows sent at once (its device's time for the whole step's sampling);
-and a sync's cost: the bytes the first worker puts in the object store and the seconds until every server took them
-(`RemoteRollout.sync`'s steps: the weights read, put, loaded in place), against the colocated engine's in-place copy.
+engine a device, the workers side by side) or sent to one sampling server (a Ray actor on a local Ray of its own) in
+one call, as the first worker sends every worker's rows, which samples all of them in the same steps. Per round, after
+one untimed round: each colocated engine's forward passes and seconds for its own rows (one after another here: on a
+cluster each worker has its device); the server's forward passes and seconds for every worker's rows (its device's
+time for the whole step's sampling); and a sync's cost: the bytes the first worker puts in the object store and the
+seconds until every server took them (`RemoteRollout.sync`'s steps: the weights read, put, loaded in place), against
+the colocated engine's in-place copy.
 
 Machine-independent counters: forward passes (the server's for W workers against one worker's engine: close to 1x
 when the rows fit a batch) and tokens computed (equal: the same prefix-cache sharing). The seconds are this machine's.
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_spec,
         policy_config,
         policy_tensors,
-        sampling_fields,
+        worker_rows,
     )
     from pylon.models import build_model
     from pylon.specs import TrainJobSpec
@@ -87,14 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     home = tempfile.mkdtemp(prefix="bench-grpo-server-")
     os.environ["HOME"] = home
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    server = ray.remote(SamplingServer).options(num_cpus=2, max_concurrency=100).remote("bench")  # the machine, as here
+    server = ray.remote(SamplingServer).options(num_cpus=2, max_concurrency=8).remote("bench")  # the machine, as here
 
     def rows(worker: int, seed: int) -> list:
-        copies = loss.generations
-        return [
-            ([int(t) for t in batches[worker][r // copies]], sampling_fields(loss, eos, seed + 1000 * worker, r))
-            for r in range(len(batches[worker]) * copies)
-        ]
+        return worker_rows(batches[worker], loss, eos, seed + 1000 * worker, copies=loss.generations)
 
     def send(version: str) -> int:  # RemoteRollout.sync's steps: read the weights, put them, every server loads
         tensors = policy_tensors(model, espec.dtype)
@@ -136,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         sync_s = time.perf_counter() - t
         before = ray.get(server.stats.remote())
         t = time.perf_counter()
-        got = ray.get([server.sample.remote(f"v{r}", rows(w, r), loss.generations) for w in range(args.workers)])
+        every = [row for w in range(args.workers) for row in rows(w, r)]  # (as the first worker gathers them)
+        got = ray.get(server.sample.remote(f"v{r}", every, loss.generations))
         server_s = time.perf_counter() - t
         after = ray.get(server.stats.remote())
         server_passes = after["forward_passes_total"] - before["forward_passes_total"]
@@ -148,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             fig["engine_tokens"] = tokens
             fig["server_s"].append(server_s)
             fig["server_passes"].append(server_passes)
-            fig["server_tokens"] = sum(x["computed"] for x in got)
+            fig["server_tokens"] = got["computed"]
             fig["copy_s"].append(copy_s)
             fig["sync_s"].append(sync_s)
             fig["bytes"] = size

@@ -124,12 +124,16 @@ def engine_spec(spec, seq_len: int, *, on_gpu: bool):
     )
 
 
+def _torch_dtype(dtype: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+
+
 def policy_tensors(module, dtype: str) -> dict:
     """The policy's current weights (`full_weights`: LoRA merged, ZeRO-3 gathered: every rank calls this together)
     as CPU tensors in `dtype` (the engine's), named as its checkpoint names them."""
-    import torch
-
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    torch_dtype = _torch_dtype(dtype)
     return {name: tensor.to("cpu", torch_dtype).contiguous().clone() for name, tensor in full_weights(module)}
 
 
@@ -255,72 +259,109 @@ class RolloutEngine:
     ):
         """`copies` (default `loss.generations`) completions of each prompt, the copies of a prompt consecutive,
         each up to and including its eos or `loss.max_tokens` tokens without one: `grpo.sample_completions`'
-        result, sampled by the engine. Each prompt's first copy goes first; once its prompt is computed (and in
-        the prefix cache) the others follow and read its full blocks from there. `logprobs`: `last_logprobs` holds
-        each completion's tokens' log-probabilities under the distributions they were drawn from (the engine's
-        processed logprobs: after temperature, top-k, min-p, top-p and the repetition penalty)."""
-        from pylon.serving.engine.sampling import SamplingParams
-
+        result, sampled by the engine (`sample_rows`). `logprobs`: `last_logprobs` holds each completion's tokens'
+        log-probabilities under the distributions they were drawn from (the engine's processed logprobs: after
+        temperature, top-k, min-p, top-p and the repetition penalty)."""
         copies = loss.generations if copies is None else copies
-        engine = self.engine
-        before = engine.stats()
+        rows = worker_rows(prompts, loss, self.eos_id, seed, copies=copies, greedy=greedy, logprobs=logprobs)
+        got = sample_rows(self.engine, rows, copies)
+        self.cached_tokens += got["cached"]
+        self.computed_tokens += got["computed"]
+        return _completions(self, got, loss, logprobs)
 
-        def params(row: int) -> SamplingParams:
-            return SamplingParams(**sampling_fields(loss, self.eos_id, seed, row, greedy=greedy, logprobs=logprobs))
 
-        rows = len(prompts) * copies
-        tokens: dict[str, list[int]] = {str(r): [] for r in range(rows)}
-        drawn: dict[str, list[float]] = {str(r): [] for r in range(rows)}
-        first = [i * copies for i in range(len(prompts))]
-        for r in first:
-            engine.add_request(str(r), [int(t) for t in prompts[r // copies]], params(r))
-        waiting = set(map(str, first))  # first copies whose prompt is not computed yet
-        rest = [r for r in range(rows) if r % copies]
-        while engine.has_unfinished() or rest:
-            if rest and not waiting:
-                for r in rest:
-                    engine.add_request(str(r), [int(t) for t in prompts[r // copies]], params(r))
-                rest = []
-            for out in engine.step():
-                tokens[out.request_id].extend(out.token_ids)
-                if out.logprobs:
-                    drawn[out.request_id].extend(lp.logprob for lp in out.logprobs)
-                waiting.discard(out.request_id)
-        after = engine.stats()
-        self.cached_tokens += after.prefix_cache_hits_total - before.prefix_cache_hits_total
-        self.computed_tokens += (after.prefill_tokens_computed_total - before.prefill_tokens_computed_total) + (
-            after.generation_tokens_total - before.generation_tokens_total
+def worker_rows(prompts, loss, eos_id: int, seed: int, *, copies: int, greedy: bool = False, logprobs: bool = False):
+    """A worker's rows to sample: `copies` of each prompt, consecutive, as (prompt token ids, SamplingParams
+    fields), each row with its own seeded stream (`sampling_fields`)."""
+    return [
+        (
+            [int(t) for t in prompts[r // copies]],
+            sampling_fields(loss, eos_id, seed, r, greedy=greedy, logprobs=logprobs),
         )
-        self.last_logprobs = (
-            [np.asarray(drawn[str(r)][: loss.max_tokens], dtype=np.float32) for r in range(rows)] if logprobs else None
-        )
-        return [np.asarray(tokens[str(r)][: loss.max_tokens], dtype=np.int64) for r in range(rows)]
+        for r in range(len(prompts) * copies)
+    ]
+
+
+def sample_rows(engine, rows: list, copies: int) -> dict:
+    """Sample `rows` ((prompt token ids, SamplingParams fields) each, each prompt's `copies` consecutive) on the
+    `LLMEngine` `engine`, stepping it to the end: each prompt's first copy first; once every first copy's prompt is
+    computed (and in the prefix cache) the others follow and read its full blocks from there. The same rows in the
+    same order take the same steps every time (what a resumed run relies on). Returns each row's `tokens` and
+    `logprobs` (with the fields' logprobs), and the tokens its forward passes `computed` (prompts less prefix-cache
+    hits, and each sampled token) and read from the prefix cache (`cached`)."""
+    from pylon.serving.engine.sampling import SamplingParams
+
+    before = engine.stats()
+    copies = max(1, copies)
+    n = len(rows)
+    tokens: dict[str, list[int]] = {str(r): [] for r in range(n)}
+    drawn: dict[str, list[float]] = {str(r): [] for r in range(n)}
+    last = {}  # each row's last output: its counts
+    first = list(range(0, n, copies))
+    for r in first:
+        engine.add_request(str(r), rows[r][0], SamplingParams(**rows[r][1]))
+    waiting = set(map(str, first))  # first copies whose prompt is not computed yet
+    rest = [r for r in range(n) if r % copies]
+    while engine.has_unfinished() or rest:
+        if rest and not waiting:
+            for r in rest:
+                engine.add_request(str(r), rows[r][0], SamplingParams(**rows[r][1]))
+            rest = []
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+            if out.logprobs:
+                drawn[out.request_id].extend(lp.logprob for lp in out.logprobs)
+            waiting.discard(out.request_id)
+            last[out.request_id] = out
+    after = engine.stats()
+    return {
+        "tokens": [tokens[str(r)] for r in range(n)],
+        "logprobs": [drawn[str(r)] for r in range(n)],
+        # each row's share: its prompt's tokens not read from the cache, and its own
+        "row_computed": [
+            o.num_prompt_tokens - o.num_cached_tokens + o.num_output_tokens if (o := last.get(str(r))) else 0
+            for r in range(n)
+        ],
+        "row_cached": [o.num_cached_tokens if (o := last.get(str(r))) else 0 for r in range(n)],
+        "cached": after.prefix_cache_hits_total - before.prefix_cache_hits_total,
+        "computed": (after.prefill_tokens_computed_total - before.prefill_tokens_computed_total)
+        + (after.generation_tokens_total - before.generation_tokens_total),
+    }
+
+
+def _completions(rollout, got: dict, loss, logprobs: bool) -> list[np.ndarray]:
+    """`sample_rows`' result as `grpo.sample_completions` returns completions (each cut at `loss.max_tokens`), the
+    logprobs in `rollout.last_logprobs`."""
+    rollout.last_logprobs = (
+        [np.asarray(lp[: loss.max_tokens], dtype=np.float32) for lp in got["logprobs"]] if logprobs else None
+    )
+    return [np.asarray(t[: loss.max_tokens], dtype=np.int64) for t in got["tokens"]]
 
 
 # grpo.sampler: server. The engine in Ray actors of their own (TRL's `vllm_mode="server"`): the workers keep no engine
-# beside the model; the first worker sends the policy's weights through Ray's object store before each sampling
-# step, and every worker sends its rows to its server (worker r to server r mod sampler_servers), which batches the
-# rows of all the workers it serves in one engine (continuous batching across workers).
+# beside the model. Before each sampling step the first worker sends the policy's weights through Ray's object store
+# to every server; at each sampling it gathers every worker's rows (a collective), sends each server the rows of the
+# workers it serves (worker r: server r mod sampler_servers) in one call, in rank order, and hands each worker its
+# completions back (TRL's server mode likewise gathers the prompts to the main process). One call a server a step, its
+# rows in a fixed order, sampled as the colocated engine samples (`sample_rows`): the same steps every time, so a
+# resumed run samples exactly what the uninterrupted one did, and the workers' rows share the server's batches.
 
 CHUNK_BYTES = 64 << 20  # weights sent in objects of about this size: the sender's store holds them until all loaded
-VERSION_WAIT_S = 600.0  # how long a server waits for the weights a worker's rows ask for before it refuses them
 
 
 class SamplingServer:
     """A sampling server (`grpo.sampler: server`): a serving engine, built when the first weights arrive and given
-    each later version in place, answering the workers' rows of completions. Run as a Ray actor (`start_servers`),
-    or directly (the unit tests). Every call says which version of the weights it was made for (a token the first
-    worker draws for each sync): rows wait for their version's weights, so a worker never samples from a step's
-    stale policy, whichever of the workers' calls arrives first."""
+    each later version in place, sampling the rows it is sent. Run as a Ray actor (`start_servers`), or directly (the
+    unit tests). Every call names the version of the weights it was made for (a token the first worker draws for
+    each sync): rows for another version are refused, naming both (a server that restarted has none)."""
 
     def __init__(self, name: str = "sampler") -> None:
         import asyncio
 
         self.name = name
-        self.engine = None  # AsyncLLMEngine, from the first weights
+        self.engine = None  # LLMEngine, from the first weights
         self.version: str | None = None
-        self._changed = asyncio.Condition()
-        self._sampling = 0  # calls sampling now: weights are not replaced under them
+        self._busy = asyncio.Lock()  # one load or sampling at a time; `stats` and `ready` answer meanwhile
         self.loads, self.load_s = 0, 0.0
 
     async def ready(self) -> dict:
@@ -340,83 +381,38 @@ class SamplingServer:
         (`config`, `tokenizer` and the EngineSpec `spec` as a dict)."""
         import asyncio
 
-        from pylon.serving.engine.engine import AsyncLLMEngine
         from pylon.specs import EngineSpec
 
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._sampling == 0)
+        async with self._busy:
             started = time.perf_counter()
-            self.version = None  # (rows asking for the old version wait for the new one from here)
+            self.version = None  # (until every weight is in)
             if self.engine is None:
                 tensors = dict(_pairs(chunks))
-                engine = await asyncio.to_thread(
+                self.engine = await asyncio.to_thread(
                     build_engine, config, tensors, tokenizer, EngineSpec.model_validate(spec)
                 )
                 del tensors
-                self.engine = AsyncLLMEngine(engine)
             else:
-                await asyncio.to_thread(self.engine.engine.load_weights, _pairs(chunks))
+                await asyncio.to_thread(self.engine.load_weights, _pairs(chunks))
             self.version = version
             self.loads += 1
             self.load_s += time.perf_counter() - started
-            self._changed.notify_all()
             return {"version": version, "seconds": time.perf_counter() - started}
 
-    async def sample(self, version: str, requests: list[tuple[list[int], dict]], copies: int) -> dict:
-        """Complete `requests` ((prompt token ids, SamplingParams fields) each; each prompt's `copies` consecutive)
-        with the weights `version`: each prompt's first copy first, its others once its prompt is computed (they
-        read its blocks from the prefix cache). Returns each completion's `tokens` and `logprobs` (with the fields'
-        logprobs), and the tokens the engine `computed` and read from its prefix cache (`cached`) for them."""
+    async def sample(self, version: str, rows: list, copies: int) -> dict:
+        """`sample_rows(rows, copies)` on its engine, with the weights `version`."""
         import asyncio
-        import uuid
 
-        from pylon.serving.engine.sampling import SamplingParams
-
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.version == version), VERSION_WAIT_S)
-            except TimeoutError:
+        async with self._busy:
+            if self.version != version or self.engine is None:
                 raise PylonError(
-                    f"grpo.sampler server {self.name}: rows for weights {version} waited {VERSION_WAIT_S:.0f} s and "
-                    f"the server holds {self.version or 'none'} (did the first worker stop before sending them?)"
-                ) from None
-            self._sampling += 1
-        try:
-            call = uuid.uuid4().hex[:12]
-            n = len(requests)
-            tokens: list[list[int]] = [[] for _ in range(n)]
-            drawn: list[list[float]] = [[] for _ in range(n)]
-            counts = [0, 0]  # computed, cached
-            computed = [asyncio.Event() for _ in range(0, n, max(1, copies))]
-
-            async def one(row: int) -> None:
-                prompt, fields = requests[row]
-                group = row // max(1, copies)
-                if row % max(1, copies):
-                    await computed[group].wait()
-                last = None
-                # (outputs taken twice a second, merged, not every step: the first and the last come at once)
-                stream = self.engine.generate(f"{call}-{row}", list(prompt), SamplingParams(**fields), interval_s=0.5)
-                async for out in stream:
-                    computed[group].set()
-                    tokens[row].extend(out.token_ids)
-                    if out.logprobs:
-                        drawn[row].extend(lp.logprob for lp in out.logprobs)
-                    last = out
-                computed[group].set()
-                if last is not None:
-                    counts[0] += last.num_prompt_tokens - last.num_cached_tokens + last.num_output_tokens
-                    counts[1] += last.num_cached_tokens
-
-            await asyncio.gather(*(one(r) for r in range(n)))
-            return {"tokens": tokens, "logprobs": drawn, "computed": counts[0], "cached": counts[1]}
-        finally:
-            async with self._changed:
-                self._sampling -= 1
-                self._changed.notify_all()
+                    f"grpo.sampler server {self.name}: rows for weights {version} but the server holds "
+                    f"{self.version or 'none'} (a server that restarted lost its weights: the next step sends them)"
+                )
+            return await asyncio.to_thread(sample_rows, self.engine, rows, copies)
 
     async def stats(self) -> dict:
-        """Its loads so far and what its engine computed (the tests, the job's log)."""
+        """Its loads so far and what its engine computed (the job's log, the tests, the bench)."""
         engine_stats = self.engine.stats() if self.engine is not None else None
         return {
             "name": self.name,
@@ -424,14 +420,10 @@ class SamplingServer:
             "loads": self.loads,
             "load_s": self.load_s,
             "generation_tokens_total": engine_stats.generation_tokens_total if engine_stats else 0,
+            "prefix_cache_hits_total": engine_stats.prefix_cache_hits_total if engine_stats else 0,
             "forward_passes_total": engine_stats.forward_passes_total if engine_stats else 0,
             "cpu_s": time.process_time(),  # the server process's CPU-seconds so far
-            "prefix_cache_hits_total": engine_stats.prefix_cache_hits_total if engine_stats else 0,
         }
-
-    def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
 
 
 def _pairs(chunks: list) -> Iterator[tuple[str, object]]:
@@ -522,12 +514,12 @@ def stop_servers(handles: list, *, say=None) -> None:
 
 class RemoteRollout:
     """A training worker's side of `grpo.sampler: server`: what `RolloutEngine` offers (`current`, `sample`, the
-    counts), its engine in a sampling server. `servers`: the names of the run's servers (`server_names`), found in
-    `namespace`; worker `rank` of `world` samples on server rank mod len(servers), and rank 0 sends every server the
-    weights."""
+    counts), its engine in the sampling servers. `servers`: the names of the run's servers (`server_names`), found in
+    `namespace`; worker `rank` of `world`'s rows are sampled on server rank mod len(servers); rank 0 sends every
+    server the weights and the rows, and hands the completions back."""
 
     def __init__(
-        self, trainer, tokenizer: dict, *, spec, seq_len: int, servers: list[str], namespace: str, rank: int, world: int
+        self, tokenizer: dict, *, spec, seq_len: int, servers: list[str], namespace: str, rank: int, world: int
     ) -> None:
         import ray
 
@@ -537,8 +529,6 @@ class RemoteRollout:
         self.spec = engine_spec(spec, seq_len, on_gpu=on_gpu)
         self.rank, self.world = rank, world
         self.servers = [ray.get_actor(name, namespace=namespace) for name in servers] if rank == 0 else []
-        self.server = ray.get_actor(servers[rank % len(servers)], namespace=namespace)
-        self.server_name = servers[rank % len(servers)]
         self.stage3 = spec.deepspeed.zero_stage == 3
         self.computed_tokens = 0
         self.cached_tokens = 0
@@ -571,10 +561,9 @@ class RemoteRollout:
             self._weights_step = step
 
     def sync(self, module, version: str) -> None:
-        """Send the policy's current weights to every server as `version` (rank 0; at ZeRO-3 every rank gathers with
-        it). The other ranks go on at once: their rows wait at their server for `version`."""
+        """Send the policy's current weights to every server as `version` (rank 0, until every server has taken
+        them; at ZeRO-3 every rank gathers with it)."""
         import ray
-        import torch
 
         started = time.perf_counter()
         self.version = version
@@ -584,8 +573,8 @@ class RemoteRollout:
                     pass
             self.syncs += 1
             return
-        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.dtype, torch.float32)
-        refs, chunk, size, names = [], [], 0, []
+        torch_dtype = _torch_dtype(self.spec.dtype)
+        refs, chunk, size, total, names = [], [], 0, 0, []
         for name, tensor in full_weights(module):
             t = tensor.to("cpu", torch_dtype).contiguous().clone()
             chunk.append((name, t))
@@ -593,15 +582,29 @@ class RemoteRollout:
             size += t.numel() * t.element_size()
             if size >= CHUNK_BYTES:
                 refs.append(ray.put(chunk))
-                self.sent_bytes += size
+                total += size
                 chunk, size = [], 0
         if chunk:
             refs.append(ray.put(chunk))
-            self.sent_bytes += size
+            total += size
+        self.sent_bytes += total
+        size_mib = total / 2**20
         config = policy_config(module, names)
         spec = self.spec.model_dump(mode="json")
-        ray.get([s.load.remote(version, config, self.tokenizer, spec, refs) for s in self.servers])
+        try:
+            ray.get([s.load.remote(version, config, self.tokenizer, spec, refs) for s in self.servers])
+        except ray.exceptions.RayActorError as e:
+            raise PylonError(
+                f"grpo.sampler server: a server stopped while taking the weights ({type(e).__name__}); the run "
+                "resumes from its last checkpoint, and the restarted server is sent the weights again"
+            ) from e
         del refs
+        if not self.syncs:
+            print(
+                f"grpo.sampler server: the weights ({size_mib:.1f} MiB, {self.spec.dtype}) sent to "
+                f"{len(self.servers)} server(s) in {time.perf_counter() - started:.2f} s through the object store",
+                flush=True,
+            )
         self.syncs += 1
         self.sync_s += time.perf_counter() - started
 
@@ -615,34 +618,59 @@ class RemoteRollout:
         copies: int | None = None,
         logprobs: bool = False,
     ):
-        """`RolloutEngine.sample`, on this worker's server: the same seeded streams, so the same completions."""
+        """`RolloutEngine.sample`, on the servers: every rank calls it together; rank 0 gathers every rank's rows
+        (the same seeded streams as beside a worker), sends each server its workers' rows in rank order in one call,
+        and every rank gets its own completions back."""
         import ray
 
         copies = loss.generations if copies is None else copies
-        rows = len(prompts) * copies
-        if not rows:
-            self.last_logprobs = [] if logprobs else None
-            return []
-        requests = [
-            (
-                [int(t) for t in prompts[r // copies]],
-                sampling_fields(loss, self.eos_id, seed, r, greedy=greedy, logprobs=logprobs),
-            )
-            for r in range(rows)
-        ]
-        try:
-            got = ray.get(self.server.sample.remote(self.version, requests, copies))
-        except ray.exceptions.RayActorError as e:
-            raise PylonError(
-                f"grpo.sampler server {self.server_name} stopped while sampling ({type(e).__name__}); the run "
-                "resumes from its last checkpoint, and the restarted server is sent the weights again"
-            ) from e
+        mine = worker_rows(prompts, loss, self.eos_id, seed, copies=copies, greedy=greedy, logprobs=logprobs)
+        everyone = _to_rank0(mine, self.world)
+        answers = None
+        if self.rank == 0:
+            n = len(self.servers)
+            calls = [
+                self.servers[k].sample.remote(
+                    self.version, [row for r in range(k, self.world, n) for row in everyone[r]], copies
+                )
+                for k in range(n)
+            ]
+            try:
+                got = ray.get(calls)
+            except ray.exceptions.RayActorError as e:
+                raise PylonError(
+                    f"grpo.sampler server: a server stopped while sampling ({type(e).__name__}); the run resumes from "
+                    "its last checkpoint, and the restarted server is sent the weights again"
+                ) from e
+            answers = [None] * self.world
+            for k, result in enumerate(got):
+                start = 0
+                for r in range(k, self.world, n):  # each rank's rows back, in the order they were sent
+                    end = start + len(everyone[r])
+                    answers[r] = {
+                        "tokens": result["tokens"][start:end],
+                        "logprobs": result["logprobs"][start:end],
+                        "computed": sum(result["row_computed"][start:end]),  # what its own rows cost there
+                        "cached": sum(result["row_cached"][start:end]),
+                    }
+                    start = end
+        got = _from_rank0(answers, self.world)[self.rank]
         self.computed_tokens += got["computed"]
         self.cached_tokens += got["cached"]
-        self.last_logprobs = (
-            [np.asarray(lp[: loss.max_tokens], dtype=np.float32) for lp in got["logprobs"]] if logprobs else None
-        )
-        return [np.asarray(t[: loss.max_tokens], dtype=np.int64) for t in got["tokens"]]
+        return _completions(self, got, loss, logprobs)
+
+
+def _to_rank0(value, world: int) -> list:
+    """Every rank's `value`, in rank order (read on rank 0); a collective (every rank calls it together)."""
+    if world <= 1:
+        return [value]
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return [value]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, value)
+    return everyone
 
 
 def _from_rank0(value, world: int):

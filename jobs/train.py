@@ -555,7 +555,6 @@ def train_loop(config: dict) -> None:
         from pylon.jobs.rollout import RemoteRollout
 
         rollout_engine = RemoteRollout(
-            engine,
             tok.model_dump(mode="json"),
             spec=spec,
             seq_len=stream.manifest.seq_len,

@@ -1,8 +1,8 @@
 """`grpo.sampler: server` (pylon.jobs.rollout.SamplingServer): the sampling server, run here in this process as its
 Ray actor runs it, builds its engine from the first weights sent, samples what the colocated engine
-(`grpo.sampler: engine`) samples for the same rows and seeds, follows the weights it is sent, makes rows for weights
-it does not hold yet wait for them (and refuses them, naming both versions, when they never come), and batches the
-rows of several workers together. The actors, the weights through Ray's object store and a run on the cluster:
+(`grpo.sampler: engine`) samples for the same rows and seeds, follows the weights it is sent, refuses rows for weights
+it does not hold (naming both versions), and samples several workers' rows in the same steps. The actors, the
+weights through Ray's object store, the rows gathered from the workers and a run on the cluster:
 tests/integration/test_train_grpo.py."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from pylon.errors import PylonError
-from pylon.jobs import rollout as rollout_module
 from pylon.jobs.grpo import GrpoLoss
 from pylon.jobs.queue import job_need
 from pylon.jobs.rollout import (
@@ -26,7 +25,7 @@ from pylon.jobs.rollout import (
     engine_spec,
     policy_config,
     policy_tensors,
-    sampling_fields,
+    worker_rows,
 )
 from pylon.specs import TrainJobSpec
 
@@ -55,11 +54,7 @@ def _send(run, server: SamplingServer, module, version: str, spec) -> dict:
 
 
 def _rows(prompts, loss, seed, *, copies, greedy=False, logprobs=False):
-    rows = len(prompts) * copies
-    return [
-        ([int(t) for t in prompts[r // copies]], sampling_fields(loss, EOS, seed, r, greedy=greedy, logprobs=logprobs))
-        for r in range(rows)
-    ]
+    return worker_rows(prompts, loss, EOS, seed, copies=copies, greedy=greedy, logprobs=logprobs)
 
 
 def test_the_server_samples_what_the_colocated_engine_does_and_follows_the_weights_it_is_sent(run) -> None:
@@ -101,42 +96,28 @@ def test_the_server_samples_what_the_colocated_engine_does_and_follows_the_weigh
     assert server.loads == 2
     again_want, again = both(seed=0, greedy=True)
     assert again["tokens"] == again_want and again_want != greedy_want
-    server.shutdown()
 
 
-def test_rows_wait_for_their_weights_and_are_refused_naming_both_versions_when_they_never_come(
-    run, monkeypatch
-) -> None:
+def test_rows_for_weights_the_server_does_not_hold_are_refused_naming_both_versions(run) -> None:
     model = _model()
     spec = _spec(sampler="server")
     loss = GrpoLoss(generations=2, max_tokens=4)
     rows = _rows(_prompts("abc"), loss, 0, copies=2)
     server = SamplingServer("s1")
+    with pytest.raises(PylonError, match=r"server s1: rows for weights v1 but the server holds none"):
+        run(server.sample("v1", rows, 2))  # (a server that restarted: no weights yet)
     _send(run, server, model, "v1", spec)
-
-    async def early_rows_then_weights():
-        # a worker's rows for v2 arrive before the first worker has sent v2: they wait, then sample with v2
-        sampling = asyncio.ensure_future(server.sample("v2", rows, 2))
-        await asyncio.sleep(0.3)
-        assert not sampling.done()
-        espec = engine_spec(spec, SEQ_LEN, on_gpu=False)
-        tensors = policy_tensors(model, espec.dtype)
-        await server.load("v2", policy_config(model, tensors), BYTE, espec.model_dump(mode="json"),
-                          [list(tensors.items())])  # fmt: skip
-        return await sampling
-
-    got = run(early_rows_then_weights())
-    assert len(got["tokens"]) == 2 and server.version == "v2"
-    monkeypatch.setattr(rollout_module, "VERSION_WAIT_S", 0.2)
-    with pytest.raises(PylonError, match=r"server s1: rows for weights v3 waited 0 s and the server holds v2"):
-        run(server.sample("v3", rows, 2))
-    assert server._sampling == 0  # (a refused call holds nothing: the next weights are not kept waiting)
-    server.shutdown()
+    assert len(run(server.sample("v1", rows, 2))["tokens"]) == 2
+    with pytest.raises(PylonError, match=r"rows for weights v2 but the server holds v1"):
+        run(server.sample("v2", rows, 2))
+    _send(run, server, model, "v2", spec)
+    assert run(server.current_version()) == "v2" and server.loads == 2
 
 
-def test_one_server_batches_several_workers_rows_together(run) -> None:
-    """Two workers' calls at once on one server: each gets what it would alone (the same seeded streams), and the
-    engine ran them in the same steps (fewer forward passes than one after the other)."""
+def test_one_server_samples_several_workers_rows_in_the_same_steps(run) -> None:
+    """Two workers' rows in one call (as the first worker sends them): each worker's completions are what it would
+    get alone (its own seeded streams), in fewer forward passes than one after the other, and each row's share of
+    what the engine computed sums to the whole."""
     model = _model()
     spec = _spec(sampler="server")
     loss = GrpoLoss(generations=2, max_tokens=8)
@@ -150,16 +131,12 @@ def test_one_server_batches_several_workers_rows_together(run) -> None:
         before = passes()
         alone.append(run(server.sample("v1", rows, 2))["tokens"])
         alone_passes.append(passes() - before)
-
-    async def together():
-        return await asyncio.gather(server.sample("v1", a, 2), server.sample("v1", b, 2))
-
     before = passes()
-    got = run(together())
-    assert [g["tokens"] for g in got] == alone
+    both = run(server.sample("v1", a + b, 2))
+    assert both["tokens"] == alone[0] + alone[1]
     # both workers' rows in the same forward passes: about as many as the longer one's alone, not their sum
     assert passes() - before < sum(alone_passes) and min(alone_passes) >= 8, (passes() - before, alone_passes)
-    server.shutdown()
+    assert sum(both["row_computed"]) == both["computed"] and sum(both["row_cached"]) == both["cached"]
 
 
 def test_the_server_settings_are_checked_and_counted_in_the_jobs_need() -> None:
