@@ -446,9 +446,9 @@ def test_a_batch_from_the_client_is_answered_on_both_machines(hosts, s3_server, 
 
 def test_a_grpo_run_samples_on_a_server_on_a_labelled_machine(hosts, s3_server):
     """`grpo.sampler: server` on two machines: the sampling server placed by `grpo.sampler_labels` on the worker
-    machine with a label, the two workers one on each machine (1.5 CPUs of a machine's 2), so the weights or the rows
-    of one of them cross between machines through the object store; the prompts prepared on the client into object
-    storage, the run learning what its reward asks for."""
+    machine with a label, the two workers one on each machine (1.5 CPUs of a machine's 2), so the other worker's rows
+    cross to the first (a collective), and the first's weights and calls cross to the server where they are apart;
+    the prompts prepared on the client into object storage, the run learning what its reward asks for."""
     runs = f"s3://{s3_server.bucket}/hosts-grpo-{int(time.time())}"
     records = [{"prompt": f"Say a{'!' * (k % 4)}: ", "answer": "a"} for k in range(8)]
     hosts.client.write_text("/tmp/home/prompts.jsonl", "".join(json.dumps(r) + "\n" for r in records))
