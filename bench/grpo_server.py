@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         mode="json"
     )
     seq_len = int(max(lengths))
+    beside = spec.model_copy(update={"grpo": spec.grpo.model_copy(update={"sampler": "engine"})})
     colocated = [
-        RolloutEngine(model, tokenizer, spec=spec, device=torch.device("cpu"), seq_len=seq_len)
+        RolloutEngine(model, tokenizer, spec=beside, device=torch.device("cpu"), seq_len=seq_len)
         for _ in range(args.workers)
     ]
     espec = engine_spec(spec, seq_len, on_gpu=False)

@@ -27,7 +27,7 @@ from pylon.jobs.rollout import (
     policy_tensors,
     worker_rows,
 )
-from pylon.specs import TrainJobSpec
+from pylon.specs import TrainJobSpec, sampler_kv_cache_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_grpo import EOS, _model, _spec  # noqa: E402
@@ -157,5 +157,8 @@ def test_the_server_settings_are_checked_and_counted_in_the_jobs_need() -> None:
          "grpo": {**spec.grpo.model_dump(), "sampler_servers": 2, "sampler_resources": {"CPU": 1, "GPU": 1}}}
     )  # fmt: skip
     assert job_need(two) == {"CPU": 10.0, "GPU": 2.0}  # the workers' and the servers'
+    # a server's KV cache holds the rows of the 2 workers it samples for (the engine beside a worker: its own)
+    beside = two.model_copy(update={"grpo": two.grpo.model_copy(update={"sampler": "engine"})})
+    assert sampler_kv_cache_tokens(two, 512) == 2 * sampler_kv_cache_tokens(beside, 512) > 4096
     assert engine_spec(two, SEQ_LEN, on_gpu=True).device == "cuda"
     assert CHUNK_BYTES >= 1 << 20

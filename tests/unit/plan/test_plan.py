@@ -380,7 +380,9 @@ def test_a_grpo_server_sampler_holds_nothing_on_the_workers_and_batches_their_ro
                grpo={**grpo, "sampler": "server", "sampler_servers": 2, "sampler_resources": {"GPU": 1}})
     )  # fmt: skip
     assert (server.sampler_servers, server.sampler_server_gpus) == (2, 1.0) and engine.sampler_servers == 0
-    assert server.sampler_kv_tokens == engine.sampler_kv_tokens and not server.gathered_sampling
+    assert (
+        server.sampler_kv_tokens == 4 * engine.sampler_kv_tokens and not server.gathered_sampling
+    )  # 4 workers a server
     assert any("grpo.sampler server: 2 sampling server(s) of {'GPU': 1.0}" in n and "up to 4 worker(s)" in n
                for n in notes), notes  # fmt: skip
     z3 = Layout(3, gradient_checkpointing=True, micro_batch_size=1, num_gpus=8)
