@@ -641,8 +641,8 @@ class GrpoSpec(_Spec):
     sampler_kv_cache_tokens: PositiveInt | None = Field(
         None,
         description="grpo.sampler engine or server: the tokens its KV cache holds; None: a micro-batch's rows of "
-        "prompts and `generations` completions of max_completion_tokens for each row (at least 4,096), times the "
-        "workers a server samples for. Fewer is slower, never wrong: completions wait for room",
+        "prompts and `generations` completions of max_completion_tokens for each row (at least 4,096), for each "
+        "worker a server samples for. Fewer is slower, never wrong: completions wait for room",
     )
     sampler_max_num_seqs: PositiveInt = Field(
         64, description="grpo.sampler engine or server: completions it computes at once (vLLM's max_num_seqs)"
@@ -749,13 +749,13 @@ def sampler_kv_cache_tokens(spec: "TrainJobSpec", seq_len: int) -> int:
     """`grpo.sampler_kv_cache_tokens`, or its default for prompts of up to `seq_len` tokens: a micro-batch's rows of
     prompts (each computed once, its copies sharing it) and, for each row, `generations` completions of
     `max_completion_tokens` (at least 4,096), for each worker the engine samples for (`grpo.sampler: server`: the
-    workers of a server, whose rows it samples together). A micro-batch needing more waits for room; it does not
-    fail."""
+    workers of a server, whose rows it samples together: as much room for each as beside it). A micro-batch needing
+    more waits for room; it does not fail."""
     g = spec.grpo
     if g.sampler_kv_cache_tokens:
         return g.sampler_kv_cache_tokens
     workers = -(-spec.scaling.num_workers // g.sampler_servers) if g.sampler == "server" else 1
-    return max(4096, workers * spec.batch.micro_batch_size * (seq_len + g.generations * g.max_completion_tokens))
+    return workers * max(4096, spec.batch.micro_batch_size * (seq_len + g.generations * g.max_completion_tokens))
 
 
 # What a TrainJob's model learns (TrainJobSpec.objective)
