@@ -442,11 +442,11 @@ def server_names(session: str, count: int) -> list[str]:
     return [f"pylon-sampler-{session}-{i}" for i in range(count)]
 
 
-def start_servers(spec, session: str, *, say=print) -> tuple[list, str]:
+def start_servers(spec, session: str, *, say=print) -> list:
     """The run's sampling servers (`grpo.sampler: server`), started on the connected cluster as Ray actors named
     `server_names(session, ...)` in this driver's namespace, each holding `grpo.sampler_resources`; returns their
-    handles once each is placed (while the cluster has no room, `say` tells every 30 s what they wait for) and the
-    namespace. They live as long as this driver (or `stop_servers`)."""
+    handles once each is placed (while the cluster has no room, `say` tells every 30 s what they wait for). They
+    live as long as this driver (or `stop_servers`)."""
     import ray
 
     g = spec.grpo
@@ -477,7 +477,7 @@ def start_servers(spec, session: str, *, say=print) -> tuple[list, str]:
                 f"grpo.sampler server: waiting {time.monotonic() - started:.0f} s for room for {len(pending)} sampling "
                 f"server(s) of {_wants(g)}: free or add such a node (an autoscaling cluster adds one itself)"
             )
-    return handles, namespace
+    return handles
 
 
 def _wants(g) -> str:

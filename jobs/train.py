@@ -155,7 +155,7 @@ def _fit_and_export(trainer, spec: TrainJobSpec, run_uri: str, session, *, expor
         if spec.grpo is not None and spec.grpo.sampler == "server":  # grpo.sampler server: before the workers
             from pylon.jobs.rollout import start_servers, stop_servers
 
-            servers, _ = start_servers(spec, session.id, say=lambda line: print(line, flush=True))
+            servers = start_servers(spec, session.id, say=lambda line: print(line, flush=True))
             session.servers_started(len(servers), spec.grpo.sampler_resources)  # (the ledger counts their hours)
         try:
             result = trainer.fit()

@@ -620,8 +620,8 @@ class GrpoSpec(_Spec):
         "its KV cache (grpo.sampler_kv_cache_tokens): the planner counts both. server, the same engine in "
         "grpo.sampler_servers Ray actors of their own (TRL's vllm_mode server), each on grpo.sampler_resources "
         "(another GPU or node): the workers' memory holds no engine, the first worker sends the policy's weights "
-        "through Ray's object store before each sampling step, and each server batches the rows of the workers it "
-        "samples for together",
+        "through Ray's object store before each sampling step and every worker's rows, gathered, at each, and each "
+        "server samples the rows of the workers it serves together",
     )
     sampler_servers: PositiveInt = Field(
         1,
