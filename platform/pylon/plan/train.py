@@ -669,7 +669,8 @@ def _lora_dict(lora: LoraSpec | None) -> dict | None:
     return lora.model_dump(mode="json") if lora else None
 
 
-def _assumptions(mfu: float, prices: str, deadline_days: float, budget_usd: float | None) -> dict:
+def _assumptions(mfu: float, prices: str, deadline_days: float | None = None, budget_usd: float | None = None) -> dict:
+    """What a plan assumed, for its JSON; a training plan's with its deadline and budget (a serving plan has none)."""
     return {
         "mfu": mfu,
         "mfu_means": MFU_MEANS,
@@ -683,8 +684,7 @@ def _assumptions(mfu: float, prices: str, deadline_days: float, budget_usd: floa
         "zero12_runtime_extra_bytes": ZERO12_RUNTIME_EXTRA_BYTES,
         "allocator_reserve": ALLOCATOR_RESERVE,
         "gpu_counts": f"1, 2, 4, then whole nodes doubling, up to {MAX_GPUS:,}; at most one GPU per sequence",
-        "deadline_days": deadline_days,
-        "budget_usd": budget_usd,
+        **({"deadline_days": deadline_days, "budget_usd": budget_usd} if deadline_days is not None else {}),
         "prices": prices,
     }
 

@@ -567,6 +567,44 @@ def test_a_files_deployment_of_its_own_training_run_is_planned_with_that_model(t
     assert plans[0].cpu_worker_bytes is not None  # the demo trains on CPU workers
 
 
+def test_a_batch_job_is_planned_as_the_deployment_each_of_its_engines_is(tmp_path: Path, capsys) -> None:
+    """`pylon plan batch.yaml`: a BatchJob's engines are its Deployment (`BatchJobSpec.deployment()`): the same plan,
+    from the file and from the spec; the CLI prints it."""
+    from pylon.cli import main
+    from pylon.plan import plan_spec
+    from pylon.specs import BatchJobSpec
+
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps(LLAMA_70B))
+    batch = {
+        "kind": "BatchJob",
+        "name": "answers",
+        "model": str(tmp_path / "big"),
+        "input": str(tmp_path / "requests.jsonl"),
+        "output": str(tmp_path / "out"),
+        "replicas": 2,
+        "replica": {"num_gpus": 1},
+        "engine": {"device": "cuda", "max_model_len": 4096, "kv_cache_tokens": 65536},
+    }
+    f = tmp_path / "batch.yaml"
+    f.write_text(yaml.safe_dump(batch))
+    (plan,), skipped = plan_file(f, gpu="H100-SXM")
+    spec = BatchJobSpec.model_validate(batch)
+    assert not skipped and plan.kind == "Deployment" and plan.name == "answers"
+    assert (
+        plan.to_dict()
+        == plan_spec(spec.deployment(), gpu="H100-SXM").to_dict()
+        == plan_spec(spec, gpu="H100-SXM").to_dict()
+    )
+    assert 65e9 < plan.shape.total_params < 75e9  # (the 70B's shape, read from its directory)
+    assert main(["plan", str(f), "--gpu", "H100-SXM"]) == 0
+    assert "answers" in capsys.readouterr().out
+    # its JSON (a serving plan's assumptions have no deadline or budget: to_dict failed on them)
+    assert main(["plan", str(f), "--gpu", "H100-SXM", "--json"]) == 0
+    (planned,) = json.loads(capsys.readouterr().out)["plans"]
+    assert planned["kind"] == "Deployment" and "deadline_days" not in planned["assumptions"]
+
+
 def test_a_draft_model_counts_its_weights_and_its_kv_cache(tmp_path: Path) -> None:
     (tmp_path / "big").mkdir()
     (tmp_path / "big" / "config.json").write_text(json.dumps(LLAMA_70B))
