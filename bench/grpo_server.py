@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         SamplingServer,
         engine_spec,
         policy_config,
-        policy_tensors,
+        put_weights,
         worker_rows,
     )
     from pylon.models import build_model
@@ -95,19 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         return worker_rows(batches[worker], loss, eos, seed + 1000 * worker, copies=loss.generations)
 
     def send(version: str) -> int:  # RemoteRollout.sync's steps: read the weights, put them, every server loads
-        tensors = policy_tensors(model, espec.dtype)
-        items = list(tensors.items())
-        refs, chunk = [], []
-        for item in items:
-            chunk.append(item)
-            if sum(t.numel() * t.element_size() for _, t in chunk) >= 64 << 20:
-                refs.append(ray.put(chunk))
-                chunk = []
-        if chunk:
-            refs.append(ray.put(chunk))
-        size = sum(t.numel() * t.element_size() for _, t in items)
-        ray.get(server.load.remote(version, policy_config(model, tensors), tokenizer, espec.model_dump(mode="json"),
-                                   refs))  # fmt: skip
+        refs, names, size = put_weights(model, espec.dtype)
+        ray.get(
+            server.load.remote(version, policy_config(model, names), tokenizer, espec.model_dump(mode="json"), refs)
+        )
         return size
 
     fig = {"engine_s": [], "engine_cpu": [], "engine_passes": [], "engine_tokens": 0, "server_s": [], "server_cpu": [],

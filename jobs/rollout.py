@@ -437,6 +437,28 @@ def _pairs(chunks: list) -> Iterator[tuple[str, object]]:
         yield from chunk
 
 
+def put_weights(module, dtype: str) -> tuple[list, list[str], int]:
+    """The policy's current weights (`full_weights`: every rank calls this together at ZeRO-3) put in Ray's object
+    store as CPU tensors in `dtype`, in objects of about CHUNK_BYTES, one tensor at a time (never the whole model
+    twice in this process): (the objects' refs, the weights' names, their bytes). What a server's `load` takes."""
+    import ray
+
+    torch_dtype = _torch_dtype(dtype)
+    refs, chunk, size, total, names = [], [], 0, 0, []
+    for name, tensor in full_weights(module):
+        t = tensor.to("cpu", torch_dtype).contiguous().clone()
+        chunk.append((name, t))
+        names.append(name)
+        size += t.numel() * t.element_size()
+        if size >= CHUNK_BYTES:
+            refs.append(ray.put(chunk))
+            total, chunk, size = total + size, [], 0
+    if chunk:
+        refs.append(ray.put(chunk))
+        total += size
+    return refs, names, total
+
+
 def server_names(session: str, count: int) -> list[str]:
     """The Ray actor names of a run's `count` sampling servers (`session`: the run's submission, unique)."""
     return [f"pylon-sampler-{session}-{i}" for i in range(count)]
@@ -533,7 +555,6 @@ class RemoteRollout:
         self.computed_tokens = 0
         self.cached_tokens = 0
         self.sync_s, self.syncs = 0.0, 0
-        self.sent_bytes = 0  # weights rank 0 put in the object store for the servers
         self.last_logprobs: list[np.ndarray] | None = None
         self.version: str | None = None  # the weights this worker's rows ask for
         self._weights_step = None  # the trainer's step those are (None: none sent yet: sync at the first sampling)
@@ -573,22 +594,7 @@ class RemoteRollout:
                     pass
             self.syncs += 1
             return
-        torch_dtype = _torch_dtype(self.spec.dtype)
-        refs, chunk, size, total, names = [], [], 0, 0, []
-        for name, tensor in full_weights(module):
-            t = tensor.to("cpu", torch_dtype).contiguous().clone()
-            chunk.append((name, t))
-            names.append(name)
-            size += t.numel() * t.element_size()
-            if size >= CHUNK_BYTES:
-                refs.append(ray.put(chunk))
-                total += size
-                chunk, size = [], 0
-        if chunk:
-            refs.append(ray.put(chunk))
-            total += size
-        self.sent_bytes += total
-        size_mib = total / 2**20
+        refs, names, total = put_weights(module, self.spec.dtype)
         config = policy_config(module, names)
         spec = self.spec.model_dump(mode="json")
         try:
@@ -601,7 +607,7 @@ class RemoteRollout:
         del refs
         if not self.syncs:
             print(
-                f"grpo.sampler server: the weights ({size_mib:.1f} MiB, {self.spec.dtype}) sent to "
+                f"grpo.sampler server: the weights ({total / 2**20:.1f} MiB, {self.spec.dtype}) sent to "
                 f"{len(self.servers)} server(s) in {time.perf_counter() - started:.2f} s through the object store",
                 flush=True,
             )
@@ -661,15 +667,15 @@ class RemoteRollout:
 
 
 def _to_rank0(value, world: int) -> list:
-    """Every rank's `value`, in rank order (read on rank 0); a collective (every rank calls it together)."""
+    """Every rank's `value`, in rank order, on rank 0 (elsewhere None); a collective (every rank calls it together)."""
     if world <= 1:
         return [value]
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         return [value]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, value)
+    everyone = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(value, everyone, dst=0)
     return everyone
 
 
