@@ -16,6 +16,7 @@ engine.step) -> metrics -> held-out evaluation (every `eval.every_steps` steps a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from pylon import home, settings, storage
 from pylon.errors import PylonError, SpecError
+from pylon.jobs import sequence_parallel
 from pylon.jobs.run_dir import (
     LOSS_PLOT,
     REFERENCE_FILE,
@@ -86,6 +88,11 @@ def run(spec: TrainJobSpec, *, export: bool = True, max_failures: int = 3) -> di
     separate_documents(spec.attention_mask, manifest, f"data.uri {spec.data.uri}")
     for note in check_objective(spec, manifest):
         print(note, flush=True)
+    if spec.scaling.sequence_parallel > 1:  # before workers start: can the rows and the model's heads be split
+        from pylon.models import model_config
+
+        config = model_config(spec.model, vocab_size=manifest.tokenizer.vocab_size)
+        sequence_parallel.check(config, spec.scaling.sequence_parallel, manifest.seq_len, spec.model.describe())
     if spec.objective == "eagle3":  # before workers start: can the engine run a head for this model
         _check_eagle3_model(spec, manifest)
     if spec.grpo is not None and spec.grpo.sampler != "model":  # before workers start: can the engine sample it
@@ -376,19 +383,23 @@ def train_loop(config: dict) -> None:
 
     deepspeed.init_distributed(dist_backend="nccl" if spec.scaling.use_gpu else "gloo")
     _record_placement(run_uri, rank, world)
+    # scaling.sequence_parallel (pylon.jobs.sequence_parallel): groups of ranks that read the same rows, each computing
+    # a slice of every row's tokens; the data is split among the groups
+    sp = sequence_parallel.groups(spec.scaling.sequence_parallel, rank, world)
+    data_rank, data_world = (sp.data_rank, sp.data_world) if sp is not None else (rank, world)
     # the rows' records (their source records' other fields): what grpo's and rloo's reward functions and kto's labels
     # read; the other objectives never open the records files
     records = spec.objective in (*RL_OBJECTIVES, "kto")
     stream = stream_from_spec(
-        spec.data, batch_size=spec.batch.micro_batch_size, rank=rank, world_size=world, records=records
+        spec.data, batch_size=spec.batch.micro_batch_size, rank=data_rank, world_size=data_world, records=records
     )
     val_stream = None
     if spec.data.validation_fraction > 0:  # the held-out split: the tail of the id space, never trained on
         val_stream = stream_from_spec(
             spec.data,
             batch_size=spec.batch.micro_batch_size,
-            rank=rank,
-            world_size=world,
+            rank=data_rank,
+            world_size=data_world,
             split="validation",
             records=records,
         )
@@ -426,6 +437,9 @@ def train_loop(config: dict) -> None:
     eagle3 = None  # objective eagle3 (pylon.jobs.eagle): the model frozen beside the drafting head it trains
     if spec.objective == "eagle3":
         model = eagle3 = _eagle3_trainer(model, spec, run_uri, rank, seed)
+    if sp is not None:  # (every rank: each raises the same)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        sequence_parallel.check(base.config, sp.size, stream.manifest.seq_len, spec.model.describe())
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
@@ -620,12 +634,22 @@ def train_loop(config: dict) -> None:
 
     def moved() -> list[float]:  # this rank's bytes so far: data read, checkpoints written, checkpoints read
         data = stream.stats.bytes_read + (val_stream.stats.bytes_read if val_stream is not None else 0)
+        data *= sp is None or sp.reads_data  # (a sequence-parallel group's ranks read the same rows: counted once)
         return [float(data), float(committer.bytes_written), float(committer.bytes_read)]
 
     def record_moved(totals) -> None:
         ledger.bytes_moved(data_read=totals[0], checkpoint_written=totals[1], checkpoint_read=totals[2])
 
     rollouts: dict = {}  # objective grpo with iterations > 1: the last sampled batch's micro-batches, by index
+    # sequence parallelism: from here to the end of training, attention runs across the group over sharded rows
+    scope = contextlib.ExitStack()
+    scope.enter_context(sequence_parallel.enabled(engine.module, sp, spec.batch.micro_batch_size))
+    if sp is not None and rank == 0:
+        print(
+            f"{sequence_parallel.FIELD}: {data_world} group(s) of {sp.size} workers, each worker computing "
+            f"{stream.manifest.seq_len // sp.size} of every row's {stream.manifest.seq_len} tokens",
+            flush=True,
+        )
     while step < spec.steps:
         t_step = time.perf_counter()
         step_started_at = time.time()
@@ -649,6 +673,8 @@ def train_loop(config: dict) -> None:
                 if len(batch)
                 else _padding_batch(stream, device)
             )
+            if sp is not None:
+                inputs = sequence_parallel.shard(inputs, sp)
             if grpo is not None:  # sample and score, then train (its loss averaged over what `grpo.loss` says)
                 if fresh:
                     rollout = grpo_sample(
@@ -831,6 +857,7 @@ def train_loop(config: dict) -> None:
                     running=running,
                     grpo_eval=grpo_eval,
                     eagle3=eagle3.steps if eagle3 is not None else 0,
+                    sp=sp,
                 )
             )
             outside_s += time.perf_counter() - t0
@@ -881,6 +908,7 @@ def train_loop(config: dict) -> None:
     ledger.add("checkpoint_stall_s", time.perf_counter() - t0)
     prometheus.checkpoint(time.perf_counter() - t0, ok=True)
     ray_reports.finish()  # with async_upload, the last save: committed in the background
+    scope.close()  # (the reference logits below: a whole row on every rank)
     metrics.flush()
     completions.flush()
     if eagle3 is None:  # (a head has no logits of its own to check an export against)
@@ -1157,10 +1185,12 @@ def check_chunked_loss(model, vocab_size: int, *, aux: bool = False, device=None
 def token_loss_sum(logits, labels):
     """Next-token cross-entropy summed over the tokens of a batch, and their count: position t predicts label
     t+1, labels -100 (padding) count for nothing; in fp32 whatever the logits' precision. The one loss training
-    optimizes and evaluation reports. Returns (summed loss as a tensor, token count as an int)."""
+    optimizes and evaluation reports. `labels` may have one column more than `logits` (a sequence-parallel rank's
+    slice, `pylon.jobs.sequence_parallel.shard`: its last position's label is the next slice's first token): every
+    position then has its label. Returns (summed loss as a tensor, token count as an int)."""
     import torch.nn.functional as F
 
-    shift_logits = logits[:, :-1, :].float()
+    shift_logits = logits[:, : labels.shape[1] - 1, :].float()
     shift_labels = labels[:, 1:]
     n_tokens = int((shift_labels != -100).sum().item())
     loss_sum = F.cross_entropy(
@@ -1200,6 +1230,7 @@ def _evaluate(
     pad_eos: tuple[int, int] = (0, 0),
     ref_table=None,
     eagle3: int = 0,
+    sp=None,
 ) -> dict:
     """Mean token cross-entropy over the validation split (or each rank's first `max_batches` micro-batches of
     it), in eval mode without gradients; returns its `metrics.jsonl` record. `dpo_loss` (a preference objective):
@@ -1211,7 +1242,8 @@ def _evaluate(
     a `pylon.jobs.grpo.GrpoEvaluation`): its held-out prompts' greedy completions' rewards too. `kto` (objective kto's
     `KtoLoss`; `pad_eos` the tokenizer's pad and eos ids): the held-out completions' figures (`val_kto_*`). `eagle3`
     (objective eagle3: its drafts deep): val_loss is the drafts' (no perplexity), and each depth's accuracy
-    (`val_eagle3_*`)."""
+    (`val_eagle3_*`). `sp` (`pylon.jobs.sequence_parallel.SequenceParallel`): each row's slice, its sequences
+    counted once a group."""
     import torch
 
     from pylon.data.reader import DataPosition
@@ -1239,6 +1271,8 @@ def _evaluate(
                     if len(batch)
                     else _padding_batch(val_stream, device)
                 )
+                if sp is not None:
+                    inputs = sequence_parallel.shard(inputs, sp)
                 if dpo_loss is not None:
                     pair_loss, pairs, _, stats, out = dpo_forward(
                         engine,
@@ -1279,7 +1313,7 @@ def _evaluate(
                     grpo_sums = stats if grpo_sums is None else [a + b for a, b in zip(grpo_sums, stats)]
                 loss_sum += float(part.item())
                 tokens += n
-                sequences += len(batch)
+                sequences += len(batch) if sp is None or sp.reads_data else 0
     finally:
         batches.close()
         engine.train()

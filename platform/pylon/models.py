@@ -590,7 +590,8 @@ def _chunked_loss_forward(
         return F.cross_entropy(transform(head(h)).float(), y, reduction="none" if token_logprobs else "sum")
 
     width = hidden.shape[-1]
-    h = hidden[:, :-1].reshape(-1, width)  # position t predicts label t+1, as `token_loss_sum` shifts
+    # position t predicts label t+1, as `token_loss_sum` shifts (labels one column longer: a sequence-parallel slice)
+    h = hidden[:, : labels.shape[1] - 1].reshape(-1, width)
     y = labels[:, 1:].reshape(-1)
     if not y.is_meta:  # (the planner's meta tensors have no values: every token counts there)
         keep = (y != -100).nonzero().squeeze(1)

@@ -221,6 +221,13 @@ class ScalingSpec(_Spec):
         description="how workers are placed on nodes (a Ray placement group strategy): PACK fills "
         "few nodes, STRICT_SPREAD puts every worker on its own node",
     )
+    sequence_parallel: PositiveInt = Field(
+        1,
+        description="workers that split each row along its tokens (DeepSpeed Ulysses, ALST): groups of this many "
+        "read the same rows, each computing 1/N of every row's tokens (activations and logits 1/N as large), "
+        "attention all-to-all within the group; must divide num_workers, the rows' length and the model's heads. "
+        "objective causal_lm; 1: off",
+    )
 
 
 class AioSpec(_Spec):
@@ -983,6 +990,20 @@ class TrainJobSpec(_Spec):
                 problems.append((name, f"objective eagle3: {why}"))
         return problems
 
+    def _sequence_parallel_problems(self) -> list[tuple[str, str]]:
+        """scaling.sequence_parallel: groups of workers that split rows (pylon.jobs.sequence_parallel)."""
+        sp, workers = self.scaling.sequence_parallel, self.scaling.num_workers
+        if sp == 1:
+            return []
+        field = "scaling.sequence_parallel"
+        if workers % sp:
+            return [(field, f"must divide scaling.num_workers ({workers}): each group of {sp} reads the same rows")]
+        if self.objective != "causal_lm":
+            return [(field, f"splits rows for objective causal_lm; objective {self.objective} reads whole rows")]
+        if self.neftune_noise_alpha:
+            return [("neftune_noise_alpha", f"scales its noise by a row's length, which {field} splits: set 0")]
+        return []
+
     @model_validator(mode="after")
     def _rules(self) -> "TrainJobSpec":
         problems = []
@@ -1122,6 +1143,7 @@ class TrainJobSpec(_Spec):
         elif self.grpo is not None:
             problems.append(("grpo", f"sets objective grpo's and rloo's sampling and rewards; objective: {objective}"))
         problems.extend(self._eagle3_problems())
+        problems.extend(self._sequence_parallel_problems())
         if self.reward_center_coefficient and objective != "reward":
             problems.append(
                 ("reward_center_coefficient", f"centres objective reward's scores; objective is {objective}")
