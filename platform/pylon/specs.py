@@ -1163,14 +1163,17 @@ class TrainJobSpec(_Spec):
 
     @property
     def global_batch_size(self) -> int:
-        return self.batch.micro_batch_size * self.batch.grad_accum_steps * self.scaling.num_workers
+        """Rows a step trains: each worker's micro-batches, a sequence-parallel group's workers sharing theirs."""
+        rows = self.batch.micro_batch_size * self.batch.grad_accum_steps * self.scaling.num_workers
+        return rows // self.scaling.sequence_parallel
 
     def summary(self) -> str:
         device = "GPU" if self.scaling.use_gpu else "CPU"
         ckpt = self.checkpoint.storage or "$PYLON_HOME/runs"
         return (
             f"TrainJob '{self.name}': {self.model.describe()}, {self.scaling.num_workers} {device} worker(s), "
-            f"{self.deepspeed.describe()}, {self.precision}, {self.steps} steps x {self.global_batch_size} "
+            + (f"sequence parallel {self.scaling.sequence_parallel}, " if self.scaling.sequence_parallel > 1 else "")
+            + f"{self.deepspeed.describe()}, {self.precision}, {self.steps} steps x {self.global_batch_size} "
             f"sequences, data {self.data.uri}, checkpoints -> {ckpt} every {self.checkpoint.every_steps}"
             + (f", LoRA r={self.lora.r}" if self.lora else "")
             + (f", objective {self.objective}" if self.objective != "causal_lm" else "")

@@ -208,10 +208,12 @@ class Workload:
     head_steps: int = 0
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def activation_peak(self, micro_batch: int, checkpointing: bool, device: str) -> int:
+    def activation_peak(self, micro_batch: int, checkpointing: bool, device: str, parts: int = 1) -> int:
         """Peak activation bytes of one micro-batch (`pylon.plan.activations`), remembered: a plan asks thousands
-        of times for a handful of distinct answers."""
-        key = (micro_batch, checkpointing, device)
+        of times for a handful of distinct answers. `parts`: sequence parallelism's split of each row (Ulysses):
+        a GPU holds seq_len / parts tokens of each row, whose attention over the whole row for heads / parts heads
+        keeps as much as its own tokens' would."""
+        key = (micro_batch, checkpointing, device, parts)
         if key not in self._peaks and self.head is not None:  # objective eagle3: the model frozen, the head trained
             from pylon.plan.activations import eagle3_activations
 
@@ -219,7 +221,7 @@ class Workload:
                 self.config,
                 self.head,
                 micro_batch=micro_batch,
-                seq_len=self.seq_len,
+                seq_len=self.seq_len // parts,
                 precision=self.precision,
                 device=device,
                 documents=self.documents,
@@ -231,7 +233,7 @@ class Workload:
             self._peaks[key] = step_activations(
                 self.config,
                 micro_batch=micro_batch * self.rollouts,
-                seq_len=self.seq_len,
+                seq_len=self.seq_len // parts,
                 precision=self.precision,
                 checkpointing=checkpointing,
                 lora=self.lora,
@@ -281,6 +283,13 @@ class Layout:
     gpus_per_node: int = 8
     buffers: Buffers = Buffers()
     grad_accum: str | None = None  # ZeRO-3: the dtype of its gradient partitions (`deepspeed.grad_accum_dtype`)
+    # scaling.sequence_parallel: GPUs that split each row along its tokens (Ulysses); a group shares its micro-batches
+    sequence_parallel: int = 1
+
+    @property
+    def rows_per_step(self) -> int:
+        """The rows (sequences) one optimizer step trains."""
+        return self.micro_batch_size * self.grad_accum_steps * self.num_gpus // self.sequence_parallel
 
     @property
     def gpus_on_node(self) -> int:
@@ -302,6 +311,8 @@ class Layout:
             parts.append(f"params->{self.offload_param}")
         if self.gradient_checkpointing:
             parts.append("grad ckpt")
+        if self.sequence_parallel > 1:
+            parts.append(f"sequence parallel {self.sequence_parallel}")
         parts.append(
             f"micro-batch {self.micro_batch_size}"
             + (f" x {self.grad_accum_steps} accum" if self.grad_accum_steps > 1 else "")
@@ -463,11 +474,14 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
             reference = w * n / g
             notes["reference model"] = f"the reference: a frozen {work.precision} copy, a 1/G partition"
 
-    acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device)
+    sp = layout.sequence_parallel
+    acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device, sp)
     notes["activations"] = (
         f"micro-batch {layout.micro_batch_size}"
         + (f" x {work.rollouts} completions" if work.rollouts > 1 else "")
-        + f" x {work.seq_len} tokens, peak of forward + "
+        + (f" x {work.seq_len // sp} tokens (1/{sp} of each row: sequence parallelism)" if sp > 1 else "")
+        + ("" if sp > 1 else f" x {work.seq_len} tokens")
+        + ", peak of forward + "
         "backward" + (", recomputing each block" if layout.gradient_checkpointing else "")
     )
     # grpo.sampler engine: a serving engine on every worker for the whole run, the model whole in its dtype (the

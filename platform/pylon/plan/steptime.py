@@ -120,14 +120,34 @@ def collectives(work: Workload, layout: Layout, acc: Accelerator) -> tuple[float
     return seconds, (1.0 / accum if stage < 2 else 1.0)
 
 
+def sequence_parallel_s(work: Workload, layout: Layout, acc: Accelerator) -> float:
+    """Seconds a step spends in sequence parallelism's all-to-alls (Ulysses, `scaling.sequence_parallel`), which
+    attention waits on (none hidden): per layer and micro-batch, the queries, keys, values and output of the GPU's
+    tokens, forward and backward (and forward again with recomputation), each GPU sending (N-1)/N of them."""
+    sp = layout.sequence_parallel
+    if sp <= 1:
+        return 0.0
+    s, w = work.shape, WEIGHT_BYTES[work.precision]
+    tokens = layout.micro_batch_size * work.seq_len // sp
+    kv = max(s.kv_heads, sp) * s.head_dim  # (fewer key-value heads than GPUs: repeated to one each)
+    per_layer = tokens * w * (2 * s.hidden_size + 2 * kv) * (sp - 1) / sp
+    passes = 3 if layout.gradient_checkpointing else 2
+    exchanges = layout.grad_accum_steps * s.num_layers * passes
+    return exchanges * (per_layer / (collective_gbs(acc, sp) * 1e9) + 4 * (sp - 1) * RING_STEP_LATENCY_S)
+
+
 def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> StepTime:
     s, g, stage = work.shape, layout.num_gpus, layout.zero_stage
     w = WEIGHT_BYTES[work.precision]
+    # (a sequence-parallel group's GPUs compute one row's tokens between them)
     tokens = layout.micro_batch_size * work.rollouts * layout.grad_accum_steps * g * work.seq_len
+    tokens //= layout.sequence_parallel
     flops = tokens * work_flops_per_token(work)
     compute = flops / (g * acc.peak_flops(work.precision) * mfu)
     comm, window = collectives(work, layout, acc)
     exposed = max(0.0, comm - window * compute)
+    ulysses = sequence_parallel_s(work, layout, acc)
+    comm, exposed = comm + ulysses, exposed + ulysses
 
     offload = 0.0
     host_link = acc.host_link_gbs * 1e9

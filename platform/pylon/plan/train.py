@@ -149,6 +149,7 @@ class Option:
                 "gradient_checkpointing": lay.gradient_checkpointing,
                 "micro_batch_size": lay.micro_batch_size,
                 "grad_accum_steps": lay.grad_accum_steps,
+                "sequence_parallel": lay.sequence_parallel,
             },
             "description": lay.describe(),
             "fits": self.fits,
@@ -189,7 +190,7 @@ def evaluate(work: Workload, layout: Layout, acc: Accelerator, *, steps: int, mf
             f"a grpo.sampler server's GPU memory {_gib(server)} (the model whole and its KV cache) of "
             f"{_gib(acc.memory_bytes * USABLE_FRACTION * work.sampler_server_gpus)} usable"
         )
-    tokens = layout.micro_batch_size * layout.grad_accum_steps * layout.num_gpus * work.seq_len
+    tokens = layout.rows_per_step * work.seq_len
     step = step_time(work, layout, acc, mfu)
     return Option(
         acc,
@@ -229,28 +230,57 @@ def _binding(m: TrainMemory, acc: Accelerator) -> tuple[bool, str]:
 
 
 def candidate_layouts(
-    *, global_batch: int, max_micro_batch: int, gpus: int | None, gpus_per_node: int, has_nvme_path: bool = True
+    *,
+    global_batch: int,
+    max_micro_batch: int,
+    gpus: int | None,
+    gpus_per_node: int,
+    has_nvme_path: bool = True,
+    sequence_parallel: int = 1,
 ) -> list[Layout]:
     """Every layout the search tries: ZeRO 0-3 x offload targets x checkpointing x micro-batch x GPU count (1, 2,
     4, then whole nodes doubling to 16,384), each keeping the global batch (exactly, unless `gpus` is fixed and
-    does not divide it): data parallelism gives each GPU at least one sequence."""
+    does not divide it): data parallelism gives each GPU at least one sequence, or with `sequence_parallel` each
+    group of that many GPUs (which split each row between them)."""
+    sp = sequence_parallel
     micro = sorted({m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch} | {max_micro_batch})
-    counts = [gpus] if gpus else [c for c in gpu_counts(gpus_per_node) if c <= global_batch]
+    counts = [gpus] if gpus else [c for c in gpu_counts(gpus_per_node) if c <= global_batch * sp]
     out = []
     for g in counts:
+        if g % sp:
+            continue
+        groups = g // sp
         for mb in micro:
             if gpus:
-                accum = max(1, math.ceil(global_batch / (mb * g)))
-            elif global_batch % (mb * g):
+                accum = max(1, math.ceil(global_batch / (mb * groups)))
+            elif global_batch % (mb * groups):
                 continue
             else:
-                accum = global_batch // (mb * g)
+                accum = global_batch // (mb * groups)
             for stage in (0, 1, 2, 3):
                 for opt, par in OFFLOADS:
                     if not _offload_allowed(stage, opt, par) or ("nvme" in (opt, par) and not has_nvme_path):
                         continue
                     for ckpt in (False, True):
-                        out.append(Layout(stage, opt, par, ckpt, mb, accum, g, gpus_per_node))
+                        out.append(Layout(stage, opt, par, ckpt, mb, accum, g, gpus_per_node, sequence_parallel=sp))
+    return out
+
+
+def sequence_parallel_degrees(work: Workload, gpus_per_node: int) -> list[int]:
+    """The sequence-parallel group sizes (`scaling.sequence_parallel`) the search may try for `work`, beyond 1: powers
+    of two up to a node's GPUs (the all-to-alls stay on its links) that divide the model's heads (the key-value heads
+    too, or are a multiple of them) and the rows; none for an objective other than causal_lm's (the spec refuses
+    them)."""
+    if work.rollouts > 1 or work.reference != "none" or work.head is not None or work.completion_tokens:
+        return []
+    text = work.config.get_text_config() if hasattr(work.config, "get_text_config") else work.config
+    heads = getattr(text, "num_attention_heads", 0) or 0
+    kv = work.shape.kv_heads or heads
+    out, d = [], 2
+    while d <= gpus_per_node:
+        if heads and heads % d == 0 and (kv % d == 0 or d % kv == 0) and work.seq_len % d == 0:
+            out.append(d)
+        d *= 2
     return out
 
 
@@ -307,17 +337,26 @@ def search_options(
     gpus: int | None = None,
 ) -> list[Option]:
     """The best configuration of `work` on `acc` that fits at each GPU count (the cheapest, near ties broken by
-    preference), fewest GPUs first."""
-    layouts = candidate_layouts(
-        global_batch=global_batch, max_micro_batch=max_micro_batch, gpus=gpus, gpus_per_node=acc.gpus_per_node
-    )
+    preference), fewest GPUs first. Where no layout of data parallelism alone fits (a row's activations too large
+    for one GPU), the layouts of sequence parallelism too (`sequence_parallel_degrees`): groups of GPUs that split
+    each row."""
     by_count: dict[int, list[Option]] = {}
-    for lay in layouts:
-        if work.head is not None and lay.gradient_checkpointing:
-            continue  # (objective eagle3 refuses it: the frozen model keeps no activations to recompute)
-        o = evaluate(work, lay, acc, steps=steps, mfu=mfu)
-        if o.fits:
-            by_count.setdefault(lay.num_gpus, []).append(o)
+    for sp in [1, *sequence_parallel_degrees(work, acc.gpus_per_node)]:
+        if by_count:
+            break
+        layouts = candidate_layouts(
+            global_batch=global_batch,
+            max_micro_batch=max_micro_batch,
+            gpus=gpus,
+            gpus_per_node=acc.gpus_per_node,
+            sequence_parallel=sp,
+        )
+        for lay in layouts:
+            if work.head is not None and lay.gradient_checkpointing:
+                continue  # (objective eagle3 refuses it: the frozen model keeps no activations to recompute)
+            o = evaluate(work, lay, acc, steps=steps, mfu=mfu)
+            if o.fits:
+                by_count.setdefault(lay.num_gpus, []).append(o)
     return [cheapest(by_count[g]) for g in sorted(by_count)]
 
 
@@ -529,8 +568,10 @@ def _eagle3_head(spec: TrainJobSpec, config, shape: ModelShape, notes: list[str]
 
 def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) -> Layout:
     g = gpus or spec.scaling.num_workers
-    mb = spec.batch.micro_batch_size
-    accum = max(1, math.ceil(spec.global_batch_size / (mb * g)))
+    mb, sp = spec.batch.micro_batch_size, spec.scaling.sequence_parallel
+    if g % sp:
+        sp = 1  # (--gpus that a group of the spec's size does not divide: planned without)
+    accum = max(1, math.ceil(spec.global_batch_size / (mb * g // sp)))
     ds = spec.deepspeed
     return Layout(
         ds.zero_stage,
@@ -543,6 +584,7 @@ def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) 
         gpus_per_node,
         buffers=Buffers.of(ds.buffers),
         grad_accum=ds.grad_accum_dtype,
+        sequence_parallel=sp,
     )
 
 
@@ -837,9 +879,17 @@ def _advice(
                 "each stage holding its share of the layers) or more sequences per step to spread over more GPUs"
             ]
         tp = _pow2(m.activations / (usable - rest))
+        degrees = sequence_parallel_degrees(work, per_node)
+        tried = (
+            f" (sequence parallelism, scaling.sequence_parallel, splitting each row over up to {max(degrees)} GPUs "
+            "of a node, does not fit it either)"
+            if degrees
+            else ""
+        )
         head = (
             f"one {seq:,}-token sequence's activations take {_gib(m.activations)} per GPU even with recomputation, "
-            f"beside {_gib(rest)} of model states and buffers (ZeRO-3 over {where}), of {_gib(usable)} usable: "
+            f"beside {_gib(rest)} of model states and buffers (ZeRO-3 over {where}), of {_gib(usable)} usable"
+            f"{tried}: "
         )
         if tp <= per_node:
             return [
@@ -1028,9 +1078,21 @@ def _explain(plan: TrainPlan) -> list[str]:
             f"small enough: at MFU {rec.mfu:.2f} the GPUs execute HFU {rec.hfu:.2f} of their peak (the MFU, as "
             "papers report it, already pays for the recomputation)"
         )
+    sp = lay.sequence_parallel
+    if sp > 1:
+        from pylon.plan.steptime import sequence_parallel_s
+
+        out.append(
+            f"sequence parallelism (scaling.sequence_parallel: {sp}, DeepSpeed Ulysses): one row's activations do "
+            f"not fit one GPU, so groups of {sp} GPUs split each row, each computing {plan.work.seq_len // sp:,} of "
+            f"its {plan.work.seq_len:,} tokens; attention's all-to-alls within the group take "
+            f"{sequence_parallel_s(plan.work, lay, acc):.2f} s a step"
+        )
     out.append(
         f"micro-batch {lay.micro_batch_size} x {lay.grad_accum_steps} accumulation step(s) x "
-        f"{lay.num_gpus} GPU(s) keeps the global batch of {plan.global_batch} sequences"
+        f"{lay.num_gpus} GPU(s)"
+        + (f" in groups of {sp}" if sp > 1 else "")
+        + f" keeps the global batch of {plan.global_batch} sequences"
     )
     hidden = (
         "hidden behind compute"

@@ -5,6 +5,7 @@ get there."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from test_plan import LLAMA_70B  # the module beside this one
 from pylon.errors import PylonError
 from pylon.plan import MAX_GPUS, gpu_counts, hardware_flops_per_token, model_flops_per_token, plan_train, render
 from pylon.plan.catalog import load_catalog
-from pylon.plan.memory import Layout
+from pylon.plan.memory import Layout, train_memory
 from pylon.plan.steptime import COLLECTIVE_EFFICIENCY, collective_gbs, hfu, step_time
 from pylon.plan.train import candidate_layouts, pareto, train_workload
 from pylon.specs import TrainJobSpec
@@ -197,12 +198,28 @@ def test_a_deadline_data_parallelism_cannot_meet_names_the_parallelism_it_needs(
     assert f"or a budget of ${fast.cost:,.0f} ({fast.layout.num_gpus} x L40S" in capped.verdict
 
 
-def test_activations_that_do_not_fit_one_gpu_ask_for_tensor_or_context_parallelism() -> None:
-    plan = plan_train(_pretrain({"config": LLAMA2_70B}, workers=64, seq=65536, tokens=1e10), gpu="H100")
+def test_activations_that_do_not_fit_one_gpu_are_split_by_sequence_parallelism() -> None:
+    """Llama 2 70B's 65,536-token rows: no layout of data parallelism alone fits an H100 (one row's activations,
+    113 GiB with recomputation); groups of GPUs splitting each row (scaling.sequence_parallel) do, the smallest
+    group that fits, its all-to-alls in the step time. A row no node's group can hold: tensor and context
+    parallelism advised, saying sequence parallelism was tried."""
+    spec = _pretrain({"config": LLAMA2_70B}, workers=64, seq=65536, tokens=1e10)
+    plan = plan_train(spec, gpu="H100")
+    rec = plan.recommendation
+    assert rec is not None and rec.fits and rec.layout.sequence_parallel == 2
+    assert not plan.row("H100-SXM").requested.fits  # (as requested: 64 GPUs, each a whole row)
+    assert rec.layout.rows_per_step == 64 and rec.tokens_per_step == 64 * 65536  # the global batch kept
+    assert "(1/2 of each row: sequence parallelism)" in rec.memory.notes["activations"]
+    whole = dataclasses.replace(rec.layout, sequence_parallel=1)
+    assert rec.memory.activations < 0.6 * train_memory(plan.work, whole).activations
+    assert "sequence parallelism (scaling.sequence_parallel: 2, DeepSpeed Ulysses)" in render(plan)
+    assert rec.step.collectives_s > 0 and rec.to_dict()["layout"]["sequence_parallel"] == 2
+
+    plan = plan_train(_pretrain({"preset": "llama-7b"}, workers=64, seq=1048576, tokens=1e10), gpu="H100")
     assert plan.recommendation is None
     (advice,) = plan.row("H100-SXM").advice
-    assert "65,536-token sequence's activations" in advice and "TP=4" in advice and "context parallelism" in advice
-    assert "H100-SXM: one 65,536-token" in render(plan)
+    assert "1,048,576-token sequence's activations" in advice and "TP=8" in advice and "context parallelism" in advice
+    assert "splitting each row over up to 8 GPUs of a node, does not fit it either" in advice
 
 
 def test_deadline_and_budget_through_the_cli_and_the_sdk(tmp_path: Path, capsys) -> None:
@@ -226,3 +243,19 @@ def test_deadline_and_budget_through_the_cli_and_the_sdk(tmp_path: Path, capsys)
     assert sdk.deadline_days == 1 and sdk.budget_usd == 1_000_000 and sdk.shortfall == "deadline"
     with pytest.raises(PylonError, match="budget"):
         plan_train(spec, gpu="H100", budget_usd=-1)
+
+
+def test_a_spec_with_sequence_parallelism_is_planned_as_it_asks() -> None:
+    """scaling.sequence_parallel in the spec: the requested layout's groups split each row (half the activations of
+    the same layout whole), the global batch counts a group's rows once, and the all-to-alls are in its step."""
+    over = {"scaling": {"num_workers": 16, "use_gpu": True, "sequence_parallel": 2}}
+    spec = _pretrain({"preset": "llama-7b"}, workers=16, seq=32768, tokens=1e9, **over)
+    assert spec.global_batch_size == 8
+    plan = plan_train(spec, gpu="H100")
+    requested = plan.row("H100-SXM").requested
+    lay = requested.layout
+    assert (lay.sequence_parallel, lay.num_gpus, lay.rows_per_step) == (2, 16, 8)
+    whole = train_memory(plan.work, dataclasses.replace(lay, sequence_parallel=1))
+    assert requested.memory.activations < 0.6 * whole.activations
+    assert requested.tokens_per_step == 8 * 32768
+    assert "sequence parallel 2" in lay.describe() and "sequence parallel 2" in spec.summary()
