@@ -16,8 +16,9 @@ unchanged), and its labels are the row's next tokens, the last of its slice bein
 The loss is summed over the rank's tokens and divided by the global batch's token count, as without sequence
 parallelism (`pylon.jobs.train._global_mean_loss`): DeepSpeed's gradient average over every rank then gives the
 mean over the global batch, which is what one process computes. Causal masking comes from `sdpa`'s own
-(`is_causal`: no mask is built); packed documents (`attention_mask: document`) and sliding windows get a boolean
-mask over the whole row, built from the gathered position_ids (a document starts where they restart at 0).
+(`is_causal`: no mask is built); packed documents (`attention_mask: document`; a document starts where the gathered
+position_ids restart at 0) attend one at a time, as FlashAttention's variable-length path does, never through a
+row-long mask; a sliding window shorter than a row or document is a boolean mask over it.
 """
 
 from __future__ import annotations
@@ -118,25 +119,31 @@ def shard(inputs: dict, sp: SequenceParallel) -> dict:
     return out
 
 
-def _row_mask(position_ids, window: int | None):
-    """The whole row's boolean mask (True: attended), `[rows, 1, S, S]`, where causal masking alone is not what the
-    model does: packed documents (position_ids restart at 0 where each begins) each attend themselves only, and a
-    sliding `window` hides keys before the query's last `window`. None where plain causal attention is right."""
+def window_mask(length: int, window: int | None):
+    """The boolean mask (True: attended), `[1, 1, length, length]`, of a sliding `window` over `length` tokens from
+    position 0: causal, and keys before a query's last `window` hidden. None where the window hides nothing (plain
+    causal attention, sdpa's own)."""
     import torch
 
-    rows, length = position_ids.shape
-    packed = bool((position_ids[:, 1:] == 0).any())
-    cut = window is not None and length > window
-    if not packed and not cut:
+    if window is None or length <= window:
         return None
-    index = torch.arange(length, device=position_ids.device)
-    mask = (index[None, :] <= index[:, None])[None].expand(rows, length, length)
-    if packed:
-        document = torch.cumsum((position_ids == 0).long(), dim=1)
-        mask = mask & (document[:, :, None] == document[:, None, :])
-    if cut:
-        mask = mask & (index[None, :] > index[:, None] - window)[None]
-    return mask[:, None]
+    index = torch.arange(length)
+    return ((index[None, :] <= index[:, None]) & (index[None, :] > index[:, None] - window))[None, None]
+
+
+def documents(position_ids) -> list[list[tuple[int, int]]] | None:
+    """Each row's packed documents as (start, end) token ranges, where position_ids restart at 0 (a row starts one);
+    None where every row is one document."""
+    if not bool((position_ids[:, 1:] == 0).any()):
+        return None
+    length = position_ids.shape[1]
+    out = []
+    for row in position_ids:
+        starts = (row == 0).nonzero().flatten().tolist()
+        if not starts or starts[0] != 0:
+            starts = [0, *starts]
+        out.append(list(zip(starts, [*starts[1:], length])))
+    return out
 
 
 @contextlib.contextmanager
@@ -157,10 +164,24 @@ def enabled(model, sp: SequenceParallel | None, micro_batch_size: int):
     core = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def attend(module, query, key, value, attention_mask, *args, **kwargs):
-        # the whole row's queries, keys and values, for this rank's heads: its mask from the gathered position_ids
+        # The whole row's queries, keys and values, for this rank's heads. Packed documents (from the gathered
+        # position_ids) attend one at a time, causal within each: no row-long mask (S x S) is built, and no score
+        # across documents computed. A sliding window masks within a row, or a document, longer than it.
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # (Mistral's; Qwen's)
-        mask = _row_mask(kwargs["position_ids"], window)
-        return core(module, query, key, value, mask, *args, **kwargs)
+        parts = documents(kwargs["position_ids"])
+        if parts is None:
+            mask = window_mask(query.shape[2], window)
+            return core(module, query, key, value, None if mask is None else mask.to(query.device), *args, **kwargs)
+        rows = []
+        for r, ranges in enumerate(parts):
+            pieces = []
+            for a, b in ranges:
+                mask = window_mask(b - a, window)
+                q, k, v = (t[r : r + 1, :, a:b] for t in (query, key, value))
+                mask = None if mask is None else mask.to(query.device)
+                pieces.append(core(module, q, k, v, mask, *args, **kwargs)[0])
+            rows.append(torch.cat(pieces, dim=1))
+        return torch.cat(rows, dim=0), None
 
     ulysses = UlyssesSPAttentionHF(
         attn=attend,

@@ -59,6 +59,20 @@ def _configs():
             ),
             {},
         ),
+        # the window within packed documents (row 0's are shorter than it, row 1's first longer)
+        "mistral-window-documents": (
+            MistralConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                sliding_window=8,
+                max_position_embeddings=256,
+            ),
+            {"documents": True},
+        ),
         # learned positions, and layers that are not handed position_ids
         "gpt2": (GPT2Config(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64, n_positions=64), {}),
         # the loss a chunk at a time (labels one column longer reach the chunked loss)

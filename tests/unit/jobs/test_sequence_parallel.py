@@ -22,7 +22,15 @@ from pylon.jobs.sequence_parallel import SequenceParallel
 from pylon.specs import TrainJobSpec
 
 HELPER = Path(__file__).with_name("sequence_parallel_ranks.py")
-CASES = ["llama-gqa", "llama-mqa-documents", "mistral-window", "gpt2", "llama-chunked-loss", "llama-checkpointing"]
+CASES = [
+    "llama-gqa",
+    "llama-mqa-documents",
+    "mistral-window",
+    "mistral-window-documents",
+    "gpt2",
+    "llama-chunked-loss",
+    "llama-checkpointing",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +52,8 @@ def test_two_ranks_compute_what_one_process_does(two_ranks, case) -> None:
     """Each case's loss over the two halves is the whole rows' (the same tokens counted), every gradient is within
     1e-5 of the whole model's, each rank's logits are its half of the whole rows', and after the scope the model runs
     whole rows as before. Cases: grouped-query attention with a padded row; one key-value head for two ranks
-    (repeated) with packed documents; a sliding window shorter than the row (Mistral); GPT-2 (learned positions,
+    (repeated) with packed documents, each attended on its own; a sliding window shorter than the row (Mistral), and
+    within packed documents; GPT-2 (learned positions,
     layers not handed position_ids); the chunked loss; gradient checkpointing (the all-to-alls again in backward)."""
     r = two_ranks[case]
     assert r["tokens"] == r["reference_tokens"]
@@ -74,13 +83,12 @@ def test_each_rank_gets_its_tokens_positions_and_the_labels_after_them() -> None
     assert packed["position_ids"].tolist() == [[1, 2, 3, 4]] * 2  # (a packed row's own, restarting)
 
 
-def test_the_row_mask_separates_documents_and_applies_the_window() -> None:
-    plain = torch.arange(8)[None]
-    assert sequence_parallel._row_mask(plain, None) is None  # plain causal: sdpa's own
-    assert sequence_parallel._row_mask(plain, 8) is None  # a window as long as the row hides nothing
-    docs = sequence_parallel._row_mask(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), None)[0, 0]
-    assert docs[4].tolist() == [False, False, False, True, True, False, False, False]
-    window = sequence_parallel._row_mask(plain, 3)[0, 0]
+def test_documents_are_found_where_positions_restart_and_the_window_masks_within() -> None:
+    assert sequence_parallel.documents(torch.arange(8)[None]) is None  # one document a row: sdpa's own causal
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    assert sequence_parallel.documents(packed) == [[(0, 3), (3, 8)], [(0, 6), (6, 8)]]
+    assert sequence_parallel.window_mask(8, None) is None and sequence_parallel.window_mask(8, 8) is None
+    window = sequence_parallel.window_mask(8, 3)[0, 0]
     assert window[5].tolist() == [False, False, False, True, True, True, False, False]
 
 
