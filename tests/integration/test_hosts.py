@@ -497,3 +497,29 @@ def test_a_grpo_run_samples_on_a_server_on_a_labelled_machine(hosts, s3_server):
     print("hosts grpo: rewards by step", [round(x, 3) for x in rewards])
     assert [r["step"] for r in records] == list(range(1, 11)) and records[0]["grpo_completions"] == 32
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+
+
+def test_a_row_split_across_the_two_machines_trains(hosts, client_corpus, s3_server):
+    """`scaling.sequence_parallel: 2` with a worker on each machine (STRICT_SPREAD): every row's two halves computed
+    on two machines, attention's all-to-alls between them over the network, submitted from the client; the run
+    trains (the loss falls), counts each row's tokens once, and exports."""
+    runs = f"s3://{s3_server.bucket}/hosts-sp-{int(time.time())}"
+    spec = _spec("hosts-sp", client_corpus, runs, steps=6, every=6, placement_strategy="STRICT_SPREAD")
+    spec["model"] = {"preset": "llama-tiny"}
+    spec["scaling"]["sequence_parallel"] = 2
+    spec["optim"]["lr"] = 1e-2
+    hosts.client.write_text("/tmp/home/sp.yaml", yaml.safe_dump(spec))
+    submitted = hosts.client.run(["pylon", "train", "sp.yaml"], timeout=120).stdout
+    job_id = next(w for w in submitted.split() if w.startswith("train-hosts-sp-"))
+    code = f"import pylon; c = pylon.connect(); print(c.wait_job({job_id!r}, timeout_s=600)); print(c.job_logs({job_id!r}))"
+    out = hosts.client.python(code, timeout=660).stdout
+    assert out.startswith("SUCCEEDED"), out[-6000:]
+    assert "scaling.sequence_parallel: 1 group(s) of 2 workers, each worker computing 32 of every row's 64" in out
+    workers = storage.read_json(f"{runs}/hosts-sp/workers.json")["workers"]
+    assert len({w["node_id"] for w in workers}) == 2  # the two halves of every row on two machines
+    records = [json.loads(line) for line in storage.read_text(f"{runs}/hosts-sp/metrics.jsonl").splitlines()]
+    steps = [r for r in records if r.get("kind", "train") == "train"]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert all(r["tokens"] == 4 * 63 for r in steps)  # a micro-batch of 4 rows of 64, counted once (not twice)
+    assert steps[-1]["loss"] < steps[0]["loss"], [r["loss"] for r in steps]
+    assert storage.exists(f"{runs}/hosts-sp/export/config.json")
