@@ -444,6 +444,18 @@ def test_a_batch_from_the_client_is_answered_on_both_machines(hosts, s3_server, 
     ]
 
 
+def _train_from_client(hosts, spec: dict) -> str:
+    """`pylon train` of `spec` on the client, waited for from the client; its logs (the job succeeded)."""
+    name = spec["name"]
+    hosts.client.write_text(f"/tmp/home/{name}.yaml", yaml.safe_dump(spec))
+    submitted = hosts.client.run(["pylon", "train", f"{name}.yaml"], timeout=120).stdout
+    job_id = next(w for w in submitted.split() if w.startswith(f"train-{name}-"))
+    code = f"import pylon; c = pylon.connect(); print(c.wait_job({job_id!r}, timeout_s=600)); print(c.job_logs({job_id!r}))"
+    out = hosts.client.python(code, timeout=660).stdout
+    assert out.startswith("SUCCEEDED"), out[-6000:]
+    return out
+
+
 def test_a_grpo_run_samples_on_a_server_on_a_labelled_machine(hosts, s3_server):
     """`grpo.sampler: server` on two machines: the sampling server placed by `grpo.sampler_labels` on the worker
     machine with a label, the two workers one on each machine (1.5 CPUs of a machine's 2), so the other worker's rows
@@ -480,12 +492,7 @@ def test_a_grpo_run_samples_on_a_server_on_a_labelled_machine(hosts, s3_server):
         "steps": 10,
         "checkpoint": {"storage": runs, "every_steps": 10},
     }
-    hosts.client.write_text("/tmp/home/grpo.yaml", yaml.safe_dump(spec))
-    submitted = hosts.client.run(["pylon", "train", "grpo.yaml"], timeout=120).stdout
-    job_id = next(w for w in submitted.split() if w.startswith("train-hosts-grpo-"))
-    code = f"import pylon; c = pylon.connect(); print(c.wait_job({job_id!r}, timeout_s=600)); print(c.job_logs({job_id!r}))"
-    out = hosts.client.python(code, timeout=660).stdout
-    assert out.startswith("SUCCEEDED"), out[-6000:]
+    out = _train_from_client(hosts, spec)
     up = re.search(r"grpo\.sampler server: (pylon-sampler-\S+-0) is up \(node (\w+), pid \d+\)", out)
     assert up and labelled.startswith(up.group(2)), (labelled, out[-4000:])  # on the labelled machine
     workers = storage.read_json(f"{runs}/hosts-grpo/workers.json")["workers"]
@@ -508,12 +515,7 @@ def test_a_row_split_across_the_two_machines_trains(hosts, client_corpus, s3_ser
     spec["model"] = {"preset": "llama-tiny"}
     spec["scaling"]["sequence_parallel"] = 2
     spec["optim"]["lr"] = 1e-2
-    hosts.client.write_text("/tmp/home/sp.yaml", yaml.safe_dump(spec))
-    submitted = hosts.client.run(["pylon", "train", "sp.yaml"], timeout=120).stdout
-    job_id = next(w for w in submitted.split() if w.startswith("train-hosts-sp-"))
-    code = f"import pylon; c = pylon.connect(); print(c.wait_job({job_id!r}, timeout_s=600)); print(c.job_logs({job_id!r}))"
-    out = hosts.client.python(code, timeout=660).stdout
-    assert out.startswith("SUCCEEDED"), out[-6000:]
+    out = _train_from_client(hosts, spec)
     assert "scaling.sequence_parallel: 1 group(s) of 2 workers, each worker computing 32 of every row's 64" in out
     workers = storage.read_json(f"{runs}/hosts-sp/workers.json")["workers"]
     assert len({w["node_id"] for w in workers}) == 2  # the two halves of every row on two machines

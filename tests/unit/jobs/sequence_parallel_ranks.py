@@ -22,8 +22,8 @@ ROWS = 2
 VOCAB = 97
 
 
-def _llama(**over):
-    from transformers import LlamaConfig
+def _llama(model_type: str = "llama", **over):
+    from transformers import LlamaConfig, MistralConfig
 
     base = dict(
         vocab_size=VOCAB,
@@ -34,11 +34,11 @@ def _llama(**over):
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    return LlamaConfig(**{**base, **over})
+    return {"llama": LlamaConfig, "mistral": MistralConfig}[model_type](**{**base, **over})
 
 
 def _configs():
-    from transformers import GPT2Config, MistralConfig
+    from transformers import GPT2Config
 
     return {
         # grouped-query attention, one row padded at its end
@@ -47,30 +47,12 @@ def _configs():
         "llama-mqa-documents": (_llama(num_key_value_heads=1), {"documents": True}),
         # a sliding window shorter than the row
         "mistral-window": (
-            MistralConfig(
-                vocab_size=VOCAB,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                sliding_window=8,
-                max_position_embeddings=256,
-            ),
+            _llama(model_type="mistral", sliding_window=8),
             {},
         ),
         # the window within packed documents (row 0's are shorter than it, row 1's first longer)
         "mistral-window-documents": (
-            MistralConfig(
-                vocab_size=VOCAB,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                sliding_window=8,
-                max_position_embeddings=256,
-            ),
+            _llama(model_type="mistral", sliding_window=8),
             {"documents": True},
         ),
         # learned positions, and layers that are not handed position_ids
