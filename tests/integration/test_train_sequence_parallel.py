@@ -2,9 +2,9 @@
 (DeepSpeed Ulysses: each computes half of each row's tokens, attention all-to-all between them) trains as one worker
 trains the same rows whole: the same loss at every step, the same held-out loss, the same tokens, the data read once
 (the two read the same rows), and an export that matches its trainer (the model runs whole rows again after
-training). The model: llama-tiny (grouped-query attention, rotary positions); the data: short documents, several
-packed into each row. Units: tests/unit/jobs/
-test_sequence_parallel.py."""
+training); resumed, each worker from its own data position, it goes on as the whole run does. The model: llama-tiny
+(grouped-query attention, rotary positions); the data: short documents, several packed into each row. Units:
+tests/unit/jobs/test_sequence_parallel.py."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def documents(tmp_path_factory) -> str:
     return out
 
 
-def _run(tmp_path, corpus: str, name: str, workers: int, sp: int, over: dict) -> tuple[str, str]:
+def _run(tmp_path, corpus: str, name: str, workers: int, sp: int, over: dict, steps: int = 4) -> tuple[str, str]:
     root = str(tmp_path / "runs")
     spec = {
         "kind": "TrainJob",
@@ -71,7 +71,7 @@ def _run(tmp_path, corpus: str, name: str, workers: int, sp: int, over: dict) ->
         "precision": "fp32",
         "optim": {"lr": 3e-3, "warmup_steps": 1},
         "batch": {"micro_batch_size": 4, "grad_accum_steps": 2},
-        "steps": 4,
+        "steps": steps,
         "eval": {"max_batches": 2},
         "checkpoint": {"storage": root, "every_steps": 2},
         **over,
@@ -94,7 +94,7 @@ def _records(run_uri: str) -> list[dict]:
     "variant",
     [
         "zero3-documents",
-        pytest.param("zero2-lora-chunked", marks=pytest.mark.slow),  # ~2 min more; `make test-all`
+        pytest.param("zero2-lora-chunked", marks=pytest.mark.slow),  # ~3 min, resumed too; `make test-all`
     ],
 )
 def test_two_workers_splitting_rows_train_as_one_worker_does(ray_cluster, documents, tmp_path, variant) -> None:
@@ -129,3 +129,18 @@ def test_two_workers_splitting_rows_train_as_one_worker_does(ray_cluster, docume
 
     model = AutoModelForCausalLM.from_pretrained(storage.join(split_uri, "export"))
     assert model.config.model_type == "llama"
+
+    if variant != "zero2-lora-chunked":
+        return
+    # Both submitted again for 6 steps: each resumes from its step-4 checkpoint (the split run's workers each from
+    # their own data position, the same in a group) and steps 5-6 agree as steps 1-4 did
+    _run(tmp_path, corpus, f"{variant}-whole", 1, 1, over, steps=6)
+    _, logs = _run(tmp_path, corpus, f"{variant}-split", 2, 2, over, steps=6)
+    assert f"resumed {variant}-split from step 4" in logs
+    more, more_split = (
+        [r for r in _records(uri) if r.get("kind", "train") == "train" and r["step"] > 4]
+        for uri in (whole_uri, split_uri)
+    )
+    assert [r["step"] for r in more_split] == [5, 6]
+    for a, b in zip(more, more_split):
+        assert b["tokens"] == a["tokens"] and b["loss"] == pytest.approx(a["loss"], rel=2e-5), (a, b)
