@@ -354,6 +354,7 @@ class LLMEngine:
             snapshots=self.snapshots,
             whole_prompts=self.encoder,
             snapshot_interval=spec.recurrent_snapshot_interval if self.snapshots is not None else 0,
+            window=self._kv_window(model),
         )
         # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an
         # abort only together with or after the add it cancels, never in between.
@@ -366,6 +367,27 @@ class LLMEngine:
         self._forward_passes_total = 0  # steps that ran the model (a step with nothing scheduled runs none)
         self._images_total = self._images_encoded_total = 0
         self._finished_total: Counter[str] = Counter()
+
+    def _kv_window(self, model: str) -> int | None:
+        """The sliding window (tokens) every layer of the model attends within, where the pool lets go of a request's
+        blocks before it (`KVBlockPool.trim`; vLLM's sliding-window manager): a sequence then holds its window's
+        blocks, not its whole context's. The runner's scratch block (zeros, or a padded row's finite keys) stands in
+        for those let go of: the window's mask hides them. None where a layer attends past a window (the blocks stay),
+        or where something else reads a request's blocks beyond it: a multi-token-prediction layer or EAGLE head, or a
+        runner in other processes (tensor or pipeline parallel)."""
+        from pylon.serving.model.runner import ModelRunner
+
+        window = getattr(self.runner, "step_window", None)
+        if window is None or type(self.runner) is not ModelRunner or self.mtp is not None or self.encoder:
+            return None
+        slot = self.runner.add_scratch_block()
+        self.pool.set_window(slot // self.pool.block_size)
+        log.info(
+            "model %s attends within %d tokens in every layer: a sequence holds the KV blocks of its window only",
+            model,
+            window,
+        )
+        return int(window)
 
     def _encoder_runner(self, directory: str, model: str, spec: EngineSpec):
         """A cross-encoder's runner (model/encoder.py): its inputs read whole, nothing cached; the settings that need a

@@ -32,6 +32,13 @@ request's own blocks in one run where it can:
 
 Lowest first also keeps the live blocks packed at the start of the pool however many requests come and go.
 
+**Sliding windows** (`set_window`, `trim`; vLLM v1's sliding-window manager). Where every layer of the model attends
+within a window of W tokens, a query at position p reads no key before p - W + 1: the scheduler has the pool let go
+of a request's blocks wholly before its window each step, as `free` lets go of blocks (a registered one stays cached
+for a later request's prefix until it is needed), and puts a null block id in their places (one past the pool's: the
+runner's scratch block, whose keys the window's mask hides), so that every position keeps its block's index. A
+sequence then holds its window's blocks and the step's, not its whole context's.
+
 **Recurrent layers' states** (`StateSnapshots`; Qwen3-Next's and Qwen3.5's Gated DeltaNet layers). Such a layer keeps
 no keys and values: a sequence's whole past is one state, which a cached block cannot hold. So next to the blocks the
 engine keeps snapshots of every recurrent layer's state at some block boundaries, named by the hash of the block that
@@ -129,6 +136,10 @@ class KVBlockPool:
         self._meta: dict[bytes, Any] = {}
         self._registered: dict[str, int] = {}  # request -> how many of its table's first blocks are registered
         self._journal: list[tuple[bool, bytes]] | None = None  # (registered?, hash) since `drain_changes`
+        # A model whose every layer attends within a sliding window (`set_window`): the block id that stands in a
+        # table for a block let go because it fell out of the window, and how many of each table's first blocks are
+        self.null_block: int | None = None
+        self._trimmed: dict[str, int] = {}
 
     @classmethod
     def for_tokens(cls, kv_cache_tokens: int, block_size: int, *, enable_caching: bool = False) -> "KVBlockPool":
@@ -162,6 +173,8 @@ class KVBlockPool:
         end = min(num_blocks, len(table), len(hashes))
         for i in range(start, end):
             block, h = table[i], hashes[i]
+            if block == self.null_block:  # (let go of before it was registered: its keys are not kept)
+                continue
             if block not in self._hash_of and h not in self._block_of:
                 self._hash_of[block] = h
                 self._block_of[h] = block
@@ -307,21 +320,52 @@ class KVBlockPool:
         self._hold(block)
         table.append(block)
 
+    def set_window(self, null_block: int) -> None:
+        """The model attends within a sliding window in every layer: tables may let go of the blocks before it
+        (`trim`), `null_block` (an id past the pool's, whose keys and values the window's mask hides) standing in
+        their place, so that positions keep their blocks' indices."""
+        self.null_block = null_block
+
+    def trim(self, request_id: str, position: int) -> int:
+        """Let go of `request_id`'s blocks wholly before `position` (its queries from there on see no key before
+        it: the window's start), as `free` lets go of them (cached contents kept until needed), the null block in
+        their place; never its last block. Returns how many it let go of now."""
+        table = self._tables.get(request_id)
+        if self.null_block is None or not table:
+            return 0
+        start = self._trimmed.get(request_id, 0)
+        end = min(position // self.block_size, len(table) - 1)
+        for i in range(start, end):
+            self._release(table[i])
+            table[i] = self.null_block
+        if end > start:
+            self._trimmed[request_id] = end
+        return max(end - start, 0)
+
+    def held_blocks(self, request_id: str) -> int:
+        """The blocks `request_id` holds (its table's, less those `trim` let go of)."""
+        return len(self._tables.get(request_id, ())) - self._trimmed.get(request_id, 0)
+
+    def _release(self, block: int) -> None:
+        """One request fewer holds `block`; held by none, it is free (its cached contents kept until needed)."""
+        self._refs[block] -= 1
+        if self._refs[block]:
+            return
+        self._free[block] = self._open[block] = 1
+        self._num_free += 1
+        if block in self._hash_of:
+            self._lru[block] = None
+        else:
+            self._bare[block] = 1
+
     def free(self, request_id: str) -> None:
         """Let go of every block `request_id` holds, and those set aside for it (nothing if it holds none). Blocks
         no request holds any more are free; those with cached contents keep them until they are needed, the last of
         a table first (a later request shares a prefix from its start)."""
         self._registered.pop(request_id, None)
-        for block in reversed(self._tables.pop(request_id, ())):
-            self._refs[block] -= 1
-            if self._refs[block]:
-                continue
-            self._free[block] = self._open[block] = 1
-            self._num_free += 1
-            if block in self._hash_of:
-                self._lru[block] = None
-            else:
-                self._bare[block] = 1
+        trimmed = self._trimmed.pop(request_id, 0)
+        for block in reversed(self._tables.pop(request_id, [])[trimmed:]):
+            self._release(block)
         for block in self._aside.pop(request_id, ()):
             if self._aside_for.get(block) == request_id:  # still free and still its: open to all again
                 del self._aside_for[block]

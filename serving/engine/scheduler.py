@@ -85,8 +85,12 @@ class Scheduler:
         snapshots: StateSnapshots | None = None,
         whole_prompts: bool = False,
         snapshot_interval: int = 0,
+        window: int | None = None,
     ):
         self.pool = pool
+        # A model attending within a sliding window of this many tokens in every layer (the pool's `set_window`):
+        # each step first lets go of a request's blocks before its window
+        self.window = window
         # An encoder's inputs (model/encoder.py): each computed whole in one step, never in chunks
         self.whole_prompts = whole_prompts
         # Recurrent layers: their states snapshotted every this many tokens of a prompt too (a multiple of blocks)
@@ -126,6 +130,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self.window is not None:  # its queries from num_computed_tokens on see no key before the window
+                self._register(request)  # (the blocks earlier steps filled, cached before any is let go of)
+                self.pool.trim(request.request_id, request.num_computed_tokens - self.window + 1)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if request.images is not None and request.num_computed_tokens < request.num_prompt_tokens:
                 num_new = request.images.cut(request.num_computed_tokens, num_new)  # never inside an image's run
@@ -170,6 +177,8 @@ class Scheduler:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_cached
             request.num_computed_tokens = num_cached
+            if self.window is not None:  # (a long cached prefix: the blocks before its window go back at once)
+                self.pool.trim(request.request_id, num_cached - self.window + 1)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached

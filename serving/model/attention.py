@@ -20,9 +20,9 @@ A layer with a sliding window (`families.layer_windows`) sees only the last `win
 position p, keys p - window + 1 .. p, as `transformers` masks them. Its metadata (`build_metadata(window=...)`) puts
 the window into the decode groups' bias and the prompt chunks' masks (a chunk that starts its prompt gets a mask
 too, in place of `is_causal`, once the window cuts into it), and never goes to the compiled kernels, which take no
-window. The keys before the window stay in the cache and are gathered and masked out (a windowed sequence still holds
-blocks for its whole context: freeing those that fall out of the window is not done). A model without a window
-builds exactly the metadata it would without this.
+window. The keys before the window are gathered and masked out: where every layer is windowed, the engine has let go
+of the blocks before it and the table names the runner's scratch block in their places (engine/kv_cache.py,
+`trim`). A model without a window builds exactly the metadata it would without this.
 
 Prompt chunks are attended one sequence at a time by torch's fused `scaled_dot_product_attention` (a flash
 kernel on CPU and CUDA: it skips the masked half of a causal square and never materialises the scores): a

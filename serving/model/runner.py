@@ -780,8 +780,9 @@ class ModelRunner:
         # metadata of the step (pylon.serving.model.attention): `step_window` in the step's own metadata, which every
         # layer reads, where every layer has the window (Mistral); where windowed layers mix with full ones (Qwen's
         # max_window_layers), `mixed_window` in a second metadata for the windowed ones (`AttentionMetadata.windowed`).
-        # Windowed metadata never goes to the compiled kernels. The blocks of a sequence's keys that fall out of
-        # the window are kept (and masked out): freeing them is not done.
+        # Windowed metadata never goes to the compiled kernels. Where every layer is windowed, the engine lets go of a
+        # sequence's blocks before its window (engine/kv_cache.py, `trim`): their places in its table name the
+        # scratch block (`add_scratch_block`), gathered and masked out like any key before the window.
         self.layer_windows = layer_windows(config)
         self.attention_window = next((w for w in self.layer_windows if w is not None), None)
         if len({w for w in self.layer_windows if w is not None}) > 1:

@@ -1231,6 +1231,36 @@ def test_layer_windows_are_the_ones_transformers_applies(windowed) -> None:
     assert layer_windows(gemma) == [None if i % 6 == 5 else 512 for i in range(26)]
 
 
+def test_a_window_in_every_layer_lets_go_of_the_blocks_before_it(windowed) -> None:
+    """Where every layer attends within the window, a sequence holds its window's blocks only (the pool lets go of
+    those before it, cached contents kept): four sequences of up to 240 tokens (960 in all) run at once, greedy as
+    transformers, in a KV cache of 256 tokens, none preempted, none holding more than the window and a step's
+    blocks. Where some layer attends to everything, the blocks stay (the pool never lets go)."""
+    prompts = [p for p in WINDOW_PROMPTS if len(p) <= 40][:4]
+    engine = windowed.engine(kv_cache_tokens=256, max_num_seqs=4, enable_prefix_caching=True)
+    every = windowed.name in ("mistral", "phi3", "starcoder2")
+    assert engine.scheduler.window == (_window_size(windowed.name) if every else None)
+    if not every:
+        assert engine.pool.null_block is None
+        return
+    params = SamplingParams(max_tokens=200, temperature=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    outputs: dict[str, list] = {}
+    most = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        most = max([most, *(engine.pool.held_blocks(str(i)) for i in range(len(prompts)))])
+    got = [tokens_of(outputs[str(i)]) for i in range(len(prompts))]
+    assert got == [windowed.hf_greedy(p, 200) for p in prompts]
+    assert sum(len(p) + len(g) for p, g in zip(prompts, got)) > 256 + 128  # (well past what the cache holds)
+    assert engine.scheduler.num_preemptions == 0
+    bs = engine.pool.block_size
+    assert most <= -(-(_window_size(windowed.name) + 40) // bs) + 1, most  # (a 40-token prompt's first step)
+    assert_pool_empty(engine)
+
+
 def test_a_sliding_window_is_transformers_own_through_batching_chunks_and_the_prefix_cache(windowed) -> None:
     """Prompts and continuations well past the window, all in one batch of different lengths: decodes in padded
     groups, prompts in one chunk each (the first chunk masked by the window in place of `is_causal`), then split across

@@ -63,6 +63,34 @@ def test_free_cached_blocks_are_reused_least_recently_used_first_and_only_when_n
     assert pool.lookup(old) == [] and pool.lookup(new) == [2, 3] and pool.num_cached_blocks == 2
 
 
+def test_a_windowed_table_lets_go_of_the_blocks_before_the_window() -> None:
+    """`trim` (a model attending within a sliding window in every layer): the blocks wholly before a position go back
+    to the pool, the null block in their place so that positions keep their indices, never the table's last; a
+    registered block stays cached for a later request; one let go of before it was registered is not registered; a
+    block another request shares stays held by it; `free` lets go of the rest."""
+    pool = KVBlockPool(8, 4, enable_caching=True)
+    pool.set_window(null_block=8)
+    tokens = list(range(20))
+    hashes = block_hashes(tokens, 4, [])
+    assert pool.allocate("a", 12)
+    pool.cache_blocks("a", hashes, 2)  # blocks 0 and 1 registered; block 2 not yet
+    assert pool.trim("a", 11) == 2  # positions 0-7 (blocks 0, 1); block 2 holds position 11's keys
+    assert pool.block_table("a") == [8, 8, 2] and pool.held_blocks("a") == 1 and pool.num_free_blocks == 7
+    assert pool.lookup(hashes) == [0, 1]  # let go of, and still cached
+    assert pool.trim("a", 11) == 0  # (nothing more before it)
+    assert pool.allocate("b", 12, cached=pool.lookup(hashes[:2]))  # shares the cached two, takes one of its own
+    assert pool.trim("a", 100) == 0  # never the last block
+    assert pool.allocate("a", 20) and pool.trim("a", 17) == 2  # blocks 2 and 3 go; 4 (positions 16-19) stays
+    pool.cache_blocks("a", hashes, 5)  # (the let go of ones are not registered: their keys may be overwritten)
+    assert pool.lookup(hashes) == [0, 1] and pool.is_cached(pool.block_table("a")[4])
+    assert pool.trim("b", 9) == 2 and [pool.ref_count(x) for x in (0, 1)] == [0, 0]
+    pool.free("a")
+    pool.free("b")
+    assert pool.num_free_blocks == 8 and pool.utilization == 0.0
+    plain = KVBlockPool(8, 4)
+    assert plain.allocate("a", 12) and plain.trim("a", 11) == 0 and plain.held_blocks("a") == 3  # no window: kept
+
+
 def test_no_block_is_written_while_shared_under_random_traffic() -> None:
     """Requests from a few shared prefixes come, grow and go at random; a request writes only from its first
     uncached token on. No block written is ever held by another request or registered in the cache."""
