@@ -200,6 +200,20 @@ def _fewest_shards(spec: DeploymentSpec, config, shape: ModelShape, **options) -
     return None
 
 
+def _kv_window(config, e) -> int | None:
+    """The sliding window every layer of the model attends within, where the engine lets go of a sequence's KV blocks
+    before it (serving/engine/engine.py, `_kv_window`: one process, no multi-token-prediction layer or EAGLE head);
+    None otherwise."""
+    from pylon.serving.model.families import layer_windows
+
+    if e.pipeline_parallel > 1 or e.tensor_parallel > 1 or e.speculative.method in HEAD_METHODS:
+        return None
+    windows = layer_windows(config)
+    if not windows or any(w is None for w in windows) or len(set(windows)) > 1:
+        return None
+    return int(windows[0])
+
+
 def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -> tuple[int, ServeOption] | None:
     """The fewest pipeline stages past the spec's (up to MAX_SUGGESTED_STAGES, one layer a stage at least; each of
     the spec's tensor-parallel shards) with which the model fits some GPU considered, and that plan's
@@ -471,6 +485,17 @@ def plan_serve(
             "layer, not counted)"
         )
     context = max(1, e.max_model_len // 2)
+    longest = e.max_model_len  # the tokens a sequence's KV blocks hold at most
+    window = _kv_window(config, e)
+    if window is not None and window + e.block_size < e.max_model_len:
+        longest = window + e.block_size
+        notes.append(
+            f"every layer attends within {window:,} tokens: a sequence holds at most its window's KV blocks "
+            f"({longest:,} tokens' of its {e.max_model_len:,}; the engine lets go of those before the window), so the "
+            "cache holds more sequences than its tokens / max_model_len (a decode step still reads a whole context's "
+            "keys, masked: its time is counted as without the window)"
+        )
+    held_context = min(context, longest)  # what an average sequence holds
     rows = []
     for acc in accelerators:
         usable = acc.memory_bytes * USABLE_FRACTION
@@ -491,7 +516,7 @@ def plan_serve(
                 ),
             )
         bandwidth = acc.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY
-        batch = max(0, min(e.max_num_seqs, kv_fit // context))
+        batch = max(0, min(e.max_num_seqs, kv_fit // held_context))
         launch = LAUNCH_S_PER_LAYER * shape.num_layers
 
         def decode_tps(seqs: int) -> float:  # a decode step reads every weight and each sequence's KV cache
@@ -511,7 +536,7 @@ def plan_serve(
                 fits,
                 binding,
                 kv_fit,
-                kv_fit // e.max_model_len,
+                kv_fit // longest,
                 min(single, compute_ceiling),
                 min(batched, compute_ceiling),
                 batch,

@@ -207,6 +207,43 @@ def test_70b_in_bf16_needs_140_gb_of_weights_and_does_not_fit_one_h100(tmp_path:
     assert req.memory.params > 135e9 and not req.fits and "GPU memory" in req.binding
 
 
+def test_a_window_in_every_layer_fits_more_sequences_where_the_engine_lets_go_of_blocks(tmp_path: Path) -> None:
+    """Mistral 7B v0.1's layout (a 4,096-token window in every layer) at 32,768 tokens: a sequence holds its window's
+    blocks, so the same KV cache holds ~8x the sequences a full-attention copy of it does; in tensor-parallel
+    shards (where the engine keeps every block) it is planned as without the window."""
+    mistral = {
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+        "vocab_size": 32000,
+    }
+    plans = {}
+    for name, config, extra in (
+        ("window", mistral, {}),
+        ("full", {**mistral, "sliding_window": None}, {}),
+        ("sharded", mistral, {"tensor_parallel": 2}),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        engine = {"device": "cuda", "max_model_len": 32768, "kv_cache_tokens": 262144, **extra}
+        replica = {"num_gpus": extra.get("tensor_parallel", 1)}
+        deployment = DeploymentSpec(name="m", model=str(tmp_path / name), replica=replica, engine=engine)
+        plans[name] = plan_serve(deployment, gpu="H100")
+    window, full, sharded = (plans[k].rows[0] for k in ("window", "full", "sharded"))
+    assert window.kv_tokens_fit == full.kv_tokens_fit and full.sequences_fit == full.kv_tokens_fit // 32768
+    assert (
+        window.sequences_fit == window.kv_tokens_fit // (4096 + 16) and window.sequences_fit >= 7 * full.sequences_fit
+    )
+    assert any("attends within 4,096 tokens" in n for n in plans["window"].notes)
+    assert not any("attends within" in n for n in plans["sharded"].notes + plans["full"].notes)
+    assert sharded.sequences_fit == sharded.kv_tokens_fit // 32768
+
+
 def test_a_narrower_kv_cache_dtype_fits_more_tokens(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     plans = {
