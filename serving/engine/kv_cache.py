@@ -137,7 +137,8 @@ class KVBlockPool:
         self._registered: dict[str, int] = {}  # request -> how many of its table's first blocks are registered
         self._journal: list[tuple[bool, bytes]] | None = None  # (registered?, hash) since `drain_changes`
         # A model whose every layer attends within a sliding window (`set_window`): the block id that stands in a
-        # table for a block let go because it fell out of the window, and how many of each table's first blocks are
+        # table for a block let go because it fell out of the window, and how many of each table's first blocks were
+        # let go of so (`trim`)
         self.null_block: int | None = None
         self._trimmed: dict[str, int] = {}
 
