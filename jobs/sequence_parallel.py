@@ -24,7 +24,7 @@ row-long mask; a sliding window shorter than a row or document is a boolean mask
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pylon.errors import PylonError
@@ -42,7 +42,6 @@ class SequenceParallel:
     group: Any
     data_rank: int
     data_world: int
-    _ulysses: Any = field(default=None, repr=False)
 
     @property
     def reads_data(self) -> bool:
@@ -163,12 +162,17 @@ def enabled(model, sp: SequenceParallel | None, micro_batch_size: int):
     heads = text.num_attention_heads
     core = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
+    positions: list = [None]  # this forward pass's position_ids, for layers that are not handed them (GPT-2's)
+    seen: dict = {}  # what this forward pass's layers share (its documents; recomputation in backward reuses them)
+
     def attend(module, query, key, value, attention_mask, *args, **kwargs):
         # The whole row's queries, keys and values, for this rank's heads. Packed documents (from the gathered
         # position_ids) attend one at a time, causal within each: no row-long mask (S x S) is built, and no score
         # across documents computed. A sliding window masks within a row, or a document, longer than it.
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # (Mistral's; Qwen's)
-        parts = documents(kwargs["position_ids"])
+        if "documents" not in seen:  # (the same for every layer of a forward pass: found once, at its first)
+            seen["documents"] = documents(kwargs["position_ids"])
+        parts = seen["documents"]
         if parts is None:
             mask = window_mask(query.shape[2], window)
             return core(module, query, key, value, None if mask is None else mask.to(query.device), *args, **kwargs)
@@ -194,10 +198,9 @@ def enabled(model, sp: SequenceParallel | None, micro_batch_size: int):
         seq_length_is_variable=True,
     )
 
-    positions: list = [None]  # this forward pass's position_ids, for layers that are not handed them (GPT-2's)
-
     def remember(_module, args, kwargs):
         positions[0] = kwargs.get("position_ids")
+        seen.clear()
 
     def wrapped(module, query, key, value, attention_mask, *args, **kwargs):
         if kwargs.get("position_ids") is None:
@@ -219,12 +222,10 @@ def enabled(model, sp: SequenceParallel | None, micro_batch_size: int):
     groups_of = {m: m.num_key_value_groups for m in model.modules() if hasattr(m, "num_key_value_groups")}
     hook = model.register_forward_pre_hook(remember, with_kwargs=True)
     ALL_ATTENTION_FUNCTIONS["sdpa"] = wrapped
-    sp._ulysses = ulysses
     try:
         yield
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = core
         hook.remove()
-        sp._ulysses = None
         for module, value in groups_of.items():
             module.num_key_value_groups = value
