@@ -1363,6 +1363,16 @@ class EngineSpec(_Spec):
         "between requests, and kept after a request ends until the pool needs them. Outputs are the same with it "
         "off; false: every request computes its whole prompt",
     )
+    kv_offload_tokens: int = Field(
+        0,
+        ge=0,
+        description="a second tier of the prefix cache in host memory, of this many tokens' KV blocks (vLLM's CPU "
+        "KV offloading, SGLang's HiCache): a cached block the device's cache lets go of (its block taken for other "
+        "contents) is first copied there, and a later request whose prefix runs on into it has those blocks copied "
+        "back instead of computing them again: a chat whose next turn comes after many others', a long shared "
+        "document. Host memory (pinned on a GPU): this many tokens x the KV cache's bytes a token, per engine "
+        "(`pylon plan` says how much). 0: off. Needs enable_prefix_caching; a multiple of block_size",
+    )
     separate_process: bool = Field(
         True,
         description="in a Serve replica, run the engine in a child process of its own (as vLLM v1 runs its "
@@ -1559,6 +1569,21 @@ class EngineSpec(_Spec):
                 (
                     "kv_cache_tokens",
                     f"must be a multiple of block_size ({self.block_size}) (got {self.kv_cache_tokens})",
+                )
+            )
+        if self.kv_offload_tokens and not self.enable_prefix_caching:
+            problems.append(
+                (
+                    "kv_offload_tokens",
+                    f"is the prefix cache's second tier: set enable_prefix_caching to true, or kv_offload_tokens to 0 "
+                    f"(got {self.kv_offload_tokens})",
+                )
+            )
+        if self.kv_offload_tokens % self.block_size:
+            problems.append(
+                (
+                    "kv_offload_tokens",
+                    f"must be a multiple of block_size ({self.block_size}) (got {self.kv_offload_tokens})",
                 )
             )
         seen: set[str] = set()

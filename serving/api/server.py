@@ -112,6 +112,15 @@ def _metrics(model: str):
         "generation_tokens": counter("pylon_generation_tokens_total", "Tokens generated", ("model", "adapter")),
         "prefix_queries": counter("pylon_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
         "prefix_hits": counter("pylon_prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
+        "offload_saved": counter(
+            "pylon_kv_offload_saved_blocks_total",
+            "KV blocks copied to the prefix cache's host tier as the device's cache let go of them",
+        ),
+        "offload_loaded": counter(
+            "pylon_kv_offload_loaded_blocks_total",
+            "KV blocks copied back from the prefix cache's host tier for a request's prefix (not computed again)",
+        ),
+        "offloaded": gauge("pylon_kv_offload_blocks", "KV blocks the prefix cache's host tier holds"),
         "spec_drafts": counter("pylon_spec_decode_draft_tokens_total", "Draft tokens verified (speculative decoding)"),
         "spec_accepted": counter("pylon_spec_decode_accepted_tokens_total", "Draft tokens accepted"),
         "spec_steps": counter(
@@ -354,6 +363,8 @@ class PylonLLMServer:
             (
                 "prefix_queries",
                 "prefix_hits",
+                "offload_saved",
+                "offload_loaded",
                 "spec_drafts",
                 "spec_accepted",
                 "spec_steps",
@@ -376,9 +387,12 @@ class PylonLLMServer:
             self.metrics["running"].set(stats.num_running)
             self.metrics["waiting"].set(stats.num_waiting)
             self.metrics["kv"].set(stats.kv_cache_utilization)
+            self.metrics["offloaded"].set(stats.num_offloaded_blocks)
             for name, total in (
                 ("prefix_queries", stats.prefix_cache_queries_total),
                 ("prefix_hits", stats.prefix_cache_hits_total),
+                ("offload_saved", stats.kv_offload_saved_blocks_total),
+                ("offload_loaded", stats.kv_offload_loaded_blocks_total),
                 ("spec_drafts", stats.spec_draft_tokens_total),
                 ("spec_accepted", stats.spec_accepted_tokens_total),
                 ("spec_steps", stats.spec_verify_steps_total),

@@ -85,6 +85,11 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     prefill_tokens_computed_total: int = 0
     num_cached_blocks: int = 0
+    # The prefix cache's host tier (engine.kv_offload_tokens): blocks copied there as the device's cache let go of
+    # them, blocks copied back for a request's prefix (each a block's prompt tokens not computed again), blocks held.
+    kv_offload_saved_blocks_total: int = 0
+    kv_offload_loaded_blocks_total: int = 0
+    num_offloaded_blocks: int = 0
     adapter_loads_total: int = 0  # adapters loaded on demand (engine.dynamic_adapters) into a slot...
     adapter_evictions_total: int = 0  # ...and unloaded to make room for another
     # Speculative decoding (vLLM's spec_decode counters): draft tokens verified, those accepted, and the requests'
@@ -175,7 +180,10 @@ class LLMEngine:
 
         self.spec = spec = spec or EngineSpec()
         self.pool = KVBlockPool.for_tokens(
-            spec.kv_cache_tokens, spec.block_size, enable_caching=spec.enable_prefix_caching
+            spec.kv_cache_tokens,
+            spec.block_size,
+            enable_caching=spec.enable_prefix_caching,
+            offload_tokens=spec.kv_offload_tokens,
         )
         # LoRA adapters (engine.adapters): the runner's slot k is the k-th; requests name them (params.adapter).
         self.adapter_slots = {a.name: k for k, a in enumerate(spec.adapters, 1)}
@@ -356,6 +364,7 @@ class LLMEngine:
             snapshot_interval=spec.recurrent_snapshot_interval if self.snapshots is not None else 0,
             window=self._kv_window(model),
         )
+        self._offload_to_host(model)
         # Filled by any thread, emptied by the stepping one. One lock over both, so that a step takes in an
         # abort only together with or after the add it cancels, never in between.
         self._lock = threading.Lock()
@@ -414,6 +423,36 @@ class LLMEngine:
         segments = "token_type_ids" in (getattr(tok, "model_input_names", None) or ())
         sep = getattr(tok, "sep_token_id", None) if segments else None
         return EncoderRunner(directory, device=spec.device, dtype=spec.dtype, sep_token_id=sep)
+
+    def _offload_to_host(self, model: str) -> None:
+        """The prefix cache's host tier (engine.kv_offload_tokens; kv_cache.py): room in host memory for that many
+        tokens' blocks of every layer's keys and values, the model's and its multi-token-prediction layer's or EAGLE
+        head's (their caches are in the model's blocks)."""
+        slots = self.pool.offload_blocks
+        if not slots:
+            if self.spec.kv_offload_tokens:
+                log.info("model %s: no prefix cache here, so no host tier (engine.kv_offload_tokens)", model)
+            return
+        held = sum(runner.offload_to_host(slots) for runner in self._kv_runners())
+        log.info(
+            "engine: the prefix cache's host tier holds %d blocks (%d tokens) in %.1f MiB of host memory%s",
+            slots,
+            slots * self.pool.block_size,
+            held / 2**20,
+            " (pinned)" if self.runner.device.type == "cuda" else "",
+        )
+
+    def _kv_runners(self) -> list:
+        """The runners whose KV caches are in the pool's blocks: the model's and its drafting layer's (if any)."""
+        return [self.runner] if self.mtp is None else [self.runner, self.mtp.runner]
+
+    def _copy_blocks(self) -> None:
+        """Make the copies the pool queued (the host tier's saves and loads) before a pass reads or writes a block."""
+        if self.pool.offload_blocks:
+            copies = self.pool.drain_copies()
+            if copies:
+                for runner in self._kv_runners():
+                    runner.copy_blocks(copies)
 
     def _mtp_drafter(self, directory: str, spec: EngineSpec, runner_kwargs: dict) -> MtpDrafter:
         """The multi-token-prediction layer of the model's checkpoint (or the EAGLE head of
@@ -753,6 +792,7 @@ class LLMEngine:
 
         self._propose_drafts()
         batch = self.scheduler.schedule()
+        self._copy_blocks()
         if self.snapshots is not None:
             self._restore_states(batch)
         if self.mtp is not None:  # (their positions are computed again: what the layer held for them goes)
@@ -1032,6 +1072,7 @@ class LLMEngine:
                 # but the last draft's): their keys and values go to the request's blocks, given room for them here.
                 asked = [a for a in asked if self.pool.allocate(a.request_id, len(a.token_ids) + a.room - 2)]
                 tables = {a.request_id: self.pool.block_table(a.request_id) for a in asked}
+                self._copy_blocks()  # (a block given for the drafts may have held what the host tier keeps)
                 drafts = self.mtp.propose(asked, tables)
                 self._draft_seconds = time.perf_counter() - started
                 for request in drafted:
@@ -1236,6 +1277,9 @@ class LLMEngine:
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
             prefill_tokens_computed_total=self.scheduler.prefill_tokens_computed,
             num_cached_blocks=self.pool.num_cached_blocks,
+            kv_offload_saved_blocks_total=self.pool.offload_saved,
+            kv_offload_loaded_blocks_total=self.pool.offload_loaded,
+            num_offloaded_blocks=self.pool.num_offloaded_blocks,
             adapter_loads_total=self.on_demand.loads_total if self.on_demand is not None else 0,
             adapter_evictions_total=self.on_demand.evictions_total if self.on_demand is not None else 0,
             images_total=self._images_total,

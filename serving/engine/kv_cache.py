@@ -39,6 +39,16 @@ for a later request's prefix until it is needed), and puts a null block id in th
 runner's scratch block, whose keys the window's mask hides), so that every position keeps its block's index. A
 sequence then holds its window's blocks and the step's, not its whole context's.
 
+**A host tier** (`offload_blocks`, engine.kv_offload_tokens; vLLM's CPU KV offloading, SGLang's HiCache). A cached block
+whose contents would be forgotten because its block is taken for other contents is first copied to one of
+`offload_blocks` slots in host memory (the runner's, pinned on a GPU), named by the same hash; a later request whose
+prefix runs on past the device's cached blocks into the host's has those blocks copied back into free blocks
+(`restore`) rather than computed. The pool only decides: the copies are queued in order (`drain_copies`) and the
+engine has the runner make them before its next pass reads or writes a block. A slot is let go of least recently used
+first (a restored block's slot stays: a block evicted again with a slot still holding it is not copied twice).
+`forget_cached` forgets the host tier's contents too. A hash the host tier holds counts as cached (`cached_hashes`, the
+journal): it is a copy away.
+
 **Recurrent layers' states** (`StateSnapshots`; Qwen3-Next's and Qwen3.5's Gated DeltaNet layers). Such a layer keeps
 no keys and values: a sequence's whole past is one state, which a cached block cannot hold. So next to the blocks the
 engine keeps snapshots of every recurrent layer's state at some block boundaries, named by the hash of the block that
@@ -113,7 +123,7 @@ class StateSnapshots:
 
 
 class KVBlockPool:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False, offload_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         self.num_blocks = num_blocks
@@ -141,10 +151,28 @@ class KVBlockPool:
         # let go of so (`trim`)
         self.null_block: int | None = None
         self._trimmed: dict[str, int] = {}
+        # The host tier (see the module's docs): hash -> slot, least recently used first; the slots no hash holds;
+        # what was kept with each (`set_meta`); the copies not made yet, in order ([kind, sources, destinations]);
+        # the slots a `restore` reads from (never handed to a save meanwhile); counters, in blocks.
+        self.offload_blocks = offload_blocks if enable_caching else 0
+        self._host: OrderedDict[bytes, int] = OrderedDict()
+        self._host_free = list(range(self.offload_blocks - 1, -1, -1))
+        self._host_meta: dict[bytes, Any] = {}
+        self._copies: list[tuple[str, list[int], list[int]]] = []
+        self._pinned: set[int] = set()
+        self.offload_saved = 0  # blocks copied to the host tier
+        self.offload_loaded = 0  # blocks copied back from it
 
     @classmethod
-    def for_tokens(cls, kv_cache_tokens: int, block_size: int, *, enable_caching: bool = False) -> "KVBlockPool":
-        return cls(kv_cache_tokens // block_size, block_size, enable_caching=enable_caching)
+    def for_tokens(
+        cls, kv_cache_tokens: int, block_size: int, *, enable_caching: bool = False, offload_tokens: int = 0
+    ) -> "KVBlockPool":
+        return cls(
+            kv_cache_tokens // block_size,
+            block_size,
+            enable_caching=enable_caching,
+            offload_blocks=offload_tokens // block_size,
+        )
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -161,6 +189,93 @@ class KVBlockPool:
                     break
                 found.append(block)
         return found
+
+    def reachable(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`' first blocks are cached, on the device or in the host tier (`restore` them)."""
+        n = 0
+        if self.enable_caching:
+            for h in hashes:
+                if h not in self._block_of and h not in self._host:
+                    break
+                n += 1
+        return n
+
+    def restore(self, hashes: list[bytes]) -> list[int]:
+        """The device blocks of `hashes` (a prefix `reachable` counted), each one only the host tier holds copied back
+        into a free block (taken as a request takes one, a block with no cached contents first; the copy queued for
+        `drain_copies`), registered and free: for `allocate(cached=...)`. Shorter where no free block is left to
+        copy one into."""
+        keep = {self._block_of[h] for h in hashes if h in self._block_of}
+        self._pinned = {self._host[h] for h in hashes if h not in self._block_of and h in self._host}
+        blocks: list[int] = []
+        try:
+            for h in hashes:
+                block = self._block_of.get(h)
+                if block is None:
+                    slot = self._host.get(h)
+                    if slot is None:
+                        break
+                    block = self._bare.find(1)
+                    if block < 0:
+                        block = next((b for b in self._lru if self._open[b] and b not in keep), -1)
+                    if block < 0:
+                        break
+                    self._forget(block)  # (what it cached goes to the host tier, never into a slot read here)
+                    self._hash_of[block] = h
+                    self._block_of[h] = block
+                    if h in self._host_meta:
+                        self._meta[h] = self._host_meta[h]
+                    self._bare[block] = 0
+                    self._lru[block] = None
+                    self._host.move_to_end(h)
+                    self._copy("load", slot, block)
+                    self.offload_loaded += 1
+                    keep.add(block)
+                blocks.append(block)
+        finally:
+            self._pinned = set()
+        return blocks
+
+    def drain_copies(self) -> list[tuple[str, list[int], list[int]]]:
+        """The copies queued since the last call, in the order they must run: ("save", device blocks, host slots)
+        and ("load", host slots, device blocks). The engine's runner makes them before its next pass."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _copy(self, kind: str, source: int, destination: int) -> None:
+        if self._copies and self._copies[-1][0] == kind:
+            self._copies[-1][1].append(source)
+            self._copies[-1][2].append(destination)
+        else:
+            self._copies.append((kind, [source], [destination]))
+
+    def _offload(self, h: bytes, block: int, meta: Any) -> bool:
+        """Keep the contents of `block` (named `h`, about to be forgotten) in the host tier: False where it has no
+        slot (every one being read by a `restore`)."""
+        if h in self._host:  # (restored from there, and still there: nothing to copy)
+            self._host.move_to_end(h)
+        else:
+            if self._host_free:
+                slot = self._host_free.pop()
+            else:
+                old = next((k for k, v in self._host.items() if v not in self._pinned), None)
+                if old is None:
+                    return False
+                slot = self._host.pop(old)
+                self._host_meta.pop(old, None)
+                if self._journal is not None and old not in self._block_of:
+                    self._journal.append((False, old))
+            self._host[h] = slot
+            self._copy("save", block, slot)
+            self.offload_saved += 1
+        if meta is not None:
+            self._host_meta[h] = meta
+        return True
+
+    @property
+    def num_offloaded_blocks(self) -> int:
+        """Blocks whose contents the host tier holds."""
+        return len(self._host)
 
     def cache_blocks(self, request_id: str, hashes: list[bytes], num_blocks: int) -> None:
         """Register the first `num_blocks` blocks of `request_id`'s table (full, and computed) under `hashes`. A
@@ -179,7 +294,7 @@ class KVBlockPool:
             if block not in self._hash_of and h not in self._block_of:
                 self._hash_of[block] = h
                 self._block_of[h] = block
-                if self._journal is not None:
+                if self._journal is not None and h not in self._host:
                     self._journal.append((True, h))
         if end > start:
             self._registered[request_id] = end
@@ -188,26 +303,30 @@ class KVBlockPool:
         return block in self._hash_of
 
     def meta(self, h: bytes) -> Any:
-        """What was kept with the cached block named `h` (`set_meta`), or None."""
-        return self._meta.get(h)
+        """What was kept with the cached block named `h` (`set_meta`; on the device or in the host tier), or None."""
+        return self._meta[h] if h in self._meta else self._host_meta.get(h)
 
     def set_meta(self, h: bytes, value: Any) -> None:
         """Keep `value` with the cached block named `h` while its contents stay cached (nothing if none is)."""
         if h in self._block_of:
             self._meta[h] = value
+        if h in self._host:
+            self._host_meta[h] = value
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._hash_of)
 
     def cached_hashes(self) -> list[bytes]:
-        """The hashes of every block whose contents are cached now (held or free)."""
-        return list(self._block_of)
+        """The hashes of every block whose contents are cached now (held or free, or in the host tier)."""
+        if not self._host:
+            return list(self._block_of)
+        return list(self._block_of.keys() | self._host.keys())
 
     def track_changes(self) -> None:
         """From now on, remember which hashes are registered and forgotten, for `drain_changes` (an engine process
         tells its replica what it has cached, which routes requests by it)."""
-        self._journal = [(True, h) for h in self._block_of]
+        self._journal = [(True, h) for h in self.cached_hashes()]
 
     def drain_changes(self) -> list[tuple[bool, bytes]]:
         """What changed since the last call, in order: (True, hash) registered, (False, hash) forgotten."""
@@ -216,25 +335,36 @@ class KVBlockPool:
             self._journal = []
         return journal
 
-    def _forget(self, block: int) -> None:
+    def _forget(self, block: int, *, keep: bool = True) -> None:
+        """`block`'s contents are no longer cached on the device (it is taken to be written): kept in the host tier
+        where there is one (`keep`), else forgotten."""
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
-            self._meta.pop(h, None)
+            meta = self._meta.pop(h, None)
             self._lru.pop(block, None)
-            if self._journal is not None:
+            if keep and self.offload_blocks and self._offload(h, block, meta):
+                return
+            if self._journal is not None and h not in self._host:
                 self._journal.append((False, h))
 
     def forget_cached(self) -> int:
         """Forget the contents of every cached block no request holds (later lookups miss them); how many. An engine
         does this when a name its hashes are salted with comes to stand for other weights (an adapter loaded on
-        demand that was replaced at its root: engine/adapters.py)."""
+        demand that was replaced at its root: engine/adapters.py), and so does one whose weights are replaced. The host
+        tier's contents are forgotten too (counted)."""
         blocks = [b for b in self._hash_of if not self._refs[b]]
+        hosted = list(self._host)
+        self._host.clear()
+        self._host_meta.clear()
+        self._host_free = list(range(self.offload_blocks - 1, -1, -1))
         for block in blocks:
-            self._forget(block)
+            self._forget(block, keep=False)
             if self._open[block]:
                 self._bare[block] = 1
-        return len(blocks)
+        if self._journal is not None:
+            self._journal.extend((False, h) for h in hosted if h not in self._block_of)
+        return len(blocks) + len(hosted)
 
     # -- allocation -----------------------------------------------------------------------------------------
 

@@ -228,13 +228,20 @@ class Scheduler:
             return []
         hashes = self.block_hashes(request)
         usable = (request.num_tokens - 1) // self.pool.block_size
-        blocks = self.pool.lookup(hashes[:usable])
-        if blocks and request.prompt_logprobs is not None:
-            blocks = blocks[: self._with_prompt_logprobs(request, hashes, len(blocks))]
+        found = self.pool.reachable(hashes[:usable])  # (on the device, or in the host tier: copied back)
+        if found and request.prompt_logprobs is not None:
+            found = self._with_prompt_logprobs(request, hashes, found)
+        if self.snapshots is not None:
+            found = self._deepest_snapshot(hashes, found)
+        blocks = self.pool.restore(hashes[:found]) if found else []
         if self.snapshots is not None:  # as far as its recurrent layers' states were kept: the deepest with one
-            blocks = blocks[: next((m for m in range(len(blocks), 0, -1) if hashes[m - 1] in self.snapshots), 0)]
+            blocks = blocks[: self._deepest_snapshot(hashes, len(blocks))]
             request.restore_from = hashes[len(blocks) - 1] if blocks else None
         return blocks
+
+    def _deepest_snapshot(self, hashes: list[bytes], found: int) -> int:
+        """How many of the `found` blocks a request may start with, its recurrent layers' states kept at the last."""
+        return next((m for m in range(found, 0, -1) if hashes[m - 1] in self.snapshots), 0)
 
     def _with_prompt_logprobs(self, request: Request, hashes: list[bytes], found: int) -> int:
         """How many of the `found` cached blocks `request` may start with, its prompt log-probabilities complete:

@@ -189,6 +189,12 @@ class PartWorker:
     def restore_state(self, key: str, name: str) -> None:
         self.runner.restore_state(key, self._snapshots[name])
 
+    def offload_to_host(self, slots: int) -> int:
+        return self.runner.offload_to_host(slots)
+
+    def copy_blocks(self, copies: list) -> None:
+        self.runner.copy_blocks(copies)
+
     def drop_snapshot(self, name: str) -> None:
         self._snapshots.pop(name, None)  # (a stage of shards: its own `PartsSnapshot` let go, its shards' with it)
 
@@ -324,6 +330,21 @@ class SplitRunner:
         for actor in self.actors:
             actor.restore_state.remote(key, snapshot.name)
         self.local.restore_state(key, snapshot.local)
+
+    # The prefix cache's host tier (engine.kv_offload_tokens): each part keeps its own share of a block's keys and
+    # values (a shard its heads', a stage its layers') in host memory, and makes the pool's copies in order with the
+    # steps, as the engine's part does.
+    def offload_to_host(self, slots: int) -> int:
+        """Every part's room for `slots` blocks (waited for: a part short of host memory fails the start); bytes."""
+        import ray
+
+        held = ray.get([actor.offload_to_host.remote(slots) for actor in self.actors])
+        return self.local.offload_to_host(slots) + sum(held)
+
+    def copy_blocks(self, copies: list) -> None:
+        for actor in self.actors:
+            actor.copy_blocks.remote(copies)
+        self.local.copy_blocks(copies)
 
     def _snapshot_name(self) -> str:
         made = self.__dict__.get("_snapshots_made", 0) + 1

@@ -346,6 +346,14 @@ def _pack_llama(model, quantization: str = "none") -> None:
                         setattr(parent, name, linear.PackedLinear(child))
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s storage as integers of its element's width (a copy moves bits; fp8 has no index_copy_ kernel)."""
+    return t.view(_BITS[t.element_size()])
+
+
 def _rotate_complex(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, _sin=None, unsqueeze_dim: int = 1):
     """DeepSeek-V2's rotation (its `apply_rotary_emb`) of `q` and `k` (`[T, heads, dims]`): each interleaved pair of
     dimensions a complex number, times its position's complex frequency (`freqs` `[T, dims / 2]`), in float32."""
@@ -813,6 +821,7 @@ class ModelRunner:
         self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
         self.stage = HostStage(self.device)  # a step's integer tensors, in one copy to a GPU
         self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
+        self.host_kv: list[torch.Tensor] = []  # the prefix cache's host tier, kv_tensors' blocks (offload_to_host)
         self.decode_graphs = None  # pylon.serving.model.graphs.DecodeGraphs, on a GPU (use_decode_graphs)
 
         # Decodes attend in place (see kernels.py), unless the attention soft-caps its scores or has sinks, which the
@@ -879,6 +888,37 @@ class ModelRunner:
             )
             self.scratch_slot = num_blocks * self.block_size
         return self.scratch_slot
+
+    # -- the prefix cache's host tier (engine.kv_offload_tokens; engine/kv_cache.py) ------------------------------
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every K and V pool of this runner's layers that holds blocks, in a fixed order (latent attention's one a
+        layer once; a recurrent layer's or another stage's placeholder not at all)."""
+        unique = {id(t): t for t in self.k_cache + self.v_cache if t.shape[1]}
+        return list(unique.values())
+
+    def offload_to_host(self, slots: int) -> int:
+        """Room in host memory for `slots` blocks of each of `kv_tensors` (pinned on a GPU, so that copies run at the
+        bus's speed): the prefix cache's host tier. Returns its bytes."""
+        pin = self.device.type == "cuda"
+        self.host_kv = [
+            torch.zeros((t.shape[0], slots, *t.shape[2:]), dtype=t.dtype, pin_memory=pin) for t in self.kv_tensors()
+        ]
+        return sum(h.numel() * h.element_size() for h in self.host_kv)
+
+    def copy_blocks(self, copies: list[tuple[str, list[int], list[int]]]) -> None:
+        """Make the pool's copies (`KVBlockPool.drain_copies`), in order: ("save", device blocks, host slots),
+        ("load", host slots, device blocks), every layer's keys and values. Before the next pass reads or writes a
+        block: the engine's, and in the step's order on the device."""
+        for kind, source, destination in copies:
+            for device_kv, host_kv in zip(self.kv_tensors(), self.host_kv):
+                device_kv, host_kv = _as_bits(device_kv), _as_bits(host_kv)  # (index_copy_ knows no fp8)
+                if kind == "save":
+                    rows = device_kv.index_select(1, torch.tensor(source, device=self.device))
+                    host_kv.index_copy_(1, torch.tensor(destination), rows.cpu())
+                else:
+                    rows = host_kv.index_select(1, torch.tensor(source)).to(self.device)
+                    device_kv.index_copy_(1, torch.tensor(destination, device=self.device), rows)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         """On a GPU, capture the CUDA graphs that steps of decodes only will replay (pylon.serving.model.graphs;

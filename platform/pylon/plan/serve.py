@@ -19,6 +19,9 @@ LAUNCH_S_PER_LAYER = 1e-4  # eager PyTorch decoding: kernel launches per layer p
 DEFAULT_UTILIZATION = 0.5  # share of a serving replica's hours spent at its throughput ceiling
 KV_BYTES = {**WEIGHT_BYTES, "fp8": 1}  # bytes of a key or value element per engine.kv_cache_dtype
 QUANT_BYTES = 1  # bytes of a quantized projection weight (engine.quantization int8 or fp8)
+# What a KV block copied between host and GPU memory moves at (the prefix cache's host tier): PCIe 4.0 x16's ~25 GB/s
+# in practice (an H100 SXM's PCIe 5.0 links reach ~50).
+HOST_LINK_BYTES_S = 25e9
 # Host memory of suffix decoding's trees (serving/engine/suffix.py) a cached output token: measured on text by
 # tests/unit/serving/engine/test_speculative_suffix.py
 SUFFIX_BYTES_PER_TOKEN = 256
@@ -94,6 +97,7 @@ class ServePlan:
     prices_source: str
     notes: list[str] = field(default_factory=list)
     kind: str = "Deployment"
+    kv_offload_bytes: int = 0  # the prefix cache's host tier (engine.kv_offload_tokens): host memory, every engine's
 
     def to_dict(self) -> dict:
         s = self.shape
@@ -112,6 +116,7 @@ class ServePlan:
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
             "kv_cache_tokens": self.kv_cache_tokens,
+            "kv_offload_host_bytes": self.kv_offload_bytes,
             "accelerators": [r.to_dict() for r in self.rows],
             "recommendation": self.recommendation.to_dict() if self.recommendation else None,
             "assumptions": {
@@ -496,6 +501,20 @@ def plan_serve(
             "keys, masked: its time is counted as without the window)"
         )
     held_context = min(context, longest)  # what an average sequence holds
+    offload = 0
+    if e.kv_offload_tokens and e.enable_prefix_caching and per_token:
+        # The prefix cache's host tier (serving/engine/kv_cache.py): each engine's, every layer's keys and values (a
+        # drafting layer's or head's too: its cache is in the model's blocks), each shard or stage its share.
+        head = draft_kv // e.kv_cache_tokens if e.speculative.method in HEAD_METHODS else 0
+        block = (per_token + head) * e.block_size
+        offload = e.kv_offload_tokens * (per_token + head) * e.data_parallel
+        engines = f", {e.data_parallel} engines' together" if e.data_parallel > 1 else ""
+        notes.append(
+            f"the prefix cache's host tier (engine.kv_offload_tokens: {e.kv_offload_tokens:,} tokens) takes "
+            f"{_gib(offload)} of the replica's host memory, pinned{engines}, not the GPU's; a block found there is "
+            f"copied back ({block / 2**20:.2f} MiB, ~{block / HOST_LINK_BYTES_S * 1e6:.0f} us at "
+            f"{HOST_LINK_BYTES_S / 1e9:.0f} GB/s) rather than its {e.block_size} tokens computed"
+        )
     rows = []
     for acc in accelerators:
         usable = acc.memory_bytes * USABLE_FRACTION
@@ -620,4 +639,5 @@ def plan_serve(
         utilization,
         catalog.prices_source,
         notes,
+        kv_offload_bytes=offload,
     )

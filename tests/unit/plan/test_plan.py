@@ -244,6 +244,29 @@ def test_a_window_in_every_layer_fits_more_sequences_where_the_engine_lets_go_of
     assert sharded.sequences_fit == sharded.kv_tokens_fit // 32768
 
 
+def test_the_prefix_cache_s_host_tier_is_counted_in_host_memory_not_the_gpu_s(tmp_path: Path) -> None:
+    """engine.kv_offload_tokens: Llama 2 70B's 327,680 bytes a token (80 layers x 8 key-value heads x 128 x bf16 x K
+    and V) for 1,048,576 tokens is 320 GiB of the replica's host memory, two engines' twice that; the GPU's rows are
+    the same as without it."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    plans = {}
+    for name, extra in (("off", {}), ("on", {"kv_offload_tokens": 1048576}), ("two", {"kv_offload_tokens": 1048576})):
+        engine = {"device": "cuda", "kv_cache_tokens": 65536, **extra}
+        if name == "two":
+            engine["data_parallel"] = 2
+        replica = {"num_gpus": engine.get("data_parallel", 1)}
+        deployment = DeploymentSpec(name="m", model=str(tmp_path), replica=replica, engine=engine)
+        plans[name] = plan_serve(deployment, gpu="H100")
+    per_token = 80 * 8 * 128 * 2 * 2
+    assert plans["on"].kv_per_token == per_token
+    assert plans["on"].to_dict()["kv_offload_host_bytes"] == per_token * 1048576 == 320 * 2**30
+    assert plans["two"].kv_offload_bytes == 2 * plans["on"].kv_offload_bytes and plans["off"].kv_offload_bytes == 0
+    note = next(n for n in plans["on"].notes if "host tier" in n)
+    assert "320.0 GiB" in note and "5.00 MiB" in note, note  # a block of 16 tokens
+    assert plans["on"].rows[0].to_dict() == plans["off"].rows[0].to_dict()
+    assert not any("host tier" in n for n in plans["off"].notes)
+
+
 def test_a_narrower_kv_cache_dtype_fits_more_tokens(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     plans = {

@@ -211,6 +211,35 @@ def test_a_layer_that_predicts_the_model_is_accepted_several_tokens_a_step(predi
     assert_pool_empty(engine)
 
 
+def test_a_prefix_back_from_the_host_tier_brings_the_layer_s_keys_and_values_with_it(predictor: Family) -> None:
+    """engine.kv_offload_tokens: the layer's cache is in the model's blocks, so a prefix copied to host memory and back
+    brings the layer's entries with the model's: the request after it drafts exactly what it drafts where the device
+    kept the blocks (the same drafts accepted), and writes the model's tokens."""
+    g = torch.Generator().manual_seed(3)
+    doc = torch.randint(0, 256, (70,), generator=g).tolist()
+    others = [torch.randint(0, 256, (70,), generator=g).tolist() for _ in range(3)]
+    counts = []
+    for fields in ({}, {"kv_cache_tokens": 128, "max_model_len": 128, "kv_offload_tokens": 512}):
+        engine = speculating(predictor.engine(speculative=mtp(3), max_num_seqs=1, **fields))
+        for i, prompt in enumerate([doc + [1, 2], *others]):
+            engine.add_request(str(i), prompt, GREEDY)
+            run(engine)
+        before = engine.stats()
+        engine.add_request("again", doc + [9, 8, 7], GREEDY)
+        got = run(engine)["again"]
+        assert tokens_of(got) == predictor.hf_greedy(doc + [9, 8, 7], GREEDY.max_tokens)
+        after = engine.stats()
+        assert got[-1].num_cached_tokens == 64
+        counts.append(
+            (
+                after.spec_draft_tokens_total - before.spec_draft_tokens_total,
+                after.spec_accepted_tokens_total - before.spec_accepted_tokens_total,
+            )
+        )
+    assert after.kv_offload_loaded_blocks_total == 4, after  # (the device's 8 blocks had let the document go)
+    assert counts[0] == counts[1] and counts[0][1] > 0, counts
+
+
 def test_under_preemption_quantization_and_a_narrower_cache_outputs_stay_the_plain_engine_s(predictor: Family) -> None:
     """A pool too small for the batch (requests preempted and computed again, their held rows dropped), the layer's
     projections int8 as the model's (engine.quantization) and its cache bf16 as the model's: outputs are the plain

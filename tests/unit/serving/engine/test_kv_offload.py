@@ -1,0 +1,195 @@
+"""The prefix cache's host tier (engine.kv_offload_tokens): the pool's bookkeeping (what is copied out, back, and
+in which order), and the engine's outputs, which must be exactly those of an engine whose device cache kept every
+block, while computing only what neither tier holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_models import GREEDY, Family, assert_pool_empty, run, tokens_of
+
+from pylon.serving.engine.kv_cache import KVBlockPool, block_hashes
+from pylon.serving.engine.sampling import SamplingParams
+from pylon.specs import EngineSpec
+
+# ---------------------------------------------------------------------------------------------------------
+# The pool
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _filled(pool: KVBlockPool, rid: str, tokens: list[int]) -> list[bytes]:
+    """`rid`'s blocks for `tokens`, registered (as computed), then let go of: cached and free."""
+    hashes = block_hashes(tokens, pool.block_size, [])
+    assert pool.allocate(rid, len(tokens), cached=pool.restore(hashes[: pool.reachable(hashes)]))
+    pool.cache_blocks(rid, hashes, len(hashes))
+    pool.free(rid)
+    return hashes
+
+
+def test_a_cached_block_taken_for_other_contents_is_copied_out_first_and_copied_back_for_its_prefix() -> None:
+    pool = KVBlockPool(4, 4, enable_caching=True, offload_blocks=8)
+    pool.track_changes()
+    a = _filled(pool, "a", list(range(16)))
+    assert pool.drain_copies() == [] and pool.num_offloaded_blocks == 0  # nothing let go of yet
+    assert pool.allocate("b", 16)  # every block, each holding a's contents: copied out before b writes it
+    assert pool.drain_copies() == [("save", [0, 1, 2, 3], [0, 1, 2, 3])]
+    assert pool.lookup(a) == [] and pool.reachable(a) == 4 and pool.num_offloaded_blocks == 4
+    assert set(pool.cached_hashes()) == set(a)  # still a copy away: the router still counts them
+    assert pool.drain_changes() == [(True, h) for h in a]  # registered, and never said forgotten
+    pool.free("b")
+
+    blocks = pool.restore(a[:3])
+    assert pool.drain_copies() == [("load", [0, 1, 2], blocks)] and pool.offload_loaded == 3
+    assert pool.lookup(a) == blocks  # registered on the device again, free until a request holds them
+    assert pool.allocate("c", 13, cached=blocks) and pool.block_table("c")[:3] == blocks
+    pool.free("c")
+    # Taken again: the host tier still holds their contents, so they are not copied out twice.
+    assert pool.allocate("d", 16) and pool.drain_copies() == []
+    assert pool.offload_saved == 4 and pool.reachable(a) == 4
+    pool.free("d")
+
+
+def test_the_host_tier_lets_go_of_the_least_recently_used_and_never_of_a_slot_a_restore_reads() -> None:
+    pool = KVBlockPool(2, 4, enable_caching=True, offload_blocks=2)
+    pool.track_changes()
+    a = _filled(pool, "a", list(range(8)))  # blocks 0, 1
+    b = _filled(pool, "b", list(range(100, 108)))  # a's copied out to slots 0, 1; b in blocks 0, 1
+    assert pool.drain_copies() == [("save", [0, 1], [0, 1])]
+    c = _filled(pool, "c", list(range(200, 208)))  # b's copied out: a's slots were the least recently used
+    assert pool.drain_copies() == [("save", [0, 1], [0, 1])]
+    assert pool.reachable(a) == 0 and pool.reachable(b) == 2 and pool.lookup(c) == [0, 1]
+    changes = pool.drain_changes()
+    assert (False, a[0]) in changes and (False, a[1]) in changes and not any(not r and h in b for r, h in changes)
+
+    # b back from the host tier: its blocks are c's (free, cached), whose contents must go to the host tier too,
+    # but both slots hold what is being read: c's are let go of, not copied over b's.
+    blocks = pool.restore(b)
+    assert pool.drain_copies() == [("load", [0, 1], blocks)] and sorted(blocks) == [0, 1]  # (no save among them)
+    assert pool.reachable(c) == 0 and pool.reachable(b) == 2
+    assert (False, c[0]) in pool.drain_changes()
+
+
+def test_a_restore_takes_no_block_of_the_prefix_it_restores() -> None:
+    pool = KVBlockPool(2, 4, enable_caching=True, offload_blocks=4)
+    first = _filled(pool, "x", list(range(4)))  # block 0
+    second = _filled(pool, "y", list(range(50, 54)))  # block 1
+    assert pool.allocate("z", 4) and pool.block_table("z") == [0]  # x's block, least recently used: copied out
+    pool.free("z")
+    tokens = list(range(50, 54)) + list(range(4))  # y's block, then one whose hash only the host tier holds
+    hashes = block_hashes(tokens, 4, [])
+    assert hashes[0] == second[0] and first[0] != hashes[1]
+    _filled(pool, "w", list(range(4)))  # (x's prefix: restored into block 0... and registered)
+    pool.drain_copies()
+    # A prefix of y's block (device) then a host-only block: the free blocks are y's (kept) and x's (taken).
+    assert pool.allocate("v", 4)  # block 0 goes: x's contents, still in the host tier, are not copied again
+    pool.free("v")
+    pool.drain_copies()
+    hashes = [second[0], first[0]]
+    assert pool.reachable(hashes) == 2
+    blocks = pool.restore(hashes)
+    assert blocks == [1, 0]  # y's block kept, x's restored into the other
+    assert pool.drain_copies() == [("load", [0], [0])]
+
+
+def test_forgetting_the_cache_forgets_the_host_tier_too() -> None:
+    pool = KVBlockPool(2, 4, enable_caching=True, offload_blocks=4)
+    a = _filled(pool, "a", list(range(8)))
+    _filled(pool, "b", list(range(100, 108)))
+    assert pool.reachable(a) == 2
+    assert pool.forget_cached() == 4  # b's two on the device, a's two in the host tier
+    assert pool.reachable(a) == 0 and pool.num_offloaded_blocks == 0 and pool.cached_hashes() == []
+
+
+def test_the_spec_names_what_a_host_tier_needs() -> None:
+    with pytest.raises(ValueError, match="kv_offload_tokens: must be a multiple of block_size"):
+        EngineSpec(kv_offload_tokens=100)
+    with pytest.raises(ValueError, match="kv_offload_tokens: is the prefix cache's second tier"):
+        EngineSpec(kv_offload_tokens=64, enable_prefix_caching=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------------------
+
+G = torch.Generator().manual_seed(7)
+# Four documents of five full blocks and a little more, each asked about twice; the device's cache holds fewer
+# blocks than two of them and their answers, so by the time a document comes back, its blocks are gone from it.
+DOCS = [torch.randint(0, 256, (84,), generator=G).tolist() for _ in range(4)]
+QUESTIONS = [[doc + torch.randint(0, 256, (4,), generator=G).tolist() for doc in DOCS] for _ in range(2)]
+SMALL = {"kv_cache_tokens": 128, "max_model_len": 128, "max_num_seqs": 2}
+LOGPROBS = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+
+
+def _ask_in_turn(engine) -> tuple[list, list[int]]:
+    """Each question, one at a time: its output tokens and log-probabilities, and the tokens it found cached."""
+    outs, cached = [], []
+    for i, prompt in enumerate(q for round_ in QUESTIONS for q in round_):
+        engine.add_request(str(i), prompt, LOGPROBS)
+        got = run(engine)[str(i)]
+        outs.append((tokens_of(got), [(e.logprob, e.top) for o in got for e in o.logprobs]))
+        cached.append(got[-1].num_cached_tokens)
+    return outs, cached
+
+
+@pytest.mark.parametrize(
+    "name, fields",
+    [
+        ("gpt2", {}),
+        ("llama", {"kv_cache_dtype": "fp8"}),
+        ("llama", {"block_size": 8, "max_num_batched_tokens": 24}),
+        ("qwen3_next", {}),  # recurrent layers: their states' snapshots beside the blocks (kv_cache.StateSnapshots)
+        ("deepseek_v3", {}),  # latent attention: one cache a layer, keys and values both
+    ],
+    ids=["gpt2", "llama-fp8-cache", "llama-chunked", "qwen3-next", "deepseek-v3"],
+)
+def test_a_prefix_the_device_let_go_of_comes_back_from_host_memory_with_the_same_outputs(
+    name: str, fields: dict, tmp_path
+) -> None:
+    family = Family(name, tmp_path / name, greedy=False)
+    big, big_cached = _ask_in_turn(family.engine(**fields))  # every block stays on the device
+    assert big_cached == [0] * 4 + [80] * 4  # each document's full blocks, the second time it is asked about
+    small = family.engine(**SMALL, **fields)
+    _, small_cached = _ask_in_turn(small)
+    assert small_cached[4:] == [0] * 4  # the device's cache alone has let go of each document by its second question
+
+    tiered = family.engine(**SMALL, **fields, kv_offload_tokens=1024)
+    assert tiered.pool.offload_blocks == 1024 // tiered.pool.block_size
+    got, cached = _ask_in_turn(tiered)
+    assert cached == big_cached  # every document's blocks found again, as where the device kept them
+    assert got == big  # tokens and log-probabilities exactly: the blocks came back bit for bit
+    stats = tiered.stats()
+    bs = tiered.pool.block_size
+    assert stats.kv_offload_loaded_blocks_total == sum(cached) // bs
+    assert stats.kv_offload_saved_blocks_total >= stats.kv_offload_loaded_blocks_total
+    assert stats.prefill_tokens_computed_total == small.stats().prefill_tokens_computed_total - sum(cached)
+    assert stats.num_offloaded_blocks > 0
+    assert_pool_empty(tiered)
+
+
+def test_prompt_log_probabilities_and_preemption_with_the_host_tier(gpt2: Family) -> None:
+    """What the cache keeps with a block (its prompt log-probabilities) goes with it to the host tier and back; a
+    batch that preempts (its requests' blocks taken from under others' cached ones) gives the plain engine's tokens."""
+    off = gpt2.engine(enable_prefix_caching=False)
+    tiered = gpt2.engine(**SMALL, kv_offload_tokens=1024)
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    prompt = QUESTIONS[0][0]
+    off.add_request("x", prompt, scored)
+    want = run(off)["x"][0].prompt_logprobs
+    tiered.add_request("first", prompt, scored)
+    run(tiered)
+    tiered.generate(QUESTIONS[0][1:], GREEDY)  # the first document's blocks go to the host tier
+    assert tiered.pool.lookup(block_hashes(prompt, 16, [])[:5]) == []
+    tiered.add_request("again", prompt, scored)
+    outs = run(tiered)["again"]
+    assert outs[-1].num_cached_tokens == 80
+    got = outs[0].prompt_logprobs
+    assert [e and (e.token_id, e.top) for e in got] == [e and (e.token_id, e.top) for e in want]
+    assert [e and e.logprob for e in got] == pytest.approx([e and e.logprob for e in want], abs=1e-5)
+
+    everything = [q for round_ in QUESTIONS for q in round_]
+    longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    busy = gpt2.engine(kv_cache_tokens=192, block_size=8, max_model_len=128, kv_offload_tokens=512)
+    got = [c.token_ids for c in busy.generate(everything + everything[:3], longer)]  # more than its blocks hold
+    assert busy.stats().num_preemptions_total > 0 and busy.stats().kv_offload_loaded_blocks_total > 0, busy.stats()
+    assert got == [c.token_ids for c in off.generate(everything + everything[:3], longer)]
+    assert_pool_empty(busy)
