@@ -434,12 +434,14 @@ class LLMEngine:
                 log.info("model %s: no prefix cache here, so no host tier (engine.kv_offload_tokens)", model)
             return
         held = sum(runner.offload_to_host(slots) for runner in self._kv_runners())
+        on_gpu = self.runner.device.type == "cuda"
         log.info(
             "engine: the prefix cache's host tier holds %d blocks (%d tokens) in %.1f MiB of host memory%s",
             slots,
             slots * self.pool.block_size,
             held / 2**20,
-            " (pinned)" if self.runner.device.type == "cuda" else "",
+            " (pinned)" if on_gpu else "; on a CPU that is the cache's own memory: a larger engine.kv_cache_tokens "
+            "would hold as much without copies",
         )
 
     def _kv_runners(self) -> list:
