@@ -440,7 +440,9 @@ class LLMEngine:
             slots,
             slots * self.pool.block_size,
             held / 2**20,
-            " (pinned)" if on_gpu else "; on a CPU that is the cache's own memory: a larger engine.kv_cache_tokens "
+            " (pinned)"
+            if on_gpu
+            else "; on a CPU that is the cache's own memory: a larger engine.kv_cache_tokens "
             "would hold as much without copies",
         )
 
