@@ -20,9 +20,14 @@ A layer with a sliding window (`families.layer_windows`) sees only the last `win
 position p, keys p - window + 1 .. p, as `transformers` masks them. Its metadata (`build_metadata(window=...)`) puts
 the window into the decode groups' bias and the prompt chunks' masks (a chunk that starts its prompt gets a mask
 too, in place of `is_causal`, once the window cuts into it), and never goes to the compiled kernels, which take no
-window. The keys before the window are gathered and masked out: where every layer is windowed, the engine has let go
-of the blocks before it and the table names the runner's scratch block in their places (engine/kv_cache.py,
-`trim`). A model without a window builds exactly the metadata it would without this.
+window. Only the blocks that hold a query's window are gathered (`WINDOW_GATHER`; vLLM's sliding-window kernels skip
+the rest the same way): a decode from the block of its first key in the window, a prompt chunk from that of its first
+query's, so that a windowed layer's attention reads and multiplies window + a block of keys however long the context
+(Llama 4's chunks likewise, from the start of the query's chunk, where a chunk is whole blocks); keys of those blocks
+before the window are masked out. (Decode steps replayed from CUDA graphs, pylon.serving.model.graphs, gather every
+block: their tables are captured at fixed sizes.) Where every layer is windowed, the engine has let go of the blocks
+before it and the table names the runner's scratch block in their places (engine/kv_cache.py, `trim`), which are then
+never read. A model without a window builds exactly the metadata it would without this.
 
 Prompt chunks are attended one sequence at a time by torch's fused `scaled_dot_product_attention` (a flash
 kernel on CPU and CUDA: it skips the masked half of a causal square and never materialises the scores): a
@@ -60,6 +65,10 @@ def prompt_attention_backends(device: torch.device) -> contextlib.AbstractContex
     elsewhere nothing: entering torch's `sdpa_kernel` costs ~30 us, and only CUDA has cuDNN's backend)."""
     return sdpa_kernel(GPU_PROMPT_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
+
+# A windowed layer's attention gathers the blocks that hold its queries' windows only (see the module's docs); False:
+# every key from position 0, masked (what the engine did before: bench/serve_window_gather.py's baseline).
+WINDOW_GATHER = True
 
 DECODE_GROUPS = 4  # at most this many padded batches of decodes per step...
 MIN_GROUP = 8  # ...each of at least this many sequences (a group costs a few small kernel launches per layer)
@@ -115,8 +124,10 @@ class PromptChunk:
     num_new: int
     key_blocks: torch.Tensor | None  # its block table up to its last new token (None when start == 0, unless the
     # prefill kernel reads even a fresh prompt's keys from the cache: `AttentionMetadata.prefill`)
-    mask: torch.Tensor | None  # [num_new, start + num_new] bool: True where the query may attend the key (SDPA's);
-    # None with key_blocks None: plain causal attention over the chunk's own keys (`is_causal`)
+    mask: torch.Tensor | None  # [num_new, start + num_new - key_start] bool: True where the query may attend the key
+    # (SDPA's); None with key_blocks None: plain causal attention over the chunk's own keys (`is_causal`)
+    key_start: int = 0  # the position of key_blocks' first key (a windowed layer's: the block of its first query's
+    # window; `WINDOW_GATHER`)
 
 
 @dataclass(frozen=True)
@@ -395,7 +406,8 @@ def _chunk(
             return PromptChunk(offset, 0, seq.num_new, None, None)
         key = torch.arange(num_keys, device=device)
         return PromptChunk(offset, 0, seq.num_new, None, _mask(key, key, seq.spans, window if cut else None))
-    blocks = stage.add(seq.block_table[: -(-num_keys // block_size)])
+    first = _first_block(seq.start, window, block_size)  # (0 without a window: prefill's too)
+    blocks = stage.add(seq.block_table[first : -(-num_keys // block_size)])
     if prefill:  # the kernel reads every key through the block table and masks by position itself
         if seq.spans:
             raise ValueError("the prefill kernel masks causally only: a chunk with spans needs prefill=False")
@@ -403,8 +415,19 @@ def _chunk(
     # Made where it is used: on a GPU, building the [num_new, num_keys] mask on the host and copying it over took
     # ~0.5 ms a chunk (torch.profiler on an H100: `aten::le` on the CPU 0.42 ms, then a pageable copy).
     position = torch.arange(seq.start, num_keys, device=device)
-    key = torch.arange(num_keys, device=device)
-    return PromptChunk(offset, seq.start, seq.num_new, blocks, _mask(position, key, seq.spans, window if cut else None))
+    key = torch.arange(first * block_size, num_keys, device=device)
+    mask = _mask(position, key, seq.spans, window if cut else None)
+    return PromptChunk(offset, seq.start, seq.num_new, blocks, mask, first * block_size)
+
+
+def _first_block(position: int, window: int | None, block_size: int) -> int:
+    """The first block a query at `position` (and every later one) reads through a `window`: that of its window's
+    first key, or for a `Chunk` of whole blocks, of its chunk's start; 0 without a window (or `WINDOW_GATHER` off)."""
+    if window is None or not WINDOW_GATHER:
+        return 0
+    if isinstance(window, Chunk):
+        return position // window * window // block_size if window % block_size == 0 else 0
+    return max(position - window + 1, 0) // block_size
 
 
 def _mask(
@@ -415,10 +438,11 @@ def _mask(
     p - window + 1 .. (AND(window, ...), as transformers composes Gemma 3's sliding layers' masks)."""
     mask = key[None, :] <= position[:, None]
     start = int(position[0]) if len(position) else 0
+    k0 = int(key[0]) if len(key) else 0  # (the first key's position: a windowed chunk's keys start at its window)
     for a, b in spans:
         q0, q1 = max(a - start, 0), min(b - start, len(position))
-        if q1 > q0:
-            mask[q0:q1, a : min(b, len(key))] = True
+        if q1 > q0 and b > k0:
+            mask[q0:q1, max(a - k0, 0) : min(b - k0, len(key))] = True
     if isinstance(window, Chunk):  # Llama 4's chunks: the query at position p sees keys (p // size) * size .. p
         mask &= key[None, :] >= (position[:, None] // window) * window
     elif window is not None:  # and past its window: the query at position p sees keys p - window + 1 .. p
@@ -437,12 +461,15 @@ def _group(
 ) -> AttentionGroup:
     """Decodes (one new token each) in one padded batch: each sequence's keys up to the group's longest context,
     masked past its own (the bias is made on the device, from the lengths, once they are there); with a `window`,
-    masked before its window too (its query, at position n - 1 of a context of n keys, sees keys n - window ..)."""
-    num_keys = [s.start + 1 for s in seqs]
+    masked before its window too (its query, at position n - 1 of a context of n keys, sees keys n - window ..),
+    each sequence's keys gathered from its window's first block on (`_first_block`): its lengths and mask are then
+    counted from there (a window's and a chunk's masks are the same counted from a block, or a chunk, boundary)."""
+    firsts = [_first_block(s.start, window, block_size) for s in seqs]
+    num_keys = [s.start + 1 - first * block_size for s, first in zip(seqs, firsts)]
     K, B = max(num_keys), len(seqs)
     num_blocks = -(-K // block_size)
     tokens = stage.add(offsets)
-    table = stage.add(padded_tables((seq.block_table for seq in seqs), num_blocks))
+    table = stage.add(padded_tables((seq.block_table[first:] for seq, first in zip(seqs, firsts)), num_blocks))
     lens = stage.add(num_keys)
     bias = torch.empty(B, 1, K, dtype=dtype, device=device)
     keys = torch.arange(K, device=device)
@@ -535,7 +562,7 @@ def paged_attention(
         if c.key_blocks is None:  # a chunk that starts its prompt: its own keys (causal, or masked by a window)
             keys, values = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
         else:
-            num_keys = c.start + c.num_new
+            num_keys = c.start + c.num_new - c.key_start
             keys = k_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
             values = v_cache.index_select(1, c.key_blocks).view(num_kv_heads, -1, head_dim)[None, :, :num_keys]
             keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops where the cache is stored as computed

@@ -12,6 +12,7 @@ from pylon.serving.engine.request import Request
 from pylon.serving.engine.sampling import SamplingParams, sample
 from pylon.serving.engine.scheduler import Scheduler
 from pylon.serving.model.attention import HostStage, SequenceSlice, build_metadata, new_kv_cache, paged_attention
+from pylon.serving.model.families import Chunk
 
 
 def request(request_id: str, prompt_len: int) -> Request:
@@ -323,7 +324,10 @@ def check_paged_attention(
         # A chunk that starts its prompt attends over its fresh keys and values; everything else over the cache's.
         rounded = (lambda x: x) if cached[i] == 0 else (lambda x: x.to(kv_dtype).float())  # noqa: E731
         causal = torch.ones(total[i], total[i], dtype=torch.bool).tril()
-        if window is not None:  # transformers' sliding window: the query at p sees keys p - window + 1 .. p
+        if isinstance(window, Chunk):  # Llama 4's chunks: the query at p sees keys (p // size) * size .. p
+            p = torch.arange(total[i])
+            causal &= p[None, :] >= (p[:, None] // window) * window
+        elif window is not None:  # transformers' sliding window: the query at p sees keys p - window + 1 .. p
             causal &= torch.ones(total[i], total[i], dtype=torch.bool).triu(1 - window)
         dense = F.scaled_dot_product_attention(
             q[i][None].transpose(1, 2),
@@ -354,6 +358,38 @@ def test_paged_attention_with_a_sliding_window_equals_dense_windowed_attention(
     check_paged_attention(kernel, 2, 32, 4, kv_dtype, prefill=kernel, window=window)
     fresh = meta_chunks([[0, 1]], [0], [7], 4, window=window)[0]  # 7 tokens starting a prompt
     assert fresh.key_blocks is None and (fresh.mask is None) == (window >= 7)
+
+
+@pytest.mark.parametrize("window", [5, 16, Chunk(8), Chunk(6)], ids=["5", "16", "chunk-8", "chunk-6"])
+@pytest.mark.parametrize("gather", [True, False], ids=["window-blocks", "every-block"])
+def test_a_windowed_layer_gathers_only_the_blocks_its_queries_windows_hold(window: int, gather: bool, monkeypatch):
+    """attention.WINDOW_GATHER: a decode at position 70 reads from the block of its window's first key (position
+    66 for a window of 5: block 16 of 4 tokens), a chunk from position 21 from its first query's (17: block 4),
+    Llama 4's chunks of whole blocks from their chunk's start (64; 16); a chunk of 6 tokens (not whole blocks) reads
+    every block. Either way attention equals the dense reference's; off, every block is read."""
+    from pylon.serving.model import attention
+
+    monkeypatch.setattr(attention, "WINDOW_GATHER", gather)
+    check_paged_attention(False, 2, 32, 4, torch.float32, window=window)
+    seqs = [SequenceSlice(70, 1, list(range(18))), SequenceSlice(21, 37, list(range(100, 115)))]
+    meta = build_metadata(seqs, 4, torch.device("cpu"), window=window)
+    (group,), (chunk,) = meta.groups, meta.chunks
+    first_key = {5: (66, 17), 16: (55, 6), Chunk(8): (64, 16), Chunk(6): (0, 0)}[window] if gather else (0, 0)
+    decode_start, chunk_start = (k // 4 * 4 for k in first_key)
+    assert group.num_keys == 71 - decode_start and group.key_blocks.tolist() == list(range(decode_start // 4, 18))
+    assert chunk.key_start == chunk_start and chunk.key_blocks.tolist() == list(range(100 + chunk_start // 4, 115))
+    assert chunk.mask.shape == (37, 58 - chunk_start)
+
+
+def test_a_windowed_chunk_s_mask_keeps_an_image_s_span_from_its_first_key() -> None:
+    """A span (Gemma 3's image, attended both ways) that begins before a windowed chunk's first gathered key: its
+    part from there on is in the mask, as in the mask over every key."""
+    from pylon.serving.model.attention import _mask
+
+    position, keys = torch.arange(30, 40), torch.arange(0, 40)
+    for spans in (((20, 35),), ((33, 38),), ((2, 6),)):
+        whole = _mask(position, keys, spans, 8)
+        assert torch.equal(_mask(position, keys[24:], spans, 8), whole[:, 24:]), spans
 
 
 def test_a_staged_step_applies_the_window_to_the_decode_bias() -> None:
