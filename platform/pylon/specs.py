@@ -1373,6 +1373,15 @@ class EngineSpec(_Spec):
         "document. Host memory (pinned on a GPU): this many tokens x the KV cache's bytes a token, per engine "
         "(`pylon plan` says how much). 0: off. Needs enable_prefix_caching; a multiple of block_size",
     )
+    kv_offload_path: str | None = Field(
+        None,
+        description="a local directory (an NVMe disk's) that holds the prefix cache's host tier instead of RAM "
+        "(LMCache's local disk, SGLang's HiCache storage): each engine (each shard or stage on its node) maps its "
+        "tier's blocks to files there, their space reserved at start (too little space fails the start, naming "
+        "it) and the files deleted from the directory at once, so that nothing is left behind when the engine "
+        "stops, even killed. The OS keeps what it can of them in its page cache. None: the tier in RAM. Needs "
+        "kv_offload_tokens",
+    )
     separate_process: bool = Field(
         True,
         description="in a Serve replica, run the engine in a child process of its own (as vLLM v1 runs its "
@@ -1577,6 +1586,21 @@ class EngineSpec(_Spec):
                     "kv_offload_tokens",
                     f"is the prefix cache's second tier: set enable_prefix_caching to true, or kv_offload_tokens to 0 "
                     f"(got {self.kv_offload_tokens})",
+                )
+            )
+        if self.kv_offload_path is not None and not self.kv_offload_tokens:
+            problems.append(
+                (
+                    "kv_offload_path",
+                    "holds the prefix cache's host tier: set kv_offload_tokens to its size in tokens, or remove "
+                    "kv_offload_path",
+                )
+            )
+        if self.kv_offload_path is not None and "://" in self.kv_offload_path:
+            problems.append(
+                (
+                    "kv_offload_path",
+                    f"must be a directory on the replica's own disk, not object storage (got {self.kv_offload_path!r})",
                 )
             )
         if self.kv_offload_tokens % self.block_size:

@@ -433,17 +433,28 @@ class LLMEngine:
             if self.spec.kv_offload_tokens:
                 log.info("model %s: no prefix cache here, so no host tier (engine.kv_offload_tokens)", model)
             return
-        held = sum(runner.offload_to_host(slots) for runner in self._kv_runners())
-        on_gpu = self.runner.device.type == "cuda"
+        path = self.spec.kv_offload_path
+        try:
+            held = sum(runner.offload_to_host(slots, path) for runner in self._kv_runners())
+        except PylonError:
+            if self.spec.tensor_parallel > 1 or self.spec.pipeline_parallel > 1:  # (its parts' actors go with it)
+                self.runner.shutdown()
+            raise
+        if path is not None:
+            where = f"in files under {path} (engine.kv_offload_path; their pages cached as the OS sees fit)"
+        elif self.runner.device.type == "cuda":
+            where = "of host memory (pinned)"
+        else:
+            where = (
+                "of host memory; on a CPU that is the cache's own memory: a larger engine.kv_cache_tokens would hold "
+                "as much without copies (engine.kv_offload_path puts the tier on disk)"
+            )
         log.info(
-            "engine: the prefix cache's host tier holds %d blocks (%d tokens) in %.1f MiB of host memory%s",
+            "engine: the prefix cache's host tier holds %d blocks (%d tokens) in %.1f MiB %s",
             slots,
             slots * self.pool.block_size,
             held / 2**20,
-            " (pinned)"
-            if on_gpu
-            else "; on a CPU that is the cache's own memory: a larger engine.kv_cache_tokens "
-            "would hold as much without copies",
+            where,
         )
 
     def _kv_runners(self) -> list:

@@ -189,11 +189,16 @@ class PartWorker:
     def restore_state(self, key: str, name: str) -> None:
         self.runner.restore_state(key, self._snapshots[name])
 
-    def offload_to_host(self, slots: int) -> int:
-        return self.runner.offload_to_host(slots)
+    def offload_to_host(self, slots: int, path: str | None = None) -> int:
+        return self.runner.offload_to_host(slots, path)
 
     def copy_blocks(self, copies: list) -> None:
         self.runner.copy_blocks(copies)
+
+    def mapped_files(self) -> list[str]:
+        """The files this part's host tier is mapped from (engine.kv_offload_path), as its process's maps name them."""
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split(None, 5)[-1].strip() for line in maps if "/pylon-kv-" in line})
 
     def drop_snapshot(self, name: str) -> None:
         self._snapshots.pop(name, None)  # (a stage of shards: its own `PartsSnapshot` let go, its shards' with it)
@@ -334,12 +339,17 @@ class SplitRunner:
     # The prefix cache's host tier (engine.kv_offload_tokens): each part keeps its own share of a block's keys and
     # values (a shard its heads', a stage its layers') in host memory, and makes the pool's copies in order with the
     # steps, as the engine's part does.
-    def offload_to_host(self, slots: int) -> int:
-        """Every part's room for `slots` blocks (waited for: a part short of host memory fails the start); bytes."""
+    def offload_to_host(self, slots: int, path: str | None = None) -> int:
+        """Every part's room for `slots` blocks (in files under `path` on its node, with one), waited for: a part short
+        of memory or disk fails the start, its error named; bytes."""
         import ray
 
-        held = ray.get([actor.offload_to_host.remote(slots) for actor in self.actors])
-        return self.local.offload_to_host(slots) + sum(held)
+        try:
+            held = ray.get([actor.offload_to_host.remote(slots, path) for actor in self.actors])
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise PylonError(str(cause)) from None
+        return self.local.offload_to_host(slots, path) + sum(held)
 
     def copy_blocks(self, copies: list) -> None:
         for actor in self.actors:

@@ -121,8 +121,8 @@ class ShardWorker(PartWorker):
         """The layer's outputs' logits: this shard's rows of the lm_head, gathered."""
         self.mtp.head_logits(unpacked(hidden)[0])
 
-    def mtp_offload_to_host(self, slots: int) -> int:
-        return self.mtp.offload_to_host(slots)
+    def mtp_offload_to_host(self, slots: int, path: str | None = None) -> int:
+        return self.mtp.offload_to_host(slots, path)
 
     def mtp_copy_blocks(self, copies: list) -> None:
         self.mtp.copy_blocks(copies)
@@ -364,12 +364,12 @@ class TensorMtp:
     def mtp_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.local.mtp_hidden(hidden)  # (the layer's final norm: whole on every shard)
 
-    def offload_to_host(self, slots: int) -> int:
+    def offload_to_host(self, slots: int, path: str | None = None) -> int:
         """The layer's share of the prefix cache's host tier on every shard (`SplitRunner.offload_to_host`)."""
         import ray
 
-        held = ray.get([w.mtp_offload_to_host.remote(slots) for w in self.tensor.workers])
-        return self.local.offload_to_host(slots) + sum(held)
+        held = ray.get([w.mtp_offload_to_host.remote(slots, path) for w in self.tensor.workers])
+        return self.local.offload_to_host(slots, path) + sum(held)
 
     def copy_blocks(self, copies: list) -> None:
         for w in self.tensor.workers:

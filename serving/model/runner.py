@@ -27,8 +27,12 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
+import shutil
+import socket
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -344,6 +348,35 @@ def _pack_llama(model, quantization: str = "none") -> None:
                         setattr(parent, name, quant.QuantLinear(child, quantization))
                     else:
                         setattr(parent, name, linear.PackedLinear(child))
+
+
+def mapped_tensor(directory: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor of `shape` held in a file under `directory` (mapped shared: what is written goes to the file,
+    the OS keeping what it can in its page cache): the file's space reserved first, so that a full disk fails here,
+    naming the directory, not as a SIGBUS mid-step; then the file deleted, so that nothing is left behind once the
+    process ends (the mapping keeps it until then)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    where = f"engine.kv_offload_path {directory}"
+    if not os.path.isdir(directory):
+        raise PylonError(f"{where}: not a directory on this node ({socket.gethostname()}): create it, or set another")
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix="pylon-kv-", suffix=".bin")
+    except OSError as e:
+        raise PylonError(f"{where}: cannot create a file there ({e.strerror})") from None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
+        except OSError as e:
+            free = shutil.disk_usage(directory).free
+            raise PylonError(
+                f"{where}: cannot reserve {nbytes / 2**20:,.1f} MiB there ({e.strerror}; {free / 2**20:,.1f} MiB "
+                "free): make room, or lower engine.kv_offload_tokens"
+            ) from None
+        mapped = torch.from_file(name, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return mapped[:nbytes].view(dtype).view(shape)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -897,13 +930,16 @@ class ModelRunner:
         unique = {id(t): t for t in self.k_cache + self.v_cache if t.shape[1]}
         return list(unique.values())
 
-    def offload_to_host(self, slots: int) -> int:
+    def offload_to_host(self, slots: int, path: str | None = None) -> int:
         """Room in host memory for `slots` blocks of each of `kv_tensors` (pinned on a GPU, so that copies run at the
-        bus's speed): the prefix cache's host tier. Returns its bytes."""
+        bus's speed): the prefix cache's host tier. With `path` (engine.kv_offload_path), in files under that
+        directory instead, mapped (`mapped_tensor`). Returns its bytes."""
         pin = self.device.type == "cuda"
-        self.host_kv = [
-            torch.zeros((t.shape[0], slots, *t.shape[2:]), dtype=t.dtype, pin_memory=pin) for t in self.kv_tensors()
-        ]
+        shapes = [((t.shape[0], slots, *t.shape[2:]), t.dtype) for t in self.kv_tensors()]
+        if path is not None:
+            self.host_kv = [mapped_tensor(path, shape, dtype) for shape, dtype in shapes]
+        else:
+            self.host_kv = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in shapes]
         return sum(h.numel() * h.element_size() for h in self.host_kv)
 
     def copy_blocks(self, copies: list[tuple[str, list[int], list[int]]]) -> None:

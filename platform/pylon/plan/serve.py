@@ -509,11 +509,17 @@ def plan_serve(
         block = (per_token + head) * e.block_size
         offload = e.kv_offload_tokens * (per_token + head) * e.data_parallel
         engines = f", {e.data_parallel} engines' together" if e.data_parallel > 1 else ""
+        where = (
+            f"of disk under {e.kv_offload_path} (engine.kv_offload_path; reserved at start, its pages cached as the OS "
+            "sees fit)"
+            if e.kv_offload_path
+            else "of the replica's host memory, pinned"
+        )
         notes.append(
             f"the prefix cache's host tier (engine.kv_offload_tokens: {e.kv_offload_tokens:,} tokens) takes "
-            f"{_gib(offload)} of the replica's host memory, pinned{engines}, not the GPU's; a block found there is "
-            f"copied back ({block / 2**20:.2f} MiB, ~{block / HOST_LINK_BYTES_S * 1e6:.0f} us at "
-            f"{HOST_LINK_BYTES_S / 1e9:.0f} GB/s) rather than its {e.block_size} tokens computed"
+            f"{_gib(offload)} {where}{engines}, not the GPU's; a block found there is copied back "
+            f"({block / 2**20:.2f} MiB, ~{block / HOST_LINK_BYTES_S * 1e6:.0f} us at {HOST_LINK_BYTES_S / 1e9:.0f} "
+            f"GB/s from memory) rather than its {e.block_size} tokens computed"
         )
     rows = []
     for acc in accelerators:

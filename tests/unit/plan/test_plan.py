@@ -250,7 +250,9 @@ def test_the_prefix_cache_s_host_tier_is_counted_in_host_memory_not_the_gpu_s(tm
     the same as without it."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     plans = {}
-    for name, extra in (("off", {}), ("on", {"kv_offload_tokens": 1048576}), ("two", {"kv_offload_tokens": 1048576})):
+    disk = {"kv_offload_tokens": 1048576, "kv_offload_path": "/mnt/nvme"}
+    on = {"kv_offload_tokens": 1048576}
+    for name, extra in (("off", {}), ("on", on), ("two", on), ("disk", disk)):
         engine = {"device": "cuda", "kv_cache_tokens": 65536, **extra}
         if name == "two":
             engine["data_parallel"] = 2
@@ -265,6 +267,9 @@ def test_the_prefix_cache_s_host_tier_is_counted_in_host_memory_not_the_gpu_s(tm
     assert "320.0 GiB" in note and "5.00 MiB" in note, note  # a block of 16 tokens
     assert plans["on"].rows[0].to_dict() == plans["off"].rows[0].to_dict()
     assert not any("host tier" in n for n in plans["off"].notes)
+    on_disk = next(n for n in plans["disk"].notes if "host tier" in n)
+    assert "of the replica's host memory, pinned" in note and "pinned" not in on_disk
+    assert "320.0 GiB of disk under /mnt/nvme" in on_disk, on_disk
 
 
 def test_a_narrower_kv_cache_dtype_fits_more_tokens(tmp_path: Path) -> None:

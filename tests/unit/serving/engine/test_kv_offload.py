@@ -105,6 +105,10 @@ def test_the_spec_names_what_a_host_tier_needs() -> None:
         EngineSpec(kv_offload_tokens=100)
     with pytest.raises(ValueError, match="kv_offload_tokens: is the prefix cache's second tier"):
         EngineSpec(kv_offload_tokens=64, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offload_path: holds the prefix cache's host tier: set kv_offload_tokens"):
+        EngineSpec(kv_offload_path="/mnt/nvme")
+    with pytest.raises(ValueError, match="kv_offload_path: must be a directory on the replica's own disk"):
+        EngineSpec(kv_offload_tokens=64, kv_offload_path="s3://bucket/kv")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -193,3 +197,34 @@ def test_prompt_log_probabilities_and_preemption_with_the_host_tier(gpt2: Family
     assert busy.stats().num_preemptions_total > 0 and busy.stats().kv_offload_loaded_blocks_total > 0, busy.stats()
     assert got == [c.token_ids for c in off.generate(everything + everything[:3], longer)]
     assert_pool_empty(busy)
+
+
+def test_the_tier_on_disk_gives_the_same_outputs_and_leaves_no_file_behind(gpt2: Family, tmp_path) -> None:
+    """engine.kv_offload_path: the tier's blocks in files under the directory, mapped and deleted at once (the
+    process's maps still name them), their space reserved; the same outputs as in RAM. A directory that is not one,
+    or that cannot hold the tier, fails the start naming the field."""
+    import os
+
+    from pylon.errors import PylonError
+
+    ram, ram_cached = _ask_in_turn(gpt2.engine(**SMALL, kv_offload_tokens=1024))
+    disk = gpt2.engine(**SMALL, kv_offload_tokens=1024, kv_offload_path=str(tmp_path))
+    assert os.listdir(tmp_path) == []  # deleted once mapped
+    maps = [line for line in open("/proc/self/maps") if f"{tmp_path}/pylon-kv-" in line]
+    assert len(maps) >= 2 * 2 and all(line.rstrip().endswith("(deleted)") for line in maps)  # K and V, 2 layers
+    got, cached = _ask_in_turn(disk)
+    assert (got, cached) == (ram, ram_cached) and disk.stats().kv_offload_loaded_blocks_total > 0
+    with pytest.raises(PylonError, match=r"engine.kv_offload_path .*/nowhere: not a directory on this node"):
+        gpt2.engine(**SMALL, kv_offload_tokens=1024, kv_offload_path=str(tmp_path / "nowhere"))
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    os.system(f"mount -t tmpfs -o size=64k tmpfs {tiny} 2>/dev/null")
+    if os.path.ismount(tiny):  # (as root: a 64 KiB filesystem, too small for 1,024 tokens' blocks: 0.5 MiB a tensor)
+        try:
+            with pytest.raises(
+                PylonError, match=r"engine.kv_offload_path .*/tiny: cannot reserve 0.5 MiB there \(No space left"
+            ):
+                gpt2.engine(**SMALL, kv_offload_tokens=1024, kv_offload_path=str(tiny))
+            assert os.listdir(tiny) == []
+        finally:
+            os.system(f"umount {tiny}")
