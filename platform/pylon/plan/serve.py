@@ -97,7 +97,8 @@ class ServePlan:
     prices_source: str
     notes: list[str] = field(default_factory=list)
     kind: str = "Deployment"
-    kv_offload_bytes: int = 0  # the prefix cache's host tier (engine.kv_offload_tokens): host memory, every engine's
+    # the prefix cache's host tier (engine.kv_offload_tokens): host memory (or disk: kv_offload_path), every engine's
+    kv_offload_bytes: int = 0
 
     def to_dict(self) -> dict:
         s = self.shape

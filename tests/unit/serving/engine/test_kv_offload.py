@@ -70,25 +70,19 @@ def test_the_host_tier_lets_go_of_the_least_recently_used_and_never_of_a_slot_a_
 
 
 def test_a_restore_takes_no_block_of_the_prefix_it_restores() -> None:
+    """No free block without cached contents: a block for a host-held hash is the least recently used free one that
+    is not the prefix's own (y's, older, is kept; w's goes, copied to the host tier first)."""
     pool = KVBlockPool(2, 4, enable_caching=True, offload_blocks=4)
-    first = _filled(pool, "x", list(range(4)))  # block 0
-    second = _filled(pool, "y", list(range(50, 54)))  # block 1
-    assert pool.allocate("z", 4) and pool.block_table("z") == [0]  # x's block, least recently used: copied out
+    x = _filled(pool, "x", list(range(4)))  # block 0
+    y = _filled(pool, "y", list(range(50, 54)))  # block 1
+    assert pool.allocate("z", 4) and pool.block_table("z") == [0]  # x's, least recently used: to slot 0
     pool.free("z")
-    tokens = list(range(50, 54)) + list(range(4))  # y's block, then one whose hash only the host tier holds
-    hashes = block_hashes(tokens, 4, [])
-    assert hashes[0] == second[0] and first[0] != hashes[1]
-    _filled(pool, "w", list(range(4)))  # (x's prefix: restored into block 0... and registered)
-    pool.drain_copies()
-    # A prefix of y's block (device) then a host-only block: the free blocks are y's (kept) and x's (taken).
-    assert pool.allocate("v", 4)  # block 0 goes: x's contents, still in the host tier, are not copied again
-    pool.free("v")
-    pool.drain_copies()
-    hashes = [second[0], first[0]]
-    assert pool.reachable(hashes) == 2
-    blocks = pool.restore(hashes)
-    assert blocks == [1, 0]  # y's block kept, x's restored into the other
-    assert pool.drain_copies() == [("load", [0], [0])]
+    w = _filled(pool, "w", list(range(70, 74)))  # block 0 again, used after y's
+    assert pool.drain_copies() == [("save", [0], [0])] and pool.lookup(y + w) == [1, 0]
+    blocks = pool.restore([y[0], x[0]])  # y's block on the device, then x's in the host tier only
+    assert blocks == [1, 0]
+    assert pool.drain_copies() == [("save", [0], [1]), ("load", [0], [0])]  # w's out to slot 1, then x's in
+    assert pool.reachable(w) == 1 and pool.lookup([y[0], x[0]]) == [1, 0]
 
 
 def test_forgetting_the_cache_forgets_the_host_tier_too() -> None:
