@@ -205,6 +205,8 @@ class KVBlockPool:
         into a free block (taken as a request takes one, a block with no cached contents first; the copy queued for
         `drain_copies`), registered and free: for `allocate(cached=...)`. Shorter where no free block is left to
         copy one into."""
+        if not self._host:  # (no host tier, or nothing in it: `reachable` counted device blocks only)
+            return [self._block_of[h] for h in hashes]
         keep = {self._block_of[h] for h in hashes if h in self._block_of}
         self._pinned = {self._host[h] for h in hashes if h not in self._block_of and h in self._host}
         blocks: list[int] = []

@@ -39,6 +39,7 @@ from pylon.serving.engine.split import (
     PartWorker,
     SplitRunner,
     actor_options,
+    cause_of,
     connect_ray,
     described_runner,
     log_to_stderr,
@@ -195,8 +196,7 @@ class PipelineRunner(SplitRunner):
             described = ray.get([s.describe.remote() for s in self.stages], timeout=STAGE_START_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             self.shutdown()
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise PylonError(f"engine.pipeline_parallel: a stage failed to load {model}: {cause}") from None
+            raise PylonError(f"engine.pipeline_parallel: a stage failed to load {model}: {cause_of(e)}") from None
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
             raise PylonError(

@@ -122,6 +122,12 @@ def described_runner(index: int, runner, read_bytes: int | None) -> dict:
     }
 
 
+def cause_of(error: Exception) -> BaseException:
+    """What a Ray call's error (a part's task or actor failing) was raised for in the part: its cause where Ray kept it,
+    else the error itself."""
+    return error.cause if getattr(error, "cause", None) is not None else error
+
+
 def log_to_stderr(name: str) -> None:
     """Pylon's INFO lines to this process's stderr (an actor's log file), as the engine process logs (a Ray worker
     passes WARNING and above only)."""
@@ -344,12 +350,12 @@ class SplitRunner:
         of memory or disk fails the start, its error named; bytes."""
         import ray
 
+        remote = [actor.offload_to_host.remote(slots, path) for actor in self.actors]
+        local = self.local.offload_to_host(slots, path)  # (beside the other parts')
         try:
-            held = ray.get([actor.offload_to_host.remote(slots, path) for actor in self.actors])
+            return local + sum(ray.get(remote))
         except ray.exceptions.RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise PylonError(str(cause)) from None
-        return self.local.offload_to_host(slots, path) + sum(held)
+            raise PylonError(str(cause_of(e))) from None
 
     def copy_blocks(self, copies: list) -> None:
         for actor in self.actors:

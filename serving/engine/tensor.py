@@ -25,7 +25,7 @@ import time
 import torch
 
 from pylon.errors import PylonError
-from pylon.serving.engine.split import PartWorker, SplitRunner, packed, unpacked
+from pylon.serving.engine.split import PartWorker, SplitRunner, cause_of, packed, unpacked
 from pylon.serving.model.stages import Stage
 from pylon.serving.model.tensor import Shard
 
@@ -188,8 +188,7 @@ class TensorRunner(SplitRunner):
             described = ray.get([w.describe.remote() for w in self.workers], timeout=START_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             self.shutdown()
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise PylonError(f"engine.tensor_parallel: a shard failed to load the model: {cause}") from None
+            raise PylonError(f"engine.tensor_parallel: a shard failed to load the model: {cause_of(e)}") from None
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
             raise PylonError(
@@ -296,8 +295,7 @@ class TensorRunner(SplitRunner):
             local = load_head(self.local, self.local.shard, directory, runner_kwargs, eagle)
             ray.get(loaded, timeout=START_TIMEOUT_S)
         except ray.exceptions.RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise PylonError(str(cause)) from None
+            raise PylonError(str(cause_of(e))) from None
         what = f"the {eagle} head" if eagle else "the multi-token-prediction layer"
         log.info("%s loaded in %d tensor-parallel shards", what, count)
         return TensorMtp(self, local)
@@ -368,8 +366,12 @@ class TensorMtp:
         """The layer's share of the prefix cache's host tier on every shard (`SplitRunner.offload_to_host`)."""
         import ray
 
-        held = ray.get([w.mtp_offload_to_host.remote(slots, path) for w in self.tensor.workers])
-        return self.local.offload_to_host(slots, path) + sum(held)
+        remote = [w.mtp_offload_to_host.remote(slots, path) for w in self.tensor.workers]
+        local = self.local.offload_to_host(slots, path)
+        try:
+            return local + sum(ray.get(remote))
+        except ray.exceptions.RayTaskError as e:
+            raise PylonError(str(cause_of(e))) from None
 
     def copy_blocks(self, copies: list) -> None:
         for w in self.tensor.workers:

@@ -946,15 +946,15 @@ class ModelRunner:
         """Make the pool's copies (`KVBlockPool.drain_copies`), in order: ("save", device blocks, host slots),
         ("load", host slots, device blocks), every layer's keys and values. Before the next pass reads or writes a
         block: the engine's, and in the step's order on the device."""
+        pairs = [(_as_bits(d), _as_bits(h)) for d, h in zip(self.kv_tensors(), self.host_kv)]  # (no fp8 index_copy_)
         for kind, source, destination in copies:
-            for device_kv, host_kv in zip(self.kv_tensors(), self.host_kv):
-                device_kv, host_kv = _as_bits(device_kv), _as_bits(host_kv)  # (index_copy_ knows no fp8)
+            blocks, slots = (source, destination) if kind == "save" else (destination, source)
+            blocks, slots = torch.tensor(blocks, device=self.device), torch.tensor(slots)  # (once for every layer)
+            for device_kv, host_kv in pairs:
                 if kind == "save":
-                    rows = device_kv.index_select(1, torch.tensor(source, device=self.device))
-                    host_kv.index_copy_(1, torch.tensor(destination), rows.cpu())
+                    host_kv.index_copy_(1, slots, device_kv.index_select(1, blocks).cpu())
                 else:
-                    rows = host_kv.index_select(1, torch.tensor(source)).to(self.device)
-                    device_kv.index_copy_(1, torch.tensor(destination, device=self.device), rows)
+                    device_kv.index_copy_(1, blocks, host_kv.index_select(1, slots).to(self.device))
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         """On a GPU, capture the CUDA graphs that steps of decodes only will replay (pylon.serving.model.graphs;
