@@ -91,8 +91,9 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
 
 
 def test_an_engine_killed_mid_job_is_restarted_and_every_line_answered(ray_cluster, s3_root, tmp_path: Path) -> None:
-    """The engine process of the job's one engine SIGKILLed once its first part is committed: its actor exits with it,
-    Ray Data restarts the actor and hands it the parts it held again, and the job ends with every line answered."""
+    """The engine process of the job's one engine SIGKILLed once its first part is committed, while it decodes: its
+    actor exits with it, Ray Data restarts the actor and hands it the parts it held again, and the job ends with every
+    line answered."""
     import time
 
     import psutil
@@ -128,6 +129,18 @@ def test_an_engine_killed_mid_job_is_restarted_and_every_line_answered(ray_clust
         return found
 
     (victim,) = engines()
+    # killed while it answers a part's lines (its process busy), not in the moment between the parts it was handed and
+    # the next ones, when it holds none
+    results = storage.join(spec["output"], "results")
+    process = psutil.Process(victim)
+    while True:
+        assert len(storage.listdir(results)) < 8, "every part was answered before the engine could be killed"
+        before = process.cpu_times()
+        time.sleep(0.3)
+        after = process.cpu_times()
+        if (after.user + after.system) - (before.user + before.system) > 0.05:
+            break
+        assert time.monotonic() < deadline, job.logs()
     kill(victim)
     assert job.wait(timeout=600) == "SUCCEEDED", job.logs()
     counts = job.manifest()["counts"]
