@@ -35,7 +35,7 @@ from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.generation import GenerationConfig, read_generation_config
 from pylon.serving.engine.guided import Guides
 from pylon.serving.engine.images import PROCESSOR_FILES, ImageInputs, ImageProcessor, ImagePrompt, has_processor
-from pylon.serving.engine.kv_cache import KVBlockPool, StateSnapshots, cache_salt
+from pylon.serving.engine.kv_cache import HybridKVBlockPool, KVBlockPool, StateSnapshots, cache_salt
 from pylon.serving.engine.mtp import Computed, MtpDrafter
 from pylon.serving.engine.pooling import read_classifier
 from pylon.serving.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
@@ -64,6 +64,11 @@ from pylon.serving.model.step import StepSequence
 from pylon.specs import EAGLE_METHODS, HEAD_METHODS, EngineSpec
 
 log = logging.getLogger(__name__)
+
+# A model whose windowed layers mix with full ones keeps its KV cache in groups of layers, each with its own block table
+# (kv_cache.HybridKVBlockPool, ModelRunner.kv_groups); False: one table for every layer, a sequence holding its whole
+# context's blocks in every layer (what the engine did before: bench/serve_hybrid_kv.py's baseline).
+HYBRID_KV_CACHE = True
 
 Prompt = str | Sequence[int] | ImagePrompt  # text, token ids already, or a chat prompt with images
 
@@ -249,6 +254,10 @@ class LLMEngine:
                         adapters=adapter_dirs,
                         images=images,
                         classifier_from_token=_token_ids(self.tokenizer, spec.classifier_from_token),
+                        # (not with a drafting layer or head: it reads the model's one table)
+                        hybrid_kv=(spec.max_model_len, spec.max_num_batched_tokens)
+                        if HYBRID_KV_CACHE and spec.speculative.method not in HEAD_METHODS
+                        else None,
                     )
             except PylonError as e:
                 raise named_adapter_error(e, adapter_dirs, spec.adapters) from e.__cause__
@@ -256,6 +265,14 @@ class LLMEngine:
             # An EAGLE head (model/eagle.py) drafts the same way, from the model's hidden states.
             method = spec.speculative.method
             self.mtp = self._mtp_drafter(directory, spec, runner_kwargs) if method in HEAD_METHODS else None
+            if getattr(self.runner, "kv_groups", None):  # windowed layers mixed with full ones, in groups (kv_cache.py)
+                self.pool = HybridKVBlockPool(
+                    self.runner.num_kv_blocks,
+                    spec.block_size,
+                    [window for _, window in self.runner.kv_groups],
+                    enable_caching=spec.enable_prefix_caching,
+                    offload_blocks=self.pool.offload_blocks,
+                )
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
                 # (split, each part snapshots its own share of the states: engine/split.py's PartsSnapshot)
                 if self.pool.enable_caching and spec.recurrent_state_snapshots:
@@ -387,10 +404,29 @@ class LLMEngine:
         from pylon.serving.model.runner import ModelRunner
 
         window = getattr(self.runner, "step_window", None)
+        hybrid = isinstance(self.pool, HybridKVBlockPool)
+        if hybrid:
+            window = self.pool.window
         if window is None or type(self.runner) is not ModelRunner or self.mtp is not None or self.encoder:
             return None
         slot = self.runner.add_scratch_block()
         self.pool.set_window(slot // self.pool.block_size)
+        if hybrid:
+            groups = self.runner.kv_groups
+            windowed = sum(1 for _, w in groups if w is not None)
+            log.info(
+                "model %s: its KV cache in %d groups of up to %d layers, %d of them windowed (%s), each group a block "
+                "table of its own: a sequence holds its window's blocks in those, its context's in the others; %d "
+                "blocks of %d layers each",
+                model,
+                len(groups),
+                max(len(layers) for layers, _ in groups),
+                windowed,
+                window,
+                self.pool.num_blocks,
+                max(len(layers) for layers, _ in groups),
+            )
+            return window
         log.info(
             "model %s attends within %d tokens in every layer: a sequence holds the KV blocks of its window only",
             model,
@@ -816,6 +852,7 @@ class LLMEngine:
         if not batch.scheduled:
             return outputs
         recurrent = self.runner.recurrent
+        hybrid = isinstance(self.pool, HybridKVBlockPool)
         steps = [
             StepSequence(
                 s.request.token_ids[s.start : s.start + s.num_new_tokens] + s.request.draft[: s.num_draft],
@@ -832,6 +869,7 @@ class LLMEngine:
                 **(self._image_step(s.request, s.start, s.num_new_tokens) if s.request.images is not None else {}),
                 state=s.request.request_id if recurrent else None,
                 speculative=s.num_draft > 0,
+                group_tables=self.pool.group_tables(s.request.request_id) if hybrid else (),
             )
             for s in batch.scheduled
         ]

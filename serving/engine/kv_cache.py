@@ -69,6 +69,7 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+DIGEST_BYTES = 16  # a block hash's size (128 bits)
 RESERVE_MAX_BLOCKS = 64  # at most this many blocks set aside beyond what a request needs when it starts
 
 
@@ -86,7 +87,7 @@ def block_hashes(token_ids: list[int], block_size: int, hashes: list[bytes], sal
     Returns `hashes`."""
     parent = hashes[-1] if hashes else salt
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        digest = hashlib.blake2b(parent, digest_size=16)
+        digest = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
         digest.update(array("q", token_ids[start : start + block_size]).tobytes())
         parent = digest.digest()
         hashes.append(parent)
@@ -375,29 +376,44 @@ class KVBlockPool:
         when the pool has too few free blocks. `reserve_tokens`: how long the request is expected to grow (its
         prompt plus max_tokens), used to place a new table where it has room to grow (see the module's docs).
         `cached`: for a request that holds no blocks yet, the cached blocks (`lookup`) its table starts with."""
-        table = self._tables.get(request_id)
-        if table:
-            cached = ()
-        shared_free = sum(1 for b in cached if not self._refs[b])
-        missing = self.blocks_for(num_tokens) - (len(table) if table else 0) - len(cached)
-        if max(missing, 0) + shared_free > self._num_free:
+        if self._need(request_id, num_tokens, cached) > self._num_free:
             return False
+        self._grow(request_id, num_tokens, reserve_tokens, cached)
+        return True
+
+    def _need(self, owner: str, num_tokens: int, cached: list[int], skip: int = 0) -> int:
+        """The free blocks `_grow` would take: its own new ones and the free cached ones it starts with."""
+        table = self._tables.get(owner)
+        if table:
+            return max(self.blocks_for(num_tokens) - len(table), 0)
+        shared_free = sum(1 for b in cached if not self._refs[b])
+        return max(self.blocks_for(num_tokens) - skip - len(cached), 0) + shared_free
+
+    def _grow(self, owner: str, num_tokens: int, reserve_tokens: int, cached: list[int], skip: int = 0) -> None:
+        """`allocate`'s taking, the room checked. `skip`: a new table's first `skip` places are let go of already (the
+        null block's: a windowed group's, before its window; HybridKVBlockPool), `cached` after them."""
+        table = self._tables.get(owner)
+        if table:
+            cached, skip = (), 0
         if table is None:
-            table = self._tables[request_id] = []
+            table = self._tables[owner] = [self.null_block] * skip if skip else []
+            if skip:
+                self._trimmed[owner] = skip
         for block in cached:
             self._hold(block)
             table.append(block)
-        if cached:
-            self._registered[request_id] = len(cached)
+        if cached or skip:
+            self._registered[owner] = skip + len(cached)
+        missing = self.blocks_for(num_tokens) - len(table)
         if missing <= 0:
-            return True
-        if len(table) == len(cached):  # no block of its own yet: place them
-            expected = self.blocks_for(reserve_tokens) - len(cached)
-            if self._place(request_id, table, missing, expected):
-                return True
+            return
+        if len(table) == skip + len(cached):  # no block of its own yet: place them
+            expected = self.blocks_for(reserve_tokens) - len(table)
+            if self._place(owner, table, missing, expected):
+                return
         for _ in range(missing):
             after = table[-1] + 1 if table else self.num_blocks
-            if after < self.num_blocks and self._free[after] and self._next_is_mine(request_id, after):
+            if after < self.num_blocks and self._free[after] and self._next_is_mine(owner, after):
                 block = after
             else:
                 block = self._bare.find(1)
@@ -405,8 +421,7 @@ class KVBlockPool:
                     block = next((b for b in self._lru if self._open[b]), -1)
                 if block < 0:  # only set-aside blocks are left: take one all the same
                     block = self._free.find(1)
-            self._take(request_id, table, block)
-        return True
+            self._take(owner, table, block)
 
     def _next_is_mine(self, request_id: str, block: int) -> bool:
         """Whether a growing request takes the free `block` right after its last one: when it was set aside for it,
@@ -520,3 +535,138 @@ class KVBlockPool:
     def utilization(self) -> float:
         """Fraction of blocks held by requests, 0.0 to 1.0."""
         return 1.0 - self._num_free / self.num_blocks
+
+
+class HybridKVBlockPool(KVBlockPool):
+    """A pool for a model whose windowed layers mix with full ones (Gemma 2 and 3, gpt-oss, Cohere 2, OLMo 3, Llama 4's
+    chunks; vLLM's hybrid KV cache manager): its layers in groups of one kind (`families.kv_groups`), each group with a
+    block table of its own drawn from the one pool of block ids, a block id standing for one group's share of layers
+    (the runner's tensors are shared across groups). A request's tables grow together; a windowed group's lets go of
+    the blocks before its window (`trim`), the full groups' hold the whole context. So a sequence far past the window
+    holds its context's blocks in the full groups and its window's in the windowed ones, not its context's in every
+    layer.
+
+    The scheduler sees one request as before: `allocate`, `trim`, `free` and the prefix cache act on all its groups'
+    tables at once. Each group registers its blocks under its own names (the request's hashes, the group's index
+    appended past group 0), so routing hears group 0's only. A cached prefix of k blocks (`reachable`, `restore`) is
+    the full groups' first k blocks and the windowed groups' blocks from that of the first key position k *
+    block_size sees to k (what its next queries read): a windowed group's blocks before are not needed, and a prefix is
+    found though they were let go of. `restore` returns one tuple of block ids a block (a windowed group's null block
+    where it needs none), which `allocate(cached=...)` takes."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        windows: list,
+        *,
+        enable_caching: bool = False,
+        offload_blocks: int = 0,
+    ):
+        super().__init__(num_blocks, block_size, enable_caching=enable_caching, offload_blocks=offload_blocks)
+        self.windows = list(windows)  # each group's window (None: a full group), full groups first
+        self.window = next(w for w in self.windows if w is not None)
+
+    def _owners(self, request_id: str) -> list[str]:
+        return [request_id] + [f"{request_id}\x00{g}" for g in range(1, len(self.windows))]
+
+    @staticmethod
+    def _named(h: bytes, group: int) -> bytes:
+        return h + bytes((group,)) if group else h
+
+    def _first(self, num_blocks: int) -> int:
+        """The first block a windowed group needs of a cached prefix of `num_blocks` blocks."""
+        from pylon.serving.model.families import first_key
+
+        return first_key(self.window, num_blocks * self.block_size) // self.block_size
+
+    def _needed(self, num_blocks: int) -> list[tuple[int, int]]:
+        """(block index, group) pairs a prefix of `num_blocks` blocks needs, by position, then group."""
+        first = self._first(num_blocks)
+        return [(i, g) for i in range(num_blocks) for g, w in enumerate(self.windows) if w is None or i >= first]
+
+    def _held(self, h: bytes) -> bool:
+        return h in self._block_of or h in self._host
+
+    def reachable(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`' first blocks a request may start with: the full groups' cached up to there (on the
+        device or in the host tier), and the windowed groups' blocks its queries from there read."""
+        if not self.enable_caching:
+            return 0
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        n = 0
+        while n < len(hashes) and all(self._held(self._named(hashes[n], g)) for g in full):
+            n += 1
+        windowed = [g for g, w in enumerate(self.windows) if w is not None]
+        for k in range(n, 0, -1):
+            if all(self._held(self._named(hashes[i], g)) for i in range(self._first(k), k) for g in windowed):
+                return k
+        return 0
+
+    def restore(self, hashes: list[bytes]) -> list[tuple[int, ...]]:
+        """`reachable`'s prefix of `hashes`, a tuple of each group's block a position (the null block where a windowed
+        group needs none), those only the host tier holds copied back (`KVBlockPool.restore`, in one call: no block
+        of the prefix is taken for another of it). Shorter where no free block is left to copy one into."""
+        needed = self._needed(len(hashes))
+        blocks = super().restore([self._named(hashes[i], g) for i, g in needed])
+        got: dict[tuple[int, int], int] = dict(zip(needed, blocks))
+        if len(blocks) < len(needed):  # (copied back as far as a position's every group: fewer positions)
+            k = needed[len(blocks)][0]
+            while k and any((i, g) not in got for i, g in self._needed(k)):
+                k -= 1
+            hashes = hashes[:k]
+        first = self._first(len(hashes))
+        return [
+            tuple(got[i, g] if w is None or i >= first else self.null_block for g, w in enumerate(self.windows))
+            for i in range(len(hashes))
+        ]
+
+    def allocate(self, request_id: str, num_tokens: int, *, reserve_tokens: int = 0, cached: list = ()) -> bool:
+        """Grow every group's table of `request_id` to hold `num_tokens` tokens, all or nothing across them. `cached`:
+        `restore`'s tuples, for a request that holds no blocks yet."""
+        owners = self._owners(request_id)
+        starts = [self._start(cached, g) for g in range(len(owners))]
+        if sum(self._need(o, num_tokens, c, skip) for o, (skip, c) in zip(owners, starts)) > self._num_free:
+            return False
+        for owner, (skip, c) in zip(owners, starts):
+            self._grow(owner, num_tokens, reserve_tokens, c, skip)
+        return True
+
+    def _start(self, cached: list, group: int) -> tuple[int, list[int]]:
+        """Group `group`'s part of `cached`: how many places it skips (the null block's), then its blocks."""
+        column = [c[group] for c in cached]
+        skip = 0
+        while skip < len(column) and column[skip] == self.null_block:
+            skip += 1
+        return skip, column[skip:]
+
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_blocks: int) -> None:
+        for g, owner in enumerate(self._owners(request_id)):
+            start = self._registered.get(owner, 0)
+            end = min(num_blocks, len(hashes))
+            if end > start:
+                named = [b""] * start + [self._named(h, g) for h in hashes[start:end]]
+                super().cache_blocks(owner, named, num_blocks)
+
+    def trim(self, request_id: str, position: int) -> int:
+        """Let go of each windowed group's blocks wholly before `position` (`KVBlockPool.trim`)."""
+        owners = self._owners(request_id)
+        return sum(super(HybridKVBlockPool, self).trim(o, position) for o, w in zip(owners, self.windows) if w)
+
+    def held_blocks(self, request_id: str) -> int:
+        return sum(super(HybridKVBlockPool, self).held_blocks(o) for o in self._owners(request_id))
+
+    def free(self, request_id: str) -> None:
+        for owner in self._owners(request_id):
+            super().free(owner)
+
+    def group_tables(self, request_id: str) -> tuple[list[int], ...]:
+        """Each group's block table of `request_id`, in the groups' order (the first is `block_table`'s)."""
+        return tuple(self._tables.get(o, []) for o in self._owners(request_id))
+
+    def cached_hashes(self) -> list[bytes]:
+        """Group 0's cached hashes: what a request's hashes are (routing)."""
+        return [h for h in super().cached_hashes() if len(h) == DIGEST_BYTES]
+
+    def drain_changes(self) -> list[tuple[bool, bytes]]:
+        return [(added, h) for added, h in super().drain_changes() if len(h) == DIGEST_BYTES]

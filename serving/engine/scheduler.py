@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from pylon.serving.engine.kv_cache import KVBlockPool, StateSnapshots, block_hashes
 from pylon.serving.engine.request import FinishReason, Request, TokenLogprob
+from pylon.serving.model.families import first_key
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,9 @@ class Scheduler:
         window: int | None = None,
     ):
         self.pool = pool
-        # A model attending within a sliding window of this many tokens in every layer (the pool's `set_window`):
-        # each step first lets go of a request's blocks before its window
+        # A model attending within a sliding window of this many tokens (or a `families.Chunk`) in every layer (the
+        # pool's `set_window`), or in some, their groups' tables apart (HybridKVBlockPool): each step first lets go of
+        # a request's blocks before its window
         self.window = window
         # An encoder's inputs (model/encoder.py): each computed whole in one step, never in chunks
         self.whole_prompts = whole_prompts
@@ -132,7 +134,7 @@ class Scheduler:
             request = self.running[i]
             if self.window is not None:  # its queries from num_computed_tokens on see no key before the window
                 self._register(request)  # (the blocks earlier steps filled, cached before any is let go of)
-                self.pool.trim(request.request_id, request.num_computed_tokens - self.window + 1)
+                self.pool.trim(request.request_id, first_key(self.window, request.num_computed_tokens))
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if request.images is not None and request.num_computed_tokens < request.num_prompt_tokens:
                 num_new = request.images.cut(request.num_computed_tokens, num_new)  # never inside an image's run
@@ -178,7 +180,7 @@ class Scheduler:
                 self.prefix_cache_hits += num_cached
             request.num_computed_tokens = num_cached
             if self.window is not None:  # (a long cached prefix: the blocks before its window go back at once)
-                self.pool.trim(request.request_id, num_cached - self.window + 1)
+                self.pool.trim(request.request_id, first_key(self.window, num_cached))
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached

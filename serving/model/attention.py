@@ -143,12 +143,16 @@ class AttentionMetadata:
     # max_window_layers): the same step and slot mapping, with the window. None where every layer attends as this
     # metadata says (a model with no window, or windowed in every layer: then this one has the window).
     windowed: AttentionMetadata | None = None
+    # The KV cache in groups of layers, each with block tables of its own (ModelRunner.kv_groups): group g's metadata at
+    # g, this one group 0's (None at 0). Empty: every layer's blocks are the same.
+    kv_groups: tuple[AttentionMetadata | None, ...] = ()
 
     def over_cache(self) -> AttentionMetadata:
-        """This metadata (and its `windowed`) without the slot mapping: the keys and values are already in the cache
-        (a step of decodes only's last layer: `Final`)."""
+        """This metadata (and its `windowed`, its `kv_groups`) without the slot mapping: the keys and values are
+        already in the cache (a step of decodes only's last layer: `Final`)."""
         windowed = self.windowed.over_cache() if self.windowed is not None else None
-        return dataclasses.replace(self, slot_mapping=None, windowed=windowed)
+        groups = tuple(m.over_cache() if m is not None else None for m in self.kv_groups)
+        return dataclasses.replace(self, slot_mapping=None, windowed=windowed, kv_groups=groups)
 
 
 class Workspace:

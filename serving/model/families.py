@@ -366,6 +366,47 @@ class Chunk(int):
         return f"Chunk({int(self)})"
 
 
+def first_key(window: int, position: int) -> int:
+    """The first key a query at `position` sees through `window` (a sliding window's size, or a `Chunk`), and no later
+    query sees an earlier one: what a sequence whose queries start there may let go of the blocks before."""
+    if isinstance(window, Chunk):
+        return position // window * window
+    return max(position - window + 1, 0)
+
+
+def kv_groups(
+    windows: list, max_len: int, block_size: int, step_tokens: int, pool_tokens: int
+) -> list[tuple[list[int], int | None]]:
+    """The KV cache's groups of layers for a model whose windowed layers mix with full ones (`layer_windows`; vLLM's
+    hybrid KV cache manager): groups of `g` layers of one kind each (g the fewer kind's count; the more numerous kind's
+    last group may be short), full groups first, each group with its own block table, so that a windowed group's table
+    lets go of the blocks before its window as the sequence goes on while the full groups' hold the whole context. Each
+    block id stands for `g` layers' keys and values (a layer's tensor is shared with the layers at its place in the
+    other groups). Returns [(layers, window or None)], or [] where the groups would not do: no mix of kinds; a decoding
+    sequence of `max_len` tokens would hold as many layers' blocks as with one table for all (a window near the
+    context, or short groups' slack); or one at its last step (a prompt chunk of up to `step_tokens` past the window)
+    would not fit a pool of `pool_tokens` tokens in every layer."""
+    full = [i for i, w in enumerate(windows) if w is None]
+    windowed = [i for i, w in enumerate(windows) if w is not None]
+    if not full or not windowed or len({windows[i] for i in windowed}) > 1:
+        return []
+    g = min(len(full), len(windowed))
+    groups = [(full[k : k + g], None) for k in range(0, len(full), g)]
+    window = windows[windowed[0]]
+    groups += [(windowed[k : k + g], window) for k in range(0, len(windowed), g)]
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_size)
+
+    def held(step: int) -> int:  # a sequence's blocks of every group, at a step of `step` tokens at its end
+        whole = blocks(max_len)
+        return sum(whole if w is None else min(whole, blocks(window + step) + 1) for _, w in groups)
+
+    saves = held(1) * g < len(windows) * blocks(max_len)
+    fits = held(step_tokens) * g <= len(windows) * (pool_tokens // block_size)
+    return groups if saves and fits else []
+
+
 def layer_windows(config) -> list[int | None]:
     """Each layer's sliding window, as `transformers` applies it: a query at position p attends to the keys at
     positions p - window + 1 .. p (masking_utils' `sliding_window_causal_mask_function`), or None for a layer that

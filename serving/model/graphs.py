@@ -9,7 +9,8 @@ do. A graph replays fixed shapes at fixed addresses, so a step of B decodes runs
   (`ModelRunner.add_scratch_block`);
 - block tables are padded with block 0, and the attention bias is made inside the graph from the context lengths
   (with the model's sliding window where it has one: a second bias for its windowed layers where they mix with full
-  ones, as `ModelRunner.execute_step` builds a second metadata).
+  ones, as `ModelRunner.execute_step` builds a second metadata); where the KV cache is in groups of layers
+  (`ModelRunner.kv_groups`), each group's slots and tables too, and a bias for each windowed group.
 
 The step is the eager path's arithmetic, so a graph computes what the eager step computes. Steps with a prompt chunk,
 or larger than any graph, run eagerly. Every shape is captured at start-up (`capture_all`, largest first); shapes
@@ -128,6 +129,11 @@ class DecodeGraphs:
         pad = b - len(steps)
         ids = [s.token_ids[0] for s in steps] + [0] * pad
         slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, starts)]
+        groups = []  # the KV cache's other groups' slots and tables (ModelRunner.kv_groups)
+        for g in range(1, len(self.runner.kv_groups)):
+            tables = [s.group_tables[g] for s in steps]
+            groups += [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, starts)]
+            groups += [self.runner.scratch_slot] * pad + padded_tables(tables, nb) + [0] * (pad * nb)
         # One copy from page-locked memory (ModelRunner.stage): a pageable one costs the host ~65 us more.
         self.runner.stage.upload(
             graph.inputs,
@@ -139,7 +145,8 @@ class DecodeGraphs:
             + [p + 1 for p in starts]
             + [1] * pad
             + padded_tables(block_tables, nb)
-            + [0] * (pad * nb),
+            + [0] * (pad * nb)
+            + groups,
         )
         graph.replay()
         self.replays += 1
@@ -149,9 +156,10 @@ class DecodeGraphs:
     def _build(self, b: int, nb: int) -> _Graph:
         runner = self.runner
         device, dtype = runner.device, runner.dtype
-        inputs = torch.zeros(4 * b + b * nb, dtype=torch.long, device=device)
+        extra = len(runner.kv_groups) - 1 if runner.kv_groups else 0  # the KV cache's other groups: their slots, tables
+        inputs = torch.zeros((4 + extra) * b + (1 + extra) * b * nb, dtype=torch.long, device=device)
         ids, positions, slots, context_lens = (inputs[i * b : (i + 1) * b] for i in range(4))
-        table = inputs[4 * b :].view(b, nb)
+        table = inputs[4 * b : 4 * b + b * nb].view(b, nb)
         slots.fill_(runner.scratch_slot)
         context_lens.fill_(1)
         num_keys = nb * runner.block_size
@@ -169,11 +177,26 @@ class DecodeGraphs:
             context_lens=context_lens,
         )
         window, mixed = runner.step_window, runner.mixed_window  # see ModelRunner.layer_windows
+        if runner.kv_groups:  # (each group's own metadata instead: below)
+            mixed = None
         windowed = None
         if mixed is not None:  # the windowed layers' group: the same, but for its bias
             mixed_bias = torch.zeros_like(bias)
             windowed = AttentionMetadata(slots, [dataclasses.replace(group, bias=mixed_bias)], window=mixed)
         meta = AttentionMetadata(slots, [group], window=window, windowed=windowed)
+        group_biases = []
+        if extra:  # each group's own slots and table, and its own bias where it has a window
+            metas = [None]
+            for g in range(1, len(runner.kv_groups)):
+                at = 4 * b + b * nb + (g - 1) * (b + b * nb)
+                g_slots, g_table = inputs[at : at + b], inputs[at + b : at + b + b * nb]
+                g_window = runner.kv_groups[g][1]
+                g_bias = torch.zeros_like(bias) if g_window is not None else bias
+                if g_window is not None:
+                    group_biases.append((g_bias, g_window))
+                g_group = dataclasses.replace(group, key_blocks=g_table, bias=g_bias)
+                metas.append(AttentionMetadata(g_slots, [g_group], window=g_window))
+            meta = dataclasses.replace(meta, kv_groups=tuple(metas))
         final = Final(None, meta.over_cache())
 
         logits = self.logits[:b]
@@ -182,6 +205,8 @@ class DecodeGraphs:
             bias.zero_().masked_fill_(decode_mask(keys, context_lens, window), float("-inf"))
             if mixed is not None:
                 mixed_bias.zero_().masked_fill_(decode_mask(keys, context_lens, mixed), float("-inf"))
+            for g_bias, g_window in group_biases:
+                g_bias.zero_().masked_fill_(decode_mask(keys, context_lens, g_window), float("-inf"))
             hidden = runner.forward(ids, positions, meta, final, Workspace())
             return logits.copy_(runner.logits(hidden))
 

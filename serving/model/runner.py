@@ -73,6 +73,7 @@ from pylon.serving.model.families import (
     TEXT_MODELS,
     attention_softcap,
     is_sequence_classifier,
+    kv_groups,
     layer_windows,
     linear_layers,
     position_limit,
@@ -417,6 +418,7 @@ class ModelRunner:
         shard: shards.Shard | None = None,
         mtp: "ModelRunner | None" = None,
         eagle: "eagle_head.Head | None" = None,
+        hybrid_kv: tuple[int, int] | None = None,
     ):
         """`stage`: hold only that pipeline stage's decoder layers (and their KV cache), and the embeddings and the
         head (final norm, lm_head) where it is the first (pylon.serving.model.stages); its `execute_step` then takes
@@ -832,25 +834,52 @@ class ModelRunner:
         self.step_window = self.attention_window if every else None
         self.mixed_window = None if every else self.attention_window
         self.block_size = block_size
+        # `hybrid_kv` (the engine's max_model_len and max_num_batched_tokens): where windowed layers mix with full ones,
+        # the KV cache in groups of layers of one kind, each with its own block table (`families.kv_groups`; the
+        # engine's HybridKVBlockPool): `num_blocks` is then the pool's blocks in every layer as one table would have
+        # them, and the groups get as many block ids as that memory holds of `g` layers each (`num_kv_blocks`); a
+        # layer's tensors are its place's in its group (`group_of`), shared with the other groups'. StepSequence's
+        # `group_tables` name each group's blocks, each group's metadata made from its own (AttentionMetadata's
+        # `kv_groups`).
+        self.kv_groups: list[tuple[list[int], int | None]] = []
+        if hybrid_kv is not None and stage is None and shard is None and not self._linear and self._mla is None:
+            self.kv_groups = kv_groups(
+                self.layer_windows, hybrid_kv[0], block_size, hybrid_kv[1], num_blocks * block_size
+            )
+        self.group_of = [0] * config.num_hidden_layers
+        place = list(range(config.num_hidden_layers))
+        for g, (layers, _) in enumerate(self.kv_groups):
+            for k, i in enumerate(layers):
+                self.group_of[i], place[i] = g, k
+        width = max((len(layers) for layers, _ in self.kv_groups), default=0)
+        self.num_kv_blocks = num_blocks * config.num_hidden_layers // width if width else num_blocks
 
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         if self._mla is not None:  # one latent and its rotated part a token, shared by every head
             num_kv_heads, head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
-        self.k_cache = [  # (a recurrent layer caches nothing: an empty placeholder keeps the layers' indices)
-            new_kv_cache(
-                0 if (self._linear and self._linear[i]) or i not in self.layers else num_blocks,
-                block_size,
-                num_kv_heads,
-                head_dim,
-                dtype=self.kv_dtype,
-                device=self.device,
-            )
-            for i in range(config.num_hidden_layers)
-        ]
-        # (DeepSeek's latent attention: a token's latent is its key and its value: one cache, both names)
-        self.v_cache = list(self.k_cache) if self._mla is not None else [torch.zeros_like(k) for k in self.k_cache]
+        if self.kv_groups:  # a tensor a place in a group, each layer's its place's
+            shared = [
+                new_kv_cache(self.num_kv_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype, device=d)
+                for d in [self.device] * 2 * width
+            ]
+            self.k_cache = [shared[place[i]] for i in range(config.num_hidden_layers)]
+            self.v_cache = [shared[width + place[i]] for i in range(config.num_hidden_layers)]
+        else:
+            self.k_cache = [  # (a recurrent layer caches nothing: an empty placeholder keeps the layers' indices)
+                new_kv_cache(
+                    0 if (self._linear and self._linear[i]) or i not in self.layers else num_blocks,
+                    block_size,
+                    num_kv_heads,
+                    head_dim,
+                    dtype=self.kv_dtype,
+                    device=self.device,
+                )
+                for i in range(config.num_hidden_layers)
+            ]
+            # (DeepSeek's latent attention: a token's latent is its key and its value: one cache, both names)
+            self.v_cache = list(self.k_cache) if self._mla is not None else [torch.zeros_like(k) for k in self.k_cache]
         self.workspace = Workspace()  # gathered keys/values, reused by every layer and step
         self.stage = HostStage(self.device)  # a step's integer tensors, in one copy to a GPU
         self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
@@ -913,12 +942,12 @@ class ModelRunner:
         fixed-shape step's padding rows store their keys and values. Returns its first slot."""
         if self.scratch_slot is None:
             num_blocks = self.k_cache[0].shape[1]
-            self.k_cache = [torch.cat([k, torch.zeros_like(k[:, :1])], 1) for k in self.k_cache]
-            self.v_cache = (
-                list(self.k_cache)
-                if self._mla is not None
-                else [torch.cat([v, torch.zeros_like(v[:, :1])], 1) for v in self.v_cache]
-            )
+            grown = {}  # (each tensor once: latent attention's K is its V, a group's place is shared: kv_groups)
+            for t in self.k_cache + self.v_cache:
+                if id(t) not in grown:
+                    grown[id(t)] = torch.cat([t, torch.zeros_like(t[:, :1])], 1)
+            self.k_cache = [grown[id(k)] for k in self.k_cache]
+            self.v_cache = [grown[id(v)] for v in self.v_cache]
             self.scratch_slot = num_blocks * self.block_size
         return self.scratch_slot
 
@@ -1086,7 +1115,29 @@ class ModelRunner:
             rounded=self.kv_dtype != self.dtype,
             window=self.step_window,
         )
-        if self.mixed_window is not None:  # the windowed layers' metadata: the same step, through the same slots
+        if self.kv_groups:  # each group's own metadata, from its own tables (and slots)
+            if any(len(s.group_tables) != len(self.kv_groups) for s in steps):
+                raise ValueError(
+                    f"the KV cache is in {len(self.kv_groups)} groups of layers: each step names each "
+                    "group's block table (StepSequence.group_tables)"
+                )
+            group_meta = [None] + [
+                build_metadata(
+                    [SequenceSlice(s.start, s.num_new_tokens, s.group_tables[g], s.image_spans) for s in steps],
+                    self.block_size,
+                    self.device,
+                    self.dtype,
+                    kernel=self.kernel,
+                    prefill=self.prefill and not any(s.image_spans for s in steps),
+                    stage=stage,
+                    rounded=self.kv_dtype != self.dtype,
+                    window=window,
+                )
+                for g, (_, window) in enumerate(self.kv_groups)
+                if g
+            ]
+            meta = dataclasses.replace(meta, kv_groups=tuple(group_meta))
+        elif self.mixed_window is not None:  # the windowed layers' metadata: the same step, through the same slots
             windowed = build_metadata(
                 seqs,
                 self.block_size,
@@ -1103,13 +1154,12 @@ class ModelRunner:
         else:
             # Each row's query over the cache: a prompt_logits sequence's every token (each one query, as a decode
             # would be), the other sampling sequences' last token.
-            finals = []
+            finals = []  # (position, step)
             for s in steps:
                 if s.prompt_logits or keep:
-                    table = s.block_table
-                    finals.extend(SequenceSlice(p, 1, table) for p in range(s.start, s.start + s.num_new_tokens))
+                    finals.extend((p, s) for p in range(s.start, s.start + s.num_new_tokens))
                 elif s.samples:
-                    finals.append(SequenceSlice(s.start + s.num_new_tokens - 1, 1, s.block_table))
+                    finals.append((s.start + s.num_new_tokens - 1, s))
             final = Final(stage.add(last_tokens), self._final_metadata(finals) if finals else None)
         if final.rows is not None and self.pad_rows:
             # A step with a prompt chunk: its projections run over one of a few row counts (linear.padded_rows),
@@ -1313,10 +1363,25 @@ class ModelRunner:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    def _final_metadata(self, finals: list[SequenceSlice]) -> AttentionMetadata:
-        """`final_metadata` of the step's sampling queries `finals`, with the windowed layers' (see `step_window`)."""
-        args = (finals, self.block_size, self.device, self.dtype)
+    def _final_metadata(self, finals: list[tuple[int, StepSequence]]) -> AttentionMetadata:
+        """`final_metadata` of the step's sampling queries `finals` (each a position of a step's sequence), with the
+        windowed layers' (see `step_window`) or each group's of the KV cache (`kv_groups`)."""
+        slices = [SequenceSlice(p, 1, s.block_table) for p, s in finals]
+        args = (slices, self.block_size, self.device, self.dtype)
         meta = final_metadata(*args, kernel=self.kernel, stage=self.stage, window=self.step_window)
+        if self.kv_groups:
+            groups = [None] + [
+                final_metadata(
+                    [SequenceSlice(p, 1, s.group_tables[g]) for p, s in finals],
+                    *args[1:],
+                    kernel=self.kernel,
+                    stage=self.stage,
+                    window=window,
+                )
+                for g, (_, window) in enumerate(self.kv_groups)
+                if g
+            ]
+            return dataclasses.replace(meta, kv_groups=tuple(groups))
         if self.mixed_window is None:
             return meta
         return dataclasses.replace(meta, windowed=final_metadata(*args, stage=self.stage, window=self.mixed_window))
@@ -1401,8 +1466,15 @@ class ModelRunner:
         layer the sampling tokens' only (see Final); `(None, h)` there when no token samples. Rows past the step's
         tokens (`execute`'s padding) have their keys and values stored nowhere and an attention output of zeros.
         A layer with a sliding window attends through the windowed metadata, where the step has one of its own
-        (`AttentionMetadata.windowed`)."""
-        if meta.windowed is not None and self.layer_windows[i] is not None:
+        (`AttentionMetadata.windowed`); a layer of the KV cache's group g > 0, through that group's
+        (`AttentionMetadata.kv_groups`)."""
+        if meta.kv_groups:
+            g = self.group_of[i]
+            if g:
+                meta = meta.kv_groups[g]
+                if final.meta is not None:
+                    final = Final(final.rows, final.meta.kv_groups[g])
+        elif meta.windowed is not None and self.layer_windows[i] is not None:
             meta = meta.windowed
             if final.meta is not None:
                 final = Final(final.rows, final.meta.windowed)

@@ -37,6 +37,9 @@ class StepSequence:
     # Speculative decoding: the tokens after the first are drafts, which the engine may reject. A recurrent layer keeps
     # its state after each of them, to go back to the last one accepted (`ModelRunner.keep_state`).
     speculative: bool = False
+    # The KV cache in groups of layers (ModelRunner.kv_groups): each group's block ids, in order (the first is
+    # `block_table`); empty where every layer's are `block_table`.
+    group_tables: tuple[list[int], ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

@@ -220,6 +220,17 @@ def _kv_window(config, e) -> int | None:
     return int(windows[0])
 
 
+def _kv_groups(config, e) -> list[tuple[list[int], int | None]]:
+    """The KV cache's groups of layers where windowed layers mix with full ones (serving/engine/kv_cache.py's
+    HybridKVBlockPool, `families.kv_groups`: one process, no multi-token-prediction layer or EAGLE head); []
+    otherwise."""
+    from pylon.serving.model.families import kv_groups, layer_windows
+
+    if e.pipeline_parallel > 1 or e.tensor_parallel > 1 or e.speculative.method in HEAD_METHODS:
+        return []
+    return kv_groups(layer_windows(config), e.max_model_len, e.block_size, e.max_num_batched_tokens, e.kv_cache_tokens)
+
+
 def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -> tuple[int, ServeOption] | None:
     """The fewest pipeline stages past the spec's (up to MAX_SUGGESTED_STAGES, one layer a stage at least; each of
     the spec's tensor-parallel shards) with which the model fits some GPU considered, and that plan's
@@ -502,6 +513,21 @@ def plan_serve(
             "keys, masked: its time is counted as without the window)"
         )
     held_context = min(context, longest)  # what an average sequence holds
+    groups = _kv_groups(config, e)
+    if groups:  # in every layer's tokens: the full groups' whole context, the windowed groups' window (and slack)
+        width, layers = max(len(g) for g, _ in groups), sum(len(g) for g, _ in groups)
+        full = sum(width for _, w in groups if w is None) / layers
+        windowed = sum(width for _, w in groups if w is not None) / layers
+        w = next(w for _, w in groups if w is not None)
+        held_context = math.ceil(context * full + min(context, w + e.block_size) * windowed)
+        longest = math.ceil(e.max_model_len * full + min(e.max_model_len, w + e.block_size) * windowed)
+        notes.append(
+            f"{sum(1 for _, w in groups if w is not None) * width} of the {layers} layers' slots attend within {w:,} "
+            f"tokens: the KV cache is in {len(groups)} groups of {width} layers, each with a block table of its own, "
+            f"a sequence holding its window's blocks in the windowed ones (the engine lets go of those before it) "
+            f"and its context's in the others: at {e.max_model_len:,} tokens, as much as {longest:,} tokens in every "
+            "layer, so the cache holds more sequences than its tokens / max_model_len"
+        )
     offload = 0
     if e.kv_offload_tokens and e.enable_prefix_caching and per_token:
         # The prefix cache's host tier (serving/engine/kv_cache.py): each engine's, every layer's keys and values (a

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -242,6 +243,43 @@ def test_a_window_in_every_layer_fits_more_sequences_where_the_engine_lets_go_of
     assert any("attends within 4,096 tokens" in n for n in plans["window"].notes)
     assert not any("attends within" in n for n in plans["sharded"].notes + plans["full"].notes)
     assert sharded.sequences_fit == sharded.kv_tokens_fit // 32768
+
+
+def test_windowed_layers_mixed_with_full_ones_fit_more_sequences_where_the_kv_cache_is_in_groups(
+    tmp_path: Path,
+) -> None:
+    """Gemma 3 27B's layout (five layers in six windowed at 1,024 tokens, ten full ones) at 32,768 tokens: the KV cache
+    in groups of ten layers, a table each (kv_cache.HybridKVBlockPool), a sequence of 16,384 tokens holds as much as
+    16,384 x 10/62 + (1,024 + 16) x 60/62 tokens in every layer: ~4.5x the sequences of one table for all at that
+    length, 8x at 32,768 (tensor-parallel shards keep one table: planned as without the groups)."""
+    gemma3 = {
+        "model_type": "gemma3_text",
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 62,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "sliding_window": 1024,
+        "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(62)],
+        "vocab_size": 262208,
+    }
+    plans = {}
+    for name, extra in (("groups", {}), ("sharded", {"tensor_parallel": 2})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(gemma3))
+        engine = {"device": "cuda", "max_model_len": 32768, "kv_cache_tokens": 262144, **extra}
+        replica = {"num_gpus": extra.get("tensor_parallel", 1)}
+        deployment = DeploymentSpec(name="m", model=str(tmp_path / name), replica=replica, engine=engine)
+        plans[name] = plan_serve(deployment, gpu="H100")
+    groups, sharded = plans["groups"].rows[0], plans["sharded"].rows[0]
+    longest, held = (math.ceil(n * 10 / 62 + 1040 * 60 / 62) for n in (32768, 16384))
+    assert groups.sequences_fit == groups.kv_tokens_fit // longest >= 6 * (groups.kv_tokens_fit // 32768)
+    assert groups.batch == groups.kv_tokens_fit // held >= 4 * (groups.kv_tokens_fit // 16384)
+    assert sharded.sequences_fit == sharded.kv_tokens_fit // 32768
+    assert any("in 7 groups of 10 layers" in n for n in plans["groups"].notes)
+    assert not any("groups of" in n for n in plans["sharded"].notes)
 
 
 def test_the_prefix_cache_s_host_tier_is_counted_in_host_memory_not_the_gpu_s(tmp_path: Path) -> None:

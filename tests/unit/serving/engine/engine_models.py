@@ -365,13 +365,15 @@ def make_prompts() -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """`model`'s (`transformers`' or peft's) greedy continuation of `prompt`, stopping at the byte tokenizer's eos."""
+def hf_greedy(model, prompt: list[int], new_tokens: int, min_tokens: int = 0) -> list[int]:
+    """`model`'s (`transformers`' or peft's) greedy continuation of `prompt`, stopping at the byte tokenizer's eos (not
+    before `min_tokens`)."""
     ids = torch.tensor([prompt], device=DEVICE)
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new_tokens,
+        min_new_tokens=min_tokens,
         do_sample=False,
         eos_token_id=256,
         pad_token_id=257,
@@ -414,8 +416,8 @@ class Family:
         self.name, self.dir = name, str(directory)
         self.greedy = [self.hf_greedy(p, NEW_TOKENS) for p in PROMPTS] if greedy else []
 
-    def hf_greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
-        return hf_greedy(self.model, prompt, new_tokens)
+    def hf_greedy(self, prompt: list[int], new_tokens: int, min_tokens: int = 0) -> list[int]:
+        return hf_greedy(self.model, prompt, new_tokens, min_tokens)
 
     def engine(self, **fields) -> LLMEngine:
         return LLMEngine(self.dir, spec(**fields))

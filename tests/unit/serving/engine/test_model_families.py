@@ -47,6 +47,7 @@ from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply
 
 from pylon.errors import PylonError
 from pylon.serving.engine.engine import LLMEngine
+from pylon.serving.engine.kv_cache import HybridKVBlockPool
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.model.families import (
     LINEAR_ATTENTION_FAMILIES,
@@ -1235,15 +1236,27 @@ def test_a_window_in_every_layer_lets_go_of_the_blocks_before_it(windowed) -> No
     """Where every layer attends within the window, a sequence holds its window's blocks only (the pool lets go of
     those before it, cached contents kept): four sequences of up to 240 tokens (960 in all) run at once, greedy as
     transformers, in a KV cache of 256 tokens, none preempted, none holding more than the window and a step's
-    blocks. Where some layer attends to everything, the blocks stay (the pool never lets go)."""
+    blocks. Where windowed layers mix with full ones, the KV cache is in groups of layers of one kind, each with its
+    own table (HybridKVBlockPool): in the memory of three quarters of the four's tokens in every layer (one table for
+    all would preempt), the same run, none preempted, each sequence holding its context's blocks in the full groups and
+    its window's in the windowed ones."""
     prompts = [p for p in WINDOW_PROMPTS if len(p) <= 40][:4]
-    engine = windowed.engine(kv_cache_tokens=256, max_num_seqs=4, enable_prefix_caching=True)
+    want = [windowed.hf_greedy(p, 200, min_tokens=200) for p in prompts]
     every = windowed.name in ("mistral", "phi3", "starcoder2")
-    assert engine.scheduler.window == (_window_size(windowed.name) if every else None)
-    if not every:
-        assert engine.pool.null_block is None
-        return
-    params = SamplingParams(max_tokens=200, temperature=0)
+    # (mixed: three quarters of the four's tokens, in every layer's memory: one table for all would preempt)
+    tokens = 256 if every else -(-sum(len(p) + len(g) for p, g in zip(prompts, want)) * 3 // 64) * 16
+    engine = windowed.engine(kv_cache_tokens=tokens, max_num_seqs=4, enable_prefix_caching=True)
+    window = _window_size(windowed.name)
+    assert engine.scheduler.window == window
+    groups = engine.runner.kv_groups
+    assert bool(groups) == (not every) == isinstance(engine.pool, HybridKVBlockPool)
+    if groups:  # the runner's tensors: one a place in a group, shared across the groups; the pool's blocks as many
+        width = max(len(layers) for layers, _ in groups)
+        layers = engine.runner.config.num_hidden_layers
+        assert sorted(i for g, _ in groups for i in g) == list(range(layers))
+        assert len({id(k) for k in engine.runner.k_cache}) == width
+        assert engine.pool.num_blocks == tokens // engine.pool.block_size * layers // width
+    params = SamplingParams(max_tokens=200, min_tokens=200, temperature=0)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     outputs: dict[str, list] = {}
@@ -1253,11 +1266,16 @@ def test_a_window_in_every_layer_lets_go_of_the_blocks_before_it(windowed) -> No
             outputs.setdefault(out.request_id, []).append(out)
         most = max([most, *(engine.pool.held_blocks(str(i)) for i in range(len(prompts)))])
     got = [tokens_of(outputs[str(i)]) for i in range(len(prompts))]
-    assert got == [windowed.hf_greedy(p, 200) for p in prompts]
-    assert sum(len(p) + len(g) for p, g in zip(prompts, got)) > 256 + 128  # (well past what the cache holds)
+    assert got == want
+    assert sum(len(p) + len(g) for p, g in zip(prompts, got)) > tokens + (128 if every else 0)  # (past the cache)
     assert engine.scheduler.num_preemptions == 0
     bs = engine.pool.block_size
-    assert most <= -(-(_window_size(windowed.name) + 40) // bs) + 1, most  # (a 40-token prompt's first step)
+    in_window = -(-(window + 40) // bs) + 1  # (a 40-token prompt's first step)
+    whole = -(-(max(len(p) for p in prompts) + 200) // bs)
+    bound = sum(in_window if w is not None else whole for _, w in groups) if groups else in_window
+    assert most <= bound, (most, bound)
+    if groups:  # (and fewer than every group's whole context)
+        assert most < len(groups) * whole
     assert_pool_empty(engine)
 
 
@@ -1271,8 +1289,9 @@ def test_a_sliding_window_is_transformers_own_through_batching_chunks_and_the_pr
         runner = engine.runner
         if windowed.name in ("mistral", "phi3", "starcoder2"):  # one metadata, windowed, for every layer
             assert (runner.step_window, runner.mixed_window) == (WINDOWED[windowed.name]["sliding_window"], None)
-        else:  # a second one for the windowed layers
+        else:  # a second one for the windowed layers; the KV cache in groups, each group's metadata its own
             assert (runner.step_window, runner.mixed_window) == (None, _window_size(windowed.name))
+            assert runner.kv_groups and isinstance(engine.pool, HybridKVBlockPool)
         for i, p in enumerate(WINDOW_PROMPTS):
             engine.add_request(str(i), p, WINDOW_GREEDY)
         outputs = run(engine)
@@ -1311,6 +1330,7 @@ def test_a_sliding_window_holds_in_fixed_shape_decode_steps_over_a_staged_step(w
     from the context lengths with the window, and each step's integer tensors staged in one copy."""
     engine = windowed.engine()
     runner = engine.runner
+    assert bool(runner.kv_groups) == (windowed.name not in ("mistral", "phi3", "starcoder2"))  # (each group's table)
     fixed_shape_decodes(engine)
     got = [c.token_ids for c in engine.generate(WINDOW_PROMPTS, WINDOW_GREEDY)]
     assert got == windowed.window_greedy

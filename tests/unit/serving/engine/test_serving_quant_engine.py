@@ -4,6 +4,7 @@ logits close to the float engine's, and fp8 is refused at start on a CPU (on a G
 computes the same way: `make test-gpu`)."""
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,8 +29,11 @@ def _greedy(engine) -> list[list[int]]:
 
 
 def _last_logits(engine, prompt: list[int]) -> torch.Tensor:
-    blocks = list(range(-(-len(prompt) // engine.spec.block_size)))  # outside any request: nothing else runs
-    return engine.runner.execute([StepSequence(token_ids=prompt, start=0, block_table=blocks, samples=True)])[0]
+    n = -(-len(prompt) // engine.spec.block_size)  # outside any request: nothing else runs
+    blocks = list(range(n))
+    groups = tuple(list(range(g * n, (g + 1) * n)) for g in range(len(engine.runner.kv_groups)))  # (a table a group)
+    step = StepSequence(token_ids=prompt, start=0, block_table=groups[0] if groups else blocks, samples=True)
+    return engine.runner.execute([dataclasses.replace(step, group_tables=groups)])[0]
 
 
 def _dequantized_copy(model, method: str = "int8"):
