@@ -860,10 +860,8 @@ class ModelRunner:
         if self._mla is not None:  # one latent and its rotated part a token, shared by every head
             num_kv_heads, head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         if self.kv_groups:  # a tensor a place in a group, each layer's its place's
-            shared = [
-                new_kv_cache(self.num_kv_blocks, block_size, num_kv_heads, head_dim, dtype=self.kv_dtype, device=d)
-                for d in [self.device] * 2 * width
-            ]
+            shape = (self.num_kv_blocks, block_size, num_kv_heads, head_dim)
+            shared = [new_kv_cache(*shape, dtype=self.kv_dtype, device=self.device) for _ in range(2 * width)]
             self.k_cache = [shared[place[i]] for i in range(config.num_hidden_layers)]
             self.v_cache = [shared[width + place[i]] for i in range(config.num_hidden_layers)]
         else:
