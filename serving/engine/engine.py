@@ -227,7 +227,7 @@ class LLMEngine:
                     self.runner = TensorRunner(
                         directory,
                         spec.tensor_parallel,
-                        {**runner_kwargs, "classifier_from_token": classifier},
+                        {**runner_kwargs, "classifier_from_token": classifier, "hybrid_kv": self._hybrid_kv(spec)},
                         pipeline,
                         adapters=adapter_dirs,
                         expert_parallel=spec.expert_parallel,
@@ -254,10 +254,7 @@ class LLMEngine:
                         adapters=adapter_dirs,
                         images=images,
                         classifier_from_token=_token_ids(self.tokenizer, spec.classifier_from_token),
-                        # (not with a drafting layer or head: it reads the model's one table)
-                        hybrid_kv=(spec.max_model_len, spec.max_num_batched_tokens)
-                        if HYBRID_KV_CACHE and spec.speculative.method not in HEAD_METHODS
-                        else None,
+                        hybrid_kv=self._hybrid_kv(spec),
                     )
             except PylonError as e:
                 raise named_adapter_error(e, adapter_dirs, spec.adapters) from e.__cause__
@@ -394,20 +391,33 @@ class LLMEngine:
         self._images_total = self._images_encoded_total = 0
         self._finished_total: Counter[str] = Counter()
 
+    @staticmethod
+    def _hybrid_kv(spec: EngineSpec) -> tuple[int, int] | None:
+        """What a runner (or each tensor-parallel shard's) groups its KV cache's layers by, where windowed layers mix
+        with full ones (`ModelRunner(hybrid_kv=...)`); None: not with a drafting layer or head (it reads the model's one
+        table), or with HYBRID_KV_CACHE off."""
+        if not HYBRID_KV_CACHE or spec.speculative.method in HEAD_METHODS:
+            return None
+        return spec.max_model_len, spec.max_num_batched_tokens
+
     def _kv_window(self, model: str) -> int | None:
         """The sliding window (tokens) every layer of the model attends within, where the pool lets go of a request's
         blocks before it (`KVBlockPool.trim`; vLLM's sliding-window manager): a sequence then holds its window's
         blocks, not its whole context's. The runner's scratch block (zeros, or a padded row's finite keys) stands in
         for those let go of: the window's mask hides them. None where a layer attends past a window (the blocks stay),
         or where something else reads a request's blocks beyond it: a multi-token-prediction layer or EAGLE head, or a
-        runner in other processes (tensor or pipeline parallel)."""
+        runner in pipeline stages. Where windowed layers mix with full ones and the KV cache is in groups of layers
+        (HybridKVBlockPool), the windowed groups' tables let go so."""
+        from pylon.serving.engine.tensor import TensorRunner
         from pylon.serving.model.runner import ModelRunner
 
         window = getattr(self.runner, "step_window", None)
         hybrid = isinstance(self.pool, HybridKVBlockPool)
         if hybrid:
             window = self.pool.window
-        if window is None or type(self.runner) is not ModelRunner or self.mtp is not None or self.encoder:
+        # (tensor-parallel shards each hold every layer's share: the scratch block on each; pipeline stages are not)
+        runners = (ModelRunner, TensorRunner)
+        if window is None or type(self.runner) not in runners or self.mtp is not None or self.encoder:
             return None
         slot = self.runner.add_scratch_block()
         self.pool.set_window(slot // self.pool.block_size)

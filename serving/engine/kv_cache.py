@@ -651,7 +651,9 @@ class HybridKVBlockPool(KVBlockPool):
     def trim(self, request_id: str, position: int) -> int:
         """Let go of each windowed group's blocks wholly before `position` (`KVBlockPool.trim`)."""
         owners = self._owners(request_id)
-        return sum(super(HybridKVBlockPool, self).trim(o, position) for o, w in zip(owners, self.windows) if w)
+        return sum(
+            super(HybridKVBlockPool, self).trim(o, position) for o, w in zip(owners, self.windows) if w is not None
+        )
 
     def held_blocks(self, request_id: str) -> int:
         return sum(super(HybridKVBlockPool, self).held_blocks(o) for o in self._owners(request_id))

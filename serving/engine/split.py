@@ -201,6 +201,12 @@ class PartWorker:
     def copy_blocks(self, copies: list) -> None:
         self.runner.copy_blocks(copies)
 
+    def add_scratch_block(self) -> int:
+        return self.runner.add_scratch_block()
+
+    def kv_groups(self) -> list:
+        return self.runner.kv_groups
+
     def mapped_files(self) -> list[str]:
         """The files this part's host tier is mapped from (engine.kv_offload_path), as its process's maps name them."""
         with open("/proc/self/maps") as maps:
@@ -361,6 +367,17 @@ class SplitRunner:
         for actor in self.actors:
             actor.copy_blocks.remote(copies)
         self.local.copy_blocks(copies)
+
+    def add_scratch_block(self) -> int:
+        """The scratch block (`ModelRunner.add_scratch_block`) on every part, at the same slot (a windowed table's null
+        block names it on each)."""
+        import ray
+
+        remote = [actor.add_scratch_block.remote() for actor in self.actors]
+        slot = self.local.add_scratch_block()
+        if any(other != slot for other in ray.get(remote)):
+            raise PylonError("the parts' KV caches differ in their blocks: their scratch blocks are at other slots")
+        return slot
 
     def _snapshot_name(self) -> str:
         made = self.__dict__.get("_snapshots_made", 0) + 1

@@ -842,7 +842,7 @@ class ModelRunner:
         # `group_tables` name each group's blocks, each group's metadata made from its own (AttentionMetadata's
         # `kv_groups`).
         self.kv_groups: list[tuple[list[int], int | None]] = []
-        if hybrid_kv is not None and stage is None and shard is None and not self._linear and self._mla is None:
+        if hybrid_kv is not None and stage is None and not self._linear and self._mla is None:
             self.kv_groups = kv_groups(
                 self.layer_windows, hybrid_kv[0], block_size, hybrid_kv[1], num_blocks * block_size
             )

@@ -208,11 +208,11 @@ def _fewest_shards(spec: DeploymentSpec, config, shape: ModelShape, **options) -
 
 def _kv_window(config, e) -> int | None:
     """The sliding window every layer of the model attends within, where the engine lets go of a sequence's KV blocks
-    before it (serving/engine/engine.py, `_kv_window`: one process, no multi-token-prediction layer or EAGLE head);
-    None otherwise."""
+    before it (serving/engine/engine.py, `_kv_window`: one process or tensor-parallel shards, no pipeline stages, no
+    multi-token-prediction layer or EAGLE head); None otherwise."""
     from pylon.serving.model.families import layer_windows
 
-    if e.pipeline_parallel > 1 or e.tensor_parallel > 1 or e.speculative.method in HEAD_METHODS:
+    if e.pipeline_parallel > 1 or e.speculative.method in HEAD_METHODS:
         return None
     windows = layer_windows(config)
     if not windows or any(w is None for w in windows) or len(set(windows)) > 1:
@@ -222,11 +222,11 @@ def _kv_window(config, e) -> int | None:
 
 def _kv_groups(config, e) -> list[tuple[list[int], int | None]]:
     """The KV cache's groups of layers where windowed layers mix with full ones (serving/engine/kv_cache.py's
-    HybridKVBlockPool, `families.kv_groups`: one process, no multi-token-prediction layer or EAGLE head); []
-    otherwise."""
+    HybridKVBlockPool, `families.kv_groups`: one process or tensor-parallel shards, no pipeline stages, no
+    multi-token-prediction layer or EAGLE head); [] otherwise."""
     from pylon.serving.model.families import kv_groups, layer_windows
 
-    if e.pipeline_parallel > 1 or e.tensor_parallel > 1 or e.speculative.method in HEAD_METHODS:
+    if e.pipeline_parallel > 1 or e.speculative.method in HEAD_METHODS:
         return []
     return kv_groups(layer_windows(config), e.max_model_len, e.block_size, e.max_num_batched_tokens, e.kv_cache_tokens)
 

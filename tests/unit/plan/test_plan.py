@@ -210,8 +210,8 @@ def test_70b_in_bf16_needs_140_gb_of_weights_and_does_not_fit_one_h100(tmp_path:
 
 def test_a_window_in_every_layer_fits_more_sequences_where_the_engine_lets_go_of_blocks(tmp_path: Path) -> None:
     """Mistral 7B v0.1's layout (a 4,096-token window in every layer) at 32,768 tokens: a sequence holds its window's
-    blocks, so the same KV cache holds ~8x the sequences a full-attention copy of it does; in tensor-parallel
-    shards (where the engine keeps every block) it is planned as without the window."""
+    blocks, so the same KV cache holds ~8x the sequences a full-attention copy of it does, in tensor-parallel shards
+    too; in pipeline stages (where the engine keeps every block) it is planned as without the window."""
     mistral = {
         "model_type": "mistral",
         "hidden_size": 4096,
@@ -228,6 +228,7 @@ def test_a_window_in_every_layer_fits_more_sequences_where_the_engine_lets_go_of
         ("window", mistral, {}),
         ("full", {**mistral, "sliding_window": None}, {}),
         ("sharded", mistral, {"tensor_parallel": 2}),
+        ("staged", mistral, {"pipeline_parallel": 2}),
     ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
@@ -235,14 +236,15 @@ def test_a_window_in_every_layer_fits_more_sequences_where_the_engine_lets_go_of
         replica = {"num_gpus": extra.get("tensor_parallel", 1)}
         deployment = DeploymentSpec(name="m", model=str(tmp_path / name), replica=replica, engine=engine)
         plans[name] = plan_serve(deployment, gpu="H100")
-    window, full, sharded = (plans[k].rows[0] for k in ("window", "full", "sharded"))
+    window, full, sharded, staged = (plans[k].rows[0] for k in ("window", "full", "sharded", "staged"))
     assert window.kv_tokens_fit == full.kv_tokens_fit and full.sequences_fit == full.kv_tokens_fit // 32768
     assert (
         window.sequences_fit == window.kv_tokens_fit // (4096 + 16) and window.sequences_fit >= 7 * full.sequences_fit
     )
-    assert any("attends within 4,096 tokens" in n for n in plans["window"].notes)
-    assert not any("attends within" in n for n in plans["sharded"].notes + plans["full"].notes)
-    assert sharded.sequences_fit == sharded.kv_tokens_fit // 32768
+    assert any("attends within 4,096 tokens" in n for n in plans["window"].notes + plans["sharded"].notes)
+    assert not any("attends within" in n for n in plans["staged"].notes + plans["full"].notes)
+    assert sharded.sequences_fit == sharded.kv_tokens_fit // (4096 + 16)
+    assert staged.sequences_fit == staged.kv_tokens_fit // 32768
 
 
 def test_windowed_layers_mixed_with_full_ones_fit_more_sequences_where_the_kv_cache_is_in_groups(
@@ -251,7 +253,8 @@ def test_windowed_layers_mixed_with_full_ones_fit_more_sequences_where_the_kv_ca
     """Gemma 3 27B's layout (five layers in six windowed at 1,024 tokens, ten full ones) at 32,768 tokens: the KV cache
     in groups of ten layers, a table each (kv_cache.HybridKVBlockPool), a sequence of 16,384 tokens holds as much as
     16,384 x 10/62 + (1,024 + 16) x 60/62 tokens in every layer: ~4.5x the sequences of one table for all at that
-    length, 8x at 32,768 (tensor-parallel shards keep one table: planned as without the groups)."""
+    length, 8x at 32,768, in tensor-parallel shards too (pipeline stages keep one table: planned as without the
+    groups)."""
     gemma3 = {
         "model_type": "gemma3_text",
         "hidden_size": 5376,
@@ -266,20 +269,21 @@ def test_windowed_layers_mixed_with_full_ones_fit_more_sequences_where_the_kv_ca
         "vocab_size": 262208,
     }
     plans = {}
-    for name, extra in (("groups", {}), ("sharded", {"tensor_parallel": 2})):
+    for name, extra in (("groups", {}), ("sharded", {"tensor_parallel": 2}), ("staged", {"pipeline_parallel": 2})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(gemma3))
         engine = {"device": "cuda", "max_model_len": 32768, "kv_cache_tokens": 262144, **extra}
         replica = {"num_gpus": extra.get("tensor_parallel", 1)}
         deployment = DeploymentSpec(name="m", model=str(tmp_path / name), replica=replica, engine=engine)
         plans[name] = plan_serve(deployment, gpu="H100")
-    groups, sharded = plans["groups"].rows[0], plans["sharded"].rows[0]
+    groups, sharded, staged = (plans[k].rows[0] for k in ("groups", "sharded", "staged"))
     longest, held = (math.ceil(n * 10 / 62 + 1040 * 60 / 62) for n in (32768, 16384))
     assert groups.sequences_fit == groups.kv_tokens_fit // longest >= 6 * (groups.kv_tokens_fit // 32768)
     assert groups.batch == groups.kv_tokens_fit // held >= 4 * (groups.kv_tokens_fit // 16384)
-    assert sharded.sequences_fit == sharded.kv_tokens_fit // 32768
-    assert any("in 7 groups of 10 layers" in n for n in plans["groups"].notes)
-    assert not any("groups of" in n for n in plans["sharded"].notes)
+    assert sharded.sequences_fit == sharded.kv_tokens_fit // longest
+    assert staged.sequences_fit == staged.kv_tokens_fit // 32768
+    assert any("in 7 groups of 10 layers" in n for n in plans["groups"].notes + plans["sharded"].notes)
+    assert not any("groups of" in n for n in plans["staged"].notes)
 
 
 def test_the_prefix_cache_s_host_tier_is_counted_in_host_memory_not_the_gpu_s(tmp_path: Path) -> None:
