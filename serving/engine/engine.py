@@ -261,7 +261,6 @@ class LLMEngine:
             # The checkpoint's multi-token-prediction layer, drafting (engine/mtp.py); read while the directory is.
             # An EAGLE head (model/eagle.py) drafts the same way, from the model's hidden states.
             method = spec.speculative.method
-            self.mtp = self._mtp_drafter(directory, spec, runner_kwargs) if method in HEAD_METHODS else None
             if getattr(self.runner, "kv_groups", None):  # windowed layers mixed with full ones, in groups (kv_cache.py)
                 self.pool = HybridKVBlockPool(
                     self.runner.num_kv_blocks,
@@ -270,6 +269,9 @@ class LLMEngine:
                     enable_caching=spec.enable_prefix_caching,
                     offload_blocks=self.pool.offload_blocks,
                 )
+                # (a drafting layer's or head's cache in the same block ids: it reads the first, full group's table)
+                runner_kwargs = {**runner_kwargs, "num_blocks": self.pool.num_blocks}
+            self.mtp = self._mtp_drafter(directory, spec, runner_kwargs) if method in HEAD_METHODS else None
             if self.runner.recurrent:  # a model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES)
                 # (split, each part snapshots its own share of the states: engine/split.py's PartsSnapshot)
                 if self.pool.enable_caching and spec.recurrent_state_snapshots:
@@ -394,11 +396,9 @@ class LLMEngine:
     @staticmethod
     def _hybrid_kv(spec: EngineSpec) -> tuple[int, int] | None:
         """What a runner (or each tensor-parallel shard's) groups its KV cache's layers by, where windowed layers mix
-        with full ones (`ModelRunner(hybrid_kv=...)`); None: not with a drafting layer or head (it reads the model's one
-        table), or with HYBRID_KV_CACHE off."""
-        if not HYBRID_KV_CACHE or spec.speculative.method in HEAD_METHODS:
-            return None
-        return spec.max_model_len, spec.max_num_batched_tokens
+        with full ones (`ModelRunner(hybrid_kv=...)`; a drafting layer or head then reads the first, full group's
+        table); None with HYBRID_KV_CACHE off."""
+        return (spec.max_model_len, spec.max_num_batched_tokens) if HYBRID_KV_CACHE else None
 
     def _kv_window(self, model: str) -> int | None:
         """The sliding window (tokens) every layer of the model attends within, where the pool lets go of a request's
@@ -407,7 +407,7 @@ class LLMEngine:
         for those let go of: the window's mask hides them. None where a layer attends past a window (the blocks stay),
         or where something else reads a request's blocks beyond it: a multi-token-prediction layer or EAGLE head, or a
         runner in pipeline stages. Where windowed layers mix with full ones and the KV cache is in groups of layers
-        (HybridKVBlockPool), the windowed groups' tables let go so."""
+        (HybridKVBlockPool), the windowed groups' tables let go so (a drafting layer or head reads group 0's)."""
         from pylon.serving.engine.tensor import TensorRunner
         from pylon.serving.model.runner import ModelRunner
 
@@ -417,7 +417,9 @@ class LLMEngine:
             window = self.pool.window
         # (tensor-parallel shards each hold every layer's share: the scratch block on each; pipeline stages are not)
         runners = (ModelRunner, TensorRunner)
-        if window is None or type(self.runner) not in runners or self.mtp is not None or self.encoder:
+        # (a drafting layer or head reads a table: the one trimmed where every layer is windowed, group 0's, never
+        # trimmed, where the groups are apart)
+        if window is None or type(self.runner) not in runners or (self.mtp is not None and not hybrid) or self.encoder:
             return None
         slot = self.runner.add_scratch_block()
         self.pool.set_window(slot // self.pool.block_size)

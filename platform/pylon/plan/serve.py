@@ -222,11 +222,11 @@ def _kv_window(config, e) -> int | None:
 
 def _kv_groups(config, e) -> list[tuple[list[int], int | None]]:
     """The KV cache's groups of layers where windowed layers mix with full ones (serving/engine/kv_cache.py's
-    HybridKVBlockPool, `families.kv_groups`: one process or tensor-parallel shards, no pipeline stages, no
-    multi-token-prediction layer or EAGLE head); [] otherwise."""
+    HybridKVBlockPool, `families.kv_groups`: one process or tensor-parallel shards, not pipeline stages); []
+    otherwise."""
     from pylon.serving.model.families import kv_groups, layer_windows
 
-    if e.pipeline_parallel > 1 or e.speculative.method in HEAD_METHODS:
+    if e.pipeline_parallel > 1:
         return []
     return kv_groups(layer_windows(config), e.max_model_len, e.block_size, e.max_num_batched_tokens, e.kv_cache_tokens)
 
@@ -328,6 +328,10 @@ def plan_serve(
             "steps"
         )
     draft_kv = draft_weights = 0
+    # Windowed layers mixed with full ones: the KV cache in groups of layers (below); a drafting layer's or head's cache
+    # is in their block ids, each of which stands for a group's layers: as many more blocks as the layers to a group
+    groups = _kv_groups(config, e)
+    per_group = sum(len(g) for g, _ in groups) / max(len(g) for g, _ in groups) if groups else 1
     if e.speculative.method == "draft":
         # The draft model beside it: its weights (unquantized) and its own KV cache, sized by the engine as the
         # model's plus each running request's drafts (engine.LLMEngine._load_draft_model), in the engine's dtype.
@@ -358,7 +362,7 @@ def plan_serve(
             projections = layer.projection_params + 2 * hidden * hidden
             layer_bytes -= projections * (b - QUANT_BYTES)
         # (its weights split as the model's among tensor-parallel shards; its KV cache counted whole on each)
-        draft_kv = e.kv_cache_tokens * kv_bytes_per_token(layer, KV_BYTES[kv_dtype])
+        draft_kv = int(e.kv_cache_tokens * per_group) * kv_bytes_per_token(layer, KV_BYTES[kv_dtype])
         weights += layer_bytes
         notes.append(
             f"weights include the checkpoint's multi-token-prediction layer, {_gib(layer_bytes)} ({layer_params:,} "
@@ -384,7 +388,7 @@ def plan_serve(
         layer_bytes = layer_params * b
         if e.quantization != "none":
             layer_bytes -= head.projection_params * (b - QUANT_BYTES)
-        draft_kv = e.kv_cache_tokens * kv_bytes_per_token(head, KV_BYTES[kv_dtype])
+        draft_kv = int(e.kv_cache_tokens * per_group) * kv_bytes_per_token(head, KV_BYTES[kv_dtype])
         weights += layer_bytes
         notes.append(
             f"weights include the {e.speculative.method} head, {_gib(layer_bytes)} ({layer_params:,} parameters), "
@@ -513,7 +517,6 @@ def plan_serve(
             "keys, masked: its time is counted as without the window)"
         )
     held_context = min(context, longest)  # what an average sequence holds
-    groups = _kv_groups(config, e)
     if groups:  # in every layer's tokens: the full groups' whole context, the windowed groups' window (and slack)
         width, layers = max(len(g) for g, _ in groups), sum(len(g) for g, _ in groups)
         full = sum(width for _, w in groups if w is None) / layers
@@ -532,9 +535,10 @@ def plan_serve(
     if e.kv_offload_tokens and e.enable_prefix_caching and per_token:
         # The prefix cache's host tier (serving/engine/kv_cache.py): each engine's, every layer's keys and values (a
         # drafting layer's or head's too: its cache is in the model's blocks), each shard or stage its share.
-        head = draft_kv // e.kv_cache_tokens if e.speculative.method in HEAD_METHODS else 0
-        block = (per_token + head) * e.block_size
-        offload = e.kv_offload_tokens * (per_token + head) * e.data_parallel
+        # (a block of the groups of layers, a group's layers: the tier's blocks are as many, each that much smaller)
+        head = draft_kv // int(e.kv_cache_tokens * per_group) if e.speculative.method in HEAD_METHODS else 0
+        block = int((per_token / per_group + head) * e.block_size)
+        offload = int(e.kv_offload_tokens * (per_token / per_group + head)) * e.data_parallel
         engines = f", {e.data_parallel} engines' together" if e.data_parallel > 1 else ""
         where = (
             f"of disk under {e.kv_offload_path} (engine.kv_offload_path; reserved at start, its pages cached as the OS "

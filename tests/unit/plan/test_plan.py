@@ -1355,7 +1355,8 @@ def test_deepseek_v3_s_multi_token_prediction_layer_is_counted_when_it_drafts() 
 def test_an_eagle_head_is_counted_as_its_checkpoint_holds_it(tmp_path) -> None:
     """engine.speculative.method eagle3: the plan counts the head from its config.json alone (its layer with the wider
     attention input, fc over three of the model's hidden states, its output layer over the draft vocabulary) as many
-    parameters as the checkpoint holds, and its layer's KV cache; in shards or stages it plans prompt lookup."""
+    parameters as the checkpoint holds, and its layer's KV cache (in the block ids of the KV cache's groups of layers,
+    where the model mixes windowed layers with full ones); in shards or stages it plans prompt lookup."""
     from transformers import AutoConfig
 
     head = tmp_path / "head"
@@ -1387,6 +1388,16 @@ def test_an_eagle_head_is_counted_as_its_checkpoint_holds_it(tmp_path) -> None:
     assert params == sum(held.values()), (params, held)
     assert drafting.rows[0].kv_cache - plain.rows[0].kv_cache == tokens * 2 * kv * 2
     assert drafting.rows[0].weights - plain.rows[0].weights == params * 2
+    # Windowed layers (16-31 of 32) mixed with full ones: the KV cache in two groups of 16 layers, twice the block ids;
+    # the head's cache in them: twice the tokens'
+    config = AutoConfig.for_model("qwen2", **{k: getattr(config, k) for k in ("hidden_size", "intermediate_size")})
+    config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 8, 2, 1000
+    config.num_hidden_layers, config.sliding_window, config.use_sliding_window = 32, 256, True
+    config.max_window_layers = 16
+    config.layer_types = ["full_attention"] * 16 + ["sliding_attention"] * 16
+    plain, drafting = plan(), plan(method="eagle3", draft_model=str(head))
+    assert any("in 2 groups of 16 layers" in n for n in plain.notes)
+    assert drafting.rows[0].kv_cache - plain.rows[0].kv_cache == 2 * tokens * 2 * kv * 2
 
 
 def test_suffix_decoding_s_host_memory_is_said() -> None:

@@ -193,6 +193,14 @@ class Reference:
 HEADS = {
     "eagle-llama": ("llama", {}, "eagle", {}),
     "eagle3-llama-default-layers": ("llama", {"num_hidden_layers": 8}, "eagle3", {"draft_vocab": 96}),
+    # windowed layers (4-7, a window of 16) mixed with full ones: the KV cache in two groups of layers, the head's cache
+    # in their block ids, reading the full group's table (kv_cache.HybridKVBlockPool)
+    "eagle3-qwen2-windowed": (
+        "qwen2",
+        {"num_hidden_layers": 8, "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 4},
+        "eagle3",
+        {},
+    ),
     "eagle3-qwen3-speculators": (
         "qwen3",
         {"num_hidden_layers": 4},
@@ -224,6 +232,9 @@ def test_the_drafts_are_the_head_s_and_greedy_outputs_the_model_s(headed) -> Non
     drafts mostly rejected, which the outputs never show)."""
     family, kind, head, reference = headed
     engine = speculating(family.engine(speculative=method(kind, head)))
+    if any(w is not None for w in engine.runner.layer_windows):  # (the groups apart, the windowed ones let go)
+        assert [w for _, w in engine.runner.kv_groups] == [None, 16] and engine.scheduler.window == 16
+        assert engine.mtp.runner.k_cache[0].shape[1] == engine.pool.num_blocks == 2048 // 16 * 2
     proposed = recorded(engine)
     prompts = PROMPTS[:4]
     for i, prompt in enumerate(prompts):
