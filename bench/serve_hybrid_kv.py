@@ -19,14 +19,11 @@ two legs are checked equal.
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+from serve_window import arguments, compare, run_leg
 
 
 def _model(directory: Path, args) -> str:
@@ -58,103 +55,27 @@ def _model(directory: Path, args) -> str:
     return str(directory)
 
 
-def _leg(directory: str, args, prompts: list[list[int]], grouped: bool) -> dict:
+def _grouped(grouped: bool):
     from pylon.serving.engine import engine as engine_module
-    from pylon.serving.engine.engine import LLMEngine
-    from pylon.serving.engine.sampling import SamplingParams
-    from pylon.specs import EngineSpec
 
-    engine_module.HYBRID_KV_CACHE = grouped  # False: one table for every layer, as the engine did before
-    engine = LLMEngine(
-        directory,
-        EngineSpec(
-            device="cpu",
-            dtype="fp32",
-            kv_cache_tokens=args.kv_cache_tokens,
-            max_model_len=args.prompt + args.new,
-            max_num_seqs=args.sequences,
-            max_num_batched_tokens=max(512, args.prompt),
-            block_size=16,
-            enable_prefix_caching=False,
-        ),
-    )
-    engine_module.HYBRID_KV_CACHE = True
-    assert bool(engine.runner.kv_groups) == grouped
-    layers = max((len(g) for g, _ in engine.runner.kv_groups), default=args.layers)  # a block's layers
-    params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    outputs: dict[str, list[int]] = {}
-    running = held = 0
-    started = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
-        running = max(running, len(engine.scheduler.running))
-        held = max([held, *(engine.pool.held_blocks(r.request_id) for r in engine.scheduler.running)])
-    seconds = time.perf_counter() - started
-    stats = engine.stats()
-    return {
-        "outputs": [outputs[str(i)] for i in range(len(prompts))],
-        "preemptions": engine.scheduler.num_preemptions,
-        "prefill_tokens_computed": engine.scheduler.prefill_tokens_computed,
-        "forward_passes": stats.forward_passes_total,
-        "most_running": running,
-        "most_layer_blocks_a_sequence": held * layers,
-        "out_tokens_per_s": sum(len(o) for o in outputs.values()) / seconds,
-    }
+    def configure(engine) -> int:
+        assert bool(engine.runner.kv_groups) == grouped
+        return max((len(g) for g, _ in engine.runner.kv_groups), default=engine.runner.config.num_hidden_layers)
+
+    def leg(directory: str, args, prompts: list[list[int]]) -> dict:
+        engine_module.HYBRID_KV_CACHE = grouped  # False: one table for every layer, as the engine did before
+        try:
+            return run_leg(directory, args, prompts, configure)
+        finally:
+            engine_module.HYBRID_KV_CACHE = True
+
+    return leg
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--window", type=int, default=256, help="the sliding window, tokens (default 256)")
-    parser.add_argument("--sequences", type=int, default=16, help="requests, all at once (default 16)")
-    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens each (default 64)")
-    parser.add_argument("--new", type=int, default=960, help="tokens generated each (default 960)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=6144, help="the KV cache (default 6,144 tokens)")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    parser.add_argument("--layers", type=int, default=6, help="layers, every sixth full (default 6)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds, legs alternating (default 2)")
-    parser.add_argument("--json", action="store_true", help="one JSON object")
-    args = parser.parse_args(argv)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(32, 127) for _ in range(args.prompt)] for _ in range(args.sequences)]
-    total = args.sequences * (args.prompt + args.new)
-    print(
-        f"gemma3_text {args.layers} x {args.hidden}, window {args.window} in five layers of six; "
-        f"{args.sequences} sequences of {args.prompt} + "
-        f"{args.new} tokens ({total:,} in all) in a KV cache of {args.kv_cache_tokens:,}; fp32, CPU",
-        flush=True,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = _model(Path(tmp), args)
-        legs: dict[str, list[dict]] = {"grouped": [], "one_table": []}
-        for _ in range(args.rounds):
-            for name in legs:
-                legs[name].append(_leg(directory, args, prompts, grouped=name == "grouped"))
-    first = {name: runs[0] for name, runs in legs.items()}
-    assert first["grouped"]["outputs"] == first["one_table"]["outputs"], "the two legs' outputs differ"
-    rates = {name: [r["out_tokens_per_s"] for r in runs] for name, runs in legs.items()}
-    row = {
-        name: {k: v for k, v in first[name].items() if k != "outputs"} | {"out_tokens_per_s_rounds": rates[name]}
-        for name in legs
-    }
-    row["throughput_ratio"] = statistics.median(rates["grouped"]) / statistics.median(rates["one_table"])
-    if args.json:
-        print(json.dumps(row))
-        return 0
-    for name in legs:
-        r = row[name]
-        print(
-            f"{name:>9}: {r['preemptions']:3d} preemptions, {r['prefill_tokens_computed']:6,} prefill tokens computed, "
-            f"{r['forward_passes']:5,} forward passes, at most {r['most_running']:2d} running and "
-            f"{r['most_layer_blocks_a_sequence']:4d} layers' blocks a sequence; "
-            f"{statistics.median(rates[name]):7.1f} out tok/s "
-            f"({', '.join(f'{x:.1f}' for x in rates[name])})",
-            flush=True,
-        )
-    print(f"outputs equal; throughput grouped / one table {row['throughput_ratio']:.2f}x", flush=True)
-    return 0
+    args = arguments(__doc__, 6, "layers, every sixth full").parse_args(argv)
+    title = f"gemma3_text {args.layers} x {args.hidden}, window {args.window} in five layers of six"
+    return compare(args, title, _model, {"grouped": _grouped(True), "one_table": _grouped(False)}, "grouped / one")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -53,7 +54,9 @@ def _model(directory: Path, args) -> str:
     return str(directory)
 
 
-def _leg(directory: str, args, prompts: list[list[int]], trim: bool) -> dict:
+def run_leg(directory: str, args, prompts: list[list[int]], configure: Callable) -> dict:
+    """The requests through an in-process engine, `configure(engine)` first (it returns the layers a block of the
+    engine's pool holds): what the legs count and time (see the module's docs); bench/serve_hybrid_kv.py's too."""
     from pylon.serving.engine.engine import LLMEngine
     from pylon.serving.engine.sampling import SamplingParams
     from pylon.specs import EngineSpec
@@ -71,8 +74,7 @@ def _leg(directory: str, args, prompts: list[list[int]], trim: bool) -> dict:
             enable_prefix_caching=False,
         ),
     )
-    if not trim:  # the engine as it was: every sequence keeps its whole context's blocks
-        engine.scheduler.window = None
+    layers = configure(engine)
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -93,58 +95,87 @@ def _leg(directory: str, args, prompts: list[list[int]], trim: bool) -> dict:
         "forward_passes": stats.forward_passes_total,
         "most_running": running,
         "most_blocks_a_sequence": held,
+        "layers_a_block": layers,
         "out_tokens_per_s": sum(len(o) for o in outputs.values()) / seconds,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _trimmed(trim: bool) -> Callable:
+    def configure(engine) -> int:
+        if not trim:  # the engine as it was: every sequence keeps its whole context's blocks
+            engine.scheduler.window = None
+        return 1
+
+    def leg(directory: str, args, prompts: list[list[int]]) -> dict:
+        return run_leg(directory, args, prompts, configure)
+
+    return leg
+
+
+def arguments(doc: str, layers: int, layers_help: str) -> argparse.ArgumentParser:
+    """The options both window benches take (`layers`: the default layer count)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--window", type=int, default=256, help="the sliding window, tokens (default 256)")
     parser.add_argument("--sequences", type=int, default=16, help="requests, all at once (default 16)")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens each (default 64)")
     parser.add_argument("--new", type=int, default=960, help="tokens generated each (default 960)")
     parser.add_argument("--kv-cache-tokens", type=int, default=6144, help="the KV cache (default 6,144 tokens)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    parser.add_argument("--layers", type=int, default=2, help="layers (default 2)")
+    parser.add_argument("--layers", type=int, default=layers, help=f"{layers_help} (default {layers})")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, legs alternating (default 2)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def compare(args, title: str, model: Callable, legs: dict[str, Callable], ratio: str) -> int:
+    """Run `legs` (name -> leg(directory, args, prompts), `run_leg`'s dict; the first the engine as it runs)
+    `args.rounds` times alternating on `model(directory, args)`'s model, check their outputs equal, and print what
+    they counted and their tokens/s."""
     rng = random.Random(1)
     prompts = [[rng.randrange(32, 127) for _ in range(args.prompt)] for _ in range(args.sequences)]
     total = args.sequences * (args.prompt + args.new)
     print(
-        f"mistral {args.layers} x {args.hidden}, window {args.window}; {args.sequences} sequences of {args.prompt} + "
-        f"{args.new} tokens ({total:,} in all) in a KV cache of {args.kv_cache_tokens:,}; fp32, CPU",
+        f"{title}; {args.sequences} sequences of {args.prompt} + {args.new} tokens ({total:,} in all) in a KV cache of "
+        f"{args.kv_cache_tokens:,}; fp32, CPU",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
-        directory = _model(Path(tmp), args)
-        legs: dict[str, list[dict]] = {"trimmed": [], "kept": []}
+        directory = model(Path(tmp), args)
+        runs: dict[str, list[dict]] = {name: [] for name in legs}
         for _ in range(args.rounds):
-            for name in legs:
-                legs[name].append(_leg(directory, args, prompts, trim=name == "trimmed"))
-    first = {name: runs[0] for name, runs in legs.items()}
-    assert first["trimmed"]["outputs"] == first["kept"]["outputs"], "the two legs' outputs differ"
-    rates = {name: [r["out_tokens_per_s"] for r in runs] for name, runs in legs.items()}
+            for name, leg in legs.items():
+                runs[name].append(leg(directory, args, prompts))
+    first = {name: r[0] for name, r in runs.items()}
+    new, old = list(legs)
+    assert first[new]["outputs"] == first[old]["outputs"], "the two legs' outputs differ"
+    rates = {name: [r["out_tokens_per_s"] for r in rs] for name, rs in runs.items()}
     row = {
         name: {k: v for k, v in first[name].items() if k != "outputs"} | {"out_tokens_per_s_rounds": rates[name]}
         for name in legs
     }
-    row["throughput_ratio"] = statistics.median(rates["trimmed"]) / statistics.median(rates["kept"])
+    row["throughput_ratio"] = statistics.median(rates[new]) / statistics.median(rates[old])
     if args.json:
         print(json.dumps(row))
         return 0
+    width = max(len(name) for name in legs)
     for name in legs:
         r = row[name]
+        each = f" ({r['layers_a_block']} layers each)" if r["layers_a_block"] > 1 else ""
         print(
-            f"{name:>8}: {r['preemptions']:3d} preemptions, {r['prefill_tokens_computed']:6,} prefill tokens computed, "
-            f"{r['forward_passes']:5,} forward passes, at most {r['most_running']:2d} running and "
-            f"{r['most_blocks_a_sequence']:3d} blocks a sequence; {statistics.median(rates[name]):7.1f} out tok/s "
-            f"({', '.join(f'{x:.1f}' for x in rates[name])})",
+            f"{name:>{width}}: {r['preemptions']:3d} preemptions, {r['prefill_tokens_computed']:6,} prefill tokens "
+            f"computed, {r['forward_passes']:5,} forward passes, at most {r['most_running']:2d} running and "
+            f"{r['most_blocks_a_sequence']:3d} blocks a sequence{each}; {statistics.median(rates[name]):7.1f} out "
+            f"tok/s ({', '.join(f'{x:.1f}' for x in rates[name])})",
             flush=True,
         )
-    print(f"outputs equal; throughput trimmed / kept {row['throughput_ratio']:.2f}x", flush=True)
+    print(f"outputs equal; throughput {ratio} {row['throughput_ratio']:.2f}x", flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__, 2, "layers").parse_args(argv)
+    title = f"mistral {args.layers} x {args.hidden}, window {args.window}"
+    return compare(args, title, _model, {"trimmed": _trimmed(True), "kept": _trimmed(False)}, "trimmed / kept")
 
 
 if __name__ == "__main__":
