@@ -1101,18 +1101,22 @@ class ModelRunner:
                 last_tokens.append(len(token_ids) - 1)
         stage = self.stage
         stage.begin()
-        meta = build_metadata(
-            seqs,
-            self.block_size,
-            self.device,
-            self.dtype,
-            kernel=self.kernel,
-            # The prefill kernel masks causally only: a step with spans attended both ways goes through PyTorch's.
-            prefill=self.prefill and not any(s.image_spans for s in steps),
-            stage=stage,
-            rounded=self.kv_dtype != self.dtype,
-            window=self.step_window,
-        )
+
+        def metadata(seqs: list[SequenceSlice], window: int | None) -> AttentionMetadata:
+            return build_metadata(
+                seqs,
+                self.block_size,
+                self.device,
+                self.dtype,
+                kernel=self.kernel,
+                # The prefill kernel masks causally only: a step with spans attended both ways goes through PyTorch's.
+                prefill=self.prefill and not any(s.image_spans for s in steps),
+                stage=stage,
+                rounded=self.kv_dtype != self.dtype,
+                window=window,
+            )
+
+        meta = metadata(seqs, self.step_window)
         if self.kv_groups:  # each group's own metadata, from its own tables (and slots)
             if any(len(s.group_tables) != len(self.kv_groups) for s in steps):
                 raise ValueError(
@@ -1120,18 +1124,8 @@ class ModelRunner:
                     "group's block table (StepSequence.group_tables)"
                 )
             group_meta = [None] + [
-                build_metadata(
-                    [SequenceSlice(s.start, s.num_new_tokens, s.group_tables[g], s.image_spans) for s in steps],
-                    self.block_size,
-                    self.device,
-                    self.dtype,
-                    kernel=self.kernel,
-                    prefill=self.prefill and not any(s.image_spans for s in steps),
-                    stage=stage,
-                    rounded=self.kv_dtype != self.dtype,
-                    window=window,
-                )
-                for g, (_, window) in enumerate(self.kv_groups)
+                metadata([SequenceSlice(s.start, s.num_new_tokens, s.group_tables[g], s.image_spans) for s in steps], w)
+                for g, (_, w) in enumerate(self.kv_groups)
                 if g
             ]
             meta = dataclasses.replace(meta, kv_groups=tuple(group_meta))
