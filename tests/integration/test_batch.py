@@ -1,11 +1,12 @@
 """Offline batch inference end to end on the session's Ray cluster: a BatchJob submitted through the SDK as a Ray job,
-its lines answered by two engines of a Ray Data actor pool, its answers in the S3-protocol server; the greedy
+its lines answered by a Ray Data actor pool of two engines, its answers in the S3-protocol server; the greedy
 completions are transformers' own; a part's answers removed and the job submitted again, only that part is answered
 again; another batch at the same output is refused naming what differs (tests/unit/serving/api/test_batch.py checks
 the answers against a replica's over HTTP)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -16,6 +17,32 @@ import pylon
 from pylon import storage
 
 pytestmark = pytest.mark.integration
+
+
+@contextlib.contextmanager
+def _pool_actors():
+    """The pids of the batch pool's actor processes (PartAnswerer's) seen while the block runs, polled."""
+    import threading
+
+    import psutil
+
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            for p in psutil.process_iter(["cmdline"]):
+                if "PartAnswerer" in " ".join(p.info["cmdline"] or []):
+                    seen.add(p.pid)
+            done.wait(0.05)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join()
 
 
 def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, s3_root, tmp_path: Path) -> None:
@@ -47,8 +74,12 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
         "engine": {"device": "cpu", "dtype": "fp32", "max_num_seqs": 4, "kv_cache_tokens": 2048, "max_model_len": 256},
     }
     client = pylon.connect()
-    job = client.batch(spec)
-    assert job.wait(timeout=600) == "SUCCEEDED", job.logs()
+    with _pool_actors() as actors:
+        job = client.batch(spec)
+        assert job.wait(timeout=600) == "SUCCEEDED", job.logs()
+    # The pool's two actors, each starting an engine. (Which of them answers which part is Ray Data's: under load the
+    # first engine up may answer all six before the second is, so the answers' engines are not counted.)
+    assert len(actors) == 2, actors
     manifest = job.manifest()
     assert manifest["state"] == "done" and manifest["parts"] == 6 and manifest["lines"] == 11
     assert manifest["counts"] == {
@@ -63,7 +94,7 @@ def test_a_batch_job_answers_every_line_and_goes_on_from_its_parts(ray_cluster, 
     for i, prompt in enumerate(prompts):
         assert results[i]["response"]["body"]["choices"][0]["text"] == greedy_text(model, prompt, 48)
     engines = {r["response"]["request_id"].split("-")[1] for r in results}  # batch-<pid>-<n>
-    assert len(engines) == 2, engines  # both engines of the pool answered parts
+    assert 1 <= len(engines) <= 2, engines
     (error,) = job.errors()
     assert error["error"]["line"] == "requests.jsonl:6" and "not JSON" in error["error"]["message"]
     assert "10 answered, 1 failed" in job.logs()
