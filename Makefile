@@ -77,7 +77,7 @@ test-all: setup  ## the whole suite including the tests marked slow (what `make 
 
 test-gpu: setup  ## on a CUDA GPU: the serving engine's tests (parity in fp32, bf16/fp16) and training's (ZeRO-2/3, bf16, fp16, offload, LoRA)
 	PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/serving/engine/test_serving_engine.py tests/unit/serving/engine/test_serving_engine_async.py tests/unit/serving/engine/test_serving_quant_engine.py tests/unit/serving/engine/test_sampling_penalties.py tests/unit/serving/engine/test_speculative.py tests/unit/serving/engine/test_speculative_draft.py tests/unit/serving/engine/test_structured_outputs.py tests/unit/serving/engine/test_vllm_extras.py tests/unit/serving/engine/test_load_weights.py
-	PYLON_ALL_TESTS=1 PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/serving/engine/test_model_families.py -k "moe or mixtral or gpt_oss or glm4 or deepseek or latent or llama4 or qwen3_next or recurrent"
+	PYLON_ALL_TESTS=1 PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/serving/engine/test_model_families.py -k "moe or mixtral or gpt_oss or glm4 or deepseek or latent or llama4 or qwen3_next or recurrent or window"
 	PYLON_TEST_DEVICE=cuda $(PY) -m pytest tests/unit/serving/engine/test_images.py
 	PYLON_TEST_DEVICE=cuda $(PY) -m pytest -s tests/integration/test_train_gpu.py
 
