@@ -425,18 +425,18 @@ class LLMEngine:
         self.pool.set_window(slot // self.pool.block_size)
         if hybrid:
             groups = self.runner.kv_groups
-            windowed = sum(1 for _, w in groups if w is not None)
+            width = max(len(layers) for layers, _ in groups)
             log.info(
                 "model %s: its KV cache in %d groups of up to %d layers, %d of them windowed (%s), each group a block "
                 "table of its own: a sequence holds its window's blocks in those, its context's in the others; %d "
                 "blocks of %d layers each",
                 model,
                 len(groups),
-                max(len(layers) for layers, _ in groups),
-                windowed,
+                width,
+                sum(1 for _, w in groups if w is not None),
                 window,
                 self.pool.num_blocks,
-                max(len(layers) for layers, _ in groups),
+                width,
             )
             return window
         log.info(

@@ -69,6 +69,8 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+from pylon.serving.model.families import first_key
+
 DIGEST_BYTES = 16  # a block hash's size (128 bits)
 RESERVE_MAX_BLOCKS = 64  # at most this many blocks set aside beyond what a request needs when it starts
 
@@ -280,9 +282,10 @@ class KVBlockPool:
         """Blocks whose contents the host tier holds."""
         return len(self._host)
 
-    def cache_blocks(self, request_id: str, hashes: list[bytes], num_blocks: int) -> None:
-        """Register the first `num_blocks` blocks of `request_id`'s table (full, and computed) under `hashes`. A
-        block whose hash another block already holds stays unregistered (both hold the same keys and values)."""
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_blocks: int, suffix: bytes = b"") -> None:
+        """Register the first `num_blocks` blocks of `request_id`'s table (full, and computed) under `hashes` (each with
+        `suffix` appended: a group's names, HybridKVBlockPool). A block whose hash another block already holds stays
+        unregistered (both hold the same keys and values)."""
         if not self.enable_caching:
             return
         table = self._tables.get(request_id)
@@ -291,7 +294,7 @@ class KVBlockPool:
         start = self._registered.get(request_id, 0)
         end = min(num_blocks, len(table), len(hashes))
         for i in range(start, end):
-            block, h = table[i], hashes[i]
+            block, h = table[i], hashes[i] + suffix
             if block == self.null_block:  # (let go of before it was registered: its keys are not kept)
                 continue
             if block not in self._hash_of and h not in self._block_of:
@@ -566,9 +569,15 @@ class HybridKVBlockPool(KVBlockPool):
         super().__init__(num_blocks, block_size, enable_caching=enable_caching, offload_blocks=offload_blocks)
         self.windows = list(windows)  # each group's window (None: a full group), full groups first
         self.window = next(w for w in self.windows if w is not None)
+        self._owner_names: dict[str, list[str]] = {}
 
     def _owners(self, request_id: str) -> list[str]:
-        return [request_id] + [f"{request_id}\x00{g}" for g in range(1, len(self.windows))]
+        """The names `request_id`'s groups' tables go by in the pool (group 0's is its own), kept from its first
+        `allocate` to its `free`."""
+        owners = self._owner_names.get(request_id)
+        if owners is None:
+            owners = [request_id] + [f"{request_id}\x00{g}" for g in range(1, len(self.windows))]
+        return owners
 
     @staticmethod
     def _named(h: bytes, group: int) -> bytes:
@@ -576,8 +585,6 @@ class HybridKVBlockPool(KVBlockPool):
 
     def _first(self, num_blocks: int) -> int:
         """The first block a windowed group needs of a cached prefix of `num_blocks` blocks."""
-        from pylon.serving.model.families import first_key
-
         return first_key(self.window, num_blocks * self.block_size) // self.block_size
 
     def _needed(self, num_blocks: int) -> list[tuple[int, int]]:
@@ -624,7 +631,7 @@ class HybridKVBlockPool(KVBlockPool):
     def allocate(self, request_id: str, num_tokens: int, *, reserve_tokens: int = 0, cached: list = ()) -> bool:
         """Grow every group's table of `request_id` to hold `num_tokens` tokens, all or nothing across them. `cached`:
         `restore`'s tuples, for a request that holds no blocks yet."""
-        owners = self._owners(request_id)
+        owners = self._owner_names[request_id] = self._owners(request_id)
         starts = [self._start(cached, g) for g in range(len(owners))]
         if sum(self._need(o, num_tokens, c, skip) for o, (skip, c) in zip(owners, starts)) > self._num_free:
             return False
@@ -640,13 +647,9 @@ class HybridKVBlockPool(KVBlockPool):
             skip += 1
         return skip, column[skip:]
 
-    def cache_blocks(self, request_id: str, hashes: list[bytes], num_blocks: int) -> None:
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_blocks: int, suffix: bytes = b"") -> None:
         for g, owner in enumerate(self._owners(request_id)):
-            start = self._registered.get(owner, 0)
-            end = min(num_blocks, len(hashes))
-            if end > start:
-                named = [b""] * start + [self._named(h, g) for h in hashes[start:end]]
-                super().cache_blocks(owner, named, num_blocks)
+            super().cache_blocks(owner, hashes, num_blocks, self._named(suffix, g))
 
     def trim(self, request_id: str, position: int) -> int:
         """Let go of each windowed group's blocks wholly before `position` (`KVBlockPool.trim`)."""
@@ -661,6 +664,7 @@ class HybridKVBlockPool(KVBlockPool):
     def free(self, request_id: str) -> None:
         for owner in self._owners(request_id):
             super().free(owner)
+        self._owner_names.pop(request_id, None)
 
     def group_tables(self, request_id: str) -> tuple[list[int], ...]:
         """Each group's block table of `request_id`, in the groups' order (the first is `block_table`'s)."""
