@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from pylon.errors import PylonError
 from pylon.models import local_model_dir
+from pylon.serving.engine import kv_transfer
 from pylon.serving.engine.adapters import OnDemandAdapters, named_adapter_error, spec_adapter_dirs
 from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.generation import GenerationConfig, read_generation_config
@@ -121,6 +122,13 @@ class EngineStats:
     # The model's forward passes: one a step that scheduled anything (every request in it together; the draft
     # model's or head's passes are spec_draft_model_steps_total)
     forward_passes_total: int = 0
+    # Prefill-decode disaggregation (engine/kv_transfer.py): a prefill engine's blocks sent with its requests, a
+    # decode engine's taken in from theirs (the blocks it lacked), and transfers it refused (not its layout)
+    kv_transfer_sent_blocks_total: int = 0
+    kv_transfer_sent_bytes_total: int = 0
+    kv_transfer_received_blocks_total: int = 0
+    kv_transfer_received_bytes_total: int = 0
+    kv_transfer_refused_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -392,6 +400,11 @@ class LLMEngine:
         self._forward_passes_total = 0  # steps that ran the model (a step with nothing scheduled runs none)
         self._images_total = self._images_encoded_total = 0
         self._finished_total: Counter[str] = Counter()
+        # Prefill-decode disaggregation (engine/kv_transfer.py): requests finished this step whose prompt's blocks go
+        # back with their output, this engine's layout of a block (made when first needed), and the counters.
+        self._exporting: list[Request] = []
+        self._transfer_layout: dict | None = None
+        self._sent_blocks = self._sent_bytes = self._received_blocks = self._received_bytes = self._refused = 0
 
     @staticmethod
     def _hybrid_kv(spec: EngineSpec) -> tuple[int, int] | None:
@@ -817,6 +830,8 @@ class LLMEngine:
         """Run one step; return an output for every request that got a token or finished in it."""
         started = time.perf_counter()
         outputs = self._step()
+        if self._exporting:
+            self._export_blocks(outputs)
         if self.spec_policy is not None and self._step_tokens:
             # (a catch-up the multi-token-prediction layer took unasked, its rows piled up: timed apart)
             catch_up = self.mtp.catch_up_seconds if self.mtp is not None else 0.0
@@ -840,6 +855,8 @@ class LLMEngine:
             if self.on_demand is not None and (self._parked or any(r.on_demand_adapter for r in incoming)):
                 incoming = self._place_adapters(incoming)
         for request in incoming:
+            if request.params.kv_import is not None:
+                self._import_blocks(request)
             self.scheduler.add(request)
         for request_id in abort_ids:
             request = self.scheduler.requests.get(request_id)
@@ -1274,8 +1291,58 @@ class LLMEngine:
         if self.suffix is not None:  # (its output drafts later requests')
             self.suffix.finish(request.request_id, request.output_token_ids)
         self._finished_total[reason] += 1
+        if request.params.kv_export_from is not None and reason != "abort":
+            self._exporting.append(request)
         with self._lock:
             self._unfinished_ids.discard(request.request_id)
+
+    # -- prefill-decode disaggregation (engine/kv_transfer.py) ----------------------------------------------------
+
+    def _layout(self) -> dict:
+        if self._transfer_layout is None:
+            self._transfer_layout = kv_transfer.engine_layout(self.pool, self._kv_runners())
+        return self._transfer_layout
+
+    def _export_blocks(self, outputs: list[RequestOutput]) -> None:
+        """The prompt blocks of this step's finished prefill requests, read before any later step can take them,
+        onto their last outputs."""
+        exporting, self._exporting = self._exporting, []
+        last = {out.request_id: i for i, out in enumerate(outputs) if out.finished}
+        for request in exporting:
+            at = last.get(request.request_id)
+            if at is None or not self.pool.enable_caching:
+                continue
+            out = outputs[at]
+            usable = (request.num_prompt_tokens - 1) // self.pool.block_size  # (what a prefix lookup may use)
+            hashes = self.scheduler.block_hashes(request)[:usable]
+            transfer = kv_transfer.export_blocks(
+                self.pool,
+                self._kv_runners(),
+                self._layout(),
+                hashes,
+                min(request.params.kv_export_from, usable),
+                request.num_prompt_tokens,
+                out.num_cached_tokens,
+            )
+            if transfer is not None:
+                outputs[at] = dataclasses.replace(out, kv_transfer=transfer)
+                self._sent_blocks += transfer.num_blocks
+                self._sent_bytes += transfer.nbytes
+
+    def _import_blocks(self, request: Request) -> None:
+        """Another engine's blocks of `request`'s prompt into the prefix cache, before the step schedules it (what the
+        request then finds cached, it does not compute). A transfer of another layout is refused and the prompt
+        computed here."""
+        transfer, request.params.kv_import = request.params.kv_import, None  # (its bytes are let go of once taken)
+        if not isinstance(transfer, kv_transfer.KVTransfer) or not self.pool.enable_caching:
+            return
+        try:
+            self._received_blocks += kv_transfer.import_blocks(self.pool, self._kv_runners(), self._layout(), transfer)
+            self._received_bytes += transfer.nbytes
+        except kv_transfer.TransferRefused as e:
+            self._refused += 1
+            if self._refused == 1 or self._refused % 100 == 0:
+                log.warning("engine: %s; computing the prompts here (%d refused so far)", e, self._refused)
 
     # -- conveniences -------------------------------------------------------------------------------------
 
@@ -1351,6 +1418,11 @@ class LLMEngine:
             images_encoded_total=self._images_encoded_total,
             pipeline_steps_total=getattr(self.runner, "pipeline_steps", 0),
             forward_passes_total=self._forward_passes_total,
+            kv_transfer_sent_blocks_total=self._sent_blocks,
+            kv_transfer_sent_bytes_total=self._sent_bytes,
+            kv_transfer_received_blocks_total=self._received_blocks,
+            kv_transfer_received_bytes_total=self._received_bytes,
+            kv_transfer_refused_total=self._refused,
             pipeline_stage_seconds_total=getattr(self.runner, "pipeline_stage_seconds", 0.0),
             pipeline_hop_seconds_total=getattr(self.runner, "pipeline_hop_seconds", 0.0),
             pipeline_weights_read_bytes=getattr(self.runner, "pipeline_weights_read_bytes", 0),
@@ -1416,6 +1488,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         last.num_cached_tokens,
         last.embedding,
         next((o.prompt_token_ids for o in outputs if o.prompt_token_ids is not None), None),
+        last.kv_transfer,
     )
 
 

@@ -220,18 +220,11 @@ class KVBlockPool:
                     slot = self._host.get(h)
                     if slot is None:
                         break
-                    block = self._bare.find(1)
-                    if block < 0:
-                        block = next((b for b in self._lru if self._open[b] and b not in keep), -1)
+                    block = self._cache_into_free(h, keep)
                     if block < 0:
                         break
-                    self._forget(block)  # (what it cached goes to the host tier, never into a slot read here)
-                    self._hash_of[block] = h
-                    self._block_of[h] = block
                     if h in self._host_meta:
                         self._meta[h] = self._host_meta[h]
-                    self._bare[block] = 0
-                    self._lru[block] = None
                     self._host.move_to_end(h)
                     self._copy("load", slot, block)
                     self.offload_loaded += 1
@@ -240,6 +233,60 @@ class KVBlockPool:
         finally:
             self._pinned = set()
         return blocks
+
+    def _cache_into_free(self, name: bytes, keep: set[int]) -> int:
+        """A free block to hold contents named `name` from elsewhere (the host tier, another engine), taken as a request
+        takes one (a block with no cached contents first, else the least recently used free cached one not in `keep`),
+        registered under `name`, free and most recently used; -1 where none is free."""
+        block = self._bare.find(1)
+        if block < 0:
+            block = next((b for b in self._lru if self._open[b] and b not in keep), -1)
+        if block < 0:
+            return -1
+        self._forget(block)  # (what it cached goes to the host tier, never into a slot a restore reads)
+        self._hash_of[block] = name
+        self._block_of[name] = block
+        self._bare[block] = 0
+        self._lru[block] = None
+        return block
+
+    # -- blocks sent between engines (prefill-decode disaggregation: engine/kv_transfer.py) ------------------------
+
+    def prefix_names(self, hashes: list[bytes]) -> list[tuple[int, bytes]]:
+        """The blocks a cached prefix of `hashes` is made of, as (position, name) pairs: here a block a hash."""
+        return list(enumerate(hashes))
+
+    def device_blocks(self, names: list[bytes]) -> list[int]:
+        """The device blocks holding `names`' contents, as far as each one has one."""
+        found = []
+        for name in names:
+            block = self._block_of.get(name)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def adopt(self, names: list[bytes]) -> list[tuple[int, int]]:
+        """Blocks for another engine's blocks named `names` (the same model's, `prefix_names`): each name no block here
+        holds yet (nor the host tier) gets a free block, registered under it, free and cached, for a request to find
+        as a prefix. Returns (index in `names`, block) for the caller to write the contents into before the next pass
+        (the runner's `write_blocks`); stops where no free block is left. Blocks of these names already here are
+        kept, not taken for others."""
+        if not self.enable_caching:
+            return []
+        keep = {self._block_of[n] for n in names if n in self._block_of}
+        taken = []
+        for i, name in enumerate(names):
+            if name in self._block_of or name in self._host:
+                continue
+            block = self._cache_into_free(name, keep)
+            if block < 0:
+                break
+            keep.add(block)
+            taken.append((i, block))
+            if self._journal is not None:
+                self._journal.append((True, name))
+        return taken
 
     def drain_copies(self) -> list[tuple[str, list[int], list[int]]]:
         """The copies queued since the last call, in the order they must run: ("save", device blocks, host slots)
@@ -594,6 +641,11 @@ class HybridKVBlockPool(KVBlockPool):
 
     def _held(self, h: bytes) -> bool:
         return h in self._block_of or h in self._host
+
+    def prefix_names(self, hashes: list[bytes]) -> list[tuple[int, bytes]]:
+        """The blocks a cached prefix of `hashes` is made of: the full groups' every block's, the windowed groups' those
+        its next queries read (`_needed`), each named for its group."""
+        return [(i, self._named(hashes[i], g)) for i, g in self._needed(len(hashes))]
 
     def reachable(self, hashes: list[bytes]) -> int:
         """How many of `hashes`' first blocks a request may start with: the full groups' cached up to there (on the

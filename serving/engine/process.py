@@ -439,6 +439,11 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         pipeline_hop_seconds_total=sum(s.pipeline_hop_seconds_total for s in stats),
         pipeline_weights_read_bytes=sum(s.pipeline_weights_read_bytes for s in stats),
         forward_passes_total=sum(s.forward_passes_total for s in stats),
+        kv_transfer_sent_blocks_total=sum(s.kv_transfer_sent_blocks_total for s in stats),
+        kv_transfer_sent_bytes_total=sum(s.kv_transfer_sent_bytes_total for s in stats),
+        kv_transfer_received_blocks_total=sum(s.kv_transfer_received_blocks_total for s in stats),
+        kv_transfer_received_bytes_total=sum(s.kv_transfer_received_bytes_total for s in stats),
+        kv_transfer_refused_total=sum(s.kv_transfer_refused_total for s in stats),
     )
 
 

@@ -134,6 +134,8 @@ class RequestOutput:
     embedding: list[float] | None = None
     # with params.return_prompt_token_ids: the prompt's token ids as the engine computed them, on the first output
     prompt_token_ids: list[int] | None = None
+    # with params.kv_export_from: the prompt's blocks (engine/kv_transfer.py's KVTransfer), on its last output
+    kv_transfer: object = None
 
     @property
     def finished(self) -> bool:

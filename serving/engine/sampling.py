@@ -149,6 +149,12 @@ class SamplingParams:
     # distribution the token was drawn from (after the shaping, temperature, top-k, min-p, top-p and any grammar; a
     # greedy token's 0): what a trainer sampling through the engine corrects its ratios with (pylon.jobs.rollout)
     logprobs_mode: str = "raw"
+    # Prefill-decode disaggregation (engine/kv_transfer.py), set by the deployment, never by a client: a prefill
+    # engine's request sends back its prompt's blocks from this block position on (the asker holds those before) with
+    # its last output; a decode engine's request brings another engine's blocks of its prompt (a KVTransfer), taken
+    # into the cache before it is scheduled.
+    kv_export_from: int | None = None
+    kv_import: object = None
 
     def __post_init__(self) -> None:
         if self.guide is not None and (

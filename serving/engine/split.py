@@ -204,6 +204,15 @@ class PartWorker:
     def add_scratch_block(self) -> int:
         return self.runner.add_scratch_block()
 
+    def kv_layout(self) -> list:
+        return self.runner.kv_layout()
+
+    def read_blocks(self, blocks: list[int]) -> list:
+        return self.runner.read_blocks(blocks)
+
+    def write_blocks(self, blocks: list[int], arrays: list) -> None:
+        self.runner.write_blocks(blocks, arrays)
+
     def kv_groups(self) -> list:
         return self.runner.kv_groups
 
@@ -367,6 +376,44 @@ class SplitRunner:
         for actor in self.actors:
             actor.copy_blocks.remote(copies)
         self.local.copy_blocks(copies)
+
+    # Blocks sent to another engine (pylon.serving.engine.kv_transfer): every part's share, this part's first and the
+    # others' in their order, so that an engine of the same parts writes each share back to its own part.
+    def kv_layout(self) -> list:
+        import ray
+
+        parts = ray.get([actor.kv_layout.remote() for actor in self.actors])
+        return self.local.kv_layout() + [x for part in parts for x in part]
+
+    def read_blocks(self, blocks: list[int]) -> list:
+        import ray
+
+        remote = [actor.read_blocks.remote(blocks) for actor in self.actors]
+        return self.local.read_blocks(blocks) + [x for part in ray.get(remote) for x in part]
+
+    def write_blocks(self, blocks: list[int], arrays: list) -> None:
+        import ray
+
+        sizes = [len(self.local.kv_tensors())] + self._part_sizes()
+        parts, at = [], 0
+        for n in sizes:
+            parts.append(arrays[at : at + n])
+            at += n
+        if at != len(arrays):
+            raise PylonError(f"blocks of {len(arrays)} tensors given to parts holding {at}")
+        done = [actor.write_blocks.remote(blocks, part) for actor, part in zip(self.actors, parts[1:])]
+        self.local.write_blocks(blocks, parts[0])
+        ray.get(done)  # (before a step reads them: the parts' next step is queued after, but a failure shows here)
+
+    def _part_sizes(self) -> list[int]:
+        """How many of `kv_tensors` each other part holds (kept: it never changes)."""
+        sizes = self.__dict__.get("_kv_part_sizes")
+        if sizes is None:
+            import ray
+
+            sizes = [len(layout) for layout in ray.get([a.kv_layout.remote() for a in self.actors])]
+            self.__dict__["_kv_part_sizes"] = sizes
+        return sizes
 
     def add_scratch_block(self) -> int:
         """The scratch block (`ModelRunner.add_scratch_block`) on every part, at the same slot (a windowed table's null

@@ -127,6 +127,15 @@ class ShardWorker(PartWorker):
     def mtp_copy_blocks(self, copies: list) -> None:
         self.mtp.copy_blocks(copies)
 
+    def mtp_kv_layout(self) -> list:
+        return self.mtp.kv_layout()
+
+    def mtp_read_blocks(self, blocks: list[int]) -> list:
+        return self.mtp.read_blocks(blocks)
+
+    def mtp_write_blocks(self, blocks: list[int], arrays: list) -> None:
+        self.mtp.write_blocks(blocks, arrays)
+
 
 class TensorRunner(SplitRunner):
     """`ModelRunner`'s interface (what the engine uses of it) over the tensor-parallel shards of a model: shard 1 in
@@ -377,3 +386,27 @@ class TensorMtp:
         for w in self.tensor.workers:
             w.mtp_copy_blocks.remote(copies)
         self.local.copy_blocks(copies)
+
+    # The layer's share of blocks sent to another engine, as `SplitRunner.read_blocks` (every shard holds as many).
+    def kv_layout(self) -> list:
+        import ray
+
+        parts = ray.get([w.mtp_kv_layout.remote() for w in self.tensor.workers])
+        return self.local.kv_layout() + [x for part in parts for x in part]
+
+    def read_blocks(self, blocks: list[int]) -> list:
+        import ray
+
+        remote = [w.mtp_read_blocks.remote(blocks) for w in self.tensor.workers]
+        return self.local.read_blocks(blocks) + [x for part in ray.get(remote) for x in part]
+
+    def write_blocks(self, blocks: list[int], arrays: list) -> None:
+        import ray
+
+        n = len(self.local.kv_tensors())
+        done = [
+            w.mtp_write_blocks.remote(blocks, arrays[n * (i + 1) : n * (i + 2)])
+            for i, w in enumerate(self.tensor.workers)
+        ]
+        self.local.write_blocks(blocks, arrays[:n])
+        ray.get(done)

@@ -33,6 +33,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -982,6 +983,28 @@ class ModelRunner:
                     host_kv.index_copy_(1, slots, device_kv.index_select(1, blocks).cpu())
                 else:
                     device_kv.index_copy_(1, blocks, host_kv.index_select(1, slots).to(self.device))
+
+    # -- blocks sent to another engine (prefill-decode disaggregation; pylon.serving.engine.kv_transfer) -----------
+
+    def kv_layout(self) -> list[tuple[tuple[int, ...], str]]:
+        """What a block of each of `kv_tensors` is: its shape without the blocks' dimension, and its dtype. Two runners
+        whose layouts are equal hold blocks that mean the same (with the same model and block names)."""
+        return [((t.shape[0], *t.shape[2:]), str(t.dtype).removeprefix("torch.")) for t in self.kv_tensors()]
+
+    def read_blocks(self, blocks: list[int]) -> list:
+        """Blocks `blocks` of each of `kv_tensors`, in order: one numpy array of bytes a tensor, `[heads, len(blocks),
+        block_size, ...]` as unsigned bytes (bf16 and fp8 have no numpy type; `write_blocks` views them back)."""
+        index = torch.tensor(blocks, device=self.device)
+        return [t.index_select(1, index).contiguous().view(torch.uint8).cpu().numpy() for t in self.kv_tensors()]
+
+    def write_blocks(self, blocks: list[int], arrays: list) -> None:
+        """`read_blocks`' arrays (another runner's, of the same `kv_layout`) into blocks `blocks`."""
+        index = torch.tensor(blocks, device=self.device)
+        for t, array in zip(self.kv_tensors(), arrays, strict=True):
+            with warnings.catch_warnings():  # (an array from Ray's object store is read-only; it is only read here)
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(array)
+            _as_bits(t).index_copy_(1, index, data.to(self.device).view(_BITS[t.element_size()]))
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         """On a GPU, capture the CUDA graphs that steps of decodes only will replay (pylon.serving.model.graphs;
