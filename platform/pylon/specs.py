@@ -1717,6 +1717,31 @@ def is_loopback(host: str) -> bool:
 class ReplicaSpec(_Spec):
     num_cpus: Annotated[float, Field(ge=0)] = 1
     num_gpus: Annotated[float, Field(ge=0)] = 0
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="the node labels a replica's node must have (Ray's label_selector; the labels `pylon cluster up "
+        "--labels` and `pylon cluster join --labels` give a node, e.g. {pool: decode}); {}: any node with room",
+    )
+
+
+class PrefillSpec(_Spec):
+    """Prefill-decode disaggregation: replicas of their own compute long prompts and send their KV blocks to the
+    replica that decodes them (docs/serving.md, "Prefill on replicas of its own")."""
+
+    replicas: PositiveInt = Field(1, description="how many prefill replicas run (each its own engine)")
+    min_prompt_tokens: PositiveInt = Field(
+        256,
+        description="a prompt goes to a prefill replica when at least this many of its tokens are not already in the "
+        "decoding replica's prefix cache; shorter ones are computed where they are decoded (a hop costs more than "
+        "they do)",
+    )
+    timeout_s: Annotated[float, Field(gt=0)] = Field(
+        60,
+        description="how long a replica waits for a prefill replica's blocks before it computes the prompt itself",
+    )
+    replica: ReplicaSpec | None = Field(
+        None, description="a prefill replica's resources and node labels; None: the deployment's `replica`"
+    )
 
 
 class DeploymentSpec(_Spec):
@@ -1729,6 +1754,11 @@ class DeploymentSpec(_Spec):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     http: HttpSpec = Field(default_factory=HttpSpec)
     replica: ReplicaSpec = Field(default_factory=ReplicaSpec)
+    prefill: PrefillSpec | None = Field(
+        None,
+        description="prefill-decode disaggregation: replicas of their own compute long prompts, whose KV blocks go to "
+        "the replica that decodes them; None: every replica computes its own prompts",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "DeploymentSpec":
@@ -1780,7 +1810,25 @@ class DeploymentSpec(_Spec):
                         )
                     ]
                 )
+        if self.prefill is not None:
+            if not self.engine.enable_prefix_caching:
+                _raise_problems(
+                    [
+                        (
+                            "prefill",
+                            "needs engine.enable_prefix_caching: a prefill replica's blocks are taken into the "
+                            "decoding replica's prefix cache, where its request finds them",
+                        )
+                    ]
+                )
+            own = self.prefill.replica or self.replica
+            if self.engine.device == "cuda" and own.num_gpus == 0:
+                _raise_problems([("prefill.replica.num_gpus", "must be > 0 when engine.device is 'cuda' (got 0)")])
         return self
+
+    def prefill_replica(self) -> ReplicaSpec:
+        """A prefill replica's resources and labels (`prefill.replica`, or the deployment's own)."""
+        return (self.prefill.replica if self.prefill is not None else None) or self.replica
 
     def summary(self) -> str:
         a = self.autoscaling
@@ -1793,6 +1841,12 @@ class DeploymentSpec(_Spec):
                 else ""
             )
             + (f"{self.engine.tensor_parallel} tensor-parallel shards, " if self.engine.tensor_parallel > 1 else "")
+            + (
+                f"{self.prefill.replicas} prefill replica(s) (prompts of {self.prefill.min_prompt_tokens}+ new "
+                "tokens), "
+                if self.prefill is not None
+                else ""
+            )
             + f"auth {'from $' + self.http.api_keys_env if self.http.api_keys_env else 'OFF'}"
         )
 

@@ -600,6 +600,7 @@ def _answer_parts(spec: BatchJobSpec, todo: list[Part], *, progress: bool) -> di
         ),
         num_cpus=spec.replica.num_cpus,
         num_gpus=spec.replica.num_gpus,
+        **({"label_selector": dict(spec.replica.labels)} if spec.replica.labels else {}),
     )  # (Ray Data restarts a pool's actor that dies, and retries its part: max_restarts, max_task_retries -1)
     lines = {p.index: p.stop - p.start for p in todo}
     counts = dict.fromkeys(COUNTS, 0)

@@ -71,15 +71,16 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
         # were still on their way back), so it is only the last guard against a flood.
         max_ongoing_requests=running + 2 * http.max_queued_requests,
         max_queued_requests=4 * (running + 2 * http.max_queued_requests),
-        ray_actor_options={"num_cpus": spec.replica.num_cpus, "num_gpus": spec.replica.num_gpus},
+        ray_actor_options=actor_options(spec.replica),
         health_check_period_s=5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
         user_config={"api_keys": keys, "revision": new_id("rev")},
         **pipeline_placement(spec),
     )
+    prefill = prefill_deployment(spec)
     if not routes_by_prefix(spec):
-        return deployment.bind(spec.model_dump(mode="json"))
+        return deployment.bind(spec.model_dump(mode="json"), prefill=prefill)
     from ray.serve.config import RequestRouterConfig
 
     from pylon.serving.api.routing import HEALTH_CHECK_PERIOD_S, ROUTING_STATS_PERIOD_S, PylonRouter
@@ -92,7 +93,7 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
         ),
         # Serve's controller collects routing stats at health checks: these pace the router's view of the caches.
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
-    ).bind(spec.model_dump(mode="json"))
+    ).bind(spec.model_dump(mode="json"), prefill=prefill)
     router = serve.deployment(
         serve.ingress()(PylonRouter),
         name=f"{spec.name}-router",
@@ -104,6 +105,41 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
     ).bind(server, spec.model_dump(mode="json"))
     # Ray Serve's hook for an ingress request router (internal to Ray 2.60; Ray Serve LLM's router uses it).
     return server._with_ingress_request_router(router)
+
+
+def actor_options(replica) -> dict:
+    """A replica's Ray actor options: its resources, and the node labels its node must have (`labels`)."""
+    options = {"num_cpus": replica.num_cpus, "num_gpus": replica.num_gpus}
+    if replica.labels:
+        options["label_selector"] = dict(replica.labels)
+    return options
+
+
+def prefill_deployment(spec: DeploymentSpec):
+    """The deployment's prefill replicas (`prefill`; pylon.serving.api.prefill), bound, for its decoding replicas to
+    call: `<name>-prefill`, `prefill.replicas` of them, each the deployment's engine, placed by `prefill.replica`
+    (or `replica`), a split model's parts in placement groups as the decoding replicas'. None without `prefill`."""
+    if spec.prefill is None:
+        return None
+    from ray import serve
+
+    from pylon.serving.api.prefill import PylonPrefillServer
+
+    own = spec.prefill_replica()
+    placement = pipeline_placement(spec.model_copy(update={"replica": own}))
+    return serve.deployment(
+        PylonPrefillServer,
+        name=f"{spec.name}-prefill",
+        num_replicas=spec.prefill.replicas,
+        # its engine's running batch and as many again waiting: a prompt is one step or a few, so they turn over
+        # fast; past that, Serve's queue holds the calls (their callers time out to computing prompts themselves)
+        max_ongoing_requests=2 * spec.engine.max_num_seqs,
+        ray_actor_options=actor_options(own),
+        health_check_period_s=5,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5,
+        **placement,
+    ).bind(spec.model_dump(mode="json"))
 
 
 PLACEMENT_STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK"}

@@ -46,6 +46,8 @@ from pylon.serving.api.http import (
 )
 from pylon.serving.api.keys import KeyCheck
 from pylon.serving.api.ledger import ReplicaLedger
+from pylon.serving.api.prefill import RemotePrefill
+from pylon.serving.api.replica_engine import start_engine
 from pylon.serving.api.response_store import ResponseStore
 from pylon.serving.engine.sampling import POOL_TASK_NAMES, SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
@@ -167,6 +169,20 @@ def _metrics(model: str):
         "adapter_evictions": counter(
             "pylon_lora_adapter_evictions_total", "LoRA adapters unloaded to make room for another"
         ),
+        "prefill_computed": counter(
+            "pylon_prefill_tokens_computed_total", "Prompt tokens the engine computed (not found in a cache)"
+        ),
+        "kv_received_blocks": counter(
+            "pylon_kv_transfer_received_blocks_total",
+            "KV blocks taken in from prefill replicas (prefill; the blocks this engine lacked)",
+        ),
+        "kv_received_bytes": counter(
+            "pylon_kv_transfer_received_bytes_total", "Bytes of KV blocks received from prefill replicas"
+        ),
+        "kv_refused": counter(
+            "pylon_kv_transfer_refused_total",
+            "Prefill replicas' blocks refused (another KV layout): their prompts computed here",
+        ),
         "requests": counter(
             "pylon_requests_total",
             "Finished requests by HTTP status and finish reason",
@@ -205,10 +221,8 @@ def _check_dimensions(dimensions: int | None, lasts: list) -> None:
 class PylonLLMServer:
     """One replica: the engine for `spec.model` and the HTTP API in front of it."""
 
-    def __init__(self, spec: dict, api_keys: dict | None = None):
-        from pylon.serving.engine.engine import AsyncLLMEngine
-        from pylon.serving.engine.process import EnginePool, ProcessLLMEngine
-
+    def __init__(self, spec: dict, api_keys: dict | None = None, prefill=None):
+        """`prefill`: the handle of the deployment's prefill replicas (`prefill`; pylon.serving.api.prefill)."""
         self.spec = DeploymentSpec.model_validate(spec)
         self.model_name = self.spec.name
         # Auth: the salted key hashes (`pylon.serving.api.keys`), replaced in place by `reconfigure`. Without them a
@@ -232,17 +246,16 @@ class PylonLLMServer:
         self._processing: asyncio.Lock | None = None  # one prompt with images through the processor at a time
         self._revision = ""  # of the user_config in force: /ready reports it, so a deploy knows when it holds
         t0 = time.monotonic()
-        engine = self.spec.engine
-        kind = (
-            EnginePool if engine.data_parallel > 1 else ProcessLLMEngine if engine.separate_process else AsyncLLMEngine
-        )
-        options = {}
-        if (engine.pipeline_parallel > 1 or engine.tensor_parallel > 1) and kind is ProcessLLMEngine:
-            from pylon.serving.engine.split import placement
-
-            options["pipeline"] = placement()  # its stages (shards) go in this replica's placement group
-        self.engine = kind.from_model(self.spec.model, self.spec.engine, **options)
+        self.engine = start_engine(self.spec)
         log.info("loaded %s from %s in %.1f s", self.model_name, self.spec.model, time.monotonic() - t0)
+        # Prefill-decode disaggregation: long prompts computed on the prefill replicas, their blocks sent here.
+        self._prefill = None
+        if prefill is not None:
+            try:
+                self._prefill = RemotePrefill(prefill, self.spec, self.engine)
+            except BaseException:
+                self.engine.shutdown()
+                raise
         # The model's sampling defaults (its generation_config.json's; none under engine.generation_config: none),
         # read by the engine where it loaded the model: the fields a request leaves out take them.
         generation = self.engine.generation
@@ -377,6 +390,10 @@ class PylonLLMServer:
                 "pipeline_stage_seconds",
                 "pipeline_hop_seconds",
                 "pipeline_weights_read",
+                "prefill_computed",
+                "kv_received_blocks",
+                "kv_received_bytes",
+                "kv_refused",
             ),
             0,
         )
@@ -405,6 +422,10 @@ class PylonLLMServer:
                 ("pipeline_stage_seconds", stats.pipeline_stage_seconds_total),
                 ("pipeline_hop_seconds", stats.pipeline_hop_seconds_total),
                 ("pipeline_weights_read", stats.pipeline_weights_read_bytes),
+                ("prefill_computed", stats.prefill_tokens_computed_total),
+                ("kv_received_blocks", stats.kv_transfer_received_blocks_total),
+                ("kv_received_bytes", stats.kv_transfer_received_bytes_total),
+                ("kv_refused", stats.kv_transfer_refused_total),
             ):
                 if total > reported[name]:
                     self.metrics[name].inc(total - reported[name])
@@ -1512,6 +1533,13 @@ class PylonLLMServer:
             # its KV blocks once they are cached.
             plan = [(i, k) for i in range(len(prompts)) for k in range(body.n)]
             streams: list = [None] * len(plan)
+            # Each long prompt's blocks from a prefill replica, taken in with its first choice (the others then find
+            # them cached too): `prefill`, pylon.serving.api.prefill.
+            transfers = [None] * len(prompts)
+            if self._prefill is not None:
+                transfers = await asyncio.gather(
+                    *(self._prefill.blocks(f"{engine_id}-p{i}", p, params) for i, p in enumerate(prompts))
+                )
 
             if params.thinking_token_budget is not None:
                 tags = [self._reasoning_tags(prompt) for prompt in prompts]
@@ -1522,6 +1550,8 @@ class PylonLLMServer:
                 own = _choice_params(params, k)
                 if params.thinking_token_budget is not None:
                     own = dataclasses.replace(own, reasoning_tags=tags[i])
+                if transfers[i] is not None and k == 0:
+                    own = dataclasses.replace(own, kv_import=transfers[i])
                 streams[j] = self.engine.generate(
                     engine_id if len(plan) == 1 else f"{engine_id}-{j}",
                     prompts[i],

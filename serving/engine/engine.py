@@ -1334,9 +1334,11 @@ class LLMEngine:
         request then finds cached, it does not compute). A transfer of another layout is refused and the prompt
         computed here."""
         transfer, request.params.kv_import = request.params.kv_import, None  # (its bytes are let go of once taken)
-        if not isinstance(transfer, kv_transfer.KVTransfer) or not self.pool.enable_caching:
+        if not isinstance(transfer, kv_transfer.KVTransfer):
             return
         try:
+            if not self.pool.enable_caching:  # (a model with recurrent layers and no snapshots of their states)
+                raise kv_transfer.TransferRefused("this engine keeps no prefix cache, where another's blocks would go")
             self._received_blocks += kv_transfer.import_blocks(self.pool, self._kv_runners(), self._layout(), transfer)
             self._received_bytes += transfer.nbytes
         except kv_transfer.TransferRefused as e:
@@ -1719,6 +1721,10 @@ class AsyncLLMEngine:
         to the router that keeps prefixes on the replica that holds them (pylon.serving.api.routing)."""
         # One C-level copy of the dict's keys under the GIL: the step thread cannot change it halfway.
         return self.engine.pool.cached_hashes()
+
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many of a prompt's first blocks (`hashes`, kv_cache.block_hashes) the engine holds cached now."""
+        return self.engine.pool.reachable(list(hashes))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (open streams raise `EngineDeadError`) and wait for the thread to end."""

@@ -392,6 +392,10 @@ class EnginePool:
         """Every engine's cached blocks (a block cached by two engines counts once)."""
         return list(set().union(*(e.cached_blocks for e in self.engines)))
 
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """The longest prefix of `hashes` one engine holds (the one `generate` sends such a prompt to, if free)."""
+        return max(e.cached_prefix_blocks(hashes) for e in self.engines)
+
     def check_health(self) -> bool:
         return all(e.check_health() for e in self.engines)
 

@@ -47,6 +47,7 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
         host=args.host,
         node_ip_address=args.node_ip_address,
         ha=args.ha,
+        labels=args.labels,
     )
     print(
         ("started" if started else "already running")
@@ -254,6 +255,12 @@ def add_cluster_parser(sub, fmt) -> None:
         "(default 127.0.0.1; docs/security.md lists what else listens where)",
     )
     up.add_argument("--node-ip-address", metavar="IP", help=NODE_IP_HELP)
+    up.add_argument(
+        "--labels",
+        metavar="K=V,...",
+        help="the head node's Ray labels (Kubernetes label syntax), e.g. pool=decode; tasks and replicas "
+        "(replica.labels, prefill.replica.labels) select nodes by them",
+    )
     up.add_argument(
         "--autoscale",
         nargs="?",

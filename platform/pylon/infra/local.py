@@ -121,6 +121,7 @@ def up(
     host: str = "127.0.0.1",
     node_ip_address: str | None = None,
     ha: bool = False,
+    labels: str | dict[str, str] | None = None,
 ) -> tuple[LocalCluster, bool]:
     """Start a local Ray head; returns (cluster, started). An already running one is returned as is.
 
@@ -130,10 +131,12 @@ def up(
     so that other machines reach it; token authentication is on either way). `node_ip_address`: the address
     Ray advertises for this node (its GCS included), for machines with several networks.
     `ha`: GCS fault tolerance (pylon.infra.ha): the GCS keeps its tables in a Redis started here, and a
-    supervisor restarts it when it exits; needs Debian's `redis-server`.
+    supervisor restarts it when it exits; needs Debian's `redis-server`. `labels`: the head node's Ray labels
+    (`k=v,k2=v2` or a dict), which tasks and replicas select nodes by (a replica's `replica.labels`).
     """
     home = home or pylon_home()
     _refuse_if_joined(home, "start a head here")
+    labels = labels if isinstance(labels, dict) else parse_labels(labels)
     existing = read_state(home)
     if existing is not None:
         if existing.is_running():
@@ -197,6 +200,8 @@ def up(
         cmd.append(f"--object-store-memory={object_store_memory}")
     if node_ip_address:
         cmd.append(f"--node-ip-address={node_ip_address}")
+    if labels:
+        cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
 
     env = node_env(token_path, temp_dir)
     autoscaler_path = ""

@@ -1,0 +1,141 @@
+"""Prefill-decode disaggregation through Ray Serve (a deployment's `prefill`; pylon.serving.api.prefill): a long
+prompt is computed on the prefill replica, its blocks travel through Ray's object store to the replica that took the
+request over HTTP, which computes only the prompt's last partial block and decodes; transformers' tokens either way,
+short prompts computed where they arrive, a chat's next turn sending only its new blocks, and a dead prefill replica
+costing no request. (The same across two machines: test_hosts.py.)"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+import urllib.request
+
+import psutil
+import pytest
+import requests
+from serving_models import greedy_text, tiny_llama
+
+pytestmark = pytest.mark.integration
+
+NEW = 12
+
+
+def _text(seed: int, n: int) -> str:
+    return "".join(chr(32 + (i * seed + seed) % 90) for i in range(n))
+
+
+def _complete(url: str, prompt: str, n: int = 1) -> dict:
+    body = {"model": "pd", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "n": n}
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _metric(text: str, name: str, **tags) -> float:
+    """The sum of `name`'s samples in a Prometheus text whose tags include `tags`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"ray_{name}{{") and all(f'{k}="{v}"' in line for k, v in tags.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _metrics(ray_cluster) -> str:
+    """The cluster's one node's metrics (from the first of its addresses that answers: each serves the same)."""
+    hosts = {"127.0.0.1"} | {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == 2}
+    for h in sorted(hosts):
+        try:
+            with urllib.request.urlopen(f"http://{h}:{ray_cluster.metrics_port}/metrics", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            pass
+    return ""
+
+
+def test_long_prompts_are_computed_on_the_prefill_replica_and_decoded_where_they_arrived(ray_cluster, tmp_path):
+    from pylon.sdk.serve import delete, deploy
+    from pylon.specs import DeploymentSpec
+
+    model = tiny_llama(tmp_path / "llama")
+    spec = DeploymentSpec.model_validate(
+        {
+            "kind": "Deployment",
+            "name": "pd",
+            "model": str(tmp_path / "llama"),
+            "engine": {
+                "max_num_seqs": 4,
+                "max_num_batched_tokens": 256,
+                "kv_cache_tokens": 2048,
+                "block_size": 16,
+                "max_model_len": 256,
+                "device": "cpu",
+            },
+            "http": {"api_keys_env": None, "route_prefix": "/pd"},
+            "replica": {"num_cpus": 0.5},
+            "prefill": {"replicas": 1, "min_prompt_tokens": 64, "timeout_s": 30, "replica": {"num_cpus": 0.25}},
+        }
+    )
+    url = deploy(spec)
+    try:
+        prefills = [p for p in ray_cluster.processes() if "ServeReplica:pd:pd-prefill" in " ".join(p.cmdline())]
+        assert len(prefills) == 1, prefills
+        engines = [c for c in prefills[0].children() if "pylon.serving.engine.process" in " ".join(c.cmdline())]
+        assert len(engines) == 1  # the prefill replica's own engine process
+
+        # A long prompt, never seen here before, reports its full blocks short of the last token as cached on its
+        # first request: the prefill replica computed them. transformers' tokens.
+        long = _text(37, 150)
+        first = _complete(url, long)
+        assert first["choices"][0]["text"] == greedy_text(model, long, NEW)
+        assert _cached(first) == 144
+        # Several at once, and one of two choices (one transfer for both)
+        prompts = [_text(s, 100 + 20 * s) for s in (3, 5, 7)]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: _complete(url, p), prompts))
+        for p, a in zip(prompts, answers):
+            assert a["choices"][0]["text"] == greedy_text(model, p, NEW)
+            assert _cached(a) == (len(p) - 1) // 16 * 16
+        two = _complete(url, _text(11, 120), n=2)
+        assert [c["text"] for c in two["choices"]] == [greedy_text(model, _text(11, 120), NEW)] * 2
+        # A short prompt is computed where it arrived (min_prompt_tokens 64)
+        short = _complete(url, _text(13, 40))
+        assert _cached(short) == 0 and short["choices"][0]["text"] == greedy_text(model, _text(13, 40), NEW)
+        # A chat's next turn: the first turn, its answer and more; the replica holds the first turn's blocks, and
+        # is sent the rest
+        turn = long + first["choices"][0]["text"] + _text(17, 70)
+        following = _complete(url, turn)
+        assert following["choices"][0]["text"] == greedy_text(model, turn, NEW)
+        assert _cached(following) == (len(turn) - 1) // 16 * 16
+
+        # What the decoding replica computed of the prompts: their tails only (every prompt token not cached),
+        # the prefill replica the rest; blocks sent and received alike; where each prompt was computed.
+        answered = [first, *answers, short, following]
+        tails = sum(a["usage"]["prompt_tokens"] - _cached(a) for a in answered) + 2 * (120 - 112)  # (two's choices)
+        deadline, text = time.monotonic() + 60, ""
+        while time.monotonic() < deadline:
+            text = _metrics(ray_cluster)
+            remote = _metric(text, "pylon_prefill_requests_total", model="pd", where="remote")
+            if remote >= 6 and _metric(text, "pylon_kv_transfer_sent_blocks_total", model="pd") > 0:
+                break
+            time.sleep(2)
+        assert remote == 6 and _metric(text, "pylon_prefill_requests_total", model="pd", where="local") == 1
+        computed = _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd")
+        assert computed == tails, (computed, tails)
+        sent = _metric(text, "pylon_kv_transfer_sent_blocks_total", model="pd")
+        assert sent == _metric(text, "pylon_kv_transfer_received_blocks_total", model="pd") > 0
+        assert _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd-prefill") >= sum(
+            (len(p) - 1) // 16 * 16 for p in (long, *prompts)
+        )
+        assert re.search(r"ray_pylon_prefill_remote_seconds_bucket\{[^}]*model=\"pd\"", text)
+
+        # The prefill replica dies: requests are still answered (computed here until Serve has replaced it)
+        prefills[0].kill()
+        later = _text(19, 130)
+        assert _complete(url, later)["choices"][0]["text"] == greedy_text(model, later, NEW)
+    finally:
+        delete("pd")
