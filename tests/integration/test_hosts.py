@@ -54,7 +54,8 @@ class Cluster:
     def start(self) -> Cluster:
         self.head.start()
         ports = ["--port", str(_free_port()), "--dashboard-port", str(_free_port())]  # other clusters may run here
-        self.head.run(["pylon", "cluster", "up", "--num-cpus", "2", "--object-store-gib", "0.25", *ports], timeout=240)
+        up = ["pylon", "cluster", "up", "--num-cpus", "2", "--object-store-gib", "0.25", "--labels", "pylon-host=head"]
+        self.head.run([*up, *ports], timeout=240)
         state = json.loads(self.head.read_text("/tmp/home/.pylon/cluster.json"))
         self.dashboard, self.gcs = state["dashboard_url"], state["gcs_address"]
         self.token = self.head.read_text(state["token_path"])
@@ -350,6 +351,53 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(
         assert lora == demand == greedy_text(adapted, prompts[0], 10) != base == answers[0]
     finally:
         hosts.client.run(["pylon", "serve", "--delete", "pp-hosts"], timeout=120, check=False)
+
+
+def test_a_prompt_computed_on_one_machine_is_decoded_on_the_other(hosts, s3_server, serve_port, tmp_path):
+    """`prefill` (prefill-decode disaggregation) across the two machines, deployed from the client: the replica that
+    decodes on the head (replica.labels, the head's `pylon cluster up --labels`), the prefill replica on the worker
+    (prefill.replica.labels), each with the model copied from S3 to its own machine. A long prompt's first request
+    finds its full blocks cached (the worker computed them; its keys and values crossed in Ray's object store), and
+    the tokens are transformers'; a short one is computed on the head."""
+    import requests
+
+    model = tiny_llama(tmp_path / "llama")
+    uri = f"s3://{s3_server.bucket}/hosts-pd-{int(time.time())}"
+    for path in (tmp_path / "llama").iterdir():
+        storage.upload_file(path, f"{uri}/{path.name}")
+    spec = {
+        "kind": "Deployment",
+        "name": "pd-hosts",
+        "model": uri,
+        "engine": {"max_num_seqs": 4, "kv_cache_tokens": 1024, "max_model_len": 256, "device": "cpu"},
+        "http": {"api_keys_env": None, "route_prefix": "/pd", "port": serve_port},
+        "replica": {"num_cpus": 0.5, "labels": {"pylon-host": "head"}},
+        "prefill": {"min_prompt_tokens": 64, "replica": {"num_cpus": 0.5, "labels": {"pylon-host": "worker-1"}}},
+    }
+    hosts.client.write_text("/tmp/home/pd.yaml", yaml.safe_dump(spec))
+    done = hosts.client.run(["pylon", "serve", "pd.yaml"], timeout=600)
+    url = done.stdout.strip().splitlines()[-1]
+    try:
+        where = {}
+        for host in (hosts.head, *hosts.workers):
+            for pid in host.processes():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                except OSError:
+                    continue
+                found = re.search(r"ServeReplica:pd-hosts:(pd-hosts(?:-prefill)?)\b", cmdline)
+                if found:
+                    where.setdefault(found.group(1), set()).add(host.name)
+        assert where == {"pd-hosts": {"head"}, "pd-hosts-prefill": {"worker-1"}}, where
+        _routes_everywhere(url)
+        for prompt, cached in (("".join(chr(32 + (i * 41) % 90) for i in range(150)), 144), ("short, here", 0)):
+            body = {"model": "pd-hosts", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            r = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == greedy_text(model, prompt, 10)
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    finally:
+        hosts.client.run(["pylon", "serve", "--delete", "pd-hosts"], timeout=120, check=False)
 
 
 @pytest.mark.slow  # make test-all: ~4.5 min
