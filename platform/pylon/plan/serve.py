@@ -4,7 +4,7 @@ bandwidth, and the cost per million output tokens at the assumed utilization (`p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pylon.errors import PylonError
 from pylon.plan.catalog import Accelerator, Catalog, load_catalog
@@ -22,6 +22,9 @@ QUANT_BYTES = 1  # bytes of a quantized projection weight (engine.quantization i
 # What a KV block copied between host and GPU memory moves at (the prefix cache's host tier): PCIe 4.0 x16's ~25 GB/s
 # in practice (an H100 SXM's PCIe 5.0 links reach ~50).
 HOST_LINK_BYTES_S = 25e9
+# What KV blocks sent between nodes move at (prefill-decode disaggregation): a 100 Gb/s link's ~12.5 GB/s, what Ray's
+# object store reaches over TCP on a cloud GPU node's network (RDMA links run faster)
+NETWORK_BYTES_S = 12.5e9
 # Host memory of suffix decoding's trees (serving/engine/suffix.py) a cached output token: measured on text by
 # tests/unit/serving/engine/test_speculative_suffix.py
 SUFFIX_BYTES_PER_TOKEN = 256
@@ -44,6 +47,9 @@ class ServeOption:
     utilization: float
     gpus: int = 1  # accelerators a replica takes: one a pipeline stage (the memory above is the largest stage's)...
     split: str = "stage"  # ...or one a tensor-parallel "shard" (the memory above is one shard's)
+    # prefill replicas (a deployment's `prefill`): what the deployment pays per decoding replica's GPUs, as a factor
+    # ((decoding + prefill replicas) / decoding replicas at min_replicas); 1 without
+    cost_scale: float = 1.0
 
     @property
     def total(self) -> int:
@@ -53,7 +59,8 @@ class ServeOption:
     def cost_per_million_tokens(self) -> float:
         if self.batch_tps <= 0:
             return math.inf
-        return self.gpus * self.accelerator.price_per_gpu_hour / (self.batch_tps * 3600 * self.utilization) * 1e6
+        price = self.gpus * self.accelerator.price_per_gpu_hour * self.cost_scale
+        return price / (self.batch_tps * 3600 * self.utilization) * 1e6
 
     def to_dict(self) -> dict:
         return {
@@ -73,6 +80,7 @@ class ServeOption:
             "batch_tokens_per_s": round(self.batch_tps, 1),
             "batch": self.batch,
             "gpus_per_replica": self.gpus,
+            **({"cost_scale_for_prefill_replicas": round(self.cost_scale, 4)} if self.cost_scale != 1.0 else {}),
             "price_per_gpu_hour": self.accelerator.price_per_gpu_hour,
             "cost_per_million_tokens_usd": (
                 round(self.cost_per_million_tokens, 4) if math.isfinite(self.cost_per_million_tokens) else None
@@ -249,6 +257,31 @@ def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -
         if plan.recommendation is not None:
             return n, plan.recommendation
     return None
+
+
+def _prefill_cost_scale(spec: DeploymentSpec) -> float:
+    """What the deployment's GPUs cost per decoding replica's: the prefill replicas' beside the decoding ones (at
+    min_replicas, at least one), each taking as many accelerators as its replica spec asks against a decoding
+    replica's."""
+    decoding = max(1, spec.autoscaling.min_replicas)
+    own, theirs = spec.replica, spec.prefill_replica()
+    each = (theirs.num_gpus / own.num_gpus) if own.num_gpus else 1.0
+    return (decoding + spec.prefill.replicas * each) / decoding
+
+
+def _prefill_note(spec: DeploymentSpec, per_token: int) -> str:
+    """What `prefill` costs and moves, in words."""
+    p = spec.prefill
+    prompt = spec.engine.max_model_len // 2
+    sent = prompt * per_token
+    return (
+        f"prefill: {p.replicas} prefill replica(s) of this engine beside {max(1, spec.autoscaling.min_replicas)} "
+        f"decoding one(s) (the cost per million tokens counts their GPUs, {_prefill_cost_scale(spec):.2f}x a "
+        f"decoding replica's); a prompt of {prompt:,} new tokens sends {sent / 2**20:,.1f} MiB of KV blocks to the "
+        f"replica that decodes it ({per_token:,} bytes a token; ~{sent / NETWORK_BYTES_S * 1e3:,.0f} ms at "
+        f"{NETWORK_BYTES_S * 8 / 1e9:,.0f} Gb/s between nodes, nothing on one node's object store); prompts of fewer "
+        f"than {p.min_prompt_tokens} new tokens stay where they are decoded"
+    )
 
 
 def experts_read(shape, seqs: int) -> float:
@@ -601,6 +634,9 @@ def plan_serve(
                 "shard" if shards > 1 else "stage",
             )
         )
+    if spec.prefill is not None:
+        rows = [replace(r, cost_scale=_prefill_cost_scale(spec)) for r in rows]
+        notes.append(_prefill_note(spec, per_token))
     fitting = [r for r in rows if r.fits]
     recommendation = min(fitting, key=lambda r: r.cost_per_million_tokens) if fitting else None
     if recommendation is None and _suggest:

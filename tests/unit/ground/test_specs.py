@@ -550,6 +550,16 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "stage takes a placement group bundle of the replica's resources, and an empty bundle places nothing "
             "(got 0, and num_gpus 0)",
         ),
+        (
+            "engine: {enable_prefix_caching: false}\nprefill: {replicas: 2}\n",
+            "5: document 1 (Deployment 'svc'): prefill: needs engine.enable_prefix_caching: a prefill replica's "
+            "blocks are taken into the decoding replica's prefix cache, where its request finds them",
+        ),
+        (
+            "engine: {device: cuda}\nreplica: {num_gpus: 1}\nprefill: {replica: {num_gpus: 0}}\n",
+            "6: document 1 (Deployment 'svc'): prefill.replica.num_gpus: must be > 0 when engine.device is 'cuda' "
+            "(got 0)",
+        ),
     ],
     ids=[
         "kv<max_model_len",
@@ -566,6 +576,8 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "tensor-no-resources",
         "pipeline-classifier",
         "pipeline-no-resources",
+        "prefill-no-prefix-cache",
+        "prefill-cuda-no-gpus",
     ],
 )
 def test_deployment_cross_field_rules(extra: str, expected: str) -> None:

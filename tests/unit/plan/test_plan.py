@@ -314,6 +314,31 @@ def test_the_prefix_cache_s_host_tier_is_counted_in_host_memory_not_the_gpu_s(tm
     assert "320.0 GiB of disk under /mnt/nvme" in on_disk, on_disk
 
 
+def test_prefill_replicas_are_counted_in_the_cost_and_their_blocks_in_bytes_a_prompt(tmp_path: Path) -> None:
+    """`prefill`: two prefill replicas beside two decoding ones double what the deployment pays per decoding
+    replica's tokens (a prefill replica of half a decoding one's GPUs: 1.5x); the memory rows are the same; the note
+    says what a prompt of half max_model_len sends (Llama 2 70B: 327,680 bytes a token, 2,048 tokens: 640 MiB)."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    engine = {"device": "cuda", "kv_cache_tokens": 65536, "max_model_len": 4096, "tensor_parallel": 2}
+    common = {"name": "m", "model": str(tmp_path), "replica": {"num_gpus": 1}, "engine": engine}
+    scaling = {"min_replicas": 2, "max_replicas": 4}
+    off = plan_serve(DeploymentSpec(**common, autoscaling=scaling), gpu="H100")
+    on = plan_serve(DeploymentSpec(**common, autoscaling=scaling, prefill={"replicas": 2}), gpu="H100")
+    half = {"replicas": 2, "replica": {"num_gpus": 0.5}}
+    cheaper = plan_serve(DeploymentSpec(**common, autoscaling=scaling, prefill=half), gpu="H100")
+    a, b, c = off.rows[0], on.rows[0], cheaper.rows[0]
+    assert (a.total, a.batch_tps) == (b.total, b.batch_tps)
+    assert b.cost_per_million_tokens == pytest.approx(2 * a.cost_per_million_tokens)
+    assert c.cost_per_million_tokens == pytest.approx(1.5 * a.cost_per_million_tokens)
+    assert (
+        b.to_dict()["cost_scale_for_prefill_replicas"] == 2.0 and "cost_scale_for_prefill_replicas" not in a.to_dict()
+    )
+    note = next(n for n in on.notes if n.startswith("prefill:"))
+    assert "2 prefill replica(s) of this engine beside 2 decoding one(s)" in note, note
+    assert "640.0 MiB of KV blocks" in note and "327,680 bytes a token" in note, note
+    assert not any(n.startswith("prefill:") for n in off.notes)
+
+
 def test_a_narrower_kv_cache_dtype_fits_more_tokens(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     plans = {

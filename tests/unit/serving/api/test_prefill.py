@@ -1,0 +1,59 @@
+"""A deployment's `prefill` as Serve sees it (pylon.serving.api.builder, pylon.serving.api.prefill): the prefill
+replicas' deployment beside the decoding one, placed by their own resources and node labels, handed to every
+decoding replica; and what a prefill replica is asked to run. The blocks' way end to end: test_kv_transfer.py (the
+engines), tests/integration/test_serving_prefill.py (through Serve), test_hosts.py (across two machines)."""
+
+from __future__ import annotations
+
+from pylon.serving.api.builder import build_app, prefill_deployment
+from pylon.serving.api.prefill import prefill_params
+from pylon.serving.engine.sampling import SamplingParams
+from pylon.specs import DeploymentSpec
+
+
+def _spec(**fields) -> DeploymentSpec:
+    return DeploymentSpec.model_validate({"name": "m", "model": "s3://b/m", **fields})
+
+
+def test_the_prefill_replicas_are_a_deployment_of_their_own_handed_to_every_decoding_replica() -> None:
+    spec = _spec(
+        engine={"tensor_parallel": 2, "max_num_seqs": 8},
+        replica={"num_cpus": 2, "labels": {"pool": "decode"}},
+        prefill={"replicas": 3, "replica": {"num_cpus": 4, "labels": {"pool": "prefill"}}},
+    )
+    prefill = prefill_deployment(spec)._bound_deployment
+    assert (prefill.name, prefill.num_replicas, prefill.max_ongoing_requests) == ("m-prefill", 3, 16)
+    assert prefill.ray_actor_options == {"num_cpus": 4, "num_gpus": 0, "label_selector": {"pool": "prefill"}}
+    # each prefill replica's shards in a placement group of its own resources, as a decoding replica's are of its
+    assert prefill._replica_config.placement_group_bundles == [{"CPU": 4}] * 2
+    decoding = build_app(spec, api_keys=None)._bound_deployment
+    assert decoding.name == "m" and decoding.ray_actor_options["label_selector"] == {"pool": "decode"}
+    assert decoding._replica_config.placement_group_bundles == [{"CPU": 2}] * 2
+    assert decoding.init_kwargs["prefill"]._bound_deployment.name == "m-prefill"
+
+
+def test_without_prefill_there_is_no_prefill_deployment_and_a_prefill_replica_takes_the_deployments_replica() -> None:
+    assert prefill_deployment(_spec()) is None
+    assert build_app(_spec(), api_keys=None)._bound_deployment.init_kwargs == {"prefill": None}
+    same = prefill_deployment(_spec(replica={"num_cpus": 3}, prefill={}))._bound_deployment
+    assert same.ray_actor_options == {"num_cpus": 3, "num_gpus": 0} and same.num_replicas == 1
+
+
+def test_a_prefill_replica_runs_one_greedy_token_reading_the_prompt_as_the_decoding_engine_does() -> None:
+    asked = SamplingParams(
+        max_tokens=300,
+        temperature=0.8,
+        logprobs=3,
+        stop=["\n"],
+        add_special_tokens=True,
+        truncate_prompt_tokens=100,
+        truncation_side="right",
+        adapter="sql",
+        cache_salt="tenant-7",
+        priority=-2,
+        guide={"type": "json_object"},
+    )
+    run = prefill_params(asked, first_block=5)
+    assert (run.max_tokens, run.temperature, run.logprobs, run.stop, run.guide) == (1, 0, None, [], None)
+    assert (run.add_special_tokens, run.truncate_prompt_tokens, run.truncation_side) == (True, 100, "right")
+    assert (run.adapter, run.cache_salt, run.priority, run.kv_export_from) == ("sql", "tenant-7", -2, 5)
