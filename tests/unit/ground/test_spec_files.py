@@ -60,7 +60,7 @@ def test_every_error_of_every_document_is_reported_in_order(tmp_path: Path) -> N
         f"{path}:19: document 3 (Deployment 'svc'): autoscaling.min_replicas: must be greater than or equal to 0 "
         f"(got -1)",
         f"{path}:20: document 3 (Deployment 'svc'): colour: unknown field; allowed fields: kind, name, model, engine, "
-        f"autoscaling, http, replica",
+        f"autoscaling, http, replica, prefill",
         f"{path}:23: document 4 (Cluster 'Bad_Name'): name: {NAME_MSG}, e.g. 'stdlib-gpt' (got 'Bad_Name')",
     ]
 
