@@ -27,37 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-
-def _model(directory: Path, args) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pylon.data.tokenizer import ByteTokenizer
-
-    tok = ByteTokenizer()
-    config = LlamaConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=args.max_model_len,
-        eos_token_id=tok.eos_id,
-        bos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(directory)
-    (directory / "pylon_tokenizer.json").write_text(json.dumps(tok.info.model_dump(mode="json")))
-    return str(directory)
+from serve_offload import _model  # (the same random Llama: --hidden, --layers, --max-model-len)
 
 
 async def _stream(engine, rid: str, prompt, params, times: list, tokens: list) -> None:

@@ -9,7 +9,9 @@ replica's node.
 
 `report(name)` sums the replicas: replica-hours (and CPU/GPU-hours by the resources each held), tokens, the
 idle fraction (replica time with nothing to do over replica time), the cost at the catalog's prices and the cost
-per million output tokens at the load it measured. Requests are also counted by the model they named (the base
+per million output tokens at the load it measured. A deployment's prefill replicas (`prefill`) keep records too: their
+hours and cost count in the deployment's, and their prompts apart (`prefill` in the report); the replicas that decode
+count the requests and tokens. Requests are also counted by the model they named (the base
 model, or one of its LoRA adapters), and the cost is split between those by their share of the tokens (prompt and
 output): what each adapter's users cost on the shared replicas.
 """
@@ -41,8 +43,12 @@ def deployment_uri(name: str, root: str | None = None) -> str:
 class ReplicaLedger:
     """One replica's record: `finished(...)` per request; `write()` when `due()` (the replica's metrics loop)."""
 
-    def __init__(self, spec: dict, *, accelerator: str | None = None):
+    def __init__(self, spec: dict, *, accelerator: str | None = None, role: str = "decode"):
+        """`role`: "decode" (a replica that takes requests), or "prefill" (a prefill replica, `prefill`: its hours and
+        cost count, and its prompts apart; the replicas that decode them count the requests and tokens)."""
         name = spec["name"]
+        held = (spec.get("prefill") or {}).get("replica") if role == "prefill" else None
+        held = held or spec["replica"]
         replica = _replica_id()
         self.uri = storage.join(deployment_uri(name), f"{replica}.json")
         now = time.time()
@@ -54,7 +60,8 @@ class ReplicaLedger:
             "started_at": now,
             "updated_at": now,
             "ended_at": None,
-            "resources": {"CPU": spec["replica"]["num_cpus"], "GPU": spec["replica"]["num_gpus"]},
+            "role": role,
+            "resources": {"CPU": held["num_cpus"], "GPU": held["num_gpus"]},
             "accelerator": accelerator,
             "requests": 0,
             "prompt_tokens": 0,
@@ -143,13 +150,27 @@ def report(name: str, *, root: str | None = None, prices: str | None = None, now
     gpu_cost = 0.0
     accelerator = None
     stale_after = 3 * UPDATE_EVERY_S
+    prefill = {"replicas": 0, "replica_hours": 0.0, "prompts": 0, "prompt_tokens": 0, "busy_s": 0.0}
     for r in replicas:
         end = r["ended_at"] or (now if now - r["updated_at"] < stale_after else r["updated_at"])
         held = max(0.0, end - r["started_at"])
-        replica_s += held
-        busy_s += min(r["busy_s"], held)
         for resource, amount in r["resources"].items():
             hours[resource] = hours.get(resource, 0.0) + held * amount / HOUR
+        if r.get("accelerator") and r["resources"].get("GPU"):
+            accelerator = r["accelerator"]
+            try:
+                gpu_cost += held * r["resources"]["GPU"] / HOUR * catalog.get(accelerator).price_per_gpu_hour
+            except PylonError:
+                pass
+        if r.get("role") == "prefill":  # (its prompts' requests and tokens are the decoding replicas')
+            prefill["replicas"] += 1
+            prefill["replica_hours"] += held / HOUR
+            prefill["prompts"] += r["requests"]
+            prefill["prompt_tokens"] += r["prompt_tokens"]
+            prefill["busy_s"] += min(r["busy_s"], held)
+            continue
+        replica_s += held
+        busy_s += min(r["busy_s"], held)
         tokens_in += r["prompt_tokens"]
         tokens_out += r["output_tokens"]
         requests += r["requests"]
@@ -161,21 +182,16 @@ def report(name: str, *, root: str | None = None, prices: str | None = None, now
             total_of = by_model.setdefault(model, {"requests": 0, "prompt_tokens": 0, "output_tokens": 0})
             for k, v in counts.items():
                 total_of[k] += v
-        if r.get("accelerator"):
-            accelerator = r["accelerator"]
-            try:
-                gpu_cost += held * r["resources"].get("GPU", 0) / HOUR * catalog.get(accelerator).price_per_gpu_hour
-            except PylonError:
-                pass
     cost = {"accelerators": gpu_cost, "cpu": hours.get("CPU", 0.0) * catalog.vcpu_price_per_hour}
     total = sum(cost.values())
-    live = [r for r in replicas if not r["ended_at"] and now - r["updated_at"] < stale_after]
+    decoding = [r for r in replicas if r.get("role") != "prefill"]
+    live = [r for r in decoding if not r["ended_at"] and now - r["updated_at"] < stale_after]
     return {
         "kind": "deployment",
         "deployment": name,
         "ledger_uri": deployment_uri(name, root),
         "updated_at": now,
-        "replicas": len(replicas),
+        "replicas": len(decoding),
         "replicas_live": len(live),
         "replica_hours": replica_s / HOUR,
         "resource_hours": hours,
@@ -195,7 +211,22 @@ def report(name: str, *, root: str | None = None, prices: str | None = None, now
             "accelerator": accelerator,
             "per_vcpu_hour": catalog.vcpu_price_per_hour,
         },
-        "predicted": _predicted(replicas[-1], catalog),
+        "predicted": _predicted((decoding or replicas)[-1], catalog),
+        **(
+            {
+                "prefill": {
+                    "replicas": prefill["replicas"],
+                    "replica_hours": prefill["replica_hours"],
+                    "prompts": prefill["prompts"],
+                    "prompt_tokens": prefill["prompt_tokens"],
+                    "idle_fraction": 1.0 - prefill["busy_s"] / (prefill["replica_hours"] * HOUR)
+                    if prefill["replica_hours"]
+                    else 0.0,
+                }
+            }
+            if prefill["replicas"]
+            else {}
+        ),
     }
 
 

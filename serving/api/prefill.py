@@ -33,7 +33,8 @@ import logging
 import time
 
 from pylon.errors import PylonError
-from pylon.serving.api.replica_engine import start_engine
+from pylon.serving.api.ledger import ReplicaLedger
+from pylon.serving.api.replica_engine import accelerator_name, start_engine
 from pylon.serving.engine.images import ImagePrompt
 from pylon.serving.engine.kv_cache import block_hashes, cache_salt
 from pylon.serving.engine.sampling import SamplingParams
@@ -75,14 +76,22 @@ class PylonPrefillServer:
             self.engine.shutdown()
             raise PylonError(_RECURRENT.format(name=self.spec.name))
         serve_cpu_as_batch(self.engine.device, f"prefill replica of {self.spec.name}")
-        self._metrics = None
+        # its hours and cost in the deployment's ledger (its prompts apart: pylon.serving.api.ledger)
+        self.ledger = ReplicaLedger(
+            self.spec.model_dump(mode="json"), accelerator=accelerator_name(self.engine.device), role="prefill"
+        )
         self._reporting: asyncio.Task | None = None
 
     def check_health(self) -> None:
         if not self.engine.check_health():
             raise EngineDeadError("the prefill replica's engine is not running")
+        if self._reporting is None and self.ledger.due():  # before any prompt: alive all the same
+            self.ledger.write()
 
     def __del__(self):
+        ledger = self.__dict__.get("ledger")
+        if ledger is not None:
+            ledger.write(ended=True)
         engine = self.__dict__.get("engine")
         if engine is not None:
             engine.shutdown()
@@ -91,10 +100,13 @@ class PylonPrefillServer:
         """Compute `prompt` (token ids) as a request of one token and return its blocks (`KVTransfer`, None where it has
         no full block to send). InvalidRequest for a prompt the engine refuses."""
         self._ensure_metrics()
-        last = None
+        started, last = time.monotonic(), None
         async for out in self.engine.generate(request_id, prompt, params):
             last = out
-        return None if last is None else last.kv_transfer
+        if last is None:
+            return None
+        self.ledger.finished(last.num_prompt_tokens, 0, started, time.monotonic())
+        return last.kv_transfer
 
     def _ensure_metrics(self) -> None:
         if self._reporting is None:
@@ -123,6 +135,8 @@ class PylonPrefillServer:
         reported = dict.fromkeys(counters, 0)
         while True:
             stats = self.engine.stats()
+            if self.ledger.due():  # storage I/O (object storage, maybe) off the event loop
+                await asyncio.to_thread(self.ledger.write)
             for name, metric in counters.items():
                 total = getattr(stats, name)
                 if total > reported[name]:

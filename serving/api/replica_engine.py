@@ -21,3 +21,12 @@ def start_engine(spec: DeploymentSpec):
 
         options["pipeline"] = placement()  # its stages (shards) go in this replica's placement group
     return kind.from_model(spec.model, engine, **options)
+
+
+def accelerator_name(device) -> str | None:
+    """The GPU's name as CUDA reports it (the catalog knows most by an alias), None on a CPU."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return None

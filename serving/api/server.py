@@ -47,7 +47,7 @@ from pylon.serving.api.http import (
 from pylon.serving.api.keys import KeyCheck
 from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.api.prefill import RemotePrefill
-from pylon.serving.api.replica_engine import start_engine
+from pylon.serving.api.replica_engine import accelerator_name, start_engine
 from pylon.serving.api.response_store import ResponseStore
 from pylon.serving.engine.sampling import POOL_TASK_NAMES, SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
@@ -191,15 +191,6 @@ def _metrics(model: str):
     }
 
 
-def _accelerator_name(device) -> str | None:
-    """The GPU's name as CUDA reports it (the catalog knows most by an alias), None on a CPU."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name(torch.device(device))
-    return None
-
-
 def _own_replica_tag() -> str:
     try:
         from ray import serve
@@ -290,9 +281,7 @@ class PylonLLMServer:
         serve_cpu_as_batch(self.engine.device, f"replica of {self.model_name}")
         self.metrics = _metrics(self.model_name)
         self._gauges_task = None
-        self.ledger = ReplicaLedger(
-            self.spec.model_dump(mode="json"), accelerator=_accelerator_name(self.engine.device)
-        )
+        self.ledger = ReplicaLedger(self.spec.model_dump(mode="json"), accelerator=accelerator_name(self.engine.device))
         # LoRA adapters loaded on demand: this replica's copies of those requests named (engine.dynamic_adapters).
         dynamic = self.spec.engine.dynamic_adapters
         self.fetcher = (

@@ -256,16 +256,6 @@ class KVBlockPool:
         """The blocks a cached prefix of `hashes` is made of, as (position, name) pairs: here a block a hash."""
         return list(enumerate(hashes))
 
-    def device_blocks(self, names: list[bytes]) -> list[int]:
-        """The device blocks holding `names`' contents, as far as each one has one."""
-        found = []
-        for name in names:
-            block = self._block_of.get(name)
-            if block is None:
-                break
-            found.append(block)
-        return found
-
     def adopt(self, names: list[bytes]) -> list[tuple[int, int]]:
         """Blocks for another engine's blocks named `names` (the same model's, `prefix_names`): each name no block here
         holds yet (nor the host tier) gets a free block, registered under it, free and cached, for a request to find

@@ -98,7 +98,7 @@ def export_blocks(
     k = len(hashes)
     while k > first_block:
         named = pool.prefix_names(hashes[:k])
-        blocks = pool.device_blocks([n for _, n in named])
+        blocks = pool.lookup([n for _, n in named])  # (the device's blocks of them, as far as each has one)
         if len(blocks) == len(named):
             break
         k -= 1

@@ -312,15 +312,10 @@ def test_a_model_in_two_pipeline_stages_is_served_across_the_two_machines(
     url = done.stdout.strip().splitlines()[-1]
     try:
         where = {}
-        for host in (hosts.head, *hosts.workers):
-            for pid in host.processes():
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-                except OSError:
-                    continue
-                for marker in ("ServeReplica:pp-hosts", "StageWorker", "ShardWorker"):
-                    if marker in cmdline:
-                        where.setdefault(marker, set()).add((host.name, pid))
+        for host, pid, cmdline in _cmdlines(hosts):
+            for marker in ("ServeReplica:pp-hosts", "StageWorker", "ShardWorker"):
+                if marker in cmdline:
+                    where.setdefault(marker, set()).add((host.name, pid))
         on = {marker: sorted(name for name, _ in found) for marker, found in where.items()}
         assert len(on.get("ServeReplica:pp-hosts", ())) == len(on.get("StageWorker", ())) == 1, where
         assert on["ServeReplica:pp-hosts"] != on["StageWorker"], where
@@ -379,15 +374,10 @@ def test_a_prompt_computed_on_one_machine_is_decoded_on_the_other(hosts, s3_serv
     url = done.stdout.strip().splitlines()[-1]
     try:
         where = {}
-        for host in (hosts.head, *hosts.workers):
-            for pid in host.processes():
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-                except OSError:
-                    continue
-                found = re.search(r"ServeReplica:pd-hosts:(pd-hosts(?:-prefill)?)\b", cmdline)
-                if found:
-                    where.setdefault(found.group(1), set()).add(host.name)
+        for host, _, cmdline in _cmdlines(hosts):
+            found = re.search(r"ServeReplica:pd-hosts:(pd-hosts(?:-prefill)?)\b", cmdline)
+            if found:
+                where.setdefault(found.group(1), set()).add(host.name)
         assert where == {"pd-hosts": {"head"}, "pd-hosts-prefill": {"worker-1"}}, where
         _routes_everywhere(url)
         for prompt, cached in (("".join(chr(32 + (i * 41) % 90) for i in range(150)), 144), ("short, here", 0)):
@@ -443,6 +433,16 @@ def _routes_everywhere(url: str, times: int = 20, timeout_s: float = 120.0) -> N
         ok = requests.get(f"{url}/v1/models", timeout=30, headers={"Connection": "close"}).status_code == 200
         good = good + 1 if ok else 0
         time.sleep(0.1 if ok else 0.5)
+
+
+def _cmdlines(hosts):
+    """(host, pid, command line) of every process of the cluster's machines."""
+    for host in (hosts.head, *hosts.workers):
+        for pid in host.processes():
+            try:
+                yield host, pid, Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
 
 
 def _free_port() -> int:

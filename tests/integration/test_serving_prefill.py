@@ -59,6 +59,7 @@ def _metrics(ray_cluster) -> str:
 
 def test_long_prompts_are_computed_on_the_prefill_replica_and_decoded_where_they_arrived(ray_cluster, tmp_path):
     from pylon.sdk.serve import delete, deploy
+    from pylon.serving.api.ledger import report
     from pylon.specs import DeploymentSpec
 
     model = tiny_llama(tmp_path / "llama")
@@ -132,6 +133,12 @@ def test_long_prompts_are_computed_on_the_prefill_replica_and_decoded_where_they
             (len(p) - 1) // 16 * 16 for p in (long, *prompts)
         )
         assert re.search(r"ray_pylon_prefill_remote_seconds_bucket\{[^}]*model=\"pd\"", text)
+        # The deployment's ledger counts the prefill replica's hours, and its prompts apart
+        deadline = time.monotonic() + 30
+        while (ledger := report("pd")).get("prefill", {}).get("prompts", 0) < 6:
+            assert time.monotonic() < deadline, ledger
+            time.sleep(1)
+        assert ledger["replicas"] == ledger["prefill"]["replicas"] == 1 and ledger["requests"] >= 7
 
         # The prefill replica dies: requests are still answered (computed here until Serve has replaced it)
         prefills[0].kill()

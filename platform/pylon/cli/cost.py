@@ -100,6 +100,13 @@ def render(ledger: dict) -> str:
             ),
             f"  prices           {ledger['prices']['source']}",
         ]
+        pre = ledger.get("prefill")
+        if pre:  # its prefill replicas (`prefill`): in the hours and cost above; their prompts apart
+            lines.insert(
+                4,
+                f"  prefill          {pre['replicas']} replica(s), {_hours(pre['replica_hours'])} replica-hours, "
+                f"{pre['prompts']:,} prompts of {pre['prompt_tokens']:,} tokens, idle {pre['idle_fraction']:.0%}",
+            )
         models = ledger.get("by_model") or []
         if len(models) > 1:  # LoRA adapters beside the base model: each one's part of the tokens and the cost
             lines.append("  by model (cost split by the share of tokens in + out)")

@@ -73,3 +73,36 @@ def test_the_report_splits_the_cost_between_the_base_model_and_its_adapters_by_t
     text = render(r)
     assert "by model (cost split by the share of tokens in + out)" in text
     assert "shout          2 requests, 60 / 40 tokens, 50%" in text
+
+
+def test_prefill_replicas_count_in_the_hours_and_cost_and_their_prompts_apart(tmp_path, monkeypatch) -> None:
+    """A deployment with `prefill`: its prefill replica's record (role prefill, the resources of prefill.replica)
+    adds its hours and cost to the deployment's, its prompts apart; the requests, tokens, busy time and idle fraction
+    are the decoding replica's; `pylon cost` says so."""
+    from pylon.cli.cost import render
+
+    clock = _Clock(1_000.0)
+    monkeypatch.setattr(ledger_module, "time", clock)
+    spec = {**SPEC, "name": "ledger-pd", "prefill": {"replicas": 1, "replica": {"num_cpus": 6, "num_gpus": 0}}}
+    decoding, prefilling = ReplicaLedger(spec), ReplicaLedger(spec, role="prefill")
+    alone = ReplicaLedger({**SPEC, "name": "ledger-alone"})
+    for ledger in (decoding, alone):
+        ledger.finished(500, 20, 100.0, 110.0)
+    prefilling.finished(500, 0, 100.0, 101.0)
+    clock.now += 100.0
+    for ledger in (decoding, prefilling, alone):
+        ledger.write(ended=True)
+    r, a = report("ledger-pd", now=clock.now), report("ledger-alone", now=clock.now)
+    assert (r["replicas"], r["requests"], r["tokens_in"], r["tokens_out"]) == (1, 1, 500, 20)
+    assert r["replica_hours"] == pytest.approx(100 / 3600) and r["idle_fraction"] == pytest.approx(0.9)
+    assert r["cpu_hours"] == pytest.approx((2 + 6) * 100 / 3600)  # both replicas' CPUs
+    assert r["cost_usd"] == pytest.approx(4 * a["cost_usd"])  # 8 CPUs' hours against 2
+    assert r["prefill"] == {
+        "replicas": 1,
+        "replica_hours": pytest.approx(100 / 3600),
+        "prompts": 1,
+        "prompt_tokens": 500,
+        "idle_fraction": pytest.approx(0.99),
+    }
+    assert "prefill" not in a
+    assert "  prefill          1 replica(s)" in render(r) and "1 prompts of 500 tokens, idle 99%" in render(r)
