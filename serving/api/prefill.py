@@ -213,6 +213,9 @@ class RemotePrefill:
             transfer = await asyncio.wait_for(_result(response), self.spec.prefill.timeout_s)
         except InvalidRequest:  # (this engine refuses it too, naming the parameter)
             return None
+        except asyncio.CancelledError:  # (the client went away: the prefill replica need not go on)
+            response.cancel()
+            raise
         except Exception as e:  # noqa: BLE001 (any failure of the prefill replica: the prompt is computed here)
             response.cancel()
             self._failures += 1
