@@ -403,6 +403,8 @@ class LLMEngine:
         # Prefill-decode disaggregation (engine/kv_transfer.py): requests finished this step whose prompt's blocks go
         # back with their output, this engine's layout of a block (made when first needed), and the counters.
         self._exporting: list[Request] = []
+        # ...and with a drafting layer or head, their block tables, for the layer to catch up on them as they end
+        self._export_tables: dict[str, list[int]] = {}
         self._transfer_layout: dict | None = None
         self._sent_blocks = self._sent_bytes = self._received_blocks = self._received_bytes = self._refused = 0
 
@@ -844,6 +846,9 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        for request_id in self._export_tables:  # (ended outside a step the layer saw: its blocks may be others' now)
+            self.mtp.forget(request_id)
+        self._export_tables.clear()
         self._step_tokens = self._step_rows = 0
         self._draft_seconds = 0.0
         if self.mtp is not None:
@@ -987,7 +992,8 @@ class LLMEngine:
         for s, step in zip(scheduled, steps):
             request, n = s.request, step.num_new_tokens
             valid = request.num_computed_tokens - s.start  # (a speculating decode's: 1 + the drafts accepted)
-            if not request.finished and not request.params.embed and 0 < valid <= n:
+            ending = request.request_id in self._export_tables  # (a prefill request: its blocks carry the layer's)
+            if (ending or not request.finished) and not request.params.embed and 0 < valid <= n:
                 computed.append(
                     Computed(
                         request.request_id,
@@ -998,7 +1004,17 @@ class LLMEngine:
                     )
                 )
             row += n
-        self.mtp.advance(computed, self.pool.block_table)
+        if not self._export_tables:
+            self.mtp.advance(computed, self.pool.block_table)
+            return
+        # A prefill request's every row now, into the blocks it held (let go of, still its): so that the blocks sent
+        # carry the layer's keys and values at every position and the decoding engine drafts right there.
+        tables, self._export_tables = self._export_tables, {}
+        table = lambda request_id: tables[request_id] if request_id in tables else self.pool.block_table(request_id)  # noqa: E731
+        self.mtp.advance(computed, table)
+        for request_id in tables:
+            self.mtp.catch_up(request_id, table)
+            self.mtp.forget(request_id)
 
     def _restore_states(self, batch) -> None:
         """Recurrent layers: the states of each request the step starts from a cached prefix, from its snapshot; then
@@ -1279,6 +1295,9 @@ class LLMEngine:
         return RequestOutput.of(request, text, [token], None if logprob is None else [logprob])
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        exporting = request.params.kv_export_from is not None and reason != "abort"
+        if exporting and self.mtp is not None:  # (the layer catches up on it after the step: `_advance_mtp`)
+            self._export_tables[request.request_id] = list(self.pool.block_table(request.request_id))
         self.scheduler.finish(request, reason)
         if self.runner.recurrent:
             if self.snapshots is not None:
@@ -1286,12 +1305,12 @@ class LLMEngine:
             self.runner.release_state(request.request_id)
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
-        if self.mtp is not None:
+        if self.mtp is not None and request.request_id not in self._export_tables:
             self.mtp.forget(request.request_id)
         if self.suffix is not None:  # (its output drafts later requests')
             self.suffix.finish(request.request_id, request.output_token_ids)
         self._finished_total[reason] += 1
-        if request.params.kv_export_from is not None and reason != "abort":
+        if exporting:
             self._exporting.append(request)
         with self._lock:
             self._unfinished_ids.discard(request.request_id)

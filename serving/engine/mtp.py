@@ -27,7 +27,9 @@ sampled ones keep their distribution, whatever the layer proposes.
 
 A prefix the model's cache shares keeps the layer's entries of the request that computed it (written when its rows
 were caught up, or not yet): where they differ from this request's (the next token after the prefix, rows not caught
-up), drafts are worse, never outputs. A preempted request's held rows are dropped (its positions are computed again).
+up), drafts are worse, never outputs. A prefill engine's request (its blocks sent to another engine,
+engine/kv_transfer.py) is caught up as it ends (`catch_up`), so that its blocks carry the layer's entries. A
+preempted request's held rows are dropped (its positions are computed again).
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ class MtpDrafter:
         if due:
             self._catch_up(due, table)
         self.catch_up_seconds = time.perf_counter() - started
+
+    def catch_up(self, request_id: str, table: Callable[[str], list[int]]) -> None:
+        """Catch up on everything held for the request now (a prefill engine's request, before its blocks go to another
+        engine: so that they carry the layer's keys and values at every position, and its drafts there are right)."""
+        if self._held.get(request_id):
+            self._catch_up([request_id], table)
 
     def ready(self, request_id: str, num_tokens: int) -> bool:
         """Whether the layer can draft for the request: it has seen every position before its last known token."""

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_models import Family, assert_pool_empty, run, tokens_of
+from engine_models import Family, add_mtp_layer, assert_pool_empty, recorded, run, speculating, tokens_of
 
 from pylon.serving.engine import kv_transfer
 from pylon.serving.engine.kv_cache import HybridKVBlockPool, KVBlockPool, block_hashes
@@ -147,6 +147,40 @@ def test_a_decode_engine_given_the_prefill_engines_blocks_computes_only_the_tail
     assert stats.kv_transfer_refused_total == 0
     assert_pool_empty(decode)
     assert_pool_empty(prefill)
+
+
+def test_a_multi_token_prediction_layer_s_blocks_go_with_the_model_s(tmp_path) -> None:
+    """DeepSeek-V3 with its checkpoint's multi-token-prediction layer drafting (engine.speculative.method: mtp): the
+    layer's cache is in the model's blocks, so a transfer carries both runners' tensors, the layer caught up on the
+    prompt's every position as the prefill request ends; the decoding engine's drafts and outputs after another
+    engine's blocks are those after its own."""
+    family = Family("deepseek_v3", tmp_path / "m", greedy=False)
+    add_mtp_layer(family.dir)
+    fields = {"speculative": {"method": "mtp", "num_tokens": 3}}
+    alone = speculating(family.engine(**fields))
+    prefill, decode = speculating(family.engine(**fields)), speculating(family.engine(**fields))
+    assert len(decode._kv_runners()) == 2
+    drafted, drafts = recorded(alone), recorded(decode)  # (each proposal: the tokens then, and the layer's drafts)
+    want, got, warm = [], [], []
+    for i, prompt in enumerate(PROMPTS[:3]):
+        alone.add_request(f"cold-{i}", prompt, PREFILL)
+        run(alone)
+        mark = len(drafted)
+        alone.add_request(f"warm-{i}", prompt, ASK)
+        want.append(_answers(run(alone)[f"warm-{i}"]))
+        warm += drafted[mark:]
+        transfer = _prefilled(prefill, f"p-{i}", prompt)
+        assert (
+            len(transfer.data) == sum(len(t) for t in transfer.layout["tensors"])
+            and len(transfer.layout["tensors"]) == 2
+        )
+        decode.add_request(f"d-{i}", prompt, dataclasses.replace(ASK, kv_import=transfer))
+        got.append(_answers(run(decode)[f"d-{i}"]))
+    assert got == want
+    # the layer drafts from the blocks' keys and values: the same drafts from the same tokens
+    assert len(drafts) >= 3 * 5 and drafts == warm
+    assert decode.stats().spec_draft_tokens_total == alone.stats().spec_draft_tokens_total > 0
+    assert decode.stats().spec_accepted_tokens_total == alone.stats().spec_accepted_tokens_total
 
 
 def test_a_chats_next_turn_sends_only_the_blocks_the_decode_engine_lacks(gpt2: Family) -> None:
