@@ -1358,7 +1358,9 @@ class LLMEngine:
         try:
             if not self.pool.enable_caching:  # (a model with recurrent layers and no snapshots of their states)
                 raise kv_transfer.TransferRefused("this engine keeps no prefix cache, where another's blocks would go")
-            self._received_blocks += kv_transfer.import_blocks(self.pool, self._kv_runners(), self._layout(), transfer)
+            self._received_blocks += kv_transfer.import_blocks(
+                self.pool, self._kv_runners(), self._layout(), transfer, copy_out=self._copy_blocks
+            )
             self._received_bytes += transfer.nbytes
         except kv_transfer.TransferRefused as e:
             self._refused += 1

@@ -119,15 +119,19 @@ def export_blocks(
     )
 
 
-def import_blocks(pool, runners: list, layout: dict, transfer: KVTransfer) -> int:
+def import_blocks(pool, runners: list, layout: dict, transfer: KVTransfer, copy_out=None) -> int:
     """Take `transfer`'s blocks into this engine's cache (those it lacks), before the next pass; how many. Raises
-    TransferRefused where the transfer's layout is not this engine's (`layout`, `engine_layout`)."""
+    TransferRefused where the transfer's layout is not this engine's (`layout`, `engine_layout`). `copy_out`: makes the
+    pool's queued copies (a block taken whose cached contents go to the host tier first) before the blocks are
+    written over."""
     said = differences(transfer.layout, layout)
     if said:
         raise TransferRefused("the prefill engine's KV blocks are not this engine's: " + "; ".join(said))
     taken = pool.adopt(transfer.names)
     if not taken:
         return 0
+    if copy_out is not None:
+        copy_out()
     rows = [i for i, _ in taken]
     ids = [b for _, b in taken]
     at = 0

@@ -198,6 +198,24 @@ def test_a_chats_next_turn_sends_only_the_blocks_the_decode_engine_lacks(gpt2: F
     assert tokens_of(outs) == gpt2.hf_greedy(following, 10)
 
 
+def test_blocks_taken_in_over_cached_ones_send_those_to_the_host_tier_first(gpt2: Family) -> None:
+    """A decoding engine with a host tier whose device cache holds one prompt's blocks: taking in the next prompt's
+    blocks takes those blocks, so their contents go to the host tier first (before the new bytes are written over
+    them), and the first prompt, asked again, comes back from there with the same answer."""
+    prefill = gpt2.engine()
+    decode = gpt2.engine(kv_cache_tokens=128, max_model_len=128, max_num_seqs=2, kv_offload_tokens=1024)
+    first, second = PROMPTS[0], PROMPTS[2][:90]
+    want = {}
+    for name, prompt in (("first", first), ("second", second)):
+        decode.add_request(name, prompt, dataclasses.replace(ASK, kv_import=_prefilled(prefill, name, prompt)))
+        want[name] = _answers(run(decode)[name])
+    assert decode.stats().kv_offload_saved_blocks_total > 0  # the first's blocks, taken for the second's
+    decode.add_request("again", first, ASK)
+    outs = run(decode)["again"]
+    assert outs[-1].num_cached_tokens == (len(first) - 1) // 16 * 16 and decode.stats().kv_offload_loaded_blocks_total
+    assert _answers(outs) == want["first"] and want["first"][0] == gpt2.hf_greedy(first, 10)
+
+
 def test_a_transfer_from_an_engine_of_another_kv_layout_is_refused_and_the_prompt_computed_here(tmp_path) -> None:
     family = Family("llama", tmp_path / "llama", greedy=False)
     transfer = _prefilled(family.engine(kv_cache_dtype="fp8"), "p", PROMPTS[0])
