@@ -1,0 +1,67 @@
+"""Prefill-decode disaggregation's blocks (pylon.serving.engine.kv_transfer) between two engines of a model in two
+tensor-parallel shards (pylon.serving.engine.tensor): the prefill engine reads every shard's share of a block's keys
+and values (a shard its heads'), its own first and its shard actor's after, and the decoding engine writes each share
+back to its own shard; the decoding engine then computes only each prompt's tail and writes transformers' tokens. The
+engines in one process, the blocks' arithmetic: tests/unit/serving/engine/test_kv_transfer.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pylon
+
+ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+
+DRIVER = """
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[3])
+import ray, torch
+from engine_models import GREEDY, run, spec, tokens_of
+from pylon.serving.engine.engine import LLMEngine
+from pylon.serving.engine.sampling import SamplingParams
+ray.init(address=sys.argv[1], log_to_driver=False)
+g = torch.Generator().manual_seed(9)
+prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (84, 40, 100)]
+prefill, decode = (LLMEngine(sys.argv[2], spec(tensor_parallel=2)) for _ in range(2))
+tokens, cached, tensors = [], [], []
+for i, prompt in enumerate(prompts):
+    prefill.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0, kv_export_from=0))
+    transfer = run(prefill)[f"p{i}"][-1].kv_transfer
+    tensors.append(len(transfer.data))
+    decode.add_request(str(i), prompt, dataclasses.replace(GREEDY, kv_import=transfer))
+    out = run(decode)[str(i)]
+    tokens.append(tokens_of(out))
+    cached.append(out[-1].num_cached_tokens)
+stats = decode.stats()
+print(json.dumps({"prompts": prompts, "tokens": tokens, "cached": cached, "tensors": tensors,
+                  "computed": stats.prefill_tokens_computed_total,
+                  "received": stats.kv_transfer_received_blocks_total}))
+prefill.runner.shutdown()
+decode.runner.shutdown()
+"""
+
+
+def test_every_shard_s_share_of_the_blocks_goes_to_its_own_shard(ray_cluster, tmp_path):
+    sys.path.insert(0, str(ENGINE_MODELS))
+    from engine_models import Family
+
+    family = Family("llama", tmp_path / "llama", greedy=False)
+    client = pylon.connect()
+    child = subprocess.run(
+        [sys.executable, "-c", DRIVER, client.gcs_address, family.dir, str(ENGINE_MODELS), "{}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    # 2 layers x K and V x 2 shards: each shard's own tensors, its heads' share
+    assert result["tensors"] == [8, 8, 8]
+    assert result["cached"] == [80, 32, 96]  # each prompt's full blocks short of its last token, from the transfer
+    assert result["received"] == (80 + 32 + 96) // 16
+    assert result["computed"] == sum(len(p) for p in result["prompts"]) - sum(result["cached"])
+    # transformers' tokens: a shard that wrote another's share, or none, would write others
+    assert result["tokens"] == [family.hf_greedy(p, 20) for p in result["prompts"]]
