@@ -174,7 +174,8 @@ def test_zero3_partitions_are_gathered_into_the_whole_weights(distributed) -> No
 def test_a_model_sampled_by_the_engine_learns_what_its_reward_asks_for(tmp_path, distributed) -> None:  # noqa: F811
     """`test_grpo.test_a_model_learns_what_its_reward_asks_for` with the engine sampling: through DeepSpeed (ZeRO-2)
     with LoRA, the engine given the merged weights after every optimizer step (`current`: DeepSpeed's step count),
-    the reward rises."""
+    the reward rises. (At lr 2e-2 the run learned, then collapsed to emitting none of it within 30 steps on an AMD EPYC
+    VM's kernels: 1e-2 rises to 1.0 by step 10 and stays there.)"""
     from pylon.jobs.train import _global_mean_loss
 
     records = [{"prompt": f"Now say the letter a{'!' * i}: ", "completion": "a"} for i in range(4)]
@@ -183,7 +184,7 @@ def test_a_model_sampled_by_the_engine_learns_what_its_reward_asks_for(tmp_path,
         {"name": "g", "model": {"preset": "llama-tiny"}, "data": {"uri": "/tmp/none"}, "steps": 2,
          "objective": "grpo", "grpo": {"rewards": [{"function": "contains_answer"}], "generations": 8,
                                        "max_completion_tokens": 8, "sampler": "engine"},
-         "optim": {"lr": 2e-2, "warmup_steps": 0, "schedule": "constant"},
+         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
          "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]}}
     )  # fmt: skip
     _, engine, reference = deepspeed_start(spec)
