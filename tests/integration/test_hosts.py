@@ -504,6 +504,9 @@ def _train_from_client(hosts, spec: dict) -> str:
     return out
 
 
+# ~2 min; make test keeps the sampling server on one machine (test_train_grpo.py) and labels placing replicas on
+# these two (prefill). `make test-all`.
+@pytest.mark.slow
 def test_a_grpo_run_samples_on_a_server_on_a_labelled_machine(hosts, s3_server):
     """`grpo.sampler: server` on two machines: the sampling server placed by `grpo.sampler_labels` on the worker
     machine with a label, the two workers one on each machine (1.5 CPUs of a machine's 2), so the other worker's rows

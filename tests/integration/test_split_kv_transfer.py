@@ -1,8 +1,9 @@
 """Prefill-decode disaggregation's blocks (pylon.serving.engine.kv_transfer) between two engines of a model in two
-tensor-parallel shards (pylon.serving.engine.tensor): the prefill engine reads every shard's share of a block's keys
-and values (a shard its heads'), its own first and its shard actor's after, and the decoding engine writes each share
-back to its own shard; the decoding engine then computes only each prompt's tail and writes transformers' tokens. The
-engines in one process, the blocks' arithmetic: tests/unit/serving/engine/test_kv_transfer.py."""
+tensor-parallel shards (pylon.serving.engine.tensor), each in a process of its own: the prefill engine reads every
+shard's share of a block's keys and values (a shard its heads'), its own first and its shard actor's after, and the
+decoding engine writes each share back to its own shard; the decoding engine then computes only each prompt's tail
+and writes transformers' tokens. The engines in one process, the blocks' arithmetic:
+tests/unit/serving/engine/test_kv_transfer.py."""
 
 from __future__ import annotations
 
@@ -15,32 +16,42 @@ import pylon
 
 ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
 
+# Two engines of shards cannot share a process (each shard group its own torch.distributed default group): the
+# prefill engine's driver pickles its transfers to a file, the decoding engine's reads them.
 DRIVER = """
-import dataclasses, json, sys
+import dataclasses, json, pickle, sys
 sys.path.insert(0, sys.argv[3])
 import ray, torch
 from engine_models import GREEDY, run, spec, tokens_of
 from pylon.serving.engine.engine import LLMEngine
 from pylon.serving.engine.sampling import SamplingParams
 ray.init(address=sys.argv[1], log_to_driver=False)
+role, path = sys.argv[4], sys.argv[5]
 g = torch.Generator().manual_seed(9)
 prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (84, 40, 100)]
-prefill, decode = (LLMEngine(sys.argv[2], spec(tensor_parallel=2)) for _ in range(2))
-tokens, cached, tensors = [], [], []
-for i, prompt in enumerate(prompts):
-    prefill.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0, kv_export_from=0))
-    transfer = run(prefill)[f"p{i}"][-1].kv_transfer
-    tensors.append(len(transfer.data))
-    decode.add_request(str(i), prompt, dataclasses.replace(GREEDY, kv_import=transfer))
-    out = run(decode)[str(i)]
-    tokens.append(tokens_of(out))
-    cached.append(out[-1].num_cached_tokens)
-stats = decode.stats()
-print(json.dumps({"prompts": prompts, "tokens": tokens, "cached": cached, "tensors": tensors,
-                  "computed": stats.prefill_tokens_computed_total,
-                  "received": stats.kv_transfer_received_blocks_total}))
-prefill.runner.shutdown()
-decode.runner.shutdown()
+engine = LLMEngine(sys.argv[2], spec(tensor_parallel=2))
+if role == "prefill":
+    transfers = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0, kv_export_from=0))
+        transfers.append(run(engine)[f"p{i}"][-1].kv_transfer)
+    with open(path, "wb") as f:
+        pickle.dump(transfers, f)
+    print(json.dumps({"tensors": [len(t.data) for t in transfers]}))
+else:
+    with open(path, "rb") as f:
+        transfers = pickle.load(f)
+    tokens, cached = [], []
+    for i, (prompt, transfer) in enumerate(zip(prompts, transfers)):
+        engine.add_request(str(i), prompt, dataclasses.replace(GREEDY, kv_import=transfer))
+        out = run(engine)[str(i)]
+        tokens.append(tokens_of(out))
+        cached.append(out[-1].num_cached_tokens)
+    stats = engine.stats()
+    print(json.dumps({"prompts": prompts, "tokens": tokens, "cached": cached,
+                      "computed": stats.prefill_tokens_computed_total,
+                      "received": stats.kv_transfer_received_blocks_total}))
+engine.runner.shutdown()
 """
 
 
@@ -50,14 +61,25 @@ def test_every_shard_s_share_of_the_blocks_goes_to_its_own_shard(ray_cluster, tm
 
     family = Family("llama", tmp_path / "llama", greedy=False)
     client = pylon.connect()
-    child = subprocess.run(
-        [sys.executable, "-c", DRIVER, client.gcs_address, family.dir, str(ENGINE_MODELS), "{}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = {}
+    for role in ("prefill", "decode"):
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                DRIVER,
+                client.gcs_address,
+                family.dir,
+                str(ENGINE_MODELS),
+                role,
+                str(tmp_path / "transfers.pickle"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert child.returncode == 0, child.stderr[-4000:]
+        result.update(json.loads(child.stdout.strip().splitlines()[-1]))
     # 2 layers x K and V x 2 shards: each shard's own tensors, its heads' share
     assert result["tensors"] == [8, 8, 8]
     assert result["cached"] == [80, 32, 96]  # each prompt's full blocks short of its last token, from the transfer
