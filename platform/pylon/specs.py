@@ -1824,6 +1824,17 @@ class DeploymentSpec(_Spec):
             own = self.prefill.replica or self.replica
             if self.engine.device == "cuda" and own.num_gpus == 0:
                 _raise_problems([("prefill.replica.num_gpus", "must be > 0 when engine.device is 'cuda' (got 0)")])
+            split = max(self.engine.pipeline_parallel, self.engine.tensor_parallel)
+            if split > 1 and own.num_cpus == 0 and own.num_gpus == 0:
+                _raise_problems(
+                    [
+                        (
+                            "prefill.replica.num_cpus",
+                            "must be > 0 with a model split in parts (pipeline_parallel, tensor_parallel): each part "
+                            "takes a placement group bundle of the replica's resources (got 0, and num_gpus 0)",
+                        )
+                    ]
+                )
         return self
 
     def prefill_replica(self) -> ReplicaSpec:

@@ -71,12 +71,11 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
         # were still on their way back), so it is only the last guard against a flood.
         max_ongoing_requests=running + 2 * http.max_queued_requests,
         max_queued_requests=4 * (running + 2 * http.max_queued_requests),
-        ray_actor_options=actor_options(spec.replica),
         health_check_period_s=5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
         user_config={"api_keys": keys, "revision": new_id("rev")},
-        **pipeline_placement(spec),
+        **placed(spec, spec.replica),
     )
     prefill = prefill_deployment(spec)
     if not routes_by_prefix(spec):
@@ -107,11 +106,18 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
     return server._with_ingress_request_router(router)
 
 
-def actor_options(replica) -> dict:
-    """A replica's Ray actor options: its resources, and the node labels its node must have (`labels`)."""
-    options = {"num_cpus": replica.num_cpus, "num_gpus": replica.num_gpus}
-    if replica.labels:
-        options["label_selector"] = dict(replica.labels)
+def placed(spec: DeploymentSpec, replica) -> dict:
+    """A deployment's options that place each replica of `replica`'s resources: its Ray actor options, and a split
+    model's placement group (`pipeline_placement`); `replica.labels` select its node, or every bundle's node."""
+    options = {"ray_actor_options": {"num_cpus": replica.num_cpus, "num_gpus": replica.num_gpus}}
+    placement = pipeline_placement(spec.model_copy(update={"replica": replica}))
+    options.update(placement)
+    if replica.labels and placement:  # (the replica runs in its group's first bundle: each bundle's node labelled)
+        options["placement_group_bundle_label_selector"] = [dict(replica.labels)] * len(
+            placement["placement_group_bundles"]
+        )
+    elif replica.labels:
+        options["ray_actor_options"]["label_selector"] = dict(replica.labels)
     return options
 
 
@@ -125,8 +131,6 @@ def prefill_deployment(spec: DeploymentSpec):
 
     from pylon.serving.api.prefill import PylonPrefillServer
 
-    own = spec.prefill_replica()
-    placement = pipeline_placement(spec.model_copy(update={"replica": own}))
     return serve.deployment(
         PylonPrefillServer,
         name=f"{spec.name}-prefill",
@@ -134,11 +138,10 @@ def prefill_deployment(spec: DeploymentSpec):
         # its engine's running batch and as many again waiting: a prompt is one step or a few, so they turn over
         # fast; past that, Serve's queue holds the calls (their callers time out to computing prompts themselves)
         max_ongoing_requests=2 * spec.engine.max_num_seqs,
-        ray_actor_options=actor_options(own),
         health_check_period_s=5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
-        **placement,
+        **placed(spec, spec.prefill_replica()),
     ).bind(spec.model_dump(mode="json"))
 
 

@@ -560,6 +560,12 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "6: document 1 (Deployment 'svc'): prefill.replica.num_gpus: must be > 0 when engine.device is 'cuda' "
             "(got 0)",
         ),
+        (
+            "engine: {tensor_parallel: 2}\nprefill: {replica: {num_cpus: 0}}\n",
+            "5: document 1 (Deployment 'svc'): prefill.replica.num_cpus: must be > 0 with a model split in parts "
+            "(pipeline_parallel, tensor_parallel): each part takes a placement group bundle of the replica's "
+            "resources (got 0, and num_gpus 0)",
+        ),
     ],
     ids=[
         "kv<max_model_len",
@@ -578,6 +584,7 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "pipeline-no-resources",
         "prefill-no-prefix-cache",
         "prefill-cuda-no-gpus",
+        "prefill-split-no-resources",
     ],
 )
 def test_deployment_cross_field_rules(extra: str, expected: str) -> None:

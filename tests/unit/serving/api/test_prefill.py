@@ -23,13 +23,20 @@ def test_the_prefill_replicas_are_a_deployment_of_their_own_handed_to_every_deco
     )
     prefill = prefill_deployment(spec)._bound_deployment
     assert (prefill.name, prefill.num_replicas, prefill.max_ongoing_requests) == ("m-prefill", 3, 16)
-    assert prefill.ray_actor_options == {"num_cpus": 4, "num_gpus": 0, "label_selector": {"pool": "prefill"}}
-    # each prefill replica's shards in a placement group of its own resources, as a decoding replica's are of its
-    assert prefill._replica_config.placement_group_bundles == [{"CPU": 4}] * 2
+    assert prefill.ray_actor_options == {"num_cpus": 4, "num_gpus": 0}
+    # each prefill replica's shards in a placement group of its own resources, as a decoding replica's are of its, on
+    # nodes of its labels (each bundle's: the replica runs in the first)
+    config = prefill._replica_config
+    assert config.placement_group_bundles == [{"CPU": 4}] * 2
+    assert config.placement_group_bundle_label_selector == [{"pool": "prefill"}] * 2
     decoding = build_app(spec, api_keys=None)._bound_deployment
-    assert decoding.name == "m" and decoding.ray_actor_options["label_selector"] == {"pool": "decode"}
-    assert decoding._replica_config.placement_group_bundles == [{"CPU": 2}] * 2
+    config = decoding._replica_config
+    assert decoding.name == "m" and config.placement_group_bundle_label_selector == [{"pool": "decode"}] * 2
+    assert config.placement_group_bundles == [{"CPU": 2}] * 2
     assert decoding.init_kwargs["prefill"]._bound_deployment.name == "m-prefill"
+    # a replica of one process: its own node's labels
+    whole = prefill_deployment(_spec(prefill={"replica": {"num_cpus": 1, "labels": {"pool": "prefill"}}}))
+    assert whole._bound_deployment.ray_actor_options["label_selector"] == {"pool": "prefill"}
 
 
 def test_without_prefill_there_is_no_prefill_deployment_and_a_prefill_replica_takes_the_deployments_replica() -> None:
