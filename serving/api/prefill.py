@@ -36,10 +36,9 @@ from pylon.errors import PylonError
 from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.api.replica_engine import accelerator_name, start_engine
 from pylon.serving.engine.images import ImagePrompt
-from pylon.serving.engine.kv_cache import block_hashes, cache_salt
+from pylon.serving.engine.kv_cache import prompt_prefix
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.serving.engine.tokenization import prompt_ids
 from pylon.serving.errors import EngineDeadError, InvalidRequest
 from pylon.specs import DeploymentSpec
 
@@ -195,14 +194,9 @@ class RemotePrefill:
             self.requests.inc(tags={"where": "local"})
             return None
         try:
-            ids = (
-                prompt_ids(self.engine.tokenizer, prompt, params.add_special_tokens)
-                if isinstance(prompt, str)
-                else list(prompt)
-            )
+            ids, hashes = prompt_prefix(self.engine.tokenizer, prompt, self.block_size, params)
         except Exception:  # the engine refuses it with the reason
             return None
-        hashes = block_hashes(ids[: len(ids) - 1], self.block_size, [], cache_salt(params.adapter, params.cache_salt))
         held = self.engine.cached_prefix_blocks(hashes)
         if len(ids) - held * self.block_size < self.spec.prefill.min_prompt_tokens:
             self.requests.inc(tags={"where": "local"})

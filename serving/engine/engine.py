@@ -846,9 +846,6 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        for request_id in self._export_tables:  # (ended outside a step the layer saw: its blocks may be others' now)
-            self.mtp.forget(request_id)
-        self._export_tables.clear()
         self._step_tokens = self._step_rows = 0
         self._draft_seconds = 0.0
         if self.mtp is not None:

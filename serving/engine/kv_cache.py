@@ -69,6 +69,7 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+from pylon.serving.engine.tokenization import prompt_ids
 from pylon.serving.model.families import first_key
 
 DIGEST_BYTES = 16  # a block hash's size (128 bits)
@@ -81,6 +82,17 @@ def cache_salt(adapter: str | None, salt: str | None = None) -> bytes:
     and the request's own `salt` (SamplingParams.cache_salt), which only requests with the same salt share."""
     named = b"" if adapter is None else b"adapter\0" + adapter.encode()
     return named if salt is None else named + b"salt\0" + salt.encode()
+
+
+def prompt_prefix(tokenizer, prompt, block_size: int, params) -> tuple[list[int], list[bytes]]:
+    """A text or token-id prompt's ids as the engine reads them (`params`' special tokens; a SamplingParams or None),
+    and the hashes of its full blocks short of its last token, which is always computed (`block_hashes`, from
+    `params`' adapter and cache salt): what a lookup in an engine's prefix cache may find, asked from outside it
+    (an engine pool's routing, a prefill replica's asker). Raises what tokenizing it raises."""
+    special = params.add_special_tokens if params is not None else False
+    salt = cache_salt(params.adapter, params.cache_salt) if params is not None else b""
+    ids = prompt_ids(tokenizer, prompt, special) if isinstance(prompt, str) else list(prompt)
+    return ids, block_hashes(ids[: len(ids) - 1], block_size, [], salt)
 
 
 def block_hashes(token_ids: list[int], block_size: int, hashes: list[bytes], salt: bytes = b"") -> list[bytes]:

@@ -33,10 +33,9 @@ from pylon.errors import PylonError
 from pylon.serving.engine.engine import AsyncLLMEngine, EngineStats, Prompt, expected_waiting, merge_outputs
 from pylon.serving.engine.generation import GenerationConfig
 from pylon.serving.engine.heap import allocator, engine_process_env, freeze_loaded_objects, keep_freed_memory
-from pylon.serving.engine.kv_cache import block_hashes, cache_salt
+from pylon.serving.engine.kv_cache import prompt_prefix
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.serving.engine.sched_batch import serve_cpu_as_batch
-from pylon.serving.engine.tokenization import prompt_ids
 from pylon.serving.errors import EngineDeadError, InvalidRequest, RequestFailed
 from pylon.specs import EngineSpec
 
@@ -353,14 +352,11 @@ class EnginePool:
         # answer each with a 503 until Serve replaces the replica; the live ones take them instead (the pool stays
         # unhealthy, so Serve still replaces it, letting the live engines' streams finish as it drains).
         live = [e for e in self.engines if e.check_health()] or self.engines
-        adapter = params.adapter if params is not None else None
-        special = params.add_special_tokens if params is not None else False
-        salt = cache_salt(adapter, params.cache_salt if params is not None else None)
-        engine = self._holder_of(prompt, live, salt, special) or min(live, key=lambda e: e.open_streams)
+        engine = self._holder_of(prompt, live, params) or min(live, key=lambda e: e.open_streams)
         return engine.generate(request_id, prompt, params, interval_s=interval_s)
 
     def _holder_of(
-        self, prompt: Prompt, engines: list[ProcessLLMEngine], salt: bytes = b"", special: bool = False
+        self, prompt: Prompt, engines: list[ProcessLLMEngine], params: SamplingParams | None
     ) -> ProcessLLMEngine | None:
         """With prefix caching: the engine that holds the longest cached prefix of `prompt` (by the hashes each
         engine reports of the blocks it has cached, not a guess from past routing), if it has a free sequence
@@ -369,10 +365,9 @@ class EnginePool:
         if not self.spec.enable_prefix_caching or len(engines) < 2:
             return None
         try:
-            ids = prompt_ids(self.tokenizer, prompt, special) if isinstance(prompt, str) else list(prompt)
+            _, hashes = prompt_prefix(self.tokenizer, prompt, self.spec.block_size, params)
         except Exception:  # the engine refuses it with the reason; routing is not the place
             return None
-        hashes = block_hashes(ids[: len(ids) - 1], self.spec.block_size, [], salt)  # the last token is always computed
         if not hashes:
             return None
         best = max(engines, key=lambda e: (e.cached_prefix_blocks(hashes), -e.open_streams))
