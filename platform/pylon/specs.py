@@ -1724,11 +1724,34 @@ class ReplicaSpec(_Spec):
     )
 
 
+class PrefillAutoscalingSpec(AutoscalingSpec):
+    """The prefill replicas' autoscaling (Ray Serve's, on the prompts at each prefill replica: those it computes and
+    those waiting for it)."""
+
+    target_ongoing_requests: Annotated[float, Field(gt=0)] = Field(
+        4,
+        description="the prompts at a prefill replica (computing or waiting) its autoscaling aims at: more add "
+        "replicas, fewer take them away; each prompt waiting there adds its compute time to a request's time to "
+        "first token",
+    )
+    upscale_delay_s: Annotated[float, Field(ge=0)] = 2
+    downscale_delay_s: Annotated[float, Field(ge=0)] = 60
+
+
 class PrefillSpec(_Spec):
     """Prefill-decode disaggregation: replicas of their own compute long prompts and send their KV blocks to the
     replica that decodes them (docs/serving.md, "Prefill on replicas of its own")."""
 
-    replicas: PositiveInt = Field(1, description="how many prefill replicas run (each its own engine)")
+    replicas: PositiveInt | None = Field(
+        None,
+        description="how many prefill replicas run (each its own engine); None: one, or as many as `autoscaling` "
+        "keeps (give one of the two)",
+    )
+    autoscaling: PrefillAutoscalingSpec | None = Field(
+        None,
+        description="the prefill replicas' number follows their load, apart from the decoding replicas' (between "
+        "min_replicas and max_replicas); None: `replicas` of them",
+    )
     min_prompt_tokens: PositiveInt = Field(
         256,
         description="a prompt goes to a prefill replica when at least this many of its tokens are not already in the "
@@ -1742,6 +1765,29 @@ class PrefillSpec(_Spec):
     replica: ReplicaSpec | None = Field(
         None, description="a prefill replica's resources and node labels; None: the deployment's `replica`"
     )
+
+    @model_validator(mode="after")
+    def _rules(self) -> "PrefillSpec":
+        if self.autoscaling is not None and self.replicas is not None:
+            _raise_problems(
+                [
+                    (
+                        "replicas",
+                        "give either replicas (a fixed number) or autoscaling (min_replicas to max_replicas), not both",
+                    )
+                ]
+            )
+        return self
+
+    def replica_range(self) -> tuple[int, int]:
+        """The fewest and the most prefill replicas that may run."""
+        a = self.autoscaling
+        fixed = self.replicas or 1
+        return (a.min_replicas, a.max_replicas) if a is not None else (fixed, fixed)
+
+    def describe_replicas(self) -> str:
+        low, high = self.replica_range()
+        return f"{low}" if low == high else f"{low}-{high}"
 
 
 class DeploymentSpec(_Spec):
@@ -1853,8 +1899,8 @@ class DeploymentSpec(_Spec):
             )
             + (f"{self.engine.tensor_parallel} tensor-parallel shards, " if self.engine.tensor_parallel > 1 else "")
             + (
-                f"{self.prefill.replicas} prefill replica(s) (prompts of {self.prefill.min_prompt_tokens}+ new "
-                "tokens), "
+                f"{self.prefill.describe_replicas()} prefill replica(s) (prompts of "
+                f"{self.prefill.min_prompt_tokens}+ new tokens), "
                 if self.prefill is not None
                 else ""
             )

@@ -48,16 +48,8 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
     from ray import serve
 
     keys = api_keys_config(spec) if api_keys is _FROM_ENV else api_keys
-    a, http = spec.autoscaling, spec.http
-    autoscaling = {
-        "min_replicas": a.min_replicas,
-        "max_replicas": a.max_replicas,
-        "target_ongoing_requests": a.target_ongoing_requests,
-        "upscale_delay_s": a.upscale_delay_s,
-        "downscale_delay_s": a.downscale_delay_s,
-    }
-    if a.initial_replicas is not None:
-        autoscaling["initial_replicas"] = a.initial_replicas
+    http = spec.http
+    autoscaling = autoscaling_config(spec.autoscaling)
     running = spec.engine.data_parallel * spec.engine.max_num_seqs  # a replica's running batches, all its engines'
     deployment = serve.deployment(
         LLMServerDeployment,
@@ -106,6 +98,20 @@ def build_app(spec: DeploymentSpec, *, api_keys: dict | None | object = _FROM_EN
     return server._with_ingress_request_router(router)
 
 
+def autoscaling_config(a) -> dict:
+    """Serve's autoscaling_config of an AutoscalingSpec (the deployment's, or its prefill replicas')."""
+    config = {
+        "min_replicas": a.min_replicas,
+        "max_replicas": a.max_replicas,
+        "target_ongoing_requests": a.target_ongoing_requests,
+        "upscale_delay_s": a.upscale_delay_s,
+        "downscale_delay_s": a.downscale_delay_s,
+    }
+    if a.initial_replicas is not None:
+        config["initial_replicas"] = a.initial_replicas
+    return config
+
+
 def placed(spec: DeploymentSpec, replica) -> dict:
     """A deployment's options that place each replica of `replica`'s resources: its Ray actor options, and a split
     model's placement group (`pipeline_placement`); `replica.labels` select its node, or every bundle's node."""
@@ -123,24 +129,41 @@ def placed(spec: DeploymentSpec, replica) -> dict:
 
 def prefill_deployment(spec: DeploymentSpec):
     """The deployment's prefill replicas (`prefill`; pylon.serving.api.prefill), bound, for its decoding replicas to
-    call: `<name>-prefill`, `prefill.replicas` of them, each the deployment's engine, placed by `prefill.replica`
-    (or `replica`), a split model's parts in placement groups as the decoding replicas'. None without `prefill`."""
+    call: `<name>-prefill`, `prefill.replicas` of them or as many as `prefill.autoscaling` keeps, each the
+    deployment's engine, placed by `prefill.replica` (or `replica`), a split model's parts in placement groups as the
+    decoding replicas'. Where more than one may run, the decoding replicas' calls are routed by the prompts' prefixes
+    the prefill replicas cache (PrefixAffinityRouter in each decoding replica's handle). None without `prefill`."""
     if spec.prefill is None:
         return None
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
 
     from pylon.serving.api.prefill import PylonPrefillServer
+    from pylon.serving.api.routing import HEALTH_CHECK_PERIOD_S, ROUTING_STATS_PERIOD_S
 
+    p = spec.prefill
+    slots = spec.engine.data_parallel * spec.engine.max_num_seqs  # a prefill replica's running prompts, all engines'
+    if p.autoscaling is None:
+        options = {"num_replicas": p.replica_range()[0]}
+    else:
+        options = {"autoscaling_config": autoscaling_config(p.autoscaling)}
+    if p.replica_range()[1] > 1:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class="pylon.serving.api.request_router.PrefixAffinityRouter",
+            request_router_kwargs={"capacity": slots},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        )
     return serve.deployment(
         PylonPrefillServer,
         name=f"{spec.name}-prefill",
-        num_replicas=spec.prefill.replicas,
-        # its engine's running batch and as many again waiting: a prompt is one step or a few, so they turn over
+        # its engines' running batch and as many again waiting: a prompt is one step or a few, so they turn over
         # fast; past that, Serve's queue holds the calls (their callers time out to computing prompts themselves)
-        max_ongoing_requests=2 * spec.engine.max_num_seqs,
-        health_check_period_s=5,
+        max_ongoing_requests=2 * slots,
+        # (Serve's controller collects routing stats at health checks: these pace the routers' view of the caches)
+        health_check_period_s=HEALTH_CHECK_PERIOD_S if "request_router_config" in options else 5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
+        **options,
         **placed(spec, spec.prefill_replica()),
     ).bind(spec.model_dump(mode="json"))
 

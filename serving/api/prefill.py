@@ -33,6 +33,7 @@ import logging
 import time
 
 from pylon.errors import PylonError
+from pylon.serving.api import routing
 from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.api.replica_engine import accelerator_name, start_engine
 from pylon.serving.engine.images import ImagePrompt
@@ -81,6 +82,19 @@ class PylonPrefillServer:
         )
         self._reporting: asyncio.Task | None = None
 
+    def record_routing_stats(self) -> dict:
+        """Serve's routing stats of this prefill replica (as a decoding replica's: `PylonLLMServer.
+        record_routing_stats`): the hashes of the blocks its engines hold cached and its engines' sequence slots,
+        which the decoding replicas' handles route their prompts by (pylon.serving.api.routing)."""
+        from pylon.serving.api import routing
+
+        return {
+            routing.STATS_KEY: {
+                "blocks": routing.short_hashes(self.engine.cached_block_hashes()),
+                "capacity": self.spec.engine.data_parallel * self.spec.engine.max_num_seqs,
+            }
+        }
+
     def check_health(self) -> None:
         if not self.engine.check_health():
             raise EngineDeadError("the prefill replica's engine is not running")
@@ -95,9 +109,10 @@ class PylonPrefillServer:
         if engine is not None:
             engine.shutdown()
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams):
+    async def prefill(self, key, request_id: str, prompt: list[int], params: SamplingParams):
         """Compute `prompt` (token ids) as a request of one token and return its blocks (`KVTransfer`, None where it has
-        no full block to send). InvalidRequest for a prompt the engine refuses."""
+        no full block to send). InvalidRequest for a prompt the engine refuses. `key`: the prompt's RoutingKey, which
+        the caller's handle routed the call by (pylon.serving.api.request_router)."""
         self._ensure_metrics()
         started, last = time.monotonic(), None
         async for out in self.engine.generate(request_id, prompt, params):
@@ -177,6 +192,18 @@ class RemotePrefill:
             tag_keys=("model",),
         )
         self.seconds.set_default_tags({"model": spec.name})
+        # Where more than one prefill replica may run, this replica's handle routes each prompt to the one caching
+        # the longest prefix of it (PrefixAffinityRouter, as the ingress routes requests among decoding replicas).
+        self.routed = None
+        if spec.prefill.replica_range()[1] > 1:
+            self.routed = metrics.Counter(
+                "pylon_prefill_routed_total",
+                description="Prompts sent to prefill replicas by what chose the replica: prefix (the one caching "
+                "the longest prefix of the prompt), load (none caches any, or the one that does is busy: the least "
+                "loaded)",
+                tag_keys=("model", "by"),
+            )
+            self.routed.set_default_tags({"model": spec.name})
 
     def _eligible(self, prompt, params: SamplingParams) -> bool:
         return not (
@@ -202,7 +229,8 @@ class RemotePrefill:
             self.requests.inc(tags={"where": "local"})
             return None
         started = time.monotonic()
-        response = self.handle.prefill.remote(request_id, ids, prefill_params(params, held))
+        key = routing.RoutingKey(tuple(h[: routing.HASH_BYTES] for h in hashes))
+        response = self.handle.prefill.remote(key, request_id, ids, prefill_params(params, held))
         try:
             transfer = await asyncio.wait_for(_result(response), self.spec.prefill.timeout_s)
         except InvalidRequest:  # (this engine refuses it too, naming the parameter)
@@ -224,8 +252,12 @@ class RemotePrefill:
                 )
             self.requests.inc(tags={"where": "failed"})
             return None
+        finally:
+            by = routing.decision(key)  # (what the handle's router decided, in this process: "prefix:N" or "load")
         self.seconds.observe(time.monotonic() - started)
         self.requests.inc(tags={"where": "remote"})
+        if self.routed is not None:
+            self.routed.inc(tags={"by": by.split(":")[0]})
         return transfer
 
 

@@ -13,9 +13,12 @@ from ray.serve._private.request_router.request_router import LocalityMixin, Mult
 
 
 class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    """Runs in PylonRouter's handle: `choose_replica(RoutingKey, _reserve=False)` takes the first replica of the
-    first list this returns, so the order is the decision (`routing.rank`). It counts each candidate's requests live
-    with Serve's queue-length probe (one small RPC per replica). A call without a RoutingKey (another handle to the
+    """Runs in PylonRouter's handle (the LLM deployment's) and in each decoding replica's handle to its prefill
+    replicas (a deployment's `prefill`; the call's first argument is its RoutingKey). The decision is `routing.rank`'s
+    order: its first replica alone, then the rest. PylonRouter's `choose_replica(RoutingKey, _reserve=False)` takes
+    that first replica; a call through the handle goes there unless Serve finds its queue full
+    (`max_ongoing_requests`), then to the least loaded of the rest. It counts each candidate's requests live with
+    Serve's queue-length probe (one small RPC per replica). A call without a RoutingKey (another handle to the
     deployment) gets Serve's power-of-two choices."""
 
     def initialize_state(self, capacity: int = 1, **kwargs) -> None:
@@ -34,4 +37,5 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         current = routing.views_of(self._pylon_views, self._replicas, candidate_replicas, self._pylon_capacity)
         probe = routing.to_probe(current, key, candidate_replicas)
         probed = {r.replica_id: n for r, n in await self._probe_queue_lens(probe, 0) if n is not None}
-        return [routing.rank(current, key, candidate_replicas, probed)]
+        order = routing.rank(current, key, candidate_replicas, probed)
+        return [order[:1], order[1:]]

@@ -78,15 +78,22 @@ def test_long_prompts_are_computed_on_the_prefill_replica_and_decoded_where_they
             },
             "http": {"api_keys_env": None, "route_prefix": "/pd"},
             "replica": {"num_cpus": 0.5},
-            "prefill": {"replicas": 1, "min_prompt_tokens": 64, "timeout_s": 30, "replica": {"num_cpus": 0.25}},
+            # two prefill replicas at least (Serve's autoscaling keeps them), prompts routed by what they cache
+            "prefill": {
+                "autoscaling": {"min_replicas": 2, "max_replicas": 3},
+                "min_prompt_tokens": 64,
+                "timeout_s": 30,
+                "replica": {"num_cpus": 0.25},
+            },
         }
     )
     url = deploy(spec)
     try:
         prefills = [p for p in ray_cluster.processes() if "ServeReplica:pd:pd-prefill" in " ".join(p.cmdline())]
-        assert len(prefills) == 1, prefills
-        engines = [c for c in prefills[0].children() if "pylon.serving.engine.process" in " ".join(c.cmdline())]
-        assert len(engines) == 1  # the prefill replica's own engine process
+        assert len(prefills) == 2, prefills
+        for prefill in prefills:  # each prefill replica's own engine process
+            engines = [c for c in prefill.children() if "pylon.serving.engine.process" in " ".join(c.cmdline())]
+            assert len(engines) == 1
 
         # A long prompt, never seen here before, reports its full blocks short of the last token as cached on its
         # first request: the prefill replica computed them. transformers' tokens.
@@ -112,35 +119,54 @@ def test_long_prompts_are_computed_on_the_prefill_replica_and_decoded_where_they
         following = _complete(url, turn)
         assert following["choices"][0]["text"] == greedy_text(model, turn, NEW)
         assert _cached(following) == (len(turn) - 1) // 16 * 16
+        # Conversations: each next turn goes to the prefill replica that computed its first (the decoding replica's
+        # handle routes by the blocks each prefill replica caches), which computes only what it has not cached.
+        conversations = []
+        for seed in (23, 29, 31, 41):
+            opening = _complete(url, _text(seed, 140))
+            nxt = _text(seed, 140) + opening["choices"][0]["text"] + _text(seed + 1, 80)
+            answer = _complete(url, nxt)
+            assert answer["choices"][0]["text"] == greedy_text(model, nxt, NEW)
+            conversations.append((opening, answer))
 
         # What the decoding replica computed of the prompts: their tails only (every prompt token not cached),
         # the prefill replica the rest; blocks sent and received alike; where each prompt was computed.
-        answered = [first, *answers, short, following]
+        answered = [first, *answers, short, following, *(a for c in conversations for a in c)]
         tails = sum(a["usage"]["prompt_tokens"] - _cached(a) for a in answered) + 2 * (120 - 112)  # (two's choices)
         deadline, text = time.monotonic() + 60, ""
         while time.monotonic() < deadline:
             text = _metrics(ray_cluster)
             remote = _metric(text, "pylon_prefill_requests_total", model="pd", where="remote")
-            if remote >= 6 and _metric(text, "pylon_kv_transfer_sent_blocks_total", model="pd") > 0:
+            if remote >= 14 and _metric(text, "pylon_prefill_routed_total", model="pd") >= 14:
                 break
             time.sleep(2)
-        assert remote == 6 and _metric(text, "pylon_prefill_requests_total", model="pd", where="local") == 1
+        assert remote == 14 and _metric(text, "pylon_prefill_requests_total", model="pd", where="local") == 1
+        # Routed: the next turns (the conversations' and `following`) to the prefill replica holding their prefix;
+        # the rest by load. The prefill replicas computed every first prompt whole and each next turn past what its
+        # holder had cached (its first turn's full blocks), nothing twice.
+        assert _metric(text, "pylon_prefill_routed_total", model="pd", by="prefix") == 5
+        assert _metric(text, "pylon_prefill_routed_total", model="pd", by="load") == 9
+        firsts = [first, *answers, two, *(c[0] for c in conversations)]
+        nexts = [(first, following), *conversations]
+        expected = sum(a["usage"]["prompt_tokens"] for a in firsts) + sum(
+            b["usage"]["prompt_tokens"] - a["usage"]["prompt_tokens"] // 16 * 16 for a, b in nexts
+        )
+        on_prefill = _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd-prefill")
+        assert on_prefill == expected, (on_prefill, expected)
         computed = _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd")
         assert computed == tails, (computed, tails)
         sent = _metric(text, "pylon_kv_transfer_sent_blocks_total", model="pd")
         assert sent == _metric(text, "pylon_kv_transfer_received_blocks_total", model="pd") > 0
-        assert _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd-prefill") >= sum(
-            (len(p) - 1) // 16 * 16 for p in (long, *prompts)
-        )
         assert re.search(r"ray_pylon_prefill_remote_seconds_bucket\{[^}]*model=\"pd\"", text)
         # The deployment's ledger counts the prefill replica's hours, and its prompts apart
         deadline = time.monotonic() + 30
-        while (ledger := report("pd")).get("prefill", {}).get("prompts", 0) < 6:
+        while (ledger := report("pd")).get("prefill", {}).get("prompts", 0) < 14:
             assert time.monotonic() < deadline, ledger
             time.sleep(1)
-        assert ledger["replicas"] == ledger["prefill"]["replicas"] == 1 and ledger["requests"] >= 7
+        assert ledger["replicas"] == 1 and ledger["prefill"]["replicas"] == 2 and ledger["requests"] >= 15
 
-        # The prefill replica dies: requests are still answered (computed here until Serve has replaced it)
+        # A prefill replica dies: requests are still answered (computed here, or on the other, until Serve has
+        # replaced it)
         prefills[0].kill()
         later = _text(19, 130)
         assert _complete(url, later)["choices"][0]["text"] == greedy_text(model, later, NEW)

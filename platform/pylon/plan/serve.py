@@ -260,13 +260,13 @@ def _fewest_stages(spec: DeploymentSpec, config, shape: ModelShape, **options) -
 
 
 def _prefill_cost_scale(spec: DeploymentSpec) -> float:
-    """What the deployment's GPUs cost per decoding replica's: the prefill replicas' beside the decoding ones (at
+    """What the deployment's GPUs cost per decoding replica's: the prefill replicas' beside the decoding ones (both at
     min_replicas, at least one), each taking as many accelerators as its replica spec asks against a decoding
     replica's."""
     decoding = max(1, spec.autoscaling.min_replicas)
     own, theirs = spec.replica, spec.prefill_replica()
     each = (theirs.num_gpus / own.num_gpus) if own.num_gpus else 1.0
-    return (decoding + spec.prefill.replicas * each) / decoding
+    return (decoding + max(1, spec.prefill.replica_range()[0]) * each) / decoding
 
 
 def _prefill_note(spec: DeploymentSpec, per_token: int) -> str:
@@ -274,8 +274,9 @@ def _prefill_note(spec: DeploymentSpec, per_token: int) -> str:
     p = spec.prefill
     prompt = spec.engine.max_model_len // 2
     sent = prompt * per_token
+    decoding = max(1, spec.autoscaling.min_replicas)
     return (
-        f"prefill: {p.replicas} prefill replica(s) of this engine beside {max(1, spec.autoscaling.min_replicas)} "
+        f"prefill: {p.describe_replicas()} prefill replica(s) of this engine beside {decoding} "
         f"decoding one(s) (the cost per million tokens counts their GPUs, {_prefill_cost_scale(spec):.2f}x a "
         f"decoding replica's); a prompt of {prompt:,} new tokens sends {sent / 2**20:,.1f} MiB of KV blocks to the "
         f"replica that decodes it ({per_token:,} bytes a token; ~{sent / NETWORK_BYTES_S * 1e3:,.0f} ms at "

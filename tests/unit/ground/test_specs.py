@@ -566,6 +566,15 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
             "(pipeline_parallel, tensor_parallel): each part takes a placement group bundle of the replica's "
             "resources (got 0, and num_gpus 0)",
         ),
+        (
+            "prefill: {replicas: 2, autoscaling: {max_replicas: 4}}\n",
+            "4: document 1 (Deployment 'svc'): prefill.replicas: give either replicas (a fixed number) or "
+            "autoscaling (min_replicas to max_replicas), not both",
+        ),
+        (
+            "prefill: {autoscaling: {min_replicas: 3, max_replicas: 2}}\n",
+            "4: document 1 (Deployment 'svc'): prefill.autoscaling.min_replicas: must be <= max_replicas (2) (got 3)",
+        ),
     ],
     ids=[
         "kv<max_model_len",
@@ -585,6 +594,8 @@ def test_model_needs_exactly_one_source(model: str, expected: str) -> None:
         "prefill-no-prefix-cache",
         "prefill-cuda-no-gpus",
         "prefill-split-no-resources",
+        "prefill-replicas-and-autoscaling",
+        "prefill-min>max",
     ],
 )
 def test_deployment_cross_field_rules(extra: str, expected: str) -> None:

@@ -337,6 +337,14 @@ def test_prefill_replicas_are_counted_in_the_cost_and_their_blocks_in_bytes_a_pr
     assert "2 prefill replica(s) of this engine beside 2 decoding one(s)" in note, note
     assert "640.0 MiB of KV blocks" in note and "327,680 bytes a token" in note, note
     assert not any(n.startswith("prefill:") for n in off.notes)
+    # Autoscaled prefill replicas: counted at their fewest, as the decoding ones are (1 beside 2: 1.5x)
+    scaled = plan_serve(
+        DeploymentSpec(**common, autoscaling=scaling, prefill={"autoscaling": {"min_replicas": 1, "max_replicas": 4}}),
+        gpu="H100",
+    )
+    assert scaled.rows[0].cost_per_million_tokens == pytest.approx(1.5 * a.cost_per_million_tokens)
+    note = next(n for n in scaled.notes if n.startswith("prefill:"))
+    assert "1-4 prefill replica(s) of this engine beside 2 decoding one(s)" in note, note
 
 
 def test_a_narrower_kv_cache_dtype_fits_more_tokens(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pylon.serving.api.builder import build_app, prefill_deployment
 from pylon.serving.api.prefill import prefill_params
+from pylon.serving.api.routing import HEALTH_CHECK_PERIOD_S
 from pylon.serving.engine.sampling import SamplingParams
 from pylon.specs import DeploymentSpec
 
@@ -37,6 +38,29 @@ def test_the_prefill_replicas_are_a_deployment_of_their_own_handed_to_every_deco
     # a replica of one process: its own node's labels
     whole = prefill_deployment(_spec(prefill={"replica": {"num_cpus": 1, "labels": {"pool": "prefill"}}}))
     assert whole._bound_deployment.ray_actor_options["label_selector"] == {"pool": "prefill"}
+
+
+def test_prefill_replicas_may_scale_and_where_several_may_run_prompts_go_to_the_one_caching_their_prefix() -> None:
+    scaled = _spec(
+        engine={"data_parallel": 2, "max_num_seqs": 4},
+        prefill={"autoscaling": {"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2}},
+    )
+    prefill = prefill_deployment(scaled)._bound_deployment
+    config = prefill._deployment_config
+    assert config.autoscaling_config.min_replicas == 1 and config.autoscaling_config.max_replicas == 3
+    assert config.autoscaling_config.initial_replicas == 2
+    assert (config.autoscaling_config.target_ongoing_requests, config.autoscaling_config.upscale_delay_s) == (4, 2)
+    assert config.max_ongoing_requests == 16  # (its engines' 2 x 4 slots, and as many again waiting)
+    router = config.request_router_config
+    assert router.request_router_class.endswith("request_router.PrefixAffinityRouter")
+    assert router.request_router_kwargs == {"capacity": 8}
+    assert config.health_check_period_s == HEALTH_CHECK_PERIOD_S  # (routing stats are collected at health checks)
+    # Several fixed ones are routed alike; one alone is not routed at all
+    fixed = prefill_deployment(_spec(prefill={"replicas": 2}))._bound_deployment._deployment_config
+    assert fixed.request_router_config.request_router_class.endswith("PrefixAffinityRouter")
+    assert fixed.autoscaling_config is None and fixed.num_replicas == 2
+    one = prefill_deployment(_spec(prefill={}))._bound_deployment._deployment_config
+    assert "PrefixAffinityRouter" not in one.request_router_config.request_router_class
 
 
 def test_without_prefill_there_is_no_prefill_deployment_and_a_prefill_replica_takes_the_deployments_replica() -> None:
