@@ -224,6 +224,8 @@ class RemotePrefill:
             ids, hashes = prompt_prefix(self.engine.tokenizer, prompt, self.block_size, params)
         except Exception:  # the engine refuses it with the reason
             return None
+        if params.truncate_prompt_tokens is None and len(ids) > self.spec.engine.max_model_len:
+            return None  # (the engine refuses it, saying so: no prefill replica need read it first)
         held = self.engine.cached_prefix_blocks(hashes)
         if len(ids) - held * self.block_size < self.spec.prefill.min_prompt_tokens:
             self.requests.inc(tags={"where": "local"})

@@ -172,3 +172,85 @@ def test_long_prompts_are_computed_on_the_prefill_replica_and_decoded_where_they
         assert _complete(url, later)["choices"][0]["text"] == greedy_text(model, later, NEW)
     finally:
         delete("pd")
+
+
+def _prefill_replicas(name: str) -> int:
+    """The prefill replicas running (Serve's REST API, as `pylon serve status` reads it)."""
+    from pylon.sdk.serve import serve_details
+
+    app = serve_details()["applications"].get(name) or {}
+    replicas = app.get("deployments", {}).get(f"{name}-prefill", {}).get("replicas", [])
+    return sum(1 for r in replicas if r["state"] == "RUNNING")
+
+
+@pytest.mark.slow
+def test_prefill_replicas_are_added_while_prompts_wait_for_them_and_taken_away_when_they_stop(ray_cluster, tmp_path):
+    """`prefill.autoscaling`: one prefill replica while there is little to compute, a second one while prompts
+    queue at it (Serve's autoscaling on the prompts at each prefill replica), one again when they stop; every
+    answer transformers' either way."""
+    from pylon.sdk.serve import delete, deploy
+    from pylon.specs import DeploymentSpec
+
+    model = tiny_llama(tmp_path / "llama")
+    spec = DeploymentSpec.model_validate(
+        {
+            "kind": "Deployment",
+            "name": "pds",
+            "model": str(tmp_path / "llama"),
+            "engine": {
+                "max_num_seqs": 8,
+                "max_num_batched_tokens": 256,
+                "kv_cache_tokens": 4096,
+                "block_size": 16,
+                "max_model_len": 256,
+                "device": "cpu",
+            },
+            "http": {"api_keys_env": None, "route_prefix": "/pds"},
+            "replica": {"num_cpus": 0.5},
+            "prefill": {
+                "autoscaling": {
+                    "min_replicas": 1,
+                    "max_replicas": 2,
+                    "target_ongoing_requests": 1,
+                    "upscale_delay_s": 0,
+                    "downscale_delay_s": 5,
+                },
+                "min_prompt_tokens": 64,
+                "timeout_s": 60,
+                "replica": {"num_cpus": 0.25},
+            },
+        }
+    )
+    url = deploy(spec)
+    try:
+        assert _prefill_replicas("pds") == 1
+        stop, answers, errors = False, [], []
+
+        def client(seed: int) -> None:
+            n = 0
+            while not stop:
+                prompt = _text(seed + 100 * n, 240)
+                body = {"model": "pds", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+                r = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+                (answers if r.status_code == 200 else errors).append((prompt, r))
+                n += 1
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            running = [pool.submit(client, seed) for seed in range(3, 11)]
+            deadline, most = time.monotonic() + 120, 1
+            while time.monotonic() < deadline and most < 2:
+                time.sleep(1)
+                most = max(most, _prefill_replicas("pds"))
+            stop = True
+            for f in running:
+                f.result()
+        assert most == 2, f"the prefill replicas stayed at one under {len(answers)} prompts"
+        assert not errors, errors[0][1].text
+        for prompt, r in answers[:3]:
+            assert r.json()["choices"][0]["text"] == greedy_text(model, prompt, 1)
+        deadline = time.monotonic() + 120
+        while _prefill_replicas("pds") > 1:
+            assert time.monotonic() < deadline, "the second prefill replica was not taken away once idle"
+            time.sleep(2)
+    finally:
+        delete("pds")
