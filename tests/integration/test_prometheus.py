@@ -138,6 +138,9 @@ def test_prometheus_scrapes_serving_and_training_and_fires_an_alert(prom, ray_cl
             "autoscaling": {"min_replicas": 1, "max_replicas": 1},
             "http": {"api_keys_env": None, "route_prefix": "/prom", "request_timeout_s": 60},
             "replica": {"num_cpus": 0.5},
+            # prompts of 32+ tokens computed on prefill replicas (one, autoscaled up to two: routed by prefix)
+            "prefill": {"autoscaling": {"min_replicas": 1, "max_replicas": 2}, "min_prompt_tokens": 32,
+                        "replica": {"num_cpus": 0.25}},
         }
     )  # fmt: skip
     url = deploy(spec)
@@ -146,9 +149,12 @@ def test_prometheus_scrapes_serving_and_training_and_fires_an_alert(prom, ray_cl
     try:
         # Requests until the alert fires: the TTFT histogram must grow between two scrapes for its rate.
         deadline = time.monotonic() + 120
+        n = 0
         while time.monotonic() < deadline and not firing:
+            n += 1  # every other prompt long enough for a prefill replica
+            prompt = "abc" if n % 2 else f"{n:04d} " + "the quick brown fox jumps over the lazy dog " * 2
             r = requests.post(
-                f"{url}/v1/completions", json={"model": "tiny-prom", "prompt": "abc", "max_tokens": 4}, timeout=60
+                f"{url}/v1/completions", json={"model": "tiny-prom", "prompt": prompt, "max_tokens": 4}, timeout=60
             )
             assert r.status_code == 200, r.text
             firing = [

@@ -262,6 +262,37 @@ def grafana_dashboard(cluster: ClusterSpec) -> dict:
             "reqps",
             [q("sum by (model, status) (rate(ray_pylon_requests_total[1m]))", "{{model}} {{status}}")],
         ),
+        ("Prefill replicas", None, None),
+        (
+            # (a deployment's `prefill`: where its decoding replicas had prompts computed, and what chose the prefill
+            # replica)
+            "Prompts by where computed",
+            "reqps",
+            [
+                q("sum by (model, where) (rate(ray_pylon_prefill_requests_total[1m]))", "{{model}} {{where}}"),
+                {
+                    **q("sum by (model, by) (rate(ray_pylon_prefill_routed_total[1m]))", "{{model}} routed by {{by}}"),
+                    "refId": "B",
+                },
+            ],
+        ),
+        ("Wait for a prefill replica's blocks", "s", quantiles("pylon_prefill_remote_seconds")),
+        (
+            "KV blocks between replicas",
+            "Bps",
+            [
+                q("sum by (model) (rate(ray_pylon_kv_transfer_sent_bytes_total[1m]))", "{{model}} sent"),
+                {
+                    **q("sum by (model) (rate(ray_pylon_kv_transfer_received_bytes_total[1m]))", "{{model}} received"),
+                    "refId": "B",
+                },
+            ],
+        ),
+        (
+            "Prompt tokens computed by deployment",
+            "short",
+            [q("sum by (deployment) (rate(ray_pylon_prefill_tokens_computed_total[1m]))", "{{deployment}}")],
+        ),
         ("Training", None, None),
         ("Training loss", "short", [q("max by (run) (ray_pylon_train_loss)", "{{run}}")]),
         (
