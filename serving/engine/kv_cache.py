@@ -67,12 +67,16 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import islice
 from typing import Any
 
 from pylon.serving.engine.tokenization import prompt_ids
 from pylon.serving.model.families import first_key
 
 DIGEST_BYTES = 16  # a block hash's size (128 bits)
+# A new request's run of blocks may take cached ones only among this many times its size least recently used
+# (KVBlockPool._cold); past that, its blocks are the least recently used ones wherever they are.
+COLD_RUN_FACTOR = 4
 RESERVE_MAX_BLOCKS = 64  # at most this many blocks set aside beyond what a request needs when it starts
 
 
@@ -483,14 +487,14 @@ class KVBlockPool:
 
     def _place(self, request_id: str, table: list[int], need: int, expected: int) -> bool:
         """A new table's first own `need` blocks as the lowest open run that also fits its `expected` length (the
-        rest set aside for it), or else the lowest open run of `need`, bare blocks preferred; False when there is
-        no open run of `need`."""
+        rest set aside for it), or else the lowest open run of `need`, bare blocks preferred, cached ones only among
+        the least recently used (`_cold`); False when there is no such run."""
         want = min(max(need, expected), need + RESERVE_MAX_BLOCKS)
         start = -1
         for size in (want, need) if want > need else (need,):
             start = self._bare.find(b"\x01" * size)
-            if start < 0:
-                start = self._open.find(b"\x01" * size)
+            if start < 0 and self._lru:
+                start = self._cold(size).find(b"\x01" * size)
             if start >= 0:
                 want = size
                 break
@@ -504,6 +508,17 @@ class KVBlockPool:
                 self._aside_for[block] = request_id
                 self._open[block] = self._bare[block] = 0
         return True
+
+    def _cold(self, size: int) -> bytearray:
+        """The open blocks a new run of `size` may take: bare ones, and cached ones among the `COLD_RUN_FACTOR x size`
+        least recently used. A run is taken for speed (attention reads a sequence's blocks in one run faster), never
+        at the cost of a prefix used lately: with the cache full, the lowest open run would often hold a chat's
+        prefix that least-recently-used order keeps (its next turn would compute it again)."""
+        cold = bytearray(self._bare)
+        for block in islice(self._lru, COLD_RUN_FACTOR * size):
+            if self._open[block]:
+                cold[block] = 1
+        return cold
 
     def _hold(self, block: int) -> None:
         """One more request holds `block` (its contents kept)."""

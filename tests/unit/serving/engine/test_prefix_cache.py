@@ -63,6 +63,34 @@ def test_free_cached_blocks_are_reused_least_recently_used_first_and_only_when_n
     assert pool.lookup(old) == [] and pool.lookup(new) == [2, 3] and pool.num_cached_blocks == 2
 
 
+def test_a_full_cache_keeps_the_prefix_used_lately_whatever_run_a_new_request_takes() -> None:
+    """A new request takes a run of blocks (attention reads one faster), but with the cache full of cached contents
+    only among the least recently used: a chat's prefix used a request ago is never the lowest open run taken for a
+    newcomer (before, the lowest open run was taken wherever it lay, and the chat computed its prefix again)."""
+    pool = KVBlockPool(256, 16, enable_caching=True)
+    rng = random.Random(0)
+
+    def request(rid: str, ids: list[int]) -> int:
+        hashes = block_hashes(ids, 16, [])
+        cached = pool.lookup(hashes)
+        assert pool.allocate(rid, len(ids), reserve_tokens=len(ids), cached=cached)
+        pool.cache_blocks(rid, hashes, len(ids) // 16)
+        pool.free(rid)
+        return len(cached)
+
+    chat = [rng.randrange(256) for _ in range(320)]  # 20 blocks
+    found, runs = [], 0
+    for turn in range(40):
+        found.append(request(f"chat{turn}", chat))
+        assert pool.allocate(f"new{turn}", 480, reserve_tokens=480)  # 30 blocks of new text
+        table = pool.block_table(f"new{turn}")
+        runs += table == list(range(table[0], table[0] + 30))
+        pool.cache_blocks(f"new{turn}", block_hashes([rng.randrange(256) for _ in range(480)], 16, []), 30)
+        pool.free(f"new{turn}")
+    assert found == [0] + [20] * 39  # (the pool holds 256 blocks: 12 turns of new text fill it)
+    assert runs >= 30, runs  # and most newcomers still got a run of their own
+
+
 def test_a_windowed_table_lets_go_of_the_blocks_before_the_window() -> None:
     """`trim` (a model attending within a sliding window in every layer): the blocks wholly before a position go back
     to the pool, the null block in their place so that positions keep their indices, never the table's last; a
