@@ -86,8 +86,6 @@ class PylonPrefillServer:
         """Serve's routing stats of this prefill replica (as a decoding replica's: `PylonLLMServer.
         record_routing_stats`): the hashes of the blocks its engines hold cached and its engines' sequence slots,
         which the decoding replicas' handles route their prompts by (pylon.serving.api.routing)."""
-        from pylon.serving.api import routing
-
         return {
             routing.STATS_KEY: {
                 "blocks": routing.short_hashes(self.engine.cached_block_hashes()),
