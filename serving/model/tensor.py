@@ -47,9 +47,10 @@ shard takes a block of column pairs, and the down projection's biases are added 
 
 A block-quantized FP8 checkpoint (quant_method fp8 with a `weight_block_size`: DeepSeek-V3's, Kimi K2's, Qwen3's and
 GLM-4.5's "-FP8" releases), and one in compressed-tensors' layouts (FP8, INT8, packed INT4: the "-FP8-dynamic",
-"-W8A8", "-W4A16" releases), is read by slice too, dequantized (pylon.serving.model.stored); the runner reads a whole
-model's, and a pipeline stage's, the same way (as one shard of one). Other quantized checkpoints (GPT-OSS's MXFP4 as
-published, GPTQ's and AWQ's own layouts) are not read by slice: refused by name (`refused`).
+"-W8A8", "-W4A16" releases), and GPTQ's and AWQ's (the "-GPTQ-Int4", "-GPTQ-Int8", "-AWQ" releases), is read by
+slice too, dequantized (pylon.serving.model.stored); the runner reads a whole model's, and a pipeline stage's, the
+same way (as one shard of one). Other quantized checkpoints (GPT-OSS's MXFP4 as published, Marlin's, AWQ's GEMV) are
+not read by slice: refused by name (`refused`).
 """
 
 from __future__ import annotations
@@ -224,9 +225,9 @@ def refused(model_type: str, config, count: int, experts: bool = False) -> str |
     why = unreadable(config)
     if why is not None:
         return (
-            f"{why}, and a shard reads float weights, block FP8 and compressed-tensors' by slice: save the model "
-            "dequantized (transformers' from_pretrained, then save_pretrained), and use engine.quantization to serve "
-            "smaller weights"
+            f"{why}, and a shard reads float weights, block FP8, compressed-tensors', GPTQ's and AWQ's by slice: "
+            "save the model dequantized (transformers' from_pretrained, then save_pretrained), and use "
+            "engine.quantization to serve smaller weights"
         )
     heads, kv_heads, _ = _heads(config)
     if model_type in LATENT_SPLIT_FAMILIES:  # (one latent a token, every shard's: no key-value heads to split)

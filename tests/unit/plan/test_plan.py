@@ -1058,6 +1058,28 @@ def test_deepseek_v3_in_eight_shards_holds_an_eighth_of_its_weights_and_the_whol
     assert any("reads it dequantized to bf16" in n and "fp8 (or int8) halves it again" in n for n in result.notes)
 
 
+def test_a_gptq_or_awq_checkpoint_is_counted_dequantized_and_named_with_its_bits_and_groups() -> None:
+    """The "-GPTQ-Int4" and "-AWQ" releases: read dequantized (serving/model/stored.py), so they weigh as the float
+    model, the note naming their layout and what their projections take on disk (a quarter of bf16's at 4 bits)."""
+    from transformers import AutoConfig
+
+    spec = DeploymentSpec(name="q", model="s3://b/m", replica={"num_gpus": 1}, engine={"max_model_len": 4096})
+    plain = plan_serve(spec, config=AutoConfig.for_model("qwen2", num_hidden_layers=4))
+    for quantized, named in (
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+            "GPTQ (4-bit weights, groups of 128)",
+        ),
+        ({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm"}, "AWQ (4-bit weights, groups of 64)"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": -1}, "GPTQ (8-bit weights, one group a column)"),
+    ):
+        config = AutoConfig.for_model("qwen2", num_hidden_layers=4, quantization_config=quantized)
+        result = plan_serve(spec, config=config)
+        assert result.rows[0].weights == plain.rows[0].weights  # (dequantized to the engine's dtype)
+        note = next(n for n in result.notes if n.startswith("the checkpoint is "))
+        assert named in note and "reads it dequantized to" in note, note
+
+
 def test_deepseek_v3_in_bf16_is_planned_across_two_nodes_of_eight_shards() -> None:
     """DeepSeek-V3 in bf16 fits no GPU, nor one node of 8: the plan says in how many pipeline stages of 8
     tensor-parallel shards it fits (vLLM's TP 8 x PP n), and planned so, a shard holds an eighth of its stage's

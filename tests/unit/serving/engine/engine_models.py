@@ -513,8 +513,45 @@ if count > 1:
 
 # The quantized checkpoint layouts `save_quantized` writes: DeepSeek's block FP8, and compressed-tensors' FP8 per
 # channel ("-FP8-dynamic"), INT8 per channel with zero points (asymmetric "-W8A8"), INT4 in groups of 32 packed eight to
-# an int32 ("-W4A16").
-QUANTIZED = ("fp8-block", "fp8-channel", "int8-channel", "w4a16")
+# an int32 ("-W4A16"); AutoGPTQ's INT4 (and GPTQModel's INT8) in activation-ordered groups, AutoAWQ's GEMM INT4.
+QUANTIZED = ("fp8-block", "fp8-channel", "int8-channel", "w4a16", "gptq", "gptq-int8", "awq")
+
+
+def _as_int32(packed: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit values (int64) as the int32s holding their bits."""
+    return packed.to(torch.uint32).view(torch.int32) if hasattr(torch, "uint32") else packed.to(torch.int32)
+
+
+def _asymmetric(w: torch.Tensor, groups: torch.Tensor, count: int, bits: int, low_zero: int):
+    """`w` `[out, in]` quantized asymmetrically per (group of input rows, output column): `groups` `[in]` each input
+    row's group of `count`. Returns q `[out, in]`, zero points and float16 scales `[count, out]` (zero points at least
+    `low_zero`), and the dequantized weight."""
+    top = (1 << bits) - 1
+    scales = torch.zeros(count, w.shape[0])
+    zeros = torch.zeros(count, w.shape[0], dtype=torch.int64)
+    for g in range(count):
+        rows = w[:, groups == g]
+        low, high = rows.amin(dim=1).clamp(max=0), rows.amax(dim=1).clamp(min=0)
+        scales[g] = ((high - low) / top).clamp_min(1e-6)
+        zeros[g] = torch.round(-low / scales[g]).clamp(low_zero, top).to(torch.int64)
+    scales = scales.to(torch.float16)
+    s, z = scales.float()[groups].t(), zeros[groups].t()  # [out, in]
+    q = (torch.round(w / s) + z).clamp(0, top).to(torch.int64)
+    return q, zeros, scales, (q - z).float() * s
+
+
+def _pack(values: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
+    """Unsigned ints of `bits` packed 32 // bits to an int32 along `dim` of a 2-D tensor: value i of each at bits
+    `bits x i`, or value `order[i]` of each at bits `bits x i` (AWQ's)."""
+    per = 32 // bits
+    values = values.to(torch.int64)
+    if dim == 0:
+        values = values.t()
+    packed = torch.zeros(values.shape[0], values.shape[1] // per, dtype=torch.int64)
+    for i in range(per):
+        packed |= values[:, (order[i] if order else i) :: per] << (bits * i)
+    packed = _as_int32(packed)
+    return packed.t().contiguous() if dim == 0 else packed
 
 
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -527,7 +564,7 @@ def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     packed = torch.zeros(rows, u.shape[1] // per, dtype=torch.int64)
     for i in range(per):
         packed |= u[:, i::per] << (4 * i)
-    return packed.to(torch.uint32).view(torch.int32) if hasattr(torch, "uint32") else packed.to(torch.int32)
+    return _as_int32(packed)
 
 
 def save_quantized(source: str, directory: Path, scheme: str, block: int = 32) -> dict[str, torch.Tensor]:
@@ -578,6 +615,27 @@ def save_quantized(source: str, directory: Path, scheme: str, block: int = 32) -
                 q = (torch.round(w / scales) + zero.float()).clamp(-128, 127).to(torch.int8)
                 out[key], out[key + "_scale"], out[key + "_zero_point"] = q, scales, zero
                 dequantized[key] = (q.float() - zero.float()) * scales
+            elif scheme in ("gptq", "gptq-int8"):  # AutoGPTQ's layout, transposed, activation-ordered groups
+                bits = 4 if scheme == "gptq" else 8
+                order = torch.randperm(cols, generator=torch.Generator().manual_seed(cols + rows))
+                groups = torch.empty(cols, dtype=torch.int64)
+                groups[order] = torch.arange(cols) // block  # (input rows in a permuted order, `block` a group)
+                count = -(-cols // block)
+                # (checkpoint_format gptq stores zero points one less: the test's are at least 1, as AutoGPTQ's
+                # dequantization reads a stored -1 as 2^bits)
+                q, zero, scales, dequantized[key] = _asymmetric(w, groups, count, bits, 1 if bits == 4 else 0)
+                prefix = key.removesuffix("weight")
+                out[prefix + "qweight"] = _pack(q.t(), bits, 0)  # [in / per, out]: inputs packed
+                out[prefix + "qzeros"] = _pack(zero - (1 if bits == 4 else 0), bits, 1)  # [groups, out / per]
+                out[prefix + "scales"], out[prefix + "g_idx"] = scales, groups.to(torch.int32)
+            elif scheme == "awq":  # AutoAWQ's GEMM layout: outputs packed in its order, groups of `block` inputs
+                groups = torch.arange(cols) // block
+                q, zero, scales, dequantized[key] = _asymmetric(w, groups, -(-cols // block), 4, 0)
+                prefix = key.removesuffix("weight")
+                pack_order = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's: nibble i holds column 8p + pack_order[i]
+                out[prefix + "qweight"] = _pack(q.t(), 4, 1, pack_order)  # [in, out / 8]
+                out[prefix + "qzeros"] = _pack(zero, 4, 1, pack_order)
+                out[prefix + "scales"] = scales
             else:  # w4a16: symmetric int4 in groups of `block` columns (the last partial)
                 groups = -(-cols // block)
                 padded = torch.zeros(rows, groups * block)
@@ -598,6 +656,23 @@ def save_quantized(source: str, directory: Path, scheme: str, block: int = 32) -
             "activation_scheme": "dynamic",
             "fmt": "e4m3",
             "weight_block_size": [block, block],
+        }
+    elif scheme in ("gptq", "gptq-int8"):
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": 4 if scheme == "gptq" else 8,
+            "group_size": block,
+            "desc_act": True,
+            "sym": False,
+            "checkpoint_format": "gptq" if scheme == "gptq" else "gptq_v2",
+        }
+    elif scheme == "awq":
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": block,
+            "zero_point": True,
+            "version": "gemm",
         }
     else:
         weights = {

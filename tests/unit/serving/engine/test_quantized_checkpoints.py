@@ -45,7 +45,8 @@ def _logits(runner: ModelRunner, prompt: list[int]) -> list[torch.Tensor]:
 # projection, 1.5 blocks; its 48-wide q_b_proj inputs, 1.5 groups; its experts stored one by one, fused at load; its
 # router in float, as the releases keep it) in block FP8 and packed INT4.
 @pytest.mark.parametrize(
-    "name,scheme", [*(("llama", s) for s in QUANTIZED), ("deepseek_v3", "fp8-block"), ("deepseek_v3", "w4a16")]
+    "name,scheme",
+    [*(("llama", s) for s in QUANTIZED), *(("deepseek_v3", s) for s in ("fp8-block", "w4a16", "gptq", "awq"))],
 )
 def test_a_quantized_checkpoint_is_served_as_its_dequantized_weights(name, scheme, tmp_path):
     family = Family(name, tmp_path / name, greedy=False)
@@ -55,8 +56,9 @@ def test_a_quantized_checkpoint_is_served_as_its_dequantized_weights(name, schem
     config = AutoConfig.from_pretrained(tmp_path / "fp8")
     assert refused(name, config, 2) is None  # (its shards read their slices of the blocks: below)
     fp8 = ModelRunner(str(tmp_path / "fp8"), num_blocks=32, block_size=16, dtype="fp32", device="cpu")
-    assert fp8.stored.method == ("fp8" if scheme == "fp8-block" else "compressed-tensors")
-    assert fp8.stored.bits == (4 if scheme == "w4a16" else 8)
+    method = {"fp8-block": "fp8", "gptq-int8": "gptq"}.get(scheme, scheme if scheme in ("gptq", "awq") else None)
+    assert fp8.stored.method == (method or "compressed-tensors")
+    assert fp8.stored.bits == (4 if scheme in ("w4a16", "gptq", "awq") else 8)
     whole = ModelRunner(reference, num_blocks=32, block_size=16, dtype="fp32", device="cpu")
     served = _logits(fp8, PROMPTS[2])
     for got, want in zip(served, _logits(whole, PROMPTS[2])):
@@ -70,12 +72,13 @@ def test_a_quantized_checkpoint_is_served_as_its_dequantized_weights(name, schem
     assert float((_logits(original, PROMPTS[2])[1] - served[1]).abs().max()) > 1e-2
 
 
-@pytest.mark.parametrize("scheme", ["fp8-block", "w4a16"])
+@pytest.mark.parametrize("scheme", ["fp8-block", "w4a16", "gptq", "awq"])
 def test_shards_read_their_slices_of_the_blocks(scheme, tmp_path):
     """Two shards of a DeepSeek-V3 quantized checkpoint: each one's heads of q_b_proj, its columns of o_proj (a slice
     starting mid-block: 48 of the 96 columns of 2 heads' 24-wide values, blocks or groups of 32), its slice of each
     expert's gate, up and down (packed INT4: the second shard's down_proj columns start mid-int32, 16 of 32 in 4 ints
-    of 8): the dequantized whole's, exactly."""
+    of 8; GPTQ's are its inputs, packed down the int32 rows, in activation-ordered groups; AWQ's gate and up rows are
+    its outputs, packed in AWQ's order): the dequantized whole's, exactly."""
     family = Family("deepseek_v3", tmp_path / "v3", greedy=False)
     dequantized = save_quantized(family.dir, tmp_path / "fp8", scheme, block=32)
     config = AutoConfig.from_pretrained(tmp_path / "fp8")
@@ -113,8 +116,14 @@ def test_an_fp8_checkpoint_whose_scales_do_not_fit_its_blocks_is_named(tmp_path)
     with pytest.raises(PylonError, match=r"model.layers.1.mlp.down_proj.weight: its scales' shape \[4, 10\] is not"):
         ModelRunner(str(tmp_path / "fp8"), num_blocks=8, block_size=16, dtype="fp32", device="cpu")
     other = AutoConfig.from_pretrained(tmp_path / "fp8")
-    other.quantization_config = {"quant_method": "gptq", "bits": 4}
-    assert "its checkpoint is quantized (gptq)" in refused("llama", other, 2)
+    other.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    assert "its checkpoint is quantized (bitsandbytes)" in refused("llama", other, 2)
+    other.quantization_config = {"quant_method": "gptq", "bits": 3}
+    assert "its GPTQ weights are 3-bit (read: 2, 4, 8)" in refused("llama", other, 2)
+    other.quantization_config = {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}
+    assert "its GPTQ checkpoint_format 'marlin' is not read (read: gptq, gptq_v2)" in refused("llama", other, 2)
+    other.quantization_config = {"quant_method": "awq", "bits": 4, "version": "gemv"}
+    assert "its AWQ version 'gemv' is not read" in refused("llama", other, 2)
     # a family the shards' reader does not split: named, with what to do
     gpt2 = Family("gpt2", tmp_path / "gpt2", greedy=False)
     save_quantized(gpt2.dir, tmp_path / "gpt2-w4", "w4a16")
