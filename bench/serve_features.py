@@ -1,12 +1,12 @@
 """Serving features, each against its off switch in one run on the same model: one function per feature.
 
-quantization(): `engine.quantization: int8` against float32, on a GPT-2-small-shaped model (12 layers, 768 wide,
-vocab 50257, ~124M parameters) with random weights (GPT-2's initializer), built in the run and saved as a Pylon export
-(byte tokenizer). Prints, for each of int8 and fp32 (legs alternate over `--rounds`):
+quantization(): `engine.quantization: int8` and `int4` against float32, on a GPT-2-small-shaped model (12 layers, 768
+wide, vocab 50257, ~124M parameters) with random weights (GPT-2's initializer), built in the run and saved as a Pylon
+export (byte tokenizer). Prints, for each of int8, int4 and fp32 (legs alternate over `--rounds`):
 
-1. the bytes of the projections' weights (and of the whole model), int8 over fp32;
-2. one projection (768 -> 2304, c_attn's shape) at 1 and 8 rows: oneDNN's float32, Pylon's int8 kernel, and
-   torch's `_weight_int8pack_mm`, which the engine does not use on a CPU (see serving/model/quant.py);
+1. the bytes of the projections' weights (and of the whole model), each over fp32;
+2. one projection (768 -> 2304, c_attn's shape) at 1 and 8 rows: oneDNN's float32, Pylon's int8 and int4 kernels,
+   and torch's `_weight_int8pack_mm`, which the engine does not use on a CPU (see serving/model/quant.py);
 3. output tokens/s of an in-process `LLMEngine` at concurrency 1 and 8 (greedy, `--output-tokens` each, closed loop),
    int8 over fp32 (target >= 1.3x);
 4. on held-out real text (the last `--eval-tokens` bytes of /work/shared/datasets/tinyshakespeare.txt, in windows of
@@ -172,6 +172,7 @@ def micro(rounds: int = 200) -> dict[str, dict[int, float]]:
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(2304, 768, generator=g) * 0.02, torch.zeros(2304)
     q = quant.QuantWeight(w)
+    q4 = quant.QuantWeight(w, "int4")
     packed = linear.pack(w) if linear.usable(torch.device("cpu"), torch.float32) else None
     out: dict[str, dict[int, float]] = {}
     for rows in (1, 8):
@@ -181,6 +182,7 @@ def micro(rounds: int = 200) -> dict[str, dict[int, float]]:
                 (lambda: linear.addmm(b, x, packed)) if packed is not None else (lambda: torch.addmm(b, x, w.t()))
             ),
             "int8 (Pylon kernel)" if q.kernel else "int8 (dequantized)": lambda: quant.addmm(b, x, q),
+            "int4 (Pylon kernel)" if q4.int4_kernel else "int4 (dequantized)": lambda: quant.addmm(b, x, q4),
             "int8 (torch _weight_int8pack_mm)": lambda: torch.ops.aten._weight_int8pack_mm(x, q.q, q.scales),
         }
         for name, f in paths.items():
@@ -257,11 +259,11 @@ def log_likelihoods(eng, text: bytes, window: int):
 
 
 def quantization_legs() -> list[str]:
-    """engine.quantization's values measured here: none (the baseline, in --dtype) and int8; fp8 too on a CUDA GPU
-    that has it (compute capability 8.9+)."""
+    """engine.quantization's values measured here: none (the baseline, in --dtype), int8 and int4; fp8 too on a CUDA
+    GPU that has it (compute capability 8.9+)."""
     import torch
 
-    legs = ["none", "int8"]
+    legs = ["none", "int8", "int4"]
     if PLACE["device"] == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
         legs.append("fp8")
     return legs

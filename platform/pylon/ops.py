@@ -5,7 +5,8 @@ memory collectives) and Pylon its paged-attention and int8 kernels just in time,
 time a process needs them: minutes on a small machine, stalling the first training job or replica (and every
 process that waits on the build's lock). `make setup` runs this once instead, building them side by side:
 
-    python -m pylon.ops            # cpu_adam, fused_adam, deepspeed_shm_comm, pylon_paged_attention, pylon_int8_linear
+    python -m pylon.ops            # cpu_adam, fused_adam, deepspeed_shm_comm, pylon_paged_attention,
+                                   # pylon_int8_linear, pylon_int4_linear
     python -m pylon.ops --nvme     # and async_io (NVMe offload; needs libaio, several minutes)
 
 Builds are reused by every later process of this environment; a failed build is reported and left to the
@@ -33,6 +34,7 @@ NVME_OPS = {"async_io": "AsyncIOBuilder"}
 SERVING_OPS = {
     "pylon_paged_attention": "pylon.serving.model.kernels",
     "pylon_int8_linear": "pylon.serving.model.quant",
+    "pylon_int4_linear": "pylon.serving.model.quant --int4",
 }
 
 _BUILD_DEEPSPEED = """
@@ -86,7 +88,7 @@ def build_command(name: str) -> list[str]:
     """The command that builds op `name` (a key of DEEPSPEED_OPS, NVME_OPS or SERVING_OPS);
     it exits 0 when built, 3 when the op is not compatible with this machine."""
     if name in SERVING_OPS:
-        return [sys.executable, "-m", SERVING_OPS[name]]
+        return [sys.executable, "-m", *SERVING_OPS[name].split()]
     builder = {**DEEPSPEED_OPS, **NVME_OPS}[name]
     if name == "async_io":  # what DeepSpeed's swappers load (deepspeed.ops.op_builder, not the accelerator's)
         code = (

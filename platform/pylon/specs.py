@@ -1323,13 +1323,16 @@ class EngineSpec(_Spec):
         "Attention still computes in dtype, but outputs are no longer exactly the model's own: "
         "greedy outputs can part from `transformers` generate's after a few tokens",
     )
-    quantization: Literal["none", "int8", "fp8"] = Field(
+    quantization: Literal["none", "int8", "fp8", "int4"] = Field(
         "none",
         description="weight-only quantization of the decoder layers' projections (attention and MLP; the "
         "embeddings and lm_head stay), applied at load from a float checkpoint: int8 = one int8 per weight "
         "and a float32 scale per output channel, a quarter of float32's bytes (half of bf16's), on any device; "
         "on a CPU decode steps read fewer bytes and run faster, long prompt chunks slower. fp8 = e4m3 with "
-        "per-channel scales, CUDA GPUs of compute capability 8.9+ only (refused elsewhere at start). "
+        "per-channel scales, CUDA GPUs of compute capability 8.9+ only (refused elsewhere at start). int4 = 4 "
+        "bits a weight in groups of 64 inputs (a 4-bit GPTQ, AWQ or W4A16 checkpoint's own groups where they fit: "
+        "its weights served in 4 bits as published), a float32 scale and min a group: about a sixth of "
+        "float32's bytes; a CPU kernel for float32 engines, dequantized per call elsewhere. "
         "Activations and the KV cache stay in dtype; greedy outputs part from the float model's after some tokens",
     )
     speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)

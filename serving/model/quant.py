@@ -2,11 +2,18 @@
 
 1. `quantize`: each `[out, in]` weight becomes int8 (or float8 e4m3) with one float32 scale per output channel,
    symmetric: scale = max |w| of the channel / 127 (or / 448). The float weight is not kept.
+   `quantize_int4` (int4): 4-bit ints in groups of `group` inputs (64; a 4-bit checkpoint's own group size where it
+   has one that fits), asymmetric: each group's scale = (max - min) / 15 and its min, so that w = q * scale + min with q
+   in 0..15; two to a byte in blocks of 32 inputs (`csrc/int4_linear.cpp` says how). A weight of a 4-bit checkpoint
+   (GPTQ, AWQ, compressed-tensors' W4A16, read dequantized: model/stored.py) whose groups are these finds its grid
+   again: each group's ints and scale come back as the checkpoint's (to float32 rounding), not rounded twice.
 2. `addmm(bias, x, weight)`, in `torch.addmm`'s argument order, is `x @ w^T * scale + bias`:
    - CPU, float32, int8: Pylon's kernel (`csrc/int8_linear.cpp`), which reads a quarter of the float32 weight's
      bytes and widens it in registers; built once per machine by torch's extension loader, and checked once per
      process against the dequantized matmul. It beats oneDNN's float32 projections for decodes and is on par up
      to ~64 rows; prompt chunks of hundreds of rows run slower than float32.
+   - CPU, float32, int4 (inputs a multiple of 32): Pylon's kernel (`csrc/int4_linear.cpp`): half a byte a weight
+     and 8 bytes a group, widened and scaled in registers; checked once per process the same way.
    - CUDA, int8: torch's `_weight_int8pack_mm`, where it exists here and agrees with the dequantized matmul.
    - CUDA, fp8, bf16 model, projections whose sizes are multiples of 16: the fp8 tensor cores through
      `torch._scaled_mm`, as vLLM's fp8 runs (W8A8): each row of activations (a token) is quantized to e4m3 with its
@@ -33,15 +40,21 @@ from pylon.ops import venv_tools_first
 log = logging.getLogger(__name__)
 
 NAME = "pylon_int8_linear_v1"  # the build directory under $TORCH_EXTENSIONS_DIR; a new name when the source changes
+INT4_NAME = "pylon_int4_linear_v1"  # the int4 kernel's
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude of each format; a channel's max |w| maps to it
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-METHODS = ("none", *QMAX)
+METHODS = ("none", *QMAX, "int4")
+INT4_GROUP = 64  # inputs a group of int4 weights shares a scale and a min over (unless the checkpoint's own fits)
+INT4_BLOCK = 32  # inputs a packed block holds: a group is whole blocks
 SCALED_MM_DEVICES = ("cuda",)  # where fp8 projections take torch._scaled_mm (tests add "cpu", where torch has it too)
 
 _SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
+_INT4_SOURCE = Path(__file__).parent / "csrc" / "int4_linear.cpp"
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
+_int4_module = None
+_int4_failed: str | None = None
 
 
 def check(method: str, device: torch.device) -> None:
@@ -75,13 +88,66 @@ def quantize(weight_out_in: torch.Tensor, method: str = "int8") -> tuple[torch.T
     return q.contiguous(), scales
 
 
+def int4_group(inputs: int, preferred: int | None = None) -> int | None:
+    """The group size of an int4 weight of `inputs` inputs: `preferred` (a checkpoint's) where it is whole blocks of
+    32 that divide the inputs, else `INT4_GROUP`, else 32; None where the inputs are no multiple of 32 (the weight is
+    then stored padded, one group a row, and dequantized per call)."""
+    for group in (preferred, INT4_GROUP, INT4_BLOCK):
+        if group and group % INT4_BLOCK == 0 and inputs % group == 0:
+            return group
+    return None
+
+
+def quantize_int4(weight_out_in: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(q [out, in / 2] uint8, scales [out, in / group], mins [out, in / group])` float32, with each input i of a
+    row `q_i * scales[g] + mins[g]` (g = i // group, q_i in 0..15) ~ the weight: asymmetric, the group's min and
+    (max - min) / 15. `in` a multiple of `group`, `group` of 32. Packed as `csrc/int4_linear.cpp` reads it."""
+    w = weight_out_in.detach().float()
+    rows, inputs = w.shape
+    grouped = w.view(rows, inputs // group, group)
+    mins, maxes = grouped.amin(dim=2), grouped.amax(dim=2)
+    step, on_grid = _grid_step(grouped, mins, maxes)
+    scales = torch.where(on_grid, step, (maxes - mins) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((grouped - mins[..., None]) / scales[..., None]).round_().clamp_(0, 15).to(torch.uint8).view(rows, inputs)
+    blocks = q.view(rows, inputs // INT4_BLOCK, 2, INT4_BLOCK // 2)  # [rows, block, half, j]: input 32b + 16h + j
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(rows, inputs // 2)
+    return packed.contiguous(), scales.contiguous(), mins.contiguous()
+
+
+def _grid_step(grouped: torch.Tensor, mins: torch.Tensor, maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's values (`[rows, groups, group]`) as a 4-bit checkpoint left them, where they are: `(step, on_grid)`
+    `[rows, groups]`, the smallest gap between a group's distinct values, and whether every value of the group is its
+    min plus a whole number (0..15) of those steps. Such a group keeps its grid (its scale is the step, not
+    (max - min) / 15, which differs where the group's ints do not reach both 0 and 15); random floats never sit on
+    one."""
+    span = (maxes - mins)[..., None]
+    gaps = grouped.sort(dim=2).values.diff(dim=2)
+    step = torch.where(gaps > span * 1e-5, gaps, torch.inf).amin(dim=2)
+    levels = (grouped - mins[..., None]) / step[..., None]
+    on_grid = torch.isfinite(step) & ((levels - levels.round()).abs() <= 1e-3).all(dim=2) & (levels.amax(dim=2) < 15.5)
+    return torch.where(on_grid, step, torch.zeros_like(step)), on_grid
+
+
+def unpack_int4(q: torch.Tensor) -> torch.Tensor:
+    """`quantize_int4`'s packed `[out, in / 2]` as its ints `[out, in]` (uint8)."""
+    rows = q.shape[0]
+    blocks = q.view(rows, -1, INT4_BLOCK // 2)
+    return torch.stack([blocks & 0x0F, blocks >> 4], dim=2).view(rows, -1)
+
+
 class QuantWeight:
     """A projection's quantized weight: `q` `[out, in]`, `scales` `[out]` (float32, or the model's dtype on a GPU),
-    and the dtype the model computes in."""
+    and the dtype the model computes in; int4's `q` `[out, in / 2]` packed, `scales` and `mins` `[out, groups]`
+    (`group`: a 4-bit checkpoint's group size, used where it fits)."""
 
-    def __init__(self, weight_out_in: torch.Tensor, method: str = "int8"):
+    def __init__(self, weight_out_in: torch.Tensor, method: str = "int8", group: int | None = None):
         dtype, device = weight_out_in.dtype, weight_out_in.device
         self.method = method
+        self.in_features, self.out_features = weight_out_in.shape[1], weight_out_in.shape[0]
+        if method == "int4":
+            self._int4(weight_out_in, group)
+            return
+        self.group, self.mins, self.int4_kernel = None, None, False
         self.q, scales = quantize(weight_out_in, method)
         self.q = self.q.to(device)
         self.scales = scales.to(device, torch.float32 if device.type == "cpu" else dtype)
@@ -99,17 +165,41 @@ class QuantWeight:
         # _scaled_mm's rowwise scales: float32, one per output channel, as a [1, out] row
         self.scales_row = scales.to(device, torch.float32).view(1, -1) if self.scaled_mm else None
 
+    def _int4(self, weight_out_in: torch.Tensor, group: int | None) -> None:
+        dtype, device = weight_out_in.dtype, weight_out_in.device
+        self.kernel = self.aten = self.scaled_mm = False
+        self.scales_row = None
+        inputs = self.in_features
+        self.group = int4_group(inputs, group)
+        w = weight_out_in
+        if self.group is None:  # (inputs no multiple of 32: padded to whole blocks, one group a row)
+            padded = -(-inputs // INT4_BLOCK) * INT4_BLOCK
+            w = torch.nn.functional.pad(weight_out_in.detach().float(), (0, padded - inputs), value=0.0)
+        q, scales, mins = quantize_int4(w, self.group or w.shape[1])
+        self.q, self.scales, self.mins = q.to(device), scales.to(device), mins.to(device)
+        self.int4_kernel = (
+            self.group is not None and dtype == torch.float32 and device.type == "cpu" and int4_kernel_usable()
+        )
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The `[out, in]` weight in `dtype`, for one call."""
+        if self.method == "int4":
+            rows, groups = self.scales.shape
+            q = unpack_int4(self.q).to(torch.float32).view(rows, groups, -1)
+            w = (q * self.scales[..., None] + self.mins[..., None]).view(rows, -1)
+            return w[:, : self.in_features].to(dtype)
         return (self.q.to(dtype) * self.scales[:, None]).to(dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scales.nbytes + (0 if self.scales_row is None else self.scales_row.nbytes)
+        rows = 0 if self.scales_row is None else self.scales_row.nbytes
+        return self.q.nbytes + self.scales.nbytes + rows + (0 if self.mins is None else self.mins.nbytes)
 
 
 def addmm(bias: torch.Tensor | None, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """`bias + x @ W^T` for a quantized weight, in `torch.addmm`'s argument order; x is `[rows, in]`."""
+    if w.int4_kernel:
+        return _int4_module.int4_linear(x.contiguous(), w.q, w.scales, w.mins, w.group, bias)
     if w.kernel:
         return _module.int8_linear(x.contiguous(), w.q, w.scales, bias)
     if w.aten:
@@ -160,9 +250,9 @@ def scaled_mm_usable(device: torch.device) -> bool:
 class QuantLinear(torch.nn.Module):
     """A `torch.nn.Linear` with a quantized weight (see `QuantWeight`); the original's weight is not kept."""
 
-    def __init__(self, source: torch.nn.Linear, method: str = "int8"):
+    def __init__(self, source: torch.nn.Linear, method: str = "int8", group: int | None = None):
         super().__init__()
-        self.weight_q = QuantWeight(source.weight.detach(), method)
+        self.weight_q = QuantWeight(source.weight.detach(), method, group)
         self.in_features, self.out_features = source.in_features, source.out_features
         self.bias = None if source.bias is None else source.bias.detach()
 
@@ -206,10 +296,56 @@ def kernel_usable() -> bool:
     for rows, n_in, n_out in ((1, 64, 48), (3, 77, 13), (16, 96, 40)):
         x, w, b = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g), torch.randn(n_out)
         q = QuantWeight.__new__(QuantWeight)
+        q.method = "int8"
         q.q, q.scales = quantize(w)
         got = module.int8_linear(x, q.q, q.scales, b)
         if not torch.allclose(got, F.linear(x, q.dequantized(torch.float32), b), rtol=1e-4, atol=1e-4):
             log.warning("int8 projection kernel disagrees with the dequantized matmul here; it is not used")
+            return False
+    return True
+
+
+def load_int4(verbose: bool = False):
+    """The compiled int4 kernel's module (building it the first time on this machine), or None where it cannot be
+    had."""
+    global _int4_module, _int4_failed
+    if _int4_module is not None or _int4_failed is not None:
+        return _int4_module
+    with _lock:
+        if _int4_module is not None or _int4_failed is not None:
+            return _int4_module
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            venv_tools_first()
+            _int4_module = load_extension(
+                name=INT4_NAME, sources=[str(_INT4_SOURCE)], extra_cflags=["-O3", "-march=native"], verbose=verbose
+            )
+        except Exception as e:  # no compiler, no headers, a build error: the dequantized matmul still works
+            _int4_failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            log.warning("int4 projection kernel unavailable (%s); int4 weights are dequantized per call", _int4_failed)
+    return _int4_module
+
+
+@functools.cache
+def int4_kernel_usable() -> bool:
+    """Once per process: the int4 kernel is built here, has its vector loops, and agrees with the dequantized matmul
+    (several groups, odd row counts, channels past the last tile of 4)."""
+    module = load_int4()
+    if module is None:
+        return False
+    if not module.has_avx2():
+        log.info("int4 projection kernel built without AVX2; int4 weights are dequantized per call")
+        return False
+    g = torch.Generator().manual_seed(0)
+    for rows, n_in, n_out, group in ((1, 64, 48, 32), (3, 128, 13, 64), (16, 192, 40, 64)):
+        x, w, b = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g), torch.randn(n_out)
+        q, scales, mins = quantize_int4(w, group)
+        dequantized = unpack_int4(q).float().view(n_out, -1, group) * scales[..., None] + mins[..., None]
+        want = F.linear(x, dequantized.view(n_out, n_in), b)
+        got = module.int4_linear(x, q, scales, mins, group, b)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            log.warning("int4 projection kernel disagrees with the dequantized matmul here; it is not used")
             return False
     return True
 
@@ -233,5 +369,10 @@ def _aten_usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 if __name__ == "__main__":
+    import sys
+
+    if "--int4" in sys.argv:  # (pylon.ops' pylon_int4_linear)
+        mod = load_int4(verbose=True)
+        raise SystemExit(0 if mod is not None and int4_kernel_usable() else f"int4 kernel: not built ({_int4_failed})")
     mod = load(verbose=True)
     raise SystemExit(0 if mod is not None and kernel_usable() else f"int8 kernel: not built ({_failed})")

@@ -275,8 +275,8 @@ class _GPT2Weights:
     @classmethod
     def of(cls, model, *, packed: bool = False, quantization: str = "none") -> "_GPT2Weights":
         """The model's weights; `packed`: the projections reordered for oneDNN (`pylon.serving.model.linear`), or
-        `quantization` (int8, fp8): quantized (`pylon.serving.model.quant`), and either way the modules' own copies
-        released (the runner never calls those modules)."""
+        `quantization` (int8, fp8, int4): quantized (`pylon.serving.model.quant`), and either way the modules' own
+        copies released (the runner never calls those modules)."""
         gpt = model.transformer
 
         def ln(m):
@@ -333,9 +333,10 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
     return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers
 
 
-def _pack_llama(model, quantization: str = "none") -> None:
-    """Every projection of every decoder layer as a `PackedLinear`, or with `quantization` (int8, fp8) a
-    `QuantLinear` (lm_head, tied to the embeddings or not, stays); OPT's MLP projections are its layers' own."""
+def _pack_llama(model, quantization: str = "none", group: int | None = None) -> None:
+    """Every projection of every decoder layer as a `PackedLinear`, or with `quantization` (int8, fp8, int4: in
+    `group`s where given) a `QuantLinear` (lm_head, tied to the embeddings or not, stays); OPT's MLP projections are
+    its layers' own."""
     for layer in filter(stages.owned, _decoder_layers(model)):
         # An MoE layer's experts are its SparseMoE's own (pylon.serving.model.moe); its shared expert is a module here.
         mlp = getattr(layer, "mlp", layer)  # (OPT: fc1 and fc2 on the layer itself)
@@ -347,7 +348,7 @@ def _pack_llama(model, quantization: str = "none") -> None:
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear:
                     if quantization != "none":
-                        setattr(parent, name, quant.QuantLinear(child, quantization))
+                        setattr(parent, name, quant.QuantLinear(child, quantization, group))
                     else:
                         setattr(parent, name, linear.PackedLinear(child))
 
@@ -751,6 +752,9 @@ class ModelRunner:
         # oneDNN for the projections on a CPU (pylon.serving.model.linear), or quantized weights in their place
         # (pylon.serving.model.quant); `self._mm(bias, x, w)` is addmm's signature.
         quantized = quantization != "none"
+        # int4's groups: a 4-bit checkpoint's own (GPTQ, AWQ, W4A16, read dequantized), where they fit: its grid found
+        # again, its weights served in 4 bits as published (pylon.serving.model.quant)
+        group = self.stored.group if self.stored is not None and self.stored.bits == 4 else None
         self.packed_linear = not quantized and linear.usable(self.device, self.dtype)
         self._mm: Callable = quant.addmm if quantized else linear.addmm if self.packed_linear else torch.addmm
         # Steps with a prompt chunk run their projections over padded_rows rows, compiled at start (see linear.py).
@@ -770,7 +774,7 @@ class ModelRunner:
                 attn = layer.self_attn
                 w = attn.kv_b_proj.weight.detach()
                 if quantization != "none":  # as quantized as the other projections: their round trip, absorbed
-                    w = quant.QuantWeight(w, quantization).dequantized(self.dtype)
+                    w = quant.QuantWeight(w, quantization, group).dequantized(self.dtype)
                 w = w.view(attn.num_heads, -1, attn.kv_lora_rank)
                 keys, values = w.split([attn.qk_nope_head_dim, attn.v_head_dim], dim=1)
                 self._mla.append((keys.contiguous(), values.contiguous()))
@@ -786,7 +790,7 @@ class ModelRunner:
         # experts' weights quantized there with the rest, else kept as loaded (torch's matmul: see moe.py).
         self.moe_layers, self.moe_grouped = 0, False
         if model_type in MOE_MODEL_TYPES:
-            project = functools.partial(quant.QuantLinear, method=quantization) if quantized else None
+            project = functools.partial(quant.QuantLinear, method=quantization, group=group) if quantized else None
             # On a GPU, float experts as grouped matmuls, which CUDA graphs capture (moe.py: checked at load).
             # Expert parallelism (a tensor-parallel shard's experts whole: model/tensor.py): its experts from the first
             # of its share on; their rows picked out on the host, by the loop.
@@ -801,7 +805,7 @@ class ModelRunner:
             )
             self.moe_layers = moe.replace_blocks(self.model, project, grouped=self.moe_grouped, first_expert=first)
         if model_type != "gpt2" and (self.packed_linear or quantized):
-            _pack_llama(self.model, quantization)
+            _pack_llama(self.model, quantization, group)
         if shard is not None:  # (on the projections as the forward calls them: packed, quantized or not)
             shards.reduce_outputs(self.model, self._own_layers())
             if model_type in shards.SPANNING_NORM_FAMILIES:  # OLMo's query and key norms over every shard's heads

@@ -18,7 +18,9 @@ BANDWIDTH_EFFICIENCY = 0.8  # of datasheet memory bandwidth that decoding reache
 LAUNCH_S_PER_LAYER = 1e-4  # eager PyTorch decoding: kernel launches per layer per step, whatever the batch
 DEFAULT_UTILIZATION = 0.5  # share of a serving replica's hours spent at its throughput ceiling
 KV_BYTES = {**WEIGHT_BYTES, "fp8": 1}  # bytes of a key or value element per engine.kv_cache_dtype
-QUANT_BYTES = 1  # bytes of a quantized projection weight (engine.quantization int8 or fp8)
+# bytes of a quantized projection weight (engine.quantization): int8 and fp8 one (and a float32 scale per output
+# channel, counted apart); int4 half, and a float32 scale and min per group of 64 inputs
+QUANT_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5 + 8 / 64}
 # What a KV block copied between host and GPU memory moves at (the prefix cache's host tier): PCIe 4.0 x16's ~25 GB/s
 # in practice (an H100 SXM's PCIe 5.0 links reach ~50).
 HOST_LINK_BYTES_S = 25e9
@@ -317,9 +319,11 @@ def plan_serve(
     dtype = "bf16" if e.dtype == "auto" else e.dtype  # auto is bf16 on these GPUs (fp32 only on CPU)
     b = WEIGHT_BYTES[dtype]
     weights = shape.total_params * b
-    if e.quantization != "none":  # the projections at 1 byte a weight plus a float32 scale per output channel
-        weights -= shape.projection_params * (b - QUANT_BYTES) - shape.projection_channels * 4
-    expert_bytes = shape.expert_params * (QUANT_BYTES if e.quantization != "none" else b)
+    qb = QUANT_BYTES.get(e.quantization, b)
+    if e.quantization != "none":  # the projections at qb bytes a weight (int8, fp8: plus a scale per output channel)
+        channels = shape.projection_channels * 4 if e.quantization != "int4" else 0
+        weights -= int(shape.projection_params * (b - qb)) - channels
+    expert_bytes = int(shape.expert_params * qb)
     kv_dtype = dtype if e.kv_cache_dtype == "auto" else e.kv_cache_dtype
     per_token = kv_bytes_per_token(shape, KV_BYTES[kv_dtype])
     from pylon.serving.model.families import ENCODER_MODEL_TYPES
@@ -346,10 +350,19 @@ def plan_serve(
     stored = checkpoint_quantization(config)
     if stored is not None:  # DeepSeek-V3's, the "-FP8", "-W4A16" releases: read dequantized (serving/model/stored.py)
         on_disk = shape.projection_params * stored.bits // 8
+        if e.quantization == "int4":
+            then = "; engine.quantization int4 serves its projections in 4 bits again, as counted here"
+            if stored.bits == 4 and stored.group:
+                then += f" (in its own groups of {stored.group} where they fit: its grid found again)"
+        elif e.quantization != "none":
+            then = ""
+        elif stored.bits == 4:
+            then = "; engine.quantization int4 serves it in 4 bits, in its own groups (fp8 or int8 halves it)"
+        else:
+            then = "; engine.quantization fp8 (or int8) halves it again"
         notes.append(
             f"the checkpoint is {stored.describe()} (~{_gib(on_disk)} of its projections on disk); the engine reads "
-            f"it dequantized to {dtype}, so it weighs as counted here"
-            + ("" if e.quantization != "none" else "; engine.quantization fp8 (or int8) halves it again")
+            f"it dequantized to {dtype}" + (", so it weighs as counted here" if e.quantization == "none" else "") + then
         )
     # A multimodal checkpoint's vision tower and projector, kept for requests with images (engine.max_images_per_prompt
     # > 0), unquantized, in the engine's dtype.
@@ -394,7 +407,7 @@ def plan_serve(
         layer_bytes = layer_params * b
         if e.quantization != "none":
             projections = layer.projection_params + 2 * hidden * hidden
-            layer_bytes -= projections * (b - QUANT_BYTES)
+            layer_bytes -= int(projections * (b - qb))
         # (its weights split as the model's among tensor-parallel shards; its KV cache counted whole on each)
         draft_kv = int(e.kv_cache_tokens * per_group) * kv_bytes_per_token(layer, KV_BYTES[kv_dtype])
         weights += layer_bytes
@@ -421,7 +434,7 @@ def plan_serve(
         layer_params = own + extra + output
         layer_bytes = layer_params * b
         if e.quantization != "none":
-            layer_bytes -= head.projection_params * (b - QUANT_BYTES)
+            layer_bytes -= int(head.projection_params * (b - qb))
         draft_kv = int(e.kv_cache_tokens * per_group) * kv_bytes_per_token(head, KV_BYTES[kv_dtype])
         weights += layer_bytes
         notes.append(

@@ -105,6 +105,27 @@ def test_shards_read_their_slices_of_the_blocks(scheme, tmp_path):
         assert torch.equal(shard[f"{experts}.down_proj"], down)
 
 
+@pytest.mark.parametrize("scheme", ["awq", "w4a16"])
+def test_a_4bit_checkpoint_served_in_int4_keeps_its_own_grid(scheme, tmp_path):
+    """engine.quantization int4 over an AWQ or W4A16 checkpoint (groups of 32): each projection whose inputs are
+    whole groups is served in 4 bits on the checkpoint's own grid, its weights the checkpoint's exactly (not rounded
+    a second time), in the checkpoint's groups."""
+    family = Family("llama", tmp_path / "llama", greedy=False)
+    dequantized = save_quantized(family.dir, tmp_path / "q", scheme, block=32)
+    runner = ModelRunner(
+        str(tmp_path / "q"), num_blocks=32, block_size=16, dtype="fp32", device="cpu", quantization="int4"
+    )
+    checked = 0
+    for i, layer in enumerate(runner.model.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj"):
+            weight = layer.get_submodule(name).weight_q
+            assert weight.group == 32 and weight.int4_kernel
+            want = dequantized[f"model.layers.{i}.{name}.weight"]
+            torch.testing.assert_close(weight.dequantized(torch.float32), want, rtol=1e-5, atol=1e-6)  # (float32)
+            checked += 1
+    assert checked == 10
+
+
 def test_an_fp8_checkpoint_whose_scales_do_not_fit_its_blocks_is_named(tmp_path):
     family = Family("llama", tmp_path / "llama", greedy=False)
     save_quantized(family.dir, tmp_path / "fp8", "fp8-block", block=32)

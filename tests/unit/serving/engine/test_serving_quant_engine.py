@@ -37,7 +37,7 @@ def _last_logits(engine, prompt: list[int]) -> torch.Tensor:
 
 
 def _dequantized_copy(model, method: str = "int8"):
-    """`model` with each decoder-layer projection's weight replaced by its int8 (or fp8) round trip."""
+    """`model` with each decoder-layer projection's weight replaced by its int8 (or fp8, int4) round trip."""
     model = copy.deepcopy(model)
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -96,6 +96,33 @@ def test_int8_engine_computes_the_dequantized_model(family) -> None:
         ref_greedy.append(out[0, len(p) :].tolist())
     assert _greedy(engine) == ref_greedy
     assert ref_greedy != family.greedy  # this model's (initializer 0.5) outputs do move with int8's rounding
+
+
+def test_int4_engine_computes_the_dequantized_model(family) -> None:
+    """engine.quantization int4: every decoder projection 4-bit in groups (the kernel where the inputs are whole
+    blocks of 32; Llama's 344-wide down projection padded and dequantized per call), the engine's logits and greedy
+    tokens those of transformers over the dequantized weights."""
+    engine = family.engine(quantization="int4")
+    runner = engine.runner
+    if family.name == "gpt2":
+        assert all(isinstance(layer.qkv_w, QuantWeight) and layer.qkv_w.int4_kernel for layer in runner._gpt2.layers)
+    else:
+        layer = runner.model.model.layers[0]
+        assert layer.self_attn.q_proj.weight_q.int4_kernel and layer.self_attn.q_proj.weight_q.group == 64
+        assert layer.mlp.down_proj.weight_q.group is None and not layer.mlp.down_proj.weight_q.int4_kernel
+    reference = _dequantized_copy(family.model, "int4")
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPTS[3]], device=family.model.device)).logits[0, -1]
+    assert _rel(_last_logits(engine, PROMPTS[3]), want) < 1e-4
+    ref_greedy = []
+    for p in PROMPTS:
+        ids = torch.tensor([p], device=family.model.device)
+        out = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=256,
+            pad_token_id=257,
+        )  # fmt: skip
+        ref_greedy.append(out[0, len(p) :].tolist())
+    assert _greedy(engine) == ref_greedy
 
 
 def test_int8_keeps_a_gpt2_at_its_trained_scale_close_to_float(tmp_path: Path) -> None:

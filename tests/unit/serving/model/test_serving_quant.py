@@ -1,5 +1,6 @@
-"""pylon.serving.model.quant: weight-only int8 projections against the float ones, the spec field, fp8's refusal
-off a capable GPU, and the planner's smaller weights."""
+"""pylon.serving.model.quant: weight-only int8 and int4 projections against the float ones (int4's packing, groups
+and a 4-bit checkpoint's grid found again), the spec field, fp8's refusal off a capable GPU, and the planner's
+smaller weights."""
 
 import json
 from pathlib import Path
@@ -81,13 +82,14 @@ def test_a_gpt2_conv1d_quantizes_from_its_transposed_weight() -> None:
         assert _relative_error(quant.addmm(conv.bias, x, q), conv(x)) < 0.01
 
 
-def test_the_spec_field_takes_none_int8_fp8_only() -> None:
+def test_the_spec_field_takes_none_int8_fp8_int4_only() -> None:
     assert EngineSpec().quantization == "none"
     assert EngineSpec(quantization="int8").quantization == "int8"
+    assert EngineSpec(quantization="int4").quantization == "int4"
     with pytest.raises(ValidationError) as e:
-        DeploymentSpec(name="q", model="/m", engine={"quantization": "int4"})
+        DeploymentSpec(name="q", model="/m", engine={"quantization": "int2"})
     assert "engine.quantization" in str(e.value) or "quantization" in str(e.value)
-    assert "int4" in str(e.value)
+    assert "int2" in str(e.value)
 
 
 def test_fp8_is_refused_on_a_cpu_naming_the_field_and_what_to_do() -> None:
@@ -95,8 +97,9 @@ def test_fp8_is_refused_on_a_cpu_naming_the_field_and_what_to_do() -> None:
         quant.check("fp8", CPU)
     quant.check("int8", CPU)
     quant.check("none", CPU)
-    with pytest.raises(PylonError, match=r"engine\.quantization: must be one of none, int8, fp8"):
-        quant.check("int4", CPU)
+    quant.check("int4", CPU)
+    with pytest.raises(PylonError, match=r"engine\.quantization: must be one of none, int8, fp8, int4"):
+        quant.check("int2", CPU)
 
 
 def test_the_planner_counts_int8_projections_at_one_byte(tmp_path: Path) -> None:
@@ -115,3 +118,66 @@ def test_the_planner_counts_int8_projections_at_one_byte(tmp_path: Path) -> None
     assert bf16 - int8 == projections * (2 - 1) - channels * 4
     assert weights(quantization="fp8") == int8
     assert weights(dtype="fp32") - weights(dtype="fp32", quantization="int8") == projections * 3 - channels * 4
+    # int4: half a byte a weight and a float32 scale and min per group of 64 inputs, no scale per channel
+    assert bf16 - weights(quantization="int4") == int(projections * (2 - 0.5 - 8 / 64))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 64])
+def test_int4_projection_is_the_matmul_over_its_dequantized_weight(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 768, generator=g), torch.randn(2306, 768, generator=g) * 0.02, torch.randn(2306)
+    q = quant.QuantWeight(w, "int4")
+    assert q.q.dtype == torch.uint8 and q.q.shape == (2306, 384) and q.scales.shape == q.mins.shape == (2306, 12)
+    assert q.nbytes == 2306 * 384 + 2 * 2306 * 12 * 4  # half a byte a weight, a scale and a min per 64 inputs
+    assert q.int4_kernel, f"int4 kernel unavailable: {quant._int4_failed}"  # (x86 with a compiler: the kernel)
+    got = quant.addmm(b, x, q)
+    # exactly the matmul over the dequantized weight (2306 channels: the kernel's scalar tail too) ...
+    torch.testing.assert_close(got, F.linear(x, q.dequantized(torch.float32), b), rtol=1e-4, atol=1e-4)
+    # ... and within 4-bit rounding of the float weight (a step is 1/15 of its group's range)
+    assert _relative_error(got - b, x @ w.t()) < 0.15
+
+
+def test_int4_packs_two_inputs_a_byte_and_rounds_each_group_to_its_own_range() -> None:
+    w = torch.zeros(2, 64)
+    w[0, 0], w[0, 16], w[0, 31] = 1.0, 0.5, -1.0  # first group: levels of 0.5 from -1
+    w[0, 32:] = torch.linspace(0, 3, 32)  # second group: 0..3, not a grid of 16 levels: (max - min) / 15
+    w[1] = 7.0  # one value: a range of nothing
+    q, scales, mins = quant.quantize_int4(w, 32)
+    ints = quant.unpack_int4(q)
+    assert q[0, 0].item() == 4 | (3 << 4)  # input 0 in the low nibble of byte 0, input 16 in the high one
+    assert ints[0, [0, 16, 31, 1]].tolist() == [4, 3, 0, 2] and scales[0, 0].item() == 0.5 and mins[0, 0] == -1
+    torch.testing.assert_close(scales[0, 1], torch.tensor(3 / 15))
+    assert ints[0, 32].item() == 0 and ints[0, 63].item() == 15
+    assert mins[1].tolist() == [7.0, 7.0] and ints[1].eq(0).all()
+    weight = quant.QuantWeight(w, "int4")
+    assert weight.group == 64  # (INT4_GROUP where it divides the inputs)
+    assert (weight.dequantized(torch.float32)[1] == 7.0).all()
+
+
+def test_a_4bit_checkpoints_grid_is_found_again_in_its_own_groups() -> None:
+    """Weights that sit on a 4-bit grid (a GPTQ, AWQ or W4A16 checkpoint's, read dequantized) in groups of 128 come
+    back exactly, even where a group's ints do not reach both 0 and 15 (its step is the checkpoint's scale)."""
+    g = torch.Generator().manual_seed(0)
+    ints = torch.randint(0, 14, (48, 256), generator=g)  # (never 14 or 15: (max - min) / 15 would be wrong)
+    ints[:, ::128] = 0
+    ints[:, 1::128] = 1
+    scale, zero = torch.rand(48, 2, generator=g) * 0.01 + 1e-3, torch.randint(0, 16, (48, 2), generator=g)
+    w = ((ints.view(48, 2, 128) - zero[..., None]).float() * scale[..., None]).view(48, 256)
+    weight = quant.QuantWeight(w, "int4", group=128)
+    assert weight.group == 128
+    torch.testing.assert_close(weight.dequantized(torch.float32), w, rtol=0, atol=1e-6)
+    torch.testing.assert_close(weight.scales, scale, rtol=1e-5, atol=0)
+    # in groups of 64 instead the grid is found as well (each half of a group is on it); random floats are not
+    torch.testing.assert_close(quant.QuantWeight(w, "int4").dequantized(torch.float32), w, rtol=0, atol=1e-6)
+    noisy = w + torch.randn(48, 256, generator=g) * 1e-3
+    assert (quant.QuantWeight(noisy, "int4", group=128).dequantized(torch.float32) - noisy).abs().max() > 1e-4
+
+
+def test_int4_inputs_no_multiple_of_32_are_padded_and_dequantized_per_call() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 344, generator=g), torch.randn(64, 344, generator=g)
+    weight = quant.QuantWeight(w, "int4")
+    assert weight.group is None and not weight.int4_kernel and weight.q.shape == (64, 176)  # (352 inputs, padded)
+    got = quant.addmm(None, x, weight)
+    torch.testing.assert_close(got, x @ weight.dequantized(torch.float32).t(), rtol=1e-4, atol=1e-4)
+    assert _relative_error(got, x @ w.t()) < 0.2  # (one group of 344: a coarser grid)
