@@ -6,12 +6,16 @@
 // q is packed two to a byte in blocks of 32 inputs: byte 16b + j of a row holds input 32b + j in its low nibble and
 // input 32b + 16 + j in its high nibble (so that one 16-byte load holds a block, split by a mask and a shift).
 // Decodes are bound by the bytes of weight they read: a weight here is half a byte, plus 8 bytes of scale and min a
-// group. Each nibble is widened to float32 in registers, times its group's scale, and multiplied into float32
-// accumulators: 4 output channels at a time, over 2 rows at a time, as the int8 kernel does. The mins' part,
-// sum over groups of mins[o, g] x (the sum of x over group g), is added once per row and channel.
+// group. Decodes of 1 or 2 rows widen each nibble to float32 in registers, times its group's scale, into float32
+// accumulators of 4 output channels (as the int8 kernel does); the mins' part, the sum over groups of mins[o, g] x
+// (the sum of x over group g), is added once per row and channel. More rows: 4 output channels at a time, their
+// weights are dequantized (q * scale + min, in float32, 1,024 inputs at a time: 16 KiB that stay in L1) once, and
+// every row's dot products read them from there, 2 rows at a time: the unpacking is paid once per weight whatever
+// the rows.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -21,8 +25,9 @@
 
 namespace {
 
-constexpr int kOuts = 4;    // output channels a tile computes together
-constexpr int kBlock = 32;  // inputs a packed block holds (16 bytes)
+constexpr int kOuts = 4;       // output channels a tile computes together
+constexpr int kBlock = 32;     // inputs a packed block holds (16 bytes)
+constexpr int64_t kChunk = 1024;  // inputs of a tile dequantized at a time (4 x 1024 floats: 16 KiB, in L1)
 
 #ifdef PYLON_INT4_AVX2
 static inline float hsum(__m256 v) {
@@ -36,11 +41,12 @@ static inline float hsum(__m256 v) {
 static inline __m256 widen8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 #endif
 
-// Rows r0..r0+R-1 (R = 1 or 2) of output channels o0..o0+kOuts-1: sum over i of q[o, i] * scales[o, i / group] *
+// Decodes (1 or 2 rows): rows r0..r0+R-1 (R = 1 or 2) of output channels o0..o0+kOuts-1, each weight unpacked in
+// registers as it is read (no store): sum over i of q[o, i] * scales[o, i / group] *
 // x[r, i] into acc[j][r] (the mins' part is the caller's).
 template <int R>
-static inline void tile(const float* x, int64_t r0, const uint8_t* q, const float* scales, int64_t o0, int64_t in,
-                        int64_t group, float acc[kOuts][2]) {
+static inline void direct_tile(const float* x, int64_t r0, const uint8_t* q, const float* scales, int64_t o0,
+                               int64_t in, int64_t group, float acc[kOuts][2]) {
   const int64_t row_bytes = in / 2, groups = in / group;
 #ifdef PYLON_INT4_AVX2
   __m256 a[kOuts][R];
@@ -84,6 +90,64 @@ static inline void tile(const float* x, int64_t r0, const uint8_t* q, const floa
 #endif
 }
 
+// Output channels o0..o0+kOuts-1, inputs c0..c0+n-1 (whole blocks): their weights dequantized into w
+// [kOuts, kChunk] (q * scale + min, the same float32 arithmetic as the dequantized weight), once for every row.
+static inline void dequantize_tile(const uint8_t* q, const float* scales, const float* mins, int64_t o0, int64_t in,
+                                   int64_t group, int64_t c0, int64_t n, float* w) {
+  const int64_t row_bytes = in / 2, groups = in / group;
+  for (int j = 0; j < kOuts; ++j) {
+    const uint8_t* qo = q + (o0 + j) * row_bytes;
+    float* wj = w + j * kChunk;
+    for (int64_t b = c0; b < c0 + n; b += kBlock) {
+      const float s = scales[(o0 + j) * groups + b / group], m = mins[(o0 + j) * groups + b / group];
+      float* out = wj + (b - c0);
+#ifdef PYLON_INT4_AVX2
+      const __m128i low = _mm_set1_epi8(0x0F);
+      const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qo + b / 2));
+      const __m128i lo = _mm_and_si128(bytes, low);                     // inputs b .. b + 15
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);  // inputs b + 16 .. b + 31
+      _mm256_storeu_ps(out, _mm256_add_ps(_mm256_mul_ps(widen8(lo), sv), mv));
+      _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_mul_ps(widen8(_mm_srli_si128(lo, 8)), sv), mv));
+      _mm256_storeu_ps(out + 16, _mm256_add_ps(_mm256_mul_ps(widen8(hi), sv), mv));
+      _mm256_storeu_ps(out + 24, _mm256_add_ps(_mm256_mul_ps(widen8(_mm_srli_si128(hi, 8)), sv), mv));
+#else
+      for (int k = 0; k < 16; ++k) {
+        const uint8_t byte = qo[b / 2 + k];
+        out[k] = float(byte & 0x0F) * s + m;
+        out[16 + k] = float(byte >> 4) * s + m;
+      }
+#endif
+    }
+  }
+}
+
+// Rows r0..r0+R-1 (R = 1 or 2) against the dequantized tile w (kOuts channels, n inputs from c0): the dot products
+// added into acc[r][j].
+template <int R>
+static inline void dot_tile(const float* x, int64_t r0, int64_t in, int64_t c0, int64_t n, const float* w,
+                            float* acc) {
+  int64_t i = 0;
+#ifdef PYLON_INT4_AVX2
+  __m256 a[kOuts][R];
+  for (int j = 0; j < kOuts; ++j)
+    for (int r = 0; r < R; ++r) a[j][r] = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + (r0 + r) * in + c0 + i);
+    for (int j = 0; j < kOuts; ++j) {
+      const __m256 wv = _mm256_loadu_ps(w + j * kChunk + i);
+      for (int r = 0; r < R; ++r) a[j][r] = _mm256_fmadd_ps(wv, xv[r], a[j][r]);
+    }
+  }
+  for (int j = 0; j < kOuts; ++j)
+    for (int r = 0; r < R; ++r) acc[(r0 + r) * kOuts + j] += hsum(a[j][r]);
+#endif
+  for (; i < n; ++i)
+    for (int j = 0; j < kOuts; ++j)
+      for (int r = 0; r < R; ++r) acc[(r0 + r) * kOuts + j] += w[j * kChunk + i] * x[(r0 + r) * in + c0 + i];
+}
+
 // One output channel o over one row r, scalar (the channels past the last whole tile).
 static inline float scalar_dot(const float* xr, const uint8_t* qo, const float* so, int64_t in, int64_t group) {
   float sum = 0.f;
@@ -122,7 +186,8 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor
   const float* mp = mins.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // each row's sum of x over each group, for the mins' part
+  const int64_t tiles = out / kOuts;
+  // each row's sum of x over each group: the mins' part, for the decodes' kernel and the last channels
   std::vector<float> xsum(rows * groups, 0.f);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
@@ -135,26 +200,79 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor
     for (int64_t g = 0; g < groups; ++g) s += mp[o * groups + g] * xsum[r * groups + g];
     return s;
   };
-  const int64_t tiles = out / kOuts;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    float acc[kOuts][2];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t o0 = t * kOuts;
-      for (int64_t r0 = 0; r0 < rows; r0 += 2) {
-        const int R = rows - r0 >= 2 ? 2 : 1;
-        if (R == 2)
-          tile<2>(xp, r0, qp, sp, o0, in, group, acc);
+  if (rows <= 2) {  // decodes: bound by the weight's bytes, each unpacked in registers as it is read
+    at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+      float acc[kOuts][2];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t o0 = t * kOuts;
+        if (rows == 2)
+          direct_tile<2>(xp, 0, qp, sp, o0, in, group, acc);
         else
-          tile<1>(xp, r0, qp, sp, o0, in, group, acc);
+          direct_tile<1>(xp, 0, qp, sp, o0, in, group, acc);
         for (int j = 0; j < kOuts; ++j)
-          for (int r = 0; r < R; ++r) yp[(r0 + r) * out + o0 + j] = acc[j][r] + offset(o0 + j, r0 + r);
+          for (int r = 0; r < rows; ++r) yp[r * out + o0 + j] = acc[j][r] + offset(o0 + j, r);
       }
-    }
-  });
+    });
+  } else {  // more rows: each tile's weights dequantized once into L1, every row's dot products from there
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> w(kOuts * kChunk), acc(rows * kOuts);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t o0 = t * kOuts;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t c0 = 0; c0 < in; c0 += kChunk) {
+          const int64_t n = std::min<int64_t>(kChunk, in - c0);
+          dequantize_tile(qp, sp, mp, o0, in, group, c0, n, w.data());
+          for (int64_t r0 = 0; r0 < rows; r0 += 2) {
+            if (rows - r0 >= 2)
+              dot_tile<2>(xp, r0, in, c0, n, w.data(), acc.data());
+            else
+              dot_tile<1>(xp, r0, in, c0, n, w.data(), acc.data());
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < kOuts; ++j) yp[r * out + o0 + j] = acc[r * kOuts + j] + (bp ? bp[o0 + j] : 0.f);
+      }
+    });
+  }
   for (int64_t o = tiles * kOuts; o < out; ++o)  // the last out % kOuts channels
     for (int64_t r = 0; r < rows; ++r)
       yp[r * out + o] = scalar_dot(xp + r * in, qp + o * (in / 2), sp + o * groups, in, group) + offset(o, r);
   return y;
+}
+
+// The whole weight dequantized, [out, in] float32 (q * scale + min): for steps of many rows (prompt chunks), which
+// then run as a float32 matmul.
+at::Tensor int4_dequantize(at::Tensor q, at::Tensor scales, at::Tensor mins, int64_t group) {
+  TORCH_CHECK(q.dtype() == at::kByte && q.dim() == 2 && q.is_contiguous(),
+              "int4_dequantize: q must be uint8 [out, in / 2]");
+  const int64_t out = q.size(0), in = q.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % kBlock == 0 && in % group == 0 && scales.numel() == out * (in / group) &&
+                  mins.numel() == out * (in / group) && scales.dtype() == at::kFloat && mins.dtype() == at::kFloat &&
+                  scales.is_contiguous() && mins.is_contiguous(),
+              "int4_dequantize: scales and mins must be float32 [out, in / group]");
+  at::Tensor w = at::empty({out, in}, scales.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  const int64_t tiles = out / kOuts;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(kOuts * kChunk);
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t c0 = 0; c0 < in; c0 += kChunk) {
+        const int64_t n = std::min<int64_t>(kChunk, in - c0);
+        dequantize_tile(qp, sp, mp, t * kOuts, in, group, c0, n, buffer.data());
+        for (int j = 0; j < kOuts; ++j)
+          std::copy(buffer.data() + j * kChunk, buffer.data() + j * kChunk + n, wp + (t * kOuts + j) * in + c0);
+      }
+  });
+  for (int64_t o = tiles * kOuts; o < out; ++o)  // the last out % kOuts channels
+    for (int64_t i = 0; i < in; ++i) {
+      const uint8_t byte = qp[o * (in / 2) + (i / kBlock) * 16 + (i % kBlock) % 16];
+      const int v = (i % kBlock) < 16 ? (byte & 0x0F) : (byte >> 4);
+      wp[o * in + i] = float(v) * sp[o * (in / group) + i / group] + mp[o * (in / group) + i / group];
+    }
+  return w;
 }
 
 bool has_avx2() {
@@ -169,5 +287,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y = x W^T + bias, W 4-bit in groups (q * scale + min)", pybind11::arg("x"),
         pybind11::arg("q"), pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("group"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("int4_dequantize", &int4_dequantize, "the whole weight, [out, in] float32", pybind11::arg("q"),
+        pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("group"));
   m.def("has_avx2", &has_avx2, "whether the vector loops are built");
 }

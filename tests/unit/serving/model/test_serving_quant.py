@@ -122,7 +122,7 @@ def test_the_planner_counts_int8_projections_at_one_byte(tmp_path: Path) -> None
     assert bf16 - weights(quantization="int4") == int(projections * (2 - 0.5 - 8 / 64))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 200])  # (decodes, the tiles' dot products, a prompt chunk's matmul)
 def test_int4_projection_is_the_matmul_over_its_dequantized_weight(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     x, w, b = torch.randn(rows, 768, generator=g), torch.randn(2306, 768, generator=g) * 0.02, torch.randn(2306)
