@@ -557,6 +557,7 @@ def test_a_grpo_run_samples_on_a_server_on_a_labelled_machine(hosts, s3_server):
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
 
 
+@pytest.mark.slow  # make test-all (~110 s): make test keeps sequence parallelism on one machine (test_train_sequence_parallel)
 def test_a_row_split_across_the_two_machines_trains(hosts, client_corpus, s3_server):
     """`scaling.sequence_parallel: 2` with a worker on each machine (STRICT_SPREAD): every row's two halves computed
     on two machines, attention's all-to-alls between them over the network, submitted from the client; the run
