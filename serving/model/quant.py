@@ -267,24 +267,29 @@ class QuantLinear(torch.nn.Module):
         return addmm(self.bias, x.reshape(-1, shape[-1]), self.weight_q).view(*shape[:-1], self.out_features)
 
 
-def load(verbose: bool = False):
-    """The compiled kernel's module (building it the first time on this machine), or None where it cannot be had."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    with _lock:
-        if _module is not None or _failed is not None:
-            return _module
-        try:
-            from torch.utils.cpp_extension import load as load_extension
+def _build(name: str, source: Path, what: str, verbose: bool):
+    """`(module, None)`: a kernel built (or found built) by torch's extension loader; `(None, why)` where it cannot be
+    had (no compiler, no headers, a build error: the dequantized matmul still works)."""
+    try:
+        from torch.utils.cpp_extension import load as load_extension
 
-            venv_tools_first()
-            _module = load_extension(
-                name=NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native"], verbose=verbose
-            )
-        except Exception as e:  # no compiler, no headers, a build error: the dequantized matmul still works
-            _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            log.warning("int8 projection kernel unavailable (%s); int8 weights are dequantized per call", _failed)
+        venv_tools_first()
+        flags = ["-O3", "-march=native"]
+        return load_extension(name=name, sources=[str(source)], extra_cflags=flags, verbose=verbose), None
+    except Exception as e:
+        failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        log.warning("%s projection kernel unavailable (%s); %s weights are dequantized per call", what, failed, what)
+        return None, failed
+
+
+def load(verbose: bool = False):
+    """The compiled int8 kernel's module (building it the first time on this machine), or None where it cannot be
+    had."""
+    global _module, _failed
+    if _module is None and _failed is None:
+        with _lock:
+            if _module is None and _failed is None:
+                _module, _failed = _build(NAME, _SOURCE, "int8", verbose)
     return _module
 
 
@@ -315,21 +320,10 @@ def load_int4(verbose: bool = False):
     """The compiled int4 kernel's module (building it the first time on this machine), or None where it cannot be
     had."""
     global _int4_module, _int4_failed
-    if _int4_module is not None or _int4_failed is not None:
-        return _int4_module
-    with _lock:
-        if _int4_module is not None or _int4_failed is not None:
-            return _int4_module
-        try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            venv_tools_first()
-            _int4_module = load_extension(
-                name=INT4_NAME, sources=[str(_INT4_SOURCE)], extra_cflags=["-O3", "-march=native"], verbose=verbose
-            )
-        except Exception as e:  # no compiler, no headers, a build error: the dequantized matmul still works
-            _int4_failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            log.warning("int4 projection kernel unavailable (%s); int4 weights are dequantized per call", _int4_failed)
+    if _int4_module is None and _int4_failed is None:
+        with _lock:
+            if _int4_module is None and _int4_failed is None:
+                _int4_module, _int4_failed = _build(INT4_NAME, _INT4_SOURCE, "int4", verbose)
     return _int4_module
 
 

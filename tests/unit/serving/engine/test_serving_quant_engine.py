@@ -62,6 +62,19 @@ def _dequantized_copy(model, method: str = "int8"):
     return model
 
 
+def _reference_greedy(reference, device) -> list[list[int]]:
+    """transformers' greedy tokens for each of PROMPTS."""
+    greedy = []
+    for p in PROMPTS:
+        ids = torch.tensor([p], device=device)
+        out = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=256,
+            pad_token_id=257,
+        )  # fmt: skip
+        greedy.append(out[0, len(p) :].tolist())
+    return greedy
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -82,18 +95,7 @@ def test_int8_engine_computes_the_dequantized_model(family) -> None:
         want = reference(torch.tensor([PROMPTS[3]], device=family.model.device)).logits[0, -1]
     assert _rel(_last_logits(engine, PROMPTS[3]), want) < 1e-4
     # Greedy: token for token transformers' generate over the dequantized weights, however the engine batches.
-    ref_greedy = []
-    for p in PROMPTS:
-        ids = torch.tensor([p], device=family.model.device)
-        out = reference.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=256,
-            pad_token_id=257,
-        )
-        ref_greedy.append(out[0, len(p) :].tolist())
+    ref_greedy = _reference_greedy(reference, family.model.device)
     assert _greedy(engine) == ref_greedy
     assert ref_greedy != family.greedy  # this model's (initializer 0.5) outputs do move with int8's rounding
 
@@ -114,15 +116,7 @@ def test_int4_engine_computes_the_dequantized_model(family) -> None:
     with torch.no_grad():
         want = reference(torch.tensor([PROMPTS[3]], device=family.model.device)).logits[0, -1]
     assert _rel(_last_logits(engine, PROMPTS[3]), want) < 1e-4
-    ref_greedy = []
-    for p in PROMPTS:
-        ids = torch.tensor([p], device=family.model.device)
-        out = reference.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=256,
-            pad_token_id=257,
-        )  # fmt: skip
-        ref_greedy.append(out[0, len(p) :].tolist())
-    assert _greedy(engine) == ref_greedy
+    assert _greedy(engine) == _reference_greedy(reference, family.model.device)
 
 
 def test_int8_keeps_a_gpt2_at_its_trained_scale_close_to_float(tmp_path: Path) -> None:
