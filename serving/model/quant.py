@@ -46,6 +46,7 @@ STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 METHODS = ("none", *QMAX, "int4")
 INT4_GROUP = 64  # inputs a group of int4 weights shares a scale and a min over (unless the checkpoint's own fits)
 INT4_BLOCK = 32  # inputs a packed block holds: a group is whole blocks
+INT4_ROWS_AT_ONCE = 1024  # rows of a weight quantized at a time
 # Steps of at least this many rows (prompt chunks) dequantize an int4 weight (in the kernel) and run one float32
 # matmul: from ~128 rows on that beats the kernel's dot products (a 768 x 2304 projection, one thread: 6.6 against
 # 6.7 ms at 128 rows, 21 against 27 ms at 512; at 32 rows the kernel's 1.9 ms against 2.8)
@@ -106,8 +107,14 @@ def quantize_int4(weight_out_in: torch.Tensor, group: int) -> tuple[torch.Tensor
     """`(q [out, in / 2] uint8, scales [out, in / group], mins [out, in / group])` float32, with each input i of a
     row `q_i * scales[g] + mins[g]` (g = i // group, q_i in 0..15) ~ the weight: asymmetric, the group's min and
     (max - min) / 15. `in` a multiple of `group`, `group` of 32. Packed as `csrc/int4_linear.cpp` reads it."""
+    rows = weight_out_in.shape[0]
+    if rows > INT4_ROWS_AT_ONCE:  # (a large weight a slice of rows at a time: the grid's sort holds a few copies)
+        parts = [
+            quantize_int4(weight_out_in[r : r + INT4_ROWS_AT_ONCE], group) for r in range(0, rows, INT4_ROWS_AT_ONCE)
+        ]
+        return tuple(torch.cat(p) for p in zip(*parts))
     w = weight_out_in.detach().float()
-    rows, inputs = w.shape
+    inputs = w.shape[1]
     grouped = w.view(rows, inputs // group, group)
     mins, maxes = grouped.amin(dim=2), grouped.amax(dim=2)
     step, on_grid = _grid_step(grouped, mins, maxes)
