@@ -133,30 +133,47 @@ def test_long_prompts_are_computed_on_the_prefill_replica_and_decoded_where_they
         # the prefill replica the rest; blocks sent and received alike; where each prompt was computed.
         answered = [first, *answers, short, following, *(a for c in conversations for a in c)]
         tails = sum(a["usage"]["prompt_tokens"] - _cached(a) for a in answered) + 2 * (120 - 112)  # (two's choices)
-        deadline, text = time.monotonic() + 60, ""
-        while time.monotonic() < deadline:
-            text = _metrics(ray_cluster)
-            remote = _metric(text, "pylon_prefill_requests_total", model="pd", where="remote")
-            if remote >= 14 and _metric(text, "pylon_prefill_routed_total", model="pd") >= 14:
-                break
-            time.sleep(2)
-        assert remote == 14 and _metric(text, "pylon_prefill_requests_total", model="pd", where="local") == 1
-        # Routed: the next turns (the conversations' and `following`) to the prefill replica holding their prefix;
-        # the rest by load. The prefill replicas computed every first prompt whole and each next turn past what its
-        # holder had cached (its first turn's full blocks), nothing twice.
-        assert _metric(text, "pylon_prefill_routed_total", model="pd", by="prefix") == 5
-        assert _metric(text, "pylon_prefill_routed_total", model="pd", by="load") == 9
+        # The prefill replicas computed every first prompt whole and each next turn past what its holder had cached
+        # (its first turn's full blocks), nothing twice.
         firsts = [first, *answers, two, *(c[0] for c in conversations)]
         nexts = [(first, following), *conversations]
         expected = sum(a["usage"]["prompt_tokens"] for a in firsts) + sum(
             b["usage"]["prompt_tokens"] - a["usage"]["prompt_tokens"] // 16 * 16 for a, b in nexts
         )
-        on_prefill = _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd-prefill")
-        assert on_prefill == expected, (on_prefill, expected)
-        computed = _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd")
-        assert computed == tails, (computed, tails)
-        sent = _metric(text, "pylon_kv_transfer_sent_blocks_total", model="pd")
-        assert sent == _metric(text, "pylon_kv_transfer_received_blocks_total", model="pd") > 0
+
+        def counters(text: str) -> dict:
+            return {
+                "remote": _metric(text, "pylon_prefill_requests_total", model="pd", where="remote"),
+                "routed": _metric(text, "pylon_prefill_routed_total", model="pd"),
+                "on_prefill": _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd-prefill"),
+                "computed": _metric(text, "pylon_prefill_tokens_computed_total", model="pd", deployment="pd"),
+                "sent": _metric(text, "pylon_kv_transfer_sent_blocks_total", model="pd"),
+                "received": _metric(text, "pylon_kv_transfer_received_blocks_total", model="pd"),
+            }
+
+        # (each replica's counters reach the node's metrics on their own schedule: wait until every one has)
+        deadline, text = time.monotonic() + 90, ""
+        while time.monotonic() < deadline:
+            text = _metrics(ray_cluster)
+            c = counters(text)
+            if (
+                c["remote"] >= 14
+                and c["routed"] >= 14
+                and c["on_prefill"] >= expected
+                and c["computed"] >= tails
+                and c["sent"] >= c["received"] > 0
+            ):
+                break
+            time.sleep(2)
+        c = counters(text)
+        assert c["remote"] == 14 and _metric(text, "pylon_prefill_requests_total", model="pd", where="local") == 1
+        # Routed: the next turns (the conversations' and `following`) to the prefill replica holding their prefix;
+        # the rest by load.
+        assert _metric(text, "pylon_prefill_routed_total", model="pd", by="prefix") == 5
+        assert _metric(text, "pylon_prefill_routed_total", model="pd", by="load") == 9
+        assert c["on_prefill"] == expected, (c["on_prefill"], expected)
+        assert c["computed"] == tails, (c["computed"], tails)
+        assert c["sent"] == c["received"] > 0
         assert re.search(r"ray_pylon_prefill_remote_seconds_bucket\{[^}]*model=\"pd\"", text)
         # The deployment's ledger counts the prefill replica's hours, and its prompts apart
         deadline = time.monotonic() + 30

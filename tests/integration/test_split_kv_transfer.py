@@ -1,8 +1,8 @@
 """Prefill-decode disaggregation's blocks (pylon.serving.engine.kv_transfer) between two engines of a model in two
-tensor-parallel shards (pylon.serving.engine.tensor), each in a process of its own: the prefill engine reads every
-shard's share of a block's keys and values (a shard its heads'), its own first and its shard actor's after, and the
-decoding engine writes each share back to its own shard; the decoding engine then computes only each prompt's tail
-and writes transformers' tokens. The engines in one process, the blocks' arithmetic:
+tensor-parallel shards (pylon.serving.engine.tensor), or two pipeline stages (pylon.serving.engine.pipeline), each in
+a process of its own: the prefill engine reads every shard's (stage's) share of a block's keys and values (a shard
+its heads', a stage its layers'), its own first and its actor's after, and the decoding engine writes each share
+back to its own part; the decoding engine then computes only each prompt's tail and writes transformers' tokens. The engines in one process, the blocks' arithmetic:
 tests/unit/serving/engine/test_kv_transfer.py."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import pylon
 
@@ -29,7 +31,7 @@ ray.init(address=sys.argv[1], log_to_driver=False)
 role, path = sys.argv[4], sys.argv[5]
 g = torch.Generator().manual_seed(9)
 prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (84, 40, 100)]
-engine = LLMEngine(sys.argv[2], spec(tensor_parallel=2))
+engine = LLMEngine(sys.argv[2], spec(**json.loads(sys.argv[6])))
 if role == "prefill":
     transfers = []
     for i, prompt in enumerate(prompts):
@@ -55,7 +57,17 @@ engine.runner.shutdown()
 """
 
 
-def test_every_shard_s_share_of_the_blocks_goes_to_its_own_shard(ray_cluster, tmp_path):
+@pytest.mark.parametrize(
+    "split, tensors",
+    [
+        # 2 layers x K and V x 2 shards: each shard's own tensors, its heads' share
+        ({"tensor_parallel": 2}, 8),
+        # 2 stages of 1 layer x K and V: each stage's own layer's (make test-all: the same SplitRunner path as shards)
+        pytest.param({"pipeline_parallel": 2}, 4, marks=pytest.mark.slow),
+    ],
+    ids=["shards", "stages"],
+)
+def test_every_shard_s_share_of_the_blocks_goes_to_its_own_shard(split, tensors, ray_cluster, tmp_path):
     sys.path.insert(0, str(ENGINE_MODELS))
     from engine_models import Family
 
@@ -73,6 +85,7 @@ def test_every_shard_s_share_of_the_blocks_goes_to_its_own_shard(ray_cluster, tm
                 str(ENGINE_MODELS),
                 role,
                 str(tmp_path / "transfers.pickle"),
+                json.dumps(split),
             ],
             capture_output=True,
             text=True,
@@ -80,8 +93,7 @@ def test_every_shard_s_share_of_the_blocks_goes_to_its_own_shard(ray_cluster, tm
         )
         assert child.returncode == 0, child.stderr[-4000:]
         result.update(json.loads(child.stdout.strip().splitlines()[-1]))
-    # 2 layers x K and V x 2 shards: each shard's own tensors, its heads' share
-    assert result["tensors"] == [8, 8, 8]
+    assert result["tensors"] == [tensors] * 3
     assert result["cached"] == [80, 32, 96]  # each prompt's full blocks short of its last token, from the transfer
     assert result["received"] == (80 + 32 + 96) // 16
     assert result["computed"] == sum(len(p) for p in result["prompts"]) - sum(result["cached"])
