@@ -155,10 +155,13 @@ def test_an_fp8_checkpoint_whose_scales_do_not_fit_its_blocks_is_named(tmp_path)
 
 
 @pytest.mark.slow  # make test-all (~15 s each): two processes
-@pytest.mark.parametrize("name,scheme", [("deepseek_v3", "fp8-block"), ("llama", "w4a16")])
+@pytest.mark.parametrize(
+    "name,scheme", [("deepseek_v3", "fp8-block"), ("llama", "w4a16"), ("llama", "gptq"), ("deepseek_v3", "awq")]
+)
 def test_two_shards_of_a_quantized_checkpoint_compute_the_dequantized_model(name, scheme, tmp_path):
-    """DeepSeek-V3's block FP8 checkpoint and Llama's packed INT4 in 2 tensor-parallel shards (gloo): the whole
-    runner's logits over the same checkpoint, and transformers' greedy tokens from the dequantized model."""
+    """DeepSeek-V3's block FP8 and AWQ checkpoints and Llama's packed INT4 and GPTQ in 2 tensor-parallel shards
+    (gloo): the whole runner's logits over the same checkpoint, and transformers' greedy tokens from the dequantized
+    model."""
     from test_tensor_shards import _compare
 
     family = Family(name, tmp_path / name, greedy=False)
