@@ -86,12 +86,7 @@ class PylonPrefillServer:
         """Serve's routing stats of this prefill replica (as a decoding replica's: `PylonLLMServer.
         record_routing_stats`): the hashes of the blocks its engines hold cached and its engines' sequence slots,
         which the decoding replicas' handles route their prompts by (pylon.serving.api.routing)."""
-        return {
-            routing.STATS_KEY: {
-                "blocks": routing.short_hashes(self.engine.cached_block_hashes()),
-                "capacity": self.spec.engine.data_parallel * self.spec.engine.max_num_seqs,
-            }
-        }
+        return routing.replica_stats(self.engine, self.spec)
 
     def check_health(self) -> None:
         if not self.engine.check_health():

@@ -108,6 +108,18 @@ def decision(key: RoutingKey) -> str:
     return _DECISIONS.pop(key.id, "load")
 
 
+def replica_stats(engine, spec) -> dict:
+    """A replica's routing stats (its `record_routing_stats`, decoding or prefill): the hashes of the blocks its
+    engines hold cached, and its engines' sequence slots. No timestamp: a report equal to the last is no change, so
+    Serve re-sends nothing to the handles."""
+    return {
+        STATS_KEY: {
+            "blocks": short_hashes(engine.cached_block_hashes()),
+            "capacity": spec.engine.data_parallel * spec.engine.max_num_seqs,
+        }
+    }
+
+
 def short_hashes(hashes) -> bytes:
     """A replica's report of its cached blocks: their hashes' first `HASH_BYTES` bytes, one after another."""
     return b"".join(h[:HASH_BYTES] for h in hashes)

@@ -304,13 +304,7 @@ class PylonLLMServer:
         sequence slots (pylon.serving.api.routing reads them)."""
         if not self.spec.engine.enable_prefix_caching:
             return {}
-        return {
-            routing.STATS_KEY: {
-                "blocks": routing.short_hashes(self.engine.cached_block_hashes()),
-                # No timestamp: a report equal to the last is no change, so Serve re-sends nothing to the handles.
-                "capacity": self.spec.engine.data_parallel * self.spec.engine.max_num_seqs,
-            }
-        }
+        return routing.replica_stats(self.engine, self.spec)
 
     def check_health(self) -> None:
         """Serve's replica health check: a dead or stuck step loop gets the replica replaced."""

@@ -171,6 +171,15 @@ def stored_name(name: str, files) -> str | None:
     return None
 
 
+def _rows_columns(index, shape: list[int], name: str) -> tuple[int, int, int, int]:
+    """`r0, r1, c0, c1` of a slice index into a 2-D quantized weight of `shape` (contiguous slices only)."""
+    index = (index if isinstance(index, tuple) else (index,)) + (slice(None),) * 2
+    (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(index[:2], shape))
+    if rs != 1 or cs != 1:
+        raise PylonError(f"{name}: a quantized weight is read by contiguous slices")
+    return r0, max(r0, r1), c0, max(c0, c1)
+
+
 def _grid(scale: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """`scale` as the 2-D grid of its blocks: a per-tensor scale `[1, 1]`, a per-channel one `[rows, 1]`."""
     if scale.dim() == 2:
@@ -227,18 +236,12 @@ class Dequantized:
             return self.weight[r0:r1, c0:c1].to(torch.float32)
         bits = self.stored.bits
         per = 32 // bits
-        packed = self.weight[r0:r1, c0 // per : -(-c1 // per)]
-        shifts = torch.arange(per, dtype=torch.int32) * bits
-        values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, packed, per]: column 8p + i at bits 4i
-        values = values.reshape(len(packed), -1)[:, c0 - c0 // per * per :][:, : c1 - c0]
-        return values.to(torch.float32) - (1 << (bits - 1))
+        values = _unpack(self.weight[r0:r1, c0 // per : -(-c1 // per)], bits, 1)  # column 8p + i at bits 4i
+        return values[:, c0 - c0 // per * per :][:, : c1 - c0].to(torch.float32) - (1 << (bits - 1))
 
     def __getitem__(self, index) -> torch.Tensor:
-        index = (index if isinstance(index, tuple) else (index,)) + (slice(None),) * 2
-        (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(index[:2], self.shape))
-        if rs != 1 or cs != 1:
-            raise PylonError(f"{self.name}: a quantized weight is read by contiguous slices")
-        (bm, bn), r1, c1 = self.block, max(r0, r1), max(c0, c1)
+        r0, r1, c0, c1 = _rows_columns(index, self.shape, self.name)
+        bm, bn = self.block
 
         def spread(grid: torch.Tensor) -> torch.Tensor:  # each element's block's value, over the slice
             g = grid[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)]
@@ -313,11 +316,8 @@ class GroupPacked:
         return list(self.shape)
 
     def __getitem__(self, index) -> torch.Tensor:
-        index = (index if isinstance(index, tuple) else (index,)) + (slice(None),) * 2
-        (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(index[:2], self.shape))
-        if rs != 1 or cs != 1:
-            raise PylonError(f"{self.name}: a quantized weight is read by contiguous slices")
-        r1, c1, per = max(r0, r1), max(c0, c1), self.per
+        r0, r1, c0, c1 = _rows_columns(index, self.shape, self.name)
+        per = self.per
         if self.gptq:  # packed along the inputs: the int32 rows holding inputs c0:c1, outputs r0:r1
             q = _unpack(self.qweight[c0 // per : -(-c1 // per), r0:r1], self.stored.bits, 0)
             q = q[c0 - c0 // per * per :][: c1 - c0]

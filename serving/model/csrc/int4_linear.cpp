@@ -187,9 +187,10 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t tiles = out / kOuts;
-  // each row's sum of x over each group: the mins' part, for the decodes' kernel and the last channels
-  std::vector<float> xsum(rows * groups, 0.f);
-  for (int64_t r = 0; r < rows; ++r)
+  // each row's sum of x over each group: the mins' part, for the decodes' kernel and the last channels (the tiles'
+  // dequantized weights hold their mins)
+  std::vector<float> xsum(rows <= 2 || out % kOuts ? rows * groups : 0, 0.f);
+  for (int64_t r = 0; r < (xsum.empty() ? 0 : rows); ++r)
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.f;
       for (int64_t i = g * group; i < (g + 1) * group; ++i) s += xp[r * in + i];
