@@ -554,8 +554,8 @@ class ShardStream:
         seen: set[int] = set()
         ds = self._dataset([seg.shard for seg in readable])
         try:
-            for block in ds.iter_batches(
-                batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_shards
+            for block in iter_without_cancelling(
+                ds, batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_shards
             ):
                 shard, ids, num_tokens, tokens = _columns(block)
                 info, seg = self.manifest.shards[shard], by_shard[shard]
@@ -637,9 +637,73 @@ class ShardStream:
             ray_remote_args={
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(
                     node_id=ray.get_runtime_context().get_node_id(), soft=False
-                )
+                ),
+                # A read task puts its one shard's blocks without waiting for them to be taken: the shards in
+                # flight are bounded above (`concurrency`, `memory`), and a stream stopped early then waits for
+                # its reads to end rather than cancelling them (`iter_without_cancelling`).
+                "_generator_backpressure_num_objects": -1,
             },
         )
+
+
+# How long a stream stopped early waits for the reads it started (each one shard) before it cancels what is left.
+READS_END_WAIT_S = 60.0
+
+
+def iter_without_cancelling(ds, *, wait_s: float = READS_END_WAIT_S, **iter_batches_args):
+    """`ds.iter_batches(**iter_batches_args)`, except that where the consumer stops before the end (a training
+    run's last step mid-epoch, a resumed stream, an error) the tasks still running are waited for (up to
+    `wait_s`) instead of `ray.cancel`led, and only those still running after that are cancelled.
+
+    Ray Data ends an iteration by cancelling its operators' active tasks, and in Ray 2.60 a cancel that races with
+    a task's reply fails a check in the calling core worker ("Check failed: it != submissible_tasks_.end() Tried
+    to complete task that was not pending") and aborts the whole process: a Train worker, a notebook, or
+    `make test`'s integration session (CI, 2026-12-07, in test_data_stream's resume test; `data/prepare.py`'s
+    `_run_bounded` avoids the same race). A task that has ended is never cancelled here, so the race cannot
+    happen unless a read outlives the wait. The hook is Ray Data's own (`DataIterator._on_iteration_end`, fired
+    from the consumer's thread), set on this iterator only."""
+    it = ds.iterator()
+    it._on_iteration_end = _end_without_cancelling(wait_s)
+    return it.iter_batches(**iter_batches_args)
+
+
+def _end_without_cancelling(wait_s: float):
+    def on_iteration_end(executor) -> None:
+        if executor is None:
+            return
+        for op in list(getattr(executor, "_topology", None) or ()):
+            op._cancel_active_tasks = _cancel_unfinished(op, wait_s)
+        # The executor stops its scheduling loop first (nothing new starts), then shuts each operator down.
+        executor.shutdown(force=False)
+
+    return on_iteration_end
+
+
+def _cancel_unfinished(op, wait_s: float):
+    def cancel_active_tasks(force: bool) -> None:
+        import ray
+
+        tasks = op.get_active_tasks()
+        if not tasks:
+            return
+        ends = [_task_end(task.get_waitable()) for task in tasks]
+        done, _ = ray.wait(ends, num_returns=len(ends), timeout=wait_s, fetch_local=False)
+        done = set(done)
+        left = [task for task, end in zip(tasks, ends, strict=True) if end not in done]
+        if left:
+            log.warning(
+                "%d read task(s) still running %.0f s after the stream stopped: cancelling them", len(left), wait_s
+            )
+        for task in left:
+            task._cancel(force=False)
+
+    return cancel_active_tasks
+
+
+def _task_end(waitable):
+    """The ref that is ready when the task behind `waitable` has ended (a streaming generator's `completed()`)."""
+    completed = getattr(waitable, "completed", None)
+    return completed() if callable(completed) else waitable
 
 
 class RecordReader:

@@ -211,3 +211,49 @@ def test_record_fields_ride_with_their_rows_through_shuffling_workers_and_resume
     batches = ShardStream(uri, batch_size=4).epoch()
     assert next(batches).records is None  # (not asked for: never read)
     batches.close()
+
+
+def test_a_stream_stopped_early_lets_its_reads_end_instead_of_cancelling_them(tmp_path, ray_cluster):
+    """Ray Data cancels the tasks still running when an iteration stops early, and in Ray 2.60 a cancel racing a
+    task's reply aborts the calling process (it ended a CI run here). The reader's iteration lets them end: every
+    read that started ends, those still running when the consumer stopped included. (With Ray Data's own ending,
+    the reads still sleeping when the consumer stops are killed: started, never ended.)"""
+    import time
+
+    import pyarrow as pa
+    import ray
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    from pylon import home
+    from pylon.data.reader import iter_without_cancelling
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def read(i: int):
+        (marks / f"{i}.start").write_text(str(time.time()))
+        time.sleep(0.1 if i == 0 else 3.0)  # the first block arrives while the other reads still run
+        (marks / f"{i}.end").write_text(str(time.time()))
+        return [pa.table({"i": [i]})]
+
+    class SlowReads(Datasource):
+        def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+            return [ReadTask(lambda i=i: read(i), BlockMetadata(1, 8, None, None)) for i in range(4)]
+
+        def estimate_inmemory_data_size(self):
+            return 32
+
+    if not ray.is_initialized():
+        home.init_ray()
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # (as the reader sets it: block 0 first)
+    ds = ray.data.read_datasource(SlowReads(), override_num_blocks=4, concurrency=2, num_cpus=0.25)
+    for _ in iter_without_cancelling(ds, batch_size=None, prefetch_batches=0):
+        stopped = time.time()
+        break
+    started = {p.stem for p in marks.glob("*.start")}
+    ended = {p.stem for p in marks.glob("*.end")}
+    assert started == ended, f"reads started but never ended (cancelled): {sorted(started - ended)}"
+    # a read still running when the consumer stopped ran to its end (cancelled, none would end after the stop)
+    assert any(float((marks / f"{s}.end").read_text()) > stopped for s in ended), "no read outlived the stop"
