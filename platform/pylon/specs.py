@@ -1629,10 +1629,31 @@ class AutoscalingSpec(_Spec):
     target_ongoing_requests: Annotated[float, Field(gt=0)] = 16
     upscale_delay_s: Annotated[float, Field(ge=0)] = 5
     downscale_delay_s: Annotated[float, Field(ge=0)] = 60
+    target_ttft_ms: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="the time to first token (90th percentile of the requests that ended in the last 30 s, at the "
+        "replicas) the replicas' number aims at: a longer one adds replicas in proportion, one under half of every "
+        "target takes one away (after upscale_delay_s, downscale_delay_s); target_ongoing_requests stays a floor. "
+        "null: scale on target_ongoing_requests alone",
+    )
+    target_itl_ms: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="the time between a request's tokens (90th percentile, as target_ttft_ms) the replicas' number "
+        "aims at, as target_ttft_ms does; null: none",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "AutoscalingSpec":
         problems = []
+        targets = self.target_ttft_ms is not None or self.target_itl_ms is not None
+        if targets and self.min_replicas == self.max_replicas:
+            problems.append(
+                (
+                    "max_replicas",
+                    f"a latency target needs room to scale: max_replicas ({self.max_replicas}) must be more than "
+                    f"min_replicas ({self.min_replicas})",
+                )
+            )
         if self.min_replicas > self.max_replicas:
             problems.append(
                 ("min_replicas", f"must be <= max_replicas ({self.max_replicas}) (got {self.min_replicas})")
@@ -1739,6 +1760,32 @@ class PrefillAutoscalingSpec(AutoscalingSpec):
     )
     upscale_delay_s: Annotated[float, Field(ge=0)] = 2
     downscale_delay_s: Annotated[float, Field(ge=0)] = 60
+    target_ttft_ms: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="the prefill replicas' share of the time to first token (90th percentile over the last 30 s, from "
+        "a prompt's arrival at a prefill replica to its KV blocks being ready) their number aims at: a longer one "
+        "adds replicas in proportion, one under half of it takes one away; target_ongoing_requests stays a floor. "
+        "null: scale on target_ongoing_requests alone",
+    )
+    target_itl_ms: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="not for prefill replicas (they compute prompts, not tokens one after another): refused here; "
+        "give it under the deployment's autoscaling (its decoding replicas)",
+    )
+
+    @model_validator(mode="after")
+    def _prefill_rules(self) -> "PrefillAutoscalingSpec":
+        if self.target_itl_ms is not None:
+            _raise_problems(
+                [
+                    (
+                        "target_itl_ms",
+                        "prefill replicas compute prompts, not tokens one after another: give target_itl_ms under the "
+                        "deployment's autoscaling (its decoding replicas)",
+                    )
+                ]
+            )
+        return self
 
 
 class PrefillSpec(_Spec):
@@ -1818,6 +1865,16 @@ class DeploymentSpec(_Spec):
                         "http.host",
                         f"{self.http.host} lets other machines in, so it needs API keys: set http.api_keys_env "
                         "(or keep the default host 127.0.0.1)",
+                    )
+                ]
+            )
+        if self.prefill is not None and self.autoscaling.target_ttft_ms is not None:
+            _raise_problems(
+                [
+                    (
+                        "autoscaling.target_ttft_ms",
+                        "with prefill replicas, prompts are computed there: give the target as "
+                        "prefill.autoscaling.target_ttft_ms (the decoding replicas scale on target_itl_ms)",
                     )
                 ]
             )

@@ -23,6 +23,7 @@ in-place `reconfigure` of the running replicas (`pylon.serving.api.keys`).
 
 from __future__ import annotations
 
+from pylon.serving.api import slo
 from pylon.serving.api.keys import api_keys_config
 from pylon.serving.api.protocol import new_id
 from pylon.serving.api.server import PylonLLMServer
@@ -109,6 +110,9 @@ def autoscaling_config(a) -> dict:
     }
     if a.initial_replicas is not None:
         config["initial_replicas"] = a.initial_replicas
+    policy = slo.policy_config(a.target_ttft_ms, a.target_itl_ms)
+    if policy is not None:  # on the replicas' latencies too (pylon.serving.api.slo)
+        config["policy"] = policy
     return config
 
 

@@ -33,7 +33,7 @@ import logging
 import time
 
 from pylon.errors import PylonError
-from pylon.serving.api import routing
+from pylon.serving.api import routing, slo
 from pylon.serving.api.ledger import ReplicaLedger
 from pylon.serving.api.replica_engine import accelerator_name, start_engine
 from pylon.serving.engine.images import ImagePrompt
@@ -81,6 +81,13 @@ class PylonPrefillServer:
             self.spec.model_dump(mode="json"), accelerator=accelerator_name(self.engine.device), role="prefill"
         )
         self._reporting: asyncio.Task | None = None
+        self.latency = slo.LatencyWindow()  # each prompt's time here, for autoscaling on prefill.autoscaling's target
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics of this prefill replica (as a decoding replica's: `PylonLLMServer.
+        record_autoscaling_stats`): its prompts' time here, from arrival to their blocks being ready, as the time to
+        first token it adds."""
+        return self.latency.stats()
 
     def record_routing_stats(self) -> dict:
         """Serve's routing stats of this prefill replica (as a decoding replica's: `PylonLLMServer.
@@ -112,7 +119,9 @@ class PylonPrefillServer:
             last = out
         if last is None:
             return None
-        self.ledger.finished(last.num_prompt_tokens, 0, started, time.monotonic())
+        ended = time.monotonic()
+        self.latency.add(ended - started)
+        self.ledger.finished(last.num_prompt_tokens, 0, started, ended)
         return last.kv_transfer
 
     def _ensure_metrics(self) -> None:

@@ -24,6 +24,7 @@ from pylon.serving.api import (
     reply_guide,
     responses,
     routing,
+    slo,
     tools,
 )
 from pylon.serving.api.adapters import AdapterFetcher
@@ -282,6 +283,7 @@ class PylonLLMServer:
         self.metrics = _metrics(self.model_name)
         self._gauges_task = None
         self.ledger = ReplicaLedger(self.spec.model_dump(mode="json"), accelerator=accelerator_name(self.engine.device))
+        self.latency = slo.LatencyWindow()  # the last requests' times, for autoscaling on latency targets
         # LoRA adapters loaded on demand: this replica's copies of those requests named (engine.dynamic_adapters).
         dynamic = self.spec.engine.dynamic_adapters
         self.fetcher = (
@@ -305,6 +307,12 @@ class PylonLLMServer:
         if not self.spec.engine.enable_prefix_caching:
             return {}
         return routing.replica_stats(self.engine, self.spec)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics of this replica, which it pushes to its controller for the deployment's
+        autoscaling policy: its requests' time to first token and between tokens (90th percentiles over the last
+        30 s; pylon.serving.api.slo.LatencyPolicy reads them where `autoscaling` sets latency targets)."""
+        return self.latency.stats()
 
     def check_health(self) -> None:
         """Serve's replica health check: a dead or stuck step loop gets the replica replaced."""
@@ -1987,11 +1995,13 @@ class PylonLLMServer:
             m["queue"].observe(metrics.queue_time, tags=tags)
         # An embedding ends with no token: its request ends when its prompt is computed.
         end = metrics.last_token_time if last.embedding is None else metrics.finished_time
+        itl = None
         if end is not None:
             m["e2e"].observe(end - metrics.arrival_time, tags=tags)
             if last.num_output_tokens > 1 and metrics.first_token_time is not None:
                 itl = (metrics.last_token_time - metrics.first_token_time) / (last.num_output_tokens - 1)
                 m["itl"].observe(itl, tags=tags)
+        self.latency.add(metrics.time_to_first_token, itl)
         m["prompt_tokens"].inc(last.num_prompt_tokens, tags=tags)
         self.ledger.finished(last.num_prompt_tokens, last.num_output_tokens, metrics.arrival_time, end, adapter or None)
         if last.num_output_tokens:

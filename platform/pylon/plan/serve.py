@@ -52,6 +52,9 @@ class ServeOption:
     # prefill replicas (a deployment's `prefill`): what the deployment pays per decoding replica's GPUs, as a factor
     # ((decoding + prefill replicas) / decoding replicas at min_replicas); 1 without
     cost_scale: float = 1.0
+    # autoscaling.target_itl_ms: the most sequences a replica decodes with their tokens that far apart (0: not one)
+    streams_within_itl: int | None = None
+    prompt_tps: float = 0.0  # prompt tokens a second a replica computes (its compute ceiling)
 
     @property
     def total(self) -> int:
@@ -285,6 +288,51 @@ def _prefill_note(spec: DeploymentSpec, per_token: int) -> str:
         f"{NETWORK_BYTES_S * 8 / 1e9:,.0f} Gb/s between nodes, nothing on one node's object store); prompts of fewer "
         f"than {p.min_prompt_tokens} new tokens stay where they are decoded"
     )
+
+
+def _latency_notes(spec: DeploymentSpec, row: ServeOption) -> list[str]:
+    """What the latency targets (`autoscaling.target_itl_ms`, `target_ttft_ms`, `prefill.autoscaling.target_ttft_ms`)
+    ask of the recommended accelerator, in words: how many sequences or prompts a replica serves within them, or that
+    no number of replicas meets one (a single sequence, or a single prompt of half max_model_len, takes longer)."""
+    notes, acc = [], row.accelerator.name
+    a = spec.autoscaling
+    if a.target_itl_ms is not None and row.streams_within_itl is not None:
+        one = 1000 / row.single_stream_tps if row.single_stream_tps else math.inf
+        if row.streams_within_itl == 0:
+            notes.append(
+                f"autoscaling.target_itl_ms {a.target_itl_ms:g}: one sequence alone gets a token every ~{one:,.1f} ms "
+                f"on {acc}, so no number of replicas meets it (a faster GPU, engine.tensor_parallel or speculative "
+                "decoding would shorten it)"
+            )
+        else:
+            n = row.streams_within_itl
+            notes.append(
+                f"autoscaling.target_itl_ms {a.target_itl_ms:g}: a replica decodes about {n:,} sequences with their "
+                f"tokens that far apart on {acc} (one alone: ~{one:,.1f} ms a token); at max_replicas "
+                f"({a.max_replicas}), about {n * a.max_replicas:,} at once"
+            )
+    prompt = spec.engine.max_model_len // 2
+    prompt_ms = prompt / row.prompt_tps * 1000 if row.prompt_tps else math.inf
+    for where, target in (
+        ("autoscaling.target_ttft_ms", a.target_ttft_ms),
+        (
+            "prefill.autoscaling.target_ttft_ms",
+            spec.prefill.autoscaling.target_ttft_ms if spec.prefill and spec.prefill.autoscaling else None,
+        ),
+    ):
+        if target is None:
+            continue
+        if prompt_ms > target:
+            notes.append(
+                f"{where} {target:g}: a prompt of {prompt:,} tokens alone takes ~{prompt_ms:,.0f} ms to compute on "
+                f"{acc}, so prompts that long miss it whatever the replicas"
+            )
+        else:
+            notes.append(
+                f"{where} {target:g}: a prompt of {prompt:,} tokens takes ~{prompt_ms:,.1f} ms to compute on {acc}: "
+                f"about {int(target // prompt_ms):,} such prompt(s) at once a replica meet it"
+            )
+    return notes
 
 
 def experts_read(shape, seqs: int) -> float:
@@ -629,6 +677,12 @@ def plan_serve(
         single = decode_tps(1 if kv_fit >= context else 0)
         batched = decode_tps(batch)
         compute_ceiling = shards * acc.peak_flops(dtype) * mfu / (2 * shape.matmul_params)
+        within = None
+        if spec.autoscaling.target_itl_ms is not None:  # each sequence gets a token per step: seqs / tokens a second
+            apart = spec.autoscaling.target_itl_ms / 1000
+            within = max(
+                (n for n in range(1, batch + 1) if n / min(decode_tps(n), compute_ceiling) <= apart), default=0
+            )
         rows.append(
             ServeOption(
                 acc,
@@ -646,6 +700,8 @@ def plan_serve(
                 utilization,
                 stages * shards,
                 "shard" if shards > 1 else "stage",
+                streams_within_itl=within,
+                prompt_tps=compute_ceiling,
             )
         )
     if spec.prefill is not None:
@@ -653,6 +709,8 @@ def plan_serve(
         notes.append(_prefill_note(spec, per_token))
     fitting = [r for r in rows if r.fits]
     recommendation = min(fitting, key=lambda r: r.cost_per_million_tokens) if fitting else None
+    if recommendation is not None:
+        notes.extend(_latency_notes(spec, recommendation))
     if recommendation is None and _suggest:
         options = {"catalog": catalog, "gpu": gpu, "mfu": mfu, "utilization": utilization}
         fitting_none = "it fits no one GPU as asked" if stages == shards == 1 else "it fits nothing as asked"

@@ -1541,3 +1541,42 @@ def test_an_eagle3_step_s_activations_are_what_the_step_allocates(tmp_path) -> N
         del loss
     print(f"eagle3 step activations: simulated {simulated.peak_bytes:,} B, measured {tracker.peak:,} B")
     assert abs(simulated.peak_bytes / tracker.peak - 1) < 0.15, (simulated.peak_bytes, tracker.peak)
+
+
+def test_latency_targets_say_how_many_sequences_and_prompts_a_replica_serves_within_them(tmp_path: Path) -> None:
+    """`autoscaling.target_itl_ms`, `target_ttft_ms`: the plan says, on the recommended GPU, how many sequences a
+    replica decodes with their tokens that far apart (a step of n sequences: n tokens at the decode rate of n), how
+    many prompts of half max_model_len it computes within the first token's target, or that no number of replicas
+    meets a target one sequence or one prompt alone misses."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    engine = {"device": "cuda", "kv_cache_tokens": 65536, "max_model_len": 4096, "tensor_parallel": 2}
+
+    def plan(itl=None, ttft=None, prefill=None):
+        scaling = {"min_replicas": 1, "max_replicas": 4, "target_itl_ms": itl}
+        if prefill is None:
+            scaling["target_ttft_ms"] = ttft
+        spec = DeploymentSpec(
+            name="m", model=str(tmp_path), replica={"num_gpus": 1}, engine=engine, autoscaling=scaling, prefill=prefill
+        )
+        return plan_serve(spec, gpu="H100")
+
+    row = plan().recommendation
+    one_ms = 1000 / row.single_stream_tps
+    full_ms = 1000 * row.batch / row.batch_tps  # every sequence the replica holds: a token each this far apart
+    assert row.streams_within_itl is None and not any("target_" in n for n in plan().notes)
+    loose = plan(itl=full_ms * 1.01).recommendation
+    assert loose.streams_within_itl == row.batch
+    tight = plan(itl=(one_ms + full_ms) / 2)
+    assert 1 < tight.recommendation.streams_within_itl < row.batch
+    note = next(n for n in tight.notes if n.startswith("autoscaling.target_itl_ms"))
+    n = tight.recommendation.streams_within_itl
+    assert f"about {n:,} sequences" in note and f"about {4 * n:,} at once" in note, note
+    missed = next(n for n in plan(itl=one_ms * 0.9).notes if n.startswith("autoscaling.target_itl_ms"))
+    assert "no number of replicas meets it" in missed, missed
+    prompt_ms = 2048 / row.prompt_tps * 1000
+    met = next(n for n in plan(ttft=prompt_ms * 3.5).notes if n.startswith("autoscaling.target_ttft_ms"))
+    assert "about 3 such prompt(s) at once" in met, met
+    short = next(n for n in plan(ttft=prompt_ms / 2).notes if n.startswith("autoscaling.target_ttft_ms"))
+    assert "prompts that long miss it whatever the replicas" in short, short
+    split = plan(prefill={"autoscaling": {"max_replicas": 2, "target_ttft_ms": prompt_ms * 2.5}})
+    assert any(n.startswith("prefill.autoscaling.target_ttft_ms") and "about 2 such" in n for n in split.notes)
