@@ -362,6 +362,7 @@ def train_loop(config: dict) -> None:
     from pylon.jobs.ledger import AttemptRecorder
     from pylon.jobs.train_metrics import TrainMetrics
     from pylon.models import (
+        ActivationOffload,
         build_model,
         flops_per_token,
         measure_matmul_peak_flops,
@@ -650,10 +651,17 @@ def train_loop(config: dict) -> None:
             f"{stream.manifest.seq_len // sp.size} of every row's {stream.manifest.seq_len} tokens",
             flush=True,
         )
+
+    def offload_step():
+        """A micro-batch's forward pass runs in this: `activation_offload`'s hooks (pylon.models.ActivationOffload,
+        counting afresh), or nothing."""
+        return ActivationOffload(engine.module, device) if spec.activation_offload else contextlib.nullcontext()
+
     while step < spec.steps:
         t_step = time.perf_counter()
         step_started_at = time.time()
         wait_s, loss_sum, tokens_sum, aux_sum, aux_n = 0.0, 0.0, 0, 0.0, 0
+        offloaded_peak = 0  # activation_offload: the most bytes a micro-batch kept in host memory
         # objective dpo: pairs; chosen and rejected rewards, correct pairs. kto: completions; desirable and undesirable
         # rewards, their counts, the KL baseline
         # objective eagle3: per draft depth, the drafts whose top token is the model's, and the drafts counted
@@ -675,77 +683,81 @@ def train_loop(config: dict) -> None:
             )
             if sp is not None:
                 inputs = sequence_parallel.shard(inputs, sp)
-            if grpo is not None:  # sample and score, then train (its loss averaged over what `grpo.loss` says)
-                if fresh:
-                    rollout = grpo_sample(
+            # activation_offload: what the forward pass keeps for the backward pass waits in host memory
+            with offload_step() as offload:
+                if grpo is not None:  # sample and score, then train (its loss averaged over what `grpo.loss` says)
+                    if fresh:
+                        rollout = grpo_sample(
+                            engine,
+                            batch,
+                            grpo,
+                            rewards,
+                            text_tokenizer,
+                            eos_id=tok.eos_id,
+                            pad_id=tok.pad_id,
+                            seed=sample_seed(seed, step, micro, rank),
+                            synced=synced,
+                            reference=reference,
+                            rollout=rollout_engine,
+                        )
+                        sample_s += rollout.sample_s
+                        if micro == 0:  # (rank 0's are logged: `grpo.log_completions`)
+                            samples = rollout.samples
+                        if grpo.iterations > 1:
+                            rollouts[micro] = rollout
+                    else:
+                        rollout = rollouts[micro]
+                    loss_t, count, n_tokens, stats = grpo_train(
+                        engine, engine.module, rollout, grpo, reference, first=fresh
+                    )
+                    grpo_units += rollout.trained_token_units(grpo, fresh)
+                    loss, local_sum = _global_mean_loss(loss_t, count, world)
+                    aux = None
+                    pairs_sum += count
+                    grpo_sums = [a + b for a, b in zip(grpo_sums, stats)]
+                elif dpo:
+                    loss_t, pairs, n_tokens, stats, _ = dpo_forward(
                         engine,
+                        engine.module,
+                        inputs,
+                        dpo_loss,
+                        f"data.uri {spec.data.uri}",
+                        model_inputs,
+                        reference,
+                        running=running,
+                        precomputed=ref_table.lookup(batch.sample_ids, device) if ref_table is not None else None,
+                    )
+                    loss, local_sum = _global_mean_loss(loss_t, pairs, world)
+                    aux = None
+                    pairs_sum += pairs
+                    dpo_sums = [a + b for a, b in zip(dpo_sums, stats)]
+                elif kto is not None:
+                    loss_t, completions_n, n_tokens, stats, _ = kto_forward(
+                        engine,
+                        engine.module,
+                        inputs,
                         batch,
-                        grpo,
-                        rewards,
-                        text_tokenizer,
+                        kto,
+                        f"data.uri {spec.data.uri}",
+                        model_inputs,
+                        reference,
                         eos_id=tok.eos_id,
                         pad_id=tok.pad_id,
-                        seed=sample_seed(seed, step, micro, rank),
-                        synced=synced,
-                        reference=reference,
-                        rollout=rollout_engine,
                     )
-                    sample_s += rollout.sample_s
-                    if micro == 0:  # (rank 0's are logged: `grpo.log_completions`)
-                        samples = rollout.samples
-                    if grpo.iterations > 1:
-                        rollouts[micro] = rollout
+                    loss, local_sum = _global_mean_loss(loss_t, completions_n, world)
+                    aux = None
+                    pairs_sum += completions_n
+                    dpo_sums = [a + b for a, b in zip(dpo_sums, stats)]
+                elif eagle3 is not None:  # (its loss a TokenLoss's: its drafts' weighted soft cross-entropy)
+                    loss_t, n_tokens, out = forward_loss(engine, inputs, chunked=True)
+                    loss, local_sum = _global_mean_loss(loss_t, n_tokens, world)
+                    aux = None
+                    dpo_sums = [a + b for a, b in zip(dpo_sums, out["stats"])]
                 else:
-                    rollout = rollouts[micro]
-                loss_t, count, n_tokens, stats = grpo_train(
-                    engine, engine.module, rollout, grpo, reference, first=fresh
-                )
-                grpo_units += rollout.trained_token_units(grpo, fresh)
-                loss, local_sum = _global_mean_loss(loss_t, count, world)
-                aux = None
-                pairs_sum += count
-                grpo_sums = [a + b for a, b in zip(grpo_sums, stats)]
-            elif dpo:
-                loss_t, pairs, n_tokens, stats, _ = dpo_forward(
-                    engine,
-                    engine.module,
-                    inputs,
-                    dpo_loss,
-                    f"data.uri {spec.data.uri}",
-                    model_inputs,
-                    reference,
-                    running=running,
-                    precomputed=ref_table.lookup(batch.sample_ids, device) if ref_table is not None else None,
-                )
-                loss, local_sum = _global_mean_loss(loss_t, pairs, world)
-                aux = None
-                pairs_sum += pairs
-                dpo_sums = [a + b for a, b in zip(dpo_sums, stats)]
-            elif kto is not None:
-                loss_t, completions_n, n_tokens, stats, _ = kto_forward(
-                    engine,
-                    engine.module,
-                    inputs,
-                    batch,
-                    kto,
-                    f"data.uri {spec.data.uri}",
-                    model_inputs,
-                    reference,
-                    eos_id=tok.eos_id,
-                    pad_id=tok.pad_id,
-                )
-                loss, local_sum = _global_mean_loss(loss_t, completions_n, world)
-                aux = None
-                pairs_sum += completions_n
-                dpo_sums = [a + b for a, b in zip(dpo_sums, stats)]
-            elif eagle3 is not None:  # (its loss a TokenLoss's: its drafts' weighted soft cross-entropy)
-                loss_t, n_tokens, out = forward_loss(engine, inputs, chunked=True)
-                loss, local_sum = _global_mean_loss(loss_t, n_tokens, world)
-                aux = None
-                dpo_sums = [a + b for a, b in zip(dpo_sums, out["stats"])]
-            else:
-                loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef, chunked=chunked)
+                    loss, local_sum, n_tokens, aux = step_loss(engine, inputs, world, aux_coef, chunked=chunked)
             engine.backward(loss)
+            if offload is not None:
+                offloaded_peak = max(offloaded_peak, offload.peak_host_bytes)
             engine.step()
             loss_sum += local_sum
             tokens_sum += n_tokens
@@ -820,6 +832,8 @@ def train_loop(config: dict) -> None:
                 ),
                 grpo_sample_s=sample_s,
             )
+        if spec.activation_offload:  # this worker's: what its forward passes kept in host memory at most
+            record["activation_offload_bytes"] = offloaded_peak
         if aux_coef:  # a mixture-of-experts model: its routers' load-balancing loss, the micro-batches' mean
             record["router_aux_loss"] = totals[5].item() / max(totals[6].item(), 1.0)
         if spec.precision == "fp16":

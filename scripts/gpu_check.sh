@@ -83,14 +83,14 @@ elif [ "$part" = speed ]; then
     [ $code -eq 0 ] || failed=1
     tail -45 "$OUT/train_step.log"
 else
-    say "the training test, the planner's memory and the serving engine's tests, side by side"
+    say "the training test, the planner's memory, the serving engine's tests and activation offload, side by side"
     timeout 480 $PY -m pytest -s -p no:cacheprovider tests/integration/test_train_gpu.py >"$OUT/train.log" 2>&1 &
     train=$!
     timeout 420 $PY -m pytest -q -p no:cacheprovider tests/unit/serving/engine/test_serving_engine.py \
         tests/unit/serving/engine/test_serving_engine_async.py tests/unit/serving/engine/test_serving_quant_engine.py \
         tests/unit/serving/engine/test_sampling_penalties.py tests/unit/serving/engine/test_speculative.py \
         tests/unit/serving/engine/test_speculative_draft.py tests/unit/serving/engine/test_structured_outputs.py \
-        tests/unit/serving/engine/test_load_weights.py >"$OUT/serve.log" 2>&1 &
+        tests/unit/serving/engine/test_load_weights.py tests/unit/jobs/test_activation_offload.py >"$OUT/serve.log" 2>&1 &
     serve=$!
     timeout 420 $PY bench/plan_accuracy.py --device cuda --json "$OUT/plan_accuracy.json" >"$OUT/plan_accuracy.log" 2>&1
     code=$?

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -477,6 +478,101 @@ def enable_gradient_checkpointing(model: "PreTrainedModel") -> None:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+
+
+class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
+    """`activation_offload`: the tensors a training step's forward pass keeps for its backward pass, in host memory
+    until the backward pass needs them (torch's `save_on_cpu`, TorchTune's and TorchTitan's activation offloading).
+    With gradient checkpointing those are each decoder block's input (what torch's non-reentrant checkpoint saves
+    outside the block) and what the layers outside blocks keep; the block's own activations are recomputed in the
+    backward pass, on the device, and never leave it. Without checkpointing, every activation goes.
+
+    Entered around the forward pass (`with ActivationOffload(model, device):`): each tensor autograd saves is copied
+    to host memory (pinned on CUDA, so that its way back overlaps the backward pass's compute) and the device's copy
+    freed; `unpack` copies it back when the backward pass asks. Kept where they are: parameters (and views of
+    them: a transposed weight; ZeRO-3 regathers its own), tensors already in host memory, and those under
+    `min_bytes` (a copy costs more than it frees). On the meta device (`pylon.plan.activations`) only the bytes are
+    kept, as a tensor's description: the planner's simulation counts what leaves the device and what host memory
+    holds. `host_bytes`/`peak_host_bytes`: what host memory holds now / held at most; `offloaded`: tensors sent."""
+
+    MIN_BYTES = 1 << 16
+
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device | str, *, min_bytes: int = MIN_BYTES, copy_host: bool = False
+    ):
+        """`copy_host`: tensors already in host memory are copied too (a CPU job's step gains nothing by it; the
+        way there and back is then run, and tested, on a machine without a GPU)."""
+        self.device = torch.device(device)
+        self.min_bytes, self.copy_host = min_bytes, copy_host
+        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.host_bytes = self.peak_host_bytes = self.offloaded = 0
+        self._pin = self.device.type == "cuda"
+        # a tensor saved by several operators (the rotary embeddings every layer takes) goes once: id -> its copy
+        self._sent: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        nbytes = t.numel() * t.element_size()
+        if (
+            (t.device.type == "cpu" and not self.copy_host)
+            or nbytes < self.min_bytes
+            or isinstance(t, torch.nn.Parameter)
+            or t.untyped_storage()._cdata in self._params
+        ):
+            return t
+        sent = self._sent.get(id(t))
+        if sent is not None and sent[0]() is t and sent[1]() is not None:
+            return sent[1]()
+        self.offloaded += 1
+        self.host_bytes += nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        if t.device.type == "meta":
+            packed = _Offloaded(t.device, None, t.shape, t.dtype, nbytes, self)
+        else:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pin)
+            host.copy_(t)  # (synchronous: the device's copy may be reused once this returns)
+            packed = _Offloaded(t.device, host, t.shape, t.dtype, nbytes, self)
+        self._sent[id(t)] = (weakref.ref(t), weakref.ref(packed))
+        return packed
+
+    def __enter__(self) -> "ActivationOffload":
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._sent.clear()  # (only a forward pass saves: the backward pass unpacks what was sent)
+
+    @staticmethod
+    def _unpack(packed):
+        if not isinstance(packed, _Offloaded):
+            return packed
+        return packed.restore()
+
+
+class _Offloaded:
+    """A saved tensor in host memory (`ActivationOffload`): its copy there (None on the meta device) and where it
+    goes back; the host bytes are given back to the count when autograd drops it."""
+
+    __slots__ = ("device", "host", "shape", "dtype", "nbytes", "owner", "__weakref__")
+
+    def __init__(self, device, host, shape, dtype, nbytes: int, owner: ActivationOffload):
+        self.device, self.host, self.shape, self.dtype, self.nbytes, self.owner = (
+            device,
+            host,
+            shape,
+            dtype,
+            nbytes,
+            owner,
+        )
+
+    def restore(self) -> torch.Tensor:
+        if self.host is None:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self.host.to(self.device, non_blocking=self.host.is_pinned())
+
+    def __del__(self):
+        self.owner.host_bytes -= self.nbytes
 
 
 def without_padding_warning(model: torch.nn.Module) -> torch.nn.Module:

@@ -780,6 +780,14 @@ class TrainJobSpec(_Spec):
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     gradient_checkpointing: bool = False
+    activation_offload: bool = Field(
+        False,
+        description="keep what the forward pass saves for the backward pass in pinned host memory until the backward "
+        "pass needs it (torch's save_on_cpu; TorchTitan's and TorchTune's activation offloading): with "
+        "gradient_checkpointing, each decoder block's input, so that a GPU holds one block's activations at a time "
+        "whatever the depth; without, every activation. Costs two copies over PCIe per saved tensor a step. GPU "
+        "workers only",
+    )
     attention_mask: Literal["auto", "causal", "document"] = Field(
         "auto",
         description="how a row packed from several documents is attended: causal, every token sees the row before "
@@ -1013,6 +1021,14 @@ class TrainJobSpec(_Spec):
             )
         if self.precision == "fp16" and not self.scaling.use_gpu:
             problems.append(("precision", "fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU"))
+        if self.activation_offload and not self.scaling.use_gpu:
+            problems.append(
+                (
+                    "activation_offload",
+                    "the workers train on CPUs, whose activations are in host memory already: leave it out (or set "
+                    "scaling.use_gpu: true)",
+                )
+            )
         objective = self.objective
         if self.precompute_reference and objective != "dpo":
             problems.append(("precompute_reference", f"reads objective dpo's reference ahead; objective: {objective}"))

@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from pylon.models import (
+    ActivationOffload,
     auto_model_class,
     enable_gradient_checkpointing,
     head_outputs,
@@ -69,6 +70,7 @@ _CONFIGS: dict[str, object] = {}  # config JSON -> config, so the cache below ca
 class ActivationProfile:
     saved_bytes: int  # kept for backward at the end of the forward pass (logits included)
     peak_bytes: int  # the step's peak of live activation bytes (saved + gradients of activations + temporaries)
+    host_bytes: int = 0  # activation_offload: the most of them held in host memory at once
 
 
 def step_activations(
@@ -82,23 +84,26 @@ def step_activations(
     device: str,
     documents: bool = False,
     loss_chunk_tokens: int = 0,
+    offload: bool = False,
 ) -> ActivationProfile:
     """Activation memory of one micro-batch of Pylon's training step on `device` ('cuda' or 'cpu'); `documents`:
     each packed document attended on its own (`TrainJobSpec.attention_mask: document`); `loss_chunk_tokens`: the
-    loss computed that many tokens at a time (`pylon.models.with_chunked_loss`)."""
+    loss computed that many tokens at a time (`pylon.models.with_chunked_loss`); `offload`: what the forward pass
+    saves kept in host memory (`TrainJobSpec.activation_offload`, `pylon.models.ActivationOffload`, the same hooks)."""
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     _CONFIGS.setdefault(key, config)
     lora_key = lora.model_dump_json() if lora is not None else ""
     # A chunked loss's peak is one chunk's logits whatever the batch, beside what does grow with it: not linear in
     # the batch, so it is simulated at the micro-batch itself (and the one below), where the fit is exact.
     batches = (max(1, micro_batch - 1), max(2, micro_batch)) if loss_chunk_tokens else (1, 2)
-    saved, peak = _coefficients(
-        key, seq_len, precision, checkpointing, lora_key, device, documents, loss_chunk_tokens, batches
+    saved, peak, host = _coefficients(
+        key, seq_len, precision, checkpointing, lora_key, device, documents, loss_chunk_tokens, batches, offload
     )
     layers = config.num_hidden_layers
     return ActivationProfile(
         saved_bytes=int(_extrapolate(saved, micro_batch, layers)),
         peak_bytes=int(_extrapolate(peak, micro_batch, layers)),
+        host_bytes=int(_extrapolate(host, micro_batch, layers)),
     )
 
 
@@ -175,7 +180,8 @@ def _coefficients(
     documents: bool,
     loss_chunk_tokens: int,
     batches: tuple[int, int] = (1, 2),
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    offload: bool = False,
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     config = _CONFIGS[config_key]
     lora = LoraSpec.model_validate_json(lora_json) if lora_json else None
     runs = {
@@ -190,6 +196,7 @@ def _coefficients(
             device=device,
             documents=documents,
             loss_chunk_tokens=loss_chunk_tokens,
+            offload=offload,
         )
         for b in batches
         for n in (1, 2)
@@ -204,7 +211,7 @@ def _coefficients(
         kl = (p12 - p11) - b1 * kbl
         return p11 - kl - b1 * (kb + kbl), kl, kb, kbl
 
-    return fit(0), fit(1)
+    return fit(0), fit(1), fit(2)
 
 
 def _with_depth(config, layers: int):
@@ -228,10 +235,13 @@ def _simulate(
     device: str,
     documents: bool = False,
     loss_chunk_tokens: int = 0,
-) -> tuple[int, int]:
-    """(bytes live when the forward pass ends, peak live bytes) of one step of a `layers`-deep copy. A classifier's
-    config (objective reward's reward model) simulates its head over every position (what the trainer reads) and no
-    vocabulary's logits."""
+    offload: bool = False,
+) -> tuple[int, int, int]:
+    """(bytes live when the forward pass ends, peak live bytes, peak bytes in host memory) of one step of a
+    `layers`-deep copy. A classifier's config (objective reward's reward model) simulates its head over every position
+    (what the trainer reads) and no vocabulary's logits. `offload`: the forward pass under training's own
+    `ActivationOffload` hooks, which on the meta device keep a saved tensor's description: its bytes leave the count
+    as the device's copy is freed and come back when the backward pass unpacks it."""
     dtype = _DTYPES[precision]
     config = _with_depth(config, layers)
     classifier = is_classifier(config)
@@ -258,26 +268,28 @@ def _simulate(
     # unread, as no mask at all is; a document batch's restarting positions (their values are the check's answer).
     extra = {"position_ids": torch.zeros((batch, seq_len), dtype=torch.long, device="meta")} if documents else {}
     tracker.preexisting(list(extra.values()))
+    hooks = ActivationOffload(model, "meta") if offload else contextlib.nullcontext()
     with _LOCK, _attention_as_on(device), _packed_batches(documents), tracker:
-        if classifier:  # a reward model: its head at every position, each pair's loss from a few of them
-            with head_outputs(model) as heads:
-                model(input_ids=ids, use_cache=False, **extra)
-            saved = tracker.live
-            loss = heads[-1].float().sum()
-            heads.clear()
-        elif loss_chunk_tokens:  # the model computes its loss a chunk at a time: no logits
-            loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss_sum
-            saved = tracker.live
-        else:
-            logits = model(input_ids=ids, use_cache=False, **extra).logits
-            saved = tracker.live
-            loss = _summed_cross_entropy(logits, ids)
-            # the trainer's step keeps no reference to the logits once the loss has them: the cross-entropy keeps
-            # what its backward needs (its log-softmax), and the logits go
-            del logits
+        with hooks:  # (training's: around the forward pass, the loss included)
+            if classifier:  # a reward model: its head at every position, each pair's loss from a few of them
+                with head_outputs(model) as heads:
+                    model(input_ids=ids, use_cache=False, **extra)
+                saved = tracker.live
+                loss = heads[-1].float().sum()
+                heads.clear()
+            elif loss_chunk_tokens:  # the model computes its loss a chunk at a time: no logits
+                loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss_sum
+                saved = tracker.live
+            else:
+                logits = model(input_ids=ids, use_cache=False, **extra).logits
+                saved = tracker.live
+                loss = _summed_cross_entropy(logits, ids)
+                # the trainer's step keeps no reference to the logits once the loss has them: the cross-entropy keeps
+                # what its backward needs (its log-softmax), and the logits go
+                del logits
         loss.backward()
         del loss
-    return saved, tracker.peak
+    return saved, tracker.peak, hooks.peak_host_bytes if offload else 0
 
 
 def _drop_grad(p: torch.Tensor) -> None:

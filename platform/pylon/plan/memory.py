@@ -208,12 +208,24 @@ class Workload:
     head_steps: int = 0
     _peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def activation_peak(self, micro_batch: int, checkpointing: bool, device: str, parts: int = 1) -> int:
-        """Peak activation bytes of one micro-batch (`pylon.plan.activations`), remembered: a plan asks thousands
-        of times for a handful of distinct answers. `parts`: sequence parallelism's split of each row (Ulysses):
-        a GPU holds seq_len / parts tokens of each row, whose attention over the whole row for heads / parts heads
-        keeps as much as its own tokens' would."""
-        key = (micro_batch, checkpointing, device, parts)
+    def activation_peak(
+        self, micro_batch: int, checkpointing: bool, device: str, parts: int = 1, offload: bool = False
+    ) -> int:
+        """Peak activation bytes of one micro-batch on the device (`pylon.plan.activations`), remembered: a plan asks
+        thousands of times for a handful of distinct answers. `parts`: sequence parallelism's split of each row
+        (Ulysses): a GPU holds seq_len / parts tokens of each row, whose attention over the whole row for heads /
+        parts heads keeps as much as its own tokens' would. `offload`: activation_offload (what the forward pass saves
+        waits in host memory: `activation_host`)."""
+        return self._profile(micro_batch, checkpointing, device, parts, offload).peak_bytes
+
+    def activation_host(self, micro_batch: int, checkpointing: bool, device: str, parts: int = 1) -> int:
+        """activation_offload: the most bytes one micro-batch's saved activations hold in host memory."""
+        return self._profile(micro_batch, checkpointing, device, parts, True).host_bytes
+
+    def _profile(self, micro_batch: int, checkpointing: bool, device: str, parts: int, offload: bool):
+        # (objective eagle3's frozen model saves nothing: its head's few tensors are planned on the device)
+        offload = offload and self.head is None
+        key = (micro_batch, checkpointing, device, parts, offload)
         if key not in self._peaks and self.head is not None:  # objective eagle3: the model frozen, the head trained
             from pylon.plan.activations import eagle3_activations
 
@@ -226,7 +238,7 @@ class Workload:
                 device=device,
                 documents=self.documents,
                 steps=self.head_steps,
-            ).peak_bytes
+            )
         if key not in self._peaks:
             from pylon.plan.activations import step_activations
 
@@ -240,7 +252,8 @@ class Workload:
                 device=device,
                 documents=self.documents,
                 loss_chunk_tokens=self.loss_chunk_tokens,
-            ).peak_bytes
+                offload=offload,
+            )
         return self._peaks[key]
 
 
@@ -285,6 +298,7 @@ class Layout:
     grad_accum: str | None = None  # ZeRO-3: the dtype of its gradient partitions (`deepspeed.grad_accum_dtype`)
     # scaling.sequence_parallel: GPUs that split each row along its tokens (Ulysses); a group shares its micro-batches
     sequence_parallel: int = 1
+    activation_offload: bool = False  # what the forward pass saves waits in host memory (TrainJobSpec's)
 
     @property
     def rows_per_step(self) -> int:
@@ -311,6 +325,8 @@ class Layout:
             parts.append(f"params->{self.offload_param}")
         if self.gradient_checkpointing:
             parts.append("grad ckpt")
+        if self.activation_offload:
+            parts.append("activations->cpu")
         if self.sequence_parallel > 1:
             parts.append(f"sequence parallel {self.sequence_parallel}")
         parts.append(
@@ -475,15 +491,25 @@ def train_memory(work: Workload, layout: Layout, *, device: str = "cuda") -> Tra
             notes["reference model"] = f"the reference: a frozen {work.precision} copy, a 1/G partition"
 
     sp = layout.sequence_parallel
-    acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device, sp)
+    offloaded = layout.activation_offload and device == "cuda"
+    acts = work.activation_peak(layout.micro_batch_size, layout.gradient_checkpointing, device, sp, offloaded)
     notes["activations"] = (
         f"micro-batch {layout.micro_batch_size}"
         + (f" x {work.rollouts} completions" if work.rollouts > 1 else "")
         + (f" x {work.seq_len // sp} tokens (1/{sp} of each row: sequence parallelism)" if sp > 1 else "")
         + ("" if sp > 1 else f" x {work.seq_len} tokens")
         + ", peak of forward + "
-        "backward" + (", recomputing each block" if layout.gradient_checkpointing else "")
+        "backward"
+        + (", recomputing each block" if layout.gradient_checkpointing else "")
+        + (", what the forward pass saves in host memory" if offloaded else "")
     )
+    if offloaded:  # activation_offload: each GPU's worker keeps its saved activations in pinned host memory
+        host_acts = work.activation_host(layout.micro_batch_size, layout.gradient_checkpointing, device, sp)
+        host_states += host_acts * per_node
+        notes["activation offload"] = (
+            f"what a micro-batch's forward pass saves, {host_acts / 2**30:.2f} GiB per GPU at most, in pinned host "
+            "memory until the backward pass"
+        )
     # grpo.sampler engine: a serving engine on every worker for the whole run, the model whole in its dtype (the
     # training precision on a GPU, fp32 on a CPU) and its KV cache
     sampler = 0.0

@@ -161,6 +161,11 @@ def step_time(work: Workload, layout: Layout, acc: Accelerator, mfu: float) -> S
         offload += (
             moved / host_link if layout.offload_param == "cpu" else moved * layout.gpus_on_node / (NVME_GBS * 1e9)
         )
+    if layout.activation_offload:  # each micro-batch's saved activations to host memory and back, not overlapped
+        saved = work.activation_host(
+            layout.micro_batch_size, layout.gradient_checkpointing, "cuda", layout.sequence_parallel
+        )
+        offload += layout.grad_accum_steps * 2 * saved / host_link
     return StepTime(compute, exposed, offload, comm, sampling_time(work, layout, acc, mfu))
 
 

@@ -147,6 +147,7 @@ class Option:
                 "offload_optimizer": lay.offload_optimizer,
                 "offload_param": lay.offload_param,
                 "gradient_checkpointing": lay.gradient_checkpointing,
+                "activation_offload": lay.activation_offload,
                 "micro_batch_size": lay.micro_batch_size,
                 "grad_accum_steps": lay.grad_accum_steps,
                 "sequence_parallel": lay.sequence_parallel,
@@ -585,6 +586,7 @@ def _requested_layout(spec: TrainJobSpec, gpus: int | None, gpus_per_node: int) 
         buffers=Buffers.of(ds.buffers),
         grad_accum=ds.grad_accum_dtype,
         sequence_parallel=sp,
+        activation_offload=spec.activation_offload,
     )
 
 

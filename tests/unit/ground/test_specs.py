@@ -215,7 +215,7 @@ def test_load_spec_picks_the_one_document_of_a_kind(tmp_path: Path) -> None:
 def test_unknown_top_level_key_lists_allowed_fields() -> None:
     assert train_error("stepz: 5\n") == (
         "spec.yaml:6: document 1 (TrainJob 'job'): stepz: unknown field; allowed fields: kind, name, model, data, "
-        "scaling, deepspeed, precision, gradient_checkpointing, attention_mask, neftune_noise_alpha, loss_chunk_tokens, objective, eagle3, grpo, dpo_beta, precompute_reference, kto_loss, kto_desirable_weight, kto_undesirable_weight, dpo_rpo_alpha, simpo_gamma, reward_center_coefficient, dpo_loss, dpo_loss_weights, dpo_discopop_tau, dpo_label_smoothing, optim, batch, steps, "
+        "scaling, deepspeed, precision, gradient_checkpointing, activation_offload, attention_mask, neftune_noise_alpha, loss_chunk_tokens, objective, eagle3, grpo, dpo_beta, precompute_reference, kto_loss, kto_desirable_weight, kto_undesirable_weight, dpo_rpo_alpha, simpo_gamma, reward_center_coefficient, dpo_loss, dpo_loss_weights, dpo_discopop_tau, dpo_label_smoothing, optim, batch, steps, "
         "checkpoint, lora, eval, priority, queue"
     )
 
