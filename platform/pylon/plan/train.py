@@ -782,6 +782,8 @@ def plan_train(
         best, _ = choose(options, deadline_s=deadline_s, budget_usd=budget_usd)
         advice = _advice(work, acc, options, global_batch=global_batch, deadline_s=deadline_s, gpus=gpus)
         rows.append(AcceleratorRow(acc, requested, options, best, pareto(options), advice))
+    if spec.scaling.use_gpu and not spec.activation_offload:
+        notes.extend(_offload_would_fit(work, rows, steps=steps, mfu=mfu))
     everything = [o for r in rows for o in r.options]
     recommendation, shortfall = choose(everything, deadline_s=deadline_s, budget_usd=budget_usd)
     requested_layout = _requested_layout(spec, gpus, min(8, gpus or spec.scaling.num_workers))
@@ -822,6 +824,27 @@ def plan_train(
         )
     plan.explanation = _explain(plan)
     return plan
+
+
+def _offload_would_fit(work: Workload, rows: list[AcceleratorRow], *, steps: int, mfu: float) -> list[str]:
+    """Where the layout as requested does not fit an accelerator and would with `activation_offload` (its saved
+    activations in host memory): a note each, with what it then takes on the GPU and the host and how long it runs.
+    (The search does not propose it: a spec asks for it.)"""
+    out = []
+    for r in rows:
+        o = r.requested
+        if o.fits:
+            continue
+        off = evaluate(
+            work, dataclasses.replace(o.layout, activation_offload=True), r.accelerator, steps=steps, mfu=mfu
+        )
+        if off.fits:
+            out.append(
+                f"{r.accelerator.name}: as requested it does not fit ({o.binding}); with activation_offload: true "
+                f"(what the forward pass saves in pinned host memory) it does: {_gib(off.memory.device_total)} per "
+                f"GPU, {_gib(off.memory.host_total)} host RAM per node, {off.wall_s / 3600:,.1f} h, ${off.cost:,.2f}"
+            )
+    return out
 
 
 MAX_HFU = 0.8  # hardware FLOPs utilisation beyond which an assumed MFU is implausible

@@ -152,6 +152,20 @@ def test_a_plan_counts_it_on_the_host_and_in_the_step_time() -> None:
     assert sent.step.offload_s > kept.step.offload_s  # each micro-batch's there and back over PCIe
 
 
+def test_a_plan_says_where_it_would_make_the_layout_asked_for_fit() -> None:
+    """Twice the tokens and twice the rows: as requested the activations no longer fit an H100; in host memory they
+    do, and the plan says so (and says nothing where the spec already asks for it)."""
+    from pylon.plan.train import plan_train
+
+    big = _train(data={"uri": "s3://b/corpus/", "seq_len": 16384}, batch={"micro_batch_size": 8, "grad_accum_steps": 1})
+    plan = plan_train(TrainJobSpec.model_validate(big), gpu="H100", gpus=8)
+    assert not plan.rows[0].requested.fits
+    note = next(n for n in plan.notes if "activation_offload: true" in n)
+    assert note.startswith("H100-SXM: as requested it does not fit (GPU memory") and "it does: " in note, note
+    asked = plan_train(TrainJobSpec.model_validate({**big, "activation_offload": True}), gpu="H100", gpus=8)
+    assert asked.rows[0].requested.fits and not any("activation_offload: true" in n for n in asked.notes)
+
+
 def test_a_cpu_job_is_refused_naming_the_field() -> None:
     doc = _train(activation_offload=True, scaling={"num_workers": 2, "use_gpu": False})
     doc["precision"] = "fp32"
