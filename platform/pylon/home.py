@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -198,6 +198,36 @@ class ClusterAddress:
     def headers(self) -> dict[str, str]:
         """What the dashboard's HTTP APIs need to let a request in."""
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+
+@dataclass
+class NodeInfo:
+    node_id: str
+    ip: str
+    state: str
+    is_head: bool
+    resources: dict[str, float]
+    labels: dict[str, str] = field(default_factory=dict)  # Ray node labels: `join --labels`, Ray's own ray.io/...
+
+
+def cluster_nodes(where: ClusterAddress) -> list[NodeInfo]:
+    """The cluster's nodes, alive or not, from Ray's state API on its dashboard (no Ray driver needed)."""
+    from ray.util.state import StateApiClient
+    from ray.util.state.common import ListApiOptions, StateResource
+
+    api = StateApiClient(address=where.dashboard_url, headers={"Content-Type": "application/json", **where.headers})
+    rows = api.list(StateResource.NODES, options=ListApiOptions(detail=True), raise_on_missing_output=False)
+    return [
+        NodeInfo(
+            node_id=n.node_id,
+            ip=n.node_ip,
+            state=n.state,
+            is_head=bool(n.is_head_node),
+            resources=dict(n.resources_total or {}),
+            labels=dict(n.labels or {}),
+        )
+        for n in rows
+    ]
 
 
 def resolve(address: str | None = None) -> ClusterAddress:

@@ -1142,9 +1142,12 @@ def _replicas(ray_cluster, app: str, deployment: str | None = None) -> int:
 
 def test_pylon_serve_cli_deploys_answers_and_deletes(ray_cluster, tiny, tmp_path, served):
     """`pylon serve FILE` prints the URL of a ready deployment; a wrong model path fails before deploying,
-    naming the field; `pylon serve --delete NAME` removes it."""
+    naming the field, and so does a KV cache no node of the cluster holds (the planner's `check_serve_fits`);
+    `pylon serve --delete NAME` removes it."""
     import subprocess
     import sys
+
+    from pylon.sdk.serve import serve_details
 
     def pylon(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -1159,6 +1162,15 @@ def test_pylon_serve_cli_deploys_answers_and_deletes(ray_cluster, tiny, tmp_path
 
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny").symlink_to(tiny.dir, target_is_directory=True)
+    huge = tmp_path / "huge.yaml"  # 2^32 tokens of KV cache: terabytes, on a cluster of one machine
+    huge.write_text(
+        "kind: Deployment\nname: tiny-huge\nmodel: models/tiny\nengine: {kv_cache_tokens: 4294967296}\n"
+        "http: {api_keys_env: null, route_prefix: /huge}\n"
+    )
+    r = pylon("serve", str(huge))
+    assert r.returncode == 1 and "Deployment 'tiny-huge' needs about" in r.stderr, r
+    assert "engine.kv_cache_tokens 4,294,967,296" in r.stderr and "--force" in r.stderr and "Traceback" not in r.stderr
+    assert "tiny-huge" not in (serve_details().get("applications") or {})  # nothing was deployed
     good = tmp_path / "deploy.yaml"
     good.write_text(
         "kind: Deployment\nname: tiny-cli\nmodel: models/tiny\n"  # relative to where pylon runs

@@ -13,7 +13,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     from pylon.cli.jobs import _follow, announce
 
     client = pylon.connect(args.address)
-    job = client.batch(args.file, overwrite=args.overwrite)  # every spec error refused before submitting
+    job = client.batch(args.file, overwrite=args.overwrite, force=args.force)  # spec errors refused before submitting
     if not announce(job.job_id, {"output": job.output}, args, f"; its answers go to {job.output}"):
         return 0
     return _follow(client, job.job_id, out=sys.stderr if args.json else None)
@@ -41,5 +41,11 @@ def add_batch_parser(sub, fmt) -> None:
         help='print {"job_id": ..., "output": ...} on stdout (with --follow, the logs go to stderr)',
     )
     b.add_argument("--overwrite", action="store_true", help="replace the answers of another batch found at the output")
+    b.add_argument(
+        "--force",
+        action="store_true",
+        help="submit even if the planner says an engine cannot hold its model on the cluster (its GPU type, or its "
+        "largest node's RAM)",
+    )
     b.add_argument("--address", help=ADDRESS_HELP)
     b.set_defaults(func=_cmd_batch)

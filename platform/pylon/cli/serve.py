@@ -27,7 +27,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"deploying '{spec.name}' (loading the model on its replica; this can take a while)...", file=sys.stderr)
     from pylon.sdk.serve import deploy
 
-    url = deploy(spec, address=args.address, timeout_s=args.timeout)
+    url = deploy(spec, address=args.address, timeout_s=args.timeout, force=args.force)
     print(url)
     auth = f' -H "Authorization: Bearer ${spec.http.api_keys_env}"' if spec.http.api_keys_env else ""
     print(
@@ -64,6 +64,12 @@ def add_serve_parser(sub, fmt) -> None:
     sv.add_argument("--delete", metavar="NAME", help="remove the deployment NAME instead")
     sv.add_argument("--address", help=ADDRESS_HELP)
     sv.add_argument("--timeout", type=float, default=600, help="seconds to wait for the first replica (default 600)")
+    sv.add_argument(
+        "--force",
+        action="store_true",
+        help="deploy even if the planner says a replica cannot hold its model on the cluster (its GPU type, or its "
+        "largest node's RAM)",
+    )
     sv.set_defaults(func=_cmd_serve)
 
 

@@ -5,6 +5,7 @@ will it cost -- and what is the cheapest configuration that fits (`pylon plan FI
     print(render(plan))                       # the tables `pylon plan` prints
     plan.to_dict()                            # what `pylon plan --json` prints
     check_fits(spec, client=client)           # WontFitError before `pylon train` asks for workers
+    check_serve_fits(spec, nodes)             # WontFitError before `pylon serve` or `pylon batch` deploys a replica
 
 Memory is `pylon.plan.memory`'s (DeepSpeed's model-state accounting, activations simulated on the meta device,
 DeepSpeed's buffers). Time is `pylon.plan.steptime`'s: a step of T tokens costs T x (6N + 12 x layers x
@@ -35,7 +36,7 @@ from pylon import storage
 from pylon.errors import PylonError
 from pylon.jobs.run_dir import run_uri_of
 from pylon.plan.catalog import Catalog
-from pylon.plan.fits import WontFitError, check_fits
+from pylon.plan.fits import WontFitError, check_fits, check_serve_fits
 from pylon.plan.serve import DEFAULT_UTILIZATION, ServePlan, plan_serve
 from pylon.plan.steptime import DEFAULT_MFU, hardware_flops_per_token, model_flops_per_token
 from pylon.plan.text import render
@@ -61,6 +62,7 @@ __all__ = [
     "TrainPlan",
     "WontFitError",
     "check_fits",
+    "check_serve_fits",
     "gpu_counts",
     "hardware_flops_per_token",
     "model_flops_per_token",

@@ -1,5 +1,7 @@
 """`check_fits`: refuse a TrainJob before submission when the cluster it would run on cannot hold it (WontFitError
-says what does not fit and what would)."""
+says what does not fit and what would); `check_serve_fits`: the same for a Deployment's replica (or a BatchJob's
+engine) before it is deployed, where a replica that cannot hold its model would only fail to start, again and
+again."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pylon.plan.catalog import Accelerator, Catalog, load_catalog
 from pylon.plan.fmt import _gib
 from pylon.plan.steptime import DEFAULT_MFU
 from pylon.plan.train import _requested_layout, cpu_job_bytes, evaluate, search, train_workload
-from pylon.specs import TrainJobSpec
+from pylon.specs import BatchJobSpec, DeploymentSpec, TrainJobSpec
 
 
 class WontFitError(PylonError):
@@ -30,7 +32,7 @@ def check_fits(spec: TrainJobSpec, *, client=None, catalog: Catalog | None = Non
 
 def _refusal(spec: TrainJobSpec, client, catalog: Catalog) -> str | None:
     work, _ = train_workload(spec)
-    nodes = _cluster_nodes(client)
+    nodes = cluster_nodes(client)
     g = spec.scaling.num_workers
     if not spec.scaling.use_gpu:
         available = sum(
@@ -85,7 +87,8 @@ def _refusal(spec: TrainJobSpec, client, catalog: Catalog) -> str | None:
     )
 
 
-def _cluster_nodes(client) -> list:
+def cluster_nodes(client) -> list:
+    """`client.nodes()`, or none where there is no client or its cluster's state API does not answer."""
     if client is None:
         return []
     try:
@@ -96,14 +99,77 @@ def _cluster_nodes(client) -> list:
 
 def _requested_accelerator(spec: TrainJobSpec, nodes: list, catalog: Catalog) -> Accelerator | None:
     """The GPU type a worker asks for (an `accelerator_type:NAME` resource), else the cluster's smallest known."""
-    prefix = "accelerator_type:"
-    wanted = [k[len(prefix) :] for k in spec.scaling.resources_per_worker if k.startswith(prefix)]
-    if not wanted:
-        wanted = sorted(
-            {k[len(prefix) :] for n in nodes if n.state == "ALIVE" for k in n.resources if k.startswith(prefix)}
+    wanted = [k[len(_TYPE) :] for k in spec.scaling.resources_per_worker if k.startswith(_TYPE)]
+    return _smallest_known(wanted, catalog) if wanted else _cluster_accelerator(nodes, catalog)
+
+
+def check_serve_fits(spec: DeploymentSpec | BatchJobSpec, nodes: list, *, catalog: Catalog | None = None) -> None:
+    """WontFitError if the planner says a replica of `spec` (a BatchJob: one of its engines) cannot hold its model on
+    the cluster's nodes (`nodes`: the state API's, each with `state` and `resources`): on GPUs, the cluster's
+    smallest known GPU type; on CPUs, the largest node's RAM (Ray's memory and object store). A spec the planner
+    cannot size (an unreadable model, an architecture it does not know) or a cluster it cannot see is let through:
+    the replica itself will say more."""
+    try:
+        refusal = _serve_refusal(spec, nodes, catalog or load_catalog())
+    except Exception:  # the check is advice: a planner failure must never block a deployment
+        return
+    if refusal:
+        raise WontFitError(refusal)
+
+
+def _serve_refusal(spec: DeploymentSpec | BatchJobSpec, nodes: list, catalog: Catalog) -> str | None:
+    from pylon.plan.serve import plan_serve
+
+    what = f"{spec.kind} '{spec.name}'"
+    deployment = spec.deployment() if isinstance(spec, BatchJobSpec) else spec
+    alive = [n for n in nodes if n.state == "ALIVE"]
+    e = deployment.engine
+    if e.device == "cuda" or deployment.replica.num_gpus > 0:
+        accelerator = _cluster_accelerator(alive, catalog)
+        if accelerator is None:
+            return None
+        plan = plan_serve(deployment, catalog=catalog, gpu=accelerator.name)
+        row = plan.rows[0]
+        if row.fits:
+            return None
+        hints = [n for n in plan.notes if "fits" in n]
+        return (
+            f"{what} will not fit a replica on {accelerator.name}, the cluster's GPU: {row.binding}"
+            + (f". {hints[0][0].upper() + hints[0][1:]}" if hints else "")
+            + ". Run `pylon plan` on the spec for what would fit, or deploy anyway with --force"
         )
+    largest = max((n.resources.get("memory", 0) + n.resources.get("object_store_memory", 0) for n in alive), default=0)
+    if not largest:
+        return None
+    if e.dtype == "auto":  # (the planner's auto is a GPU's bf16; an engine on a CPU runs fp32)
+        deployment = deployment.model_copy(update={"engine": e.model_copy(update={"dtype": "fp32"})})
+    plan = plan_serve(deployment, catalog=catalog)
+    row = plan.rows[0]
+    engines = e.data_parallel * e.tensor_parallel  # each holds its share of the weights and its own KV cache
+    need = engines * (row.weights + row.kv_cache + row.workspace) + plan.kv_offload_bytes
+    if need <= largest:
+        return None
+    return (
+        f"{what} needs about {_gib(need)} of RAM for a replica (weights {_gib(engines * row.weights)}, KV cache "
+        f"{_gib(engines * row.kv_cache)} for engine.kv_cache_tokens {e.kv_cache_tokens:,}"
+        + (f", host tier {_gib(plan.kv_offload_bytes)}" if plan.kv_offload_bytes else "")
+        + f"); the cluster's largest node has {_gib(largest)}. Lower engine.kv_cache_tokens, quantize the weights "
+        "(engine.quantization), or deploy anyway with --force"
+    )
+
+
+_TYPE = "accelerator_type:"  # Ray's resource of a node's GPU type
+
+
+def _cluster_accelerator(nodes: list, catalog: Catalog) -> Accelerator | None:
+    """The smallest GPU type of the catalog among the alive cluster nodes' (their `accelerator_type:NAME` resources)."""
+    names = {k[len(_TYPE) :] for n in nodes if n.state == "ALIVE" for k in n.resources if k.startswith(_TYPE)}
+    return _smallest_known(sorted(names), catalog)
+
+
+def _smallest_known(names: list[str], catalog: Catalog) -> Accelerator | None:
     known = []
-    for name in wanted:
+    for name in names:
         try:
             known.append(catalog.get(name))
         except PylonError:

@@ -12,24 +12,16 @@ from dataclasses import dataclass, field
 
 from pylon import home
 from pylon.errors import ClusterError, JobNotFoundError, PylonError, SpecError
+from pylon.home import NodeInfo
 from pylon.jobs.queue import current_user
 from pylon.jobs.run_dir import run_uri_of, storage_problems
-from pylon.plan import DEFAULT_DEADLINE_DAYS, DEFAULT_MFU, check_fits, plan_file, plan_spec
+from pylon.plan import DEFAULT_DEADLINE_DAYS, DEFAULT_MFU, check_fits, check_serve_fits, plan_file, plan_spec
 from pylon.plan.catalog import load_catalog
+from pylon.plan.fits import cluster_nodes
 from pylon.sdk import inputs, ship
 from pylon.sdk.handles import TERMINAL_JOB_STATES, BatchRun, DataJob, JobInfo, Run, Service
 from pylon.sdk.serve import base_url, deploy, serve_details
 from pylon.specs import BatchJobSpec, DeploymentSpec, TrainJobSpec, to_yaml
-
-
-@dataclass
-class NodeInfo:
-    node_id: str
-    ip: str
-    state: str
-    is_head: bool
-    resources: dict[str, float]
-    labels: dict[str, str] = field(default_factory=dict)  # Ray node labels: `join --labels`, Ray's own ray.io/...
 
 
 @dataclass
@@ -309,12 +301,16 @@ class Client:
             package.cleanup()
         return DataJob(self, job_id, name=spec.name, output=spec.output, start_time=time.time())
 
-    def batch(self, spec, *, overwrite: bool = False) -> BatchRun:
+    def batch(self, spec, *, overwrite: bool = False, force: bool = False) -> BatchRun:
         """Submit a BatchJob (a `BatchJobSpec`, a dict of its fields, or a YAML file) as a Ray job: offline batch
         inference, `python -m pylon.serving.api.batch --config spec.yaml`, every line of its input answered by the
         serving engine on `replicas` engines of the cluster, the answers written to its output. Submitting the same
-        job again goes on from the parts already answered; `overwrite` replaces another batch's answers there."""
+        job again goes on from the parts already answered; `overwrite` replaces another batch's answers there. An
+        engine the planner says the cluster cannot hold is refused first (`pylon.plan.WontFitError`); `force=True`
+        submits it anyway."""
         spec, _ = inputs.as_spec(spec, BatchJobSpec)
+        if not force:
+            check_serve_fits(spec, cluster_nodes(self))
         package = ship.package(spec, self._where)
         try:
             spec = package.spec
@@ -332,14 +328,15 @@ class Client:
             package.cleanup()
         return BatchRun(self, job_id, name=spec.name, output=spec.output, start_time=time.time())
 
-    def deploy(self, spec, *, timeout_s: float = 600) -> Service:
+    def deploy(self, spec, *, timeout_s: float = 600, force: bool = False) -> Service:
         """Deploy a Deployment (a `DeploymentSpec`, a dict of its fields, or a YAML file) on Ray Serve, wait
         for its first replica, and return a `Service`. Its API key is the first of those in the environment
-        variable `http.api_keys_env` names, read now and kept in this object's memory only."""
+        variable `http.api_keys_env` names, read now and kept in this object's memory only. A replica the planner
+        says the cluster cannot hold is refused first (`pylon.plan.WontFitError`); `force=True` deploys it anyway."""
 
         spec, _ = inputs.as_spec(spec, DeploymentSpec)
         key = inputs.first_api_key(spec.http.api_keys_env) if spec.http.api_keys_env else None
-        url = deploy(spec, address=self._where, timeout_s=timeout_s)
+        url = deploy(spec, address=self._where, timeout_s=timeout_s, force=force)
         return Service(self, spec.name, url, api_key=key)
 
     def services(self, *, api_key: str | None = None) -> list[Service]:
@@ -374,22 +371,7 @@ class Client:
     # -- cluster ----------------------------------------------------------------------------------------
 
     def nodes(self) -> list[NodeInfo]:
-        from ray.util.state import StateApiClient
-        from ray.util.state.common import ListApiOptions, StateResource
-
-        api = StateApiClient(address=self.dashboard_url, headers={"Content-Type": "application/json", **self._headers})
-        rows = api.list(StateResource.NODES, options=ListApiOptions(detail=True), raise_on_missing_output=False)
-        return [
-            NodeInfo(
-                node_id=n.node_id,
-                ip=n.node_ip,
-                state=n.state,
-                is_head=bool(n.is_head_node),
-                resources=dict(n.resources_total or {}),
-                labels=dict(n.labels or {}),
-            )
-            for n in rows
-        ]
+        return home.cluster_nodes(self._where)
 
     def status(self) -> ClusterStatus:
         return ClusterStatus(

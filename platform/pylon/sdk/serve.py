@@ -149,13 +149,25 @@ def base_url(http: dict, route_prefix: str, dashboard_url: str) -> str:
     return f"http://{host}:{http.get('port', DEFAULT_PORT)}{route_prefix.rstrip('/')}"
 
 
-def deploy(spec: DeploymentSpec, *, address: home.ClusterAddress | str | None = None, timeout_s: float = 600) -> str:
+def deploy(
+    spec: DeploymentSpec,
+    *,
+    address: home.ClusterAddress | str | None = None,
+    timeout_s: float = 600,
+    force: bool = False,
+) -> str:
     """Run `spec` on the cluster (`address`: an address to resolve, the local cluster by default, or a resolved
-    `home.ClusterAddress`, as a `Client` passes) and return its base URL."""
+    `home.ClusterAddress`, as a `Client` passes) and return its base URL. A replica the planner says the cluster
+    cannot hold (`pylon.plan.check_serve_fits`: its GPU type, or its largest node's RAM) is refused first with
+    WontFitError, saying what does not fit and what to change; `force=True` deploys it anyway."""
     from pylon.serving.api.keys import api_keys_config
 
     where = _where(address)
     spec = _checked_model(spec, where)
+    if not force:
+        from pylon.plan import check_serve_fits
+
+        check_serve_fits(spec, _nodes(where))
     keys = api_keys_config(spec)  # here, from this process's environment: only salted hashes leave it
     revision = f"rev-{os.urandom(16).hex()}"  # /ready reports it once a replica runs this config
     details = serve_details(where)
@@ -184,6 +196,13 @@ def deploy(spec: DeploymentSpec, *, address: home.ClusterAddress | str | None = 
     url = base_url(http, prefix, where.dashboard_url)
     _wait_ready(url, timeout_s, spec.name, where, revision)
     return url
+
+
+def _nodes(where: home.ClusterAddress) -> list[home.NodeInfo]:
+    try:
+        return home.cluster_nodes(where)
+    except Exception:  # the fit check is advice: an unreachable state API must not block a deployment
+        return []
 
 
 def _checked_model(spec: DeploymentSpec, where: home.ClusterAddress) -> DeploymentSpec:
