@@ -684,7 +684,7 @@ def _cancel_unfinished(op, wait_s: float):
         import ray
 
         tasks = op.get_active_tasks()
-        if not tasks:
+        if not tasks or not ray.is_initialized():  # (a process shutting down: its tasks end with it)
             return
         ends = [_task_end(task.get_waitable()) for task in tasks]
         done, _ = ray.wait(ends, num_returns=len(ends), timeout=wait_s, fetch_local=False)
