@@ -508,7 +508,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.host_bytes = self.peak_host_bytes = self.offloaded = 0
         self._pin = self.device.type == "cuda"
         # a tensor saved by several operators (the rotary embeddings every layer takes) goes once: id -> its copy
-        self._sent: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self._sent: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
@@ -520,9 +520,9 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             or t.untyped_storage()._cdata in self._params
         ):
             return t
-        sent = self._sent.get(id(t))
-        if sent is not None and sent[0]() is t and sent[1]() is not None:
-            return sent[1]()
+        sent = self._sent.get(id(t))  # (the same tensor, unchanged since: an in-place op bumps its version)
+        if sent is not None and sent[0]() is t and sent[1] == t._version and sent[2]() is not None:
+            return sent[2]()
         self.offloaded += 1
         self.host_bytes += nbytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
@@ -532,7 +532,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pin)
             host.copy_(t)  # (synchronous: the device's copy may be reused once this returns)
             packed = _Offloaded(t.device, host, t.shape, t.dtype, nbytes, self)
-        self._sent[id(t)] = (weakref.ref(t), weakref.ref(packed))
+        self._sent[id(t)] = (weakref.ref(t), t._version, weakref.ref(packed))
         return packed
 
     def __enter__(self) -> "ActivationOffload":

@@ -83,8 +83,8 @@ def quantile(values: list[float], q: float) -> float:
 class LatencyPolicy:
     """Serve's autoscaling policy (a class: Serve builds it once with `policy_kwargs` and calls it each tick) for a
     deployment with latency targets. `target_ttft_s`, `target_itl_s`: the 90th percentiles aimed at (None: not
-    aimed at). Returns (replicas wanted, policy state); the state carries what the decision went by, for `serve
-    status` and the logs."""
+    aimed at). Returns (replicas wanted, policy state); the state, which Serve keeps between ticks, carries what the
+    decision went by (the times, their worst ratio to a target, and whether latency or the request counts decided)."""
 
     def __init__(self, target_ttft_s: float | None = None, target_itl_s: float | None = None):
         if target_ttft_s is None and target_itl_s is None:

@@ -80,6 +80,23 @@ def test_parameters_and_views_of_them_stay_where_they_are() -> None:
     assert hooks.offloaded == 0
 
 
+def test_a_tensor_saved_twice_goes_once_unless_it_changed_in_between() -> None:
+    module = torch.nn.Linear(4, 4)
+    x = torch.randn(64, 256, requires_grad=True)
+    with ActivationOffload(module, "cpu", min_bytes=1024, copy_host=True) as hooks:
+        h = x * 2  # (a tensor of its own, which the next ops save)
+        a, b = h.sin(), h.cos()  # both save h: one copy
+        assert hooks.offloaded == 1
+        with torch.no_grad():
+            h.mul_(3)  # changed in place (unseen by autograd): the next op saves the new values
+        c = h.sin()
+        assert hooks.offloaded == 2
+    (a + b + c).sum().backward()
+    h0 = x.detach() * 2  # each op's gradient at the values it saw: h0, h0, then 3 h0 (h's gradient is 2 all along)
+    expected = 2 * (h0.cos() - h0.sin() + (3 * h0).cos())
+    assert torch.allclose(x.grad, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_under_zero3_the_step_is_the_one_without_it() -> None:
     """ZeRO-3's layers save their partitioned Parameter objects and gather them again in the backward pass: the
     hooks leave those alone, and two steps with them train the same weights as two without."""
