@@ -136,7 +136,8 @@ def _serve_refusal(spec: DeploymentSpec | BatchJobSpec, nodes: list, catalog: Ca
         return (
             f"{what} will not fit a replica on {accelerator.name}, the cluster's GPU: {row.binding}"
             + (f". {hints[0][0].upper() + hints[0][1:]}" if hints else "")
-            + ". Run `pylon plan` on the spec for what would fit, or deploy anyway with --force"
+            + ". Run `pylon plan` on the spec for what would fit, or deploy anyway with --force (e.g. where the "
+            "autoscaler adds nodes of larger GPUs)"
         )
     largest = max((n.resources.get("memory", 0) + n.resources.get("object_store_memory", 0) for n in alive), default=0)
     if not largest:
@@ -154,7 +155,7 @@ def _serve_refusal(spec: DeploymentSpec | BatchJobSpec, nodes: list, catalog: Ca
         f"{_gib(engines * row.kv_cache)} for engine.kv_cache_tokens {e.kv_cache_tokens:,}"
         + (f", host tier {_gib(plan.kv_offload_bytes)}" if plan.kv_offload_bytes else "")
         + f"); the cluster's largest node has {_gib(largest)}. Lower engine.kv_cache_tokens, quantize the weights "
-        "(engine.quantization), or deploy anyway with --force"
+        "(engine.quantization), or deploy anyway with --force (e.g. where the autoscaler adds larger nodes)"
     )
 
 
