@@ -557,14 +557,8 @@ class _Offloaded:
     __slots__ = ("device", "host", "shape", "dtype", "nbytes", "owner", "__weakref__")
 
     def __init__(self, device, host, shape, dtype, nbytes: int, owner: ActivationOffload):
-        self.device, self.host, self.shape, self.dtype, self.nbytes, self.owner = (
-            device,
-            host,
-            shape,
-            dtype,
-            nbytes,
-            owner,
-        )
+        self.device, self.host, self.shape, self.dtype = device, host, shape, dtype
+        self.nbytes, self.owner = nbytes, owner
 
     def restore(self) -> torch.Tensor:
         if self.host is None:

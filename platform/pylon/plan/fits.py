@@ -22,12 +22,23 @@ def check_fits(spec: TrainJobSpec, *, client=None, catalog: Catalog | None = Non
     type its resources or the cluster name (any GPU of the catalog when neither does), or on CPU workers, the
     cluster's RAM (a loose check: CPU jobs are small). A job the planner cannot size (no sequence length yet,
     an unreadable model, an architecture it cannot simulate) is let through: the job itself will say more."""
+    _refuse(lambda: _refusal(spec, client, catalog or load_catalog()))
+
+
+def _refuse(refusal) -> None:
+    """WontFitError with what `refusal()` says, if it says anything. The checks are advice: a planner failure must
+    never block a submission or a deployment."""
     try:
-        refusal = _refusal(spec, client, catalog or load_catalog())
-    except Exception:  # the check is advice: a planner failure must never block a submission
+        message = refusal()
+    except Exception:
         return
-    if refusal:
-        raise WontFitError(refusal)
+    if message:
+        raise WontFitError(message)
+
+
+def _node_ram(node) -> float:
+    """A node's RAM as Ray counts it: its memory resource and its object store."""
+    return node.resources.get("memory", 0) + node.resources.get("object_store_memory", 0)
 
 
 def _refusal(spec: TrainJobSpec, client, catalog: Catalog) -> str | None:
@@ -35,11 +46,7 @@ def _refusal(spec: TrainJobSpec, client, catalog: Catalog) -> str | None:
     nodes = cluster_nodes(client)
     g = spec.scaling.num_workers
     if not spec.scaling.use_gpu:
-        available = sum(
-            n.resources.get("memory", 0) + n.resources.get("object_store_memory", 0)
-            for n in nodes
-            if n.state == "ALIVE"
-        )
+        available = sum(_node_ram(n) for n in nodes if n.state == "ALIVE")
         need = cpu_job_bytes(work, _requested_layout(spec, None, g))
         if available and need > available:
             return (
@@ -109,12 +116,7 @@ def check_serve_fits(spec: DeploymentSpec | BatchJobSpec, nodes: list, *, catalo
     smallest known GPU type; on CPUs, the largest node's RAM (Ray's memory and object store). A spec the planner
     cannot size (an unreadable model, an architecture it does not know) or a cluster it cannot see is let through:
     the replica itself will say more."""
-    try:
-        refusal = _serve_refusal(spec, nodes, catalog or load_catalog())
-    except Exception:  # the check is advice: a planner failure must never block a deployment
-        return
-    if refusal:
-        raise WontFitError(refusal)
+    _refuse(lambda: _serve_refusal(spec, nodes, catalog or load_catalog()))
 
 
 def _serve_refusal(spec: DeploymentSpec | BatchJobSpec, nodes: list, catalog: Catalog) -> str | None:
@@ -139,7 +141,7 @@ def _serve_refusal(spec: DeploymentSpec | BatchJobSpec, nodes: list, catalog: Ca
             + ". Run `pylon plan` on the spec for what would fit, or deploy anyway with --force (e.g. where the "
             "autoscaler adds nodes of larger GPUs)"
         )
-    largest = max((n.resources.get("memory", 0) + n.resources.get("object_store_memory", 0) for n in alive), default=0)
+    largest = max((_node_ram(n) for n in alive), default=0)
     if not largest:
         return None
     if e.dtype == "auto":  # (the planner's auto is a GPU's bf16; an engine on a CPU runs fp32)
