@@ -10,6 +10,14 @@ empty). Prints output tokens/s per leg, each speculating leg's ratio to plain wi
 proposed and accepted, and the model's forward passes per output token (machine-independent).
 
     .venv/bin/python bench/serve_suffix.py --concurrency 1 8
+
+Draft trees (`engine.speculative.tree_width`): `--tree-width W` adds the legs `ngram-tree` and `suffix-tree`, the same
+methods drafting trees of `--num-tokens` nodes, up to W children a node. Their case is output that varies where the
+same text was followed differently before: `--temperature T` samples every request (seeded, the same seeds in every
+leg, so each leg's outputs are the same tokens). `--always` speculates every step the drafts allow (the measured rule
+off), so that tokens a speculating step and passes per output token depend on the traffic and the model only.
+
+    .venv/bin/python bench/serve_suffix.py --concurrency 1 8 --temperature 0.8 --tree-width 3 --always
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ def leg(eng, concurrency: int, args, pool: list[list[int]], seed: int) -> tuple[
     """(output tokens/s, steps) of `--requests` requests drawn from `pool`, `concurrency` at a time."""
     from pylon.serving.engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     rng = random.Random(seed)
     queue = [rng.choice(pool) for _ in range(args.requests)]
     steps, tokens, started, n = 0, 0, time.perf_counter(), 0
     while queue or eng.has_unfinished():
         while queue and len(eng.scheduler.running) + len(eng.scheduler.waiting) < concurrency:
+            params = SamplingParams(
+                max_tokens=args.output_tokens, temperature=args.temperature, seed=seed * 100_000 + n, ignore_eos=True
+            )
             eng.add_request(f"{seed}-{n}", queue.pop(), params)
             n += 1
         tokens += sum(len(o.token_ids) for o in eng.step())
@@ -60,35 +70,47 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=8, help="engine.speculative.num_tokens")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seeded")
+    parser.add_argument("--tree-width", type=int, default=1, help=">1: also the legs drafting trees this wide")
+    parser.add_argument("--model-dir", help="keep the trained model here and reuse it when it is there already")
+    parser.add_argument("--always", action="store_true", help="speculate whenever there are drafts (rule off)")
     args = parser.parse_args()
+    legs = LEGS + (("ngram-tree", "suffix-tree") if args.tree_width > 1 else ())
 
     import torch
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp) / "llama"
+        directory = Path(args.model_dir) if args.model_dir else Path(tmp) / "llama"
         print(
             f"== suffix decoding vs plain decoding and prompt lookup ({args.layers} layers, {args.hidden} wide, "
-            f"{args.requests} requests a round from {args.pool} prompts, num_tokens {args.num_tokens})"
+            f"{args.requests} requests a round from {args.pool} prompts, num_tokens {args.num_tokens}, temperature "
+            f"{args.temperature}, tree_width {args.tree_width}{', every step speculating' if args.always else ''})"
         )
         train_ids, held = corpus()
-        train_model(directory, train_ids, args)
+        if not (directory / "config.json").exists():  # (--model-dir: trained once, kept for the next runs)
+            train_model(directory, train_ids, args)
         rng = random.Random(7)
         pool = [held[s : s + args.prompt_tokens] for s in rng.sample(range(len(held) - args.prompt_tokens), args.pool)]
         for c in args.concurrency:
             engines = {}
-            for name in LEGS:
-                speculative = {"method": name, "num_tokens": args.num_tokens} if name != "plain" else {}
+            for name in legs:
+                method, _, tree = name.partition("-")
+                speculative = {"method": method, "num_tokens": args.num_tokens} if name != "plain" else {}
+                if tree:
+                    speculative["tree_width"] = args.tree_width
                 engines[name] = engine(directory, c, speculative)
-            speeds: dict[str, list[float]] = {name: [] for name in LEGS}
-            passes: dict[str, list[float]] = {name: [] for name in LEGS}
+                if args.always and name != "plain":
+                    engines[name].spec_policy.decide = lambda decodes, drafts, other, **_: decodes > 0 and drafts > 0
+            speeds: dict[str, list[float]] = {name: [] for name in legs}
+            passes: dict[str, list[float]] = {name: [] for name in legs}
             for r in range(args.rounds):
-                for name in LEGS if r % 2 == 0 else LEGS[::-1]:
+                for name in legs if r % 2 == 0 else legs[::-1]:
                     speed, steps = leg(engines[name], c, args, pool, r)
                     speeds[name].append(speed)
                     passes[name].append(steps * min(c, args.requests) / (args.requests * args.output_tokens))
             print(f"concurrency {c}: plain {statistics.median(speeds['plain']):.1f} tok/s")
-            for name in LEGS[1:]:
+            for name in legs[1:]:
                 ratios = [a / b for a, b in zip(speeds[name], speeds["plain"])]
                 stats = engines[name].stats()
                 rate = stats.spec_accepted_tokens_total / max(stats.spec_draft_tokens_total, 1)
@@ -99,6 +121,11 @@ def main() -> None:
                     f"{rate:.0%}, {engines[name].spec_policy.mean_acceptance_length:.2f} tokens a speculating step; "
                     f"model passes per output token by round {by_round} (plain "
                     f"{statistics.median(passes['plain']):.2f})"
+                    + (
+                        f"; {stats.spec_tree_branch_tokens_total:,} accepted off a tree's first path"
+                        if "-" in name
+                        else ""
+                    )
                 )
 
 

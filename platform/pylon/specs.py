@@ -1241,6 +1241,17 @@ class SpeculativeSpec(_Spec):
         le=32,
         description="draft tokens proposed per request and step at most (suffix decoding's long matches: up to 32)",
     )
+    tree_width: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="methods ngram and suffix: drafts branch into up to this many alternatives at each position (a "
+        "draft tree, as SGLang's and Arctic Inference's), num_tokens nodes in all, the likeliest first; the model "
+        "verifies every branch in the same one forward pass (each node attends only to its own ancestors) and "
+        "keeps the longest path it agrees with. Where the likeliest continuation is uncertain (several earlier "
+        "occurrences went on differently) a tree accepts more tokens per pass than one path of as many tokens. "
+        "1: one path (docs/serving.md, 'Draft trees')",
+    )
     ngram_max: int = Field(3, ge=1, le=16, description="the longest suffix of the request's tokens looked up")
     ngram_min: int = Field(1, ge=1, le=16, description="the shortest suffix looked up before giving up")
     suffix_max_depth: int = Field(
@@ -1273,6 +1284,13 @@ class SpeculativeSpec(_Spec):
             raise ValueError(
                 f"method {self.method} needs draft_model: the directory of the head trained for this model"
             )
+        if self.tree_width > 1 and self.method not in ("ngram", "suffix"):
+            raise ValueError(
+                f"tree_width {self.tree_width} needs method ngram or suffix (got {self.method}): a draft model's or "
+                "head's drafts are one path; set tree_width: 1"
+            )
+        if self.tree_width > 1 and self.num_tokens < 2:
+            raise ValueError(f"tree_width {self.tree_width} needs num_tokens >= 2 (the tree's nodes in all)")
         if self.draft_model and self.method not in ("draft", *EAGLE_METHODS):
             raise ValueError(
                 f"draft_model is set but method is {self.method}; set method: draft (a smaller model) or eagle, "

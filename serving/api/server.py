@@ -145,6 +145,10 @@ def _metrics(model: str):
             "The draft model's forward passes (engine.speculative.method: draft), or the MTP layer's (mtp) or EAGLE "
             "head's (eagle, eagle3)",
         ),
+        "spec_tree_branch": counter(
+            "pylon_spec_decode_tree_branch_tokens_total",
+            "Accepted draft tokens off their draft tree's first path (engine.speculative.tree_width)",
+        ),
         "images": counter("pylon_images_total", "Images in the requests the engine took"),
         "images_encoded": counter(
             "pylon_images_encoded_total",
@@ -373,6 +377,7 @@ class PylonLLMServer:
                 "spec_accepted",
                 "spec_steps",
                 "spec_draft_model_steps",
+                "spec_tree_branch",
                 "adapter_loads",
                 "adapter_evictions",
                 "images",
@@ -405,6 +410,7 @@ class PylonLLMServer:
                 ("spec_accepted", stats.spec_accepted_tokens_total),
                 ("spec_steps", stats.spec_verify_steps_total),
                 ("spec_draft_model_steps", stats.spec_draft_model_steps_total),
+                ("spec_tree_branch", stats.spec_tree_branch_tokens_total),
                 ("adapter_loads", stats.adapter_loads_total),
                 ("adapter_evictions", stats.adapter_evictions_total),
                 ("images", stats.images_total),

@@ -49,7 +49,14 @@ from pylon.serving.engine.sampling import (
     token_logprobs,
 )
 from pylon.serving.engine.scheduler import Scheduler
-from pylon.serving.engine.speculative import SpecPolicy, ngram_propose, verify
+from pylon.serving.engine.speculative import (
+    SpecPolicy,
+    chain_length,
+    ngram_propose,
+    ngram_tree,
+    verify,
+    verify_tree,
+)
 from pylon.serving.engine.suffix import SuffixDecoding
 from pylon.serving.engine.tokenization import (
     IncrementalDetokenizer,
@@ -109,6 +116,9 @@ class EngineStats:
     # The draft model's forward passes (engine.speculative.method: draft), or the multi-token-prediction layer's (mtp)
     # or EAGLE head's (eagle, eagle3)
     spec_draft_model_steps_total: int = 0
+    # Draft trees (engine.speculative.tree_width): accepted draft tokens off their tree's first path (the tokens a
+    # path of the likeliest continuation would have missed)
+    spec_tree_branch_tokens_total: int = 0
     # Images (engine/images.py): in the requests taken, and run through the vision tower (a request whose images'
     # blocks were all in the prefix cache runs none; a preempted one runs its own again).
     images_total: int = 0
@@ -340,6 +350,13 @@ class LLMEngine:
         self.guides = Guides(self.tokenizer, self.runner.vocab_size)  # structured outputs' grammars and masks
         speculative = spec.speculative
         self.spec_policy = SpecPolicy(speculative.num_tokens) if speculative.method != "none" else None
+        if speculative.tree_width > 1 and self.runner.recurrent:
+            raise PylonError(
+                f"engine.speculative.tree_width {speculative.tree_width}: model {model}: its recurrent layers keep "
+                "one state a token, which a draft tree's branches cannot share; set tree_width: 1"
+            )
+        self._kv_moves: list[list[tuple[int, int]]] = []  # draft trees' accepted keys and values to move (per group)
+        self._spec_branch_tokens = 0  # accepted draft tokens off their tree's first path
         # The tokens the step computed and the rows of logits it returned: the speculation rule's measure of its size.
         self._step_tokens = self._step_rows = 0
         self._draft_seconds = 0.0  # the step's time in the draft model (timed apart from the step's own)
@@ -900,6 +917,7 @@ class LLMEngine:
                 **(self._image_step(s.request, s.start, s.num_new_tokens) if s.request.images is not None else {}),
                 state=s.request.request_id if recurrent else None,
                 speculative=s.num_draft > 0,
+                tree=_step_tree(s.request.draft_parents, s.num_draft),
                 group_tables=self.pool.group_tables(s.request.request_id) if hybrid else (),
             )
             for s in batch.scheduled
@@ -977,6 +995,9 @@ class LLMEngine:
                 outputs.append(self._append_verified(request, rows, now))
                 continue
             outputs.append(self._append_token(request, token, now, logprob))
+        if self._kv_moves:  # draft trees' accepted tokens' keys and values to their positions, before the next pass
+            moves, self._kv_moves = self._kv_moves, []
+            self.runner.move_kv(moves)
         if self.mtp is not None:
             self._advance_mtp(batch.scheduled, steps)
         return outputs
@@ -1112,7 +1133,7 @@ class LLMEngine:
         running = self.scheduler.running
         decodes, other = [], 0
         for request in running:
-            request.draft = []
+            request.draft, request.draft_parents = [], []
             left = request.num_tokens - request.num_computed_tokens
             if left == 1 and request.num_output_tokens > 0:
                 decodes.append(request)
@@ -1140,12 +1161,19 @@ class LLMEngine:
                     drafted.append(request)
                     rooms.append(room)
                 continue
+            # A request with a grammar drafts one path (its rows are masked by its state along the drafts).
+            width = spec.tree_width if request.guide is None else 1
             if self.suffix is not None:
-                request.draft = self.suffix.propose(
-                    request.request_id, request.token_ids, room, request.num_prompt_tokens
+                request.draft, parents = self.suffix.propose_tree(
+                    request.request_id, request.token_ids, room, request.num_prompt_tokens, width
                 )
+            elif width > 1:
+                request.draft, parents = ngram_tree(request.token_ids, room, spec.ngram_max, spec.ngram_min, width)
             else:
                 request.draft = ngram_propose(request.token_ids, room, spec.ngram_max, spec.ngram_min)
+                parents = []
+            if chain_length(parents) < len(parents):  # (a tree that is one path is drafted as one)
+                request.draft_parents = parents
             if request.draft:
                 drafted.append(request)
         if self.drafter is not None:
@@ -1175,23 +1203,36 @@ class LLMEngine:
             return
         if not policy.decide(len(decodes), sum(len(r.draft) for r in drafted), other):
             for request in drafted:
-                request.draft = []
+                request.draft, request.draft_parents = [], []
 
     def _append_verified(self, request: Request, rows, now: float) -> RequestOutput:
         """A speculating request's step: its accepted drafts and the model's next token, up to where it finishes."""
         params = request.params
         draft = request.draft[: rows.shape[0] - 1]
-        request.draft = []
+        parents = request.draft_parents[: len(draft)]
+        request.draft, request.draft_parents = [], []
+        if chain_length(parents) == len(draft):  # (a tree cut to its first path by the step's budget)
+            parents = []
+        # Row i follows the drafts on the way to it (a path: the i before it; a tree: its ancestors).
+        paths = _tree_paths(draft, parents) if parents else [draft[:i] for i in range(len(draft) + 1)]
         shaped = rows
-        if params.shapes_logits:  # row i follows the drafts before it: its history holds them, as a plain step's would
+        if params.shapes_logits:  # each row's history holds the drafts before it, as a plain step's would
             prompt, generated = request.prompt_tensor(), request.output_token_ids
-            histories = [(prompt, generated + draft[:i]) for i in range(len(draft) + 1)]
+            histories = [(prompt, generated + path) for path in paths]
             shaped = shape_logits(rows, [params] * len(histories), histories, self.eos_ids)
         proposed = len(draft)
         if request.guide is not None:  # each row masked by the grammar's state after the drafts before it
             shaped, draft = self.guides.draft_rows(shaped, draft, request.guide, self.tokenizer.eos_id)
-        emitted, accepted = verify(shaped, draft, params, request.generator)
-        self.spec_policy.observe_drafts(proposed, accepted)
+        if parents:
+            emitted, path = verify_tree(shaped, draft, parents, params, request.generator)
+            accepted = len(path)
+            self._move_accepted(request, path)
+            rows = rows[[0, *(1 + node for node in path)]]  # (the rows that scored the emitted tokens)
+            self._spec_branch_tokens += sum(node != t for t, node in enumerate(path))
+            self.spec_policy.observe_drafts(proposed, accepted, depth=max(len(p) for p in paths))
+        else:
+            emitted, accepted = verify(shaped, draft, params, request.generator)
+            self.spec_policy.observe_drafts(proposed, accepted)
         if self.runner.recurrent:  # its recurrent states back to where the accepted drafts end
             self._keep_verified_state(request, accepted)
         request.num_computed_tokens += accepted  # the step wrote the accepted drafts' KV: they are computed
@@ -1210,6 +1251,23 @@ class LLMEngine:
             if outs[-1].finished:
                 break
         return outs[0] if len(outs) == 1 else merge_outputs(outs)
+
+    def _move_accepted(self, request: Request, path: list[int]) -> None:
+        """A draft tree's accepted nodes `path`: the step wrote node i's keys and values at position start + 1 + i
+        (its index), the t-th accepted one belongs at start + t; queued for `ModelRunner.move_kv` at the step's end.
+        (Each one moved to is below every later one moved from: the moves commute.)"""
+        start = request.num_computed_tokens - 1  # the decoded token's position (the scheduler counted it)
+        moved = [(start + 1 + node, start + t) for t, node in enumerate(path, 1) if node != t - 1]
+        if not moved:
+            return
+        bs = self.pool.block_size
+        tables = [self.pool.block_table(request.request_id)]
+        if isinstance(self.pool, HybridKVBlockPool):
+            tables = list(self.pool.group_tables(request.request_id))
+        if not self._kv_moves:
+            self._kv_moves = [[] for _ in tables]
+        for group, table in zip(self._kv_moves, tables):
+            group.extend((table[a // bs] * bs + a % bs, table[b // bs] * bs + b % bs) for a, b in moved)
 
     def _take_prompt_logprobs(self, scheduled, steps: list[StepSequence], logits, draft_rows: dict):
         """Fill the prompt logprobs of this step's `prompt_logits` sequences from their rows of `logits` (see
@@ -1453,6 +1511,7 @@ class LLMEngine:
                     "spec_verify_steps_total": self.spec_policy.verified_total,
                     "spec_draft_tokens_by_position": tuple(self.spec_policy.proposed_by_position),
                     "spec_accepted_tokens_by_position": tuple(self.spec_policy.accepted_by_position),
+                    "spec_tree_branch_tokens_total": self._spec_branch_tokens,
                     "spec_draft_model_steps_total": (
                         self.drafter.forward_passes
                         if self.drafter is not None
@@ -1510,6 +1569,23 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         next((o.prompt_token_ids for o in outputs if o.prompt_token_ids is not None), None),
         last.kv_transfer,
     )
+
+
+def _step_tree(parents: list[int], num_draft: int) -> tuple[int, ...]:
+    """`StepSequence.tree` of a decode and its first `num_draft` drafts, drafted as a tree (`Request.draft_parents`):
+    each token's parent among the step's (the decoded token first); () where they are one path."""
+    parents = parents[:num_draft]
+    if not num_draft or chain_length(parents) == len(parents):
+        return ()
+    return (-1, *(p + 1 for p in parents))
+
+
+def _tree_paths(draft: list[int], parents: list[int]) -> list[list[int]]:
+    """For the last known token and each node of a draft tree, the drafts on the way to it from the root."""
+    paths: list[list[int]] = [[]]
+    for token, parent in zip(draft, parents):
+        paths.append(paths[parent + 1] + [token])
+    return paths
 
 
 def _needs_prompt_logits(request: Request, start: int, num_new: int) -> bool:

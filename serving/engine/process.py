@@ -431,6 +431,7 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         spec_accepted_tokens_total=sum(s.spec_accepted_tokens_total for s in stats),
         spec_verify_steps_total=sum(s.spec_verify_steps_total for s in stats),
         spec_draft_model_steps_total=sum(s.spec_draft_model_steps_total for s in stats),
+        spec_tree_branch_tokens_total=sum(s.spec_tree_branch_tokens_total for s in stats),
         images_total=sum(s.images_total for s in stats),
         images_encoded_total=sum(s.images_encoded_total for s in stats),
         pipeline_steps_total=sum(s.pipeline_steps_total for s in stats),

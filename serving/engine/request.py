@@ -72,6 +72,9 @@ class Request:
     order: tuple[int, int] = (0, 0)  # (params.priority, arrival number): the scheduler's order (Scheduler.add)
     guide: object | None = None  # with params.guide: its llguidance matcher, advanced by each generated token
     draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed for this step to verify
+    # ...as a tree (engine.speculative.tree_width): each draft token's parent among them (-1: after the last known
+    # token), in pre-order; empty: one path
+    draft_parents: list[int] = field(default_factory=list)
     adapter: int = 0  # the runner's slot of its LoRA adapter (params.adapter); 0: the base model
     cache_salt: bytes = b""  # where its block hashes start (kv_cache.cache_salt): apart per adapter
     on_demand_adapter: str | None = None  # the name of its adapter when loaded on demand (engine/adapters.py);

@@ -24,6 +24,7 @@ while the acceptance rate beats the break-even rate measured at that batch size,
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -64,6 +65,125 @@ def ngram_propose(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[
         if best:
             return best
     return []
+
+
+MAX_OCCURRENCES = 32  # earlier occurrences of the matched suffix a prompt-lookup draft tree is built from
+
+
+def best_first(roots: list, expand, k: int, width: int, min_prob: float = 0.0) -> tuple[list[int], list[int], float]:
+    """A draft tree of up to `k` nodes, grown likeliest first (EAGLE-2's and Arctic Inference's rule): a node's
+    probability is the product of its and its ancestors' shares; the likeliest node not yet taken whose parent is
+    taken joins next, each node taking at most `width` children, none below `min_prob`. `roots`: the first tokens'
+    `(token, share, state)` and `expand(state)` a taken node's, each list likeliest first. Returns the tokens and
+    their parents (-1: after the last known token) in pre-order, each node's children likeliest first (so that the
+    first nodes are one path, the likeliest child's each time: what `width` 1 drafts), and the sum of the nodes'
+    probabilities (the expected accepted tokens)."""
+    heap: list = []
+    order = 0
+    for token, share, state in roots[:width]:
+        if share >= min_prob:
+            heap.append((-share, order, -1, token, state))
+            order += 1
+    heapq.heapify(heap)
+    taken: list[tuple[int, int, float]] = []  # (parent, token, probability) in the order taken
+    while heap and len(taken) < k:
+        neg, _, parent, token, state = heapq.heappop(heap)
+        index = len(taken)
+        taken.append((parent, token, -neg))
+        for child_token, share, child_state in expand(state)[:width]:
+            prob = -neg * share
+            if prob >= min_prob and prob > 0:
+                heapq.heappush(heap, (-prob, order, index, child_token, child_state))
+                order += 1
+    children: dict[int, list[int]] = {}
+    for index, (parent, _, _) in enumerate(taken):  # (taken likeliest first: each list is)
+        children.setdefault(parent, []).append(index)
+    tokens, parents, stack = [], [], [(c, -1) for c in reversed(children.get(-1, []))]
+    while stack:  # pre-order
+        index, parent = stack.pop()
+        tokens.append(taken[index][1])
+        parents.append(parent)
+        here = len(tokens) - 1
+        stack.extend((c, here) for c in reversed(children.get(index, [])))
+    return tokens, parents, sum(p for _, _, p in taken)
+
+
+def chain_length(parents: list[int]) -> int:
+    """How many of a draft tree's first nodes are one path (each the child of the one before)."""
+    n = 0
+    while n < len(parents) and parents[n] == n - 1:
+        n += 1
+    return n
+
+
+def ngram_tree(token_ids: list[int], k: int, n_max: int, n_min: int, width: int) -> tuple[list[int], list[int]]:
+    """Prompt lookup's draft tree: what followed each of the latest `MAX_OCCURRENCES` earlier occurrences of the last
+    n tokens of `token_ids` (the longest n in [n_min, n_max] that occurs), up to `k` tokens each, merged into a trie;
+    a continuation's share is how many of the occurrences that reach its parent go on with it (the latest first among
+    equals). Up to `k` nodes, `width` children a node (`best_first`); ([], []) when nothing occurs."""
+    total = len(token_ids)
+    start = max(0, total - WINDOW)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        suffix = token_ids[total - n :]
+        first = suffix[0]
+        # trie node: [count, children {token: node}] (dicts keep the order seen: the latest occurrence's first)
+        root: list = [0, {}]
+        found = 0
+        i = total - n - 1
+        while i >= start and found < MAX_OCCURRENCES:
+            if token_ids[i] == first and token_ids[i : i + n] == suffix:
+                follow = token_ids[i + n : i + n + k]
+                if follow:
+                    found += 1
+                    node = root
+                    node[0] += 1
+                    for t in follow:
+                        node = node[1].setdefault(t, [0, {}])
+                        node[0] += 1
+            i -= 1
+        if not found:
+            continue
+
+        def expand(node: list) -> list:
+            ranked = sorted(node[1].items(), key=lambda item: -item[1][0])  # (stable: the latest first among equals)
+            return [(t, child[0] / node[0], child) for t, child in ranked]
+
+        tokens, parents, _ = best_first(expand(root), expand, k, width)
+        return tokens, parents
+    return [], []
+
+
+def verify_tree(
+    rows: "torch.Tensor",
+    draft: list[int],
+    parents: list[int],
+    params: SamplingParams,
+    generator: "torch.Generator | None",
+) -> tuple[list[int], list[int]]:
+    """`verify` for a draft tree (`best_first`'s form): the tokens the step emits, and the accepted nodes (one path
+    from the root). `rows`: the logits at the last known token and at each node ([1 + len(draft), vocab]); row
+    1 + i scores what follows node i. From the last known token down: the token the model takes there (its argmax,
+    or the sampler's draw from the request's stream, one draw per token emitted), accepted while a child of the node
+    is that token. Every emitted token is the model's own choice, so greedy outputs are plain decoding's and sampled
+    ones keep its distribution, whatever the tree holds."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(draft, parents)):
+        children.setdefault(parent, {}).setdefault(token, i)
+    if params.greedy:
+        best = rows.argmax(dim=-1).tolist()
+        pick = lambda node: best[node + 1]  # noqa: E731
+    else:
+        probs, sorted_ids = sampling_distributions(rows, [params] * rows.shape[0])
+        pick = lambda node: draw(probs[node + 1], sorted_ids[node + 1], generator)  # noqa: E731
+    emitted, path, node = [], [], -1
+    while True:
+        token = pick(node)
+        emitted.append(token)
+        child = children.get(node, {}).get(token)
+        if child is None:
+            return emitted, path
+        path.append(child)
+        node = child
 
 
 def verify(
@@ -174,11 +294,13 @@ class SpecPolicy:
     def observe_step(self, tokens: int, rows: int, seconds: float) -> None:
         self.costs.observe(tokens, rows, seconds)
 
-    def observe_drafts(self, proposed: int, accepted: int) -> None:
-        """One request's verification (its share of `observe_step`'s step)."""
+    def observe_drafts(self, proposed: int, accepted: int, depth: int | None = None) -> None:
+        """One request's verification (its share of `observe_step`'s step). A draft tree's `depth` (its deepest
+        node's): its positions verified, each by one node or more."""
         self.proposed_total += proposed
         self.accepted_total += accepted
-        for counts, n in ((self.proposed_by_position, proposed), (self.accepted_by_position, accepted)):
+        verified = proposed if depth is None else depth
+        for counts, n in ((self.proposed_by_position, verified), (self.accepted_by_position, accepted)):
             counts.extend([0] * (n - len(counts)))
             for i in range(n):
                 counts[i] += 1

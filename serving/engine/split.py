@@ -201,6 +201,9 @@ class PartWorker:
     def copy_blocks(self, copies: list) -> None:
         self.runner.copy_blocks(copies)
 
+    def move_kv(self, moves: list) -> None:
+        self.runner.move_kv(moves)
+
     def add_scratch_block(self) -> int:
         return self.runner.add_scratch_block()
 
@@ -376,6 +379,13 @@ class SplitRunner:
         for actor in self.actors:
             actor.copy_blocks.remote(copies)
         self.local.copy_blocks(copies)
+
+    def move_kv(self, moves: list) -> None:
+        """Every part's share of the accepted draft tree tokens' keys and values moved (`ModelRunner.move_kv`), in
+        order with the parts' steps."""
+        for actor in self.actors:
+            actor.move_kv.remote(moves)
+        self.local.move_kv(moves)
 
     # Blocks sent to another engine (pylon.serving.engine.kv_transfer): every part's share, this part's first and the
     # others' in their order, so that an engine of the same parts writes each share back to its own part.

@@ -21,9 +21,12 @@ its probabilities) is larger. The drafts are verified as any others are (specula
 
 from __future__ import annotations
 
+import heapq
 import math
 from array import array
 from collections import OrderedDict
+
+from pylon.serving.engine.speculative import best_first
 
 WINDOW = 4096  # a request's tokens its own tree is built from at first (its latest), as prompt lookup searches
 
@@ -125,32 +128,34 @@ class SuffixTree:
 
     def speculate(self, context: list[int], k: int, max_spec_factor: float, min_token_prob: float):
         """A draft continuing `context`: (tokens, their expected accepted length), see the module's docstring."""
+        tokens, _, score = self.speculate_tree(context, k, max_spec_factor, min_token_prob, 1)
+        return tokens, score
+
+    def speculate_tree(self, context: list[int], k: int, max_spec_factor: float, min_token_prob: float, width: int):
+        """A draft tree continuing `context` (`speculative.best_first`: tokens, parents, expected accepted length):
+        from the match, each node's children the tree's continuations there, their shares of its count, the
+        likeliest first; at most `width` children a node and max_spec_factor x the match's length nodes in all (a
+        short match earns a small tree), none below `min_token_prob`. Width 1: the one path of the module's
+        docstring."""
         place, matched = self.match(context)
         if place is None:
-            return [], 0.0
-        node, j = place
+            return [], [], 0.0
         limit = min(k, max(1, math.floor(max_spec_factor * matched)))
-        draft: list[int] = []
-        prob, score = 1.0, 0.0
-        while len(draft) < limit:
+        tail = list(context[len(context) - self.depth :])
+
+        def expand(state) -> list:
+            node, j, path = state
             if j < node.length:  # inside an edge: its next token, every run here goes on to it
                 token = node.seq[node.start + j]
-                j += 1
-            else:
-                if not node.children:  # the tree's depth, or a run's end: its place again, from the latest tokens
-                    place, _ = self.match(context[len(context) - self.depth :] + draft)
-                    if place is None:
-                        break
-                    node, j = place
-                    continue
-                token, child = max(node.children.items(), key=lambda item: item[1].count)
-                prob *= child.count / max(node.count, sum(c.count for c in node.children.values()))
-                node, j = child, 1
-            if prob < min_token_prob:
-                break
-            draft.append(token)
-            score += prob
-        return draft, score
+                return [(token, 1.0, (node, j + 1, path + (token,)))]
+            if not node.children:  # the tree's depth, or a run's end: its place again, from the latest tokens
+                again, _ = self.match((tail + list(path))[-self.depth :] if path else tail)
+                return expand((*again, path)) if again is not None else []
+            total = max(node.count, sum(c.count for c in node.children.values()))
+            ranked = heapq.nlargest(width, node.children.items(), key=lambda item: item[1].count)
+            return [(token, child.count / total, (child, 1, path + (token,))) for token, child in ranked]
+
+        return best_first(expand((place[0], place[1], ())), expand, limit, width, min_token_prob)
 
 
 class Growing:
@@ -185,6 +190,13 @@ class SuffixDecoding:
     def propose(self, request_id: str, token_ids: list[int], k: int, num_prompt_tokens: int) -> list[int]:
         """Up to `k` draft tokens after `token_ids` (the request's prompt and output so far; its prompt the first
         `num_prompt_tokens`)."""
+        return self.propose_tree(request_id, token_ids, k, num_prompt_tokens, 1)[0]
+
+    def propose_tree(
+        self, request_id: str, token_ids: list[int], k: int, num_prompt_tokens: int, width: int
+    ) -> tuple[list[int], list[int]]:
+        """`propose`'s draft as a tree of up to `k` nodes, `width` children a node (`SuffixTree.speculate_tree`):
+        its tokens and their parents."""
         grown, held = self._own.get(request_id) or (Growing(self.depth), max(0, len(token_ids) - WINDOW))
         grown.extend(token_ids[held:])
         self._own[request_id] = (grown, len(token_ids))
@@ -196,9 +208,9 @@ class SuffixDecoding:
                 start += 1
             self._live[request_id] = (output, start)
         context = token_ids[-self.depth :]
-        own, own_score = grown.tree.speculate(context, k, self.factor, self.min_prob)
-        other, other_score = self.cached.speculate(context, k, self.factor, self.min_prob)
-        return other if other_score > own_score else own
+        *own, own_score = grown.tree.speculate_tree(context, k, self.factor, self.min_prob, width)
+        *other, other_score = self.cached.speculate_tree(context, k, self.factor, self.min_prob, width)
+        return tuple(other) if other_score > own_score else tuple(own)
 
     def finish(self, request_id: str, output_ids: list[int]) -> None:
         """The request is done: its tree goes, its output joins the cached ones, every run of it counted (the oldest

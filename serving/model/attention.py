@@ -97,6 +97,43 @@ class SequenceSlice:
     # Runs of positions [a, b) whose queries attend the whole run, keys after their own included (an image's
     # placeholders in Gemma 3: pylon.serving.engine.images); the step never ends inside one.
     spans: tuple[tuple[int, int], ...] = ()
+    # A draft tree (`StepSequence.tree`): each new token's parent among them (-1: the first). Token i's keys are at
+    # slot start + i, its position start + its depth; it attends to the cache before `start` and its own ancestors.
+    tree: tuple[int, ...] = ()
+
+
+def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """Each node's depth in a tree given as its nodes' parents (-1: a root), parents before children."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_positions(start: int, parents: tuple[int, ...] | list[int]) -> list[int]:
+    """The positions of a draft tree's tokens (`SequenceSlice.tree`): its first at `start`, each other one past its
+    parent's."""
+    return [start + d for d in tree_depths(parents)]
+
+
+def _tree_mask(seq: SequenceSlice, key_start: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """`[num_new, start + num_new - key_start]` True where a draft tree's token may attend: every cached key (each
+    is before it), and of the tree's own, its ancestors and itself; with a `window`, by positions as `_mask`."""
+    n, parents = seq.num_new, seq.tree
+    own = [[False] * n for _ in range(n)]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            own[i][:] = own[p]
+        own[i][i] = True
+    mask = torch.cat([torch.ones(n, seq.start - key_start, dtype=torch.bool), torch.tensor(own)], dim=1)
+    if window is not None:
+        position = torch.tensor(tree_positions(seq.start, parents))
+        key = torch.cat([torch.arange(key_start, seq.start), position])
+        if isinstance(window, Chunk):
+            mask &= key[None, :] >= (position[:, None] // window) * window
+        else:
+            mask &= key[None, :] > position[:, None] - window
+    return mask.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -402,6 +439,11 @@ def _chunk(
     window: int | None = None,
 ) -> PromptChunk:
     num_keys = seq.start + seq.num_new
+    if seq.tree:  # a draft tree (never a prompt's first chunk): over the cache, masked by ancestry (no kernel)
+        first = _first_block(seq.start, window, block_size)
+        blocks = stage.add(seq.block_table[first : -(-num_keys // block_size)])
+        mask = _tree_mask(seq, first * block_size, window, device)
+        return PromptChunk(offset, seq.start, seq.num_new, blocks, mask, first * block_size)
     # The window hides keys from some of the chunk's queries: its last query's, at position num_keys - 1, begin at
     # num_keys - window (within the window, windowed attention is causal attention).
     cut = window is not None and num_keys > window
@@ -559,7 +601,7 @@ def paged_attention(
         out[len(k) :].zero_()
     for c in meta.chunks:
         rows = slice(c.offset, c.offset + c.num_new)
-        if meta.prefill:  # float32 cache: the chunk's own keys read back from it are the ones it computed
+        if meta.prefill and c.mask is None:  # float32 cache: the chunk's own keys read back are the ones it computed
             kernels.prefill_attention_(out[rows], q[rows], k_cache, v_cache, c.key_blocks, c.start, scale)
             continue
         queries = q[rows].transpose(0, 1)[None]  # [1, heads, num_new, D]

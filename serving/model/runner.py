@@ -60,6 +60,7 @@ from pylon.serving.model.attention import (
     paged_attention,
     prompt_attention_backends,
     store_kv_pair,
+    tree_positions,
 )
 from pylon.serving.model.families import (
     FP16_UNSAFE,
@@ -988,6 +989,22 @@ class ModelRunner:
                 else:
                     device_kv.index_copy_(1, blocks, host_kv.index_select(1, slots).to(self.device))
 
+    def move_kv(self, moves: list[list[tuple[int, int]]]) -> None:
+        """Draft trees (`StepSequence.tree`): each accepted token's keys and values from the slot the step wrote them
+        at (its index in the tree) to the one of its position, every layer's. `moves[g]`: (from, to) slots in the
+        KV cache's group g's blocks (`kv_groups`; one list where there are none). No slot moved to is moved from:
+        the moves are one gather, then one scatter, per tensor."""
+        for g, pairs in enumerate(moves):
+            if not pairs:
+                continue
+            layers = [i for i in range(len(self.k_cache)) if self.group_of[i] == g]
+            tensors = {id(t): t for i in layers for t in (self.k_cache[i], self.v_cache[i]) if t.shape[1]}
+            source = torch.tensor([a for a, _ in pairs], device=self.device)
+            target = torch.tensor([b for _, b in pairs], device=self.device)
+            for t in tensors.values():
+                flat = _as_bits(t).view(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])  # [heads, slots, ...]
+                flat.index_copy_(1, target, flat.index_select(1, source))
+
     # -- blocks sent to another engine (prefill-decode disaggregation; pylon.serving.engine.kv_transfer) -----------
 
     def kv_layout(self) -> list[tuple[tuple[int, ...], str]]:
@@ -1120,8 +1137,11 @@ class ModelRunner:
                 image_rows.extend(len(token_ids) + r for r in s.image_rows)
                 image_embeds.append(s.image_embeds)
             token_ids.extend(s.token_ids)
-            positions.extend(range(s.start, s.start + s.num_new_tokens))
-            seqs.append(SequenceSlice(s.start, s.num_new_tokens, s.block_table, s.image_spans))
+            if s.tree:  # (a draft tree: each token past its parent)
+                positions.extend(tree_positions(s.start, s.tree))
+            else:
+                positions.extend(range(s.start, s.start + s.num_new_tokens))
+            seqs.append(SequenceSlice(s.start, s.num_new_tokens, s.block_table, s.image_spans, s.tree))
             if s.prompt_logits or keep:  # (`keep_hidden`: every row's final hidden state)
                 last_tokens.extend(range(len(token_ids) - s.num_new_tokens, len(token_ids)))
             elif s.samples:
@@ -1151,7 +1171,10 @@ class ModelRunner:
                     "group's block table (StepSequence.group_tables)"
                 )
             group_meta = [None] + [
-                metadata([SequenceSlice(s.start, s.num_new_tokens, s.group_tables[g], s.image_spans) for s in steps], w)
+                metadata(
+                    [SequenceSlice(s.start, s.num_new_tokens, s.group_tables[g], s.image_spans, s.tree) for s in steps],
+                    w,
+                )
                 for g, (_, w) in enumerate(self.kv_groups)
                 if g
             ]
@@ -1173,9 +1196,12 @@ class ModelRunner:
         else:
             # Each row's query over the cache: a prompt_logits sequence's every token (each one query, as a decode
             # would be), the other sampling sequences' last token.
-            finals = []  # (position, step)
+            # A draft tree's tokens are one query each too, but attend as its chunk does: its rows, as one slice.
+            finals = []  # (position, step), or (start, step) of a draft tree
             for s in steps:
-                if s.prompt_logits or keep:
+                if s.tree:
+                    finals.append((s.start, s))
+                elif s.prompt_logits or keep:
                     finals.extend((p, s) for p in range(s.start, s.start + s.num_new_tokens))
                 elif s.samples:
                     finals.append((s.start + s.num_new_tokens - 1, s))
@@ -1385,13 +1411,17 @@ class ModelRunner:
     def _final_metadata(self, finals: list[tuple[int, StepSequence]]) -> AttentionMetadata:
         """`final_metadata` of the step's sampling queries `finals` (each a position of a step's sequence), with the
         windowed layers' (see `step_window`) or each group's of the KV cache (`kv_groups`)."""
-        slices = [SequenceSlice(p, 1, s.block_table) for p, s in finals]
+
+        def sliced(p: int, s: StepSequence, table: list[int]) -> SequenceSlice:
+            return SequenceSlice(p, s.num_new_tokens, table, tree=s.tree) if s.tree else SequenceSlice(p, 1, table)
+
+        slices = [sliced(p, s, s.block_table) for p, s in finals]
         args = (slices, self.block_size, self.device, self.dtype)
         meta = final_metadata(*args, kernel=self.kernel, stage=self.stage, window=self.step_window)
         if self.kv_groups:
             groups = [None] + [
                 final_metadata(
-                    [SequenceSlice(p, 1, s.group_tables[g]) for p, s in finals],
+                    [sliced(p, s, s.group_tables[g]) for p, s in finals],
                     *args[1:],
                     kernel=self.kernel,
                     stage=self.stage,

@@ -37,6 +37,11 @@ class StepSequence:
     # Speculative decoding: the tokens after the first are drafts, which the engine may reject. A recurrent layer keeps
     # its state after each of them, to go back to the last one accepted (`ModelRunner.keep_state`).
     speculative: bool = False
+    # A draft tree (engine.speculative.tree_width): each of this step's tokens' parent among them (-1 for the first,
+    # the last known token). A token sits at its parent's position + 1 and attends to the cache and its own
+    # ancestors only; its keys and values go to the slot of its index (start + i), whatever its position, until the
+    # engine moves the accepted path's into place (`ModelRunner.move_kv`). Empty: one path, token i at start + i.
+    tree: tuple[int, ...] = ()
     # The KV cache in groups of layers (ModelRunner.kv_groups): each group's block ids, in order (the first is
     # `block_table`); empty where every layer's are `block_table`.
     group_tables: tuple[list[int], ...] = ()
