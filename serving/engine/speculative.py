@@ -129,18 +129,25 @@ def ngram_tree(token_ids: list[int], k: int, n_max: int, n_min: int, width: int)
         # trie node: [count, children {token: node}] (dicts keep the order seen: the latest occurrence's first)
         root: list = [0, {}]
         found = 0
-        i = total - n - 1
-        while i >= start and found < MAX_OCCURRENCES:
-            if token_ids[i] == first and token_ids[i : i + n] == suffix:
+        firsts, i = [], start  # where the suffix's first token is, before the suffix itself (list.index: C's speed)
+        while True:
+            try:
+                i = token_ids.index(first, i, total - n)
+            except ValueError:
+                break
+            firsts.append(i)
+            i += 1
+        for i in reversed(firsts):
+            if token_ids[i : i + n] == suffix:
                 follow = token_ids[i + n : i + n + k]
-                if follow:
-                    found += 1
-                    node = root
+                found += 1
+                node = root
+                node[0] += 1
+                for t in follow:
+                    node = node[1].setdefault(t, [0, {}])
                     node[0] += 1
-                    for t in follow:
-                        node = node[1].setdefault(t, [0, {}])
-                        node[0] += 1
-            i -= 1
+                if found == MAX_OCCURRENCES:
+                    break
         if not found:
             continue
 

@@ -128,15 +128,39 @@ class SuffixTree:
 
     def speculate(self, context: list[int], k: int, max_spec_factor: float, min_token_prob: float):
         """A draft continuing `context`: (tokens, their expected accepted length), see the module's docstring."""
-        tokens, _, score = self.speculate_tree(context, k, max_spec_factor, min_token_prob, 1)
-        return tokens, score
+        place, matched = self.match(context)
+        if place is None:
+            return [], 0.0
+        node, j = place
+        limit = min(k, max(1, math.floor(max_spec_factor * matched)))
+        draft: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(draft) < limit:
+            if j < node.length:  # inside an edge: its next token, every run here goes on to it
+                token = node.seq[node.start + j]
+                j += 1
+            else:
+                if not node.children:  # the tree's depth, or a run's end: its place again, from the latest tokens
+                    place, _ = self.match(context[len(context) - self.depth :] + draft)
+                    if place is None:
+                        break
+                    node, j = place
+                    continue
+                token, child = max(node.children.items(), key=lambda item: item[1].count)
+                prob *= child.count / max(node.count, sum(c.count for c in node.children.values()))
+                node, j = child, 1
+            if prob < min_token_prob:
+                break
+            draft.append(token)
+            score += prob
+        return draft, score
 
     def speculate_tree(self, context: list[int], k: int, max_spec_factor: float, min_token_prob: float, width: int):
         """A draft tree continuing `context` (`speculative.best_first`: tokens, parents, expected accepted length):
         from the match, each node's children the tree's continuations there, their shares of its count, the
         likeliest first; at most `width` children a node and max_spec_factor x the match's length nodes in all (a
-        short match earns a small tree), none below `min_token_prob`. Width 1: the one path of the module's
-        docstring."""
+        short match earns a small tree), none below `min_token_prob`. Width 1 gives `speculate`'s path (which
+        `propose` takes, a third faster)."""
         place, matched = self.match(context)
         if place is None:
             return [], [], 0.0
@@ -208,6 +232,11 @@ class SuffixDecoding:
                 start += 1
             self._live[request_id] = (output, start)
         context = token_ids[-self.depth :]
+        if width == 1:
+            own, own_score = grown.tree.speculate(context, k, self.factor, self.min_prob)
+            other, other_score = self.cached.speculate(context, k, self.factor, self.min_prob)
+            best = other if other_score > own_score else own
+            return best, list(range(-1, len(best) - 1))
         *own, own_score = grown.tree.speculate_tree(context, k, self.factor, self.min_prob, width)
         *other, other_score = self.cached.speculate_tree(context, k, self.factor, self.min_prob, width)
         return tuple(other) if other_score > own_score else tuple(own)

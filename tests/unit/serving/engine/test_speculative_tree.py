@@ -67,6 +67,22 @@ def test_the_suffix_tree_branches_where_earlier_runs_went_on_differently() -> No
     assert score == pytest.approx(0.75 + 0.5 + 0.25 + 0.25)
 
 
+def test_a_suffix_tree_one_wide_is_the_one_path_suffix_decoding_drafts() -> None:
+    """`speculate_tree` at width 1 and `speculate` (the path `propose` takes, kept for its speed) draft alike: on
+    text's runs, from many places, with and without a probability floor, past the tree's depth included."""
+    text = list(
+        b"the quick brown fox jumps over the lazy dog; the quick red fox naps; the lazy dog jumps over it. " * 3
+    )
+    tree = SuffixTree(6)
+    tree.add(text)
+    for end in range(3, len(text), 7):
+        for k, factor, floor in ((8, 1.0, 0.1), (16, 4.0, 0.0), (4, 0.5, 0.3)):
+            path, score = tree.speculate(text[:end], k, factor, floor)
+            tokens, parents, tree_score = tree.speculate_tree(text[:end], k, factor, floor, 1)
+            assert tokens == path and parents == list(range(-1, len(path) - 1)), end
+            assert tree_score == pytest.approx(score)
+
+
 def test_a_tree_s_mask_lets_each_node_see_the_cache_and_its_ancestors() -> None:
     parents = (-1, 0, 1, 0, 3, 0)
     seq = SequenceSlice(10, 6, list(range(4)), tree=parents)
