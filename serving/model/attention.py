@@ -116,6 +116,18 @@ def tree_positions(start: int, parents: tuple[int, ...] | list[int]) -> list[int
     return [start + d for d in tree_depths(parents)]
 
 
+def tree_bits(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """Each node's ancestors and itself as bits (bit j: node j) of a tree of at most 64 nodes: what the compiled
+    prefill kernel masks a draft tree's rows by (`kernels.prefill_attention_`), as signed 64-bit integers."""
+    bits: list[int] = []
+    for i, p in enumerate(parents):
+        bits.append((bits[p] if p >= 0 else 0) | (1 << i))
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
+
+
+TREE_KERNEL_NODES = 64  # the most nodes the prefill kernel's masks hold (engine.speculative.num_tokens <= 32)
+
+
 def _tree_mask(seq: SequenceSlice, key_start: int, window: int | None, device: torch.device) -> torch.Tensor:
     """`[num_new, start + num_new - key_start]` True where a draft tree's token may attend: every cached key (each
     is before it), and of the tree's own, its ancestors and itself; with a `window`, by positions as `_mask`."""
@@ -165,6 +177,7 @@ class PromptChunk:
     # (SDPA's); None with key_blocks None: plain causal attention over the chunk's own keys (`is_causal`)
     key_start: int = 0  # the position of key_blocks' first key (a windowed layer's: the block of its first query's
     # window; `WINDOW_GATHER`)
+    tree: torch.Tensor | None = None  # a draft tree's `tree_bits` for the prefill kernel (mask None then)
 
 
 @dataclass(frozen=True)
@@ -386,12 +399,16 @@ def final_metadata(
     kernel: bool = False,
     stage: HostStage | None = None,
     window: int | None = None,
+    prefill: bool = False,
 ) -> AttentionMetadata:
     """The last layer's attention for the step's sampling tokens only, one query each: `seqs` are
     `SequenceSlice(position, 1, table)` of each sampling token, in the order of the queries. Their keys and values,
     the step's included, are in the cache when it runs (the layer stores every token's first), so it stores
-    nothing and every query is a decode over the cache. `window`: as `build_metadata`'s."""
-    return build_metadata(seqs, block_size, device, dtype, kernel=kernel, stage=stage, slots=False, window=window)
+    nothing and every query is a decode over the cache; a draft tree's tokens are one slice, attended as its chunk
+    (`prefill`: through the prefill kernel, as `build_metadata`'s). `window`: as `build_metadata`'s."""
+    return build_metadata(
+        seqs, block_size, device, dtype, kernel=kernel, prefill=prefill, stage=stage, slots=False, window=window
+    )
 
 
 def padded_tables(tables: Iterable[list[int]], num_blocks: int) -> list[int]:
@@ -439,9 +456,11 @@ def _chunk(
     window: int | None = None,
 ) -> PromptChunk:
     num_keys = seq.start + seq.num_new
-    if seq.tree:  # a draft tree (never a prompt's first chunk): over the cache, masked by ancestry (no kernel)
+    if seq.tree:  # a draft tree (never a prompt's first chunk): over the cache, masked by ancestry
         first = _first_block(seq.start, window, block_size)
         blocks = stage.add(seq.block_table[first : -(-num_keys // block_size)])
+        if prefill and seq.num_new <= TREE_KERNEL_NODES:  # (no window here: build_metadata cleared prefill)
+            return PromptChunk(offset, seq.start, seq.num_new, blocks, None, tree=stage.add(tree_bits(seq.tree)))
         mask = _tree_mask(seq, first * block_size, window, device)
         return PromptChunk(offset, seq.start, seq.num_new, blocks, mask, first * block_size)
     # The window hides keys from some of the chunk's queries: its last query's, at position num_keys - 1, begin at
@@ -602,7 +621,7 @@ def paged_attention(
     for c in meta.chunks:
         rows = slice(c.offset, c.offset + c.num_new)
         if meta.prefill and c.mask is None:  # float32 cache: the chunk's own keys read back are the ones it computed
-            kernels.prefill_attention_(out[rows], q[rows], k_cache, v_cache, c.key_blocks, c.start, scale)
+            kernels.prefill_attention_(out[rows], q[rows], k_cache, v_cache, c.key_blocks, c.start, scale, c.tree)
             continue
         queries = q[rows].transpose(0, 1)[None]  # [1, heads, num_new, D]
         if c.key_blocks is None:  # a chunk that starts its prompt: its own keys (causal, or masked by a window)

@@ -27,8 +27,9 @@ from pylon.settings import switched_on
 log = logging.getLogger(__name__)
 
 # The build directory under $TORCH_EXTENSIONS_DIR: a new name whenever the sources change shape (v10: the C++ in
-# csrc/ files, no longer one generated main.cpp), so a checkout of another version keeps its own build.
-NAME = "pylon_paged_attention_v10"
+# csrc/ files, no longer one generated main.cpp; v11: prefill_attention_ takes a draft tree's masks), so a checkout
+# of another version keeps its own build.
+NAME = "pylon_paged_attention_v11"
 
 # The extension's sources, compiled with the same flags into one module; ninja rebuilds what a changed source or
 # header (cpu_vec.h, ops.h) touches.
@@ -115,15 +116,22 @@ def prefill_attention_(
     table: torch.Tensor,
     start: int,
     scale: float,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prompt chunk's queries `q` (`[T, heads, head_dim]`, at positions start..start+T-1) over
     its sequence's keys and values 0..start+T-1 in the float32 caches, found through its block `table`, into `out`
-    (`q`'s shape, rows contiguous); returns `out`. Only where `prefill_usable` says so."""
+    (`q`'s shape, rows contiguous); returns `out`. Only where `prefill_usable` says so. `tree` (int64 `[T]`, T <= 64):
+    a draft tree's rows instead (their keys at slots start..start+T-1), row i seeing the keys before `start` and those
+    of the chunk's own whose bits `tree[i]` sets (`attention.tree_bits`)."""
     module = load()
     if module is None:
         raise RuntimeError(f"the CPU kernels are not available: {_failed or 'disabled'}")
-    module.prefill_attention_(out, q, k_cache, v_cache, table, int(start), float(scale))
+    none = _NO_TREE if tree is None else tree
+    module.prefill_attention_(out, q, k_cache, v_cache, table, int(start), float(scale), none)
     return out
+
+
+_NO_TREE = torch.empty(0, dtype=torch.int64)
 
 
 PREFILL_HEAD_DIMS = (32, 64, 128, 256)

@@ -1417,7 +1417,11 @@ class ModelRunner:
 
         slices = [sliced(p, s, s.block_table) for p, s in finals]
         args = (slices, self.block_size, self.device, self.dtype)
-        meta = final_metadata(*args, kernel=self.kernel, stage=self.stage, window=self.step_window)
+        # (its only chunks are draft trees': the prefill kernel takes them where it takes the step's)
+        tree = any(s.tree for _, s in finals)
+        meta = final_metadata(
+            *args, kernel=self.kernel, stage=self.stage, window=self.step_window, prefill=self.prefill and tree
+        )
         if self.kv_groups:
             groups = [None] + [
                 final_metadata(

@@ -7,10 +7,10 @@
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                         at::Tensor block_tables, at::Tensor context_lens, double scale);
 
-// Causal attention of a prompt chunk over the paged float32 cache (prefill_attention.cpp); has_prefill says
-// whether this build has it (AVX-512 or AVX2).
+// Causal attention of a prompt chunk over the paged float32 cache, or a draft tree's by ancestry
+// (prefill_attention.cpp); has_prefill says whether this build has it (AVX-512 or AVX2).
 void prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                        at::Tensor table, int64_t start, double scale);
+                        at::Tensor table, int64_t start, double scale, at::Tensor tree);
 bool has_prefill();
 
 // A step's keys and values into both caches at their slots (cache.cpp).

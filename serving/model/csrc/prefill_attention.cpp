@@ -71,10 +71,12 @@ static inline void transpose_keys(__m256 r[8]) {  // r[i][j] <- r[j][i], 8 x 8
 // `rows` (<= NR) queries of one head at positions pos0.. (scaled, `qs`: NR rows of D, the last repeated as padding)
 // over one kv head's transposed keys `kt` (groups of V::W keys: `[group][D][W]`) and values `vc`; their outputs to
 // `out` (row stride `out_stride`). NR score vectors, a key vector and a broadcast query element in registers: 10 of
-// AVX2's 16, 10 of AVX-512's 32.
+// AVX2's 16, 10 of AVX-512's 32. A draft tree (`anc`, the rows' own entries; null: causal): row r sees the keys
+// before `start` and, of the chunk's own, those whose bit is set in anc[r] (its ancestors and itself, all at or
+// before it): the groups that reach the chunk's keys have their scores masked lane by lane.
 template <typename V, int NR, int ND>
 static void prefill_rows(const float* qs, float* out, int64_t out_stride, int64_t rows, int64_t pos0,
-                         const float* kt, const float* vc) {
+                         const float* kt, const float* vc, const int64_t* anc, int64_t start) {
   using R = typename V::R;
   constexpr int W = V::W, D = ND * W;
   alignas(64) float o[NR][D];
@@ -102,6 +104,32 @@ static void prefill_rows(const float* qs, float* out, int64_t out_stride, int64_
         continue;
       }
       const int64_t live = std::min<int64_t>(n, W);
+      if (anc != nullptr && k0 + W > start) {  // a tree's own keys in this group: lane by lane
+        const uint64_t bits = static_cast<uint64_t>(anc[std::min<int64_t>(r, rows - 1)]);
+        alignas(64) float sv[W];
+        V::store(sv, s[r]);
+        bool seen[W];
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int j = 0; j < W; ++j) {
+          const int64_t key = k0 + j;
+          seen[j] = j < live && (key < start || ((bits >> (key - start)) & 1));
+          if (seen[j]) mx = std::max(mx, sv[j]);
+        }
+        const float mnew = std::max(m[r], mx);
+        const float corr = std::exp(m[r] - mnew);
+        float sum = 0.f;
+        for (int j = 0; j < W; ++j) {
+          p[r][j] = seen[j] ? std::exp(sv[j] - mnew) : 0.f;
+          sum += p[r][j];
+        }
+        l[r] = l[r] * corr + sum;
+        if (corr != 1.f) {
+          const R c = V::set1(corr);
+          for (int i = 0; i < ND; ++i) V::store(o[r] + W * i, V::mul(c, V::load(o[r] + W * i)));
+        }
+        m[r] = mnew;
+        continue;
+      }
       const float mnew = std::max(m[r], V::hmax(V::live_or(s[r], live, -std::numeric_limits<float>::infinity())));
       const float corr = std::exp(m[r] - mnew);  // 0 for the first group a row sees (m = -inf)
       const R pv = V::live_or_zero(V::exp(V::sub(s[r], V::set1(mnew))), live);
@@ -133,7 +161,7 @@ static void prefill_rows(const float* qs, float* out, int64_t out_stride, int64_
 
 template <typename V, int ND>
 static void prefill_heads(at::Tensor& out, const at::Tensor& q, const float* kt, const float* vc,
-                          int64_t start, float scale, int64_t KH, int64_t NK) {
+                          int64_t start, float scale, int64_t KH, int64_t NK, const int64_t* anc) {
   constexpr int W = V::W, D = ND * W, NR = PYLON_PREFILL_ROWS;
   const int64_t T = q.size(0), H = q.size(1), share = H / KH, tiles = (T + NR - 1) / NR;
   const float* qp = q.data_ptr<float>();
@@ -148,7 +176,7 @@ static void prefill_heads(at::Tensor& out, const at::Tensor& q, const float* kt,
         for (int d = 0; d < D; ++d) qs[r * D + d] = src[d] * scale;
       }
       prefill_rows<V, NR, ND>(qs, op + t0 * os0 + h * os1, os0, rows, start + t0, kt + kh * NK * D * W,
-                              vc + kh * NK * W * D);
+                              vc + kh * NK * W * D, anc != nullptr ? anc + t0 : nullptr, start);
     }
   });
 }
@@ -164,9 +192,10 @@ bool has_prefill() {
 
 // out `[T, heads, head_dim]` (rows contiguous) <- attention of q `[T, heads, head_dim]` (a prompt chunk's queries,
 // any row and head strides) over keys 0..start+T-1 of the float32 caches through `table` (the sequence's block table,
-// at least (start+T)/block_size blocks).
+// at least (start+T)/block_size blocks). `tree` (int64 `[T]`, T <= 64; empty: causal): a draft tree's rows, each
+// seeing the keys before `start` and the chunk's own keys whose bits it sets (its ancestors and itself).
 void prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                        at::Tensor table, int64_t start, double scale) {
+                        at::Tensor table, int64_t start, double scale, at::Tensor tree) {
 #if !defined(__AVX512F__) && !defined(PYLON_AVX2)
   TORCH_CHECK(false, "prefill_attention_: built without AVX-512 or AVX2");
 #else
@@ -175,6 +204,9 @@ void prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
   TORCH_CHECK(k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat && k_cache.is_contiguous() &&
               v_cache.is_contiguous(), "prefill_attention_: contiguous float32 caches");
   TORCH_CHECK(table.dtype() == at::kLong && table.is_contiguous(), "prefill_attention_: an int64 block table");
+  TORCH_CHECK(tree.numel() == 0 || (tree.dtype() == at::kLong && tree.is_contiguous() && tree.numel() == q.size(0) &&
+              q.size(0) <= 64), "prefill_attention_: a tree of at most 64 rows, one int64 mask a row");
+  const int64_t* anc = tree.numel() ? tree.data_ptr<int64_t>() : nullptr;
   using R = Vec::R;
   constexpr int64_t W = Vec::W;
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -217,10 +249,10 @@ void prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
   });
   const float sc = static_cast<float>(scale);
   switch (D) {
-    case 32: prefill_heads<Vec, 32 / W>(out, q, ktp, vcp, start, sc, KH, NK); break;
-    case 64: prefill_heads<Vec, 64 / W>(out, q, ktp, vcp, start, sc, KH, NK); break;
-    case 128: prefill_heads<Vec, 128 / W>(out, q, ktp, vcp, start, sc, KH, NK); break;
-    case 256: prefill_heads<Vec, 256 / W>(out, q, ktp, vcp, start, sc, KH, NK); break;
+    case 32: prefill_heads<Vec, 32 / W>(out, q, ktp, vcp, start, sc, KH, NK, anc); break;
+    case 64: prefill_heads<Vec, 64 / W>(out, q, ktp, vcp, start, sc, KH, NK, anc); break;
+    case 128: prefill_heads<Vec, 128 / W>(out, q, ktp, vcp, start, sc, KH, NK, anc); break;
+    case 256: prefill_heads<Vec, 256 / W>(out, q, ktp, vcp, start, sc, KH, NK, anc); break;
     default: TORCH_CHECK(false, "prefill_attention_: head_dim must be 32, 64, 128 or 256 (got ", D, ")");
   }
 #endif

@@ -103,6 +103,47 @@ def test_a_tree_s_mask_lets_each_node_see_the_cache_and_its_ancestors() -> None:
     assert windowed[2, :10].int().tolist() == [0] * 10 and windowed[2, 10:].int().tolist() == [1, 1, 1, 0, 0, 0]
 
 
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("start,parents", [(21, (-1, 0, 1, 0, 3, 0, 5, 6, 2)), (40, (-1, *range(0, 32)))])
+def test_the_prefill_kernel_attends_a_tree_as_its_mask_says(dim: int, start: int, parents) -> None:
+    """The compiled prefill kernel with a tree's bits (`tree_bits`) against dense attention by ancestry: every row
+    over the cached keys and its ancestors and itself (a tree across key groups, one that is 33 nodes deep)."""
+    from pylon.serving.model import kernels
+    from pylon.serving.model.attention import build_metadata, new_kv_cache, paged_attention, tree_bits
+
+    if kernels.load() is None or not kernels.load().has_prefill():
+        pytest.skip("the prefill kernel needs AVX-512 or AVX2")
+    assert tree_bits((-1, 0, 1, 0)) == [1, 3, 7, 9]
+    torch.manual_seed(dim + start)
+    heads, kv_heads, block_size, T = 4, 2, 16, len(parents)
+    total = start + T
+    k_cache = new_kv_cache(8, block_size, kv_heads, dim, dtype=torch.float32, device="cpu")
+    v_cache = torch.zeros_like(k_cache)
+    table = [5, 2, 7, 0, 3, 1][: -(-total // block_size)]
+    keys, values = torch.randn(total, kv_heads, dim) * 2, torch.randn(total, kv_heads, dim)
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(total)])
+    k_cache.view(kv_heads, -1, dim)[:, slots] = keys.transpose(0, 1)
+    v_cache.view(kv_heads, -1, dim)[:, slots] = values.transpose(0, 1)
+    q = torch.randn(T, heads, dim)
+    seq = SequenceSlice(start, T, table, tree=tuple(parents))
+    outs = []
+    for prefill in (True, False):
+        meta = build_metadata([seq], block_size, "cpu", kernel=True, prefill=prefill, slots=False)
+        assert (meta.chunks[0].tree is not None) == prefill and (meta.chunks[0].mask is None) == prefill
+        outs.append(paged_attention(q, None, None, k_cache, v_cache, meta, dim**-0.5))
+    mask = _tree_mask(seq, 0, None, torch.device("cpu"))
+    share = heads // kv_heads
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.repeat_interleave(share, 1).transpose(0, 1)[None],
+        values.repeat_interleave(share, 1).transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=dim**-0.5,
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(outs[1], want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(outs[0], want, rtol=1e-4, atol=1e-5)
+
+
 def test_tree_verification_walks_the_branch_the_model_takes() -> None:
     draft, parents = [5, 6, 7, 8], [-1, 0, -1, 2]  # 5 -> 6, or 7 -> 8
     rows = torch.full((5, 10), -5.0)
