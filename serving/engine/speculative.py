@@ -14,6 +14,13 @@ sampler: d is accepted with probability p(d), and the token emitted is always p'
 exactly the distribution p, each emitted token takes one draw from the stream as a plain step's does, and a seeded
 request gives the same tokens whether or when its steps speculate (docs/serving.md, "Speculative decoding").
 
+Draft trees (`engine.speculative.tree_width`): prompt lookup's and suffix decoding's drafts may branch. `best_first`
+grows a tree likeliest first and lists it in pre-order (its first nodes the one path width 1 drafts); the runner
+computes each node at its parent's position + 1 attending to its ancestors only; `verify_tree` walks down from the
+decoded token, the token the model takes at each node (argmax, or the sampler's draw: one draw per emitted token)
+accepted while a child of the node is that token, so the same two properties hold: greedy output is plain decoding's
+and a sampled token keeps p's distribution and the request's stream.
+
 When to speculate is measured, not guessed (`SpecPolicy`): verification turns a step of B decodes into one of
 B x (1 + k) tokens, which costs little while a step is bound by reading the weights and a lot once it is bound by
 compute. The engine keeps the wall time of its steps by size (`StepCosts`) and the acceptance rate it sees, proposes
