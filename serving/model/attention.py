@@ -116,13 +116,18 @@ def tree_positions(start: int, parents: tuple[int, ...] | list[int]) -> list[int
     return [start + d for d in tree_depths(parents)]
 
 
-def tree_bits(parents: tuple[int, ...] | list[int]) -> list[int]:
-    """Each node's ancestors and itself as bits (bit j: node j) of a tree of at most 64 nodes: what the compiled
-    prefill kernel masks a draft tree's rows by (`kernels.prefill_attention_`), as signed 64-bit integers."""
+def _ancestry(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """Each node's ancestors and itself as the bits of an int (bit j: node j), parents before children."""
     bits: list[int] = []
     for i, p in enumerate(parents):
         bits.append((bits[p] if p >= 0 else 0) | (1 << i))
-    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
+    return bits
+
+
+def tree_bits(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """`_ancestry` of a tree of at most 64 nodes as signed 64-bit integers: what the compiled prefill kernel masks a
+    draft tree's rows by (`kernels.prefill_attention_`)."""
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in _ancestry(parents)]
 
 
 TREE_KERNEL_NODES = 64  # the most nodes the prefill kernel's masks hold (engine.speculative.num_tokens <= 32)
@@ -132,11 +137,7 @@ def _tree_mask(seq: SequenceSlice, key_start: int, window: int | None, device: t
     """`[num_new, start + num_new - key_start]` True where a draft tree's token may attend: every cached key (each
     is before it), and of the tree's own, its ancestors and itself; with a `window`, by positions as `_mask`."""
     n, parents = seq.num_new, seq.tree
-    own = [[False] * n for _ in range(n)]
-    for i, p in enumerate(parents):
-        if p >= 0:
-            own[i][:] = own[p]
-        own[i][i] = True
+    own = [[bool(bits >> j & 1) for j in range(n)] for bits in _ancestry(parents)]
     mask = torch.cat([torch.ones(n, seq.start - key_start, dtype=torch.bool), torch.tensor(own)], dim=1)
     if window is not None:
         position = torch.tensor(tree_positions(seq.start, parents))

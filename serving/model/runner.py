@@ -1418,9 +1418,8 @@ class ModelRunner:
         slices = [sliced(p, s, s.block_table) for p, s in finals]
         args = (slices, self.block_size, self.device, self.dtype)
         # (its only chunks are draft trees': the prefill kernel takes them where it takes the step's)
-        tree = any(s.tree for _, s in finals)
         meta = final_metadata(
-            *args, kernel=self.kernel, stage=self.stage, window=self.step_window, prefill=self.prefill and tree
+            *args, kernel=self.kernel, stage=self.stage, window=self.step_window, prefill=self.prefill
         )
         if self.kv_groups:
             groups = [None] + [

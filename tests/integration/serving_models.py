@@ -85,3 +85,26 @@ def greedy_completion(url: str, model: str, prompt: str, max_tokens: int, header
     )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+# The unit tests' engine models (tests/unit/serving/engine/engine_models.py), which the engine drivers import.
+ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+
+
+def engine_driver(driver: str, directory: str, *args: str) -> dict:
+    """Run `driver` (Python source) in a child process against the session's Ray cluster: its argv is the cluster's
+    GCS address, the model `directory`, ENGINE_MODELS (for it to import `engine_models`), then `args`. An engine of
+    parts places its actors from there, as a replica would. Returns the JSON object its last line of output prints."""
+    import subprocess
+    import sys
+
+    import pylon
+
+    child = subprocess.run(
+        [sys.executable, "-c", driver, pylon.connect().gcs_address, directory, str(ENGINE_MODELS), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])

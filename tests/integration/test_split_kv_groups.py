@@ -6,16 +6,10 @@ computes them. In one process (the prefix cache's hits among them): test_model_f
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-import pylon
-
-ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+from serving_models import ENGINE_MODELS, engine_driver
 
 DRIVER = """
 import json, sys
@@ -50,15 +44,7 @@ engine.runner.shutdown()
 
 
 def _run(family) -> dict:
-    client = pylon.connect()
-    child = subprocess.run(
-        [sys.executable, "-c", DRIVER, client.gcs_address, family.dir, str(ENGINE_MODELS)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = engine_driver(DRIVER, family.dir)
     want = [family.hf_greedy(p, 200, min_tokens=200) for p in result["prompts"]]
     assert [r["tokens"] for r in result["rounds"]] == [want]
     return result

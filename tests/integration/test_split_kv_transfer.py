@@ -8,15 +8,10 @@ tests/unit/serving/engine/test_kv_transfer.py."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-import pylon
-
-ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+from serving_models import ENGINE_MODELS, engine_driver
 
 # Two engines of shards cannot share a process (each shard group its own torch.distributed default group): the
 # prefill engine's driver pickles its transfers to a file, the decoding engine's reads them.
@@ -72,27 +67,9 @@ def test_every_shard_s_share_of_the_blocks_goes_to_its_own_shard(split, tensors,
     from engine_models import Family
 
     family = Family("llama", tmp_path / "llama", greedy=False)
-    client = pylon.connect()
     result = {}
     for role in ("prefill", "decode"):
-        child = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                DRIVER,
-                client.gcs_address,
-                family.dir,
-                str(ENGINE_MODELS),
-                role,
-                str(tmp_path / "transfers.pickle"),
-                json.dumps(split),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert child.returncode == 0, child.stderr[-4000:]
-        result.update(json.loads(child.stdout.strip().splitlines()[-1]))
+        result.update(engine_driver(DRIVER, family.dir, role, str(tmp_path / "transfers.pickle"), json.dumps(split)))
     assert result["tensors"] == [tensors] * 3
     assert result["cached"] == [80, 32, 96]  # each prompt's full blocks short of its last token, from the transfer
     assert result["received"] == (80 + 32 + 96) // 16

@@ -7,15 +7,10 @@ tests/unit/serving/engine/test_speculative_mtp.py, test_speculative_eagle.py."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-import pylon
-
-ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+from serving_models import ENGINE_MODELS, engine_driver
 
 DRIVER = """
 import json, sys
@@ -39,25 +34,8 @@ if hasattr(engine.runner, "shutdown"):
 
 
 def _drive(ray_cluster, directory: str, split: dict, speculative: dict | None = None) -> dict:
-    client = pylon.connect()
     speculative = json.dumps(speculative or {"method": "mtp"})
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            DRIVER,
-            client.gcs_address,
-            directory,
-            str(ENGINE_MODELS),
-            json.dumps(split),
-            speculative,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return engine_driver(DRIVER, directory, json.dumps(split), speculative)
 
 
 # ~40 s: a driver and a shard actor loading the model and its layer. `make test-all`.

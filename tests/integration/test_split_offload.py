@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-import pylon
-
-ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+from serving_models import ENGINE_MODELS, engine_driver
 
 DRIVER = """
 import json, sys
@@ -63,15 +58,7 @@ def test_a_split_model_s_prefix_comes_back_from_every_part_s_host_memory(ray_clu
     if "kv_offload_path" in split:
         (tmp_path / "disk").mkdir()
         split = {**split, "kv_offload_path": str(tmp_path / "disk")}
-    client = pylon.connect()
-    child = subprocess.run(
-        [sys.executable, "-c", DRIVER, client.gcs_address, family.dir, str(ENGINE_MODELS), json.dumps(split)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = engine_driver(DRIVER, family.dir, json.dumps(split))
     # Every prompt's tokens are transformers' own: the second prompt of each document read its first five blocks
     # back from host memory on both parts (a part that kept its share elsewhere, or none, would write other tokens).
     assert result["tokens"] == [family.hf_greedy(p, 20) for p in result["prompts"]]

@@ -7,15 +7,10 @@ tests/unit/serving/engine/test_tensor_shards.py, test_pipeline_stages.py."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-import pylon
-
-ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+from serving_models import ENGINE_MODELS, engine_driver
 
 DRIVER = """
 import gc, json, sys
@@ -57,15 +52,7 @@ def test_a_split_recurrent_model_decodes_as_one_with_speculation_and_its_prefix_
 
     family = Family("qwen3_next", tmp_path / "qwen3_next", greedy=False)
     want = [family.hf_greedy(p, 20) for p in PROMPTS[:4]]
-    client = pylon.connect()
-    child = subprocess.run(
-        [sys.executable, "-c", DRIVER, client.gcs_address, family.dir, str(ENGINE_MODELS), json.dumps(split)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = engine_driver(DRIVER, family.dir, json.dumps(split))
     assert result["tokens"] == want
     assert result["drafts"] > 0  # (steps speculated: every shard kept the same accepted drafts' states)
     assert result["held"] == []  # (every finished sequence's state released on the other shard too)

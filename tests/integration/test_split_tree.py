@@ -7,15 +7,10 @@ whose oracle drafter this driver uses."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-import pylon
-
-ENGINE_MODELS = Path(__file__).resolve().parents[1] / "unit" / "serving" / "engine"
+from serving_models import ENGINE_MODELS, engine_driver
 
 DRIVER = """
 import json, sys
@@ -52,23 +47,6 @@ def test_two_shards_verify_trees_and_move_the_accepted_path_in_each_slice(ray_cl
 
     family = Family("llama", tmp_path / "llama", greedy=False)
     expected = [family.hf_greedy(p, NEW) for p in _prompts()]
-    client = pylon.connect()
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            DRIVER,
-            client.gcs_address,
-            family.dir,
-            str(ENGINE_MODELS),
-            json.dumps({"tensor_parallel": 2}),
-            json.dumps(expected),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    got = json.loads(child.stdout.strip().splitlines()[-1])
+    got = engine_driver(DRIVER, family.dir, json.dumps({"tensor_parallel": 2}), json.dumps(expected))
     assert got["tokens"] == expected
     assert got["branch"] >= 2 * len(expected) * 5, got
