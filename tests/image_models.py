@@ -36,6 +36,27 @@ PIXTRAL = {
     "image_break_token": "[IMG_BREAK]",
     "image_end_token": "[IMG_END]",
 }
+QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' or p.type == 'image_url' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
+# The Qwen vision-language families (their language model rotates each image's tokens by their place in the image,
+# M-RoPE): Qwen2-VL, Qwen2.5-VL (its vision tower's windowed attention), Qwen3-VL (interleaved M-RoPE, and features of
+# the vision tower's inner layers added to the language model's first layers: deepstack), Qwen3.5 (recurrent layers
+# beside attention ones, a quarter of each head rotated).
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 TEXT = "the image shows a red square beside a green circle; describe what you see in the picture " * 4
 
 
@@ -70,7 +91,7 @@ def image_checkpoint(
     image: int = IMAGE,
     image_tokens: int = 4,
 ) -> Path:
-    """A tiny `name` ("gemma3" or "mistral3") checkpoint saved in `directory`, with its tokenizer and processor.
+    """A tiny `name` ("gemma3", "mistral3" or one of QWEN_VL) checkpoint saved in `directory`, with its tokenizer and processor.
     `text`, `vision`: shapes over the tests' (bench/serve_features.py's images section builds a larger one); `image`:
     the pixels a side images are resized to; `image_tokens`: Gemma 3's tokens an image (a square number)."""
     text_shape, vision_shape = text or {}, vision or {}
@@ -95,6 +116,8 @@ def image_checkpoint(
         "vocab_size": VOCAB,
         "initializer_range": 0.5,
     }
+    if name in QWEN_VL:
+        return _qwen_checkpoint(name, directory, text | text_shape, vision_shape)
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
     vision |= {"image_size": image, "patch_size": 14, **vision_shape}
     if name == "gemma3":
@@ -164,6 +187,90 @@ def image_checkpoint(
     return directory
 
 
+def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict) -> Path:
+    """A tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint as they ship: the conditional model, a tokenizer with
+    Qwen's image tokens and chat template, and the image processor's preprocessor_config.json (Qwen2VLImageProcessor,
+    images resized to between 2 x 2 and 4 x 4 merged patches, so that images of other shapes have other grids)."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    tok = _tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    token = tok.convert_tokens_to_ids
+    ids = {"eos_token_id": token("<|im_end|>"), "pad_token_id": token("<|endoftext|>")}
+    patch = 16 if name in ("qwen3_vl", "qwen3_5") else 14
+    # M-RoPE: each head's 16 frequencies split among the temporal, height and width positions.
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [6, 5, 5] if name == "qwen3_vl" else [4, 6, 6],
+    }
+    if name == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+    text = text | {"num_hidden_layers": 4, "rope_parameters": rope, "bos_token_id": None, **ids}
+    text.pop("head_dim", None) if name != "qwen3_vl" else None  # (Qwen2's is hidden_size / heads: 32 here too)
+    if name == "qwen3_5":  # three recurrent layers (Gated DeltaNet) in four; its own M-RoPE sections
+        text |= {"head_dim": 32, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16}
+        text |= {"linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rope_parameters": {"rope_theta": 10000.0}}
+    tokens = {
+        "image_token_id": token("<|image_pad|>"),
+        "video_token_id": token("<|video_pad|>"),
+        "vision_start_token_id": token("<|vision_start|>"),
+        "vision_end_token_id": token("<|vision_end|>"),
+    }
+    common = {"depth": 2, "num_heads": 2, "patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if name == "qwen2_vl":
+        vision = common | {"embed_dim": 32, "hidden_size": text["hidden_size"], "mlp_ratio": 2}
+        config, cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    elif name == "qwen2_5_vl":
+        vision = common | {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": text["hidden_size"]}
+        vision |= {"window_size": 56, "fullatt_block_indexes": [1]}
+        config, cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    elif name == "qwen3_vl":
+        vision = common | {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": text["hidden_size"]}
+        vision |= {"num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]}
+        config, cls = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    else:
+        vision = common | {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": text["hidden_size"]}
+        vision |= {"num_position_embeddings": 64}
+        config, cls = Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    torch.manual_seed(0)
+    model = cls(config(text_config=text, vision_config=vision | vision_shape, tie_word_embeddings=False, **tokens))
+    _randomize(model.model.visual, 0.5)
+    with torch.no_grad():  # the language model's norms off their ones, as the family fixtures'
+        for key, p in model.model.language_model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.randn_like(p) * 0.25)
+    model.eval().save_pretrained(directory)
+    tok.save_pretrained(directory)
+    unit = patch * 2  # a merged patch's side in pixels
+    (directory / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(
+                    name, "Qwen3VLProcessor"
+                ),
+                "min_pixels": 4 * unit * unit,
+                "max_pixels": 16 * unit * unit,
+                "patch_size": patch,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+            }
+        )
+    )
+    return directory
+
+
 def png(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
     """A PNG (`size` = (width, height)) of a 4 x 4 grid of random solid colours (`seed`): shapes that survive the
     vision tower's pooling, where pixel noise averages out to the same features for every image."""
@@ -187,9 +294,15 @@ class Reference:
 
         self.model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
         self.pixtral = self.model.config.model_type == "mistral3"
+        self.qwen = self.model.config.model_type in QWEN_VL
         if self.pixtral:  # PixtralProcessor needs torchvision: its layout built here, by token ids
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
             self.image_processor = PixtralImageProcessorPil.from_pretrained(directory)
+        elif self.qwen:  # so does Qwen2VLProcessor (its video processor)
+            from transformers import Qwen2VLImageProcessorPil
+
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(directory)
         else:
             self.processor = AutoProcessor.from_pretrained(directory)
             self.tokenizer = self.processor.tokenizer
@@ -198,6 +311,8 @@ class Reference:
         from PIL import Image
 
         pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        if self.qwen:
+            return self._qwen_inputs(text, pictures)
         if not self.pixtral:
             return dict(
                 self.processor(
@@ -220,6 +335,22 @@ class Reference:
         out["attention_mask"] = torch.ones_like(out["input_ids"])
         return out
 
+    def _qwen_inputs(self, text: str, pictures: list) -> dict:
+        """Qwen-VL: each <|image_pad|> marker becomes one per merged patch of its image's grid (Qwen2VLProcessor's
+        layout), the text between tokenized as it is; `mm_token_type_ids` marks the images' tokens, from which the
+        model computes its M-RoPE positions (get_rope_index)."""
+        image = self.model.config.image_token_id
+        pieces = text.split(self.tokenizer.convert_ids_to_tokens(image))
+        out = dict(self.image_processor(pictures, return_tensors="pt")) if pictures else {}
+        ids = self.tokenizer(pieces[0], add_special_tokens=False)["input_ids"]
+        for k, piece in enumerate(pieces[1:]):
+            ids += [image] * (int(out["image_grid_thw"][k].prod()) // 4)
+            ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        out["input_ids"] = torch.tensor([ids])
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+        out["mm_token_type_ids"] = (out["input_ids"] == image).int()
+        return out
+
     def greedy(self, text: str, images: list[bytes], new_tokens: int) -> list[int]:
         """The greedy continuation of a rendered chat `text` with `images` (generate)."""
         inputs = self.inputs(text, images)
@@ -227,9 +358,12 @@ class Reference:
             out = self.model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
-    def logprobs(self, text: str, images: list[bytes], continuation: list[int], *, causal: bool = False):
+    def logprobs(
+        self, text: str, images: list[bytes], continuation: list[int], *, causal: bool = False, flat: bool = False
+    ):
         """`[len(continuation), vocab]`: the log-probabilities at each token of `continuation` after the prompt
-        (teacher-forced). `causal`: without Gemma 3's token_type_ids (its images attended causally)."""
+        (teacher-forced). `causal`: without Gemma 3's token_type_ids (its images attended causally). `flat`: Qwen-VL
+        rotated by each token's position alone, not M-RoPE's (the images' tokens by their place in the image)."""
         inputs = self.inputs(text, images)
         n = inputs["input_ids"].shape[1]
         extra = torch.tensor([continuation[:-1]], dtype=inputs["input_ids"].dtype)
@@ -239,6 +373,10 @@ class Reference:
             inputs.pop("token_type_ids", None)
         elif "token_type_ids" in inputs:
             inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros_like(extra)], dim=1)
+        if "mm_token_type_ids" in inputs:
+            inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(extra).int()], dim=1)
+            if flat:
+                inputs["position_ids"] = torch.arange(inputs["input_ids"].shape[1])[None]
         with torch.no_grad():
             logits = self.model(**inputs).logits[0, n - 1 :].float()
         return logits.log_softmax(-1)

@@ -1089,7 +1089,7 @@ class LLMEngine:
         after a preemption) and let go once the prompt is past the last."""
         images = request.images
         offsets, first, last = images.rows(start, num_new)
-        fields: dict = {"image_spans": images.spans_in(start, num_new)}
+        fields: dict = {"image_spans": images.spans_in(start, num_new), "mrope": images.mrope}
         if offsets:
             if request.image_embeds is None:
                 request.image_embeds = self.runner.embed_images(images.pixels)

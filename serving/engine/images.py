@@ -1,14 +1,14 @@
-"""Images in chat prompts, for the multimodal checkpoints the engine serves (families.TEXT_MODELS: Gemma 3 4B-27B,
-Mistral Small 3.1 and 3.2).
+"""Images in chat prompts, for the multimodal checkpoints the engine serves (families.IMAGE_MODELS: Gemma 3 4B-27B,
+Mistral Small 3.1 and 3.2, Qwen2-VL, Qwen2.5-VL and Qwen3-VL).
 
 A chat request's image parts reach the engine as an `ImagePrompt`: the text its chat template rendered (one image
-marker where each image goes: Gemma 3's `<start_of_image>`, Mistral's `[IMG]`) and the images' files. The engine
-runs the checkpoint's own processor (`transformers.AutoProcessor`, as vLLM does): it expands each marker into the
-image's placeholder tokens and turns each image into the vision tower's pixels. The vision tower and projector run
-once per request, when its prompt is first computed (`ModelRunner.embed_images`); their rows replace the
-placeholders' embeddings, chunk by chunk (`ImageInputs.rows`).
+marker where each image goes: Gemma 3's `<start_of_image>`, Mistral's `[IMG]`, Qwen's `<|image_pad|>`) and the
+images' files. The engine runs the checkpoint's own processor (`transformers.AutoProcessor`, as vLLM does): it
+expands each marker into the image's placeholder tokens and turns each image into the vision tower's pixels. The
+vision tower and projector run once per request, when its prompt is first computed (`ModelRunner.embed_images`); their
+rows replace the placeholders' embeddings, chunk by chunk (`ImageInputs.rows`).
 
-Two things differ from text:
+What differs from text:
 
 - The prefix cache must not take one image's keys and values for another's: the placeholders are the same tokens
   for every image. Block hashes read each placeholder as a key of its image's contents and place in it
@@ -17,6 +17,11 @@ Two things differ from text:
 - Gemma 3 attends an image's placeholders both ways while it reads the prompt (transformers' token_type_ids mask):
   `ImageInputs.spans` are those runs; a prompt chunk never ends inside one (the scheduler cuts it before), and the
   chunk's mask lets a run's queries see the whole run (pylon.serving.model.attention).
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate each token by three positions (M-RoPE: temporal, height, width): an
+  image's tokens by their row and column in it, from the position after the text before it; the text after an image
+  goes on from there plus the image's larger side, not its token count. `ImageInputs.mrope` holds the prompt's three
+  positions up to its last image and the offset every later token's takes (`mrope_positions`, the model's
+  `get_rope_index` for images); each step hands them to the runner (StepSequence.mrope), which rotates by them.
 
 Decoding images: PNG, JPEG, WebP and GIF (the first frame), as data: URLs only. The replica fetches nothing from the
 network for a request (no request can make a replica read an internal address).
@@ -29,11 +34,13 @@ import binascii
 import bisect
 import hashlib
 import io
+import itertools
 import os
 import re
 from dataclasses import dataclass, field
 
 from pylon.serving.errors import InvalidRequest
+from pylon.serving.model.families import MROPE_MODELS, PROCESSOR_FILES
 
 # Gemma 3 attends each image's tokens both ways in its prompt (Gemma3Model's bidirectional block mask).
 BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
@@ -99,11 +106,14 @@ class ImageInputs:
     """What the engine keeps of a request's images: the vision tower's inputs, where their rows go in the prompt, and
     how its blocks are hashed."""
 
-    pixels: dict  # the processor's tensors the vision tower takes (pixel_values; Pixtral's image_sizes)
+    pixels: dict  # the processor's tensors the vision tower takes (pixel_values; Pixtral's image_sizes; Qwen's grids)
     positions: list[int]  # the prompt positions whose embeddings are the images' rows, in order
     keys: list[int]  # each of those positions' key in the block hashes (its image's digest and its place in it)
     spans: list[tuple[int, int]] = field(default_factory=list)  # runs attended both ways (Gemma 3), [start, end)
     count: int = 0  # images
+    # M-RoPE (families.MROPE_MODELS): the rotary positions `[3, p]` of the prompt's first p tokens (up to its last
+    # image's end), and what position p' >= p is rotated by: p' + offset, all three (`mrope_positions`).
+    mrope: tuple | None = None
 
     def hash_ids(self, token_ids: list[int], hashed: int = 0) -> list[int]:
         """`token_ids` with each image position's key in place of its placeholder token (for block hashes only).
@@ -181,6 +191,63 @@ class PixtralProcessor:
         }
 
 
+class QwenVLProcessor:
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's processor (transformers' Qwen2VLProcessor and its kin, whose
+    transformers 5.23 classes need torchvision for their video processor, which Pylon does not install): the
+    checkpoint's image processor with its PIL backend (Qwen2VLImageProcessorPil: each image resized to a multiple of
+    patch_size x merge_size within min_pixels .. max_pixels, cut into patches) and its tokenizer, each `<|image_pad|>`
+    expanded as Qwen2VLProcessor expands it: one per merged patch (grid t x h x w / merge_size^2)."""
+
+    def __init__(self, model_dir: str, config):
+        from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.image_token = self.tokenizer.convert_ids_to_tokens(config.image_token_id)
+        self.merge_side = int(self.image_processor.merge_size)
+        self.merge = self.merge_side**2
+
+    def __call__(self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool) -> dict:
+        pixels = self.image_processor(images[0], return_tensors=return_tensors)
+        pieces = text[0].split(self.image_token)
+        if len(pieces) - 1 != len(images[0]):
+            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
+        expanded = [pieces[0]]
+        for grid, piece in zip(pixels["image_grid_thw"].tolist(), pieces[1:]):
+            expanded.append(self.image_token * (grid[0] * grid[1] * grid[2] // self.merge) + piece)
+        ids = self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens, return_tensors=return_tensors)
+        return {
+            "input_ids": ids["input_ids"],
+            "pixel_values": pixels["pixel_values"],
+            "image_grid_thw": pixels["image_grid_thw"],
+        }
+
+
+def mrope_positions(length: int, starts: list[int], grids: list[tuple[int, int, int]], merge: int) -> tuple:
+    """M-RoPE's rotary positions of a prompt whose images' tokens begin at `starts` (each image's t x h x w grid of
+    patches, `merge` x `merge` patches a token), as Qwen2-VL's `get_rope_index` computes them for images: a text
+    token's three positions are one, each after the last; an image's tokens are at (s + t, s + row, s + column), s the
+    position after the text before it; the text after it goes on from s + max(its rows, its columns). Returns the
+    positions `[3, p]` of the first p tokens, p the end of the last image, and the offset every later position takes
+    (its rotary position is position + offset: the model's `rope_deltas`). `length`: the prompt's tokens."""
+    import torch
+
+    pieces, at, now = [], 0, 0  # the tensors so far, the next token, its (first) rotary position
+    for start, (t, h, w) in zip(starts, grids):
+        if start > at:  # the text before the image
+            pieces.append(torch.arange(now, now + start - at).expand(3, -1))
+            now += start - at
+        h, w = h // merge, w // merge
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        pieces.append(grid.reshape(3, -1) + now)
+        now += max(h, w)
+        at = start + t * h * w
+    if at > length:
+        raise ValueError(f"the images' tokens end at {at}, past the prompt's {length}")
+    table = torch.cat(pieces, dim=1) if pieces else torch.empty(3, 0, dtype=torch.long)
+    return table, now - at
+
+
 def _runs(positions: list[int]) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     for p in positions:
@@ -189,9 +256,6 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((p, p + 1))
     return runs
-
-
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def has_processor(model_dir: str) -> bool:
@@ -211,6 +275,8 @@ class ImageProcessor:
         try:
             if config.model_type == "mistral3":
                 self.processor = PixtralProcessor(model_dir)
+            elif config.model_type in MROPE_MODELS:
+                self.processor = QwenVLProcessor(model_dir, config)
             else:
                 self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         except Exception as e:
@@ -222,6 +288,7 @@ class ImageProcessor:
         self.model_type = config.model_type
         self.image_token_id = config.image_token_id
         self.bidirectional = self.model_type in BIDIRECTIONAL_IMAGES
+        self.mrope = self.model_type in MROPE_MODELS
         self.max_images = max_images
         # Pixtral (Mistral 3): an image's rows, one per (patch_size * spatial_merge_size) square of its resized size.
         patch = getattr(config.vision_config, "patch_size", 1)
@@ -254,7 +321,7 @@ class ImageProcessor:
             raise InvalidRequest(f"messages: the images do not fit the prompt ({e})", param="messages") from None
         ids = out["input_ids"][0].tolist()
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        pixels = {k: out[k] for k in ("pixel_values", "image_sizes") if k in out}
+        pixels = {k: out[k] for k in ("pixel_values", "image_sizes", "image_grid_thw") if k in out}
         counts = self._rows_per_image(pixels, len(images))
         if sum(counts) != len(positions):
             raise InvalidRequest(
@@ -267,9 +334,16 @@ class ImageProcessor:
             digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
             keys.extend(-1 - ((digest + j) & _KEY_MASK) for j in range(count))
         spans = _runs(positions) if self.bidirectional else []
-        return ids, ImageInputs(pixels, positions, keys, spans, len(images))
+        mrope = None
+        if self.mrope:  # each image's first placeholder, and its grid
+            starts = list(itertools.accumulate(counts[:-1], initial=0))
+            grids = [tuple(g) for g in pixels["image_grid_thw"].tolist()]
+            mrope = mrope_positions(len(ids), [positions[s] for s in starts], grids, self.processor.merge_side)
+        return ids, ImageInputs(pixels, positions, keys, spans, len(images), mrope)
 
     def _rows_per_image(self, pixels: dict, n: int) -> list[int]:
+        if "image_grid_thw" in pixels:  # Qwen: its grid of patches, merge_size x merge_size a token
+            return [int(t * h * w) // self.processor.merge for t, h, w in pixels["image_grid_thw"].tolist()]
         if "image_sizes" in pixels:  # Pixtral: its resized height and width, in merged patches
             return [int(h) // self._per_row * (int(w) // self._per_row) for h, w in pixels["image_sizes"].tolist()]
         per = getattr(self.processor, "image_seq_length", None)

@@ -219,6 +219,7 @@ LLAMA_FAMILIES = (
     "apertus",
     "qwen3_5_text",
     *MOE_MODEL_TYPES,
+    *("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"),
 )
 # Cohere's layers run the attention and the MLP side by side on the same normed input (one LayerNorm a layer, no bias:
 # CohereLayerNorm), both added to the residual at once; its rotary embedding rotates interleaved pairs of dimensions
@@ -230,9 +231,21 @@ PARALLEL_FAMILIES = ("cohere", "cohere2")
 FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
 # Multimodal checkpoints, their language model one of the families above (text_config's model_type): the runner loads
 # the checkpoint as it ships and keeps its language model, and its vision tower for images (engine/images.py).
-TEXT_MODELS = ("gemma3", "mistral3", "llama4", "qwen3_5", "qwen3_5_moe")
+TEXT_MODELS = ("gemma3", "mistral3", "llama4", "qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Those whose images the engine embeds (engine/images.py); Llama 4's multimodal checkpoints are served for their text.
-IMAGE_MODELS = ("gemma3", "mistral3")
+IMAGE_MODELS = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+# The files a multimodal checkpoint's image processor ships in (one saved without them is served for its text only).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+# Those whose language model rotates an image's tokens by their place in it (M-RoPE: a temporal, a height and a width
+# position a token; a text token's three are its one): Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 (engine/images.py).
+MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+# Language models transformers has no causal-LM class for (only their conditional model's): the causal LM of the
+# family whose layers theirs are, as a shell their loaded text model goes in (`causal_lm_from_config`).
+_CAUSAL_SHELLS = {
+    "qwen2_vl_text": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen2_5_vl_text": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3_vl_text": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "gpt_neox", *LLAMA_FAMILIES, *TEXT_MODELS)
 # Encoders, served as cross-encoders (their *ForSequenceClassification checkpoints: ms-marco's MiniLM cross-encoders
 # are BERT, BAAI's bge-reranker-base/large and -v2-m3 XLM-RoBERTa, mxbai-rerank-v1 DeBERTa-v3, gte-reranker-modernbert
@@ -254,6 +267,25 @@ ENCODER_MODEL_TYPES = (
     "gte",
     "eurobert",
 )
+
+
+def causal_lm_from_config(config):
+    """transformers' causal LM of a (text) config, built as `AutoModelForCausalLM.from_config` builds it (under the
+    caller's device context: meta for a shell or a count); for a language model with no causal-LM class of its own
+    (Qwen2-VL's, Qwen2.5-VL's: Qwen2's layers; Qwen3-VL's: Qwen3's), its family's class built from its config (the
+    same modules and names, `model.layers.N...`; the rotary embedding is its own text model's where loaded)."""
+    import transformers
+
+    shell = _CAUSAL_SHELLS.get(config.model_type)
+    if shell is None:
+        return transformers.AutoModelForCausalLM.from_config(config)
+    family_config, causal_lm = (getattr(transformers, name) for name in shell)
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+    if isinstance(fields.get("rope_parameters"), dict):  # (M-RoPE's sections: the text model's rotary reads them)
+        fields["rope_parameters"] = {k: v for k, v in fields["rope_parameters"].items() if not k.startswith("mrope")}
+    model = causal_lm(family_config(**fields))
+    model.config = config  # (the checkpoint's own, as the text model's)
+    return model
 
 
 def recurrent_state_bytes(config, dtype_bytes: int) -> int:

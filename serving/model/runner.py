@@ -74,6 +74,7 @@ from pylon.serving.model.families import (
     SUPPORTED_MODEL_TYPES,
     TEXT_MODELS,
     attention_softcap,
+    causal_lm_from_config,
     is_sequence_classifier,
     kv_groups,
     layer_windows,
@@ -160,7 +161,7 @@ def _language_model(model_dir: str, dtype: torch.dtype) -> tuple[torch.nn.Module
     not, as loaded) put in the causal LM of its text config (Gemma3ForCausalLM, MistralForCausalLM), whose forward is
     the conditional model's on text; Llama 4's conditional model holds its causal LM whole (`language_model`). The
     caller keeps the vision part for images, or drops it."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     full = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     inner = getattr(full, "language_model", None)
@@ -169,7 +170,7 @@ def _language_model(model_dir: str, dtype: torch.dtype) -> tuple[torch.nn.Module
         del full.language_model
         return inner, full
     with torch.device("meta"):  # a shell: both of its parts are replaced by the loaded ones
-        causal = AutoModelForCausalLM.from_config(full.config.get_text_config())
+        causal = causal_lm_from_config(full.config.get_text_config())
     causal.model, causal.lm_head = full.model.language_model, full.lm_head
     causal.generation_config = full.generation_config
     vision = full.model
@@ -235,6 +236,25 @@ def model_type_of(model_dir: str) -> str | None:
             return json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError) as e:
         raise PylonError(f"model {model_dir}: not a Hugging Face model directory (config.json: {e})") from None
+
+
+def _mrope_rows(steps: list[StepSequence], positions: list[int], stage) -> torch.Tensor:
+    """M-RoPE's rotary positions `[3, rows]` of a step's rows (`positions`, padded rows included): a sequence's with
+    `mrope` (its table `[3, p]` and offset: pylon.serving.engine.images.mrope_positions) by its table below p and
+    position + offset from p on; every other row's three its position."""
+    rope = torch.tensor(positions, dtype=torch.long).expand(3, -1).clone()
+    row = 0
+    for s in steps:
+        n = s.num_new_tokens
+        if s.mrope is not None:
+            table, offset = s.mrope
+            at = rope[0, row : row + n]
+            part = (at + offset).expand(3, -1).clone()
+            inside = at < table.shape[1]
+            part[:, inside] = table[:, at[inside]]
+            rope[:, row : row + n] = part
+        row += n
+    return stage.add(rope.flatten().tolist()).view(3, -1)
 
 
 def _gpt2_activation(name: str) -> Callable:
@@ -889,6 +909,7 @@ class ModelRunner:
         self.scratch_slot: int | None = None  # where padded rows store their keys and values (add_scratch_block)
         self.host_kv: list[torch.Tensor] = []  # the prefix cache's host tier, kv_tensors' blocks (offload_to_host)
         self.decode_graphs = None  # pylon.serving.model.graphs.DecodeGraphs, on a GPU (use_decode_graphs)
+        self._step_rope: torch.Tensor | None = None  # M-RoPE's positions of the step's rows (`_mrope_rows`)
 
         # Decodes attend in place (see kernels.py), unless the attention soft-caps its scores or has sinks, which the
         # kernels do not take.
@@ -1073,6 +1094,7 @@ class ModelRunner:
                 return self._forward(ids, positions, meta, final, adapters)
         finally:
             self.workspace = saved
+            self._step_rope = None  # (one step's: set by `execute_step` for the forward it calls)
 
     def _projection_shapes(self) -> list[tuple[int, int, Callable]]:
         """(in, out, projection) for each distinct shape of the first layer's oneDNN projections."""
@@ -1120,7 +1142,10 @@ class ModelRunner:
         elif (
             self.decode_graphs is not None
             and not keep
-            and all(s.num_new_tokens == 1 and s.samples and not s.pooled and not s.image_rows for s in steps)
+            and all(
+                s.num_new_tokens == 1 and s.samples and not s.pooled and not s.image_rows and s.mrope is None
+                for s in steps
+            )
         ):
             logits = self.decode_graphs.run(steps)  # one token a sequence: its one row, prompt_logits or not
             if logits is not None:
@@ -1212,6 +1237,8 @@ class ModelRunner:
             pad = linear.padded_rows(len(token_ids)) - len(token_ids)
             token_ids.extend([0] * pad)
             positions.extend([0] * pad)
+        # M-RoPE (a Qwen-VL prompt with images): each row's three rotary positions, `[3, rows]`; else its position.
+        self._step_rope = _mrope_rows(steps, positions, stage) if any(s.mrope is not None for s in steps) else None
         ids, positions = stage.add(token_ids), stage.add(positions)
         adapters = self._step_adapters(steps, len(token_ids), last_tokens, final) if with_adapters else None
         images = None
@@ -1300,11 +1327,22 @@ class ModelRunner:
         if "image_sizes" in pixels:  # Mistral 3 (Pixtral): each image's own size, and the layer its features are from
             kwargs["image_sizes"] = pixels["image_sizes"].to(self.device)
             kwargs["vision_feature_layer"] = self.full_config.vision_feature_layer
-        features = self.vision.get_image_features(**kwargs).pooler_output
+        if "image_grid_thw" in pixels:  # Qwen-VL: each image's grid of patches
+            kwargs["image_grid_thw"] = pixels["image_grid_thw"].to(self.device)
+        out = self.vision.get_image_features(**kwargs)
         hidden = self.config.hidden_size
-        if isinstance(features, torch.Tensor):
-            return features.reshape(-1, hidden)
-        return torch.cat([f.reshape(-1, hidden) for f in features])
+
+        def rows(features) -> torch.Tensor:
+            if isinstance(features, torch.Tensor):
+                return features.reshape(-1, hidden)
+            return torch.cat([f.reshape(-1, hidden) for f in features])
+
+        deepstack = getattr(out, "deepstack_features", None)
+        if not deepstack:
+            return rows(out.pooler_output)
+        # Qwen3-VL: each placeholder's row, then its features from the vision tower's inner layers, which the first
+        # layers of the language model add to their outputs (`_forward_llama`): [placeholders, 1 + levels, hidden].
+        return torch.stack([rows(out.pooler_output), *(rows(f) for f in deepstack)], dim=1)
 
     def fixed_weights(self) -> str | None:
         """Why this runner's weights cannot be replaced by `load_weights` (weights transformed at load into a form
@@ -1747,7 +1785,7 @@ class ModelRunner:
         from `hidden`, the previous stage's output, unless it is the first, and returns its last layer's output
         without the final norm (see `execute_step`)."""
         llama = self.model.model
-        wide = None
+        wide = deepstack = None
         if hidden is not None and self.mtp_input is not None:  # a multi-token-prediction layer: h and the next tokens
             h, wide = self.mtp_input(llama.embed_tokens(ids), positions, hidden)
         elif hidden is not None:
@@ -1757,14 +1795,17 @@ class ModelRunner:
             if self._embedding_multiplier is not None:  # Granite: GraniteModel scales its embeddings
                 h = h * self._embedding_multiplier
             if images is not None:  # the images' rows in place of their placeholders' (after Gemma 3's scaling)
-                rows, embeds = images
-                h = h.index_copy(0, rows, embeds.to(h.dtype))
+                image_rows, embeds = images
+                if embeds.dim() == 3:  # Qwen3-VL: [rows, 1 + levels, hidden], the later ones added after layers
+                    embeds, deepstack = embeds[:, 0], embeds[:, 1:].to(h.dtype)
+                h = h.index_copy(0, image_rows, embeds.to(h.dtype))
         rope_types, output_norms, input_norms = self._rope_types, self._output_norms, self._input_norms
         residual = self._residual_multiplier  # Granite: each output scaled as it joins the residual
         qk_norms, rotates = self._qk_norms, self._rotates
         fused, apply_rope = self._fused, self._apply_rope
         if rope_types is None:
-            rotary = llama.rotary_emb(h, positions[None])  # [1, T, head_dim]; handles rope scaling variants
+            # [1, T, head_dim]; handles rope scaling variants, and M-RoPE's three positions a row (`_step_rope`)
+            rotary = llama.rotary_emb(h, positions[None] if self._step_rope is None else self._step_rope[:, None])
             # (DeepSeek-V2's: one complex tensor of frequencies, [1, T, rotated dims / 2])
             cos, sin = (rotary, rotary) if isinstance(rotary, torch.Tensor) else rotary
         else:  # one per layer type, as Gemma3TextModel computes them
@@ -1782,6 +1823,8 @@ class ModelRunner:
         keep = self.keep_layers if self.keep_hidden else ()
         for i in self.layers:
             layer = llama.layers[i]
+            if deepstack is not None and 0 < i <= deepstack.shape[1]:  # Qwen3-VL: the vision tower's inner features
+                h = h.index_add(0, image_rows, deepstack[:, i - 1])  # added to the image rows' output of layer i - 1
             if i in keep:  # (an EAGLE-3 head's: this layer's input, every row)
                 self._kept[i] = h
             if rope_types is not None:

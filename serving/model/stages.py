@@ -243,10 +243,10 @@ def weight_sizes(config) -> tuple[list[int], int]:
     """The weights (parameters and persistent buffers, such as a router's correction bias) of each decoder layer of
     `config`'s causal LM, and of the rest (embeddings, final norm and lm_head: one matrix where tied), counted on the
     meta device (any size)."""
-    from transformers import AutoModelForCausalLM
+    from pylon.serving.model.families import causal_lm_from_config
 
     with torch.device("meta"):  # (a multimodal checkpoint's: its text model's, what its stages hold)
-        model = AutoModelForCausalLM.from_config(config.get_text_config())
+        model = causal_lm_from_config(config.get_text_config())
     sizes = {name: t.numel() for name, t in model.state_dict(keep_vars=True).items()}
     layers = [0] * len(model.model.layers)
     rest = 0

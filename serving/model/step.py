@@ -31,6 +31,10 @@ class StepSequence:
     image_rows: tuple[int, ...] = ()
     image_embeds: object = None
     image_spans: tuple[tuple[int, int], ...] = ()
+    # M-RoPE (a Qwen-VL prompt with images: pylon.serving.engine.images.ImageInputs.mrope): the rotary positions
+    # `[3, p]` of the sequence's first p positions, and the offset of every later one (position + offset, all three);
+    # None: each token is rotated by its position.
+    mrope: tuple | None = None
     # A model with recurrent layers (families.LINEAR_ATTENTION_FAMILIES): the key of the sequence's state there (its
     # request's id); a sequence that starts at position 0 starts its state afresh (a new prompt, or one recomputed).
     state: str | None = None

@@ -107,10 +107,9 @@ class ModelShape:
 def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
     """`config`'s model (with `lora`'s adapters) built on the meta device and counted: no memory, any size."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from pylon.models import _matmul_parameters, expert_parameters, expert_weights, with_lora
-    from pylon.serving.model.families import ENCODER_MODEL_TYPES, is_sequence_classifier
+    from pylon.serving.model.families import ENCODER_MODEL_TYPES, causal_lm_from_config, is_sequence_classifier
 
     with torch.device("meta"):
         # A classifier (a reward model, a cross-encoder): its head of num_labels rows, not a vocabulary's lm_head.
@@ -123,7 +122,7 @@ def model_shape(config, lora: LoraSpec | None = None) -> ModelShape:
 
             model = AutoModel.from_config(config)
         else:
-            model = AutoModelForCausalLM.from_config(config)
+            model = causal_lm_from_config(config)
         matmul = _matmul_parameters(model)
         experts, share = expert_parameters(model)
         if lora is not None:

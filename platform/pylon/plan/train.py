@@ -412,15 +412,18 @@ def vision_params(uri: str, what: str) -> int:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from pylon.serving.model.families import IMAGE_MODELS
+    from pylon.serving.model.families import IMAGE_MODELS, PROCESSOR_FILES
 
     config = _whole_config_from_dir(uri, what)
     if getattr(config, "vision_config", None) is None or config.model_type not in IMAGE_MODELS:
         return 0  # (Llama 4's multimodal checkpoints are served for their text: no vision tower kept)
+    if not any(storage.exists(storage.join(uri, name)) for name in PROCESSOR_FILES):
+        return 0  # (saved without its image processor: served for its text, as the engine does)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     inner = model.model
-    return sum(p.numel() for part in (inner.vision_tower, inner.multi_modal_projector) for p in part.parameters())
+    parts = (inner.visual,) if hasattr(inner, "visual") else (inner.vision_tower, inner.multi_modal_projector)
+    return sum(p.numel() for part in parts for p in part.parameters())  # (Qwen's `visual` holds its merger)
 
 
 def _whole_config_from_dir(uri: str, what: str):

@@ -1,6 +1,6 @@
 """Images over HTTP through the official `openai` client against a real uvicorn server whose engine runs in its own
 process (engine.separate_process, the default): a chat message's image_url parts (data: URLs) and the Responses API's
-input_image parts reach a tiny Gemma 3 (and Mistral 3) checkpoint's vision tower, and the reply is the conditional model's greedy
+input_image parts reach a tiny Gemma 3 (Qwen2.5-VL; Mistral 3, Qwen3-VL) checkpoint's vision tower, and the reply is the conditional model's greedy
 continuation as `transformers` computes it (tests/image_models.py), streamed and not; bad images are 400s naming
 the part; a text-only model refuses images naming the part."""
 
@@ -18,7 +18,10 @@ def _url(data: bytes, kind: str = "png") -> str:
     return f"data:image/{kind};base64," + base64.b64encode(data).decode()
 
 
-@pytest.fixture(scope="module", params=["gemma3", pytest.param("mistral3", marks=pytest.mark.slow)])  # (make test-all)
+@pytest.fixture(
+    scope="module",
+    params=["gemma3", "qwen2_5_vl", *(pytest.param(m, marks=pytest.mark.slow) for m in ("mistral3", "qwen3_vl"))],
+)  # (the slow ones with make test-all)
 def gemma(request, tmp_path_factory):
     directory = image_models.image_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return directory, image_models.Reference(directory)

@@ -792,6 +792,9 @@ def test_a_multimodal_checkpoint_is_served_for_its_text(name, tmp_path) -> None:
     plan = plan_serve(DeploymentSpec(name="g", model=str(directory), engine=text_only), gpu="A100-80GB")
     assert plan.rows[0].weights == language * 2  # bf16 on a GPU
     plan = plan_serve(DeploymentSpec(name="g", model=str(directory)), gpu="A100-80GB")
+    assert plan.rows[0].weights == language * 2  # (saved without its image processor: served for its text)
+    (directory / "preprocessor_config.json").write_text("{}")  # as a checkpoint ships: images taken
+    plan = plan_serve(DeploymentSpec(name="g", model=str(directory)), gpu="A100-80GB")
     assert plan.rows[0].weights == (language + seeing) * 2 and "vision tower" in " ".join(plan.notes)
     # Log-probabilities: the conditional model's log-softmax of its logits, generated and prompt tokens.
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=5)
