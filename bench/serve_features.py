@@ -1224,13 +1224,16 @@ def report_rewards(r: dict) -> None:
 
 
 def images(args) -> dict:
-    """Images (serving/engine/images.py) on a Gemma-3-shaped checkpoint built in the run with the image tests' builder
-    (tests/image_models.py; random weights, a SigLIP-shaped vision tower of `--image-vision-layers` layers over 224 x
-    224 images, 64 tokens an image): a chat about one image over `--image-turns` turns, each request sending the whole
-    conversation as chat clients do, with the prefix cache against without (prompt tokens computed and the vision
-    tower's runs: counts that do not depend on the machine; and the turns' wall time); then the price of an image, the
-    time to the first token of a request with one image against one of the same length in text tokens, legs
-    alternating."""
+    """Images (serving/engine/images.py) on a checkpoint built in the run with the image tests' builder
+    (tests/image_models.py; random weights): `--image-family gemma3`, Gemma 3's shape with a SigLIP-shaped vision tower
+    of `--image-vision-layers` layers over 224 x 224 images, 64 tokens an image; `qwen2_5_vl`, Qwen2.5-VL's (M-RoPE),
+    its vision tower of as many layers, up to 64 tokens an image (the test picture's 320 x 240: 48). A chat about one
+    image over `--image-turns` turns, each request sending the whole conversation as chat clients do, with the prefix
+    cache against without (prompt tokens computed and the vision tower's runs: counts that do not depend on the
+    machine; and the turns' wall time); then the price of an image, the time to the first token of a request with one
+    image against one of the same length in text tokens, legs alternating; then the price of decoding after an image
+    (Qwen's: each row's M-RoPE positions a step), 8 requests with an image each decoding `--image-reply-tokens`
+    tokens against 8 of the same length in text."""
     import sys
 
     import torch
@@ -1259,10 +1262,15 @@ def images(args) -> dict:
     vision = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": args.image_vision_layers}
     vision["num_attention_heads"] = 6
     questions = DATASET.read_text()[:4000].split("\n\n")
-    results: dict = {"turns": {}, "price": []}
+    results: dict = {"turns": {}, "price": [], "decode": [], "family": args.image_family}
     with tempfile.TemporaryDirectory() as tmp:
+        family = args.image_family
+        if family == "qwen2_5_vl":  # Qwen2's layer (no windows); a vision tower of as many layers, windowed
+            text = {k: v for k, v in text.items() if k not in ("sliding_window", "layer_types", "head_dim")}
+            vision = {"depth": args.image_vision_layers, "hidden_size": 384, "intermediate_size": 1536}
+            vision |= {"num_heads": 6, "fullatt_block_indexes": [args.image_vision_layers - 1]}
         directory = image_models.image_checkpoint(
-            "gemma3", Path(tmp) / "gemma3", text=text, vision=vision, image=224, image_tokens=64
+            family, Path(tmp) / family, text=text, vision=vision, image=224, image_tokens=64, max_image_tokens=64
         )
         picture = image_models.png(0, (320, 240))
         tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -1315,6 +1323,25 @@ def images(args) -> dict:
                 times[leg] = time.monotonic() - t0
             results["price"].append(times)
         results["prompt_tokens"] = len(ids)
+        del eng
+        gc.collect()
+        # Decoding after an image: 8 requests at once, each an image (or as many text tokens), then its reply.
+        eng = engine(str(directory), "none", 8, max_model_len=4096)
+        reply = SamplingParams(max_tokens=args.image_reply_tokens, temperature=0, ignore_eos=True)
+        for r in range(args.rounds * 2):
+            times = {}
+            for leg in ("image", "text") if r % 2 == 0 else ("text", "image"):
+                for k in range(8):
+                    eng.add_request(f"d{leg}{r}-{k}", prompt if leg == "image" else words, one)
+                while eng.has_unfinished():  # (their prompts cached first: what follows is decoding, bar a block)
+                    eng.step()
+                for k in range(8):
+                    eng.add_request(f"e{leg}{r}-{k}", prompt if leg == "image" else words, reply)
+                t0 = time.monotonic()
+                while eng.has_unfinished():
+                    eng.step()
+                times[leg] = time.monotonic() - t0
+            results["decode"].append(times)
     return results
 
 
@@ -1338,6 +1365,14 @@ def report_images(r: dict) -> None:
         f"{statistics.median(p['text'] for p in r['price']):.3f} s: {statistics.median(ratios):.2f}x "
         f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
     )
+    if r.get("decode"):
+        ratios = [p["image"] / p["text"] for p in r["decode"]]
+        print(
+            f"decoding after an image ({r['family']}): 8 requests of one image, each prompt then its reply, "
+            f"{statistics.median(p['image'] for p in r['decode']):.3f} s against the same in text "
+            f"{statistics.median(p['text'] for p in r['decode']):.3f} s: {statistics.median(ratios):.2f}x "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        )
 
 
 def main() -> None:
@@ -1397,6 +1432,12 @@ def main() -> None:
     p.add_argument("--image-turns", type=int, default=6, help="turns of the images section's chat about one image")
     p.add_argument("--image-reply-tokens", type=int, default=32, help="the reply's tokens each turn")
     p.add_argument("--image-vision-layers", type=int, default=6, help="its vision tower's layers")
+    p.add_argument(
+        "--image-family",
+        choices=("gemma3", "qwen2_5_vl"),
+        default="gemma3",
+        help="the images section's checkpoint: Gemma 3's shape, or Qwen2.5-VL's (M-RoPE positions)",
+    )
     args = p.parse_args()
     PLACE.update(device=args.device, dtype=args.dtype or ("bf16" if args.device == "cuda" else "fp32"))
     chosen = args.only or (GPU_SECTIONS if args.device == "cuda" else list(SECTIONS))

@@ -90,10 +90,12 @@ def image_checkpoint(
     vision: dict | None = None,
     image: int = IMAGE,
     image_tokens: int = 4,
+    max_image_tokens: int = 16,
 ) -> Path:
     """A tiny `name` ("gemma3", "mistral3" or one of QWEN_VL) checkpoint saved in `directory`, with its tokenizer and processor.
     `text`, `vision`: shapes over the tests' (bench/serve_features.py's images section builds a larger one); `image`:
-    the pixels a side images are resized to; `image_tokens`: Gemma 3's tokens an image (a square number)."""
+    the pixels a side images are resized to; `image_tokens`: Gemma 3's tokens an image (a square number);
+    `max_image_tokens`: Qwen's most tokens an image (its processor's max_pixels)."""
     text_shape, vision_shape = text or {}, vision or {}
     from transformers import (
         Gemma3Config,
@@ -117,7 +119,7 @@ def image_checkpoint(
         "initializer_range": 0.5,
     }
     if name in QWEN_VL:
-        return _qwen_checkpoint(name, directory, text | text_shape, vision_shape)
+        return _qwen_checkpoint(name, directory, text | text_shape, vision_shape, max_image_tokens)
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
     vision |= {"image_size": image, "patch_size": 14, **vision_shape}
     if name == "gemma3":
@@ -187,10 +189,11 @@ def image_checkpoint(
     return directory
 
 
-def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict) -> Path:
+def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict, max_tokens: int = 16) -> Path:
     """A tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint as they ship: the conditional model, a tokenizer with
     Qwen's image tokens and chat template, and the image processor's preprocessor_config.json (Qwen2VLImageProcessor,
-    images resized to between 2 x 2 and 4 x 4 merged patches, so that images of other shapes have other grids)."""
+    images resized to between 4 and `max_tokens` merged patches, keeping their aspect, so that images of other shapes
+    have other grids)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -259,7 +262,7 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict)
                     name, "Qwen3VLProcessor"
                 ),
                 "min_pixels": 4 * unit * unit,
-                "max_pixels": 16 * unit * unit,
+                "max_pixels": max_tokens * unit * unit,
                 "patch_size": patch,
                 "merge_size": 2,
                 "temporal_patch_size": 2,

@@ -23,9 +23,9 @@ refused at load (`unsupported`): an attention logit soft cap in a Gemma 3 config
 it) and its bidirectional attention (embedding models). The multimodal Gemma 3 checkpoints (`gemma3`:
 Gemma3ForConditionalGeneration: 4B, 12B, 27B) are served for their text (`TEXT_MODELS`), as are Mistral 3's
 (`mistral3`: Mistral3ForConditionalGeneration, Mistral Small 3.1 and 3.2 24B, whose language model is Mistral's):
-loaded as they ship, their language model kept and the vision tower dropped, so they answer text as the conditional
-model does on text alone (LoRA adapters trained on it adapt that language model: pylon.serving.model.lora); images
-are not taken.
+loaded as they ship, their language model kept, so they answer text as the conditional model does on text alone (LoRA
+adapters trained on it adapt that language model: pylon.serving.model.lora); their vision tower is kept for images
+where the checkpoint ships its image processor (`IMAGE_MODELS`, pylon.serving.engine.images), else dropped.
 
 Gemma (`gemma`: Gemma 2B and 7B, CodeGemma) is Gemma 3's embedding scale and `x * (1 + w)` norms on Llama's layer
 (two norms, one rotary embedding, a head_dim of 256 apart from hidden_size / heads), its MLP gated by GELU (tanh), as
@@ -150,9 +150,15 @@ after each draft, to go back to the last one accepted (`keep_state`), and a cach
 at block boundaries (docs/serving.md). Its checkpoints' multi-token-prediction layer (`mtp.`, which transformers
 skips) drafts with `engine.speculative.method: mtp` (pylon.serving.model.mtp), Qwen3.5's too.
 Qwen3.5 (`qwen3_5_text`, and `qwen3_5_moe_text` with Qwen3-Next's MoE blocks; their multimodal checkpoints `qwen3_5`
-and `qwen3_5_moe` served for their text) has the same layers, its recurrent layers' projections apart
+and `qwen3_5_moe`, images included) has the same layers, its recurrent layers' projections apart
 (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` in place of Qwen3-Next's interleaved `in_proj_qkvz` and
 `in_proj_ba`) and a multimodal rotary embedding, which on text alone is its rotation of the text's positions.
+
+Qwen2-VL and Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`: Qwen2's layers) and Qwen3-VL (`qwen3_vl`: Qwen3's) are conditional
+models whose language models (`qwen2_vl_text`, ...) transformers has no causal-LM class for: the runner loads the
+conditional model and puts its text model in its family's causal LM (`causal_lm_from_config`). Their rotary embedding
+is M-RoPE (`MROPE_MODELS`): three positions a token, which on text are its one; an image's tokens' are its rows and
+columns (pylon.serving.engine.images.mrope_positions).
 
 LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
 short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long

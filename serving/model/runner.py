@@ -241,20 +241,34 @@ def model_type_of(model_dir: str) -> str | None:
 def _mrope_rows(steps: list[StepSequence], positions: list[int], stage) -> torch.Tensor:
     """M-RoPE's rotary positions `[3, rows]` of a step's rows (`positions`, padded rows included): a sequence's with
     `mrope` (its table `[3, p]` and offset: pylon.serving.engine.images.mrope_positions) by its table below p and
-    position + offset from p on; every other row's three its position."""
-    rope = torch.tensor(positions, dtype=torch.long).expand(3, -1).clone()
+    position + offset from p on; every other row's three its position. A decode (or draft) past its prompt's images
+    costs an addition a row; a prompt chunk reaching into them, a gather from its table."""
+    streams: list[list[int]] = [[], [], []]
     row = 0
     for s in steps:
         n = s.num_new_tokens
-        if s.mrope is not None:
-            table, offset = s.mrope
-            at = rope[0, row : row + n]
-            part = (at + offset).expand(3, -1).clone()
-            inside = at < table.shape[1]
-            part[:, inside] = table[:, at[inside]]
-            rope[:, row : row + n] = part
+        at = positions[row : row + n]
         row += n
-    return stage.add(rope.flatten().tolist()).view(3, -1)
+        if s.mrope is None:
+            for stream in streams:
+                stream.extend(at)
+            continue
+        table, offset = s.mrope
+        if min(at) >= table.shape[1]:  # past the last image (trees' rows too: any order)
+            shifted = [q + offset for q in at]
+            for stream in streams:
+                stream.extend(shifted)
+            continue
+        where = torch.tensor(at)
+        part = (where + offset).expand(3, -1).clone()
+        inside = where < table.shape[1]
+        part[:, inside] = table[:, where[inside]]
+        for stream, values in zip(streams, part.tolist()):
+            stream.extend(values)
+    rest = positions[row:]  # (padded rows)
+    for stream in streams:
+        stream.extend(rest)
+    return stage.add(streams[0] + streams[1] + streams[2]).view(3, -1)
 
 
 def _gpt2_activation(name: str) -> Callable:
