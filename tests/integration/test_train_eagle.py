@@ -67,6 +67,9 @@ def _accepted(model: Path, head: str, prompts: list[list[int]]) -> tuple[float, 
     return (stats.spec_accepted_tokens_total / max(stats.spec_draft_tokens_total, 1) if head else 0.0), outputs
 
 
+# (make test-all: 2.5 minutes, past what CI's time allows beside the rest; tests/unit/jobs/test_eagle.py keeps the
+# trainer's head against the engine's drafts, ZeRO-2 and 3, saving and resuming, without a cluster)
+@pytest.mark.slow
 def test_an_eagle3_head_trained_for_a_model_drafts_for_it_in_the_engine(ray_cluster, tmp_path, capsys):
     from pylon.data.prepare import prepare
     from pylon.data.tokenizer import ByteTokenizer
