@@ -292,9 +292,11 @@ def png(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
 class Reference:
     """The conditional model as transformers computes it, on the processor's inputs."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, image_kwargs: dict | None = None):
+        """`image_kwargs`: Qwen-VL's image processor's arguments (engine.mm_processor_kwargs)."""
         from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PixtralImageProcessorPil
 
+        self.image_kwargs = image_kwargs or {}
         self.model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
         self.pixtral = self.model.config.model_type == "mistral3"
         self.qwen = self.model.config.model_type in QWEN_VL
@@ -344,7 +346,7 @@ class Reference:
         model computes its M-RoPE positions (get_rope_index)."""
         image = self.model.config.image_token_id
         pieces = text.split(self.tokenizer.convert_ids_to_tokens(image))
-        out = dict(self.image_processor(pictures, return_tensors="pt")) if pictures else {}
+        out = dict(self.image_processor(pictures, return_tensors="pt", **self.image_kwargs)) if pictures else {}
         ids = self.tokenizer(pieces[0], add_special_tokens=False)["input_ids"]
         for k, piece in enumerate(pieces[1:]):
             ids += [image] * (int(out["image_grid_thw"][k].prod()) // 4)

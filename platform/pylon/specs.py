@@ -1394,6 +1394,13 @@ class EngineSpec(_Spec):
         "dropped at load (less memory) and a request with an image is a 400. No effect for a text-only model, "
         "which refuses images",
     )
+    mm_processor_kwargs: dict[str, int | float | bool | str | list[int] | dict[str, int]] = Field(
+        default_factory=dict,
+        description="arguments for the multimodal checkpoint's image processor, each request's images processed with "
+        "them (vLLM's mm_processor_kwargs): Qwen-VL's {max_pixels: 1003520} caps an image at 1,280 tokens (its "
+        "checkpoints' 12,845,056 allow 16,384), min_pixels raises small ones. Checked at engine start on a test "
+        "image: a name or value the processor refuses fails the start naming this field",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="reuse the KV cache blocks of a prompt's prefix that an earlier request computed (vLLM's "

@@ -308,7 +308,7 @@ class LLMEngine:
                     self.pool = KVBlockPool.for_tokens(spec.kv_cache_tokens, spec.block_size, enable_caching=False)
             # A multimodal checkpoint's processor, for requests with images (engine/images.py); None: text only.
             self.images = (
-                ImageProcessor(directory, self.runner.full_config, spec.max_images_per_prompt)
+                ImageProcessor(directory, self.runner.full_config, spec.max_images_per_prompt, spec.mm_processor_kwargs)
                 if self.runner.vision is not None
                 else None
             )

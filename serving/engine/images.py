@@ -174,8 +174,10 @@ class PixtralProcessor:
         self.image_break = config.get("image_break_token", "[IMG_BREAK]")
         self.image_end = config.get("image_end_token", "[IMG_END]")
 
-    def __call__(self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool) -> dict:
-        pixels = self.image_processor(images[0], patch_size=self.patch, return_tensors=return_tensors)
+    def __call__(
+        self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool, **kwargs
+    ) -> dict:
+        pixels = self.image_processor(images[0], **({"patch_size": self.patch} | kwargs), return_tensors=return_tensors)
         pieces = text[0].split(self.image_token)
         if len(pieces) - 1 != len(images[0]):
             raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
@@ -207,8 +209,10 @@ class QwenVLProcessor:
         self.merge_side = int(self.image_processor.merge_size)
         self.merge = self.merge_side**2
 
-    def __call__(self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool) -> dict:
-        pixels = self.image_processor(images[0], return_tensors=return_tensors)
+    def __call__(
+        self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool, **kwargs
+    ) -> dict:
+        pixels = self.image_processor(images[0], return_tensors=return_tensors, **kwargs)
         pieces = text[0].split(self.image_token)
         if len(pieces) - 1 != len(images[0]):
             raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
@@ -267,7 +271,7 @@ def has_processor(model_dir: str) -> bool:
 class ImageProcessor:
     """A multimodal checkpoint's processor (its image processor and its tokenizer, as it ships), for the engine."""
 
-    def __init__(self, model_dir: str, config, max_images: int):
+    def __init__(self, model_dir: str, config, max_images: int, kwargs: dict | None = None):
         from transformers import AutoProcessor
 
         from pylon.errors import PylonError
@@ -285,6 +289,9 @@ class ImageProcessor:
                 "multimodal checkpoint ships processor_config.json and preprocessor_config.json beside its tokenizer "
                 "(copy them from the checkpoint), or set engine.max_images_per_prompt: 0 to serve its text only"
             ) from None
+        self.kwargs = dict(kwargs or {})  # engine.mm_processor_kwargs: the image processor's, every request
+        if self.kwargs:
+            self._check_kwargs()
         self.model_type = config.model_type
         self.image_token_id = config.image_token_id
         self.bidirectional = self.model_type in BIDIRECTIONAL_IMAGES
@@ -293,6 +300,22 @@ class ImageProcessor:
         # Pixtral (Mistral 3): an image's rows, one per (patch_size * spatial_merge_size) square of its resized size.
         patch = getattr(config.vision_config, "patch_size", 1)
         self._per_row = patch * getattr(config, "spatial_merge_size", 1)
+
+    def _check_kwargs(self) -> None:
+        """engine.mm_processor_kwargs, tried on a test image: the processor's refusal (a name it does not take, a value
+        of another type) fails the engine's start naming the field, not each request."""
+        from PIL import Image
+
+        from pylon.errors import PylonError
+
+        try:
+            self.processor.image_processor([Image.new("RGB", (64, 48))], return_tensors="pt", **self.kwargs)
+        except Exception as e:
+            raise PylonError(
+                f"engine.mm_processor_kwargs {sorted(self.kwargs)}: the model's image processor "
+                f"({type(self.processor.image_processor).__name__}) refuses them ({type(e).__name__}: "
+                f"{str(e).strip()[:300]}); give the names and types it takes (Qwen-VL: max_pixels, min_pixels)"
+            ) from None
 
     def prepare(self, prompt: ImagePrompt, special: bool = False) -> tuple[list[int], ImageInputs]:
         """The prompt's token ids (each image marker expanded into its placeholders) and its images' inputs."""
@@ -316,7 +339,9 @@ class ImageProcessor:
                     param="messages",
                 ) from None
         try:
-            out = self.processor(text=[prompt.text], images=[images], return_tensors="pt", add_special_tokens=special)
+            out = self.processor(
+                text=[prompt.text], images=[images], return_tensors="pt", add_special_tokens=special, **self.kwargs
+            )
         except ValueError as e:  # e.g. the template placed fewer image markers than there are images
             raise InvalidRequest(f"messages: the images do not fit the prompt ({e})", param="messages") from None
         ids = out["input_ids"][0].tolist()

@@ -263,3 +263,30 @@ def test_the_planner_counts_what_the_engine_holds(checkpoint) -> None:
     assert plan.rows[0].weights == (language + seeing) * 2  # bf16 on a GPU
     text_only = DeploymentSpec(name="m", model=str(directory), engine={"max_images_per_prompt": 0})
     assert plan_serve(text_only, gpu="A100-80GB").rows[0].weights == language * 2
+
+
+def test_the_image_processor_takes_the_deployments_arguments(checkpoint) -> None:
+    """engine.mm_processor_kwargs (vLLM's): Qwen-VL's min_pixels resizes each image to at least that many pixels (more
+    tokens: the fixture's processor allows 4 to 16 an image), and the replies are the model's on images so
+    processed; arguments the processor refuses fail the engine's start naming the field."""
+    from pylon.errors import PylonError
+
+    name, directory, _ = checkpoint
+    if name not in image_models.QWEN_VL:
+        pytest.skip("Qwen-VL's min_pixels (Gemma 3's images are a fixed size)")
+    unit = 32 if name in ("qwen3_vl", "qwen3_5") else 28  # a token's square of pixels
+    kwargs = {"min_pixels": 12 * unit * unit}
+    prompts = _prompts(directory)
+    engine = LLMEngine(str(directory), spec(block_size=4, mm_processor_kwargs=kwargs))
+    plain = LLMEngine(str(directory), spec(block_size=4))
+    for key in ("ac", "b"):
+        _, larger = engine.images.prepare(ImagePrompt(*prompts[key]))
+        _, inputs = plain.images.prepare(ImagePrompt(*prompts[key]))
+        assert len(larger.positions) >= 12 * len(prompts[key][1]) > len(inputs.positions)
+        engine.add_request(key, _engine_prompt(prompts[key]), PARAMS)
+    outputs = run(engine)
+    reference = image_models.Reference(directory, image_kwargs=kwargs)
+    for key in ("ac", "b"):
+        _check(reference, prompts[key], outputs[key])
+    with pytest.raises(PylonError, match=r"engine.mm_processor_kwargs \['bogus'\]: .*refuses them"):
+        LLMEngine(str(directory), spec(mm_processor_kwargs={"bogus": 1}))
