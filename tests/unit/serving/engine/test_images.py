@@ -11,6 +11,7 @@ import shutil
 
 import image_models
 import pytest
+import torch
 from engine_models import DEVICE, run, spec, tokens_of
 
 from pylon.serving.engine.engine import LLMEngine
@@ -290,3 +291,33 @@ def test_the_image_processor_takes_the_deployments_arguments(checkpoint) -> None
         _check(reference, prompts[key], outputs[key])
     with pytest.raises(PylonError, match=r"engine.mm_processor_kwargs \['bogus'\]: .*refuses them"):
         LLMEngine(str(directory), spec(mm_processor_kwargs={"bogus": 1}))
+
+
+def test_a_lora_adapter_of_the_conditional_model_adapts_its_language_model_reading_images(checkpoint, tmp_path) -> None:
+    """A LoRA adapter trained on the conditional model (peft's names: `model.language_model.layers...`) adapts the
+    engine's language model (for Qwen-VL, the family's causal LM it is built in) on a request with an image: its
+    greedy tokens are the adapted conditional model's, beside a request of the base model in the same steps."""
+    from peft import LoraConfig, get_peft_model
+
+    _, directory, _ = checkpoint
+    prompts = _prompts(directory)
+    text, images = prompts["a"]
+    reference = image_models.Reference(directory)
+    base = reference.greedy(text, list(images), NEW)
+    torch.manual_seed(3)
+    targets = r".*language_model.*\.(q_proj|v_proj|down_proj)"
+    reference.model = get_peft_model(
+        reference.model, LoraConfig(init_lora_weights=False, r=8, lora_alpha=16, target_modules=targets)
+    )
+    with torch.no_grad():
+        for key, p in reference.model.named_parameters():
+            if "lora_B" in key:
+                p.mul_(20)
+    reference.model.save_pretrained(tmp_path / "adapter")
+    adapted = reference.greedy(text, list(images), NEW)
+    assert adapted != base
+    engine = LLMEngine(str(directory), spec(block_size=4, adapters=[{"name": "t", "path": str(tmp_path / "adapter")}]))
+    engine.add_request("adapted", ImagePrompt(text, images), SamplingParams(max_tokens=NEW, temperature=0, adapter="t"))
+    engine.add_request("base", ImagePrompt(text, images), SamplingParams(max_tokens=NEW, temperature=0))
+    outputs = run(engine)
+    assert (tokens_of(outputs["adapted"]), tokens_of(outputs["base"])) == (adapted, base)
