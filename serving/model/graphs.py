@@ -128,6 +128,9 @@ class DecodeGraphs:
         graph = self.graphs[shape]
         pad = b - len(steps)
         ids = [s.token_ids[0] for s in steps] + [0] * pad
+        # The rows' rotary positions: a Qwen-VL decode past its prompt's images rotates by position + its M-RoPE
+        # offset, all three positions alike, which is the plain rotation of that one position.
+        rotary = [s.start + s.mrope[1] if s.mrope is not None else s.start for s in steps]
         slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, starts)]
         groups = []  # the KV cache's other groups' slots and tables (ModelRunner.kv_groups)
         for g in range(1, len(self.runner.kv_groups)):
@@ -138,7 +141,7 @@ class DecodeGraphs:
         self.runner.stage.upload(
             graph.inputs,
             ids
-            + starts
+            + rotary
             + [0] * pad
             + slots
             + [self.runner.scratch_slot] * pad

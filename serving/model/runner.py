@@ -1157,7 +1157,11 @@ class ModelRunner:
             self.decode_graphs is not None
             and not keep
             and all(
-                s.num_new_tokens == 1 and s.samples and not s.pooled and not s.image_rows and s.mrope is None
+                s.num_new_tokens == 1
+                and s.samples
+                and not s.pooled
+                and not s.image_rows
+                and (s.mrope is None or s.start >= s.mrope[0].shape[1])  # (past its images: DecodeGraphs.run)
                 for s in steps
             )
         ):

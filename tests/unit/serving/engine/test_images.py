@@ -321,3 +321,29 @@ def test_a_lora_adapter_of_the_conditional_model_adapts_its_language_model_readi
     engine.add_request("base", ImagePrompt(text, images), SamplingParams(max_tokens=NEW, temperature=0))
     outputs = run(engine)
     assert (tokens_of(outputs["adapted"]), tokens_of(outputs["base"])) == (adapted, base)
+
+
+def test_decodes_after_images_replay_the_fixed_shape_steps(checkpoint) -> None:
+    """Decode steps past a prompt's images run in the fixed shapes that CUDA graphs replay on a GPU (on a CPU, the same
+    step eagerly: DecodeGraphs(capture=False)), Qwen-VL's rotated by position + its M-RoPE offset, one position a row:
+    the reference's tokens, with most steps replayed."""
+    from pylon.serving.model.graphs import DecodeGraphs
+
+    name, directory, reference = checkpoint
+    prompts = _prompts(directory)
+    engine = LLMEngine(str(directory), spec(block_size=4, max_num_seqs=4))
+    runner = engine.runner
+    if runner.recurrent:
+        pytest.skip("a model with recurrent layers decodes eagerly (its states per sequence)")
+    runner.add_scratch_block()
+    runner.decode_graphs = DecodeGraphs(runner, 4, engine.max_model_len, capture=False)
+    runner.decode_graphs.capture_all()
+    params = SamplingParams(max_tokens=16, temperature=0)
+    keys = ["a", "ac", "ca", "text"]
+    for key in keys:
+        engine.add_request(key, _engine_prompt(prompts[key]), params)
+    outputs = run(engine)
+    for key in keys:
+        text, images = prompts[key]
+        assert tokens_of(outputs[key]) == reference.greedy(text, list(images), 16), key
+    assert runner.decode_graphs.replays >= 12
