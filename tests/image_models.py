@@ -209,16 +209,17 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict,
     token = tok.convert_tokens_to_ids
     ids = {"eos_token_id": token("<|im_end|>"), "pad_token_id": token("<|endoftext|>")}
     patch = 16 if name in ("qwen3_vl", "qwen3_5") else 14
-    # M-RoPE: each head's 16 frequencies split among the temporal, height and width positions.
-    rope = {
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "mrope_section": [6, 5, 5] if name == "qwen3_vl" else [4, 6, 6],
-    }
+    # M-RoPE: each head's frequencies split among the temporal, height and width positions, in the checkpoints'
+    # proportions (Qwen2-VL's 16, 24, 24 of 64; Qwen3-VL's 24, 20, 20).
+    if name != "qwen3_vl":  # (Qwen2's head_dim is hidden_size / heads: 32 in the tests too)
+        text = {k: v for k, v in text.items() if k != "head_dim"}
+    half = (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) // 2
+    side = half * 5 // 16 if name == "qwen3_vl" else half * 3 // 8
+    section = [half - 2 * side, side, side] if name == "qwen3_vl" else [half // 4, side, half - half // 4 - side]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
     if name == "qwen3_vl":
         rope["mrope_interleaved"] = True
     text = text | {"num_hidden_layers": 4, "rope_parameters": rope, "bos_token_id": None, **ids}
-    text.pop("head_dim", None) if name != "qwen3_vl" else None  # (Qwen2's is hidden_size / heads: 32 here too)
     if name == "qwen3_5":  # three recurrent layers (Gated DeltaNet) in four; its own M-RoPE sections
         text |= {"head_dim": 32, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16}
         text |= {"linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rope_parameters": {"rope_theta": 10000.0}}
