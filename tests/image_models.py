@@ -82,6 +82,17 @@ def _randomize(module: torch.nn.Module, scale: float) -> None:
             p.copy_(torch.randn_like(p) * scale)
 
 
+def _randomize_vision(model: torch.nn.Module, vision: tuple) -> None:
+    """The vision parts' weights random (`_randomize`), and the language model's norms off their zeros and ones, as
+    the family fixtures' are."""
+    for part in vision:
+        _randomize(part, 0.5)
+    with torch.no_grad():
+        for key, p in model.model.language_model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.randn_like(p) * 0.25)
+
+
 def image_checkpoint(
     name: str,
     directory: Path,
@@ -177,12 +188,7 @@ def image_checkpoint(
         tok.save_pretrained(directory)
         PixtralImageProcessorPil(size={"longest_edge": image}, patch_size=14).save_pretrained(directory)
         (directory / "processor_config.json").write_text(json.dumps(PIXTRAL))
-    _randomize(model.model.vision_tower, 0.5)
-    _randomize(model.model.multi_modal_projector, 0.5)
-    with torch.no_grad():  # the language model's norms off their zeros and ones, as the family fixtures'
-        for key, p in model.model.language_model.named_parameters():
-            if "norm" in key:
-                p.add_(torch.randn_like(p) * 0.25)
+    _randomize_vision(model, (model.model.vision_tower, model.model.multi_modal_projector))
     model.eval().save_pretrained(directory)
     if processor is not None:
         processor.save_pretrained(directory)
@@ -247,11 +253,7 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict,
         config, cls = Qwen3_5Config, Qwen3_5ForConditionalGeneration
     torch.manual_seed(0)
     model = cls(config(text_config=text, vision_config=vision | vision_shape, tie_word_embeddings=False, **tokens))
-    _randomize(model.model.visual, 0.5)
-    with torch.no_grad():  # the language model's norms off their ones, as the family fixtures'
-        for key, p in model.model.language_model.named_parameters():
-            if "norm" in key:
-                p.add_(torch.randn_like(p) * 0.25)
+    _randomize_vision(model, (model.model.visual,))
     model.eval().save_pretrained(directory)
     tok.save_pretrained(directory)
     unit = patch * 2  # a merged patch's side in pixels
