@@ -55,8 +55,8 @@ QWEN_TEMPLATE = (
 # The Qwen vision-language families (their language model rotates each image's tokens by their place in the image,
 # M-RoPE): Qwen2-VL, Qwen2.5-VL (its vision tower's windowed attention), Qwen3-VL (interleaved M-RoPE, and features of
 # the vision tower's inner layers added to the language model's first layers: deepstack), Qwen3.5 (recurrent layers
-# beside attention ones, a quarter of each head rotated).
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+# beside attention ones, a quarter of each head rotated; Qwen3.5-MoE's with mixture-of-experts MLPs).
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 TEXT = "the image shows a red square beside a green circle; describe what you see in the picture " * 4
 
 
@@ -196,7 +196,7 @@ def image_checkpoint(
 
 
 def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict, max_tokens: int = 16) -> Path:
-    """A tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint as they ship: the conditional model, a tokenizer with
+    """A tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 or Qwen3.5-MoE checkpoint as they ship: the conditional model, a tokenizer with
     Qwen's image tokens and chat template, and the image processor's preprocessor_config.json (Qwen2VLImageProcessor,
     images resized to between 4 and `max_tokens` merged patches, keeping their aspect, so that images of other shapes
     have other grids)."""
@@ -207,6 +207,8 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict,
         Qwen2VLForConditionalGeneration,
         Qwen3_5Config,
         Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
     )
@@ -214,7 +216,7 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict,
     tok = _tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     token = tok.convert_tokens_to_ids
     ids = {"eos_token_id": token("<|im_end|>"), "pad_token_id": token("<|endoftext|>")}
-    patch = 16 if name in ("qwen3_vl", "qwen3_5") else 14
+    patch = 16 if name in ("qwen3_vl", "qwen3_5", "qwen3_5_moe") else 14
     # M-RoPE: each head's frequencies split among the temporal, height and width positions, in the checkpoints'
     # proportions (Qwen2-VL's 16, 24, 24 of 64; Qwen3-VL's 24, 20, 20).
     if name != "qwen3_vl":  # (Qwen2's head_dim is hidden_size / heads: 32 in the tests too)
@@ -226,7 +228,7 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict,
     if name == "qwen3_vl":
         rope["mrope_interleaved"] = True
     text = text | {"num_hidden_layers": 4, "rope_parameters": rope, "bos_token_id": None, **ids}
-    if name == "qwen3_5":  # three recurrent layers (Gated DeltaNet) in four; its own M-RoPE sections
+    if name in ("qwen3_5", "qwen3_5_moe"):  # three recurrent layers (Gated DeltaNet) in four; its own M-RoPE sections
         text |= {"head_dim": 32, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16}
         text |= {"linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rope_parameters": {"rope_theta": 10000.0}}
     tokens = {
@@ -251,6 +253,10 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict,
         vision = common | {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": text["hidden_size"]}
         vision |= {"num_position_embeddings": 64}
         config, cls = Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        if name == "qwen3_5_moe":  # 4 experts, top 2, a shared one
+            text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+            text |= {"shared_expert_intermediate_size": 64}
+            config, cls = Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
     torch.manual_seed(0)
     model = cls(config(text_config=text, vision_config=vision | vision_shape, tie_word_embeddings=False, **tokens))
     _randomize_vision(model, (model.model.visual,))

@@ -1,5 +1,5 @@
 """Images in chat prompts, for the multimodal checkpoints the engine serves (families.IMAGE_MODELS: Gemma 3 4B-27B,
-Mistral Small 3.1 and 3.2, Qwen2-VL, Qwen2.5-VL and Qwen3-VL).
+Mistral Small 3.1 and 3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5).
 
 A chat request's image parts reach the engine as an `ImagePrompt`: the text its chat template rendered (one image
 marker where each image goes: Gemma 3's `<start_of_image>`, Mistral's `[IMG]`, Qwen's `<|image_pad|>`) and the
@@ -17,7 +17,7 @@ What differs from text:
 - Gemma 3 attends an image's placeholders both ways while it reads the prompt (transformers' token_type_ids mask):
   `ImageInputs.spans` are those runs; a prompt chunk never ends inside one (the scheduler cuts it before), and the
   chunk's mask lets a run's queries see the whole run (pylon.serving.model.attention).
-- Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate each token by three positions (M-RoPE: temporal, height, width): an
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 rotate each token by three positions (M-RoPE: temporal, height, width): an
   image's tokens by their row and column in it, from the position after the text before it; the text after an image
   goes on from there plus the image's larger side, not its token count. `ImageInputs.mrope` holds the prompt's three
   positions up to its last image and the offset every later token's takes (`mrope_positions`, the model's
@@ -194,7 +194,7 @@ class PixtralProcessor:
 
 
 class QwenVLProcessor:
-    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's processor (transformers' Qwen2VLProcessor and its kin, whose
+    """Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's processor (transformers' Qwen2VLProcessor and its kin, whose
     transformers 5.23 classes need torchvision for their video processor, which Pylon does not install): the
     checkpoint's image processor with its PIL backend (Qwen2VLImageProcessorPil: each image resized to a multiple of
     patch_size x merge_size within min_pixels .. max_pixels, cut into patches) and its tokenizer, each `<|image_pad|>`
