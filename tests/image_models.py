@@ -57,6 +57,8 @@ QWEN_TEMPLATE = (
 # the vision tower's inner layers added to the language model's first layers: deepstack), Qwen3.5 (recurrent layers
 # beside attention ones, a quarter of each head rotated; Qwen3.5-MoE's with mixture-of-experts MLPs).
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+INTERNVL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+INTERNVL_TEMPLATE = QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n")
 TEXT = "the image shows a red square beside a green circle; describe what you see in the picture " * 4
 
 
@@ -103,7 +105,7 @@ def image_checkpoint(
     image_tokens: int = 4,
     max_image_tokens: int = 16,
 ) -> Path:
-    """A tiny `name` ("gemma3", "mistral3" or one of QWEN_VL) checkpoint saved in `directory`, with its tokenizer and processor.
+    """A tiny `name` ("gemma3", "mistral3", "internvl" or one of QWEN_VL) checkpoint saved in `directory`, with its tokenizer and processor.
     `text`, `vision`: shapes over the tests' (bench/serve_features.py's images section builds a larger one); `image`:
     the pixels a side images are resized to; `image_tokens`: Gemma 3's tokens an image (a square number);
     `max_image_tokens`: Qwen's most tokens an image (its processor's max_pixels)."""
@@ -131,6 +133,8 @@ def image_checkpoint(
     }
     if name in QWEN_VL:
         return _qwen_checkpoint(name, directory, text | text_shape, vision_shape, max_image_tokens)
+    if name == "internvl":
+        return _internvl_checkpoint(directory, text | text_shape, vision_shape)
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
     vision |= {"image_size": image, "patch_size": 14, **vision_shape}
     if name == "gemma3":
@@ -283,6 +287,61 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict,
     return directory
 
 
+def _internvl_checkpoint(directory: Path, text: dict, vision_shape: dict) -> Path:
+    """A tiny InternVL checkpoint as the "-hf" releases ship (InternVL3 and 3.5: InternVLForConditionalGeneration, a
+    Qwen2 language model): its tokenizer with the image tokens (`<img>`, `</img>`, `<IMG_CONTEXT>`, named in its
+    config), the image processor's preprocessor_config.json (GotOcr2ImageProcessor: each image cut into 1 to 4 tiles of
+    56 x 56 by its aspect, a thumbnail beside them) and processor_config.json (4 tokens a tile: 16 patches, pixel
+    shuffled by 0.5)."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    extra = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>"}
+    extra["video_token"] = "<video>"
+    tok = _tokenizer(
+        INTERNVL_SPECIALS,
+        INTERNVL_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=extra,
+    )
+    token = tok.convert_tokens_to_ids
+    ids = {"eos_token_id": token("<|im_end|>"), "pad_token_id": token("<|endoftext|>")}
+    text = {k: v for k, v in text.items() if k != "head_dim"} | {"num_hidden_layers": 2, "bos_token_id": None, **ids}
+    text |= {"model_type": "qwen2"}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision |= {"image_size": [56, 56], "patch_size": [14, 14], **vision_shape}
+    config = InternVLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=token("<IMG_CONTEXT>"),
+        image_seq_length=4,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration(config)
+    _randomize_vision(model, (model.model.vision_tower, model.model.multi_modal_projector))
+    model.eval().save_pretrained(directory)
+    tok.save_pretrained(directory)
+    (directory / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "GotOcr2ImageProcessor",
+                "processor_class": "InternVLProcessor",
+                "size": {"height": 56, "width": 56},
+                "crop_to_patches": True,
+                "min_patches": 1,
+                "max_patches": 4,
+                "image_mean": [0.485, 0.456, 0.406],
+                "image_std": [0.229, 0.224, 0.225],
+            }
+        )
+    )
+    (directory / "processor_config.json").write_text(
+        json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": 4})
+    )
+    return directory
+
+
 def png(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
     """A PNG (`size` = (width, height)) of a 4 x 4 grid of random solid colours (`seed`): shapes that survive the
     vision tower's pooling, where pixel noise averages out to the same features for every image."""
@@ -309,6 +368,7 @@ class Reference:
         self.model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
         self.pixtral = self.model.config.model_type == "mistral3"
         self.qwen = self.model.config.model_type in QWEN_VL
+        self.internvl = self.model.config.model_type == "internvl"
         if self.pixtral:  # PixtralProcessor needs torchvision: its layout built here, by token ids
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
             self.image_processor = PixtralImageProcessorPil.from_pretrained(directory)
@@ -317,6 +377,11 @@ class Reference:
 
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
             self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(directory)
+        elif self.internvl:  # and InternVLProcessor
+            from transformers import GotOcr2ImageProcessorPil
+
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.image_processor = GotOcr2ImageProcessorPil.from_pretrained(directory)
         else:
             self.processor = AutoProcessor.from_pretrained(directory)
             self.tokenizer = self.processor.tokenizer
@@ -327,6 +392,8 @@ class Reference:
         pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         if self.qwen:
             return self._qwen_inputs(text, pictures)
+        if self.internvl:
+            return self._internvl_inputs(text, pictures)
         if not self.pixtral:
             return dict(
                 self.processor(
@@ -363,6 +430,22 @@ class Reference:
         out["input_ids"] = torch.tensor([ids])
         out["attention_mask"] = torch.ones_like(out["input_ids"])
         out["mm_token_type_ids"] = (out["input_ids"] == image).int()
+        return out
+
+    def _internvl_inputs(self, text: str, pictures: list) -> dict:
+        """InternVL: each <IMG_CONTEXT> marker becomes <img>, 4 <IMG_CONTEXT> a tile of its image, </img>
+        (InternVLProcessor's layout), the text between tokenized as it is."""
+        image = self.model.config.image_token_id
+        start, end = (self.tokenizer.convert_tokens_to_ids(t) for t in ("<img>", "</img>"))
+        pieces = text.split(self.tokenizer.convert_ids_to_tokens(image))
+        out = dict(self.image_processor(pictures, return_tensors="pt", **self.image_kwargs)) if pictures else {}
+        tiles = out.pop("num_patches", [])
+        ids = self.tokenizer(pieces[0], add_special_tokens=False)["input_ids"]
+        for k, piece in enumerate(pieces[1:]):
+            ids += [start] + [image] * (self.model.config.image_seq_length * int(tiles[k])) + [end]
+            ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        out["input_ids"] = torch.tensor([ids])
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
         return out
 
     def greedy(self, text: str, images: list[bytes], new_tokens: int) -> list[int]:

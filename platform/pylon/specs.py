@@ -1388,7 +1388,7 @@ class EngineSpec(_Spec):
         ge=0,
         le=64,
         description="images a chat request may send (image_url parts, data: URLs), for a multimodal checkpoint "
-        "(Gemma 3 4B-27B, Mistral Small 3.1/3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5; vLLM's "
+        "(Gemma 3 4B-27B, Mistral Small 3.1/3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL3/3.5 -hf; vLLM's "
         "limit_mm_per_prompt) that ships its image processor: its vision tower and projector are "
         "kept on the device and each request's images run through them once. 0 = text only: the vision tower is "
         "dropped at load (less memory) and a request with an image is a 400. No effect for a text-only model, "
@@ -1398,7 +1398,8 @@ class EngineSpec(_Spec):
         default_factory=dict,
         description="arguments for the multimodal checkpoint's image processor, each request's images processed with "
         "them (vLLM's mm_processor_kwargs): Qwen-VL's {max_pixels: 1003520} caps an image at 1,280 tokens (its "
-        "checkpoints' 12,845,056 allow 16,384), min_pixels raises small ones. Checked at engine start on a test "
+        "checkpoints' 12,845,056 allow 16,384), min_pixels raises small ones; InternVL's {max_patches: 6} cuts an "
+        "image into at most 6 tiles of 256 tokens. Checked at engine start on a test "
         "image: a name or value the processor refuses fails the start naming this field",
     )
     enable_prefix_caching: bool = Field(

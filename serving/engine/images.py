@@ -1,8 +1,9 @@
 """Images in chat prompts, for the multimodal checkpoints the engine serves (families.IMAGE_MODELS: Gemma 3 4B-27B,
-Mistral Small 3.1 and 3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5).
+Mistral Small 3.1 and 3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and InternVL's "-hf" releases).
 
 A chat request's image parts reach the engine as an `ImagePrompt`: the text its chat template rendered (one image
-marker where each image goes: Gemma 3's `<start_of_image>`, Mistral's `[IMG]`, Qwen's `<|image_pad|>`) and the
+marker where each image goes: Gemma 3's `<start_of_image>`, Mistral's `[IMG]`, Qwen's `<|image_pad|>`, InternVL's
+`<IMG_CONTEXT>`) and the
 images' files. The engine runs the checkpoint's own processor (`transformers.AutoProcessor`, as vLLM does): it
 expands each marker into the image's placeholder tokens and turns each image into the vision tower's pixels. The
 vision tower and projector run once per request, when its prompt is first computed (`ModelRunner.embed_images`); their
@@ -227,6 +228,44 @@ class QwenVLProcessor:
         }
 
 
+class InternVLProcessor:
+    """InternVL's processor (transformers' InternVLProcessor, whose video processor needs torchvision): the
+    checkpoint's image processor with its PIL backend (GotOcr2ImageProcessorPil: each image cut into tiles of its
+    configured size by its aspect, within min_patches..max_patches, a thumbnail beside them when there are several)
+    and its tokenizer, each `<IMG_CONTEXT>` the chat template placed expanded as InternVLProcessor expands it:
+    `<img>`, then `image_seq_length` of it a tile, then `</img>`."""
+
+    def __init__(self, model_dir: str, config):
+        import json
+
+        from transformers import AutoTokenizer, GotOcr2ImageProcessorPil
+
+        self.image_processor = GotOcr2ImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.image_token = self.tokenizer.convert_ids_to_tokens(config.image_token_id)
+        self.start = getattr(self.tokenizer, "start_image_token", None) or "<img>"
+        self.end = getattr(self.tokenizer, "end_image_token", None) or "</img>"
+        self.per_tile = int(config.image_seq_length)
+        path = os.path.join(model_dir, "processor_config.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                self.per_tile = int(json.load(f).get("image_seq_length", self.per_tile))
+
+    def __call__(
+        self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool, **kwargs
+    ) -> dict:
+        pixels = self.image_processor(images[0], return_tensors=return_tensors, **kwargs)
+        pieces = text[0].split(self.image_token)
+        if len(pieces) - 1 != len(images[0]):
+            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
+        tiles = [int(n) for n in pixels["num_patches"]]
+        expanded = [pieces[0]]
+        for n, piece in zip(tiles, pieces[1:]):
+            expanded.append(self.start + self.image_token * (self.per_tile * n) + self.end + piece)
+        ids = self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens, return_tensors=return_tensors)
+        return {"input_ids": ids["input_ids"], "pixel_values": pixels["pixel_values"], "num_patches": tiles}
+
+
 def mrope_positions(length: int, starts: list[int], grids: list[tuple[int, int, int]], merge: int) -> tuple:
     """M-RoPE's rotary positions of a prompt whose images' tokens begin at `starts` (each image's t x h x w grid of
     patches, `merge` x `merge` patches a token), as Qwen2-VL's `get_rope_index` computes them for images: a text
@@ -281,6 +320,8 @@ class ImageProcessor:
                 self.processor = PixtralProcessor(model_dir)
             elif config.model_type in MROPE_MODELS:
                 self.processor = QwenVLProcessor(model_dir, config)
+            elif config.model_type == "internvl":
+                self.processor = InternVLProcessor(model_dir, config)
             else:
                 self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         except Exception as e:
@@ -346,7 +387,7 @@ class ImageProcessor:
             raise InvalidRequest(f"messages: the images do not fit the prompt ({e})", param="messages") from None
         ids = out["input_ids"][0].tolist()
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        pixels = {k: out[k] for k in ("pixel_values", "image_sizes", "image_grid_thw") if k in out}
+        pixels = {k: out[k] for k in ("pixel_values", "image_sizes", "image_grid_thw", "num_patches") if k in out}
         counts = self._rows_per_image(pixels, len(images))
         if sum(counts) != len(positions):
             raise InvalidRequest(
@@ -367,6 +408,8 @@ class ImageProcessor:
         return ids, ImageInputs(pixels, positions, keys, spans, len(images), mrope)
 
     def _rows_per_image(self, pixels: dict, n: int) -> list[int]:
+        if "num_patches" in pixels:  # InternVL: its tiles, image_seq_length tokens each
+            return [n * self.processor.per_tile for n in pixels["num_patches"]]
         if "image_grid_thw" in pixels:  # Qwen: its grid of patches, merge_size x merge_size a token
             return [int(t * h * w) // self.processor.merge for t, h, w in pixels["image_grid_thw"].tolist()]
         if "image_sizes" in pixels:  # Pixtral: its resized height and width, in merged patches

@@ -158,7 +158,9 @@ Qwen2-VL and Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`: Qwen2's layers) and Qwen3-VL 
 models whose language models (`qwen2_vl_text`, ...) transformers has no causal-LM class for: the runner loads the
 conditional model and puts its text model in its family's causal LM (`causal_lm_from_config`). Their rotary embedding
 is M-RoPE (`MROPE_MODELS`): three positions a token, which on text are its one; an image's tokens' are its rows and
-columns (pylon.serving.engine.images.mrope_positions).
+columns (pylon.serving.engine.images.mrope_positions). InternVL (`internvl`: the "-hf" releases of InternVL3 and 3.5,
+InternVLForConditionalGeneration) is a Qwen2 (or Qwen3) language model beside an InternViT tower whose tiles' features
+are pixel-shuffled and projected, 256 tokens a tile.
 
 LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
 short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long
@@ -237,9 +239,19 @@ PARALLEL_FAMILIES = ("cohere", "cohere2")
 FP16_UNSAFE = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
 # Multimodal checkpoints, their language model one of the families above (text_config's model_type): the runner loads
 # the checkpoint as it ships and keeps its language model, and its vision tower for images (engine/images.py).
-TEXT_MODELS = ("gemma3", "mistral3", "llama4", "qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TEXT_MODELS = (
+    "gemma3",
+    "mistral3",
+    "llama4",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "internvl",
+)
 # Those whose images the engine embeds (engine/images.py); Llama 4's multimodal checkpoints are served for their text.
-IMAGE_MODELS = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+IMAGE_MODELS = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl")
 # The files a multimodal checkpoint's image processor ships in (one saved without them is served for its text only).
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Those whose language model rotates an image's tokens by their place in it (M-RoPE: a temporal, a height and a width

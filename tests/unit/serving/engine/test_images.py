@@ -38,7 +38,7 @@ def _user(*parts) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral3", *image_models.QWEN_VL])
+@pytest.fixture(scope="module", params=["gemma3", "mistral3", *image_models.QWEN_VL, "internvl"])
 def checkpoint(request, tmp_path_factory):
     directory = image_models.image_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return request.param, directory, image_models.Reference(directory)
@@ -276,22 +276,26 @@ def test_the_planner_counts_what_the_engine_holds(checkpoint) -> None:
 
 def test_the_image_processor_takes_the_deployments_arguments(checkpoint) -> None:
     """engine.mm_processor_kwargs (vLLM's): Qwen-VL's min_pixels resizes each image to at least that many pixels (more
-    tokens: the fixture's processor allows 4 to 16 an image), and the replies are the model's on images so
-    processed; arguments the processor refuses fail the engine's start naming the field."""
+    tokens: the fixture's processor allows 4 to 16 an image), InternVL's max_patches cuts it into fewer tiles (one
+    here, of up to 4), and the replies are the model's on images so processed; arguments the processor refuses fail
+    the engine's start naming the field."""
     from pylon.errors import PylonError
 
     name, directory, _ = checkpoint
-    if name not in image_models.QWEN_VL:
-        pytest.skip("Qwen-VL's min_pixels (Gemma 3's images are a fixed size)")
+    if name not in (*image_models.QWEN_VL, "internvl"):
+        pytest.skip("Qwen-VL's min_pixels, InternVL's max_patches (Gemma 3's images are a fixed size)")
     unit = 32 if name in ("qwen3_vl", "qwen3_5", "qwen3_5_moe") else 28  # a token's square of pixels
-    kwargs = {"min_pixels": 12 * unit * unit}
+    kwargs = {"max_patches": 1} if name == "internvl" else {"min_pixels": 12 * unit * unit}
     prompts = _prompts(directory)
     engine = LLMEngine(str(directory), spec(block_size=4, mm_processor_kwargs=kwargs))
     plain = LLMEngine(str(directory), spec(block_size=4))
     for key in ("ac", "b"):
-        _, larger = engine.images.prepare(ImagePrompt(*prompts[key]))
+        _, changed = engine.images.prepare(ImagePrompt(*prompts[key]))
         _, inputs = plain.images.prepare(ImagePrompt(*prompts[key]))
-        assert len(larger.positions) >= 12 * len(prompts[key][1]) > len(inputs.positions)
+        if name == "internvl":  # one tile an image, 4 tokens
+            assert len(changed.positions) == 4 * len(prompts[key][1]) < len(inputs.positions)
+        else:
+            assert len(changed.positions) >= 12 * len(prompts[key][1]) > len(inputs.positions)
         engine.add_request(key, _engine_prompt(prompts[key]), PARAMS)
     outputs = run(engine)
     reference = image_models.Reference(directory, image_kwargs=kwargs)
