@@ -57,6 +57,13 @@ QWEN_TEMPLATE = (
 # the vision tower's inner layers added to the language model's first layers: deepstack), Qwen3.5 (recurrent layers
 # beside attention ones, a quarter of each head rotated; Qwen3.5-MoE's with mixture-of-experts MLPs).
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+LLAVA_SPECIALS = ["<unk>", "<s>", "</s>", "<image>"]
+LLAVA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role | upper }}: "
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' or p.type == 'image_url' %}<image>\n{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %} {% endfor %}ASSISTANT:"
+)
 INTERNVL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
 INTERNVL_TEMPLATE = QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n")
 TEXT = "the image shows a red square beside a green circle; describe what you see in the picture " * 4
@@ -105,7 +112,7 @@ def image_checkpoint(
     image_tokens: int = 4,
     max_image_tokens: int = 16,
 ) -> Path:
-    """A tiny `name` ("gemma3", "mistral3", "internvl" or one of QWEN_VL) checkpoint saved in `directory`, with its tokenizer and processor.
+    """A tiny `name` ("gemma3", "mistral3", "internvl", "llava" or one of QWEN_VL) checkpoint saved in `directory`, with its tokenizer and processor.
     `text`, `vision`: shapes over the tests' (bench/serve_features.py's images section builds a larger one); `image`:
     the pixels a side images are resized to; `image_tokens`: Gemma 3's tokens an image (a square number);
     `max_image_tokens`: Qwen's most tokens an image (its processor's max_pixels)."""
@@ -135,6 +142,8 @@ def image_checkpoint(
         return _qwen_checkpoint(name, directory, text | text_shape, vision_shape, max_image_tokens)
     if name == "internvl":
         return _internvl_checkpoint(directory, text | text_shape, vision_shape)
+    if name == "llava":
+        return _llava_checkpoint(directory, text | text_shape, vision_shape)
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
     vision |= {"image_size": image, "patch_size": 14, **vision_shape}
     if name == "gemma3":
@@ -284,6 +293,45 @@ def _qwen_checkpoint(name: str, directory: Path, text: dict, vision_shape: dict,
             }
         )
     )
+    return directory
+
+
+def _llava_checkpoint(directory: Path, text: dict, vision_shape: dict) -> Path:
+    """A tiny LLaVA-1.5 checkpoint as llava-hf ships it (LlavaForConditionalGeneration: a CLIP vision tower, its
+    second-to-last layer's patch features without the class token, projected; a Llama language model), with its
+    tokenizer (`<image>`), chat template and processor (LlavaProcessor over the PIL CLIP-style image processor: each
+    image resized and cropped to 56 x 56, 16 tokens)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaImageProcessorPil, LlavaProcessor
+
+    tok = _tokenizer(LLAVA_SPECIALS, LLAVA_TEMPLATE, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.add_bos_token = True
+    ids = {"eos_token_id": tok.convert_tokens_to_ids("</s>"), "pad_token_id": tok.convert_tokens_to_ids("<unk>")}
+    text = {k: v for k, v in text.items() if k != "head_dim"} | {"model_type": "llama", "num_hidden_layers": 2, **ids}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2}
+    vision |= {"image_size": 56, "patch_size": 14, "projection_dim": 32, "model_type": "clip_vision_model"}
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision | vision_shape,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    _randomize_vision(model, (model.model.vision_tower, model.model.multi_modal_projector))
+    model.eval().save_pretrained(directory)
+    image_processor = LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+        chat_template=LLAVA_TEMPLATE,
+    ).save_pretrained(directory)
     return directory
 
 

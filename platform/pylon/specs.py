@@ -1388,8 +1388,8 @@ class EngineSpec(_Spec):
         ge=0,
         le=64,
         description="images a chat request may send (image_url parts, data: URLs), for a multimodal checkpoint "
-        "(Gemma 3 4B-27B, Mistral Small 3.1/3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL3/3.5 -hf; vLLM's "
-        "limit_mm_per_prompt) that ships its image processor: its vision tower and projector are "
+        "(Gemma 3 4B-27B, Mistral Small 3.1/3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL3/3.5 -hf, "
+        "LLaVA-1.5; vLLM's limit_mm_per_prompt) that ships its image processor: its vision tower and projector are "
         "kept on the device and each request's images run through them once. 0 = text only: the vision tower is "
         "dropped at load (less memory) and a request with an image is a 400. No effect for a text-only model, "
         "which refuses images",

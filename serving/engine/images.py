@@ -1,9 +1,9 @@
 """Images in chat prompts, for the multimodal checkpoints the engine serves (families.IMAGE_MODELS: Gemma 3 4B-27B,
-Mistral Small 3.1 and 3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and InternVL's "-hf" releases).
+Mistral Small 3.1 and 3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL's "-hf" releases and LLaVA-1.5).
 
 A chat request's image parts reach the engine as an `ImagePrompt`: the text its chat template rendered (one image
 marker where each image goes: Gemma 3's `<start_of_image>`, Mistral's `[IMG]`, Qwen's `<|image_pad|>`, InternVL's
-`<IMG_CONTEXT>`) and the
+`<IMG_CONTEXT>`, LLaVA's `<image>`) and the
 images' files. The engine runs the checkpoint's own processor (`transformers.AutoProcessor`, as vLLM does): it
 expands each marker into the image's placeholder tokens and turns each image into the vision tower's pixels. The
 vision tower and projector run once per request, when its prompt is first computed (`ModelRunner.embed_images`); their
@@ -415,6 +415,11 @@ class ImageProcessor:
         if "image_sizes" in pixels:  # Pixtral: its resized height and width, in merged patches
             return [int(h) // self._per_row * (int(w) // self._per_row) for h, w in pixels["image_sizes"].tolist()]
         per = getattr(self.processor, "image_seq_length", None)
+        if per is None and hasattr(self.processor, "num_additional_image_tokens"):  # LLaVA: a token a patch
+            patch = self.processor.patch_size
+            height, width = pixels["pixel_values"].shape[-2:]
+            per = (height // patch) * (width // patch) + self.processor.num_additional_image_tokens
+            per -= self.processor.vision_feature_select_strategy == "default"  # (the class token's row dropped)
         if per is None or len(pixels["pixel_values"]) != n:
             raise InvalidRequest(
                 f"messages: the model's processor made {len(pixels['pixel_values'])} images of {n}", param="messages"

@@ -160,7 +160,9 @@ conditional model and puts its text model in its family's causal LM (`causal_lm_
 is M-RoPE (`MROPE_MODELS`): three positions a token, which on text are its one; an image's tokens' are its rows and
 columns (pylon.serving.engine.images.mrope_positions). InternVL (`internvl`: the "-hf" releases of InternVL3 and 3.5,
 InternVLForConditionalGeneration) is a Qwen2 (or Qwen3) language model beside an InternViT tower whose tiles' features
-are pixel-shuffled and projected, 256 tokens a tile.
+are pixel-shuffled and projected, 256 tokens a tile. LLaVA (`llava`: llava-hf's LLaVA-1.5 and kin,
+LlavaForConditionalGeneration) is a Llama (Mistral, ...) language model beside a CLIP tower whose patch features of one
+layer (`vision_feature_layer`) are projected, 576 tokens an image at 336 x 336.
 
 LongRoPE (`rope_type` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini; any family may name it) rotates with its
 short factors while a sequence stays within `original_max_position_embeddings` and switches every position to its long
@@ -249,9 +251,20 @@ TEXT_MODELS = (
     "qwen2_5_vl",
     "qwen3_vl",
     "internvl",
+    "llava",
 )
 # Those whose images the engine embeds (engine/images.py); Llama 4's multimodal checkpoints are served for their text.
-IMAGE_MODELS = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl")
+IMAGE_MODELS = (
+    "gemma3",
+    "mistral3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "internvl",
+    "llava",
+)
 # The files a multimodal checkpoint's image processor ships in (one saved without them is served for its text only).
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Those whose language model rotates an image's tokens by their place in it (M-RoPE: a temporal, a height and a width

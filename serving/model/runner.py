@@ -1347,9 +1347,6 @@ class ModelRunner:
             kwargs["vision_feature_layer"] = self.full_config.vision_feature_layer
         if "image_grid_thw" in pixels:  # Qwen-VL: each image's grid of patches
             kwargs["image_grid_thw"] = pixels["image_grid_thw"].to(self.device)
-        if self.full_config.model_type == "internvl":  # (its tiles' features from the layer its config names)
-            kwargs["vision_feature_layer"] = self.full_config.vision_feature_layer
-            kwargs["vision_feature_select_strategy"] = self.full_config.vision_feature_select_strategy
         out = self.vision.get_image_features(**kwargs)
         hidden = self.config.hidden_size
 

@@ -38,7 +38,7 @@ def _user(*parts) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral3", *image_models.QWEN_VL, "internvl"])
+@pytest.fixture(scope="module", params=["gemma3", "mistral3", *image_models.QWEN_VL, "internvl", "llava"])
 def checkpoint(request, tmp_path_factory):
     directory = image_models.image_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return request.param, directory, image_models.Reference(directory)
