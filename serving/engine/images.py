@@ -154,12 +154,45 @@ class ImageInputs:
         return self.positions[-1] if self.positions else -1
 
 
-class PixtralProcessor:
+class _ExpandingProcessor:
+    """A multimodal processor made of the checkpoint's image processor (its PIL backend) and tokenizer, for the
+    families whose transformers processor needs torchvision: each image marker the chat template placed
+    (`image_token`) is replaced by that image's placeholders (`_expand`), and the whole text tokenized at once."""
+
+    image_processor: object
+    tokenizer: object
+    image_token: str
+    outputs: tuple[str, ...] = ("pixel_values",)  # the image processor's tensors the vision tower takes
+
+    def _pixels(self, images: list, return_tensors: str, kwargs: dict) -> dict:
+        return self.image_processor(images, return_tensors=return_tensors, **kwargs)
+
+    def _expand(self, pixels: dict) -> list[str]:
+        """Each image's placeholders, in order."""
+        raise NotImplementedError
+
+    def __call__(
+        self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool, **kwargs
+    ) -> dict:
+        pixels = self._pixels(images[0], return_tensors, kwargs)
+        pieces = text[0].split(self.image_token)
+        if len(pieces) - 1 != len(images[0]):
+            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
+        expanded = [pieces[0]]
+        for placeholders, piece in zip(self._expand(pixels), pieces[1:]):
+            expanded.append(placeholders + piece)
+        ids = self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens, return_tensors=return_tensors)
+        return {"input_ids": ids["input_ids"], **{k: pixels[k] for k in self.outputs}}
+
+
+class PixtralProcessor(_ExpandingProcessor):
     """Mistral 3's processor (transformers' PixtralProcessor), whose transformers 5.23 module needs torchvision, which
     Pylon does not install: the checkpoint's image processor with its PIL backend (PixtralImageProcessorPil) and its
     tokenizer, each image's `[IMG]` marker expanded as PixtralProcessor expands it: a row of `[IMG]` per
     (patch_size x spatial_merge_size) pixels of its resized height, each row as wide as its width and ended by
     `[IMG_BREAK]`, the last one by `[IMG_END]`."""
+
+    outputs = ("pixel_values", "image_sizes")
 
     def __init__(self, model_dir: str):
         import json
@@ -175,31 +208,25 @@ class PixtralProcessor:
         self.image_break = config.get("image_break_token", "[IMG_BREAK]")
         self.image_end = config.get("image_end_token", "[IMG_END]")
 
-    def __call__(
-        self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool, **kwargs
-    ) -> dict:
-        pixels = self.image_processor(images[0], **({"patch_size": self.patch} | kwargs), return_tensors=return_tensors)
-        pieces = text[0].split(self.image_token)
-        if len(pieces) - 1 != len(images[0]):
-            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
-        expanded = [pieces[0]]
-        for (height, width), piece in zip(pixels["image_sizes"].tolist(), pieces[1:]):
+    def _pixels(self, images: list, return_tensors: str, kwargs: dict) -> dict:
+        return self.image_processor(images, **({"patch_size": self.patch} | kwargs), return_tensors=return_tensors)
+
+    def _expand(self, pixels: dict) -> list[str]:
+        expanded = []
+        for height, width in pixels["image_sizes"].tolist():
             rows = [self.image_token * (width // self.patch) + self.image_break] * (height // self.patch)
-            expanded.append("".join(rows)[: -len(self.image_break)] + self.image_end + piece)
-        ids = self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens, return_tensors=return_tensors)
-        return {
-            "input_ids": ids["input_ids"],
-            "pixel_values": pixels["pixel_values"],
-            "image_sizes": pixels["image_sizes"],
-        }
+            expanded.append("".join(rows)[: -len(self.image_break)] + self.image_end)
+        return expanded
 
 
-class QwenVLProcessor:
+class QwenVLProcessor(_ExpandingProcessor):
     """Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's processor (transformers' Qwen2VLProcessor and its kin, whose
     transformers 5.23 classes need torchvision for their video processor, which Pylon does not install): the
     checkpoint's image processor with its PIL backend (Qwen2VLImageProcessorPil: each image resized to a multiple of
     patch_size x merge_size within min_pixels .. max_pixels, cut into patches) and its tokenizer, each `<|image_pad|>`
     expanded as Qwen2VLProcessor expands it: one per merged patch (grid t x h x w / merge_size^2)."""
+
+    outputs = ("pixel_values", "image_grid_thw")
 
     def __init__(self, model_dir: str, config):
         from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
@@ -210,30 +237,18 @@ class QwenVLProcessor:
         self.merge_side = int(self.image_processor.merge_size)
         self.merge = self.merge_side**2
 
-    def __call__(
-        self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool, **kwargs
-    ) -> dict:
-        pixels = self.image_processor(images[0], return_tensors=return_tensors, **kwargs)
-        pieces = text[0].split(self.image_token)
-        if len(pieces) - 1 != len(images[0]):
-            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
-        expanded = [pieces[0]]
-        for grid, piece in zip(pixels["image_grid_thw"].tolist(), pieces[1:]):
-            expanded.append(self.image_token * (grid[0] * grid[1] * grid[2] // self.merge) + piece)
-        ids = self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens, return_tensors=return_tensors)
-        return {
-            "input_ids": ids["input_ids"],
-            "pixel_values": pixels["pixel_values"],
-            "image_grid_thw": pixels["image_grid_thw"],
-        }
+    def _expand(self, pixels: dict) -> list[str]:
+        return [self.image_token * (t * h * w // self.merge) for t, h, w in pixels["image_grid_thw"].tolist()]
 
 
-class InternVLProcessor:
+class InternVLProcessor(_ExpandingProcessor):
     """InternVL's processor (transformers' InternVLProcessor, whose video processor needs torchvision): the
     checkpoint's image processor with its PIL backend (GotOcr2ImageProcessorPil: each image cut into tiles of its
     configured size by its aspect, within min_patches..max_patches, a thumbnail beside them when there are several)
     and its tokenizer, each `<IMG_CONTEXT>` the chat template placed expanded as InternVLProcessor expands it:
     `<img>`, then `image_seq_length` of it a tile, then `</img>`."""
+
+    outputs = ("pixel_values", "num_patches")
 
     def __init__(self, model_dir: str, config):
         import json
@@ -251,19 +266,8 @@ class InternVLProcessor:
             with open(path) as f:
                 self.per_tile = int(json.load(f).get("image_seq_length", self.per_tile))
 
-    def __call__(
-        self, *, text: list[str], images: list[list], return_tensors: str, add_special_tokens: bool, **kwargs
-    ) -> dict:
-        pixels = self.image_processor(images[0], return_tensors=return_tensors, **kwargs)
-        pieces = text[0].split(self.image_token)
-        if len(pieces) - 1 != len(images[0]):
-            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} markers for {len(images[0])} images")
-        tiles = [int(n) for n in pixels["num_patches"]]
-        expanded = [pieces[0]]
-        for n, piece in zip(tiles, pieces[1:]):
-            expanded.append(self.start + self.image_token * (self.per_tile * n) + self.end + piece)
-        ids = self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens, return_tensors=return_tensors)
-        return {"input_ids": ids["input_ids"], "pixel_values": pixels["pixel_values"], "num_patches": tiles}
+    def _expand(self, pixels: dict) -> list[str]:
+        return [self.start + self.image_token * (self.per_tile * int(n)) + self.end for n in pixels["num_patches"]]
 
 
 def mrope_positions(length: int, starts: list[int], grids: list[tuple[int, int, int]], merge: int) -> tuple:
@@ -409,7 +413,7 @@ class ImageProcessor:
 
     def _rows_per_image(self, pixels: dict, n: int) -> list[int]:
         if "num_patches" in pixels:  # InternVL: its tiles, image_seq_length tokens each
-            return [n * self.processor.per_tile for n in pixels["num_patches"]]
+            return [int(n) * self.processor.per_tile for n in pixels["num_patches"]]
         if "image_grid_thw" in pixels:  # Qwen: its grid of patches, merge_size x merge_size a token
             return [int(t * h * w) // self.processor.merge for t, h, w in pixels["image_grid_thw"].tolist()]
         if "image_sizes" in pixels:  # Pixtral: its resized height and width, in merged patches
