@@ -35,7 +35,7 @@ from pylon.serving.engine.adapters import OnDemandAdapters, named_adapter_error,
 from pylon.serving.engine.draft import DraftModel, DraftRequest
 from pylon.serving.engine.generation import GenerationConfig, read_generation_config
 from pylon.serving.engine.guided import Guides
-from pylon.serving.engine.images import PROCESSOR_FILES, ImageInputs, ImageProcessor, ImagePrompt, has_processor
+from pylon.serving.engine.images import ImageInputs, ImageProcessor, ImagePrompt
 from pylon.serving.engine.kv_cache import HybridKVBlockPool, KVBlockPool, StateSnapshots, cache_salt
 from pylon.serving.engine.mtp import Computed, MtpDrafter
 from pylon.serving.engine.pooling import read_classifier
@@ -168,7 +168,7 @@ def _token_ids(tokenizer, tokens: list[str]) -> tuple[int, ...]:
 def _takes_images(directory: str, model: str) -> bool:
     """Whether the engine keeps `model`'s vision tower for requests with images: a multimodal checkpoint
     (families.TEXT_MODELS) that ships its image processor; one without is served for its text only, said once."""
-    from pylon.serving.model.families import IMAGE_MODELS, TEXT_MODELS
+    from pylon.serving.model.families import IMAGE_MODELS, PROCESSOR_FILES, TEXT_MODELS, has_processor
     from pylon.serving.model.runner import model_type_of
 
     model_type = model_type_of(directory)

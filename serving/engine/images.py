@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass, field
 
 from pylon.serving.errors import InvalidRequest
-from pylon.serving.model.families import MROPE_MODELS, PROCESSOR_FILES
+from pylon.serving.model.families import MROPE_MODELS
 
 # Gemma 3 attends each image's tokens both ways in its prompt (Gemma3Model's bidirectional block mask).
 BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
@@ -234,11 +234,14 @@ class QwenVLProcessor(_ExpandingProcessor):
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.image_token = self.tokenizer.convert_ids_to_tokens(config.image_token_id)
-        self.merge_side = int(self.image_processor.merge_size)
-        self.merge = self.merge_side**2
+        self.merge_size = int(self.image_processor.merge_size)  # merged patches a side, a token
 
     def _expand(self, pixels: dict) -> list[str]:
-        return [self.image_token * (t * h * w // self.merge) for t, h, w in pixels["image_grid_thw"].tolist()]
+        return [self.image_token * n for n in self.tokens(pixels)]
+
+    def tokens(self, pixels: dict) -> list[int]:
+        """Each image's placeholders: its grid's patches, merge_size x merge_size a token."""
+        return [t * h * w // self.merge_size**2 for t, h, w in pixels["image_grid_thw"].tolist()]
 
 
 class InternVLProcessor(_ExpandingProcessor):
@@ -270,13 +273,13 @@ class InternVLProcessor(_ExpandingProcessor):
         return [self.start + self.image_token * (self.per_tile * int(n)) + self.end for n in pixels["num_patches"]]
 
 
-def mrope_positions(length: int, starts: list[int], grids: list[tuple[int, int, int]], merge: int) -> tuple:
+def mrope_positions(starts: list[int], grids: list[tuple[int, int, int]], merge: int) -> tuple:
     """M-RoPE's rotary positions of a prompt whose images' tokens begin at `starts` (each image's t x h x w grid of
     patches, `merge` x `merge` patches a token), as Qwen2-VL's `get_rope_index` computes them for images: a text
     token's three positions are one, each after the last; an image's tokens are at (s + t, s + row, s + column), s the
     position after the text before it; the text after it goes on from s + max(its rows, its columns). Returns the
     positions `[3, p]` of the first p tokens, p the end of the last image, and the offset every later position takes
-    (its rotary position is position + offset: the model's `rope_deltas`). `length`: the prompt's tokens."""
+    (its rotary position is position + offset: the model's `rope_deltas`)."""
     import torch
 
     pieces, at, now = [], 0, 0  # the tensors so far, the next token, its (first) rotary position
@@ -289,8 +292,6 @@ def mrope_positions(length: int, starts: list[int], grids: list[tuple[int, int, 
         pieces.append(grid.reshape(3, -1) + now)
         now += max(h, w)
         at = start + t * h * w
-    if at > length:
-        raise ValueError(f"the images' tokens end at {at}, past the prompt's {length}")
     table = torch.cat(pieces, dim=1) if pieces else torch.empty(3, 0, dtype=torch.long)
     return table, now - at
 
@@ -303,12 +304,6 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((p, p + 1))
     return runs
-
-
-def has_processor(model_dir: str) -> bool:
-    """Whether `model_dir` ships an image processor (a multimodal checkpoint as published does; one saved without it
-    is served for its text only)."""
-    return any(os.path.exists(os.path.join(model_dir, name)) for name in PROCESSOR_FILES)
 
 
 class ImageProcessor:
@@ -408,14 +403,14 @@ class ImageProcessor:
         if self.mrope:  # each image's first placeholder, and its grid
             starts = list(itertools.accumulate(counts[:-1], initial=0))
             grids = [tuple(g) for g in pixels["image_grid_thw"].tolist()]
-            mrope = mrope_positions(len(ids), [positions[s] for s in starts], grids, self.processor.merge_side)
+            mrope = mrope_positions([positions[s] for s in starts], grids, self.processor.merge_size)
         return ids, ImageInputs(pixels, positions, keys, spans, len(images), mrope)
 
     def _rows_per_image(self, pixels: dict, n: int) -> list[int]:
         if "num_patches" in pixels:  # InternVL: its tiles, image_seq_length tokens each
             return [int(n) * self.processor.per_tile for n in pixels["num_patches"]]
         if "image_grid_thw" in pixels:  # Qwen: its grid of patches, merge_size x merge_size a token
-            return [int(t * h * w) // self.processor.merge for t, h, w in pixels["image_grid_thw"].tolist()]
+            return self.processor.tokens(pixels)
         if "image_sizes" in pixels:  # Pixtral: its resized height and width, in merged patches
             return [int(h) // self._per_row * (int(w) // self._per_row) for h, w in pixels["image_sizes"].tolist()]
         per = getattr(self.processor, "image_seq_length", None)

@@ -300,6 +300,14 @@ ENCODER_MODEL_TYPES = (
 )
 
 
+def has_processor(uri: str) -> bool:
+    """Whether the checkpoint at `uri` (a directory, or object storage) ships an image processor (`PROCESSOR_FILES`):
+    a multimodal checkpoint as published does; one saved without it is served, and planned, for its text only."""
+    from pylon import storage
+
+    return any(storage.exists(storage.join(uri, name)) for name in PROCESSOR_FILES)
+
+
 def causal_lm_from_config(config):
     """transformers' causal LM of a (text) config, built as `AutoModelForCausalLM.from_config` builds it (under the
     caller's device context: meta for a shell or a count); for a language model with no causal-LM class of its own

@@ -412,12 +412,12 @@ def vision_params(uri: str, what: str) -> int:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from pylon.serving.model.families import IMAGE_MODELS, PROCESSOR_FILES
+    from pylon.serving.model.families import IMAGE_MODELS, has_processor
 
     config = _whole_config_from_dir(uri, what)
     if getattr(config, "vision_config", None) is None or config.model_type not in IMAGE_MODELS:
         return 0  # (Llama 4's multimodal checkpoints are served for their text: no vision tower kept)
-    if not any(storage.exists(storage.join(uri, name)) for name in PROCESSOR_FILES):
+    if not has_processor(uri):
         return 0  # (saved without its image processor: served for its text, as the engine does)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
